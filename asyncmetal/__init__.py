@@ -1,0 +1,23 @@
+"""asyncmetal: awaitable GPU work for asyncio, uvloop and trio."""
+
+from ._bridge import LoopStatistics as LoopStatistics
+from ._bridge import loop_statistics as loop_statistics
+from ._compile import Compiler as Compiler
+from ._compile import Program as Program
+from ._device import Device as Device
+from ._device import devices as devices
+from ._device import open_device as open_device
+from ._errors import ArgumentTypeError as ArgumentTypeError
+from ._errors import AsyncMetalError as AsyncMetalError
+from ._errors import ClosedResourceError as ClosedResourceError
+from ._errors import CompileError as CompileError
+from ._errors import DeviceLostError as DeviceLostError
+from ._errors import InvalidArgumentError as InvalidArgumentError
+from ._errors import OutOfMemoryError as OutOfMemoryError
+from ._memory import Buffer as Buffer
+from ._queue import Completion as Completion
+from ._queue import Queue as Queue
+from ._timeline import Timeline as Timeline
+from ._transfer import copy as copy
+
+__version__ = "0.1.0"

@@ -1,0 +1,149 @@
+"""Every hook a device backend supplies, in one place.
+
+A backend module (``backends/cpu.py``, ``backends/cuda.py``, ...) subclasses these three
+classes. Nothing here is async: the hooks submit and return, and report progress by
+calling the ``on_advance`` callback a timeline was made with, from whichever thread sees
+it. Everything async -- waiting, batching wake-ups, cancellation, validation -- lives
+above, once, for all backends.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from ._compile import Compiler
+
+
+@dataclass(eq=False)
+class Record:
+    """What a device reports about one submitted command, filled in by the backend."""
+
+    start_ns: int | None = None  # device start time, in the backend's clock
+    end_ns: int | None = None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One launch argument: a native buffer handle plus a byte offset, or an int value."""
+
+    handle: Any = None
+    offset: int = 0
+    value: int | None = None
+
+
+class NativeTimeline(ABC):
+    """A 64-bit monotonic counter the device and the host can both signal."""
+
+    @property
+    @abstractmethod
+    def value(self) -> int:
+        """The value reached now. Must not block."""
+
+    @abstractmethod
+    def signal(self, value: int) -> None:
+        """Host-side signal: raise to ``value`` (never lower) and report the advance."""
+
+
+class NativeQueue(ABC):
+    """An ordered stream of commands. Each command ends by signalling ``timeline`` to
+    ``value`` (the queue's own timeline), after which ``record`` must be complete."""
+
+    @abstractmethod
+    def launch(
+        self,
+        program: Any,
+        args: Sequence[Arg],
+        global_size: tuple[int, int, int],
+        local_size: tuple[int, int, int],
+        value: int,
+        record: Record,
+    ) -> None: ...
+
+    @abstractmethod
+    def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
+        """Raise ``timeline`` to ``target`` once earlier commands finished."""
+
+    @abstractmethod
+    def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
+        """Hold later commands until ``timeline`` reaches ``target`` (no host thread blocks)."""
+
+    @abstractmethod
+    def copy(
+        self, dst: Arg, src: Arg, nbytes: int, value: int, record: Record, peer: Any = None
+    ) -> None:
+        """Device memory to device memory. ``peer`` is the source's backend when it is
+        another device of the same kind."""
+
+    @abstractmethod
+    def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
+        """Host to device. ``src`` stays alive and unchanged until the command completes."""
+
+    @abstractmethod
+    def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
+        """Device to host into ``dst``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish what was submitted, then release the queue. May block: never on a loop."""
+
+
+@dataclass
+class DeviceInfo:
+    name: str
+    total_memory: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Backend(ABC):
+    """One opened device. Construction and ``close`` may block; they run in a thread."""
+
+    kind: ClassVar[str]  # "cpu", "cuda", "metal"
+    host_visible: ClassVar[bool] = False  # buffers can be viewed from the host in place
+
+    @classmethod
+    @abstractmethod
+    def available(cls) -> list[str]:
+        """Names of the devices of this kind that can be opened here. Must not raise."""
+
+    @abstractmethod
+    def __init__(self, index: int) -> None: ...
+
+    @property
+    @abstractmethod
+    def info(self) -> DeviceInfo: ...
+
+    @property
+    @abstractmethod
+    def compiler(self) -> Compiler: ...
+
+    @abstractmethod
+    def load(self, binary: bytes, name: str) -> Any:
+        """Load a compiled binary; return the native program for ``name``. May block."""
+
+    @abstractmethod
+    def allocate(self, nbytes: int) -> Any:
+        """A native buffer handle; raise MemoryError when the device has none left."""
+
+    @abstractmethod
+    def free(self, handle: Any) -> None: ...
+
+    @abstractmethod
+    def host_view(self, handle: Any, offset: int, nbytes: int) -> memoryview:
+        """A writable view of host-visible memory (only if ``host_visible``)."""
+
+    @abstractmethod
+    def new_queue(self, timeline: NativeTimeline) -> NativeQueue:
+        """A queue that signals ``timeline`` (made by :meth:`new_timeline`) after each
+        command."""
+
+    @abstractmethod
+    def new_timeline(self, on_advance: Callable[[int], None]) -> NativeTimeline: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the device after every queue was closed. May block."""

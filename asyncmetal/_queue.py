@@ -1,0 +1,217 @@
+"""Queue: ordered submission to a device, and the Completion each submission returns."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ._backend import Arg, NativeQueue, Record
+from ._compile import Program
+from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
+from ._memory import Buffer
+from ._timeline import Timeline, check_value, wait_value
+
+if TYPE_CHECKING:
+    from ._device import Device
+
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+
+
+class Completion:
+    """One submitted command: the point ``value`` on ``queue.timeline``.
+
+    ``await completion`` resumes once the device has finished the command (a checkpoint;
+    cancelling it detaches this waiter only -- the command still runs to its end) and
+    raises the command's error if it failed.
+    """
+
+    __slots__ = ("_record", "queue", "value")
+
+    def __init__(self, queue: Queue, value: int, record: Record) -> None:
+        self.queue = queue
+        self.value = value
+        self._record = record
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<Completion {self.queue.device.name} value={self.value} {state}>"
+
+    @property
+    def timeline(self) -> Timeline:
+        return self.queue.timeline
+
+    def done(self) -> bool:
+        """Whether the device has finished the command. Never blocks."""
+        return self.queue.timeline.value >= self.value
+
+    async def wait(self) -> None:
+        """Wait for the command to finish; raise its error if it failed."""
+        await wait_value(self.queue.timeline, self.value)
+        if self._record.error is not None:
+            raise self._record.error
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self.wait().__await__()
+
+    @property
+    def start_time(self) -> float | None:
+        """Device start time in seconds (backend clock), once done, where measured."""
+        ns = self._record.start_ns
+        return None if ns is None or not self.done() else ns / 1e9
+
+    @property
+    def end_time(self) -> float | None:
+        """Device end time in seconds (backend clock), once done, where measured."""
+        ns = self._record.end_ns
+        return None if ns is None or not self.done() else ns / 1e9
+
+
+def _size3(size: object, what: str) -> tuple[int, int, int]:
+    if isinstance(size, int) and not isinstance(size, bool):
+        size = (size,)
+    if not isinstance(size, Sequence) or not 1 <= len(size) <= 3:
+        raise ArgumentTypeError(f"{what} must be an int or a tuple of 1 to 3 ints, got {size!r}")
+    dims = [*size, 1, 1][:3]
+    for d in dims:
+        if not isinstance(d, int) or isinstance(d, bool) or d < 1:
+            raise InvalidArgumentError(f"{what} must hold ints >= 1, got {size!r}")
+    return dims[0], dims[1], dims[2]
+
+
+class Queue:
+    """An ordered stream of device commands with its own timeline (values from 1).
+
+    Every method submits at once and returns a :class:`Completion`; nothing blocks.
+    Arguments are checked before anything is submitted.
+    """
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.timeline = Timeline(device, owner=self)
+        self._native: NativeQueue = device._backend.new_queue(self.timeline._native)
+        self._submitted = 0
+
+    def __repr__(self) -> str:
+        return f"<Queue of {self.device.name} submitted={self._submitted}>"
+
+    @property
+    def submitted(self) -> int:
+        """The timeline value of the last command submitted (0 if none)."""
+        return self._submitted
+
+    def _next(self) -> tuple[int, Record]:
+        if self.device.closed:
+            raise ClosedResourceError(f"device {self.device.name} is closed")
+        self._submitted += 1
+        return self._submitted, Record()
+
+    def launch(
+        self,
+        program: Program,
+        *buffers: Buffer,
+        global_size: int | Sequence[int] = (1, 1, 1),
+        local_size: int | Sequence[int] = (1, 1, 1),
+        vals: Sequence[int] = (),
+    ) -> Completion:
+        """Run ``program`` with ``buffers`` (its pointer parameters, in order) and
+        ``vals`` (its value parameters, in order)."""
+        args = self._launch_args(program, buffers, vals)
+        gsize, lsize = _size3(global_size, "global_size"), _size3(local_size, "local_size")
+        value, record = self._next()
+        for buf in buffers:
+            buf._used(self, value)
+        self._native.launch(program.native, args, gsize, lsize, value, record)
+        return Completion(self, value, record)
+
+    def _launch_args(
+        self, program: Program, buffers: Sequence[Buffer], vals: Sequence[int]
+    ) -> list[Arg]:
+        if not isinstance(program, Program):
+            raise ArgumentTypeError(f"program must be a Program, got {type(program).__name__}")
+        if program.device is not self.device:
+            raise InvalidArgumentError(
+                f"program {program.name!r} was compiled for {program.device.name}, "
+                f"not {self.device.name}"
+            )
+        if isinstance(vals, (str, bytes)) or not isinstance(vals, Sequence):
+            raise ArgumentTypeError(f"vals must be a sequence of ints, got {vals!r}")
+        if len(buffers) != program.buffer_count:
+            raise ArgumentTypeError(
+                f"kernel {program.name!r} takes {program.buffer_count} buffers, "
+                f"got {len(buffers)}"
+            )
+        if len(vals) != program.value_count:
+            raise ArgumentTypeError(
+                f"kernel {program.name!r} takes {program.value_count} vals, got {len(vals)}"
+            )
+        buffer_args: list[Arg] = []
+        for i, buf in enumerate(buffers):
+            if not isinstance(buf, Buffer):
+                raise ArgumentTypeError(
+                    f"buffer {i} of {program.name!r} must be a Buffer, got {type(buf).__name__}"
+                )
+            buf._check_usable(f"buffer {i} of {program.name!r}", self.device)
+            buffer_args.append(buf._arg())
+        value_args: list[Arg] = []
+        for i, v in enumerate(vals):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ArgumentTypeError(
+                    f"vals[{i}] of {program.name!r} must be an int, got {type(v).__name__}"
+                )
+            if not _INT32[0] <= v <= _INT32[1]:
+                raise InvalidArgumentError(f"vals[{i}] of {program.name!r} must fit in int32: {v}")
+            value_args.append(Arg(value=v))
+        buffer_iter, value_iter = iter(buffer_args), iter(value_args)
+        return [next(buffer_iter if k == "buffer" else value_iter) for k in program.params]
+
+    def _timeline_arg(self, timeline: object, what: str) -> Timeline:
+        if not isinstance(timeline, Timeline):
+            raise ArgumentTypeError(f"{what} must be a Timeline, got {type(timeline).__name__}")
+        if timeline.device.closed:
+            raise ClosedResourceError(f"{what} belongs to the closed device {timeline.device.name}")
+        if timeline.device._backend.kind != self.device._backend.kind:
+            raise InvalidArgumentError(
+                f"{what} is a {timeline.device._backend.kind} timeline; a "
+                f"{self.device._backend.kind} queue can only wait on or signal its own kind "
+                "(await it on the host instead)"
+            )
+        return timeline
+
+    def signal(self, timeline: Timeline, value: int) -> Completion:
+        """Raise ``timeline`` to ``value`` once every earlier command has finished."""
+        timeline = self._timeline_arg(timeline, "timeline")
+        if timeline._owner is not None:
+            raise InvalidArgumentError("a queue's own timeline is signalled by its queue only")
+        value = timeline._check_signal(value, "value")
+        submitted, record = self._next()
+        timeline._highest = value
+        self._native.signal(timeline._native, value, submitted, record)
+        return Completion(self, submitted, record)
+
+    def wait(self, timeline: Timeline, value: int) -> Completion:
+        """Hold every later command until ``timeline`` reaches ``value``.
+
+        The wait happens on the device; it may be submitted before anyone signals
+        ``value``. No host thread blocks.
+        """
+        timeline = self._timeline_arg(timeline, "timeline")
+        value = check_value(value)
+        submitted, record = self._next()
+        self._native.wait(timeline._native, value, submitted, record)
+        return Completion(self, submitted, record)
+
+    def copy(self, dst: Any, src: Any, nbytes: int | None = None) -> Completion:
+        """Submit a copy of ``nbytes`` (default: all of ``src``) and return its Completion.
+
+        ``dst`` and ``src`` are Buffers or host objects supporting the buffer protocol
+        (numpy arrays, bytes, ...). A host source is not staged: it is kept alive, and it
+        must not be changed until the completion is done. A host destination is filled
+        when the completion is done.
+        """
+        from ._transfer import submit_copy
+
+        return submit_copy(self, dst, src, nbytes)
+
+    async def synchronize(self) -> None:
+        """Wait until everything submitted so far has finished."""
+        await wait_value(self.timeline, self._submitted)

@@ -1,0 +1,117 @@
+"""Timeline: a 64-bit monotonic counter shared by a device and the host."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from . import _bridge
+from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from ._backend import NativeTimeline
+    from ._device import Device
+    from ._queue import Queue
+
+MAX_VALUE = (1 << 64) - 1
+
+
+def check_value(value: object, what: str = "value") -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ArgumentTypeError(f"{what} must be an int, got {type(value).__name__}")
+    if not 0 <= value <= MAX_VALUE:
+        raise InvalidArgumentError(f"{what} must be in [0, 2**64 - 1], got {value}")
+    return value
+
+
+class Timeline:
+    """A monotonic 64-bit timeline (a shared event), starting at 0.
+
+    Queues signal it and wait on it on the device (``Queue.signal`` / ``Queue.wait``);
+    the host signals it with :meth:`signal` and awaits it with :meth:`wait`. Signalled
+    values must increase: a value that is not above every value already signalled or
+    submitted for signalling raises :class:`InvalidArgumentError`.
+    """
+
+    def __init__(self, device: Device, owner: Queue | None = None) -> None:
+        self.device = device
+        self._owner = owner  # a queue's own timeline is signalled by that queue only
+        self._watches: tuple[_bridge._Watch, ...] = ()
+        self._watch_of: dict[_bridge.LoopBridge, _bridge._Watch] = {}
+        self._watch_lock = threading.Lock()  # among loop threads only; never a notifier
+        self._highest = 0  # the highest value signalled or submitted for signalling
+        self._native: NativeTimeline = device._backend.new_timeline(self._advanced)
+
+    def __repr__(self) -> str:
+        return f"<Timeline of {self.device.name} value={self.value}>"
+
+    @property
+    def value(self) -> int:
+        """The value reached now."""
+        return self._native.value
+
+    def signal(self, value: int) -> None:
+        """Raise the timeline to ``value`` from the host, at once.
+
+        Waiters up to ``value`` -- host tasks and device queues -- are released.
+        """
+        self._check_signal(value, "value")
+        if self._owner is not None:
+            raise InvalidArgumentError(
+                "this is a queue's own timeline: only its queue signals it; "
+                "make one with device.timeline()"
+            )
+        self._highest = value
+        self._native.signal(value)
+
+    async def wait(self, value: int) -> None:
+        """Wait until the timeline reaches ``value``.
+
+        Always a checkpoint. Cancelling it withdraws this waiter only; the timeline and
+        the device are unaffected.
+        """
+        value = check_value(value)
+        await wait_value(self, value)
+
+    def _check_signal(self, value: object, what: str) -> int:
+        value = check_value(value, what)
+        if value <= self._highest:
+            raise InvalidArgumentError(
+                f"{what} {value} does not increase the timeline: it has been signalled "
+                f"(or a signal submitted) up to {self._highest}; expected > {self._highest}"
+            )
+        if self.device.closed:
+            raise ClosedResourceError(f"the timeline's device {self.device.name} is closed")
+        return value
+
+    # -- the bridge's side -------------------------------------------------------------
+
+    def _advanced(self, value: int) -> None:
+        """Called by the backend, from any thread, after the value rose to ``value``."""
+        for watch in self._watches:
+            if value >= watch.next:
+                watch.bridge.notify(watch)
+
+    def _watch_for(self, bridge: _bridge.LoopBridge) -> _bridge._Watch:
+        watch = self._watch_of.get(bridge)
+        if watch is None:
+            with self._watch_lock:
+                watch = _bridge._Watch(bridge, self)
+                self._watch_of[bridge] = watch
+                self._watches = (*self._watches, watch)
+        return watch
+
+    def _drop_watch(self, watch: _bridge._Watch) -> None:
+        with self._watch_lock:
+            if self._watch_of.get(watch.bridge) is watch:
+                del self._watch_of[watch.bridge]
+                self._watches = tuple(w for w in self._watches if w is not watch)
+
+
+async def wait_value(timeline: Timeline, value: int) -> None:
+    """Park the calling task until ``timeline`` reaches ``value``; always a checkpoint."""
+    if timeline._native.value >= value:
+        await _bridge.checkpoint()
+        return
+    bridge = _bridge.current_bridge()
+    await bridge.park(timeline._watch_for(bridge), value)
