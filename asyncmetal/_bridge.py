@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from ._timeline import Timeline
+    from ._timeline import Waitable
 
 INFINITY = 1 << 64  # larger than any 64-bit timeline value
 
@@ -60,7 +60,7 @@ class _Watch:
 
     __slots__ = ("bridge", "heap", "next", "queued", "timeline", "withdrawn")
 
-    def __init__(self, bridge: LoopBridge, timeline: Timeline) -> None:
+    def __init__(self, bridge: LoopBridge, timeline: Waitable) -> None:
         self.bridge = bridge
         self.timeline = timeline
         self.heap: list[tuple[int, int, _Entry]] = []

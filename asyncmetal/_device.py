@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import atexit
+import collections
+import functools
 import importlib
 import os
 import weakref
@@ -12,11 +14,13 @@ from typing import Any
 import anyio
 
 from ._backend import Backend
-from ._compile import Program
+from ._bridge import checkpoint
+from ._compile import ParamKind, Program, source_key
 from ._errors import ArgumentTypeError, AsyncMetalError, ClosedResourceError, CompileError
 from ._memory import Allocator, Buffer
+from ._pool import CompilePool, default_pool
 from ._queue import Queue
-from ._timeline import Timeline, wait_value
+from ._timeline import HostEvents, Timeline, wait_value
 
 _BACKENDS = {
     "cpu": "asyncmetal.backends.cpu:CPUBackend",
@@ -72,6 +76,8 @@ class Device:
         self.closed = False
         self._queues: list[Queue] = []
         self._allocator = Allocator(self)
+        self._pool: CompilePool | None = None
+        self._programs: dict[tuple[str, str], Program] = {}
         self.queue = self.new_queue()
         _open_devices.add(self)
 
@@ -107,42 +113,57 @@ class Device:
         self._check_open()
         return await self._allocator.alloc(nbytes)
 
-    async def compile(self, src: str, name: str) -> Program:
-        """Compile ``src`` off the loop and load kernel ``name`` from it.
+    @property
+    def compile_pool(self) -> CompilePool:
+        """The pool this device compiles in (the process's shared one by default)."""
+        return self._pool if self._pool is not None else default_pool()
+
+    @compile_pool.setter
+    def compile_pool(self, pool: CompilePool) -> None:
+        self._pool = pool
+
+    async def compile(self, src: str, name: str, *, timeout: float | None = None) -> Program:
+        """Compile ``src`` in the worker-process pool (cached) and load kernel ``name``.
 
         Raises :class:`CompileError` with the compiler's log, also when ``name`` is not
-        defined in ``src``. Cancelling the await abandons the result; the compile ends
-        in its worker.
+        defined in ``src``. Cancelling withdraws a compile that has not started; a running
+        one finishes into the cache.
         """
+        params = self._check_compile(src, name)
+        key = (source_key(self._backend.compiler.identity(), src), name)
+        program = self._programs.get(key)
+        if program is not None:
+            await checkpoint()
+            return program
+        binary = await self.compile_pool.compile(self._backend.compiler, src, timeout=timeout)
+        return await self._program(key, params, binary)
+
+    def _check_compile(self, src: object, name: object) -> tuple[ParamKind, ...]:
         self._check_open()
         if not isinstance(src, str) or not isinstance(name, str):
-            raise ArgumentTypeError("compile(src, name) takes two str")
-        compiler = self._backend.compiler
-        params = compiler.params(src, name)
-        binary = await anyio.to_thread.run_sync(compiler.compile, src, abandon_on_cancel=True)
-        native = await anyio.to_thread.run_sync(self._load, binary, name)
-        return Program(self, name, params, binary, native)
+            raise ArgumentTypeError(
+                f"compile(src, name) takes two str, got {type(src).__name__}, "
+                f"{type(name).__name__}"
+            )
+        return self._backend.compiler.params(src, name)
 
-    async def compile_many(self, kernels: Iterable[tuple[str, str]]) -> AsyncIterator[Program]:
-        """Compile every ``(src, name)``; yield each program as soon as it is ready."""
-        items = list(kernels)
-        send, receive = anyio.create_memory_object_stream[Program | BaseException](len(items))
+    async def _program(
+        self, key: tuple[str, str], params: tuple[ParamKind, ...], binary: bytes
+    ) -> Program:
+        native = await anyio.to_thread.run_sync(self._load, binary, key[1])
+        program = self._programs.setdefault(key, Program(self, key[1], params, binary, native))
+        return program
 
-        async def one(src: str, name: str) -> None:
-            try:
-                result: Program | BaseException = await self.compile(src, name)
-            except AsyncMetalError as exc:
-                result = exc
-            await send.send(result)
+    def compile_many(
+        self, kernels: Iterable[tuple[str, str]], *, timeout: float | None = None
+    ) -> AsyncIterator[Program]:
+        """Compile every ``(src, name)`` in the pool; yield each program once it is ready.
 
-        async with anyio.create_task_group() as tg, receive:
-            for src, name in items:
-                tg.start_soon(one, src, name)
-            for _ in items:
-                result = await receive.receive()
-                if isinstance(result, BaseException):
-                    raise result
-                yield result
+        Programs come in the order they finish, so the device can run the first while
+        the pool compiles the rest. A failed compile raises its CompileError when
+        reached. Compiles not consumed finish into the cache.
+        """
+        return _CompileMany(self, list(kernels), timeout)
 
     def _load(self, binary: bytes, name: str) -> Any:
         try:
@@ -182,6 +203,70 @@ class Device:
         await self.close()
 
 
+class _CompileMany:
+    """The async iterator of Device.compile_many."""
+
+    def __init__(
+        self, device: Device, kernels: list[tuple[str, str]], timeout: float | None
+    ) -> None:
+        self._device = device
+        self._kernels = kernels
+        self._timeout = timeout
+        self._started = False
+        self._ready: collections.deque[tuple[tuple[str, str], Any]] = collections.deque()
+        self._events = HostEvents()
+        self._yielded = 0
+
+    def __aiter__(self) -> _CompileMany:
+        return self
+
+    async def _start(self) -> None:
+        self._started = True
+        device = self._device
+        pool, compiler = device.compile_pool, device._backend.compiler
+        identity = compiler.identity()
+        items = [(src, name, device._check_compile(src, name)) for src, name in self._kernels]
+        misses = []
+        for src, name, params in items:
+            key = source_key(identity, src)
+            binary = pool.cache.get_memory(key)
+            if binary is None and pool.cache.disk_enabled:
+                binary = await pool.cache.get_disk(key)
+            if binary is None:
+                misses.append((src, name, params))
+            else:
+                self._arrived((key, name), params, binary)
+        for src, name, params in misses:
+            key = source_key(identity, src)
+            pool.submit(
+                compiler,
+                src,
+                timeout=self._timeout,
+                on_done=functools.partial(self._job_done, (key, name), params),
+            )
+
+    def _arrived(self, key: tuple[str, str], params: Any, result: Any) -> None:
+        self._ready.append((key, (params, result)))
+        self._events.increment()
+
+    def _job_done(self, key: tuple[str, str], params: Any, job: Any) -> None:
+        self._arrived(key, params, job)
+
+    async def __anext__(self) -> Program:
+        if not self._started:
+            await self._start()
+        if self._yielded == len(self._kernels):
+            raise StopAsyncIteration
+        await wait_value(self._events, self._yielded + 1)
+        self._yielded += 1
+        key, (params, result) = self._ready.popleft()
+        if not isinstance(result, bytes):  # a finished pool job
+            pool = self._device.compile_pool
+            pool.withdraw(result)
+            result = pool.result(result)
+        return await self._device._program(key, params, result)
+
+
 class _DeviceOpener:
     """What open_device returns: ``async with`` it, or ``await`` it."""
 
@@ -190,6 +275,8 @@ class _DeviceOpener:
         self._device: Device | None = None
 
     async def _open(self) -> Device:
+        if os.environ.get("ASYNCMETAL_WORKER"):
+            raise AsyncMetalError("compile workers never open a device")
         name = self._name or os.environ.get("ASYNCMETAL_DEVICE") or (devices() or ["cpu"])[0]
         kind, index = parse_name(name)
         cls = _backend_class(kind)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from . import _bridge
+from ._backend import NativeTimeline
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
 
 if TYPE_CHECKING:
-    from ._backend import NativeTimeline
     from ._device import Device
     from ._queue import Queue
 
@@ -24,7 +25,88 @@ def check_value(value: object, what: str = "value") -> int:
     return value
 
 
-class Timeline:
+class Waitable:
+    """Something whose monotonic ``_native.value`` tasks on any loop can await.
+
+    Whoever raises the value calls :meth:`_advanced` afterwards, from any thread.
+    """
+
+    _native: NativeTimeline
+
+    def __init__(self) -> None:
+        self._watches: tuple[_bridge._Watch, ...] = ()
+        self._watch_of: dict[_bridge.LoopBridge, _bridge._Watch] = {}
+        self._watch_lock = threading.Lock()  # among loop threads only; never a notifier
+
+    def _advanced(self, value: int) -> None:
+        """Called from any thread after the value rose to ``value``."""
+        for watch in self._watches:
+            if value >= watch.next:
+                watch.bridge.notify(watch)
+
+    def _watch_for(self, bridge: _bridge.LoopBridge) -> _bridge._Watch:
+        watch = self._watch_of.get(bridge)
+        if watch is None:
+            with self._watch_lock:
+                watch = _bridge._Watch(bridge, self)
+                self._watch_of[bridge] = watch
+                self._watches = (*self._watches, watch)
+        return watch
+
+    def _drop_watch(self, watch: _bridge._Watch) -> None:
+        with self._watch_lock:
+            if self._watch_of.get(watch.bridge) is watch:
+                del self._watch_of[watch.bridge]
+                self._watches = tuple(w for w in self._watches if w is not watch)
+
+
+class HostCounter(NativeTimeline):
+    """A host-only monotonic counter (for the allocator and the compile pool)."""
+
+    def __init__(self, on_advance: Callable[[int], None]) -> None:
+        self._value = 0
+        self._lock = threading.Lock()
+        self._on_advance = on_advance
+
+    @property
+    def value(self) -> int:
+        return self._value
+
+    def signal(self, value: int) -> None:
+        with self._lock:
+            if value <= self._value:
+                return
+            self._value = value
+        self._on_advance(value)
+
+    def increment(self) -> int:
+        with self._lock:
+            self._value += 1
+            value = self._value
+        self._on_advance(value)
+        return value
+
+
+class HostEvents(Waitable):
+    """A counter of host events (frees, finished compiles) that tasks can await."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._native = self._counter = HostCounter(self._advanced)
+
+    @property
+    def value(self) -> int:
+        return self._counter.value
+
+    def increment(self) -> int:
+        """Count one more event (any thread) and wake the tasks it satisfies."""
+        return self._counter.increment()
+
+    async def wait(self, value: int) -> None:
+        await wait_value(self, value)
+
+
+class Timeline(Waitable):
     """A monotonic 64-bit timeline (a shared event), starting at 0.
 
     Queues signal it and wait on it on the device (``Queue.signal`` / ``Queue.wait``);
@@ -34,11 +116,9 @@ class Timeline:
     """
 
     def __init__(self, device: Device, owner: Queue | None = None) -> None:
+        super().__init__()
         self.device = device
         self._owner = owner  # a queue's own timeline is signalled by that queue only
-        self._watches: tuple[_bridge._Watch, ...] = ()
-        self._watch_of: dict[_bridge.LoopBridge, _bridge._Watch] = {}
-        self._watch_lock = threading.Lock()  # among loop threads only; never a notifier
         self._highest = 0  # the highest value signalled or submitted for signalling
         self._native: NativeTimeline = device._backend.new_timeline(self._advanced)
 
@@ -84,31 +164,8 @@ class Timeline:
             raise ClosedResourceError(f"the timeline's device {self.device.name} is closed")
         return value
 
-    # -- the bridge's side -------------------------------------------------------------
 
-    def _advanced(self, value: int) -> None:
-        """Called by the backend, from any thread, after the value rose to ``value``."""
-        for watch in self._watches:
-            if value >= watch.next:
-                watch.bridge.notify(watch)
-
-    def _watch_for(self, bridge: _bridge.LoopBridge) -> _bridge._Watch:
-        watch = self._watch_of.get(bridge)
-        if watch is None:
-            with self._watch_lock:
-                watch = _bridge._Watch(bridge, self)
-                self._watch_of[bridge] = watch
-                self._watches = (*self._watches, watch)
-        return watch
-
-    def _drop_watch(self, watch: _bridge._Watch) -> None:
-        with self._watch_lock:
-            if self._watch_of.get(watch.bridge) is watch:
-                del self._watch_of[watch.bridge]
-                self._watches = tuple(w for w in self._watches if w is not watch)
-
-
-async def wait_value(timeline: Timeline, value: int) -> None:
+async def wait_value(timeline: Waitable, value: int) -> None:
     """Park the calling task until ``timeline`` reaches ``value``; always a checkpoint."""
     if timeline._native.value >= value:
         await _bridge.checkpoint()

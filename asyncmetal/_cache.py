@@ -1,0 +1,160 @@
+"""CompileCache: compiled binaries by content, in memory (LRU) and on disk (sqlite, WAL).
+
+The disk cache lives under ``$ASYNCMETAL_CACHE_DIR`` (default: the user's cache
+directory) and is shared safely by several processes. ``ASYNCMETAL_CACHE=0`` turns it
+off. A corrupt or unreadable cache is ignored with a warning, never fatal.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sqlite3
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import anyio
+
+
+def default_cache_dir() -> Path:
+    if env := os.environ.get("ASYNCMETAL_CACHE_DIR"):
+        return Path(env)
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "asyncmetal"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "asyncmetal"
+
+
+class CacheWarning(UserWarning):
+    """The on-disk compile cache could not be used; compiling goes on without it."""
+
+
+class CompileCache:
+    """Compiled binaries keyed by compiler identity and source hash."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        *,
+        disk: bool | None = None,
+        max_memory_bytes: int = 256 << 20,
+    ) -> None:
+        if disk is None:
+            disk = os.environ.get("ASYNCMETAL_CACHE", "1") != "0"
+        self.disk_enabled = disk
+        self.directory = Path(directory) if directory is not None else default_cache_dir()
+        self.max_memory_bytes = max_memory_bytes
+        self._memory: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._memory_bytes = 0
+        self._db: sqlite3.Connection | None = None
+        self._db_lock = threading.Lock()
+        self._memory_lock = threading.Lock()
+        self.hits_memory = self.hits_disk = self.misses = 0
+        self.error: BaseException | None = None  # why the disk cache was turned off
+        self._warned = False
+
+    # -- memory --------------------------------------------------------------------------
+
+    def get_memory(self, key: str) -> bytes | None:
+        data = self._memory.get(key)
+        if data is not None:
+            try:
+                self._memory.move_to_end(key)
+            except KeyError:  # evicted meanwhile by a handler thread: still a hit
+                pass
+            self.hits_memory += 1
+        return data
+
+    def put_memory(self, key: str, data: bytes) -> None:
+        with self._memory_lock:  # called from threads only, never on a loop
+            if key in self._memory:
+                return
+            self._memory[key] = data
+            self._memory_bytes += len(data)
+            while self._memory_bytes > self.max_memory_bytes and len(self._memory) > 1:
+                _, old = self._memory.popitem(last=False)
+                self._memory_bytes -= len(old)
+
+    def clear_memory(self) -> None:
+        with self._memory_lock:
+            self._memory.clear()
+            self._memory_bytes = 0
+
+    # -- disk ----------------------------------------------------------------------------
+
+    @property
+    def path(self) -> Path:
+        return self.directory / "compile-cache.sqlite"
+
+    def _connect(self) -> sqlite3.Connection:
+        if self._db is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self.path, timeout=10, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("CREATE TABLE IF NOT EXISTS binaries (key TEXT PRIMARY KEY, data BLOB)")
+            self._db = db
+        return self._db
+
+    def _disable(self, exc: BaseException) -> None:
+        # Called from worker threads: the warning is given later, from the caller's task.
+        self.disk_enabled = False
+        self.error = exc
+
+    def warn_if_disabled(self) -> None:
+        """Give the warning about an unusable cache once, in the calling task."""
+        if self.error is not None and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"asyncmetal: the compile cache at {self.path} is unusable "
+                f"({self.error}); compiling without it",
+                CacheWarning,
+                stacklevel=3,
+            )
+
+    def load_disk(self, key: str) -> bytes | None:
+        """Blocking disk lookup; run it off the loop."""
+        with self._db_lock:
+            if not self.disk_enabled:
+                return None
+            try:
+                row = self._connect().execute(
+                    "SELECT data FROM binaries WHERE key = ?", (key,)
+                ).fetchone()
+            except (sqlite3.Error, OSError) as exc:
+                self._disable(exc)
+                return None
+        if row is None:
+            self.misses += 1
+            return None
+        self.hits_disk += 1
+        data = bytes(row[0])
+        self.put_memory(key, data)
+        return data
+
+    async def get_disk(self, key: str) -> bytes | None:
+        data = await anyio.to_thread.run_sync(self.load_disk, key)
+        self.warn_if_disabled()
+        return data
+
+    def put_disk(self, key: str, data: bytes) -> None:
+        """Blocking store (called from handler threads)."""
+        with self._db_lock:
+            if not self.disk_enabled:
+                return
+            try:
+                db = self._connect()
+                with db:
+                    db.execute(
+                        "INSERT OR REPLACE INTO binaries (key, data) VALUES (?, ?)", (key, data)
+                    )
+            except (sqlite3.Error, OSError) as exc:
+                self._disable(exc)
+
+    def close(self) -> None:
+        with self._db_lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None

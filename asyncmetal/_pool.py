@@ -1,0 +1,295 @@
+"""CompilePool: compilers run in spawned worker processes, results cached by content.
+
+One handler thread per worker process does the blocking pipe I/O; the event loop only
+submits jobs and awaits them through the bridge. Identical compiles in flight run once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue as queue_module
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ._bridge import checkpoint
+from ._cache import CompileCache
+from ._compile import Compiler, source_key
+from ._errors import ClosedResourceError, CompileError
+from ._timeline import HostEvents, wait_value
+from ._worker import read_message, write_message
+
+_STOP = object()
+
+
+class _Job:
+    __slots__ = (
+        "awaiters", "callbacks", "compiler", "done", "key", "result", "src", "started", "timeout"
+    )
+
+    def __init__(self, key: str, compiler: Compiler, src: str, timeout: float | None) -> None:
+        self.key, self.compiler, self.src, self.timeout = key, compiler, src, timeout
+        self.awaiters = 0
+        self.started = False
+        self.result: bytes | CompileError | None = None
+        self.done = HostEvents()  # reaches 1 when result is set
+        self.callbacks: list[Callable[[_Job], None]] = []  # run on the handler thread
+
+
+class _Worker:
+    """One worker process and the thread that feeds it jobs."""
+
+    def __init__(self, pool: CompilePool) -> None:
+        self.pool = pool
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.stderr: Any = None
+        self.thread = threading.Thread(target=self._run, name="asyncmetal-compile", daemon=True)
+        self.thread.start()
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        env = dict(os.environ)
+        env["ASYNCMETAL_WORKER"] = "1"
+        env["CUDA_VISIBLE_DEVICES"] = ""  # compilers need no GPU: never take its memory
+        self.stderr = tempfile.TemporaryFile()
+        return subprocess.Popen(
+            [sys.executable, "-m", "asyncmetal._worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            env=env,
+            start_new_session=True,  # a terminal's Ctrl-C goes to the parent only
+        )
+
+    def _run(self) -> None:
+        pool = self.pool
+        while True:
+            with pool._lock:
+                pool._idle += 1
+            try:
+                job = pool._pending.get(timeout=pool.idle_timeout)
+            except queue_module.Empty:
+                if pool._retire(self):
+                    self._stop()
+                    return
+                continue
+            with pool._lock:
+                pool._idle -= 1
+                withdrawn = job is not _STOP and job.awaiters == 0
+                if not withdrawn and job is not _STOP:
+                    job.started = True
+            if job is _STOP:
+                self._stop()
+                return
+            if withdrawn:
+                pool._finish(job, CompileError("compile withdrawn"), ran=False)
+                continue
+            pool._finish(job, self._compile(job))
+
+    def _compile(self, job: _Job) -> bytes | CompileError:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = self._spawn()
+        proc = self.proc
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            write_message(proc.stdin, (job.compiler, job.src))
+            if job.timeout is not None:
+                ready, _, _ = select.select([proc.stdout], [], [], job.timeout)
+                if not ready:
+                    self._kill()
+                    return CompileError(f"compile timed out after {job.timeout} s")
+            reply = read_message(proc.stdout)
+        except (EOFError, OSError):
+            return CompileError(self._death_message())
+        if reply[0] == "ok":
+            data: bytes = reply[1]
+            return data
+        return CompileError(reply[1], reply[2])
+
+    def _death_message(self) -> str:
+        assert self.proc is not None
+        code = self.proc.wait()
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        log = ""
+        if self.stderr is not None:
+            self.stderr.seek(0)
+            log = self.stderr.read().decode(errors="replace")[-4000:]
+        self.proc = None
+        return f"the compile worker died ({how}) while compiling" + (f"\n{log}" if log else "")
+
+    def _kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def _stop(self) -> None:
+        if self.proc is not None:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._kill()
+            self.proc = None
+        if self.stderr is not None:
+            self.stderr.close()
+
+
+class CompilePool:
+    """Worker processes that compile, with an in-memory and an on-disk cache.
+
+    Workers start lazily (spawned interpreters), at most ``max_workers`` at once, and
+    retire after ``idle_timeout`` seconds without work.
+    """
+
+    def __init__(
+        self,
+        max_workers: int | None = None,
+        *,
+        idle_timeout: float = 60.0,
+        cache: CompileCache | None = None,
+    ) -> None:
+        self.max_workers = max_workers or min(os.cpu_count() or 1, 8)
+        self.idle_timeout = idle_timeout
+        self.cache = cache if cache is not None else CompileCache()
+        self._pending: queue_module.Queue[Any] = queue_module.Queue()
+        self._workers: list[_Worker] = []
+        self._idle = 0
+        self._in_flight: dict[str, _Job] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self.compiles = 0  # jobs that ran in a worker
+
+    @property
+    def workers(self) -> int:
+        """Worker threads alive now (each owns at most one process)."""
+        return len(self._workers)
+
+    def submit(
+        self,
+        compiler: Compiler,
+        src: str,
+        *,
+        timeout: float | None = None,
+        on_done: Callable[[_Job], None] | None = None,
+    ) -> _Job:
+        """Start (or join) the compile of ``src``; never blocks. Cache misses only."""
+        if self._closed:
+            raise ClosedResourceError("the compile pool is closed")
+        key = source_key(compiler.identity(), src)
+        with self._lock:
+            job = self._in_flight.get(key)
+            if job is None:
+                job = _Job(key, compiler, src, timeout)
+                self._in_flight[key] = job
+                self._pending.put(job)
+                if self._pending.qsize() > self._idle and len(self._workers) < self.max_workers:
+                    self._workers.append(_Worker(self))
+            job.awaiters += 1
+            if on_done is not None:
+                job.callbacks.append(on_done)
+        return job
+
+    def _finish(self, job: _Job, result: bytes | CompileError, *, ran: bool = True) -> None:
+        if isinstance(result, bytes):
+            self.cache.put_memory(job.key, result)
+            self.cache.put_disk(job.key, result)
+        with self._lock:
+            self.compiles += ran
+            del self._in_flight[job.key]
+            callbacks = list(job.callbacks)
+        job.result = result
+        job.done.increment()
+        for callback in callbacks:
+            callback(job)
+
+    def _retire(self, worker: _Worker) -> bool:
+        """After an idle timeout: leave, unless work arrived meanwhile."""
+        with self._lock:
+            self._idle -= 1
+            if self._pending.qsize():
+                return False
+            self._workers.remove(worker)
+            return True
+
+    async def compile(self, compiler: Compiler, src: str, *, timeout: float | None = None) -> bytes:
+        """Compile ``src`` with ``compiler`` in a worker; cached by content.
+
+        Cancelling withdraws a compile that has not started; one already running
+        finishes into the cache.
+        """
+        key = source_key(compiler.identity(), src)
+        cached = self.cache.get_memory(key)
+        if cached is None and self.cache.disk_enabled:
+            cached = await self.cache.get_disk(key)
+        if cached is not None:
+            await checkpoint()
+            return cached
+        return await self.wait(self.submit(compiler, src, timeout=timeout))
+
+    async def wait(self, job: _Job) -> bytes:
+        """Wait for a submitted job; cancelling withdraws it if it has not started."""
+        try:
+            await wait_value(job.done, 1)
+        except BaseException:
+            self.withdraw(job)
+            raise
+        return self.result(job)
+
+    def withdraw(self, job: _Job) -> None:
+        """Give up one claim on ``job``; a job nobody claims is skipped if not started."""
+        with self._lock:
+            job.awaiters -= 1
+
+    @staticmethod
+    def result(job: _Job) -> bytes:
+        """The binary of a finished job, or its CompileError raised."""
+        result = job.result
+        if isinstance(result, CompileError):
+            raise result
+        assert result is not None
+        return result
+
+    def shutdown(self) -> None:
+        """Stop the workers (they finish the job in hand). Blocks: not on a loop."""
+        self._closed = True
+        workers = list(self._workers)
+        for _ in workers:
+            self._pending.put(_STOP)
+        for worker in workers:
+            worker.thread.join(timeout=10)
+        self._workers.clear()
+
+    async def aclose(self) -> None:
+        """Stop the workers without blocking the loop."""
+        import anyio
+
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.shutdown)
+
+
+_default_pool: CompilePool | None = None
+_default_lock = threading.Lock()
+
+
+def default_pool() -> CompilePool:
+    """The process's shared pool, made on first use and shut down at exit."""
+    global _default_pool
+    with _default_lock:
+        if _default_pool is None or _default_pool._closed:
+            _default_pool = CompilePool()
+        return _default_pool
+
+
+def _shutdown_default() -> None:
+    if _default_pool is not None:
+        _default_pool.shutdown()
+
+
+atexit.register(_shutdown_default)

@@ -1,0 +1,104 @@
+"""The public surface on the cpu device: open, compile, launch, buffers, timelines."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import asyncmetal as am
+
+from .conftest import KERNELS
+
+pytestmark = pytest.mark.anyio
+
+
+def test_devices_lists_cpu() -> None:
+    names = am.devices()
+    assert "cpu" in names
+    assert "metal" not in names or __import__("sys").platform == "darwin"
+
+
+async def test_open_close_and_name(anyio_backend: object) -> None:
+    async with am.open_device("cpu") as dev:
+        assert dev.name == "cpu"
+        assert not dev.closed
+        assert dev.queue.timeline.value == 0
+    assert dev.closed
+    dev2 = await am.open_device("cpu:1")
+    assert dev2.name == "cpu:1"
+    await dev2.close()
+    await dev2.close()  # closing twice is harmless
+
+
+async def test_default_device_from_environment(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ASYNCMETAL_DEVICE", "cpu:3")
+    async with am.open_device() as dev:
+        assert dev.name == "cpu:3"
+
+
+async def test_unknown_device_is_a_clear_error(anyio_backend: object) -> None:
+    with pytest.raises(am.AsyncMetalError, match="unknown device 'tpu'"):
+        await am.open_device("tpu")
+
+
+async def test_launch_computes_and_reads_back(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    n = 1000
+    a, b, out = [await device.alloc(4 * n) for _ in range(3)]
+    await a.write(np.arange(n, dtype=np.float32))
+    await b.write(np.full(n, 2, np.float32))
+    done = device.queue.launch(kernels["add"], out, a, b, vals=(n,))
+    assert isinstance(done, am.Completion)
+    await done
+    assert done.done()
+    assert done.value == 3  # two writes, then the launch: values from 1
+    assert done.start_time is not None and done.end_time is not None
+    assert done.end_time >= done.start_time
+    np.testing.assert_array_equal(await out.read(np.float32), np.arange(n) + 2)
+    grid = await out.read(np.float32, (10, 100))
+    np.testing.assert_array_equal(grid[:, 0], np.arange(0, n, 100) + 2)
+
+
+async def test_queue_values_count_from_one(device: am.Device, kernels: dict[str, am.Program]) -> None:
+    q = device.new_queue()
+    values = [q.launch(kernels["empty"]).value for _ in range(5)]
+    assert values == [1, 2, 3, 4, 5]
+    await q.synchronize()
+    assert q.timeline.value == 5
+
+
+async def test_buffer_views_and_free(device: am.Device, kernels: dict[str, am.Program]) -> None:
+    async with await device.alloc(64) as buf:
+        await buf.write(np.zeros(16, np.int32))
+        tail = buf.view(32)
+        assert tail.nbytes == 32
+        device.queue.launch(kernels["fill"], tail, vals=(7, 8))
+        np.testing.assert_array_equal(await buf.read(np.int32), [0] * 8 + [7] * 8)
+    assert buf.freed
+    with pytest.raises(am.ClosedResourceError, match="freed"):
+        await buf.read()
+
+
+async def test_compile_many_yields_each(device: am.Device) -> None:
+    names = {"empty", "add", "fill"}
+    got = set()
+    async for prog in device.compile_many([(KERNELS, n) for n in names]):
+        assert isinstance(prog, am.Program)
+        got.add(prog.name)
+    assert got == names
+
+
+async def test_copy_between_cpu_devices(anyio_backend: object) -> None:
+    async with am.open_device("cpu:0") as d0, am.open_device("cpu:1") as d1:
+        src = await d0.alloc(4096)
+        dst = await d1.alloc(4096)
+        data = np.random.default_rng(0).integers(0, 255, 4096, dtype=np.uint8)
+        await am.copy(src, data)
+        await am.copy(dst, src)
+        np.testing.assert_array_equal(await dst.read(), data)
+        out = np.empty(4096, np.uint8)
+        await am.copy(out, dst)
+        np.testing.assert_array_equal(out, data)
