@@ -18,7 +18,7 @@ from ._bridge import checkpoint
 from ._compile import ParamKind, Program, source_key
 from ._errors import ArgumentTypeError, AsyncMetalError, ClosedResourceError, CompileError
 from ._memory import Allocator, Buffer
-from ._pool import CompilePool, default_pool
+from ._pool import CompilePool, compiler_identity, default_pool
 from ._queue import Queue
 from ._timeline import HostEvents, Timeline, wait_value
 
@@ -130,7 +130,7 @@ class Device:
         one finishes into the cache.
         """
         params = self._check_compile(src, name)
-        key = (source_key(self._backend.compiler.identity(), src), name)
+        key = (source_key(await compiler_identity(self._backend.compiler), src), name)
         program = self._programs.get(key)
         if program is not None:
             await checkpoint()
@@ -224,7 +224,7 @@ class _CompileMany:
         self._started = True
         device = self._device
         pool, compiler = device.compile_pool, device._backend.compiler
-        identity = compiler.identity()
+        identity = await compiler_identity(compiler)
         items = [(src, name, device._check_compile(src, name)) for src, name in self._kernels]
         misses = []
         for src, name, params in items:
@@ -241,6 +241,7 @@ class _CompileMany:
             pool.submit(
                 compiler,
                 src,
+                key,
                 timeout=self._timeout,
                 on_done=functools.partial(self._job_done, (key, name), params),
             )

@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import anyio
+
 from ._bridge import checkpoint
 from ._cache import CompileCache
 from ._compile import Compiler, source_key
@@ -175,6 +177,7 @@ class CompilePool:
         self,
         compiler: Compiler,
         src: str,
+        key: str,
         *,
         timeout: float | None = None,
         on_done: Callable[[_Job], None] | None = None,
@@ -182,7 +185,6 @@ class CompilePool:
         """Start (or join) the compile of ``src``; never blocks. Cache misses only."""
         if self._closed:
             raise ClosedResourceError("the compile pool is closed")
-        key = source_key(compiler.identity(), src)
         with self._lock:
             job = self._in_flight.get(key)
             if job is None:
@@ -224,14 +226,14 @@ class CompilePool:
         Cancelling withdraws a compile that has not started; one already running
         finishes into the cache.
         """
-        key = source_key(compiler.identity(), src)
+        key = source_key(await compiler_identity(compiler), src)
         cached = self.cache.get_memory(key)
         if cached is None and self.cache.disk_enabled:
             cached = await self.cache.get_disk(key)
         if cached is not None:
             await checkpoint()
             return cached
-        return await self.wait(self.submit(compiler, src, timeout=timeout))
+        return await self.wait(self.submit(compiler, src, key, timeout=timeout))
 
     async def wait(self, job: _Job) -> bytes:
         """Wait for a submitted job; cancelling withdraws it if it has not started."""
@@ -268,10 +270,20 @@ class CompilePool:
 
     async def aclose(self) -> None:
         """Stop the workers without blocking the loop."""
-        import anyio
-
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self.shutdown)
+
+
+_identities: dict[Compiler, str] = {}
+
+
+async def compiler_identity(compiler: Compiler) -> str:
+    """``compiler.identity()``, found off the loop once (it may run the compiler)."""
+    identity = _identities.get(compiler)
+    if identity is None:
+        identity = await anyio.to_thread.run_sync(compiler.identity)
+        _identities[compiler] = identity
+    return identity
 
 
 _default_pool: CompilePool | None = None

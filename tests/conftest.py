@@ -1,8 +1,13 @@
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import AsyncIterator
 
 import pytest
+
+# Keep the tests' compile cache out of the user's cache directory.
+os.environ.setdefault("ASYNCMETAL_CACHE_DIR", tempfile.mkdtemp(prefix="asyncmetal-test-cache-"))
 
 import asyncmetal as am
 

@@ -1,0 +1,138 @@
+"""Contract 1: every await is a checkpoint; cancelling detaches that waiter only."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import numpy as np
+import pytest
+
+import asyncmetal as am
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_thousands_of_random_cancellations_lose_nothing(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    rng = random.Random(1234)
+    queues = [device.queue, device.new_queue(), device.new_queue()]
+    counters = [await device.alloc(4) for _ in queues]
+    for c in counters:
+        await c.write(np.zeros(1, np.int32))
+    launches = [0] * len(queues)
+    cancelled = completed = 0
+
+    async def awaiter(completion: am.Completion, delay: float, scope_holder: list[bool]) -> None:
+        nonlocal cancelled, completed
+        with anyio.move_on_after(delay) as scope:
+            await completion
+        if scope.cancelled_caught:
+            cancelled += 1
+        else:
+            completed += 1
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(3000):
+            i = rng.randrange(len(queues))
+            done = queues[i].launch(kernels["spin"], counters[i], vals=(rng.randrange(2000),))
+            launches[i] += 1
+            # delays of 0 cancel before the first wait; small ones cancel while parked
+            tg.start_soon(awaiter, done, rng.choice([0, 0, 1e-5, 1e-4, 1e-3, 1]), [])
+            if rng.random() < 0.05:
+                await anyio.sleep(0)
+    assert cancelled > 100, "the test must cancel many waiters"
+    assert cancelled + completed == 3000
+    # Nothing submitted was aborted: every launch ran exactly once.
+    for q, c, n in zip(queues, counters, launches):
+        await q.synchronize()
+        assert (await c.read(np.int32))[0] == n
+        assert q.timeline.value == q.submitted
+    # And the device still works.
+    await device.queue.launch(kernels["empty"])
+
+
+async def test_cancelled_timeline_waiter_does_not_disturb_others(device: am.Device) -> None:
+    tl = device.timeline()
+    woken = []
+
+    async def waiter(i: int) -> None:
+        await tl.wait(5)
+        woken.append(i)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(10):
+            tg.start_soon(waiter, i)
+        await anyio.sleep(0.01)
+        with anyio.move_on_after(0.01):
+            await tl.wait(5)  # cancelled while parked among the others
+        assert am.loop_statistics().waiting == 10
+        tl.signal(5)
+    assert sorted(woken) == list(range(10))
+    assert am.loop_statistics().waiting == 0
+
+
+async def test_cancelled_waits_for_unreached_values_do_not_pile_up(device: am.Device) -> None:
+    tl = device.timeline()
+    for _ in range(500):
+        with anyio.move_on_after(0):
+            await tl.wait(10**9)
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await tl.wait(10**9)
+    watch_sizes = [len(w.heap) for w in tl._watches]
+    assert all(size <= 70 for size in watch_sizes), watch_sizes
+
+
+async def test_cancelled_write_still_completes_and_keeps_its_source_alive(
+    device: am.Device,
+) -> None:
+    tl = device.timeline()
+    buf = await device.alloc(1 << 20)
+    device.queue.wait(tl, 1)  # hold the queue so the copy is still pending when cancelled
+    data = np.arange(1 << 18, dtype=np.int32)
+    with anyio.move_on_after(0.01) as scope:
+        await buf.write(data)
+    assert scope.cancelled_caught
+    del data  # the queue must hold its own reference
+    tl.signal(1)
+    np.testing.assert_array_equal(await buf.read(np.int32), np.arange(1 << 18))
+
+
+async def test_cancelled_free_returns_memory_only_after_use(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    backend = device._backend
+    before = backend.live_allocations  # type: ignore[attr-defined]
+    tl = device.timeline()
+    buf = await device.alloc(4)
+    device.queue.wait(tl, 1)
+    done = device.queue.launch(kernels["fill"], buf, vals=(3, 1))
+    with anyio.move_on_after(0.01):
+        await buf.free()
+    assert buf.freed  # unusable at once...
+    assert backend.live_allocations == before + 1  # ...but its memory is still held
+    tl.signal(1)
+    await done
+    device._allocator.sweep()
+    assert backend.live_allocations == before
+
+
+async def test_close_waits_for_work_even_when_cancelled(
+    anyio_backend: object,
+) -> None:
+    dev = await am.open_device("cpu:2")
+    prog = await dev.compile("void k(int* x) { x[0] = 42; }", "k")
+    buf = await dev.alloc(4)
+    tl = dev.timeline()
+    dev.queue.wait(tl, 1)
+    dev.queue.launch(prog, buf)
+    out = np.zeros(1, np.int32)
+    dev.queue.copy(out, buf)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        tl.signal(1)
+        await dev.close()  # shielded: completes despite the cancelled scope
+    assert dev.closed
+    assert out[0] == 42

@@ -1,0 +1,123 @@
+"""Contract 2: one timeline per queue, values from 1; device-side waits before the signal."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import numpy as np
+import pytest
+
+import asyncmetal as am
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_each_queue_counts_from_one(device: am.Device, kernels: dict[str, am.Program]) -> None:
+    q1, q2 = device.new_queue(), device.new_queue()
+    assert q1.timeline is not q2.timeline
+    a = [q1.launch(kernels["empty"]) for _ in range(3)]
+    b = [q2.launch(kernels["empty"]) for _ in range(2)]
+    assert [c.value for c in a] == [1, 2, 3]
+    assert [c.value for c in b] == [1, 2]
+    assert all(c.timeline is q1.timeline for c in a)
+    await a[-1]
+    await b[-1]
+    assert q1.timeline.value == 3 and q2.timeline.value == 2
+    assert all(c.done() for c in a + b)
+
+
+async def test_completion_follows_the_value_reached(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    tl = device.timeline()
+    q = device.new_queue()
+    q.wait(tl, 1)
+    later = [q.launch(kernels["empty"]) for _ in range(4)]
+    await anyio.sleep(0.02)
+    assert not any(c.done() for c in later)
+    tl.signal(1)
+    await later[-1]  # awaiting the last implies all earlier ones are done
+    assert all(c.done() for c in later)
+
+
+async def test_device_wait_enqueued_before_host_signal(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    tl = device.timeline()
+    buf = await device.alloc(4)
+    q = device.new_queue()
+    q.wait(tl, 7)
+    done = q.launch(kernels["fill"], buf, vals=(9, 1))
+    await anyio.sleep(0.02)
+    assert not done.done()
+    tl.signal(3)  # not enough
+    await anyio.sleep(0.02)
+    assert not done.done()
+    tl.signal(8)  # past 7 is enough
+    await done
+    assert (await buf.read(np.int32))[0] == 9
+
+
+async def test_signal_from_another_queue_orders_work(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    tl = device.timeline()
+    cells = await device.alloc(8)
+    await cells.write(np.array([1, 0], np.int32))
+    consumer, producer = device.new_queue(), device.new_queue()
+    consumer.wait(tl, 1)  # submitted before the producer even starts
+    done = consumer.launch(kernels["step"], cells, vals=(1, 0, 0))  # cells[1] = cells[0]
+    tl_blocker = device.timeline()
+    producer.wait(tl_blocker, 1)
+    producer.launch(kernels["fill"], cells, vals=(5, 1))  # cells[0] = 5
+    producer.signal(tl, 1)
+    await anyio.sleep(0.02)
+    assert not done.done()
+    tl_blocker.signal(1)
+    await done
+    assert (await cells.read(np.int32)).tolist() == [5, 5]
+
+
+async def test_signal_from_another_device(anyio_backend: object) -> None:
+    src = "void put(int* x, int v) { x[0] = v; }"
+    async with am.open_device("cpu:0") as d0, am.open_device("cpu:1") as d1:
+        p0, p1 = await d0.compile(src, "put"), await d1.compile(src, "put")
+        tl = d0.timeline()
+        b1 = await d1.alloc(4)
+        d1.queue.wait(tl, 2)  # a cpu:1 queue waits on a cpu:0 timeline
+        done = d1.queue.launch(p1, b1, vals=(11,))
+        b0 = await d0.alloc(4)
+        d0.queue.launch(p0, b0, vals=(1,))
+        d0.queue.signal(tl, 2)
+        await done
+        assert (await b1.read(np.int32))[0] == 11
+
+
+async def test_host_signal_from_a_plain_thread_wakes_the_loop(device: am.Device) -> None:
+    tl = device.timeline()
+    thread = threading.Timer(0.02, tl.signal, args=(4,))
+    thread.start()
+    with anyio.fail_after(5):
+        await tl.wait(4)
+    thread.join()
+    assert tl.value == 4
+
+
+async def test_wait_on_reached_value_is_still_a_checkpoint(device: am.Device) -> None:
+    tl = device.timeline()
+    tl.signal(1)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await tl.wait(1)
+        pytest.fail("a reached wait must still be a checkpoint")
+    assert scope.cancelled_caught
+
+
+async def test_timeline_values_are_64_bit(device: am.Device) -> None:
+    tl = device.timeline()
+    big = (1 << 64) - 1
+    device.queue.signal(tl, 1 << 40)
+    tl.signal(big)
+    await tl.wait(big)
+    assert tl.value == big

@@ -1,0 +1,90 @@
+"""Contract 3: nothing blocks the loop thread: blockbuster (asyncio) and a tick monitor."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import anyio
+import numpy as np
+import pytest
+from blockbuster import BlockBuster, blockbuster_ctx
+
+import asyncmetal as am
+
+from .conftest import KERNELS
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def blockbuster() -> Iterator[BlockBuster]:
+    with blockbuster_ctx() as bb:
+        yield bb
+
+
+async def _workload() -> None:
+    async with am.open_device("cpu") as dev, am.open_device("cpu:1") as dev1:
+        src = KERNELS + f"\n/* {time.time_ns()} */\n"  # a cache miss: a real compile
+        add = await dev.compile(src, "add")
+        await dev.compile(src, "add")  # a cache hit
+        n = 4096
+        a, b, out = [await dev.alloc(4 * n) for _ in range(3)]
+        await a.write(np.ones(n, np.float32))
+        await b.write(np.ones(n, np.float32))
+        q2 = dev.new_queue()
+        tl = dev.timeline()
+        q2.wait(tl, 1)
+        done = q2.launch(add, out, a, b, vals=(n,))
+        tl.signal(1)
+        await done
+        other = await dev1.alloc(4 * n)
+        await am.copy(other, out)
+        result = await other.read(np.float32)
+        assert (result == 2).all()
+        async for _ in dev.compile_many([(src, "fill"), (src, "empty")]):
+            pass
+        await out.free()
+
+
+# blockbuster watches asyncio loops only; on trio the tick monitor below stands in.
+asyncio_only = pytest.mark.parametrize(
+    "anyio_backend", [pytest.param(("asyncio", {"debug": True}), id="asyncio")]
+)
+
+
+@asyncio_only
+async def test_blockbuster_finds_no_blocking_call(
+    anyio_backend: object, blockbuster: BlockBuster
+) -> None:
+    await _workload()
+
+
+@asyncio_only
+async def test_blockbuster_catches_a_blocking_call(
+    anyio_backend: object, blockbuster: BlockBuster
+) -> None:
+    with pytest.raises(Exception, match="Blocking call"):
+        time.sleep(0.001)  # the check itself works
+
+
+async def test_loop_keeps_ticking_during_long_kernel(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    gaps: list[float] = []
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while True:
+            await anyio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await device.queue.launch(kernels["sleep_ms"], vals=(300,))
+        await _workload()
+        tg.cancel_scope.cancel()
+    assert len(gaps) > 20
+    assert max(gaps) < 0.2, f"the loop stalled for {max(gaps):.3f} s"

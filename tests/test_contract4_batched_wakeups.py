@@ -1,0 +1,91 @@
+"""Contract 4: many waiters resolved by one completion cost about one loop wake-up."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+import pytest
+
+import asyncmetal as am
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_64_timeline_waiters_one_signal_one_wakeup(device: am.Device) -> None:
+    tl = device.timeline()
+    done: list[int] = []
+
+    async def one(i: int) -> None:
+        await tl.wait(1 + i % 3)
+        done.append(i)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(64):
+            tg.start_soon(one, i)
+        while am.loop_statistics().waiting < 64:
+            await anyio.sleep(0.001)
+        before = am.loop_statistics()
+        # Signal from another thread, as a device would: one wake-up must serve all 64.
+        threading.Thread(target=tl.signal, args=(3,)).start()
+    after = am.loop_statistics()
+    assert sorted(done) == list(range(64))
+    assert after.wakeups - before.wakeups == 1
+    assert after.resolved - before.resolved == 64
+
+
+async def test_64_launch_waiters_released_together(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    tl = device.timeline()
+    q = device.new_queue()
+    q.wait(tl, 1)
+    completions = [q.launch(kernels["empty"]) for _ in range(64)]
+    async with anyio.create_task_group() as tg:
+        for c in completions:
+            tg.start_soon(c.wait)
+        while am.loop_statistics().waiting < 64:
+            await anyio.sleep(0.001)
+        before = am.loop_statistics()
+        tl.signal(1)
+        # Hold the loop (as a busy loop would be) while the queue thread finishes all 64:
+        # their completions must then arrive as one wake-up, not 64 callbacks.
+        deadline = time.monotonic() + 5
+        while q.timeline.value < 64 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    after = am.loop_statistics()
+    assert after.resolved - before.resolved == 64
+    assert after.wakeups - before.wakeups == 1
+
+
+async def test_free_running_completions_are_batched(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    q = device.new_queue()
+
+    async def worker() -> None:
+        for _ in range(10):
+            await q.launch(kernels["spin"], counter, vals=(20000,))
+
+    counter = await device.alloc(4)
+    before = am.loop_statistics()
+    async with anyio.create_task_group() as tg:
+        for _ in range(100):
+            tg.start_soon(worker)
+    after = am.loop_statistics()
+    resolved = after.resolved - before.resolved
+    assert resolved > 200  # most awaits had to park
+    # Far fewer wake-ups than completions: drains resolve many waiters at once.
+    assert after.wakeups - before.wakeups <= resolved / 2
+
+
+async def test_no_wakeup_for_completions_nobody_awaits(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    before = am.loop_statistics()
+    for _ in range(200):
+        device.queue.launch(kernels["empty"])
+    await anyio.sleep(0.05)
+    assert device.queue.timeline.value == device.queue.submitted
+    assert am.loop_statistics().wakeups == before.wakeups
