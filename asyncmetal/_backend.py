@@ -18,13 +18,34 @@ if TYPE_CHECKING:
     from ._compile import Compiler
 
 
-@dataclass(eq=False)
 class Record:
-    """What a device reports about one submitted command, filled in by the backend."""
+    """What a device reports about one submitted command, filled in by the backend:
+    device start and end times (ns, the backend's clock) either as attributes or as a
+    two-slot native array ``times`` the device writes; an error if it failed."""
 
-    start_ns: int | None = None  # device start time, in the backend's clock
-    end_ns: int | None = None
-    error: BaseException | None = None
+    __slots__ = ("_end_ns", "_start_ns", "error", "times")
+
+    def __init__(self) -> None:
+        self._start_ns: int | None = None
+        self._end_ns: int | None = None
+        self.error: BaseException | None = None
+        self.times: Any = None
+
+    @property
+    def start_ns(self) -> int | None:
+        return self._start_ns if self.times is None else int(self.times[0])
+
+    @start_ns.setter
+    def start_ns(self, value: int | None) -> None:
+        self._start_ns = value
+
+    @property
+    def end_ns(self) -> int | None:
+        return self._end_ns if self.times is None else int(self.times[1])
+
+    @end_ns.setter
+    def end_ns(self, value: int | None) -> None:
+        self._end_ns = value
 
 
 @dataclass(frozen=True)
@@ -37,7 +58,13 @@ class Arg:
 
 
 class NativeTimeline(ABC):
-    """A 64-bit monotonic counter the device and the host can both signal."""
+    """A 64-bit monotonic counter the device and the host can both signal.
+
+    A timeline of the native runtime sets ``c_timeline`` to its address: the runtime's
+    threads then wake waiting loops themselves and ``on_advance`` is never called.
+    """
+
+    c_timeline: int | None = None
 
     @property
     @abstractmethod
@@ -88,8 +115,10 @@ class NativeQueue(ABC):
         """Device to host into ``dst``."""
 
     @abstractmethod
-    def close(self) -> None:
-        """Finish what was submitted, then release the queue. May block: never on a loop."""
+    def close(self, abandon: bool = False) -> None:
+        """Finish what was submitted, then release the queue. May block: never on a loop.
+
+        ``abandon`` (interpreter exit): stop now, even inside a device-side wait."""
 
 
 @dataclass

@@ -20,6 +20,7 @@ import asyncio
 import collections
 import heapq
 import itertools
+import os
 import sys
 import threading
 import weakref
@@ -56,9 +57,13 @@ class _Entry:
 
 
 class _Watch:
-    """The waiters of one loop on one timeline: a heap ordered by value."""
+    """The waiters of one loop on one timeline: a heap ordered by value.
 
-    __slots__ = ("bridge", "heap", "next", "queued", "timeline", "withdrawn")
+    For a timeline living in the native runtime (``c_timeline``), a native watch holds
+    ``next`` where native threads read it, and they wake the loop through its pipe.
+    """
+
+    __slots__ = ("bridge", "cwatch", "heap", "next", "queued", "timeline", "withdrawn")
 
     def __init__(self, bridge: LoopBridge, timeline: Waitable) -> None:
         self.bridge = bridge
@@ -67,16 +72,24 @@ class _Watch:
         self.next = INFINITY  # smallest value waited for; read by notifying threads
         self.queued = False  # already in the bridge's pending deque
         self.withdrawn = 0  # cancelled entries still in the heap
+        c_timeline = getattr(timeline._native, "c_timeline", None)
+        self.cwatch = None if c_timeline is None else bridge.native_watch(self, c_timeline)
 
     def add(self, value: int, entry: _Entry) -> None:
         """Park ``entry`` until ``value``; it is woken later, never from inside this call."""
         heapq.heappush(self.heap, (value, next(_sequence), entry))
         self.bridge.waiting += 1
-        self.next = self.heap[0][0]
-        if self.timeline._native.value >= self.next:
+        if self._publish(self.heap[0][0]):
             # Reached while publishing `next`: the notifier may have missed it, so go
             # through the bridge (a wake-up of our own loop) rather than wake inline.
             self.bridge.notify(self)
+
+    def _publish(self, value: int) -> bool:
+        """Set ``next``; return whether the timeline has already reached it."""
+        self.next = value
+        if self.cwatch is not None:
+            return bool(_native_lib().am_watch_arm(self.cwatch, min(value, _U64_MAX)))
+        return self.timeline._native.value >= value
 
     def withdraw(self, entry: _Entry) -> None:
         entry.done = True
@@ -102,32 +115,106 @@ class _Watch:
                 self.bridge.waiting -= 1
                 self.bridge.resolved += 1
                 entry.wake()
-            self._update_next()
-            if native.value < self.next:  # re-read after publishing next: see module doc
+            if not self._update_next():  # re-read after publishing next: see module doc
                 return
 
-    def _update_next(self) -> None:
+    def _update_next(self) -> bool:
         if self.heap:
-            self.next = self.heap[0][0]
-        else:
-            self.next = INFINITY
-            self.timeline._drop_watch(self)
+            return self._publish(self.heap[0][0])
+        self.next = INFINITY
+        self.timeline._drop_watch(self)
+        if self.cwatch is not None:
+            self.bridge.drop_native_watch(self)
+        return False
 
 
 _sequence = itertools.count()
 
 
-class LoopBridge:
-    """Per event loop: the pending watches and the one scheduled drain."""
+_U64_MAX = (1 << 64) - 1
 
-    def __init__(self, call_soon_threadsafe: Callable[[Callable[[], None]], object]) -> None:
-        self._call_soon_threadsafe = call_soon_threadsafe
+
+def _native_lib() -> Any:
+    from . import _native
+
+    lib = _native.loaded()
+    assert lib is not None
+    return lib
+
+
+class LoopBridge:
+    """Per event loop: the pending watches and the one scheduled drain.
+
+    Python notifiers (a completion thread) schedule the drain with the loop's own
+    thread-safe call. Native threads instead write a byte to the bridge's pipe, which
+    the loop watches; either way one wake-up drains everything reached so far.
+    """
+
+    def __init__(self) -> None:
         self._pending: collections.deque[_Watch] = collections.deque()
         self._scheduled = False
         self.dead = False
         self.wakeups = 0
         self.resolved = 0
         self.waiting = 0
+        self._notifier: int | None = None  # the native notifier writing our pipe
+        self._pipe: tuple[int, int] | None = None
+        self._native_watches: set[_Watch] = set()
+
+    def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
+        raise NotImplementedError
+
+    def _watch_fd(self, fd: int) -> None:
+        raise NotImplementedError
+
+    def native_watch(self, watch: _Watch, c_timeline: int) -> int:
+        """A native watch on ``c_timeline`` that wakes this loop through its pipe."""
+        lib = _native_lib()
+        if self._notifier is None:
+            rfd, wfd = os.pipe()
+            os.set_blocking(rfd, False)
+            os.set_blocking(wfd, False)
+            self._pipe = (rfd, wfd)
+            self._notifier = lib.am_notifier_new(wfd)
+            self._watch_fd(rfd)
+        handle: int = lib.am_watch_new(c_timeline, self._notifier)
+        self._native_watches.add(watch)
+        return handle
+
+    def drop_native_watch(self, watch: _Watch) -> None:
+        if watch.cwatch is not None:
+            _native_lib().am_watch_free(watch.cwatch)
+            watch.cwatch = None
+        self._native_watches.discard(watch)
+
+    def _drain_native(self) -> None:
+        """The pipe is readable: resolve every native watch that was reached."""
+        assert self._notifier is not None and self._pipe is not None
+        # Empty the pipe, then re-arm, then read values: in this order a byte written by
+        # a native thread is either still unread after re-arming or its value is seen.
+        try:
+            while os.read(self._pipe[0], 4096):
+                pass
+        except BlockingIOError:
+            pass
+        _native_lib().am_notifier_reset(self._notifier)
+        self.wakeups += 1
+        for watch in list(self._native_watches):
+            if watch.timeline._native.value >= watch.next:
+                watch.resolve()
+
+    def close(self) -> None:
+        """The loop is gone: detach every native watch, then release the pipe."""
+        self.dead = True
+        for watch in list(self._native_watches):
+            self.drop_native_watch(watch)
+        if self._notifier is not None:
+            _native_lib().am_notifier_free(self._notifier)
+            self._notifier = None
+        if self._pipe is not None:
+            for fd in self._pipe:
+                os.close(fd)
+            self._pipe = None
 
     def notify(self, watch: _Watch) -> None:
         """Called from any thread once ``watch.timeline`` reached ``watch.next``."""
@@ -160,8 +247,20 @@ class LoopBridge:
 
 class _AsyncioBridge(LoopBridge):
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(loop.call_soon_threadsafe)
-        self._loop_ref = weakref.ref(loop)
+        super().__init__()
+        self._loop_ref = weakref.ref(loop)  # weak: the bridge must not keep the loop alive
+        weakref.finalize(loop, self.close)
+
+    def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
+        loop = self._loop_ref()
+        if loop is None:
+            raise RuntimeError("the loop is gone")
+        loop.call_soon_threadsafe(fn)
+
+    def _watch_fd(self, fd: int) -> None:
+        loop = self._loop_ref()
+        assert loop is not None
+        loop.add_reader(fd, self._drain_native)
 
     async def park(self, watch: _Watch, value: int) -> None:
         loop = self._loop_ref()
@@ -186,7 +285,24 @@ class _TrioBridge(LoopBridge):
     def __init__(self) -> None:
         import trio
 
-        super().__init__(trio.lowlevel.current_trio_token().run_sync_soon)
+        super().__init__()
+        self._run_sync_soon = trio.lowlevel.current_trio_token().run_sync_soon
+
+    def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
+        self._run_sync_soon(fn)
+
+    def _watch_fd(self, fd: int) -> None:
+        import trio
+
+        async def reader() -> None:
+            try:
+                while True:
+                    await trio.lowlevel.wait_readable(fd)
+                    self._drain_native()
+            finally:  # the run is ending: system tasks are cancelled last
+                self.close()
+
+        trio.lowlevel.spawn_system_task(reader, name="asyncmetal-bridge")
 
     async def park(self, watch: _Watch, value: int) -> None:
         import trio

@@ -188,10 +188,10 @@ class Device:
             self.closed = True
             await anyio.to_thread.run_sync(self._close_native)
 
-    def _close_native(self) -> None:
+    def _close_native(self, abandon: bool = False) -> None:
         self.closed = True
         for queue in self._queues:
-            queue._native.close()
+            queue._native.close(abandon)
         self._allocator.sweep()
         self._backend.close()
         _open_devices.discard(self)
@@ -278,16 +278,20 @@ class _DeviceOpener:
     async def _open(self) -> Device:
         if os.environ.get("ASYNCMETAL_WORKER"):
             raise AsyncMetalError("compile workers never open a device")
+        # Finding compilers and drivers touches the filesystem: all of it off the loop.
+        name, backend = await anyio.to_thread.run_sync(self._open_backend)
+        return Device(name, backend)
+
+    def _open_backend(self) -> tuple[str, Backend]:
         name = self._name or os.environ.get("ASYNCMETAL_DEVICE") or (devices() or ["cpu"])[0]
         kind, index = parse_name(name)
         cls = _backend_class(kind)
         available = cls.available()
-        if kind != "cpu" and name not in available and f"{kind}:{index}" not in available:
-            raise AsyncMetalError(
-                f"device {name!r} is not available here (available: {devices()})"
-            )
-        backend = await anyio.to_thread.run_sync(cls, index)
-        return Device(name, backend)
+        if name not in available and f"{kind}:{index}" not in available and (
+            kind != "cpu" or not available
+        ):
+            raise AsyncMetalError(f"device {name!r} is not available here (available: {devices()})")
+        return name, cls(index)
 
     def __await__(self) -> Generator[Any, None, Device]:
         return self._open().__await__()
@@ -315,7 +319,7 @@ def _close_all_at_exit() -> None:
     for device in list(_open_devices):
         if not device.closed:
             try:
-                device._close_native()
+                device._close_native(abandon=True)
             except Exception:  # noqa: S110 - exiting: nothing left to report to
                 pass
 

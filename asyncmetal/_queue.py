@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+import contextlib
+from collections.abc import Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._backend import Arg, NativeQueue, Record
@@ -118,10 +119,20 @@ class Queue:
         args = self._launch_args(program, buffers, vals)
         gsize, lsize = _size3(global_size, "global_size"), _size3(local_size, "local_size")
         value, record = self._next()
+        with self._rollback_on_error():
+            self._native.launch(program.native, args, gsize, lsize, value, record)
         for buf in buffers:
             buf._used(self, value)
-        self._native.launch(program.native, args, gsize, lsize, value, record)
         return Completion(self, value, record)
+
+    @contextlib.contextmanager
+    def _rollback_on_error(self) -> Iterator[None]:
+        """If the backend refuses a command, its value was never used: take it back."""
+        try:
+            yield
+        except BaseException:
+            self._submitted -= 1
+            raise
 
     def _launch_args(
         self, program: Program, buffers: Sequence[Buffer], vals: Sequence[int]
@@ -184,8 +195,9 @@ class Queue:
             raise InvalidArgumentError("a queue's own timeline is signalled by its queue only")
         value = timeline._check_signal(value, "value")
         submitted, record = self._next()
+        with self._rollback_on_error():
+            self._native.signal(timeline._native, value, submitted, record)
         timeline._highest = value
-        self._native.signal(timeline._native, value, submitted, record)
         return Completion(self, submitted, record)
 
     def wait(self, timeline: Timeline, value: int) -> Completion:
@@ -197,7 +209,8 @@ class Queue:
         timeline = self._timeline_arg(timeline, "timeline")
         value = check_value(value)
         submitted, record = self._next()
-        self._native.wait(timeline._native, value, submitted, record)
+        with self._rollback_on_error():
+            self._native.wait(timeline._native, value, submitted, record)
         return Completion(self, submitted, record)
 
     def copy(self, dst: Any, src: Any, nbytes: int | None = None) -> Completion:

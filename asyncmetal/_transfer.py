@@ -77,26 +77,29 @@ def submit_copy(queue: Queue, dst: Any, src: Any, nbytes: int | None) -> Complet
             )
         _order_after_other_queues(queue, dst, src)
         value, record = queue._next()
+        peer = None if src.device is device else src.device._backend
+        with queue._rollback_on_error():
+            queue._native.copy(dst._arg(), src._arg(), nbytes, value, record, peer)
         dst._used(queue, value)
         src._used(queue, value)
-        peer = None if src.device is device else src.device._backend
-        queue._native.copy(dst._arg(), src._arg(), nbytes, value, record, peer)
     elif isinstance(dst, Buffer):
         dst._check_usable("dst", device)
         view = host_view(src, "src", writable=False)
         nbytes = _size(dst.nbytes, view.nbytes, nbytes)
         _order_after_other_queues(queue, dst)
         value, record = queue._next()
+        with queue._rollback_on_error():
+            queue._native.copyin(dst._arg(), view[:nbytes], value, record)
         dst._used(queue, value)
-        queue._native.copyin(dst._arg(), view[:nbytes], value, record)
     elif isinstance(src, Buffer):
         src._check_usable("src", device)
         view = host_view(dst, "dst", writable=True)
         nbytes = _size(view.nbytes, src.nbytes, nbytes)
         _order_after_other_queues(queue, src)
         value, record = queue._next()
+        with queue._rollback_on_error():
+            queue._native.copyout(view[:nbytes], src._arg(), value, record)
         src._used(queue, value)
-        queue._native.copyout(view[:nbytes], src._arg(), value, record)
     else:
         raise ArgumentTypeError("copy needs a Buffer as dst or src (or both)")
     return Completion(queue, value, record)

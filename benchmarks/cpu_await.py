@@ -75,9 +75,7 @@ async def bench(backend: str) -> dict[str, Any]:
     async with am.open_device("cpu") as dev:
         empty = await dev.compile(SRC, "empty")
         sleeper = await dev.compile(SRC, "sleep_ms")
-        lib = ctypes.CDLL(empty.native._name if hasattr(empty.native, "_name") else None)
-        f = empty.native  # the very ctypes function the queue calls
-        del lib
+        f = ctypes.CFUNCTYPE(None)(empty.native)  # the very function the queue calls
         q = dev.queue
         handoff = thread_handoff(backend)
 

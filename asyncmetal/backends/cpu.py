@@ -1,9 +1,13 @@
 """The ``cpu`` device: C kernels built by the system C compiler, run on queue threads.
 
-Each queue is one thread executing its commands in order; ctypes releases the GIL for
-the kernel. Timelines are counters the queue threads advance. A device-side wait parks
-the queue thread on its own inbox until a signal pokes it, so no lock is ever held
-while waiting and the event loop never takes a lock a device thread could keep.
+Each queue is a thread of asyncmetal's native runtime (``native/amrt.c``) executing its
+commands in order -- kernel calls, memmoves, timeline signals and waits -- without ever
+taking the GIL. Timelines are 64-bit counters in the runtime; a queue thread that
+reaches a value some loop awaits writes one byte to that loop's pipe.
+
+Kernels are called with up to 16 parameters, each passed as a 64-bit integer register
+or stack slot (pointers, and ints widened): right for the x86-64 System V and AArch64
+Linux calling conventions, which read an ``int`` from the low half.
 """
 
 from __future__ import annotations
@@ -12,22 +16,22 @@ import collections
 import ctypes
 import functools
 import os
-import queue as queue_module
 import shutil
 import subprocess
 import tempfile
-import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from .. import _native
 from .._backend import Arg, Backend, DeviceInfo, NativeQueue, NativeTimeline, Record
 from .._compile import Compiler
-from .._errors import CompileError, DeviceLostError
+from .._errors import ArgumentTypeError, CompileError
 
 _ALIGN = 64
+MAX_ARGS = _native.MAX_ARGS
+SPIN_NS = 50_000  # a queue thread spins this long for the next command before sleeping
 
 
 class CCompiler(Compiler):
@@ -87,29 +91,25 @@ class _Memory:
 
 
 class CPUTimeline(NativeTimeline):
-    def __init__(self, on_advance: Callable[[int], None]) -> None:
-        self._value = 0
-        self._lock = threading.Lock()  # held for a few bytecodes, never while waiting
-        self._sleepers: list[queue_module.SimpleQueue[Any]] = []
-        self._on_advance = on_advance
+    """A timeline in the native runtime: queue threads signal and wait on it in C."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        self.c_timeline: int = lib.am_timeline_new()
+        if not self.c_timeline:
+            raise MemoryError("am_timeline_new")
+        self._value = ctypes.c_uint64.from_address(self.c_timeline)  # read in place
 
     @property
     def value(self) -> int:
-        return self._value
+        return self._value.value
 
     def signal(self, value: int) -> None:
-        with self._lock:
-            if value <= self._value:
-                return
-            self._value = value
-            sleepers = list(self._sleepers)
-        for inbox in sleepers:
-            inbox.put(_RECHECK)
-        self._on_advance(value)
+        self._lib.am_timeline_signal(self.c_timeline, value)
 
-
-_RECHECK = object()
-_STOP = object()
+    def __del__(self) -> None:
+        # Only reached once no queue command nor watch refers to it (they hold us).
+        self._lib.am_timeline_free(self.c_timeline)
 
 
 def _address(arg: Arg) -> int:
@@ -123,55 +123,24 @@ def _host_address(view: memoryview) -> tuple[int, Any]:
 
 
 class CPUQueue(NativeQueue):
-    def __init__(self, name: str, timeline: CPUTimeline) -> None:
-        self._inbox: queue_module.SimpleQueue[Any] = queue_module.SimpleQueue()
-        self.timeline = timeline  # the queue's own: signalled after each command
-        self._thread = threading.Thread(target=self._run, name=f"asyncmetal-{name}", daemon=True)
-        self._thread.start()
+    """A queue thread of the native runtime. Python only keeps the commands' objects
+    alive until the queue's own timeline has passed them."""
 
-    # Each command is (function, args, value, record).
-    def _submit(
-        self, fn: Callable[..., None], args: tuple[Any, ...], value: int, record: Record
-    ) -> None:
-        self._inbox.put((fn, args, value, record))
+    def __init__(self, lib: ctypes.CDLL, timeline: CPUTimeline) -> None:
+        self._lib = lib
+        self._timeline = timeline
+        self._handle: int | None = lib.am_queue_new(timeline.c_timeline, SPIN_NS)
+        if not self._handle:
+            raise MemoryError("am_queue_new")
+        self._keep: collections.deque[tuple[int, object]] = collections.deque()
 
-    def _run(self) -> None:
-        backlog: collections.deque[Any] = collections.deque()
-        inbox = self._inbox
-        while True:
-            item = backlog.popleft() if backlog else inbox.get()
-            if item is _STOP:
-                return
-            if item is _RECHECK:
-                continue
-            fn, args, value, record = item
-            if fn is _wait:
-                if not self._wait(args[0], args[1], backlog):
-                    return
-            else:
-                try:
-                    record.start_ns = time.perf_counter_ns()
-                    fn(*args)
-                    record.end_ns = time.perf_counter_ns()
-                except Exception as exc:  # a host-side failure of the command
-                    record.error = DeviceLostError(f"cpu command failed: {exc!r}")
-            self.timeline.signal(value)
-
-    def _wait(self, timeline: CPUTimeline, target: int, backlog: collections.deque[Any]) -> bool:
-        if timeline.value >= target:
-            return True
-        inbox = self._inbox
-        timeline._sleepers.append(inbox)
-        try:
-            while timeline.value < target:
-                item = inbox.get()
-                if item is _STOP:  # closing while waiting: what follows is abandoned
-                    return False
-                if item is not _RECHECK:
-                    backlog.append(item)
-        finally:
-            timeline._sleepers.remove(inbox)
-        return True
+    def _submitted(self, status: int, value: int, keep: object) -> None:
+        if status != 0:
+            raise MemoryError("the cpu queue could not grow its command ring")
+        reached = self._timeline.value
+        while self._keep and self._keep[0][0] <= reached:
+            self._keep.popleft()
+        self._keep.append((value, keep))
 
     def launch(
         self,
@@ -182,48 +151,48 @@ class CPUQueue(NativeQueue):
         value: int,
         record: Record,
     ) -> None:
-        converted = tuple(
-            ctypes.c_int(a.value) if a.handle is None else ctypes.c_void_p(_address(a))
-            for a in args
+        if len(args) > MAX_ARGS:
+            raise ArgumentTypeError(f"cpu kernels take at most {MAX_ARGS} parameters")
+        ints = (ctypes.c_int64 * max(len(args), 1))(
+            *(a.value if a.handle is None else _address(a) for a in args)
         )
-        # The Arg tuple rides along so every buffer stays alive until the command ran.
-        self._submit(_call, (program, converted, args), value, record)
+        times = record.times = (ctypes.c_int64 * 2)()
+        status = self._lib.am_queue_call(self._handle, program, len(args), ints, times, value)
+        self._submitted(status, value, (args, times))
 
     def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
-        self._submit(timeline.signal, (target,), value, record)
+        assert isinstance(timeline, CPUTimeline)
+        status = self._lib.am_queue_signal(self._handle, timeline.c_timeline, target, value)
+        self._submitted(status, value, timeline)
 
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
-        self._submit(_wait, (timeline, target), value, record)
+        assert isinstance(timeline, CPUTimeline)
+        status = self._lib.am_queue_wait(self._handle, timeline.c_timeline, target, value)
+        self._submitted(status, value, timeline)
+
+    def _memmove(self, dst: int, src: int, nbytes: int, value: int, record: Record, keep: object) -> None:
+        times = record.times = (ctypes.c_int64 * 2)()
+        status = self._lib.am_queue_copy(self._handle, dst, src, nbytes, times, value)
+        self._submitted(status, value, (keep, times))
 
     def copy(
         self, dst: Arg, src: Arg, nbytes: int, value: int, record: Record, peer: Any = None
     ) -> None:
-        self._submit(_memmove, (_address(dst), _address(src), nbytes, dst, src), value, record)
+        self._memmove(_address(dst), _address(src), nbytes, value, record, (dst, src))
 
     def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
         address, keep = _host_address(src)
-        self._submit(_memmove, (_address(dst), address, src.nbytes, dst, keep), value, record)
+        self._memmove(_address(dst), address, src.nbytes, value, record, (dst, keep))
 
     def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
         address, keep = _host_address(dst)
-        self._submit(_memmove, (address, _address(src), dst.nbytes, keep, src), value, record)
+        self._memmove(address, _address(src), dst.nbytes, value, record, (keep, src))
 
-    def close(self) -> None:
-        self._inbox.put(_STOP)
-        if self._thread is not threading.current_thread():
-            self._thread.join()
-
-
-def _call(program: Any, converted: tuple[Any, ...], _keep: object) -> None:
-    program(*converted)
-
-
-def _memmove(dst: int, src: int, nbytes: int, *_keep: object) -> None:
-    ctypes.memmove(dst, src, nbytes)
-
-
-def _wait(*_: object) -> None:  # a marker: the queue thread handles waits itself
-    raise AssertionError("unreachable")
+    def close(self, abandon: bool = False) -> None:
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            self._lib.am_queue_close(handle, int(abandon))
+            self._keep.clear()
 
 
 class CPUBackend(Backend):
@@ -232,11 +201,11 @@ class CPUBackend(Backend):
 
     @classmethod
     def available(cls) -> list[str]:
-        return ["cpu"]
+        return ["cpu"] if _native.compiler() is not None else []
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self._queues = 0
+        self._lib = _native.runtime()  # builds it on first use (we are off the loop)
         self._compiler = CCompiler()
         self._libraries: list[Any] = []
         self.live_allocations = 0
@@ -260,9 +229,8 @@ class CPUBackend(Backend):
             f.flush()
             lib = ctypes.CDLL(f.name, mode=os.RTLD_LOCAL)
         fn = getattr(lib, name)  # AttributeError: the name is missing
-        fn.restype = None
         self._libraries.append(lib)
-        return fn
+        return ctypes.cast(fn, ctypes.c_void_p).value
 
     def allocate(self, nbytes: int) -> Any:
         memory = _Memory(nbytes)
@@ -278,11 +246,11 @@ class CPUBackend(Backend):
 
     def new_queue(self, timeline: NativeTimeline) -> NativeQueue:
         assert isinstance(timeline, CPUTimeline)
-        self._queues += 1
-        return CPUQueue(f"cpu:{self.index}-q{self._queues}", timeline)
+        return CPUQueue(self._lib, timeline)
 
     def new_timeline(self, on_advance: Callable[[int], None]) -> NativeTimeline:
-        return CPUTimeline(on_advance)
+        # The runtime notifies waiting loops itself (through their pipes): no callback.
+        return CPUTimeline(self._lib)
 
     def close(self) -> None:
         self._libraries.clear()

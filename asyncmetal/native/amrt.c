@@ -1,0 +1,315 @@
+/* asyncmetal's native runtime for the cpu device (and the fd wake-ups of any backend).
+ *
+ * Queue threads live here, not in Python: they never take the GIL. A queue runs its
+ * commands in order (kernel calls, memmoves, timeline signals and waits) and signals its
+ * own timeline after each. When a timeline reaches the value a loop waits for, the loop's
+ * notifier gets one byte on its pipe -- only if none is pending -- so one wake-up of the
+ * loop serves every completion since its last drain.
+ *
+ * Built by asyncmetal at first use with the system C compiler: cc -O2 -shared -fPIC -pthread
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define AM_MAX_ARGS 16
+
+typedef struct am_notifier {
+    atomic_int pending;
+    int fd;
+} am_notifier;
+
+struct am_timeline;
+
+typedef struct am_watch {
+    _Atomic uint64_t next;          /* smallest value its loop waits for */
+    am_notifier *notifier;
+    struct am_timeline *timeline;
+    struct am_watch *link;
+} am_watch;
+
+typedef struct am_timeline {
+    _Atomic uint64_t value;         /* first member: Python reads it in place */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    am_watch *watches;
+} am_timeline;
+
+enum { CMD_CALL = 1, CMD_COPY, CMD_SIGNAL, CMD_WAIT };
+
+typedef struct {
+    int kind;
+    int nargs;
+    void *fn;
+    int64_t args[AM_MAX_ARGS];
+    am_timeline *timeline;
+    uint64_t target;
+    void *dst;
+    const void *src;
+    size_t nbytes;
+    int64_t *record;                /* start_ns, end_ns */
+    uint64_t value;                 /* the queue's own timeline value after it */
+} am_cmd;
+
+typedef struct am_queue {
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    am_cmd *ring;
+    size_t cap, head, count;
+    atomic_size_t pending;          /* commands submitted and not yet taken */
+    int stop;                       /* 1: finish what is queued, 2: abandon now */
+    int sleeping;
+    long spin_ns;
+    am_timeline *own;
+    am_timeline *waiting_on;
+} am_queue;
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* ---- notifiers and watches ------------------------------------------------------- */
+
+am_notifier *am_notifier_new(int fd) {
+    am_notifier *n = calloc(1, sizeof *n);
+    if (n) n->fd = fd;
+    return n;
+}
+
+void am_notifier_free(am_notifier *n) { free(n); }
+
+static void notify(am_notifier *n) {
+    if (!atomic_exchange(&n->pending, 1)) {
+        char one = 1;
+        ssize_t r;
+        do { r = write(n->fd, &one, 1); } while (r < 0 && errno == EINTR);
+    }
+}
+
+/* Called by the loop after emptying its pipe and before reading the values: any later
+ * advance writes again. */
+void am_notifier_reset(am_notifier *n) { atomic_store(&n->pending, 0); }
+
+am_watch *am_watch_new(am_timeline *t, am_notifier *n) {
+    am_watch *w = calloc(1, sizeof *w);
+    if (!w) return NULL;
+    atomic_store(&w->next, UINT64_MAX);
+    w->notifier = n;
+    w->timeline = t;
+    pthread_mutex_lock(&t->mu);
+    w->link = t->watches;
+    t->watches = w;
+    pthread_mutex_unlock(&t->mu);
+    return w;
+}
+
+void am_watch_free(am_watch *w) {
+    am_timeline *t = w->timeline;
+    pthread_mutex_lock(&t->mu);
+    for (am_watch **p = &t->watches; *p; p = &(*p)->link) {
+        if (*p == w) { *p = w->link; break; }
+    }
+    pthread_mutex_unlock(&t->mu);
+    free(w);
+}
+
+/* Publish the smallest awaited value; returns 1 if it is already reached. The seq_cst
+ * store-then-load pairs with am_timeline_signal's store-then-load: no wake-up is lost. */
+int am_watch_arm(am_watch *w, uint64_t next) {
+    atomic_store(&w->next, next);
+    return atomic_load(&w->timeline->value) >= next;
+}
+
+/* ---- timelines ------------------------------------------------------------------- */
+
+am_timeline *am_timeline_new(void) {
+    am_timeline *t = calloc(1, sizeof *t);
+    if (!t) return NULL;
+    pthread_mutex_init(&t->mu, NULL);
+    pthread_cond_init(&t->cv, NULL);
+    return t;
+}
+
+void am_timeline_free(am_timeline *t) {
+    pthread_mutex_destroy(&t->mu);
+    pthread_cond_destroy(&t->cv);
+    free(t);
+}
+
+uint64_t am_timeline_value(am_timeline *t) { return atomic_load(&t->value); }
+
+void am_timeline_signal(am_timeline *t, uint64_t v) {
+    pthread_mutex_lock(&t->mu);
+    if (v > atomic_load(&t->value)) {
+        atomic_store(&t->value, v);
+        pthread_cond_broadcast(&t->cv);
+        for (am_watch *w = t->watches; w; w = w->link)
+            if (v >= atomic_load(&w->next)) notify(w->notifier);
+    }
+    pthread_mutex_unlock(&t->mu);
+}
+
+/* ---- queues ---------------------------------------------------------------------- */
+
+typedef void (*am_kernel)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, int64_t);
+
+static int take(am_queue *q, am_cmd *out) {
+    /* A short spin first: a command submitted right behind the last one then starts
+     * without a sleep/wake round trip. Bounded by spin_ns after each command. */
+    if (q->spin_ns > 0 && atomic_load(&q->pending) == 0) {
+        int64_t deadline = now_ns() + q->spin_ns;
+        while (atomic_load(&q->pending) == 0 && now_ns() < deadline) sched_yield();
+    }
+    pthread_mutex_lock(&q->mu);
+    while (q->count == 0 && !q->stop) {
+        q->sleeping = 1;
+        pthread_cond_wait(&q->cv, &q->mu);
+        q->sleeping = 0;
+    }
+    if (q->stop == 2 || (q->count == 0 && q->stop)) {
+        pthread_mutex_unlock(&q->mu);
+        return 0;
+    }
+    *out = q->ring[q->head];
+    q->head = (q->head + 1) % q->cap;
+    q->count--;
+    atomic_fetch_sub(&q->pending, 1);
+    pthread_mutex_unlock(&q->mu);
+    return 1;
+}
+
+static int wait_timeline(am_queue *q, am_timeline *t, uint64_t target) {
+    pthread_mutex_lock(&q->mu);
+    q->waiting_on = t;
+    int abandon = q->stop == 2;
+    pthread_mutex_unlock(&q->mu);
+    pthread_mutex_lock(&t->mu);
+    while (!abandon && atomic_load(&t->value) < target) {
+        pthread_cond_wait(&t->cv, &t->mu);
+        abandon = __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) == 2;
+    }
+    pthread_mutex_unlock(&t->mu);
+    pthread_mutex_lock(&q->mu);
+    q->waiting_on = NULL;
+    pthread_mutex_unlock(&q->mu);
+    return !abandon;
+}
+
+static void *run(void *arg) {
+    am_queue *q = arg;
+    am_cmd c;
+    while (take(q, &c)) {
+        if (c.record) c.record[0] = now_ns();
+        switch (c.kind) {
+        case CMD_CALL:
+            ((am_kernel)c.fn)(c.args[0], c.args[1], c.args[2], c.args[3], c.args[4], c.args[5],
+                              c.args[6], c.args[7], c.args[8], c.args[9], c.args[10],
+                              c.args[11], c.args[12], c.args[13], c.args[14], c.args[15]);
+            break;
+        case CMD_COPY:
+            memmove(c.dst, c.src, c.nbytes);
+            break;
+        case CMD_SIGNAL:
+            am_timeline_signal(c.timeline, c.target);
+            break;
+        case CMD_WAIT:
+            if (!wait_timeline(q, c.timeline, c.target)) return NULL;
+            break;
+        }
+        if (c.record) c.record[1] = now_ns();
+        am_timeline_signal(q->own, c.value);
+    }
+    return NULL;
+}
+
+am_queue *am_queue_new(am_timeline *own, long spin_ns) {
+    am_queue *q = calloc(1, sizeof *q);
+    if (!q) return NULL;
+    q->cap = 64;
+    q->ring = calloc(q->cap, sizeof(am_cmd));
+    q->own = own;
+    q->spin_ns = spin_ns;
+    pthread_mutex_init(&q->mu, NULL);
+    pthread_cond_init(&q->cv, NULL);
+    if (!q->ring || pthread_create(&q->thread, NULL, run, q) != 0) {
+        free(q->ring);
+        free(q);
+        return NULL;
+    }
+    return q;
+}
+
+static int push(am_queue *q, const am_cmd *c) {
+    pthread_mutex_lock(&q->mu);
+    if (q->count == q->cap) {
+        am_cmd *ring = malloc(2 * q->cap * sizeof(am_cmd));
+        if (!ring) { pthread_mutex_unlock(&q->mu); return -1; }
+        for (size_t i = 0; i < q->count; i++) ring[i] = q->ring[(q->head + i) % q->cap];
+        free(q->ring);
+        q->ring = ring;
+        q->head = 0;
+        q->cap *= 2;
+    }
+    q->ring[(q->head + q->count) % q->cap] = *c;
+    q->count++;
+    atomic_fetch_add(&q->pending, 1);
+    if (q->sleeping) pthread_cond_signal(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    return 0;
+}
+
+int am_queue_call(am_queue *q, void *fn, int nargs, const int64_t *args, int64_t *record,
+                  uint64_t value) {
+    am_cmd c = {.kind = CMD_CALL, .fn = fn, .nargs = nargs, .record = record, .value = value};
+    if (nargs < 0 || nargs > AM_MAX_ARGS) return -2;
+    memcpy(c.args, args, (size_t)nargs * sizeof(int64_t));
+    return push(q, &c);
+}
+
+int am_queue_copy(am_queue *q, void *dst, const void *src, size_t nbytes, int64_t *record,
+                  uint64_t value) {
+    am_cmd c = {.kind = CMD_COPY, .dst = dst, .src = src, .nbytes = nbytes, .record = record,
+                .value = value};
+    return push(q, &c);
+}
+
+int am_queue_signal(am_queue *q, am_timeline *t, uint64_t target, uint64_t value) {
+    am_cmd c = {.kind = CMD_SIGNAL, .timeline = t, .target = target, .value = value};
+    return push(q, &c);
+}
+
+int am_queue_wait(am_queue *q, am_timeline *t, uint64_t target, uint64_t value) {
+    am_cmd c = {.kind = CMD_WAIT, .timeline = t, .target = target, .value = value};
+    return push(q, &c);
+}
+
+/* Stop the thread and free the queue. abandon=0: after everything queued has run;
+ * abandon=1: now, leaving a pending device-side wait (interpreter exit). Blocks. */
+void am_queue_close(am_queue *q, int abandon) {
+    pthread_mutex_lock(&q->mu);
+    __atomic_store_n(&q->stop, abandon ? 2 : 1, __ATOMIC_SEQ_CST);
+    pthread_cond_signal(&q->cv);
+    am_timeline *t = q->waiting_on;
+    pthread_mutex_unlock(&q->mu);
+    if (t && abandon) {
+        pthread_mutex_lock(&t->mu);
+        pthread_cond_broadcast(&t->cv);
+        pthread_mutex_unlock(&t->mu);
+    }
+    pthread_join(q->thread, NULL);
+    pthread_mutex_destroy(&q->mu);
+    pthread_cond_destroy(&q->cv);
+    free(q->ring);
+    free(q);
+}
