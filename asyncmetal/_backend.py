@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 if TYPE_CHECKING:
     from ._compile import Compiler
@@ -20,36 +20,35 @@ if TYPE_CHECKING:
 
 class Record:
     """What a device reports about one submitted command, filled in by the backend:
-    device start and end times (ns, the backend's clock) either as attributes or as a
-    two-slot native array ``times`` the device writes; an error if it failed."""
+    an error if it failed, and device start/end times (ns, the backend's clock) set as
+    ``start_ns``/``end_ns`` or found in a native ring the device writes (``ring`` of
+    int64 triples start, end, value; ``row``), valid while the row still holds ``value``.
+    :class:`~asyncmetal.Completion` is the Record of its command."""
 
-    __slots__ = ("_end_ns", "_start_ns", "error", "times")
+    __slots__ = ("error", "ring", "row", "start_ns", "end_ns", "value")
 
-    def __init__(self) -> None:
-        self._start_ns: int | None = None
-        self._end_ns: int | None = None
+    def __init__(self, value: int) -> None:
+        self.value = value
         self.error: BaseException | None = None
-        self.times: Any = None
+        self.ring: Any = None
+        self.row = 0
+        self.start_ns: int | None = None
+        self.end_ns: int | None = None
 
-    @property
-    def start_ns(self) -> int | None:
-        return self._start_ns if self.times is None else int(self.times[0])
-
-    @start_ns.setter
-    def start_ns(self, value: int | None) -> None:
-        self._start_ns = value
-
-    @property
-    def end_ns(self) -> int | None:
-        return self._end_ns if self.times is None else int(self.times[1])
-
-    @end_ns.setter
-    def end_ns(self, value: int | None) -> None:
-        self._end_ns = value
+    def times(self) -> tuple[int, int] | None:
+        """(start_ns, end_ns) where the backend measured them, else None."""
+        if self.ring is None:
+            if self.start_ns is None or self.end_ns is None:
+                return None
+            return self.start_ns, self.end_ns
+        ring, base = self.ring, 3 * self.row
+        before, start, end, after = ring[base + 2], ring[base], ring[base + 1], ring[base + 2]
+        if before != self.value or after != self.value:
+            return None  # the row was reused by a later command
+        return int(start), int(end)
 
 
-@dataclass(frozen=True)
-class Arg:
+class Arg(NamedTuple):
     """One launch argument: a native buffer handle plus a byte offset, or an int value."""
 
     handle: Any = None

@@ -121,13 +121,16 @@ class Program:
     binary: bytes
     native: Any
 
-    @property
-    def buffer_count(self) -> int:
-        return self.params.count("buffer")
-
-    @property
-    def value_count(self) -> int:
-        return self.params.count("value")
+    def __post_init__(self) -> None:
+        self.buffer_count = self.params.count("buffer")
+        self.value_count = self.params.count("value")
+        # Launch arguments come as buffers then values; `order` maps them to the
+        # parameter order (None when the kernel already declares them so).
+        buffers = [i for i, k in enumerate(self.params) if k == "buffer"]
+        values = [i for i, k in enumerate(self.params) if k == "value"]
+        position = {p: i for i, p in enumerate(buffers + values)}
+        order = [position[p] for p in range(len(self.params))]
+        self.order: list[int] | None = None if order == sorted(order) else order
 
     def __repr__(self) -> str:
         return f"<Program {self.name!r} on {self.device.name} params={self.params}>"

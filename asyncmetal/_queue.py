@@ -7,6 +7,7 @@ from collections.abc import Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._backend import Arg, NativeQueue, Record
+from ._bridge import checkpoint
 from ._compile import Program
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
 from ._memory import Buffer
@@ -16,9 +17,10 @@ if TYPE_CHECKING:
     from ._device import Device
 
 _INT32 = (-(1 << 31), (1 << 31) - 1)
+_ONE3 = (1, 1, 1)
 
 
-class Completion:
+class Completion(Record):
     """One submitted command: the point ``value`` on ``queue.timeline``.
 
     ``await completion`` resumes once the device has finished the command (a checkpoint;
@@ -26,12 +28,13 @@ class Completion:
     raises the command's error if it failed.
     """
 
-    __slots__ = ("_record", "queue", "value")
+    __slots__ = ("queue",)
 
-    def __init__(self, queue: Queue, value: int, record: Record) -> None:
+    def __init__(self, queue: Queue, value: int) -> None:  # hot: Record's fields inline
         self.queue = queue
         self.value = value
-        self._record = record
+        self.error = self.ring = self.start_ns = self.end_ns = None
+        self.row = 0
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
@@ -47,24 +50,30 @@ class Completion:
 
     async def wait(self) -> None:
         """Wait for the command to finish; raise its error if it failed."""
-        await wait_value(self.queue.timeline, self.value)
-        if self._record.error is not None:
-            raise self._record.error
+        await self
 
     def __await__(self) -> Generator[Any, None, None]:
-        return self.wait().__await__()
+        timeline = self.queue.timeline
+        if timeline._native.value >= self.value:  # the common fast path: one yield
+            yield from checkpoint().__await__()
+        else:
+            yield from wait_value(timeline, self.value).__await__()
+        if self.error is not None:
+            raise self.error
 
     @property
     def start_time(self) -> float | None:
-        """Device start time in seconds (backend clock), once done, where measured."""
-        ns = self._record.start_ns
-        return None if ns is None or not self.done() else ns / 1e9
+        """Device start time in seconds (backend clock), once done, where measured.
+
+        The cpu device keeps the times of a queue's last 4096 commands."""
+        times = self.times() if self.done() else None
+        return None if times is None else times[0] / 1e9
 
     @property
     def end_time(self) -> float | None:
         """Device end time in seconds (backend clock), once done, where measured."""
-        ns = self._record.end_ns
-        return None if ns is None or not self.done() else ns / 1e9
+        times = self.times() if self.done() else None
+        return None if times is None else times[1] / 1e9
 
 
 def _size3(size: object, what: str) -> tuple[int, int, int]:
@@ -100,30 +109,40 @@ class Queue:
         """The timeline value of the last command submitted (0 if none)."""
         return self._submitted
 
-    def _next(self) -> tuple[int, Record]:
+    def _next(self) -> Completion:
         if self.device.closed:
             raise ClosedResourceError(f"device {self.device.name} is closed")
         self._submitted += 1
-        return self._submitted, Record()
+        return Completion(self, self._submitted)
 
     def launch(
         self,
         program: Program,
         *buffers: Buffer,
-        global_size: int | Sequence[int] = (1, 1, 1),
-        local_size: int | Sequence[int] = (1, 1, 1),
+        global_size: int | Sequence[int] = _ONE3,
+        local_size: int | Sequence[int] = _ONE3,
         vals: Sequence[int] = (),
     ) -> Completion:
         """Run ``program`` with ``buffers`` (its pointer parameters, in order) and
-        ``vals`` (its value parameters, in order)."""
+        ``vals`` (its value parameters, in order).
+
+        Every argument is checked before anything is submitted.
+        """
         args = self._launch_args(program, buffers, vals)
-        gsize, lsize = _size3(global_size, "global_size"), _size3(local_size, "local_size")
-        value, record = self._next()
-        with self._rollback_on_error():
-            self._native.launch(program.native, args, gsize, lsize, value, record)
+        gsize = _ONE3 if global_size is _ONE3 else _size3(global_size, "global_size")
+        lsize = _ONE3 if local_size is _ONE3 else _size3(local_size, "local_size")
+        if self.device.closed:
+            raise ClosedResourceError(f"device {self.device.name} is closed")
+        self._submitted = value = self._submitted + 1
+        done = Completion(self, value)
+        try:
+            self._native.launch(program.native, args, gsize, lsize, value, done)
+        except BaseException:
+            self._submitted -= 1  # the backend refused it: its value was never used
+            raise
         for buf in buffers:
-            buf._used(self, value)
-        return Completion(self, value, record)
+            buf._allocation.last_use[self] = value
+        return done
 
     @contextlib.contextmanager
     def _rollback_on_error(self) -> Iterator[None]:
@@ -137,14 +156,16 @@ class Queue:
     def _launch_args(
         self, program: Program, buffers: Sequence[Buffer], vals: Sequence[int]
     ) -> list[Arg]:
-        if not isinstance(program, Program):
+        if program.__class__ is not Program:
             raise ArgumentTypeError(f"program must be a Program, got {type(program).__name__}")
         if program.device is not self.device:
             raise InvalidArgumentError(
                 f"program {program.name!r} was compiled for {program.device.name}, "
                 f"not {self.device.name}"
             )
-        if isinstance(vals, (str, bytes)) or not isinstance(vals, Sequence):
+        if vals.__class__ is not tuple and (
+            isinstance(vals, (str, bytes)) or not isinstance(vals, Sequence)
+        ):
             raise ArgumentTypeError(f"vals must be a sequence of ints, got {vals!r}")
         if len(buffers) != program.buffer_count:
             raise ArgumentTypeError(
@@ -155,25 +176,29 @@ class Queue:
             raise ArgumentTypeError(
                 f"kernel {program.name!r} takes {program.value_count} vals, got {len(vals)}"
             )
-        buffer_args: list[Arg] = []
+        args: list[Arg] = []
+        device = self.device
         for i, buf in enumerate(buffers):
-            if not isinstance(buf, Buffer):
+            if buf.__class__ is not Buffer:
                 raise ArgumentTypeError(
                     f"buffer {i} of {program.name!r} must be a Buffer, got {type(buf).__name__}"
                 )
-            buf._check_usable(f"buffer {i} of {program.name!r}", self.device)
-            buffer_args.append(buf._arg())
-        value_args: list[Arg] = []
+            allocation = buf._allocation
+            if allocation.freed or buf.device is not device or device.closed:
+                buf._check_usable(f"buffer {i} of {program.name!r}", device)
+            args.append(Arg(allocation.handle, buf.offset, None))
         for i, v in enumerate(vals):
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise ArgumentTypeError(
-                    f"vals[{i}] of {program.name!r} must be an int, got {type(v).__name__}"
-                )
+            if v.__class__ is not int:
+                if not isinstance(v, int) or isinstance(v, bool):
+                    raise ArgumentTypeError(
+                        f"vals[{i}] of {program.name!r} must be an int, got {type(v).__name__}"
+                    )
+                v = int(v)
             if not _INT32[0] <= v <= _INT32[1]:
                 raise InvalidArgumentError(f"vals[{i}] of {program.name!r} must fit in int32: {v}")
-            value_args.append(Arg(value=v))
-        buffer_iter, value_iter = iter(buffer_args), iter(value_args)
-        return [next(buffer_iter if k == "buffer" else value_iter) for k in program.params]
+            args.append(Arg(None, 0, v))
+        order = program.order
+        return args if order is None else [args[i] for i in order]
 
     def _timeline_arg(self, timeline: object, what: str) -> Timeline:
         if not isinstance(timeline, Timeline):
@@ -194,11 +219,11 @@ class Queue:
         if timeline._owner is not None:
             raise InvalidArgumentError("a queue's own timeline is signalled by its queue only")
         value = timeline._check_signal(value, "value")
-        submitted, record = self._next()
+        done = self._next()
         with self._rollback_on_error():
-            self._native.signal(timeline._native, value, submitted, record)
+            self._native.signal(timeline._native, value, done.value, done)
         timeline._highest = value
-        return Completion(self, submitted, record)
+        return done
 
     def wait(self, timeline: Timeline, value: int) -> Completion:
         """Hold every later command until ``timeline`` reaches ``value``.
@@ -208,10 +233,10 @@ class Queue:
         """
         timeline = self._timeline_arg(timeline, "timeline")
         value = check_value(value)
-        submitted, record = self._next()
+        done = self._next()
         with self._rollback_on_error():
-            self._native.wait(timeline._native, value, submitted, record)
-        return Completion(self, submitted, record)
+            self._native.wait(timeline._native, value, done.value, done)
+        return done
 
     def copy(self, dst: Any, src: Any, nbytes: int | None = None) -> Completion:
         """Submit a copy of ``nbytes`` (default: all of ``src``) and return its Completion.

@@ -56,8 +56,6 @@ def _order_after_other_queues(queue: Queue, *buffers: Buffer) -> None:
 
 
 def submit_copy(queue: Queue, dst: Any, src: Any, nbytes: int | None) -> Completion:
-    from ._queue import Completion
-
     device = queue.device
     if isinstance(dst, Buffer) and isinstance(src, Buffer):
         dst._check_usable("dst", device)
@@ -76,10 +74,11 @@ def submit_copy(queue: Queue, dst: Any, src: Any, nbytes: int | None) -> Complet
                 f"{dst.offset}, {nbytes} bytes)"
             )
         _order_after_other_queues(queue, dst, src)
-        value, record = queue._next()
+        done = queue._next()
+        value = done.value
         peer = None if src.device is device else src.device._backend
         with queue._rollback_on_error():
-            queue._native.copy(dst._arg(), src._arg(), nbytes, value, record, peer)
+            queue._native.copy(dst._arg(), src._arg(), nbytes, value, done, peer)
         dst._used(queue, value)
         src._used(queue, value)
     elif isinstance(dst, Buffer):
@@ -87,22 +86,24 @@ def submit_copy(queue: Queue, dst: Any, src: Any, nbytes: int | None) -> Complet
         view = host_view(src, "src", writable=False)
         nbytes = _size(dst.nbytes, view.nbytes, nbytes)
         _order_after_other_queues(queue, dst)
-        value, record = queue._next()
+        done = queue._next()
+        value = done.value
         with queue._rollback_on_error():
-            queue._native.copyin(dst._arg(), view[:nbytes], value, record)
+            queue._native.copyin(dst._arg(), view[:nbytes], value, done)
         dst._used(queue, value)
     elif isinstance(src, Buffer):
         src._check_usable("src", device)
         view = host_view(dst, "dst", writable=True)
         nbytes = _size(view.nbytes, src.nbytes, nbytes)
         _order_after_other_queues(queue, src)
-        value, record = queue._next()
+        done = queue._next()
+        value = done.value
         with queue._rollback_on_error():
-            queue._native.copyout(view[:nbytes], src._arg(), value, record)
+            queue._native.copyout(view[:nbytes], src._arg(), value, done)
         src._used(queue, value)
     else:
         raise ArgumentTypeError("copy needs a Buffer as dst or src (or both)")
-    return Completion(queue, value, record)
+    return done
 
 
 async def copy(dst: Any, src: Any, nbytes: int | None = None) -> None:

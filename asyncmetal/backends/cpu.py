@@ -31,6 +31,7 @@ from .._errors import ArgumentTypeError, CompileError
 
 _ALIGN = 64
 MAX_ARGS = _native.MAX_ARGS
+TIMES_KEPT = 4096  # device times are kept for a queue's last 4096 commands
 SPIN_NS = 50_000  # a queue thread spins this long for the next command before sleeping
 
 
@@ -133,14 +134,26 @@ class CPUQueue(NativeQueue):
         if not self._handle:
             raise MemoryError("am_queue_new")
         self._keep: collections.deque[tuple[int, object]] = collections.deque()
+        self._scratch = (ctypes.c_int64 * MAX_ARGS)()
+        self._call = lib.am_queue_call
+        self._times = (ctypes.c_int64 * (3 * TIMES_KEPT))()  # start, end, value per row
+        self._times_address = ctypes.addressof(self._times)
+
+    def _row(self, record: Record) -> int:
+        """The address of the times row the queue thread writes for ``record``."""
+        record.ring = self._times
+        record.row = row = record.value % TIMES_KEPT
+        return self._times_address + 24 * row
 
     def _submitted(self, status: int, value: int, keep: object) -> None:
         if status != 0:
             raise MemoryError("the cpu queue could not grow its command ring")
-        reached = self._timeline.value
-        while self._keep and self._keep[0][0] <= reached:
-            self._keep.popleft()
-        self._keep.append((value, keep))
+        if self._keep:
+            reached = self._timeline.value
+            while self._keep and self._keep[0][0] <= reached:
+                self._keep.popleft()
+        if keep is not None:
+            self._keep.append((value, keep))
 
     def launch(
         self,
@@ -151,14 +164,19 @@ class CPUQueue(NativeQueue):
         value: int,
         record: Record,
     ) -> None:
-        if len(args) > MAX_ARGS:
+        nargs = len(args)
+        if nargs > MAX_ARGS:
             raise ArgumentTypeError(f"cpu kernels take at most {MAX_ARGS} parameters")
-        ints = (ctypes.c_int64 * max(len(args), 1))(
-            *(a.value if a.handle is None else _address(a) for a in args)
-        )
-        times = record.times = (ctypes.c_int64 * 2)()
-        status = self._lib.am_queue_call(self._handle, program, len(args), ints, times, value)
-        self._submitted(status, value, (args, times))
+        ints = self._scratch  # the runtime copies the arguments before returning
+        for i in range(nargs):
+            handle, offset, val = args[i]
+            ints[i] = val if handle is None else handle.address + offset
+        # The times row, inline (this is the hot path of every launch).
+        record.ring = self._times
+        record.row = row = value % TIMES_KEPT
+        status = self._call(self._handle, program, nargs, ints, self._times_address + 24 * row, value)
+        if status or self._keep or nargs:
+            self._submitted(status, value, args or None)
 
     def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, CPUTimeline)
@@ -171,9 +189,8 @@ class CPUQueue(NativeQueue):
         self._submitted(status, value, timeline)
 
     def _memmove(self, dst: int, src: int, nbytes: int, value: int, record: Record, keep: object) -> None:
-        times = record.times = (ctypes.c_int64 * 2)()
-        status = self._lib.am_queue_copy(self._handle, dst, src, nbytes, times, value)
-        self._submitted(status, value, (keep, times))
+        status = self._lib.am_queue_copy(self._handle, dst, src, nbytes, self._row(record), value)
+        self._submitted(status, value, keep)
 
     def copy(
         self, dst: Arg, src: Arg, nbytes: int, value: int, record: Record, peer: Any = None

@@ -53,7 +53,7 @@ typedef struct {
     void *dst;
     const void *src;
     size_t nbytes;
-    int64_t *record;                /* start_ns, end_ns */
+    int64_t *record;                /* start_ns, end_ns, value: a row of a ring */
     uint64_t value;                 /* the queue's own timeline value after it */
 } am_cmd;
 
@@ -210,7 +210,10 @@ static void *run(void *arg) {
     am_queue *q = arg;
     am_cmd c;
     while (take(q, &c)) {
-        if (c.record) c.record[0] = now_ns();
+        if (c.record) {  /* the row's value goes last, so a reader can tell a torn row */
+            __atomic_store_n(&c.record[2], 0, __ATOMIC_RELEASE);
+            c.record[0] = now_ns();
+        }
         switch (c.kind) {
         case CMD_CALL:
             ((am_kernel)c.fn)(c.args[0], c.args[1], c.args[2], c.args[3], c.args[4], c.args[5],
@@ -227,7 +230,10 @@ static void *run(void *arg) {
             if (!wait_timeline(q, c.timeline, c.target)) return NULL;
             break;
         }
-        if (c.record) c.record[1] = now_ns();
+        if (c.record) {
+            c.record[1] = now_ns();
+            __atomic_store_n(&c.record[2], (int64_t)c.value, __ATOMIC_RELEASE);
+        }
         am_timeline_signal(q->own, c.value);
     }
     return NULL;
