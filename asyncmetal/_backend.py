@@ -25,7 +25,7 @@ class Record:
     int64 triples start, end, value; ``row``), valid while the row still holds ``value``.
     :class:`~asyncmetal.Completion` is the Record of its command."""
 
-    __slots__ = ("error", "ring", "row", "start_ns", "end_ns", "value")
+    __slots__ = ("end_ns", "error", "ring", "row", "start_ns", "value")
 
     def __init__(self, value: int) -> None:
         self.value = value

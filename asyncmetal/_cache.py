@@ -8,6 +8,7 @@ off. A corrupt or unreadable cache is ignored with a warning, never fatal.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import sqlite3
 import sys
@@ -60,10 +61,8 @@ class CompileCache:
     def get_memory(self, key: str) -> bytes | None:
         data = self._memory.get(key)
         if data is not None:
-            try:
+            with contextlib.suppress(KeyError):  # evicted meanwhile by a handler thread
                 self._memory.move_to_end(key)
-            except KeyError:  # evicted meanwhile by a handler thread: still a hit
-                pass
             self.hits_memory += 1
         return data
 
@@ -120,9 +119,11 @@ class CompileCache:
             if not self.disk_enabled:
                 return None
             try:
-                row = self._connect().execute(
-                    "SELECT data FROM binaries WHERE key = ?", (key,)
-                ).fetchone()
+                row = (
+                    self._connect()
+                    .execute("SELECT data FROM binaries WHERE key = ?", (key,))
+                    .fetchone()
+                )
             except (sqlite3.Error, OSError) as exc:
                 self._disable(exc)
                 return None

@@ -50,7 +50,11 @@ class Compiler:
         return (type(self), self.config())
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.config() == self.config()  # type: ignore[attr-defined]
+        return (
+            isinstance(other, Compiler)
+            and type(other) is type(self)
+            and (other.config() == self.config())
+        )
 
     def __hash__(self) -> int:
         return hash((type(self), self.config()))
@@ -89,14 +93,16 @@ def c_params(src: str, name: str) -> tuple[ParamKind, ...]:
         if body in ("", "void"):
             return ()
         return tuple(
-            "buffer" if ("*" in p or "[" in p or "&" in p and "device" in p) else "value"
+            "buffer" if ("*" in p or "[" in p or ("&" in p and "device" in p)) else "value"
             for p in _split_top_level(body)
         )
     raise CompileError(f"kernel {name!r} is not defined in the source")
 
 
 def _split_top_level(params: str) -> list[str]:
-    parts, depth, current = [], 0, []
+    parts: list[str] = []
+    current: list[str] = []
+    depth = 0
     for ch in params:
         if ch in "(<":
             depth += 1

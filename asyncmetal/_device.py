@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import functools
 import importlib
 import os
@@ -19,7 +20,7 @@ from ._compile import ParamKind, Program, source_key
 from ._errors import ArgumentTypeError, AsyncMetalError, ClosedResourceError, CompileError
 from ._memory import Allocator, Buffer
 from ._pool import CompilePool, compiler_identity, default_pool
-from ._queue import Queue
+from ._queue import Queue, completable
 from ._timeline import HostEvents, Timeline, wait_value
 
 _BACKENDS = {
@@ -58,8 +59,7 @@ def parse_name(name: str) -> tuple[str, int]:
     kind, _, index = name.partition(":")
     if kind not in _BACKENDS or (index and not index.isdigit()):
         raise AsyncMetalError(
-            f"unknown device {name!r}: expected one of {', '.join(_BACKENDS)}, "
-            "optionally with ':N'"
+            f"unknown device {name!r}: expected one of {', '.join(_BACKENDS)}, optionally with ':N'"
         )
     return kind, int(index or 0)
 
@@ -142,8 +142,7 @@ class Device:
         self._check_open()
         if not isinstance(src, str) or not isinstance(name, str):
             raise ArgumentTypeError(
-                f"compile(src, name) takes two str, got {type(src).__name__}, "
-                f"{type(name).__name__}"
+                f"compile(src, name) takes two str, got {type(src).__name__}, {type(name).__name__}"
             )
         return self._backend.compiler.params(src, name)
 
@@ -179,14 +178,22 @@ class Device:
     async def close(self) -> None:
         """Let submitted work finish, then release the device.
 
-        Shielded from cancellation: a device is never left half-closed.
+        Commands still waiting on the device for a timeline value that nothing will
+        signal are abandoned: awaiting them raises ClosedResourceError. Shielded from
+        cancellation: a device is never left half-closed.
         """
         if self.closed:
             return
         with anyio.CancelScope(shield=True):
-            await self.synchronize()
+            queues = [q for d in list(_open_devices) for q in d._queues]
+            limits = completable(queues)
+            for queue in self._queues:
+                await wait_value(queue.timeline, limits[queue])
             self.closed = True
-            await anyio.to_thread.run_sync(self._close_native)
+            blocked = [q for q in self._queues if limits[q] < q.submitted]
+            await anyio.to_thread.run_sync(self._close_native, bool(blocked))
+            for queue in blocked:
+                queue._abandon(limits[queue] + 1)
 
     def _close_native(self, abandon: bool = False) -> None:
         self.closed = True
@@ -287,8 +294,10 @@ class _DeviceOpener:
         kind, index = parse_name(name)
         cls = _backend_class(kind)
         available = cls.available()
-        if name not in available and f"{kind}:{index}" not in available and (
-            kind != "cpu" or not available
+        if (
+            name not in available
+            and f"{kind}:{index}" not in available
+            and (kind != "cpu" or not available)
         ):
             raise AsyncMetalError(f"device {name!r} is not available here (available: {devices()})")
         return name, cls(index)
@@ -318,10 +327,8 @@ def _close_all_at_exit() -> None:
     # native callback runs into a half-torn-down interpreter.
     for device in list(_open_devices):
         if not device.closed:
-            try:
+            with contextlib.suppress(Exception):  # exiting: nothing left to report to
                 device._close_native(abandon=True)
-            except Exception:  # noqa: S110 - exiting: nothing left to report to
-                pass
 
 
 atexit.register(_close_all_at_exit)

@@ -33,8 +33,7 @@ class OutOfMemoryError(AsyncMetalError, MemoryError):
         self, requested: int, in_use: int, cached: int, budget: int, detail: str = ""
     ) -> None:
         msg = (
-            f"cannot allocate {requested} bytes: {in_use} in use, {cached} cached, "
-            f"budget {budget}"
+            f"cannot allocate {requested} bytes: {in_use} in use, {cached} cached, budget {budget}"
         )
         super().__init__(f"{msg} ({detail})" if detail else msg)
         self.requested, self.in_use, self.cached, self.budget = requested, in_use, cached, budget

@@ -32,7 +32,15 @@ _STOP = object()
 
 class _Job:
     __slots__ = (
-        "awaiters", "callbacks", "compiler", "done", "key", "result", "src", "started", "timeout"
+        "awaiters",
+        "callbacks",
+        "compiler",
+        "done",
+        "key",
+        "result",
+        "src",
+        "started",
+        "timeout",
     )
 
     def __init__(self, key: str, compiler: Compiler, src: str, timeout: float | None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -45,7 +46,9 @@ class Completion(Record):
         return self.queue.timeline
 
     def done(self) -> bool:
-        """Whether the device has finished the command. Never blocks."""
+        """Whether the command is settled: finished, or abandoned by closing the device
+        while it waited for a value nobody signalled (awaiting it then raises).
+        Never blocks."""
         return self.queue.timeline.value >= self.value
 
     async def wait(self) -> None:
@@ -60,6 +63,12 @@ class Completion(Record):
             yield from wait_value(timeline, self.value).__await__()
         if self.error is not None:
             raise self.error
+        abandoned = self.queue._abandoned_from
+        if abandoned is not None and self.value >= abandoned:
+            raise ClosedResourceError(
+                f"the device {self.queue.device.name} was closed while this command waited "
+                "for a timeline value nobody signalled: it never ran"
+            )
 
     @property
     def start_time(self) -> float | None:
@@ -100,6 +109,9 @@ class Queue:
         self.timeline = Timeline(device, owner=self)
         self._native: NativeQueue = device._backend.new_queue(self.timeline._native)
         self._submitted = 0
+        # Device-side signals and waits not yet known complete: (value, is_wait, tl, target)
+        self._sync_ops: collections.deque[tuple[int, bool, Timeline, int]] = collections.deque()
+        self._abandoned_from: int | None = None  # commands from here on never ran
 
     def __repr__(self) -> str:
         return f"<Queue of {self.device.name} submitted={self._submitted}>"
@@ -169,8 +181,7 @@ class Queue:
             raise ArgumentTypeError(f"vals must be a sequence of ints, got {vals!r}")
         if len(buffers) != program.buffer_count:
             raise ArgumentTypeError(
-                f"kernel {program.name!r} takes {program.buffer_count} buffers, "
-                f"got {len(buffers)}"
+                f"kernel {program.name!r} takes {program.buffer_count} buffers, got {len(buffers)}"
             )
         if len(vals) != program.value_count:
             raise ArgumentTypeError(
@@ -223,6 +234,7 @@ class Queue:
         with self._rollback_on_error():
             self._native.signal(timeline._native, value, done.value, done)
         timeline._highest = value
+        self._track(done.value, False, timeline, value)
         return done
 
     def wait(self, timeline: Timeline, value: int) -> Completion:
@@ -236,7 +248,21 @@ class Queue:
         done = self._next()
         with self._rollback_on_error():
             self._native.wait(timeline._native, value, done.value, done)
+        self._track(done.value, True, timeline, value)
         return done
+
+    def _track(self, value: int, is_wait: bool, timeline: Timeline, target: int) -> None:
+        ops = self._sync_ops
+        reached = self.timeline.value
+        while ops and ops[0][0] <= reached:
+            ops.popleft()
+        ops.append((value, is_wait, timeline, target))
+
+    def _abandon(self, first: int) -> None:
+        """Commands from ``first`` on will never run (closed while they waited): settle
+        them, so their waiters wake and raise instead of waiting forever."""
+        self._abandoned_from = first
+        self.timeline._native.signal(self._submitted)
 
     def copy(self, dst: Any, src: Any, nbytes: int | None = None) -> Completion:
         """Submit a copy of ``nbytes`` (default: all of ``src``) and return its Completion.
@@ -253,3 +279,33 @@ class Queue:
     async def synchronize(self) -> None:
         """Wait until everything submitted so far has finished."""
         await wait_value(self.timeline, self._submitted)
+
+
+def completable(queues: list[Queue]) -> dict[Queue, int]:
+    """For each queue, the value up to which its commands can still complete.
+
+    A queue stops at its first device-side wait that no host signal already made and no
+    queue's completable signal will satisfy; a fixed point over all queues (signals of
+    one unblock waits of another).
+    """
+    reach: dict[Timeline, int] = {}
+    limit = {q: q.timeline.value for q in queues}
+    position = dict.fromkeys(queues, 0)
+    ops = {q: list(q._sync_ops) for q in queues}
+    changed = True
+    while changed:
+        changed = False
+        for q in queues:
+            items = ops[q]
+            i = position[q]
+            while i < len(items):
+                _, is_wait, timeline, target = items[i]
+                if is_wait and max(timeline.value, reach.get(timeline, 0)) < target:
+                    break
+                if not is_wait:
+                    reach[timeline] = max(reach.get(timeline, 0), target)
+                i += 1
+                changed = True
+            position[q] = i
+            limit[q] = items[i][0] - 1 if i < len(items) else q.submitted
+    return limit

@@ -101,7 +101,10 @@ async def bench(backend: str) -> dict[str, Any]:
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     result = {
         "backend": backend,
-        "latency_us": {"asyncmetal": statistics.median(lat_am), "thread": statistics.median(lat_th)},
+        "latency_us": {
+            "asyncmetal": statistics.median(lat_am),
+            "thread": statistics.median(lat_th),
+        },
         "throughput_per_s": {"asyncmetal": max(tput_am), "thread": max(tput_th)},
         "wait_200ms": {"wall_s": wall, "cpu_s": cpu, "cpu_fraction": cpu / wall},
     }
@@ -140,8 +143,12 @@ def main() -> None:
     for r in results:
         report(r)
     if args.json:
-        meta = {"date": time.strftime("%Y-%m-%d"), "python": sys.version.split()[0],
-                "machine": platform.platform(), "results": results}
+        meta = {
+            "date": time.strftime("%Y-%m-%d"),
+            "python": sys.version.split()[0],
+            "machine": platform.platform(),
+            "results": results,
+        }
         with open(args.json, "w") as f:
             json.dump(meta, f, indent=2)
 

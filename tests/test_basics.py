@@ -62,7 +62,9 @@ async def test_launch_computes_and_reads_back(
     np.testing.assert_array_equal(grid[:, 0], np.arange(0, n, 100) + 2)
 
 
-async def test_queue_values_count_from_one(device: am.Device, kernels: dict[str, am.Program]) -> None:
+async def test_queue_values_count_from_one(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
     q = device.new_queue()
     values = [q.launch(kernels["empty"]).value for _ in range(5)]
     assert values == [1, 2, 3, 4, 5]

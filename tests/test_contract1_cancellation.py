@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
@@ -41,7 +42,7 @@ async def test_thousands_of_random_cancellations_lose_nothing(
             # delays of 0 cancel before the first wait; small ones cancel while parked
             tg.start_soon(awaiter, done, rng.choice([0, 0, 1e-5, 1e-4, 1e-3, 1]), [])
             if rng.random() < 0.05:
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
     assert cancelled > 100, "the test must cancel many waiters"
     assert cancelled + completed == 3000
     # Nothing submitted was aborted: every launch ran exactly once.
@@ -136,3 +137,27 @@ async def test_close_waits_for_work_even_when_cancelled(
         await dev.close()  # shielded: completes despite the cancelled scope
     assert dev.closed
     assert out[0] == 42
+
+
+async def test_close_abandons_commands_waiting_for_values_nobody_signals(
+    anyio_backend: object,
+) -> None:
+    dev = await am.open_device("cpu:3")
+    prog = await dev.compile("void k(int* x) { x[0] += 1; }", "k")
+    buf = await dev.alloc(4)
+    await buf.write(np.zeros(1, np.int32))
+    never, later = dev.timeline(), dev.timeline()
+    q1, q2 = dev.new_queue(), dev.new_queue()
+    ran = q1.launch(prog, buf)  # completes
+    q1.signal(later, 1)
+    q2.wait(later, 1)  # satisfied by q1's signal: this part of q2 completes too
+    ran2 = q2.launch(prog, buf)
+    q2.wait(never, 1)  # nothing will ever signal this
+    stuck = q2.launch(prog, buf)
+    with anyio.fail_after(10):
+        await dev.close()  # must not hang
+    await ran
+    await ran2
+    assert stuck.done()
+    with pytest.raises(am.ClosedResourceError, match="never ran"):
+        await stuck

@@ -13,7 +13,9 @@ import asyncmetal as am
 pytestmark = pytest.mark.anyio
 
 
-async def test_each_queue_counts_from_one(device: am.Device, kernels: dict[str, am.Program]) -> None:
+async def test_each_queue_counts_from_one(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
     q1, q2 = device.new_queue(), device.new_queue()
     assert q1.timeline is not q2.timeline
     a = [q1.launch(kernels["empty"]) for _ in range(3)]

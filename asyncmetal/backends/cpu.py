@@ -170,11 +170,13 @@ class CPUQueue(NativeQueue):
         ints = self._scratch  # the runtime copies the arguments before returning
         for i in range(nargs):
             handle, offset, val = args[i]
-            ints[i] = val if handle is None else handle.address + offset
+            ints[i] = handle.address + offset if val is None else val
         # The times row, inline (this is the hot path of every launch).
         record.ring = self._times
         record.row = row = value % TIMES_KEPT
-        status = self._call(self._handle, program, nargs, ints, self._times_address + 24 * row, value)
+        status = self._call(
+            self._handle, program, nargs, ints, self._times_address + 24 * row, value
+        )
         if status or self._keep or nargs:
             self._submitted(status, value, args or None)
 
@@ -188,7 +190,9 @@ class CPUQueue(NativeQueue):
         status = self._lib.am_queue_wait(self._handle, timeline.c_timeline, target, value)
         self._submitted(status, value, timeline)
 
-    def _memmove(self, dst: int, src: int, nbytes: int, value: int, record: Record, keep: object) -> None:
+    def _memmove(
+        self, dst: int, src: int, nbytes: int, value: int, record: Record, keep: object
+    ) -> None:
         status = self._lib.am_queue_copy(self._handle, dst, src, nbytes, self._row(record), value)
         self._submitted(status, value, keep)
 
@@ -259,7 +263,8 @@ class CPUBackend(Backend):
 
     def host_view(self, handle: Any, offset: int, nbytes: int) -> memoryview:
         memory: _Memory = handle
-        return memoryview(memory.array[offset : offset + nbytes])
+        view: memoryview = memory.array[offset : offset + nbytes].data
+        return view
 
     def new_queue(self, timeline: NativeTimeline) -> NativeQueue:
         assert isinstance(timeline, CPUTimeline)

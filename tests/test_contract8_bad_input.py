@@ -1,0 +1,231 @@
+"""Contract 8: bad input gets a clear error before anything is submitted."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import asyncmetal as am
+
+pytestmark = pytest.mark.anyio
+
+
+def _rejects(
+    device: am.Device, exc: type[BaseException], match: str, action: Callable[[], Any]
+) -> None:
+    before = [q.submitted for q in device._queues]
+    with pytest.raises(exc, match=match):
+        action()
+    assert [q.submitted for q in device._queues] == before, "something was submitted"
+
+
+async def test_wrong_argument_counts_and_types(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    q, add, fill = device.queue, kernels["add"], kernels["fill"]
+    a = await device.alloc(16)
+    _rejects(
+        device,
+        am.ArgumentTypeError,
+        "takes 3 buffers, got 2",
+        lambda: q.launch(add, a, a, vals=(4,)),
+    )
+    _rejects(device, am.ArgumentTypeError, "takes 1 vals, got 0", lambda: q.launch(add, a, a, a))
+    _rejects(
+        device,
+        am.ArgumentTypeError,
+        "buffer 1 of 'add' must be a Buffer, got ndarray",
+        lambda: q.launch(add, a, np.zeros(4), a, vals=(4,)),
+    )
+    _rejects(
+        device,
+        am.ArgumentTypeError,
+        r"vals\[0\] of 'fill' must be an int, got float",
+        lambda: q.launch(fill, a, vals=(1.5, 2)),
+    )
+    _rejects(
+        device,
+        am.ArgumentTypeError,
+        r"vals\[1\] of 'fill' must be an int, got bool",
+        lambda: q.launch(fill, a, vals=(1, True)),
+    )
+    _rejects(
+        device,
+        am.InvalidArgumentError,
+        "must fit in int32",
+        lambda: q.launch(fill, a, vals=(1 << 40, 1)),
+    )
+    _rejects(
+        device, am.ArgumentTypeError, "vals must be a sequence", lambda: q.launch(fill, a, vals=3)
+    )  # type: ignore[arg-type]
+    _rejects(device, am.ArgumentTypeError, "program must be a Program", lambda: q.launch("add"))  # type: ignore[arg-type]
+    _rejects(
+        device,
+        am.InvalidArgumentError,
+        "global_size must hold ints >= 1",
+        lambda: q.launch(fill, a, vals=(1, 1), global_size=(0, 1, 1)),
+    )
+    _rejects(
+        device,
+        am.ArgumentTypeError,
+        "local_size must be an int or a tuple",
+        lambda: q.launch(fill, a, vals=(1, 1), local_size=(1, 1, 1, 1)),
+    )
+    # The errors are also plain ValueError / TypeError for code that catches those.
+    assert issubclass(am.InvalidArgumentError, ValueError)
+    assert issubclass(am.ArgumentTypeError, TypeError)
+
+
+async def test_timeline_values_must_increase(device: am.Device) -> None:
+    tl = device.timeline()
+    tl.signal(5)
+    with pytest.raises(
+        am.InvalidArgumentError, match=r"5 does not increase the timeline.*expected > 5"
+    ):
+        tl.signal(5)
+    _rejects(
+        device, am.InvalidArgumentError, "3 does not increase", lambda: device.queue.signal(tl, 3)
+    )
+    device.queue.signal(tl, 9)  # a submitted signal counts too, before it runs
+    with pytest.raises(am.InvalidArgumentError, match="expected > 9"):
+        tl.signal(7)
+    with pytest.raises(am.InvalidArgumentError, match=r"in \[0, 2\*\*64 - 1\]"):
+        tl.signal(-1)
+    with pytest.raises(am.ArgumentTypeError, match="value must be an int, got str"):
+        await tl.wait("3")  # type: ignore[arg-type]
+    with pytest.raises(am.InvalidArgumentError, match="queue's own timeline"):
+        device.queue.timeline.signal(100)
+    other = device.new_queue()
+    _rejects(
+        device,
+        am.InvalidArgumentError,
+        "own timeline",
+        lambda: other.signal(device.queue.timeline, 100),
+    )
+    _rejects(
+        device, am.ArgumentTypeError, "timeline must be a Timeline", lambda: device.queue.wait(3, 1)
+    )  # type: ignore[arg-type]
+
+
+async def test_closed_device_and_its_objects(anyio_backend: object) -> None:
+    dev = await am.open_device("cpu:5")
+    prog = await dev.compile("void k(int* x) { x[0] = 1; }", "k")
+    buf = await dev.alloc(4)
+    tl = dev.timeline()
+    q = dev.queue
+    await dev.close()
+    for action, match in [
+        (lambda: q.launch(prog, buf), "closed"),
+        (lambda: tl.signal(1), "closed"),
+        (lambda: dev.new_queue(), "closed"),
+        (lambda: dev.timeline(), "closed"),
+    ]:
+        with pytest.raises(am.ClosedResourceError, match=match):
+            action()
+    with pytest.raises(am.ClosedResourceError, match="closed"):
+        await dev.alloc(4)
+    with pytest.raises(am.ClosedResourceError, match="closed"):
+        await dev.compile("void k(void) {}", "k")
+    with pytest.raises(am.ClosedResourceError, match="closed device cpu:5"):
+        await buf.read()
+
+
+async def test_buffer_of_another_device_is_refused(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    async with am.open_device("cpu:7") as other:
+        foreign = await other.alloc(16)
+        _rejects(
+            device,
+            am.InvalidArgumentError,
+            "is on cpu:7, expected a buffer of cpu",
+            lambda: device.queue.launch(kernels["fill"], foreign, vals=(1, 1)),
+        )
+        foreign_prog = await other.compile("void k(void) {}", "k")
+        _rejects(
+            device,
+            am.InvalidArgumentError,
+            "compiled for cpu:7, not cpu",
+            lambda: device.queue.launch(foreign_prog),
+        )
+
+
+async def test_freed_buffer_is_refused(device: am.Device, kernels: dict[str, am.Program]) -> None:
+    buf = await device.alloc(16)
+    await buf.free()
+    _rejects(
+        device,
+        am.ClosedResourceError,
+        "was freed",
+        lambda: device.queue.launch(kernels["fill"], buf, vals=(1, 1)),
+    )
+    with pytest.raises(am.ClosedResourceError, match="was freed"):
+        await buf.free()  # freeing twice
+
+
+async def test_missing_kernel_name(device: am.Device) -> None:
+    with pytest.raises(am.CompileError, match="kernel 'nope' is not defined"):
+        await device.compile("void k(void) {}", "nope")
+    # A name only declared or called, never defined, is missing too.
+    with pytest.raises(am.CompileError, match="kernel 'g' is not defined"):
+        await device.compile("void g(int);\nvoid k(void) { }", "g")
+
+
+async def test_c_that_does_not_compile_carries_the_log(device: am.Device) -> None:
+    with pytest.raises(am.CompileError) as info:
+        await device.compile("void k(void) { this is not C; }", "k")
+    err = info.value
+    assert "error" in err.log
+    assert "this is not C" in err.log or "unknown type name" in err.log
+    assert err.log in str(err)
+
+
+async def test_bad_compile_arguments(device: am.Device) -> None:
+    with pytest.raises(am.ArgumentTypeError, match="takes two str"):
+        await device.compile(b"void k(void){}", "k")  # type: ignore[arg-type]
+
+
+async def test_bad_allocations(device: am.Device) -> None:
+    for size, exc in [
+        (0, am.InvalidArgumentError),
+        (-5, am.InvalidArgumentError),
+        (1.5, am.ArgumentTypeError),
+        (True, am.ArgumentTypeError),
+    ]:
+        with pytest.raises(exc, match="nbytes"):
+            await device.alloc(size)  # type: ignore[arg-type]
+
+
+async def test_bad_copies(device: am.Device) -> None:
+    buf = await device.alloc(64)
+    q = device.queue
+    _rejects(
+        device,
+        am.InvalidArgumentError,
+        "sizes do not match: dst holds 64 bytes, src 32",
+        lambda: q.copy(buf, np.zeros(8, np.float32)),
+    )
+    _rejects(
+        device, am.InvalidArgumentError, "nbytes must be > 0", lambda: q.copy(buf, bytes(64), 0)
+    )
+    _rejects(device, am.InvalidArgumentError, "exceeds", lambda: q.copy(buf, bytes(64), 65))
+    _rejects(
+        device,
+        am.InvalidArgumentError,
+        "not C-contiguous",
+        lambda: q.copy(buf, np.zeros((8, 4), np.float32)[:, ::2].copy()[:, ::1].T),
+    )
+    _rejects(device, am.InvalidArgumentError, "read-only", lambda: q.copy(b"x" * 64, buf))
+    _rejects(
+        device,
+        am.InvalidArgumentError,
+        "overlap",
+        lambda: q.copy(buf.view(0, 32), buf.view(16, 32)),
+    )
+    _rejects(device, am.ArgumentTypeError, "needs a Buffer", lambda: q.copy(bytearray(4), b"1234"))
+    _rejects(device, am.ArgumentTypeError, "buffer protocol", lambda: q.copy(buf, [1, 2, 3]))
+    with pytest.raises(am.InvalidArgumentError, match="whole number"):
+        await buf.view(0, 6).read(np.float32)

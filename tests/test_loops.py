@@ -1,0 +1,154 @@
+"""Event loops: uvloop, several loops in several threads on one device, loop shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import subprocess
+import sys
+import textwrap
+import threading
+
+import anyio
+import numpy as np
+import pytest
+import trio
+
+import asyncmetal as am
+
+from .conftest import KERNELS
+
+uvloop = pytest.importorskip("uvloop", reason="uvloop is not built for this platform")
+
+
+async def _exercise(device_name: str = "cpu") -> am.LoopStatistics:
+    async with am.open_device(device_name) as dev:
+        add = await dev.compile(KERNELS, "add")
+        n = 256
+        a, out = await dev.alloc(4 * n), await dev.alloc(4 * n)
+        await a.write(np.arange(n, dtype=np.float32))
+        await dev.queue.launch(add, out, a, a, vals=(n,))
+        np.testing.assert_array_equal(await out.read(np.float32), 2 * np.arange(n))
+        tl = dev.timeline()
+        before = am.loop_statistics()
+        async with anyio.create_task_group() as tg:
+            for i in range(64):
+                tg.start_soon(tl.wait, 1 + i % 4)
+            while am.loop_statistics().waiting < 64:
+                await anyio.sleep(0.001)
+            threading.Thread(target=tl.signal, args=(4,)).start()
+        after = am.loop_statistics()
+        assert after.resolved - before.resolved == 64
+        return after
+
+
+def test_uvloop() -> None:
+    stats = uvloop.run(_exercise())
+    assert stats.wakeups >= 1
+
+
+@pytest.mark.asyncio
+async def test_pytest_asyncio_strict_mode() -> None:
+    await _exercise()
+
+
+def test_several_loops_in_several_threads_share_a_device() -> None:
+    async def main() -> None:
+        async with am.open_device("cpu") as dev:
+            empty = await dev.compile(KERNELS, "empty")
+            tl = dev.timeline()
+            queue = dev.new_queue()
+            errors: list[BaseException] = []
+            counts: list[int] = []
+
+            async def user() -> None:
+                for _ in range(300):
+                    await queue.launch(empty)
+                await tl.wait(1)
+                counts.append(1)
+
+            def in_thread(kind: str) -> None:
+                try:
+                    if kind == "trio":
+                        trio.run(user)
+                    elif kind == "uvloop":
+                        uvloop.run(user())
+                    else:
+                        asyncio.run(user())
+                except BaseException as exc:  # reported below
+                    errors.append(exc)
+
+            threads = [
+                threading.Thread(target=in_thread, args=(k,))
+                for k in ["asyncio", "trio", "uvloop", "asyncio", "trio"]
+            ]
+            for t in threads:
+                t.start()
+            await anyio.sleep(0.2)
+            tl.signal(1)
+            for t in threads:
+                await anyio.to_thread.run_sync(t.join)
+            assert not errors, errors
+            assert len(counts) == len(threads)
+            assert queue.timeline.value == queue.submitted == 300 * len(threads)
+
+    asyncio.run(main())
+
+
+def test_loop_closed_with_waiters_pending_gets_no_callbacks() -> None:
+    loop = asyncio.new_event_loop()
+    dev = loop.run_until_complete(am.open_device("cpu"))
+    tl = dev.timeline()
+    empty = loop.run_until_complete(dev.compile(KERNELS, "empty"))
+    q = dev.new_queue()
+    q.wait(tl, 1)
+    pending = q.launch(empty)
+    waiter = loop.create_task(pending.wait())
+    waiter._log_destroy_pending = False  # type: ignore[attr-defined]  # left pending on purpose
+    loop.run_until_complete(asyncio.sleep(0.05))  # the waiter is parked on the bridge
+    assert not waiter.done()
+    loop.close()  # closed with the waiter pending; Task destroyed warnings are expected
+    tl.signal(1)  # the queue now completes: the dead loop must not be called
+    done = q.wait(tl, 1)
+    while not done.done():
+        pass
+    del waiter
+    gc.collect()
+
+    async def finish() -> None:
+        await dev.close()
+
+    asyncio.run(finish())
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_interpreter_exit_with_work_and_waiters_pending(loop: str) -> None:
+    script = textwrap.dedent(
+        f"""
+        import asyncmetal as am, anyio, threading
+
+        async def main():
+            dev = await am.open_device("cpu")
+            k = await dev.compile("void k(int* x) {{ x[0] += 1; }}", "k")
+            buf = await dev.alloc(4)
+            tl = dev.timeline()
+            dev.queue.wait(tl, 1)          # never signalled: the queue stays blocked
+            done = dev.queue.launch(k, buf)
+            q2 = dev.new_queue()
+            for _ in range(1000):
+                q2.launch(k, buf)          # work still in flight at exit
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(done.wait)   # a waiter left parked
+                await anyio.sleep(0.05)
+                tg.cancel_scope.cancel()
+            print("exiting")
+
+        anyio.run(main, backend={loop!r})
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "exiting"
+    assert proc.stderr == ""
