@@ -7,6 +7,7 @@ submits jobs and awaits them through the bridge. Identical compiles in flight ru
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import queue as queue_module
 import select
@@ -66,7 +67,12 @@ class _Worker:
         env = dict(os.environ)
         env["ASYNCMETAL_WORKER"] = "1"
         env["CUDA_VISIBLE_DEVICES"] = ""  # compilers need no GPU: never take its memory
-        self.stderr = tempfile.TemporaryFile()
+        # Whatever the parent can import (a custom compiler's module), the worker can.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        if self.stderr is None:
+            self.stderr = tempfile.TemporaryFile()
+        self.stderr.seek(0)
+        self.stderr.truncate()
         return subprocess.Popen(
             [sys.executable, "-m", "asyncmetal._worker"],
             stdin=subprocess.PIPE,
@@ -129,26 +135,34 @@ class _Worker:
         if self.stderr is not None:
             self.stderr.seek(0)
             log = self.stderr.read().decode(errors="replace")[-4000:]
-        self.proc = None
+        self._reap()
         return f"the compile worker died ({how}) while compiling" + (f"\n{log}" if log else "")
 
     def _kill(self) -> None:
         if self.proc is not None:
             self.proc.kill()
-            self.proc.wait()
-            self.proc = None
+            self._reap()
+
+    def _reap(self) -> None:
+        """Close our ends of the worker's pipes and collect it."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
     def _stop(self) -> None:
-        if self.proc is not None:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._kill()
-            self.proc = None
+        self._reap()  # closing its stdin ends the worker's loop
         if self.stderr is not None:
             self.stderr.close()
+            self.stderr = None
 
 
 class CompilePool:

@@ -1,0 +1,84 @@
+"""Compilers the compile-pool tests send to worker processes (importable there)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from asyncmetal.backends.cpu import CCompiler
+
+
+class SlowCompiler(CCompiler):
+    """A C compiler that first sleeps ``delay`` seconds (and records it ran)."""
+
+    name = "slow-cc"
+
+    def __init__(self, delay: float, marker_dir: str | None = None) -> None:
+        super().__init__()
+        self.delay = delay
+        self.marker_dir = marker_dir
+
+    def config(self) -> tuple[Any, ...]:
+        return (self.delay, self.marker_dir)
+
+    def compile(self, src: str) -> bytes:
+        if self.marker_dir is not None:
+            with open(os.path.join(self.marker_dir, f"{os.getpid()}-{time.time_ns()}"), "w") as f:
+                f.write(src)
+        time.sleep(self.delay)
+        return super().compile(src)
+
+
+class CrashingCompiler(CCompiler):
+    """Kills its own worker: by a signal or by exiting."""
+
+    name = "crashing-cc"
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def config(self) -> tuple[Any, ...]:
+        return (self.how,)
+
+    def compile(self, src: str) -> bytes:
+        if self.how == "segfault":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        os._exit(3)
+
+
+class DeviceOpeningCompiler(CCompiler):
+    """Tries to open a device inside the worker (which must refuse)."""
+
+    name = "device-opening-cc"
+
+    def compile(self, src: str) -> bytes:
+        import anyio
+
+        import asyncmetal
+
+        async def try_open() -> None:
+            await asyncmetal.open_device("cpu")
+
+        anyio.run(try_open)
+        return b""
+
+
+class EnvironmentCompiler(CCompiler):
+    """Returns facts about the worker process instead of a binary."""
+
+    name = "environment-cc"
+
+    def compile(self, src: str) -> bytes:
+        import sys
+
+        facts = {
+            "main": getattr(sys.modules.get("__main__"), "__file__", None),
+            "worker": os.environ.get("ASYNCMETAL_WORKER"),
+            "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "sigint": str(signal.getsignal(signal.SIGINT)),
+            "pid": os.getpid(),
+        }
+        return repr(facts).encode()

@@ -1,0 +1,257 @@
+"""Contract 7 and the compile pool: pickle-safe compilers in spawned workers, isolation,
+cancellation, deduplication and the content-addressed caches."""
+
+from __future__ import annotations
+
+import ast
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+import asyncmetal as am
+from asyncmetal._cache import CacheWarning, CompileCache
+from asyncmetal._pool import CompilePool
+from asyncmetal.backends.cpu import CCompiler
+
+from .compilers import CrashingCompiler, DeviceOpeningCompiler, EnvironmentCompiler, SlowCompiler
+
+pytestmark = pytest.mark.anyio
+SRC = "int twice(int x) { return 2 * x; }\n"
+
+
+def _src(tag: object) -> str:
+    return SRC + f"/* {tag} {time.time_ns()} */\n"
+
+
+@pytest.fixture
+async def pool(anyio_backend: object, tmp_path: Path) -> AsyncIterator[CompilePool]:
+    p = CompilePool(2, cache=CompileCache(tmp_path / "cache"))
+    yield p
+    await p.aclose()
+
+
+def test_compilers_pickle_as_their_configuration() -> None:
+    compiler = CCompiler(flags=("-O1",))
+    assert compiler.__reduce__() == (CCompiler, (None, ("-O1",)))
+    data = pickle.dumps(compiler)
+    assert len(data) < 200  # configuration only: no handle, no cached state
+    copy = pickle.loads(data)
+    assert copy == compiler and copy is not compiler
+    assert copy.compile(SRC) == compiler.compile(SRC)  # the copy builds the same bytes
+
+
+async def test_workers_are_fresh_interpreters_that_open_no_device(pool: CompilePool) -> None:
+    facts = ast.literal_eval((await pool.compile(EnvironmentCompiler(), _src("env"))).decode())
+    assert facts["worker"] == "1"
+    assert facts["cuda_visible"] == ""  # a worker can never take GPU memory
+    assert facts["main"] is not None and facts["main"].endswith("_worker.py")
+    assert "SIG_IGN" in facts["sigint"] or facts["sigint"] == "1"
+    assert facts["pid"] != os.getpid()
+    with pytest.raises(am.CompileError, match="compile workers never open a device"):
+        await pool.compile(DeviceOpeningCompiler(), _src("open"))
+
+
+async def test_script_without_main_guard(tmp_path: Path) -> None:
+    script = tmp_path / "noguard.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import anyio, asyncmetal as am
+            print("script body ran")
+            async def main():
+                async with am.open_device("cpu") as dev:
+                    progs = [p async for p in dev.compile_many(
+                        [(f"void k{i}(void) {{}}", f"k{i}") for i in range(4)])]
+                    print(len(progs), "compiled")
+            anyio.run(main)
+            """
+        )
+    )
+    env = dict(os.environ, ASYNCMETAL_CACHE_DIR=str(tmp_path / "c"))
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    # The body ran once: workers never re-ran the user's script.
+    assert proc.stdout.splitlines() == ["script body ran", "4 compiled"]
+
+
+@pytest.mark.parametrize("how", ["segfault", "exit"])
+async def test_a_crashing_compile_fails_alone(pool: CompilePool, how: str) -> None:
+    expected = "signal SIGSEGV" if how == "segfault" else "exit code 3"
+    with pytest.raises(am.CompileError, match=f"the compile worker died \\({expected}\\)"):
+        await pool.compile(CrashingCompiler(how), _src(how))
+    # The pool replaced the worker and keeps compiling.
+    assert await pool.compile(CCompiler(), _src("after"))
+
+
+async def test_timeout_kills_the_worker_and_raises(pool: CompilePool) -> None:
+    t0 = time.perf_counter()
+    with pytest.raises(am.CompileError, match="timed out after 0.3 s"):
+        await pool.compile(SlowCompiler(30), _src("slow"), timeout=0.3)
+    assert time.perf_counter() - t0 < 10
+    assert await pool.compile(CCompiler(), _src("after"))
+
+
+async def test_identical_compiles_in_flight_run_once(pool: CompilePool, tmp_path: Path) -> None:
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    compiler, src = SlowCompiler(0.3, str(markers)), _src("dedupe")
+    results = []
+
+    async def one() -> None:
+        results.append(await pool.compile(compiler, src))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(8):
+            tg.start_soon(one)
+    assert len(results) == 8 and len(set(results)) == 1
+    assert len(list(markers.iterdir())) == 1
+
+
+async def test_cancel_withdraws_unstarted_and_finishes_running(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache"))
+    slow = SlowCompiler(0.5, str(markers))
+    running, queued = _src("running"), _src("queued")
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.compile, slow, running)
+            await anyio.sleep(0.2)  # the one worker is busy with `running`
+            with anyio.move_on_after(0.05):
+                await pool.compile(slow, queued)  # waits behind it, then is cancelled
+            tg.cancel_scope.cancel()  # cancels the wait on `running` too
+        await anyio.sleep(1.5)
+        ran = [p.read_text() for p in markers.iterdir()]
+        assert ran == [running]  # `queued` was withdrawn before it started
+        # `running` finished into the cache: asking again compiles nothing.
+        compiles = pool.compiles
+        await pool.compile(slow, running)
+        assert pool.compiles == compiles
+    finally:
+        await pool.aclose()
+
+
+async def test_memory_and_disk_cache(anyio_backend: object, tmp_path: Path) -> None:
+    compiler, src = CCompiler(), _src("cache")
+    first = CompilePool(1, cache=CompileCache(tmp_path))
+    try:
+        binary = await first.compile(compiler, src)
+        assert first.compiles == 1
+        assert await first.compile(compiler, src) == binary
+        assert first.cache.hits_memory == 1 and first.compiles == 1
+    finally:
+        await first.aclose()
+    assert (tmp_path / "compile-cache.sqlite").exists()
+    second = CompilePool(1, cache=CompileCache(tmp_path))  # as a new process would
+    try:
+        assert await second.compile(compiler, src) == binary
+        assert second.cache.hits_disk == 1 and second.compiles == 0
+    finally:
+        await second.aclose()
+
+
+async def test_disk_cache_off(
+    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ASYNCMETAL_CACHE", "0")
+    pool = CompilePool(1, cache=CompileCache(tmp_path))
+    try:
+        await pool.compile(CCompiler(), _src("off"))
+        assert not (tmp_path / "compile-cache.sqlite").exists()
+    finally:
+        await pool.aclose()
+
+
+async def test_corrupt_cache_is_ignored_with_a_warning(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    (tmp_path / "compile-cache.sqlite").write_bytes(b"this is no sqlite database" * 100)
+    pool = CompilePool(1, cache=CompileCache(tmp_path))
+    try:
+        with pytest.warns(CacheWarning, match="unusable"):
+            binary = await pool.compile(CCompiler(), _src("corrupt"))
+        assert binary.startswith(b"\x7fELF") or binary
+        assert not pool.cache.disk_enabled
+    finally:
+        await pool.aclose()
+
+
+def test_several_processes_share_one_cache(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        """
+        import anyio, sys
+        from asyncmetal._pool import CompilePool
+        from asyncmetal._cache import CompileCache
+        from asyncmetal.backends.cpu import CCompiler
+        async def main():
+            pool = CompilePool(1, cache=CompileCache(sys.argv[1]))
+            for i in range(6):
+                await pool.compile(CCompiler(), f"int f{i}(void) {{ return {i}; }}")
+            await pool.aclose()
+            print(pool.compiles + pool.cache.hits_disk)
+        anyio.run(main)
+        """
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert [int(o) for o in outs] == [6, 6, 6]
+
+
+async def test_workers_ignore_sigint(pool: CompilePool) -> None:
+    facts = ast.literal_eval((await pool.compile(EnvironmentCompiler(), _src("pid"))).decode())
+    os.kill(facts["pid"], signal.SIGINT)
+    await anyio.sleep(0.2)
+    again = ast.literal_eval((await pool.compile(EnvironmentCompiler(), _src("pid2"))).decode())
+    assert again["pid"] == facts["pid"]  # the same worker, still alive
+
+
+async def test_idle_workers_retire(anyio_backend: object, tmp_path: Path) -> None:
+    pool = CompilePool(2, idle_timeout=0.2, cache=CompileCache(tmp_path))
+    try:
+        await pool.compile(CCompiler(), _src("idle"))
+        assert pool.workers >= 1
+        await anyio.sleep(1.0)
+        assert pool.workers == 0
+        assert await pool.compile(CCompiler(), _src("again"))  # starts one anew
+    finally:
+        await pool.aclose()
+    assert pool.workers == 0
+
+
+async def test_device_compile_uses_its_pool(device: am.Device, tmp_path: Path) -> None:
+    pool = CompilePool(1, cache=CompileCache(tmp_path))
+    device.compile_pool = pool
+    try:
+        prog = await device.compile("void k(int* x) { x[0] = 5; }", "k")
+        assert pool.compiles == 1
+        assert prog.binary.startswith(b"\x7fELF")
+    finally:
+        await pool.aclose()
+
+
+async def test_compile_many_reports_failures_in_turn(device: am.Device) -> None:
+    good = "void ok(void) {}"
+    names = []
+    with pytest.raises(am.CompileError):
+        async for prog in device.compile_many([(good, "ok"), ("void bad(void) { oops }", "bad")]):
+            names.append(prog.name)
+    assert names in ([], ["ok"])
