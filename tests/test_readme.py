@@ -44,3 +44,15 @@ def test_hello_example() -> None:
         timeout=120,
     ).stdout
     assert out.strip() == "[1. 2. 3. 4. 5. 6. 7. 8.]"
+
+
+def test_overlap_example() -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "overlap.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    assert out.count("compiled; launching") == 8
+    assert "all done" in out
