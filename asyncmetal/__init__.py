@@ -6,6 +6,7 @@ from ._compile import Compiler as Compiler
 from ._compile import Program as Program
 from ._device import Device as Device
 from ._device import devices as devices
+from ._device import from_numpy as from_numpy
 from ._device import open_device as open_device
 from ._errors import ArgumentTypeError as ArgumentTypeError
 from ._errors import AsyncMetalError as AsyncMetalError
@@ -15,6 +16,7 @@ from ._errors import DeviceLostError as DeviceLostError
 from ._errors import InvalidArgumentError as InvalidArgumentError
 from ._errors import OutOfMemoryError as OutOfMemoryError
 from ._memory import Buffer as Buffer
+from ._memory import MemoryStatistics as MemoryStatistics
 from ._queue import Completion as Completion
 from ._queue import Queue as Queue
 from ._timeline import Timeline as Timeline

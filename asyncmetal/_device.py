@@ -13,22 +13,30 @@ from collections.abc import AsyncIterator, Generator, Iterable
 from typing import Any
 
 import anyio
+import numpy as np
 
 from ._backend import Backend
 from ._bridge import checkpoint
 from ._compile import ParamKind, Program, source_key
-from ._errors import ArgumentTypeError, AsyncMetalError, ClosedResourceError, CompileError
-from ._memory import Allocator, Buffer
+from ._errors import (
+    ArgumentTypeError,
+    AsyncMetalError,
+    ClosedResourceError,
+    CompileError,
+    InvalidArgumentError,
+)
+from ._memory import Allocator, Buffer, MemoryStatistics, _Allocation, _Block
 from ._pool import CompilePool, compiler_identity, default_pool
 from ._queue import Queue, completable
 from ._timeline import HostEvents, Timeline, wait_value
 
 _BACKENDS = {
     "cpu": "asyncmetal.backends.cpu:CPUBackend",
+    "npy": "asyncmetal.backends.npy:NpyBackend",
     "cuda": "asyncmetal.backends.cuda:CUDABackend",
     "metal": "asyncmetal.backends.metal:MetalBackend",
 }
-_PREFERENCE = ("cuda", "metal", "cpu")
+_PREFERENCE = ("cuda", "metal", "cpu", "npy")
 
 
 def _backend_class(kind: str) -> type[Backend]:
@@ -108,10 +116,51 @@ class Device:
         self._check_open()
         return Timeline(self)
 
-    async def alloc(self, nbytes: int) -> Buffer:
-        """Allocate ``nbytes`` of device memory."""
+    async def alloc(self, nbytes: int, *, timeout: float | None = None) -> Buffer:
+        """Allocate ``nbytes`` of device memory (contents undefined).
+
+        When the device's budget is spent this waits for frees -- including buffers
+        freed while commands using them are still in flight -- and raises
+        :class:`OutOfMemoryError` (with the numbers) only if ``nbytes`` can never fit,
+        the device itself is full with nothing in flight, or ``timeout`` passes.
+        Cancelling the wait allocates nothing.
+        """
         self._check_open()
-        return await self._allocator.alloc(nbytes)
+        return await self._allocator.alloc(nbytes, timeout)
+
+    def wrap(self, array: Any) -> Buffer:
+        """A read-only Buffer whose memory is ``array`` itself (the ``npy`` device only).
+
+        The array must be C-contiguous; it is kept alive by the buffer."""
+        self._check_open()
+        wrap = getattr(self._backend, "wrap", None)
+        if wrap is None:
+            raise InvalidArgumentError(
+                f"{self.name} buffers come from alloc(); wrap() is for the npy device"
+            )
+        if not isinstance(array, np.ndarray):
+            raise ArgumentTypeError(f"wrap takes a numpy array, got {type(array).__name__}")
+        if not array.flags.c_contiguous:
+            raise InvalidArgumentError("the array is not C-contiguous: np.ascontiguousarray it")
+        if array.nbytes == 0:
+            raise InvalidArgumentError("the array is empty")
+        block = _Block(wrap(array), array.nbytes)
+        return Buffer(self, _Allocation(block), 0, array.nbytes)
+
+    @property
+    def memory_budget(self) -> int:
+        """Bytes this device may hold (buffers in use plus cached ones). Settable;
+        lowering it below what is in use makes later allocations wait."""
+        return self._allocator.budget
+
+    @memory_budget.setter
+    def memory_budget(self, budget: int) -> None:
+        self._allocator.set_budget(budget)
+
+    def memory_statistics(self) -> MemoryStatistics:
+        """Bytes in use, cached, the peak and the budget."""
+        a = self._allocator
+        return MemoryStatistics(a.in_use, a.cached, a.peak, a.budget)
 
     @property
     def compile_pool(self) -> CompilePool:
@@ -199,7 +248,7 @@ class Device:
         self.closed = True
         for queue in self._queues:
             queue._native.close(abandon)
-        self._allocator.sweep()
+        self._allocator.close()
         self._backend.close()
         _open_devices.discard(self)
 
@@ -291,6 +340,8 @@ class _DeviceOpener:
 
     def _open_backend(self) -> tuple[str, Backend]:
         name = self._name or os.environ.get("ASYNCMETAL_DEVICE") or (devices() or ["cpu"])[0]
+        if name == "npy" and self._name is None:
+            name = "cpu"  # npy holds no kernels: never the default
         kind, index = parse_name(name)
         cls = _backend_class(kind)
         available = cls.available()
@@ -320,6 +371,22 @@ def open_device(name: str | None = None) -> _DeviceOpener:
     ``name`` None means ``$ASYNCMETAL_DEVICE``, else the best device available.
     """
     return _DeviceOpener(name)
+
+
+_npy_device: Device | None = None
+
+
+async def from_numpy(array: Any) -> Buffer:
+    """``array`` as a read-only Buffer of the process's ``npy`` device, usable as a
+    source of :func:`asyncmetal.copy` like any device buffer. No bytes are copied."""
+    global _npy_device
+    if _npy_device is None or _npy_device.closed:
+        device = await open_device("npy")
+        if _npy_device is None or _npy_device.closed:
+            _npy_device = device
+        else:
+            await device.close()
+    return _npy_device.wrap(array)
 
 
 def _close_all_at_exit() -> None:

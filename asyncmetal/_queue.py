@@ -276,6 +276,23 @@ class Queue:
 
         return submit_copy(self, dst, src, nbytes)
 
+    def after(self, *buffers: Buffer) -> Queue:
+        """Order this queue's next commands after every command submitted so far on
+        other queues that used ``buffers`` (device-side waits; no host thread blocks).
+
+        Copies do this by themselves; launches do not (queues run independently unless
+        ordered), so ``q.after(buf).launch(k, buf)`` is how a launch on one queue sees a
+        copy or launch submitted on another. Returns the queue.
+        """
+        for buf in buffers:
+            if not isinstance(buf, Buffer):
+                raise ArgumentTypeError(f"after() takes Buffers, got {type(buf).__name__}")
+            buf._check_usable("buffer")
+            for other, value in list(buf._allocation.last_use.items()):
+                if other is not self and other.timeline.value < value:
+                    self.wait(other.timeline, value)
+        return self
+
     async def synchronize(self) -> None:
         """Wait until everything submitted so far has finished."""
         await wait_value(self.timeline, self._submitted)

@@ -198,3 +198,14 @@ async def wait_value(timeline: Waitable, value: int) -> None:
     bridge = _bridge.current_bridge()
     await bridge.park(timeline._watch_for(bridge), value)
     timeline._recent_ns = (recent * 7 + time.perf_counter_ns() - start) >> 3
+
+
+def call_when_reached(waitable: Waitable, value: int, callback: Callable[[], None]) -> None:
+    """Run ``callback`` on the calling loop's thread once ``waitable`` reaches ``value``
+    (at once if it has). Call it from a task."""
+    if waitable._native.value >= value:
+        callback()
+        return
+    bridge = _bridge.current_bridge()
+    bridge_watch = waitable._watch_for(bridge)
+    bridge_watch.add(value, _bridge._Entry(callback))

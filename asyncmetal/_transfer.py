@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ._errors import ArgumentTypeError, InvalidArgumentError
 from ._memory import Buffer
+from ._timeline import wait_value
 
 if TYPE_CHECKING:
     from ._queue import Completion, Queue
@@ -47,20 +50,14 @@ def _size(dst_nbytes: int, src_nbytes: int, nbytes: int | None) -> int:
     return nbytes
 
 
-def _order_after_other_queues(queue: Queue, *buffers: Buffer) -> None:
-    """Make ``queue`` wait, on the device, for each use of ``buffers`` on other queues."""
-    for buf in buffers:
-        for other, value in list(buf._allocation.last_use.items()):
-            if other is not queue and other.timeline.value < value:
-                queue.wait(other.timeline, value)
-
-
 def submit_copy(queue: Queue, dst: Any, src: Any, nbytes: int | None) -> Completion:
     device = queue.device
+    if isinstance(dst, Buffer) and dst.device.kind == "npy":
+        raise InvalidArgumentError("dst is an npy buffer: npy buffers are read-only sources")
     if isinstance(dst, Buffer) and isinstance(src, Buffer):
         dst._check_usable("dst", device)
         src._check_usable("src")
-        if src.device._backend.kind != device._backend.kind:
+        if src.device.kind != device.kind:
             raise InvalidArgumentError(
                 f"copies between {src.device.name} and {device.name} are staged through the "
                 "host: use asyncmetal.copy()"
@@ -73,7 +70,7 @@ def submit_copy(queue: Queue, dst: Any, src: Any, nbytes: int | None) -> Complet
                 f"src and dst overlap in one buffer (src at {src.offset}, dst at "
                 f"{dst.offset}, {nbytes} bytes)"
             )
-        _order_after_other_queues(queue, dst, src)
+        queue.after(dst, src)
         done = queue._next()
         value = done.value
         peer = None if src.device is device else src.device._backend
@@ -85,7 +82,7 @@ def submit_copy(queue: Queue, dst: Any, src: Any, nbytes: int | None) -> Complet
         dst._check_usable("dst", device)
         view = host_view(src, "src", writable=False)
         nbytes = _size(dst.nbytes, view.nbytes, nbytes)
-        _order_after_other_queues(queue, dst)
+        queue.after(dst)
         done = queue._next()
         value = done.value
         with queue._rollback_on_error():
@@ -95,7 +92,7 @@ def submit_copy(queue: Queue, dst: Any, src: Any, nbytes: int | None) -> Complet
         src._check_usable("src", device)
         view = host_view(dst, "dst", writable=True)
         nbytes = _size(view.nbytes, src.nbytes, nbytes)
-        _order_after_other_queues(queue, src)
+        queue.after(src)
         done = queue._next()
         value = done.value
         with queue._rollback_on_error():
@@ -110,13 +107,70 @@ async def copy(dst: Any, src: Any, nbytes: int | None = None) -> None:
     """Copy ``nbytes`` (default: all) from ``src`` to ``dst`` and wait for it.
 
     Either side may be a :class:`Buffer` of any device or a host buffer-protocol object
-    (numpy array, bytes, ...). The copy is ordered after earlier work that used either
-    buffer, on the devices. Cancelling the await detaches; the copy still completes.
+    (numpy array, bytes, ...). Between devices of one kind the backend's own transfer
+    runs, ordered on the devices after earlier work that used either buffer. Between
+    kinds the bytes go through host memory: directly when one side is host-visible,
+    else through a ring of staging buffers, chunked so that reading the source and
+    writing the destination overlap. Cancelling the await detaches; the copy goes on.
     """
+    if isinstance(dst, Buffer) and isinstance(src, Buffer) and dst.device.kind != src.device.kind:
+        await _copy_between_kinds(dst, src, nbytes)
+        return
     if isinstance(dst, Buffer):
+        if dst.device.kind == "npy":
+            raise InvalidArgumentError("npy buffers are read-only sources")
         queue = dst.device.queue
     elif isinstance(src, Buffer):
         queue = src.device.queue
     else:
         raise ArgumentTypeError("copy needs a Buffer as dst or src (or both)")
     await submit_copy(queue, dst, src, nbytes)
+
+
+STAGING_CHUNK = 8 << 20
+STAGING_RING = 3
+
+
+async def _copy_between_kinds(dst: Buffer, src: Buffer, nbytes: int | None) -> None:
+    dst._check_usable("dst")
+    src._check_usable("src")
+    if dst.device.kind == "npy":
+        raise InvalidArgumentError("npy buffers are read-only sources")
+    nbytes = _size(dst.nbytes, src.nbytes, nbytes)
+    if src.device._backend.host_visible:  # read the source in place
+        await _settled(src)
+        view = src.device._backend.host_view(src._allocation.handle, src.offset, nbytes)
+        await submit_copy(dst.device.queue, dst, view, nbytes)
+        return
+    if dst.device._backend.host_visible:  # write the destination in place
+        await _settled(dst)
+        view = dst.device._backend.host_view(dst._allocation.handle, dst.offset, nbytes)
+        await submit_copy(src.device.queue, view, src, nbytes)
+        return
+    await _staged_copy(dst, src, nbytes)
+
+
+async def _settled(buf: Buffer) -> None:
+    """Wait until every command using ``buf`` has finished."""
+    for queue, value in list(buf._allocation.last_use.items()):
+        await wait_value(queue.timeline, value)
+
+
+async def _staged_copy(dst: Buffer, src: Buffer, nbytes: int) -> None:
+    """Through host memory, chunk by chunk: the copy-out of chunk i+1 runs while the
+    copy-in of chunk i does. A ring slot is reused only once its copy-in finished."""
+    chunk = min(STAGING_CHUNK, nbytes)
+    ring = [np.empty(chunk, np.uint8) for _ in range(min(STAGING_RING, -(-nbytes // chunk)))]
+    copy_ins: list[Completion | None] = [None] * len(ring)
+    for i, offset in enumerate(range(0, nbytes, chunk)):
+        size = min(chunk, nbytes - offset)
+        slot = i % len(ring)
+        previous = copy_ins[slot]
+        if previous is not None:
+            await previous
+        stage = ring[slot][:size]
+        await submit_copy(src.device.queue, stage, src.view(offset, size), size)
+        copy_ins[slot] = submit_copy(dst.device.queue, dst.view(offset, size), stage, size)
+    for pending in copy_ins:
+        if pending is not None:
+            await pending
