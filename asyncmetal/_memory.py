@@ -6,7 +6,6 @@ import collections
 import math
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,14 +44,22 @@ class _Block:
 class _Allocation:
     """What Buffers (and their views) hold; its collection frees the block."""
 
-    __slots__ = ("__weakref__", "block", "freed", "handle", "last_use", "nbytes")
+    __slots__ = ("allocator", "block", "freed", "generation", "handle", "last_use", "nbytes")
 
-    def __init__(self, block: _Block) -> None:
+    def __init__(self, block: _Block, allocator: Allocator | None = None) -> None:
         self.block = block
         self.handle = block.handle
         self.nbytes = block.nbytes
         self.last_use = block.last_use  # the same dict: commands record uses here
         self.freed = False
+        self.allocator = allocator
+        self.generation = block.generation
+
+    def __del__(self) -> None:
+        # Collected without free(): hand the block back -- unless this generation of it
+        # was already freed (and maybe handed out again). Any thread, even inside the GC.
+        if self.allocator is not None and not self.freed:
+            self.allocator._collected.append((self.block, self.generation))
 
 
 class Buffer:
@@ -236,11 +243,7 @@ class Allocator:
             waited = True
         if not waited:
             await checkpoint()
-        allocation = _Allocation(block)
-        # Collected without free(): release it then -- unless that generation of the
-        # block was already freed (and maybe handed out again).
-        weakref.finalize(allocation, self._collect, block, block.generation)
-        return Buffer(self.device, allocation, 0, nbytes)
+        return Buffer(self.device, _Allocation(block, self), 0, nbytes)
 
     def _try_alloc(self, nbytes: int) -> _Block | None:
         with self._lock:
@@ -307,10 +310,6 @@ class Allocator:
 
         for queue, value in pending:
             call_when_reached(queue.timeline, value, one_done)
-
-    def _collect(self, block: _Block, generation: int) -> None:
-        # A weakref finalizer: any thread, even inside the GC. Only hand it over.
-        self._collected.append((block, generation))
 
     def sweep(self) -> None:
         """Take over blocks whose buffers were garbage-collected (loop thread)."""
