@@ -113,6 +113,10 @@ class NativeQueue(ABC):
     def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
         """Device to host into ``dst``."""
 
+    def failure(self, value: int) -> BaseException | None:
+        """The error that failed the command at ``value`` (a lost device), if any."""
+        return None
+
     @abstractmethod
     def close(self, abandon: bool = False) -> None:
         """Finish what was submitted, then release the queue. May block: never on a loop.

@@ -13,6 +13,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from importlib import resources
@@ -32,15 +33,24 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_watch_free": (None, [c_p]),
     "am_watch_arm": (c_int, [c_p, c_u64]),
     "am_timeline_new": (c_p, []),
+    "am_timeline_size": (ctypes.c_size_t, []),
+    "am_timeline_init_at": (c_p, [c_p]),
+    "am_timeline_fini": (None, [c_p]),
     "am_timeline_free": (None, [c_p]),
     "am_timeline_value": (c_u64, [c_p]),
     "am_timeline_signal": (None, [c_p, c_u64]),
+    "am_timeline_poke": (None, [c_p, c_u64]),
     "am_queue_new": (c_p, [c_p, ctypes.c_long]),
     "am_queue_call": (c_int, [c_p, c_p, c_int, c_p, c_p, c_u64]),
     "am_queue_copy": (c_int, [c_p, c_p, c_p, ctypes.c_size_t, c_p, c_u64]),
     "am_queue_signal": (c_int, [c_p, c_p, c_u64, c_u64]),
     "am_queue_wait": (c_int, [c_p, c_p, c_u64, c_u64]),
     "am_queue_close": (None, [c_p, c_int]),
+    "am_cuwaiter_new": (c_p, [c_p, c_p]),
+    "am_cuwaiter_push": (c_int, [c_p, c_p, c_u64, c_p, c_u64]),
+    "am_cuwaiter_reclaim": (c_int, [c_p, c_p, c_int]),
+    "am_cuwaiter_error": (c_int, [c_p, ctypes.POINTER(c_u64)]),
+    "am_cuwaiter_close": (None, [c_p, c_int]),
 }
 MAX_ARGS = 16
 
@@ -59,7 +69,8 @@ def _build(source: bytes, target: str) -> None:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [cc, "-O2", "-shared", "-fPIC", "-pthread", "-x", "c", "-", "-o", tmp],
+            [cc, "-O2", "-shared", "-fPIC", "-pthread", "-x", "c", "-", "-o", tmp]
+            + (["-ldl"] if sys.platform.startswith("linux") else []),
             input=source,
             capture_output=True,
             check=False,

@@ -63,6 +63,9 @@ class Completion(Record):
             yield from wait_value(timeline, self.value).__await__()
         if self.error is not None:
             raise self.error
+        failure = self.queue._native.failure(self.value)
+        if failure is not None:
+            raise failure
         abandoned = self.queue._abandoned_from
         if abandoned is not None and self.value >= abandoned:
             raise ClosedResourceError(
@@ -230,12 +233,25 @@ class Queue:
         if timeline._owner is not None:
             raise InvalidArgumentError("a queue's own timeline is signalled by its queue only")
         value = timeline._check_signal(value, "value")
+        previous = timeline._last_signal
+        if (
+            previous is not None
+            and previous[0] is not self
+            and not previous[0]._reached(previous[1])
+        ):
+            # Signals of one timeline take effect in the order submitted, so its value
+            # never goes backwards: wait, on the device, for the previous one.
+            self.wait(timeline, previous[2])
         done = self._next()
         with self._rollback_on_error():
             self._native.signal(timeline._native, value, done.value, done)
         timeline._highest = value
+        timeline._last_signal = (self, done.value, value)
         self._track(done.value, False, timeline, value)
         return done
+
+    def _reached(self, value: int) -> bool:
+        return self.timeline.value >= value
 
     def wait(self, timeline: Timeline, value: int) -> Completion:
         """Hold every later command until ``timeline`` reaches ``value``.

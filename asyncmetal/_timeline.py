@@ -122,6 +122,7 @@ class Timeline(Waitable):
         self.device = device
         self._owner = owner  # a queue's own timeline is signalled by that queue only
         self._highest = 0  # the highest value signalled or submitted for signalling
+        self._last_signal: tuple[Queue, int, int] | None = None  # (queue, its value, target)
         self._native: NativeTimeline = device._backend.new_timeline(self._advanced)
 
     def __repr__(self) -> str:
@@ -142,6 +143,12 @@ class Timeline(Waitable):
             raise InvalidArgumentError(
                 "this is a queue's own timeline: only its queue signals it; "
                 "make one with device.timeline()"
+            )
+        previous = self._last_signal
+        if previous is not None and not previous[0]._reached(previous[1]):
+            raise InvalidArgumentError(
+                f"a queue's signal of this timeline to {previous[2]} has not run yet: the "
+                f"host may signal it only after that (await timeline.wait({previous[2]}))"
             )
         self._highest = value
         self._native.signal(value)

@@ -120,6 +120,25 @@ async def test_timeline_values_are_64_bit(device: am.Device) -> None:
     tl = device.timeline()
     big = (1 << 64) - 1
     device.queue.signal(tl, 1 << 40)
+    await tl.wait(1 << 40)
     tl.signal(big)
     await tl.wait(big)
     assert tl.value == big
+
+
+async def test_signals_take_effect_in_submission_order(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    tl, gate = device.timeline(), device.timeline()
+    q1, q2 = device.new_queue(), device.new_queue()
+    q1.wait(gate, 1)
+    q1.signal(tl, 1)  # held back behind the gate
+    q2.signal(tl, 2)  # must not take effect before q1's 1: the value never goes backwards
+    await anyio.sleep(0.02)
+    assert tl.value == 0
+    with pytest.raises(am.InvalidArgumentError, match="has not run yet"):
+        tl.signal(3)  # the host may not jump ahead of pending device signals
+    gate.signal(1)
+    await tl.wait(2)
+    assert tl.value == 2
+    tl.signal(3)

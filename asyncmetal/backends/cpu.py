@@ -127,7 +127,7 @@ class CPUQueue(NativeQueue):
     """A queue thread of the native runtime. Python only keeps the commands' objects
     alive until the queue's own timeline has passed them."""
 
-    def __init__(self, lib: ctypes.CDLL, timeline: CPUTimeline) -> None:
+    def __init__(self, lib: ctypes.CDLL, timeline: NativeTimeline) -> None:
         self._lib = lib
         self._timeline = timeline
         self._handle: int | None = lib.am_queue_new(timeline.c_timeline, SPIN_NS)
@@ -181,16 +181,16 @@ class CPUQueue(NativeQueue):
             self._submitted(status, value, args or None)
 
     def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
-        assert isinstance(timeline, CPUTimeline)
+        assert timeline.c_timeline is not None
         status = self._lib.am_queue_signal(self._handle, timeline.c_timeline, target, value)
         self._submitted(status, value, timeline)
 
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
-        assert isinstance(timeline, CPUTimeline)
+        assert timeline.c_timeline is not None
         status = self._lib.am_queue_wait(self._handle, timeline.c_timeline, target, value)
         self._submitted(status, value, timeline)
 
-    def _memmove(
+    def memmove(
         self, dst: int, src: int, nbytes: int, value: int, record: Record, keep: object
     ) -> None:
         status = self._lib.am_queue_copy(self._handle, dst, src, nbytes, self._row(record), value)
@@ -199,15 +199,15 @@ class CPUQueue(NativeQueue):
     def copy(
         self, dst: Arg, src: Arg, nbytes: int, value: int, record: Record, peer: Any = None
     ) -> None:
-        self._memmove(_address(dst), _address(src), nbytes, value, record, (dst, src))
+        self.memmove(_address(dst), _address(src), nbytes, value, record, (dst, src))
 
     def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
         address, keep = _host_address(src)
-        self._memmove(_address(dst), address, src.nbytes, value, record, (dst, keep))
+        self.memmove(_address(dst), address, src.nbytes, value, record, (dst, keep))
 
     def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
         address, keep = _host_address(dst)
-        self._memmove(address, _address(src), dst.nbytes, value, record, (keep, src))
+        self.memmove(address, _address(src), dst.nbytes, value, record, (keep, src))
 
     def close(self, abandon: bool = False) -> None:
         if self._handle is not None:

@@ -131,21 +131,48 @@ int am_watch_arm(am_watch *w, uint64_t next) {
 
 /* ---- timelines ------------------------------------------------------------------- */
 
-am_timeline *am_timeline_new(void) {
-    am_timeline *t = calloc(1, sizeof *t);
-    if (!t) return NULL;
+static void timeline_init(am_timeline *t) {
+    memset(t, 0, sizeof *t);
     pthread_mutex_init(&t->mu, NULL);
     pthread_cond_init(&t->cv, NULL);
+}
+
+am_timeline *am_timeline_new(void) {
+    am_timeline *t = malloc(sizeof *t);
+    if (t) timeline_init(t);
     return t;
 }
 
-void am_timeline_free(am_timeline *t) {
+/* A timeline placed in caller-owned memory (e.g. pinned host memory a GPU can wait
+ * on: its value is the first 8 bytes). The caller frees the memory after fini. */
+size_t am_timeline_size(void) { return sizeof(am_timeline); }
+am_timeline *am_timeline_init_at(void *memory) {
+    timeline_init(memory);
+    return memory;
+}
+void am_timeline_fini(am_timeline *t) {
     pthread_mutex_destroy(&t->mu);
     pthread_cond_destroy(&t->cv);
+}
+
+void am_timeline_free(am_timeline *t) {
+    am_timeline_fini(t);
     free(t);
 }
 
 uint64_t am_timeline_value(am_timeline *t) { return atomic_load(&t->value); }
+
+/* For a timeline whose value a device writes in place (a GPU's stream memory op): raise
+ * it to at least v and wake whoever waits up to the value now held. */
+void am_timeline_poke(am_timeline *t, uint64_t v) {
+    pthread_mutex_lock(&t->mu);
+    if (v > atomic_load(&t->value)) atomic_store(&t->value, v);
+    v = atomic_load(&t->value);
+    pthread_cond_broadcast(&t->cv);
+    for (am_watch *w = t->watches; w; w = w->link)
+        if (v >= atomic_load(&w->next)) notify(w->notifier);
+    pthread_mutex_unlock(&t->mu);
+}
 
 void am_timeline_signal(am_timeline *t, uint64_t v) {
     pthread_mutex_lock(&t->mu);
@@ -318,4 +345,130 @@ void am_queue_close(am_queue *q, int abandon) {
     pthread_cond_destroy(&q->cv);
     free(q->ring);
     free(q);
+}
+
+/* ---- CUDA completion --------------------------------------------------------------
+ * One thread per CUDA stream waits, in order, on the blocking-sync events recorded after
+ * its commands, then raises the stream's mirror timeline (and the timeline a signal
+ * command raised), which wakes the loops through their pipes. It never takes the GIL and
+ * calls nothing but cuCtxSetCurrent and cuEventSynchronize, looked up in libcuda. */
+#include <dlfcn.h>
+
+typedef int (*cu_ctx_fn)(void *);
+typedef int (*cu_event_fn)(void *);
+
+typedef struct {
+    void *event;
+    uint64_t value;
+    am_timeline *extra;             /* a timeline this command signals, or NULL */
+    uint64_t extra_value;
+} am_cuentry;
+
+typedef struct am_cuwaiter {
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    am_cuentry *ring;
+    size_t cap, head, count;
+    void **done;                    /* waited-on events, for the submitter to reuse */
+    size_t done_cap, done_count;
+    int stop;
+    void *ctx;
+    am_timeline *mirror;
+    cu_ctx_fn set_ctx;
+    cu_event_fn sync;
+    int error;                      /* the first CUDA error: sticky */
+    uint64_t error_value;           /* the value of the command that saw it */
+} am_cuwaiter;
+
+static void *cuwait_run(void *arg) {
+    am_cuwaiter *w = arg;
+    w->set_ctx(w->ctx);
+    for (;;) {
+        pthread_mutex_lock(&w->mu);
+        while (w->count == 0 && !w->stop) pthread_cond_wait(&w->cv, &w->mu);
+        if (w->count == 0) { pthread_mutex_unlock(&w->mu); return NULL; }
+        am_cuentry e = w->ring[w->head];
+        pthread_mutex_unlock(&w->mu);
+        int r = w->error ? w->error : w->sync(e.event);
+        pthread_mutex_lock(&w->mu);
+        w->head = (w->head + 1) % w->cap;
+        w->count--;
+        if (r && !w->error) { w->error = r; w->error_value = e.value; }
+        if (w->done_count < w->done_cap) w->done[w->done_count++] = e.event;
+        pthread_mutex_unlock(&w->mu);
+        if (e.extra && !r) am_timeline_poke(e.extra, e.extra_value);
+        am_timeline_poke(w->mirror, r ? UINT64_MAX : e.value);
+    }
+}
+
+am_cuwaiter *am_cuwaiter_new(void *ctx, am_timeline *mirror) {
+    void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    if (!cuda) return NULL;
+    am_cuwaiter *w = calloc(1, sizeof *w);
+    if (!w) return NULL;
+    w->set_ctx = (cu_ctx_fn)dlsym(cuda, "cuCtxSetCurrent");
+    w->sync = (cu_event_fn)dlsym(cuda, "cuEventSynchronize");
+    w->cap = 256;
+    w->ring = calloc(w->cap, sizeof *w->ring);
+    w->done_cap = 4096;
+    w->done = calloc(w->done_cap, sizeof(void *));
+    w->ctx = ctx;
+    w->mirror = mirror;
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->cv, NULL);
+    if (!w->set_ctx || !w->sync || !w->ring || !w->done ||
+        pthread_create(&w->thread, NULL, cuwait_run, w) != 0) {
+        free(w->ring); free(w->done); free(w);
+        return NULL;
+    }
+    return w;
+}
+
+int am_cuwaiter_push(am_cuwaiter *w, void *event, uint64_t value, am_timeline *extra,
+                     uint64_t extra_value) {
+    pthread_mutex_lock(&w->mu);
+    if (w->count == w->cap) {
+        am_cuentry *ring = malloc(2 * w->cap * sizeof *ring);
+        if (!ring) { pthread_mutex_unlock(&w->mu); return -1; }
+        for (size_t i = 0; i < w->count; i++) ring[i] = w->ring[(w->head + i) % w->cap];
+        free(w->ring);
+        w->ring = ring; w->head = 0; w->cap *= 2;
+    }
+    am_cuentry e = {event, value, extra, extra_value};
+    w->ring[(w->head + w->count) % w->cap] = e;
+    w->count++;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    return 0;
+}
+
+/* Move up to max finished events into out; returns how many. */
+int am_cuwaiter_reclaim(am_cuwaiter *w, void **out, int max) {
+    pthread_mutex_lock(&w->mu);
+    int n = 0;
+    while (n < max && w->done_count) out[n++] = w->done[--w->done_count];
+    pthread_mutex_unlock(&w->mu);
+    return n;
+}
+
+int am_cuwaiter_error(am_cuwaiter *w, uint64_t *value) {
+    pthread_mutex_lock(&w->mu);
+    int e = w->error;
+    *value = w->error_value;
+    pthread_mutex_unlock(&w->mu);
+    return e;
+}
+
+/* After everything pushed was waited on (or at once if abandon): stop and free. */
+void am_cuwaiter_close(am_cuwaiter *w, int abandon) {
+    pthread_mutex_lock(&w->mu);
+    w->stop = 1;
+    if (abandon) w->count = 0;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    pthread_join(w->thread, NULL);
+    pthread_mutex_destroy(&w->mu);
+    pthread_cond_destroy(&w->cv);
+    free(w->ring); free(w->done); free(w);
 }
