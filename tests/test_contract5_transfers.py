@@ -3,14 +3,14 @@ stress test over several queues and two devices checks every byte."""
 
 from __future__ import annotations
 
-import random
-
 import anyio
 import numpy as np
 import pytest
 
 import asyncmetal as am
 from asyncmetal import _transfer
+
+from .stress import interleavings
 
 pytestmark = pytest.mark.anyio
 
@@ -128,41 +128,10 @@ async def test_host_source_is_not_staged(device: am.Device) -> None:
     assert (await buf.read()).tolist() == [7] * 64
 
 
-async def test_random_interleavings_two_devices_every_byte(anyio_backend: object) -> None:
-    rng = random.Random(99)
-    n = 512
+@pytest.mark.parametrize("seed", [99, 7])
+async def test_random_interleavings_two_devices_every_byte(
+    anyio_backend: object, seed: int
+) -> None:
     async with am.open_device("cpu:0") as d0, am.open_device("cpu:1") as d1:
-        devs = [d0, d1]
-        mixes = [await d.compile(MIX, "mix") for d in devs]
-        queues = [[d.queue, d.new_queue(), d.new_queue()] for d in devs]
-        bufs = [(i, await devs[i].alloc(n)) for i in (0, 0, 1, 1)]
-        model = [_bytes(n, k) for k in range(len(bufs))]
-        for (_, b), m in zip(bufs, model):
-            await b.write(m)
-        for step in range(600):
-            op = rng.random()
-            if op < 0.45:  # a launch on any queue of the buffer's device
-                j = rng.randrange(len(bufs))
-                dev_i, buf = bufs[j]
-                k = rng.randrange(256)
-                rng.choice(queues[dev_i]).after(buf).launch(mixes[dev_i], buf, vals=(n, k))
-                model[j] = ((model[j].astype(np.int64) * 31 + k + np.arange(n)) % 256).astype(
-                    np.uint8
-                )
-            elif op < 0.9:  # a copy of a random range, any pair, on any dst queue
-                s, t = rng.sample(range(len(bufs)), 2)
-                size = rng.randrange(1, n)
-                so, to = rng.randrange(n - size + 1), rng.randrange(n - size + 1)
-                src, dst = bufs[s][1].view(so, size), bufs[t][1].view(to, size)
-                rng.choice(queues[bufs[t][0]]).copy(dst, src)
-                model[t][to : to + size] = model[s][so : so + size]
-            elif op < 0.95:  # a host write
-                j = rng.randrange(len(bufs))
-                data = _bytes(n, 1000 + step)
-                await am.copy(bufs[j][1], data)
-                model[j] = data
-            else:  # a read in the middle of it all
-                j = rng.randrange(len(bufs))
-                np.testing.assert_array_equal(await bufs[j][1].read(), model[j])
-        for (_, b), m in zip(bufs, model):
-            np.testing.assert_array_equal(await b.read(), m)
+        mixes = [await d.compile(MIX, "mix") for d in (d0, d1)]
+        await interleavings([d0, d1], mixes, {}, seed)

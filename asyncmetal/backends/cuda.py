@@ -318,7 +318,7 @@ class CUDAQueue(NativeQueue):
         slots = self._slots
         for i, (handle, offset, val) in enumerate(args):
             slots[i] = (handle + offset) if val is None else (val & 0xFFFFFFFF)
-        grid = [-(-g // b) for g, b in zip(global_size, local_size)]
+        grid = [-(-g // b) for g, b in zip(global_size, local_size, strict=True)]
         check(
             cu.cuLaunchKernel(
                 program, *grid, *local_size, 0, self.stream, self._pointers_address, 0

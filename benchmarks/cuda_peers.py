@@ -1,0 +1,253 @@
+"""asyncmetal's cuda device against its peers, in one process and one run.
+
+    python benchmarks/cuda_peers.py --json out.json [--loop asyncio|uvloop|both]
+
+The same empty kernel, awaited five ways: raw driver calls + blocking
+``cuStreamSynchronize`` (the floor), CuPy ``launch_host_func`` -> asyncio future, a CuPy
+event polled from the loop, a PyTorch ``Event.query()`` polled from the loop, and
+asyncmetal. Then: 64 tasks on one stream, CPU time while awaiting a 100 ms kernel, 1 GiB
+host -> device copies, device -> device copies and NVRTC compiles in the pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+import asyncmetal as am
+from asyncmetal._cache import CompileCache
+from asyncmetal._pool import CompilePool
+from asyncmetal.backends.cuda import CUDACompiler, check, cu
+
+EMPTY = 'extern "C" __global__ void empty() {}'
+SLEEP = r"""
+extern "C" __global__ void sleep_ms(int ms) {
+    for (int i = 0; i < ms; i++) __nanosleep(1000000);
+}
+"""
+N_LAT = 3000
+
+
+async def median_us(fn: Callable[[], Awaitable[Any]], n: int = N_LAT) -> float:
+    for _ in range(200):
+        await fn()
+    samples = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        await fn()
+        samples.append(time.perf_counter_ns() - t0)
+    return statistics.median(samples) / 1e3
+
+
+async def run(loop_name: str) -> dict[str, Any]:
+    import cupy
+    import torch
+
+    out: dict[str, Any] = {"loop": loop_name}
+    async with am.open_device("cuda:0") as dev:
+        empty = await dev.compile(EMPTY, "empty")
+        q = dev.new_queue()
+        backend = dev._backend
+        backend.make_current()
+        # -- raw driver: launch + blocking synchronize, and launch-only rate -------------
+        stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "stream")
+        fn = empty.native
+
+        def raw_sync() -> None:
+            check(cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, stream, 0, 0), "launch")
+            check(cu.cuStreamSynchronize(stream), "sync")
+
+        async def raw() -> None:
+            raw_sync()  # blocks the loop: this is the floor, not a way to write async code
+
+        out["raw_sync_us"] = await median_us(raw)
+        t0 = time.perf_counter()
+        for _ in range(20000):
+            check(cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, stream, 0, 0), "launch")
+        check(cu.cuStreamSynchronize(stream), "sync")
+        out["raw_launch_only_per_s"] = 20000 / (time.perf_counter() - t0)
+
+        # -- CuPy ---------------------------------------------------------------------
+        cupy.cuda.Device(0).use()
+        ck = cupy.RawKernel(EMPTY, "empty")
+        cstream = cupy.cuda.Stream(non_blocking=True)
+        loop = asyncio.get_running_loop()
+
+        async def cupy_hostfunc() -> None:
+            fut = loop.create_future()
+            ck((1,), (1,), (), stream=cstream)
+            cstream.launch_host_func(
+                lambda _: loop.call_soon_threadsafe(fut.set_result, None), None
+            )
+            await fut
+
+        async def cupy_poll() -> None:
+            ck((1,), (1,), (), stream=cstream)
+            ev = cstream.record()
+            while not ev.done:
+                await asyncio.sleep(0)
+
+        out["cupy_hostfunc_us"] = await median_us(cupy_hostfunc)
+        out["cupy_event_poll_us"] = await median_us(cupy_poll)
+
+        # -- PyTorch --------------------------------------------------------------------
+        tstream = torch.cuda.Stream()
+
+        async def torch_poll() -> None:
+            with torch.cuda.stream(tstream):
+                torch.cuda._sleep(0)
+                ev = torch.cuda.Event()
+                ev.record(tstream)
+            while not ev.query():
+                await asyncio.sleep(0)
+
+        out["torch_event_poll_us"] = await median_us(torch_poll)
+
+        # -- asyncmetal ------------------------------------------------------------------
+        async def ours() -> None:
+            await q.launch(empty)
+
+        out["asyncmetal_us"] = await median_us(ours)
+        out["latency_ratio"] = out["asyncmetal_us"] / out["raw_sync_us"]
+
+        # -- 64 tasks awaiting launches on one stream ----------------------------------
+        async def worker() -> None:
+            for _ in range(300):
+                await q.launch(empty)
+
+        t0 = time.perf_counter()
+        async with asyncio.TaskGroup() as tg:
+            for _ in range(64):
+                tg.create_task(worker())
+        out["tasks64_per_s"] = 64 * 300 / (time.perf_counter() - t0)
+        out["tasks64_fraction_of_raw"] = out["tasks64_per_s"] / out["raw_launch_only_per_s"]
+
+        # -- CPU while awaiting a 100 ms kernel ---------------------------------------
+        sleeper = await dev.compile(SLEEP, "sleep_ms")
+        await q.launch(sleeper, vals=(1,))
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        await q.launch(sleeper, vals=(100,))
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        out["wait_100ms"] = {"wall_s": wall, "cpu_s": cpu, "cpu_fraction": cpu / wall}
+
+        # -- copies -----------------------------------------------------------------------
+        if loop_name == "asyncio":
+            out["copies"] = await copies(dev, stream)
+        check(cu.cuStreamDestroy(stream), "destroy")
+    return out
+
+
+async def copies(dev: am.Device, stream: Any) -> dict[str, Any]:
+    n = 1 << 30
+    host = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
+    a, b = await dev.alloc(n), await dev.alloc(n)
+    pinned = int(check(cu.cuMemHostAlloc(n, 0), "cuMemHostAlloc"))
+    ctypes.memmove(pinned, host.ctypes.data, n)
+    result: dict[str, Any] = {}
+    raw, ours = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        check(cu.cuMemcpyHtoDAsync(a._allocation.handle, pinned, n, stream), "HtoD")
+        check(cu.cuStreamSynchronize(stream), "sync")
+        raw.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        await b.write(host)  # pageable numpy, staged by asyncmetal
+        ours.append(time.perf_counter() - t0)
+    result["h2d_raw_pinned_gbps"] = n / min(raw) / 1e9
+    result["h2d_asyncmetal_pageable_gbps"] = n / min(ours) / 1e9
+    result["h2d_ratio"] = result["h2d_asyncmetal_pageable_gbps"] / result["h2d_raw_pinned_gbps"]
+    back = np.empty_like(host)
+    t0 = time.perf_counter()
+    await am.copy(back, b)
+    result["d2h_asyncmetal_pageable_gbps"] = n / (time.perf_counter() - t0) / 1e9
+    result["round_trip_correct"] = bool(np.array_equal(back, host))
+    raw, ours = [], []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        check(cu.cuMemcpyDtoDAsync(b._allocation.handle, a._allocation.handle, n, stream), "DtoD")
+        check(cu.cuStreamSynchronize(stream), "sync")
+        raw.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        await am.copy(b, a)
+        ours.append(time.perf_counter() - t0)
+    result["d2d_raw_tbps"] = 2 * n / min(raw) / 1e12  # bytes read + written
+    result["d2d_asyncmetal_tbps"] = 2 * n / min(ours) / 1e12
+    result["d2d_ratio"] = result["d2d_asyncmetal_tbps"] / result["d2d_raw_tbps"]
+    check(cu.cuMemFreeHost(pinned), "free")
+    await a.free()
+    await b.free()
+    return result
+
+
+async def compiles(workers: int, n: int = 64) -> dict[str, Any]:
+    compiler = CUDACompiler("sm_90")
+    tag = time.time_ns()
+
+    def src(i: int, label: str) -> str:
+        return (
+            f'extern "C" __global__ void k{i}(float* x, int n) {{ int j = blockIdx.x * '
+            f"blockDim.x + threadIdx.x; if (j < n) x[j] = x[j] * {i}.5f + sinf(x[j]); }}"
+            f"\n// {label} {tag}\n"
+        )
+
+    t0 = time.perf_counter()
+    for i in range(n):
+        compiler.compile(src(i, "serial"))
+    serial = time.perf_counter() - t0
+    pool = CompilePool(workers, cache=CompileCache(disk=False))
+    try:
+        await asyncio.gather(*(pool.compile(compiler, src(i, "warm")) for i in range(workers)))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(pool.compile(compiler, src(i, "pool")) for i in range(n)))
+        pooled = time.perf_counter() - t0
+    finally:
+        await pool.aclose()
+    return {
+        "kernels": n,
+        "workers": workers,
+        "serial_s": serial,
+        "pool_s": pooled,
+        "speedup": serial / pooled,
+        "cpus": os.cpu_count(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    parser.add_argument("--loop", default="both")
+    args = parser.parse_args()
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "python": sys.version.split()[0],
+        "machine": platform.platform(),
+    }
+    loops = ["asyncio", "uvloop"] if args.loop == "both" else [args.loop]
+    for name in loops:
+        if name == "uvloop":
+            import uvloop
+
+            results[name] = uvloop.run(run(name))
+        else:
+            results[name] = asyncio.run(run(name))
+        print(json.dumps(results[name], indent=1), flush=True)
+    results["nvrtc"] = asyncio.run(compiles(8))
+    print(json.dumps(results["nvrtc"], indent=1), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

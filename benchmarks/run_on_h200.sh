@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# What runs on the GPU machine (device tool), from the repository root:
+#   bash benchmarks/run_on_h200.sh     (with the test wheels carried in .whl/)
+# Writes the test log and the benchmark JSON under $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 ASYNCMETAL_CACHE_DIR=/tmp/amcache
+nvidia-smi -L | tee "$OUT/gpus.txt"
+python3 -c "import cuda.bindings, cupy, torch, numpy, anyio; print('cuda-bindings', cuda.bindings.__version__, 'cupy', cupy.__version__, 'torch', torch.__version__)" | tee -a "$OUT/gpus.txt"
+{ date -u; uname -m; } >> "$OUT/gpus.txt"
+timeout 330 python3 -m pytest tests/test_cuda.py tests/test_contract7_compile_pool.py -m "cuda or not cuda" \
+    -q -p no:cacheprovider -o faulthandler_timeout=300 2>&1 | tee "$OUT/cuda_tests.txt"
+timeout 220 python3 benchmarks/cuda_peers.py --json "$OUT/cuda_peers.json" 2>&1 | tee "$OUT/bench.txt"

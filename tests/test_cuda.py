@@ -1,0 +1,204 @@
+"""The cuda:N backend, on an NVIDIA GPU (`pytest -m cuda`); skipped where none is."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import anyio
+import numpy as np
+import pytest
+
+import asyncmetal as am
+
+from .stress import interleavings
+
+GPUS = [d for d in am.devices() if d.startswith("cuda:")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.anyio,
+    pytest.mark.skipif(not GPUS, reason="no NVIDIA GPU with cuda-bindings on this machine"),
+]
+two_gpus = pytest.mark.skipif(len(GPUS) < 2, reason="needs two NVIDIA GPUs")
+
+KERNELS = r"""
+extern "C" __global__ void add(float* out, const float* a, const float* b, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = a[i] + b[i];
+}
+extern "C" __global__ void fill(int* out, int value, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = value;
+}
+extern "C" __global__ void mix(unsigned char* x, int n, int k) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = (unsigned char)(x[i] * 31 + k + i);
+}
+extern "C" __global__ void empty() {}
+extern "C" __global__ void sleep_us(int us) {
+    long long start = clock64();
+    long long cycles = (long long)us * 1800;  // ~1.8 GHz
+    while (clock64() - start < cycles) {}
+}
+extern "C" __global__ void fault(int* p) { *(int*)0x10 = 1; p[0] = 1; }
+"""
+MIX_LAUNCH = {"global_size": 512, "local_size": 128}
+
+
+async def test_launch_computes(anyio_backend: object) -> None:
+    async with am.open_device("cuda:0") as dev:
+        assert dev.kind == "cuda"
+        add = await dev.compile(KERNELS, "add")
+        n = 100_000
+        a, b, out = [await dev.alloc(4 * n) for _ in range(3)]
+        await a.write(np.arange(n, dtype=np.float32))
+        await b.write(np.full(n, 2, np.float32))
+        await dev.queue.launch(add, out, a, b, vals=(n,), global_size=n, local_size=256)
+        np.testing.assert_array_equal(await out.read(np.float32), np.arange(n) + 2)
+
+
+async def test_compile_errors(anyio_backend: object) -> None:
+    async with am.open_device("cuda:0") as dev:
+        with pytest.raises(am.CompileError) as info:
+            await dev.compile('extern "C" __global__ void k() { nope; }', "k")
+        assert "nope" in info.value.log
+        with pytest.raises(am.CompileError, match="not defined"):
+            await dev.compile(KERNELS, "missing")
+
+
+def test_nvrtc_compiler_pickles_as_configuration() -> None:
+    from asyncmetal.backends.cuda import CUDACompiler
+
+    compiler = CUDACompiler("sm_90")
+    data = pickle.dumps(compiler)
+    assert len(data) < 200
+    copy = pickle.loads(data)
+    assert copy == compiler
+    assert copy.compile(KERNELS) == compiler.compile(KERNELS)
+
+
+async def test_device_wait_before_host_signal_and_between_streams(anyio_backend: object) -> None:
+    async with am.open_device("cuda:0") as dev:
+        fill = await dev.compile(KERNELS, "fill")
+        buf = await dev.alloc(4)
+        tl, tl2 = dev.timeline(), dev.timeline()
+        q1, q2 = dev.new_queue(), dev.new_queue()
+        q2.wait(tl2, 1)  # waits on a signal q1 will make, itself behind the host's
+        done = q2.launch(fill, buf, vals=(7, 1))
+        q1.wait(tl, 5)
+        q1.launch(fill, buf, vals=(3, 1))
+        q1.signal(tl2, 1)
+        await anyio.sleep(0.05)
+        assert not done.done()
+        threading.Thread(target=tl.signal, args=(5,)).start()
+        await done
+        assert (await buf.read(np.int32))[0] == 7
+        await tl2.wait(1)
+
+
+async def test_64_awaiters_batched(anyio_backend: object) -> None:
+    async with am.open_device("cuda:0") as dev:
+        empty = await dev.compile(KERNELS, "empty")
+        tl = dev.timeline()
+        q = dev.new_queue()
+        q.wait(tl, 1)
+        completions = [q.launch(empty) for _ in range(64)]
+        async with anyio.create_task_group() as tg:
+            for c in completions:
+                tg.start_soon(c.wait)
+            while am.loop_statistics().waiting < 64:
+                await anyio.sleep(0.001)
+            before = am.loop_statistics()
+            tl.signal(1)
+        after = am.loop_statistics()
+        assert after.resolved - before.resolved == 64
+        assert after.wakeups - before.wakeups <= 4
+
+
+async def test_copies(anyio_backend: object) -> None:
+    async with am.open_device("cuda:0") as dev:
+        for n in (100, 40 << 20):  # direct, and staged through pinned chunks
+            data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+            a, b = await dev.alloc(n), await dev.alloc(n)
+            await a.write(data)
+            await am.copy(b, a)
+            np.testing.assert_array_equal(await b.read(), data)
+        cpu_side = await am.from_numpy(data)
+        await am.copy(a, cpu_side)  # npy -> cuda
+        np.testing.assert_array_equal(await a.read(), data)
+
+
+async def test_cancelled_waits_lose_nothing(anyio_backend: object) -> None:
+    async with am.open_device("cuda:0") as dev:
+        fill = await dev.compile(KERNELS, "fill")
+        buf = await dev.alloc(4 * 1000)
+        for i in range(300):
+            with anyio.move_on_after(0 if i % 2 else 1e-5):
+                await dev.queue.launch(fill, buf, vals=(i, 1000), global_size=1000, local_size=128)
+        assert (await buf.read(np.int32) == 299).all()
+
+
+@two_gpus
+async def test_peer_copies_and_stress_on_two_gpus(anyio_backend: object) -> None:
+    async with am.open_device("cuda:0") as d0, am.open_device("cuda:1") as d1:
+        mixes = [await d.compile(KERNELS, "mix") for d in (d0, d1)]
+        await interleavings([d0, d1], mixes, MIX_LAUNCH, seed=5, steps=800)
+
+
+async def test_stress_one_gpu_three_queues(anyio_backend: object) -> None:
+    async with am.open_device("cuda:0") as d0:
+        mix = await d0.compile(KERNELS, "mix")
+        await interleavings([d0], [mix], MIX_LAUNCH, seed=11, steps=600)
+
+
+async def test_waiting_on_a_long_kernel_costs_no_cpu(anyio_backend: object) -> None:
+    async with am.open_device("cuda:0") as dev:
+        sleep = await dev.compile(KERNELS, "sleep_us")
+        await dev.queue.launch(sleep, vals=(10,))
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        await dev.queue.launch(sleep, vals=(100_000,))
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        assert wall > 0.05
+        assert cpu / wall < 0.05
+
+
+def test_fault_loses_the_context_only() -> None:
+    script = (
+        textwrap.dedent(
+            """
+        import anyio, numpy as np, asyncmetal as am
+        SRC = '''%s'''
+        async def main():
+            async with am.open_device("cuda:0") as dev, am.open_device("cpu") as cpu:
+                fault = await dev.compile(SRC, "fault")
+                fill = await dev.compile(SRC, "fill")
+                buf = await dev.alloc(4)
+                bad = dev.queue.launch(fault, buf)
+                later = dev.queue.launch(fill, buf, vals=(1, 1))
+                for c in (bad, later):
+                    try:
+                        await c
+                        print("no error")
+                    except am.DeviceLostError as exc:
+                        print("lost:", "ILLEGAL" in str(exc) or "LAUNCH_FAILED" in str(exc))
+                k = await cpu.compile("void k(int* x) { x[0] = 9; }", "k")
+                b = await cpu.alloc(4)
+                await cpu.queue.launch(k, b)
+                print("cpu ok:", (await b.read(np.int32))[0] == 9)
+        anyio.run(main)
+        print("exiting")
+        """
+        )
+        % KERNELS
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.stdout.splitlines() == ["lost: True", "lost: True", "cpu ok: True", "exiting"], (
+        proc.stdout + proc.stderr
+    )
+    assert proc.returncode == 0, proc.stderr
