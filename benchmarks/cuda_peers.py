@@ -39,7 +39,12 @@ extern "C" __global__ void sleep_ms(int ms) {
 N_LAT = 3000
 
 
+def progress(what: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {what}", flush=True)
+
+
 async def median_us(fn: Callable[[], Awaitable[Any]], n: int = N_LAT) -> float:
+    progress(getattr(fn, "__name__", "?"))
     for _ in range(200):
         await fn()
     samples = []
@@ -121,6 +126,7 @@ async def run(loop_name: str) -> dict[str, Any]:
         out["asyncmetal_us"] = await median_us(ours)
         out["latency_ratio"] = out["asyncmetal_us"] / out["raw_sync_us"]
 
+        progress(f"latencies done: {out}")
         # -- 64 tasks awaiting launches on one stream ----------------------------------
         async def worker() -> None:
             for _ in range(300):
@@ -133,6 +139,7 @@ async def run(loop_name: str) -> dict[str, Any]:
         out["tasks64_per_s"] = 64 * 300 / (time.perf_counter() - t0)
         out["tasks64_fraction_of_raw"] = out["tasks64_per_s"] / out["raw_launch_only_per_s"]
 
+        progress("64 tasks done")
         # -- CPU while awaiting a 100 ms kernel ---------------------------------------
         sleeper = await dev.compile(SLEEP, "sleep_ms")
         await q.launch(sleeper, vals=(1,))
@@ -224,6 +231,9 @@ async def compiles(workers: int, n: int = 64) -> dict[str, Any]:
 
 
 def main() -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(200, exit=True)
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     parser.add_argument("--loop", default="both")

@@ -598,4 +598,7 @@ class CUDABackend(Backend):
         for module in self._modules:
             cu.cuModuleUnload(module)
         self._modules.clear()
-        cu.cuDevicePrimaryCtxRelease(self.device)
+        # The primary context stays retained for the life of the process (as the CUDA
+        # runtime keeps it): timelines live in its pinned memory and may outlive the
+        # device object (a Completion kept around, a loop's watch), so that memory must
+        # never be unmapped under them.
