@@ -127,6 +127,7 @@ async def run(loop_name: str) -> dict[str, Any]:
         out["latency_ratio"] = out["asyncmetal_us"] / out["raw_sync_us"]
 
         progress(f"latencies done: {out}")
+
         # -- 64 tasks awaiting launches on one stream ----------------------------------
         async def worker() -> None:
             for _ in range(300):

@@ -296,6 +296,20 @@ class CUDAQueue(NativeQueue):
         if keep is not None:
             self._keep.append((value, keep))
 
+    def _mark(self, timeline: CUDATimeline, target: int, reached: int) -> None:
+        """Raise ``timeline`` to ``target`` on the device mid-command. A GPU write wakes
+        no host thread by itself: the completion thread pokes the timeline after it."""
+        check(
+            cu.cuStreamWriteValue64(self.stream, timeline.address, target, self._write_flags),
+            "cuStreamWriteValue64",
+        )
+        event = self._event()
+        check(cu.cuEventRecord(event, self.stream), "cuEventRecord")
+        if self._backend.lib.am_cuwaiter_push(
+            self._waiter, int(event), reached, timeline.c_timeline, target
+        ):
+            raise MemoryError("the CUDA completion ring could not grow")
+
     def failure(self, value: int) -> BaseException | None:
         first = ctypes.c_uint64()
         code = self._backend.lib.am_cuwaiter_error(self._waiter, ctypes.byref(first))
@@ -411,14 +425,10 @@ class CUDAQueue(NativeQueue):
                 cu.cuMemcpyDtoHAsync(chunk.address, base + offset, n, self.stream),
                 "cuMemcpyDtoHAsync",
             )
-            # The stream marks the chunk arrived; a host thread then moves it out.
+            # The stream marks the chunk arrived (and the completion thread wakes whoever
+            # sleeps on the mark); a host thread then moves it out.
             marker = backend.next_marker()
-            check(
-                cu.cuStreamWriteValue64(
-                    self.stream, marker[0].address, marker[1], self._write_flags
-                ),
-                "cuStreamWriteValue64",
-            )
+            self._mark(marker[0], marker[1], value - 1)
             backend.copier.wait(*marker)
             last = backend.copier.memmove(address + offset, chunk.address, n, dst)
             backend.staging.release_after(chunk, last[0], last[1])
