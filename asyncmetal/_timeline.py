@@ -174,7 +174,7 @@ class Timeline(Waitable):
         return value
 
 
-SPIN_NS = 20_000  # waits recently shorter than this first yield to the loop a few times
+SPIN_NS = 50_000  # waits recently shorter than this first yield to the loop a few times
 
 
 async def wait_value(timeline: Waitable, value: int) -> None:

@@ -40,7 +40,8 @@ except ImportError:  # pragma: no cover - without cuda-bindings there is no cuda
 MAX_PARAMS = 64
 STAGE_CHUNK = 8 << 20  # bytes per pinned staging chunk
 STAGE_DIRECT = 64 << 10  # smaller host copies go straight from pageable memory
-HOST_COPY_THREADS = 4
+HOST_COPY_THREADS = max(2, min(8, (os.cpu_count() or 2) // 2))
+COMPLETION_SPIN_NS = 30_000  # the completion thread polls this long before blocking
 
 _LOST = {
     "CUDA_ERROR_ILLEGAL_ADDRESS",
@@ -250,7 +251,7 @@ class CUDAQueue(NativeQueue):
         flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
         self.stream = check(cu.cuStreamCreate(flags), "cuStreamCreate")
         self._waiter: int | None = backend.lib.am_cuwaiter_new(
-            backend.context_address, timeline.c_timeline
+            backend.context_address, timeline.c_timeline, COMPLETION_SPIN_NS
         )
         if not self._waiter:
             raise AsyncMetalError("could not start the CUDA completion thread (libcuda.so.1)")
@@ -274,7 +275,12 @@ class CUDAQueue(NativeQueue):
         return check(cu.cuEventCreate(flags), "cuEventCreate")
 
     def _finish(
-        self, value: int, keep: object = None, extra: CUDATimeline | None = None, target: int = 0
+        self,
+        value: int,
+        keep: object = None,
+        extra: CUDATimeline | None = None,
+        target: int = 0,
+        expected_ns: int = 0,
     ) -> None:
         """End a command: write the queue's value on the device, then hand an event to
         the completion thread."""
@@ -284,8 +290,11 @@ class CUDAQueue(NativeQueue):
         )
         event = self._event()
         check(cu.cuEventRecord(event, self.stream), "cuEventRecord")
+        # A command expected to take at most ~2 ms (a copy of known size) is polled
+        # for through its end: blocking would add an interrupt and a thread wake-up.
+        spin = min(expected_ns, 2_000_000)
         status = self._backend.lib.am_cuwaiter_push(
-            self._waiter, int(event), value, extra.c_timeline if extra else None, target
+            self._waiter, int(event), value, extra.c_timeline if extra else None, target, spin
         )
         if status:
             raise MemoryError("the CUDA completion ring could not grow")
@@ -306,7 +315,7 @@ class CUDAQueue(NativeQueue):
         event = self._event()
         check(cu.cuEventRecord(event, self.stream), "cuEventRecord")
         if self._backend.lib.am_cuwaiter_push(
-            self._waiter, int(event), reached, timeline.c_timeline, target
+            self._waiter, int(event), reached, timeline.c_timeline, target, 0
         ):
             raise MemoryError("the CUDA completion ring could not grow")
 
@@ -385,7 +394,7 @@ class CUDAQueue(NativeQueue):
                 ),
                 "cuMemcpyPeerAsync",
             )
-        self._finish(value, (dst, src))
+        self._finish(value, (dst, src), expected_ns=nbytes // 1000)  # ~2 TB/s each way
 
     def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
         self._backend.make_current()
