@@ -136,6 +136,9 @@ class Backend(ABC):
 
     kind: ClassVar[str]  # "cpu", "cuda", "metal"
     host_visible: ClassVar[bool] = False  # buffers can be viewed from the host in place
+    # How many commands a queue parked in a device-side wait takes before submitting
+    # blocks (None: no limit); past it the queue holds commands on the host.
+    max_behind_wait: ClassVar[int | None] = None
 
     @classmethod
     @abstractmethod

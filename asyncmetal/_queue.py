@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._backend import Arg, NativeQueue, Record
@@ -12,7 +12,7 @@ from ._bridge import checkpoint
 from ._compile import Program
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
 from ._memory import Buffer
-from ._timeline import Timeline, check_value, wait_value
+from ._timeline import Timeline, call_when_reached, check_value, wait_value
 
 if TYPE_CHECKING:
     from ._device import Device
@@ -68,6 +68,8 @@ class Completion(Record):
             raise failure
         abandoned = self.queue._abandoned_from
         if abandoned is not None and self.value >= abandoned:
+            if self.queue._broken is not None:
+                raise self.queue._broken
             raise ClosedResourceError(
                 f"the device {self.queue.device.name} was closed while this command waited "
                 "for a timeline value nobody signalled: it never ran"
@@ -115,6 +117,14 @@ class Queue:
         # Device-side signals and waits not yet known complete: (value, is_wait, tl, target)
         self._sync_ops: collections.deque[tuple[int, bool, Timeline, int]] = collections.deque()
         self._abandoned_from: int | None = None  # commands from here on never ran
+        self._limit = device._backend.max_behind_wait
+        self._gate: tuple[Timeline, int] | None = None  # an unsatisfied device-side wait
+        self._behind = 0  # commands handed to the backend behind that wait
+        self._held: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = (
+            collections.deque()
+        )
+        self._flush_armed = False
+        self._broken: BaseException | None = None
 
     def __repr__(self) -> str:
         return f"<Queue of {self.device.name} submitted={self._submitted}>"
@@ -151,7 +161,10 @@ class Queue:
         self._submitted = value = self._submitted + 1
         done = Completion(self, value)
         try:
-            self._native.launch(program.native, args, gsize, lsize, value, done)
+            if self._held or self._gate is not None:
+                self._issue(self._native.launch, program.native, args, gsize, lsize, value, done)
+            else:
+                self._native.launch(program.native, args, gsize, lsize, value, done)
         except BaseException:
             self._submitted -= 1  # the backend refused it: its value was never used
             raise
@@ -244,7 +257,7 @@ class Queue:
             self.wait(timeline, previous[2])
         done = self._next()
         with self._rollback_on_error():
-            self._native.signal(timeline._native, value, done.value, done)
+            self._issue(self._native.signal, timeline._native, value, done.value, done)
         timeline._highest = value
         timeline._last_signal = (self, done.value, value)
         self._track(done.value, False, timeline, value)
@@ -263,9 +276,56 @@ class Queue:
         value = check_value(value)
         done = self._next()
         with self._rollback_on_error():
-            self._native.wait(timeline._native, value, done.value, done)
+            self._issue(self._wait_and_gate, timeline, value, done)
         self._track(done.value, True, timeline, value)
         return done
+
+    # -- holding commands behind a device wait -----------------------------------------
+    # A CUDA stream parked in a device-side wait accepts only so many commands before the
+    # driver blocks the submitting thread (the loop). Past the backend's limit, commands
+    # are held here, in order, and handed over once the awaited value is reached.
+
+    def _issue(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._held or (self._gate is not None and self._gated()):
+            self._held.append((fn, args))
+            return
+        fn(*args)
+
+    def _wait_and_gate(self, timeline: Timeline, target: int, done: Completion) -> None:
+        self._native.wait(timeline._native, target, done.value, done)
+        if self._limit is not None and timeline.value < target:
+            self._gate = (timeline, target)
+            self._behind = 0
+
+    def _gated(self) -> bool:
+        assert self._gate is not None and self._limit is not None
+        timeline, target = self._gate
+        if timeline.value >= target:
+            self._gate = None
+            return False
+        if self._behind < self._limit:
+            self._behind += 1
+            return False
+        if not self._flush_armed:
+            self._flush_armed = True
+            call_when_reached(timeline, target, self._flush)
+        return True
+
+    def _flush(self) -> None:
+        self._flush_armed = False
+        held, self._held = self._held, collections.deque()
+        while held:
+            fn, args = held.popleft()
+            if self._gate is not None and self._gated():
+                self._held.append((fn, args))
+                self._held.extend(held)
+                return
+            try:
+                fn(*args)
+            except BaseException as exc:  # the device refused a held command: it is lost
+                self._broken = exc
+                self._abandon(next(a for a in args if isinstance(a, Completion)).value)
+                return
 
     def _track(self, value: int, is_wait: bool, timeline: Timeline, target: int) -> None:
         ops = self._sync_ops

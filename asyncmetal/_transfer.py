@@ -75,7 +75,7 @@ def submit_copy(queue: Queue, dst: Any, src: Any, nbytes: int | None) -> Complet
         value = done.value
         peer = None if src.device is device else src.device._backend
         with queue._rollback_on_error():
-            queue._native.copy(dst._arg(), src._arg(), nbytes, value, done, peer)
+            queue._issue(queue._native.copy, dst._arg(), src._arg(), nbytes, value, done, peer)
         dst._used(queue, value)
         src._used(queue, value)
     elif isinstance(dst, Buffer):
@@ -86,7 +86,7 @@ def submit_copy(queue: Queue, dst: Any, src: Any, nbytes: int | None) -> Complet
         done = queue._next()
         value = done.value
         with queue._rollback_on_error():
-            queue._native.copyin(dst._arg(), view[:nbytes], value, done)
+            queue._issue(queue._native.copyin, dst._arg(), view[:nbytes], value, done)
         dst._used(queue, value)
     elif isinstance(src, Buffer):
         src._check_usable("src", device)
@@ -96,7 +96,7 @@ def submit_copy(queue: Queue, dst: Any, src: Any, nbytes: int | None) -> Complet
         done = queue._next()
         value = done.value
         with queue._rollback_on_error():
-            queue._native.copyout(view[:nbytes], src._arg(), value, done)
+            queue._issue(queue._native.copyout, view[:nbytes], src._arg(), value, done)
         src._used(queue, value)
     else:
         raise ArgumentTypeError("copy needs a Buffer as dst or src (or both)")
