@@ -13,4 +13,4 @@ python3 -c "import cuda.bindings, cupy, torch, numpy, anyio; print('cuda-binding
 { date -u; uname -m; } >> "$OUT/gpus.txt"
 timeout 230 python3 benchmarks/cuda_peers.py --json "$OUT/cuda_peers.json" 2>&1 | tee "$OUT/bench.txt"
 timeout 250 python3 -m pytest tests/test_cuda.py tests/test_contract7_compile_pool.py -m "cuda or not cuda" \
-    -q -p no:cacheprovider --timeout 60 -o faulthandler_timeout=120 2>&1 | tee "$OUT/cuda_tests.txt"
+    -q -p no:cacheprovider -rs --timeout 60 -o faulthandler_timeout=120 2>&1 | tee "$OUT/cuda_tests.txt"
