@@ -149,9 +149,10 @@ async def run(loop_name: str) -> dict[str, Any]:
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         out["wait_100ms"] = {"wall_s": wall, "cpu_s": cpu, "cpu_fraction": cpu / wall}
 
-        # -- copies -----------------------------------------------------------------------
+        # -- copies and the allocator ----------------------------------------------------
         if loop_name == "asyncio":
             out["copies"] = await copies(dev, stream)
+            out["alloc"] = await allocations(dev)
         check(cu.cuStreamDestroy(stream), "destroy")
     return out
 
@@ -196,6 +197,23 @@ async def copies(dev: am.Device, stream: Any) -> dict[str, Any]:
     await a.free()
     await b.free()
     return result
+
+
+async def allocations(dev: am.Device, nbytes: int = 1 << 20, n: int = 2000) -> dict[str, Any]:
+    """Cached await alloc + await free against cuMemAlloc + cuMemFree of 1 MiB."""
+    await (await dev.alloc(nbytes)).free()
+    cached, native = [], []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        buf = await dev.alloc(nbytes)
+        await buf.free()
+        cached.append(time.perf_counter_ns() - t0)
+        t0 = time.perf_counter_ns()
+        ptr = check(cu.cuMemAlloc(nbytes), "cuMemAlloc")
+        check(cu.cuMemFree(ptr), "cuMemFree")
+        native.append(time.perf_counter_ns() - t0)
+    c, f = statistics.median(cached) / 1e3, statistics.median(native) / 1e3
+    return {"bytes": nbytes, "cached_us": c, "native_us": f, "ratio": c / f}
 
 
 async def compiles(workers: int, n: int = 64) -> dict[str, Any]:
