@@ -56,10 +56,11 @@ class _Job:
 class _Worker:
     """One worker process and the thread that feeds it jobs."""
 
-    def __init__(self, pool: CompilePool) -> None:
+    def __init__(self, pool: CompilePool, eager: bool = False) -> None:
         self.pool = pool
         self.proc: subprocess.Popen[bytes] | None = None
         self.stderr: Any = None
+        self.eager = eager
         self.thread = threading.Thread(target=self._run, name="asyncmetal-compile", daemon=True)
         self.thread.start()
 
@@ -84,6 +85,8 @@ class _Worker:
 
     def _run(self) -> None:
         pool = self.pool
+        if self.eager:
+            self.proc = self._spawn()
         while True:
             with pool._lock:
                 pool._idle += 1
@@ -194,6 +197,13 @@ class CompilePool:
     def workers(self) -> int:
         """Worker threads alive now (each owns at most one process)."""
         return len(self._workers)
+
+    def prestart(self) -> None:
+        """Start every worker process now rather than on demand (each then waits for
+        work). Never blocks: the processes start in their handler threads."""
+        with self._lock:
+            while len(self._workers) < self.max_workers:
+                self._workers.append(_Worker(self, eager=True))
 
     def submit(
         self,

@@ -53,6 +53,7 @@ async def parallel_vs_serial(workers: int, n: int, tag: str) -> dict[str, Any]:
 
     pool = CompilePool(workers, cache=CompileCache(disk=False))
     try:
+        pool.prestart()
         await pool.compile(compiler, kernel(-1, f"{tag}-warm"))  # start the workers
         async with anyio.create_task_group() as tg:
             for w in range(workers - 1):

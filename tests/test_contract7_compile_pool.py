@@ -259,3 +259,17 @@ async def test_compile_many_reports_failures_in_turn(device: am.Device) -> None:
     with pytest.raises(am.CompileError, match="failed with exit code"):
         await consume()
     assert names in ([], ["ok"])
+
+
+async def test_prestart_starts_every_worker(anyio_backend: object, tmp_path: Path) -> None:
+    pool = CompilePool(2, cache=CompileCache(tmp_path))
+    try:
+        pool.prestart()
+        assert pool.workers == 2
+        with anyio.fail_after(30):
+            while not all(w.proc is not None for w in pool._workers):
+                await anyio.sleep(0.01)
+        assert await pool.compile(CCompiler(), _src("prestarted"))
+        assert pool.workers == 2
+    finally:
+        await pool.aclose()
