@@ -9,6 +9,7 @@ above, once, for all backends.
 
 from __future__ import annotations
 
+import collections
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,28 @@ class Record:
         if before != self.value or after != self.value:
             return None  # the row was reused by a later command
         return int(start), int(end)
+
+
+class KeepAlive:
+    """Host objects a queue's commands use, kept until its timeline passes them."""
+
+    __slots__ = ("_items", "_timeline")
+
+    def __init__(self, timeline: NativeTimeline) -> None:
+        self._timeline = timeline
+        self._items: collections.deque[tuple[int, object]] = collections.deque()
+
+    def add(self, value: int, obj: object) -> None:
+        items = self._items
+        if items:
+            reached = self._timeline.value
+            while items and items[0][0] <= reached:
+                items.popleft()
+        if obj is not None:
+            items.append((value, obj))
+
+    def clear(self) -> None:
+        self._items.clear()
 
 
 class Arg(NamedTuple):

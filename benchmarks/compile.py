@@ -14,16 +14,13 @@ Side by side in one process and one run:
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any
 
 import anyio
+from _common import pool_vs_serial, write_json
 
 import asyncmetal as am
 from asyncmetal._cache import CompileCache
@@ -44,35 +41,12 @@ void k{abs(i)}(float* x, int n, int iters) {{
 
 
 async def parallel_vs_serial(workers: int, n: int, tag: str) -> dict[str, Any]:
-    compiler = CCompiler()
-    sources = [kernel(i, f"{tag}-serial") for i in range(n)]
-    t0 = time.perf_counter()
-    for src in sources:
-        compiler.compile(src)  # in this process, one after another
-    serial = time.perf_counter() - t0
-
-    pool = CompilePool(workers, cache=CompileCache(disk=False))
-    try:
-        pool.prestart()
-        await pool.compile(compiler, kernel(-1, f"{tag}-warm"))  # start the workers
-        async with anyio.create_task_group() as tg:
-            for w in range(workers - 1):
-                tg.start_soon(pool.compile, compiler, kernel(-2 - w, f"{tag}-warm"))
-        sources = [kernel(i, f"{tag}-pool") for i in range(n)]
-        t0 = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for src in sources:
-                tg.start_soon(pool.compile, compiler, src)
-        pooled = time.perf_counter() - t0
-    finally:
-        await pool.aclose()
-    return {
-        "kernels": n,
-        "workers": workers,
-        "serial_s": serial,
-        "pool_s": pooled,
-        "speedup": serial / pooled,
-    }
+    return await pool_vs_serial(
+        CCompiler(),
+        [kernel(i, f"{tag}-serial") for i in range(n)],
+        [kernel(i, f"{tag}-pool") for i in range(n)],
+        workers,
+    )
 
 
 async def cache_hits(tag: str, n: int = 200) -> dict[str, Any]:
@@ -190,12 +164,4 @@ if __name__ == "__main__":
     args = parser.parse_args()
     result = anyio.run(main, args)
     report(result)
-    if args.json:
-        result["meta"] = {
-            "date": time.strftime("%Y-%m-%d"),
-            "python": sys.version.split()[0],
-            "machine": platform.platform(),
-            "cpus": os.cpu_count(),
-        }
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)

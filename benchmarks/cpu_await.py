@@ -15,16 +15,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
-import json
-import platform
 import statistics
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 import trio
+from _common import median_us, write_json
 
 import asyncmetal as am
 
@@ -51,12 +49,7 @@ def thread_handoff(backend: str) -> Callable[[Callable[[], Any]], Awaitable[Any]
 
 
 async def latency(run: Callable[[], Awaitable[Any]], n: int = LATENCY_N) -> float:
-    samples = []
-    for _ in range(n):
-        t0 = time.perf_counter_ns()
-        await run()
-        samples.append(time.perf_counter_ns() - t0)
-    return statistics.median(samples) / 1e3
+    return await median_us(run, n)
 
 
 async def throughput(run: Callable[[], Awaitable[Any]]) -> float:
@@ -142,15 +135,7 @@ def main() -> None:
     results = [asyncio.run(bench("asyncio")), trio.run(bench, "trio")]
     for r in results:
         report(r)
-    if args.json:
-        meta = {
-            "date": time.strftime("%Y-%m-%d"),
-            "python": sys.version.split()[0],
-            "machine": platform.platform(),
-            "results": results,
-        }
-        with open(args.json, "w") as f:
-            json.dump(meta, f, indent=2)
+    write_json(args.json, {"results": results})
 
 
 if __name__ == "__main__":

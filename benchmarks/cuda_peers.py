@@ -15,19 +15,17 @@ import argparse
 import asyncio
 import ctypes
 import json
-import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
+from _common import alloc_round_trip, pool_vs_serial, write_json
+from _common import median_us as common_median_us
 
 import asyncmetal as am
-from asyncmetal._cache import CompileCache
-from asyncmetal._pool import CompilePool
 from asyncmetal.backends.cuda import CUDACompiler, check, cu
 
 EMPTY = 'extern "C" __global__ void empty() {}'
@@ -45,14 +43,7 @@ def progress(what: str) -> None:
 
 async def median_us(fn: Callable[[], Awaitable[Any]], n: int = N_LAT) -> float:
     progress(getattr(fn, "__name__", "?"))
-    for _ in range(200):
-        await fn()
-    samples = []
-    for _ in range(n):
-        t0 = time.perf_counter_ns()
-        await fn()
-        samples.append(time.perf_counter_ns() - t0)
-    return statistics.median(samples) / 1e3
+    return await common_median_us(fn, n, warmup=200)
 
 
 async def run(loop_name: str) -> dict[str, Any]:
@@ -201,23 +192,14 @@ async def copies(dev: am.Device, stream: Any) -> dict[str, Any]:
 
 async def allocations(dev: am.Device, nbytes: int = 1 << 20, n: int = 2000) -> dict[str, Any]:
     """Cached await alloc + await free against cuMemAlloc + cuMemFree of 1 MiB."""
-    await (await dev.alloc(nbytes)).free()
-    cached, native = [], []
-    for _ in range(n):
-        t0 = time.perf_counter_ns()
-        buf = await dev.alloc(nbytes)
-        await buf.free()
-        cached.append(time.perf_counter_ns() - t0)
-        t0 = time.perf_counter_ns()
-        ptr = check(cu.cuMemAlloc(nbytes), "cuMemAlloc")
-        check(cu.cuMemFree(ptr), "cuMemFree")
-        native.append(time.perf_counter_ns() - t0)
-    c, f = statistics.median(cached) / 1e3, statistics.median(native) / 1e3
-    return {"bytes": nbytes, "cached_us": c, "native_us": f, "ratio": c / f}
+
+    def native() -> None:
+        check(cu.cuMemFree(check(cu.cuMemAlloc(nbytes), "cuMemAlloc")), "cuMemFree")
+
+    return await alloc_round_trip(dev, nbytes, n, native)
 
 
 async def compiles(workers: int, n: int = 64) -> dict[str, Any]:
-    compiler = CUDACompiler("sm_90")
     tag = time.time_ns()
 
     def src(i: int, label: str) -> str:
@@ -227,31 +209,9 @@ async def compiles(workers: int, n: int = 64) -> dict[str, Any]:
             f"\n// {label} {tag}\n"
         )
 
-    compiler.compile(src(0, "serial-warm"))  # NVRTC loaded here too before timing
-    t0 = time.perf_counter()
-    for i in range(n):
-        compiler.compile(src(i, "serial"))
-    serial = time.perf_counter() - t0
-    pool = CompilePool(workers, cache=CompileCache(disk=False))
-    try:
-        pool.prestart()  # every worker started and NVRTC loaded in each before timing
-        for _ in range(3):
-            await asyncio.gather(
-                *(pool.compile(compiler, src(i, f"warm{_}")) for i in range(workers))
-            )
-        t0 = time.perf_counter()
-        await asyncio.gather(*(pool.compile(compiler, src(i, "pool")) for i in range(n)))
-        pooled = time.perf_counter() - t0
-    finally:
-        await pool.aclose()
-    return {
-        "kernels": n,
-        "workers": workers,
-        "serial_s": serial,
-        "pool_s": pooled,
-        "speedup": serial / pooled,
-        "cpus": os.cpu_count(),
-    }
+    serial = [src(i, "serial") for i in range(n)]
+    pooled = [src(i, "pool") for i in range(n)]
+    return await pool_vs_serial(CUDACompiler("sm_90"), serial, pooled, workers)
 
 
 def main() -> None:
@@ -278,9 +238,7 @@ def main() -> None:
         print(json.dumps(results[name], indent=1), flush=True)
     results["nvrtc"] = asyncio.run(compiles(8))
     print(json.dumps(results["nvrtc"], indent=1), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

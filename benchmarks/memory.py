@@ -13,15 +13,13 @@
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
-import sys
 import time
 from typing import Any
 
 import anyio
 import numpy as np
+from _common import alloc_round_trip as common_alloc_round_trip
+from _common import write_json
 
 import asyncmetal as am
 
@@ -29,45 +27,13 @@ MiB = 1 << 20
 SRC = "void touch(unsigned char* x, int n) { for (int i = 0; i < n; i += 4096) x[i] += 1; }"
 
 
-async def alloc_round_trip(dev: am.Device, nbytes: int, n: int = 3000) -> dict[str, float]:
-    """Median round trips. 'touched' adds writing one byte per 4 KiB page, as first use
-    of the memory would: fresh pages fault in, a cached block's are already there."""
+async def alloc_round_trip(dev: am.Device, nbytes: int, n: int = 3000) -> dict[str, Any]:
     backend = dev._backend
-    await (await dev.alloc(nbytes)).free()  # one block in the cache
-    cached, native, cached_touched, native_touched = [], [], [], []
-    for _ in range(n):
-        t0 = time.perf_counter_ns()
-        buf = await dev.alloc(nbytes)
-        await buf.free()
-        cached.append(time.perf_counter_ns() - t0)
-        t0 = time.perf_counter_ns()
-        handle = backend.allocate(nbytes)
-        backend.free(handle)
-        del handle  # the cpu device's memory is released when its last reference goes
-        native.append(time.perf_counter_ns() - t0)
-    for _ in range(n // 10):
-        t0 = time.perf_counter_ns()
-        buf = await dev.alloc(nbytes)
-        backend.host_view(buf._allocation.handle, 0, nbytes)[::4096] = b"\1" * (nbytes // 4096)
-        await buf.free()
-        cached_touched.append(time.perf_counter_ns() - t0)
-        t0 = time.perf_counter_ns()
-        handle = backend.allocate(nbytes)
-        backend.host_view(handle, 0, nbytes)[::4096] = b"\1" * (nbytes // 4096)
-        backend.free(handle)
-        del handle
-        native_touched.append(time.perf_counter_ns() - t0)
-    c, f = statistics.median(cached) / 1e3, statistics.median(native) / 1e3
-    ct, ft = statistics.median(cached_touched) / 1e3, statistics.median(native_touched) / 1e3
-    return {
-        "bytes": nbytes,
-        "cached_us": c,
-        "native_us": f,
-        "ratio": c / f,
-        "cached_touched_us": ct,
-        "native_touched_us": ft,
-        "touched_ratio": ct / ft,
-    }
+
+    def native() -> None:
+        backend.free(backend.allocate(nbytes))  # released when its last reference goes
+
+    return await common_alloc_round_trip(dev, nbytes, n, native)
 
 
 async def host_round_trip(dev: am.Device, nbytes: int) -> dict[str, float]:
@@ -149,10 +115,6 @@ def report(r: dict[str, Any]) -> None:
         f" -> {a['ratio']:.2f}x (<= 0.2)"
     )
     print(
-        f"1 MiB alloc, first touch, free: cached {a['cached_touched_us']:.2f} us vs native "
-        f"{a['native_touched_us']:.2f} us -> {a['touched_ratio']:.2f}x"
-    )
-    print(
         f"{h['bytes'] / (1 << 30):.1f} GiB numpy -> device -> numpy: "
         f"{h['asyncmetal_gbps']:.1f} GB/s vs numpy.copyto {h['copyto_gbps']:.1f} GB/s"
         f" -> {h['ratio']:.2f}x (>= 0.8)"
@@ -171,11 +133,4 @@ if __name__ == "__main__":
     args = parser.parse_args()
     result = anyio.run(main, args.gib)
     report(result)
-    if args.json:
-        result["meta"] = {
-            "date": time.strftime("%Y-%m-%d"),
-            "python": sys.version.split()[0],
-            "machine": platform.platform(),
-        }
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)

@@ -57,3 +57,13 @@ async def interleavings(
             np.testing.assert_array_equal(await bufs[j][1].read(), model[j])
     for (_, b), m in zip(bufs, model):
         np.testing.assert_array_equal(await b.read(), m)
+
+
+async def park_all(completions: list[am.Completion]) -> am.LoopStatistics:
+    """Wait until a task awaiting each of ``completions`` is parked on the bridge;
+    return the loop's statistics at that moment."""
+    import anyio
+
+    while am.loop_statistics().waiting < len(completions):
+        await anyio.sleep(0.001)
+    return am.loop_statistics()

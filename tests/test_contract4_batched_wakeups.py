@@ -11,6 +11,8 @@ import pytest
 
 import asyncmetal as am
 
+from .stress import park_all
+
 pytestmark = pytest.mark.anyio
 
 
@@ -46,9 +48,7 @@ async def test_64_launch_waiters_released_together(
     async with anyio.create_task_group() as tg:
         for c in completions:
             tg.start_soon(c.wait)
-        while am.loop_statistics().waiting < 64:
-            await anyio.sleep(0.001)
-        before = am.loop_statistics()
+        before = await park_all(completions)
         tl.signal(1)
         # Hold the loop (as a busy loop would be) while the queue thread finishes all 64:
         # their completions must then arrive as one wake-up, not 64 callbacks.

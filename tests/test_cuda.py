@@ -15,7 +15,7 @@ import pytest
 
 import asyncmetal as am
 
-from .stress import interleavings
+from .stress import interleavings, park_all
 
 GPUS = [d for d in am.devices() if d.startswith("cuda:")]
 pytestmark = [
@@ -110,9 +110,7 @@ async def test_64_awaiters_batched(anyio_backend: object) -> None:
         async with anyio.create_task_group() as tg:
             for c in completions:
                 tg.start_soon(c.wait)
-            while am.loop_statistics().waiting < 64:
-                await anyio.sleep(0.001)
-            before = am.loop_statistics()
+            before = await park_all(completions)
             tl.signal(1)
         after = am.loop_statistics()
         # 64 waiters, plus the queue's own flush of the commands it held on the host

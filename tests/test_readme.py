@@ -28,31 +28,21 @@ def test_demo_runs_and_checks_its_result() -> None:
     assert "result checked: correct" in proc.stdout
 
 
-def test_info_lists_cpu() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "asyncmetal", "info"], capture_output=True, text=True, check=True
+def _run(*args: str) -> str:
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, check=True, timeout=120
     ).stdout
-    assert "  cpu" in out
+
+
+def test_info_lists_cpu() -> None:
+    assert "  cpu" in _run("-m", "asyncmetal", "info")
 
 
 def test_hello_example() -> None:
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "hello.py")],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout
-    assert out.strip() == "[1. 2. 3. 4. 5. 6. 7. 8.]"
+    assert _run(str(ROOT / "examples" / "hello.py")).strip() == "[1. 2. 3. 4. 5. 6. 7. 8.]"
 
 
 def test_overlap_example() -> None:
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "overlap.py")],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout
+    out = _run(str(ROOT / "examples" / "overlap.py"))
     assert out.count("compiled; launching") == 8
     assert "all done" in out

@@ -12,7 +12,6 @@ Linux calling conventions, which read an ``int`` from the low half.
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import functools
 import os
@@ -25,7 +24,15 @@ from typing import Any
 import numpy as np
 
 from .. import _native
-from .._backend import Arg, Backend, DeviceInfo, NativeQueue, NativeTimeline, Record
+from .._backend import (
+    Arg,
+    Backend,
+    DeviceInfo,
+    KeepAlive,
+    NativeQueue,
+    NativeTimeline,
+    Record,
+)
 from .._compile import Compiler
 from .._errors import ArgumentTypeError, CompileError
 
@@ -133,7 +140,7 @@ class CPUQueue(NativeQueue):
         self._handle: int | None = lib.am_queue_new(timeline.c_timeline, SPIN_NS)
         if not self._handle:
             raise MemoryError("am_queue_new")
-        self._keep: collections.deque[tuple[int, object]] = collections.deque()
+        self._keep = KeepAlive(timeline)
         self._scratch = (ctypes.c_int64 * MAX_ARGS)()
         self._call = lib.am_queue_call
         self._times = (ctypes.c_int64 * (3 * TIMES_KEPT))()  # start, end, value per row
@@ -148,12 +155,7 @@ class CPUQueue(NativeQueue):
     def _submitted(self, status: int, value: int, keep: object) -> None:
         if status != 0:
             raise MemoryError("the cpu queue could not grow its command ring")
-        if self._keep:
-            reached = self._timeline.value
-            while self._keep and self._keep[0][0] <= reached:
-                self._keep.popleft()
-        if keep is not None:
-            self._keep.append((value, keep))
+        self._keep.add(value, keep)
 
     def launch(
         self,
@@ -177,7 +179,7 @@ class CPUQueue(NativeQueue):
         status = self._call(
             self._handle, program, nargs, ints, self._times_address + 24 * row, value
         )
-        if status or self._keep or nargs:
+        if status or nargs or self._keep._items:
             self._submitted(status, value, args or None)
 
     def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:

@@ -26,7 +26,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import _native
-from .._backend import Arg, Backend, DeviceInfo, NativeQueue, NativeTimeline, Record
+from .._backend import (
+    Arg,
+    Backend,
+    DeviceInfo,
+    KeepAlive,
+    NativeQueue,
+    NativeTimeline,
+    Record,
+)
 from .._compile import Compiler
 from .._errors import AsyncMetalError, CompileError, DeviceLostError
 from .cpu import CPUQueue
@@ -257,7 +265,7 @@ class CUDAQueue(NativeQueue):
             raise AsyncMetalError("could not start the CUDA completion thread (libcuda.so.1)")
         self._events: list[Any] = []
         self._reclaimed = (ctypes.c_void_p * 256)()
-        self._keep: collections.deque[tuple[int, object]] = collections.deque()
+        self._keep = KeepAlive(timeline)
         self._slots = (ctypes.c_uint64 * MAX_PARAMS)()
         base = ctypes.addressof(self._slots)
         self._pointers = (ctypes.c_void_p * MAX_PARAMS)(*(base + 8 * i for i in range(MAX_PARAMS)))
@@ -298,12 +306,7 @@ class CUDAQueue(NativeQueue):
         )
         if status:
             raise MemoryError("the CUDA completion ring could not grow")
-        if self._keep:
-            reached = self._timeline.value
-            while self._keep and self._keep[0][0] <= reached:
-                self._keep.popleft()
-        if keep is not None:
-            self._keep.append((value, keep))
+        self._keep.add(value, keep)
 
     def _mark(self, timeline: CUDATimeline, target: int, reached: int) -> None:
         """Raise ``timeline`` to ``target`` on the device mid-command. A GPU write wakes

@@ -1,0 +1,98 @@
+"""Helpers the benchmark scripts share (each script runs as ``python benchmarks/x.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import anyio
+
+import asyncmetal as am
+from asyncmetal._cache import CompileCache
+from asyncmetal._compile import Compiler
+from asyncmetal._pool import CompilePool
+
+
+async def median_us(fn: Callable[[], Awaitable[Any]], n: int, warmup: int = 0) -> float:
+    """The median time of ``await fn()`` in microseconds, over ``n`` runs."""
+    for _ in range(warmup):
+        await fn()
+    samples = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        await fn()
+        samples.append(time.perf_counter_ns() - t0)
+    return statistics.median(samples) / 1e3
+
+
+async def pool_vs_serial(
+    compiler: Compiler, serial: Sequence[str], pooled: Sequence[str], workers: int
+) -> dict[str, Any]:
+    """Compile ``serial`` one by one in this process, then ``pooled`` in a pool of
+    ``workers`` whose every worker was started and warmed first."""
+    compiler.compile(serial[0] + "\n// warm\n")  # the compiler's libraries loaded here too
+    t0 = time.perf_counter()
+    for src in serial:
+        compiler.compile(src)
+    serial_s = time.perf_counter() - t0
+    pool = CompilePool(workers, cache=CompileCache(disk=False))
+    try:
+        pool.prestart()
+        for round_ in range(3):  # concurrent warm-ups land on every worker
+            async with anyio.create_task_group() as tg:
+                for w in range(workers):
+                    tg.start_soon(pool.compile, compiler, f"{pooled[w]}\n// warm {round_}\n")
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for src in pooled:
+                tg.start_soon(pool.compile, compiler, src)
+        pool_s = time.perf_counter() - t0
+    finally:
+        await pool.aclose()
+    return {
+        "kernels": len(pooled),
+        "workers": workers,
+        "serial_s": serial_s,
+        "pool_s": pool_s,
+        "speedup": serial_s / pool_s,
+        "cpus": os.cpu_count(),
+    }
+
+
+async def alloc_round_trip(
+    dev: am.Device, nbytes: int, n: int, native: Callable[[], None]
+) -> dict[str, Any]:
+    """Median cached ``await alloc`` + ``await free`` against ``native()`` (one native
+    allocation and release of the same size)."""
+    await (await dev.alloc(nbytes)).free()  # one block in the cache
+
+    async def cached() -> None:
+        buf = await dev.alloc(nbytes)
+        await buf.free()
+
+    async def fresh() -> None:
+        native()
+
+    c = await median_us(cached, n)
+    f = await median_us(fresh, n)
+    return {"bytes": nbytes, "cached_us": c, "native_us": f, "ratio": c / f}
+
+
+def write_json(path: str | None, result: dict[str, Any]) -> None:
+    """Write ``result`` with the date, Python and machine, if a path was given."""
+    if not path:
+        return
+    result["meta"] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "python": sys.version.split()[0],
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+    }
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
