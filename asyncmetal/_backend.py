@@ -140,6 +140,10 @@ class NativeQueue(ABC):
         """The error that failed the command at ``value`` (a lost device), if any."""
         return None
 
+    def flush(self) -> None:
+        """Hand over anything submitted but still kept back (a Metal wait waiting for
+        the command buffer of the work that depends on it). Called before parking."""
+
     @abstractmethod
     def close(self, abandon: bool = False) -> None:
         """Finish what was submitted, then release the queue. May block: never on a loop.

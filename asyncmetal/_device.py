@@ -237,6 +237,7 @@ class Device:
             queues = [q for d in list(_open_devices) for q in d._queues]
             limits = completable(queues)
             for queue in self._queues:
+                queue._native.flush()
                 await wait_value(queue.timeline, limits[queue])
             self.closed = True
             blocked = [q for q in self._queues if limits[q] < q.submitted]

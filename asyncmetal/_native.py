@@ -51,6 +51,10 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_cuwaiter_reclaim": (c_int, [c_p, c_p, c_int]),
     "am_cuwaiter_error": (c_int, [c_p, ctypes.POINTER(c_u64)]),
     "am_cuwaiter_close": (None, [c_p, c_int]),
+    "am_block_completed": (None, [c_p, c_p]),
+    "am_block_reached": (None, [c_p, c_p, c_u64]),
+    "am_block_new": (c_p, [c_p, c_int, c_p, c_u64]),
+    "am_block_free": (None, [c_p]),
 }
 MAX_ARGS = 16
 
@@ -70,7 +74,8 @@ def _build(source: bytes, target: str) -> None:
     try:
         proc = subprocess.run(
             [cc, "-O2", "-shared", "-fPIC", "-pthread", "-x", "c", "-", "-o", tmp]
-            + (["-ldl"] if sys.platform.startswith("linux") else []),
+            + (["-ldl"] if sys.platform.startswith("linux") else [])
+            + (["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else []),
             input=source,
             capture_output=True,
             check=False,

@@ -60,6 +60,7 @@ class Completion(Record):
         if timeline._native.value >= self.value:  # the common fast path: one yield
             yield from checkpoint().__await__()
         else:
+            self.queue._native.flush()
             yield from wait_value(timeline, self.value).__await__()
         if self.error is not None:
             raise self.error
@@ -371,6 +372,7 @@ class Queue:
 
     async def synchronize(self) -> None:
         """Wait until everything submitted so far has finished."""
+        self._native.flush()
         await wait_value(self.timeline, self._submitted)
 
 

@@ -484,3 +484,60 @@ void am_cuwaiter_close(am_cuwaiter *w, int abandon) {
     pthread_cond_destroy(&w->cv);
     free(w->ring); free(w->done); free(w);
 }
+
+/* ---- Objective-C blocks whose invoke functions never take the GIL ---------------------
+ * Metal keeps and later calls the blocks given to addCompletedHandler: and
+ * notifyListener:atValue:block:. asyncmetal builds them as global blocks (their memory is
+ * asyncmetal's, released once they ran) whose invoke functions are these: they only record
+ * the argument and raise a timeline, which wakes the waiting loops through their pipes.
+ * Layout: the Block ABI's literal, then asyncmetal's own fields. */
+typedef struct am_block {
+    void *isa;
+    int flags;
+    int reserved;
+    void *invoke;
+    void *descriptor;
+    am_timeline *timeline;          /* raised when the block runs */
+    uint64_t value;                 /* to this value (completion handlers) */
+    void *arg;                      /* what the block was called with (the command buffer) */
+    _Atomic int calls;
+    int reserved2;
+    void *copy_dst;                 /* a memmove to do first (a copy out to host memory */
+    const void *copy_src;           /* that the GPU could not write in place), or none */
+    size_t copy_nbytes;
+} am_block;
+
+/* "v16@?0@8": void (^)(id<MTLCommandBuffer>) */
+void am_block_completed(am_block *b, void *arg) {
+    b->arg = arg;
+    if (b->copy_nbytes) memmove(b->copy_dst, b->copy_src, b->copy_nbytes);
+    atomic_fetch_add(&b->calls, 1);
+    am_timeline_signal(b->timeline, b->value);
+}
+
+/* "v24@?0@8Q16": void (^)(id<MTLSharedEvent>, uint64_t) */
+void am_block_reached(am_block *b, void *event, uint64_t value) {
+    b->arg = event;
+    atomic_fetch_add(&b->calls, 1);
+    am_timeline_signal(b->timeline, value);
+}
+
+/* Blocks live in C memory, with static descriptors: a block still kept by Metal when the
+ * interpreter exits is never freed under it. */
+typedef struct { unsigned long reserved, size; const char *signature; } am_block_descriptor;
+static am_block_descriptor completed_descriptor = {0, sizeof(am_block), "v16@?0@8"};
+static am_block_descriptor reached_descriptor = {0, sizeof(am_block), "v24@?0@8Q16"};
+
+am_block *am_block_new(void *isa, int reached, am_timeline *timeline, uint64_t value) {
+    am_block *b = calloc(1, sizeof *b);
+    if (!b) return NULL;
+    b->isa = isa;
+    b->flags = (1 << 28) | (1 << 30);  /* BLOCK_IS_GLOBAL | BLOCK_HAS_SIGNATURE */
+    b->invoke = reached ? (void *)am_block_reached : (void *)am_block_completed;
+    b->descriptor = reached ? &reached_descriptor : &completed_descriptor;
+    b->timeline = timeline;
+    b->value = value;
+    return b;
+}
+
+void am_block_free(am_block *b) { free(b); }

@@ -1,0 +1,90 @@
+"""Objective-C blocks built from Python, for the Metal backend (and tested on Linux).
+
+A block is the Block ABI's literal: ``isa`` (``&_NSConcreteGlobalBlock``), ``flags``
+(``BLOCK_IS_GLOBAL | BLOCK_HAS_SIGNATURE``), ``invoke``, a descriptor carrying the size
+and the type signature, then asyncmetal's own fields. Its invoke function is one of the
+native runtime's (``am_block_completed``, ``am_block_reached``): it records its argument
+and raises a timeline, so the loop is woken through its pipe and the callback never takes
+the GIL. A global block is not moved by ``_Block_copy``: the memory stays asyncmetal's,
+kept alive in :data:`_alive` until the block has run (or its owner is closed).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+from typing import Any
+
+BLOCK_IS_GLOBAL = 1 << 28
+BLOCK_HAS_SIGNATURE = 1 << 30
+
+COMPLETED_SIGNATURE = b"v16@?0@8"  # void (^)(id<MTLCommandBuffer>)
+REACHED_SIGNATURE = b"v24@?0@8Q16"  # void (^)(id<MTLSharedEvent>, uint64_t)
+
+
+class BlockDescriptor(ctypes.Structure):
+    _fields_ = [
+        ("reserved", ctypes.c_ulong),
+        ("size", ctypes.c_ulong),
+        ("signature", ctypes.c_char_p),
+    ]
+
+
+class BlockLiteral(ctypes.Structure):
+    _fields_ = [
+        ("isa", ctypes.c_void_p),
+        ("flags", ctypes.c_int),
+        ("reserved", ctypes.c_int),
+        ("invoke", ctypes.c_void_p),
+        ("descriptor", ctypes.POINTER(BlockDescriptor)),
+        ("timeline", ctypes.c_void_p),
+        ("value", ctypes.c_uint64),
+        ("arg", ctypes.c_void_p),
+        ("calls", ctypes.c_int),
+        ("reserved2", ctypes.c_int),
+        ("copy_dst", ctypes.c_void_p),
+        ("copy_src", ctypes.c_void_p),
+        ("copy_nbytes", ctypes.c_size_t),
+    ]
+
+
+_alive: dict[int, BlockLiteral] = {}  # address -> block: kept until it ran
+_lock = threading.Lock()
+
+
+def global_block_isa(runtime: Any = None) -> int:
+    """The address of ``_NSConcreteGlobalBlock`` (libSystem on macOS, libBlocksRuntime
+    elsewhere)."""
+    if runtime is None:
+        name = "/usr/lib/libSystem.B.dylib" if sys.platform == "darwin" else "libBlocksRuntime.so.0"
+        runtime = ctypes.CDLL(name)
+    return ctypes.addressof(ctypes.c_void_p.in_dll(runtime, "_NSConcreteGlobalBlock"))
+
+
+def make_block(isa: int, signature: bytes, timeline: int, value: int = 0) -> BlockLiteral:
+    """A global block that, when called, raises ``timeline`` (to ``value``, or to the
+    value it is called with). Its memory is C memory with a static descriptor, freed by
+    :func:`release_ran` once it has run -- never while Metal may still call it, and never
+    at interpreter exit."""
+    from .. import _native
+
+    reached = {COMPLETED_SIGNATURE: 0, REACHED_SIGNATURE: 1}[signature]
+    address = _native.runtime().am_block_new(isa, reached, timeline, value)
+    if not address:
+        raise MemoryError("am_block_new")
+    block = BlockLiteral.from_address(address)
+    with _lock:
+        _alive[address] = block
+    return block
+
+
+def release_ran() -> int:
+    """Free every block that has run; returns how many are still kept."""
+    from .. import _native
+
+    with _lock:
+        for address in [a for a, b in _alive.items() if b.calls]:
+            del _alive[address]
+            _native.runtime().am_block_free(address)
+        return len(_alive)

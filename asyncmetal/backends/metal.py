@@ -1,0 +1,559 @@
+"""The ``metal`` device (Apple): the Objective-C runtime through ctypes, as tinygrad does.
+
+NOT RUN ON APPLE HARDWARE. No machine available to this project runs macOS: this module
+is written against Apple's documented API and tinygrad's ``ops_metal.py`` (0.10.2), and
+what can run elsewhere does (the blocks in ``_blocks.py`` are tested on Linux against a
+real blocks runtime; ``devices()`` lists no ``metal`` off macOS and opening it raises).
+
+* Each command is one command buffer: device-side waits (``encodeWaitForEvent:value:``)
+  are encoded at the head of the command buffer that holds the dependent work (and of
+  every later one until the value is seen reached) -- never in a separate empty command
+  buffer, which raced in tinygrad -- then the work, then ``encodeSignalEvent:value:`` of
+  the queue's own ``MTLSharedEvent``.
+* Every command buffer gets ``addCompletedHandler:`` before ``commit`` with a global
+  block whose invoke function is native (``am_block_completed``): it raises the queue's
+  timeline mirror, which wakes the loops through their pipes. Status, error and GPU
+  times are read from the retained command buffer afterwards, on the loop.
+* Host awaits of free timelines use ``notifyListener:atValue:block:`` with an
+  ``MTLSharedEventListener`` on its own dispatch queue (block signature "v24@?0@8Q16").
+* ``commandBuffer`` blocks when the queue has 1024 buffers in flight: past 1000 a queue
+  hands its submissions to its own thread, in order, so the loop never blocks.
+* Kernels are Metal Shading Language compiled in the worker pool by ``xcrun metal`` and
+  ``xcrun metallib`` (the Xcode command line tools); the compiler pickles as its flags.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .. import _native
+from .._backend import Arg, Backend, DeviceInfo, KeepAlive, NativeQueue, NativeTimeline, Record
+from .._compile import Compiler, ParamKind
+from .._errors import AsyncMetalError, CompileError, DeviceLostError
+from . import _blocks
+from ._objc import describe_error, nsstring, objc_class, release, retain, send
+
+c_void_p, c_uint64, c_ulong = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_ulong
+STORAGE_SHARED = 0  # MTLResourceStorageModeShared
+STATUS_ERROR = 5  # MTLCommandBufferStatusError
+MAX_IN_FLIGHT = 1000  # the queues are made with room for 1024 command buffers
+PAGE = 16384  # Apple silicon page size: no-copy wrappers need page-aligned memory
+
+
+class MTLSize(ctypes.Structure):
+    _fields_ = [("width", c_ulong), ("height", c_ulong), ("depth", c_ulong)]
+
+
+def _framework(name: str) -> ctypes.CDLL:
+    return ctypes.CDLL(f"/System/Library/Frameworks/{name}.framework/{name}")
+
+
+class MetalCompiler(Compiler):
+    """Metal Shading Language -> metallib with ``xcrun metal`` / ``xcrun metallib``."""
+
+    name = "metal"
+
+    def __init__(self, flags: Sequence[str] = ("-O2",)) -> None:
+        self.flags = tuple(flags)
+
+    def config(self) -> tuple[Any, ...]:
+        return (self.flags,)
+
+    def version(self) -> str:
+        try:
+            out = subprocess.run(
+                ["xcrun", "-sdk", "macosx", "metal", "--version"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+        except OSError:
+            return "missing"
+        return out.stdout.partition("\n")[0]
+
+    def compile(self, src: str) -> bytes:
+        with tempfile.TemporaryDirectory(prefix="asyncmetal-metal-") as tmp:
+            source, air, lib = (os.path.join(tmp, n) for n in ("k.metal", "k.air", "k.metallib"))
+            with open(source, "w") as f:
+                f.write(src)
+            for command in (
+                ["xcrun", "-sdk", "macosx", "metal", *self.flags, "-c", source, "-o", air],
+                ["xcrun", "-sdk", "macosx", "metallib", air, "-o", lib],
+            ):
+                try:
+                    proc = subprocess.run(command, capture_output=True, check=False)
+                except OSError as exc:
+                    raise CompileError(
+                        f"cannot run {command[0]}: {exc} (install the Xcode command line tools)"
+                    ) from None
+                if proc.returncode != 0:
+                    log = (proc.stderr + proc.stdout).decode(errors="replace")
+                    raise CompileError(f"{command[3]} failed", log)
+            with open(lib, "rb") as f:
+                return f.read()
+
+    def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
+        return metal_params(src, name)
+
+
+def metal_params(src: str, name: str) -> tuple[ParamKind, ...]:
+    """Launch parameters of a Metal kernel: those bound with ``[[buffer(i)]]`` in index
+    order -- pointers are buffers, references and values are ``vals`` -- skipping
+    ``[[thread_position_in_grid]]`` and the like."""
+    text = re.sub(r"//[^\n]*|/\*.*?\*/", " ", src, flags=re.S)
+    match = re.search(rf"\bkernel\s+void\s+{re.escape(name)}\s*\((.*?)\)\s*{{", text, re.S)
+    if match is None:
+        raise CompileError(f"kernel {name!r} is not defined in the source")
+    bound: list[tuple[int, ParamKind]] = []
+    for param in match.group(1).split(","):
+        index = re.search(r"\[\[\s*buffer\s*\(\s*(\d+)\s*\)\s*\]\]", param)
+        if index is None:
+            continue
+        bound.append((int(index.group(1)), "buffer" if "*" in param else "value"))
+    return tuple(kind for _, kind in sorted(bound))
+
+
+class MetalTimeline(NativeTimeline):
+    """An ``MTLSharedEvent`` with a native mirror timeline that wakes the loops."""
+
+    def __init__(self, backend: MetalBackend) -> None:
+        self._lib = backend.lib
+        self.event: int = send(backend.device, "newSharedEvent")
+        self.c_timeline: int = backend.lib.am_timeline_new()
+        self._mirror = ctypes.c_uint64.from_address(self.c_timeline)
+        self._backend = backend
+
+    @property
+    def value(self) -> int:
+        return self._mirror.value
+
+    def device_value(self) -> int:
+        value: int = send(self.event, "signaledValue", restype=c_uint64)
+        return value
+
+    def signal(self, value: int) -> None:
+        send(self.event, "setSignaledValue:", value, restype=None, argtypes=(c_uint64,))
+        self._lib.am_timeline_signal(self.c_timeline, value)
+
+    def listen(self, value: int) -> None:
+        """Raise the mirror once the device signals ``value`` (a queue's signal)."""
+        block = _blocks.make_block(
+            self._backend.block_isa, _blocks.REACHED_SIGNATURE, self.c_timeline
+        )
+        send(
+            self.event,
+            "notifyListener:atValue:block:",
+            self._backend.listener,
+            value,
+            ctypes.addressof(block),
+            restype=None,
+            argtypes=(c_void_p, c_uint64, c_void_p),
+        )
+
+
+class MetalQueue(NativeQueue):
+    def __init__(self, backend: MetalBackend, timeline: MetalTimeline) -> None:
+        self._backend = backend
+        self._timeline = timeline
+        self._queue: int = send(
+            backend.device, "newCommandQueueWithMaxCommandBufferCount:", 1024, argtypes=(c_ulong,)
+        )
+        self._waits: list[tuple[MetalTimeline, int]] = []  # re-encoded until reached
+        self._unmarked = 0  # a wait command's own value, marked by the next buffer
+        self._committed = 0
+        self._buffers: collections.deque[tuple[int, int, Any]] = collections.deque()
+        self._keep = KeepAlive(timeline)
+        self._worker: ThreadPoolExecutor | None = None
+        self._routed = 0  # submissions handed to the worker and not yet committed
+        self._lock = threading.Lock()
+
+    # -- submission -----------------------------------------------------------------------
+
+    def _submit(
+        self,
+        value: int,
+        encode: Callable[[int], None],
+        keep: object = None,
+        copy_back: tuple[int, int, int] | None = None,
+    ) -> None:
+        if self._routed or value - 1 - self._timeline.value >= MAX_IN_FLIGHT:
+            # `commandBuffer` would block: commit from the queue's own thread, in order.
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="asyncmetal-metal")
+            with self._lock:
+                self._routed += 1
+            self._worker.submit(self._commit, value, encode, keep, copy_back, True)
+            return
+        self._commit(value, encode, keep, copy_back, False)
+
+    def _commit(
+        self,
+        value: int,
+        encode: Callable[[int], None],
+        keep: object,
+        copy_back: tuple[int, int, int] | None,
+        routed: bool,
+    ) -> None:
+        backend = self._backend
+        cb = retain(send(self._queue, "commandBuffer"))
+        still = []
+        for timeline, target in self._waits:
+            if timeline.device_value() < target:
+                send(
+                    cb,
+                    "encodeWaitForEvent:value:",
+                    timeline.event,
+                    target,
+                    restype=None,
+                    argtypes=(c_void_p, c_uint64),
+                )
+                still.append((timeline, target))
+        self._waits = still
+        encode(cb)
+        send(
+            cb,
+            "encodeSignalEvent:value:",
+            self._timeline.event,
+            value,
+            restype=None,
+            argtypes=(c_void_p, c_uint64),
+        )
+        block = _blocks.make_block(
+            backend.block_isa, _blocks.COMPLETED_SIGNATURE, self._timeline.c_timeline, value
+        )
+        if copy_back is not None:
+            block.copy_dst, block.copy_src, block.copy_nbytes = copy_back
+        send(cb, "addCompletedHandler:", ctypes.addressof(block), restype=None)
+        send(cb, "commit", restype=None)
+        self._buffers.append((value, cb, block))
+        self._keep.add(value, (keep, block))
+        self._unmarked = 0
+        if routed:
+            with self._lock:
+                self._routed -= 1
+
+    def flush(self) -> None:
+        """Commit a wait command that no later command carried yet (before parking)."""
+        if self._unmarked:
+            self._submit(self._unmarked, lambda cb: None)
+
+    def failure(self, value: int) -> BaseException | None:
+        self.flush()
+        buffers = self._buffers
+        while buffers and buffers[0][0] <= self._timeline.value:
+            done_value, cb, _ = buffers.popleft()
+            status = send(cb, "status", restype=c_ulong)
+            if status == STATUS_ERROR and self._backend.lost is None:
+                error = describe_error(send(cb, "error"))
+                self._backend.lost = DeviceLostError(f"a Metal command buffer failed: {error}")
+                self._backend.lost_from = done_value
+            release(cb)
+        _blocks.release_ran()
+        lost = self._backend.lost
+        return lost if lost is not None and value >= self._backend.lost_from else None
+
+    # -- commands -------------------------------------------------------------------------
+
+    def launch(
+        self,
+        program: Any,
+        args: Sequence[Arg],
+        global_size: tuple[int, int, int],
+        local_size: tuple[int, int, int],
+        value: int,
+        record: Record,
+    ) -> None:
+        ints = [ctypes.c_int32(a.value) for a in args if a.value is not None]
+
+        def encode(cb: int) -> None:
+            encoder = send(cb, "computeCommandEncoder")
+            send(encoder, "setComputePipelineState:", program, restype=None)
+            values = iter(ints)
+            for index, (handle, offset, val) in enumerate(args):
+                if val is None:
+                    send(
+                        encoder,
+                        "setBuffer:offset:atIndex:",
+                        handle,
+                        offset,
+                        index,
+                        restype=None,
+                        argtypes=(c_void_p, c_ulong, c_ulong),
+                    )
+                else:
+                    v = next(values)
+                    send(
+                        encoder,
+                        "setBytes:length:atIndex:",
+                        ctypes.addressof(v),
+                        4,
+                        index,
+                        restype=None,
+                        argtypes=(c_void_p, c_ulong, c_ulong),
+                    )
+            send(
+                encoder,
+                "dispatchThreads:threadsPerThreadgroup:",
+                MTLSize(*global_size),
+                MTLSize(*local_size),
+                restype=None,
+                argtypes=(MTLSize, MTLSize),
+            )
+            send(encoder, "endEncoding", restype=None)
+
+        self._submit(value, encode, (args, ints))
+
+    def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
+        assert isinstance(timeline, MetalTimeline)
+        timeline.listen(target)  # host awaiters of `timeline` hear of it
+
+        def encode(cb: int) -> None:
+            send(
+                cb,
+                "encodeSignalEvent:value:",
+                timeline.event,
+                target,
+                restype=None,
+                argtypes=(c_void_p, c_uint64),
+            )
+
+        self._submit(value, encode, timeline)
+
+    def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
+        assert isinstance(timeline, MetalTimeline)
+        # Encoded at the head of the next command buffer, with the work that depends on
+        # it; this command's own value is marked by that buffer (or by flush()).
+        self._waits.append((timeline, target))
+        self._unmarked = value
+
+    def _blit(
+        self,
+        value: int,
+        dst: tuple[int, int],
+        src: tuple[int, int],
+        nbytes: int,
+        keep: object,
+        copy_back: tuple[int, int, int] | None = None,
+    ) -> None:
+        def encode(cb: int) -> None:
+            blit = send(cb, "blitCommandEncoder")
+            send(
+                blit,
+                "copyFromBuffer:sourceOffset:toBuffer:destinationOffset:size:",
+                src[0],
+                src[1],
+                dst[0],
+                dst[1],
+                nbytes,
+                restype=None,
+                argtypes=(c_void_p, c_ulong, c_void_p, c_ulong, c_ulong),
+            )
+            send(blit, "endEncoding", restype=None)
+
+        self._submit(value, encode, keep, copy_back)
+
+    def copy(
+        self, dst: Arg, src: Arg, nbytes: int, value: int, record: Record, peer: Any = None
+    ) -> None:
+        source: tuple[int, int] = (src.handle, src.offset)
+        keep: list[object] = [dst, src]
+        if peer is not None:  # another Metal device: wrap its shared memory here
+            base = send(src.handle, "contents")
+            wrapped = self._backend.wrap(base, send(src.handle, "length", restype=c_ulong))
+            keep.append(wrapped)
+            source = (wrapped, src.offset)
+        self._blit(value, (dst.handle, dst.offset), source, nbytes, keep)
+
+    def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
+        address = _address_of(src)
+        # Copied now, on the submitting thread: the host array may change afterwards.
+        staging = send(
+            self._backend.device,
+            "newBufferWithBytes:length:options:",
+            address,
+            src.nbytes,
+            STORAGE_SHARED,
+            argtypes=(c_void_p, c_ulong, c_ulong),
+        )
+        self._blit(value, (dst.handle, dst.offset), (staging, 0), src.nbytes, _Owned(staging))
+
+    def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
+        # Device memory is shared: the completion handler itself moves the bytes out once
+        # the command buffer (which orders this after earlier work) has completed.
+        base = send(src.handle, "contents")
+        self._submit(
+            value,
+            lambda cb: None,
+            (dst, src),
+            copy_back=(_address_of(dst), base + src.offset, dst.nbytes),
+        )
+
+    def close(self, abandon: bool = False) -> None:
+        self.flush()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+        if not abandon:
+            for _, cb, _ in self._buffers:
+                send(cb, "waitUntilCompleted", restype=None)
+        for _, cb, _ in self._buffers:
+            release(cb)
+        self._buffers.clear()
+        release(self._queue)
+
+
+class _Owned:
+    """An Objective-C object released when the last command holding it is dropped."""
+
+    def __init__(self, obj: int) -> None:
+        self.obj = obj
+
+    def __del__(self) -> None:
+        release(self.obj)
+
+
+def _address_of(view: memoryview) -> int:
+    import numpy as np
+
+    return int(np.frombuffer(view, np.uint8).ctypes.data)
+
+
+class MetalBackend(Backend):
+    kind = "metal"
+    host_visible = True  # shared storage
+
+    device: int
+    lib: ctypes.CDLL
+    block_isa: int
+    listener: int
+    lost: DeviceLostError | None
+    lost_from: int
+    live_allocations: int
+    _info: DeviceInfo
+    _compiler: MetalCompiler
+    _dispatch: ctypes.CDLL
+
+    @classmethod
+    def available(cls) -> list[str]:
+        if sys.platform != "darwin":
+            return []
+        try:
+            metal = _framework("Metal")
+            metal.MTLCreateSystemDefaultDevice.restype = c_void_p
+            return ["metal"] if metal.MTLCreateSystemDefaultDevice() else []
+        except OSError:
+            return []
+
+    def __init__(self, index: int) -> None:
+        if sys.platform != "darwin":
+            raise AsyncMetalError("the metal device exists only on macOS")
+        metal = _framework("Metal")
+        metal.MTLCreateSystemDefaultDevice.restype = c_void_p
+        self.device: int = metal.MTLCreateSystemDefaultDevice()
+        if not self.device:
+            raise AsyncMetalError("no Metal device")
+        self.lib = _native.runtime()
+        self.block_isa = _blocks.global_block_isa()
+        dispatch = ctypes.CDLL("/usr/lib/libSystem.B.dylib")
+        dispatch.dispatch_queue_create.restype = c_void_p
+        dispatch.dispatch_queue_create.argtypes = [ctypes.c_char_p, c_void_p]
+        self._dispatch = dispatch
+        listener_queue = dispatch.dispatch_queue_create(b"asyncmetal.listener", None)
+        self.listener: int = send(
+            send(objc_class("MTLSharedEventListener"), "alloc"),
+            "initWithDispatchQueue:",
+            listener_queue,
+        )
+        name = send(send(self.device, "name"), "UTF8String", restype=ctypes.c_char_p)
+        total = send(self.device, "recommendedMaxWorkingSetSize", restype=c_uint64)
+        self._info = DeviceInfo(name=(name or b"metal").decode(), total_memory=int(total))
+        self._compiler = MetalCompiler()
+        self.lost: DeviceLostError | None = None
+        self.lost_from = 0
+        self.live_allocations = 0
+
+    @property
+    def info(self) -> DeviceInfo:
+        return self._info
+
+    @property
+    def compiler(self) -> Compiler:
+        return self._compiler
+
+    def load(self, binary: bytes, name: str) -> Any:
+        self._dispatch.dispatch_data_create.restype = c_void_p
+        self._dispatch.dispatch_data_create.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+            c_void_p,
+            c_void_p,
+        ]
+        data = self._dispatch.dispatch_data_create(binary, len(binary), None, None)
+        error = c_void_p(0)
+        library = send(self.device, "newLibraryWithData:error:", data, ctypes.byref(error))
+        if not library:
+            raise CompileError(f"Metal rejected the library: {describe_error(error.value or 0)}")
+        function = send(library, "newFunctionWithName:", nsstring(name))
+        if not function:
+            raise AttributeError(name)
+        pipeline = send(
+            self.device, "newComputePipelineStateWithFunction:error:", function, ctypes.byref(error)
+        )
+        if not pipeline:
+            raise CompileError(f"no pipeline for {name!r}: {describe_error(error.value or 0)}")
+        return pipeline
+
+    def allocate(self, nbytes: int) -> Any:
+        buffer = send(
+            self.device,
+            "newBufferWithLength:options:",
+            nbytes,
+            STORAGE_SHARED,
+            argtypes=(c_ulong, c_ulong),
+        )
+        if not buffer:
+            raise MemoryError(f"newBufferWithLength: {nbytes} failed")
+        self.live_allocations += 1
+        return buffer
+
+    def free(self, handle: Any) -> None:
+        self.live_allocations -= 1
+        release(handle)
+
+    def wrap(self, address: int, nbytes: int) -> int:
+        """A buffer of this device over shared memory at ``address`` (no copy)."""
+        start = address - address % PAGE
+        length = -(-(address + nbytes - start) // PAGE) * PAGE
+        wrapped: int = send(
+            self.device,
+            "newBufferWithBytesNoCopy:length:options:deallocator:",
+            start,
+            length,
+            STORAGE_SHARED,
+            None,
+            argtypes=(c_void_p, c_ulong, c_ulong, c_void_p),
+        )
+        return wrapped
+
+    def host_view(self, handle: Any, offset: int, nbytes: int) -> memoryview:
+        base = send(handle, "contents")
+        return memoryview((ctypes.c_ubyte * nbytes).from_address(base + offset)).cast("B")
+
+    def new_queue(self, timeline: NativeTimeline) -> NativeQueue:
+        assert isinstance(timeline, MetalTimeline)
+        return MetalQueue(self, timeline)
+
+    def new_timeline(self, on_advance: Callable[[int], None]) -> NativeTimeline:
+        return MetalTimeline(self)
+
+    def close(self) -> None:
+        release(self.listener)

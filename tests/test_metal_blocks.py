@@ -1,0 +1,139 @@
+"""The Metal backend's Objective-C blocks, against a real blocks runtime on any OS.
+
+A small C helper built here with ``clang -fblocks`` and libBlocksRuntime does what Metal
+does with a completion handler or a shared-event listener: ``Block_copy`` it, keep it,
+invoke it later from another thread, ``Block_release`` it. The block asyncmetal built in
+Python must arrive intact, call its native invoke function (no GIL), raise the timeline a
+loop awaits, and not have been freed in between.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+import asyncmetal as am
+from asyncmetal import _native
+from asyncmetal.backends import _blocks
+
+pytestmark = pytest.mark.anyio
+HELPER = Path(__file__).parent / "native" / "blocks_helper.c"
+
+
+def _missing() -> str | None:
+    if shutil.which("clang") is None:
+        return "clang is not installed (apt-get install clang libblocksruntime-dev)"
+    if sys.platform != "darwin" and not Path("/usr/include/Block.h").exists():
+        return "the blocks runtime is not installed (apt-get install libblocksruntime-dev)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def helper(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    reason = _missing()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path_factory.mktemp("blocks") / "helper.so"
+    libs = [] if sys.platform == "darwin" else ["-lBlocksRuntime"]
+    subprocess.run(
+        [
+            "clang",
+            "-fblocks",
+            "-shared",
+            "-fPIC",
+            "-O1",
+            str(HELPER),
+            "-o",
+            str(out),
+            *libs,
+            "-lpthread",
+        ],
+        check=True,
+    )
+    lib = ctypes.CDLL(str(out), mode=ctypes.RTLD_GLOBAL)
+    for name in ("keep_completed", "keep_reached"):
+        getattr(lib, name).restype = ctypes.c_void_p
+        getattr(lib, name).argtypes = [ctypes.c_void_p]
+    lib.signature_of.restype = ctypes.c_char_p
+    lib.signature_of.argtypes = [ctypes.c_void_p]
+    lib.flags_of.argtypes = [ctypes.c_void_p]
+    lib.call_completed_later.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+    lib.call_reached_later.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint]
+    return lib
+
+
+def _isa() -> int:
+    runtime = None if sys.platform == "darwin" else ctypes.CDLL("libBlocksRuntime.so.0")
+    return _blocks.global_block_isa(runtime)
+
+
+def _invoke(name: str) -> int:
+    address = ctypes.cast(getattr(_native.runtime(), name), ctypes.c_void_p).value
+    assert address
+    return address
+
+
+async def test_completion_handler_block(helper: ctypes.CDLL, device: am.Device) -> None:
+    tl = device.timeline()
+    block = _blocks.make_block(
+        _isa(),
+        _blocks.COMPLETED_SIGNATURE,
+        tl._native.c_timeline,
+        value=7,  # type: ignore[attr-defined]
+    )
+    assert block.invoke == _invoke("am_block_completed")
+    address = ctypes.addressof(block)
+    assert helper.signature_of(address) == b"v16@?0@8"
+    assert helper.flags_of(address) == _blocks.BLOCK_IS_GLOBAL | _blocks.BLOCK_HAS_SIGNATURE
+    kept = helper.keep_completed(address)
+    assert kept == address  # a global block is kept as it is, not moved: it must live on
+    del block
+    gc.collect()  # our reference is gone; the registry must keep the memory alive
+    fake_command_buffer = 0xC0FFEE
+    helper.call_completed_later(fake_command_buffer, 30_000)
+    with anyio.fail_after(5):
+        await tl.wait(7)  # woken through the loop's pipe by the native invoke function
+    kept_block = _blocks.BlockLiteral.from_address(address)
+    assert kept_block.arg == fake_command_buffer
+    assert kept_block.calls == 1
+    assert _blocks.release_ran() == 0  # freed once it ran (and not before)
+
+
+async def test_shared_event_listener_block(helper: ctypes.CDLL, device: am.Device) -> None:
+    tl = device.timeline()
+    block = _blocks.make_block(
+        _isa(),
+        _blocks.REACHED_SIGNATURE,
+        tl._native.c_timeline,  # type: ignore[attr-defined]
+    )
+    assert block.invoke == _invoke("am_block_reached")
+    address = ctypes.addressof(block)
+    assert helper.signature_of(address) == b"v24@?0@8Q16"
+    helper.keep_reached(address)
+    del block
+    gc.collect()
+    helper.call_reached_later(0xE7E7, 41, 20_000)
+    with anyio.fail_after(5):
+        await tl.wait(41)  # the value the listener was called with
+    assert tl.value == 41
+    assert _blocks.BlockLiteral.from_address(address).arg == 0xE7E7
+    assert _blocks.release_ran() == 0
+
+
+def test_metal_is_absent_off_macos() -> None:
+    if sys.platform == "darwin":
+        pytest.skip("on macOS metal may be present")
+    assert "metal" not in am.devices()
+
+    async def open_metal() -> None:
+        await am.open_device("metal")
+
+    with pytest.raises(am.AsyncMetalError, match=r"metal.*not available here"):
+        anyio.run(open_metal)
