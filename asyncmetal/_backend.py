@@ -140,7 +140,7 @@ class NativeQueue(ABC):
         """The error that failed the command at ``value`` (a lost device), if any."""
         return None
 
-    def flush(self) -> None:
+    def flush(self) -> None:  # noqa: B027 - most backends keep nothing back
         """Hand over anything submitted but still kept back (a Metal wait waiting for
         the command buffer of the work that depends on it). Called before parking."""
 
