@@ -237,6 +237,8 @@ class MetalQueue(NativeQueue):
         send(cb, "commit", restype=None)
         self._buffers.append((value, cb, block))
         self._keep.add(value, (keep, block))
+        if len(self._buffers) > 256:
+            self._reap()
         self._unmarked = 0
         if routed:
             with self._lock:
@@ -247,10 +249,10 @@ class MetalQueue(NativeQueue):
         if self._unmarked:
             self._submit(self._unmarked, lambda cb: None)
 
-    def failure(self, value: int) -> BaseException | None:
-        self.flush()
-        buffers = self._buffers
-        while buffers and buffers[0][0] <= self._timeline.value:
+    def _reap(self) -> None:
+        """Release the command buffers that completed, noting the first that failed."""
+        buffers, reached = self._buffers, self._timeline.value
+        while buffers and buffers[0][0] <= reached:
             done_value, cb, _ = buffers.popleft()
             status = send(cb, "status", restype=c_ulong)
             if status == STATUS_ERROR and self._backend.lost is None:
@@ -259,6 +261,10 @@ class MetalQueue(NativeQueue):
                 self._backend.lost_from = done_value
             release(cb)
         _blocks.release_ran()
+
+    def failure(self, value: int) -> BaseException | None:
+        self.flush()
+        self._reap()
         lost = self._backend.lost
         return lost if lost is not None and value >= self._backend.lost_from else None
 
@@ -388,14 +394,23 @@ class MetalQueue(NativeQueue):
         self._blit(value, (dst.handle, dst.offset), (staging, 0), src.nbytes, _Owned(staging))
 
     def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
-        # Device memory is shared: the completion handler itself moves the bytes out once
-        # the command buffer (which orders this after earlier work) has completed.
-        base = send(src.handle, "contents")
-        self._submit(
+        # Blit into a shared staging buffer (the blit is ordered after earlier work on
+        # `src` by Metal's hazard tracking); the completion handler itself then moves the
+        # bytes to the host array, natively, before it raises the timeline.
+        staging = send(
+            self._backend.device,
+            "newBufferWithLength:options:",
+            dst.nbytes,
+            STORAGE_SHARED,
+            argtypes=(c_ulong, c_ulong),
+        )
+        self._blit(
             value,
-            lambda cb: None,
-            (dst, src),
-            copy_back=(_address_of(dst), base + src.offset, dst.nbytes),
+            (staging, 0),
+            (src.handle, src.offset),
+            dst.nbytes,
+            (dst, src, _Owned(staging)),
+            copy_back=(_address_of(dst), send(staging, "contents"), dst.nbytes),
         )
 
     def close(self, abandon: bool = False) -> None:
