@@ -171,7 +171,8 @@ class MetalQueue(NativeQueue):
         self._waits: list[tuple[MetalTimeline, int]] = []  # re-encoded until reached
         self._unmarked = 0  # a wait command's own value, marked by the next buffer
         self._committed = 0
-        self._buffers: collections.deque[tuple[int, int, Any]] = collections.deque()
+        # (value, command buffer, block, record, committed behind an unreached wait)
+        self._buffers: collections.deque[tuple[int, int, Any, Record, bool]] = collections.deque()
         self._keep = KeepAlive(timeline)
         self._worker: ThreadPoolExecutor | None = None
         self._routed = 0  # submissions handed to the worker and not yet committed
@@ -185,16 +186,18 @@ class MetalQueue(NativeQueue):
         encode: Callable[[int], None],
         keep: object = None,
         copy_back: tuple[int, int, int] | None = None,
+        record: Record | None = None,
     ) -> None:
+        record = record if record is not None else Record(value)
         if self._routed or value - 1 - self._timeline.value >= MAX_IN_FLIGHT:
             # `commandBuffer` would block: commit from the queue's own thread, in order.
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="asyncmetal-metal")
             with self._lock:
                 self._routed += 1
-            self._worker.submit(self._commit, value, encode, keep, copy_back, True)
+            self._worker.submit(self._commit, value, encode, keep, copy_back, record, True)
             return
-        self._commit(value, encode, keep, copy_back, False)
+        self._commit(value, encode, keep, copy_back, record, False)
 
     def _commit(
         self,
@@ -202,6 +205,7 @@ class MetalQueue(NativeQueue):
         encode: Callable[[int], None],
         keep: object,
         copy_back: tuple[int, int, int] | None,
+        record: Record,
         routed: bool,
     ) -> None:
         backend = self._backend
@@ -235,7 +239,7 @@ class MetalQueue(NativeQueue):
             block.copy_dst, block.copy_src, block.copy_nbytes = copy_back
         send(cb, "addCompletedHandler:", ctypes.addressof(block), restype=None)
         send(cb, "commit", restype=None)
-        self._buffers.append((value, cb, block))
+        self._buffers.append((value, cb, block, record, bool(still)))
         self._keep.add(value, (keep, block))
         if len(self._buffers) > 256:
             self._reap()
@@ -253,7 +257,10 @@ class MetalQueue(NativeQueue):
         """Release the command buffers that completed, noting the first that failed."""
         buffers, reached = self._buffers, self._timeline.value
         while buffers and buffers[0][0] <= reached:
-            done_value, cb, _ = buffers.popleft()
+            done_value, cb, _, record, _ = buffers.popleft()
+            start = send(cb, "GPUStartTime", restype=ctypes.c_double)
+            end = send(cb, "GPUEndTime", restype=ctypes.c_double)
+            record.start_ns, record.end_ns = int(start * 1e9), int(end * 1e9)
             status = send(cb, "status", restype=c_ulong)
             if status == STATUS_ERROR and self._backend.lost is None:
                 error = describe_error(send(cb, "error"))
@@ -317,7 +324,7 @@ class MetalQueue(NativeQueue):
             )
             send(encoder, "endEncoding", restype=None)
 
-        self._submit(value, encode, (args, ints))
+        self._submit(value, encode, (args, ints), record=record)
 
     def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, MetalTimeline)
@@ -333,7 +340,7 @@ class MetalQueue(NativeQueue):
                 argtypes=(c_void_p, c_uint64),
             )
 
-        self._submit(value, encode, timeline)
+        self._submit(value, encode, timeline, record=record)
 
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, MetalTimeline)
@@ -349,6 +356,7 @@ class MetalQueue(NativeQueue):
         src: tuple[int, int],
         nbytes: int,
         keep: object,
+        record: Record,
         copy_back: tuple[int, int, int] | None = None,
     ) -> None:
         def encode(cb: int) -> None:
@@ -366,7 +374,7 @@ class MetalQueue(NativeQueue):
             )
             send(blit, "endEncoding", restype=None)
 
-        self._submit(value, encode, keep, copy_back)
+        self._submit(value, encode, keep, copy_back, record)
 
     def copy(
         self, dst: Arg, src: Arg, nbytes: int, value: int, record: Record, peer: Any = None
@@ -378,7 +386,7 @@ class MetalQueue(NativeQueue):
             wrapped = self._backend.wrap(base, send(src.handle, "length", restype=c_ulong))
             keep.append(wrapped)
             source = (wrapped, src.offset)
-        self._blit(value, (dst.handle, dst.offset), source, nbytes, keep)
+        self._blit(value, (dst.handle, dst.offset), source, nbytes, keep, record)
 
     def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
         address = _address_of(src)
@@ -391,7 +399,9 @@ class MetalQueue(NativeQueue):
             STORAGE_SHARED,
             argtypes=(c_void_p, c_ulong, c_ulong),
         )
-        self._blit(value, (dst.handle, dst.offset), (staging, 0), src.nbytes, _Owned(staging))
+        self._blit(
+            value, (dst.handle, dst.offset), (staging, 0), src.nbytes, _Owned(staging), record
+        )
 
     def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
         # Blit into a shared staging buffer (the blit is ordered after earlier work on
@@ -410,6 +420,7 @@ class MetalQueue(NativeQueue):
             (src.handle, src.offset),
             dst.nbytes,
             (dst, src, _Owned(staging)),
+            record,
             copy_back=(_address_of(dst), send(staging, "contents"), dst.nbytes),
         )
 
@@ -417,10 +428,14 @@ class MetalQueue(NativeQueue):
         self.flush()
         if self._worker is not None:
             self._worker.shutdown(wait=True)
-        if not abandon:
-            for _, cb, _ in self._buffers:
-                send(cb, "waitUntilCompleted", restype=None)
-        for _, cb, _ in self._buffers:
+        for _, cb, _, _, blocked in self._buffers:
+            # At exit (abandon) drain what can complete, so no handler fires during
+            # finalization; stop at the first buffer held by a wait nothing may signal
+            # (buffers of a queue complete in order).
+            if abandon and blocked:
+                break
+            send(cb, "waitUntilCompleted", restype=None)
+        for _, cb, _, _, _ in self._buffers:
             release(cb)
         self._buffers.clear()
         release(self._queue)
