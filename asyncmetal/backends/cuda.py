@@ -273,9 +273,6 @@ class CUDAQueue(NativeQueue):
         self._pointers_address = ctypes.addressof(self._pointers)
         self._write_flags = cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
         self._last = 0  # the value of the last command submitted
-        self._lost: AsyncMetalError | None = None
-        self._lost_from = 0
-        self._verified = 0  # completions already reported without error
         self._covered = 0  # the value the last recorded event reports
         self._uncovered = 0  # commands submitted since
         self._wait_flags = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
@@ -349,24 +346,10 @@ class CUDAQueue(NativeQueue):
             raise MemoryError("the CUDA completion ring could not grow")
 
     def failure(self, value: int) -> BaseException | None:
-        if self._lost is not None:
-            return self._lost if value >= self._lost_from else None
         first = ctypes.c_uint64()
         code = self._backend.lib.am_cuwaiter_error(self._waiter, ctypes.byref(first))
-        if code:
-            self._lost = driver_error(f"the command at value {first.value} on this stream", code)
-            self._lost_from = first.value
-        elif self._waiter is not None:
-            # Events are recorded lazily, so the completion thread may not have seen a
-            # fault yet while the device already wrote later values: ask the stream.
-            (err,) = cu.cuStreamQuery(self.stream)
-            name = _error_name(err)
-            if name in _LOST:
-                self._lost = driver_error("a command on this stream", err)
-                self._lost_from = self._verified + 1
-        if self._lost is not None and value >= self._lost_from:
-            return self._lost
-        self._verified = max(self._verified, value)
+        if code and value >= first.value:
+            return driver_error(f"the command at value {first.value} on this stream", code)
         return None
 
     def launch(
