@@ -398,15 +398,7 @@ static void *cuwait_run(void *arg) {
          * after an interrupt and a thread wake-up. Bounded by spin_ns per command. */
         if (w->word && !w->error) {
             int64_t deadline = now_ns() + (e.spin_ns > w->spin_ns ? e.spin_ns : w->spin_ns);
-            uint64_t seen = atomic_load(w->word);
-            while (seen < e.value && now_ns() < deadline) {
-                sched_yield();
-                uint64_t now_value = atomic_load(w->word);
-                if (now_value != seen) {  /* an event may cover several commands: report */
-                    seen = now_value;     /* each one as the device passes it */
-                    am_timeline_poke(w->mirror, seen);
-                }
-            }
+            while (atomic_load(w->word) < e.value && now_ns() < deadline) sched_yield();
         }
         int r = w->error ? w->error : w->sync(e.event);
         pthread_mutex_lock(&w->mu);
