@@ -114,7 +114,6 @@ class Queue:
         self.device = device
         self.timeline = Timeline(device, owner=self)
         self._native: NativeQueue = device._backend.new_queue(self.timeline._native)
-        self.timeline._park_hook = getattr(self._native, "cover", None)
         self._submitted = 0
         # Device-side signals and waits not yet known complete: (value, is_wait, tl, target)
         self._sync_ops: collections.deque[tuple[int, bool, Timeline, int]] = collections.deque()

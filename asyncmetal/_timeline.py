@@ -33,7 +33,6 @@ class Waitable:
     """
 
     _native: NativeTimeline
-    _park_hook: Callable[[int], None] | None = None  # called before a task parks
 
     def __init__(self) -> None:
         self._recent_ns = 0  # a moving average of how long waits on it took
@@ -203,8 +202,6 @@ async def wait_value(timeline: Waitable, value: int) -> None:
             return
         if now >= deadline:
             break
-    if timeline._park_hook is not None:
-        timeline._park_hook(value)  # e.g. a CUDA queue records the event that reports it
     bridge = _bridge.current_bridge()
     await bridge.park(timeline._watch_for(bridge), value)
     timeline._recent_ns = (recent * 7 + time.perf_counter_ns() - start) >> 3
@@ -216,8 +213,6 @@ def call_when_reached(waitable: Waitable, value: int, callback: Callable[[], Non
     if waitable._native.value >= value:
         callback()
         return
-    if waitable._park_hook is not None:
-        waitable._park_hook(value)
     bridge = _bridge.current_bridge()
     bridge_watch = waitable._watch_for(bridge)
     bridge_watch.add(value, _bridge._Entry(callback))

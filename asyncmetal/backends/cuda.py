@@ -50,7 +50,6 @@ STAGE_CHUNK = 8 << 20  # bytes per pinned staging chunk
 STAGE_DIRECT = 64 << 10  # smaller host copies go straight from pageable memory
 HOST_COPY_THREADS = max(2, min(4, (os.cpu_count() or 2) // 2))  # 8 measured slower
 COMPLETION_SPIN_NS = 30_000  # the completion thread polls this long before blocking
-EVENT_EVERY = 8  # commands between completion events recorded unasked
 
 _LOST = {
     "CUDA_ERROR_ILLEGAL_ADDRESS",
@@ -272,9 +271,6 @@ class CUDAQueue(NativeQueue):
         self._pointers = (ctypes.c_void_p * MAX_PARAMS)(*(base + 8 * i for i in range(MAX_PARAMS)))
         self._pointers_address = ctypes.addressof(self._pointers)
         self._write_flags = cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
-        self._last = 0  # the value of the last command submitted
-        self._covered = 0  # the value the last recorded event reports
-        self._uncovered = 0  # commands submitted since
         self._wait_flags = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
 
     def _event(self) -> Any:
@@ -294,24 +290,12 @@ class CUDAQueue(NativeQueue):
         target: int = 0,
         expected_ns: int = 0,
     ) -> None:
-        """End a command: write the queue's value on the device. Completion events are
-        recorded lazily: for signals and copies, every EVENT_EVERY commands, and when a
-        task is about to park on a value no event covers yet (:meth:`cover`). A task
-        that awaits a short command sees the device's write by polling and never needs
-        one; a parked waiter is woken at most EVENT_EVERY - 1 commands late."""
+        """End a command: write the queue's value on the device, then hand an event to
+        the completion thread."""
         check(
             cu.cuStreamWriteValue64(self.stream, self._timeline.address, value, self._write_flags),
             "cuStreamWriteValue64",
         )
-        self._last = value
-        self._uncovered += 1
-        if extra is not None or expected_ns or self._uncovered >= EVENT_EVERY:
-            self._record(value, extra, target, expected_ns)
-        self._keep.add(value, keep)
-
-    def _record(
-        self, value: int, extra: CUDATimeline | None = None, target: int = 0, expected_ns: int = 0
-    ) -> None:
         event = self._event()
         check(cu.cuEventRecord(event, self.stream), "cuEventRecord")
         # A command expected to take at most ~2 ms (a copy of known size) is polled
@@ -322,14 +306,7 @@ class CUDAQueue(NativeQueue):
         )
         if status:
             raise MemoryError("the CUDA completion ring could not grow")
-        self._covered = value
-        self._uncovered = 0
-
-    def cover(self, value: int) -> None:
-        """A task is about to park on ``value``: make sure an event will report it."""
-        if value > self._covered and self._waiter is not None:
-            self._backend.make_current()
-            self._record(self._last)
+        self._keep.add(value, keep)
 
     def _mark(self, timeline: CUDATimeline, target: int, reached: int) -> None:
         """Raise ``timeline`` to ``target`` on the device mid-command. A GPU write wakes
