@@ -118,3 +118,21 @@ async def test_commands_behind_a_device_wait_are_held_past_the_backend_limit(
         expected[1] = (expected[1] * 31 + expected[0] + i) % (1 << 32)
     got = (await cells.read(np.uint32)).tolist()
     assert got == expected
+
+
+async def test_close_abandons_commands_held_behind_a_wait_nobody_signals(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dev = await am.open_device("cpu:4")
+    monkeypatch.setattr(type(dev._backend), "max_behind_wait", 2)
+    k = await dev.compile("void k(int* x) { x[0] += 1; }", "k")
+    buf = await dev.alloc(4)
+    q = dev.new_queue()
+    q.wait(dev.timeline(), 1)  # never signalled
+    done = [q.after(buf).launch(k, buf) for _ in range(6)]
+    assert q._held  # some are held on the host
+    with anyio.fail_after(10):
+        await dev.close()
+    for d in done:
+        with pytest.raises(am.ClosedResourceError, match="never ran"):
+            await d
