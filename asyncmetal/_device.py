@@ -300,15 +300,13 @@ class _CompileMany:
                 src,
                 key,
                 timeout=self._timeout,
-                on_done=functools.partial(self._job_done, (key, name), params),
+                on_done=functools.partial(self._arrived, (key, name), params),
             )
 
     def _arrived(self, key: tuple[str, str], params: Any, result: Any) -> None:
+        """A binary (a cache hit) or a finished pool job; any thread."""
         self._ready.append((key, (params, result)))
         self._events.increment()
-
-    def _job_done(self, key: tuple[str, str], params: Any, job: Any) -> None:
-        self._arrived(key, params, job)
 
     async def __anext__(self) -> Program:
         if not self._started:
