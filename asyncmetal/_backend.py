@@ -49,6 +49,15 @@ class Record:
         return int(start), int(end)
 
 
+def host_address(view: memoryview) -> tuple[int, Any]:
+    """The address of a contiguous host buffer (read-only ones too), and the object to
+    keep alive while a device uses that memory."""
+    import numpy as np
+
+    array = np.frombuffer(view, np.uint8)
+    return int(array.ctypes.data), array
+
+
 class KeepAlive:
     """Host objects a queue's commands use, kept until its timeline passes them."""
 

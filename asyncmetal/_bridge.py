@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import heapq
 import itertools
 import os
@@ -25,9 +26,10 @@ import sys
 import threading
 import types
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._timeline import Waitable
@@ -35,26 +37,22 @@ if TYPE_CHECKING:
 INFINITY = 1 << 64  # larger than any 64-bit timeline value
 
 
-class _ValueSource(Protocol):
-    @property
-    def value(self) -> int: ...
-
-
 @dataclass(frozen=True)
 class LoopStatistics:
     """What the bridge did for one event loop (see :func:`loop_statistics`)."""
 
     wakeups: int  # drains run on the loop: each is one wake-up
-    resolved: int  # waiters woken by those drains
-    waiting: int  # waiters parked right now
+    resolved: int  # tasks woken by those drains
+    waiting: int  # tasks parked right now
 
 
 class _Entry:
-    __slots__ = ("done", "wake")
+    __slots__ = ("done", "task", "wake")
 
-    def __init__(self, wake: Callable[[], None]) -> None:
+    def __init__(self, wake: Callable[[], None], task: bool = True) -> None:
         self.done = False  # woken, or withdrawn by cancellation
         self.wake = wake
+        self.task = task  # a parked task (counted in the statistics), not a callback
 
 
 class _Watch:
@@ -79,7 +77,7 @@ class _Watch:
     def add(self, value: int, entry: _Entry) -> None:
         """Park ``entry`` until ``value``; it is woken later, never from inside this call."""
         heapq.heappush(self.heap, (value, next(_sequence), entry))
-        self.bridge.waiting += 1
+        self.bridge.waiting += entry.task
         if self._publish(self.heap[0][0]):
             # Reached while publishing `next`: the notifier may have missed it, so go
             # through the bridge (a wake-up of our own loop) rather than wake inline.
@@ -94,7 +92,7 @@ class _Watch:
 
     def withdraw(self, entry: _Entry) -> None:
         entry.done = True
-        self.bridge.waiting -= 1
+        self.bridge.waiting -= entry.task
         self.withdrawn += 1
         # Cancelled waits for values never reached would pile up: rebuild when most are dead.
         if self.withdrawn > 32 and self.withdrawn * 2 > len(self.heap):
@@ -113,8 +111,8 @@ class _Watch:
                     self.withdrawn -= 1
                     continue
                 entry.done = True
-                self.bridge.waiting -= 1
-                self.bridge.resolved += 1
+                self.bridge.waiting -= entry.task
+                self.bridge.resolved += entry.task
                 entry.wake()
             if not self._update_next():  # re-read after publishing next: see module doc
                 return
@@ -143,7 +141,7 @@ def _native_lib() -> Any:
     return lib
 
 
-class LoopBridge:
+class LoopBridge(ABC):
     """Per event loop: the pending watches and the one scheduled drain.
 
     Python notifiers (a completion thread) schedule the drain with the loop's own
@@ -162,11 +160,13 @@ class LoopBridge:
         self._pipe: tuple[int, int] | None = None
         self._native_watches: set[_Watch] = set()
 
+    @abstractmethod
     def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
-        raise NotImplementedError
+        """Run ``fn`` on the loop's thread soon; callable from any thread."""
 
+    @abstractmethod
     def _watch_fd(self, fd: int) -> None:
-        raise NotImplementedError
+        """Call :meth:`_drain_native` on the loop whenever ``fd`` is readable."""
 
     def native_watch(self, watch: _Watch, c_timeline: int) -> int:
         """A native watch on ``c_timeline`` that wakes this loop through its pipe."""
@@ -193,11 +193,9 @@ class LoopBridge:
         assert self._notifier is not None and self._pipe is not None
         # Empty the pipe, then re-arm, then read values: in this order a byte written by
         # a native thread is either still unread after re-arming or its value is seen.
-        try:
+        with contextlib.suppress(BlockingIOError):
             while os.read(self._pipe[0], 4096):
-                pass
-        except BlockingIOError:
-            pass
+                continue
         _native_lib().am_notifier_reset(self._notifier)
         self.wakeups += 1
         for watch in list(self._native_watches):
@@ -242,8 +240,9 @@ class LoopBridge:
     def statistics(self) -> LoopStatistics:
         return LoopStatistics(self.wakeups, self.resolved, self.waiting)
 
-    async def park(self, watch: _Watch, value: int) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    async def park(self, watch: _Watch, value: int) -> None:
+        """Wait, as the calling task, until ``watch``'s timeline reaches ``value``."""
 
 
 class _AsyncioBridge(LoopBridge):

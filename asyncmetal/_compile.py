@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 ParamKind = Literal["buffer", "value"]
 
 
-class Compiler:
+class Compiler(ABC):
     """Turns kernel source into a binary.
 
     A compiler is plain configuration: it pickles as ``(type(self), self.config())`` and
@@ -34,9 +35,9 @@ class Compiler:
         """The compiler's version string (part of the cache key). May run the compiler."""
         return ""
 
+    @abstractmethod
     def compile(self, src: str) -> bytes:
         """Compile ``src``; raise :class:`CompileError` carrying the full log on failure."""
-        raise NotImplementedError
 
     def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
         """The kinds of kernel ``name``'s parameters, in order, read from ``src``."""

@@ -24,7 +24,7 @@ from ._errors import AsyncMetalError
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 
-c_p, c_u64, c_i64, c_int = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
+c_p, c_u64, c_int = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int
 _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_notifier_new": (c_p, [c_int]),
     "am_notifier_free": (None, [c_p]),

@@ -40,14 +40,12 @@ class _Job:
         "key",
         "result",
         "src",
-        "started",
         "timeout",
     )
 
     def __init__(self, key: str, compiler: Compiler, src: str, timeout: float | None) -> None:
         self.key, self.compiler, self.src, self.timeout = key, compiler, src, timeout
         self.awaiters = 0
-        self.started = False
         self.result: bytes | CompileError | None = None
         self.done = HostEvents()  # reaches 1 when result is set
         self.callbacks: list[Callable[[_Job], None]] = []  # run on the handler thread
@@ -99,9 +97,7 @@ class _Worker:
                 continue
             with pool._lock:
                 pool._idle -= 1
-                withdrawn = job is not _STOP and job.awaiters == 0
-                if not withdrawn and job is not _STOP:
-                    job.started = True
+                withdrawn = job is not _STOP and job.awaiters == 0  # decided under the lock
             if job is _STOP:
                 self._stop()
                 return

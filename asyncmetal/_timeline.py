@@ -215,4 +215,4 @@ def call_when_reached(waitable: Waitable, value: int, callback: Callable[[], Non
         return
     bridge = _bridge.current_bridge()
     bridge_watch = waitable._watch_for(bridge)
-    bridge_watch.add(value, _bridge._Entry(callback))
+    bridge_watch.add(value, _bridge._Entry(callback, task=False))

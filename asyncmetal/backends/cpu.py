@@ -32,6 +32,7 @@ from .._backend import (
     NativeQueue,
     NativeTimeline,
     Record,
+    host_address,
 )
 from .._compile import Compiler
 from .._errors import ArgumentTypeError, CompileError
@@ -125,11 +126,6 @@ def _address(arg: Arg) -> int:
     return memory.address + arg.offset
 
 
-def _host_address(view: memoryview) -> tuple[int, Any]:
-    array = np.frombuffer(view, np.uint8)
-    return array.ctypes.data, array
-
-
 class CPUQueue(NativeQueue):
     """A queue thread of the native runtime. Python only keeps the commands' objects
     alive until the queue's own timeline has passed them."""
@@ -204,11 +200,11 @@ class CPUQueue(NativeQueue):
         self.memmove(_address(dst), _address(src), nbytes, value, record, (dst, src))
 
     def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
-        address, keep = _host_address(src)
+        address, keep = host_address(src)
         self.memmove(_address(dst), address, src.nbytes, value, record, (dst, keep))
 
     def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
-        address, keep = _host_address(dst)
+        address, keep = host_address(dst)
         self.memmove(address, _address(src), dst.nbytes, value, record, (keep, src))
 
     def close(self, abandon: bool = False) -> None:

@@ -34,6 +34,7 @@ from .._backend import (
     NativeQueue,
     NativeTimeline,
     Record,
+    host_address,
 )
 from .._compile import Compiler
 from .._errors import AsyncMetalError, CompileError, DeviceLostError
@@ -152,10 +153,6 @@ class _Pinned:
         self.nbytes = nbytes
         ctypes.memset(self.address, 0, nbytes)
 
-    def view(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
-        n = self.nbytes - offset if nbytes is None else nbytes
-        return memoryview((ctypes.c_ubyte * n).from_address(self.address + offset)).cast("B")
-
     def free(self) -> None:
         if self.address:
             cu.cuMemFreeHost(self.address)
@@ -193,19 +190,12 @@ class _Staging:
     def __init__(self, chunks: int) -> None:
         self._free = [_Pinned(STAGE_CHUNK) for _ in range(chunks)]
         self._busy: collections.deque[tuple[_Pinned, NativeTimeline, int]] = collections.deque()
-        self.grown = 0
 
     def acquire(self) -> _Pinned:
-        busy = self._busy
-        for _ in range(len(busy)):
-            chunk, timeline, value = busy[0]
-            if timeline.value < value:
-                busy.rotate(-1)
-                continue
-            busy.popleft()
-            self._free.append(chunk)
-        if not self._free:
-            self.grown += 1  # rare: a burst of huge synchronous submissions
+        busy = self._busy  # released in submission order: reclaim from the front
+        while busy and busy[0][1].value >= busy[0][2]:
+            self._free.append(busy.popleft()[0])
+        if not self._free:  # rare: a burst of huge synchronous submissions
             return _Pinned(STAGE_CHUNK)
         return self._free.pop()
 
@@ -402,7 +392,7 @@ class CUDAQueue(NativeQueue):
     def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
         self._backend.make_current()
         keep: list[object] = [dst, src]
-        address = _address_of(src)
+        address = host_address(src)[0]
         base = dst.handle + dst.offset
         if src.nbytes <= STAGE_DIRECT:  # the driver copies it before the call returns
             check(cu.cuMemcpyHtoDAsync(base, address, src.nbytes, self.stream), "cuMemcpyHtoD")
@@ -426,7 +416,7 @@ class CUDAQueue(NativeQueue):
     def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
         self._backend.make_current()
         keep: list[object] = [dst, src]
-        address = _address_of(dst)
+        address = host_address(dst)[0]
         base = src.handle + src.offset
         backend = self._backend
         last: tuple[CUDATimeline, int] | None = None
@@ -458,13 +448,6 @@ class CUDAQueue(NativeQueue):
             self._backend.lib.am_cuwaiter_close(waiter, int(abandon))
             cu.cuStreamDestroy(self.stream)
             self._keep.clear()
-
-
-def _address_of(view: memoryview) -> int:
-    """The address of a contiguous host buffer (read-only ones too)."""
-    import numpy as np
-
-    return int(np.frombuffer(view, np.uint8).ctypes.data)
 
 
 class CUDABackend(Backend):

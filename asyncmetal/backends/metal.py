@@ -37,7 +37,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .. import _native
-from .._backend import Arg, Backend, DeviceInfo, KeepAlive, NativeQueue, NativeTimeline, Record
+from .._backend import (
+    Arg,
+    Backend,
+    DeviceInfo,
+    KeepAlive,
+    NativeQueue,
+    NativeTimeline,
+    Record,
+    host_address,
+)
 from .._compile import Compiler, ParamKind
 from .._errors import AsyncMetalError, CompileError, DeviceLostError
 from . import _blocks
@@ -170,7 +179,6 @@ class MetalQueue(NativeQueue):
         )
         self._waits: list[tuple[MetalTimeline, int]] = []  # re-encoded until reached
         self._unmarked = 0  # a wait command's own value, marked by the next buffer
-        self._committed = 0
         # (value, command buffer, block, record, committed behind an unreached wait)
         self._buffers: collections.deque[tuple[int, int, Any, Record, bool]] = collections.deque()
         self._keep = KeepAlive(timeline)
@@ -389,7 +397,7 @@ class MetalQueue(NativeQueue):
         self._blit(value, (dst.handle, dst.offset), source, nbytes, keep, record)
 
     def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
-        address = _address_of(src)
+        address = host_address(src)[0]
         # Copied now, on the submitting thread: the host array may change afterwards.
         staging = send(
             self._backend.device,
@@ -421,7 +429,7 @@ class MetalQueue(NativeQueue):
             dst.nbytes,
             (dst, src, _Owned(staging)),
             record,
-            copy_back=(_address_of(dst), send(staging, "contents"), dst.nbytes),
+            copy_back=(host_address(dst)[0], send(staging, "contents"), dst.nbytes),
         )
 
     def close(self, abandon: bool = False) -> None:
@@ -449,12 +457,6 @@ class _Owned:
 
     def __del__(self) -> None:
         release(self.obj)
-
-
-def _address_of(view: memoryview) -> int:
-    import numpy as np
-
-    return int(np.frombuffer(view, np.uint8).ctypes.data)
 
 
 class MetalBackend(Backend):
