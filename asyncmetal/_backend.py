@@ -24,9 +24,12 @@ class Record:
     an error if it failed, and device start/end times (ns, the backend's clock) set as
     ``start_ns``/``end_ns`` or found in a native ring the device writes (``ring`` of
     int64 triples start, end, value; ``row``), valid while the row still holds ``value``.
+    A backend that knows how long a command takes (a copy of known size) may set
+    ``due_ns``, a ``time.perf_counter_ns()`` by which it should be done: a task awaiting
+    it keeps checking until then rather than parking, when that is near.
     :class:`~asyncmetal.Completion` is the Record of its command."""
 
-    __slots__ = ("end_ns", "error", "ring", "row", "start_ns", "value")
+    __slots__ = ("due_ns", "end_ns", "error", "ring", "row", "start_ns", "value")
 
     def __init__(self, value: int) -> None:
         self.value = value
@@ -35,6 +38,7 @@ class Record:
         self.row = 0
         self.start_ns: int | None = None
         self.end_ns: int | None = None
+        self.due_ns = 0
 
     def times(self) -> tuple[int, int] | None:
         """(start_ns, end_ns) where the backend measured them, else None."""

@@ -35,7 +35,7 @@ class Completion(Record):
         self.queue = queue
         self.value = value
         self.error = self.ring = self.start_ns = self.end_ns = None
-        self.row = 0
+        self.row = self.due_ns = 0
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
@@ -61,7 +61,7 @@ class Completion(Record):
             yield from checkpoint().__await__()
         else:
             self.queue._native.flush()
-            yield from wait_value(timeline, self.value).__await__()
+            yield from wait_value(timeline, self.value, self.due_ns).__await__()
         if self.error is not None:
             raise self.error
         failure = self.queue._native.failure(self.value)

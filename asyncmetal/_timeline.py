@@ -175,15 +175,18 @@ class Timeline(Waitable):
 
 
 SPIN_NS = 50_000  # waits recently shorter than this first yield to the loop a few times
+DUE_NS = 2_000_000  # a command due within this long is checked for rather than parked on
 
 
-async def wait_value(timeline: Waitable, value: int) -> None:
+async def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> None:
     """Park the calling task until ``timeline`` reaches ``value``; always a checkpoint.
 
     Before parking the task yields to the loop once (every other ready task runs), and
     when recent waits on this timeline ended within ``SPIN_NS`` it keeps yielding for up
     to twice that recent time, since the value is about to be reached: that saves a
-    park and a wake-up. It never spins while nothing is about to finish.
+    park and a wake-up. So it does, up to ``due_ns`` (a ``perf_counter_ns`` by which
+    the device expects to be done), when that is at most ``DUE_NS`` away. It never
+    spins while nothing is about to finish.
     """
     native = timeline._native
     if native.value >= value:
@@ -194,6 +197,8 @@ async def wait_value(timeline: Waitable, value: int) -> None:
     # Yield once before parking: under load one pass over the other ready tasks usually
     # finishes the command, and a yield costs far less than a park and a wake-up.
     deadline = start + 2 * recent if recent < SPIN_NS else 0
+    if start < due_ns <= start + DUE_NS:
+        deadline = max(deadline, due_ns + SPIN_NS)
     while True:
         await _bridge.checkpoint()
         now = time.perf_counter_ns()

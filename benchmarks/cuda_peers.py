@@ -167,6 +167,30 @@ async def copies(dev: am.Device, stream: Any) -> dict[str, Any]:
     result["h2d_raw_pinned_gbps"] = n / min(raw) / 1e9
     result["h2d_asyncmetal_pageable_gbps"] = n / min(ours) / 1e9
     result["h2d_ratio"] = result["h2d_asyncmetal_pageable_gbps"] / result["h2d_raw_pinned_gbps"]
+    progress(f"h2d: {result}")
+    # Context: the driver's own pageable copy, host memcpy into pinned memory by N
+    # threads (the staging bound), and asyncmetal with N host-copy threads per queue.
+    t0 = time.perf_counter()
+    check(cu.cuMemcpyHtoDAsync(a._allocation.handle, host.ctypes.data, n, stream), "HtoD")
+    check(cu.cuStreamSynchronize(stream), "sync")
+    result["h2d_driver_pageable_gbps"] = n / (time.perf_counter() - t0) / 1e9
+    pinned_view = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(pinned))
+    for threads in (1, 4, 8, 12):
+        result[f"host_memcpy_{threads}_threads_gbps"] = memcpy_threads(pinned_view, host, threads)
+    from asyncmetal.backends import cuda as cuda_backend
+
+    default_threads = cuda_backend.HOST_COPY_THREADS
+    for threads in (4, 8, 12):
+        cuda_backend.HOST_COPY_THREADS = threads  # read when a queue first stages
+        q = dev.new_queue()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            await q.copy(b, host)
+            times.append(time.perf_counter() - t0)
+        result[f"h2d_asyncmetal_{threads}_threads_gbps"] = n / min(times) / 1e9
+    cuda_backend.HOST_COPY_THREADS = default_threads
+    progress(f"h2d context: {result}")
     back = np.empty_like(host)
     t0 = time.perf_counter()
     await am.copy(back, b)
@@ -184,10 +208,30 @@ async def copies(dev: am.Device, stream: Any) -> dict[str, Any]:
     result["d2d_raw_tbps"] = 2 * n / min(raw) / 1e12  # bytes read + written
     result["d2d_asyncmetal_tbps"] = 2 * n / min(ours) / 1e12
     result["d2d_ratio"] = result["d2d_asyncmetal_tbps"] / result["d2d_raw_tbps"]
+    t0 = time.perf_counter()
+    done = dev.queue.copy(b, a)
+    result["d2d_submit_us"] = (time.perf_counter() - t0) * 1e6
+    await done
     check(cu.cuMemFreeHost(pinned), "free")
     await a.free()
     await b.free()
     return result
+
+
+def memcpy_threads(dst: np.ndarray, src: np.ndarray, threads: int) -> float:
+    """GB/s of numpy copies (which release the GIL) from ``src`` into ``dst`` by
+    ``threads`` threads, each a contiguous share."""
+    import concurrent.futures
+
+    share = -(-len(src) // threads)
+    parts = [(dst[i : i + share], src[i : i + share]) for i in range(0, len(src), share)]
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            list(pool.map(lambda p: np.copyto(p[0], p[1]), parts))
+            best = min(best, time.perf_counter() - t0)
+    return len(src) / best / 1e9
 
 
 async def allocations(dev: am.Device, nbytes: int = 1 << 20, n: int = 2000) -> dict[str, Any]:
@@ -217,7 +261,7 @@ async def compiles(workers: int, n: int = 64) -> dict[str, Any]:
 def main() -> None:
     import faulthandler
 
-    faulthandler.dump_traceback_later(200, exit=True)
+    faulthandler.dump_traceback_later(300, exit=True)
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     parser.add_argument("--loop", default="both")

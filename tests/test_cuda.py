@@ -132,6 +132,31 @@ async def test_copies(anyio_backend: object) -> None:
         np.testing.assert_array_equal(await a.read(), data)
 
 
+async def test_pageable_copies_reuse_the_staging_ring(anyio_backend: object) -> None:
+    """Copies larger than a queue's ring of pinned chunks (16 x 4 MiB), both ways, on
+    two queues at once, at odd offsets and sizes: every byte checked."""
+    async with am.open_device("cuda:0") as dev:
+        n = 150 << 20
+        rng = np.random.default_rng(7)
+        data = [rng.integers(0, 256, n, dtype=np.uint8) for _ in range(2)]
+        bufs = [await dev.alloc(n) for _ in range(2)]
+        queues = [dev.new_queue(), dev.new_queue()]
+        writes = [q.copy(b, d) for q, b, d in zip(queues, bufs, data, strict=True)]
+        outs = [np.zeros(n, np.uint8) for _ in range(2)]
+        reads = [
+            q.copy(o, b) for q, o, b in zip(reversed(queues), outs, bufs, strict=True)
+        ]  # each read orders itself after the other queue's write
+        for c in (*writes, *reads):
+            await c
+        for o, d in zip(outs, data, strict=True):
+            np.testing.assert_array_equal(o, d)
+        odd = np.zeros(n - 12345, np.uint8)
+        await am.copy(odd, bufs[0].view(777, n - 12345))
+        np.testing.assert_array_equal(odd, data[0][777 : 777 + n - 12345])
+        await am.copy(bufs[1].view(3, n - 12345), data[0][5 : 5 + n - 12345])
+        np.testing.assert_array_equal((await bufs[1].read())[3 : 3 + n - 12345], data[0][5:-12340])
+
+
 async def test_cancelled_waits_lose_nothing(anyio_backend: object) -> None:
     async with am.open_device("cuda:0") as dev:
         fill = await dev.compile(KERNELS, "fill")
@@ -177,6 +202,7 @@ def test_fault_loses_the_context_only() -> None:
                 fault = await dev.compile(SRC, "fault")
                 fill = await dev.compile(SRC, "fill")
                 buf = await dev.alloc(4)
+                await dev.queue.launch(fill, buf, vals=(1, 1))
                 bad = dev.queue.launch(fault, buf)
                 later = dev.queue.launch(fill, buf, vals=(1, 1))
                 for c in (bad, later):
@@ -185,6 +211,11 @@ def test_fault_loses_the_context_only() -> None:
                         print("no error")
                     except am.DeviceLostError as exc:
                         print("lost:", "ILLEGAL" in str(exc) or "LAUNCH_FAILED" in str(exc))
+                try:
+                    await dev.queue.launch(fill, buf, vals=(1, 1))
+                    print("no error")
+                except am.AsyncMetalError:  # refused at submission or lost when awaited
+                    print("refused")
                 k = await cpu.compile("void k(int* x) { x[0] = 9; }", "k")
                 b = await cpu.alloc(4)
                 await cpu.queue.launch(k, b)
@@ -198,7 +229,33 @@ def test_fault_loses_the_context_only() -> None:
     proc = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
     )
-    assert proc.stdout.splitlines() == ["lost: True", "lost: True", "cpu ok: True", "exiting"], (
-        proc.stdout + proc.stderr
-    )
+    expected = ["lost: True", "lost: True", "refused", "cpu ok: True", "exiting"]
+    assert proc.stdout.splitlines() == expected, proc.stdout + proc.stderr
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("round_", range(5))
+def test_fault_is_never_reported_as_success(round_: int) -> None:
+    """The stream's value write behind a faulting kernel may land before the fault is
+    reported; the completion must still fail (the host reports verified values only).
+    Awaited at once, spinning, with nothing queued behind it."""
+    script = textwrap.dedent(
+        """
+        import asyncio, asyncmetal as am
+        SRC = 'extern "C" __global__ void fault(int* p) { *(int*)0x10 = 1; p[0] = 1; }'
+        async def main():
+            async with am.open_device("cuda:0") as dev:
+                fault = await dev.compile(SRC, "fault")
+                buf = await dev.alloc(4)
+                try:
+                    await dev.queue.launch(fault, buf)
+                    print("no error")
+                except am.DeviceLostError:
+                    print("lost")
+        asyncio.run(main())
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.stdout.split() == ["lost"], proc.stdout + proc.stderr

@@ -22,6 +22,7 @@ import ctypes
 import os
 import queue as queue_module
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,9 +48,10 @@ except ImportError:  # pragma: no cover - without cuda-bindings there is no cuda
     cu = nvrtc = None
 
 MAX_PARAMS = 64
-STAGE_CHUNK = 8 << 20  # bytes per pinned staging chunk
+STAGE_CHUNK = 4 << 20  # bytes per pinned staging chunk
+STAGE_RING = 16  # chunks a queue stages through (the device keeps one ring ready)
 STAGE_DIRECT = 64 << 10  # smaller host copies go straight from pageable memory
-HOST_COPY_THREADS = max(2, min(4, (os.cpu_count() or 2) // 2))  # 8 measured slower
+HOST_COPY_THREADS = max(2, min(8, (os.cpu_count() or 2) // 2))  # per queue, made lazily
 COMPLETION_SPIN_NS = 30_000  # the completion thread polls this long before blocking
 
 _LOST = {
@@ -160,15 +162,20 @@ class _Pinned:
 
 
 class CUDATimeline(NativeTimeline):
-    """A native-runtime timeline placed in pinned memory: streams write and wait on its
-    first 8 bytes; host threads signal it; its watches wake the loops."""
+    """A native-runtime timeline with a device word in pinned memory: streams write and
+    wait on the word; the timeline's value (what the host reads, awaits and reports) is
+    raised by host signals, and for device writes only once a completion thread has
+    confirmed the work before them succeeded."""
 
     def __init__(self, backend: CUDABackend) -> None:
         self._backend = backend
+        self.c_timeline: int = backend.lib.am_timeline_new()
+        if not self.c_timeline:
+            raise MemoryError("could not allocate a timeline")
         self._slot = backend._timeline_slot()
-        self.c_timeline: int = backend.lib.am_timeline_init_at(self._slot)
+        backend.lib.am_timeline_set_word(self.c_timeline, self._slot)
         self.address = self._slot  # unified addressing: the same pointer on every GPU
-        self._value = ctypes.c_uint64.from_address(self._slot)
+        self._value = ctypes.c_uint64.from_address(self.c_timeline)
 
     @property
     def value(self) -> int:
@@ -180,40 +187,13 @@ class CUDATimeline(NativeTimeline):
     def __del__(self) -> None:
         backend = getattr(self, "_backend", None)
         if backend is not None and backend.lib is not None:
-            backend.lib.am_timeline_fini(self.c_timeline)
+            backend.lib.am_timeline_free(self.c_timeline)
             backend._release_slot(self._slot)
-
-
-class _Staging:
-    """A pool of pinned chunks, each returned once the command using it completed."""
-
-    def __init__(self, chunks: int) -> None:
-        self._free = [_Pinned(STAGE_CHUNK) for _ in range(chunks)]
-        self._busy: collections.deque[tuple[_Pinned, NativeTimeline, int]] = collections.deque()
-
-    def acquire(self) -> _Pinned:
-        busy = self._busy  # released in submission order: reclaim from the front
-        while busy and busy[0][1].value >= busy[0][2]:
-            self._free.append(busy.popleft()[0])
-        if not self._free:  # rare: a burst of huge synchronous submissions
-            return _Pinned(STAGE_CHUNK)
-        return self._free.pop()
-
-    def release_after(self, chunk: _Pinned, timeline: NativeTimeline, value: int) -> None:
-        self._busy.append((chunk, timeline, value))
-
-    def close(self) -> None:
-        for chunk in self._free:
-            chunk.free()
-        for chunk, _, _ in self._busy:
-            chunk.free()
-        self._free.clear()
-        self._busy.clear()
 
 
 class _HostCopier:
     """Native threads that memmove between pageable and pinned memory, each with a
-    timeline in pinned memory that streams can wait on."""
+    timeline whose device word streams can wait on."""
 
     def __init__(self, backend: CUDABackend, threads: int) -> None:
         self.timelines = [CUDATimeline(backend) for _ in range(threads)]
@@ -228,49 +208,91 @@ class _HostCopier:
         self.queues[i].memmove(dst, src, nbytes, value, Record(value), keep)
         return self.timelines[i], value
 
-    def wait(self, timeline: CUDATimeline, target: int) -> tuple[CUDATimeline, int]:
-        """Hold the next host copy until a stream raised ``timeline`` to ``target``."""
+    def wait(self, timeline: CUDATimeline, target: int) -> None:
+        """Hold the next host copy until ``timeline`` reaches ``target``."""
         i = (self._next + 1) % len(self.queues)
         self.submitted[i] += 1
         value = self.submitted[i]
         self.queues[i].wait(timeline, target, value, Record(value))
-        return self.timelines[i], value
 
     def close(self, abandon: bool) -> None:
         for q in self.queues:
             q.close(abandon)
 
 
+class _Staging:
+    """A queue's machinery for pageable host copies: host-copy threads, a ring of pinned
+    chunks and a timeline its stream marks chunks done on.
+
+    Pageable memory is copied through the ring: host threads fill (or empty) chunks
+    while the DMA engine moves others. A chunk is reused once its previous use has
+    ended, whoever must write it next waiting for that -- a host thread on the stream's
+    mark, or the stream on a host thread's copy -- so a copy of any size runs in the
+    ring's bounded memory. Everything here is the queue's own: its waits depend only on
+    its own stream, never on another queue's progress.
+    """
+
+    def __init__(self, backend: CUDABackend) -> None:
+        self._backend = backend
+        self.copier = _HostCopier(backend, HOST_COPY_THREADS)
+        self.marks = CUDATimeline(backend)
+        self._marked = 0
+        self._ring: collections.deque[tuple[_Pinned, CUDATimeline, int]] = collections.deque()
+        self._count = 0
+
+    def acquire(self) -> tuple[_Pinned, tuple[CUDATimeline, int] | None]:
+        """A chunk, and the (timeline, value) its previous use ends at, if not yet."""
+        ring = self._ring
+        if ring and (ring[0][1].value >= ring[0][2] or self._count >= STAGE_RING):
+            chunk, timeline, value = ring.popleft()
+            return chunk, (timeline, value) if timeline.value < value else None
+        self._count += 1
+        return self._backend.take_chunk(), None
+
+    def release_after(self, chunk: _Pinned, timeline: CUDATimeline, value: int) -> None:
+        self._ring.append((chunk, timeline, value))
+
+    def next_mark(self) -> tuple[CUDATimeline, int]:
+        self._marked += 1
+        return self.marks, self._marked
+
+    def close(self, abandon: bool) -> None:
+        self.copier.close(abandon)
+        if not abandon:  # everything finished: the chunks go back to the device's pool
+            for chunk, _, _ in self._ring:
+                self._backend.give_chunk(chunk)
+        self._ring.clear()
+
+
 class CUDAQueue(NativeQueue):
     def __init__(self, backend: CUDABackend, timeline: CUDATimeline) -> None:
         self._backend = backend
         self._timeline = timeline
+        lib = self._lib = backend.lib
         backend.make_current()
         flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
         self.stream = check(cu.cuStreamCreate(flags), "cuStreamCreate")
-        self._waiter: int | None = backend.lib.am_cuwaiter_new(
-            backend.context_address, timeline.c_timeline, COMPLETION_SPIN_NS
+        self._q: int | None = lib.am_cuq_new(
+            backend.context_address, int(self.stream), timeline.c_timeline, COMPLETION_SPIN_NS
         )
-        if not self._waiter:
-            raise AsyncMetalError("could not start the CUDA completion thread (libcuda.so.1)")
-        self._events: list[Any] = []
-        self._reclaimed = (ctypes.c_void_p * 256)()
+        if not self._q:
+            cu.cuStreamDestroy(self.stream)
+            raise AsyncMetalError("could not start the CUDA completion thread")
+        self._error = ctypes.c_int.from_address(self._q)  # am_cuq's first member
+        self._sticky = (0, 0)
         self._keep = KeepAlive(timeline)
         self._slots = (ctypes.c_uint64 * MAX_PARAMS)()
         base = ctypes.addressof(self._slots)
         self._pointers = (ctypes.c_void_p * MAX_PARAMS)(*(base + 8 * i for i in range(MAX_PARAMS)))
         self._pointers_address = ctypes.addressof(self._pointers)
-        self._write_flags = cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
-        self._wait_flags = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        self._launch = lib.am_cuq_launch
+        self._staging: _Staging | None = None  # made at the first large pageable copy
 
-    def _event(self) -> Any:
-        if not self._events:
-            n = self._backend.lib.am_cuwaiter_reclaim(self._waiter, self._reclaimed, 256)
-            self._events = [cu.CUevent(self._reclaimed[i]) for i in range(n)]
-        if self._events:
-            return self._events.pop()
-        flags = cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC | cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
-        return check(cu.cuEventCreate(flags), "cuEventCreate")
+    def _failed(self, code: int) -> AsyncMetalError:
+        if code == -1:
+            raise MemoryError("the CUDA completion ring could not grow")
+        call = self._lib.am_cuda_name(self._lib.am_cuq_failed_call(self._q)).decode()
+        return driver_error(call, code)
 
     def _finish(
         self,
@@ -280,44 +302,49 @@ class CUDAQueue(NativeQueue):
         target: int = 0,
         expected_ns: int = 0,
     ) -> None:
-        """End a command: write the queue's value on the device, then hand an event to
-        the completion thread."""
-        check(
-            cu.cuStreamWriteValue64(self.stream, self._timeline.address, value, self._write_flags),
-            "cuStreamWriteValue64",
-        )
-        event = self._event()
-        check(cu.cuEventRecord(event, self.stream), "cuEventRecord")
-        # A command expected to take at most ~2 ms (a copy of known size) is polled
-        # for through its end: blocking would add an interrupt and a thread wake-up.
+        """End a command: the stream writes the queue's value, and the completion thread
+        confirms it. A command expected to take at most ~2 ms (a copy of known size) is
+        polled for through its end: blocking would add an interrupt and a wake-up."""
         spin = min(expected_ns, 2_000_000)
-        status = self._backend.lib.am_cuwaiter_push(
-            self._waiter, int(event), value, extra.c_timeline if extra else None, target, spin
+        code = self._lib.am_cuq_finish(
+            self._q, value, extra.c_timeline if extra else None, target, spin
         )
-        if status:
-            raise MemoryError("the CUDA completion ring could not grow")
+        if code:
+            raise self._failed(code)
         self._keep.add(value, keep)
 
+    def _write(self, timeline: CUDATimeline, target: int) -> None:
+        code = self._lib.am_cuq_write(self._q, timeline.address, target)
+        if code:
+            raise self._failed(code)
+
+    def _wait_value(self, timeline: CUDATimeline, target: int) -> None:
+        code = self._lib.am_cuq_wait(self._q, timeline.address, target)
+        if code:
+            raise self._failed(code)
+
     def _mark(self, timeline: CUDATimeline, target: int, reached: int) -> None:
-        """Raise ``timeline`` to ``target`` on the device mid-command. A GPU write wakes
-        no host thread by itself: the completion thread pokes the timeline after it."""
-        check(
-            cu.cuStreamWriteValue64(self.stream, timeline.address, target, self._write_flags),
-            "cuStreamWriteValue64",
-        )
-        event = self._event()
-        check(cu.cuEventRecord(event, self.stream), "cuEventRecord")
-        if self._backend.lib.am_cuwaiter_push(
-            self._waiter, int(event), reached, timeline.c_timeline, target, 0
-        ):
-            raise MemoryError("the CUDA completion ring could not grow")
+        """Raise ``timeline`` to ``target`` mid-command, once the stream got there: the
+        completion thread confirms it and wakes whoever waits on it."""
+        self._write(timeline, target)
+        code = self._lib.am_cuq_finish(self._q, reached, timeline.c_timeline, target, 0)
+        if code:
+            raise self._failed(code)
 
     def failure(self, value: int) -> BaseException | None:
-        first = ctypes.c_uint64()
-        code = self._backend.lib.am_cuwaiter_error(self._waiter, ctypes.byref(first))
-        if code and value >= first.value:
-            return driver_error(f"the command at value {first.value} on this stream", code)
+        if not self._error.value:  # read in place: the common case costs no call
+            return None
+        code, first = self._first_error()
+        if code and value >= first:
+            return driver_error(f"the command at value {first} on this stream", code)
         return None
+
+    def _first_error(self) -> tuple[int, int]:
+        if self._q is not None:
+            first = ctypes.c_uint64()
+            code = self._lib.am_cuq_error(self._q, ctypes.byref(first))
+            self._sticky = (code, first.value)
+        return self._sticky
 
     def launch(
         self,
@@ -334,22 +361,27 @@ class CUDAQueue(NativeQueue):
         slots = self._slots
         for i, (handle, offset, val) in enumerate(args):
             slots[i] = (handle + offset) if val is None else (val & 0xFFFFFFFF)
-        grid = [-(-g // b) for g, b in zip(global_size, local_size, strict=True)]
-        check(
-            cu.cuLaunchKernel(
-                program, *grid, *local_size, 0, self.stream, self._pointers_address, 0
-            ),
-            "cuLaunchKernel",
+        (gx, gy, gz), (bx, by, bz) = global_size, local_size
+        code = self._launch(
+            self._q,
+            program,
+            -(-gx // bx),
+            -(-gy // by),
+            -(-gz // bz),
+            bx,
+            by,
+            bz,
+            0,
+            self._pointers_address,
+            value,
         )
-        self._finish(value)
+        if code:
+            raise self._failed(code)
 
     def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, CUDATimeline)
         self._backend.make_current()
-        check(
-            cu.cuStreamWriteValue64(self.stream, timeline.address, target, self._write_flags),
-            "cuStreamWriteValue64",
-        )
+        self._write(timeline, target)
         self._finish(value, timeline, extra=timeline, target=target)
 
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
@@ -357,12 +389,6 @@ class CUDAQueue(NativeQueue):
         self._backend.make_current()
         self._wait_value(timeline, target)
         self._finish(value, timeline)
-
-    def _wait_value(self, timeline: CUDATimeline, target: int) -> None:
-        check(
-            cu.cuStreamWaitValue64(self.stream, timeline.address, target, self._wait_flags),
-            "cuStreamWaitValue64",
-        )
 
     def copy(
         self, dst: Arg, src: Arg, nbytes: int, value: int, record: Record, peer: Any = None
@@ -387,67 +413,99 @@ class CUDAQueue(NativeQueue):
                 ),
                 "cuMemcpyPeerAsync",
             )
-        self._finish(value, (dst, src), expected_ns=nbytes // 1000)  # ~2 TB/s each way
+        expected = nbytes // 1000  # at most ~1 ns per KB: ~2 TB/s each way on an H200
+        record.due_ns = time.perf_counter_ns() + expected
+        self._finish(value, (dst, src), expected_ns=expected)
+
+    def _staging_for(self) -> _Staging:
+        if self._staging is None:
+            self._staging = _Staging(self._backend)
+        return self._staging
 
     def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
         self._backend.make_current()
-        keep: list[object] = [dst, src]
         address = host_address(src)[0]
         base = dst.handle + dst.offset
         if src.nbytes <= STAGE_DIRECT:  # the driver copies it before the call returns
             check(cu.cuMemcpyHtoDAsync(base, address, src.nbytes, self.stream), "cuMemcpyHtoD")
-        else:
-            backend = self._backend
-            for offset in range(0, src.nbytes, STAGE_CHUNK):
-                n = min(STAGE_CHUNK, src.nbytes - offset)
-                chunk = backend.staging.acquire()
-                timeline, host_value = backend.copier.memmove(
-                    chunk.address, address + offset, n, src
-                )
-                self._wait_value(timeline, host_value)
-                check(
-                    cu.cuMemcpyHtoDAsync(base + offset, chunk.address, n, self.stream),
-                    "cuMemcpyHtoDAsync",
-                )
-                backend.staging.release_after(chunk, self._timeline, value)
-                keep.append(chunk)
-        self._finish(value, keep)
+            self._finish(value, (dst, src))
+            return
+        staging = self._staging_for()
+        for offset in range(0, src.nbytes, STAGE_CHUNK):
+            n = min(STAGE_CHUNK, src.nbytes - offset)
+            chunk, busy = staging.acquire()
+            if busy is not None:  # a host thread refills it once the stream is done with it
+                staging.copier.wait(*busy)
+            filled = staging.copier.memmove(chunk.address, address + offset, n, src)
+            self._wait_value(*filled)
+            check(
+                cu.cuMemcpyHtoDAsync(base + offset, chunk.address, n, self.stream),
+                "cuMemcpyHtoDAsync",
+            )
+            mark = staging.next_mark()
+            self._mark(*mark, value - 1)
+            staging.release_after(chunk, *mark)
+        self._finish(value, (dst, src))
 
     def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
         self._backend.make_current()
-        keep: list[object] = [dst, src]
         address = host_address(dst)[0]
         base = src.handle + src.offset
-        backend = self._backend
+        staging = self._staging_for()
         last: tuple[CUDATimeline, int] | None = None
         for offset in range(0, dst.nbytes, STAGE_CHUNK):
             n = min(STAGE_CHUNK, dst.nbytes - offset)
-            chunk = backend.staging.acquire()
+            chunk, busy = staging.acquire()
+            if busy is not None:  # the stream refills it once a host thread emptied it
+                self._wait_value(*busy)
             check(
                 cu.cuMemcpyDtoHAsync(chunk.address, base + offset, n, self.stream),
                 "cuMemcpyDtoHAsync",
             )
-            # The stream marks the chunk arrived (and the completion thread wakes whoever
-            # sleeps on the mark); a host thread then moves it out.
-            marker = backend.next_marker()
-            self._mark(marker[0], marker[1], value - 1)
-            backend.copier.wait(*marker)
-            last = backend.copier.memmove(address + offset, chunk.address, n, dst)
-            backend.staging.release_after(chunk, last[0], last[1])
-            keep.append(chunk)
+            # The stream marks the chunk arrived; a host thread then moves it out.
+            mark = staging.next_mark()
+            self._mark(*mark, value - 1)
+            staging.copier.wait(*mark)
+            last = staging.copier.memmove(address + offset, chunk.address, n, dst)
+            staging.release_after(chunk, *last)
         if last is not None:
             self._wait_value(*last)  # the command completes once the bytes are in dst
-        self._finish(value, keep)
+        self._finish(value, (dst, src))
 
     def close(self, abandon: bool = False) -> None:
-        if self._waiter is not None:
-            waiter, self._waiter = self._waiter, None
+        if self._q is not None:
+            handle = self._q
             if not abandon:
                 self._backend.make_current()
                 cu.cuStreamSynchronize(self.stream)
-            self._backend.lib.am_cuwaiter_close(waiter, int(abandon))
+            code, _ = self._first_error()
+            self._q = None
+            self._lib.am_cuq_close(handle, int(abandon))
+            if self._staging is not None:
+                self._staging.close(abandon)
+            self._error = ctypes.c_int(code)  # the closed queue's error stays reported
             cu.cuStreamDestroy(self.stream)
             self._keep.clear()
+
+
+_DRIVER_ABI = 12000  # the CUDA 12 signatures the native runtime calls them with
+_installed = False
+
+
+def _install_driver(lib: Any) -> None:
+    """Hand the native runtime the driver functions it calls, from cuGetProcAddress."""
+    global _installed
+    if _installed:
+        return
+    i = 0
+    while (name := lib.am_cuda_name(i)) != b"?":
+        pfn = check(cu.cuGetProcAddress(name, _DRIVER_ABI, 0), f"cuGetProcAddress({name})")
+        pointer = int(pfn[0] if isinstance(pfn, tuple) else pfn)
+        if not pointer:
+            raise AsyncMetalError(f"the CUDA driver has no {name.decode()}")
+        lib.am_cuda_set(i, pointer)
+        i += 1
+    _installed = True
 
 
 class CUDABackend(Backend):
@@ -512,14 +570,13 @@ class CUDABackend(Backend):
         )
         self._compiler = CUDACompiler(f"sm_{major}{minor}")
         self.lib = _native.runtime()
+        _install_driver(self.lib)
         self._modules: list[Any] = []
         self._slot_arenas: list[_Pinned] = []
         self._free_slots: list[int] = []
         self._slot_lock = threading.Lock()
-        self.staging = _Staging(8)
-        self.copier = _HostCopier(self, HOST_COPY_THREADS)
-        self._markers = CUDATimeline(self)
-        self._marker_value = 0
+        self._chunks = [_Pinned(STAGE_CHUNK) for _ in range(STAGE_RING)]
+        self._chunk_lock = threading.Lock()
         self.live_allocations = 0
         # cuMemFree synchronizes the device: never on a loop, always on this thread.
         self._frees: queue_module.SimpleQueue[Any] = queue_module.SimpleQueue()
@@ -535,9 +592,16 @@ class CUDABackend(Backend):
         check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
         local.current = True
 
-    def next_marker(self) -> tuple[CUDATimeline, int]:
-        self._marker_value += 1
-        return self._markers, self._marker_value
+    def take_chunk(self) -> _Pinned:
+        """A pinned staging chunk: one a closed queue gave back, or a new one."""
+        with self._chunk_lock:
+            if self._chunks:
+                return self._chunks.pop()
+        return _Pinned(STAGE_CHUNK)
+
+    def give_chunk(self, chunk: _Pinned) -> None:
+        with self._chunk_lock:
+            self._chunks.append(chunk)
 
     def _timeline_slot(self) -> int:
         with self._slot_lock:
@@ -566,7 +630,7 @@ class CUDABackend(Backend):
         err, function = cu.cuModuleGetFunction(module, name.encode())
         if int(err) != 0:
             raise AttributeError(name)  # the device turns this into a CompileError
-        return function
+        return int(function)  # a CUfunction's address, as the native launch takes it
 
     def allocate(self, nbytes: int) -> Any:
         self.make_current()
@@ -598,11 +662,13 @@ class CUDABackend(Backend):
 
     def close(self) -> None:
         self.make_current()
-        self.copier.close(abandon=False)
         self._frees.put(None)
         self._freer.join()
         cu.cuCtxSynchronize()
-        self.staging.close()
+        with self._chunk_lock:
+            for chunk in self._chunks:
+                chunk.free()
+            self._chunks.clear()
         for module in self._modules:
             cu.cuModuleUnload(module)
         self._modules.clear()

@@ -36,6 +36,7 @@ typedef struct am_watch {
 
 typedef struct am_timeline {
     _Atomic uint64_t value;         /* first member: Python reads it in place */
+    _Atomic uint64_t *word;         /* a copy a device waits on (pinned memory), or NULL */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     am_watch *watches;
@@ -143,27 +144,24 @@ am_timeline *am_timeline_new(void) {
     return t;
 }
 
-/* A timeline placed in caller-owned memory (e.g. pinned host memory a GPU can wait
- * on: its value is the first 8 bytes). The caller frees the memory after fini. */
-size_t am_timeline_size(void) { return sizeof(am_timeline); }
-am_timeline *am_timeline_init_at(void *memory) {
-    timeline_init(memory);
-    return memory;
-}
-void am_timeline_fini(am_timeline *t) {
-    pthread_mutex_destroy(&t->mu);
-    pthread_cond_destroy(&t->cv);
+/* A device-visible word (pinned host memory a GPU's streams wait on) that host signals
+ * of this timeline also raise. A device raises the word itself; the timeline's value --
+ * what the host reports as reached -- is raised only once the device's work before the
+ * write is confirmed to have succeeded (am_timeline_poke by a completion thread). */
+void am_timeline_set_word(am_timeline *t, uint64_t *word) {
+    t->word = (_Atomic uint64_t *)word;
 }
 
 void am_timeline_free(am_timeline *t) {
-    am_timeline_fini(t);
+    pthread_mutex_destroy(&t->mu);
+    pthread_cond_destroy(&t->cv);
     free(t);
 }
 
 uint64_t am_timeline_value(am_timeline *t) { return atomic_load(&t->value); }
 
-/* For a timeline whose value a device writes in place (a GPU's stream memory op): raise
- * it to at least v and wake whoever waits up to the value now held. */
+/* Raise the value to at least v and wake whoever waits up to the value now held, leaving
+ * the device word alone (a device wrote it: a completion thread confirms that here). */
 void am_timeline_poke(am_timeline *t, uint64_t v) {
     pthread_mutex_lock(&t->mu);
     if (v > atomic_load(&t->value)) atomic_store(&t->value, v);
@@ -174,8 +172,14 @@ void am_timeline_poke(am_timeline *t, uint64_t v) {
     pthread_mutex_unlock(&t->mu);
 }
 
+static void raise_word(_Atomic uint64_t *word, uint64_t v) {
+    uint64_t old = atomic_load(word);
+    while (old < v && !atomic_compare_exchange_weak(word, &old, v)) {}
+}
+
 void am_timeline_signal(am_timeline *t, uint64_t v) {
     pthread_mutex_lock(&t->mu);
+    if (t->word) raise_word(t->word, v);  /* devices waiting on it go first */
     if (v > atomic_load(&t->value)) {
         atomic_store(&t->value, v);
         pthread_cond_broadcast(&t->cv);
@@ -347,15 +351,29 @@ void am_queue_close(am_queue *q, int abandon) {
     free(q);
 }
 
-/* ---- CUDA completion --------------------------------------------------------------
- * One thread per CUDA stream waits, in order, on the blocking-sync events recorded after
- * its commands, then raises the stream's mirror timeline (and the timeline a signal
- * command raised), which wakes the loops through their pipes. It never takes the GIL and
- * calls nothing but cuCtxSetCurrent and cuEventSynchronize, looked up in libcuda. */
-#include <dlfcn.h>
+/* ---- CUDA streams -----------------------------------------------------------------
+ * A CUDA queue submits here, in one call per command: the driver work (launch, the write
+ * of the queue's value into its device word, an event record) and the hand-over of that
+ * event to the queue's completion thread. The driver functions come from cuGetProcAddress
+ * (asyncmetal asks cuda-bindings for them once).
+ *
+ * The completion thread reports a command done only once it is verified: it polls the
+ * device word (a completion about to happen is seen within a microsecond, with no
+ * interrupt), then asks the command's event -- a kernel that faulted can let the value
+ * write behind it land before the fault is reported, and the event is what reports it.
+ * Then it raises the queue's timeline (the host-side value loops read and wait on), and
+ * the timeline a signal command raised. It never takes the GIL, and calls nothing but
+ * cuCtxSetCurrent, cuEventQuery and cuEventSynchronize. */
+enum { CU_LAUNCH, CU_WRITE64, CU_WAIT64, CU_EVENT_CREATE, CU_EVENT_RECORD, CU_EVENT_QUERY,
+       CU_EVENT_SYNC, CU_EVENT_DESTROY, CU_CTX_SET, CU_NFUNCS };
+static void *cu_funcs[CU_NFUNCS];
+static const char *cu_names[CU_NFUNCS] = {
+    "cuLaunchKernel", "cuStreamWriteValue64", "cuStreamWaitValue64", "cuEventCreate",
+    "cuEventRecord", "cuEventQuery", "cuEventSynchronize", "cuEventDestroy", "cuCtxSetCurrent"};
+#define CU_ERROR_NOT_READY 600
 
-typedef int (*cu_ctx_fn)(void *);
-typedef int (*cu_event_fn)(void *);
+const char *am_cuda_name(int i) { return i >= 0 && i < CU_NFUNCS ? cu_names[i] : "?"; }
+void am_cuda_set(int i, void *fn) { if (i >= 0 && i < CU_NFUNCS) cu_funcs[i] = fn; }
 
 typedef struct {
     void *event;
@@ -365,124 +383,176 @@ typedef struct {
     long spin_ns;                   /* how long to poll before blocking on the event */
 } am_cuentry;
 
-typedef struct am_cuwaiter {
+typedef struct am_cuq {
+    int error;                      /* first member: the first CUDA error (sticky); */
+    int failed_call;                /* which call failed at submission */
+    uint64_t error_value;           /* the value of the command that saw it */
     pthread_t thread;
     pthread_mutex_t mu;
     pthread_cond_t cv;
     am_cuentry *ring;
     size_t cap, head, count;
-    void **done;                    /* waited-on events, for the submitter to reuse */
-    size_t done_cap, done_count;
+    void **events;                  /* finished events, for reuse */
+    size_t events_cap, events_count;
     int stop;
     void *ctx;
-    am_timeline *mirror;
-    cu_ctx_fn set_ctx;
-    cu_event_fn sync;
-    _Atomic uint64_t *word;         /* the stream's timeline value, written by the GPU */
+    void *stream;
+    am_timeline *timeline;          /* the queue's timeline: its value is verified */
+    _Atomic uint64_t *word;         /* its device word, written by the stream */
     long spin_ns;
-    int error;                      /* the first CUDA error: sticky */
-    uint64_t error_value;           /* the value of the command that saw it */
-} am_cuwaiter;
+} am_cuq;
 
-static void *cuwait_run(void *arg) {
-    am_cuwaiter *w = arg;
-    w->set_ctx(w->ctx);
+static void *cuq_run(void *arg) {
+    am_cuq *q = arg;
+    ((int (*)(void *))cu_funcs[CU_CTX_SET])(q->ctx);
+    int (*query)(void *) = (int (*)(void *))cu_funcs[CU_EVENT_QUERY];
+    int (*sync)(void *) = (int (*)(void *))cu_funcs[CU_EVENT_SYNC];
     for (;;) {
-        pthread_mutex_lock(&w->mu);
-        while (w->count == 0 && !w->stop) pthread_cond_wait(&w->cv, &w->mu);
-        if (w->count == 0) { pthread_mutex_unlock(&w->mu); return NULL; }
-        am_cuentry e = w->ring[w->head];
-        pthread_mutex_unlock(&w->mu);
-        /* A short spin on the value the GPU writes before blocking on the event: a
-         * completion that is about to happen is seen within a microsecond instead of
-         * after an interrupt and a thread wake-up. Bounded by spin_ns per command. */
-        if (w->word && !w->error) {
-            int64_t deadline = now_ns() + (e.spin_ns > w->spin_ns ? e.spin_ns : w->spin_ns);
-            while (atomic_load(w->word) < e.value && now_ns() < deadline) sched_yield();
+        pthread_mutex_lock(&q->mu);
+        while (q->count == 0 && !q->stop) pthread_cond_wait(&q->cv, &q->mu);
+        if (q->count == 0) { pthread_mutex_unlock(&q->mu); return NULL; }
+        am_cuentry e = q->ring[q->head];
+        int failed = q->error;
+        pthread_mutex_unlock(&q->mu);
+        int r = failed;
+        if (!failed) {
+            long spin = e.spin_ns > q->spin_ns ? e.spin_ns : q->spin_ns;
+            int64_t deadline = now_ns() + spin;
+            while (atomic_load(q->word) < e.value && now_ns() < deadline) sched_yield();
+            r = query(e.event);
+            if (r == CU_ERROR_NOT_READY && atomic_load(q->word) >= e.value) {
+                /* the value landed: the event right behind it is a moment away */
+                deadline = now_ns() + 20000;
+                while ((r = query(e.event)) == CU_ERROR_NOT_READY && now_ns() < deadline)
+                    sched_yield();
+            }
+            if (r == CU_ERROR_NOT_READY) r = sync(e.event);
         }
-        int r = w->error ? w->error : w->sync(e.event);
-        pthread_mutex_lock(&w->mu);
-        w->head = (w->head + 1) % w->cap;
-        w->count--;
-        if (r && !w->error) { w->error = r; w->error_value = e.value; }
-        if (w->done_count < w->done_cap) w->done[w->done_count++] = e.event;
-        pthread_mutex_unlock(&w->mu);
+        pthread_mutex_lock(&q->mu);
+        q->head = (q->head + 1) % q->cap;
+        q->count--;
+        if (r && !q->error) { q->error = r; q->error_value = e.value; }
+        int keep = q->events_count < q->events_cap;
+        if (keep) q->events[q->events_count++] = e.event;
+        pthread_mutex_unlock(&q->mu);
+        if (!keep) ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(e.event);
         if (e.extra && !r) am_timeline_poke(e.extra, e.extra_value);
-        am_timeline_poke(w->mirror, r ? UINT64_MAX : e.value);
+        am_timeline_poke(q->timeline, r ? UINT64_MAX : e.value);
     }
 }
 
-am_cuwaiter *am_cuwaiter_new(void *ctx, am_timeline *mirror, long spin_ns) {
-    void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-    if (!cuda) return NULL;
-    am_cuwaiter *w = calloc(1, sizeof *w);
-    if (!w) return NULL;
-    w->set_ctx = (cu_ctx_fn)dlsym(cuda, "cuCtxSetCurrent");
-    w->sync = (cu_event_fn)dlsym(cuda, "cuEventSynchronize");
-    w->cap = 256;
-    w->ring = calloc(w->cap, sizeof *w->ring);
-    w->done_cap = 4096;
-    w->done = calloc(w->done_cap, sizeof(void *));
-    w->ctx = ctx;
-    w->mirror = mirror;
-    w->word = &mirror->value;
-    w->spin_ns = spin_ns;
-    pthread_mutex_init(&w->mu, NULL);
-    pthread_cond_init(&w->cv, NULL);
-    if (!w->set_ctx || !w->sync || !w->ring || !w->done ||
-        pthread_create(&w->thread, NULL, cuwait_run, w) != 0) {
-        free(w->ring); free(w->done); free(w);
+am_cuq *am_cuq_new(void *ctx, void *stream, am_timeline *timeline, long spin_ns) {
+    for (int i = 0; i < CU_NFUNCS; i++) if (!cu_funcs[i]) return NULL;
+    if (!timeline->word) return NULL;
+    am_cuq *q = calloc(1, sizeof *q);
+    if (!q) return NULL;
+    q->cap = 256;
+    q->ring = calloc(q->cap, sizeof *q->ring);
+    q->events_cap = 4096;
+    q->events = calloc(q->events_cap, sizeof(void *));
+    q->ctx = ctx;
+    q->stream = stream;
+    q->timeline = timeline;
+    q->word = timeline->word;
+    q->spin_ns = spin_ns;
+    pthread_mutex_init(&q->mu, NULL);
+    pthread_cond_init(&q->cv, NULL);
+    if (!q->ring || !q->events || pthread_create(&q->thread, NULL, cuq_run, q) != 0) {
+        free(q->ring); free(q->events); free(q);
         return NULL;
     }
-    return w;
+    return q;
 }
 
-int am_cuwaiter_push(am_cuwaiter *w, void *event, uint64_t value, am_timeline *extra,
-                     uint64_t extra_value, long spin_ns) {
-    pthread_mutex_lock(&w->mu);
-    if (w->count == w->cap) {
-        am_cuentry *ring = malloc(2 * w->cap * sizeof *ring);
-        if (!ring) { pthread_mutex_unlock(&w->mu); return -1; }
-        for (size_t i = 0; i < w->count; i++) ring[i] = w->ring[(w->head + i) % w->cap];
-        free(w->ring);
-        w->ring = ring; w->head = 0; w->cap *= 2;
+static int cuq_fail(am_cuq *q, int call, int r) {
+    q->failed_call = call;
+    return r;
+}
+
+/* Write the queue's value into its device word, record an event behind it and hand
+ * both to the completion thread. Returns a CUresult (-1: out of memory). */
+int am_cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
+                  long spin_ns) {
+    int r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WRITE64])(
+        q->stream, (void *)q->word, value, 0);
+    if (r) return cuq_fail(q, CU_WRITE64, r);
+    void *event = NULL;
+    pthread_mutex_lock(&q->mu);
+    if (q->events_count) event = q->events[--q->events_count];
+    pthread_mutex_unlock(&q->mu);
+    if (!event) {  /* CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING */
+        r = ((int (*)(void **, unsigned))cu_funcs[CU_EVENT_CREATE])(&event, 0x1 | 0x2);
+        if (r) return cuq_fail(q, CU_EVENT_CREATE, r);
+    }
+    r = ((int (*)(void *, void *))cu_funcs[CU_EVENT_RECORD])(event, q->stream);
+    if (r) {
+        ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(event);
+        return cuq_fail(q, CU_EVENT_RECORD, r);
+    }
+    pthread_mutex_lock(&q->mu);
+    if (q->count == q->cap) {
+        am_cuentry *ring = malloc(2 * q->cap * sizeof *ring);
+        if (!ring) { pthread_mutex_unlock(&q->mu); return -1; }
+        for (size_t i = 0; i < q->count; i++) ring[i] = q->ring[(q->head + i) % q->cap];
+        free(q->ring);
+        q->ring = ring; q->head = 0; q->cap *= 2;
     }
     am_cuentry e = {event, value, extra, extra_value, spin_ns};
-    w->ring[(w->head + w->count) % w->cap] = e;
-    w->count++;
-    pthread_cond_signal(&w->cv);
-    pthread_mutex_unlock(&w->mu);
+    q->ring[(q->head + q->count) % q->cap] = e;
+    q->count++;
+    pthread_cond_signal(&q->cv);
+    pthread_mutex_unlock(&q->mu);
     return 0;
 }
 
-/* Move up to max finished events into out; returns how many. */
-int am_cuwaiter_reclaim(am_cuwaiter *w, void **out, int max) {
-    pthread_mutex_lock(&w->mu);
-    int n = 0;
-    while (n < max && w->done_count) out[n++] = w->done[--w->done_count];
-    pthread_mutex_unlock(&w->mu);
-    return n;
+int am_cuq_launch(am_cuq *q, void *function, unsigned gx, unsigned gy, unsigned gz,
+                  unsigned bx, unsigned by, unsigned bz, unsigned shared, void **params,
+                  uint64_t value) {
+    int r = ((int (*)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                      unsigned, void *, void **, void **))cu_funcs[CU_LAUNCH])(
+        function, gx, gy, gz, bx, by, bz, shared, q->stream, params, NULL);
+    if (r) return cuq_fail(q, CU_LAUNCH, r);
+    return am_cuq_finish(q, value, NULL, 0, 0);
 }
 
-int am_cuwaiter_error(am_cuwaiter *w, uint64_t *value) {
-    pthread_mutex_lock(&w->mu);
-    int e = w->error;
-    *value = w->error_value;
-    pthread_mutex_unlock(&w->mu);
+/* Stream memory operations on a device word (another timeline's, or a host thread's). */
+int am_cuq_write(am_cuq *q, void *word, uint64_t value) {
+    int r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WRITE64])(
+        q->stream, word, value, 0);
+    return r ? cuq_fail(q, CU_WRITE64, r) : 0;
+}
+
+int am_cuq_wait(am_cuq *q, void *word, uint64_t value) {
+    int r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WAIT64])(
+        q->stream, word, value, 0x0 /* CU_STREAM_WAIT_VALUE_GEQ */);
+    return r ? cuq_fail(q, CU_WAIT64, r) : 0;
+}
+
+int am_cuq_failed_call(am_cuq *q) { return q->failed_call; }
+
+int am_cuq_error(am_cuq *q, uint64_t *value) {
+    pthread_mutex_lock(&q->mu);
+    int e = q->error;
+    *value = q->error_value;
+    pthread_mutex_unlock(&q->mu);
     return e;
 }
 
-/* After everything pushed was waited on (or at once if abandon): stop and free. */
-void am_cuwaiter_close(am_cuwaiter *w, int abandon) {
-    pthread_mutex_lock(&w->mu);
-    w->stop = 1;
-    if (abandon) w->count = 0;
-    pthread_cond_signal(&w->cv);
-    pthread_mutex_unlock(&w->mu);
-    pthread_join(w->thread, NULL);
-    pthread_mutex_destroy(&w->mu);
-    pthread_cond_destroy(&w->cv);
-    free(w->ring); free(w->done); free(w);
+/* After everything pushed was confirmed (or at once if abandon): stop, free the events
+ * and the queue. The stream is the caller's. */
+void am_cuq_close(am_cuq *q, int abandon) {
+    pthread_mutex_lock(&q->mu);
+    q->stop = 1;
+    if (abandon) q->count = 0;
+    pthread_cond_signal(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    pthread_join(q->thread, NULL);
+    if (!abandon)
+        for (size_t i = 0; i < q->events_count; i++)
+            ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(q->events[i]);
+    pthread_mutex_destroy(&q->mu);
+    pthread_cond_destroy(&q->cv);
+    free(q->ring); free(q->events); free(q);
 }
 
 /* ---- Objective-C blocks whose invoke functions never take the GIL ---------------------
