@@ -168,11 +168,13 @@ class CUDATimeline(NativeTimeline):
     confirmed the work before them succeeded."""
 
     def __init__(self, backend: CUDABackend) -> None:
-        self._backend = backend
+        self._slot = backend._timeline_slot()
+        ctypes.c_uint64.from_address(self._slot).value = 0  # a reused slot holds an old value
         self.c_timeline: int = backend.lib.am_timeline_new()
         if not self.c_timeline:
+            backend._release_slot(self._slot)
             raise MemoryError("could not allocate a timeline")
-        self._slot = backend._timeline_slot()
+        self._backend = backend
         backend.lib.am_timeline_set_word(self.c_timeline, self._slot)
         self.address = self._slot  # unified addressing: the same pointer on every GPU
         self._value = ctypes.c_uint64.from_address(self.c_timeline)
@@ -597,6 +599,7 @@ class CUDABackend(Backend):
         with self._chunk_lock:
             if self._chunks:
                 return self._chunks.pop()
+        self.make_current()
         return _Pinned(STAGE_CHUNK)
 
     def give_chunk(self, chunk: _Pinned) -> None:
@@ -606,6 +609,7 @@ class CUDABackend(Backend):
     def _timeline_slot(self) -> int:
         with self._slot_lock:
             if not self._free_slots:
+                self.make_current()
                 arena = _Pinned(64 << 10)
                 self._slot_arenas.append(arena)
                 self._free_slots = [arena.address + 128 * i for i in range(arena.nbytes // 128)]
