@@ -16,6 +16,7 @@ import asyncio
 import ctypes
 import json
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -116,6 +117,7 @@ async def run(loop_name: str) -> dict[str, Any]:
 
         out["asyncmetal_us"] = await median_us(ours)
         out["latency_ratio"] = out["asyncmetal_us"] / out["raw_sync_us"]
+        out["asyncmetal_parts_us"] = latency_parts(q, empty)
 
         progress(f"latencies done: {out}")
 
@@ -146,6 +148,41 @@ async def run(loop_name: str) -> dict[str, Any]:
             out["alloc"] = await allocations(dev)
         check(cu.cuStreamDestroy(stream), "destroy")
     return out
+
+
+def latency_parts(q: am.Queue, empty: am.Program, n: int = 2000) -> dict[str, float]:
+    """Where an awaited launch's time goes, without the loop: the submission call, then
+    (spinning here) until the stream's device word shows the value, and until the host
+    timeline reports it verified."""
+    word = ctypes.c_uint64.from_address(q.timeline._native.address)  # type: ignore[attr-defined]
+    native = q.timeline._native
+    submit, device, verified = [], [], []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        done = q.launch(empty)
+        t1 = time.perf_counter_ns()
+        while word.value < done.value:
+            pass
+        t2 = time.perf_counter_ns()
+        while native.value < done.value:
+            pass
+        t3 = time.perf_counter_ns()
+        submit.append(t1 - t0)
+        device.append(t2 - t0)
+        verified.append(t3 - t0)
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        done = q.launch(empty)
+    submit_only = (time.perf_counter_ns() - t0) / n
+    while native.value < done.value:
+        pass
+    med = statistics.median
+    return {
+        "submit_back_to_back": submit_only / 1e3,
+        "submit": med(submit) / 1e3,
+        "device_word": med(device) / 1e3,
+        "verified": med(verified) / 1e3,
+    }
 
 
 async def copies(dev: am.Device, stream: Any) -> dict[str, Any]:

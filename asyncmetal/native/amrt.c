@@ -394,6 +394,7 @@ typedef struct am_cuq {
     size_t cap, head, count;
     void **events;                  /* finished events, for reuse */
     size_t events_cap, events_count;
+    atomic_size_t pending;          /* entries pushed and not yet confirmed */
     int stop;
     void *ctx;
     void *stream;
@@ -408,6 +409,13 @@ static void *cuq_run(void *arg) {
     int (*query)(void *) = (int (*)(void *))cu_funcs[CU_EVENT_QUERY];
     int (*sync)(void *) = (int (*)(void *))cu_funcs[CU_EVENT_SYNC];
     for (;;) {
+        /* Stay awake a moment for the next command: a thread woken from a condition
+         * variable takes tens of microseconds to run again, which an awaited launch
+         * right behind the last one would otherwise pay every time. */
+        if (atomic_load(&q->pending) == 0) {
+            int64_t deadline = now_ns() + q->spin_ns;
+            while (atomic_load(&q->pending) == 0 && now_ns() < deadline) sched_yield();
+        }
         pthread_mutex_lock(&q->mu);
         while (q->count == 0 && !q->stop) pthread_cond_wait(&q->cv, &q->mu);
         if (q->count == 0) { pthread_mutex_unlock(&q->mu); return NULL; }
@@ -431,6 +439,7 @@ static void *cuq_run(void *arg) {
         pthread_mutex_lock(&q->mu);
         q->head = (q->head + 1) % q->cap;
         q->count--;
+        atomic_fetch_sub(&q->pending, 1);
         if (r && !q->error) { q->error = r; q->error_value = e.value; }
         int keep = q->events_count < q->events_cap;
         if (keep) q->events[q->events_count++] = e.event;
@@ -500,6 +509,7 @@ int am_cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_
     am_cuentry e = {event, value, extra, extra_value, spin_ns};
     q->ring[(q->head + q->count) % q->cap] = e;
     q->count++;
+    atomic_fetch_add(&q->pending, 1);
     pthread_cond_signal(&q->cv);
     pthread_mutex_unlock(&q->mu);
     return 0;
