@@ -1,0 +1,143 @@
+"""What one cuda submission costs, call by call (a probe behind BENCHMARKS.md's notes).
+
+    python benchmarks/cuda_submit_probe.py --json out.json
+
+Times, per call, back to back on one stream: each driver function asyncmetal's native
+submission makes (called through ctypes on the pointers cuGetProcAddress returns), the
+native submission call, the backend hook and ``Queue.launch``; the same launch through
+cuda-bindings for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import time
+from collections.abc import Callable
+from typing import Any
+
+from _common import write_json
+
+import asyncmetal as am
+from asyncmetal._backend import Record
+from asyncmetal.backends.cuda import check, cu
+
+EMPTY = 'extern "C" __global__ void empty() {}'
+
+
+def per_call_us(fn: Callable[[], Any], sync: Callable[[], None], n: int = 5000) -> float:
+    for _ in range(200):
+        fn()
+    sync()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter_ns() - t0) / n / 1e3)
+        sync()
+    return best
+
+
+def pointer(name: str) -> int:
+    pfn = check(cu.cuGetProcAddress(name.encode(), 12000, 0), name)
+    return int(pfn[0] if isinstance(pfn, tuple) else pfn)
+
+
+async def main() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    async with am.open_device("cuda:0") as dev:
+        empty = await dev.compile(EMPTY, "empty")
+        q = dev.new_queue()
+        native = q._native
+        stream = native.stream  # type: ignore[attr-defined]
+        s = int(stream)
+
+        def sync() -> None:
+            check(cu.cuStreamSynchronize(stream), "sync")
+
+        u = ctypes.c_uint
+        launch = ctypes.CFUNCTYPE(
+            ctypes.c_int,
+            ctypes.c_void_p,
+            u,
+            u,
+            u,
+            u,
+            u,
+            u,
+            u,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        )(pointer("cuLaunchKernel"))
+        write = ctypes.CFUNCTYPE(
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, u
+        )(pointer("cuStreamWriteValue64"))
+        record = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(
+            pointer("cuEventRecord")
+        )
+        query = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(pointer("cuEventQuery"))
+        word = q.timeline._native.address  # type: ignore[attr-defined]
+        flags = cu.CUevent_flags
+        ev_block = int(
+            check(
+                cu.cuEventCreate(flags.CU_EVENT_BLOCKING_SYNC | flags.CU_EVENT_DISABLE_TIMING), "ev"
+            )
+        )
+        ev_plain = int(check(cu.cuEventCreate(flags.CU_EVENT_DISABLE_TIMING), "ev"))
+        fn = empty.native
+        out["ctypes_noop_call"] = per_call_us(lambda: query(ev_plain), sync)
+        out["cuLaunchKernel"] = per_call_us(
+            lambda: launch(fn, 1, 1, 1, 1, 1, 1, 0, s, None, None), sync
+        )
+        out["cuStreamWriteValue64"] = per_call_us(lambda: write(s, word, 0, 0), sync)
+        out["cuEventRecord_blocking_sync"] = per_call_us(lambda: record(ev_block, s), sync)
+        out["cuEventRecord_plain"] = per_call_us(lambda: record(ev_plain, s), sync)
+        out["launch_write_record"] = per_call_us(
+            lambda: (
+                launch(fn, 1, 1, 1, 1, 1, 1, 0, s, None, None),
+                write(s, word, 0, 0),
+                record(ev_block, s),
+            ),
+            sync,
+        )
+        out["cuda_bindings_launch"] = per_call_us(
+            lambda: cu.cuLaunchKernel(cu.CUfunction(fn), 1, 1, 1, 1, 1, 1, 0, stream, 0, 0), sync
+        )
+        # asyncmetal's layers (values must rise: count them)
+        counter = [q.submitted]
+        lib = native._lib  # type: ignore[attr-defined]
+        handle = native._q  # type: ignore[attr-defined]
+        ptrs = native._pointers_address  # type: ignore[attr-defined]
+
+        def native_call() -> None:
+            counter[0] += 1
+            lib.am_cuq_launch(handle, fn, 1, 1, 1, 1, 1, 1, 0, ptrs, counter[0])
+
+        def hook() -> None:
+            counter[0] += 1
+            native.launch(fn, [], (1, 1, 1), (1, 1, 1), counter[0], Record(counter[0]))
+
+        def wait_all() -> None:
+            sync()
+            while q.timeline.value < counter[0]:
+                time.sleep(0.0001)
+
+        out["am_cuq_launch"] = per_call_us(native_call, wait_all)
+        out["backend_launch_hook"] = per_call_us(hook, wait_all)
+        q._submitted = counter[0]
+        out["Queue_launch"] = per_call_us(lambda: q.launch(empty), lambda: None, n=3000)
+        await q.synchronize()
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    result = asyncio.run(main())
+    for k, v in result.items():
+        print(f"{k:32s} {v:8.2f} us")
+    write_json(args.json, {"date": time.strftime("%Y-%m-%d"), "per_call_us": result})
