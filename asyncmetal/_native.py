@@ -51,6 +51,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_cuq_launch": (c_int, [c_p, c_p, *[ctypes.c_uint] * 7, c_p, c_u64]),
     "am_cuq_write": (c_int, [c_p, c_p, c_u64]),
     "am_cuq_wait": (c_int, [c_p, c_p, c_u64]),
+    "am_cuq_wait_queue": (c_int, [c_p, c_p, c_u64]),
     "am_cuq_failed_call": (c_int, [c_p]),
     "am_cuq_error": (c_int, [c_p, ctypes.POINTER(c_u64)]),
     "am_cuq_close": (None, [c_p, c_int]),

@@ -100,6 +100,35 @@ async def test_device_wait_before_host_signal_and_between_streams(anyio_backend:
         await tl2.wait(1)
 
 
+async def test_waits_on_another_queues_timeline(anyio_backend: object) -> None:
+    """A wait for a value already submitted on another queue (its event), and for a value
+    that queue has not reached yet (its device word, written once it gets there)."""
+    async with am.open_device("cuda:0") as dev:
+        fill = await dev.compile(KERNELS, "fill")
+        sleep = await dev.compile(KERNELS, "sleep_us")
+        n, size = 1000, {"global_size": 1000, "local_size": 128}
+        buf = await dev.alloc(4 * n)
+        q1, q2 = dev.new_queue(), dev.new_queue()
+        q1.launch(sleep, vals=(20_000,))
+        first = q1.launch(fill, buf, vals=(1, n), **size)
+        q2.wait(q1.timeline, first.value)
+        second = q2.launch(fill, buf, vals=(2, n), **size)
+        await second
+        assert first.done()
+        assert (await buf.read(np.int32) == 2).all()
+        target = q1.submitted + 2
+        q2.wait(q1.timeline, target)
+        third = q2.launch(fill, buf, vals=(3, n), **size)
+        await anyio.sleep(0.02)
+        assert not third.done()
+        q1.launch(sleep, vals=(20_000,))
+        fourth = q1.launch(fill, buf, vals=(4, n), **size)
+        assert fourth.value == target
+        await third
+        assert fourth.done()
+        assert (await buf.read(np.int32) == 3).all()
+
+
 async def test_64_awaiters_batched(anyio_backend: object) -> None:
     async with am.open_device("cuda:0") as dev:
         empty = await dev.compile(KERNELS, "empty")

@@ -1,13 +1,19 @@
 """The ``cuda:N`` devices, through NVIDIA's cuda-bindings (driver API and NVRTC).
 
-* Queues are non-blocking streams. After each command the stream writes the queue's
-  timeline value (``cuStreamWriteValue64``) and records a blocking-sync event; a native
-  thread per stream (``native/amrt.c``) waits on those events without the GIL and wakes
-  the loops. Nothing runs inside a driver callback.
-* Timelines are 64-bit words in pinned, device-mapped host memory, laid out as the
-  native runtime's timelines: streams wait on them with ``cuStreamWaitValue64`` (GEQ)
-  before anyone signals, from the host, another stream or another GPU; the host reads
-  and writes them in place.
+* Queues are non-blocking streams. Each command is submitted in one native call
+  (``native/amrt.c``: the launch, an event record) and its event handed to a native
+  completion thread per stream, which polls it a moment, then blocks on it, without the
+  GIL, and raises the queue's timeline once the event confirmed the command. Nothing
+  runs inside a driver callback. Driver functions on that path are the pointers
+  ``cuGetProcAddress`` (through cuda-bindings) returns; everything else calls
+  cuda-bindings.
+* Timelines are native-runtime timelines (the host-side value that loops read and await,
+  raised only for confirmed work) with a 64-bit device word in pinned, device-mapped host
+  memory: streams wait on the word with ``cuStreamWaitValue64`` (GEQ) before anyone
+  signals, from the host, another stream or another GPU. A wait on a queue's own
+  timeline for a value already submitted waits on that command's event instead
+  (``cuStreamWaitEvent``); for a later value the queue writes its word once it gets
+  there.
 * Kernels are CUDA C compiled by NVRTC for the device's own architecture into a cubin,
   in the compile pool. ``global_size`` is the number of threads per dimension and
   ``local_size`` the block: the grid is ``ceil(global / local)``.
@@ -178,6 +184,7 @@ class CUDATimeline(NativeTimeline):
         backend.lib.am_timeline_set_word(self.c_timeline, self._slot)
         self.address = self._slot  # unified addressing: the same pointer on every GPU
         self._value = ctypes.c_uint64.from_address(self.c_timeline)
+        self.queue: CUDAQueue | None = None  # the queue whose own timeline this is
 
     @property
     def value(self) -> int:
@@ -280,6 +287,7 @@ class CUDAQueue(NativeQueue):
         if not self._q:
             cu.cuStreamDestroy(self.stream)
             raise AsyncMetalError("could not start the CUDA completion thread")
+        timeline.queue = self
         self._error = ctypes.c_int.from_address(self._q)  # am_cuq's first member
         self._sticky = (0, 0)
         self._keep = KeepAlive(timeline)
@@ -304,9 +312,11 @@ class CUDAQueue(NativeQueue):
         target: int = 0,
         expected_ns: int = 0,
     ) -> None:
-        """End a command: the stream writes the queue's value, and the completion thread
-        confirms it. A command expected to take at most ~2 ms (a copy of known size) is
-        polled for through its end: blocking would add an interrupt and a wake-up."""
+        """End a command: an event behind it, which the completion thread confirms (the
+        stream also writes the queue's device word if a device wait asked for the
+        value before it was submitted). A command expected to take at most ~2 ms (a
+        copy of known size) is polled for through its end: blocking would add an
+        interrupt and a wake-up."""
         spin = min(expected_ns, 2_000_000)
         code = self._lib.am_cuq_finish(
             self._q, value, extra.c_timeline if extra else None, target, spin
@@ -389,7 +399,14 @@ class CUDAQueue(NativeQueue):
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, CUDATimeline)
         self._backend.make_current()
-        self._wait_value(timeline, target)
+        if timeline.value < target:  # else confirmed already: nothing to wait for
+            owner = timeline.queue
+            if owner is not None and owner._q is not None:  # a queue's: its event or word
+                code = self._lib.am_cuq_wait_queue(self._q, owner._q, target)
+                if code:
+                    raise self._failed(code)
+            else:
+                self._wait_value(timeline, target)
         self._finish(value, timeline)
 
     def copy(
