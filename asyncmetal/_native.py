@@ -48,7 +48,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_cuda_set": (None, [c_int, c_p]),
     "am_cuq_new": (c_p, [c_p, c_p, c_p, ctypes.c_long]),
     "am_cuq_finish": (c_int, [c_p, c_u64, c_p, c_u64, ctypes.c_long]),
-    "am_cuq_launch": (c_int, [c_p, c_p, *[ctypes.c_uint] * 7, c_p, c_u64]),
+    "am_cuq_launch": (c_int, [c_p, c_p, c_p, c_p, c_u64]),
     "am_cuq_write": (c_int, [c_p, c_p, c_u64]),
     "am_cuq_wait": (c_int, [c_p, c_p, c_u64]),
     "am_cuq_wait_queue": (c_int, [c_p, c_p, c_u64]),

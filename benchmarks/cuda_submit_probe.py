@@ -40,8 +40,8 @@ def per_call_us(fn: Callable[[], Any], sync: Callable[[], None], n: int = 5000) 
     return best
 
 
-def pointer(name: str) -> int:
-    pfn = check(cu.cuGetProcAddress(name.encode(), 12000, 0), name)
+def pointer(name: str, version: int = 12000, flags: int = 0) -> int:
+    pfn = check(cu.cuGetProcAddress(name.encode(), version, flags), name)
     return int(pfn[0] if isinstance(pfn, tuple) else pfn)
 
 
@@ -58,7 +58,7 @@ async def main() -> dict[str, Any]:
             check(cu.cuStreamSynchronize(stream), "sync")
 
         u = ctypes.c_uint
-        launch = ctypes.CFUNCTYPE(
+        launch_type = ctypes.CFUNCTYPE(
             ctypes.c_int,
             ctypes.c_void_p,
             u,
@@ -71,7 +71,8 @@ async def main() -> dict[str, Any]:
             ctypes.c_void_p,
             ctypes.c_void_p,
             ctypes.c_void_p,
-        )(pointer("cuLaunchKernel"))
+        )
+        launch = launch_type(pointer("cuLaunchKernel"))
         write = ctypes.CFUNCTYPE(
             ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, u
         )(pointer("cuStreamWriteValue64"))
@@ -92,6 +93,14 @@ async def main() -> dict[str, Any]:
         out["cuLaunchKernel"] = per_call_us(
             lambda: launch(fn, 1, 1, 1, 1, 1, 1, 0, s, None, None), sync
         )
+        driver = int(check(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
+        out["driver_version"] = driver
+        for version in (12000, driver):
+            for flags in (0, 2):  # default / per-thread default stream variants
+                f = launch_type(pointer("cuLaunchKernel", version, flags))
+                out[f"cuLaunchKernel_v{version}_flags{flags}"] = per_call_us(
+                    lambda f=f: f(fn, 1, 1, 1, 1, 1, 1, 0, s, None, None), sync
+                )
         out["cuStreamWriteValue64"] = per_call_us(lambda: write(s, word, 0, 0), sync)
         out["cuEventRecord_blocking_sync"] = per_call_us(lambda: record(ev_block, s), sync)
         out["cuEventRecord_plain"] = per_call_us(lambda: record(ev_plain, s), sync)
@@ -111,10 +120,11 @@ async def main() -> dict[str, Any]:
         lib = native._lib  # type: ignore[attr-defined]
         handle = native._q  # type: ignore[attr-defined]
         ptrs = native._pointers_address  # type: ignore[attr-defined]
+        dims = native._launch_dims((1, 1, 1), (1, 1, 1))  # type: ignore[attr-defined]
 
         def native_call() -> None:
             counter[0] += 1
-            lib.am_cuq_launch(handle, fn, 1, 1, 1, 1, 1, 1, 0, ptrs, counter[0])
+            lib.am_cuq_launch(handle, fn, dims, ptrs, counter[0])
 
         def hook() -> None:
             counter[0] += 1

@@ -12,5 +12,6 @@ nvidia-smi -L | tee "$OUT/gpus.txt"
 python3 -c "import cuda.bindings, cupy, torch, numpy, anyio; print('cuda-bindings', cuda.bindings.__version__, 'cupy', cupy.__version__, 'torch', torch.__version__)" | tee -a "$OUT/gpus.txt"
 { date -u; uname -m; } >> "$OUT/gpus.txt"
 timeout 320 python3 benchmarks/cuda_peers.py --json "$OUT/cuda_peers.json" 2>&1 | tee "$OUT/bench.txt"
-timeout 240 python3 -m pytest tests/test_cuda.py tests/test_contract7_compile_pool.py -m "cuda or not cuda" \
+(cd benchmarks && timeout 60 python3 cuda_submit_probe.py --json "$OUT/probe.json") 2>&1 | tee "$OUT/probe.txt"
+[ "${RUN_TESTS:-1}" = 1 ] && timeout 240 python3 -m pytest tests/test_cuda.py tests/test_contract7_compile_pool.py -m "cuda or not cuda" \
     -q -p no:cacheprovider -rs --timeout 60 -o faulthandler_timeout=120 2>&1 | tee "$OUT/cuda_tests.txt"

@@ -296,6 +296,8 @@ class CUDAQueue(NativeQueue):
         self._pointers = (ctypes.c_void_p * MAX_PARAMS)(*(base + 8 * i for i in range(MAX_PARAMS)))
         self._pointers_address = ctypes.addressof(self._pointers)
         self._launch = lib.am_cuq_launch
+        self._dims: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+        self._dims_arrays: list[ctypes.Array[ctypes.c_uint]] = []
         self._staging: _Staging | None = None  # made at the first large pageable copy
 
     def _failed(self, code: int) -> AsyncMetalError:
@@ -373,22 +375,23 @@ class CUDAQueue(NativeQueue):
         slots = self._slots
         for i, (handle, offset, val) in enumerate(args):
             slots[i] = (handle + offset) if val is None else (val & 0xFFFFFFFF)
-        (gx, gy, gz), (bx, by, bz) = global_size, local_size
-        code = self._launch(
-            self._q,
-            program,
-            -(-gx // bx),
-            -(-gy // by),
-            -(-gz // bz),
-            bx,
-            by,
-            bz,
-            0,
-            self._pointers_address,
-            value,
-        )
+        dims = self._dims.get((global_size, local_size))
+        if dims is None:
+            dims = self._launch_dims(global_size, local_size)
+        code = self._launch(self._q, program, dims, self._pointers_address, value)
         if code:
             raise self._failed(code)
+
+    def _launch_dims(self, global_size: tuple[int, ...], local_size: tuple[int, ...]) -> int:
+        """The address of (grid, block, shared bytes) for these sizes, cached."""
+        if len(self._dims) >= 256:
+            self._dims.clear()  # the arrays stay alive in _dims_arrays until then
+            self._dims_arrays.clear()
+        grid = [-(-g // b) for g, b in zip(global_size, local_size, strict=True)]
+        array = (ctypes.c_uint * 7)(*grid, *local_size, 0)
+        self._dims_arrays.append(array)
+        address = self._dims[(global_size, local_size)] = ctypes.addressof(array)
+        return address
 
     def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, CUDATimeline)
@@ -507,7 +510,9 @@ class CUDAQueue(NativeQueue):
             self._keep.clear()
 
 
-_DRIVER_ABI = 12000  # the CUDA 12 signatures the native runtime calls them with
+# The native runtime calls these with the signatures of CUDA 12 and 13 (the same for
+# every function it uses); it asks for the driver's own version of each, up to 13.
+_DRIVER_ABI = (12000, 13000)
 _installed = False
 
 
@@ -516,9 +521,11 @@ def _install_driver(lib: Any) -> None:
     global _installed
     if _installed:
         return
+    driver = int(check(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
+    version = min(max(driver, _DRIVER_ABI[0]), _DRIVER_ABI[1])
     i = 0
     while (name := lib.am_cuda_name(i)) != b"?":
-        pfn = check(cu.cuGetProcAddress(name, _DRIVER_ABI, 0), f"cuGetProcAddress({name})")
+        pfn = check(cu.cuGetProcAddress(name, version, 0), f"cuGetProcAddress({name})")
         pointer = int(pfn[0] if isinstance(pfn, tuple) else pfn)
         if not pointer:
             raise AsyncMetalError(f"the CUDA driver has no {name.decode()}")

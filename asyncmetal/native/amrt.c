@@ -550,12 +550,13 @@ int am_cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value) {
     return r ? cuq_fail(q, CU_WAIT_EVENT, r) : 0;
 }
 
-int am_cuq_launch(am_cuq *q, void *function, unsigned gx, unsigned gy, unsigned gz,
-                  unsigned bx, unsigned by, unsigned bz, unsigned shared, void **params,
+/* dims: grid x, y, z, block x, y, z, dynamic shared memory bytes. */
+int am_cuq_launch(am_cuq *q, void *function, const unsigned *dims, void **params,
                   uint64_t value) {
     int r = ((int (*)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                       unsigned, void *, void **, void **))cu_funcs[CU_LAUNCH])(
-        function, gx, gy, gz, bx, by, bz, shared, q->stream, params, NULL);
+        function, dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], q->stream,
+        params, NULL);
     if (r) return cuq_fail(q, CU_LAUNCH, r);
     return am_cuq_finish(q, value, NULL, 0, 0);
 }
