@@ -378,6 +378,7 @@ static const char *cu_names[CU_NFUNCS] = {
     "cuEventRecord", "cuEventQuery", "cuEventSynchronize", "cuEventDestroy", "cuCtxSetCurrent",
     "cuStreamWaitEvent"};
 #define CU_ERROR_NOT_READY 600
+#define CU_POLL_GAP_NS 2000
 
 const char *am_cuda_name(int i) { return i >= 0 && i < CU_NFUNCS ? cu_names[i] : "?"; }
 void am_cuda_set(int i, void *fn) { if (i >= 0 && i < CU_NFUNCS) cu_funcs[i] = fn; }
@@ -433,10 +434,20 @@ static void *cuq_run(void *arg) {
         pthread_mutex_unlock(&q->mu);
         int r = failed;
         if (!failed) {
+            /* Polled no more than every CU_POLL_GAP_NS: a query takes the driver's
+             * locks, and back-to-back queries slowed the submitting thread's launches
+             * ~4x on the H200 (42 us instead of ~10). */
             long spin = e.spin_ns > q->spin_ns ? e.spin_ns : q->spin_ns;
-            int64_t deadline = now_ns() + spin;
-            while ((r = query(e.event)) == CU_ERROR_NOT_READY && now_ns() < deadline)
+            int64_t t = now_ns(), deadline = t + spin, next = t;
+            r = CU_ERROR_NOT_READY;
+            while (t < deadline) {
+                if (t >= next) {
+                    if ((r = query(e.event)) != CU_ERROR_NOT_READY) break;
+                    next = t + CU_POLL_GAP_NS;
+                }
                 sched_yield();
+                t = now_ns();
+            }
             if (r == CU_ERROR_NOT_READY) r = sync(e.event);
         }
         pthread_mutex_lock(&q->mu);
