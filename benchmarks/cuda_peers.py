@@ -265,12 +265,32 @@ def memcpy_threads(dst: np.ndarray, src: np.ndarray, threads: int) -> float:
 
 
 async def allocations(dev: am.Device, nbytes: int = 1 << 20, n: int = 2000) -> dict[str, Any]:
-    """Cached await alloc + await free against cuMemAlloc + cuMemFree of 1 MiB."""
+    """Cached await alloc + await free against cuMemAlloc + cuMemFree of 1 MiB; and, for
+    the choice of allocator, the stream-ordered pool (cuMemAllocAsync + cuMemFreeAsync)
+    and what a plain cuMemFree costs while a 5 ms kernel runs (it synchronizes)."""
 
     def native() -> None:
         check(cu.cuMemFree(check(cu.cuMemAlloc(nbytes), "cuMemAlloc")), "cuMemFree")
 
-    return await alloc_round_trip(dev, nbytes, n, native)
+    result = await alloc_round_trip(dev, nbytes, n, native)
+    stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "stream")
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        pointer = check(cu.cuMemAllocAsync(nbytes, stream), "cuMemAllocAsync")
+        check(cu.cuMemFreeAsync(pointer, stream), "cuMemFreeAsync")
+        times.append(time.perf_counter_ns() - t0)
+    check(cu.cuStreamSynchronize(stream), "sync")
+    result["stream_ordered_pool_us"] = statistics.median(times) / 1e3
+    sleeper = await dev.compile(SLEEP, "sleep_ms")
+    pointer = check(cu.cuMemAlloc(nbytes), "cuMemAlloc")
+    done = dev.queue.launch(sleeper, vals=(5,))
+    t0 = time.perf_counter_ns()
+    check(cu.cuMemFree(pointer), "cuMemFree")
+    result["cuMemFree_during_5ms_kernel_us"] = (time.perf_counter_ns() - t0) / 1e3
+    await done
+    check(cu.cuStreamDestroy(stream), "destroy")
+    return result
 
 
 async def compiles(workers: int, n: int = 64) -> dict[str, Any]:
