@@ -5,12 +5,19 @@ machine is available to this project)."""
 from __future__ import annotations
 
 import pickle
+import struct
+import sys
 
 import numpy as np
 import pytest
 
 import asyncmetal as am
-from asyncmetal.backends.metal import MetalCompiler, metal_params
+from asyncmetal.backends.metal import (
+    MetalCompiler,
+    codegen_library,
+    codegen_request,
+    metal_params,
+)
 
 KERNELS = """
 #include <metal_stdlib>
@@ -33,11 +40,34 @@ def test_metal_params_follow_buffer_indices() -> None:
 
 
 def test_metal_compiler_pickles_as_configuration() -> None:
-    compiler = MetalCompiler(("-O3",))
+    compiler = MetalCompiler("xcrun", ("-O3",))
     data = pickle.dumps(compiler)
     assert len(data) < 200
     assert pickle.loads(data) == compiler
-    assert compiler.__reduce__() == (MetalCompiler, (("-O3",),))
+    assert compiler.__reduce__() == (MetalCompiler, ("xcrun", ("-O3",)))
+    assert pickle.loads(pickle.dumps(MetalCompiler())) != compiler
+
+
+def test_compiler_service_request_layout() -> None:
+    """tinygrad's request: two little-endian lengths, the source padded with at least
+    one NUL to a multiple of 4, the options NUL-terminated."""
+    for src in ("", "a", "abc", "abcd", KERNELS):
+        request = codegen_request(src, "-x metal")
+        n_src, n_opt = struct.unpack("<QQ", request[:16])
+        assert n_src % 4 == 0 and n_src > len(src.encode())
+        assert request[16 : 16 + len(src)] == src.encode()
+        assert set(request[16 + len(src) : 16 + n_src]) == {0}
+        assert request[16 + n_src :] == b"-x metal\0"
+        assert len(request) == 16 + n_src + n_opt
+    with pytest.raises(am.CompileError, match="no Metal library"):
+        codegen_library(b"\0" * 8 + struct.pack("<LL", 16, 0) + b"garbage")
+    assert codegen_library(b"\0" * 8 + struct.pack("<LL", 16, 0) + b"MTLBxENDT") == b"MTLBxENDT"
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="off macOS only")
+def test_compiler_service_is_missing_off_macos() -> None:
+    with pytest.raises(am.CompileError, match="not available here"):
+        MetalCompiler().compile(KERNELS)
 
 
 GPU = "metal" in am.devices()

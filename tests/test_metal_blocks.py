@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ import pytest
 import asyncmetal as am
 from asyncmetal import _native
 from asyncmetal.backends import _blocks
+from asyncmetal.backends.metal import CodegenResult
 
 pytestmark = pytest.mark.anyio
 HELPER = Path(__file__).parent / "native" / "blocks_helper.c"
@@ -66,6 +68,13 @@ def helper(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     lib.flags_of.argtypes = [ctypes.c_void_p]
     lib.call_completed_later.argtypes = [ctypes.c_void_p, ctypes.c_uint]
     lib.call_reached_later.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint]
+    lib.call_codegen.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int32,
+        ctypes.c_char_p,
+        ctypes.c_size_t,
+        ctypes.c_char_p,
+    ]
     return lib
 
 
@@ -125,6 +134,26 @@ async def test_shared_event_listener_block(helper: ctypes.CDLL, device: am.Devic
     assert tl.value == 41
     assert _blocks.BlockLiteral.from_address(address).arg == 0xE7E7
     assert _blocks.release_ran() == 0
+
+
+def test_compiler_service_reply_block(helper: ctypes.CDLL) -> None:
+    """The block the Metal compiler service calls with its reply, called by a real blocks
+    runtime after Block_copy: the library is cut out of the reply, an error raises."""
+    library = b"MTLB" + b"\x01" * 40 + b"ENDT"
+    header = b"\0" * 8 + struct.pack("<LL", 24, 6) + b"\0" * 8
+    reply = header + b"warn:\0" + library
+    result = CodegenResult()
+    block = result.block(_isa())
+    assert helper.signature_of(ctypes.addressof(block)) == _blocks.CODEGEN_SIGNATURE
+    helper.call_codegen(ctypes.addressof(block), 0, reply, len(reply), None)
+    assert result.library() == library
+
+    failed = CodegenResult()
+    block = failed.block(_isa())
+    helper.call_codegen(ctypes.addressof(block), 3, None, 0, b"k.metal:1:2: error: nope")
+    with pytest.raises(am.CompileError, match="error 3") as info:
+        failed.library()
+    assert "error: nope" in info.value.log
 
 
 def test_metal_is_absent_off_macos() -> None:

@@ -21,6 +21,8 @@ BLOCK_HAS_SIGNATURE = 1 << 30
 
 COMPLETED_SIGNATURE = b"v16@?0@8"  # void (^)(id<MTLCommandBuffer>)
 REACHED_SIGNATURE = b"v24@?0@8Q16"  # void (^)(id<MTLSharedEvent>, uint64_t)
+# void (^)(int32_t error, void *data, size_t length, const char *message)
+CODEGEN_SIGNATURE = b"v40@?0i8^v16Q24*32"
 
 
 class BlockDescriptor(ctypes.Structure):
@@ -31,13 +33,19 @@ class BlockDescriptor(ctypes.Structure):
     ]
 
 
+# The Block ABI's literal, which every block starts with.
+_LITERAL: list[tuple[str, Any]] = [
+    ("isa", ctypes.c_void_p),
+    ("flags", ctypes.c_int),
+    ("reserved", ctypes.c_int),
+    ("invoke", ctypes.c_void_p),
+    ("descriptor", ctypes.POINTER(BlockDescriptor)),
+]
+
+
 class BlockLiteral(ctypes.Structure):
     _fields_ = [
-        ("isa", ctypes.c_void_p),
-        ("flags", ctypes.c_int),
-        ("reserved", ctypes.c_int),
-        ("invoke", ctypes.c_void_p),
-        ("descriptor", ctypes.POINTER(BlockDescriptor)),
+        *_LITERAL,
         ("timeline", ctypes.c_void_p),
         ("value", ctypes.c_uint64),
         ("arg", ctypes.c_void_p),
@@ -76,6 +84,30 @@ def make_block(isa: int, signature: bytes, timeline: int, value: int = 0) -> Blo
     block = BlockLiteral.from_address(address)
     with _lock:
         _alive[address] = block
+    return block
+
+
+class CallbackBlock(ctypes.Structure):
+    """A global block in Python memory whose invoke function is a ctypes callback: for a
+    callee that calls it before returning and keeps nothing (the Metal compiler
+    service), never for Metal's completion handlers or listeners."""
+
+    _fields_ = _LITERAL
+
+
+def callback_block(isa: int, invoke: Any, signature: bytes) -> CallbackBlock:
+    """A global block calling ``invoke`` (a ctypes function whose first parameter is the
+    block). The caller keeps the returned object -- it holds ``invoke`` and the
+    descriptor too -- alive until the callee has returned."""
+    descriptor = BlockDescriptor(0, ctypes.sizeof(CallbackBlock), signature)
+    block = CallbackBlock(
+        isa,
+        BLOCK_IS_GLOBAL | BLOCK_HAS_SIGNATURE,
+        0,
+        ctypes.cast(invoke, ctypes.c_void_p).value,
+        ctypes.pointer(descriptor),
+    )
+    block._keep = (invoke, descriptor)
     return block
 
 

@@ -18,8 +18,11 @@ real blocks runtime; ``devices()`` lists no ``metal`` off macOS and opening it r
   ``MTLSharedEventListener`` on its own dispatch queue (block signature "v24@?0@8Q16").
 * ``commandBuffer`` blocks when the queue has 1024 buffers in flight: past 1000 a queue
   hands its submissions to its own thread, in order, so the loop never blocks.
-* Kernels are Metal Shading Language compiled in the worker pool by ``xcrun metal`` and
-  ``xcrun metallib`` (the Xcode command line tools); the compiler pickles as its flags.
+* Kernels are Metal Shading Language compiled in the worker pool by the
+  ``MTLCodeGenService`` of Apple's MTLCompiler framework, as tinygrad does (its reply
+  block is a proper global block; the request and reply formats are tinygrad's), or by
+  ``xcrun metal`` / ``xcrun metallib`` with ``MetalCompiler("xcrun")``; the compiler
+  pickles as its configuration.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import platform
 import re
+import struct
 import subprocess
 import sys
 import tempfile
@@ -67,18 +72,54 @@ def _framework(name: str) -> ctypes.CDLL:
     return ctypes.CDLL(f"/System/Library/Frameworks/{name}.framework/{name}")
 
 
+MTL_COMPILER = "/System/Library/PrivateFrameworks/MTLCompiler.framework/MTLCompiler"
+REQUEST_TYPE_COMPILE = 13  # MTLCodeGenServiceBuildRequest's request type for MSL -> library
+
+
+def codegen_request(src: str, params: str) -> bytes:
+    """The compiler service's request: the two lengths, the source padded with at least
+    one NUL to a multiple of 4 bytes, then the NUL-terminated parameters."""
+    source = src.encode()
+    source += b"\0" * (-(-(len(source) + 1) // 4) * 4 - len(source))
+    options = params.encode() + b"\0"
+    return struct.pack("<QQ", len(source), len(options)) + source + options
+
+
+def codegen_library(reply: bytes) -> bytes:
+    """The Metal library in the service's reply: after a header whose size and the size
+    of the warnings that follow it are the two little-endian uint32 at bytes 8-16."""
+    if len(reply) < 16:
+        raise CompileError(f"the Metal compiler service replied with {len(reply)} bytes")
+    library = reply[sum(struct.unpack("<LL", reply[8:16])) :]
+    if library[:4] != b"MTLB" or library[-4:] != b"ENDT":
+        raise CompileError("the Metal compiler service returned no Metal library", repr(reply))
+    return library
+
+
 class MetalCompiler(Compiler):
-    """Metal Shading Language -> metallib with ``xcrun metal`` / ``xcrun metallib``."""
+    """Metal Shading Language -> a Metal library.
+
+    ``tool="service"`` (the default) asks the ``MTLCodeGenService`` of Apple's
+    MTLCompiler framework, present on every Mac, as tinygrad does; ``tool="xcrun"`` runs
+    ``xcrun metal`` and ``xcrun metallib`` (they need the Metal toolchain of Xcode).
+    Pickles as its configuration; the service is opened in the process that compiles.
+    """
 
     name = "metal"
 
-    def __init__(self, flags: Sequence[str] = ("-O2",)) -> None:
+    def __init__(self, tool: str = "service", flags: Sequence[str] = ()) -> None:
+        if tool not in ("service", "xcrun"):
+            raise ValueError(f"tool must be 'service' or 'xcrun', got {tool!r}")
+        self.tool = tool
         self.flags = tuple(flags)
+        self._service: tuple[Any, int] | None = None
 
     def config(self) -> tuple[Any, ...]:
-        return (self.flags,)
+        return (self.tool, self.flags)
 
     def version(self) -> str:
+        if self.tool == "service":
+            return f"MTLCodeGenService macOS {platform.mac_ver()[0] or 'none'}"
         try:
             out = subprocess.run(
                 ["xcrun", "-sdk", "macosx", "metal", "--version"],
@@ -91,19 +132,67 @@ class MetalCompiler(Compiler):
         return out.stdout.partition("\n")[0]
 
     def compile(self, src: str) -> bytes:
+        return self._compile_service(src) if self.tool == "service" else self._compile_xcrun(src)
+
+    def service_params(self) -> str:
+        """The options the service compiles with (language version from the macOS one)."""
+        major = int((platform.mac_ver()[0] or "0").split(".")[0])
+        std = "metal3.1" if major >= 14 else "metal3.0" if major >= 13 else "macos-metal2.0"
+        from .._cache import default_cache_dir
+
+        modules = os.path.join(default_cache_dir(), "metal-modules")
+        return " ".join(
+            [
+                f"-fno-fast-math -std={std} --driver-mode=metal -x metal",
+                f'-fmodules-cache-path="{modules}" -fno-caret-diagnostics',
+                *self.flags,
+            ]
+        )
+
+    def _compile_service(self, src: str) -> bytes:
+        if self._service is None:
+            try:
+                lib = ctypes.CDLL(MTL_COMPILER)
+            except OSError as exc:
+                raise CompileError(
+                    f"the Metal compiler service is not available here ({exc}); "
+                    "MetalCompiler('xcrun') uses the Xcode toolchain instead"
+                ) from None
+            lib.MTLCodeGenServiceCreate.restype = c_void_p
+            lib.MTLCodeGenServiceCreate.argtypes = [ctypes.c_char_p]
+            lib.MTLCodeGenServiceBuildRequest.restype = None
+            lib.MTLCodeGenServiceBuildRequest.argtypes = [
+                c_void_p,
+                c_void_p,
+                ctypes.c_int,
+                ctypes.c_char_p,
+                ctypes.c_size_t,
+                c_void_p,
+            ]
+            self._service = (lib, lib.MTLCodeGenServiceCreate(b"asyncmetal"))
+        lib, service = self._service
+        request = codegen_request(src, self.service_params())
+        result = CodegenResult()
+        block = result.block(_blocks.global_block_isa())
+        lib.MTLCodeGenServiceBuildRequest(
+            service, None, REQUEST_TYPE_COMPILE, request, len(request), ctypes.addressof(block)
+        )
+        return result.library()
+
+    def _compile_xcrun(self, src: str) -> bytes:
         with tempfile.TemporaryDirectory(prefix="asyncmetal-metal-") as tmp:
             source, air, lib = (os.path.join(tmp, n) for n in ("k.metal", "k.air", "k.metallib"))
             with open(source, "w") as f:
                 f.write(src)
             for command in (
-                ["xcrun", "-sdk", "macosx", "metal", *self.flags, "-c", source, "-o", air],
+                ["xcrun", "-sdk", "macosx", "metal", "-O2", *self.flags, "-c", source, "-o", air],
                 ["xcrun", "-sdk", "macosx", "metallib", air, "-o", lib],
             ):
                 try:
                     proc = subprocess.run(command, capture_output=True, check=False)
                 except OSError as exc:
                     raise CompileError(
-                        f"cannot run {command[0]}: {exc} (install the Xcode command line tools)"
+                        f"cannot run {command[0]}: {exc} (install Xcode and its Metal toolchain)"
                     ) from None
                 if proc.returncode != 0:
                     log = (proc.stderr + proc.stdout).decode(errors="replace")
@@ -113,6 +202,39 @@ class MetalCompiler(Compiler):
 
     def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
         return metal_params(src, name)
+
+
+CODEGEN_CALLBACK = ctypes.CFUNCTYPE(
+    None, c_void_p, ctypes.c_int32, c_void_p, ctypes.c_size_t, ctypes.c_char_p
+)
+
+
+class CodegenResult:
+    """What the compiler service hands its reply block: the library, or its error."""
+
+    def __init__(self) -> None:
+        self.reply: bytes | None = None
+        self.error: tuple[int, str] | None = None
+        self._invoke = CODEGEN_CALLBACK(self._called)
+
+    def _called(
+        self, block: int | None, error: int, data: int | None, length: int, message: bytes | None
+    ) -> None:
+        if error:
+            self.error = (error, (message or b"").decode(errors="replace"))
+        else:
+            self.reply = ctypes.string_at(data, length) if data else b""
+
+    def block(self, isa: int) -> _blocks.CallbackBlock:
+        self._block = _blocks.callback_block(isa, self._invoke, _blocks.CODEGEN_SIGNATURE)
+        return self._block
+
+    def library(self) -> bytes:
+        if self.error is not None:
+            raise CompileError(f"Metal compile failed (error {self.error[0]})", self.error[1])
+        if self.reply is None:
+            raise CompileError("the Metal compiler service returned without replying")
+        return codegen_library(self.reply)
 
 
 def metal_params(src: str, name: str) -> tuple[ParamKind, ...]:

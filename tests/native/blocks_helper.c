@@ -61,3 +61,12 @@ void call_reached_later(void *event, uint64_t value, unsigned delay_us) {
     pthread_create(&t, NULL, later_reached, NULL);
     pthread_detach(t);
 }
+
+/* The Metal compiler service's part: it calls the reply block before returning. */
+typedef void (^codegen_t)(int32_t error, void *data, size_t length, const char *message);
+
+void call_codegen(void *block, int32_t error, void *data, size_t length, const char *message) {
+    codegen_t kept = Block_copy((codegen_t)block);
+    kept(error, data, length, message);
+    Block_release(kept);
+}
