@@ -18,6 +18,10 @@ real blocks runtime; ``devices()`` lists no ``metal`` off macOS and opening it r
   ``MTLSharedEventListener`` on its own dispatch queue (block signature "v24@?0@8Q16").
 * ``commandBuffer`` blocks when the queue has 1024 buffers in flight: past 1000 a queue
   hands its submissions to its own thread, in order, so the loop never blocks.
+* Buffers are shared storage. A host source larger than 1 MiB is blitted in place
+  through a no-copy buffer over its pages (nothing copied on the loop); smaller ones are
+  copied into a staging buffer at submission. Copies out blit into a shared staging
+  buffer that the completion handler's native code moves to the host array.
 * Kernels are Metal Shading Language compiled in the worker pool by the
   ``MTLCodeGenService`` of Apple's MTLCompiler framework, as tinygrad does (its reply
   block is a proper global block; the request and reply formats are tinygrad's), or by
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import mmap
 import os
 import platform
 import re
@@ -39,7 +44,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, overload
 
 from .. import _native
 from .._backend import (
@@ -61,7 +66,8 @@ c_void_p, c_uint64, c_ulong = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_ulong
 STORAGE_SHARED = 0  # MTLResourceStorageModeShared
 STATUS_ERROR = 5  # MTLCommandBufferStatusError
 MAX_IN_FLIGHT = 1000  # the queues are made with room for 1024 command buffers
-PAGE = 16384  # Apple silicon page size: no-copy wrappers need page-aligned memory
+COPY_IN_PLACE = 1 << 20  # larger host sources are read in place by the blit
+PAGE = mmap.PAGESIZE  # no-copy wrappers cover whole pages (16 KiB on Apple silicon)
 
 
 class MTLSize(ctypes.Structure):
@@ -513,24 +519,37 @@ class MetalQueue(NativeQueue):
         keep: list[object] = [dst, src]
         if peer is not None:  # another Metal device: wrap its shared memory here
             base = send(src.handle, "contents")
-            wrapped = self._backend.wrap(base, send(src.handle, "length", restype=c_ulong))
-            keep.append(wrapped)
-            source = (wrapped, src.offset)
+            length = send(src.handle, "length", restype=c_ulong)
+            wrapped, delta = self._backend.wrap_pages(base, length)
+            keep.append(_Owned(wrapped))
+            source = (wrapped, delta + src.offset)
         self._blit(value, (dst.handle, dst.offset), source, nbytes, keep, record)
 
     def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
-        address = host_address(src)[0]
-        # Copied now, on the submitting thread: the host array may change afterwards.
-        staging = send(
-            self._backend.device,
-            "newBufferWithBytes:length:options:",
-            address,
-            src.nbytes,
-            STORAGE_SHARED,
-            argtypes=(c_void_p, c_ulong, c_ulong),
-        )
+        # A large source is read in place by the blit, through a buffer over its pages:
+        # nothing is copied on the submitting thread (the source is kept, unchanged,
+        # until done). A small one -- or one Metal will not wrap -- is copied now.
+        address, keep = host_address(src)
+        wrapped = None
+        if src.nbytes > COPY_IN_PLACE:
+            wrapped = self._backend.wrap_pages(address, src.nbytes, check=False)
+        if wrapped is None:
+            staging = send(
+                self._backend.device,
+                "newBufferWithBytes:length:options:",
+                address,
+                src.nbytes,
+                STORAGE_SHARED,
+                argtypes=(c_void_p, c_ulong, c_ulong),
+            )
+            wrapped = (staging, 0)
         self._blit(
-            value, (dst.handle, dst.offset), (staging, 0), src.nbytes, _Owned(staging), record
+            value,
+            (dst.handle, dst.offset),
+            wrapped,
+            src.nbytes,
+            (keep, src, _Owned(wrapped[0])),
+            record,
         )
 
     def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
@@ -683,8 +702,15 @@ class MetalBackend(Backend):
         self.live_allocations -= 1
         release(handle)
 
-    def wrap(self, address: int, nbytes: int) -> int:
-        """A buffer of this device over shared memory at ``address`` (no copy)."""
+    @overload
+    def wrap_pages(self, address: int, nbytes: int) -> tuple[int, int]: ...
+    @overload
+    def wrap_pages(self, address: int, nbytes: int, check: bool) -> tuple[int, int] | None: ...
+    def wrap_pages(self, address: int, nbytes: int, check: bool = True) -> tuple[int, int] | None:
+        """A buffer of this device over the pages that hold ``nbytes`` of host memory at
+        ``address`` (no copy: whole pages are mapped, so covering them is valid), and
+        the offset of ``address`` in it. Only the given range is ever read or written.
+        If Metal refuses, raises, or with ``check=False`` returns None."""
         start = address - address % PAGE
         length = -(-(address + nbytes - start) // PAGE) * PAGE
         wrapped: int = send(
@@ -696,7 +722,11 @@ class MetalBackend(Backend):
             None,
             argtypes=(c_void_p, c_ulong, c_ulong, c_void_p),
         )
-        return wrapped
+        if not wrapped:
+            if not check:
+                return None
+            raise AsyncMetalError(f"Metal could not wrap {length} bytes of host memory")
+        return wrapped, address - start
 
     def host_view(self, handle: Any, offset: int, nbytes: int) -> memoryview:
         base = send(handle, "contents")
