@@ -263,6 +263,47 @@ def test_fault_loses_the_context_only() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+def test_fault_in_a_burst_fails_it_and_everything_after() -> None:
+    """Launches behind one in flight share an event: a fault among them fails every
+    command that event covers, never reports one after the fault as done."""
+    script = (
+        textwrap.dedent(
+            """
+        import asyncio, asyncmetal as am
+        SRC = r'''%s'''
+        async def main():
+            async with am.open_device("cuda:0") as dev:
+                fault = await dev.compile(SRC, "fault")
+                fill = await dev.compile(SRC, "fill")
+                sleep = await dev.compile(SRC, "sleep_us")
+                buf = await dev.alloc(4)
+                first = dev.queue.launch(sleep, vals=(2000,))  # in flight: the rest wait
+                burst = [dev.queue.launch(fill, buf, vals=(1, 1)) for _ in range(10)]
+                bad = dev.queue.launch(fault, buf)
+                after = [dev.queue.launch(fill, buf, vals=(2, 1)) for _ in range(10)]
+                async def outcome(c):
+                    try:
+                        await c
+                        return "ok"
+                    except am.DeviceLostError:
+                        return "lost"
+                print("first", await outcome(first))
+                rest = [await outcome(c) for c in [bad, *after]]
+                print("after", sorted(set(rest)))
+                print("burst", len(burst))
+        asyncio.run(main())
+        """
+        )
+        % KERNELS
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.stdout.splitlines() == ["first ok", "after ['lost']", "burst 10"], (
+        proc.stdout + proc.stderr
+    )
+
+
 @pytest.mark.parametrize("round_", range(5))
 def test_fault_is_never_reported_as_success(round_: int) -> None:
     """The stream's value write behind a faulting kernel may land before the fault is
