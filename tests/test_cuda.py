@@ -264,8 +264,8 @@ def test_fault_loses_the_context_only() -> None:
 
 
 def test_fault_in_a_burst_fails_it_and_everything_after() -> None:
-    """Launches behind one in flight share an event: a fault among them fails every
-    command that event covers, never reports one after the fault as done."""
+    """A fault in a burst queued behind a long kernel: the kernel before it completes,
+    the faulting command and every one after it fail, none is reported done."""
     script = (
         textwrap.dedent(
             """

@@ -321,7 +321,7 @@ class CUDAQueue(NativeQueue):
         interrupt and a wake-up."""
         spin = min(expected_ns, 2_000_000)
         code = self._lib.am_cuq_finish(
-            self._q, value, extra.c_timeline if extra else None, target, spin, 0
+            self._q, value, extra.c_timeline if extra else None, target, spin
         )
         if code:
             raise self._failed(code)
@@ -341,7 +341,7 @@ class CUDAQueue(NativeQueue):
         """Raise ``timeline`` to ``target`` mid-command, once the stream got there: the
         completion thread confirms it and wakes whoever waits on it."""
         self._write(timeline, target)
-        code = self._lib.am_cuq_finish(self._q, reached, timeline.c_timeline, target, 0, 0)
+        code = self._lib.am_cuq_finish(self._q, reached, timeline.c_timeline, target, 0)
         if code:
             raise self._failed(code)
 
@@ -378,7 +378,7 @@ class CUDAQueue(NativeQueue):
         dims = self._dims.get((global_size, local_size))
         if dims is None:
             dims = self._launch_dims(global_size, local_size)
-        code = self._launch(self._q, program, dims, self._pointers_address, value, 1)
+        code = self._launch(self._q, program, dims, self._pointers_address, value)
         if code:
             raise self._failed(code)
 

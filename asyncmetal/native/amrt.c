@@ -379,7 +379,6 @@ static const char *cu_names[CU_NFUNCS] = {
     "cuStreamWaitEvent"};
 #define CU_ERROR_NOT_READY 600
 #define CU_POLL_GAP_NS 2000
-#define CU_LAZY_MAX 32
 
 const char *am_cuda_name(int i) { return i >= 0 && i < CU_NFUNCS ? cu_names[i] : "?"; }
 void am_cuda_set(int i, void *fn) { if (i >= 0 && i < CU_NFUNCS) cu_funcs[i] = fn; }
@@ -387,7 +386,6 @@ void am_cuda_set(int i, void *fn) { if (i >= 0 && i < CU_NFUNCS) cu_funcs[i] = f
 typedef struct {
     void *event;
     uint64_t value;
-    uint64_t first;                 /* the first value the event covers (its own or lazy) */
     am_timeline *extra;             /* a timeline this command signals, or NULL */
     uint64_t extra_value;
     long spin_ns;                   /* how long to poll before blocking on the event */
@@ -410,14 +408,10 @@ typedef struct am_cuq {
     void *stream;
     am_timeline *timeline;          /* the queue's timeline: its value is verified */
     _Atomic uint64_t *word;         /* its device word, written by the stream on demand */
-    uint64_t submitted;             /* the last value handed to the stream */
-    uint64_t covered;               /* the last value an event was recorded behind */
+    uint64_t submitted;             /* the last value handed to the completion thread */
     uint64_t wanted;                /* write the word for values up to this one */
     long spin_ns;
 } am_cuq;
-
-static int cuq_record_locked(am_cuq *q, uint64_t value, am_timeline *extra,
-                             uint64_t extra_value, long spin_ns);
 
 static void *cuq_run(void *arg) {
     am_cuq *q = arg;
@@ -460,19 +454,13 @@ static void *cuq_run(void *arg) {
         q->head = (q->head + 1) % q->cap;
         q->count--;
         atomic_fetch_sub(&q->pending, 1);
-        /* a failed event fails every command it covers: which one faulted is unknown */
-        if (r && !q->error) { q->error = r; q->error_value = e.first; }
-        int keep = q->events_count < q->events_cap, lost = 0;
+        if (r && !q->error) { q->error = r; q->error_value = e.value; }
+        int keep = q->events_count < q->events_cap;
         if (keep) q->events[q->events_count++] = e.event;
-        if (q->count == 0 && q->submitted > q->covered && !q->error) {
-            /* lazy commands behind it: cover them (if that fails, they never will be) */
-            int rr = cuq_record_locked(q, q->submitted, NULL, 0, 0);
-            if (rr) { q->error = rr; q->error_value = q->covered + 1; lost = rr; }
-        }
         pthread_mutex_unlock(&q->mu);
         if (!keep) ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(e.event);
         if (e.extra && !r) am_timeline_poke(e.extra, e.extra_value);
-        am_timeline_poke(q->timeline, r || lost ? UINT64_MAX : e.value);
+        am_timeline_poke(q->timeline, r ? UINT64_MAX : e.value);
     }
 }
 
@@ -504,12 +492,21 @@ static int cuq_fail(am_cuq *q, int call, int r) {
     return r;
 }
 
-/* With q->mu held: record an event at the stream's end (covering every command handed
- * to it so far, up to `value`) and give it to the completion thread. */
-static int cuq_record_locked(am_cuq *q, uint64_t value, am_timeline *extra,
-                             uint64_t extra_value, long spin_ns) {
+/* Write the queue's value into its device word, record an event behind it and hand
+ * both to the completion thread. Returns a CUresult (-1: out of memory). */
+int am_cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
+                  long spin_ns) {
     int r;
-    void *event = q->events_count ? q->events[--q->events_count] : NULL;
+    void *event = NULL;
+    pthread_mutex_lock(&q->mu);
+    int write = value <= q->wanted;
+    if (q->events_count) event = q->events[--q->events_count];
+    pthread_mutex_unlock(&q->mu);
+    if (write) {
+        r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WRITE64])(
+            q->stream, (void *)q->word, value, 0);
+        if (r) return cuq_fail(q, CU_WRITE64, r);
+    }
     if (!event) {  /* CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING */
         r = ((int (*)(void **, unsigned))cu_funcs[CU_EVENT_CREATE])(&event, 0x1 | 0x2);
         if (r) return cuq_fail(q, CU_EVENT_CREATE, r);
@@ -519,46 +516,22 @@ static int cuq_record_locked(am_cuq *q, uint64_t value, am_timeline *extra,
         ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(event);
         return cuq_fail(q, CU_EVENT_RECORD, r);
     }
+    pthread_mutex_lock(&q->mu);
     if (q->count == q->cap) {
         am_cuentry *ring = malloc(2 * q->cap * sizeof *ring);
-        if (!ring) return -1;
+        if (!ring) { pthread_mutex_unlock(&q->mu); return -1; }
         for (size_t i = 0; i < q->count; i++) ring[i] = q->ring[(q->head + i) % q->cap];
         free(q->ring);
         q->ring = ring; q->head = 0; q->cap *= 2;
     }
-    uint64_t first = q->covered + 1 < value ? q->covered + 1 : value;
-    am_cuentry e = {event, value, first, extra, extra_value, spin_ns};
+    am_cuentry e = {event, value, extra, extra_value, spin_ns};
     q->ring[(q->head + q->count) % q->cap] = e;
     q->count++;
-    if (value > q->covered) q->covered = value;
+    if (value > q->submitted) q->submitted = value;
     atomic_fetch_add(&q->pending, 1);
     pthread_cond_signal(&q->cv);
+    pthread_mutex_unlock(&q->mu);
     return 0;
-}
-
-/* End a command handed to the stream: write the queue's value into its device word if a
- * device wait asked for it, and cover it with an event for the completion thread. A
- * `lazy` command gets its own event only if none is in flight (an awaited command right
- * behind a finished one is seen at once) or 32 went uncovered; otherwise the completion
- * thread records one covering it when it has confirmed those in flight. Returns a
- * CUresult (-1: out of memory). */
-int am_cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
-                  long spin_ns, int lazy) {
-    int r = 0;
-    pthread_mutex_lock(&q->mu);
-    int write = value <= q->wanted;
-    pthread_mutex_unlock(&q->mu);
-    if (write) {
-        r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WRITE64])(
-            q->stream, (void *)q->word, value, 0);
-        if (r) return cuq_fail(q, CU_WRITE64, r);
-    }
-    pthread_mutex_lock(&q->mu);
-    if (value > q->submitted) q->submitted = value;
-    if (!lazy || extra || q->count == 0 || value - q->covered >= CU_LAZY_MAX)
-        r = cuq_record_locked(q, value, extra, extra_value, spin_ns);
-    pthread_mutex_unlock(&q->mu);
-    return r;
 }
 
 /* Make stream q wait until queue `other` reaches `value`: on the event of the first
@@ -576,31 +549,27 @@ int am_cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value) {
             q->stream, (void *)other->word, value, 0x0 /* CU_STREAM_WAIT_VALUE_GEQ */);
         return r ? cuq_fail(q, CU_WAIT64, r) : 0;
     }
-    void *event = NULL;
-    for (size_t i = 0; i < other->count && !event; i++) {
+    for (size_t i = 0; i < other->count; i++) {
         am_cuentry *e = &other->ring[(other->head + i) % other->cap];
-        if (e->value >= value) event = e->event;
+        if (e->value >= value) {
+            r = ((int (*)(void *, void *, unsigned))cu_funcs[CU_WAIT_EVENT])(
+                q->stream, e->event, 0);
+            break;
+        }
     }
-    if (!event && value > other->covered && atomic_load(&other->timeline->value) < value) {
-        /* submitted but not yet covered by an event (a lazy command): cover it now */
-        r = cuq_record_locked(other, other->submitted, NULL, 0, 0);
-        if (!r) event = other->ring[(other->head + other->count - 1) % other->cap].event;
-    }
-    if (event && !r)
-        r = ((int (*)(void *, void *, unsigned))cu_funcs[CU_WAIT_EVENT])(q->stream, event, 0);
     pthread_mutex_unlock(&other->mu);
     return r ? cuq_fail(q, CU_WAIT_EVENT, r) : 0;
 }
 
 /* dims: grid x, y, z, block x, y, z, dynamic shared memory bytes. */
 int am_cuq_launch(am_cuq *q, void *function, const unsigned *dims, void **params,
-                  uint64_t value, int lazy) {
+                  uint64_t value) {
     int r = ((int (*)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                       unsigned, void *, void **, void **))cu_funcs[CU_LAUNCH])(
         function, dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], q->stream,
         params, NULL);
     if (r) return cuq_fail(q, CU_LAUNCH, r);
-    return am_cuq_finish(q, value, NULL, 0, 0, lazy);
+    return am_cuq_finish(q, value, NULL, 0, 0);
 }
 
 /* Stream memory operations on a device word (another timeline's, or a host thread's). */
