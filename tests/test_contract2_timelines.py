@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import ctypes
 import threading
+import time
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
 import asyncmetal as am
+from asyncmetal import _native
+from asyncmetal._timeline import wait_value
 
 pytestmark = pytest.mark.anyio
 
@@ -142,3 +147,43 @@ async def test_signals_take_effect_in_submission_order(
     await tl.wait(2)
     assert tl.value == 2
     tl.signal(3)
+
+
+@pytest.mark.parametrize("due", [True, False])
+async def test_a_wait_due_soon_is_checked_for_rather_than_parked(
+    device: am.Device, due: bool
+) -> None:
+    """A wait with a near due time (a cuda copy's completion carries one) keeps its task
+    checking until then instead of parking; without one it parks after one yield."""
+    tl = device.timeline()
+
+    async def release() -> None:
+        for _ in range(3):
+            await anyio.lowlevel.checkpoint()
+        tl.signal(1)
+
+    before = am.loop_statistics()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(release)
+        await wait_value(tl, 1, time.perf_counter_ns() + 1_900_000 if due else 0)
+    parked = am.loop_statistics().resolved - before.resolved
+    assert parked == (0 if due else 1)
+
+
+def test_a_device_word_follows_host_signals_not_confirmations() -> None:
+    """The word a device waits on is raised by host signals (never lowered); a
+    completion thread's confirmation (poke) raises the host value only."""
+    lib = _native.runtime()
+    t = lib.am_timeline_new()
+    word = ctypes.c_uint64(0)
+    lib.am_timeline_set_word(t, ctypes.addressof(word))
+    try:
+        lib.am_timeline_signal(t, 5)
+        assert (word.value, lib.am_timeline_value(t)) == (5, 5)
+        lib.am_timeline_poke(t, 9)
+        assert (word.value, lib.am_timeline_value(t)) == (5, 9)
+        word.value = 20  # a device wrote ahead of the host
+        lib.am_timeline_signal(t, 12)
+        assert (word.value, lib.am_timeline_value(t)) == (20, 12)
+    finally:
+        lib.am_timeline_free(t)
