@@ -17,8 +17,10 @@
 * Kernels are CUDA C compiled by NVRTC for the device's own architecture into a cubin,
   in the compile pool. ``global_size`` is the number of threads per dimension and
   ``local_size`` the block: the grid is ``ceil(global / local)``.
-* Host copies of pageable memory are staged through pinned chunks: native host-copy
-  threads fill a chunk while the DMA engine moves the previous one.
+* Host copies of pageable memory are staged through a queue's own ring of pinned chunks
+  (16 x 4 MiB): its native host-copy threads (8, made at its first large copy) fill or
+  empty chunks while the DMA engine moves others, and a chunk is reused once its
+  previous use is marked done -- a copy of any size runs in the ring's memory.
 """
 
 from __future__ import annotations
