@@ -373,8 +373,7 @@ class CUDAQueue(NativeQueue):
     ) -> None:
         if len(args) > MAX_PARAMS:
             raise AsyncMetalError(f"cuda kernels take at most {MAX_PARAMS} parameters here")
-        self._backend.make_current()
-        slots = self._slots
+        slots = self._slots  # (the native call makes the context current)
         for i, (handle, offset, val) in enumerate(args):
             slots[i] = (handle + offset) if val is None else (val & 0xFFFFFFFF)
         dims = self._dims.get((global_size, local_size))
@@ -566,7 +565,6 @@ class CUDABackend(Backend):
         self.device = check(cu.cuDeviceGet(index), "cuDeviceGet")
         self.context = check(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
         self.context_address = int(self.context)
-        self._local = threading.local()
         self.make_current()
         attr = cu.CUdevice_attribute
         major = check(
@@ -614,11 +612,12 @@ class CUDABackend(Backend):
         self._freer.start()
 
     def make_current(self) -> None:
-        local = self._local
-        if getattr(local, "current", False):
-            return
-        check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
-        local.current = True
+        """Make this device's context current on the calling thread. The current context
+        is per thread and shared by every device (and library) used on it, so it is
+        checked each time, never remembered. (The native submission path checks in C.)"""
+        current = check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if int(current) != self.context_address:
+            check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
     def take_chunk(self) -> _Pinned:
         """A pinned staging chunk: one a closed queue gave back, or a new one."""

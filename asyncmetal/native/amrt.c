@@ -371,12 +371,12 @@ void am_queue_close(am_queue *q, int abandon) {
  * It never takes the GIL, and calls nothing but cuCtxSetCurrent, cuEventQuery,
  * cuEventSynchronize and cuEventDestroy. */
 enum { CU_LAUNCH, CU_WRITE64, CU_WAIT64, CU_EVENT_CREATE, CU_EVENT_RECORD, CU_EVENT_QUERY,
-       CU_EVENT_SYNC, CU_EVENT_DESTROY, CU_CTX_SET, CU_WAIT_EVENT, CU_NFUNCS };
+       CU_EVENT_SYNC, CU_EVENT_DESTROY, CU_CTX_SET, CU_WAIT_EVENT, CU_CTX_GET, CU_NFUNCS };
 static void *cu_funcs[CU_NFUNCS];
 static const char *cu_names[CU_NFUNCS] = {
     "cuLaunchKernel", "cuStreamWriteValue64", "cuStreamWaitValue64", "cuEventCreate",
     "cuEventRecord", "cuEventQuery", "cuEventSynchronize", "cuEventDestroy", "cuCtxSetCurrent",
-    "cuStreamWaitEvent"};
+    "cuStreamWaitEvent", "cuCtxGetCurrent"};
 #define CU_ERROR_NOT_READY 600
 #define CU_POLL_GAP_NS 2000
 
@@ -492,10 +492,21 @@ static int cuq_fail(am_cuq *q, int call, int r) {
     return r;
 }
 
+/* Make the queue's context current on the calling thread if it is not: the current
+ * context is per thread, shared by every device and library on it (a thread-local read,
+ * no more, when it already is). Events are created in, and recorded from, it. */
+static int cuq_enter(am_cuq *q) {
+    void *current = NULL;
+    ((int (*)(void **))cu_funcs[CU_CTX_GET])(&current);
+    if (current == q->ctx) return 0;
+    int r = ((int (*)(void *))cu_funcs[CU_CTX_SET])(q->ctx);
+    return r ? cuq_fail(q, CU_CTX_SET, r) : 0;
+}
+
 /* Write the queue's value into its device word, record an event behind it and hand
  * both to the completion thread. Returns a CUresult (-1: out of memory). */
-int am_cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
-                  long spin_ns) {
+static int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
+                      long spin_ns) {
     int r;
     void *event = NULL;
     pthread_mutex_lock(&q->mu);
@@ -534,13 +545,20 @@ int am_cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_
     return 0;
 }
 
+int am_cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
+                  long spin_ns) {
+    int r = cuq_enter(q);
+    return r ? r : cuq_finish(q, value, extra, extra_value, spin_ns);
+}
+
 /* Make stream q wait until queue `other` reaches `value`: on the event of the first
  * command at or after it if that was submitted and is not yet confirmed, on other's
  * device word if it was not submitted yet (other then writes its word up to it), and
  * not at all if it is confirmed. Under other's lock: its completion thread cannot
  * recycle the event meanwhile. */
 int am_cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value) {
-    int r = 0;
+    int r = cuq_enter(q);
+    if (r) return r;
     pthread_mutex_lock(&other->mu);
     if (value > other->submitted) {
         if (value > other->wanted) other->wanted = value;
@@ -564,23 +582,29 @@ int am_cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value) {
 /* dims: grid x, y, z, block x, y, z, dynamic shared memory bytes. */
 int am_cuq_launch(am_cuq *q, void *function, const unsigned *dims, void **params,
                   uint64_t value) {
-    int r = ((int (*)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+    int r = cuq_enter(q);
+    if (r) return r;
+    r = ((int (*)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                       unsigned, void *, void **, void **))cu_funcs[CU_LAUNCH])(
         function, dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], q->stream,
         params, NULL);
     if (r) return cuq_fail(q, CU_LAUNCH, r);
-    return am_cuq_finish(q, value, NULL, 0, 0);
+    return cuq_finish(q, value, NULL, 0, 0);
 }
 
 /* Stream memory operations on a device word (another timeline's, or a host thread's). */
 int am_cuq_write(am_cuq *q, void *word, uint64_t value) {
-    int r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WRITE64])(
+    int r = cuq_enter(q);
+    if (r) return r;
+    r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WRITE64])(
         q->stream, word, value, 0);
     return r ? cuq_fail(q, CU_WRITE64, r) : 0;
 }
 
 int am_cuq_wait(am_cuq *q, void *word, uint64_t value) {
-    int r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WAIT64])(
+    int r = cuq_enter(q);
+    if (r) return r;
+    r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WAIT64])(
         q->stream, word, value, 0x0 /* CU_STREAM_WAIT_VALUE_GEQ */);
     return r ? cuq_fail(q, CU_WAIT64, r) : 0;
 }
