@@ -176,15 +176,15 @@ class CUDATimeline(NativeTimeline):
     confirmed the work before them succeeded."""
 
     def __init__(self, backend: CUDABackend) -> None:
-        self._slot = backend._timeline_slot()
-        ctypes.c_uint64.from_address(self._slot).value = 0  # a reused slot holds an old value
+        # The device word: unified addressing makes it the same pointer on every GPU.
+        self.address = backend._timeline_slot()
+        ctypes.c_uint64.from_address(self.address).value = 0  # a reused slot holds an old value
         self.c_timeline: int = backend.lib.am_timeline_new()
         if not self.c_timeline:
-            backend._release_slot(self._slot)
+            backend._release_slot(self.address)
             raise MemoryError("could not allocate a timeline")
         self._backend = backend
-        backend.lib.am_timeline_set_word(self.c_timeline, self._slot)
-        self.address = self._slot  # unified addressing: the same pointer on every GPU
+        backend.lib.am_timeline_set_word(self.c_timeline, self.address)
         self._value = ctypes.c_uint64.from_address(self.c_timeline)
         self.queue: CUDAQueue | None = None  # the queue whose own timeline this is
 
@@ -199,7 +199,7 @@ class CUDATimeline(NativeTimeline):
         backend = getattr(self, "_backend", None)
         if backend is not None and backend.lib is not None:
             backend.lib.am_timeline_free(self.c_timeline)
-            backend._release_slot(self._slot)
+            backend._release_slot(self.address)
 
 
 class _HostCopier:
@@ -396,14 +396,13 @@ class CUDAQueue(NativeQueue):
 
     def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, CUDATimeline)
-        self._backend.make_current()
-        self._write(timeline, target)
+        self._write(timeline, target)  # native calls: they make the context current
         self._finish(value, timeline, extra=timeline, target=target)
 
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, CUDATimeline)
-        self._backend.make_current()
-        if timeline.value < target:  # else confirmed already: nothing to wait for
+        # Native calls only (they make the context current); none if confirmed already.
+        if timeline.value < target:
             owner = timeline.queue
             if owner is not None and owner._q is not None:  # a queue's: its event or word
                 code = self._lib.am_cuq_wait_queue(self._q, owner._q, target)

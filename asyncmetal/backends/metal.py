@@ -118,7 +118,7 @@ class MetalCompiler(Compiler):
             raise ValueError(f"tool must be 'service' or 'xcrun', got {tool!r}")
         self.tool = tool
         self.flags = tuple(flags)
-        self._service: tuple[Any, int] | None = None
+        self._service: tuple[Any, int, int] | None = None  # library, service, block isa
 
     def config(self) -> tuple[Any, ...]:
         return (self.tool, self.flags)
@@ -175,11 +175,12 @@ class MetalCompiler(Compiler):
                 ctypes.c_size_t,
                 c_void_p,
             ]
-            self._service = (lib, lib.MTLCodeGenServiceCreate(b"asyncmetal"))
-        lib, service = self._service
+            service = lib.MTLCodeGenServiceCreate(b"asyncmetal")
+            self._service = (lib, service, _blocks.global_block_isa())
+        lib, service, isa = self._service
         request = codegen_request(src, self.service_params())
         result = CodegenResult()
-        block = result.block(_blocks.global_block_isa())
+        block = result.block(isa)
         lib.MTLCodeGenServiceBuildRequest(
             service, None, REQUEST_TYPE_COMPILE, request, len(request), ctypes.addressof(block)
         )
