@@ -4,25 +4,37 @@ The runtime holds the cpu device's queue threads and the notifiers through which
 threads wake event loops by writing one byte to a pipe, without ever taking the GIL.
 It is built with the system C compiler into the cache directory, keyed by the source's
 hash, atomically (several processes may race to build it).
+
+Where the interpreter's headers are installed (``Python.h``), the same shared object is
+also a CPython extension module (``native/ampy.c`` appended to the runtime): the launch
+path of the cpu and cuda queues calls it instead of ctypes. It is loaded from the very
+file ctypes loads, so both see one runtime. Without the headers, or with
+``ASYNCMETAL_EXTENSION=0``, everything goes through ctypes (:func:`extension` is None).
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.machinery
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 from importlib import resources
+from types import ModuleType
 
 from ._cache import default_cache_dir
 from ._errors import AsyncMetalError
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_extension: ModuleType | None = None
+extension_error: str | None = None  # why the extension module is not in use, if it is not
 
 c_p, c_u64, c_int = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int
 _SIGNATURES: dict[str, tuple[object, list[object]]] = {
@@ -49,6 +61,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_cuq_new": (c_p, [c_p, c_p, c_p, ctypes.c_long]),
     "am_cuq_finish": (c_int, [c_p, c_u64, c_p, c_u64, ctypes.c_long]),
     "am_cuq_launch": (c_int, [c_p, c_p, c_p, c_p, c_u64]),
+    "am_cuq_copy": (c_int, [c_p, c_u64, c_u64, c_p, ctypes.c_size_t, c_u64, ctypes.c_long]),
     "am_cuq_write": (c_int, [c_p, c_p, c_u64]),
     "am_cuq_wait": (c_int, [c_p, c_p, c_u64]),
     "am_cuq_wait_queue": (c_int, [c_p, c_p, c_u64]),
@@ -68,7 +81,7 @@ def compiler() -> str | None:
     return cc if shutil.which(cc) else None
 
 
-def _build(source: bytes, target: str) -> None:
+def _build(source: bytes, target: str, flags: list[str]) -> None:
     cc = compiler()
     if cc is None:
         raise AsyncMetalError("the cpu device needs a C compiler: none found (set $CC)")
@@ -77,7 +90,7 @@ def _build(source: bytes, target: str) -> None:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [cc, "-O2", "-shared", "-fPIC", "-pthread", "-x", "c", "-", "-o", tmp]
+            [cc, "-O2", "-shared", "-fPIC", "-pthread", *flags, "-x", "c", "-", "-o", tmp]
             + (["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else []),
             input=source,
             capture_output=True,
@@ -93,16 +106,54 @@ def _build(source: bytes, target: str) -> None:
             os.unlink(tmp)
 
 
+def _python_include() -> str | None:
+    """The interpreter's header directory if Python.h is there and wanted."""
+    if os.environ.get("ASYNCMETAL_EXTENSION", "1") == "0":
+        return None
+    include = sysconfig.get_paths().get("include")
+    if include and os.path.exists(os.path.join(include, "Python.h")):
+        return include
+    return None
+
+
+def _built(source: bytes, name: str, flags: list[str]) -> str:
+    digest = hashlib.sha256(source + repr(flags).encode()).hexdigest()[:16]
+    target = os.path.join(default_cache_dir(), f"{name}-{digest}.so")
+    if not os.path.exists(target):
+        _build(source, target, flags)
+    return target
+
+
+def _load_extension(path: str) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader("asyncmetal._amrt", path)
+    spec = importlib.util.spec_from_loader("asyncmetal._amrt", loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
 def runtime() -> ctypes.CDLL:
     """The loaded runtime; builds it the first time. Blocks: call it off the loop."""
-    global _lib
+    global _lib, _extension, extension_error
     with _lock:
         if _lib is None:
-            source = resources.files("asyncmetal").joinpath("native/amrt.c").read_bytes()
-            digest = hashlib.sha256(source).hexdigest()[:16]
-            target = os.path.join(default_cache_dir(), f"amrt-{digest}.so")
-            if not os.path.exists(target):
-                _build(source, target)
+            native = resources.files("asyncmetal").joinpath("native")
+            source = native.joinpath("amrt.c").read_bytes()
+            include = _python_include()
+            target = None
+            if include is None:
+                extension_error = "no Python.h (or ASYNCMETAL_EXTENSION=0): ctypes only"
+            else:
+                glue = native.joinpath("ampy.c").read_bytes()
+                tag = sys.implementation.cache_tag or "python"
+                try:
+                    target = _built(source + b"\n" + glue, f"amrt-{tag}", ["-I", include])
+                    _extension = _load_extension(target)
+                except (AsyncMetalError, ImportError, OSError) as exc:
+                    extension_error, target, _extension = f"{exc}", None, None
+            if target is None:
+                target = _built(source, "amrt", [])
             lib = ctypes.CDLL(target)
             for name, (restype, argtypes) in _SIGNATURES.items():
                 fn = getattr(lib, name)
@@ -110,6 +161,13 @@ def runtime() -> ctypes.CDLL:
                 fn.argtypes = argtypes
             _lib = lib
         return _lib
+
+
+def extension() -> ModuleType | None:
+    """The runtime's extension module (``native/ampy.c``), or None where it could not
+    be built; loads the runtime first."""
+    runtime()
+    return _extension
 
 
 def loaded() -> ctypes.CDLL | None:

@@ -17,7 +17,8 @@ from ._timeline import Timeline, call_when_reached, check_value, wait_value
 if TYPE_CHECKING:
     from ._device import Device
 
-_INT32 = (-(1 << 31), (1 << 31) - 1)
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
+_new_arg = tuple.__new__  # Arg(...) without NamedTuple's Python-level __new__
 _ONE3 = (1, 1, 1)
 
 
@@ -185,12 +186,14 @@ class Queue:
     def _launch_args(
         self, program: Program, buffers: Sequence[Buffer], vals: Sequence[int]
     ) -> list[Arg]:
+        # The hot path of every launch: identity checks first, messages only on failure.
         if program.__class__ is not Program:
             raise ArgumentTypeError(f"program must be a Program, got {type(program).__name__}")
-        if program.device is not self.device:
+        device = self.device
+        if program.device is not device:
             raise InvalidArgumentError(
                 f"program {program.name!r} was compiled for {program.device.name}, "
-                f"not {self.device.name}"
+                f"not {device.name}"
             )
         if vals.__class__ is not tuple and (
             isinstance(vals, (str, bytes)) or not isinstance(vals, Sequence)
@@ -205,16 +208,17 @@ class Queue:
                 f"kernel {program.name!r} takes {program.value_count} vals, got {len(vals)}"
             )
         args: list[Arg] = []
-        device = self.device
-        for i, buf in enumerate(buffers):
+        append = args.append
+        for buf in buffers:
             if buf.__class__ is not Buffer:
+                i = buffers.index(buf)
                 raise ArgumentTypeError(
                     f"buffer {i} of {program.name!r} must be a Buffer, got {type(buf).__name__}"
                 )
             allocation = buf._allocation
             if allocation.freed or buf.device is not device or device.closed:
-                buf._check_usable(f"buffer {i} of {program.name!r}", device)
-            args.append(Arg(allocation.handle, buf.offset, None))
+                buf._check_usable(f"buffer {buffers.index(buf)} of {program.name!r}", device)
+            append(_new_arg(Arg, (allocation.handle, buf.offset, None)))
         for i, v in enumerate(vals):
             if v.__class__ is not int:
                 if not isinstance(v, int) or isinstance(v, bool):
@@ -222,9 +226,9 @@ class Queue:
                         f"vals[{i}] of {program.name!r} must be an int, got {type(v).__name__}"
                     )
                 v = int(v)
-            if not _INT32[0] <= v <= _INT32[1]:
+            if not _INT32_MIN <= v <= _INT32_MAX:
                 raise InvalidArgumentError(f"vals[{i}] of {program.name!r} must fit in int32: {v}")
-            args.append(Arg(None, 0, v))
+            append(_new_arg(Arg, (None, 0, v)))
         order = program.order
         return args if order is None else [args[i] for i in order]
 

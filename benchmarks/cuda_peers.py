@@ -5,8 +5,10 @@
 The same empty kernel, awaited five ways: raw driver calls + blocking
 ``cuStreamSynchronize`` (the floor), CuPy ``launch_host_func`` -> asyncio future, a CuPy
 event polled from the loop, a PyTorch ``Event.query()`` polled from the loop, and
-asyncmetal. Then: 64 tasks on one stream, CPU time while awaiting a 100 ms kernel, 1 GiB
-host -> device copies, device -> device copies and NVRTC compiles in the pool.
+asyncmetal (and asyncmetal through ctypes, where its extension module is in use),
+measured in alternating rounds. Then: 64 tasks on one stream, CPU time while awaiting
+a 100 ms kernel, 1 GiB host -> device copies, device -> device copies and NVRTC
+compiles in the pool.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from typing import Any
 
 import numpy as np
 from _common import alloc_round_trip, pool_vs_serial, write_json
-from _common import median_us as common_median_us
 
 import asyncmetal as am
 from asyncmetal.backends.cuda import CUDACompiler, check, cu
@@ -36,15 +37,31 @@ extern "C" __global__ void sleep_ms(int ms) {
 }
 """
 N_LAT = 3000
+TASK_ROUNDS = 3
 
 
 def progress(what: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {what}", flush=True)
 
 
-async def median_us(fn: Callable[[], Awaitable[Any]], n: int = N_LAT) -> float:
-    progress(getattr(fn, "__name__", "?"))
-    return await common_median_us(fn, n, warmup=200)
+async def interleaved_medians_us(
+    fns: list[Callable[[], Awaitable[Any]]], rounds: int = 10, per_round: int = N_LAT // 10
+) -> dict[str, float]:
+    """Median of ``await fn()`` for each fn (by name), measured in alternating rounds so
+    that a machine's drift over the run hits every competitor alike."""
+    progress("latencies: " + ", ".join(fn.__name__ for fn in fns))
+    samples: dict[str, list[int]] = {fn.__name__: [] for fn in fns}
+    for fn in fns:
+        for _ in range(200):
+            await fn()
+    for _ in range(rounds):
+        for fn in fns:
+            times = samples[fn.__name__]
+            for _ in range(per_round):
+                t0 = time.perf_counter_ns()
+                await fn()
+                times.append(time.perf_counter_ns() - t0)
+    return {name: statistics.median(times) / 1e3 for name, times in samples.items()}
 
 
 async def run(loop_name: str) -> dict[str, Any]:
@@ -68,12 +85,12 @@ async def run(loop_name: str) -> dict[str, Any]:
         async def raw() -> None:
             raw_sync()  # blocks the loop: this is the floor, not a way to write async code
 
-        out["raw_sync_us"] = await median_us(raw)
-        t0 = time.perf_counter()
-        for _ in range(20000):
-            check(cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, stream, 0, 0), "launch")
-        check(cu.cuStreamSynchronize(stream), "sync")
-        out["raw_launch_only_per_s"] = 20000 / (time.perf_counter() - t0)
+        def raw_launch_only_rate(n: int = 20000) -> float:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                check(cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, stream, 0, 0), "launch")
+            check(cu.cuStreamSynchronize(stream), "sync")
+            return n / (time.perf_counter() - t0)
 
         # -- CuPy ---------------------------------------------------------------------
         cupy.cuda.Device(0).use()
@@ -95,9 +112,6 @@ async def run(loop_name: str) -> dict[str, Any]:
             while not ev.done:
                 await asyncio.sleep(0)
 
-        out["cupy_hostfunc_us"] = await median_us(cupy_hostfunc)
-        out["cupy_event_poll_us"] = await median_us(cupy_poll)
-
         # -- PyTorch --------------------------------------------------------------------
         tstream = torch.cuda.Stream()
 
@@ -109,15 +123,35 @@ async def run(loop_name: str) -> dict[str, Any]:
             while not ev.query():
                 await asyncio.sleep(0)
 
-        out["torch_event_poll_us"] = await median_us(torch_poll)
-
         # -- asyncmetal ------------------------------------------------------------------
-        async def ours() -> None:
+        async def asyncmetal() -> None:
             await q.launch(empty)
 
-        out["asyncmetal_us"] = await median_us(ours)
+        # The same through ctypes, where the runtime's extension module is in use (the
+        # launch path a machine without Python's headers takes): a second queue.
+        q_ctypes = dev.new_queue()
+        out["extension"] = getattr(q_ctypes._native, "_fast_launch", None) is not None
+        q_ctypes._native._fast_launch = None  # type: ignore[attr-defined]
+
+        async def asyncmetal_ctypes() -> None:
+            await q_ctypes.launch(empty)
+
+        competitors = [raw, cupy_hostfunc, cupy_poll, torch_poll, asyncmetal]
+        if out["extension"]:
+            competitors.append(asyncmetal_ctypes)
+        medians = await interleaved_medians_us(competitors)
+        out["raw_sync_us"] = medians["raw"]
+        out["cupy_hostfunc_us"] = medians["cupy_hostfunc"]
+        out["cupy_event_poll_us"] = medians["cupy_poll"]
+        out["torch_event_poll_us"] = medians["torch_poll"]
+        out["asyncmetal_us"] = medians["asyncmetal"]
         out["latency_ratio"] = out["asyncmetal_us"] / out["raw_sync_us"]
+        if out["extension"]:
+            out["asyncmetal_ctypes_us"] = medians["asyncmetal_ctypes"]
+            out["latency_ratio_ctypes"] = out["asyncmetal_ctypes_us"] / out["raw_sync_us"]
         out["asyncmetal_parts_us"] = latency_parts(q, empty)
+        if out["extension"]:
+            out["asyncmetal_ctypes_parts_us"] = latency_parts(q_ctypes, empty)
 
         progress(f"latencies done: {out}")
 
@@ -126,11 +160,20 @@ async def run(loop_name: str) -> dict[str, Any]:
             for _ in range(300):
                 await q.launch(empty)
 
-        t0 = time.perf_counter()
-        async with asyncio.TaskGroup() as tg:
-            for _ in range(64):
-                tg.create_task(worker())
-        out["tasks64_per_s"] = 64 * 300 / (time.perf_counter() - t0)
+        async def tasks64() -> float:
+            t0 = time.perf_counter()
+            async with asyncio.TaskGroup() as tg:
+                for _ in range(64):
+                    tg.create_task(worker())
+            return 64 * 300 / (time.perf_counter() - t0)
+
+        raw_rates, rates = [], []
+        for _ in range(TASK_ROUNDS):  # alternated: drift in the machine hits both alike
+            raw_rates.append(raw_launch_only_rate())
+            rates.append(await tasks64())
+        out["raw_launch_only_per_s"] = statistics.median(raw_rates)
+        out["tasks64_per_s"] = statistics.median(rates)
+        out["tasks64_rounds"] = {"raw_launch_only_per_s": raw_rates, "tasks64_per_s": rates}
         out["tasks64_fraction_of_raw"] = out["tasks64_per_s"] / out["raw_launch_only_per_s"]
 
         progress("64 tasks done")

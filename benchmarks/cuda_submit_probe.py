@@ -136,9 +136,24 @@ async def main() -> dict[str, Any]:
                 time.sleep(0.0001)
 
         out["am_cuq_launch"] = per_call_us(native_call, wait_all)
+        fast = native._fast_launch  # type: ignore[attr-defined]
+        if fast is not None:  # the extension module's path, then ctypes' for comparison
+
+            def extension_call() -> None:
+                counter[0] += 1
+                fast(handle, fn, dims, [], counter[0])
+
+            out["extension_cuq_launch"] = per_call_us(extension_call, wait_all)
         out["backend_launch_hook"] = per_call_us(hook, wait_all)
         q._submitted = counter[0]
         out["Queue_launch"] = per_call_us(lambda: q.launch(empty), lambda: None, n=3000)
+        if fast is not None:
+            native._fast_launch = None  # type: ignore[attr-defined]
+            counter[0] = q.submitted
+            out["backend_launch_hook_ctypes"] = per_call_us(hook, wait_all)
+            q._submitted = counter[0]
+            out["Queue_launch_ctypes"] = per_call_us(lambda: q.launch(empty), lambda: None, n=3000)
+            native._fast_launch = fast  # type: ignore[attr-defined]
         await q.synchronize()
     return out
 

@@ -139,6 +139,8 @@ class CPUQueue(NativeQueue):
         self._keep = KeepAlive(timeline)
         self._scratch = (ctypes.c_int64 * MAX_ARGS)()
         self._call = lib.am_queue_call
+        extension = _native.extension()
+        self._fast_call = None if extension is None else extension.queue_call
         self._times = (ctypes.c_int64 * (3 * TIMES_KEPT))()  # start, end, value per row
         self._times_address = ctypes.addressof(self._times)
 
@@ -165,16 +167,21 @@ class CPUQueue(NativeQueue):
         nargs = len(args)
         if nargs > MAX_ARGS:
             raise ArgumentTypeError(f"cpu kernels take at most {MAX_ARGS} parameters")
-        ints = self._scratch  # the runtime copies the arguments before returning
-        for i in range(nargs):
-            handle, offset, val = args[i]
-            ints[i] = handle.address + offset if val is None else val
         # The times row, inline (this is the hot path of every launch).
         record.ring = self._times
         record.row = row = value % TIMES_KEPT
-        status = self._call(
-            self._handle, program, nargs, ints, self._times_address + 24 * row, value
-        )
+        if self._fast_call is not None:  # the extension packs the arguments itself
+            status = self._fast_call(
+                self._handle, program, args, self._times_address + 24 * row, value
+            )
+        else:
+            ints = self._scratch  # the runtime copies the arguments before returning
+            for i in range(nargs):
+                handle, offset, val = args[i]
+                ints[i] = handle.address + offset if val is None else val
+            status = self._call(
+                self._handle, program, nargs, ints, self._times_address + 24 * row, value
+            )
         if status or nargs or self._keep._items:
             self._submitted(status, value, args or None)
 

@@ -61,6 +61,7 @@ STAGE_RING = 16  # chunks a queue stages through (the device keeps one ring read
 STAGE_DIRECT = 64 << 10  # smaller host copies go straight from pageable memory
 HOST_COPY_THREADS = max(2, min(8, (os.cpu_count() or 2) // 2))  # per queue, made lazily
 COMPLETION_SPIN_NS = 30_000  # the completion thread polls this long before blocking
+MAX_POLL_NS = 2_000_000  # ... or up to this long for a command expected to take so long
 
 _LOST = {
     "CUDA_ERROR_ILLEGAL_ADDRESS",
@@ -297,7 +298,8 @@ class CUDAQueue(NativeQueue):
         base = ctypes.addressof(self._slots)
         self._pointers = (ctypes.c_void_p * MAX_PARAMS)(*(base + 8 * i for i in range(MAX_PARAMS)))
         self._pointers_address = ctypes.addressof(self._pointers)
-        self._launch = lib.am_cuq_launch
+        extension = _native.extension()
+        self._fast_launch = None if extension is None else extension.cuq_launch
         self._dims: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
         self._dims_arrays: list[ctypes.Array[ctypes.c_uint]] = []
         self._staging: _Staging | None = None  # made at the first large pageable copy
@@ -321,7 +323,7 @@ class CUDAQueue(NativeQueue):
         value before it was submitted). A command expected to take at most ~2 ms (a
         copy of known size) is polled for through its end: blocking would add an
         interrupt and a wake-up."""
-        spin = min(expected_ns, 2_000_000)
+        spin = min(expected_ns, MAX_POLL_NS)
         code = self._lib.am_cuq_finish(
             self._q, value, extra.c_timeline if extra else None, target, spin
         )
@@ -373,13 +375,18 @@ class CUDAQueue(NativeQueue):
     ) -> None:
         if len(args) > MAX_PARAMS:
             raise AsyncMetalError(f"cuda kernels take at most {MAX_PARAMS} parameters here")
-        slots = self._slots  # (the native call makes the context current)
-        for i, (handle, offset, val) in enumerate(args):
-            slots[i] = (handle + offset) if val is None else (val & 0xFFFFFFFF)
         dims = self._dims.get((global_size, local_size))
         if dims is None:
             dims = self._launch_dims(global_size, local_size)
-        code = self._launch(self._q, program, dims, self._pointers_address, value)
+        # One native call, which makes the context current (through the extension, which
+        # packs the arguments itself, where it could be built).
+        if self._fast_launch is not None:
+            code = self._fast_launch(self._q, program, dims, args, value)
+        else:
+            slots = self._slots
+            for i, (handle, offset, val) in enumerate(args):
+                slots[i] = (handle + offset) if val is None else (val & 0xFFFFFFFF)
+            code = self._lib.am_cuq_launch(self._q, program, dims, self._pointers_address, value)
         if code:
             raise self._failed(code)
 
@@ -415,29 +422,20 @@ class CUDAQueue(NativeQueue):
     def copy(
         self, dst: Arg, src: Arg, nbytes: int, value: int, record: Record, peer: Any = None
     ) -> None:
-        self._backend.make_current()
-        if peer is None:
-            check(
-                cu.cuMemcpyDtoDAsync(
-                    dst.handle + dst.offset, src.handle + src.offset, nbytes, self.stream
-                ),
-                "cuMemcpyDtoDAsync",
-            )
-        else:
-            check(
-                cu.cuMemcpyPeerAsync(
-                    dst.handle + dst.offset,
-                    self._backend.context,
-                    src.handle + src.offset,
-                    peer.context,
-                    nbytes,
-                    self.stream,
-                ),
-                "cuMemcpyPeerAsync",
-            )
         expected = nbytes // 1000  # at most ~1 ns per KB: ~2 TB/s each way on an H200
+        code = self._lib.am_cuq_copy(  # one native call, which makes the context current
+            self._q,
+            dst.handle + dst.offset,
+            src.handle + src.offset,
+            None if peer is None else peer.context_address,
+            nbytes,
+            value,
+            min(expected, MAX_POLL_NS),
+        )
+        if code:
+            raise self._failed(code)
         record.due_ns = time.perf_counter_ns() + expected
-        self._finish(value, (dst, src), expected_ns=expected)
+        self._keep.add(value, (dst, src))
 
     def _staging_for(self) -> _Staging:
         if self._staging is None:

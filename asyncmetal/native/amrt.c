@@ -371,12 +371,13 @@ void am_queue_close(am_queue *q, int abandon) {
  * It never takes the GIL, and calls nothing but cuCtxSetCurrent, cuEventQuery,
  * cuEventSynchronize and cuEventDestroy. */
 enum { CU_LAUNCH, CU_WRITE64, CU_WAIT64, CU_EVENT_CREATE, CU_EVENT_RECORD, CU_EVENT_QUERY,
-       CU_EVENT_SYNC, CU_EVENT_DESTROY, CU_CTX_SET, CU_WAIT_EVENT, CU_CTX_GET, CU_NFUNCS };
+       CU_EVENT_SYNC, CU_EVENT_DESTROY, CU_CTX_SET, CU_WAIT_EVENT, CU_CTX_GET, CU_COPY,
+       CU_COPY_PEER, CU_NFUNCS };
 static void *cu_funcs[CU_NFUNCS];
 static const char *cu_names[CU_NFUNCS] = {
     "cuLaunchKernel", "cuStreamWriteValue64", "cuStreamWaitValue64", "cuEventCreate",
     "cuEventRecord", "cuEventQuery", "cuEventSynchronize", "cuEventDestroy", "cuCtxSetCurrent",
-    "cuStreamWaitEvent", "cuCtxGetCurrent"};
+    "cuStreamWaitEvent", "cuCtxGetCurrent", "cuMemcpyDtoDAsync", "cuMemcpyPeerAsync"};
 #define CU_ERROR_NOT_READY 600
 #define CU_POLL_GAP_NS 2000
 
@@ -590,6 +591,25 @@ int am_cuq_launch(am_cuq *q, void *function, const unsigned *dims, void **params
         params, NULL);
     if (r) return cuq_fail(q, CU_LAUNCH, r);
     return cuq_finish(q, value, NULL, 0, 0);
+}
+
+/* A device copy, then its event: on one device (src_ctx NULL) or from the device of
+ * src_ctx to the queue's. spin_ns: how long the copy is expected to take at most
+ * (the completion thread polls that long rather than block on its event). */
+int am_cuq_copy(am_cuq *q, uint64_t dst, uint64_t src, void *src_ctx, size_t nbytes,
+                uint64_t value, long spin_ns) {
+    int r = cuq_enter(q);
+    if (r) return r;
+    if (!src_ctx) {
+        r = ((int (*)(uint64_t, uint64_t, size_t, void *))cu_funcs[CU_COPY])(
+            dst, src, nbytes, q->stream);
+        if (r) return cuq_fail(q, CU_COPY, r);
+    } else {
+        r = ((int (*)(uint64_t, void *, uint64_t, void *, size_t, void *))cu_funcs[CU_COPY_PEER])(
+            dst, q->ctx, src, src_ctx, nbytes, q->stream);
+        if (r) return cuq_fail(q, CU_COPY_PEER, r);
+    }
+    return cuq_finish(q, value, NULL, 0, spin_ns);
 }
 
 /* Stream memory operations on a device word (another timeline's, or a host thread's). */

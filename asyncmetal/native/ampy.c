@@ -1,0 +1,137 @@
+/* The launch path of asyncmetal's native runtime as a CPython extension module.
+ *
+ * Built into the same shared object as amrt.c (appended to it) when the interpreter's
+ * headers are there, and imported as asyncmetal._amrt from the very file ctypes loads:
+ * one library, one set of queues. It saves the launch of every command the price of a
+ * ctypes call (argument conversion, a libffi call; ~1-2 us on the GPU machine's VM) and
+ * the Python loop that packs the kernel's arguments: both done here, in one call.
+ *
+ * Each function takes the queue's native handle, the kernel, the asyncmetal.Arg list
+ * ((handle, offset, val) tuples: a buffer where val is None, else an int32 value) and the
+ * command's timeline value, and returns what the ctypes function it replaces returns.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define AM_MAX_PARAMS 64  /* a cuda kernel's parameters (backends/cuda.py MAX_PARAMS) */
+
+static PyObject *address_name;  /* "address": a cpu buffer's host address */
+
+/* Arguments to 64-bit slots: a buffer's address plus its offset, or a value. */
+static int pack_args(PyObject *args, int64_t *slots, Py_ssize_t most, int by_attribute) {
+    if (!PyList_CheckExact(args) && !PyTuple_Check(args)) {
+        PyErr_SetString(PyExc_TypeError, "args must be a list of Arg");
+        return -1;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(args);
+    if (n > most) {
+        PyErr_Format(PyExc_ValueError, "at most %zd kernel parameters", most);
+        return -1;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(args);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *arg = items[i];
+        if (!PyTuple_Check(arg) || PyTuple_GET_SIZE(arg) != 3) {
+            PyErr_SetString(PyExc_TypeError, "each arg must be an Arg (handle, offset, val)");
+            return -1;
+        }
+        PyObject *val = PyTuple_GET_ITEM(arg, 2);
+        if (val != Py_None) {
+            slots[i] = PyLong_AsLongLong(val);
+        } else {
+            PyObject *handle = PyTuple_GET_ITEM(arg, 0);
+            int64_t base;
+            if (by_attribute) {
+                PyObject *address = PyObject_GetAttr(handle, address_name);
+                if (!address) return -1;
+                base = (int64_t)PyLong_AsUnsignedLongLong(address);
+                Py_DECREF(address);
+            } else {
+                base = (int64_t)PyLong_AsUnsignedLongLong(handle);
+            }
+            slots[i] = base + PyLong_AsLongLong(PyTuple_GET_ITEM(arg, 1));
+        }
+        if (PyErr_Occurred()) return -1;
+    }
+    return (int)n;
+}
+
+static int take_args(PyObject *const *a, Py_ssize_t n, Py_ssize_t want, const char *name) {
+    if (n == want) return 0;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, want, n);
+    return -1;
+}
+
+/* queue_call(queue, fn, args, times_row, value) -> am_queue_call's status.
+ * The cpu device: buffer handles have an .address; the queue copies the slots. */
+static PyObject *py_queue_call(PyObject *self, PyObject *const *a, Py_ssize_t n) {
+    (void)self;
+    int64_t slots[AM_MAX_ARGS];
+    if (take_args(a, n, 5, "queue_call")) return NULL;
+    void *q = PyLong_AsVoidPtr(a[0]), *fn = PyLong_AsVoidPtr(a[1]);
+    int64_t *row = PyLong_AsVoidPtr(a[3]);
+    uint64_t value = PyLong_AsUnsignedLongLong(a[4]);
+    if (PyErr_Occurred()) return NULL;
+    int nargs = pack_args(a[2], slots, AM_MAX_ARGS, 1);
+    if (nargs < 0) return NULL;
+    return PyLong_FromLong(am_queue_call(q, fn, nargs, slots, row, value));
+}
+
+/* cuq_launch(queue, function, dims, args, value) -> am_cuq_launch's CUresult.
+ * Values are int32 kernel parameters (the low half of their slot). The GIL is released
+ * around the driver calls: a driver thread holding a driver lock may be waiting for it
+ * (a host function that runs Python, numba-cuda #317). */
+static PyObject *py_cuq_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
+    (void)self;
+    int64_t slots[AM_MAX_PARAMS];
+    void *params[AM_MAX_PARAMS];
+    if (take_args(a, n, 5, "cuq_launch")) return NULL;
+    void *q = PyLong_AsVoidPtr(a[0]), *fn = PyLong_AsVoidPtr(a[1]);
+    const unsigned *dims = PyLong_AsVoidPtr(a[2]);
+    uint64_t value = PyLong_AsUnsignedLongLong(a[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (!q || !dims) {
+        PyErr_SetString(PyExc_ValueError, "cuq_launch: null queue or dims");
+        return NULL;
+    }
+    int nargs = pack_args(a[3], slots, AM_MAX_PARAMS, 0);
+    if (nargs < 0) return NULL;
+    for (int i = 0; i < nargs; i++) params[i] = &slots[i];
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = am_cuq_launch(q, fn, dims, params, value);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(r);
+}
+
+/* The address of a runtime function, to check that ctypes loaded this same library. */
+static PyObject *py_address_of(PyObject *self, PyObject *name) {
+    (void)self;
+    const char *s = PyUnicode_AsUTF8(name);
+    if (!s) return NULL;
+    if (!strcmp(s, "am_queue_call")) return PyLong_FromVoidPtr((void *)am_queue_call);
+    if (!strcmp(s, "am_cuq_launch")) return PyLong_FromVoidPtr((void *)am_cuq_launch);
+    PyErr_Format(PyExc_KeyError, "%s", s);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"queue_call", (PyCFunction)(void (*)(void))py_queue_call, METH_FASTCALL,
+     "queue_call(queue, fn, args, times_row, value) -> status"},
+    {"cuq_launch", (PyCFunction)(void (*)(void))py_cuq_launch, METH_FASTCALL,
+     "cuq_launch(queue, function, dims, args, value) -> CUresult"},
+    {"address_of", py_address_of, METH_O, "address_of(name) -> int"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "asyncmetal._amrt",
+    "asyncmetal's native launch path (see native/ampy.c)", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__amrt(void) {
+    address_name = PyUnicode_InternFromString("address");
+    if (!address_name) return NULL;
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,111 @@
+"""The native runtime's extension module (native/ampy.c): the launch path without ctypes.
+
+It is built where Python's headers are installed (CI's interpreter has them) and must
+then be in use; the ctypes path it replaces must give the same results.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import asyncmetal as am
+from asyncmetal import _native
+
+pytestmark = pytest.mark.anyio
+
+
+def test_extension_is_built_where_python_headers_are() -> None:
+    lib = _native.runtime()
+    if _native._python_include() is None:
+        assert _native.extension() is None
+        assert _native.extension_error is not None
+        return
+    extension = _native.extension()
+    assert extension is not None, _native.extension_error
+    # One library: the module's functions are those ctypes calls.
+    for name in ("am_queue_call", "am_cuq_launch"):
+        assert extension.address_of(name) == ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+    with pytest.raises(KeyError):
+        extension.address_of("am_nothing")
+
+
+def test_extension_refuses_bad_arguments_without_crashing() -> None:
+    extension = _native.extension()
+    if extension is None:
+        pytest.skip(f"the extension module is not built here: {_native.extension_error}")
+    with pytest.raises(TypeError):
+        extension.queue_call(1, 2, [], 3)  # too few
+    with pytest.raises(TypeError):
+        extension.queue_call(1, 2, "not a list", 3, 4)
+    with pytest.raises(TypeError):
+        extension.queue_call(1, 2, [(1, 2)], 3, 4)  # not (handle, offset, val)
+    with pytest.raises(ValueError, match="at most 16"):
+        extension.queue_call(1, 2, [(None, 0, 1)] * 17, 3, 4)
+    with pytest.raises(ValueError, match="null queue"):
+        extension.cuq_launch(0, 0, 0, [], 1)
+    with pytest.raises(ValueError, match="at most 64"):
+        extension.cuq_launch(1, 0, 1, [(None, 0, 1)] * 65, 1)
+    with pytest.raises(OverflowError):
+        extension.cuq_launch(1, 0, 1, [(None, 0, 1 << 70)], 1)
+
+
+@pytest.mark.parametrize("path", ["extension", "ctypes"])
+async def test_launch_paths_give_the_same_results(
+    device: am.Device, kernels: dict[str, am.Program], path: str
+) -> None:
+    queue = device.new_queue()
+    if path == "ctypes":
+        queue._native._fast_call = None  # type: ignore[attr-defined]
+    elif _native.extension() is None:
+        pytest.skip(f"the extension module is not built here: {_native.extension_error}")
+    else:
+        assert queue._native._fast_call is not None  # type: ignore[attr-defined]
+    n = 4096
+    out = await device.alloc(4 * n)
+    cells = await device.alloc(32)
+    await queue.copy(cells, np.zeros(8, np.int32))
+    for value in (-(1 << 31), -1, 0, 7, (1 << 31) - 1):
+        await queue.launch(kernels["fill"], out.view(4), vals=(value, n - 1))
+        got = np.empty(n, np.int32)
+        await queue.copy(got, out)
+        assert (got[1:] == value).all()
+    # Several values, in order: steps run out of order or mixed up would show.
+    expected = [0] * 8
+    for i in range(16):
+        dst, src = i % 8, (i * 3) % 8
+        queue.launch(kernels["step"], cells, vals=(dst, src, i - 8))
+        expected[dst] = expected[dst] * 31 + expected[src] + i - 8
+    got = np.empty(8, np.int32)
+    await queue.copy(got, cells)
+    assert got.tolist() == expected
+
+
+def test_ctypes_only_when_asked() -> None:
+    """ASYNCMETAL_EXTENSION=0 builds and runs the ctypes-only runtime."""
+    code = (
+        "import anyio, numpy as np, asyncmetal as am\n"
+        "from asyncmetal import _native\n"
+        "async def main():\n"
+        "    async with am.open_device('cpu') as dev:\n"
+        "        p = await dev.compile('void fill(int* o, int v, int n)"
+        " { for (int i = 0; i < n; i++) o[i] = v; }', 'fill')\n"
+        "        b = await dev.alloc(64)\n"
+        "        await dev.queue.launch(p, b, vals=(-5, 16))\n"
+        "        out = await b.read(np.int32)\n"
+        "        assert (out == -5).all(), out\n"
+        "        assert _native.extension() is None\n"
+        "        print('ok', _native.extension_error)\n"
+        "anyio.run(main)\n"
+    )
+    env = {**os.environ, "ASYNCMETAL_EXTENSION": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ok ") and "ASYNCMETAL_EXTENSION=0" in proc.stdout
