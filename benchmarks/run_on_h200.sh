@@ -11,6 +11,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 ASYNCMETAL_CACHE_DIR=/tmp/am
 nvidia-smi -L | tee "$OUT/gpus.txt"
 python3 -c "import cuda.bindings, cupy, torch, numpy, anyio; print('cuda-bindings', cuda.bindings.__version__, 'cupy', cupy.__version__, 'torch', torch.__version__)" | tee -a "$OUT/gpus.txt"
 { date -u; uname -m; } >> "$OUT/gpus.txt"
+python3 -c "from asyncmetal import _native; _native.runtime(); print('native extension module:', _native.extension() is not None, _native.extension_error or '')" | tee -a "$OUT/gpus.txt"
 timeout 320 python3 benchmarks/cuda_peers.py --json "$OUT/cuda_peers.json" 2>&1 | tee "$OUT/bench.txt"
 (cd benchmarks && timeout 60 python3 cuda_submit_probe.py --json "$OUT/probe.json") 2>&1 | tee "$OUT/probe.txt"
 [ "${RUN_TESTS:-1}" = 1 ] && timeout 240 python3 -m pytest tests/test_cuda.py tests/test_contract7_compile_pool.py -m "cuda or not cuda" \

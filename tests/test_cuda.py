@@ -61,6 +61,31 @@ async def test_launch_computes(anyio_backend: object) -> None:
         np.testing.assert_array_equal(await out.read(np.float32), np.arange(n) + 2)
 
 
+@pytest.mark.parametrize("path", ["extension", "ctypes"])
+async def test_launch_paths_give_the_same_results(anyio_backend: object, path: str) -> None:
+    """The extension module's launch (native/ampy.c) and the ctypes one it replaces:
+    buffers at offsets, int32 values at both ends, sizes, every element checked."""
+    from asyncmetal import _native
+
+    async with am.open_device("cuda:0") as dev:
+        fill = await dev.compile(KERNELS, "fill")
+        queue = dev.new_queue()
+        if path == "ctypes":
+            queue._native._fast_launch = None  # type: ignore[attr-defined]
+        elif _native.extension() is None:
+            pytest.skip(f"the extension module is not built here: {_native.extension_error}")
+        else:
+            assert queue._native._fast_launch is not None  # type: ignore[attr-defined]
+        n = 10_000
+        out = await dev.alloc(4 * n)
+        for value in (-(1 << 31), -1, 0, 7, (1 << 31) - 1):
+            await queue.copy(out, np.full(n, 99, np.int32))
+            queue.launch(fill, out.view(8), vals=(value, n - 2), global_size=n - 2, local_size=128)
+            got = np.empty(n, np.int32)
+            await queue.copy(got, out)
+            assert (got[:2] == 99).all() and (got[2:] == value).all(), value
+
+
 async def test_compile_errors(anyio_backend: object) -> None:
     async with am.open_device("cuda:0") as dev:
         with pytest.raises(am.CompileError) as info:
