@@ -25,6 +25,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+from collections.abc import Callable
 from importlib import resources
 from types import ModuleType
 
@@ -50,6 +51,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_timeline_value": (c_u64, [c_p]),
     "am_timeline_signal": (None, [c_p, c_u64]),
     "am_timeline_poke": (None, [c_p, c_u64]),
+    "am_timeline_spin": (c_int, [c_p, c_u64, ctypes.c_long]),
     "am_queue_new": (c_p, [c_p, ctypes.c_long]),
     "am_queue_call": (c_int, [c_p, c_p, c_int, c_p, c_p, c_u64]),
     "am_queue_copy": (c_int, [c_p, c_p, c_p, ctypes.c_size_t, c_p, c_u64]),
@@ -161,6 +163,17 @@ def runtime() -> ctypes.CDLL:
                 fn.argtypes = argtypes
             _lib = lib
         return _lib
+
+
+def spin_function() -> Callable[[int, int, int], object] | None:
+    """``spin(c_timeline, value, max_ns)``: read a native timeline until it reaches
+    value, for at most max_ns, without the GIL; true if it did. None until the runtime
+    is loaded."""
+    if _lib is None:
+        return None
+    if _extension is not None:
+        return _extension.spin  # type: ignore[no-any-return]
+    return _lib.am_timeline_spin
 
 
 def extension() -> ModuleType | None:

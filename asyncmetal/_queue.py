@@ -211,13 +211,14 @@ class Queue:
         append = args.append
         for buf in buffers:
             if buf.__class__ is not Buffer:
-                i = buffers.index(buf)
+                i = next(i for i, b in enumerate(buffers) if b is buf)
                 raise ArgumentTypeError(
                     f"buffer {i} of {program.name!r} must be a Buffer, got {type(buf).__name__}"
                 )
             allocation = buf._allocation
             if allocation.freed or buf.device is not device or device.closed:
-                buf._check_usable(f"buffer {buffers.index(buf)} of {program.name!r}", device)
+                i = next(i for i, b in enumerate(buffers) if b is buf)
+                buf._check_usable(f"buffer {i} of {program.name!r}", device)
             append(_new_arg(Arg, (allocation.handle, buf.offset, None)))
         for i, v in enumerate(vals):
             if v.__class__ is not int:

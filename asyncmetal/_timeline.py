@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import _bridge
+from . import _bridge, _native
 from ._backend import NativeTimeline
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
 
@@ -176,6 +176,7 @@ class Timeline(Waitable):
 
 SPIN_NS = 50_000  # waits recently shorter than this first yield to the loop a few times
 DUE_NS = 2_000_000  # a command due within this long is checked for rather than parked on
+SLICE_NS = 5_000  # between two such yields, a native timeline is read this long at most
 
 
 async def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> None:
@@ -185,13 +186,18 @@ async def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> None:
     when recent waits on this timeline ended within ``SPIN_NS`` it keeps yielding for up
     to twice that recent time, since the value is about to be reached: that saves a
     park and a wake-up. So it does, up to ``due_ns`` (a ``perf_counter_ns`` by which
-    the device expects to be done), when that is at most ``DUE_NS`` away. It never
+    the device expects to be done), when that is at most ``DUE_NS`` away. Between two
+    of those yields it reads a native timeline for up to ``SLICE_NS`` (in C, without the
+    GIL), so that the value is seen the moment it is reached rather than a loop
+    iteration later; the loop and its other tasks wait that long at most. It never
     spins while nothing is about to finish.
     """
     native = timeline._native
     if native.value >= value:
         await _bridge.checkpoint()
         return
+    c_timeline = native.c_timeline or 0
+    spin = _native.spin_function() if c_timeline else None
     start = time.perf_counter_ns()
     recent = timeline._recent_ns
     # Yield once before parking: under load one pass over the other ready tasks usually
@@ -207,6 +213,9 @@ async def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> None:
             return
         if now >= deadline:
             break
+        if spin is not None and spin(c_timeline, value, min(SLICE_NS, deadline - now)):
+            timeline._recent_ns = (recent * 7 + time.perf_counter_ns() - start) >> 3
+            return
     bridge = _bridge.current_bridge()
     await bridge.park(timeline._watch_for(bridge), value)
     timeline._recent_ns = (recent * 7 + time.perf_counter_ns() - start) >> 3

@@ -229,7 +229,7 @@ async def copies(dev: am.Device, stream: Any) -> dict[str, Any]:
     ctypes.memmove(pinned, host.ctypes.data, n)
     result: dict[str, Any] = {}
     raw, ours = [], []
-    for _ in range(3):
+    for _ in range(5):
         t0 = time.perf_counter()
         check(cu.cuMemcpyHtoDAsync(a._allocation.handle, pinned, n, stream), "HtoD")
         check(cu.cuStreamSynchronize(stream), "sync")

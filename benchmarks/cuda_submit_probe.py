@@ -5,7 +5,8 @@
 Times, per call, back to back on one stream: each driver function asyncmetal's native
 submission makes (called through ctypes on the pointers cuGetProcAddress returns), the
 native submission call, the backend hook and ``Queue.launch``; the same launch through
-cuda-bindings for comparison.
+cuda-bindings for comparison. Then the same from C (``native_probe.c``, ``c_*`` keys): no
+Python or ctypes per call, and a launch while another thread polls an event.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import os
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -155,6 +159,105 @@ async def main() -> dict[str, Any]:
             out["Queue_launch_ctypes"] = per_call_us(lambda: q.launch(empty), lambda: None, n=3000)
             native._fast_launch = fast  # type: ignore[attr-defined]
         await q.synchronize()
+        counter[0] = q.submitted
+        out.update(native_probe(q, fn, dims, counter, ev_block, ev_plain, sync))
+        q._submitted = counter[0]
+        await q.synchronize()
+    return out
+
+
+def native_probe(
+    q: am.Queue,
+    fn: int,
+    dims: int,
+    counter: list[int],
+    event: int,
+    done_event: int,
+    sync: Callable[[], None],
+) -> dict[str, float]:
+    """The same calls timed in C (native_probe.c), with no Python or ctypes per call."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    target = os.path.join(tempfile.mkdtemp(), "native_probe.so")
+    subprocess.run(
+        [
+            "cc",
+            "-O2",
+            "-shared",
+            "-fPIC",
+            "-pthread",
+            os.path.join(here, "native_probe.c"),
+            "-o",
+            target,
+        ],
+        check=True,
+    )
+    lib = ctypes.CDLL(target)
+    for name in ("probe_ctx_get", "probe_launch", "probe_am_launch", "probe_launch_polled"):
+        getattr(lib, name).restype = ctypes.c_double
+    p = ctypes.c_void_p
+    native = q._native
+    stream = p(int(native.stream))  # type: ignore[attr-defined]
+    launch, record = p(pointer("cuLaunchKernel")), p(pointer("cuEventRecord"))
+    sync_ptr, query = p(pointer("cuStreamSynchronize")), p(pointer("cuEventQuery"))
+    ctx_set = p(pointer("cuCtxSetCurrent"))
+    ctx = p(q.device._backend.context_address)  # type: ignore[attr-defined]
+    am_launch = ctypes.cast(native._lib.am_cuq_launch, p)  # type: ignore[attr-defined]
+    n = ctypes.c_long(5000)
+    out: dict[str, float] = {}
+
+    def best(f: Callable[[], float]) -> float:
+        values = [f() for _ in range(3)]
+        if min(values) < 0:
+            raise RuntimeError(f"CUresult {-min(values)}")
+        return min(values) / 1e3
+
+    out["c_cuCtxGetCurrent"] = best(
+        lambda: lib.probe_ctx_get(p(pointer("cuCtxGetCurrent")), ctypes.c_long(100000))
+    )
+    fnp = p(fn)
+    out["c_cuLaunchKernel"] = best(
+        lambda: lib.probe_launch(launch, None, None, sync_ptr, fnp, stream, n)
+    )
+    out["c_launch_and_record"] = best(
+        lambda: lib.probe_launch(launch, record, p(event), sync_ptr, fnp, stream, n)
+    )
+    for gap in (2000, 5000):
+        out[f"c_launch_and_record_polled_every_{gap}ns"] = best(
+            lambda gap=gap: lib.probe_launch_polled(
+                launch,
+                record,
+                p(event),
+                sync_ptr,
+                query,
+                p(done_event),
+                ctx_set,
+                ctx,
+                ctypes.c_long(gap),
+                fnp,
+                stream,
+                n,
+            )
+        )
+
+    def am_run() -> float:
+        first = counter[0] + 1
+        counter[0] += n.value
+        per = float(
+            lib.probe_am_launch(
+                am_launch,
+                p(native._q),
+                fnp,
+                p(dims),  # type: ignore[attr-defined]
+                ctypes.c_uint64(first),
+                n,
+            )
+        )
+        sync()
+        while q.timeline.value < counter[0]:
+            time.sleep(0.0001)
+        return per
+
+    out["c_am_cuq_launch"] = best(am_run)
     return out
 
 

@@ -10,6 +10,8 @@ import ctypes
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -109,3 +111,29 @@ def test_ctypes_only_when_asked() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("ok ") and "ASYNCMETAL_EXTENSION=0" in proc.stdout
+
+
+@pytest.mark.parametrize("path", ["extension", "ctypes"])
+def test_spin_sees_a_value_raised_by_another_thread(path: str) -> None:
+    lib = _native.runtime()
+    if path == "extension":
+        if _native.extension() is None:
+            pytest.skip(f"the extension module is not built here: {_native.extension_error}")
+        spin = _native.extension().spin  # type: ignore[union-attr]
+    else:
+        spin = lib.am_timeline_spin
+    timeline = lib.am_timeline_new()
+    try:
+        assert not spin(timeline, 1, 1000)  # nothing raises it: gives up after ~1 us
+        t0 = time.perf_counter()
+        assert not spin(timeline, 1, 20_000_000)
+        assert time.perf_counter() - t0 >= 0.019
+        raiser = threading.Timer(0.01, lambda: lib.am_timeline_signal(timeline, 5))
+        raiser.start()
+        t0 = time.perf_counter()
+        assert spin(timeline, 5, 5_000_000_000)  # without the GIL: the timer thread runs
+        assert time.perf_counter() - t0 < 2
+        assert spin(timeline, 3, 0)  # already reached
+        raiser.join()
+    finally:
+        lib.am_timeline_free(timeline)

@@ -6,9 +6,10 @@
  * ctypes call (argument conversion, a libffi call; ~1-2 us on the GPU machine's VM) and
  * the Python loop that packs the kernel's arguments: both done here, in one call.
  *
- * Each function takes the queue's native handle, the kernel, the asyncmetal.Arg list
- * ((handle, offset, val) tuples: a buffer where val is None, else an int32 value) and the
- * command's timeline value, and returns what the ctypes function it replaces returns.
+ * Each launch function takes the queue's native handle, the kernel, the asyncmetal.Arg
+ * list ((handle, offset, val) tuples: a buffer where val is None, else an int32 value)
+ * and the command's timeline value, and returns what the ctypes function it replaces
+ * returns. spin() is the short check of a timeline between two yields of a waiter.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -104,6 +105,25 @@ static PyObject *py_cuq_launch(PyObject *self, PyObject *const *a, Py_ssize_t n)
     return PyLong_FromLong(r);
 }
 
+/* spin(timeline, value, max_ns) -> bool: am_timeline_spin without the GIL. */
+static PyObject *py_spin(PyObject *self, PyObject *const *a, Py_ssize_t n) {
+    (void)self;
+    if (take_args(a, n, 3, "spin")) return NULL;
+    am_timeline *t = PyLong_AsVoidPtr(a[0]);
+    uint64_t value = PyLong_AsUnsignedLongLong(a[1]);
+    long max_ns = PyLong_AsLong(a[2]);
+    if (PyErr_Occurred()) return NULL;
+    if (!t) {
+        PyErr_SetString(PyExc_ValueError, "spin: null timeline");
+        return NULL;
+    }
+    int reached;
+    Py_BEGIN_ALLOW_THREADS
+    reached = am_timeline_spin(t, value, max_ns);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(reached);
+}
+
 /* The address of a runtime function, to check that ctypes loaded this same library. */
 static PyObject *py_address_of(PyObject *self, PyObject *name) {
     (void)self;
@@ -120,6 +140,8 @@ static PyMethodDef methods[] = {
      "queue_call(queue, fn, args, times_row, value) -> status"},
     {"cuq_launch", (PyCFunction)(void (*)(void))py_cuq_launch, METH_FASTCALL,
      "cuq_launch(queue, function, dims, args, value) -> CUresult"},
+    {"spin", (PyCFunction)(void (*)(void))py_spin, METH_FASTCALL,
+     "spin(timeline, value, max_ns) -> whether the timeline reached value"},
     {"address_of", py_address_of, METH_O, "address_of(name) -> int"},
     {NULL, NULL, 0, NULL},
 };

@@ -189,6 +189,27 @@ void am_timeline_signal(am_timeline *t, uint64_t v) {
     pthread_mutex_unlock(&t->mu);
 }
 
+#if defined(__x86_64__) || defined(__i386__)
+#define cpu_relax() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield")
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+/* Read t until it reaches v, for at most max_ns: 1 if it did. For a waiter whose value is
+ * about to be reached, between two yields to its event loop (called without the GIL). */
+int am_timeline_spin(am_timeline *t, uint64_t v, long max_ns) {
+    int64_t deadline = now_ns() + max_ns;
+    for (;;) {
+        for (int i = 0; i < 64; i++) {
+            if (atomic_load_explicit(&t->value, memory_order_acquire) >= v) return 1;
+            cpu_relax();
+        }
+        if (now_ns() >= deadline) return atomic_load(&t->value) >= v;
+    }
+}
+
 /* ---- queues ---------------------------------------------------------------------- */
 
 typedef void (*am_kernel)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,

@@ -1,0 +1,91 @@
+/* Times driver calls and asyncmetal's native submission from C, without Python or ctypes
+ * in the way (built and called by cuda_submit_probe.py). Every function returns the
+ * nanoseconds per iteration of n iterations, or a negative CUresult. */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <time.h>
+
+typedef int (*launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                         unsigned, void *, void **, void **);
+typedef int (*record_fn)(void *, void *);
+typedef int (*query_fn)(void *);
+typedef int (*ctx_get_fn)(void **);
+typedef int (*sync_fn)(void *);
+typedef int (*am_launch_fn)(void *, void *, const unsigned *, void **, uint64_t);
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+double probe_ctx_get(void *ctx_get, long n) {
+    void *ctx;
+    int64_t t = now_ns();
+    for (long i = 0; i < n; i++) ((ctx_get_fn)ctx_get)(&ctx);
+    return (double)(now_ns() - t) / n;
+}
+
+/* launch (+ event record when record != NULL) n times on stream, then synchronize. */
+double probe_launch(void *launch, void *record, void *event, void *sync, void *fn, void *stream,
+                    long n) {
+    int64_t t = now_ns();
+    for (long i = 0; i < n; i++) {
+        int r = ((launch_fn)launch)(fn, 1, 1, 1, 1, 1, 1, 0, stream, NULL, NULL);
+        if (!r && record) r = ((record_fn)record)(event, stream);
+        if (r) return -r;
+    }
+    double per = (double)(now_ns() - t) / n;
+    ((sync_fn)sync)(stream);
+    return per;
+}
+
+/* asyncmetal's native submission, n times, values from first. */
+double probe_am_launch(void *am_launch, void *q, void *fn, const unsigned *dims, uint64_t first,
+                       long n) {
+    int64_t t = now_ns();
+    for (long i = 0; i < n; i++) {
+        int r = ((am_launch_fn)am_launch)(q, fn, dims, NULL, first + (uint64_t)i);
+        if (r) return -r;
+    }
+    return (double)(now_ns() - t) / n;
+}
+
+/* A second thread querying an event every gap_ns (as a completion thread polls) while
+ * this one launches: the cost of sharing the driver's locks. */
+typedef struct {
+    void *query, *event, *ctx_set, *ctx;
+    long gap_ns;
+    atomic_int stop;
+    long queries;
+} poller;
+
+static void *poll_run(void *arg) {
+    poller *p = arg;
+    ((int (*)(void *))p->ctx_set)(p->ctx);
+    int64_t next = now_ns();
+    while (!atomic_load(&p->stop)) {
+        int64_t t = now_ns();
+        if (t >= next) {
+            ((query_fn)p->query)(p->event);
+            p->queries++;
+            next = t + p->gap_ns;
+        }
+        sched_yield();
+    }
+    return NULL;
+}
+
+double probe_launch_polled(void *launch, void *record, void *event, void *sync, void *query,
+                           void *poll_event, void *ctx_set, void *ctx, long gap_ns, void *fn,
+                           void *stream, long n) {
+    poller p = {query, poll_event, ctx_set, ctx, gap_ns, 0, 0};
+    pthread_t thread;
+    if (pthread_create(&thread, NULL, poll_run, &p)) return -1;
+    double per = probe_launch(launch, record, event, sync, fn, stream, n);
+    atomic_store(&p.stop, 1);
+    pthread_join(thread, NULL);
+    return per;
+}
