@@ -149,7 +149,11 @@ async def run(loop_name: str) -> dict[str, Any]:
         if out["extension"]:
             out["asyncmetal_ctypes_us"] = medians["asyncmetal_ctypes"]
             out["latency_ratio_ctypes"] = out["asyncmetal_ctypes_us"] / out["raw_sync_us"]
-        out["asyncmetal_parts_us"] = latency_parts(q, empty)
+        raw_parts = (
+            lambda: check(cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, stream, 0, 0), "launch"),
+            lambda: check(cu.cuStreamSynchronize(stream), "sync"),
+        )
+        out["asyncmetal_parts_us"] = latency_parts(q, empty, raw_parts)
         if out["extension"]:
             out["asyncmetal_ctypes_parts_us"] = latency_parts(q_ctypes, empty)
 
@@ -193,11 +197,25 @@ async def run(loop_name: str) -> dict[str, Any]:
     return out
 
 
-def latency_parts(q: am.Queue, empty: am.Program, n: int = 2000) -> dict[str, float]:
+def latency_parts(
+    q: am.Queue,
+    empty: am.Program,
+    raw: tuple[Callable[[], Any], Callable[[], Any]] | None = None,
+    n: int = 2000,
+) -> dict[str, float]:
     """Where an awaited launch's time goes, without the loop: the submission call, then
-    (spinning here) until the host timeline reports the command confirmed."""
+    (spinning here) until the host timeline reports the command confirmed. With ``raw``
+    (launch, synchronize): the floor's launch alone, on an idle stream, and its wait."""
     native = q.timeline._native
     submit, verified = [], []
+    raw_launch, raw_wait = [], []
+    for _ in range(n if raw else 0):
+        t0 = time.perf_counter_ns()
+        raw[0]()  # type: ignore[index]
+        t1 = time.perf_counter_ns()
+        raw[1]()  # type: ignore[index]
+        raw_wait.append(time.perf_counter_ns() - t1)
+        raw_launch.append(t1 - t0)
     for _ in range(n):
         t0 = time.perf_counter_ns()
         done = q.launch(empty)
@@ -214,11 +232,15 @@ def latency_parts(q: am.Queue, empty: am.Program, n: int = 2000) -> dict[str, fl
     while native.value < done.value:
         pass
     med = statistics.median
-    return {
+    parts = {
         "submit_back_to_back": submit_only / 1e3,
         "submit": med(submit) / 1e3,
         "verified": med(verified) / 1e3,
     }
+    if raw:
+        parts["raw_launch"] = med(raw_launch) / 1e3
+        parts["raw_synchronize"] = med(raw_wait) / 1e3
+    return parts
 
 
 async def copies(dev: am.Device, stream: Any) -> dict[str, Any]:

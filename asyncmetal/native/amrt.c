@@ -400,7 +400,8 @@ static const char *cu_names[CU_NFUNCS] = {
     "cuEventRecord", "cuEventQuery", "cuEventSynchronize", "cuEventDestroy", "cuCtxSetCurrent",
     "cuStreamWaitEvent", "cuCtxGetCurrent", "cuMemcpyDtoDAsync", "cuMemcpyPeerAsync"};
 #define CU_ERROR_NOT_READY 600
-#define CU_POLL_GAP_NS 2000
+#define CU_POLL_GAP_NS 2000      /* at most this long between queries, ... */
+#define CU_POLL_QUIET_NS 500     /* ... or this long while no thread submits to the queue */
 
 const char *am_cuda_name(int i) { return i >= 0 && i < CU_NFUNCS ? cu_names[i] : "?"; }
 void am_cuda_set(int i, void *fn) { if (i >= 0 && i < CU_NFUNCS) cu_funcs[i] = fn; }
@@ -425,6 +426,7 @@ typedef struct am_cuq {
     void **events;                  /* finished events, for reuse */
     size_t events_cap, events_count;
     atomic_size_t pending;          /* entries pushed and not yet confirmed */
+    atomic_int submitting;          /* threads inside a submission (driver calls) now */
     int stop;
     void *ctx;
     void *stream;
@@ -456,16 +458,20 @@ static void *cuq_run(void *arg) {
         pthread_mutex_unlock(&q->mu);
         int r = failed;
         if (!failed) {
-            /* Polled no more than every CU_POLL_GAP_NS: a query takes the driver's
-             * locks, and back-to-back queries slowed the submitting thread's launches
-             * ~4x on the H200 (42 us instead of ~10). */
+            /* A query takes the driver's locks: back-to-back queries slowed the
+             * submitting thread's launches ~4x on the H200 (42 us instead of ~10), one
+             * every 2 us still by ~1.7 us a launch. So queries wait for a moment when
+             * no thread is submitting to this queue (then come every CU_POLL_QUIET_NS),
+             * but for no longer than CU_POLL_GAP_NS. */
             long spin = e.spin_ns > q->spin_ns ? e.spin_ns : q->spin_ns;
-            int64_t t = now_ns(), deadline = t + spin, next = t;
+            int64_t t = now_ns(), deadline = t + spin, last = t - CU_POLL_GAP_NS;
             r = CU_ERROR_NOT_READY;
             while (t < deadline) {
-                if (t >= next) {
+                int64_t since = t - last;
+                if (since >= CU_POLL_GAP_NS ||
+                    (since >= CU_POLL_QUIET_NS && atomic_load(&q->submitting) == 0)) {
                     if ((r = query(e.event)) != CU_ERROR_NOT_READY) break;
-                    next = t + CU_POLL_GAP_NS;
+                    last = t;
                 }
                 sched_yield();
                 t = now_ns();
@@ -569,8 +575,11 @@ static int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t ex
 
 int am_cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
                   long spin_ns) {
+    atomic_fetch_add(&q->submitting, 1);
     int r = cuq_enter(q);
-    return r ? r : cuq_finish(q, value, extra, extra_value, spin_ns);
+    if (!r) r = cuq_finish(q, value, extra, extra_value, spin_ns);
+    atomic_fetch_sub(&q->submitting, 1);
+    return r;
 }
 
 /* Make stream q wait until queue `other` reaches `value`: on the event of the first
@@ -602,8 +611,8 @@ int am_cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value) {
 }
 
 /* dims: grid x, y, z, block x, y, z, dynamic shared memory bytes. */
-int am_cuq_launch(am_cuq *q, void *function, const unsigned *dims, void **params,
-                  uint64_t value) {
+static int cuq_launch(am_cuq *q, void *function, const unsigned *dims, void **params,
+                      uint64_t value) {
     int r = cuq_enter(q);
     if (r) return r;
     r = ((int (*)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
@@ -614,11 +623,19 @@ int am_cuq_launch(am_cuq *q, void *function, const unsigned *dims, void **params
     return cuq_finish(q, value, NULL, 0, 0);
 }
 
+int am_cuq_launch(am_cuq *q, void *function, const unsigned *dims, void **params,
+                  uint64_t value) {
+    atomic_fetch_add(&q->submitting, 1);  /* the completion thread holds its queries */
+    int r = cuq_launch(q, function, dims, params, value);
+    atomic_fetch_sub(&q->submitting, 1);
+    return r;
+}
+
 /* A device copy, then its event: on one device (src_ctx NULL) or from the device of
  * src_ctx to the queue's. spin_ns: how long the copy is expected to take at most
  * (the completion thread polls that long rather than block on its event). */
-int am_cuq_copy(am_cuq *q, uint64_t dst, uint64_t src, void *src_ctx, size_t nbytes,
-                uint64_t value, long spin_ns) {
+static int cuq_copy(am_cuq *q, uint64_t dst, uint64_t src, void *src_ctx, size_t nbytes,
+                    uint64_t value, long spin_ns) {
     int r = cuq_enter(q);
     if (r) return r;
     if (!src_ctx) {
@@ -631,6 +648,14 @@ int am_cuq_copy(am_cuq *q, uint64_t dst, uint64_t src, void *src_ctx, size_t nby
         if (r) return cuq_fail(q, CU_COPY_PEER, r);
     }
     return cuq_finish(q, value, NULL, 0, spin_ns);
+}
+
+int am_cuq_copy(am_cuq *q, uint64_t dst, uint64_t src, void *src_ctx, size_t nbytes,
+                uint64_t value, long spin_ns) {
+    atomic_fetch_add(&q->submitting, 1);
+    int r = cuq_copy(q, dst, src, src_ctx, nbytes, value, spin_ns);
+    atomic_fetch_sub(&q->submitting, 1);
+    return r;
 }
 
 /* Stream memory operations on a device word (another timeline's, or a host thread's). */
