@@ -239,6 +239,37 @@ def native_probe(
             )
         )
 
+    lib.probe_launch_rotating.restype = ctypes.c_double
+    flags = cu.CUevent_flags
+    events = (ctypes.c_void_p * 64)(
+        *(
+            int(
+                check(
+                    cu.cuEventCreate(flags.CU_EVENT_BLOCKING_SYNC | flags.CU_EVENT_DISABLE_TIMING),
+                    "ev",
+                )
+            )
+            for _ in range(64)
+        )
+    )
+    for gap in (0, 2000, 10000):
+        out[f"c_launch_and_record_64_events_polled_every_{gap}ns"] = best(
+            lambda gap=gap: lib.probe_launch_rotating(
+                launch,
+                record,
+                events,
+                ctypes.c_long(64),
+                sync_ptr,
+                query,
+                ctx_set,
+                ctx,
+                ctypes.c_long(gap),
+                fnp,
+                stream,
+                n,
+            )
+        )
+
     def am_run() -> float:
         first = counter[0] + 1
         counter[0] += n.value

@@ -60,6 +60,9 @@ typedef struct {
     long gap_ns;
     atomic_int stop;
     long queries;
+    void **events;                 /* with events: query the one last recorded */
+    atomic_long *last;
+    long nevents;
 } poller;
 
 static void *poll_run(void *arg) {
@@ -69,10 +72,17 @@ static void *poll_run(void *arg) {
     while (!atomic_load(&p->stop)) {
         int64_t t = now_ns();
         if (t >= next) {
-            ((query_fn)p->query)(p->event);
+            void *event = p->event;
+            if (p->events) {
+                long last = atomic_load(p->last);
+                if (last < 0) goto skip;
+                event = p->events[last % p->nevents];
+            }
+            ((query_fn)p->query)(event);
             p->queries++;
             next = t + p->gap_ns;
         }
+    skip:
         sched_yield();
     }
     return NULL;
@@ -81,11 +91,37 @@ static void *poll_run(void *arg) {
 double probe_launch_polled(void *launch, void *record, void *event, void *sync, void *query,
                            void *poll_event, void *ctx_set, void *ctx, long gap_ns, void *fn,
                            void *stream, long n) {
-    poller p = {query, poll_event, ctx_set, ctx, gap_ns, 0, 0};
+    poller p = {query, poll_event, ctx_set, ctx, gap_ns, 0, 0, NULL, NULL, 0};
     pthread_t thread;
     if (pthread_create(&thread, NULL, poll_run, &p)) return -1;
     double per = probe_launch(launch, record, event, sync, fn, stream, n);
     atomic_store(&p.stop, 1);
     pthread_join(thread, NULL);
     return per;
+}
+
+/* launch + record, each command with the next of nevents events (as asyncmetal's queue
+ * recycles them), with a thread querying the event last recorded every gap_ns when
+ * gap_ns > 0 (as its completion thread does). */
+double probe_launch_rotating(void *launch, void *record, void **events, long nevents,
+                             void *sync, void *query, void *ctx_set, void *ctx, long gap_ns,
+                             void *fn, void *stream, long n) {
+    atomic_long last = -1;
+    poller p = {query, NULL, ctx_set, ctx, gap_ns, 0, 0, events, &last, nevents};
+    pthread_t thread;
+    if (gap_ns > 0 && pthread_create(&thread, NULL, poll_run, &p)) return -1;
+    int64_t t = now_ns();
+    int r = 0;
+    for (long i = 0; i < n && !r; i++) {
+        r = ((launch_fn)launch)(fn, 1, 1, 1, 1, 1, 1, 0, stream, NULL, NULL);
+        if (!r) r = ((record_fn)record)(events[i % nevents], stream);
+        atomic_store(&last, i);
+    }
+    double per = (double)(now_ns() - t) / n;
+    if (gap_ns > 0) {
+        atomic_store(&p.stop, 1);
+        pthread_join(thread, NULL);
+    }
+    ((sync_fn)sync)(stream);
+    return r ? -r : per;
 }

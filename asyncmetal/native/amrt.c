@@ -400,7 +400,7 @@ static const char *cu_names[CU_NFUNCS] = {
     "cuEventRecord", "cuEventQuery", "cuEventSynchronize", "cuEventDestroy", "cuCtxSetCurrent",
     "cuStreamWaitEvent", "cuCtxGetCurrent", "cuMemcpyDtoDAsync", "cuMemcpyPeerAsync"};
 #define CU_ERROR_NOT_READY 600
-#define CU_POLL_GAP_NS 2000      /* at most this long between queries, ... */
+#define CU_POLL_GAP_NS 10000     /* at most this long between queries, ... */
 #define CU_POLL_QUIET_NS 500     /* ... or this long while no thread submits to the queue */
 
 const char *am_cuda_name(int i) { return i >= 0 && i < CU_NFUNCS ? cu_names[i] : "?"; }
@@ -435,7 +435,14 @@ typedef struct am_cuq {
     uint64_t submitted;             /* the last value handed to the completion thread */
     uint64_t wanted;                /* write the word for values up to this one */
     long spin_ns;
+    int sleeping;                   /* the completion thread waits on cv */
+    _Atomic(void *) spare;          /* an event for the next command, taken without the lock */
 } am_cuq;
+
+static void cuq_recycle(am_cuq *q, void *event) {  /* under q->mu */
+    if (q->events_count < q->events_cap) q->events[q->events_count++] = event;
+    else ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(event);
+}
 
 static void *cuq_run(void *arg) {
     am_cuq *q = arg;
@@ -451,7 +458,11 @@ static void *cuq_run(void *arg) {
             while (atomic_load(&q->pending) == 0 && now_ns() < deadline) sched_yield();
         }
         pthread_mutex_lock(&q->mu);
-        while (q->count == 0 && !q->stop) pthread_cond_wait(&q->cv, &q->mu);
+        while (q->count == 0 && !q->stop) {
+            q->sleeping = 1;  /* submissions signal the condition only then */
+            pthread_cond_wait(&q->cv, &q->mu);
+            q->sleeping = 0;
+        }
         if (q->count == 0) { pthread_mutex_unlock(&q->mu); return NULL; }
         am_cuentry e = q->ring[q->head];
         int failed = q->error;
@@ -483,10 +494,8 @@ static void *cuq_run(void *arg) {
         q->count--;
         atomic_fetch_sub(&q->pending, 1);
         if (r && !q->error) { q->error = r; q->error_value = e.value; }
-        int keep = q->events_count < q->events_cap;
-        if (keep) q->events[q->events_count++] = e.event;
+        cuq_recycle(q, e.event);
         pthread_mutex_unlock(&q->mu);
-        if (!keep) ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(e.event);
         if (e.extra && !r) am_timeline_poke(e.extra, e.extra_value);
         am_timeline_poke(q->timeline, r ? UINT64_MAX : e.value);
     }
@@ -531,20 +540,19 @@ static int cuq_enter(am_cuq *q) {
     return r ? cuq_fail(q, CU_CTX_SET, r) : 0;
 }
 
-/* Write the queue's value into its device word, record an event behind it and hand
- * both to the completion thread. Returns a CUresult (-1: out of memory). */
+/* Record an event behind the command, hand it to the completion thread and, if a device
+ * wait asked for this value before it was submitted, have the stream write it into the
+ * queue's device word. One pass under the lock: the hand-over, the word decision (so a
+ * waiter on another queue either finds the command's event or has its value written)
+ * and the event for the next command. Returns a CUresult (-1: out of memory). */
 static int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
                       long spin_ns) {
     int r;
-    void *event = NULL;
-    pthread_mutex_lock(&q->mu);
-    int write = value <= q->wanted;
-    if (q->events_count) event = q->events[--q->events_count];
-    pthread_mutex_unlock(&q->mu);
-    if (write) {
-        r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WRITE64])(
-            q->stream, (void *)q->word, value, 0);
-        if (r) return cuq_fail(q, CU_WRITE64, r);
+    void *event = atomic_exchange(&q->spare, NULL);
+    if (!event) {
+        pthread_mutex_lock(&q->mu);
+        if (q->events_count) event = q->events[--q->events_count];
+        pthread_mutex_unlock(&q->mu);
     }
     if (!event) {  /* CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING */
         r = ((int (*)(void **, unsigned))cu_funcs[CU_EVENT_CREATE])(&event, 0x1 | 0x2);
@@ -558,7 +566,11 @@ static int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t ex
     pthread_mutex_lock(&q->mu);
     if (q->count == q->cap) {
         am_cuentry *ring = malloc(2 * q->cap * sizeof *ring);
-        if (!ring) { pthread_mutex_unlock(&q->mu); return -1; }
+        if (!ring) {
+            cuq_recycle(q, event);  /* recorded, never handed over: reusable */
+            pthread_mutex_unlock(&q->mu);
+            return -1;
+        }
         for (size_t i = 0; i < q->count; i++) ring[i] = q->ring[(q->head + i) % q->cap];
         free(q->ring);
         q->ring = ring; q->head = 0; q->cap *= 2;
@@ -566,10 +578,31 @@ static int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t ex
     am_cuentry e = {event, value, extra, extra_value, spin_ns};
     q->ring[(q->head + q->count) % q->cap] = e;
     q->count++;
+    int write = value <= q->wanted;
     if (value > q->submitted) q->submitted = value;
+    void *spare = NULL;
+    if (q->events_count && !atomic_load(&q->spare)) spare = q->events[--q->events_count];
     atomic_fetch_add(&q->pending, 1);
-    pthread_cond_signal(&q->cv);
+    if (q->sleeping) pthread_cond_signal(&q->cv);
     pthread_mutex_unlock(&q->mu);
+    if (spare) {
+        void *none = NULL;
+        if (!atomic_compare_exchange_strong(&q->spare, &none, spare)) {
+            pthread_mutex_lock(&q->mu);
+            cuq_recycle(q, spare);
+            pthread_mutex_unlock(&q->mu);
+        }
+    }
+    if (write) {
+        r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WRITE64])(
+            q->stream, (void *)q->word, value, 0);
+        if (r) {  /* handed over already: the queue fails from this command on */
+            pthread_mutex_lock(&q->mu);
+            if (!q->error) { q->error = r; q->error_value = value; }
+            pthread_mutex_unlock(&q->mu);
+            return cuq_fail(q, CU_WRITE64, r);
+        }
+    }
     return 0;
 }
 
@@ -694,9 +727,12 @@ void am_cuq_close(am_cuq *q, int abandon) {
     pthread_cond_signal(&q->cv);
     pthread_mutex_unlock(&q->mu);
     pthread_join(q->thread, NULL);
-    if (!abandon)
+    if (!abandon) {
         for (size_t i = 0; i < q->events_count; i++)
             ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(q->events[i]);
+        void *spare = atomic_load(&q->spare);
+        if (spare) ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(spare);
+    }
     pthread_mutex_destroy(&q->mu);
     pthread_cond_destroy(&q->cv);
     free(q->ring); free(q->events); free(q);
