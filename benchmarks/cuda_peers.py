@@ -85,8 +85,8 @@ async def run(loop_name: str) -> dict[str, Any]:
         async def raw() -> None:
             raw_sync()  # blocks the loop: this is the floor, not a way to write async code
 
-        raw_launch_only_rate_warm_up = time.perf_counter() + 1.0  # see warm_up in the probe
-        while time.perf_counter() < raw_launch_only_rate_warm_up:
+        warm_until = time.perf_counter() + 1.0  # see warm_up in the probe
+        while time.perf_counter() < warm_until:
             raw_sync()
 
         def raw_launch_only_rate(n: int = 20000) -> float:
@@ -377,6 +377,43 @@ async def compiles(workers: int, n: int = 64) -> dict[str, Any]:
     return await pool_vs_serial(CUDACompiler("sm_90"), serial, pooled, workers)
 
 
+async def peer_copy(n: int = 1 << 30, rounds: int = 5) -> dict[str, Any]:
+    """1 GiB cuda:0 -> cuda:1: raw ``cuMemcpyPeerAsync`` + synchronize, and ``am.copy``
+    (ordered on cuda:1's queue by timelines), alternated."""
+    async with am.open_device("cuda:0") as d0, am.open_device("cuda:1") as d1:
+        a, b = await d0.alloc(n), await d1.alloc(n)
+        await a.write(np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8))
+        b0, b1 = d0._backend, d1._backend
+        b1.make_current()
+        stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "stream")
+        can = check(cu.cuDeviceCanAccessPeer(b1.device, b0.device), "cuDeviceCanAccessPeer")
+        raw, ours = [], []
+        for _ in range(rounds):
+            b1.make_current()
+            t0 = time.perf_counter()
+            check(
+                cu.cuMemcpyPeerAsync(
+                    b._allocation.handle, b1.context, a._allocation.handle, b0.context, n, stream
+                ),
+                "cuMemcpyPeerAsync",
+            )
+            check(cu.cuStreamSynchronize(stream), "sync")
+            raw.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            await am.copy(b, a)
+            ours.append(time.perf_counter() - t0)
+        same = bool(np.array_equal(await a.read(), await b.read()))
+        check(cu.cuStreamDestroy(stream), "destroy")
+    return {
+        "bytes": n,
+        "can_access_peer": bool(can),
+        "raw_gbps": n / min(raw) / 1e9,
+        "asyncmetal_gbps": n / min(ours) / 1e9,
+        "ratio": min(raw) / min(ours),
+        "correct": same,
+    }
+
+
 def main() -> None:
     import faulthandler
 
@@ -399,6 +436,9 @@ def main() -> None:
         else:
             results[name] = asyncio.run(run(name))
         print(json.dumps(results[name], indent=1), flush=True)
+    if len([d for d in am.devices() if d.startswith("cuda:")]) >= 2:
+        results["peer_copy"] = asyncio.run(peer_copy())
+        print(json.dumps(results["peer_copy"], indent=1), flush=True)
     results["nvrtc"] = asyncio.run(compiles(8))
     print(json.dumps(results["nvrtc"], indent=1), flush=True)
     write_json(args.json, results)
