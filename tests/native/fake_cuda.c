@@ -1,0 +1,307 @@
+/* The cuda queues of asyncmetal's native runtime (amrt.c) against a simulated driver, so
+ * that their completion logic runs on machines without a GPU (tests/test_cuda_runtime.py).
+ *
+ * Each fake stream is a thread that runs its operations in order: kernels (a busy wait,
+ * then an entry in the stream's log; one may fault, which, as on a GPU, fails every call
+ * after it on that context), event records, 64-bit word writes and waits, event waits.
+ * A query reports an event done once the stream ran past its latest record.
+ *
+ * Checks, each printing "ok <name>" or exiting non-zero with a message:
+ *   order     a queue's timeline never reports a command its stream has not run
+ *   cross     waits of one queue on another's values, submitted from two threads before
+ *             and after those values exist: none deadlocks, each runs after its value
+ *   fault     a faulting kernel fails its completion and every later one, never reports
+ *             them as done, and the queue reports the first failed value
+ *   events    every event the queues made is destroyed by am_cuq_close
+ */
+#include AMRT_C
+#include <stdio.h>
+
+#define NOT_READY 600
+#define ILLEGAL_ADDRESS 700
+
+static void die(const char *what) { fprintf(stderr, "FAIL %s\n", what); exit(1); }
+
+static atomic_long events_made, events_destroyed;
+static atomic_int fault_code;  /* the context's sticky error once a kernel faulted */
+
+typedef struct { _Atomic int64_t recorded, done; } fake_event;
+
+enum { OP_KERNEL, OP_RECORD, OP_WRITE, OP_WAIT, OP_WAIT_EVENT };
+typedef struct {
+    int kind;
+    int64_t a;          /* kernel: duration ns; record/wait event: generation; word: value */
+    void *p;            /* kernel: its spec; record/wait event: the event; word: the word */
+    int64_t arg;        /* kernel: its first parameter */
+} op;
+
+typedef struct fake_stream {
+    pthread_t thread;
+    pthread_mutex_t mu;
+    op *ops;
+    size_t cap, head, tail;
+    atomic_int stop;
+    _Atomic int64_t log[1 << 16];  /* parameters of the kernels run, in order */
+    atomic_long ran;
+} fake_stream;
+
+typedef struct {
+    int fault;                     /* 1: this kernel faults */
+    fake_stream *check;            /* else: check at run time that `check` ran ... */
+    long at_least;                 /* ... at least this many kernels */
+} kernel;
+
+static void enqueue(fake_stream *s, op o) {
+    pthread_mutex_lock(&s->mu);
+    if (s->tail - s->head == s->cap) die("fake stream full");
+    s->ops[s->tail++ % s->cap] = o;
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void *stream_run(void *arg) {
+    fake_stream *s = arg;
+    for (;;) {
+        pthread_mutex_lock(&s->mu);
+        int have = s->head < s->tail;
+        op o = have ? s->ops[s->head % s->cap] : (op){0};
+        pthread_mutex_unlock(&s->mu);
+        if (!have) {
+            if (atomic_load(&s->stop)) return NULL;
+            sched_yield();
+            continue;
+        }
+        if (atomic_load(&fault_code) && o.kind != OP_RECORD) {
+            /* after a fault the context runs nothing (records stay pending) */
+        } else if (o.kind == OP_KERNEL) {
+            kernel *k = o.p;
+            int64_t end = now_ns() + o.a;
+            while (now_ns() < end) {}
+            if (k && k->fault) atomic_store(&fault_code, ILLEGAL_ADDRESS);
+            else {
+                if (k && k->check && atomic_load(&k->check->ran) < k->at_least)
+                    die("a stream ran a command before the value it waited for");
+                s->log[atomic_load(&s->ran) % (1 << 16)] = o.arg;
+                atomic_fetch_add(&s->ran, 1);
+            }
+        } else if (o.kind == OP_RECORD) {
+            if (!atomic_load(&fault_code)) atomic_store(&((fake_event *)o.p)->done, o.a);
+        } else if (o.kind == OP_WRITE) {
+            atomic_store((_Atomic uint64_t *)o.p, (uint64_t)o.a);
+        } else if (o.kind == OP_WAIT) {
+            while (atomic_load((_Atomic uint64_t *)o.p) < (uint64_t)o.a)
+                if (atomic_load(&s->stop) == 2) return NULL;
+        } else if (o.kind == OP_WAIT_EVENT) {
+            while (atomic_load(&((fake_event *)o.p)->done) < o.a)
+                if (atomic_load(&s->stop) == 2) return NULL;
+        }
+        pthread_mutex_lock(&s->mu);
+        s->head++;
+        pthread_mutex_unlock(&s->mu);
+    }
+}
+
+static fake_stream *stream_new(void) {
+    fake_stream *s = calloc(1, sizeof *s);
+    s->cap = 1 << 20;
+    s->ops = calloc(s->cap, sizeof(op));
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_create(&s->thread, NULL, stream_run, s);
+    return s;
+}
+
+static void stream_free(fake_stream *s, int abandon) {
+    atomic_store(&s->stop, abandon ? 2 : 1);
+    pthread_join(s->thread, NULL);
+    free(s->ops);
+    free(s);
+}
+
+/* ---- the driver functions amrt.c calls (its signatures) ---------------------------- */
+static int f_launch(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                    unsigned bz, unsigned shared, void *stream, void **params, void **extra) {
+    (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)extra;
+    if (atomic_load(&fault_code)) return atomic_load(&fault_code);
+    kernel *k = fn;
+    int64_t arg = params ? *(int64_t *)params[0] : 0;
+    enqueue(stream, (op){OP_KERNEL, 200 + (arg * 7919) % 3000, k, arg});
+    return 0;
+}
+static int f_record(void *e, void *stream) {
+    if (atomic_load(&fault_code)) return atomic_load(&fault_code);
+    fake_event *ev = e;
+    int64_t gen = atomic_fetch_add(&ev->recorded, 1) + 1;
+    enqueue(stream, (op){OP_RECORD, gen, ev, 0});
+    return 0;
+}
+static int f_query(void *e) {
+    fake_event *ev = e;
+    if (atomic_load(&fault_code)) return atomic_load(&fault_code);
+    return atomic_load(&ev->done) >= atomic_load(&ev->recorded) ? 0 : NOT_READY;
+}
+static int f_sync(void *e) {
+    int r;
+    while ((r = f_query(e)) == NOT_READY) sched_yield();
+    return r;
+}
+static int f_create(void **e, unsigned flags) {
+    (void)flags;
+    *e = calloc(1, sizeof(fake_event));
+    atomic_fetch_add(&events_made, 1);
+    return 0;
+}
+static int f_destroy(void *e) {
+    free(e);
+    atomic_fetch_add(&events_destroyed, 1);
+    return 0;
+}
+static int f_write(void *stream, void *word, uint64_t value, unsigned flags) {
+    (void)flags;
+    if (atomic_load(&fault_code)) return atomic_load(&fault_code);
+    enqueue(stream, (op){OP_WRITE, (int64_t)value, word, 0});
+    return 0;
+}
+static int f_wait(void *stream, void *word, uint64_t value, unsigned flags) {
+    (void)flags;
+    if (atomic_load(&fault_code)) return atomic_load(&fault_code);
+    enqueue(stream, (op){OP_WAIT, (int64_t)value, word, 0});
+    return 0;
+}
+static int f_wait_event(void *stream, void *e, unsigned flags) {
+    (void)flags;
+    fake_event *ev = e;
+    enqueue(stream, (op){OP_WAIT_EVENT, atomic_load(&ev->recorded), ev, 0});
+    return 0;
+}
+static int f_ctx_set(void *ctx) { (void)ctx; return 0; }
+static int f_ctx_get(void **ctx) { *ctx = (void *)1; return 0; }
+static int f_unused(void) { die("a driver call the queues should not make"); return 1; }
+
+typedef struct {
+    fake_stream *s;
+    am_timeline *t;
+    uint64_t *word;
+    am_cuq *q;
+} fake_queue;
+
+static fake_queue queue_new(void) {
+    fake_queue f;
+    f.s = stream_new();
+    f.t = am_timeline_new();
+    f.word = calloc(1, sizeof(uint64_t));
+    am_timeline_set_word(f.t, f.word);
+    f.q = am_cuq_new((void *)1, f.s, f.t, 30000);
+    if (!f.q) die("am_cuq_new");
+    return f;
+}
+
+static void queue_free(fake_queue f, int abandon) {
+    am_cuq_close(f.q, abandon);
+    stream_free(f.s, abandon);
+    am_timeline_free(f.t);
+    free(f.word);
+}
+
+static const unsigned dims[7] = {1, 1, 1, 1, 1, 1, 0};
+
+static int launch(fake_queue f, kernel *k, int64_t arg, uint64_t value) {
+    void *params[1] = {&arg};
+    return am_cuq_launch(f.q, k, dims, params, value);
+}
+
+static void check_order(void) {
+    fake_queue f = queue_new();
+    const uint64_t n = 20000;
+    for (uint64_t v = 1; v <= n; v++) {
+        if (launch(f, NULL, (int64_t)v, v)) die("order: launch failed");
+        uint64_t reached = am_timeline_value(f.t);
+        if ((long)reached > atomic_load(&f.s->ran)) die("order: confirmed before it ran");
+    }
+    while (am_timeline_value(f.t) < n) {
+        uint64_t reached = am_timeline_value(f.t);
+        if ((long)reached > atomic_load(&f.s->ran)) die("order: confirmed before it ran");
+    }
+    for (uint64_t i = 0; i < n; i++)  /* n < the log's length */
+        if (f.s->log[i] != (int64_t)i + 1) die("order: the stream ran commands out of order");
+    queue_free(f, 0);
+    puts("ok order");
+}
+
+typedef struct { fake_queue a; uint64_t n; } producer;
+
+static void *produce(void *arg) {
+    producer *p = arg;
+    for (uint64_t v = 1; v <= p->n; v++) {
+        if (launch(p->a, NULL, (int64_t)v, v)) die("cross: launch on a failed");
+        if (v % 64 == 0) sched_yield();
+    }
+    return NULL;
+}
+
+static void check_cross(void) {
+    fake_queue a = queue_new(), b = queue_new();
+    producer p = {a, 4000};
+    pthread_t thread;
+    pthread_create(&thread, NULL, produce, &p);
+    static kernel checks[4000];
+    uint64_t value = 0;
+    for (uint64_t k = 7; k <= p.n; k += 7) {  /* some before a submits them, some after */
+        if (am_cuq_wait_queue(b.q, a.q, k)) die("cross: wait failed");
+        checks[value] = (kernel){0, a.s, (long)k};
+        value++;
+        if (launch(b, &checks[value - 1], (int64_t)k, value)) die("cross: launch on b failed");
+    }
+    int64_t deadline = now_ns() + 20000000000LL;
+    while (am_timeline_value(b.t) < value)
+        if (now_ns() > deadline) die("cross: b never finished (a wait on a's word hangs)");
+    pthread_join(thread, NULL);
+    while (am_timeline_value(a.t) < p.n) {}
+    queue_free(a, 0);
+    queue_free(b, 0);
+    puts("ok cross");
+}
+
+static void check_fault(void) {
+    fake_queue f = queue_new();
+    static kernel faulty = {1, NULL, 0};
+    uint64_t v = 0;
+    for (int i = 0; i < 50; i++)
+        if (launch(f, NULL, i, ++v)) die("fault: launch before the fault failed");
+    uint64_t first = v + 1;
+    if (launch(f, &faulty, 0, ++v)) die("fault: the faulting launch was refused at once");
+    int r = 0;
+    for (int i = 0; i < 50 && !r; i++) r = launch(f, NULL, i, ++v);  /* refused once it hit */
+    while (am_timeline_value(f.t) != UINT64_MAX) {
+        uint64_t reached = am_timeline_value(f.t);
+        if (reached >= first && reached != UINT64_MAX) die("fault: a failed command was done");
+    }
+    uint64_t at = 0;
+    int code = am_cuq_error(f.q, &at);
+    if (code != ILLEGAL_ADDRESS) die("fault: the queue does not report the fault");
+    if (at < first - 50 || at > first) die("fault: the first failed value is wrong");
+    if (launch(f, NULL, 0, ++v) != ILLEGAL_ADDRESS) die("fault: a later launch succeeded");
+    queue_free(f, 1);
+    atomic_store(&fault_code, 0);
+    puts("ok fault");
+}
+
+int main(void) {
+    for (int i = 0; i < CU_NFUNCS; i++) am_cuda_set(i, (void *)f_unused);
+    am_cuda_set(CU_LAUNCH, (void *)f_launch);
+    am_cuda_set(CU_WRITE64, (void *)f_write);
+    am_cuda_set(CU_WAIT64, (void *)f_wait);
+    am_cuda_set(CU_EVENT_CREATE, (void *)f_create);
+    am_cuda_set(CU_EVENT_RECORD, (void *)f_record);
+    am_cuda_set(CU_EVENT_QUERY, (void *)f_query);
+    am_cuda_set(CU_EVENT_SYNC, (void *)f_sync);
+    am_cuda_set(CU_EVENT_DESTROY, (void *)f_destroy);
+    am_cuda_set(CU_CTX_SET, (void *)f_ctx_set);
+    am_cuda_set(CU_WAIT_EVENT, (void *)f_wait_event);
+    am_cuda_set(CU_CTX_GET, (void *)f_ctx_get);
+    check_order();
+    check_cross();
+    if (atomic_load(&events_made) != atomic_load(&events_destroyed))
+        die("events: am_cuq_close left events behind");
+    puts("ok events");
+    check_fault();
+    return 0;
+}
