@@ -9,6 +9,7 @@ import anyio
 import numpy as np
 
 import asyncmetal as am
+from asyncmetal import _native
 
 # Three stages on three queues, ordered by one timeline, compiled while the first runs.
 DEMO_KERNELS = {
@@ -27,6 +28,12 @@ def info() -> None:
         print("no devices can be opened here")
     for name in names:
         print(f"  {name}")
+    if _native.compiler() is not None:
+        _native.runtime()
+        if _native.extension() is not None:
+            print("native runtime: with its extension module (launches without ctypes)")
+        else:
+            print(f"native runtime: ctypes only ({_native.extension_error})")
 
 
 async def demo(name: str | None) -> None:
