@@ -158,6 +158,7 @@ async def run(loop_name: str) -> dict[str, Any]:
             lambda: check(cu.cuStreamSynchronize(stream), "sync"),
         )
         out["asyncmetal_parts_us"] = latency_parts(q, empty, raw_parts)
+        out["asyncmetal_completion_stats_after_latencies"] = q._native.stats()  # type: ignore[attr-defined]
         if out["extension"]:
             out["asyncmetal_ctypes_parts_us"] = latency_parts(q_ctypes, empty)
 
@@ -183,6 +184,7 @@ async def run(loop_name: str) -> dict[str, Any]:
         out["tasks64_per_s"] = statistics.median(rates)
         out["tasks64_rounds"] = {"raw_launch_only_per_s": raw_rates, "tasks64_per_s": rates}
         out["tasks64_fraction_of_raw"] = out["tasks64_per_s"] / out["raw_launch_only_per_s"]
+        out["asyncmetal_completion_stats_after_tasks64"] = q._native.stats()  # type: ignore[attr-defined]
 
         progress("64 tasks done")
         # -- CPU while awaiting a 100 ms kernel ---------------------------------------

@@ -86,6 +86,29 @@ async def test_launch_paths_give_the_same_results(anyio_backend: object, path: s
             assert (got[:2] == 99).all() and (got[2:] == value).all(), value
 
 
+async def test_submitting_while_a_long_kernel_is_waited_for(anyio_backend: object) -> None:
+    """A completion thread blocked on a long kernel's event holds up no submission: not
+    on its own stream, not on another; and the other stream's work finishes first."""
+    async with am.open_device("cuda:0") as dev:
+        sleep = await dev.compile(KERNELS, "sleep_us")
+        empty = await dev.compile(KERNELS, "empty")
+        q, other = dev.new_queue(), dev.new_queue()
+        await q.launch(empty)
+        long = q.launch(sleep, vals=(300_000,), local_size=1)  # ~300 ms
+        await anyio.sleep(0.05)
+        assert q._native.stats()["blocking_waits"] >= 1  # type: ignore[attr-defined]
+        took = {}
+        for name, queue in (("other", other), ("same", q)):
+            t0 = time.perf_counter()
+            done = queue.launch(empty)
+            took[name] = time.perf_counter() - t0
+        assert max(took.values()) < 0.02, took
+        await other.synchronize()
+        assert not long.done()
+        await done
+        assert long.done()
+
+
 async def test_compile_errors(anyio_backend: object) -> None:
     async with am.open_device("cuda:0") as dev:
         with pytest.raises(am.CompileError) as info:

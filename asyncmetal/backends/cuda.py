@@ -357,6 +357,14 @@ class CUDAQueue(NativeQueue):
             return driver_error(f"the command at value {first} on this stream", code)
         return None
 
+    def stats(self) -> dict[str, int]:
+        """How this stream's completion thread worked: event queries, blocking waits on
+        events that polling found unfinished, events created (for benchmarks)."""
+        out = (ctypes.c_uint64 * 3)()
+        if self._q is not None:
+            self._lib.am_cuq_stats(self._q, out)
+        return {"queries": out[0], "blocking_waits": out[1], "events_made": out[2]}
+
     def _first_error(self) -> tuple[int, int]:
         if self._q is not None:
             first = ctypes.c_uint64()

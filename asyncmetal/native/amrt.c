@@ -437,6 +437,7 @@ typedef struct am_cuq {
     long spin_ns;
     int sleeping;                   /* the completion thread waits on cv */
     _Atomic(void *) spare;          /* an event for the next command, taken without the lock */
+    atomic_ulong queries, syncs, events_made;  /* statistics (am_cuq_stats) */
 } am_cuq;
 
 static void cuq_recycle(am_cuq *q, void *event) {  /* under q->mu */
@@ -481,13 +482,22 @@ static void *cuq_run(void *arg) {
                 int64_t since = t - last;
                 if (since >= CU_POLL_GAP_NS ||
                     (since >= CU_POLL_QUIET_NS && atomic_load(&q->submitting) == 0)) {
+                    atomic_fetch_add(&q->queries, 1);
                     if ((r = query(e.event)) != CU_ERROR_NOT_READY) break;
                     last = t;
                 }
                 sched_yield();
                 t = now_ns();
             }
-            if (r == CU_ERROR_NOT_READY) r = sync(e.event);
+            if (r == CU_ERROR_NOT_READY) {  /* a last look: this thread may have been off
+                                               the CPU through its whole window */
+                atomic_fetch_add(&q->queries, 1);
+                r = query(e.event);
+            }
+            if (r == CU_ERROR_NOT_READY) {
+                atomic_fetch_add(&q->syncs, 1);
+                r = sync(e.event);
+            }
         }
         pthread_mutex_lock(&q->mu);
         q->head = (q->head + 1) % q->cap;
@@ -557,6 +567,7 @@ static int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t ex
     if (!event) {  /* CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING */
         r = ((int (*)(void **, unsigned))cu_funcs[CU_EVENT_CREATE])(&event, 0x1 | 0x2);
         if (r) return cuq_fail(q, CU_EVENT_CREATE, r);
+        atomic_fetch_add(&q->events_made, 1);
     }
     r = ((int (*)(void *, void *))cu_funcs[CU_EVENT_RECORD])(event, q->stream);
     if (r) {
@@ -709,6 +720,14 @@ int am_cuq_wait(am_cuq *q, void *word, uint64_t value) {
 }
 
 int am_cuq_failed_call(am_cuq *q) { return q->failed_call; }
+
+/* How the completion thread has worked so far: event queries, blocking waits on an
+ * event (after polling found it unfinished), events created. */
+void am_cuq_stats(am_cuq *q, uint64_t *out) {
+    out[0] = atomic_load(&q->queries);
+    out[1] = atomic_load(&q->syncs);
+    out[2] = atomic_load(&q->events_made);
+}
 
 int am_cuq_error(am_cuq *q, uint64_t *value) {
     pthread_mutex_lock(&q->mu);
