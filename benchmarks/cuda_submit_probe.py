@@ -157,7 +157,7 @@ async def main() -> dict[str, Any]:
 
             def extension_call() -> None:
                 counter[0] += 1
-                fast(handle, fn, dims, [], counter[0])
+                fast(handle, fn, (1, 1, 1), (1, 1, 1), [], counter[0])
 
             out["extension_cuq_launch"] = per_call_us(extension_call, wait_all)
         out["backend_launch_hook"] = per_call_us(hook, wait_all)

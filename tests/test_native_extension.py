@@ -49,12 +49,17 @@ def test_extension_refuses_bad_arguments_without_crashing() -> None:
         extension.queue_call(1, 2, [(1, 2)], 3, 4)  # not (handle, offset, val)
     with pytest.raises(ValueError, match="at most 16"):
         extension.queue_call(1, 2, [(None, 0, 1)] * 17, 3, 4)
+    one = (1, 1, 1)
     with pytest.raises(ValueError, match="null queue"):
-        extension.cuq_launch(0, 0, 0, [], 1)
+        extension.cuq_launch(0, 0, one, one, [], 1)
+    with pytest.raises(TypeError, match="3-tuples"):
+        extension.cuq_launch(1, 0, (1, 1), one, [], 1)
+    with pytest.raises(ValueError, match="launch sizes"):
+        extension.cuq_launch(1, 0, one, (1, 0, 1), [], 1)
     with pytest.raises(ValueError, match="at most 64"):
-        extension.cuq_launch(1, 0, 1, [(None, 0, 1)] * 65, 1)
+        extension.cuq_launch(1, 0, one, one, [(None, 0, 1)] * 65, 1)
     with pytest.raises(OverflowError):
-        extension.cuq_launch(1, 0, 1, [(None, 0, 1 << 70)], 1)
+        extension.cuq_launch(1, 0, one, one, [(None, 0, 1 << 70)], 1)
 
 
 @pytest.mark.parametrize("path", ["extension", "ctypes"])

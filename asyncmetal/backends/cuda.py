@@ -383,14 +383,14 @@ class CUDAQueue(NativeQueue):
     ) -> None:
         if len(args) > MAX_PARAMS:
             raise AsyncMetalError(f"cuda kernels take at most {MAX_PARAMS} parameters here")
-        dims = self._dims.get((global_size, local_size))
-        if dims is None:
-            dims = self._launch_dims(global_size, local_size)
         # One native call, which makes the context current (through the extension, which
-        # packs the arguments itself, where it could be built).
+        # packs the arguments and works out the grid itself, where it could be built).
         if self._fast_launch is not None:
-            code = self._fast_launch(self._q, program, dims, args, value)
+            code = self._fast_launch(self._q, program, global_size, local_size, args, value)
         else:
+            dims = self._dims.get((global_size, local_size))
+            if dims is None:
+                dims = self._launch_dims(global_size, local_size)
             slots = self._slots
             for i, (handle, offset, val) in enumerate(args):
                 slots[i] = (handle + offset) if val is None else (val & 0xFFFFFFFF)

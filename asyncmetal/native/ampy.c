@@ -78,7 +78,30 @@ static PyObject *py_queue_call(PyObject *self, PyObject *const *a, Py_ssize_t n)
     return PyLong_FromLong(am_queue_call(q, fn, nargs, slots, row, value));
 }
 
-/* cuq_launch(queue, function, dims, args, value) -> am_cuq_launch's CUresult.
+/* The launch sizes: grid = ceil(global / local) and block = local, per dimension, from
+ * two 3-tuples of ints >= 1 (asyncmetal.Queue checked them), no shared memory. */
+static int launch_dims(PyObject *global, PyObject *local, unsigned *dims) {
+    if (!PyTuple_Check(global) || !PyTuple_Check(local) || PyTuple_GET_SIZE(global) != 3 ||
+        PyTuple_GET_SIZE(local) != 3) {
+        PyErr_SetString(PyExc_TypeError, "global and local sizes must be 3-tuples");
+        return -1;
+    }
+    for (int i = 0; i < 3; i++) {
+        unsigned long g = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(global, i));
+        unsigned long l = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(local, i));
+        if (PyErr_Occurred()) return -1;
+        if (!g || !l || g > UINT32_MAX || l > UINT32_MAX) {
+            PyErr_SetString(PyExc_ValueError, "launch sizes must be in [1, 2**32)");
+            return -1;
+        }
+        dims[i] = (unsigned)((g + l - 1) / l);
+        dims[3 + i] = (unsigned)l;
+    }
+    dims[6] = 0;
+    return 0;
+}
+
+/* cuq_launch(queue, function, global, local, args, value) -> am_cuq_launch's CUresult.
  * Values are int32 kernel parameters (the low half of their slot). The GIL is released
  * around the driver calls: a driver thread holding a driver lock may be waiting for it
  * (a host function that runs Python, numba-cuda #317). */
@@ -86,16 +109,17 @@ static PyObject *py_cuq_launch(PyObject *self, PyObject *const *a, Py_ssize_t n)
     (void)self;
     int64_t slots[AM_MAX_PARAMS];
     void *params[AM_MAX_PARAMS];
-    if (take_args(a, n, 5, "cuq_launch")) return NULL;
+    unsigned dims[7];
+    if (take_args(a, n, 6, "cuq_launch")) return NULL;
     void *q = PyLong_AsVoidPtr(a[0]), *fn = PyLong_AsVoidPtr(a[1]);
-    const unsigned *dims = PyLong_AsVoidPtr(a[2]);
-    uint64_t value = PyLong_AsUnsignedLongLong(a[4]);
+    uint64_t value = PyLong_AsUnsignedLongLong(a[5]);
     if (PyErr_Occurred()) return NULL;
-    if (!q || !dims) {
-        PyErr_SetString(PyExc_ValueError, "cuq_launch: null queue or dims");
+    if (!q) {
+        PyErr_SetString(PyExc_ValueError, "cuq_launch: null queue");
         return NULL;
     }
-    int nargs = pack_args(a[3], slots, AM_MAX_PARAMS, 0);
+    if (launch_dims(a[2], a[3], dims)) return NULL;
+    int nargs = pack_args(a[4], slots, AM_MAX_PARAMS, 0);
     if (nargs < 0) return NULL;
     for (int i = 0; i < nargs; i++) params[i] = &slots[i];
     int r;
@@ -139,7 +163,7 @@ static PyMethodDef methods[] = {
     {"queue_call", (PyCFunction)(void (*)(void))py_queue_call, METH_FASTCALL,
      "queue_call(queue, fn, args, times_row, value) -> status"},
     {"cuq_launch", (PyCFunction)(void (*)(void))py_cuq_launch, METH_FASTCALL,
-     "cuq_launch(queue, function, dims, args, value) -> CUresult"},
+     "cuq_launch(queue, function, global, local, args, value) -> CUresult"},
     {"spin", (PyCFunction)(void (*)(void))py_spin, METH_FASTCALL,
      "spin(timeline, value, max_ns) -> whether the timeline reached value"},
     {"address_of", py_address_of, METH_O, "address_of(name) -> int"},
