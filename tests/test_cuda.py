@@ -251,6 +251,28 @@ async def test_peer_copies_and_stress_on_two_gpus(anyio_backend: object) -> None
         await interleavings([d0, d1], mixes, MIX_LAUNCH, seed=5, steps=800)
 
 
+@two_gpus
+async def test_two_gpus_opened_can_read_each_others_memory(anyio_backend: object) -> None:
+    """Opening a second GPU enables peer access both ways where the hardware allows."""
+    from asyncmetal.backends.cuda import cu
+
+    async with am.open_device("cuda:0") as d0, am.open_device("cuda:1") as d1:
+        b0, b1 = d0._backend, d1._backend
+        for src, dst in ((b0, b1), (b1, b0)):
+            (err, can) = cu.cuDeviceCanAccessPeer(src.device, dst.device)  # type: ignore[attr-defined]
+            if not can:
+                continue
+            src.make_current()  # type: ignore[attr-defined]
+            (err,) = cu.cuCtxEnablePeerAccess(dst.context, 0)  # type: ignore[attr-defined]
+            assert err == cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, err
+        n = 64 << 20
+        a, b = await d0.alloc(n), await d1.alloc(n)
+        data = np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8)
+        await a.write(data)
+        await am.copy(b, a)
+        assert np.array_equal(await b.read(), data)
+
+
 async def test_stress_one_gpu_three_queues(anyio_backend: object) -> None:
     async with am.open_device("cuda:0") as d0:
         mix = await d0.compile(KERNELS, "mix")
