@@ -96,7 +96,8 @@ async def test_submitting_while_a_long_kernel_is_waited_for(anyio_backend: objec
         await q.launch(empty)
         long = q.launch(sleep, vals=(300_000,), local_size=1)  # ~300 ms
         await anyio.sleep(0.05)
-        assert q._native.stats()["blocking_waits"] >= 1  # type: ignore[attr-defined]
+        stats = q._native.stats()  # type: ignore[attr-defined]
+        assert stats["napping_waits"] + stats["blocking_waits"] >= 1, stats
         took = {}
         for name, queue in (("other", other), ("same", q)):
             t0 = time.perf_counter()
@@ -107,6 +108,34 @@ async def test_submitting_while_a_long_kernel_is_waited_for(anyio_backend: objec
         assert not long.done()
         await done
         assert long.done()
+
+
+async def test_long_commands_switch_a_queue_to_blocking_events(anyio_backend: object) -> None:
+    """Quick commands get plain events (polled, no interrupt each); a command that runs
+    long is waited for with naps and the next ones get blocking-sync events (blocked on,
+    costing no CPU), until commands are quick again."""
+    async with am.open_device("cuda:0") as dev:
+        sleep = await dev.compile(KERNELS, "sleep_us")
+        empty = await dev.compile(KERNELS, "empty")
+        q = dev.new_queue()
+
+        async def until_plain() -> None:
+            for _ in range(200):
+                await q.launch(empty)
+                if not q._native.stats()["blocking_now"]:  # type: ignore[attr-defined]
+                    return
+            raise AssertionError("quick commands kept blocking-sync events")
+
+        await until_plain()
+        before = q._native.stats()  # type: ignore[attr-defined]
+        await q.launch(sleep, vals=(20_000,), local_size=1)  # ~20 ms
+        after_one = q._native.stats()  # type: ignore[attr-defined]
+        assert after_one["napping_waits"] == before["napping_waits"] + 1, after_one
+        assert after_one["blocking_now"] == 1, after_one
+        await q.launch(sleep, vals=(20_000,), local_size=1)
+        after_two = q._native.stats()  # type: ignore[attr-defined]
+        assert after_two["blocking_waits"] == after_one["blocking_waits"] + 1, after_two
+        await until_plain()
 
 
 async def test_compile_errors(anyio_backend: object) -> None:

@@ -358,12 +358,15 @@ class CUDAQueue(NativeQueue):
         return None
 
     def stats(self) -> dict[str, int]:
-        """How this stream's completion thread worked: event queries, blocking waits on
-        events that polling found unfinished, events created (for benchmarks)."""
-        out = (ctypes.c_uint64 * 3)()
+        """How this stream's completion thread worked: event queries; waits, after
+        polling found a command unfinished, blocked on its blocking-sync event or with
+        naps on its plain one; events created; whether commands get blocking-sync events
+        now (after a long one). For benchmarks and tests."""
+        out = (ctypes.c_uint64 * 5)()
         if self._q is not None:
             self._lib.am_cuq_stats(self._q, out)
-        return {"queries": out[0], "blocking_waits": out[1], "events_made": out[2]}
+        keys = ("queries", "blocking_waits", "napping_waits", "events_made", "blocking_now")
+        return dict(zip(keys, out, strict=True))
 
     def _first_error(self) -> tuple[int, int]:
         if self._q is not None:

@@ -412,6 +412,7 @@ typedef struct {
     am_timeline *extra;             /* a timeline this command signals, or NULL */
     uint64_t extra_value;
     long spin_ns;                   /* how long to poll before blocking on the event */
+    int blocking;                   /* its event wakes a thread blocked on it (interrupt) */
 } am_cuentry;
 
 typedef struct am_cuq {
@@ -423,8 +424,8 @@ typedef struct am_cuq {
     pthread_cond_t cv;
     am_cuentry *ring;
     size_t cap, head, count;
-    void **events;                  /* finished events, for reuse */
-    size_t events_cap, events_count;
+    void **events[2];               /* finished events for reuse: plain, blocking-sync */
+    size_t events_cap, events_count[2];
     atomic_size_t pending;          /* entries pushed and not yet confirmed */
     atomic_int submitting;          /* threads inside a submission (driver calls) now */
     int stop;
@@ -436,13 +437,22 @@ typedef struct am_cuq {
     uint64_t wanted;                /* write the word for values up to this one */
     long spin_ns;
     int sleeping;                   /* the completion thread waits on cv */
-    _Atomic(void *) spare;          /* an event for the next command, taken without the lock */
-    atomic_ulong queries, syncs, events_made;  /* statistics (am_cuq_stats) */
+    _Atomic(void *) spare[2];       /* an event for the next command, taken without the lock */
+    atomic_int blocking;            /* commands get blocking-sync events (they run long) */
+    int quick;                      /* blocking events confirmed while polling, in a row */
+    atomic_ulong queries, syncs, naps, events_made;  /* statistics (am_cuq_stats) */
 } am_cuq;
 
-static void cuq_recycle(am_cuq *q, void *event) {  /* under q->mu */
-    if (q->events_count < q->events_cap) q->events[q->events_count++] = event;
-    else ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(event);
+static void cuq_recycle(am_cuq *q, void *event, int blocking) {  /* under q->mu */
+    if (q->events_count[blocking] < q->events_cap)
+        q->events[blocking][q->events_count[blocking]++] = event;
+    else
+        ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(event);
+}
+
+static void nap_ns(long ns) {
+    struct timespec ts = {ns / 1000000000L, ns % 1000000000L};
+    nanosleep(&ts, NULL);
 }
 
 static void *cuq_run(void *arg) {
@@ -495,16 +505,40 @@ static void *cuq_run(void *arg) {
                 r = query(e.event);
             }
             if (r == CU_ERROR_NOT_READY) {
-                atomic_fetch_add(&q->syncs, 1);
-                r = sync(e.event);
+                /* A command that runs long. Blocking-sync events cost every command an
+                 * interrupt, which on some of the H200 VMs made each launch + record
+                 * take 30-50 us instead of ~5: so commands get plain events, polled,
+                 * until one outlasts its polling window; it is waited for with naps
+                 * (20 us doubling to 1 ms) and the commands after it get blocking-sync
+                 * events, which this thread then sleeps on, until 16 in a row are
+                 * confirmed while polling. */
+                q->quick = 0;
+                if (e.blocking) {
+                    atomic_fetch_add(&q->syncs, 1);
+                    r = sync(e.event);
+                } else {
+                    atomic_store(&q->blocking, 1);
+                    atomic_fetch_add(&q->naps, 1);
+                    for (long nap = 20000; (r = query(e.event)) == CU_ERROR_NOT_READY;) {
+                        nap_ns(nap);
+                        if (nap < 1000000) nap *= 2;
+                    }
+                }
+            } else if (e.blocking && ++q->quick >= 16) {
+                atomic_store(&q->blocking, 0);
+                q->quick = 0;
             }
         }
         pthread_mutex_lock(&q->mu);
+        if (q->count == 0) {  /* abandoned (am_cuq_close) meanwhile: nothing to pop */
+            pthread_mutex_unlock(&q->mu);
+            continue;
+        }
         q->head = (q->head + 1) % q->cap;
         q->count--;
         atomic_fetch_sub(&q->pending, 1);
         if (r && !q->error) { q->error = r; q->error_value = e.value; }
-        cuq_recycle(q, e.event);
+        cuq_recycle(q, e.event, e.blocking);
         pthread_mutex_unlock(&q->mu);
         if (e.extra && !r) am_timeline_poke(e.extra, e.extra_value);
         am_timeline_poke(q->timeline, r ? UINT64_MAX : e.value);
@@ -519,7 +553,8 @@ am_cuq *am_cuq_new(void *ctx, void *stream, am_timeline *timeline, long spin_ns)
     q->cap = 256;
     q->ring = calloc(q->cap, sizeof *q->ring);
     q->events_cap = 4096;
-    q->events = calloc(q->events_cap, sizeof(void *));
+    q->events[0] = calloc(q->events_cap, sizeof(void *));
+    q->events[1] = calloc(q->events_cap, sizeof(void *));
     q->ctx = ctx;
     q->stream = stream;
     q->timeline = timeline;
@@ -527,8 +562,9 @@ am_cuq *am_cuq_new(void *ctx, void *stream, am_timeline *timeline, long spin_ns)
     q->spin_ns = spin_ns;
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->cv, NULL);
-    if (!q->ring || !q->events || pthread_create(&q->thread, NULL, cuq_run, q) != 0) {
-        free(q->ring); free(q->events); free(q);
+    if (!q->ring || !q->events[0] || !q->events[1] ||
+        pthread_create(&q->thread, NULL, cuq_run, q) != 0) {
+        free(q->ring); free(q->events[0]); free(q->events[1]); free(q);
         return NULL;
     }
     return q;
@@ -557,15 +593,15 @@ static int cuq_enter(am_cuq *q) {
  * and the event for the next command. Returns a CUresult (-1: out of memory). */
 static int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
                       long spin_ns) {
-    int r;
-    void *event = atomic_exchange(&q->spare, NULL);
+    int r, k = atomic_load(&q->blocking);  /* which kind of event the command gets */
+    void *event = atomic_exchange(&q->spare[k], NULL);
     if (!event) {
         pthread_mutex_lock(&q->mu);
-        if (q->events_count) event = q->events[--q->events_count];
+        if (q->events_count[k]) event = q->events[k][--q->events_count[k]];
         pthread_mutex_unlock(&q->mu);
     }
-    if (!event) {  /* CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING */
-        r = ((int (*)(void **, unsigned))cu_funcs[CU_EVENT_CREATE])(&event, 0x1 | 0x2);
+    if (!event) {  /* CU_EVENT_DISABLE_TIMING, | CU_EVENT_BLOCKING_SYNC for k = 1 */
+        r = ((int (*)(void **, unsigned))cu_funcs[CU_EVENT_CREATE])(&event, k ? 0x1 | 0x2 : 0x2);
         if (r) return cuq_fail(q, CU_EVENT_CREATE, r);
         atomic_fetch_add(&q->events_made, 1);
     }
@@ -578,7 +614,7 @@ static int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t ex
     if (q->count == q->cap) {
         am_cuentry *ring = malloc(2 * q->cap * sizeof *ring);
         if (!ring) {
-            cuq_recycle(q, event);  /* recorded, never handed over: reusable */
+            cuq_recycle(q, event, k);  /* recorded, never handed over: reusable */
             pthread_mutex_unlock(&q->mu);
             return -1;
         }
@@ -586,21 +622,22 @@ static int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t ex
         free(q->ring);
         q->ring = ring; q->head = 0; q->cap *= 2;
     }
-    am_cuentry e = {event, value, extra, extra_value, spin_ns};
+    am_cuentry e = {event, value, extra, extra_value, spin_ns, k};
     q->ring[(q->head + q->count) % q->cap] = e;
     q->count++;
     int write = value <= q->wanted;
     if (value > q->submitted) q->submitted = value;
     void *spare = NULL;
-    if (q->events_count && !atomic_load(&q->spare)) spare = q->events[--q->events_count];
+    if (q->events_count[k] && !atomic_load(&q->spare[k]))
+        spare = q->events[k][--q->events_count[k]];
     atomic_fetch_add(&q->pending, 1);
     if (q->sleeping) pthread_cond_signal(&q->cv);
     pthread_mutex_unlock(&q->mu);
     if (spare) {
         void *none = NULL;
-        if (!atomic_compare_exchange_strong(&q->spare, &none, spare)) {
+        if (!atomic_compare_exchange_strong(&q->spare[k], &none, spare)) {
             pthread_mutex_lock(&q->mu);
-            cuq_recycle(q, spare);
+            cuq_recycle(q, spare, k);
             pthread_mutex_unlock(&q->mu);
         }
     }
@@ -721,12 +758,15 @@ int am_cuq_wait(am_cuq *q, void *word, uint64_t value) {
 
 int am_cuq_failed_call(am_cuq *q) { return q->failed_call; }
 
-/* How the completion thread has worked so far: event queries, blocking waits on an
- * event (after polling found it unfinished), events created. */
+/* How the completion thread has worked so far: event queries, blocking waits on a
+ * blocking-sync event, waits with naps on a plain one (after polling found them
+ * unfinished), events created, and whether commands now get blocking-sync events. */
 void am_cuq_stats(am_cuq *q, uint64_t *out) {
     out[0] = atomic_load(&q->queries);
     out[1] = atomic_load(&q->syncs);
-    out[2] = atomic_load(&q->events_made);
+    out[2] = atomic_load(&q->naps);
+    out[3] = atomic_load(&q->events_made);
+    out[4] = (uint64_t)atomic_load(&q->blocking);
 }
 
 int am_cuq_error(am_cuq *q, uint64_t *value) {
@@ -747,14 +787,16 @@ void am_cuq_close(am_cuq *q, int abandon) {
     pthread_mutex_unlock(&q->mu);
     pthread_join(q->thread, NULL);
     if (!abandon) {
-        for (size_t i = 0; i < q->events_count; i++)
-            ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(q->events[i]);
-        void *spare = atomic_load(&q->spare);
-        if (spare) ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(spare);
+        for (int k = 0; k < 2; k++) {
+            for (size_t i = 0; i < q->events_count[k]; i++)
+                ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(q->events[k][i]);
+            void *spare = atomic_load(&q->spare[k]);
+            if (spare) ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(spare);
+        }
     }
     pthread_mutex_destroy(&q->mu);
     pthread_cond_destroy(&q->cv);
-    free(q->ring); free(q->events); free(q);
+    free(q->ring); free(q->events[0]); free(q->events[1]); free(q);
 }
 
 /* ---- Objective-C blocks whose invoke functions never take the GIL ---------------------

@@ -12,6 +12,8 @@
  *             and after those values exist: none deadlocks, each runs after its value
  *   fault     a faulting kernel fails its completion and every later one, never reports
  *             them as done, and the queue reports the first failed value
+ *   long      events are plain until a command runs long, then blocking-sync (and blocked
+ *             on, never a plain one) until commands are quick again
  *   events    every event the queues made is destroyed by am_cuq_close
  */
 #include AMRT_C
@@ -25,7 +27,7 @@ static void die(const char *what) { fprintf(stderr, "FAIL %s\n", what); exit(1);
 static atomic_long events_made, events_destroyed;
 static atomic_int fault_code;  /* the context's sticky error once a kernel faulted */
 
-typedef struct { _Atomic int64_t recorded, done; } fake_event;
+typedef struct { _Atomic int64_t recorded, done; unsigned flags; } fake_event;
 
 enum { OP_KERNEL, OP_RECORD, OP_WRITE, OP_WAIT, OP_WAIT_EVENT };
 typedef struct {
@@ -47,6 +49,7 @@ typedef struct fake_stream {
 
 typedef struct {
     int fault;                     /* 1: this kernel faults */
+    long duration_ns;              /* how long it runs (0: a few us, by its parameter) */
     fake_stream *check;            /* else: check at run time that `check` ran ... */
     long at_least;                 /* ... at least this many kernels */
 } kernel;
@@ -74,6 +77,7 @@ static void *stream_run(void *arg) {
             /* after a fault the context runs nothing (records stay pending) */
         } else if (o.kind == OP_KERNEL) {
             kernel *k = o.p;
+            if (o.a >= 1000000) nap_ns((long)o.a);  /* a long kernel leaves the CPU */
             int64_t end = now_ns() + o.a;
             while (now_ns() < end) {}
             if (k && k->fault) atomic_store(&fault_code, ILLEGAL_ADDRESS);
@@ -123,7 +127,8 @@ static int f_launch(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     kernel *k = fn;
     int64_t arg = params ? *(int64_t *)params[0] : 0;
-    enqueue(stream, (op){OP_KERNEL, 200 + (arg * 7919) % 3000, k, arg});
+    int64_t duration = k && k->duration_ns ? k->duration_ns : 200 + (arg * 7919) % 3000;
+    enqueue(stream, (op){OP_KERNEL, duration, k, arg});
     return 0;
 }
 static int f_record(void *e, void *stream) {
@@ -140,12 +145,13 @@ static int f_query(void *e) {
 }
 static int f_sync(void *e) {
     int r;
+    if (!(((fake_event *)e)->flags & 0x1)) die("blocked on an event made without BLOCKING_SYNC");
     while ((r = f_query(e)) == NOT_READY) sched_yield();
     return r;
 }
 static int f_create(void **e, unsigned flags) {
-    (void)flags;
     *e = calloc(1, sizeof(fake_event));
+    ((fake_event *)*e)->flags = flags;
     atomic_fetch_add(&events_made, 1);
     return 0;
 }
@@ -246,7 +252,7 @@ static void check_cross(void) {
     uint64_t value = 0;
     for (uint64_t k = 7; k <= p.n; k += 7) {  /* some before a submits them, some after */
         if (am_cuq_wait_queue(b.q, a.q, k)) die("cross: wait failed");
-        checks[value] = (kernel){0, a.s, (long)k};
+        checks[value] = (kernel){0, 0, a.s, (long)k};
         value++;
         if (launch(b, &checks[value - 1], (int64_t)k, value)) die("cross: launch on b failed");
     }
@@ -262,7 +268,7 @@ static void check_cross(void) {
 
 static void check_fault(void) {
     fake_queue f = queue_new();
-    static kernel faulty = {1, NULL, 0};
+    static kernel faulty = {1, 0, NULL, 0};
     uint64_t v = 0;
     for (int i = 0; i < 50; i++)
         if (launch(f, NULL, i, ++v)) die("fault: launch before the fault failed");
@@ -284,6 +290,44 @@ static void check_fault(void) {
     puts("ok fault");
 }
 
+/* Commands get plain events (no interrupt each) until one outlasts the polling window:
+ * that one is waited for with naps, the next ones get blocking-sync events (and are
+ * blocked on), until 16 in a row finish while polled. */
+/* Quick commands until the queue gives plain events again (16 in a row confirmed while
+ * polling; on a busy machine with few cores a poll window is missed now and then). */
+static uint64_t until_plain(fake_queue f, uint64_t v, uint64_t *stats) {
+    for (int i = 0; i < 1000; i++) {
+        launch(f, NULL, i, ++v);
+        while (am_timeline_value(f.t) < v) nap_ns(20000);
+        am_cuq_stats(f.q, stats);
+        if (!stats[4]) return v;
+    }
+    die("long: quick commands kept blocking-sync events");
+    return v;
+}
+
+static void check_long(void) {
+    fake_queue f = queue_new();
+    static kernel slow = {0, 50000000, NULL, 0};  /* 50 ms */
+    uint64_t v = 0, before[5], stats[5];
+    am_cuq_stats(f.q, stats);
+    if (stats[4]) die("long: a new queue starts with blocking-sync events");
+    v = until_plain(f, v, before);
+    launch(f, &slow, 0, ++v);
+    while (am_timeline_value(f.t) < v) nap_ns(100000);
+    am_cuq_stats(f.q, stats);
+    if (stats[2] != before[2] + 1 || stats[1] != before[1] || stats[4] != 1)
+        die("long: a long command on a plain event was not napped on, or changed nothing");
+    launch(f, &slow, 0, ++v);
+    while (am_timeline_value(f.t) < v) nap_ns(100000);
+    am_cuq_stats(f.q, stats);
+    if (stats[1] != before[1] + 1 || stats[2] != before[2] + 1)
+        die("long: the next long command was not blocked on");
+    until_plain(f, v, stats);
+    queue_free(f, 0);
+    puts("ok long");
+}
+
 int main(void) {
     for (int i = 0; i < CU_NFUNCS; i++) am_cuda_set(i, (void *)f_unused);
     am_cuda_set(CU_LAUNCH, (void *)f_launch);
@@ -299,6 +343,7 @@ int main(void) {
     am_cuda_set(CU_CTX_GET, (void *)f_ctx_get);
     check_order();
     check_cross();
+    check_long();
     if (atomic_load(&events_made) != atomic_load(&events_destroyed))
         die("events: am_cuq_close left events behind");
     puts("ok events");
