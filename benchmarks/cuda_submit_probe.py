@@ -230,8 +230,11 @@ def native_probe(
     out["c_cuLaunchKernel"] = best(
         lambda: lib.probe_launch(launch, None, None, sync_ptr, fnp, stream, n)
     )
-    out["c_launch_and_record"] = best(
+    out["c_launch_and_record"] = best(  # a blocking-sync event
         lambda: lib.probe_launch(launch, record, p(event), sync_ptr, fnp, stream, n)
+    )
+    out["c_launch_and_record_plain_event"] = best(
+        lambda: lib.probe_launch(launch, record, p(done_event), sync_ptr, fnp, stream, n)
     )
     for gap in (2000, 5000):
         out[f"c_launch_and_record_polled_every_{gap}ns"] = best(
