@@ -509,7 +509,7 @@ static void *cuq_run(void *arg) {
                  * interrupt, which on some of the H200 VMs made each launch + record
                  * take 30-50 us instead of ~5: so commands get plain events, polled,
                  * until one outlasts its polling window; it is waited for with naps
-                 * (20 us doubling to 1 ms) and the commands after it get blocking-sync
+                 * (20 us doubling to 320 us) and the commands after it get blocking-sync
                  * events, which this thread then sleeps on, until 16 in a row are
                  * confirmed while polling. */
                 q->quick = 0;
@@ -521,7 +521,7 @@ static void *cuq_run(void *arg) {
                     atomic_fetch_add(&q->naps, 1);
                     for (long nap = 20000; (r = query(e.event)) == CU_ERROR_NOT_READY;) {
                         nap_ns(nap);
-                        if (nap < 1000000) nap *= 2;
+                        if (nap < 250000) nap *= 2;
                     }
                 }
             } else if (e.blocking && ++q->quick >= 16) {
