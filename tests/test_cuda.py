@@ -15,6 +15,7 @@ import pytest
 
 import asyncmetal as am
 
+from .launch_paths import select_launch_path
 from .stress import interleavings, park_all
 
 GPUS = [d for d in am.devices() if d.startswith("cuda:")]
@@ -65,17 +66,10 @@ async def test_launch_computes(anyio_backend: object) -> None:
 async def test_launch_paths_give_the_same_results(anyio_backend: object, path: str) -> None:
     """The extension module's launch (native/ampy.c) and the ctypes one it replaces:
     buffers at offsets, int32 values at both ends, sizes, every element checked."""
-    from asyncmetal import _native
-
     async with am.open_device("cuda:0") as dev:
         fill = await dev.compile(KERNELS, "fill")
         queue = dev.new_queue()
-        if path == "ctypes":
-            queue._native._fast_launch = None  # type: ignore[attr-defined]
-        elif _native.extension() is None:
-            pytest.skip(f"the extension module is not built here: {_native.extension_error}")
-        else:
-            assert queue._native._fast_launch is not None  # type: ignore[attr-defined]
+        select_launch_path(queue, path, "_fast_launch")
         n = 10_000
         out = await dev.alloc(4 * n)
         for value in (-(1 << 31), -1, 0, 7, (1 << 31) - 1):

@@ -19,6 +19,8 @@ import pytest
 import asyncmetal as am
 from asyncmetal import _native
 
+from .launch_paths import select_launch_path
+
 pytestmark = pytest.mark.anyio
 
 
@@ -67,12 +69,7 @@ async def test_launch_paths_give_the_same_results(
     device: am.Device, kernels: dict[str, am.Program], path: str
 ) -> None:
     queue = device.new_queue()
-    if path == "ctypes":
-        queue._native._fast_call = None  # type: ignore[attr-defined]
-    elif _native.extension() is None:
-        pytest.skip(f"the extension module is not built here: {_native.extension_error}")
-    else:
-        assert queue._native._fast_call is not None  # type: ignore[attr-defined]
+    select_launch_path(queue, path, "_fast_call")
     n = 4096
     out = await device.alloc(4 * n)
     cells = await device.alloc(32)
