@@ -77,8 +77,8 @@ static void *stream_run(void *arg) {
             /* after a fault the context runs nothing (records stay pending) */
         } else if (o.kind == OP_KERNEL) {
             kernel *k = o.p;
-            if (o.a >= 1000000) nap_ns((long)o.a);  /* a long kernel leaves the CPU */
             int64_t end = now_ns() + o.a;
+            if (o.a >= 1000000) nap_ns((long)o.a);  /* a long kernel leaves the CPU */
             while (now_ns() < end) {}
             if (k && k->fault) atomic_store(&fault_code, ILLEGAL_ADDRESS);
             else {
