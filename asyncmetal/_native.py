@@ -36,6 +36,9 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _extension: ModuleType | None = None
 extension_error: str | None = None  # why the extension module is not in use, if it is not
+# spin(c_timeline, value, max_ns): read a native timeline until it reaches value, for at
+# most max_ns, without the GIL; true if it did. Set when the runtime loads.
+spin: Callable[[int, int, int], object] | None = None
 
 c_p, c_u64, c_int = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int
 _SIGNATURES: dict[str, tuple[object, list[object]]] = {
@@ -138,7 +141,7 @@ def _load_extension(path: str) -> ModuleType:
 
 def runtime() -> ctypes.CDLL:
     """The loaded runtime; builds it the first time. Blocks: call it off the loop."""
-    global _lib, _extension, extension_error
+    global _lib, _extension, extension_error, spin
     with _lock:
         if _lib is None:
             native = resources.files("asyncmetal").joinpath("native")
@@ -162,19 +165,9 @@ def runtime() -> ctypes.CDLL:
                 fn = getattr(lib, name)
                 fn.restype = restype
                 fn.argtypes = argtypes
+            spin = lib.am_timeline_spin if _extension is None else _extension.spin
             _lib = lib
         return _lib
-
-
-def spin_function() -> Callable[[int, int, int], object] | None:
-    """``spin(c_timeline, value, max_ns)``: read a native timeline until it reaches
-    value, for at most max_ns, without the GIL; true if it did. None until the runtime
-    is loaded."""
-    if _lib is None:
-        return None
-    if _extension is not None:
-        return _extension.spin  # type: ignore[no-any-return]
-    return _lib.am_timeline_spin
 
 
 def extension() -> ModuleType | None:

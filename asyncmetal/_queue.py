@@ -209,15 +209,13 @@ class Queue:
             )
         args: list[Arg] = []
         append = args.append
-        for buf in buffers:
+        for i, buf in enumerate(buffers):
             if buf.__class__ is not Buffer:
-                i = next(i for i, b in enumerate(buffers) if b is buf)
                 raise ArgumentTypeError(
                     f"buffer {i} of {program.name!r} must be a Buffer, got {type(buf).__name__}"
                 )
             allocation = buf._allocation
             if allocation.freed or buf.device is not device or device.closed:
-                i = next(i for i, b in enumerate(buffers) if b is buf)
                 buf._check_usable(f"buffer {i} of {program.name!r}", device)
             append(_new_arg(Arg, (allocation.handle, buf.offset, None)))
         for i, v in enumerate(vals):

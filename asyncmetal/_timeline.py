@@ -197,7 +197,7 @@ async def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> None:
         await _bridge.checkpoint()
         return
     c_timeline = native.c_timeline or 0
-    spin = _native.spin_function() if c_timeline else None
+    spin = _native.spin if c_timeline else None  # (a native timeline: the runtime is loaded)
     start = time.perf_counter_ns()
     recent = timeline._recent_ns
     # Yield once before parking: under load one pass over the other ready tasks usually
@@ -208,14 +208,15 @@ async def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> None:
     while True:
         await _bridge.checkpoint()
         now = time.perf_counter_ns()
-        if native.value >= value:
-            timeline._recent_ns = (recent * 7 + now - start) >> 3
+        if native.value >= value or (
+            now < deadline
+            and spin is not None
+            and spin(c_timeline, value, min(SLICE_NS, deadline - now))
+        ):
+            timeline._recent_ns = (recent * 7 + time.perf_counter_ns() - start) >> 3
             return
         if now >= deadline:
             break
-        if spin is not None and spin(c_timeline, value, min(SLICE_NS, deadline - now)):
-            timeline._recent_ns = (recent * 7 + time.perf_counter_ns() - start) >> 3
-            return
     bridge = _bridge.current_bridge()
     await bridge.park(timeline._watch_for(bridge), value)
     timeline._recent_ns = (recent * 7 + time.perf_counter_ns() - start) >> 3

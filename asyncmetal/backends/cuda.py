@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import itertools
 import os
 import queue as queue_module
 import threading
@@ -557,27 +558,20 @@ def _enable_peer_access(backend: CUDABackend) -> None:
     like the primary contexts it belongs to (which other libraries share)."""
     with _peers_lock:
         _opened[backend.index] = (backend.device, backend.context)
-        for other, (peer, peer_context) in _opened.items():
-            if other == backend.index:
+        for (src, (src_device, src_context)), (
+            dst,
+            (dst_device, dst_context),
+        ) in itertools.permutations(_opened.items(), 2):
+            if (src, dst) in _peers_done:
                 continue
-            pairs = (
-                (backend.index, backend.device, backend.context, other, peer, peer_context),
-                (other, peer, peer_context, backend.index, backend.device, backend.context),
-            )
-            for src, src_device, src_context, dst, dst_device, dst_context in pairs:
-                if (src, dst) in _peers_done:
-                    continue
-                _peers_done.add((src, dst))
-                can = check(
-                    cu.cuDeviceCanAccessPeer(src_device, dst_device), "cuDeviceCanAccessPeer"
-                )
-                if not can:
-                    continue
-                check(cu.cuCtxSetCurrent(src_context), "cuCtxSetCurrent")
-                (err,) = cu.cuCtxEnablePeerAccess(dst_context, 0)
-                already = cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
-                if err not in (cu.CUresult.CUDA_SUCCESS, already):
-                    raise driver_error("cuCtxEnablePeerAccess", err)
+            _peers_done.add((src, dst))
+            if not check(cu.cuDeviceCanAccessPeer(src_device, dst_device), "cuDeviceCanAccessPeer"):
+                continue
+            check(cu.cuCtxSetCurrent(src_context), "cuCtxSetCurrent")
+            (err,) = cu.cuCtxEnablePeerAccess(dst_context, 0)
+            already = cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+            if err not in (cu.CUresult.CUDA_SUCCESS, already):
+                raise driver_error("cuCtxEnablePeerAccess", err)
     backend.make_current()
 
 

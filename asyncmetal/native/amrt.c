@@ -577,15 +577,24 @@ static int cuq_fail(am_cuq *q, int call, int r) {
     return r;
 }
 
-/* Make the queue's context current on the calling thread if it is not: the current
- * context is per thread, shared by every device and library on it (a thread-local read,
- * no more, when it already is). Events are created in, and recorded from, it. */
+/* Every submission (driver calls on the queue's stream) runs between cuq_enter and
+ * cuq_leave: meanwhile the completion thread holds its queries back, since a query takes
+ * the driver's locks. cuq_enter makes the queue's context current on the calling thread
+ * if it is not: the current context is per thread, shared by every device and library
+ * on it (a thread-local read, no more, when it already is). Events are created in, and
+ * recorded from, it. */
 static int cuq_enter(am_cuq *q) {
+    atomic_fetch_add(&q->submitting, 1);
     void *current = NULL;
     ((int (*)(void **))cu_funcs[CU_CTX_GET])(&current);
     if (current == q->ctx) return 0;
     int r = ((int (*)(void *))cu_funcs[CU_CTX_SET])(q->ctx);
     return r ? cuq_fail(q, CU_CTX_SET, r) : 0;
+}
+
+static int cuq_leave(am_cuq *q, int r) {  /* after cuq_enter, whatever it returned */
+    atomic_fetch_sub(&q->submitting, 1);
+    return r;
 }
 
 /* Record an event behind the command, hand it to the completion thread and, if a device
@@ -658,11 +667,9 @@ static int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t ex
 
 int am_cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
                   long spin_ns) {
-    atomic_fetch_add(&q->submitting, 1);
     int r = cuq_enter(q);
     if (!r) r = cuq_finish(q, value, extra, extra_value, spin_ns);
-    atomic_fetch_sub(&q->submitting, 1);
-    return r;
+    return cuq_leave(q, r);
 }
 
 /* Make stream q wait until queue `other` reaches `value`: on the event of the first
@@ -670,16 +677,20 @@ int am_cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_
  * device word if it was not submitted yet (other then writes its word up to it), and
  * not at all if it is confirmed. Under other's lock: its completion thread cannot
  * recycle the event meanwhile. */
+static int cuq_wait_word(am_cuq *q, void *word, uint64_t value) {
+    int r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WAIT64])(
+        q->stream, word, value, 0x0 /* CU_STREAM_WAIT_VALUE_GEQ */);
+    return r ? cuq_fail(q, CU_WAIT64, r) : 0;
+}
+
 int am_cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value) {
     int r = cuq_enter(q);
-    if (r) return r;
+    if (r) return cuq_leave(q, r);
     pthread_mutex_lock(&other->mu);
     if (value > other->submitted) {
         if (value > other->wanted) other->wanted = value;
         pthread_mutex_unlock(&other->mu);
-        r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WAIT64])(
-            q->stream, (void *)other->word, value, 0x0 /* CU_STREAM_WAIT_VALUE_GEQ */);
-        return r ? cuq_fail(q, CU_WAIT64, r) : 0;
+        return cuq_leave(q, cuq_wait_word(q, (void *)other->word, value));
     }
     for (size_t i = 0; i < other->count; i++) {
         am_cuentry *e = &other->ring[(other->head + i) % other->cap];
@@ -690,72 +701,54 @@ int am_cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value) {
         }
     }
     pthread_mutex_unlock(&other->mu);
-    return r ? cuq_fail(q, CU_WAIT_EVENT, r) : 0;
+    return cuq_leave(q, r ? cuq_fail(q, CU_WAIT_EVENT, r) : 0);
 }
 
 /* dims: grid x, y, z, block x, y, z, dynamic shared memory bytes. */
-static int cuq_launch(am_cuq *q, void *function, const unsigned *dims, void **params,
-                      uint64_t value) {
-    int r = cuq_enter(q);
-    if (r) return r;
-    r = ((int (*)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                      unsigned, void *, void **, void **))cu_funcs[CU_LAUNCH])(
-        function, dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], q->stream,
-        params, NULL);
-    if (r) return cuq_fail(q, CU_LAUNCH, r);
-    return cuq_finish(q, value, NULL, 0, 0);
-}
-
 int am_cuq_launch(am_cuq *q, void *function, const unsigned *dims, void **params,
                   uint64_t value) {
-    atomic_fetch_add(&q->submitting, 1);  /* the completion thread holds its queries */
-    int r = cuq_launch(q, function, dims, params, value);
-    atomic_fetch_sub(&q->submitting, 1);
-    return r;
+    int r = cuq_enter(q);
+    if (!r) {
+        r = ((int (*)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                      unsigned, void *, void **, void **))cu_funcs[CU_LAUNCH])(
+            function, dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], q->stream,
+            params, NULL);
+        r = r ? cuq_fail(q, CU_LAUNCH, r) : cuq_finish(q, value, NULL, 0, 0);
+    }
+    return cuq_leave(q, r);
 }
 
 /* A device copy, then its event: on one device (src_ctx NULL) or from the device of
  * src_ctx to the queue's. spin_ns: how long the copy is expected to take at most
  * (the completion thread polls that long rather than block on its event). */
-static int cuq_copy(am_cuq *q, uint64_t dst, uint64_t src, void *src_ctx, size_t nbytes,
-                    uint64_t value, long spin_ns) {
-    int r = cuq_enter(q);
-    if (r) return r;
-    if (!src_ctx) {
-        r = ((int (*)(uint64_t, uint64_t, size_t, void *))cu_funcs[CU_COPY])(
-            dst, src, nbytes, q->stream);
-        if (r) return cuq_fail(q, CU_COPY, r);
-    } else {
-        r = ((int (*)(uint64_t, void *, uint64_t, void *, size_t, void *))cu_funcs[CU_COPY_PEER])(
-            dst, q->ctx, src, src_ctx, nbytes, q->stream);
-        if (r) return cuq_fail(q, CU_COPY_PEER, r);
-    }
-    return cuq_finish(q, value, NULL, 0, spin_ns);
-}
-
 int am_cuq_copy(am_cuq *q, uint64_t dst, uint64_t src, void *src_ctx, size_t nbytes,
                 uint64_t value, long spin_ns) {
-    atomic_fetch_add(&q->submitting, 1);
-    int r = cuq_copy(q, dst, src, src_ctx, nbytes, value, spin_ns);
-    atomic_fetch_sub(&q->submitting, 1);
-    return r;
+    int r = cuq_enter(q);
+    if (!r) {
+        int call = src_ctx ? CU_COPY_PEER : CU_COPY;
+        r = src_ctx ? ((int (*)(uint64_t, void *, uint64_t, void *, size_t, void *))
+                           cu_funcs[CU_COPY_PEER])(dst, q->ctx, src, src_ctx, nbytes, q->stream)
+                    : ((int (*)(uint64_t, uint64_t, size_t, void *))cu_funcs[CU_COPY])(
+                          dst, src, nbytes, q->stream);
+        r = r ? cuq_fail(q, call, r) : cuq_finish(q, value, NULL, 0, spin_ns);
+    }
+    return cuq_leave(q, r);
 }
 
 /* Stream memory operations on a device word (another timeline's, or a host thread's). */
 int am_cuq_write(am_cuq *q, void *word, uint64_t value) {
     int r = cuq_enter(q);
-    if (r) return r;
-    r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WRITE64])(
-        q->stream, word, value, 0);
-    return r ? cuq_fail(q, CU_WRITE64, r) : 0;
+    if (!r) {
+        r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WRITE64])(
+            q->stream, word, value, 0);
+        if (r) r = cuq_fail(q, CU_WRITE64, r);
+    }
+    return cuq_leave(q, r);
 }
 
 int am_cuq_wait(am_cuq *q, void *word, uint64_t value) {
     int r = cuq_enter(q);
-    if (r) return r;
-    r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WAIT64])(
-        q->stream, word, value, 0x0 /* CU_STREAM_WAIT_VALUE_GEQ */);
-    return r ? cuq_fail(q, CU_WAIT64, r) : 0;
+    return cuq_leave(q, r ? r : cuq_wait_word(q, word, value));
 }
 
 int am_cuq_failed_call(am_cuq *q) { return q->failed_call; }
