@@ -92,6 +92,9 @@ class Arg(NamedTuple):
     value: int | None = None
 
 
+new_arg = tuple.__new__  # new_arg(Arg, (handle, offset, value)): Arg without its Python __new__
+
+
 class NativeTimeline(ABC):
     """A 64-bit monotonic counter the device and the host can both signal.
 

@@ -27,6 +27,7 @@ import threading
 import types
 import weakref
 from abc import ABC, abstractmethod
+from asyncio import _get_running_loop
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -355,20 +356,17 @@ def _current_trio_bridge() -> LoopBridge:
 
 
 @types.coroutine
-def _asyncio_yield() -> Generator[None, None, None]:
-    yield  # what asyncio.sleep(0) does, minus two coroutine frames
+def checkpoint() -> Generator[Any, Any, None]:
+    """Yield to the loop once, honouring cancellation, on whichever loop runs us.
 
-
-async def checkpoint() -> None:
-    """Yield to the loop once, honouring cancellation, on whichever loop runs us."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
+    ``await checkpoint()``, or ``yield from checkpoint()`` in an ``__await__``. Under
+    asyncio a bare yield: what ``asyncio.sleep(0)`` does, minus its coroutine frames."""
+    if _get_running_loop() is not None:
+        yield
+    else:
         import trio
 
-        await trio.lowlevel.checkpoint()
-        return
-    await _asyncio_yield()
+        yield from trio.lowlevel.checkpoint().__await__()  # noqa: ASYNC105 (yielded from)
 
 
 def loop_statistics() -> LoopStatistics:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 
-from ._backend import Arg
+from ._backend import Arg, new_arg
 from ._bridge import checkpoint
 from ._errors import (
     ArgumentTypeError,
@@ -107,7 +107,7 @@ class Buffer:
             )
 
     def _arg(self) -> Arg:
-        return Arg(self._allocation.handle, self.offset)
+        return new_arg(Arg, (self._allocation.handle, self.offset, None))
 
     def _used(self, queue: Queue, value: int) -> None:
         self._allocation.last_use[queue] = value

@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import collections
-import contextlib
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._backend import Arg, NativeQueue, Record
+from ._backend import Arg, NativeQueue, Record, new_arg
 from ._bridge import checkpoint
 from ._compile import Program
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
 from ._memory import Buffer
 from ._timeline import Timeline, call_when_reached, check_value, wait_value
+from ._transfer import submit_copy
 
 if TYPE_CHECKING:
     from ._device import Device
 
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
-_new_arg = tuple.__new__  # Arg(...) without NamedTuple's Python-level __new__
 _ONE3 = (1, 1, 1)
 
 
@@ -59,10 +58,10 @@ class Completion(Record):
     def __await__(self) -> Generator[Any, None, None]:
         timeline = self.queue.timeline
         if timeline._native.value >= self.value:  # the common fast path: one yield
-            yield from checkpoint().__await__()
+            yield from checkpoint()
         else:
             self.queue._native.flush()
-            yield from wait_value(timeline, self.value, self.due_ns).__await__()
+            yield from wait_value(timeline, self.value, self.due_ns)
         if self.error is not None:
             raise self.error
         failure = self.queue._native.failure(self.value)
@@ -162,26 +161,17 @@ class Queue:
             raise ClosedResourceError(f"device {self.device.name} is closed")
         self._submitted = value = self._submitted + 1
         done = Completion(self, value)
-        try:
-            if self._held or self._gate is not None:
-                self._issue(self._native.launch, program.native, args, gsize, lsize, value, done)
-            else:
+        if self._held or self._gate is not None:
+            self._issue(self._native.launch, program.native, args, gsize, lsize, value, done)
+        else:
+            try:
                 self._native.launch(program.native, args, gsize, lsize, value, done)
-        except BaseException:
-            self._submitted -= 1  # the backend refused it: its value was never used
-            raise
+            except BaseException:
+                self._submitted -= 1  # the backend refused it: its value was never used
+                raise
         for buf in buffers:
             buf._allocation.last_use[self] = value
         return done
-
-    @contextlib.contextmanager
-    def _rollback_on_error(self) -> Iterator[None]:
-        """If the backend refuses a command, its value was never used: take it back."""
-        try:
-            yield
-        except BaseException:
-            self._submitted -= 1
-            raise
 
     def _launch_args(
         self, program: Program, buffers: Sequence[Buffer], vals: Sequence[int]
@@ -217,7 +207,7 @@ class Queue:
             allocation = buf._allocation
             if allocation.freed or buf.device is not device or device.closed:
                 buf._check_usable(f"buffer {i} of {program.name!r}", device)
-            append(_new_arg(Arg, (allocation.handle, buf.offset, None)))
+            append(new_arg(Arg, (allocation.handle, buf.offset, None)))
         for i, v in enumerate(vals):
             if v.__class__ is not int:
                 if not isinstance(v, int) or isinstance(v, bool):
@@ -227,7 +217,7 @@ class Queue:
                 v = int(v)
             if not _INT32_MIN <= v <= _INT32_MAX:
                 raise InvalidArgumentError(f"vals[{i}] of {program.name!r} must fit in int32: {v}")
-            append(_new_arg(Arg, (None, 0, v)))
+            append(new_arg(Arg, (None, 0, v)))
         order = program.order
         return args if order is None else [args[i] for i in order]
 
@@ -260,8 +250,7 @@ class Queue:
             # never goes backwards: wait, on the device, for the previous one.
             self.wait(timeline, previous[2])
         done = self._next()
-        with self._rollback_on_error():
-            self._issue(self._native.signal, timeline._native, value, done.value, done)
+        self._issue(self._native.signal, timeline._native, value, done.value, done)
         timeline._highest = value
         timeline._last_signal = (self, done.value, value)
         self._track(done.value, False, timeline, value)
@@ -279,8 +268,7 @@ class Queue:
         timeline = self._timeline_arg(timeline, "timeline")
         value = check_value(value)
         done = self._next()
-        with self._rollback_on_error():
-            self._issue(self._wait_and_gate, timeline, value, done)
+        self._issue(self._wait_and_gate, timeline, value, done)
         self._track(done.value, True, timeline, value)
         return done
 
@@ -290,10 +278,16 @@ class Queue:
     # are held here, in order, and handed over once the awaited value is reached.
 
     def _issue(self, fn: Callable[..., None], *args: Any) -> None:
+        """Hand the command just numbered (by ``_next``) to the backend, or hold it. If
+        the backend refuses it, its value was never used: it is taken back."""
         if self._held or (self._gate is not None and self._gated()):
             self._held.append((fn, args))
             return
-        fn(*args)
+        try:
+            fn(*args)
+        except BaseException:
+            self._submitted -= 1
+            raise
 
     def _wait_and_gate(self, timeline: Timeline, target: int, done: Completion) -> None:
         self._native.wait(timeline._native, target, done.value, done)
@@ -352,8 +346,6 @@ class Queue:
         must not be changed until the completion is done. A host destination is filled
         when the completion is done.
         """
-        from ._transfer import submit_copy
-
         return submit_copy(self, dst, src, nbytes)
 
     def after(self, *buffers: Buffer) -> Queue:
@@ -368,10 +360,15 @@ class Queue:
             if not isinstance(buf, Buffer):
                 raise ArgumentTypeError(f"after() takes Buffers, got {type(buf).__name__}")
             buf._check_usable("buffer")
-            for other, value in list(buf._allocation.last_use.items()):
-                if other is not self and other.timeline.value < value:
-                    self.wait(other.timeline, value)
+        self._after(buffers)
         return self
+
+    def _after(self, buffers: Iterable[Buffer]) -> None:
+        """after() for buffers already checked."""
+        for buf in buffers:
+            for other, value in buf._allocation.last_use.items():
+                if other is not self and other.timeline.value < value:
+                    self.wait(other.timeline, value)  # (touches no last_use)
 
     async def synchronize(self) -> None:
         """Wait until everything submitted so far has finished."""

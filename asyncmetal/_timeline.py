@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import types
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any
 
 from . import _bridge, _native
 from ._backend import NativeTimeline
@@ -179,7 +180,8 @@ DUE_NS = 2_000_000  # a command due within this long is checked for rather than 
 SLICE_NS = 5_000  # between two such yields, a native timeline is read this long at most
 
 
-async def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> None:
+@types.coroutine
+def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any, Any, None]:
     """Park the calling task until ``timeline`` reaches ``value``; always a checkpoint.
 
     Before parking the task yields to the loop once (every other ready task runs), and
@@ -190,11 +192,12 @@ async def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> None:
     of those yields it reads a native timeline for up to ``SLICE_NS`` (in C, without the
     GIL), so that the value is seen the moment it is reached rather than a loop
     iteration later; the loop and its other tasks wait that long at most. It never
-    spins while nothing is about to finish.
+    spins while nothing is about to finish. (A generator-based coroutine: ``await`` it,
+    or ``yield from`` it in an ``__await__``, with no coroutine frame between.)
     """
     native = timeline._native
     if native.value >= value:
-        await _bridge.checkpoint()
+        yield from _bridge.checkpoint()
         return
     c_timeline = native.c_timeline or 0
     spin = _native.spin if c_timeline else None  # (a native timeline: the runtime is loaded)
@@ -206,7 +209,7 @@ async def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> None:
     if start < due_ns <= start + DUE_NS:
         deadline = max(deadline, due_ns + SPIN_NS)
     while True:
-        await _bridge.checkpoint()
+        yield from _bridge.checkpoint()
         now = time.perf_counter_ns()
         if native.value >= value or (
             now < deadline
@@ -218,7 +221,7 @@ async def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> None:
         if now >= deadline:
             break
     bridge = _bridge.current_bridge()
-    await bridge.park(timeline._watch_for(bridge), value)
+    yield from bridge.park(timeline._watch_for(bridge), value).__await__()
     timeline._recent_ns = (recent * 7 + time.perf_counter_ns() - start) >> 3
 
 

@@ -70,33 +70,30 @@ def submit_copy(queue: Queue, dst: Any, src: Any, nbytes: int | None) -> Complet
                 f"src and dst overlap in one buffer (src at {src.offset}, dst at "
                 f"{dst.offset}, {nbytes} bytes)"
             )
-        queue.after(dst, src)
+        queue._after((dst, src))
         done = queue._next()
         value = done.value
         peer = None if src.device is device else src.device._backend
-        with queue._rollback_on_error():
-            queue._issue(queue._native.copy, dst._arg(), src._arg(), nbytes, value, done, peer)
+        queue._issue(queue._native.copy, dst._arg(), src._arg(), nbytes, value, done, peer)
         dst._used(queue, value)
         src._used(queue, value)
     elif isinstance(dst, Buffer):
         dst._check_usable("dst", device)
         view = host_view(src, "src", writable=False)
         nbytes = _size(dst.nbytes, view.nbytes, nbytes)
-        queue.after(dst)
+        queue._after((dst,))
         done = queue._next()
         value = done.value
-        with queue._rollback_on_error():
-            queue._issue(queue._native.copyin, dst._arg(), view[:nbytes], value, done)
+        queue._issue(queue._native.copyin, dst._arg(), view[:nbytes], value, done)
         dst._used(queue, value)
     elif isinstance(src, Buffer):
         src._check_usable("src", device)
         view = host_view(dst, "dst", writable=True)
         nbytes = _size(view.nbytes, src.nbytes, nbytes)
-        queue.after(src)
+        queue._after((src,))
         done = queue._next()
         value = done.value
-        with queue._rollback_on_error():
-            queue._issue(queue._native.copyout, view[:nbytes], src._arg(), value, done)
+        queue._issue(queue._native.copyout, view[:nbytes], src._arg(), value, done)
         src._used(queue, value)
     else:
         raise ArgumentTypeError("copy needs a Buffer as dst or src (or both)")

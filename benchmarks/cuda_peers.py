@@ -161,6 +161,7 @@ async def run(loop_name: str) -> dict[str, Any]:
         out["asyncmetal_completion_stats_after_latencies"] = q._native.stats()  # type: ignore[attr-defined]
         if out["extension"]:
             out["asyncmetal_ctypes_parts_us"] = latency_parts(q_ctypes, empty)
+        out["asyncmetal_await_parts_us"] = await await_parts(q, empty)
 
         progress(f"latencies done: {out}")
 
@@ -201,6 +202,44 @@ async def run(loop_name: str) -> dict[str, Any]:
             out["alloc"] = await allocations(dev)
         check(cu.cuStreamDestroy(stream), "destroy")
     return out
+
+
+async def await_parts(q: am.Queue, empty: am.Program, n: int = 2000) -> dict[str, float]:
+    """Where an awaited launch's time goes on the loop. Per launch, from its start: the
+    submission returned; the loop came back after one yield (what ``await`` does
+    first); the host timeline was seen reached (read in C, as ``await`` does next);
+    then the cost of awaiting the finished Completion (a yield and its checks). Also a
+    bare yield, and plain awaited launches alternated with the stepped ones."""
+    from asyncmetal import _bridge, _native
+
+    native = q.timeline._native
+    c_timeline, spin = native.c_timeline, _native.spin
+    assert spin is not None
+    rows: dict[str, list[int]] = {
+        k: [] for k in ("submit", "yielded", "seen", "await_done", "awaited", "bare_yield")
+    }
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        done = q.launch(empty)
+        t1 = time.perf_counter_ns()
+        await _bridge.checkpoint()
+        t2 = time.perf_counter_ns()
+        while not spin(c_timeline, done.value, 5000):
+            pass
+        t3 = time.perf_counter_ns()
+        await done
+        t4 = time.perf_counter_ns()
+        await _bridge.checkpoint()
+        t5 = time.perf_counter_ns()
+        await q.launch(empty)
+        t6 = time.perf_counter_ns()
+        rows["submit"].append(t1 - t0)
+        rows["yielded"].append(t2 - t0)
+        rows["seen"].append(t3 - t0)
+        rows["await_done"].append(t4 - t3)
+        rows["bare_yield"].append(t5 - t4)
+        rows["awaited"].append(t6 - t5)
+    return {k: statistics.median(v) / 1e3 for k, v in rows.items()}
 
 
 def latency_parts(
@@ -306,6 +345,27 @@ async def copies(dev: am.Device, stream: Any) -> dict[str, Any]:
         t0 = time.perf_counter()
         await am.copy(b, a)
         ours.append(time.perf_counter() - t0)
+    # Where the time goes: the submission call, and the wait after it (raw: the
+    # synchronize; asyncmetal: until the host timeline is confirmed, read here).
+    parts: dict[str, list[int]] = {k: [] for k in ("raw_submit", "raw_wait", "submit", "wait")}
+    native = dev.queue.timeline._native
+    for _ in range(5):
+        t0 = time.perf_counter_ns()
+        check(cu.cuMemcpyDtoDAsync(b._allocation.handle, a._allocation.handle, n, stream), "DtoD")
+        t1 = time.perf_counter_ns()
+        check(cu.cuStreamSynchronize(stream), "sync")
+        t2 = time.perf_counter_ns()
+        done = dev.queue.copy(b, a)
+        t3 = time.perf_counter_ns()
+        while native.value < done.value:
+            pass
+        t4 = time.perf_counter_ns()
+        await done
+        parts["raw_submit"].append(t1 - t0)
+        parts["raw_wait"].append(t2 - t1)
+        parts["submit"].append(t3 - t2)
+        parts["wait"].append(t4 - t3)
+    result["d2d_parts_us"] = {k: statistics.median(v) / 1e3 for k, v in parts.items()}
     result["d2d_raw_tbps"] = 2 * n / min(raw) / 1e12  # bytes read + written
     result["d2d_asyncmetal_tbps"] = 2 * n / min(ours) / 1e12
     result["d2d_ratio"] = result["d2d_asyncmetal_tbps"] / result["d2d_raw_tbps"]

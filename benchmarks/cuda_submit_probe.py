@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import ctypes
 import os
+import statistics
 import subprocess
 import tempfile
 import time
@@ -175,7 +176,89 @@ async def main() -> dict[str, Any]:
         out.update(native_probe(q, fn, dims, counter, ev_block, ev_plain, sync))
         q._submitted = counter[0]
         await q.synchronize()
+        out["copy_1GiB"] = await copy_probe(dev, q, ev_plain)
     return out
+
+
+async def copy_probe(dev: am.Device, q: am.Queue, event: int, rounds: int = 7) -> dict[str, Any]:
+    """1 GiB device -> device copies timed in C, the waits alternated round by round:
+    cuStreamSynchronize; an event queried every gap ns (does polling slow the copy?);
+    asyncmetal's native copy + its timeline. Best and median microseconds, total and
+    the copy call alone."""
+    n = 1 << 30
+    a, b = await dev.alloc(n), await dev.alloc(n)
+    lib = native_library()
+    p = ctypes.c_void_p
+    native = q._native
+    stream = p(int(native.stream))  # type: ignore[attr-defined]
+    copy, record = p(pointer("cuMemcpyDtoDAsync")), p(pointer("cuEventRecord"))
+    sync, query = p(pointer("cuStreamSynchronize")), p(pointer("cuEventQuery"))
+    am_copy = ctypes.cast(native._lib.am_cuq_copy, p)  # type: ignore[attr-defined]
+    am_spin = ctypes.cast(native._lib.am_timeline_spin, p)  # type: ignore[attr-defined]
+    dst, src = ctypes.c_uint64(b._allocation.handle), ctypes.c_uint64(a._allocation.handle)
+    size = ctypes.c_size_t(n)
+    modes: list[str] = ["synchronize", "poll_500ns", "poll_2us", "poll_10us", "poll_50us"]
+    modes.append("asyncmetal_native")
+    totals: dict[str, list[float]] = {m: [] for m in modes}
+    submits: dict[str, list[float]] = {m: [] for m in modes}
+    submit = ctypes.c_double()
+    gaps = {"synchronize": -1, "poll_500ns": 500, "poll_2us": 2000, "poll_10us": 10000}
+    gaps["poll_50us"] = 50000
+    for _ in range(rounds):
+        for mode in modes:
+            if mode == "asyncmetal_native":
+                q._submitted += 1
+                total = lib.probe_am_copy(
+                    am_copy,
+                    am_spin,
+                    p(native._q),  # type: ignore[attr-defined]
+                    p(q.timeline._native.c_timeline),
+                    dst,
+                    src,
+                    size,
+                    ctypes.c_uint64(q._submitted),
+                    ctypes.c_long(min(n // 1000, 2_000_000)),
+                    ctypes.byref(submit),
+                )
+            else:
+                total = lib.probe_copy(
+                    copy, record, p(event), sync, query, stream, dst, src, size,
+                    ctypes.c_long(gaps[mode]), ctypes.byref(submit),
+                )  # fmt: skip
+            if total < 0:
+                raise RuntimeError(f"CUresult {-total} in {mode}")
+            totals[mode].append(total / 1e3)
+            submits[mode].append(submit.value / 1e3)
+    await a.free()
+    await b.free()
+    return {
+        m: {
+            "best_us": min(totals[m]),
+            "median_us": statistics.median(totals[m]),
+            "copy_call_median_us": statistics.median(submits[m]),
+        }
+        for m in modes
+    }
+
+
+def native_library() -> ctypes.CDLL:
+    """native_probe.c, built once."""
+    global _probe_lib
+    if _probe_lib is None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        target = os.path.join(tempfile.mkdtemp(), "native_probe.so")
+        source = os.path.join(here, "native_probe.c")
+        cmd = ["cc", "-O2", "-shared", "-fPIC", "-pthread", source, "-o", target]
+        subprocess.run(cmd, check=True)
+        _probe_lib = ctypes.CDLL(target)
+        for name in ("probe_ctx_get", "probe_launch", "probe_am_launch", "probe_launch_polled"):
+            getattr(_probe_lib, name).restype = ctypes.c_double
+        for name in ("probe_launch_rotating", "probe_copy", "probe_am_copy"):
+            getattr(_probe_lib, name).restype = ctypes.c_double
+    return _probe_lib
+
+
+_probe_lib: ctypes.CDLL | None = None
 
 
 def native_probe(
@@ -188,24 +271,7 @@ def native_probe(
     sync: Callable[[], None],
 ) -> dict[str, float]:
     """The same calls timed in C (native_probe.c), with no Python or ctypes per call."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    target = os.path.join(tempfile.mkdtemp(), "native_probe.so")
-    subprocess.run(
-        [
-            "cc",
-            "-O2",
-            "-shared",
-            "-fPIC",
-            "-pthread",
-            os.path.join(here, "native_probe.c"),
-            "-o",
-            target,
-        ],
-        check=True,
-    )
-    lib = ctypes.CDLL(target)
-    for name in ("probe_ctx_get", "probe_launch", "probe_am_launch", "probe_launch_polled"):
-        getattr(lib, name).restype = ctypes.c_double
+    lib = native_library()
     p = ctypes.c_void_p
     native = q._native
     stream = p(int(native.stream))  # type: ignore[attr-defined]
@@ -254,7 +320,6 @@ def native_probe(
             )
         )
 
-    lib.probe_launch_rotating.restype = ctypes.c_double
     flags = cu.CUevent_flags
     events = (ctypes.c_void_p * 64)(
         *(
@@ -313,5 +378,5 @@ if __name__ == "__main__":
     args = parser.parse_args()
     result = asyncio.run(main())
     for k, v in result.items():
-        print(f"{k:32s} {v:8.2f} us")
+        print(f"{k:32s} {v:8.2f} us" if isinstance(v, float) else f"{k:32s} {v}")
     write_json(args.json, {"date": time.strftime("%Y-%m-%d"), "per_call_us": result})

@@ -125,3 +125,46 @@ double probe_launch_rotating(void *launch, void *record, void **events, long nev
     ((sync_fn)sync)(stream);
     return r ? -r : per;
 }
+
+/* One device copy of nbytes, waited for with cuStreamSynchronize (gap_ns < 0) or by
+ * querying an event recorded behind it every gap_ns from this thread (as a completion
+ * thread polls). Returns the nanoseconds from the copy call to the wait's end; *submit
+ * gets the copy call's own nanoseconds. */
+typedef int (*copy_fn)(uint64_t, uint64_t, size_t, void *);
+double probe_copy(void *copy, void *record, void *event, void *sync, void *query, void *stream,
+                  uint64_t dst, uint64_t src, size_t nbytes, long gap_ns, double *submit) {
+    int64_t t = now_ns();
+    int r = ((copy_fn)copy)(dst, src, nbytes, stream);
+    *submit = (double)(now_ns() - t);
+    if (r) return -r;
+    if (gap_ns < 0) {
+        r = ((sync_fn)sync)(stream);
+    } else {
+        if ((r = ((record_fn)record)(event, stream))) return -r;
+        int64_t next = 0;
+        for (;;) {
+            int64_t s = now_ns();
+            if (s >= next) {
+                if ((r = ((query_fn)query)(event)) != 600) break;
+                next = s + gap_ns;
+            }
+            sched_yield();
+        }
+    }
+    return r ? -r : (double)(now_ns() - t);
+}
+
+/* The same through asyncmetal's native queue: am_cuq_copy, then the queue's timeline
+ * read until its completion thread confirmed value. */
+typedef int (*am_copy_fn)(void *, uint64_t, uint64_t, void *, size_t, uint64_t, long);
+typedef int (*am_spin_fn)(void *, uint64_t, long);
+double probe_am_copy(void *am_copy, void *am_spin, void *q, void *timeline, uint64_t dst,
+                     uint64_t src, size_t nbytes, uint64_t value, long spin_ns,
+                     double *submit) {
+    int64_t t = now_ns();
+    int r = ((am_copy_fn)am_copy)(q, dst, src, NULL, nbytes, value, spin_ns);
+    *submit = (double)(now_ns() - t);
+    if (r) return -r;
+    while (!((am_spin_fn)am_spin)(timeline, value, 1000000)) {}
+    return (double)(now_ns() - t);
+}

@@ -80,6 +80,26 @@ async def test_launch_paths_give_the_same_results(anyio_backend: object, path: s
             assert (got[:2] == 99).all() and (got[2:] == value).all(), value
 
 
+@pytest.mark.parametrize("path", ["extension", "ctypes"])
+async def test_copy_paths_give_the_same_results(anyio_backend: object, path: str) -> None:
+    """Device copies through the extension module's call and through ctypes: at offsets
+    on both sides, every byte checked, the bytes around the copied range untouched."""
+    async with am.open_device("cuda:0") as dev:
+        queue = dev.new_queue()
+        ctypes_copy = queue._native._lib.am_cuq_copy  # type: ignore[attr-defined]
+        select_launch_path(queue, path, "_copy", ctypes_copy)
+        n = 1 << 20
+        data = np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8)
+        src, dst = await dev.alloc(n), await dev.alloc(n)
+        await queue.copy(src, data)
+        await queue.copy(dst, np.zeros(n, np.uint8))
+        await queue.copy(dst.view(4096), src.view(100), n - 8192)
+        got = np.empty(n, np.uint8)
+        await queue.copy(got, dst)
+        np.testing.assert_array_equal(got[4096 : n - 4096], data[100 : 100 + n - 8192])
+        assert not got[:4096].any() and not got[n - 4096 :].any()
+
+
 async def test_submitting_while_a_long_kernel_is_waited_for(anyio_backend: object) -> None:
     """A completion thread blocked on a long kernel's event holds up no submission: not
     on its own stream, not on another; and the other stream's work finishes first."""

@@ -33,7 +33,7 @@ def test_extension_is_built_where_python_headers_are() -> None:
     extension = _native.extension()
     assert extension is not None, _native.extension_error
     # One library: the module's functions are those ctypes calls.
-    for name in ("am_queue_call", "am_cuq_launch"):
+    for name in ("am_queue_call", "am_cuq_launch", "am_cuq_copy"):
         assert extension.address_of(name) == ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
     with pytest.raises(KeyError):
         extension.address_of("am_nothing")
@@ -62,6 +62,12 @@ def test_extension_refuses_bad_arguments_without_crashing() -> None:
         extension.cuq_launch(1, 0, one, one, [(None, 0, 1)] * 65, 1)
     with pytest.raises(OverflowError):
         extension.cuq_launch(1, 0, one, one, [(None, 0, 1 << 70)], 1)
+    with pytest.raises(TypeError, match="takes 7 arguments"):
+        extension.cuq_copy(1, 2, 3, None, 4, 5)
+    with pytest.raises(ValueError, match="null queue"):
+        extension.cuq_copy(0, 2, 3, None, 4, 5, 6)
+    with pytest.raises(OverflowError):
+        extension.cuq_copy(1, -2, 3, None, 4, 5, 6)
 
 
 @pytest.mark.parametrize("path", ["extension", "ctypes"])

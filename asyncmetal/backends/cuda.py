@@ -301,6 +301,7 @@ class CUDAQueue(NativeQueue):
         self._pointers_address = ctypes.addressof(self._pointers)
         extension = _native.extension()
         self._fast_launch = None if extension is None else extension.cuq_launch
+        self._copy = self._lib.am_cuq_copy if extension is None else extension.cuq_copy
         self._dims: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
         self._dims_arrays: list[ctypes.Array[ctypes.c_uint]] = []
         self._staging: _Staging | None = None  # made at the first large pageable copy
@@ -435,19 +436,18 @@ class CUDAQueue(NativeQueue):
         self, dst: Arg, src: Arg, nbytes: int, value: int, record: Record, peer: Any = None
     ) -> None:
         expected = nbytes // 1000  # at most ~1 ns per KB: ~2 TB/s each way on an H200
-        code = self._lib.am_cuq_copy(  # one native call, which makes the context current
+        code = self._copy(  # one native call, which makes the context current
             self._q,
             dst.handle + dst.offset,
             src.handle + src.offset,
             None if peer is None else peer.context_address,
             nbytes,
             value,
-            min(expected, MAX_POLL_NS),
+            expected if expected < MAX_POLL_NS else MAX_POLL_NS,
         )
         if code:
             raise self._failed(code)
         record.due_ns = time.perf_counter_ns() + expected
-        self._keep.add(value, (dst, src))
 
     def _staging_for(self) -> _Staging:
         if self._staging is None:

@@ -129,6 +129,29 @@ static PyObject *py_cuq_launch(PyObject *self, PyObject *const *a, Py_ssize_t n)
     return PyLong_FromLong(r);
 }
 
+/* cuq_copy(queue, dst, src, src_context, nbytes, value, poll_ns) -> am_cuq_copy's
+ * CUresult: a device copy (a peer copy where src_context is not None), GIL released. */
+static PyObject *py_cuq_copy(PyObject *self, PyObject *const *a, Py_ssize_t n) {
+    (void)self;
+    if (take_args(a, n, 7, "cuq_copy")) return NULL;
+    void *q = PyLong_AsVoidPtr(a[0]);
+    uint64_t dst = PyLong_AsUnsignedLongLong(a[1]), src = PyLong_AsUnsignedLongLong(a[2]);
+    void *src_ctx = a[3] == Py_None ? NULL : PyLong_AsVoidPtr(a[3]);
+    size_t nbytes = PyLong_AsSize_t(a[4]);
+    uint64_t value = PyLong_AsUnsignedLongLong(a[5]);
+    long poll_ns = PyLong_AsLong(a[6]);
+    if (PyErr_Occurred()) return NULL;
+    if (!q) {
+        PyErr_SetString(PyExc_ValueError, "cuq_copy: null queue");
+        return NULL;
+    }
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = am_cuq_copy(q, dst, src, src_ctx, nbytes, value, poll_ns);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(r);
+}
+
 /* spin(timeline, value, max_ns) -> bool: am_timeline_spin without the GIL. */
 static PyObject *py_spin(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     (void)self;
@@ -155,6 +178,7 @@ static PyObject *py_address_of(PyObject *self, PyObject *name) {
     if (!s) return NULL;
     if (!strcmp(s, "am_queue_call")) return PyLong_FromVoidPtr((void *)am_queue_call);
     if (!strcmp(s, "am_cuq_launch")) return PyLong_FromVoidPtr((void *)am_cuq_launch);
+    if (!strcmp(s, "am_cuq_copy")) return PyLong_FromVoidPtr((void *)am_cuq_copy);
     PyErr_Format(PyExc_KeyError, "%s", s);
     return NULL;
 }
@@ -164,6 +188,8 @@ static PyMethodDef methods[] = {
      "queue_call(queue, fn, args, times_row, value) -> status"},
     {"cuq_launch", (PyCFunction)(void (*)(void))py_cuq_launch, METH_FASTCALL,
      "cuq_launch(queue, function, global, local, args, value) -> CUresult"},
+    {"cuq_copy", (PyCFunction)(void (*)(void))py_cuq_copy, METH_FASTCALL,
+     "cuq_copy(queue, dst, src, src_context, nbytes, value, poll_ns) -> CUresult"},
     {"spin", (PyCFunction)(void (*)(void))py_spin, METH_FASTCALL,
      "spin(timeline, value, max_ns) -> whether the timeline reached value"},
     {"address_of", py_address_of, METH_O, "address_of(name) -> int"},
