@@ -79,7 +79,10 @@ class _Watch:
         """Park ``entry`` until ``value``; it is woken later, never from inside this call."""
         heapq.heappush(self.heap, (value, next(_sequence), entry))
         self.bridge.waiting += entry.task
-        if self._publish(self.heap[0][0]):
+        # Only a new smallest value is published: notifiers compare each advance with
+        # `next`, so a watch armed at a smaller one already wakes the loop in time for
+        # this entry (the drain then publishes the next smallest).
+        if value < self.next and self._publish(value):
             # Reached while publishing `next`: the notifier may have missed it, so go
             # through the bridge (a wake-up of our own loop) rather than wake inline.
             self.bridge.notify(self)

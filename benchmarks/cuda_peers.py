@@ -177,13 +177,29 @@ async def run(loop_name: str) -> dict[str, Any]:
                     tg.create_task(worker())
             return 64 * 300 / (time.perf_counter() - t0)
 
-        raw_rates, rates = [], []
+        from asyncmetal import _timeline
+
+        raw_rates, rates, no_spin_rates = [], [], []
+        before = am.loop_statistics()
         for _ in range(TASK_ROUNDS):  # alternated: drift in the machine hits both alike
             raw_rates.append(raw_launch_only_rate())
             rates.append(await tasks64())
+            # Diagnostic: the same without reading the timeline in C between yields.
+            slice_ns, _timeline.SLICE_NS = _timeline.SLICE_NS, 0
+            no_spin_rates.append(await tasks64())
+            _timeline.SLICE_NS = slice_ns
+        after = am.loop_statistics()
+        out["tasks64_parks_woken_per_completion"] = (after.resolved - before.resolved) / (
+            2 * TASK_ROUNDS * 64 * 300
+        )
         out["raw_launch_only_per_s"] = statistics.median(raw_rates)
         out["tasks64_per_s"] = statistics.median(rates)
-        out["tasks64_rounds"] = {"raw_launch_only_per_s": raw_rates, "tasks64_per_s": rates}
+        out["tasks64_no_c_spin_per_s"] = statistics.median(no_spin_rates)
+        out["tasks64_rounds"] = {
+            "raw_launch_only_per_s": raw_rates,
+            "tasks64_per_s": rates,
+            "tasks64_no_c_spin_per_s": no_spin_rates,
+        }
         out["tasks64_fraction_of_raw"] = out["tasks64_per_s"] / out["raw_launch_only_per_s"]
         out["asyncmetal_completion_stats_after_tasks64"] = q._native.stats()  # type: ignore[attr-defined]
 
@@ -366,6 +382,24 @@ async def copies(dev: am.Device, stream: Any) -> dict[str, Any]:
         parts["submit"].append(t3 - t2)
         parts["wait"].append(t4 - t3)
     result["d2d_parts_us"] = {k: statistics.median(v) / 1e3 for k, v in parts.items()}
+    # Diagnostic: the device's default queue (which staged the pageable copies above)
+    # against a fresh queue, alternated with the raw copy.
+    result["d2d_default_queue_stats"] = dev.queue._native.stats()  # type: ignore[attr-defined]
+    fresh = dev.new_queue()
+    raw_d, default_d, fresh_d = [], [], []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        check(cu.cuMemcpyDtoDAsync(b._allocation.handle, a._allocation.handle, n, stream), "DtoD")
+        check(cu.cuStreamSynchronize(stream), "sync")
+        t1 = time.perf_counter()
+        await dev.queue.copy(b, a)
+        t2 = time.perf_counter()
+        await fresh.copy(b, a)
+        raw_d.append(t1 - t0)
+        default_d.append(t2 - t1)
+        fresh_d.append(time.perf_counter() - t2)
+    result["d2d_default_queue_ratio"] = min(raw_d) / min(default_d)
+    result["d2d_fresh_queue_ratio"] = min(raw_d) / min(fresh_d)
     result["d2d_raw_tbps"] = 2 * n / min(raw) / 1e12  # bytes read + written
     result["d2d_asyncmetal_tbps"] = 2 * n / min(ours) / 1e12
     result["d2d_ratio"] = result["d2d_asyncmetal_tbps"] / result["d2d_raw_tbps"]
