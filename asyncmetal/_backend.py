@@ -156,6 +156,12 @@ class NativeQueue(ABC):
         """The error that failed the command at ``value`` (a lost device), if any."""
         return None
 
+    def launch_target(self) -> tuple[Any, ...] | None:
+        """What the native extension's ``launch`` needs to submit this queue's common
+        launches itself (``native/ampy.c`` lists the forms), or None: every launch goes
+        through :meth:`launch`. Read once, when the Queue is made."""
+        return None
+
     def flush(self) -> None:  # noqa: B027 - most backends keep nothing back
         """Hand over anything submitted but still kept back (a Metal wait waiting for
         the command buffer of the work that depends on it). Called before parking."""

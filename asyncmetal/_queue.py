@@ -6,6 +6,7 @@ import collections
 from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from . import _native
 from ._backend import Arg, NativeQueue, Record, new_arg
 from ._bridge import checkpoint
 from ._compile import Program
@@ -126,6 +127,13 @@ class Queue:
         )
         self._flush_armed = False
         self._broken: BaseException | None = None
+        # Common launches submitted by the native extension in one call (ampy.c).
+        extension = _native.extension()
+        self._launch_target = self._native.launch_target()
+        self._fast_launch = None
+        if extension is not None and self._launch_target is not None:
+            extension.setup(Program, Buffer, Completion, _ONE3)
+            self._fast_launch = extension.launch
 
     def __repr__(self) -> str:
         return f"<Queue of {self.device.name} submitted={self._submitted}>"
@@ -154,6 +162,13 @@ class Queue:
 
         Every argument is checked before anything is submitted.
         """
+        fast = self._fast_launch
+        if fast is not None:  # the common case, in C; None: not that case, see below
+            submitted: Completion | None = fast(
+                self, self._launch_target, program, buffers, vals, global_size, local_size
+            )
+            if submitted is not None:
+                return submitted
         args = self._launch_args(program, buffers, vals)
         gsize = _ONE3 if global_size is _ONE3 else _size3(global_size, "global_size")
         lsize = _ONE3 if local_size is _ONE3 else _size3(local_size, "local_size")

@@ -131,18 +131,24 @@ async def run(loop_name: str) -> dict[str, Any]:
         async def asyncmetal() -> None:
             await q.launch(empty)
 
-        # The same through ctypes, where the runtime's extension module is in use (the
-        # launch path a machine without Python's headers takes): a second queue.
-        q_ctypes = dev.new_queue()
-        out["extension"] = getattr(q_ctypes._native, "_fast_launch", None) is not None
+        # Where the runtime's extension module is in use (asyncmetal: Queue.launch's
+        # common case in C), the same with Queue.launch's Python checks then the
+        # backend's extension call, and through ctypes (the launch path a machine
+        # without Python's headers takes): a queue each.
+        q_python, q_ctypes = dev.new_queue(), dev.new_queue()
+        out["extension"] = q._fast_launch is not None
+        q_python._fast_launch = q_ctypes._fast_launch = None
         q_ctypes._native._fast_launch = None  # type: ignore[attr-defined]
+
+        async def asyncmetal_python_launch() -> None:
+            await q_python.launch(empty)
 
         async def asyncmetal_ctypes() -> None:
             await q_ctypes.launch(empty)
 
         competitors = [raw, cupy_hostfunc, cupy_poll, torch_poll, asyncmetal]
         if out["extension"]:
-            competitors.append(asyncmetal_ctypes)
+            competitors += [asyncmetal_python_launch, asyncmetal_ctypes]
         medians = await interleaved_medians_us(competitors)
         out["raw_sync_us"] = medians["raw"]
         out["cupy_hostfunc_us"] = medians["cupy_hostfunc"]
@@ -151,6 +157,7 @@ async def run(loop_name: str) -> dict[str, Any]:
         out["asyncmetal_us"] = medians["asyncmetal"]
         out["latency_ratio"] = out["asyncmetal_us"] / out["raw_sync_us"]
         if out["extension"]:
+            out["asyncmetal_python_launch_us"] = medians["asyncmetal_python_launch"]
             out["asyncmetal_ctypes_us"] = medians["asyncmetal_ctypes"]
             out["latency_ratio_ctypes"] = out["asyncmetal_ctypes_us"] / out["raw_sync_us"]
         raw_parts = (

@@ -164,6 +164,8 @@ async def main() -> dict[str, Any]:
         out["backend_launch_hook"] = per_call_us(hook, wait_all)
         q._submitted = counter[0]
         out["Queue_launch"] = per_call_us(lambda: q.launch(empty), lambda: None, n=3000)
+        queue_fast, q._fast_launch = q._fast_launch, None  # Python's checks, then the hook
+        out["Queue_launch_python"] = per_call_us(lambda: q.launch(empty), lambda: None, n=3000)
         if fast is not None:
             native._fast_launch = None  # type: ignore[attr-defined]
             counter[0] = q.submitted
@@ -171,6 +173,7 @@ async def main() -> dict[str, Any]:
             q._submitted = counter[0]
             out["Queue_launch_ctypes"] = per_call_us(lambda: q.launch(empty), lambda: None, n=3000)
             native._fast_launch = fast  # type: ignore[attr-defined]
+        q._fast_launch = queue_fast
         await q.synchronize()
         counter[0] = q.submitted
         out.update(native_probe(q, fn, dims, counter, ev_block, ev_plain, sync))

@@ -15,7 +15,7 @@ import pytest
 
 import asyncmetal as am
 
-from .launch_paths import select_launch_path
+from .launch_paths import PATHS, select_launch_path
 from .stress import interleavings, park_all
 
 GPUS = [d for d in am.devices() if d.startswith("cuda:")]
@@ -62,7 +62,7 @@ async def test_launch_computes(anyio_backend: object) -> None:
         np.testing.assert_array_equal(await out.read(np.float32), np.arange(n) + 2)
 
 
-@pytest.mark.parametrize("path", ["extension", "ctypes"])
+@pytest.mark.parametrize("path", PATHS)
 async def test_launch_paths_give_the_same_results(anyio_backend: object, path: str) -> None:
     """The extension module's launch (native/ampy.c) and the ctypes one it replaces:
     buffers at offsets, int32 values at both ends, sizes, every element checked."""

@@ -19,7 +19,7 @@ import pytest
 import asyncmetal as am
 from asyncmetal import _native
 
-from .launch_paths import select_launch_path
+from .launch_paths import PATHS, select_launch_path
 
 pytestmark = pytest.mark.anyio
 
@@ -70,7 +70,7 @@ def test_extension_refuses_bad_arguments_without_crashing() -> None:
         extension.cuq_copy(1, -2, 3, None, 4, 5, 6)
 
 
-@pytest.mark.parametrize("path", ["extension", "ctypes"])
+@pytest.mark.parametrize("path", PATHS)
 async def test_launch_paths_give_the_same_results(
     device: am.Device, kernels: dict[str, am.Program], path: str
 ) -> None:

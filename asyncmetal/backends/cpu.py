@@ -150,6 +150,12 @@ class CPUQueue(NativeQueue):
         record.row = row = record.value % TIMES_KEPT
         return self._times_address + 24 * row
 
+    def launch_target(self) -> tuple[Any, ...] | None:
+        if self._fast_call is None:
+            return None
+        times = (self._times, self._times_address, TIMES_KEPT, self._keep._items)
+        return (0, self._handle, self, *times)
+
     def _submitted(self, status: int, value: int, keep: object) -> None:
         if status != 0:
             raise MemoryError("the cpu queue could not grow its command ring")

@@ -403,6 +403,9 @@ class CUDAQueue(NativeQueue):
         if code:
             raise self._failed(code)
 
+    def launch_target(self) -> tuple[Any, ...] | None:
+        return None if self._fast_launch is None else (1, self._q, self)
+
     def _launch_dims(self, global_size: tuple[int, ...], local_size: tuple[int, ...]) -> int:
         """The address of (grid, block, shared bytes) for these sizes, cached."""
         if len(self._dims) >= 256:

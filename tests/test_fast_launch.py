@@ -1,0 +1,182 @@
+"""Queue.launch's common case in the native extension module (native/ampy.c, launch()).
+
+It must take exactly what Queue.launch's Python checks accept, or less: anything else
+returns None before submitting, and the Python path checks and explains it. These tests
+check that it takes the common case, declines each uncommon one without submitting, and
+that random launches -- valid or not -- end the same with it and without it.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+
+import asyncmetal as am
+from asyncmetal import _native
+from asyncmetal._queue import _ONE3
+
+pytestmark = pytest.mark.anyio
+
+
+def _extension() -> Any:
+    extension = _native.extension()
+    if extension is None:
+        pytest.skip(f"the extension module is not built here: {_native.extension_error}")
+    return extension
+
+
+class Small(enum.IntEnum):
+    TWO = 2
+
+
+async def test_it_submits_the_common_case(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    extension = _extension()
+    queue = device.new_queue()
+    buf = await device.alloc(64)
+    fill = kernels["fill"]
+    target = queue._launch_target
+    done = extension.launch(queue, target, fill, (buf,), (3, 16), _ONE3, _ONE3)
+    assert isinstance(done, am.Completion) and done.queue is queue
+    assert done.value == queue.submitted == 1
+    assert buf._allocation.last_use[queue] == 1
+    # A view, vals in a list, sizes as an int and a list: still the common case.
+    view = buf.view(32)
+    done = extension.launch(queue, target, fill, (view,), [-4, 8], 5, [1, 1])
+    assert done is not None and done.value == queue.submitted == 2
+    await done
+    assert done.done() and done.start_time is not None  # its times row was recorded
+    assert (await buf.read(np.int32)).tolist() == [3] * 8 + [-4] * 8
+
+
+async def test_it_declines_every_other_case_without_submitting(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    extension = _extension()
+    queue = device.new_queue()
+    buf = await device.alloc(64)
+    freed = await device.alloc(64)
+    await freed.free()
+    fill, empty = kernels["fill"], kernels["empty"]
+
+    class SubBuffer(am.Buffer):
+        pass
+
+    sub = SubBuffer(device, buf._allocation, 0, 64)
+    declined: list[tuple[Any, ...]] = [
+        (fill, (buf,), (Small.TWO, 16), _ONE3, _ONE3),  # an int subclass
+        (fill, (buf,), (True, 16), _ONE3, _ONE3),  # a bool
+        (fill, (buf,), (np.int32(2), 16), _ONE3, _ONE3),
+        (fill, (buf,), (1 << 31, 16), _ONE3, _ONE3),  # beyond int32
+        (fill, (buf,), (-(1 << 31) - 1, 16), _ONE3, _ONE3),
+        (fill, (buf,), range(2), _ONE3, _ONE3),  # a sequence, not a tuple or list
+        (fill, (buf,), (1,), _ONE3, _ONE3),  # too few vals
+        (fill, (), (1, 16), _ONE3, _ONE3),  # too few buffers
+        (fill, (freed,), (1, 16), _ONE3, _ONE3),
+        (fill, (sub,), (1, 16), _ONE3, _ONE3),
+        (fill, ("buf",), (1, 16), _ONE3, _ONE3),
+        (fill, (buf,), (1, 16), 0, _ONE3),
+        (fill, (buf,), (1, 16), (1, 1, 1, 1), _ONE3),
+        (fill, (buf,), (1, 16), (), _ONE3),
+        (fill, (buf,), (1, 16), _ONE3, (True,)),
+        (fill, (buf,), (1, 16), np.array([1]), _ONE3),
+        (fill, (buf,), (1, 16), _ONE3, 1 << 70),
+        ("fill", (buf,), (1, 16), _ONE3, _ONE3),
+        (empty.native, (), (), _ONE3, _ONE3),
+    ]
+    for args in declined:
+        assert extension.launch(queue, queue._launch_target, *args) is None, args
+    assert queue.submitted == 0 and queue not in buf._allocation.last_use
+    # A queue holding commands behind a device wait, and a closed device.
+    timeline = device.timeline()
+    queue._gate = (timeline, 1)
+    assert extension.launch(queue, queue._launch_target, empty, (), (), _ONE3, _ONE3) is None
+    queue._gate = None
+    queue._held.append((print, ()))
+    assert extension.launch(queue, queue._launch_target, empty, (), (), _ONE3, _ONE3) is None
+    queue._held.clear()
+    assert queue.submitted == 0
+
+
+async def test_a_closed_device_is_declined(anyio_backend: object) -> None:
+    extension = _extension()
+    async with am.open_device("cpu") as device:
+        empty = await device.compile("void empty(void) {}", "empty")
+        queue = device.new_queue()
+    assert extension.launch(queue, queue._launch_target, empty, (), (), _ONE3, _ONE3) is None
+    with pytest.raises(am.ClosedResourceError):
+        queue.launch(empty)
+
+
+def _random_launch(rng: random.Random, buffers: list[am.Buffer]) -> dict[str, Any]:
+    """Arguments for fill(int* out, int value, int n): about half valid, the rest with
+    something off somewhere (values, their type, counts, sizes, a freed buffer)."""
+    valid = rng.random() < 0.5
+    good_ints = [0, 1, -1, 7, (1 << 31) - 1, -(1 << 31)]
+    bad_ints = [1 << 31, -(1 << 31) - 1, 1 << 70, True, Small.TWO, np.int32(3), 2.0, "2", None]
+    good_sizes: list[Any] = [_ONE3, 1, 300, (2,), (1, 4), [3, 1, 2], (1, 1, 1)]
+    bad_sizes: list[Any] = [0, -1, (), (1, 0), (1, 1, 1, 1), True, (2, Small.TWO), None]
+
+    def pick(good: list[Any], bad: list[Any]) -> Any:
+        return rng.choice(good if valid or rng.random() < 0.7 else bad)
+
+    live = [b for b in buffers if not b.freed]
+    n_buffers = 1 if valid or rng.random() < 0.7 else rng.choice([0, 2])
+    n_vals = 2 if valid or rng.random() < 0.7 else rng.choice([1, 3])
+    bufs = tuple(rng.choice(live if valid else buffers) for _ in range(n_buffers))
+    vals: Any = [pick(good_ints, bad_ints) for _ in range(n_vals)]
+    if n_vals >= 2 and isinstance(vals[1], int) and not isinstance(vals[1], bool):
+        vals[1] = rng.randint(-3, 16)  # the count: never past the 64-byte buffers
+    # A range is a valid sequence of ints too: the Python path takes it.
+    vals = rng.choice([tuple, tuple, list, lambda v: range(len(v))])(vals)
+    kwargs: dict[str, Any] = {"vals": vals}
+    if rng.random() < 0.5:
+        kwargs["global_size"] = pick(good_sizes, bad_sizes)
+    if rng.random() < 0.5:
+        kwargs["local_size"] = pick(good_sizes, bad_sizes)
+    return {"buffers": bufs, "kwargs": kwargs}
+
+
+async def test_random_launches_end_alike_with_and_without_it(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """Each random launch on a queue with the fast path and on one without: the same
+    exception (type and message), or the same submitted value and the same bytes."""
+    _extension()
+    fast, slow = device.new_queue(), device.new_queue()
+    slow._fast_launch = None
+    assert fast._fast_launch is not None
+    freed = await device.alloc(64)
+    await freed.free()
+    pairs = []
+    for _ in range(3):
+        a, b = await device.alloc(64), await device.alloc(64)
+        await a.write(np.zeros(64, np.uint8))
+        await b.write(np.zeros(64, np.uint8))
+        pairs.append((a, b))
+    firsts = [a for a, _ in pairs]
+    rng = random.Random(20261129)
+    took = failed = 0
+    for _ in range(600):
+        case = _random_launch(rng, [*firsts, freed])
+        outcomes = []
+        for queue, side in ((fast, 0), (slow, 1)):  # the same launch on its own buffers
+            bufs = tuple(b if b is freed else pairs[firsts.index(b)][side] for b in case["buffers"])
+            try:
+                done = queue.launch(kernels["fill"], *bufs, **case["kwargs"])
+            except Exception as exc:  # compared below
+                outcomes.append((type(exc), str(exc), queue.submitted))
+            else:
+                await done
+                outcomes.append(("ok", done.value, queue.submitted))
+        assert outcomes[0] == outcomes[1], case
+        took += outcomes[0][0] == "ok"
+        failed += outcomes[0][0] != "ok"
+    for a, b in pairs:
+        assert np.array_equal(await a.read(), await b.read())
+    assert took > 100 and failed > 100, (took, failed)  # both kinds were exercised
