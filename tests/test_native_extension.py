@@ -145,3 +145,42 @@ def test_spin_sees_a_value_raised_by_another_thread(path: str) -> None:
         raiser.join()
     finally:
         lib.am_timeline_free(timeline)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_host_copies_move_every_byte(streaming: bool) -> None:
+    """CPUQueue.memmove, plain and streaming (non-temporal stores where the CPU has
+    them: the cuda staging path): sizes around the streaming threshold and the 64-byte
+    steps, every alignment of source and destination, bytes around the copy untouched."""
+    from asyncmetal._backend import Record
+    from asyncmetal.backends.cpu import CPUQueue, CPUTimeline
+
+    lib = _native.runtime()
+    timeline = CPUTimeline(lib)
+    queue = CPUQueue(lib, timeline)
+    rng = np.random.default_rng(7)
+    source = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    value = 0
+    try:
+        for nbytes in (1, 63, 4096, (64 << 10) - 1, 64 << 10, (64 << 10) + 77, 300_001):
+            for dst_shift, src_shift in ((0, 0), (1, 0), (0, 5), (13, 7), (15, 15)):
+                dst = np.zeros(nbytes + 64, np.uint8)
+                src = source[src_shift : src_shift + nbytes]
+                value += 1
+                queue.memmove(
+                    dst.ctypes.data + dst_shift,
+                    src.ctypes.data,
+                    nbytes,
+                    value,
+                    Record(value),
+                    (dst, src),
+                    streaming,
+                )
+                deadline = time.monotonic() + 10
+                while timeline.value < value and time.monotonic() < deadline:
+                    time.sleep(0.0005)
+                assert timeline.value >= value
+                assert np.array_equal(dst[dst_shift : dst_shift + nbytes], src), nbytes
+                assert not dst[:dst_shift].any() and not dst[dst_shift + nbytes :].any()
+    finally:
+        queue.close()
