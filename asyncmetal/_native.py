@@ -58,7 +58,6 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_queue_new": (c_p, [c_p, ctypes.c_long]),
     "am_queue_call": (c_int, [c_p, c_p, c_int, c_p, c_p, c_u64]),
     "am_queue_copy": (c_int, [c_p, c_p, c_p, ctypes.c_size_t, c_p, c_u64]),
-    "am_queue_copy_stream": (c_int, [c_p, c_p, c_p, ctypes.c_size_t, c_p, c_u64]),
     "am_queue_signal": (c_int, [c_p, c_p, c_u64, c_u64]),
     "am_queue_wait": (c_int, [c_p, c_p, c_u64, c_u64]),
     "am_queue_close": (None, [c_p, c_int]),

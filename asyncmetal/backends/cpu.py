@@ -202,19 +202,9 @@ class CPUQueue(NativeQueue):
         self._submitted(status, value, timeline)
 
     def memmove(
-        self,
-        dst: int,
-        src: int,
-        nbytes: int,
-        value: int,
-        record: Record,
-        keep: object,
-        streaming: bool = False,
+        self, dst: int, src: int, nbytes: int, value: int, record: Record, keep: object
     ) -> None:
-        """Copy host memory. ``streaming``: nothing on this CPU reads ``dst`` next (it is
-        staging memory a DMA engine reads): large copies bypass the CPU's caches."""
-        copy = self._lib.am_queue_copy_stream if streaming else self._lib.am_queue_copy
-        status = copy(self._handle, dst, src, nbytes, self._row(record), value)
+        status = self._lib.am_queue_copy(self._handle, dst, src, nbytes, self._row(record), value)
         self._submitted(status, value, keep)
 
     def copy(

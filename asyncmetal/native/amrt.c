@@ -17,9 +17,6 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
-#if defined(__x86_64__)
-#include <emmintrin.h>
-#endif
 
 #define AM_MAX_ARGS 16
 
@@ -45,7 +42,7 @@ typedef struct am_timeline {
     am_watch *watches;
 } am_timeline;
 
-enum { CMD_CALL = 1, CMD_COPY, CMD_SIGNAL, CMD_WAIT, CMD_STREAM };
+enum { CMD_CALL = 1, CMD_COPY, CMD_SIGNAL, CMD_WAIT };
 
 typedef struct {
     int kind;
@@ -215,37 +212,6 @@ int am_timeline_spin(am_timeline *t, uint64_t v, long max_ns) {
 
 /* ---- queues ---------------------------------------------------------------------- */
 
-/* A copy whose destination is not read by this CPU next (pinned staging memory a DMA
- * engine reads): on x86-64, non-temporal stores, which skip reading each destination
- * line into the cache first -- a third less memory traffic; 1.4x one thread's memcpy of
- * 4 MiB chunks on our VM. Elsewhere, and for small or overlapping copies, memmove. */
-static void stream_copy(void *dst, const void *src, size_t n) {
-#if defined(__x86_64__)
-    char *d = dst;
-    const char *s = src;
-    if (n < (64 << 10) || (d < s + n && s < d + n)) {
-        memmove(dst, src, n);
-        return;
-    }
-    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
-    memcpy(d, s, head);
-    d += head, s += head, n -= head;
-    for (; n >= 64; d += 64, s += 64, n -= 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)s);
-        __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
-        __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
-        _mm_stream_si128((__m128i *)d, a);
-        _mm_stream_si128((__m128i *)(d + 16), b);
-        _mm_stream_si128((__m128i *)(d + 32), c);
-        _mm_stream_si128((__m128i *)(d + 48), e);
-    }
-    memcpy(d, s, n);
-    _mm_sfence();  /* the stores are visible before the command is reported done */
-#else
-    memmove(dst, src, n);
-#endif
-}
 
 typedef void (*am_kernel)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
@@ -310,9 +276,6 @@ static void *run(void *arg) {
         case CMD_COPY:
             memmove(c.dst, c.src, c.nbytes);
             break;
-        case CMD_STREAM:
-            stream_copy(c.dst, c.src, c.nbytes);
-            break;
         case CMD_SIGNAL:
             am_timeline_signal(c.timeline, c.target);
             break;
@@ -376,15 +339,6 @@ int am_queue_call(am_queue *q, void *fn, int nargs, const int64_t *args, int64_t
 int am_queue_copy(am_queue *q, void *dst, const void *src, size_t nbytes, int64_t *record,
                   uint64_t value) {
     am_cmd c = {.kind = CMD_COPY, .dst = dst, .src = src, .nbytes = nbytes, .record = record,
-                .value = value};
-    return push(q, &c);
-}
-
-/* The same with stream_copy: for staging through pinned memory that a DMA engine, not
- * this CPU, reads next. */
-int am_queue_copy_stream(am_queue *q, void *dst, const void *src, size_t nbytes,
-                         int64_t *record, uint64_t value) {
-    am_cmd c = {.kind = CMD_STREAM, .dst = dst, .src = src, .nbytes = nbytes, .record = record,
                 .value = value};
     return push(q, &c);
 }
