@@ -59,7 +59,7 @@ except ImportError:  # pragma: no cover - without cuda-bindings there is no cuda
 MAX_PARAMS = 64
 # Pageable host copies go through a ring of pinned chunks that host threads fill (or
 # empty). 8 MiB chunks and 12 threads: 46-48 GB/s of 1 GiB pageable -> H200 against
-# 33-36 with 4 MiB and 8 (and 31-36 changing either alone) in one run (session 4).
+# 33-36 with 4 MiB and 8 on one machine (run 42), all four mixes 47-49 on another (run 46).
 STAGE_CHUNK = 8 << 20  # bytes per pinned staging chunk
 STAGE_RING = 16  # chunks a queue stages through (the device keeps one ring ready)
 STAGE_DIRECT = 64 << 10  # smaller host copies go straight from pageable memory
