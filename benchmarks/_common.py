@@ -31,6 +31,31 @@ async def median_us(fn: Callable[[], Awaitable[Any]], n: int, warmup: int = 0) -
     return statistics.median(samples) / 1e3
 
 
+async def seconds_each(fn: Callable[[], Awaitable[Any]], n: int) -> list[float]:
+    """The seconds each of ``n`` runs of ``await fn()`` took."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+async def copy_timestamps_ns(queue: am.Queue, dst: Any, src: Any) -> tuple[int, int, int]:
+    """``perf_counter_ns`` before a copy's submission, after it, and once its queue's host
+    timeline is confirmed (read here in a loop, no await); the completion is awaited
+    after."""
+    native = queue.timeline._native
+    t0 = time.perf_counter_ns()
+    done = queue.copy(dst, src)
+    t1 = time.perf_counter_ns()
+    while native.value < done.value:
+        pass
+    t2 = time.perf_counter_ns()
+    await done
+    return t0, t1, t2
+
+
 async def pool_vs_serial(
     compiler: Compiler, serial: Sequence[str], pooled: Sequence[str], workers: int
 ) -> dict[str, Any]:

@@ -25,7 +25,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
-from _common import alloc_round_trip, pool_vs_serial, write_json
+from _common import (
+    alloc_round_trip,
+    copy_timestamps_ns,
+    pool_vs_serial,
+    seconds_each,
+    write_json,
+)
 
 import asyncmetal as am
 from asyncmetal.backends.cuda import CUDACompiler, check, cu
@@ -346,11 +352,7 @@ async def copies(dev: am.Device, stream: Any) -> dict[str, Any]:
     for threads in (4, 8, 12):
         cuda_backend.HOST_COPY_THREADS = threads  # read when a queue first stages
         q = dev.new_queue()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            await q.copy(b, host)
-            times.append(time.perf_counter() - t0)
+        times = await seconds_each(lambda q=q: q.copy(b, host), 3)
         result[f"h2d_asyncmetal_{threads}_threads_gbps"] = n / min(times) / 1e9
     cuda_backend.HOST_COPY_THREADS = default_threads
     # The host half alone: asyncmetal's host-copy threads filling a ring of 16 pinned
@@ -376,23 +378,16 @@ async def copies(dev: am.Device, stream: Any) -> dict[str, Any]:
     # Where the time goes: the submission call, and the wait after it (raw: the
     # synchronize; asyncmetal: until the host timeline is confirmed, read here).
     parts: dict[str, list[int]] = {k: [] for k in ("raw_submit", "raw_wait", "submit", "wait")}
-    native = dev.queue.timeline._native
     for _ in range(5):
         t0 = time.perf_counter_ns()
         check(cu.cuMemcpyDtoDAsync(b._allocation.handle, a._allocation.handle, n, stream), "DtoD")
         t1 = time.perf_counter_ns()
         check(cu.cuStreamSynchronize(stream), "sync")
-        t2 = time.perf_counter_ns()
-        done = dev.queue.copy(b, a)
-        t3 = time.perf_counter_ns()
-        while native.value < done.value:
-            pass
-        t4 = time.perf_counter_ns()
-        await done
         parts["raw_submit"].append(t1 - t0)
-        parts["raw_wait"].append(t2 - t1)
-        parts["submit"].append(t3 - t2)
-        parts["wait"].append(t4 - t3)
+        parts["raw_wait"].append(time.perf_counter_ns() - t1)
+        t0, t1, t2 = await copy_timestamps_ns(dev.queue, b, a)
+        parts["submit"].append(t1 - t0)
+        parts["wait"].append(t2 - t1)
     result["d2d_parts_us"] = {k: statistics.median(v) / 1e3 for k, v in parts.items()}
     # Diagnostic: the device's default queue (which staged the pageable copies above)
     # against a fresh queue, alternated with the raw copy.

@@ -190,10 +190,8 @@ async def copy_probe(dev: am.Device, q: am.Queue, event: int, rounds: int = 7) -
     the copy call alone."""
     n = 1 << 30
     a, b = await dev.alloc(n), await dev.alloc(n)
-    lib = native_library()
+    lib, native, stream = probe_handles(q)
     p = ctypes.c_void_p
-    native = q._native
-    stream = p(int(native.stream))  # type: ignore[attr-defined]
     copy, record = p(pointer("cuMemcpyDtoDAsync")), p(pointer("cuEventRecord"))
     sync, query = p(pointer("cuStreamSynchronize")), p(pointer("cuEventQuery"))
     am_copy = ctypes.cast(native._lib.am_cuq_copy, p)  # type: ignore[attr-defined]
@@ -244,6 +242,12 @@ async def copy_probe(dev: am.Device, q: am.Queue, event: int, rounds: int = 7) -
     }
 
 
+def probe_handles(q: am.Queue) -> tuple[ctypes.CDLL, Any, ctypes.c_void_p]:
+    """native_probe.c's library, the queue's backend queue and its stream."""
+    native = q._native
+    return native_library(), native, ctypes.c_void_p(int(native.stream))  # type: ignore[attr-defined]
+
+
 def native_library() -> ctypes.CDLL:
     """native_probe.c, built once."""
     global _probe_lib
@@ -274,10 +278,8 @@ def native_probe(
     sync: Callable[[], None],
 ) -> dict[str, float]:
     """The same calls timed in C (native_probe.c), with no Python or ctypes per call."""
-    lib = native_library()
+    lib, native, stream = probe_handles(q)
     p = ctypes.c_void_p
-    native = q._native
-    stream = p(int(native.stream))  # type: ignore[attr-defined]
     launch, record = p(pointer("cuLaunchKernel")), p(pointer("cuEventRecord"))
     sync_ptr, query = p(pointer("cuStreamSynchronize")), p(pointer("cuEventQuery"))
     ctx_set = p(pointer("cuCtxSetCurrent"))

@@ -33,12 +33,16 @@ class Small(enum.IntEnum):
     TWO = 2
 
 
+@pytest.fixture
+async def fast(device: am.Device) -> tuple[Any, am.Queue, am.Buffer]:
+    """The extension module (or a skip), a new queue and a 64-byte buffer."""
+    return _extension(), device.new_queue(), await device.alloc(64)
+
+
 async def test_it_submits_the_common_case(
-    device: am.Device, kernels: dict[str, am.Program]
+    fast: tuple[Any, am.Queue, am.Buffer], kernels: dict[str, am.Program]
 ) -> None:
-    extension = _extension()
-    queue = device.new_queue()
-    buf = await device.alloc(64)
+    extension, queue, buf = fast
     fill = kernels["fill"]
     target = queue._launch_target
     done = extension.launch(queue, target, fill, (buf,), (3, 16), _ONE3, _ONE3)
@@ -55,11 +59,9 @@ async def test_it_submits_the_common_case(
 
 
 async def test_it_declines_every_other_case_without_submitting(
-    device: am.Device, kernels: dict[str, am.Program]
+    device: am.Device, fast: tuple[Any, am.Queue, am.Buffer], kernels: dict[str, am.Program]
 ) -> None:
-    extension = _extension()
-    queue = device.new_queue()
-    buf = await device.alloc(64)
+    extension, queue, buf = fast
     freed = await device.alloc(64)
     await freed.free()
     fill, empty = kernels["fill"], kernels["empty"]

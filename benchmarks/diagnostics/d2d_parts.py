@@ -5,7 +5,8 @@
 Per copy of 4 KiB and of 1 GiB on the default queue: Python before the backend's copy
 hook, the hook (native call), Python after it, the wait until the host timeline is
 confirmed, and an awaited ``am.copy``. Ran as run 34 at 0d72042 and run 35 at 0192eed
-(benchmarks/results/h200/d2d_diag-run3*.json).
+(benchmarks/results/h200/d2d_diag-run3*.json), with the submit-and-confirm loop inline
+(now ``_common.copy_timestamps_ns``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 
 sys.path.insert(0, "benchmarks")
 import numpy as np
+from _common import copy_timestamps_ns
 
 import asyncmetal as am
 from asyncmetal.backends import cuda as cb
@@ -39,16 +41,9 @@ async def main():
                 marks.append((t, time.perf_counter_ns()))
 
             cb.CUDAQueue.copy = wrapped
-            native = dev.queue.timeline._native
             rows = {k: [] for k in ("py_before", "native_copy", "py_after", "wait", "await_total")}
             for _ in range(12):
-                t0 = time.perf_counter_ns()
-                done = dev.queue.copy(b, a)
-                t1 = time.perf_counter_ns()
-                while native.value < done.value:
-                    pass
-                t2 = time.perf_counter_ns()
-                await done
+                t0, t1, t2 = await copy_timestamps_ns(dev.queue, b, a)
                 ci, co = marks[-1]
                 rows["py_before"].append(ci - t0)
                 rows["native_copy"].append(co - ci)

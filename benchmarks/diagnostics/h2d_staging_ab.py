@@ -15,9 +15,12 @@ import asyncio
 import json
 import os
 import statistics
-import time
+import sys
 
 import numpy as np
+
+sys.path.insert(0, "benchmarks")
+from _common import seconds_each
 
 import asyncmetal as am
 from asyncmetal.backends import cuda as cb
@@ -44,10 +47,7 @@ async def main() -> dict[str, object]:
                 dev._backend._chunks.clear()  # no pooled chunk of another size (leaks them)
                 q = dev.new_queue()
                 await q.copy(b, host[: 64 << 20], 64 << 20)  # the ring and threads made
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    await q.copy(b, host)
-                    times[name].append(time.perf_counter() - t0)
+                times[name] += await seconds_each(lambda q=q: q.copy(b, host), 3)
                 print(rnd, name, round(n / min(times[name][-3:]) / 1e9, 1), flush=True)
         cb.STAGE_CHUNK, cb.HOST_COPY_THREADS = saved
         correct = bool(np.array_equal(await b.read(), host))

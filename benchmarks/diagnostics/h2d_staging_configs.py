@@ -13,9 +13,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
+import sys
 
 import numpy as np
+
+sys.path.insert(0, "benchmarks")
+from _common import seconds_each
 
 import asyncmetal as am
 from asyncmetal.backends import cuda as cb
@@ -60,11 +63,7 @@ async def main():
                         orig_memmove(self, d, s, nb, keep, False)
                     )
                 q = dev.new_queue()
-                times = []
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    await q.copy(b, host)
-                    times.append(time.perf_counter() - t0)
+                times = await seconds_each(lambda q=q: q.copy(b, host), 3)
                 out.setdefault(name, []).append(n / min(times) / 1e9)
                 st = q._native.stats()
                 out.setdefault(name + "_stats", st)
