@@ -381,9 +381,9 @@ class Queue:
     def _after(self, buffers: Iterable[Buffer]) -> None:
         """after() for buffers already checked."""
         for buf in buffers:
-            for other, value in buf._allocation.last_use.items():
+            for other, value in list(buf._allocation.last_use.items()):
                 if other is not self and other.timeline.value < value:
-                    self.wait(other.timeline, value)  # (touches no last_use)
+                    self.wait(other.timeline, value)
 
     async def synchronize(self) -> None:
         """Wait until everything submitted so far has finished."""

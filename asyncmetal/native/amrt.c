@@ -212,7 +212,6 @@ int am_timeline_spin(am_timeline *t, uint64_t v, long max_ns) {
 
 /* ---- queues ---------------------------------------------------------------------- */
 
-
 typedef void (*am_kernel)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                           int64_t, int64_t);
