@@ -3,7 +3,8 @@ threads A/B (session 3's 4 MiB x 8 against session 4's 8 MiB x 12), alternated.
 
     PYTHONPATH=. python benchmarks/diagnostics/h2d_staging_ab.py  (OUT=dir for h2d_ab.json)
 
-Ran as run 46 at the final code of session 4 (results/h200/h2d_staging_ab-run46.json).
+Ran as run 46 (without the 16-thread row) and run 48 at the final code of session 4
+(results/h200/h2d_staging_ab-run4{6,8}.json).
 
 Each round makes a fresh queue per configuration (order reversed every other round) and
 times three copies on it; best and median per configuration over all rounds.
@@ -30,6 +31,7 @@ CONFIGS = {
     "chunk8_threads12": (8 << 20, 12),
     "chunk8_threads8": (8 << 20, 8),
     "chunk4_threads12": (4 << 20, 12),
+    "chunk8_threads16": (8 << 20, 16),
 }
 
 
