@@ -152,6 +152,27 @@ async def test_long_commands_switch_a_queue_to_blocking_events(anyio_backend: ob
         await until_plain()
 
 
+async def test_a_gpu_without_64_bit_stream_memory_operations_is_refused(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused when it opens, naming the attribute: device-side waits need them."""
+    from asyncmetal.backends import cuda
+
+    attribute = cuda.cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
+    real = cuda.cu.cuDeviceGetAttribute
+
+    def without(which: object, device: object) -> object:
+        return (cuda.cu.CUresult.CUDA_SUCCESS, 0) if which == attribute else real(which, device)
+
+    monkeypatch.setattr(cuda.cu, "cuDeviceGetAttribute", without)
+    with pytest.raises(am.AsyncMetalError, match="CAN_USE_64_BIT_STREAM_MEM_OPS is 0"):
+        async with am.open_device("cuda:0"):
+            pass
+    monkeypatch.undo()
+    async with am.open_device("cuda:0") as dev:  # and nothing was left half-open
+        assert dev._backend.info.extra["stream_mem_ops_64"] is True
+
+
 async def test_compile_errors(anyio_backend: object) -> None:
     async with am.open_device("cuda:0") as dev:
         with pytest.raises(am.CompileError) as info:

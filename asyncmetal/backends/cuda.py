@@ -634,8 +634,18 @@ class CUDABackend(Backend):
             cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, self.device),
             "attr",
         )
+        missing = None
         if not unified:
-            raise AsyncMetalError(f"cuda:{index} lacks unified addressing, which asyncmetal needs")
+            missing = "unified addressing"
+        elif not memops:  # else the first device-side wait would fail, mid-program
+            missing = (
+                "64-bit stream memory operations (CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_"
+                "MEM_OPS is 0), which timelines need for device-side waits: GPUs of compute "
+                "capability 7.0 or newer have them, enabled by default since CUDA 12"
+            )
+        if missing is not None:
+            cu.cuDevicePrimaryCtxRelease(self.device)
+            raise AsyncMetalError(f"cuda:{index} lacks {missing}; asyncmetal needs it")
         name = check(cu.cuDeviceGetName(256, self.device), "cuDeviceGetName")
         total = int(check(cu.cuDeviceTotalMem(self.device), "cuDeviceTotalMem"))
         self._info = DeviceInfo(
