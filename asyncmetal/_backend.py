@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
+import numpy as np
+
 if TYPE_CHECKING:
     from ._compile import Compiler
 
@@ -56,8 +58,6 @@ class Record:
 def host_address(view: memoryview) -> tuple[int, Any]:
     """The address of a contiguous host buffer (read-only ones too), and the object to
     keep alive while a device uses that memory."""
-    import numpy as np
-
     array = np.frombuffer(view, np.uint8)
     return int(array.ctypes.data), array
 

@@ -18,8 +18,9 @@
   in the compile pool. ``global_size`` is the number of threads per dimension and
   ``local_size`` the block: the grid is ``ceil(global / local)``.
 * Host copies of pageable memory are staged through a queue's own ring of pinned chunks
-  (16 x 4 MiB): its native host-copy threads (8, made at its first large copy) fill or
-  empty chunks while the DMA engine moves others, and a chunk is reused once its
+  (``STAGE_RING`` of ``STAGE_CHUNK``): its native host-copy threads
+  (``HOST_COPY_THREADS``, made at its first large copy) fill or empty chunks while the
+  DMA engine moves others, and a chunk is reused once its
   previous use is marked done -- a copy of any size runs in the ring's memory.
 """
 
@@ -316,6 +317,11 @@ class CUDAQueue(NativeQueue):
         call = self._lib.am_cuda_name(self._lib.am_cuq_failed_call(self._q)).decode()
         return driver_error(call, code)
 
+    def _check(self, code: int) -> None:
+        """Raise what a native submission call's nonzero result means."""
+        if code:
+            raise self._failed(code)
+
     def _finish(
         self,
         value: int,
@@ -330,30 +336,24 @@ class CUDAQueue(NativeQueue):
         copy of known size) is polled for through its end: blocking would add an
         interrupt and a wake-up."""
         spin = min(expected_ns, MAX_POLL_NS)
-        code = self._lib.am_cuq_finish(
-            self._q, value, extra.c_timeline if extra else None, target, spin
+        self._check(
+            self._lib.am_cuq_finish(
+                self._q, value, extra.c_timeline if extra else None, target, spin
+            )
         )
-        if code:
-            raise self._failed(code)
         self._keep.add(value, keep)
 
     def _write(self, timeline: CUDATimeline, target: int) -> None:
-        code = self._lib.am_cuq_write(self._q, timeline.address, target)
-        if code:
-            raise self._failed(code)
+        self._check(self._lib.am_cuq_write(self._q, timeline.address, target))
 
     def _wait_value(self, timeline: CUDATimeline, target: int) -> None:
-        code = self._lib.am_cuq_wait(self._q, timeline.address, target)
-        if code:
-            raise self._failed(code)
+        self._check(self._lib.am_cuq_wait(self._q, timeline.address, target))
 
     def _mark(self, timeline: CUDATimeline, target: int, reached: int) -> None:
         """Raise ``timeline`` to ``target`` mid-command, once the stream got there: the
         completion thread confirms it and wakes whoever waits on it."""
         self._write(timeline, target)
-        code = self._lib.am_cuq_finish(self._q, reached, timeline.c_timeline, target, 0)
-        if code:
-            raise self._failed(code)
+        self._finish(reached, extra=timeline, target=target)
 
     def failure(self, value: int) -> BaseException | None:
         if not self._error.value:  # read in place: the common case costs no call
@@ -404,8 +404,7 @@ class CUDAQueue(NativeQueue):
             for i, (handle, offset, val) in enumerate(args):
                 slots[i] = (handle + offset) if val is None else (val & 0xFFFFFFFF)
             code = self._lib.am_cuq_launch(self._q, program, dims, self._pointers_address, value)
-        if code:
-            raise self._failed(code)
+        self._check(code)
 
     def launch_target(self) -> tuple[Any, ...] | None:
         return None if self._fast_launch is None else (1, self._q, self)
@@ -432,9 +431,7 @@ class CUDAQueue(NativeQueue):
         if timeline.value < target:
             owner = timeline.queue
             if owner is not None and owner._q is not None:  # a queue's: its event or word
-                code = self._lib.am_cuq_wait_queue(self._q, owner._q, target)
-                if code:
-                    raise self._failed(code)
+                self._check(self._lib.am_cuq_wait_queue(self._q, owner._q, target))
             else:
                 self._wait_value(timeline, target)
         self._finish(value, timeline)
@@ -454,8 +451,7 @@ class CUDAQueue(NativeQueue):
             value,
             expected if expected < MAX_COPY_POLL_NS else MAX_COPY_POLL_NS,
         )
-        if code:
-            raise self._failed(code)
+        self._check(code)
         record.due_ns = time.perf_counter_ns() + expected
 
     def _staging_for(self) -> _Staging:

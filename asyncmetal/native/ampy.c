@@ -79,26 +79,36 @@ static PyObject *py_queue_call(PyObject *self, PyObject *const *a, Py_ssize_t n)
     return PyLong_FromLong(am_queue_call(q, fn, nargs, slots, row, value));
 }
 
-/* The launch sizes: grid = ceil(global / local) and block = local, per dimension, from
- * two 3-tuples of ints >= 1 (asyncmetal.Queue checked them), no shared memory. */
+/* grid = ceil(global / local) and block = local per dimension, no shared memory; 1 if
+ * a size is outside [1, 2**32). */
+static int grid_dims(const unsigned long *global, const unsigned long *local, unsigned *dims) {
+    for (int i = 0; i < 3; i++) {
+        unsigned long g = global[i], l = local[i];
+        if (!g || !l || g > UINT32_MAX || l > UINT32_MAX) return 1;
+        dims[i] = (unsigned)((g + l - 1) / l);
+        dims[3 + i] = (unsigned)l;
+    }
+    dims[6] = 0;
+    return 0;
+}
+
+/* The launch sizes from two 3-tuples of ints >= 1 (asyncmetal.Queue checked them). */
 static int launch_dims(PyObject *global, PyObject *local, unsigned *dims) {
     if (!PyTuple_Check(global) || !PyTuple_Check(local) || PyTuple_GET_SIZE(global) != 3 ||
         PyTuple_GET_SIZE(local) != 3) {
         PyErr_SetString(PyExc_TypeError, "global and local sizes must be 3-tuples");
         return -1;
     }
+    unsigned long g[3], l[3];
     for (int i = 0; i < 3; i++) {
-        unsigned long g = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(global, i));
-        unsigned long l = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(local, i));
+        g[i] = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(global, i));
+        l[i] = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(local, i));
         if (PyErr_Occurred()) return -1;
-        if (!g || !l || g > UINT32_MAX || l > UINT32_MAX) {
-            PyErr_SetString(PyExc_ValueError, "launch sizes must be in [1, 2**32)");
-            return -1;
-        }
-        dims[i] = (unsigned)((g + l - 1) / l);
-        dims[3 + i] = (unsigned)l;
     }
-    dims[6] = 0;
+    if (grid_dims(g, l, dims)) {
+        PyErr_SetString(PyExc_ValueError, "launch sizes must be in [1, 2**32)");
+        return -1;
+    }
     return 0;
 }
 
@@ -272,14 +282,39 @@ static void unnumber(PyObject *queue, uint64_t value) {
     PyErr_Restore(type, exc, tb);
 }
 
+/* A backend queue's launch_target(), read once per launch. */
+typedef struct {
+    long kind;             /* 1: cuda, 0: cpu */
+    void *handle;          /* the am_cuq or am_queue */
+    PyObject *native;      /* the backend queue (its error hooks) */
+    PyObject *times, *keep;  /* cpu: its times rows and its keep-alive items */
+    int64_t *times_base;
+    long kept;
+} target_t;
+
+/* 0 with *t filled, 1 if target is not one of the forms above, -1 on error. */
+static int parse_target(PyObject *target, target_t *t) {
+    if (!PyTuple_CheckExact(target) || PyTuple_GET_SIZE(target) < 3) return 1;
+    t->kind = PyLong_AsLong(PyTuple_GET_ITEM(target, 0));
+    t->handle = PyLong_AsVoidPtr(PyTuple_GET_ITEM(target, 1));
+    t->native = PyTuple_GET_ITEM(target, 2);
+    if (PyErr_Occurred()) return -1;
+    if ((t->kind != 0 && t->kind != 1) || !t->handle) return 1;
+    if (t->kind == 1) return 0;
+    if (PyTuple_GET_SIZE(target) != 7) return 1;
+    t->times = PyTuple_GET_ITEM(target, 3);
+    t->times_base = PyLong_AsVoidPtr(PyTuple_GET_ITEM(target, 4));
+    t->kept = PyLong_AsLong(PyTuple_GET_ITEM(target, 5));
+    t->keep = PyTuple_GET_ITEM(target, 6);
+    if (PyErr_Occurred()) return -1;
+    return !t->times_base || t->kept <= 0;
+}
+
 /* Number the command, make its Completion and submit it; then record each buffer's use.
  * Errors after numbering take the number back. */
-static PyObject *submit(PyObject *queue, PyObject *target, void *fn, const unsigned *dims,
+static PyObject *submit(PyObject *queue, const target_t *t, void *fn, const unsigned *dims,
                         int64_t *slots, Py_ssize_t nargs, PyObject *handles,
                         PyObject *const *allocations, Py_ssize_t nbuf) {
-    long kind = PyLong_AsLong(PyTuple_GET_ITEM(target, 0));
-    void *handle = PyLong_AsVoidPtr(PyTuple_GET_ITEM(target, 1));
-    PyObject *native = PyTuple_GET_ITEM(target, 2);
     PyObject *last = PyObject_GetAttr(queue, s_submitted);
     if (!last) return NULL;
     uint64_t value = PyLong_AsUnsignedLongLong(last) + 1;
@@ -292,16 +327,17 @@ static PyObject *submit(PyObject *queue, PyObject *target, void *fn, const unsig
     done = PyObject_CallFunctionObjArgs(Completion_type, queue, value_obj, NULL);
     if (!done) goto unnumbered;
     int code;
-    if (kind == 1) {
+    if (t->kind == 1) {
         void *params[AM_MAX_PARAMS];
         for (Py_ssize_t i = 0; i < nargs; i++) params[i] = &slots[i];
         Py_BEGIN_ALLOW_THREADS
-        code = am_cuq_launch(handle, fn, dims, params, value);
+        code = am_cuq_launch(t->handle, fn, dims, params, value);
         Py_END_ALLOW_THREADS
         if (code) {  /* the backend's hook explains it: it raises or returns the error */
             PyObject *code_obj = PyLong_FromLong(code);
-            PyObject *exc = code_obj ? PyObject_CallMethodObjArgs(native, s_failed, code_obj, NULL)
-                                     : NULL;
+            PyObject *exc =
+                code_obj ? PyObject_CallMethodObjArgs(t->native, s_failed, code_obj, NULL)
+                         : NULL;
             Py_XDECREF(code_obj);
             if (exc) {
                 PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
@@ -311,20 +347,18 @@ static PyObject *submit(PyObject *queue, PyObject *target, void *fn, const unsig
         }
     } else {
         /* The times row the queue thread writes, as CPUQueue.launch records it. */
-        PyObject *times = PyTuple_GET_ITEM(target, 3), *keep = PyTuple_GET_ITEM(target, 6);
-        int64_t *times_base = PyLong_AsVoidPtr(PyTuple_GET_ITEM(target, 4));
-        uint64_t row = value % (uint64_t)PyLong_AsLong(PyTuple_GET_ITEM(target, 5));
+        uint64_t row = value % (uint64_t)t->kept;
         PyObject *row_obj = PyLong_FromUnsignedLongLong(row);
-        int failed = !row_obj || PyObject_SetAttr(done, s_ring, times) ||
+        int failed = !row_obj || PyObject_SetAttr(done, s_ring, t->times) ||
                      PyObject_SetAttr(done, s_row, row_obj);
         Py_XDECREF(row_obj);
         if (failed) goto unnumbered;
-        code = am_queue_call(handle, fn, (int)nargs, slots, times_base + 3 * row, value);
-        if (code || nargs || PyObject_Length(keep)) {  /* CPUQueue._submitted: errors, and
-                                                          keeping the handles alive */
+        code = am_queue_call(t->handle, fn, (int)nargs, slots, t->times_base + 3 * row, value);
+        if (code || nargs || PyObject_Length(t->keep)) {  /* CPUQueue._submitted: errors,
+                                                             keeping the handles alive */
             PyObject *status = PyLong_FromLong(code);
             PyObject *res = status ? PyObject_CallMethodObjArgs(
-                                         native, s_submitted_hook, status, value_obj,
+                                         t->native, s_submitted_hook, status, value_obj,
                                          handles ? handles : Py_None, NULL)
                                    : NULL;
             Py_XDECREF(status);
@@ -359,23 +393,15 @@ static PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
         PyErr_SetString(PyExc_RuntimeError, "launch: setup() was not called");
         return NULL;
     }
-    if (!PyTuple_CheckExact(target) || PyTuple_GET_SIZE(target) < 3 ||
-        !PyTuple_CheckExact(buffers) || (!PyTuple_CheckExact(vals) && !PyList_CheckExact(vals)) ||
+    if (!PyTuple_CheckExact(buffers) || (!PyTuple_CheckExact(vals) && !PyList_CheckExact(vals)) ||
         (PyObject *)Py_TYPE(program) != Program_type) {
         Py_RETURN_NONE;
     }
-    long kind = PyLong_AsLong(PyTuple_GET_ITEM(target, 0));
-    void *handle = PyLong_AsVoidPtr(PyTuple_GET_ITEM(target, 1));
-    if (PyErr_Occurred()) return NULL;
-    Py_ssize_t most = kind == 1 ? AM_MAX_PARAMS : AM_MAX_ARGS;
-    if ((kind != 0 && kind != 1) || (kind == 0 && PyTuple_GET_SIZE(target) != 7) || !handle)
-        Py_RETURN_NONE;
-    if (kind == 0) {  /* cpu: the queue's times rows, and how many it keeps */
-        void *times_base = PyLong_AsVoidPtr(PyTuple_GET_ITEM(target, 4));
-        long kept = PyLong_AsLong(PyTuple_GET_ITEM(target, 5));
-        if (PyErr_Occurred()) return NULL;
-        if (!times_base || kept <= 0) Py_RETURN_NONE;
-    }
+    target_t t = {0};
+    int parsed = parse_target(target, &t);
+    if (parsed < 0) return NULL;
+    if (parsed) Py_RETURN_NONE;
+    Py_ssize_t most = t.kind == 1 ? AM_MAX_PARAMS : AM_MAX_ARGS;
 
     /* The queue holds nothing back, and its device is open and the program's. (r: 0 so
      * far the common case, 1 not, -1 an error; any error set is raised.) */
@@ -398,7 +424,7 @@ static PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     /* The arguments in launch order (buffers, then vals), each a 64-bit slot. */
     int64_t packed[AM_MAX_PARAMS];
     PyObject *allocations[AM_MAX_PARAMS];
-    if (kind == 0 && nbuf && !(handles = PyTuple_New(nbuf))) goto fallback;
+    if (t.kind == 0 && nbuf && !(handles = PyTuple_New(nbuf))) goto fallback;
     for (Py_ssize_t i = 0; i < nbuf; i++) {
         PyObject *buf = PyTuple_GET_ITEM(buffers, i);
         if ((PyObject *)Py_TYPE(buf) != Buffer_type || attr_is(buf, s_device, device) != 1) {
@@ -412,7 +438,7 @@ static PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
         if ((r = attr_true(allocation, s_freed)) != 0) goto fallback;
         PyObject *h = PyObject_GetAttr(allocation, s_handle);
         if (!h) { r = -1; goto fallback; }
-        PyObject *base = kind == 0 ? PyObject_GetAttr(h, address_name) : (Py_INCREF(h), h);
+        PyObject *base = t.kind == 0 ? PyObject_GetAttr(h, address_name) : (Py_INCREF(h), h);
         if (handles) PyTuple_SET_ITEM(handles, i, h);  /* takes the reference */
         else Py_DECREF(h);
         if (!base) { r = -1; goto fallback; }
@@ -454,18 +480,11 @@ static PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     Py_DECREF(function);
     if (PyErr_Occurred()) { r = -1; goto fallback; }
     unsigned dims[7];
-    if (kind == 1) {
-        for (int i = 0; i < 3; i++) {
-            if (global[i] > UINT32_MAX || local[i] > UINT32_MAX) { r = 1; goto fallback; }
-            dims[i] = (unsigned)((global[i] + local[i] - 1) / local[i]);
-            dims[3 + i] = (unsigned)local[i];
-        }
-        dims[6] = 0;
-    }
+    if (t.kind == 1 && (r = grid_dims(global, local, dims))) goto fallback;
 
     /* Number it, make its Completion, submit. */
     Py_DECREF(device);
-    PyObject *done = submit(queue, target, fn, dims, slots, nargs, handles, allocations, nbuf);
+    PyObject *done = submit(queue, &t, fn, dims, slots, nargs, handles, allocations, nbuf);
     Py_XDECREF(handles);
     return done;
 
