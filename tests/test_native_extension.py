@@ -181,3 +181,46 @@ def test_host_copies_move_every_byte() -> None:
                 assert not dst[:dst_shift].any() and not dst[dst_shift + nbytes :].any()
     finally:
         queue.close()
+
+
+def test_host_copies_wait_on_a_device_word() -> None:
+    """CPUQueue.wait_word (the cuda staging path's hold on a chunk the stream still
+    reads): the queue holds until the timeline's word -- written by a stream there, by
+    this thread here -- or its host value gets to the target; a timeline without a word
+    is refused; an abandoning close ends a wait that would never end."""
+    from asyncmetal._backend import Record
+    from asyncmetal.backends.cpu import CPUQueue, CPUTimeline
+
+    lib = _native.runtime()
+    own, marks, plain = CPUTimeline(lib), CPUTimeline(lib), CPUTimeline(lib)
+    word = ctypes.c_uint64(0)
+    lib.am_timeline_set_word(marks.c_timeline, ctypes.addressof(word))
+    queue = CPUQueue(lib, own)
+    src, dst = np.arange(256, dtype=np.uint8), np.zeros(256, np.uint8)
+
+    def reaches(value: int, within: float) -> bool:
+        deadline = time.monotonic() + within
+        while own.value < value and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        return own.value >= value
+
+    try:
+        with pytest.raises(ValueError, match="no device word"):
+            queue.wait_word(plain, 1, 1)
+        queue.wait_word(marks, 3, 1)
+        queue.memmove(dst.ctypes.data, src.ctypes.data, 256, 2, Record(2), (dst, src))
+        word.value = 2  # not yet
+        assert not reaches(1, 0.05) and not dst.any()
+        word.value = 3
+        assert reaches(2, 10) and np.array_equal(dst, src)
+        queue.wait_word(marks, 5, 3)
+        assert not reaches(3, 0.05)
+        marks.signal(5)  # a host signal raises the word too
+        assert reaches(3, 10)
+        queue.wait_word(marks, 1 << 40, 4)  # never written
+        time.sleep(0.05)
+    finally:
+        t0 = time.monotonic()
+        queue.close(abandon=True)
+        assert time.monotonic() - t0 < 5
+    assert own.value == 3

@@ -201,6 +201,15 @@ class CPUQueue(NativeQueue):
         status = self._lib.am_queue_wait(self._handle, timeline.c_timeline, target, value)
         self._submitted(status, value, timeline)
 
+    def wait_word(self, timeline: NativeTimeline, target: int, value: int) -> None:
+        """Hold the queue until a device wrote ``timeline``'s device word up to ``target``
+        (polled: for a word a stream writes behind its work, which wakes no thread)."""
+        assert timeline.c_timeline is not None
+        status = self._lib.am_queue_wait_word(self._handle, timeline.c_timeline, target, value)
+        if status == -2:
+            raise ValueError("this timeline has no device word to wait on")
+        self._submitted(status, value, timeline)
+
     def memmove(
         self, dst: int, src: int, nbytes: int, value: int, record: Record, keep: object
     ) -> None:

@@ -20,8 +20,10 @@
 * Host copies of pageable memory are staged through a queue's own ring of pinned chunks
   (``STAGE_RING`` of ``STAGE_CHUNK``): its native host-copy threads
   (``HOST_COPY_THREADS``, made at its first large copy) fill or empty chunks while the
-  DMA engine moves others, and a chunk is reused once its
-  previous use is marked done -- a copy of any size runs in the ring's memory.
+  DMA engine moves others, and a chunk is reused once its previous use is marked done
+  -- a copy of any size runs in the ring's memory. The stream marks a chunk done by
+  writing a device word, which the host-copy threads poll: no event or completion
+  thread between the DMA engine and the host copies.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ MAX_PARAMS = 64
 STAGE_CHUNK = 8 << 20  # bytes per pinned staging chunk
 STAGE_RING = 16  # chunks a queue stages through (the device keeps one ring ready)
 STAGE_DIRECT = 64 << 10  # smaller host copies go straight from pageable memory
+STAGED_BYTES_PER_NS = 20  # staged host copies are expected at 20 GB/s or better
 HOST_COPY_THREADS = max(2, min(12, (os.cpu_count() or 2) * 3 // 4))  # per queue, lazily
 COMPLETION_SPIN_NS = 30_000  # the completion thread polls this long before blocking
 MAX_POLL_NS = 2_000_000  # ... or up to this long for a command expected to take so long
@@ -193,11 +196,17 @@ class CUDATimeline(NativeTimeline):
         self._backend = backend
         backend.lib.am_timeline_set_word(self.c_timeline, self.address)
         self._value = ctypes.c_uint64.from_address(self.c_timeline)
+        self._word = ctypes.c_uint64.from_address(self.address)
         self.queue: CUDAQueue | None = None  # the queue whose own timeline this is
 
     @property
     def value(self) -> int:
         return self._value.value
+
+    def reached(self, target: int) -> bool:
+        """Whether the device word got to ``target``: written by a stream behind its work
+        (not yet confirmed by a completion thread), or raised by a host signal."""
+        return self._word.value >= target
 
     def signal(self, value: int) -> None:
         self._backend.lib.am_timeline_signal(self.c_timeline, value)
@@ -227,11 +236,10 @@ class _HostCopier:
         return self.timelines[i], value
 
     def wait(self, timeline: CUDATimeline, target: int) -> None:
-        """Hold the next host copy until ``timeline`` reaches ``target``."""
+        """Hold the next host copy until ``timeline``'s device word reaches ``target``."""
         i = (self._next + 1) % len(self.queues)
         self.submitted[i] += 1
-        value = self.submitted[i]
-        self.queues[i].wait(timeline, target, value, Record(value))
+        self.queues[i].wait_word(timeline, target, self.submitted[i])
 
     def close(self, abandon: bool) -> None:
         for q in self.queues:
@@ -261,9 +269,9 @@ class _Staging:
     def acquire(self) -> tuple[_Pinned, tuple[CUDATimeline, int] | None]:
         """A chunk, and the (timeline, value) its previous use ends at, if not yet."""
         ring = self._ring
-        if ring and (ring[0][1].value >= ring[0][2] or self._count >= STAGE_RING):
+        if ring and (ring[0][1].reached(ring[0][2]) or self._count >= STAGE_RING):
             chunk, timeline, value = ring.popleft()
-            return chunk, (timeline, value) if timeline.value < value else None
+            return chunk, None if timeline.reached(value) else (timeline, value)
         self._count += 1
         return self._backend.take_chunk(), None
 
@@ -332,13 +340,19 @@ class CUDAQueue(NativeQueue):
     ) -> None:
         """End a command: an event behind it, which the completion thread confirms (the
         stream also writes the queue's device word if a device wait asked for the
-        value before it was submitted). A command expected to take at most ~2 ms (a
-        copy of known size) is polled for through its end: blocking would add an
-        interrupt and a wake-up."""
-        spin = min(expected_ns, MAX_POLL_NS)
+        value before it was submitted). A command expected to take at most
+        ``MAX_POLL_NS`` (a copy of known size) is polled for through its end: blocking
+        would add an interrupt and a wake-up. One expected to take longer gets a
+        blocking-sync event, which the completion thread sleeps on after a short poll."""
+        long_running = expected_ns > MAX_POLL_NS
         self._check(
             self._lib.am_cuq_finish(
-                self._q, value, extra.c_timeline if extra else None, target, spin
+                self._q,
+                value,
+                extra.c_timeline if extra else None,
+                target,
+                0 if long_running else expected_ns,
+                long_running,
             )
         )
         self._keep.add(value, keep)
@@ -348,12 +362,6 @@ class CUDAQueue(NativeQueue):
 
     def _wait_value(self, timeline: CUDATimeline, target: int) -> None:
         self._check(self._lib.am_cuq_wait(self._q, timeline.address, target))
-
-    def _mark(self, timeline: CUDATimeline, target: int, reached: int) -> None:
-        """Raise ``timeline`` to ``target`` mid-command, once the stream got there: the
-        completion thread confirms it and wakes whoever waits on it."""
-        self._write(timeline, target)
-        self._finish(reached, extra=timeline, target=target)
 
     def failure(self, value: int) -> BaseException | None:
         if not self._error.value:  # read in place: the common case costs no call
@@ -480,9 +488,9 @@ class CUDAQueue(NativeQueue):
                 "cuMemcpyHtoDAsync",
             )
             mark = staging.next_mark()
-            self._mark(*mark, value - 1)
+            self._write(*mark)  # the chunk is free again: host threads poll the word
             staging.release_after(chunk, *mark)
-        self._finish(value, (dst, src))
+        self._finish(value, (dst, src), expected_ns=src.nbytes // STAGED_BYTES_PER_NS)
 
     def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
         self._backend.make_current()
@@ -501,13 +509,13 @@ class CUDAQueue(NativeQueue):
             )
             # The stream marks the chunk arrived; a host thread then moves it out.
             mark = staging.next_mark()
-            self._mark(*mark, value - 1)
+            self._write(*mark)
             staging.copier.wait(*mark)
             last = staging.copier.memmove(address + offset, chunk.address, n, dst)
             staging.release_after(chunk, *last)
         if last is not None:
             self._wait_value(*last)  # the command completes once the bytes are in dst
-        self._finish(value, (dst, src))
+        self._finish(value, (dst, src), expected_ns=dst.nbytes // STAGED_BYTES_PER_NS)
 
     def close(self, abandon: bool = False) -> None:
         if self._q is not None:

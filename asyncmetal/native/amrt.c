@@ -42,7 +42,7 @@ typedef struct am_timeline {
     am_watch *watches;
 } am_timeline;
 
-enum { CMD_CALL = 1, CMD_COPY, CMD_SIGNAL, CMD_WAIT };
+enum { CMD_CALL = 1, CMD_COPY, CMD_SIGNAL, CMD_WAIT, CMD_WAIT_WORD };
 
 typedef struct {
     int kind;
@@ -76,6 +76,11 @@ static int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void nap_ns(long ns) {
+    struct timespec ts = {ns / 1000000000L, ns % 1000000000L};
+    nanosleep(&ts, NULL);
 }
 
 /* ---- notifiers and watches ------------------------------------------------------- */
@@ -258,6 +263,26 @@ static int wait_timeline(am_queue *q, am_timeline *t, uint64_t target) {
     return !abandon;
 }
 
+/* Wait until a device wrote t's word up to target (or the host raised its value): the
+ * word is in pinned memory, written by a stream behind the work it follows, and nothing
+ * wakes a thread when it changes. So poll it: a spin of up to 20 us, then naps of a 32nd
+ * of the time waited so far (10 us to 1 ms). Checks for abandon between naps. */
+static int wait_word(am_queue *q, am_timeline *t, uint64_t target) {
+    int64_t start = now_ns();
+    for (;;) {
+        for (int i = 0; i < 64; i++) {
+            if (atomic_load_explicit(t->word, memory_order_acquire) >= target ||
+                atomic_load(&t->value) >= target)
+                return 1;
+            cpu_relax();
+        }
+        if (__atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) == 2) return 0;
+        long waited = (long)(now_ns() - start), nap = waited / 32;
+        if (waited < 20000) sched_yield();
+        else nap_ns(nap < 10000 ? 10000 : nap > 1000000 ? 1000000 : nap);
+    }
+}
+
 static void *run(void *arg) {
     am_queue *q = arg;
     am_cmd c;
@@ -280,6 +305,9 @@ static void *run(void *arg) {
             break;
         case CMD_WAIT:
             if (!wait_timeline(q, c.timeline, c.target)) return NULL;
+            break;
+        case CMD_WAIT_WORD:
+            if (!wait_word(q, c.timeline, c.target)) return NULL;
             break;
         }
         if (c.record) {
@@ -350,6 +378,12 @@ int am_queue_signal(am_queue *q, am_timeline *t, uint64_t target, uint64_t value
 int am_queue_wait(am_queue *q, am_timeline *t, uint64_t target, uint64_t value) {
     am_cmd c = {.kind = CMD_WAIT, .timeline = t, .target = target, .value = value};
     return push(q, &c);
+}
+
+/* A wait on t's device word (see wait_word): for a word a stream writes. -2: t has none. */
+int am_queue_wait_word(am_queue *q, am_timeline *t, uint64_t target, uint64_t value) {
+    am_cmd c = {.kind = CMD_WAIT_WORD, .timeline = t, .target = target, .value = value};
+    return t->word ? push(q, &c) : -2;
 }
 
 /* Stop the thread and free the queue. abandon=0: after everything queued has run;
@@ -448,11 +482,6 @@ static void cuq_recycle(am_cuq *q, void *event, int blocking) {  /* under q->mu 
         q->events[blocking][q->events_count[blocking]++] = event;
     else
         ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(event);
-}
-
-static void nap_ns(long ns) {
-    struct timespec ts = {ns / 1000000000L, ns % 1000000000L};
-    nanosleep(&ts, NULL);
 }
 
 static void *cuq_run(void *arg) {
@@ -604,8 +633,9 @@ static int cuq_leave(am_cuq *q, int r) {  /* after cuq_enter, whatever it return
  * waiter on another queue either finds the command's event or has its value written)
  * and the event for the next command. Returns a CUresult (-1: out of memory). */
 static int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
-                      long spin_ns) {
-    int r, k = atomic_load(&q->blocking);  /* which kind of event the command gets */
+                      long spin_ns, int long_running) {
+    /* Which kind of event the command gets: blocking-sync for one known to run long. */
+    int r, k = long_running || atomic_load(&q->blocking);
     void *event = atomic_exchange(&q->spare[k], NULL);
     if (!event) {
         pthread_mutex_lock(&q->mu);
@@ -667,9 +697,9 @@ static int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t ex
 }
 
 int am_cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
-                  long spin_ns) {
+                  long spin_ns, int long_running) {
     int r = cuq_enter(q);
-    if (!r) r = cuq_finish(q, value, extra, extra_value, spin_ns);
+    if (!r) r = cuq_finish(q, value, extra, extra_value, spin_ns, long_running);
     return cuq_leave(q, r);
 }
 
@@ -714,7 +744,7 @@ int am_cuq_launch(am_cuq *q, void *function, const unsigned *dims, void **params
                       unsigned, void *, void **, void **))cu_funcs[CU_LAUNCH])(
             function, dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], q->stream,
             params, NULL);
-        r = r ? cuq_fail(q, CU_LAUNCH, r) : cuq_finish(q, value, NULL, 0, 0);
+        r = r ? cuq_fail(q, CU_LAUNCH, r) : cuq_finish(q, value, NULL, 0, 0, 0);
     }
     return cuq_leave(q, r);
 }
@@ -731,7 +761,7 @@ int am_cuq_copy(am_cuq *q, uint64_t dst, uint64_t src, void *src_ctx, size_t nby
                            cu_funcs[CU_COPY_PEER])(dst, q->ctx, src, src_ctx, nbytes, q->stream)
                     : ((int (*)(uint64_t, uint64_t, size_t, void *))cu_funcs[CU_COPY])(
                           dst, src, nbytes, q->stream);
-        r = r ? cuq_fail(q, call, r) : cuq_finish(q, value, NULL, 0, spin_ns);
+        r = r ? cuq_fail(q, call, r) : cuq_finish(q, value, NULL, 0, spin_ns, 0);
     }
     return cuq_leave(q, r);
 }
