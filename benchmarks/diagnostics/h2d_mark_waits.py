@@ -11,6 +11,10 @@ diagnostic). The "events" variant is rebuilt here from session 4's code, patched
 1 GiB pageable numpy -> H200 and back, on a fresh queue per variant and round (order
 reversed every other round), three copies each; also chunk sizes and ring lengths with
 word waits. Best and median GB/s per variant, and the completion thread's statistics.
+
+Ran as run 52 at 88b6e03 (results/h200/h2d_mark_waits-run52-x2.json). Needs that commit
+to run as written: it patches ``_HostCopier.wait`` and ``memmove``, gone since chunks are
+split among the host-copy threads.
 """
 
 from __future__ import annotations
