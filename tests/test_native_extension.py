@@ -183,44 +183,81 @@ def test_host_copies_move_every_byte() -> None:
         queue.close()
 
 
-def test_host_copies_wait_on_a_device_word() -> None:
-    """CPUQueue.wait_word (the cuda staging path's hold on a chunk the stream still
-    reads): the queue holds until the timeline's word -- written by a stream there, by
-    this thread here -- or its host value gets to the target; a timeline without a word
-    is refused; an abandoning close ends a wait that would never end."""
-    from asyncmetal._backend import Record
+def test_host_copies_in_parts_wait_and_mark_on_device_words() -> None:
+    """CPUQueue.copy_part (the cuda staging path's host copies): a chunk's parts on
+    several queues wait for a word (a stream's mark there, this thread here), count
+    themselves, and the part that completes the count raises the ready word (which a
+    stream waits on there) once every byte is in; an abandoning close ends a wait that
+    would never end."""
     from asyncmetal.backends.cpu import CPUQueue, CPUTimeline
 
     lib = _native.runtime()
-    own, marks, plain = CPUTimeline(lib), CPUTimeline(lib), CPUTimeline(lib)
-    word = ctypes.c_uint64(0)
-    lib.am_timeline_set_word(marks.c_timeline, ctypes.addressof(word))
-    queue = CPUQueue(lib, own)
-    src, dst = np.arange(256, dtype=np.uint8), np.zeros(256, np.uint8)
+    timelines = [CPUTimeline(lib) for _ in range(3)]
+    queues = [CPUQueue(lib, t) for t in timelines]
+    words = (ctypes.c_uint64 * 4)()  # the mark the parts wait for, the ready word, a hold
+    after, ready, hold, scratch = (ctypes.addressof(words) + 8 * i for i in range(4))
+    count, held = ctypes.c_uint64(0), ctypes.c_uint64(0)
+    src = np.random.default_rng(3).integers(0, 256, 3 * 4096 + 100, dtype=np.uint8)
+    dst = np.zeros_like(src)
 
-    def reaches(value: int, within: float) -> bool:
+    def settled(values: list[int], within: float) -> bool:
         deadline = time.monotonic() + within
-        while own.value < value and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            if all(t.value >= v for t, v in zip(timelines, values, strict=True)):
+                return True
             time.sleep(0.0005)
-        return own.value >= value
+        return False
 
     try:
-        with pytest.raises(ValueError, match="no device word"):
-            queue.wait_word(plain, 1, 1)
-        queue.wait_word(marks, 3, 1)
-        queue.memmove(dst.ctypes.data, src.ctypes.data, 256, 2, Record(2), (dst, src))
-        word.value = 2  # not yet
-        assert not reaches(1, 0.05) and not dst.any()
-        word.value = 3
-        assert reaches(2, 10) and np.array_equal(dst, src)
-        queue.wait_word(marks, 5, 3)
-        assert not reaches(3, 0.05)
-        marks.signal(5)  # a host signal raises the word too
-        assert reaches(3, 10)
-        queue.wait_word(marks, 1 << 40, 4)  # never written
+        # The third queue is held back by an earlier command, until words[2] is written.
+        queues[2].copy_part(0, 0, 0, 1, None, (hold, 1), (ctypes.addressof(held), 1), (scratch, 1))
+        for i, q in enumerate(queues):  # parts of 4096, 4096 and 4196 bytes
+            q.copy_part(
+                dst.ctypes.data + 4096 * i,
+                src.ctypes.data + 4096 * i,
+                4096 if i < 2 else 4196,
+                2 if i == 2 else 1,
+                (dst, src),
+                (after, 7),
+                (ctypes.addressof(count), 3),
+                (ready, 11),
+            )
+        words[0] = 6  # not yet
+        assert not settled([1, 1, 0], 0.05) and not dst.any() and words[1] == 0
+        words[0] = 7  # two parts go; the last is held: the chunk is not ready
+        assert settled([1, 1, 0], 10) and not settled([1, 1, 1], 0.05)
+        assert words[1] == 0 and count.value == 2 and not dst[8192:].any()
+        words[2] = 1
+        assert settled([1, 1, 2], 10)
+        assert np.array_equal(dst, src) and words[1] == 11 and count.value == 3
+        assert held.value == 1 and words[3] == 1
+        # The chunk's next use, one part and no mark to wait for (address 0): it copies at
+        # once and completes the count as it runs on (4).
+        queues[0].copy_part(
+            dst.ctypes.data,
+            src.ctypes.data,
+            1,
+            2,
+            None,
+            (0, 0),
+            (ctypes.addressof(count), 4),
+            (ready, 12),
+        )
+        assert settled([2, 1, 2], 10) and words[1] == 12
+        queues[1].copy_part(  # waits for a mark never written
+            dst.ctypes.data,
+            src.ctypes.data,
+            1,
+            2,
+            None,
+            (after, 1 << 40),
+            (ctypes.addressof(count), 5),
+            (ready, 13),
+        )
         time.sleep(0.05)
     finally:
         t0 = time.monotonic()
-        queue.close(abandon=True)
+        for q in queues:
+            q.close(abandon=True)
         assert time.monotonic() - t0 < 5
-    assert own.value == 3
+    assert timelines[1].value == 1 and words[1] == 12 and count.value == 4

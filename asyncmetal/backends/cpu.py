@@ -201,14 +201,26 @@ class CPUQueue(NativeQueue):
         status = self._lib.am_queue_wait(self._handle, timeline.c_timeline, target, value)
         self._submitted(status, value, timeline)
 
-    def wait_word(self, timeline: NativeTimeline, target: int, value: int) -> None:
-        """Hold the queue until a device wrote ``timeline``'s device word up to ``target``
-        (polled: for a word a stream writes behind its work, which wakes no thread)."""
-        assert timeline.c_timeline is not None
-        status = self._lib.am_queue_wait_word(self._handle, timeline.c_timeline, target, value)
-        if status == -2:
-            raise ValueError("this timeline has no device word to wait on")
-        self._submitted(status, value, timeline)
+    def copy_part(
+        self,
+        dst: int,
+        src: int,
+        nbytes: int,
+        value: int,
+        keep: object,
+        after: tuple[int, int],
+        count: tuple[int, int],
+        ready: tuple[int, int],
+    ) -> None:
+        """One part of a chunk split among queues (the cuda staging path's host copies):
+        once the device word at ``after[0]`` reaches ``after[1]`` (no wait if the address
+        is 0), copy and add one to the uint64 at ``count[0]``; the part that brings it to
+        ``count[1]`` raises the device word at ``ready[0]`` to ``ready[1]``. Words are
+        polled: a stream writes or waits on them, which wakes no thread."""
+        status = self._lib.am_queue_copy_part(
+            self._handle, dst, src, nbytes, after[0] or None, after[1], *count, *ready, None, value
+        )
+        self._submitted(status, value, keep)
 
     def memmove(
         self, dst: int, src: int, nbytes: int, value: int, record: Record, keep: object

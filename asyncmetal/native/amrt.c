@@ -42,7 +42,7 @@ typedef struct am_timeline {
     am_watch *watches;
 } am_timeline;
 
-enum { CMD_CALL = 1, CMD_COPY, CMD_SIGNAL, CMD_WAIT, CMD_WAIT_WORD };
+enum { CMD_CALL = 1, CMD_COPY, CMD_SIGNAL, CMD_WAIT, CMD_COPY_PART };
 
 typedef struct {
     int kind;
@@ -56,6 +56,11 @@ typedef struct {
     size_t nbytes;
     int64_t *record;                /* start_ns, end_ns, value: a row of a ring */
     uint64_t value;                 /* the queue's own timeline value after it */
+    _Atomic uint64_t *after;        /* CMD_COPY_PART: a word to wait for first (or NULL) */
+    _Atomic uint64_t *count;        /* ... parts of its chunk copied, over all its uses */
+    uint64_t count_target;          /* ... the count once every part of this use is in */
+    _Atomic uint64_t *ready;        /* ... the word that part raises to ready_value */
+    uint64_t ready_value;
 } am_cmd;
 
 typedef struct am_queue {
@@ -263,17 +268,15 @@ static int wait_timeline(am_queue *q, am_timeline *t, uint64_t target) {
     return !abandon;
 }
 
-/* Wait until a device wrote t's word up to target (or the host raised its value): the
- * word is in pinned memory, written by a stream behind the work it follows, and nothing
- * wakes a thread when it changes. So poll it: a spin of up to 20 us, then naps of a 32nd
- * of the time waited so far (10 us to 1 ms). Checks for abandon between naps. */
-static int wait_word(am_queue *q, am_timeline *t, uint64_t target) {
+/* Wait until a device wrote `word` up to target: the word is in pinned memory, written
+ * by a stream behind the work it follows, and nothing wakes a thread when it changes. So
+ * poll it: a spin of up to 20 us, then naps of a 32nd of the time waited so far (10 us to
+ * 1 ms). Checks for abandon between naps. */
+static int wait_word(am_queue *q, _Atomic uint64_t *word, uint64_t target) {
     int64_t start = now_ns();
     for (;;) {
         for (int i = 0; i < 64; i++) {
-            if (atomic_load_explicit(t->word, memory_order_acquire) >= target ||
-                atomic_load(&t->value) >= target)
-                return 1;
+            if (atomic_load_explicit(word, memory_order_acquire) >= target) return 1;
             cpu_relax();
         }
         if (__atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) == 2) return 0;
@@ -306,8 +309,11 @@ static void *run(void *arg) {
         case CMD_WAIT:
             if (!wait_timeline(q, c.timeline, c.target)) return NULL;
             break;
-        case CMD_WAIT_WORD:
-            if (!wait_word(q, c.timeline, c.target)) return NULL;
+        case CMD_COPY_PART:  /* one part of a chunk; the last one done marks it ready */
+            if (c.after && !wait_word(q, c.after, c.target)) return NULL;
+            memmove(c.dst, c.src, c.nbytes);
+            if (atomic_fetch_add_explicit(c.count, 1, memory_order_acq_rel) + 1 == c.count_target)
+                raise_word(c.ready, c.ready_value);
             break;
         }
         if (c.record) {
@@ -380,10 +386,20 @@ int am_queue_wait(am_queue *q, am_timeline *t, uint64_t target, uint64_t value) 
     return push(q, &c);
 }
 
-/* A wait on t's device word (see wait_word): for a word a stream writes. -2: t has none. */
-int am_queue_wait_word(am_queue *q, am_timeline *t, uint64_t target, uint64_t value) {
-    am_cmd c = {.kind = CMD_WAIT_WORD, .timeline = t, .target = target, .value = value};
-    return t->word ? push(q, &c) : -2;
+/* One part of a chunk's host copy, split among queues: after `after` (a word a stream
+ * writes, or NULL) reaches after_value, copy, and count it in *count; the part that
+ * brings the count to count_target raises *ready to ready_value (a word a stream waits
+ * on): every part's bytes are in. The count runs on over a chunk's uses, never reset,
+ * so a use may be submitted before the last one's parts ran: its parts run only after
+ * them (they wait, through the stream, on the ready word those parts raise). */
+int am_queue_copy_part(am_queue *q, void *dst, const void *src, size_t nbytes, void *after,
+                       uint64_t after_value, void *count, uint64_t count_target, void *ready,
+                       uint64_t ready_value, int64_t *record, uint64_t value) {
+    am_cmd c = {.kind = CMD_COPY_PART, .dst = dst, .src = src, .nbytes = nbytes,
+                .after = after, .target = after_value, .count = count,
+                .count_target = count_target, .ready = ready, .ready_value = ready_value,
+                .record = record, .value = value};
+    return push(q, &c);
 }
 
 /* Stop the thread and free the queue. abandon=0: after everything queued has run;

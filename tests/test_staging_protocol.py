@@ -1,0 +1,160 @@
+"""The cuda staging protocol without a GPU: the queue's ring of pinned chunks
+(``_Staging``), its host-copy threads splitting each chunk into parts (``_HostCopier``,
+native queue threads) and the device words they wait on and raise, against a simulated
+stream (a Python thread running stream operations in order: waits on device words, the
+DMA as a memmove, writes of device words).
+
+Each chunk is used many times over, with the whole copy submitted before any of it ran
+(as ``CUDAQueue.copyin``/``copyout`` do): a chunk's next uses are submitted while its
+earlier ones have not started, which hung real 1 GiB copies once (a per-use count reset
+at submission). Every byte is checked, both ways.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asyncmetal import _native
+from asyncmetal.backends import cuda as cb
+
+CHUNK = 64 << 10
+RING = 4
+
+
+class _StubChunk:
+    """A staging chunk in plain memory (``_Chunk`` without cuMemHostAlloc)."""
+
+    def __init__(self) -> None:
+        self._memory = (ctypes.c_uint8 * CHUNK)()
+        self.address = ctypes.addressof(self._memory)
+        self.ready: cb.CUDATimeline | None = None
+        self.generation = 0
+        self.count = ctypes.c_uint64(0)
+        self.count_address = ctypes.addressof(self.count)
+        self.parts = 0
+
+
+class _StubBackend:
+    """What staging needs of a CUDABackend: the runtime, device-word slots, chunks."""
+
+    def __init__(self) -> None:
+        self.lib = _native.runtime()
+        self._words = (ctypes.c_uint64 * 256)()
+        base = ctypes.addressof(self._words)
+        self._free = [base + 8 * i for i in range(256)]
+
+    def _timeline_slot(self) -> int:
+        return self._free.pop()
+
+    def _release_slot(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def take_chunk(self) -> _StubChunk:
+        return _StubChunk()
+
+    def give_chunk(self, chunk: _StubChunk) -> None:
+        pass
+
+
+class _Stream:
+    """Stream operations run in order on a thread, as a GPU runs them."""
+
+    def __init__(self) -> None:
+        self._ops: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._lock = threading.Lock()
+        self.stuck: str | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def put(self, *op: Any) -> None:
+        with self._lock:
+            self._ops.append(op)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                op = self._ops.popleft() if self._ops else None
+            if op is None:
+                time.sleep(0.0001)
+            elif op[0] == "end":
+                return
+            elif op[0] == "wait":
+                deadline = time.monotonic() + 10
+                while not op[1].reached(op[2]):
+                    if time.monotonic() > deadline:
+                        self.stuck = f"waited 10 s for a device word to reach {op[2]}"
+                        return
+            elif op[0] == "memmove":
+                ctypes.memmove(op[1], op[2], op[3])
+            elif op[0] == "write":
+                ctypes.c_uint64.from_address(op[1].address).value = op[2]
+
+    def finish(self) -> None:
+        self.put("end")
+        self._thread.join(60)
+        assert self.stuck is None, self.stuck
+        assert not self._thread.is_alive(), "the simulated stream never finished"
+
+
+def _copy_in(staging: Any, stream: _Stream, device: np.ndarray, host: np.ndarray) -> None:
+    """CUDAQueue.copyin's submissions, the stream's part simulated."""
+    for offset in range(0, host.nbytes, CHUNK):
+        n = min(CHUNK, host.nbytes - offset)
+        chunk, busy = staging.acquire()
+        filled = staging.copier.copy(chunk.address, host.ctypes.data + offset, n, host, chunk, busy)
+        stream.put("wait", *filled)
+        stream.put("memmove", device.ctypes.data + offset, chunk.address, n)
+        mark = staging.next_mark()
+        stream.put("write", *mark)
+        staging.release_after(chunk, *mark)
+
+
+def _copy_out(staging: Any, stream: _Stream, host: np.ndarray, device: np.ndarray) -> None:
+    """CUDAQueue.copyout's submissions, the stream's part simulated."""
+    for offset in range(0, host.nbytes, CHUNK):
+        n = min(CHUNK, host.nbytes - offset)
+        chunk, busy = staging.acquire()
+        if busy is not None:
+            stream.put("wait", *busy)
+        stream.put("memmove", chunk.address, device.ctypes.data + offset, n)
+        mark = staging.next_mark()
+        stream.put("write", *mark)
+        emptied = staging.copier.copy(
+            host.ctypes.data + offset, chunk.address, n, host, chunk, mark
+        )
+        staging.release_after(chunk, *emptied)
+    for unfinished in staging.unfinished():
+        stream.put("wait", *unfinished)
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_staged_copies_reuse_chunks_before_their_last_use_ran(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cb, "STAGE_RING", RING)
+    monkeypatch.setattr(cb, "HOST_COPY_THREADS", threads)
+    monkeypatch.setattr(cb, "MIN_PART", 4096)  # chunks of 64 KiB split into many parts
+    rng = np.random.default_rng(threads)
+    nbytes = 8 * CHUNK * RING + 12345  # every chunk used ~8 times per copy, a short tail
+    data = [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(2)]
+    device = np.zeros(nbytes, np.uint8)
+    staging = cb._Staging(_StubBackend())  # type: ignore[arg-type]
+    stream = _Stream()
+    try:
+        for d in data:  # in, out, in again over the same ring, out again
+            out = np.zeros(nbytes, np.uint8)
+            _copy_in(staging, stream, device, d)
+            _copy_out(staging, stream, out, device)
+            stream.finish()
+            assert np.array_equal(device, d) and np.array_equal(out, d)
+            stream = _Stream()
+    finally:
+        stream.finish()
+        staging.close(False)
