@@ -3,7 +3,8 @@ queues, alternated with raw pinned copies over six rounds (is one queue slower?)
 
     PYTHONPATH=. python benchmarks/diagnostics/h2d_queues_alternated.py  (OUT=dir)
 
-Ran as run 44 at 5b7fdac (benchmarks/results/h200/h2d_queues_alternated-run44.json).
+Ran as run 44 at 5b7fdac and as run 57 at ef52359, chunks split among the threads
+(benchmarks/results/h200/h2d_queues_alternated-run{44,57}.json).
 """
 
 from __future__ import annotations
