@@ -19,6 +19,39 @@ from asyncmetal._compile import Compiler
 from asyncmetal._pool import CompilePool
 
 
+def pageable_gib() -> tuple[int, Any]:
+    """1 GiB of random bytes in a pageable numpy array (the host copies' source)."""
+    import numpy as np
+
+    n = 1 << 30
+    return n, np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
+
+
+def gbps_best_median(nbytes: int, **times: dict[str, list[float]]) -> dict[str, Any]:
+    """``<name>_gbps_best`` and ``<name>_gbps_median`` per variant for each named set of
+    copy times in seconds (``h2d={"variant": [...]}``), copies of ``nbytes``."""
+    out: dict[str, Any] = {}
+    for name, per_variant in times.items():
+        for pick, how in ((min, "best"), (statistics.median, "median")):
+            out[f"{name}_gbps_{how}"] = {k: nbytes / pick(v) / 1e9 for k, v in per_variant.items()}
+    return out
+
+
+async def staged_round_trip(
+    dev: am.Device, buf: am.Buffer, host: Any, back: Any, h2d: list[float], d2h: list[float]
+) -> tuple[am.Queue, bool]:
+    """On a fresh queue (its staging made first by a 64 MiB copy): three pageable copies of
+    ``host`` into ``buf`` and three back into ``back``, their seconds appended to ``h2d``
+    and ``d2h``. Returns the queue and whether every byte came back (``back`` is zeroed)."""
+    q = dev.new_queue()
+    await q.copy(buf, host[: 64 << 20], 64 << 20)
+    h2d += await seconds_each(lambda: q.copy(buf, host), 3)
+    d2h += await seconds_each(lambda: q.copy(back, buf), 3)
+    correct = bool((back == host).all())
+    back[:] = 0
+    return q, correct
+
+
 async def median_us(fn: Callable[[], Awaitable[Any]], n: int, warmup: int = 0) -> float:
     """The median time of ``await fn()`` in microseconds, over ``n`` runs."""
     for _ in range(warmup):

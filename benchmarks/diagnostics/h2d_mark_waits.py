@@ -22,14 +22,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import statistics
 import sys
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, "benchmarks")
-from _common import seconds_each
+from _common import gbps_best_median, pageable_gib, staged_round_trip
 from cuda.bindings import driver as cu
 
 import asyncmetal as am
@@ -123,8 +122,7 @@ def use(words: bool, chunk: int, ring: int) -> None:
 
 
 async def main() -> dict[str, Any]:
-    n = 1 << 30
-    host = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
+    n, host = pageable_gib()
     back = np.empty_like(host)
     h2d: dict[str, list[float]] = {name: [] for name in VARIANTS}
     d2h: dict[str, list[float]] = {name: [] for name in VARIANTS}
@@ -138,12 +136,8 @@ async def main() -> dict[str, Any]:
             for name in names:
                 use(*VARIANTS[name])
                 dev._backend._chunks.clear()  # no pooled chunk of another size (leaks them)
-                q = dev.new_queue()
-                await q.copy(b, host[: 64 << 20], 64 << 20)  # the ring and threads made
-                h2d[name] += await seconds_each(lambda q=q: q.copy(b, host), 3)
-                d2h[name] += await seconds_each(lambda q=q: q.copy(back, b), 3)
-                correct = correct and bool(np.array_equal(back, host))
-                back[:] = 0
+                q, ok = await staged_round_trip(dev, b, host, back, h2d[name], d2h[name])
+                correct = correct and ok
                 stats[f"{name}_round{rnd}"] = q._native.stats()  # type: ignore[attr-defined]
                 print(
                     rnd,
@@ -156,14 +150,8 @@ async def main() -> dict[str, Any]:
                 )
         use(True, *saved)
 
-    def gbps(times: dict[str, list[float]], pick: Any) -> dict[str, float]:
-        return {k: n / pick(v) / 1e9 for k, v in times.items()}
-
     return {
-        "h2d_gbps_best": gbps(h2d, min),
-        "h2d_gbps_median": gbps(h2d, statistics.median),
-        "d2h_gbps_best": gbps(d2h, min),
-        "d2h_gbps_median": gbps(d2h, statistics.median),
+        **gbps_best_median(n, h2d=h2d, d2h=d2h),
         "completion_stats": stats,
         "correct": correct,
     }

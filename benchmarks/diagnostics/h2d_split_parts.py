@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, "benchmarks")
-from _common import seconds_each
+from _common import gbps_best_median, pageable_gib, staged_round_trip
 from cuda.bindings import driver as cu
 
 import asyncmetal as am
@@ -64,8 +64,7 @@ VARIANTS = {"split": SPLIT, "whole_chunks": whole_chunks}
 
 
 async def main() -> dict[str, Any]:
-    n = 1 << 30
-    host = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
+    n, host = pageable_gib()
     back = np.zeros_like(host)
     h2d: dict[str, list[float]] = {k: [] for k in VARIANTS}
     d2h: dict[str, list[float]] = {k: [] for k in VARIANTS}
@@ -85,12 +84,8 @@ async def main() -> dict[str, Any]:
             names = list(VARIANTS) if rnd % 2 == 0 else list(reversed(VARIANTS))
             for name in names:
                 cb._HostCopier.copy = VARIANTS[name]  # type: ignore[method-assign]
-                q = dev.new_queue()
-                await q.copy(b, host[: 64 << 20], 64 << 20)  # the ring and threads made
-                h2d[name] += await seconds_each(lambda q=q: q.copy(b, host), 3)
-                d2h[name] += await seconds_each(lambda q=q: q.copy(back, b), 3)
-                correct = correct and bool(np.array_equal(back, host))
-                back[:] = 0
+                q, ok = await staged_round_trip(dev, b, host, back, h2d[name], d2h[name])
+                correct = correct and ok
                 q._native.close()  # type: ignore[attr-defined]
                 print(
                     rnd,
@@ -106,16 +101,10 @@ async def main() -> dict[str, Any]:
         cb._HostCopier.copy = SPLIT  # type: ignore[method-assign]
         cu.cuMemFreeHost(pinned)
 
-    def gbps(times: dict[str, list[float]], pick: Any) -> dict[str, float]:
-        return {k: n / pick(v) / 1e9 for k, v in times.items()}
-
     return {
         "raw_pinned_gbps_best": n / min(raw) / 1e9,
         "raw_pinned_gbps_median": n / statistics.median(raw) / 1e9,
-        "h2d_gbps_best": gbps(h2d, min),
-        "h2d_gbps_median": gbps(h2d, statistics.median),
-        "d2h_gbps_best": gbps(d2h, min),
-        "d2h_gbps_median": gbps(d2h, statistics.median),
+        **gbps_best_median(n, h2d=h2d, d2h=d2h),
         "correct": correct,
     }
 
