@@ -13,7 +13,8 @@
  *   fault     a faulting kernel fails its completion and every later one, never reports
  *             them as done, and the queue reports the first failed value
  *   long      events are plain until a command runs long, then blocking-sync (and blocked
- *             on, never a plain one) until commands are quick again
+ *             on, never a plain one) until commands are quick again; a command finished
+ *             as long-running gets a blocking-sync event at once and changes nothing
  *   events    every event the queues made is destroyed by am_cuq_close
  */
 #include AMRT_C
@@ -323,7 +324,16 @@ static void check_long(void) {
     am_cuq_stats(f.q, stats);
     if (stats[1] != before[1] + 1 || stats[2] != before[2] + 1)
         die("long: the next long command was not blocked on");
-    until_plain(f, v, stats);
+    v = until_plain(f, v, before);
+    /* A command known to run long (a large staged copy) gets a blocking-sync event from
+     * the start, is blocked on (f_sync dies on a plain one), and leaves later commands'
+     * events plain. */
+    enqueue(f.s, (op){OP_KERNEL, 50000000, NULL, 0});
+    if (am_cuq_finish(f.q, ++v, NULL, 0, 0, 1)) die("long: am_cuq_finish failed");
+    while (am_timeline_value(f.t) < v) nap_ns(100000);
+    am_cuq_stats(f.q, stats);
+    if (stats[1] != before[1] + 1 || stats[2] != before[2] || stats[4])
+        die("long: a command finished as long-running was not blocked on, or changed the mode");
     queue_free(f, 0);
     puts("ok long");
 }
