@@ -195,7 +195,11 @@ def test_host_copies_in_parts_wait_and_mark_on_device_words() -> None:
     timelines = [CPUTimeline(lib) for _ in range(3)]
     queues = [CPUQueue(lib, t) for t in timelines]
     words = (ctypes.c_uint64 * 4)()  # the mark the parts wait for, the ready word, a hold
-    after, ready, hold, scratch = (ctypes.addressof(words) + 8 * i for i in range(4))
+    ready, scratch = ctypes.addressof(words) + 8, ctypes.addressof(words) + 24
+    marks, holds = CPUTimeline(lib), CPUTimeline(lib)  # timelines whose words streams write
+    lib.am_timeline_set_word(marks.c_timeline, ctypes.addressof(words))
+    lib.am_timeline_set_word(holds.c_timeline, ctypes.addressof(words) + 16)
+    after, hold = marks.c_timeline, holds.c_timeline
     count, held = ctypes.c_uint64(0), ctypes.c_uint64(0)
     src = np.random.default_rng(3).integers(0, 256, 3 * 4096 + 100, dtype=np.uint8)
     dst = np.zeros_like(src)
@@ -261,3 +265,69 @@ def test_host_copies_in_parts_wait_and_mark_on_device_words() -> None:
             q.close(abandon=True)
         assert time.monotonic() - t0 < 5
     assert timelines[1].value == 1 and words[1] == 12 and count.value == 4
+
+
+def test_waits_on_one_device_word_release_each_at_its_value() -> None:
+    """Queue threads waiting on one timeline's device word (one polls it, the others
+    sleep): each goes on once the word reaches its own value, lower or higher than the
+    poller's."""
+    from asyncmetal.backends.cpu import CPUQueue, CPUTimeline
+
+    lib = _native.runtime()
+    timelines = [CPUTimeline(lib) for _ in range(4)]
+    queues = [CPUQueue(lib, t) for t in timelines]
+    marks = CPUTimeline(lib)
+    word = ctypes.c_uint64(0)
+    lib.am_timeline_set_word(marks.c_timeline, ctypes.addressof(word))
+    count, ready = ctypes.c_uint64(0), ctypes.c_uint64(0)
+    scratch = (ctypes.c_uint8 * 16)()
+
+    def wait_on_marks(q: CPUQueue, target: int, value: int) -> None:
+        at = ctypes.addressof(scratch)
+        q.copy_part(
+            at,
+            at + 8,
+            1,
+            value,
+            None,
+            (marks.c_timeline, target),
+            (ctypes.addressof(count), 1 << 40),
+            (ctypes.addressof(ready), 1),
+        )
+
+    def done(which: list[int], value: int, within: float) -> bool:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if all(timelines[i].value >= value for i in which):
+                return True
+            time.sleep(0.0005)
+        return False
+
+    try:
+        wait_on_marks(queues[0], 5, 1)  # the first waiter: it polls, for 5
+        time.sleep(0.02)
+        for q in queues[1:]:
+            wait_on_marks(q, 3, 1)  # they sleep, needing less than the poller
+        time.sleep(0.02)
+        word.value = 2
+        assert not done([0, 1, 2, 3], 1, 0.05) and not any(t.value for t in timelines)
+        word.value = 3
+        assert done([1, 2, 3], 1, 10) and not done([0], 1, 0.05)
+        for q in queues[1:]:
+            wait_on_marks(q, 9, 2)  # higher than the poller's: one takes over after it
+        word.value = 5
+        assert done([0], 1, 10) and not done([1, 2, 3], 2, 0.05)
+        word.value = 9
+        assert done([1, 2, 3], 2, 10)
+        wait_on_marks(queues[0], 100, 2)  # the poller now, for a value never written
+        time.sleep(0.02)
+        for q in queues[1:]:
+            wait_on_marks(q, 12, 3)
+        time.sleep(0.02)
+        queues[0].close(abandon=True)  # the poller leaves: a sleeper must take over
+        word.value = 12
+        assert done([1, 2, 3], 3, 10)
+    finally:
+        for q in queues:
+            q.close(abandon=True)  # a wait left over (a failure) ends too
+    assert count.value == 10 and ready.value == 0

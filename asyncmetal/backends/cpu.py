@@ -213,10 +213,11 @@ class CPUQueue(NativeQueue):
         ready: tuple[int, int],
     ) -> None:
         """One part of a chunk split among queues (the cuda staging path's host copies):
-        once the device word at ``after[0]`` reaches ``after[1]`` (no wait if the address
-        is 0), copy and add one to the uint64 at ``count[0]``; the part that brings it to
-        ``count[1]`` raises the device word at ``ready[0]`` to ``ready[1]``. Words are
-        polled: a stream writes or waits on them, which wakes no thread."""
+        once the device word of the native timeline ``after[0]`` reaches ``after[1]`` (no
+        wait if it is 0), copy and add one to the uint64 at ``count[0]``; the part that
+        brings it to ``count[1]`` raises the device word at ``ready[0]`` to ``ready[1]``.
+        A stream writes or waits on these words, which wakes no thread: one of the
+        queue threads waiting on a timeline's word polls it, the others sleep."""
         status = self._lib.am_queue_copy_part(
             self._handle, dst, src, nbytes, after[0] or None, after[1], *count, *ready, None, value
         )

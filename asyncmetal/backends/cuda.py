@@ -268,7 +268,7 @@ class _HostCopier:
         parts = -(-nbytes // size)
         chunk.parts += parts
         count = (chunk.count_address, chunk.parts)
-        waits = (0, 0) if after is None else (after[0].address, after[1])
+        waits = (0, 0) if after is None else (after[0].c_timeline, after[1])
         ready = (chunk.ready.address, generation)
         submitted = self.submitted
         for i in range(parts):

@@ -40,6 +40,8 @@ typedef struct am_timeline {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     am_watch *watches;
+    int polling;                    /* a queue thread polls the word (wait_word), under mu */
+    uint64_t seen;                  /* the word's highest value it saw, under mu */
 } am_timeline;
 
 enum { CMD_CALL = 1, CMD_COPY, CMD_SIGNAL, CMD_WAIT, CMD_COPY_PART };
@@ -56,7 +58,7 @@ typedef struct {
     size_t nbytes;
     int64_t *record;                /* start_ns, end_ns, value: a row of a ring */
     uint64_t value;                 /* the queue's own timeline value after it */
-    _Atomic uint64_t *after;        /* CMD_COPY_PART: a word to wait for first (or NULL) */
+    am_timeline *after;             /* CMD_COPY_PART: whose word to wait for first, or NULL */
     _Atomic uint64_t *count;        /* ... parts of its chunk copied, over all its uses */
     uint64_t count_target;          /* ... the count once every part of this use is in */
     _Atomic uint64_t *ready;        /* ... the word that part raises to ready_value */
@@ -268,22 +270,56 @@ static int wait_timeline(am_queue *q, am_timeline *t, uint64_t target) {
     return !abandon;
 }
 
-/* Wait until a device wrote `word` up to target: the word is in pinned memory, written
- * by a stream behind the work it follows, and nothing wakes a thread when it changes. So
- * poll it: a spin of up to 20 us, then naps of a 32nd of the time waited so far (10 us to
- * 1 ms). Checks for abandon between naps. */
-static int wait_word(am_queue *q, _Atomic uint64_t *word, uint64_t target) {
-    int64_t start = now_ns();
-    for (;;) {
-        for (int i = 0; i < 64; i++) {
-            if (atomic_load_explicit(word, memory_order_acquire) >= target) return 1;
-            cpu_relax();
+/* Wait until a device wrote t's word up to target: the word is in pinned memory,
+ * written by a stream behind the work it follows, and nothing wakes a thread when it
+ * changes. So it is polled, by one waiting thread at a time: a spin of up to 20 us, then
+ * naps of a 32nd of the time waited so far (10 us to 4 ms: a value seen at most ~3 %
+ * late; ~250 wake-ups a second once the wait is long). The others sleep on t's
+ * condition; the poller publishes each new value it sees (t->seen) and wakes them, and
+ * hands polling over when its own target is reached. Checks for abandon between naps and
+ * at every wake (am_queue_close broadcasts t's condition through q->waiting_on). */
+static int wait_word(am_queue *q, am_timeline *t, uint64_t target) {
+    pthread_mutex_lock(&q->mu);
+    q->waiting_on = t;
+    pthread_mutex_unlock(&q->mu);
+    int ok = 1;
+    pthread_mutex_lock(&t->mu);
+    while (ok && t->seen < target && atomic_load(t->word) < target) {
+        if (__atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) == 2) { ok = 0; break; }
+        if (t->polling) { pthread_cond_wait(&t->cv, &t->mu); continue; }
+        t->polling = 1;
+        pthread_mutex_unlock(&t->mu);
+        int64_t start = now_ns();
+        uint64_t seen = 0;
+        for (;;) {
+            uint64_t w = 0;
+            for (int i = 0; i < 64; i++) {
+                w = atomic_load_explicit(t->word, memory_order_acquire);
+                if (w >= target) break;
+                cpu_relax();
+            }
+            if (w > seen) {  /* publish progress: a sleeper may need less than target */
+                seen = w;
+                pthread_mutex_lock(&t->mu);
+                if (w > t->seen) t->seen = w;
+                pthread_cond_broadcast(&t->cv);
+                pthread_mutex_unlock(&t->mu);
+            }
+            if (w >= target) break;
+            if (__atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) == 2) { ok = 0; break; }
+            long waited = (long)(now_ns() - start), nap = waited / 32;
+            if (waited < 20000) sched_yield();
+            else nap_ns(nap < 10000 ? 10000 : nap > 4000000 ? 4000000 : nap);
         }
-        if (__atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) == 2) return 0;
-        long waited = (long)(now_ns() - start), nap = waited / 32;
-        if (waited < 20000) sched_yield();
-        else nap_ns(nap < 10000 ? 10000 : nap > 1000000 ? 1000000 : nap);
+        pthread_mutex_lock(&t->mu);
+        t->polling = 0;  /* another waiter (a later target) takes over */
+        pthread_cond_broadcast(&t->cv);
     }
+    pthread_mutex_unlock(&t->mu);
+    pthread_mutex_lock(&q->mu);
+    q->waiting_on = NULL;
+    pthread_mutex_unlock(&q->mu);
+    return ok;
 }
 
 static void *run(void *arg) {
@@ -386,15 +422,16 @@ int am_queue_wait(am_queue *q, am_timeline *t, uint64_t target, uint64_t value) 
     return push(q, &c);
 }
 
-/* One part of a chunk's host copy, split among queues: after `after` (a word a stream
- * writes, or NULL) reaches after_value, copy, and count it in *count; the part that
+/* One part of a chunk's host copy, split among queues: after `after`'s device word (a
+ * stream writes it; no wait if NULL) reaches after_value, copy, and count it in *count; the part that
  * brings the count to count_target raises *ready to ready_value (a word a stream waits
  * on): every part's bytes are in. The count runs on over a chunk's uses, never reset,
  * so a use may be submitted before the last one's parts ran: its parts run only after
  * them (they wait, through the stream, on the ready word those parts raise). */
-int am_queue_copy_part(am_queue *q, void *dst, const void *src, size_t nbytes, void *after,
-                       uint64_t after_value, void *count, uint64_t count_target, void *ready,
-                       uint64_t ready_value, int64_t *record, uint64_t value) {
+int am_queue_copy_part(am_queue *q, void *dst, const void *src, size_t nbytes,
+                       am_timeline *after, uint64_t after_value, void *count,
+                       uint64_t count_target, void *ready, uint64_t ready_value,
+                       int64_t *record, uint64_t value) {
     am_cmd c = {.kind = CMD_COPY_PART, .dst = dst, .src = src, .nbytes = nbytes,
                 .after = after, .target = after_value, .count = count,
                 .count_target = count_target, .ready = ready, .ready_value = ready_value,

@@ -53,7 +53,7 @@ def whole_chunks(
         nbytes,
         self.submitted[i],
         keep,
-        (0, 0) if after is None else (after[0].address, after[1]),
+        (0, 0) if after is None else (after[0].c_timeline, after[1]),
         (chunk.count_address, chunk.parts),
         (chunk.ready.address, generation),
     )
