@@ -422,12 +422,13 @@ int am_queue_wait(am_queue *q, am_timeline *t, uint64_t target, uint64_t value) 
     return push(q, &c);
 }
 
-/* One part of a chunk's host copy, split among queues: after `after`'s device word (a
- * stream writes it; no wait if NULL) reaches after_value, copy, and count it in *count; the part that
- * brings the count to count_target raises *ready to ready_value (a word a stream waits
- * on): every part's bytes are in. The count runs on over a chunk's uses, never reset,
- * so a use may be submitted before the last one's parts ran: its parts run only after
- * them (they wait, through the stream, on the ready word those parts raise). */
+/* One part of a chunk's host copy, split among queues: once `after`'s device word (a
+ * stream writes it; no wait if NULL) reaches after_value, copy, and count the part in
+ * *count; the part that brings the count to count_target raises *ready to ready_value (a
+ * word a stream waits on): every part's bytes are in. The count runs on over a chunk's
+ * uses, never reset, so a use may be submitted before the last one's parts ran: its
+ * parts run only after them (they wait, through the stream, on the ready word those
+ * parts raise). */
 int am_queue_copy_part(am_queue *q, void *dst, const void *src, size_t nbytes,
                        am_timeline *after, uint64_t after_value, void *count,
                        uint64_t count_target, void *ready, uint64_t ready_value,
