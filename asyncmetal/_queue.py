@@ -176,14 +176,7 @@ class Queue:
             raise ClosedResourceError(f"device {self.device.name} is closed")
         self._submitted = value = self._submitted + 1
         done = Completion(self, value)
-        if self._held or self._gate is not None:
-            self._issue(self._native.launch, program.native, args, gsize, lsize, value, done)
-        else:
-            try:
-                self._native.launch(program.native, args, gsize, lsize, value, done)
-            except BaseException:
-                self._submitted -= 1  # the backend refused it: its value was never used
-                raise
+        self._issue(self._native.launch, program.native, args, gsize, lsize, value, done)
         for buf in buffers:
             buf._allocation.last_use[self] = value
         return done

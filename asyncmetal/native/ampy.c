@@ -57,10 +57,17 @@ static int pack_args(PyObject *args, int64_t *slots, Py_ssize_t most, int by_att
     return (int)n;
 }
 
-static int take_args(PyObject *const *a, Py_ssize_t n, Py_ssize_t want, const char *name) {
-    (void)a;
+static int take_args(Py_ssize_t n, Py_ssize_t want, const char *name) {
     if (n == want) return 0;
     PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, want, n);
+    return -1;
+}
+
+/* 0, or -1 with an error set: a conversion failed, or the native handle is NULL. */
+static int converted(const void *handle, const char *null_message) {
+    if (PyErr_Occurred()) return -1;
+    if (handle) return 0;
+    PyErr_SetString(PyExc_ValueError, null_message);
     return -1;
 }
 
@@ -69,7 +76,7 @@ static int take_args(PyObject *const *a, Py_ssize_t n, Py_ssize_t want, const ch
 static PyObject *py_queue_call(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     (void)self;
     int64_t slots[AM_MAX_ARGS];
-    if (take_args(a, n, 5, "queue_call")) return NULL;
+    if (take_args(n, 5, "queue_call")) return NULL;
     void *q = PyLong_AsVoidPtr(a[0]), *fn = PyLong_AsVoidPtr(a[1]);
     int64_t *row = PyLong_AsVoidPtr(a[3]);
     uint64_t value = PyLong_AsUnsignedLongLong(a[4]);
@@ -121,14 +128,10 @@ static PyObject *py_cuq_launch(PyObject *self, PyObject *const *a, Py_ssize_t n)
     int64_t slots[AM_MAX_PARAMS];
     void *params[AM_MAX_PARAMS];
     unsigned dims[7];
-    if (take_args(a, n, 6, "cuq_launch")) return NULL;
+    if (take_args(n, 6, "cuq_launch")) return NULL;
     void *q = PyLong_AsVoidPtr(a[0]), *fn = PyLong_AsVoidPtr(a[1]);
     uint64_t value = PyLong_AsUnsignedLongLong(a[5]);
-    if (PyErr_Occurred()) return NULL;
-    if (!q) {
-        PyErr_SetString(PyExc_ValueError, "cuq_launch: null queue");
-        return NULL;
-    }
+    if (converted(q, "cuq_launch: null queue")) return NULL;
     if (launch_dims(a[2], a[3], dims)) return NULL;
     int nargs = pack_args(a[4], slots, AM_MAX_PARAMS, 0);
     if (nargs < 0) return NULL;
@@ -144,18 +147,14 @@ static PyObject *py_cuq_launch(PyObject *self, PyObject *const *a, Py_ssize_t n)
  * CUresult: a device copy (a peer copy where src_context is not None), GIL released. */
 static PyObject *py_cuq_copy(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     (void)self;
-    if (take_args(a, n, 7, "cuq_copy")) return NULL;
+    if (take_args(n, 7, "cuq_copy")) return NULL;
     void *q = PyLong_AsVoidPtr(a[0]);
     uint64_t dst = PyLong_AsUnsignedLongLong(a[1]), src = PyLong_AsUnsignedLongLong(a[2]);
     void *src_ctx = a[3] == Py_None ? NULL : PyLong_AsVoidPtr(a[3]);
     size_t nbytes = PyLong_AsSize_t(a[4]);
     uint64_t value = PyLong_AsUnsignedLongLong(a[5]);
     long poll_ns = PyLong_AsLong(a[6]);
-    if (PyErr_Occurred()) return NULL;
-    if (!q) {
-        PyErr_SetString(PyExc_ValueError, "cuq_copy: null queue");
-        return NULL;
-    }
+    if (converted(q, "cuq_copy: null queue")) return NULL;
     int r;
     Py_BEGIN_ALLOW_THREADS
     r = am_cuq_copy(q, dst, src, src_ctx, nbytes, value, poll_ns);
@@ -166,15 +165,11 @@ static PyObject *py_cuq_copy(PyObject *self, PyObject *const *a, Py_ssize_t n) {
 /* spin(timeline, value, max_ns) -> bool: am_timeline_spin without the GIL. */
 static PyObject *py_spin(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     (void)self;
-    if (take_args(a, n, 3, "spin")) return NULL;
+    if (take_args(n, 3, "spin")) return NULL;
     am_timeline *t = PyLong_AsVoidPtr(a[0]);
     uint64_t value = PyLong_AsUnsignedLongLong(a[1]);
     long max_ns = PyLong_AsLong(a[2]);
-    if (PyErr_Occurred()) return NULL;
-    if (!t) {
-        PyErr_SetString(PyExc_ValueError, "spin: null timeline");
-        return NULL;
-    }
+    if (converted(t, "spin: null timeline")) return NULL;
     int reached;
     Py_BEGIN_ALLOW_THREADS
     reached = am_timeline_spin(t, value, max_ns);
@@ -199,12 +194,12 @@ static PyObject *py_spin(PyObject *self, PyObject *const *a, Py_ssize_t n) {
 static PyObject *Program_type, *Buffer_type, *Completion_type, *one3;
 static PyObject *s_device, *s_closed, *s_held, *s_gate, *s_submitted, *s_native, *s_buffer_count,
     *s_value_count, *s_order, *s_allocation, *s_freed, *s_handle, *s_offset, *s_last_use,
-    *s_failed, *s_submitted_hook, *s_ring, *s_row;
+    *s_failed, *s_ring, *s_row;
 
 /* setup(Program, Buffer, Completion, ONE3): the classes the fast path recognizes. */
 static PyObject *py_setup(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     (void)self;
-    if (take_args(a, n, 4, "setup")) return NULL;
+    if (take_args(n, 4, "setup")) return NULL;
     PyObject **slots[4] = {&Program_type, &Buffer_type, &Completion_type, &one3};
     for (int i = 0; i < 4; i++) {
         Py_XDECREF(*slots[i]);
@@ -358,7 +353,7 @@ static PyObject *submit(PyObject *queue, const target_t *t, void *fn, const unsi
                                                              keeping the handles alive */
             PyObject *status = PyLong_FromLong(code);
             PyObject *res = status ? PyObject_CallMethodObjArgs(
-                                         t->native, s_submitted_hook, status, value_obj,
+                                         t->native, s_submitted, status, value_obj,
                                          handles ? handles : Py_None, NULL)
                                    : NULL;
             Py_XDECREF(status);
@@ -387,7 +382,7 @@ out:
 
 static PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     (void)self;
-    if (take_args(a, n, 7, "launch")) return NULL;
+    if (take_args(n, 7, "launch")) return NULL;
     PyObject *queue = a[0], *target = a[1], *program = a[2], *buffers = a[3], *vals = a[4];
     if (!Program_type) {
         PyErr_SetString(PyExc_RuntimeError, "launch: setup() was not called");
@@ -537,7 +532,7 @@ PyMODINIT_FUNC PyInit__amrt(void) {
         {&s_native, "native"}, {&s_buffer_count, "buffer_count"},
         {&s_value_count, "value_count"}, {&s_order, "order"}, {&s_allocation, "_allocation"},
         {&s_freed, "freed"}, {&s_handle, "handle"}, {&s_offset, "offset"},
-        {&s_last_use, "last_use"}, {&s_failed, "_failed"}, {&s_submitted_hook, "_submitted"},
+        {&s_last_use, "last_use"}, {&s_failed, "_failed"},
         {&s_ring, "ring"}, {&s_row, "row"},
     };
     for (size_t i = 0; i < sizeof names / sizeof *names; i++)
