@@ -62,7 +62,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_queue_wait": (c_int, [c_p, c_p, c_u64, c_u64]),
     "am_queue_copy_part": (
         c_int,
-        [c_p, c_p, c_p, ctypes.c_size_t, c_p, c_u64, c_p, c_u64, c_p, c_u64, c_p, c_u64],
+        [c_p, c_p, c_p, ctypes.c_size_t, ctypes.c_size_t, *[c_p, c_u64] * 5],
     ),
     "am_queue_close": (None, [c_p, c_int]),
     "am_cuda_name": (ctypes.c_char_p, [c_int]),

@@ -184,11 +184,12 @@ def test_host_copies_move_every_byte() -> None:
 
 
 def test_host_copies_in_parts_wait_and_mark_on_device_words() -> None:
-    """CPUQueue.copy_part (the cuda staging path's host copies): a chunk's parts on
-    several queues wait for a word (a stream's mark there, this thread here), count
-    themselves, and the part that completes the count raises the ready word (which a
-    stream waits on there) once every byte is in; an abandoning close ends a wait that
-    would never end."""
+    """CPUQueue.copy_part (the cuda staging path's host copies): queues that share a
+    chunk's copy wait for a word (a stream's mark there, this thread here), take its
+    parts one at a time -- a queue held back leaves its share to the others -- count
+    them, and the part that completes the count raises the ready word (which a stream
+    waits on there) once every byte is in; an abandoning close ends a wait that would
+    never end."""
     from asyncmetal.backends.cpu import CPUQueue, CPUTimeline
 
     lib = _native.runtime()
@@ -200,9 +201,11 @@ def test_host_copies_in_parts_wait_and_mark_on_device_words() -> None:
     lib.am_timeline_set_word(marks.c_timeline, ctypes.addressof(words))
     lib.am_timeline_set_word(holds.c_timeline, ctypes.addressof(words) + 16)
     after, hold = marks.c_timeline, holds.c_timeline
-    count, held = ctypes.c_uint64(0), ctypes.c_uint64(0)
+    claimed, count = ctypes.c_uint64(0), ctypes.c_uint64(0)
+    held = (ctypes.c_uint64 * 2)()  # the held command's own claim and count
     src = np.random.default_rng(3).integers(0, 256, 3 * 4096 + 100, dtype=np.uint8)
     dst = np.zeros_like(src)
+    at = ctypes.addressof
 
     def settled(values: list[int], within: float) -> bool:
         deadline = time.monotonic() + within
@@ -212,59 +215,59 @@ def test_host_copies_in_parts_wait_and_mark_on_device_words() -> None:
             time.sleep(0.0005)
         return False
 
+    def share(q: CPUQueue, value: int, nbytes: int, wait: tuple[int, int], first: int) -> None:
+        q.copy_part(
+            dst.ctypes.data,
+            src.ctypes.data,
+            nbytes,
+            4096,
+            value,
+            (dst, src),
+            wait,
+            (at(claimed), first),
+            (at(count), first + -(-nbytes // 4096)),
+            (ready, 11 + first),
+        )
+
     try:
         # The third queue is held back by an earlier command, until words[2] is written.
-        queues[2].copy_part(0, 0, 0, 1, None, (hold, 1), (ctypes.addressof(held), 1), (scratch, 1))
-        for i, q in enumerate(queues):  # parts of 4096, 4096 and 4196 bytes
-            q.copy_part(
-                dst.ctypes.data + 4096 * i,
-                src.ctypes.data + 4096 * i,
-                4096 if i < 2 else 4196,
-                2 if i == 2 else 1,
-                (dst, src),
-                (after, 7),
-                (ctypes.addressof(count), 3),
-                (ready, 11),
-            )
+        queues[2].copy_part(
+            scratch,
+            scratch,
+            1,
+            1,
+            1,
+            None,
+            (hold, 1),
+            (at(held), 0),
+            (at(held) + 8, 1),
+            (scratch, 1),
+        )
+        for i, q in enumerate(queues):  # four parts: 4096, 4096, 4096 and 100 bytes
+            share(q, 2 if i == 2 else 1, src.nbytes, (after, 7), 0)
         words[0] = 6  # not yet
         assert not settled([1, 1, 0], 0.05) and not dst.any() and words[1] == 0
-        words[0] = 7  # two parts go; the last is held: the chunk is not ready
+        words[0] = 7  # the two free queues take every part, the held one's share too
         assert settled([1, 1, 0], 10) and not settled([1, 1, 1], 0.05)
-        assert words[1] == 0 and count.value == 2 and not dst[8192:].any()
-        words[2] = 1
+        assert np.array_equal(dst, src) and words[1] == 11
+        assert claimed.value == 4 and count.value == 4
+        words[2] = 1  # the held queue finds nothing left to take
         assert settled([1, 1, 2], 10)
-        assert np.array_equal(dst, src) and words[1] == 11 and count.value == 3
-        assert held.value == 1 and words[3] == 1
+        assert claimed.value == 4 and count.value == 4 and held[1] == 1 and words[3] == 1
         # The chunk's next use, one part and no mark to wait for (address 0): it copies at
-        # once and completes the count as it runs on (4).
-        queues[0].copy_part(
-            dst.ctypes.data,
-            src.ctypes.data,
-            1,
-            2,
-            None,
-            (0, 0),
-            (ctypes.addressof(count), 4),
-            (ready, 12),
-        )
-        assert settled([2, 1, 2], 10) and words[1] == 12
-        queues[1].copy_part(  # waits for a mark never written
-            dst.ctypes.data,
-            src.ctypes.data,
-            1,
-            2,
-            None,
-            (after, 1 << 40),
-            (ctypes.addressof(count), 5),
-            (ready, 13),
-        )
+        # once, numbered on from the claims and count as they run on (4 -> 5).
+        dst[0] ^= 0xFF
+        share(queues[0], 2, 1, (0, 0), 4)
+        assert settled([2, 1, 2], 10) and words[1] == 15 and dst[0] == src[0]
+        assert claimed.value == 5 and count.value == 5
+        share(queues[1], 2, 1, (after, 1 << 40), 5)  # waits for a mark never written
         time.sleep(0.05)
     finally:
         t0 = time.monotonic()
         for q in queues:
             q.close(abandon=True)
         assert time.monotonic() - t0 < 5
-    assert timelines[1].value == 1 and words[1] == 12 and count.value == 4
+    assert timelines[1].value == 1 and words[1] == 15 and count.value == 5
 
 
 def test_waits_on_one_device_word_release_each_at_its_value() -> None:
@@ -280,6 +283,7 @@ def test_waits_on_one_device_word_release_each_at_its_value() -> None:
     word = ctypes.c_uint64(0)
     lib.am_timeline_set_word(marks.c_timeline, ctypes.addressof(word))
     count, ready = ctypes.c_uint64(0), ctypes.c_uint64(0)
+    claims = iter([ctypes.c_uint64(0) for _ in range(16)])  # each wait copies its own byte
     scratch = (ctypes.c_uint8 * 16)()
 
     def wait_on_marks(q: CPUQueue, target: int, value: int) -> None:
@@ -288,9 +292,11 @@ def test_waits_on_one_device_word_release_each_at_its_value() -> None:
             at,
             at + 8,
             1,
+            1,
             value,
             None,
             (marks.c_timeline, target),
+            (ctypes.addressof(next(claims)), 0),
             (ctypes.addressof(count), 1 << 40),
             (ctypes.addressof(ready), 1),
         )

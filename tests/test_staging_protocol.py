@@ -1,5 +1,5 @@
 """The cuda staging protocol without a GPU: the queue's ring of pinned chunks
-(``_Staging``), its host-copy threads splitting each chunk into parts (``_HostCopier``,
+(``_Staging``), its host-copy threads sharing each chunk's parts (``_HostCopier``,
 native queue threads) and the device words they wait on and raise, against a simulated
 stream (a Python thread running stream operations in order: waits on device words, the
 DMA as a memmove, writes of device words).
@@ -28,17 +28,14 @@ CHUNK = 64 << 10
 RING = 4
 
 
-class _StubChunk:
+class _StubChunk(cb._Chunk):
     """A staging chunk in plain memory (``_Chunk`` without cuMemHostAlloc)."""
 
     def __init__(self) -> None:
         self._memory = (ctypes.c_uint8 * CHUNK)()
         self.address = ctypes.addressof(self._memory)
-        self.ready: cb.CUDATimeline | None = None
-        self.generation = 0
-        self.count = ctypes.c_uint64(0)
-        self.count_address = ctypes.addressof(self.count)
-        self.parts = 0
+        self.nbytes = CHUNK
+        self.track_uses()
 
 
 class _StubBackend:
@@ -140,7 +137,7 @@ def test_staged_copies_reuse_chunks_before_their_last_use_ran(
 ) -> None:
     monkeypatch.setattr(cb, "STAGE_RING", RING)
     monkeypatch.setattr(cb, "HOST_COPY_THREADS", threads)
-    monkeypatch.setattr(cb, "MIN_PART", 4096)  # chunks of 64 KiB split into many parts
+    monkeypatch.setattr(cb, "STAGE_PART", 4096)  # chunks of 64 KiB taken in many parts
     rng = np.random.default_rng(threads)
     nbytes = 8 * CHUNK * RING + 12345  # every chunk used ~8 times per copy, a short tail
     data = [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(2)]

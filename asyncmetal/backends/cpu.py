@@ -206,20 +206,36 @@ class CPUQueue(NativeQueue):
         dst: int,
         src: int,
         nbytes: int,
+        part: int,
         value: int,
         keep: object,
         after: tuple[int, int],
+        claimed: tuple[int, int],
         count: tuple[int, int],
         ready: tuple[int, int],
     ) -> None:
-        """One part of a chunk split among queues (the cuda staging path's host copies):
-        once the device word of the native timeline ``after[0]`` reaches ``after[1]`` (no
-        wait if it is 0), copy and add one to the uint64 at ``count[0]``; the part that
-        brings it to ``count[1]`` raises the device word at ``ready[0]`` to ``ready[1]``.
-        A stream writes or waits on these words, which wakes no thread: one of the
-        queue threads waiting on a timeline's word polls it, the others sleep."""
+        """A share of a chunk's host copy (the cuda staging path): once the device word of
+        the native timeline ``after[0]`` reaches ``after[1]`` (no wait if it is 0), take
+        ``part``-byte parts of the ``nbytes`` one at a time -- numbered from ``claimed[1]``
+        on the uint64 at ``claimed[0]``, which the queues sharing the copy share -- copy
+        each and add one to the uint64 at ``count[0]``; the part that brings it to
+        ``count[1]`` raises the device word at ``ready[0]`` to ``ready[1]``. Every queue
+        that shares the copy gets this call; whichever is free first copies more. A
+        stream writes or waits on these words, which wakes no thread: one of the queue
+        threads waiting on a timeline's word polls it, the others sleep."""
         status = self._lib.am_queue_copy_part(
-            self._handle, dst, src, nbytes, after[0] or None, after[1], *count, *ready, None, value
+            self._handle,
+            dst,
+            src,
+            nbytes,
+            part,
+            after[0] or None,
+            after[1],
+            *claimed,
+            *count,
+            *ready,
+            None,
+            value,
         )
         self._submitted(status, value, keep)
 

@@ -21,11 +21,12 @@
   (``STAGE_RING`` of ``STAGE_CHUNK``): its native host-copy threads
   (``HOST_COPY_THREADS``, made at its first large copy) fill or empty chunks while the
   DMA engine moves others, and a chunk is reused once its previous use is marked done
-  -- a copy of any size runs in the ring's memory. Each chunk's host copy is split among
-  all the threads. Between the DMA engine and the host copies there are only device
-  words: the stream writes a mark after a chunk's DMA, which the threads poll; the
-  last thread done with a chunk raises its ready word, which the stream waits on. No
-  event and no completion thread in between.
+  -- a copy of any size runs in the ring's memory. Each chunk's host copy is shared by
+  all the threads, which take its parts (``STAGE_PART``) one at a time. Between the DMA
+  engine and the host copies there are only device words: the stream writes a mark
+  after a chunk's DMA, which the threads poll; the thread that copies a chunk's last
+  part raises its ready word, which the stream waits on. No event and no completion
+  thread in between.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ MAX_PARAMS = 64
 STAGE_CHUNK = 8 << 20  # bytes per pinned staging chunk
 STAGE_RING = 16  # chunks a queue stages through (the device keeps one ring ready)
 STAGE_DIRECT = 64 << 10  # smaller host copies go straight from pageable memory
-MIN_PART = 256 << 10  # a chunk's host copy is split into parts of at least this
+STAGE_PART = 256 << 10  # the host-copy threads take a chunk's copy in parts of this
 STAGED_BYTES_PER_NS = 20  # staged host copies are expected at 20 GB/s or better
 HOST_COPY_THREADS = max(2, min(12, (os.cpu_count() or 2) * 3 // 4))  # per queue, lazily
 COMPLETION_SPIN_NS = 30_000  # the completion thread polls this long before blocking
@@ -227,6 +228,9 @@ class _Chunk(_Pinned):
 
     def __init__(self, nbytes: int) -> None:
         super().__init__(nbytes)
+        self.track_uses()
+
+    def track_uses(self) -> None:
         self.ready: CUDATimeline | None = None  # made by the first queue that stages
         self.generation = 0
         # Parts copied over all uses (in C) and submitted (here): a use is ready once the
@@ -234,14 +238,20 @@ class _Chunk(_Pinned):
         self.count = ctypes.c_uint64(0)
         self.count_address = ctypes.addressof(self.count)
         self.parts = 0
+        # Parts the threads took (in C): each use's parts are numbered on from here.
+        self.claimed = ctypes.c_uint64(0)
+        self.claimed_address = ctypes.addressof(self.claimed)
 
 
 class _HostCopier:
-    """Native threads that copy between pageable memory and pinned chunks. A chunk is
-    split into one part per thread, so it is ready about when all threads together
-    could copy it, and the chunks get ready in the order the DMA engine takes them. A
-    whole chunk per thread (round robin) left the DMA engine waiting: 1 GiB pageable ->
-    H200 at 42.1 GB/s against 49.6 split (best of 12, run 55, h2d_split_parts.py)."""
+    """Native threads that copy between pageable memory and pinned chunks. Every thread
+    gets each chunk's copy and takes its parts (``STAGE_PART``) one at a time, so the
+    chunk is ready about when all threads together could copy it -- and a thread that is
+    late (descheduled, slow to wake) delays it by one part, not by a fixed share -- and
+    the chunks get ready in the order the DMA engine takes them. A whole chunk per
+    thread (round robin) left the DMA engine waiting: 1 GiB pageable -> H200 at 42.1
+    GB/s against 49.6 split into a fixed share per thread (best of 12, run 55,
+    h2d_split_parts.py)."""
 
     def __init__(self, backend: CUDABackend, threads: int) -> None:
         self._backend = backend
@@ -263,26 +273,17 @@ class _HostCopier:
         if chunk.ready is None:
             chunk.ready = CUDATimeline(self._backend)
         chunk.generation = generation = chunk.generation + 1
-        size = -(-nbytes // max(1, min(len(self.queues), nbytes // MIN_PART)))
-        size = -(-size // 4096) * 4096  # parts end on page boundaries
-        parts = -(-nbytes // size)
+        parts = -(-nbytes // STAGE_PART)
+        claimed = (chunk.claimed_address, chunk.parts)
         chunk.parts += parts
         count = (chunk.count_address, chunk.parts)
         waits = (0, 0) if after is None else (after[0].c_timeline, after[1])
         ready = (chunk.ready.address, generation)
         submitted = self.submitted
-        for i in range(parts):
-            offset = i * size
+        for i in range(min(parts, len(self.queues))):
             submitted[i] += 1
             self.queues[i].copy_part(
-                dst + offset,
-                src + offset,
-                min(size, nbytes - offset),
-                submitted[i],
-                keep,
-                waits,
-                count,
-                ready,
+                dst, src, nbytes, STAGE_PART, submitted[i], keep, waits, claimed, count, ready
             )
         return chunk.ready, generation
 

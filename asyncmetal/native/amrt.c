@@ -59,6 +59,9 @@ typedef struct {
     int64_t *record;                /* start_ns, end_ns, value: a row of a ring */
     uint64_t value;                 /* the queue's own timeline value after it */
     am_timeline *after;             /* CMD_COPY_PART: whose word to wait for first, or NULL */
+    size_t part;                    /* ... bytes per part (the last may be shorter) */
+    _Atomic uint64_t *claimed;      /* ... parts taken, shared by the queues that copy */
+    uint64_t first;                 /* ... the claim number of this use's first part */
     _Atomic uint64_t *count;        /* ... parts of its chunk copied, over all its uses */
     uint64_t count_target;          /* ... the count once every part of this use is in */
     _Atomic uint64_t *ready;        /* ... the word that part raises to ready_value */
@@ -322,6 +325,29 @@ static int wait_word(am_queue *q, am_timeline *t, uint64_t target) {
     return ok;
 }
 
+/* Claim parts of a chunk's use one at a time and copy them, until every part is taken:
+ * queues that got there first (woke first, finished their last part first) copy more,
+ * so a thread that is late (descheduled, slow to wake) delays the chunk by one part at
+ * most, not by a whole share. A use's parts are numbered from `first` on the chunk's
+ * claim counter; uses run one after another (each waits, through the stream, for the
+ * last one's ready word), so a command that finds the counter past its use's parts
+ * has nothing left to do. */
+static void copy_parts(const am_cmd *c) {
+    uint64_t end = c->first + (c->nbytes + c->part - 1) / c->part;
+    uint64_t i = atomic_load_explicit(c->claimed, memory_order_relaxed);
+    while (i >= c->first && i < end) {
+        if (!atomic_compare_exchange_weak_explicit(c->claimed, &i, i + 1, memory_order_relaxed,
+                                                   memory_order_relaxed))
+            continue;  /* i now holds the counter's value: try the next part */
+        size_t offset = (size_t)(i - c->first) * c->part;
+        size_t n = c->nbytes - offset < c->part ? c->nbytes - offset : c->part;
+        memmove((char *)c->dst + offset, (const char *)c->src + offset, n);
+        if (atomic_fetch_add_explicit(c->count, 1, memory_order_acq_rel) + 1 == c->count_target)
+            raise_word(c->ready, c->ready_value);
+        i = atomic_load_explicit(c->claimed, memory_order_relaxed);
+    }
+}
+
 static void *run(void *arg) {
     am_queue *q = arg;
     am_cmd c;
@@ -345,11 +371,9 @@ static void *run(void *arg) {
         case CMD_WAIT:
             if (!wait_timeline(q, c.timeline, c.target)) return NULL;
             break;
-        case CMD_COPY_PART:  /* one part of a chunk; the last one done marks it ready */
+        case CMD_COPY_PART:  /* parts of a chunk; the last one done marks it ready */
             if (c.after && !wait_word(q, c.after, c.target)) return NULL;
-            memmove(c.dst, c.src, c.nbytes);
-            if (atomic_fetch_add_explicit(c.count, 1, memory_order_acq_rel) + 1 == c.count_target)
-                raise_word(c.ready, c.ready_value);
+            copy_parts(&c);
             break;
         }
         if (c.record) {
@@ -422,21 +446,23 @@ int am_queue_wait(am_queue *q, am_timeline *t, uint64_t target, uint64_t value) 
     return push(q, &c);
 }
 
-/* One part of a chunk's host copy, split among queues: once `after`'s device word (a
- * stream writes it; no wait if NULL) reaches after_value, copy, and count the part in
- * *count; the part that brings the count to count_target raises *ready to ready_value (a
- * word a stream waits on): every part's bytes are in. The count runs on over a chunk's
- * uses, never reset, so a use may be submitted before the last one's parts ran: its
- * parts run only after them (they wait, through the stream, on the ready word those
- * parts raise). */
-int am_queue_copy_part(am_queue *q, void *dst, const void *src, size_t nbytes,
-                       am_timeline *after, uint64_t after_value, void *count,
-                       uint64_t count_target, void *ready, uint64_t ready_value,
+/* A chunk's use's host copy, shared by queues (each that shares it gets this command):
+ * once `after`'s device word (a stream writes it; no wait if NULL) reaches after_value,
+ * claim `part`-byte parts of the nbytes on *claimed -- this use's are numbered first,
+ * first+1, ... -- copy each and count it in *count; the part that brings the count to
+ * count_target raises *ready to ready_value (a word a stream waits on): every byte is
+ * in. Both counters run on over a chunk's uses, never reset, so a use may be submitted
+ * before the last one's parts ran: its parts run only after them (they wait, through
+ * the stream, on the ready word those parts raise). */
+int am_queue_copy_part(am_queue *q, void *dst, const void *src, size_t nbytes, size_t part,
+                       am_timeline *after, uint64_t after_value, void *claimed, uint64_t first,
+                       void *count, uint64_t count_target, void *ready, uint64_t ready_value,
                        int64_t *record, uint64_t value) {
-    am_cmd c = {.kind = CMD_COPY_PART, .dst = dst, .src = src, .nbytes = nbytes,
-                .after = after, .target = after_value, .count = count,
-                .count_target = count_target, .ready = ready, .ready_value = ready_value,
-                .record = record, .value = value};
+    if (part == 0) return -2;
+    am_cmd c = {.kind = CMD_COPY_PART, .dst = dst, .src = src, .nbytes = nbytes, .part = part,
+                .after = after, .target = after_value, .claimed = claimed, .first = first,
+                .count = count, .count_target = count_target, .ready = ready,
+                .ready_value = ready_value, .record = record, .value = value};
     return push(q, &c);
 }
 
