@@ -22,9 +22,8 @@
   (``HOST_COPY_THREADS``, made at its first large copy) fill or empty chunks while the
   DMA engine moves others, and a chunk is reused once its previous use is marked done
   -- a copy of any size runs in the ring's memory. Rings take the device's spare
-  chunks, which the device's own thread makes again once staging is quiet (a loop
-  only makes one when no spare is left: cuMemHostAlloc takes milliseconds). Each
-  chunk's host copy is shared by
+  chunks, which the device's own thread makes again in the background (never a loop:
+  cuMemHostAlloc takes milliseconds). Each chunk's host copy is shared by
   all the threads, which take its parts (``STAGE_PART``) one at a time. Between the DMA
   engine and the host copies there are only device words: the stream writes a mark
   after a chunk's DMA, which the threads poll; the thread that copies a chunk's last
@@ -73,7 +72,6 @@ STAGE_CHUNK = 8 << 20  # bytes per pinned staging chunk
 STAGE_RING = 16  # chunks a queue stages through (the device keeps one ring ready)
 STAGE_DIRECT = 64 << 10  # smaller host copies go straight from pageable memory
 STAGE_PART = 256 << 10  # the host-copy threads take a chunk's copy in parts of this
-QUIET_S = 0.005  # spare pinned memory is made once staging was idle this long
 SPARE_SLOTS = 128  # device-word slots kept free (one pinned arena holds 512)
 STAGED_BYTES_PER_NS = 20  # staged host copies are expected at 20 GB/s or better
 HOST_COPY_THREADS = max(2, min(12, (os.cpu_count() or 2) * 3 // 4))  # per queue, lazily
@@ -319,22 +317,20 @@ class _Staging:
         self._marked = 0
         self._ring: collections.deque[tuple[_Chunk, CUDATimeline, int]] = collections.deque()
         self._count = 0
-        backend.staging_opened(self)
 
     def acquire(self) -> tuple[_Chunk, tuple[CUDATimeline, int] | None]:
-        """A chunk, and the (timeline, value) its previous use ends at, if not yet."""
+        """A chunk, and the (timeline, value) its previous use ends at, if not yet. The
+        ring grows to ``STAGE_RING`` with the device's spare chunks; while there are
+        none, it makes do with the chunks it has (only an empty ring gets a new chunk
+        made here)."""
         ring = self._ring
-        self._backend.staged_at = time.monotonic()
-        if ring and (ring[0][1].reached(ring[0][2]) or self._count >= STAGE_RING):
-            chunk, timeline, value = ring.popleft()
-            return chunk, None if timeline.reached(value) else (timeline, value)
-        self._count += 1
-        return self._backend.take_chunk(), None
-
-    def busy(self) -> bool:
-        """Whether a copy through the ring is in flight (its last chunk not yet done)."""
-        ring = self._ring
-        return bool(ring) and not ring[-1][1].reached(ring[-1][2])
+        if not ring or (self._count < STAGE_RING and not ring[0][1].reached(ring[0][2])):
+            chunk = self._backend.take_chunk(make=not ring)
+            if chunk is not None:
+                self._count += 1
+                return chunk, None
+        chunk, timeline, value = ring.popleft()
+        return chunk, None if timeline.reached(value) else (timeline, value)
 
     def release_after(self, chunk: _Chunk, timeline: CUDATimeline, value: int) -> None:
         self._ring.append((chunk, timeline, value))
@@ -349,7 +345,6 @@ class _Staging:
 
     def close(self, abandon: bool) -> None:
         self.copier.close(abandon)
-        self._backend.staging_closed(self)
         if not abandon:  # everything finished: the chunks go back to the device's pool
             for chunk, _, _ in self._ring:
                 self._backend.give_chunk(chunk)
@@ -735,9 +730,6 @@ class CUDABackend(Backend):
         # fresh queue's first copies (1 GiB at 15-21 GB/s, against 47-50 with chunks
         # made beforehand).
         self._chores: queue_module.SimpleQueue[Any] = queue_module.SimpleQueue()
-        self._stagings: list[_Staging] = []  # open ones: the spares are made while all idle
-        self.staged_at = 0.0  # time.monotonic() of the last chunk a queue staged through
-        self._closing = threading.Event()
         self._worker = threading.Thread(
             target=self._chore_loop, name="asyncmetal-cuda-memory", daemon=True
         )
@@ -752,38 +744,17 @@ class CUDABackend(Backend):
         if int(current) != self.context_address:
             check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
-    def take_chunk(self) -> _Chunk:
-        """A spare pinned staging chunk (the device's thread makes more once staging is
-        quiet, so the next queue finds a full ring), or a new one made here."""
+    def take_chunk(self, make: bool = True) -> _Chunk | None:
+        """A spare pinned staging chunk (the device's thread makes more in the background,
+        so the next queue finds a full ring), or, if there is none, a new one made here
+        (``make``) or None."""
         with self._chunk_lock:
             chunk = self._chunks.pop() if self._chunks else None
         self._chores.put(_REFILL)
-        if chunk is None:
+        if chunk is None and make:
             self.make_current()
             chunk = _Chunk(STAGE_CHUNK)
         return chunk
-
-    def staging_opened(self, staging: _Staging) -> None:
-        with self._chunk_lock:
-            self._stagings.append(staging)
-
-    def staging_closed(self, staging: _Staging) -> None:
-        with self._chunk_lock:
-            self._stagings.remove(staging)
-
-    def _wait_quiet(self) -> bool:
-        """Wait until no staged copy is in flight on this device and none was submitted
-        for ``QUIET_S``: cuMemHostAlloc holds up every other thread's driver calls while
-        it runs (~3 ms per chunk), so spares made behind a fresh queue's first copies
-        slowed them as much as making them on the loop (run 64: 12 and 23 GB/s). False
-        once the device closes."""
-        while not self._closing.is_set():
-            with self._chunk_lock:
-                stagings = list(self._stagings)
-            if time.monotonic() - self.staged_at >= QUIET_S and not any(s.busy() for s in stagings):
-                return True
-            self._closing.wait(QUIET_S / 2)
-        return False
 
     def give_chunk(self, chunk: _Chunk) -> None:
         """Take back a closed queue's chunk: a spare, or freed beyond ``STAGE_RING``."""
@@ -814,17 +785,12 @@ class CUDABackend(Backend):
             with self._chunk_lock:
                 if len(self._chunks) >= STAGE_RING:
                     break
-            if not self._wait_quiet():
-                return
             chunk = _Chunk(STAGE_CHUNK)
             with self._chunk_lock:
                 self._chunks.append(chunk)
         with self._slot_lock:
-            short = len(self._free_slots) <= SPARE_SLOTS
-        if short and self._wait_quiet():
-            slots = self._new_slots()
-            with self._slot_lock:
-                self._free_slots[:0] = slots
+            if len(self._free_slots) <= SPARE_SLOTS:
+                self._free_slots[:0] = self._new_slots()
 
     def _chore_loop(self) -> None:
         self.make_current()
@@ -885,7 +851,6 @@ class CUDABackend(Backend):
 
     def close(self) -> None:
         self.make_current()
-        self._closing.set()
         self._chores.put(None)
         self._worker.join()
         cu.cuCtxSynchronize()
