@@ -300,43 +300,6 @@ async def test_pageable_copies_reuse_the_staging_ring(anyio_backend: object) -> 
         np.testing.assert_array_equal((await bufs[1].read())[3 : 3 + n - 12345], data[0][5:-12340])
 
 
-async def test_a_fresh_queue_stages_through_chunks_made_off_the_loop(
-    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Staging takes the device's spare pinned chunks, which the device's own thread
-    makes again in the background: no chunk is made on the loop (cuMemHostAlloc there
-    took ~3 ms a chunk and stalled a fresh queue's first copies)."""
-    from asyncmetal.backends import cuda as cb
-
-    made_on: list[str] = []
-    make = cb._Chunk.__init__
-
-    def counted(self: cb._Chunk, nbytes: int) -> None:
-        made_on.append(threading.current_thread().name)
-        make(self, nbytes)
-
-    async def spares_made() -> None:
-        with anyio.fail_after(20):
-            while len(dev._backend._chunks) < cb.STAGE_RING:  # type: ignore[attr-defined]
-                await anyio.sleep(0.005)
-
-    async with am.open_device("cuda:0") as dev:
-        # (the first spares were made as the device opened)
-        monkeypatch.setattr(cb._Chunk, "__init__", counted)
-        n = 2 * cb.STAGE_RING * cb.STAGE_CHUNK + 4321
-        data = (np.arange(n) % 251).astype(np.uint8)
-        buf = await dev.alloc(n)
-        for q in (dev.queue, dev.new_queue(), dev.new_queue()):
-            await spares_made()
-            await q.copy(buf, data)
-            out = np.zeros_like(data)
-            await q.copy(out, buf)
-            np.testing.assert_array_equal(out, data)
-        await spares_made()
-    assert len(made_on) >= cb.STAGE_RING  # spares made again behind three queues' rings
-    assert set(made_on) == {"asyncmetal-cuda-memory"}, made_on
-
-
 async def test_cancelled_waits_lose_nothing(anyio_backend: object) -> None:
     async with am.open_device("cuda:0") as dev:
         fill = await dev.compile(KERNELS, "fill")

@@ -21,9 +21,7 @@
   (``STAGE_RING`` of ``STAGE_CHUNK``): its native host-copy threads
   (``HOST_COPY_THREADS``, made at its first large copy) fill or empty chunks while the
   DMA engine moves others, and a chunk is reused once its previous use is marked done
-  -- a copy of any size runs in the ring's memory. Rings take the device's spare
-  chunks, which the device's own thread makes again in the background (never a loop:
-  cuMemHostAlloc takes milliseconds). Each chunk's host copy is shared by
+  -- a copy of any size runs in the ring's memory. Each chunk's host copy is shared by
   all the threads, which take its parts (``STAGE_PART``) one at a time. Between the DMA
   engine and the host copies there are only device words: the stream writes a mark
   after a chunk's DMA, which the threads poll; the thread that copies a chunk's last
@@ -72,7 +70,6 @@ STAGE_CHUNK = 8 << 20  # bytes per pinned staging chunk
 STAGE_RING = 16  # chunks a queue stages through (the device keeps one ring ready)
 STAGE_DIRECT = 64 << 10  # smaller host copies go straight from pageable memory
 STAGE_PART = 256 << 10  # the host-copy threads take a chunk's copy in parts of this
-SPARE_SLOTS = 128  # device-word slots kept free (one pinned arena holds 512)
 STAGED_BYTES_PER_NS = 20  # staged host copies are expected at 20 GB/s or better
 HOST_COPY_THREADS = max(2, min(12, (os.cpu_count() or 2) * 3 // 4))  # per queue, lazily
 COMPLETION_SPIN_NS = 30_000  # the completion thread polls this long before blocking
@@ -91,9 +88,6 @@ _LOST = {
     "CUDA_ERROR_LAUNCH_TIMEOUT",
     "CUDA_ERROR_ECC_UNCORRECTABLE",
 }
-
-
-_REFILL = object()  # a chore: make spare pinned memory
 
 
 def _error_name(err: Any) -> str:
@@ -319,18 +313,13 @@ class _Staging:
         self._count = 0
 
     def acquire(self) -> tuple[_Chunk, tuple[CUDATimeline, int] | None]:
-        """A chunk, and the (timeline, value) its previous use ends at, if not yet. The
-        ring grows to ``STAGE_RING`` with the device's spare chunks; while there are
-        none, it makes do with the chunks it has (only an empty ring gets a new chunk
-        made here)."""
+        """A chunk, and the (timeline, value) its previous use ends at, if not yet."""
         ring = self._ring
-        if not ring or (self._count < STAGE_RING and not ring[0][1].reached(ring[0][2])):
-            chunk = self._backend.take_chunk(make=not ring)
-            if chunk is not None:
-                self._count += 1
-                return chunk, None
-        chunk, timeline, value = ring.popleft()
-        return chunk, None if timeline.reached(value) else (timeline, value)
+        if ring and (ring[0][1].reached(ring[0][2]) or self._count >= STAGE_RING):
+            chunk, timeline, value = ring.popleft()
+            return chunk, None if timeline.reached(value) else (timeline, value)
+        self._count += 1
+        return self._backend.take_chunk(), None
 
     def release_after(self, chunk: _Chunk, timeline: CUDATimeline, value: int) -> None:
         self._ring.append((chunk, timeline, value))
@@ -721,19 +710,15 @@ class CUDABackend(Backend):
         self._slot_arenas: list[_Pinned] = []
         self._free_slots: list[int] = []
         self._slot_lock = threading.Lock()
-        self._chunks = [_Chunk(STAGE_CHUNK) for _ in range(STAGE_RING)]  # spare chunks
+        self._chunks = [_Chunk(STAGE_CHUNK) for _ in range(STAGE_RING)]
         self._chunk_lock = threading.Lock()
         self.live_allocations = 0
-        # Chores kept off the loops, on this device's own thread: cuMemFree and
-        # cuMemFreeHost wait for the device's work in flight; cuMemHostAlloc takes ~3 ms
-        # per 8 MiB chunk (run 63, h2d_new_chunks.py), which made on the loop stalled a
-        # fresh queue's first copies (1 GiB at 15-21 GB/s, against 47-50 with chunks
-        # made beforehand).
-        self._chores: queue_module.SimpleQueue[Any] = queue_module.SimpleQueue()
-        self._worker = threading.Thread(
-            target=self._chore_loop, name="asyncmetal-cuda-memory", daemon=True
+        # cuMemFree synchronizes the device: never on a loop, always on this thread.
+        self._frees: queue_module.SimpleQueue[Any] = queue_module.SimpleQueue()
+        self._freer = threading.Thread(
+            target=self._free_loop, name="asyncmetal-cuda-free", daemon=True
         )
-        self._worker.start()
+        self._freer.start()
         _enable_peer_access(self)
 
     def make_current(self) -> None:
@@ -744,69 +729,26 @@ class CUDABackend(Backend):
         if int(current) != self.context_address:
             check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
-    def take_chunk(self, make: bool = True) -> _Chunk | None:
-        """A spare pinned staging chunk (the device's thread makes more in the background,
-        so the next queue finds a full ring), or, if there is none, a new one made here
-        (``make``) or None."""
+    def take_chunk(self) -> _Chunk:
+        """A pinned staging chunk: one a closed queue gave back, or a new one."""
         with self._chunk_lock:
-            chunk = self._chunks.pop() if self._chunks else None
-        self._chores.put(_REFILL)
-        if chunk is None and make:
-            self.make_current()
-            chunk = _Chunk(STAGE_CHUNK)
-        return chunk
+            if self._chunks:
+                return self._chunks.pop()
+        self.make_current()
+        return _Chunk(STAGE_CHUNK)
 
     def give_chunk(self, chunk: _Chunk) -> None:
-        """Take back a closed queue's chunk: a spare, or freed beyond ``STAGE_RING``."""
         with self._chunk_lock:
-            if len(self._chunks) < STAGE_RING:
-                self._chunks.append(chunk)
-                return
-        self._chores.put(chunk)
+            self._chunks.append(chunk)
 
     def _timeline_slot(self) -> int:
         with self._slot_lock:
             if not self._free_slots:
-                self._free_slots = self._new_slots()
-            if len(self._free_slots) == SPARE_SLOTS:
-                self._chores.put(_REFILL)
+                self.make_current()
+                arena = _Pinned(64 << 10)
+                self._slot_arenas.append(arena)
+                self._free_slots = [arena.address + 128 * i for i in range(arena.nbytes // 128)]
             return self._free_slots.pop()
-
-    def _new_slots(self) -> list[int]:
-        self.make_current()
-        arena = _Pinned(64 << 10)
-        self._slot_arenas.append(arena)
-        return [arena.address + 128 * i for i in range(arena.nbytes // 128)]
-
-    def _refill(self) -> None:
-        """Make spare chunks up to ``STAGE_RING`` and device-word slots beyond
-        ``SPARE_SLOTS``, so that loops rarely make pinned memory themselves."""
-        while True:
-            with self._chunk_lock:
-                if len(self._chunks) >= STAGE_RING:
-                    break
-            chunk = _Chunk(STAGE_CHUNK)
-            with self._chunk_lock:
-                self._chunks.append(chunk)
-        with self._slot_lock:
-            if len(self._free_slots) <= SPARE_SLOTS:
-                self._free_slots[:0] = self._new_slots()
-
-    def _chore_loop(self) -> None:
-        self.make_current()
-        while True:
-            chore = self._chores.get()
-            if chore is None:
-                return
-            if chore is _REFILL:
-                try:
-                    self._refill()
-                except AsyncMetalError:  # then the loops make their own, and see the error
-                    continue
-            elif isinstance(chore, _Chunk):
-                chore.free()
-            else:
-                cu.cuMemFree(chore)
 
     def _release_slot(self, slot: int) -> None:
         with self._slot_lock:
@@ -837,7 +779,15 @@ class CUDABackend(Backend):
 
     def free(self, handle: Any) -> None:
         self.live_allocations -= 1
-        self._chores.put(handle)
+        self._frees.put(handle)
+
+    def _free_loop(self) -> None:
+        self.make_current()
+        while True:
+            handle = self._frees.get()
+            if handle is None:
+                return
+            cu.cuMemFree(handle)
 
     def host_view(self, handle: Any, offset: int, nbytes: int) -> memoryview:
         raise AsyncMetalError("cuda memory is not host-visible")
@@ -851,8 +801,8 @@ class CUDABackend(Backend):
 
     def close(self) -> None:
         self.make_current()
-        self._chores.put(None)
-        self._worker.join()
+        self._frees.put(None)
+        self._freer.join()
         cu.cuCtxSynchronize()
         with self._chunk_lock:
             for chunk in self._chunks:
