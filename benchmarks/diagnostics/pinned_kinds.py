@@ -8,7 +8,10 @@ cuMemHostAlloc takes ~3.2 ms per 8 MiB chunk on the H200 machine and holds up ot
 threads' driver calls meanwhile (runs 63-65): a fresh queue's ring costs ~50 ms. Per kind:
 the time to make (and touch) 16 chunks of 8 MiB, the time to free them, raw H2D from
 them (1 GiB as 128 copies of 8 MiB), and asyncmetal's 1 GiB pageable H2D on a fresh queue
-whose 16 chunks are of that kind (five copies; three rounds, order rotating).
+whose 16 chunks are of that kind (five copies; three rounds, order rotating). The kind
+``library`` is the library's own ``_Chunk``.
+
+Ran as run 66 (results/h200/pinned_kinds-run66-x2.json), before ``library`` was added.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ KINDS: dict[str, Any] = {
     "hostalloc": HostAlloc,
     "register_4k": lambda n: Registered(n, MADV_NOHUGEPAGE),
     "register_thp": lambda n: Registered(n, MADV_HUGEPAGE),
+    "library": cb._Chunk,  # what staging uses now (since run 66: register_thp, untouched)
 }
 
 
