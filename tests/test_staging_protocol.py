@@ -155,3 +155,51 @@ def test_staged_copies_reuse_chunks_before_their_last_use_ran(
     finally:
         stream.finish()
         staging.close(False)
+
+
+def test_chunks_stay_mapped_while_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A staging chunk is anonymous memory registered with the driver (faked here): freed,
+    it is unregistered, then unmapped; dropped unfreed (a queue abandoned), it stays
+    mapped and registered -- unmapping it would let a new chunk land on an address the
+    driver still holds (CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)."""
+    import gc
+    import types
+
+    registered: set[int] = set()
+
+    def register(address: int, nbytes: int, flags: int) -> tuple[int, None]:
+        if address in registered:
+            return 1, None
+        registered.add(address)
+        return 0, None
+
+    def check(result: tuple[int, Any], call: str) -> Any:
+        if result[0]:
+            raise RuntimeError(f"{call}: already registered")
+        return result[1]
+
+    fake = types.SimpleNamespace(
+        CU_MEMHOSTREGISTER_PORTABLE=1,
+        CU_MEMHOSTREGISTER_DEVICEMAP=2,
+        cuMemHostRegister=register,
+        cuMemHostUnregister=registered.remove,
+    )
+    monkeypatch.setattr(cb, "cu", fake)
+    monkeypatch.setattr(cb, "check", check)
+    kept = set(cb._MAPPED)
+    try:
+        for i in range(12):
+            chunk = cb._Chunk(1 << 20)
+            assert chunk.address % cb.HUGE_PAGE == 0 and chunk.address in registered
+            ctypes.memset(chunk.address, i, chunk.nbytes)  # mapped and writable
+            if i % 2:
+                chunk.free()
+                assert chunk.address == 0
+            del chunk
+            gc.collect()
+        assert len(registered) == 6 and set(cb._MAPPED) - kept == registered
+    finally:
+        for address in set(cb._MAPPED) - kept:
+            mapped, view = cb._MAPPED.pop(address)
+            del view
+            mapped.close()

@@ -224,6 +224,12 @@ class CUDATimeline(NativeTimeline):
             backend._release_slot(self.address)
 
 
+# Every staging chunk's mapping, until freed: a chunk dropped unfreed (a queue abandoned
+# at exit, say) must not be unmapped while the driver holds it registered -- a stream may
+# still write it, and a new mapping there could not be registered.
+_MAPPED: dict[int, tuple[mmap.mmap, Any]] = {}
+
+
 class _Chunk:
     """A pinned staging chunk, with the device word its host copies mark it ready on (a
     stream waits on it): its ``generation``-th use is ready once the word reaches it.
@@ -237,13 +243,14 @@ class _Chunk:
     def __init__(self, nbytes: int) -> None:
         if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: private, so huge pages may back it
             private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-            self._map = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=private)
-            self._map.madvise(mmap.MADV_HUGEPAGE)
+            mapped = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=private)
+            mapped.madvise(mmap.MADV_HUGEPAGE)
         else:
-            self._map = mmap.mmap(-1, nbytes + HUGE_PAGE)  # zero-filled; aligned inside
-        self._view = (ctypes.c_char * len(self._map)).from_buffer(self._map)
-        self.address = -(-ctypes.addressof(self._view) // HUGE_PAGE) * HUGE_PAGE
+            mapped = mmap.mmap(-1, nbytes + HUGE_PAGE)  # zero-filled; aligned inside
+        view = (ctypes.c_char * len(mapped)).from_buffer(mapped)
+        self.address = -(-ctypes.addressof(view) // HUGE_PAGE) * HUGE_PAGE
         self.nbytes = nbytes
+        _MAPPED[self.address] = (mapped, view)
         flags = cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP
         try:
             check(cu.cuMemHostRegister(self.address, nbytes, flags), "cuMemHostRegister")
@@ -258,9 +265,10 @@ class _Chunk:
             self._unmap()
 
     def _unmap(self) -> None:
+        mapped, view = _MAPPED.pop(self.address)
         self.address = 0
-        del self._view  # the map cannot close while a ctypes view holds its buffer
-        self._map.close()
+        del view  # the map cannot close while a ctypes view holds its buffer
+        mapped.close()
 
     def track_uses(self) -> None:
         self.ready: CUDATimeline | None = None  # made by the first queue that stages
