@@ -235,10 +235,11 @@ class _Chunk:
     stream waits on it): its ``generation``-th use is ready once the word reaches it.
 
     Its memory is anonymous memory -- on transparent huge pages where the kernel gives
-    them -- pinned and mapped with cuMemHostRegister: 16 chunks of 8 MiB in 30 ms and
-    freed in 4, against 88 and 20 by cuMemHostAlloc, DMA alike (run 66,
-    pinned_kinds.py). Making pinned memory holds up the device's other driver calls, and
-    a queue's first copies make its ring."""
+    them -- pinned and mapped with cuMemHostRegister: 16 chunks of 8 MiB in 30-35 ms and
+    freed in 4, against 65-88 and 17-20 by cuMemHostAlloc, DMA alike (runs 66 and 68,
+    pinned_kinds.py; on 4 KiB pages, where the kernel gives no huge ones, 90-99 ms).
+    Making pinned memory holds up the device's other driver calls, and a queue's first
+    copies make its ring."""
 
     def __init__(self, nbytes: int) -> None:
         if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: private, so huge pages may back it

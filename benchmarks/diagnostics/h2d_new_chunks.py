@@ -13,6 +13,10 @@ on the device (so every new chunk drains the pipeline), or are new chunks slow t
   emptied: the library's way for a queue after the first); the same number of chunks
   made beforehand, unused (pool refilled with new chunks); pooled chunks used before.
 Three rounds, order rotating.
+
+Ran as run 63 at 5fa792b (results/h200/h2d_new_chunks-run63-x2.json), and as runs
+64 and 65 with background spare chunks (reverted; ``made_during_copies`` then meant a
+ring waiting for spares) and 68 with registered chunks (h2d_new_chunks-run{64,65,68}*).
 """
 
 from __future__ import annotations

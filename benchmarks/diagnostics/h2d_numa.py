@@ -11,6 +11,9 @@ host-copy threads' and chunks' node), on a fresh queue with fresh chunks each, t
 copies each. Memory goes where it is first touched; threads inherit the affinity of
 the thread that starts them, so the main thread's affinity places all of it. Where
 each buffer's pages really are is read back with move_pages(2).
+
+Ran as run 60 on two H200s (results/h200/h2d_numa-run60-x2.json; lscpu and
+``nvidia-smi topo -m`` in topo-run60-x2.txt): one NUMA node.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ chunk back. A fresh queue with fresh chunks also started slowly (run 60: 15-24, 
 Per round (order rotating): raw pinned cuMemcpyHtoDAsync of 1 GiB three times, then per
 variant a fresh queue, a 64 MiB copy, five 1 GiB pageable copies in and three out
 (every byte checked). Round 0 makes every pool's chunks and is left out of the medians.
+
+Ran as run 61 at 339dd86 on two H200s (results/h200/h2d_shared_parts-run61-x2.json).
 """
 
 from __future__ import annotations
