@@ -37,6 +37,20 @@ def gbps_best_median(nbytes: int, **times: dict[str, list[float]]) -> dict[str, 
     return out
 
 
+def raw_h2d_seconds(dst: int, pinned: int, nbytes: int, stream: Any, n: int) -> list[float]:
+    """Seconds of ``n`` raw ``cuMemcpyHtoDAsync`` + ``cuStreamSynchronize`` copies of
+    ``nbytes`` from pinned memory (the floor staged copies are measured against)."""
+    from asyncmetal.backends.cuda import check, cu
+
+    seconds = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        check(cu.cuMemcpyHtoDAsync(dst, pinned, nbytes, stream), "cuMemcpyHtoDAsync")
+        check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        seconds.append(time.perf_counter() - t0)
+    return seconds
+
+
 async def staged_round_trip(
     dev: am.Device, buf: am.Buffer, host: Any, back: Any, h2d: list[float], d2h: list[float]
 ) -> tuple[am.Queue, bool]:

@@ -25,13 +25,12 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, "benchmarks")
-from _common import seconds_each
+from _common import raw_h2d_seconds, seconds_each
 from cuda.bindings import driver as cu
 
 import asyncmetal as am
@@ -105,12 +104,7 @@ async def on_gpu(index: int, where: dict[int, set[int]]) -> dict[str, Any]:
             backend.make_current()
             pinned = int(cb.check(cu.cuMemHostAlloc(N, 0), "cuMemHostAlloc"))
             ctypes.memset(pinned, 1, N)
-            times = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                cb.check(cu.cuMemcpyHtoDAsync(buf._allocation.handle, pinned, N, stream), "h2d")
-                cb.check(cu.cuStreamSynchronize(stream), "sync")
-                times.append(time.perf_counter() - t0)
+            times = raw_h2d_seconds(buf._allocation.handle, pinned, N, stream, 3)
             out[f"raw_from_node{node}"] = {
                 "pages": page_nodes(pinned, N),
                 "gbps": [N / t / 1e9 for t in times],

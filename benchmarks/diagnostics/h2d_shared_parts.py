@@ -31,13 +31,12 @@ import json
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, "benchmarks")
-from _common import pageable_gib, seconds_each
+from _common import pageable_gib, raw_h2d_seconds, seconds_each
 from cuda.bindings import driver as cu
 
 import asyncmetal as am
@@ -104,11 +103,7 @@ async def main() -> dict[str, Any]:
         stream = dev.queue._native.stream  # type: ignore[attr-defined]
         names = list(VARIANTS)
         for rnd in range(5):
-            for _ in range(3):
-                t0 = time.perf_counter()
-                cb.check(cu.cuMemcpyHtoDAsync(a._allocation.handle, pinned, n, stream), "HtoD")
-                cb.check(cu.cuStreamSynchronize(stream), "sync")
-                raw.append(time.perf_counter() - t0)
+            raw += raw_h2d_seconds(a._allocation.handle, pinned, n, stream, 3)
             for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
                 copy, part, new_chunks = VARIANTS[name]
                 cb._HostCopier.copy = copy  # type: ignore[method-assign]
