@@ -161,8 +161,10 @@ def test_chunks_stay_mapped_while_registered(monkeypatch: pytest.MonkeyPatch) ->
     """A staging chunk is anonymous memory registered with the driver (faked here): freed,
     it is unregistered, then unmapped; dropped unfreed (a queue abandoned), it stays
     mapped and registered -- unmapping it would let a new chunk land on an address the
-    driver still holds (CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)."""
+    driver still holds (CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED). Where the kernel
+    refuses huge pages, a chunk is made on small ones."""
     import gc
+    import mmap
     import types
 
     registered: set[int] = set()
@@ -184,11 +186,18 @@ def test_chunks_stay_mapped_while_registered(monkeypatch: pytest.MonkeyPatch) ->
         cuMemHostRegister=register,
         cuMemHostUnregister=registered.remove,
     )
+
+    class NoHugePages(mmap.mmap):
+        def madvise(self, *args: int) -> None:
+            raise OSError(22, "Invalid argument")  # a kernel built without them
+
     monkeypatch.setattr(cb, "cu", fake)
     monkeypatch.setattr(cb, "check", check)
     kept = set(cb._MAPPED)
     try:
         for i in range(12):
+            if i == 11:
+                monkeypatch.setattr(mmap, "mmap", NoHugePages)
             chunk = cb._Chunk(1 << 20)
             assert chunk.address % cb.HUGE_PAGE == 0 and chunk.address in registered
             ctypes.memset(chunk.address, i, chunk.nbytes)  # mapped and writable

@@ -32,6 +32,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import itertools
 import mmap
@@ -245,7 +246,8 @@ class _Chunk:
         if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: private, so huge pages may back it
             private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
             mapped = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=private)
-            mapped.madvise(mmap.MADV_HUGEPAGE)
+            with contextlib.suppress(OSError):  # no huge pages in this kernel: 4 KiB ones
+                mapped.madvise(mmap.MADV_HUGEPAGE)
         else:
             mapped = mmap.mmap(-1, nbytes + HUGE_PAGE)  # zero-filled; aligned inside
         view = (ctypes.c_char * len(mapped)).from_buffer(mapped)
