@@ -214,7 +214,8 @@ async def test_device_wait_before_host_signal_and_between_streams(anyio_backend:
 
 async def test_waits_on_another_queues_timeline(anyio_backend: object) -> None:
     """A wait for a value already submitted on another queue (its event), and for a value
-    that queue has not reached yet (its device word, written once it gets there)."""
+    that queue has not reached yet (its device word, written once it gets there). Once a
+    command that waited is done, so is what it waited for."""
     async with am.open_device("cuda:0") as dev:
         fill = await dev.compile(KERNELS, "fill")
         sleep = await dev.compile(KERNELS, "sleep_us")
@@ -226,8 +227,7 @@ async def test_waits_on_another_queues_timeline(anyio_backend: object) -> None:
         q2.wait(q1.timeline, first.value)
         second = q2.launch(fill, buf, vals=(2, n), **size)
         await second
-        # (first is confirmed by q1's own completion thread, which may see it a moment
-        # after q2's saw second: the order on the device shows in the buffer.)
+        assert first.done()  # confirmed with q2's wait, before second: never behind it
         await first
         assert (await buf.read(np.int32) == 2).all()
         target = q1.submitted + 2
@@ -239,6 +239,7 @@ async def test_waits_on_another_queues_timeline(anyio_backend: object) -> None:
         fourth = q1.launch(fill, buf, vals=(4, n), **size)
         assert fourth.value == target
         await third
+        assert fourth.done()
         await fourth
         assert (await buf.read(np.int32) == 3).all()
 

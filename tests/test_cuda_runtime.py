@@ -1,7 +1,8 @@
 """The cuda queues of the native runtime against a simulated driver (tests/native/fake_cuda.c).
 
 Runs everywhere: the completion thread, the word-or-event choice for waits between queues
-(submitted from two threads), fault stickiness and event recycling are the runtime's own
+(submitted from two threads), fault stickiness, event recycling and a wait's confirmation
+of the value it waited for are the runtime's own
 logic, which the GPU tests (tests/test_cuda.py) can only exercise on an NVIDIA machine.
 """
 
@@ -32,4 +33,5 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path) -> None:
         *("ok", "long"),
         *("ok", "events"),
         *("ok", "fault"),
+        *("ok", "causal"),
     ]

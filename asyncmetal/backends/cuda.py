@@ -533,6 +533,13 @@ class CUDAQueue(NativeQueue):
             owner = timeline.queue
             if owner is not None and owner._q is not None:  # a queue's: its event or word
                 self._check(self._lib.am_cuq_wait_queue(self._q, owner._q, target))
+                if owner._backend is self._backend:
+                    # Once this wait is confirmed, so is the other queue's work up to
+                    # target (a fault there would have failed this context's streams):
+                    # its timeline gets there first, so a completion awaited here never
+                    # shows one it waited for as unfinished.
+                    self._finish(value, timeline, timeline, target)
+                    return
             else:
                 self._wait_value(timeline, target)
         self._finish(value, timeline)

@@ -649,6 +649,10 @@ static void *cuq_run(void *arg) {
         q->head = (q->head + 1) % q->cap;
         q->count--;
         atomic_fetch_sub(&q->pending, 1);
+        /* Confirmed already, by a queue of this context that waited for it on the device
+         * and succeeded after it: an error seen now (a sticky one) came after. */
+        uint64_t seen = atomic_load(&q->timeline->value);
+        if (r && seen != UINT64_MAX && e.value <= seen) r = 0;
         if (r && !q->error) { q->error = r; q->error_value = e.value; }
         cuq_recycle(q, e.event, e.blocking);
         pthread_mutex_unlock(&q->mu);

@@ -16,6 +16,9 @@
  *             on, never a plain one) until commands are quick again; a command finished
  *             as long-running gets a blocking-sync event at once and changes nothing
  *   events    every event the queues made is destroyed by am_cuq_close
+ *   causal    a wait on another queue's value, once confirmed, confirms that value there
+ *             (before that queue's own thread saw it), which a later sticky error no
+ *             longer fails
  */
 #include AMRT_C
 #include <stdio.h>
@@ -27,6 +30,7 @@ static void die(const char *what) { fprintf(stderr, "FAIL %s\n", what); exit(1);
 
 static atomic_long events_made, events_destroyed;
 static atomic_int fault_code;  /* the context's sticky error once a kernel faulted */
+static void *_Atomic held;     /* an event whose queries report it unfinished (a slow thread) */
 
 typedef struct { _Atomic int64_t recorded, done; unsigned flags; } fake_event;
 
@@ -141,6 +145,7 @@ static int f_record(void *e, void *stream) {
 }
 static int f_query(void *e) {
     fake_event *ev = e;
+    if (e == atomic_load(&held)) return NOT_READY;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     return atomic_load(&ev->done) >= atomic_load(&ev->recorded) ? 0 : NOT_READY;
 }
@@ -291,6 +296,37 @@ static void check_fault(void) {
     puts("ok fault");
 }
 
+/* A queue's wait on another queue's value, finished with that timeline as its extra (as
+ * CUDAQueue.wait does on one device), confirms the value there too, even while the other
+ * queue's own completion thread has not seen its event (held here); and when that thread
+ * then sees the context's sticky error (a fault after the command ran), the command it
+ * already had confirmed does not fail. */
+static void check_causal(void) {
+    fake_queue a = queue_new(), b = queue_new();
+    static kernel slow = {0, 20000000, NULL, 0};  /* 20 ms */
+    if (launch(a, &slow, 0, 1)) die("causal: launch on a failed");
+    pthread_mutex_lock(&a.q->mu);
+    atomic_store(&held, a.q->ring[a.q->head].event);
+    pthread_mutex_unlock(&a.q->mu);
+    if (am_cuq_wait_queue(b.q, a.q, 1) || am_cuq_finish(b.q, 1, a.t, 1, 0, 0))
+        die("causal: the wait on b failed");
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (am_timeline_value(b.t) < 1)
+        if (now_ns() > deadline) die("causal: b's wait never finished");
+    if (am_timeline_value(a.t) != 1) die("causal: b's wait done, a's value it waited for not");
+    atomic_store(&fault_code, ILLEGAL_ADDRESS);
+    atomic_store(&held, NULL);
+    while (atomic_load(&a.q->pending))
+        if (now_ns() > deadline) die("causal: a's thread never saw its event");
+    uint64_t at = 0;
+    if (am_cuq_error(a.q, &at) || am_timeline_value(a.t) != 1)
+        die("causal: a command confirmed through another queue failed afterwards");
+    queue_free(a, 1);
+    queue_free(b, 1);
+    atomic_store(&fault_code, 0);
+    puts("ok causal");
+}
+
 /* Commands get plain events (no interrupt each) until one outlasts the polling window:
  * that one is waited for with naps, the next ones get blocking-sync events (and are
  * blocked on), until 16 in a row finish while polled. */
@@ -358,5 +394,6 @@ int main(void) {
         die("events: am_cuq_close left events behind");
     puts("ok events");
     check_fault();
+    check_causal();
     return 0;
 }
