@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +105,18 @@ def _size3(size: object, what: str) -> tuple[int, int, int]:
     return dims[0], dims[1], dims[2]
 
 
+@functools.cache
+def _extension_launch() -> Callable[..., Completion | None] | None:
+    """The native extension's ``launch`` (Queue.launch's common case in C), told once
+    which classes it recognizes; None without the extension."""
+    extension = _native.extension()
+    if extension is None:
+        return None
+    extension.setup(Program, Buffer, Completion, _ONE3)
+    launch: Callable[..., Completion | None] = extension.launch
+    return launch
+
+
 class Queue:
     """An ordered stream of device commands with its own timeline (values from 1).
 
@@ -128,12 +141,8 @@ class Queue:
         self._flush_armed = False
         self._broken: BaseException | None = None
         # Common launches submitted by the native extension in one call (ampy.c).
-        extension = _native.extension()
         self._launch_target = self._native.launch_target()
-        self._fast_launch = None
-        if extension is not None and self._launch_target is not None:
-            extension.setup(Program, Buffer, Completion, _ONE3)
-            self._fast_launch = extension.launch
+        self._fast_launch = None if self._launch_target is None else _extension_launch()
 
     def __repr__(self) -> str:
         return f"<Queue of {self.device.name} submitted={self._submitted}>"

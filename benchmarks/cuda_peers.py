@@ -29,6 +29,7 @@ from _common import (
     alloc_round_trip,
     copy_timestamps_ns,
     pool_vs_serial,
+    raw_h2d_seconds,
     seconds_each,
     write_json,
 )
@@ -326,10 +327,7 @@ async def copies(dev: am.Device, stream: Any) -> dict[str, Any]:
     result: dict[str, Any] = {}
     raw, ours = [], []
     for _ in range(5):
-        t0 = time.perf_counter()
-        check(cu.cuMemcpyHtoDAsync(a._allocation.handle, pinned, n, stream), "HtoD")
-        check(cu.cuStreamSynchronize(stream), "sync")
-        raw.append(time.perf_counter() - t0)
+        raw += raw_h2d_seconds(a._allocation.handle, pinned, n, stream, 1)
         t0 = time.perf_counter()
         await b.write(host)  # pageable numpy, staged by asyncmetal
         ours.append(time.perf_counter() - t0)

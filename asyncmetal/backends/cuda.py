@@ -529,6 +529,7 @@ class CUDAQueue(NativeQueue):
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, CUDATimeline)
         # Native calls only (they make the context current); none if confirmed already.
+        confirms = None
         if timeline.value < target:
             owner = timeline.queue
             if owner is not None and owner._q is not None:  # a queue's: its event or word
@@ -538,11 +539,10 @@ class CUDAQueue(NativeQueue):
                     # target (a fault there would have failed this context's streams):
                     # its timeline gets there first, so a completion awaited here never
                     # shows one it waited for as unfinished.
-                    self._finish(value, timeline, timeline, target)
-                    return
+                    confirms = timeline
             else:
                 self._wait_value(timeline, target)
-        self._finish(value, timeline)
+        self._finish(value, timeline, confirms, target)
 
     def copy(
         self, dst: Arg, src: Arg, nbytes: int, value: int, record: Record, peer: Any = None

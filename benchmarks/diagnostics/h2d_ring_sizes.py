@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, "benchmarks")
-from _common import seconds_each
+from _common import raw_h2d_seconds, seconds_each
 from cuda.bindings import driver as cu
 
 import asyncmetal as am
@@ -111,11 +111,7 @@ async def main() -> dict[str, Any]:
         stream = dev.queue._native.stream  # type: ignore[attr-defined]
         for rnd in range(3):
             names = list(CONFIGS) if rnd % 2 == 0 else list(reversed(CONFIGS))
-            for _ in range(3):
-                t0 = time.perf_counter()
-                cb.check(cu.cuMemcpyHtoDAsync(a._allocation.handle, pinned, n, stream), "HtoD")
-                cb.check(cu.cuStreamSynchronize(stream), "sync")
-                raw.append(time.perf_counter() - t0)
+            raw += raw_h2d_seconds(a._allocation.handle, pinned, n, stream, 3)
             for name in names:
                 chunk, ring_len = cb.STAGE_CHUNK, cb.STAGE_RING = CONFIGS[name]
                 free_pool(backend)

@@ -22,13 +22,12 @@ import json
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, "benchmarks")
-from _common import gbps_best_median, pageable_gib, staged_round_trip
+from _common import gbps_best_median, pageable_gib, raw_h2d_seconds, staged_round_trip
 from cuda.bindings import driver as cu
 
 import asyncmetal as am
@@ -76,11 +75,7 @@ async def main() -> dict[str, Any]:
         ctypes.memmove(pinned, host.ctypes.data, n)
         stream = dev.queue._native.stream  # type: ignore[attr-defined]
         for rnd in range(4):
-            for _ in range(3):
-                t0 = time.perf_counter()
-                cb.check(cu.cuMemcpyHtoDAsync(a._allocation.handle, pinned, n, stream), "HtoD")
-                cb.check(cu.cuStreamSynchronize(stream), "sync")
-                raw.append(time.perf_counter() - t0)
+            raw += raw_h2d_seconds(a._allocation.handle, pinned, n, stream, 3)
             names = list(VARIANTS) if rnd % 2 == 0 else list(reversed(VARIANTS))
             for name in names:
                 cb._HostCopier.copy = VARIANTS[name]  # type: ignore[method-assign]
