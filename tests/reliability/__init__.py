@@ -1,0 +1,1 @@
+"""Reliability: the contracts under storms, edges and faults (bounded in time)."""
