@@ -6,7 +6,7 @@ Competitors, in one process and one run:
   * asyncmetal: ``await queue.launch(empty)``
   * the way a user would write it instead: the same ctypes function through
     ``loop.run_in_executor(None, f)`` (asyncio) or ``trio.to_thread.run_sync(f)`` (trio).
-Targets (issue 2): latency ratio <= 0.5x, 1000-task throughput ratio >= 4x, CPU time
+Targets: latency ratio <= 0.5x, 1000-task throughput ratio >= 4x, CPU time
 while awaiting a 200 ms kernel < 5 % of a core.
 """
 

@@ -46,8 +46,8 @@ def per_call_us(fn: Callable[[], Any], sync: Callable[[], None], n: int = 5000) 
 
 
 def warm_up(fn: int, stream: Any, seconds: float = 1.0) -> None:
-    """Launch for a while first: the first seconds of a run measured slower (the early
-    probe figures of run 24 were 3-8x the later ones)."""
+    """Launch for a while first: the first seconds on a fresh machine measure slower
+    (3-8x the later figures, seen in this probe)."""
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         for _ in range(100):

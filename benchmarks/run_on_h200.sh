@@ -13,6 +13,6 @@ python3 -c "import cuda.bindings, cupy, torch, numpy, anyio; print('cuda-binding
 { date -u; uname -m; } >> "$OUT/gpus.txt"
 python3 -c "from asyncmetal import _native; _native.runtime(); print('native extension module:', _native.extension() is not None, _native.extension_error or '')" | tee -a "$OUT/gpus.txt"
 timeout 320 python3 benchmarks/cuda_peers.py --json "$OUT/cuda_peers.json" 2>&1 | tee "$OUT/bench.txt"
-(cd benchmarks && timeout 60 python3 cuda_submit_probe.py --json "$OUT/probe.json") 2>&1 | tee "$OUT/probe.txt"
+(cd benchmarks && timeout 60 python3 cuda_submit_probe.py --json "$OUT/cuda_submit_probe.json") 2>&1 | tee "$OUT/probe.txt"
 [ "${RUN_TESTS:-1}" = 1 ] && timeout 280 python3 -m pytest tests/test_cuda.py tests/test_contract7_compile_pool.py tests/test_native_extension.py tests/test_cuda_runtime.py tests/test_fast_launch.py -m "cuda or not cuda" \
     -q -p no:cacheprovider -rs --timeout 60 -o faulthandler_timeout=120 2>&1 | tee "$OUT/cuda_tests.txt"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -92,6 +94,30 @@ async def test_compile_many_yields_each(device: am.Device) -> None:
         assert isinstance(prog, am.Program)
         got.add(prog.name)
     assert got == names
+
+
+async def test_compile_pool_configured_from_the_public_namespace(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    from asyncmetal import CacheWarning, CompileCache, CompilePool
+
+    assert issubclass(CacheWarning, UserWarning)
+    async with am.open_device("cpu:2") as dev:
+        pool = am.CompilePool(1, cache=am.CompileCache(tmp_path / "cache"))
+        assert isinstance(pool, CompilePool) and isinstance(pool.cache, CompileCache)
+        try:
+            dev.compile_pool = pool
+            assert dev.compile_pool is pool
+            prog = await dev.compile(KERNELS, "fill")
+            assert pool.compiles == 1  # compiled in this pool's worker, into its cache
+            assert pool.cache.directory == tmp_path / "cache"
+            assert any(pool.cache.directory.iterdir())
+            buf = await dev.alloc(16)
+            await dev.queue.launch(prog, buf, vals=(5, 4))
+            np.testing.assert_array_equal(await buf.read(np.int32), [5] * 4)
+        finally:
+            await pool.aclose()
+            pool.cache.close()
 
 
 async def test_copy_between_cpu_devices(anyio_backend: object) -> None:
