@@ -69,7 +69,14 @@ MAX_PARAMS = 64
 # empty). 8 MiB chunks and 12 threads: 46-48 GB/s of 1 GiB pageable -> H200 against
 # 33-36 with 4 MiB and 8 on one machine (run 42), all four mixes 47-49 on another (run 46).
 STAGE_CHUNK = 8 << 20  # bytes per pinned staging chunk
-STAGE_RING = 16  # chunks a queue stages through (the device keeps one ring ready)
+STAGE_RING = 16  # chunks a queue stages through at most
+# Pinning memory takes ~2 ms per chunk and holds up every other thread's driver calls
+# (a launch on the loop included) meanwhile, so the device pins its chunks when it
+# opens: a ring's worth and a few more, which queues take as they stage. A queue that
+# finds none left makes do with the chunks it has; only one with fewer than STAGE_MIN
+# pins more, at its first staged copy.
+STAGE_SPARE = 4
+STAGE_MIN = 2
 HUGE_PAGE = 2 << 20  # staging chunks are aligned to it (transparent huge pages)
 STAGE_DIRECT = 64 << 10  # smaller host copies go straight from pageable memory
 STAGE_PART = 256 << 10  # the host-copy threads take a chunk's copy in parts of this
@@ -366,11 +373,13 @@ class _Staging:
     def acquire(self) -> tuple[_Chunk, tuple[CUDATimeline, int] | None]:
         """A chunk, and the (timeline, value) its previous use ends at, if not yet."""
         ring = self._ring
-        if ring and (ring[0][1].reached(ring[0][2]) or self._count >= STAGE_RING):
-            chunk, timeline, value = ring.popleft()
-            return chunk, None if timeline.reached(value) else (timeline, value)
-        self._count += 1
-        return self._backend.take_chunk(), None
+        if not (ring and ring[0][1].reached(ring[0][2])) and self._count < STAGE_RING:
+            chunk = self._backend.take_chunk(pin=self._count < STAGE_MIN)
+            if chunk is not None:
+                self._count += 1
+                return chunk, None
+        chunk, timeline, value = ring.popleft()  # every chunk it has is in the ring now
+        return chunk, None if timeline.reached(value) else (timeline, value)
 
     def release_after(self, chunk: _Chunk, timeline: CUDATimeline, value: int) -> None:
         self._ring.append((chunk, timeline, value))
@@ -787,7 +796,7 @@ class CUDABackend(Backend):
         self._slot_arenas: list[_Pinned] = []
         self._free_slots: list[int] = []
         self._slot_lock = threading.Lock()
-        self._chunks = [_Chunk(STAGE_CHUNK) for _ in range(STAGE_RING)]
+        self._chunks = [_Chunk(STAGE_CHUNK) for _ in range(STAGE_RING + STAGE_SPARE)]
         self._chunk_lock = threading.Lock()
         self.live_allocations = 0
         # cuMemFree synchronizes the device: never on a loop, always on this thread.
@@ -806,11 +815,14 @@ class CUDABackend(Backend):
         if int(current) != self.context_address:
             check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
-    def take_chunk(self) -> _Chunk:
-        """A pinned staging chunk: one a closed queue gave back, or a new one."""
+    def take_chunk(self, pin: bool = True) -> _Chunk | None:
+        """A pinned staging chunk of the device's (pinned when it opened, or given back by
+        a closed queue); if none is left, a newly pinned one, or None without ``pin``."""
         with self._chunk_lock:
             if self._chunks:
                 return self._chunks.pop()
+        if not pin:
+            return None
         self.make_current()
         return _Chunk(STAGE_CHUNK)
 
