@@ -34,4 +34,8 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path) -> None:
         *("ok", "events"),
         *("ok", "fault"),
         *("ok", "causal"),
+        *("ok", "bound"),
+        *("ok", "refused"),
+        *("ok", "kick"),
+        *("ok", "abandon"),
     ]

@@ -39,9 +39,12 @@ class _StubChunk(cb._Chunk):
 
 
 class _StubBackend:
-    """What staging needs of a CUDABackend: the runtime, device-word slots, chunks."""
+    """What staging needs of a CUDABackend: the runtime, device-word slots, chunks (a
+    pool of ``pooled`` pinned ones; more are pinned only when asked to)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pooled: int = 1 << 20) -> None:
+        self.pool = pooled
+        self.pinned = 0  # chunks pinned past the pool
         self.lib = _native.runtime()
         self._words = (ctypes.c_uint64 * 256)()
         base = ctypes.addressof(self._words)
@@ -53,7 +56,13 @@ class _StubBackend:
     def _release_slot(self, slot: int) -> None:
         self._free.append(slot)
 
-    def take_chunk(self) -> _StubChunk:
+    def take_chunk(self, pin: bool = True) -> _StubChunk | None:
+        if self.pool:
+            self.pool -= 1
+        elif pin:
+            self.pinned += 1
+        else:
+            return None
         return _StubChunk()
 
     def give_chunk(self, chunk: _StubChunk) -> None:
@@ -131,10 +140,13 @@ def _copy_out(staging: Any, stream: _Stream, host: np.ndarray, device: np.ndarra
         stream.put("wait", *unfinished)
 
 
-@pytest.mark.parametrize("threads", [1, 3, 8])
+@pytest.mark.parametrize(("threads", "pooled"), [(1, RING), (3, RING), (8, RING), (3, 0)])
 def test_staged_copies_reuse_chunks_before_their_last_use_ran(
-    threads: int, monkeypatch: pytest.MonkeyPatch
+    threads: int, pooled: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Every byte through a ring of chunks reused before their last use ran; with the
+    device's pool empty (other queues took it), the ring makes do with the STAGE_MIN
+    chunks it pins itself rather than pinning a ring's worth."""
     monkeypatch.setattr(cb, "STAGE_RING", RING)
     monkeypatch.setattr(cb, "HOST_COPY_THREADS", threads)
     monkeypatch.setattr(cb, "STAGE_PART", 4096)  # chunks of 64 KiB taken in many parts
@@ -142,7 +154,8 @@ def test_staged_copies_reuse_chunks_before_their_last_use_ran(
     nbytes = 8 * CHUNK * RING + 12345  # every chunk used ~8 times per copy, a short tail
     data = [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(2)]
     device = np.zeros(nbytes, np.uint8)
-    staging = cb._Staging(_StubBackend())  # type: ignore[arg-type]
+    backend = _StubBackend(pooled)
+    staging = cb._Staging(backend)  # type: ignore[arg-type]
     stream = _Stream()
     try:
         for d in data:  # in, out, in again over the same ring, out again
@@ -152,6 +165,7 @@ def test_staged_copies_reuse_chunks_before_their_last_use_ran(
             stream.finish()
             assert np.array_equal(device, d) and np.array_equal(out, d)
             stream = _Stream()
+        assert backend.pinned == (0 if pooled else cb.STAGE_MIN)
     finally:
         stream.finish()
         staging.close(False)

@@ -69,13 +69,26 @@ MAX_PARAMS = 64
 # empty). 8 MiB chunks and 12 threads: 46-48 GB/s of 1 GiB pageable -> H200 against
 # 33-36 with 4 MiB and 8 on one machine (run 42), all four mixes 47-49 on another (run 46).
 STAGE_CHUNK = 8 << 20  # bytes per pinned staging chunk
-STAGE_RING = 16  # chunks a queue stages through (the device keeps one ring ready)
+STAGE_RING = 16  # chunks a queue stages through at most
+# Pinning memory takes ~2 ms per chunk and holds up every other thread's driver calls
+# (a launch on the loop included) meanwhile, so the device pins its chunks when it
+# opens: a ring's worth and a few more, which queues take as they stage. A queue that
+# finds none left makes do with the chunks it has; only one with fewer than STAGE_MIN
+# pins more, at its first staged copy.
+STAGE_SPARE = 4
+STAGE_MIN = 2
 HUGE_PAGE = 2 << 20  # staging chunks are aligned to it (transparent huge pages)
 STAGE_DIRECT = 64 << 10  # smaller host copies go straight from pageable memory
 STAGE_PART = 256 << 10  # the host-copy threads take a chunk's copy in parts of this
 STAGED_BYTES_PER_NS = 20  # staged host copies are expected at 20 GB/s or better
 HOST_COPY_THREADS = max(2, min(12, (os.cpu_count() or 2) * 3 // 4))  # per queue, lazily
 COMPLETION_SPIN_NS = 30_000  # the completion thread polls this long before blocking
+# Commands a stream holds unconfirmed at most; later ones wait on the host, in native
+# code, and the completion thread submits them as earlier ones finish. On the H200,
+# cuLaunchKernel blocks for a kernel's length once ~56 commands with blocking-sync
+# events are queued on one stream (plain events: not up to 1024 deep).
+MAX_IN_FLIGHT = 32
+FINISH_LONG, FINISH_PLAIN = 1, 2  # am_cuq_finish flags
 MAX_POLL_NS = 2_000_000  # ... or up to this long for a command expected to take so long
 MAX_COPY_POLL_NS = 4_000_000  # ... a device copy (one of 1 GiB between two H200s: 2.8 ms)
 
@@ -216,7 +229,9 @@ class CUDATimeline(NativeTimeline):
         return self._word.value >= target
 
     def signal(self, value: int) -> None:
-        self._backend.lib.am_timeline_signal(self.c_timeline, value)
+        # Raises the word, then wakes napping completion threads: a stream's wait it
+        # releases is confirmed within microseconds rather than at the end of a nap.
+        self._backend.lib.am_timeline_host_signal(self.c_timeline, value)
 
     def __del__(self) -> None:
         backend = getattr(self, "_backend", None)
@@ -358,11 +373,13 @@ class _Staging:
     def acquire(self) -> tuple[_Chunk, tuple[CUDATimeline, int] | None]:
         """A chunk, and the (timeline, value) its previous use ends at, if not yet."""
         ring = self._ring
-        if ring and (ring[0][1].reached(ring[0][2]) or self._count >= STAGE_RING):
-            chunk, timeline, value = ring.popleft()
-            return chunk, None if timeline.reached(value) else (timeline, value)
-        self._count += 1
-        return self._backend.take_chunk(), None
+        if not (ring and ring[0][1].reached(ring[0][2])) and self._count < STAGE_RING:
+            chunk = self._backend.take_chunk(pin=self._count < STAGE_MIN)
+            if chunk is not None:
+                self._count += 1
+                return chunk, None
+        chunk, timeline, value = ring.popleft()  # every chunk it has is in the ring now
+        return chunk, None if timeline.reached(value) else (timeline, value)
 
     def release_after(self, chunk: _Chunk, timeline: CUDATimeline, value: int) -> None:
         self._ring.append((chunk, timeline, value))
@@ -392,7 +409,11 @@ class CUDAQueue(NativeQueue):
         flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
         self.stream = check(cu.cuStreamCreate(flags), "cuStreamCreate")
         self._q: int | None = lib.am_cuq_new(
-            backend.context_address, int(self.stream), timeline.c_timeline, COMPLETION_SPIN_NS
+            backend.context_address,
+            int(self.stream),
+            timeline.c_timeline,
+            COMPLETION_SPIN_NS,
+            MAX_IN_FLIGHT,
         )
         if not self._q:
             cu.cuStreamDestroy(self.stream)
@@ -430,14 +451,17 @@ class CUDAQueue(NativeQueue):
         extra: CUDATimeline | None = None,
         target: int = 0,
         expected_ns: int = 0,
+        device_wait: bool = False,
     ) -> None:
         """End a command: an event behind it, which the completion thread confirms (the
         stream also writes the queue's device word if a device wait asked for the
         value before it was submitted). A command expected to take at most
         ``MAX_POLL_NS`` (a copy of known size) is polled for through its end: blocking
         would add an interrupt and a wake-up. One expected to take longer gets a
-        blocking-sync event, which the completion thread sleeps on after a short poll."""
+        blocking-sync event, which the completion thread sleeps on after a short poll.
+        A device wait's event is always plain: its thread naps, and a host signal wakes it."""
         long_running = expected_ns > MAX_POLL_NS
+        flags = FINISH_PLAIN if device_wait else FINISH_LONG if long_running else 0
         self._check(
             self._lib.am_cuq_finish(
                 self._q,
@@ -445,16 +469,23 @@ class CUDAQueue(NativeQueue):
                 extra.c_timeline if extra else None,
                 target,
                 0 if long_running else expected_ns,
-                long_running,
+                flags,
             )
         )
         self._keep.add(value, keep)
 
-    def _write(self, timeline: CUDATimeline, target: int) -> None:
-        self._check(self._lib.am_cuq_write(self._q, timeline.address, target))
+    def _write(self, value: int, timeline: CUDATimeline, target: int) -> None:
+        """The stream writes ``target`` into ``timeline``'s word (part of command ``value``)."""
+        self._check(self._lib.am_cuq_write(self._q, timeline.address, target, value))
 
-    def _wait_value(self, timeline: CUDATimeline, target: int) -> None:
-        self._check(self._lib.am_cuq_wait(self._q, timeline.address, target))
+    def _wait_value(self, value: int, timeline: CUDATimeline, target: int) -> None:
+        """The stream waits for ``timeline``'s word to reach ``target`` (part of ``value``)."""
+        self._check(self._lib.am_cuq_wait(self._q, timeline.address, target, value))
+
+    def _memcpy(self, value: int, to_device: bool, dst: int, src: int, nbytes: int) -> None:
+        """A copy between pinned (or a few pages of pageable) host memory and the device,
+        part of command ``value``."""
+        self._check(self._lib.am_cuq_memcpy(self._q, to_device, dst, src, nbytes, value))
 
     def failure(self, value: int) -> BaseException | None:
         if not self._error.value:  # read in place: the common case costs no call
@@ -468,11 +499,22 @@ class CUDAQueue(NativeQueue):
         """How this stream's completion thread worked: event queries; waits, after
         polling found a command unfinished, blocked on its blocking-sync event or with
         naps on its plain one; events created; whether commands get blocking-sync events
-        now (after a long one). For benchmarks and tests."""
-        out = (ctypes.c_uint64 * 5)()
+        now (after a long one); operations held on the host (the stream had
+        ``MAX_IN_FLIGHT`` commands unconfirmed) so far and now; naps cut short by a host
+        signal. For benchmarks and tests."""
+        out = (ctypes.c_uint64 * 8)()
         if self._q is not None:
             self._lib.am_cuq_stats(self._q, out)
-        keys = ("queries", "blocking_waits", "napping_waits", "events_made", "blocking_now")
+        keys = (
+            "queries",
+            "blocking_waits",
+            "napping_waits",
+            "events_made",
+            "blocking_now",
+            "held_total",
+            "held_now",
+            "kicked",
+        )
         return dict(zip(keys, out, strict=True))
 
     def _first_error(self) -> tuple[int, int]:
@@ -504,7 +546,9 @@ class CUDAQueue(NativeQueue):
             slots = self._slots
             for i, (handle, offset, val) in enumerate(args):
                 slots[i] = (handle + offset) if val is None else (val & 0xFFFFFFFF)
-            code = self._lib.am_cuq_launch(self._q, program, dims, self._pointers_address, value)
+            code = self._lib.am_cuq_launch(
+                self._q, program, dims, self._pointers_address, len(args), value
+            )
         self._check(code)
 
     def launch_target(self) -> tuple[Any, ...] | None:
@@ -523,7 +567,7 @@ class CUDAQueue(NativeQueue):
 
     def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, CUDATimeline)
-        self._write(timeline, target)  # native calls: they make the context current
+        self._write(value, timeline, target)  # native calls: they make the context current
         self._finish(value, timeline, extra=timeline, target=target)
 
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
@@ -533,7 +577,7 @@ class CUDAQueue(NativeQueue):
         if timeline.value < target:
             owner = timeline.queue
             if owner is not None and owner._q is not None:  # a queue's: its event or word
-                self._check(self._lib.am_cuq_wait_queue(self._q, owner._q, target))
+                self._check(self._lib.am_cuq_wait_queue(self._q, owner._q, target, value))
                 if owner._backend is self._backend:
                     # Once this wait is confirmed, so is the other queue's work up to
                     # target (a fault there would have failed this context's streams):
@@ -541,8 +585,8 @@ class CUDAQueue(NativeQueue):
                     # shows one it waited for as unfinished.
                     confirms = timeline
             else:
-                self._wait_value(timeline, target)
-        self._finish(value, timeline, confirms, target)
+                self._wait_value(value, timeline, target)
+        self._finish(value, timeline, confirms, target, device_wait=True)
 
     def copy(
         self, dst: Arg, src: Arg, nbytes: int, value: int, record: Record, peer: Any = None
@@ -571,8 +615,8 @@ class CUDAQueue(NativeQueue):
         self._backend.make_current()
         address = host_address(src)[0]
         base = dst.handle + dst.offset
-        if src.nbytes <= STAGE_DIRECT:  # the driver copies it before the call returns
-            check(cu.cuMemcpyHtoDAsync(base, address, src.nbytes, self.stream), "cuMemcpyHtoD")
+        if src.nbytes <= STAGE_DIRECT:  # a few pages: the driver stages them itself
+            self._memcpy(value, True, base, address, src.nbytes)
             self._finish(value, (dst, src))
             return
         staging = self._staging_for()
@@ -580,13 +624,10 @@ class CUDAQueue(NativeQueue):
             n = min(STAGE_CHUNK, src.nbytes - offset)
             chunk, busy = staging.acquire()  # busy: host threads refill it after the stream
             filled = staging.copier.copy(chunk.address, address + offset, n, src, chunk, busy)
-            self._wait_value(*filled)
-            check(
-                cu.cuMemcpyHtoDAsync(base + offset, chunk.address, n, self.stream),
-                "cuMemcpyHtoDAsync",
-            )
+            self._wait_value(value, *filled)
+            self._memcpy(value, True, base + offset, chunk.address, n)
             mark = staging.next_mark()
-            self._write(*mark)  # the chunk is free again: host threads poll the word
+            self._write(value, *mark)  # the chunk is free again: host threads poll the word
             staging.release_after(chunk, *mark)
         self._finish(value, (dst, src), expected_ns=src.nbytes // STAGED_BYTES_PER_NS)
 
@@ -599,28 +640,24 @@ class CUDAQueue(NativeQueue):
             n = min(STAGE_CHUNK, dst.nbytes - offset)
             chunk, busy = staging.acquire()
             if busy is not None:  # the stream refills it once a host thread emptied it
-                self._wait_value(*busy)
-            check(
-                cu.cuMemcpyDtoHAsync(chunk.address, base + offset, n, self.stream),
-                "cuMemcpyDtoHAsync",
-            )
+                self._wait_value(value, *busy)
+            self._memcpy(value, False, chunk.address, base + offset, n)
             # The stream marks the chunk arrived; a host thread then moves it out.
             mark = staging.next_mark()
-            self._write(*mark)
+            self._write(value, *mark)
             emptied = staging.copier.copy(address + offset, chunk.address, n, dst, chunk, mark)
             staging.release_after(chunk, *emptied)
         for unfinished in staging.unfinished():  # done once every byte is in dst
-            self._wait_value(*unfinished)
+            self._wait_value(value, *unfinished)
         self._finish(value, (dst, src), expected_ns=dst.nbytes // STAGED_BYTES_PER_NS)
 
     def close(self, abandon: bool = False) -> None:
         if self._q is not None:
             handle = self._q
-            if not abandon:
-                self._backend.make_current()
-                cu.cuStreamSynchronize(self.stream)
             code, _ = self._first_error()
             self._q = None
+            # Without abandon this returns once every held command was submitted and
+            # every command confirmed (the stream is then idle).
             self._lib.am_cuq_close(handle, int(abandon))
             if self._staging is not None:
                 self._staging.close(abandon)
@@ -687,9 +724,8 @@ def _enable_peer_access(backend: CUDABackend) -> None:
 class CUDABackend(Backend):
     kind = "cuda"
     host_visible = False
-    # Measured on the H200: a stream parked in cuStreamWaitValue64 with ~64 launches
-    # (each with its value write and event) behind it made cuLaunchKernel block.
-    max_behind_wait = 16
+    # No commands are held in Python behind a device wait: the native queue bounds what
+    # a stream has in flight (MAX_IN_FLIGHT), device waits included.
 
     @classmethod
     def available(cls) -> list[str]:
@@ -760,7 +796,7 @@ class CUDABackend(Backend):
         self._slot_arenas: list[_Pinned] = []
         self._free_slots: list[int] = []
         self._slot_lock = threading.Lock()
-        self._chunks = [_Chunk(STAGE_CHUNK) for _ in range(STAGE_RING)]
+        self._chunks = [_Chunk(STAGE_CHUNK) for _ in range(STAGE_RING + STAGE_SPARE)]
         self._chunk_lock = threading.Lock()
         self.live_allocations = 0
         # cuMemFree synchronizes the device: never on a loop, always on this thread.
@@ -779,11 +815,14 @@ class CUDABackend(Backend):
         if int(current) != self.context_address:
             check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
-    def take_chunk(self) -> _Chunk:
-        """A pinned staging chunk: one a closed queue gave back, or a new one."""
+    def take_chunk(self, pin: bool = True) -> _Chunk | None:
+        """A pinned staging chunk of the device's (pinned when it opened, or given back by
+        a closed queue); if none is left, a newly pinned one, or None without ``pin``."""
         with self._chunk_lock:
             if self._chunks:
                 return self._chunks.pop()
+        if not pin:
+            return None
         self.make_current()
         return _Chunk(STAGE_CHUNK)
 

@@ -138,7 +138,7 @@ static PyObject *py_cuq_launch(PyObject *self, PyObject *const *a, Py_ssize_t n)
     for (int i = 0; i < nargs; i++) params[i] = &slots[i];
     int r;
     Py_BEGIN_ALLOW_THREADS
-    r = am_cuq_launch(q, fn, dims, params, value);
+    r = am_cuq_launch(q, fn, dims, params, nargs, value);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(r);
 }
@@ -326,7 +326,7 @@ static PyObject *submit(PyObject *queue, const target_t *t, void *fn, const unsi
         void *params[AM_MAX_PARAMS];
         for (Py_ssize_t i = 0; i < nargs; i++) params[i] = &slots[i];
         Py_BEGIN_ALLOW_THREADS
-        code = am_cuq_launch(t->handle, fn, dims, params, value);
+        code = am_cuq_launch(t->handle, fn, dims, params, (int)nargs, value);
         Py_END_ALLOW_THREADS
         if (code) {  /* the backend's hook explains it: it raises or returns the error */
             PyObject *code_obj = PyLong_FromLong(code);

@@ -487,10 +487,10 @@ void am_queue_close(am_queue *q, int abandon) {
 }
 
 /* ---- CUDA streams -----------------------------------------------------------------
- * A CUDA queue submits here, in one call per command: the driver work (the launch or
- * copy is the caller's; then an event record) and the hand-over of that event to the
- * queue's completion thread. The driver functions come from cuGetProcAddress (asyncmetal
- * asks cuda-bindings for them once).
+ * A CUDA queue submits here, one native call per driver operation (a launch, a copy, a
+ * word written or waited for) and one per command's end (an event record and its
+ * hand-over to the queue's completion thread). The driver functions come from
+ * cuGetProcAddress (asyncmetal asks cuda-bindings for them once).
  *
  * Measured on an H200 VM: cuLaunchKernel ~5 us, cuStreamWriteValue64 ~2.4 us, an event
  * record ~0.8 us. So the queue's device word (which streams wait on with
@@ -498,27 +498,88 @@ void am_queue_close(am_queue *q, int abandon) {
  * they were submitted; a wait for a value already submitted waits on that command's
  * event instead (cuStreamWaitEvent, across devices too).
  *
+ * Commands in flight are bounded (max_inflight, the commands handed to the driver and
+ * not yet confirmed). Past the bound, operations are held here, in order, and the
+ * completion thread hands them to the driver as earlier commands are confirmed: no loop
+ * round trip, and the submitting thread never makes a driver call that can block. On
+ * the H200, cuLaunchKernel blocks for about a kernel's length once ~56 commands with
+ * blocking-sync events are queued on a stream (plain events: not up to 1024), which is
+ * what a deep queue of long kernels otherwise does to an event loop.
+ *
  * The completion thread reports a command done only once its event says so: a kernel
  * that faulted can let later stream work land before the fault is reported, and the
  * event is what reports it. It raises the queue's timeline (the host-side value loops
  * read and wait on), and the timeline a signal command raised. It polls the event for a
- * moment (a completion about to happen is seen with no interrupt), then blocks on it.
- * It never takes the GIL, and calls nothing but cuCtxSetCurrent, cuEventQuery,
- * cuEventSynchronize and cuEventDestroy. */
+ * moment (a completion about to happen is seen with no interrupt), then naps or blocks
+ * on it. A host signal of a device timeline wakes napping completion threads at once
+ * (a device wait it releases is seen in microseconds, not at the end of a nap). It never
+ * takes the GIL, and calls only cuCtxSetCurrent, cuEventQuery, cuEventSynchronize,
+ * cuEventDestroy and, for held operations, the submission calls. */
 enum { CU_LAUNCH, CU_WRITE64, CU_WAIT64, CU_EVENT_CREATE, CU_EVENT_RECORD, CU_EVENT_QUERY,
        CU_EVENT_SYNC, CU_EVENT_DESTROY, CU_CTX_SET, CU_WAIT_EVENT, CU_CTX_GET, CU_COPY,
-       CU_COPY_PEER, CU_NFUNCS };
+       CU_COPY_PEER, CU_COPY_HTOD, CU_COPY_DTOH, CU_NFUNCS };
 static void *cu_funcs[CU_NFUNCS];
 static const char *cu_names[CU_NFUNCS] = {
     "cuLaunchKernel", "cuStreamWriteValue64", "cuStreamWaitValue64", "cuEventCreate",
     "cuEventRecord", "cuEventQuery", "cuEventSynchronize", "cuEventDestroy", "cuCtxSetCurrent",
-    "cuStreamWaitEvent", "cuCtxGetCurrent", "cuMemcpyDtoDAsync", "cuMemcpyPeerAsync"};
+    "cuStreamWaitEvent", "cuCtxGetCurrent", "cuMemcpyDtoDAsync", "cuMemcpyPeerAsync",
+    "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync"};
 #define CU_ERROR_NOT_READY 600
 #define CU_POLL_GAP_NS 10000     /* at most this long between queries, ... */
 #define CU_POLL_QUIET_NS 500     /* ... or this long while no thread submits to the queue */
+#define CU_KICK_POLL_NS 500000   /* after a host signal, poll this long before napping */
+#define CU_MAX_PARAMS 64
+#define CU_FINISH_LONG 1         /* am_cuq_finish flags: a command known to run long */
+#define CU_FINISH_PLAIN 2        /* ... a device wait: a plain event, so a kick is seen */
 
 const char *am_cuda_name(int i) { return i >= 0 && i < CU_NFUNCS ? cu_names[i] : "?"; }
 void am_cuda_set(int i, void *fn) { if (i >= 0 && i < CU_NFUNCS) cu_funcs[i] = fn; }
+
+/* Kicks: a host signal of a device timeline bumps the generation; completion threads
+ * napping on a command wake at once and poll again (the device sees the word within
+ * microseconds). A thread notes the generation when it starts waiting on a command, so
+ * a kick between then and its nap is not lost. */
+static pthread_mutex_t kick_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t kick_cv = PTHREAD_COND_INITIALIZER;
+static atomic_uint kick_gen;
+static atomic_int kick_sleepers;
+
+static void host_signalled(void) {
+    atomic_fetch_add(&kick_gen, 1);
+    if (atomic_load(&kick_sleepers)) {
+        pthread_mutex_lock(&kick_mu);
+        pthread_cond_broadcast(&kick_cv);
+        pthread_mutex_unlock(&kick_mu);
+    }
+}
+
+/* A host signal of a device timeline (Timeline.signal): the word first, then the kick. */
+void am_timeline_host_signal(am_timeline *t, uint64_t v) {
+    am_timeline_signal(t, v);
+    host_signalled();
+}
+
+static void deadline_after(struct timespec *ts, long ns) {
+    clock_gettime(CLOCK_REALTIME, ts);
+    ts->tv_sec += ns / 1000000000L;
+    ts->tv_nsec += ns % 1000000000L;
+    if (ts->tv_nsec >= 1000000000L) { ts->tv_sec++; ts->tv_nsec -= 1000000000L; }
+}
+
+/* Nap up to ns, or until a kick after generation `seen`: 1 if kicked. */
+static int kick_nap(long ns, unsigned seen) {
+    struct timespec until;
+    deadline_after(&until, ns);
+    pthread_mutex_lock(&kick_mu);
+    atomic_fetch_add(&kick_sleepers, 1);
+    int r = 0;
+    while (atomic_load(&kick_gen) == seen && r != ETIMEDOUT)
+        r = pthread_cond_timedwait(&kick_cv, &kick_mu, &until);
+    atomic_fetch_sub(&kick_sleepers, 1);
+    int kicked = atomic_load(&kick_gen) != seen;
+    pthread_mutex_unlock(&kick_mu);
+    return kicked;
+}
 
 typedef struct {
     void *event;
@@ -528,6 +589,30 @@ typedef struct {
     long spin_ns;                   /* how long to poll before blocking on the event */
     int blocking;                   /* its event wakes a thread blocked on it (interrupt) */
 } am_cuentry;
+
+struct am_cuq;
+
+/* A driver operation held on the host until the stream has room for it. */
+enum { CUOP_LAUNCH, CUOP_COPY, CUOP_HTOD, CUOP_DTOH, CUOP_WRITE, CUOP_WAIT, CUOP_WAIT_QUEUE, CUOP_FINISH };
+typedef struct am_cuop {
+    int kind;
+    int flags;                      /* CUOP_FINISH: CU_FINISH_* */
+    uint64_t value;                 /* the command it belongs to */
+    struct am_cuop *next;
+    void *fn;                       /* CUOP_LAUNCH */
+    unsigned dims[7];
+    int nparams;
+    uint64_t dst, src;              /* copies: device or host addresses */
+    void *src_ctx;                  /* CUOP_COPY between devices: the source's context */
+    size_t nbytes;
+    void *word;                     /* CUOP_WRITE, CUOP_WAIT: a device word */
+    uint64_t target;                /* ... its value; CUOP_WAIT_QUEUE: other's value */
+    struct am_cuq *other;           /* CUOP_WAIT_QUEUE: the queue waited for (referenced) */
+    am_timeline *extra;             /* CUOP_FINISH */
+    uint64_t extra_value;
+    long spin_ns;
+    int64_t params[];               /* CUOP_LAUNCH: nparams 64-bit parameter slots */
+} am_cuop;
 
 typedef struct am_cuq {
     int error;                      /* first member: the first CUDA error (sticky); */
@@ -542,7 +627,9 @@ typedef struct am_cuq {
     size_t events_cap, events_count[2];
     atomic_size_t pending;          /* entries pushed and not yet confirmed */
     atomic_int submitting;          /* threads inside a submission (driver calls) now */
-    int stop;
+    int stop;                       /* 1: finish everything, then stop; 2: abandon now */
+    int exited, orphan;             /* the thread returned; it frees the queue itself */
+    atomic_int refs;                /* the owner's, and one per held wait on this queue */
     void *ctx;
     void *stream;
     am_timeline *timeline;          /* the queue's timeline: its value is verified */
@@ -551,10 +638,14 @@ typedef struct am_cuq {
     uint64_t wanted;                /* write the word for values up to this one */
     long spin_ns;
     int sleeping;                   /* the completion thread waits on cv */
+    size_t max_inflight;            /* entries handed to the driver at most; then held */
+    am_cuop *held, *held_tail;      /* operations held on the host, in order */
+    size_t nheld;
+    int driving;                    /* a thread is making driver calls for this queue */
     _Atomic(void *) spare[2];       /* an event for the next command, taken without the lock */
     atomic_int blocking;            /* commands get blocking-sync events (they run long) */
     int quick;                      /* blocking events confirmed while polling, in a row */
-    atomic_ulong queries, syncs, naps, events_made;  /* statistics (am_cuq_stats) */
+    atomic_ulong queries, syncs, naps, events_made, held_total, kicked;  /* statistics */
 } am_cuq;
 
 static void cuq_recycle(am_cuq *q, void *event, int blocking) {  /* under q->mu */
@@ -562,6 +653,77 @@ static void cuq_recycle(am_cuq *q, void *event, int blocking) {  /* under q->mu 
         q->events[blocking][q->events_count[blocking]++] = event;
     else
         ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(event);
+}
+
+static void cuq_free(am_cuq *q) {
+    pthread_mutex_destroy(&q->mu);
+    pthread_cond_destroy(&q->cv);
+    free(q->ring); free(q->events[0]); free(q->events[1]); free(q);
+}
+
+static void cuq_unref(am_cuq *q) {
+    if (atomic_fetch_sub(&q->refs, 1) == 1) cuq_free(q);
+}
+
+static void cuop_free(am_cuop *op) {
+    if (op->other) cuq_unref(op->other);
+    free(op);
+}
+
+/* Whether the completion thread has held operations it may hand over now (under mu). */
+static int cuq_can_drain(const am_cuq *q) {
+    return q->held && !q->driving && q->count < q->max_inflight && q->stop != 2;
+}
+
+static int cuq_fail(am_cuq *q, int call, int r) {
+    q->failed_call = call;
+    return r;
+}
+
+static int cuq_run_op(am_cuq *q, const am_cuop *op);
+
+static void cuq_drop_held(am_cuq *q) {  /* under mu */
+    while (q->held) {
+        am_cuop *op = q->held;
+        q->held = op->next;
+        q->nheld--;
+        cuop_free(op);
+    }
+    q->held_tail = NULL;
+}
+
+/* A held operation the driver refused: that command and every one after it will never
+ * run. The queue fails from that command's value on (earlier ones are still confirmed
+ * by their events); what is still held is dropped. Under mu. */
+static void cuq_refused(am_cuq *q, uint64_t value, int r) {
+    if (!q->error) { q->error = r; q->error_value = value; }
+    cuq_drop_held(q);
+}
+
+/* Hand held operations to the driver while the stream has room. Runs on the completion
+ * thread (the context is current there). */
+static void cuq_drain(am_cuq *q) {
+    pthread_mutex_lock(&q->mu);
+    while (cuq_can_drain(q)) {
+        am_cuop *op = q->held;
+        q->held = op->next;
+        if (!q->held) q->held_tail = NULL;
+        q->nheld--;
+        q->driving = 1;
+        pthread_mutex_unlock(&q->mu);
+        int r = cuq_run_op(q, op);
+        pthread_mutex_lock(&q->mu);
+        q->driving = 0;
+        if (r) cuq_refused(q, op->value, r);
+        cuop_free(op);
+    }
+    /* Refused with nothing left in flight: settle the waiters now (they find the error). */
+    if (q->error && !q->count && !q->held) {
+        pthread_mutex_unlock(&q->mu);
+        am_timeline_poke(q->timeline, UINT64_MAX);
+        return;
+    }
+    pthread_mutex_unlock(&q->mu);
 }
 
 static void *cuq_run(void *arg) {
@@ -575,17 +737,24 @@ static void *cuq_run(void *arg) {
          * right behind the last one would otherwise pay every time. */
         if (atomic_load(&q->pending) == 0) {
             int64_t deadline = now_ns() + q->spin_ns;
-            while (atomic_load(&q->pending) == 0 && now_ns() < deadline) sched_yield();
+            while (atomic_load(&q->pending) == 0 && now_ns() < deadline &&
+                   !__atomic_load_n(&q->stop, __ATOMIC_SEQ_CST))
+                sched_yield();
         }
         pthread_mutex_lock(&q->mu);
-        while (q->count == 0 && !q->stop) {
+        while (q->count == 0 && !cuq_can_drain(q) && !q->stop) {
             q->sleeping = 1;  /* submissions signal the condition only then */
             pthread_cond_wait(&q->cv, &q->mu);
             q->sleeping = 0;
         }
-        if (q->count == 0) { pthread_mutex_unlock(&q->mu); return NULL; }
+        if (q->stop == 2 || (q->stop && q->count == 0 && !q->held)) break;
+        if (q->count == 0) {
+            pthread_mutex_unlock(&q->mu);
+            cuq_drain(q);
+            continue;
+        }
         am_cuentry e = q->ring[q->head];
-        int failed = q->error;
+        int failed = q->error && e.value >= q->error_value ? q->error : 0;
         pthread_mutex_unlock(&q->mu);
         int r = failed;
         if (!failed) {
@@ -594,6 +763,7 @@ static void *cuq_run(void *arg) {
              * every 2 us still by ~1.7 us a launch. So queries wait for a moment when
              * no thread is submitting to this queue (then come every CU_POLL_QUIET_NS),
              * but for no longer than CU_POLL_GAP_NS. */
+            unsigned kicks = atomic_load(&kick_gen);
             long spin = e.spin_ns > q->spin_ns ? e.spin_ns : q->spin_ns;
             int64_t t = now_ns(), deadline = t + spin, last = t - CU_POLL_GAP_NS;
             r = CU_ERROR_NOT_READY;
@@ -620,9 +790,10 @@ static void *cuq_run(void *arg) {
                  * until one outlasts its polling window; it is waited for with naps of
                  * a 32nd of the time waited so far (20 us to 1 ms: seen at most ~3 %
                  * late -- an eighth made 1 GiB peer copies ~10 % slower than the raw
-                 * copy -- with ~150 wake-ups for a 100 ms kernel) and the
-                 * commands after it get blocking-sync events, which this thread then
-                 * sleeps on, until 16 in a row are confirmed while polling. */
+                 * copy -- with ~150 wake-ups for a 100 ms kernel), cut short by a host
+                 * signal, and the commands after it get blocking-sync events, which this
+                 * thread then sleeps on, until 16 in a row are confirmed while polling.
+                 * Device waits always get plain events: a host signal releases them. */
                 q->quick = 0;
                 if (e.blocking) {
                     atomic_fetch_add(&q->syncs, 1);
@@ -631,9 +802,22 @@ static void *cuq_run(void *arg) {
                     atomic_store(&q->blocking, 1);
                     atomic_fetch_add(&q->naps, 1);
                     int64_t since = now_ns() - spin;  /* about when polling began */
+                    int64_t polling_until = 0;
                     while ((r = query(e.event)) == CU_ERROR_NOT_READY) {
-                        long nap = (long)((now_ns() - since) / 32);
-                        nap_ns(nap < 20000 ? 20000 : nap > 1000000 ? 1000000 : nap);
+                        if (__atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) == 2) break;
+                        int64_t at = now_ns();
+                        if (at < polling_until) { sched_yield(); continue; }
+                        long nap = (long)((at - since) / 32);
+                        if (kick_nap(nap < 20000 ? 20000 : nap > 1000000 ? 1000000 : nap,
+                                     kicks)) {
+                            kicks = atomic_load(&kick_gen);
+                            polling_until = now_ns() + CU_KICK_POLL_NS;
+                            atomic_fetch_add(&q->kicked, 1);
+                        }
+                    }
+                    if (r == CU_ERROR_NOT_READY) {  /* abandoned while napping */
+                        pthread_mutex_lock(&q->mu);
+                        break;
                     }
                 }
             } else if (e.blocking && ++q->quick >= 16) {
@@ -642,7 +826,8 @@ static void *cuq_run(void *arg) {
             }
         }
         pthread_mutex_lock(&q->mu);
-        if (q->count == 0) {  /* abandoned (am_cuq_close) meanwhile: nothing to pop */
+        if (q->count == 0 || q->stop == 2) {  /* abandoned (am_cuq_close) meanwhile */
+            if (q->stop == 2) break;
             pthread_mutex_unlock(&q->mu);
             continue;
         }
@@ -653,17 +838,33 @@ static void *cuq_run(void *arg) {
          * and succeeded after it: an error seen now (a sticky one) came after. */
         uint64_t seen = atomic_load(&q->timeline->value);
         if (r && seen != UINT64_MAX && e.value <= seen) r = 0;
-        if (r && !q->error) { q->error = r; q->error_value = e.value; }
+        if (r && (!q->error || e.value < q->error_value)) {
+            q->error = r;
+            q->error_value = e.value;
+        }
         cuq_recycle(q, e.event, e.blocking);
+        /* A failed command settles every later one; else, once a refused held command
+         * has nothing left in flight before it, the same. */
+        int settle = r || (q->error && !q->count && !q->held);
         pthread_mutex_unlock(&q->mu);
         if (e.extra && !r) am_timeline_poke(e.extra, e.extra_value);
-        am_timeline_poke(q->timeline, r ? UINT64_MAX : e.value);
+        am_timeline_poke(q->timeline, settle ? UINT64_MAX : e.value);
+        cuq_drain(q);
     }
+    /* Stopping, under mu. An abandoned queue's closer may have given up waiting for this
+     * thread (it was blocked on an event that never completes): then it frees the queue. */
+    q->exited = 1;
+    int orphan = q->orphan;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    if (orphan) cuq_unref(q);
+    return NULL;
 }
 
-am_cuq *am_cuq_new(void *ctx, void *stream, am_timeline *timeline, long spin_ns) {
+am_cuq *am_cuq_new(void *ctx, void *stream, am_timeline *timeline, long spin_ns,
+                   long max_inflight) {
     for (int i = 0; i < CU_NFUNCS; i++) if (!cu_funcs[i]) return NULL;
-    if (!timeline->word) return NULL;
+    if (!timeline->word || max_inflight < 1) return NULL;
     am_cuq *q = calloc(1, sizeof *q);
     if (!q) return NULL;
     q->cap = 256;
@@ -676,6 +877,8 @@ am_cuq *am_cuq_new(void *ctx, void *stream, am_timeline *timeline, long spin_ns)
     q->timeline = timeline;
     q->word = timeline->word;
     q->spin_ns = spin_ns;
+    q->max_inflight = (size_t)max_inflight;
+    atomic_store(&q->refs, 1);
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->cv, NULL);
     if (!q->ring || !q->events[0] || !q->events[1] ||
@@ -684,11 +887,6 @@ am_cuq *am_cuq_new(void *ctx, void *stream, am_timeline *timeline, long spin_ns)
         return NULL;
     }
     return q;
-}
-
-static int cuq_fail(am_cuq *q, int call, int r) {
-    q->failed_call = call;
-    return r;
 }
 
 /* Every submission (driver calls on the queue's stream) runs between cuq_enter and
@@ -717,9 +915,11 @@ static int cuq_leave(am_cuq *q, int r) {  /* after cuq_enter, whatever it return
  * waiter on another queue either finds the command's event or has its value written)
  * and the event for the next command. Returns a CUresult (-1: out of memory). */
 static int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
-                      long spin_ns, int long_running) {
-    /* Which kind of event the command gets: blocking-sync for one known to run long. */
-    int r, k = long_running || atomic_load(&q->blocking);
+                      long spin_ns, int flags) {
+    /* Which kind of event the command gets: blocking-sync for one known to run long,
+     * plain for a device wait (so that a host signal's kick is seen). */
+    int r, k = !(flags & CU_FINISH_PLAIN) &&
+               ((flags & CU_FINISH_LONG) || atomic_load(&q->blocking));
     void *event = atomic_exchange(&q->spare[k], NULL);
     if (!event) {
         pthread_mutex_lock(&q->mu);
@@ -780,32 +980,25 @@ static int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t ex
     return 0;
 }
 
-int am_cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
-                  long spin_ns, int long_running) {
-    int r = cuq_enter(q);
-    if (!r) r = cuq_finish(q, value, extra, extra_value, spin_ns, long_running);
-    return cuq_leave(q, r);
-}
-
-/* Make stream q wait until queue `other` reaches `value`: on the event of the first
- * command at or after it if that was submitted and is not yet confirmed, on other's
- * device word if it was not submitted yet (other then writes its word up to it), and
- * not at all if it is confirmed. Under other's lock: its completion thread cannot
- * recycle the event meanwhile. */
 static int cuq_wait_word(am_cuq *q, void *word, uint64_t value) {
     int r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WAIT64])(
         q->stream, word, value, 0x0 /* CU_STREAM_WAIT_VALUE_GEQ */);
     return r ? cuq_fail(q, CU_WAIT64, r) : 0;
 }
 
-int am_cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value) {
-    int r = cuq_enter(q);
-    if (r) return cuq_leave(q, r);
+/* Make stream q wait until queue `other` reaches `value`: on the event of the first
+ * command at or after it if that was submitted and is not yet confirmed, on other's
+ * device word if it was not submitted yet (other then writes its word up to it), and
+ * not at all if it is confirmed. Under other's lock: its completion thread cannot
+ * recycle the event meanwhile. Decided when the operation reaches the driver, so a held
+ * wait looks at other as it is then. */
+static int cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value) {
+    int r = 0;
     pthread_mutex_lock(&other->mu);
     if (value > other->submitted) {
         if (value > other->wanted) other->wanted = value;
         pthread_mutex_unlock(&other->mu);
-        return cuq_leave(q, cuq_wait_word(q, (void *)other->word, value));
+        return cuq_wait_word(q, (void *)other->word, value);
     }
     for (size_t i = 0; i < other->count; i++) {
         am_cuentry *e = &other->ring[(other->head + i) % other->cap];
@@ -816,21 +1009,122 @@ int am_cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value) {
         }
     }
     pthread_mutex_unlock(&other->mu);
-    return cuq_leave(q, r ? cuq_fail(q, CU_WAIT_EVENT, r) : 0);
+    return r ? cuq_fail(q, CU_WAIT_EVENT, r) : 0;
 }
 
-/* dims: grid x, y, z, block x, y, z, dynamic shared memory bytes. */
-int am_cuq_launch(am_cuq *q, void *function, const unsigned *dims, void **params,
-                  uint64_t value) {
-    int r = cuq_enter(q);
-    if (!r) {
+/* One operation's driver calls (the context is current on the calling thread). */
+static int cuq_run_op(am_cuq *q, const am_cuop *op) {
+    int r;
+    switch (op->kind) {
+    case CUOP_LAUNCH: {
+        void *params[CU_MAX_PARAMS];
+        for (int i = 0; i < op->nparams; i++) params[i] = (void *)&op->params[i];
         r = ((int (*)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                       unsigned, void *, void **, void **))cu_funcs[CU_LAUNCH])(
-            function, dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], q->stream,
-            params, NULL);
-        r = r ? cuq_fail(q, CU_LAUNCH, r) : cuq_finish(q, value, NULL, 0, 0, 0);
+            op->fn, op->dims[0], op->dims[1], op->dims[2], op->dims[3], op->dims[4],
+            op->dims[5], op->dims[6], q->stream, params, NULL);
+        return r ? cuq_fail(q, CU_LAUNCH, r) : 0;
     }
-    return cuq_leave(q, r);
+    case CUOP_COPY:
+        if (op->src_ctx) {
+            r = ((int (*)(uint64_t, void *, uint64_t, void *, size_t, void *))
+                     cu_funcs[CU_COPY_PEER])(op->dst, q->ctx, op->src, op->src_ctx, op->nbytes,
+                                             q->stream);
+            return r ? cuq_fail(q, CU_COPY_PEER, r) : 0;
+        }
+        r = ((int (*)(uint64_t, uint64_t, size_t, void *))cu_funcs[CU_COPY])(
+            op->dst, op->src, op->nbytes, q->stream);
+        return r ? cuq_fail(q, CU_COPY, r) : 0;
+    case CUOP_HTOD:
+        r = ((int (*)(uint64_t, const void *, size_t, void *))cu_funcs[CU_COPY_HTOD])(
+            op->dst, (const void *)(uintptr_t)op->src, op->nbytes, q->stream);
+        return r ? cuq_fail(q, CU_COPY_HTOD, r) : 0;
+    case CUOP_DTOH:
+        r = ((int (*)(void *, uint64_t, size_t, void *))cu_funcs[CU_COPY_DTOH])(
+            (void *)(uintptr_t)op->dst, op->src, op->nbytes, q->stream);
+        return r ? cuq_fail(q, CU_COPY_DTOH, r) : 0;
+    case CUOP_WRITE:
+        r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WRITE64])(
+            q->stream, op->word, op->target, 0);
+        return r ? cuq_fail(q, CU_WRITE64, r) : 0;
+    case CUOP_WAIT:
+        return cuq_wait_word(q, op->word, op->target);
+    case CUOP_WAIT_QUEUE:
+        return cuq_wait_queue(q, op->other, op->target);
+    case CUOP_FINISH:
+        return cuq_finish(q, op->value, op->extra, op->extra_value, op->spin_ns, op->flags);
+    }
+    return -2;
+}
+
+/* Hand an operation to the driver now, or hold it (copied) behind what is held already
+ * or while the stream has max_inflight commands unconfirmed. 0 once submitted or held; a
+ * CUresult if the driver refused it now (nothing held: the caller takes its value back);
+ * the queue's error once a command of it failed (nothing more is accepted); -1: out of
+ * memory. */
+static int cuq_submit(am_cuq *q, const am_cuop *op, size_t size) {
+    pthread_mutex_lock(&q->mu);
+    if (q->error) {
+        int e = q->error;
+        pthread_mutex_unlock(&q->mu);
+        return e;
+    }
+    if (q->held || q->driving || q->count >= q->max_inflight) {
+        am_cuop *copy = malloc(size);
+        if (!copy) { pthread_mutex_unlock(&q->mu); return -1; }
+        memcpy(copy, op, size);
+        copy->next = NULL;
+        if (copy->other) atomic_fetch_add(&copy->other->refs, 1);
+        if (q->held_tail) q->held_tail->next = copy; else q->held = copy;
+        q->held_tail = copy;
+        q->nheld++;
+        atomic_fetch_add(&q->held_total, 1);
+        if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
+        pthread_mutex_unlock(&q->mu);
+        return 0;
+    }
+    q->driving = 1;
+    pthread_mutex_unlock(&q->mu);
+    int r = cuq_enter(q);
+    if (!r) r = cuq_run_op(q, op);
+    cuq_leave(q, r);
+    pthread_mutex_lock(&q->mu);
+    q->driving = 0;
+    if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    return r;
+}
+
+/* flags: CU_FINISH_LONG (a blocking-sync event at once), CU_FINISH_PLAIN (a device
+ * wait's: a plain event). spin_ns: how long the command is expected to take at most. */
+int am_cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
+                  long spin_ns, int flags) {
+    am_cuop op = {.kind = CUOP_FINISH, .flags = flags, .value = value, .extra = extra,
+                  .extra_value = extra_value, .spin_ns = spin_ns};
+    return cuq_submit(q, &op, sizeof op);
+}
+
+int am_cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value, uint64_t command) {
+    am_cuop op = {.kind = CUOP_WAIT_QUEUE, .value = command, .other = other, .target = value};
+    return cuq_submit(q, &op, sizeof op);
+}
+
+/* dims: grid x, y, z, block x, y, z, dynamic shared memory bytes; params: nparams
+ * pointers to 64-bit slots (copied). Then its event, as am_cuq_finish. */
+int am_cuq_launch(am_cuq *q, void *function, const unsigned *dims, void **params, int nparams,
+                  uint64_t value) {
+    if (nparams < 0 || nparams > CU_MAX_PARAMS) return -2;
+    int64_t buf[(sizeof(am_cuop) + sizeof(int64_t) - 1) / sizeof(int64_t) + CU_MAX_PARAMS];
+    am_cuop *op = (am_cuop *)buf;
+    memset(op, 0, sizeof *op);
+    op->kind = CUOP_LAUNCH;
+    op->value = value;
+    op->fn = function;
+    op->nparams = nparams;
+    memcpy(op->dims, dims, sizeof op->dims);
+    for (int i = 0; i < nparams; i++) memcpy(&op->params[i], params[i], sizeof(int64_t));
+    int r = cuq_submit(q, op, sizeof(am_cuop) + (size_t)nparams * sizeof(int64_t));
+    return r ? r : am_cuq_finish(q, value, NULL, 0, 0, 0);
 }
 
 /* A device copy, then its event: on one device (src_ctx NULL) or from the device of
@@ -838,45 +1132,50 @@ int am_cuq_launch(am_cuq *q, void *function, const unsigned *dims, void **params
  * (the completion thread polls that long rather than block on its event). */
 int am_cuq_copy(am_cuq *q, uint64_t dst, uint64_t src, void *src_ctx, size_t nbytes,
                 uint64_t value, long spin_ns) {
-    int r = cuq_enter(q);
-    if (!r) {
-        int call = src_ctx ? CU_COPY_PEER : CU_COPY;
-        r = src_ctx ? ((int (*)(uint64_t, void *, uint64_t, void *, size_t, void *))
-                           cu_funcs[CU_COPY_PEER])(dst, q->ctx, src, src_ctx, nbytes, q->stream)
-                    : ((int (*)(uint64_t, uint64_t, size_t, void *))cu_funcs[CU_COPY])(
-                          dst, src, nbytes, q->stream);
-        r = r ? cuq_fail(q, call, r) : cuq_finish(q, value, NULL, 0, spin_ns, 0);
-    }
-    return cuq_leave(q, r);
+    am_cuop op = {.kind = CUOP_COPY, .value = value, .dst = dst, .src = src, .src_ctx = src_ctx,
+                  .nbytes = nbytes};
+    int r = cuq_submit(q, &op, sizeof op);
+    return r ? r : am_cuq_finish(q, value, NULL, 0, spin_ns, 0);
 }
 
-/* Stream memory operations on a device word (another timeline's, or a host thread's). */
-int am_cuq_write(am_cuq *q, void *word, uint64_t value) {
-    int r = cuq_enter(q);
-    if (!r) {
-        r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WRITE64])(
-            q->stream, word, value, 0);
-        if (r) r = cuq_fail(q, CU_WRITE64, r);
-    }
-    return cuq_leave(q, r);
+/* Host memory (pinned, or at most a few pages of pageable) to and from device memory, as
+ * a part of command `value`. */
+int am_cuq_memcpy(am_cuq *q, int to_device, uint64_t dst, uint64_t src, size_t nbytes,
+                  uint64_t value) {
+    am_cuop op = {.kind = to_device ? CUOP_HTOD : CUOP_DTOH, .value = value, .dst = dst,
+                  .src = src, .nbytes = nbytes};
+    return cuq_submit(q, &op, sizeof op);
 }
 
-int am_cuq_wait(am_cuq *q, void *word, uint64_t value) {
-    int r = cuq_enter(q);
-    return cuq_leave(q, r ? r : cuq_wait_word(q, word, value));
+/* Stream memory operations on a device word (another timeline's, or a host thread's),
+ * as a part of command `value`. */
+int am_cuq_write(am_cuq *q, void *word, uint64_t target, uint64_t value) {
+    am_cuop op = {.kind = CUOP_WRITE, .value = value, .word = word, .target = target};
+    return cuq_submit(q, &op, sizeof op);
+}
+
+int am_cuq_wait(am_cuq *q, void *word, uint64_t target, uint64_t value) {
+    am_cuop op = {.kind = CUOP_WAIT, .value = value, .word = word, .target = target};
+    return cuq_submit(q, &op, sizeof op);
 }
 
 int am_cuq_failed_call(am_cuq *q) { return q->failed_call; }
 
 /* How the completion thread has worked so far: event queries, blocking waits on a
  * blocking-sync event, waits with naps on a plain one (after polling found them
- * unfinished), events created, and whether commands now get blocking-sync events. */
+ * unfinished), events created, whether commands now get blocking-sync events, operations
+ * held on the host so far, held now, and naps cut short by a host signal. */
 void am_cuq_stats(am_cuq *q, uint64_t *out) {
     out[0] = atomic_load(&q->queries);
     out[1] = atomic_load(&q->syncs);
     out[2] = atomic_load(&q->naps);
     out[3] = atomic_load(&q->events_made);
     out[4] = (uint64_t)atomic_load(&q->blocking);
+    out[5] = atomic_load(&q->held_total);
+    pthread_mutex_lock(&q->mu);
+    out[6] = q->nheld;
+    pthread_mutex_unlock(&q->mu);
+    out[7] = atomic_load(&q->kicked);
 }
 
 int am_cuq_error(am_cuq *q, uint64_t *value) {
@@ -887,13 +1186,34 @@ int am_cuq_error(am_cuq *q, uint64_t *value) {
     return e;
 }
 
-/* After everything pushed was confirmed (or at once if abandon): stop, free the events
- * and the queue. The stream is the caller's. */
+/* Stop the completion thread and release the queue; the stream is the caller's.
+ * abandon=0: after everything held was handed over and every command confirmed (or the
+ * queue failed). abandon=1: now, dropping what is held. A thread blocked on an event that
+ * will never complete (behind a device wait nothing signals) is not waited for beyond
+ * ~200 ms: it frees the queue itself if it ever returns. Blocks. */
 void am_cuq_close(am_cuq *q, int abandon) {
     pthread_mutex_lock(&q->mu);
-    q->stop = 1;
-    if (abandon) q->count = 0;
+    q->stop = abandon ? 2 : 1;
+    if (abandon) {
+        cuq_drop_held(q);
+        q->count = 0;
+    }
     pthread_cond_signal(&q->cv);
+    if (abandon) {
+        pthread_mutex_unlock(&q->mu);
+        host_signalled();  /* wake it if it naps */
+        pthread_mutex_lock(&q->mu);
+        struct timespec until;
+        deadline_after(&until, 200000000L);
+        int r = 0;
+        while (!q->exited && r != ETIMEDOUT) r = pthread_cond_timedwait(&q->cv, &q->mu, &until);
+        if (!q->exited) {
+            q->orphan = 1;  /* its thread frees it */
+            pthread_mutex_unlock(&q->mu);
+            pthread_detach(q->thread);
+            return;
+        }
+    }
     pthread_mutex_unlock(&q->mu);
     pthread_join(q->thread, NULL);
     if (!abandon) {
@@ -904,9 +1224,7 @@ void am_cuq_close(am_cuq *q, int abandon) {
             if (spare) ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(spare);
         }
     }
-    pthread_mutex_destroy(&q->mu);
-    pthread_cond_destroy(&q->cv);
-    free(q->ring); free(q->events[0]); free(q->events[1]); free(q);
+    cuq_unref(q);
 }
 
 /* ---- Objective-C blocks whose invoke functions never take the GIL ---------------------

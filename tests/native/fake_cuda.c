@@ -19,6 +19,17 @@
  *   causal    a wait on another queue's value, once confirmed, confirms that value there
  *             (before that queue's own thread saw it), which a later sticky error no
  *             longer fails
+ *   bound     with a driver whose launches block once a stream is deep (as the H200's do
+ *             with blocking-sync events), a bounded queue never makes a blocking call:
+ *             commands past the bound are held and submitted by the completion thread,
+ *             in order
+ *   refused   a held command the driver refuses when it is handed over fails from its
+ *             value on; the commands before it still complete as they run, never early
+ *   kick      a host signal of a timeline a stream waits on cuts the completion
+ *             thread's nap short
+ *   abandon   closing with abandon returns while the completion thread naps on, or is
+ *             blocked on, a command behind a wait nobody signals (a blocked one frees the
+ *             queue itself once it returns)
  */
 #include AMRT_C
 #include <stdio.h>
@@ -29,6 +40,10 @@
 static void die(const char *what) { fprintf(stderr, "FAIL %s\n", what); exit(1); }
 
 static atomic_long events_made, events_destroyed;
+static atomic_long deep_limit;       /* >0: a launch blocks while its stream has more ops */
+static atomic_long blocked_launches; /* launches that had to block for that */
+static atomic_int release_syncs;     /* 1: blocked syncs give up (NOT_READY) */
+static void *refuse_fn;              /* a launch of this function is refused */
 static atomic_int fault_code;  /* the context's sticky error once a kernel faulted */
 static void *_Atomic held;     /* an event whose queries report it unfinished (a slow thread) */
 
@@ -130,6 +145,24 @@ static int f_launch(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx
                     unsigned bz, unsigned shared, void *stream, void **params, void **extra) {
     (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)extra;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
+    if (fn && fn == refuse_fn) return 1;  /* CUDA_ERROR_INVALID_VALUE */
+    fake_stream *st = stream;
+    long limit = atomic_load(&deep_limit);
+    if (limit > 0) {
+        pthread_mutex_lock(&st->mu);
+        int deep = st->tail - st->head > (size_t)limit;
+        pthread_mutex_unlock(&st->mu);
+        if (deep) {
+            atomic_fetch_add(&blocked_launches, 1);
+            for (;;) {
+                pthread_mutex_lock(&st->mu);
+                deep = st->tail - st->head > (size_t)limit;
+                pthread_mutex_unlock(&st->mu);
+                if (!deep) break;
+                sched_yield();
+            }
+        }
+    }
     kernel *k = fn;
     int64_t arg = params ? *(int64_t *)params[0] : 0;
     int64_t duration = k && k->duration_ns ? k->duration_ns : 200 + (arg * 7919) % 3000;
@@ -152,7 +185,7 @@ static int f_query(void *e) {
 static int f_sync(void *e) {
     int r;
     if (!(((fake_event *)e)->flags & 0x1)) die("blocked on an event made without BLOCKING_SYNC");
-    while ((r = f_query(e)) == NOT_READY) sched_yield();
+    while ((r = f_query(e)) == NOT_READY && !atomic_load(&release_syncs)) sched_yield();
     return r;
 }
 static int f_create(void **e, unsigned flags) {
@@ -195,13 +228,15 @@ typedef struct {
     am_cuq *q;
 } fake_queue;
 
+static long max_inflight = 1 << 20;  /* the queues' bound (most checks: none) */
+
 static fake_queue queue_new(void) {
     fake_queue f;
     f.s = stream_new();
     f.t = am_timeline_new();
     f.word = calloc(1, sizeof(uint64_t));
     am_timeline_set_word(f.t, f.word);
-    f.q = am_cuq_new((void *)1, f.s, f.t, 30000);
+    f.q = am_cuq_new((void *)1, f.s, f.t, 30000, max_inflight);
     if (!f.q) die("am_cuq_new");
     return f;
 }
@@ -217,7 +252,7 @@ static const unsigned dims[7] = {1, 1, 1, 1, 1, 1, 0};
 
 static int launch(fake_queue f, kernel *k, int64_t arg, uint64_t value) {
     void *params[1] = {&arg};
-    return am_cuq_launch(f.q, k, dims, params, value);
+    return am_cuq_launch(f.q, k, dims, params, 1, value);
 }
 
 static void check_order(void) {
@@ -257,7 +292,7 @@ static void check_cross(void) {
     static kernel checks[4000];
     uint64_t value = 0;
     for (uint64_t k = 7; k <= p.n; k += 7) {  /* some before a submits them, some after */
-        if (am_cuq_wait_queue(b.q, a.q, k)) die("cross: wait failed");
+        if (am_cuq_wait_queue(b.q, a.q, k, value + 1)) die("cross: wait failed");
         checks[value] = (kernel){0, 0, a.s, (long)k};
         value++;
         if (launch(b, &checks[value - 1], (int64_t)k, value)) die("cross: launch on b failed");
@@ -308,7 +343,7 @@ static void check_causal(void) {
     pthread_mutex_lock(&a.q->mu);
     atomic_store(&held, a.q->ring[a.q->head].event);
     pthread_mutex_unlock(&a.q->mu);
-    if (am_cuq_wait_queue(b.q, a.q, 1) || am_cuq_finish(b.q, 1, a.t, 1, 0, 0))
+    if (am_cuq_wait_queue(b.q, a.q, 1, 1) || am_cuq_finish(b.q, 1, a.t, 1, 0, 0))
         die("causal: the wait on b failed");
     int64_t deadline = now_ns() + 10000000000LL;
     while (am_timeline_value(b.t) < 1)
@@ -346,7 +381,7 @@ static uint64_t until_plain(fake_queue f, uint64_t v, uint64_t *stats) {
 static void check_long(void) {
     fake_queue f = queue_new();
     static kernel slow = {0, 50000000, NULL, 0};  /* 50 ms */
-    uint64_t v = 0, before[5], stats[5];
+    uint64_t v = 0, before[8], stats[8];
     am_cuq_stats(f.q, stats);
     if (stats[4]) die("long: a new queue starts with blocking-sync events");
     v = until_plain(f, v, before);
@@ -374,6 +409,120 @@ static void check_long(void) {
     puts("ok long");
 }
 
+/* 300 launches of 200 us kernels behind a stream that blocks a launch once it holds more
+ * than 8 operations (a launch and a record each): unbounded, launches block; bounded at
+ * 4 commands, none does, the rest are held and submitted in order. */
+static long bound_run(long bound, uint64_t *held) {
+    long saved = max_inflight;
+    max_inflight = bound;
+    fake_queue f = queue_new();
+    max_inflight = saved;
+    static kernel k200 = {0, 200000, NULL, 0};
+    atomic_store(&blocked_launches, 0);
+    atomic_store(&deep_limit, 8);
+    const uint64_t n = 300;
+    for (uint64_t v = 1; v <= n; v++)
+        if (launch(f, &k200, (int64_t)v, v)) die("bound: launch failed");
+    int64_t deadline = now_ns() + 30000000000LL;
+    while (am_timeline_value(f.t) < n)
+        if (now_ns() > deadline) die("bound: held commands never ran");
+    atomic_store(&deep_limit, 0);
+    for (uint64_t i = 0; i < n; i++)
+        if (f.s->log[i] != (int64_t)i + 1) die("bound: held commands ran out of order");
+    uint64_t stats[8];
+    am_cuq_stats(f.q, stats);
+    *held = stats[5];
+    if (stats[6]) die("bound: operations still held once everything ran");
+    queue_free(f, 0);
+    return atomic_load(&blocked_launches);
+}
+
+static void check_bound(void) {
+    uint64_t held;
+    if (bound_run(1 << 20, &held) == 0 || held)
+        die("bound: the simulated driver never blocked an unbounded queue's launch");
+    if (bound_run(4, &held) != 0) die("bound: a bounded queue made a blocking launch");
+    if (held < 250) die("bound: commands past the bound were not held");
+    puts("ok bound");
+}
+
+static void check_refused(void) {
+    long saved = max_inflight;
+    max_inflight = 2;
+    fake_queue f = queue_new();
+    max_inflight = saved;
+    static kernel slow = {0, 30000000, NULL, 0}, refused = {0, 0, NULL, 0};
+    refuse_fn = &refused;
+    uint64_t v = 0;
+    if (launch(f, &slow, 1, ++v)) die("refused: the slow launch failed");
+    for (int i = 0; i < 4; i++)
+        if (launch(f, NULL, 2 + i, ++v)) die("refused: a held launch failed at once");
+    uint64_t bad = ++v;
+    if (launch(f, &refused, 0, bad)) die("refused: a held launch was refused at once");
+    for (int i = 0; i < 4; i++)
+        if (launch(f, NULL, 9 + i, ++v)) die("refused: a launch after it failed at once");
+    int64_t deadline = now_ns() + 10000000000LL;
+    uint64_t reached;
+    while ((reached = am_timeline_value(f.t)) != UINT64_MAX) {
+        if ((long)(reached < bad ? reached : bad - 1) > atomic_load(&f.s->ran))
+            die("refused: a command was reported done before it ran");
+        if (now_ns() > deadline) die("refused: the queue never settled");
+    }
+    if (atomic_load(&f.s->ran) != (long)(bad - 1)) die("refused: a command before it never ran");
+    uint64_t at = 0;
+    if (am_cuq_error(f.q, &at) != 1 || at != bad) die("refused: wrong error or first value");
+    if (launch(f, NULL, 0, ++v) != 1) die("refused: the failed queue took another command");
+    refuse_fn = NULL;
+    queue_free(f, 1);
+    puts("ok refused");
+}
+
+static void check_kick(void) {
+    fake_queue f = queue_new();
+    am_timeline *gate = am_timeline_new();
+    uint64_t *word = calloc(1, sizeof(uint64_t));
+    am_timeline_set_word(gate, word);
+    uint64_t stats[8], before[8];
+    am_cuq_stats(f.q, before);
+    if (am_cuq_wait(f.q, word, 1, 1) || am_cuq_finish(f.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
+        die("kick: the wait failed");
+    if (launch(f, NULL, 1, 2)) die("kick: the launch failed");
+    nap_ns(100000000);  /* 100 ms: the thread naps on the wait, 1 ms at a time */
+    am_timeline_host_signal(gate, 1);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (am_timeline_value(f.t) < 2)
+        if (now_ns() > deadline) die("kick: the wait never finished");
+    am_cuq_stats(f.q, stats);
+    if (stats[2] == before[2]) die("kick: the completion thread did not nap on the wait");
+    if (stats[7] == before[7]) die("kick: the host signal did not cut the nap short");
+    queue_free(f, 0);
+    am_timeline_free(gate);
+    free(word);
+    puts("ok kick");
+}
+
+static void check_abandon(void) {
+    uint64_t *word = calloc(1, sizeof(uint64_t));  /* nobody ever signals it */
+    for (int blocking = 0; blocking < 2; blocking++) {
+        fake_queue f = queue_new();
+        if (am_cuq_wait(f.q, word, 1, 1) ||
+            am_cuq_finish(f.q, 1, NULL, 0, 0, blocking ? CU_FINISH_LONG : CU_FINISH_PLAIN))
+            die("abandon: the wait failed");
+        if (launch(f, NULL, 1, 2)) die("abandon: the launch failed");
+        nap_ns(50000000);  /* it naps, or blocks, on the wait */
+        int64_t start = now_ns();
+        am_cuq_close(f.q, 1);
+        if (now_ns() - start > 2000000000LL) die("abandon: close waited for the thread");
+        stream_free(f.s, 1);
+        am_timeline_free(f.t);
+        free(f.word);
+    }
+    atomic_store(&release_syncs, 1);  /* the blocked thread returns, frees its queue */
+    nap_ns(50000000);
+    free(word);
+    puts("ok abandon");
+}
+
 int main(void) {
     for (int i = 0; i < CU_NFUNCS; i++) am_cuda_set(i, (void *)f_unused);
     am_cuda_set(CU_LAUNCH, (void *)f_launch);
@@ -387,6 +536,8 @@ int main(void) {
     am_cuda_set(CU_CTX_SET, (void *)f_ctx_set);
     am_cuda_set(CU_WAIT_EVENT, (void *)f_wait_event);
     am_cuda_set(CU_CTX_GET, (void *)f_ctx_get);
+    am_cuda_set(CU_COPY_HTOD, (void *)f_unused);  /* set: am_cuq_new needs every one */
+    am_cuda_set(CU_COPY_DTOH, (void *)f_unused);
     check_order();
     check_cross();
     check_long();
@@ -395,5 +546,9 @@ int main(void) {
     puts("ok events");
     check_fault();
     check_causal();
+    check_bound();
+    check_refused();
+    check_kick();
+    check_abandon();
     return 0;
 }
