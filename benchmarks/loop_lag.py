@@ -517,6 +517,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         # Warm every competitor's path once.
         for r in runners:
             await run_cell(r, 4, 10, 1, stop, 0.05, 0.05, args.drain_timeout)
+        # The kernel's length as awaited alone (launch and wake-up included): a check that
+        # its timer spins D, not a multiple of it.
+        lo, hi = split_address(stop.address)
+        check = {}
+        for d in args.kernel_us:
+            took = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                await runners[0].submit(0, (d, lo, hi))
+                took.append((time.perf_counter() - t0) * 1e6)
+            check[str(d)] = sorted(took)[1]
+        result["kernel_check_us"] = check
+        progress(f"one awaited kernel of D us, median of 3 (us): {check}")
         idle = await run_cell(None, 0, 0, 1, stop, 0.0, args.window, args.drain_timeout)
         result["idle_lag_ms"] = idle["lag_ms"]
         lag = idle["lag_ms"]
