@@ -495,10 +495,11 @@ def machine_info(dev_name: str, loop_name: str) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    result: dict[str, Any] = {"meta": machine_info(args.device, args.loop), "cells": []}
+    result: dict[str, Any] = {"cells": []}
     result["args"] = {k: v for k, v in vars(args).items() if k != "json"}
     t_run = time.perf_counter()
     async with am.open_device(args.device) as dev:
+        result["meta"] = machine_info(dev.name, args.loop)  # the driver is initialized now
         src = CPU_SRC if dev.name.startswith("cpu") else CUDA_SRC
         prog = await dev.compile(src, "spin_us")
         stop = StopWord(dev)
