@@ -162,6 +162,12 @@ class Asyncmetal:
         for q in self.queues:
             await q.synchronize()
 
+    @staticmethod
+    def stats() -> dict[str, int]:
+        """The loop's bridge counters: wake-ups, and tasks woken by them."""
+        st = am.loop_statistics()
+        return {"wakeups": st.wakeups, "woken": st.resolved}
+
     def close(self) -> None:
         pass
 
@@ -370,6 +376,8 @@ async def run_cell(
     stop.set(0)
     workers = [asyncio.ensure_future(worker(i)) for i in range(tasks)]
     await asyncio.sleep(warmup)
+    stats = getattr(runner, "stats", None)
+    stats0 = stats() if stats else {}
     state["measuring"] = True
     t_start = time.perf_counter()
     tick = asyncio.ensure_future(ticker(state, lags))
@@ -377,6 +385,7 @@ async def run_cell(
     state["measuring"] = state["running"] = False
     t_end = time.perf_counter()
     stop.set(1)  # the kernels still queued end at once
+    stats1 = stats() if stats else {}
     await tick
     drain0 = time.perf_counter()
     error = None
@@ -396,7 +405,12 @@ async def run_cell(
     drain_s = time.perf_counter() - drain0
     span = t_end - t_start
     done_in_window = sum(in_window)
-    return {
+    row: dict[str, Any] = {}
+    if stats:
+        # Diagnostic: how many tasks each wake-up of the loop resumed in the window (a
+        # large batch is a long loop iteration, which is what the ticker feels).
+        row["loop_bridge"] = {k: stats1[k] - stats0[k] for k in stats0}
+    return row | {
         "lag_ms": summary_ms(lags),
         "throughput_per_s": done_in_window / span,
         "completed_in_window": done_in_window,
