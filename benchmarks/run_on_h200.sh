@@ -2,6 +2,9 @@
 # What runs on the GPU machine (device tool), from the repository root:
 #   bash benchmarks/run_on_h200.sh     (with the test wheels carried in .whl/)
 # Writes the test log and the benchmark JSON under $OUT.
+# RUN_PEERS=0 skips cuda_peers + the probe, RUN_SIGNAL=0 the host-signal latency (~30 s),
+# RUN_TESTS=0 the tests. RUN_LOOP_LAG=1 adds the loop-lag grid (~4 min: run it with
+# RUN_PEERS=0 RUN_SIGNAL=0 RUN_TESTS=0 to stay within one command's 10 min).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -12,7 +15,11 @@ nvidia-smi -L | tee "$OUT/gpus.txt"
 python3 -c "import cuda.bindings, cupy, torch, numpy, anyio; print('cuda-bindings', cuda.bindings.__version__, 'cupy', cupy.__version__, 'torch', torch.__version__)" | tee -a "$OUT/gpus.txt"
 { date -u; uname -m; } >> "$OUT/gpus.txt"
 python3 -c "from asyncmetal import _native; _native.runtime(); print('native extension module:', _native.extension() is not None, _native.extension_error or '')" | tee -a "$OUT/gpus.txt"
-timeout 320 python3 benchmarks/cuda_peers.py --json "$OUT/cuda_peers.json" 2>&1 | tee "$OUT/bench.txt"
-(cd benchmarks && timeout 60 python3 cuda_submit_probe.py --json "$OUT/cuda_submit_probe.json") 2>&1 | tee "$OUT/probe.txt"
+if [ "${RUN_PEERS:-1}" = 1 ]; then
+    timeout 320 python3 benchmarks/cuda_peers.py --json "$OUT/cuda_peers.json" 2>&1 | tee "$OUT/bench.txt"
+    (cd benchmarks && timeout 60 python3 cuda_submit_probe.py --json "$OUT/cuda_submit_probe.json") 2>&1 | tee "$OUT/probe.txt"
+fi
+[ "${RUN_SIGNAL:-1}" = 1 ] && timeout 90 python3 benchmarks/signal_latency.py --json "$OUT/signal_latency.json" 2>&1 | tee "$OUT/signal_latency.txt"
+[ "${RUN_LOOP_LAG:-0}" = 1 ] && timeout 330 python3 benchmarks/loop_lag.py --json "$OUT/loop_lag.json" 2>&1 | tee "$OUT/loop_lag.txt"
 [ "${RUN_TESTS:-1}" = 1 ] && timeout 280 python3 -m pytest tests/test_cuda.py tests/test_contract7_compile_pool.py tests/test_native_extension.py tests/test_cuda_runtime.py tests/test_fast_launch.py -m "cuda or not cuda" \
     -q -p no:cacheprovider -rs --timeout 60 -o faulthandler_timeout=120 2>&1 | tee "$OUT/cuda_tests.txt"
