@@ -12,6 +12,12 @@ The handshake is lock-free and relies on the GIL ordering plain attribute reads 
 writes: the notifier writes the value and then reads ``next``/``queued``; the loop
 writes ``next``/``queued`` and then reads the value. One of the two always sees the
 other's write, so no wake-up is lost.
+
+A drain wakes at most ``WAKE_SLICE`` tasks; if more are due, it goes on in the loop's
+next iteration (without another wake-up). Every woken task runs in the iteration after
+its wake-up, so a thousand tasks woken at once would make that one iteration as long as
+a thousand task steps (tens of milliseconds) and hold back every timer and socket of
+the loop; in slices, the loop's other work runs between them.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ if TYPE_CHECKING:
     from ._timeline import Waitable
 
 INFINITY = 1 << 64  # larger than any 64-bit timeline value
+WAKE_SLICE = 64  # tasks a drain wakes at most; the rest in the loop's next iteration
 
 
 @dataclass(frozen=True)
@@ -105,11 +112,15 @@ class _Watch:
             self.withdrawn = 0
             self._update_next()
 
-    def resolve(self) -> None:
+    def resolve(self, budget: int) -> int:
+        """Wake the entries whose value is reached, ``budget`` tasks at most; return the
+        budget left (0: it stopped there, and more may be due)."""
         heap, native = self.heap, self.timeline._native
         while True:
             reached = native.value
             while heap and heap[0][0] <= reached:
+                if budget <= 0:
+                    return 0
                 entry = heapq.heappop(heap)[2]
                 if entry.done:
                     self.withdrawn -= 1
@@ -117,9 +128,10 @@ class _Watch:
                 entry.done = True
                 self.bridge.waiting -= entry.task
                 self.bridge.resolved += entry.task
+                budget -= entry.task
                 entry.wake()
             if not self._update_next():  # re-read after publishing next: see module doc
-                return
+                return budget
 
     def _update_next(self) -> bool:
         if self.heap:
@@ -156,6 +168,7 @@ class LoopBridge(ABC):
     def __init__(self) -> None:
         self._pending: collections.deque[_Watch] = collections.deque()
         self._scheduled = False
+        self._continued = False  # a drain's next slice is scheduled on the loop
         self.dead = False
         self.wakeups = 0
         self.resolved = 0
@@ -167,6 +180,10 @@ class LoopBridge(ABC):
     @abstractmethod
     def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the loop's thread soon; callable from any thread."""
+
+    @abstractmethod
+    def _call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` in the loop's next iteration; called on the loop's thread."""
 
     @abstractmethod
     def _watch_fd(self, fd: int) -> None:
@@ -202,9 +219,16 @@ class LoopBridge(ABC):
                 continue
         _native_lib().am_notifier_reset(self._notifier)
         self.wakeups += 1
+        self._resolve_native()
+
+    def _resolve_native(self) -> None:
+        budget = WAKE_SLICE
         for watch in list(self._native_watches):
             if watch.timeline._native.value >= watch.next:
-                watch.resolve()
+                budget = watch.resolve(budget)
+                if budget == 0:
+                    self._call_soon(self._resolve_native)  # the rest: next iteration
+                    return
 
     def close(self) -> None:
         """The loop is gone: detach every native watch, then release the pipe."""
@@ -235,11 +259,24 @@ class LoopBridge(ABC):
     def _drain(self) -> None:
         self.wakeups += 1
         self._scheduled = False
+        self._resolve_pending()
+
+    def _resolve_pending(self) -> None:
+        self._continued = False
+        budget = WAKE_SLICE
         pending = self._pending
         while pending:
             watch = pending.popleft()
             watch.queued = False
-            watch.resolve()
+            budget = watch.resolve(budget)
+            if budget == 0:  # the rest in the loop's next iteration
+                if not watch.queued:
+                    watch.queued = True
+                    pending.appendleft(watch)
+                if not self._continued:
+                    self._continued = True
+                    self._call_soon(self._resolve_pending)
+                return
 
     def statistics(self) -> LoopStatistics:
         return LoopStatistics(self.wakeups, self.resolved, self.waiting)
@@ -260,6 +297,11 @@ class _AsyncioBridge(LoopBridge):
         if loop is None:
             raise RuntimeError("the loop is gone")
         loop.call_soon_threadsafe(fn)
+
+    def _call_soon(self, fn: Callable[[], None]) -> None:
+        loop = self._loop_ref()
+        if loop is not None:
+            loop.call_soon(fn)
 
     def _watch_fd(self, fd: int) -> None:
         loop = self._loop_ref()
@@ -293,6 +335,9 @@ class _TrioBridge(LoopBridge):
         self._run_sync_soon = trio.lowlevel.current_trio_token().run_sync_soon
 
     def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
+        self._run_sync_soon(fn)
+
+    def _call_soon(self, fn: Callable[[], None]) -> None:
         self._run_sync_soon(fn)
 
     def _watch_fd(self, fd: int) -> None:

@@ -136,3 +136,43 @@ async def test_close_abandons_commands_held_behind_a_wait_nobody_signals(
     for d in done:
         with pytest.raises(am.ClosedResourceError, match="never ran"):
             await d
+
+
+async def test_many_waiters_are_woken_in_slices_between_the_loops_other_work(
+    device: am.Device,
+) -> None:
+    """500 tasks released at once by one signal: the loop's other tasks run between
+    slices of at most WAKE_SLICE wake-ups, rather than after all 500 resumed (one
+    iteration as long as 500 task steps holds back every timer and socket)."""
+    from asyncmetal import _bridge
+
+    tl = device.timeline()
+    resumed = 0
+    most_between_ticks = 0
+    released = anyio.Event()
+
+    async def waiter() -> None:
+        nonlocal resumed
+        await tl.wait(1)
+        resumed += 1
+
+    async def ticker() -> None:
+        nonlocal most_between_ticks
+        await released.wait()
+        last = resumed
+        while resumed < 500:
+            await anyio.sleep(0)
+            most_between_ticks = max(most_between_ticks, resumed - last)
+            last = resumed
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(500):
+            tg.start_soon(waiter)
+        tg.start_soon(ticker)
+        await anyio.wait_all_tasks_blocked()
+        tl.signal(1)
+        released.set()
+    assert resumed == 500
+    # A loop may run the ticker before or after a slice within one iteration (trio
+    # shuffles its batches), so two slices can fall between two of its steps.
+    assert 0 < most_between_ticks <= 2 * _bridge.WAKE_SLICE, most_between_ticks
