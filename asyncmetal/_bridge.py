@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from ._timeline import Waitable
 
 INFINITY = 1 << 64  # larger than any 64-bit timeline value
-WAKE_SLICE = 64  # tasks a drain wakes at most; the rest in the loop's next iteration
+WAKE_SLICE = 32  # tasks a drain wakes at most; the rest in the loop's next iteration
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,8 @@ class _Watch:
         # this entry (the drain then publishes the next smallest).
         if value < self.next and self._publish(value):
             # Reached while publishing `next`: the notifier may have missed it, so go
-            # through the bridge (a wake-up of our own loop) rather than wake inline.
-            self.bridge.notify(self)
+            # through the bridge (in the loop's next slice) rather than wake inline.
+            self.bridge.notify_here(self)
 
     def _publish(self, value: int) -> bool:
         """Set ``next``; return whether the timeline has already reached it."""
@@ -169,6 +169,7 @@ class LoopBridge(ABC):
         self._pending: collections.deque[_Watch] = collections.deque()
         self._scheduled = False
         self._continued = False  # a drain's next slice is scheduled on the loop
+        self._ready: collections.deque[_Entry] = collections.deque()  # woken in order
         self.dead = False
         self.wakeups = 0
         self.resolved = 0
@@ -219,16 +220,8 @@ class LoopBridge(ABC):
                 continue
         _native_lib().am_notifier_reset(self._notifier)
         self.wakeups += 1
-        self._resolve_native()
-
-    def _resolve_native(self) -> None:
-        budget = WAKE_SLICE
-        for watch in list(self._native_watches):
-            if watch.timeline._native.value >= watch.next:
-                budget = watch.resolve(budget)
-                if budget == 0:
-                    self._call_soon(self._resolve_native)  # the rest: next iteration
-                    return
+        if not self._continued:  # else the slice scheduled next does it
+            self._resolve()
 
     def close(self) -> None:
         """The loop is gone: detach every native watch, then release the pipe."""
@@ -256,34 +249,75 @@ class LoopBridge(ABC):
             except Exception:  # the loop closed (asyncio RuntimeError, trio RunFinishedError)
                 self.dead = True
 
+    def add_ready(self, entry: _Entry) -> None:
+        """Wake ``entry`` in a coming slice (its value is reached: a crowd's turn)."""
+        self._ready.append(entry)
+        self.waiting += 1
+        if not self._continued:
+            self._continued = True
+            self._call_soon(self._resolve)
+
+    def withdraw_ready(self, entry: _Entry) -> None:
+        entry.done = True  # skipped when its turn comes
+        self.waiting -= 1
+
+    def notify_here(self, watch: _Watch) -> None:
+        """``notify`` from the loop's own thread: no wake-up, the next slice."""
+        if watch.queued or self.dead:
+            return
+        watch.queued = True
+        self._pending.append(watch)
+        if not self._continued:
+            self._continued = True
+            self._call_soon(self._resolve)
+
     def _drain(self) -> None:
         self.wakeups += 1
         self._scheduled = False
-        self._resolve_pending()
+        if not self._continued:  # else the slice scheduled next does it
+            self._resolve()
 
-    def _resolve_pending(self) -> None:
+    def _resolve(self) -> None:
+        """Wake a slice of the waiters reached, watches queued by notifiers first, then
+        native ones; if more may be due, go on in the loop's next iteration."""
         self._continued = False
         budget = WAKE_SLICE
+        ready = self._ready
+        while ready and budget:
+            entry = ready.popleft()
+            if not entry.done:
+                entry.done = True
+                self.waiting -= 1
+                self.resolved += 1
+                budget -= 1
+                entry.wake()
         pending = self._pending
-        while pending:
+        while pending and budget:
             watch = pending.popleft()
             watch.queued = False
             budget = watch.resolve(budget)
-            if budget == 0:  # the rest in the loop's next iteration
+            if budget == 0:
                 if not watch.queued:
                     watch.queued = True
                     pending.appendleft(watch)
-                if not self._continued:
-                    self._continued = True
-                    self._call_soon(self._resolve_pending)
-                return
+                break
+        else:
+            for watch in list(self._native_watches):
+                if watch.timeline._native.value >= watch.next:
+                    budget = watch.resolve(budget)
+                    if budget == 0:
+                        break
+        if budget == 0:
+            self._continued = True
+            self._call_soon(self._resolve)
 
     def statistics(self) -> LoopStatistics:
         return LoopStatistics(self.wakeups, self.resolved, self.waiting)
 
     @abstractmethod
-    async def park(self, watch: _Watch, value: int) -> None:
-        """Wait, as the calling task, until ``watch``'s timeline reaches ``value``."""
+    async def park(self, watch: _Watch | None, value: int) -> None:
+        """Wait, as the calling task, until ``watch``'s timeline reaches ``value``; with
+        no watch (the value is reached), until a coming slice wakes it."""
 
 
 class _AsyncioBridge(LoopBridge):
@@ -308,7 +342,7 @@ class _AsyncioBridge(LoopBridge):
         assert loop is not None
         loop.add_reader(fd, self._drain_native)
 
-    async def park(self, watch: _Watch, value: int) -> None:
+    async def park(self, watch: _Watch | None, value: int) -> None:
         loop = self._loop_ref()
         assert loop is not None
         future: asyncio.Future[None] = loop.create_future()
@@ -318,12 +352,18 @@ class _AsyncioBridge(LoopBridge):
                 future.set_result(None)
 
         entry = _Entry(wake)
-        watch.add(value, entry)
+        if watch is None:
+            self.add_ready(entry)
+        else:
+            watch.add(value, entry)
         try:
             await future
         except BaseException:
             if not entry.done:
-                watch.withdraw(entry)
+                if watch is None:
+                    self.withdraw_ready(entry)
+                else:
+                    watch.withdraw(entry)
             raise
 
 
@@ -353,17 +393,23 @@ class _TrioBridge(LoopBridge):
 
         trio.lowlevel.spawn_system_task(reader, name="asyncmetal-bridge")
 
-    async def park(self, watch: _Watch, value: int) -> None:
+    async def park(self, watch: _Watch | None, value: int) -> None:
         import trio
 
         task = trio.lowlevel.current_task()
         entry = _Entry(lambda: trio.lowlevel.reschedule(task))
 
         def abort(_: Any) -> trio.lowlevel.Abort:
-            watch.withdraw(entry)
+            if watch is None:
+                self.withdraw_ready(entry)
+            else:
+                watch.withdraw(entry)
             return trio.lowlevel.Abort.SUCCEEDED
 
-        watch.add(value, entry)
+        if watch is None:
+            self.add_ready(entry)
+        else:
+            watch.add(value, entry)
         await trio.lowlevel.wait_task_rescheduled(abort)
 
 

@@ -13,7 +13,7 @@ from ._bridge import checkpoint
 from ._compile import Program
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
 from ._memory import Buffer
-from ._timeline import Timeline, call_when_reached, check_value, wait_value
+from ._timeline import Timeline, call_when_reached, check_value, crowded, wait_value
 from ._transfer import submit_copy
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class Completion(Record):
 
     def __await__(self) -> Generator[Any, None, None]:
         timeline = self.queue.timeline
-        if timeline._native.value >= self.value:  # the common fast path: one yield
+        if timeline._native.value >= self.value and not crowded():  # the fast path: a yield
             yield from checkpoint()
         else:
             self.queue._native.flush()

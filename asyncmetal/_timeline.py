@@ -176,6 +176,8 @@ class Timeline(Waitable):
 
 
 SPIN_NS = 50_000  # waits recently shorter than this first yield to the loop a few times
+_waiting = threading.local()  # per thread (a loop's): tasks waiting in wait_value now
+CROWD = 64  # from this many waiting tasks on, a wait parks at once (no yield first)
 DUE_NS = 2_000_000  # a command due within this long is checked for rather than parked on
 SLICE_NS = 5_000  # between two such yields, a native timeline is read this long at most
 
@@ -196,33 +198,50 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
     or ``yield from`` it in an ``__await__``, with no coroutine frame between.)
     """
     native = timeline._native
-    if native.value >= value:
+    if native.value >= value and not crowded():
         yield from _bridge.checkpoint()
         return
     c_timeline = native.c_timeline or 0
     spin = _native.spin if c_timeline else None  # (a native timeline: the runtime is loaded)
     start = time.perf_counter_ns()
     recent = timeline._recent_ns
-    # Yield once before parking: under load one pass over the other ready tasks usually
-    # finishes the command, and a yield costs far less than a park and a wake-up.
-    deadline = start + 2 * recent if recent < SPIN_NS else 0
-    if start < due_ns <= start + DUE_NS:
-        deadline = max(deadline, due_ns + SPIN_NS)
-    while True:
-        yield from _bridge.checkpoint()
-        now = time.perf_counter_ns()
-        if native.value >= value or (
-            now < deadline
-            and spin is not None
-            and spin(c_timeline, value, min(SLICE_NS, deadline - now))
-        ):
-            timeline._recent_ns = (recent * 7 + time.perf_counter_ns() - start) >> 3
-            return
-        if now >= deadline:
-            break
-    bridge = _bridge.current_bridge()
-    yield from bridge.park(timeline._watch_for(bridge), value).__await__()
-    timeline._recent_ns = (recent * 7 + time.perf_counter_ns() - start) >> 3
+    crowd = getattr(_waiting, "n", 0)
+    _waiting.n = crowd + 1
+    try:
+        # Yield once before parking: under load one pass over the other ready tasks
+        # usually finishes the command, and a yield costs far less than a park and a
+        # wake-up. Not in a crowd: tasks that never park are all ready in every
+        # iteration of the loop, which then lasts as long as all their steps; parked,
+        # they are woken in slices (WAKE_SLICE) with the loop's other work between --
+        # also those whose value is reached already.
+        if crowd < CROWD:
+            deadline = start + 2 * recent if recent < SPIN_NS else 0
+            if start < due_ns <= start + DUE_NS:
+                deadline = max(deadline, due_ns + SPIN_NS)
+            while True:
+                yield from _bridge.checkpoint()
+                now = time.perf_counter_ns()
+                if native.value >= value or (
+                    now < deadline
+                    and spin is not None
+                    and spin(c_timeline, value, min(SLICE_NS, deadline - now))
+                ):
+                    timeline._recent_ns = (recent * 7 + time.perf_counter_ns() - start) >> 3
+                    return
+                if now >= deadline:
+                    break
+        bridge = _bridge.current_bridge()
+        watch = None if native.value >= value else timeline._watch_for(bridge)
+        yield from bridge.park(watch, value).__await__()
+        timeline._recent_ns = (recent * 7 + time.perf_counter_ns() - start) >> 3
+    finally:
+        _waiting.n -= 1
+
+
+def crowded() -> bool:
+    """Whether so many tasks wait on this thread's loop that a wait should park at once,
+    to be woken in a slice, even if its value is reached."""
+    return getattr(_waiting, "n", 0) >= CROWD
 
 
 def call_when_reached(waitable: Waitable, value: int, callback: Callable[[], None]) -> None:

@@ -177,3 +177,42 @@ async def test_many_waiters_are_woken_in_slices_between_the_loops_other_work(
     # A loop may run the ticker before or after a slice within one iteration (trio
     # shuffles its batches), so two slices can fall between two of its steps.
     assert 0 < most_between_ticks <= 2 * _bridge.WAKE_SLICE, most_between_ticks
+
+
+async def test_a_crowd_of_tasks_awaiting_launches_leaves_room_for_the_loops_other_work(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """200 tasks each awaiting launch after launch on one queue: each command finishes
+    within a loop iteration, so tasks that yielded before parking would never park and
+    all 200 would run in every iteration. In a crowd they park at once and are woken in
+    slices, with the loop's other work between."""
+    from asyncmetal import _bridge, _timeline
+
+    assert _timeline.CROWD < 200
+    steps = 0
+    most_between_ticks = 0
+    finished = 0
+
+    async def worker() -> None:
+        nonlocal steps, finished
+        for _ in range(40):
+            await device.queue.launch(kernels["empty"])
+            steps += 1
+        finished += 1
+
+    async def ticker() -> None:
+        nonlocal most_between_ticks
+        last = steps
+        while finished < 200:
+            await anyio.lowlevel.checkpoint()
+            most_between_ticks = max(most_between_ticks, steps - last)
+            last = steps
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(200):
+            tg.start_soon(worker)
+        tg.start_soon(ticker)
+    assert steps == 200 * 40
+    # Two slices may fall between two ticker steps, and a few tasks more once the crowd
+    # thins out at the end; without slices, all 200 step between two of its steps.
+    assert most_between_ticks <= 3 * _bridge.WAKE_SLICE, most_between_ticks
