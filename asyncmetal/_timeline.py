@@ -177,7 +177,8 @@ class Timeline(Waitable):
 
 SPIN_NS = 50_000  # waits recently shorter than this first yield to the loop a few times
 _waiting = threading.local()  # per thread (a loop's): tasks waiting in wait_value now
-CROWD = 64  # from this many waiting tasks on, a wait parks at once (no yield first)
+CROWD = 32  # from this many waiting tasks on, a wait parks at once (no yield first)
+SPINNERS = 4  # only while fewer tasks wait does a wait read the timeline between yields
 DUE_NS = 2_000_000  # a command due within this long is checked for rather than parked on
 SLICE_NS = 5_000  # between two such yields, a native timeline is read this long at most
 
@@ -214,10 +215,14 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
         # iteration of the loop, which then lasts as long as all their steps; parked,
         # they are woken in slices (WAKE_SLICE) with the loop's other work between --
         # also those whose value is reached already.
+        # And reading the timeline between yields pays off for a few waiters only: each
+        # read holds the loop up to SLICE_NS, once per waiter and iteration.
         if crowd < CROWD:
-            deadline = start + 2 * recent if recent < SPIN_NS else 0
-            if start < due_ns <= start + DUE_NS:
-                deadline = max(deadline, due_ns + SPIN_NS)
+            deadline = 0
+            if crowd < SPINNERS:
+                deadline = start + 2 * recent if recent < SPIN_NS else 0
+                if start < due_ns <= start + DUE_NS:
+                    deadline = max(deadline, due_ns + SPIN_NS)
             while True:
                 yield from _bridge.checkpoint()
                 now = time.perf_counter_ns()
