@@ -27,6 +27,25 @@ if TYPE_CHECKING:
     from ._queue import Queue
 
 
+def plain_dtype(dtype: Any, what: str = "dtype") -> np.dtype[Any]:
+    """``dtype`` as a numpy dtype whose items are plain bytes of a nonzero size.
+
+    Device memory holds bytes: an object dtype would fill an array with raw bytes where
+    numpy expects ``PyObject*`` pointers (or send those pointers to the device)."""
+    try:
+        checked: np.dtype[Any] = np.dtype(dtype)
+    except (TypeError, ValueError):
+        raise ArgumentTypeError(f"{what} must be a numpy dtype, got {dtype!r}") from None
+    if checked.hasobject:
+        raise ArgumentTypeError(
+            f"{what} must be a plain data type (numbers, bools, bytes), got {checked}, "
+            "which holds Python objects"
+        )
+    if checked.itemsize == 0:
+        raise InvalidArgumentError(f"{what} must have items of at least 1 byte, got {checked}")
+    return checked
+
+
 class _Block:
     """Native memory and the commands that use it. Outlives the Python-facing
     allocation, so a collected buffer is still freed only after its last use."""
@@ -129,7 +148,7 @@ class Buffer:
 
     async def read(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray[Any, Any]:
         """A new numpy array holding the buffer's bytes, read after earlier queue work."""
-        dtype = np.dtype(dtype)
+        dtype = plain_dtype(dtype)
         if self.nbytes % dtype.itemsize:
             raise InvalidArgumentError(
                 f"buffer of {self.nbytes} bytes is not a whole number of {dtype} items"
@@ -169,7 +188,7 @@ class Buffer:
             raise InvalidArgumentError(
                 f"{self.device.name} memory is not host-visible: use read() instead"
             )
-        dtype = np.dtype(dtype)
+        dtype = plain_dtype(dtype)
         if self.nbytes % dtype.itemsize:
             raise InvalidArgumentError(
                 f"buffer of {self.nbytes} bytes is not a whole number of {dtype} items"
