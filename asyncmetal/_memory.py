@@ -531,13 +531,42 @@ class Allocator:
 
     def close(self) -> None:
         """The device is closing and its queues are idle: fail waiting allocations and
-        free everything natively."""
+        free everything natively -- once other devices' queues are done with it."""
         self.closed = True
         self._frees.increment()  # waiting allocations wake and raise ClosedResourceError
+        self._settle_foreign_uses()
         with self._lock:
             self._evict(self.cached)
             for block in self._live:
-                self.device._backend.free(block.handle)
+                if not self._foreign_uses(block):
+                    self.device._backend.free(block.handle)
             self._live.clear()
             self._pending.clear()
             self.in_use = 0
+
+    def _foreign_uses(self, block: _Block) -> list[tuple[Queue, int]]:
+        """Uses of ``block`` by other devices' queues (a copy between devices) that
+        have not passed."""
+        return [
+            (q, v)
+            for q, v in list(block.last_use.items())
+            if q.device is not self.device and not _passed(q, v)
+        ]
+
+    def _settle_foreign_uses(self) -> None:
+        """Wait (on the closing thread, never a loop) until other devices' queues are
+        done with this device's memory, as far as they can get without the host: a use
+        behind a device-side wait that nothing will signal is not waited for, and its
+        block is then left allocated rather than freed under that queue."""
+        with self._lock:
+            uses = [use for block in self._live for use in self._foreign_uses(block)]
+        if not uses:
+            return
+        from ._device import _open_devices
+        from ._queue import completable
+
+        limits = completable([q for d in list(_open_devices) for q in d._queues])
+        for queue, value in uses:
+            target = min(value, limits.get(queue, value))
+            while not _passed(queue, target):
+                time.sleep(0.0005)

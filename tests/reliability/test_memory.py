@@ -276,6 +276,56 @@ def test_allocations_on_loops_in_several_threads_stay_within_the_budget(
 
 
 @pytest.mark.anyio
+async def test_closing_a_device_keeps_memory_another_device_still_reads(
+    device: am.Device, kernels: dict[str, am.Program], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    other = await am.open_device("cpu:4")
+    src = await other.alloc(MiB)
+    await src.write(np.full(MiB, 7, np.uint8))
+    dst = await device.alloc(MiB)
+    device.queue.launch(kernels["sleep_ms"], vals=(200,))
+    copied = device.queue.copy(dst, src)  # device's queue reads other's memory, later
+    freed_early: list[bool] = []
+    real_free = other._backend.free
+
+    def free(handle: Any) -> None:
+        freed_early.append(not copied.done())
+        real_free(handle)
+
+    monkeypatch.setattr(other._backend, "free", free)
+    with anyio.fail_after(LIMIT):
+        await other.close()
+        await copied
+    assert freed_early and not any(freed_early), "freed before the other device's copy ran"
+    assert (await dst.read()).min() == 7
+    await dst.free()
+
+
+@pytest.mark.anyio
+async def test_closing_a_device_never_frees_memory_a_held_copy_will_read(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The other device's copy waits for a value only the host will signal: closing
+    # cannot wait for it, so it must leave the memory allocated rather than free it.
+    other = await am.open_device("cpu:4")
+    src = await other.alloc(MiB)
+    await src.write(np.full(MiB, 3, np.uint8))
+    dst = await device.alloc(MiB)
+    gate = device.timeline()
+    device.queue.wait(gate, 1)
+    copied = device.queue.copy(dst, src)
+    freed: list[object] = []
+    monkeypatch.setattr(other._backend, "free", freed.append)
+    with anyio.fail_after(LIMIT):
+        await other.close()  # returns: it does not wait for the host's signal
+        assert src._allocation.handle not in freed
+        gate.signal(1)
+        await copied
+    assert (await dst.read()).min() == 3
+    await dst.free()
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize(
     "dtype",
     [object, np.dtype([("a", np.int32), ("b", object)]), np.dtype((object, 2))],
