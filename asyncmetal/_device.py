@@ -141,6 +141,11 @@ class Device:
             )
         if not isinstance(array, np.ndarray):
             raise ArgumentTypeError(f"wrap takes a numpy array, got {type(array).__name__}")
+        if array.dtype.hasobject:
+            raise ArgumentTypeError(
+                f"the array holds Python objects ({array.dtype}): expected plain data "
+                "(numbers, bools, bytes); device memory cannot hold object pointers"
+            )
         if not array.flags.c_contiguous:
             raise InvalidArgumentError("the array is not C-contiguous: np.ascontiguousarray it")
         if array.nbytes == 0:

@@ -354,6 +354,18 @@ async def test_dtypes_holding_python_objects_are_refused(device: am.Device, dtyp
 
 
 @pytest.mark.anyio
+async def test_from_numpy_refuses_arrays_holding_python_objects(device: am.Device) -> None:
+    for dtype in (object, np.dtype([("a", np.int32), ("b", object)])):
+        with pytest.raises(am.ArgumentTypeError, match="array"):
+            await am.from_numpy(np.empty(4, dtype))
+    plain = await am.from_numpy(np.arange(8, dtype=np.uint8))
+    buf = await device.alloc(8)
+    await am.copy(buf, plain)
+    assert (await buf.read()).tolist() == list(range(8))
+    await buf.free()
+
+
+@pytest.mark.anyio
 async def test_zero_size_and_unknown_dtypes_are_refused(device: am.Device) -> None:
     buf = await device.alloc(16)
     for dtype in ("V0", np.dtype([])):
