@@ -120,10 +120,11 @@ class Device:
         """Allocate ``nbytes`` of device memory (contents undefined).
 
         When the device's budget is spent this waits for frees -- including buffers
-        freed while commands using them are still in flight -- and raises
-        :class:`OutOfMemoryError` (with the numbers) only if ``nbytes`` can never fit,
-        the device itself is full with nothing in flight, or ``timeout`` passes.
-        Cancelling the wait allocates nothing.
+        freed (or dropped) while commands using them are still in flight -- and raises
+        :class:`OutOfMemoryError` (with the numbers) only if ``nbytes`` can never fit
+        (also once the budget is lowered below it while it waits), the device itself is
+        full with nothing in flight, or ``timeout`` passes. Closing the device makes it
+        raise :class:`ClosedResourceError`. Cancelling it allocates nothing.
         """
         self._check_open()
         return await self._allocator.alloc(nbytes, timeout)
@@ -140,6 +141,11 @@ class Device:
             )
         if not isinstance(array, np.ndarray):
             raise ArgumentTypeError(f"wrap takes a numpy array, got {type(array).__name__}")
+        if array.dtype.hasobject:
+            raise ArgumentTypeError(
+                f"the array holds Python objects ({array.dtype}): expected plain data "
+                "(numbers, bools, bytes); device memory cannot hold object pointers"
+            )
         if not array.flags.c_contiguous:
             raise InvalidArgumentError("the array is not C-contiguous: np.ascontiguousarray it")
         if array.nbytes == 0:
@@ -150,7 +156,8 @@ class Device:
     @property
     def memory_budget(self) -> int:
         """Bytes this device may hold (buffers in use plus cached ones). Settable;
-        lowering it below what is in use makes later allocations wait."""
+        lowering it below what is in use makes later allocations wait, and fails those
+        waiting for more than the new budget."""
         return self._allocator.budget
 
     @memory_budget.setter
@@ -158,9 +165,8 @@ class Device:
         self._allocator.set_budget(budget)
 
     def memory_statistics(self) -> MemoryStatistics:
-        """Bytes in use, cached, the peak and the budget."""
-        a = self._allocator
-        return MemoryStatistics(a.in_use, a.cached, a.peak, a.budget)
+        """Bytes in use, cached, the peak and the budget (releases due are made first)."""
+        return self._allocator.statistics()
 
     @property
     def compile_pool(self) -> CompilePool:

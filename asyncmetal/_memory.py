@@ -3,28 +3,50 @@
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
 
-from ._backend import Arg, new_arg
-from ._bridge import checkpoint
+from ._backend import Arg, NativeTimeline, new_arg
+from ._bridge import LoopBridge, checkpoint, current_bridge
 from ._errors import (
     ArgumentTypeError,
     ClosedResourceError,
     InvalidArgumentError,
     OutOfMemoryError,
 )
-from ._timeline import HostEvents, call_when_reached, wait_value
+from ._timeline import Waitable, call_when_reached, wait_value
 
 if TYPE_CHECKING:
     from ._device import Device
     from ._queue import Queue
+
+
+def plain_dtype(dtype: Any, what: str = "dtype") -> np.dtype[Any]:
+    """``dtype`` as a numpy dtype whose items are plain bytes of a nonzero size.
+
+    Device memory holds bytes: an object dtype would fill an array with raw bytes where
+    numpy expects ``PyObject*`` pointers (or send those pointers to the device)."""
+    try:
+        checked: np.dtype[Any] = np.dtype(dtype)
+    except (TypeError, ValueError):
+        raise ArgumentTypeError(f"{what} must be a numpy dtype, got {dtype!r}") from None
+    if checked.hasobject:
+        raise ArgumentTypeError(
+            f"{what} must be a plain data type (numbers, bools, bytes), got {checked}, "
+            "which holds Python objects"
+        )
+    if checked.itemsize == 0:
+        raise InvalidArgumentError(f"{what} must have items of at least 1 byte, got {checked}")
+    return checked
 
 
 class _Block:
@@ -57,9 +79,10 @@ class _Allocation:
 
     def __del__(self) -> None:
         # Collected without free(): hand the block back -- unless this generation of it
-        # was already freed (and maybe handed out again). Any thread, even inside the GC.
+        # was already freed (and maybe handed out again). Any thread, even inside the GC:
+        # a deque append, then a wake-up that waits for no lock (see _ReleaseCounter).
         if self.allocator is not None and not self.freed:
-            self.allocator._collected.append((self.block, self.generation))
+            self.allocator.collected(self.block, self.generation)
 
 
 class Buffer:
@@ -129,7 +152,7 @@ class Buffer:
 
     async def read(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray[Any, Any]:
         """A new numpy array holding the buffer's bytes, read after earlier queue work."""
-        dtype = np.dtype(dtype)
+        dtype = plain_dtype(dtype)
         if self.nbytes % dtype.itemsize:
             raise InvalidArgumentError(
                 f"buffer of {self.nbytes} bytes is not a whole number of {dtype} items"
@@ -150,10 +173,13 @@ class Buffer:
         allocation.freed = True
         allocation.block.freed = True
         uses = list(allocation.last_use.items())
-        self.device._allocator.release_after(allocation.block, uses)
+        allocator = self.device._allocator
+        allocator.release_after(allocation.block, uses)
         for queue, value in uses:
             await wait_value(queue.timeline, value)
-        if not uses:
+        if uses:
+            allocator.sweep()  # its last uses passed: the release is due now
+        else:
             await checkpoint()
 
     async def map(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray[Any, Any]:
@@ -169,7 +195,7 @@ class Buffer:
             raise InvalidArgumentError(
                 f"{self.device.name} memory is not host-visible: use read() instead"
             )
-        dtype = np.dtype(dtype)
+        dtype = plain_dtype(dtype)
         if self.nbytes % dtype.itemsize:
             raise InvalidArgumentError(
                 f"buffer of {self.nbytes} bytes is not a whole number of {dtype} items"
@@ -191,6 +217,69 @@ class MemoryStatistics:
     budget: int
 
 
+class _ReleaseCounter(NativeTimeline):
+    """The count behind :class:`_Releases`: raised from any thread, including a buffer's
+    finalizer that the GC runs on a thread which is, at that moment, inside this very
+    counter. So raising never waits for the lock: a caller that finds it taken leaves
+    its request queued, and whoever holds the lock takes queued requests up after
+    releasing it (a request is queued before the lock is tried, and the holder looks
+    for requests after it let go, so one of the two always sees the other)."""
+
+    def __init__(self, on_advance: Callable[[int], None]) -> None:
+        self._value = 0
+        self._lock = threading.Lock()
+        self._requests: collections.deque[int] = collections.deque()  # 0: one more
+        self._on_advance = on_advance
+
+    @property
+    def value(self) -> int:
+        return self._value
+
+    def signal(self, value: int) -> None:
+        self._request(value)
+
+    def increment(self) -> None:
+        self._request(0)
+
+    def _request(self, target: int) -> None:
+        self._requests.append(target)
+        while self._requests and self._lock.acquire(blocking=False):
+            try:
+                value = self._value
+                while self._requests:  # only the lock's holder takes requests out
+                    target = self._requests.popleft()
+                    value = value + 1 if target == 0 else max(value, target)
+                self._value = value
+            finally:
+                self._lock.release()
+            self._on_advance(value)
+
+
+class _Releases(Waitable):
+    """Counts what may let a waiting allocation proceed (a release, a dropped buffer,
+    a budget change, a pending release whose use passed, closing); waiting
+    allocations on any loop await its next value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._counter = _ReleaseCounter(self._advanced)
+        self._native = self._counter
+
+    @property
+    def value(self) -> int:
+        return self._counter.value
+
+    def increment(self) -> None:
+        """Count one more event and wake the allocations waiting for it (any thread)."""
+        self._counter.increment()
+
+
+def _passed(queue: Queue, value: int) -> bool:
+    """Whether ``queue`` is done with the command ``value`` (a closed device's queues
+    ran or abandoned everything)."""
+    return queue.timeline.value >= value or queue.device.closed
+
+
 class Allocator:
     """The native allocations of one device: a cache of freed blocks, a budget, and
     frees deferred until the device is done with the memory.
@@ -198,22 +287,33 @@ class Allocator:
     ``in_use`` counts blocks handed out (and freed blocks whose last use is still in
     flight); ``cached`` counts freed blocks kept for reuse. Their sum never exceeds
     ``budget``: an allocation that does not fit waits for frees (backpressure).
+
+    Nothing here depends on the loop that freed a block: a deferred release waits in
+    ``_pending`` until its last uses passed and is made by whoever looks next (an
+    allocation, a free, the statistics); an allocation that waits has its own loop
+    told when those uses pass. Several loops, on several threads, may share a device:
+    the state is guarded by ``_lock``, which a buffer's finalizer never takes.
     """
 
     def __init__(self, device: Device) -> None:
         self.device = device
         self.budget = device._backend.info.total_memory
         self.cache_limit = min(self.budget // 4, 1 << 30)  # bytes of freed blocks kept
-        self.in_use = 0
+        self.in_use = 0  # handed out, being allocated natively, or released later
         self.cached = 0
         self.peak = 0  # the most bytes held at once (in use + cached)
+        self.closed = False
         self._cache: collections.OrderedDict[int, _Block] = collections.OrderedDict()
         self._by_size: dict[int, list[_Block]] = {}
         self._live: set[_Block] = set()  # blocks handed out and not yet released
         self._collected: collections.deque[tuple[_Block, int]] = collections.deque()  # GC
-        self._pending: list[tuple[_Block, list[tuple[Queue, int]]]] = []  # not yet armed
-        self._frees = HostEvents()  # counts releases: what waiting allocations await
-        self._lock = threading.Lock()  # several loops may share a device
+        self._pending: list[tuple[_Block, list[tuple[Queue, int]]]] = []  # uses in flight
+        # Per loop: the (queue, value) uses it already watches for a pending release.
+        self._watched: weakref.WeakKeyDictionary[LoopBridge, set[tuple[Queue, int]]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._frees = _Releases()
+        self._lock = threading.Lock()
 
     # -- allocation ----------------------------------------------------------------------
 
@@ -224,58 +324,88 @@ class Allocator:
             raise InvalidArgumentError(f"nbytes must be > 0, got {nbytes}")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
             raise InvalidArgumentError(f"timeout must be a number >= 0, got {timeout!r}")
-        if nbytes > self.budget:
-            raise self._oom(nbytes, "larger than the device's whole budget")
         deadline = None if timeout is None else time.monotonic() + timeout
-        waited = False
+        # The checkpoint comes first: once a block is taken, nothing may cancel the
+        # allocation before its Buffer exists, or the block would have no owner.
+        await checkpoint()
         while True:
+            seen = self._frees.value  # before the attempt: a release after it wakes us
+            self._check_usable(nbytes)
             self.sweep()
             block = self._try_alloc(nbytes)
             if block is not None:
-                break
-            # Does not fit: wait for a release (explicit, deferred or collected).
-            seen = self._frees.value
+                return Buffer(self.device, _Allocation(block, self), 0, nbytes)
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise self._oom(nbytes, f"no memory was freed within {timeout} s")
+            self._watch_pending()
             with anyio.move_on_after(remaining if remaining is not None else math.inf):
                 await wait_value(self._frees, seen + 1)
-            waited = True
-        if not waited:
-            await checkpoint()
-        return Buffer(self.device, _Allocation(block, self), 0, nbytes)
+
+    def _check_usable(self, nbytes: int) -> None:
+        if self.closed or self.device.closed:
+            raise ClosedResourceError(f"device {self.device.name} is closed")
+        if nbytes > self.budget:
+            raise self._oom(nbytes, "larger than the device's whole budget")
 
     def _try_alloc(self, nbytes: int) -> _Block | None:
         with self._lock:
+            if self.closed:
+                return None
             blocks = self._by_size.get(nbytes)
             if blocks:  # an exact-size cached block: no native call at all
                 block = blocks.pop()
                 del self._cache[id(block)]
                 self.cached -= nbytes
+                self.in_use += nbytes
                 return self._hand_out(block)
             if self.in_use + nbytes > self.budget:
                 return None  # only releases of blocks in use can make room
             self._evict(self.in_use + self.cached + nbytes - self.budget)
+            # Reserved before the lock is let go: an allocation on another thread sees
+            # it, so the two cannot both pass the budget while the backend allocates.
+            self.in_use += nbytes
+            self.peak = max(self.peak, self.in_use + self.cached)
         try:
-            handle = self.device._backend.allocate(nbytes)
+            handle = self._allocate(nbytes)
+        except BaseException:
+            with self._lock:
+                self.in_use -= nbytes
+            self._frees.increment()  # the reservation may have held another back
+            raise
+        with self._lock:
+            if handle is None:
+                self.in_use -= nbytes
+            elif self.closed:  # closed meanwhile: the device has no use for it
+                self.in_use -= nbytes
+                self.device._backend.free(handle)
+                handle = None
+            else:
+                return self._hand_out(_Block(handle, nbytes))
+        self._frees.increment()
+        return None
+
+    def _allocate(self, nbytes: int) -> Any:
+        """Native memory, or None when only releases of blocks in use can make room."""
+        try:
+            return self.device._backend.allocate(nbytes)
         except MemoryError:
             with self._lock:
                 self._evict(self.cached)  # the device itself is full: drop the cache, retry
-            try:
-                handle = self.device._backend.allocate(nbytes)
-            except MemoryError:
-                if self._live:
-                    return None  # frees of blocks in use (or in flight) may make room
-                raise self._oom(nbytes, "the device itself has no memory left") from None
-        with self._lock:
-            return self._hand_out(_Block(handle, nbytes))
+        try:
+            return self.device._backend.allocate(nbytes)
+        except MemoryError:
+            if self._live:
+                return None  # frees of blocks in use (or in flight) may make room
+            detail = "the device itself has no memory left"
+            raise self._oom(nbytes, detail, reserved=nbytes) from None
 
     def _hand_out(self, block: _Block) -> _Block:
+        """(Under the lock; ``in_use`` already counts the block.)"""
         block.last_use.clear()
         block.generation += 1
         block.freed = False
         self._live.add(block)
-        self.in_use += block.nbytes
         self.peak = max(self.peak, self.in_use + self.cached)
         return block
 
@@ -288,36 +418,80 @@ class Allocator:
             nbytes -= block.nbytes
             self.device._backend.free(block.handle)
 
-    def _oom(self, nbytes: int, detail: str) -> OutOfMemoryError:
-        return OutOfMemoryError(nbytes, self.in_use, self.cached, self.budget, detail)
+    def _oom(self, nbytes: int, detail: str, reserved: int = 0) -> OutOfMemoryError:
+        in_use = self.in_use - reserved  # without this request's own reservation
+        return OutOfMemoryError(nbytes, in_use, self.cached, self.budget, detail)
 
     # -- release -------------------------------------------------------------------------
 
     def release_after(self, block: _Block, uses: list[tuple[Queue, int]]) -> None:
-        """Release ``block`` once each queue's timeline has passed its last use.
-
-        Called on a loop thread: the release runs there, from the bridge's drain."""
-        pending = [(q, v) for q, v in uses if q.timeline.value < v and not q.device.closed]
+        """Release ``block`` once each queue's timeline has passed its last use: now,
+        or at the first look after that (any thread, any loop)."""
+        pending = [(q, v) for q, v in uses if not _passed(q, v)]
         if not pending:
             self._release(block)
             return
-        remaining = [len(pending)]
+        with self._lock:
+            self._pending.append((block, pending))
+        self._frees.increment()  # waiting allocations start watching its uses
 
-        def one_done() -> None:
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                self._release(block)
-
-        for queue, value in pending:
-            call_when_reached(queue.timeline, value, one_done)
+    def collected(self, block: _Block, generation: int) -> None:
+        """A buffer of ``block`` was garbage-collected unfreed (any thread, even in the
+        GC): queue the block for the next sweep and wake whoever waits to sweep."""
+        self._collected.append((block, generation))
+        self._frees.increment()
 
     def sweep(self) -> None:
-        """Take over blocks whose buffers were garbage-collected (loop thread)."""
+        """Take over blocks of garbage-collected buffers, and release the blocks whose
+        last uses passed."""
         while self._collected:
-            block, generation = self._collected.popleft()
-            if block in self._live and block.generation == generation and not block.freed:
-                block.freed = True
+            try:
+                block, generation = self._collected.popleft()
+            except IndexError:  # another thread swept it
+                break
+            with self._lock:
+                taken = block in self._live and block.generation == generation
+                taken = taken and not block.freed
+                if taken:
+                    block.freed = True
+            if taken:
                 self.release_after(block, list(block.last_use.items()))
+        if not self._pending:
+            return
+        due = []
+        with self._lock:
+            still = []
+            for block, uses in self._pending:
+                left = [(q, v) for q, v in uses if not _passed(q, v)]
+                if left:
+                    still.append((block, left))
+                else:
+                    due.append(block)
+            self._pending = still
+        for block in due:
+            self._release(block)
+
+    def _watch_pending(self) -> None:
+        """Have the calling loop count an event when a pending release's next use
+        passes, whichever loop freed the block (that one may be gone)."""
+        if not self._pending:
+            return
+        bridge = current_bridge()
+        with self._lock:
+            watched = self._watched.setdefault(bridge, set())
+            # A release waits for all its uses: watching the first not yet passed is
+            # enough, as each event brings this loop back here to watch the next.
+            firsts = [next((u for u in left if not _passed(*u)), None) for _, left in self._pending]
+            new = [use for use in firsts if use is not None and use not in watched]
+            watched.update(new)
+        for queue, value in new:
+            passed = functools.partial(self._use_passed, watched, queue, value)
+            call_when_reached(queue.timeline, value, passed)
+
+    def _use_passed(self, watched: set[tuple[Queue, int]], queue: Queue, value: int) -> None:
+        with self._lock:
+            watched.discard((queue, value))
+        self._frees.increment()
 
     def _release(self, block: _Block) -> None:
         with self._lock:
@@ -325,11 +499,14 @@ class Allocator:
                 return
             self._live.discard(block)
             self.in_use -= block.nbytes
-            if block.nbytes <= self.cache_limit and not self.device.closed:
+            if block.nbytes <= self.cache_limit and not self.closed:
                 self._cache[id(block)] = block
                 self._by_size.setdefault(block.nbytes, []).append(block)
                 self.cached += block.nbytes
-                self._evict(self.cached - self.cache_limit)
+                # Within the cache's limit and the budget (which may have been lowered
+                # below what was in use): the least recently cached blocks go first.
+                over_limit = self.cached - self.cache_limit
+                self._evict(max(over_limit, self.in_use + self.cached - self.budget))
             else:
                 self.device._backend.free(block.handle)
         self._frees.increment()
@@ -342,16 +519,54 @@ class Allocator:
             self._evict(self.in_use + self.cached - budget)
         self._frees.increment()  # waiting allocations re-check against the new budget
 
+    def statistics(self) -> MemoryStatistics:
+        self.sweep()
+        with self._lock:
+            return MemoryStatistics(self.in_use, self.cached, self.peak, self.budget)
+
     def trim(self) -> None:
         """Free every cached block natively."""
         with self._lock:
             self._evict(self.cached)
 
     def close(self) -> None:
-        """The device is closing and idle: free everything natively."""
+        """The device is closing and its queues are idle: fail waiting allocations and
+        free everything natively -- once other devices' queues are done with it."""
+        self.closed = True
+        self._frees.increment()  # waiting allocations wake and raise ClosedResourceError
+        self._settle_foreign_uses()
         with self._lock:
             self._evict(self.cached)
-            for block in list(self._live):
-                self.device._backend.free(block.handle)
+            for block in self._live:
+                if not self._foreign_uses(block):
+                    self.device._backend.free(block.handle)
             self._live.clear()
+            self._pending.clear()
             self.in_use = 0
+
+    def _foreign_uses(self, block: _Block) -> list[tuple[Queue, int]]:
+        """Uses of ``block`` by other devices' queues (a copy between devices) that
+        have not passed."""
+        return [
+            (q, v)
+            for q, v in list(block.last_use.items())
+            if q.device is not self.device and not _passed(q, v)
+        ]
+
+    def _settle_foreign_uses(self) -> None:
+        """Wait (on the closing thread, never a loop) until other devices' queues are
+        done with this device's memory, as far as they can get without the host: a use
+        behind a device-side wait that nothing will signal is not waited for, and its
+        block is then left allocated rather than freed under that queue."""
+        with self._lock:
+            uses = [use for block in self._live for use in self._foreign_uses(block)]
+        if not uses:
+            return
+        from ._device import _open_devices
+        from ._queue import completable
+
+        limits = completable([q for d in list(_open_devices) for q in d._queues])
+        for queue, value in uses:
+            target = min(value, limits.get(queue, value))
+            while not _passed(queue, target):
+                time.sleep(0.0005)

@@ -28,7 +28,23 @@ def host_view(obj: Any, what: str, *, writable: bool) -> memoryview:
         )
     if writable and view.readonly:
         raise InvalidArgumentError(f"{what} is read-only and cannot be copied into")
+    if "O" in view.format and _holds_objects(view):
+        raise ArgumentTypeError(
+            f"{what} holds Python objects ({view.format!r} items): expected plain data "
+            "(numbers, bools, bytes); device memory cannot hold object pointers"
+        )
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _holds_objects(view: memoryview) -> bool:
+    """Whether ``view``'s items hold ``PyObject*`` (its format names an "O" field)."""
+    exporter = view.obj
+    if isinstance(exporter, np.ndarray):
+        return bool(exporter.dtype.hasobject)
+    try:
+        return bool(np.asarray(view).dtype.hasobject)
+    except (TypeError, ValueError):  # a format numpy cannot read: refuse what may be objects
+        return True
 
 
 def _size(dst_nbytes: int, src_nbytes: int, nbytes: int | None) -> int:

@@ -1,0 +1,405 @@
+"""The allocator at its edges: dropped buffers, closing, budget changes, ending loops,
+cancellation, concurrent loops, devices closed while another uses their memory, and
+host arrays that cannot be copied as bytes. Every wait is bounded: a hang fails."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import asyncmetal as am
+
+MiB = 1 << 20
+LIMIT = 10  # seconds: every wait here ends within a fraction of this, or it hangs
+
+
+@pytest.mark.anyio
+async def test_dropped_buffers_wake_allocations_waiting_under_the_budget(
+    device: am.Device,
+) -> None:
+    device.memory_budget = 64 * MiB
+    done = []
+
+    async def task(i: int) -> None:
+        buf = await device.alloc(16 * MiB)
+        await buf.view(0, 8).write(np.full(8, i, np.uint8))
+        assert (await buf.view(0, 8).read())[-1] == i
+        del buf  # dropped, never freed: the memory must still come back
+        done.append(i)
+
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            for i in range(16):
+                tg.start_soon(task, i)
+    assert sorted(done) == list(range(16))
+    assert device.memory_statistics().in_use == 0
+
+
+def test_a_buffer_dropped_while_its_thread_holds_the_release_counter_does_not_deadlock(
+    anyio_backend: tuple[str, dict[str, Any]],
+) -> None:
+    # A finalizer may run inside the GC on a thread that is itself in the middle of
+    # counting a release: the wake-up from the finalizer must never wait for that.
+    async def scenario() -> None:
+        dev = await am.open_device("cpu:5")
+        buf = await dev.alloc(MiB)
+        holder: list[am.Buffer] = [buf]
+        del buf
+        counter = dev._allocator._frees._native
+        finished = threading.Event()
+
+        def drop_inside_the_counter() -> None:
+            with counter._lock:  # type: ignore[attr-defined]
+                holder.clear()  # the finalizer runs here, on this thread
+            finished.set()
+
+        threading.Thread(target=drop_inside_the_counter, daemon=True).start()
+        if not await anyio.to_thread.run_sync(finished.wait, LIMIT):
+            pytest.fail("deadlocked (the device is left open: closing would hang too)")
+        with anyio.fail_after(LIMIT):
+            dev.memory_budget = MiB
+            again = await dev.alloc(MiB)  # the dropped block came back
+        await again.free()
+        await dev.close()
+
+    name, options = anyio_backend
+    anyio.run(scenario, backend=name, backend_options=options)
+
+
+@pytest.mark.anyio
+async def test_closing_the_device_fails_waiting_allocations(anyio_backend: object) -> None:
+    dev = await am.open_device("cpu:6")
+    dev.memory_budget = MiB
+    held = await dev.alloc(MiB)
+    errors: list[BaseException] = []
+
+    async def waiter() -> None:
+        try:
+            await dev.alloc(MiB)
+        except am.ClosedResourceError as exc:
+            errors.append(exc)
+
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(waiter)
+            await anyio.sleep(0.05)
+            assert not errors  # still waiting for memory
+            await dev.close()
+    assert len(errors) == 3
+    assert "closed" in str(errors[0])
+    del held
+
+
+@pytest.mark.anyio
+async def test_lowering_the_budget_below_a_waiting_request_fails_it(device: am.Device) -> None:
+    device.memory_budget = 4 * MiB
+    held = await device.alloc(3 * MiB)
+    errors: list[am.OutOfMemoryError] = []
+
+    async def waiter() -> None:
+        try:
+            await device.alloc(2 * MiB)
+        except am.OutOfMemoryError as exc:
+            errors.append(exc)
+
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await anyio.sleep(0.05)
+            assert not errors  # 2 MiB fits a 4 MiB budget once the 3 MiB return
+            device.memory_budget = MiB
+    (err,) = errors
+    assert (err.requested, err.budget) == (2 * MiB, MiB)
+    assert f"cannot allocate {2 * MiB} bytes" in str(err) and f"budget {MiB}" in str(err)
+    await held.free()
+
+
+@pytest.mark.anyio
+async def test_a_release_never_caches_beyond_a_lowered_budget(device: am.Device) -> None:
+    device.memory_budget = 4 * MiB
+    held = await device.alloc(3 * MiB)
+    device.memory_budget = MiB
+    await held.free()
+    stats = device.memory_statistics()
+    assert stats.in_use + stats.cached <= MiB, stats
+    assert (await device.alloc(MiB)).nbytes == MiB
+
+
+def _run_twice(anyio_backend: tuple[str, dict[str, Any]], signal_between: bool) -> tuple[int, int]:
+    """Free a buffer whose last use is pending in one run of a loop, end that run, and
+    allocate its memory again in a second run."""
+    name, options = anyio_backend
+    state: dict[str, Any] = {}
+
+    async def first() -> None:
+        dev = state["dev"] = await am.open_device("cpu:7")
+        dev.memory_budget = MiB
+        buf = await dev.alloc(MiB)
+        state["handle"] = buf._allocation.handle
+        tl = state["tl"] = dev.timeline()
+        dev.queue.wait(tl, 1)
+        dev.queue.copy(buf, np.ones(MiB, np.uint8))
+        with anyio.move_on_after(0.01):
+            await buf.free()  # deferred: the copy waits for tl; this loop ends first
+
+    async def signal_later() -> None:
+        await anyio.sleep(0.05)
+        state["tl"].signal(1)
+
+    async def second() -> None:
+        dev = state["dev"]
+        try:
+            with anyio.fail_after(LIMIT):
+                async with anyio.create_task_group() as tg:
+                    if not signal_between:
+                        tg.start_soon(signal_later)  # the copy runs while alloc waits
+                    again = await dev.alloc(MiB)
+            state["again"] = again._allocation.handle
+            await again.free()
+        finally:
+            await dev.close()
+
+    anyio.run(first, backend=name, backend_options=options)
+    if signal_between:
+        state["tl"].signal(1)
+    anyio.run(second, backend=name, backend_options=options)
+    return state["handle"], state["again"]
+
+
+def test_a_deferred_free_returns_after_the_loop_that_freed_ended(
+    anyio_backend: tuple[str, dict[str, Any]],
+) -> None:
+    handle, again = _run_twice(anyio_backend, signal_between=True)
+    assert again is handle  # the deferred block came back through the cache
+
+
+def test_an_allocation_waits_for_a_deferred_free_made_by_an_ended_loop(
+    anyio_backend: tuple[str, dict[str, Any]],
+) -> None:
+    handle, again = _run_twice(anyio_backend, signal_between=False)
+    assert again is handle
+
+
+@pytest.mark.anyio
+async def test_an_allocation_cancelled_at_its_last_checkpoint_keeps_no_memory(
+    device: am.Device,
+) -> None:
+    device.memory_budget = MiB
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await device.alloc(MiB)
+    assert scope.cancelled_caught
+    assert device.memory_statistics().in_use == 0
+    with anyio.fail_after(LIMIT):
+        buf = await device.alloc(MiB)  # the budget is whole again
+    await buf.free()
+
+
+@pytest.mark.anyio
+async def test_a_release_between_a_failed_attempt_and_the_wait_is_not_missed(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    device.memory_budget = MiB
+    allocator = device._allocator
+    held = await device.alloc(MiB)
+    attempt = allocator._try_alloc
+
+    def attempt_then_release(nbytes: int) -> Any:
+        block = attempt(nbytes)
+        if block is None and not held.freed:
+            # What free() does before it awaits, as another loop's free would do it now.
+            held._allocation.freed = held._allocation.block.freed = True
+            allocator.release_after(held._allocation.block, [])
+        return block
+
+    monkeypatch.setattr(allocator, "_try_alloc", attempt_then_release)
+    with anyio.fail_after(LIMIT):
+        buf = await device.alloc(MiB)
+    await buf.free()
+
+
+def test_allocations_on_loops_in_several_threads_stay_within_the_budget(
+    anyio_backend: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name, options = anyio_backend
+
+    async def open_device() -> am.Device:
+        return await am.open_device("cpu:8")
+
+    dev = anyio.run(open_device, backend=name, backend_options=options)
+    dev.memory_budget = MiB
+    backend = dev._backend
+    real = backend.allocate
+    entered = threading.Barrier(2, timeout=0.5)
+
+    def slow_allocate(nbytes: int) -> Any:
+        # Give the other thread the chance to pass the budget check meanwhile; if
+        # only one gets here, the other waits for memory, as it must.
+        with contextlib.suppress(threading.BrokenBarrierError):
+            entered.wait()
+        return real(nbytes)
+
+    monkeypatch.setattr(backend, "allocate", slow_allocate)
+    over: list[int] = []
+
+    async def allocate_and_free(size: int) -> None:
+        with anyio.fail_after(LIMIT):
+            buf = await dev.alloc(size)
+            stats = dev.memory_statistics()
+            if stats.in_use + stats.cached > stats.budget:
+                over.append(stats.in_use + stats.cached)
+            await anyio.sleep(0.01)
+            await buf.free()
+            dev._allocator.trim()  # the next allocation calls the backend again
+
+    def loop(size: int) -> None:
+        anyio.run(allocate_and_free, size, backend=name, backend_options=options)
+
+    try:
+        threads = [threading.Thread(target=loop, args=(MiB - i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(LIMIT * 2)
+        assert not any(thread.is_alive() for thread in threads)
+        assert not over, f"held {over} bytes under a budget of {MiB}"
+        assert dev.memory_statistics().peak <= MiB
+    finally:
+        anyio.run(dev.close, backend=name, backend_options=options)
+
+
+@pytest.mark.anyio
+async def test_closing_a_device_keeps_memory_another_device_still_reads(
+    device: am.Device, kernels: dict[str, am.Program], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    other = await am.open_device("cpu:4")
+    src = await other.alloc(MiB)
+    await src.write(np.full(MiB, 7, np.uint8))
+    dst = await device.alloc(MiB)
+    device.queue.launch(kernels["sleep_ms"], vals=(200,))
+    copied = device.queue.copy(dst, src)  # device's queue reads other's memory, later
+    freed_early: list[bool] = []
+    real_free = other._backend.free
+
+    def free(handle: Any) -> None:
+        freed_early.append(not copied.done())
+        real_free(handle)
+
+    monkeypatch.setattr(other._backend, "free", free)
+    with anyio.fail_after(LIMIT):
+        await other.close()
+        await copied
+    assert freed_early and not any(freed_early), "freed before the other device's copy ran"
+    assert (await dst.read()).min() == 7
+    await dst.free()
+
+
+@pytest.mark.anyio
+async def test_closing_a_device_never_frees_memory_a_held_copy_will_read(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The other device's copy waits for a value only the host will signal: closing
+    # cannot wait for it, so it must leave the memory allocated rather than free it.
+    other = await am.open_device("cpu:4")
+    src = await other.alloc(MiB)
+    await src.write(np.full(MiB, 3, np.uint8))
+    dst = await device.alloc(MiB)
+    gate = device.timeline()
+    device.queue.wait(gate, 1)
+    copied = device.queue.copy(dst, src)
+    freed: list[object] = []
+    monkeypatch.setattr(other._backend, "free", freed.append)
+    with anyio.fail_after(LIMIT):
+        await other.close()  # returns: it does not wait for the host's signal
+        assert src._allocation.handle not in freed
+        gate.signal(1)
+        await copied
+    assert (await dst.read()).min() == 3
+    await dst.free()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "dtype",
+    [object, np.dtype([("a", np.int32), ("b", object)]), np.dtype((object, 2))],
+    ids=["object", "struct-with-object", "subarray-of-object"],
+)
+async def test_dtypes_holding_python_objects_are_refused(device: am.Device, dtype: Any) -> None:
+    buf = await device.alloc(64)
+    await buf.write(np.arange(64, dtype=np.uint8))
+    with pytest.raises(am.ArgumentTypeError, match="dtype"):
+        await buf.read(dtype)
+    with pytest.raises(am.ArgumentTypeError, match="dtype"):
+        await buf.map(dtype)
+    objects = np.empty(64 // np.dtype(dtype).itemsize or 1, dtype)
+    with pytest.raises(am.ArgumentTypeError, match="src"):
+        await buf.write(objects)
+    with pytest.raises(am.ArgumentTypeError, match="src"):
+        await am.copy(buf, objects, nbytes=8)
+    with pytest.raises(am.ArgumentTypeError, match="dst"):
+        await am.copy(objects, buf, nbytes=8)
+    with pytest.raises(am.ArgumentTypeError, match="dst"):
+        device.queue.copy(objects, buf, nbytes=8)
+    with pytest.raises(am.ArgumentTypeError, match="src"):
+        device.queue.copy(buf, objects, nbytes=8)
+    assert (await buf.read()).tolist() == list(range(64))  # nothing was written
+    await buf.free()
+
+
+@pytest.mark.anyio
+async def test_from_numpy_refuses_arrays_holding_python_objects(device: am.Device) -> None:
+    for dtype in (object, np.dtype([("a", np.int32), ("b", object)])):
+        with pytest.raises(am.ArgumentTypeError, match="array"):
+            await am.from_numpy(np.empty(4, dtype))
+    plain = await am.from_numpy(np.arange(8, dtype=np.uint8))
+    buf = await device.alloc(8)
+    await am.copy(buf, plain)
+    assert (await buf.read()).tolist() == list(range(8))
+    await buf.free()
+
+
+@pytest.mark.anyio
+async def test_zero_size_and_unknown_dtypes_are_refused(device: am.Device) -> None:
+    buf = await device.alloc(16)
+    for dtype in ("V0", np.dtype([])):
+        with pytest.raises(am.InvalidArgumentError, match="dtype"):
+            await buf.read(dtype)
+        with pytest.raises(am.InvalidArgumentError, match="dtype"):
+            await buf.map(dtype)
+    with pytest.raises(am.ArgumentTypeError, match="dtype"):
+        await buf.read("not a dtype")
+    assert (await buf.read(np.int32)).shape == (4,)
+    await buf.free()
+
+
+def test_gc_of_a_buffer_on_another_thread_wakes_the_waiting_loop(
+    anyio_backend: tuple[str, dict[str, Any]],
+) -> None:
+    async def scenario() -> None:
+        async with am.open_device("cpu:3") as dev:
+            dev.memory_budget = MiB
+            holder = [await dev.alloc(MiB)]
+            gc.collect()
+
+            def drop() -> None:
+                holder.clear()
+
+            async def drop_later() -> None:
+                await anyio.sleep(0.05)
+                threading.Thread(target=drop).start()
+
+            with anyio.fail_after(LIMIT):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(drop_later)
+                    buf = await dev.alloc(MiB)
+            await buf.free()
+
+    name, options = anyio_backend
+    anyio.run(scenario, backend=name, backend_options=options)
