@@ -231,6 +231,25 @@ class CUDATimeline(NativeTimeline):
 _MAPPED: dict[int, tuple[mmap.mmap, Any]] = {}
 
 
+def _map(nbytes: int) -> int:
+    """Map ``nbytes`` of anonymous memory aligned to ``HUGE_PAGE``, kept in ``_MAPPED``
+    until unmapped; return its address. A function of its own so that no frame but this
+    one, gone once it returns, holds the ctypes view: a map cannot close while a view of
+    it lives, and a ``_Chunk.__init__`` whose registration failed unmaps with its own
+    frame still alive (its traceback is being raised)."""
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: private, so huge pages may back it
+        private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        mapped = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=private)
+        with contextlib.suppress(OSError):  # no huge pages in this kernel: 4 KiB ones
+            mapped.madvise(mmap.MADV_HUGEPAGE)
+    else:
+        mapped = mmap.mmap(-1, nbytes + HUGE_PAGE)  # zero-filled; aligned inside
+    view = (ctypes.c_char * len(mapped)).from_buffer(mapped)
+    address = -(-ctypes.addressof(view) // HUGE_PAGE) * HUGE_PAGE
+    _MAPPED[address] = (mapped, view)
+    return address
+
+
 class _Chunk:
     """A pinned staging chunk, with the device word its host copies mark it ready on (a
     stream waits on it): its ``generation``-th use is ready once the word reaches it.
@@ -243,19 +262,10 @@ class _Chunk:
     copies make its ring."""
 
     def __init__(self, nbytes: int) -> None:
-        if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: private, so huge pages may back it
-            private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-            mapped = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=private)
-            with contextlib.suppress(OSError):  # no huge pages in this kernel: 4 KiB ones
-                mapped.madvise(mmap.MADV_HUGEPAGE)
-        else:
-            mapped = mmap.mmap(-1, nbytes + HUGE_PAGE)  # zero-filled; aligned inside
-        view = (ctypes.c_char * len(mapped)).from_buffer(mapped)
-        self.address = -(-ctypes.addressof(view) // HUGE_PAGE) * HUGE_PAGE
+        self.address = _map(nbytes)
         self.nbytes = nbytes
-        _MAPPED[self.address] = (mapped, view)
-        flags = cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP
         try:
+            flags = cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP
             check(cu.cuMemHostRegister(self.address, nbytes, flags), "cuMemHostRegister")
         except BaseException:
             self._unmap()
