@@ -246,7 +246,7 @@ def driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Driver]:
     "error", [CUresult.CUDA_ERROR_ILLEGAL_ADDRESS, CUresult.CUDA_ERROR_OUT_OF_MEMORY]
 )
 def test_a_chunk_whose_registration_fails_raises_the_drivers_error(
-    driver: Any, error: CUresult
+    driver: _Driver, error: CUresult
 ) -> None:
     """cuMemHostRegister fails (a sticky error left by a fault, or no memory): the
     driver's error comes out, as the asyncmetal error it maps to, and the chunk's memory
