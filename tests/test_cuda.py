@@ -466,3 +466,119 @@ def test_fault_is_never_reported_as_success(round_: int) -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
     )
     assert proc.stdout.split() == ["lost"], proc.stdout + proc.stderr
+
+
+# A fault poisons the CUDA state of the whole process that saw it, so the scenarios below
+# run in a subprocess of their own: the other cuda tests of this pytest process go on.
+FAULT_PRELUDE = (
+    f"import anyio, numpy as np, asyncmetal as am\nSRC = {KERNELS!r}\n"
+    + r'''
+async def outcome(what, call):
+    """Print what ``call()`` (awaited if it returns an awaitable) raised: its type,
+    whether the message says the process's CUDA state is lost, must restart and can
+    be contained by one process per device, and the device and command that saw the
+    first error."""
+    try:
+        result = call()
+        if hasattr(result, "__await__"):
+            await result
+        print(what, "ok")
+    except BaseException as exc:
+        text = str(exc)
+        explained = all(
+            part in text
+            for part in ("CUDA state is lost", "restart the process", "one per device")
+        )
+        first = text.split("first seen by ", 1)[-1].split(")", 1)[0] if explained else ""
+        print(what, type(exc).__name__, explained, first.rsplit(" ", 1)[-1])
+'''
+)
+
+
+def _fault_scenario(body: str) -> list[str]:
+    """Run ``body`` (the inside of ``async def main()``, which may use ``outcome``) in
+    a fresh process; the lines it printed."""
+    script = FAULT_PRELUDE + "async def main():\n" + textwrap.indent(textwrap.dedent(body), "    ")
+    script += "anyio.run(main)\nprint('exiting')\n"
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=180, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout.splitlines()
+
+
+def test_a_fault_loses_the_process_cuda_state() -> None:
+    """A kernel writing through a bad pointer on cuda:0: its completion raises
+    DeviceLostError saying the process's CUDA state is lost, that the process must
+    restart and that one process per device contains such faults, naming the command
+    that saw it. Then every use of the device says the same -- an alloc (of a size not
+    cached), a launch, a copy, a new queue, a kernel load -- and opening cuda:0 afresh
+    raises DeviceLostError too, not BufferError from its staging chunks' cleanup. The
+    cpu device keeps working, and the cuda device still closes."""
+    lines = _fault_scenario(
+        """
+        dev = await am.open_device("cuda:0")
+        fault = await dev.compile(SRC, "fault")
+        fill = await dev.compile(SRC, "fill")
+        buf = await dev.alloc(4)
+        await dev.queue.launch(fill, buf, vals=(1, 1))
+        await outcome("fault", lambda: dev.queue.launch(fault, buf))
+        await outcome("alloc", lambda: dev.alloc(1 << 20))
+        await outcome("launch", lambda: dev.queue.launch(fill, buf, vals=(2, 1)))
+        await outcome("copy", lambda: dev.queue.copy(np.zeros(1, np.int32), buf))
+        await outcome("new_queue", dev.new_queue)
+        await outcome("load", lambda: dev.compile(SRC + "// another source", "fill"))
+        await outcome("open", lambda: am.open_device("cuda:0"))
+        async with am.open_device("cpu") as cpu:
+            k = await cpu.compile("void k(int* x) { x[0] = 9; }", "k")
+            b = await cpu.alloc(4)
+            await cpu.queue.launch(k, b)
+            print("cpu", (await b.read(np.int32))[0])
+        await dev.close()
+        print("closed")
+        """
+    )
+    lost = "DeviceLostError True cuda:0"  # the first error was seen on a stream of cuda:0
+    expected = [
+        f"fault {lost}",
+        f"alloc {lost}",
+        f"launch {lost}",
+        f"copy {lost}",
+        f"new_queue {lost}",
+        f"load {lost}",
+        f"open {lost}",
+        "cpu 9",
+        "closed",
+        "exiting",
+    ]
+    assert lines == expected, "\n".join(lines)
+
+
+@two_gpus
+def test_a_fault_on_one_gpu_loses_the_other_gpu_too() -> None:
+    """Two GPUs open; a kernel on cuda:1 faults. Its completion raises DeviceLostError,
+    and so does everything on cuda:0 after it -- it was opened before and worked: its
+    next alloc, launch and copy, and opening it afresh -- each saying the process's CUDA
+    state is lost, first seen on cuda:1."""
+    lines = _fault_scenario(
+        """
+        dev0 = await am.open_device("cuda:0")
+        dev1 = await am.open_device("cuda:1")
+        fill = await dev0.compile(SRC, "fill")
+        buf0 = await dev0.alloc(4)
+        await dev0.queue.launch(fill, buf0, vals=(1, 1))
+        fault = await dev1.compile(SRC, "fault")
+        buf1 = await dev1.alloc(4)
+        await outcome("fault", lambda: dev1.queue.launch(fault, buf1))
+        await outcome("alloc", lambda: dev0.alloc(1 << 20))
+        await outcome("launch", lambda: dev0.queue.launch(fill, buf0, vals=(2, 1)))
+        await outcome("copy", lambda: dev0.queue.copy(np.zeros(1, np.int32), buf0))
+        await outcome("open", lambda: am.open_device("cuda:0"))
+        await dev1.close()
+        await dev0.close()
+        print("closed")
+        """
+    )
+    lost = "DeviceLostError True cuda:1"
+    expected = [f"{what} {lost}" for what in ("fault", "alloc", "launch", "copy", "open")]
+    assert lines == [*expected, "closed", "exiting"], "\n".join(lines)

@@ -189,7 +189,7 @@ def test_chunks_stay_mapped_while_registered(monkeypatch: pytest.MonkeyPatch) ->
         registered.add(address)
         return 0, None
 
-    def check(result: tuple[int, Any], call: str) -> Any:
+    def check(result: tuple[int, Any], call: str, where: str = "") -> Any:
         if result[0]:
             raise RuntimeError(f"{call}: already registered")
         return result[1]

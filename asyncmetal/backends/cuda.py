@@ -40,6 +40,7 @@ import os
 import queue as queue_module
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -92,6 +93,11 @@ FINISH_LONG, FINISH_PLAIN = 1, 2  # am_cuq_finish flags
 MAX_POLL_NS = 2_000_000  # ... or up to this long for a command expected to take so long
 MAX_COPY_POLL_NS = 4_000_000  # ... a device copy (one of 1 GiB between two H200s: 2.8 ms)
 
+# Process-fatal ("sticky") errors. NVIDIA documents the launch errors among them as
+# leaving the process in an inconsistent state, every later CUDA call of it failing until
+# it restarts -- on every device, not just the one that faulted (on two H200s a fault on
+# cuda:1 failed cuda:0's next cuMemAlloc, and its cuMemHostRegister when cuda:0 was
+# opened again). An uncorrectable ECC error is treated alike: device memory is corrupt.
 _LOST = {
     "CUDA_ERROR_ILLEGAL_ADDRESS",
     "CUDA_ERROR_LAUNCH_FAILED",
@@ -106,6 +112,39 @@ _LOST = {
 }
 
 
+_UNCONFIRMED = (1 << 64) - 1
+_lost_lock = threading.Lock()
+# The first sticky error the process saw, and which call or command saw it. Once set, every
+# cuda device of the process reports itself lost (DeviceLostError): open, alloc, load,
+# new queues, submissions, and completions not confirmed by then.
+_lost_first: str | None = None
+_live_queues: weakref.WeakSet[CUDAQueue] = weakref.WeakSet()  # what to mark when it is set
+
+
+def _lose_process(first: str) -> None:
+    """Note the process's CUDA state lost (once): each queue keeps the value its timeline
+    had reached, the commands up to which the driver confirmed before."""
+    global _lost_first
+    with _lost_lock:
+        if _lost_first is None:
+            for queue in list(_live_queues):
+                queue._confirmed_at_loss = queue._timeline.value
+            _lost_first = first
+
+
+def _lost_error(what: str) -> DeviceLostError:
+    return DeviceLostError(
+        f"{what}: the process's CUDA state is lost ({_lost_first}). The driver fails every "
+        "later CUDA call of this process, on every device: restart the process to use "
+        "CUDA again. Separate processes (one per device, say) contain such faults"
+    )
+
+
+def _refuse_if_lost(what: str) -> None:
+    if _lost_first is not None:
+        raise _lost_error(what)
+
+
 def _error_name(err: Any) -> str:
     try:
         return str(cu.CUresult(int(err)).name)
@@ -113,25 +152,30 @@ def _error_name(err: Any) -> str:
         return f"CUDA error {int(err)}"
 
 
-def driver_error(call: str, err: Any) -> AsyncMetalError:
-    """The asyncmetal exception for CUDA result ``err`` of driver ``call``."""
+def driver_error(call: str, err: Any, where: str = "") -> AsyncMetalError:
+    """The asyncmetal exception for CUDA result ``err`` of driver ``call`` (on device
+    ``where``). A sticky error marks the process's CUDA state lost; once it is, every
+    error is reported as that loss (the driver's state is corrupt, whatever it says)."""
     name = _error_name(err)
+    at = f"{call} on {where}" if where else call
     if name in _LOST:
-        return DeviceLostError(f"{call} failed: {name}: the device context is lost")
+        _lose_process(f"{name}, first seen by {at}")
+    if _lost_first is not None:
+        return _lost_error(f"{at} failed with {name}")
     if name == "CUDA_ERROR_OUT_OF_MEMORY":
-        return _CudaOutOfMemory(f"{call} failed: {name}")
-    return AsyncMetalError(f"{call} failed: {name}")
+        return _CudaOutOfMemory(f"{at} failed: {name}")
+    return AsyncMetalError(f"{at} failed: {name}")
 
 
 class _CudaOutOfMemory(AsyncMetalError, MemoryError):
     """The driver had no memory left (the allocator empties its cache and retries)."""
 
 
-def check(result: Any, call: str) -> Any:
-    """Unpack a cuda-bindings result tuple, raising on an error."""
+def check(result: Any, call: str, where: str = "") -> Any:
+    """Unpack a cuda-bindings result tuple, raising on an error (of device ``where``)."""
     err, *values = result
     if int(err) != 0:
-        raise driver_error(call, err)
+        raise driver_error(call, err, where)
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
@@ -187,9 +231,9 @@ def _nvrtc_name(err: Any) -> str:
 class _Pinned:
     """Pinned, device-mapped, portable host memory."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, where: str = "") -> None:
         flags = cu.CU_MEMHOSTALLOC_PORTABLE | cu.CU_MEMHOSTALLOC_DEVICEMAP
-        self.address = int(check(cu.cuMemHostAlloc(nbytes, flags), "cuMemHostAlloc"))
+        self.address = int(check(cu.cuMemHostAlloc(nbytes, flags), "cuMemHostAlloc", where))
         self.nbytes = nbytes
         ctypes.memset(self.address, 0, nbytes)
 
@@ -246,6 +290,25 @@ class CUDATimeline(NativeTimeline):
 _MAPPED: dict[int, tuple[mmap.mmap, Any]] = {}
 
 
+def _map(nbytes: int) -> int:
+    """Map ``nbytes`` of anonymous memory aligned to ``HUGE_PAGE``, kept in ``_MAPPED``
+    until unmapped; return its address. A function of its own so that no frame but this
+    one, gone once it returns, holds the ctypes view: a map cannot close while a view of
+    it lives, and a ``_Chunk.__init__`` whose registration failed unmaps with its own
+    frame still alive (its traceback is being raised)."""
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: private, so huge pages may back it
+        private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        mapped = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=private)
+        with contextlib.suppress(OSError):  # no huge pages in this kernel: 4 KiB ones
+            mapped.madvise(mmap.MADV_HUGEPAGE)
+    else:
+        mapped = mmap.mmap(-1, nbytes + HUGE_PAGE)  # zero-filled; aligned inside
+    view = (ctypes.c_char * len(mapped)).from_buffer(mapped)
+    address = -(-ctypes.addressof(view) // HUGE_PAGE) * HUGE_PAGE
+    _MAPPED[address] = (mapped, view)
+    return address
+
+
 class _Chunk:
     """A pinned staging chunk, with the device word its host copies mark it ready on (a
     stream waits on it): its ``generation``-th use is ready once the word reaches it.
@@ -257,21 +320,12 @@ class _Chunk:
     Making pinned memory holds up the device's other driver calls, and a queue's first
     copies make its ring."""
 
-    def __init__(self, nbytes: int) -> None:
-        if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: private, so huge pages may back it
-            private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-            mapped = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=private)
-            with contextlib.suppress(OSError):  # no huge pages in this kernel: 4 KiB ones
-                mapped.madvise(mmap.MADV_HUGEPAGE)
-        else:
-            mapped = mmap.mmap(-1, nbytes + HUGE_PAGE)  # zero-filled; aligned inside
-        view = (ctypes.c_char * len(mapped)).from_buffer(mapped)
-        self.address = -(-ctypes.addressof(view) // HUGE_PAGE) * HUGE_PAGE
+    def __init__(self, nbytes: int, where: str = "") -> None:
+        self.address = _map(nbytes)
         self.nbytes = nbytes
-        _MAPPED[self.address] = (mapped, view)
-        flags = cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP
         try:
-            check(cu.cuMemHostRegister(self.address, nbytes, flags), "cuMemHostRegister")
+            flags = cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP
+            check(cu.cuMemHostRegister(self.address, nbytes, flags), "cuMemHostRegister", where)
         except BaseException:
             self._unmap()
             raise
@@ -402,12 +456,13 @@ class _Staging:
 
 class CUDAQueue(NativeQueue):
     def __init__(self, backend: CUDABackend, timeline: CUDATimeline) -> None:
+        _refuse_if_lost(f"a new queue on {backend.name}")
         self._backend = backend
         self._timeline = timeline
         lib = self._lib = backend.lib
         backend.make_current()
         flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
-        self.stream = check(cu.cuStreamCreate(flags), "cuStreamCreate")
+        self.stream = check(cu.cuStreamCreate(flags), "cuStreamCreate", backend.name)
         self._q: int | None = lib.am_cuq_new(
             backend.context_address,
             int(self.stream),
@@ -432,12 +487,24 @@ class CUDAQueue(NativeQueue):
         self._dims: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
         self._dims_arrays: list[ctypes.Array[ctypes.c_uint]] = []
         self._staging: _Staging | None = None  # made at the first large pageable copy
+        # Commands up to this value were confirmed before the process's CUDA state was
+        # lost (set then); every later one failed with it.
+        self._confirmed_at_loss = _UNCONFIRMED
+        with _lost_lock:
+            if _lost_first is not None:  # lost while this queue was being made
+                self._confirmed_at_loss = 0
+            _live_queues.add(self)
 
     def _failed(self, code: int) -> AsyncMetalError:
         if code == -1:
             raise MemoryError("the CUDA completion ring could not grow")
         call = self._lib.am_cuda_name(self._lib.am_cuq_failed_call(self._q)).decode()
-        return driver_error(call, code)
+        return driver_error(call, code, self._backend.name)
+
+    def _lost(self, what: str) -> DeviceLostError:
+        """The process-wide loss, for a submission refused after it (the native launch
+        path finds it at its driver calls, or when its completion is awaited)."""
+        return _lost_error(f"{what} on {self._backend.name}")
 
     def _check(self, code: int) -> None:
         """Raise what a native submission call's nonzero result means."""
@@ -488,11 +555,14 @@ class CUDAQueue(NativeQueue):
         self._check(self._lib.am_cuq_memcpy(self._q, to_device, dst, src, nbytes, value))
 
     def failure(self, value: int) -> BaseException | None:
-        if not self._error.value:  # read in place: the common case costs no call
+        if not self._error.value and _lost_first is None:  # the common case: no call
             return None
         code, first = self._first_error()
         if code and value >= first:
-            return driver_error(f"the command at value {first} on this stream", code)
+            where = f"a stream of {self._backend.name}"
+            return driver_error(f"the command at value {first}", code, where)
+        if _lost_first is not None and value > self._confirmed_at_loss:
+            return _lost_error(f"the command at value {value} on {self._backend.name}")
         return None
 
     def stats(self) -> dict[str, int]:
@@ -533,6 +603,8 @@ class CUDAQueue(NativeQueue):
         value: int,
         record: Record,
     ) -> None:
+        if _lost_first is not None:
+            raise self._lost("a launch")
         if len(args) > MAX_PARAMS:
             raise AsyncMetalError(f"cuda kernels take at most {MAX_PARAMS} parameters here")
         # One native call, which makes the context current (through the extension, which
@@ -567,11 +639,15 @@ class CUDAQueue(NativeQueue):
 
     def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, CUDATimeline)
+        if _lost_first is not None:
+            raise self._lost("a signal")
         self._write(value, timeline, target)  # native calls: they make the context current
         self._finish(value, timeline, extra=timeline, target=target)
 
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, CUDATimeline)
+        if _lost_first is not None:
+            raise self._lost("a wait")
         # Native calls only (they make the context current); none if confirmed already.
         confirms = None
         if timeline.value < target:
@@ -591,6 +667,8 @@ class CUDAQueue(NativeQueue):
     def copy(
         self, dst: Arg, src: Arg, nbytes: int, value: int, record: Record, peer: Any = None
     ) -> None:
+        if _lost_first is not None:
+            raise self._lost("a copy")
         # Expected at most ~1 ns per KB on one H200 (~2 TB/s each way), ~3 between two
         # (~390 GB/s over NVLink): the completion thread polls that long.
         expected = nbytes // 1000 if peer is None else nbytes * 3 // 1000
@@ -612,6 +690,8 @@ class CUDAQueue(NativeQueue):
         return self._staging
 
     def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
+        if _lost_first is not None:
+            raise self._lost("a copy from the host")
         self._backend.make_current()
         address = host_address(src)[0]
         base = dst.handle + dst.offset
@@ -632,6 +712,8 @@ class CUDAQueue(NativeQueue):
         self._finish(value, (dst, src), expected_ns=src.nbytes // STAGED_BYTES_PER_NS)
 
     def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
+        if _lost_first is not None:
+            raise self._lost("a copy to the host")
         self._backend.make_current()
         address = host_address(dst)[0]
         base = src.handle + src.offset
@@ -711,14 +793,19 @@ def _enable_peer_access(backend: CUDABackend) -> None:
             if (src, dst) in _peers_done:
                 continue
             _peers_done.add((src, dst))
-            if not check(cu.cuDeviceCanAccessPeer(src_device, dst_device), "cuDeviceCanAccessPeer"):
+            where = f"cuda:{src}"
+            can = cu.cuDeviceCanAccessPeer(src_device, dst_device)
+            if not check(can, "cuDeviceCanAccessPeer", where):
                 continue
-            check(cu.cuCtxSetCurrent(src_context), "cuCtxSetCurrent")
+            check(cu.cuCtxSetCurrent(src_context), "cuCtxSetCurrent", where)
             (err,) = cu.cuCtxEnablePeerAccess(dst_context, 0)
             already = cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
             if err not in (cu.CUresult.CUDA_SUCCESS, already):
-                raise driver_error("cuCtxEnablePeerAccess", err)
+                raise driver_error("cuCtxEnablePeerAccess", err, where)
     backend.make_current()
+
+
+_listed: list[str] = []  # the devices the driver listed last
 
 
 class CUDABackend(Backend):
@@ -729,14 +816,18 @@ class CUDABackend(Backend):
 
     @classmethod
     def available(cls) -> list[str]:
+        global _listed
         if cu is None or os.environ.get("ASYNCMETAL_WORKER"):
             return []
+        if _lost_first is not None:  # what was listed: opening one says the process is lost
+            return list(_listed)
         try:
             (err,) = cu.cuInit(0)
             if int(err) != 0:
                 return []
             err, count = cu.cuDeviceGetCount()
-            return [f"cuda:{i}" for i in range(count)] if int(err) == 0 else []
+            _listed = [f"cuda:{i}" for i in range(count)] if int(err) == 0 else []
+            return list(_listed)
         except Exception:
             return []
 
@@ -745,30 +836,38 @@ class CUDABackend(Backend):
             raise AsyncMetalError(
                 "the cuda device needs cuda-bindings: pip install asyncmetal[cuda]"
             )
-        check(cu.cuInit(0), "cuInit")
+        where = self.name = f"cuda:{index}"
+        _refuse_if_lost(f"opening {where}")
+        check(cu.cuInit(0), "cuInit", where)
         self.index = index
-        self.device = check(cu.cuDeviceGet(index), "cuDeviceGet")
-        self.context = check(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
+        self.device = check(cu.cuDeviceGet(index), "cuDeviceGet", where)
+        self.context = check(
+            cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain", where
+        )
         self.context_address = int(self.context)
         self.make_current()
         attr = cu.CUdevice_attribute
         major = check(
             cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.device),
-            "attr",
+            "cuDeviceGetAttribute",
+            where,
         )
         minor = check(
             cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.device),
-            "attr",
+            "cuDeviceGetAttribute",
+            where,
         )
         memops = check(
             cu.cuDeviceGetAttribute(
                 attr.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, self.device
             ),
-            "attr",
+            "cuDeviceGetAttribute",
+            where,
         )
         unified = check(
             cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, self.device),
-            "attr",
+            "cuDeviceGetAttribute",
+            where,
         )
         missing = None
         if not unified:
@@ -782,8 +881,8 @@ class CUDABackend(Backend):
         if missing is not None:
             cu.cuDevicePrimaryCtxRelease(self.device)
             raise AsyncMetalError(f"cuda:{index} lacks {missing}; asyncmetal needs it")
-        name = check(cu.cuDeviceGetName(256, self.device), "cuDeviceGetName")
-        total = int(check(cu.cuDeviceTotalMem(self.device), "cuDeviceTotalMem"))
+        name = check(cu.cuDeviceGetName(256, self.device), "cuDeviceGetName", where)
+        total = int(check(cu.cuDeviceTotalMem(self.device), "cuDeviceTotalMem", where))
         self._info = DeviceInfo(
             name=name.split(b"\0")[0].decode(),
             total_memory=total,
@@ -796,7 +895,7 @@ class CUDABackend(Backend):
         self._slot_arenas: list[_Pinned] = []
         self._free_slots: list[int] = []
         self._slot_lock = threading.Lock()
-        self._chunks = [_Chunk(STAGE_CHUNK) for _ in range(STAGE_RING + STAGE_SPARE)]
+        self._chunks = [_Chunk(STAGE_CHUNK, where) for _ in range(STAGE_RING + STAGE_SPARE)]
         self._chunk_lock = threading.Lock()
         self.live_allocations = 0
         # cuMemFree synchronizes the device: never on a loop, always on this thread.
@@ -811,9 +910,9 @@ class CUDABackend(Backend):
         """Make this device's context current on the calling thread. The current context
         is per thread and shared by every device (and library) used on it, so it is
         checked each time, never remembered. (The native submission path checks in C.)"""
-        current = check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        current = check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent", self.name)
         if int(current) != self.context_address:
-            check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+            check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent", self.name)
 
     def take_chunk(self, pin: bool = True) -> _Chunk | None:
         """A pinned staging chunk of the device's (pinned when it opened, or given back by
@@ -824,7 +923,7 @@ class CUDABackend(Backend):
         if not pin:
             return None
         self.make_current()
-        return _Chunk(STAGE_CHUNK)
+        return _Chunk(STAGE_CHUNK, self.name)
 
     def give_chunk(self, chunk: _Chunk) -> None:
         with self._chunk_lock:
@@ -834,7 +933,7 @@ class CUDABackend(Backend):
         with self._slot_lock:
             if not self._free_slots:
                 self.make_current()
-                arena = _Pinned(64 << 10)
+                arena = _Pinned(64 << 10, self.name)
                 self._slot_arenas.append(arena)
                 self._free_slots = [arena.address + 128 * i for i in range(arena.nbytes // 128)]
             return self._free_slots.pop()
@@ -852,17 +951,21 @@ class CUDABackend(Backend):
         return self._compiler
 
     def load(self, binary: bytes, name: str) -> Any:
+        _refuse_if_lost(f"loading kernel {name!r} on {self.name}")
         self.make_current()
-        module = check(cu.cuModuleLoadData(binary), "cuModuleLoadData")
+        module = check(cu.cuModuleLoadData(binary), "cuModuleLoadData", self.name)
         self._modules.append(module)
         err, function = cu.cuModuleGetFunction(module, name.encode())
         if int(err) != 0:
+            if _error_name(err) in _LOST or _lost_first is not None:
+                raise driver_error("cuModuleGetFunction", err, self.name)
             raise AttributeError(name)  # the device turns this into a CompileError
         return int(function)  # a CUfunction's address, as the native launch takes it
 
     def allocate(self, nbytes: int) -> Any:
+        _refuse_if_lost(f"allocating {nbytes} bytes on {self.name}")
         self.make_current()
-        pointer = int(check(cu.cuMemAlloc(nbytes), "cuMemAlloc"))
+        pointer = int(check(cu.cuMemAlloc(nbytes), "cuMemAlloc", self.name))
         self.live_allocations += 1
         return pointer
 

@@ -1,0 +1,417 @@
+"""Faults of the cuda backend without a GPU: a fake of cuda-bindings' driver module
+(``_Driver``, monkeypatched in as ``asyncmetal.backends.cuda.cu``) that answers every
+call the backend makes, and whose calls can be made to fail as the real driver's do.
+
+* A staging chunk whose registration fails unmaps its memory and raises the driver's
+  error -- never ``BufferError`` (a ctypes view of the map kept alive by the failing
+  ``__init__``'s frame once made ``mmap.close`` refuse, masking the real error).
+* A sticky error (an illegal address, a failed launch, ...) loses the process's CUDA
+  state, every device's: once any call or command saw one, every cuda device of the
+  process reports ``DeviceLostError`` saying so -- alloc, load, new queues, submissions,
+  completions not confirmed before, opening a device -- while other errors (no memory,
+  an invalid value) stay what they are.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import functools
+import gc
+import re
+import types
+import weakref
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+import asyncmetal as am
+from asyncmetal import DeviceLostError, _native
+from asyncmetal.backends import cuda as cb
+
+MAX = (1 << 64) - 1
+# What every process-wide report says: that the state is lost, that the process must
+# restart, and that separate processes contain such faults.
+PROCESS_LOST = r"(?s)the process's CUDA state is lost.*restart the process.*Separate processes"
+SRC = "void k(int* x) { x[0] = 1; }"  # parsed for its parameters only: never compiled
+
+
+class CUresult(enum.IntEnum):
+    """The driver's result codes the backend meets (the real values)."""
+
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_INVALID_VALUE = 1
+    CUDA_ERROR_OUT_OF_MEMORY = 2
+    CUDA_ERROR_NOT_READY = 600
+    CUDA_ERROR_ILLEGAL_ADDRESS = 700
+    CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
+    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+    CUDA_ERROR_LAUNCH_FAILED = 719
+
+
+_host_memory: list[Any] = []  # "pinned" memory: timeline words may outlive a test
+
+
+class _Driver:
+    """What the backend calls of cuda-bindings' ``driver`` module, for GPUs that do
+    nothing. Each call returns a result tuple as cuda-bindings does; ``fail[name]`` makes
+    call ``name`` return that error instead (and do nothing); ``calls`` lists every call
+    made, by name."""
+
+    CUresult = CUresult
+    CU_MEMHOSTREGISTER_PORTABLE = 1
+    CU_MEMHOSTREGISTER_DEVICEMAP = 2
+    CU_MEMHOSTALLOC_PORTABLE = 1
+    CU_MEMHOSTALLOC_DEVICEMAP = 2
+    CUstream_flags = types.SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
+    CUdevice_attribute = types.SimpleNamespace(
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR=75,
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR=76,
+        CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS=111,
+        CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING=41,
+    )
+    ATTRIBUTES: ClassVar[dict[int, int]] = {75: 9, 76: 0, 111: 1, 41: 1}
+
+    def __init__(self, gpus: int = 2) -> None:
+        self.gpus = gpus
+        self.fail: dict[str, CUresult] = {}
+        self.calls: list[str] = []
+        self.registered: set[int] = set()
+        self.current = 0
+        self._handles = iter(range(0x1000, 1 << 40, 0x1000))
+
+    def _result(self, name: str, *values: Any) -> tuple[Any, ...]:
+        self.calls.append(name)
+        if name in self.fail:
+            return (self.fail[name], *(None for _ in values))
+        return (CUresult.CUDA_SUCCESS, *values)
+
+    def cuInit(self, flags: int) -> tuple[Any, ...]:
+        return self._result("cuInit")
+
+    def cuDeviceGetCount(self) -> tuple[Any, ...]:
+        return self._result("cuDeviceGetCount", self.gpus)
+
+    def cuDeviceGet(self, index: int) -> tuple[Any, ...]:
+        return self._result("cuDeviceGet", index)
+
+    def cuDevicePrimaryCtxRetain(self, device: int) -> tuple[Any, ...]:
+        return self._result("cuDevicePrimaryCtxRetain", 0x100 + device)
+
+    def cuDevicePrimaryCtxRelease(self, device: int) -> tuple[Any, ...]:
+        return self._result("cuDevicePrimaryCtxRelease")
+
+    def cuCtxGetCurrent(self) -> tuple[Any, ...]:
+        return self._result("cuCtxGetCurrent", self.current)
+
+    def cuCtxSetCurrent(self, context: int) -> tuple[Any, ...]:
+        result = self._result("cuCtxSetCurrent")
+        if result[0] == 0:
+            self.current = context
+        return result
+
+    def cuCtxSynchronize(self) -> tuple[Any, ...]:
+        return self._result("cuCtxSynchronize")
+
+    def cuDeviceGetAttribute(self, attribute: int, device: int) -> tuple[Any, ...]:
+        return self._result("cuDeviceGetAttribute", self.ATTRIBUTES[attribute])
+
+    def cuDeviceGetName(self, length: int, device: int) -> tuple[Any, ...]:
+        return self._result("cuDeviceGetName", b"Fake GPU\0")
+
+    def cuDeviceTotalMem(self, device: int) -> tuple[Any, ...]:
+        return self._result("cuDeviceTotalMem", 1 << 30)
+
+    def cuDeviceCanAccessPeer(self, device: int, peer: int) -> tuple[Any, ...]:
+        return self._result("cuDeviceCanAccessPeer", 0)
+
+    def cuMemHostAlloc(self, nbytes: int, flags: int) -> tuple[Any, ...]:
+        memory = (ctypes.c_uint8 * nbytes)()
+        result = self._result("cuMemHostAlloc", ctypes.addressof(memory))
+        if result[0] == 0:
+            _host_memory.append(memory)
+        return result
+
+    def cuMemHostRegister(self, address: int, nbytes: int, flags: int) -> tuple[Any, ...]:
+        result = self._result("cuMemHostRegister")
+        if result[0] == 0:
+            self.registered.add(address)
+        return result
+
+    def cuMemHostUnregister(self, address: int) -> tuple[Any, ...]:
+        self.registered.discard(address)
+        return self._result("cuMemHostUnregister")
+
+    def cuMemAlloc(self, nbytes: int) -> tuple[Any, ...]:
+        return self._result("cuMemAlloc", next(self._handles))
+
+    def cuMemFree(self, pointer: int) -> tuple[Any, ...]:
+        return self._result("cuMemFree")
+
+    def cuModuleLoadData(self, binary: bytes) -> tuple[Any, ...]:
+        return self._result("cuModuleLoadData", next(self._handles))
+
+    def cuModuleGetFunction(self, module: int, name: bytes) -> tuple[Any, ...]:
+        return self._result("cuModuleGetFunction", next(self._handles))
+
+    def cuModuleUnload(self, module: int) -> tuple[Any, ...]:
+        return self._result("cuModuleUnload")
+
+    def cuStreamCreate(self, flags: int) -> tuple[Any, ...]:
+        return self._result("cuStreamCreate", next(self._handles))
+
+    def cuStreamSynchronize(self, stream: int) -> tuple[Any, ...]:
+        return self._result("cuStreamSynchronize")
+
+    def cuStreamDestroy(self, stream: int) -> tuple[Any, ...]:
+        return self._result("cuStreamDestroy")
+
+    def cuMemcpyHtoDAsync(self, dst: int, src: int, nbytes: int, stream: int) -> tuple[Any, ...]:
+        return self._result("cuMemcpyHtoDAsync")
+
+
+class _NativeQueue(ctypes.Structure):
+    """am_cuq's first members, as CUDAQueue reads them (its error in place)."""
+
+    _fields_ = [
+        ("error", ctypes.c_int),
+        ("failed_call", ctypes.c_int),
+        ("error_value", ctypes.c_uint64),
+    ]
+
+
+class _Runtime:
+    """The native runtime with its CUDA queues simulated: timelines are the real ones;
+    a queue is a ``_NativeQueue`` whose error a test sets, as the completion thread sets
+    it when an event reports a fault. Submitting to one fails the test: every
+    submission here must be refused before it gets to native code."""
+
+    def __init__(self) -> None:
+        self._real = _native.runtime()
+        self.queues: dict[int, _NativeQueue] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("am_cuq_"):
+            return functools.partial(self._submitted, name)
+        return getattr(self._real, name)
+
+    def _submitted(self, name: str, *args: Any) -> None:
+        raise AssertionError(f"{name} was called: a submission got to native code")
+
+    def am_cuq_new(
+        self, context: int, stream: int, timeline: int, spin_ns: int, max_inflight: int
+    ) -> int:
+        q = _NativeQueue()
+        self.queues[ctypes.addressof(q)] = q
+        return ctypes.addressof(q)
+
+    def am_cuq_error(self, q: int, value: Any) -> int:
+        value._obj.value = self.queues[q].error_value  # value: ctypes.byref(a c_uint64)
+        return int(self.queues[q].error)
+
+    def am_cuq_failed_call(self, q: int) -> int:
+        return int(self.queues[q].failed_call)
+
+    def am_cuq_close(self, q: int, abandon: int) -> None:
+        del self.queues[q]
+
+
+@pytest.fixture
+def driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Driver]:
+    """The fake driver as ``cu``, in a process whose CUDA state is not lost (restored
+    afterwards: the state is the module's, for the life of the process)."""
+    fake = _Driver()
+    runtime = _Runtime()
+    monkeypatch.setattr(cb, "cu", fake)
+    native = types.SimpleNamespace(runtime=lambda: runtime, extension=lambda: None)
+    monkeypatch.setattr(cb, "_native", native)
+    monkeypatch.setattr(cb, "_install_driver", lambda lib: None)
+    monkeypatch.setattr(cb, "_opened", {})
+    monkeypatch.setattr(cb, "_peers_done", set())
+    monkeypatch.setattr(cb, "_listed", [])
+    monkeypatch.setattr(cb, "STAGE_RING", 2)
+    monkeypatch.setattr(cb, "STAGE_CHUNK", 1 << 20)
+    monkeypatch.setattr(cb, "_lost_first", None)
+    monkeypatch.setattr(cb, "_live_queues", weakref.WeakSet())
+    kept = set(cb._MAPPED)
+    yield fake
+    leaked = set(cb._MAPPED) - kept
+    for address in leaked:  # unmapped here, so one failing test does not leak into others
+        mapped, view = cb._MAPPED.pop(address)
+        del view
+        mapped.close()
+
+
+@pytest.mark.parametrize(
+    "error", [CUresult.CUDA_ERROR_ILLEGAL_ADDRESS, CUresult.CUDA_ERROR_OUT_OF_MEMORY]
+)
+def test_a_chunk_whose_registration_fails_raises_the_drivers_error(
+    driver: _Driver, error: CUresult
+) -> None:
+    """cuMemHostRegister fails (a sticky error left by a fault, or no memory): the
+    driver's error comes out, as the asyncmetal error it maps to, and the chunk's memory
+    is unmapped -- nothing is left in ``_MAPPED``, nothing registered."""
+    kept = set(cb._MAPPED)
+    driver.fail["cuMemHostRegister"] = error
+    expected = DeviceLostError if error in (700, 719) else MemoryError
+    for _ in range(3):
+        with pytest.raises(expected, match=error.name) as caught:
+            cb._Chunk(1 << 20)
+        assert not isinstance(caught.value.__context__, BufferError)
+        del caught
+        assert set(cb._MAPPED) == kept and not driver.registered
+    driver.fail.clear()
+    chunk = cb._Chunk(1 << 20)  # and the next one maps and registers as usual
+    assert chunk.address in driver.registered
+    ctypes.memset(chunk.address, 1, chunk.nbytes)
+    chunk.free()
+    assert set(cb._MAPPED) == kept and not driver.registered
+    gc.collect()
+
+
+@pytest.mark.parametrize(
+    "sticky", [CUresult.CUDA_ERROR_ILLEGAL_ADDRESS, CUresult.CUDA_ERROR_LAUNCH_FAILED]
+)
+def test_a_sticky_error_loses_the_process_and_other_errors_do_not(
+    driver: _Driver, sticky: CUresult
+) -> None:
+    """No memory and an invalid value stay what they are, and lose nothing; a sticky
+    error is reported as the process's CUDA state lost, naming it and who saw it, and
+    from then on every error of any device is reported as that loss."""
+    for _ in range(2):
+        oom = cb.driver_error("cuMemAlloc", CUresult.CUDA_ERROR_OUT_OF_MEMORY)
+        assert isinstance(oom, MemoryError) and not isinstance(oom, DeviceLostError)
+        assert str(oom) == "cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY"
+        invalid = cb.driver_error("cuModuleLoadData", CUresult.CUDA_ERROR_INVALID_VALUE)
+        assert type(invalid) is am.AsyncMetalError
+        assert str(invalid) == "cuModuleLoadData failed: CUDA_ERROR_INVALID_VALUE"
+
+    lost = cb.driver_error("the command at value 3 on a stream of cuda:1", sticky)
+    assert isinstance(lost, DeviceLostError)
+    message = str(lost)
+    assert re.search(PROCESS_LOST, message), message
+    assert message.startswith(
+        f"the command at value 3 on a stream of cuda:1 failed with {sticky.name}: "
+    )
+    assert f"({sticky.name}, first seen by the command at value 3 on a stream of cuda:1)" in message
+
+    later = cb.driver_error("cuMemAlloc", CUresult.CUDA_ERROR_OUT_OF_MEMORY, "cuda:0")
+    assert isinstance(later, DeviceLostError) and not isinstance(later, MemoryError)
+    assert str(later).startswith("cuMemAlloc on cuda:0 failed with CUDA_ERROR_OUT_OF_MEMORY: ")
+    assert "first seen by the command at value 3 on a stream of cuda:1" in str(later)
+
+
+def _fault(queue: am.Queue, runtime: _Runtime, error: CUresult) -> am.Completion:
+    """A command on ``queue`` whose event reported ``error``, as the completion thread
+    records it: the queue's first error, and its timeline raised to wake the waiters."""
+    done = queue._next()
+    native = runtime.queues[queue._native._q]  # type: ignore[attr-defined]
+    native.error, native.error_value = int(error), done.value
+    queue.timeline._native.signal(MAX)
+    return done
+
+
+def _confirmed(queue: am.Queue) -> am.Completion:
+    """A command on ``queue`` its completion thread confirmed."""
+    done = queue._next()
+    queue.timeline._native.signal(done.value)
+    return done
+
+
+async def _now(call: Any, *args: Any) -> Any:
+    """``call(*args)`` from a coroutine: what it raises is raised when awaited."""
+    return call(*args)
+
+
+@pytest.mark.anyio
+async def test_a_fault_on_one_gpu_loses_every_cuda_device_of_the_process(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """Two GPUs open; a kernel on cuda:1 faults (illegal address). Its completion raises
+    DeviceLostError saying the process's CUDA state is lost -- and from then on cuda:0,
+    opened before, says so too, before calling the driver: its alloc, kernel load, new
+    queue, launch and copies, its commands not confirmed before, and opening cuda:0
+    again (whose staging chunks the driver would now refuse to register). What cuda:0
+    finished before stays finished; closing both devices still works."""
+    runtime = cb._native.runtime()
+    dev0 = await am.open_device("cuda:0")
+    dev1 = await am.open_device("cuda:1")
+    try:
+        params = dev0._check_compile(SRC, "k")
+        kernel = await dev0._program(("key", "k"), params, b"cubin")
+        buf, other = await dev0.alloc(64), await dev0.alloc(64)
+        driver.fail["cuMemAlloc"] = CUresult.CUDA_ERROR_OUT_OF_MEMORY  # not sticky:
+        with pytest.raises(am.OutOfMemoryError):  # the device is full, nothing more
+            await dev0.alloc(128, timeout=0)
+        del driver.fail["cuMemAlloc"]
+        before = _confirmed(dev0.queue)
+
+        bad = _fault(dev1.queue, runtime, CUresult.CUDA_ERROR_ILLEGAL_ADDRESS)
+        with pytest.raises(DeviceLostError, match=PROCESS_LOST) as caught:
+            await bad
+        first = (
+            "CUDA_ERROR_ILLEGAL_ADDRESS, first seen by the command at value 1 on a stream of cuda:1"
+        )
+        assert first in str(caught.value)
+
+        # The driver now fails these with the fault's error; none gets that far.
+        for call in (
+            "cuInit",
+            "cuMemAlloc",
+            "cuModuleLoadData",
+            "cuStreamCreate",
+            "cuMemHostRegister",
+            "cuMemcpyHtoDAsync",
+        ):
+            driver.fail[call] = CUresult.CUDA_ERROR_ILLEGAL_ADDRESS
+        calls = len(driver.calls)
+        await before  # confirmed before the fault: it ran
+        after = _confirmed(dev0.queue)  # a command the driver confirmed after it
+        with pytest.raises(DeviceLostError, match=PROCESS_LOST):
+            await after
+        refused: list[tuple[str, Any]] = [
+            ("allocating 256 bytes on cuda:0", lambda: dev0.alloc(256)),
+            ("loading kernel 'k' on cuda:0", lambda: dev0._program(("other", "k"), params, b"")),
+            ("a new queue on cuda:0", lambda: _now(dev0.new_queue)),
+            ("a launch on cuda:0", lambda: _now(dev0.queue.launch, kernel, buf)),
+            ("a copy from the host on cuda:0", lambda: dev0.queue.copy(buf, np.zeros(8))),
+            ("a copy to the host on cuda:0", lambda: dev0.queue.copy(np.zeros(8), buf)),
+            ("a copy on cuda:0", lambda: dev0.queue.copy(other, buf)),
+            ("a new queue on cuda:1", lambda: _now(dev1.new_queue)),
+            ("opening cuda:0", lambda: am.open_device("cuda:0")),
+        ]
+        for what, call in refused:
+            with pytest.raises(DeviceLostError, match=PROCESS_LOST) as caught:
+                await call()
+            assert str(caught.value).startswith(f"{what}: "), str(caught.value)
+            assert first in str(caught.value)
+        assert driver.calls[calls:] == [], "a refused call got to the driver"
+        assert dev0.queue.submitted == after.value  # nothing refused was numbered
+        assert "cuda:0" in am.devices()  # listed still: opening it says why it fails
+    finally:
+        await dev1.close()
+        await dev0.close()
+
+
+@pytest.mark.anyio
+async def test_opening_a_gpu_after_a_fault_nobody_saw_raises_device_lost(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """A fault on cuda:1 no completion reported yet; cuda:0 is opened afresh and the
+    driver refuses to register its staging chunks with the fault's error. The open
+    raises DeviceLostError saying the process is lost -- not BufferError from the
+    chunk's cleanup, not the bare driver error -- and cuda:1 reports it from then on."""
+    dev1 = await am.open_device("cuda:1")
+    try:
+        driver.fail["cuMemHostRegister"] = CUresult.CUDA_ERROR_ILLEGAL_ADDRESS
+        with pytest.raises(DeviceLostError, match=PROCESS_LOST) as caught:
+            await am.open_device("cuda:0")
+        assert "first seen by cuMemHostRegister on cuda:0" in str(caught.value)
+        with pytest.raises(DeviceLostError, match="first seen by cuMemHostRegister on cuda:0"):
+            await dev1.alloc(64)
+        with pytest.raises(DeviceLostError, match=PROCESS_LOST):
+            await am.open_device("cuda:0")
+    finally:
+        await dev1.close()
