@@ -914,6 +914,9 @@ class CUDABackend(Backend):
         if int(current) != self.context_address:
             check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent", self.name)
 
+    def lost(self, what: str) -> BaseException | None:
+        return None if _lost_first is None else _lost_error(f"{what} on {self.name}")
+
     def take_chunk(self, pin: bool = True) -> _Chunk | None:
         """A pinned staging chunk of the device's (pinned when it opened, or given back by
         a closed queue); if none is left, a newly pinned one, or None without ``pin``."""

@@ -342,6 +342,7 @@ async def test_a_fault_on_one_gpu_loses_every_cuda_device_of_the_process(
         params = dev0._check_compile(SRC, "k")
         kernel = await dev0._program(("key", "k"), params, b"cubin")
         buf, other = await dev0.alloc(64), await dev0.alloc(64)
+        await (await dev0.alloc(64)).free()  # a block of 64 bytes in the cache
         driver.fail["cuMemAlloc"] = CUresult.CUDA_ERROR_OUT_OF_MEMORY  # not sticky:
         with pytest.raises(am.OutOfMemoryError):  # the device is full, nothing more
             await dev0.alloc(128, timeout=0)
@@ -373,6 +374,8 @@ async def test_a_fault_on_one_gpu_loses_every_cuda_device_of_the_process(
             await after
         refused: list[tuple[str, Any]] = [
             ("allocating 256 bytes on cuda:0", lambda: dev0.alloc(256)),
+            ("allocating 64 bytes on cuda:0", lambda: dev0.alloc(64)),  # a cached size
+            ("compiling 'k' on cuda:0", lambda: dev0.compile(SRC, "k")),  # a loaded one
             ("loading kernel 'k' on cuda:0", lambda: dev0._program(("other", "k"), params, b"")),
             ("a new queue on cuda:0", lambda: _now(dev0.new_queue)),
             ("a launch on cuda:0", lambda: _now(dev0.queue.launch, kernel, buf)),
