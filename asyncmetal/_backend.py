@@ -228,7 +228,7 @@ class Backend(ABC):
     @abstractmethod
     def new_timeline(self, on_advance: Callable[[int], None]) -> NativeTimeline: ...
 
-    def lost(self, what: str) -> BaseException | None:
+    def lost_error(self, what: str) -> BaseException | None:
         """The error ``what`` (an allocation, a compile) raises now because of a fault
         the driver made process-wide, or None. Checked before allocations and compiles,
         which may not reach the driver at all (a cached block, a loaded program)."""

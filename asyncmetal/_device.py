@@ -127,7 +127,7 @@ class Device:
         raise :class:`ClosedResourceError`. Cancelling it allocates nothing.
         """
         self._check_open()
-        lost = self._backend.lost(f"allocating {nbytes} bytes")  # a cached block too
+        lost = self._backend.lost_error(f"allocating {nbytes} bytes")  # a cached block too
         if lost is not None:
             raise lost
         return await self._allocator.alloc(nbytes, timeout)
@@ -202,7 +202,7 @@ class Device:
             raise ArgumentTypeError(
                 f"compile(src, name) takes two str, got {type(src).__name__}, {type(name).__name__}"
             )
-        lost = self._backend.lost(f"compiling {name!r}")  # a loaded program too
+        lost = self._backend.lost_error(f"compiling {name!r}")  # a loaded program too
         if lost is not None:
             raise lost
         return self._backend.compiler.params(src, name)

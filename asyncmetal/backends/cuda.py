@@ -914,7 +914,7 @@ class CUDABackend(Backend):
         if int(current) != self.context_address:
             check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent", self.name)
 
-    def lost(self, what: str) -> BaseException | None:
+    def lost_error(self, what: str) -> BaseException | None:
         return None if _lost_first is None else _lost_error(f"{what} on {self.name}")
 
     def take_chunk(self, pin: bool = True) -> _Chunk | None:
