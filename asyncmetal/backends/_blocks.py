@@ -12,7 +12,6 @@ kept alive in :data:`_alive` until the block has run (or its owner is closed).
 from __future__ import annotations
 
 import ctypes
-import sys
 import threading
 from typing import Any
 
@@ -62,11 +61,12 @@ _lock = threading.Lock()
 
 
 def global_block_isa(runtime: Any = None) -> int:
-    """The address of ``_NSConcreteGlobalBlock`` (libSystem on macOS, libBlocksRuntime
-    elsewhere)."""
+    """The address of ``_NSConcreteGlobalBlock`` in ``runtime``: by default libSystem
+    (Apple's, or the one ``ASYNCMETAL_LIBSYSTEM`` names), else libBlocksRuntime."""
     if runtime is None:
-        name = "/usr/lib/libSystem.B.dylib" if sys.platform == "darwin" else "libBlocksRuntime.so.0"
-        runtime = ctypes.CDLL(name)
+        from ._objc import library_path
+
+        runtime = ctypes.CDLL(library_path("system") or "libBlocksRuntime.so.0")
     return ctypes.addressof(ctypes.c_void_p.in_dll(runtime, "_NSConcreteGlobalBlock"))
 
 

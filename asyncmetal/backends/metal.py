@@ -39,7 +39,6 @@ import platform
 import re
 import struct
 import subprocess
-import sys
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
@@ -60,7 +59,17 @@ from .._backend import (
 from .._compile import Compiler, ParamKind
 from .._errors import AsyncMetalError, CompileError, DeviceLostError
 from . import _blocks
-from ._objc import describe_error, nsstring, objc_class, release, retain, send
+from ._objc import (
+    autorelease_pool,
+    describe_error,
+    library_path,
+    load,
+    nsstring,
+    objc_class,
+    release,
+    retain,
+    send,
+)
 
 c_void_p, c_uint64, c_ulong = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_ulong
 STORAGE_SHARED = 0  # MTLResourceStorageModeShared
@@ -74,11 +83,6 @@ class MTLSize(ctypes.Structure):
     _fields_ = [("width", c_ulong), ("height", c_ulong), ("depth", c_ulong)]
 
 
-def _framework(name: str) -> ctypes.CDLL:
-    return ctypes.CDLL(f"/System/Library/Frameworks/{name}.framework/{name}")
-
-
-MTL_COMPILER = "/System/Library/PrivateFrameworks/MTLCompiler.framework/MTLCompiler"
 REQUEST_TYPE_COMPILE = 13  # MTLCodeGenServiceBuildRequest's request type for MSL -> library
 
 
@@ -158,7 +162,7 @@ class MetalCompiler(Compiler):
     def _compile_service(self, src: str) -> bytes:
         if self._service is None:
             try:
-                lib = ctypes.CDLL(MTL_COMPILER)
+                lib = load("compiler")
             except OSError as exc:
                 raise CompileError(
                     f"the Metal compiler service is not available here ({exc}); "
@@ -176,7 +180,7 @@ class MetalCompiler(Compiler):
                 c_void_p,
             ]
             service = lib.MTLCodeGenServiceCreate(b"asyncmetal")
-            self._service = (lib, service, _blocks.global_block_isa())
+            self._service = (lib, service, _blocks.global_block_isa(load("system")))
         lib, service, isa = self._service
         request = codegen_request(src, self.service_params())
         result = CodegenResult()
@@ -618,26 +622,32 @@ class MetalBackend(Backend):
 
     @classmethod
     def available(cls) -> list[str]:
-        if sys.platform != "darwin":
+        """``metal`` where Metal and the Objective-C runtime load (Apple's on macOS, or
+        the libraries the ``ASYNCMETAL_*`` variables name) and a device exists."""
+        if any(library_path(role) is None for role in ("objc", "metal", "system")):
             return []
         try:
-            metal = _framework("Metal")
+            metal = load("metal")
             metal.MTLCreateSystemDefaultDevice.restype = c_void_p
-            return ["metal"] if metal.MTLCreateSystemDefaultDevice() else []
-        except OSError:
+            device = metal.MTLCreateSystemDefaultDevice()
+            if device:
+                release(device)  # the Create rule: this call owns one reference
+            return ["metal"] if device else []
+        except (OSError, AttributeError):
             return []
 
     def __init__(self, index: int) -> None:
-        if sys.platform != "darwin":
-            raise AsyncMetalError("the metal device exists only on macOS")
-        metal = _framework("Metal")
+        try:
+            metal = load("metal")
+            dispatch = load("system")
+        except OSError as exc:
+            raise AsyncMetalError(f"the metal device is not available here: {exc}") from None
         metal.MTLCreateSystemDefaultDevice.restype = c_void_p
         self.device: int = metal.MTLCreateSystemDefaultDevice()
         if not self.device:
             raise AsyncMetalError("no Metal device")
         self.lib = _native.runtime()
-        self.block_isa = _blocks.global_block_isa()
-        dispatch = ctypes.CDLL("/usr/lib/libSystem.B.dylib")
+        self.block_isa = _blocks.global_block_isa(dispatch)
         dispatch.dispatch_queue_create.restype = c_void_p
         dispatch.dispatch_queue_create.argtypes = [ctypes.c_char_p, c_void_p]
         self._dispatch = dispatch
