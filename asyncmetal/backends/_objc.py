@@ -128,9 +128,10 @@ def describe_error(error: int) -> str:
     """The ``localizedDescription`` of an NSError (empty when there is none)."""
     if not error:
         return ""
-    description = send(error, "localizedDescription")
-    text = send(description, "UTF8String", restype=ctypes.c_char_p)
-    return text.decode(errors="replace") if text else "unknown error"
+    with autorelease_pool():  # the description is autoreleased: read it inside the pool
+        description = send(error, "localizedDescription")
+        text = send(description, "UTF8String", restype=ctypes.c_char_p)
+        return text.decode(errors="replace") if text else "unknown error"
 
 
 def release(obj: int) -> None:

@@ -275,6 +275,11 @@ class MetalTimeline(NativeTimeline):
         self._mirror = ctypes.c_uint64.from_address(self.c_timeline)
         self._backend = backend
 
+    def __del__(self) -> None:
+        # Command buffers that wait on or signal the event retain it; this reference is
+        # the timeline's own (newSharedEvent).
+        release(self.event)
+
     @property
     def value(self) -> int:
         return self._mirror.value
@@ -349,6 +354,22 @@ class MetalQueue(NativeQueue):
         record: Record,
         routed: bool,
     ) -> None:
+        # The command buffer and its encoders are autoreleased: without a pool they would
+        # stay alive until this thread exits (the loop's thread: never).
+        with autorelease_pool():
+            self._encode_and_commit(value, encode, keep, copy_back, record)
+        if routed:
+            with self._lock:
+                self._routed -= 1
+
+    def _encode_and_commit(
+        self,
+        value: int,
+        encode: Callable[[int], None],
+        keep: object,
+        copy_back: tuple[int, int, int] | None,
+        record: Record,
+    ) -> None:
         backend = self._backend
         cb = retain(send(self._queue, "commandBuffer"))
         still = []
@@ -385,9 +406,6 @@ class MetalQueue(NativeQueue):
         if len(self._buffers) > 256:
             self._reap()
         self._unmarked = 0
-        if routed:
-            with self._lock:
-                self._routed -= 1
 
     def flush(self) -> None:
         """Commit a wait command that no later command carried yet (before parking)."""
@@ -657,6 +675,9 @@ class MetalBackend(Backend):
             "initWithDispatchQueue:",
             listener_queue,
         )
+        dispatch.dispatch_release.restype = None
+        dispatch.dispatch_release.argtypes = [c_void_p]
+        dispatch.dispatch_release(listener_queue)  # the listener keeps it
         name = send(send(self.device, "name"), "UTF8String", restype=ctypes.c_char_p)
         total = send(self.device, "recommendedMaxWorkingSetSize", restype=c_uint64)
         self._info = DeviceInfo(name=(name or b"metal").decode(), total_memory=int(total))
@@ -664,6 +685,7 @@ class MetalBackend(Backend):
         self.lost: DeviceLostError | None = None
         self.lost_from = 0
         self.live_allocations = 0
+        self._pipelines: list[int] = []
 
     @property
     def info(self) -> DeviceInfo:
@@ -681,20 +703,31 @@ class MetalBackend(Backend):
             c_void_p,
             c_void_p,
         ]
-        data = self._dispatch.dispatch_data_create(binary, len(binary), None, None)
-        error = c_void_p(0)
-        library = send(self.device, "newLibraryWithData:error:", data, ctypes.byref(error))
-        if not library:
-            raise CompileError(f"Metal rejected the library: {describe_error(error.value or 0)}")
-        function = send(library, "newFunctionWithName:", nsstring(name))
-        if not function:
-            raise AttributeError(name)
-        pipeline = send(
-            self.device, "newComputePipelineStateWithFunction:error:", function, ctypes.byref(error)
-        )
-        if not pipeline:
-            raise CompileError(f"no pipeline for {name!r}: {describe_error(error.value or 0)}")
-        return pipeline
+        # The name and any NSError are autoreleased; the data, library and function are
+        # ours and released here (the pipeline keeps what it needs).
+        with autorelease_pool():
+            data = self._dispatch.dispatch_data_create(binary, len(binary), None, None)
+            error = c_void_p(0)
+            library = send(self.device, "newLibraryWithData:error:", data, ctypes.byref(error))
+            self._dispatch.dispatch_release(data)
+            if not library:
+                reason = describe_error(error.value or 0)
+                raise CompileError(f"Metal rejected the library: {reason}")
+            function = send(library, "newFunctionWithName:", nsstring(name))
+            release(library)
+            if not function:
+                raise AttributeError(name)
+            pipeline = send(
+                self.device,
+                "newComputePipelineStateWithFunction:error:",
+                function,
+                ctypes.byref(error),
+            )
+            release(function)
+            if not pipeline:
+                raise CompileError(f"no pipeline for {name!r}: {describe_error(error.value or 0)}")
+            self._pipelines.append(pipeline)  # released with the device
+            return pipeline
 
     def allocate(self, nbytes: int) -> Any:
         buffer = send(
@@ -751,4 +784,8 @@ class MetalBackend(Backend):
         return MetalTimeline(self)
 
     def close(self) -> None:
+        for pipeline in self._pipelines:
+            release(pipeline)
+        self._pipelines.clear()
         release(self.listener)
+        release(self.device)  # MTLCreateSystemDefaultDevice's reference
