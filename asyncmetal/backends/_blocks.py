@@ -53,6 +53,8 @@ class BlockLiteral(ctypes.Structure):
         ("copy_dst", ctypes.c_void_p),
         ("copy_src", ctypes.c_void_p),
         ("copy_nbytes", ctypes.c_size_t),
+        ("then", ctypes.c_void_p),
+        ("then_value", ctypes.c_uint64),
     ]
 
 

@@ -14,8 +14,11 @@ real blocks runtime; ``devices()`` lists no ``metal`` off macOS and opening it r
   block whose invoke function is native (``am_block_completed``): it raises the queue's
   timeline mirror, which wakes the loops through their pipes. Status, error and GPU
   times are read from the retained command buffer afterwards, on the loop.
-* Host awaits of free timelines use ``notifyListener:atValue:block:`` with an
-  ``MTLSharedEventListener`` on its own dispatch queue (block signature "v24@?0@8Q16").
+* A queue's signal of a timeline raises that timeline's mirror from the same completion
+  handler, right after the queue's own timeline: a host that sees the value reached may
+  rely on the signal command having completed. (An ``MTLSharedEventListener`` would
+  report the event's value first -- the GPU signals it before the command buffer
+  completes -- which let a host signal overtake the queue's own timeline.)
 * ``commandBuffer`` blocks when the queue has 1024 buffers in flight: past 1000 a queue
   hands its submissions to its own thread, in order, so the loop never blocks.
 * Buffers are shared storage. A host source larger than 1 MiB is blitted in place
@@ -65,7 +68,6 @@ from ._objc import (
     library_path,
     load,
     nsstring,
-    objc_class,
     release,
     retain,
     send,
@@ -292,21 +294,6 @@ class MetalTimeline(NativeTimeline):
         send(self.event, "setSignaledValue:", value, restype=None, argtypes=(c_uint64,))
         self._lib.am_timeline_signal(self.c_timeline, value)
 
-    def listen(self, value: int) -> None:
-        """Raise the mirror once the device signals ``value`` (a queue's signal)."""
-        block = _blocks.make_block(
-            self._backend.block_isa, _blocks.REACHED_SIGNATURE, self.c_timeline
-        )
-        send(
-            self.event,
-            "notifyListener:atValue:block:",
-            self._backend.listener,
-            value,
-            ctypes.addressof(block),
-            restype=None,
-            argtypes=(c_void_p, c_uint64, c_void_p),
-        )
-
 
 class MetalQueue(NativeQueue):
     def __init__(self, backend: MetalBackend, timeline: MetalTimeline) -> None:
@@ -333,6 +320,7 @@ class MetalQueue(NativeQueue):
         keep: object = None,
         copy_back: tuple[int, int, int] | None = None,
         record: Record | None = None,
+        then: tuple[int, int] | None = None,
     ) -> None:
         record = record if record is not None else Record(value)
         if self._routed or value - 1 - self._timeline.value >= MAX_IN_FLIGHT:
@@ -341,9 +329,9 @@ class MetalQueue(NativeQueue):
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="asyncmetal-metal")
             with self._lock:
                 self._routed += 1
-            self._worker.submit(self._commit, value, encode, keep, copy_back, record, True)
+            self._worker.submit(self._commit, value, encode, keep, copy_back, record, then, True)
             return
-        self._commit(value, encode, keep, copy_back, record, False)
+        self._commit(value, encode, keep, copy_back, record, then, False)
 
     def _commit(
         self,
@@ -352,12 +340,13 @@ class MetalQueue(NativeQueue):
         keep: object,
         copy_back: tuple[int, int, int] | None,
         record: Record,
+        then: tuple[int, int] | None,
         routed: bool,
     ) -> None:
         # The command buffer and its encoders are autoreleased: without a pool they would
         # stay alive until this thread exits (the loop's thread: never).
         with autorelease_pool():
-            self._encode_and_commit(value, encode, keep, copy_back, record)
+            self._encode_and_commit(value, encode, keep, copy_back, record, then)
         if routed:
             with self._lock:
                 self._routed -= 1
@@ -369,6 +358,7 @@ class MetalQueue(NativeQueue):
         keep: object,
         copy_back: tuple[int, int, int] | None,
         record: Record,
+        then: tuple[int, int] | None,
     ) -> None:
         backend = self._backend
         cb = retain(send(self._queue, "commandBuffer"))
@@ -399,6 +389,8 @@ class MetalQueue(NativeQueue):
         )
         if copy_back is not None:
             block.copy_dst, block.copy_src, block.copy_nbytes = copy_back
+        if then is not None:
+            block.then, block.then_value = then
         send(cb, "addCompletedHandler:", ctypes.addressof(block), restype=None)
         send(cb, "commit", restype=None)
         self._buffers.append((value, cb, block, record, bool(still)))
@@ -487,7 +479,6 @@ class MetalQueue(NativeQueue):
 
     def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, MetalTimeline)
-        timeline.listen(target)  # host awaiters of `timeline` hear of it
 
         def encode(cb: int) -> None:
             send(
@@ -499,7 +490,8 @@ class MetalQueue(NativeQueue):
                 argtypes=(c_void_p, c_uint64),
             )
 
-        self._submit(value, encode, timeline, record=record)
+        # Host awaiters of `timeline` hear of it from this command's completion handler.
+        self._submit(value, encode, timeline, record=record, then=(timeline.c_timeline, target))
 
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, MetalTimeline)
@@ -630,7 +622,6 @@ class MetalBackend(Backend):
     device: int
     lib: ctypes.CDLL
     block_isa: int
-    listener: int
     lost: DeviceLostError | None
     lost_from: int
     live_allocations: int
@@ -666,18 +657,9 @@ class MetalBackend(Backend):
             raise AsyncMetalError("no Metal device")
         self.lib = _native.runtime()
         self.block_isa = _blocks.global_block_isa(dispatch)
-        dispatch.dispatch_queue_create.restype = c_void_p
-        dispatch.dispatch_queue_create.argtypes = [ctypes.c_char_p, c_void_p]
-        self._dispatch = dispatch
-        listener_queue = dispatch.dispatch_queue_create(b"asyncmetal.listener", None)
-        self.listener: int = send(
-            send(objc_class("MTLSharedEventListener"), "alloc"),
-            "initWithDispatchQueue:",
-            listener_queue,
-        )
         dispatch.dispatch_release.restype = None
         dispatch.dispatch_release.argtypes = [c_void_p]
-        dispatch.dispatch_release(listener_queue)  # the listener keeps it
+        self._dispatch = dispatch
         name = send(send(self.device, "name"), "UTF8String", restype=ctypes.c_char_p)
         total = send(self.device, "recommendedMaxWorkingSetSize", restype=c_uint64)
         self._info = DeviceInfo(name=(name or b"metal").decode(), total_memory=int(total))
@@ -787,5 +769,4 @@ class MetalBackend(Backend):
         for pipeline in self._pipelines:
             release(pipeline)
         self._pipelines.clear()
-        release(self.listener)
         release(self.device)  # MTLCreateSystemDefaultDevice's reference

@@ -145,10 +145,25 @@ static const char *class_name(const object *o) {
     return o->is_class ? ((const sim_class *)o)->name : o->isa->name;
 }
 
+/* Every object ever made (their memory is never reused), to tell a pointer that never
+ * was an object from one whose memory was overwritten. */
+static pthread_mutex_t all_lock = PTHREAD_MUTEX_INITIALIZER;
+static const object **all_objects;
+static size_t n_objects, cap_objects;
+
 static void check_live(const object *o, const char *what) {
     if (o->magic == MAGIC_DEAD)
         fail("%s sent to deallocated instance %p of class %s", what, (void *)o, o->isa->name);
-    if (o->magic != MAGIC_LIVE) fail("%s sent to %p, which is not an object", what, (void *)o);
+    if (o->magic != MAGIC_LIVE) {
+        pthread_mutex_lock(&all_lock);
+        for (size_t i = 0; i < n_objects; i++)
+            if (all_objects[i] == o)
+                fail("%s sent to %p, an object whose memory was overwritten (words %#lx %#lx "
+                     "%#lx %#lx %#lx %#lx)", what, (void *)o, ((unsigned long *)o)[0],
+                     ((unsigned long *)o)[1], ((unsigned long *)o)[2], ((unsigned long *)o)[3],
+                     ((unsigned long *)o)[4], ((unsigned long *)o)[5]);
+        fail("%s sent to %p, which is not an object", what, (void *)o);
+    }
 }
 
 static void *new_object(sim_class *cls) {
@@ -158,6 +173,13 @@ static void *new_object(sim_class *cls) {
     o->magic = MAGIC_LIVE;
     o->refs = 1;
     atomic_fetch_add(&cls->live, 1);
+    pthread_mutex_lock(&all_lock);
+    if (n_objects == cap_objects) {
+        cap_objects = cap_objects ? 2 * cap_objects : 1024;
+        all_objects = realloc(all_objects, cap_objects * sizeof *all_objects);
+    }
+    all_objects[n_objects++] = o;
+    pthread_mutex_unlock(&all_lock);
     return o;
 }
 
@@ -542,7 +564,21 @@ typedef struct command {
     unsigned long src_offset, dst_offset, size;
 } command;
 
-typedef struct handler { void (^block)(void *); struct handler *next; } handler;
+typedef struct handler {
+    void (^block)(void *);
+    struct handler *next;
+    void *isa;                      /* the block's first words when it was copied */
+    int flags;
+} handler;
+
+/* Before Metal's last Block_release of a block it kept: the block must still be the block
+ * it copied (memory its owner freed, or reused, would be corrupted by the release). */
+static void check_block_intact(const void *block, void *isa, int flags, const char *what) {
+    const struct { void *isa; int flags; } *b = block;
+    if (b->isa != isa || b->flags != flags)
+        fail("%s: the block at %p was freed or overwritten while Metal still held it "
+             "(isa %p flags %#x, were %p %#x)", what, block, b->isa, b->flags, isa, flags);
+}
 
 typedef struct mtlqueue mtlqueue;
 
@@ -615,6 +651,7 @@ static void mtlcmdbuf_dealloc(object *o) {
     }
     for (handler *h = cb->handlers, *next; h; h = next) {
         next = h->next;
+        check_block_intact(h->block, h->isa, h->flags, "addCompletedHandler:");
         Block_release(h->block);
         free(h);
     }
@@ -692,6 +729,8 @@ static void MTLCommandBuffer_addCompletedHandler(mtlcmdbuf *self, SEL s, void *b
     check_block_signature(block, "v16@?0@8", "addCompletedHandler:");
     handler *h = calloc(1, sizeof *h);
     h->block = Block_copy((void (^)(void *))block);
+    h->isa = ((void **)h->block)[0];
+    h->flags = ((int *)h->block)[2];
     handler **p = &self->handlers;  /* handlers run in the order they were added */
     while (*p) p = &(*p)->next;
     *p = h;
