@@ -81,6 +81,19 @@ LOOPS = {
 # The devices the `device` fixture runs each test on: cpu, and metal where it opens
 # (macOS, or the simulation here). On metal the tests run on uvloop too.
 DEVICES = ["cpu", *(["metal"] if "metal" in am.devices() else [])]
+# Tests written against the cpu device's C source or its name run on cpu only
+# (tests/test_metal.py has their Metal counterparts).
+CPU_ONLY = {
+    "test_device_compile_uses_its_pool",  # compiles the C kernels
+    "test_compile_many_reports_failures_in_turn",  # C sources
+    "test_compile_many_yields_each",  # C sources
+    "test_c_that_does_not_compile_carries_the_log",  # a C compiler's log
+    "test_buffer_of_another_device_is_refused",  # messages name cpu
+    # the native extension's launch path of cpu (and cuda) queues; metal has none
+    "test_it_submits_the_common_case",
+    "test_random_launches_end_alike_with_and_without_it",
+    "test_launch_paths_give_the_same_results",
+}
 
 
 def _has_uvloop() -> bool:
@@ -96,7 +109,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "device_name" not in metafunc.fixturenames or "anyio_backend" not in metafunc.fixturenames:
         return
     params = []
-    for name in DEVICES:
+    for name in ["cpu"] if metafunc.function.__name__ in CPU_ONLY else DEVICES:
         loops = ["asyncio", "trio"] + (["uvloop"] if name == "metal" and _has_uvloop() else [])
         for loop in loops:
             marks = [pytest.mark.metal] if name == "metal" else []

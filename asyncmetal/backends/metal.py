@@ -21,9 +21,10 @@ real blocks runtime; ``devices()`` lists no ``metal`` off macOS and opening it r
   completes -- which let a host signal overtake the queue's own timeline.)
 * ``commandBuffer`` blocks when the queue has 1024 buffers in flight: past 1000 a queue
   hands its submissions to its own thread, in order, so the loop never blocks.
-* Buffers are shared storage. A host source larger than 1 MiB is blitted in place
-  through a no-copy buffer over its pages (nothing copied on the loop); smaller ones are
-  copied into a staging buffer at submission. Copies out blit into a shared staging
+* Buffers are shared storage. A host source is blitted in place through a no-copy
+  buffer over its pages (nothing copied on the loop, and -- as ``Queue.copy`` documents
+  -- not staged); only one Metal will not wrap is copied into a staging buffer at
+  submission. Copies out blit into a shared staging
   buffer that the completion handler's native code moves to the host array.
 * Kernels are Metal Shading Language compiled in the worker pool by the
   ``MTLCodeGenService`` of Apple's MTLCompiler framework, as tinygrad does (its reply
@@ -77,7 +78,6 @@ c_void_p, c_uint64, c_ulong = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_ulong
 STORAGE_SHARED = 0  # MTLResourceStorageModeShared
 STATUS_ERROR = 5  # MTLCommandBufferStatusError
 MAX_IN_FLIGHT = 1000  # the queues are made with room for 1024 command buffers
-COPY_IN_PLACE = 1 << 20  # larger host sources are read in place by the blit
 PAGE = mmap.PAGESIZE  # no-copy wrappers cover whole pages (16 KiB on Apple silicon)
 
 
@@ -541,13 +541,11 @@ class MetalQueue(NativeQueue):
         self._blit(value, (dst.handle, dst.offset), source, nbytes, keep, record)
 
     def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
-        # A large source is read in place by the blit, through a buffer over its pages:
-        # nothing is copied on the submitting thread (the source is kept, unchanged,
-        # until done). A small one -- or one Metal will not wrap -- is copied now.
+        # The source is read in place by the blit, through a buffer over its pages:
+        # nothing is copied on the submitting thread, and the source is not staged (it is
+        # kept until done). Only one Metal will not wrap is copied now.
         address, keep = host_address(src)
-        wrapped = None
-        if src.nbytes > COPY_IN_PLACE:
-            wrapped = self._backend.wrap_pages(address, src.nbytes, check=False)
+        wrapped = self._backend.wrap_pages(address, src.nbytes, check=False)
         if wrapped is None:
             staging = send(
                 self._backend.device,
