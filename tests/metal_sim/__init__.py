@@ -98,6 +98,8 @@ def library() -> ctypes.CDLL:
     lib.asyncmetal_sim_live.restype = ctypes.c_long
     lib.asyncmetal_sim_live.argtypes = [ctypes.c_char_p]
     lib.asyncmetal_sim_implicit.restype = ctypes.c_long
+    lib.asyncmetal_sim_handlers.restype = ctypes.c_long
+    lib.asyncmetal_sim_handlers.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -110,3 +112,9 @@ def implicit() -> int:
     """Objects autoreleased with no pool in place (never freed on a long-lived thread)."""
     count: int = library().asyncmetal_sim_implicit()
     return count
+
+
+def handlers() -> tuple[int, int]:
+    """Completed handlers run so far, and how many ran on the committing thread."""
+    lib = library()
+    return lib.asyncmetal_sim_handlers(0), lib.asyncmetal_sim_handlers(1)

@@ -592,6 +592,7 @@ typedef struct mtlcmdbuf {
     nserror *error;
     double start, end;
     struct mtlcmdbuf *next;         /* in its queue's committed list */
+    pthread_t committer;            /* the thread that committed it */
     pthread_mutex_t lock;
     pthread_cond_t cond;
 } mtlcmdbuf;
@@ -743,6 +744,7 @@ static void MTLCommandBuffer_commit(mtlcmdbuf *self, SEL s) {
     if (self->status != STATUS_NOT_ENQUEUED) fail("commit of a command buffer committed before");
     if (self->encoder) fail("commit with an encoder still open (no endEncoding)");
     mtlqueue *q = self->queue;
+    self->committer = pthread_self();
     retain(self);  /* the queue holds a committed command buffer until it completed */
     pthread_mutex_lock(&q->lock);
     self->status = STATUS_COMMITTED;
@@ -933,9 +935,16 @@ static void Blit_copy(mtlencoder *self, SEL s, mtlbuffer *src, unsigned long src
 
 typedef struct { mtlcmdbuf *cb; } completion;
 
+static _Atomic long handlers_run, handlers_on_committer;
+
 static void run_handlers(void *p) {
     mtlcmdbuf *cb = p;
-    for (handler *h = cb->handlers; h; h = h->next) h->block(cb);
+    for (handler *h = cb->handlers; h; h = h->next) {
+        atomic_fetch_add(&handlers_run, 1);
+        if (pthread_equal(pthread_self(), cb->committer))
+            atomic_fetch_add(&handlers_on_committer, 1);
+        h->block(cb);
+    }
     mtlqueue *q = cb->queue;
     pthread_mutex_lock(&q->lock);
     q->outstanding--;
@@ -1127,7 +1136,10 @@ static void *Device_newLibraryWithData(mtldevice *self, SEL s, ddata *data, void
     if (data->size < 8 || memcmp(data->bytes, "MTLB", 4) ||
         memcmp((char *)data->bytes + data->size - 4, "ENDT", 4))
         return set_error(error, "Invalid library file");
-    int fd = memfd_create("asyncmetal-sim-library", MFD_CLOEXEC);
+    /* A file of its own per library: dlopen returns the library already loaded under
+     * the same path (a reused /proc/self/fd/N would name an earlier one). */
+    char path[] = "/tmp/asyncmetal-sim-library-XXXXXX";
+    int fd = mkstemp(path);
     if (fd < 0) return set_error(error, strerror(errno));
     const char *p = (char *)data->bytes + 4;
     size_t left = data->size - 8;
@@ -1135,14 +1147,14 @@ static void *Device_newLibraryWithData(mtldevice *self, SEL s, ddata *data, void
         ssize_t n = write(fd, p, left);
         if (n <= 0) {
             close(fd);
+            unlink(path);
             return set_error(error, "cannot write the library");
         }
         p += n, left -= (size_t)n;
     }
-    char path[64];
-    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
-    void *handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     close(fd);
+    void *handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    unlink(path);
     if (!handle) return set_error(error, dlerror());
     mtllibrary *lib = new_object(&MTLLibrary_class);
     lib->handle = handle;  /* never dlclosed: a zombie function may still point into it */
@@ -1378,3 +1390,8 @@ long asyncmetal_sim_live(const char *name) {
 long asyncmetal_sim_implicit(void) { return (long)implicit_count; }
 
 /* The compiler service is in compiler.c. */
+
+/* Completed handlers run so far, and how many of them on the thread that committed. */
+long asyncmetal_sim_handlers(int on_committer) {
+    return on_committer ? (long)handlers_on_committer : (long)handlers_run;
+}
