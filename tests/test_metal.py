@@ -302,3 +302,102 @@ def test_nothing_is_leaked_or_released_twice(tmp_path: object) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     counts = __import__("json").loads(out.stdout.strip().splitlines()[-1])
     assert counts == {name: 0 for name in counts}, counts
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+@pytest.mark.timeout(120)
+async def test_more_commands_than_a_queue_holds_do_not_block_the_loop(
+    anyio_backend: object,
+) -> None:
+    """Held behind an unsignalled wait, 1100 launches: past 1000 in flight the queue hands
+    its submissions to its own thread, since `commandBuffer` blocks at the queue's 1024
+    (the simulation blocks there too). Had the loop's thread blocked, the signal below
+    would never come (the test would hang)."""
+    async with am.open_device("metal") as dev:
+        step = await dev.compile(MSL_KERNELS, "step")
+        cells = await dev.alloc(8)
+        tl = dev.timeline()
+        q = dev.new_queue()
+        q.wait(tl, 1)
+        done = [q.launch(step, cells, vals=(0, 1, i % 7)) for i in range(1100)]
+        tl.signal(1)
+        await done[-1]
+        expect = 0
+        for i in range(1100):
+            expect = (expect * 31 + i % 7) & 0xFFFFFFFF
+        got = int((await cells.read(np.uint32))[0])
+        assert got == expect  # every launch ran, in order
+
+
+NEW_BUFFER = "b = send(device, 'newBufferWithLength:options:', 64, 0, argtypes=(c_ulong, c_ulong))"
+MISUSE = {
+    "unrecognized selector": "send(device, 'newCommandQueue')",
+    "release sent to deallocated instance": f"{NEW_BUFFER}; release(b); release(b)",
+    "contents sent to deallocated instance": f"{NEW_BUFFER}; release(b); send(b, 'contents')",
+    "an encoder of the command buffer is still open": "q = send(device,"
+    " 'newCommandQueueWithMaxCommandBufferCount:', 4, argtypes=(c_ulong,));"
+    " cb = send(q, 'commandBuffer'); send(cb, 'blitCommandEncoder');"
+    " send(cb, 'computeCommandEncoder')",
+}
+
+
+@pytest.mark.metal
+@sim_only
+@pytest.mark.parametrize("message", list(MISUSE))
+def test_the_simulation_traps_misuse(message: str) -> None:
+    """What Metal's validation layer or the Objective-C runtime would trap aborts the
+    simulation with its reason: the lifetime and encoding checks can fail."""
+    code = (
+        "from ctypes import c_ulong, c_void_p\n"
+        "from asyncmetal.backends._objc import load, release, send\n"
+        "metal = load('metal'); metal.MTLCreateSystemDefaultDevice.restype = c_void_p\n"
+        "device = metal.MTLCreateSystemDefaultDevice()\n" + MISUSE[message] + "\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "asyncmetal-sim:" in out.stderr and message in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.metal
+@sim_only
+def test_shared_event_listener_calls_its_block_on_its_queue() -> None:
+    """notifyListener:atValue:block: (the backend does not use it: its queue signals reach
+    host awaiters through completion handlers) runs the native listener block once the
+    event reaches the value, on the listener's dispatch queue."""
+    code = textwrap.dedent(
+        """
+        import ctypes, time
+        from ctypes import c_uint64, c_void_p
+        from asyncmetal import _native
+        from asyncmetal.backends import _blocks
+        from asyncmetal.backends._objc import load, objc_class, send
+        metal, system = load("metal"), load("system")
+        metal.MTLCreateSystemDefaultDevice.restype = c_void_p
+        system.dispatch_queue_create.restype = c_void_p
+        device = metal.MTLCreateSystemDefaultDevice()
+        queue = system.dispatch_queue_create(b"listener", None)
+        listener = send(send(objc_class("MTLSharedEventListener"), "alloc"),
+                        "initWithDispatchQueue:", c_void_p(queue))
+        event = send(device, "newSharedEvent")
+        lib = _native.runtime()
+        timeline = lib.am_timeline_new()
+        block = _blocks.make_block(_blocks.global_block_isa(system),
+                                   _blocks.REACHED_SIGNATURE, timeline)
+        send(event, "notifyListener:atValue:block:", listener, 5, ctypes.addressof(block),
+             restype=None, argtypes=(c_void_p, c_uint64, c_void_p))
+        send(event, "setSignaledValue:", 4, restype=None, argtypes=(c_uint64,))
+        time.sleep(0.1)
+        assert block.calls == 0, "called before the value was reached"
+        send(event, "setSignaledValue:", 9, restype=None, argtypes=(c_uint64,))
+        deadline = time.monotonic() + 5
+        while not block.calls and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert block.calls == 1 and block.arg == event
+        assert lib.am_timeline_value(timeline) == 9
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
