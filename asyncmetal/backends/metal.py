@@ -1,9 +1,10 @@
 """The ``metal`` device (Apple): the Objective-C runtime through ctypes, as tinygrad does.
 
 NOT RUN ON APPLE HARDWARE. No machine available to this project runs macOS: this module
-is written against Apple's documented API and tinygrad's ``ops_metal.py`` (0.10.2), and
-what can run elsewhere does (the blocks in ``_blocks.py`` are tested on Linux against a
-real blocks runtime; ``devices()`` lists no ``metal`` off macOS and opening it raises).
+is written against Apple's documented API and tinygrad's ``ops_metal.py`` (0.10.2). It
+runs, unchanged, against the tests' simulated Metal (``tests/metal_sim``: the same C
+calls, x86-64, MSL run on the CPU), loaded through the ``ASYNCMETAL_*`` library
+variables (``_objc.LIBRARIES``); ``devices()`` lists ``metal`` where they load.
 
 * Each command is one command buffer: device-side waits (``encodeWaitForEvent:value:``)
   are encoded at the head of the command buffer that holds the dependent work (and of
