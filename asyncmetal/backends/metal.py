@@ -280,8 +280,8 @@ class MetalTimeline(NativeTimeline):
 
     def __del__(self) -> None:
         # Command buffers that wait on or signal the event retain it; this reference is
-        # the timeline's own (newSharedEvent).
-        release(self.event)
+        # the timeline's own (newSharedEvent). None if __init__ failed before making it.
+        release(getattr(self, "event", 0))
 
     @property
     def value(self) -> int:
