@@ -9,7 +9,12 @@ import pytest
 # Keep the tests' compile cache out of the user's cache directory.
 os.environ.setdefault("ASYNCMETAL_CACHE_DIR", tempfile.mkdtemp(prefix="asyncmetal-test-cache-"))
 
-import asyncmetal as am
+from . import metal_sim
+
+# Off macOS the metal device is the simulated Metal (tests/metal_sim), where it builds.
+metal_sim.configure()
+
+import asyncmetal as am  # noqa: E402 - after the simulation is configured
 
 # Kernels used across the tests: C for the cpu device.
 KERNELS = r"""
@@ -35,10 +40,88 @@ void sleep_ms(int ms) {
 """
 
 
+# The same kernels in the Metal Shading Language subset the simulated compiler accepts:
+# one thread does what the C function does (launches use one thread by default).
+MSL_KERNELS = r"""
+#include <metal_stdlib>
+using namespace metal;
+kernel void empty(uint i [[thread_position_in_grid]]) {}
+kernel void add(device float* out [[buffer(0)]], const device float* a [[buffer(1)]],
+                const device float* b [[buffer(2)]], constant int& n [[buffer(3)]],
+                uint i [[thread_position_in_grid]]) {
+    if (i == 0) for (int j = 0; j < n; j++) out[j] = a[j] + b[j];
+}
+kernel void fill(device int* out [[buffer(0)]], constant int& value [[buffer(1)]],
+                 constant int& n [[buffer(2)]], uint i [[thread_position_in_grid]]) {
+    if (i == 0) for (int j = 0; j < n; j++) out[j] = value;
+}
+kernel void step(device int* cells [[buffer(0)]], constant int& dst [[buffer(1)]],
+                 constant int& src [[buffer(2)]], constant int& val [[buffer(3)]],
+                 uint i [[thread_position_in_grid]]) {
+    if (i == 0) cells[dst] = cells[dst] * 31 + cells[src] + val;
+}
+kernel void spin(device int* out [[buffer(0)]], constant int& iters [[buffer(1)]],
+                 uint i [[thread_position_in_grid]]) {
+    volatile int x = 0;
+    for (int k = 0; k < iters; k++) x += k;
+    if (i == 0) out[0] += 1;
+}
+// MSL cannot sleep: a busy loop of roughly `ms` milliseconds on the simulation's CPU.
+kernel void sleep_ms(constant int& ms [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+    volatile int x = 0;
+    for (long k = 0; k < (long)ms * 400000; k++) x += 1;
+}
+"""
+
+LOOPS = {
+    "asyncio": ("asyncio", {"debug": True}),
+    "trio": ("trio", {}),
+    "uvloop": ("asyncio", {"use_uvloop": True}),
+}
+# The devices the `device` fixture runs each test on: cpu, and metal where it opens
+# (macOS, or the simulation here). On metal the tests run on uvloop too.
+DEVICES = ["cpu", *(["metal"] if "metal" in am.devices() else [])]
+# Tests written against the cpu device's C source or its name run on cpu only
+# (tests/test_metal.py has their Metal counterparts).
+CPU_ONLY = {
+    "test_device_compile_uses_its_pool",  # compiles the C kernels
+    "test_compile_many_reports_failures_in_turn",  # C sources
+    "test_compile_many_yields_each",  # C sources
+    "test_c_that_does_not_compile_carries_the_log",  # a C compiler's log
+    "test_buffer_of_another_device_is_refused",  # messages name cpu
+    # the native extension's launch path of cpu (and cuda) queues; metal has none
+    "test_it_submits_the_common_case",
+    "test_random_launches_end_alike_with_and_without_it",
+    "test_launch_paths_give_the_same_results",
+}
+
+
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "device_name" not in metafunc.fixturenames or "anyio_backend" not in metafunc.fixturenames:
+        return
+    params = []
+    for name in ["cpu"] if metafunc.function.__name__ in CPU_ONLY else DEVICES:
+        loops = ["asyncio", "trio"] + (["uvloop"] if name == "metal" and _has_uvloop() else [])
+        for loop in loops:
+            marks = [pytest.mark.metal] if name == "metal" else []
+            test_id = loop if name == "cpu" else f"{name}-{loop}"
+            params.append(pytest.param(LOOPS[loop], name, id=test_id, marks=marks))
+    metafunc.parametrize(("anyio_backend", "device_name"), params)
+
+
 @pytest.fixture(
     params=[
-        pytest.param(("asyncio", {"debug": True}), id="asyncio"),
-        pytest.param(("trio", {}), id="trio"),
+        pytest.param(LOOPS["asyncio"], id="asyncio"),
+        pytest.param(LOOPS["trio"], id="trio"),
     ]
 )
 def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object]]:
@@ -46,12 +129,18 @@ def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object
 
 
 @pytest.fixture
-async def device(anyio_backend: object) -> AsyncIterator[am.Device]:
-    async with am.open_device("cpu") as dev:
+def device_name() -> str:
+    return "cpu"  # parametrized by pytest_generate_tests over DEVICES
+
+
+@pytest.fixture
+async def device(anyio_backend: object, device_name: str) -> AsyncIterator[am.Device]:
+    async with am.open_device(device_name) as dev:
         yield dev
 
 
 @pytest.fixture
 async def kernels(device: am.Device) -> dict[str, am.Program]:
     names = ["empty", "add", "fill", "step", "spin", "sleep_ms"]
-    return {name: await device.compile(KERNELS, name) for name in names}
+    source = MSL_KERNELS if device.name == "metal" else KERNELS
+    return {name: await device.compile(source, name) for name in names}

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
+import re
 import shutil
 import struct
 import subprocess
@@ -24,6 +26,8 @@ import asyncmetal as am
 from asyncmetal import _native
 from asyncmetal.backends import _blocks
 from asyncmetal.backends.metal import CodegenResult
+
+from . import metal_sim
 
 pytestmark = pytest.mark.anyio
 HELPER = Path(__file__).parent / "native" / "blocks_helper.c"
@@ -89,6 +93,12 @@ def _invoke(name: str) -> int:
     return address
 
 
+async def _ran(block: _blocks.BlockLiteral) -> None:
+    with anyio.fail_after(5):
+        while not block.calls:
+            await anyio.sleep(0.001)
+
+
 async def test_completion_handler_block(helper: ctypes.CDLL, device: am.Device) -> None:
     tl = device.timeline()
     block = _blocks.make_block(
@@ -110,6 +120,7 @@ async def test_completion_handler_block(helper: ctypes.CDLL, device: am.Device) 
     with anyio.fail_after(5):
         await tl.wait(7)  # woken through the loop's pipe by the native invoke function
     kept_block = _blocks.BlockLiteral.from_address(address)
+    await _ran(kept_block)  # its count of calls is written last, after the timeline
     assert kept_block.arg == fake_command_buffer
     assert kept_block.calls == 1
     assert _blocks.release_ran() == 0  # freed once it ran (and not before)
@@ -132,6 +143,7 @@ async def test_shared_event_listener_block(helper: ctypes.CDLL, device: am.Devic
     with anyio.fail_after(5):
         await tl.wait(41)  # the value the listener was called with
     assert tl.value == 41
+    await _ran(_blocks.BlockLiteral.from_address(address))
     assert _blocks.BlockLiteral.from_address(address).arg == 0xE7E7
     assert _blocks.release_ran() == 0
 
@@ -156,13 +168,23 @@ def test_compiler_service_reply_block(helper: ctypes.CDLL) -> None:
     assert "error: nope" in info.value.log
 
 
-def test_metal_is_absent_off_macos() -> None:
+def test_metal_is_absent_off_macos_without_configured_libraries() -> None:
+    """Off macOS there is no metal device unless the ASYNCMETAL_* variables name the
+    libraries (as the tests do for the simulated Metal)."""
     if sys.platform == "darwin":
         pytest.skip("on macOS metal may be present")
-    assert "metal" not in am.devices()
-
-    async def open_metal() -> None:
-        await am.open_device("metal")
-
-    with pytest.raises(am.AsyncMetalError, match=r"metal.*not available here"):
-        anyio.run(open_metal)
+    code = (
+        "import anyio, asyncmetal as am\n"
+        "assert 'metal' not in am.devices(), am.devices()\n"
+        "async def main():\n"
+        "    try:\n"
+        "        await am.open_device('metal')\n"
+        "    except am.AsyncMetalError as exc:\n"
+        "        print(exc)\n"
+        "anyio.run(main)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in metal_sim.VARIABLES}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert re.search(r"metal.*not available here", out.stdout), out.stdout

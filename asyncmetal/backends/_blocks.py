@@ -12,7 +12,6 @@ kept alive in :data:`_alive` until the block has run (or its owner is closed).
 from __future__ import annotations
 
 import ctypes
-import sys
 import threading
 from typing import Any
 
@@ -54,6 +53,8 @@ class BlockLiteral(ctypes.Structure):
         ("copy_dst", ctypes.c_void_p),
         ("copy_src", ctypes.c_void_p),
         ("copy_nbytes", ctypes.c_size_t),
+        ("then", ctypes.c_void_p),
+        ("then_value", ctypes.c_uint64),
     ]
 
 
@@ -62,11 +63,12 @@ _lock = threading.Lock()
 
 
 def global_block_isa(runtime: Any = None) -> int:
-    """The address of ``_NSConcreteGlobalBlock`` (libSystem on macOS, libBlocksRuntime
-    elsewhere)."""
+    """The address of ``_NSConcreteGlobalBlock`` in ``runtime``: by default libSystem
+    (Apple's, or the one ``ASYNCMETAL_LIBSYSTEM`` names), else libBlocksRuntime."""
     if runtime is None:
-        name = "/usr/lib/libSystem.B.dylib" if sys.platform == "darwin" else "libBlocksRuntime.so.0"
-        runtime = ctypes.CDLL(name)
+        from ._objc import library_path
+
+        runtime = ctypes.CDLL(library_path("system") or "libBlocksRuntime.so.0")
     return ctypes.addressof(ctypes.c_void_p.in_dll(runtime, "_NSConcreteGlobalBlock"))
 
 

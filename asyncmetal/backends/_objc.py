@@ -3,25 +3,85 @@
 ``send(obj, "selector:with:", *args, restype=..., argtypes=(...))`` calls ``objc_msgSend``
 through one cached ctypes function object per (restype, argtypes) signature.
 Nothing here is loaded until first used, so importing it off macOS is harmless.
+
+Where the system libraries come from is configurable, so the backend can run against a
+simulated Metal (the tests' ``tests/metal_sim``): each ``ASYNCMETAL_*`` variable of
+:data:`LIBRARIES` names a shared library to load instead of Apple's; unset, Apple's path
+is used on macOS and there is none elsewhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import os
+import sys
+from collections.abc import Iterator
 from typing import Any
 
-_LIBOBJC = "/usr/lib/libobjc.dylib"
+# role -> (environment variable, Apple's path)
+LIBRARIES = {
+    "objc": ("ASYNCMETAL_OBJC_LIB", "/usr/lib/libobjc.dylib"),
+    "metal": ("ASYNCMETAL_METAL_LIB", "/System/Library/Frameworks/Metal.framework/Metal"),
+    "compiler": (
+        "ASYNCMETAL_MTLCOMPILER_LIB",
+        "/System/Library/PrivateFrameworks/MTLCompiler.framework/MTLCompiler",
+    ),
+    "system": ("ASYNCMETAL_LIBSYSTEM", "/usr/lib/libSystem.B.dylib"),
+}
+
+
+def library_path(role: str) -> str | None:
+    """The path the library of ``role`` is loaded from: its variable, else Apple's path
+    on macOS, else None (there is none here)."""
+    variable, apple = LIBRARIES[role]
+    configured = os.environ.get(variable)
+    if configured:
+        return configured
+    return apple if sys.platform == "darwin" else None
+
+
+def load(role: str) -> ctypes.CDLL:
+    path = library_path(role)
+    if path is None:
+        variable = LIBRARIES[role][0]
+        raise OSError(f"no {role} library here (macOS has one; elsewhere set {variable})")
+    return ctypes.CDLL(path)
 
 
 @functools.cache
-def libobjc() -> ctypes.CDLL:
-    lib = ctypes.CDLL(_LIBOBJC)
+def _libobjc(path: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(path)
     lib.objc_getClass.restype = ctypes.c_void_p
     lib.objc_getClass.argtypes = [ctypes.c_char_p]
     lib.sel_registerName.restype = ctypes.c_void_p
     lib.sel_registerName.argtypes = [ctypes.c_char_p]
+    lib.objc_autoreleasePoolPush.restype = ctypes.c_void_p
+    lib.objc_autoreleasePoolPush.argtypes = []
+    lib.objc_autoreleasePoolPop.restype = None
+    lib.objc_autoreleasePoolPop.argtypes = [ctypes.c_void_p]
     return lib
+
+
+def libobjc() -> ctypes.CDLL:
+    path = library_path("objc")
+    if path is None:
+        raise OSError("no Objective-C runtime here (set ASYNCMETAL_OBJC_LIB off macOS)")
+    return _libobjc(path)
+
+
+@contextlib.contextmanager
+def autorelease_pool() -> Iterator[None]:
+    """``@autoreleasepool``: objects autoreleased inside (command buffers, encoders,
+    strings) are released on leaving. A thread with no pool in place would keep them
+    until it exits -- for the loop's thread, for ever."""
+    lib = libobjc()
+    token = lib.objc_autoreleasePoolPush()
+    try:
+        yield
+    finally:
+        lib.objc_autoreleasePoolPop(token)
 
 
 @functools.cache
@@ -68,9 +128,10 @@ def describe_error(error: int) -> str:
     """The ``localizedDescription`` of an NSError (empty when there is none)."""
     if not error:
         return ""
-    description = send(error, "localizedDescription")
-    text = send(description, "UTF8String", restype=ctypes.c_char_p)
-    return text.decode(errors="replace") if text else "unknown error"
+    with autorelease_pool():  # the description is autoreleased: read it inside the pool
+        description = send(error, "localizedDescription")
+        text = send(description, "UTF8String", restype=ctypes.c_char_p)
+        return text.decode(errors="replace") if text else "unknown error"
 
 
 def release(obj: int) -> None:

@@ -1,9 +1,10 @@
 """The ``metal`` device (Apple): the Objective-C runtime through ctypes, as tinygrad does.
 
 NOT RUN ON APPLE HARDWARE. No machine available to this project runs macOS: this module
-is written against Apple's documented API and tinygrad's ``ops_metal.py`` (0.10.2), and
-what can run elsewhere does (the blocks in ``_blocks.py`` are tested on Linux against a
-real blocks runtime; ``devices()`` lists no ``metal`` off macOS and opening it raises).
+is written against Apple's documented API and tinygrad's ``ops_metal.py`` (0.10.2). It
+runs, unchanged, against the tests' simulated Metal (``tests/metal_sim``: the same C
+calls, x86-64, MSL run on the CPU), loaded through the ``ASYNCMETAL_*`` library
+variables (``_objc.LIBRARIES``); ``devices()`` lists ``metal`` where they load.
 
 * Each command is one command buffer: device-side waits (``encodeWaitForEvent:value:``)
   are encoded at the head of the command buffer that holds the dependent work (and of
@@ -14,13 +15,17 @@ real blocks runtime; ``devices()`` lists no ``metal`` off macOS and opening it r
   block whose invoke function is native (``am_block_completed``): it raises the queue's
   timeline mirror, which wakes the loops through their pipes. Status, error and GPU
   times are read from the retained command buffer afterwards, on the loop.
-* Host awaits of free timelines use ``notifyListener:atValue:block:`` with an
-  ``MTLSharedEventListener`` on its own dispatch queue (block signature "v24@?0@8Q16").
+* A queue's signal of a timeline raises that timeline's mirror from the same completion
+  handler, right after the queue's own timeline: a host that sees the value reached may
+  rely on the signal command having completed. (An ``MTLSharedEventListener`` would
+  report the event's value first -- the GPU signals it before the command buffer
+  completes -- which let a host signal overtake the queue's own timeline.)
 * ``commandBuffer`` blocks when the queue has 1024 buffers in flight: past 1000 a queue
   hands its submissions to its own thread, in order, so the loop never blocks.
-* Buffers are shared storage. A host source larger than 1 MiB is blitted in place
-  through a no-copy buffer over its pages (nothing copied on the loop); smaller ones are
-  copied into a staging buffer at submission. Copies out blit into a shared staging
+* Buffers are shared storage. A host source is blitted in place through a no-copy
+  buffer over its pages (nothing copied on the loop, and -- as ``Queue.copy`` documents
+  -- not staged); only one Metal will not wrap is copied into a staging buffer at
+  submission. Copies out blit into a shared staging
   buffer that the completion handler's native code moves to the host array.
 * Kernels are Metal Shading Language compiled in the worker pool by the
   ``MTLCodeGenService`` of Apple's MTLCompiler framework, as tinygrad does (its reply
@@ -39,7 +44,6 @@ import platform
 import re
 import struct
 import subprocess
-import sys
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
@@ -60,13 +64,21 @@ from .._backend import (
 from .._compile import Compiler, ParamKind
 from .._errors import AsyncMetalError, CompileError, DeviceLostError
 from . import _blocks
-from ._objc import describe_error, nsstring, objc_class, release, retain, send
+from ._objc import (
+    autorelease_pool,
+    describe_error,
+    library_path,
+    load,
+    nsstring,
+    release,
+    retain,
+    send,
+)
 
 c_void_p, c_uint64, c_ulong = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_ulong
 STORAGE_SHARED = 0  # MTLResourceStorageModeShared
 STATUS_ERROR = 5  # MTLCommandBufferStatusError
 MAX_IN_FLIGHT = 1000  # the queues are made with room for 1024 command buffers
-COPY_IN_PLACE = 1 << 20  # larger host sources are read in place by the blit
 PAGE = mmap.PAGESIZE  # no-copy wrappers cover whole pages (16 KiB on Apple silicon)
 
 
@@ -74,11 +86,6 @@ class MTLSize(ctypes.Structure):
     _fields_ = [("width", c_ulong), ("height", c_ulong), ("depth", c_ulong)]
 
 
-def _framework(name: str) -> ctypes.CDLL:
-    return ctypes.CDLL(f"/System/Library/Frameworks/{name}.framework/{name}")
-
-
-MTL_COMPILER = "/System/Library/PrivateFrameworks/MTLCompiler.framework/MTLCompiler"
 REQUEST_TYPE_COMPILE = 13  # MTLCodeGenServiceBuildRequest's request type for MSL -> library
 
 
@@ -158,7 +165,7 @@ class MetalCompiler(Compiler):
     def _compile_service(self, src: str) -> bytes:
         if self._service is None:
             try:
-                lib = ctypes.CDLL(MTL_COMPILER)
+                lib = load("compiler")
             except OSError as exc:
                 raise CompileError(
                     f"the Metal compiler service is not available here ({exc}); "
@@ -176,7 +183,7 @@ class MetalCompiler(Compiler):
                 c_void_p,
             ]
             service = lib.MTLCodeGenServiceCreate(b"asyncmetal")
-            self._service = (lib, service, _blocks.global_block_isa())
+            self._service = (lib, service, _blocks.global_block_isa(load("system")))
         lib, service, isa = self._service
         request = codegen_request(src, self.service_params())
         result = CodegenResult()
@@ -271,6 +278,11 @@ class MetalTimeline(NativeTimeline):
         self._mirror = ctypes.c_uint64.from_address(self.c_timeline)
         self._backend = backend
 
+    def __del__(self) -> None:
+        # Command buffers that wait on or signal the event retain it; this reference is
+        # the timeline's own (newSharedEvent). None if __init__ failed before making it.
+        release(getattr(self, "event", 0))
+
     @property
     def value(self) -> int:
         return self._mirror.value
@@ -282,21 +294,6 @@ class MetalTimeline(NativeTimeline):
     def signal(self, value: int) -> None:
         send(self.event, "setSignaledValue:", value, restype=None, argtypes=(c_uint64,))
         self._lib.am_timeline_signal(self.c_timeline, value)
-
-    def listen(self, value: int) -> None:
-        """Raise the mirror once the device signals ``value`` (a queue's signal)."""
-        block = _blocks.make_block(
-            self._backend.block_isa, _blocks.REACHED_SIGNATURE, self.c_timeline
-        )
-        send(
-            self.event,
-            "notifyListener:atValue:block:",
-            self._backend.listener,
-            value,
-            ctypes.addressof(block),
-            restype=None,
-            argtypes=(c_void_p, c_uint64, c_void_p),
-        )
 
 
 class MetalQueue(NativeQueue):
@@ -324,6 +321,7 @@ class MetalQueue(NativeQueue):
         keep: object = None,
         copy_back: tuple[int, int, int] | None = None,
         record: Record | None = None,
+        then: tuple[int, int] | None = None,
     ) -> None:
         record = record if record is not None else Record(value)
         if self._routed or value - 1 - self._timeline.value >= MAX_IN_FLIGHT:
@@ -332,9 +330,9 @@ class MetalQueue(NativeQueue):
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="asyncmetal-metal")
             with self._lock:
                 self._routed += 1
-            self._worker.submit(self._commit, value, encode, keep, copy_back, record, True)
+            self._worker.submit(self._commit, value, encode, keep, copy_back, record, then, True)
             return
-        self._commit(value, encode, keep, copy_back, record, False)
+        self._commit(value, encode, keep, copy_back, record, then, False)
 
     def _commit(
         self,
@@ -343,7 +341,25 @@ class MetalQueue(NativeQueue):
         keep: object,
         copy_back: tuple[int, int, int] | None,
         record: Record,
+        then: tuple[int, int] | None,
         routed: bool,
+    ) -> None:
+        # The command buffer and its encoders are autoreleased: without a pool they would
+        # stay alive until this thread exits (the loop's thread: never).
+        with autorelease_pool():
+            self._encode_and_commit(value, encode, keep, copy_back, record, then)
+        if routed:
+            with self._lock:
+                self._routed -= 1
+
+    def _encode_and_commit(
+        self,
+        value: int,
+        encode: Callable[[int], None],
+        keep: object,
+        copy_back: tuple[int, int, int] | None,
+        record: Record,
+        then: tuple[int, int] | None,
     ) -> None:
         backend = self._backend
         cb = retain(send(self._queue, "commandBuffer"))
@@ -374,6 +390,8 @@ class MetalQueue(NativeQueue):
         )
         if copy_back is not None:
             block.copy_dst, block.copy_src, block.copy_nbytes = copy_back
+        if then is not None:
+            block.then, block.then_value = then
         send(cb, "addCompletedHandler:", ctypes.addressof(block), restype=None)
         send(cb, "commit", restype=None)
         self._buffers.append((value, cb, block, record, bool(still)))
@@ -381,9 +399,6 @@ class MetalQueue(NativeQueue):
         if len(self._buffers) > 256:
             self._reap()
         self._unmarked = 0
-        if routed:
-            with self._lock:
-                self._routed -= 1
 
     def flush(self) -> None:
         """Commit a wait command that no later command carried yet (before parking)."""
@@ -465,7 +480,6 @@ class MetalQueue(NativeQueue):
 
     def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, MetalTimeline)
-        timeline.listen(target)  # host awaiters of `timeline` hear of it
 
         def encode(cb: int) -> None:
             send(
@@ -477,7 +491,8 @@ class MetalQueue(NativeQueue):
                 argtypes=(c_void_p, c_uint64),
             )
 
-        self._submit(value, encode, timeline, record=record)
+        # Host awaiters of `timeline` hear of it from this command's completion handler.
+        self._submit(value, encode, timeline, record=record, then=(timeline.c_timeline, target))
 
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, MetalTimeline)
@@ -527,13 +542,11 @@ class MetalQueue(NativeQueue):
         self._blit(value, (dst.handle, dst.offset), source, nbytes, keep, record)
 
     def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
-        # A large source is read in place by the blit, through a buffer over its pages:
-        # nothing is copied on the submitting thread (the source is kept, unchanged,
-        # until done). A small one -- or one Metal will not wrap -- is copied now.
+        # The source is read in place by the blit, through a buffer over its pages:
+        # nothing is copied on the submitting thread, and the source is not staged (it is
+        # kept until done). Only one Metal will not wrap is copied now.
         address, keep = host_address(src)
-        wrapped = None
-        if src.nbytes > COPY_IN_PLACE:
-            wrapped = self._backend.wrap_pages(address, src.nbytes, check=False)
+        wrapped = self._backend.wrap_pages(address, src.nbytes, check=False)
         if wrapped is None:
             staging = send(
                 self._backend.device,
@@ -608,7 +621,6 @@ class MetalBackend(Backend):
     device: int
     lib: ctypes.CDLL
     block_isa: int
-    listener: int
     lost: DeviceLostError | None
     lost_from: int
     live_allocations: int
@@ -618,35 +630,35 @@ class MetalBackend(Backend):
 
     @classmethod
     def available(cls) -> list[str]:
-        if sys.platform != "darwin":
+        """``metal`` where Metal and the Objective-C runtime load (Apple's on macOS, or
+        the libraries the ``ASYNCMETAL_*`` variables name) and a device exists."""
+        if any(library_path(role) is None for role in ("objc", "metal", "system")):
             return []
         try:
-            metal = _framework("Metal")
+            metal = load("metal")
             metal.MTLCreateSystemDefaultDevice.restype = c_void_p
-            return ["metal"] if metal.MTLCreateSystemDefaultDevice() else []
-        except OSError:
+            device = metal.MTLCreateSystemDefaultDevice()
+            if device:
+                release(device)  # the Create rule: this call owns one reference
+            return ["metal"] if device else []
+        except (OSError, AttributeError):
             return []
 
     def __init__(self, index: int) -> None:
-        if sys.platform != "darwin":
-            raise AsyncMetalError("the metal device exists only on macOS")
-        metal = _framework("Metal")
+        try:
+            metal = load("metal")
+            dispatch = load("system")
+        except OSError as exc:
+            raise AsyncMetalError(f"the metal device is not available here: {exc}") from None
         metal.MTLCreateSystemDefaultDevice.restype = c_void_p
         self.device: int = metal.MTLCreateSystemDefaultDevice()
         if not self.device:
             raise AsyncMetalError("no Metal device")
         self.lib = _native.runtime()
-        self.block_isa = _blocks.global_block_isa()
-        dispatch = ctypes.CDLL("/usr/lib/libSystem.B.dylib")
-        dispatch.dispatch_queue_create.restype = c_void_p
-        dispatch.dispatch_queue_create.argtypes = [ctypes.c_char_p, c_void_p]
+        self.block_isa = _blocks.global_block_isa(dispatch)
+        dispatch.dispatch_release.restype = None
+        dispatch.dispatch_release.argtypes = [c_void_p]
         self._dispatch = dispatch
-        listener_queue = dispatch.dispatch_queue_create(b"asyncmetal.listener", None)
-        self.listener: int = send(
-            send(objc_class("MTLSharedEventListener"), "alloc"),
-            "initWithDispatchQueue:",
-            listener_queue,
-        )
         name = send(send(self.device, "name"), "UTF8String", restype=ctypes.c_char_p)
         total = send(self.device, "recommendedMaxWorkingSetSize", restype=c_uint64)
         self._info = DeviceInfo(name=(name or b"metal").decode(), total_memory=int(total))
@@ -654,6 +666,7 @@ class MetalBackend(Backend):
         self.lost: DeviceLostError | None = None
         self.lost_from = 0
         self.live_allocations = 0
+        self._pipelines: list[int] = []
 
     @property
     def info(self) -> DeviceInfo:
@@ -671,20 +684,31 @@ class MetalBackend(Backend):
             c_void_p,
             c_void_p,
         ]
-        data = self._dispatch.dispatch_data_create(binary, len(binary), None, None)
-        error = c_void_p(0)
-        library = send(self.device, "newLibraryWithData:error:", data, ctypes.byref(error))
-        if not library:
-            raise CompileError(f"Metal rejected the library: {describe_error(error.value or 0)}")
-        function = send(library, "newFunctionWithName:", nsstring(name))
-        if not function:
-            raise AttributeError(name)
-        pipeline = send(
-            self.device, "newComputePipelineStateWithFunction:error:", function, ctypes.byref(error)
-        )
-        if not pipeline:
-            raise CompileError(f"no pipeline for {name!r}: {describe_error(error.value or 0)}")
-        return pipeline
+        # The name and any NSError are autoreleased; the data, library and function are
+        # ours and released here (the pipeline keeps what it needs).
+        with autorelease_pool():
+            data = self._dispatch.dispatch_data_create(binary, len(binary), None, None)
+            error = c_void_p(0)
+            library = send(self.device, "newLibraryWithData:error:", data, ctypes.byref(error))
+            self._dispatch.dispatch_release(data)
+            if not library:
+                reason = describe_error(error.value or 0)
+                raise CompileError(f"Metal rejected the library: {reason}")
+            function = send(library, "newFunctionWithName:", nsstring(name))
+            release(library)
+            if not function:
+                raise AttributeError(name)
+            pipeline = send(
+                self.device,
+                "newComputePipelineStateWithFunction:error:",
+                function,
+                ctypes.byref(error),
+            )
+            release(function)
+            if not pipeline:
+                raise CompileError(f"no pipeline for {name!r}: {describe_error(error.value or 0)}")
+            self._pipelines.append(pipeline)  # released with the device
+            return pipeline
 
     def allocate(self, nbytes: int) -> Any:
         buffer = send(
@@ -741,4 +765,7 @@ class MetalBackend(Backend):
         return MetalTimeline(self)
 
     def close(self) -> None:
-        release(self.listener)
+        for pipeline in self._pipelines:
+            release(pipeline)
+        self._pipelines.clear()
+        release(self.device)  # MTLCreateSystemDefaultDevice's reference
