@@ -9,11 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 from . import _native
 from ._backend import Arg, NativeQueue, Record, new_arg
-from ._bridge import checkpoint
 from ._compile import Program
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
 from ._memory import Buffer
-from ._timeline import Timeline, call_when_reached, check_value, crowded, wait_value
+from ._timeline import Timeline, call_when_reached, check_value, ready_checkpoint, wait_value
 from ._transfer import submit_copy
 
 if TYPE_CHECKING:
@@ -59,8 +58,8 @@ class Completion(Record):
 
     def __await__(self) -> Generator[Any, None, None]:
         timeline = self.queue.timeline
-        if timeline._native.value >= self.value and not crowded():  # the fast path: a yield
-            yield from checkpoint()
+        if timeline._native.value >= self.value:  # the fast path: a yield
+            yield from ready_checkpoint()
         else:
             self.queue._native.flush()
             yield from wait_value(timeline, self.value, self.due_ns)

@@ -199,8 +199,8 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
     or ``yield from`` it in an ``__await__``, with no coroutine frame between.)
     """
     native = timeline._native
-    if native.value >= value and not crowded():
-        yield from _bridge.checkpoint()
+    if native.value >= value:
+        yield from ready_checkpoint()
         return
     c_timeline = native.c_timeline or 0
     spin = _native.spin if c_timeline else None  # (a native timeline: the runtime is loaded)
@@ -243,10 +243,21 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
         _waiting.n -= 1
 
 
-def crowded() -> bool:
-    """Whether so many tasks wait on this thread's loop that a wait should park at once,
-    to be woken in a slice, even if its value is reached."""
-    return getattr(_waiting, "n", 0) >= CROWD
+@types.coroutine
+def ready_checkpoint() -> Generator[Any, Any, None]:
+    """The checkpoint of an await whose value is reached: a yield -- or, while a crowd
+    of tasks waits on this thread's loop, a turn in the bridge's next slice (tasks whose
+    commands are always done by the time they await would otherwise all be ready in
+    every iteration of the loop)."""
+    crowd = getattr(_waiting, "n", 0)
+    _waiting.n = crowd + 1
+    try:
+        if crowd < CROWD:
+            yield from _bridge.checkpoint()
+        else:
+            yield from _bridge.current_bridge().park(None, 0).__await__()
+    finally:
+        _waiting.n -= 1
 
 
 def call_when_reached(waitable: Waitable, value: int, callback: Callable[[], None]) -> None:
