@@ -256,15 +256,20 @@ static int take(am_queue *q, am_cmd *out) {
     return 1;
 }
 
+/* am_queue_close(abandon) sets stop under q->mu, then reads waiting_on and broadcasts
+ * t's condition under t->mu. So stop is read under t->mu right before each sleep: either
+ * the close's broadcast comes after this thread sleeps (it wakes it), or its store to
+ * stop came before this thread took t->mu (it sees it). Read only before taking t->mu,
+ * a broadcast landing in between would find nobody asleep and be lost. */
 static int wait_timeline(am_queue *q, am_timeline *t, uint64_t target) {
     pthread_mutex_lock(&q->mu);
     q->waiting_on = t;
-    int abandon = q->stop == 2;
     pthread_mutex_unlock(&q->mu);
+    int abandon = 0;
     pthread_mutex_lock(&t->mu);
-    while (!abandon && atomic_load(&t->value) < target) {
+    while (atomic_load(&t->value) < target) {
+        if ((abandon = __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) == 2)) break;
         pthread_cond_wait(&t->cv, &t->mu);
-        abandon = __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) == 2;
     }
     pthread_mutex_unlock(&t->mu);
     pthread_mutex_lock(&q->mu);

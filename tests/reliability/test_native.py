@@ -1,0 +1,35 @@
+"""The cpu queues of the native runtime, stressed from C (tests/native/queue_stress.c).
+
+Thousands of queues are opened, made to wait and closed -- abandoning the wait, or
+letting another thread release it -- with the close landing at varied moments of the
+queue thread's way into its wait; plus watches and blocks under the same churn. Plain,
+and under ThreadSanitizer and AddressSanitizer (each skips, saying why, where the
+machine cannot run it). A hang ends the run through the harness's watchdog.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ..native import harness
+
+# Iterations of the abandon check (the others run a fraction of it). The plain build
+# runs enough to hit a lost wake-up in a handful of thousand tries; the sanitized ones,
+# ~10x slower a thread switch, run fewer.
+ITERATIONS = {"": "20000", "thread": "2000", "address": "5000"}
+
+
+@pytest.mark.parametrize("sanitizer", harness.SANITIZERS, ids=["plain", "tsan", "asan"])
+def test_queue_close_wait_watch_stress(tmp_path: Path, sanitizer: str) -> None:
+    binary = harness.build("queue_stress.c", tmp_path, sanitizer)
+    proc = harness.run(binary, ITERATIONS[sanitizer], sanitizer=sanitizer)
+    assert proc.returncode == 0, proc.stderr[-6000:] + proc.stdout
+    assert proc.stdout.split() == [
+        *("ok", "abandon"),
+        *("ok", "word"),
+        *("ok", "finish"),
+        *("ok", "watch"),
+        *("ok", "blocks"),
+    ]
