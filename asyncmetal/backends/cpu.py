@@ -12,7 +12,9 @@ Linux calling conventions, which read an ``int`` from the low half.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import ctypes.util
 import functools
 import os
 import shutil
@@ -87,6 +89,57 @@ def _cc_version(cc: str) -> str:
     except OSError:
         return "missing"
     return proc.stdout.decode(errors="replace").partition("\n")[0]
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = (
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    )
+
+
+def _libdl() -> ctypes.CDLL:
+    """The library with dladdr and dlclose: the C library itself since glibc 2.34 and
+    on macOS, libdl before (which the interpreter links)."""
+    for name in (None, ctypes.util.find_library("dl")):
+        lib = ctypes.CDLL(name)
+        if hasattr(lib, "dladdr") and hasattr(lib, "dlclose"):
+            lib.dladdr.argtypes = (ctypes.c_void_p, ctypes.POINTER(_DlInfo))
+            lib.dladdr.restype = ctypes.c_int
+            lib.dlclose.argtypes = (ctypes.c_void_p,)
+            lib.dlclose.restype = ctypes.c_int
+            return lib
+    raise OSError("dladdr/dlclose not found")
+
+
+_dl = _libdl()
+
+
+def _dlclose(handle: int) -> None:
+    _dl.dlclose(handle)
+
+
+def _own_symbol(lib: ctypes.CDLL, name: str, path: str) -> int:
+    """The address of ``name`` defined in ``lib`` itself (loaded from ``path``).
+
+    dlsym also searches the library's dependencies: a kernel that is not defined (say,
+    only inside ``#if 0``) but shares its name with a C library function (``getpid``)
+    would resolve to that function. So the object holding the address dlsym found is
+    checked (dladdr) to be this library's file. AttributeError if it is not there.
+    """
+    try:
+        address = ctypes.cast(lib[name], ctypes.c_void_p).value  # [] also takes "__x__"
+    except AttributeError:
+        address = None
+    info = _DlInfo()
+    if address and _dl.dladdr(address, ctypes.byref(info)) and info.dli_fname:
+        found = os.fsdecode(info.dli_fname)
+        with contextlib.suppress(OSError):
+            if found == path or os.path.samefile(found, path):
+                return address
+    raise AttributeError(f"{name!r} is not defined in the compiled library")
 
 
 class _Memory:
@@ -298,9 +351,8 @@ class CPUBackend(Backend):
             f.write(binary)
             f.flush()
             lib = ctypes.CDLL(f.name, mode=os.RTLD_LOCAL)
-        fn = getattr(lib, name)  # AttributeError: the name is missing
-        self._libraries.append(lib)
-        return ctypes.cast(fn, ctypes.c_void_p).value
+            self._libraries.append(lib)  # unloaded by close(), found or not
+            return _own_symbol(lib, name, f.name)
 
     def allocate(self, nbytes: int) -> Any:
         memory = _Memory(nbytes)

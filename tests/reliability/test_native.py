@@ -9,9 +9,13 @@ machine cannot run it). A hang ends the run through the harness's watchdog.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+import asyncmetal as am
 
 from ..native import harness
 
@@ -33,3 +37,28 @@ def test_queue_close_wait_watch_stress(tmp_path: Path, sanitizer: str) -> None:
         *("ok", "watch"),
         *("ok", "blocks"),
     ]
+
+
+# ---- kernel libraries: names resolved in the library itself ------------------------
+
+_SHADOWED = """
+#include <stdlib.h>
+#if 0
+void getpid(void) {}  /* not compiled: the C library's getpid must not stand in for it */
+#endif
+/* calls the C library, which the library then depends on (dlsym searches it) */
+void present(int* out) { out[0] = getenv("ASYNCMETAL_NOT_SET_ANYWHERE") ? 1 : 7; }
+"""
+
+
+@pytest.mark.anyio
+async def test_a_kernel_missing_from_the_library_is_not_found_in_its_dependencies(
+    anyio_backend: object,
+) -> None:
+    async with am.open_device("cpu") as dev:
+        with pytest.raises(am.CompileError, match="'getpid'"):
+            await dev.compile(_SHADOWED, "getpid")
+        present = await dev.compile(_SHADOWED, "present")
+        buf = await dev.alloc(4)
+        await dev.queue.launch(present, buf)
+        assert (await buf.read(np.int32))[0] == 7
