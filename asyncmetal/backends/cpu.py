@@ -376,4 +376,11 @@ class CPUBackend(Backend):
         return CPUTimeline(self._lib)
 
     def close(self) -> None:
-        self._libraries.clear()
+        # Every queue of the device has stopped (Device closes them first) and its
+        # Programs can no longer be launched (Queue.launch refuses a closed device's),
+        # so no thread can be inside these libraries' code any more: unmap them. A
+        # device opened, used and closed over and over would otherwise keep every
+        # library it loaded mapped, until the process runs out of mappings.
+        libraries, self._libraries = self._libraries, []
+        for lib in libraries:
+            _dlclose(lib._handle)

@@ -39,7 +39,7 @@ def test_queue_close_wait_watch_stress(tmp_path: Path, sanitizer: str) -> None:
     ]
 
 
-# ---- kernel libraries: names resolved in the library itself ------------------------
+# ---- kernel libraries: names resolved in the library itself, unloaded at close -------
 
 _SHADOWED = """
 #include <stdlib.h>
@@ -62,3 +62,28 @@ async def test_a_kernel_missing_from_the_library_is_not_found_in_its_dependencie
         buf = await dev.alloc(4)
         await dev.queue.launch(present, buf)
         assert (await buf.read(np.int32))[0] == 7
+
+
+def _kernel_mappings() -> int:
+    """Mappings of kernel libraries the cpu device loaded (their files are deleted)."""
+    with open("/proc/self/maps") as maps:
+        return sum("/asyncmetal-" in line and ".so" in line for line in maps)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+@pytest.mark.anyio
+async def test_closing_a_device_unmaps_its_kernel_libraries(anyio_backend: object) -> None:
+    src = "void k(int* out) { out[0] += 1; }\n"
+    before = _kernel_mappings()
+    for _ in range(100):  # a compile cache hit after the first: the same binary each time
+        async with am.open_device("cpu") as dev:
+            program = await dev.compile(src, "k")
+            buf = await dev.alloc(4)
+            await dev.queue.launch(program, buf)
+    assert _kernel_mappings() - before <= 0
+    # A Program of a closed device is refused, on its device's queue and on another's.
+    with pytest.raises(am.ClosedResourceError):
+        dev.queue.launch(program, buf)
+    async with am.open_device("cpu") as other:
+        with pytest.raises(am.InvalidArgumentError, match="compiled for"):
+            other.queue.launch(program, await other.alloc(4))
