@@ -160,7 +160,7 @@ class CPUTimeline(NativeTimeline):
         self.c_timeline: int = lib.am_timeline_new()
         if not self.c_timeline:
             raise MemoryError("am_timeline_new")
-        self._value = ctypes.c_uint64.from_address(self.c_timeline)  # read in place
+        self._value = _native.timeline_reader(self.c_timeline)  # an acquire load
 
     @property
     def value(self) -> int:

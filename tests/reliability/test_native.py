@@ -9,6 +9,7 @@ machine cannot run it). A hang ends the run through the harness's watchdog.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
+from asyncmetal import _native
 
 from ..native import harness
 
@@ -87,3 +89,42 @@ async def test_closing_a_device_unmaps_its_kernel_libraries(anyio_backend: objec
     async with am.open_device("cpu") as other:
         with pytest.raises(am.InvalidArgumentError, match="compiled for"):
             other.queue.launch(program, await other.alloc(4))
+
+
+# ---- timeline values: read with acquire ordering where a plain load is not ----------
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["plain-load", "acquire-load"])
+def test_timeline_readers_follow_the_native_value(plain: bool) -> None:
+    lib = _native.runtime()
+    timeline = lib.am_timeline_new()
+    try:
+        reader = _native.timeline_reader(timeline, plain)
+        assert reader.value == 0
+        lib.am_timeline_signal(timeline, 5)
+        assert reader.value == 5
+        lib.am_timeline_signal(timeline, (1 << 64) - 1)
+        assert reader.value == (1 << 64) - 1
+    finally:
+        lib.am_timeline_free(timeline)
+
+
+@pytest.mark.anyio
+async def test_cpu_timelines_use_acquire_loads_on_weakly_ordered_machines(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on arm64: every timeline of the device is read through an acquire load, and
+    what a kernel wrote is there once its completion is seen."""
+    monkeypatch.setattr(_native, "PLAIN_LOADS_ACQUIRE", False)
+    async with am.open_device("cpu") as dev:
+        program = await dev.compile("void k(int* o, int v) { o[0] = v; }", "k")
+        buf = await dev.alloc(4)
+        timeline = dev.timeline()
+        for native in (dev.queue.timeline._native, timeline._native):
+            assert type(native.value) is int
+            assert not isinstance(native._value, ctypes.c_uint64)
+        for v in range(1, 50):
+            dev.queue.launch(program, buf, vals=(v,))
+            dev.queue.signal(timeline, v)
+            await timeline.wait(v)
+            assert (await buf.read(np.int32))[0] == v
