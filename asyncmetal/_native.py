@@ -176,6 +176,15 @@ def runtime() -> ctypes.CDLL:
         return _lib
 
 
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def extension() -> ModuleType | None:
     """The runtime's extension module (``native/ampy.c``), or None where it could not
     be built; loads the runtime first."""

@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,7 +38,7 @@ from .._backend import (
     host_address,
 )
 from .._compile import Compiler
-from .._errors import ArgumentTypeError, CompileError
+from .._errors import ArgumentTypeError, ClosedResourceError, CompileError
 
 _ALIGN = 64
 MAX_ARGS = _native.MAX_ARGS
@@ -152,6 +153,19 @@ class _Memory:
         self.address: int = self.array.ctypes.data
 
 
+class _Inherited:
+    """Where a timeline of the parent process keeps its value, in a forked child."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    @property
+    def value(self) -> int:
+        raise ClosedResourceError(self.message)
+
+
 class CPUTimeline(NativeTimeline):
     """A timeline in the native runtime: queue threads signal and wait on it in C."""
 
@@ -160,7 +174,7 @@ class CPUTimeline(NativeTimeline):
         self.c_timeline: int = lib.am_timeline_new()
         if not self.c_timeline:
             raise MemoryError("am_timeline_new")
-        self._value = _native.timeline_reader(self.c_timeline)  # an acquire load
+        self._value: _native.ValueReader = _native.timeline_reader(self.c_timeline)
 
     @property
     def value(self) -> int:
@@ -331,6 +345,7 @@ class CPUBackend(Backend):
         self._lib = _native.runtime()  # builds it on first use (we are off the loop)
         self._compiler = CCompiler()
         self._libraries: list[Any] = []
+        self._timelines: weakref.WeakSet[CPUTimeline] = weakref.WeakSet()
         self.live_allocations = 0
         pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
         self._info = DeviceInfo(
@@ -373,7 +388,17 @@ class CPUBackend(Backend):
 
     def new_timeline(self, on_advance: Callable[[int], None]) -> NativeTimeline:
         # The runtime notifies waiting loops itself (through their pipes): no callback.
-        return CPUTimeline(self._lib)
+        timeline = CPUTimeline(self._lib)
+        self._timelines.add(timeline)
+        return timeline
+
+    def forked(self, message: str) -> None:
+        # The queue threads that raise these timelines are the parent's: a value read
+        # here would never move. The runtime leaves the parent's queues and timelines
+        # alone when they are closed or freed in a child (amrt.c, am_forks).
+        for timeline in list(self._timelines):
+            timeline._value = _Inherited(message)
+        self._libraries = []  # the parent's to unload
 
     def close(self) -> None:
         # Every queue of the device has stopped (Device closes them first) and its
