@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -345,6 +346,8 @@ class CPUBackend(Backend):
         self._lib = _native.runtime()  # builds it on first use (we are off the loop)
         self._compiler = CCompiler()
         self._libraries: list[Any] = []
+        self._libraries_lock = threading.Lock()
+        self._closed = False
         self._timelines: weakref.WeakSet[CPUTimeline] = weakref.WeakSet()
         self.live_allocations = 0
         pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
@@ -365,9 +368,14 @@ class CPUBackend(Backend):
         with tempfile.NamedTemporaryFile(prefix="asyncmetal-", suffix=".so") as f:
             f.write(binary)
             f.flush()
-            lib = ctypes.CDLL(f.name, mode=os.RTLD_LOCAL)
-            self._libraries.append(lib)  # unloaded by close(), found or not
-            return _own_symbol(lib, name, f.name)
+            # Under the lock: a close (another thread) never unloads a library that is
+            # being looked into, nor misses one loaded for a compile that raced it.
+            with self._libraries_lock:
+                if self._closed:
+                    raise ClosedResourceError(f"device {self._info.name} is closed")
+                lib = ctypes.CDLL(f.name, mode=os.RTLD_LOCAL)
+                self._libraries.append(lib)  # unloaded by close(), found or not
+                return _own_symbol(lib, name, f.name)
 
     def allocate(self, nbytes: int) -> Any:
         memory = _Memory(nbytes)
@@ -398,6 +406,8 @@ class CPUBackend(Backend):
         # alone when they are closed or freed in a child (amrt.c, am_forks).
         for timeline in list(self._timelines):
             timeline._value = _Inherited(message)
+        self._libraries_lock = threading.Lock()  # may have been held at the fork
+        self._closed = True
         self._libraries = []  # the parent's to unload
 
     def close(self) -> None:
@@ -406,6 +416,8 @@ class CPUBackend(Backend):
         # so no thread can be inside these libraries' code any more: unmap them. A
         # device opened, used and closed over and over would otherwise keep every
         # library it loaded mapped, until the process runs out of mappings.
-        libraries, self._libraries = self._libraries, []
-        for lib in libraries:
-            _dlclose(lib._handle)
+        with self._libraries_lock:
+            self._closed = True
+            libraries, self._libraries = self._libraries, []
+            for lib in libraries:
+                _dlclose(lib._handle)

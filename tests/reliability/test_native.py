@@ -18,6 +18,7 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal import _native
+from asyncmetal.backends.cpu import CPUBackend
 
 from ..native import harness
 
@@ -86,6 +87,17 @@ async def test_closing_a_device_unmaps_its_kernel_libraries(anyio_backend: objec
     async with am.open_device("cpu") as other:
         with pytest.raises(am.InvalidArgumentError, match="compiled for"):
             other.queue.launch(program, await other.alloc(4))
+
+
+def test_a_closed_cpu_backend_loads_nothing() -> None:
+    """A compile that finishes after its device closed loads no library the close would
+    have missed (or unloaded under it)."""
+    backend = CPUBackend(0)
+    binary = backend.compiler.compile("void k(void) {}")
+    assert backend.load(binary, "k")
+    backend.close()
+    with pytest.raises(am.ClosedResourceError):
+        backend.load(binary, "k")
 
 
 # ---- timeline values: read with acquire ordering where a plain load is not ----------
