@@ -14,6 +14,8 @@
  *             for: everything queued runs, then the close returns
  *   watch     a watch armed on a timeline a queue signals: every value reached wakes
  *             the notifier's pipe; none is missed
+ *   parts     queues sharing a chunk's copy in parts, after a device word another
+ *             thread raises: the chunk is ready only once every byte is in
  *   blocks    a block invoke function raising a timeline from another thread
  *   fork      (only with "fork") a child forked while a queue waits frees the parent's
  *             queue, timeline and watch without hanging, and runs a queue of its own
@@ -211,6 +213,61 @@ static void check_watch(long n) {
     puts("ok watch");
 }
 
+typedef struct { _Atomic uint64_t *word; uint64_t value; long delay; } raise_arg;
+
+static void *raise_later(void *arg) {  /* a stream writing a device word */
+    raise_arg *r = arg;
+    jitter(r->delay);
+    atomic_store(r->word, r->value);
+    return NULL;
+}
+
+/* Three queues share each chunk's copy (CMD_COPY_PART, the cuda staging path): all wait
+ * for a device word another thread raises (one polls it, the others sleep and are
+ * handed the polling), then claim parts until every one is copied; the last raises the
+ * ready word, by which time every byte must be in. */
+static void check_parts(long n) {
+    atomic_store(&phase, "parts");
+    enum { QUEUES = 3, NBYTES = 1 << 14, PART = 1 << 10 };
+    static _Atomic uint64_t word, claimed, count, ready;
+    static unsigned char src[NBYTES], dst[NBYTES];
+    am_timeline *t = am_timeline_new(), *own[QUEUES];
+    am_timeline_set_word(t, (uint64_t *)&word);
+    am_queue *q[QUEUES];
+    for (int k = 0; k < QUEUES; k++) {
+        own[k] = am_timeline_new();
+        q[k] = am_queue_new(own[k], k ? 0 : 50000);
+    }
+    for (long i = 1; i <= n; i++) {
+        for (int b = 0; b < NBYTES; b++) src[b] = (unsigned char)(i * 31 + b);
+        uint64_t parts = NBYTES / PART, first = (uint64_t)(i - 1) * parts;
+        for (int k = 0; k < QUEUES; k++)
+            if (am_queue_copy_part(q[k], dst, src, NBYTES, PART, t, (uint64_t)i,
+                                   (void *)&claimed, first, (void *)&count, first + parts,
+                                   (void *)&ready, (uint64_t)i, NULL, (uint64_t)i))
+                die("parts: push");
+        raise_arg r = {&word, (uint64_t)i, i};
+        pthread_t th;
+        pthread_create(&th, NULL, raise_later, &r);
+        int64_t deadline = now_ns() + 5000000000LL;
+        while (atomic_load(&ready) < (uint64_t)i) {
+            if (now_ns() > deadline) die("parts: the chunk never became ready");
+            sched_yield();
+        }
+        if (memcmp(dst, src, NBYTES)) die("parts: ready before every byte was in");
+        for (int k = 0; k < QUEUES; k++)
+            if (!reached(own[k], (uint64_t)i)) die("parts: a queue never finished its share");
+        pthread_join(th, NULL);
+        atomic_fetch_add(&progress, 1);
+    }
+    for (int k = 0; k < QUEUES; k++) {
+        am_queue_close(q[k], 0);
+        am_timeline_free(own[k]);
+    }
+    am_timeline_free(t);
+    puts("ok parts");
+}
+
 static void *invoke_later(void *arg) {
     am_block *b = arg;
     am_block_completed(b, (void *)b);
@@ -301,6 +358,7 @@ int main(int argc, char **argv) {
     check_word(n / 4);
     check_finish(n / 4);
     check_watch(n);
+    check_parts(n / 10);
     check_blocks(n / 10);
     if (argc > 2 && !strcmp(argv[2], "fork")) check_fork(n / 50 + 1);
     return 0;

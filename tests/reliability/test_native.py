@@ -24,9 +24,11 @@ from ..native import harness
 
 # Iterations of the abandon check (the others run a fraction of it). The plain build
 # runs enough to hit a lost wake-up in a handful of thousand tries; the sanitized ones,
-# ~10x slower a thread switch, run fewer. Forks of a process with threads are left out
-# under ThreadSanitizer, which does not support them.
-ARGS = {"": ["20000", "fork"], "thread": ["2000"], "address": ["5000", "fork"]}
+# ~10x slower a thread switch, run fewer. Forks of a process with threads run only in
+# the plain build: ThreadSanitizer does not support them, and AddressSanitizer's
+# allocator (before LLVM 17) can be locked for ever in the child, by a thread that was
+# allocating at the fork.
+ARGS = {"": ["20000", "fork"], "thread": ["2000"], "address": ["5000"]}
 
 
 @pytest.mark.parametrize("sanitizer", harness.SANITIZERS, ids=["plain", "tsan", "asan"])
@@ -35,7 +37,7 @@ def test_queue_close_wait_watch_stress(tmp_path: Path, sanitizer: str) -> None:
     args = ARGS[sanitizer]
     proc = harness.run(binary, *args, sanitizer=sanitizer)
     assert proc.returncode == 0, proc.stderr[-6000:] + proc.stdout
-    checks = ["abandon", "word", "finish", "watch", "blocks", *args[1:]]
+    checks = ["abandon", "word", "finish", "watch", "parts", "blocks", *args[1:]]
     assert proc.stdout.split() == [word for check in checks for word in ("ok", check)]
 
 
