@@ -77,7 +77,7 @@ async def child(dev, program, buf, tl, queue, pending):
         else:
             checks.append("cuda: opened in a child of a process that used it")
         async with am.open_device("cpu") as mine:  # the child's own device works
-            own = await mine.compile(SRC, "k")
+            own = await mine.compile(f"/* new to the cache: {time.time_ns()} */ {SRC}", "k")
             mbuf = await mine.alloc(4)
             await mine.queue.launch(own, mbuf, vals=(9,))
             if (await mbuf.read(np.int32))[0] != 9:
@@ -88,7 +88,8 @@ async def child(dev, program, buf, tl, queue, pending):
 
 async def parent_open():
     dev = await am.open_device("cpu")
-    program = await dev.compile(SRC, "k")
+    # New to the cache: compiled in the pool's workers, which then are the parent's.
+    program = await dev.compile(f"/* {time.time_ns()} */ {SRC}", "k")
     buf = await dev.alloc(4)
     await dev.queue.launch(program, buf, vals=(3,))
     tl = dev.timeline()
