@@ -195,11 +195,12 @@ def extension() -> ModuleType | None:
 # Where a plain load is an acquire load. Python reads a timeline's value where the
 # runtime keeps it; a thread raised it (a release store) after writing what the value
 # stands for -- a kernel's results, a copied buffer -- which the caller reads next. On
-# x86 a plain load suffices: the processor never lets a later load pass an earlier one
-# (TSO), and the compiler cannot move one across the C call that ctypes makes for the
-# read. On weakly ordered processors (arm64: Apple's, Graviton) it does not: the caller
-# could see the new value and stale data, so values are read with an acquire load.
-PLAIN_LOADS_ACQUIRE = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+# x86-64 a plain load suffices: the processor never lets a later load pass an earlier
+# one (TSO), and the compiler cannot move one across the C call that ctypes makes for
+# the read. On weakly ordered processors (arm64: Apple's, Graviton) it does not: the
+# caller could see the new value and stale data, so values are read with an acquire
+# load. (So they are on 32-bit x86, where a plain 64-bit load may also be torn.)
+PLAIN_LOADS_ACQUIRE = platform.machine().lower() in ("x86_64", "amd64")
 
 
 class ValueReader(Protocol):
