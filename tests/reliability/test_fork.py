@@ -68,6 +68,8 @@ async def child(dev, program, buf, tl, queue, pending):
         await refused("timeline()", dev.timeline)
         await refused("new_queue", dev.new_queue)
         await refused("synchronize", dev.synchronize)
+        await refused("queue.wait", lambda: queue.wait(tl, 3))
+        await refused("buffer.free", buf.free)
         await dev.close()  # the parent's: nothing to do here, and no hang
         try:
             await am.open_device("cuda")
