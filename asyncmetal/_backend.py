@@ -237,3 +237,9 @@ class Backend(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the device after every queue was closed. May block."""
+
+    def forked(self, message: str) -> None:  # noqa: B027 - a backend with no timelines
+        """In a child forked from the process that opened this device, where its threads
+        and driver state are the parent's: from now on every read of a timeline this
+        backend made raises ClosedResourceError(message) (a wait on one would never
+        end). Nothing of the parent's may be released or waited for here."""

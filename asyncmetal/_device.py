@@ -354,6 +354,7 @@ class _DeviceOpener:
         if name == "npy" and self._name is None:
             name = "cpu"  # npy holds no kernels: never the default
         kind, index = parse_name(name)
+        _check_fork_safe(kind)
         cls = _backend_class(kind)
         available = cls.available()
         if (
@@ -362,7 +363,9 @@ class _DeviceOpener:
             and (kind != "cpu" or not available)
         ):
             raise AsyncMetalError(f"device {name!r} is not available here (available: {devices()})")
-        return name, cls(index)
+        backend = cls(index)
+        _kinds_opened.add(kind)
+        return name, backend
 
     def __await__(self) -> Generator[Any, None, Device]:
         return self._open().__await__()
@@ -402,7 +405,8 @@ async def from_numpy(array: Any) -> Buffer:
 
 def _close_all_at_exit() -> None:
     # Drain in-flight work before the interpreter finalizes, so no device thread or
-    # native callback runs into a half-torn-down interpreter.
+    # native callback runs into a half-torn-down interpreter. (A forked child has none
+    # of its parent's devices here: _forget_parent_devices took them out.)
     for device in list(_open_devices):
         if not device.closed:
             with contextlib.suppress(Exception):  # exiting: nothing left to report to
@@ -410,3 +414,49 @@ def _close_all_at_exit() -> None:
 
 
 atexit.register(_close_all_at_exit)
+
+# Forks. A child gets the parent's memory but none of its other threads: the devices
+# opened before the fork have no queue threads, completion threads or (for GPU drivers)
+# usable driver state in the child. So in the child every one of them is closed as the
+# parent's -- nothing native of it is touched or waited for -- and any use of it, its
+# queues, buffers or timelines raises ClosedResourceError saying where it was opened.
+# The child may open devices of its own; those of a kind whose driver does not survive
+# a fork (everything but cpu and npy) only if the parent never opened one.
+_FORK_SAFE = frozenset({"cpu", "npy"})
+_kinds_opened: set[str] = set()  # kinds of device this process opened
+_inherited_drivers: dict[str, int] = {}  # kind -> the ancestor process that opened one
+_pid_before_fork = os.getpid()
+
+
+def _note_fork() -> None:
+    global _pid_before_fork
+    _pid_before_fork = os.getpid()
+
+
+def _forget_parent_devices() -> None:
+    parent = _pid_before_fork
+    for kind in _kinds_opened - _FORK_SAFE:
+        _inherited_drivers.setdefault(kind, parent)
+    for device in list(_open_devices):
+        _open_devices.discard(device)
+        if device.closed:
+            continue
+        where = f"opened in process {parent}; open devices in the child"
+        message = f"device {device.name} was {where}"
+        device.name = f"{device.name} ({where})"  # every closed-device error names it
+        device.closed = True
+        device._backend.forked(message)
+
+
+def _check_fork_safe(kind: str) -> None:
+    parent = _inherited_drivers.get(kind)
+    if parent is not None:
+        raise AsyncMetalError(
+            f"{kind} devices cannot be opened in a process forked from one that opened "
+            f"one (process {parent}): the {kind} driver does not survive a fork. Start "
+            "the process with multiprocessing's 'spawn' or 'forkserver' method instead"
+        )
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_note_fork, after_in_child=_forget_parent_devices)

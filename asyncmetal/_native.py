@@ -19,6 +19,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -28,6 +29,7 @@ import threading
 from collections.abc import Callable
 from importlib import resources
 from types import ModuleType
+from typing import Protocol
 
 from ._cache import default_cache_dir
 from ._errors import AsyncMetalError
@@ -176,11 +178,62 @@ def runtime() -> ctypes.CDLL:
         return _lib
 
 
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def extension() -> ModuleType | None:
     """The runtime's extension module (``native/ampy.c``), or None where it could not
     be built; loads the runtime first."""
     runtime()
     return _extension
+
+
+# Where a plain load is an acquire load. Python reads a timeline's value where the
+# runtime keeps it; a thread raised it (a release store) after writing what the value
+# stands for -- a kernel's results, a copied buffer -- which the caller reads next. On
+# x86-64 a plain load suffices: the processor never lets a later load pass an earlier
+# one (TSO), and the compiler cannot move one across the C call that ctypes makes for
+# the read. On weakly ordered processors (arm64: Apple's, Graviton) it does not: the
+# caller could see the new value and stale data, so values are read with an acquire
+# load. (So they are on 32-bit x86, where a plain 64-bit load may also be torn.)
+PLAIN_LOADS_ACQUIRE = platform.machine().lower() in ("x86_64", "amd64")
+
+
+class ValueReader(Protocol):
+    @property
+    def value(self) -> int: ...
+
+
+class _AcquireReader:
+    """A timeline value read with an acquire load (the extension's, else the runtime's
+    am_timeline_value through ctypes)."""
+
+    __slots__ = ("_read", "_timeline")
+
+    def __init__(self, read: Callable[[int], int], c_timeline: int) -> None:
+        self._read = read
+        self._timeline = c_timeline
+
+    @property
+    def value(self) -> int:
+        return self._read(self._timeline)
+
+
+def timeline_reader(c_timeline: int, plain: bool | None = None) -> ValueReader:
+    """An object whose ``.value`` is the native timeline's value, ordered before every
+    later read of the caller (see PLAIN_LOADS_ACQUIRE). ``plain`` overrides the choice
+    (tests). Loads the runtime."""
+    lib = runtime()
+    if PLAIN_LOADS_ACQUIRE if plain is None else plain:
+        return ctypes.c_uint64.from_address(c_timeline)  # read in place: one load
+    read = lib.am_timeline_value if _extension is None else _extension.timeline_value
+    return _AcquireReader(read, c_timeline)
 
 
 def loaded() -> ctypes.CDLL | None:

@@ -333,3 +333,16 @@ def _shutdown_default() -> None:
 
 
 atexit.register(_shutdown_default)
+
+
+def _forget_default_in_child() -> None:
+    # A forked child has none of the pool's threads, and its workers are the parent's
+    # (their pipes too): compiles sent there would never come back. The child makes
+    # its own pool on first use; the parent's is left alone.
+    global _default_pool, _default_lock
+    _default_pool = None
+    _default_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_default_in_child)

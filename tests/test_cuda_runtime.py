@@ -4,29 +4,24 @@ Runs everywhere: the completion thread, the word-or-event choice for waits betwe
 (submitted from two threads), fault stickiness, event recycling and a wait's confirmation
 of the value it waited for are the runtime's own
 logic, which the GPU tests (tests/test_cuda.py) can only exercise on an NVIDIA machine.
+Also under ThreadSanitizer and AddressSanitizer (each skips, saying why, where the
+machine cannot run it).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-from importlib import resources
 from pathlib import Path
 
-from asyncmetal import _native
+import pytest
+
+from .native import harness
 
 
-def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path) -> None:
-    cc = _native.compiler()
-    assert cc is not None, "the cpu device and this test need a C compiler (cc or $CC)"
-    amrt = resources.files("asyncmetal").joinpath("native/amrt.c")
-    harness = os.path.join(os.path.dirname(__file__), "native", "fake_cuda.c")
-    binary = tmp_path / "fake_cuda"
-    subprocess.run(
-        [cc, "-O2", "-pthread", f'-DAMRT_C="{amrt}"', harness, "-o", str(binary)], check=True
-    )
-    proc = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr + proc.stdout
+@pytest.mark.parametrize("sanitizer", harness.SANITIZERS, ids=["plain", "tsan", "asan"])
+def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer: str) -> None:
+    binary = harness.build("fake_cuda.c", tmp_path, sanitizer)
+    proc = harness.run(binary, sanitizer=sanitizer, suppressions="lsan_fake_cuda.supp")
+    assert proc.returncode == 0, proc.stderr[-6000:] + proc.stdout
     assert proc.stdout.split() == [
         *("ok", "order"),
         *("ok", "cross"),

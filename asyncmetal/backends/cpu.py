@@ -12,12 +12,16 @@ Linux calling conventions, which read an ``int`` from the low half.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import ctypes.util
 import functools
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,7 +39,7 @@ from .._backend import (
     host_address,
 )
 from .._compile import Compiler
-from .._errors import ArgumentTypeError, CompileError
+from .._errors import ArgumentTypeError, ClosedResourceError, CompileError
 
 _ALIGN = 64
 MAX_ARGS = _native.MAX_ARGS
@@ -89,6 +93,57 @@ def _cc_version(cc: str) -> str:
     return proc.stdout.decode(errors="replace").partition("\n")[0]
 
 
+class _DlInfo(ctypes.Structure):
+    _fields_ = (
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    )
+
+
+def _libdl() -> ctypes.CDLL:
+    """The library with dladdr and dlclose: the C library itself since glibc 2.34 and
+    on macOS, libdl before (which the interpreter links)."""
+    for name in (None, ctypes.util.find_library("dl")):
+        lib = ctypes.CDLL(name)
+        if hasattr(lib, "dladdr") and hasattr(lib, "dlclose"):
+            lib.dladdr.argtypes = (ctypes.c_void_p, ctypes.POINTER(_DlInfo))
+            lib.dladdr.restype = ctypes.c_int
+            lib.dlclose.argtypes = (ctypes.c_void_p,)
+            lib.dlclose.restype = ctypes.c_int
+            return lib
+    raise OSError("dladdr/dlclose not found")
+
+
+_dl = _libdl()
+
+
+def _dlclose(handle: int) -> None:
+    _dl.dlclose(handle)
+
+
+def _own_symbol(lib: ctypes.CDLL, name: str, path: str) -> int:
+    """The address of ``name`` defined in ``lib`` itself (loaded from ``path``).
+
+    dlsym also searches the library's dependencies: a kernel that is not defined (say,
+    only inside ``#if 0``) but shares its name with a C library function (``getpid``)
+    would resolve to that function. So the object holding the address dlsym found is
+    checked (dladdr) to be this library's file. AttributeError if it is not there.
+    """
+    try:
+        address = ctypes.cast(lib[name], ctypes.c_void_p).value  # [] also takes "__x__"
+    except AttributeError:
+        address = None
+    info = _DlInfo()
+    if address and _dl.dladdr(address, ctypes.byref(info)) and info.dli_fname:
+        found = os.fsdecode(info.dli_fname)
+        with contextlib.suppress(OSError):
+            if found == path or os.path.samefile(found, path):
+                return address
+    raise AttributeError(f"{name!r} is not defined in the compiled library")
+
+
 class _Memory:
     __slots__ = ("address", "array")
 
@@ -99,6 +154,19 @@ class _Memory:
         self.address: int = self.array.ctypes.data
 
 
+class _Inherited:
+    """Where a timeline of the parent process keeps its value, in a forked child."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    @property
+    def value(self) -> int:
+        raise ClosedResourceError(self.message)
+
+
 class CPUTimeline(NativeTimeline):
     """A timeline in the native runtime: queue threads signal and wait on it in C."""
 
@@ -107,7 +175,7 @@ class CPUTimeline(NativeTimeline):
         self.c_timeline: int = lib.am_timeline_new()
         if not self.c_timeline:
             raise MemoryError("am_timeline_new")
-        self._value = ctypes.c_uint64.from_address(self.c_timeline)  # read in place
+        self._value: _native.ValueReader = _native.timeline_reader(self.c_timeline)
 
     @property
     def value(self) -> int:
@@ -278,6 +346,9 @@ class CPUBackend(Backend):
         self._lib = _native.runtime()  # builds it on first use (we are off the loop)
         self._compiler = CCompiler()
         self._libraries: list[Any] = []
+        self._libraries_lock = threading.Lock()
+        self._closed = False
+        self._timelines: weakref.WeakSet[CPUTimeline] = weakref.WeakSet()
         self.live_allocations = 0
         pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
         self._info = DeviceInfo(
@@ -297,10 +368,14 @@ class CPUBackend(Backend):
         with tempfile.NamedTemporaryFile(prefix="asyncmetal-", suffix=".so") as f:
             f.write(binary)
             f.flush()
-            lib = ctypes.CDLL(f.name, mode=os.RTLD_LOCAL)
-        fn = getattr(lib, name)  # AttributeError: the name is missing
-        self._libraries.append(lib)
-        return ctypes.cast(fn, ctypes.c_void_p).value
+            # Under the lock: a close (another thread) never unloads a library that is
+            # being looked into, nor misses one loaded for a compile that raced it.
+            with self._libraries_lock:
+                if self._closed:
+                    raise ClosedResourceError(f"device {self._info.name} is closed")
+                lib = ctypes.CDLL(f.name, mode=os.RTLD_LOCAL)
+                self._libraries.append(lib)  # unloaded by close(), found or not
+                return _own_symbol(lib, name, f.name)
 
     def allocate(self, nbytes: int) -> Any:
         memory = _Memory(nbytes)
@@ -321,7 +396,28 @@ class CPUBackend(Backend):
 
     def new_timeline(self, on_advance: Callable[[int], None]) -> NativeTimeline:
         # The runtime notifies waiting loops itself (through their pipes): no callback.
-        return CPUTimeline(self._lib)
+        timeline = CPUTimeline(self._lib)
+        self._timelines.add(timeline)
+        return timeline
+
+    def forked(self, message: str) -> None:
+        # The queue threads that raise these timelines are the parent's: a value read
+        # here would never move. The runtime leaves the parent's queues and timelines
+        # alone when they are closed or freed in a child (amrt.c, am_forks).
+        for timeline in list(self._timelines):
+            timeline._value = _Inherited(message)
+        self._libraries_lock = threading.Lock()  # may have been held at the fork
+        self._closed = True
+        self._libraries = []  # the parent's to unload
 
     def close(self) -> None:
-        self._libraries.clear()
+        # Every queue of the device has stopped (Device closes them first) and its
+        # Programs can no longer be launched (Queue.launch refuses a closed device's),
+        # so no thread can be inside these libraries' code any more: unmap them. A
+        # device opened, used and closed over and over would otherwise keep every
+        # library it loaded mapped, until the process runs out of mappings.
+        with self._libraries_lock:
+            self._closed = True
+            libraries, self._libraries = self._libraries, []
+            for lib in libraries:
+                _dlclose(lib._handle)

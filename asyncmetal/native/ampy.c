@@ -177,6 +177,17 @@ static PyObject *py_spin(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     return PyBool_FromLong(reached);
 }
 
+/* timeline_value(timeline) -> int: the timeline's value, an acquire load: whatever the
+ * thread that raised it wrote before (a kernel's results, a copy's bytes, a times row)
+ * is visible to the caller's later reads. Where a plain load is not that (arm64),
+ * asyncmetal._native.timeline_reader reads values through this. */
+static PyObject *py_timeline_value(PyObject *self, PyObject *arg) {
+    (void)self;
+    am_timeline *t = PyLong_AsVoidPtr(arg);
+    if (converted(t, "timeline_value: null timeline")) return NULL;
+    return PyLong_FromUnsignedLongLong(atomic_load_explicit(&t->value, memory_order_acquire));
+}
+
 /* ---- Queue.launch's common case ---------------------------------------------------
  *
  * launch(queue, target, program, buffers, vals, global, local) -> Completion or None.
@@ -515,6 +526,8 @@ static PyMethodDef methods[] = {
      "launch(queue, target, program, buffers, vals, global, local) -> Completion | None"},
     {"spin", (PyCFunction)(void (*)(void))py_spin, METH_FASTCALL,
      "spin(timeline, value, max_ns) -> whether the timeline reached value"},
+    {"timeline_value", py_timeline_value, METH_O,
+     "timeline_value(timeline) -> its value (an acquire load)"},
     {"address_of", py_address_of, METH_O, "address_of(name) -> int"},
     {NULL, NULL, 0, NULL},
 };

@@ -20,6 +20,22 @@
 
 #define AM_MAX_ARGS 16
 
+/* Forks this process went through: a forked child adds one (am_after_fork, registered
+ * with pthread_atfork when the runtime loads). Timelines and queues record the count
+ * they were made under; in a child, those of the parent are the parent's: their threads
+ * do not exist here, and their mutexes and conditions may have been held or waited on
+ * by those threads at the fork, forever so in the child's copy. So the functions that
+ * release them (am_queue_close, am_timeline_free, am_watch_free) leave them alone --
+ * a leak of the parent's memory in the child, never a hang -- and asyncmetal refuses
+ * every other use of them in the child. */
+static unsigned am_forks;
+
+static void am_after_fork(void) { am_forks++; }
+
+__attribute__((constructor)) static void am_register_fork_handler(void) {
+    pthread_atfork(NULL, NULL, am_after_fork);
+}
+
 typedef struct am_notifier {
     atomic_int pending;
     int fd;
@@ -42,6 +58,7 @@ typedef struct am_timeline {
     am_watch *watches;
     int polling;                    /* a queue thread polls the word (wait_word), under mu */
     uint64_t seen;                  /* the word's highest value it saw, under mu */
+    unsigned forks;                 /* am_forks when made: another value, the parent's */
 } am_timeline;
 
 enum { CMD_CALL = 1, CMD_COPY, CMD_SIGNAL, CMD_WAIT, CMD_COPY_PART };
@@ -80,6 +97,7 @@ typedef struct am_queue {
     long spin_ns;
     am_timeline *own;
     am_timeline *waiting_on;
+    unsigned forks;                 /* am_forks when made */
 } am_queue;
 
 static int64_t now_ns(void) {
@@ -116,6 +134,7 @@ static void notify(am_notifier *n) {
 void am_notifier_reset(am_notifier *n) { atomic_store(&n->pending, 0); }
 
 am_watch *am_watch_new(am_timeline *t, am_notifier *n) {
+    if (t->forks != am_forks) return NULL;  /* the parent's timeline */
     am_watch *w = calloc(1, sizeof *w);
     if (!w) return NULL;
     atomic_store(&w->next, UINT64_MAX);
@@ -130,6 +149,7 @@ am_watch *am_watch_new(am_timeline *t, am_notifier *n) {
 
 void am_watch_free(am_watch *w) {
     am_timeline *t = w->timeline;
+    if (t->forks != am_forks) return;  /* in a child: t->mu may be held for ever */
     pthread_mutex_lock(&t->mu);
     for (am_watch **p = &t->watches; *p; p = &(*p)->link) {
         if (*p == w) { *p = w->link; break; }
@@ -149,6 +169,7 @@ int am_watch_arm(am_watch *w, uint64_t next) {
 
 static void timeline_init(am_timeline *t) {
     memset(t, 0, sizeof *t);
+    t->forks = am_forks;
     pthread_mutex_init(&t->mu, NULL);
     pthread_cond_init(&t->cv, NULL);
 }
@@ -168,6 +189,9 @@ void am_timeline_set_word(am_timeline *t, uint64_t *word) {
 }
 
 void am_timeline_free(am_timeline *t) {
+    /* In a child, the parent's: destroying a condition waits for its waiters, which
+     * here are threads that no longer exist. */
+    if (t->forks != am_forks) return;
     pthread_mutex_destroy(&t->mu);
     pthread_cond_destroy(&t->cv);
     free(t);
@@ -256,15 +280,20 @@ static int take(am_queue *q, am_cmd *out) {
     return 1;
 }
 
+/* am_queue_close(abandon) sets stop under q->mu, then reads waiting_on and broadcasts
+ * t's condition under t->mu. So stop is read under t->mu right before each sleep: either
+ * the close's broadcast comes after this thread sleeps (it wakes it), or its store to
+ * stop came before this thread took t->mu (it sees it). Read only before taking t->mu,
+ * a broadcast landing in between would find nobody asleep and be lost. */
 static int wait_timeline(am_queue *q, am_timeline *t, uint64_t target) {
     pthread_mutex_lock(&q->mu);
     q->waiting_on = t;
-    int abandon = q->stop == 2;
     pthread_mutex_unlock(&q->mu);
+    int abandon = 0;
     pthread_mutex_lock(&t->mu);
-    while (!abandon && atomic_load(&t->value) < target) {
+    while (atomic_load(&t->value) < target) {
+        if ((abandon = __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) == 2)) break;
         pthread_cond_wait(&t->cv, &t->mu);
-        abandon = __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) == 2;
     }
     pthread_mutex_unlock(&t->mu);
     pthread_mutex_lock(&q->mu);
@@ -392,6 +421,7 @@ am_queue *am_queue_new(am_timeline *own, long spin_ns) {
     q->ring = calloc(q->cap, sizeof(am_cmd));
     q->own = own;
     q->spin_ns = spin_ns;
+    q->forks = am_forks;
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->cv, NULL);
     if (!q->ring || pthread_create(&q->thread, NULL, run, q) != 0) {
@@ -467,8 +497,10 @@ int am_queue_copy_part(am_queue *q, void *dst, const void *src, size_t nbytes, s
 }
 
 /* Stop the thread and free the queue. abandon=0: after everything queued has run;
- * abandon=1: now, leaving a pending device-side wait (interpreter exit). Blocks. */
+ * abandon=1: now, leaving a pending device-side wait (interpreter exit). Blocks. In a
+ * forked child, a queue of the parent is left as it is. */
 void am_queue_close(am_queue *q, int abandon) {
+    if (q->forks != am_forks) return;  /* in a child, the parent's: no thread to join */
     pthread_mutex_lock(&q->mu);
     __atomic_store_n(&q->stop, abandon ? 2 : 1, __ATOMIC_SEQ_CST);
     pthread_cond_signal(&q->cv);

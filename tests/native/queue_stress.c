@@ -1,0 +1,365 @@
+/* Stress of the cpu queues of asyncmetal's native runtime (amrt.c): the handshakes
+ * between a queue thread and the threads that close it, signal its timelines and watch
+ * them (tests/reliability/test_native.py builds and runs it, also under ThreadSanitizer
+ * and AddressSanitizer).
+ *
+ *   queue_stress ITERATIONS [fork]
+ *
+ * Checks, each printing "ok <name>" or exiting non-zero with a message:
+ *   abandon   open a queue, make it wait on a timeline nobody signals, close it with
+ *             abandon: the close returns and the wait never passes (a broadcast lost
+ *             between the queue thread's look at `stop` and its sleep hangs here)
+ *   word      the same for a wait on a device word (the polled wait of CMD_COPY_PART)
+ *   finish    close without abandon while another thread signals what the queue waits
+ *             for: everything queued runs, then the close returns
+ *   watch     a watch armed on a timeline a queue signals: every value reached wakes
+ *             the notifier's pipe; none is missed
+ *   parts     queues sharing a chunk's copy in parts, after a device word another
+ *             thread raises: the chunk is ready only once every byte is in
+ *   blocks    a block invoke function raising a timeline from another thread
+ *   fork      (only with "fork") a child forked while a queue waits frees the parent's
+ *             queue, timeline and watch without hanging, and runs a queue of its own
+ *
+ * A watchdog ends the run with the iteration it is stuck in, if one takes over 10 s.
+ */
+#include AMRT_C
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/wait.h>
+
+#if defined(__SANITIZE_THREAD__)
+#define SANITIZE_THREAD 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define SANITIZE_THREAD 1
+#endif
+#endif
+#ifndef SANITIZE_THREAD
+#define SANITIZE_THREAD 0
+#endif
+
+static void die(const char *what) { fprintf(stderr, "FAIL %s\n", what); exit(1); }
+
+static atomic_long progress;           /* iterations done, over all checks */
+static const char *_Atomic phase = "start";
+
+static void *watchdog(void *arg) {
+    (void)arg;
+    long last = -1;
+    int64_t since = now_ns();
+    for (;;) {
+        nap_ns(100000000);
+        long now = atomic_load(&progress);
+        if (now != last) { last = now; since = now_ns(); continue; }
+        if (now_ns() - since > 10000000000LL) {
+            fprintf(stderr, "FAIL hang: %s stuck at iteration %ld\n", atomic_load(&phase), now);
+            fflush(stderr);
+            _exit(3);
+        }
+    }
+    return NULL;
+}
+
+/* Wait up to 5 s for t to reach v, yielding the CPU between short spins (the machine
+ * may have fewer cores than there are threads here). */
+static int reached(am_timeline *t, uint64_t v) {
+    int64_t deadline = now_ns() + 5000000000LL;
+    while (!am_timeline_spin(t, v, 2000)) {
+        if (now_ns() > deadline) return 0;
+        sched_yield();
+    }
+    return 1;
+}
+
+/* A short, varied delay: the close lands before, during and after the queue thread's
+ * take of the command and its entry into the wait. */
+static void jitter(long i) {
+    switch (i % 4) {
+    case 0: break;
+    case 1: sched_yield(); break;
+    case 2: { int64_t end = now_ns() + (i * 7919) % 20000; while (now_ns() < end) {} } break;
+    case 3: nap_ns(1000 + (i * 104729) % 50000); break;
+    }
+}
+
+static void check_abandon(long n) {
+    atomic_store(&phase, "abandon");
+    for (long i = 0; i < n; i++) {
+        am_timeline *own = am_timeline_new(), *t = am_timeline_new();
+        int warm = i % 4 != 0;
+        am_queue *q = am_queue_new(own, warm ? 50000 : 0);
+        if (!own || !t || !q) die("abandon: out of memory");
+        uint64_t ran = 0;
+        if (warm) {  /* the thread is up and spinning for its next command: the wait is
+                         taken within a microsecond or two of its push */
+            char a[8] = "", b[8];
+            if (am_queue_copy(q, b, a, sizeof a, NULL, 1)) die("abandon: push");
+            if (!reached(own, 1)) die("abandon: a copy never ran");
+            ran = 1;
+        }
+        if (am_queue_wait(q, t, 1, ran + 1)) die("abandon: push");
+        if (warm) {
+            /* Close as the queue thread enters its wait: it has just published
+             * waiting_on, and is between its look at stop and its sleep. (Read without
+             * q->mu, as only a harness may: not in the ThreadSanitizer build.) */
+#if !SANITIZE_THREAD
+            int64_t deadline = now_ns() + 1000000;
+            while (!__atomic_load_n(&q->waiting_on, __ATOMIC_ACQUIRE) && now_ns() < deadline) {}
+            for (volatile long k = (i / 4) % 16; k > 0; k--) {}
+#else
+            int64_t end = now_ns() + (i / 4 * 7919) % 3000;
+            while (now_ns() < end) {}
+#endif
+        } else {
+            jitter(i / 4);
+        }
+        am_queue_close(q, 1);
+        if (am_timeline_value(own) != ran) die("abandon: a wait nobody signalled passed");
+        am_timeline_free(t);
+        am_timeline_free(own);
+        atomic_fetch_add(&progress, 1);
+    }
+    puts("ok abandon");
+}
+
+static void check_word(long n) {
+    atomic_store(&phase, "word");
+    _Atomic uint64_t word = 0, claimed = 0, count = 0, ready = 0;
+    char src[64] = "abc", dst[64];
+    for (long i = 0; i < n; i++) {
+        am_timeline *own = am_timeline_new(), *t = am_timeline_new();
+        am_timeline_set_word(t, (uint64_t *)&word);
+        am_queue *q = am_queue_new(own, 0);
+        if (!own || !t || !q) die("word: out of memory");
+        if (am_queue_copy_part(q, dst, src, sizeof src, 16, t, 1, (void *)&claimed, 0,
+                               (void *)&count, 4, (void *)&ready, 1, NULL, 1))
+            die("word: push");
+        jitter(i);
+        am_queue_close(q, 1);
+        if (am_timeline_value(own) != 0 || atomic_load(&count) != 0)
+            die("word: a copy ran before its word was written");
+        am_timeline_free(t);
+        am_timeline_free(own);
+        atomic_fetch_add(&progress, 1);
+    }
+    puts("ok word");
+}
+
+typedef struct { am_timeline *t; uint64_t value; long delay; } signal_arg;
+
+static void *signal_later(void *arg) {
+    signal_arg *s = arg;
+    jitter(s->delay);
+    am_timeline_signal(s->t, s->value);
+    return NULL;
+}
+
+static void check_finish(long n) {
+    atomic_store(&phase, "finish");
+    for (long i = 0; i < n; i++) {
+        am_timeline *own = am_timeline_new(), *t = am_timeline_new();
+        am_queue *q = am_queue_new(own, i % 2 ? 50000 : 0);
+        if (!own || !t || !q) die("finish: out of memory");
+        char a[32] = "x", b[32];
+        if (am_queue_wait(q, t, 1, 1) || am_queue_copy(q, b, a, sizeof a, NULL, 2) ||
+            am_queue_signal(q, t, 2, 3))
+            die("finish: push");
+        signal_arg s = {t, 1, i};
+        pthread_t th;
+        pthread_create(&th, NULL, signal_later, &s);
+        am_queue_close(q, 0);
+        pthread_join(th, NULL);
+        if (am_timeline_value(own) != 3 || am_timeline_value(t) != 2 || b[0] != 'x')
+            die("finish: a queued command did not run before the close returned");
+        am_timeline_free(t);
+        am_timeline_free(own);
+        atomic_fetch_add(&progress, 1);
+    }
+    puts("ok finish");
+}
+
+static void check_watch(long n) {
+    atomic_store(&phase, "watch");
+    int fds[2];
+    if (pipe(fds)) die("watch: pipe");
+    fcntl(fds[0], F_SETFL, O_NONBLOCK);
+    am_notifier *notifier = am_notifier_new(fds[1]);
+    am_timeline *own = am_timeline_new();
+    am_watch *w = am_watch_new(own, notifier);
+    am_queue *q = am_queue_new(own, 0);
+    char a[8] = "", b[8];
+    for (long i = 1; i <= n; i++) {
+        if (am_queue_copy(q, b, a, sizeof a, NULL, (uint64_t)i)) die("watch: push");
+        /* The loop's side: arm for i, sleep on the pipe unless reached; then drain,
+         * reset, and read the value -- the order _bridge.py uses. */
+        while (!am_watch_arm(w, (uint64_t)i)) {
+            char buf[64];
+            fd_set set;
+            FD_ZERO(&set);
+            FD_SET(fds[0], &set);
+            struct timeval tv = {5, 0};
+            if (select(fds[0] + 1, &set, NULL, NULL, &tv) != 1) die("watch: a wake-up was lost");
+            while (read(fds[0], buf, sizeof buf) > 0) {}
+            am_notifier_reset(notifier);
+        }
+        atomic_fetch_add(&progress, 1);
+    }
+    am_queue_close(q, 0);
+    am_watch_free(w);
+    am_notifier_free(notifier);
+    am_timeline_free(own);
+    close(fds[0]);
+    close(fds[1]);
+    puts("ok watch");
+}
+
+typedef struct { _Atomic uint64_t *word; uint64_t value; long delay; } raise_arg;
+
+static void *raise_later(void *arg) {  /* a stream writing a device word */
+    raise_arg *r = arg;
+    jitter(r->delay);
+    atomic_store(r->word, r->value);
+    return NULL;
+}
+
+/* Three queues share each chunk's copy (CMD_COPY_PART, the cuda staging path): all wait
+ * for a device word another thread raises (one polls it, the others sleep and are
+ * handed the polling), then claim parts until every one is copied; the last raises the
+ * ready word, by which time every byte must be in. */
+static void check_parts(long n) {
+    atomic_store(&phase, "parts");
+    enum { QUEUES = 3, NBYTES = 1 << 14, PART = 1 << 10 };
+    static _Atomic uint64_t word, claimed, count, ready;
+    static unsigned char src[NBYTES], dst[NBYTES];
+    am_timeline *t = am_timeline_new(), *own[QUEUES];
+    am_timeline_set_word(t, (uint64_t *)&word);
+    am_queue *q[QUEUES];
+    for (int k = 0; k < QUEUES; k++) {
+        own[k] = am_timeline_new();
+        q[k] = am_queue_new(own[k], k ? 0 : 50000);
+    }
+    for (long i = 1; i <= n; i++) {
+        for (int b = 0; b < NBYTES; b++) src[b] = (unsigned char)(i * 31 + b);
+        uint64_t parts = NBYTES / PART, first = (uint64_t)(i - 1) * parts;
+        for (int k = 0; k < QUEUES; k++)
+            if (am_queue_copy_part(q[k], dst, src, NBYTES, PART, t, (uint64_t)i,
+                                   (void *)&claimed, first, (void *)&count, first + parts,
+                                   (void *)&ready, (uint64_t)i, NULL, (uint64_t)i))
+                die("parts: push");
+        raise_arg r = {&word, (uint64_t)i, i};
+        pthread_t th;
+        pthread_create(&th, NULL, raise_later, &r);
+        int64_t deadline = now_ns() + 5000000000LL;
+        while (atomic_load(&ready) < (uint64_t)i) {
+            if (now_ns() > deadline) die("parts: the chunk never became ready");
+            sched_yield();
+        }
+        if (memcmp(dst, src, NBYTES)) die("parts: ready before every byte was in");
+        for (int k = 0; k < QUEUES; k++)
+            if (!reached(own[k], (uint64_t)i)) die("parts: a queue never finished its share");
+        pthread_join(th, NULL);
+        atomic_fetch_add(&progress, 1);
+    }
+    for (int k = 0; k < QUEUES; k++) {
+        am_queue_close(q[k], 0);
+        am_timeline_free(own[k]);
+    }
+    am_timeline_free(t);
+    puts("ok parts");
+}
+
+static void *invoke_later(void *arg) {
+    am_block *b = arg;
+    am_block_completed(b, (void *)b);
+    return NULL;
+}
+
+static void check_blocks(long n) {
+    atomic_store(&phase, "blocks");
+    am_timeline *t = am_timeline_new();
+    char from[16] = "block", to[16];
+    for (long i = 1; i <= n; i++) {
+        am_block *b = am_block_new(NULL, 0, t, (uint64_t)i);
+        b->copy_dst = to;
+        b->copy_src = from;
+        b->copy_nbytes = sizeof from;
+        pthread_t th;
+        pthread_create(&th, NULL, invoke_later, b);
+        if (!reached(t, (uint64_t)i)) die("blocks: never ran");
+        if (strcmp(to, "block")) die("blocks: its copy is not in when its value is");
+        pthread_join(th, NULL);
+        if (b->arg != b || atomic_load(&b->calls) != 1) die("blocks: not called once");
+        am_block_free(b);
+        atomic_fetch_add(&progress, 1);
+    }
+    am_timeline_free(t);
+    puts("ok blocks");
+}
+
+/* A child forked while the parent's queue thread sleeps on a timeline's condition (and
+ * may hold its mutex): the parent's objects are left alone in the child, whose own work
+ * runs. */
+static void check_fork(long n) {
+    atomic_store(&phase, "fork");
+    for (long i = 0; i < n; i++) {
+        int fds[2];
+        if (pipe(fds)) die("fork: pipe");
+        am_notifier *notifier = am_notifier_new(fds[1]);
+        am_timeline *own = am_timeline_new(), *t = am_timeline_new();
+        am_watch *w = am_watch_new(t, notifier);
+        am_queue *q = am_queue_new(own, 0);
+        if (am_queue_wait(q, t, 1, 1)) die("fork: push");
+        jitter(i);
+        pid_t pid = fork();
+        if (pid < 0) die("fork: fork");
+        if (pid == 0) {
+            am_queue_close(q, 1);  /* its thread is the parent's: left alone */
+            am_watch_free(w);
+            am_timeline_free(t);
+            am_timeline_free(own);
+            am_timeline *mine = am_timeline_new();
+            am_queue *q2 = am_queue_new(mine, 0);
+            char a[8] = "child", b[8];
+            if (am_queue_copy(q2, b, a, sizeof a, NULL, 1)) _exit(4);
+            am_queue_close(q2, 0);
+            _exit(am_timeline_value(mine) == 1 && !strcmp(b, "child") ? 0 : 5);
+        }
+        int status = 0;
+        int64_t deadline = now_ns() + 10000000000LL;
+        while (waitpid(pid, &status, WNOHANG) == 0) {
+            if (now_ns() > deadline) {
+                kill(pid, SIGKILL);
+                waitpid(pid, &status, 0);
+                die("fork: the child hung on the parent's queue, timeline or watch");
+            }
+            nap_ns(200000);
+        }
+        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) die("fork: the child failed");
+        am_timeline_signal(t, 1);
+        am_queue_close(q, 0);
+        if (am_timeline_value(own) != 1) die("fork: the parent's queue did not go on");
+        am_watch_free(w);
+        am_notifier_free(notifier);
+        am_timeline_free(t);
+        am_timeline_free(own);
+        close(fds[0]);
+        close(fds[1]);
+        atomic_fetch_add(&progress, 1);
+    }
+    puts("ok fork");
+}
+
+int main(int argc, char **argv) {
+    long n = argc > 1 ? atol(argv[1]) : 5000;
+    pthread_t dog;
+    pthread_create(&dog, NULL, watchdog, NULL);
+    pthread_detach(dog);
+    check_abandon(n);
+    check_word(n / 4);
+    check_finish(n / 4);
+    check_watch(n);
+    check_parts(n / 10);
+    check_blocks(n / 10);
+    if (argc > 2 && !strcmp(argv[2], "fork")) check_fork(n / 50 + 1);
+    return 0;
+}

@@ -1,0 +1,152 @@
+"""Forking a process that has devices open (contract 9: forking loses nothing).
+
+A child gets the parent's memory but none of its threads. Every use in the child of a
+device opened in the parent -- its queues, buffers, timelines, programs, completions --
+raises a ClosedResourceError naming the parent process, never hangs; the child opens
+cpu devices of its own, which work; its exit never waits for the parent's threads; and
+the parent's devices go on as if nothing happened. Each scenario runs in a fresh
+interpreter (tests/reliability/test_fork.py's SCRIPT), bounded in time.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = r"""
+import os, sys, time
+import anyio, numpy as np
+import asyncmetal as am
+from asyncmetal import _device
+
+SRC = "void k(int* o, int v) { o[0] = v; }"
+checks = []
+
+
+def wait_child(pid, seconds=30.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return "hung"
+
+
+async def refused(what, make):
+    try:
+        result = make()
+        if hasattr(result, "__await__"):
+            await result
+    except am.ClosedResourceError as exc:
+        if f"opened in process {os.getppid()}" not in str(exc):
+            checks.append(f"{what}: unclear: {exc}")
+    except Exception as exc:
+        checks.append(f"{what}: {type(exc).__name__}: {exc}")
+    else:
+        checks.append(f"{what}: not refused")
+
+
+async def child(dev, program, buf, tl, queue, pending):
+    with anyio.fail_after(20):
+        await refused("launch", lambda: dev.queue.launch(program, buf, vals=(5,)))
+        await refused("await a completion", lambda: pending)
+        await refused("completion.done", pending.done)
+        await refused("timeline.wait", lambda: tl.wait(1))
+        await refused("timeline.value", lambda: tl.value)
+        await refused("timeline.signal", lambda: tl.signal(1))
+        await refused("queue.signal", lambda: queue.signal(tl, 2))
+        await refused("buffer.read", lambda: buf.read(np.int32))
+        await refused("buffer.write", lambda: buf.write(np.zeros(1, np.int32)))
+        await refused("copy", lambda: am.copy(np.zeros(1, np.int32), buf))
+        await refused("compile", lambda: dev.compile(SRC, "k"))
+        await refused("alloc", lambda: dev.alloc(4))
+        await refused("timeline()", dev.timeline)
+        await refused("new_queue", dev.new_queue)
+        await refused("synchronize", dev.synchronize)
+        await refused("queue.wait", lambda: queue.wait(tl, 3))
+        await refused("buffer.free", buf.free)
+        await dev.close()  # the parent's: nothing to do here, and no hang
+        try:
+            await am.open_device("cuda")
+        except am.AsyncMetalError as exc:
+            if "forked" not in str(exc):
+                checks.append(f"cuda: unclear: {exc}")
+        else:
+            checks.append("cuda: opened in a child of a process that used it")
+        async with am.open_device("cpu") as mine:  # the child's own device works
+            own = await mine.compile(f"/* new to the cache: {time.time_ns()} */ {SRC}", "k")
+            mbuf = await mine.alloc(4)
+            await mine.queue.launch(own, mbuf, vals=(9,))
+            if (await mbuf.read(np.int32))[0] != 9:
+                checks.append("the child's own device gave a wrong result")
+        mine2 = await am.open_device("cpu:1")  # left open: closed at exit
+        await mine2.queue.launch(await mine2.compile(SRC, "k"), await mine2.alloc(4), vals=(1,))
+
+
+async def parent_open():
+    dev = await am.open_device("cpu")
+    # New to the cache: compiled in the pool's workers, which then are the parent's.
+    program = await dev.compile(f"/* {time.time_ns()} */ {SRC}", "k")
+    buf = await dev.alloc(4)
+    await dev.queue.launch(program, buf, vals=(3,))
+    tl = dev.timeline()
+    queue = dev.new_queue()
+    queue.wait(tl, 1)  # its thread sleeps on tl's condition across the fork
+    pending = queue.launch(program, buf, vals=(4,))
+    getattr(_device, "_kinds_opened", set()).add("cuda")  # as if it had opened cuda too
+    return dev, program, buf, tl, queue, pending
+
+
+async def parent_finish(dev, buf, tl, pending):
+    with anyio.fail_after(20):
+        tl.signal(1)
+        await pending
+        if (await buf.read(np.int32))[0] != 4:
+            checks.append("the parent's device lost work")
+        await dev.close()
+
+
+def main(scenario):
+    objects = anyio.run(parent_open)
+    dev, program, buf, tl, queue, pending = objects
+    if scenario == "exit-in-loop":
+        async def fork_in_loop():
+            pid = os.fork()
+            if pid == 0:
+                sys.exit(0)  # from inside the running loop: asyncio.run's teardown, atexit
+            return pid
+        pid = anyio.run(fork_in_loop)
+    else:
+        pid = os.fork()
+        if pid == 0:
+            if scenario == "use":
+                anyio.run(child, *objects)
+                if checks:
+                    print("\n".join("child: " + c for c in checks), flush=True)
+                sys.exit(1 if checks else 0)
+            sys.exit(0)
+    code = wait_child(pid)
+    if code != 0:
+        checks.append(f"the child exited with {code}")
+    anyio.run(parent_finish, dev, buf, tl, pending)
+    print("\n".join(checks) if checks else "ok", flush=True)
+
+
+main(sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("scenario", ["exit", "exit-in-loop", "use"])
+def test_a_forked_child_is_refused_the_parents_devices_and_exits(scenario: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, scenario], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and proc.stdout.split("\n")[-2:] == ["ok", ""], (
+        proc.stdout + proc.stderr[-4000:]
+    )

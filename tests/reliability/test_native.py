@@ -1,0 +1,141 @@
+"""The cpu queues of the native runtime, stressed from C (tests/native/queue_stress.c).
+
+Thousands of queues are opened, made to wait and closed -- abandoning the wait, or
+letting another thread release it -- with the close landing at varied moments of the
+queue thread's way into its wait; plus watches and blocks under the same churn. Plain,
+and under ThreadSanitizer and AddressSanitizer (each skips, saying why, where the
+machine cannot run it). A hang ends the run through the harness's watchdog.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import asyncmetal as am
+from asyncmetal import _native
+from asyncmetal.backends.cpu import CPUBackend
+
+from ..native import harness
+
+# Iterations of the abandon check (the others run a fraction of it). The plain build
+# runs enough to hit a lost wake-up in a handful of thousand tries; the sanitized ones,
+# ~10x slower a thread switch, run fewer. Forks of a process with threads run only in
+# the plain build: ThreadSanitizer does not support them, and AddressSanitizer's
+# allocator (before LLVM 17) can be locked for ever in the child, by a thread that was
+# allocating at the fork.
+ARGS = {"": ["20000", "fork"], "thread": ["2000"], "address": ["5000"]}
+
+
+@pytest.mark.parametrize("sanitizer", harness.SANITIZERS, ids=["plain", "tsan", "asan"])
+def test_queue_close_wait_watch_stress(tmp_path: Path, sanitizer: str) -> None:
+    binary = harness.build("queue_stress.c", tmp_path, sanitizer)
+    args = ARGS[sanitizer]
+    proc = harness.run(binary, *args, sanitizer=sanitizer)
+    assert proc.returncode == 0, proc.stderr[-6000:] + proc.stdout
+    checks = ["abandon", "word", "finish", "watch", "parts", "blocks", *args[1:]]
+    assert proc.stdout.split() == [word for check in checks for word in ("ok", check)]
+
+
+# ---- kernel libraries: names resolved in the library itself, unloaded at close -------
+
+_SHADOWED = """
+#include <stdlib.h>
+#if 0
+void getpid(void) {}  /* not compiled: the C library's getpid must not stand in for it */
+#endif
+/* calls the C library, which the library then depends on (dlsym searches it) */
+void present(int* out) { out[0] = getenv("ASYNCMETAL_NOT_SET_ANYWHERE") ? 1 : 7; }
+"""
+
+
+@pytest.mark.anyio
+async def test_a_kernel_missing_from_the_library_is_not_found_in_its_dependencies(
+    anyio_backend: object,
+) -> None:
+    async with am.open_device("cpu") as dev:
+        with pytest.raises(am.CompileError, match="'getpid'"):
+            await dev.compile(_SHADOWED, "getpid")
+        present = await dev.compile(_SHADOWED, "present")
+        buf = await dev.alloc(4)
+        await dev.queue.launch(present, buf)
+        assert (await buf.read(np.int32))[0] == 7
+
+
+def _kernel_mappings() -> int:
+    """Mappings of kernel libraries the cpu device loaded (their files are deleted)."""
+    with open("/proc/self/maps") as maps:
+        return sum("/asyncmetal-" in line and ".so" in line for line in maps)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+@pytest.mark.anyio
+async def test_closing_a_device_unmaps_its_kernel_libraries(anyio_backend: object) -> None:
+    src = "void k(int* out) { out[0] += 1; }\n"
+    before = _kernel_mappings()
+    for _ in range(100):  # a compile cache hit after the first: the same binary each time
+        async with am.open_device("cpu") as dev:
+            program = await dev.compile(src, "k")
+            buf = await dev.alloc(4)
+            await dev.queue.launch(program, buf)
+    assert _kernel_mappings() - before <= 0
+    # A Program of a closed device is refused, on its device's queue and on another's.
+    with pytest.raises(am.ClosedResourceError):
+        dev.queue.launch(program, buf)
+    async with am.open_device("cpu") as other:
+        with pytest.raises(am.InvalidArgumentError, match="compiled for"):
+            other.queue.launch(program, await other.alloc(4))
+
+
+def test_a_closed_cpu_backend_loads_nothing() -> None:
+    """A compile that finishes after its device closed loads no library the close would
+    have missed (or unloaded under it)."""
+    backend = CPUBackend(0)
+    binary = backend.compiler.compile("void k(void) {}")
+    assert backend.load(binary, "k")
+    backend.close()
+    with pytest.raises(am.ClosedResourceError):
+        backend.load(binary, "k")
+
+
+# ---- timeline values: read with acquire ordering where a plain load is not ----------
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["plain-load", "acquire-load"])
+def test_timeline_readers_follow_the_native_value(plain: bool) -> None:
+    lib = _native.runtime()
+    timeline = lib.am_timeline_new()
+    try:
+        reader = _native.timeline_reader(timeline, plain)
+        assert reader.value == 0
+        lib.am_timeline_signal(timeline, 5)
+        assert reader.value == 5
+        lib.am_timeline_signal(timeline, (1 << 64) - 1)
+        assert reader.value == (1 << 64) - 1
+    finally:
+        lib.am_timeline_free(timeline)
+
+
+@pytest.mark.anyio
+async def test_cpu_timelines_use_acquire_loads_on_weakly_ordered_machines(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on arm64: every timeline of the device is read through an acquire load, and
+    what a kernel wrote is there once its completion is seen."""
+    monkeypatch.setattr(_native, "PLAIN_LOADS_ACQUIRE", False)
+    async with am.open_device("cpu") as dev:
+        program = await dev.compile("void k(int* o, int v) { o[0] = v; }", "k")
+        buf = await dev.alloc(4)
+        timeline = dev.timeline()
+        for native in (dev.queue.timeline._native, timeline._native):
+            assert type(native.value) is int
+            assert not isinstance(native._value, ctypes.c_uint64)
+        for v in range(1, 50):
+            dev.queue.launch(program, buf, vals=(v,))
+            dev.queue.signal(timeline, v)
+            await timeline.wait(v)
+            assert (await buf.read(np.int32))[0] == v
