@@ -1225,7 +1225,7 @@ int am_cuq_error(am_cuq *q, uint64_t *value) {
  * ~200 ms: it frees the queue itself if it ever returns. Blocks. */
 void am_cuq_close(am_cuq *q, int abandon) {
     pthread_mutex_lock(&q->mu);
-    q->stop = abandon ? 2 : 1;
+    __atomic_store_n(&q->stop, abandon ? 2 : 1, __ATOMIC_SEQ_CST);  /* read unlocked too */
     if (abandon) {
         cuq_drop_held(q);
         q->count = 0;
