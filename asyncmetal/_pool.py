@@ -97,7 +97,11 @@ class _Worker:
                 continue
             with pool._lock:
                 pool._idle -= 1
-                withdrawn = job is not _STOP and job.awaiters == 0  # decided under the lock
+                # Deciding and leaving _in_flight are one critical section: a request that
+                # arrives after this starts a new job instead of joining a withdrawn one.
+                withdrawn = job is not _STOP and job.awaiters == 0
+                if withdrawn:
+                    del pool._in_flight[job.key]
             if job is _STOP:
                 self._stop()
                 return
@@ -232,7 +236,8 @@ class CompilePool:
             self.cache.put_disk(job.key, result)
         with self._lock:
             self.compiles += ran
-            del self._in_flight[job.key]
+            if self._in_flight.get(job.key) is job:  # a withdrawn job has left already
+                del self._in_flight[job.key]
             callbacks = list(job.callbacks)
         job.result = result
         job.done.increment()

@@ -1,0 +1,84 @@
+"""Reliability of compiling: the pool under races, bad arguments, timeouts and dead
+workers, and the caches when damaged, full or unwritable. Every wait is bounded."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from asyncmetal._cache import CompileCache
+from asyncmetal._compile import source_key
+from asyncmetal._pool import CompilePool, compiler_identity
+from asyncmetal.backends.cpu import CCompiler
+
+pytestmark = pytest.mark.anyio
+BOUND = 60  # seconds: what would otherwise hang fails instead
+
+
+def _src(tag: object) -> str:
+    return f"int twice(int x) {{ return 2 * x; }}\n/* {tag} {time.time_ns()} */\n"
+
+
+@pytest.fixture
+async def pool(anyio_backend: object, tmp_path: Path) -> AsyncIterator[CompilePool]:
+    p = CompilePool(1, cache=CompileCache(tmp_path / "cache"))
+    yield p
+    await p.aclose()
+
+
+class _HookedLock:
+    """The pool's lock, running ``hook`` once on the handler thread right after the
+    first critical section that follows its taking of the job ``key`` from the queue:
+    the moment the worker has decided about that job."""
+
+    def __init__(self, pool: CompilePool, key: str, hook: Any) -> None:
+        self._lock = threading.Lock()
+        self._key, self._hook = key, hook
+        self._armed: threading.Thread | None = None
+        self.gate = threading.Event()  # the job is handed over once this is set
+        pending = pool._pending
+        real_get = pending.get
+
+        def get(*args: Any, **kwargs: Any) -> Any:
+            job = real_get(*args, **kwargs)
+            if getattr(job, "key", None) == self._key:
+                self.gate.wait(BOUND)
+                self._armed = threading.current_thread()
+            return job
+
+        pending.get = get  # type: ignore[method-assign]
+
+    def __enter__(self) -> bool:
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.__exit__(*exc)
+        if self._armed is threading.current_thread():
+            self._armed = None
+            self._hook()
+
+
+async def test_joining_a_compile_being_withdrawn_gets_a_real_result(pool: CompilePool) -> None:
+    compiler, src = CCompiler(), _src("withdrawn")
+    key = source_key(await compiler_identity(compiler), src)
+    joined: list[Any] = []
+
+    def join() -> None:  # a request for the same source, in the worker's window
+        joined.append(pool.submit(compiler, src, key))
+
+    lock = _HookedLock(pool, key, join)
+    pool._lock = lock  # type: ignore[assignment]
+    first = pool.submit(compiler, src, key)
+    pool.withdraw(first)  # nobody wants it any more: the worker will skip it
+    lock.gate.set()
+    with anyio.fail_after(BOUND):
+        while not joined:
+            await anyio.sleep(0.01)
+        binary = await pool.wait(joined[0])
+    assert binary.startswith(b"\x7fELF")
