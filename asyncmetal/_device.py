@@ -26,7 +26,7 @@ from ._errors import (
     InvalidArgumentError,
 )
 from ._memory import Allocator, Buffer, MemoryStatistics, _Allocation, _Block
-from ._pool import CompilePool, compiler_identity, default_pool
+from ._pool import CompilePool, check_timeout, compiler_identity, default_pool
 from ._queue import Queue, completable
 from ._timeline import HostEvents, Timeline, wait_value
 
@@ -179,6 +179,7 @@ class Device:
         one finishes into the cache.
         """
         params = self._check_compile(src, name)
+        timeout = check_timeout(timeout)
         key = (source_key(await compiler_identity(self._backend.compiler), src), name)
         program = self._programs.get(key)
         if program is not None:
@@ -211,7 +212,7 @@ class Device:
         the pool compiles the rest. A failed compile raises its CompileError when
         reached. Compiles not consumed finish into the cache.
         """
-        return _CompileMany(self, list(kernels), timeout)
+        return _CompileMany(self, list(kernels), check_timeout(timeout))
 
     def _load(self, binary: bytes, name: str) -> Any:
         try:

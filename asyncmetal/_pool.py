@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
+import math
+import numbers
 import os
 import queue as queue_module
 import select
@@ -24,11 +27,26 @@ import anyio
 from ._bridge import checkpoint
 from ._cache import CompileCache
 from ._compile import Compiler, source_key
-from ._errors import ClosedResourceError, CompileError
+from ._errors import ArgumentTypeError, ClosedResourceError, CompileError, InvalidArgumentError
 from ._timeline import HostEvents, wait_value
 from ._worker import read_message, write_message
 
 _STOP = object()
+_log = logging.getLogger("asyncmetal")
+
+
+def check_timeout(timeout: object) -> float | None:
+    """A compile's ``timeout`` as seconds (None: no limit), or the error naming it."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise ArgumentTypeError(
+            f"timeout must be a number of seconds or None, got {type(timeout).__name__}"
+        )
+    seconds = float(timeout)
+    if not seconds > 0:  # also refuses NaN
+        raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return None if math.isinf(seconds) else seconds
 
 
 class _Job:
@@ -108,7 +126,17 @@ class _Worker:
             if withdrawn:
                 pool._finish(job, CompileError("compile withdrawn"), ran=False)
                 continue
-            pool._finish(job, self._compile(job))
+            try:
+                result = self._compile(job)
+            except Exception as exc:
+                # Whatever a job does, this thread lives on: a dead one would keep its
+                # slot in the pool and leave its job's waiters waiting for ever. The worker
+                # may have half a message: start afresh.
+                self._kill()
+                result = CompileError(
+                    f"the compile failed in the pool: {type(exc).__name__}: {exc}"
+                )
+            pool._finish(job, result)
 
     def _compile(self, job: _Job) -> bytes | CompileError:
         if self.proc is None or self.proc.poll() is not None:
@@ -215,6 +243,7 @@ class CompilePool:
         on_done: Callable[[_Job], None] | None = None,
     ) -> _Job:
         """Start (or join) the compile of ``src``; never blocks. Cache misses only."""
+        timeout = check_timeout(timeout)
         if self._closed:
             raise ClosedResourceError("the compile pool is closed")
         with self._lock:
@@ -242,7 +271,10 @@ class CompilePool:
         job.result = result
         job.done.increment()
         for callback in callbacks:
-            callback(job)
+            try:
+                callback(job)
+            except Exception:  # one broken callback must not stop the others, nor the thread
+                _log.exception("asyncmetal: a compile callback failed")
 
     def _retire(self, worker: _Worker) -> bool:
         """After an idle timeout: leave, unless work arrived meanwhile."""
@@ -259,6 +291,7 @@ class CompilePool:
         Cancelling withdraws a compile that has not started; one already running
         finishes into the cache.
         """
+        timeout = check_timeout(timeout)
         key = source_key(await compiler_identity(compiler), src)
         cached = self.cache.get_memory(key)
         if cached is None and self.cache.disk_enabled:

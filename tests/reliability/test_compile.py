@@ -12,6 +12,7 @@ from typing import Any
 import anyio
 import pytest
 
+import asyncmetal as am
 from asyncmetal._cache import CompileCache
 from asyncmetal._compile import source_key
 from asyncmetal._pool import CompilePool, compiler_identity
@@ -82,3 +83,55 @@ async def test_joining_a_compile_being_withdrawn_gets_a_real_result(pool: Compil
             await anyio.sleep(0.01)
         binary = await pool.wait(joined[0])
     assert binary.startswith(b"\x7fELF")
+
+
+BAD_TIMEOUTS = [
+    (-1, am.InvalidArgumentError),
+    (0, am.InvalidArgumentError),
+    (float("nan"), am.InvalidArgumentError),
+    ("1", am.ArgumentTypeError),
+    (True, am.ArgumentTypeError),
+]
+
+
+@pytest.mark.parametrize(("timeout", "error"), BAD_TIMEOUTS)
+async def test_a_bad_timeout_is_refused_and_the_pool_keeps_compiling(
+    pool: CompilePool, timeout: Any, error: type[Exception]
+) -> None:
+    for _ in range(pool.max_workers + 1):  # more bad calls than workers
+        with anyio.fail_after(BOUND), pytest.raises(error, match="timeout"):
+            await pool.compile(CCompiler(), _src("bad timeout"), timeout=timeout)
+    with anyio.fail_after(BOUND):
+        assert await pool.compile(CCompiler(), _src("after"), timeout=BOUND)
+
+
+@pytest.mark.parametrize(("timeout", "error"), BAD_TIMEOUTS)
+async def test_device_compiles_refuse_a_bad_timeout_up_front(
+    device: am.Device, timeout: Any, error: type[Exception]
+) -> None:
+    with anyio.fail_after(BOUND):
+        with pytest.raises(error, match="timeout"):
+            await device.compile("void k(void) {}", "k", timeout=timeout)
+        with pytest.raises(error, match="timeout"):
+            device.compile_many([("void k(void) {}", "k")], timeout=timeout)
+
+
+class _UnpicklableCompiler(CCompiler):
+    """A compiler whose configuration cannot be sent to a worker."""
+
+    name = "unpicklable-cc"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hook = lambda: None
+
+    def config(self) -> tuple[Any, ...]:
+        return (self.hook,)
+
+
+async def test_the_handler_thread_survives_a_failing_job(pool: CompilePool) -> None:
+    for _ in range(pool.max_workers + 1):
+        with anyio.fail_after(BOUND), pytest.raises(am.CompileError, match="pickle"):
+            await pool.compile(_UnpicklableCompiler(), _src("unpicklable"))
+    with anyio.fail_after(BOUND):
+        assert await pool.compile(CCompiler(), _src("after"))
