@@ -14,11 +14,13 @@ import numbers
 import os
 import queue as queue_module
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -75,6 +77,7 @@ class _Worker:
     def __init__(self, pool: CompilePool, eager: bool = False) -> None:
         self.pool = pool
         self.proc: subprocess.Popen[bytes] | None = None
+        self.tmpdir: str | None = None  # the process's TMPDIR, removed with it
         self.stderr: Any = None
         self.eager = eager
         self.thread = threading.Thread(target=self._run, name="asyncmetal-compile", daemon=True)
@@ -86,6 +89,10 @@ class _Worker:
         env["CUDA_VISIBLE_DEVICES"] = ""  # compilers need no GPU: never take its memory
         # Whatever the parent can import (a custom compiler's module), the worker can.
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        # The compiler's temporary files (its own and those of cc and what cc runs) go
+        # under a directory of this process alone, so that none outlives a killed worker.
+        self.tmpdir = tempfile.mkdtemp(prefix="asyncmetal-worker-")
+        env["TMPDIR"] = env["TMP"] = env["TEMP"] = self.tmpdir
         if self.stderr is None:
             self.stderr = tempfile.TemporaryFile()
         self.stderr.seek(0)
@@ -96,7 +103,9 @@ class _Worker:
             stdout=subprocess.PIPE,
             stderr=self.stderr,
             env=env,
-            start_new_session=True,  # a terminal's Ctrl-C goes to the parent only
+            # A terminal's Ctrl-C goes to the parent only; and the worker leads a process
+            # group holding everything it starts, which _reap ends as one.
+            start_new_session=True,
         )
 
     def _run(self) -> None:
@@ -139,7 +148,9 @@ class _Worker:
             pool._finish(job, result)
 
     def _compile(self, job: _Job) -> bytes | CompileError:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is not None and self.proc.poll() is not None:
+            self._reap()  # it died while idle
+        if self.proc is None:
             self.proc = self._spawn()
         proc = self.proc
         assert proc.stdin is not None and proc.stdout is not None
@@ -171,29 +182,50 @@ class _Worker:
 
     def _kill(self) -> None:
         if self.proc is not None:
-            self.proc.kill()
+            _kill_group(self.proc)
             self._reap()
 
     def _reap(self) -> None:
-        """Close our ends of the worker's pipes and collect it."""
+        """Close our ends of the worker's pipes, collect it, end whatever it left running
+        (a compiler it had started) and remove its temporary files."""
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        tmpdir, self.tmpdir = self.tmpdir, None
+        if proc is not None:
+            for stream in (proc.stdin, proc.stdout):
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                proc.wait()
+            # Its process group lives on while a process it started does, and the group's
+            # number is not given to another process meanwhile: this ends only those.
+            _kill_group(proc)
+        if tmpdir is not None:
+            _remove_tree(tmpdir)
 
     def _stop(self) -> None:
         self._reap()  # closing its stdin ends the worker's loop
         if self.stderr is not None:
             self.stderr.close()
             self.stderr = None
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the process group that ``proc`` leads (it was started in a new session)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _remove_tree(path: str) -> None:
+    # A process killed a moment ago may still finish a file it was creating: try again.
+    for _ in range(50):
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
+            return
+        time.sleep(0.02)
 
 
 class CompilePool:

@@ -3,6 +3,7 @@ workers, and the caches when damaged, full or unwritable. Every wait is bounded.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -133,5 +134,58 @@ async def test_the_handler_thread_survives_a_failing_job(pool: CompilePool) -> N
     for _ in range(pool.max_workers + 1):
         with anyio.fail_after(BOUND), pytest.raises(am.CompileError, match="pickle"):
             await pool.compile(_UnpicklableCompiler(), _src("unpicklable"))
+    with anyio.fail_after(BOUND):
+        assert await pool.compile(CCompiler(), _src("after"))
+
+
+def _dead(pid: int) -> bool:
+    """Whether ``pid`` has ended (gone, or a zombie nobody has collected yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _existing(*paths: str) -> list[str]:
+    return [path for path in paths if os.path.lexists(path)]
+
+
+_HANGING_CC = """#!/bin/sh
+# A C compiler that hangs: it records its pid, the directory of its output, a
+# temporary file of its own and the pid of a child, then waits for that child.
+out=""
+while [ $# -gt 0 ]; do
+    if [ "$1" = "-o" ]; then out="$2"; fi
+    shift
+done
+if [ -z "$out" ]; then echo "hanging-cc 1.0"; exit 0; fi
+scratch=$(mktemp)
+sleep 120 &
+echo "$$ $! $(dirname "$out") $scratch" > "{record}.tmp"
+mv "{record}.tmp" "{record}"
+wait
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+async def test_a_timeout_ends_the_compilers_and_removes_their_files(
+    pool: CompilePool, tmp_path: Path
+) -> None:
+    record = tmp_path / "record"
+    cc = tmp_path / "hanging-cc"
+    cc.write_text(_HANGING_CC.replace("{record}", str(record)))
+    cc.chmod(0o755)
+    with anyio.fail_after(BOUND):
+        assert await pool.compile(CCompiler(), _src("warm"))  # the worker is up
+        with pytest.raises(am.CompileError, match="timed out"):
+            await pool.compile(CCompiler(str(cc)), _src("hangs"), timeout=5)
+    assert record.exists(), "the compiler had not started within the timeout"
+    shell, child, out_dir, scratch = record.read_text().split()
+    with anyio.move_on_after(15):
+        while not (_dead(int(shell)) and _dead(int(child))):
+            await anyio.sleep(0.05)
+    assert _dead(int(shell)) and _dead(int(child)), "the compiler processes outlived the timeout"
+    assert _existing(out_dir, scratch) == [], "the compiler's temporary files were left behind"
     with anyio.fail_after(BOUND):
         assert await pool.compile(CCompiler(), _src("after"))
