@@ -262,7 +262,13 @@ class Device:
 
 
 class _CompileMany:
-    """The async iterator of Device.compile_many."""
+    """The async iterator of Device.compile_many.
+
+    Each kernel's result -- a binary from a cache, a pool job, or the CompileError of a
+    name its source lacks -- arrives in ``_ready`` and is yielded (or raised) once, in
+    the order they arrive. A step that raises or is cancelled loses no other kernel:
+    the next step goes on from where the last one stopped.
+    """
 
     def __init__(
         self, device: Device, kernels: list[tuple[str, str]], timeout: float | None
@@ -270,7 +276,7 @@ class _CompileMany:
         self._device = device
         self._kernels = kernels
         self._timeout = timeout
-        self._started = False
+        self._dispatched = 0  # kernels looked up and, on a miss, submitted
         self._ready: collections.deque[tuple[tuple[str, str], Any]] = collections.deque()
         self._events = HostEvents()
         self._yielded = 0
@@ -278,50 +284,60 @@ class _CompileMany:
     def __aiter__(self) -> _CompileMany:
         return self
 
-    async def _start(self) -> None:
-        self._started = True
+    async def _dispatch(self) -> None:
         device = self._device
         pool, compiler = device.compile_pool, device._backend.compiler
         identity = await compiler_identity(compiler)
-        items = [(src, name, device._check_compile(src, name)) for src, name in self._kernels]
-        misses = []
-        for src, name, params in items:
+        while self._dispatched < len(self._kernels):
+            src, name = self._kernels[self._dispatched]
+            try:
+                params = device._check_compile(src, name)
+            except CompileError as exc:  # this kernel's own result, raised in its turn
+                self._dispatched += 1
+                self._arrived(("", name), (), exc)
+                continue
             key = source_key(identity, src)
             binary = pool.cache.get_memory(key)
             if binary is None and pool.cache.disk_enabled:
-                binary = await pool.cache.get_disk(key)
+                binary = await pool.cache.get_disk(key)  # cancelled: looked up again next time
+            self._dispatched += 1
             if binary is None:
-                misses.append((src, name, params))
+                pool.submit(
+                    compiler,
+                    src,
+                    key,
+                    timeout=self._timeout,
+                    on_done=functools.partial(self._arrived, (key, name), params),
+                )
             else:
                 self._arrived((key, name), params, binary)
-        for src, name, params in misses:
-            key = source_key(identity, src)
-            pool.submit(
-                compiler,
-                src,
-                key,
-                timeout=self._timeout,
-                on_done=functools.partial(self._arrived, (key, name), params),
-            )
 
     def _arrived(self, key: tuple[str, str], params: Any, result: Any) -> None:
-        """A binary (a cache hit) or a finished pool job; any thread."""
+        """A binary (a cache hit), a finished pool job or an error; any thread."""
         self._ready.append((key, (params, result)))
         self._events.increment()
 
     async def __anext__(self) -> Program:
-        if not self._started:
-            await self._start()
+        if self._dispatched < len(self._kernels):
+            await self._dispatch()
         if self._yielded == len(self._kernels):
             raise StopAsyncIteration
         await wait_value(self._events, self._yielded + 1)
         self._yielded += 1
         key, (params, result) = self._ready.popleft()
+        if isinstance(result, CompileError):
+            raise result
         if not isinstance(result, bytes):  # a finished pool job
             pool = self._device.compile_pool
             pool.withdraw(result)
             result = pool.result(result)
-        return await self._device._program(key, params, result)
+        try:
+            return await self._device._program(key, params, result)
+        except anyio.get_cancelled_exc_class():
+            # Not handed out: the next step yields it (its binary is ready now).
+            self._ready.appendleft((key, (params, result)))
+            self._yielded -= 1
+            raise
 
 
 class _DeviceOpener:

@@ -189,3 +189,44 @@ async def test_a_timeout_ends_the_compilers_and_removes_their_files(
     assert _existing(out_dir, scratch) == [], "the compiler's temporary files were left behind"
     with anyio.fail_after(BOUND):
         assert await pool.compile(CCompiler(), _src("after"))
+
+
+async def _drain(programs: Any) -> tuple[list[str], list[str]]:
+    """Every program's name and every error's first line, stepping past the errors."""
+    names: list[str] = []
+    errors: list[str] = []
+    for _ in range(20):
+        try:
+            with anyio.fail_after(BOUND):
+                names.append((await programs.__anext__()).name)
+        except StopAsyncIteration:
+            return sorted(names), errors
+        except am.CompileError as exc:
+            errors.append(str(exc).partition("\n")[0])
+    raise AssertionError("compile_many never ended")
+
+
+async def test_compile_many_goes_on_after_an_error(device: am.Device) -> None:
+    tag = time.time_ns()
+    kernels = [
+        (f"void ok{tag}(void) {{}}", f"ok{tag}"),
+        (f"void k{tag}(void) {{}}", "nowhere"),  # not defined in its source
+        (f"void bad{tag}(void) {{ oops }}", f"bad{tag}"),  # does not compile
+        (f"void ok2{tag}(void) {{}}", f"ok2{tag}"),
+    ]
+    names, errors = await _drain(device.compile_many(kernels))
+    assert names == sorted([f"ok{tag}", f"ok2{tag}"])
+    assert sorted(errors) == sorted(
+        ["kernel 'nowhere' is not defined in the source", "cc failed with exit code 1"]
+    )
+
+
+async def test_compile_many_goes_on_after_a_cancelled_step(device: am.Device) -> None:
+    tag = time.time_ns()
+    kernels = [(f"void a{tag}(void) {{}}", f"a{tag}"), (f"void b{tag}(void) {{}}", f"b{tag}")]
+    programs = device.compile_many(kernels)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await programs.__anext__()  # cancelled while it looks in the caches
+    names, errors = await _drain(programs)
+    assert names == sorted([f"a{tag}", f"b{tag}"]) and errors == []
