@@ -23,6 +23,7 @@ from ._errors import (
     AsyncMetalError,
     ClosedResourceError,
     CompileError,
+    DeviceLostError,
     InvalidArgumentError,
 )
 from ._memory import Allocator, Buffer, MemoryStatistics, _Allocation, _Block
@@ -186,7 +187,7 @@ class Device:
             await checkpoint()
             return program
         binary = await self.compile_pool.compile(self._backend.compiler, src, timeout=timeout)
-        return await self._program(key, params, binary)
+        return await self._program(key, params, binary, src, timeout)
 
     def _check_compile(self, src: object, name: object) -> tuple[ParamKind, ...]:
         self._check_open()
@@ -197,10 +198,31 @@ class Device:
         return self._backend.compiler.params(src, name)
 
     async def _program(
-        self, key: tuple[str, str], params: tuple[ParamKind, ...], binary: bytes
+        self,
+        key: tuple[str, str],
+        params: tuple[ParamKind, ...],
+        binary: bytes,
+        src: str,
+        timeout: float | None,
     ) -> Program:
-        native = await anyio.to_thread.run_sync(self._load, binary, key[1])
-        program = self._programs.setdefault(key, Program(self, key[1], params, binary, native))
+        name = key[1]
+        try:
+            native = await anyio.to_thread.run_sync(self._load, binary, name)
+        except _UnloadableError:
+            # A binary that verified but does not load came from the cache damaged in a
+            # way no checksum sees (built for another machine sharing the directory):
+            # a miss. Build it afresh, once; if that does not load either, say so.
+            pool = self.compile_pool
+            compiler = self._backend.compiler
+            binary = await pool.compile(compiler, src, timeout=timeout, refresh=True)
+            try:
+                native = await anyio.to_thread.run_sync(self._load, binary, name)
+            except _UnloadableError as exc:
+                cause = exc.__cause__
+                raise CompileError(
+                    f"the compiled kernel {name!r} does not load: {cause}"
+                ) from cause
+        program = self._programs.setdefault(key, Program(self, name, params, binary, native))
         return program
 
     def compile_many(
@@ -219,6 +241,10 @@ class Device:
             return self._backend.load(binary, name)
         except AttributeError:
             raise CompileError(f"kernel {name!r} is not defined in the compiled code") from None
+        except (DeviceLostError, ClosedResourceError, MemoryError):
+            raise  # the device's trouble, not the binary's
+        except Exception as exc:
+            raise _UnloadableError from exc
 
     async def synchronize(self) -> None:
         """Wait until every queue of this device has finished what was submitted."""
@@ -261,6 +287,10 @@ class Device:
         await self.close()
 
 
+class _UnloadableError(Exception):
+    """The backend refused a binary (its cause says why)."""
+
+
 class _CompileMany:
     """The async iterator of Device.compile_many.
 
@@ -294,7 +324,7 @@ class _CompileMany:
                 params = device._check_compile(src, name)
             except CompileError as exc:  # this kernel's own result, raised in its turn
                 self._dispatched += 1
-                self._arrived(("", name), (), exc)
+                self._arrived(("", name), ((), src), exc)
                 continue
             key = source_key(identity, src)
             binary = pool.cache.get_memory(key)
@@ -307,10 +337,10 @@ class _CompileMany:
                     src,
                     key,
                     timeout=self._timeout,
-                    on_done=functools.partial(self._arrived, (key, name), params),
+                    on_done=functools.partial(self._arrived, (key, name), (params, src)),
                 )
             else:
-                self._arrived((key, name), params, binary)
+                self._arrived((key, name), (params, src), binary)
 
     def _arrived(self, key: tuple[str, str], params: Any, result: Any) -> None:
         """A binary (a cache hit), a finished pool job or an error; any thread."""
@@ -324,7 +354,7 @@ class _CompileMany:
             raise StopAsyncIteration
         await wait_value(self._events, self._yielded + 1)
         self._yielded += 1
-        key, (params, result) = self._ready.popleft()
+        key, ((params, src), result) = self._ready.popleft()
         if isinstance(result, CompileError):
             raise result
         if not isinstance(result, bytes):  # a finished pool job
@@ -332,10 +362,10 @@ class _CompileMany:
             pool.withdraw(result)
             result = pool.result(result)
         try:
-            return await self._device._program(key, params, result)
+            return await self._device._program(key, params, result, src, self._timeout)
         except anyio.get_cancelled_exc_class():
             # Not handed out: the next step yields it (its binary is ready now).
-            self._ready.appendleft((key, (params, result)))
+            self._ready.appendleft((key, ((params, src), result)))
             self._yielded -= 1
             raise
 

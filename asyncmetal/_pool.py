@@ -317,14 +317,20 @@ class CompilePool:
             self._workers.remove(worker)
             return True
 
-    async def compile(self, compiler: Compiler, src: str, *, timeout: float | None = None) -> bytes:
+    async def compile(
+        self, compiler: Compiler, src: str, *, timeout: float | None = None, refresh: bool = False
+    ) -> bytes:
         """Compile ``src`` with ``compiler`` in a worker; cached by content.
 
-        Cancelling withdraws a compile that has not started; one already running
+        ``refresh`` evicts the cached binary first (one that would not load) and compiles
+        anew. Cancelling withdraws a compile that has not started; one already running
         finishes into the cache.
         """
         timeout = check_timeout(timeout)
         key = source_key(await compiler_identity(compiler), src)
+        if refresh:
+            await anyio.to_thread.run_sync(self.cache.evict, key)
+            return await self.wait(self.submit(compiler, src, key, timeout=timeout))
         cached = self.cache.get_memory(key)
         if cached is None and self.cache.disk_enabled:
             cached = await self.cache.get_disk(key)

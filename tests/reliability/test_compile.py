@@ -4,6 +4,8 @@ workers, and the caches when damaged, full or unwritable. Every wait is bounded.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
 import asyncmetal as am
@@ -230,3 +233,98 @@ async def test_compile_many_goes_on_after_a_cancelled_step(device: am.Device) ->
         await programs.__anext__()  # cancelled while it looks in the caches
     names, errors = await _drain(programs)
     assert names == sorted([f"a{tag}", f"b{tag}"]) and errors == []
+
+
+TWO_KERNELS = (
+    "void put(int* out, int v) { out[0] = v; }\nvoid put2(int* out, int v) { out[0] = v + 1; }\n"
+)
+
+_DAMAGE_SCRIPT = """
+import sqlite3, sys
+import anyio, numpy as np
+import asyncmetal as am
+from asyncmetal._cache import CompileCache
+from asyncmetal._pool import CompilePool
+
+def damage(path, expression):
+    db = sqlite3.connect(path)
+    tables = [row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+    for table in tables:
+        if "data" in [column[1] for column in db.execute(f"PRAGMA table_info({table})")]:
+            db.execute(f"UPDATE {table} SET data = {expression}")
+    db.commit()
+    db.close()
+
+async def main(directory, expression):
+    async with am.open_device("cpu") as dev:
+        pool = dev.compile_pool = CompilePool(1, cache=CompileCache(directory))
+        await dev.compile(sys.argv[3], "put")
+        await pool.aclose()
+        pool.cache.close()
+        damage(pool.cache.path, expression)
+        pool = dev.compile_pool = CompilePool(1, cache=CompileCache(directory))
+        prog = await dev.compile(sys.argv[3], "put2")  # a new name: loaded from the cache
+        buf = await dev.alloc(4)
+        await dev.queue.launch(prog, buf, vals=(41,))
+        print(int((await buf.read(np.int32))[0]))
+        await buf.free()
+        await pool.aclose()
+
+anyio.run(main, sys.argv[1], sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        pytest.param("randomblob(length(data))", id="garbage"),
+        pytest.param("substr(data, 1, length(data) / 2)", id="truncated"),
+        pytest.param("substr(data, 1, 64)", id="header-only"),
+    ],
+)
+def test_a_damaged_cache_entry_is_rebuilt(tmp_path: Path, expression: str) -> None:
+    # In a child process: loading a damaged shared object can kill its process.
+    proc = subprocess.run(
+        [sys.executable, "-c", _DAMAGE_SCRIPT, str(tmp_path / "cache"), expression, TWO_KERNELS],
+        capture_output=True,
+        text=True,
+        timeout=BOUND * 2,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
+    assert proc.stdout.split() == ["42"]
+
+
+def _other_machine(binary: bytes) -> bytes:
+    """``binary`` as if built for another architecture (its ELF e_machine changed)."""
+    assert binary.startswith(b"\x7fELF")
+    machine = int.from_bytes(binary[18:20], "little")
+    other = 183 if machine != 183 else 62  # EM_AARCH64, else EM_X86_64
+    return binary[:18] + other.to_bytes(2, "little") + binary[20:]
+
+
+async def test_a_cached_binary_for_another_machine_is_rebuilt(
+    device: am.Device, tmp_path: Path
+) -> None:
+    directory = tmp_path / "cache"
+    pool = device.compile_pool = CompilePool(1, cache=CompileCache(directory))
+    with anyio.fail_after(BOUND):
+        await device.compile(TWO_KERNELS, "put")
+        await pool.aclose()
+        key = source_key(await compiler_identity(device._backend.compiler), TWO_KERNELS)
+        good = pool.cache.load_disk(key)
+        assert good is not None
+        pool.cache.put_disk(key, _other_machine(good))  # stored as a valid entry
+        pool.cache.close()
+        pool = device.compile_pool = CompilePool(1, cache=CompileCache(directory))
+        try:
+            prog = await device.compile(TWO_KERNELS, "put2")
+            buf = await device.alloc(4)
+            await device.queue.launch(prog, buf, vals=(41,))
+            assert (await buf.read(np.int32))[0] == 42
+            await buf.free()
+        finally:
+            await pool.aclose()
+            pool.cache.close()
+    rebuilt = CompileCache(directory)
+    assert rebuilt.load_disk(key) == good  # the bad entry was replaced
+    rebuilt.close()
