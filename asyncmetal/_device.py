@@ -360,6 +360,7 @@ class _CompileMany:
         if not isinstance(result, bytes):  # a finished pool job
             pool = self._device.compile_pool
             pool.withdraw(result)
+            pool.cache.warn_if_disabled()  # storing it may have found the disk full
             result = pool.result(result)
         try:
             return await self._device._program(key, params, result, src, self._timeout)

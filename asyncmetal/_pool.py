@@ -346,6 +346,7 @@ class CompilePool:
         except BaseException:
             self.withdraw(job)
             raise
+        self.cache.warn_if_disabled()  # storing the result may have found the disk full
         return self.result(job)
 
     def withdraw(self, job: _Job) -> None:

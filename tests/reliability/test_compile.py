@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-from asyncmetal._cache import CompileCache
+from asyncmetal._cache import CacheWarning, CompileCache
 from asyncmetal._compile import source_key
 from asyncmetal._pool import CompilePool, compiler_identity
 from asyncmetal.backends.cpu import CCompiler
@@ -243,7 +243,7 @@ _DAMAGE_SCRIPT = """
 import sqlite3, sys
 import anyio, numpy as np
 import asyncmetal as am
-from asyncmetal._cache import CompileCache
+from asyncmetal._cache import CacheWarning, CompileCache
 from asyncmetal._pool import CompilePool
 
 def damage(path, expression):
@@ -328,3 +328,52 @@ async def test_a_cached_binary_for_another_machine_is_rebuilt(
     rebuilt = CompileCache(directory)
     assert rebuilt.load_disk(key) == good  # the bad entry was replaced
     rebuilt.close()
+
+
+async def test_a_full_disk_turns_the_cache_off_with_a_warning(pool: CompilePool) -> None:
+    db = pool.cache._connect()
+    (pages,) = db.execute("PRAGMA page_count").fetchone()
+    db.execute(f"PRAGMA max_page_count = {pages}")  # sqlite's own 'database or disk is full'
+    with anyio.fail_after(BOUND):
+        with pytest.warns(CacheWarning, match="full"):
+            binary = await pool.compile(CCompiler(), _src("full"))
+        assert binary.startswith(b"\x7fELF")
+        assert not pool.cache.disk_enabled
+        assert await pool.compile(CCompiler(), _src("full, again"))  # warned once
+
+
+_UNWRITABLE_SCRIPT = """
+import sys, warnings
+import anyio, numpy as np
+import asyncmetal as am
+
+async def main():
+    async with am.open_device("cpu") as dev:
+        prog = await dev.compile(sys.argv[1], "put")
+        buf = await dev.alloc(4)
+        await dev.queue.launch(prog, buf, vals=(42,))
+        print(int((await buf.read(np.int32))[0]))
+        await buf.free()
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    anyio.run(main)
+for warning in caught:
+    print(warning.category.__name__, warning.message, file=sys.stderr)
+print(sorted({warning.category.__name__ for warning in caught}))
+"""
+
+
+def test_an_unwritable_cache_directory_still_opens_the_cpu_device(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("a regular file: nothing can be made under it, even by root")
+    env = dict(os.environ, ASYNCMETAL_CACHE_DIR=str(blocker / "cache"))
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNWRITABLE_SCRIPT, TWO_KERNELS],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=BOUND * 2,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["42", "['CacheWarning']"], proc.stderr[-3000:]
