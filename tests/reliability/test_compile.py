@@ -4,6 +4,7 @@ workers, and the caches when damaged, full or unwritable. Every wait is bounded.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -21,6 +22,8 @@ from asyncmetal._cache import CacheWarning, CompileCache
 from asyncmetal._compile import source_key
 from asyncmetal._pool import CompilePool, compiler_identity
 from asyncmetal.backends.cpu import CCompiler
+
+from ..compilers import SlowCompiler
 
 pytestmark = pytest.mark.anyio
 BOUND = 60  # seconds: what would otherwise hang fails instead
@@ -377,3 +380,118 @@ def test_an_unwritable_cache_directory_still_opens_the_cpu_device(tmp_path: Path
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["42", "['CacheWarning']"], proc.stderr[-3000:]
+
+
+async def test_killing_workers_mid_compile_fails_those_compiles_only(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    pool = CompilePool(2, cache=CompileCache(tmp_path / "cache"))
+    errors: list[str] = []
+
+    async def doomed(tag: str) -> None:
+        try:
+            await pool.compile(SlowCompiler(BOUND, str(markers)), _src(tag))
+        except am.CompileError as exc:
+            errors.append(str(exc))
+
+    try:
+        with anyio.fail_after(BOUND):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(doomed, "first")
+                tg.start_soon(doomed, "second")
+                while len(list(markers.iterdir())) < 2:  # both workers are compiling
+                    await anyio.sleep(0.02)
+                for marker in markers.iterdir():
+                    os.kill(int(marker.name.partition("-")[0]), signal.SIGKILL)
+            assert len(errors) == 2
+            assert all("the compile worker died (signal SIGKILL)" in e for e in errors), errors
+            # The pool replaces them and keeps compiling, both workers at once.
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(pool.compile, CCompiler(), _src(f"after {i}"))
+            assert pool.workers <= 2
+    finally:
+        await pool.aclose()
+
+
+_SHARING_SCRIPT = """
+import sys
+import anyio, numpy as np
+import asyncmetal as am
+
+async def main():
+    async with am.open_device("cpu") as dev:
+        kernels = [(f"void put{i}(int* out) {{ out[0] = {i}; }}", f"put{i}") for i in range(6)]
+        buf = await dev.alloc(4)
+        seen = []
+        async for prog in dev.compile_many(kernels):
+            await dev.queue.launch(prog, buf)
+            seen.append(int((await buf.read(np.int32))[0]) == int(prog.name[3:]))
+        await buf.free()
+        print(len(seen), all(seen))
+
+anyio.run(main)
+"""
+
+
+def test_two_processes_share_one_cache_directory_concurrently(tmp_path: Path) -> None:
+    # A new directory: the two also race to build the native runtime into it.
+    env = dict(os.environ, ASYNCMETAL_CACHE_DIR=str(tmp_path / "shared"))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SHARING_SCRIPT],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=BOUND * 2) for p in procs]
+    for proc, (out, err) in zip(procs, outs):
+        assert proc.returncode == 0, err[-3000:]
+        assert out.split() == ["6", "True"], err[-3000:]
+
+
+def _unusable_cache(tmp_path: Path, how: str) -> Path:
+    directory = tmp_path / "cache"
+    if how == "unwritable":
+        blocker = tmp_path / "a-file"
+        blocker.write_text("nothing can be made under a regular file, even by root")
+        return blocker / "cache"
+    directory.mkdir()
+    path = directory / "compile-cache.sqlite"
+    if how == "garbage":
+        path.write_bytes(b"not a database" * 1000)
+    else:  # a database whose table is not ours
+        import sqlite3
+
+        db = sqlite3.connect(path)
+        db.execute("CREATE TABLE entries (key TEXT PRIMARY KEY, blob BLOB)")
+        db.execute("INSERT INTO entries VALUES ('x', x'00')")
+        db.commit()
+        db.close()
+    return directory
+
+
+@pytest.mark.parametrize("how", ["unwritable", "garbage", "foreign-schema"])
+async def test_an_unusable_cache_keeps_compiles_working(
+    device: am.Device, tmp_path: Path, how: str
+) -> None:
+    pool = device.compile_pool = CompilePool(1, cache=CompileCache(_unusable_cache(tmp_path, how)))
+    try:
+        with anyio.fail_after(BOUND):
+            with pytest.warns(CacheWarning, match="unusable"):
+                prog = await device.compile(TWO_KERNELS, "put")
+            buf = await device.alloc(4)
+            await device.queue.launch(prog, buf, vals=(7,))
+            assert (await buf.read(np.int32))[0] == 7
+            await buf.free()
+            assert await device.compile(TWO_KERNELS, "put2")  # warned once
+            names = [p.name async for p in device.compile_many([(_src("many"), "twice")])]
+            assert names == ["twice"]
+        assert not pool.cache.disk_enabled
+    finally:
+        await pool.aclose()
