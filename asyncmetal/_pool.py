@@ -89,29 +89,35 @@ class _Worker:
         env["CUDA_VISIBLE_DEVICES"] = ""  # compilers need no GPU: never take its memory
         # Whatever the parent can import (a custom compiler's module), the worker can.
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        # The compiler's temporary files (its own and those of cc and what cc runs) go
-        # under a directory of this process alone, so that none outlives a killed worker.
-        self.tmpdir = tempfile.mkdtemp(prefix="asyncmetal-worker-")
-        env["TMPDIR"] = env["TMP"] = env["TEMP"] = self.tmpdir
         if self.stderr is None:
             self.stderr = tempfile.TemporaryFile()
         self.stderr.seek(0)
         self.stderr.truncate()
-        return subprocess.Popen(
-            [sys.executable, "-m", "asyncmetal._worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.stderr,
-            env=env,
-            # A terminal's Ctrl-C goes to the parent only; and the worker leads a process
-            # group holding everything it starts, which _reap ends as one.
-            start_new_session=True,
-        )
+        # The compiler's temporary files (its own and those of cc and what cc runs) go
+        # under a directory of this process alone, so that none outlives a killed worker.
+        self.tmpdir = tempfile.mkdtemp(prefix="asyncmetal-worker-")
+        env["TMPDIR"] = env["TMP"] = env["TEMP"] = self.tmpdir
+        try:
+            return subprocess.Popen(
+                [sys.executable, "-m", "asyncmetal._worker"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self.stderr,
+                env=env,
+                # A terminal's Ctrl-C goes to the parent only; and the worker leads a process
+                # group holding everything it starts, which _reap ends as one.
+                start_new_session=True,
+            )
+        except BaseException:
+            _remove_tree(self.tmpdir)
+            self.tmpdir = None
+            raise
 
     def _run(self) -> None:
         pool = self.pool
         if self.eager:
-            self.proc = self._spawn()
+            with contextlib.suppress(Exception):  # if not now, it is spawned for its first job
+                self.proc = self._spawn()
         while True:
             with pool._lock:
                 pool._idle += 1
@@ -183,7 +189,7 @@ class _Worker:
     def _kill(self) -> None:
         if self.proc is not None:
             _kill_group(self.proc)
-            self._reap()
+        self._reap()  # also a temporary directory made for a process that did not start
 
     def _reap(self) -> None:
         """Close our ends of the worker's pipes, collect it, end whatever it left running
