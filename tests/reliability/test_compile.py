@@ -3,10 +3,12 @@ workers, and the caches when damaged, full or unwritable. Every wait is bounded.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -418,6 +420,7 @@ async def test_killing_workers_mid_compile_fails_those_compiles_only(
 
 _SHARING_SCRIPT = """
 import sys
+import tempfile
 import anyio, numpy as np
 import asyncmetal as am
 
@@ -493,5 +496,30 @@ async def test_an_unusable_cache_keeps_compiles_working(
             names = [p.name async for p in device.compile_many([(_src("many"), "twice")])]
             assert names == ["twice"]
         assert not pool.cache.disk_enabled
+    finally:
+        await pool.aclose()
+
+
+async def test_a_worker_that_cannot_start_loses_no_thread_and_no_directory(
+    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    real_popen = subprocess.Popen
+
+    def no_process(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EAGAIN, "no process for you")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache"))
+    try:
+        pool.prestart()  # its thread tries at once, and fails
+        with anyio.fail_after(BOUND):
+            with pytest.raises(am.CompileError, match="no process for you"):
+                await pool.compile(CCompiler(), _src("no process"))
+            assert [p.name for p in scratch.iterdir() if "worker" in p.name] == []
+            monkeypatch.setattr(subprocess, "Popen", real_popen)
+            assert await pool.compile(CCompiler(), _src("a process"))
     finally:
         await pool.aclose()
