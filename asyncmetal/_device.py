@@ -234,7 +234,18 @@ class Device:
         the pool compiles the rest. A failed compile raises its CompileError when
         reached. Compiles not consumed finish into the cache.
         """
-        return _CompileMany(self, list(kernels), check_timeout(timeout))
+        kernels = list(kernels)
+        for kernel in kernels:  # checked before anything is submitted
+            if not (
+                isinstance(kernel, (tuple, list))
+                and len(kernel) == 2
+                and isinstance(kernel[0], str)
+                and isinstance(kernel[1], str)
+            ):
+                raise ArgumentTypeError(
+                    f"compile_many takes (src, name) pairs of str, got {kernel!r:.80}"
+                )
+        return _CompileMany(self, [(src, name) for src, name in kernels], check_timeout(timeout))
 
     def _load(self, binary: bytes, name: str) -> Any:
         try:

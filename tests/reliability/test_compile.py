@@ -523,3 +523,15 @@ async def test_a_worker_that_cannot_start_loses_no_thread_and_no_directory(
             assert await pool.compile(CCompiler(), _src("a process"))
     finally:
         await pool.aclose()
+
+
+async def test_compile_many_refuses_a_bad_kernel_before_submitting_any(device: am.Device) -> None:
+    tag = time.time_ns()
+    good = (f"void g{tag}(void) {{}}", f"g{tag}")
+    for bad in [(b"void k(void) {}", "k"), ("void k(void) {}",), "void k(void) {}"]:
+        with pytest.raises(am.ArgumentTypeError, match=r"\(src, name\) pairs"):
+            device.compile_many([good, bad])  # type: ignore[list-item]
+    # Nothing was submitted: the good kernel is still a miss in every cache.
+    key = source_key(await compiler_identity(device._backend.compiler), good[0])
+    assert device.compile_pool.cache.get_memory(key) is None
+    assert key not in device.compile_pool._in_flight
