@@ -154,7 +154,7 @@ class _Worker:
             pool._finish(job, result)
 
     def _compile(self, job: _Job) -> bytes | CompileError:
-        if self.proc is not None and self.proc.poll() is not None:
+        if self.proc is not None and _exited(self.proc, 0):
             self._reap()  # it died while idle
         if self.proc is None:
             self.proc = self._spawn()
@@ -176,14 +176,15 @@ class _Worker:
         return CompileError(reply[1], reply[2])
 
     def _death_message(self) -> str:
-        assert self.proc is not None
-        code = self.proc.wait()
+        proc = self.proc
+        assert proc is not None
+        self._reap()
+        code = proc.returncode
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         log = ""
         if self.stderr is not None:
             self.stderr.seek(0)
             log = self.stderr.read().decode(errors="replace")[-4000:]
-        self._reap()
         return f"the compile worker died ({how}) while compiling" + (f"\n{log}" if log else "")
 
     def _kill(self) -> None:
@@ -201,14 +202,13 @@ class _Worker:
                 if stream is not None:
                     with contextlib.suppress(OSError):
                         stream.close()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
+            if not _exited(proc, 5):
                 _kill_group(proc)
-                proc.wait()
-            # Its process group lives on while a process it started does, and the group's
-            # number is not given to another process meanwhile: this ends only those.
+                _exited(proc, None)
+            # Still unreaped, the worker holds its pid, so the group's number names only
+            # the processes it started: end any it left running, then collect it.
             _kill_group(proc)
+            proc.wait()
         if tmpdir is not None:
             _remove_tree(tmpdir)
 
@@ -223,6 +223,32 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL the process group that ``proc`` leads (it was started in a new session)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _exited(proc: subprocess.Popen[bytes], timeout: float | None) -> bool:
+    """Whether ``proc`` has exited, waiting up to ``timeout`` seconds (None: as long as
+    it takes), without collecting it."""
+    if proc.returncode is not None:
+        return True
+    if not hasattr(os, "waitid"):  # macOS: collect it (the group is then killed later)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+    flags = os.WEXITED | os.WNOWAIT
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        if deadline is None:
+            os.waitid(os.P_PID, proc.pid, flags)
+            return True
+        while os.waitid(os.P_PID, proc.pid, flags | os.WNOHANG) is None:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+    except ChildProcessError:  # collected already
+        pass
+    return True
 
 
 def _remove_tree(path: str) -> None:
