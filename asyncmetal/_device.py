@@ -176,8 +176,10 @@ class Device:
         """Compile ``src`` in the worker-process pool (cached) and load kernel ``name``.
 
         Raises :class:`CompileError` with the compiler's log, also when ``name`` is not
-        defined in ``src``. Cancelling withdraws a compile that has not started; a running
-        one finishes into the cache.
+        defined in ``src``, and when ``timeout`` (seconds, positive) passes: the worker
+        and the compiler processes it started are then killed. A cached binary that does
+        not load is rebuilt once. Cancelling withdraws a compile that has not started; a
+        running one finishes into the cache.
         """
         params = self._check_compile(src, name)
         timeout = check_timeout(timeout)
