@@ -3,12 +3,18 @@
 The disk cache lives under ``$ASYNCMETAL_CACHE_DIR`` (default: the user's cache
 directory) and is shared safely by several processes. ``ASYNCMETAL_CACHE=0`` turns it
 off. A corrupt or unreadable cache is ignored with a warning, never fatal.
+
+Each entry is stored with its length and SHA-256 and checked when read: a damaged one
+(a torn write, a bad disk, a hand edit) is evicted and counts as a miss, so it is
+rebuilt rather than handed to a loader -- a truncated shared object given to dlopen
+can kill the process with SIGBUS.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import os
 import sqlite3
 import sys
@@ -53,6 +59,7 @@ class CompileCache:
         self._db_lock = threading.Lock()
         self._memory_lock = threading.Lock()
         self.hits_memory = self.hits_disk = self.misses = 0
+        self.damaged = 0  # entries found damaged on disk and evicted
         self.error: BaseException | None = None  # why the disk cache was turned off
         self._warned = False
 
@@ -93,7 +100,10 @@ class CompileCache:
             db = sqlite3.connect(self.path, timeout=10, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
-            db.execute("CREATE TABLE IF NOT EXISTS binaries (key TEXT PRIMARY KEY, data BLOB)")
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS entries"
+                " (key TEXT PRIMARY KEY, size INTEGER NOT NULL, sha256 BLOB NOT NULL, data BLOB)"
+            )
             self._db = db
         return self._db
 
@@ -114,24 +124,28 @@ class CompileCache:
             )
 
     def load_disk(self, key: str) -> bytes | None:
-        """Blocking disk lookup; run it off the loop."""
+        """Blocking disk lookup; run it off the loop. A damaged entry is evicted: a miss."""
         with self._db_lock:
             if not self.disk_enabled:
                 return None
             try:
-                row = (
-                    self._connect()
-                    .execute("SELECT data FROM binaries WHERE key = ?", (key,))
-                    .fetchone()
-                )
-            except (sqlite3.Error, OSError) as exc:
+                db = self._connect()
+                row = db.execute(
+                    "SELECT size, sha256, data FROM entries WHERE key = ?", (key,)
+                ).fetchone()
+                if row is not None and not _intact(*row):
+                    self.damaged += 1
+                    with db:
+                        db.execute("DELETE FROM entries WHERE key = ?", (key,))
+                    row = None
+            except Exception as exc:  # sqlite3.Error, OSError, or a row of the wrong types
                 self._disable(exc)
                 return None
         if row is None:
             self.misses += 1
             return None
         self.hits_disk += 1
-        data = bytes(row[0])
+        data = bytes(row[2])
         self.put_memory(key, data)
         return data
 
@@ -149,9 +163,27 @@ class CompileCache:
                 db = self._connect()
                 with db:
                     db.execute(
-                        "INSERT OR REPLACE INTO binaries (key, data) VALUES (?, ?)", (key, data)
+                        "INSERT OR REPLACE INTO entries (key, size, sha256, data)"
+                        " VALUES (?, ?, ?, ?)",
+                        (key, len(data), hashlib.sha256(data).digest(), data),
                     )
-            except (sqlite3.Error, OSError) as exc:
+            except Exception as exc:  # a full disk, a read-only directory...: go on without
+                self._disable(exc)
+
+    def evict(self, key: str) -> None:
+        """Forget ``key`` in memory and on disk (blocking: off the loop)."""
+        with self._memory_lock:
+            data = self._memory.pop(key, None)
+            if data is not None:
+                self._memory_bytes -= len(data)
+        with self._db_lock:
+            if not self.disk_enabled:
+                return
+            try:
+                db = self._connect()
+                with db:
+                    db.execute("DELETE FROM entries WHERE key = ?", (key,))
+            except Exception as exc:
                 self._disable(exc)
 
     def close(self) -> None:
@@ -159,3 +191,7 @@ class CompileCache:
             if self._db is not None:
                 self._db.close()
                 self._db = None
+
+
+def _intact(size: object, digest: object, data: object) -> bool:
+    return isinstance(data, bytes) and len(data) == size and hashlib.sha256(data).digest() == digest

@@ -23,10 +23,11 @@ from ._errors import (
     AsyncMetalError,
     ClosedResourceError,
     CompileError,
+    DeviceLostError,
     InvalidArgumentError,
 )
 from ._memory import Allocator, Buffer, MemoryStatistics, _Allocation, _Block
-from ._pool import CompilePool, compiler_identity, default_pool
+from ._pool import CompilePool, check_timeout, compiler_identity, default_pool
 from ._queue import Queue, completable
 from ._timeline import HostEvents, Timeline, wait_value
 
@@ -184,17 +185,20 @@ class Device:
         """Compile ``src`` in the worker-process pool (cached) and load kernel ``name``.
 
         Raises :class:`CompileError` with the compiler's log, also when ``name`` is not
-        defined in ``src``. Cancelling withdraws a compile that has not started; a running
-        one finishes into the cache.
+        defined in ``src``, and when ``timeout`` (seconds, positive) passes: the worker
+        and the compiler processes it started are then killed. A cached binary that does
+        not load is rebuilt once. Cancelling withdraws a compile that has not started; a
+        running one finishes into the cache.
         """
         params = self._check_compile(src, name)
+        timeout = check_timeout(timeout)
         key = (source_key(await compiler_identity(self._backend.compiler), src), name)
         program = self._programs.get(key)
         if program is not None:
             await checkpoint()
             return program
         binary = await self.compile_pool.compile(self._backend.compiler, src, timeout=timeout)
-        return await self._program(key, params, binary)
+        return await self._program(key, params, binary, src, timeout)
 
     def _check_compile(self, src: object, name: object) -> tuple[ParamKind, ...]:
         self._check_open()
@@ -208,10 +212,31 @@ class Device:
         return self._backend.compiler.params(src, name)
 
     async def _program(
-        self, key: tuple[str, str], params: tuple[ParamKind, ...], binary: bytes
+        self,
+        key: tuple[str, str],
+        params: tuple[ParamKind, ...],
+        binary: bytes,
+        src: str,
+        timeout: float | None,
     ) -> Program:
-        native = await anyio.to_thread.run_sync(self._load, binary, key[1])
-        program = self._programs.setdefault(key, Program(self, key[1], params, binary, native))
+        name = key[1]
+        try:
+            native = await anyio.to_thread.run_sync(self._load, binary, name)
+        except _UnloadableError:
+            # A binary that verified but does not load came from the cache damaged in a
+            # way no checksum sees (built for another machine sharing the directory):
+            # a miss. Build it afresh, once; if that does not load either, say so.
+            pool = self.compile_pool
+            compiler = self._backend.compiler
+            binary = await pool.compile(compiler, src, timeout=timeout, refresh=True)
+            try:
+                native = await anyio.to_thread.run_sync(self._load, binary, name)
+            except _UnloadableError as exc:
+                cause = exc.__cause__
+                raise CompileError(
+                    f"the compiled kernel {name!r} does not load: {cause}"
+                ) from cause
+        program = self._programs.setdefault(key, Program(self, name, params, binary, native))
         return program
 
     def compile_many(
@@ -223,13 +248,28 @@ class Device:
         the pool compiles the rest. A failed compile raises its CompileError when
         reached. Compiles not consumed finish into the cache.
         """
-        return _CompileMany(self, list(kernels), timeout)
+        kernels = list(kernels)
+        for kernel in kernels:  # checked before anything is submitted
+            if not (
+                isinstance(kernel, (tuple, list))
+                and len(kernel) == 2
+                and isinstance(kernel[0], str)
+                and isinstance(kernel[1], str)
+            ):
+                raise ArgumentTypeError(
+                    f"compile_many takes (src, name) pairs of str, got {kernel!r:.80}"
+                )
+        return _CompileMany(self, [(src, name) for src, name in kernels], check_timeout(timeout))
 
     def _load(self, binary: bytes, name: str) -> Any:
         try:
             return self._backend.load(binary, name)
         except AttributeError:
             raise CompileError(f"kernel {name!r} is not defined in the compiled code") from None
+        except (DeviceLostError, ClosedResourceError, MemoryError):
+            raise  # the device's trouble, not the binary's
+        except Exception as exc:
+            raise _UnloadableError from exc
 
     async def synchronize(self) -> None:
         """Wait until every queue of this device has finished what was submitted."""
@@ -272,8 +312,18 @@ class Device:
         await self.close()
 
 
+class _UnloadableError(Exception):
+    """The backend refused a binary (its cause says why)."""
+
+
 class _CompileMany:
-    """The async iterator of Device.compile_many."""
+    """The async iterator of Device.compile_many.
+
+    Each kernel's result -- a binary from a cache, a pool job, or the CompileError of a
+    name its source lacks -- arrives in ``_ready`` and is yielded (or raised) once, in
+    the order they arrive. A step that raises or is cancelled loses no other kernel:
+    the next step goes on from where the last one stopped.
+    """
 
     def __init__(
         self, device: Device, kernels: list[tuple[str, str]], timeout: float | None
@@ -281,7 +331,7 @@ class _CompileMany:
         self._device = device
         self._kernels = kernels
         self._timeout = timeout
-        self._started = False
+        self._dispatched = 0  # kernels looked up and, on a miss, submitted
         self._ready: collections.deque[tuple[tuple[str, str], Any]] = collections.deque()
         self._events = HostEvents()
         self._yielded = 0
@@ -289,50 +339,61 @@ class _CompileMany:
     def __aiter__(self) -> _CompileMany:
         return self
 
-    async def _start(self) -> None:
-        self._started = True
+    async def _dispatch(self) -> None:
         device = self._device
         pool, compiler = device.compile_pool, device._backend.compiler
         identity = await compiler_identity(compiler)
-        items = [(src, name, device._check_compile(src, name)) for src, name in self._kernels]
-        misses = []
-        for src, name, params in items:
+        while self._dispatched < len(self._kernels):
+            src, name = self._kernels[self._dispatched]
+            try:
+                params = device._check_compile(src, name)
+            except CompileError as exc:  # this kernel's own result, raised in its turn
+                self._dispatched += 1
+                self._arrived(("", name), ((), src), exc)
+                continue
             key = source_key(identity, src)
             binary = pool.cache.get_memory(key)
             if binary is None and pool.cache.disk_enabled:
-                binary = await pool.cache.get_disk(key)
+                binary = await pool.cache.get_disk(key)  # cancelled: looked up again next time
+            self._dispatched += 1
             if binary is None:
-                misses.append((src, name, params))
+                pool.submit(
+                    compiler,
+                    src,
+                    key,
+                    timeout=self._timeout,
+                    on_done=functools.partial(self._arrived, (key, name), (params, src)),
+                )
             else:
-                self._arrived((key, name), params, binary)
-        for src, name, params in misses:
-            key = source_key(identity, src)
-            pool.submit(
-                compiler,
-                src,
-                key,
-                timeout=self._timeout,
-                on_done=functools.partial(self._arrived, (key, name), params),
-            )
+                self._arrived((key, name), (params, src), binary)
 
     def _arrived(self, key: tuple[str, str], params: Any, result: Any) -> None:
-        """A binary (a cache hit) or a finished pool job; any thread."""
+        """A binary (a cache hit), a finished pool job or an error; any thread."""
         self._ready.append((key, (params, result)))
         self._events.increment()
 
     async def __anext__(self) -> Program:
-        if not self._started:
-            await self._start()
+        if self._dispatched < len(self._kernels):
+            await self._dispatch()
         if self._yielded == len(self._kernels):
             raise StopAsyncIteration
         await wait_value(self._events, self._yielded + 1)
         self._yielded += 1
-        key, (params, result) = self._ready.popleft()
+        key, ((params, src), result) = self._ready.popleft()
+        if isinstance(result, CompileError):
+            raise result
         if not isinstance(result, bytes):  # a finished pool job
             pool = self._device.compile_pool
             pool.withdraw(result)
+            pool.cache.warn_if_disabled()  # storing it may have found the disk full
             result = pool.result(result)
-        return await self._device._program(key, params, result)
+        try:
+            return await self._device._program(key, params, result, src, self._timeout)
+        except anyio.get_cancelled_exc_class():
+            # Not handed out: the next step yields it (its binary is ready now).
+            self._ready.appendleft((key, ((params, src), result)))
+            self._yielded -= 1
+            raise
 
 
 class _DeviceOpener:

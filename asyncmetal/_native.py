@@ -14,6 +14,7 @@ file ctypes loads, so both see one runtime. Without the headers, or with
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import importlib.machinery
@@ -26,12 +27,13 @@ import sys
 import sysconfig
 import tempfile
 import threading
+import warnings
 from collections.abc import Callable
 from importlib import resources
 from types import ModuleType
 from typing import Protocol
 
-from ._cache import default_cache_dir
+from ._cache import CacheWarning, default_cache_dir
 from ._errors import AsyncMetalError
 
 _lock = threading.Lock()
@@ -132,10 +134,43 @@ def _python_include() -> str | None:
 
 def _built(source: bytes, name: str, flags: list[str]) -> str:
     digest = hashlib.sha256(source + repr(flags).encode()).hexdigest()[:16]
-    target = os.path.join(default_cache_dir(), f"{name}-{digest}.so")
-    if not os.path.exists(target):
+    filename = f"{name}-{digest}.so"
+    target = os.path.join(default_cache_dir(), filename)
+    if os.path.exists(target):
+        return target
+    try:
         _build(source, target, flags)
+    except OSError as exc:
+        # The cache directory cannot be written (read-only, full, not a directory): build
+        # into a directory of this process's own instead, and say so.
+        target = os.path.join(_private_build_dir(), filename)
+        warnings.warn(
+            f"asyncmetal: cannot build the native runtime into {default_cache_dir()} ({exc}); "
+            f"building it into {os.path.dirname(target)} for this process only",
+            CacheWarning,
+            stacklevel=2,
+        )
+        if not os.path.exists(target):
+            try:
+                _build(source, target, flags)
+            except OSError as again:
+                raise AsyncMetalError(
+                    f"building asyncmetal's native runtime failed: {again}"
+                ) from again
     return target
+
+
+_private_dir: str | None = None
+
+
+def _private_build_dir() -> str:
+    """A temporary directory for this process's builds, removed at exit (a loaded
+    shared object stays mapped once its file is gone)."""
+    global _private_dir
+    if _private_dir is None:
+        _private_dir = tempfile.mkdtemp(prefix="asyncmetal-native-")
+        atexit.register(shutil.rmtree, _private_dir, ignore_errors=True)
+    return _private_dir
 
 
 def _load_extension(path: str) -> ModuleType:

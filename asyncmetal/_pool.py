@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
+import math
+import numbers
 import os
 import queue as queue_module
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,11 +29,26 @@ import anyio
 from ._bridge import checkpoint
 from ._cache import CompileCache
 from ._compile import Compiler, source_key
-from ._errors import ClosedResourceError, CompileError
+from ._errors import ArgumentTypeError, ClosedResourceError, CompileError, InvalidArgumentError
 from ._timeline import HostEvents, wait_value
 from ._worker import read_message, write_message
 
 _STOP = object()
+_log = logging.getLogger("asyncmetal")
+
+
+def check_timeout(timeout: object) -> float | None:
+    """A compile's ``timeout`` as seconds (None: no limit), or the error naming it."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise ArgumentTypeError(
+            f"timeout must be a number of seconds or None, got {type(timeout).__name__}"
+        )
+    seconds = float(timeout)
+    if not seconds > 0:  # also refuses NaN
+        raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return None if math.isinf(seconds) else seconds
 
 
 class _Job:
@@ -57,6 +77,7 @@ class _Worker:
     def __init__(self, pool: CompilePool, eager: bool = False) -> None:
         self.pool = pool
         self.proc: subprocess.Popen[bytes] | None = None
+        self.tmpdir: str | None = None  # the process's TMPDIR, removed with it
         self.stderr: Any = None
         self.eager = eager
         self.thread = threading.Thread(target=self._run, name="asyncmetal-compile", daemon=True)
@@ -72,19 +93,31 @@ class _Worker:
             self.stderr = tempfile.TemporaryFile()
         self.stderr.seek(0)
         self.stderr.truncate()
-        return subprocess.Popen(
-            [sys.executable, "-m", "asyncmetal._worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.stderr,
-            env=env,
-            start_new_session=True,  # a terminal's Ctrl-C goes to the parent only
-        )
+        # The compiler's temporary files (its own and those of cc and what cc runs) go
+        # under a directory of this process alone, so that none outlives a killed worker.
+        self.tmpdir = tempfile.mkdtemp(prefix="asyncmetal-worker-")
+        env["TMPDIR"] = env["TMP"] = env["TEMP"] = self.tmpdir
+        try:
+            return subprocess.Popen(
+                [sys.executable, "-m", "asyncmetal._worker"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self.stderr,
+                env=env,
+                # A terminal's Ctrl-C goes to the parent only; and the worker leads a process
+                # group holding everything it starts, which _reap ends as one.
+                start_new_session=True,
+            )
+        except BaseException:
+            _remove_tree(self.tmpdir)
+            self.tmpdir = None
+            raise
 
     def _run(self) -> None:
         pool = self.pool
         if self.eager:
-            self.proc = self._spawn()
+            with contextlib.suppress(Exception):  # if not now, it is spawned for its first job
+                self.proc = self._spawn()
         while True:
             with pool._lock:
                 pool._idle += 1
@@ -97,17 +130,33 @@ class _Worker:
                 continue
             with pool._lock:
                 pool._idle -= 1
-                withdrawn = job is not _STOP and job.awaiters == 0  # decided under the lock
+                # Deciding and leaving _in_flight are one critical section: a request that
+                # arrives after this starts a new job instead of joining a withdrawn one.
+                withdrawn = job is not _STOP and job.awaiters == 0
+                if withdrawn:
+                    del pool._in_flight[job.key]
             if job is _STOP:
                 self._stop()
                 return
             if withdrawn:
                 pool._finish(job, CompileError("compile withdrawn"), ran=False)
                 continue
-            pool._finish(job, self._compile(job))
+            try:
+                result = self._compile(job)
+            except Exception as exc:
+                # Whatever a job does, this thread lives on: a dead one would keep its
+                # slot in the pool and leave its job's waiters waiting for ever. The worker
+                # may have half a message: start afresh.
+                self._kill()
+                result = CompileError(
+                    f"the compile failed in the pool: {type(exc).__name__}: {exc}"
+                )
+            pool._finish(job, result)
 
     def _compile(self, job: _Job) -> bytes | CompileError:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is not None and _exited(self.proc, 0):
+            self._reap()  # it died while idle
+        if self.proc is None:
             self.proc = self._spawn()
         proc = self.proc
         assert proc.stdin is not None and proc.stdout is not None
@@ -127,41 +176,88 @@ class _Worker:
         return CompileError(reply[1], reply[2])
 
     def _death_message(self) -> str:
-        assert self.proc is not None
-        code = self.proc.wait()
+        proc = self.proc
+        assert proc is not None
+        self._reap()
+        code = proc.returncode
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         log = ""
         if self.stderr is not None:
             self.stderr.seek(0)
             log = self.stderr.read().decode(errors="replace")[-4000:]
-        self._reap()
         return f"the compile worker died ({how}) while compiling" + (f"\n{log}" if log else "")
 
     def _kill(self) -> None:
         if self.proc is not None:
-            self.proc.kill()
-            self._reap()
+            _kill_group(self.proc)
+        self._reap()  # also a temporary directory made for a process that did not start
 
     def _reap(self) -> None:
-        """Close our ends of the worker's pipes and collect it."""
+        """Close our ends of the worker's pipes, collect it, end whatever it left running
+        (a compiler it had started) and remove its temporary files."""
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        tmpdir, self.tmpdir = self.tmpdir, None
+        if proc is not None:
+            for stream in (proc.stdin, proc.stdout):
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
+            if not _exited(proc, 5):
+                _kill_group(proc)
+                _exited(proc, None)
+            # Still unreaped, the worker holds its pid, so the group's number names only
+            # the processes it started: end any it left running, then collect it.
+            _kill_group(proc)
             proc.wait()
+        if tmpdir is not None:
+            _remove_tree(tmpdir)
 
     def _stop(self) -> None:
         self._reap()  # closing its stdin ends the worker's loop
         if self.stderr is not None:
             self.stderr.close()
             self.stderr = None
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the process group that ``proc`` leads (it was started in a new session)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _exited(proc: subprocess.Popen[bytes], timeout: float | None) -> bool:
+    """Whether ``proc`` has exited, waiting up to ``timeout`` seconds (None: as long as
+    it takes), without collecting it."""
+    if proc.returncode is not None:
+        return True
+    if not hasattr(os, "waitid"):  # macOS: collect it (the group is then killed later)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+    flags = os.WEXITED | os.WNOWAIT
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        if deadline is None:
+            os.waitid(os.P_PID, proc.pid, flags)
+            return True
+        while os.waitid(os.P_PID, proc.pid, flags | os.WNOHANG) is None:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+    except ChildProcessError:  # collected already
+        pass
+    return True
+
+
+def _remove_tree(path: str) -> None:
+    # A process killed a moment ago may still finish a file it was creating: try again.
+    for _ in range(50):
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
+            return
+        time.sleep(0.02)
 
 
 class CompilePool:
@@ -211,6 +307,7 @@ class CompilePool:
         on_done: Callable[[_Job], None] | None = None,
     ) -> _Job:
         """Start (or join) the compile of ``src``; never blocks. Cache misses only."""
+        timeout = check_timeout(timeout)
         if self._closed:
             raise ClosedResourceError("the compile pool is closed")
         with self._lock:
@@ -232,12 +329,16 @@ class CompilePool:
             self.cache.put_disk(job.key, result)
         with self._lock:
             self.compiles += ran
-            del self._in_flight[job.key]
+            if self._in_flight.get(job.key) is job:  # a withdrawn job has left already
+                del self._in_flight[job.key]
             callbacks = list(job.callbacks)
         job.result = result
         job.done.increment()
         for callback in callbacks:
-            callback(job)
+            try:
+                callback(job)
+            except Exception:  # one broken callback must not stop the others, nor the thread
+                _log.exception("asyncmetal: a compile callback failed")
 
     def _retire(self, worker: _Worker) -> bool:
         """After an idle timeout: leave, unless work arrived meanwhile."""
@@ -248,13 +349,20 @@ class CompilePool:
             self._workers.remove(worker)
             return True
 
-    async def compile(self, compiler: Compiler, src: str, *, timeout: float | None = None) -> bytes:
+    async def compile(
+        self, compiler: Compiler, src: str, *, timeout: float | None = None, refresh: bool = False
+    ) -> bytes:
         """Compile ``src`` with ``compiler`` in a worker; cached by content.
 
-        Cancelling withdraws a compile that has not started; one already running
+        ``refresh`` evicts the cached binary first (one that would not load) and compiles
+        anew. Cancelling withdraws a compile that has not started; one already running
         finishes into the cache.
         """
+        timeout = check_timeout(timeout)
         key = source_key(await compiler_identity(compiler), src)
+        if refresh:
+            await anyio.to_thread.run_sync(self.cache.evict, key)
+            return await self.wait(self.submit(compiler, src, key, timeout=timeout))
         cached = self.cache.get_memory(key)
         if cached is None and self.cache.disk_enabled:
             cached = await self.cache.get_disk(key)
@@ -270,6 +378,7 @@ class CompilePool:
         except BaseException:
             self.withdraw(job)
             raise
+        self.cache.warn_if_disabled()  # storing the result may have found the disk full
         return self.result(job)
 
     def withdraw(self, job: _Job) -> None:

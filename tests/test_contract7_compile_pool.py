@@ -133,7 +133,9 @@ async def test_cancel_withdraws_unstarted_and_finishes_running(
             with anyio.move_on_after(0.05):
                 await pool.compile(slow, queued)  # waits behind it, then is cancelled
             tg.cancel_scope.cancel()  # cancels the wait on `running` too
-        await anyio.sleep(1.5)
+        with anyio.fail_after(60):  # `running` finishes, `queued` is skipped
+            while pool._in_flight:
+                await anyio.sleep(0.05)
         ran = [p.read_text() for p in markers.iterdir()]
         assert ran == [running]  # `queued` was withdrawn before it started
         # `running` finished into the cache: asking again compiles nothing.

@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -86,11 +87,16 @@ class CCompiler(Compiler):
 
 @functools.lru_cache(maxsize=8)
 def _cc_version(cc: str) -> str:
+    """The compiler's version and target: machines of two architectures that share a
+    cache directory (a network home) must not share binaries."""
     try:
-        proc = subprocess.run([cc, "--version"], capture_output=True, check=False)
+        version = subprocess.run([cc, "--version"], capture_output=True, check=False)
+        target = subprocess.run([cc, "-dumpmachine"], capture_output=True, check=False)
     except OSError:
         return "missing"
-    return proc.stdout.decode(errors="replace").partition("\n")[0]
+    first_line = version.stdout.decode(errors="replace").partition("\n")[0]
+    machine = target.stdout.decode(errors="replace").strip() if target.returncode == 0 else ""
+    return f"{first_line} {machine or platform.machine()}"
 
 
 class _DlInfo(ctypes.Structure):

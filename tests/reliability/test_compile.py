@@ -1,0 +1,542 @@
+"""Reliability of compiling: the pool under races, bad arguments, timeouts and dead
+workers, and the caches when damaged, full or unwritable. Every wait is bounded."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import asyncmetal as am
+from asyncmetal._cache import CacheWarning, CompileCache
+from asyncmetal._compile import source_key
+from asyncmetal._pool import CompilePool, compiler_identity
+from asyncmetal.backends.cpu import CCompiler
+
+from ..compilers import SlowCompiler
+
+pytestmark = pytest.mark.anyio
+BOUND = 60  # seconds: what would otherwise hang fails instead
+
+
+def _src(tag: object) -> str:
+    return f"int twice(int x) {{ return 2 * x; }}\n/* {tag} {time.time_ns()} */\n"
+
+
+@pytest.fixture
+async def pool(anyio_backend: object, tmp_path: Path) -> AsyncIterator[CompilePool]:
+    p = CompilePool(1, cache=CompileCache(tmp_path / "cache"))
+    yield p
+    await p.aclose()
+
+
+class _HookedLock:
+    """The pool's lock, running ``hook`` once on the handler thread right after the
+    first critical section that follows its taking of the job ``key`` from the queue:
+    the moment the worker has decided about that job."""
+
+    def __init__(self, pool: CompilePool, key: str, hook: Any) -> None:
+        self._lock = threading.Lock()
+        self._key, self._hook = key, hook
+        self._armed: threading.Thread | None = None
+        self.gate = threading.Event()  # the job is handed over once this is set
+        pending = pool._pending
+        real_get = pending.get
+
+        def get(*args: Any, **kwargs: Any) -> Any:
+            job = real_get(*args, **kwargs)
+            if getattr(job, "key", None) == self._key:
+                self.gate.wait(BOUND)
+                self._armed = threading.current_thread()
+            return job
+
+        pending.get = get  # type: ignore[method-assign]
+
+    def __enter__(self) -> bool:
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.__exit__(*exc)
+        if self._armed is threading.current_thread():
+            self._armed = None
+            self._hook()
+
+
+async def test_joining_a_compile_being_withdrawn_gets_a_real_result(pool: CompilePool) -> None:
+    compiler, src = CCompiler(), _src("withdrawn")
+    key = source_key(await compiler_identity(compiler), src)
+    joined: list[Any] = []
+
+    def join() -> None:  # a request for the same source, in the worker's window
+        joined.append(pool.submit(compiler, src, key))
+
+    lock = _HookedLock(pool, key, join)
+    pool._lock = lock  # type: ignore[assignment]
+    first = pool.submit(compiler, src, key)
+    pool.withdraw(first)  # nobody wants it any more: the worker will skip it
+    lock.gate.set()
+    with anyio.fail_after(BOUND):
+        while not joined:
+            await anyio.sleep(0.01)
+        binary = await pool.wait(joined[0])
+    assert binary.startswith(b"\x7fELF")
+
+
+BAD_TIMEOUTS = [
+    (-1, am.InvalidArgumentError),
+    (0, am.InvalidArgumentError),
+    (float("nan"), am.InvalidArgumentError),
+    ("1", am.ArgumentTypeError),
+    (True, am.ArgumentTypeError),
+]
+
+
+@pytest.mark.parametrize(("timeout", "error"), BAD_TIMEOUTS)
+async def test_a_bad_timeout_is_refused_and_the_pool_keeps_compiling(
+    pool: CompilePool, timeout: Any, error: type[Exception]
+) -> None:
+    for _ in range(pool.max_workers + 1):  # more bad calls than workers
+        with anyio.fail_after(BOUND), pytest.raises(error, match="timeout"):
+            await pool.compile(CCompiler(), _src("bad timeout"), timeout=timeout)
+    with anyio.fail_after(BOUND):
+        assert await pool.compile(CCompiler(), _src("after"), timeout=BOUND)
+
+
+@pytest.mark.parametrize(("timeout", "error"), BAD_TIMEOUTS)
+async def test_device_compiles_refuse_a_bad_timeout_up_front(
+    device: am.Device, timeout: Any, error: type[Exception]
+) -> None:
+    with anyio.fail_after(BOUND):
+        with pytest.raises(error, match="timeout"):
+            await device.compile("void k(void) {}", "k", timeout=timeout)
+        with pytest.raises(error, match="timeout"):
+            device.compile_many([("void k(void) {}", "k")], timeout=timeout)
+
+
+class _UnpicklableCompiler(CCompiler):
+    """A compiler whose configuration cannot be sent to a worker."""
+
+    name = "unpicklable-cc"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hook = lambda: None
+
+    def config(self) -> tuple[Any, ...]:
+        return (self.hook,)
+
+
+async def test_the_handler_thread_survives_a_failing_job(pool: CompilePool) -> None:
+    for _ in range(pool.max_workers + 1):
+        with anyio.fail_after(BOUND), pytest.raises(am.CompileError, match="pickle"):
+            await pool.compile(_UnpicklableCompiler(), _src("unpicklable"))
+    with anyio.fail_after(BOUND):
+        assert await pool.compile(CCompiler(), _src("after"))
+
+
+def _dead(pid: int) -> bool:
+    """Whether ``pid`` has ended (gone, or a zombie nobody has collected yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _existing(*paths: str) -> list[str]:
+    return [path for path in paths if os.path.lexists(path)]
+
+
+_HANGING_CC = """#!/bin/sh
+# A C compiler that hangs: it records its pid, the directory of its output, a
+# temporary file of its own and the pid of a child, then waits for that child.
+out=""
+while [ $# -gt 0 ]; do
+    if [ "$1" = "-o" ]; then out="$2"; fi
+    shift
+done
+if [ -z "$out" ]; then echo "hanging-cc 1.0"; exit 0; fi
+scratch=$(mktemp)
+sleep 120 &
+echo "$$ $! $(dirname "$out") $scratch" > "{record}.tmp"
+mv "{record}.tmp" "{record}"
+wait
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+async def test_a_timeout_ends_the_compilers_and_removes_their_files(
+    pool: CompilePool, tmp_path: Path
+) -> None:
+    record = tmp_path / "record"
+    cc = tmp_path / "hanging-cc"
+    cc.write_text(_HANGING_CC.replace("{record}", str(record)))
+    cc.chmod(0o755)
+    with anyio.fail_after(BOUND):
+        assert await pool.compile(CCompiler(), _src("warm"))  # the worker is up
+        with pytest.raises(am.CompileError, match="timed out"):
+            await pool.compile(CCompiler(str(cc)), _src("hangs"), timeout=5)
+    assert record.exists(), "the compiler had not started within the timeout"
+    shell, child, out_dir, scratch = record.read_text().split()
+    with anyio.move_on_after(15):
+        while not (_dead(int(shell)) and _dead(int(child))):
+            await anyio.sleep(0.05)
+    assert _dead(int(shell)) and _dead(int(child)), "the compiler processes outlived the timeout"
+    assert _existing(out_dir, scratch) == [], "the compiler's temporary files were left behind"
+    with anyio.fail_after(BOUND):
+        assert await pool.compile(CCompiler(), _src("after"))
+
+
+async def _drain(programs: Any) -> tuple[list[str], list[str]]:
+    """Every program's name and every error's first line, stepping past the errors."""
+    names: list[str] = []
+    errors: list[str] = []
+    for _ in range(20):
+        try:
+            with anyio.fail_after(BOUND):
+                names.append((await programs.__anext__()).name)
+        except StopAsyncIteration:
+            return sorted(names), errors
+        except am.CompileError as exc:
+            errors.append(str(exc).partition("\n")[0])
+    raise AssertionError("compile_many never ended")
+
+
+async def test_compile_many_goes_on_after_an_error(device: am.Device) -> None:
+    tag = time.time_ns()
+    kernels = [
+        (f"void ok{tag}(void) {{}}", f"ok{tag}"),
+        (f"void k{tag}(void) {{}}", "nowhere"),  # not defined in its source
+        (f"void bad{tag}(void) {{ oops }}", f"bad{tag}"),  # does not compile
+        (f"void ok2{tag}(void) {{}}", f"ok2{tag}"),
+    ]
+    names, errors = await _drain(device.compile_many(kernels))
+    assert names == sorted([f"ok{tag}", f"ok2{tag}"])
+    assert sorted(errors) == sorted(
+        ["kernel 'nowhere' is not defined in the source", "cc failed with exit code 1"]
+    )
+
+
+async def test_compile_many_goes_on_after_a_cancelled_step(device: am.Device) -> None:
+    tag = time.time_ns()
+    kernels = [(f"void a{tag}(void) {{}}", f"a{tag}"), (f"void b{tag}(void) {{}}", f"b{tag}")]
+    programs = device.compile_many(kernels)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await programs.__anext__()  # cancelled while it looks in the caches
+    names, errors = await _drain(programs)
+    assert names == sorted([f"a{tag}", f"b{tag}"]) and errors == []
+
+
+TWO_KERNELS = (
+    "void put(int* out, int v) { out[0] = v; }\nvoid put2(int* out, int v) { out[0] = v + 1; }\n"
+)
+
+_DAMAGE_SCRIPT = """
+import sqlite3, sys
+import anyio, numpy as np
+import asyncmetal as am
+from asyncmetal._cache import CacheWarning, CompileCache
+from asyncmetal._pool import CompilePool
+
+def damage(path, expression):
+    db = sqlite3.connect(path)
+    tables = [row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+    for table in tables:
+        if "data" in [column[1] for column in db.execute(f"PRAGMA table_info({table})")]:
+            db.execute(f"UPDATE {table} SET data = {expression}")
+    db.commit()
+    db.close()
+
+async def main(directory, expression):
+    async with am.open_device("cpu") as dev:
+        pool = dev.compile_pool = CompilePool(1, cache=CompileCache(directory))
+        await dev.compile(sys.argv[3], "put")
+        await pool.aclose()
+        pool.cache.close()
+        damage(pool.cache.path, expression)
+        pool = dev.compile_pool = CompilePool(1, cache=CompileCache(directory))
+        prog = await dev.compile(sys.argv[3], "put2")  # a new name: loaded from the cache
+        buf = await dev.alloc(4)
+        await dev.queue.launch(prog, buf, vals=(41,))
+        print(int((await buf.read(np.int32))[0]))
+        await buf.free()
+        await pool.aclose()
+
+anyio.run(main, sys.argv[1], sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        pytest.param("randomblob(length(data))", id="garbage"),
+        pytest.param("substr(data, 1, length(data) / 2)", id="truncated"),
+        pytest.param("substr(data, 1, 64)", id="header-only"),
+    ],
+)
+def test_a_damaged_cache_entry_is_rebuilt(tmp_path: Path, expression: str) -> None:
+    # In a child process: loading a damaged shared object can kill its process.
+    proc = subprocess.run(
+        [sys.executable, "-c", _DAMAGE_SCRIPT, str(tmp_path / "cache"), expression, TWO_KERNELS],
+        capture_output=True,
+        text=True,
+        timeout=BOUND * 2,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
+    assert proc.stdout.split() == ["42"]
+
+
+def _other_machine(binary: bytes) -> bytes:
+    """``binary`` as if built for another architecture (its ELF e_machine changed)."""
+    assert binary.startswith(b"\x7fELF")
+    machine = int.from_bytes(binary[18:20], "little")
+    other = 183 if machine != 183 else 62  # EM_AARCH64, else EM_X86_64
+    return binary[:18] + other.to_bytes(2, "little") + binary[20:]
+
+
+async def test_a_cached_binary_for_another_machine_is_rebuilt(
+    device: am.Device, tmp_path: Path
+) -> None:
+    directory = tmp_path / "cache"
+    pool = device.compile_pool = CompilePool(1, cache=CompileCache(directory))
+    with anyio.fail_after(BOUND):
+        await device.compile(TWO_KERNELS, "put")
+        await pool.aclose()
+        key = source_key(await compiler_identity(device._backend.compiler), TWO_KERNELS)
+        good = pool.cache.load_disk(key)
+        assert good is not None
+        pool.cache.put_disk(key, _other_machine(good))  # stored as a valid entry
+        pool.cache.close()
+        pool = device.compile_pool = CompilePool(1, cache=CompileCache(directory))
+        try:
+            prog = await device.compile(TWO_KERNELS, "put2")
+            buf = await device.alloc(4)
+            await device.queue.launch(prog, buf, vals=(41,))
+            assert (await buf.read(np.int32))[0] == 42
+            await buf.free()
+        finally:
+            await pool.aclose()
+            pool.cache.close()
+    rebuilt = CompileCache(directory)
+    assert rebuilt.load_disk(key) == good  # the bad entry was replaced
+    rebuilt.close()
+
+
+async def test_a_full_disk_turns_the_cache_off_with_a_warning(pool: CompilePool) -> None:
+    db = pool.cache._connect()
+    (pages,) = db.execute("PRAGMA page_count").fetchone()
+    db.execute(f"PRAGMA max_page_count = {pages}")  # sqlite's own 'database or disk is full'
+    with anyio.fail_after(BOUND):
+        with pytest.warns(CacheWarning, match="full"):
+            binary = await pool.compile(CCompiler(), _src("full"))
+        assert binary.startswith(b"\x7fELF")
+        assert not pool.cache.disk_enabled
+        assert await pool.compile(CCompiler(), _src("full, again"))  # warned once
+
+
+_UNWRITABLE_SCRIPT = """
+import sys, warnings
+import anyio, numpy as np
+import asyncmetal as am
+
+async def main():
+    async with am.open_device("cpu") as dev:
+        prog = await dev.compile(sys.argv[1], "put")
+        buf = await dev.alloc(4)
+        await dev.queue.launch(prog, buf, vals=(42,))
+        print(int((await buf.read(np.int32))[0]))
+        await buf.free()
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    anyio.run(main)
+for warning in caught:
+    print(warning.category.__name__, warning.message, file=sys.stderr)
+print(sorted({warning.category.__name__ for warning in caught}))
+"""
+
+
+def test_an_unwritable_cache_directory_still_opens_the_cpu_device(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("a regular file: nothing can be made under it, even by root")
+    env = dict(os.environ, ASYNCMETAL_CACHE_DIR=str(blocker / "cache"))
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNWRITABLE_SCRIPT, TWO_KERNELS],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=BOUND * 2,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["42", "['CacheWarning']"], proc.stderr[-3000:]
+
+
+async def test_killing_workers_mid_compile_fails_those_compiles_only(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    pool = CompilePool(2, cache=CompileCache(tmp_path / "cache"))
+    errors: list[str] = []
+
+    async def doomed(tag: str) -> None:
+        try:
+            await pool.compile(SlowCompiler(BOUND, str(markers)), _src(tag))
+        except am.CompileError as exc:
+            errors.append(str(exc))
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(doomed, "first")
+            tg.start_soon(doomed, "second")
+            with anyio.fail_after(BOUND):
+                while len(list(markers.iterdir())) < 2:  # both workers are compiling
+                    await anyio.sleep(0.02)
+            pids = {int(marker.name.partition("-")[0]) for marker in markers.iterdir()}
+            assert len(pids) == 2
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            with anyio.fail_after(BOUND):  # the compiles end with their workers
+                while len(errors) < 2:
+                    await anyio.sleep(0.02)
+        assert all("the compile worker died (signal SIGKILL)" in e for e in errors), errors
+        # The pool replaces them and keeps compiling, both workers at once.
+        with anyio.fail_after(BOUND):
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(pool.compile, CCompiler(), _src(f"after {i}"))
+        assert pool.workers <= 2
+    finally:
+        await pool.aclose()
+
+
+_SHARING_SCRIPT = """
+import sys
+import tempfile
+import anyio, numpy as np
+import asyncmetal as am
+
+async def main():
+    async with am.open_device("cpu") as dev:
+        kernels = [(f"void put{i}(int* out) {{ out[0] = {i}; }}", f"put{i}") for i in range(6)]
+        buf = await dev.alloc(4)
+        seen = []
+        async for prog in dev.compile_many(kernels):
+            await dev.queue.launch(prog, buf)
+            seen.append(int((await buf.read(np.int32))[0]) == int(prog.name[3:]))
+        await buf.free()
+        print(len(seen), all(seen))
+
+anyio.run(main)
+"""
+
+
+def test_two_processes_share_one_cache_directory_concurrently(tmp_path: Path) -> None:
+    # A new directory: the two also race to build the native runtime into it.
+    env = dict(os.environ, ASYNCMETAL_CACHE_DIR=str(tmp_path / "shared"))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SHARING_SCRIPT],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=BOUND * 2) for p in procs]
+    for proc, (out, err) in zip(procs, outs):
+        assert proc.returncode == 0, err[-3000:]
+        assert out.split() == ["6", "True"], err[-3000:]
+
+
+def _unusable_cache(tmp_path: Path, how: str) -> Path:
+    directory = tmp_path / "cache"
+    if how == "unwritable":
+        blocker = tmp_path / "a-file"
+        blocker.write_text("nothing can be made under a regular file, even by root")
+        return blocker / "cache"
+    directory.mkdir()
+    path = directory / "compile-cache.sqlite"
+    if how == "garbage":
+        path.write_bytes(b"not a database" * 1000)
+    else:  # a database whose table is not ours
+        import sqlite3
+
+        db = sqlite3.connect(path)
+        db.execute("CREATE TABLE entries (key TEXT PRIMARY KEY, blob BLOB)")
+        db.execute("INSERT INTO entries VALUES ('x', x'00')")
+        db.commit()
+        db.close()
+    return directory
+
+
+@pytest.mark.parametrize("how", ["unwritable", "garbage", "foreign-schema"])
+async def test_an_unusable_cache_keeps_compiles_working(
+    device: am.Device, tmp_path: Path, how: str
+) -> None:
+    pool = device.compile_pool = CompilePool(1, cache=CompileCache(_unusable_cache(tmp_path, how)))
+    try:
+        with anyio.fail_after(BOUND):
+            with pytest.warns(CacheWarning, match="unusable"):
+                prog = await device.compile(TWO_KERNELS, "put")
+            buf = await device.alloc(4)
+            await device.queue.launch(prog, buf, vals=(7,))
+            assert (await buf.read(np.int32))[0] == 7
+            await buf.free()
+            assert await device.compile(TWO_KERNELS, "put2")  # warned once
+            names = [p.name async for p in device.compile_many([(_src("many"), "twice")])]
+            assert names == ["twice"]
+        assert not pool.cache.disk_enabled
+    finally:
+        await pool.aclose()
+
+
+async def test_a_worker_that_cannot_start_loses_no_thread_and_no_directory(
+    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    real_popen = subprocess.Popen
+
+    def no_process(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EAGAIN, "no process for you")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache"))
+    try:
+        pool.prestart()  # its thread tries at once, and fails
+        with anyio.fail_after(BOUND):
+            with pytest.raises(am.CompileError, match="no process for you"):
+                await pool.compile(CCompiler(), _src("no process"))
+            assert [p.name for p in scratch.iterdir() if "worker" in p.name] == []
+            monkeypatch.setattr(subprocess, "Popen", real_popen)
+            assert await pool.compile(CCompiler(), _src("a process"))
+    finally:
+        await pool.aclose()
+
+
+async def test_compile_many_refuses_a_bad_kernel_before_submitting_any(device: am.Device) -> None:
+    tag = time.time_ns()
+    good = (f"void g{tag}(void) {{}}", f"g{tag}")
+    for bad in [(b"void k(void) {}", "k"), ("void k(void) {}",), "void k(void) {}"]:
+        with pytest.raises(am.ArgumentTypeError, match=r"\(src, name\) pairs"):
+            device.compile_many([good, bad])  # type: ignore[list-item]
+    # Nothing was submitted: the good kernel is still a miss in every cache.
+    key = source_key(await compiler_identity(device._backend.compiler), good[0])
+    assert device.compile_pool.cache.get_memory(key) is None
+    assert key not in device.compile_pool._in_flight
