@@ -190,8 +190,8 @@ class Device:
         not load is rebuilt once. Cancelling withdraws a compile that has not started; a
         running one finishes into the cache.
         """
+        timeout = check_timeout(timeout)  # arguments first, then the source
         params = self._check_compile(src, name)
-        timeout = check_timeout(timeout)
         key = (source_key(await compiler_identity(self._backend.compiler), src), name)
         program = self._programs.get(key)
         if program is not None:
