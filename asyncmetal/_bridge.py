@@ -96,6 +96,7 @@ class _Watch:
 
     def withdraw(self, entry: _Entry) -> None:
         entry.done = True
+        entry.wake = _nothing  # it held the task and its loop: let them go now
         self.bridge.waiting -= entry.task
         self.withdrawn += 1
         # Cancelled waits for values never reached would pile up: rebuild when most are dead.
@@ -132,6 +133,10 @@ class _Watch:
 
 
 _sequence = itertools.count()
+
+
+def _nothing() -> None:
+    pass
 
 
 _U64_MAX = (1 << 64) - 1

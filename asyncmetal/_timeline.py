@@ -52,8 +52,12 @@ class Waitable:
         if watch is None:
             with self._watch_lock:
                 watch = _bridge._Watch(bridge, self)
-                self._watch_of[bridge] = watch
-                self._watches = (*self._watches, watch)
+                # Watches of loops that have ended go now (their bridge let go of them
+                # then, but may not take this lock: it ends from a finalizer).
+                watch_of = {b: w for b, w in self._watch_of.items() if not b.dead}
+                watch_of[bridge] = watch
+                self._watch_of = watch_of
+                self._watches = tuple(watch_of.values())
         return watch
 
     def _drop_watch(self, watch: _bridge._Watch) -> None:
