@@ -350,9 +350,12 @@ class Queue:
         ops.append((value, is_wait, timeline, target))
 
     def _abandon(self, first: int) -> None:
-        """Commands from ``first`` on will never run (closed while they waited): settle
-        them, so their waiters wake and raise instead of waiting forever."""
+        """Commands from ``first`` on will never run: the device closed while they
+        waited, and its queue threads were stopped. Settle them, so that their waiters
+        wake and raise instead of waiting forever."""
         self._abandoned_from = first
+        self._held.clear()
+        self._gate = None
         self.timeline._native.signal(self._submitted)
 
     def copy(self, dst: Any, src: Any, nbytes: int | None = None) -> Completion:
@@ -396,14 +399,23 @@ class Queue:
 def completable(queues: list[Queue]) -> dict[Queue, int]:
     """For each queue, the value up to which its commands can still complete.
 
-    A queue stops at its first device-side wait that no host signal already made and no
-    queue's completable signal will satisfy; a fixed point over all queues (signals of
-    one unblock waits of another).
+    A queue stops at its first device-side wait that nothing will satisfy: not the
+    timeline's value now, not a completable signal of some queue, and -- for a wait on
+    a queue's own timeline (a copy ordered after another queue's use) -- not that
+    queue's own completable commands. A fixed point over all queues: one queue's
+    progress unblocks another's waits.
     """
     reach: dict[Timeline, int] = {}
     limit = {q: q.timeline.value for q in queues}
     position = dict.fromkeys(queues, 0)
     ops = {q: list(q._sync_ops) for q in queues}
+
+    def satisfied(timeline: Timeline, target: int) -> bool:
+        if timeline.value >= target or reach.get(timeline, 0) >= target:
+            return True
+        owner = timeline._owner
+        return owner is not None and limit.get(owner, 0) >= target
+
     changed = True
     while changed:
         changed = False
@@ -411,13 +423,15 @@ def completable(queues: list[Queue]) -> dict[Queue, int]:
             items = ops[q]
             i = position[q]
             while i < len(items):
-                _, is_wait, timeline, target = items[i]
-                if is_wait and max(timeline.value, reach.get(timeline, 0)) < target:
+                value, is_wait, timeline, target = items[i]
+                if is_wait and value > limit[q] and not satisfied(timeline, target):
                     break
                 if not is_wait:
                     reach[timeline] = max(reach.get(timeline, 0), target)
                 i += 1
-                changed = True
             position[q] = i
-            limit[q] = items[i][0] - 1 if i < len(items) else q.submitted
+            reached = items[i][0] - 1 if i < len(items) else q.submitted
+            if reached > limit[q]:
+                limit[q] = reached
+                changed = True
     return limit

@@ -7,14 +7,170 @@ import asyncio
 import contextlib
 import gc
 import os
+import random
+import time
 import weakref
 
+import anyio
+import numpy as np
 import pytest
 
 import asyncmetal as am
+from tests.conftest import KERNELS
 
 INC = "void inc(int* x) { x[0] += 1; }"
 WIDE = "void wide(" + ", ".join(f"int a{i}" for i in range(17)) + ") {}"
+
+
+# -- work submitted while close() waits --------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_work_submitted_while_close_waits_runs(anyio_backend: object) -> None:
+    dev = await am.open_device("cpu:21")
+    sleep = await dev.compile(KERNELS, "sleep_ms")
+    fill = await dev.compile(KERNELS, "fill")
+    buf = await dev.alloc(4)
+    stuck_queue = dev.new_queue()
+    stuck_queue.wait(dev.timeline(), 1)  # never signalled: close abandons what follows
+    stuck = stuck_queue.launch(sleep, vals=(0,))
+    dev.queue.launch(sleep, vals=(150,))  # close waits for this...
+    out = np.zeros(1, np.int32)
+    late: list[am.Completion] = []
+
+    async def submit_while_closing() -> None:
+        await anyio.sleep(0.03)  # ...while this submits more
+        assert not dev.closed
+        late.append(dev.queue.launch(fill, buf, vals=(7, 1)))
+        late.append(dev.queue.copy(out, buf))
+        late.append(dev.new_queue().launch(sleep, vals=(1,)))  # a queue made meanwhile
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(submit_while_closing)
+            await dev.close()
+        for done in late:
+            await done  # ran: no "never ran"
+    assert out[0] == 7
+    with pytest.raises(am.ClosedResourceError, match="never ran"):
+        await stuck
+
+
+@pytest.mark.anyio
+async def test_concurrent_closes_share_one_teardown(anyio_backend: object) -> None:
+    dev = await am.open_device("cpu:22")
+    sleep = await dev.compile(KERNELS, "sleep_ms")
+    dev.queue.launch(sleep, vals=(50,))
+    real_close = dev._backend.close
+    teardowns: list[str] = []
+
+    def slow_close() -> None:  # the native teardown (runs in a worker thread)
+        teardowns.append("started")
+        time.sleep(0.05)
+        real_close()
+        teardowns.append("done")
+
+    dev._backend.close = slow_close  # type: ignore[method-assign]
+    returned: list[list[str]] = []
+
+    async def closer() -> None:
+        await dev.close()
+        returned.append(list(teardowns))
+
+    async def late_closer() -> None:  # arrives while the teardown is under way
+        while not dev.closed:
+            await anyio.sleep(0.001)
+        await closer()
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(closer)
+            tg.start_soon(late_closer)
+    assert teardowns == ["started", "done"]
+    assert returned == [["started", "done"]] * 4  # each returned after the one teardown
+
+
+# -- completable(): waits on other queues' own timelines ---------------------------------
+
+
+@pytest.mark.anyio
+async def test_close_waits_for_a_queue_waiting_on_another_devices_queue(
+    anyio_backend: object,
+) -> None:
+    dev, peer = await am.open_device("cpu:29"), await am.open_device("cpu:30")
+    fill = await dev.compile(KERNELS, "fill")
+    sleep = await peer.compile(KERNELS, "sleep_ms")
+    buf = await dev.alloc(4)
+    out = np.zeros(1, np.int32)
+    running = peer.queue.launch(sleep, vals=(200,))
+    dev.queue.wait(peer.queue.timeline, running.value)  # satisfied once `running` ends
+    dev.queue.launch(fill, buf, vals=(5, 1))
+    copied = dev.queue.copy(out, buf)
+    with anyio.fail_after(20):
+        await dev.close()
+        await copied  # it ran: the peer's queue was going to reach that value
+    assert out[0] == 5
+    await peer.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_close_with_thousands_of_mixed_commands_loses_none(
+    anyio_backend: object, seed: int
+) -> None:
+    rng = random.Random(seed)
+    dev = await am.open_device(f"cpu:{30 + seed}")
+    inc = await dev.compile(INC, "inc")
+    queues = [dev.queue, dev.new_queue(), dev.new_queue()]
+    bufs = [await dev.alloc(64) for _ in range(6)]
+    hosts = [np.zeros(16, np.int32) for _ in range(4)]
+    timelines = [dev.timeline() for _ in range(3)]
+    highest = [0] * len(timelines)
+    must_run: list[am.Completion] = []
+    # Every wait below is for a value whose signal was submitted before it, and every
+    # ordering points back at earlier commands: all of this can complete.
+    for _ in range(3000):
+        q = rng.choice(queues)
+        op = rng.randrange(7)
+        a, b = rng.sample(bufs, 2)
+        if op == 0:
+            must_run.append(q.launch(inc, a))
+        elif op == 1:
+            must_run.append(q.after(a).launch(inc, a))
+        elif op == 2:
+            must_run.append(q.copy(a, b))  # ordered after other queues' uses of a and b
+        elif op == 3:
+            must_run.append(q.copy(rng.choice(hosts), a))
+        elif op == 4:
+            must_run.append(q.copy(a, rng.choice(hosts)))
+        elif op == 5:
+            t = rng.randrange(len(timelines))
+            highest[t] += 1
+            must_run.append(q.signal(timelines[t], highest[t]))
+        else:
+            t = rng.randrange(len(timelines))
+            if highest[t]:
+                must_run.append(q.wait(timelines[t], rng.randint(1, highest[t])))
+    # Then one queue waits for a value nothing signals; what depends on it is stuck.
+    q0, q1, q2 = queues
+    never = dev.timeline()
+    stuck = [q0.wait(never, 1), q0.launch(inc, bufs[0])]
+    highest[0] += 1
+    stuck.append(q0.signal(timelines[0], highest[0]))
+    stuck.append(q1.copy(bufs[1], bufs[0]))  # after q0's stuck use of bufs[0]
+    stuck.append(q1.launch(inc, bufs[1]))  # behind that copy
+    must_run.append(q2.launch(inc, bufs[2]))
+    must_run.append(q2.copy(bufs[3], bufs[4]))
+    stuck.append(q2.wait(timelines[0], highest[0]))  # signalled only by stuck q0
+    stuck.append(q2.launch(inc, bufs[2]))
+    with anyio.fail_after(60):
+        await dev.close()
+        for done in must_run:
+            await done
+        for done in stuck:
+            with pytest.raises(am.ClosedResourceError, match="never ran"):
+                await done
 
 
 # -- finished event loops ----------------------------------------------------------------
