@@ -88,8 +88,11 @@ class _Watch:
             self.bridge.notify(self)
 
     def _publish(self, value: int) -> bool:
-        """Set ``next``; return whether the timeline has already reached it."""
+        """Set ``next``; return whether the timeline has already reached it (or ended:
+        then every waiter is woken)."""
         self.next = value
+        if self.timeline._ended:
+            return True
         if self.cwatch is not None:
             return bool(_native_lib().am_watch_arm(self.cwatch, min(value, _U64_MAX)))
         return self.timeline._native.value >= value
@@ -107,9 +110,9 @@ class _Watch:
             self._update_next()
 
     def resolve(self) -> None:
-        heap, native = self.heap, self.timeline._native
+        heap, timeline = self.heap, self.timeline
         while True:
-            reached = native.value
+            reached = INFINITY if timeline._ended else timeline._native.value
             while heap and heap[0][0] <= reached:
                 entry = heapq.heappop(heap)[2]
                 if entry.done:

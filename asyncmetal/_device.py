@@ -83,6 +83,7 @@ class Device:
         self._backend = backend
         self.closed = False
         self._queues: list[Queue] = []
+        self._timelines: weakref.WeakSet[Timeline] = weakref.WeakSet()  # from timeline()
         self._closing: HostEvents | None = None  # reaches 1 once a close has finished
         self._allocator = Allocator(self)
         self._pool: CompilePool | None = None
@@ -115,7 +116,9 @@ class Device:
     def timeline(self) -> Timeline:
         """A new timeline at value 0, for ordering between queues, devices and the host."""
         self._check_open()
-        return Timeline(self)
+        timeline = Timeline(self)
+        self._timelines.add(timeline)
+        return timeline
 
     async def alloc(self, nbytes: int, *, timeout: float | None = None) -> Buffer:
         """Allocate ``nbytes`` of device memory (contents undefined).
@@ -230,7 +233,8 @@ class Device:
 
         Work submitted while the close waits is waited for too. Commands still waiting
         on the device for a timeline value that nothing will signal are abandoned:
-        awaiting them raises ClosedResourceError,. Concurrent closes share one teardown
+        awaiting them raises ClosedResourceError, and so do waits on the device's
+        timelines for values they never reached. Concurrent closes share one teardown
         and all return once it is done. Shielded from cancellation: a device is never
         left half-closed.
         """
@@ -248,6 +252,8 @@ class Device:
                 await anyio.to_thread.run_sync(self._close_native, False, set(blocked))
                 for queue, limit in blocked.items():
                     queue._abandon(limit + 1)
+                for timeline in [*self._timelines, *(q.timeline for q in self._queues)]:
+                    timeline._end()
             finally:
                 closing.increment()
 

@@ -321,13 +321,15 @@ class Queue:
         if self._behind < self._limit:
             self._behind += 1
             return False
-        if not self._flush_armed:
+        if not self._flush_armed and not timeline._ended:  # (ended: held until close)
             self._flush_armed = True
             call_when_reached(timeline, target, self._flush)
         return True
 
     def _flush(self) -> None:
         self._flush_armed = False
+        if self.device.closed:  # what was still held was abandoned by the close
+            return
         held, self._held = self._held, collections.deque()
         while held:
             fn, args = held.popleft()

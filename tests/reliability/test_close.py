@@ -91,6 +91,36 @@ async def test_concurrent_closes_share_one_teardown(anyio_backend: object) -> No
     assert returned == [["started", "done"]] * 4  # each returned after the one teardown
 
 
+# -- tasks parked on a free timeline -----------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_close_ends_tasks_parked_on_timelines(anyio_backend: object) -> None:
+    dev = await am.open_device("cpu:23")
+    tl = dev.timeline()
+    tl.signal(1)
+    queue = dev.new_queue()
+    ended: list[tuple[str, int]] = []
+
+    async def parked(name: str, timeline: am.Timeline, value: int) -> None:
+        with pytest.raises(am.ClosedResourceError, match="closed"):
+            await timeline.wait(value)
+        ended.append((name, value))
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(parked, "free", tl, 2)
+            tg.start_soon(parked, "free", tl, 9)
+            tg.start_soon(parked, "queue", queue.timeline, 3)
+            await anyio.sleep(0.05)  # all three parked
+            tg.start_soon(parked, "free", tl, 4)  # parks while close begins
+            await dev.close()
+    assert sorted(ended) == [("free", 2), ("free", 4), ("free", 9), ("queue", 3)]
+    await tl.wait(1)  # reached before the close: no error
+    with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="closed"):
+        await tl.wait(2)  # after it: at once
+
+
 # -- completable(): waits on other queues' own timelines ---------------------------------
 
 
