@@ -71,8 +71,6 @@ class Completion(Record):
             raise failure
         abandoned = self.queue._abandoned_from
         if abandoned is not None and self.value >= abandoned:
-            if self.queue._broken is not None:
-                raise self.queue._broken
             raise ClosedResourceError(
                 f"the device {self.queue.device.name} was closed while this command waited "
                 "for a timeline value nobody signalled: it never ran"
@@ -139,7 +137,6 @@ class Queue:
             collections.deque()
         )
         self._flush_armed = False
-        self._broken: BaseException | None = None
         # Common launches submitted by the native extension in one call (ampy.c).
         self._launch_target = self._native.launch_target()
         self._fast_launch = None if self._launch_target is None else _extension_launch()
@@ -296,11 +293,15 @@ class Queue:
 
     def _issue(self, fn: Callable[..., None], *args: Any) -> None:
         """Hand the command just numbered (by ``_next``) to the backend, or hold it. If
-        the backend refuses it, its value was never used: it is taken back."""
-        if self._held or (self._gate is not None and self._gated()):
-            self._held.append((fn, args))
-            return
+        the backend refuses it, its value was never used: it is taken back. A command
+        to be held is checked as the backend would check it now, so that holding only
+        defers the hand-over: what would be refused at once is refused at once."""
         try:
+            if self._held or (self._gate is not None and self._gated()):
+                if fn == self._native.launch:
+                    self._native.check_launch(*args[:4])
+                self._held.append((fn, args))
+                return
             fn(*args)
         except BaseException:
             self._submitted -= 1
@@ -339,10 +340,31 @@ class Queue:
                 return
             try:
                 fn(*args)
-            except BaseException as exc:  # the device refused a held command: it is lost
-                self._broken = exc
-                self._abandon(next(a for a in args if isinstance(a, Completion)).value)
+            except BaseException as exc:
+                held.appendleft((fn, args))
+                self._refused(held, exc)
                 return
+
+    def _refused(
+        self, held: collections.deque[tuple[Callable[..., None], Any]], exc: BaseException
+    ) -> None:
+        """The backend refused the first of the ``held`` commands when it was handed
+        over (its arguments were checked when it was held: a device that ran out of
+        something). It and the commands held after it never run: each fails with
+        ``exc``. The device never signals their values, so the host does, once every
+        command before them has finished -- never earlier, whatever is still running."""
+        records = [next(a for a in args if isinstance(a, Completion)) for _, args in held]
+        for done in records:
+            done.error = exc
+        first, last = records[0].value, records[-1].value
+        # Their signals will not happen and their waits hold nothing back any more.
+        self._sync_ops = collections.deque(
+            op for op in self._sync_ops if not first <= op[0] <= last
+        )
+        call_when_reached(self.timeline, first - 1, functools.partial(self._settle, last))
+
+    def _settle(self, value: int) -> None:
+        self.timeline._native.signal(value)
 
     def _track(self, value: int, is_wait: bool, timeline: Timeline, target: int) -> None:
         ops = self._sync_ops
