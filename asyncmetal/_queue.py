@@ -408,10 +408,17 @@ class Queue:
         return self
 
     def _after(self, buffers: Iterable[Buffer]) -> None:
-        """after() for buffers already checked."""
+        """after() for buffers already checked. A use by a queue of another kind (a copy
+        between kinds reading or writing host-visible memory in place) cannot be waited
+        for on this device: the host orders those (the copy settles the buffer first)."""
+        kind = self.device._backend.kind
         for buf in buffers:
             for other, value in list(buf._allocation.last_use.items()):
-                if other is not self and other.timeline.value < value:
+                if (
+                    other is not self
+                    and other.timeline.value < value
+                    and other.device._backend.kind == kind
+                ):
                     self.wait(other.timeline, value)
 
     async def synchronize(self) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
+from asyncmetal import _device
 from asyncmetal.backends.cpu import CPUBackend
 from tests.conftest import KERNELS
 
@@ -275,6 +276,57 @@ async def test_a_held_command_refused_at_flush_settles_after_earlier_ones(
         await q.launch(inc, buf)  # the queue goes on
         assert (await buf.read(np.int32))[0] == 2
     await dev.close()
+
+
+# -- copies between kinds through a host-visible buffer ----------------------------------
+
+
+class _OtherKind(CPUBackend):
+    """A second kind of device whose memory the host cannot see: copies between it and
+    the cpu device run on its queue, reading or writing the cpu buffer in place."""
+
+    kind = "cpu2"
+    host_visible = False
+
+    @classmethod
+    def available(cls) -> list[str]:
+        return ["cpu2"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("direction", ["read", "write"])
+async def test_a_cross_kind_copy_keeps_the_host_visible_buffer(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, direction: str
+) -> None:
+    monkeypatch.setitem(_device._BACKENDS, "cpu2", f"{__name__}:_OtherKind")
+    cpu = await am.open_device("cpu:26")
+    other = await am.open_device("cpu2")
+    theirs = await other.alloc(64)
+    await theirs.write(np.full(16, 3, np.int32))
+    mine = await cpu.alloc(64)
+    await mine.write(np.full(16, 1, np.int32))
+    gate = other.timeline()
+    other.queue.wait(gate, 1)  # the copy below stays pending behind this
+    if direction == "read":  # the other queue reads `mine` in place
+        with anyio.move_on_after(0.05):
+            await am.copy(theirs, mine)
+        assert (await mine.read(np.int32) == 1).all()  # reading it meanwhile is fine
+    else:  # the other queue writes `mine` in place
+        with anyio.move_on_after(0.05):
+            await am.copy(mine, theirs)
+    with anyio.move_on_after(0.05):
+        await mine.free()  # cancelled: the memory returns once the copy is done
+    again = await cpu.alloc(64)  # must not be the memory the copy still uses
+    await again.write(np.full(16, 2, np.int32))
+    gate.signal(1)
+    with anyio.fail_after(10):
+        await other.synchronize()
+    assert (await again.read(np.int32) == 2).all()
+    if direction == "read":
+        assert (await theirs.read(np.int32) == 1).all()
+    await again.write(np.zeros(16, np.int32))  # still usable by the cpu queue
+    await other.close()
+    await cpu.close()
 
 
 # -- finished event loops ----------------------------------------------------------------
