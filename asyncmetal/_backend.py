@@ -129,6 +129,16 @@ class NativeQueue(ABC):
         record: Record,
     ) -> None: ...
 
+    def check_launch(  # noqa: B027 - a backend with nothing to check keeps this
+        self,
+        program: Any,
+        args: Sequence[Arg],
+        global_size: tuple[int, int, int],
+        local_size: tuple[int, int, int],
+    ) -> None:
+        """Raise what :meth:`launch` would raise for these arguments, submitting nothing:
+        a launch held on the host (behind a device wait) is checked so when it is held."""
+
     @abstractmethod
     def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         """Raise ``timeline`` to ``target`` once earlier commands finished."""

@@ -95,14 +95,18 @@ class _Watch:
             self.bridge.notify_here(self)
 
     def _publish(self, value: int) -> bool:
-        """Set ``next``; return whether the timeline has already reached it."""
+        """Set ``next``; return whether the timeline has already reached it (or ended:
+        then every waiter is woken)."""
         self.next = value
+        if self.timeline._ended:
+            return True
         if self.cwatch is not None:
             return bool(_native_lib().am_watch_arm(self.cwatch, min(value, _U64_MAX)))
         return self.timeline._native.value >= value
 
     def withdraw(self, entry: _Entry) -> None:
         entry.done = True
+        entry.wake = _nothing  # it held the task and its loop: let them go now
         self.bridge.waiting -= entry.task
         self.withdrawn += 1
         # Cancelled waits for values never reached would pile up: rebuild when most are dead.
@@ -115,9 +119,9 @@ class _Watch:
     def resolve(self, budget: int) -> int:
         """Wake the entries whose value is reached, ``budget`` tasks at most; return the
         budget left (0: it stopped there, and more may be due)."""
-        heap, native = self.heap, self.timeline._native
+        heap, timeline = self.heap, self.timeline
         while True:
-            reached = native.value
+            reached = INFINITY if timeline._ended else timeline._native.value
             while heap and heap[0][0] <= reached:
                 if budget <= 0:
                     return 0
@@ -144,6 +148,10 @@ class _Watch:
 
 
 _sequence = itertools.count()
+
+
+def _nothing() -> None:
+    pass
 
 
 _U64_MAX = (1 << 64) - 1
@@ -259,6 +267,7 @@ class LoopBridge(ABC):
 
     def withdraw_ready(self, entry: _Entry) -> None:
         entry.done = True  # skipped when its turn comes
+        entry.wake = _nothing  # it held the task and its loop: let them go now
         self.waiting -= 1
 
     def notify_here(self, watch: _Watch) -> None:

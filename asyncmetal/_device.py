@@ -9,7 +9,7 @@ import functools
 import importlib
 import os
 import weakref
-from collections.abc import AsyncIterator, Generator, Iterable
+from collections.abc import AsyncIterator, Collection, Generator, Iterable
 from typing import Any
 
 import anyio
@@ -84,6 +84,8 @@ class Device:
         self._backend = backend
         self.closed = False
         self._queues: list[Queue] = []
+        self._timelines: weakref.WeakSet[Timeline] = weakref.WeakSet()  # from timeline()
+        self._closing: HostEvents | None = None  # reaches 1 once a close has finished
         self._allocator = Allocator(self)
         self._pool: CompilePool | None = None
         self._programs: dict[tuple[str, str], Program] = {}
@@ -115,7 +117,9 @@ class Device:
     def timeline(self) -> Timeline:
         """A new timeline at value 0, for ordering between queues, devices and the host."""
         self._check_open()
-        return Timeline(self)
+        timeline = Timeline(self)
+        self._timelines.add(timeline)
+        return timeline
 
     async def alloc(self, nbytes: int, *, timeout: float | None = None) -> Buffer:
         """Allocate ``nbytes`` of device memory (contents undefined).
@@ -279,28 +283,52 @@ class Device:
     async def close(self) -> None:
         """Let submitted work finish, then release the device.
 
-        Commands still waiting on the device for a timeline value that nothing will
-        signal are abandoned: awaiting them raises ClosedResourceError. Shielded from
-        cancellation: a device is never left half-closed.
+        Work submitted while the close waits is waited for too. Commands still waiting
+        on the device for a timeline value that nothing will signal are abandoned:
+        awaiting them raises ClosedResourceError, and so do waits on the device's
+        timelines for values they never reached. Concurrent closes share one teardown
+        and all return once it is done. Shielded from cancellation: a device is never
+        left half-closed.
         """
-        if self.closed:
-            return
         with anyio.CancelScope(shield=True):
-            queues = [q for d in list(_open_devices) for q in d._queues]
-            limits = completable(queues)
-            for queue in self._queues:
+            if self._closing is not None:  # another close is under way: wait for it
+                await wait_value(self._closing, 1)
+                return
+            if self.closed:
+                return
+            self._closing = closing = HostEvents()
+            try:
+                limits = await self._finish_completable()
+                self.closed = True  # no await since the limits: they are final
+                blocked = {q: limits[q] for q in self._queues if limits[q] < q.submitted}
+                await anyio.to_thread.run_sync(self._close_native, False, set(blocked))
+                for queue, limit in blocked.items():
+                    queue._abandon(limit + 1)
+                for timeline in [*self._timelines, *(q.timeline for q in self._queues)]:
+                    timeline._end()
+            finally:
+                closing.increment()
+
+    async def _finish_completable(self) -> dict[Queue, int]:
+        """Wait until every queue of this device has finished all the commands that can
+        still complete (commands may be submitted meanwhile: they are waited for too);
+        return each queue's limit, computed with nothing left to wait for."""
+        while True:
+            limits = completable([q for d in list(_open_devices) for q in d._queues])
+            behind = [q for q in self._queues if q.timeline.value < limits[q]]
+            if not behind:
+                return limits
+            for queue in behind:
                 queue._native.flush()
                 await wait_value(queue.timeline, limits[queue])
-            self.closed = True
-            blocked = [q for q in self._queues if limits[q] < q.submitted]
-            await anyio.to_thread.run_sync(self._close_native, bool(blocked))
-            for queue in blocked:
-                queue._abandon(limits[queue] + 1)
 
-    def _close_native(self, abandon: bool = False) -> None:
+    def _close_native(self, abandon: bool = False, blocked: Collection[Queue] = ()) -> None:
+        """Close every queue natively, then the allocator and the backend. A queue in
+        ``blocked`` (or every queue, with ``abandon``) is stopped where it is, inside a
+        device-side wait; the others have finished everything submitted."""
         self.closed = True
         for queue in self._queues:
-            queue._native.close(abandon)
+            queue._native.close(abandon or queue in blocked)
         self._allocator.close()
         self._backend.close()
         _open_devices.discard(self)

@@ -70,8 +70,6 @@ class Completion(Record):
             raise failure
         abandoned = self.queue._abandoned_from
         if abandoned is not None and self.value >= abandoned:
-            if self.queue._broken is not None:
-                raise self.queue._broken
             raise ClosedResourceError(
                 f"the device {self.queue.device.name} was closed while this command waited "
                 "for a timeline value nobody signalled: it never ran"
@@ -138,7 +136,6 @@ class Queue:
             collections.deque()
         )
         self._flush_armed = False
-        self._broken: BaseException | None = None
         # Common launches submitted by the native extension in one call (ampy.c).
         self._launch_target = self._native.launch_target()
         self._fast_launch = None if self._launch_target is None else _extension_launch()
@@ -295,11 +292,15 @@ class Queue:
 
     def _issue(self, fn: Callable[..., None], *args: Any) -> None:
         """Hand the command just numbered (by ``_next``) to the backend, or hold it. If
-        the backend refuses it, its value was never used: it is taken back."""
-        if self._held or (self._gate is not None and self._gated()):
-            self._held.append((fn, args))
-            return
+        the backend refuses it, its value was never used: it is taken back. A command
+        to be held is checked as the backend would check it now, so that holding only
+        defers the hand-over: what would be refused at once is refused at once."""
         try:
+            if self._held or (self._gate is not None and self._gated()):
+                if fn == self._native.launch:
+                    self._native.check_launch(*args[:4])
+                self._held.append((fn, args))
+                return
             fn(*args)
         except BaseException:
             self._submitted -= 1
@@ -320,13 +321,15 @@ class Queue:
         if self._behind < self._limit:
             self._behind += 1
             return False
-        if not self._flush_armed:
+        if not self._flush_armed and not timeline._ended:  # (ended: held until close)
             self._flush_armed = True
             call_when_reached(timeline, target, self._flush)
         return True
 
     def _flush(self) -> None:
         self._flush_armed = False
+        if self.device.closed:  # what was still held was abandoned by the close
+            return
         held, self._held = self._held, collections.deque()
         while held:
             fn, args = held.popleft()
@@ -336,10 +339,31 @@ class Queue:
                 return
             try:
                 fn(*args)
-            except BaseException as exc:  # the device refused a held command: it is lost
-                self._broken = exc
-                self._abandon(next(a for a in args if isinstance(a, Completion)).value)
+            except BaseException as exc:
+                held.appendleft((fn, args))
+                self._refused(held, exc)
                 return
+
+    def _refused(
+        self, held: collections.deque[tuple[Callable[..., None], Any]], exc: BaseException
+    ) -> None:
+        """The backend refused the first of the ``held`` commands when it was handed
+        over (its arguments were checked when it was held: a device that ran out of
+        something). It and the commands held after it never run: each fails with
+        ``exc``. The device never signals their values, so the host does, once every
+        command before them has finished -- never earlier, whatever is still running."""
+        records = [next(a for a in args if isinstance(a, Completion)) for _, args in held]
+        for done in records:
+            done.error = exc
+        first, last = records[0].value, records[-1].value
+        # Their signals will not happen and their waits hold nothing back any more.
+        self._sync_ops = collections.deque(
+            op for op in self._sync_ops if not first <= op[0] <= last
+        )
+        call_when_reached(self.timeline, first - 1, functools.partial(self._settle, last))
+
+    def _settle(self, value: int) -> None:
+        self.timeline._native.signal(value)
 
     def _track(self, value: int, is_wait: bool, timeline: Timeline, target: int) -> None:
         ops = self._sync_ops
@@ -349,9 +373,12 @@ class Queue:
         ops.append((value, is_wait, timeline, target))
 
     def _abandon(self, first: int) -> None:
-        """Commands from ``first`` on will never run (closed while they waited): settle
-        them, so their waiters wake and raise instead of waiting forever."""
+        """Commands from ``first`` on will never run: the device closed while they
+        waited, and its queue threads were stopped. Settle them, so that their waiters
+        wake and raise instead of waiting forever."""
         self._abandoned_from = first
+        self._held.clear()
+        self._gate = None
         self.timeline._native.signal(self._submitted)
 
     def copy(self, dst: Any, src: Any, nbytes: int | None = None) -> Completion:
@@ -380,10 +407,17 @@ class Queue:
         return self
 
     def _after(self, buffers: Iterable[Buffer]) -> None:
-        """after() for buffers already checked."""
+        """after() for buffers already checked. A use by a queue of another kind (a copy
+        between kinds reading or writing host-visible memory in place) cannot be waited
+        for on this device: the host orders those (the copy settles the buffer first)."""
+        kind = self.device._backend.kind
         for buf in buffers:
             for other, value in list(buf._allocation.last_use.items()):
-                if other is not self and other.timeline.value < value:
+                if (
+                    other is not self
+                    and other.timeline.value < value
+                    and other.device._backend.kind == kind
+                ):
                     self.wait(other.timeline, value)
 
     async def synchronize(self) -> None:
@@ -395,14 +429,23 @@ class Queue:
 def completable(queues: list[Queue]) -> dict[Queue, int]:
     """For each queue, the value up to which its commands can still complete.
 
-    A queue stops at its first device-side wait that no host signal already made and no
-    queue's completable signal will satisfy; a fixed point over all queues (signals of
-    one unblock waits of another).
+    A queue stops at its first device-side wait that nothing will satisfy: not the
+    timeline's value now, not a completable signal of some queue, and -- for a wait on
+    a queue's own timeline (a copy ordered after another queue's use) -- not that
+    queue's own completable commands. A fixed point over all queues: one queue's
+    progress unblocks another's waits.
     """
     reach: dict[Timeline, int] = {}
     limit = {q: q.timeline.value for q in queues}
     position = dict.fromkeys(queues, 0)
     ops = {q: list(q._sync_ops) for q in queues}
+
+    def satisfied(timeline: Timeline, target: int) -> bool:
+        if timeline.value >= target or reach.get(timeline, 0) >= target:
+            return True
+        owner = timeline._owner
+        return owner is not None and limit.get(owner, 0) >= target
+
     changed = True
     while changed:
         changed = False
@@ -410,13 +453,15 @@ def completable(queues: list[Queue]) -> dict[Queue, int]:
             items = ops[q]
             i = position[q]
             while i < len(items):
-                _, is_wait, timeline, target = items[i]
-                if is_wait and max(timeline.value, reach.get(timeline, 0)) < target:
+                value, is_wait, timeline, target = items[i]
+                if is_wait and value > limit[q] and not satisfied(timeline, target):
                     break
                 if not is_wait:
                     reach[timeline] = max(reach.get(timeline, 0), target)
                 i += 1
-                changed = True
             position[q] = i
-            limit[q] = items[i][0] - 1 if i < len(items) else q.submitted
+            reached = items[i][0] - 1 if i < len(items) else q.submitted
+            if reached > limit[q]:
+                limit[q] = reached
+                changed = True
     return limit

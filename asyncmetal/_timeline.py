@@ -31,9 +31,11 @@ class Waitable:
     """Something whose monotonic ``_native.value`` tasks on any loop can await.
 
     Whoever raises the value calls :meth:`_advanced` afterwards, from any thread.
+    Once ``_ended`` (its device closed) no value will come: every waiter is woken.
     """
 
     _native: NativeTimeline
+    _ended = False
 
     def __init__(self) -> None:
         self._recent_ns = 0  # a moving average of how long waits on it took
@@ -52,8 +54,12 @@ class Waitable:
         if watch is None:
             with self._watch_lock:
                 watch = _bridge._Watch(bridge, self)
-                self._watch_of[bridge] = watch
-                self._watches = (*self._watches, watch)
+                # Watches of loops that have ended go now (their bridge let go of them
+                # then, but may not take this lock: it ends from a finalizer).
+                watch_of = {b: w for b, w in self._watch_of.items() if not b.dead}
+                watch_of[bridge] = watch
+                self._watch_of = watch_of
+                self._watches = tuple(watch_of.values())
         return watch
 
     def _drop_watch(self, watch: _bridge._Watch) -> None:
@@ -61,6 +67,13 @@ class Waitable:
             if self._watch_of.get(watch.bridge) is watch:
                 del self._watch_of[watch.bridge]
                 self._watches = tuple(w for w in self._watches if w is not watch)
+
+    def _end(self) -> None:
+        """No value will come any more (the device closed): wake every waiter, on every
+        loop; each finds its value unreached and raises (see ``Timeline.wait``)."""
+        self._ended = True
+        for watch in self._watches:
+            watch.bridge.notify(watch)
 
 
 class HostCounter(NativeTimeline):
@@ -158,10 +171,15 @@ class Timeline(Waitable):
         """Wait until the timeline reaches ``value``.
 
         Always a checkpoint. Cancelling it withdraws this waiter only; the timeline and
-        the device are unaffected.
+        the device are unaffected. Raises :class:`ClosedResourceError` if the device
+        closes (or has closed) before ``value`` is reached.
         """
         value = check_value(value)
         await wait_value(self, value)
+        if self._native.value < value:  # woken by the close: the value will never come
+            raise ClosedResourceError(
+                f"the timeline's device {self.device.name} closed before it reached {value}"
+            )
 
     def _check_signal(self, value: object, what: str) -> int:
         value = check_value(value, what)

@@ -150,23 +150,37 @@ async def _copy_between_kinds(dst: Buffer, src: Buffer, nbytes: int | None) -> N
     if dst.device.kind == "npy":
         raise InvalidArgumentError("npy buffers are read-only sources")
     nbytes = _size(dst.nbytes, src.nbytes, nbytes)
+    # One side is read or written in place by the other side's queue: that queue's
+    # copy is a use of it like any other, so that freeing it (say, once this await is
+    # cancelled) returns its memory only after the copy.
     if src.device._backend.host_visible:  # read the source in place
         await _settled(src)
         view = src.device._backend.host_view(src._allocation.handle, src.offset, nbytes)
-        await submit_copy(dst.device.queue, dst, view, nbytes)
+        queue = dst.device.queue
+        done = submit_copy(queue, dst, view, nbytes)
+        src._used(queue, done.value)
+        await done
         return
     if dst.device._backend.host_visible:  # write the destination in place
         await _settled(dst)
         view = dst.device._backend.host_view(dst._allocation.handle, dst.offset, nbytes)
-        await submit_copy(src.device.queue, view, src, nbytes)
+        queue = src.device.queue
+        done = submit_copy(queue, view, src, nbytes)
+        dst._used(queue, done.value)
+        await done
         return
     await _staged_copy(dst, src, nbytes)
 
 
 async def _settled(buf: Buffer) -> None:
-    """Wait until every command using ``buf`` has finished."""
-    for queue, value in list(buf._allocation.last_use.items()):
-        await wait_value(queue.timeline, value)
+    """Wait until every command using ``buf`` has finished (those submitted while
+    waiting too)."""
+    while True:
+        pending = [(q, v) for q, v in buf._allocation.last_use.items() if q.timeline.value < v]
+        if not pending:
+            return
+        for queue, value in pending:
+            await wait_value(queue.timeline, value)
 
 
 async def _staged_copy(dst: Buffer, src: Buffer, nbytes: int) -> None:

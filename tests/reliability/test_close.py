@@ -1,0 +1,389 @@
+"""Closing a device, and the queue edges around it: nothing submitted is lost, every
+waiter ends, and nothing of a finished event loop stays referenced."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import os
+import random
+import time
+import weakref
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import asyncmetal as am
+from asyncmetal import _device
+from asyncmetal.backends.cpu import CPUBackend
+from tests.conftest import KERNELS
+
+INC = "void inc(int* x) { x[0] += 1; }"
+WIDE = "void wide(" + ", ".join(f"int a{i}" for i in range(17)) + ") {}"
+
+
+# -- work submitted while close() waits --------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_work_submitted_while_close_waits_runs(anyio_backend: object) -> None:
+    dev = await am.open_device("cpu:21")
+    sleep = await dev.compile(KERNELS, "sleep_ms")
+    fill = await dev.compile(KERNELS, "fill")
+    buf = await dev.alloc(4)
+    stuck_queue = dev.new_queue()
+    stuck_queue.wait(dev.timeline(), 1)  # never signalled: close abandons what follows
+    stuck = stuck_queue.launch(sleep, vals=(0,))
+    dev.queue.launch(sleep, vals=(150,))  # close waits for this...
+    out = np.zeros(1, np.int32)
+    late: list[am.Completion] = []
+
+    async def submit_while_closing() -> None:
+        await anyio.sleep(0.03)  # ...while this submits more
+        assert not dev.closed
+        late.append(dev.queue.launch(fill, buf, vals=(7, 1)))
+        late.append(dev.queue.copy(out, buf))
+        late.append(dev.new_queue().launch(sleep, vals=(1,)))  # a queue made meanwhile
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(submit_while_closing)
+            await dev.close()
+        for done in late:
+            await done  # ran: no "never ran"
+    assert out[0] == 7
+    with pytest.raises(am.ClosedResourceError, match="never ran"):
+        await stuck
+
+
+@pytest.mark.anyio
+async def test_concurrent_closes_share_one_teardown(anyio_backend: object) -> None:
+    dev = await am.open_device("cpu:22")
+    sleep = await dev.compile(KERNELS, "sleep_ms")
+    dev.queue.launch(sleep, vals=(50,))
+    real_close = dev._backend.close
+    teardowns: list[str] = []
+
+    def slow_close() -> None:  # the native teardown (runs in a worker thread)
+        teardowns.append("started")
+        time.sleep(0.05)
+        real_close()
+        teardowns.append("done")
+
+    dev._backend.close = slow_close  # type: ignore[method-assign]
+    returned: list[list[str]] = []
+
+    async def closer() -> None:
+        await dev.close()
+        returned.append(list(teardowns))
+
+    async def late_closer() -> None:  # arrives while the teardown is under way
+        while not dev.closed:
+            await anyio.sleep(0.001)
+        await closer()
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(closer)
+            tg.start_soon(late_closer)
+    assert teardowns == ["started", "done"]
+    assert returned == [["started", "done"]] * 4  # each returned after the one teardown
+
+
+# -- tasks parked on a free timeline -----------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_close_ends_tasks_parked_on_timelines(anyio_backend: object) -> None:
+    dev = await am.open_device("cpu:23")
+    tl = dev.timeline()
+    tl.signal(1)
+    queue = dev.new_queue()
+    ended: list[tuple[str, int]] = []
+
+    async def parked(name: str, timeline: am.Timeline, value: int) -> None:
+        with pytest.raises(am.ClosedResourceError, match="closed"):
+            await timeline.wait(value)
+        ended.append((name, value))
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(parked, "free", tl, 2)
+            tg.start_soon(parked, "free", tl, 9)
+            tg.start_soon(parked, "queue", queue.timeline, 3)
+            await anyio.sleep(0.05)  # all three parked
+            tg.start_soon(parked, "free", tl, 4)  # parks while close begins
+            await dev.close()
+    assert sorted(ended) == [("free", 2), ("free", 4), ("free", 9), ("queue", 3)]
+    await tl.wait(1)  # reached before the close: no error
+    with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="closed"):
+        await tl.wait(2)  # after it: at once
+
+
+# -- completable(): waits on other queues' own timelines ---------------------------------
+
+
+@pytest.mark.anyio
+async def test_close_waits_for_a_queue_waiting_on_another_devices_queue(
+    anyio_backend: object,
+) -> None:
+    dev, peer = await am.open_device("cpu:29"), await am.open_device("cpu:30")
+    fill = await dev.compile(KERNELS, "fill")
+    sleep = await peer.compile(KERNELS, "sleep_ms")
+    buf = await dev.alloc(4)
+    out = np.zeros(1, np.int32)
+    running = peer.queue.launch(sleep, vals=(200,))
+    dev.queue.wait(peer.queue.timeline, running.value)  # satisfied once `running` ends
+    dev.queue.launch(fill, buf, vals=(5, 1))
+    copied = dev.queue.copy(out, buf)
+    with anyio.fail_after(20):
+        await dev.close()
+        await copied  # it ran: the peer's queue was going to reach that value
+    assert out[0] == 5
+    await peer.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_close_with_thousands_of_mixed_commands_loses_none(
+    anyio_backend: object, seed: int
+) -> None:
+    rng = random.Random(seed)
+    dev = await am.open_device(f"cpu:{30 + seed}")
+    inc = await dev.compile(INC, "inc")
+    queues = [dev.queue, dev.new_queue(), dev.new_queue()]
+    bufs = [await dev.alloc(64) for _ in range(6)]
+    hosts = [np.zeros(16, np.int32) for _ in range(4)]
+    timelines = [dev.timeline() for _ in range(3)]
+    highest = [0] * len(timelines)
+    must_run: list[am.Completion] = []
+    # Every wait below is for a value whose signal was submitted before it, and every
+    # ordering points back at earlier commands: all of this can complete.
+    for _ in range(3000):
+        q = rng.choice(queues)
+        op = rng.randrange(7)
+        a, b = rng.sample(bufs, 2)
+        if op == 0:
+            must_run.append(q.launch(inc, a))
+        elif op == 1:
+            must_run.append(q.after(a).launch(inc, a))
+        elif op == 2:
+            must_run.append(q.copy(a, b))  # ordered after other queues' uses of a and b
+        elif op == 3:
+            must_run.append(q.copy(rng.choice(hosts), a))
+        elif op == 4:
+            must_run.append(q.copy(a, rng.choice(hosts)))
+        elif op == 5:
+            t = rng.randrange(len(timelines))
+            highest[t] += 1
+            must_run.append(q.signal(timelines[t], highest[t]))
+        else:
+            t = rng.randrange(len(timelines))
+            if highest[t]:
+                must_run.append(q.wait(timelines[t], rng.randint(1, highest[t])))
+    # Then one queue waits for a value nothing signals; what depends on it is stuck.
+    q0, q1, q2 = queues
+    never = dev.timeline()
+    stuck = [q0.wait(never, 1), q0.launch(inc, bufs[0])]
+    highest[0] += 1
+    stuck.append(q0.signal(timelines[0], highest[0]))
+    stuck.append(q1.copy(bufs[1], bufs[0]))  # after q0's stuck use of bufs[0]
+    stuck.append(q1.launch(inc, bufs[1]))  # behind that copy
+    must_run.append(q2.launch(inc, bufs[2]))
+    must_run.append(q2.copy(bufs[3], bufs[4]))
+    stuck.append(q2.wait(timelines[0], highest[0]))  # signalled only by stuck q0
+    stuck.append(q2.launch(inc, bufs[2]))
+    with anyio.fail_after(60):
+        await dev.close()
+        for done in must_run:
+            await done
+        for done in stuck:
+            with pytest.raises(am.ClosedResourceError, match="never ran"):
+                await done
+
+
+# -- a command held behind a device wait -------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_held_launch_is_checked_before_it_is_held(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(CPUBackend, "max_behind_wait", 1)
+    dev = await am.open_device("cpu:24")
+    wide = await dev.compile(WIDE, "wide")
+    empty = await dev.compile(KERNELS, "empty")
+    with pytest.raises(am.ArgumentTypeError, match="at most 16"):
+        dev.queue.launch(wide, vals=(0,) * 17)  # not held: refused at once
+    q = dev.new_queue()
+    tl = dev.timeline()
+    q.wait(tl, 1)
+    q.launch(empty)  # the one command the backend takes behind the wait
+    submitted = q.submitted
+    with pytest.raises(am.ArgumentTypeError, match="at most 16"):
+        q.launch(wide, vals=(0,) * 17)  # would be held: refused at once all the same
+    assert q.submitted == submitted
+    after = q.launch(empty)
+    tl.signal(1)
+    with anyio.fail_after(10):
+        await after
+    await dev.close()
+
+
+@pytest.mark.anyio
+async def test_a_held_command_refused_at_flush_settles_after_earlier_ones(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(CPUBackend, "max_behind_wait", 1)
+    dev = await am.open_device("cpu:25")
+    sleep = await dev.compile(KERNELS, "sleep_ms")
+    inc = await dev.compile(INC, "inc")
+    buf = await dev.alloc(4)
+    await buf.write(np.zeros(1, np.int32))
+    q = dev.new_queue()
+    tl = dev.timeline()
+    native_launch = q._native.launch
+    refuse: list[int] = []
+
+    def launch(*args: Any) -> None:  # the device refuses one command it is handed
+        if args[4] in refuse:
+            raise MemoryError("the device refused this command")
+        native_launch(*args)
+
+    monkeypatch.setattr(q._native, "launch", launch)
+    slow = q.after(buf).launch(sleep, vals=(300,))
+    q.wait(tl, 1)
+    first = q.launch(inc, buf)  # handed to the device behind the wait
+    refused = q.launch(inc, buf)  # held on the host...
+    later = q.launch(inc, buf)
+    assert len(q._held) == 2
+    refuse.append(refused.value)
+    tl.signal(1)  # ...and handed over now, while `slow` still runs
+    await anyio.sleep(0.05)
+    assert not slow.done()  # not reported done 250 ms early
+    assert not first.done()
+    with anyio.fail_after(10):
+        for never_handed_over in (refused, later):
+            with pytest.raises(MemoryError, match="refused"):
+                await never_handed_over
+        assert slow.done()  # they settle in order, after the commands before them
+        await first
+        assert (await buf.read(np.int32))[0] == 1  # only `first` ran
+        await q.launch(inc, buf)  # the queue goes on
+        assert (await buf.read(np.int32))[0] == 2
+    await dev.close()
+
+
+# -- copies between kinds through a host-visible buffer ----------------------------------
+
+
+class _OtherKind(CPUBackend):
+    """A second kind of device whose memory the host cannot see: copies between it and
+    the cpu device run on its queue, reading or writing the cpu buffer in place."""
+
+    kind = "cpu2"
+    host_visible = False
+
+    @classmethod
+    def available(cls) -> list[str]:
+        return ["cpu2"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("direction", ["read", "write"])
+async def test_a_cross_kind_copy_keeps_the_host_visible_buffer(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, direction: str
+) -> None:
+    monkeypatch.setitem(_device._BACKENDS, "cpu2", f"{__name__}:_OtherKind")
+    cpu = await am.open_device("cpu:26")
+    other = await am.open_device("cpu2")
+    theirs = await other.alloc(64)
+    await theirs.write(np.full(16, 3, np.int32))
+    mine = await cpu.alloc(64)
+    await mine.write(np.full(16, 1, np.int32))
+    gate = other.timeline()
+    other.queue.wait(gate, 1)  # the copy below stays pending behind this
+    if direction == "read":  # the other queue reads `mine` in place
+        with anyio.move_on_after(0.05):
+            await am.copy(theirs, mine)
+        assert (await mine.read(np.int32) == 1).all()  # reading it meanwhile is fine
+    else:  # the other queue writes `mine` in place
+        with anyio.move_on_after(0.05):
+            await am.copy(mine, theirs)
+    with anyio.move_on_after(0.05):
+        await mine.free()  # cancelled: the memory returns once the copy is done
+    again = await cpu.alloc(64)  # must not be the memory the copy still uses
+    await again.write(np.full(16, 2, np.int32))
+    gate.signal(1)
+    with anyio.fail_after(10):
+        await other.synchronize()
+    assert (await again.read(np.int32) == 2).all()
+    if direction == "read":
+        assert (await theirs.read(np.int32) == 1).all()
+    await again.write(np.zeros(16, np.int32))  # still usable by the cpu queue
+    await other.close()
+    await cpu.close()
+
+
+# -- finished event loops ----------------------------------------------------------------
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _open_device(name: str) -> am.Device:
+    async def opened() -> am.Device:
+        return await am.open_device(name)
+
+    return asyncio.run(opened())
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts fds in /proc")
+def test_finished_asyncio_runs_leave_nothing_referenced() -> None:
+    dev = _open_device("cpu:27")
+    tl = dev.timeline()
+    queue = dev.new_queue()
+    pending = queue.wait(tl, 1)  # a command that stays pending across the runs
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+    async def one_run() -> None:
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(tl.wait(1), 0.01)  # cancelled by the timeout
+        asyncio.get_running_loop().create_task(pending.wait())  # cancelled by the run's end
+        await asyncio.sleep(0)
+
+    asyncio.run(one_run())  # the first run loads what later runs share
+    gc.collect()
+    before = _open_fds()
+    for _ in range(20):
+        asyncio.run(one_run())
+    gc.collect()
+    assert [ref for ref in loops if ref() is not None] == []
+    assert _open_fds() <= before
+    tl.signal(1)
+    asyncio.run(dev.close())
+
+
+def test_finished_trio_runs_leave_no_fds() -> None:
+    trio = pytest.importorskip("trio")
+    dev = _open_device("cpu:28")
+    tl = dev.timeline()
+
+    async def one_run() -> None:
+        with trio.move_on_after(0.01):
+            await tl.wait(1)
+
+    trio.run(one_run)
+    gc.collect()
+    before = _open_fds()
+    for _ in range(20):
+        trio.run(one_run)
+    gc.collect()
+    assert _open_fds() <= before
+    asyncio.run(dev.close())
