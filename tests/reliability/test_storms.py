@@ -1,0 +1,173 @@
+"""Storms on every loop (asyncio, uvloop, trio): cancellations by the hundred, devices
+opened and closed with work in flight. Afterwards nothing is lost and nothing leaks:
+every command submitted ran, memory statistics and the backend's native allocations are
+back to zero, and the threads and file descriptors of the process are what they were."""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import threading
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import asyncmetal as am
+
+from ..conftest import KERNELS
+
+LOOPS = [
+    pytest.param(("asyncio", {}), id="asyncio"),
+    pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+    pytest.param(("trio", {}), id="trio"),
+]
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _settled_threads(baseline: int) -> int:
+    """The thread count once the threads a closed device or finished loop leaves exiting
+    have exited. Not counted: anyio's and trio's cached worker threads and the process's
+    compile pool (shared by every device; its workers retire when idle)."""
+
+    def ours() -> int:
+        skip = ("AnyIO", "Trio thread", "asyncmetal-compile")
+        return sum(not t.name.startswith(skip) for t in threading.enumerate())
+
+    for _ in range(200):
+        if ours() <= baseline:
+            break
+        threading.Event().wait(0.01)
+    return ours()
+
+
+async def _storm(seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    async with am.open_device("cpu") as dev, am.open_device("cpu:1") as other:
+        kernels = {n: await dev.compile(KERNELS, n) for n in ("spin", "sleep_ms", "add")}
+        queues = [dev.queue, dev.new_queue(), dev.new_queue()]
+        tl = dev.timeline()
+        counter = await dev.alloc(4)
+        await counter.write(np.zeros(1, np.int32))
+        submitted: list[am.Completion] = []
+        cancelled = finished = 0
+
+        async def one(i: int) -> None:
+            nonlocal cancelled, finished
+            kind = rng.randrange(6)
+            with anyio.move_on_after(rng.choice([0, 0.0005, 0.005, 0.05, None])) as scope:
+                if kind == 0:  # a launch that counts, awaited
+                    q = rng.choice(queues)
+                    c = q.after(counter).launch(kernels["spin"], counter, vals=(2000,))
+                    submitted.append(c)
+                    await c
+                elif kind == 1:  # an allocation, a copy in and out, a free
+                    buf = await dev.alloc(rng.choice([1024, 4096, 65536]))
+                    data = np.full(buf.nbytes // 4, i, np.int32)
+                    await buf.write(data)
+                    assert (await buf.read(np.int32) == i).all()
+                    await buf.free()
+                elif kind == 2:  # a device wait released by the host later
+                    q = rng.choice(queues[1:])
+                    submitted.append(q.wait(tl, 1))
+                    submitted.append(q.launch(kernels["sleep_ms"], vals=(1,)))
+                    await submitted[-1]
+                elif kind == 3:  # a copy between devices
+                    src = await dev.alloc(4096)
+                    dst = await other.alloc(4096)
+                    await src.write(np.full(1024, i, np.int32))
+                    await am.copy(dst, src)
+                    assert (await dst.read(np.int32) == i).all()
+                    await src.free()
+                    await dst.free()
+                elif kind == 4:  # a host wait
+                    await tl.wait(1)
+                else:  # a buffer dropped with a launch using it in flight
+                    buf = await dev.alloc(64)
+                    c = rng.choice(queues).launch(kernels["add"], buf, buf, buf, vals=(16,))
+                    submitted.append(c)
+                    del buf
+                    await c
+            cancelled += scope.cancelled_caught
+            finished += not scope.cancelled_caught
+
+        async with anyio.create_task_group() as tg:
+            for i in range(400):
+                tg.start_soon(one, i)
+            await anyio.sleep(0.02)
+            tl.signal(1)
+        await dev.synchronize()
+        await other.synchronize()
+        for c in submitted:
+            assert c.done()
+            await c  # none failed, none was abandoned
+        await counter.free()
+        gc.collect()
+        result = {
+            "submitted": len(submitted),
+            "cancelled": cancelled,
+            "finished": finished,
+            "in_use": dev.memory_statistics().in_use + other.memory_statistics().in_use,
+        }
+        backends = [dev._backend, other._backend]
+    # Closed: every native allocation, cached ones too, went back.
+    result["live"] = sum(b.live_allocations for b in backends)  # type: ignore[attr-defined]
+    return result
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_cancellation_storm_loses_and_leaks_nothing(loop: tuple[str, dict[str, Any]]) -> None:
+    backend, options = loop
+    if options.get("use_uvloop"):
+        pytest.importorskip("uvloop", reason="uvloop is not built for this platform")
+    anyio.run(_storm, 0, backend=backend, backend_options=options)  # the compile pool's
+    gc.collect()  # worker (its pipes) and the native runtime are there from now on
+    fds, threads = _fds(), _settled_threads(1 << 30)
+    results = [anyio.run(_storm, seed, backend=backend, backend_options=options) for seed in (1, 2)]
+    gc.collect()
+    for r in results:
+        assert r["cancelled"] > 50 and r["finished"] > 50, r  # a storm, and work done
+        assert r["in_use"] == 0 and r["live"] == 0, r
+    assert _settled_threads(threads) <= threads
+    assert _fds() <= fds
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_open_close_cycles_with_work_in_flight(loop: tuple[str, dict[str, Any]]) -> None:
+    """200 devices opened, given work, and closed without awaiting it: close lets it
+    finish, every completion is done, and the process keeps no thread or fd of them."""
+    backend, options = loop
+    if options.get("use_uvloop"):
+        pytest.importorskip("uvloop", reason="uvloop is not built for this platform")
+
+    async def cycles() -> int:
+        ran = 0
+        for i in range(200):
+            dev = await am.open_device("cpu")
+            spin = await dev.compile(KERNELS, "spin")  # a cache hit after the first
+            buf = await dev.alloc(4)
+            await buf.write(np.zeros(1, np.int32))
+            q2 = dev.new_queue()
+            pending = [dev.queue.launch(spin, buf, vals=(1000,)) for _ in range(10)]
+            pending.append(q2.after(buf).launch(spin, buf, vals=(1000,)))
+            host = np.empty(1, np.int32)
+            pending.append(q2.copy(host, buf))
+            await dev.close()  # nothing awaited: close lets it run
+            assert all(c.done() for c in pending)
+            for c in pending:
+                await c
+            assert host[0] == 11, (i, host[0])
+            ran += len(pending)
+        return ran
+
+    gc.collect()
+    fds, threads = _fds(), _settled_threads(1 << 30)
+    assert anyio.run(cycles, backend=backend, backend_options=options) == 200 * 12
+    gc.collect()
+    assert _settled_threads(threads) <= threads
+    assert _fds() <= fds
