@@ -96,6 +96,11 @@ CPU_ONLY = {
     # copies between two devices of the cpu kind on the device's own queue
     "test_closing_a_device_keeps_memory_another_device_still_reads",
     "test_closing_a_device_never_frees_memory_a_held_copy_will_read",
+    # the compile pool and its cache, with C sources
+    "test_compile_many_goes_on_after_an_error",
+    "test_compile_many_goes_on_after_a_cancelled_step",
+    "test_a_cached_binary_for_another_machine_is_rebuilt",
+    "test_an_unusable_cache_keeps_compiles_working",
 }
 
 

@@ -340,13 +340,13 @@ async def test_a_fault_on_one_gpu_loses_every_cuda_device_of_the_process(
     dev1 = await am.open_device("cuda:1")
     try:
         params = dev0._check_compile(SRC, "k")
-        kernel = await dev0._program(("key", "k"), params, b"cubin")
+        kernel = await dev0._program(("key", "k"), params, b"cubin", SRC, None)
         buf, other = await dev0.alloc(64), await dev0.alloc(64)
-        await (await dev0.alloc(64)).free()  # a block of 64 bytes in the cache
         driver.fail["cuMemAlloc"] = CUresult.CUDA_ERROR_OUT_OF_MEMORY  # not sticky:
         with pytest.raises(am.OutOfMemoryError):  # the device is full, nothing more
             await dev0.alloc(128, timeout=0)
         del driver.fail["cuMemAlloc"]
+        await (await dev0.alloc(64)).free()  # a block of 64 bytes in the cache
         before = _confirmed(dev0.queue)
 
         bad = _fault(dev1.queue, runtime, CUresult.CUDA_ERROR_ILLEGAL_ADDRESS)
@@ -376,7 +376,10 @@ async def test_a_fault_on_one_gpu_loses_every_cuda_device_of_the_process(
             ("allocating 256 bytes on cuda:0", lambda: dev0.alloc(256)),
             ("allocating 64 bytes on cuda:0", lambda: dev0.alloc(64)),  # a cached size
             ("compiling 'k' on cuda:0", lambda: dev0.compile(SRC, "k")),  # a loaded one
-            ("loading kernel 'k' on cuda:0", lambda: dev0._program(("other", "k"), params, b"")),
+            (
+                "loading kernel 'k' on cuda:0",
+                lambda: dev0._program(("other", "k"), params, b"", SRC, None),
+            ),
             ("a new queue on cuda:0", lambda: _now(dev0.new_queue)),
             ("a launch on cuda:0", lambda: _now(dev0.queue.launch, kernel, buf)),
             ("a copy from the host on cuda:0", lambda: dev0.queue.copy(buf, np.zeros(8))),
