@@ -31,6 +31,8 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "causal"),
         *("ok", "bound"),
         *("ok", "refused"),
+        *("ok", "partial"),
+        *("ok", "release"),
         *("ok", "kick"),
         *("ok", "abandon"),
     ]

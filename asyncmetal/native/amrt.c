@@ -563,6 +563,7 @@ static const char *cu_names[CU_NFUNCS] = {
 #define CU_MAX_PARAMS 64
 #define CU_FINISH_LONG 1         /* am_cuq_finish flags: a command known to run long */
 #define CU_FINISH_PLAIN 2        /* ... a device wait: a plain event, so a kick is seen */
+#define CU_FINISH_FENCE 4        /* internal: behind what a refused command handed over */
 
 const char *am_cuda_name(int i) { return i >= 0 && i < CU_NFUNCS ? cu_names[i] : "?"; }
 void am_cuda_set(int i, void *fn) { if (i >= 0 && i < CU_NFUNCS) cu_funcs[i] = fn; }
@@ -620,6 +621,8 @@ typedef struct {
     uint64_t extra_value;
     long spin_ns;                   /* how long to poll before blocking on the event */
     int blocking;                   /* its event wakes a thread blocked on it (interrupt) */
+    int fence;                      /* behind a refused command's handed-over operations:
+                                       waited for, then fails */
 } am_cuentry;
 
 struct am_cuq;
@@ -708,11 +711,13 @@ static int cuq_can_drain(const am_cuq *q) {
 }
 
 static int cuq_fail(am_cuq *q, int call, int r) {
-    q->failed_call = call;
+    __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);
     return r;
 }
 
 static int cuq_run_op(am_cuq *q, const am_cuop *op);
+static int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
+                      long spin_ns, int flags);
 
 static void cuq_drop_held(am_cuq *q) {  /* under mu */
     while (q->held) {
@@ -732,6 +737,16 @@ static void cuq_refused(am_cuq *q, uint64_t value, int r) {
     cuq_drop_held(q);
 }
 
+/* The queue failed and settled (its timeline at UINT64_MAX): the stream will never write
+ * the word for the failed values, so release other queues' device waits on them (they
+ * would block forever: a refused held command is no sticky error that fails their
+ * streams too). After the timeline, so that a releasing queue's confirmation raises
+ * nothing. Not under mu. */
+static void cuq_release_waiters(am_cuq *q) {
+    raise_word(q->word, UINT64_MAX);
+    host_signalled();
+}
+
 /* Hand held operations to the driver while the stream has room. Runs on the completion
  * thread (the context is current there). */
 static void cuq_drain(am_cuq *q) {
@@ -744,15 +759,27 @@ static void cuq_drain(am_cuq *q) {
         q->driving = 1;
         pthread_mutex_unlock(&q->mu);
         int r = cuq_run_op(q, op);
+        /* Refused: what this command handed over before may still run; the queue settles
+         * only once the stream is past it (an event behind it, waited for, that fails). */
+        if (r && __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) != 2) {
+            /* (not once abandoned: the stream may be destroyed; the call reported stays
+             * the refused one, not the fence's) */
+            int call = __atomic_load_n(&q->failed_call, __ATOMIC_RELAXED);
+            cuq_finish(q, op->value, NULL, 0, 0, CU_FINISH_FENCE);
+            __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);
+        }
         pthread_mutex_lock(&q->mu);
         q->driving = 0;
         if (r) cuq_refused(q, op->value, r);
         cuop_free(op);
     }
-    /* Refused with nothing left in flight: settle the waiters now (they find the error). */
-    if (q->error && !q->count && !q->held) {
+    /* Refused with nothing left in flight: settle the waiters now (they find the error).
+     * Not once abandoned: the closer may have returned (this thread orphaned) and the
+     * caller freed the timeline. */
+    if (q->error && !q->count && !q->held && q->stop != 2) {
         pthread_mutex_unlock(&q->mu);
         am_timeline_poke(q->timeline, UINT64_MAX);
+        cuq_release_waiters(q);
         return;
     }
     pthread_mutex_unlock(&q->mu);
@@ -786,7 +813,7 @@ static void *cuq_run(void *arg) {
             continue;
         }
         am_cuentry e = q->ring[q->head];
-        int failed = q->error && e.value >= q->error_value ? q->error : 0;
+        int failed = q->error && e.value >= q->error_value && !e.fence ? q->error : 0;
         pthread_mutex_unlock(&q->mu);
         int r = failed;
         if (!failed) {
@@ -870,6 +897,7 @@ static void *cuq_run(void *arg) {
          * and succeeded after it: an error seen now (a sticky one) came after. */
         uint64_t seen = atomic_load(&q->timeline->value);
         if (r && seen != UINT64_MAX && e.value <= seen) r = 0;
+        if (e.fence && !r) r = q->error ? q->error : -2;  /* the refused command fails */
         if (r && (!q->error || e.value < q->error_value)) {
             q->error = r;
             q->error_value = e.value;
@@ -881,6 +909,7 @@ static void *cuq_run(void *arg) {
         pthread_mutex_unlock(&q->mu);
         if (e.extra && !r) am_timeline_poke(e.extra, e.extra_value);
         am_timeline_poke(q->timeline, settle ? UINT64_MAX : e.value);
+        if (settle) cuq_release_waiters(q);
         cuq_drain(q);
     }
     /* Stopping, under mu. An abandoned queue's closer may have given up waiting for this
@@ -950,7 +979,8 @@ static int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t ex
                       long spin_ns, int flags) {
     /* Which kind of event the command gets: blocking-sync for one known to run long,
      * plain for a device wait (so that a host signal's kick is seen). */
-    int r, k = !(flags & CU_FINISH_PLAIN) &&
+    int fence = (flags & CU_FINISH_FENCE) != 0;
+    int r, k = !(flags & (CU_FINISH_PLAIN | CU_FINISH_FENCE)) &&
                ((flags & CU_FINISH_LONG) || atomic_load(&q->blocking));
     void *event = atomic_exchange(&q->spare[k], NULL);
     if (!event) {
@@ -980,11 +1010,11 @@ static int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t ex
         free(q->ring);
         q->ring = ring; q->head = 0; q->cap *= 2;
     }
-    am_cuentry e = {event, value, extra, extra_value, spin_ns, k};
+    am_cuentry e = {event, value, extra, extra_value, spin_ns, k, fence};
     q->ring[(q->head + q->count) % q->cap] = e;
     q->count++;
-    int write = value <= q->wanted;
-    if (value > q->submitted) q->submitted = value;
+    int write = !fence && value <= q->wanted;
+    if (!fence && value > q->submitted) q->submitted = value;
     void *spare = NULL;
     if (q->events_count[k] && !atomic_load(&q->spare[k]))
         spare = q->events[k][--q->events_count[k]];
@@ -1191,7 +1221,7 @@ int am_cuq_wait(am_cuq *q, void *word, uint64_t target, uint64_t value) {
     return cuq_submit(q, &op, sizeof op);
 }
 
-int am_cuq_failed_call(am_cuq *q) { return q->failed_call; }
+int am_cuq_failed_call(am_cuq *q) { return __atomic_load_n(&q->failed_call, __ATOMIC_RELAXED); }
 
 /* How the completion thread has worked so far: event queries, blocking waits on a
  * blocking-sync event, waits with naps on a plain one (after polling found them
@@ -1240,9 +1270,9 @@ void am_cuq_close(am_cuq *q, int abandon) {
         int r = 0;
         while (!q->exited && r != ETIMEDOUT) r = pthread_cond_timedwait(&q->cv, &q->mu, &until);
         if (!q->exited) {
-            q->orphan = 1;  /* its thread frees it */
-            pthread_mutex_unlock(&q->mu);
+            q->orphan = 1;  /* its thread frees it: q may be gone once mu is released */
             pthread_detach(q->thread);
+            pthread_mutex_unlock(&q->mu);
             return;
         }
     }

@@ -25,6 +25,10 @@
  *             in order
  *   refused   a held command the driver refuses when it is handed over fails from its
  *             value on; the commands before it still complete as they run, never early
+ *   partial   a held command refused after part of it was handed over settles its queue
+ *             only once the stream is past that part (its kernel ran)
+ *   release   a queue's device wait on a value of a queue that failed that way ends
+ *             (the failed queue's word is raised), rather than blocking for good
  *   kick      a host signal of a timeline a stream waits on cuts the completion
  *             thread's nap short
  *   abandon   closing with abandon returns while the completion thread naps on, or is
@@ -44,6 +48,7 @@ static atomic_long deep_limit;       /* >0: a launch blocks while its stream has
 static atomic_long blocked_launches; /* launches that had to block for that */
 static atomic_int release_syncs;     /* 1: blocked syncs give up (NOT_READY) */
 static void *refuse_fn;              /* a launch of this function is refused */
+static uint64_t refuse_word;         /* a word write to it is refused */
 static atomic_int fault_code;  /* the context's sticky error once a kernel faulted */
 static void *_Atomic held;     /* an event whose queries report it unfinished (a slow thread) */
 
@@ -202,6 +207,7 @@ static int f_destroy(void *e) {
 static int f_write(void *stream, void *word, uint64_t value, unsigned flags) {
     (void)flags;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
+    if (word == &refuse_word) return 1;  /* CUDA_ERROR_INVALID_VALUE */
     enqueue(stream, (op){OP_WRITE, (int64_t)value, word, 0});
     return 0;
 }
@@ -477,6 +483,57 @@ static void check_refused(void) {
     puts("ok refused");
 }
 
+static void check_partial(void) {
+    long saved = max_inflight;
+    max_inflight = 1;
+    fake_queue f = queue_new();
+    max_inflight = saved;
+    static kernel slow = {0, 20000000, NULL, 0}, k2 = {0, 80000000, NULL, 0};
+    if (launch(f, &slow, 1, 1)) die("partial: launch 1 failed");
+    /* command 2: a launch (held, handed over later), a word write the driver refuses */
+    int64_t buf[(sizeof(am_cuop) + 7) / 8 + 1];
+    am_cuop *op = (am_cuop *)buf;
+    memset(op, 0, sizeof *op);
+    op->kind = CUOP_LAUNCH;
+    op->value = 2;
+    op->fn = &k2;
+    op->nparams = 1;
+    memcpy(op->dims, dims, sizeof op->dims);
+    op->params[0] = 2;
+    if (cuq_submit(f.q, op, sizeof(am_cuop) + 8)) die("partial: the held launch failed");
+    if (am_cuq_write(f.q, &refuse_word, 1, 2) || am_cuq_finish(f.q, 2, NULL, 0, 0, 0))
+        die("partial: a held operation was refused at once");
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (am_timeline_value(f.t) != UINT64_MAX)
+        if (now_ns() > deadline) die("partial: the queue never settled");
+    if (atomic_load(&f.s->ran) != 2) die("partial: settled while its launch still ran");
+    queue_free(f, 0);
+    puts("ok partial");
+}
+
+static void check_release(void) {
+    long saved = max_inflight;
+    max_inflight = 1;
+    fake_queue a = queue_new();
+    max_inflight = saved;
+    fake_queue b = queue_new();
+    static kernel slow = {0, 20000000, NULL, 0}, refused = {0, 0, NULL, 0};
+    refuse_fn = &refused;
+    if (launch(a, &slow, 1, 1) || launch(a, &refused, 2, 2)) die("release: a failed at once");
+    if (am_cuq_wait_queue(b.q, a.q, 2, 1) || am_cuq_finish(b.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
+        die("release: b's wait failed");
+    if (launch(b, NULL, 1, 2)) die("release: b's launch failed");
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (am_timeline_value(b.t) < 2)
+        if (now_ns() > deadline) die("release: a wait on a failed queue's value never ended");
+    uint64_t at = 0;
+    if (am_cuq_error(a.q, &at) != 1 || at != 2) die("release: a's failure is wrong");
+    refuse_fn = NULL;
+    queue_free(a, 0);
+    queue_free(b, 0);
+    puts("ok release");
+}
+
 static void check_kick(void) {
     fake_queue f = queue_new();
     am_timeline *gate = am_timeline_new();
@@ -548,6 +605,8 @@ int main(void) {
     check_causal();
     check_bound();
     check_refused();
+    check_partial();
+    check_release();
     check_kick();
     check_abandon();
     return 0;
