@@ -259,7 +259,7 @@ class CUDATimeline(NativeTimeline):
             raise MemoryError("could not allocate a timeline")
         self._backend = backend
         backend.lib.am_timeline_set_word(self.c_timeline, self.address)
-        self._value = ctypes.c_uint64.from_address(self.c_timeline)
+        self._value: _native.ValueReader = _native.timeline_reader(self.c_timeline)
         self._word = ctypes.c_uint64.from_address(self.address)
         self.queue: CUDAQueue | None = None  # the queue whose own timeline this is
 

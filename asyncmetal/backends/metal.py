@@ -275,7 +275,7 @@ class MetalTimeline(NativeTimeline):
         self._lib = backend.lib
         self.event: int = send(backend.device, "newSharedEvent")
         self.c_timeline: int = backend.lib.am_timeline_new()
-        self._mirror = ctypes.c_uint64.from_address(self.c_timeline)
+        self._mirror: _native.ValueReader = _native.timeline_reader(self.c_timeline)
         self._backend = backend
 
     def __del__(self) -> None:
