@@ -225,7 +225,11 @@ def driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Driver]:
     fake = _Driver()
     runtime = _Runtime()
     monkeypatch.setattr(cb, "cu", fake)
-    native = types.SimpleNamespace(runtime=lambda: runtime, extension=lambda: None)
+    native = types.SimpleNamespace(
+        runtime=lambda: runtime,
+        extension=lambda: None,
+        timeline_reader=lambda address: ctypes.c_uint64.from_address(address),
+    )
     monkeypatch.setattr(cb, "_native", native)
     monkeypatch.setattr(cb, "_install_driver", lambda lib: None)
     monkeypatch.setattr(cb, "_opened", {})
