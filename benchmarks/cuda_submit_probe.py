@@ -141,7 +141,7 @@ async def main() -> dict[str, Any]:
 
         def native_call() -> None:
             counter[0] += 1
-            lib.am_cuq_launch(handle, fn, dims, ptrs, counter[0])
+            lib.am_cuq_launch(handle, fn, dims, ptrs, 0, counter[0])
 
         def hook() -> None:
             counter[0] += 1

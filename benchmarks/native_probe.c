@@ -13,7 +13,7 @@ typedef int (*record_fn)(void *, void *);
 typedef int (*query_fn)(void *);
 typedef int (*ctx_get_fn)(void **);
 typedef int (*sync_fn)(void *);
-typedef int (*am_launch_fn)(void *, void *, const unsigned *, void **, uint64_t);
+typedef int (*am_launch_fn)(void *, void *, const unsigned *, void **, int, uint64_t);
 
 static int64_t now_ns(void) {
     struct timespec ts;
@@ -47,7 +47,7 @@ double probe_am_launch(void *am_launch, void *q, void *fn, const unsigned *dims,
                        long n) {
     int64_t t = now_ns();
     for (long i = 0; i < n; i++) {
-        int r = ((am_launch_fn)am_launch)(q, fn, dims, NULL, first + (uint64_t)i);
+        int r = ((am_launch_fn)am_launch)(q, fn, dims, NULL, 0, first + (uint64_t)i);
         if (r) return -r;
     }
     return (double)(now_ns() - t) / n;
