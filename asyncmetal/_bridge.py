@@ -257,13 +257,17 @@ class LoopBridge(ABC):
             except Exception:  # the loop closed (asyncio RuntimeError, trio RunFinishedError)
                 self.dead = True
 
+    def _schedule_slice(self) -> None:
+        """Resolve a slice in the loop's next iteration (called on the loop's thread)."""
+        if not self._continued:
+            self._continued = True
+            self._call_soon(self._resolve)
+
     def add_ready(self, entry: _Entry) -> None:
         """Wake ``entry`` in a coming slice (its value is reached: a crowd's turn)."""
         self._ready.append(entry)
         self.waiting += 1
-        if not self._continued:
-            self._continued = True
-            self._call_soon(self._resolve)
+        self._schedule_slice()
 
     def withdraw_ready(self, entry: _Entry) -> None:
         entry.done = True  # skipped when its turn comes
@@ -276,9 +280,7 @@ class LoopBridge(ABC):
             return
         watch.queued = True
         self._pending.append(watch)
-        if not self._continued:
-            self._continued = True
-            self._call_soon(self._resolve)
+        self._schedule_slice()
 
     def _drain(self) -> None:
         self.wakeups += 1
@@ -317,8 +319,7 @@ class LoopBridge(ABC):
                     if budget == 0:
                         break
         if budget == 0:
-            self._continued = True
-            self._call_soon(self._resolve)
+            self._schedule_slice()
 
     def statistics(self) -> LoopStatistics:
         return LoopStatistics(self.wakeups, self.resolved, self.waiting)

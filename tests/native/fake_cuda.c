@@ -247,6 +247,14 @@ static fake_queue queue_new(void) {
     return f;
 }
 
+static fake_queue queue_bounded(long bound) {  /* at most `bound` commands in flight */
+    long saved = max_inflight;
+    max_inflight = bound;
+    fake_queue f = queue_new();
+    max_inflight = saved;
+    return f;
+}
+
 static void queue_free(fake_queue f, int abandon) {
     am_cuq_close(f.q, abandon);
     stream_free(f.s, abandon);
@@ -421,10 +429,7 @@ static void check_long(void) {
  * than 8 operations (a launch and a record each): unbounded, launches block; bounded at
  * 4 commands, none does, the rest are held and submitted in order. */
 static long bound_run(long bound, uint64_t *held) {
-    long saved = max_inflight;
-    max_inflight = bound;
-    fake_queue f = queue_new();
-    max_inflight = saved;
+    fake_queue f = queue_bounded(bound);
     static kernel k200 = {0, 200000, NULL, 0};
     atomic_store(&blocked_launches, 0);
     atomic_store(&deep_limit, 8);
@@ -455,10 +460,7 @@ static void check_bound(void) {
 }
 
 static void check_refused(void) {
-    long saved = max_inflight;
-    max_inflight = 2;
-    fake_queue f = queue_new();
-    max_inflight = saved;
+    fake_queue f = queue_bounded(2);
     static kernel slow = {0, 30000000, NULL, 0}, refused = {0, 0, NULL, 0};
     refuse_fn = &refused;
     uint64_t v = 0;
@@ -486,10 +488,7 @@ static void check_refused(void) {
 }
 
 static void check_partial(void) {
-    long saved = max_inflight;
-    max_inflight = 1;
-    fake_queue f = queue_new();
-    max_inflight = saved;
+    fake_queue f = queue_bounded(1);
     static kernel slow = {0, 20000000, NULL, 0}, k2 = {0, 80000000, NULL, 0};
     if (launch(f, &slow, 1, 1)) die("partial: launch 1 failed");
     /* command 2: a launch (held, handed over later), a word write the driver refuses */
@@ -514,10 +513,7 @@ static void check_partial(void) {
 }
 
 static void check_release(void) {
-    long saved = max_inflight;
-    max_inflight = 1;
-    fake_queue a = queue_new();
-    max_inflight = saved;
+    fake_queue a = queue_bounded(1);
     fake_queue b = queue_new();
     static kernel slow = {0, 20000000, NULL, 0}, refused = {0, 0, NULL, 0};
     refuse_fn = &refused;
