@@ -151,7 +151,7 @@ _sequence = itertools.count()
 
 
 def _nothing() -> None:
-    pass
+    """What a withdrawn entry's wake-up becomes (it let go of its task and loop)."""
 
 
 _U64_MAX = (1 << 64) - 1

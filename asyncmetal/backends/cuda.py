@@ -68,7 +68,7 @@ except ImportError:  # pragma: no cover - without cuda-bindings there is no cuda
 MAX_PARAMS = 64
 # Pageable host copies go through a ring of pinned chunks that host threads fill (or
 # empty). 8 MiB chunks and 12 threads: 46-48 GB/s of 1 GiB pageable -> H200 against
-# 33-36 with 4 MiB and 8 on one machine (run 42), all four mixes 47-49 on another (run 46).
+# 33-36 with 4 MiB chunks and 8 threads on one machine; all four mixes 47-49 on another.
 STAGE_CHUNK = 8 << 20  # bytes per pinned staging chunk
 STAGE_RING = 16  # chunks a queue stages through at most
 # Pinning memory takes ~2 ms per chunk and holds up every other thread's driver calls
@@ -315,10 +315,9 @@ class _Chunk:
 
     Its memory is anonymous memory -- on transparent huge pages where the kernel gives
     them -- pinned and mapped with cuMemHostRegister: 16 chunks of 8 MiB in 30-35 ms and
-    freed in 4, against 65-88 and 17-20 by cuMemHostAlloc, DMA alike (runs 66 and 68,
-    pinned_kinds.py; on 4 KiB pages, where the kernel gives no huge ones, 90-99 ms).
-    Making pinned memory holds up the device's other driver calls, and a queue's first
-    copies make its ring."""
+    freed in 4, against 65-88 and 17-20 by cuMemHostAlloc, DMA alike (on 4 KiB pages,
+    where the kernel gives no huge ones, 90-99 ms). Pinning holds up the device's other
+    driver calls (~2 ms a chunk), so the device pins its chunks when it opens."""
 
     def __init__(self, nbytes: int, where: str = "") -> None:
         self.address = _map(nbytes)
@@ -362,8 +361,7 @@ class _HostCopier:
     late (descheduled, slow to wake) delays it by one part, not by a fixed share -- and
     the chunks get ready in the order the DMA engine takes them. A whole chunk per
     thread (round robin) left the DMA engine waiting: 1 GiB pageable -> H200 at 42.1
-    GB/s against 49.6 split into a fixed share per thread (best of 12, run 55,
-    h2d_split_parts.py)."""
+    GB/s against 49.6 split into a fixed share per thread (best of 12)."""
 
     def __init__(self, backend: CUDABackend, threads: int) -> None:
         self._backend = backend
