@@ -135,6 +135,9 @@ class _Worker:
                 withdrawn = job is not _STOP and job.awaiters == 0
                 if withdrawn:
                     del pool._in_flight[job.key]
+                # A job submitted while this thread took its own still counted it idle,
+                # and so started no worker: start one now if a slot is free.
+                pool._grow()
             if job is _STOP:
                 self._stop()
                 return
@@ -316,12 +319,21 @@ class CompilePool:
                 job = _Job(key, compiler, src, timeout)
                 self._in_flight[key] = job
                 self._pending.put(job)
-                if self._pending.qsize() > self._idle and len(self._workers) < self.max_workers:
-                    self._workers.append(_Worker(self))
+                self._grow()
             job.awaiters += 1
             if on_done is not None:
                 job.callbacks.append(on_done)
         return job
+
+    def _grow(self) -> None:
+        """Start a worker if jobs wait beyond the idle ones and a slot is free (under
+        the lock)."""
+        if (
+            not self._closed
+            and self._pending.qsize() > self._idle
+            and len(self._workers) < self.max_workers
+        ):
+            self._workers.append(_Worker(self))
 
     def _finish(self, job: _Job, result: bytes | CompileError, *, ran: bool = True) -> None:
         if isinstance(result, bytes):

@@ -540,3 +540,38 @@ async def test_compile_many_refuses_a_bad_kernel_before_submitting_any(device: a
     key = source_key(await compiler_identity(device._backend.compiler), good[0])
     assert device.compile_pool.cache.get_memory(key) is None
     assert key not in device.compile_pool._in_flight
+
+
+@pytest.mark.anyio
+async def test_a_compile_submitted_as_a_worker_takes_another_gets_its_own_worker(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A compile submitted between a worker taking a job from the queue and counting
+    itself busy must still start a second worker (a slot is free): else it waits behind
+    the first compile, however long that takes."""
+    pool = CompilePool(2, cache=CompileCache(tmp_path / "cache", disk=False))
+    slow, quick = SlowCompiler(6.0), CCompiler()
+    quick_src = _src("in-the-gap")
+    quick_key = source_key(await compiler_identity(quick), quick_src)
+    real_get = pool._pending.get
+    second: list[Any] = []
+
+    def get(*args: Any, **kwargs: Any) -> Any:
+        job = real_get(*args, **kwargs)
+        if not second:  # the second compile arrives right now, in the gap
+            second.append(pool.submit(quick, quick_src, quick_key))
+        return job
+
+    pool._pending.get = get  # type: ignore[method-assign]
+    try:
+        with anyio.fail_after(BOUND):
+            first = pool.submit(slow, _src("slow"), "slow-key", timeout=4.0)
+            while not second:
+                await anyio.sleep(0.01)
+            assert isinstance(await pool.wait(second[0]), bytes)
+            # on a second worker: done while the first compile still runs
+            assert first.done.value == 0
+            with pytest.raises(am.CompileError, match="timed out"):
+                await pool.wait(first)
+    finally:
+        await pool.aclose()
