@@ -29,7 +29,7 @@ from ._errors import (
 from ._memory import Allocator, Buffer, MemoryStatistics, _Allocation, _Block
 from ._pool import CompilePool, check_timeout, compiler_identity, default_pool
 from ._queue import Queue, completable
-from ._timeline import HostEvents, Timeline, wait_value
+from ._timeline import MADE_BY_DEVICE, HostEvents, Timeline, wait_value
 
 _BACKENDS = {
     "cpu": "asyncmetal.backends.cpu:CPUBackend",
@@ -110,14 +110,14 @@ class Device:
     def new_queue(self) -> Queue:
         """A new queue: its own ordered stream and timeline."""
         self._check_open()
-        queue = Queue(self)
+        queue = Queue(self, _made=MADE_BY_DEVICE)
         self._queues.append(queue)
         return queue
 
     def timeline(self) -> Timeline:
         """A new timeline at value 0, for ordering between queues, devices and the host."""
         self._check_open()
-        timeline = Timeline(self)
+        timeline = Timeline(self, _made=MADE_BY_DEVICE)
         self._timelines.add(timeline)
         return timeline
 

@@ -12,7 +12,14 @@ from ._backend import Arg, NativeQueue, Record, new_arg
 from ._compile import Program
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
 from ._memory import Buffer
-from ._timeline import Timeline, call_when_reached, check_value, ready_checkpoint, wait_value
+from ._timeline import (
+    MADE_BY_DEVICE,
+    Timeline,
+    call_when_reached,
+    check_value,
+    ready_checkpoint,
+    wait_value,
+)
 from ._transfer import submit_copy
 
 if TYPE_CHECKING:
@@ -121,9 +128,11 @@ class Queue:
     Arguments are checked before anything is submitted.
     """
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device, *, _made: object = None) -> None:
+        if _made is not MADE_BY_DEVICE:
+            raise ArgumentTypeError("queues come from their device: device.new_queue()")
         self.device = device
-        self.timeline = Timeline(device, owner=self)
+        self.timeline = Timeline(device, owner=self, _made=MADE_BY_DEVICE)
         self._native: NativeQueue = device._backend.new_queue(self.timeline._native)
         self._submitted = 0
         # Device-side signals and waits not yet known complete: (value, is_wait, tl, target)

@@ -27,6 +27,11 @@ def check_value(value: object, what: str = "value") -> int:
     return value
 
 
+# What Device and Queue pass to make timelines and queues: made any other way, one would
+# belong to no device's bookkeeping (never closed with it, never woken at its close).
+MADE_BY_DEVICE = object()
+
+
 class Waitable:
     """Something whose monotonic ``_native.value`` tasks on any loop can await.
 
@@ -131,7 +136,12 @@ class Timeline(Waitable):
     submitted for signalling raises :class:`InvalidArgumentError`.
     """
 
-    def __init__(self, device: Device, owner: Queue | None = None) -> None:
+    def __init__(self, device: Device, owner: Queue | None = None, *, _made: object = None) -> None:
+        if _made is not MADE_BY_DEVICE:
+            raise ArgumentTypeError(
+                "timelines come from their device: device.timeline() (a queue's own is "
+                "queue.timeline)"
+            )
         super().__init__()
         self.device = device
         self._owner = owner  # a queue's own timeline is signalled by that queue only

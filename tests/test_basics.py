@@ -133,3 +133,16 @@ async def test_copy_between_cpu_devices(anyio_backend: object) -> None:
         out = np.empty(4096, np.uint8)
         await am.copy(out, dst)
         np.testing.assert_array_equal(out, data)
+
+
+@pytest.mark.anyio
+async def test_queues_and_timelines_come_only_from_their_device(device: am.Device) -> None:
+    """Made directly, a queue or timeline would belong to no device's bookkeeping (never
+    closed with it, its waiters never woken at its close): refused, saying where they
+    come from."""
+    with pytest.raises(am.ArgumentTypeError, match=r"device\.new_queue\(\)"):
+        am.Queue(device)
+    with pytest.raises(am.ArgumentTypeError, match=r"device\.timeline\(\)"):
+        am.Timeline(device)
+    assert device.new_queue().device is device
+    assert device.timeline().value == 0
