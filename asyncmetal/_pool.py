@@ -249,8 +249,8 @@ def _exited(proc: subprocess.Popen[bytes], timeout: float | None) -> bool:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.005)
-    except ChildProcessError:  # collected already
-        pass
+    except ChildProcessError:  # collected already: it has exited
+        return True
     return True
 
 
