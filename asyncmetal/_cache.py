@@ -154,21 +154,24 @@ class CompileCache:
         self.warn_if_disabled()
         return data
 
-    def put_disk(self, key: str, data: bytes) -> None:
-        """Blocking store (called from handler threads)."""
+    def _write_disk(self, sql: str, params: tuple[object, ...]) -> None:
+        """One write to the disk cache (blocking); a failure turns the disk cache off."""
         with self._db_lock:
             if not self.disk_enabled:
                 return
             try:
                 db = self._connect()
                 with db:
-                    db.execute(
-                        "INSERT OR REPLACE INTO entries (key, size, sha256, data)"
-                        " VALUES (?, ?, ?, ?)",
-                        (key, len(data), hashlib.sha256(data).digest(), data),
-                    )
+                    db.execute(sql, params)
             except Exception as exc:  # a full disk, a read-only directory...: go on without
                 self._disable(exc)
+
+    def put_disk(self, key: str, data: bytes) -> None:
+        """Blocking store (called from handler threads)."""
+        self._write_disk(
+            "INSERT OR REPLACE INTO entries (key, size, sha256, data) VALUES (?, ?, ?, ?)",
+            (key, len(data), hashlib.sha256(data).digest(), data),
+        )
 
     def evict(self, key: str) -> None:
         """Forget ``key`` in memory and on disk (blocking: off the loop)."""
@@ -176,15 +179,7 @@ class CompileCache:
             data = self._memory.pop(key, None)
             if data is not None:
                 self._memory_bytes -= len(data)
-        with self._db_lock:
-            if not self.disk_enabled:
-                return
-            try:
-                db = self._connect()
-                with db:
-                    db.execute("DELETE FROM entries WHERE key = ?", (key,))
-            except Exception as exc:
-                self._disable(exc)
+        self._write_disk("DELETE FROM entries WHERE key = ?", (key,))
 
     def close(self) -> None:
         with self._db_lock:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import anyio
 import anyio.lowlevel
@@ -149,7 +149,7 @@ async def test_many_waiters_are_woken_in_slices_between_the_loops_other_work(
 
     tl = device.timeline()
     resumed = 0
-    most_between_ticks = 0
+    most: list[int] = []
     released = anyio.Event()
 
     async def waiter() -> None:
@@ -158,13 +158,8 @@ async def test_many_waiters_are_woken_in_slices_between_the_loops_other_work(
         resumed += 1
 
     async def ticker() -> None:
-        nonlocal most_between_ticks
         await released.wait()
-        last = resumed
-        while resumed < 500:
-            await anyio.lowlevel.checkpoint()
-            most_between_ticks = max(most_between_ticks, resumed - last)
-            last = resumed
+        most.append(await _most_between_steps(lambda: resumed, lambda: resumed >= 500))
 
     async with anyio.create_task_group() as tg:
         for _ in range(500):
@@ -174,6 +169,7 @@ async def test_many_waiters_are_woken_in_slices_between_the_loops_other_work(
         tl.signal(1)
         released.set()
     assert resumed == 500
+    most_between_ticks = most[0]
     # A loop may run the ticker before or after a slice within one iteration (trio
     # shuffles its batches), so two slices can fall between two of its steps.
     assert 0 < most_between_ticks <= 2 * _bridge.WAKE_SLICE, most_between_ticks
@@ -190,7 +186,7 @@ async def test_a_crowd_of_tasks_awaiting_launches_leaves_room_for_the_loops_othe
 
     assert _timeline.CROWD < 200
     steps = 0
-    most_between_ticks = 0
+    most: list[int] = []
     finished = 0
 
     async def worker() -> None:
@@ -201,19 +197,25 @@ async def test_a_crowd_of_tasks_awaiting_launches_leaves_room_for_the_loops_othe
         finished += 1
 
     async def ticker() -> None:
-        nonlocal most_between_ticks
-        last = steps
-        while finished < 200:
-            await anyio.lowlevel.checkpoint()
-            most_between_ticks = max(most_between_ticks, steps - last)
-            last = steps
+        most.append(await _most_between_steps(lambda: steps, lambda: finished >= 200))
 
     async with anyio.create_task_group() as tg:
         for _ in range(200):
             tg.start_soon(worker)
         tg.start_soon(ticker)
     assert steps == 200 * 40
+    most_between_ticks = most[0]
     # Below the crowd, tasks yield and run every iteration; beyond it, two slices may
     # fall between two ticker steps. Without slices, all 200 step between two of its.
     limit = _timeline.CROWD + 2 * _bridge.WAKE_SLICE
     assert most_between_ticks <= limit < 200, most_between_ticks
+
+
+async def _most_between_steps(progress: Callable[[], int], finished: Callable[[], bool]) -> int:
+    """Step as one task of the loop until ``finished()``; return the most ``progress()``
+    grew between two of its steps (what the loop ran between them)."""
+    most, last = 0, progress()
+    while not finished():
+        await anyio.lowlevel.checkpoint()
+        most, last = max(most, progress() - last), progress()
+    return most
