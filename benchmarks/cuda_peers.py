@@ -349,15 +349,15 @@ async def copies(dev: am.Device, stream: Any) -> dict[str, Any]:
     pinned_view = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(pinned))
     for threads in (1, 4, 8, 12):
         result[f"host_memcpy_{threads}_threads_gbps"] = memcpy_threads(pinned_view, host, threads)
-    from asyncmetal.backends import cuda as cuda_backend
+    from asyncmetal.backends.cuda import _staging as cuda_staging
 
-    default_threads = cuda_backend.HOST_COPY_THREADS
+    default_threads = cuda_staging.HOST_COPY_THREADS
     for threads in (4, 8, 12):
-        cuda_backend.HOST_COPY_THREADS = threads  # read when a queue first stages
+        cuda_staging.HOST_COPY_THREADS = threads  # read when a queue first stages
         q = dev.new_queue()
         times = await seconds_each(lambda q=q: q.copy(b, host), 3)
         result[f"h2d_asyncmetal_{threads}_threads_gbps"] = n / min(times) / 1e9
-    cuda_backend.HOST_COPY_THREADS = default_threads
+    cuda_staging.HOST_COPY_THREADS = default_threads
     # The host half alone: asyncmetal's host-copy threads filling a ring of 16 pinned
     # chunks from the pageable array.
     for threads in (8, 12, 16):
@@ -430,7 +430,7 @@ def host_staging(dev: am.Device, host: np.ndarray, threads: int) -> float:
     """GB/s of the staging path's host copies alone (no DMA): ``threads`` host-copy
     threads copying ``host`` chunk by chunk (each split among them) into a ring of 16
     pinned chunks."""
-    from asyncmetal.backends.cuda import STAGE_CHUNK, _HostCopier
+    from asyncmetal.backends.cuda._staging import STAGE_CHUNK, _HostCopier
 
     backend = dev._backend
     copier = _HostCopier(backend, threads)  # type: ignore[arg-type]

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from asyncmetal import _native
-from asyncmetal.backends import cuda as cb
+from asyncmetal.backends.cuda import _staging as cb
 
 CHUNK = 64 << 10
 RING = 4

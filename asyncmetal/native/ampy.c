@@ -14,7 +14,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define AM_MAX_PARAMS 64  /* a cuda kernel's parameters (backends/cuda.py MAX_PARAMS) */
+#define AM_MAX_PARAMS 64  /* a cuda kernel's parameters (backends/cuda/_queue.py MAX_PARAMS) */
 
 static PyObject *address_name;  /* "address": a cpu buffer's host address */
 

@@ -19,6 +19,7 @@ import enum
 import functools
 import gc
 import re
+import sys
 import types
 import weakref
 from collections.abc import Iterator
@@ -30,6 +31,8 @@ import pytest
 import asyncmetal as am
 from asyncmetal import DeviceLostError, _native
 from asyncmetal.backends import cuda as cb
+from asyncmetal.backends.cuda import _backend as cuda_backend
+from asyncmetal.backends.cuda import _staging
 
 MAX = (1 << 64) - 1
 # What every process-wide report says: that the state is lost, that the process must
@@ -218,32 +221,42 @@ class _Runtime:
         del self.queues[q]
 
 
+def _bind(monkeypatch: pytest.MonkeyPatch, name: str, value: object) -> None:
+    """Set ``name`` in every module of the cuda backend that binds it (each imports the
+    names it uses, the driver bindings included)."""
+    prefix = f"{cb.__name__}."
+    modules = [m for n, m in sys.modules.items() if n.startswith(prefix) and hasattr(m, name)]
+    assert modules, f"no module of {cb.__name__} binds {name}"
+    for module in modules:
+        monkeypatch.setattr(module, name, value)
+
+
 @pytest.fixture
 def driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Driver]:
     """The fake driver as ``cu``, in a process whose CUDA state is not lost (restored
     afterwards: the state is the module's, for the life of the process)."""
     fake = _Driver()
     runtime = _Runtime()
-    monkeypatch.setattr(cb, "cu", fake)
+    _bind(monkeypatch, "cu", fake)
     native = types.SimpleNamespace(
         runtime=lambda: runtime,
         extension=lambda: None,
         timeline_reader=lambda address: ctypes.c_uint64.from_address(address),
     )
-    monkeypatch.setattr(cb, "_native", native)
-    monkeypatch.setattr(cb, "_install_driver", lambda lib: None)
-    monkeypatch.setattr(cb, "_opened", {})
-    monkeypatch.setattr(cb, "_peers_done", set())
-    monkeypatch.setattr(cb, "_listed", [])
-    monkeypatch.setattr(cb, "STAGE_RING", 2)
-    monkeypatch.setattr(cb, "STAGE_CHUNK", 1 << 20)
-    monkeypatch.setattr(cb, "_lost_first", None)
-    monkeypatch.setattr(cb, "_live_queues", weakref.WeakSet())
-    kept = set(cb._MAPPED)
+    _bind(monkeypatch, "_native", native)
+    _bind(monkeypatch, "_install_driver", lambda lib: None)
+    _bind(monkeypatch, "_opened", {})
+    _bind(monkeypatch, "_peers_done", set())
+    _bind(monkeypatch, "_listed", [])
+    _bind(monkeypatch, "STAGE_RING", 2)
+    _bind(monkeypatch, "STAGE_CHUNK", 1 << 20)
+    _bind(monkeypatch, "_lost_first", None)
+    _bind(monkeypatch, "_live_queues", weakref.WeakSet())
+    kept = set(_staging._MAPPED)
     yield fake
-    leaked = set(cb._MAPPED) - kept
+    leaked = set(_staging._MAPPED) - kept
     for address in leaked:  # unmapped here, so one failing test does not leak into others
-        mapped, view = cb._MAPPED.pop(address)
+        mapped, view = _staging._MAPPED.pop(address)
         del view
         mapped.close()
 
@@ -257,21 +270,21 @@ def test_a_chunk_whose_registration_fails_raises_the_drivers_error(
     """cuMemHostRegister fails (a sticky error left by a fault, or no memory): the
     driver's error comes out, as the asyncmetal error it maps to, and the chunk's memory
     is unmapped -- nothing is left in ``_MAPPED``, nothing registered."""
-    kept = set(cb._MAPPED)
+    kept = set(_staging._MAPPED)
     driver.fail["cuMemHostRegister"] = error
     expected = DeviceLostError if error in (700, 719) else MemoryError
     for _ in range(3):
         with pytest.raises(expected, match=error.name) as caught:
-            cb._Chunk(1 << 20)
+            _staging._Chunk(1 << 20)
         assert not isinstance(caught.value.__context__, BufferError)
         del caught
-        assert set(cb._MAPPED) == kept and not driver.registered
+        assert set(_staging._MAPPED) == kept and not driver.registered
     driver.fail.clear()
-    chunk = cb._Chunk(1 << 20)  # and the next one maps and registers as usual
+    chunk = _staging._Chunk(1 << 20)  # and the next one maps and registers as usual
     assert chunk.address in driver.registered
     ctypes.memset(chunk.address, 1, chunk.nbytes)
     chunk.free()
-    assert set(cb._MAPPED) == kept and not driver.registered
+    assert set(_staging._MAPPED) == kept and not driver.registered
     gc.collect()
 
 
@@ -339,7 +352,7 @@ async def test_a_fault_on_one_gpu_loses_every_cuda_device_of_the_process(
     queue, launch and copies, its commands not confirmed before, and opening cuda:0
     again (whose staging chunks the driver would now refuse to register). What cuda:0
     finished before stays finished; closing both devices still works."""
-    runtime = cb._native.runtime()
+    runtime = cuda_backend._native.runtime()
     dev0 = await am.open_device("cuda:0")
     dev1 = await am.open_device("cuda:1")
     try:

@@ -1,0 +1,236 @@
+"""The cuda backend: one opened GPU."""
+
+from __future__ import annotations
+
+import os
+import queue as queue_module
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ... import _native
+from ..._backend import Backend, DeviceInfo, NativeQueue, NativeTimeline
+from ..._compile import Compiler
+from ..._errors import AsyncMetalError
+from . import _driver
+from ._compiler import CUDACompiler
+from ._driver import (
+    _LOST,
+    _error_name,
+    _install_driver,
+    _lost_error,
+    _refuse_if_lost,
+    check,
+    cu,
+    driver_error,
+)
+from ._peer import _enable_peer_access
+from ._queue import CUDAQueue
+from ._staging import STAGE_CHUNK, STAGE_RING, STAGE_SPARE, _Chunk
+from ._timeline import CUDATimeline, _Pinned
+
+_listed: list[str] = []  # the devices the driver listed last
+
+
+class CUDABackend(Backend):
+    kind = "cuda"
+    host_visible = False
+    # No commands are held in Python behind a device wait: the native queue bounds what
+    # a stream has in flight (MAX_IN_FLIGHT), device waits included.
+
+    @classmethod
+    def available(cls) -> list[str]:
+        global _listed
+        if cu is None or os.environ.get("ASYNCMETAL_WORKER"):
+            return []
+        if _driver._lost_first is not None:  # what was listed: opening one says the process is lost
+            return list(_listed)
+        try:
+            (err,) = cu.cuInit(0)
+            if int(err) != 0:
+                return []
+            err, count = cu.cuDeviceGetCount()
+            _listed = [f"cuda:{i}" for i in range(count)] if int(err) == 0 else []
+            return list(_listed)
+        except Exception:
+            return []
+
+    def __init__(self, index: int) -> None:
+        if cu is None:
+            raise AsyncMetalError(
+                "the cuda device needs cuda-bindings: pip install asyncmetal[cuda]"
+            )
+        where = self.name = f"cuda:{index}"
+        _refuse_if_lost(f"opening {where}")
+        check(cu.cuInit(0), "cuInit", where)
+        self.index = index
+        self.device = check(cu.cuDeviceGet(index), "cuDeviceGet", where)
+        self.context = check(
+            cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain", where
+        )
+        self.context_address = int(self.context)
+        self.make_current()
+        attr = cu.CUdevice_attribute
+        major = check(
+            cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.device),
+            "cuDeviceGetAttribute",
+            where,
+        )
+        minor = check(
+            cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.device),
+            "cuDeviceGetAttribute",
+            where,
+        )
+        memops = check(
+            cu.cuDeviceGetAttribute(
+                attr.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, self.device
+            ),
+            "cuDeviceGetAttribute",
+            where,
+        )
+        unified = check(
+            cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, self.device),
+            "cuDeviceGetAttribute",
+            where,
+        )
+        missing = None
+        if not unified:
+            missing = "unified addressing"
+        elif not memops:  # else the first device-side wait would fail, mid-program
+            missing = (
+                "64-bit stream memory operations (CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_"
+                "MEM_OPS is 0), which timelines need for device-side waits: GPUs of compute "
+                "capability 7.0 or newer have them, enabled by default since CUDA 12"
+            )
+        if missing is not None:
+            cu.cuDevicePrimaryCtxRelease(self.device)
+            raise AsyncMetalError(f"cuda:{index} lacks {missing}; asyncmetal needs it")
+        name = check(cu.cuDeviceGetName(256, self.device), "cuDeviceGetName", where)
+        total = int(check(cu.cuDeviceTotalMem(self.device), "cuDeviceTotalMem", where))
+        self._info = DeviceInfo(
+            name=name.split(b"\0")[0].decode(),
+            total_memory=total,
+            extra={"arch": f"sm_{major}{minor}", "stream_mem_ops_64": bool(memops)},
+        )
+        self._compiler = CUDACompiler(f"sm_{major}{minor}")
+        self.lib = _native.runtime()
+        _install_driver(self.lib)
+        self._modules: list[Any] = []
+        self._slot_arenas: list[_Pinned] = []
+        self._free_slots: list[int] = []
+        self._slot_lock = threading.Lock()
+        self._chunks = [_Chunk(STAGE_CHUNK, where) for _ in range(STAGE_RING + STAGE_SPARE)]
+        self._chunk_lock = threading.Lock()
+        self.live_allocations = 0
+        # cuMemFree synchronizes the device: never on a loop, always on this thread.
+        self._frees: queue_module.SimpleQueue[Any] = queue_module.SimpleQueue()
+        self._freer = threading.Thread(
+            target=self._free_loop, name="asyncmetal-cuda-free", daemon=True
+        )
+        self._freer.start()
+        _enable_peer_access(self)
+
+    def make_current(self) -> None:
+        """Make this device's context current on the calling thread. The current context
+        is per thread and shared by every device (and library) used on it, so it is
+        checked each time, never remembered. (The native submission path checks in C.)"""
+        current = check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent", self.name)
+        if int(current) != self.context_address:
+            check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent", self.name)
+
+    def lost_error(self, what: str) -> BaseException | None:
+        return None if _driver._lost_first is None else _lost_error(f"{what} on {self.name}")
+
+    def take_chunk(self, pin: bool = True) -> _Chunk | None:
+        """A pinned staging chunk of the device's (pinned when it opened, or given back by
+        a closed queue); if none is left, a newly pinned one, or None without ``pin``."""
+        with self._chunk_lock:
+            if self._chunks:
+                return self._chunks.pop()
+        if not pin:
+            return None
+        self.make_current()
+        return _Chunk(STAGE_CHUNK, self.name)
+
+    def give_chunk(self, chunk: _Chunk) -> None:
+        with self._chunk_lock:
+            self._chunks.append(chunk)
+
+    def _timeline_slot(self) -> int:
+        with self._slot_lock:
+            if not self._free_slots:
+                self.make_current()
+                arena = _Pinned(64 << 10, self.name)
+                self._slot_arenas.append(arena)
+                self._free_slots = [arena.address + 128 * i for i in range(arena.nbytes // 128)]
+            return self._free_slots.pop()
+
+    def _release_slot(self, slot: int) -> None:
+        with self._slot_lock:
+            self._free_slots.append(slot)
+
+    @property
+    def info(self) -> DeviceInfo:
+        return self._info
+
+    @property
+    def compiler(self) -> Compiler:
+        return self._compiler
+
+    def load(self, binary: bytes, name: str) -> Any:
+        _refuse_if_lost(f"loading kernel {name!r} on {self.name}")
+        self.make_current()
+        module = check(cu.cuModuleLoadData(binary), "cuModuleLoadData", self.name)
+        self._modules.append(module)
+        err, function = cu.cuModuleGetFunction(module, name.encode())
+        if int(err) != 0:
+            if _error_name(err) in _LOST or _driver._lost_first is not None:
+                raise driver_error("cuModuleGetFunction", err, self.name)
+            raise AttributeError(name)  # the device turns this into a CompileError
+        return int(function)  # a CUfunction's address, as the native launch takes it
+
+    def allocate(self, nbytes: int) -> Any:
+        _refuse_if_lost(f"allocating {nbytes} bytes on {self.name}")
+        self.make_current()
+        pointer = int(check(cu.cuMemAlloc(nbytes), "cuMemAlloc", self.name))
+        self.live_allocations += 1
+        return pointer
+
+    def free(self, handle: Any) -> None:
+        self.live_allocations -= 1
+        self._frees.put(handle)
+
+    def _free_loop(self) -> None:
+        self.make_current()
+        while True:
+            handle = self._frees.get()
+            if handle is None:
+                return
+            cu.cuMemFree(handle)
+
+    def host_view(self, handle: Any, offset: int, nbytes: int) -> memoryview:
+        raise AsyncMetalError("cuda memory is not host-visible")
+
+    def new_queue(self, timeline: NativeTimeline) -> NativeQueue:
+        assert isinstance(timeline, CUDATimeline)
+        return CUDAQueue(self, timeline)
+
+    def new_timeline(self, on_advance: Callable[[int], None]) -> NativeTimeline:
+        return CUDATimeline(self)
+
+    def close(self) -> None:
+        self.make_current()
+        self._frees.put(None)
+        self._freer.join()
+        cu.cuCtxSynchronize()
+        with self._chunk_lock:
+            for chunk in self._chunks:
+                chunk.free()
+            self._chunks.clear()
+        for module in self._modules:
+            cu.cuModuleUnload(module)
+        self._modules.clear()
+        # The primary context stays retained for the life of the process (as the CUDA
+        # runtime keeps it): timelines live in its pinned memory and may outlive the
+        # device object (a Completion kept around, a loop's watch), so that memory must
+        # never be unmapped under them.

@@ -1,0 +1,57 @@
+"""CUDA C -> cubin with NVRTC."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..._compile import Compiler
+from ..._errors import CompileError
+from ._driver import check, nvrtc
+
+
+class CUDACompiler(Compiler):
+    """CUDA C -> cubin with NVRTC for one architecture. Pickles as (arch, flags); the
+    NVRTC program is made inside the process that compiles."""
+
+    name = "nvrtc"
+
+    def __init__(self, arch: str = "sm_90", flags: Sequence[str] = ("-default-device",)) -> None:
+        self.arch = arch
+        self.flags = tuple(flags)
+
+    def config(self) -> tuple[Any, ...]:
+        return (self.arch, self.flags)
+
+    def version(self) -> str:
+        major, minor = check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+        return f"nvrtc {major}.{minor}"
+
+    def compile(self, src: str) -> bytes:
+        prog = check(nvrtc.nvrtcCreateProgram(src.encode(), b"kernel.cu", 0, [], []), "nvrtc")
+        try:
+            options = [
+                f"--gpu-architecture={self.arch}".encode(),
+                *(f.encode() for f in self.flags),
+            ]
+            (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
+            if int(err) != 0:
+                size = check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+                log = b" " * size
+                check(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
+                raise CompileError(
+                    f"NVRTC failed ({_nvrtc_name(err)})", log.decode(errors="replace")
+                )
+            size = check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+            cubin = b" " * size
+            check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+            return bytes(cubin)
+        finally:
+            nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _nvrtc_name(err: Any) -> str:
+    try:
+        return str(nvrtc.nvrtcResult(int(err)).name)
+    except Exception:
+        return str(err)

@@ -1,0 +1,324 @@
+"""CUDA queues: non-blocking streams with a native completion thread each."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ... import _native
+from ..._backend import Arg, KeepAlive, NativeQueue, NativeTimeline, Record, host_address
+from ..._errors import AsyncMetalError, DeviceLostError
+from . import _driver
+from ._driver import _UNCONFIRMED, _lost_error, _refuse_if_lost, check, cu, driver_error
+from ._staging import STAGE_CHUNK, STAGE_DIRECT, STAGED_BYTES_PER_NS, _Staging
+from ._timeline import CUDATimeline
+
+if TYPE_CHECKING:
+    from ._backend import CUDABackend
+
+MAX_PARAMS = 64
+COMPLETION_SPIN_NS = 30_000  # the completion thread polls this long before blocking
+# Commands a stream holds unconfirmed at most; later ones wait on the host, in native
+# code, and the completion thread submits them as earlier ones finish. On the H200,
+# cuLaunchKernel blocks for a kernel's length once ~56 commands with blocking-sync
+# events are queued on one stream (plain events: not up to 1024 deep).
+MAX_IN_FLIGHT = 32
+FINISH_LONG, FINISH_PLAIN = 1, 2  # am_cuq_finish flags
+MAX_POLL_NS = 2_000_000  # ... or up to this long for a command expected to take so long
+MAX_COPY_POLL_NS = 4_000_000  # ... a device copy (one of 1 GiB between two H200s: 2.8 ms)
+
+
+class CUDAQueue(NativeQueue):
+    def __init__(self, backend: CUDABackend, timeline: CUDATimeline) -> None:
+        _refuse_if_lost(f"a new queue on {backend.name}")
+        self._backend = backend
+        self._timeline = timeline
+        lib = self._lib = backend.lib
+        backend.make_current()
+        flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+        self.stream = check(cu.cuStreamCreate(flags), "cuStreamCreate", backend.name)
+        self._q: int | None = lib.am_cuq_new(
+            backend.context_address,
+            int(self.stream),
+            timeline.c_timeline,
+            COMPLETION_SPIN_NS,
+            MAX_IN_FLIGHT,
+        )
+        if not self._q:
+            cu.cuStreamDestroy(self.stream)
+            raise AsyncMetalError("could not start the CUDA completion thread")
+        timeline.queue = self
+        self._error = ctypes.c_int.from_address(self._q)  # am_cuq's first member
+        self._sticky = (0, 0)
+        self._keep = KeepAlive(timeline)
+        self._slots = (ctypes.c_uint64 * MAX_PARAMS)()
+        base = ctypes.addressof(self._slots)
+        self._pointers = (ctypes.c_void_p * MAX_PARAMS)(*(base + 8 * i for i in range(MAX_PARAMS)))
+        self._pointers_address = ctypes.addressof(self._pointers)
+        extension = _native.extension()
+        self._fast_launch = None if extension is None else extension.cuq_launch
+        self._copy = self._lib.am_cuq_copy if extension is None else extension.cuq_copy
+        self._dims: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+        self._dims_arrays: list[ctypes.Array[ctypes.c_uint]] = []
+        self._staging: _Staging | None = None  # made at the first large pageable copy
+        # Commands up to this value were confirmed before the process's CUDA state was
+        # lost (set then); every later one failed with it.
+        self._confirmed_at_loss = _UNCONFIRMED
+        with _driver._lost_lock:
+            if _driver._lost_first is not None:  # lost while this queue was being made
+                self._confirmed_at_loss = 0
+            _driver._live_queues.add(self)
+
+    def _failed(self, code: int) -> AsyncMetalError:
+        if code == -1:
+            raise MemoryError("the CUDA completion ring could not grow")
+        call = self._lib.am_cuda_name(self._lib.am_cuq_failed_call(self._q)).decode()
+        return driver_error(call, code, self._backend.name)
+
+    def _lost(self, what: str) -> DeviceLostError:
+        """The process-wide loss, for a submission refused after it (the native launch
+        path finds it at its driver calls, or when its completion is awaited)."""
+        return _lost_error(f"{what} on {self._backend.name}")
+
+    def _check(self, code: int) -> None:
+        """Raise what a native submission call's nonzero result means."""
+        if code:
+            raise self._failed(code)
+
+    def _finish(
+        self,
+        value: int,
+        keep: object = None,
+        extra: CUDATimeline | None = None,
+        target: int = 0,
+        expected_ns: int = 0,
+        device_wait: bool = False,
+    ) -> None:
+        """End a command: an event behind it, which the completion thread confirms (the
+        stream also writes the queue's device word if a device wait asked for the
+        value before it was submitted). A command expected to take at most
+        ``MAX_POLL_NS`` (a copy of known size) is polled for through its end: blocking
+        would add an interrupt and a wake-up. One expected to take longer gets a
+        blocking-sync event, which the completion thread sleeps on after a short poll.
+        A device wait's event is always plain: its thread naps, and a host signal wakes it."""
+        long_running = expected_ns > MAX_POLL_NS
+        flags = FINISH_PLAIN if device_wait else FINISH_LONG if long_running else 0
+        self._check(
+            self._lib.am_cuq_finish(
+                self._q,
+                value,
+                extra.c_timeline if extra else None,
+                target,
+                0 if long_running else expected_ns,
+                flags,
+            )
+        )
+        self._keep.add(value, keep)
+
+    def _write(self, value: int, timeline: CUDATimeline, target: int) -> None:
+        """The stream writes ``target`` into ``timeline``'s word (part of command ``value``)."""
+        self._check(self._lib.am_cuq_write(self._q, timeline.address, target, value))
+
+    def _wait_value(self, value: int, timeline: CUDATimeline, target: int) -> None:
+        """The stream waits for ``timeline``'s word to reach ``target`` (part of ``value``)."""
+        self._check(self._lib.am_cuq_wait(self._q, timeline.address, target, value))
+
+    def _memcpy(self, value: int, to_device: bool, dst: int, src: int, nbytes: int) -> None:
+        """A copy between pinned (or a few pages of pageable) host memory and the device,
+        part of command ``value``."""
+        self._check(self._lib.am_cuq_memcpy(self._q, to_device, dst, src, nbytes, value))
+
+    def failure(self, value: int) -> BaseException | None:
+        if not self._error.value and _driver._lost_first is None:  # the common case: no call
+            return None
+        code, first = self._first_error()
+        if code and value >= first:
+            where = f"a stream of {self._backend.name}"
+            return driver_error(f"the command at value {first}", code, where)
+        if _driver._lost_first is not None and value > self._confirmed_at_loss:
+            return _lost_error(f"the command at value {value} on {self._backend.name}")
+        return None
+
+    def stats(self) -> dict[str, int]:
+        """How this stream's completion thread worked: event queries; waits, after
+        polling found a command unfinished, blocked on its blocking-sync event or with
+        naps on its plain one; events created; whether commands get blocking-sync events
+        now (after a long one); operations held on the host (the stream had
+        ``MAX_IN_FLIGHT`` commands unconfirmed) so far and now; naps cut short by a host
+        signal. For benchmarks and tests."""
+        out = (ctypes.c_uint64 * 8)()
+        if self._q is not None:
+            self._lib.am_cuq_stats(self._q, out)
+        keys = (
+            "queries",
+            "blocking_waits",
+            "napping_waits",
+            "events_made",
+            "blocking_now",
+            "held_total",
+            "held_now",
+            "kicked",
+        )
+        return dict(zip(keys, out, strict=True))
+
+    def _first_error(self) -> tuple[int, int]:
+        if self._q is not None:
+            first = ctypes.c_uint64()
+            code = self._lib.am_cuq_error(self._q, ctypes.byref(first))
+            self._sticky = (code, first.value)
+        return self._sticky
+
+    def launch(
+        self,
+        program: Any,
+        args: Sequence[Arg],
+        global_size: tuple[int, int, int],
+        local_size: tuple[int, int, int],
+        value: int,
+        record: Record,
+    ) -> None:
+        if _driver._lost_first is not None:
+            raise self._lost("a launch")
+        if len(args) > MAX_PARAMS:
+            raise AsyncMetalError(f"cuda kernels take at most {MAX_PARAMS} parameters here")
+        # One native call, which makes the context current (through the extension, which
+        # packs the arguments and works out the grid itself, where it could be built).
+        if self._fast_launch is not None:
+            code = self._fast_launch(self._q, program, global_size, local_size, args, value)
+        else:
+            dims = self._dims.get((global_size, local_size))
+            if dims is None:
+                dims = self._launch_dims(global_size, local_size)
+            slots = self._slots
+            for i, (handle, offset, val) in enumerate(args):
+                slots[i] = (handle + offset) if val is None else (val & 0xFFFFFFFF)
+            code = self._lib.am_cuq_launch(
+                self._q, program, dims, self._pointers_address, len(args), value
+            )
+        self._check(code)
+
+    def launch_target(self) -> tuple[Any, ...] | None:
+        return None if self._fast_launch is None else (1, self._q, self)
+
+    def _launch_dims(self, global_size: tuple[int, ...], local_size: tuple[int, ...]) -> int:
+        """The address of (grid, block, shared bytes) for these sizes, cached."""
+        if len(self._dims) >= 256:
+            self._dims.clear()  # the arrays stay alive in _dims_arrays until then
+            self._dims_arrays.clear()
+        grid = [-(-g // b) for g, b in zip(global_size, local_size, strict=True)]
+        array = (ctypes.c_uint * 7)(*grid, *local_size, 0)
+        self._dims_arrays.append(array)
+        address = self._dims[(global_size, local_size)] = ctypes.addressof(array)
+        return address
+
+    def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
+        assert isinstance(timeline, CUDATimeline)
+        if _driver._lost_first is not None:
+            raise self._lost("a signal")
+        self._write(value, timeline, target)  # native calls: they make the context current
+        self._finish(value, timeline, extra=timeline, target=target)
+
+    def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
+        assert isinstance(timeline, CUDATimeline)
+        if _driver._lost_first is not None:
+            raise self._lost("a wait")
+        # Native calls only (they make the context current); none if confirmed already.
+        confirms = None
+        if timeline.value < target:
+            owner = timeline.queue
+            if owner is not None and owner._q is not None:  # a queue's: its event or word
+                self._check(self._lib.am_cuq_wait_queue(self._q, owner._q, target, value))
+                if owner._backend is self._backend:
+                    # Once this wait is confirmed, so is the other queue's work up to
+                    # target (a fault there would have failed this context's streams):
+                    # its timeline gets there first, so a completion awaited here never
+                    # shows one it waited for as unfinished.
+                    confirms = timeline
+            else:
+                self._wait_value(value, timeline, target)
+        self._finish(value, timeline, confirms, target, device_wait=True)
+
+    def copy(
+        self, dst: Arg, src: Arg, nbytes: int, value: int, record: Record, peer: Any = None
+    ) -> None:
+        if _driver._lost_first is not None:
+            raise self._lost("a copy")
+        # Expected at most ~1 ns per KB on one H200 (~2 TB/s each way), ~3 between two
+        # (~390 GB/s over NVLink): the completion thread polls that long.
+        expected = nbytes // 1000 if peer is None else nbytes * 3 // 1000
+        code = self._copy(  # one native call, which makes the context current
+            self._q,
+            dst.handle + dst.offset,
+            src.handle + src.offset,
+            None if peer is None else peer.context_address,
+            nbytes,
+            value,
+            expected if expected < MAX_COPY_POLL_NS else MAX_COPY_POLL_NS,
+        )
+        self._check(code)
+        record.due_ns = time.perf_counter_ns() + expected
+
+    def _staging_for(self) -> _Staging:
+        if self._staging is None:
+            self._staging = _Staging(self._backend)
+        return self._staging
+
+    def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
+        if _driver._lost_first is not None:
+            raise self._lost("a copy from the host")
+        self._backend.make_current()
+        address = host_address(src)[0]
+        base = dst.handle + dst.offset
+        if src.nbytes <= STAGE_DIRECT:  # a few pages: the driver stages them itself
+            self._memcpy(value, True, base, address, src.nbytes)
+            self._finish(value, (dst, src))
+            return
+        staging = self._staging_for()
+        for offset in range(0, src.nbytes, STAGE_CHUNK):
+            n = min(STAGE_CHUNK, src.nbytes - offset)
+            chunk, busy = staging.acquire()  # busy: host threads refill it after the stream
+            filled = staging.copier.copy(chunk.address, address + offset, n, src, chunk, busy)
+            self._wait_value(value, *filled)
+            self._memcpy(value, True, base + offset, chunk.address, n)
+            mark = staging.next_mark()
+            self._write(value, *mark)  # the chunk is free again: host threads poll the word
+            staging.release_after(chunk, *mark)
+        self._finish(value, (dst, src), expected_ns=src.nbytes // STAGED_BYTES_PER_NS)
+
+    def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
+        if _driver._lost_first is not None:
+            raise self._lost("a copy to the host")
+        self._backend.make_current()
+        address = host_address(dst)[0]
+        base = src.handle + src.offset
+        staging = self._staging_for()
+        for offset in range(0, dst.nbytes, STAGE_CHUNK):
+            n = min(STAGE_CHUNK, dst.nbytes - offset)
+            chunk, busy = staging.acquire()
+            if busy is not None:  # the stream refills it once a host thread emptied it
+                self._wait_value(value, *busy)
+            self._memcpy(value, False, chunk.address, base + offset, n)
+            # The stream marks the chunk arrived; a host thread then moves it out.
+            mark = staging.next_mark()
+            self._write(value, *mark)
+            emptied = staging.copier.copy(address + offset, chunk.address, n, dst, chunk, mark)
+            staging.release_after(chunk, *emptied)
+        for unfinished in staging.unfinished():  # done once every byte is in dst
+            self._wait_value(value, *unfinished)
+        self._finish(value, (dst, src), expected_ns=dst.nbytes // STAGED_BYTES_PER_NS)
+
+    def close(self, abandon: bool = False) -> None:
+        if self._q is not None:
+            handle = self._q
+            code, _ = self._first_error()
+            self._q = None
+            # Without abandon this returns once every held command was submitted and
+            # every command confirmed (the stream is then idle).
+            self._lib.am_cuq_close(handle, int(abandon))
+            if self._staging is not None:
+                self._staging.close(abandon)
+            self._error = ctypes.c_int(code)  # the closed queue's error stays reported
+            cu.cuStreamDestroy(self.stream)
+            self._keep.clear()

@@ -1,0 +1,73 @@
+"""CUDA timelines: native-runtime timelines with a device word in pinned memory."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+from ... import _native
+from ..._backend import NativeTimeline
+from ._driver import check, cu
+
+if TYPE_CHECKING:
+    from ._backend import CUDABackend
+    from ._queue import CUDAQueue
+
+
+class _Pinned:
+    """Pinned, device-mapped, portable host memory."""
+
+    def __init__(self, nbytes: int, where: str = "") -> None:
+        flags = cu.CU_MEMHOSTALLOC_PORTABLE | cu.CU_MEMHOSTALLOC_DEVICEMAP
+        self.address = int(check(cu.cuMemHostAlloc(nbytes, flags), "cuMemHostAlloc", where))
+        self.nbytes = nbytes
+        ctypes.memset(self.address, 0, nbytes)
+
+    def free(self) -> None:
+        if self.address:
+            cu.cuMemFreeHost(self.address)
+            self.address = 0
+
+
+class CUDATimeline(NativeTimeline):
+    """A native-runtime timeline with a device word in pinned memory: streams write and
+    wait on the word; the timeline's value (what the host reads, awaits and reports) is
+    raised by host signals, and for device writes only once a completion thread has
+    confirmed the work before them succeeded."""
+
+    def __init__(self, backend: CUDABackend) -> None:
+        # The device word: unified addressing makes it the same pointer on every GPU.
+        self.address = backend._timeline_slot()
+        ctypes.c_uint64.from_address(self.address).value = 0  # a reused slot holds an old value
+        self.c_timeline: int = backend.lib.am_timeline_new()
+        if not self.c_timeline:
+            backend._release_slot(self.address)
+            raise MemoryError("could not allocate a timeline")
+        self._backend = backend
+        backend.lib.am_timeline_set_word(self.c_timeline, self.address)
+        self._value: _native.ValueReader = _native.timeline_reader(self.c_timeline)
+        self._word = ctypes.c_uint64.from_address(self.address)
+        self.queue: CUDAQueue | None = None  # the queue whose own timeline this is
+
+    @property
+    def value(self) -> int:
+        return self._value.value
+
+    def reached(self, target: int) -> bool:
+        """Whether the device word got to ``target``: written by a stream behind its work
+        (not yet confirmed by a completion thread), or raised by a host signal."""
+        return self._word.value >= target
+
+    def signal(self, value: int) -> None:
+        # Raises the word, then wakes napping completion threads: a stream's wait it
+        # releases is confirmed within microseconds rather than at the end of a nap.
+        self._backend.lib.am_timeline_host_signal(self.c_timeline, value)
+
+    def __del__(self) -> None:
+        backend = getattr(self, "_backend", None)
+        if backend is not None and backend.lib is not None:
+            backend.lib.am_timeline_free(self.c_timeline)
+            backend._release_slot(self.address)
+
+
+# Every staging chunk's mapping, until freed: a chunk dropped unfreed (a queue abandoned
