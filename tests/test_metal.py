@@ -351,7 +351,7 @@ def test_the_simulation_traps_misuse(message: str) -> None:
     simulation with its reason: the lifetime and encoding checks can fail."""
     code = (
         "from ctypes import c_ulong, c_void_p\n"
-        "from asyncmetal.backends._objc import load, release, send\n"
+        "from asyncmetal.backends.metal._objc import load, release, send\n"
         "metal = load('metal'); metal.MTLCreateSystemDefaultDevice.restype = c_void_p\n"
         "device = metal.MTLCreateSystemDefaultDevice()\n" + MISUSE[message] + "\n"
     )
@@ -371,8 +371,8 @@ def test_shared_event_listener_calls_its_block_on_its_queue() -> None:
         import ctypes, time
         from ctypes import c_uint64, c_void_p
         from asyncmetal import _native
-        from asyncmetal.backends import _blocks
-        from asyncmetal.backends._objc import load, objc_class, send
+        from asyncmetal.backends.metal import _blocks
+        from asyncmetal.backends.metal._objc import load, objc_class, send
         metal, system = load("metal"), load("system")
         metal.MTLCreateSystemDefaultDevice.restype = c_void_p
         system.dispatch_queue_create.restype = c_void_p

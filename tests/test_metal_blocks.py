@@ -24,8 +24,7 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal import _native
-from asyncmetal.backends import _blocks
-from asyncmetal.backends.metal import CodegenResult
+from asyncmetal.backends.metal import CodegenResult, _blocks
 
 from . import metal_sim
 

@@ -77,7 +77,7 @@ def make_block(isa: int, signature: bytes, timeline: int, value: int = 0) -> Blo
     value it is called with). Its memory is C memory with a static descriptor, freed by
     :func:`release_ran` once it has run -- never while Metal may still call it, and never
     at interpreter exit."""
-    from .. import _native
+    from ... import _native
 
     reached = {COMPLETED_SIGNATURE: 0, REACHED_SIGNATURE: 1}[signature]
     address = _native.runtime().am_block_new(isa, reached, timeline, value)
@@ -115,7 +115,7 @@ def callback_block(isa: int, invoke: Any, signature: bytes) -> CallbackBlock:
 
 def release_ran() -> int:
     """Free every block that has run; returns how many are still kept."""
-    from .. import _native
+    from ... import _native
 
     with _lock:
         for address in [a for a, b in _alive.items() if b.calls]:

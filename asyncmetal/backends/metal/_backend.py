@@ -1,0 +1,190 @@
+"""The metal backend: the system's default Metal device."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from collections.abc import Callable
+from ctypes import c_uint64, c_ulong, c_void_p
+from typing import Any, overload
+
+from ... import _native
+from ..._backend import (
+    Backend,
+    DeviceInfo,
+    NativeQueue,
+    NativeTimeline,
+)
+from ..._compile import Compiler
+from ..._errors import AsyncMetalError, CompileError, DeviceLostError
+from . import _blocks
+from ._compiler import MetalCompiler
+from ._objc import (
+    autorelease_pool,
+    describe_error,
+    library_path,
+    load,
+    nsstring,
+    release,
+    send,
+)
+from ._queue import STORAGE_SHARED, MetalQueue, MetalTimeline
+
+PAGE = mmap.PAGESIZE  # no-copy wrappers cover whole pages (16 KiB on Apple silicon)
+
+
+class MetalBackend(Backend):
+    kind = "metal"
+    host_visible = True  # shared storage
+
+    device: int
+    lib: ctypes.CDLL
+    block_isa: int
+    lost: DeviceLostError | None
+    lost_from: int
+    live_allocations: int
+    _info: DeviceInfo
+    _compiler: MetalCompiler
+    _dispatch: ctypes.CDLL
+
+    @classmethod
+    def available(cls) -> list[str]:
+        """``metal`` where Metal and the Objective-C runtime load (Apple's on macOS, or
+        the libraries the ``ASYNCMETAL_*`` variables name) and a device exists."""
+        if any(library_path(role) is None for role in ("objc", "metal", "system")):
+            return []
+        try:
+            metal = load("metal")
+            metal.MTLCreateSystemDefaultDevice.restype = c_void_p
+            device = metal.MTLCreateSystemDefaultDevice()
+            if device:
+                release(device)  # the Create rule: this call owns one reference
+            return ["metal"] if device else []
+        except (OSError, AttributeError):
+            return []
+
+    def __init__(self, index: int) -> None:
+        try:
+            metal = load("metal")
+            dispatch = load("system")
+        except OSError as exc:
+            raise AsyncMetalError(f"the metal device is not available here: {exc}") from None
+        metal.MTLCreateSystemDefaultDevice.restype = c_void_p
+        self.device: int = metal.MTLCreateSystemDefaultDevice()
+        if not self.device:
+            raise AsyncMetalError("no Metal device")
+        self.lib = _native.runtime()
+        self.block_isa = _blocks.global_block_isa(dispatch)
+        dispatch.dispatch_release.restype = None
+        dispatch.dispatch_release.argtypes = [c_void_p]
+        self._dispatch = dispatch
+        name = send(send(self.device, "name"), "UTF8String", restype=ctypes.c_char_p)
+        total = send(self.device, "recommendedMaxWorkingSetSize", restype=c_uint64)
+        self._info = DeviceInfo(name=(name or b"metal").decode(), total_memory=int(total))
+        self._compiler = MetalCompiler()
+        self.lost: DeviceLostError | None = None
+        self.lost_from = 0
+        self.live_allocations = 0
+        self._pipelines: list[int] = []
+
+    @property
+    def info(self) -> DeviceInfo:
+        return self._info
+
+    @property
+    def compiler(self) -> Compiler:
+        return self._compiler
+
+    def load(self, binary: bytes, name: str) -> Any:
+        self._dispatch.dispatch_data_create.restype = c_void_p
+        self._dispatch.dispatch_data_create.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+            c_void_p,
+            c_void_p,
+        ]
+        # The name and any NSError are autoreleased; the data, library and function are
+        # ours and released here (the pipeline keeps what it needs).
+        with autorelease_pool():
+            data = self._dispatch.dispatch_data_create(binary, len(binary), None, None)
+            error = c_void_p(0)
+            library = send(self.device, "newLibraryWithData:error:", data, ctypes.byref(error))
+            self._dispatch.dispatch_release(data)
+            if not library:
+                reason = describe_error(error.value or 0)
+                raise CompileError(f"Metal rejected the library: {reason}")
+            function = send(library, "newFunctionWithName:", nsstring(name))
+            release(library)
+            if not function:
+                raise AttributeError(name)
+            pipeline = send(
+                self.device,
+                "newComputePipelineStateWithFunction:error:",
+                function,
+                ctypes.byref(error),
+            )
+            release(function)
+            if not pipeline:
+                raise CompileError(f"no pipeline for {name!r}: {describe_error(error.value or 0)}")
+            self._pipelines.append(pipeline)  # released with the device
+            return pipeline
+
+    def allocate(self, nbytes: int) -> Any:
+        buffer = send(
+            self.device,
+            "newBufferWithLength:options:",
+            nbytes,
+            STORAGE_SHARED,
+            argtypes=(c_ulong, c_ulong),
+        )
+        if not buffer:
+            raise MemoryError(f"newBufferWithLength: {nbytes} failed")
+        self.live_allocations += 1
+        return buffer
+
+    def free(self, handle: Any) -> None:
+        self.live_allocations -= 1
+        release(handle)
+
+    @overload
+    def wrap_pages(self, address: int, nbytes: int) -> tuple[int, int]: ...
+    @overload
+    def wrap_pages(self, address: int, nbytes: int, check: bool) -> tuple[int, int] | None: ...
+    def wrap_pages(self, address: int, nbytes: int, check: bool = True) -> tuple[int, int] | None:
+        """A buffer of this device over the pages that hold ``nbytes`` of host memory at
+        ``address`` (no copy: whole pages are mapped, so covering them is valid), and
+        the offset of ``address`` in it. Only the given range is ever read or written.
+        If Metal refuses, raises, or with ``check=False`` returns None."""
+        start = address - address % PAGE
+        length = -(-(address + nbytes - start) // PAGE) * PAGE
+        wrapped: int = send(
+            self.device,
+            "newBufferWithBytesNoCopy:length:options:deallocator:",
+            start,
+            length,
+            STORAGE_SHARED,
+            None,
+            argtypes=(c_void_p, c_ulong, c_ulong, c_void_p),
+        )
+        if not wrapped:
+            if not check:
+                return None
+            raise AsyncMetalError(f"Metal could not wrap {length} bytes of host memory")
+        return wrapped, address - start
+
+    def host_view(self, handle: Any, offset: int, nbytes: int) -> memoryview:
+        base = send(handle, "contents")
+        return memoryview((ctypes.c_ubyte * nbytes).from_address(base + offset)).cast("B")
+
+    def new_queue(self, timeline: NativeTimeline) -> NativeQueue:
+        assert isinstance(timeline, MetalTimeline)
+        return MetalQueue(self, timeline)
+
+    def new_timeline(self, on_advance: Callable[[int], None]) -> NativeTimeline:
+        return MetalTimeline(self)
+
+    def close(self) -> None:
+        for pipeline in self._pipelines:
+            release(pipeline)
+        self._pipelines.clear()
+        release(self.device)  # MTLCreateSystemDefaultDevice's reference

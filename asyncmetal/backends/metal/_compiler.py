@@ -1,0 +1,202 @@
+"""Metal Shading Language -> Metal library: the MTLCodeGenService, or xcrun."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import re
+import struct
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from ctypes import c_void_p
+from typing import Any
+
+from ..._compile import Compiler, ParamKind
+from ..._errors import CompileError
+from . import _blocks
+from ._objc import (
+    load,
+)
+
+REQUEST_TYPE_COMPILE = 13  # MTLCodeGenServiceBuildRequest's request type for MSL -> library
+
+
+def codegen_request(src: str, params: str) -> bytes:
+    """The compiler service's request: the two lengths, the source padded with at least
+    one NUL to a multiple of 4 bytes, then the NUL-terminated parameters."""
+    source = src.encode()
+    source += b"\0" * (-(-(len(source) + 1) // 4) * 4 - len(source))
+    options = params.encode() + b"\0"
+    return struct.pack("<QQ", len(source), len(options)) + source + options
+
+
+def codegen_library(reply: bytes) -> bytes:
+    """The Metal library in the service's reply: after a header whose size and the size
+    of the warnings that follow it are the two little-endian uint32 at bytes 8-16."""
+    if len(reply) < 16:
+        raise CompileError(f"the Metal compiler service replied with {len(reply)} bytes")
+    library = reply[sum(struct.unpack("<LL", reply[8:16])) :]
+    if library[:4] != b"MTLB" or library[-4:] != b"ENDT":
+        raise CompileError("the Metal compiler service returned no Metal library", repr(reply))
+    return library
+
+
+class MetalCompiler(Compiler):
+    """Metal Shading Language -> a Metal library.
+
+    ``tool="service"`` (the default) asks the ``MTLCodeGenService`` of Apple's
+    MTLCompiler framework, present on every Mac, as tinygrad does; ``tool="xcrun"`` runs
+    ``xcrun metal`` and ``xcrun metallib`` (they need the Metal toolchain of Xcode).
+    Pickles as its configuration; the service is opened in the process that compiles.
+    """
+
+    name = "metal"
+
+    def __init__(self, tool: str = "service", flags: Sequence[str] = ()) -> None:
+        if tool not in ("service", "xcrun"):
+            raise ValueError(f"tool must be 'service' or 'xcrun', got {tool!r}")
+        self.tool = tool
+        self.flags = tuple(flags)
+        self._service: tuple[Any, int, int] | None = None  # library, service, block isa
+
+    def config(self) -> tuple[Any, ...]:
+        return (self.tool, self.flags)
+
+    def version(self) -> str:
+        if self.tool == "service":
+            return f"MTLCodeGenService macOS {platform.mac_ver()[0] or 'none'}"
+        try:
+            out = subprocess.run(
+                ["xcrun", "-sdk", "macosx", "metal", "--version"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+        except OSError:
+            return "missing"
+        return out.stdout.partition("\n")[0]
+
+    def compile(self, src: str) -> bytes:
+        return self._compile_service(src) if self.tool == "service" else self._compile_xcrun(src)
+
+    def service_params(self) -> str:
+        """The options the service compiles with (language version from the macOS one)."""
+        major = int((platform.mac_ver()[0] or "0").split(".")[0])
+        std = "metal3.1" if major >= 14 else "metal3.0" if major >= 13 else "macos-metal2.0"
+        from ..._cache import default_cache_dir
+
+        modules = os.path.join(default_cache_dir(), "metal-modules")
+        return " ".join(
+            [
+                f"-fno-fast-math -std={std} --driver-mode=metal -x metal",
+                f'-fmodules-cache-path="{modules}" -fno-caret-diagnostics',
+                *self.flags,
+            ]
+        )
+
+    def _compile_service(self, src: str) -> bytes:
+        if self._service is None:
+            try:
+                lib = load("compiler")
+            except OSError as exc:
+                raise CompileError(
+                    f"the Metal compiler service is not available here ({exc}); "
+                    "MetalCompiler('xcrun') uses the Xcode toolchain instead"
+                ) from None
+            lib.MTLCodeGenServiceCreate.restype = c_void_p
+            lib.MTLCodeGenServiceCreate.argtypes = [ctypes.c_char_p]
+            lib.MTLCodeGenServiceBuildRequest.restype = None
+            lib.MTLCodeGenServiceBuildRequest.argtypes = [
+                c_void_p,
+                c_void_p,
+                ctypes.c_int,
+                ctypes.c_char_p,
+                ctypes.c_size_t,
+                c_void_p,
+            ]
+            service = lib.MTLCodeGenServiceCreate(b"asyncmetal")
+            self._service = (lib, service, _blocks.global_block_isa(load("system")))
+        lib, service, isa = self._service
+        request = codegen_request(src, self.service_params())
+        result = CodegenResult()
+        block = result.block(isa)
+        lib.MTLCodeGenServiceBuildRequest(
+            service, None, REQUEST_TYPE_COMPILE, request, len(request), ctypes.addressof(block)
+        )
+        return result.library()
+
+    def _compile_xcrun(self, src: str) -> bytes:
+        with tempfile.TemporaryDirectory(prefix="asyncmetal-metal-") as tmp:
+            source, air, lib = (os.path.join(tmp, n) for n in ("k.metal", "k.air", "k.metallib"))
+            with open(source, "w") as f:
+                f.write(src)
+            for command in (
+                ["xcrun", "-sdk", "macosx", "metal", "-O2", *self.flags, "-c", source, "-o", air],
+                ["xcrun", "-sdk", "macosx", "metallib", air, "-o", lib],
+            ):
+                try:
+                    proc = subprocess.run(command, capture_output=True, check=False)
+                except OSError as exc:
+                    raise CompileError(
+                        f"cannot run {command[0]}: {exc} (install Xcode and its Metal toolchain)"
+                    ) from None
+                if proc.returncode != 0:
+                    log = (proc.stderr + proc.stdout).decode(errors="replace")
+                    raise CompileError(f"{command[3]} failed", log)
+            with open(lib, "rb") as f:
+                return f.read()
+
+    def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
+        return metal_params(src, name)
+
+
+CODEGEN_CALLBACK = ctypes.CFUNCTYPE(
+    None, c_void_p, ctypes.c_int32, c_void_p, ctypes.c_size_t, ctypes.c_char_p
+)
+
+
+class CodegenResult:
+    """What the compiler service hands its reply block: the library, or its error."""
+
+    def __init__(self) -> None:
+        self.reply: bytes | None = None
+        self.error: tuple[int, str] | None = None
+        self._invoke = CODEGEN_CALLBACK(self._called)
+
+    def _called(
+        self, block: int | None, error: int, data: int | None, length: int, message: bytes | None
+    ) -> None:
+        if error:
+            self.error = (error, (message or b"").decode(errors="replace"))
+        else:
+            self.reply = ctypes.string_at(data, length) if data else b""
+
+    def block(self, isa: int) -> _blocks.CallbackBlock:
+        self._block = _blocks.callback_block(isa, self._invoke, _blocks.CODEGEN_SIGNATURE)
+        return self._block
+
+    def library(self) -> bytes:
+        if self.error is not None:
+            raise CompileError(f"Metal compile failed (error {self.error[0]})", self.error[1])
+        if self.reply is None:
+            raise CompileError("the Metal compiler service returned without replying")
+        return codegen_library(self.reply)
+
+
+def metal_params(src: str, name: str) -> tuple[ParamKind, ...]:
+    """Launch parameters of a Metal kernel: those bound with ``[[buffer(i)]]`` in index
+    order -- pointers are buffers, references and values are ``vals`` -- skipping
+    ``[[thread_position_in_grid]]`` and the like."""
+    text = re.sub(r"//[^\n]*|/\*.*?\*/", " ", src, flags=re.S)
+    match = re.search(rf"\bkernel\s+void\s+{re.escape(name)}\s*\((.*?)\)\s*{{", text, re.S)
+    if match is None:
+        raise CompileError(f"kernel {name!r} is not defined in the source")
+    bound: list[tuple[int, ParamKind]] = []
+    for param in match.group(1).split(","):
+        index = re.search(r"\[\[\s*buffer\s*\(\s*(\d+)\s*\)\s*\]\]", param)
+        if index is None:
+            continue
+        bound.append((int(index.group(1)), "buffer" if "*" in param else "value"))
+    return tuple(kind for _, kind in sorted(bound))

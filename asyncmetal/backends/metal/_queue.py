@@ -1,0 +1,388 @@
+"""Metal timelines (shared events with a native mirror) and queues (one command buffer
+per command)."""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from ctypes import c_uint64, c_ulong, c_void_p
+from typing import TYPE_CHECKING, Any
+
+from ... import _native
+from ..._backend import (
+    Arg,
+    KeepAlive,
+    NativeQueue,
+    NativeTimeline,
+    Record,
+    host_address,
+)
+from ..._errors import DeviceLostError
+from . import _blocks
+from ._objc import (
+    autorelease_pool,
+    describe_error,
+    release,
+    retain,
+    send,
+)
+
+if TYPE_CHECKING:
+    from ._backend import MetalBackend
+
+STORAGE_SHARED = 0  # MTLResourceStorageModeShared
+STATUS_ERROR = 5  # MTLCommandBufferStatusError
+MAX_IN_FLIGHT = 1000  # the queues are made with room for 1024 command buffers
+
+
+class MTLSize(ctypes.Structure):
+    _fields_ = [("width", c_ulong), ("height", c_ulong), ("depth", c_ulong)]
+
+
+class MetalTimeline(NativeTimeline):
+    """An ``MTLSharedEvent`` with a native mirror timeline that wakes the loops."""
+
+    def __init__(self, backend: MetalBackend) -> None:
+        self._lib = backend.lib
+        self.event: int = send(backend.device, "newSharedEvent")
+        self.c_timeline: int = backend.lib.am_timeline_new()
+        self._mirror: _native.ValueReader = _native.timeline_reader(self.c_timeline)
+        self._backend = backend
+
+    def __del__(self) -> None:
+        # Command buffers that wait on or signal the event retain it; this reference is
+        # the timeline's own (newSharedEvent). None if __init__ failed before making it.
+        release(getattr(self, "event", 0))
+
+    @property
+    def value(self) -> int:
+        return self._mirror.value
+
+    def device_value(self) -> int:
+        value: int = send(self.event, "signaledValue", restype=c_uint64)
+        return value
+
+    def signal(self, value: int) -> None:
+        send(self.event, "setSignaledValue:", value, restype=None, argtypes=(c_uint64,))
+        self._lib.am_timeline_signal(self.c_timeline, value)
+
+
+class MetalQueue(NativeQueue):
+    def __init__(self, backend: MetalBackend, timeline: MetalTimeline) -> None:
+        self._backend = backend
+        self._timeline = timeline
+        self._queue: int = send(
+            backend.device, "newCommandQueueWithMaxCommandBufferCount:", 1024, argtypes=(c_ulong,)
+        )
+        self._waits: list[tuple[MetalTimeline, int]] = []  # re-encoded until reached
+        self._unmarked = 0  # a wait command's own value, marked by the next buffer
+        # (value, command buffer, block, record, committed behind an unreached wait)
+        self._buffers: collections.deque[tuple[int, int, Any, Record, bool]] = collections.deque()
+        self._keep = KeepAlive(timeline)
+        self._worker: ThreadPoolExecutor | None = None
+        self._routed = 0  # submissions handed to the worker and not yet committed
+        self._lock = threading.Lock()
+
+    # -- submission -----------------------------------------------------------------------
+
+    def _submit(
+        self,
+        value: int,
+        encode: Callable[[int], None],
+        keep: object = None,
+        copy_back: tuple[int, int, int] | None = None,
+        record: Record | None = None,
+        then: tuple[int, int] | None = None,
+    ) -> None:
+        record = record if record is not None else Record(value)
+        if self._routed or value - 1 - self._timeline.value >= MAX_IN_FLIGHT:
+            # `commandBuffer` would block: commit from the queue's own thread, in order.
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="asyncmetal-metal")
+            with self._lock:
+                self._routed += 1
+            self._worker.submit(self._commit, value, encode, keep, copy_back, record, then, True)
+            return
+        self._commit(value, encode, keep, copy_back, record, then, False)
+
+    def _commit(
+        self,
+        value: int,
+        encode: Callable[[int], None],
+        keep: object,
+        copy_back: tuple[int, int, int] | None,
+        record: Record,
+        then: tuple[int, int] | None,
+        routed: bool,
+    ) -> None:
+        # The command buffer and its encoders are autoreleased: without a pool they would
+        # stay alive until this thread exits (the loop's thread: never).
+        with autorelease_pool():
+            self._encode_and_commit(value, encode, keep, copy_back, record, then)
+        if routed:
+            with self._lock:
+                self._routed -= 1
+
+    def _encode_and_commit(
+        self,
+        value: int,
+        encode: Callable[[int], None],
+        keep: object,
+        copy_back: tuple[int, int, int] | None,
+        record: Record,
+        then: tuple[int, int] | None,
+    ) -> None:
+        backend = self._backend
+        cb = retain(send(self._queue, "commandBuffer"))
+        still = []
+        for timeline, target in self._waits:
+            if timeline.device_value() < target:
+                send(
+                    cb,
+                    "encodeWaitForEvent:value:",
+                    timeline.event,
+                    target,
+                    restype=None,
+                    argtypes=(c_void_p, c_uint64),
+                )
+                still.append((timeline, target))
+        self._waits = still
+        encode(cb)
+        send(
+            cb,
+            "encodeSignalEvent:value:",
+            self._timeline.event,
+            value,
+            restype=None,
+            argtypes=(c_void_p, c_uint64),
+        )
+        block = _blocks.make_block(
+            backend.block_isa, _blocks.COMPLETED_SIGNATURE, self._timeline.c_timeline, value
+        )
+        if copy_back is not None:
+            block.copy_dst, block.copy_src, block.copy_nbytes = copy_back
+        if then is not None:
+            block.then, block.then_value = then
+        send(cb, "addCompletedHandler:", ctypes.addressof(block), restype=None)
+        send(cb, "commit", restype=None)
+        self._buffers.append((value, cb, block, record, bool(still)))
+        self._keep.add(value, (keep, block))
+        if len(self._buffers) > 256:
+            self._reap()
+        self._unmarked = 0
+
+    def flush(self) -> None:
+        """Commit a wait command that no later command carried yet (before parking)."""
+        if self._unmarked:
+            self._submit(self._unmarked, lambda cb: None)
+
+    def _reap(self) -> None:
+        """Release the command buffers that completed, noting the first that failed."""
+        buffers, reached = self._buffers, self._timeline.value
+        while buffers and buffers[0][0] <= reached:
+            done_value, cb, _, record, _ = buffers.popleft()
+            start = send(cb, "GPUStartTime", restype=ctypes.c_double)
+            end = send(cb, "GPUEndTime", restype=ctypes.c_double)
+            record.start_ns, record.end_ns = int(start * 1e9), int(end * 1e9)
+            status = send(cb, "status", restype=c_ulong)
+            if status == STATUS_ERROR and self._backend.lost is None:
+                error = describe_error(send(cb, "error"))
+                self._backend.lost = DeviceLostError(f"a Metal command buffer failed: {error}")
+                self._backend.lost_from = done_value
+            release(cb)
+        _blocks.release_ran()
+
+    def failure(self, value: int) -> BaseException | None:
+        self.flush()
+        self._reap()
+        lost = self._backend.lost
+        return lost if lost is not None and value >= self._backend.lost_from else None
+
+    # -- commands -------------------------------------------------------------------------
+
+    def launch(
+        self,
+        program: Any,
+        args: Sequence[Arg],
+        global_size: tuple[int, int, int],
+        local_size: tuple[int, int, int],
+        value: int,
+        record: Record,
+    ) -> None:
+        ints = [ctypes.c_int32(a.value) for a in args if a.value is not None]
+
+        def encode(cb: int) -> None:
+            encoder = send(cb, "computeCommandEncoder")
+            send(encoder, "setComputePipelineState:", program, restype=None)
+            values = iter(ints)
+            for index, (handle, offset, val) in enumerate(args):
+                if val is None:
+                    send(
+                        encoder,
+                        "setBuffer:offset:atIndex:",
+                        handle,
+                        offset,
+                        index,
+                        restype=None,
+                        argtypes=(c_void_p, c_ulong, c_ulong),
+                    )
+                else:
+                    v = next(values)
+                    send(
+                        encoder,
+                        "setBytes:length:atIndex:",
+                        ctypes.addressof(v),
+                        4,
+                        index,
+                        restype=None,
+                        argtypes=(c_void_p, c_ulong, c_ulong),
+                    )
+            send(
+                encoder,
+                "dispatchThreads:threadsPerThreadgroup:",
+                MTLSize(*global_size),
+                MTLSize(*local_size),
+                restype=None,
+                argtypes=(MTLSize, MTLSize),
+            )
+            send(encoder, "endEncoding", restype=None)
+
+        self._submit(value, encode, (args, ints), record=record)
+
+    def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
+        assert isinstance(timeline, MetalTimeline)
+
+        def encode(cb: int) -> None:
+            send(
+                cb,
+                "encodeSignalEvent:value:",
+                timeline.event,
+                target,
+                restype=None,
+                argtypes=(c_void_p, c_uint64),
+            )
+
+        # Host awaiters of `timeline` hear of it from this command's completion handler.
+        self._submit(value, encode, timeline, record=record, then=(timeline.c_timeline, target))
+
+    def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
+        assert isinstance(timeline, MetalTimeline)
+        # Encoded at the head of the next command buffer, with the work that depends on
+        # it; this command's own value is marked by that buffer (or by flush()).
+        self._waits.append((timeline, target))
+        self._unmarked = value
+
+    def _blit(
+        self,
+        value: int,
+        dst: tuple[int, int],
+        src: tuple[int, int],
+        nbytes: int,
+        keep: object,
+        record: Record,
+        copy_back: tuple[int, int, int] | None = None,
+    ) -> None:
+        def encode(cb: int) -> None:
+            blit = send(cb, "blitCommandEncoder")
+            send(
+                blit,
+                "copyFromBuffer:sourceOffset:toBuffer:destinationOffset:size:",
+                src[0],
+                src[1],
+                dst[0],
+                dst[1],
+                nbytes,
+                restype=None,
+                argtypes=(c_void_p, c_ulong, c_void_p, c_ulong, c_ulong),
+            )
+            send(blit, "endEncoding", restype=None)
+
+        self._submit(value, encode, keep, copy_back, record)
+
+    def copy(
+        self, dst: Arg, src: Arg, nbytes: int, value: int, record: Record, peer: Any = None
+    ) -> None:
+        source: tuple[int, int] = (src.handle, src.offset)
+        keep: list[object] = [dst, src]
+        if peer is not None:  # another Metal device: wrap its shared memory here
+            base = send(src.handle, "contents")
+            length = send(src.handle, "length", restype=c_ulong)
+            wrapped, delta = self._backend.wrap_pages(base, length)
+            keep.append(_Owned(wrapped))
+            source = (wrapped, delta + src.offset)
+        self._blit(value, (dst.handle, dst.offset), source, nbytes, keep, record)
+
+    def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
+        # The source is read in place by the blit, through a buffer over its pages:
+        # nothing is copied on the submitting thread, and the source is not staged (it is
+        # kept until done). Only one Metal will not wrap is copied now.
+        address, keep = host_address(src)
+        wrapped = self._backend.wrap_pages(address, src.nbytes, check=False)
+        if wrapped is None:
+            staging = send(
+                self._backend.device,
+                "newBufferWithBytes:length:options:",
+                address,
+                src.nbytes,
+                STORAGE_SHARED,
+                argtypes=(c_void_p, c_ulong, c_ulong),
+            )
+            wrapped = (staging, 0)
+        self._blit(
+            value,
+            (dst.handle, dst.offset),
+            wrapped,
+            src.nbytes,
+            (keep, src, _Owned(wrapped[0])),
+            record,
+        )
+
+    def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
+        # Blit into a shared staging buffer (the blit is ordered after earlier work on
+        # `src` by Metal's hazard tracking); the completion handler itself then moves the
+        # bytes to the host array, natively, before it raises the timeline.
+        staging = send(
+            self._backend.device,
+            "newBufferWithLength:options:",
+            dst.nbytes,
+            STORAGE_SHARED,
+            argtypes=(c_ulong, c_ulong),
+        )
+        self._blit(
+            value,
+            (staging, 0),
+            (src.handle, src.offset),
+            dst.nbytes,
+            (dst, src, _Owned(staging)),
+            record,
+            copy_back=(host_address(dst)[0], send(staging, "contents"), dst.nbytes),
+        )
+
+    def close(self, abandon: bool = False) -> None:
+        self.flush()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+        for _, cb, _, _, blocked in self._buffers:
+            # At exit (abandon) drain what can complete, so no handler fires during
+            # finalization; stop at the first buffer held by a wait nothing may signal
+            # (buffers of a queue complete in order).
+            if abandon and blocked:
+                break
+            send(cb, "waitUntilCompleted", restype=None)
+        for _, cb, _, _, _ in self._buffers:
+            release(cb)
+        self._buffers.clear()
+        release(self._queue)
+
+
+class _Owned:
+    """An Objective-C object released when the last command holding it is dropped."""
+
+    def __init__(self, obj: int) -> None:
+        self.obj = obj
+
+    def __del__(self) -> None:
+        release(self.obj)
