@@ -1,6 +1,6 @@
 """Every hook a device backend supplies, in one place.
 
-A backend module (``backends/cpu.py``, ``backends/cuda.py``, ...) subclasses these three
+A backend (``backends/cpu.py``, the package ``backends/cuda/``, ...) subclasses these three
 classes. Nothing here is async: the hooks submit and return, and report progress by
 calling the ``on_advance`` callback a timeline was made with, from whichever thread sees
 it. Everything async -- waiting, batching wake-ups, cancellation, validation -- lives
@@ -193,8 +193,12 @@ class DeviceInfo:
 class Backend(ABC):
     """One opened device. Construction and ``close`` may block; they run in a thread."""
 
-    kind: ClassVar[str]  # "cpu", "cuda", "metal"
+    kind: ClassVar[str]  # its name in the registry (asyncmetal.backends.BACKENDS)
     host_visible: ClassVar[bool] = False  # buffers can be viewed from the host in place
+    runs_kernels: ClassVar[bool] = True  # compiles and launches kernels: a default device
+    writable: ClassVar[bool] = True  # its buffers can be written (else: read-only sources)
+    fork_safe: ClassVar[bool] = False  # a forked child may open one after its parent did
+    any_index: ClassVar[bool] = False  # every ``kind:N`` opens a further device
     # How many commands a queue parked in a device-side wait takes before submitting
     # blocks (None: no limit); past it the queue holds commands on the host.
     max_behind_wait: ClassVar[int | None] = None

@@ -6,7 +6,6 @@ import atexit
 import collections
 import contextlib
 import functools
-import importlib
 import os
 import weakref
 from collections.abc import AsyncIterator, Collection, Generator, Iterable
@@ -15,6 +14,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from . import backends
 from ._backend import Backend
 from ._bridge import checkpoint
 from ._compile import ParamKind, Program, source_key
@@ -31,27 +31,6 @@ from ._pool import CompilePool, check_timeout, compiler_identity, default_pool
 from ._queue import Queue, completable
 from ._timeline import MADE_BY_DEVICE, HostEvents, Timeline, wait_value
 
-_BACKENDS = {
-    "cpu": "asyncmetal.backends.cpu:CPUBackend",
-    "npy": "asyncmetal.backends.npy:NpyBackend",
-    "cuda": "asyncmetal.backends.cuda:CUDABackend",
-    "metal": "asyncmetal.backends.metal:MetalBackend",
-}
-_PREFERENCE = ("cuda", "metal", "cpu", "npy")
-
-
-def _backend_class(kind: str) -> type[Backend]:
-    module, _, name = _BACKENDS[kind].partition(":")
-    cls: type[Backend] = getattr(importlib.import_module(module), name)
-    return cls
-
-
-def _available(kind: str) -> list[str]:
-    try:
-        return _backend_class(kind).available()
-    except ImportError:
-        return []
-
 
 def devices() -> list[str]:
     """The devices that can be opened here, best first: ``"cuda:0"``, ``"metal"``, ``"cpu"``.
@@ -59,16 +38,17 @@ def devices() -> list[str]:
     ``"cpu"`` is ``"cpu:0"``; ``"cpu:1"``, ``"cpu:2"``... open further independent cpu
     devices, so cross-device code runs on any machine.
     """
-    return [name for kind in _PREFERENCE for name in _available(kind)]
+    return [name for kind in backends.PREFERENCE for name in backends.available(kind)]
 
 
 def parse_name(name: str) -> tuple[str, int]:
     if not isinstance(name, str):
         raise ArgumentTypeError(f"device name must be a str, got {type(name).__name__}")
     kind, _, index = name.partition(":")
-    if kind not in _BACKENDS or (index and not index.isdigit()):
+    if kind not in backends.BACKENDS or (index and not index.isdigit()):
         raise AsyncMetalError(
-            f"unknown device {name!r}: expected one of {', '.join(_BACKENDS)}, optionally with ':N'"
+            f"unknown device {name!r}: expected one of {', '.join(backends.BACKENDS)}, "
+            "optionally with ':N'"
         )
     return kind, int(index or 0)
 
@@ -439,21 +419,26 @@ class _DeviceOpener:
         return Device(name, backend)
 
     def _open_backend(self) -> tuple[str, Backend]:
-        name = self._name or os.environ.get("ASYNCMETAL_DEVICE") or (devices() or ["cpu"])[0]
-        if name == "npy" and self._name is None:
-            name = "cpu"  # npy holds no kernels: never the default
+        name = (
+            self._name or os.environ.get("ASYNCMETAL_DEVICE") or (devices() or [backends.HOST])[0]
+        )
         kind, index = parse_name(name)
+        cls = backends.backend_class(kind)
+        if not cls.runs_kernels and self._name is None:
+            name = backends.HOST  # never the default: a device for kernels is wanted
+            kind, index = parse_name(name)
+            cls = backends.backend_class(kind)
         _check_fork_safe(kind)
-        cls = _backend_class(kind)
         available = cls.available()
         if (
             name not in available
             and f"{kind}:{index}" not in available
-            and (kind != "cpu" or not available)
+            and not (cls.any_index and available)
         ):
             raise AsyncMetalError(f"device {name!r} is not available here (available: {devices()})")
         backend = cls(index)
-        _kinds_opened.add(kind)
+        if not cls.fork_safe:
+            _kinds_opened.add(kind)
         return name, backend
 
     def __await__(self) -> Generator[Any, None, Device]:
@@ -484,7 +469,7 @@ async def from_numpy(array: Any) -> Buffer:
     source of :func:`asyncmetal.copy` like any device buffer. No bytes are copied."""
     global _npy_device
     if _npy_device is None or _npy_device.closed:
-        device = await open_device("npy")
+        device = await open_device(backends.ARRAYS)
         if _npy_device is None or _npy_device.closed:
             _npy_device = device
         else:
@@ -510,9 +495,8 @@ atexit.register(_close_all_at_exit)
 # parent's -- nothing native of it is touched or waited for -- and any use of it, its
 # queues, buffers or timelines raises ClosedResourceError saying where it was opened.
 # The child may open devices of its own; those of a kind whose driver does not survive
-# a fork (everything but cpu and npy) only if the parent never opened one.
-_FORK_SAFE = frozenset({"cpu", "npy"})
-_kinds_opened: set[str] = set()  # kinds of device this process opened
+# a fork (a backend not ``fork_safe``) only if the parent never opened one.
+_kinds_opened: set[str] = set()  # kinds of device not fork_safe that this process opened
 _inherited_drivers: dict[str, int] = {}  # kind -> the ancestor process that opened one
 _pid_before_fork = os.getpid()
 
@@ -524,7 +508,7 @@ def _note_fork() -> None:
 
 def _forget_parent_devices() -> None:
     parent = _pid_before_fork
-    for kind in _kinds_opened - _FORK_SAFE:
+    for kind in _kinds_opened:
         _inherited_drivers.setdefault(kind, parent)
     for device in list(_open_devices):
         _open_devices.discard(device)

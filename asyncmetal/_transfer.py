@@ -68,8 +68,10 @@ def _size(dst_nbytes: int, src_nbytes: int, nbytes: int | None) -> int:
 
 def submit_copy(queue: Queue, dst: Any, src: Any, nbytes: int | None) -> Completion:
     device = queue.device
-    if isinstance(dst, Buffer) and dst.device.kind == "npy":
-        raise InvalidArgumentError("dst is an npy buffer: npy buffers are read-only sources")
+    if isinstance(dst, Buffer) and not dst.device._backend.writable:
+        raise InvalidArgumentError(
+            f"dst is a buffer of {dst.device.name}: its buffers are read-only sources"
+        )
     if isinstance(dst, Buffer) and isinstance(src, Buffer):
         dst._check_usable("dst", device)
         src._check_usable("src")
@@ -130,8 +132,8 @@ async def copy(dst: Any, src: Any, nbytes: int | None = None) -> None:
         await _copy_between_kinds(dst, src, nbytes)
         return
     if isinstance(dst, Buffer):
-        if dst.device.kind == "npy":
-            raise InvalidArgumentError("npy buffers are read-only sources")
+        if not dst.device._backend.writable:
+            raise InvalidArgumentError(f"{dst.device.kind} buffers are read-only sources")
         queue = dst.device.queue
     elif isinstance(src, Buffer):
         queue = src.device.queue
@@ -147,8 +149,8 @@ STAGING_RING = 3
 async def _copy_between_kinds(dst: Buffer, src: Buffer, nbytes: int | None) -> None:
     dst._check_usable("dst")
     src._check_usable("src")
-    if dst.device.kind == "npy":
-        raise InvalidArgumentError("npy buffers are read-only sources")
+    if not dst.device._backend.writable:
+        raise InvalidArgumentError(f"{dst.device.kind} buffers are read-only sources")
     nbytes = _size(dst.nbytes, src.nbytes, nbytes)
     # One side is read or written in place by the other side's queue: that queue's
     # copy is a use of it like any other, so that freeing it (say, once this await is

@@ -190,6 +190,11 @@ class CPUTimeline(NativeTimeline):
     def signal(self, value: int) -> None:
         self._lib.am_timeline_signal(self.c_timeline, value)
 
+    def forked(self, message: str) -> None:
+        """In a forked child, where the queue threads that raise it are the parent's (a
+        value read would never move): every read raises ClosedResourceError(message)."""
+        self._value = _Inherited(message)
+
     def __del__(self) -> None:
         # Only reached once no queue command nor watch refers to it (they hold us).
         self._lib.am_timeline_free(self.c_timeline)
@@ -349,9 +354,17 @@ class CPUQueue(NativeQueue):
             self._keep.clear()
 
 
+def host_memory() -> int:
+    """Bytes of physical memory here (16 GiB where the system does not say)."""
+    pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return int(pages * os.sysconf("SC_PAGE_SIZE")) if pages else 1 << 34
+
+
 class CPUBackend(Backend):
     kind = "cpu"
     host_visible = True
+    fork_safe = True  # the native runtime's threads are the process's own
+    any_index = True  # cpu:1, cpu:2... are further independent devices
 
     @classmethod
     def available(cls) -> list[str]:
@@ -366,11 +379,7 @@ class CPUBackend(Backend):
         self._closed = False
         self._timelines: weakref.WeakSet[CPUTimeline] = weakref.WeakSet()
         self.live_allocations = 0
-        pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-        self._info = DeviceInfo(
-            name=f"cpu:{index}",
-            total_memory=int(pages * os.sysconf("SC_PAGE_SIZE")) if pages else 1 << 34,
-        )
+        self._info = DeviceInfo(name=f"cpu:{index}", total_memory=host_memory())
 
     @property
     def info(self) -> DeviceInfo:
@@ -417,11 +426,10 @@ class CPUBackend(Backend):
         return timeline
 
     def forked(self, message: str) -> None:
-        # The queue threads that raise these timelines are the parent's: a value read
-        # here would never move. The runtime leaves the parent's queues and timelines
-        # alone when they are closed or freed in a child (amrt.c, am_forks).
+        # The runtime leaves the parent's queues and timelines alone when they are
+        # closed or freed in a child (amrt.c, am_forks).
         for timeline in list(self._timelines):
-            timeline._value = _Inherited(message)
+            timeline.forked(message)
         self._libraries_lock = threading.Lock()  # may have been held at the fork
         self._closed = True
         self._libraries = []  # the parent's to unload

@@ -40,6 +40,9 @@ class _NoCompiler(Compiler):
 class NpyBackend(CPUBackend):
     kind = "npy"
     host_visible = True
+    runs_kernels = False
+    writable = False
+    any_index = False
 
     @classmethod
     def available(cls) -> list[str]:

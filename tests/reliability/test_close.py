@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-from asyncmetal import _device
+from asyncmetal import backends
 from asyncmetal.backends.cpu import CPUBackend
 from tests.conftest import KERNELS
 
@@ -298,7 +298,7 @@ class _OtherKind(CPUBackend):
 async def test_a_cross_kind_copy_keeps_the_host_visible_buffer(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch, direction: str
 ) -> None:
-    monkeypatch.setitem(_device._BACKENDS, "cpu2", f"{__name__}:_OtherKind")
+    monkeypatch.setitem(backends.BACKENDS, "cpu2", f"{__name__}:_OtherKind")
     cpu = await am.open_device("cpu:26")
     other = await am.open_device("cpu2")
     theirs = await other.alloc(64)
