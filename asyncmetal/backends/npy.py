@@ -2,23 +2,37 @@
 
 ``asyncmetal.from_numpy(array)`` (or ``npy_device.wrap(array)``) gives a Buffer whose
 memory is the array itself, so a program can hand host arrays and device buffers to
-``asyncmetal.copy`` alike. It has no kernels and cannot be written to; its queues are
-the cpu device's native threads (reads out of it are memmoves, ordered like any other).
+``asyncmetal.copy`` alike.
+
+What it does: wrap arrays (``wrap``), copy out of them -- to the host, or to any
+device through ``asyncmetal.copy``, read in place (host-visible) -- and order that work
+with its queues and timelines, which are native threads of the runtime like the cpu
+device's (reads are memmoves, ordered like any other command).
+
+What it refuses, saying why: allocating (its memory is the arrays'), being written
+(copies into it, ``Buffer.write``), compiling and loading kernels. Never a default
+device (``runs_kernels`` is false), and a forked child may open one (``fork_safe``).
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from .._compile import Compiler
+from .. import _native
+from .._backend import Backend, DeviceInfo, NativeQueue, NativeTimeline
+from .._compile import Compiler, ParamKind
 from .._errors import CompileError, InvalidArgumentError
-from .cpu import CPUBackend
+from .cpu import CPUBackend, CPUQueue, CPUTimeline, host_memory
+
+NO_KERNELS = "the npy device runs no kernels: compile for a device that does"
 
 
 class _ArrayMemory:
-    """A host array seen as device memory (the cpu backend's handle shape)."""
+    """A host array seen as device memory (the shape the cpu device's queues copy)."""
 
     __slots__ = ("address", "array")
 
@@ -31,34 +45,70 @@ class _NoCompiler(Compiler):
     name = "npy"
 
     def compile(self, src: str) -> bytes:
-        raise CompileError("the npy device runs no kernels")
+        raise CompileError(NO_KERNELS)
 
-    def params(self, src: str, name: str) -> tuple[Any, ...]:
-        raise CompileError("the npy device runs no kernels")
+    def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
+        raise CompileError(NO_KERNELS)
 
 
-class NpyBackend(CPUBackend):
+class NpyBackend(Backend):
     kind = "npy"
-    host_visible = True
+    host_visible = True  # read in place: its memory is the arrays
     runs_kernels = False
     writable = False
-    any_index = False
+    fork_safe = True  # the native runtime's threads are the process's own
 
     @classmethod
     def available(cls) -> list[str]:
+        # Its queues are the native runtime's, which builds where the cpu device's does.
         return ["npy"] if CPUBackend.available() else []
 
     def __init__(self, index: int) -> None:
-        super().__init__(index)
-        self._npy_compiler = _NoCompiler()
-        self.info.name = f"npy:{index}" if index else "npy"
+        self._lib = _native.runtime()  # builds it on first use (we are off the loop)
+        self._compiler = _NoCompiler()
+        self._timelines: weakref.WeakSet[CPUTimeline] = weakref.WeakSet()
+        name = f"npy:{index}" if index else "npy"
+        self._info = DeviceInfo(name=name, total_memory=host_memory())
+
+    @property
+    def info(self) -> DeviceInfo:
+        return self._info
 
     @property
     def compiler(self) -> Compiler:
-        return self._npy_compiler
+        return self._compiler
+
+    def load(self, binary: bytes, name: str) -> Any:
+        raise CompileError(NO_KERNELS)
 
     def allocate(self, nbytes: int) -> Any:
         raise InvalidArgumentError("npy buffers are made from arrays: asyncmetal.from_numpy(array)")
 
     def wrap(self, array: np.ndarray[Any, Any]) -> _ArrayMemory:
+        """The device memory of a Buffer over ``array`` (checked by Device.wrap)."""
         return _ArrayMemory(array)
+
+    def free(self, handle: Any) -> None:
+        pass  # the array is its owner's: dropping the handle lets it go
+
+    def host_view(self, handle: Any, offset: int, nbytes: int) -> memoryview:
+        """A read-only view: the array is read in place, never written."""
+        memory: _ArrayMemory = handle
+        return memory.array[offset : offset + nbytes].data.toreadonly()
+
+    def new_queue(self, timeline: NativeTimeline) -> NativeQueue:
+        assert isinstance(timeline, CPUTimeline)
+        return CPUQueue(self._lib, timeline)
+
+    def new_timeline(self, on_advance: Callable[[int], None]) -> NativeTimeline:
+        # The runtime notifies waiting loops itself (through their pipes): no callback.
+        timeline = CPUTimeline(self._lib)
+        self._timelines.add(timeline)
+        return timeline
+
+    def forked(self, message: str) -> None:
+        for timeline in list(self._timelines):
+            timeline.forked(message)
+
+    def close(self) -> None:
+        pass  # its queues were closed (Device closes them first); nothing else is held
