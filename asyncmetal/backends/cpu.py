@@ -360,7 +360,31 @@ def host_memory() -> int:
     return int(pages * os.sysconf("SC_PAGE_SIZE")) if pages else 1 << 34
 
 
-class CPUBackend(Backend):
+class HostQueues:
+    """The queues and timelines of a backend whose queues are threads of the native
+    runtime (the cpu device's, the npy device's): set ``_lib`` and ``_timelines``."""
+
+    _lib: ctypes.CDLL
+    _timelines: weakref.WeakSet[CPUTimeline]
+
+    def new_queue(self, timeline: NativeTimeline) -> NativeQueue:
+        assert isinstance(timeline, CPUTimeline)
+        return CPUQueue(self._lib, timeline)
+
+    def new_timeline(self, on_advance: Callable[[int], None]) -> NativeTimeline:
+        # The runtime notifies waiting loops itself (through their pipes): no callback.
+        timeline = CPUTimeline(self._lib)
+        self._timelines.add(timeline)
+        return timeline
+
+    def forked(self, message: str) -> None:
+        # The runtime leaves the parent's queues and timelines alone when they are
+        # closed or freed in a child (amrt.c, am_forks).
+        for timeline in list(self._timelines):
+            timeline.forked(message)
+
+
+class CPUBackend(HostQueues, Backend):
     kind = "cpu"
     host_visible = True
     fork_safe = True  # the native runtime's threads are the process's own
@@ -415,21 +439,8 @@ class CPUBackend(Backend):
         view: memoryview = memory.array[offset : offset + nbytes].data
         return view
 
-    def new_queue(self, timeline: NativeTimeline) -> NativeQueue:
-        assert isinstance(timeline, CPUTimeline)
-        return CPUQueue(self._lib, timeline)
-
-    def new_timeline(self, on_advance: Callable[[int], None]) -> NativeTimeline:
-        # The runtime notifies waiting loops itself (through their pipes): no callback.
-        timeline = CPUTimeline(self._lib)
-        self._timelines.add(timeline)
-        return timeline
-
     def forked(self, message: str) -> None:
-        # The runtime leaves the parent's queues and timelines alone when they are
-        # closed or freed in a child (amrt.c, am_forks).
-        for timeline in list(self._timelines):
-            timeline.forked(message)
+        super().forked(message)
         self._libraries_lock = threading.Lock()  # may have been held at the fork
         self._closed = True
         self._libraries = []  # the parent's to unload

@@ -17,16 +17,15 @@ device (``runs_kernels`` is false), and a forked child may open one (``fork_safe
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from .. import _native
-from .._backend import Backend, DeviceInfo, NativeQueue, NativeTimeline
+from .._backend import Backend, DeviceInfo
 from .._compile import Compiler, ParamKind
 from .._errors import CompileError, InvalidArgumentError
-from .cpu import CPUBackend, CPUQueue, CPUTimeline, host_memory
+from .cpu import CPUBackend, CPUTimeline, HostQueues, host_memory
 
 NO_KERNELS = "the npy device runs no kernels: compile for a device that does"
 
@@ -51,7 +50,7 @@ class _NoCompiler(Compiler):
         raise CompileError(NO_KERNELS)
 
 
-class NpyBackend(Backend):
+class NpyBackend(HostQueues, Backend):
     kind = "npy"
     host_visible = True  # read in place: its memory is the arrays
     runs_kernels = False
@@ -95,20 +94,6 @@ class NpyBackend(Backend):
         """A read-only view: the array is read in place, never written."""
         memory: _ArrayMemory = handle
         return memory.array[offset : offset + nbytes].data.toreadonly()
-
-    def new_queue(self, timeline: NativeTimeline) -> NativeQueue:
-        assert isinstance(timeline, CPUTimeline)
-        return CPUQueue(self._lib, timeline)
-
-    def new_timeline(self, on_advance: Callable[[int], None]) -> NativeTimeline:
-        # The runtime notifies waiting loops itself (through their pipes): no callback.
-        timeline = CPUTimeline(self._lib)
-        self._timelines.add(timeline)
-        return timeline
-
-    def forked(self, message: str) -> None:
-        for timeline in list(self._timelines):
-            timeline.forked(message)
 
     def close(self) -> None:
         pass  # its queues were closed (Device closes them first); nothing else is held
