@@ -1,4 +1,4 @@
-"""Device, open_device(), devices() and the registry of backends."""
+"""Device, open_device() and devices() (the backends they open: asyncmetal.backends)."""
 
 from __future__ import annotations
 
