@@ -1,7 +1,7 @@
 """The ``cuda:N`` devices, through NVIDIA's cuda-bindings (driver API and NVRTC).
 
 * Queues are non-blocking streams. Each command is submitted in one native call
-  (``native/amrt.c``: the launch, an event record) and its event handed to a native
+  (``native/cuda_submit.c``: the launch, an event record) and its event handed to a native
   completion thread per stream, which polls it a moment, then blocks on it, without the
   GIL, and raises the queue's timeline once the event confirmed the command. Nothing
   runs inside a driver callback. Driver functions on that path are the pointers
@@ -44,7 +44,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .. import _native
+from .. import _native, _native_contract
 from .._backend import (
     Arg,
     Backend,
@@ -622,7 +622,9 @@ class CUDAQueue(NativeQueue):
         self._check(code)
 
     def launch_target(self) -> tuple[Any, ...] | None:
-        return None if self._fast_launch is None else (1, self._q, self)
+        if self._fast_launch is None:
+            return None
+        return _native_contract.cuda_launch_target(self, self._q)
 
     def _launch_dims(self, global_size: tuple[int, ...], local_size: tuple[int, ...]) -> int:
         """The address of (grid, block, shared bytes) for these sizes, cached."""
