@@ -41,6 +41,8 @@
  * every other use of them in the child. */
 extern AM_HIDDEN unsigned am_forks;
 
+/* ---- timelines.c: a loop's notifier, a watch of a timeline, the timeline ---------- */
+
 typedef struct am_notifier {
     atomic_int pending;
     int fd;
@@ -65,6 +67,8 @@ typedef struct am_timeline {
     uint64_t seen;                  /* the word's highest value it saw, under mu */
     unsigned forks;                 /* am_forks when made: another value, the parent's */
 } am_timeline;
+
+/* ---- host_queues.c: a cpu queue's commands, and the queue ------------------------ */
 
 enum { CMD_CALL = 1, CMD_COPY, CMD_SIGNAL, CMD_WAIT, CMD_COPY_PART };
 
@@ -105,6 +109,8 @@ typedef struct am_queue {
     unsigned forks;                 /* am_forks when made */
 } am_queue;
 
+/* ---- helpers of every file ------------------------------------------------------ */
+
 static inline int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -129,7 +135,7 @@ static inline void raise_word(_Atomic uint64_t *word, uint64_t v) {
 #define cpu_relax() ((void)0)
 #endif
 
-/* ---- timelines.c ----------------------------------------------------------------- */
+/* ---- the functions: timelines.c ------------------------------------------------- */
 am_notifier *am_notifier_new(int fd);
 void am_notifier_free(am_notifier *n);
 void am_notifier_reset(am_notifier *n);

@@ -124,47 +124,35 @@ def test_the_runtime_loads_where_no_compiler_is(wheel: Path, tmp_path: Path) -> 
         "ASYNCMETAL_CACHE_DIR": str(tmp_path / "cache"),  # nothing built before
         "HOME": str(tmp_path),
     }
-    run = subprocess.run(
-        [str(python), "-c", CHECK],
-        cwd=tmp_path,  # not the source tree: asyncmetal comes from the wheel
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    out = run.stdout
+
+    def run(*args: str) -> str:
+        proc = subprocess.run(
+            [str(python), *args],
+            cwd=tmp_path,  # not the source tree: asyncmetal comes from the wheel
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    out = run("-c", CHECK)
     assert f"origin: packaged {site}" in out, out
     assert "extension: True" in out or "without Python.h" in out, out
     assert "'cpu'" in out, out
     assert "compile: CompileError compiling cpu kernels needs a C compiler" in out, out
     assert "no-such-compiler" in out, out
 
-    info = subprocess.run(
-        [str(python), "-m", "asyncmetal", "info"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    info = run("-m", "asyncmetal", "info")
     assert f"native runtime: packaged, {site}" in info, info
     assert not list((tmp_path / "cache").glob("amrt*")), "nothing was built at first use"
 
     # A runtime built from other sources than those installed beside it is not used.
     with open(Path(site) / "asyncmetal" / "native" / "timelines.c", "a") as f:
         f.write("/* edited after the build */\n")
-    info = subprocess.run(
-        [str(python), "-m", "asyncmetal", "info"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    info = run("-m", "asyncmetal", "info")
     assert "native runtime: unavailable" in info, info
     assert "was built from other sources than those beside it" in info, info
     assert "no C compiler" in info, info
