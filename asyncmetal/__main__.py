@@ -28,12 +28,16 @@ def info() -> None:
         print("no devices can be opened here")
     for name in names:
         print(f"  {name}")
-    if _native.compiler() is not None:
+    try:
         _native.runtime()
-        if _native.extension() is not None:
-            print("native runtime: with its extension module (launches without ctypes)")
-        else:
-            print(f"native runtime: ctypes only ({_native.extension_error})")
+    except am.AsyncMetalError as exc:
+        print(f"native runtime: unavailable ({exc})")
+        return
+    print(f"native runtime: {_native.origin}, {_native.origin_path}")
+    if _native.extension() is not None:
+        print("extension module: in use (launches without ctypes)")
+    else:
+        print(f"extension module: not in use ({_native.extension_error})")
 
 
 async def demo(name: str | None) -> None:

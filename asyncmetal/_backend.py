@@ -168,7 +168,7 @@ class NativeQueue(ABC):
 
     def launch_target(self) -> tuple[Any, ...] | None:
         """What the native extension's ``launch`` needs to submit this queue's common
-        launches itself (``native/ampy.c`` lists the forms), or None: every launch goes
+        launches itself (``_native_contract.LAYOUTS`` lists the forms), or None: every launch goes
         through :meth:`launch`. Read once, when the Queue is made."""
         return None
 

@@ -1,30 +1,39 @@
-"""Loads asyncmetal's native runtime (``native/amrt.c``), building it on first use.
+"""Loads asyncmetal's native runtime (``native/``: ``native/amrt.h`` lists its files).
 
-The runtime holds the cpu device's queue threads and the notifiers through which native
-threads wake event loops by writing one byte to a pipe, without ever taking the GIL.
-It is built with the system C compiler into the cache directory, keyed by the source's
-hash, atomically (several processes may race to build it).
+The runtime holds the cpu device's queue threads, the CUDA queues' completion threads
+and the notifiers through which native threads wake event loops by writing one byte to
+a pipe, without ever taking the GIL.
+
+Where it comes from, in order:
+
+* **packaged**: compiled when the wheel was built (``setup.py``) and installed in the
+  package directory -- ``_amrt`` plus the interpreter's extension suffix, with the
+  extension module, or ``libamrt`` without it. Used only if it was built from the
+  sources installed beside it (its ``am_build_digest``), so an editable install whose C
+  files were edited since does not run stale code.
+* **built at first use**: otherwise, with the system C compiler (``$CC``/``cc``), into
+  the cache directory, keyed by the sources' digest, atomically (several processes may
+  race to build it).
 
 Where the interpreter's headers are installed (``Python.h``), the same shared object is
-also a CPython extension module (``native/ampy.c`` appended to the runtime): the launch
-path of the cpu and cuda queues calls it instead of ctypes. It is loaded from the very
-file ctypes loads, so both see one runtime. Without the headers, or with
+also a CPython extension module (``native/py_module.c``, ``native/py_launch.c``): the
+launch path of the cpu and cuda queues calls it instead of ctypes. It is loaded from the
+very file ctypes loads, so both see one runtime. Without the headers, or with
 ``ASYNCMETAL_EXTENSION=0``, everything goes through ctypes (:func:`extension` is None).
+What the extension reads from Python objects is declared in
+:mod:`asyncmetal._native_contract`, and checked when it loads.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
-import hashlib
 import importlib.machinery
 import importlib.util
 import os
 import platform
 import shutil
-import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import warnings
@@ -33,6 +42,8 @@ from importlib import resources
 from types import ModuleType
 from typing import Protocol
 
+from . import _native_build as build
+from . import _native_contract
 from ._cache import CacheWarning, default_cache_dir
 from ._errors import AsyncMetalError
 
@@ -93,53 +104,76 @@ MAX_ARGS = 16
 
 
 def compiler() -> str | None:
-    cc = os.environ.get("CC") or "cc"
-    return cc if shutil.which(cc) else None
+    """``$CC`` (default ``cc``) if it can be run, else None."""
+    return build.compiler()
 
 
-def _build(source: bytes, target: str, flags: list[str]) -> None:
-    cc = compiler()
-    if cc is None:
-        raise AsyncMetalError("the cpu device needs a C compiler: none found (set $CC)")
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".so.tmp")
-    os.close(fd)
-    try:
-        proc = subprocess.run(
-            [cc, "-O2", "-shared", "-fPIC", "-pthread", *flags, "-x", "c", "-", "-o", tmp]
-            + (["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else []),
-            input=source,
-            capture_output=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            raise AsyncMetalError(
-                f"building asyncmetal's native runtime failed:\n{proc.stderr.decode()}"
-            )
-        os.replace(tmp, target)  # atomic: a racing process sees all or nothing
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+def available() -> bool:
+    """Whether the runtime can be loaded here: packaged, built already, or buildable."""
+    return _lib is not None or _packaged_candidates() != [] or compiler() is not None
+
+
+# Where the loaded runtime came from, for `python -m asyncmetal info`.
+origin: str | None = None  # "packaged" | "built at first use"
+origin_path: str | None = None
+
+
+def _sources() -> dict[str, bytes]:
+    native = resources.files("asyncmetal").joinpath("native")
+    return {name: native.joinpath(name).read_bytes() for name in build.ALL_FILES}
+
+
+def _packaged_candidates() -> list[tuple[str, bool]]:
+    """The packaged runtimes installed here, best first: (path, has the extension)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    found = []
+    for stem, with_extension in (
+        (build.PACKAGED_WITH_EXTENSION, True),
+        (build.PACKAGED_RUNTIME_ONLY, False),
+    ):
+        path = os.path.join(here, stem + suffix)
+        if os.path.exists(path):
+            found.append((path, with_extension))
+    return found
 
 
 def _python_include() -> str | None:
     """The interpreter's header directory if Python.h is there and wanted."""
     if os.environ.get("ASYNCMETAL_EXTENSION", "1") == "0":
         return None
-    include = sysconfig.get_paths().get("include")
-    if include and os.path.exists(os.path.join(include, "Python.h")):
-        return include
-    return None
+    return build.python_include()
 
 
-def _built(source: bytes, name: str, flags: list[str]) -> str:
-    digest = hashlib.sha256(source + repr(flags).encode()).hexdigest()[:16]
-    filename = f"{name}-{digest}.so"
+def _compile(sources: dict[str, bytes], target: str, include: str | None) -> None:
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".so.tmp")
+    os.close(fd)
+    try:
+        try:
+            build.compile_runtime(sources, tmp, include)
+        except FileNotFoundError as exc:
+            packaged = "; ".join(_not_packaged) or "not packaged in this install"
+            raise AsyncMetalError(
+                f"asyncmetal's native runtime is {packaged}, and cannot be built here: "
+                f"no C compiler ({os.environ.get('CC') or 'cc'}; set $CC)"
+            ) from exc
+        except RuntimeError as exc:
+            raise AsyncMetalError(f"building asyncmetal's native runtime failed:\n{exc}") from exc
+        os.replace(tmp, target)  # atomic: a racing process sees all or nothing
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _built(sources: dict[str, bytes], name: str, include: str | None) -> str:
+    """The first-use build of the runtime, from the cache directory or compiled now."""
+    filename = f"{name}-{build.digest(sources, include is not None)}.so"
     target = os.path.join(default_cache_dir(), filename)
     if os.path.exists(target):
         return target
     try:
-        _build(source, target, flags)
+        _compile(sources, target, include)
     except OSError as exc:
         # The cache directory cannot be written (read-only, full, not a directory): build
         # into a directory of this process's own instead, and say so.
@@ -152,7 +186,7 @@ def _built(source: bytes, name: str, flags: list[str]) -> str:
         )
         if not os.path.exists(target):
             try:
-                _build(source, target, flags)
+                _compile(sources, target, include)
             except OSError as again:
                 raise AsyncMetalError(
                     f"building asyncmetal's native runtime failed: {again}"
@@ -174,41 +208,80 @@ def _private_build_dir() -> str:
 
 
 def _load_extension(path: str) -> ModuleType:
-    loader = importlib.machinery.ExtensionFileLoader("asyncmetal._amrt", path)
-    spec = importlib.util.spec_from_loader("asyncmetal._amrt", loader)
+    loader = importlib.machinery.ExtensionFileLoader(build.MODULE, path)
+    spec = importlib.util.spec_from_loader(build.MODULE, loader)
     assert spec is not None
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
+    _native_contract.install_names(module)  # raises NativeContractError on a drift
     return module
+
+
+def _packaged(sources: dict[str, bytes], want_extension: bool) -> tuple[str, bool] | None:
+    """The packaged runtime to load, if one was built from these sources: (path, load
+    the extension from it). Skipped, with the reason kept, where it was built from
+    other sources (an editable install whose C files changed)."""
+    global extension_error
+    for path, with_extension in _packaged_candidates():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as exc:
+            extension_error = f"the packaged runtime {path} does not load: {exc}"
+            continue
+        lib.am_build_digest.restype = ctypes.c_char_p
+        if lib.am_build_digest().decode() == build.digest(sources, with_extension):
+            return path, with_extension and want_extension
+        _not_packaged.append(f"{path} was built from other sources than those beside it")
+    return None
+
+
+_not_packaged: list[str] = []  # why packaged runtimes found were not used
 
 
 def runtime() -> ctypes.CDLL:
     """The loaded runtime; builds it the first time. Blocks: call it off the loop."""
-    global _lib, _extension, extension_error, spin
+    global _lib, _extension, extension_error, spin, origin, origin_path
     with _lock:
         if _lib is None:
-            native = resources.files("asyncmetal").joinpath("native")
-            source = native.joinpath("amrt.c").read_bytes()
+            sources = _sources()
             include = _python_include()
-            target = None
-            if include is None:
-                extension_error = "no Python.h (or ASYNCMETAL_EXTENSION=0): ctypes only"
+            want_extension = os.environ.get("ASYNCMETAL_EXTENSION", "1") != "0"
+            packaged = _packaged(sources, want_extension)
+            target, load_extension = None, False
+            if packaged is not None:
+                (target, load_extension), origin = packaged, "packaged"
+                if not load_extension:
+                    extension_error = (
+                        "ASYNCMETAL_EXTENSION=0: ctypes only"
+                        if not want_extension
+                        else "the packaged runtime was built without Python.h: ctypes only"
+                    )
             else:
-                glue = native.joinpath("ampy.c").read_bytes()
-                tag = sys.implementation.cache_tag or "python"
+                origin = "built at first use"
+                if include is None:
+                    extension_error = "no Python.h (or ASYNCMETAL_EXTENSION=0): ctypes only"
+                else:
+                    tag = sys.implementation.cache_tag or "python"
+                    try:
+                        target = _built(sources, f"amrt-{tag}", include)
+                        load_extension = True
+                    except AsyncMetalError as exc:
+                        extension_error = f"{exc}"
+                if target is None:
+                    target = _built(sources, "amrt", None)
+            _extension = None
+            if load_extension:
                 try:
-                    target = _built(source + b"\n" + glue, f"amrt-{tag}", ["-I", include])
                     _extension = _load_extension(target)
-                except (AsyncMetalError, ImportError, OSError) as exc:
-                    extension_error, target, _extension = f"{exc}", None, None
-            if target is None:
-                target = _built(source, "amrt", [])
+                except (ImportError, OSError) as exc:
+                    extension_error = f"{exc}"
             lib = ctypes.CDLL(target)
             for name, (restype, argtypes) in _SIGNATURES.items():
                 fn = getattr(lib, name)
                 fn.restype = restype
                 fn.argtypes = argtypes
             spin = lib.am_timeline_spin if _extension is None else _extension.spin
+            origin_path = target
             _lib = lib
         return _lib
 
@@ -223,8 +296,8 @@ if hasattr(os, "register_at_fork"):
 
 
 def extension() -> ModuleType | None:
-    """The runtime's extension module (``native/ampy.c``), or None where it could not
-    be built; loads the runtime first."""
+    """The runtime's extension module (``native/py_module.c``), or None where it is not
+    in use (:data:`extension_error` says why); loads the runtime first."""
     runtime()
     return _extension
 

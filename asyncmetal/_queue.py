@@ -7,11 +7,12 @@ import functools
 from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import _native
+from . import _native, _native_contract
 from ._backend import Arg, NativeQueue, Record, new_arg
 from ._compile import Program
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
 from ._memory import Buffer
+from ._memory import _Allocation as Allocation
 from ._timeline import (
     MADE_BY_DEVICE,
     Timeline,
@@ -109,15 +110,31 @@ def _size3(size: object, what: str) -> tuple[int, int, int]:
     return dims[0], dims[1], dims[2]
 
 
-@functools.cache
-def _extension_launch() -> Callable[..., Completion | None] | None:
-    """The native extension's ``launch`` (Queue.launch's common case in C), told once
-    which classes it recognizes; None without the extension."""
+_extension_launches: dict[type, Callable[..., Completion | None] | None] = {}
+
+
+def _extension_launch(device_type: type) -> Callable[..., Completion | None] | None:
+    """The native extension's ``launch`` (Queue.launch's common case in C), told which
+    classes it recognizes, after checking what it reads of them (declared in
+    _native_contract) -- once per device class; None without the extension."""
+    if device_type in _extension_launches:
+        return _extension_launches[device_type]
     extension = _native.extension()
     if extension is None:
+        _extension_launches[device_type] = None
         return None
-    extension.setup(Program, Buffer, Completion, _ONE3)
+    classes = {
+        "Queue": Queue,
+        "Device": device_type,
+        "Program": Program,
+        "Buffer": Buffer,
+        "Allocation": Allocation,
+        "Completion": Completion,
+        "Arg": Arg,
+    }
+    _native_contract.setup(extension, classes, _ONE3)
     launch: Callable[..., Completion | None] = extension.launch
+    _extension_launches[device_type] = launch
     return launch
 
 
@@ -145,9 +162,9 @@ class Queue:
             collections.deque()
         )
         self._flush_armed = False
-        # Common launches submitted by the native extension in one call (ampy.c).
+        # Common launches submitted by the native extension in one call (py_launch.c).
         self._launch_target = self._native.launch_target()
-        self._fast_launch = None if self._launch_target is None else _extension_launch()
+        self._fast_launch = None if self._launch_target is None else _extension_launch(type(device))
 
     def __repr__(self) -> str:
         return f"<Queue of {self.device.name} submitted={self._submitted}>"

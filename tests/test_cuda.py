@@ -64,7 +64,7 @@ async def test_launch_computes(anyio_backend: object) -> None:
 
 @pytest.mark.parametrize("path", PATHS)
 async def test_launch_paths_give_the_same_results(anyio_backend: object, path: str) -> None:
-    """The extension module's launch (native/ampy.c) and the ctypes one it replaces:
+    """The extension module's launch (native/py_module.c) and the ctypes one it replaces:
     buffers at offsets, int32 values at both ends, sizes, every element checked."""
     async with am.open_device("cuda:0") as dev:
         fill = await dev.compile(KERNELS, "fill")

@@ -19,7 +19,7 @@ from .native import harness
 
 @pytest.mark.parametrize("sanitizer", harness.SANITIZERS, ids=["plain", "tsan", "asan"])
 def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer: str) -> None:
-    binary = harness.build("fake_cuda.c", tmp_path, sanitizer)
+    binary = harness.build("fake_cuda.c", tmp_path, sanitizer, extra=("fake_cuda_driver.c",))
     proc = harness.run(binary, sanitizer=sanitizer, suppressions="lsan_fake_cuda.supp")
     assert proc.returncode == 0, proc.stderr[-6000:] + proc.stdout
     assert proc.stdout.split() == [

@@ -1,4 +1,4 @@
-"""Queue.launch's common case in the native extension module (native/ampy.c, launch()).
+"""Queue.launch's common case in the native extension module (native/py_launch.c).
 
 It must take exactly what Queue.launch's Python checks accept, or less: anything else
 returns None before submitting, and the Python path checks and explains it. These tests

@@ -1,4 +1,4 @@
-"""The native runtime's extension module (native/ampy.c): the launch path without ctypes.
+"""The native runtime's extension module (native/py_module.c): the launch path without ctypes.
 
 It is built where Python's headers are installed (CI's interpreter has them) and must
 then be in use; the ctypes path it replaces must give the same results.

@@ -1,6 +1,6 @@
 """The ``cpu`` device: C kernels built by the system C compiler, run on queue threads.
 
-Each queue is a thread of asyncmetal's native runtime (``native/amrt.c``) executing its
+Each queue is a thread of asyncmetal's native runtime (``native/host_queues.c``) executing its
 commands in order -- kernel calls, memmoves, timeline signals and waits -- without ever
 taking the GIL. Timelines are 64-bit counters in the runtime; a queue thread that
 reaches a value some loop awaits writes one byte to that loop's pipe.
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _native
+from .. import _native, _native_contract
 from .._backend import (
     Arg,
     Backend,
@@ -69,7 +69,10 @@ class CCompiler(Compiler):
     def compile(self, src: str) -> bytes:
         cc = self._executable()
         if shutil.which(cc) is None:
-            raise CompileError(f"no C compiler: {cc!r} is not on PATH (set $CC)")
+            raise CompileError(
+                f"compiling cpu kernels needs a C compiler: {cc!r} is not on PATH "
+                "(install one, or set $CC to one)"
+            )
         with tempfile.TemporaryDirectory(prefix="asyncmetal-cc-") as tmp:
             out = os.path.join(tmp, "kernel.so")
             proc = subprocess.run(
@@ -232,8 +235,15 @@ class CPUQueue(NativeQueue):
     def launch_target(self) -> tuple[Any, ...] | None:
         if self._fast_call is None:
             return None
-        times = (self._times, self._times_address, TIMES_KEPT, self._keep._items)
-        return (0, self._handle, self, *times)
+        return _native_contract.cpu_launch_target(
+            self,
+            self._handle,
+            times=self._times,
+            times_address=self._times_address,
+            times_kept=TIMES_KEPT,
+            keep_items=self._keep._items,
+            memory_type=_Memory,
+        )
 
     def _submitted(self, status: int, value: int, keep: object) -> None:
         if status != 0:
@@ -379,7 +389,7 @@ class HostQueues:
 
     def forked(self, message: str) -> None:
         # The runtime leaves the parent's queues and timelines alone when they are
-        # closed or freed in a child (amrt.c, am_forks).
+        # closed or freed in a child (native/timelines.c, am_forks).
         for timeline in list(self._timelines):
             timeline.forked(message)
 
@@ -392,7 +402,9 @@ class CPUBackend(HostQueues, Backend):
 
     @classmethod
     def available(cls) -> list[str]:
-        return ["cpu"] if _native.compiler() is not None else []
+        # Kernels need a C compiler at compile time only: with a packaged runtime the
+        # device opens without one, and compiling then says what is missing.
+        return ["cpu"] if _native.available() else []
 
     def __init__(self, index: int) -> None:
         self.index = index

@@ -1,4 +1,4 @@
-"""A simulated Metal for Linux x86-64 (see sim.c and compiler.c), built here with the
+"""A simulated Metal for Linux x86-64 (sim.h lists its C files), built here with the
 system compilers and handed to the Metal backend through its library variables.
 
 :func:`configure` builds the simulation once per source version (into the test cache
@@ -22,7 +22,17 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "sim.c", HERE / "compiler.c"]
+SOURCES = [
+    HERE / name
+    for name in (
+        "objc_runtime.c",
+        "metal_objects.c",
+        "command_buffers.c",
+        "encoders.c",
+        "compiler.c",
+    )
+]
+HEADERS = [HERE / "sim.h"]
 VARIABLES = (
     "ASYNCMETAL_OBJC_LIB",
     "ASYNCMETAL_METAL_LIB",
@@ -46,7 +56,7 @@ def missing() -> str | None:
 
 @functools.cache
 def build() -> Path:
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:16]
     root = Path(os.environ.get("ASYNCMETAL_CACHE_DIR") or tempfile.gettempdir())
     out = root / f"asyncmetal-metal-sim-{digest}.so"
     if not out.exists():

@@ -1,10 +1,7 @@
-/* The cuda queues of asyncmetal's native runtime (amrt.c) against a simulated driver, so
+/* The cuda queues of asyncmetal's native runtime against a simulated driver, so
  * that their completion logic runs on machines without a GPU (tests/test_cuda_runtime.py).
  *
- * Each fake stream is a thread that runs its operations in order: kernels (a busy wait,
- * then an entry in the stream's log; one may fault, which, as on a GPU, fails every call
- * after it on that context), event records, 64-bit word writes and waits, event waits.
- * A query reports an event done once the stream ran past its latest record.
+ * The simulated driver is fake_cuda_driver.c.
  *
  * Checks, each printing "ok <name>" or exiting non-zero with a message:
  *   order     a queue's timeline never reports a command its stream has not run
@@ -35,239 +32,7 @@
  *             blocked on, a command behind a wait nobody signals (a blocked one frees the
  *             queue itself once it returns)
  */
-#include AMRT_C
-#include <stdio.h>
-
-#define NOT_READY 600
-#define ILLEGAL_ADDRESS 700
-
-static void die(const char *what) { fprintf(stderr, "FAIL %s\n", what); exit(1); }
-
-static atomic_long events_made, events_destroyed;
-static atomic_long deep_limit;       /* >0: a launch blocks while its stream has more ops */
-static atomic_long blocked_launches; /* launches that had to block for that */
-static atomic_int release_syncs;     /* 1: blocked syncs give up (NOT_READY) */
-static void *refuse_fn;              /* a launch of this function is refused */
-static uint64_t refuse_word;         /* a word write to it is refused */
-static atomic_int fault_code;  /* the context's sticky error once a kernel faulted */
-static void *_Atomic held;     /* an event whose queries report it unfinished (a slow thread) */
-
-typedef struct { _Atomic int64_t recorded, done; unsigned flags; } fake_event;
-
-enum { OP_KERNEL, OP_RECORD, OP_WRITE, OP_WAIT, OP_WAIT_EVENT };
-typedef struct {
-    int kind;
-    int64_t a;          /* kernel: duration ns; record/wait event: generation; word: value */
-    void *p;            /* kernel: its spec; record/wait event: the event; word: the word */
-    int64_t arg;        /* kernel: its first parameter */
-} op;
-
-typedef struct fake_stream {
-    pthread_t thread;
-    pthread_mutex_t mu;
-    op *ops;
-    size_t cap, head, tail;
-    atomic_int stop;
-    _Atomic int64_t log[1 << 16];  /* parameters of the kernels run, in order */
-    atomic_long ran;
-} fake_stream;
-
-typedef struct {
-    int fault;                     /* 1: this kernel faults */
-    long duration_ns;              /* how long it runs (0: a few us, by its parameter) */
-    fake_stream *check;            /* else: check at run time that `check` ran ... */
-    long at_least;                 /* ... at least this many kernels */
-} kernel;
-
-static void enqueue(fake_stream *s, op o) {
-    pthread_mutex_lock(&s->mu);
-    if (s->tail - s->head == s->cap) die("fake stream full");
-    s->ops[s->tail++ % s->cap] = o;
-    pthread_mutex_unlock(&s->mu);
-}
-
-static void *stream_run(void *arg) {
-    fake_stream *s = arg;
-    for (;;) {
-        pthread_mutex_lock(&s->mu);
-        int have = s->head < s->tail;
-        op o = have ? s->ops[s->head % s->cap] : (op){0};
-        pthread_mutex_unlock(&s->mu);
-        if (!have) {
-            if (atomic_load(&s->stop)) return NULL;
-            sched_yield();
-            continue;
-        }
-        if (atomic_load(&fault_code) && o.kind != OP_RECORD) {
-            /* after a fault the context runs nothing (records stay pending) */
-        } else if (o.kind == OP_KERNEL) {
-            kernel *k = o.p;
-            int64_t end = now_ns() + o.a;
-            if (o.a >= 1000000) nap_ns((long)o.a);  /* a long kernel leaves the CPU */
-            while (now_ns() < end) {}
-            if (k && k->fault) atomic_store(&fault_code, ILLEGAL_ADDRESS);
-            else {
-                if (k && k->check && atomic_load(&k->check->ran) < k->at_least)
-                    die("a stream ran a command before the value it waited for");
-                s->log[atomic_load(&s->ran) % (1 << 16)] = o.arg;
-                atomic_fetch_add(&s->ran, 1);
-            }
-        } else if (o.kind == OP_RECORD) {
-            if (!atomic_load(&fault_code)) atomic_store(&((fake_event *)o.p)->done, o.a);
-        } else if (o.kind == OP_WRITE) {
-            atomic_store((_Atomic uint64_t *)o.p, (uint64_t)o.a);
-        } else if (o.kind == OP_WAIT) {
-            while (atomic_load((_Atomic uint64_t *)o.p) < (uint64_t)o.a)
-                if (atomic_load(&s->stop) == 2) return NULL;
-        } else if (o.kind == OP_WAIT_EVENT) {
-            while (atomic_load(&((fake_event *)o.p)->done) < o.a)
-                if (atomic_load(&s->stop) == 2) return NULL;
-        }
-        pthread_mutex_lock(&s->mu);
-        s->head++;
-        pthread_mutex_unlock(&s->mu);
-    }
-}
-
-static fake_stream *stream_new(void) {
-    fake_stream *s = calloc(1, sizeof *s);
-    s->cap = 1 << 20;
-    s->ops = calloc(s->cap, sizeof(op));
-    pthread_mutex_init(&s->mu, NULL);
-    pthread_create(&s->thread, NULL, stream_run, s);
-    return s;
-}
-
-static void stream_free(fake_stream *s, int abandon) {
-    atomic_store(&s->stop, abandon ? 2 : 1);
-    pthread_join(s->thread, NULL);
-    free(s->ops);
-    free(s);
-}
-
-/* ---- the driver functions amrt.c calls (its signatures) ---------------------------- */
-static int f_launch(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                    unsigned bz, unsigned shared, void *stream, void **params, void **extra) {
-    (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)extra;
-    if (atomic_load(&fault_code)) return atomic_load(&fault_code);
-    if (fn && fn == refuse_fn) return 1;  /* CUDA_ERROR_INVALID_VALUE */
-    fake_stream *st = stream;
-    long limit = atomic_load(&deep_limit);
-    if (limit > 0) {
-        pthread_mutex_lock(&st->mu);
-        int deep = st->tail - st->head > (size_t)limit;
-        pthread_mutex_unlock(&st->mu);
-        if (deep) {
-            atomic_fetch_add(&blocked_launches, 1);
-            for (;;) {
-                pthread_mutex_lock(&st->mu);
-                deep = st->tail - st->head > (size_t)limit;
-                pthread_mutex_unlock(&st->mu);
-                if (!deep) break;
-                sched_yield();
-            }
-        }
-    }
-    kernel *k = fn;
-    int64_t arg = params ? *(int64_t *)params[0] : 0;
-    int64_t duration = k && k->duration_ns ? k->duration_ns : 200 + (arg * 7919) % 3000;
-    enqueue(stream, (op){OP_KERNEL, duration, k, arg});
-    return 0;
-}
-static int f_record(void *e, void *stream) {
-    if (atomic_load(&fault_code)) return atomic_load(&fault_code);
-    fake_event *ev = e;
-    int64_t gen = atomic_fetch_add(&ev->recorded, 1) + 1;
-    enqueue(stream, (op){OP_RECORD, gen, ev, 0});
-    return 0;
-}
-static int f_query(void *e) {
-    fake_event *ev = e;
-    if (e == atomic_load(&held)) return NOT_READY;
-    if (atomic_load(&fault_code)) return atomic_load(&fault_code);
-    return atomic_load(&ev->done) >= atomic_load(&ev->recorded) ? 0 : NOT_READY;
-}
-static int f_sync(void *e) {
-    int r;
-    if (!(((fake_event *)e)->flags & 0x1)) die("blocked on an event made without BLOCKING_SYNC");
-    while ((r = f_query(e)) == NOT_READY && !atomic_load(&release_syncs)) sched_yield();
-    return r;
-}
-static int f_create(void **e, unsigned flags) {
-    *e = calloc(1, sizeof(fake_event));
-    ((fake_event *)*e)->flags = flags;
-    atomic_fetch_add(&events_made, 1);
-    return 0;
-}
-static int f_destroy(void *e) {
-    free(e);
-    atomic_fetch_add(&events_destroyed, 1);
-    return 0;
-}
-static int f_write(void *stream, void *word, uint64_t value, unsigned flags) {
-    (void)flags;
-    if (atomic_load(&fault_code)) return atomic_load(&fault_code);
-    if (word == &refuse_word) return 1;  /* CUDA_ERROR_INVALID_VALUE */
-    enqueue(stream, (op){OP_WRITE, (int64_t)value, word, 0});
-    return 0;
-}
-static int f_wait(void *stream, void *word, uint64_t value, unsigned flags) {
-    (void)flags;
-    if (atomic_load(&fault_code)) return atomic_load(&fault_code);
-    enqueue(stream, (op){OP_WAIT, (int64_t)value, word, 0});
-    return 0;
-}
-static int f_wait_event(void *stream, void *e, unsigned flags) {
-    (void)flags;
-    fake_event *ev = e;
-    enqueue(stream, (op){OP_WAIT_EVENT, atomic_load(&ev->recorded), ev, 0});
-    return 0;
-}
-static int f_ctx_set(void *ctx) { (void)ctx; return 0; }
-static int f_ctx_get(void **ctx) { *ctx = (void *)1; return 0; }
-static int f_unused(void) { die("a driver call the queues should not make"); return 1; }
-
-typedef struct {
-    fake_stream *s;
-    am_timeline *t;
-    uint64_t *word;
-    am_cuq *q;
-} fake_queue;
-
-static long max_inflight = 1 << 20;  /* the queues' bound (most checks: none) */
-
-static fake_queue queue_new(void) {
-    fake_queue f;
-    f.s = stream_new();
-    f.t = am_timeline_new();
-    f.word = calloc(1, sizeof(uint64_t));
-    am_timeline_set_word(f.t, f.word);
-    f.q = am_cuq_new((void *)1, f.s, f.t, 30000, max_inflight);
-    if (!f.q) die("am_cuq_new");
-    return f;
-}
-
-static fake_queue queue_bounded(long bound) {  /* at most `bound` commands in flight */
-    long saved = max_inflight;
-    max_inflight = bound;
-    fake_queue f = queue_new();
-    max_inflight = saved;
-    return f;
-}
-
-static void queue_free(fake_queue f, int abandon) {
-    am_cuq_close(f.q, abandon);
-    stream_free(f.s, abandon);
-    am_timeline_free(f.t);
-    free(f.word);
-}
-
-static const unsigned dims[7] = {1, 1, 1, 1, 1, 1, 0};
-
-static int launch(fake_queue f, kernel *k, int64_t arg, uint64_t value) {
-    void *params[1] = {&arg};
-    return am_cuq_launch(f.q, k, dims, params, 1, value);
-}
+#include "fake_cuda_driver.h"
 
 static void check_order(void) {
     fake_queue f = queue_new();
@@ -579,20 +344,7 @@ static void check_abandon(void) {
 }
 
 int main(void) {
-    for (int i = 0; i < CU_NFUNCS; i++) am_cuda_set(i, (void *)f_unused);
-    am_cuda_set(CU_LAUNCH, (void *)f_launch);
-    am_cuda_set(CU_WRITE64, (void *)f_write);
-    am_cuda_set(CU_WAIT64, (void *)f_wait);
-    am_cuda_set(CU_EVENT_CREATE, (void *)f_create);
-    am_cuda_set(CU_EVENT_RECORD, (void *)f_record);
-    am_cuda_set(CU_EVENT_QUERY, (void *)f_query);
-    am_cuda_set(CU_EVENT_SYNC, (void *)f_sync);
-    am_cuda_set(CU_EVENT_DESTROY, (void *)f_destroy);
-    am_cuda_set(CU_CTX_SET, (void *)f_ctx_set);
-    am_cuda_set(CU_WAIT_EVENT, (void *)f_wait_event);
-    am_cuda_set(CU_CTX_GET, (void *)f_ctx_get);
-    am_cuda_set(CU_COPY_HTOD, (void *)f_unused);  /* set: am_cuq_new needs every one */
-    am_cuda_set(CU_COPY_DTOH, (void *)f_unused);
+    fake_driver_install();
     check_order();
     check_cross();
     check_long();
@@ -609,3 +361,4 @@ int main(void) {
     check_abandon();
     return 0;
 }
+

@@ -1,11 +1,12 @@
 """Builds the C harnesses of this folder against the runtime's source, plain or under a
 sanitizer, and runs them.
 
-Each harness ``#include``s ``asyncmetal/native/amrt.c`` (its path given as ``AMRT_C``),
-so the runtime is compiled into it with the harness's flags: under ThreadSanitizer every
-access of the runtime's threads is checked, under AddressSanitizer (with LeakSanitizer)
-every allocation. A sanitizer the machine cannot build or run skips its test, saying
-which and why; CI installs clang, with which both run.
+Each harness is compiled together with the runtime's source files
+(``asyncmetal/_native_build.RUNTIME_SOURCES``, the runtime's headers on the include path),
+with the harness's flags: under ThreadSanitizer every access of the runtime's threads is
+checked, under AddressSanitizer (with LeakSanitizer) every allocation. A sanitizer the
+machine cannot build or run skips its test, saying which and why; CI installs clang,
+with which both run.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
+
+from asyncmetal._native_build import RUNTIME_SOURCES
 
 HERE = Path(__file__).parent
 SANITIZERS = ("", "thread", "address")  # "": a plain -O2 build
@@ -71,21 +74,23 @@ def sanitizer_missing(sanitizer: str) -> str | None:
     return None
 
 
-def build(harness: str, out_dir: Path, sanitizer: str = "") -> Path:
-    """``harness`` (a file of this folder) compiled with the runtime; skips the calling
-    test if the sanitizer is unavailable."""
+def build(harness: str, out_dir: Path, sanitizer: str = "", extra: tuple[str, ...] = ()) -> Path:
+    """``harness`` (a file of this folder, with the files ``extra`` of it) compiled with
+    the runtime; skips the calling test if the sanitizer is unavailable."""
     reason = sanitizer_missing(sanitizer)
     if reason is not None:
         pytest.skip(reason)
     cc = _compiler()
     assert cc is not None
-    amrt = resources.files("asyncmetal").joinpath("native/amrt.c")
+    native = Path(str(resources.files("asyncmetal").joinpath("native")))
     flags = ["-O2"]
     if sanitizer:
         flags = ["-O1", "-g", "-fno-omit-frame-pointer", f"-fsanitize={sanitizer}"]
     binary = out_dir / f"{Path(harness).stem}-{sanitizer or 'plain'}"
+    sources = [HERE / harness, *(HERE / name for name in extra)]
+    sources += [native / name for name in RUNTIME_SOURCES]
     subprocess.run(
-        [cc, *flags, "-pthread", f'-DAMRT_C="{amrt}"', str(HERE / harness), "-o", str(binary)],
+        [cc, *flags, "-pthread", "-I", str(native), *map(str, sources), "-o", str(binary)],
         check=True,
     )
     return binary

@@ -1,4 +1,4 @@
-/* Stress of the cpu queues of asyncmetal's native runtime (amrt.c): the handshakes
+/* Stress of the cpu queues of asyncmetal's native runtime: the handshakes
  * between a queue thread and the threads that close it, signal its timelines and watch
  * them (tests/reliability/test_native.py builds and runs it, also under ThreadSanitizer
  * and AddressSanitizer).
@@ -22,7 +22,7 @@
  *
  * A watchdog ends the run with the iteration it is stuck in, if one takes over 10 s.
  */
-#include AMRT_C
+#include "amrt.h"
 #include <fcntl.h>
 #include <stdio.h>
 #include <sys/wait.h>

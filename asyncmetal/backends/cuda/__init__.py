@@ -1,7 +1,7 @@
 """The ``cuda:N`` devices, through NVIDIA's cuda-bindings (driver API and NVRTC).
 
 * Queues are non-blocking streams. Each command is submitted in one native call
-  (``native/amrt.c``: the launch, an event record) and its event handed to a native
+  (``native/cuda_submit.c``: the launch, an event record) and its event handed to a native
   completion thread per stream, which polls it a moment, then blocks on it, without the
   GIL, and raises the queue's timeline once the event confirmed the command. Nothing
   runs inside a driver callback. Driver functions on that path are the pointers

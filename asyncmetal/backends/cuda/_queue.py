@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ... import _native
+from ... import _native, _native_contract
 from ..._backend import Arg, KeepAlive, NativeQueue, NativeTimeline, Record, host_address
 from ..._errors import AsyncMetalError, DeviceLostError
 from . import _driver
@@ -200,7 +200,9 @@ class CUDAQueue(NativeQueue):
         self._check(code)
 
     def launch_target(self) -> tuple[Any, ...] | None:
-        return None if self._fast_launch is None else (1, self._q, self)
+        if self._fast_launch is None:
+            return None
+        return _native_contract.cuda_launch_target(self, self._q)
 
     def _launch_dims(self, global_size: tuple[int, ...], local_size: tuple[int, ...]) -> int:
         """The address of (grid, block, shared bytes) for these sizes, cached."""

@@ -1,0 +1,220 @@
+/* asyncmetal's native runtime: the declarations its files share.
+ *
+ * The runtime is one shared object built from these files (asyncmetal/_native.py lists
+ * them; the wheel's build and the first-use build compile the same list):
+ *   timelines.c         timelines, notifiers (a loop's pipe), watches, the spin-wait
+ *   host_queues.c       the cpu device's queue threads (kernel calls, copies, waits)
+ *   cuda_driver.c       the CUDA driver function table and the kicks of a host signal
+ *   cuda_submit.c       a CUDA queue's submissions: driver calls or held operations
+ *   cuda_completion.c   a CUDA queue's completion thread, which confirms commands
+ *   objc_blocks.c       Objective-C blocks for Metal whose invokes never take the GIL
+ *   py_module.c, py_launch.c: the CPython extension module (only where Python.h is)
+ *
+ * Nothing here takes the GIL. Functions marked AM_HIDDEN are shared between the files
+ * but not exported from the shared object; every other function declared here is called
+ * from Python through ctypes (asyncmetal/_native.py, _SIGNATURES) or by the harnesses
+ * of tests/native.
+ */
+#ifndef ASYNCMETAL_AMRT_H
+#define ASYNCMETAL_AMRT_H
+
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define AM_HIDDEN __attribute__((visibility("hidden")))
+#define AM_MAX_ARGS 16
+
+/* Forks this process went through: a forked child adds one (am_after_fork, registered
+ * with pthread_atfork when the runtime loads). Timelines and queues record the count
+ * they were made under; in a child, those of the parent are the parent's: their threads
+ * do not exist here, and their mutexes and conditions may have been held or waited on
+ * by those threads at the fork, forever so in the child's copy. So the functions that
+ * release them (am_queue_close, am_timeline_free, am_watch_free) leave them alone --
+ * a leak of the parent's memory in the child, never a hang -- and asyncmetal refuses
+ * every other use of them in the child. */
+extern AM_HIDDEN unsigned am_forks;
+
+/* ---- timelines.c: a loop's notifier, a watch of a timeline, the timeline ---------- */
+
+typedef struct am_notifier {
+    atomic_int pending;
+    int fd;
+} am_notifier;
+
+struct am_timeline;
+
+typedef struct am_watch {
+    _Atomic uint64_t next;          /* smallest value its loop waits for */
+    am_notifier *notifier;
+    struct am_timeline *timeline;
+    struct am_watch *link;
+} am_watch;
+
+typedef struct am_timeline {
+    _Atomic uint64_t value;         /* first member: Python reads it in place */
+    _Atomic uint64_t *word;         /* a copy a device waits on (pinned memory), or NULL */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    am_watch *watches;
+    int polling;                    /* a queue thread polls the word (wait_word), under mu */
+    uint64_t seen;                  /* the word's highest value it saw, under mu */
+    unsigned forks;                 /* am_forks when made: another value, the parent's */
+} am_timeline;
+
+/* ---- host_queues.c: a cpu queue's commands, and the queue ------------------------ */
+
+enum { CMD_CALL = 1, CMD_COPY, CMD_SIGNAL, CMD_WAIT, CMD_COPY_PART };
+
+typedef struct {
+    int kind;
+    int nargs;
+    void *fn;
+    int64_t args[AM_MAX_ARGS];
+    am_timeline *timeline;
+    uint64_t target;
+    void *dst;
+    const void *src;
+    size_t nbytes;
+    int64_t *record;                /* start_ns, end_ns, value: a row of a ring */
+    uint64_t value;                 /* the queue's own timeline value after it */
+    am_timeline *after;             /* CMD_COPY_PART: whose word to wait for first, or NULL */
+    size_t part;                    /* ... bytes per part (the last may be shorter) */
+    _Atomic uint64_t *claimed;      /* ... parts taken, shared by the queues that copy */
+    uint64_t first;                 /* ... the claim number of this use's first part */
+    _Atomic uint64_t *count;        /* ... parts of its chunk copied, over all its uses */
+    uint64_t count_target;          /* ... the count once every part of this use is in */
+    _Atomic uint64_t *ready;        /* ... the word that part raises to ready_value */
+    uint64_t ready_value;
+} am_cmd;
+
+typedef struct am_queue {
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    am_cmd *ring;
+    size_t cap, head, count;
+    atomic_size_t pending;          /* commands submitted and not yet taken */
+    int stop;                       /* 1: finish what is queued, 2: abandon now */
+    int sleeping;
+    long spin_ns;
+    am_timeline *own;
+    am_timeline *waiting_on;
+    unsigned forks;                 /* am_forks when made */
+} am_queue;
+
+/* ---- helpers of every file ------------------------------------------------------ */
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static inline void nap_ns(long ns) {
+    struct timespec ts = {ns / 1000000000L, ns % 1000000000L};
+    nanosleep(&ts, NULL);
+}
+
+static inline void raise_word(_Atomic uint64_t *word, uint64_t v) {
+    uint64_t old = atomic_load(word);
+    while (old < v && !atomic_compare_exchange_weak(word, &old, v)) {}
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#define cpu_relax() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield")
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+/* ---- the functions: timelines.c ------------------------------------------------- */
+am_notifier *am_notifier_new(int fd);
+void am_notifier_free(am_notifier *n);
+void am_notifier_reset(am_notifier *n);
+am_watch *am_watch_new(am_timeline *t, am_notifier *n);
+void am_watch_free(am_watch *w);
+int am_watch_arm(am_watch *w, uint64_t next);
+am_timeline *am_timeline_new(void);
+void am_timeline_set_word(am_timeline *t, uint64_t *word);
+void am_timeline_free(am_timeline *t);
+uint64_t am_timeline_value(am_timeline *t);
+void am_timeline_poke(am_timeline *t, uint64_t v);
+void am_timeline_signal(am_timeline *t, uint64_t v);
+int am_timeline_spin(am_timeline *t, uint64_t v, long max_ns);
+const char *am_build_digest(void);
+
+/* ---- host_queues.c --------------------------------------------------------------- */
+am_queue *am_queue_new(am_timeline *own, long spin_ns);
+int am_queue_call(am_queue *q, void *fn, int nargs, const int64_t *args, int64_t *record,
+                  uint64_t value);
+int am_queue_copy(am_queue *q, void *dst, const void *src, size_t nbytes, int64_t *record,
+                  uint64_t value);
+int am_queue_signal(am_queue *q, am_timeline *t, uint64_t target, uint64_t value);
+int am_queue_wait(am_queue *q, am_timeline *t, uint64_t target, uint64_t value);
+int am_queue_copy_part(am_queue *q, void *dst, const void *src, size_t nbytes, size_t part,
+                       am_timeline *after, uint64_t after_value, void *claimed, uint64_t first,
+                       void *count, uint64_t count_target, void *ready, uint64_t ready_value,
+                       int64_t *record, uint64_t value);
+void am_queue_close(am_queue *q, int abandon);
+
+/* ---- cuda_driver.c, cuda_submit.c, cuda_completion.c (cuda_stream.h: their internals) */
+typedef struct am_cuq am_cuq;
+const char *am_cuda_name(int i);
+void am_cuda_set(int i, void *fn);
+void am_timeline_host_signal(am_timeline *t, uint64_t v);
+am_cuq *am_cuq_new(void *ctx, void *stream, am_timeline *timeline, long spin_ns,
+                   long max_inflight);
+int am_cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
+                  long spin_ns, int flags);
+int am_cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value, uint64_t command);
+int am_cuq_launch(am_cuq *q, void *function, const unsigned *dims, void **params, int nparams,
+                  uint64_t value);
+int am_cuq_copy(am_cuq *q, uint64_t dst, uint64_t src, void *src_ctx, size_t nbytes,
+                uint64_t value, long spin_ns);
+int am_cuq_memcpy(am_cuq *q, int to_device, uint64_t dst, uint64_t src, size_t nbytes,
+                  uint64_t value);
+int am_cuq_write(am_cuq *q, void *word, uint64_t target, uint64_t value);
+int am_cuq_wait(am_cuq *q, void *word, uint64_t target, uint64_t value);
+int am_cuq_failed_call(am_cuq *q);
+void am_cuq_stats(am_cuq *q, uint64_t *out);
+int am_cuq_error(am_cuq *q, uint64_t *value);
+void am_cuq_close(am_cuq *q, int abandon);
+
+/* ---- objc_blocks.c: Objective-C blocks whose invoke functions never take the GIL -----
+ * Metal keeps and later calls the blocks given to addCompletedHandler: and
+ * notifyListener:atValue:block:. asyncmetal builds them as global blocks (their memory is
+ * asyncmetal's, released once they ran) whose invoke functions are these: they only record
+ * the argument and raise a timeline, which wakes the waiting loops through their pipes.
+ * Layout: the Block ABI's literal, then asyncmetal's own fields. */
+typedef struct am_block {
+    void *isa;
+    int flags;
+    int reserved;
+    void *invoke;
+    void *descriptor;
+    am_timeline *timeline;          /* raised when the block runs */
+    uint64_t value;                 /* to this value (completion handlers) */
+    void *arg;                      /* what the block was called with (the command buffer) */
+    _Atomic int calls;
+    int reserved2;
+    void *copy_dst;                 /* a memmove to do first (a copy out to host memory */
+    const void *copy_src;           /* that the GPU could not write in place), or none */
+    size_t copy_nbytes;
+    am_timeline *then;              /* raised after `timeline` (a timeline the command */
+    uint64_t then_value;            /* buffer signalled), or none */
+} am_block;
+
+void am_block_completed(am_block *b, void *arg);
+void am_block_reached(am_block *b, void *event, uint64_t value);
+am_block *am_block_new(void *isa, int reached, am_timeline *timeline, uint64_t value);
+void am_block_free(am_block *b);
+
+#endif

@@ -1,0 +1,259 @@
+/* A CUDA queue's completion thread (cuda_stream.h says how a queue works): it confirms
+ * each command by its event, raises the queue's timeline, hands held operations to the
+ * driver as commands are confirmed, and settles the queue when a command fails. Also
+ * where a queue is made and its memory released.
+ */
+#include "cuda_stream.h"
+
+void cuq_recycle(am_cuq *q, void *event, int blocking) {  /* under q->mu */
+    if (q->events_count[blocking] < q->events_cap)
+        q->events[blocking][q->events_count[blocking]++] = event;
+    else
+        ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(event);
+}
+
+static void cuq_free(am_cuq *q) {
+    pthread_mutex_destroy(&q->mu);
+    pthread_cond_destroy(&q->cv);
+    free(q->ring); free(q->events[0]); free(q->events[1]); free(q);
+}
+
+void cuq_unref(am_cuq *q) {
+    if (atomic_fetch_sub(&q->refs, 1) == 1) cuq_free(q);
+}
+
+static void cuop_free(am_cuop *op) {
+    if (op->other) cuq_unref(op->other);
+    free(op);
+}
+
+void cuq_drop_held(am_cuq *q) {  /* under mu */
+    while (q->held) {
+        am_cuop *op = q->held;
+        q->held = op->next;
+        q->nheld--;
+        cuop_free(op);
+    }
+    q->held_tail = NULL;
+}
+
+/* A held operation the driver refused: that command and every one after it will never
+ * run. The queue fails from that command's value on (earlier ones are still confirmed
+ * by their events); what is still held is dropped. Under mu. */
+static void cuq_refused(am_cuq *q, uint64_t value, int r) {
+    if (!q->error) { q->error = r; q->error_value = value; }
+    cuq_drop_held(q);
+}
+
+/* The queue failed and settled (its timeline at UINT64_MAX): the stream will never write
+ * the word for the failed values, so release other queues' device waits on them (they
+ * would block forever: a refused held command is no sticky error that fails their
+ * streams too). After the timeline, so that a releasing queue's confirmation raises
+ * nothing. Not under mu. */
+static void cuq_release_waiters(am_cuq *q) {
+    raise_word(q->word, UINT64_MAX);
+    host_signalled();
+}
+
+/* Hand held operations to the driver while the stream has room. Runs on the completion
+ * thread (the context is current there). */
+static void cuq_drain(am_cuq *q) {
+    pthread_mutex_lock(&q->mu);
+    while (cuq_can_drain(q)) {
+        am_cuop *op = q->held;
+        q->held = op->next;
+        if (!q->held) q->held_tail = NULL;
+        q->nheld--;
+        q->driving = 1;
+        pthread_mutex_unlock(&q->mu);
+        int r = cuq_run_op(q, op);
+        /* Refused: what this command handed over before may still run; the queue settles
+         * only once the stream is past it (an event behind it, waited for, that fails). */
+        if (r && __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) != 2) {
+            /* (not once abandoned: the stream may be destroyed; the call reported stays
+             * the refused one, not the fence's) */
+            int call = __atomic_load_n(&q->failed_call, __ATOMIC_RELAXED);
+            cuq_finish(q, op->value, NULL, 0, 0, CU_FINISH_FENCE);
+            __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);
+        }
+        pthread_mutex_lock(&q->mu);
+        q->driving = 0;
+        if (r) cuq_refused(q, op->value, r);
+        cuop_free(op);
+    }
+    /* Refused with nothing left in flight: settle the waiters now (they find the error).
+     * Not once abandoned: the closer may have returned (this thread orphaned) and the
+     * caller freed the timeline. */
+    if (q->error && !q->count && !q->held && q->stop != 2) {
+        pthread_mutex_unlock(&q->mu);
+        am_timeline_poke(q->timeline, UINT64_MAX);
+        cuq_release_waiters(q);
+        return;
+    }
+    pthread_mutex_unlock(&q->mu);
+}
+
+static void *cuq_run(void *arg) {
+    am_cuq *q = arg;
+    ((int (*)(void *))cu_funcs[CU_CTX_SET])(q->ctx);
+    int (*query)(void *) = (int (*)(void *))cu_funcs[CU_EVENT_QUERY];
+    int (*sync)(void *) = (int (*)(void *))cu_funcs[CU_EVENT_SYNC];
+    for (;;) {
+        /* Stay awake a moment for the next command: a thread woken from a condition
+         * variable takes tens of microseconds to run again, which an awaited launch
+         * right behind the last one would otherwise pay every time. */
+        if (atomic_load(&q->pending) == 0) {
+            int64_t deadline = now_ns() + q->spin_ns;
+            while (atomic_load(&q->pending) == 0 && now_ns() < deadline &&
+                   !__atomic_load_n(&q->stop, __ATOMIC_SEQ_CST))
+                sched_yield();
+        }
+        pthread_mutex_lock(&q->mu);
+        while (q->count == 0 && !cuq_can_drain(q) && !q->stop) {
+            q->sleeping = 1;  /* submissions signal the condition only then */
+            pthread_cond_wait(&q->cv, &q->mu);
+            q->sleeping = 0;
+        }
+        if (q->stop == 2 || (q->stop && q->count == 0 && !q->held)) break;
+        if (q->count == 0) {
+            pthread_mutex_unlock(&q->mu);
+            cuq_drain(q);
+            continue;
+        }
+        am_cuentry e = q->ring[q->head];
+        int failed = q->error && e.value >= q->error_value && !e.fence ? q->error : 0;
+        pthread_mutex_unlock(&q->mu);
+        int r = failed;
+        if (!failed) {
+            /* A query takes the driver's locks: back-to-back queries slowed the
+             * submitting thread's launches ~4x on the H200 (42 us instead of ~10), one
+             * every 2 us still by ~1.7 us a launch. So queries wait for a moment when
+             * no thread is submitting to this queue (then come every CU_POLL_QUIET_NS),
+             * but for no longer than CU_POLL_GAP_NS. */
+            unsigned kicks = atomic_load(&kick_gen);
+            long spin = e.spin_ns > q->spin_ns ? e.spin_ns : q->spin_ns;
+            int64_t t = now_ns(), deadline = t + spin, last = t - CU_POLL_GAP_NS;
+            r = CU_ERROR_NOT_READY;
+            while (t < deadline) {
+                int64_t since = t - last;
+                if (since >= CU_POLL_GAP_NS ||
+                    (since >= CU_POLL_QUIET_NS && atomic_load(&q->submitting) == 0)) {
+                    atomic_fetch_add(&q->queries, 1);
+                    if ((r = query(e.event)) != CU_ERROR_NOT_READY) break;
+                    last = t;
+                }
+                sched_yield();
+                t = now_ns();
+            }
+            if (r == CU_ERROR_NOT_READY) {  /* a last look: this thread may have been off
+                                               the CPU through its whole window */
+                atomic_fetch_add(&q->queries, 1);
+                r = query(e.event);
+            }
+            if (r == CU_ERROR_NOT_READY) {
+                /* A command that runs long. Blocking-sync events cost every command an
+                 * interrupt, which on some of the H200 VMs made each launch + record
+                 * take 30-50 us instead of ~5: so commands get plain events, polled,
+                 * until one outlasts its polling window; it is waited for with naps of
+                 * a 32nd of the time waited so far (20 us to 1 ms: seen at most ~3 %
+                 * late -- an eighth made 1 GiB peer copies ~10 % slower than the raw
+                 * copy -- with ~150 wake-ups for a 100 ms kernel), cut short by a host
+                 * signal, and the commands after it get blocking-sync events, which this
+                 * thread then sleeps on, until 16 in a row are confirmed while polling.
+                 * Device waits always get plain events: a host signal releases them. */
+                q->quick = 0;
+                if (e.blocking) {
+                    atomic_fetch_add(&q->syncs, 1);
+                    r = sync(e.event);
+                } else {
+                    atomic_store(&q->blocking, 1);
+                    atomic_fetch_add(&q->naps, 1);
+                    int64_t since = now_ns() - spin;  /* about when polling began */
+                    int64_t polling_until = 0;
+                    while ((r = query(e.event)) == CU_ERROR_NOT_READY) {
+                        if (__atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) == 2) break;
+                        int64_t at = now_ns();
+                        if (at < polling_until) { sched_yield(); continue; }
+                        long nap = (long)((at - since) / 32);
+                        if (kick_nap(nap < 20000 ? 20000 : nap > 1000000 ? 1000000 : nap,
+                                     kicks)) {
+                            kicks = atomic_load(&kick_gen);
+                            polling_until = now_ns() + CU_KICK_POLL_NS;
+                            atomic_fetch_add(&q->kicked, 1);
+                        }
+                    }
+                    if (r == CU_ERROR_NOT_READY) {  /* abandoned while napping */
+                        pthread_mutex_lock(&q->mu);
+                        break;
+                    }
+                }
+            } else if (e.blocking && ++q->quick >= 16) {
+                atomic_store(&q->blocking, 0);
+                q->quick = 0;
+            }
+        }
+        pthread_mutex_lock(&q->mu);
+        if (q->count == 0 || q->stop == 2) {  /* abandoned (am_cuq_close) meanwhile */
+            if (q->stop == 2) break;
+            pthread_mutex_unlock(&q->mu);
+            continue;
+        }
+        q->head = (q->head + 1) % q->cap;
+        q->count--;
+        atomic_fetch_sub(&q->pending, 1);
+        /* Confirmed already, by a queue of this context that waited for it on the device
+         * and succeeded after it: an error seen now (a sticky one) came after. */
+        uint64_t seen = atomic_load(&q->timeline->value);
+        if (r && seen != UINT64_MAX && e.value <= seen) r = 0;
+        if (e.fence && !r) r = q->error ? q->error : -2;  /* the refused command fails */
+        if (r && (!q->error || e.value < q->error_value)) {
+            q->error = r;
+            q->error_value = e.value;
+        }
+        cuq_recycle(q, e.event, e.blocking);
+        /* A failed command settles every later one; else, once a refused held command
+         * has nothing left in flight before it, the same. */
+        int settle = r || (q->error && !q->count && !q->held);
+        pthread_mutex_unlock(&q->mu);
+        if (e.extra && !r) am_timeline_poke(e.extra, e.extra_value);
+        am_timeline_poke(q->timeline, settle ? UINT64_MAX : e.value);
+        if (settle) cuq_release_waiters(q);
+        cuq_drain(q);
+    }
+    /* Stopping, under mu. An abandoned queue's closer may have given up waiting for this
+     * thread (it was blocked on an event that never completes): then it frees the queue. */
+    q->exited = 1;
+    int orphan = q->orphan;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    if (orphan) cuq_unref(q);
+    return NULL;
+}
+
+am_cuq *am_cuq_new(void *ctx, void *stream, am_timeline *timeline, long spin_ns,
+                   long max_inflight) {
+    for (int i = 0; i < CU_NFUNCS; i++) if (!cu_funcs[i]) return NULL;
+    if (!timeline->word || max_inflight < 1) return NULL;
+    am_cuq *q = calloc(1, sizeof *q);
+    if (!q) return NULL;
+    q->cap = 256;
+    q->ring = calloc(q->cap, sizeof *q->ring);
+    q->events_cap = 4096;
+    q->events[0] = calloc(q->events_cap, sizeof(void *));
+    q->events[1] = calloc(q->events_cap, sizeof(void *));
+    q->ctx = ctx;
+    q->stream = stream;
+    q->timeline = timeline;
+    q->word = timeline->word;
+    q->spin_ns = spin_ns;
+    q->max_inflight = (size_t)max_inflight;
+    atomic_store(&q->refs, 1);
+    pthread_mutex_init(&q->mu, NULL);
+    pthread_cond_init(&q->cv, NULL);
+    if (!q->ring || !q->events[0] || !q->events[1] ||
+        pthread_create(&q->thread, NULL, cuq_run, q) != 0) {
+        free(q->ring); free(q->events[0]); free(q->events[1]); free(q);
+        return NULL;
+    }
+    return q;
+}

@@ -1,0 +1,147 @@
+/* A CUDA queue's internals, shared by cuda_driver.c (the driver function table, the
+ * kicks), cuda_submit.c (submissions) and cuda_completion.c (the completion thread).
+ *
+ * A CUDA queue submits through cuda_submit.c, one native call per driver operation (a
+ * launch, a copy, a word written or waited for) and one per command's end (an event record and its
+ * hand-over to the queue's completion thread). The driver functions come from
+ * cuGetProcAddress (asyncmetal asks cuda-bindings for them once).
+ *
+ * Measured on an H200 VM: cuLaunchKernel ~5 us, cuStreamWriteValue64 ~2.4 us, an event
+ * record ~0.8 us. So the queue's device word (which streams wait on with
+ * cuStreamWaitValue64) is written only for values some device wait asked for before
+ * they were submitted; a wait for a value already submitted waits on that command's
+ * event instead (cuStreamWaitEvent, across devices too).
+ *
+ * Commands in flight are bounded (max_inflight, the commands handed to the driver and
+ * not yet confirmed). Past the bound, operations are held here, in order, and the
+ * completion thread hands them to the driver as earlier commands are confirmed: no loop
+ * round trip, and the submitting thread never makes a driver call that can block. On
+ * the H200, cuLaunchKernel blocks for about a kernel's length once ~56 commands with
+ * blocking-sync events are queued on a stream (plain events: not up to 1024), which is
+ * what a deep queue of long kernels otherwise does to an event loop.
+ *
+ * The completion thread reports a command done only once its event says so: a kernel
+ * that faulted can let later stream work land before the fault is reported, and the
+ * event is what reports it. It raises the queue's timeline (the host-side value loops
+ * read and wait on), and the timeline a signal command raised. It polls the event for a
+ * moment (a completion about to happen is seen with no interrupt), then naps or blocks
+ * on it. A host signal of a device timeline wakes napping completion threads at once
+ * (a device wait it releases is seen in microseconds, not at the end of a nap). It never
+ * takes the GIL, and calls only cuCtxSetCurrent, cuEventQuery, cuEventSynchronize,
+ * cuEventDestroy and, for held operations, the submission calls. */
+#ifndef ASYNCMETAL_CUDA_STREAM_H
+#define ASYNCMETAL_CUDA_STREAM_H
+
+#include "amrt.h"
+
+enum { CU_LAUNCH, CU_WRITE64, CU_WAIT64, CU_EVENT_CREATE, CU_EVENT_RECORD, CU_EVENT_QUERY,
+       CU_EVENT_SYNC, CU_EVENT_DESTROY, CU_CTX_SET, CU_WAIT_EVENT, CU_CTX_GET, CU_COPY,
+       CU_COPY_PEER, CU_COPY_HTOD, CU_COPY_DTOH, CU_NFUNCS };
+extern AM_HIDDEN void *cu_funcs[CU_NFUNCS];
+#define CU_ERROR_NOT_READY 600
+#define CU_POLL_GAP_NS 10000     /* at most this long between queries, ... */
+#define CU_POLL_QUIET_NS 500     /* ... or this long while no thread submits to the queue */
+#define CU_KICK_POLL_NS 500000   /* after a host signal, poll this long before napping */
+#define CU_MAX_PARAMS 64
+#define CU_FINISH_LONG 1         /* am_cuq_finish flags: a command known to run long */
+#define CU_FINISH_PLAIN 2        /* ... a device wait: a plain event, so a kick is seen */
+#define CU_FINISH_FENCE 4        /* internal: behind what a refused command handed over */
+
+/* cuda_driver.c: a host signal of a device timeline bumps the kick generation and wakes
+ * completion threads napping on a command (kick_nap: 1 if kicked after `seen`). */
+extern AM_HIDDEN atomic_uint kick_gen;
+AM_HIDDEN void host_signalled(void);
+AM_HIDDEN int kick_nap(long ns, unsigned seen);
+AM_HIDDEN void deadline_after(struct timespec *ts, long ns);
+
+typedef struct {
+    void *event;
+    uint64_t value;
+    am_timeline *extra;             /* a timeline this command signals, or NULL */
+    uint64_t extra_value;
+    long spin_ns;                   /* how long to poll before blocking on the event */
+    int blocking;                   /* its event wakes a thread blocked on it (interrupt) */
+    int fence;                      /* behind a refused command's handed-over operations:
+                                       waited for, then fails */
+} am_cuentry;
+
+struct am_cuq;
+
+/* A driver operation held on the host until the stream has room for it. */
+enum { CUOP_LAUNCH, CUOP_COPY, CUOP_HTOD, CUOP_DTOH, CUOP_WRITE, CUOP_WAIT, CUOP_WAIT_QUEUE, CUOP_FINISH };
+typedef struct am_cuop {
+    int kind;
+    int flags;                      /* CUOP_FINISH: CU_FINISH_* */
+    uint64_t value;                 /* the command it belongs to */
+    struct am_cuop *next;
+    void *fn;                       /* CUOP_LAUNCH */
+    unsigned dims[7];
+    int nparams;
+    uint64_t dst, src;              /* copies: device or host addresses */
+    void *src_ctx;                  /* CUOP_COPY between devices: the source's context */
+    size_t nbytes;
+    void *word;                     /* CUOP_WRITE, CUOP_WAIT: a device word */
+    uint64_t target;                /* ... its value; CUOP_WAIT_QUEUE: other's value */
+    struct am_cuq *other;           /* CUOP_WAIT_QUEUE: the queue waited for (referenced) */
+    am_timeline *extra;             /* CUOP_FINISH */
+    uint64_t extra_value;
+    long spin_ns;
+    int64_t params[];               /* CUOP_LAUNCH: nparams 64-bit parameter slots */
+} am_cuop;
+
+struct am_cuq {
+    int error;                      /* first member: the first CUDA error (sticky); */
+    int failed_call;                /* which call failed at submission */
+    uint64_t error_value;           /* the value of the command that saw it */
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    am_cuentry *ring;
+    size_t cap, head, count;
+    void **events[2];               /* finished events for reuse: plain, blocking-sync */
+    size_t events_cap, events_count[2];
+    atomic_size_t pending;          /* entries pushed and not yet confirmed */
+    atomic_int submitting;          /* threads inside a submission (driver calls) now */
+    int stop;                       /* 1: finish everything, then stop; 2: abandon now */
+    int exited, orphan;             /* the thread returned; it frees the queue itself */
+    atomic_int refs;                /* the owner's, and one per held wait on this queue */
+    void *ctx;
+    void *stream;
+    am_timeline *timeline;          /* the queue's timeline: its value is verified */
+    _Atomic uint64_t *word;         /* its device word, written by the stream on demand */
+    uint64_t submitted;             /* the last value handed to the completion thread */
+    uint64_t wanted;                /* write the word for values up to this one */
+    long spin_ns;
+    int sleeping;                   /* the completion thread waits on cv */
+    size_t max_inflight;            /* entries handed to the driver at most; then held */
+    am_cuop *held, *held_tail;      /* operations held on the host, in order */
+    size_t nheld;
+    int driving;                    /* a thread is making driver calls for this queue */
+    _Atomic(void *) spare[2];       /* an event for the next command, taken without the lock */
+    atomic_int blocking;            /* commands get blocking-sync events (they run long) */
+    int quick;                      /* blocking events confirmed while polling, in a row */
+    atomic_ulong queries, syncs, naps, events_made, held_total, kicked;  /* statistics */
+};
+
+/* Whether the completion thread has held operations it may hand over now (under mu). */
+static inline int cuq_can_drain(const am_cuq *q) {
+    return q->held && !q->driving && q->count < q->max_inflight && q->stop != 2;
+}
+
+static inline int cuq_fail(am_cuq *q, int call, int r) {
+    __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);
+    return r;
+}
+
+/* cuda_completion.c */
+AM_HIDDEN void cuq_recycle(am_cuq *q, void *event, int blocking);  /* under q->mu */
+AM_HIDDEN void cuq_unref(am_cuq *q);
+AM_HIDDEN void cuq_drop_held(am_cuq *q);                           /* under q->mu */
+
+/* cuda_submit.c */
+AM_HIDDEN int cuq_run_op(am_cuq *q, const am_cuop *op);
+AM_HIDDEN int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
+                         long spin_ns, int flags);
+AM_HIDDEN int cuq_submit(am_cuq *q, const am_cuop *op, size_t size);
+
+#endif

@@ -1,0 +1,345 @@
+/* A CUDA queue's submissions (cuda_stream.h says how a queue works): each operation goes
+ * to the driver at once, or is held on the host, in order, while the stream has
+ * max_inflight commands unconfirmed; a command ends with an event handed to the
+ * completion thread. Also the queue's statistics, its error and its close.
+ */
+#include "cuda_stream.h"
+
+/* Every submission (driver calls on the queue's stream) runs between cuq_enter and
+ * cuq_leave: meanwhile the completion thread holds its queries back, since a query takes
+ * the driver's locks. cuq_enter makes the queue's context current on the calling thread
+ * if it is not: the current context is per thread, shared by every device and library
+ * on it (a thread-local read, no more, when it already is). Events are created in, and
+ * recorded from, it. */
+static int cuq_enter(am_cuq *q) {
+    atomic_fetch_add(&q->submitting, 1);
+    void *current = NULL;
+    ((int (*)(void **))cu_funcs[CU_CTX_GET])(&current);
+    if (current == q->ctx) return 0;
+    int r = ((int (*)(void *))cu_funcs[CU_CTX_SET])(q->ctx);
+    return r ? cuq_fail(q, CU_CTX_SET, r) : 0;
+}
+
+static int cuq_leave(am_cuq *q, int r) {  /* after cuq_enter, whatever it returned */
+    atomic_fetch_sub(&q->submitting, 1);
+    return r;
+}
+
+/* Record an event behind the command, hand it to the completion thread and, if a device
+ * wait asked for this value before it was submitted, have the stream write it into the
+ * queue's device word. One pass under the lock: the hand-over, the word decision (so a
+ * waiter on another queue either finds the command's event or has its value written)
+ * and the event for the next command. Returns a CUresult (-1: out of memory). */
+int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
+                      long spin_ns, int flags) {
+    /* Which kind of event the command gets: blocking-sync for one known to run long,
+     * plain for a device wait (so that a host signal's kick is seen). */
+    int fence = (flags & CU_FINISH_FENCE) != 0;
+    int r, k = !(flags & (CU_FINISH_PLAIN | CU_FINISH_FENCE)) &&
+               ((flags & CU_FINISH_LONG) || atomic_load(&q->blocking));
+    void *event = atomic_exchange(&q->spare[k], NULL);
+    if (!event) {
+        pthread_mutex_lock(&q->mu);
+        if (q->events_count[k]) event = q->events[k][--q->events_count[k]];
+        pthread_mutex_unlock(&q->mu);
+    }
+    if (!event) {  /* CU_EVENT_DISABLE_TIMING, | CU_EVENT_BLOCKING_SYNC for k = 1 */
+        r = ((int (*)(void **, unsigned))cu_funcs[CU_EVENT_CREATE])(&event, k ? 0x1 | 0x2 : 0x2);
+        if (r) return cuq_fail(q, CU_EVENT_CREATE, r);
+        atomic_fetch_add(&q->events_made, 1);
+    }
+    r = ((int (*)(void *, void *))cu_funcs[CU_EVENT_RECORD])(event, q->stream);
+    if (r) {
+        ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(event);
+        return cuq_fail(q, CU_EVENT_RECORD, r);
+    }
+    pthread_mutex_lock(&q->mu);
+    if (q->count == q->cap) {
+        am_cuentry *ring = malloc(2 * q->cap * sizeof *ring);
+        if (!ring) {
+            cuq_recycle(q, event, k);  /* recorded, never handed over: reusable */
+            pthread_mutex_unlock(&q->mu);
+            return -1;
+        }
+        for (size_t i = 0; i < q->count; i++) ring[i] = q->ring[(q->head + i) % q->cap];
+        free(q->ring);
+        q->ring = ring; q->head = 0; q->cap *= 2;
+    }
+    am_cuentry e = {event, value, extra, extra_value, spin_ns, k, fence};
+    q->ring[(q->head + q->count) % q->cap] = e;
+    q->count++;
+    int write = !fence && value <= q->wanted;
+    if (!fence && value > q->submitted) q->submitted = value;
+    void *spare = NULL;
+    if (q->events_count[k] && !atomic_load(&q->spare[k]))
+        spare = q->events[k][--q->events_count[k]];
+    atomic_fetch_add(&q->pending, 1);
+    if (q->sleeping) pthread_cond_signal(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    if (spare) {
+        void *none = NULL;
+        if (!atomic_compare_exchange_strong(&q->spare[k], &none, spare)) {
+            pthread_mutex_lock(&q->mu);
+            cuq_recycle(q, spare, k);
+            pthread_mutex_unlock(&q->mu);
+        }
+    }
+    if (write) {
+        r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WRITE64])(
+            q->stream, (void *)q->word, value, 0);
+        if (r) {  /* handed over already: the queue fails from this command on */
+            pthread_mutex_lock(&q->mu);
+            if (!q->error) { q->error = r; q->error_value = value; }
+            pthread_mutex_unlock(&q->mu);
+            return cuq_fail(q, CU_WRITE64, r);
+        }
+    }
+    return 0;
+}
+
+static int cuq_wait_word(am_cuq *q, void *word, uint64_t value) {
+    int r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WAIT64])(
+        q->stream, word, value, 0x0 /* CU_STREAM_WAIT_VALUE_GEQ */);
+    return r ? cuq_fail(q, CU_WAIT64, r) : 0;
+}
+
+/* Make stream q wait until queue `other` reaches `value`: on the event of the first
+ * command at or after it if that was submitted and is not yet confirmed, on other's
+ * device word if it was not submitted yet (other then writes its word up to it), and
+ * not at all if it is confirmed. Under other's lock: its completion thread cannot
+ * recycle the event meanwhile. Decided when the operation reaches the driver, so a held
+ * wait looks at other as it is then. */
+static int cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value) {
+    int r = 0;
+    pthread_mutex_lock(&other->mu);
+    if (value > other->submitted) {
+        if (value > other->wanted) other->wanted = value;
+        pthread_mutex_unlock(&other->mu);
+        return cuq_wait_word(q, (void *)other->word, value);
+    }
+    for (size_t i = 0; i < other->count; i++) {
+        am_cuentry *e = &other->ring[(other->head + i) % other->cap];
+        if (e->value >= value) {
+            r = ((int (*)(void *, void *, unsigned))cu_funcs[CU_WAIT_EVENT])(
+                q->stream, e->event, 0);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&other->mu);
+    return r ? cuq_fail(q, CU_WAIT_EVENT, r) : 0;
+}
+
+/* One operation's driver calls (the context is current on the calling thread). */
+int cuq_run_op(am_cuq *q, const am_cuop *op) {
+    int r;
+    switch (op->kind) {
+    case CUOP_LAUNCH: {
+        void *params[CU_MAX_PARAMS];
+        for (int i = 0; i < op->nparams; i++) params[i] = (void *)&op->params[i];
+        r = ((int (*)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                      unsigned, void *, void **, void **))cu_funcs[CU_LAUNCH])(
+            op->fn, op->dims[0], op->dims[1], op->dims[2], op->dims[3], op->dims[4],
+            op->dims[5], op->dims[6], q->stream, params, NULL);
+        return r ? cuq_fail(q, CU_LAUNCH, r) : 0;
+    }
+    case CUOP_COPY:
+        if (op->src_ctx) {
+            r = ((int (*)(uint64_t, void *, uint64_t, void *, size_t, void *))
+                     cu_funcs[CU_COPY_PEER])(op->dst, q->ctx, op->src, op->src_ctx, op->nbytes,
+                                             q->stream);
+            return r ? cuq_fail(q, CU_COPY_PEER, r) : 0;
+        }
+        r = ((int (*)(uint64_t, uint64_t, size_t, void *))cu_funcs[CU_COPY])(
+            op->dst, op->src, op->nbytes, q->stream);
+        return r ? cuq_fail(q, CU_COPY, r) : 0;
+    case CUOP_HTOD:
+        r = ((int (*)(uint64_t, const void *, size_t, void *))cu_funcs[CU_COPY_HTOD])(
+            op->dst, (const void *)(uintptr_t)op->src, op->nbytes, q->stream);
+        return r ? cuq_fail(q, CU_COPY_HTOD, r) : 0;
+    case CUOP_DTOH:
+        r = ((int (*)(void *, uint64_t, size_t, void *))cu_funcs[CU_COPY_DTOH])(
+            (void *)(uintptr_t)op->dst, op->src, op->nbytes, q->stream);
+        return r ? cuq_fail(q, CU_COPY_DTOH, r) : 0;
+    case CUOP_WRITE:
+        r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WRITE64])(
+            q->stream, op->word, op->target, 0);
+        return r ? cuq_fail(q, CU_WRITE64, r) : 0;
+    case CUOP_WAIT:
+        return cuq_wait_word(q, op->word, op->target);
+    case CUOP_WAIT_QUEUE:
+        return cuq_wait_queue(q, op->other, op->target);
+    case CUOP_FINISH:
+        return cuq_finish(q, op->value, op->extra, op->extra_value, op->spin_ns, op->flags);
+    }
+    return -2;
+}
+
+/* Hand an operation to the driver now, or hold it (copied) behind what is held already
+ * or while the stream has max_inflight commands unconfirmed. 0 once submitted or held; a
+ * CUresult if the driver refused it now (nothing held: the caller takes its value back);
+ * the queue's error once a command of it failed (nothing more is accepted); -1: out of
+ * memory. */
+int cuq_submit(am_cuq *q, const am_cuop *op, size_t size) {
+    pthread_mutex_lock(&q->mu);
+    if (q->error) {
+        int e = q->error;
+        pthread_mutex_unlock(&q->mu);
+        return e;
+    }
+    if (q->held || q->driving || q->count >= q->max_inflight) {
+        am_cuop *copy = malloc(size);
+        if (!copy) { pthread_mutex_unlock(&q->mu); return -1; }
+        memcpy(copy, op, size);
+        copy->next = NULL;
+        if (copy->other) atomic_fetch_add(&copy->other->refs, 1);
+        if (q->held_tail) q->held_tail->next = copy; else q->held = copy;
+        q->held_tail = copy;
+        q->nheld++;
+        atomic_fetch_add(&q->held_total, 1);
+        if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
+        pthread_mutex_unlock(&q->mu);
+        return 0;
+    }
+    q->driving = 1;
+    pthread_mutex_unlock(&q->mu);
+    int r = cuq_enter(q);
+    if (!r) r = cuq_run_op(q, op);
+    cuq_leave(q, r);
+    pthread_mutex_lock(&q->mu);
+    q->driving = 0;
+    if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    return r;
+}
+
+/* flags: CU_FINISH_LONG (a blocking-sync event at once), CU_FINISH_PLAIN (a device
+ * wait's: a plain event). spin_ns: how long the command is expected to take at most. */
+int am_cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
+                  long spin_ns, int flags) {
+    am_cuop op = {.kind = CUOP_FINISH, .flags = flags, .value = value, .extra = extra,
+                  .extra_value = extra_value, .spin_ns = spin_ns};
+    return cuq_submit(q, &op, sizeof op);
+}
+
+int am_cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value, uint64_t command) {
+    am_cuop op = {.kind = CUOP_WAIT_QUEUE, .value = command, .other = other, .target = value};
+    return cuq_submit(q, &op, sizeof op);
+}
+
+/* dims: grid x, y, z, block x, y, z, dynamic shared memory bytes; params: nparams
+ * pointers to 64-bit slots (copied). Then its event, as am_cuq_finish. */
+int am_cuq_launch(am_cuq *q, void *function, const unsigned *dims, void **params, int nparams,
+                  uint64_t value) {
+    if (nparams < 0 || nparams > CU_MAX_PARAMS) return -2;
+    int64_t buf[(sizeof(am_cuop) + sizeof(int64_t) - 1) / sizeof(int64_t) + CU_MAX_PARAMS];
+    am_cuop *op = (am_cuop *)buf;
+    memset(op, 0, sizeof *op);
+    op->kind = CUOP_LAUNCH;
+    op->value = value;
+    op->fn = function;
+    op->nparams = nparams;
+    memcpy(op->dims, dims, sizeof op->dims);
+    for (int i = 0; i < nparams; i++) memcpy(&op->params[i], params[i], sizeof(int64_t));
+    int r = cuq_submit(q, op, sizeof(am_cuop) + (size_t)nparams * sizeof(int64_t));
+    return r ? r : am_cuq_finish(q, value, NULL, 0, 0, 0);
+}
+
+/* A device copy, then its event: on one device (src_ctx NULL) or from the device of
+ * src_ctx to the queue's. spin_ns: how long the copy is expected to take at most
+ * (the completion thread polls that long rather than block on its event). */
+int am_cuq_copy(am_cuq *q, uint64_t dst, uint64_t src, void *src_ctx, size_t nbytes,
+                uint64_t value, long spin_ns) {
+    am_cuop op = {.kind = CUOP_COPY, .value = value, .dst = dst, .src = src, .src_ctx = src_ctx,
+                  .nbytes = nbytes};
+    int r = cuq_submit(q, &op, sizeof op);
+    return r ? r : am_cuq_finish(q, value, NULL, 0, spin_ns, 0);
+}
+
+/* Host memory (pinned, or at most a few pages of pageable) to and from device memory, as
+ * a part of command `value`. */
+int am_cuq_memcpy(am_cuq *q, int to_device, uint64_t dst, uint64_t src, size_t nbytes,
+                  uint64_t value) {
+    am_cuop op = {.kind = to_device ? CUOP_HTOD : CUOP_DTOH, .value = value, .dst = dst,
+                  .src = src, .nbytes = nbytes};
+    return cuq_submit(q, &op, sizeof op);
+}
+
+/* Stream memory operations on a device word (another timeline's, or a host thread's),
+ * as a part of command `value`. */
+int am_cuq_write(am_cuq *q, void *word, uint64_t target, uint64_t value) {
+    am_cuop op = {.kind = CUOP_WRITE, .value = value, .word = word, .target = target};
+    return cuq_submit(q, &op, sizeof op);
+}
+
+int am_cuq_wait(am_cuq *q, void *word, uint64_t target, uint64_t value) {
+    am_cuop op = {.kind = CUOP_WAIT, .value = value, .word = word, .target = target};
+    return cuq_submit(q, &op, sizeof op);
+}
+
+int am_cuq_failed_call(am_cuq *q) { return __atomic_load_n(&q->failed_call, __ATOMIC_RELAXED); }
+
+/* How the completion thread has worked so far: event queries, blocking waits on a
+ * blocking-sync event, waits with naps on a plain one (after polling found them
+ * unfinished), events created, whether commands now get blocking-sync events, operations
+ * held on the host so far, held now, and naps cut short by a host signal. */
+void am_cuq_stats(am_cuq *q, uint64_t *out) {
+    out[0] = atomic_load(&q->queries);
+    out[1] = atomic_load(&q->syncs);
+    out[2] = atomic_load(&q->naps);
+    out[3] = atomic_load(&q->events_made);
+    out[4] = (uint64_t)atomic_load(&q->blocking);
+    out[5] = atomic_load(&q->held_total);
+    pthread_mutex_lock(&q->mu);
+    out[6] = q->nheld;
+    pthread_mutex_unlock(&q->mu);
+    out[7] = atomic_load(&q->kicked);
+}
+
+int am_cuq_error(am_cuq *q, uint64_t *value) {
+    pthread_mutex_lock(&q->mu);
+    int e = q->error;
+    *value = q->error_value;
+    pthread_mutex_unlock(&q->mu);
+    return e;
+}
+
+/* Stop the completion thread and release the queue; the stream is the caller's.
+ * abandon=0: after everything held was handed over and every command confirmed (or the
+ * queue failed). abandon=1: now, dropping what is held. A thread blocked on an event that
+ * will never complete (behind a device wait nothing signals) is not waited for beyond
+ * ~200 ms: it frees the queue itself if it ever returns. Blocks. */
+void am_cuq_close(am_cuq *q, int abandon) {
+    pthread_mutex_lock(&q->mu);
+    __atomic_store_n(&q->stop, abandon ? 2 : 1, __ATOMIC_SEQ_CST);  /* read unlocked too */
+    if (abandon) {
+        cuq_drop_held(q);
+        q->count = 0;
+    }
+    pthread_cond_signal(&q->cv);
+    if (abandon) {
+        pthread_mutex_unlock(&q->mu);
+        host_signalled();  /* wake it if it naps */
+        pthread_mutex_lock(&q->mu);
+        struct timespec until;
+        deadline_after(&until, 200000000L);
+        int r = 0;
+        while (!q->exited && r != ETIMEDOUT) r = pthread_cond_timedwait(&q->cv, &q->mu, &until);
+        if (!q->exited) {
+            q->orphan = 1;  /* its thread frees it: q may be gone once mu is released */
+            pthread_detach(q->thread);
+            pthread_mutex_unlock(&q->mu);
+            return;
+        }
+    }
+    pthread_mutex_unlock(&q->mu);
+    pthread_join(q->thread, NULL);
+    if (!abandon) {
+        for (int k = 0; k < 2; k++) {
+            for (size_t i = 0; i < q->events_count[k]; i++)
+                ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(q->events[k][i]);
+            void *spare = atomic_load(&q->spare[k]);
+            if (spare) ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(spare);
+        }
+    }
+    cuq_unref(q);
+}

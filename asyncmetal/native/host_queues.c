@@ -1,0 +1,272 @@
+/* The cpu device's queues: one thread each, running its commands in order (kernel
+ * calls, memmoves, timeline signals and waits, parts of shared copies) and signalling
+ * its own timeline after each. The threads never take the GIL.
+ */
+#include "amrt.h"
+
+typedef void (*am_kernel)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, int64_t);
+
+static int take(am_queue *q, am_cmd *out) {
+    /* A short spin first: a command submitted right behind the last one then starts
+     * without a sleep/wake round trip. Bounded by spin_ns after each command. */
+    if (q->spin_ns > 0 && atomic_load(&q->pending) == 0) {
+        int64_t deadline = now_ns() + q->spin_ns;
+        while (atomic_load(&q->pending) == 0 && now_ns() < deadline) sched_yield();
+    }
+    pthread_mutex_lock(&q->mu);
+    while (q->count == 0 && !q->stop) {
+        q->sleeping = 1;
+        pthread_cond_wait(&q->cv, &q->mu);
+        q->sleeping = 0;
+    }
+    if (q->stop == 2 || (q->count == 0 && q->stop)) {
+        pthread_mutex_unlock(&q->mu);
+        return 0;
+    }
+    *out = q->ring[q->head];
+    q->head = (q->head + 1) % q->cap;
+    q->count--;
+    atomic_fetch_sub(&q->pending, 1);
+    pthread_mutex_unlock(&q->mu);
+    return 1;
+}
+
+/* am_queue_close(abandon) sets stop under q->mu, then reads waiting_on and broadcasts
+ * t's condition under t->mu. So stop is read under t->mu right before each sleep: either
+ * the close's broadcast comes after this thread sleeps (it wakes it), or its store to
+ * stop came before this thread took t->mu (it sees it). Read only before taking t->mu,
+ * a broadcast landing in between would find nobody asleep and be lost. */
+static int wait_timeline(am_queue *q, am_timeline *t, uint64_t target) {
+    pthread_mutex_lock(&q->mu);
+    q->waiting_on = t;
+    pthread_mutex_unlock(&q->mu);
+    int abandon = 0;
+    pthread_mutex_lock(&t->mu);
+    while (atomic_load(&t->value) < target) {
+        if ((abandon = __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) == 2)) break;
+        pthread_cond_wait(&t->cv, &t->mu);
+    }
+    pthread_mutex_unlock(&t->mu);
+    pthread_mutex_lock(&q->mu);
+    q->waiting_on = NULL;
+    pthread_mutex_unlock(&q->mu);
+    return !abandon;
+}
+
+/* Wait until a device wrote t's word up to target: the word is in pinned memory,
+ * written by a stream behind the work it follows, and nothing wakes a thread when it
+ * changes. So it is polled, by one waiting thread at a time: a spin of up to 20 us, then
+ * naps of a 32nd of the time waited so far (10 us to 4 ms: a value seen at most ~3 %
+ * late; ~250 wake-ups a second once the wait is long). The others sleep on t's
+ * condition; the poller publishes each new value it sees (t->seen) and wakes them, and
+ * hands polling over when its own target is reached. Checks for abandon between naps and
+ * at every wake (am_queue_close broadcasts t's condition through q->waiting_on). */
+static int wait_word(am_queue *q, am_timeline *t, uint64_t target) {
+    pthread_mutex_lock(&q->mu);
+    q->waiting_on = t;
+    pthread_mutex_unlock(&q->mu);
+    int ok = 1;
+    pthread_mutex_lock(&t->mu);
+    while (ok && t->seen < target && atomic_load(t->word) < target) {
+        if (__atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) == 2) { ok = 0; break; }
+        if (t->polling) { pthread_cond_wait(&t->cv, &t->mu); continue; }
+        t->polling = 1;
+        pthread_mutex_unlock(&t->mu);
+        int64_t start = now_ns();
+        uint64_t seen = 0;
+        for (;;) {
+            uint64_t w = 0;
+            for (int i = 0; i < 64; i++) {
+                w = atomic_load_explicit(t->word, memory_order_acquire);
+                if (w >= target) break;
+                cpu_relax();
+            }
+            if (w > seen) {  /* publish progress: a sleeper may need less than target */
+                seen = w;
+                pthread_mutex_lock(&t->mu);
+                if (w > t->seen) t->seen = w;
+                pthread_cond_broadcast(&t->cv);
+                pthread_mutex_unlock(&t->mu);
+            }
+            if (w >= target) break;
+            if (__atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) == 2) { ok = 0; break; }
+            long waited = (long)(now_ns() - start), nap = waited / 32;
+            if (waited < 20000) sched_yield();
+            else nap_ns(nap < 10000 ? 10000 : nap > 4000000 ? 4000000 : nap);
+        }
+        pthread_mutex_lock(&t->mu);
+        t->polling = 0;  /* another waiter (a later target) takes over */
+        pthread_cond_broadcast(&t->cv);
+    }
+    pthread_mutex_unlock(&t->mu);
+    pthread_mutex_lock(&q->mu);
+    q->waiting_on = NULL;
+    pthread_mutex_unlock(&q->mu);
+    return ok;
+}
+
+/* Claim parts of a chunk's use one at a time and copy them, until every part is taken:
+ * queues that got there first (woke first, finished their last part first) copy more,
+ * so a thread that is late (descheduled, slow to wake) delays the chunk by one part at
+ * most, not by a whole share. A use's parts are numbered from `first` on the chunk's
+ * claim counter; uses run one after another (each waits, through the stream, for the
+ * last one's ready word), so a command that finds the counter past its use's parts
+ * has nothing left to do. */
+static void copy_parts(const am_cmd *c) {
+    uint64_t end = c->first + (c->nbytes + c->part - 1) / c->part;
+    uint64_t i = atomic_load_explicit(c->claimed, memory_order_relaxed);
+    while (i >= c->first && i < end) {
+        if (!atomic_compare_exchange_weak_explicit(c->claimed, &i, i + 1, memory_order_relaxed,
+                                                   memory_order_relaxed))
+            continue;  /* i now holds the counter's value: try the next part */
+        size_t offset = (size_t)(i - c->first) * c->part;
+        size_t n = c->nbytes - offset < c->part ? c->nbytes - offset : c->part;
+        memmove((char *)c->dst + offset, (const char *)c->src + offset, n);
+        if (atomic_fetch_add_explicit(c->count, 1, memory_order_acq_rel) + 1 == c->count_target)
+            raise_word(c->ready, c->ready_value);
+        i = atomic_load_explicit(c->claimed, memory_order_relaxed);
+    }
+}
+
+static void *run(void *arg) {
+    am_queue *q = arg;
+    am_cmd c;
+    while (take(q, &c)) {
+        if (c.record) {  /* the row's value goes last, so a reader can tell a torn row */
+            __atomic_store_n(&c.record[2], 0, __ATOMIC_RELEASE);
+            c.record[0] = now_ns();
+        }
+        switch (c.kind) {
+        case CMD_CALL:
+            ((am_kernel)c.fn)(c.args[0], c.args[1], c.args[2], c.args[3], c.args[4], c.args[5],
+                              c.args[6], c.args[7], c.args[8], c.args[9], c.args[10],
+                              c.args[11], c.args[12], c.args[13], c.args[14], c.args[15]);
+            break;
+        case CMD_COPY:
+            memmove(c.dst, c.src, c.nbytes);
+            break;
+        case CMD_SIGNAL:
+            am_timeline_signal(c.timeline, c.target);
+            break;
+        case CMD_WAIT:
+            if (!wait_timeline(q, c.timeline, c.target)) return NULL;
+            break;
+        case CMD_COPY_PART:  /* parts of a chunk; the last one done marks it ready */
+            if (c.after && !wait_word(q, c.after, c.target)) return NULL;
+            copy_parts(&c);
+            break;
+        }
+        if (c.record) {
+            c.record[1] = now_ns();
+            __atomic_store_n(&c.record[2], (int64_t)c.value, __ATOMIC_RELEASE);
+        }
+        am_timeline_signal(q->own, c.value);
+    }
+    return NULL;
+}
+
+am_queue *am_queue_new(am_timeline *own, long spin_ns) {
+    am_queue *q = calloc(1, sizeof *q);
+    if (!q) return NULL;
+    q->cap = 64;
+    q->ring = calloc(q->cap, sizeof(am_cmd));
+    q->own = own;
+    q->spin_ns = spin_ns;
+    q->forks = am_forks;
+    pthread_mutex_init(&q->mu, NULL);
+    pthread_cond_init(&q->cv, NULL);
+    if (!q->ring || pthread_create(&q->thread, NULL, run, q) != 0) {
+        free(q->ring);
+        free(q);
+        return NULL;
+    }
+    return q;
+}
+
+static int push(am_queue *q, const am_cmd *c) {
+    pthread_mutex_lock(&q->mu);
+    if (q->count == q->cap) {
+        am_cmd *ring = malloc(2 * q->cap * sizeof(am_cmd));
+        if (!ring) { pthread_mutex_unlock(&q->mu); return -1; }
+        for (size_t i = 0; i < q->count; i++) ring[i] = q->ring[(q->head + i) % q->cap];
+        free(q->ring);
+        q->ring = ring;
+        q->head = 0;
+        q->cap *= 2;
+    }
+    q->ring[(q->head + q->count) % q->cap] = *c;
+    q->count++;
+    atomic_fetch_add(&q->pending, 1);
+    if (q->sleeping) pthread_cond_signal(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    return 0;
+}
+
+int am_queue_call(am_queue *q, void *fn, int nargs, const int64_t *args, int64_t *record,
+                  uint64_t value) {
+    am_cmd c = {.kind = CMD_CALL, .fn = fn, .nargs = nargs, .record = record, .value = value};
+    if (nargs < 0 || nargs > AM_MAX_ARGS) return -2;
+    memcpy(c.args, args, (size_t)nargs * sizeof(int64_t));
+    return push(q, &c);
+}
+
+int am_queue_copy(am_queue *q, void *dst, const void *src, size_t nbytes, int64_t *record,
+                  uint64_t value) {
+    am_cmd c = {.kind = CMD_COPY, .dst = dst, .src = src, .nbytes = nbytes, .record = record,
+                .value = value};
+    return push(q, &c);
+}
+
+int am_queue_signal(am_queue *q, am_timeline *t, uint64_t target, uint64_t value) {
+    am_cmd c = {.kind = CMD_SIGNAL, .timeline = t, .target = target, .value = value};
+    return push(q, &c);
+}
+
+int am_queue_wait(am_queue *q, am_timeline *t, uint64_t target, uint64_t value) {
+    am_cmd c = {.kind = CMD_WAIT, .timeline = t, .target = target, .value = value};
+    return push(q, &c);
+}
+
+/* A chunk's use's host copy, shared by queues (each that shares it gets this command):
+ * once `after`'s device word (a stream writes it; no wait if NULL) reaches after_value,
+ * claim `part`-byte parts of the nbytes on *claimed -- this use's are numbered first,
+ * first+1, ... -- copy each and count it in *count; the part that brings the count to
+ * count_target raises *ready to ready_value (a word a stream waits on): every byte is
+ * in. Both counters run on over a chunk's uses, never reset, so a use may be submitted
+ * before the last one's parts ran: its parts run only after them (they wait, through
+ * the stream, on the ready word those parts raise). */
+int am_queue_copy_part(am_queue *q, void *dst, const void *src, size_t nbytes, size_t part,
+                       am_timeline *after, uint64_t after_value, void *claimed, uint64_t first,
+                       void *count, uint64_t count_target, void *ready, uint64_t ready_value,
+                       int64_t *record, uint64_t value) {
+    if (part == 0) return -2;
+    am_cmd c = {.kind = CMD_COPY_PART, .dst = dst, .src = src, .nbytes = nbytes, .part = part,
+                .after = after, .target = after_value, .claimed = claimed, .first = first,
+                .count = count, .count_target = count_target, .ready = ready,
+                .ready_value = ready_value, .record = record, .value = value};
+    return push(q, &c);
+}
+
+/* Stop the thread and free the queue. abandon=0: after everything queued has run;
+ * abandon=1: now, leaving a pending device-side wait (interpreter exit). Blocks. In a
+ * forked child, a queue of the parent is left as it is. */
+void am_queue_close(am_queue *q, int abandon) {
+    if (q->forks != am_forks) return;  /* in a child, the parent's: no thread to join */
+    pthread_mutex_lock(&q->mu);
+    __atomic_store_n(&q->stop, abandon ? 2 : 1, __ATOMIC_SEQ_CST);
+    pthread_cond_signal(&q->cv);
+    am_timeline *t = q->waiting_on;
+    pthread_mutex_unlock(&q->mu);
+    if (t && abandon) {
+        pthread_mutex_lock(&t->mu);
+        pthread_cond_broadcast(&t->cv);
+        pthread_mutex_unlock(&t->mu);
+    }
+    pthread_join(q->thread, NULL);
+    pthread_mutex_destroy(&q->mu);
+    pthread_cond_destroy(&q->cv);
+    free(q->ring);
+    free(q);
+}

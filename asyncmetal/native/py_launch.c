@@ -1,0 +1,314 @@
+/* Queue.launch's common case in one call of asyncmetal's native extension module
+ * (py_ext.h says what the module is; asyncmetal/_native_contract.py declares every
+ * attribute, method and tuple read here).
+ *
+ * launch(queue, target, program, buffers, vals, global, local) -> Completion or None.
+ * It submits only what asyncmetal.Queue.launch would accept: a Program of the queue's
+ * device, live Buffers of that device (exactly Buffer), vals a tuple or list of exact
+ * ints within int32, sizes the default, an int or a tuple/list of 1-3 exact ints >= 1,
+ * and a queue holding nothing back. Anything else returns None *before* submitting, and
+ * Queue.launch's Python path then checks and explains it: this path raises only what a
+ * submission raises (the backend's own error, through its Python hooks).
+ *
+ * target (the backend queue's launch_target(), built by _native_contract.py):
+ *   (1, am_cuq, native)                                          cuda: am_cuq_launch
+ *   (0, am_queue, native, times, times_address, kept, keep_items) cpu: am_queue_call
+ */
+#include "py_ext.h"
+
+static PyObject *Program_type, *Buffer_type, *Completion_type, *one3;
+#define NAME(key) am_names[N_##key]  /* an attribute's or method's name (py_ext.h) */
+
+/* setup(Program, Buffer, Completion, ONE3): the classes the fast path recognizes. */
+PyObject *py_setup(PyObject *self, PyObject *const *a, Py_ssize_t n) {
+    (void)self;
+    if (take_args(n, 4, "setup")) return NULL;
+    PyObject **slots[4] = {&Program_type, &Buffer_type, &Completion_type, &one3};
+    for (int i = 0; i < 4; i++) {
+        Py_XDECREF(*slots[i]);
+        Py_INCREF(a[i]);
+        *slots[i] = a[i];
+    }
+    Py_RETURN_NONE;
+}
+
+/* 1: the attribute is exactly this object; 0: not; -1: error. */
+static int attr_is(PyObject *obj, PyObject *name, PyObject *want) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (!v) return -1;
+    int r = v == want;
+    Py_DECREF(v);
+    return r;
+}
+
+/* An attribute's truth: 1, 0 or -1 (error). */
+static int attr_true(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (!v) return -1;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* An attribute as a C integer (ssize_t); -1 with an error set, or -2: not an exact int. */
+static Py_ssize_t attr_ssize(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (!v) return -1;
+    Py_ssize_t r = PyLong_CheckExact(v) ? PyLong_AsSsize_t(v) : -2;
+    Py_DECREF(v);
+    return r;
+}
+
+/* A launch size the Python path accepts: 0 with out[3] filled, 1 if not the simple
+ * kind (the Python path decides), -1 on error. */
+static int simple_size(PyObject *size, unsigned long out[3]) {
+    out[0] = out[1] = out[2] = 1;
+    if (size == one3) return 0;
+    PyObject *items[3];
+    Py_ssize_t n;
+    if (PyLong_CheckExact(size)) {
+        items[0] = size;
+        n = 1;
+    } else if (PyTuple_CheckExact(size) || PyList_CheckExact(size)) {
+        n = PySequence_Fast_GET_SIZE(size);
+        if (n < 1 || n > 3) return 1;
+        for (Py_ssize_t i = 0; i < n; i++) items[i] = PySequence_Fast_ITEMS(size)[i];
+    } else {
+        return 1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyLong_CheckExact(items[i])) return 1;
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+        if (v == -1 && PyErr_Occurred()) return -1;
+        if (overflow || v < 1) return 1;
+        out[i] = (unsigned long)v;
+    }
+    return 0;
+}
+
+/* The command numbered value was not submitted: its number is taken back (an error is
+ * set already; it stays the one raised). */
+static void unnumber(PyObject *queue, uint64_t value) {
+    PyObject *type, *exc, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyObject *back = PyLong_FromUnsignedLongLong(value - 1);
+    if (back) {
+        PyObject_SetAttr(queue, NAME(QUEUE_SUBMITTED), back);
+        Py_DECREF(back);
+    }
+    PyErr_Restore(type, exc, tb);
+}
+
+/* A backend queue's launch_target(), read once per launch. */
+typedef struct {
+    long kind;             /* 1: cuda, 0: cpu */
+    void *handle;          /* the am_cuq or am_queue */
+    PyObject *native;      /* the backend queue (its error hooks) */
+    PyObject *times, *keep;  /* cpu: its times rows and its keep-alive items */
+    int64_t *times_base;
+    long kept;
+} target_t;
+
+/* 0 with *t filled, 1 if target is not one of the forms above, -1 on error. */
+static int parse_target(PyObject *target, target_t *t) {
+    if (!PyTuple_CheckExact(target) || PyTuple_GET_SIZE(target) < 3) return 1;
+    t->kind = PyLong_AsLong(PyTuple_GET_ITEM(target, 0));
+    t->handle = PyLong_AsVoidPtr(PyTuple_GET_ITEM(target, 1));
+    t->native = PyTuple_GET_ITEM(target, 2);
+    if (PyErr_Occurred()) return -1;
+    if ((t->kind != 0 && t->kind != 1) || !t->handle) return 1;
+    if (t->kind == 1) return 0;
+    if (PyTuple_GET_SIZE(target) != 7) return 1;
+    t->times = PyTuple_GET_ITEM(target, 3);
+    t->times_base = PyLong_AsVoidPtr(PyTuple_GET_ITEM(target, 4));
+    t->kept = PyLong_AsLong(PyTuple_GET_ITEM(target, 5));
+    t->keep = PyTuple_GET_ITEM(target, 6);
+    if (PyErr_Occurred()) return -1;
+    return !t->times_base || t->kept <= 0;
+}
+
+/* Number the command, make its Completion and submit it; then record each buffer's use.
+ * Errors after numbering take the number back. */
+static PyObject *submit(PyObject *queue, const target_t *t, void *fn, const unsigned *dims,
+                        int64_t *slots, Py_ssize_t nargs, PyObject *handles,
+                        PyObject *const *allocations, Py_ssize_t nbuf) {
+    PyObject *last = PyObject_GetAttr(queue, NAME(QUEUE_SUBMITTED));
+    if (!last) return NULL;
+    uint64_t value = PyLong_AsUnsignedLongLong(last) + 1;
+    Py_DECREF(last);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *value_obj = PyLong_FromUnsignedLongLong(value);
+    if (!value_obj) return NULL;
+    PyObject *done = NULL;
+    if (PyObject_SetAttr(queue, NAME(QUEUE_SUBMITTED), value_obj)) goto out;
+    done = PyObject_CallFunctionObjArgs(Completion_type, queue, value_obj, NULL);
+    if (!done) goto unnumbered;
+    int code;
+    if (t->kind == 1) {
+        void *params[AM_MAX_PARAMS];
+        for (Py_ssize_t i = 0; i < nargs; i++) params[i] = &slots[i];
+        Py_BEGIN_ALLOW_THREADS
+        code = am_cuq_launch(t->handle, fn, dims, params, (int)nargs, value);
+        Py_END_ALLOW_THREADS
+        if (code) {  /* the backend's hook explains it: it raises or returns the error */
+            PyObject *code_obj = PyLong_FromLong(code);
+            PyObject *exc =
+                code_obj ? PyObject_CallMethodObjArgs(t->native, NAME(CUDA_QUEUE_FAILED), code_obj, NULL)
+                         : NULL;
+            Py_XDECREF(code_obj);
+            if (exc) {
+                PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+                Py_DECREF(exc);
+            }
+            goto unnumbered;
+        }
+    } else {
+        /* The times row the queue thread writes, as CPUQueue.launch records it. */
+        uint64_t row = value % (uint64_t)t->kept;
+        PyObject *row_obj = PyLong_FromUnsignedLongLong(row);
+        int failed = !row_obj || PyObject_SetAttr(done, NAME(COMPLETION_RING), t->times) ||
+                     PyObject_SetAttr(done, NAME(COMPLETION_ROW), row_obj);
+        Py_XDECREF(row_obj);
+        if (failed) goto unnumbered;
+        code = am_queue_call(t->handle, fn, (int)nargs, slots, t->times_base + 3 * row, value);
+        if (code || nargs || PyObject_Length(t->keep)) {  /* CPUQueue._submitted: errors,
+                                                             keeping the handles alive */
+            PyObject *status = PyLong_FromLong(code);
+            PyObject *res = status ? PyObject_CallMethodObjArgs(
+                                         t->native, NAME(CPU_QUEUE_SUBMITTED), status, value_obj,
+                                         handles ? handles : Py_None, NULL)
+                                   : NULL;
+            Py_XDECREF(status);
+            if (!res) goto unnumbered;
+            Py_DECREF(res);
+        }
+    }
+    /* Each buffer's allocation: used by this queue up to value. */
+    for (Py_ssize_t i = 0; i < nbuf; i++) {
+        PyObject *uses = PyObject_GetAttr(allocations[i], NAME(ALLOCATION_LAST_USE));
+        int failed = !uses || PyObject_SetItem(uses, queue, value_obj);
+        Py_XDECREF(uses);
+        if (failed) {
+            Py_CLEAR(done);
+            goto out;
+        }
+    }
+    goto out;
+unnumbered:
+    Py_CLEAR(done);
+    unnumber(queue, value);
+out:
+    Py_DECREF(value_obj);
+    return done;
+}
+
+PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
+    (void)self;
+    if (take_args(n, 7, "launch")) return NULL;
+    PyObject *queue = a[0], *target = a[1], *program = a[2], *buffers = a[3], *vals = a[4];
+    if (!Program_type || !NAME(QUEUE_DEVICE)) {
+        PyErr_SetString(PyExc_RuntimeError, "launch: setup() or set_names() was not called");
+        return NULL;
+    }
+    if (!PyTuple_CheckExact(buffers) || (!PyTuple_CheckExact(vals) && !PyList_CheckExact(vals)) ||
+        (PyObject *)Py_TYPE(program) != Program_type) {
+        Py_RETURN_NONE;
+    }
+    target_t t = {0};
+    int parsed = parse_target(target, &t);
+    if (parsed < 0) return NULL;
+    if (parsed) Py_RETURN_NONE;
+    Py_ssize_t most = t.kind == 1 ? AM_MAX_PARAMS : AM_MAX_ARGS;
+
+    /* The queue holds nothing back, and its device is open and the program's. (r: 0 so
+     * far the common case, 1 not, -1 an error; any error set is raised.) */
+    PyObject *handles = NULL;  /* cpu: the buffers' handles, kept alive by the queue */
+    PyObject *device = PyObject_GetAttr(queue, NAME(QUEUE_DEVICE));
+    if (!device) return NULL;
+    int r = attr_true(queue, NAME(QUEUE_HELD));
+    if (r == 0) r = 1 - attr_is(queue, NAME(QUEUE_GATE), Py_None);
+    if (r == 0) r = attr_true(device, NAME(DEVICE_CLOSED));
+    if (r == 0) r = 1 - attr_is(program, NAME(PROGRAM_DEVICE), device);
+    if (r) goto fallback;
+
+    Py_ssize_t nbuf = PyTuple_GET_SIZE(buffers), nval = PySequence_Fast_GET_SIZE(vals);
+    if (attr_ssize(program, NAME(PROGRAM_BUFFER_COUNT)) != nbuf || attr_ssize(program, NAME(PROGRAM_VALUE_COUNT)) != nval ||
+        nbuf + nval > most)
+        goto fallback;
+    unsigned long global[3], local[3];
+    if ((r = simple_size(a[5], global)) || (r = simple_size(a[6], local))) goto fallback;
+
+    /* The arguments in launch order (buffers, then vals), each a 64-bit slot. */
+    int64_t packed[AM_MAX_PARAMS];
+    PyObject *allocations[AM_MAX_PARAMS];
+    if (t.kind == 0 && nbuf && !(handles = PyTuple_New(nbuf))) goto fallback;
+    for (Py_ssize_t i = 0; i < nbuf; i++) {
+        PyObject *buf = PyTuple_GET_ITEM(buffers, i);
+        if ((PyObject *)Py_TYPE(buf) != Buffer_type || attr_is(buf, NAME(BUFFER_DEVICE), device) != 1) {
+            r = 1;
+            goto fallback;
+        }
+        PyObject *allocation = PyObject_GetAttr(buf, NAME(BUFFER_ALLOCATION));
+        if (!allocation) { r = -1; goto fallback; }
+        allocations[i] = allocation;  /* borrowed: buf holds it for this call */
+        Py_DECREF(allocation);
+        if ((r = attr_true(allocation, NAME(ALLOCATION_FREED))) != 0) goto fallback;
+        PyObject *h = PyObject_GetAttr(allocation, NAME(ALLOCATION_HANDLE));
+        if (!h) { r = -1; goto fallback; }
+        PyObject *base = t.kind == 0 ? PyObject_GetAttr(h, NAME(CPU_MEMORY_ADDRESS)) : (Py_INCREF(h), h);
+        if (handles) PyTuple_SET_ITEM(handles, i, h);  /* takes the reference */
+        else Py_DECREF(h);
+        if (!base) { r = -1; goto fallback; }
+        Py_ssize_t offset = attr_ssize(buf, NAME(BUFFER_OFFSET));
+        packed[i] = (int64_t)PyLong_AsUnsignedLongLong(base) + offset;
+        Py_DECREF(base);
+        if (PyErr_Occurred()) { r = -1; goto fallback; }
+        if (offset < 0) { r = 1; goto fallback; }
+    }
+    for (Py_ssize_t i = 0; i < nval; i++) {
+        PyObject *v = PySequence_Fast_ITEMS(vals)[i];
+        if (!PyLong_CheckExact(v)) { r = 1; goto fallback; }
+        int overflow;
+        long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (overflow || x < INT32_MIN || x > INT32_MAX) { r = 1; goto fallback; }
+        packed[nbuf + i] = x;
+    }
+    /* Reordered to the kernel's parameter order where it differs. */
+    int64_t slots[AM_MAX_PARAMS];
+    Py_ssize_t nargs = nbuf + nval;
+    PyObject *order = PyObject_GetAttr(program, NAME(PROGRAM_ORDER));
+    if (!order) { r = -1; goto fallback; }
+    if (order == Py_None) {
+        memcpy(slots, packed, nargs * sizeof *slots);
+    } else if (!PyList_CheckExact(order) || PyList_GET_SIZE(order) != nargs) {
+        r = 1;
+    } else {
+        for (Py_ssize_t i = 0; i < nargs && !r; i++) {
+            Py_ssize_t j = PyLong_AsSsize_t(PyList_GET_ITEM(order, i));
+            if (j < 0 || j >= nargs) r = PyErr_Occurred() ? -1 : 1;
+            else slots[i] = packed[j];
+        }
+    }
+    Py_DECREF(order);
+    if (r) goto fallback;
+    PyObject *function = PyObject_GetAttr(program, NAME(PROGRAM_NATIVE));
+    if (!function) { r = -1; goto fallback; }
+    void *fn = PyLong_AsVoidPtr(function);
+    Py_DECREF(function);
+    if (PyErr_Occurred()) { r = -1; goto fallback; }
+    unsigned dims[7];
+    if (t.kind == 1 && (r = grid_dims(global, local, dims))) goto fallback;
+
+    /* Number it, make its Completion, submit. */
+    Py_DECREF(device);
+    PyObject *done = submit(queue, &t, fn, dims, slots, nargs, handles, allocations, nbuf);
+    Py_XDECREF(handles);
+    return done;
+
+fallback:
+    Py_DECREF(device);
+    Py_XDECREF(handles);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}

@@ -1,0 +1,147 @@
+/* Timelines, notifiers and watches: how a native thread wakes an event loop.
+ *
+ * A timeline is a 64-bit value that only grows. When it reaches the value a loop waits
+ * for, the loop's notifier gets one byte on its pipe -- only if none is pending -- so one
+ * wake-up of the loop serves every completion since its last drain. No GIL is taken.
+ */
+#include "amrt.h"
+
+AM_HIDDEN unsigned am_forks;
+
+static void am_after_fork(void) { am_forks++; }
+
+__attribute__((constructor)) static void am_register_fork_handler(void) {
+    pthread_atfork(NULL, NULL, am_after_fork);
+}
+
+/* ---- notifiers and watches ------------------------------------------------------- */
+
+am_notifier *am_notifier_new(int fd) {
+    am_notifier *n = calloc(1, sizeof *n);
+    if (n) n->fd = fd;
+    return n;
+}
+
+void am_notifier_free(am_notifier *n) { free(n); }
+
+static void notify(am_notifier *n) {
+    if (!atomic_exchange(&n->pending, 1)) {
+        char one = 1;
+        ssize_t r;
+        do { r = write(n->fd, &one, 1); } while (r < 0 && errno == EINTR);
+    }
+}
+
+/* Called by the loop after emptying its pipe and before reading the values: any later
+ * advance writes again. */
+void am_notifier_reset(am_notifier *n) { atomic_store(&n->pending, 0); }
+
+am_watch *am_watch_new(am_timeline *t, am_notifier *n) {
+    if (t->forks != am_forks) return NULL;  /* the parent's timeline */
+    am_watch *w = calloc(1, sizeof *w);
+    if (!w) return NULL;
+    atomic_store(&w->next, UINT64_MAX);
+    w->notifier = n;
+    w->timeline = t;
+    pthread_mutex_lock(&t->mu);
+    w->link = t->watches;
+    t->watches = w;
+    pthread_mutex_unlock(&t->mu);
+    return w;
+}
+
+void am_watch_free(am_watch *w) {
+    am_timeline *t = w->timeline;
+    if (t->forks != am_forks) return;  /* in a child: t->mu may be held for ever */
+    pthread_mutex_lock(&t->mu);
+    for (am_watch **p = &t->watches; *p; p = &(*p)->link) {
+        if (*p == w) { *p = w->link; break; }
+    }
+    pthread_mutex_unlock(&t->mu);
+    free(w);
+}
+
+/* Publish the smallest awaited value; returns 1 if it is already reached. The seq_cst
+ * store-then-load pairs with am_timeline_signal's store-then-load: no wake-up is lost. */
+int am_watch_arm(am_watch *w, uint64_t next) {
+    atomic_store(&w->next, next);
+    return atomic_load(&w->timeline->value) >= next;
+}
+
+/* ---- timelines ------------------------------------------------------------------- */
+
+static void timeline_init(am_timeline *t) {
+    memset(t, 0, sizeof *t);
+    t->forks = am_forks;
+    pthread_mutex_init(&t->mu, NULL);
+    pthread_cond_init(&t->cv, NULL);
+}
+
+am_timeline *am_timeline_new(void) {
+    am_timeline *t = malloc(sizeof *t);
+    if (t) timeline_init(t);
+    return t;
+}
+
+/* A device-visible word (pinned host memory a GPU's streams wait on) that host signals
+ * of this timeline also raise. A device raises the word itself; the timeline's value --
+ * what the host reports as reached -- is raised only once the device's work before the
+ * write is confirmed to have succeeded (am_timeline_poke by a completion thread). */
+void am_timeline_set_word(am_timeline *t, uint64_t *word) {
+    t->word = (_Atomic uint64_t *)word;
+}
+
+void am_timeline_free(am_timeline *t) {
+    /* In a child, the parent's: destroying a condition waits for its waiters, which
+     * here are threads that no longer exist. */
+    if (t->forks != am_forks) return;
+    pthread_mutex_destroy(&t->mu);
+    pthread_cond_destroy(&t->cv);
+    free(t);
+}
+
+uint64_t am_timeline_value(am_timeline *t) { return atomic_load(&t->value); }
+
+/* Raise the value to at least v and wake whoever waits up to the value now held, leaving
+ * the device word alone (a device wrote it: a completion thread confirms that here). */
+void am_timeline_poke(am_timeline *t, uint64_t v) {
+    pthread_mutex_lock(&t->mu);
+    if (v > atomic_load(&t->value)) atomic_store(&t->value, v);
+    v = atomic_load(&t->value);
+    pthread_cond_broadcast(&t->cv);
+    for (am_watch *w = t->watches; w; w = w->link)
+        if (v >= atomic_load(&w->next)) notify(w->notifier);
+    pthread_mutex_unlock(&t->mu);
+}
+
+void am_timeline_signal(am_timeline *t, uint64_t v) {
+    pthread_mutex_lock(&t->mu);
+    if (t->word) raise_word(t->word, v);  /* devices waiting on it go first */
+    if (v > atomic_load(&t->value)) {
+        atomic_store(&t->value, v);
+        pthread_cond_broadcast(&t->cv);
+        for (am_watch *w = t->watches; w; w = w->link)
+            if (v >= atomic_load(&w->next)) notify(w->notifier);
+    }
+    pthread_mutex_unlock(&t->mu);
+}
+
+/* Read t until it reaches v, for at most max_ns: 1 if it did. For a waiter whose value is
+ * about to be reached, between two yields to its event loop (called without the GIL). */
+int am_timeline_spin(am_timeline *t, uint64_t v, long max_ns) {
+    int64_t deadline = now_ns() + max_ns;
+    for (;;) {
+        for (int i = 0; i < 64; i++) {
+            if (atomic_load_explicit(&t->value, memory_order_acquire) >= v) return 1;
+            cpu_relax();
+        }
+        if (now_ns() >= deadline) return atomic_load(&t->value) >= v;
+    }
+}
+
+/* The digest of the sources this library was built from (asyncmetal/_native_build.py):
+ * a packaged runtime is loaded only if it matches the sources installed beside it. */
+#ifndef AM_BUILD_DIGEST
+#define AM_BUILD_DIGEST "unknown"
+#endif
+const char *am_build_digest(void) { return AM_BUILD_DIGEST; }

@@ -1,0 +1,72 @@
+/* A simulated CUDA driver for the harness fake_cuda.c (its checks are there). Each fake
+ * stream is a thread that runs its operations in order: kernels (a busy wait, then an
+ * entry in the stream's log; one may fault, which, as on a GPU, fails every call after
+ * it on that context), event records, 64-bit word writes and waits, event waits. A query
+ * reports an event done once the stream ran past its latest record.
+ */
+#ifndef FAKE_CUDA_DRIVER_H
+#define FAKE_CUDA_DRIVER_H
+
+#include "cuda_stream.h"
+#include <stdio.h>
+
+#define NOT_READY 600
+#define ILLEGAL_ADDRESS 700
+
+
+typedef struct { _Atomic int64_t recorded, done; unsigned flags; } fake_event;
+
+enum { OP_KERNEL, OP_RECORD, OP_WRITE, OP_WAIT, OP_WAIT_EVENT };
+
+typedef struct {
+    int kind;
+    int64_t a;          /* kernel: duration ns; record/wait event: generation; word: value */
+    void *p;            /* kernel: its spec; record/wait event: the event; word: the word */
+    int64_t arg;        /* kernel: its first parameter */
+} op;
+
+typedef struct fake_stream {
+    pthread_t thread;
+    pthread_mutex_t mu;
+    op *ops;
+    size_t cap, head, tail;
+    atomic_int stop;
+    _Atomic int64_t log[1 << 16];  /* parameters of the kernels run, in order */
+    atomic_long ran;
+} fake_stream;
+
+typedef struct {
+    int fault;                     /* 1: this kernel faults */
+    long duration_ns;              /* how long it runs (0: a few us, by its parameter) */
+    fake_stream *check;            /* else: check at run time that `check` ran ... */
+    long at_least;                 /* ... at least this many kernels */
+} kernel;
+
+typedef struct {
+    fake_stream *s;
+    am_timeline *t;
+    uint64_t *word;
+    am_cuq *q;
+} fake_queue;
+
+void die(const char *what);
+void enqueue(fake_stream *s, op o);  /* an operation on a stream, behind the others */
+void stream_free(fake_stream *s, int abandon);
+void fake_driver_install(void);
+fake_queue queue_new(void);
+fake_queue queue_bounded(long bound);  /* at most `bound` commands in flight */
+void queue_free(fake_queue f, int abandon);
+int launch(fake_queue f, kernel *k, int64_t arg, uint64_t value);
+
+extern atomic_long events_made, events_destroyed;
+extern atomic_long deep_limit;        /* >0: a launch blocks while its stream has more ops */
+extern atomic_long blocked_launches;  /* launches that had to block for that */
+extern atomic_int release_syncs;      /* 1: blocked syncs give up (NOT_READY) */
+extern void *refuse_fn;               /* a launch of this function is refused */
+extern uint64_t refuse_word;          /* a word write to it is refused */
+extern atomic_int fault_code;         /* the context's sticky error once a kernel faulted */
+extern void *_Atomic held;            /* an event whose queries report it unfinished */
+extern long max_inflight;             /* the queues' bound (most checks: none) */
+extern const unsigned dims[7];
+
+#endif
