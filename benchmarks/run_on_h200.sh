@@ -21,5 +21,5 @@ if [ "${RUN_PEERS:-1}" = 1 ]; then
 fi
 [ "${RUN_SIGNAL:-1}" = 1 ] && timeout 90 python3 benchmarks/signal_latency.py --json "$OUT/signal_latency.json" 2>&1 | tee "$OUT/signal_latency.txt"
 [ "${RUN_LOOP_LAG:-0}" = 1 ] && timeout 330 python3 benchmarks/loop_lag.py ${LOOP_LAG_ARGS:-} --json "$OUT/loop_lag.json" 2>&1 | tee "$OUT/loop_lag.txt"
-[ "${RUN_TESTS:-1}" = 1 ] && timeout 280 python3 -m pytest tests/test_cuda.py tests/test_contract7_compile_pool.py tests/test_native_extension.py tests/test_cuda_runtime.py tests/test_fast_launch.py -m "cuda or not cuda" \
+[ "${RUN_TESTS:-1}" = 1 ] && timeout 280 python3 -m pytest tests/backends/cuda tests/native tests/contracts/test_contract7_compile_pool.py --ignore=tests/native/test_wheel.py -m "cuda or not cuda" \
     -q -p no:cacheprovider -rs --timeout 60 -o faulthandler_timeout=120 2>&1 | tee "$OUT/cuda_tests.txt"

@@ -1,1 +1,0 @@
-"""C harnesses that run asyncmetal's native runtime without Python (see harness.py)."""

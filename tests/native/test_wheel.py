@@ -22,7 +22,7 @@ import anyio
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 CHECK = textwrap.dedent(
     """

@@ -19,7 +19,7 @@ import pytest
 import asyncmetal as am
 from asyncmetal import backends
 from asyncmetal.backends.cpu import CPUBackend
-from tests.conftest import KERNELS
+from tests.support.kernels import KERNELS
 
 INC = "void inc(int* x) { x[0] += 1; }"
 WIDE = "void wide(" + ", ".join(f"int a{i}" for i in range(17)) + ") {}"

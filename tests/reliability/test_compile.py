@@ -24,8 +24,7 @@ from asyncmetal._cache import CacheWarning, CompileCache
 from asyncmetal._compile import source_key
 from asyncmetal._pool import CompilePool, compiler_identity
 from asyncmetal.backends.cpu import CCompiler
-
-from ..compilers import SlowCompiler
+from tests.support.compilers import SlowCompiler
 
 pytestmark = pytest.mark.anyio
 BOUND = 60  # seconds: what would otherwise hang fails instead

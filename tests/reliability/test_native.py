@@ -1,4 +1,4 @@
-"""The cpu queues of the native runtime, stressed from C (tests/native/queue_stress.c).
+"""The cpu queues of the native runtime, stressed from C (tests/support/native/queue_stress.c).
 
 Thousands of queues are opened, made to wait and closed -- abandoning the wait, or
 letting another thread release it -- with the close landing at varied moments of the
@@ -19,8 +19,7 @@ import pytest
 import asyncmetal as am
 from asyncmetal import _native
 from asyncmetal.backends.cpu import CPUBackend
-
-from ..native import harness
+from tests.support.native import harness
 
 # Iterations of the abandon check (the others run a fraction of it). The plain build
 # runs enough to hit a lost wake-up in a handful of thousand tries; the sanitized ones,

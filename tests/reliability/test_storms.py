@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-
-from ..conftest import KERNELS
+from tests.support.kernels import KERNELS
 
 LOOPS = [
     pytest.param(("asyncio", {}), id="asyncio"),

@@ -2,7 +2,7 @@
 
 NOT RUN ON APPLE HARDWARE. No machine available to this project runs macOS: this module
 is written against Apple's documented API and tinygrad's ``ops_metal.py`` (0.10.2). It
-runs, unchanged, against the tests' simulated Metal (``tests/metal_sim``: the same C
+runs, unchanged, against the tests' simulated Metal (``tests/support/fakes/metal_sim``: the same C
 calls, x86-64, MSL run on the CPU), loaded through the ``ASYNCMETAL_*`` library
 variables (``_objc.LIBRARIES``); ``devices()`` lists ``metal`` where they load.
 

@@ -5,7 +5,7 @@ through one cached ctypes function object per (restype, argtypes) signature.
 Nothing here is loaded until first used, so importing it off macOS is harmless.
 
 Where the system libraries come from is configurable, so the backend can run against a
-simulated Metal (the tests' ``tests/metal_sim``): each ``ASYNCMETAL_*`` variable of
+simulated Metal (the tests' ``tests/support/fakes/metal_sim``): each ``ASYNCMETAL_*`` variable of
 :data:`LIBRARIES` names a shared library to load instead of Apple's; unset, Apple's path
 is used on macOS and there is none elsewhere.
 """

@@ -1,6 +1,6 @@
 """The metal backend. The parts that need no Metal run everywhere; the rest is marked
 `metal` and runs where a Metal device opens: on Linux x86-64 that is the simulated Metal
-of tests/metal_sim (configured by conftest), on macOS Apple's (never run: no macOS
+of tests/support/fakes/metal_sim (configured by conftest), on macOS Apple's (never run: no macOS
 machine is available to this project)."""
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from asyncmetal.backends.metal import (
     codegen_request,
     metal_params,
 )
-
-from . import metal_sim
-from .conftest import KERNELS as C_KERNELS
-from .conftest import MSL_KERNELS
+from tests.support.fakes import metal_sim
+from tests.support.kernels import KERNELS as C_KERNELS
+from tests.support.kernels import MSL_KERNELS
 
 KERNELS = """
 #include <metal_stdlib>
@@ -249,8 +248,8 @@ LIFETIMES = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     import anyio, numpy as np
     import asyncmetal as am
-    from tests import metal_sim
-    from tests.conftest import MSL_KERNELS
+    from tests.support.fakes import metal_sim
+    from tests.support.kernels import MSL_KERNELS
 
     CLASSES = ["MTLCommandBuffer", "MTLComputeCommandEncoder", "MTLBlitCommandEncoder",
                "MTLBuffer", "MTLSharedEvent", "MTLCommandQueue", "MTLLibrary",
@@ -295,7 +294,7 @@ def test_nothing_is_leaked_or_released_twice(tmp_path: object) -> None:
     cancelled await, then close. Every Metal object the backend
     made or was handed is released exactly once (an over-release or a message to a
     released object aborts the simulation), and nothing was autoreleased with no pool."""
-    root = str(__import__("pathlib").Path(__file__).parent.parent)
+    root = str(__import__("pathlib").Path(__file__).parents[3])
     out = subprocess.run(
         [sys.executable, "-c", LIFETIMES, root], capture_output=True, text=True, timeout=240
     )

@@ -15,8 +15,7 @@ import pytest
 import trio
 
 import asyncmetal as am
-
-from .conftest import KERNELS
+from tests.support.kernels import KERNELS
 
 uvloop = pytest.importorskip("uvloop", reason="uvloop is not built for this platform")
 

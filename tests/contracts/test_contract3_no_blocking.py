@@ -12,8 +12,7 @@ import pytest
 from blockbuster import BlockBuster, blockbuster_ctx
 
 import asyncmetal as am
-
-from .conftest import KERNELS
+from tests.support.kernels import KERNELS
 
 pytestmark = pytest.mark.anyio
 

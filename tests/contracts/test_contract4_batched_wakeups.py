@@ -10,8 +10,7 @@ import anyio.lowlevel
 import pytest
 
 import asyncmetal as am
-
-from .stress import park_all
+from tests.support.stress import park_all
 
 pytestmark = pytest.mark.anyio
 

@@ -1,7 +1,7 @@
 /* The cuda queues of asyncmetal's native runtime against a simulated driver, so
- * that their completion logic runs on machines without a GPU (tests/test_cuda_runtime.py).
+ * that their completion logic runs on machines without a GPU (tests/backends/cuda/test_cuda_runtime.py).
  *
- * The simulated driver is fake_cuda_driver.c.
+ * The simulated driver is tests/support/fakes/fake_cuda_driver.c.
  *
  * Checks, each printing "ok <name>" or exiting non-zero with a message:
  *   order     a queue's timeline never reports a command its stream has not run

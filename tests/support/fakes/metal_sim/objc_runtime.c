@@ -1,7 +1,7 @@
 /* A simulated Metal for Linux x86-64 (sim.h lists its files): the Objective-C runtime calls, Metal objects,
  * libdispatch queues and the Metal compiler service that asyncmetal's Metal backend
  * uses, behind the same C symbols it loads on a Mac. Built with clang -fblocks and
- * libBlocksRuntime (tests/metal_sim/__init__.py); the backend is pointed at it with
+ * libBlocksRuntime (tests/support/fakes/metal_sim/__init__.py); the backend is pointed at it with
  * ASYNCMETAL_OBJC_LIB, ASYNCMETAL_METAL_LIB, ASYNCMETAL_MTLCOMPILER_LIB and
  * ASYNCMETAL_LIBSYSTEM.
  *

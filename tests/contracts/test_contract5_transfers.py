@@ -9,8 +9,7 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal import _transfer
-
-from .stress import interleavings
+from tests.support.stress import interleavings
 
 pytestmark = pytest.mark.anyio
 

@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-
-from .launch_paths import PATHS, select_launch_path
-from .stress import interleavings, park_all
+from tests.support.launch_paths import PATHS, select_launch_path
+from tests.support.stress import interleavings, park_all
 
 GPUS = [d for d in am.devices() if d.startswith("cuda:")]
 pytestmark = [

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-
-from . import metal_sim
-from .conftest import KERNELS
+from tests.support.fakes import metal_sim
+from tests.support.kernels import KERNELS
 
 pytestmark = pytest.mark.anyio
 

@@ -24,6 +24,7 @@ import pytest
 from asyncmetal._native_build import RUNTIME_SOURCES
 
 HERE = Path(__file__).parent
+SUPPORT = HERE.parent  # extra sources are named from here (fakes/fake_cuda_driver.c)
 SANITIZERS = ("", "thread", "address")  # "": a plain -O2 build
 
 # A sanitized binary reports with a non-zero exit (TSan exits 66 on a report) and says
@@ -75,7 +76,7 @@ def sanitizer_missing(sanitizer: str) -> str | None:
 
 
 def build(harness: str, out_dir: Path, sanitizer: str = "", extra: tuple[str, ...] = ()) -> Path:
-    """``harness`` (a file of this folder, with the files ``extra`` of it) compiled with
+    """``harness`` (a file of this folder, with the files ``extra`` of tests/support) compiled with
     the runtime; skips the calling test if the sanitizer is unavailable."""
     reason = sanitizer_missing(sanitizer)
     if reason is not None:
@@ -87,10 +88,21 @@ def build(harness: str, out_dir: Path, sanitizer: str = "", extra: tuple[str, ..
     if sanitizer:
         flags = ["-O1", "-g", "-fno-omit-frame-pointer", f"-fsanitize={sanitizer}"]
     binary = out_dir / f"{Path(harness).stem}-{sanitizer or 'plain'}"
-    sources = [HERE / harness, *(HERE / name for name in extra)]
+    extras = [SUPPORT / name for name in extra]
+    sources = [HERE / harness, *extras]
     sources += [native / name for name in RUNTIME_SOURCES]
     subprocess.run(
-        [cc, *flags, "-pthread", "-I", str(native), *map(str, sources), "-o", str(binary)],
+        [
+            cc,
+            *flags,
+            "-pthread",
+            "-I",
+            str(native),
+            *(f"-I{p.parent}" for p in extras),
+            *map(str, sources),
+            "-o",
+            str(binary),
+        ],
         check=True,
     )
     return binary

@@ -21,8 +21,12 @@ import asyncmetal as am
 from asyncmetal._cache import CacheWarning, CompileCache
 from asyncmetal._pool import CompilePool
 from asyncmetal.backends.cpu import CCompiler
-
-from .compilers import CrashingCompiler, DeviceOpeningCompiler, EnvironmentCompiler, SlowCompiler
+from tests.support.compilers import (
+    CrashingCompiler,
+    DeviceOpeningCompiler,
+    EnvironmentCompiler,
+    SlowCompiler,
+)
 
 pytestmark = pytest.mark.anyio
 SRC = "int twice(int x) { return 2 * x; }\n"

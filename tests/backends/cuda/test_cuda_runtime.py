@@ -1,9 +1,11 @@
-"""The cuda queues of the native runtime against a simulated driver (tests/native/fake_cuda.c).
+"""The cuda queues of the native runtime against a simulated driver
+(tests/support/native/fake_cuda.c).
 
 Runs everywhere: the completion thread, the word-or-event choice for waits between queues
 (submitted from two threads), fault stickiness, event recycling and a wait's confirmation
 of the value it waited for are the runtime's own
-logic, which the GPU tests (tests/test_cuda.py) can only exercise on an NVIDIA machine.
+logic, which the GPU tests (tests/backends/cuda/test_cuda.py) can only exercise on an
+NVIDIA machine.
 Also under ThreadSanitizer and AddressSanitizer (each skips, saying why, where the
 machine cannot run it).
 """
@@ -14,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from .native import harness
+from tests.support.native import harness
 
 
 @pytest.mark.parametrize("sanitizer", harness.SANITIZERS, ids=["plain", "tsan", "asan"])
 def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer: str) -> None:
-    binary = harness.build("fake_cuda.c", tmp_path, sanitizer, extra=("fake_cuda_driver.c",))
+    binary = harness.build("fake_cuda.c", tmp_path, sanitizer, extra=("fakes/fake_cuda_driver.c",))
     proc = harness.run(binary, sanitizer=sanitizer, suppressions="lsan_fake_cuda.supp")
     assert proc.returncode == 0, proc.stderr[-6000:] + proc.stdout
     assert proc.stdout.split() == [

@@ -18,8 +18,7 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal import _native
-
-from .launch_paths import PATHS, select_launch_path
+from tests.support.launch_paths import PATHS, select_launch_path
 
 pytestmark = pytest.mark.anyio
 

@@ -25,11 +25,10 @@ import pytest
 import asyncmetal as am
 from asyncmetal import _native
 from asyncmetal.backends.metal import CodegenResult, _blocks
-
-from . import metal_sim
+from tests.support.fakes import metal_sim
 
 pytestmark = pytest.mark.anyio
-HELPER = Path(__file__).parent / "native" / "blocks_helper.c"
+HELPER = Path(__file__).parents[2] / "support" / "native" / "blocks_helper.c"
 
 
 def _missing() -> str | None:

@@ -1,0 +1,1 @@
+"""C harnesses that run asyncmetal's native runtime without Python (see harness.py)."""
