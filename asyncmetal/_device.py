@@ -64,6 +64,7 @@ class Device:
         self._backend = backend
         self.closed = False
         self._queues: list[Queue] = []
+        self._adopted: dict[object, Queue] = {}  # by stream
         self._timelines: weakref.WeakSet[Timeline] = weakref.WeakSet()  # from timeline()
         self._closing: HostEvents | None = None  # reaches 1 once a close has finished
         self._allocator = Allocator(self)
@@ -92,6 +93,23 @@ class Device:
         self._check_open()
         queue = Queue(self, _made=MADE_BY_DEVICE)
         self._queues.append(queue)
+        return queue
+
+    def adopt_stream(self, stream: object) -> Queue:
+        """A Queue over an existing stream of another library (cuda devices): an object
+        with ``__cuda_stream__`` (PyTorch, CuPy, cuda.core, numba-cuda streams), or a raw
+        ``CUstream`` (an int, ``1`` the legacy default stream). Its :meth:`Queue.marker`
+        records an event on the stream, so awaiting it awaits everything anyone
+        submitted there before. asyncmetal commands on it run in the stream's order.
+        Closing the device leaves the stream to its owner (it must outlive the device
+        or the queue's last use). Adopting a stream again gives the same queue."""
+        self._check_open()
+        key = self._backend.stream_key(stream)
+        queue = self._adopted.get(key)
+        if queue is None:
+            queue = Queue(self, _made=MADE_BY_DEVICE, _stream=stream)
+            self._queues.append(queue)
+            self._adopted[key] = queue
         return queue
 
     def timeline(self) -> Timeline:
@@ -451,6 +469,11 @@ class _DeviceOpener:
     async def __aexit__(self, *exc: object) -> None:
         assert self._device is not None
         await self._device.close()
+
+
+def open_devices() -> list[Device]:
+    """The devices open now in this process."""
+    return [device for device in list(_open_devices) if not device.closed]
 
 
 def open_device(name: str | None = None) -> _DeviceOpener:

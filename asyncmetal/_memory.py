@@ -17,6 +17,7 @@ import numpy as np
 
 from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import LoopBridge, checkpoint, current_bridge
+from ._dlpack import TypedView, cuda_array_interface, dlpack_device, export_dlpack
 from ._errors import (
     ArgumentTypeError,
     ClosedResourceError,
@@ -53,11 +54,13 @@ class _Block:
     """Native memory and the commands that use it. Outlives the Python-facing
     allocation, so a collected buffer is still freed only after its last use."""
 
-    __slots__ = ("freed", "generation", "handle", "last_use", "nbytes")
+    __slots__ = ("freed", "generation", "handle", "last_use", "lent", "nbytes", "owner")
 
-    def __init__(self, handle: Any, nbytes: int) -> None:
+    def __init__(self, handle: Any, nbytes: int, owner: object = None) -> None:
         self.handle = handle
         self.nbytes = nbytes
+        self.owner = owner  # what keeps memory the device does not own alive (an array)
+        self.lent = 0  # loans to consumers outside asyncmetal (DLPack) not yet returned
         self.generation = 0  # bumped each time the block is handed out anew
         self.freed = False  # this generation was freed (explicitly or collected)
         self.last_use: dict[Queue, int] = {}  # per queue: value of the last command using it
@@ -128,6 +131,54 @@ class Buffer:
             raise InvalidArgumentError(
                 f"{what} is on {self.device.name}, expected a buffer of {device.name}"
             )
+
+    def busy(self) -> bool:
+        """Whether a command using this buffer's memory is still in flight. Never blocks."""
+        return any(q.timeline.value < v for q, v in list(self._allocation.last_use.items()))
+
+    def typed(self, dtype: Any, shape: Any = None) -> TypedView:
+        """This buffer's memory as a C-contiguous array of ``dtype`` and ``shape`` (default:
+        1-D), for exchange with other libraries: ``torch.from_dlpack(buf.typed(np.float32,
+        (n, n)))``. The buffer itself exports as a 1-D ``uint8`` array of its bytes."""
+        self._check_usable("buffer")
+        return TypedView(self, dtype, shape)
+
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> object:
+        """A DLPack capsule of the buffer's bytes (1-D ``uint8``; see :meth:`typed`), no
+        copy. The consumer's ``stream`` waits, on the device, for the commands using the
+        buffer; the memory stays valid while the consumer holds it, freed buffer or not."""
+        return export_dlpack(
+            self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy
+        )
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """(DLPack device type, index): kDLCPU for cpu and npy, kDLCUDA, kDLMetal."""
+        return dlpack_device(self)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """Version 3 of the CUDA array interface (cuda buffers only), with ``stream``."""
+        return cuda_array_interface(self)
+
+    def _lend(self, hold: bool = True) -> tuple[Any, Callable[[], None]]:
+        """The native handle of the memory, and a function that ends the loan: until it is
+        called (once, on any thread, even inside the GC) the memory is neither released
+        nor reused, even once the buffer is freed. For consumers outside asyncmetal."""
+        allocation = self._allocation
+        if not hold:
+            return allocation.handle, _no_loan
+        allocator = allocation.allocator
+        if allocator is None:  # memory the device does not own: keep its owner alive
+            return allocation.handle, functools.partial(_no_loan, allocation)
+        allocator.lend(allocation.block)
+        return allocation.handle, functools.partial(allocator.returned, allocation.block)
 
     def _arg(self) -> Arg:
         return new_arg(Arg, (self._allocation.handle, self.offset, None))
@@ -205,6 +256,22 @@ class Buffer:
         view = backend.host_view(self._allocation.handle, self.offset, self.nbytes)
         array = np.frombuffer(view, dtype)
         return array if shape is None else array.reshape(shape)
+
+
+def _no_loan(*keep: object) -> None:
+    """Ends a loan that held nothing in the allocator (its arguments were kept alive)."""
+
+
+def foreign_buffer(
+    device: Device, handle: Any, nbytes: int, owner: object, after: tuple[Queue, int] | None
+) -> Buffer:
+    """A Buffer over memory the device does not own (another library's array): ``owner``
+    is kept alive while the buffer is, and its memory is never released by asyncmetal.
+    ``after``: a command that later uses order themselves after, as after a write."""
+    block = _Block(handle, nbytes, owner)
+    if after is not None:
+        block.last_use[after[0]] = after[1]
+    return Buffer(device, _Allocation(block), 0, nbytes)
 
 
 @dataclass(frozen=True)
@@ -307,6 +374,8 @@ class Allocator:
         self._by_size: dict[int, list[_Block]] = {}
         self._live: set[_Block] = set()  # blocks handed out and not yet released
         self._collected: collections.deque[tuple[_Block, int]] = collections.deque()  # GC
+        self._returned: collections.deque[_Block] = collections.deque()  # loans ended
+        self._lent_out: set[_Block] = set()  # released while lent: released once returned
         self._pending: list[tuple[_Block, list[tuple[Queue, int]]]] = []  # uses in flight
         # Per loop: the (queue, value) uses it already watches for a pending release.
         self._watched: weakref.WeakKeyDictionary[LoopBridge, set[tuple[Queue, int]]] = (
@@ -441,9 +510,31 @@ class Allocator:
         self._collected.append((block, generation))
         self._frees.increment()
 
+    def lend(self, block: _Block) -> None:
+        """Hold ``block`` for a consumer outside asyncmetal until :meth:`returned`."""
+        with self._lock:
+            block.lent += 1
+
+    def returned(self, block: _Block) -> None:
+        """A loan of ``block`` ended (any thread, even in the GC: no lock taken here)."""
+        self._returned.append(block)
+        self._frees.increment()
+
     def sweep(self) -> None:
         """Take over blocks of garbage-collected buffers, and release the blocks whose
         last uses passed."""
+        while self._returned:
+            try:
+                block = self._returned.popleft()
+            except IndexError:  # another thread swept it
+                break
+            with self._lock:
+                block.lent -= 1
+                back = not block.lent and block in self._lent_out
+                if back:
+                    self._lent_out.discard(block)
+            if back:
+                self._release(block)
         while self._collected:
             try:
                 block, generation = self._collected.popleft()
@@ -497,6 +588,9 @@ class Allocator:
         with self._lock:
             if block not in self._live:
                 return
+            if block.lent:  # a consumer outside asyncmetal still holds it
+                self._lent_out.add(block)
+                return
             self._live.discard(block)
             self.in_use -= block.nbytes
             if block.nbytes <= self.cache_limit and not self.closed:
@@ -538,7 +632,7 @@ class Allocator:
         with self._lock:
             self._evict(self.cached)
             for block in self._live:
-                if not self._foreign_uses(block):
+                if not self._foreign_uses(block) and not block.lent:  # lent: left allocated
                     self.device._backend.free(block.handle)
             self._live.clear()
             self._pending.clear()
