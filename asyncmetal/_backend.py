@@ -211,6 +211,9 @@ class Backend(ABC):
     writable: ClassVar[bool] = True  # its buffers can be written (else: read-only sources)
     fork_safe: ClassVar[bool] = False  # a forked child may open one after its parent did
     any_index: ClassVar[bool] = False  # every ``kind:N`` opens a further device
+    # DLPack's device type of its memory (kDLCPU 1, kDLCUDA 2, kDLMetal 8); 0: none.
+    # Memory that is not host-visible is DLPack's device ``index`` (``kind:index``).
+    dlpack_device_type: ClassVar[int] = 0
     # How many commands a queue parked in a device-side wait takes before submitting
     # blocks (None: no limit); past it the queue holds commands on the host.
     max_behind_wait: ClassVar[int | None] = None
@@ -253,6 +256,11 @@ class Backend(ABC):
 
     @abstractmethod
     def new_timeline(self, on_advance: Callable[[int], None]) -> NativeTimeline: ...
+
+    def pointer_index(self, address: int) -> int | None:
+        """The index of the device whose memory ``address`` is (as its driver says),
+        or None where this backend cannot tell."""
+        return None
 
     def stream_key(self, stream: object) -> object:
         """What identifies the stream ``stream`` (as the user gave it) among those this

@@ -80,6 +80,16 @@ class Device:
     def kind(self) -> str:
         return self._backend.kind
 
+    def pointer_index(self, address: int) -> int | None:
+        """The index of the GPU whose memory ``address`` is, where this device's driver
+        can tell (cuda: any GPU's), else None."""
+        return self._backend.pointer_index(address)
+
+    @property
+    def writable(self) -> bool:
+        """Whether its buffers can be written (the npy device's are read-only sources)."""
+        return self._backend.writable
+
     @property
     def total_memory(self) -> int:
         return self._backend.info.total_memory

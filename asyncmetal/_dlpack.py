@@ -154,13 +154,17 @@ def dtype_code(dtype: np.dtype[Any]) -> tuple[int, int]:
 
 def dlpack_device(buffer: Buffer) -> tuple[int, int]:
     """``__dlpack_device__`` of a buffer: (device type, device index)."""
-    device = buffer.device
-    kind = device.kind
-    device_type = {"cpu": KDLCPU, "npy": KDLCPU, "cuda": KDLCUDA, "metal": KDLMETAL}.get(kind)
-    if device_type is None:  # pragma: no cover - every backend is listed
+    return device_dlpack(buffer.device)
+
+
+def device_dlpack(device: Any) -> tuple[int, int]:
+    """A device's DLPack (device type, index): its backend says the type; host memory
+    is device 0, other memory the device's own index (``cuda:1`` is 1)."""
+    backend = device._backend
+    if not backend.dlpack_device_type:
         raise BufferError(f"{device.name} buffers have no DLPack device type")
-    index = device.name.partition(":")[2]
-    return device_type, int(index) if device_type == KDLCUDA and index else 0
+    index = 0 if backend.host_visible else int(device.name.partition(":")[2] or 0)
+    return backend.dlpack_device_type, index
 
 
 def export_dlpack(
@@ -187,14 +191,14 @@ def export_dlpack(
     code, bits = dtype_code(dtype)
     if shape is None:
         shape = (buffer.nbytes // dtype.itemsize,)
-    _order_for_consumer(buffer, device_type, stream)
+    _order_for_consumer(buffer, stream)
     handle, release = buffer._lend()
     versioned = max_version is not None and tuple(max_version) >= (1, 0)
     managed: DLManagedTensor | DLManagedTensorVersioned
     if versioned:
         managed = DLManagedTensorVersioned()
         managed.version = DLPackVersion(*DLPACK_VERSION)
-        managed.flags = FLAG_READ_ONLY if buffer.device.kind == "npy" else 0
+        managed.flags = 0 if buffer.device._backend.writable else FLAG_READ_ONLY
     else:
         managed = DLManagedTensor()
     shape_array = (ctypes.c_int64 * max(len(shape), 1))(*shape)
@@ -230,10 +234,10 @@ def _data_pointer(buffer: Buffer, handle: Any, device_type: int) -> tuple[int, i
     return int(address) + buffer.offset, 0
 
 
-def _order_for_consumer(buffer: Buffer, device_type: int, stream: int | None) -> None:
+def _order_for_consumer(buffer: Buffer, stream: int | None) -> None:
     """Make the consumer see the commands that use ``buffer``: its stream waits for them
     on the device; for host memory there is nothing to wait on, so they must be done."""
-    if device_type == KDLCUDA:
+    if not buffer.device._backend.host_visible:  # device memory: a device with streams
         if stream == _STREAM_NONE:
             return
         if stream == 0:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from . import backends
 from ._device import Device, open_devices
 from ._dlpack import (
     _NAME,
@@ -27,6 +28,7 @@ from ._dlpack import (
     DLManagedTensor,
     DLManagedTensorVersioned,
     DLTensor,
+    device_dlpack,
 )
 from ._errors import ArgumentTypeError, InvalidArgumentError
 from ._memory import Buffer, foreign_buffer
@@ -68,26 +70,26 @@ class _Imported:
 
 
 def _device_for(device_type: int, device_id: int, given: Device | None) -> Device:
-    want: tuple[str, ...]
-    if device_type in (KDLCPU, KDLCUDAHOST):
-        kind, want = "cpu", ("cpu", "cpu:0")
-    elif device_type == KDLCUDA:
-        kind, want = "cuda", (f"cuda:{device_id}",)
-    else:
-        raise InvalidArgumentError(f"DLPack device type {device_type} is not one asyncmetal opens")
+    """The open device whose memory DLPack calls (device_type, device_id): ``given``,
+    checked, or the first one open (the host kind's device 0 first for host memory)."""
+    if device_type == KDLCUDAHOST:  # pinned host memory: host memory to asyncmetal
+        device_type, device_id = KDLCPU, 0
+    where = (device_type, device_id)
     if given is not None:
         if not isinstance(given, Device):
             raise ArgumentTypeError(f"device must be a Device, got {type(given).__name__}")
-        if given.kind != kind or (kind == "cuda" and given.name not in want):
-            raise InvalidArgumentError(
-                f"the array is on DLPack device {(device_type, device_id)}, not {given.name}"
-            )
         given._check_open()
+        if device_dlpack(given) != where:
+            raise InvalidArgumentError(f"the array is on DLPack device {where}, not {given.name}")
         return given
-    for device in open_devices():
-        if device.name in want:
-            return device
-    raise InvalidArgumentError(f"the array lives on {want[0]}: open it first, or pass device=")
+    found = [d for d in open_devices() if d.writable and device_dlpack(d) == where]
+    found.sort(key=lambda d: d.name not in (backends.HOST, f"{backends.HOST}:0"))
+    if not found:
+        raise InvalidArgumentError(
+            f"no open device holds DLPack device {where}'s memory: open it first "
+            "(cpu for host memory, cuda:N for CUDA memory), or pass device="
+        )
+    return found[0]
 
 
 def _nbytes(shape: tuple[int, ...], strides: tuple[int, ...] | None, itembits: int) -> int:
@@ -152,7 +154,7 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
 
 
 def _buffer(device: Device, memory: _Imported, nbytes: int) -> Buffer:
-    if device.kind == "cpu":
+    if memory.array is not None:  # host memory: the handle carries its address
         return foreign_buffer(device, memory, nbytes, None, None)
     # Device memory: the handle is its address; later commands order themselves after
     # a marker behind what the producer made the default queue wait for.
@@ -171,12 +173,12 @@ def _from_cuda_array_interface(obj: Any, device: Device | None) -> Buffer:
         strides = tuple(s // dtype.itemsize for s in strides)
     nbytes = _nbytes(shape, strides, dtype.itemsize * 8)
     address = int(interface["data"][0])
-    if device is None:
-        from .backends.cuda_interop import device_index_of
-
-        device = _device_for(KDLCUDA, device_index_of(address), None)
-    else:
-        _device_for(KDLCUDA, int(device.name.partition(":")[2] or 0), device)
+    indices = {d.pointer_index(address) for d in open_devices()} - {None}
+    if not indices:
+        raise InvalidArgumentError(
+            "no open device holds the array's memory: open its cuda device first"
+        )
+    device = _device_for(KDLCUDA, indices.pop() or 0, device)
     stream = interface.get("stream")
     if stream is not None:  # the producer's stream: the default queue waits for it
         produced = device.adopt_stream(int(stream)).marker()
