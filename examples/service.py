@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
 from typing import Any
 
@@ -117,10 +118,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8080, help="0: any free port")
     parser.add_argument("--torch", action="store_true", help="serve /model (a cuda device)")
     args = parser.parse_args()
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: stop quietly
         asyncio.run(serve(args.device, args.host, args.port, args.torch))
-    except KeyboardInterrupt:
-        pass
 
 
 if __name__ == "__main__":
