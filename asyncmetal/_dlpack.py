@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -61,7 +60,7 @@ class DLTensor(ctypes.Structure):
     )
 
 
-_Deleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_Deleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # void (*)(DLManagedTensor*)
 
 
 class DLManagedTensor(ctypes.Structure):
@@ -82,18 +81,13 @@ class DLManagedTensorVersioned(ctypes.Structure):
     )
 
 
-# The capsule API with raw pointers: a capsule's destructor gets its object while it is
-# being deallocated, which must not be turned into a new reference.
 _api = ctypes.pythonapi
-_capsule_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(
-    ("PyCapsule_IsValid", _api)
-)
-_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
     ("PyCapsule_GetPointer", _api)
 )
-_capsule_new = ctypes.PYFUNCTYPE(
-    ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p
-)(("PyCapsule_New", _api))
+_capsule_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", _api)
+)
 _capsule_set_name = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
     ("PyCapsule_SetName", _api)
 )
@@ -102,54 +96,38 @@ _NAME = ctypes.create_string_buffer(b"dltensor")
 _NAME_VERSIONED = ctypes.create_string_buffer(b"dltensor_versioned")
 _USED = ctypes.create_string_buffer(b"used_dltensor")
 _USED_VERSIONED = ctypes.create_string_buffer(b"used_dltensor_versioned")
+# Where a capsule's DLTensor starts in its managed tensor.
+_TENSOR_AT = {_NAME.value: 0, _NAME_VERSIONED.value: DLManagedTensorVersioned.dl_tensor.offset}
 
 
-class _Export:
-    """One exported tensor: its structure, shape, and the hold on the memory."""
+class _Loan:
+    """Ends a buffer's loan of its memory when collected: the exported array's memory
+    object holds it, and the consumer's deleter lets that go (on any thread)."""
 
-    __slots__ = ("managed", "release", "shape", "strides")
+    __slots__ = ("release",)
 
-    def __init__(self, managed: ctypes.Structure, shape: Any, release: Callable[[], None]):
-        self.managed = managed
-        self.shape = shape
-        self.strides = None
+    def __init__(self, release: Callable[[], None]) -> None:
         self.release = release
 
-
-_exports: dict[int, _Export] = {}  # by the address of the managed tensor
-_exports_lock = threading.Lock()
-
-
-def _delete(address: int | None) -> None:
-    # The consumer's deleter call, on any thread (ctypes takes the GIL): drop the hold.
-    with _exports_lock:
-        export = _exports.pop(address or 0, None)
-    if export is not None:
-        export.release()
+    def __del__(self) -> None:
+        self.release()
 
 
-_delete_c = _Deleter(_delete)
-
-
-def _capsule_destructor(capsule: int | None) -> None:
-    # A capsule nobody consumed (its name unchanged) owns its tensor: delete it.
-    for name in (_NAME, _NAME_VERSIONED):
-        if _capsule_valid(capsule, name):
-            _delete(_capsule_pointer(capsule, name))
-            return
-
-
-_capsule_destructor_c = _Deleter(_capsule_destructor)
+_dtype_codes: dict[np.dtype[Any], tuple[int, int]] = {}
 
 
 def dtype_code(dtype: np.dtype[Any]) -> tuple[int, int]:
     """DLPack's (type code, bits) for a numpy dtype."""
+    known = _dtype_codes.get(dtype)
+    if known is not None:
+        return known
     codes = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}
     if dtype.kind not in codes or dtype.fields is not None or dtype.subdtype is not None:
         raise ArgumentTypeError(
             f"DLPack exports ints, unsigned ints, floats, complex and bools, not {dtype}"
         )
-    return codes[dtype.kind], dtype.itemsize * 8
+    known = _dtype_codes[dtype] = codes[dtype.kind], dtype.itemsize * 8
+    return known
 
 
 def dlpack_device(buffer: Buffer) -> tuple[int, int]:
@@ -188,40 +166,30 @@ def export_dlpack(
     if copy:
         raise BufferError("asyncmetal exports without copying: copy=True is not supported")
     dtype = np.dtype(dtype)
-    code, bits = dtype_code(dtype)
+    dtype_code(dtype)  # one DLPack exports
     if shape is None:
         shape = (buffer.nbytes // dtype.itemsize,)
     _order_for_consumer(buffer, stream)
     handle, release = buffer._lend()
-    versioned = max_version is not None and tuple(max_version) >= (1, 0)
-    managed: DLManagedTensor | DLManagedTensorVersioned
-    if versioned:
-        managed = DLManagedTensorVersioned()
-        managed.version = DLPackVersion(*DLPACK_VERSION)
-        managed.flags = 0 if buffer.device._backend.writable else FLAG_READ_ONLY
-    else:
-        managed = DLManagedTensor()
-    shape_array = (ctypes.c_int64 * max(len(shape), 1))(*shape)
-    tensor = managed.dl_tensor
     data, byte_offset = _data_pointer(buffer, handle, device_type)
-    tensor.data = data
-    tensor.byte_offset = byte_offset
-    tensor.device = DLDevice(device_type, device_id)
-    tensor.ndim = len(shape)
-    tensor.dtype = DLDataType(code, bits, 1)
-    tensor.shape = shape_array
-    tensor.strides = None  # C-contiguous
-    managed.deleter = _delete_c
-    address = ctypes.addressof(managed)
-    with _exports_lock:
-        _exports[address] = _Export(managed, shape_array, release)
-    name = _NAME_VERSIONED if versioned else _NAME
-    destructor = ctypes.cast(_capsule_destructor_c, ctypes.c_void_p).value
+    # numpy makes the capsule (in C, and its deleter takes the GIL on whatever thread
+    # calls it) of an array over the memory -- never read here: device memory, or a
+    # Metal buffer's handle -- and the tensor's device is then set to the buffer's.
+    memory = (ctypes.c_uint8 * buffer.nbytes).from_address(data)
+    memory.loan = _Loan(release)
+    array = np.frombuffer(memory, dtype).reshape(shape)
+    versioned = max_version is not None and tuple(max_version) >= (1, 0)
+    if versioned and not buffer.device._backend.writable:
+        array.flags.writeable = False  # the read-only flag (the legacy capsule has none)
     try:
-        capsule: object = _capsule_new(address, name, destructor)
-    except BaseException:
-        _delete(address)
-        raise
+        capsule: object = array.__dlpack__(max_version=DLPACK_VERSION if versioned else None)
+    except TypeError:  # a numpy before the versioned protocol
+        capsule = array.__dlpack__()
+    name = _NAME_VERSIONED if _capsule_valid(capsule, _NAME_VERSIONED) else _NAME
+    tensor = DLTensor.from_address(_capsule_pointer(capsule, name) + _TENSOR_AT[name.value])
+    tensor.device = DLDevice(device_type, device_id)
+    if byte_offset:
+        tensor.data, tensor.byte_offset = data, byte_offset
     return capsule
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import weakref
 from typing import Any
 
 import numpy as np
@@ -28,21 +29,13 @@ from ._dlpack import (
     DLManagedTensor,
     DLManagedTensorVersioned,
     DLTensor,
+    _capsule_pointer,
+    _capsule_set_name,
+    _capsule_valid,
     device_dlpack,
 )
 from ._errors import ArgumentTypeError, InvalidArgumentError
 from ._memory import Buffer, foreign_buffer
-
-_api = ctypes.pythonapi
-_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
-    ("PyCapsule_GetPointer", _api)
-)
-_capsule_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
-    ("PyCapsule_IsValid", _api)
-)
-_capsule_set_name = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
-    ("PyCapsule_SetName", _api)
-)
 
 
 class _Imported:
@@ -59,7 +52,9 @@ class _Imported:
         self._deleter = deleter
         self.address = address
         self.array = (
-            np.ctypeslib.as_array((ctypes.c_uint8 * host_nbytes).from_address(address))
+            np.frombuffer(
+                memoryview((ctypes.c_uint8 * host_nbytes).from_address(address)), np.uint8
+            )
             if host_nbytes
             else None
         )
@@ -82,6 +77,9 @@ def _device_for(device_type: int, device_id: int, given: Device | None) -> Devic
         if device_dlpack(given) != where:
             raise InvalidArgumentError(f"the array is on DLPack device {where}, not {given.name}")
         return given
+    last = _last_found.get(where)
+    if last is not None and not last.closed:
+        return last
     found = [d for d in open_devices() if d.writable and device_dlpack(d) == where]
     found.sort(key=lambda d: d.name not in (backends.HOST, f"{backends.HOST}:0"))
     if not found:
@@ -89,7 +87,12 @@ def _device_for(device_type: int, device_id: int, given: Device | None) -> Devic
             f"no open device holds DLPack device {where}'s memory: open it first "
             "(cpu for host memory, cuda:N for CUDA memory), or pass device="
         )
+    _last_found[where] = found[0]
     return found[0]
+
+
+# The device each DLPack device was found on last (kept while it is open: weakly).
+_last_found: weakref.WeakValueDictionary[tuple[int, int], Device] = weakref.WeakValueDictionary()
 
 
 def _nbytes(shape: tuple[int, ...], strides: tuple[int, ...] | None, itembits: int) -> int:
@@ -143,8 +146,9 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     else:
         raise ArgumentTypeError("__dlpack__ returned no unconsumed DLPack capsule")
     tensor: DLTensor = managed.dl_tensor
-    shape = tuple(tensor.shape[i] for i in range(tensor.ndim))
-    strides = tuple(tensor.strides[i] for i in range(tensor.ndim)) if tensor.strides else None
+    ndim = tensor.ndim
+    shape = tuple(tensor.shape[:ndim])
+    strides = tuple(tensor.strides[:ndim]) if tensor.strides else None
     nbytes = _nbytes(shape, strides, tensor.dtype.bits * tensor.dtype.lanes)
     data = (tensor.data or 0) + tensor.byte_offset
     _capsule_set_name(capsule, used)  # consumed: the deleter is ours to call

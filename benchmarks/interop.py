@@ -36,6 +36,7 @@ import asyncmetal as am
 CONCURRENT = 64
 LATENCY_SAMPLES = 2000
 THROUGHPUT_SECONDS = 2.0
+TARGET_GPU_US = 50
 
 
 def progress(what: str) -> None:
@@ -48,27 +49,37 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Model:
-    """A small MLP's forward pass, submitted on ``stream`` (no host wait)."""
+    """A small MLP's forward pass, submitted on ``stream`` (no host wait): the first of
+    the widths whose pass takes at least ``TARGET_GPU_US`` of GPU time."""
 
     def __init__(self, torch: Any, stream: Any) -> None:
-        torch.manual_seed(0)
         self.torch = torch
         self.stream = stream
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024)
-        ).cuda()
-        self.x = torch.randn(64, 1024, device="cuda")
+        for width in (512, 1024, 1536, 2048, 3072, 4096):
+            torch.manual_seed(0)
+            self.width = width
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(width, 2 * width),
+                torch.nn.ReLU(),
+                torch.nn.Linear(2 * width, width),
+            ).cuda()
+            self.x = torch.randn(128, width, device="cuda")
+            self.gpu_us = self._gpu_us()
+            if self.gpu_us >= TARGET_GPU_US:
+                break
 
     def submit(self) -> Any:
         with self.torch.cuda.stream(self.stream), self.torch.no_grad():
             return self.net(self.x)
 
-    def gpu_us(self) -> float:
+    def _gpu_us(self) -> float:
+        """GPU time per pass: 100 passes queued behind a sleep, so none waits for the CPU."""
         torch = self.torch
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(20):
+        for _ in range(10):
             self.submit()
         with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(100_000_000)
             start.record()
             for _ in range(100):
                 self.submit()
@@ -189,8 +200,8 @@ async def run() -> dict[str, Any]:
         stream = torch.cuda.Stream()
         model = Model(torch, stream)
         queue = dev.adopt_stream(stream)
-        out["forward_gpu_us"] = model.gpu_us()
-        progress(f"forward pass: {out['forward_gpu_us']:.1f} us of GPU time")
+        out["forward_gpu_us"], out["model_width"] = model.gpu_us, model.width
+        progress(f"forward pass (width {model.width}): {model.gpu_us:.1f} us of GPU time")
         fns = ways(model, queue)
         out["p50_us"] = await latencies_us(fns)
         progress(f"p50 us: {out['p50_us']}")
