@@ -32,7 +32,6 @@ ADOPTED_IN_FLIGHT = 1 << 40
 FINISH_LONG, FINISH_PLAIN = 1, 2  # am_cuq_finish flags
 MAX_POLL_NS = 2_000_000  # ... or up to this long for a command expected to take so long
 MAX_COPY_POLL_NS = 4_000_000  # ... a device copy (one of 1 GiB between two H200s: 2.8 ms)
-MARKER_POLL_NS = 500_000  # ... a marker (the work of another library before it)
 
 
 class CUDAQueue(NativeQueue):
@@ -288,11 +287,7 @@ class CUDAQueue(NativeQueue):
     def marker(self, value: int, record: Record) -> None:
         if _driver._lost_first is not None:
             raise self._lost("a marker")
-        # An event, recorded in a native call (context kept). What it covers (another
-        # library's work) is of unknown length: the completion thread polls it up to
-        # MARKER_POLL_NS, off the loop, rather than switching to blocking-sync events
-        # after COMPLETION_SPIN_NS, whose wake-up costs tens of microseconds.
-        self._finish(value, expected_ns=MARKER_POLL_NS)
+        self._finish(value)  # an event, recorded in a native call (context kept)
 
     @keeps_context
     def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
