@@ -222,7 +222,49 @@ def _order_for_consumer(buffer: Buffer, stream: int | None) -> None:
         )
 
 
-class TypedView:
+class Exports:
+    """The exchange protocols of a buffer's memory, seen as :meth:`_exported` says:
+    ``(buffer, dtype, shape)`` (shape None: 1-D)."""
+
+    __slots__ = ()
+
+    def _exported(self) -> tuple[Buffer, np.dtype[Any], tuple[int, ...] | None]:
+        raise NotImplementedError
+
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> object:
+        """A DLPack capsule of the memory, no copy (array API semantics: versioned when
+        ``max_version >= (1, 0)``). The consumer's ``stream`` waits, on the device, for
+        the commands using the buffer; the memory stays valid while the consumer holds
+        it, freed buffer or not. Host memory still used by a command raises BufferError."""
+        buffer, dtype, shape = self._exported()
+        return export_dlpack(
+            buffer,
+            dtype,
+            shape,
+            stream=stream,
+            max_version=max_version,
+            dl_device=dl_device,
+            copy=copy,
+        )
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """(DLPack device type, index): kDLCPU for cpu and npy, kDLCUDA, kDLMetal."""
+        return dlpack_device(self._exported()[0])
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """Version 3 of the CUDA array interface (cuda buffers only), with ``stream``."""
+        return cuda_array_interface(*self._exported())
+
+
+class TypedView(Exports):
     """A buffer's memory as a C-contiguous array of ``dtype`` and ``shape``, for export
     (``buf.typed(np.float32, (64, 64))``): ``torch.from_dlpack``, ``np.from_dlpack``,
     ``cupy.asarray`` take it. It holds nothing itself; an exported tensor holds the
@@ -254,30 +296,8 @@ class TypedView:
     def __repr__(self) -> str:
         return f"<TypedView {self.dtype}{list(self.shape)} of {self.buffer!r}>"
 
-    def __dlpack__(
-        self,
-        *,
-        stream: int | None = None,
-        max_version: tuple[int, int] | None = None,
-        dl_device: tuple[int, int] | None = None,
-        copy: bool | None = None,
-    ) -> object:
-        return export_dlpack(
-            self.buffer,
-            self.dtype,
-            self.shape,
-            stream=stream,
-            max_version=max_version,
-            dl_device=dl_device,
-            copy=copy,
-        )
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        return dlpack_device(self.buffer)
-
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        return cuda_array_interface(self.buffer, self.dtype, self.shape)
+    def _exported(self) -> tuple[Buffer, np.dtype[Any], tuple[int, ...] | None]:
+        return self.buffer, self.dtype, self.shape
 
 
 def cuda_array_interface(

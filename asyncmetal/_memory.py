@@ -17,7 +17,7 @@ import numpy as np
 
 from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import LoopBridge, checkpoint, current_bridge
-from ._dlpack import TypedView, cuda_array_interface, dlpack_device, export_dlpack
+from ._dlpack import Exports, TypedView
 from ._errors import (
     ArgumentTypeError,
     ClosedResourceError,
@@ -88,7 +88,10 @@ class _Allocation:
             self.allocator.collected(self.block, self.generation)
 
 
-class Buffer:
+_BYTES = np.dtype(np.uint8)
+
+
+class Buffer(Exports):
     """Device memory. Made by ``await device.alloc(nbytes)``.
 
     Every command that uses a buffer records its timeline value; :meth:`free` returns the
@@ -143,29 +146,8 @@ class Buffer:
         self._check_usable("buffer")
         return TypedView(self, dtype, shape)
 
-    def __dlpack__(
-        self,
-        *,
-        stream: int | None = None,
-        max_version: tuple[int, int] | None = None,
-        dl_device: tuple[int, int] | None = None,
-        copy: bool | None = None,
-    ) -> object:
-        """A DLPack capsule of the buffer's bytes (1-D ``uint8``; see :meth:`typed`), no
-        copy. The consumer's ``stream`` waits, on the device, for the commands using the
-        buffer; the memory stays valid while the consumer holds it, freed buffer or not."""
-        return export_dlpack(
-            self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy
-        )
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        """(DLPack device type, index): kDLCPU for cpu and npy, kDLCUDA, kDLMetal."""
-        return dlpack_device(self)
-
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        """Version 3 of the CUDA array interface (cuda buffers only), with ``stream``."""
-        return cuda_array_interface(self)
+    def _exported(self) -> tuple[Buffer, np.dtype[Any], tuple[int, ...] | None]:
+        return self, _BYTES, None  # untyped: 1-D uint8, see typed()
 
     def _lend(self, hold: bool = True) -> tuple[Any, Callable[[], None]]:
         """The native handle of the memory, and a function that ends the loan: until it is
