@@ -19,7 +19,7 @@ import asyncmetal as am
 
 pytestmark = pytest.mark.anyio
 
-SERVICE = Path(__file__).resolve().parent.parent / "examples" / "service.py"
+SERVICE = Path(__file__).resolve().parents[2] / "examples" / "service.py"
 GPUS = [d for d in am.devices() if d.startswith("cuda:")]
 
 

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-
-from .conftest import KERNELS
+from tests.support.kernels import KERNELS
 
 pytestmark = pytest.mark.anyio
 
