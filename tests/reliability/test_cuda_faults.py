@@ -20,6 +20,7 @@ import functools
 import gc
 import re
 import sys
+import threading
 import types
 import weakref
 from collections.abc import Iterator
@@ -438,3 +439,38 @@ async def test_opening_a_gpu_after_a_fault_nobody_saw_raises_device_lost(
             await am.open_device("cuda:0")
     finally:
         await dev1.close()
+
+
+async def test_driver_calls_give_the_thread_its_current_context_back(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """The current context is per thread and shared with other libraries: after opening
+    a device, allocating, making queues and timelines, and closing, the calling thread
+    has the context it had before -- none, or another library's -- though each of those
+    made the device's current while it called the driver."""
+    local = threading.local()  # the fake's current context, per thread as the driver's
+
+    def get_current() -> tuple[Any, ...]:
+        return driver._result("cuCtxGetCurrent", getattr(local, "current", 0))
+
+    def set_current(context: int) -> tuple[Any, ...]:
+        result = driver._result("cuCtxSetCurrent")
+        if result[0] == 0:
+            local.current = int(context)
+        return result
+
+    driver.cuCtxGetCurrent = get_current  # type: ignore[method-assign]
+    driver.cuCtxSetCurrent = set_current  # type: ignore[method-assign]
+    for theirs in (0, 0xC0FFEE):
+        local.current = theirs
+        dev = await am.open_device("cuda:0")
+        assert local.current == theirs, "open_device"
+        await dev.alloc(256)
+        assert local.current == theirs, "alloc"
+        dev.new_queue()
+        assert local.current == theirs, "new_queue"
+        for _ in range(600):  # past the first arena of timeline slots: more are pinned
+            dev.timeline()
+        assert local.current == theirs, "timeline"
+        await dev.close()
+        assert local.current == theirs, "close"
