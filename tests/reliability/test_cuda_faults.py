@@ -482,9 +482,10 @@ async def test_a_lone_marker_is_polled_and_one_behind_others_is_not(
 ) -> None:
     """A marker with everything before it confirmed (one request awaited at a time) asks
     the completion thread to poll it for MARKER_POLL_NS rather than block on it after
-    the usual short poll; one submitted behind unconfirmed commands asks for no longer
-    poll (with many in flight the thread's queries would contend with the submitting
-    library's). Checked: fails with every marker finished alike."""
+    the usual short poll, and its awaiting task to check for it until then rather than
+    park; one submitted behind unconfirmed commands asks for neither (with many in
+    flight the thread's queries would contend with the submitting library's). Checked:
+    fails with every marker finished alike."""
     from asyncmetal.backends.cuda import _queue as cuda_queue
 
     assert driver.runtime is not None
@@ -498,10 +499,12 @@ async def test_a_lone_marker_is_polled_and_one_behind_others_is_not(
     dev = await am.open_device("cuda:0")
     queue = dev.new_queue()
     word = queue._native._timeline._value  # the queue's own timeline, as the stream writes it
-    queue.marker()  # nothing before it
-    queue.marker()  # behind the first, unconfirmed
+    markers = [queue.marker()]  # nothing before it
+    markers.append(queue.marker())  # behind the first, unconfirmed
     word.value = 2  # both confirmed
-    queue.marker()
+    markers.append(queue.marker())
     assert finished == [(1, cuda_queue.MARKER_POLL_NS), (2, 0), (3, cuda_queue.MARKER_POLL_NS)]
+    # ... and its awaiting task reads for it until then (due), not for the other
+    assert [m.due_ns > 0 for m in markers] == [True, False, True]
     word.value = 3
     await dev.close()

@@ -290,12 +290,15 @@ class CUDAQueue(NativeQueue):
             raise self._lost("a marker")
         # An event, recorded in a native call (context kept). What it covers (another
         # library's work) is of unknown length. A lone marker -- everything before it
-        # confirmed, one request awaited at a time -- is polled by the completion thread
-        # up to MARKER_POLL_NS, off the loop: a blocking-sync event's wake-up costs tens
-        # of microseconds. Behind unconfirmed commands it is not: with many requests in
-        # flight the thread's queries would contend with the submitting library's.
+        # confirmed, one request awaited at a time -- is polled for up to MARKER_POLL_NS,
+        # by the completion thread (a blocking-sync event's wake-up costs tens of
+        # microseconds) and by its awaiting task, between yields to the loop (so is a
+        # park's). Behind unconfirmed commands it is not: with many requests in flight
+        # the thread's queries would contend with the submitting library's.
         lone = self._timeline.value >= value - 1
         self._finish(value, expected_ns=MARKER_POLL_NS if lone else 0)
+        if lone:
+            record.due_ns = time.perf_counter_ns() + MARKER_POLL_NS
 
     @keeps_context
     def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
