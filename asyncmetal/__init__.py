@@ -5,7 +5,6 @@ from ._bridge import loop_statistics as loop_statistics
 from ._cache import CacheWarning as CacheWarning
 from ._cache import CompileCache as CompileCache
 from ._compile import Compiler as Compiler
-from ._compile import Program as Program
 from ._device import Device as Device
 from ._device import devices as devices
 from ._device import from_numpy as from_numpy
@@ -20,6 +19,7 @@ from ._errors import OutOfMemoryError as OutOfMemoryError
 from ._memory import Buffer as Buffer
 from ._memory import MemoryStatistics as MemoryStatistics
 from ._pool import CompilePool as CompilePool
+from ._program import Program as Program
 from ._queue import Completion as Completion
 from ._queue import Queue as Queue
 from ._timeline import Timeline as Timeline

@@ -8,26 +8,31 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import anyio
 import numpy as np
 
 from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import LoopBridge, checkpoint, current_bridge
+from ._device_state import DeviceState
 from ._errors import (
     ArgumentTypeError,
     ClosedResourceError,
     InvalidArgumentError,
     OutOfMemoryError,
 )
-from ._timeline import Waitable, call_when_reached, wait_value
+from ._timeline import Timeline, Waitable, call_when_reached, passed, wait_value
 
-if TYPE_CHECKING:
-    from ._device import Device
-    from ._queue import Queue
+
+class Queue(Protocol):
+    """What memory needs of the queues whose commands use it (``_queue.Queue``): the
+    timeline each use is a value of."""
+
+    @property
+    def timeline(self) -> Timeline: ...
 
 
 def plain_dtype(dtype: Any, what: str = "dtype") -> np.dtype[Any]:
@@ -93,15 +98,18 @@ class Buffer:
     frees memory a device still uses.
     """
 
-    def __init__(self, device: Device, allocation: _Allocation, offset: int, nbytes: int) -> None:
-        self.device = device
+    def __init__(
+        self, state: DeviceState, allocation: _Allocation, offset: int, nbytes: int
+    ) -> None:
+        self._state = state
+        self.device = state.device
         self._allocation = allocation
         self.offset = offset
         self.nbytes = nbytes
 
     def __repr__(self) -> str:
         state = " freed" if self._allocation.freed else ""
-        return f"<Buffer {self.nbytes} bytes on {self.device.name}{state}>"
+        return f"<Buffer {self.nbytes} bytes on {self._state.name}{state}>"
 
     @property
     def freed(self) -> bool:
@@ -109,7 +117,7 @@ class Buffer:
 
     def view(self, offset: int, nbytes: int | None = None) -> Buffer:
         """A sub-buffer of ``nbytes`` at ``offset`` sharing this buffer's memory."""
-        self._check_usable("buffer")
+        check_buffer(self, "buffer")
         if not isinstance(offset, int) or not 0 <= offset <= self.nbytes:
             raise InvalidArgumentError(f"offset must be an int in [0, {self.nbytes}], got {offset}")
         nbytes = self.nbytes - offset if nbytes is None else nbytes
@@ -117,23 +125,7 @@ class Buffer:
             raise InvalidArgumentError(
                 f"nbytes must be an int in [1, {self.nbytes - offset}], got {nbytes}"
             )
-        return Buffer(self.device, self._allocation, self.offset + offset, nbytes)
-
-    def _check_usable(self, what: str, device: Device | None = None) -> None:
-        if self._allocation.freed:
-            raise ClosedResourceError(f"{what} was freed: {self!r}")
-        if self.device.closed:
-            raise ClosedResourceError(f"{what} belongs to the closed device {self.device.name}")
-        if device is not None and device is not self.device:
-            raise InvalidArgumentError(
-                f"{what} is on {self.device.name}, expected a buffer of {device.name}"
-            )
-
-    def _arg(self) -> Arg:
-        return new_arg(Arg, (self._allocation.handle, self.offset, None))
-
-    def _used(self, queue: Queue, value: int) -> None:
-        self._allocation.last_use[queue] = value
+        return Buffer(self._state, self._allocation, self.offset + offset, nbytes)
 
     async def __aenter__(self) -> Buffer:
         return self
@@ -148,7 +140,7 @@ class Buffer:
         Ordered after earlier work on the device's default queue. Cancelling the await
         does not withdraw the copy: it completes, and ``data`` is kept alive until then.
         """
-        await self.device.queue.copy(self, data)
+        await self._state.default_queue().copy(self, data)
 
     async def read(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray[Any, Any]:
         """A new numpy array holding the buffer's bytes, read after earlier queue work."""
@@ -158,7 +150,7 @@ class Buffer:
                 f"buffer of {self.nbytes} bytes is not a whole number of {dtype} items"
             )
         out = np.empty(self.nbytes // dtype.itemsize, dtype)
-        await self.device.queue.copy(out, self)
+        await self._state.default_queue().copy(out, self)
         return out if shape is None else out.reshape(shape)
 
     async def free(self) -> None:
@@ -168,16 +160,17 @@ class Buffer:
         cancelling that wait changes nothing: the memory still returns when the device
         is done with it.
         """
-        self._check_usable("buffer")
+        check_buffer(self, "buffer")
         allocation = self._allocation
         allocation.freed = True
         allocation.block.freed = True
         uses = list(allocation.last_use.items())
-        allocator = self.device._allocator
-        allocator.release_after(allocation.block, uses)
+        allocator = allocation.allocator  # None: memory the buffer wraps, not the device's
+        if allocator is not None:
+            allocator.release_after(allocation.block, uses)
         for queue, value in uses:
             await wait_value(queue.timeline, value)
-        if uses:
+        if uses and allocator is not None:
             allocator.sweep()  # its last uses passed: the release is due now
         else:
             await checkpoint()
@@ -189,22 +182,95 @@ class Buffer:
         The view aliases the buffer: later device work shows through it, and it must
         not be used after the buffer is freed.
         """
-        self._check_usable("buffer")
-        backend = self.device._backend
+        check_buffer(self, "buffer")
+        backend = self._state.backend
         if not backend.host_visible:
             raise InvalidArgumentError(
-                f"{self.device.name} memory is not host-visible: use read() instead"
+                f"{self._state.name} memory is not host-visible: use read() instead"
             )
         dtype = plain_dtype(dtype)
         if self.nbytes % dtype.itemsize:
             raise InvalidArgumentError(
                 f"buffer of {self.nbytes} bytes is not a whole number of {dtype} items"
             )
-        for queue, value in list(self._allocation.last_use.items()):
+        for queue, value in uses(self):
             await wait_value(queue.timeline, value)
         view = backend.host_view(self._allocation.handle, self.offset, self.nbytes)
         array = np.frombuffer(view, dtype)
         return array if shape is None else array.reshape(shape)
+
+
+# What the layers above (queues, copies) do with buffers, read here, where a Buffer's
+# parts are known.
+
+
+def check_buffer(buf: Buffer, what: str, state: DeviceState | None = None) -> None:
+    """Raise unless ``buf`` is usable now (not freed, its device open) and, given
+    ``state``, a buffer of that device."""
+    if buf._allocation.freed:
+        raise ClosedResourceError(f"{what} was freed: {buf!r}")
+    own = buf._state
+    if own.closed:
+        raise ClosedResourceError(f"{what} belongs to the closed device {own.name}")
+    if state is not None and state is not own:
+        raise InvalidArgumentError(f"{what} is on {own.name}, expected a buffer of {state.name}")
+
+
+def launch_args(buffers: Sequence[Buffer], kernel: str, state: DeviceState) -> list[Arg]:
+    """The launch arguments of ``buffers`` for kernel ``kernel`` on ``state``'s device,
+    each checked. The hot path of every launch: identity checks first, messages only
+    on failure."""
+    args: list[Arg] = []
+    append = args.append
+    for i, buf in enumerate(buffers):
+        if buf.__class__ is not Buffer:
+            raise ArgumentTypeError(
+                f"buffer {i} of {kernel!r} must be a Buffer, got {type(buf).__name__}"
+            )
+        allocation = buf._allocation
+        if allocation.freed or buf._state is not state or state.closed:
+            check_buffer(buf, f"buffer {i} of {kernel!r}", state)
+        append(new_arg(Arg, (allocation.handle, buf.offset, None)))
+    return args
+
+
+def native_arg(buf: Buffer) -> Arg:
+    """``buf`` as the backend takes it: its native handle and offset."""
+    return new_arg(Arg, (buf._allocation.handle, buf.offset, None))
+
+
+def record_uses(buffers: Sequence[Buffer], queue: Queue, value: int) -> None:
+    """``queue``'s command ``value`` uses ``buffers``: they are freed only after it."""
+    for buf in buffers:
+        buf._allocation.last_use[queue] = value
+
+
+def uses(buf: Buffer) -> list[tuple[Queue, int]]:
+    """Each queue that used ``buf``'s memory, with the value of its last command that did."""
+    return list(buf._allocation.last_use.items())
+
+
+def overlap(a: Buffer, b: Buffer, nbytes: int) -> bool:
+    """Whether ``nbytes`` from ``a`` and from ``b`` share memory."""
+    return a._allocation is b._allocation and (
+        a.offset < b.offset + nbytes and b.offset < a.offset + nbytes
+    )
+
+
+def buffer_state(buf: Buffer) -> DeviceState:
+    """The state of ``buf``'s device."""
+    return buf._state
+
+
+def host_memory(buf: Buffer, nbytes: int) -> memoryview:
+    """``nbytes`` of a host-visible ``buf``, in place."""
+    return buf._state.backend.host_view(buf._allocation.handle, buf.offset, nbytes)
+
+
+def wrap_buffer(state: DeviceState, handle: Any, nbytes: int) -> Buffer:
+    """A Buffer over memory the device did not allocate (an array it wraps): never
+    returned to an allocator."""
+    return Buffer(state, _Allocation(_Block(handle, nbytes)), 0, nbytes)
 
 
 @dataclass(frozen=True)
@@ -262,12 +328,8 @@ class _Releases(Waitable):
 
     def __init__(self) -> None:
         super().__init__()
-        self._counter = _ReleaseCounter(self._advanced)
-        self._native = self._counter
-
-    @property
-    def value(self) -> int:
-        return self._counter.value
+        self._counter = _ReleaseCounter(self.advanced)
+        self.native = self._counter
 
     def increment(self) -> None:
         """Count one more event and wake the allocations waiting for it (any thread)."""
@@ -275,9 +337,8 @@ class _Releases(Waitable):
 
 
 def _passed(queue: Queue, value: int) -> bool:
-    """Whether ``queue`` is done with the command ``value`` (a closed device's queues
-    ran or abandoned everything)."""
-    return queue.timeline.value >= value or queue.device.closed
+    """Whether ``queue`` is done with the command ``value``."""
+    return passed(queue.timeline, value)
 
 
 class Allocator:
@@ -295,9 +356,9 @@ class Allocator:
     the state is guarded by ``_lock``, which a buffer's finalizer never takes.
     """
 
-    def __init__(self, device: Device) -> None:
-        self.device = device
-        self.budget = device._backend.info.total_memory
+    def __init__(self, state: DeviceState) -> None:
+        self._state = state
+        self.budget = state.backend.info.total_memory
         self.cache_limit = min(self.budget // 4, 1 << 30)  # bytes of freed blocks kept
         self.in_use = 0  # handed out, being allocated natively, or released later
         self.cached = 0
@@ -334,7 +395,7 @@ class Allocator:
             self.sweep()
             block = self._try_alloc(nbytes)
             if block is not None:
-                return Buffer(self.device, _Allocation(block, self), 0, nbytes)
+                return Buffer(self._state, _Allocation(block, self), 0, nbytes)
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise self._oom(nbytes, f"no memory was freed within {timeout} s")
@@ -343,8 +404,8 @@ class Allocator:
                 await wait_value(self._frees, seen + 1)
 
     def _check_usable(self, nbytes: int) -> None:
-        if self.closed or self.device.closed:
-            raise ClosedResourceError(f"device {self.device.name} is closed")
+        if self.closed or self._state.closed:
+            raise ClosedResourceError(f"device {self._state.name} is closed")
         if nbytes > self.budget:
             raise self._oom(nbytes, "larger than the device's whole budget")
 
@@ -378,7 +439,7 @@ class Allocator:
                 self.in_use -= nbytes
             elif self.closed:  # closed meanwhile: the device has no use for it
                 self.in_use -= nbytes
-                self.device._backend.free(handle)
+                self._state.backend.free(handle)
                 handle = None
             else:
                 return self._hand_out(_Block(handle, nbytes))
@@ -388,12 +449,12 @@ class Allocator:
     def _allocate(self, nbytes: int) -> Any:
         """Native memory, or None when only releases of blocks in use can make room."""
         try:
-            return self.device._backend.allocate(nbytes)
+            return self._state.backend.allocate(nbytes)
         except MemoryError:
             with self._lock:
                 self._evict(self.cached)  # the device itself is full: drop the cache, retry
         try:
-            return self.device._backend.allocate(nbytes)
+            return self._state.backend.allocate(nbytes)
         except MemoryError:
             if self._live:
                 return None  # frees of blocks in use (or in flight) may make room
@@ -416,7 +477,7 @@ class Allocator:
             self._by_size[block.nbytes].remove(block)
             self.cached -= block.nbytes
             nbytes -= block.nbytes
-            self.device._backend.free(block.handle)
+            self._state.backend.free(block.handle)
 
     def _oom(self, nbytes: int, detail: str, reserved: int = 0) -> OutOfMemoryError:
         in_use = self.in_use - reserved  # without this request's own reservation
@@ -508,7 +569,7 @@ class Allocator:
                 over_limit = self.cached - self.cache_limit
                 self._evict(max(over_limit, self.in_use + self.cached - self.budget))
             else:
-                self.device._backend.free(block.handle)
+                self._state.backend.free(block.handle)
         self._frees.increment()
 
     def set_budget(self, budget: int) -> None:
@@ -529,17 +590,19 @@ class Allocator:
         with self._lock:
             self._evict(self.cached)
 
-    def close(self) -> None:
+    def close(self, completable: Callable[[], Mapping[Any, int]]) -> None:
         """The device is closing and its queues are idle: fail waiting allocations and
-        free everything natively -- once other devices' queues are done with it."""
+        free everything natively -- once other devices' queues are done with it, as far
+        as they can get: ``completable()`` says how far each queue can (see
+        ``_queue.completable``)."""
         self.closed = True
         self._frees.increment()  # waiting allocations wake and raise ClosedResourceError
-        self._settle_foreign_uses()
+        self._settle_foreign_uses(completable)
         with self._lock:
             self._evict(self.cached)
             for block in self._live:
                 if not self._foreign_uses(block):
-                    self.device._backend.free(block.handle)
+                    self._state.backend.free(block.handle)
             self._live.clear()
             self._pending.clear()
             self.in_use = 0
@@ -550,10 +613,10 @@ class Allocator:
         return [
             (q, v)
             for q, v in list(block.last_use.items())
-            if q.device is not self.device and not _passed(q, v)
+            if q.timeline.device is not self._state.device and not _passed(q, v)
         ]
 
-    def _settle_foreign_uses(self) -> None:
+    def _settle_foreign_uses(self, completable: Callable[[], Mapping[Any, int]]) -> None:
         """Wait (on the closing thread, never a loop) until other devices' queues are
         done with this device's memory, as far as they can get without the host: a use
         behind a device-side wait that nothing will signal is not waited for, and its
@@ -562,10 +625,7 @@ class Allocator:
             uses = [use for block in self._live for use in self._foreign_uses(block)]
         if not uses:
             return
-        from ._device import _open_devices
-        from ._queue import completable
-
-        limits = completable([q for d in list(_open_devices) for q in d._queues])
+        limits = completable()
         for queue, value in uses:
             target = min(value, limits.get(queue, value))
             while not _passed(queue, target):

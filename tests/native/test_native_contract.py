@@ -11,7 +11,7 @@ import pytest
 
 from asyncmetal import _native, _native_contract
 from asyncmetal._backend import Arg
-from asyncmetal._compile import Program
+from asyncmetal._program import Program
 from asyncmetal._memory import Buffer
 from asyncmetal._memory import _Allocation as Allocation
 from asyncmetal._native_contract import NativeContractError
