@@ -1,7 +1,9 @@
 """asyncmetal: awaitable GPU work for asyncio, uvloop and trio."""
 
+from ._allocator import MemoryStatistics as MemoryStatistics
 from ._bridge import LoopStatistics as LoopStatistics
 from ._bridge import loop_statistics as loop_statistics
+from ._buffer import Buffer as Buffer
 from ._cache import CacheWarning as CacheWarning
 from ._cache import CompileCache as CompileCache
 from ._compile import Compiler as Compiler
@@ -16,8 +18,6 @@ from ._errors import CompileError as CompileError
 from ._errors import DeviceLostError as DeviceLostError
 from ._errors import InvalidArgumentError as InvalidArgumentError
 from ._errors import OutOfMemoryError as OutOfMemoryError
-from ._memory import Buffer as Buffer
-from ._memory import MemoryStatistics as MemoryStatistics
 from ._pool import CompilePool as CompilePool
 from ._program import Program as Program
 from ._queue import Completion as Completion

@@ -7,9 +7,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ._buffer import Buffer, buffer_state, check_buffer, native_arg, overlap
 from ._device_state import DeviceState
 from ._errors import ArgumentTypeError, InvalidArgumentError
-from ._memory import Buffer, buffer_state, check_buffer, native_arg, overlap
 
 
 def host_view(obj: Any, what: str, *, writable: bool) -> memoryview:

@@ -15,8 +15,10 @@ import anyio
 import numpy as np
 
 from . import backends
+from ._allocator import Allocator, MemoryStatistics
 from ._backend import Backend
 from ._bridge import checkpoint
+from ._buffer import Buffer, wrap_buffer
 from ._compile import ParamKind, source_key
 from ._device_state import DeviceState
 from ._errors import (
@@ -27,7 +29,6 @@ from ._errors import (
     DeviceLostError,
     InvalidArgumentError,
 )
-from ._memory import Allocator, Buffer, MemoryStatistics, wrap_buffer
 from ._pool import CompilePool, check_timeout, compiler_identity, default_pool
 from ._program import Program
 from ._queue import Queue, abandon, close_native, completable, flush
@@ -138,7 +139,8 @@ class Device:
         lost = self._backend.lost_error(f"allocating {nbytes} bytes")  # a cached block too
         if lost is not None:
             raise lost
-        return await self._allocator.alloc(nbytes, timeout)
+        allocation = await self._allocator.alloc(nbytes, timeout)
+        return Buffer(self._state, allocation, 0, nbytes)
 
     def wrap(self, array: Any) -> Buffer:
         """A read-only Buffer whose memory is ``array`` itself (the ``npy`` device only).

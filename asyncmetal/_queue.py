@@ -8,12 +8,12 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any
 
 from . import _native, _native_contract
+from ._allocator import Allocation
 from ._backend import Arg, NativeQueue, Record, new_arg
+from ._buffer import Buffer, check_buffer, launch_args, record_uses, uses
 from ._copyargs import copy_operands
 from ._device_state import DeviceState
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
-from ._memory import Buffer, check_buffer, launch_args, record_uses, uses
-from ._memory import _Allocation as Allocation
 from ._program import Program
 from ._timeline import (
     MADE_BY_DEVICE,

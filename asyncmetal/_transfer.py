@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
+from ._buffer import Buffer, buffer_state, check_buffer, host_memory, record_uses, uses
 from ._copyargs import copy_size
 from ._errors import ArgumentTypeError, InvalidArgumentError
-from ._memory import Buffer, buffer_state, check_buffer, host_memory, record_uses, uses
 from ._queue import Completion, Queue
 from ._timeline import wait_value
 

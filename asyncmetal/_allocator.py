@@ -1,4 +1,5 @@
-"""Buffers and the per-device allocator."""
+"""The per-device Allocator: native blocks, a cache of freed ones, a budget, and frees
+deferred until the commands using a block have passed."""
 
 from __future__ import annotations
 
@@ -8,22 +9,16 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
-import numpy as np
 
-from ._backend import Arg, NativeTimeline, new_arg
+from ._backend import NativeTimeline
 from ._bridge import LoopBridge, checkpoint, current_bridge
 from ._device_state import DeviceState
-from ._errors import (
-    ArgumentTypeError,
-    ClosedResourceError,
-    InvalidArgumentError,
-    OutOfMemoryError,
-)
+from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError, OutOfMemoryError
 from ._timeline import Timeline, Waitable, call_when_reached, passed, wait_value
 
 
@@ -35,26 +30,7 @@ class Queue(Protocol):
     def timeline(self) -> Timeline: ...
 
 
-def plain_dtype(dtype: Any, what: str = "dtype") -> np.dtype[Any]:
-    """``dtype`` as a numpy dtype whose items are plain bytes of a nonzero size.
-
-    Device memory holds bytes: an object dtype would fill an array with raw bytes where
-    numpy expects ``PyObject*`` pointers (or send those pointers to the device)."""
-    try:
-        checked: np.dtype[Any] = np.dtype(dtype)
-    except (TypeError, ValueError):
-        raise ArgumentTypeError(f"{what} must be a numpy dtype, got {dtype!r}") from None
-    if checked.hasobject:
-        raise ArgumentTypeError(
-            f"{what} must be a plain data type (numbers, bools, bytes), got {checked}, "
-            "which holds Python objects"
-        )
-    if checked.itemsize == 0:
-        raise InvalidArgumentError(f"{what} must have items of at least 1 byte, got {checked}")
-    return checked
-
-
-class _Block:
+class Block:
     """Native memory and the commands that use it. Outlives the Python-facing
     allocation, so a collected buffer is still freed only after its last use."""
 
@@ -68,12 +44,12 @@ class _Block:
         self.last_use: dict[Queue, int] = {}  # per queue: value of the last command using it
 
 
-class _Allocation:
+class Allocation:
     """What Buffers (and their views) hold; its collection frees the block."""
 
     __slots__ = ("allocator", "block", "freed", "generation", "handle", "last_use", "nbytes")
 
-    def __init__(self, block: _Block, allocator: Allocator | None = None) -> None:
+    def __init__(self, block: Block, allocator: Allocator | None = None) -> None:
         self.block = block
         self.handle = block.handle
         self.nbytes = block.nbytes
@@ -88,189 +64,6 @@ class _Allocation:
         # a deque append, then a wake-up that waits for no lock (see _ReleaseCounter).
         if self.allocator is not None and not self.freed:
             self.allocator.collected(self.block, self.generation)
-
-
-class Buffer:
-    """Device memory. Made by ``await device.alloc(nbytes)``.
-
-    Every command that uses a buffer records its timeline value; :meth:`free` returns the
-    memory only after those values have passed, so cancelling an awaiting task never
-    frees memory a device still uses.
-    """
-
-    def __init__(
-        self, state: DeviceState, allocation: _Allocation, offset: int, nbytes: int
-    ) -> None:
-        self._state = state
-        self.device = state.device
-        self._allocation = allocation
-        self.offset = offset
-        self.nbytes = nbytes
-
-    def __repr__(self) -> str:
-        state = " freed" if self._allocation.freed else ""
-        return f"<Buffer {self.nbytes} bytes on {self._state.name}{state}>"
-
-    @property
-    def freed(self) -> bool:
-        return self._allocation.freed
-
-    def view(self, offset: int, nbytes: int | None = None) -> Buffer:
-        """A sub-buffer of ``nbytes`` at ``offset`` sharing this buffer's memory."""
-        check_buffer(self, "buffer")
-        if not isinstance(offset, int) or not 0 <= offset <= self.nbytes:
-            raise InvalidArgumentError(f"offset must be an int in [0, {self.nbytes}], got {offset}")
-        nbytes = self.nbytes - offset if nbytes is None else nbytes
-        if not isinstance(nbytes, int) or not 0 < nbytes <= self.nbytes - offset:
-            raise InvalidArgumentError(
-                f"nbytes must be an int in [1, {self.nbytes - offset}], got {nbytes}"
-            )
-        return Buffer(self._state, self._allocation, self.offset + offset, nbytes)
-
-    async def __aenter__(self) -> Buffer:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if not self._allocation.freed:
-            await self.free()
-
-    async def write(self, data: Any) -> None:
-        """Copy ``data`` (any C-contiguous buffer-protocol object) into the buffer.
-
-        Ordered after earlier work on the device's default queue. Cancelling the await
-        does not withdraw the copy: it completes, and ``data`` is kept alive until then.
-        """
-        await self._state.default_queue().copy(self, data)
-
-    async def read(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray[Any, Any]:
-        """A new numpy array holding the buffer's bytes, read after earlier queue work."""
-        dtype = plain_dtype(dtype)
-        if self.nbytes % dtype.itemsize:
-            raise InvalidArgumentError(
-                f"buffer of {self.nbytes} bytes is not a whole number of {dtype} items"
-            )
-        out = np.empty(self.nbytes // dtype.itemsize, dtype)
-        await self._state.default_queue().copy(out, self)
-        return out if shape is None else out.reshape(shape)
-
-    async def free(self) -> None:
-        """Free the buffer (and every view of it) once the commands using it finished.
-
-        It is unusable at once. Waits until the memory is back with the allocator;
-        cancelling that wait changes nothing: the memory still returns when the device
-        is done with it.
-        """
-        check_buffer(self, "buffer")
-        allocation = self._allocation
-        allocation.freed = True
-        allocation.block.freed = True
-        uses = list(allocation.last_use.items())
-        allocator = allocation.allocator  # None: memory the buffer wraps, not the device's
-        if allocator is not None:
-            allocator.release_after(allocation.block, uses)
-        for queue, value in uses:
-            await wait_value(queue.timeline, value)
-        if uses and allocator is not None:
-            allocator.sweep()  # its last uses passed: the release is due now
-        else:
-            await checkpoint()
-
-    async def map(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray[Any, Any]:
-        """A zero-copy numpy view of host-visible memory (the cpu device, Metal's shared
-        storage), handed out once every command using the buffer has finished.
-
-        The view aliases the buffer: later device work shows through it, and it must
-        not be used after the buffer is freed.
-        """
-        check_buffer(self, "buffer")
-        backend = self._state.backend
-        if not backend.host_visible:
-            raise InvalidArgumentError(
-                f"{self._state.name} memory is not host-visible: use read() instead"
-            )
-        dtype = plain_dtype(dtype)
-        if self.nbytes % dtype.itemsize:
-            raise InvalidArgumentError(
-                f"buffer of {self.nbytes} bytes is not a whole number of {dtype} items"
-            )
-        for queue, value in uses(self):
-            await wait_value(queue.timeline, value)
-        view = backend.host_view(self._allocation.handle, self.offset, self.nbytes)
-        array = np.frombuffer(view, dtype)
-        return array if shape is None else array.reshape(shape)
-
-
-# What the layers above (queues, copies) do with buffers, read here, where a Buffer's
-# parts are known.
-
-
-def check_buffer(buf: Buffer, what: str, state: DeviceState | None = None) -> None:
-    """Raise unless ``buf`` is usable now (not freed, its device open) and, given
-    ``state``, a buffer of that device."""
-    if buf._allocation.freed:
-        raise ClosedResourceError(f"{what} was freed: {buf!r}")
-    own = buf._state
-    if own.closed:
-        raise ClosedResourceError(f"{what} belongs to the closed device {own.name}")
-    if state is not None and state is not own:
-        raise InvalidArgumentError(f"{what} is on {own.name}, expected a buffer of {state.name}")
-
-
-def launch_args(buffers: Sequence[Buffer], kernel: str, state: DeviceState) -> list[Arg]:
-    """The launch arguments of ``buffers`` for kernel ``kernel`` on ``state``'s device,
-    each checked. The hot path of every launch: identity checks first, messages only
-    on failure."""
-    args: list[Arg] = []
-    append = args.append
-    for i, buf in enumerate(buffers):
-        if buf.__class__ is not Buffer:
-            raise ArgumentTypeError(
-                f"buffer {i} of {kernel!r} must be a Buffer, got {type(buf).__name__}"
-            )
-        allocation = buf._allocation
-        if allocation.freed or buf._state is not state or state.closed:
-            check_buffer(buf, f"buffer {i} of {kernel!r}", state)
-        append(new_arg(Arg, (allocation.handle, buf.offset, None)))
-    return args
-
-
-def native_arg(buf: Buffer) -> Arg:
-    """``buf`` as the backend takes it: its native handle and offset."""
-    return new_arg(Arg, (buf._allocation.handle, buf.offset, None))
-
-
-def record_uses(buffers: Sequence[Buffer], queue: Queue, value: int) -> None:
-    """``queue``'s command ``value`` uses ``buffers``: they are freed only after it."""
-    for buf in buffers:
-        buf._allocation.last_use[queue] = value
-
-
-def uses(buf: Buffer) -> list[tuple[Queue, int]]:
-    """Each queue that used ``buf``'s memory, with the value of its last command that did."""
-    return list(buf._allocation.last_use.items())
-
-
-def overlap(a: Buffer, b: Buffer, nbytes: int) -> bool:
-    """Whether ``nbytes`` from ``a`` and from ``b`` share memory."""
-    return a._allocation is b._allocation and (
-        a.offset < b.offset + nbytes and b.offset < a.offset + nbytes
-    )
-
-
-def buffer_state(buf: Buffer) -> DeviceState:
-    """The state of ``buf``'s device."""
-    return buf._state
-
-
-def host_memory(buf: Buffer, nbytes: int) -> memoryview:
-    """``nbytes`` of a host-visible ``buf``, in place."""
-    return buf._state.backend.host_view(buf._allocation.handle, buf.offset, nbytes)
-
-
-def wrap_buffer(state: DeviceState, handle: Any, nbytes: int) -> Buffer:
-    """A Buffer over memory the device did not allocate (an array it wraps): never
-    returned to an allocator."""
-    return Buffer(state, _Allocation(_Block(handle, nbytes)), 0, nbytes)
 
 
 @dataclass(frozen=True)
@@ -364,11 +157,11 @@ class Allocator:
         self.cached = 0
         self.peak = 0  # the most bytes held at once (in use + cached)
         self.closed = False
-        self._cache: collections.OrderedDict[int, _Block] = collections.OrderedDict()
-        self._by_size: dict[int, list[_Block]] = {}
-        self._live: set[_Block] = set()  # blocks handed out and not yet released
-        self._collected: collections.deque[tuple[_Block, int]] = collections.deque()  # GC
-        self._pending: list[tuple[_Block, list[tuple[Queue, int]]]] = []  # uses in flight
+        self._cache: collections.OrderedDict[int, Block] = collections.OrderedDict()
+        self._by_size: dict[int, list[Block]] = {}
+        self._live: set[Block] = set()  # blocks handed out and not yet released
+        self._collected: collections.deque[tuple[Block, int]] = collections.deque()  # GC
+        self._pending: list[tuple[Block, list[tuple[Queue, int]]]] = []  # uses in flight
         # Per loop: the (queue, value) uses it already watches for a pending release.
         self._watched: weakref.WeakKeyDictionary[LoopBridge, set[tuple[Queue, int]]] = (
             weakref.WeakKeyDictionary()
@@ -378,7 +171,7 @@ class Allocator:
 
     # -- allocation ----------------------------------------------------------------------
 
-    async def alloc(self, nbytes: int, timeout: float | None = None) -> Buffer:
+    async def alloc(self, nbytes: int, timeout: float | None = None) -> Allocation:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool):
             raise ArgumentTypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
         if nbytes <= 0:
@@ -387,7 +180,7 @@ class Allocator:
             raise InvalidArgumentError(f"timeout must be a number >= 0, got {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         # The checkpoint comes first: once a block is taken, nothing may cancel the
-        # allocation before its Buffer exists, or the block would have no owner.
+        # allocation before it is handed out, or the block would have no owner.
         await checkpoint()
         while True:
             seen = self._frees.value  # before the attempt: a release after it wakes us
@@ -395,7 +188,7 @@ class Allocator:
             self.sweep()
             block = self._try_alloc(nbytes)
             if block is not None:
-                return Buffer(self._state, _Allocation(block, self), 0, nbytes)
+                return Allocation(block, self)
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise self._oom(nbytes, f"no memory was freed within {timeout} s")
@@ -409,7 +202,7 @@ class Allocator:
         if nbytes > self.budget:
             raise self._oom(nbytes, "larger than the device's whole budget")
 
-    def _try_alloc(self, nbytes: int) -> _Block | None:
+    def _try_alloc(self, nbytes: int) -> Block | None:
         with self._lock:
             if self.closed:
                 return None
@@ -442,7 +235,7 @@ class Allocator:
                 self._state.backend.free(handle)
                 handle = None
             else:
-                return self._hand_out(_Block(handle, nbytes))
+                return self._hand_out(Block(handle, nbytes))
         self._frees.increment()
         return None
 
@@ -461,7 +254,7 @@ class Allocator:
             detail = "the device itself has no memory left"
             raise self._oom(nbytes, detail, reserved=nbytes) from None
 
-    def _hand_out(self, block: _Block) -> _Block:
+    def _hand_out(self, block: Block) -> Block:
         """(Under the lock; ``in_use`` already counts the block.)"""
         block.last_use.clear()
         block.generation += 1
@@ -485,7 +278,7 @@ class Allocator:
 
     # -- release -------------------------------------------------------------------------
 
-    def release_after(self, block: _Block, uses: list[tuple[Queue, int]]) -> None:
+    def release_after(self, block: Block, uses: list[tuple[Queue, int]]) -> None:
         """Release ``block`` once each queue's timeline has passed its last use: now,
         or at the first look after that (any thread, any loop)."""
         pending = [(q, v) for q, v in uses if not _passed(q, v)]
@@ -496,7 +289,7 @@ class Allocator:
             self._pending.append((block, pending))
         self._frees.increment()  # waiting allocations start watching its uses
 
-    def collected(self, block: _Block, generation: int) -> None:
+    def collected(self, block: Block, generation: int) -> None:
         """A buffer of ``block`` was garbage-collected unfreed (any thread, even in the
         GC): queue the block for the next sweep and wake whoever waits to sweep."""
         self._collected.append((block, generation))
@@ -554,7 +347,7 @@ class Allocator:
             watched.discard((queue, value))
         self._frees.increment()
 
-    def _release(self, block: _Block) -> None:
+    def _release(self, block: Block) -> None:
         with self._lock:
             if block not in self._live:
                 return
@@ -607,7 +400,7 @@ class Allocator:
             self._pending.clear()
             self.in_use = 0
 
-    def _foreign_uses(self, block: _Block) -> list[tuple[Queue, int]]:
+    def _foreign_uses(self, block: Block) -> list[tuple[Queue, int]]:
         """Uses of ``block`` by other devices' queues (a copy between devices) that
         have not passed."""
         return [
