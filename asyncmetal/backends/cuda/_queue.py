@@ -5,18 +5,15 @@ from __future__ import annotations
 import ctypes
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ... import _native, _native_contract
 from ..._backend import Arg, KeepAlive, NativeQueue, NativeTimeline, Record, host_address
 from ..._errors import AsyncMetalError, DeviceLostError
 from . import _driver
 from ._driver import _UNCONFIRMED, _lost_error, _refuse_if_lost, check, cu, driver_error
-from ._staging import STAGE_CHUNK, STAGE_DIRECT, STAGED_BYTES_PER_NS, _Staging
+from ._staging import STAGE_CHUNK, STAGE_DIRECT, STAGED_BYTES_PER_NS, StagingDevice, _Staging
 from ._timeline import CUDATimeline
-
-if TYPE_CHECKING:
-    from ._backend import CUDABackend
 
 MAX_PARAMS = 64
 COMPLETION_SPIN_NS = 30_000  # the completion thread polls this long before blocking
@@ -30,8 +27,17 @@ MAX_POLL_NS = 2_000_000  # ... or up to this long for a command expected to take
 MAX_COPY_POLL_NS = 4_000_000  # ... a device copy (one of 1 GiB between two H200s: 2.8 ms)
 
 
+class QueueDevice(StagingDevice, Protocol):
+    """What a queue needs of its GPU (a ``CUDABackend``)."""
+
+    name: str
+    context_address: int
+
+    def make_current(self) -> None: ...
+
+
 class CUDAQueue(NativeQueue):
-    def __init__(self, backend: CUDABackend, timeline: CUDATimeline) -> None:
+    def __init__(self, backend: QueueDevice, timeline: CUDATimeline) -> None:
         _refuse_if_lost(f"a new queue on {backend.name}")
         self._backend = backend
         self._timeline = timeline
@@ -230,7 +236,7 @@ class CUDAQueue(NativeQueue):
         confirms = None
         if timeline.value < target:
             owner = timeline.queue
-            if owner is not None and owner._q is not None:  # a queue's: its event or word
+            if isinstance(owner, CUDAQueue) and owner._q is not None:  # a queue's own
                 self._check(self._lib.am_cuq_wait_queue(self._q, owner._q, target, value))
                 if owner._backend is self._backend:
                     # Once this wait is confirmed, so is the other queue's work up to
