@@ -11,6 +11,8 @@ from ._device import Device as Device
 from ._device import devices as devices
 from ._device import from_numpy as from_numpy
 from ._device import open_device as open_device
+from ._device import open_devices as open_devices
+from ._dlpack import TypedView as TypedView
 from ._errors import ArgumentTypeError as ArgumentTypeError
 from ._errors import AsyncMetalError as AsyncMetalError
 from ._errors import ClosedResourceError as ClosedResourceError
@@ -18,6 +20,7 @@ from ._errors import CompileError as CompileError
 from ._errors import DeviceLostError as DeviceLostError
 from ._errors import InvalidArgumentError as InvalidArgumentError
 from ._errors import OutOfMemoryError as OutOfMemoryError
+from ._interop import from_dlpack as from_dlpack
 from ._pool import CompilePool as CompilePool
 from ._program import Program as Program
 from ._queue import Completion as Completion

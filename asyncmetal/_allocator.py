@@ -34,11 +34,13 @@ class Block:
     """Native memory and the commands that use it. Outlives the Python-facing
     allocation, so a collected buffer is still freed only after its last use."""
 
-    __slots__ = ("freed", "generation", "handle", "last_use", "nbytes")
+    __slots__ = ("freed", "generation", "handle", "last_use", "lent", "nbytes", "owner")
 
-    def __init__(self, handle: Any, nbytes: int) -> None:
+    def __init__(self, handle: Any, nbytes: int, owner: object = None) -> None:
         self.handle = handle
         self.nbytes = nbytes
+        self.owner = owner  # what keeps memory the device does not own alive (an array)
+        self.lent = 0  # loans to consumers outside asyncmetal (DLPack) not yet returned
         self.generation = 0  # bumped each time the block is handed out anew
         self.freed = False  # this generation was freed (explicitly or collected)
         self.last_use: dict[Queue, int] = {}  # per queue: value of the last command using it
@@ -161,6 +163,8 @@ class Allocator:
         self._by_size: dict[int, list[Block]] = {}
         self._live: set[Block] = set()  # blocks handed out and not yet released
         self._collected: collections.deque[tuple[Block, int]] = collections.deque()  # GC
+        self._returned: collections.deque[Block] = collections.deque()  # loans ended
+        self._lent_out: set[Block] = set()  # released while lent: released once returned
         self._pending: list[tuple[Block, list[tuple[Queue, int]]]] = []  # uses in flight
         # Per loop: the (queue, value) uses it already watches for a pending release.
         self._watched: weakref.WeakKeyDictionary[LoopBridge, set[tuple[Queue, int]]] = (
@@ -295,9 +299,31 @@ class Allocator:
         self._collected.append((block, generation))
         self._frees.increment()
 
+    def lend(self, block: Block) -> None:
+        """Hold ``block`` for a consumer outside asyncmetal until :meth:`returned`."""
+        with self._lock:
+            block.lent += 1
+
+    def returned(self, block: Block) -> None:
+        """A loan of ``block`` ended (any thread, even in the GC: no lock taken here)."""
+        self._returned.append(block)
+        self._frees.increment()
+
     def sweep(self) -> None:
         """Take over blocks of garbage-collected buffers, and release the blocks whose
         last uses passed."""
+        while self._returned:
+            try:
+                block = self._returned.popleft()
+            except IndexError:  # another thread swept it
+                break
+            with self._lock:
+                block.lent -= 1
+                back = not block.lent and block in self._lent_out
+                if back:
+                    self._lent_out.discard(block)
+            if back:
+                self._release(block)
         while self._collected:
             try:
                 block, generation = self._collected.popleft()
@@ -351,6 +377,9 @@ class Allocator:
         with self._lock:
             if block not in self._live:
                 return
+            if block.lent:  # a consumer outside asyncmetal still holds it
+                self._lent_out.add(block)
+                return
             self._live.discard(block)
             self.in_use -= block.nbytes
             if block.nbytes <= self.cache_limit and not self.closed:
@@ -394,7 +423,7 @@ class Allocator:
         with self._lock:
             self._evict(self.cached)
             for block in self._live:
-                if not self._foreign_uses(block):
+                if not self._foreign_uses(block) and not block.lent:  # lent: left allocated
                     self._state.backend.free(block.handle)
             self._live.clear()
             self._pending.clear()

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
 
+from ._errors import InvalidArgumentError
+
 if TYPE_CHECKING:
     from ._compile import Compiler
 
@@ -121,6 +123,16 @@ class NativeQueue(ABC):
     """An ordered stream of commands. Each command ends by signalling ``timeline`` to
     ``value`` (the queue's own timeline), after which ``record`` must be complete."""
 
+    # A marker is a command of its own (an event on a stream that other libraries may
+    # submit to too), not the queue's last command.
+    markers: bool = False
+    handle: int | None = None  # the native stream (a CUstream's address), where there is one
+
+    def marker(self, value: int, record: Record) -> None:
+        """A command that does nothing: done once everything before it on the stream is
+        (asked for only where ``markers`` is set)."""
+        raise NotImplementedError(f"{type(self).__name__} has no marker commands")
+
     @abstractmethod
     def launch(
         self,
@@ -202,6 +214,9 @@ class Backend(ABC):
     writable: ClassVar[bool] = True  # its buffers can be written (else: read-only sources)
     fork_safe: ClassVar[bool] = False  # a forked child may open one after its parent did
     any_index: ClassVar[bool] = False  # every ``kind:N`` opens a further device
+    # DLPack's device type of its memory (kDLCPU 1, kDLCUDA 2, kDLMetal 8); 0: none.
+    # Memory that is not host-visible is DLPack's device ``index`` (``kind:index``).
+    dlpack_device_type: ClassVar[int] = 0
     # How many commands a queue parked in a device-side wait takes before submitting
     # blocks (None: no limit); past it the queue holds commands on the host.
     max_behind_wait: ClassVar[int | None] = None
@@ -244,6 +259,25 @@ class Backend(ABC):
 
     @abstractmethod
     def new_timeline(self, on_advance: Callable[[int], None]) -> NativeTimeline: ...
+
+    def pointer_index(self, address: int) -> int | None:
+        """The index of the device whose memory ``address`` is (as its driver says),
+        or None where this backend cannot tell."""
+        return None
+
+    def stream_key(self, stream: object) -> object:
+        """What identifies the stream ``stream`` (as the user gave it) among those this
+        device adopted; raise for what is not a stream this device can adopt."""
+        raise InvalidArgumentError(
+            f"{self.kind} devices have no streams to adopt (adopt_stream is for cuda devices)"
+        )
+
+    def adopt_queue(self, timeline: NativeTimeline, stream: object) -> NativeQueue:
+        """A queue over an existing stream of another library (``stream`` as the user
+        gave it), which ``close`` leaves to its owner."""
+        raise InvalidArgumentError(
+            f"{self.kind} devices have no streams to adopt (adopt_stream is for cuda devices)"
+        )
 
     def lost_error(self, what: str) -> BaseException | None:
         """The error ``what`` (an allocation, a compile) raises now because of a fault

@@ -4,7 +4,8 @@ known."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ from ._allocator import Allocation, Block, Queue
 from ._backend import Arg, new_arg
 from ._bridge import checkpoint
 from ._device_state import DeviceState
+from ._dlpack import Exports, TypedView
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
 from ._timeline import wait_value
 
@@ -36,7 +38,10 @@ def plain_dtype(dtype: Any, what: str = "dtype") -> np.dtype[Any]:
     return checked
 
 
-class Buffer:
+_BYTES = np.dtype(np.uint8)
+
+
+class Buffer(Exports):
     """Device memory. Made by ``await device.alloc(nbytes)``.
 
     Every command that uses a buffer records its timeline value; :meth:`free` returns the
@@ -72,6 +77,36 @@ class Buffer:
                 f"nbytes must be an int in [1, {self.nbytes - offset}], got {nbytes}"
             )
         return Buffer(self._state, self._allocation, self.offset + offset, nbytes)
+
+    def _check_usable(self, what: str) -> None:
+        check_buffer(self, what)
+
+    def busy(self) -> bool:
+        """Whether a command using this buffer's memory is still in flight. Never blocks."""
+        return any(q.timeline.value < v for q, v in uses(self))
+
+    def typed(self, dtype: Any, shape: Any = None) -> TypedView:
+        """This buffer's memory as a C-contiguous array of ``dtype`` and ``shape`` (default:
+        1-D), for exchange with other libraries: ``torch.from_dlpack(buf.typed(np.float32,
+        (n, n)))``. The buffer itself exports as a 1-D ``uint8`` array of its bytes."""
+        check_buffer(self, "buffer")
+        return TypedView(self, dtype, shape)
+
+    def _exported(self) -> tuple[Buffer, np.dtype[Any], tuple[int, ...] | None]:
+        return self, _BYTES, None  # untyped: 1-D uint8, see typed()
+
+    def _lend(self, hold: bool = True) -> tuple[Any, Callable[[], None]]:
+        """The native handle of the memory, and a function that ends the loan: until it is
+        called (once, on any thread, even inside the GC) the memory is neither released
+        nor reused, even once the buffer is freed. For consumers outside asyncmetal."""
+        allocation = self._allocation
+        if not hold:
+            return allocation.handle, _no_loan
+        allocator = allocation.allocator
+        if allocator is None:  # memory the device does not own: keep its owner alive
+            return allocation.handle, functools.partial(_no_loan, allocation)
+        allocator.lend(allocation.block)
+        return allocation.handle, functools.partial(allocator.returned, allocation.block)
 
     async def __aenter__(self) -> Buffer:
         return self
@@ -207,6 +242,22 @@ def buffer_state(buf: Buffer) -> DeviceState:
 def host_memory(buf: Buffer, nbytes: int) -> memoryview:
     """``nbytes`` of a host-visible ``buf``, in place."""
     return buf._state.backend.host_view(buf._allocation.handle, buf.offset, nbytes)
+
+
+def _no_loan(*keep: object) -> None:
+    """Ends a loan that held nothing in the allocator (its arguments were kept alive)."""
+
+
+def foreign_buffer(
+    state: DeviceState, handle: Any, nbytes: int, owner: object, after: tuple[Queue, int] | None
+) -> Buffer:
+    """A Buffer over memory the device does not own (another library's array): ``owner``
+    is kept alive while the buffer is, and its memory is never released by asyncmetal.
+    ``after``: a command that later uses order themselves after, as after a write."""
+    block = Block(handle, nbytes, owner)
+    if after is not None:
+        block.last_use[after[0]] = after[1]
+    return Buffer(state, Allocation(block), 0, nbytes)
 
 
 def wrap_buffer(state: DeviceState, handle: Any, nbytes: int) -> Buffer:

@@ -19,6 +19,7 @@ from ._allocator import Allocator, MemoryStatistics
 from ._backend import Backend
 from ._bridge import checkpoint
 from ._buffer import Buffer, wrap_buffer
+from ._buffer import foreign_buffer as _foreign_buffer
 from ._compile import ParamKind, source_key
 from ._device_state import DeviceState
 from ._errors import (
@@ -73,6 +74,7 @@ class Device:
         self._state = DeviceState(name, backend, self)
         self._backend = backend
         self._queues: list[Queue] = []
+        self._adopted: dict[object, Queue] = {}  # by stream
         self._timelines: weakref.WeakSet[Timeline] = weakref.WeakSet()  # from timeline()
         self._closing: HostEvents | None = None  # reaches 1 once a close has finished
         self._allocator = Allocator(self._state)
@@ -104,6 +106,16 @@ class Device:
     def kind(self) -> str:
         return self._backend.kind
 
+    def pointer_index(self, address: int) -> int | None:
+        """The index of the GPU whose memory ``address`` is, where this device's driver
+        can tell (cuda: any GPU's), else None."""
+        return self._backend.pointer_index(address)
+
+    @property
+    def writable(self) -> bool:
+        """Whether its buffers can be written (the npy device's are read-only sources)."""
+        return self._backend.writable
+
     @property
     def total_memory(self) -> int:
         return self._backend.info.total_memory
@@ -116,6 +128,23 @@ class Device:
         self._check_open()
         queue = Queue(self._state, _made=MADE_BY_DEVICE)
         self._queues.append(queue)
+        return queue
+
+    def adopt_stream(self, stream: object) -> Queue:
+        """A Queue over an existing stream of another library (cuda devices): an object
+        with ``__cuda_stream__`` (PyTorch, CuPy, cuda.core, numba-cuda streams), or a raw
+        ``CUstream`` (an int, ``1`` the legacy default stream). Its :meth:`Queue.marker`
+        records an event on the stream, so awaiting it awaits everything anyone
+        submitted there before. asyncmetal commands on it run in the stream's order.
+        Closing the device leaves the stream to its owner (it must outlive the device
+        or the queue's last use). Adopting a stream again gives the same queue."""
+        self._check_open()
+        key = self._backend.stream_key(stream)
+        queue = self._adopted.get(key)
+        if queue is None:
+            queue = Queue(self._state, _made=MADE_BY_DEVICE, _stream=stream)
+            self._queues.append(queue)
+            self._adopted[key] = queue
         return queue
 
     def timeline(self) -> Timeline:
@@ -475,6 +504,20 @@ class _DeviceOpener:
     async def __aexit__(self, *exc: object) -> None:
         assert self._device is not None
         await self._device.close()
+
+
+def foreign_buffer(
+    device: Device, handle: Any, nbytes: int, owner: object, after: tuple[Queue, int] | None
+) -> Buffer:
+    """A Buffer of ``device`` over memory it does not own (another library's array):
+    ``owner`` is kept alive while the buffer is; ``after``: a command later uses order
+    themselves after."""
+    return _foreign_buffer(device._state, handle, nbytes, owner, after)
+
+
+def open_devices() -> list[Device]:
+    """The devices open now in this process."""
+    return [device for device in list(_open_devices) if not device.closed]
 
 
 def open_device(name: str | None = None) -> _DeviceOpener:

@@ -147,13 +147,18 @@ class Queue:
     Arguments are checked before anything is submitted.
     """
 
-    def __init__(self, state: DeviceState, *, _made: object = None) -> None:
+    def __init__(self, state: DeviceState, *, _made: object = None, _stream: object = None) -> None:
         if _made is not MADE_BY_DEVICE:
             raise ArgumentTypeError("queues come from their device: device.new_queue()")
         self._state = state
         self.device = state.device
         self.timeline = Timeline(state, owned=True, _made=MADE_BY_DEVICE)
-        self._native: NativeQueue = state.backend.new_queue(self.timeline.native)
+        backend, timeline = state.backend, self.timeline.native
+        self._native: NativeQueue = (
+            backend.new_queue(timeline)
+            if _stream is None
+            else backend.adopt_queue(timeline, _stream)
+        )
         self._submitted = 0
         # Device-side signals and waits not yet known complete: (value, is_wait, tl, target)
         self._sync_ops: collections.deque[tuple[int, bool, Timeline, int]] = collections.deque()
@@ -175,6 +180,12 @@ class Queue:
         return f"<Queue of {self._state.name} submitted={self._submitted}>"
 
     @property
+    def handle(self) -> int | None:
+        """The native stream under this queue (a ``CUstream`` address on cuda), for other
+        libraries (``torch.cuda.ExternalStream(q.handle)``); None where there is none."""
+        return self._native.handle
+
+    @property
     def submitted(self) -> int:
         """The timeline value of the last command submitted (0 if none)."""
         return self._submitted
@@ -183,6 +194,19 @@ class Queue:
         self._state.check_open()
         self._submitted += 1
         return Completion(self, self._submitted)
+
+    def marker(self) -> Completion:
+        """A Completion for everything submitted to this queue so far: awaiting it
+        resumes once all of it has finished (a checkpoint; cancelling detaches this
+        waiter only). On cuda it is a command of its own, an event recorded on the
+        stream now: on a queue over an adopted stream (``device.adopt_stream``) it also
+        covers what other libraries submitted to that stream before this call."""
+        if not self._native.markers:
+            self._state.check_open()
+            return Completion(self, self._submitted)
+        done = self._next()
+        self._issue(self._native.marker, done.value, done)
+        return done
 
     def launch(
         self,

@@ -397,6 +397,7 @@ class HostQueues:
 class CPUBackend(HostQueues, Backend):
     kind = "cpu"
     host_visible = True
+    dlpack_device_type = 1  # kDLCPU
     fork_safe = True  # the native runtime's threads are the process's own
     any_index = True  # cpu:1, cpu:2... are further independent devices
 

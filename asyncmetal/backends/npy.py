@@ -53,6 +53,7 @@ class _NoCompiler(Compiler):
 class NpyBackend(HostQueues, Backend):
     kind = "npy"
     host_visible = True  # read in place: its memory is the arrays
+    dlpack_device_type = 1  # kDLCPU
     runs_kernels = False
     writable = False
     fork_safe = True  # the native runtime's threads are the process's own

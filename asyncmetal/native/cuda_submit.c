@@ -8,19 +8,23 @@
 /* Every submission (driver calls on the queue's stream) runs between cuq_enter and
  * cuq_leave: meanwhile the completion thread holds its queries back, since a query takes
  * the driver's locks. cuq_enter makes the queue's context current on the calling thread
- * if it is not: the current context is per thread, shared by every device and library
- * on it (a thread-local read, no more, when it already is). Events are created in, and
- * recorded from, it. */
-static int cuq_enter(am_cuq *q) {
+ * if it is not (a thread-local read, no more, when it already is), and cuq_leave makes
+ * the one it found current again: the current context is per thread, shared by every
+ * device and library on it, and theirs must be as they left it. Events are created in,
+ * and recorded from, it. */
+static int cuq_enter(am_cuq *q, void **before) {
     atomic_fetch_add(&q->submitting, 1);
     void *current = NULL;
     ((int (*)(void **))cu_funcs[CU_CTX_GET])(&current);
+    *before = current;
     if (current == q->ctx) return 0;
     int r = ((int (*)(void *))cu_funcs[CU_CTX_SET])(q->ctx);
     return r ? cuq_fail(q, CU_CTX_SET, r) : 0;
 }
 
-static int cuq_leave(am_cuq *q, int r) {  /* after cuq_enter, whatever it returned */
+/* After cuq_enter, whatever it returned. */
+static int cuq_leave(am_cuq *q, int r, void *before) {
+    if (before != q->ctx) ((int (*)(void *))cu_funcs[CU_CTX_SET])(before);
     atomic_fetch_sub(&q->submitting, 1);
     return r;
 }
@@ -202,9 +206,10 @@ int cuq_submit(am_cuq *q, const am_cuop *op, size_t size) {
     }
     q->driving = 1;
     pthread_mutex_unlock(&q->mu);
-    int r = cuq_enter(q);
+    void *before;
+    int r = cuq_enter(q, &before);
     if (!r) r = cuq_run_op(q, op);
-    cuq_leave(q, r);
+    cuq_leave(q, r, before);
     pthread_mutex_lock(&q->mu);
     q->driving = 0;
     if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);

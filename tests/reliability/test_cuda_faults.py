@@ -20,6 +20,7 @@ import functools
 import gc
 import re
 import sys
+import threading
 import types
 import weakref
 from collections.abc import Iterator
@@ -83,6 +84,7 @@ class _Driver:
         self.calls: list[str] = []
         self.registered: set[int] = set()
         self.current = 0
+        self.runtime: _Runtime | None = None  # the simulated native runtime, once made
         self._handles = iter(range(0x1000, 1 << 40, 0x1000))
 
     def _result(self, name: str, *values: Any) -> tuple[Any, ...]:
@@ -236,7 +238,7 @@ def driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Driver]:
     """The fake driver as ``cu``, in a process whose CUDA state is not lost (restored
     afterwards: the state is the module's, for the life of the process)."""
     fake = _Driver()
-    runtime = _Runtime()
+    runtime = fake.runtime = _Runtime()
     _bind(monkeypatch, "cu", fake)
     native = types.SimpleNamespace(
         runtime=lambda: runtime,
@@ -438,3 +440,68 @@ async def test_opening_a_gpu_after_a_fault_nobody_saw_raises_device_lost(
             await am.open_device("cuda:0")
     finally:
         await dev1.close()
+
+
+async def test_driver_calls_give_the_thread_its_current_context_back(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """The current context is per thread and shared with other libraries: after opening
+    a device, allocating, making queues and timelines, and closing, the calling thread
+    has the context it had before -- none, or another library's -- though each of those
+    made the device's current while it called the driver."""
+    local = threading.local()  # the fake's current context, per thread as the driver's
+
+    def get_current() -> tuple[Any, ...]:
+        return driver._result("cuCtxGetCurrent", getattr(local, "current", 0))
+
+    def set_current(context: int) -> tuple[Any, ...]:
+        result = driver._result("cuCtxSetCurrent")
+        if result[0] == 0:
+            local.current = int(context)
+        return result
+
+    driver.cuCtxGetCurrent = get_current  # type: ignore[method-assign]
+    driver.cuCtxSetCurrent = set_current  # type: ignore[method-assign]
+    for theirs in (0, 0xC0FFEE):
+        local.current = theirs
+        dev = await am.open_device("cuda:0")
+        assert local.current == theirs, "open_device"
+        await dev.alloc(256)
+        assert local.current == theirs, "alloc"
+        dev.new_queue()
+        assert local.current == theirs, "new_queue"
+        for _ in range(600):  # past the first arena of timeline slots: more are pinned
+            dev.timeline()
+        assert local.current == theirs, "timeline"
+        await dev.close()
+        assert local.current == theirs, "close"
+
+
+async def test_a_lone_marker_is_polled_and_one_behind_others_is_not(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """A marker with everything before it confirmed (one request awaited at a time) asks
+    the completion thread to poll it for MARKER_POLL_NS rather than block on it after
+    the usual short poll; one submitted behind unconfirmed commands asks for no longer
+    poll (with many in flight the thread's queries would contend with the submitting
+    library's). Checked: fails with every marker finished alike."""
+    from asyncmetal.backends.cuda import _queue as cuda_queue
+
+    assert driver.runtime is not None
+    finished: list[tuple[int, int]] = []  # (value, expected ns) of each command ended
+
+    def am_cuq_finish(q: int, value: int, extra: Any, target: int, ns: int, flags: int) -> int:
+        finished.append((value, ns))
+        return 0
+
+    driver.runtime.am_cuq_finish = am_cuq_finish  # type: ignore[attr-defined]
+    dev = await am.open_device("cuda:0")
+    queue = dev.new_queue()
+    word = queue._native._timeline._value  # the queue's own timeline, as the stream writes it
+    queue.marker()  # nothing before it
+    queue.marker()  # behind the first, unconfirmed
+    word.value = 2  # both confirmed
+    queue.marker()
+    assert finished == [(1, cuda_queue.MARKER_POLL_NS), (2, 0), (3, cuda_queue.MARKER_POLL_NS)]
+    word.value = 3
+    await dev.close()

@@ -24,6 +24,7 @@ from ._driver import (
     cu,
     driver_error,
 )
+from ._interop import check_stream_context, device_index_of, keeps_context, stream_handle
 from ._peer import _enable_peer_access
 from ._queue import CUDAQueue
 from ._staging import STAGE_CHUNK, STAGE_RING, STAGE_SPARE, _Chunk
@@ -35,6 +36,7 @@ _listed: list[str] = []  # the devices the driver listed last
 class CUDABackend(Backend):
     kind = "cuda"
     host_visible = False
+    dlpack_device_type = 2  # kDLCUDA
     # No commands are held in Python behind a device wait: the native queue bounds what
     # a stream has in flight (MAX_IN_FLIGHT), device waits included.
 
@@ -55,6 +57,7 @@ class CUDABackend(Backend):
         except Exception:
             return []
 
+    @keeps_context
     def __init__(self, index: int) -> None:
         if cu is None:
             raise AsyncMetalError(
@@ -141,6 +144,7 @@ class CUDABackend(Backend):
     def lost_error(self, what: str) -> BaseException | None:
         return None if _driver._lost_first is None else _lost_error(f"{what} on {self.name}")
 
+    @keeps_context
     def take_chunk(self, pin: bool = True) -> _Chunk | None:
         """A pinned staging chunk of the device's (pinned when it opened, or given back by
         a closed queue); if none is left, a newly pinned one, or None without ``pin``."""
@@ -156,6 +160,7 @@ class CUDABackend(Backend):
         with self._chunk_lock:
             self._chunks.append(chunk)
 
+    @keeps_context
     def _timeline_slot(self) -> int:
         with self._slot_lock:
             if not self._free_slots:
@@ -177,6 +182,7 @@ class CUDABackend(Backend):
     def compiler(self) -> Compiler:
         return self._compiler
 
+    @keeps_context
     def load(self, binary: bytes, name: str) -> Any:
         _refuse_if_lost(f"loading kernel {name!r} on {self.name}")
         self.make_current()
@@ -189,6 +195,7 @@ class CUDABackend(Backend):
             raise AttributeError(name)  # the device turns this into a CompileError
         return int(function)  # a CUfunction's address, as the native launch takes it
 
+    @keeps_context
     def allocate(self, nbytes: int) -> Any:
         _refuse_if_lost(f"allocating {nbytes} bytes on {self.name}")
         self.make_current()
@@ -215,9 +222,22 @@ class CUDABackend(Backend):
         assert isinstance(timeline, CUDATimeline)
         return CUDAQueue(self, timeline)
 
+    def pointer_index(self, address: int) -> int | None:
+        return device_index_of(address)
+
+    def stream_key(self, stream: object) -> object:
+        handle = stream_handle(stream)
+        check_stream_context(handle, self.context_address, self.name)
+        return handle
+
+    def adopt_queue(self, timeline: NativeTimeline, stream: object) -> NativeQueue:
+        assert isinstance(timeline, CUDATimeline)
+        return CUDAQueue(self, timeline, adopt=stream_handle(stream))
+
     def new_timeline(self, on_advance: Callable[[int], None]) -> NativeTimeline:
         return CUDATimeline(self)
 
+    @keeps_context
     def close(self) -> None:
         self.make_current()
         self._frees.put(None)

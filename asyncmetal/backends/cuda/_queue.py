@@ -12,6 +12,7 @@ from ..._backend import Arg, KeepAlive, NativeQueue, NativeTimeline, Record, hos
 from ..._errors import AsyncMetalError, DeviceLostError
 from . import _driver
 from ._driver import _UNCONFIRMED, _lost_error, _refuse_if_lost, check, cu, driver_error
+from ._interop import keeps_context
 from ._staging import STAGE_CHUNK, STAGE_DIRECT, STAGED_BYTES_PER_NS, StagingDevice, _Staging
 from ._timeline import CUDATimeline
 
@@ -22,9 +23,13 @@ COMPLETION_SPIN_NS = 30_000  # the completion thread polls this long before bloc
 # cuLaunchKernel blocks for a kernel's length once ~56 commands with blocking-sync
 # events are queued on one stream (plain events: not up to 1024 deep).
 MAX_IN_FLIGHT = 32
+# On an adopted stream, whose owner submits to it from its own thread in its own order,
+# nothing is held on the host: each command reaches the stream when it is made.
+ADOPTED_IN_FLIGHT = 1 << 40
 FINISH_LONG, FINISH_PLAIN = 1, 2  # am_cuq_finish flags
 MAX_POLL_NS = 2_000_000  # ... or up to this long for a command expected to take so long
 MAX_COPY_POLL_NS = 4_000_000  # ... a device copy (one of 1 GiB between two H200s: 2.8 ms)
+MARKER_POLL_NS = 500_000  # ... a marker with nothing unconfirmed before it
 
 
 class QueueDevice(StagingDevice, Protocol):
@@ -37,23 +42,36 @@ class QueueDevice(StagingDevice, Protocol):
 
 
 class CUDAQueue(NativeQueue):
-    def __init__(self, backend: QueueDevice, timeline: CUDATimeline) -> None:
+    markers = True  # an event recorded on the stream: adopted streams have others' work
+
+    @keeps_context
+    def __init__(
+        self, backend: QueueDevice, timeline: CUDATimeline, adopt: int | None = None
+    ) -> None:
+        """A queue over a new stream, or over the stream ``adopt`` of another library,
+        which closing the queue leaves to its owner."""
         _refuse_if_lost(f"a new queue on {backend.name}")
         self._backend = backend
         self._timeline = timeline
         lib = self._lib = backend.lib
         backend.make_current()
-        flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
-        self.stream = check(cu.cuStreamCreate(flags), "cuStreamCreate", backend.name)
+        self._owns_stream = adopt is None
+        if adopt is None:
+            flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+            self.stream = check(cu.cuStreamCreate(flags), "cuStreamCreate", backend.name)
+        else:
+            self.stream = cu.CUstream(adopt)
+        self.handle = int(self.stream)
         self._q: int | None = lib.am_cuq_new(
             backend.context_address,
             int(self.stream),
             timeline.c_timeline,
             COMPLETION_SPIN_NS,
-            MAX_IN_FLIGHT,
+            MAX_IN_FLIGHT if adopt is None else ADOPTED_IN_FLIGHT,
         )
         if not self._q:
-            cu.cuStreamDestroy(self.stream)
+            if self._owns_stream:
+                cu.cuStreamDestroy(self.stream)
             raise AsyncMetalError("could not start the CUDA completion thread")
         timeline.queue = self
         self._error = ctypes.c_int.from_address(self._q)  # am_cuq's first member
@@ -273,6 +291,19 @@ class CUDAQueue(NativeQueue):
             self._staging = _Staging(self._backend)
         return self._staging
 
+    def marker(self, value: int, record: Record) -> None:
+        if _driver._lost_first is not None:
+            raise self._lost("a marker")
+        # An event, recorded in a native call (context kept). What it covers (another
+        # library's work) is of unknown length. A lone marker -- everything before it
+        # confirmed, one request awaited at a time -- is polled by the completion thread
+        # up to MARKER_POLL_NS, off the loop: a blocking-sync event's wake-up costs tens
+        # of microseconds. Behind unconfirmed commands it is not: with many requests in
+        # flight the thread's queries would contend with the submitting library's.
+        lone = self._timeline.value >= value - 1
+        self._finish(value, expected_ns=MARKER_POLL_NS if lone else 0)
+
+    @keeps_context
     def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
         if _driver._lost_first is not None:
             raise self._lost("a copy from the host")
@@ -295,6 +326,7 @@ class CUDAQueue(NativeQueue):
             staging.release_after(chunk, *mark)
         self._finish(value, (dst, src), expected_ns=src.nbytes // STAGED_BYTES_PER_NS)
 
+    @keeps_context
     def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
         if _driver._lost_first is not None:
             raise self._lost("a copy to the host")
@@ -328,5 +360,6 @@ class CUDAQueue(NativeQueue):
             if self._staging is not None:
                 self._staging.close(abandon)
             self._error = ctypes.c_int(code)  # the closed queue's error stays reported
-            cu.cuStreamDestroy(self.stream)
+            if self._owns_stream:
+                cu.cuStreamDestroy(self.stream)
             self._keep.clear()

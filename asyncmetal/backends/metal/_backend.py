@@ -36,6 +36,7 @@ PAGE = mmap.PAGESIZE  # no-copy wrappers cover whole pages (16 KiB on Apple sili
 class MetalBackend(Backend):
     kind = "metal"
     host_visible = True  # shared storage
+    dlpack_device_type = 8  # kDLMetal: data is the MTLBuffer, byte_offset the offset
 
     device: int
     lib: ctypes.CDLL

@@ -37,4 +37,5 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "release"),
         *("ok", "kick"),
         *("ok", "abandon"),
+        *("ok", "context"),
     ]

@@ -158,8 +158,12 @@ static int f_wait_event(void *stream, void *e, unsigned flags) {
     enqueue(stream, (op){OP_WAIT_EVENT, atomic_load(&ev->recorded), ev, 0});
     return 0;
 }
-static int f_ctx_set(void *ctx) { (void)ctx; return 0; }
-static int f_ctx_get(void **ctx) { *ctx = (void *)1; return 0; }
+/* The current context, per thread as the driver's (none at first). */
+static _Thread_local void *current_ctx;
+static int f_ctx_set(void *ctx) { current_ctx = ctx; return 0; }
+static int f_ctx_get(void **ctx) { *ctx = current_ctx; return 0; }
+void fake_ctx_set_current(void *ctx) { current_ctx = ctx; }
+void *fake_ctx_current(void) { return current_ctx; }
 static int f_unused(void) { die("a driver call the queues should not make"); return 1; }
 
 long max_inflight = 1 << 20;  /* the queues' bound (most checks: none) */

@@ -53,6 +53,8 @@ void die(const char *what);
 void enqueue(fake_stream *s, op o);  /* an operation on a stream, behind the others */
 void stream_free(fake_stream *s, int abandon);
 void fake_driver_install(void);
+void fake_ctx_set_current(void *ctx);  /* the calling thread's current context */
+void *fake_ctx_current(void);
 fake_queue queue_new(void);
 fake_queue queue_bounded(long bound);  /* at most `bound` commands in flight */
 void queue_free(fake_queue f, int abandon);

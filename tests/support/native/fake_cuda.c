@@ -31,6 +31,8 @@
  *   abandon   closing with abandon returns while the completion thread naps on, or is
  *             blocked on, a command behind a wait nobody signals (a blocked one frees the
  *             queue itself once it returns)
+ *   context   a submission leaves the calling thread's current context as it found it
+ *             (none, or another library's), though it made the queue's current
  */
 #include "fake_cuda_driver.h"
 
@@ -343,6 +345,20 @@ static void check_abandon(void) {
     puts("ok abandon");
 }
 
+static void check_context(void) {
+    fake_queue f = queue_new();  /* its context: (void *)1 */
+    void *theirs[] = {NULL, (void *)0x77, (void *)1};
+    uint64_t v = 0;
+    for (int i = 0; i < 3; i++) {
+        fake_ctx_set_current(theirs[i]);
+        if (launch(f, NULL, 0, ++v)) die("context: a launch failed");
+        if (fake_ctx_current() != theirs[i])
+            die("context: a submission left another context current on the calling thread");
+    }
+    queue_free(f, 0);
+    puts("ok context");
+}
+
 int main(void) {
     fake_driver_install();
     check_order();
@@ -359,6 +375,7 @@ int main(void) {
     check_release();
     check_kick();
     check_abandon();
+    check_context();
     return 0;
 }
 

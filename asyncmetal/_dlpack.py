@@ -1,0 +1,331 @@
+"""DLPack and ``__cuda_array_interface__``: buffers shared with numpy, PyTorch, CuPy and
+JAX without copying.
+
+Buffers out. A Buffer exports its bytes as a 1-D ``uint8`` tensor; ``buf.typed(dtype,
+shape)`` exports the same memory typed (a C-contiguous array of ``shape``). The capsule's
+manager holds the memory: the allocator neither releases nor reuses it until the consumer
+calls the deleter (on any thread), even if the Buffer is freed meanwhile. A memory still
+held when its device closes is left allocated. Ordering: on a device with streams the
+consumer's stream waits, on the device, for the commands that use the buffer (its stream
+adopted as a queue, ``device.adopt_stream``); host memory (cpu, npy, Metal's shared
+storage) has no stream to wait on, so exporting it while a command that uses it is in
+flight raises ``BufferError`` (await that command first).
+
+Buffers in. ``from_dlpack(obj)`` takes a producer's DLPack capsule (asking it to order
+its work before the device's default queue) and makes a Buffer over that memory, on the
+open device it lives on; the capsule's deleter runs once that Buffer is gone.
+
+The structures are DLPack 1.x's (``dlpack.h``); a versioned capsule is made when the
+consumer asks for ``max_version >= (1, 0)``, the legacy one otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ._errors import ArgumentTypeError, InvalidArgumentError
+
+# The buffers here are asyncmetal Buffers, typed Any: _buffer imports this module, and
+# layers depend downward only.
+Buffer = Any
+
+KDLCPU, KDLCUDA, KDLCUDAHOST, KDLMETAL = 1, 2, 3, 8
+DLPACK_VERSION = (1, 1)
+FLAG_READ_ONLY = 1
+_STREAM_NONE = -1  # the consumer asks for no ordering at all
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = (("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32))
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = (("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16))
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = (
+        ("data", ctypes.c_void_p),
+        ("device", DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    )
+
+
+_Deleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # void (*)(DLManagedTensor*)
+
+
+class DLManagedTensor(ctypes.Structure):
+    _fields_ = (("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _Deleter))
+
+
+class DLPackVersion(ctypes.Structure):
+    _fields_ = (("major", ctypes.c_uint32), ("minor", ctypes.c_uint32))
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = (
+        ("version", DLPackVersion),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", _Deleter),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", DLTensor),
+    )
+
+
+_api = ctypes.pythonapi
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", _api)
+)
+_capsule_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", _api)
+)
+_capsule_set_name = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_SetName", _api)
+)
+# Names must outlive every capsule: module-level buffers.
+_NAME = ctypes.create_string_buffer(b"dltensor")
+_NAME_VERSIONED = ctypes.create_string_buffer(b"dltensor_versioned")
+_USED = ctypes.create_string_buffer(b"used_dltensor")
+_USED_VERSIONED = ctypes.create_string_buffer(b"used_dltensor_versioned")
+# Where a capsule's DLTensor starts in its managed tensor.
+_TENSOR_AT = {_NAME.value: 0, _NAME_VERSIONED.value: DLManagedTensorVersioned.dl_tensor.offset}
+
+
+class _Loan:
+    """Ends a buffer's loan of its memory when collected: the exported array's memory
+    object holds it, and the consumer's deleter lets that go (on any thread)."""
+
+    __slots__ = ("release",)
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self.release = release
+
+    def __del__(self) -> None:
+        self.release()
+
+
+_dtype_codes: dict[np.dtype[Any], tuple[int, int]] = {}
+
+
+def dtype_code(dtype: np.dtype[Any]) -> tuple[int, int]:
+    """DLPack's (type code, bits) for a numpy dtype."""
+    known = _dtype_codes.get(dtype)
+    if known is not None:
+        return known
+    codes = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}
+    if dtype.kind not in codes or dtype.fields is not None or dtype.subdtype is not None:
+        raise ArgumentTypeError(
+            f"DLPack exports ints, unsigned ints, floats, complex and bools, not {dtype}"
+        )
+    known = _dtype_codes[dtype] = codes[dtype.kind], dtype.itemsize * 8
+    return known
+
+
+def dlpack_device(buffer: Buffer) -> tuple[int, int]:
+    """``__dlpack_device__`` of a buffer: (device type, device index)."""
+    return device_dlpack(buffer.device)
+
+
+def device_dlpack(device: Any) -> tuple[int, int]:
+    """A device's DLPack (device type, index): its backend says the type; host memory
+    is device 0, other memory the device's own index (``cuda:1`` is 1)."""
+    backend = device._backend
+    if not backend.dlpack_device_type:
+        raise BufferError(f"{device.name} buffers have no DLPack device type")
+    index = 0 if backend.host_visible else int(device.name.partition(":")[2] or 0)
+    return backend.dlpack_device_type, index
+
+
+def export_dlpack(
+    buffer: Buffer,
+    dtype: Any = np.uint8,
+    shape: tuple[int, ...] | None = None,
+    *,
+    stream: int | None = None,
+    max_version: tuple[int, int] | None = None,
+    dl_device: tuple[int, int] | None = None,
+    copy: bool | None = None,
+) -> object:
+    """``buffer.__dlpack__``: a capsule of ``buffer``'s memory as ``dtype`` of ``shape``."""
+    buffer._check_usable("buffer")
+    device_type, device_id = dlpack_device(buffer)
+    if dl_device is not None and tuple(dl_device) != (device_type, device_id):
+        raise BufferError(
+            f"the buffer is on DLPack device {(device_type, device_id)}, not {tuple(dl_device)}:"
+            " asyncmetal exports without copying (copy it with asyncmetal.copy first)"
+        )
+    if copy:
+        raise BufferError("asyncmetal exports without copying: copy=True is not supported")
+    dtype = np.dtype(dtype)
+    dtype_code(dtype)  # one DLPack exports
+    if shape is None:
+        shape = (buffer.nbytes // dtype.itemsize,)
+    _order_for_consumer(buffer, stream)
+    handle, release = buffer._lend()
+    data, byte_offset = _data_pointer(buffer, handle, device_type)
+    # numpy makes the capsule (in C, and its deleter takes the GIL on whatever thread
+    # calls it) of an array over the memory -- never read here: device memory, or a
+    # Metal buffer's handle -- and the tensor's device is then set to the buffer's.
+    memory = (ctypes.c_uint8 * buffer.nbytes).from_address(data)
+    memory.loan = _Loan(release)
+    array = np.frombuffer(memory, dtype).reshape(shape)
+    versioned = max_version is not None and tuple(max_version) >= (1, 0)
+    if versioned and not buffer.device._backend.writable:
+        array.flags.writeable = False  # the read-only flag (the legacy capsule has none)
+    try:
+        capsule: object = array.__dlpack__(max_version=DLPACK_VERSION if versioned else None)
+    except TypeError:  # a numpy before the versioned protocol
+        capsule = array.__dlpack__()
+    name = _NAME_VERSIONED if _capsule_valid(capsule, _NAME_VERSIONED) else _NAME
+    tensor = DLTensor.from_address(_capsule_pointer(capsule, name) + _TENSOR_AT[name.value])
+    tensor.device = DLDevice(device_type, device_id)
+    if byte_offset:
+        tensor.data, tensor.byte_offset = data, byte_offset
+    return capsule
+
+
+def _data_pointer(buffer: Buffer, handle: Any, device_type: int) -> tuple[int, int]:
+    """(data, byte_offset) of DLTensor: a host or device address, or for Metal the
+    MTLBuffer with the offset into it."""
+    if device_type == KDLMETAL:
+        return int(handle), buffer.offset
+    address = getattr(handle, "address", handle)  # host memory objects carry theirs
+    return int(address) + buffer.offset, 0
+
+
+def _order_for_consumer(buffer: Buffer, stream: int | None) -> None:
+    """Make the consumer see the commands that use ``buffer``: its stream waits for them
+    on the device; for host memory there is nothing to wait on, so they must be done."""
+    if not buffer.device._backend.host_visible:  # device memory: a device with streams
+        if stream == _STREAM_NONE:
+            return
+        if stream == 0:
+            raise BufferError(
+                "stream 0 is ambiguous for CUDA (DLPack): pass 1 for the legacy stream"
+            )
+        queue = buffer.device.adopt_stream(1 if stream is None else stream)
+        queue.after(buffer)
+        return
+    if buffer.busy():
+        raise BufferError(
+            f"a command using this {buffer.device.name} buffer is still in flight: await it "
+            "(or queue.marker()) before sharing the memory, which the consumer reads at once"
+        )
+
+
+class Exports:
+    """The exchange protocols of a buffer's memory, seen as :meth:`_exported` says:
+    ``(buffer, dtype, shape)`` (shape None: 1-D)."""
+
+    __slots__ = ()
+
+    def _exported(self) -> tuple[Buffer, np.dtype[Any], tuple[int, ...] | None]:
+        raise NotImplementedError
+
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> object:
+        """A DLPack capsule of the memory, no copy (array API semantics: versioned when
+        ``max_version >= (1, 0)``). The consumer's ``stream`` waits, on the device, for
+        the commands using the buffer; the memory stays valid while the consumer holds
+        it, freed buffer or not. Host memory still used by a command raises BufferError."""
+        buffer, dtype, shape = self._exported()
+        return export_dlpack(
+            buffer,
+            dtype,
+            shape,
+            stream=stream,
+            max_version=max_version,
+            dl_device=dl_device,
+            copy=copy,
+        )
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """(DLPack device type, index): kDLCPU for cpu and npy, kDLCUDA, kDLMetal."""
+        return dlpack_device(self._exported()[0])
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """Version 3 of the CUDA array interface (cuda buffers only), with ``stream``."""
+        return cuda_array_interface(*self._exported())
+
+
+class TypedView(Exports):
+    """A buffer's memory as a C-contiguous array of ``dtype`` and ``shape``, for export
+    (``buf.typed(np.float32, (64, 64))``): ``torch.from_dlpack``, ``np.from_dlpack``,
+    ``cupy.asarray`` take it. It holds nothing itself; an exported tensor holds the
+    memory as a buffer's export does."""
+
+    __slots__ = ("buffer", "dtype", "shape")
+
+    def __init__(self, buffer: Buffer, dtype: Any, shape: Any = None) -> None:
+        dtype = np.dtype(dtype)
+        dtype_code(dtype)
+        if buffer.nbytes % dtype.itemsize:
+            raise InvalidArgumentError(
+                f"buffer of {buffer.nbytes} bytes is not a whole number of {dtype} items"
+            )
+        count = buffer.nbytes // dtype.itemsize
+        if shape is None:
+            shape = (count,)
+        elif isinstance(shape, int):
+            shape = (shape,)
+        shape = tuple(shape)
+        if not all(isinstance(n, int) and n >= 0 for n in shape) or math.prod(shape) != count:
+            raise InvalidArgumentError(
+                f"shape {shape} does not hold the buffer's {count} {dtype} items"
+            )
+        self.buffer = buffer
+        self.dtype = dtype
+        self.shape = shape
+
+    def __repr__(self) -> str:
+        return f"<TypedView {self.dtype}{list(self.shape)} of {self.buffer!r}>"
+
+    def _exported(self) -> tuple[Buffer, np.dtype[Any], tuple[int, ...] | None]:
+        return self.buffer, self.dtype, self.shape
+
+
+def cuda_array_interface(
+    buffer: Buffer, dtype: Any = np.uint8, shape: tuple[int, ...] | None = None
+) -> dict[str, Any]:
+    """``__cuda_array_interface__`` (version 3) of a cuda buffer. Its ``stream`` is the
+    device's default queue, made to wait for every command using the buffer, or None
+    when they are all done. The interface holds nothing: keep the buffer alive and
+    unfreed while the consumer uses the memory (DLPack holds it for you)."""
+    buffer._check_usable("buffer")
+    if dlpack_device(buffer)[0] != KDLCUDA:
+        raise AttributeError(
+            f"__cuda_array_interface__ is for cuda buffers; this one is on {buffer.device.name}"
+        )
+    dtype = np.dtype(dtype)
+    if shape is None:
+        shape = (buffer.nbytes // dtype.itemsize,)
+    stream = None
+    if buffer.busy():
+        queue = buffer.device.queue
+        queue.after(buffer)
+        stream = queue.handle
+    handle, _ = buffer._lend(hold=False)
+    return {
+        "shape": tuple(shape),
+        "typestr": dtype.str,
+        "data": (int(handle) + buffer.offset, False),
+        "strides": None,
+        "version": 3,
+        "stream": stream,
+    }

@@ -1,0 +1,99 @@
+"""The cuda side of interop: streams of other libraries, the device a pointer lives on,
+and the calling thread's current context left as the caller had it.
+
+A stream to adopt is anything with the CUDA stream protocol ``__cuda_stream__``
+(returning ``(0, handle)``: cuda.core, CuPy, numba-cuda, recent PyTorch), a PyTorch
+stream (``.cuda_stream``), a CuPy stream (``.ptr``), a cuda-bindings ``CUstream`` or a
+raw handle (an int: ``0``/``1`` the legacy default stream). The per-thread default
+stream (``2``) is refused: it is a different stream on every thread, and a queue's
+commands may be submitted from another thread than the one that adopted it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
+
+from ..._errors import ArgumentTypeError, InvalidArgumentError
+from . import _driver
+from ._driver import check, cu
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+STREAM_LEGACY, STREAM_PER_THREAD = 1, 2  # CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
+
+
+def stream_handle(stream: object) -> int:
+    """The ``CUstream`` address of ``stream`` (see the module's docstring for the forms)."""
+    protocol = getattr(stream, "__cuda_stream__", None)
+    if protocol is not None:
+        value = protocol() if callable(protocol) else protocol
+        if not (isinstance(value, tuple) and len(value) == 2 and value[0] == 0):
+            raise InvalidArgumentError(
+                f"__cuda_stream__ must give (0, handle) (protocol version 0), got {value!r}"
+            )
+        handle = int(value[1])
+    elif isinstance(stream, int) and not isinstance(stream, bool):
+        handle = stream
+    elif cu is not None and isinstance(stream, cu.CUstream):
+        handle = int(stream)
+    elif isinstance(getattr(stream, "cuda_stream", None), int):  # torch.cuda.Stream
+        handle = stream.cuda_stream  # type: ignore[attr-defined]
+    elif isinstance(getattr(stream, "ptr", None), int):  # cupy.cuda.Stream
+        handle = stream.ptr  # type: ignore[attr-defined]
+    else:
+        raise ArgumentTypeError(
+            "adopt_stream takes a stream (__cuda_stream__, a torch or cupy stream, a "
+            f"CUstream) or a raw CUstream handle, got {type(stream).__name__}"
+        )
+    if handle < 0:
+        raise InvalidArgumentError(f"a CUstream handle is >= 0, got {handle}")
+    if handle == STREAM_PER_THREAD:
+        raise InvalidArgumentError(
+            "the per-thread default stream (2) differs from thread to thread and cannot be "
+            "adopted: adopt a stream of your own (or the legacy default stream, 1)"
+        )
+    return handle
+
+
+def check_stream_context(handle: int, context_address: int, where: str) -> None:
+    """Refuse a stream of another context (another GPU, or a context not primary)."""
+    if handle in (0, STREAM_LEGACY):  # the legacy stream of whatever context is current
+        return
+    context = check(cu.cuStreamGetCtx(cu.CUstream(handle)), "cuStreamGetCtx", where)
+    if int(context) != context_address:
+        raise InvalidArgumentError(
+            f"the stream belongs to another CUDA context than {where}'s primary context "
+            "(another GPU, or a context of its own): adopt it on the device it belongs to"
+        )
+
+
+def device_index_of(address: int) -> int | None:
+    """The ordinal of the GPU that device pointer ``address`` lives on; None for memory
+    the driver does not know."""
+    attribute = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    err, ordinal = cu.cuPointerGetAttribute(attribute, address)
+    return None if int(err) else int(ordinal)
+
+
+def keeps_context(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run ``method`` (which makes a device's context current), then make the context
+    that was current on the calling thread before it current again: the current context
+    is per thread and shared with every other library there (PyTorch, CuPy, JAX assume
+    theirs). The native submission path does the same in C."""
+
+    @functools.wraps(method)
+    def keeping(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if _driver._lost_first is not None:  # refused before any driver call
+            return method(*args, **kwargs)
+        before: Any = cu.cuCtxGetCurrent()[1]
+        try:
+            return method(*args, **kwargs)
+        finally:
+            now = cu.cuCtxGetCurrent()[1]
+            if int(now) != int(before):
+                cu.cuCtxSetCurrent(before)
+
+    return keeping

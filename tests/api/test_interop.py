@@ -1,0 +1,238 @@
+"""Interop on any machine: Queue.marker() on every backend, DLPack both ways with numpy
+(the same memory, written through one side and read through the other), the lifetime
+of exported memory, and what is refused."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import threading
+
+import numpy as np
+import pytest
+
+import asyncmetal as am
+from tests.support.kernels import KERNELS
+
+pytestmark = pytest.mark.anyio
+
+_capsule_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_name.restype = ctypes.c_char_p
+_capsule_name.argtypes = [ctypes.py_object]
+
+
+# -- Queue.marker() -----------------------------------------------------------------------
+
+
+async def test_marker_covers_what_was_submitted(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    q = device.new_queue()
+    assert q.marker().done()  # nothing submitted: done at once
+    await q.marker()
+    q.launch(kernels["sleep_ms"], vals=(30,))
+    marker = q.marker()
+    assert not marker.done()
+    await marker
+    assert q.timeline.value >= marker.value == q.submitted
+    later = q.launch(kernels["empty"])
+    assert marker.value < later.value
+    await q.marker()
+    assert later.done()
+
+
+async def test_marker_of_the_npy_device_and_after_close(anyio_backend: object) -> None:
+    buf = await am.from_numpy(np.arange(8, dtype=np.int32))
+    out = np.zeros(8, np.int32)
+    q = buf.device.queue
+    q.copy(out, buf)
+    await q.marker()
+    assert out.tolist() == list(range(8))
+    dev = await am.open_device("cpu:1")
+    q = dev.queue
+    await dev.close()
+    with pytest.raises(am.ClosedResourceError):
+        q.marker()
+
+
+async def test_adopting_a_stream_is_for_cuda(device: am.Device) -> None:
+    with pytest.raises(am.InvalidArgumentError, match="adopt_stream is for cuda"):
+        device.adopt_stream(1)
+    assert device.queue.handle is None
+
+
+# -- buffers out --------------------------------------------------------------------------
+
+
+async def test_dlpack_device_of_each_kind(device: am.Device) -> None:
+    buf = await device.alloc(16)
+    expected = {"cpu": (1, 0), "metal": (8, 0)}[device.name]
+    assert buf.__dlpack_device__() == expected
+    assert buf.typed(np.float32).__dlpack_device__() == expected
+    assert not hasattr(buf, "__cuda_array_interface__")
+    npy = await am.from_numpy(np.zeros(4))
+    assert npy.__dlpack_device__() == (1, 0)
+
+
+async def _cpu_kernels(device: am.Device) -> dict[str, am.Program]:
+    return {name: await device.compile(KERNELS, name) for name in ("fill", "empty")}
+
+
+async def test_numpy_shares_a_cpu_buffer_both_ways(anyio_backend: object) -> None:
+    async with am.open_device("cpu") as device:
+        await _numpy_shares(device, await _cpu_kernels(device))
+
+
+async def _numpy_shares(device: am.Device, kernels: dict[str, am.Program]) -> None:
+    buf = await device.alloc(64)
+    await buf.write(np.arange(16, dtype=np.float32))
+    raw = np.from_dlpack(buf)  # 1-D uint8, the buffer's bytes
+    assert raw.dtype == np.uint8 and raw.shape == (64,)
+    assert raw.view(np.float32).tolist() == list(range(16))
+    grid = np.from_dlpack(buf.typed(np.float32, (4, 4)))
+    assert grid.shape == (4, 4) and grid.dtype == np.float32
+    assert grid.ctypes.data == raw.ctypes.data  # the same memory, no copy
+    grid[1, :] = -1  # numpy writes, the device reads
+    assert (await buf.read(np.float32))[4:8].tolist() == [-1] * 4
+    await device.queue.launch(kernels["fill"], buf, vals=(7, 16))  # the device writes
+    assert grid.view(np.int32).ravel().tolist() == [7] * 16  # numpy reads
+
+
+async def test_legacy_and_versioned_capsules(device: am.Device) -> None:
+    buf = await device.alloc(8)
+    assert _capsule_name(buf.__dlpack__()) == b"dltensor"
+    assert _capsule_name(buf.__dlpack__(max_version=(1, 0))) == b"dltensor_versioned"
+    assert _capsule_name(buf.__dlpack__(max_version=(0, 8))) == b"dltensor"
+    # unconsumed capsules delete their tensors: the memory is free to return
+    gc.collect()
+    await buf.free()
+    stats = device.memory_statistics()
+    assert stats.in_use == 0
+
+
+async def test_exported_memory_outlives_a_freed_buffer(anyio_backend: object) -> None:
+    async with am.open_device("cpu") as dev:
+        buf = await dev.alloc(4096)
+        await buf.write(np.full(1024, 5, np.int32))
+        held = np.from_dlpack(buf.typed(np.int32))
+        await buf.free()
+        assert dev.memory_statistics().in_use == 4096  # lent: not released
+        other = await dev.alloc(4096)  # not the held memory: it is not reused
+        await other.write(np.zeros(1024, np.int32))
+        assert held.tolist() == [5] * 1024
+        held[:] = 9  # still the consumer's to write
+        # The consumer lets go on another thread: the memory returns to the allocator.
+        dropper = threading.Thread(target=lambda: held_box.clear())
+        held_box = [held]
+        del held
+        dropper.start()
+        dropper.join()
+        gc.collect()
+        stats = dev.memory_statistics()
+        assert (stats.in_use, stats.cached) == (4096, 4096)
+        await other.free()
+
+
+async def test_a_dropped_buffer_keeps_exported_memory(anyio_backend: object) -> None:
+    async with am.open_device("cpu") as dev:
+        buf = await dev.alloc(256)
+        await buf.write(np.full(64, 3, np.int32))
+        held = np.from_dlpack(buf.typed(np.int32))
+        del buf
+        gc.collect()
+        again = await dev.alloc(256)
+        await again.write(np.zeros(64, np.int32))
+        assert held.tolist() == [3] * 64
+        assert dev.memory_statistics().in_use == 512
+
+
+async def test_exporting_memory_a_command_uses_is_refused(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    buf = await device.alloc(64)
+    done = device.queue.launch(kernels["fill"], buf, vals=(1, 16))
+    device.queue.launch(kernels["sleep_ms"], vals=(50,))
+    busy = device.new_queue().after(buf)
+    busy.launch(kernels["sleep_ms"], vals=(50,))
+    use = busy.launch(kernels["fill"], buf, vals=(2, 16))
+    assert buf.busy()
+    with pytest.raises(BufferError, match="in flight"):
+        buf.__dlpack__()
+    await done
+    await use
+    assert not buf.busy()
+    assert buf.__dlpack__() is not None
+
+
+async def test_what_an_export_refuses(device: am.Device) -> None:
+    buf = await device.alloc(64)
+    with pytest.raises(BufferError, match="without copying"):
+        buf.__dlpack__(copy=True)
+    with pytest.raises(BufferError, match="DLPack device"):
+        buf.__dlpack__(dl_device=(2, 0))
+    with pytest.raises(am.InvalidArgumentError, match="shape"):
+        buf.typed(np.float32, (3, 5))
+    with pytest.raises(am.InvalidArgumentError, match="whole number"):
+        (await device.alloc(10)).typed(np.float32)
+    with pytest.raises(am.ArgumentTypeError, match="DLPack exports"):
+        buf.typed(np.dtype([("a", np.int32)]))
+    await buf.free()
+    with pytest.raises(am.ClosedResourceError, match="freed"):
+        buf.__dlpack__()
+
+
+# -- buffers in ---------------------------------------------------------------------------
+
+
+async def test_from_dlpack_wraps_a_numpy_array(anyio_backend: object) -> None:
+    async with am.open_device("cpu") as device:
+        await _wraps_numpy(device, await _cpu_kernels(device))
+
+
+async def _wraps_numpy(device: am.Device, kernels: dict[str, am.Program]) -> None:
+    array = np.arange(32, dtype=np.int32)
+    buf = am.from_dlpack(array)
+    assert buf.device is device and buf.nbytes == 128
+    await device.queue.launch(kernels["fill"], buf.view(64), vals=(4, 16))  # a launch
+    assert array[:16].tolist() == list(range(16)) and array[16:].tolist() == [4] * 16
+    out = await device.alloc(128)
+    await am.copy(out, buf)  # a copy
+    assert (await out.read(np.int32)).tolist() == array.tolist()
+    await am.copy(buf, np.full(32, -2, np.int32))
+    assert array.tolist() == [-2] * 32
+    assert (await buf.map(np.int32)).ctypes.data == array.ctypes.data
+    # The buffer keeps the array alive.
+    del array
+    gc.collect()
+    assert (await buf.read(np.int32)).tolist() == [-2] * 32
+    await buf.free()  # the memory is numpy's: nothing returns to the allocator
+    assert device.memory_statistics().in_use == 128
+
+
+async def test_from_dlpack_round_trip_through_a_buffer(anyio_backend: object) -> None:
+    async with am.open_device("cpu") as dev:
+        buf = await dev.alloc(40)
+        again = am.from_dlpack(buf.typed(np.float64))
+        await again.write(np.linspace(0, 1, 5))
+        assert (await buf.read(np.float64)).tolist() == np.linspace(0, 1, 5).tolist()
+        assert again.device is dev
+
+
+async def test_what_from_dlpack_refuses(anyio_backend: object) -> None:
+    with pytest.raises(am.ArgumentTypeError, match="__dlpack__"):
+        am.from_dlpack([1, 2, 3])
+    for device in am.open_devices():
+        assert device.name not in ("cpu", "cpu:0")
+    with pytest.raises(am.InvalidArgumentError, match="open it first"):
+        am.from_dlpack(np.zeros(4))
+    async with am.open_device("cpu") as dev:
+        with pytest.raises(am.InvalidArgumentError, match="C-contiguous"):
+            am.from_dlpack(np.zeros((4, 4))[:, 1])
+        with pytest.raises(am.InvalidArgumentError, match="empty"):
+            am.from_dlpack(np.zeros(0))
+        other = await am.open_device("cpu:1")
+        try:
+            assert am.from_dlpack(np.zeros(4), device=other).device is other
+        finally:
+            await other.close()
+        assert am.from_dlpack(np.zeros(4), device=dev).device is dev

@@ -1,0 +1,156 @@
+"""examples/service.py as a real server (a subprocess) driven by a real HTTP client:
+concurrent requests whose results are checked, while /health is timed. On the cpu
+device everywhere; with a PyTorch model on a cuda device where there is one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+import asyncmetal as am
+
+pytestmark = pytest.mark.anyio
+
+SERVICE = Path(__file__).resolve().parents[2] / "examples" / "service.py"
+GPUS = [d for d in am.devices() if d.startswith("cuda:")]
+
+
+def _has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+async def _server(*args: str) -> AsyncIterator[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = await anyio.open_process(
+        [sys.executable, str(SERVICE), "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    try:
+        assert process.stdout is not None
+        line = b""
+        with anyio.fail_after(120):  # opening a device and compiling the kernel
+            while not line.endswith(b"\n"):
+                chunk = await process.stdout.receive(1)
+                line += chunk
+        text = line.decode().strip()
+        assert text.startswith("listening on "), text
+        yield text.removeprefix("listening on ")
+    finally:
+        process.terminate()
+        with anyio.move_on_after(20):
+            await process.wait()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        await process.aclose()
+
+
+@pytest.fixture
+async def cpu_service(anyio_backend: object) -> AsyncIterator[str]:
+    async for url in _server("--device", "cpu"):
+        yield url
+
+
+async def _health_while(client: httpx.AsyncClient, busy: anyio.Event) -> list[float]:
+    """Time /health requests, one after another, until ``busy`` is set."""
+    latencies = []
+    while not busy.is_set():
+        start = time.perf_counter()
+        response = await client.get("/health")
+        latencies.append(time.perf_counter() - start)
+        assert response.status_code == 200 and response.json()["ok"]
+    return latencies
+
+
+async def _drive(url: str, path: str, requests: list[dict[str, str]]) -> tuple[list, list]:
+    results: list = [None] * len(requests)
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=60) as client,
+        httpx.AsyncClient(base_url=url, timeout=60) as prober,  # its own connection
+    ):
+        await prober.get("/health")  # connected before the timing starts
+        done = anyio.Event()
+        latencies: list[float] = []
+
+        async def health() -> None:
+            latencies.extend(await _health_while(prober, done))
+
+        async def one(i: int) -> None:
+            response = await client.get(path, params=requests[i])
+            assert response.status_code == 200, response.text
+            results[i] = response.json()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(health)
+            async with anyio.create_task_group() as requests_group:
+                for i in range(len(requests)):
+                    requests_group.start_soon(one, i)
+            done.set()
+    return results, latencies
+
+
+def _report(name: str, latencies: list[float]) -> None:
+    ordered = sorted(latencies)
+    p50 = ordered[len(ordered) // 2] * 1e3
+    worst = ordered[-1] * 1e3
+    print(f"{name}: /health {len(ordered)} requests, p50 {p50:.2f} ms, max {worst:.2f} ms")
+
+
+async def test_the_service_computes_concurrently_and_stays_healthy(cpu_service: str) -> None:
+    requests = [{"n": str(1000 + 37 * i), "k": str(i % 7)} for i in range(48)]
+    results, latencies = await _drive(cpu_service, "/compute", requests)
+    for request, result in zip(requests, results):
+        n, k = int(request["n"]), int(request["k"])
+        assert result == {"sum": k * n * (n - 1) // 2 + n, "n": n}
+    assert latencies, "/health was never answered while requests ran"
+    _report("cpu service", latencies)
+    # Health answers are not held up behind the kernels: no answer takes seconds.
+    assert max(latencies) < 2.0
+
+
+async def test_the_model_endpoint_needs_torch_on_cuda(cpu_service: str) -> None:
+    async with httpx.AsyncClient(base_url=cpu_service) as client:
+        response = await client.get("/model")
+        assert response.status_code == 404 and "--torch" in response.text
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not GPUS, reason="no NVIDIA GPU with cuda-bindings on this machine")
+@pytest.mark.skipif(not _has_torch(), reason="needs PyTorch")
+async def test_the_service_runs_a_torch_model_on_an_adopted_stream(
+    anyio_backend: object,
+) -> None:
+    import torch
+
+    sys.path.insert(0, str(SERVICE.parent))
+    try:
+        from service import MODEL_WIDTH, build_model
+    finally:
+        sys.path.remove(str(SERVICE.parent))
+    model = build_model()
+    async for url in _server("--device", "cuda:0", "--torch"):
+        xs = [0.5 + i / 8 for i in range(64)]
+        results, latencies = await _drive(url, "/model", [{"x": str(x)} for x in xs])
+        for x, result in zip(xs, results):
+            with torch.no_grad():
+                expected = float(model(torch.full((1, MODEL_WIDTH), x)).sum())
+            assert result["sum"] == pytest.approx(expected, rel=2e-2, abs=2e-2)
+        requests = [{"n": "100000", "k": "3"}] * 32
+        sums, more = await _drive(url, "/compute", requests)
+        assert all(s == {"sum": 3 * 100000 * 99999 // 2 + 100000, "n": 100000} for s in sums)
+        _report("cuda service, torch model", latencies + more)
+        assert max(latencies + more) < 2.0
