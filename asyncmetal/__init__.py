@@ -1,11 +1,12 @@
 """asyncmetal: awaitable GPU work for asyncio, uvloop and trio."""
 
+from ._allocator import MemoryStatistics as MemoryStatistics
 from ._bridge import LoopStatistics as LoopStatistics
 from ._bridge import loop_statistics as loop_statistics
+from ._buffer import Buffer as Buffer
 from ._cache import CacheWarning as CacheWarning
 from ._cache import CompileCache as CompileCache
 from ._compile import Compiler as Compiler
-from ._compile import Program as Program
 from ._device import Device as Device
 from ._device import devices as devices
 from ._device import from_numpy as from_numpy
@@ -20,9 +21,8 @@ from ._errors import DeviceLostError as DeviceLostError
 from ._errors import InvalidArgumentError as InvalidArgumentError
 from ._errors import OutOfMemoryError as OutOfMemoryError
 from ._interop import from_dlpack as from_dlpack
-from ._memory import Buffer as Buffer
-from ._memory import MemoryStatistics as MemoryStatistics
 from ._pool import CompilePool as CompilePool
+from ._program import Program as Program
 from ._queue import Completion as Completion
 from ._queue import Queue as Queue
 from ._timeline import Timeline as Timeline

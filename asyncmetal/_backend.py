@@ -65,16 +65,19 @@ def host_address(view: memoryview) -> tuple[int, Any]:
 
 
 class KeepAlive:
-    """Host objects a queue's commands use, kept until its timeline passes them."""
+    """Host objects a queue's commands use, kept until its timeline passes them.
 
-    __slots__ = ("_items", "_timeline")
+    ``items`` holds ``(value, object)`` pairs, oldest first; its length is what a fast
+    launch path reads (whether anything is kept at all)."""
+
+    __slots__ = ("_timeline", "items")
 
     def __init__(self, timeline: NativeTimeline) -> None:
         self._timeline = timeline
-        self._items: collections.deque[tuple[int, object]] = collections.deque()
+        self.items: collections.deque[tuple[int, object]] = collections.deque()
 
     def add(self, value: int, obj: object) -> None:
-        items = self._items
+        items = self.items
         if items:
             reached = self._timeline.value
             while items and items[0][0] <= reached:
@@ -83,7 +86,7 @@ class KeepAlive:
             items.append((value, obj))
 
     def clear(self) -> None:
-        self._items.clear()
+        self.items.clear()
 
 
 class Arg(NamedTuple):

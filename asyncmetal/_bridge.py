@@ -1,9 +1,9 @@
 """The one path from a native completion to each waiting event loop.
 
 A thread that sees a timeline advance (a cpu queue thread, a CUDA completion thread, a
-Metal completion handler's hand-off) calls ``Timeline._advanced``. That touches no lock
+Metal completion handler's hand-off) calls ``Waitable.advanced``. That touches no lock
 the loop could wait on: it compares the new value with the smallest value each loop
-waits for (``_Watch.next``) and, if reached, appends the watch to that loop's bridge and
+waits for (``Watch.next``) and, if reached, appends the watch to that loop's bridge and
 schedules one drain -- unless a drain is already scheduled. The drain runs on the loop
 thread and wakes every waiter whose value has been reached, so any number of completions
 between two loop iterations cost one wake-up of that loop.
@@ -36,10 +36,10 @@ from abc import ABC, abstractmethod
 from asyncio import _get_running_loop
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from ._timeline import Waitable
+from . import _native
+from ._backend import NativeTimeline
 
 INFINITY = 1 << 64  # larger than any 64-bit timeline value
 WAKE_SLICE = 32  # tasks a drain wakes at most; the rest in the loop's next iteration
@@ -54,7 +54,19 @@ class LoopStatistics:
     waiting: int  # tasks parked right now
 
 
-class _Entry:
+class Watched(Protocol):
+    """What a watch needs of the counter it watches (a ``Waitable`` of ``_timeline``)."""
+
+    @property
+    def native(self) -> NativeTimeline: ...
+
+    @property
+    def ended(self) -> bool: ...
+
+    def drop_watch(self, watch: Watch) -> None: ...
+
+
+class Entry:
     __slots__ = ("done", "task", "wake")
 
     def __init__(self, wake: Callable[[], None], task: bool = True) -> None:
@@ -63,7 +75,7 @@ class _Entry:
         self.task = task  # a parked task (counted in the statistics), not a callback
 
 
-class _Watch:
+class Watch:
     """The waiters of one loop on one timeline: a heap ordered by value.
 
     For a timeline living in the native runtime (``c_timeline``), a native watch holds
@@ -72,17 +84,17 @@ class _Watch:
 
     __slots__ = ("bridge", "cwatch", "heap", "next", "queued", "timeline", "withdrawn")
 
-    def __init__(self, bridge: LoopBridge, timeline: Waitable) -> None:
+    def __init__(self, bridge: LoopBridge, timeline: Watched) -> None:
         self.bridge = bridge
         self.timeline = timeline
-        self.heap: list[tuple[int, int, _Entry]] = []
+        self.heap: list[tuple[int, int, Entry]] = []
         self.next = INFINITY  # smallest value waited for; read by notifying threads
         self.queued = False  # already in the bridge's pending deque
         self.withdrawn = 0  # cancelled entries still in the heap
-        c_timeline = getattr(timeline._native, "c_timeline", None)
+        c_timeline = getattr(timeline.native, "c_timeline", None)
         self.cwatch = None if c_timeline is None else bridge.native_watch(self, c_timeline)
 
-    def add(self, value: int, entry: _Entry) -> None:
+    def add(self, value: int, entry: Entry) -> None:
         """Park ``entry`` until ``value``; it is woken later, never from inside this call."""
         heapq.heappush(self.heap, (value, next(_sequence), entry))
         self.bridge.waiting += entry.task
@@ -98,13 +110,13 @@ class _Watch:
         """Set ``next``; return whether the timeline has already reached it (or ended:
         then every waiter is woken)."""
         self.next = value
-        if self.timeline._ended:
+        if self.timeline.ended:
             return True
         if self.cwatch is not None:
             return bool(_native_lib().am_watch_arm(self.cwatch, min(value, _U64_MAX)))
-        return self.timeline._native.value >= value
+        return self.timeline.native.value >= value
 
-    def withdraw(self, entry: _Entry) -> None:
+    def withdraw(self, entry: Entry) -> None:
         entry.done = True
         entry.wake = _nothing  # it held the task and its loop: let them go now
         self.bridge.waiting -= entry.task
@@ -121,7 +133,7 @@ class _Watch:
         budget left (0: it stopped there, and more may be due)."""
         heap, timeline = self.heap, self.timeline
         while True:
-            reached = INFINITY if timeline._ended else timeline._native.value
+            reached = INFINITY if timeline.ended else timeline.native.value
             while heap and heap[0][0] <= reached:
                 if budget <= 0:
                     return 0
@@ -141,7 +153,7 @@ class _Watch:
         if self.heap:
             return self._publish(self.heap[0][0])
         self.next = INFINITY
-        self.timeline._drop_watch(self)
+        self.timeline.drop_watch(self)
         if self.cwatch is not None:
             self.bridge.drop_native_watch(self)
         return False
@@ -158,8 +170,6 @@ _U64_MAX = (1 << 64) - 1
 
 
 def _native_lib() -> Any:
-    from . import _native
-
     lib = _native.loaded()
     assert lib is not None
     return lib
@@ -174,17 +184,17 @@ class LoopBridge(ABC):
     """
 
     def __init__(self) -> None:
-        self._pending: collections.deque[_Watch] = collections.deque()
+        self._pending: collections.deque[Watch] = collections.deque()
         self._scheduled = False
         self._continued = False  # a drain's next slice is scheduled on the loop
-        self._ready: collections.deque[_Entry] = collections.deque()  # woken in order
+        self._ready: collections.deque[Entry] = collections.deque()  # woken in order
         self.dead = False
         self.wakeups = 0
         self.resolved = 0
         self.waiting = 0
         self._notifier: int | None = None  # the native notifier writing our pipe
         self._pipe: tuple[int, int] | None = None
-        self._native_watches: set[_Watch] = set()
+        self._native_watches: set[Watch] = set()
 
     @abstractmethod
     def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
@@ -198,7 +208,7 @@ class LoopBridge(ABC):
     def _watch_fd(self, fd: int) -> None:
         """Call :meth:`_drain_native` on the loop whenever ``fd`` is readable."""
 
-    def native_watch(self, watch: _Watch, c_timeline: int) -> int:
+    def native_watch(self, watch: Watch, c_timeline: int) -> int:
         """A native watch on ``c_timeline`` that wakes this loop through its pipe."""
         lib = _native_lib()
         if self._notifier is None:
@@ -212,7 +222,7 @@ class LoopBridge(ABC):
         self._native_watches.add(watch)
         return handle
 
-    def drop_native_watch(self, watch: _Watch) -> None:
+    def drop_native_watch(self, watch: Watch) -> None:
         if watch.cwatch is not None:
             _native_lib().am_watch_free(watch.cwatch)
             watch.cwatch = None
@@ -244,7 +254,7 @@ class LoopBridge(ABC):
                 os.close(fd)
             self._pipe = None
 
-    def notify(self, watch: _Watch) -> None:
+    def notify(self, watch: Watch) -> None:
         """Called from any thread once ``watch.timeline`` reached ``watch.next``."""
         if watch.queued or self.dead:
             return
@@ -263,18 +273,18 @@ class LoopBridge(ABC):
             self._continued = True
             self._call_soon(self._resolve)
 
-    def add_ready(self, entry: _Entry) -> None:
+    def add_ready(self, entry: Entry) -> None:
         """Wake ``entry`` in a coming slice (its value is reached: a crowd's turn)."""
         self._ready.append(entry)
         self.waiting += 1
         self._schedule_slice()
 
-    def withdraw_ready(self, entry: _Entry) -> None:
+    def withdraw_ready(self, entry: Entry) -> None:
         entry.done = True  # skipped when its turn comes
         entry.wake = _nothing  # it held the task and its loop: let them go now
         self.waiting -= 1
 
-    def notify_here(self, watch: _Watch) -> None:
+    def notify_here(self, watch: Watch) -> None:
         """``notify`` from the loop's own thread: no wake-up, the next slice."""
         if watch.queued or self.dead:
             return
@@ -314,7 +324,7 @@ class LoopBridge(ABC):
                 break
         else:
             for watch in list(self._native_watches):
-                if watch.timeline._native.value >= watch.next:
+                if watch.timeline.native.value >= watch.next:
                     budget = watch.resolve(budget)
                     if budget == 0:
                         break
@@ -325,7 +335,7 @@ class LoopBridge(ABC):
         return LoopStatistics(self.wakeups, self.resolved, self.waiting)
 
     @abstractmethod
-    async def park(self, watch: _Watch | None, value: int) -> None:
+    async def park(self, watch: Watch | None, value: int) -> None:
         """Wait, as the calling task, until ``watch``'s timeline reaches ``value``; with
         no watch (the value is reached), until a coming slice wakes it."""
 
@@ -352,7 +362,7 @@ class _AsyncioBridge(LoopBridge):
         assert loop is not None
         loop.add_reader(fd, self._drain_native)
 
-    async def park(self, watch: _Watch | None, value: int) -> None:
+    async def park(self, watch: Watch | None, value: int) -> None:
         loop = self._loop_ref()
         assert loop is not None
         future: asyncio.Future[None] = loop.create_future()
@@ -361,7 +371,7 @@ class _AsyncioBridge(LoopBridge):
             if not future.done():
                 future.set_result(None)
 
-        entry = _Entry(wake)
+        entry = Entry(wake)
         if watch is None:
             self.add_ready(entry)
         else:
@@ -403,11 +413,11 @@ class _TrioBridge(LoopBridge):
 
         trio.lowlevel.spawn_system_task(reader, name="asyncmetal-bridge")
 
-    async def park(self, watch: _Watch | None, value: int) -> None:
+    async def park(self, watch: Watch | None, value: int) -> None:
         import trio
 
         task = trio.lowlevel.current_task()
-        entry = _Entry(lambda: trio.lowlevel.reschedule(task))
+        entry = Entry(lambda: trio.lowlevel.reschedule(task))
 
         def abort(_: Any) -> trio.lowlevel.Abort:
             if watch is None:

@@ -1,17 +1,13 @@
-"""Compilers (pickle-safe by construction) and compiled programs."""
+"""Compilers: pickle-safe by construction, and what they read of a kernel's source."""
 
 from __future__ import annotations
 
 import hashlib
 import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from ._errors import CompileError
-
-if TYPE_CHECKING:
-    from ._device import Device
 
 ParamKind = Literal["buffer", "value"]
 
@@ -116,28 +112,3 @@ def _split_top_level(params: str) -> list[str]:
             current.append(ch)
     parts.append("".join(current))
     return [p.strip() for p in parts]
-
-
-@dataclass(eq=False)
-class Program:
-    """A kernel loaded on one device, ready for ``Queue.launch``."""
-
-    device: Device
-    name: str
-    params: tuple[ParamKind, ...]
-    binary: bytes
-    native: Any
-
-    def __post_init__(self) -> None:
-        self.buffer_count = self.params.count("buffer")
-        self.value_count = self.params.count("value")
-        # Launch arguments come as buffers then values; `order` maps them to the
-        # parameter order (None when the kernel already declares them so).
-        buffers = [i for i, k in enumerate(self.params) if k == "buffer"]
-        values = [i for i, k in enumerate(self.params) if k == "value"]
-        position = {p: i for i, p in enumerate(buffers + values)}
-        order = [position[p] for p in range(len(self.params))]
-        self.order: list[int] | None = None if order == sorted(order) else order
-
-    def __repr__(self) -> str:
-        return f"<Program {self.name!r} on {self.device.name} params={self.params}>"

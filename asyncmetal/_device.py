@@ -15,9 +15,13 @@ import anyio
 import numpy as np
 
 from . import backends
+from ._allocator import Allocator, MemoryStatistics
 from ._backend import Backend
 from ._bridge import checkpoint
-from ._compile import ParamKind, Program, source_key
+from ._buffer import Buffer, wrap_buffer
+from ._buffer import foreign_buffer as _foreign_buffer
+from ._compile import ParamKind, source_key
+from ._device_state import DeviceState
 from ._errors import (
     ArgumentTypeError,
     AsyncMetalError,
@@ -26,10 +30,10 @@ from ._errors import (
     DeviceLostError,
     InvalidArgumentError,
 )
-from ._memory import Allocator, Buffer, MemoryStatistics, _Allocation, _Block
 from ._pool import CompilePool, check_timeout, compiler_identity, default_pool
-from ._queue import Queue, completable
-from ._timeline import MADE_BY_DEVICE, HostEvents, Timeline, wait_value
+from ._program import Program
+from ._queue import Queue, abandon, close_native, completable, flush
+from ._timeline import MADE_BY_DEVICE, HostEvents, Timeline, end_waits, wait_value
 
 
 def devices() -> list[str]:
@@ -56,25 +60,47 @@ def parse_name(name: str) -> tuple[str, int]:
 _open_devices: weakref.WeakSet[Device] = weakref.WeakSet()
 
 
+def _completable() -> dict[Queue, int]:
+    """How far each queue of every open device can still get (``_queue.completable``):
+    queues of one device may wait on those of another."""
+    return completable([q for d in list(_open_devices) for q in d._queues])
+
+
 class Device:
     """An opened device. Use ``async with asyncmetal.open_device(name) as dev``."""
 
     def __init__(self, name: str, backend: Backend) -> None:
-        self.name = name
+        # What the layers below see of this device: they are handed this, not the Device.
+        self._state = DeviceState(name, backend, self)
         self._backend = backend
-        self.closed = False
         self._queues: list[Queue] = []
         self._adopted: dict[object, Queue] = {}  # by stream
         self._timelines: weakref.WeakSet[Timeline] = weakref.WeakSet()  # from timeline()
         self._closing: HostEvents | None = None  # reaches 1 once a close has finished
-        self._allocator = Allocator(self)
+        self._allocator = Allocator(self._state)
         self._pool: CompilePool | None = None
         self._programs: dict[tuple[str, str], Program] = {}
-        self.queue = self.new_queue()
+        self.queue = self._state.queue = self.new_queue()
         _open_devices.add(self)
 
     def __repr__(self) -> str:
         return f"<Device {self.name}{' closed' if self.closed else ''}>"
+
+    @property
+    def name(self) -> str:
+        return self._state.name
+
+    @name.setter
+    def name(self, name: str) -> None:
+        self._state.name = name
+
+    @property
+    def closed(self) -> bool:
+        return self._state.closed
+
+    @closed.setter
+    def closed(self, closed: bool) -> None:
+        self._state.closed = closed
 
     @property
     def kind(self) -> str:
@@ -95,13 +121,12 @@ class Device:
         return self._backend.info.total_memory
 
     def _check_open(self) -> None:
-        if self.closed:
-            raise ClosedResourceError(f"device {self.name} is closed")
+        self._state.check_open()
 
     def new_queue(self) -> Queue:
         """A new queue: its own ordered stream and timeline."""
         self._check_open()
-        queue = Queue(self, _made=MADE_BY_DEVICE)
+        queue = Queue(self._state, _made=MADE_BY_DEVICE)
         self._queues.append(queue)
         return queue
 
@@ -117,7 +142,7 @@ class Device:
         key = self._backend.stream_key(stream)
         queue = self._adopted.get(key)
         if queue is None:
-            queue = Queue(self, _made=MADE_BY_DEVICE, _stream=stream)
+            queue = Queue(self._state, _made=MADE_BY_DEVICE, _stream=stream)
             self._queues.append(queue)
             self._adopted[key] = queue
         return queue
@@ -125,7 +150,7 @@ class Device:
     def timeline(self) -> Timeline:
         """A new timeline at value 0, for ordering between queues, devices and the host."""
         self._check_open()
-        timeline = Timeline(self, _made=MADE_BY_DEVICE)
+        timeline = Timeline(self._state, _made=MADE_BY_DEVICE)
         self._timelines.add(timeline)
         return timeline
 
@@ -143,7 +168,8 @@ class Device:
         lost = self._backend.lost_error(f"allocating {nbytes} bytes")  # a cached block too
         if lost is not None:
             raise lost
-        return await self._allocator.alloc(nbytes, timeout)
+        allocation = await self._allocator.alloc(nbytes, timeout)
+        return Buffer(self._state, allocation, 0, nbytes)
 
     def wrap(self, array: Any) -> Buffer:
         """A read-only Buffer whose memory is ``array`` itself (the ``npy`` device only).
@@ -166,8 +192,7 @@ class Device:
             raise InvalidArgumentError("the array is not C-contiguous: np.ascontiguousarray it")
         if array.nbytes == 0:
             raise InvalidArgumentError("the array is empty")
-        block = _Block(wrap(array), array.nbytes)
-        return Buffer(self, _Allocation(block), 0, array.nbytes)
+        return wrap_buffer(self._state, wrap(array), array.nbytes)
 
     @property
     def memory_budget(self) -> int:
@@ -248,7 +273,7 @@ class Device:
                 raise CompileError(
                     f"the compiled kernel {name!r} does not load: {cause}"
                 ) from cause
-        program = self._programs.setdefault(key, Program(self, name, params, binary, native))
+        program = self._programs.setdefault(key, Program(self._state, name, params, binary, native))
         return program
 
     def compile_many(
@@ -311,9 +336,9 @@ class Device:
                 blocked = {q: limits[q] for q in self._queues if limits[q] < q.submitted}
                 await anyio.to_thread.run_sync(self._close_native, False, set(blocked))
                 for queue, limit in blocked.items():
-                    queue._abandon(limit + 1)
+                    abandon(queue, limit + 1)
                 for timeline in [*self._timelines, *(q.timeline for q in self._queues)]:
-                    timeline._end()
+                    end_waits(timeline)
             finally:
                 closing.increment()
 
@@ -322,12 +347,12 @@ class Device:
         still complete (commands may be submitted meanwhile: they are waited for too);
         return each queue's limit, computed with nothing left to wait for."""
         while True:
-            limits = completable([q for d in list(_open_devices) for q in d._queues])
+            limits = _completable()
             behind = [q for q in self._queues if q.timeline.value < limits[q]]
             if not behind:
                 return limits
             for queue in behind:
-                queue._native.flush()
+                flush(queue)
                 await wait_value(queue.timeline, limits[queue])
 
     def _close_native(self, abandon: bool = False, blocked: Collection[Queue] = ()) -> None:
@@ -336,8 +361,8 @@ class Device:
         device-side wait; the others have finished everything submitted."""
         self.closed = True
         for queue in self._queues:
-            queue._native.close(abandon or queue in blocked)
-        self._allocator.close()
+            close_native(queue, abandon or queue in blocked)
+        self._allocator.close(_completable)
         self._backend.close()
         _open_devices.discard(self)
 
@@ -479,6 +504,15 @@ class _DeviceOpener:
     async def __aexit__(self, *exc: object) -> None:
         assert self._device is not None
         await self._device.close()
+
+
+def foreign_buffer(
+    device: Device, handle: Any, nbytes: int, owner: object, after: tuple[Queue, int] | None
+) -> Buffer:
+    """A Buffer of ``device`` over memory it does not own (another library's array):
+    ``owner`` is kept alive while the buffer is; ``after``: a command later uses order
+    themselves after."""
+    return _foreign_buffer(device._state, handle, nbytes, owner, after)
 
 
 def open_devices() -> list[Device]:

@@ -30,7 +30,7 @@ import numpy as np
 
 from ._errors import ArgumentTypeError, InvalidArgumentError
 
-# The buffers here are asyncmetal Buffers, typed Any: _memory imports this module, and
+# The buffers here are asyncmetal Buffers, typed Any: _buffer imports this module, and
 # layers depend downward only.
 Buffer = Any
 

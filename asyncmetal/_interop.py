@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from . import backends
-from ._device import Device, open_devices
+from ._buffer import Buffer
+from ._device import Device, foreign_buffer, open_devices
 from ._dlpack import (
     _NAME,
     _NAME_VERSIONED,
@@ -35,7 +36,6 @@ from ._dlpack import (
     device_dlpack,
 )
 from ._errors import ArgumentTypeError, InvalidArgumentError
-from ._memory import Buffer, foreign_buffer
 
 
 class _Imported:

@@ -22,6 +22,7 @@ RUNTIME_SOURCES = (
     "timelines.c",
     "host_queues.c",
     "cuda_driver.c",
+    "cuda_stream.c",
     "cuda_submit.c",
     "cuda_completion.c",
     "objc_blocks.c",

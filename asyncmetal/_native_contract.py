@@ -31,9 +31,9 @@ class NativeContractError(AsyncMetalError):
 
 
 # Key ("Class.role", as the C side names it) -> the attribute or method name it reads.
-# The classes: Queue (_queue.py), its Device (_device.py), Program (_compile.py),
-# Buffer and its allocation (_memory.py), Completion (_queue.py), the cpu backend's
-# memory handle and queue (backends/cpu.py), the cuda backend's queue.
+# The classes: Queue (_queue.py), its Device (_device.py), Program (_program.py),
+# Buffer (_buffer.py) and its allocation (_allocator.py), Completion (_queue.py), the
+# cpu backend's memory handle and queue (backends/cpu.py), the cuda backend's queue.
 NAMES: dict[str, str] = {
     "Queue.device": "device",  # the queue's Device
     "Queue.held": "_held",  # true while commands are held back (the launch goes to Python)

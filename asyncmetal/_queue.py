@@ -5,26 +5,28 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Callable, Generator, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import _native, _native_contract
+from ._allocator import Allocation
 from ._backend import Arg, NativeQueue, Record, new_arg
-from ._compile import Program
+from ._buffer import Buffer, check_buffer, launch_args, record_uses, uses
+from ._copyargs import copy_operands
+from ._device_state import DeviceState
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
-from ._memory import Buffer
-from ._memory import _Allocation as Allocation
+from ._program import Program
 from ._timeline import (
     MADE_BY_DEVICE,
     Timeline,
     call_when_reached,
+    check_timeline,
     check_value,
+    order_queue_signal,
+    queue_signal_submitted,
     ready_checkpoint,
+    timeline_kind,
     wait_value,
 )
-from ._transfer import submit_copy
-
-if TYPE_CHECKING:
-    from ._device import Device
 
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 _ONE3 = (1, 1, 1)
@@ -66,7 +68,7 @@ class Completion(Record):
 
     def __await__(self) -> Generator[Any, None, None]:
         timeline = self.queue.timeline
-        if timeline._native.value >= self.value:  # the fast path: a yield
+        if timeline.native.value >= self.value:  # the fast path: a yield
             yield from ready_checkpoint()
         else:
             self.queue._native.flush()
@@ -145,12 +147,13 @@ class Queue:
     Arguments are checked before anything is submitted.
     """
 
-    def __init__(self, device: Device, *, _made: object = None, _stream: object = None) -> None:
+    def __init__(self, state: DeviceState, *, _made: object = None, _stream: object = None) -> None:
         if _made is not MADE_BY_DEVICE:
             raise ArgumentTypeError("queues come from their device: device.new_queue()")
-        self.device = device
-        self.timeline = Timeline(device, owner=self, _made=MADE_BY_DEVICE)
-        backend, timeline = device._backend, self.timeline._native
+        self._state = state
+        self.device = state.device
+        self.timeline = Timeline(state, owned=True, _made=MADE_BY_DEVICE)
+        backend, timeline = state.backend, self.timeline.native
         self._native: NativeQueue = (
             backend.new_queue(timeline)
             if _stream is None
@@ -160,7 +163,7 @@ class Queue:
         # Device-side signals and waits not yet known complete: (value, is_wait, tl, target)
         self._sync_ops: collections.deque[tuple[int, bool, Timeline, int]] = collections.deque()
         self._abandoned_from: int | None = None  # commands from here on never ran
-        self._limit = device._backend.max_behind_wait
+        self._limit = state.backend.max_behind_wait
         self._gate: tuple[Timeline, int] | None = None  # an unsatisfied device-side wait
         self._behind = 0  # commands handed to the backend behind that wait
         self._held: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = (
@@ -169,10 +172,12 @@ class Queue:
         self._flush_armed = False
         # Common launches submitted by the native extension in one call (py_launch.c).
         self._launch_target = self._native.launch_target()
-        self._fast_launch = None if self._launch_target is None else _extension_launch(type(device))
+        self._fast_launch = (
+            None if self._launch_target is None else _extension_launch(type(state.device))
+        )
 
     def __repr__(self) -> str:
-        return f"<Queue of {self.device.name} submitted={self._submitted}>"
+        return f"<Queue of {self._state.name} submitted={self._submitted}>"
 
     @property
     def handle(self) -> int | None:
@@ -186,8 +191,7 @@ class Queue:
         return self._submitted
 
     def _next(self) -> Completion:
-        if self.device.closed:
-            raise ClosedResourceError(f"device {self.device.name} is closed")
+        self._state.check_open()
         self._submitted += 1
         return Completion(self, self._submitted)
 
@@ -198,8 +202,7 @@ class Queue:
         stream now: on a queue over an adopted stream (``device.adopt_stream``) it also
         covers what other libraries submitted to that stream before this call."""
         if not self._native.markers:
-            if self.device.closed:
-                raise ClosedResourceError(f"device {self.device.name} is closed")
+            self._state.check_open()
             return Completion(self, self._submitted)
         done = self._next()
         self._issue(self._native.marker, done.value, done)
@@ -228,13 +231,11 @@ class Queue:
         args = self._launch_args(program, buffers, vals)
         gsize = _ONE3 if global_size is _ONE3 else _size3(global_size, "global_size")
         lsize = _ONE3 if local_size is _ONE3 else _size3(local_size, "local_size")
-        if self.device.closed:
-            raise ClosedResourceError(f"device {self.device.name} is closed")
+        self._state.check_open()
         self._submitted = value = self._submitted + 1
         done = Completion(self, value)
         self._issue(self._native.launch, program.native, args, gsize, lsize, value, done)
-        for buf in buffers:
-            buf._allocation.last_use[self] = value
+        record_uses(buffers, self, value)
         return done
 
     def _launch_args(
@@ -243,11 +244,10 @@ class Queue:
         # The hot path of every launch: identity checks first, messages only on failure.
         if program.__class__ is not Program:
             raise ArgumentTypeError(f"program must be a Program, got {type(program).__name__}")
-        device = self.device
-        if program.device is not device:
+        if program.device is not self.device:
             raise InvalidArgumentError(
                 f"program {program.name!r} was compiled for {program.device.name}, "
-                f"not {device.name}"
+                f"not {self._state.name}"
             )
         if vals.__class__ is not tuple and (
             isinstance(vals, (str, bytes)) or not isinstance(vals, Sequence)
@@ -261,17 +261,8 @@ class Queue:
             raise ArgumentTypeError(
                 f"kernel {program.name!r} takes {program.value_count} vals, got {len(vals)}"
             )
-        args: list[Arg] = []
+        args = launch_args(buffers, program.name, self._state)
         append = args.append
-        for i, buf in enumerate(buffers):
-            if buf.__class__ is not Buffer:
-                raise ArgumentTypeError(
-                    f"buffer {i} of {program.name!r} must be a Buffer, got {type(buf).__name__}"
-                )
-            allocation = buf._allocation
-            if allocation.freed or buf.device is not device or device.closed:
-                buf._check_usable(f"buffer {i} of {program.name!r}", device)
-            append(new_arg(Arg, (allocation.handle, buf.offset, None)))
         for i, v in enumerate(vals):
             if v.__class__ is not int:
                 if not isinstance(v, int) or isinstance(v, bool):
@@ -285,43 +276,17 @@ class Queue:
         order = program.order
         return args if order is None else [args[i] for i in order]
 
-    def _timeline_arg(self, timeline: object, what: str) -> Timeline:
-        if not isinstance(timeline, Timeline):
-            raise ArgumentTypeError(f"{what} must be a Timeline, got {type(timeline).__name__}")
-        if timeline.device.closed:
-            raise ClosedResourceError(f"{what} belongs to the closed device {timeline.device.name}")
-        if timeline.device._backend.kind != self.device._backend.kind:
-            raise InvalidArgumentError(
-                f"{what} is a {timeline.device._backend.kind} timeline; a "
-                f"{self.device._backend.kind} queue can only wait on or signal its own kind "
-                "(await it on the host instead)"
-            )
-        return timeline
-
     def signal(self, timeline: Timeline, value: int) -> Completion:
         """Raise ``timeline`` to ``value`` once every earlier command has finished."""
-        timeline = self._timeline_arg(timeline, "timeline")
-        if timeline._owner is not None:
-            raise InvalidArgumentError("a queue's own timeline is signalled by its queue only")
-        value = timeline._check_signal(value, "value")
-        previous = timeline._last_signal
-        if (
-            previous is not None
-            and previous[0] is not self
-            and not previous[0]._reached(previous[1])
-        ):
-            # Signals of one timeline take effect in the order submitted, so its value
-            # never goes backwards: wait, on the device, for the previous one.
-            self.wait(timeline, previous[2])
+        timeline = check_timeline(timeline, "timeline", self._state.kind)
+        value, earlier = order_queue_signal(timeline, value, self.timeline)
+        if earlier:  # another queue's signal of it, not run yet: that one first
+            self.wait(timeline, earlier)
         done = self._next()
-        self._issue(self._native.signal, timeline._native, value, done.value, done)
-        timeline._highest = value
-        timeline._last_signal = (self, done.value, value)
+        self._issue(self._native.signal, timeline.native, value, done.value, done)
+        queue_signal_submitted(timeline, self.timeline, done.value, value)
         self._track(done.value, False, timeline, value)
         return done
-
-    def _reached(self, value: int) -> bool:
-        return self.timeline.value >= value
 
     def wait(self, timeline: Timeline, value: int) -> Completion:
         """Hold every later command until ``timeline`` reaches ``value``.
@@ -329,7 +294,7 @@ class Queue:
         The wait happens on the device; it may be submitted before anyone signals
         ``value``. No host thread blocks.
         """
-        timeline = self._timeline_arg(timeline, "timeline")
+        timeline = check_timeline(timeline, "timeline", self._state.kind)
         value = check_value(value)
         done = self._next()
         self._issue(self._wait_and_gate, timeline, value, done)
@@ -358,7 +323,7 @@ class Queue:
             raise
 
     def _wait_and_gate(self, timeline: Timeline, target: int, done: Completion) -> None:
-        self._native.wait(timeline._native, target, done.value, done)
+        self._native.wait(timeline.native, target, done.value, done)
         if self._limit is not None and timeline.value < target:
             self._gate = (timeline, target)
             self._behind = 0
@@ -372,14 +337,14 @@ class Queue:
         if self._behind < self._limit:
             self._behind += 1
             return False
-        if not self._flush_armed and not timeline._ended:  # (ended: held until close)
+        if not self._flush_armed and not timeline.ended:  # (ended: held until close)
             self._flush_armed = True
             call_when_reached(timeline, target, self._flush)
         return True
 
     def _flush(self) -> None:
         self._flush_armed = False
-        if self.device.closed:  # what was still held was abandoned by the close
+        if self._state.closed:  # what was still held was abandoned by the close
             return
         held, self._held = self._held, collections.deque()
         while held:
@@ -414,7 +379,7 @@ class Queue:
         call_when_reached(self.timeline, first - 1, functools.partial(self._settle, last))
 
     def _settle(self, value: int) -> None:
-        self.timeline._native.signal(value)
+        self.timeline.native.signal(value)
 
     def _track(self, value: int, is_wait: bool, timeline: Timeline, target: int) -> None:
         ops = self._sync_ops
@@ -422,15 +387,6 @@ class Queue:
         while ops and ops[0][0] <= reached:
             ops.popleft()
         ops.append((value, is_wait, timeline, target))
-
-    def _abandon(self, first: int) -> None:
-        """Commands from ``first`` on will never run: the device closed while they
-        waited, and its queue threads were stopped. Settle them, so that their waiters
-        wake and raise instead of waiting forever."""
-        self._abandoned_from = first
-        self._held.clear()
-        self._gate = None
-        self.timeline._native.signal(self._submitted)
 
     def copy(self, dst: Any, src: Any, nbytes: int | None = None) -> Completion:
         """Submit a copy of ``nbytes`` (default: all of ``src``) and return its Completion.
@@ -440,7 +396,13 @@ class Queue:
         must not be changed until the completion is done. A host destination is filled
         when the completion is done.
         """
-        return submit_copy(self, dst, src, nbytes)
+        operands = copy_operands(self._state, dst, src, nbytes)
+        self._after(operands.buffers)
+        done = self._next()
+        hook = getattr(self._native, operands.hook)
+        self._issue(hook, *operands.args, done.value, done, *operands.extra)
+        record_uses(operands.buffers, self, done.value)
+        return done
 
     def after(self, *buffers: Buffer) -> Queue:
         """Order this queue's next commands after every command submitted so far on
@@ -453,7 +415,7 @@ class Queue:
         for buf in buffers:
             if not isinstance(buf, Buffer):
                 raise ArgumentTypeError(f"after() takes Buffers, got {type(buf).__name__}")
-            buf._check_usable("buffer")
+            check_buffer(buf, "buffer")
         self._after(buffers)
         return self
 
@@ -461,15 +423,12 @@ class Queue:
         """after() for buffers already checked. A use by a queue of another kind (a copy
         between kinds reading or writing host-visible memory in place) cannot be waited
         for on this device: the host orders those (the copy settles the buffer first)."""
-        kind = self.device._backend.kind
+        kind = self._state.kind
         for buf in buffers:
-            for other, value in list(buf._allocation.last_use.items()):
-                if (
-                    other is not self
-                    and other.timeline.value < value
-                    and other.device._backend.kind == kind
-                ):
-                    self.wait(other.timeline, value)
+            for other, value in uses(buf):
+                timeline = other.timeline
+                if other is not self and timeline.value < value and timeline_kind(timeline) == kind:
+                    self.wait(timeline, value)
 
     async def synchronize(self) -> None:
         """Wait until everything submitted so far has finished."""
@@ -490,12 +449,13 @@ def completable(queues: list[Queue]) -> dict[Queue, int]:
     limit = {q: q.timeline.value for q in queues}
     position = dict.fromkeys(queues, 0)
     ops = {q: list(q._sync_ops) for q in queues}
+    owner = {q.timeline: q for q in queues}
 
     def satisfied(timeline: Timeline, target: int) -> bool:
         if timeline.value >= target or reach.get(timeline, 0) >= target:
             return True
-        owner = timeline._owner
-        return owner is not None and limit.get(owner, 0) >= target
+        queue = owner.get(timeline)
+        return queue is not None and limit[queue] >= target
 
     changed = True
     while changed:
@@ -516,3 +476,26 @@ def completable(queues: list[Queue]) -> dict[Queue, int]:
                 limit[q] = reached
                 changed = True
     return limit
+
+
+# What the Device does with its queues as it closes.
+
+
+def flush(queue: Queue) -> None:
+    """Hand over what ``queue``'s backend still keeps back (before waiting for it)."""
+    queue._native.flush()
+
+
+def close_native(queue: Queue, abandon: bool) -> None:
+    """Close ``queue``'s backend queue (see ``NativeQueue.close``). May block."""
+    queue._native.close(abandon)
+
+
+def abandon(queue: Queue, first: int) -> None:
+    """``queue``'s commands from ``first`` on will never run: the device closed while
+    they waited, and its queue threads were stopped. Settle them, so that their waiters
+    wake and raise instead of waiting forever."""
+    queue._abandoned_from = first
+    queue._held.clear()
+    queue._gate = None
+    queue.timeline.native.signal(queue._submitted)

@@ -1,4 +1,5 @@
-"""Timeline: a 64-bit monotonic counter shared by a device and the host."""
+"""Timeline: a 64-bit monotonic counter shared by a device and the host, and the
+awaiting of any such counter (``wait_value``)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,12 @@ import threading
 import time
 import types
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import _bridge, _native
 from ._backend import NativeTimeline
+from ._device_state import DeviceState
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
-
-if TYPE_CHECKING:
-    from ._device import Device
-    from ._queue import Queue
 
 MAX_VALUE = (1 << 64) - 1
 
@@ -33,32 +31,37 @@ MADE_BY_DEVICE = object()
 
 
 class Waitable:
-    """Something whose monotonic ``_native.value`` tasks on any loop can await.
+    """Something whose monotonic ``native.value`` tasks on any loop can await.
 
-    Whoever raises the value calls :meth:`_advanced` afterwards, from any thread.
-    Once ``_ended`` (its device closed) no value will come: every waiter is woken.
+    Whoever raises the value calls :meth:`advanced` afterwards, from any thread.
+    Once ``ended`` (its device closed) no value will come: every waiter is woken.
     """
 
-    _native: NativeTimeline
-    _ended = False
+    native: NativeTimeline
+    ended = False
 
     def __init__(self) -> None:
         self._recent_ns = 0  # a moving average of how long waits on it took
-        self._watches: tuple[_bridge._Watch, ...] = ()
-        self._watch_of: dict[_bridge.LoopBridge, _bridge._Watch] = {}
+        self._watches: tuple[_bridge.Watch, ...] = ()
+        self._watch_of: dict[_bridge.LoopBridge, _bridge.Watch] = {}
         self._watch_lock = threading.Lock()  # among loop threads only; never a notifier
 
-    def _advanced(self, value: int) -> None:
+    @property
+    def value(self) -> int:
+        """The value reached now."""
+        return self.native.value
+
+    def advanced(self, value: int) -> None:
         """Called from any thread after the value rose to ``value``."""
         for watch in self._watches:
             if value >= watch.next:
                 watch.bridge.notify(watch)
 
-    def _watch_for(self, bridge: _bridge.LoopBridge) -> _bridge._Watch:
+    def _watch_for(self, bridge: _bridge.LoopBridge) -> _bridge.Watch:
         watch = self._watch_of.get(bridge)
         if watch is None:
             with self._watch_lock:
-                watch = _bridge._Watch(bridge, self)
+                watch = _bridge.Watch(bridge, self)
                 # Watches of loops that have ended go now (their bridge let go of them
                 # then, but may not take this lock: it ends from a finalizer).
                 watch_of = {b: w for b, w in self._watch_of.items() if not b.dead}
@@ -67,18 +70,21 @@ class Waitable:
                 self._watches = tuple(watch_of.values())
         return watch
 
-    def _drop_watch(self, watch: _bridge._Watch) -> None:
+    def drop_watch(self, watch: _bridge.Watch) -> None:
+        """``watch`` has no waiter left (its bridge lets go of it)."""
         with self._watch_lock:
             if self._watch_of.get(watch.bridge) is watch:
                 del self._watch_of[watch.bridge]
                 self._watches = tuple(w for w in self._watches if w is not watch)
 
-    def _end(self) -> None:
-        """No value will come any more (the device closed): wake every waiter, on every
-        loop; each finds its value unreached and raises (see ``Timeline.wait``)."""
-        self._ended = True
-        for watch in self._watches:
-            watch.bridge.notify(watch)
+
+def end_waits(waitable: Waitable) -> None:
+    """No value will come any more (the device closed): wake every waiter of
+    ``waitable``, on every loop; each finds its value unreached and raises (see
+    ``Timeline.wait``)."""
+    waitable.ended = True
+    for watch in waitable._watches:
+        watch.bridge.notify(watch)
 
 
 class HostCounter(NativeTimeline):
@@ -113,11 +119,7 @@ class HostEvents(Waitable):
 
     def __init__(self) -> None:
         super().__init__()
-        self._native = self._counter = HostCounter(self._advanced)
-
-    @property
-    def value(self) -> int:
-        return self._counter.value
+        self.native = self._counter = HostCounter(self.advanced)
 
     def increment(self) -> int:
         """Count one more event (any thread) and wake the tasks it satisfies."""
@@ -136,26 +138,24 @@ class Timeline(Waitable):
     submitted for signalling raises :class:`InvalidArgumentError`.
     """
 
-    def __init__(self, device: Device, owner: Queue | None = None, *, _made: object = None) -> None:
+    def __init__(self, state: DeviceState, owned: bool = False, *, _made: object = None) -> None:
         if _made is not MADE_BY_DEVICE:
             raise ArgumentTypeError(
                 "timelines come from their device: device.timeline() (a queue's own is "
                 "queue.timeline)"
             )
         super().__init__()
-        self.device = device
-        self._owner = owner  # a queue's own timeline is signalled by that queue only
-        self._highest = 0  # the highest value signalled or submitted for signalling
-        self._last_signal: tuple[Queue, int, int] | None = None  # (queue, its value, target)
-        self._native: NativeTimeline = device._backend.new_timeline(self._advanced)
+        self._state = state
+        self.device = state.device
+        self._owned = owned  # a queue's own timeline is signalled by that queue only
+        # Signal ordering: the highest value signalled or submitted for signalling, and
+        # the last queue signal (the queue's own timeline, its value there, the target).
+        self._highest = 0
+        self._last_signal: tuple[Timeline, int, int] | None = None
+        self.native: NativeTimeline = state.backend.new_timeline(self.advanced)
 
     def __repr__(self) -> str:
-        return f"<Timeline of {self.device.name} value={self.value}>"
-
-    @property
-    def value(self) -> int:
-        """The value reached now."""
-        return self._native.value
+        return f"<Timeline of {self._state.name} value={self.value}>"
 
     def signal(self, value: int) -> None:
         """Raise the timeline to ``value`` from the host, at once.
@@ -163,19 +163,19 @@ class Timeline(Waitable):
         Waiters up to ``value`` -- host tasks and device queues -- are released.
         """
         self._check_signal(value, "value")
-        if self._owner is not None:
+        if self._owned:
             raise InvalidArgumentError(
                 "this is a queue's own timeline: only its queue signals it; "
                 "make one with device.timeline()"
             )
         previous = self._last_signal
-        if previous is not None and not previous[0]._reached(previous[1]):
+        if previous is not None and previous[0].value < previous[1]:
             raise InvalidArgumentError(
                 f"a queue's signal of this timeline to {previous[2]} has not run yet: the "
                 f"host may signal it only after that (await timeline.wait({previous[2]}))"
             )
         self._highest = value
-        self._native.signal(value)
+        self.native.signal(value)
 
     async def wait(self, value: int) -> None:
         """Wait until the timeline reaches ``value``.
@@ -186,9 +186,9 @@ class Timeline(Waitable):
         """
         value = check_value(value)
         await wait_value(self, value)
-        if self._native.value < value:  # woken by the close: the value will never come
+        if self.native.value < value:  # woken by the close: the value will never come
             raise ClosedResourceError(
-                f"the timeline's device {self.device.name} closed before it reached {value}"
+                f"the timeline's device {self._state.name} closed before it reached {value}"
             )
 
     def _check_signal(self, value: object, what: str) -> int:
@@ -198,9 +198,58 @@ class Timeline(Waitable):
                 f"{what} {value} does not increase the timeline: it has been signalled "
                 f"(or a signal submitted) up to {self._highest}; expected > {self._highest}"
             )
-        if self.device.closed:
-            raise ClosedResourceError(f"the timeline's device {self.device.name} is closed")
+        if self._state.closed:
+            raise ClosedResourceError(f"the timeline's device {self._state.name} is closed")
         return value
+
+
+def check_timeline(timeline: object, what: str, kind: str) -> Timeline:
+    """``timeline`` as a Timeline that a queue of ``kind`` can wait on or signal."""
+    if not isinstance(timeline, Timeline):
+        raise ArgumentTypeError(f"{what} must be a Timeline, got {type(timeline).__name__}")
+    state = timeline._state
+    if state.closed:
+        raise ClosedResourceError(f"{what} belongs to the closed device {state.name}")
+    if state.kind != kind:
+        raise InvalidArgumentError(
+            f"{what} is a {state.kind} timeline; a {kind} queue can only wait on or "
+            "signal its own kind (await it on the host instead)"
+        )
+    return timeline
+
+
+def order_queue_signal(timeline: Timeline, value: object, signaller: Timeline) -> tuple[int, int]:
+    """Check a queue's signal of ``timeline`` to ``value``, before it is submitted by
+    the queue whose own timeline is ``signaller``. Returns the value and the target of
+    an earlier signal by another queue that has not run yet (0: none): signals of one
+    timeline take effect in the order submitted, so the queue waits for that one first,
+    on the device, and the timeline's value never goes backwards."""
+    if timeline._owned:
+        raise InvalidArgumentError("a queue's own timeline is signalled by its queue only")
+    value = timeline._check_signal(value, "value")
+    previous = timeline._last_signal
+    if previous is not None and previous[0] is not signaller and previous[0].value < previous[1]:
+        return value, previous[2]
+    return value, 0
+
+
+def queue_signal_submitted(timeline: Timeline, signaller: Timeline, at: int, target: int) -> None:
+    """The queue whose own timeline is ``signaller`` submitted, as its command ``at``,
+    a signal of ``timeline`` to ``target`` (checked by :func:`order_queue_signal`)."""
+    timeline._highest = target
+    timeline._last_signal = (signaller, at, target)
+
+
+def timeline_kind(timeline: Timeline) -> str:
+    """The kind of ``timeline``'s device ("cpu", "cuda", ...)."""
+    return timeline._state.kind
+
+
+def passed(timeline: Timeline, value: int) -> bool:
+    """Whether a queue whose own timeline is ``timeline`` is done with its command
+    ``value``: run, or never to run (its device closed: its queues ran or abandoned
+    everything)."""
+    return timeline.native.value >= value or timeline._state.closed
 
 
 SPIN_NS = 50_000  # waits recently shorter than this first yield to the loop a few times
@@ -226,7 +275,7 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
     spins while nothing is about to finish. (A generator-based coroutine: ``await`` it,
     or ``yield from`` it in an ``__await__``, with no coroutine frame between.)
     """
-    native = timeline._native
+    native = timeline.native
     if native.value >= value:
         yield from ready_checkpoint()
         return
@@ -291,9 +340,9 @@ def ready_checkpoint() -> Generator[Any, Any, None]:
 def call_when_reached(waitable: Waitable, value: int, callback: Callable[[], None]) -> None:
     """Run ``callback`` on the calling loop's thread once ``waitable`` reaches ``value``
     (at once if it has). Call it from a task."""
-    if waitable._native.value >= value:
+    if waitable.native.value >= value:
         callback()
         return
     bridge = _bridge.current_bridge()
     bridge_watch = waitable._watch_for(bridge)
-    bridge_watch.add(value, _bridge._Entry(callback, task=False))
+    bridge_watch.add(value, _bridge.Entry(callback, task=False))

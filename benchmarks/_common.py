@@ -92,7 +92,7 @@ async def copy_timestamps_ns(queue: am.Queue, dst: Any, src: Any) -> tuple[int, 
     """``perf_counter_ns`` before a copy's submission, after it, and once its queue's host
     timeline is confirmed (read here in a loop, no await); the completion is awaited
     after."""
-    native = queue.timeline._native
+    native = queue.timeline.native
     t0 = time.perf_counter_ns()
     done = queue.copy(dst, src)
     t1 = time.perf_counter_ns()

@@ -242,7 +242,7 @@ async def await_parts(q: am.Queue, empty: am.Program, n: int = 2000) -> dict[str
     bare yield, and plain awaited launches alternated with the stepped ones."""
     from asyncmetal import _bridge, _native
 
-    native = q.timeline._native
+    native = q.timeline.native
     c_timeline, spin = native.c_timeline, _native.spin
     assert spin is not None
     rows: dict[str, list[int]] = {
@@ -281,7 +281,7 @@ def latency_parts(
     """Where an awaited launch's time goes, without the loop: the submission call, then
     (spinning here) until the host timeline reports the command confirmed. With ``raw``
     (launch, synchronize): the floor's launch alone, on an idle stream, and its wait."""
-    native = q.timeline._native
+    native = q.timeline.native
     submit, verified = [], []
     raw_launch, raw_wait = [], []
     for _ in range(n if raw else 0):

@@ -97,7 +97,7 @@ async def main() -> dict[str, Any]:
             pointer("cuEventRecord")
         )
         query = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(pointer("cuEventQuery"))
-        word = q.timeline._native.address  # type: ignore[attr-defined]
+        word = q.timeline.native.address  # type: ignore[attr-defined]
         flags = cu.CUevent_flags
         ev_block = int(
             check(
@@ -213,7 +213,7 @@ async def copy_probe(dev: am.Device, q: am.Queue, event: int, rounds: int = 7) -
                     am_copy,
                     am_spin,
                     p(native._q),  # type: ignore[attr-defined]
-                    p(q.timeline._native.c_timeline),
+                    p(q.timeline.native.c_timeline),
                     dst,
                     src,
                     size,

@@ -241,7 +241,7 @@ class CPUQueue(NativeQueue):
             times=self._times,
             times_address=self._times_address,
             times_kept=TIMES_KEPT,
-            keep_items=self._keep._items,
+            keep_items=self._keep.items,
             memory_type=_Memory,
         )
 
@@ -287,7 +287,7 @@ class CPUQueue(NativeQueue):
             status = self._call(
                 self._handle, program, nargs, ints, self._times_address + 24 * row, value
             )
-        if status or nargs or self._keep._items:
+        if status or nargs or self._keep.items:
             self._submitted(status, value, args or None)
 
     def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:

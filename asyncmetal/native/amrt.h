@@ -5,6 +5,7 @@
  *   timelines.c         timelines, notifiers (a loop's pipe), watches, the spin-wait
  *   host_queues.c       the cpu device's queue threads (kernel calls, copies, waits)
  *   cuda_driver.c       the CUDA driver function table and the kicks of a host signal
+ *   cuda_stream.c       a CUDA queue's event pool, references and held operations
  *   cuda_submit.c       a CUDA queue's submissions: driver calls or held operations
  *   cuda_completion.c   a CUDA queue's completion thread, which confirms commands
  *   objc_blocks.c       Objective-C blocks for Metal whose invokes never take the GIL
@@ -165,7 +166,7 @@ int am_queue_copy_part(am_queue *q, void *dst, const void *src, size_t nbytes, s
                        int64_t *record, uint64_t value);
 void am_queue_close(am_queue *q, int abandon);
 
-/* ---- cuda_driver.c, cuda_submit.c, cuda_completion.c (cuda_stream.h: their internals) */
+/* ---- cuda_driver.c, cuda_stream.c, cuda_submit.c, cuda_completion.c (cuda_stream.h) */
 typedef struct am_cuq am_cuq;
 const char *am_cuda_name(int i);
 void am_cuda_set(int i, void *fn);

@@ -133,9 +133,10 @@ static inline int cuq_fail(am_cuq *q, int call, int r) {
     return r;
 }
 
-/* cuda_completion.c */
+/* cuda_stream.c */
 AM_HIDDEN void cuq_recycle(am_cuq *q, void *event, int blocking);  /* under q->mu */
 AM_HIDDEN void cuq_unref(am_cuq *q);
+AM_HIDDEN void cuop_free(am_cuop *op);
 AM_HIDDEN void cuq_drop_held(am_cuq *q);                           /* under q->mu */
 
 /* cuda_submit.c */

@@ -69,7 +69,7 @@ async def test_it_declines_every_other_case_without_submitting(
     class SubBuffer(am.Buffer):
         pass
 
-    sub = SubBuffer(device, buf._allocation, 0, 64)
+    sub = SubBuffer(device._state, buf._allocation, 0, 64)
     declined: list[tuple[Any, ...]] = [
         (fill, (buf,), (Small.TWO, 16), _ONE3, _ONE3),  # an int subclass
         (fill, (buf,), (True, 16), _ONE3, _ONE3),  # a bool

@@ -10,11 +10,11 @@ import types
 import pytest
 
 from asyncmetal import _native, _native_contract
+from asyncmetal._allocator import Allocation
 from asyncmetal._backend import Arg
-from asyncmetal._compile import Program
-from asyncmetal._memory import Buffer
-from asyncmetal._memory import _Allocation as Allocation
+from asyncmetal._buffer import Buffer
 from asyncmetal._native_contract import NativeContractError
+from asyncmetal._program import Program
 from asyncmetal._queue import _ONE3, Completion, Queue
 from asyncmetal.backends.cpu import CPUQueue, _Memory
 

@@ -328,14 +328,14 @@ def _fault(queue: am.Queue, runtime: _Runtime, error: CUresult) -> am.Completion
     done = queue._next()
     native = runtime.queues[queue._native._q]  # type: ignore[attr-defined]
     native.error, native.error_value = int(error), done.value
-    queue.timeline._native.signal(MAX)
+    queue.timeline.native.signal(MAX)
     return done
 
 
 def _confirmed(queue: am.Queue) -> am.Completion:
     """A command on ``queue`` its completion thread confirmed."""
     done = queue._next()
-    queue.timeline._native.signal(done.value)
+    queue.timeline.native.signal(done.value)
     return done
 
 

@@ -51,7 +51,7 @@ def test_a_buffer_dropped_while_its_thread_holds_the_release_counter_does_not_de
         buf = await dev.alloc(MiB)
         holder: list[am.Buffer] = [buf]
         del buf
-        counter = dev._allocator._frees._native
+        counter = dev._allocator._frees.native
         finished = threading.Event()
 
         def drop_inside_the_counter() -> None:

@@ -130,7 +130,7 @@ async def test_cpu_timelines_use_acquire_loads_on_weakly_ordered_machines(
         program = await dev.compile("void k(int* o, int v) { o[0] = v; }", "k")
         buf = await dev.alloc(4)
         timeline = dev.timeline()
-        for native in (dev.queue.timeline._native, timeline._native):
+        for native in (dev.queue.timeline.native, timeline.native):
             assert type(native.value) is int
             assert not isinstance(native._value, ctypes.c_uint64)
         for v in range(1, 50):

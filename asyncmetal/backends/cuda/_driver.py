@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from ..._backend import NativeTimeline
 from ..._errors import AsyncMetalError, DeviceLostError
-
-if TYPE_CHECKING:
-    from ._queue import CUDAQueue
 
 __all__ = ["check", "cu", "driver_error", "nvrtc"]  # what the other modules import
 
@@ -46,7 +44,19 @@ _lost_lock = threading.Lock()
 # cuda device of the process reports itself lost (DeviceLostError): open, alloc, load,
 # new queues, submissions, and completions not confirmed by then.
 _lost_first: str | None = None
-_live_queues: weakref.WeakSet[CUDAQueue] = weakref.WeakSet()  # what to mark when it is set
+
+
+class LiveQueue(Protocol):
+    """What a lost process marks on each queue (a ``CUDAQueue``): the value its timeline
+    had reached, up to which the driver confirmed its commands."""
+
+    _confirmed_at_loss: int
+
+    @property
+    def _timeline(self) -> NativeTimeline: ...
+
+
+_live_queues: weakref.WeakSet[LiveQueue] = weakref.WeakSet()  # what to mark when it is set
 
 
 def _lose_process(first: str) -> None:

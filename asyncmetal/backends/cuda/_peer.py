@@ -4,19 +4,27 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ._driver import check, cu, driver_error
 
-if TYPE_CHECKING:
-    from ._backend import CUDABackend
+
+class PeerDevice(Protocol):
+    """What peer access needs of an opened GPU (a ``CUDABackend``)."""
+
+    index: int
+    device: Any
+    context: Any
+
+    def make_current(self) -> None: ...
+
 
 _peers_lock = threading.Lock()
 _opened: dict[int, tuple[Any, Any]] = {}  # ordinal -> (CUdevice, primary context) opened here
 _peers_done: set[tuple[int, int]] = set()  # (device, peer) ordinals with access enabled
 
 
-def _enable_peer_access(backend: CUDABackend) -> None:
+def _enable_peer_access(backend: PeerDevice) -> None:
     """Let this device and every other GPU opened in this process read each other's
     memory where the hardware can (NVLink or PCIe peer to peer), once per pair: peer
     copies then go device to device instead of through host memory (38 GB/s on the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ... import _native, _native_contract
 from ..._backend import Arg, KeepAlive, NativeQueue, NativeTimeline, Record, host_address
@@ -13,11 +13,8 @@ from ..._errors import AsyncMetalError, DeviceLostError
 from . import _driver
 from ._driver import _UNCONFIRMED, _lost_error, _refuse_if_lost, check, cu, driver_error
 from ._interop import keeps_context
-from ._staging import STAGE_CHUNK, STAGE_DIRECT, STAGED_BYTES_PER_NS, _Staging
+from ._staging import STAGE_CHUNK, STAGE_DIRECT, STAGED_BYTES_PER_NS, StagingDevice, _Staging
 from ._timeline import CUDATimeline
-
-if TYPE_CHECKING:
-    from ._backend import CUDABackend
 
 MAX_PARAMS = 64
 COMPLETION_SPIN_NS = 30_000  # the completion thread polls this long before blocking
@@ -35,12 +32,21 @@ MAX_COPY_POLL_NS = 4_000_000  # ... a device copy (one of 1 GiB between two H200
 MARKER_POLL_NS = 500_000  # ... a marker with nothing unconfirmed before it
 
 
+class QueueDevice(StagingDevice, Protocol):
+    """What a queue needs of its GPU (a ``CUDABackend``)."""
+
+    name: str
+    context_address: int
+
+    def make_current(self) -> None: ...
+
+
 class CUDAQueue(NativeQueue):
     markers = True  # an event recorded on the stream: adopted streams have others' work
 
     @keeps_context
     def __init__(
-        self, backend: CUDABackend, timeline: CUDATimeline, adopt: int | None = None
+        self, backend: QueueDevice, timeline: CUDATimeline, adopt: int | None = None
     ) -> None:
         """A queue over a new stream, or over the stream ``adopt`` of another library,
         which closing the queue leaves to its owner."""
@@ -248,7 +254,7 @@ class CUDAQueue(NativeQueue):
         confirms = None
         if timeline.value < target:
             owner = timeline.queue
-            if owner is not None and owner._q is not None:  # a queue's: its event or word
+            if isinstance(owner, CUDAQueue) and owner._q is not None:  # a queue's own
                 self._check(self._lib.am_cuq_wait_queue(self._q, owner._q, target, value))
                 if owner._backend is self._backend:
                     # Once this wait is confirmed, so is the other queue's work up to

@@ -8,14 +8,11 @@ import contextlib
 import ctypes
 import mmap
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..cpu import CPUQueue
 from ._driver import check, cu
-from ._timeline import CUDATimeline
-
-if TYPE_CHECKING:
-    from ._backend import CUDABackend
+from ._timeline import CUDATimeline, TimelineDevice
 
 # Pageable host copies go through a ring of pinned chunks that host threads fill (or
 # empty). 8 MiB chunks and 12 threads: 46-48 GB/s of 1 GiB pageable -> H200 against
@@ -105,6 +102,14 @@ class _Chunk:
         self.claimed_address = ctypes.addressof(self.claimed)
 
 
+class StagingDevice(TimelineDevice, Protocol):
+    """What staging needs of its GPU (a ``CUDABackend``): its pool of pinned chunks."""
+
+    def take_chunk(self, pin: bool = True) -> _Chunk | None: ...
+
+    def give_chunk(self, chunk: _Chunk) -> None: ...
+
+
 class _HostCopier:
     """Native threads that copy between pageable memory and pinned chunks. Every thread
     gets each chunk's copy and takes its parts (``STAGE_PART``) one at a time, so the
@@ -114,7 +119,7 @@ class _HostCopier:
     thread (round robin) left the DMA engine waiting: 1 GiB pageable -> H200 at 42.1
     GB/s against 49.6 split into a fixed share per thread (best of 12)."""
 
-    def __init__(self, backend: CUDABackend, threads: int) -> None:
+    def __init__(self, backend: StagingDevice, threads: int) -> None:
         self._backend = backend
         self.queues = [CPUQueue(backend.lib, CUDATimeline(backend)) for _ in range(threads)]
         self.submitted = [0] * threads
@@ -165,7 +170,7 @@ class _Staging:
     its own stream, never on another queue's progress.
     """
 
-    def __init__(self, backend: CUDABackend) -> None:
+    def __init__(self, backend: StagingDevice) -> None:
         self._backend = backend
         self.copier = _HostCopier(backend, HOST_COPY_THREADS)
         self.marks = CUDATimeline(backend)

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from ... import _native
 from ..._backend import NativeTimeline
 from ._driver import check, cu
 
-if TYPE_CHECKING:
-    from ._backend import CUDABackend
-    from ._queue import CUDAQueue
+
+class TimelineDevice(Protocol):
+    """What a timeline needs of its GPU (a ``CUDABackend``): the native runtime, and a
+    device word of pinned memory."""
+
+    lib: Any
+
+    def _timeline_slot(self) -> int: ...
+
+    def _release_slot(self, slot: int) -> None: ...
 
 
 class _Pinned:
@@ -35,7 +42,7 @@ class CUDATimeline(NativeTimeline):
     raised by host signals, and for device writes only once a completion thread has
     confirmed the work before them succeeded."""
 
-    def __init__(self, backend: CUDABackend) -> None:
+    def __init__(self, backend: TimelineDevice) -> None:
         # The device word: unified addressing makes it the same pointer on every GPU.
         self.address = backend._timeline_slot()
         ctypes.c_uint64.from_address(self.address).value = 0  # a reused slot holds an old value
@@ -47,7 +54,7 @@ class CUDATimeline(NativeTimeline):
         backend.lib.am_timeline_set_word(self.c_timeline, self.address)
         self._value: _native.ValueReader = _native.timeline_reader(self.c_timeline)
         self._word = ctypes.c_uint64.from_address(self.address)
-        self.queue: CUDAQueue | None = None  # the queue whose own timeline this is
+        self.queue: object = None  # the CUDAQueue whose own timeline this is
 
     @property
     def value(self) -> int:

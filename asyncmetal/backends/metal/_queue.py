@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from ctypes import c_uint64, c_ulong, c_void_p
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, overload
 
 from ... import _native
 from ..._backend import (
@@ -30,12 +30,25 @@ from ._objc import (
     send,
 )
 
-if TYPE_CHECKING:
-    from ._backend import MetalBackend
-
 STORAGE_SHARED = 0  # MTLResourceStorageModeShared
 STATUS_ERROR = 5  # MTLCommandBufferStatusError
 MAX_IN_FLIGHT = 1000  # the queues are made with room for 1024 command buffers
+
+
+class MetalDevice(Protocol):
+    """What timelines and queues need of their GPU (a ``MetalBackend``), which they also
+    mark lost when a command buffer fails."""
+
+    device: int
+    lib: ctypes.CDLL
+    block_isa: int
+    lost: DeviceLostError | None
+    lost_from: int
+
+    @overload
+    def wrap_pages(self, address: int, nbytes: int) -> tuple[int, int]: ...
+    @overload
+    def wrap_pages(self, address: int, nbytes: int, check: bool) -> tuple[int, int] | None: ...
 
 
 class MTLSize(ctypes.Structure):
@@ -45,7 +58,7 @@ class MTLSize(ctypes.Structure):
 class MetalTimeline(NativeTimeline):
     """An ``MTLSharedEvent`` with a native mirror timeline that wakes the loops."""
 
-    def __init__(self, backend: MetalBackend) -> None:
+    def __init__(self, backend: MetalDevice) -> None:
         self._lib = backend.lib
         self.event: int = send(backend.device, "newSharedEvent")
         self.c_timeline: int = backend.lib.am_timeline_new()
@@ -71,7 +84,7 @@ class MetalTimeline(NativeTimeline):
 
 
 class MetalQueue(NativeQueue):
-    def __init__(self, backend: MetalBackend, timeline: MetalTimeline) -> None:
+    def __init__(self, backend: MetalDevice, timeline: MetalTimeline) -> None:
         self._backend = backend
         self._timeline = timeline
         self._queue: int = send(

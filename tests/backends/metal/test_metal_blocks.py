@@ -102,7 +102,7 @@ async def test_completion_handler_block(helper: ctypes.CDLL, device: am.Device) 
     block = _blocks.make_block(
         _isa(),
         _blocks.COMPLETED_SIGNATURE,
-        tl._native.c_timeline,
+        tl.native.c_timeline,
         value=7,  # type: ignore[attr-defined]
     )
     assert block.invoke == _invoke("am_block_completed")
@@ -129,7 +129,7 @@ async def test_shared_event_listener_block(helper: ctypes.CDLL, device: am.Devic
     block = _blocks.make_block(
         _isa(),
         _blocks.REACHED_SIGNATURE,
-        tl._native.c_timeline,  # type: ignore[attr-defined]
+        tl.native.c_timeline,  # type: ignore[attr-defined]
     )
     assert block.invoke == _invoke("am_block_reached")
     address = ctypes.addressof(block)

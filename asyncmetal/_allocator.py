@@ -1,4 +1,5 @@
-"""Buffers and the per-device allocator."""
+"""The per-device Allocator: native blocks, a cache of freed ones, a budget, and frees
+deferred until the commands using a block have passed."""
 
 from __future__ import annotations
 
@@ -8,49 +9,28 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import anyio
-import numpy as np
 
-from ._backend import Arg, NativeTimeline, new_arg
+from ._backend import NativeTimeline
 from ._bridge import LoopBridge, checkpoint, current_bridge
-from ._dlpack import Exports, TypedView
-from ._errors import (
-    ArgumentTypeError,
-    ClosedResourceError,
-    InvalidArgumentError,
-    OutOfMemoryError,
-)
-from ._timeline import Waitable, call_when_reached, wait_value
-
-if TYPE_CHECKING:
-    from ._device import Device
-    from ._queue import Queue
+from ._device_state import DeviceState
+from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError, OutOfMemoryError
+from ._timeline import Timeline, Waitable, call_when_reached, passed, wait_value
 
 
-def plain_dtype(dtype: Any, what: str = "dtype") -> np.dtype[Any]:
-    """``dtype`` as a numpy dtype whose items are plain bytes of a nonzero size.
+class Queue(Protocol):
+    """What memory needs of the queues whose commands use it (``_queue.Queue``): the
+    timeline each use is a value of."""
 
-    Device memory holds bytes: an object dtype would fill an array with raw bytes where
-    numpy expects ``PyObject*`` pointers (or send those pointers to the device)."""
-    try:
-        checked: np.dtype[Any] = np.dtype(dtype)
-    except (TypeError, ValueError):
-        raise ArgumentTypeError(f"{what} must be a numpy dtype, got {dtype!r}") from None
-    if checked.hasobject:
-        raise ArgumentTypeError(
-            f"{what} must be a plain data type (numbers, bools, bytes), got {checked}, "
-            "which holds Python objects"
-        )
-    if checked.itemsize == 0:
-        raise InvalidArgumentError(f"{what} must have items of at least 1 byte, got {checked}")
-    return checked
+    @property
+    def timeline(self) -> Timeline: ...
 
 
-class _Block:
+class Block:
     """Native memory and the commands that use it. Outlives the Python-facing
     allocation, so a collected buffer is still freed only after its last use."""
 
@@ -66,12 +46,12 @@ class _Block:
         self.last_use: dict[Queue, int] = {}  # per queue: value of the last command using it
 
 
-class _Allocation:
+class Allocation:
     """What Buffers (and their views) hold; its collection frees the block."""
 
     __slots__ = ("allocator", "block", "freed", "generation", "handle", "last_use", "nbytes")
 
-    def __init__(self, block: _Block, allocator: Allocator | None = None) -> None:
+    def __init__(self, block: Block, allocator: Allocator | None = None) -> None:
         self.block = block
         self.handle = block.handle
         self.nbytes = block.nbytes
@@ -86,174 +66,6 @@ class _Allocation:
         # a deque append, then a wake-up that waits for no lock (see _ReleaseCounter).
         if self.allocator is not None and not self.freed:
             self.allocator.collected(self.block, self.generation)
-
-
-_BYTES = np.dtype(np.uint8)
-
-
-class Buffer(Exports):
-    """Device memory. Made by ``await device.alloc(nbytes)``.
-
-    Every command that uses a buffer records its timeline value; :meth:`free` returns the
-    memory only after those values have passed, so cancelling an awaiting task never
-    frees memory a device still uses.
-    """
-
-    def __init__(self, device: Device, allocation: _Allocation, offset: int, nbytes: int) -> None:
-        self.device = device
-        self._allocation = allocation
-        self.offset = offset
-        self.nbytes = nbytes
-
-    def __repr__(self) -> str:
-        state = " freed" if self._allocation.freed else ""
-        return f"<Buffer {self.nbytes} bytes on {self.device.name}{state}>"
-
-    @property
-    def freed(self) -> bool:
-        return self._allocation.freed
-
-    def view(self, offset: int, nbytes: int | None = None) -> Buffer:
-        """A sub-buffer of ``nbytes`` at ``offset`` sharing this buffer's memory."""
-        self._check_usable("buffer")
-        if not isinstance(offset, int) or not 0 <= offset <= self.nbytes:
-            raise InvalidArgumentError(f"offset must be an int in [0, {self.nbytes}], got {offset}")
-        nbytes = self.nbytes - offset if nbytes is None else nbytes
-        if not isinstance(nbytes, int) or not 0 < nbytes <= self.nbytes - offset:
-            raise InvalidArgumentError(
-                f"nbytes must be an int in [1, {self.nbytes - offset}], got {nbytes}"
-            )
-        return Buffer(self.device, self._allocation, self.offset + offset, nbytes)
-
-    def _check_usable(self, what: str, device: Device | None = None) -> None:
-        if self._allocation.freed:
-            raise ClosedResourceError(f"{what} was freed: {self!r}")
-        if self.device.closed:
-            raise ClosedResourceError(f"{what} belongs to the closed device {self.device.name}")
-        if device is not None and device is not self.device:
-            raise InvalidArgumentError(
-                f"{what} is on {self.device.name}, expected a buffer of {device.name}"
-            )
-
-    def busy(self) -> bool:
-        """Whether a command using this buffer's memory is still in flight. Never blocks."""
-        return any(q.timeline.value < v for q, v in list(self._allocation.last_use.items()))
-
-    def typed(self, dtype: Any, shape: Any = None) -> TypedView:
-        """This buffer's memory as a C-contiguous array of ``dtype`` and ``shape`` (default:
-        1-D), for exchange with other libraries: ``torch.from_dlpack(buf.typed(np.float32,
-        (n, n)))``. The buffer itself exports as a 1-D ``uint8`` array of its bytes."""
-        self._check_usable("buffer")
-        return TypedView(self, dtype, shape)
-
-    def _exported(self) -> tuple[Buffer, np.dtype[Any], tuple[int, ...] | None]:
-        return self, _BYTES, None  # untyped: 1-D uint8, see typed()
-
-    def _lend(self, hold: bool = True) -> tuple[Any, Callable[[], None]]:
-        """The native handle of the memory, and a function that ends the loan: until it is
-        called (once, on any thread, even inside the GC) the memory is neither released
-        nor reused, even once the buffer is freed. For consumers outside asyncmetal."""
-        allocation = self._allocation
-        if not hold:
-            return allocation.handle, _no_loan
-        allocator = allocation.allocator
-        if allocator is None:  # memory the device does not own: keep its owner alive
-            return allocation.handle, functools.partial(_no_loan, allocation)
-        allocator.lend(allocation.block)
-        return allocation.handle, functools.partial(allocator.returned, allocation.block)
-
-    def _arg(self) -> Arg:
-        return new_arg(Arg, (self._allocation.handle, self.offset, None))
-
-    def _used(self, queue: Queue, value: int) -> None:
-        self._allocation.last_use[queue] = value
-
-    async def __aenter__(self) -> Buffer:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if not self._allocation.freed:
-            await self.free()
-
-    async def write(self, data: Any) -> None:
-        """Copy ``data`` (any C-contiguous buffer-protocol object) into the buffer.
-
-        Ordered after earlier work on the device's default queue. Cancelling the await
-        does not withdraw the copy: it completes, and ``data`` is kept alive until then.
-        """
-        await self.device.queue.copy(self, data)
-
-    async def read(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray[Any, Any]:
-        """A new numpy array holding the buffer's bytes, read after earlier queue work."""
-        dtype = plain_dtype(dtype)
-        if self.nbytes % dtype.itemsize:
-            raise InvalidArgumentError(
-                f"buffer of {self.nbytes} bytes is not a whole number of {dtype} items"
-            )
-        out = np.empty(self.nbytes // dtype.itemsize, dtype)
-        await self.device.queue.copy(out, self)
-        return out if shape is None else out.reshape(shape)
-
-    async def free(self) -> None:
-        """Free the buffer (and every view of it) once the commands using it finished.
-
-        It is unusable at once. Waits until the memory is back with the allocator;
-        cancelling that wait changes nothing: the memory still returns when the device
-        is done with it.
-        """
-        self._check_usable("buffer")
-        allocation = self._allocation
-        allocation.freed = True
-        allocation.block.freed = True
-        uses = list(allocation.last_use.items())
-        allocator = self.device._allocator
-        allocator.release_after(allocation.block, uses)
-        for queue, value in uses:
-            await wait_value(queue.timeline, value)
-        if uses:
-            allocator.sweep()  # its last uses passed: the release is due now
-        else:
-            await checkpoint()
-
-    async def map(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray[Any, Any]:
-        """A zero-copy numpy view of host-visible memory (the cpu device, Metal's shared
-        storage), handed out once every command using the buffer has finished.
-
-        The view aliases the buffer: later device work shows through it, and it must
-        not be used after the buffer is freed.
-        """
-        self._check_usable("buffer")
-        backend = self.device._backend
-        if not backend.host_visible:
-            raise InvalidArgumentError(
-                f"{self.device.name} memory is not host-visible: use read() instead"
-            )
-        dtype = plain_dtype(dtype)
-        if self.nbytes % dtype.itemsize:
-            raise InvalidArgumentError(
-                f"buffer of {self.nbytes} bytes is not a whole number of {dtype} items"
-            )
-        for queue, value in list(self._allocation.last_use.items()):
-            await wait_value(queue.timeline, value)
-        view = backend.host_view(self._allocation.handle, self.offset, self.nbytes)
-        array = np.frombuffer(view, dtype)
-        return array if shape is None else array.reshape(shape)
-
-
-def _no_loan(*keep: object) -> None:
-    """Ends a loan that held nothing in the allocator (its arguments were kept alive)."""
-
-
-def foreign_buffer(
-    device: Device, handle: Any, nbytes: int, owner: object, after: tuple[Queue, int] | None
-) -> Buffer:
-    """A Buffer over memory the device does not own (another library's array): ``owner``
-    is kept alive while the buffer is, and its memory is never released by asyncmetal.
-    ``after``: a command that later uses order themselves after, as after a write."""
-    block = _Block(handle, nbytes, owner)
-    if after is not None:
-        block.last_use[after[0]] = after[1]
-    return Buffer(device, _Allocation(block), 0, nbytes)
 
 
 @dataclass(frozen=True)
@@ -311,12 +123,8 @@ class _Releases(Waitable):
 
     def __init__(self) -> None:
         super().__init__()
-        self._counter = _ReleaseCounter(self._advanced)
-        self._native = self._counter
-
-    @property
-    def value(self) -> int:
-        return self._counter.value
+        self._counter = _ReleaseCounter(self.advanced)
+        self.native = self._counter
 
     def increment(self) -> None:
         """Count one more event and wake the allocations waiting for it (any thread)."""
@@ -324,9 +132,8 @@ class _Releases(Waitable):
 
 
 def _passed(queue: Queue, value: int) -> bool:
-    """Whether ``queue`` is done with the command ``value`` (a closed device's queues
-    ran or abandoned everything)."""
-    return queue.timeline.value >= value or queue.device.closed
+    """Whether ``queue`` is done with the command ``value``."""
+    return passed(queue.timeline, value)
 
 
 class Allocator:
@@ -344,21 +151,21 @@ class Allocator:
     the state is guarded by ``_lock``, which a buffer's finalizer never takes.
     """
 
-    def __init__(self, device: Device) -> None:
-        self.device = device
-        self.budget = device._backend.info.total_memory
+    def __init__(self, state: DeviceState) -> None:
+        self._state = state
+        self.budget = state.backend.info.total_memory
         self.cache_limit = min(self.budget // 4, 1 << 30)  # bytes of freed blocks kept
         self.in_use = 0  # handed out, being allocated natively, or released later
         self.cached = 0
         self.peak = 0  # the most bytes held at once (in use + cached)
         self.closed = False
-        self._cache: collections.OrderedDict[int, _Block] = collections.OrderedDict()
-        self._by_size: dict[int, list[_Block]] = {}
-        self._live: set[_Block] = set()  # blocks handed out and not yet released
-        self._collected: collections.deque[tuple[_Block, int]] = collections.deque()  # GC
-        self._returned: collections.deque[_Block] = collections.deque()  # loans ended
-        self._lent_out: set[_Block] = set()  # released while lent: released once returned
-        self._pending: list[tuple[_Block, list[tuple[Queue, int]]]] = []  # uses in flight
+        self._cache: collections.OrderedDict[int, Block] = collections.OrderedDict()
+        self._by_size: dict[int, list[Block]] = {}
+        self._live: set[Block] = set()  # blocks handed out and not yet released
+        self._collected: collections.deque[tuple[Block, int]] = collections.deque()  # GC
+        self._returned: collections.deque[Block] = collections.deque()  # loans ended
+        self._lent_out: set[Block] = set()  # released while lent: released once returned
+        self._pending: list[tuple[Block, list[tuple[Queue, int]]]] = []  # uses in flight
         # Per loop: the (queue, value) uses it already watches for a pending release.
         self._watched: weakref.WeakKeyDictionary[LoopBridge, set[tuple[Queue, int]]] = (
             weakref.WeakKeyDictionary()
@@ -368,7 +175,7 @@ class Allocator:
 
     # -- allocation ----------------------------------------------------------------------
 
-    async def alloc(self, nbytes: int, timeout: float | None = None) -> Buffer:
+    async def alloc(self, nbytes: int, timeout: float | None = None) -> Allocation:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool):
             raise ArgumentTypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
         if nbytes <= 0:
@@ -377,7 +184,7 @@ class Allocator:
             raise InvalidArgumentError(f"timeout must be a number >= 0, got {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         # The checkpoint comes first: once a block is taken, nothing may cancel the
-        # allocation before its Buffer exists, or the block would have no owner.
+        # allocation before it is handed out, or the block would have no owner.
         await checkpoint()
         while True:
             seen = self._frees.value  # before the attempt: a release after it wakes us
@@ -385,7 +192,7 @@ class Allocator:
             self.sweep()
             block = self._try_alloc(nbytes)
             if block is not None:
-                return Buffer(self.device, _Allocation(block, self), 0, nbytes)
+                return Allocation(block, self)
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise self._oom(nbytes, f"no memory was freed within {timeout} s")
@@ -394,12 +201,12 @@ class Allocator:
                 await wait_value(self._frees, seen + 1)
 
     def _check_usable(self, nbytes: int) -> None:
-        if self.closed or self.device.closed:
-            raise ClosedResourceError(f"device {self.device.name} is closed")
+        if self.closed or self._state.closed:
+            raise ClosedResourceError(f"device {self._state.name} is closed")
         if nbytes > self.budget:
             raise self._oom(nbytes, "larger than the device's whole budget")
 
-    def _try_alloc(self, nbytes: int) -> _Block | None:
+    def _try_alloc(self, nbytes: int) -> Block | None:
         with self._lock:
             if self.closed:
                 return None
@@ -429,29 +236,29 @@ class Allocator:
                 self.in_use -= nbytes
             elif self.closed:  # closed meanwhile: the device has no use for it
                 self.in_use -= nbytes
-                self.device._backend.free(handle)
+                self._state.backend.free(handle)
                 handle = None
             else:
-                return self._hand_out(_Block(handle, nbytes))
+                return self._hand_out(Block(handle, nbytes))
         self._frees.increment()
         return None
 
     def _allocate(self, nbytes: int) -> Any:
         """Native memory, or None when only releases of blocks in use can make room."""
         try:
-            return self.device._backend.allocate(nbytes)
+            return self._state.backend.allocate(nbytes)
         except MemoryError:
             with self._lock:
                 self._evict(self.cached)  # the device itself is full: drop the cache, retry
         try:
-            return self.device._backend.allocate(nbytes)
+            return self._state.backend.allocate(nbytes)
         except MemoryError:
             if self._live:
                 return None  # frees of blocks in use (or in flight) may make room
             detail = "the device itself has no memory left"
             raise self._oom(nbytes, detail, reserved=nbytes) from None
 
-    def _hand_out(self, block: _Block) -> _Block:
+    def _hand_out(self, block: Block) -> Block:
         """(Under the lock; ``in_use`` already counts the block.)"""
         block.last_use.clear()
         block.generation += 1
@@ -467,7 +274,7 @@ class Allocator:
             self._by_size[block.nbytes].remove(block)
             self.cached -= block.nbytes
             nbytes -= block.nbytes
-            self.device._backend.free(block.handle)
+            self._state.backend.free(block.handle)
 
     def _oom(self, nbytes: int, detail: str, reserved: int = 0) -> OutOfMemoryError:
         in_use = self.in_use - reserved  # without this request's own reservation
@@ -475,7 +282,7 @@ class Allocator:
 
     # -- release -------------------------------------------------------------------------
 
-    def release_after(self, block: _Block, uses: list[tuple[Queue, int]]) -> None:
+    def release_after(self, block: Block, uses: list[tuple[Queue, int]]) -> None:
         """Release ``block`` once each queue's timeline has passed its last use: now,
         or at the first look after that (any thread, any loop)."""
         pending = [(q, v) for q, v in uses if not _passed(q, v)]
@@ -486,18 +293,18 @@ class Allocator:
             self._pending.append((block, pending))
         self._frees.increment()  # waiting allocations start watching its uses
 
-    def collected(self, block: _Block, generation: int) -> None:
+    def collected(self, block: Block, generation: int) -> None:
         """A buffer of ``block`` was garbage-collected unfreed (any thread, even in the
         GC): queue the block for the next sweep and wake whoever waits to sweep."""
         self._collected.append((block, generation))
         self._frees.increment()
 
-    def lend(self, block: _Block) -> None:
+    def lend(self, block: Block) -> None:
         """Hold ``block`` for a consumer outside asyncmetal until :meth:`returned`."""
         with self._lock:
             block.lent += 1
 
-    def returned(self, block: _Block) -> None:
+    def returned(self, block: Block) -> None:
         """A loan of ``block`` ended (any thread, even in the GC: no lock taken here)."""
         self._returned.append(block)
         self._frees.increment()
@@ -566,7 +373,7 @@ class Allocator:
             watched.discard((queue, value))
         self._frees.increment()
 
-    def _release(self, block: _Block) -> None:
+    def _release(self, block: Block) -> None:
         with self._lock:
             if block not in self._live:
                 return
@@ -584,7 +391,7 @@ class Allocator:
                 over_limit = self.cached - self.cache_limit
                 self._evict(max(over_limit, self.in_use + self.cached - self.budget))
             else:
-                self.device._backend.free(block.handle)
+                self._state.backend.free(block.handle)
         self._frees.increment()
 
     def set_budget(self, budget: int) -> None:
@@ -605,31 +412,33 @@ class Allocator:
         with self._lock:
             self._evict(self.cached)
 
-    def close(self) -> None:
+    def close(self, completable: Callable[[], Mapping[Any, int]]) -> None:
         """The device is closing and its queues are idle: fail waiting allocations and
-        free everything natively -- once other devices' queues are done with it."""
+        free everything natively -- once other devices' queues are done with it, as far
+        as they can get: ``completable()`` says how far each queue can (see
+        ``_queue.completable``)."""
         self.closed = True
         self._frees.increment()  # waiting allocations wake and raise ClosedResourceError
-        self._settle_foreign_uses()
+        self._settle_foreign_uses(completable)
         with self._lock:
             self._evict(self.cached)
             for block in self._live:
                 if not self._foreign_uses(block) and not block.lent:  # lent: left allocated
-                    self.device._backend.free(block.handle)
+                    self._state.backend.free(block.handle)
             self._live.clear()
             self._pending.clear()
             self.in_use = 0
 
-    def _foreign_uses(self, block: _Block) -> list[tuple[Queue, int]]:
+    def _foreign_uses(self, block: Block) -> list[tuple[Queue, int]]:
         """Uses of ``block`` by other devices' queues (a copy between devices) that
         have not passed."""
         return [
             (q, v)
             for q, v in list(block.last_use.items())
-            if q.device is not self.device and not _passed(q, v)
+            if q.timeline.device is not self._state.device and not _passed(q, v)
         ]
 
-    def _settle_foreign_uses(self) -> None:
+    def _settle_foreign_uses(self, completable: Callable[[], Mapping[Any, int]]) -> None:
         """Wait (on the closing thread, never a loop) until other devices' queues are
         done with this device's memory, as far as they can get without the host: a use
         behind a device-side wait that nothing will signal is not waited for, and its
@@ -638,10 +447,7 @@ class Allocator:
             uses = [use for block in self._live for use in self._foreign_uses(block)]
         if not uses:
             return
-        from ._device import _open_devices
-        from ._queue import completable
-
-        limits = completable([q for d in list(_open_devices) for q in d._queues])
+        limits = completable()
         for queue, value in uses:
             target = min(value, limits.get(queue, value))
             while not _passed(queue, target):

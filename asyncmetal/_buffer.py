@@ -1,0 +1,266 @@
+"""Buffer: device memory as the program sees it, and what queues and copies do with
+buffers (their checks, native arguments and uses), read here where a Buffer's parts are
+known."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._allocator import Allocation, Block, Queue
+from ._backend import Arg, new_arg
+from ._bridge import checkpoint
+from ._device_state import DeviceState
+from ._dlpack import Exports, TypedView
+from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
+from ._timeline import wait_value
+
+
+def plain_dtype(dtype: Any, what: str = "dtype") -> np.dtype[Any]:
+    """``dtype`` as a numpy dtype whose items are plain bytes of a nonzero size.
+
+    Device memory holds bytes: an object dtype would fill an array with raw bytes where
+    numpy expects ``PyObject*`` pointers (or send those pointers to the device)."""
+    try:
+        checked: np.dtype[Any] = np.dtype(dtype)
+    except (TypeError, ValueError):
+        raise ArgumentTypeError(f"{what} must be a numpy dtype, got {dtype!r}") from None
+    if checked.hasobject:
+        raise ArgumentTypeError(
+            f"{what} must be a plain data type (numbers, bools, bytes), got {checked}, "
+            "which holds Python objects"
+        )
+    if checked.itemsize == 0:
+        raise InvalidArgumentError(f"{what} must have items of at least 1 byte, got {checked}")
+    return checked
+
+
+_BYTES = np.dtype(np.uint8)
+
+
+class Buffer(Exports):
+    """Device memory. Made by ``await device.alloc(nbytes)``.
+
+    Every command that uses a buffer records its timeline value; :meth:`free` returns the
+    memory only after those values have passed, so cancelling an awaiting task never
+    frees memory a device still uses.
+    """
+
+    def __init__(
+        self, state: DeviceState, allocation: Allocation, offset: int, nbytes: int
+    ) -> None:
+        self._state = state
+        self.device = state.device
+        self._allocation = allocation
+        self.offset = offset
+        self.nbytes = nbytes
+
+    def __repr__(self) -> str:
+        state = " freed" if self._allocation.freed else ""
+        return f"<Buffer {self.nbytes} bytes on {self._state.name}{state}>"
+
+    @property
+    def freed(self) -> bool:
+        return self._allocation.freed
+
+    def view(self, offset: int, nbytes: int | None = None) -> Buffer:
+        """A sub-buffer of ``nbytes`` at ``offset`` sharing this buffer's memory."""
+        check_buffer(self, "buffer")
+        if not isinstance(offset, int) or not 0 <= offset <= self.nbytes:
+            raise InvalidArgumentError(f"offset must be an int in [0, {self.nbytes}], got {offset}")
+        nbytes = self.nbytes - offset if nbytes is None else nbytes
+        if not isinstance(nbytes, int) or not 0 < nbytes <= self.nbytes - offset:
+            raise InvalidArgumentError(
+                f"nbytes must be an int in [1, {self.nbytes - offset}], got {nbytes}"
+            )
+        return Buffer(self._state, self._allocation, self.offset + offset, nbytes)
+
+    def _check_usable(self, what: str) -> None:
+        check_buffer(self, what)
+
+    def busy(self) -> bool:
+        """Whether a command using this buffer's memory is still in flight. Never blocks."""
+        return any(q.timeline.value < v for q, v in uses(self))
+
+    def typed(self, dtype: Any, shape: Any = None) -> TypedView:
+        """This buffer's memory as a C-contiguous array of ``dtype`` and ``shape`` (default:
+        1-D), for exchange with other libraries: ``torch.from_dlpack(buf.typed(np.float32,
+        (n, n)))``. The buffer itself exports as a 1-D ``uint8`` array of its bytes."""
+        check_buffer(self, "buffer")
+        return TypedView(self, dtype, shape)
+
+    def _exported(self) -> tuple[Buffer, np.dtype[Any], tuple[int, ...] | None]:
+        return self, _BYTES, None  # untyped: 1-D uint8, see typed()
+
+    def _lend(self, hold: bool = True) -> tuple[Any, Callable[[], None]]:
+        """The native handle of the memory, and a function that ends the loan: until it is
+        called (once, on any thread, even inside the GC) the memory is neither released
+        nor reused, even once the buffer is freed. For consumers outside asyncmetal."""
+        allocation = self._allocation
+        if not hold:
+            return allocation.handle, _no_loan
+        allocator = allocation.allocator
+        if allocator is None:  # memory the device does not own: keep its owner alive
+            return allocation.handle, functools.partial(_no_loan, allocation)
+        allocator.lend(allocation.block)
+        return allocation.handle, functools.partial(allocator.returned, allocation.block)
+
+    async def __aenter__(self) -> Buffer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not self._allocation.freed:
+            await self.free()
+
+    async def write(self, data: Any) -> None:
+        """Copy ``data`` (any C-contiguous buffer-protocol object) into the buffer.
+
+        Ordered after earlier work on the device's default queue. Cancelling the await
+        does not withdraw the copy: it completes, and ``data`` is kept alive until then.
+        """
+        await self._state.default_queue().copy(self, data)
+
+    async def read(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray[Any, Any]:
+        """A new numpy array holding the buffer's bytes, read after earlier queue work."""
+        dtype = plain_dtype(dtype)
+        if self.nbytes % dtype.itemsize:
+            raise InvalidArgumentError(
+                f"buffer of {self.nbytes} bytes is not a whole number of {dtype} items"
+            )
+        out = np.empty(self.nbytes // dtype.itemsize, dtype)
+        await self._state.default_queue().copy(out, self)
+        return out if shape is None else out.reshape(shape)
+
+    async def free(self) -> None:
+        """Free the buffer (and every view of it) once the commands using it finished.
+
+        It is unusable at once. Waits until the memory is back with the allocator;
+        cancelling that wait changes nothing: the memory still returns when the device
+        is done with it.
+        """
+        check_buffer(self, "buffer")
+        allocation = self._allocation
+        allocation.freed = True
+        allocation.block.freed = True
+        uses = list(allocation.last_use.items())
+        allocator = allocation.allocator  # None: memory the buffer wraps, not the device's
+        if allocator is not None:
+            allocator.release_after(allocation.block, uses)
+        for queue, value in uses:
+            await wait_value(queue.timeline, value)
+        if uses and allocator is not None:
+            allocator.sweep()  # its last uses passed: the release is due now
+        else:
+            await checkpoint()
+
+    async def map(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray[Any, Any]:
+        """A zero-copy numpy view of host-visible memory (the cpu device, Metal's shared
+        storage), handed out once every command using the buffer has finished.
+
+        The view aliases the buffer: later device work shows through it, and it must
+        not be used after the buffer is freed.
+        """
+        check_buffer(self, "buffer")
+        backend = self._state.backend
+        if not backend.host_visible:
+            raise InvalidArgumentError(
+                f"{self._state.name} memory is not host-visible: use read() instead"
+            )
+        dtype = plain_dtype(dtype)
+        if self.nbytes % dtype.itemsize:
+            raise InvalidArgumentError(
+                f"buffer of {self.nbytes} bytes is not a whole number of {dtype} items"
+            )
+        for queue, value in uses(self):
+            await wait_value(queue.timeline, value)
+        view = backend.host_view(self._allocation.handle, self.offset, self.nbytes)
+        array = np.frombuffer(view, dtype)
+        return array if shape is None else array.reshape(shape)
+
+
+def check_buffer(buf: Buffer, what: str, state: DeviceState | None = None) -> None:
+    """Raise unless ``buf`` is usable now (not freed, its device open) and, given
+    ``state``, a buffer of that device."""
+    if buf._allocation.freed:
+        raise ClosedResourceError(f"{what} was freed: {buf!r}")
+    own = buf._state
+    if own.closed:
+        raise ClosedResourceError(f"{what} belongs to the closed device {own.name}")
+    if state is not None and state is not own:
+        raise InvalidArgumentError(f"{what} is on {own.name}, expected a buffer of {state.name}")
+
+
+def launch_args(buffers: Sequence[Buffer], kernel: str, state: DeviceState) -> list[Arg]:
+    """The launch arguments of ``buffers`` for kernel ``kernel`` on ``state``'s device,
+    each checked. The hot path of every launch: identity checks first, messages only
+    on failure."""
+    args: list[Arg] = []
+    append = args.append
+    for i, buf in enumerate(buffers):
+        if buf.__class__ is not Buffer:
+            raise ArgumentTypeError(
+                f"buffer {i} of {kernel!r} must be a Buffer, got {type(buf).__name__}"
+            )
+        allocation = buf._allocation
+        if allocation.freed or buf._state is not state or state.closed:
+            check_buffer(buf, f"buffer {i} of {kernel!r}", state)
+        append(new_arg(Arg, (allocation.handle, buf.offset, None)))
+    return args
+
+
+def native_arg(buf: Buffer) -> Arg:
+    """``buf`` as the backend takes it: its native handle and offset."""
+    return new_arg(Arg, (buf._allocation.handle, buf.offset, None))
+
+
+def record_uses(buffers: Sequence[Buffer], queue: Queue, value: int) -> None:
+    """``queue``'s command ``value`` uses ``buffers``: they are freed only after it."""
+    for buf in buffers:
+        buf._allocation.last_use[queue] = value
+
+
+def uses(buf: Buffer) -> list[tuple[Queue, int]]:
+    """Each queue that used ``buf``'s memory, with the value of its last command that did."""
+    return list(buf._allocation.last_use.items())
+
+
+def overlap(a: Buffer, b: Buffer, nbytes: int) -> bool:
+    """Whether ``nbytes`` from ``a`` and from ``b`` share memory."""
+    return a._allocation is b._allocation and (
+        a.offset < b.offset + nbytes and b.offset < a.offset + nbytes
+    )
+
+
+def buffer_state(buf: Buffer) -> DeviceState:
+    """The state of ``buf``'s device."""
+    return buf._state
+
+
+def host_memory(buf: Buffer, nbytes: int) -> memoryview:
+    """``nbytes`` of a host-visible ``buf``, in place."""
+    return buf._state.backend.host_view(buf._allocation.handle, buf.offset, nbytes)
+
+
+def _no_loan(*keep: object) -> None:
+    """Ends a loan that held nothing in the allocator (its arguments were kept alive)."""
+
+
+def foreign_buffer(
+    state: DeviceState, handle: Any, nbytes: int, owner: object, after: tuple[Queue, int] | None
+) -> Buffer:
+    """A Buffer over memory the device does not own (another library's array): ``owner``
+    is kept alive while the buffer is, and its memory is never released by asyncmetal.
+    ``after``: a command that later uses order themselves after, as after a write."""
+    block = Block(handle, nbytes, owner)
+    if after is not None:
+        block.last_use[after[0]] = after[1]
+    return Buffer(state, Allocation(block), 0, nbytes)
+
+
+def wrap_buffer(state: DeviceState, handle: Any, nbytes: int) -> Buffer:
+    """A Buffer over memory the device did not allocate (an array it wraps): never
+    returned to an allocator."""
+    return Buffer(state, Allocation(Block(handle, nbytes)), 0, nbytes)

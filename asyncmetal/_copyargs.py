@@ -1,0 +1,112 @@
+"""A copy's operands, checked before anything is submitted: buffers, host views, sizes
+and overlaps, and what the backend's copy, copyin or copyout then takes."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ._buffer import Buffer, buffer_state, check_buffer, native_arg, overlap
+from ._device_state import DeviceState
+from ._errors import ArgumentTypeError, InvalidArgumentError
+
+
+def host_view(obj: Any, what: str, *, writable: bool) -> memoryview:
+    """A flat byte view of a host object; refuses what cannot be copied in place."""
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        raise ArgumentTypeError(
+            f"{what} must be a Buffer or support the buffer protocol, got {type(obj).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise InvalidArgumentError(
+            f"{what} is not C-contiguous; pass a contiguous copy (numpy.ascontiguousarray)"
+        )
+    if writable and view.readonly:
+        raise InvalidArgumentError(f"{what} is read-only and cannot be copied into")
+    if "O" in view.format and _holds_objects(view):
+        raise ArgumentTypeError(
+            f"{what} holds Python objects ({view.format!r} items): expected plain data "
+            "(numbers, bools, bytes); device memory cannot hold object pointers"
+        )
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _holds_objects(view: memoryview) -> bool:
+    """Whether ``view``'s items hold ``PyObject*`` (its format names an "O" field)."""
+    exporter = view.obj
+    if isinstance(exporter, np.ndarray):
+        return bool(exporter.dtype.hasobject)
+    try:
+        return bool(np.asarray(view).dtype.hasobject)
+    except (TypeError, ValueError):  # a format numpy cannot read: refuse what may be objects
+        return True
+
+
+def copy_size(dst_nbytes: int, src_nbytes: int, nbytes: int | None) -> int:
+    """The bytes a copy moves: ``nbytes``, or all of both sides when they match."""
+    if nbytes is None:
+        if dst_nbytes != src_nbytes:
+            raise InvalidArgumentError(
+                f"sizes do not match: dst holds {dst_nbytes} bytes, src {src_nbytes}; "
+                "pass nbytes to copy a prefix"
+            )
+        nbytes = src_nbytes
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+        raise ArgumentTypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
+    if nbytes <= 0:
+        raise InvalidArgumentError(f"nbytes must be > 0, got {nbytes}")
+    if nbytes > dst_nbytes or nbytes > src_nbytes:
+        raise InvalidArgumentError(
+            f"nbytes {nbytes} exceeds dst ({dst_nbytes} bytes) or src ({src_nbytes} bytes)"
+        )
+    return nbytes
+
+
+class CopyOperands(NamedTuple):
+    """A checked copy: the backend hook (``"copy"``, ``"copyin"``, ``"copyout"``), its
+    arguments before the command's value, those after its record, and the buffers it
+    uses (the queue orders it after their earlier uses, then records its own)."""
+
+    hook: str
+    args: tuple[Any, ...]
+    extra: tuple[Any, ...]
+    buffers: tuple[Buffer, ...]
+
+
+def copy_operands(state: DeviceState, dst: Any, src: Any, nbytes: int | None) -> CopyOperands:
+    """Check a copy submitted to a queue of ``state``'s device."""
+    if isinstance(dst, Buffer) and not buffer_state(dst).backend.writable:
+        raise InvalidArgumentError(
+            f"dst is a buffer of {buffer_state(dst).name}: its buffers are read-only sources"
+        )
+    if isinstance(dst, Buffer) and isinstance(src, Buffer):
+        check_buffer(dst, "dst", state)
+        check_buffer(src, "src")
+        source = buffer_state(src)
+        if source.kind != state.kind:
+            raise InvalidArgumentError(
+                f"copies between {source.name} and {state.name} are staged through the "
+                "host: use asyncmetal.copy()"
+            )
+        nbytes = copy_size(dst.nbytes, src.nbytes, nbytes)
+        if overlap(dst, src, nbytes):
+            raise InvalidArgumentError(
+                f"src and dst overlap in one buffer (src at {src.offset}, dst at "
+                f"{dst.offset}, {nbytes} bytes)"
+            )
+        peer = None if source is state else source.backend
+        return CopyOperands("copy", (native_arg(dst), native_arg(src), nbytes), (peer,), (dst, src))
+    if isinstance(dst, Buffer):
+        check_buffer(dst, "dst", state)
+        view = host_view(src, "src", writable=False)
+        nbytes = copy_size(dst.nbytes, view.nbytes, nbytes)
+        return CopyOperands("copyin", (native_arg(dst), view[:nbytes]), (), (dst,))
+    if isinstance(src, Buffer):
+        check_buffer(src, "src", state)
+        view = host_view(dst, "dst", writable=True)
+        nbytes = copy_size(view.nbytes, src.nbytes, nbytes)
+        return CopyOperands("copyout", (view[:nbytes], native_arg(src)), (), (src,))
+    raise ArgumentTypeError("copy needs a Buffer as dst or src (or both)")

@@ -1,0 +1,47 @@
+"""DeviceState: what the layers below :class:`~asyncmetal.Device` know of their device.
+
+A Device owns one and hands it to everything it makes -- timelines, buffers, queues,
+programs, its allocator -- instead of itself: its name, its backend (and so its kind),
+whether it is closed, and its default queue for the buffers' own reads and writes. The
+``device`` it names is only handed out (``buffer.device``, ``queue.device``): nothing
+below the Device calls it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Any, Protocol
+
+from ._backend import Backend
+from ._errors import ClosedResourceError
+
+
+class Copier(Protocol):
+    """What a buffer's ``read``/``write`` need of its device's default queue."""
+
+    def copy(self, dst: Any, src: Any, nbytes: int | None = None) -> Awaitable[None]: ...
+
+
+class DeviceState:
+    """One opened device, as its timelines, buffers, queues and allocator see it."""
+
+    __slots__ = ("backend", "closed", "device", "name", "queue")
+
+    def __init__(self, name: str, backend: Backend, device: Any) -> None:
+        self.name = name
+        self.backend = backend
+        self.closed = False
+        self.device = device  # the asyncmetal.Device that owns this state
+        self.queue: Copier | None = None  # its default queue, once made
+
+    @property
+    def kind(self) -> str:
+        return self.backend.kind
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise ClosedResourceError(f"device {self.name} is closed")
+
+    def default_queue(self) -> Copier:
+        assert self.queue is not None, "a device makes its default queue when it opens"
+        return self.queue

@@ -1,0 +1,39 @@
+"""Program: a compiled kernel loaded on one device, ready for ``Queue.launch``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._compile import ParamKind
+from ._device_state import DeviceState
+
+
+class Program:
+    """A kernel loaded on one device, ready for ``Queue.launch``."""
+
+    def __init__(
+        self,
+        state: DeviceState,
+        name: str,
+        params: tuple[ParamKind, ...],
+        binary: bytes,
+        native: Any,
+    ) -> None:
+        self._state = state
+        self.device = state.device
+        self.name = name
+        self.params = params
+        self.binary = binary
+        self.native = native
+        self.buffer_count = params.count("buffer")
+        self.value_count = params.count("value")
+        # Launch arguments come as buffers then values; `order` maps them to the
+        # parameter order (None when the kernel already declares them so).
+        buffers = [i for i, k in enumerate(params) if k == "buffer"]
+        values = [i for i, k in enumerate(params) if k == "value"]
+        position = {p: i for i, p in enumerate(buffers + values)}
+        order = [position[p] for p in range(len(params))]
+        self.order: list[int] | None = None if order == sorted(order) else order
+
+    def __repr__(self) -> str:
+        return f"<Program {self.name!r} on {self._state.name} params={self.params}>"
