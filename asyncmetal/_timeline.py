@@ -168,14 +168,27 @@ class Timeline(Waitable):
                 "this is a queue's own timeline: only its queue signals it; "
                 "make one with device.timeline()"
             )
-        previous = self._last_signal
-        if previous is not None and previous[0].value < previous[1]:
+        if self._signal_pending():
+            previous = self._last_signal
+            assert previous is not None
             raise InvalidArgumentError(
                 f"a queue's signal of this timeline to {previous[2]} has not run yet: the "
                 f"host may signal it only after that (await timeline.wait({previous[2]}))"
             )
         self._highest = value
         self.native.signal(value)
+
+    def _signal_pending(self) -> bool:
+        """Whether the last queue signal of this timeline has not run yet: its queue has
+        not done the command, and the timeline has not reached its target (a queue raises
+        the timeline before it records the command as done, so a waiter can see the
+        value first)."""
+        previous = self._last_signal
+        return (
+            previous is not None
+            and previous[0].value < previous[1]
+            and self.native.value < previous[2]
+        )
 
     async def wait(self, value: int) -> None:
         """Wait until the timeline reaches ``value``.
@@ -228,7 +241,7 @@ def order_queue_signal(timeline: Timeline, value: object, signaller: Timeline) -
         raise InvalidArgumentError("a queue's own timeline is signalled by its queue only")
     value = timeline._check_signal(value, "value")
     previous = timeline._last_signal
-    if previous is not None and previous[0] is not signaller and previous[0].value < previous[1]:
+    if previous is not None and previous[0] is not signaller and timeline._signal_pending():
         return value, previous[2]
     return value, 0
 

@@ -149,6 +149,24 @@ async def test_signals_take_effect_in_submission_order(
     tl.signal(3)
 
 
+async def test_the_host_may_signal_once_a_queues_signal_is_seen(device: am.Device) -> None:
+    """A queue raises a timeline before it records the signalling command as done: a
+    task that saw the value (as told: await timeline.wait(target)) may signal the
+    timeline from the host at once, though the queue has not recorded it yet. (Once a
+    race under load; here the queue is held behind a gate while the value is seen.)
+    Checked: refused with "has not run yet" before the timeline's own value counted."""
+    tl, gate = device.timeline(), device.timeline()
+    q = device.new_queue()
+    q.wait(gate, 1)
+    q.signal(tl, 5)  # held behind the gate: the queue has not done it
+    tl.native.signal(5)  # the value the signal writes, seen before the queue records it
+    await tl.wait(5)
+    tl.signal(6)
+    gate.signal(1)
+    await q.marker()
+    assert tl.value == 6
+
+
 @pytest.mark.parametrize("due", [True, False])
 async def test_a_wait_due_soon_is_checked_for_rather_than_parked(
     device: am.Device, due: bool
