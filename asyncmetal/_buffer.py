@@ -95,10 +95,10 @@ class Buffer(Exports):
     def _exported(self) -> tuple[Buffer, np.dtype[Any], tuple[int, ...] | None]:
         return self, _BYTES, None  # untyped: 1-D uint8, see typed()
 
+    def _export_state(self) -> DeviceState:
+        return self._state
+
     def _lend(self, hold: bool = True) -> tuple[Any, Callable[[], None]]:
-        """The native handle of the memory, and a function that ends the loan: until it is
-        called (once, on any thread, even inside the GC) the memory is neither released
-        nor reused, even once the buffer is freed. For consumers outside asyncmetal."""
         allocation = self._allocation
         if not hold:
             return allocation.handle, _no_loan

@@ -22,6 +22,7 @@ from ._buffer import Buffer, wrap_buffer
 from ._buffer import foreign_buffer as _foreign_buffer
 from ._compile import ParamKind, source_key
 from ._device_state import DeviceState
+from ._dlpack import device_dlpack
 from ._errors import (
     ArgumentTypeError,
     AsyncMetalError,
@@ -72,6 +73,7 @@ class Device:
     def __init__(self, name: str, backend: Backend) -> None:
         # What the layers below see of this device: they are handed this, not the Device.
         self._state = DeviceState(name, backend, self)
+        self._state.adopt = self.adopt_stream
         self._backend = backend
         self._queues: list[Queue] = []
         self._adopted: dict[object, Queue] = {}  # by stream
@@ -115,6 +117,12 @@ class Device:
     def writable(self) -> bool:
         """Whether its buffers can be written (the npy device's are read-only sources)."""
         return self._backend.writable
+
+    @property
+    def dlpack_device(self) -> tuple[int, int]:
+        """Its memory's DLPack (device type, index), as its buffers'
+        ``__dlpack_device__`` say: (kDLCPU, 0) for host memory, (kDLCUDA, N) for cuda:N."""
+        return device_dlpack(self._state)
 
     @property
     def total_memory(self) -> int:

@@ -82,22 +82,25 @@ class DLManagedTensorVersioned(ctypes.Structure):
 
 
 _api = ctypes.pythonapi
-_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
     ("PyCapsule_GetPointer", _api)
 )
-_capsule_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
+capsule_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
     ("PyCapsule_IsValid", _api)
 )
-_capsule_set_name = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
+capsule_set_name = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
     ("PyCapsule_SetName", _api)
 )
 # Names must outlive every capsule: module-level buffers.
-_NAME = ctypes.create_string_buffer(b"dltensor")
-_NAME_VERSIONED = ctypes.create_string_buffer(b"dltensor_versioned")
-_USED = ctypes.create_string_buffer(b"used_dltensor")
-_USED_VERSIONED = ctypes.create_string_buffer(b"used_dltensor_versioned")
+CAPSULE_NAME = ctypes.create_string_buffer(b"dltensor")
+CAPSULE_NAME_VERSIONED = ctypes.create_string_buffer(b"dltensor_versioned")
+USED_NAME = ctypes.create_string_buffer(b"used_dltensor")
+USED_NAME_VERSIONED = ctypes.create_string_buffer(b"used_dltensor_versioned")
 # Where a capsule's DLTensor starts in its managed tensor.
-_TENSOR_AT = {_NAME.value: 0, _NAME_VERSIONED.value: DLManagedTensorVersioned.dl_tensor.offset}
+_TENSOR_AT = {
+    CAPSULE_NAME.value: 0,
+    CAPSULE_NAME_VERSIONED.value: DLManagedTensorVersioned.dl_tensor.offset,
+}
 
 
 class _Loan:
@@ -132,16 +135,16 @@ def dtype_code(dtype: np.dtype[Any]) -> tuple[int, int]:
 
 def dlpack_device(buffer: Buffer) -> tuple[int, int]:
     """``__dlpack_device__`` of a buffer: (device type, device index)."""
-    return device_dlpack(buffer.device)
+    return device_dlpack(buffer._export_state())
 
 
-def device_dlpack(device: Any) -> tuple[int, int]:
-    """A device's DLPack (device type, index): its backend says the type; host memory
-    is device 0, other memory the device's own index (``cuda:1`` is 1)."""
-    backend = device._backend
+def device_dlpack(state: Any) -> tuple[int, int]:
+    """The DLPack (device type, index) of a device's state: its backend says the type;
+    host memory is device 0, other memory the device's own index (``cuda:1`` is 1)."""
+    backend = state.backend
     if not backend.dlpack_device_type:
-        raise BufferError(f"{device.name} buffers have no DLPack device type")
-    index = 0 if backend.host_visible else int(device.name.partition(":")[2] or 0)
+        raise BufferError(f"{state.name} buffers have no DLPack device type")
+    index = 0 if backend.host_visible else int(state.name.partition(":")[2] or 0)
     return backend.dlpack_device_type, index
 
 
@@ -179,14 +182,16 @@ def export_dlpack(
     memory.loan = _Loan(release)
     array = np.frombuffer(memory, dtype).reshape(shape)
     versioned = max_version is not None and tuple(max_version) >= (1, 0)
-    if versioned and not buffer.device._backend.writable:
+    if versioned and not buffer._export_state().backend.writable:
         array.flags.writeable = False  # the read-only flag (the legacy capsule has none)
     try:
         capsule: object = array.__dlpack__(max_version=DLPACK_VERSION if versioned else None)
     except TypeError:  # a numpy before the versioned protocol
         capsule = array.__dlpack__()
-    name = _NAME_VERSIONED if _capsule_valid(capsule, _NAME_VERSIONED) else _NAME
-    tensor = DLTensor.from_address(_capsule_pointer(capsule, name) + _TENSOR_AT[name.value])
+    name = (
+        CAPSULE_NAME_VERSIONED if capsule_valid(capsule, CAPSULE_NAME_VERSIONED) else CAPSULE_NAME
+    )
+    tensor = DLTensor.from_address(capsule_pointer(capsule, name) + _TENSOR_AT[name.value])
     tensor.device = DLDevice(device_type, device_id)
     if byte_offset:
         tensor.data, tensor.byte_offset = data, byte_offset
@@ -205,19 +210,20 @@ def _data_pointer(buffer: Buffer, handle: Any, device_type: int) -> tuple[int, i
 def _order_for_consumer(buffer: Buffer, stream: int | None) -> None:
     """Make the consumer see the commands that use ``buffer``: its stream waits for them
     on the device; for host memory there is nothing to wait on, so they must be done."""
-    if not buffer.device._backend.host_visible:  # device memory: a device with streams
+    state = buffer._export_state()
+    if not state.backend.host_visible:  # device memory: a device with streams
         if stream == _STREAM_NONE:
             return
         if stream == 0:
             raise BufferError(
                 "stream 0 is ambiguous for CUDA (DLPack): pass 1 for the legacy stream"
             )
-        queue = buffer.device.adopt_stream(1 if stream is None else stream)
+        queue = state.adopt(1 if stream is None else stream)
         queue.after(buffer)
         return
     if buffer.busy():
         raise BufferError(
-            f"a command using this {buffer.device.name} buffer is still in flight: await it "
+            f"a command using this {state.name} buffer is still in flight: await it "
             "(or queue.marker()) before sharing the memory, which the consumer reads at once"
         )
 
@@ -229,6 +235,23 @@ class Exports:
     __slots__ = ()
 
     def _exported(self) -> tuple[Buffer, np.dtype[Any], tuple[int, ...] | None]:
+        raise NotImplementedError
+
+    # What the functions above ask of the buffer that _exported names (a Buffer
+    # implements them):
+    def _export_state(self) -> Any:
+        """The DeviceState of the buffer's device (backend, name, its ``adopt`` of a
+        consumer's stream, its default queue)."""
+        raise NotImplementedError
+
+    def _check_usable(self, what: str) -> None:
+        """Raise if the buffer cannot be used now (freed, its device closed)."""
+        raise NotImplementedError
+
+    def _lend(self, hold: bool = True) -> tuple[Any, Callable[[], None]]:
+        """The native handle of the memory, and a function that ends the loan: until it
+        is called (once, on any thread, even inside the GC) the memory is neither
+        released nor reused, even once the buffer is freed (``hold`` False: no loan)."""
         raise NotImplementedError
 
     def __dlpack__(
@@ -310,14 +333,15 @@ def cuda_array_interface(
     buffer._check_usable("buffer")
     if dlpack_device(buffer)[0] != KDLCUDA:
         raise AttributeError(
-            f"__cuda_array_interface__ is for cuda buffers; this one is on {buffer.device.name}"
+            f"__cuda_array_interface__ is for cuda buffers; this one is on "
+            f"{buffer._export_state().name}"
         )
     dtype = np.dtype(dtype)
     if shape is None:
         shape = (buffer.nbytes // dtype.itemsize,)
     stream = None
     if buffer.busy():
-        queue = buffer.device.queue
+        queue = buffer._export_state().default_queue()
         queue.after(buffer)
         stream = queue.handle
     handle, _ = buffer._lend(hold=False)

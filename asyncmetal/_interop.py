@@ -19,23 +19,22 @@ from . import backends
 from ._buffer import Buffer
 from ._device import Device, foreign_buffer, open_devices
 from ._dlpack import (
-    _NAME,
-    _NAME_VERSIONED,
-    _USED,
-    _USED_VERSIONED,
+    CAPSULE_NAME,
+    CAPSULE_NAME_VERSIONED,
     DLPACK_VERSION,
     KDLCPU,
     KDLCUDA,
     KDLCUDAHOST,
+    USED_NAME,
+    USED_NAME_VERSIONED,
     DLManagedTensor,
     DLManagedTensorVersioned,
     DLTensor,
-    _capsule_pointer,
-    _capsule_set_name,
-    _capsule_valid,
-    device_dlpack,
+    capsule_pointer,
+    capsule_set_name,
+    capsule_valid,
 )
-from ._errors import ArgumentTypeError, InvalidArgumentError
+from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
 
 
 class _Imported:
@@ -73,14 +72,15 @@ def _device_for(device_type: int, device_id: int, given: Device | None) -> Devic
     if given is not None:
         if not isinstance(given, Device):
             raise ArgumentTypeError(f"device must be a Device, got {type(given).__name__}")
-        given._check_open()
-        if device_dlpack(given) != where:
+        if given.closed:
+            raise ClosedResourceError(f"device {given.name} is closed")
+        if given.dlpack_device != where:
             raise InvalidArgumentError(f"the array is on DLPack device {where}, not {given.name}")
         return given
     last = _last_found.get(where)
     if last is not None and not last.closed:
         return last
-    found = [d for d in open_devices() if d.writable and device_dlpack(d) == where]
+    found = [d for d in open_devices() if d.writable and d.dlpack_device == where]
     found.sort(key=lambda d: d.name not in (backends.HOST, f"{backends.HOST}:0"))
     if not found:
         raise InvalidArgumentError(
@@ -137,12 +137,12 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     except TypeError:  # a producer of the protocol before max_version
         capsule = obj.__dlpack__() if stream is None else obj.__dlpack__(stream=stream)
     managed: DLManagedTensor | DLManagedTensorVersioned
-    if _capsule_valid(capsule, _NAME_VERSIONED):
-        address = _capsule_pointer(capsule, _NAME_VERSIONED)
-        managed, used = DLManagedTensorVersioned.from_address(address), _USED_VERSIONED
-    elif _capsule_valid(capsule, _NAME):
-        address = _capsule_pointer(capsule, _NAME)
-        managed, used = DLManagedTensor.from_address(address), _USED
+    if capsule_valid(capsule, CAPSULE_NAME_VERSIONED):
+        address = capsule_pointer(capsule, CAPSULE_NAME_VERSIONED)
+        managed, used = DLManagedTensorVersioned.from_address(address), USED_NAME_VERSIONED
+    elif capsule_valid(capsule, CAPSULE_NAME):
+        address = capsule_pointer(capsule, CAPSULE_NAME)
+        managed, used = DLManagedTensor.from_address(address), USED_NAME
     else:
         raise ArgumentTypeError("__dlpack__ returned no unconsumed DLPack capsule")
     tensor: DLTensor = managed.dl_tensor
@@ -151,7 +151,7 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     strides = tuple(tensor.strides[:ndim]) if tensor.strides else None
     nbytes = _nbytes(shape, strides, tensor.dtype.bits * tensor.dtype.lanes)
     data = (tensor.data or 0) + tensor.byte_offset
-    _capsule_set_name(capsule, used)  # consumed: the deleter is ours to call
+    capsule_set_name(capsule, used)  # consumed: the deleter is ours to call
     host = device_type != KDLCUDA
     memory = _Imported(obj, address, managed.deleter, data, nbytes if host else 0)
     return _buffer(target, memory, nbytes)

@@ -246,14 +246,14 @@ def driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Driver]:
         timeline_reader=lambda address: ctypes.c_uint64.from_address(address),
     )
     _bind(monkeypatch, "_native", native)
-    _bind(monkeypatch, "_install_driver", lambda lib: None)
+    _bind(monkeypatch, "install_driver", lambda lib: None)
     _bind(monkeypatch, "_opened", {})
     _bind(monkeypatch, "_peers_done", set())
     _bind(monkeypatch, "_listed", [])
     _bind(monkeypatch, "STAGE_RING", 2)
     _bind(monkeypatch, "STAGE_CHUNK", 1 << 20)
-    _bind(monkeypatch, "_lost_first", None)
-    _bind(monkeypatch, "_live_queues", weakref.WeakSet())
+    _bind(monkeypatch, "lost_first", None)
+    _bind(monkeypatch, "live_queues", weakref.WeakSet())
     kept = set(_staging._MAPPED)
     yield fake
     leaked = set(_staging._MAPPED) - kept
@@ -277,12 +277,12 @@ def test_a_chunk_whose_registration_fails_raises_the_drivers_error(
     expected = DeviceLostError if error in (700, 719) else MemoryError
     for _ in range(3):
         with pytest.raises(expected, match=error.name) as caught:
-            _staging._Chunk(1 << 20)
+            _staging.Chunk(1 << 20)
         assert not isinstance(caught.value.__context__, BufferError)
         del caught
         assert set(_staging._MAPPED) == kept and not driver.registered
     driver.fail.clear()
-    chunk = _staging._Chunk(1 << 20)  # and the next one maps and registers as usual
+    chunk = _staging.Chunk(1 << 20)  # and the next one maps and registers as usual
     assert chunk.address in driver.registered
     ctypes.memset(chunk.address, 1, chunk.nbytes)
     chunk.free()

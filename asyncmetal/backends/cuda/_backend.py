@@ -15,20 +15,20 @@ from ..._errors import AsyncMetalError
 from . import _driver
 from ._compiler import CUDACompiler
 from ._driver import (
-    _LOST,
-    _error_name,
-    _install_driver,
-    _lost_error,
-    _refuse_if_lost,
+    LOST,
     check,
     cu,
     driver_error,
+    error_name,
+    install_driver,
+    process_lost_error,
+    refuse_if_lost,
 )
 from ._interop import check_stream_context, device_index_of, keeps_context, stream_handle
-from ._peer import _enable_peer_access
+from ._peer import enable_peer_access
 from ._queue import CUDAQueue
-from ._staging import STAGE_CHUNK, STAGE_RING, STAGE_SPARE, _Chunk
-from ._timeline import CUDATimeline, _Pinned
+from ._staging import STAGE_CHUNK, STAGE_RING, STAGE_SPARE, Chunk
+from ._timeline import CUDATimeline, Pinned
 
 _listed: list[str] = []  # the devices the driver listed last
 
@@ -45,7 +45,7 @@ class CUDABackend(Backend):
         global _listed
         if cu is None or os.environ.get("ASYNCMETAL_WORKER"):
             return []
-        if _driver._lost_first is not None:  # what was listed: opening one says the process is lost
+        if _driver.lost_first is not None:  # what was listed: opening one says the process is lost
             return list(_listed)
         try:
             (err,) = cu.cuInit(0)
@@ -64,7 +64,7 @@ class CUDABackend(Backend):
                 "the cuda device needs cuda-bindings: pip install asyncmetal[cuda]"
             )
         where = self.name = f"cuda:{index}"
-        _refuse_if_lost(f"opening {where}")
+        refuse_if_lost(f"opening {where}")
         check(cu.cuInit(0), "cuInit", where)
         self.index = index
         self.device = check(cu.cuDeviceGet(index), "cuDeviceGet", where)
@@ -117,12 +117,12 @@ class CUDABackend(Backend):
         )
         self._compiler = CUDACompiler(f"sm_{major}{minor}")
         self.lib = _native.runtime()
-        _install_driver(self.lib)
+        install_driver(self.lib)
         self._modules: list[Any] = []
-        self._slot_arenas: list[_Pinned] = []
+        self._slot_arenas: list[Pinned] = []
         self._free_slots: list[int] = []
         self._slot_lock = threading.Lock()
-        self._chunks = [_Chunk(STAGE_CHUNK, where) for _ in range(STAGE_RING + STAGE_SPARE)]
+        self._chunks = [Chunk(STAGE_CHUNK, where) for _ in range(STAGE_RING + STAGE_SPARE)]
         self._chunk_lock = threading.Lock()
         self.live_allocations = 0
         # cuMemFree synchronizes the device: never on a loop, always on this thread.
@@ -131,7 +131,7 @@ class CUDABackend(Backend):
             target=self._free_loop, name="asyncmetal-cuda-free", daemon=True
         )
         self._freer.start()
-        _enable_peer_access(self)
+        enable_peer_access(self)
 
     def make_current(self) -> None:
         """Make this device's context current on the calling thread. The current context
@@ -142,10 +142,10 @@ class CUDABackend(Backend):
             check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent", self.name)
 
     def lost_error(self, what: str) -> BaseException | None:
-        return None if _driver._lost_first is None else _lost_error(f"{what} on {self.name}")
+        return None if _driver.lost_first is None else process_lost_error(f"{what} on {self.name}")
 
     @keeps_context
-    def take_chunk(self, pin: bool = True) -> _Chunk | None:
+    def take_chunk(self, pin: bool = True) -> Chunk | None:
         """A pinned staging chunk of the device's (pinned when it opened, or given back by
         a closed queue); if none is left, a newly pinned one, or None without ``pin``."""
         with self._chunk_lock:
@@ -154,9 +154,9 @@ class CUDABackend(Backend):
         if not pin:
             return None
         self.make_current()
-        return _Chunk(STAGE_CHUNK, self.name)
+        return Chunk(STAGE_CHUNK, self.name)
 
-    def give_chunk(self, chunk: _Chunk) -> None:
+    def give_chunk(self, chunk: Chunk) -> None:
         with self._chunk_lock:
             self._chunks.append(chunk)
 
@@ -165,7 +165,7 @@ class CUDABackend(Backend):
         with self._slot_lock:
             if not self._free_slots:
                 self.make_current()
-                arena = _Pinned(64 << 10, self.name)
+                arena = Pinned(64 << 10, self.name)
                 self._slot_arenas.append(arena)
                 self._free_slots = [arena.address + 128 * i for i in range(arena.nbytes // 128)]
             return self._free_slots.pop()
@@ -184,20 +184,20 @@ class CUDABackend(Backend):
 
     @keeps_context
     def load(self, binary: bytes, name: str) -> Any:
-        _refuse_if_lost(f"loading kernel {name!r} on {self.name}")
+        refuse_if_lost(f"loading kernel {name!r} on {self.name}")
         self.make_current()
         module = check(cu.cuModuleLoadData(binary), "cuModuleLoadData", self.name)
         self._modules.append(module)
         err, function = cu.cuModuleGetFunction(module, name.encode())
         if int(err) != 0:
-            if _error_name(err) in _LOST or _driver._lost_first is not None:
+            if error_name(err) in LOST or _driver.lost_first is not None:
                 raise driver_error("cuModuleGetFunction", err, self.name)
             raise AttributeError(name)  # the device turns this into a CompileError
         return int(function)  # a CUfunction's address, as the native launch takes it
 
     @keeps_context
     def allocate(self, nbytes: int) -> Any:
-        _refuse_if_lost(f"allocating {nbytes} bytes on {self.name}")
+        refuse_if_lost(f"allocating {nbytes} bytes on {self.name}")
         self.make_current()
         pointer = int(check(cu.cuMemAlloc(nbytes), "cuMemAlloc", self.name))
         self.live_allocations += 1

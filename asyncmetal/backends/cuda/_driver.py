@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover - without cuda-bindings there is no cuda
 # it restarts -- on every device, not just the one that faulted (on two H200s a fault on
 # cuda:1 failed cuda:0's next cuMemAlloc, and its cuMemHostRegister when cuda:0 was
 # opened again). An uncorrectable ECC error is treated alike: device memory is corrupt.
-_LOST = {
+LOST = {
     "CUDA_ERROR_ILLEGAL_ADDRESS",
     "CUDA_ERROR_LAUNCH_FAILED",
     "CUDA_ERROR_ILLEGAL_INSTRUCTION",
@@ -38,12 +38,12 @@ _LOST = {
 }
 
 
-_UNCONFIRMED = (1 << 64) - 1
-_lost_lock = threading.Lock()
+UNCONFIRMED = (1 << 64) - 1
+lost_lock = threading.Lock()
 # The first sticky error the process saw, and which call or command saw it. Once set, every
 # cuda device of the process reports itself lost (DeviceLostError): open, alloc, load,
 # new queues, submissions, and completions not confirmed by then.
-_lost_first: str | None = None
+lost_first: str | None = None
 
 
 class LiveQueue(Protocol):
@@ -56,34 +56,34 @@ class LiveQueue(Protocol):
     def _timeline(self) -> NativeTimeline: ...
 
 
-_live_queues: weakref.WeakSet[LiveQueue] = weakref.WeakSet()  # what to mark when it is set
+live_queues: weakref.WeakSet[LiveQueue] = weakref.WeakSet()  # what to mark when it is set
 
 
 def _lose_process(first: str) -> None:
     """Note the process's CUDA state lost (once): each queue keeps the value its timeline
     had reached, the commands up to which the driver confirmed before."""
-    global _lost_first
-    with _lost_lock:
-        if _lost_first is None:
-            for queue in list(_live_queues):
+    global lost_first
+    with lost_lock:
+        if lost_first is None:
+            for queue in list(live_queues):
                 queue._confirmed_at_loss = queue._timeline.value
-            _lost_first = first
+            lost_first = first
 
 
-def _lost_error(what: str) -> DeviceLostError:
+def process_lost_error(what: str) -> DeviceLostError:
     return DeviceLostError(
-        f"{what}: the process's CUDA state is lost ({_lost_first}). The driver fails every "
+        f"{what}: the process's CUDA state is lost ({lost_first}). The driver fails every "
         "later CUDA call of this process, on every device: restart the process to use "
         "CUDA again. Separate processes (one per device, say) contain such faults"
     )
 
 
-def _refuse_if_lost(what: str) -> None:
-    if _lost_first is not None:
-        raise _lost_error(what)
+def refuse_if_lost(what: str) -> None:
+    if lost_first is not None:
+        raise process_lost_error(what)
 
 
-def _error_name(err: Any) -> str:
+def error_name(err: Any) -> str:
     try:
         return str(cu.CUresult(int(err)).name)
     except Exception:
@@ -94,12 +94,12 @@ def driver_error(call: str, err: Any, where: str = "") -> AsyncMetalError:
     """The asyncmetal exception for CUDA result ``err`` of driver ``call`` (on device
     ``where``). A sticky error marks the process's CUDA state lost; once it is, every
     error is reported as that loss (the driver's state is corrupt, whatever it says)."""
-    name = _error_name(err)
+    name = error_name(err)
     at = f"{call} on {where}" if where else call
-    if name in _LOST:
+    if name in LOST:
         _lose_process(f"{name}, first seen by {at}")
-    if _lost_first is not None:
-        return _lost_error(f"{at} failed with {name}")
+    if lost_first is not None:
+        return process_lost_error(f"{at} failed with {name}")
     if name == "CUDA_ERROR_OUT_OF_MEMORY":
         return _CudaOutOfMemory(f"{at} failed: {name}")
     return AsyncMetalError(f"{at} failed: {name}")
@@ -125,7 +125,7 @@ _DRIVER_ABI = (12000, 13000)
 _installed = False
 
 
-def _install_driver(lib: Any) -> None:
+def install_driver(lib: Any) -> None:
     """Hand the native runtime the driver functions it calls, from cuGetProcAddress."""
     global _installed
     if _installed:

@@ -86,7 +86,7 @@ def keeps_context(method: Callable[_P, _R]) -> Callable[_P, _R]:
 
     @functools.wraps(method)
     def keeping(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        if _driver._lost_first is not None:  # refused before any driver call
+        if _driver.lost_first is not None:  # refused before any driver call
             return method(*args, **kwargs)
         before: Any = cu.cuCtxGetCurrent()[1]
         try:

@@ -24,7 +24,7 @@ _opened: dict[int, tuple[Any, Any]] = {}  # ordinal -> (CUdevice, primary contex
 _peers_done: set[tuple[int, int]] = set()  # (device, peer) ordinals with access enabled
 
 
-def _enable_peer_access(backend: PeerDevice) -> None:
+def enable_peer_access(backend: PeerDevice) -> None:
     """Let this device and every other GPU opened in this process read each other's
     memory where the hardware can (NVLink or PCIe peer to peer), once per pair: peer
     copies then go device to device instead of through host memory (38 GB/s on the

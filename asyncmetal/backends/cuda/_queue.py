@@ -11,9 +11,9 @@ from ... import _native, _native_contract
 from ..._backend import Arg, KeepAlive, NativeQueue, NativeTimeline, Record, host_address
 from ..._errors import AsyncMetalError, DeviceLostError
 from . import _driver
-from ._driver import _UNCONFIRMED, _lost_error, _refuse_if_lost, check, cu, driver_error
+from ._driver import UNCONFIRMED, check, cu, driver_error, process_lost_error, refuse_if_lost
 from ._interop import keeps_context
-from ._staging import STAGE_CHUNK, STAGE_DIRECT, STAGED_BYTES_PER_NS, StagingDevice, _Staging
+from ._staging import STAGE_CHUNK, STAGE_DIRECT, STAGED_BYTES_PER_NS, Staging, StagingDevice
 from ._timeline import CUDATimeline
 
 MAX_PARAMS = 64
@@ -50,7 +50,7 @@ class CUDAQueue(NativeQueue):
     ) -> None:
         """A queue over a new stream, or over the stream ``adopt`` of another library,
         which closing the queue leaves to its owner."""
-        _refuse_if_lost(f"a new queue on {backend.name}")
+        refuse_if_lost(f"a new queue on {backend.name}")
         self._backend = backend
         self._timeline = timeline
         lib = self._lib = backend.lib
@@ -86,14 +86,14 @@ class CUDAQueue(NativeQueue):
         self._copy = self._lib.am_cuq_copy if extension is None else extension.cuq_copy
         self._dims: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
         self._dims_arrays: list[ctypes.Array[ctypes.c_uint]] = []
-        self._staging: _Staging | None = None  # made at the first large pageable copy
+        self._staging: Staging | None = None  # made at the first large pageable copy
         # Commands up to this value were confirmed before the process's CUDA state was
         # lost (set then); every later one failed with it.
-        self._confirmed_at_loss = _UNCONFIRMED
-        with _driver._lost_lock:
-            if _driver._lost_first is not None:  # lost while this queue was being made
+        self._confirmed_at_loss = UNCONFIRMED
+        with _driver.lost_lock:
+            if _driver.lost_first is not None:  # lost while this queue was being made
                 self._confirmed_at_loss = 0
-            _driver._live_queues.add(self)
+            _driver.live_queues.add(self)
 
     def _failed(self, code: int) -> AsyncMetalError:
         if code == -1:
@@ -104,7 +104,7 @@ class CUDAQueue(NativeQueue):
     def _lost(self, what: str) -> DeviceLostError:
         """The process-wide loss, for a submission refused after it (the native launch
         path finds it at its driver calls, or when its completion is awaited)."""
-        return _lost_error(f"{what} on {self._backend.name}")
+        return process_lost_error(f"{what} on {self._backend.name}")
 
     def _check(self, code: int) -> None:
         """Raise what a native submission call's nonzero result means."""
@@ -155,14 +155,14 @@ class CUDAQueue(NativeQueue):
         self._check(self._lib.am_cuq_memcpy(self._q, to_device, dst, src, nbytes, value))
 
     def failure(self, value: int) -> BaseException | None:
-        if not self._error.value and _driver._lost_first is None:  # the common case: no call
+        if not self._error.value and _driver.lost_first is None:  # the common case: no call
             return None
         code, first = self._first_error()
         if code and value >= first:
             where = f"a stream of {self._backend.name}"
             return driver_error(f"the command at value {first}", code, where)
-        if _driver._lost_first is not None and value > self._confirmed_at_loss:
-            return _lost_error(f"the command at value {value} on {self._backend.name}")
+        if _driver.lost_first is not None and value > self._confirmed_at_loss:
+            return process_lost_error(f"the command at value {value} on {self._backend.name}")
         return None
 
     def stats(self) -> dict[str, int]:
@@ -203,7 +203,7 @@ class CUDAQueue(NativeQueue):
         value: int,
         record: Record,
     ) -> None:
-        if _driver._lost_first is not None:
+        if _driver.lost_first is not None:
             raise self._lost("a launch")
         if len(args) > MAX_PARAMS:
             raise AsyncMetalError(f"cuda kernels take at most {MAX_PARAMS} parameters here")
@@ -241,14 +241,14 @@ class CUDAQueue(NativeQueue):
 
     def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, CUDATimeline)
-        if _driver._lost_first is not None:
+        if _driver.lost_first is not None:
             raise self._lost("a signal")
         self._write(value, timeline, target)  # native calls: they make the context current
         self._finish(value, timeline, extra=timeline, target=target)
 
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, CUDATimeline)
-        if _driver._lost_first is not None:
+        if _driver.lost_first is not None:
             raise self._lost("a wait")
         # Native calls only (they make the context current); none if confirmed already.
         confirms = None
@@ -269,7 +269,7 @@ class CUDAQueue(NativeQueue):
     def copy(
         self, dst: Arg, src: Arg, nbytes: int, value: int, record: Record, peer: Any = None
     ) -> None:
-        if _driver._lost_first is not None:
+        if _driver.lost_first is not None:
             raise self._lost("a copy")
         # Expected at most ~1 ns per KB on one H200 (~2 TB/s each way), ~3 between two
         # (~390 GB/s over NVLink): the completion thread polls that long.
@@ -286,13 +286,13 @@ class CUDAQueue(NativeQueue):
         self._check(code)
         record.due_ns = time.perf_counter_ns() + expected
 
-    def _staging_for(self) -> _Staging:
+    def _staging_for(self) -> Staging:
         if self._staging is None:
-            self._staging = _Staging(self._backend)
+            self._staging = Staging(self._backend)
         return self._staging
 
     def marker(self, value: int, record: Record) -> None:
-        if _driver._lost_first is not None:
+        if _driver.lost_first is not None:
             raise self._lost("a marker")
         # An event, recorded in a native call (context kept). What it covers (another
         # library's work) is of unknown length. A lone marker -- everything before it
@@ -308,7 +308,7 @@ class CUDAQueue(NativeQueue):
 
     @keeps_context
     def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
-        if _driver._lost_first is not None:
+        if _driver.lost_first is not None:
             raise self._lost("a copy from the host")
         self._backend.make_current()
         address = host_address(src)[0]
@@ -331,7 +331,7 @@ class CUDAQueue(NativeQueue):
 
     @keeps_context
     def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
-        if _driver._lost_first is not None:
+        if _driver.lost_first is not None:
             raise self._lost("a copy to the host")
         self._backend.make_current()
         address = host_address(dst)[0]

@@ -42,7 +42,7 @@ def _map(nbytes: int) -> int:
     """Map ``nbytes`` of anonymous memory aligned to ``HUGE_PAGE``, kept in ``_MAPPED``
     until unmapped; return its address. A function of its own so that no frame but this
     one, gone once it returns, holds the ctypes view: a map cannot close while a view of
-    it lives, and a ``_Chunk.__init__`` whose registration failed unmaps with its own
+    it lives, and a ``Chunk.__init__`` whose registration failed unmaps with its own
     frame still alive (its traceback is being raised)."""
     if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: private, so huge pages may back it
         private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
@@ -57,7 +57,7 @@ def _map(nbytes: int) -> int:
     return address
 
 
-class _Chunk:
+class Chunk:
     """A pinned staging chunk, with the device word its host copies mark it ready on (a
     stream waits on it): its ``generation``-th use is ready once the word reaches it.
 
@@ -105,9 +105,9 @@ class _Chunk:
 class StagingDevice(TimelineDevice, Protocol):
     """What staging needs of its GPU (a ``CUDABackend``): its pool of pinned chunks."""
 
-    def take_chunk(self, pin: bool = True) -> _Chunk | None: ...
+    def take_chunk(self, pin: bool = True) -> Chunk | None: ...
 
-    def give_chunk(self, chunk: _Chunk) -> None: ...
+    def give_chunk(self, chunk: Chunk) -> None: ...
 
 
 class _HostCopier:
@@ -130,7 +130,7 @@ class _HostCopier:
         src: int,
         nbytes: int,
         keep: object,
-        chunk: _Chunk,
+        chunk: Chunk,
         after: tuple[CUDATimeline, int] | None,
     ) -> tuple[CUDATimeline, int]:
         """Copy ``nbytes`` into or out of ``chunk`` in parts, once ``after``'s device word
@@ -158,7 +158,7 @@ class _HostCopier:
             q.close(abandon)
 
 
-class _Staging:
+class Staging:
     """A queue's machinery for pageable host copies: host-copy threads, a ring of pinned
     chunks and a timeline its stream marks chunks done on.
 
@@ -175,10 +175,10 @@ class _Staging:
         self.copier = _HostCopier(backend, HOST_COPY_THREADS)
         self.marks = CUDATimeline(backend)
         self._marked = 0
-        self._ring: collections.deque[tuple[_Chunk, CUDATimeline, int]] = collections.deque()
+        self._ring: collections.deque[tuple[Chunk, CUDATimeline, int]] = collections.deque()
         self._count = 0
 
-    def acquire(self) -> tuple[_Chunk, tuple[CUDATimeline, int] | None]:
+    def acquire(self) -> tuple[Chunk, tuple[CUDATimeline, int] | None]:
         """A chunk, and the (timeline, value) its previous use ends at, if not yet."""
         ring = self._ring
         if not (ring and ring[0][1].reached(ring[0][2])) and self._count < STAGE_RING:
@@ -189,7 +189,7 @@ class _Staging:
         chunk, timeline, value = ring.popleft()  # every chunk it has is in the ring now
         return chunk, None if timeline.reached(value) else (timeline, value)
 
-    def release_after(self, chunk: _Chunk, timeline: CUDATimeline, value: int) -> None:
+    def release_after(self, chunk: Chunk, timeline: CUDATimeline, value: int) -> None:
         self._ring.append((chunk, timeline, value))
 
     def unfinished(self) -> list[tuple[CUDATimeline, int]]:

@@ -21,7 +21,7 @@ class TimelineDevice(Protocol):
     def _release_slot(self, slot: int) -> None: ...
 
 
-class _Pinned:
+class Pinned:
     """Pinned, device-mapped, portable host memory."""
 
     def __init__(self, nbytes: int, where: str = "") -> None:

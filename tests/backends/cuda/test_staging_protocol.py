@@ -1,5 +1,5 @@
 """The cuda staging protocol without a GPU: the queue's ring of pinned chunks
-(``_Staging``), its host-copy threads sharing each chunk's parts (``_HostCopier``,
+(``Staging``), its host-copy threads sharing each chunk's parts (``_HostCopier``,
 native queue threads) and the device words they wait on and raise, against a simulated
 stream (a Python thread running stream operations in order: waits on device words, the
 DMA as a memmove, writes of device words).
@@ -28,8 +28,8 @@ CHUNK = 64 << 10
 RING = 4
 
 
-class _StubChunk(cb._Chunk):
-    """A staging chunk in plain memory (``_Chunk`` without cuMemHostAlloc)."""
+class _StubChunk(cb.Chunk):
+    """A staging chunk in plain memory (``Chunk`` without cuMemHostAlloc)."""
 
     def __init__(self) -> None:
         self._memory = (ctypes.c_uint8 * CHUNK)()
@@ -155,7 +155,7 @@ def test_staged_copies_reuse_chunks_before_their_last_use_ran(
     data = [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(2)]
     device = np.zeros(nbytes, np.uint8)
     backend = _StubBackend(pooled)
-    staging = cb._Staging(backend)  # type: ignore[arg-type]
+    staging = cb.Staging(backend)  # type: ignore[arg-type]
     stream = _Stream()
     try:
         for d in data:  # in, out, in again over the same ring, out again
@@ -212,7 +212,7 @@ def test_chunks_stay_mapped_while_registered(monkeypatch: pytest.MonkeyPatch) ->
         for i in range(12):
             if i == 11:
                 monkeypatch.setattr(mmap, "mmap", NoHugePages)
-            chunk = cb._Chunk(1 << 20)
+            chunk = cb.Chunk(1 << 20)
             assert chunk.address % cb.HUGE_PAGE == 0 and chunk.address in registered
             ctypes.memset(chunk.address, i, chunk.nbytes)  # mapped and writable
             if i % 2:
