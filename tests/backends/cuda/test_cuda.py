@@ -324,13 +324,19 @@ async def test_two_gpus_opened_can_read_each_others_memory(anyio_backend: object
 
     async with am.open_device("cuda:0") as d0, am.open_device("cuda:1") as d1:
         b0, b1 = d0._backend, d1._backend
-        for src, dst in ((b0, b1), (b1, b0)):
-            (err, can) = cu.cuDeviceCanAccessPeer(src.device, dst.device)  # type: ignore[attr-defined]
-            if not can:
-                continue
-            src.make_current()  # type: ignore[attr-defined]
-            (err,) = cu.cuCtxEnablePeerAccess(dst.context, 0)  # type: ignore[attr-defined]
-            assert err == cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, err
+        # The checks make each device's context current here: the thread's own is given
+        # back after them (later tests, and PyTorch and CuPy, read the current device).
+        before = cu.cuCtxGetCurrent()[1]  # type: ignore[attr-defined]
+        try:
+            for src, dst in ((b0, b1), (b1, b0)):
+                (err, can) = cu.cuDeviceCanAccessPeer(src.device, dst.device)  # type: ignore[attr-defined]
+                if not can:
+                    continue
+                src.make_current()  # type: ignore[attr-defined]
+                (err,) = cu.cuCtxEnablePeerAccess(dst.context, 0)  # type: ignore[attr-defined]
+                assert err == cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, err
+        finally:
+            cu.cuCtxSetCurrent(before)  # type: ignore[attr-defined]
         n = 64 << 20
         a, b = await d0.alloc(n), await d1.alloc(n)
         data = np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8)
