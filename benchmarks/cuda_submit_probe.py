@@ -65,6 +65,9 @@ async def main() -> dict[str, Any]:
     async with am.open_device("cuda:0") as dev:
         empty = await dev.compile(EMPTY, "empty")
         q = dev.new_queue()
+        # The raw driver calls below run in the device's context: asyncmetal's calls give
+        # the thread back the context it had (none, here).
+        dev._backend.make_current()  # type: ignore[attr-defined]
         native = q._native
         stream = native.stream  # type: ignore[attr-defined]
         s = int(stream)
