@@ -172,6 +172,13 @@ def export_dlpack(
     dtype_code(dtype)  # one DLPack exports
     if shape is None:
         shape = (buffer.nbytes // dtype.itemsize,)
+    versioned = max_version is not None and tuple(max_version) >= (1, 0)
+    writable = buffer._export_state().backend.writable
+    if not writable and not versioned:  # as numpy does: the legacy capsule has no flag
+        raise BufferError(
+            "the buffer is read-only and a legacy DLPack capsule cannot say so: ask with "
+            "max_version=(1, 0) or later"
+        )
     _order_for_consumer(buffer, stream)
     handle, release = buffer._lend()
     data, byte_offset = _data_pointer(buffer, handle, device_type)
@@ -181,9 +188,8 @@ def export_dlpack(
     memory = (ctypes.c_uint8 * buffer.nbytes).from_address(data)
     memory.loan = _Loan(release)
     array = np.frombuffer(memory, dtype).reshape(shape)
-    versioned = max_version is not None and tuple(max_version) >= (1, 0)
-    if versioned and not buffer._export_state().backend.writable:
-        array.flags.writeable = False  # the read-only flag (the legacy capsule has none)
+    if not writable:
+        array.flags.writeable = False  # the read-only flag
     try:
         capsule: object = array.__dlpack__(max_version=DLPACK_VERSION if versioned else None)
     except TypeError:  # a numpy before the versioned protocol
@@ -221,6 +227,11 @@ def _order_for_consumer(buffer: Buffer, stream: int | None) -> None:
         queue = state.adopt(1 if stream is None else stream)
         queue.after(buffer)
         return
+    if stream is not None:
+        raise BufferError(
+            f"{state.name} buffers are host memory: DLPack's stream must be None for them, "
+            f"got {stream!r}"
+        )
     if buffer.busy():
         raise BufferError(
             f"a command using this {state.name} buffer is still in flight: await it "

@@ -22,6 +22,7 @@ from ._dlpack import (
     CAPSULE_NAME,
     CAPSULE_NAME_VERSIONED,
     DLPACK_VERSION,
+    FLAG_READ_ONLY,
     KDLCPU,
     KDLCUDA,
     KDLCUDAHOST,
@@ -139,7 +140,21 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     managed: DLManagedTensor | DLManagedTensorVersioned
     if capsule_valid(capsule, CAPSULE_NAME_VERSIONED):
         address = capsule_pointer(capsule, CAPSULE_NAME_VERSIONED)
-        managed, used = DLManagedTensorVersioned.from_address(address), USED_NAME_VERSIONED
+        versioned = DLManagedTensorVersioned.from_address(address)
+        # Refused before it is consumed: the capsule's own destructor then calls the
+        # producer's deleter.
+        if versioned.version.major > DLPACK_VERSION[0]:
+            raise BufferError(
+                f"the capsule is DLPack {versioned.version.major}.{versioned.version.minor}; "
+                f"asyncmetal reads {DLPACK_VERSION[0]}.x"
+            )
+        if versioned.flags & FLAG_READ_ONLY:
+            raise BufferError(
+                "the array is read-only, and kernels and copies may write a Buffer: pass a "
+                "writable array (or, for a host array used only as a copy's source, "
+                "await asyncmetal.from_numpy(array))"
+            )
+        managed, used = versioned, USED_NAME_VERSIONED
     elif capsule_valid(capsule, CAPSULE_NAME):
         address = capsule_pointer(capsule, CAPSULE_NAME)
         managed, used = DLManagedTensor.from_address(address), USED_NAME

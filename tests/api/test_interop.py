@@ -236,3 +236,62 @@ async def test_what_from_dlpack_refuses(anyio_backend: object) -> None:
         finally:
             await other.close()
         assert am.from_dlpack(np.zeros(4), device=dev).device is dev
+
+
+async def test_from_dlpack_refuses_read_only_memory_and_newer_versions(
+    anyio_backend: object,
+) -> None:
+    """A versioned capsule flagged read-only is refused (kernels and copies write
+    buffers: one over an immutable ``bytes`` once changed it), and so is one of a major
+    version asyncmetal cannot read; the producer's deleter still runs. Checked: both
+    were wrapped before."""
+    from asyncmetal._dlpack import CAPSULE_NAME_VERSIONED, DLManagedTensorVersioned, capsule_pointer
+
+    class Newer:
+        """A producer whose capsules claim DLPack 2.0."""
+
+        def __init__(self, array: np.ndarray) -> None:
+            self.array = array
+
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return self.array.__dlpack_device__()  # type: ignore[no-any-return]
+
+        def __dlpack__(self, **kwargs: object) -> object:
+            capsule = self.array.__dlpack__(max_version=(1, 0))
+            address = capsule_pointer(capsule, CAPSULE_NAME_VERSIONED)
+            DLManagedTensorVersioned.from_address(address).version.major = 2
+            return capsule
+
+    async with am.open_device("cpu"):
+        raw = bytes(16)
+        with pytest.raises(BufferError, match="read-only"):
+            am.from_dlpack(np.frombuffer(raw, np.int32))
+        assert raw == bytes(16)
+        base = np.zeros(4, np.int32)
+        view = base.view()
+        view.flags.writeable = False
+        with pytest.raises(BufferError, match="read-only"):
+            am.from_dlpack(view)
+        with pytest.raises(BufferError, match=r"DLPack 2\.0"):
+            am.from_dlpack(Newer(base))
+        assert am.from_dlpack(base).nbytes == 16  # writable: wrapped
+
+
+async def test_host_exports_take_no_stream_and_read_only_ones_are_versioned(
+    anyio_backend: object,
+) -> None:
+    """Host memory has no stream to order on: a stream other than None is refused, as
+    the protocol says. A read-only buffer (npy) exports only as a versioned capsule,
+    whose flag says so; the legacy capsule cannot, so it is refused, as numpy does.
+    Checked: both were accepted before (the legacy capsule writable)."""
+    async with am.open_device("cpu") as dev:
+        buf = await dev.alloc(64)
+        with pytest.raises(BufferError, match="stream must be None"):
+            buf.__dlpack__(stream=5)
+        assert buf.__dlpack__(stream=None) is not None
+    source = await am.from_numpy(np.arange(4, dtype=np.int32))
+    with pytest.raises(BufferError, match="read-only"):
+        source.__dlpack__()
+    shared = np.from_dlpack(source.typed(np.int32))  # numpy asks for a versioned one
+    assert shared.tolist() == [0, 1, 2, 3]
+    assert not shared.flags.writeable
