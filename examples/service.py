@@ -36,6 +36,8 @@ extern "C" __global__ void affine(int* out, int k, int n) {
 }
 """
 MODEL_WIDTH = 256
+MAX_N = 1 << 22  # the largest request: 16 MiB of output, and i * k fits an int
+MAX_K = 256
 
 
 def build_model() -> Any:
@@ -63,7 +65,12 @@ class Service:
             self.queue = device.adopt_stream(self.torch_stream)  # marker(): an event there
 
     async def compute(self, request: web.Request) -> web.Response:
-        n, k = int(request.query.get("n", "1024")), int(request.query.get("k", "1"))
+        try:
+            n, k = int(request.query.get("n", "1024")), int(request.query.get("k", "1"))
+        except ValueError:
+            raise web.HTTPBadRequest(text="n and k are integers") from None
+        if not (0 < n <= MAX_N and -MAX_K <= k <= MAX_K):
+            raise web.HTTPBadRequest(text=f"n in [1, {MAX_N}] and k in [-{MAX_K}, {MAX_K}]")
         async with await self.device.alloc(4 * n) as out:
             grid = {"global_size": n, "local_size": 128} if self.device.kind == "cuda" else {}
             await self.device.queue.launch(self.kernel, out, vals=(k, n), **grid)

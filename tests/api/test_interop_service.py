@@ -122,6 +122,19 @@ async def test_the_service_computes_concurrently_and_stays_healthy(cpu_service: 
     assert max(latencies) < 2.0
 
 
+async def test_the_service_refuses_what_it_cannot_compute(cpu_service: str) -> None:
+    """Requests outside what the kernel computes exactly are answered 400, at once: a
+    size of 0, a negative one, one that would allocate gigabytes, a factor whose products
+    overflow an int, and what is not a number. Checked: each was a 500 (or a 12 GB
+    allocation) before."""
+    async with httpx.AsyncClient(base_url=cpu_service, timeout=30) as client:
+        for query in ("n=0", "n=-4", "n=abc", "n=3000000000", "n=1024&k=100000", "k=x"):
+            response = await client.get(f"/compute?{query}")
+            assert response.status_code == 400, (query, response.text)
+        response = await client.get("/compute?n=8&k=2")
+        assert response.json() == {"sum": sum(i * 2 + 1 for i in range(8)), "n": 8}
+
+
 async def test_the_model_endpoint_needs_torch_on_cuda(cpu_service: str) -> None:
     async with httpx.AsyncClient(base_url=cpu_service) as client:
         response = await client.get("/model")
