@@ -224,7 +224,10 @@ def _order_for_consumer(buffer: Buffer, stream: int | None) -> None:
             raise BufferError(
                 "stream 0 is ambiguous for CUDA (DLPack): pass 1 for the legacy stream"
             )
-        queue = state.adopt(1 if stream is None else stream)
+        try:
+            queue = state.adopt(1 if stream is None else stream)
+        except InvalidArgumentError as refused:  # the protocol's error for a consumer
+            raise BufferError(str(refused)) from None
         queue.after(buffer)
         return
     if stream is not None:

@@ -70,6 +70,7 @@ class _Driver:
     CU_MEMHOSTALLOC_PORTABLE = 1
     CU_MEMHOSTALLOC_DEVICEMAP = 2
     CUstream_flags = types.SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
+    CUstream = int  # a handle, as the bindings' CUstream(handle) wraps one
     CUdevice_attribute = types.SimpleNamespace(
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR=75,
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR=76,
@@ -508,3 +509,21 @@ async def test_a_lone_marker_is_polled_and_one_behind_others_is_not(
     assert [m.due_ns > 0 for m in markers] == [True, False, True]
     word.value = 3
     await dev.close()
+
+
+async def test_the_null_stream_is_the_legacy_one_and_a_consumer_gets_buffer_errors(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """Adopting stream 0 (the NULL stream) and stream 1 (CU_STREAM_LEGACY) gives one
+    queue: both are the legacy default stream (two queues ordered it on two timelines).
+    A DLPack consumer whose stream cannot be ordered on (the per-thread default stream,
+    2) gets the protocol's BufferError. Checked: two queues, and InvalidArgumentError,
+    before."""
+    dev = await am.open_device("cuda:0")
+    try:
+        assert dev.adopt_stream(0) is dev.adopt_stream(1)
+        buf = await dev.alloc(256)
+        with pytest.raises(BufferError, match="per-thread default stream"):
+            buf.__dlpack__(stream=2)
+    finally:
+        await dev.close()

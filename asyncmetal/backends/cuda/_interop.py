@@ -55,7 +55,7 @@ def stream_handle(stream: object) -> int:
             "the per-thread default stream (2) differs from thread to thread and cannot be "
             "adopted: adopt a stream of your own (or the legacy default stream, 1)"
         )
-    return handle
+    return handle or STREAM_LEGACY  # 0, the NULL stream, is the legacy one: one queue
 
 
 def check_stream_context(handle: int, context_address: int, where: str) -> None:
