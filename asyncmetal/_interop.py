@@ -26,6 +26,7 @@ from ._dlpack import (
     KDLCPU,
     KDLCUDA,
     KDLCUDAHOST,
+    KDLMETAL,
     USED_NAME,
     USED_NAME_VERSIONED,
     DLManagedTensor,
@@ -131,6 +132,8 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
             f"got {type(obj).__name__}"
         )
     device_type, device_id = (int(x) for x in obj.__dlpack_device__())
+    if device_type == KDLMETAL:  # an MTLBuffer and an offset, not an address
+        raise BufferError("from_dlpack of Metal memory is not supported yet")
     target = _device_for(device_type, device_id, device)
     stream = target.queue.handle if device_type == KDLCUDA else None
     try:

@@ -295,3 +295,20 @@ async def test_host_exports_take_no_stream_and_read_only_ones_are_versioned(
     shared = np.from_dlpack(source.typed(np.int32))  # numpy asks for a versioned one
     assert shared.tolist() == [0, 1, 2, 3]
     assert not shared.flags.writeable
+
+
+async def test_from_dlpack_refuses_metal_memory(anyio_backend: object) -> None:
+    """A Metal tensor is an MTLBuffer and an offset, not an address: refused, before
+    any device is looked for (with a metal device open it was wrapped as host memory,
+    its handle read as an address). Checked: fails without the refusal."""
+
+    class MetalTensor:
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return (8, 0)  # kDLMetal
+
+        def __dlpack__(self, **kwargs: object) -> object:
+            return np.zeros(4, np.int32).__dlpack__()
+
+    async with am.open_device("cpu"):
+        with pytest.raises(BufferError, match="Metal memory"):
+            am.from_dlpack(MetalTensor())
