@@ -18,6 +18,7 @@ from ._errors import AsyncMetalError as AsyncMetalError
 from ._errors import ClosedResourceError as ClosedResourceError
 from ._errors import CompileError as CompileError
 from ._errors import DeviceLostError as DeviceLostError
+from ._errors import ExchangeError as ExchangeError
 from ._errors import InvalidArgumentError as InvalidArgumentError
 from ._errors import OutOfMemoryError as OutOfMemoryError
 from ._interop import from_dlpack as from_dlpack
@@ -29,3 +30,34 @@ from ._timeline import Timeline as Timeline
 from ._transfer import copy as copy
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "MemoryStatistics",
+    "LoopStatistics",
+    "loop_statistics",
+    "Buffer",
+    "CacheWarning",
+    "CompileCache",
+    "Compiler",
+    "Device",
+    "devices",
+    "from_numpy",
+    "open_device",
+    "open_devices",
+    "TypedView",
+    "ArgumentTypeError",
+    "AsyncMetalError",
+    "ClosedResourceError",
+    "CompileError",
+    "DeviceLostError",
+    "ExchangeError",
+    "InvalidArgumentError",
+    "OutOfMemoryError",
+    "from_dlpack",
+    "CompilePool",
+    "Program",
+    "Completion",
+    "Queue",
+    "Timeline",
+    "copy",
+]

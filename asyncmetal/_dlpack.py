@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import ArgumentTypeError, InvalidArgumentError
+from ._errors import ArgumentTypeError, ExchangeError, InvalidArgumentError
 
 # The buffers here are asyncmetal Buffers, typed Any: _buffer imports this module, and
 # layers depend downward only.
@@ -143,7 +143,7 @@ def device_dlpack(state: Any) -> tuple[int, int]:
     host memory is device 0, other memory the device's own index (``cuda:1`` is 1)."""
     backend = state.backend
     if not backend.dlpack_device_type:
-        raise BufferError(f"{state.name} buffers have no DLPack device type")
+        raise ExchangeError(f"{state.name} buffers have no DLPack device type")
     index = 0 if backend.host_visible else int(state.name.partition(":")[2] or 0)
     return backend.dlpack_device_type, index
 
@@ -162,12 +162,12 @@ def export_dlpack(
     buffer._check_usable("buffer")
     device_type, device_id = dlpack_device(buffer)
     if dl_device is not None and tuple(dl_device) != (device_type, device_id):
-        raise BufferError(
+        raise ExchangeError(
             f"the buffer is on DLPack device {(device_type, device_id)}, not {tuple(dl_device)}:"
             " asyncmetal exports without copying (copy it with asyncmetal.copy first)"
         )
     if copy:
-        raise BufferError("asyncmetal exports without copying: copy=True is not supported")
+        raise ExchangeError("asyncmetal exports without copying: copy=True is not supported")
     dtype = np.dtype(dtype)
     dtype_code(dtype)  # one DLPack exports
     if shape is None:
@@ -175,7 +175,7 @@ def export_dlpack(
     versioned = max_version is not None and tuple(max_version) >= (1, 0)
     writable = buffer._export_state().backend.writable
     if not writable and not versioned:  # as numpy does: the legacy capsule has no flag
-        raise BufferError(
+        raise ExchangeError(
             "the buffer is read-only and a legacy DLPack capsule cannot say so: ask with "
             "max_version=(1, 0) or later"
         )
@@ -221,22 +221,22 @@ def _order_for_consumer(buffer: Buffer, stream: int | None) -> None:
         if stream == _STREAM_NONE:
             return
         if stream == 0:
-            raise BufferError(
+            raise ExchangeError(
                 "stream 0 is ambiguous for CUDA (DLPack): pass 1 for the legacy stream"
             )
         try:
             queue = state.adopt(1 if stream is None else stream)
         except InvalidArgumentError as refused:  # the protocol's error for a consumer
-            raise BufferError(str(refused)) from None
+            raise ExchangeError(str(refused)) from None
         queue.after(buffer)
         return
     if stream is not None:
-        raise BufferError(
+        raise ExchangeError(
             f"{state.name} buffers are host memory: DLPack's stream must be None for them, "
             f"got {stream!r}"
         )
     if buffer.busy():
-        raise BufferError(
+        raise ExchangeError(
             f"a command using this {state.name} buffer is still in flight: await it "
             "(or queue.marker()) before sharing the memory, which the consumer reads at once"
         )

@@ -43,5 +43,10 @@ class DeviceLostError(AsyncMetalError):
     """The device (or its context) failed; its work cannot complete."""
 
 
+class ExchangeError(AsyncMetalError, BufferError):
+    """A buffer cannot be shared with another library as asked (DLPack,
+    ``__cuda_array_interface__``): the exchange protocols' BufferError."""
+
+
 class ClosedResourceError(AsyncMetalError):
     """The device, queue or buffer has been closed or freed."""

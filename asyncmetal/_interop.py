@@ -36,7 +36,7 @@ from ._dlpack import (
     capsule_set_name,
     capsule_valid,
 )
-from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
+from ._errors import ArgumentTypeError, ClosedResourceError, ExchangeError, InvalidArgumentError
 
 
 class _Imported:
@@ -133,7 +133,7 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
         )
     device_type, device_id = (int(x) for x in obj.__dlpack_device__())
     if device_type == KDLMETAL:  # an MTLBuffer and an offset, not an address
-        raise BufferError("from_dlpack of Metal memory is not supported yet")
+        raise ExchangeError("from_dlpack of Metal memory is not supported yet")
     target = _device_for(device_type, device_id, device)
     stream = target.queue.handle if device_type == KDLCUDA else None
     try:
@@ -147,12 +147,12 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
         # Refused before it is consumed: the capsule's own destructor then calls the
         # producer's deleter.
         if versioned.version.major > DLPACK_VERSION[0]:
-            raise BufferError(
+            raise ExchangeError(
                 f"the capsule is DLPack {versioned.version.major}.{versioned.version.minor}; "
                 f"asyncmetal reads {DLPACK_VERSION[0]}.x"
             )
         if versioned.flags & FLAG_READ_ONLY:
-            raise BufferError(
+            raise ExchangeError(
                 "the array is read-only, and kernels and copies may write a Buffer: pass a "
                 "writable array (or, for a host array used only as a copy's source, "
                 "await asyncmetal.from_numpy(array))"

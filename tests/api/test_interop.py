@@ -264,8 +264,9 @@ async def test_from_dlpack_refuses_read_only_memory_and_newer_versions(
 
     async with am.open_device("cpu"):
         raw = bytes(16)
-        with pytest.raises(BufferError, match="read-only"):
+        with pytest.raises(BufferError, match="read-only") as refused:
             am.from_dlpack(np.frombuffer(raw, np.int32))
+        assert isinstance(refused.value, am.AsyncMetalError)  # as every error (ExchangeError)
         assert raw == bytes(16)
         base = np.zeros(4, np.int32)
         view = base.view()
