@@ -69,8 +69,9 @@ class CCompiler(Compiler):
     def compile(self, src: str) -> bytes:
         cc = self._executable()
         if shutil.which(cc) is None:
+            missing = "is not an executable" if os.sep in cc else "is not on PATH"
             raise CompileError(
-                f"compiling cpu kernels needs a C compiler: {cc!r} is not on PATH "
+                f"compiling cpu kernels needs a C compiler: {cc!r} {missing} "
                 "(install one, or set $CC to one)"
             )
         with tempfile.TemporaryDirectory(prefix="asyncmetal-cc-") as tmp:

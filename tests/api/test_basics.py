@@ -145,3 +145,14 @@ async def test_queues_and_timelines_come_only_from_their_device(device: am.Devic
         am.Timeline(device)
     assert device.new_queue().device is device
     assert device.timeline().value == 0
+
+
+def test_a_missing_c_compiler_is_named_as_given() -> None:
+    """A compiler named by path that is not there is said not to be an executable; one
+    named by name, not to be on PATH (a path was said to be 'not on PATH')."""
+    from asyncmetal.backends.cpu import CCompiler
+
+    with pytest.raises(am.CompileError, match="'/nonexistent/cc' is not an executable"):
+        CCompiler("/nonexistent/cc").compile("void f(void) {}")
+    with pytest.raises(am.CompileError, match="'no-such-cc-here' is not on PATH"):
+        CCompiler("no-such-cc-here").compile("void f(void) {}")
