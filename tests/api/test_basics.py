@@ -156,3 +156,16 @@ def test_a_missing_c_compiler_is_named_as_given() -> None:
         CCompiler("/nonexistent/cc").compile("void f(void) {}")
     with pytest.raises(am.CompileError, match="'no-such-cc-here' is not on PATH"):
         CCompiler("no-such-cc-here").compile("void f(void) {}")
+
+
+def test_the_package_lists_its_api() -> None:
+    """``__all__`` names every public class, function and error the package exports (so
+    pydoc and ``from asyncmetal import *`` show the API), and nothing else."""
+    import inspect
+
+    exported = {
+        name
+        for name, value in vars(am).items()
+        if not name.startswith("_") and not inspect.ismodule(value)
+    }
+    assert set(am.__all__) == exported
