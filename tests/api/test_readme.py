@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import asyncmetal as am
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,3 +49,44 @@ def test_overlap_example() -> None:
     out = _run(str(ROOT / "examples" / "overlap.py"))
     assert out.count("compiled; launching") == 8
     assert "all done" in out
+
+
+def _readme_programs() -> list[str]:
+    """The README's Python blocks that are complete programs (they run their main);
+    the others are fragments of a program that needs a GPU."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```$", readme, flags=re.S | re.M)
+    return [block for block in blocks if "anyio.run(main)" in block]
+
+
+def test_readme_programs_run() -> None:
+    programs = _readme_programs()
+    assert len(programs) >= 3  # the first example, the compile_many one, the numpy one
+    for program in programs:
+        proc = subprocess.run(
+            [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0, f"{program}\n{proc.stderr}"
+
+
+def test_readme_compile_many_goes_on_past_failures() -> None:
+    """The README's catch-and-continue snippet: the failing kernels are reported and the
+    good one still comes, as the README says it prints."""
+    (program,) = [p for p in _readme_programs() if "compile_many" in p]
+    out = _run("-c", program)
+    assert "ready: ['inc']" in out
+    assert "not built: ['absent', 'broken']" in out
+    assert out.count("failed:") == 2
+    readme = (ROOT / "README.md").read_text()
+    assert "It prints `ready: ['inc']` and `not built: ['absent', 'broken']`." in readme
+
+
+def test_readme_names_every_export() -> None:
+    """Every top-level name is documented in README's API section."""
+    readme = (ROOT / "README.md").read_text()
+    api = readme.split("\n## API\n", 1)[1].split("\n## ", 1)[0]
+    missing = [name for name in am.__all__ if not re.search(rf"`{name}\b", api)]
+    assert not missing
+    # and README names nothing as ``am.X`` or ``asyncmetal.X`` that is not exported
+    named = set(re.findall(r"\b(?:am|asyncmetal)\.([A-Za-z]\w*)", readme))
+    assert named - set(am.__all__) - {"backends"} == set()
