@@ -5,9 +5,9 @@ commands in order -- kernel calls, memmoves, timeline signals and waits -- witho
 taking the GIL. Timelines are 64-bit counters in the runtime; a queue thread that
 reaches a value some loop awaits writes one byte to that loop's pipe.
 
-Kernels are called with up to 16 parameters, each passed as a 64-bit integer register
-or stack slot (pointers, and ints widened): right for the x86-64 System V and AArch64
-Linux calling conventions, which read an ``int`` from the low half.
+Kernels are called with up to 16 parameters (compiling refuses more), each passed as a
+64-bit integer register or stack slot (pointers, and ints widened): right for the x86-64
+System V and AArch64 Linux calling conventions, which read an ``int`` from the low half.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from .._backend import (
     Record,
     host_address,
 )
-from .._compile import Compiler
+from .._compile import Compiler, ParamKind
 from .._errors import ArgumentTypeError, ClosedResourceError, CompileError
 
 _ALIGN = 64
@@ -87,6 +87,17 @@ class CCompiler(Compiler):
                 raise CompileError(f"{cc} failed with exit code {proc.returncode}", log)
             with open(out, "rb") as f:
                 return f.read()
+
+    def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
+        """The kernel's parameters, refused when the queue threads could not pass them
+        all: checked before compiling, not at every launch."""
+        params = super().params(src, name)
+        if len(params) > MAX_ARGS:
+            raise CompileError(
+                f"cpu kernel {name!r} has {len(params)} parameters; cpu kernels take at most "
+                f"{MAX_ARGS} (buffers and vals together)"
+            )
+        return params
 
 
 @functools.lru_cache(maxsize=8)

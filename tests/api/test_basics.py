@@ -97,6 +97,24 @@ async def test_compile_many_yields_each(device: am.Device) -> None:
     assert got == names
 
 
+async def test_a_cpu_kernel_with_too_many_parameters_is_refused_at_compile(
+    anyio_backend: object,
+) -> None:
+    """17 parameters cannot be passed by the cpu queue threads: compile says so, rather
+    than handing out a program every launch of which fails."""
+    wide = "void wide(float* out, " + ", ".join(f"int a{i}" for i in range(16)) + ") {}"
+    async with am.open_device("cpu") as device:
+        with pytest.raises(am.CompileError, match=r"'wide' has 17 parameters; .* at most 16"):
+            await device.compile(wide, "wide")
+        steps = device.compile_many([(wide, "wide"), (KERNELS, "empty")])
+        with pytest.raises(am.CompileError, match="'wide' has 17"):
+            await steps.__anext__()
+        assert (await steps.__anext__()).name == "empty"
+        at_most = "void most(" + ", ".join(f"int a{i}" for i in range(16)) + ") {}"
+        most = await device.compile(at_most, "most")
+        await device.queue.launch(most, vals=tuple(range(16)))
+
+
 async def test_compile_pool_configured_from_the_public_namespace(
     anyio_backend: object, tmp_path: Path
 ) -> None:
