@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
+import importlib.util
+import sys
 import time
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 import numpy as np
@@ -43,7 +47,10 @@ def info() -> None:
 async def demo(name: str | None) -> None:
     async with am.open_device(name) as dev:
         if dev.kind not in DEMO_KERNELS:
-            raise SystemExit(f"the demo has kernels for {', '.join(DEMO_KERNELS)} only")
+            raise SystemExit(
+                f"python -m asyncmetal demo: its kernels are for {', '.join(DEMO_KERNELS)} "
+                f"only, not {dev.name} (run it with --device cpu)"
+            )
         src = DEMO_KERNELS[dev.kind]
         print(f"device {dev.name}: compiling 3 kernels in the worker pool")
         programs: dict[str, am.Program] = {}
@@ -93,36 +100,109 @@ async def demo(name: str | None) -> None:
             raise SystemExit(1)
 
 
-def main() -> None:
+def _loop_missing(loop: str) -> str | None:
+    """What running on ``loop`` needs that is not installed here, if anything."""
+    if loop == "trio" and importlib.util.find_spec("trio") is None:
+        return "the trio loop needs trio, which is not installed here (pip install trio)"
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m asyncmetal")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="list the devices that can be opened")
     demo_parser = sub.add_parser("demo", help="run a short checked job on a device")
-    demo_parser.add_argument("--device", default="cpu")
+    demo_parser.add_argument(
+        "--device", default="cpu", help="a device `info` lists (the demo's kernels are C: cpu)"
+    )
     demo_parser.add_argument("--loop", choices=["asyncio", "trio"], default="asyncio")
-    bench_parser = sub.add_parser("bench", help="awaited launches against thread hand-offs")
+    bench_parser = sub.add_parser(
+        "bench",
+        help="time awaited empty cpu launches against the same C call handed to a thread",
+        description="Times one awaited empty launch on the cpu device, and the same C "
+        "function run through anyio.to_thread.run_sync (a thread hand-off), one at a time "
+        "and from many tasks at once, and prints both with their ratio.",
+    )
     bench_parser.add_argument("--loop", choices=["asyncio", "trio"], default="asyncio")
-    args = parser.parse_args()
+    bench_parser.add_argument(
+        "--launches", type=int, default=3000, help="awaited one at a time, per way (3000)"
+    )
+    bench_parser.add_argument(
+        "--tasks", type=int, default=200, help="tasks launching at once, 10 launches each (200)"
+    )
+    args = parser.parse_args(argv)
     if args.command == "info":
         info()
-    elif args.command == "demo":
-        anyio.run(demo, args.device, backend=args.loop)
-    else:
-        anyio.run(bench, backend=args.loop)
+        return 0
+    missing = _loop_missing(args.loop)
+    if missing is not None:
+        print(f"python -m asyncmetal {args.command}: {missing}", file=sys.stderr)
+        return 2
+    if args.command == "bench" and (args.launches < 1 or args.tasks < 1):
+        parser.error("--launches and --tasks must be at least 1")
+    try:
+        if args.command == "demo":
+            anyio.run(demo, args.device, backend=args.loop)
+        else:
+            anyio.run(bench, args.launches, args.tasks, backend=args.loop)
+    except am.AsyncMetalError as exc:
+        # What is missing here (a device, a C compiler) is said, not shown as a traceback.
+        print(f"python -m asyncmetal {args.command}: {exc}", file=sys.stderr)
+        if "not available" in str(exc):
+            print("(python -m asyncmetal info lists what can be opened here)", file=sys.stderr)
+        return 1
+    return 0
 
 
-async def bench() -> None:
+async def _timed(n: int, run: Callable[[], Awaitable[object]]) -> float:
+    """Mean seconds of one awaited ``run()``, over ``n`` in a row."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        await run()
+    return (time.perf_counter() - t0) / n
+
+
+async def _rate(tasks: int, run: Callable[[], Awaitable[object]]) -> float:
+    """Completions per second with ``tasks`` tasks each awaiting ``run()`` 10 times."""
+
+    async def worker() -> None:
+        for _ in range(10):
+            await run()
+
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for _ in range(tasks):
+            tg.start_soon(worker)
+    return 10 * tasks / (time.perf_counter() - t0)
+
+
+async def bench(launches: int = 3000, tasks: int = 200) -> None:
     async with am.open_device("cpu") as dev:
         empty = await dev.compile("void empty(void) {}", "empty")
-        for _ in range(500):
-            await dev.queue.launch(empty)
-        n = 5000
-        t0 = time.perf_counter()
-        for _ in range(n):
-            await dev.queue.launch(empty)
-        print(f"one awaited empty launch: {1e6 * (time.perf_counter() - t0) / n:.1f} us (mean)")
-        print("for the side-by-side comparison run benchmarks/cpu_await.py")
+        call = ctypes.CFUNCTYPE(None)(empty.native)  # the very function the queue calls
+        queue = dev.queue
+
+        async def awaited() -> None:
+            await queue.launch(empty)
+
+        async def handed_off() -> None:
+            await anyio.to_thread.run_sync(call)
+
+        ways = {"asyncmetal": awaited, "thread hand-off": handed_off}
+        for run in ways.values():  # warm both up: workers started, caches hot
+            await _timed(min(launches, 200), run)
+        mean = {name: await _timed(launches, run) for name, run in ways.items()}
+        rate = {name: await _rate(tasks, run) for name, run in ways.items()}
+    print(
+        "an empty cpu kernel awaited with asyncmetal, and the same C function through "
+        "anyio.to_thread.run_sync"
+    )
+    print(f"{'':32}{'asyncmetal':>12}{'thread hand-off':>17}{'ratio':>8} (asyncmetal/thread)")
+    a, t = mean["asyncmetal"], mean["thread hand-off"]
+    print(f"{'one at a time, mean (us)':32}{1e6 * a:12.1f}{1e6 * t:17.1f}{a / t:8.2f}")
+    a, t = rate["asyncmetal"], rate["thread hand-off"]
+    print(f"{f'{tasks} tasks at once, per second':32}{a:12.0f}{t:17.0f}{a / t:8.2f}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -20,13 +20,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import signal
+import sys
 from typing import Any
 
 import numpy as np
-from aiohttp import web
 
 import asyncmetal as am
+
+try:
+    from aiohttp import web
+except ImportError:  # said plainly, not as a traceback
+    sys.exit("examples/service.py needs aiohttp, which is not installed here (pip install aiohttp)")
 
 C_SRC = "void affine(int* out, int k, int n) { for (int i = 0; i < n; i++) out[i] = i * k + 1; }"
 CUDA_SRC = r"""
@@ -50,6 +56,10 @@ def build_model() -> Any:
         torch.nn.ReLU(),
         torch.nn.Linear(1024, MODEL_WIDTH),
     )
+
+
+class Refused(Exception):
+    """What this machine lacks for the service as asked (said, then the service exits)."""
 
 
 class Service:
@@ -95,8 +105,24 @@ class Service:
         return web.json_response({"ok": True, "device": self.device.name})
 
 
+def check_torch(device: am.Device) -> None:
+    """--torch runs the model on the device's GPU through PyTorch: both must be there."""
+    if device.kind != "cuda":
+        gpus = [name for name in am.devices() if name.startswith("cuda:")]
+        raise Refused(
+            f"--torch runs a PyTorch model on a cuda device, and {device.name} is not one "
+            f"(cuda devices here: {', '.join(gpus) or 'none'})"
+        )
+    import torch
+
+    if not torch.cuda.is_available():
+        raise Refused("--torch needs a PyTorch built with CUDA; this one sees no GPU")
+
+
 async def serve(device_name: str, host: str, port: int, use_torch: bool) -> None:
     async with am.open_device(device_name) as device:
+        if use_torch:
+            check_torch(device)
         source = CUDA_SRC if device.kind == "cuda" else C_SRC
         kernel = await device.compile(source, "affine")
         service = Service(device, kernel, use_torch)
@@ -125,8 +151,13 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8080, help="0: any free port")
     parser.add_argument("--torch", action="store_true", help="serve /model (a cuda device)")
     args = parser.parse_args()
-    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: stop quietly
-        asyncio.run(serve(args.device, args.host, args.port, args.torch))
+    if args.torch and importlib.util.find_spec("torch") is None:
+        parser.exit(2, "service.py: --torch needs PyTorch, which is not installed here\n")
+    try:
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: stop quietly
+            asyncio.run(serve(args.device, args.host, args.port, args.torch))
+    except (Refused, am.AsyncMetalError) as exc:  # a device not here, no C compiler, ...
+        parser.exit(2, f"service.py: {exc}\n")
 
 
 if __name__ == "__main__":

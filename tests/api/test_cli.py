@@ -1,0 +1,133 @@
+"""``python -m asyncmetal`` and examples/service.py where something they need is missing:
+each says what, and exits, without a traceback (a new user's first runs)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import asyncmetal as am
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICE = ROOT / "examples" / "service.py"
+
+
+def _run(
+    args: list[str], *, hide: tuple[str, ...] = (), tmp_path: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python ARGS``; modules named in ``hide`` cannot be imported in it."""
+    env = dict(os.environ)
+    if hide:
+        assert tmp_path is not None
+        # sitecustomize runs at start-up: a None in sys.modules makes a module absent.
+        (tmp_path / "sitecustomize.py").write_text(
+            "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in hide)
+        )
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def _said_plainly(proc: subprocess.CompletedProcess[str], code: int, *words: str) -> None:
+    assert proc.returncode == code, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    for word in words:
+        assert word in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("device", ["cuda:0", "cuda:7"])
+def test_demo_on_a_device_not_here_says_so(device: str) -> None:
+    if device in am.devices():
+        pytest.skip(f"{device} is here")
+    proc = _run(["-m", "asyncmetal", "demo", "--device", device])
+    _said_plainly(proc, 1, f"device {device!r} is not available here", "asyncmetal info")
+
+
+def test_demo_on_an_unknown_device_says_so() -> None:
+    proc = _run(["-m", "asyncmetal", "demo", "--device", "gpu"])
+    _said_plainly(proc, 1, "unknown device 'gpu'")
+
+
+def test_demo_on_a_device_it_has_no_kernels_for_says_so() -> None:
+    proc = _run(["-m", "asyncmetal", "demo", "--device", "npy"])
+    _said_plainly(proc, 1, "kernels are for cpu only, not npy")
+
+
+def test_demo_without_a_c_compiler_says_so(tmp_path: Path) -> None:
+    env_cc = {"CC": str(tmp_path / "no-cc"), "ASYNCMETAL_CACHE": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncmetal", "demo"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, **env_cc},
+    )
+    _said_plainly(proc, 1, "needs a C compiler", "is not an executable")
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_the_trio_loop_without_trio_says_so(command: str, tmp_path: Path) -> None:
+    proc = _run(["-m", "asyncmetal", command, "--loop", "trio"], hide=("trio",), tmp_path=tmp_path)
+    _said_plainly(proc, 2, "needs trio", "pip install trio")
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_bench_compares_with_a_thread_hand_off(loop: str) -> None:
+    """bench --help promises a comparison: bench prints both ways and their ratio."""
+    proc = _run(["-m", "asyncmetal", "bench", "--loop", loop, "--launches", "300", "--tasks", "20"])
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    header = next(line for line in lines if "thread hand-off" in line and "ratio" in line)
+    assert "asyncmetal" in header
+    for label in ("one at a time, mean (us)", "20 tasks at once, per second"):
+        (row,) = [line for line in lines if line.startswith(label)]
+        ours, theirs, ratio = (float(x) for x in row[len(label) :].split())
+        assert ours > 0 and theirs > 0
+        assert ratio == pytest.approx(ours / theirs, rel=0.05, abs=0.01)
+    helped = _run(["-m", "asyncmetal", "bench", "--help"]).stdout
+    assert "to_thread.run_sync" in helped
+
+
+def test_service_torch_without_torch_says_so(tmp_path: Path) -> None:
+    proc = _run([str(SERVICE), "--torch", "--port", "0"], hide=("torch",), tmp_path=tmp_path)
+    _said_plainly(proc, 2, "--torch needs PyTorch, which is not installed here")
+
+
+def test_service_torch_on_a_cpu_device_says_so(tmp_path: Path) -> None:
+    """With PyTorch present (a stand-in here: the refusal comes before it is used) and
+    no cuda device asked for, --torch refuses instead of crashing on the model."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('not to be used')\n")
+    proc = subprocess.run(
+        [sys.executable, str(SERVICE), "--torch", "--device", "cpu", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    _said_plainly(proc, 2, "--torch runs a PyTorch model on a cuda device, and cpu is not one")
+
+
+def test_service_without_aiohttp_says_so(tmp_path: Path) -> None:
+    proc = _run([str(SERVICE), "--port", "0"], hide=("aiohttp",), tmp_path=tmp_path)
+    _said_plainly(proc, 1, "needs aiohttp", "pip install aiohttp")
+
+
+def test_service_on_a_device_not_here_says_so() -> None:
+    if "cuda:7" in am.devices():
+        pytest.skip("cuda:7 is here")
+    proc = _run([str(SERVICE), "--device", "cuda:7", "--port", "0"])
+    _said_plainly(proc, 2, "device 'cuda:7' is not available here")
