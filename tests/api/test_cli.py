@@ -17,10 +17,14 @@ SERVICE = ROOT / "examples" / "service.py"
 
 
 def _run(
-    args: list[str], *, hide: tuple[str, ...] = (), tmp_path: Path | None = None
+    args: list[str],
+    *,
+    hide: tuple[str, ...] = (),
+    tmp_path: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python ARGS``; modules named in ``hide`` cannot be imported in it."""
-    env = dict(os.environ)
+    """Run ``python ARGS`` with ``env`` added; modules in ``hide`` cannot be imported."""
+    env = {**os.environ, **(env or {})}
     if hide:
         assert tmp_path is not None
         # sitecustomize runs at start-up: a None in sys.modules makes a module absent.
@@ -66,14 +70,7 @@ def test_demo_on_a_device_it_has_no_kernels_for_says_so() -> None:
 
 def test_demo_without_a_c_compiler_says_so(tmp_path: Path) -> None:
     env_cc = {"CC": str(tmp_path / "no-cc"), "ASYNCMETAL_CACHE": "0"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "asyncmetal", "demo"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, **env_cc},
-    )
+    proc = _run(["-m", "asyncmetal", "demo"], env=env_cc)
     _said_plainly(proc, 1, "needs a C compiler", "is not an executable")
 
 
@@ -110,14 +107,8 @@ def test_service_torch_on_a_cpu_device_says_so(tmp_path: Path) -> None:
     no cuda device asked for, --torch refuses instead of crashing on the model."""
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('not to be used')\n")
-    proc = subprocess.run(
-        [sys.executable, str(SERVICE), "--torch", "--device", "cpu", "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
-    )
+    args = [str(SERVICE), "--torch", "--device", "cpu", "--port", "0"]
+    proc = _run(args, env={"PYTHONPATH": str(tmp_path)})
     _said_plainly(proc, 2, "--torch runs a PyTorch model on a cuda device, and cpu is not one")
 
 
