@@ -108,6 +108,10 @@ class NativeTimeline(ABC):
     """
 
     c_timeline: int | None = None
+    # A host signal may release device waits, whose commands then finish in microseconds
+    # (their completion comes through a native thread): the signalling loop stays awake a
+    # moment to see it rather than sleep and be woken.
+    releases_device_work = False
 
     @property
     @abstractmethod

@@ -5,6 +5,10 @@
  */
 #include "cuda_stream.h"
 
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
 /* A held operation the driver refused: that command and every one after it will never
  * run. The queue fails from that command's value on (earlier ones are still confirmed
  * by their events); what is still held is dropped. Under mu. */
@@ -64,6 +68,9 @@ static void cuq_drain(am_cuq *q) {
 static void *cuq_run(void *arg) {
     am_cuq *q = arg;
     ((int (*)(void *))cu_funcs[CU_CTX_SET])(q->ctx);
+#ifdef PR_SET_TIMERSLACK
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  /* naps end on time: 1 us, not 50 */
+#endif
     int (*query)(void *) = (int (*)(void *))cu_funcs[CU_EVENT_QUERY];
     int (*sync)(void *) = (int (*)(void *))cu_funcs[CU_EVENT_SYNC];
     for (;;) {
@@ -100,7 +107,25 @@ static void *cuq_run(void *arg) {
              * but for no longer than CU_POLL_GAP_NS. */
             unsigned kicks = atomic_load(&kick_gen);
             long spin = e.spin_ns > q->spin_ns ? e.spin_ns : q->spin_ns;
-            int64_t t = now_ns(), deadline = t + spin, last = t - CU_POLL_GAP_NS;
+            int64_t t = now_ns();
+            /* A timed command expected to run a while longer: nap until shortly before
+             * it should be done, then poll through its expected end (a little past it),
+             * so that neither an interrupt nor a nap's wake-up comes after it. */
+            int64_t est = e.timed ? q->est_ns : 0;  /* (this thread writes both) */
+            int64_t start = e.pushed_ns > q->last_done_ns ? e.pushed_ns : q->last_done_ns;
+            if (est) {
+                int64_t due = start + est, wake = due - CU_NAP_LEAD_NS - est / 128;
+                while (wake - t > CU_NAP_MIN_NS - CU_NAP_LEAD_NS &&
+                       !__atomic_load_n(&q->stop, __ATOMIC_SEQ_CST)) {
+                    int64_t nap = wake - t < CU_NAP_CHUNK_NS ? wake - t : CU_NAP_CHUNK_NS;
+                    if (kick_nap((long)nap, kicks)) break;  /* a host signal: poll now */
+                    t = now_ns();
+                }
+                t = now_ns();
+                int64_t late = est / 16 < CU_LATE_POLL_NS ? est / 16 : CU_LATE_POLL_NS;
+                if (due + late - t > spin) spin = (long)(due + late - t);
+            }
+            int64_t deadline = t + spin, last = t - CU_POLL_GAP_NS;
             r = CU_ERROR_NOT_READY;
             while (t < deadline) {
                 int64_t since = t - last;
@@ -168,6 +193,16 @@ static void *cuq_run(void *arg) {
         }
         q->head = (q->head + 1) % q->cap;
         q->count--;
+        if (!r) {  /* learn the run time: from the later of its hand-over and the last end */
+            int64_t done = now_ns();
+            int64_t start = e.pushed_ns > q->last_done_ns ? e.pushed_ns : q->last_done_ns;
+            if (e.timed) {
+                int64_t run = done - start;
+                q->est_ns = !q->est_ns || run < q->est_ns ? run : q->est_ns + (run - q->est_ns) / 8;
+                if (q->est_ns < 1) q->est_ns = 1;
+            }
+            q->last_done_ns = done;
+        }
         atomic_fetch_sub(&q->pending, 1);
         /* Confirmed already, by a queue of this context that waited for it on the device
          * and succeeded after it: an error seen now (a sticky one) came after. */

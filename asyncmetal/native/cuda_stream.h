@@ -42,6 +42,10 @@ extern AM_HIDDEN void *cu_funcs[CU_NFUNCS];
 #define CU_POLL_GAP_NS 10000     /* at most this long between queries, ... */
 #define CU_POLL_QUIET_NS 500     /* ... or this long while no thread submits to the queue */
 #define CU_KICK_POLL_NS 500000   /* after a host signal, poll this long before napping */
+#define CU_NAP_MIN_NS 60000      /* a command expected to run this much longer: nap first */
+#define CU_NAP_LEAD_NS 30000     /* ... waking this long (and a 128th of its run) before */
+#define CU_NAP_CHUNK_NS 20000000 /* ... in naps of at most this (an abandon is seen) */
+#define CU_LATE_POLL_NS 200000   /* poll past the expected end at most this long */
 #define CU_MAX_PARAMS 64
 #define CU_FINISH_LONG 1         /* am_cuq_finish flags: a command known to run long */
 #define CU_FINISH_PLAIN 2        /* ... a device wait: a plain event, so a kick is seen */
@@ -63,6 +67,8 @@ typedef struct {
     int blocking;                   /* its event wakes a thread blocked on it (interrupt) */
     int fence;                      /* behind a refused command's handed-over operations:
                                        waited for, then fails */
+    int timed;                      /* its run time teaches the queue's estimate */
+    int64_t pushed_ns;              /* when it was handed over (now_ns) */
 } am_cuentry;
 
 struct am_cuq;
@@ -120,6 +126,10 @@ struct am_cuq {
     _Atomic(void *) spare[2];       /* an event for the next command, taken without the lock */
     atomic_int blocking;            /* commands get blocking-sync events (they run long) */
     int quick;                      /* blocking events confirmed while polling, in a row */
+    /* Run-time prediction (written by the completion thread under mu): how long a timed command runs once the one before
+     * it is done (quick to fall, slow to rise), when the last command was confirmed, and
+     * when the last one handed over is expected done (0: not known). */
+    int64_t est_ns, last_done_ns, last_due_ns;
     atomic_ulong queries, syncs, naps, events_made, held_total, kicked;  /* statistics */
 };
 

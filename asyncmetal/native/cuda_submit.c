@@ -69,7 +69,15 @@ int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_val
         free(q->ring);
         q->ring = ring; q->head = 0; q->cap *= 2;
     }
-    am_cuentry e = {event, value, extra, extra_value, spin_ns, k, fence};
+    /* A command of unknown length -- a launch, a marker -- is timed: the queue predicts
+     * when it will be done from how long such commands ran, behind the one before it,
+     * and publishes that on its timeline for a task about to await it. */
+    int timed = !fence && !spin_ns && !(flags & (CU_FINISH_LONG | CU_FINISH_PLAIN));
+    int64_t now = now_ns(), from = q->count ? q->last_due_ns : now;
+    int64_t due = timed && q->est_ns && from ? (from > now ? from : now) + q->est_ns : 0;
+    q->last_due_ns = due;
+    if (!fence) timeline_set_due(q->timeline, value, due);
+    am_cuentry e = {event, value, extra, extra_value, spin_ns, k, fence, timed, now};
     q->ring[(q->head + q->count) % q->cap] = e;
     q->count++;
     int write = !fence && value <= q->wanted;

@@ -65,6 +65,8 @@ class CUDATimeline(NativeTimeline):
         (not yet confirmed by a completion thread), or raised by a host signal."""
         return self._word.value >= target
 
+    releases_device_work = True
+
     def signal(self, value: int) -> None:
         # Raises the word, then wakes napping completion threads: a stream's wait it
         # releases is confirmed within microseconds rather than at the end of a nap.

@@ -33,6 +33,9 @@
  *             queue itself once it returns)
  *   context   a submission leaves the calling thread's current context as it found it
  *             (none, or another library's), though it made the queue's current
+ *   predict   a queue learns how long its launches run: it publishes when the last one
+ *             should be done, and its completion thread naps until just before that
+ *             and confirms them by polling (no blocking wait, no nap after the end)
  */
 #include "fake_cuda_driver.h"
 
@@ -359,6 +362,41 @@ static void check_context(void) {
     puts("ok context");
 }
 
+static void check_predict(void) {
+    fake_queue f = queue_new();
+    static kernel k5 = {0, 5000000, NULL, 0};  /* 5 ms: the fake stream naps through it */
+    uint64_t v = 0, before[8], stats[8];
+    for (int i = 0; i < 8; i++) {  /* learn */
+        launch(f, &k5, 0, ++v);
+        while (am_timeline_value(f.t) < v) nap_ns(200000);
+    }
+    am_cuq_stats(f.q, before);
+    int64_t early = 0;
+    for (int i = 0; i < 30; i++) {
+        int64_t t = now_ns();
+        if (launch(f, &k5, 0, ++v)) die("predict: a launch failed");
+        int64_t due = 0;  /* (a held end is handed over by the completion thread) */
+        while (!(due = am_timeline_due(f.t, v)) && am_timeline_value(f.t) < v) sched_yield();
+        due -= t;
+        if (due < 2000000 || due > 20000000) {
+            fprintf(stderr, "due in %lld ns, v %llu, value %llu\n", (long long)due,
+                    (unsigned long long)v, (unsigned long long)am_timeline_value(f.t));
+            die("predict: the due time is not about 5 ms");
+        }
+        if (am_timeline_due(f.t, v + 1)) die("predict: a due time for an unsubmitted value");
+        while (am_timeline_value(f.t) < v) nap_ns(50000);
+        if (now_ns() - t < 4900000) early++;
+    }
+    am_cuq_stats(f.q, stats);
+    /* Blocking or napping waits happen only where a kernel outran its prediction (a busy
+     * machine's fake stream napping late): a few at most. */
+    uint64_t waits = stats[1] - before[1] + stats[2] - before[2];
+    if (waits > 15) die("predict: commands were waited for rather than polled at their end");
+    if (early) die("predict: a command was confirmed before it ran");
+    queue_free(f, 0);
+    puts("ok predict");
+}
+
 int main(void) {
     fake_driver_install();
     check_order();
@@ -373,6 +411,7 @@ int main(void) {
     check_refused();
     check_partial();
     check_release();
+    check_predict();  /* before abandon, after which a blocking wait never blocks */
     check_kick();
     check_abandon();
     check_context();
