@@ -43,7 +43,7 @@ from . import _native
 from ._backend import NativeTimeline
 
 INFINITY = 1 << 64  # larger than any 64-bit timeline value
-WAKE_SLICE = 32  # tasks a drain wakes at most; the rest in the loop's next iteration
+WAKE_SLICE = 8  # tasks a drain wakes at most; the rest in the loop's next iteration
 
 
 @dataclass(frozen=True)

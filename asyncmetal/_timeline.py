@@ -270,7 +270,7 @@ def passed(timeline: Timeline, value: int) -> bool:
 AWAKE_AFTER_SIGNAL_NS = 500_000  # a loop that host-signals a device timeline checks this long
 SPIN_NS = 50_000  # waits recently shorter than this first yield to the loop a few times
 _waiting = threading.local()  # per thread (a loop's): tasks waiting in wait_value now
-CROWD = 64  # from this many waiting tasks on, a wait parks at once (no yield first)
+CROWD = 16  # from this many waiting tasks on, a wait parks at once (no yield first)
 SPINNERS = 4  # only while fewer tasks wait does a wait read the timeline between yields
 DUE_NS = 2_000_000  # a command due within this long is checked for rather than parked on
 SLICE_NS = 5_000  # between two such yields, a native timeline is read this long at most

@@ -193,6 +193,7 @@ int am_cuq_write(am_cuq *q, void *word, uint64_t target, uint64_t value);
 int am_cuq_wait(am_cuq *q, void *word, uint64_t target, uint64_t value);
 int am_cuq_failed_call(am_cuq *q);
 void am_cuq_stats(am_cuq *q, uint64_t *out);
+void am_cuq_set_shared(am_cuq *q);
 int am_cuq_error(am_cuq *q, uint64_t *value);
 void am_cuq_close(am_cuq *q, int abandon);
 

@@ -96,6 +96,11 @@ static void *cuq_run(void *arg) {
             continue;
         }
         am_cuentry e = q->ring[q->head];
+        /* Napped until its expected end, and never seen unfinished after: how long it
+         * ran is known only to be at most what it seems (it may have ended long before
+         * this thread looked), which must not raise the estimate (or the naps would
+         * end later and later). */
+        int napped = 0, running = 0;
         int failed = q->error && e.value >= q->error_value && !e.fence ? q->error : 0;
         pthread_mutex_unlock(&q->mu);
         int r = failed;
@@ -114,12 +119,19 @@ static void *cuq_run(void *arg) {
             int64_t est = e.timed ? q->est_ns : 0;  /* (this thread writes both) */
             int64_t start = e.pushed_ns > q->last_done_ns ? e.pushed_ns : q->last_done_ns;
             if (est) {
-                int64_t due = start + est, wake = due - CU_NAP_LEAD_NS - est / 128;
+                /* Woken this long before the expected end: a margin, a 128th of the run
+                 * (its jitter), and how late this thread's naps end (a VM's timers). */
+                int64_t lead = CU_NAP_LEAD_NS + est / 128 + q->nap_late_ns;
+                int64_t due = start + est, wake = due - lead;
                 while (wake - t > CU_NAP_MIN_NS - CU_NAP_LEAD_NS &&
                        !__atomic_load_n(&q->stop, __ATOMIC_SEQ_CST)) {
                     int64_t nap = wake - t < CU_NAP_CHUNK_NS ? wake - t : CU_NAP_CHUNK_NS;
                     if (kick_nap((long)nap, kicks)) break;  /* a host signal: poll now */
-                    t = now_ns();
+                    napped = 1;
+                    int64_t after = now_ns(), late = after - (t + nap);
+                    late = late < 0 ? 0 : late > CU_MAX_NAP_LATE_NS ? CU_MAX_NAP_LATE_NS : late;
+                    q->nap_late_ns += (late - q->nap_late_ns) / 4;
+                    t = after;
                 }
                 t = now_ns();
                 int64_t late = est / 16 < CU_LATE_POLL_NS ? est / 16 : CU_LATE_POLL_NS;
@@ -130,9 +142,11 @@ static void *cuq_run(void *arg) {
             while (t < deadline) {
                 int64_t since = t - last;
                 if (since >= CU_POLL_GAP_NS ||
-                    (since >= CU_POLL_QUIET_NS && atomic_load(&q->submitting) == 0)) {
+                    (since >= CU_POLL_QUIET_NS && !atomic_load(&q->shared) &&
+                     atomic_load(&q->submitting) == 0)) {
                     atomic_fetch_add(&q->queries, 1);
                     if ((r = query(e.event)) != CU_ERROR_NOT_READY) break;
+                    running = 1;
                     last = t;
                 }
                 sched_yield();
@@ -198,8 +212,8 @@ static void *cuq_run(void *arg) {
             int64_t start = e.pushed_ns > q->last_done_ns ? e.pushed_ns : q->last_done_ns;
             if (e.timed) {
                 int64_t run = done - start;
-                q->est_ns = !q->est_ns || run < q->est_ns ? run : q->est_ns + (run - q->est_ns) / 8;
-                if (q->est_ns < 1) q->est_ns = 1;
+                if (!q->est_ns || run < q->est_ns) q->est_ns = run > 0 ? run : 1;
+                else if (running || !napped) q->est_ns += (run - q->est_ns) / 8;
             }
             q->last_done_ns = done;
         }

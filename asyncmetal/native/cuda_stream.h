@@ -46,6 +46,7 @@ extern AM_HIDDEN void *cu_funcs[CU_NFUNCS];
 #define CU_NAP_LEAD_NS 30000     /* ... waking this long (and a 128th of its run) before */
 #define CU_NAP_CHUNK_NS 20000000 /* ... in naps of at most this (an abandon is seen) */
 #define CU_LATE_POLL_NS 200000   /* poll past the expected end at most this long */
+#define CU_MAX_NAP_LATE_NS 200000 /* a nap's lateness is allowed for up to this */
 #define CU_MAX_PARAMS 64
 #define CU_FINISH_LONG 1         /* am_cuq_finish flags: a command known to run long */
 #define CU_FINISH_PLAIN 2        /* ... a device wait: a plain event, so a kick is seen */
@@ -130,6 +131,9 @@ struct am_cuq {
      * it is done (quick to fall, slow to rise), when the last command was confirmed, and
      * when the last one handed over is expected done (0: not known). */
     int64_t est_ns, last_done_ns, last_due_ns;
+    int64_t nap_late_ns;            /* how late naps end here (the completion thread's) */
+    atomic_int shared;              /* other libraries submit to the stream too (adopted):
+                                       queries come at most every CU_POLL_GAP_NS */
     atomic_ulong queries, syncs, naps, events_made, held_total, kicked;  /* statistics */
 };
 

@@ -295,6 +295,11 @@ int am_cuq_failed_call(am_cuq *q) { return __atomic_load_n(&q->failed_call, __AT
  * blocking-sync event, waits with naps on a plain one (after polling found them
  * unfinished), events created, whether commands now get blocking-sync events, operations
  * held on the host so far, held now, and naps cut short by a host signal. */
+/* Other libraries submit to this queue's stream too (an adopted one): its completion
+ * thread's queries, which take the driver's locks, come at most every CU_POLL_GAP_NS
+ * (it cannot see when they submit). Before the first command. */
+void am_cuq_set_shared(am_cuq *q) { atomic_store(&q->shared, 1); }
+
 void am_cuq_stats(am_cuq *q, uint64_t *out) {
     out[0] = atomic_load(&q->queries);
     out[1] = atomic_load(&q->syncs);

@@ -213,6 +213,9 @@ class _Runtime:
         self.queues[ctypes.addressof(q)] = q
         return ctypes.addressof(q)
 
+    def am_cuq_set_shared(self, q: int) -> None:
+        self.queues[q].shared = True
+
     def am_cuq_error(self, q: int, value: Any) -> int:
         value._obj.value = self.queues[q].error_value  # value: ctypes.byref(a c_uint64)
         return int(self.queues[q].error)

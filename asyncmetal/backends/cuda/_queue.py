@@ -73,6 +73,8 @@ class CUDAQueue(NativeQueue):
             if self._owns_stream:
                 cu.cuStreamDestroy(self.stream)
             raise AsyncMetalError("could not start the CUDA completion thread")
+        if adopt is not None:
+            lib.am_cuq_set_shared(self._q)  # its owner submits too: query less often
         timeline.queue = self
         self._error = ctypes.c_int.from_address(self._q)  # am_cuq's first member
         self._sticky = (0, 0)
