@@ -25,7 +25,11 @@
  * event is what reports it. It raises the queue's timeline (the host-side value loops
  * read and wait on), and the timeline a signal command raised. It polls the event for a
  * moment (a completion about to happen is seen with no interrupt), then naps or blocks
- * on it. A host signal of a device timeline wakes napping completion threads at once
+ * on it. Launches and markers are timed: the queue keeps an estimate of how long one
+ * runs once the command before it is done (quick to fall, slow to rise), publishes the
+ * expected end of the last one submitted on its timeline (am_timeline_due, for a task
+ * deciding whether to park), and the thread naps until shortly before that end, then
+ * polls through it. A host signal of a device timeline wakes napping completion threads at once
  * (a device wait it releases is seen in microseconds, not at the end of a nap). It never
  * takes the GIL, and calls only cuCtxSetCurrent, cuEventQuery, cuEventSynchronize,
  * cuEventDestroy and, for held operations, the submission calls. */
