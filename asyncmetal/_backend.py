@@ -10,6 +10,7 @@ above, once, for all backends.
 from __future__ import annotations
 
 import collections
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from ._errors import InvalidArgumentError
+from ._errors import ClosedResourceError, InvalidArgumentError
 
 if TYPE_CHECKING:
     from ._compile import Compiler
@@ -117,6 +118,44 @@ class NativeTimeline(ABC):
     @abstractmethod
     def signal(self, value: int) -> None:
         """Host-side signal: raise to ``value`` (never lower) and report the advance."""
+
+
+class InheritedValue:
+    """Where a timeline of the parent process keeps its value, in a forked child: the
+    threads (and driver) that would raise it are the parent's, so a value read would
+    never move. Every read raises ClosedResourceError(message) instead."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    @property
+    def value(self) -> int:
+        raise ClosedResourceError(self.message)
+
+
+class ForkableTimeline(NativeTimeline):
+    """A timeline whose value a forked child must no longer read (see ``Backend.forked``)."""
+
+    @abstractmethod
+    def forked(self, message: str) -> None:
+        """Make every later read of the value raise ClosedResourceError(message), touching
+        nothing native (an :class:`InheritedValue` in place of its reader)."""
+
+
+class Timelines:
+    """The timelines a backend made and still alive, to cut them off in a forked child."""
+
+    def __init__(self) -> None:
+        self._alive: weakref.WeakSet[ForkableTimeline] = weakref.WeakSet()
+
+    def add(self, timeline: ForkableTimeline) -> None:
+        self._alive.add(timeline)
+
+    def forked(self, message: str) -> None:
+        for timeline in list(self._alive):
+            timeline.forked(message)
 
 
 class NativeQueue(ABC):

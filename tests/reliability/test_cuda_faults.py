@@ -238,6 +238,12 @@ def _bind(monkeypatch: pytest.MonkeyPatch, name: str, value: object) -> None:
 def driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Driver]:
     """The fake driver as ``cu``, in a process whose CUDA state is not lost (restored
     afterwards: the state is the module's, for the life of the process)."""
+    yield from fake_driver(monkeypatch)
+
+
+def fake_driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Driver]:
+    """What the ``driver`` fixture does, for a script that is no test (a forked child's
+    parent: tests/reliability/test_fork.py): yields the fake, cleans up when resumed."""
     fake = _Driver()
     runtime = fake.runtime = _Runtime()
     _bind(monkeypatch, "cu", fake)
