@@ -189,7 +189,9 @@ static void *cuq_run(void *arg) {
         cuq_drain(q);
     }
     /* Stopping, under mu. An abandoned queue's closer may have given up waiting for this
-     * thread (it was blocked on an event that never completes): then it frees the queue. */
+     * thread (it was blocked on an event that never completes): then it frees the queue.
+     * Either way no thread uses the queue's events any more. */
+    cuq_destroy_events(q);
     q->exited = 1;
     int orphan = q->orphan;
     pthread_cond_broadcast(&q->cv);

@@ -138,6 +138,7 @@ AM_HIDDEN void cuq_recycle(am_cuq *q, void *event, int blocking);  /* under q->m
 AM_HIDDEN void cuq_unref(am_cuq *q);
 AM_HIDDEN void cuop_free(am_cuop *op);
 AM_HIDDEN void cuq_drop_held(am_cuq *q);                           /* under q->mu */
+AM_HIDDEN void cuq_destroy_events(am_cuq *q);                      /* under q->mu */
 
 /* cuda_submit.c */
 AM_HIDDEN int cuq_run_op(am_cuq *q, const am_cuop *op);

@@ -121,7 +121,9 @@ static int cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value) {
         pthread_mutex_unlock(&other->mu);
         return cuq_wait_word(q, (void *)other->word, value);
     }
-    for (size_t i = 0; i < other->count; i++) {
+    /* (Abandoned, other has nothing in flight: its events are its thread's to destroy.) */
+    size_t inflight = other->stop == 2 ? 0 : other->count;
+    for (size_t i = 0; i < inflight; i++) {
         am_cuentry *e = &other->ring[(other->head + i) % other->cap];
         if (e->value >= value) {
             r = ((int (*)(void *, void *, unsigned))cu_funcs[CU_WAIT_EVENT])(
@@ -312,14 +314,12 @@ int am_cuq_error(am_cuq *q, uint64_t *value) {
  * abandon=0: after everything held was handed over and every command confirmed (or the
  * queue failed). abandon=1: now, dropping what is held. A thread blocked on an event that
  * will never complete (behind a device wait nothing signals) is not waited for beyond
- * ~200 ms: it frees the queue itself if it ever returns. Blocks. */
+ * ~200 ms: it frees the queue itself if it ever returns. The thread destroys the queue's
+ * events as it stops (then, for one that never returns, never). Blocks. */
 void am_cuq_close(am_cuq *q, int abandon) {
     pthread_mutex_lock(&q->mu);
     __atomic_store_n(&q->stop, abandon ? 2 : 1, __ATOMIC_SEQ_CST);  /* read unlocked too */
-    if (abandon) {
-        cuq_drop_held(q);
-        q->count = 0;
-    }
+    if (abandon) cuq_drop_held(q);  /* what is in flight, its thread releases as it stops */
     pthread_cond_signal(&q->cv);
     if (abandon) {
         pthread_mutex_unlock(&q->mu);
@@ -338,13 +338,5 @@ void am_cuq_close(am_cuq *q, int abandon) {
     }
     pthread_mutex_unlock(&q->mu);
     pthread_join(q->thread, NULL);
-    if (!abandon) {
-        for (int k = 0; k < 2; k++) {
-            for (size_t i = 0; i < q->events_count[k]; i++)
-                ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(q->events[k][i]);
-            void *spare = atomic_load(&q->spare[k]);
-            if (spare) ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(spare);
-        }
-    }
     cuq_unref(q);
 }

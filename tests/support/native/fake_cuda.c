@@ -33,6 +33,8 @@
  *             queue itself once it returns)
  *   context   a submission leaves the calling thread's current context as it found it
  *             (none, or another library's), though it made the queue's current
+ *   released  every event any queue made was destroyed once its completion thread
+ *             stopped, abandoned ones' included (those in flight, pooled and spare)
  */
 #include "fake_cuda_driver.h"
 
@@ -376,6 +378,12 @@ int main(void) {
     check_kick();
     check_abandon();
     check_context();
+    /* The abandoned queues' threads have all returned (check_abandon's blocked one once
+     * its sync gave up), each destroying its queue's events as it stopped. */
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (atomic_load(&events_made) != atomic_load(&events_destroyed))
+        if (now_ns() > deadline) die("released: events of abandoned queues were never destroyed");
+    puts("ok released");
     return 0;
 }
 
