@@ -113,12 +113,16 @@ static int cuq_wait_word(am_cuq *q, void *word, uint64_t value) {
  * not at all if it is confirmed. Under other's lock: its completion thread cannot
  * recycle the event meanwhile. Decided when the operation reaches the driver, so a held
  * wait looks at other as it is then. */
-static int cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value) {
+static int cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value, uint64_t command) {
     int r = 0;
     pthread_mutex_lock(&other->mu);
+    /* Recorded with other (so that its failure before `value` fails this command too),
+     * or other failed before `value` already: then this command fails. */
+    int failed = other->stop != 2 && cuq_waited(q, other, value, command);
     if (value > other->submitted) {
         if (value > other->wanted) other->wanted = value;
         pthread_mutex_unlock(&other->mu);
+        if (failed) cuq_poison_after(q, command, other);
         return cuq_wait_word(q, (void *)other->word, value);
     }
     /* (Abandoned, other has nothing in flight: its events are its thread's to destroy.) */
@@ -132,6 +136,7 @@ static int cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value) {
         }
     }
     pthread_mutex_unlock(&other->mu);
+    if (failed) cuq_poison_after(q, command, other);
     return r ? cuq_fail(q, CU_WAIT_EVENT, r) : 0;
 }
 
@@ -173,7 +178,7 @@ int cuq_run_op(am_cuq *q, const am_cuop *op) {
     case CUOP_WAIT:
         return cuq_wait_word(q, op->word, op->target);
     case CUOP_WAIT_QUEUE:
-        return cuq_wait_queue(q, op->other, op->target);
+        return cuq_wait_queue(q, op->other, op->target, op->value);
     case CUOP_FINISH:
         return cuq_finish(q, op->value, op->extra, op->extra_value, op->spin_ns, op->flags);
     }
@@ -302,6 +307,18 @@ void am_cuq_stats(am_cuq *q, uint64_t *out) {
     out[7] = atomic_load(&q->kicked);
 }
 
+/* For a queue whose error is CU_WAITED_FAILED: the failure it waited for -- that
+ * queue's error and failed value, and its timeline (returned; maybe freed since, an
+ * address to compare only). */
+void *am_cuq_cause(am_cuq *q, int *error, uint64_t *value) {
+    pthread_mutex_lock(&q->mu);
+    void *cause = q->cause;
+    *error = q->cause_error;
+    *value = q->cause_value;
+    pthread_mutex_unlock(&q->mu);
+    return cause;
+}
+
 int am_cuq_error(am_cuq *q, uint64_t *value) {
     pthread_mutex_lock(&q->mu);
     int e = q->error;
@@ -324,6 +341,7 @@ void am_cuq_close(am_cuq *q, int abandon) {
     if (abandon) {
         pthread_mutex_unlock(&q->mu);
         host_signalled();  /* wake it if it naps */
+        cuq_drop_waiters(q);  /* it settles nothing now: no waiter of it will fail */
         pthread_mutex_lock(&q->mu);
         struct timespec until;
         deadline_after(&until, 200000000L);
@@ -338,5 +356,6 @@ void am_cuq_close(am_cuq *q, int abandon) {
     }
     pthread_mutex_unlock(&q->mu);
     pthread_join(q->thread, NULL);
+    cuq_drop_waiters(q);  /* (waiters reference their queues: two waiting on each other) */
     cuq_unref(q);
 }
