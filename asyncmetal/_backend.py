@@ -183,16 +183,6 @@ class NativeQueue(ABC):
         record: Record,
     ) -> None: ...
 
-    def check_launch(  # noqa: B027 - a backend with nothing to check keeps this
-        self,
-        program: Any,
-        args: Sequence[Arg],
-        global_size: tuple[int, int, int],
-        local_size: tuple[int, int, int],
-    ) -> None:
-        """Raise what :meth:`launch` would raise for these arguments, submitting nothing:
-        a launch held on the host (behind a device wait) is checked so when it is held."""
-
     @abstractmethod
     def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         """Raise ``timeline`` to ``target`` once earlier commands finished."""
@@ -256,9 +246,6 @@ class Backend(ABC):
     # DLPack's device type of its memory (kDLCPU 1, kDLCUDA 2, kDLMetal 8); 0: none.
     # Memory that is not host-visible is DLPack's device ``index`` (``kind:index``).
     dlpack_device_type: ClassVar[int] = 0
-    # How many commands a queue parked in a device-side wait takes before submitting
-    # blocks (None: no limit); past it the queue holds commands on the host.
-    max_behind_wait: ClassVar[int | None] = None
 
     @classmethod
     @abstractmethod

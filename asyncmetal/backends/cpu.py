@@ -240,16 +240,6 @@ class CPUQueue(NativeQueue):
             raise MemoryError("the cpu queue could not grow its command ring")
         self._keep.add(value, keep)
 
-    def check_launch(
-        self,
-        program: Any,
-        args: Sequence[Arg],
-        global_size: tuple[int, int, int],
-        local_size: tuple[int, int, int],
-    ) -> None:
-        if len(args) > MAX_ARGS:
-            raise ArgumentTypeError(f"cpu kernels take at most {MAX_ARGS} parameters")
-
     def launch(
         self,
         program: Any,
@@ -261,7 +251,7 @@ class CPUQueue(NativeQueue):
     ) -> None:
         nargs = len(args)
         if nargs > MAX_ARGS:
-            self.check_launch(program, args, global_size, local_size)
+            raise ArgumentTypeError(f"cpu kernels take at most {MAX_ARGS} parameters")
         # The times row, inline (this is the hot path of every launch).
         record.ring = self._times
         record.row = row = value % TIMES_KEPT

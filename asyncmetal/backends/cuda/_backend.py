@@ -37,8 +37,8 @@ class CUDABackend(Backend):
     kind = "cuda"
     host_visible = False
     dlpack_device_type = 2  # kDLCUDA
-    # No commands are held in Python behind a device wait: the native queue bounds what
-    # a stream has in flight (MAX_IN_FLIGHT), device waits included.
+    # The native queue bounds what a stream has in flight (MAX_IN_FLIGHT), device waits
+    # included, and holds the rest.
 
     @classmethod
     def available(cls) -> list[str]:
