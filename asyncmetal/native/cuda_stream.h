@@ -169,5 +169,6 @@ AM_HIDDEN int cuq_run_op(am_cuq *q, const am_cuop *op);
 AM_HIDDEN int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
                          long spin_ns, int flags);
 AM_HIDDEN int cuq_submit(am_cuq *q, const am_cuop *op, size_t size);
+AM_HIDDEN int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *then);
 
 #endif

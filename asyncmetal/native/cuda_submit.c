@@ -186,11 +186,12 @@ int cuq_run_op(am_cuq *q, const am_cuop *op) {
 }
 
 /* Hand an operation to the driver now, or hold it (copied) behind what is held already
- * or while the stream has max_inflight commands unconfirmed. 0 once submitted or held; a
- * CUresult if the driver refused it now (nothing held: the caller takes its value back);
- * the queue's error once a command of it failed (nothing more is accepted); -1: out of
- * memory. */
-int cuq_submit(am_cuq *q, const am_cuop *op, size_t size) {
+ * or while the stream has max_inflight commands unconfirmed; with `then` (a command's
+ * CUOP_FINISH), that one too, right behind it in the same pass (both handed over, or both
+ * held). 0 once submitted or held; a CUresult if the driver refused it now (nothing held:
+ * the caller takes its value back); the queue's error once a command of it failed
+ * (nothing more is accepted); -1: out of memory. */
+int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *then) {
     pthread_mutex_lock(&q->mu);
     if (q->error) {
         int e = q->error;
@@ -198,15 +199,24 @@ int cuq_submit(am_cuq *q, const am_cuop *op, size_t size) {
         return e;
     }
     if (q->held || q->driving || q->count >= q->max_inflight) {
-        am_cuop *copy = malloc(size);
-        if (!copy) { pthread_mutex_unlock(&q->mu); return -1; }
+        am_cuop *copy = malloc(size), *end = then ? malloc(sizeof *end) : NULL;
+        if (!copy || (then && !end)) {
+            pthread_mutex_unlock(&q->mu);
+            free(copy);
+            free(end);
+            return -1;
+        }
         memcpy(copy, op, size);
-        copy->next = NULL;
+        copy->next = end;
         if (copy->other) atomic_fetch_add(&copy->other->refs, 1);
+        if (end) {
+            *end = *then;
+            end->next = NULL;
+        }
         if (q->held_tail) q->held_tail->next = copy; else q->held = copy;
-        q->held_tail = copy;
-        q->nheld++;
-        atomic_fetch_add(&q->held_total, 1);
+        q->held_tail = end ? end : copy;
+        q->nheld += end ? 2 : 1;
+        atomic_fetch_add(&q->held_total, end ? 2 : 1);
         if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
         pthread_mutex_unlock(&q->mu);
         return 0;
@@ -216,12 +226,17 @@ int cuq_submit(am_cuq *q, const am_cuop *op, size_t size) {
     void *before;
     int r = cuq_enter(q, &before);
     if (!r) r = cuq_run_op(q, op);
+    if (!r && then) r = cuq_run_op(q, then);
     cuq_leave(q, r, before);
     pthread_mutex_lock(&q->mu);
     q->driving = 0;
     if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
     pthread_mutex_unlock(&q->mu);
     return r;
+}
+
+int cuq_submit(am_cuq *q, const am_cuop *op, size_t size) {
+    return cuq_submit_then(q, op, size, NULL);
 }
 
 /* flags: CU_FINISH_LONG (a blocking-sync event at once), CU_FINISH_PLAIN (a device
@@ -239,7 +254,7 @@ int am_cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value, uint64_t command
 }
 
 /* dims: grid x, y, z, block x, y, z, dynamic shared memory bytes; params: nparams
- * pointers to 64-bit slots (copied). Then its event, as am_cuq_finish. */
+ * pointers to 64-bit slots (copied). Then its event, as am_cuq_finish, in the same pass. */
 int am_cuq_launch(am_cuq *q, void *function, const unsigned *dims, void **params, int nparams,
                   uint64_t value) {
     if (nparams < 0 || nparams > CU_MAX_PARAMS) return -2;
@@ -252,8 +267,8 @@ int am_cuq_launch(am_cuq *q, void *function, const unsigned *dims, void **params
     op->nparams = nparams;
     memcpy(op->dims, dims, sizeof op->dims);
     for (int i = 0; i < nparams; i++) memcpy(&op->params[i], params[i], sizeof(int64_t));
-    int r = cuq_submit(q, op, sizeof(am_cuop) + (size_t)nparams * sizeof(int64_t));
-    return r ? r : am_cuq_finish(q, value, NULL, 0, 0, 0);
+    am_cuop end = {.kind = CUOP_FINISH, .value = value};
+    return cuq_submit_then(q, op, sizeof(am_cuop) + (size_t)nparams * sizeof(int64_t), &end);
 }
 
 /* A device copy, then its event: on one device (src_ctx NULL) or from the device of
@@ -263,8 +278,8 @@ int am_cuq_copy(am_cuq *q, uint64_t dst, uint64_t src, void *src_ctx, size_t nby
                 uint64_t value, long spin_ns) {
     am_cuop op = {.kind = CUOP_COPY, .value = value, .dst = dst, .src = src, .src_ctx = src_ctx,
                   .nbytes = nbytes};
-    int r = cuq_submit(q, &op, sizeof op);
-    return r ? r : am_cuq_finish(q, value, NULL, 0, spin_ns, 0);
+    am_cuop end = {.kind = CUOP_FINISH, .value = value, .spin_ns = spin_ns};
+    return cuq_submit_then(q, &op, sizeof op, &end);
 }
 
 /* Host memory (pinned, or at most a few pages of pageable) to and from device memory, as
