@@ -195,6 +195,7 @@ int am_cuq_failed_call(am_cuq *q);
 void am_cuq_stats(am_cuq *q, uint64_t *out);
 void am_cuq_set_shared(am_cuq *q);
 int am_cuq_error(am_cuq *q, uint64_t *value);
+void *am_cuq_cause(am_cuq *q, int *error, uint64_t *value);
 void am_cuq_close(am_cuq *q, int abandon);
 
 /* ---- objc_blocks.c: Objective-C blocks whose invoke functions never take the GIL -----

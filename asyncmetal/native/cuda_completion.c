@@ -17,12 +17,112 @@ static void cuq_refused(am_cuq *q, uint64_t value, int r) {
     cuq_drop_held(q);
 }
 
+/* The first value of q that failed (a command refused or faulted), or that ran after a
+ * device wait for a value its queue never produced (poisoned): 0 if none. Under mu. */
+static uint64_t cuq_failed_at(const am_cuq *q) {
+    uint64_t at = q->error ? q->error_value : 0;
+    return q->poisoned && (!at || q->poisoned < at) ? q->poisoned : at;
+}
+
+/* The failure behind that: q's own, or the one its waits came to. Under mu. */
+static void cuq_cause(const am_cuq *q, int *error, uint64_t *value, am_timeline **cause) {
+    int own = q->error && q->error != CU_WAITED_FAILED &&
+              (!q->poisoned || q->error_value <= q->poisoned);
+    *error = own ? q->error : q->cause_error;
+    *value = own ? q->error_value : q->cause_value;
+    *cause = own ? q->timeline : q->cause;
+}
+
+/* Queue q's commands from `from` on ran (or will run) after a device wait for a value
+ * that was never produced: each fails once confirmed, and q settles once its stream is
+ * past all it was given (cuq_run). So do the commands of queues that wait on q's values
+ * from there on, at once: a wait on an event of q's would otherwise let them run and be
+ * confirmed before q settles. Not under any queue's mu. */
+static void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value, am_timeline *cause) {
+    pthread_mutex_lock(&q->mu);
+    if (q->poisoned && q->poisoned <= from) {
+        pthread_mutex_unlock(&q->mu);
+        return;
+    }
+    q->poisoned = from;
+    q->cause_error = error;
+    q->cause_value = value;
+    q->cause = cause;
+    size_t n = 0, i = 0;
+    for (am_cuwaiter *w = q->waiters; w; w = w->next) n += w->target >= from;
+    am_cuwaiter *hit = n ? malloc(n * sizeof *hit) : NULL;  /* none: they fail at q's settling */
+    for (am_cuwaiter *w = q->waiters; hit && w; w = w->next)
+        if (w->target >= from) {
+            hit[i++] = *w;
+            atomic_fetch_add(&w->q->refs, 1);
+        }
+    pthread_mutex_unlock(&q->mu);
+    for (size_t j = 0; j < i; j++) {
+        cuq_poison(hit[j].q, hit[j].command, error, value, cause);
+        cuq_unref(hit[j].q);
+    }
+    free(hit);
+}
+
+/* Under other->mu: record a device wait of q (part of its command `command`) for value
+ * `target` of other, forgetting those other has confirmed since. Returns 1 if other has
+ * failed at or before `target` already: then the caller, with other->mu released, calls
+ * cuq_poison_after(q, command, other). */
+int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command) {
+    uint64_t failed = cuq_failed_at(other);
+    if (failed && target >= failed) return 1;
+    uint64_t confirmed = atomic_load(&other->timeline->value);
+    for (am_cuwaiter **p = &other->waiters; *p;) {
+        am_cuwaiter *w = *p;
+        if (w->target <= confirmed && confirmed != UINT64_MAX) {
+            *p = w->next;
+            cuq_unref(w->q);  /* (never the last reference of a queue still waiting) */
+            free(w);
+        } else {
+            p = &w->next;
+        }
+    }
+    am_cuwaiter *w = malloc(sizeof *w);
+    if (!w) return 0;  /* not recorded: a failure of other would not reach this wait */
+    *w = (am_cuwaiter){other->waiters, q, target, command};
+    atomic_fetch_add(&q->refs, 1);
+    other->waiters = w;
+    return 0;
+}
+
+void cuq_poison_after(am_cuq *q, uint64_t command, am_cuq *other) {
+    int error;
+    uint64_t value;
+    am_timeline *cause;
+    pthread_mutex_lock(&other->mu);
+    cuq_cause(other, &error, &value, &cause);
+    pthread_mutex_unlock(&other->mu);
+    cuq_poison(q, command, error, value, cause);
+}
+
 /* The queue failed and settled (its timeline at UINT64_MAX): the stream will never write
  * the word for the failed values, so release other queues' device waits on them (they
  * would block forever: a refused held command is no sticky error that fails their
- * streams too). After the timeline, so that a releasing queue's confirmation raises
- * nothing. Not under mu. */
+ * streams too) -- after failing the commands of those that waited for a failed value
+ * (cuq_poison), which then run on data that was never produced. After the timeline, so
+ * that a releasing queue's confirmation raises nothing. Not under mu. */
 static void cuq_release_waiters(am_cuq *q) {
+    int error;
+    uint64_t value;
+    am_timeline *cause;
+    pthread_mutex_lock(&q->mu);
+    uint64_t failed = cuq_failed_at(q);
+    cuq_cause(q, &error, &value, &cause);
+    am_cuwaiter *w = q->waiters;
+    q->waiters = NULL;
+    pthread_mutex_unlock(&q->mu);
+    while (w) {
+        am_cuwaiter *next = w->next;
+        if (failed && w->target >= failed) cuq_poison(w->q, w->command, error, value, cause);
+        cuq_unref(w->q);
+        free(w);
+        w = next;
+    }
     raise_word(q->word, UINT64_MAX);
     host_signalled();
 }
@@ -223,9 +323,22 @@ static void *cuq_run(void *arg) {
         uint64_t seen = atomic_load(&q->timeline->value);
         if (r && seen != UINT64_MAX && e.value <= seen) r = 0;
         if (e.fence && !r) r = q->error ? q->error : -2;  /* the refused command fails */
-        if (r && (!q->error || e.value < q->error_value)) {
+        uint64_t failed_from = e.value;
+        if (!r && q->poisoned && e.value >= q->poisoned && e.value > seen) {
+            /* It ran after a wait for a value never produced: it fails, and the queue
+             * settles once its stream is past everything it was given. */
+            if (q->count || q->held) {
+                cuq_recycle(q, e.event, e.blocking);
+                pthread_mutex_unlock(&q->mu);
+                cuq_drain(q);
+                continue;
+            }
+            r = CU_WAITED_FAILED;
+            failed_from = q->poisoned;
+        }
+        if (r && (!q->error || failed_from < q->error_value)) {
             q->error = r;
-            q->error_value = e.value;
+            q->error_value = failed_from;
         }
         cuq_recycle(q, e.event, e.blocking);
         /* A failed command settles every later one; else, once a refused held command
@@ -238,7 +351,9 @@ static void *cuq_run(void *arg) {
         cuq_drain(q);
     }
     /* Stopping, under mu. An abandoned queue's closer may have given up waiting for this
-     * thread (it was blocked on an event that never completes): then it frees the queue. */
+     * thread (it was blocked on an event that never completes): then it frees the queue.
+     * Either way no thread uses the queue's events any more. */
+    cuq_destroy_events(q);
     q->exited = 1;
     int orphan = q->orphan;
     pthread_cond_broadcast(&q->cv);

@@ -139,7 +139,26 @@ struct am_cuq {
     atomic_int shared;              /* other libraries submit to the stream too (adopted):
                                        queries come at most every CU_POLL_GAP_NS */
     atomic_ulong queries, syncs, naps, events_made, held_total, kicked;  /* statistics */
+    /* Failing with another queue (cuda_completion.c, cuq_poison): the device waits of
+     * other queues on this one, and from which command on this one ran after a wait for
+     * a value its queue never produced (0: none), with that queue's failure (the first
+     * one, through any chain of waits). */
+    struct am_cuwaiter *waiters;
+    uint64_t poisoned;
+    int cause_error;
+    uint64_t cause_value;
+    am_timeline *cause;
 };
+
+/* A device wait of queue q (part of its command `command`) for value `target` of the
+ * queue holding this record, which references q. */
+typedef struct am_cuwaiter {
+    struct am_cuwaiter *next;
+    struct am_cuq *q;
+    uint64_t target, command;
+} am_cuwaiter;
+
+#define CU_WAITED_FAILED (-3)  /* a queue's error: it waited for a failed command's value */
 
 /* Whether the completion thread has held operations it may hand over now (under mu). */
 static inline int cuq_can_drain(const am_cuq *q) {
@@ -156,11 +175,18 @@ AM_HIDDEN void cuq_recycle(am_cuq *q, void *event, int blocking);  /* under q->m
 AM_HIDDEN void cuq_unref(am_cuq *q);
 AM_HIDDEN void cuop_free(am_cuop *op);
 AM_HIDDEN void cuq_drop_held(am_cuq *q);                           /* under q->mu */
+AM_HIDDEN void cuq_destroy_events(am_cuq *q);                      /* under q->mu */
+AM_HIDDEN void cuq_drop_waiters(am_cuq *q);
+
+/* cuda_completion.c */
+AM_HIDDEN int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command);
+AM_HIDDEN void cuq_poison_after(am_cuq *q, uint64_t command, am_cuq *other);
 
 /* cuda_submit.c */
 AM_HIDDEN int cuq_run_op(am_cuq *q, const am_cuop *op);
 AM_HIDDEN int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
                          long spin_ns, int flags);
 AM_HIDDEN int cuq_submit(am_cuq *q, const am_cuop *op, size_t size);
+AM_HIDDEN int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *then);
 
 #endif
