@@ -10,6 +10,7 @@ above, once, for all backends.
 from __future__ import annotations
 
 import collections
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from ._errors import InvalidArgumentError
+from ._errors import ClosedResourceError, InvalidArgumentError
 
 if TYPE_CHECKING:
     from ._compile import Compiler
@@ -108,6 +109,10 @@ class NativeTimeline(ABC):
     """
 
     c_timeline: int | None = None
+    # A host signal may release device waits, whose commands then finish in microseconds
+    # (their completion comes through a native thread): the signalling loop stays awake a
+    # moment to see it rather than sleep and be woken.
+    releases_device_work = False
 
     @property
     @abstractmethod
@@ -117,6 +122,44 @@ class NativeTimeline(ABC):
     @abstractmethod
     def signal(self, value: int) -> None:
         """Host-side signal: raise to ``value`` (never lower) and report the advance."""
+
+
+class InheritedValue:
+    """Where a timeline of the parent process keeps its value, in a forked child: the
+    threads (and driver) that would raise it are the parent's, so a value read would
+    never move. Every read raises ClosedResourceError(message) instead."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    @property
+    def value(self) -> int:
+        raise ClosedResourceError(self.message)
+
+
+class ForkableTimeline(NativeTimeline):
+    """A timeline whose value a forked child must no longer read (see ``Backend.forked``)."""
+
+    @abstractmethod
+    def forked(self, message: str) -> None:
+        """Make every later read of the value raise ClosedResourceError(message), touching
+        nothing native (an :class:`InheritedValue` in place of its reader)."""
+
+
+class Timelines:
+    """The timelines a backend made and still alive, to cut them off in a forked child."""
+
+    def __init__(self) -> None:
+        self._alive: weakref.WeakSet[ForkableTimeline] = weakref.WeakSet()
+
+    def add(self, timeline: ForkableTimeline) -> None:
+        self._alive.add(timeline)
+
+    def forked(self, message: str) -> None:
+        for timeline in list(self._alive):
+            timeline.forked(message)
 
 
 class NativeQueue(ABC):
@@ -143,16 +186,6 @@ class NativeQueue(ABC):
         value: int,
         record: Record,
     ) -> None: ...
-
-    def check_launch(  # noqa: B027 - a backend with nothing to check keeps this
-        self,
-        program: Any,
-        args: Sequence[Arg],
-        global_size: tuple[int, int, int],
-        local_size: tuple[int, int, int],
-    ) -> None:
-        """Raise what :meth:`launch` would raise for these arguments, submitting nothing:
-        a launch held on the host (behind a device wait) is checked so when it is held."""
 
     @abstractmethod
     def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
@@ -217,9 +250,6 @@ class Backend(ABC):
     # DLPack's device type of its memory (kDLCPU 1, kDLCUDA 2, kDLMetal 8); 0: none.
     # Memory that is not host-visible is DLPack's device ``index`` (``kind:index``).
     dlpack_device_type: ClassVar[int] = 0
-    # How many commands a queue parked in a device-side wait takes before submitting
-    # blocks (None: no limit); past it the queue holds commands on the host.
-    max_behind_wait: ClassVar[int | None] = None
 
     @classmethod
     @abstractmethod

@@ -30,6 +30,7 @@ import itertools
 import os
 import sys
 import threading
+import time
 import types
 import weakref
 from abc import ABC, abstractmethod
@@ -42,7 +43,7 @@ from . import _native
 from ._backend import NativeTimeline
 
 INFINITY = 1 << 64  # larger than any 64-bit timeline value
-WAKE_SLICE = 32  # tasks a drain wakes at most; the rest in the loop's next iteration
+WAKE_SLICE = 8  # tasks a drain wakes at most; the rest in the loop's next iteration
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,7 @@ class LoopBridge(ABC):
         self._notifier: int | None = None  # the native notifier writing our pipe
         self._pipe: tuple[int, int] | None = None
         self._native_watches: set[Watch] = set()
+        self._awake_until = 0  # a perf_counter_ns: check native watches every iteration
 
     @abstractmethod
     def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
@@ -330,6 +332,28 @@ class LoopBridge(ABC):
                         break
         if budget == 0:
             self._schedule_slice()
+
+    def stay_awake(self, ns: int) -> None:
+        """For ``ns``, read the native watches' timelines in every iteration of the loop
+        (which then does not sleep) and wake what they reached without a wake-up through
+        the pipe: a sleeping loop takes tens of microseconds to wake, more after a long
+        idle. Only while tasks wait on native timelines. Called on the loop's thread."""
+        until = time.perf_counter_ns() + ns
+        if self._awake_until < until:
+            if self._awake_until == 0:
+                self._call_soon(self._awake_tick)
+            self._awake_until = until
+
+    def _awake_tick(self) -> None:
+        for watch in list(self._native_watches):
+            if watch.timeline.native.value >= watch.next:
+                if not self._continued:
+                    self._resolve()
+                break
+        if self._native_watches and time.perf_counter_ns() < self._awake_until:
+            self._call_soon(self._awake_tick)
+        else:
+            self._awake_until = 0
 
     def statistics(self) -> LoopStatistics:
         return LoopStatistics(self.wakeups, self.resolved, self.waiting)
@@ -481,6 +505,23 @@ def checkpoint() -> Generator[Any, Any, None]:
         import trio
 
         yield from trio.lowlevel.checkpoint().__await__()  # noqa: ASYNC105 (yielded from)
+
+
+def stay_awake(ns: int) -> None:
+    """``LoopBridge.stay_awake`` of the calling thread's running loop, if it runs one and
+    its bridge exists (nothing waits on it otherwise)."""
+    loop = _get_running_loop()
+    if loop is not None:
+        bridge = _asyncio_bridges.get(loop)
+    elif _trio_bridge_var is not None:
+        try:
+            bridge = _trio_bridge_var.get()
+        except (LookupError, RuntimeError):  # no bridge yet; not in a trio run
+            return
+    else:
+        return
+    if bridge is not None and not bridge.dead:
+        bridge.stay_awake(ns)
 
 
 def loop_statistics() -> LoopStatistics:

@@ -54,6 +54,8 @@ extension_error: str | None = None  # why the extension module is not in use, if
 # spin(c_timeline, value, max_ns): read a native timeline until it reaches value, for at
 # most max_ns, without the GIL; true if it did. Set when the runtime loads.
 spin: Callable[[int, int, int], object] | None = None
+# due(c_timeline, value): when the command reaching value is expected done (0: unknown).
+due: Callable[[int, int], int] | None = None
 
 c_p, c_u64, c_int = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int
 _SIGNATURES: dict[str, tuple[object, list[object]]] = {
@@ -70,6 +72,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_timeline_signal": (None, [c_p, c_u64]),
     "am_timeline_poke": (None, [c_p, c_u64]),
     "am_timeline_spin": (c_int, [c_p, c_u64, ctypes.c_long]),
+    "am_timeline_due": (ctypes.c_int64, [c_p, c_u64]),
     "am_queue_new": (c_p, [c_p, ctypes.c_long]),
     "am_queue_call": (c_int, [c_p, c_p, c_int, c_p, c_p, c_u64]),
     "am_queue_copy": (c_int, [c_p, c_p, c_p, ctypes.c_size_t, c_p, c_u64]),
@@ -93,7 +96,9 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_cuq_wait_queue": (c_int, [c_p, c_p, c_u64, c_u64]),
     "am_cuq_failed_call": (c_int, [c_p]),
     "am_cuq_stats": (None, [c_p, ctypes.POINTER(c_u64)]),
+    "am_cuq_set_shared": (None, [c_p]),
     "am_cuq_error": (c_int, [c_p, ctypes.POINTER(c_u64)]),
+    "am_cuq_cause": (c_p, [c_p, ctypes.POINTER(c_int), ctypes.POINTER(c_u64)]),
     "am_cuq_close": (None, [c_p, c_int]),
     "am_block_completed": (None, [c_p, c_p]),
     "am_block_reached": (None, [c_p, c_p, c_u64]),
@@ -240,7 +245,7 @@ _not_packaged: list[str] = []  # why packaged runtimes found were not used
 
 def runtime() -> ctypes.CDLL:
     """The loaded runtime; builds it the first time. Blocks: call it off the loop."""
-    global _lib, _extension, extension_error, spin, origin, origin_path
+    global _lib, _extension, extension_error, spin, due, origin, origin_path
     with _lock:
         if _lib is None:
             sources = _sources()
@@ -281,6 +286,7 @@ def runtime() -> ctypes.CDLL:
                 fn.restype = restype
                 fn.argtypes = argtypes
             spin = lib.am_timeline_spin if _extension is None else _extension.spin
+            due = lib.am_timeline_due if _extension is None else _extension.due
             origin_path = target
             _lib = lib
         return _lib

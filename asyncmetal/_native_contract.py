@@ -5,7 +5,7 @@ The extension (``native/py_launch.c``, ``native/py_module.c``) submits
 attributes of the queue, its device, the program, each buffer and its allocation; one
 method of each backend queue; and the fields of three positional tuples. **This module
 is the one declaration of all of it.** The C side names each thing it reads by a key
-(``"Queue.held"``, its ``CONTRACT_KEYS``) and gets the attribute or method name from
+(``"Queue.device"``, its ``CONTRACT_KEYS``) and gets the attribute or method name from
 :data:`NAMES` when it loads; it hard-codes no attribute name.
 
 Renaming one of these attributes or methods: change its entry here, nothing else. The
@@ -36,8 +36,6 @@ class NativeContractError(AsyncMetalError):
 # cpu backend's memory handle and queue (backends/cpu.py), the cuda backend's queue.
 NAMES: dict[str, str] = {
     "Queue.device": "device",  # the queue's Device
-    "Queue.held": "_held",  # true while commands are held back (the launch goes to Python)
-    "Queue.gate": "_gate",  # None unless an unsatisfied device-side wait (else: Python)
     "Queue.submitted": "_submitted",  # int: the last value numbered; set to the next one
     "Device.closed": "closed",  # bool
     "Program.device": "device",  # must be the queue's device

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import functools
 from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any
 
@@ -18,7 +17,6 @@ from ._program import Program
 from ._timeline import (
     MADE_BY_DEVICE,
     Timeline,
-    call_when_reached,
     check_timeline,
     check_value,
     order_queue_signal,
@@ -163,13 +161,6 @@ class Queue:
         # Device-side signals and waits not yet known complete: (value, is_wait, tl, target)
         self._sync_ops: collections.deque[tuple[int, bool, Timeline, int]] = collections.deque()
         self._abandoned_from: int | None = None  # commands from here on never ran
-        self._limit = state.backend.max_behind_wait
-        self._gate: tuple[Timeline, int] | None = None  # an unsatisfied device-side wait
-        self._behind = 0  # commands handed to the backend behind that wait
-        self._held: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = (
-            collections.deque()
-        )
-        self._flush_armed = False
         # Common launches submitted by the native extension in one call (py_launch.c).
         self._launch_target = self._native.launch_target()
         self._fast_launch = (
@@ -297,89 +288,18 @@ class Queue:
         timeline = check_timeline(timeline, "timeline", self._state.kind)
         value = check_value(value)
         done = self._next()
-        self._issue(self._wait_and_gate, timeline, value, done)
+        self._issue(self._native.wait, timeline.native, value, done.value, done)
         self._track(done.value, True, timeline, value)
         return done
 
-    # -- holding commands behind a device wait -----------------------------------------
-    # A CUDA stream parked in a device-side wait accepts only so many commands before the
-    # driver blocks the submitting thread (the loop). Past the backend's limit, commands
-    # are held here, in order, and handed over once the awaited value is reached.
-
     def _issue(self, fn: Callable[..., None], *args: Any) -> None:
-        """Hand the command just numbered (by ``_next``) to the backend, or hold it. If
-        the backend refuses it, its value was never used: it is taken back. A command
-        to be held is checked as the backend would check it now, so that holding only
-        defers the hand-over: what would be refused at once is refused at once."""
+        """Hand the command just numbered (by ``_next``) to the backend. If the backend
+        refuses it, its value was never used: it is taken back."""
         try:
-            if self._held or (self._gate is not None and self._gated()):
-                if fn == self._native.launch:
-                    self._native.check_launch(*args[:4])
-                self._held.append((fn, args))
-                return
             fn(*args)
         except BaseException:
             self._submitted -= 1
             raise
-
-    def _wait_and_gate(self, timeline: Timeline, target: int, done: Completion) -> None:
-        self._native.wait(timeline.native, target, done.value, done)
-        if self._limit is not None and timeline.value < target:
-            self._gate = (timeline, target)
-            self._behind = 0
-
-    def _gated(self) -> bool:
-        assert self._gate is not None and self._limit is not None
-        timeline, target = self._gate
-        if timeline.value >= target:
-            self._gate = None
-            return False
-        if self._behind < self._limit:
-            self._behind += 1
-            return False
-        if not self._flush_armed and not timeline.ended:  # (ended: held until close)
-            self._flush_armed = True
-            call_when_reached(timeline, target, self._flush)
-        return True
-
-    def _flush(self) -> None:
-        self._flush_armed = False
-        if self._state.closed:  # what was still held was abandoned by the close
-            return
-        held, self._held = self._held, collections.deque()
-        while held:
-            fn, args = held.popleft()
-            if self._gate is not None and self._gated():
-                self._held.append((fn, args))
-                self._held.extend(held)
-                return
-            try:
-                fn(*args)
-            except BaseException as exc:
-                held.appendleft((fn, args))
-                self._refused(held, exc)
-                return
-
-    def _refused(
-        self, held: collections.deque[tuple[Callable[..., None], Any]], exc: BaseException
-    ) -> None:
-        """The backend refused the first of the ``held`` commands when it was handed
-        over (its arguments were checked when it was held: a device that ran out of
-        something). It and the commands held after it never run: each fails with
-        ``exc``. The device never signals their values, so the host does, once every
-        command before them has finished -- never earlier, whatever is still running."""
-        records = [next(a for a in args if isinstance(a, Completion)) for _, args in held]
-        for done in records:
-            done.error = exc
-        first, last = records[0].value, records[-1].value
-        # Their signals will not happen and their waits hold nothing back any more.
-        self._sync_ops = collections.deque(
-            op for op in self._sync_ops if not first <= op[0] <= last
-        )
-        call_when_reached(self.timeline, first - 1, functools.partial(self._settle, last))
-
-    def _settle(self, value: int) -> None:
-        self.timeline.native.signal(value)
 
     def _track(self, value: int, is_wait: bool, timeline: Timeline, target: int) -> None:
         ops = self._sync_ops
@@ -496,6 +416,4 @@ def abandon(queue: Queue, first: int) -> None:
     they waited, and its queue threads were stopped. Settle them, so that their waiters
     wake and raise instead of waiting forever."""
     queue._abandoned_from = first
-    queue._held.clear()
-    queue._gate = None
     queue.timeline.native.signal(queue._submitted)

@@ -177,6 +177,8 @@ class Timeline(Waitable):
             )
         self._highest = value
         self.native.signal(value)
+        if self.native.releases_device_work:
+            _bridge.stay_awake(AWAKE_AFTER_SIGNAL_NS)
 
     def _signal_pending(self) -> bool:
         """Whether the last queue signal of this timeline has not run yet: its queue has
@@ -265,9 +267,10 @@ def passed(timeline: Timeline, value: int) -> bool:
     return timeline.native.value >= value or timeline._state.closed
 
 
+AWAKE_AFTER_SIGNAL_NS = 500_000  # a loop that host-signals a device timeline checks this long
 SPIN_NS = 50_000  # waits recently shorter than this first yield to the loop a few times
 _waiting = threading.local()  # per thread (a loop's): tasks waiting in wait_value now
-CROWD = 64  # from this many waiting tasks on, a wait parks at once (no yield first)
+CROWD = 16  # from this many waiting tasks on, a wait parks at once (no yield first)
 SPINNERS = 4  # only while fewer tasks wait does a wait read the timeline between yields
 DUE_NS = 2_000_000  # a command due within this long is checked for rather than parked on
 SLICE_NS = 5_000  # between two such yields, a native timeline is read this long at most
@@ -281,7 +284,8 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
     when recent waits on this timeline ended within ``SPIN_NS`` it keeps yielding for up
     to twice that recent time, since the value is about to be reached: that saves a
     park and a wake-up. So it does, up to ``due_ns`` (a ``perf_counter_ns`` by which
-    the device expects to be done), when that is at most ``DUE_NS`` away. Between two
+    the device expects to be done: the backend's, or else what the queue predicts from
+    its commands' recent run times), when that is at most ``DUE_NS`` away. Between two
     of those yields it reads a native timeline for up to ``SLICE_NS`` (in C, without the
     GIL), so that the value is seen the moment it is reached rather than a loop
     iteration later; the loop and its other tasks wait that long at most. It never
@@ -295,6 +299,9 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
     c_timeline = native.c_timeline or 0
     spin = _native.spin if c_timeline else None  # (a native timeline: the runtime is loaded)
     start = time.perf_counter_ns()
+    if not due_ns and c_timeline and _native.due is not None:
+        # The queue's prediction for its last command (a launch, a marker), if known.
+        due_ns = _native.due(c_timeline, value)
     recent = timeline._recent_ns
     crowd = getattr(_waiting, "n", 0)
     _waiting.n = crowd + 1

@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,10 +32,13 @@ from .._backend import (
     Arg,
     Backend,
     DeviceInfo,
+    ForkableTimeline,
+    InheritedValue,
     KeepAlive,
     NativeQueue,
     NativeTimeline,
     Record,
+    Timelines,
     host_address,
 )
 from .._compile import Compiler, ParamKind
@@ -175,20 +177,7 @@ class _Memory:
         self.address: int = self.array.ctypes.data
 
 
-class _Inherited:
-    """Where a timeline of the parent process keeps its value, in a forked child."""
-
-    __slots__ = ("message",)
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-    @property
-    def value(self) -> int:
-        raise ClosedResourceError(self.message)
-
-
-class CPUTimeline(NativeTimeline):
+class CPUTimeline(ForkableTimeline):
     """A timeline in the native runtime: queue threads signal and wait on it in C."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -208,7 +197,7 @@ class CPUTimeline(NativeTimeline):
     def forked(self, message: str) -> None:
         """In a forked child, where the queue threads that raise it are the parent's (a
         value read would never move): every read raises ClosedResourceError(message)."""
-        self._value = _Inherited(message)
+        self._value = InheritedValue(message)
 
     def __del__(self) -> None:
         # Only reached once no queue command nor watch refers to it (they hold us).
@@ -262,16 +251,6 @@ class CPUQueue(NativeQueue):
             raise MemoryError("the cpu queue could not grow its command ring")
         self._keep.add(value, keep)
 
-    def check_launch(
-        self,
-        program: Any,
-        args: Sequence[Arg],
-        global_size: tuple[int, int, int],
-        local_size: tuple[int, int, int],
-    ) -> None:
-        if len(args) > MAX_ARGS:
-            raise ArgumentTypeError(f"cpu kernels take at most {MAX_ARGS} parameters")
-
     def launch(
         self,
         program: Any,
@@ -283,7 +262,7 @@ class CPUQueue(NativeQueue):
     ) -> None:
         nargs = len(args)
         if nargs > MAX_ARGS:
-            self.check_launch(program, args, global_size, local_size)
+            raise ArgumentTypeError(f"cpu kernels take at most {MAX_ARGS} parameters")
         # The times row, inline (this is the hot path of every launch).
         record.ring = self._times
         record.row = row = value % TIMES_KEPT
@@ -387,7 +366,7 @@ class HostQueues:
     runtime (the cpu device's, the npy device's): set ``_lib`` and ``_timelines``."""
 
     _lib: ctypes.CDLL
-    _timelines: weakref.WeakSet[CPUTimeline]
+    _timelines: Timelines
 
     def new_queue(self, timeline: NativeTimeline) -> NativeQueue:
         assert isinstance(timeline, CPUTimeline)
@@ -402,8 +381,7 @@ class HostQueues:
     def forked(self, message: str) -> None:
         # The runtime leaves the parent's queues and timelines alone when they are
         # closed or freed in a child (native/timelines.c, am_forks).
-        for timeline in list(self._timelines):
-            timeline.forked(message)
+        self._timelines.forked(message)
 
 
 class CPUBackend(HostQueues, Backend):
@@ -426,7 +404,7 @@ class CPUBackend(HostQueues, Backend):
         self._libraries: list[Any] = []
         self._libraries_lock = threading.Lock()
         self._closed = False
-        self._timelines: weakref.WeakSet[CPUTimeline] = weakref.WeakSet()
+        self._timelines = Timelines()
         self.live_allocations = 0
         self._info = DeviceInfo(name=f"cpu:{index}", total_memory=host_memory())
 

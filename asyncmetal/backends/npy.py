@@ -16,16 +16,15 @@ device (``runs_kernels`` is false), and a forked child may open one (``fork_safe
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import numpy as np
 
 from .. import _native
-from .._backend import Backend, DeviceInfo
+from .._backend import Backend, DeviceInfo, Timelines
 from .._compile import Compiler, ParamKind
 from .._errors import CompileError, InvalidArgumentError
-from .cpu import CPUBackend, CPUTimeline, HostQueues, host_memory
+from .cpu import CPUBackend, HostQueues, host_memory
 
 NO_KERNELS = "the npy device runs no kernels: compile for a device that does"
 
@@ -66,7 +65,7 @@ class NpyBackend(HostQueues, Backend):
     def __init__(self, index: int) -> None:
         self._lib = _native.runtime()  # builds it on first use (we are off the loop)
         self._compiler = _NoCompiler()
-        self._timelines: weakref.WeakSet[CPUTimeline] = weakref.WeakSet()
+        self._timelines = Timelines()
         name = f"npy:{index}" if index else "npy"
         self._info = DeviceInfo(name=name, total_memory=host_memory())
 

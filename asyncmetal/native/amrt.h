@@ -67,6 +67,11 @@ typedef struct am_timeline {
     int polling;                    /* a queue thread polls the word (wait_word), under mu */
     uint64_t seen;                  /* the word's highest value it saw, under mu */
     unsigned forks;                 /* am_forks when made: another value, the parent's */
+    /* When the command that raises the value to due_value is expected to be done (a
+     * now_ns() time): a queue that predicts its commands' run times publishes the last
+     * one submitted; a hint for waiters about to wait (am_timeline_due). */
+    _Atomic uint64_t due_value;
+    _Atomic int64_t due_ns;
 } am_timeline;
 
 /* ---- host_queues.c: a cpu queue's commands, and the queue ------------------------ */
@@ -150,6 +155,8 @@ uint64_t am_timeline_value(am_timeline *t);
 void am_timeline_poke(am_timeline *t, uint64_t v);
 void am_timeline_signal(am_timeline *t, uint64_t v);
 int am_timeline_spin(am_timeline *t, uint64_t v, long max_ns);
+int64_t am_timeline_due(am_timeline *t, uint64_t v);
+AM_HIDDEN void timeline_set_due(am_timeline *t, uint64_t v, int64_t due_ns);
 const char *am_build_digest(void);
 
 /* ---- host_queues.c --------------------------------------------------------------- */
@@ -186,7 +193,9 @@ int am_cuq_write(am_cuq *q, void *word, uint64_t target, uint64_t value);
 int am_cuq_wait(am_cuq *q, void *word, uint64_t target, uint64_t value);
 int am_cuq_failed_call(am_cuq *q);
 void am_cuq_stats(am_cuq *q, uint64_t *out);
+void am_cuq_set_shared(am_cuq *q);
 int am_cuq_error(am_cuq *q, uint64_t *value);
+void *am_cuq_cause(am_cuq *q, int *error, uint64_t *value);
 void am_cuq_close(am_cuq *q, int abandon);
 
 /* ---- objc_blocks.c: Objective-C blocks whose invoke functions never take the GIL -----

@@ -5,6 +5,10 @@
  */
 #include "cuda_stream.h"
 
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
 /* A held operation the driver refused: that command and every one after it will never
  * run. The queue fails from that command's value on (earlier ones are still confirmed
  * by their events); what is still held is dropped. Under mu. */
@@ -13,12 +17,112 @@ static void cuq_refused(am_cuq *q, uint64_t value, int r) {
     cuq_drop_held(q);
 }
 
+/* The first value of q that failed (a command refused or faulted), or that ran after a
+ * device wait for a value its queue never produced (poisoned): 0 if none. Under mu. */
+static uint64_t cuq_failed_at(const am_cuq *q) {
+    uint64_t at = q->error ? q->error_value : 0;
+    return q->poisoned && (!at || q->poisoned < at) ? q->poisoned : at;
+}
+
+/* The failure behind that: q's own, or the one its waits came to. Under mu. */
+static void cuq_cause(const am_cuq *q, int *error, uint64_t *value, am_timeline **cause) {
+    int own = q->error && q->error != CU_WAITED_FAILED &&
+              (!q->poisoned || q->error_value <= q->poisoned);
+    *error = own ? q->error : q->cause_error;
+    *value = own ? q->error_value : q->cause_value;
+    *cause = own ? q->timeline : q->cause;
+}
+
+/* Queue q's commands from `from` on ran (or will run) after a device wait for a value
+ * that was never produced: each fails once confirmed, and q settles once its stream is
+ * past all it was given (cuq_run). So do the commands of queues that wait on q's values
+ * from there on, at once: a wait on an event of q's would otherwise let them run and be
+ * confirmed before q settles. Not under any queue's mu. */
+static void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value, am_timeline *cause) {
+    pthread_mutex_lock(&q->mu);
+    if (q->poisoned && q->poisoned <= from) {
+        pthread_mutex_unlock(&q->mu);
+        return;
+    }
+    q->poisoned = from;
+    q->cause_error = error;
+    q->cause_value = value;
+    q->cause = cause;
+    size_t n = 0, i = 0;
+    for (am_cuwaiter *w = q->waiters; w; w = w->next) n += w->target >= from;
+    am_cuwaiter *hit = n ? malloc(n * sizeof *hit) : NULL;  /* none: they fail at q's settling */
+    for (am_cuwaiter *w = q->waiters; hit && w; w = w->next)
+        if (w->target >= from) {
+            hit[i++] = *w;
+            atomic_fetch_add(&w->q->refs, 1);
+        }
+    pthread_mutex_unlock(&q->mu);
+    for (size_t j = 0; j < i; j++) {
+        cuq_poison(hit[j].q, hit[j].command, error, value, cause);
+        cuq_unref(hit[j].q);
+    }
+    free(hit);
+}
+
+/* Under other->mu: record a device wait of q (part of its command `command`) for value
+ * `target` of other, forgetting those other has confirmed since. Returns 1 if other has
+ * failed at or before `target` already: then the caller, with other->mu released, calls
+ * cuq_poison_after(q, command, other). */
+int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command) {
+    uint64_t failed = cuq_failed_at(other);
+    if (failed && target >= failed) return 1;
+    uint64_t confirmed = atomic_load(&other->timeline->value);
+    for (am_cuwaiter **p = &other->waiters; *p;) {
+        am_cuwaiter *w = *p;
+        if (w->target <= confirmed && confirmed != UINT64_MAX) {
+            *p = w->next;
+            cuq_unref(w->q);  /* (never the last reference of a queue still waiting) */
+            free(w);
+        } else {
+            p = &w->next;
+        }
+    }
+    am_cuwaiter *w = malloc(sizeof *w);
+    if (!w) return 0;  /* not recorded: a failure of other would not reach this wait */
+    *w = (am_cuwaiter){other->waiters, q, target, command};
+    atomic_fetch_add(&q->refs, 1);
+    other->waiters = w;
+    return 0;
+}
+
+void cuq_poison_after(am_cuq *q, uint64_t command, am_cuq *other) {
+    int error;
+    uint64_t value;
+    am_timeline *cause;
+    pthread_mutex_lock(&other->mu);
+    cuq_cause(other, &error, &value, &cause);
+    pthread_mutex_unlock(&other->mu);
+    cuq_poison(q, command, error, value, cause);
+}
+
 /* The queue failed and settled (its timeline at UINT64_MAX): the stream will never write
  * the word for the failed values, so release other queues' device waits on them (they
  * would block forever: a refused held command is no sticky error that fails their
- * streams too). After the timeline, so that a releasing queue's confirmation raises
- * nothing. Not under mu. */
+ * streams too) -- after failing the commands of those that waited for a failed value
+ * (cuq_poison), which then run on data that was never produced. After the timeline, so
+ * that a releasing queue's confirmation raises nothing. Not under mu. */
 static void cuq_release_waiters(am_cuq *q) {
+    int error;
+    uint64_t value;
+    am_timeline *cause;
+    pthread_mutex_lock(&q->mu);
+    uint64_t failed = cuq_failed_at(q);
+    cuq_cause(q, &error, &value, &cause);
+    am_cuwaiter *w = q->waiters;
+    q->waiters = NULL;
+    pthread_mutex_unlock(&q->mu);
+    while (w) {
+        am_cuwaiter *next = w->next;
+        if (failed && w->target >= failed) cuq_poison(w->q, w->command, error, value, cause);
+        cuq_unref(w->q);
+        free(w);
+        w = next;
+    }
     raise_word(q->word, UINT64_MAX);
     host_signalled();
 }
@@ -64,6 +168,9 @@ static void cuq_drain(am_cuq *q) {
 static void *cuq_run(void *arg) {
     am_cuq *q = arg;
     ((int (*)(void *))cu_funcs[CU_CTX_SET])(q->ctx);
+#ifdef PR_SET_TIMERSLACK
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  /* naps end on time: 1 us, not 50 */
+#endif
     int (*query)(void *) = (int (*)(void *))cu_funcs[CU_EVENT_QUERY];
     int (*sync)(void *) = (int (*)(void *))cu_funcs[CU_EVENT_SYNC];
     for (;;) {
@@ -89,6 +196,11 @@ static void *cuq_run(void *arg) {
             continue;
         }
         am_cuentry e = q->ring[q->head];
+        /* Napped until its expected end, and never seen unfinished after: how long it
+         * ran is known only to be at most what it seems (it may have ended long before
+         * this thread looked), which must not raise the estimate (or the naps would
+         * end later and later). */
+        int napped = 0, running = 0;
         int failed = q->error && e.value >= q->error_value && !e.fence ? q->error : 0;
         pthread_mutex_unlock(&q->mu);
         int r = failed;
@@ -100,14 +212,41 @@ static void *cuq_run(void *arg) {
              * but for no longer than CU_POLL_GAP_NS. */
             unsigned kicks = atomic_load(&kick_gen);
             long spin = e.spin_ns > q->spin_ns ? e.spin_ns : q->spin_ns;
-            int64_t t = now_ns(), deadline = t + spin, last = t - CU_POLL_GAP_NS;
+            int64_t t = now_ns();
+            /* A timed command expected to run a while longer: nap until shortly before
+             * it should be done, then poll through its expected end (a little past it),
+             * so that neither an interrupt nor a nap's wake-up comes after it. */
+            int64_t est = e.timed ? q->est_ns : 0;  /* (this thread writes both) */
+            int64_t start = e.pushed_ns > q->last_done_ns ? e.pushed_ns : q->last_done_ns;
+            if (est) {
+                /* Woken this long before the expected end: a margin, a 128th of the run
+                 * (its jitter), and how late this thread's naps end (a VM's timers). */
+                int64_t lead = CU_NAP_LEAD_NS + est / 128 + q->nap_late_ns;
+                int64_t due = start + est, wake = due - lead;
+                while (wake - t > CU_NAP_MIN_NS - CU_NAP_LEAD_NS &&
+                       !__atomic_load_n(&q->stop, __ATOMIC_SEQ_CST)) {
+                    int64_t nap = wake - t < CU_NAP_CHUNK_NS ? wake - t : CU_NAP_CHUNK_NS;
+                    if (kick_nap((long)nap, kicks)) break;  /* a host signal: poll now */
+                    napped = 1;
+                    int64_t after = now_ns(), late = after - (t + nap);
+                    late = late < 0 ? 0 : late > CU_MAX_NAP_LATE_NS ? CU_MAX_NAP_LATE_NS : late;
+                    q->nap_late_ns += (late - q->nap_late_ns) / 4;
+                    t = after;
+                }
+                t = now_ns();
+                int64_t late = est / 16 < CU_LATE_POLL_NS ? est / 16 : CU_LATE_POLL_NS;
+                if (due + late - t > spin) spin = (long)(due + late - t);
+            }
+            int64_t deadline = t + spin, last = t - CU_POLL_GAP_NS;
             r = CU_ERROR_NOT_READY;
             while (t < deadline) {
                 int64_t since = t - last;
                 if (since >= CU_POLL_GAP_NS ||
-                    (since >= CU_POLL_QUIET_NS && atomic_load(&q->submitting) == 0)) {
+                    (since >= CU_POLL_QUIET_NS && !atomic_load(&q->shared) &&
+                     atomic_load(&q->submitting) == 0)) {
                     atomic_fetch_add(&q->queries, 1);
                     if ((r = query(e.event)) != CU_ERROR_NOT_READY) break;
+                    running = 1;
                     last = t;
                 }
                 sched_yield();
@@ -168,15 +307,38 @@ static void *cuq_run(void *arg) {
         }
         q->head = (q->head + 1) % q->cap;
         q->count--;
+        if (!r) {  /* learn the run time: from the later of its hand-over and the last end */
+            int64_t done = now_ns();
+            int64_t start = e.pushed_ns > q->last_done_ns ? e.pushed_ns : q->last_done_ns;
+            if (e.timed) {
+                int64_t run = done - start;
+                if (!q->est_ns || run < q->est_ns) q->est_ns = run > 0 ? run : 1;
+                else if (running || !napped) q->est_ns += (run - q->est_ns) / 8;
+            }
+            q->last_done_ns = done;
+        }
         atomic_fetch_sub(&q->pending, 1);
         /* Confirmed already, by a queue of this context that waited for it on the device
          * and succeeded after it: an error seen now (a sticky one) came after. */
         uint64_t seen = atomic_load(&q->timeline->value);
         if (r && seen != UINT64_MAX && e.value <= seen) r = 0;
         if (e.fence && !r) r = q->error ? q->error : -2;  /* the refused command fails */
-        if (r && (!q->error || e.value < q->error_value)) {
+        uint64_t failed_from = e.value;
+        if (!r && q->poisoned && e.value >= q->poisoned && e.value > seen) {
+            /* It ran after a wait for a value never produced: it fails, and the queue
+             * settles once its stream is past everything it was given. */
+            if (q->count || q->held) {
+                cuq_recycle(q, e.event, e.blocking);
+                pthread_mutex_unlock(&q->mu);
+                cuq_drain(q);
+                continue;
+            }
+            r = CU_WAITED_FAILED;
+            failed_from = q->poisoned;
+        }
+        if (r && (!q->error || failed_from < q->error_value)) {
             q->error = r;
-            q->error_value = e.value;
+            q->error_value = failed_from;
         }
         cuq_recycle(q, e.event, e.blocking);
         /* A failed command settles every later one; else, once a refused held command
@@ -189,7 +351,9 @@ static void *cuq_run(void *arg) {
         cuq_drain(q);
     }
     /* Stopping, under mu. An abandoned queue's closer may have given up waiting for this
-     * thread (it was blocked on an event that never completes): then it frees the queue. */
+     * thread (it was blocked on an event that never completes): then it frees the queue.
+     * Either way no thread uses the queue's events any more. */
+    cuq_destroy_events(q);
     q->exited = 1;
     int orphan = q->orphan;
     pthread_cond_broadcast(&q->cv);

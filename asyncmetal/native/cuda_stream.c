@@ -11,7 +11,39 @@ void cuq_recycle(am_cuq *q, void *event, int blocking) {  /* under q->mu */
         ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(event);
 }
 
+/* Hand every event of the queue back to the driver: those still in its ring (a stream
+ * may not have reached them: the driver releases such an event once it has), the pooled
+ * ones and the spares. Only by the completion thread as it stops, under mu: the one
+ * thread that may still query or block on an event of the ring (abandoned, it may do so
+ * after the closer returned). */
+void cuq_destroy_events(am_cuq *q) {
+    int (*destroy)(void *) = (int (*)(void *))cu_funcs[CU_EVENT_DESTROY];
+    for (size_t i = 0; i < q->count; i++) destroy(q->ring[(q->head + i) % q->cap].event);
+    q->count = 0;
+    for (int k = 0; k < 2; k++) {
+        for (size_t i = 0; i < q->events_count[k]; i++) destroy(q->events[k][i]);
+        q->events_count[k] = 0;
+        void *spare = atomic_exchange(&q->spare[k], NULL);
+        if (spare) destroy(spare);
+    }
+}
+
+/* Forget the device waits of other queues on this one (it will fail no more). */
+void cuq_drop_waiters(am_cuq *q) {
+    pthread_mutex_lock(&q->mu);
+    am_cuwaiter *w = q->waiters;
+    q->waiters = NULL;
+    pthread_mutex_unlock(&q->mu);
+    while (w) {
+        am_cuwaiter *next = w->next;
+        cuq_unref(w->q);
+        free(w);
+        w = next;
+    }
+}
+
 static void cuq_free(am_cuq *q) {
+    cuq_drop_waiters(q);
     pthread_mutex_destroy(&q->mu);
     pthread_cond_destroy(&q->cv);
     free(q->ring); free(q->events[0]); free(q->events[1]); free(q);

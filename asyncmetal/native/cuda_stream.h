@@ -25,7 +25,11 @@
  * event is what reports it. It raises the queue's timeline (the host-side value loops
  * read and wait on), and the timeline a signal command raised. It polls the event for a
  * moment (a completion about to happen is seen with no interrupt), then naps or blocks
- * on it. A host signal of a device timeline wakes napping completion threads at once
+ * on it. Launches and markers are timed: the queue keeps an estimate of how long one
+ * runs once the command before it is done (quick to fall, slow to rise), publishes the
+ * expected end of the last one submitted on its timeline (am_timeline_due, for a task
+ * deciding whether to park), and the thread naps until shortly before that end, then
+ * polls through it. A host signal of a device timeline wakes napping completion threads at once
  * (a device wait it releases is seen in microseconds, not at the end of a nap). It never
  * takes the GIL, and calls only cuCtxSetCurrent, cuEventQuery, cuEventSynchronize,
  * cuEventDestroy and, for held operations, the submission calls. */
@@ -42,6 +46,11 @@ extern AM_HIDDEN void *cu_funcs[CU_NFUNCS];
 #define CU_POLL_GAP_NS 10000     /* at most this long between queries, ... */
 #define CU_POLL_QUIET_NS 500     /* ... or this long while no thread submits to the queue */
 #define CU_KICK_POLL_NS 500000   /* after a host signal, poll this long before napping */
+#define CU_NAP_MIN_NS 60000      /* a command expected to run this much longer: nap first */
+#define CU_NAP_LEAD_NS 30000     /* ... waking this long (and a 128th of its run) before */
+#define CU_NAP_CHUNK_NS 20000000 /* ... in naps of at most this (an abandon is seen) */
+#define CU_LATE_POLL_NS 200000   /* poll past the expected end at most this long */
+#define CU_MAX_NAP_LATE_NS 200000 /* a nap's lateness is allowed for up to this */
 #define CU_MAX_PARAMS 64
 #define CU_FINISH_LONG 1         /* am_cuq_finish flags: a command known to run long */
 #define CU_FINISH_PLAIN 2        /* ... a device wait: a plain event, so a kick is seen */
@@ -63,6 +72,8 @@ typedef struct {
     int blocking;                   /* its event wakes a thread blocked on it (interrupt) */
     int fence;                      /* behind a refused command's handed-over operations:
                                        waited for, then fails */
+    int timed;                      /* its run time teaches the queue's estimate */
+    int64_t pushed_ns;              /* when it was handed over (now_ns) */
 } am_cuentry;
 
 struct am_cuq;
@@ -120,8 +131,34 @@ struct am_cuq {
     _Atomic(void *) spare[2];       /* an event for the next command, taken without the lock */
     atomic_int blocking;            /* commands get blocking-sync events (they run long) */
     int quick;                      /* blocking events confirmed while polling, in a row */
+    /* Run-time prediction (written by the completion thread under mu): how long a timed command runs once the one before
+     * it is done (quick to fall, slow to rise), when the last command was confirmed, and
+     * when the last one handed over is expected done (0: not known). */
+    int64_t est_ns, last_done_ns, last_due_ns;
+    int64_t nap_late_ns;            /* how late naps end here (the completion thread's) */
+    atomic_int shared;              /* other libraries submit to the stream too (adopted):
+                                       queries come at most every CU_POLL_GAP_NS */
     atomic_ulong queries, syncs, naps, events_made, held_total, kicked;  /* statistics */
+    /* Failing with another queue (cuda_completion.c, cuq_poison): the device waits of
+     * other queues on this one, and from which command on this one ran after a wait for
+     * a value its queue never produced (0: none), with that queue's failure (the first
+     * one, through any chain of waits). */
+    struct am_cuwaiter *waiters;
+    uint64_t poisoned;
+    int cause_error;
+    uint64_t cause_value;
+    am_timeline *cause;
 };
+
+/* A device wait of queue q (part of its command `command`) for value `target` of the
+ * queue holding this record, which references q. */
+typedef struct am_cuwaiter {
+    struct am_cuwaiter *next;
+    struct am_cuq *q;
+    uint64_t target, command;
+} am_cuwaiter;
+
+#define CU_WAITED_FAILED (-3)  /* a queue's error: it waited for a failed command's value */
 
 /* Whether the completion thread has held operations it may hand over now (under mu). */
 static inline int cuq_can_drain(const am_cuq *q) {
@@ -138,11 +175,18 @@ AM_HIDDEN void cuq_recycle(am_cuq *q, void *event, int blocking);  /* under q->m
 AM_HIDDEN void cuq_unref(am_cuq *q);
 AM_HIDDEN void cuop_free(am_cuop *op);
 AM_HIDDEN void cuq_drop_held(am_cuq *q);                           /* under q->mu */
+AM_HIDDEN void cuq_destroy_events(am_cuq *q);                      /* under q->mu */
+AM_HIDDEN void cuq_drop_waiters(am_cuq *q);
+
+/* cuda_completion.c */
+AM_HIDDEN int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command);
+AM_HIDDEN void cuq_poison_after(am_cuq *q, uint64_t command, am_cuq *other);
 
 /* cuda_submit.c */
 AM_HIDDEN int cuq_run_op(am_cuq *q, const am_cuop *op);
 AM_HIDDEN int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
                          long spin_ns, int flags);
 AM_HIDDEN int cuq_submit(am_cuq *q, const am_cuop *op, size_t size);
+AM_HIDDEN int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *then);
 
 #endif

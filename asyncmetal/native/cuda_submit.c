@@ -69,7 +69,15 @@ int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_val
         free(q->ring);
         q->ring = ring; q->head = 0; q->cap *= 2;
     }
-    am_cuentry e = {event, value, extra, extra_value, spin_ns, k, fence};
+    /* A command of unknown length -- a launch, a marker -- is timed: the queue predicts
+     * when it will be done from how long such commands ran, behind the one before it,
+     * and publishes that on its timeline for a task about to await it. */
+    int timed = !fence && !spin_ns && !(flags & (CU_FINISH_LONG | CU_FINISH_PLAIN));
+    int64_t now = now_ns(), from = q->count ? q->last_due_ns : now;
+    int64_t due = timed && q->est_ns && from ? (from > now ? from : now) + q->est_ns : 0;
+    q->last_due_ns = due;
+    if (!fence) timeline_set_due(q->timeline, value, due);
+    am_cuentry e = {event, value, extra, extra_value, spin_ns, k, fence, timed, now};
     q->ring[(q->head + q->count) % q->cap] = e;
     q->count++;
     int write = !fence && value <= q->wanted;
@@ -113,15 +121,21 @@ static int cuq_wait_word(am_cuq *q, void *word, uint64_t value) {
  * not at all if it is confirmed. Under other's lock: its completion thread cannot
  * recycle the event meanwhile. Decided when the operation reaches the driver, so a held
  * wait looks at other as it is then. */
-static int cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value) {
+static int cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value, uint64_t command) {
     int r = 0;
     pthread_mutex_lock(&other->mu);
+    /* Recorded with other (so that its failure before `value` fails this command too),
+     * or other failed before `value` already: then this command fails. */
+    int failed = other->stop != 2 && cuq_waited(q, other, value, command);
     if (value > other->submitted) {
         if (value > other->wanted) other->wanted = value;
         pthread_mutex_unlock(&other->mu);
+        if (failed) cuq_poison_after(q, command, other);
         return cuq_wait_word(q, (void *)other->word, value);
     }
-    for (size_t i = 0; i < other->count; i++) {
+    /* (Abandoned, other has nothing in flight: its events are its thread's to destroy.) */
+    size_t inflight = other->stop == 2 ? 0 : other->count;
+    for (size_t i = 0; i < inflight; i++) {
         am_cuentry *e = &other->ring[(other->head + i) % other->cap];
         if (e->value >= value) {
             r = ((int (*)(void *, void *, unsigned))cu_funcs[CU_WAIT_EVENT])(
@@ -130,6 +144,7 @@ static int cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value) {
         }
     }
     pthread_mutex_unlock(&other->mu);
+    if (failed) cuq_poison_after(q, command, other);
     return r ? cuq_fail(q, CU_WAIT_EVENT, r) : 0;
 }
 
@@ -171,7 +186,7 @@ int cuq_run_op(am_cuq *q, const am_cuop *op) {
     case CUOP_WAIT:
         return cuq_wait_word(q, op->word, op->target);
     case CUOP_WAIT_QUEUE:
-        return cuq_wait_queue(q, op->other, op->target);
+        return cuq_wait_queue(q, op->other, op->target, op->value);
     case CUOP_FINISH:
         return cuq_finish(q, op->value, op->extra, op->extra_value, op->spin_ns, op->flags);
     }
@@ -179,11 +194,12 @@ int cuq_run_op(am_cuq *q, const am_cuop *op) {
 }
 
 /* Hand an operation to the driver now, or hold it (copied) behind what is held already
- * or while the stream has max_inflight commands unconfirmed. 0 once submitted or held; a
- * CUresult if the driver refused it now (nothing held: the caller takes its value back);
- * the queue's error once a command of it failed (nothing more is accepted); -1: out of
- * memory. */
-int cuq_submit(am_cuq *q, const am_cuop *op, size_t size) {
+ * or while the stream has max_inflight commands unconfirmed; with `then` (a command's
+ * CUOP_FINISH), that one too, right behind it in the same pass (both handed over, or both
+ * held). 0 once submitted or held; a CUresult if the driver refused it now (nothing held:
+ * the caller takes its value back); the queue's error once a command of it failed
+ * (nothing more is accepted); -1: out of memory. */
+int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *then) {
     pthread_mutex_lock(&q->mu);
     if (q->error) {
         int e = q->error;
@@ -191,15 +207,24 @@ int cuq_submit(am_cuq *q, const am_cuop *op, size_t size) {
         return e;
     }
     if (q->held || q->driving || q->count >= q->max_inflight) {
-        am_cuop *copy = malloc(size);
-        if (!copy) { pthread_mutex_unlock(&q->mu); return -1; }
+        am_cuop *copy = malloc(size), *end = then ? malloc(sizeof *end) : NULL;
+        if (!copy || (then && !end)) {
+            pthread_mutex_unlock(&q->mu);
+            free(copy);
+            free(end);
+            return -1;
+        }
         memcpy(copy, op, size);
-        copy->next = NULL;
+        copy->next = end;
         if (copy->other) atomic_fetch_add(&copy->other->refs, 1);
+        if (end) {
+            *end = *then;
+            end->next = NULL;
+        }
         if (q->held_tail) q->held_tail->next = copy; else q->held = copy;
-        q->held_tail = copy;
-        q->nheld++;
-        atomic_fetch_add(&q->held_total, 1);
+        q->held_tail = end ? end : copy;
+        q->nheld += end ? 2 : 1;
+        atomic_fetch_add(&q->held_total, end ? 2 : 1);
         if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
         pthread_mutex_unlock(&q->mu);
         return 0;
@@ -209,12 +234,17 @@ int cuq_submit(am_cuq *q, const am_cuop *op, size_t size) {
     void *before;
     int r = cuq_enter(q, &before);
     if (!r) r = cuq_run_op(q, op);
+    if (!r && then) r = cuq_run_op(q, then);
     cuq_leave(q, r, before);
     pthread_mutex_lock(&q->mu);
     q->driving = 0;
     if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
     pthread_mutex_unlock(&q->mu);
     return r;
+}
+
+int cuq_submit(am_cuq *q, const am_cuop *op, size_t size) {
+    return cuq_submit_then(q, op, size, NULL);
 }
 
 /* flags: CU_FINISH_LONG (a blocking-sync event at once), CU_FINISH_PLAIN (a device
@@ -232,7 +262,7 @@ int am_cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value, uint64_t command
 }
 
 /* dims: grid x, y, z, block x, y, z, dynamic shared memory bytes; params: nparams
- * pointers to 64-bit slots (copied). Then its event, as am_cuq_finish. */
+ * pointers to 64-bit slots (copied). Then its event, as am_cuq_finish, in the same pass. */
 int am_cuq_launch(am_cuq *q, void *function, const unsigned *dims, void **params, int nparams,
                   uint64_t value) {
     if (nparams < 0 || nparams > CU_MAX_PARAMS) return -2;
@@ -245,8 +275,8 @@ int am_cuq_launch(am_cuq *q, void *function, const unsigned *dims, void **params
     op->nparams = nparams;
     memcpy(op->dims, dims, sizeof op->dims);
     for (int i = 0; i < nparams; i++) memcpy(&op->params[i], params[i], sizeof(int64_t));
-    int r = cuq_submit(q, op, sizeof(am_cuop) + (size_t)nparams * sizeof(int64_t));
-    return r ? r : am_cuq_finish(q, value, NULL, 0, 0, 0);
+    am_cuop end = {.kind = CUOP_FINISH, .value = value};
+    return cuq_submit_then(q, op, sizeof(am_cuop) + (size_t)nparams * sizeof(int64_t), &end);
 }
 
 /* A device copy, then its event: on one device (src_ctx NULL) or from the device of
@@ -256,8 +286,8 @@ int am_cuq_copy(am_cuq *q, uint64_t dst, uint64_t src, void *src_ctx, size_t nby
                 uint64_t value, long spin_ns) {
     am_cuop op = {.kind = CUOP_COPY, .value = value, .dst = dst, .src = src, .src_ctx = src_ctx,
                   .nbytes = nbytes};
-    int r = cuq_submit(q, &op, sizeof op);
-    return r ? r : am_cuq_finish(q, value, NULL, 0, spin_ns, 0);
+    am_cuop end = {.kind = CUOP_FINISH, .value = value, .spin_ns = spin_ns};
+    return cuq_submit_then(q, &op, sizeof op, &end);
 }
 
 /* Host memory (pinned, or at most a few pages of pageable) to and from device memory, as
@@ -287,6 +317,11 @@ int am_cuq_failed_call(am_cuq *q) { return __atomic_load_n(&q->failed_call, __AT
  * blocking-sync event, waits with naps on a plain one (after polling found them
  * unfinished), events created, whether commands now get blocking-sync events, operations
  * held on the host so far, held now, and naps cut short by a host signal. */
+/* Other libraries submit to this queue's stream too (an adopted one): its completion
+ * thread's queries, which take the driver's locks, come at most every CU_POLL_GAP_NS
+ * (it cannot see when they submit). Before the first command. */
+void am_cuq_set_shared(am_cuq *q) { atomic_store(&q->shared, 1); }
+
 void am_cuq_stats(am_cuq *q, uint64_t *out) {
     out[0] = atomic_load(&q->queries);
     out[1] = atomic_load(&q->syncs);
@@ -298,6 +333,18 @@ void am_cuq_stats(am_cuq *q, uint64_t *out) {
     out[6] = q->nheld;
     pthread_mutex_unlock(&q->mu);
     out[7] = atomic_load(&q->kicked);
+}
+
+/* For a queue whose error is CU_WAITED_FAILED: the failure it waited for -- that
+ * queue's error and failed value, and its timeline (returned; maybe freed since, an
+ * address to compare only). */
+void *am_cuq_cause(am_cuq *q, int *error, uint64_t *value) {
+    pthread_mutex_lock(&q->mu);
+    void *cause = q->cause;
+    *error = q->cause_error;
+    *value = q->cause_value;
+    pthread_mutex_unlock(&q->mu);
+    return cause;
 }
 
 int am_cuq_error(am_cuq *q, uint64_t *value) {
@@ -312,18 +359,17 @@ int am_cuq_error(am_cuq *q, uint64_t *value) {
  * abandon=0: after everything held was handed over and every command confirmed (or the
  * queue failed). abandon=1: now, dropping what is held. A thread blocked on an event that
  * will never complete (behind a device wait nothing signals) is not waited for beyond
- * ~200 ms: it frees the queue itself if it ever returns. Blocks. */
+ * ~200 ms: it frees the queue itself if it ever returns. The thread destroys the queue's
+ * events as it stops (then, for one that never returns, never). Blocks. */
 void am_cuq_close(am_cuq *q, int abandon) {
     pthread_mutex_lock(&q->mu);
     __atomic_store_n(&q->stop, abandon ? 2 : 1, __ATOMIC_SEQ_CST);  /* read unlocked too */
-    if (abandon) {
-        cuq_drop_held(q);
-        q->count = 0;
-    }
+    if (abandon) cuq_drop_held(q);  /* what is in flight, its thread releases as it stops */
     pthread_cond_signal(&q->cv);
     if (abandon) {
         pthread_mutex_unlock(&q->mu);
         host_signalled();  /* wake it if it naps */
+        cuq_drop_waiters(q);  /* it settles nothing now: no waiter of it will fail */
         pthread_mutex_lock(&q->mu);
         struct timespec until;
         deadline_after(&until, 200000000L);
@@ -338,13 +384,6 @@ void am_cuq_close(am_cuq *q, int abandon) {
     }
     pthread_mutex_unlock(&q->mu);
     pthread_join(q->thread, NULL);
-    if (!abandon) {
-        for (int k = 0; k < 2; k++) {
-            for (size_t i = 0; i < q->events_count[k]; i++)
-                ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(q->events[k][i]);
-            void *spare = atomic_load(&q->spare[k]);
-            if (spare) ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(spare);
-        }
-    }
+    cuq_drop_waiters(q);  /* (waiters reference their queues: two waiting on each other) */
     cuq_unref(q);
 }

@@ -28,8 +28,6 @@
  * "Class.role"; _native_contract.py maps each to the attribute or method name. */
 #define AM_CONTRACT_KEYS(X)                                                               \
     X(QUEUE_DEVICE, "Queue.device")                                                       \
-    X(QUEUE_HELD, "Queue.held")                                                           \
-    X(QUEUE_GATE, "Queue.gate")                                                           \
     X(QUEUE_SUBMITTED, "Queue.submitted")                                                 \
     X(DEVICE_CLOSED, "Device.closed")                                                     \
     X(PROGRAM_DEVICE, "Program.device")                                                   \

@@ -221,14 +221,12 @@ PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     if (parsed) Py_RETURN_NONE;
     Py_ssize_t most = t.kind == 1 ? AM_MAX_PARAMS : AM_MAX_ARGS;
 
-    /* The queue holds nothing back, and its device is open and the program's. (r: 0 so
-     * far the common case, 1 not, -1 an error; any error set is raised.) */
+    /* The queue's device is open and the program's. (r: 0 so far the common case, 1 not,
+     * -1 an error; any error set is raised.) */
     PyObject *handles = NULL;  /* cpu: the buffers' handles, kept alive by the queue */
     PyObject *device = PyObject_GetAttr(queue, NAME(QUEUE_DEVICE));
     if (!device) return NULL;
-    int r = attr_true(queue, NAME(QUEUE_HELD));
-    if (r == 0) r = 1 - attr_is(queue, NAME(QUEUE_GATE), Py_None);
-    if (r == 0) r = attr_true(device, NAME(DEVICE_CLOSED));
+    int r = attr_true(device, NAME(DEVICE_CLOSED));
     if (r == 0) r = 1 - attr_is(program, NAME(PROGRAM_DEVICE), device);
     if (r) goto fallback;
 

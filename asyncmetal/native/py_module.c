@@ -200,6 +200,16 @@ static PyObject *py_spin(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     return PyBool_FromLong(reached);
 }
 
+/* due(timeline, value) -> int: am_timeline_due (a time.perf_counter_ns(), 0: unknown). */
+static PyObject *py_due(PyObject *self, PyObject *const *a, Py_ssize_t n) {
+    (void)self;
+    if (take_args(n, 2, "due")) return NULL;
+    am_timeline *t = PyLong_AsVoidPtr(a[0]);
+    uint64_t value = PyLong_AsUnsignedLongLong(a[1]);
+    if (converted(t, "due: null timeline")) return NULL;
+    return PyLong_FromLongLong(am_timeline_due(t, value));
+}
+
 /* timeline_value(timeline) -> int: the timeline's value, an acquire load: whatever the
  * thread that raised it wrote before (a kernel's results, a copy's bytes, a times row)
  * is visible to the caller's later reads. Where a plain load is not that (arm64),
@@ -238,6 +248,8 @@ static PyMethodDef methods[] = {
      "launch(queue, target, program, buffers, vals, global, local) -> Completion | None"},
     {"spin", (PyCFunction)(void (*)(void))py_spin, METH_FASTCALL,
      "spin(timeline, value, max_ns) -> whether the timeline reached value"},
+    {"due", (PyCFunction)(void (*)(void))py_due, METH_FASTCALL,
+     "due(timeline, value) -> when the command reaching value is expected done, or 0"},
     {"timeline_value", py_timeline_value, METH_O,
      "timeline_value(timeline) -> its value (an acquire load)"},
     {"address_of", py_address_of, METH_O, "address_of(name) -> int"},

@@ -139,6 +139,22 @@ int am_timeline_spin(am_timeline *t, uint64_t v, long max_ns) {
     }
 }
 
+/* Publish that the command raising t to v is expected done at due_ns (0: not known).
+ * One publisher at a time (the queue owning t, under its lock). */
+void timeline_set_due(am_timeline *t, uint64_t v, int64_t due_ns) {
+    atomic_store(&t->due_value, 0);
+    atomic_store(&t->due_ns, due_ns);
+    atomic_store(&t->due_value, v);
+}
+
+/* When the command raising t to v is expected to be done (a now_ns() time), if its
+ * queue published that v is the last one submitted; else 0. A hint: no lock. */
+int64_t am_timeline_due(am_timeline *t, uint64_t v) {
+    if (atomic_load(&t->due_value) != v) return 0;
+    int64_t due = atomic_load(&t->due_ns);
+    return atomic_load(&t->due_value) == v ? due : 0;
+}
+
 /* The digest of the sources this library was built from (asyncmetal/_native_build.py):
  * a packaged runtime is loaded only if it matches the sources installed beside it. */
 #ifndef AM_BUILD_DIGEST

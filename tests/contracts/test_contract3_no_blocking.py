@@ -90,54 +90,6 @@ async def test_loop_keeps_ticking_during_long_kernel(
     assert max(gaps) < 0.2, f"the loop stalled for {max(gaps):.3f} s"
 
 
-async def test_commands_behind_a_device_wait_are_held_past_the_backend_limit(
-    device: am.Device, kernels: dict[str, am.Program], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A CUDA stream parked in a device wait blocks the submitting thread once too many
-    # commands queue behind it; queues hold the excess on the host instead. Exercised
-    # here with a pretend limit on the cpu device.
-    monkeypatch.setattr(type(device._backend), "max_behind_wait", 4)
-    q = device.new_queue()
-    cells = await device.alloc(8)
-    await cells.write(np.zeros(2, np.int32))
-    tl, tl2 = device.timeline(), device.timeline()
-    q.wait(tl, 1)
-    done = [q.launch(kernels["step"], cells, vals=(0, 1, i)) for i in range(10)]
-    q.wait(tl2, 1)  # a second gate among the held commands
-    done += [q.launch(kernels["step"], cells, vals=(1, 0, i)) for i in range(10)]
-    assert len(q._held) == 17  # 4 went to the device, the rest wait on the host
-    tl.signal(1)
-    await done[9]
-    assert not done[10].done()
-    tl2.signal(1)
-    await done[-1]
-    expected = [0, 0]
-    for i in range(10):
-        expected[0] = (expected[0] * 31 + expected[1] + i) % (1 << 32)
-    for i in range(10):
-        expected[1] = (expected[1] * 31 + expected[0] + i) % (1 << 32)
-    got = (await cells.read(np.uint32)).tolist()
-    assert got == expected
-
-
-async def test_close_abandons_commands_held_behind_a_wait_nobody_signals(
-    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    dev = await am.open_device("cpu:4")
-    monkeypatch.setattr(type(dev._backend), "max_behind_wait", 2)
-    k = await dev.compile("void k(int* x) { x[0] += 1; }", "k")
-    buf = await dev.alloc(4)
-    q = dev.new_queue()
-    q.wait(dev.timeline(), 1)  # never signalled
-    done = [q.after(buf).launch(k, buf) for _ in range(6)]
-    assert q._held  # some are held on the host
-    with anyio.fail_after(10):
-        await dev.close()
-    for d in done:
-        with pytest.raises(am.ClosedResourceError, match="never ran"):
-            await d
-
-
 async def test_many_waiters_are_woken_in_slices_between_the_loops_other_work(
     device: am.Device,
 ) -> None:

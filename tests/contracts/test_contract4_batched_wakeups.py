@@ -103,3 +103,38 @@ async def test_no_wakeup_for_completions_nobody_awaits(
     await anyio.sleep(0.05)
     assert device.queue.timeline.value == device.queue.submitted
     assert am.loop_statistics().wakeups == before.wakeups
+
+
+@pytest.mark.parametrize("awake", [True, False], ids=["awake", "asleep"])
+async def test_a_loop_kept_awake_sees_a_native_value_without_a_wake_up(
+    device: am.Device, awake: bool
+) -> None:
+    """After a host signal that releases device work, the loop reads its native watches'
+    timelines every iteration for a moment: a value raised there (here written in place,
+    so nothing writes the loop's pipe) wakes its waiter with no wake-up at all."""
+    import ctypes
+
+    from asyncmetal import _bridge
+
+    tl = device.timeline()
+    c_timeline = tl.native.c_timeline
+    assert c_timeline  # the cpu device's timelines live in the native runtime
+    woken = anyio.Event()
+
+    async def waiter() -> None:
+        await tl.wait(1)
+        woken.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        while am.loop_statistics().waiting < 1:
+            await anyio.sleep(0.001)
+        if awake:
+            _bridge.stay_awake(2_000_000_000)
+        ctypes.c_uint64.from_address(c_timeline).value = 1  # the value, first member
+        with anyio.move_on_after(0.2):
+            await woken.wait()
+        assert woken.is_set() == awake
+        if not awake:
+            tl.signal(2)  # the waiter is still parked: wake it through the pipe
+            await woken.wait()

@@ -94,15 +94,6 @@ async def test_it_declines_every_other_case_without_submitting(
     for args in declined:
         assert extension.launch(queue, queue._launch_target, *args) is None, args
     assert queue.submitted == 0 and queue not in buf._allocation.last_use
-    # A queue holding commands behind a device wait, and a closed device.
-    timeline = device.timeline()
-    queue._gate = (timeline, 1)
-    assert extension.launch(queue, queue._launch_target, empty, (), (), _ONE3, _ONE3) is None
-    queue._gate = None
-    queue._held.append((print, ()))
-    assert extension.launch(queue, queue._launch_target, empty, (), (), _ONE3, _ONE3) is None
-    queue._held.clear()
-    assert queue.submitted == 0
 
 
 async def test_a_closed_device_is_declined(anyio_backend: object) -> None:

@@ -64,7 +64,7 @@ def test_the_extension_reads_what_the_contract_declares(extension: types.ModuleT
 def test_a_renamed_attribute_is_named_at_setup(
     extension: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(_native_contract.NAMES, "Queue.held", "_kept_back")
+    monkeypatch.setitem(_native_contract.NAMES, "Queue.submitted", "_kept_back")
     with pytest.raises(NativeContractError, match=r"Queue has no attribute '_kept_back'"):
         _native_contract.setup(extension, _classes(), _ONE3)
 

@@ -197,6 +197,8 @@ class _Runtime:
     def __init__(self) -> None:
         self._real = _native.runtime()
         self.queues: dict[int, _NativeQueue] = {}
+        # A queue whose error is WAITED_FAILED: (timeline, error, value) of what failed.
+        self.causes: dict[int, tuple[int, int, int]] = {}
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("am_cuq_"):
@@ -213,12 +215,19 @@ class _Runtime:
         self.queues[ctypes.addressof(q)] = q
         return ctypes.addressof(q)
 
+    def am_cuq_set_shared(self, q: int) -> None:
+        self.queues[q].shared = True
+
     def am_cuq_error(self, q: int, value: Any) -> int:
         value._obj.value = self.queues[q].error_value  # value: ctypes.byref(a c_uint64)
         return int(self.queues[q].error)
 
     def am_cuq_failed_call(self, q: int) -> int:
         return int(self.queues[q].failed_call)
+
+    def am_cuq_cause(self, q: int, error: Any, value: Any) -> int:
+        timeline, error._obj.value, value._obj.value = self.causes.get(q, (0, 0, 0))
+        return timeline
 
     def am_cuq_close(self, q: int, abandon: int) -> None:
         del self.queues[q]
@@ -238,6 +247,12 @@ def _bind(monkeypatch: pytest.MonkeyPatch, name: str, value: object) -> None:
 def driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Driver]:
     """The fake driver as ``cu``, in a process whose CUDA state is not lost (restored
     afterwards: the state is the module's, for the life of the process)."""
+    yield from fake_driver(monkeypatch)
+
+
+def fake_driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Driver]:
+    """What the ``driver`` fixture does, for a script that is no test (a forked child's
+    parent: tests/reliability/test_fork.py): yields the fake, cleans up when resumed."""
     fake = _Driver()
     runtime = fake.runtime = _Runtime()
     _bind(monkeypatch, "cu", fake)
@@ -527,3 +542,43 @@ async def test_the_null_stream_is_the_legacy_one_and_a_consumer_gets_buffer_erro
             buf.__dlpack__(stream=2)
     finally:
         await dev.close()
+
+
+@pytest.mark.anyio
+async def test_a_command_that_waited_for_a_failed_commands_value_names_it(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """A queue of cuda:1 waited on the device for a value of cuda:0's default queue,
+    whose command at value 7 the driver refused (native/cuda_completion.c then fails the
+    waiting queue's commands from the wait on: they ran on data never produced). Its
+    completions, and a submission to it, raise an error naming that command and its
+    device, not a CUDA error of their own; not DeviceLostError (nothing sticky)."""
+    from asyncmetal.backends.cuda import _queue as cuda_queue
+
+    runtime = cuda_backend._native.runtime()
+    dev0 = await am.open_device("cuda:0")
+    dev1 = await am.open_device("cuda:1")
+    try:
+        queue = dev1.new_queue()
+        before = _confirmed(queue)
+        waited = queue._next()
+        native = runtime.queues[queue._native._q]  # type: ignore[attr-defined]
+        native.error, native.error_value = cuda_queue.WAITED_FAILED, waited.value
+        failed = (dev0.queue.timeline.native.c_timeline, CUresult.CUDA_ERROR_INVALID_VALUE, 7)
+        runtime.causes[queue._native._q] = failed  # type: ignore[attr-defined]
+        queue.timeline.native.signal(MAX)
+        await before
+        expected = (
+            f"the command at value {waited.value} on a stream of cuda:1 ran after a "
+            "device-side wait for a value that was never produced: the command at value 7 "
+            "on a stream of cuda:0 failed: CUDA_ERROR_INVALID_VALUE"
+        )
+        with pytest.raises(am.AsyncMetalError) as caught:
+            await waited
+        assert str(caught.value) == expected and not isinstance(caught.value, DeviceLostError)
+        with pytest.raises(am.AsyncMetalError) as caught:
+            queue._native._check(cuda_queue.WAITED_FAILED)  # a submission it refuses now
+        assert str(caught.value) == expected
+    finally:
+        await dev0.close()
+        await dev1.close()

@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-SCRIPT = r"""
+from tests.support.fakes import metal_sim
+
+# What the scripts start with: forking and waiting for the child, bounded, and checking
+# a refusal. (``am`` is imported by each script.)
+PRELUDE = r"""
 import os, sys, time
 import anyio, numpy as np
-import asyncmetal as am
-from asyncmetal import _device
 
-SRC = "void k(int* o, int v) { o[0] = v; }"
 checks = []
 
 
@@ -37,7 +39,7 @@ def wait_child(pid, seconds=30.0):
     return "hung"
 
 
-async def refused(what, make):
+async def refused(what, make):  # the await raises ClosedResourceError naming the parent
     try:
         result = make()
         if hasattr(result, "__await__"):
@@ -49,6 +51,39 @@ async def refused(what, make):
         checks.append(f"{what}: {type(exc).__name__}: {exc}")
     else:
         checks.append(f"{what}: not refused")
+
+
+# Fork; the child exits at once ("exit"), from inside a running loop ("exit-in-loop"),
+# or after child(*objects) ("use"); the parent waits for it.
+def fork_and_check(scenario, child, objects):
+    if scenario == "exit-in-loop":
+        async def fork_in_loop():
+            pid = os.fork()
+            if pid == 0:
+                sys.exit(0)  # from inside the running loop: asyncio.run's teardown, atexit
+            return pid
+        pid = anyio.run(fork_in_loop)
+    else:
+        pid = os.fork()
+        if pid == 0:
+            if scenario == "use":
+                anyio.run(child, *objects)
+                if checks:
+                    print("\n".join("child: " + c for c in checks), flush=True)
+                sys.exit(1 if checks else 0)
+            sys.exit(0)
+    code = wait_child(pid)
+    if code != 0:
+        checks.append(f"the child exited with {code}")
+"""
+
+SCRIPT = (
+    PRELUDE
+    + r"""
+import asyncmetal as am
+from asyncmetal import _device
+
+SRC = "void k(int* o, int v) { o[0] = v; }"
 
 
 async def child(dev, program, buf, tl, queue, pending):
@@ -114,31 +149,14 @@ async def parent_finish(dev, buf, tl, pending):
 def main(scenario):
     objects = anyio.run(parent_open)
     dev, program, buf, tl, queue, pending = objects
-    if scenario == "exit-in-loop":
-        async def fork_in_loop():
-            pid = os.fork()
-            if pid == 0:
-                sys.exit(0)  # from inside the running loop: asyncio.run's teardown, atexit
-            return pid
-        pid = anyio.run(fork_in_loop)
-    else:
-        pid = os.fork()
-        if pid == 0:
-            if scenario == "use":
-                anyio.run(child, *objects)
-                if checks:
-                    print("\n".join("child: " + c for c in checks), flush=True)
-                sys.exit(1 if checks else 0)
-            sys.exit(0)
-    code = wait_child(pid)
-    if code != 0:
-        checks.append(f"the child exited with {code}")
+    fork_and_check(scenario, child, objects)
     anyio.run(parent_finish, dev, buf, tl, pending)
     print("\n".join(checks) if checks else "ok", flush=True)
 
 
 main(sys.argv[1])
 """
+)
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
@@ -146,6 +164,94 @@ main(sys.argv[1])
 def test_a_forked_child_is_refused_the_parents_devices_and_exits(scenario: str) -> None:
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, scenario], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and proc.stdout.split("\n")[-2:] == ["ok", ""], (
+        proc.stdout + proc.stderr[-4000:]
+    )
+
+
+# A cuda device (the fake driver of tests/reliability/test_cuda_faults.py, whose queues
+# run nothing: a command is numbered and confirmed by hand) or the simulated Metal. In
+# the child, a completion and a timeline of the parent's were never reached: awaiting
+# them parked for good before the backends cut their values off at the fork.
+GPU_SCRIPT = (
+    PRELUDE
+    + r"""
+sys.path.insert(0, sys.argv[1])
+kind, scenario = sys.argv[2], sys.argv[3]
+import pytest
+from tests.support.fakes import metal_sim
+metal_sim.configure()
+import asyncmetal as am
+from tests.reliability.test_cuda_faults import fake_driver
+from tests.support.kernels import MSL_KERNELS
+
+if kind == "cuda":
+    next(fake_driver(pytest.MonkeyPatch()))
+
+
+async def parent_open():
+    dev = await am.open_device("cuda:0" if kind == "cuda" else "metal")
+    tl = dev.timeline()
+    queue = dev.new_queue()
+    if kind == "cuda":
+        pending = queue._next()
+    else:
+        queue.wait(tl, 1)  # the command waits on the device across the fork
+        pending = queue.launch(await dev.compile(MSL_KERNELS, "empty"))
+    return dev, tl, pending
+
+
+async def child(dev, tl, pending):
+    with anyio.fail_after(20):
+        await refused("await a completion", lambda: pending)
+        await refused("completion.done", pending.done)
+        await refused("timeline.wait", lambda: tl.wait(1))
+        await refused("timeline.value", lambda: tl.value)
+        await dev.close()  # the parent's: nothing to do here, and no hang
+
+
+async def parent_finish(dev, tl, pending):
+    with anyio.fail_after(20):
+        tl.signal(1)
+        if kind == "cuda":
+            pending.queue.timeline.native.signal(pending.value)  # as its thread would
+        await pending
+        await dev.close()
+
+
+objects = anyio.run(parent_open)
+fork_and_check(scenario, child, objects)
+anyio.run(parent_finish, *objects)
+print("\n".join(checks) if checks else "ok", flush=True)
+"""
+)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("scenario", ["exit", "exit-in-loop", "use"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "cuda",
+        pytest.param(
+            "metal",
+            marks=[
+                pytest.mark.metal,
+                pytest.mark.skipif(
+                    metal_sim.missing() is not None, reason=f"{metal_sim.missing()}"
+                ),
+            ],
+        ),
+    ],
+)
+def test_a_forked_child_of_a_gpu_process_gets_errors_and_exits(kind: str, scenario: str) -> None:
+    root = str(Path(__file__).parents[2])
+    proc = subprocess.run(
+        [sys.executable, "-c", GPU_SCRIPT, root, kind, scenario],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0 and proc.stdout.split("\n")[-2:] == ["ok", ""], (
         proc.stdout + proc.stderr[-4000:]

@@ -2,8 +2,10 @@
 
 * Queues are non-blocking streams. Each command is submitted in one native call
   (``native/cuda_submit.c``: the launch, an event record) and its event handed to a native
-  completion thread per stream, which polls it a moment, then blocks on it, without the
-  GIL, and raises the queue's timeline once the event confirmed the command. Nothing
+  completion thread per stream, which polls it a moment, then naps or blocks on it
+  (napping until shortly before a command's end where it can predict that from its
+  recent run times), without the GIL, and raises the queue's timeline once the event
+  confirmed the command. Nothing
   runs inside a driver callback. Driver functions on that path are the pointers
   ``cuGetProcAddress`` (through cuda-bindings) returns; everything else calls
   cuda-bindings.

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ... import _native
-from ..._backend import Backend, DeviceInfo, NativeQueue, NativeTimeline
+from ..._backend import Backend, DeviceInfo, NativeQueue, NativeTimeline, Timelines
 from ..._compile import Compiler
 from ..._errors import AsyncMetalError
 from . import _driver
@@ -37,8 +37,8 @@ class CUDABackend(Backend):
     kind = "cuda"
     host_visible = False
     dlpack_device_type = 2  # kDLCUDA
-    # No commands are held in Python behind a device wait: the native queue bounds what
-    # a stream has in flight (MAX_IN_FLIGHT), device waits included.
+    # The native queue bounds what a stream has in flight (MAX_IN_FLIGHT), device waits
+    # included, and holds the rest.
 
     @classmethod
     def available(cls) -> list[str]:
@@ -119,6 +119,7 @@ class CUDABackend(Backend):
         self.lib = _native.runtime()
         install_driver(self.lib)
         self._modules: list[Any] = []
+        self._timelines = Timelines()
         self._slot_arenas: list[Pinned] = []
         self._free_slots: list[int] = []
         self._slot_lock = threading.Lock()
@@ -235,7 +236,14 @@ class CUDABackend(Backend):
         return CUDAQueue(self, timeline, adopt=stream_handle(stream))
 
     def new_timeline(self, on_advance: Callable[[int], None]) -> NativeTimeline:
-        return CUDATimeline(self)
+        timeline = CUDATimeline(self)
+        self._timelines.add(timeline)
+        return timeline
+
+    def forked(self, message: str) -> None:
+        # No driver call: the child has no usable CUDA state and none of the completion
+        # threads; the parent's streams, memory and contexts are left as they are.
+        self._timelines.forked(message)
 
     @keeps_context
     def close(self) -> None:

@@ -30,6 +30,9 @@ FINISH_LONG, FINISH_PLAIN = 1, 2  # am_cuq_finish flags
 MAX_POLL_NS = 2_000_000  # ... or up to this long for a command expected to take so long
 MAX_COPY_POLL_NS = 4_000_000  # ... a device copy (one of 1 GiB between two H200s: 2.8 ms)
 MARKER_POLL_NS = 500_000  # ... a marker with nothing unconfirmed before it
+# A queue's error when a command of it waited on the device for a value of another
+# queue's that failed before producing it (CU_WAITED_FAILED, native/cuda_stream.h).
+WAITED_FAILED = -3
 
 
 class QueueDevice(StagingDevice, Protocol):
@@ -73,9 +76,12 @@ class CUDAQueue(NativeQueue):
             if self._owns_stream:
                 cu.cuStreamDestroy(self.stream)
             raise AsyncMetalError("could not start the CUDA completion thread")
+        if adopt is not None:
+            lib.am_cuq_set_shared(self._q)  # its owner submits too: query less often
         timeline.queue = self
         self._error = ctypes.c_int.from_address(self._q)  # am_cuq's first member
         self._sticky = (0, 0)
+        self._cause = (0, 0, 0)  # for WAITED_FAILED: that queue's timeline, error, value
         self._keep = KeepAlive(timeline)
         self._slots = (ctypes.c_uint64 * MAX_PARAMS)()
         base = ctypes.addressof(self._slots)
@@ -98,6 +104,8 @@ class CUDAQueue(NativeQueue):
     def _failed(self, code: int) -> AsyncMetalError:
         if code == -1:
             raise MemoryError("the CUDA completion ring could not grow")
+        if code == WAITED_FAILED:
+            return self._waited_failed(self._first_error()[1])
         call = self._lib.am_cuda_name(self._lib.am_cuq_failed_call(self._q)).decode()
         return driver_error(call, code, self._backend.name)
 
@@ -158,6 +166,8 @@ class CUDAQueue(NativeQueue):
         if not self._error.value and _driver.lost_first is None:  # the common case: no call
             return None
         code, first = self._first_error()
+        if code == WAITED_FAILED and value >= first:
+            return self._waited_failed(first)
         if code and value >= first:
             where = f"a stream of {self._backend.name}"
             return driver_error(f"the command at value {first}", code, where)
@@ -192,7 +202,31 @@ class CUDAQueue(NativeQueue):
             first = ctypes.c_uint64()
             code = self._lib.am_cuq_error(self._q, ctypes.byref(first))
             self._sticky = (code, first.value)
+            if code == WAITED_FAILED:
+                error, value = ctypes.c_int(), ctypes.c_uint64()
+                cause = self._lib.am_cuq_cause(self._q, ctypes.byref(error), ctypes.byref(value))
+                self._cause = (cause or 0, error.value, value.value)
         return self._sticky
+
+    def _waited_failed(self, first: int) -> AsyncMetalError:
+        """The error of this queue's commands from ``first`` on, which ran after a device
+        wait for a value that another queue's failed command never produced: that
+        command's error, named (by its queue's device, where that queue is still alive)."""
+        timeline, error, value = self._cause
+        where = next(
+            (
+                f"a stream of {queue._backend.name}"
+                for queue in list(_driver.live_queues)
+                if isinstance(queue, CUDAQueue) and queue._timeline.c_timeline == timeline
+            ),
+            "another stream",
+        )
+        cause = driver_error(f"the command at value {value}", error, where)
+        kind = DeviceLostError if isinstance(cause, DeviceLostError) else AsyncMetalError
+        return kind(
+            f"the command at value {first} on a stream of {self._backend.name} ran after a "
+            f"device-side wait for a value that was never produced: {cause}"
+        )
 
     def launch(
         self,

@@ -6,7 +6,7 @@ import ctypes
 from typing import Any, Protocol
 
 from ... import _native
-from ..._backend import NativeTimeline
+from ..._backend import ForkableTimeline, InheritedValue
 from ._driver import check, cu
 
 
@@ -36,7 +36,7 @@ class Pinned:
             self.address = 0
 
 
-class CUDATimeline(NativeTimeline):
+class CUDATimeline(ForkableTimeline):
     """A native-runtime timeline with a device word in pinned memory: streams write and
     wait on the word; the timeline's value (what the host reads, awaits and reports) is
     raised by host signals, and for device writes only once a completion thread has
@@ -65,14 +65,22 @@ class CUDATimeline(NativeTimeline):
         (not yet confirmed by a completion thread), or raised by a host signal."""
         return self._word.value >= target
 
+    releases_device_work = True
+
     def signal(self, value: int) -> None:
         # Raises the word, then wakes napping completion threads: a stream's wait it
         # releases is confirmed within microseconds rather than at the end of a nap.
         self._backend.lib.am_timeline_host_signal(self.c_timeline, value)
 
+    def forked(self, message: str) -> None:
+        # The completion threads that raise it are the parent's; its word and slot are
+        # left as they are (the parent's pinned memory).
+        self._value = InheritedValue(message)
+
     def __del__(self) -> None:
         backend = getattr(self, "_backend", None)
-        if backend is not None and backend.lib is not None:
+        inherited = isinstance(getattr(self, "_value", None), InheritedValue)
+        if backend is not None and backend.lib is not None and not inherited:
             backend.lib.am_timeline_free(self.c_timeline)
             backend._release_slot(self.address)
 

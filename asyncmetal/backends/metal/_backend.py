@@ -14,6 +14,7 @@ from ..._backend import (
     DeviceInfo,
     NativeQueue,
     NativeTimeline,
+    Timelines,
 )
 from ..._compile import Compiler
 from ..._errors import AsyncMetalError, CompileError, DeviceLostError
@@ -22,6 +23,7 @@ from ._compiler import MetalCompiler
 from ._objc import (
     autorelease_pool,
     describe_error,
+    forget_objects,
     library_path,
     load,
     nsstring,
@@ -87,6 +89,7 @@ class MetalBackend(Backend):
         self.lost_from = 0
         self.live_allocations = 0
         self._pipelines: list[int] = []
+        self._timelines = Timelines()
 
     @property
     def info(self) -> DeviceInfo:
@@ -182,7 +185,15 @@ class MetalBackend(Backend):
         return MetalQueue(self, timeline)
 
     def new_timeline(self, on_advance: Callable[[int], None]) -> NativeTimeline:
-        return MetalTimeline(self)
+        timeline = MetalTimeline(self)
+        self._timelines.add(timeline)
+        return timeline
+
+    def forked(self, message: str) -> None:
+        # The completion handlers that raise the timelines run on the parent's Metal
+        # threads; the parent's objects are not released here (nor anything sent).
+        self._timelines.forked(message)
+        forget_objects()
 
     def close(self) -> None:
         for pipeline in self._pipelines:

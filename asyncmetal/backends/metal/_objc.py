@@ -134,8 +134,18 @@ def describe_error(error: int) -> str:
         return text.decode(errors="replace") if text else "unknown error"
 
 
+_inherited = False  # a forked child's objects are its parent's: it releases none
+
+
+def forget_objects() -> None:
+    """In a child forked from a process that opened Metal: every object is the parent's
+    (and the Metal runtime is unusable here), so from now on ``release`` sends nothing."""
+    global _inherited
+    _inherited = True
+
+
 def release(obj: int) -> None:
-    if obj:
+    if obj and not _inherited:
         send(obj, "release", restype=None)
 
 

@@ -14,6 +14,8 @@ from typing import Any, Protocol, overload
 from ... import _native
 from ..._backend import (
     Arg,
+    ForkableTimeline,
+    InheritedValue,
     KeepAlive,
     NativeQueue,
     NativeTimeline,
@@ -55,7 +57,7 @@ class MTLSize(ctypes.Structure):
     _fields_ = [("width", c_ulong), ("height", c_ulong), ("depth", c_ulong)]
 
 
-class MetalTimeline(NativeTimeline):
+class MetalTimeline(ForkableTimeline):
     """An ``MTLSharedEvent`` with a native mirror timeline that wakes the loops."""
 
     def __init__(self, backend: MetalDevice) -> None:
@@ -73,6 +75,9 @@ class MetalTimeline(NativeTimeline):
     @property
     def value(self) -> int:
         return self._mirror.value
+
+    def forked(self, message: str) -> None:
+        self._mirror = InheritedValue(message)
 
     def device_value(self) -> int:
         value: int = send(self.event, "signaledValue", restype=c_uint64)

@@ -25,7 +25,10 @@
  *   partial   a held command refused after part of it was handed over settles its queue
  *             only once the stream is past that part (its kernel ran)
  *   release   a queue's device wait on a value of a queue that failed that way ends
- *             (the failed queue's word is raised), rather than blocking for good
+ *             (the failed queue's word is raised), rather than blocking for good; the
+ *             commands from that wait on fail once run (they ran on data never
+ *             produced), and so do those of a queue that waited for them, naming the
+ *             command that failed
  *   kick      a host signal of a timeline a stream waits on cuts the completion
  *             thread's nap short
  *   abandon   closing with abandon returns while the completion thread naps on, or is
@@ -33,6 +36,11 @@
  *             queue itself once it returns)
  *   context   a submission leaves the calling thread's current context as it found it
  *             (none, or another library's), though it made the queue's current
+ *   predict   a queue learns how long its launches run: it publishes when the last one
+ *             should be done, and its completion thread naps until just before that
+ *             and confirms them by polling (no blocking wait, no nap after the end)
+ *   released  every event any queue made was destroyed once its completion thread
+ *             stopped, abandoned ones' included (those in flight, pooled and spare)
  */
 #include "fake_cuda_driver.h"
 
@@ -288,14 +296,34 @@ static void check_release(void) {
     if (am_cuq_wait_queue(b.q, a.q, 2, 1) || am_cuq_finish(b.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
         die("release: b's wait failed");
     if (launch(b, NULL, 1, 2)) die("release: b's launch failed");
+    /* c waits on b's event for b's command 2, which ran on data a never produced */
+    fake_queue c = queue_new();
+    if (am_cuq_wait_queue(c.q, b.q, 2, 1) || am_cuq_finish(c.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
+        die("release: c's wait failed");
+    if (launch(c, NULL, 1, 2)) die("release: c's launch failed");
     int64_t deadline = now_ns() + 10000000000LL;
-    while (am_timeline_value(b.t) < 2)
+    while (am_timeline_value(b.t) < 2 || am_timeline_value(c.t) < 2)
         if (now_ns() > deadline) die("release: a wait on a failed queue's value never ended");
     uint64_t at = 0;
     if (am_cuq_error(a.q, &at) != 1 || at != 2) die("release: a's failure is wrong");
+    /* b's wait and launch ran (the stream was released) but fail, once both ran; so do
+     * c's, which waited for b's launch; each names a's refused command */
+    if (am_timeline_value(b.t) != UINT64_MAX || atomic_load(&b.s->ran) != 1)
+        die("release: b's commands after the wait did not fail once run");
+    if (am_timeline_value(c.t) != UINT64_MAX) die("release: c's commands did not fail");
+    fake_queue waiting[2] = {b, c};
+    for (int i = 0; i < 2; i++) {
+        int error = 0;
+        uint64_t value = 0;
+        if (am_cuq_error(waiting[i].q, &at) != CU_WAITED_FAILED || at != 1)
+            die("release: a waiting queue's failure is wrong");
+        if (am_cuq_cause(waiting[i].q, &error, &value) != a.t || error != 1 || value != 2)
+            die("release: a waiting queue does not name the command that failed");
+    }
     refuse_fn = NULL;
     queue_free(a, 0);
     queue_free(b, 0);
+    queue_free(c, 0);
     puts("ok release");
 }
 
@@ -359,6 +387,41 @@ static void check_context(void) {
     puts("ok context");
 }
 
+static void check_predict(void) {
+    fake_queue f = queue_new();
+    static kernel k5 = {0, 5000000, NULL, 0};  /* 5 ms: the fake stream naps through it */
+    uint64_t v = 0, before[8], stats[8];
+    for (int i = 0; i < 8; i++) {  /* learn */
+        launch(f, &k5, 0, ++v);
+        while (am_timeline_value(f.t) < v) nap_ns(200000);
+    }
+    am_cuq_stats(f.q, before);
+    int64_t early = 0;
+    for (int i = 0; i < 30; i++) {
+        int64_t t = now_ns();
+        if (launch(f, &k5, 0, ++v)) die("predict: a launch failed");
+        int64_t due = 0;  /* (a held end is handed over by the completion thread) */
+        while (!(due = am_timeline_due(f.t, v)) && am_timeline_value(f.t) < v) sched_yield();
+        due -= t;
+        if (due < 2000000 || due > 20000000) {
+            fprintf(stderr, "due in %lld ns, v %llu, value %llu\n", (long long)due,
+                    (unsigned long long)v, (unsigned long long)am_timeline_value(f.t));
+            die("predict: the due time is not about 5 ms");
+        }
+        if (am_timeline_due(f.t, v + 1)) die("predict: a due time for an unsubmitted value");
+        while (am_timeline_value(f.t) < v) nap_ns(50000);
+        if (now_ns() - t < 4900000) early++;
+    }
+    am_cuq_stats(f.q, stats);
+    /* Blocking or napping waits happen only where a kernel outran its prediction (a busy
+     * machine's fake stream napping late): a few at most. */
+    uint64_t waits = stats[1] - before[1] + stats[2] - before[2];
+    if (waits > 15) die("predict: commands were waited for rather than polled at their end");
+    if (early) die("predict: a command was confirmed before it ran");
+    queue_free(f, 0);
+    puts("ok predict");
+}
+
 int main(void) {
     fake_driver_install();
     check_order();
@@ -373,9 +436,16 @@ int main(void) {
     check_refused();
     check_partial();
     check_release();
+    check_predict();  /* before abandon, after which a blocking wait never blocks */
     check_kick();
     check_abandon();
     check_context();
+    /* The abandoned queues' threads have all returned (check_abandon's blocked one once
+     * its sync gave up), each destroying its queue's events as it stopped. */
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (atomic_load(&events_made) != atomic_load(&events_destroyed))
+        if (now_ns() > deadline) die("released: events of abandoned queues were never destroyed");
+    puts("ok released");
     return 0;
 }
 

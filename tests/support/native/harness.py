@@ -109,15 +109,13 @@ def build(harness: str, out_dir: Path, sanitizer: str = "", extra: tuple[str, ..
 
 
 def run(
-    binary: Path, *args: str, sanitizer: str = "", timeout: float = 240, suppressions: str = ""
+    binary: Path, *args: str, sanitizer: str = "", timeout: float = 240
 ) -> subprocess.CompletedProcess[str]:
     """Run a harness built by :func:`build`, with its sanitizer's options set."""
     env = dict(os.environ)
     if sanitizer:
         name, options = _OPTIONS[sanitizer]
         env[name] = options
-        if suppressions:
-            env["LSAN_OPTIONS"] = f"suppressions={HERE / suppressions}"
     return subprocess.run(
         [str(binary), *args], capture_output=True, text=True, timeout=timeout, env=env
     )
