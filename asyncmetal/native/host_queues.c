@@ -4,6 +4,13 @@
  */
 #include "amrt.h"
 
+#ifdef __linux__
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HOST_QUEUE_NICE 19
+#endif
+
 typedef void (*am_kernel)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                           int64_t, int64_t);
@@ -133,6 +140,13 @@ static void copy_parts(const am_cmd *c) {
 static void *run(void *arg) {
     am_queue *q = arg;
     am_cmd c;
+#ifdef __linux__
+    /* Kernels run here, on the host's cores, which the event loops need too: this thread
+     * yields to a loop thread that wakes (a lower weight for the scheduler), so a
+     * machine with fewer cores than busy queues starves the kernels a little, not the
+     * loops. (Linux: a thread's nice value is its own.) */
+    setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), HOST_QUEUE_NICE);
+#endif
     while (take(q, &c)) {
         if (c.record) {  /* the row's value goes last, so a reader can tell a torn row */
             __atomic_store_n(&c.record[2], 0, __ATOMIC_RELEASE);

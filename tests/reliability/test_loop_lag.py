@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "loop_lag.py"
 TASKS = 1000
 
@@ -64,3 +66,40 @@ def test_loop_lag_cpu_1000_tasks(tmp_path: Path) -> None:
                 f" submit max {row['submit_ms']['max']:.3f} ms,"
                 f" {row['tasks_done_in_window']}/{TASKS} tasks done in the window"
             )
+
+
+def _nice_of_threads() -> dict[int, int]:
+    """Each thread of this process: its nice value (the 19th field of its stat line)."""
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        stat = (task / "stat").read_text()
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[int(task.name)] = int(fields[16])
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
+def test_cpu_queue_threads_yield_to_the_event_loop() -> None:
+    """Kernels of the cpu device spin on host cores the loops need too: its queue threads
+    run at the lowest priority (nice 19), so a loop thread that wakes runs first, even
+    with more busy queues than cores."""
+    import threading
+
+    import anyio
+
+    import asyncmetal as am
+
+    before = set(_nice_of_threads())
+    loop_nice: list[int] = []
+
+    async def main() -> dict[int, int]:
+        async with am.open_device("cpu") as dev:
+            queues = [dev.new_queue() for _ in range(3)]
+            for q in queues:
+                await q.marker()
+            loop_nice.append(_nice_of_threads()[threading.get_native_id()])
+            return {tid: nice for tid, nice in _nice_of_threads().items() if tid not in before}
+
+    new = anyio.run(main)
+    assert loop_nice[0] < 19
+    assert len([n for n in new.values() if n == 19]) >= 3, new
