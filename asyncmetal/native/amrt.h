@@ -188,6 +188,7 @@ int am_cuq_failed_call(am_cuq *q);
 void am_cuq_stats(am_cuq *q, uint64_t *out);
 int am_cuq_error(am_cuq *q, uint64_t *value);
 void am_cuq_close(am_cuq *q, int abandon);
+int am_cuq_wait_foreign(am_cuq *owner, void *ctx, void *stream, uint64_t target, int *call);
 
 /* ---- objc_blocks.c: Objective-C blocks whose invoke functions never take the GIL -----
  * Metal keeps and later calls the blocks given to addCompletedHandler: and
