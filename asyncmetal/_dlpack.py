@@ -6,10 +6,12 @@ shape)`` exports the same memory typed (a C-contiguous array of ``shape``). The 
 manager holds the memory: the allocator neither releases nor reuses it until the consumer
 calls the deleter (on any thread), even if the Buffer is freed meanwhile. A memory still
 held when its device closes is left allocated. Ordering: on a device with streams the
-consumer's stream waits, on the device, for the commands that use the buffer (its stream
-adopted as a queue, ``device.adopt_stream``); host memory (cpu, npy, Metal's shared
-storage) has no stream to wait on, so exporting it while a command that uses it is in
-flight raises ``BufferError`` (await that command first).
+consumer's stream waits, on the device, for the commands that use the buffer (the
+backend's ``order_stream``: on cuda, on each queue's event, or its timeline word for a
+command still held on the host); the stream is not adopted, so no queue or completion
+thread is made per consumer stream. Host memory (cpu, npy, Metal's shared storage) has
+no stream to wait on, so exporting it while a command that uses it is in flight raises
+``BufferError`` (await that command first).
 
 Buffers in. ``from_dlpack(obj)`` takes a producer's DLPack capsule (asking it to order
 its work before the device's default queue) and makes a Buffer over that memory, on the
@@ -323,10 +325,9 @@ def _order_for_consumer(buffer: Buffer, stream: int | None) -> None:
                 "stream 0 is ambiguous for CUDA (DLPack): pass 1 for the legacy stream"
             )
         try:
-            queue = state.adopt(1 if stream is None else stream)
+            state.backend.order_stream(1 if stream is None else stream, buffer._pending_uses())
         except InvalidArgumentError as refused:  # the protocol's error for a consumer
             raise ExchangeError(str(refused)) from None
-        queue.after(buffer)
         return
     if stream is not None:
         raise ExchangeError(
@@ -352,8 +353,12 @@ class Exports:
     # What the functions above ask of the buffer that _exported names (a Buffer
     # implements them):
     def _export_state(self) -> Any:
-        """The DeviceState of the buffer's device (backend, name, its ``adopt`` of a
-        consumer's stream, its default queue)."""
+        """The DeviceState of the buffer's device (backend, name, its default queue)."""
+        raise NotImplementedError
+
+    def _pending_uses(self) -> list[tuple[Any, int]]:
+        """(native timeline, value) of each queue whose last command using the memory
+        has not finished: what a consumer's stream waits for."""
         raise NotImplementedError
 
     def _check_usable(self, what: str) -> None:
