@@ -6,6 +6,7 @@ public call."""
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -66,7 +67,7 @@ async def test_torch_shares_a_buffer_both_ways(anyio_backend: object) -> None:
     async with am.open_device("cuda:0") as dev:
         fill, sleep = await _kernels(dev)
         buf = await dev.alloc(4 * N)
-        torch.from_dlpack(buf)  # the first export adopts torch's stream: done before timing
+        torch.from_dlpack(buf)  # the first export: done before timing
         dev.queue.launch(sleep, vals=(50_000,))
         dev.queue.launch(fill, buf, vals=(7, N), **GRID)  # not awaited: torch's stream waits
         start = time.perf_counter()
@@ -113,6 +114,73 @@ async def test_a_torch_tensor_comes_in_without_a_copy(anyio_backend: object) -> 
         del tensor
         gc.collect()
         assert (await buf.read(np.int32) == 9).all()  # the buffer keeps the tensor alive
+
+
+def _threads() -> int:
+    """The process's threads (a completion thread is one of them)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+async def _consumed_on_own_streams(
+    dev: am.Device, consume: Callable[[am.TypedView, int], int], rounds: int = 4
+) -> None:
+    """Before each of ``rounds`` consumers, on a stream of its own (``consume(view, i)``
+    sums the buffer on stream ``i``), a long kernel then a fill write the buffer: the
+    first round's fill is submitted at once, later rounds' are held on the host behind
+    more than MAX_IN_FLIGHT long kernels. Each consumer sees its fill's values, with no
+    host block; no queue and no thread is made per consumer stream."""
+    fill, sleep = await _kernels(dev)
+    buf = await dev.alloc(4 * N)
+    view = buf.typed(np.int32)
+    consume(view, rounds)  # the consumer library's start-up (its threads): before counting
+    await dev.queue.marker()
+    queues, threads = len(dev._queues), _threads()
+    for i in range(rounds):
+        if i == 0:
+            dev.queue.launch(sleep, vals=(50_000,))  # ~50 ms
+        else:
+            for _ in range(40):  # > MAX_IN_FLIGHT: the fill waits on the host
+                dev.queue.launch(sleep, vals=(1_000,))
+        dev.queue.launch(fill, buf, vals=(i + 1, N), **GRID)
+        total = consume(view, i)  # ordered on the device; reading the sum waits for it
+        assert total == (i + 1) * N, (i, total)
+    assert len(dev._queues) == queues  # no queue per consumer stream ...
+    assert _threads() == threads  # ... and no completion thread
+    await dev.queue.marker()
+
+
+@needs_torch
+async def test_torch_consumes_on_its_own_streams_after_a_long_kernel(anyio_backend: object) -> None:
+    import torch
+
+    streams = [torch.cuda.Stream() for _ in range(5)]
+
+    def consume(view: am.TypedView, i: int) -> int:
+        with torch.cuda.stream(streams[i]):
+            start = time.perf_counter()
+            tensor = torch.from_dlpack(view)  # torch passes its current stream
+            assert time.perf_counter() - start < 0.02  # no host block
+            return int(tensor.sum())
+
+    async with am.open_device("cuda:0") as dev:
+        await _consumed_on_own_streams(dev, consume)
+
+
+@needs_cupy
+async def test_cupy_consumes_on_its_own_streams_after_a_long_kernel(anyio_backend: object) -> None:
+    import cupy
+
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(5)]
+
+    def consume(view: am.TypedView, i: int) -> int:
+        with streams[i]:
+            start = time.perf_counter()
+            array = cupy.from_dlpack(view)  # cupy passes its current stream
+            assert time.perf_counter() - start < 0.02  # no host block
+            return int(array.sum())
+
+    async with am.open_device("cuda:0") as dev:
+        await _consumed_on_own_streams(dev, consume)
 
 
 class _InterfaceOnly:
