@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
+import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,6 +36,7 @@ from asyncmetal._dlpack import (
 pytestmark = pytest.mark.anyio
 
 Take = Callable[[object], tuple[Any, ...]]
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "interop.py"
 _capsule_name = ctypes.pythonapi.PyCapsule_GetName
 _capsule_name.restype = ctypes.c_char_p
 _capsule_name.argtypes = [ctypes.py_object]
@@ -222,3 +226,16 @@ def test_extension_and_ctypes_agree(edit: Callable[[Any, DLTensor], None], versi
         result = take(capsule)
         found.append(result[:1] + result[2:] if result[0] == _dlpack.TAKEN else result)
     assert found[0] == found[1]
+
+
+def test_the_benchmarks_split_of_from_dlpack_runs_on_cpu(tmp_path: Path) -> None:
+    """benchmarks/interop.py's cpu part: am.from_dlpack of a numpy array, and the
+    producer's own __dlpack__ measured alone (its figures are printed, not judged)."""
+    out = tmp_path / "interop.json"
+    cmd = [sys.executable, str(BENCH), "--cpu", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    split = json.loads(out.read_text())["dlpack"]
+    assert 0 < split["producer_dlpack_us"] < split["am_from_dlpack_us"]
+    assert split["rest_us"] == split["am_from_dlpack_us"] - split["producer_dlpack_us"]

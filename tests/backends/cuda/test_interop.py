@@ -122,17 +122,26 @@ def _threads() -> int:
 
 
 async def _consumed_on_own_streams(
-    dev: am.Device, consume: Callable[[am.TypedView, int], int], rounds: int = 4
+    dev: am.Device, on_stream: Callable[[int], Any], take: Callable[[Any], Any], rounds: int = 4
 ) -> None:
-    """Before each of ``rounds`` consumers, on a stream of its own (``consume(view, i)``
-    sums the buffer on stream ``i``), a long kernel then a fill write the buffer: the
-    first round's fill is submitted at once, later rounds' are held on the host behind
-    more than MAX_IN_FLIGHT long kernels. Each consumer sees its fill's values, with no
-    host block; no queue and no thread is made per consumer stream."""
+    """Before each of ``rounds`` consumers, on a stream of its own (``with on_stream(i)``
+    makes stream ``i`` current; ``take`` is the library's from_dlpack, which passes that
+    stream), a long kernel then a fill write the buffer: the first round's fill is
+    submitted at once, later rounds' are held on the host behind more than MAX_IN_FLIGHT
+    long kernels. Each consumer sees its fill's values, taking the buffer blocks nothing
+    on the host, and no queue or thread is made per consumer stream."""
     fill, sleep = await _kernels(dev)
     buf = await dev.alloc(4 * N)
     view = buf.typed(np.int32)
-    consume(view, rounds)  # the consumer library's start-up (its threads): before counting
+
+    def consume(i: int) -> int:
+        with on_stream(i):
+            start = time.perf_counter()
+            array = take(view)
+            assert time.perf_counter() - start < 0.02  # ordered on the device
+            return int(array.sum())  # reading the sum waits for it
+
+    consume(rounds)  # the consumer library's start-up (its threads): before counting
     await dev.queue.marker()
     queues, threads = len(dev._queues), _threads()
     for i in range(rounds):
@@ -142,8 +151,7 @@ async def _consumed_on_own_streams(
             for _ in range(40):  # > MAX_IN_FLIGHT: the fill waits on the host
                 dev.queue.launch(sleep, vals=(1_000,))
         dev.queue.launch(fill, buf, vals=(i + 1, N), **GRID)
-        total = consume(view, i)  # ordered on the device; reading the sum waits for it
-        assert total == (i + 1) * N, (i, total)
+        assert consume(i) == (i + 1) * N, i
     assert len(dev._queues) == queues  # no queue per consumer stream ...
     assert _threads() == threads  # ... and no completion thread
     await dev.queue.marker()
@@ -154,16 +162,10 @@ async def test_torch_consumes_on_its_own_streams_after_a_long_kernel(anyio_backe
     import torch
 
     streams = [torch.cuda.Stream() for _ in range(5)]
-
-    def consume(view: am.TypedView, i: int) -> int:
-        with torch.cuda.stream(streams[i]):
-            start = time.perf_counter()
-            tensor = torch.from_dlpack(view)  # torch passes its current stream
-            assert time.perf_counter() - start < 0.02  # no host block
-            return int(tensor.sum())
-
     async with am.open_device("cuda:0") as dev:
-        await _consumed_on_own_streams(dev, consume)
+        await _consumed_on_own_streams(
+            dev, lambda i: torch.cuda.stream(streams[i]), torch.from_dlpack
+        )
 
 
 @needs_cupy
@@ -171,16 +173,8 @@ async def test_cupy_consumes_on_its_own_streams_after_a_long_kernel(anyio_backen
     import cupy
 
     streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(5)]
-
-    def consume(view: am.TypedView, i: int) -> int:
-        with streams[i]:
-            start = time.perf_counter()
-            array = cupy.from_dlpack(view)  # cupy passes its current stream
-            assert time.perf_counter() - start < 0.02  # no host block
-            return int(array.sum())
-
     async with am.open_device("cuda:0") as dev:
-        await _consumed_on_own_streams(dev, consume)
+        await _consumed_on_own_streams(dev, lambda i: streams[i], cupy.from_dlpack)
 
 
 class _InterfaceOnly:
