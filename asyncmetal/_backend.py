@@ -309,6 +309,15 @@ class Backend(ABC):
             f"{self.kind} devices have no streams to adopt (adopt_stream is for cuda devices)"
         )
 
+    def order_stream(self, stream: object, uses: Sequence[tuple[NativeTimeline, int]]) -> None:
+        """Make another library's ``stream`` (as the user gave it: a DLPack consumer's)
+        wait, on the device, until each queue timeline of ``uses`` reaches its value,
+        without adopting it: no queue and nothing that watches it is made. Raise
+        InvalidArgumentError for what is not a stream of this device."""
+        raise InvalidArgumentError(
+            f"{self.kind} devices have no streams to order (streams are for cuda devices)"
+        )
+
     def lost_error(self, what: str) -> BaseException | None:
         """The error ``what`` (an allocation, a compile) raises now because of a fault
         the driver made process-wide, or None. Checked before allocations and compiles,

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ._allocator import Allocation, Block, Queue
-from ._backend import Arg, new_arg
+from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import checkpoint
 from ._device_state import DeviceState
 from ._dlpack import Exports, TypedView
@@ -97,6 +97,9 @@ class Buffer(Exports):
 
     def _export_state(self) -> DeviceState:
         return self._state
+
+    def _pending_uses(self) -> list[tuple[NativeTimeline, int]]:
+        return [(q.timeline.native, v) for q, v in uses(self) if q.timeline.value < v]
 
     def _lend(self, hold: bool = True) -> tuple[Any, Callable[[], None]]:
         allocation = self._allocation

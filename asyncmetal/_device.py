@@ -73,7 +73,6 @@ class Device:
     def __init__(self, name: str, backend: Backend) -> None:
         # What the layers below see of this device: they are handed this, not the Device.
         self._state = DeviceState(name, backend, self)
-        self._state.adopt = self.adopt_stream
         self._backend = backend
         self._queues: list[Queue] = []
         self._adopted: dict[object, Queue] = {}  # by stream

@@ -9,7 +9,7 @@ below the Device calls it.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any, Protocol
 
 from ._backend import Backend
@@ -25,7 +25,7 @@ class Copier(Protocol):
 class DeviceState:
     """One opened device, as its timelines, buffers, queues and allocator see it."""
 
-    __slots__ = ("adopt", "backend", "closed", "device", "name", "queue")
+    __slots__ = ("backend", "closed", "device", "name", "queue")
 
     def __init__(self, name: str, backend: Backend, device: Any) -> None:
         self.name = name
@@ -33,9 +33,6 @@ class DeviceState:
         self.closed = False
         self.device = device  # the asyncmetal.Device that owns this state
         self.queue: Copier | None = None  # its default queue, once made
-        # Its queue over another library's stream, for a buffer's DLPack consumer: the
-        # device's adopt_stream, set when it opens.
-        self.adopt: Callable[[object], Any] | None = None
 
     @property
     def kind(self) -> str:

@@ -6,10 +6,12 @@ shape)`` exports the same memory typed (a C-contiguous array of ``shape``). The 
 manager holds the memory: the allocator neither releases nor reuses it until the consumer
 calls the deleter (on any thread), even if the Buffer is freed meanwhile. A memory still
 held when its device closes is left allocated. Ordering: on a device with streams the
-consumer's stream waits, on the device, for the commands that use the buffer (its stream
-adopted as a queue, ``device.adopt_stream``); host memory (cpu, npy, Metal's shared
-storage) has no stream to wait on, so exporting it while a command that uses it is in
-flight raises ``BufferError`` (await that command first).
+consumer's stream waits, on the device, for the commands that use the buffer (the
+backend's ``order_stream``: on cuda, on each queue's event, or its timeline word for a
+command still held on the host); the stream is not adopted, so no queue or completion
+thread is made per consumer stream. Host memory (cpu, npy, Metal's shared storage) has
+no stream to wait on, so exporting it while a command that uses it is in flight raises
+``BufferError`` (await that command first).
 
 Buffers in. ``from_dlpack(obj)`` takes a producer's DLPack capsule (asking it to order
 its work before the device's default queue) and makes a Buffer over that memory, on the
@@ -101,6 +103,104 @@ _TENSOR_AT = {
     CAPSULE_NAME.value: 0,
     CAPSULE_NAME_VERSIONED.value: DLManagedTensorVersioned.dl_tensor.offset,
 }
+
+# What taking a producer's capsule found: the first item of take_capsule's tuple (and of
+# the extension's dlpack_take, native/py_dlpack.c, which does the same in one call).
+TAKEN, NO_CAPSULE, NEWER_VERSION, READ_ONLY, EMPTY, NOT_CONTIGUOUS, MALFORMED = range(7)
+_SIZE_LIMIT = (1 << 63) - 8  # bytes' bits + 7 fit an int64, as in C
+
+
+class _Owner:
+    """Calls a taken capsule's deleter once collected (the extension's owner is a
+    capsule whose destructor does the same)."""
+
+    __slots__ = ("_deleter", "_managed")
+
+    def __init__(self, managed: int, deleter: Any) -> None:
+        self._managed = managed
+        self._deleter = deleter
+
+    def __del__(self) -> None:
+        if self._deleter:
+            self._deleter(self._managed)
+
+
+def take_capsule(capsule: object) -> tuple[Any, ...]:
+    """Check a producer's capsule and take it (renamed ``used_dltensor[_versioned]``):
+    ``(TAKEN, owner, data, nbytes, device_type, device_id)``, where collecting ``owner``
+    calls the producer's deleter; else ``(status, *details)``, the capsule left as it
+    was (its own destructor then calls the deleter). Through ctypes: the extension's
+    ``dlpack_take`` is the same in one call."""
+    managed: DLManagedTensor | DLManagedTensorVersioned
+    if capsule_valid(capsule, CAPSULE_NAME_VERSIONED):
+        address = capsule_pointer(capsule, CAPSULE_NAME_VERSIONED)
+        versioned = DLManagedTensorVersioned.from_address(address)
+        if versioned.version.major > DLPACK_VERSION[0]:
+            return NEWER_VERSION, versioned.version.major, versioned.version.minor
+        if versioned.flags & FLAG_READ_ONLY:
+            return (READ_ONLY,)
+        managed, used = versioned, USED_NAME_VERSIONED
+    elif capsule_valid(capsule, CAPSULE_NAME):
+        address = capsule_pointer(capsule, CAPSULE_NAME)
+        managed, used = DLManagedTensor.from_address(address), USED_NAME
+    else:
+        return (NO_CAPSULE,)
+    tensor: DLTensor = managed.dl_tensor
+    ndim = tensor.ndim
+    if ndim < 0:
+        return MALFORMED, "a negative ndim"
+    if ndim and not tensor.shape:
+        return MALFORMED, "no shape"
+    shape = tensor.shape[:ndim]
+    count = 1
+    for n in shape:
+        if n < 0:
+            return MALFORMED, "a negative extent"
+        if n == 0:
+            return (EMPTY,)
+        count *= n
+    if count >= 1 << 64:
+        return MALFORMED, "a size past 64 bits"
+    if tensor.strides:
+        expected = 1
+        for n, stride in zip(reversed(shape), reversed(tensor.strides[:ndim]), strict=True):
+            if n != 1 and stride != expected:
+                return (NOT_CONTIGUOUS,)
+            expected *= n
+    bits = count * tensor.dtype.bits * tensor.dtype.lanes
+    if not bits:
+        return MALFORMED, "a zero-sized element type"
+    if bits > _SIZE_LIMIT:
+        return MALFORMED, "a size past 64 bits"
+    data = (tensor.data or 0) + tensor.byte_offset
+    capsule_set_name(capsule, used)  # consumed: the deleter is ours to call
+    device = tensor.device
+    owner = _Owner(address, managed.deleter)
+    return TAKEN, owner, data, (bits + 7) // 8, device.device_type, device.device_id
+
+
+def refuse(found: tuple[Any, ...]) -> BaseException:
+    """The error for what :func:`take_capsule` (or the extension) found, not TAKEN."""
+    status = found[0]
+    if status == NEWER_VERSION:
+        return ExchangeError(
+            f"the capsule is DLPack {found[1]}.{found[2]}; asyncmetal reads {DLPACK_VERSION[0]}.x"
+        )
+    if status == READ_ONLY:
+        return ExchangeError(
+            "the array is read-only, and kernels and copies may write a Buffer: pass a "
+            "writable array (or, for a host array used only as a copy's source, "
+            "await asyncmetal.from_numpy(array))"
+        )
+    if status == EMPTY:
+        return InvalidArgumentError("the array is empty")
+    if status == NOT_CONTIGUOUS:
+        return InvalidArgumentError(
+            "the array is not C-contiguous: make it contiguous before sharing it"
+        )
+    if status == MALFORMED:
+        return ExchangeError(f"the capsule's tensor is malformed: {found[1]}")
+    return ArgumentTypeError("__dlpack__ returned no unconsumed DLPack capsule")
 
 
 class _Loan:
@@ -225,10 +325,9 @@ def _order_for_consumer(buffer: Buffer, stream: int | None) -> None:
                 "stream 0 is ambiguous for CUDA (DLPack): pass 1 for the legacy stream"
             )
         try:
-            queue = state.adopt(1 if stream is None else stream)
+            state.backend.order_stream(1 if stream is None else stream, buffer._pending_uses())
         except InvalidArgumentError as refused:  # the protocol's error for a consumer
             raise ExchangeError(str(refused)) from None
-        queue.after(buffer)
         return
     if stream is not None:
         raise ExchangeError(
@@ -254,8 +353,12 @@ class Exports:
     # What the functions above ask of the buffer that _exported names (a Buffer
     # implements them):
     def _export_state(self) -> Any:
-        """The DeviceState of the buffer's device (backend, name, its ``adopt`` of a
-        consumer's stream, its default queue)."""
+        """The DeviceState of the buffer's device (backend, name, its default queue)."""
+        raise NotImplementedError
+
+    def _pending_uses(self) -> list[tuple[Any, int]]:
+        """(native timeline, value) of each queue whose last command using the memory
+        has not finished: what a consumer's stream waits for."""
         raise NotImplementedError
 
     def _check_usable(self, what: str) -> None:

@@ -11,58 +11,47 @@ from __future__ import annotations
 import ctypes
 import math
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from . import backends
+from . import _native, backends
 from ._buffer import Buffer
 from ._device import Device, foreign_buffer, open_devices
 from ._dlpack import (
-    CAPSULE_NAME,
-    CAPSULE_NAME_VERSIONED,
     DLPACK_VERSION,
-    FLAG_READ_ONLY,
     KDLCPU,
     KDLCUDA,
     KDLCUDAHOST,
     KDLMETAL,
-    USED_NAME,
-    USED_NAME_VERSIONED,
-    DLManagedTensor,
-    DLManagedTensorVersioned,
-    DLTensor,
-    capsule_pointer,
-    capsule_set_name,
-    capsule_valid,
+    TAKEN,
+    refuse,
+    take_capsule,
 )
 from ._errors import ArgumentTypeError, ClosedResourceError, ExchangeError, InvalidArgumentError
 
 
 class _Imported:
-    """The producer's tensor, owned by a Buffer: its deleter runs once that is gone.
-    Host memory carries ``address`` and ``array``, as the cpu backend's buffers do."""
+    """The producer's tensor, owned by a Buffer: ``owner`` calls its deleter once that
+    is gone. Host memory carries ``address`` and ``array``, as the cpu backend's
+    buffers do (the array made at its first use: most buffers are only launched on)."""
 
-    __slots__ = ("_deleter", "_managed", "address", "array", "producer")
+    __slots__ = ("_array", "address", "nbytes", "owner", "producer")
 
-    def __init__(
-        self, producer: object, managed: int, deleter: Any, address: int, host_nbytes: int
-    ) -> None:
+    def __init__(self, producer: object, owner: object, address: int, nbytes: int) -> None:
         self.producer = producer  # kept alive too, as producers may expect
-        self._managed = managed
-        self._deleter = deleter
+        self.owner = owner
         self.address = address
-        self.array = (
-            np.frombuffer(
-                memoryview((ctypes.c_uint8 * host_nbytes).from_address(address)), np.uint8
-            )
-            if host_nbytes
-            else None
-        )
+        self.nbytes = nbytes
+        self._array: np.ndarray[Any, Any] | None = None
 
-    def __del__(self) -> None:
-        if self._deleter:
-            self._deleter(self._managed)
+    @property
+    def array(self) -> np.ndarray[Any, Any]:
+        if self._array is None:
+            memory = (ctypes.c_uint8 * self.nbytes).from_address(self.address)
+            self._array = np.frombuffer(memoryview(memory), np.uint8)
+        return self._array
 
 
 def _device_for(device_type: int, device_id: int, given: Device | None) -> Device:
@@ -131,7 +120,8 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
             "from_dlpack takes an object with __dlpack__ or __cuda_array_interface__, "
             f"got {type(obj).__name__}"
         )
-    device_type, device_id = (int(x) for x in obj.__dlpack_device__())
+    where = obj.__dlpack_device__()
+    device_type, device_id = int(where[0]), int(where[1])
     if device_type == KDLMETAL:  # an MTLBuffer and an offset, not an address
         raise ExchangeError("from_dlpack of Metal memory is not supported yet")
     target = _device_for(device_type, device_id, device)
@@ -140,48 +130,42 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
         capsule = obj.__dlpack__(stream=stream, max_version=DLPACK_VERSION)
     except TypeError:  # a producer of the protocol before max_version
         capsule = obj.__dlpack__() if stream is None else obj.__dlpack__(stream=stream)
-    managed: DLManagedTensor | DLManagedTensorVersioned
-    if capsule_valid(capsule, CAPSULE_NAME_VERSIONED):
-        address = capsule_pointer(capsule, CAPSULE_NAME_VERSIONED)
-        versioned = DLManagedTensorVersioned.from_address(address)
-        # Refused before it is consumed: the capsule's own destructor then calls the
-        # producer's deleter.
-        if versioned.version.major > DLPACK_VERSION[0]:
-            raise ExchangeError(
-                f"the capsule is DLPack {versioned.version.major}.{versioned.version.minor}; "
-                f"asyncmetal reads {DLPACK_VERSION[0]}.x"
-            )
-        if versioned.flags & FLAG_READ_ONLY:
-            raise ExchangeError(
-                "the array is read-only, and kernels and copies may write a Buffer: pass a "
-                "writable array (or, for a host array used only as a copy's source, "
-                "await asyncmetal.from_numpy(array))"
-            )
-        managed, used = versioned, USED_NAME_VERSIONED
-    elif capsule_valid(capsule, CAPSULE_NAME):
-        address = capsule_pointer(capsule, CAPSULE_NAME)
-        managed, used = DLManagedTensor.from_address(address), USED_NAME
-    else:
-        raise ArgumentTypeError("__dlpack__ returned no unconsumed DLPack capsule")
-    tensor: DLTensor = managed.dl_tensor
-    ndim = tensor.ndim
-    shape = tuple(tensor.shape[:ndim])
-    strides = tuple(tensor.strides[:ndim]) if tensor.strides else None
-    nbytes = _nbytes(shape, strides, tensor.dtype.bits * tensor.dtype.lanes)
-    data = (tensor.data or 0) + tensor.byte_offset
-    capsule_set_name(capsule, used)  # consumed: the deleter is ours to call
-    host = device_type != KDLCUDA
-    memory = _Imported(obj, address, managed.deleter, data, nbytes if host else 0)
-    return _buffer(target, memory, nbytes)
+    found = _taker()(capsule)
+    if found[0] != TAKEN:
+        raise refuse(found)
+    _, owner, data, nbytes, tensor_type, tensor_id = found
+    if tensor_type != device_type or tensor_id != device_id:
+        raise ExchangeError(
+            f"the capsule's tensor is on DLPack device {(tensor_type, tensor_id)}, but "
+            f"__dlpack_device__ said {(device_type, device_id)}"
+        )
+    return _buffer(target, _Imported(obj, owner, data, nbytes), device_type != KDLCUDA)
 
 
-def _buffer(device: Device, memory: _Imported, nbytes: int) -> Buffer:
-    if memory.array is not None:  # host memory: the handle carries its address
-        return foreign_buffer(device, memory, nbytes, None, None)
+def _taker() -> Callable[[object], tuple[Any, ...]]:
+    """How a capsule is taken: the extension's one call where it is loaded, else
+    ctypes (the runtime is loaded by then: an open device loaded it)."""
+    global _take
+    if _take is None:
+        if _native.loaded() is None:  # never builds here: no device opened the runtime
+            return take_capsule
+        extension = _native.extension()
+        _take = take_capsule if extension is None else extension.dlpack_take
+    return _take
+
+
+_take: Callable[[object], tuple[Any, ...]] | None = None
+
+
+def _buffer(device: Device, memory: _Imported, host: bool) -> Buffer:
+    if host:  # host memory: the handle carries its address
+        return foreign_buffer(device, memory, memory.nbytes, None, None)
     # Device memory: the handle is its address; later commands order themselves after
     # a marker behind what the producer made the default queue wait for.
     after = device.queue.marker()
-    return foreign_buffer(device, memory.address, nbytes, memory, (device.queue, after.value))
+    return foreign_buffer(
+        device, memory.address, memory.nbytes, memory, (device.queue, after.value)
+    )
 
 
 def _from_cuda_array_interface(obj: Any, device: Device | None) -> Buffer:
@@ -205,5 +189,4 @@ def _from_cuda_array_interface(obj: Any, device: Device | None) -> Buffer:
     if stream is not None:  # the producer's stream: the default queue waits for it
         produced = device.adopt_stream(int(stream)).marker()
         device.queue.wait(produced.timeline, produced.value)
-    memory = _Imported(obj, 0, None, address, 0)
-    return _buffer(device, memory, nbytes)
+    return _buffer(device, _Imported(obj, None, address, nbytes), False)

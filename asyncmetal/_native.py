@@ -16,8 +16,9 @@ Where it comes from, in order:
   race to build it).
 
 Where the interpreter's headers are installed (``Python.h``), the same shared object is
-also a CPython extension module (``native/py_module.c``, ``native/py_launch.c``): the
-launch path of the cpu and cuda queues calls it instead of ctypes. It is loaded from the
+also a CPython extension module (``native/py_module.c``, ``native/py_launch.c``,
+``native/py_dlpack.c``): the launch path of the cpu and cuda queues, and
+``from_dlpack``'s reading of a capsule, call it instead of ctypes. It is loaded from the
 very file ctypes loads, so both see one runtime. Without the headers, or with
 ``ASYNCMETAL_EXTENSION=0``, everything goes through ctypes (:func:`extension` is None).
 What the extension reads from Python objects is declared in
@@ -100,6 +101,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_cuq_error": (c_int, [c_p, ctypes.POINTER(c_u64)]),
     "am_cuq_cause": (c_p, [c_p, ctypes.POINTER(c_int), ctypes.POINTER(c_u64)]),
     "am_cuq_close": (None, [c_p, c_int]),
+    "am_cuq_wait_foreign": (c_int, [c_p, c_p, c_p, c_u64, ctypes.POINTER(c_int)]),
     "am_block_completed": (None, [c_p, c_p]),
     "am_block_reached": (None, [c_p, c_p, c_u64]),
     "am_block_new": (c_p, [c_p, c_int, c_p, c_u64]),

@@ -27,7 +27,7 @@ RUNTIME_SOURCES = (
     "cuda_completion.c",
     "objc_blocks.c",
 )
-EXTENSION_SOURCES = ("py_module.c", "py_launch.c")
+EXTENSION_SOURCES = ("py_module.c", "py_launch.c", "py_dlpack.c")
 HEADERS = ("amrt.h", "cuda_stream.h", "py_ext.h")
 ALL_FILES = RUNTIME_SOURCES + EXTENSION_SOURCES + HEADERS
 # The extension module's import name, and the packaged runtime's file names (in the

@@ -20,7 +20,13 @@ are awaited; so the lag is also measured paced, as a service sees it: requests a
 at half the best peer's flat-out rate (at most 64 in flight), with each request's time
 from arrival to done. Then
 ``torch.from_dlpack(buffer)`` and ``am.from_dlpack(tensor)``: the same data pointer (no
-copy), and the median time of each call (target: <= 20 us).
+copy), and the median time of each call (target: <= 20 us), ``am.from_dlpack``'s split
+into the producer's own ``__dlpack__(stream=...)`` (measured alone) and the rest
+(asyncmetal's: taking the capsule, the buffer, the ordering marker).
+
+    python benchmarks/interop.py --cpu --json out.json
+
+runs only that split, with a numpy array on the cpu device (any machine).
 """
 
 from __future__ import annotations
@@ -232,6 +238,27 @@ def median_call_us(fn: Callable[[], Any], n: int = 2000) -> float:
     return statistics.median(times) / 1e3
 
 
+def from_dlpack_split(dev: am.Device, array: Any, n: int = 2000) -> dict[str, float]:
+    """The median time of ``am.from_dlpack(array)`` on ``dev``, of the producer's own
+    ``__dlpack__`` as it is called there (the stream ``dev``'s default queue on cuda,
+    the capsule then dropped, so its deleter runs as the buffer's does), and the rest."""
+    stream = dev.queue.handle if dev.kind == "cuda" else None
+
+    def produce() -> Any:
+        try:
+            return array.__dlpack__(stream=stream, max_version=(1, 1))
+        except TypeError:  # a producer before max_version: as am.from_dlpack calls it
+            return array.__dlpack__(stream=stream)
+
+    producer = median_call_us(produce, n)
+    total = median_call_us(lambda: am.from_dlpack(array), n)
+    return {
+        "am_from_dlpack_us": total,
+        "producer_dlpack_us": producer,
+        "rest_us": total - producer,
+    }
+
+
 async def dlpack(dev: am.Device, torch: Any) -> dict[str, Any]:
     buf = await dev.alloc(4 << 20)
     typed = buf.typed(np.float32)
@@ -245,7 +272,7 @@ async def dlpack(dev: am.Device, torch: Any) -> dict[str, Any]:
             wrapped.__cuda_array_interface__["data"][0] == tensor_in.data_ptr()
         ),
         "torch_from_dlpack_us": median_call_us(lambda: torch.from_dlpack(typed)),
-        "am_from_dlpack_us": median_call_us(lambda: am.from_dlpack(tensor_in)),
+        **from_dlpack_split(dev, tensor_in),
     }
     await dev.synchronize()
     return out
@@ -295,11 +322,20 @@ async def run() -> dict[str, Any]:
     return out
 
 
+async def run_cpu() -> dict[str, Any]:
+    """``am.from_dlpack``'s split with a numpy array on the cpu device."""
+    async with am.open_device("cpu") as dev:
+        split = from_dlpack_split(dev, np.zeros((64, 64), np.float32))
+    progress(f"dlpack: {split}")
+    return {"device": "cpu", "dlpack": split}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--cpu", action="store_true", help="only from_dlpack's split, on cpu")
     args = parser.parse_args()
-    write_json(args.json, asyncio.run(run()))
+    write_json(args.json, asyncio.run(run_cpu() if args.cpu else run()))
 
 
 if __name__ == "__main__":

@@ -115,37 +115,47 @@ static int cuq_wait_word(am_cuq *q, void *word, uint64_t value) {
     return r ? cuq_fail(q, CU_WAIT64, r) : 0;
 }
 
-/* Make stream q wait until queue `other` reaches `value`: on the event of the first
+/* Make `stream` wait until queue `other` reaches `value`: on the event of the first
  * command at or after it if that was submitted and is not yet confirmed, on other's
  * device word if it was not submitted yet (other then writes its word up to it), and
  * not at all if it is confirmed. Under other's lock: its completion thread cannot
- * recycle the event meanwhile. Decided when the operation reaches the driver, so a held
- * wait looks at other as it is then. */
-static int cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value, uint64_t command) {
+ * recycle the event meanwhile. The wait of a queue q (its command `command`) is recorded
+ * with other, so that other's failure before `value` fails that command too (or fails it
+ * now, if other failed before `value` already); a foreign stream's (q NULL) is not.
+ * Returns a CUresult; *call: the driver call made. */
+static int stream_wait_queue(void *stream, am_cuq *other, uint64_t value, am_cuq *q,
+                             uint64_t command, int *call) {
     int r = 0;
     pthread_mutex_lock(&other->mu);
-    /* Recorded with other (so that its failure before `value` fails this command too),
-     * or other failed before `value` already: then this command fails. */
-    int failed = other->stop != 2 && cuq_waited(q, other, value, command);
+    int failed = q && other->stop != 2 && cuq_waited(q, other, value, command);
     if (value > other->submitted) {
         if (value > other->wanted) other->wanted = value;
         pthread_mutex_unlock(&other->mu);
         if (failed) cuq_poison_after(q, command, other);
-        return cuq_wait_word(q, (void *)other->word, value);
+        *call = CU_WAIT64;
+        return ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WAIT64])(
+            stream, (void *)other->word, value, 0x0 /* CU_STREAM_WAIT_VALUE_GEQ */);
     }
+    *call = CU_WAIT_EVENT;
     /* (Abandoned, other has nothing in flight: its events are its thread's to destroy.) */
     size_t inflight = other->stop == 2 ? 0 : other->count;
     for (size_t i = 0; i < inflight; i++) {
         am_cuentry *e = &other->ring[(other->head + i) % other->cap];
         if (e->value >= value) {
-            r = ((int (*)(void *, void *, unsigned))cu_funcs[CU_WAIT_EVENT])(
-                q->stream, e->event, 0);
+            r = ((int (*)(void *, void *, unsigned))cu_funcs[CU_WAIT_EVENT])(stream, e->event, 0);
             break;
         }
     }
     pthread_mutex_unlock(&other->mu);
     if (failed) cuq_poison_after(q, command, other);
-    return r ? cuq_fail(q, CU_WAIT_EVENT, r) : 0;
+    return r;
+}
+
+/* Stream q waits for queue `other` as above. Decided when the operation reaches the
+ * driver, so a held wait looks at other as it is then. */
+static int cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value, uint64_t command) {
+    int call, r = stream_wait_queue(q->stream, other, value, q, command, &call);
+    return r ? cuq_fail(q, call, r) : 0;
 }
 
 /* One operation's driver calls (the context is current on the calling thread). */
@@ -386,4 +396,24 @@ void am_cuq_close(am_cuq *q, int abandon) {
     pthread_join(q->thread, NULL);
     cuq_drop_waiters(q);  /* (waiters reference their queues: two waiting on each other) */
     cuq_unref(q);
+}
+
+/* Make another library's stream (a DLPack consumer's) wait until queue `owner` reaches
+ * `target`, as a queue's wait on another queue does, but for a stream that is no queue
+ * of asyncmetal's: nothing is numbered, held or confirmed for it, so no completion
+ * thread watches it. A target still held on the host has owner write its word once it
+ * reaches the driver. Submitted now, with `ctx` current (the stream's context: for
+ * CU_STREAM_LEGACY, which one it is), and the caller's context current again after.
+ * Returns a CUresult; *call: the driver call it came from. */
+int am_cuq_wait_foreign(am_cuq *owner, void *ctx, void *stream, uint64_t target, int *call) {
+    void *before = NULL;
+    ((int (*)(void **))cu_funcs[CU_CTX_GET])(&before);
+    int r = before == ctx ? 0 : ((int (*)(void *))cu_funcs[CU_CTX_SET])(ctx);
+    if (r) {
+        *call = CU_CTX_SET;
+        return r;
+    }
+    r = stream_wait_queue(stream, owner, target, NULL, 0, call);
+    if (before != ctx) ((int (*)(void *))cu_funcs[CU_CTX_SET])(before);
+    return r;
 }

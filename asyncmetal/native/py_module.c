@@ -252,6 +252,8 @@ static PyMethodDef methods[] = {
      "due(timeline, value) -> when the command reaching value is expected done, or 0"},
     {"timeline_value", py_timeline_value, METH_O,
      "timeline_value(timeline) -> its value (an acquire load)"},
+    {"dlpack_take", py_dlpack_take, METH_O,
+     "dlpack_take(capsule) -> (status, ...): a DLPack capsule checked and taken"},
     {"address_of", py_address_of, METH_O, "address_of(name) -> int"},
     {NULL, NULL, 0, NULL},
 };

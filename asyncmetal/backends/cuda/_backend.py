@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import queue as queue_module
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ... import _native
@@ -234,6 +234,17 @@ class CUDABackend(Backend):
     def adopt_queue(self, timeline: NativeTimeline, stream: object) -> NativeQueue:
         assert isinstance(timeline, CUDATimeline)
         return CUDAQueue(self, timeline, adopt=stream_handle(stream))
+
+    def order_stream(self, stream: object, uses: Sequence[tuple[NativeTimeline, int]]) -> None:
+        # Stream rules as adopt_stream's (the per-thread stream refused, this context's
+        # streams only). Each use is a queue's value: its stream's own are in order
+        # already (and a wait on its word could wait for a command behind the wait).
+        handle = stream_handle(stream)
+        check_stream_context(handle, self.context_address, self.name)
+        for timeline, target in uses:
+            owner = timeline.queue if isinstance(timeline, CUDATimeline) else None
+            if isinstance(owner, CUDAQueue) and owner.handle != handle:
+                owner.order_stream(self.context_address, handle, target)
 
     def new_timeline(self, on_advance: Callable[[int], None]) -> NativeTimeline:
         timeline = CUDATimeline(self)

@@ -6,7 +6,9 @@ A stream to adopt is anything with the CUDA stream protocol ``__cuda_stream__``
 stream (``.cuda_stream``), a CuPy stream (``.ptr``), a cuda-bindings ``CUstream`` or a
 raw handle (an int: ``0``/``1`` the legacy default stream). The per-thread default
 stream (``2``) is refused: it is a different stream on every thread, and a queue's
-commands may be submitted from another thread than the one that adopted it.
+commands may be submitted from another thread than the one that adopted it. A cuda
+buffer's DLPack consumer names its stream by the same rules; that stream is ordered on
+(``CUDAQueue.order_stream``), not adopted.
 """
 
 from __future__ import annotations

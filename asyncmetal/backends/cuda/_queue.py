@@ -162,6 +162,21 @@ class CUDAQueue(NativeQueue):
         part of command ``value``."""
         self._check(self._lib.am_cuq_memcpy(self._q, to_device, dst, src, nbytes, value))
 
+    def order_stream(self, context: int, stream: int, target: int) -> None:
+        """Make another library's ``stream`` (of ``context``) wait, on the device, until
+        this queue reaches ``target``: on the command's event, or on the queue's word
+        for a command still held on the host (written once it is handed over). Nothing
+        is numbered or watched for the stream; the calling thread's context is kept."""
+        if _driver.lost_first is not None:
+            raise self._lost("a consumer stream's wait")
+        if self._q is None:  # closed: its commands are done or were abandoned
+            return
+        call = ctypes.c_int()
+        code = self._lib.am_cuq_wait_foreign(self._q, context, stream, target, ctypes.byref(call))
+        if code:
+            name = self._lib.am_cuda_name(call.value).decode()
+            raise driver_error(name, code, self._backend.name)
+
     def failure(self, value: int) -> BaseException | None:
         if not self._error.value and _driver.lost_first is None:  # the common case: no call
             return None

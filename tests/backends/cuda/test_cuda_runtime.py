@@ -39,5 +39,6 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "kick"),
         *("ok", "abandon"),
         *("ok", "context"),
+        *("ok", "foreign"),
         *("ok", "released"),
     ]

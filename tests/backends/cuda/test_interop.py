@@ -6,6 +6,7 @@ public call."""
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -66,7 +67,7 @@ async def test_torch_shares_a_buffer_both_ways(anyio_backend: object) -> None:
     async with am.open_device("cuda:0") as dev:
         fill, sleep = await _kernels(dev)
         buf = await dev.alloc(4 * N)
-        torch.from_dlpack(buf)  # the first export adopts torch's stream: done before timing
+        torch.from_dlpack(buf)  # the first export: done before timing
         dev.queue.launch(sleep, vals=(50_000,))
         dev.queue.launch(fill, buf, vals=(7, N), **GRID)  # not awaited: torch's stream waits
         start = time.perf_counter()
@@ -113,6 +114,67 @@ async def test_a_torch_tensor_comes_in_without_a_copy(anyio_backend: object) -> 
         del tensor
         gc.collect()
         assert (await buf.read(np.int32) == 9).all()  # the buffer keeps the tensor alive
+
+
+def _threads() -> int:
+    """The process's threads (a completion thread is one of them)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+async def _consumed_on_own_streams(
+    dev: am.Device, on_stream: Callable[[int], Any], take: Callable[[Any], Any], rounds: int = 4
+) -> None:
+    """Before each of ``rounds`` consumers, on a stream of its own (``with on_stream(i)``
+    makes stream ``i`` current; ``take`` is the library's from_dlpack, which passes that
+    stream), a long kernel then a fill write the buffer: the first round's fill is
+    submitted at once, later rounds' are held on the host behind more than MAX_IN_FLIGHT
+    long kernels. Each consumer sees its fill's values, taking the buffer blocks nothing
+    on the host, and no queue or thread is made per consumer stream."""
+    fill, sleep = await _kernels(dev)
+    buf = await dev.alloc(4 * N)
+    view = buf.typed(np.int32)
+
+    def consume(i: int) -> int:
+        with on_stream(i):
+            start = time.perf_counter()
+            array = take(view)
+            assert time.perf_counter() - start < 0.02  # ordered on the device
+            return int(array.sum())  # reading the sum waits for it
+
+    consume(rounds)  # the consumer library's start-up (its threads): before counting
+    await dev.queue.marker()
+    queues, threads = len(dev._queues), _threads()
+    for i in range(rounds):
+        if i == 0:
+            dev.queue.launch(sleep, vals=(50_000,))  # ~50 ms
+        else:
+            for _ in range(40):  # > MAX_IN_FLIGHT: the fill waits on the host
+                dev.queue.launch(sleep, vals=(1_000,))
+        dev.queue.launch(fill, buf, vals=(i + 1, N), **GRID)
+        assert consume(i) == (i + 1) * N, i
+    assert len(dev._queues) == queues  # no queue per consumer stream ...
+    assert _threads() == threads  # ... and no completion thread
+    await dev.queue.marker()
+
+
+@needs_torch
+async def test_torch_consumes_on_its_own_streams_after_a_long_kernel(anyio_backend: object) -> None:
+    import torch
+
+    streams = [torch.cuda.Stream() for _ in range(5)]
+    async with am.open_device("cuda:0") as dev:
+        await _consumed_on_own_streams(
+            dev, lambda i: torch.cuda.stream(streams[i]), torch.from_dlpack
+        )
+
+
+@needs_cupy
+async def test_cupy_consumes_on_its_own_streams_after_a_long_kernel(anyio_backend: object) -> None:
+    import cupy
+
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(5)]
+    async with am.open_device("cuda:0") as dev:
+        await _consumed_on_own_streams(dev, lambda i: streams[i], cupy.from_dlpack)
 
 
 class _InterfaceOnly:

@@ -41,6 +41,10 @@
  *             and confirms them by polling (no blocking wait, no nap after the end)
  *   released  every event any queue made was destroyed once its completion thread
  *             stopped, abandoned ones' included (those in flight, pooled and spare)
+ *   foreign   another library's stream waits for a queue's value without becoming a
+ *             queue: on the queue's word for a value still held on the host (written
+ *             once it is handed over), on an event for one submitted, not at all for one
+ *             confirmed; its kernels run only after the value; the context is kept
  */
 #include "fake_cuda_driver.h"
 
@@ -422,6 +426,64 @@ static void check_predict(void) {
     puts("ok predict");
 }
 
+/* Wait up to 10 s for a timeline to reach a value. */
+static void reach(am_timeline *t, uint64_t value, const char *what) {
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (am_timeline_value(t) < value)
+        if (now_ns() > deadline) die(what);
+}
+
+static void check_foreign(void) {
+    /* b's stream plays the consumer's: waits go onto it directly, and a kernel behind
+     * them checks, as it runs, how far the waited-for queue's stream got. */
+    /* Blocked syncs block here (the commands after a long gate get blocking-sync
+     * events); check_abandon's orphan, if it is still blocked, returns at the end. */
+    int released = atomic_exchange(&release_syncs, 0);
+    fake_queue a = queue_bounded(4), c = queue_new(), b = queue_new();
+    uint64_t *gates = calloc(2, sizeof(uint64_t));
+    static kernel quick = {0, 0, NULL, 0}, after_a = {0, 0, NULL, 59},
+                  after_c = {0, 0, NULL, 4};
+    after_a.check = a.s, after_c.check = c.s;
+    /* a: a wait nobody has signalled, then 64 kernels: all but a few held on the host.
+     * c: the same, unbounded: every kernel submitted, none run. */
+    fake_queue both[2] = {a, c};
+    for (int i = 0; i < 2; i++) {
+        if (am_cuq_wait(both[i].q, &gates[i], 1, 1) ||
+            am_cuq_finish(both[i].q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
+            die("foreign: a gate failed");
+        for (uint64_t v = 2; v <= 65; v++)
+            if (launch(both[i], &quick, (int64_t)v, v)) die("foreign: a launch failed");
+    }
+    uint64_t stats[8];
+    am_cuq_stats(a.q, stats);
+    if (stats[6] < 50) die("foreign: the bounded queue held nothing on the host");
+    fake_ctx_set_current((void *)0x77);  /* another library's context */
+    int call = -1;
+    if (am_cuq_wait_foreign(a.q, (void *)1, b.s, 60, &call) || call != CU_WAIT64)
+        die("foreign: a value held on the host was not waited for on the word");
+    if (am_cuq_wait_foreign(c.q, (void *)1, b.s, 5, &call) || call != CU_WAIT_EVENT)
+        die("foreign: a submitted value was not waited for on its event");
+    if (fake_ctx_current() != (void *)0x77) die("foreign: the caller's context was not kept");
+    if (launch(b, &after_a, 1, 1) || launch(b, &after_c, 2, 2)) die("foreign: b's launch");
+    nap_ns(20000000);
+    if (am_timeline_value(b.t) || atomic_load(&b.s->ran))
+        die("foreign: the consumer's stream ran before the values it waits for");
+    atomic_store((_Atomic uint64_t *)&gates[0], 1);  /* a runs, hands over what it held */
+    atomic_store((_Atomic uint64_t *)&gates[1], 1);
+    reach(b.t, 2, "foreign: the consumer's stream never got past its waits");
+    reach(a.t, 65, "foreign: a never finished");
+    size_t tail = b.s->tail;
+    if (am_cuq_wait_foreign(a.q, (void *)1, b.s, 30, &call))
+        die("foreign: a wait for a confirmed value failed");
+    if (b.s->tail != tail) die("foreign: a confirmed value was waited for");
+    queue_free(a, 0);
+    queue_free(c, 0);
+    queue_free(b, 0);
+    free(gates);
+    atomic_store(&release_syncs, released);
+    puts("ok foreign");
+}
+
 int main(void) {
     fake_driver_install();
     check_order();
@@ -440,6 +502,7 @@ int main(void) {
     check_kick();
     check_abandon();
     check_context();
+    check_foreign();
     /* The abandoned queues' threads have all returned (check_abandon's blocked one once
      * its sync gave up), each destroying its queue's events as it stopped. */
     int64_t deadline = now_ns() + 10000000000LL;

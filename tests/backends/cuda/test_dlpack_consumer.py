@@ -1,0 +1,113 @@
+"""A cuda buffer's DLPack consumer stream, without a GPU: the fake driver of
+tests/reliability/test_cuda_faults.py (its ``driver`` fixture), with the native
+``am_cuq_wait_foreign`` recorded instead of run (the native side itself is checked
+against a simulated driver: tests/support/native/fake_cuda.c, check ``foreign``).
+
+``buf.__dlpack__(stream=S)`` makes S wait for each queue whose command using the buffer
+is unfinished -- one native call per such queue, on the buffer's device's context --
+and adopts nothing: no queue, so no completion thread, per consumer stream. The stream
+rules are adopt_stream's: None is the legacy stream (1), -1 asks for no ordering, 0 and
+the per-thread stream (2) are refused, as is a stream of another context."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import pytest
+
+import asyncmetal as am
+from asyncmetal._buffer import record_uses
+from tests.reliability import test_cuda_faults
+from tests.reliability.test_cuda_faults import CUresult, _confirmed, _Driver
+
+pytestmark = pytest.mark.anyio
+driver_fixture = test_cuda_faults.driver  # the fake driver: a fixture, by this name here
+CONTEXT = 0x100  # the fake's primary context of cuda:0
+CU_WAIT64 = 2  # the runtime's index of cuStreamWaitValue64 (cuda_stream.h)
+
+
+def _record(driver: _Driver) -> list[tuple[int, int, int, int]]:
+    """Record each am_cuq_wait_foreign call: (owner queue, context, stream, target)."""
+    waits: list[tuple[int, int, int, int]] = []
+
+    def wait_foreign(owner: int, context: int, stream: int, target: int, call: Any) -> int:
+        waits.append((owner, context, stream, target))
+        return 0
+
+    assert driver.runtime is not None
+    driver.runtime.am_cuq_wait_foreign = wait_foreign  # type: ignore[attr-defined]
+    return waits
+
+
+def _streams_of(driver: _Driver, context: int) -> None:
+    """Every stream the fake is asked about belongs to ``context``."""
+    driver.cuStreamGetCtx = lambda stream: driver._result("cuStreamGetCtx", context)  # type: ignore[attr-defined]
+
+
+async def test_a_consumer_stream_waits_for_the_buffers_users_and_is_not_adopted(
+    anyio_backend: object, driver_fixture: _Driver
+) -> None:
+    """Checked: with the stream adopted (as before), each consumer stream made a queue
+    (am_cuq_new) and its wait reached native code as that queue's submission."""
+    driver = driver_fixture
+    waits = _record(driver)
+    _streams_of(driver, CONTEXT)
+    dev = await am.open_device("cuda:0")
+    try:
+        assert driver.runtime is not None
+        buf = await dev.alloc(256)
+        busy, idle = dev.new_queue(), dev.new_queue()
+        used = busy._next()  # submitted, not confirmed
+        record_uses([buf], busy, used.value)
+        record_uses([buf], idle, _confirmed(idle).value)  # done: nothing to wait for
+        owner = busy._native._q  # type: ignore[attr-defined]
+        queues = len(driver.runtime.queues)
+
+        for stream in (0x5000, 0x6000, 0x7000, None):
+            assert buf.__dlpack__(stream=stream) is not None
+        assert waits == [
+            (owner, CONTEXT, stream, used.value) for stream in (0x5000, 0x6000, 0x7000, 1)
+        ]
+        assert len(driver.runtime.queues) == queues  # no queue per consumer stream
+
+        del waits[:]
+        buf.__dlpack__(stream=-1)  # no ordering asked for
+        buf.__dlpack__(stream=busy.handle)  # the user's own stream: in its order already
+        assert waits == []
+        for refused, match in ((0, "stream 0 is ambiguous"), (2, "per-thread default stream")):
+            with pytest.raises(BufferError, match=match):
+                buf.__dlpack__(stream=refused)
+        _streams_of(driver, CONTEXT + 1)
+        with pytest.raises(BufferError, match="another CUDA context"):
+            buf.__dlpack__(stream=0x8000)
+        _streams_of(driver, CONTEXT)
+
+        busy.timeline.native.signal(used.value)  # confirmed: nothing left to wait for
+        buf.__dlpack__(stream=0x5000)
+        assert waits == [] and len(driver.runtime.queues) == queues
+    finally:
+        await dev.close()
+
+
+async def test_a_consumer_streams_wait_refused_by_the_driver_raises_its_error(
+    anyio_backend: object, driver_fixture: _Driver
+) -> None:
+    def refuse(owner: int, context: int, stream: int, target: int, call: Any) -> int:
+        ctypes.cast(call, ctypes.POINTER(ctypes.c_int))[0] = CU_WAIT64
+        return int(CUresult.CUDA_ERROR_INVALID_VALUE)
+
+    driver = driver_fixture
+    assert driver.runtime is not None
+    driver.runtime.am_cuq_wait_foreign = refuse  # type: ignore[attr-defined]
+    _streams_of(driver, CONTEXT)
+    dev = await am.open_device("cuda:0")
+    try:
+        buf = await dev.alloc(256)
+        used = dev.queue._next()
+        record_uses([buf], dev.queue, used.value)
+        with pytest.raises(am.AsyncMetalError, match=r"cuStreamWaitValue64.*INVALID_VALUE"):
+            buf.__dlpack__(stream=0x5000)
+        dev.queue.timeline.native.signal(used.value)  # confirmed: the close drains nothing
+    finally:
+        await dev.close()
