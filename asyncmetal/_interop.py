@@ -134,12 +134,17 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     if found[0] != TAKEN:
         raise refuse(found)
     _, owner, data, nbytes, tensor_type, tensor_id = found
-    if tensor_type != device_type or tensor_id != device_id:
+    if (tensor_type != device_type or tensor_id != device_id) and not (
+        tensor_type in _HOST and device_type in _HOST  # pinned or not: host memory
+    ):
         raise ExchangeError(
             f"the capsule's tensor is on DLPack device {(tensor_type, tensor_id)}, but "
             f"__dlpack_device__ said {(device_type, device_id)}"
         )
     return _buffer(target, _Imported(obj, owner, data, nbytes), device_type != KDLCUDA)
+
+
+_HOST = (KDLCPU, KDLCUDAHOST)
 
 
 def _taker() -> Callable[[object], tuple[Any, ...]]:
