@@ -68,7 +68,8 @@ def _device_for(device_type: int, device_id: int, given: Device | None) -> Devic
         if given.dlpack_device != where:
             raise InvalidArgumentError(f"the array is on DLPack device {where}, not {given.name}")
         return given
-    last = _last_found.get(where)
+    found_last = _last_found.get(where)
+    last = found_last() if found_last is not None else None
     if last is not None and not last.closed:
         return last
     found = [d for d in open_devices() if d.writable and d.dlpack_device == where]
@@ -78,12 +79,13 @@ def _device_for(device_type: int, device_id: int, given: Device | None) -> Devic
             f"no open device holds DLPack device {where}'s memory: open it first "
             "(cpu for host memory, cuda:N for CUDA memory), or pass device="
         )
-    _last_found[where] = found[0]
+    _last_found[where] = weakref.ref(found[0])
     return found[0]
 
 
-# The device each DLPack device was found on last (kept while it is open: weakly).
-_last_found: weakref.WeakValueDictionary[tuple[int, int], Device] = weakref.WeakValueDictionary()
+# The device each DLPack device was found on last (kept while it is open: weakly; a
+# plain dict of references, which a lookup reads in C).
+_last_found: dict[tuple[int, int], weakref.ref[Device]] = {}
 
 
 def _nbytes(shape: tuple[int, ...], strides: tuple[int, ...] | None, itembits: int) -> int:
