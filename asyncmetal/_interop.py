@@ -68,7 +68,8 @@ def _device_for(device_type: int, device_id: int, given: Device | None) -> Devic
         if given.dlpack_device != where:
             raise InvalidArgumentError(f"the array is on DLPack device {where}, not {given.name}")
         return given
-    last = _last_found.get(where)
+    found_last = _last_found.get(where)
+    last = found_last() if found_last is not None else None
     if last is not None and not last.closed:
         return last
     found = [d for d in open_devices() if d.writable and d.dlpack_device == where]
@@ -78,12 +79,13 @@ def _device_for(device_type: int, device_id: int, given: Device | None) -> Devic
             f"no open device holds DLPack device {where}'s memory: open it first "
             "(cpu for host memory, cuda:N for CUDA memory), or pass device="
         )
-    _last_found[where] = found[0]
+    _last_found[where] = weakref.ref(found[0])
     return found[0]
 
 
-# The device each DLPack device was found on last (kept while it is open: weakly).
-_last_found: weakref.WeakValueDictionary[tuple[int, int], Device] = weakref.WeakValueDictionary()
+# The device each DLPack device was found on last (kept while it is open: weakly; a
+# plain dict of references, which a lookup reads in C).
+_last_found: dict[tuple[int, int], weakref.ref[Device]] = {}
 
 
 def _nbytes(shape: tuple[int, ...], strides: tuple[int, ...] | None, itembits: int) -> int:
@@ -134,12 +136,17 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     if found[0] != TAKEN:
         raise refuse(found)
     _, owner, data, nbytes, tensor_type, tensor_id = found
-    if tensor_type != device_type or tensor_id != device_id:
+    if (tensor_type != device_type or tensor_id != device_id) and not (
+        tensor_type in _HOST and device_type in _HOST  # pinned or not: host memory
+    ):
         raise ExchangeError(
             f"the capsule's tensor is on DLPack device {(tensor_type, tensor_id)}, but "
             f"__dlpack_device__ said {(device_type, device_id)}"
         )
     return _buffer(target, _Imported(obj, owner, data, nbytes), device_type != KDLCUDA)
+
+
+_HOST = (KDLCPU, KDLCUDAHOST)
 
 
 def _taker() -> Callable[[object], tuple[Any, ...]]:

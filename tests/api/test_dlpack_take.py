@@ -192,6 +192,17 @@ async def test_what_is_refused_and_the_capsule_left_to_delete(
     assert _refs(array) == refs
 
 
+def _pinned(managed: Any, tensor: DLTensor) -> None:
+    tensor.device.device_type = 3  # kDLCUDAHost
+
+
+async def test_host_memory_pinned_or_not_is_host_memory(take: Take) -> None:
+    """A producer may say kDLCPU of pinned memory its capsule calls kDLCUDAHost (or the
+    reverse): either way it is host memory, taken on the cpu device."""
+    async with am.open_device("cpu") as dev:
+        assert am.from_dlpack(Producer(np.zeros(4, np.int32), _pinned)).device is dev
+
+
 async def test_what_is_not_an_unconsumed_capsule(take: Take) -> None:
     class Returns:
         def __init__(self, capsule: object) -> None:
