@@ -200,7 +200,8 @@ static void *cuq_run(void *arg) {
          * ran is known only to be at most what it seems (it may have ended long before
          * this thread looked), which must not raise the estimate (or the naps would
          * end later and later). */
-        int napped = 0, running = 0;
+        int napped = 0, running = 0, coarse = 0;
+        int64_t seen_at = 0;  /* the last time the event said unfinished */
         int failed = q->error && e.value >= q->error_value && !e.fence ? q->error : 0;
         pthread_mutex_unlock(&q->mu);
         int r = failed;
@@ -215,17 +216,29 @@ static void *cuq_run(void *arg) {
             int64_t t = now_ns();
             /* A timed command expected to run a while longer: nap until shortly before
              * it should be done, then poll through its expected end (a little past it),
-             * so that neither an interrupt nor a nap's wake-up comes after it. */
+             * so that neither an interrupt nor a nap's wake-up comes after it. The naps
+             * are an eighth of the expected run at most, with a look at the event after
+             * each: a command far shorter than the ones before it is seen within an
+             * eighth of their run, and teaches the estimate so. */
             int64_t est = e.timed ? q->est_ns : 0;  /* (this thread writes both) */
             int64_t start = e.pushed_ns > q->last_done_ns ? e.pushed_ns : q->last_done_ns;
+            r = CU_ERROR_NOT_READY;
             if (est) {
                 /* Woken this long before the expected end: a margin, a 128th of the run
                  * (its jitter), and how late this thread's naps end (a VM's timers). */
                 int64_t lead = CU_NAP_LEAD_NS + est / 128 + q->nap_late_ns;
                 int64_t due = start + est, wake = due - lead;
+                int64_t most = est / 8 > CU_NAP_MIN_NS ? est / 8 : CU_NAP_MIN_NS;
+                if (most > CU_NAP_CHUNK_NS) most = CU_NAP_CHUNK_NS;
                 while (wake - t > CU_NAP_MIN_NS - CU_NAP_LEAD_NS &&
                        !__atomic_load_n(&q->stop, __ATOMIC_SEQ_CST)) {
-                    int64_t nap = wake - t < CU_NAP_CHUNK_NS ? wake - t : CU_NAP_CHUNK_NS;
+                    atomic_fetch_add(&q->queries, 1);
+                    if ((r = query(e.event)) != CU_ERROR_NOT_READY) {
+                        coarse = napped;  /* it ended during the last nap, when exactly unknown */
+                        break;
+                    }
+                    seen_at = t;
+                    int64_t nap = wake - t < most ? wake - t : most;
                     if (kick_nap((long)nap, kicks)) break;  /* a host signal: poll now */
                     napped = 1;
                     int64_t after = now_ns(), late = after - (t + nap);
@@ -237,8 +250,8 @@ static void *cuq_run(void *arg) {
                 int64_t late = est / 16 < CU_LATE_POLL_NS ? est / 16 : CU_LATE_POLL_NS;
                 if (due + late - t > spin) spin = (long)(due + late - t);
             }
-            int64_t deadline = t + spin, last = t - CU_POLL_GAP_NS;
-            r = CU_ERROR_NOT_READY;
+            int64_t deadline = r == CU_ERROR_NOT_READY ? t + spin : t;
+            int64_t last = t - CU_POLL_GAP_NS;
             while (t < deadline) {
                 int64_t since = t - last;
                 if (since >= CU_POLL_GAP_NS ||
@@ -247,7 +260,7 @@ static void *cuq_run(void *arg) {
                     atomic_fetch_add(&q->queries, 1);
                     if ((r = query(e.event)) != CU_ERROR_NOT_READY) break;
                     running = 1;
-                    last = t;
+                    seen_at = last = t;
                 }
                 sched_yield();
                 t = now_ns();
@@ -311,9 +324,13 @@ static void *cuq_run(void *arg) {
             int64_t done = now_ns();
             int64_t start = e.pushed_ns > q->last_done_ns ? e.pushed_ns : q->last_done_ns;
             if (e.timed) {
-                int64_t run = done - start;
+                /* Seen done only by a look after a nap: it ran at least until seen_at,
+                 * maybe a nap less than it seems. The estimate falls to that lower
+                 * bound (the next command is then polled for from earlier, and its end
+                 * seen exactly); rising, from an end seen while polling, is slow. */
+                int64_t run = (coarse ? (seen_at > start ? seen_at : start) : done) - start;
                 if (!q->est_ns || run < q->est_ns) q->est_ns = run > 0 ? run : 1;
-                else if (running || !napped) q->est_ns += (run - q->est_ns) / 8;
+                else if (running && !coarse) q->est_ns += (run - q->est_ns) / 8;
             }
             q->last_done_ns = done;
         }

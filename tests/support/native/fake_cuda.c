@@ -38,7 +38,8 @@
  *             (none, or another library's), though it made the queue's current
  *   predict   a queue learns how long its launches run: it publishes when the last one
  *             should be done, and its completion thread naps until just before that
- *             and confirms them by polling (no blocking wait, no nap after the end)
+ *             and confirms them by polling (no blocking wait, no nap after the end);
+ *             far shorter ones after them are seen soon, not a long nap later
  *   released  every event any queue made was destroyed once its completion thread
  *             stopped, abandoned ones' included (those in flight, pooled and spare)
  *   foreign   another library's stream waits for a queue's value without becoming a
@@ -422,6 +423,15 @@ static void check_predict(void) {
     uint64_t waits = stats[1] - before[1] + stats[2] - before[2];
     if (waits > 15) die("predict: commands were waited for rather than polled at their end");
     if (early) die("predict: a command was confirmed before it ran");
+    /* Far shorter commands after those: seen within an eighth of the old estimate at
+     * first, and the estimate falls (not a 5 ms nap each: 100 ms). */
+    static kernel k02 = {0, 200000, NULL, 0};  /* 0.2 ms */
+    int64_t t0 = now_ns();
+    for (int i = 0; i < 20; i++) {
+        if (launch(f, &k02, 0, ++v)) die("predict: a launch failed");
+        while (am_timeline_value(f.t) < v) sched_yield();
+    }
+    if (now_ns() - t0 > 40000000) die("predict: short commands after long ones were seen late");
     queue_free(f, 0);
     puts("ok predict");
 }
