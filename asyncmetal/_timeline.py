@@ -299,9 +299,6 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
     c_timeline = native.c_timeline or 0
     spin = _native.spin if c_timeline else None  # (a native timeline: the runtime is loaded)
     start = time.perf_counter_ns()
-    if not due_ns and c_timeline and _native.due is not None:
-        # The queue's prediction for its last command (a launch, a marker), if known.
-        due_ns = _native.due(c_timeline, value)
     recent = timeline._recent_ns
     crowd = getattr(_waiting, "n", 0)
     _waiting.n = crowd + 1
@@ -318,6 +315,9 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
             deadline = 0
             if crowd < SPINNERS:
                 deadline = start + 2 * recent if recent < SPIN_NS else 0
+                if not due_ns and c_timeline and _native.due is not None:
+                    # The queue's prediction for its last command (a launch, a marker).
+                    due_ns = _native.due(c_timeline, value)
                 if start < due_ns <= start + DUE_NS:
                     deadline = max(deadline, due_ns + SPIN_NS)
             while True:
