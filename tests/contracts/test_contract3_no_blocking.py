@@ -126,6 +126,48 @@ async def test_many_waiters_are_woken_in_slices_between_the_loops_other_work(
     assert 0 < most_between_ticks <= 2 * _bridge.WAKE_SLICE, most_between_ticks
 
 
+async def test_tasks_with_long_steps_are_woken_fewer_at_a_time(device: am.Device) -> None:
+    """Woken tasks that each run 2 ms of Python (a model's forward pass, say): slices are
+    sized by the time their steps took, so after the first slice one or two of them run
+    between two steps of the loop's other tasks -- not WAKE_SLICE (16 ms of loop)."""
+    from asyncmetal import _bridge
+
+    tl = device.timeline()
+    resumed = 0
+    steps: list[int] = []
+    released = anyio.Event()
+
+    async def waiter() -> None:
+        nonlocal resumed
+        await tl.wait(1)
+        end = time.perf_counter() + 0.002
+        while time.perf_counter() < end:
+            pass
+        resumed += 1
+
+    async def ticker() -> None:
+        await released.wait()
+        last = resumed
+        while resumed < 48:
+            await anyio.lowlevel.checkpoint()
+            steps.append(resumed - last)
+            last = resumed
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(48):
+            tg.start_soon(waiter)
+        tg.start_soon(ticker)
+        await anyio.wait_all_tasks_blocked()
+        tl.signal(1)
+        released.set()
+    assert resumed == 48
+    grew = [n for n in steps if n]
+    assert max(grew[:3]) <= 2 * _bridge.WAKE_SLICE, grew
+    # After the first slice (sized before any step was measured), one task per slice;
+    # two slices may fall between two ticker steps (trio shuffles its batches).
+    assert max(grew[2:]) <= 2, grew
+
+
 async def test_a_crowd_of_tasks_awaiting_launches_leaves_room_for_the_loops_other_work(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:
