@@ -121,7 +121,7 @@ class Watch:
         if self.timeline.ended:
             return True
         if self.cwatch is not None:
-            return bool(_native_lib().am_watch_arm(self.cwatch, min(value, _U64_MAX)))
+            return bool(self.bridge.arm(self.cwatch, min(value, _U64_MAX)))
         return self.timeline.native.value >= value
 
     def withdraw(self, entry: Entry) -> None:
@@ -170,6 +170,10 @@ class Watch:
 _sequence = itertools.count()
 
 
+def _unloaded(*args: int) -> object:
+    raise RuntimeError("the native runtime is not loaded")
+
+
 def _nothing() -> None:
     """What a withdrawn entry's wake-up becomes (it let go of its task and loop)."""
 
@@ -201,6 +205,8 @@ class LoopBridge(ABC):
         self.resolved = 0
         self.waiting = 0
         self._notifier: int | None = None  # the native notifier writing our pipe
+        self.arm: Callable[[int, int], object] = _unloaded  # am_watch_arm, once loaded
+        self._reset: Callable[[int], object] = _unloaded  # am_notifier_reset
         self._pipe: tuple[int, int] | None = None
         self._native_watches: set[Watch] = set()
         self._awake_until = 0  # a perf_counter_ns: check native watches every iteration
@@ -230,6 +236,8 @@ class LoopBridge(ABC):
             os.set_blocking(wfd, False)
             self._pipe = (rfd, wfd)
             self._notifier = lib.am_notifier_new(wfd)
+            self.arm = _native.fast_call(lib, "am_watch_arm")
+            self._reset = _native.fast_call(lib, "am_notifier_reset")
             self._watch_fd(rfd)
         handle: int = lib.am_watch_new(c_timeline, self._notifier)
         self._native_watches.add(watch)
@@ -246,10 +254,10 @@ class LoopBridge(ABC):
         assert self._notifier is not None and self._pipe is not None
         # Empty the pipe, then re-arm, then read values: in this order a byte written by
         # a native thread is either still unread after re-arming or its value is seen.
+        # One read empties it: the notifier writes one byte until it is re-armed.
         with contextlib.suppress(BlockingIOError):
-            while os.read(self._pipe[0], 4096):
-                continue
-        _native_lib().am_notifier_reset(self._notifier)
+            os.read(self._pipe[0], 4096)
+        self._reset(self._notifier)
         self.wakeups += 1
         if not self._continued:  # else the slice scheduled next does it
             self._resolve()

@@ -41,7 +41,7 @@ import warnings
 from collections.abc import Callable
 from importlib import resources
 from types import ModuleType
-from typing import Protocol
+from typing import Any, Protocol
 
 from . import _native_build as build
 from . import _native_contract
@@ -57,6 +57,15 @@ extension_error: str | None = None  # why the extension module is not in use, if
 spin: Callable[[int, int, int], object] | None = None
 # due(c_timeline, value): when the command reaching value is expected done (0: unknown).
 due: Callable[[int, int], int] | None = None
+
+# The extension's functions that stand for runtime functions on the way from a host
+# signal to the task it releases (fast_call), by the runtime function's name.
+_FAST_CALLS = {
+    "am_timeline_signal": "timeline_signal",
+    "am_timeline_host_signal": "host_signal",
+    "am_watch_arm": "watch_arm",
+    "am_notifier_reset": "notifier_reset",
+}
 
 c_p, c_u64, c_int = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int
 _SIGNATURES: dict[str, tuple[object, list[object]]] = {
@@ -301,6 +310,16 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def fast_call(lib: Any, name: str) -> Callable[..., Any]:
+    """``lib``'s runtime function ``name`` (one of _FAST_CALLS): the extension's version
+    where ``lib`` is the loaded runtime and its extension is in use (a C call, not
+    ctypes), else ``lib``'s own (ctypes, or a test's stand-in)."""
+    if lib is _lib and _extension is not None:
+        call: Callable[..., Any] = getattr(_extension, _FAST_CALLS[name])
+        return call
+    return getattr(lib, name)  # type: ignore[no-any-return]
 
 
 def extension() -> ModuleType | None:

@@ -12,7 +12,10 @@ it waits for a value nobody has signalled yet). Fewer samples for long parks; ab
 in all with the defaults.
 
 Context, for short parks only: the same latency for a task awaiting ``tl.wait(v)`` on the
-host (no device in the path).
+host (no device in the path), and for a task awaiting an ``asyncio.Event`` set after the
+same park (no asyncmetal at all: the machine's and the loop's own floor -- a CPU left
+idle for milliseconds runs the first microseconds of Python after it several times
+slower than a busy one).
 
 Target: p50 <= 50 us for every P, without polling a core during the park (here: a
 median < 5 % of a core, judged for parks of 10 ms and more: a 1 ms park's CPU time is
@@ -98,6 +101,24 @@ async def host_sample(tl: am.Timeline, v: int, park_s: float) -> float:
     return (resumed[0] - t0) / 1e3
 
 
+async def event_sample(park_s: float) -> float:
+    """set -> resumption in us of a task awaiting an ``asyncio.Event`` (no asyncmetal)."""
+    event = asyncio.Event()
+    resumed: list[int] = []
+
+    async def waiter() -> None:
+        await event.wait()
+        resumed.append(time.perf_counter_ns())
+
+    task = asyncio.ensure_future(waiter())
+    await asyncio.sleep(0)
+    await asyncio.sleep(park_s)
+    t0 = time.perf_counter_ns()
+    event.set()
+    await task
+    return (resumed[0] - t0) / 1e3
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     kind = "cpu" if args.device.startswith("cpu") else "cuda"
     out: dict[str, Any] = {"device": args.device, "loop": args.loop, "parks": []}
@@ -145,6 +166,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 lat.append(await host_sample(htl, hv, park_ms / 1e3))
             host[str(park_ms)] = {"p50_us": statistics.median(lat), "max_us": max(lat)}
         out["host_wait_us"] = host
+        floor = {}
+        for park_ms in HOST_WAIT_PARKS_MS:
+            lat = [await event_sample(park_ms / 1e3) for _ in range(10)]
+            floor[str(park_ms)] = {"p50_us": statistics.median(lat), "max_us": max(lat)}
+        out["asyncio_event_us"] = floor
     out["target_met"] = all(r["target_met"] for r in out["parks"])
     return out
 
@@ -166,6 +192,11 @@ def report(r: dict[str, Any]) -> None:
         f"{p} ms: p50 {h['p50_us']:.1f} max {h['max_us']:.1f}" for p, h in r["host_wait_us"].items()
     )
     print(f"context, await tl.wait(v) on the host (us): {host}")
+    floor = ", ".join(
+        f"{p} ms: p50 {h['p50_us']:.1f} max {h['max_us']:.1f}"
+        for p, h in r.get("asyncio_event_us", {}).items()
+    )
+    print(f"floor, await asyncio.Event().wait() after the same park (us): {floor}")
 
 
 def main() -> None:

@@ -186,13 +186,14 @@ class CPUTimeline(ForkableTimeline):
         if not self.c_timeline:
             raise MemoryError("am_timeline_new")
         self._value: _native.ValueReader = _native.timeline_reader(self.c_timeline)
+        self._signal = _native.fast_call(lib, "am_timeline_signal")
 
     @property
     def value(self) -> int:
         return self._value.value
 
     def signal(self, value: int) -> None:
-        self._lib.am_timeline_signal(self.c_timeline, value)
+        self._signal(self.c_timeline, value)
 
     def forked(self, message: str) -> None:
         """In a forked child, where the queue threads that raise it are the parent's (a

@@ -210,6 +210,53 @@ static PyObject *py_due(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     return PyLong_FromLongLong(am_timeline_due(t, value));
 }
 
+/* The calls on the way from a host signal to the task it releases, which ctypes makes
+ * several times slower (and slower still on a CPU that has just been idle): none waits
+ * for more than another thread's few instructions under a timeline's lock, so they keep
+ * the GIL. */
+
+/* timeline_signal(timeline, value): am_timeline_signal. */
+static PyObject *py_timeline_signal(PyObject *self, PyObject *const *a, Py_ssize_t n) {
+    (void)self;
+    if (take_args(n, 2, "timeline_signal")) return NULL;
+    am_timeline *t = PyLong_AsVoidPtr(a[0]);
+    uint64_t value = PyLong_AsUnsignedLongLong(a[1]);
+    if (converted(t, "timeline_signal: null timeline")) return NULL;
+    am_timeline_signal(t, value);
+    Py_RETURN_NONE;
+}
+
+/* host_signal(timeline, value): am_timeline_host_signal (the word devices wait on, and
+ * the napping completion threads woken). */
+static PyObject *py_host_signal(PyObject *self, PyObject *const *a, Py_ssize_t n) {
+    (void)self;
+    if (take_args(n, 2, "host_signal")) return NULL;
+    am_timeline *t = PyLong_AsVoidPtr(a[0]);
+    uint64_t value = PyLong_AsUnsignedLongLong(a[1]);
+    if (converted(t, "host_signal: null timeline")) return NULL;
+    am_timeline_host_signal(t, value);
+    Py_RETURN_NONE;
+}
+
+/* watch_arm(watch, next) -> bool: am_watch_arm (whether next is reached already). */
+static PyObject *py_watch_arm(PyObject *self, PyObject *const *a, Py_ssize_t n) {
+    (void)self;
+    if (take_args(n, 2, "watch_arm")) return NULL;
+    am_watch *w = PyLong_AsVoidPtr(a[0]);
+    uint64_t next = PyLong_AsUnsignedLongLong(a[1]);
+    if (converted(w, "watch_arm: null watch")) return NULL;
+    return PyBool_FromLong(am_watch_arm(w, next));
+}
+
+/* notifier_reset(notifier): am_notifier_reset. */
+static PyObject *py_notifier_reset(PyObject *self, PyObject *arg) {
+    (void)self;
+    am_notifier *notifier = PyLong_AsVoidPtr(arg);
+    if (converted(notifier, "notifier_reset: null notifier")) return NULL;
+    am_notifier_reset(notifier);
+    Py_RETURN_NONE;
+}
+
 /* timeline_value(timeline) -> int: the timeline's value, an acquire load: whatever the
  * thread that raised it wrote before (a kernel's results, a copy's bytes, a times row)
  * is visible to the caller's later reads. Where a plain load is not that (arm64),
@@ -250,6 +297,14 @@ static PyMethodDef methods[] = {
      "spin(timeline, value, max_ns) -> whether the timeline reached value"},
     {"due", (PyCFunction)(void (*)(void))py_due, METH_FASTCALL,
      "due(timeline, value) -> when the command reaching value is expected done, or 0"},
+    {"timeline_signal", (PyCFunction)(void (*)(void))py_timeline_signal, METH_FASTCALL,
+     "timeline_signal(timeline, value): raise a native timeline from the host"},
+    {"host_signal", (PyCFunction)(void (*)(void))py_host_signal, METH_FASTCALL,
+     "host_signal(timeline, value): raise a device timeline's word from the host"},
+    {"watch_arm", (PyCFunction)(void (*)(void))py_watch_arm, METH_FASTCALL,
+     "watch_arm(watch, next) -> whether the timeline reached next already"},
+    {"notifier_reset", py_notifier_reset, METH_O,
+     "notifier_reset(notifier): let the next advance write the pipe again"},
     {"timeline_value", py_timeline_value, METH_O,
      "timeline_value(timeline) -> its value (an acquire load)"},
     {"dlpack_take", py_dlpack_take, METH_O,

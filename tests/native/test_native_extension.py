@@ -108,6 +108,11 @@ def test_ctypes_only_when_asked() -> None:
         "        await dev.queue.launch(p, b, vals=(-5, 16))\n"
         "        out = await b.read(np.int32)\n"
         "        assert (out == -5).all(), out\n"
+        "        tl = dev.timeline()\n"  # a host signal releasing a parked task: ctypes calls
+        "        async with anyio.create_task_group() as tg:\n"
+        "            tg.start_soon(tl.wait, 3)\n"
+        "            await anyio.wait_all_tasks_blocked()\n"
+        "            tl.signal(3)\n"
         "        assert _native.extension() is None\n"
         "        print('ok', _native.extension_error)\n"
         "anyio.run(main)\n"
@@ -336,3 +341,57 @@ def test_waits_on_one_device_word_release_each_at_its_value() -> None:
         for q in queues:
             q.close(abandon=True)  # a wait left over (a failure) ends too
     assert count.value == 10 and ready.value == 0
+
+
+def test_fast_calls_do_what_the_runtime_functions_do() -> None:
+    """The host-signal path's calls (``_native.fast_call``): the extension's functions
+    where it is in use, each doing what the runtime's function does through ctypes."""
+    lib = _native.runtime()
+    stand_in = type("Lib", (), {"am_watch_arm": staticmethod(lambda w, v: 0)})()
+    assert _native.fast_call(stand_in, "am_watch_arm") is stand_in.am_watch_arm
+    extension = _native.extension()
+    if extension is None:
+        assert _native.fast_call(lib, "am_watch_arm") is lib.am_watch_arm
+        pytest.skip(f"the extension module is not built here: {_native.extension_error}")
+    for runtime_name, name in _native._FAST_CALLS.items():
+        assert _native.fast_call(lib, runtime_name) is getattr(extension, name)
+    word = ctypes.c_uint64(0)
+    timeline = lib.am_timeline_new()
+    rfd, wfd = os.pipe()
+    os.set_blocking(rfd, False)
+    notifier = lib.am_notifier_new(wfd)
+    watch = lib.am_watch_new(timeline, notifier)
+    try:
+        lib.am_timeline_set_word(timeline, ctypes.addressof(word))
+        extension.timeline_signal(timeline, 5)
+        assert lib.am_timeline_value(timeline) == 5 and word.value == 5
+        assert extension.watch_arm(watch, 5) is True  # reached already
+        assert extension.watch_arm(watch, 7) is False
+        extension.host_signal(timeline, 7)  # the word, the value, and the loop's pipe
+        assert lib.am_timeline_value(timeline) == 7 and word.value == 7
+        assert os.read(rfd, 16) == b"\x01"
+        assert extension.watch_arm(watch, 8) is False
+        extension.timeline_signal(timeline, 8)
+        with pytest.raises(BlockingIOError):  # one byte until the notifier is reset
+            os.read(rfd, 16)
+        extension.notifier_reset(notifier)
+        assert extension.watch_arm(watch, 9) is False
+        extension.timeline_signal(timeline, 9)
+        assert os.read(rfd, 16) == b"\x01"
+    finally:
+        lib.am_watch_free(watch)
+        lib.am_notifier_free(notifier)
+        lib.am_timeline_free(timeline)
+        os.close(rfd)
+        os.close(wfd)
+    for call, args in (
+        (extension.timeline_signal, (0, 1)),
+        (extension.host_signal, (0, 1)),
+        (extension.watch_arm, (0, 1)),
+    ):
+        with pytest.raises(ValueError, match="null"):
+            call(*args)
+    with pytest.raises(ValueError, match="null"):
+        extension.notifier_reset(0)
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        extension.timeline_signal(timeline)

@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 from ... import _native
 from ..._backend import ForkableTimeline, InheritedValue
+from ..._native import fast_call
 from ._driver import check, cu
 
 
@@ -54,6 +55,7 @@ class CUDATimeline(ForkableTimeline):
         backend.lib.am_timeline_set_word(self.c_timeline, self.address)
         self._value: _native.ValueReader = _native.timeline_reader(self.c_timeline)
         self._word = ctypes.c_uint64.from_address(self.address)
+        self._host_signal = fast_call(backend.lib, "am_timeline_host_signal")
         self.queue: object = None  # the CUDAQueue whose own timeline this is
 
     @property
@@ -70,7 +72,7 @@ class CUDATimeline(ForkableTimeline):
     def signal(self, value: int) -> None:
         # Raises the word, then wakes napping completion threads: a stream's wait it
         # releases is confirmed within microseconds rather than at the end of a nap.
-        self._backend.lib.am_timeline_host_signal(self.c_timeline, value)
+        self._host_signal(self.c_timeline, value)
 
     def forked(self, message: str) -> None:
         # The completion threads that raise it are the parent's; its word and slot are
