@@ -90,7 +90,7 @@ class Watch:
     ``next`` where native threads read it, and they wake the loop through its pipe.
     """
 
-    __slots__ = ("bridge", "cwatch", "heap", "next", "queued", "timeline", "withdrawn")
+    __slots__ = ("bridge", "cwatch", "dropping", "heap", "next", "queued", "timeline", "withdrawn")
 
     def __init__(self, bridge: LoopBridge, timeline: Watched) -> None:
         self.bridge = bridge
@@ -99,6 +99,7 @@ class Watch:
         self.next = INFINITY  # smallest value waited for; read by notifying threads
         self.queued = False  # already in the bridge's pending deque
         self.withdrawn = 0  # cancelled entries still in the heap
+        self.dropping = False  # empty: let go of in the loop's next iteration, if still
         c_timeline = getattr(timeline.native, "c_timeline", None)
         self.cwatch = None if c_timeline is None else bridge.native_watch(self, c_timeline)
 
@@ -161,10 +162,19 @@ class Watch:
         if self.heap:
             return self._publish(self.heap[0][0])
         self.next = INFINITY
-        self.timeline.drop_watch(self)
-        if self.cwatch is not None:
-            self.bridge.drop_native_watch(self)
+        # Let go of it (and free its native part) after the tasks just woken have run,
+        # not on their way; one that parks on this timeline again by then keeps it.
+        if not self.dropping:
+            self.dropping = True
+            self.bridge._call_soon(self._drop_if_idle)
         return False
+
+    def _drop_if_idle(self) -> None:
+        self.dropping = False
+        if not self.heap:
+            self.timeline.drop_watch(self)
+            if self.cwatch is not None:
+                self.bridge.drop_native_watch(self)
 
 
 _sequence = itertools.count()

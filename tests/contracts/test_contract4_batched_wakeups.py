@@ -138,3 +138,30 @@ async def test_a_loop_kept_awake_sees_a_native_value_without_a_wake_up(
         if not awake:
             tl.signal(2)  # the waiter is still parked: wake it through the pipe
             await woken.wait()
+
+
+async def test_a_watch_left_empty_goes_after_the_woken_tasks_have_run(
+    device: am.Device,
+) -> None:
+    """The loop lets go of a timeline's watch that its last waiter left (freeing its
+    native part) only after the woken tasks have run: not on their way to running."""
+    from asyncmetal import _bridge
+
+    tl = device.timeline()
+    bridge = _bridge.current_bridge()
+    seen: list[object] = []
+
+    async def waiter() -> None:
+        await tl.wait(1)
+        seen.append(tl._watch_of.get(bridge))  # the first thing it does once woken
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        await anyio.wait_all_tasks_blocked()
+        watch = tl._watch_of.get(bridge)
+        assert watch is not None
+        tl.signal(1)
+    assert seen == [watch]
+    for _ in range(3):
+        await anyio.lowlevel.checkpoint()
+    assert tl._watch_of.get(bridge) is None
