@@ -504,14 +504,31 @@ _bridges_lock = threading.Lock()
 
 def current_bridge() -> LoopBridge:
     """The bridge of the running loop (asyncio, uvloop or trio), made on first use."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
+    loop = _get_running_loop()
+    if loop is None:
         return _current_trio_bridge()
+    last_loop, last = _last_asyncio_bridge  # (a weak reference to a loop, its bridge)
+    if last is not None and last_loop() is loop:
+        return last
     bridge = _asyncio_bridges.get(loop)
     if bridge is None:
         bridge = _asyncio_bridges.setdefault(loop, _AsyncioBridge(loop))
+    _remember(loop, bridge)
     return bridge
+
+
+def _remember(loop: asyncio.AbstractEventLoop, bridge: LoopBridge) -> None:
+    """Keep the last loop's bridge at hand: most processes run one loop, and looking it
+    up in the weak dictionary on every await costs more than the rest of the lookup."""
+    global _last_asyncio_bridge
+    _last_asyncio_bridge = (weakref.ref(loop), bridge)
+
+
+def _no_loop() -> None:
+    return None
+
+
+_last_asyncio_bridge: tuple[Callable[[], object], LoopBridge | None] = (_no_loop, None)
 
 
 def _current_trio_bridge() -> LoopBridge:
