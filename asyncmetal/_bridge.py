@@ -164,10 +164,15 @@ class Watch:
         self.next = INFINITY
         # Let go of it (and free its native part) after the tasks just woken have run,
         # not on their way; one that parks on this timeline again by then keeps it.
+        # Two turns of the loop later: trio runs a batch's tasks in random order, and
+        # the woken tasks and a callback scheduled now share the next batch.
         if not self.dropping:
             self.dropping = True
-            self.bridge._call_soon(self._drop_if_idle)
+            self.bridge._call_soon(self._drop_soon)
         return False
+
+    def _drop_soon(self) -> None:
+        self.bridge._call_soon(self._drop_if_idle)
 
     def _drop_if_idle(self) -> None:
         self.dropping = False

@@ -162,6 +162,6 @@ async def test_a_watch_left_empty_goes_after_the_woken_tasks_have_run(
         assert watch is not None
         tl.signal(1)
     assert seen == [watch]
-    for _ in range(3):
+    for _ in range(6):
         await anyio.lowlevel.checkpoint()
     assert tl._watch_of.get(bridge) is None
