@@ -369,7 +369,9 @@ static void *cuq_run(void *arg) {
     }
     /* Stopping, under mu. An abandoned queue's closer may have given up waiting for this
      * thread (it was blocked on an event that never completes): then it frees the queue.
-     * Either way no thread uses the queue's events any more. */
+     * Once events lent to a stream's wait are given back, no thread uses the queue's
+     * events any more. */
+    while (q->lends) pthread_cond_wait(&q->cv, &q->mu);
     cuq_destroy_events(q);
     q->exited = 1;
     int orphan = q->orphan;

@@ -148,7 +148,20 @@ struct am_cuq {
     int cause_error;
     uint64_t cause_value;
     am_timeline *cause;
+    /* Events of this queue's ring lent to a stream's wait (cuda_submit.c,
+     * stream_wait_queue), which makes its driver call without this queue's lock: none is
+     * recycled or destroyed while lent. */
+    struct am_culend *lends;
 };
+
+/* An event of a queue lent, under its mu, to a thread that makes a stream wait on it
+ * (on that thread's stack). Confirmed meanwhile, the event is left to the borrower to
+ * recycle (recycle: 1 + its kind), as it gives it back. */
+typedef struct am_culend {
+    struct am_culend *next;
+    void *event;
+    int recycle;
+} am_culend;
 
 /* A device wait of queue q (part of its command `command`) for value `target` of the
  * queue holding this record, which references q. */
@@ -172,6 +185,7 @@ static inline int cuq_fail(am_cuq *q, int call, int r) {
 
 /* cuda_stream.c */
 AM_HIDDEN void cuq_recycle(am_cuq *q, void *event, int blocking);  /* under q->mu */
+AM_HIDDEN void cuq_give_back(am_cuq *q, am_culend *lend);          /* under q->mu */
 AM_HIDDEN void cuq_unref(am_cuq *q);
 AM_HIDDEN void cuop_free(am_cuop *op);
 AM_HIDDEN void cuq_drop_held(am_cuq *q);                           /* under q->mu */

@@ -46,6 +46,9 @@
  *             queue: on the queue's word for a value still held on the host (written
  *             once it is handed over), on an event for one submitted, not at all for one
  *             confirmed; its kernels run only after the value; the context is kept
+ *   unlocked  a stream's wait on a queue's event that is slow in the driver holds up
+ *             neither submissions to that queue nor its confirmations, and the event
+ *             is neither recorded again (reused) nor destroyed until the call returned
  */
 #include "fake_cuda_driver.h"
 
@@ -494,6 +497,52 @@ static void check_foreign(void) {
     puts("ok foreign");
 }
 
+typedef struct { fake_queue owner; fake_stream *stream; uint64_t target; int r, call; } waiter;
+
+static void *wait_in_driver(void *arg) {
+    waiter *w = arg;
+    w->r = am_cuq_wait_foreign(w->owner.q, (void *)1, w->stream, w->target, &w->call);
+    return NULL;
+}
+
+static void check_unlocked(void) {
+    fake_queue a = queue_new(), b = queue_new();
+    static kernel slow = {0, 40000000, NULL, 0}, after_a = {0, 0, NULL, 1};
+    after_a.check = a.s;
+    if (launch(a, &slow, 1, 1)) die("unlocked: a's launch failed");
+    atomic_store(&wait_event_ns, 400000000);  /* b's wait on a's command 1: 400 ms */
+    waiter w = {a, b.s, 1, -1, -1};
+    pthread_t thread;
+    pthread_create(&thread, NULL, wait_in_driver, &w);
+    while (!atomic_load(&waits_in_driver)) sched_yield();
+    int64_t start = now_ns();
+    for (uint64_t v = 2; v <= 20; v++)
+        if (launch(a, NULL, (int64_t)v, v)) die("unlocked: a launch failed");
+    if (now_ns() - start > 100000000)
+        die("unlocked: a submission waited for another stream's wait in the driver");
+    reach(a.t, 20, "unlocked: a's commands were never confirmed");
+    /* more commands, all in flight at once behind a gate, with plain events as command
+     * 1's: they take every event of the pool, but not the one lent */
+    _Atomic uint64_t *gate = calloc(1, sizeof *gate);
+    for (uint64_t v = 21; v <= 60; v++)
+        if (am_cuq_wait(a.q, (void *)gate, 1, v) ||
+            am_cuq_finish(a.q, v, NULL, 0, 0, CU_FINISH_PLAIN))
+            die("unlocked: a wait failed");
+    atomic_store(gate, 1);
+    reach(a.t, 60, "unlocked: a's commands were never confirmed");
+    if (!atomic_load(&waits_in_driver))
+        die("unlocked: confirmations waited for another stream's wait in the driver");
+    pthread_join(thread, NULL);
+    atomic_store(&wait_event_ns, 0);
+    if (w.r || w.call != CU_WAIT_EVENT) die("unlocked: the wait was not made on the event");
+    if (launch(b, &after_a, 1, 1)) die("unlocked: b's launch failed");
+    reach(b.t, 1, "unlocked: b never got past its wait");
+    queue_free(a, 0);
+    queue_free(b, 0);
+    free((void *)gate);
+    puts("ok unlocked");
+}
+
 int main(void) {
     fake_driver_install();
     check_order();
@@ -513,6 +562,7 @@ int main(void) {
     check_abandon();
     check_context();
     check_foreign();
+    check_unlocked();
     /* The abandoned queues' threads have all returned (check_abandon's blocked one once
      * its sync gave up), each destroying its queue's events as it stopped. */
     int64_t deadline = now_ns() + 10000000000LL;
