@@ -55,6 +55,9 @@ extern AM_HIDDEN void *cu_funcs[CU_NFUNCS];
 #define CU_FINISH_LONG 1         /* am_cuq_finish flags: a command known to run long */
 #define CU_FINISH_PLAIN 2        /* ... a device wait: a plain event, so a kick is seen */
 #define CU_FINISH_FENCE 4        /* internal: behind what a refused command handed over */
+#define CU_FINISH_WAITED 8       /* a device wait on `extra`'s word for extra_value (a
+                                    timeline no queue owns): confirmed once the timeline
+                                    reached it, failed if it failed instead */
 
 /* cuda_driver.c: a host signal of a device timeline bumps the kick generation and wakes
  * completion threads napping on a command (kick_nap: 1 if kicked after `seen`). */
@@ -74,6 +77,9 @@ typedef struct {
                                        waited for, then fails */
     int timed;                      /* its run time teaches the queue's estimate */
     int64_t pushed_ns;              /* when it was handed over (now_ns) */
+    int waited;                     /* CU_FINISH_WAITED: extra is waited on, not raised */
+    int signals;                    /* a signal command: extra is the timeline it signals
+                                       (else a wait's, raised once it is confirmed) */
 } am_cuentry;
 
 struct am_cuq;

@@ -77,7 +77,10 @@ int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_val
     int64_t due = timed && q->est_ns && from ? (from > now ? from : now) + q->est_ns : 0;
     q->last_due_ns = due;
     if (!fence) timeline_set_due(q->timeline, value, due);
-    am_cuentry e = {event, value, extra, extra_value, spin_ns, k, fence, timed, now};
+    int waited = (flags & CU_FINISH_WAITED) != 0;
+    int signals = extra && !(flags & (CU_FINISH_PLAIN | CU_FINISH_WAITED));
+    am_cuentry e = {event, value, extra, extra_value, spin_ns, k, fence, timed, now, waited,
+                    signals};
     q->ring[(q->head + q->count) % q->cap] = e;
     q->count++;
     int write = !fence && value <= q->wanted;

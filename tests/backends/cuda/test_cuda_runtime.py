@@ -35,6 +35,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "refused"),
         *("ok", "partial"),
         *("ok", "release"),
+        *("ok", "signal"),
         *("ok", "predict"),
         *("ok", "kick"),
         *("ok", "abandon"),
