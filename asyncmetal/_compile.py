@@ -93,7 +93,7 @@ def c_params(src: str, name: str) -> tuple[ParamKind, ...]:
             "buffer" if ("*" in p or "[" in p or ("&" in p and "device" in p)) else "value"
             for p in _split_top_level(body)
         )
-    raise CompileError(f"kernel {name!r} is not defined in the source")
+    raise CompileError(f"kernel {name!r} is not defined in the source", name=name)
 
 
 def _split_top_level(params: str) -> list[str]:

@@ -228,21 +228,23 @@ class Device:
     async def compile(self, src: str, name: str, *, timeout: float | None = None) -> Program:
         """Compile ``src`` in the worker-process pool (cached) and load kernel ``name``.
 
-        Raises :class:`CompileError` with the compiler's log, also when ``name`` is not
-        defined in ``src``, and when ``timeout`` (seconds, positive) passes: the worker
-        and the compiler processes it started are then killed. A cached binary that does
+        Raises :class:`CompileError` (its ``name`` is ``name``) with the compiler's log,
+        also when ``name`` is not defined in ``src``, and when ``timeout`` (seconds,
+        positive) passes: the worker and the compiler processes it started are then
+        killed. A cached binary that does
         not load is rebuilt once. Cancelling withdraws a compile that has not started; a
         running one finishes into the cache.
         """
         timeout = check_timeout(timeout)  # arguments first, then the source
-        params = self._check_compile(src, name)
-        key = (source_key(await compiler_identity(self._backend.compiler), src), name)
-        program = self._programs.get(key)
-        if program is not None:
-            await checkpoint()
-            return program
-        binary = await self.compile_pool.compile(self._backend.compiler, src, timeout=timeout)
-        return await self._program(key, params, binary, src, timeout)
+        with _naming(name):
+            params = self._check_compile(src, name)
+            key = (source_key(await compiler_identity(self._backend.compiler), src), name)
+            program = self._programs.get(key)
+            if program is not None:
+                await checkpoint()
+                return program
+            binary = await self.compile_pool.compile(self._backend.compiler, src, timeout=timeout)
+            return await self._program(key, params, binary, src, timeout)
 
     def _check_compile(self, src: object, name: object) -> tuple[ParamKind, ...]:
         self._check_open()
@@ -278,7 +280,7 @@ class Device:
             except _UnloadableError as exc:
                 cause = exc.__cause__
                 raise CompileError(
-                    f"the compiled kernel {name!r} does not load: {cause}"
+                    f"the compiled kernel {name!r} does not load: {cause}", name=name
                 ) from cause
         program = self._programs.setdefault(key, Program(self._state, name, params, binary, native))
         return program
@@ -290,7 +292,8 @@ class Device:
 
         Programs come in the order they finish, so the device can run the first while
         the pool compiles the rest. A failed compile raises its CompileError when
-        reached. Compiles not consumed finish into the cache.
+        reached (its ``name`` says which kernel failed). Compiles not consumed finish
+        into the cache.
         """
         kernels = list(kernels)
         for kernel in kernels:  # checked before anything is submitted
@@ -309,7 +312,9 @@ class Device:
         try:
             return self._backend.load(binary, name)
         except AttributeError:
-            raise CompileError(f"kernel {name!r} is not defined in the compiled code") from None
+            raise CompileError(
+                f"kernel {name!r} is not defined in the compiled code", name=name
+            ) from None
         except (DeviceLostError, ClosedResourceError, MemoryError):
             raise  # the device's trouble, not the binary's
         except Exception as exc:
@@ -384,6 +389,20 @@ class _UnloadableError(Exception):
     """The backend refused a binary (its cause says why)."""
 
 
+@contextlib.contextmanager
+def _naming(name: str) -> Generator[None, None, None]:
+    """A CompileError raised inside comes out as kernel ``name``'s (see ``for_kernel``):
+    a compile of one source may be shared by several kernels, and a pool's error names
+    none."""
+    try:
+        yield
+    except CompileError as exc:
+        named = exc.for_kernel(name)
+        if named is exc:
+            raise
+        raise named from None
+
+
 class _CompileMany:
     """The async iterator of Device.compile_many.
 
@@ -448,20 +467,21 @@ class _CompileMany:
         await wait_value(self._events, self._yielded + 1)
         self._yielded += 1
         key, ((params, src), result) = self._ready.popleft()
-        if isinstance(result, CompileError):
-            raise result
-        if not isinstance(result, bytes):  # a finished pool job
-            pool = self._device.compile_pool
-            pool.withdraw(result)
-            pool.cache.warn_if_disabled()  # storing it may have found the disk full
-            result = pool.result(result)
-        try:
-            return await self._device._program(key, params, result, src, self._timeout)
-        except anyio.get_cancelled_exc_class():
-            # Not handed out: the next step yields it (its binary is ready now).
-            self._ready.appendleft((key, ((params, src), result)))
-            self._yielded -= 1
-            raise
+        with _naming(key[1]):
+            if isinstance(result, CompileError):
+                raise result
+            if not isinstance(result, bytes):  # a finished pool job
+                pool = self._device.compile_pool
+                pool.withdraw(result)
+                pool.cache.warn_if_disabled()  # storing it may have found the disk full
+                result = pool.result(result)
+            try:
+                return await self._device._program(key, params, result, src, self._timeout)
+            except anyio.get_cancelled_exc_class():
+                # Not handed out: the next step yields it (its binary is ready now).
+                self._ready.appendleft((key, ((params, src), result)))
+                self._yielded -= 1
+                raise
 
 
 class _DeviceOpener:

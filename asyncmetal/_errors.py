@@ -18,12 +18,25 @@ class ArgumentTypeError(AsyncMetalError, TypeError):
 class CompileError(AsyncMetalError):
     """A kernel failed to compile, or the compiled code lacks the named kernel.
 
-    ``log`` holds the compiler's full output.
+    ``log`` holds the compiler's full output; ``name`` the kernel it was compiling
+    (the name given to ``compile`` or in ``compile_many``), or None where no one kernel
+    is concerned (``CompilePool.compile`` of a source).
     """
 
-    def __init__(self, message: str, log: str = "") -> None:
+    def __init__(self, message: str, log: str = "", *, name: str | None = None) -> None:
         super().__init__(message if not log else f"{message}\n{log}")
-        self.log = log
+        self.message, self.log, self.name = message, log, name
+
+    def __reduce__(self) -> tuple[type[CompileError], tuple[str, str], dict[str, object]]:
+        return type(self), (self.message, self.log), {"name": self.name}
+
+    def for_kernel(self, name: str) -> CompileError:
+        """This error as kernel ``name``'s: itself if it names that kernel already, else
+        a new one whose message begins with the name. A new one, since one compile of a
+        source can fail several kernels of it."""
+        if self.name == name:
+            return self
+        return CompileError(f"kernel {name!r}: {self.message}", self.log, name=name)
 
 
 class OutOfMemoryError(AsyncMetalError, MemoryError):

@@ -44,6 +44,7 @@ CPU_ONLY = {
     # the compile pool and its cache, with C sources
     "test_compile_many_goes_on_after_an_error",
     "test_compile_many_goes_on_after_a_cancelled_step",
+    "test_compile_errors_name_their_kernel",
     "test_a_cached_binary_for_another_machine_is_rebuilt",
     "test_an_unusable_cache_keeps_compiles_working",
 }

@@ -97,7 +97,8 @@ class CCompiler(Compiler):
         if len(params) > MAX_ARGS:
             raise CompileError(
                 f"cpu kernel {name!r} has {len(params)} parameters; cpu kernels take at most "
-                f"{MAX_ARGS} (buffers and vals together)"
+                f"{MAX_ARGS} (buffers and vals together)",
+                name=name,
             )
         return params
 

@@ -72,6 +72,13 @@ typedef struct am_timeline {
      * one submitted; a hint for waiters about to wait (am_timeline_due). */
     _Atomic uint64_t due_value;
     _Atomic int64_t due_ns;
+    /* A command that signals it failed (cuda_completion.c, timeline_fail): it settled at
+     * UINT64_MAX, failed from this value on (0: not failed), and the failure behind it
+     * (a queue's timeline, its error and failed value). Under mu. */
+    uint64_t failed_from;
+    int fail_error;
+    uint64_t fail_value;
+    struct am_timeline *fail_cause;
 } am_timeline;
 
 /* ---- host_queues.c: a cpu queue's commands, and the queue ------------------------ */

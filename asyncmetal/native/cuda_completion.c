@@ -9,12 +9,55 @@
 #include <sys/prctl.h>
 #endif
 
+/* A command that signals t (to `target`) failed, or will never run: unless t got there
+ * already, it settles -- its value and its word at UINT64_MAX, as a failed queue's own
+ * timeline -- failed from the value after the last it reached, with the failure behind
+ * it. So every wait on it ends: a host task's, and a stream's, whose queue then fails its
+ * commands from that wait on (cuq_confirm_wait), as a wait on a failed queue's value
+ * does. Not under any queue's mu. */
+static void timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value,
+                          am_timeline *cause) {
+    pthread_mutex_lock(&t->mu);
+    uint64_t reached = atomic_load(&t->value);
+    if (reached >= target) {
+        pthread_mutex_unlock(&t->mu);
+        return;
+    }
+    if (!t->failed_from) {
+        t->failed_from = reached + 1;
+        t->fail_error = error;
+        t->fail_value = value;
+        t->fail_cause = cause;
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (t->word) raise_word(t->word, UINT64_MAX);
+    am_timeline_poke(t, UINT64_MAX);
+    host_signalled();  /* completion threads napping on a wait it releases */
+}
+
 /* A held operation the driver refused: that command and every one after it will never
  * run. The queue fails from that command's value on (earlier ones are still confirmed
- * by their events); what is still held is dropped. Under mu. */
-static void cuq_refused(am_cuq *q, uint64_t value, int r) {
+ * by their events); what is still held is taken off the queue and returned, for the
+ * caller to drop with cuq_drop_refused once mu is released. Under mu. */
+static am_cuop *cuq_refused(am_cuq *q, uint64_t value, int r) {
     if (!q->error) { q->error = r; q->error_value = value; }
-    cuq_drop_held(q);
+    am_cuop *dropped = q->held;
+    q->held = q->held_tail = NULL;
+    q->nheld = 0;
+    return dropped;
+}
+
+/* Drop operations a refused command left held: the timelines their signals would have
+ * raised fail with it. Not under mu. */
+static void cuq_drop_refused(am_cuq *q, am_cuop *op, int error, uint64_t value) {
+    while (op) {
+        am_cuop *next = op->next;
+        if (op->kind == CUOP_FINISH && op->extra &&
+            !(op->flags & (CU_FINISH_PLAIN | CU_FINISH_WAITED)))
+            timeline_fail(op->extra, op->extra_value, error, value, q->timeline);
+        cuop_free(op);
+        op = next;
+    }
 }
 
 /* The first value of q that failed (a command refused or faulted), or that ran after a
@@ -130,6 +173,9 @@ static void cuq_release_waiters(am_cuq *q) {
 /* Hand held operations to the driver while the stream has room. Runs on the completion
  * thread (the context is current there). */
 static void cuq_drain(am_cuq *q) {
+    am_cuop *dropped = NULL;
+    int refused = 0;
+    uint64_t refused_value = 0;
     pthread_mutex_lock(&q->mu);
     while (cuq_can_drain(q)) {
         am_cuop *op = q->held;
@@ -150,19 +196,54 @@ static void cuq_drain(am_cuq *q) {
         }
         pthread_mutex_lock(&q->mu);
         q->driving = 0;
-        if (r) cuq_refused(q, op->value, r);
+        if (r) {
+            dropped = cuq_refused(q, op->value, r);
+            refused = r;
+            refused_value = op->value;
+        }
         cuop_free(op);
     }
     /* Refused with nothing left in flight: settle the waiters now (they find the error).
      * Not once abandoned: the closer may have returned (this thread orphaned) and the
      * caller freed the timeline. */
-    if (q->error && !q->count && !q->held && q->stop != 2) {
-        pthread_mutex_unlock(&q->mu);
+    int settle = q->error && !q->count && !q->held && q->stop != 2;
+    pthread_mutex_unlock(&q->mu);
+    cuq_drop_refused(q, dropped, refused, refused_value);
+    if (settle) {
         am_timeline_poke(q->timeline, UINT64_MAX);
         cuq_release_waiters(q);
-        return;
     }
+}
+
+/* A device wait of q on the word of a timeline no queue owns, done on the stream: it is
+ * confirmed once the timeline's value got there too -- its signal confirmed, or a host
+ * signal -- and fails q's commands from there on if the timeline failed instead (the
+ * word was raised for a value never produced). Not under mu. */
+static void cuq_confirm_wait(am_cuq *q, const am_cuentry *e) {
+    am_timeline *t = e->extra;
+    pthread_mutex_lock(&t->mu);
+    while (atomic_load(&t->value) < e->extra_value &&
+           __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) != 2) {
+        struct timespec until;
+        deadline_after(&until, CU_NAP_CHUNK_NS);  /* an abandon is seen */
+        pthread_cond_timedwait(&t->cv, &t->mu, &until);
+    }
+    uint64_t failed = t->failed_from, value = t->fail_value;
+    int error = t->fail_error;
+    am_timeline *cause = t->fail_cause;
+    pthread_mutex_unlock(&t->mu);
+    if (failed && e->extra_value >= failed) cuq_poison(q, e->value, error, value, cause);
+}
+
+/* The failure a failed command of q passes on to the timeline it signals. Under mu. */
+static void cuq_fail_signal(am_cuq *q, const am_cuentry *e) {
+    int error;
+    uint64_t value;
+    am_timeline *cause;
+    cuq_cause(q, &error, &value, &cause);
     pthread_mutex_unlock(&q->mu);
+    timeline_fail(e->extra, e->extra_value, error, value, cause);
+    pthread_mutex_lock(&q->mu);
 }
 
 static void *cuq_run(void *arg) {
@@ -312,6 +393,7 @@ static void *cuq_run(void *arg) {
                 q->quick = 0;
             }
         }
+        if (!r && e.waited) cuq_confirm_wait(q, &e);
         pthread_mutex_lock(&q->mu);
         if (q->count == 0 || q->stop == 2) {  /* abandoned (am_cuq_close) meanwhile */
             if (q->stop == 2) break;
@@ -346,6 +428,7 @@ static void *cuq_run(void *arg) {
              * settles once its stream is past everything it was given. */
             if (q->count || q->held) {
                 cuq_recycle(q, e.event, e.blocking);
+                if (e.signals) cuq_fail_signal(q, &e);
                 pthread_mutex_unlock(&q->mu);
                 cuq_drain(q);
                 continue;
@@ -358,18 +441,21 @@ static void *cuq_run(void *arg) {
             q->error_value = failed_from;
         }
         cuq_recycle(q, e.event, e.blocking);
+        if (r && e.signals) cuq_fail_signal(q, &e);
         /* A failed command settles every later one; else, once a refused held command
          * has nothing left in flight before it, the same. */
         int settle = r || (q->error && !q->count && !q->held);
         pthread_mutex_unlock(&q->mu);
-        if (e.extra && !r) am_timeline_poke(e.extra, e.extra_value);
+        if (e.extra && !r && !e.waited) am_timeline_poke(e.extra, e.extra_value);
         am_timeline_poke(q->timeline, settle ? UINT64_MAX : e.value);
         if (settle) cuq_release_waiters(q);
         cuq_drain(q);
     }
     /* Stopping, under mu. An abandoned queue's closer may have given up waiting for this
      * thread (it was blocked on an event that never completes): then it frees the queue.
-     * Either way no thread uses the queue's events any more. */
+     * Once events lent to a stream's wait are given back, no thread uses the queue's
+     * events any more. */
+    while (q->lends) pthread_cond_wait(&q->cv, &q->mu);
     cuq_destroy_events(q);
     q->exited = 1;
     int orphan = q->orphan;

@@ -5,10 +5,26 @@
 #include "cuda_stream.h"
 
 void cuq_recycle(am_cuq *q, void *event, int blocking) {  /* under q->mu */
+    for (am_culend *lend = q->lends; lend; lend = lend->next)
+        if (lend->event == event) {  /* lent: its borrower recycles it when done */
+            lend->recycle = 1 + blocking;
+            return;
+        }
     if (q->events_count[blocking] < q->events_cap)
         q->events[blocking][q->events_count[blocking]++] = event;
     else
         ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(event);
+}
+
+/* A lent event given back: recycled now if it was confirmed meanwhile (passed on to
+ * another borrower of it, if any); the last one given back wakes a completion thread
+ * that waits to destroy the queue's events (cuq_run, as it stops). */
+void cuq_give_back(am_cuq *q, am_culend *lend) {  /* under q->mu */
+    am_culend **p = &q->lends;
+    while (*p != lend) p = &(*p)->next;
+    *p = lend->next;
+    if (lend->recycle) cuq_recycle(q, lend->event, lend->recycle - 1);
+    if (!q->lends) pthread_cond_broadcast(&q->cv);
 }
 
 /* Hand every event of the queue back to the driver: those still in its ring (a stream

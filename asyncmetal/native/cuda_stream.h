@@ -55,6 +55,9 @@ extern AM_HIDDEN void *cu_funcs[CU_NFUNCS];
 #define CU_FINISH_LONG 1         /* am_cuq_finish flags: a command known to run long */
 #define CU_FINISH_PLAIN 2        /* ... a device wait: a plain event, so a kick is seen */
 #define CU_FINISH_FENCE 4        /* internal: behind what a refused command handed over */
+#define CU_FINISH_WAITED 8       /* a device wait on `extra`'s word for extra_value (a
+                                    timeline no queue owns): confirmed once the timeline
+                                    reached it, failed if it failed instead */
 
 /* cuda_driver.c: a host signal of a device timeline bumps the kick generation and wakes
  * completion threads napping on a command (kick_nap: 1 if kicked after `seen`). */
@@ -74,6 +77,9 @@ typedef struct {
                                        waited for, then fails */
     int timed;                      /* its run time teaches the queue's estimate */
     int64_t pushed_ns;              /* when it was handed over (now_ns) */
+    int waited;                     /* CU_FINISH_WAITED: extra is waited on, not raised */
+    int signals;                    /* a signal command: extra is the timeline it signals
+                                       (else a wait's, raised once it is confirmed) */
 } am_cuentry;
 
 struct am_cuq;
@@ -148,7 +154,20 @@ struct am_cuq {
     int cause_error;
     uint64_t cause_value;
     am_timeline *cause;
+    /* Events of this queue's ring lent to a stream's wait (cuda_submit.c,
+     * stream_wait_queue), which makes its driver call without this queue's lock: none is
+     * recycled or destroyed while lent. */
+    struct am_culend *lends;
 };
+
+/* An event of a queue lent, under its mu, to a thread that makes a stream wait on it
+ * (on that thread's stack). Confirmed meanwhile, the event is left to the borrower to
+ * recycle (recycle: 1 + its kind), as it gives it back. */
+typedef struct am_culend {
+    struct am_culend *next;
+    void *event;
+    int recycle;
+} am_culend;
 
 /* A device wait of queue q (part of its command `command`) for value `target` of the
  * queue holding this record, which references q. */
@@ -172,6 +191,7 @@ static inline int cuq_fail(am_cuq *q, int call, int r) {
 
 /* cuda_stream.c */
 AM_HIDDEN void cuq_recycle(am_cuq *q, void *event, int blocking);  /* under q->mu */
+AM_HIDDEN void cuq_give_back(am_cuq *q, am_culend *lend);          /* under q->mu */
 AM_HIDDEN void cuq_unref(am_cuq *q);
 AM_HIDDEN void cuop_free(am_cuop *op);
 AM_HIDDEN void cuq_drop_held(am_cuq *q);                           /* under q->mu */

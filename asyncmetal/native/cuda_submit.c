@@ -77,7 +77,10 @@ int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_val
     int64_t due = timed && q->est_ns && from ? (from > now ? from : now) + q->est_ns : 0;
     q->last_due_ns = due;
     if (!fence) timeline_set_due(q->timeline, value, due);
-    am_cuentry e = {event, value, extra, extra_value, spin_ns, k, fence, timed, now};
+    int waited = (flags & CU_FINISH_WAITED) != 0;
+    int signals = extra && !(flags & (CU_FINISH_PLAIN | CU_FINISH_WAITED));
+    am_cuentry e = {event, value, extra, extra_value, spin_ns, k, fence, timed, now, waited,
+                    signals};
     q->ring[(q->head + q->count) % q->cap] = e;
     q->count++;
     int write = !fence && value <= q->wanted;
@@ -118,9 +121,12 @@ static int cuq_wait_word(am_cuq *q, void *word, uint64_t value) {
 /* Make `stream` wait until queue `other` reaches `value`: on the event of the first
  * command at or after it if that was submitted and is not yet confirmed, on other's
  * device word if it was not submitted yet (other then writes its word up to it), and
- * not at all if it is confirmed. Under other's lock: its completion thread cannot
- * recycle the event meanwhile. The wait of a queue q (its command `command`) is recorded
- * with other, so that other's failure before `value` fails that command too (or fails it
+ * not at all if it is confirmed. Decided under other's lock, and the event lent
+ * (am_culend): the driver call, which can block (a deep stream, the driver's own
+ * locks), is made without the lock -- other's completion thread and submitters never
+ * wait behind it -- while other's completion thread cannot recycle (re-record) or
+ * destroy the event. The wait of a queue q (its command `command`) is recorded with
+ * other, so that other's failure before `value` fails that command too (or fails it
  * now, if other failed before `value` already); a foreign stream's (q NULL) is not.
  * Returns a CUresult; *call: the driver call made. */
 static int stream_wait_queue(void *stream, am_cuq *other, uint64_t value, am_cuq *q,
@@ -137,16 +143,24 @@ static int stream_wait_queue(void *stream, am_cuq *other, uint64_t value, am_cuq
             stream, (void *)other->word, value, 0x0 /* CU_STREAM_WAIT_VALUE_GEQ */);
     }
     *call = CU_WAIT_EVENT;
+    am_culend lend = {NULL, NULL, 0};
     /* (Abandoned, other has nothing in flight: its events are its thread's to destroy.) */
     size_t inflight = other->stop == 2 ? 0 : other->count;
     for (size_t i = 0; i < inflight; i++) {
         am_cuentry *e = &other->ring[(other->head + i) % other->cap];
         if (e->value >= value) {
-            r = ((int (*)(void *, void *, unsigned))cu_funcs[CU_WAIT_EVENT])(stream, e->event, 0);
+            lend = (am_culend){other->lends, e->event, 0};
+            other->lends = &lend;
             break;
         }
     }
     pthread_mutex_unlock(&other->mu);
+    if (lend.event) {
+        r = ((int (*)(void *, void *, unsigned))cu_funcs[CU_WAIT_EVENT])(stream, lend.event, 0);
+        pthread_mutex_lock(&other->mu);
+        cuq_give_back(other, &lend);
+        pthread_mutex_unlock(&other->mu);
+    }
     if (failed) cuq_poison_after(q, command, other);
     return r;
 }

@@ -142,7 +142,7 @@ def test_the_runtime_loads_where_no_compiler_is(wheel: Path, tmp_path: Path) -> 
     assert f"origin: packaged {site}" in out, out
     assert "extension: True" in out or "without Python.h" in out, out
     assert "'cpu'" in out, out
-    assert "compile: CompileError compiling cpu kernels needs a C compiler" in out, out
+    assert "compile: CompileError kernel 'k': compiling cpu kernels needs a C compiler" in out, out
     assert "no-such-compiler" in out, out
 
     info = run("-m", "asyncmetal", "info")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -224,7 +225,56 @@ async def test_compile_many_goes_on_after_an_error(device: am.Device) -> None:
     names, errors = await _drain(device.compile_many(kernels))
     assert names == sorted([f"ok{tag}", f"ok2{tag}"])
     assert sorted(errors) == sorted(
-        ["kernel 'nowhere' is not defined in the source", "cc failed with exit code 1"]
+        [
+            "kernel 'nowhere' is not defined in the source",
+            f"kernel 'bad{tag}': cc failed with exit code 1",
+        ]
+    )
+
+
+async def test_compile_errors_name_their_kernel(device: am.Device) -> None:
+    """Each CompileError out of compile_many says which kernel failed, in its message
+    and as ``name``, and keeps the compiler's log -- also two kernels of one broken
+    source, which share one compile (each gets an error of its own) -- and so does
+    ``compile``'s; ``name`` and ``log`` survive pickling. Checked: the errors of a
+    failed compile named no kernel before."""
+    tag = time.time_ns()
+    broken = f"void b1_{tag}(int* x) {{ x[0] = ; }}\nvoid b2_{tag}(int* x) {{ x[0] = 1; }}\n"
+    kernels = [
+        (f"void ok{tag}(void) {{}}", f"ok{tag}"),
+        (broken, f"b1_{tag}"),
+        (broken, f"b2_{tag}"),
+        (f"void k{tag}(void) {{}}", "nowhere"),
+    ]
+    programs = device.compile_many(kernels)
+    errors: dict[str | None, am.CompileError] = {}
+    names = []
+    for _ in range(len(kernels) + 1):
+        try:
+            with anyio.fail_after(BOUND):
+                names.append((await programs.__anext__()).name)
+        except StopAsyncIteration:
+            break
+        except am.CompileError as exc:
+            errors[exc.name] = exc
+    assert names == [f"ok{tag}"]
+    assert sorted(errors, key=str) == sorted([f"b1_{tag}", f"b2_{tag}", "nowhere"])
+    for name in (f"b1_{tag}", f"b2_{tag}"):
+        exc = errors[name]
+        assert str(exc).startswith(f"kernel {name!r}: cc failed with exit code 1\n")
+        assert f"b1_{tag}" in exc.log and exc.log in str(exc)  # the compiler's own words
+    assert errors[f"b1_{tag}"] is not errors[f"b2_{tag}"]
+    assert str(errors["nowhere"]) == "kernel 'nowhere' is not defined in the source"
+    with pytest.raises(am.CompileError) as caught:
+        await device.compile(broken, f"b2_{tag}")
+    exc = caught.value
+    assert exc.name == f"b2_{tag}" and str(exc).startswith(f"kernel 'b2_{tag}': cc failed")
+    copy = pickle.loads(pickle.dumps(exc))
+    assert (type(copy), str(copy), copy.name, copy.log) == (
+        am.CompileError,
+        str(exc),
+        exc.name,
+        exc.log,
     )
 
 

@@ -526,6 +526,44 @@ async def test_a_lone_marker_is_polled_and_one_behind_others_is_not(
     await dev.close()
 
 
+async def test_a_device_wait_on_a_timeline_no_queue_owns_is_confirmed_by_its_value(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """A queue's device wait on a timeline no queue owns ends with that timeline and
+    FINISH_WAITED: its completion thread confirms it once the timeline's value got there
+    (not when the word did: a signal that failed may have written it, or the timeline
+    settled), and fails the queue from that wait on if the timeline failed instead
+    (native/cuda_completion.c; the runtime's side is fake_cuda.c's 'signal' check). A
+    wait on a queue's own timeline does not. Checked: the wait ended without the
+    timeline before."""
+    from asyncmetal.backends.cuda import _queue as cuda_queue
+
+    assert driver.runtime is not None
+    finished: list[tuple[int, int | None, int, int]] = []
+
+    def am_cuq_finish(q: int, value: int, extra: Any, target: int, ns: int, flags: int) -> int:
+        finished.append((value, extra, target, flags))
+        return 0
+
+    runtime: Any = driver.runtime
+    runtime.am_cuq_finish = am_cuq_finish
+    runtime.am_cuq_wait = lambda q, word, target, value: 0
+    runtime.am_cuq_wait_queue = lambda q, other, target, value: 0
+    dev = await am.open_device("cuda:0")
+    try:
+        timeline, queue, other = dev.timeline(), dev.new_queue(), dev.new_queue()
+        queue.wait(timeline, 3)
+        queue.wait(other.timeline, 1)
+        plain, waited = cuda_queue.FINISH_PLAIN, cuda_queue.FINISH_WAITED
+        assert finished == [
+            (1, timeline.native.c_timeline, 3, plain | waited),
+            (2, other.timeline.native.c_timeline, 1, plain),
+        ]
+        queue._native._timeline._value.value = 2  # both confirmed
+    finally:
+        await dev.close()
+
+
 async def test_the_null_stream_is_the_legacy_one_and_a_consumer_gets_buffer_errors(
     anyio_backend: object, driver: _Driver
 ) -> None:

@@ -26,7 +26,7 @@ MAX_IN_FLIGHT = 32
 # On an adopted stream, whose owner submits to it from its own thread in its own order,
 # nothing is held on the host: each command reaches the stream when it is made.
 ADOPTED_IN_FLIGHT = 1 << 40
-FINISH_LONG, FINISH_PLAIN = 1, 2  # am_cuq_finish flags
+FINISH_LONG, FINISH_PLAIN, FINISH_WAITED = 1, 2, 8  # am_cuq_finish flags
 MAX_POLL_NS = 2_000_000  # ... or up to this long for a command expected to take so long
 MAX_COPY_POLL_NS = 4_000_000  # ... a device copy (one of 1 GiB between two H200s: 2.8 ms)
 MARKER_POLL_NS = 500_000  # ... a marker with nothing unconfirmed before it
@@ -127,6 +127,7 @@ class CUDAQueue(NativeQueue):
         target: int = 0,
         expected_ns: int = 0,
         device_wait: bool = False,
+        waited: bool = False,
     ) -> None:
         """End a command: an event behind it, which the completion thread confirms (the
         stream also writes the queue's device word if a device wait asked for the
@@ -134,9 +135,13 @@ class CUDAQueue(NativeQueue):
         ``MAX_POLL_NS`` (a copy of known size) is polled for through its end: blocking
         would add an interrupt and a wake-up. One expected to take longer gets a
         blocking-sync event, which the completion thread sleeps on after a short poll.
-        A device wait's event is always plain: its thread naps, and a host signal wakes it."""
+        A device wait's event is always plain: its thread naps, and a host signal wakes it.
+        ``waited``: the command is a device wait on the word of ``extra`` (a timeline no
+        queue owns) for ``target``, confirmed once the timeline got there, and failed if
+        the timeline failed instead."""
         long_running = expected_ns > MAX_POLL_NS
         flags = FINISH_PLAIN if device_wait else FINISH_LONG if long_running else 0
+        flags |= FINISH_WAITED if waited else 0
         self._check(
             self._lib.am_cuq_finish(
                 self._q,
@@ -300,7 +305,7 @@ class CUDAQueue(NativeQueue):
         if _driver.lost_first is not None:
             raise self._lost("a wait")
         # Native calls only (they make the context current); none if confirmed already.
-        confirms = None
+        confirms, waited = None, False
         if timeline.value < target:
             owner = timeline.queue
             if isinstance(owner, CUDAQueue) and owner._q is not None:  # a queue's own
@@ -313,7 +318,10 @@ class CUDAQueue(NativeQueue):
                     confirms = timeline
             else:
                 self._wait_value(value, timeline, target)
-        self._finish(value, timeline, confirms, target, device_wait=True)
+                # Confirmed once the timeline's value got there: its word may be raised
+                # for a value never produced, when the command signalling it failed.
+                confirms, waited = timeline, True
+        self._finish(value, timeline, confirms, target, device_wait=True, waited=waited)
 
     def copy(
         self, dst: Arg, src: Arg, nbytes: int, value: int, record: Record, peer: Any = None

@@ -129,7 +129,9 @@ class MetalBackend(Backend):
             )
             release(function)
             if not pipeline:
-                raise CompileError(f"no pipeline for {name!r}: {describe_error(error.value or 0)}")
+                raise CompileError(
+                    f"no pipeline for {name!r}: {describe_error(error.value or 0)}", name=name
+                )
             self._pipelines.append(pipeline)  # released with the device
             return pipeline
 

@@ -192,7 +192,7 @@ def metal_params(src: str, name: str) -> tuple[ParamKind, ...]:
     text = re.sub(r"//[^\n]*|/\*.*?\*/", " ", src, flags=re.S)
     match = re.search(rf"\bkernel\s+void\s+{re.escape(name)}\s*\((.*?)\)\s*{{", text, re.S)
     if match is None:
-        raise CompileError(f"kernel {name!r} is not defined in the source")
+        raise CompileError(f"kernel {name!r} is not defined in the source", name=name)
     bound: list[tuple[int, ParamKind]] = []
     for param in match.group(1).split(","):
         index = re.search(r"\[\[\s*buffer\s*\(\s*(\d+)\s*\)\s*\]\]", param)

@@ -35,10 +35,12 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "refused"),
         *("ok", "partial"),
         *("ok", "release"),
+        *("ok", "signal"),
         *("ok", "predict"),
         *("ok", "kick"),
         *("ok", "abandon"),
         *("ok", "context"),
         *("ok", "foreign"),
+        *("ok", "unlocked"),
         *("ok", "released"),
     ]

@@ -13,6 +13,8 @@ void *refuse_fn;              /* a launch of this function is refused */
 uint64_t refuse_word;         /* a word write to it is refused */
 atomic_int fault_code;  /* the context's sticky error once a kernel faulted */
 void *_Atomic held;     /* an event whose queries report it unfinished (a slow thread) */
+atomic_long wait_event_ns;  /* >0: cuStreamWaitEvent takes this long (a slow driver) */
+atomic_int waits_in_driver;
 
 void enqueue(fake_stream *s, op o) {
     pthread_mutex_lock(&s->mu);
@@ -135,6 +137,8 @@ static int f_create(void **e, unsigned flags) {
     return 0;
 }
 static int f_destroy(void *e) {
+    if (atomic_load(&((fake_event *)e)->waited))
+        die("an event was destroyed while a stream's wait on it was in the driver");
     free(e);
     atomic_fetch_add(&events_destroyed, 1);
     return 0;
@@ -155,7 +159,18 @@ static int f_wait(void *stream, void *word, uint64_t value, unsigned flags) {
 static int f_wait_event(void *stream, void *e, unsigned flags) {
     (void)flags;
     fake_event *ev = e;
-    enqueue(stream, (op){OP_WAIT_EVENT, atomic_load(&ev->recorded), ev, 0});
+    int64_t recorded = atomic_load(&ev->recorded);
+    long slow = atomic_load(&wait_event_ns);
+    if (slow > 0) {  /* the record it waits for is the one current when it was called */
+        atomic_fetch_add(&ev->waited, 1);
+        atomic_fetch_add(&waits_in_driver, 1);
+        nap_ns(slow);
+        if (atomic_load(&ev->recorded) != recorded)
+            die("an event was recorded again while a stream's wait on it was in the driver");
+        atomic_fetch_sub(&ev->waited, 1);
+        atomic_fetch_sub(&waits_in_driver, 1);
+    }
+    enqueue(stream, (op){OP_WAIT_EVENT, recorded, ev, 0});
     return 0;
 }
 /* The current context, per thread as the driver's (none at first). */

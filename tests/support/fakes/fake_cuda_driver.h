@@ -14,7 +14,11 @@
 #define ILLEGAL_ADDRESS 700
 
 
-typedef struct { _Atomic int64_t recorded, done; unsigned flags; } fake_event;
+typedef struct {
+    _Atomic int64_t recorded, done;
+    unsigned flags;
+    atomic_int waited;             /* stream waits on it inside the driver now */
+} fake_event;
 
 enum { OP_KERNEL, OP_RECORD, OP_WRITE, OP_WAIT, OP_WAIT_EVENT };
 
@@ -68,6 +72,8 @@ extern void *refuse_fn;               /* a launch of this function is refused */
 extern uint64_t refuse_word;          /* a word write to it is refused */
 extern atomic_int fault_code;         /* the context's sticky error once a kernel faulted */
 extern void *_Atomic held;            /* an event whose queries report it unfinished */
+extern atomic_long wait_event_ns;     /* >0: a stream's wait on an event takes this long */
+extern atomic_int waits_in_driver;    /* ... such waits inside the driver now */
 extern long max_inflight;             /* the queues' bound (most checks: none) */
 extern const unsigned dims[7];
 

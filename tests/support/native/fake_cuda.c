@@ -29,6 +29,12 @@
  *             commands from that wait on fail once run (they ran on data never
  *             produced), and so do those of a queue that waited for them, naming the
  *             command that failed
+ *   signal    a signal of a timeline no queue owns, by a queue that waited for a refused
+ *             command's value (or held behind a refused command of its own), fails:
+ *             the timeline settles (value and word at UINT64_MAX), so no wait on it
+ *             blocks for good, and a queue that waited on it on the device fails from
+ *             that wait on, naming the refused command; a wait released by a signal
+ *             that succeeded (a queue's, or the host's) succeeds
  *   kick      a host signal of a timeline a stream waits on cuts the completion
  *             thread's nap short
  *   abandon   closing with abandon returns while the completion thread naps on, or is
@@ -46,6 +52,9 @@
  *             queue: on the queue's word for a value still held on the host (written
  *             once it is handed over), on an event for one submitted, not at all for one
  *             confirmed; its kernels run only after the value; the context is kept
+ *   unlocked  a stream's wait on a queue's event that is slow in the driver holds up
+ *             neither submissions to that queue nor its confirmations, and the event
+ *             is neither recorded again (reused) nor destroyed until the call returned
  */
 #include "fake_cuda_driver.h"
 
@@ -332,6 +341,89 @@ static void check_release(void) {
     puts("ok release");
 }
 
+typedef struct { am_timeline *t; uint64_t *word; } free_timeline;
+
+static free_timeline free_timeline_new(void) {
+    free_timeline f = {am_timeline_new(), calloc(1, sizeof(uint64_t))};
+    am_timeline_set_word(f.t, f.word);
+    return f;
+}
+
+/* q waits on the device for f's value `target` (its command `value`) */
+static int wait_free(fake_queue q, free_timeline f, uint64_t target, uint64_t value) {
+    return am_cuq_wait(q.q, f.word, target, value) ||
+           am_cuq_finish(q.q, value, f.t, target, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED);
+}
+
+/* q signals f to `target` (its command `value`) */
+static int signal_free(fake_queue q, free_timeline f, uint64_t target, uint64_t value) {
+    return am_cuq_write(q.q, f.word, target, value) ||
+           am_cuq_finish(q.q, value, f.t, target, 0, 0);
+}
+
+static void check_signal(void) {
+    static kernel slow = {0, 20000000, NULL, 0}, refused = {0, 0, NULL, 0};
+    refuse_fn = &refused;
+    /* b waits for a's refused command 2, then signals t; c waits for t on the device.
+     * a2 signals t2 behind its own refused command; d waits for t2. */
+    fake_queue a = queue_bounded(1), b = queue_new(), c = queue_new();
+    fake_queue a2 = queue_bounded(1), d = queue_new();
+    free_timeline t = free_timeline_new(), t2 = free_timeline_new();
+    if (launch(a, &slow, 1, 1) || launch(a, &refused, 2, 2)) die("signal: a failed at once");
+    if (am_cuq_wait_queue(b.q, a.q, 2, 1) || am_cuq_finish(b.q, 1, NULL, 0, 0, CU_FINISH_PLAIN) ||
+        signal_free(b, t, 5, 2))
+        die("signal: b failed at once");
+    if (wait_free(c, t, 5, 1) || launch(c, NULL, 1, 2)) die("signal: c failed at once");
+    if (launch(a2, &slow, 1, 1) || launch(a2, &refused, 2, 2) || signal_free(a2, t2, 3, 3))
+        die("signal: a2 failed at once");
+    if (wait_free(d, t2, 3, 1) || launch(d, NULL, 1, 2)) die("signal: d failed at once");
+    /* e waits for a value of t3 that the host signals, f for one a queue signals */
+    fake_queue e = queue_new(), f = queue_new(), g = queue_new();
+    free_timeline t3 = free_timeline_new(), t4 = free_timeline_new();
+    if (wait_free(e, t3, 2, 1) || launch(e, NULL, 1, 2)) die("signal: e failed at once");
+    if (wait_free(f, t4, 7, 1) || launch(f, NULL, 1, 2)) die("signal: f failed at once");
+    if (launch(g, &slow, 1, 1) || signal_free(g, t4, 7, 2)) die("signal: g failed at once");
+    am_timeline_host_signal(t3.t, 2);
+    fake_queue settled[7] = {b, c, a2, d, e, f, g};
+    am_timeline *timelines[4] = {t.t, t2.t, t3.t, t4.t};
+    int64_t deadline = now_ns() + 10000000000LL;
+    for (int i = 0; i < 7; i++)
+        while (am_timeline_value(settled[i].t) < 2)
+            if (now_ns() > deadline) die("signal: a queue's wait on a failed signal never ended");
+    for (int i = 0; i < 2; i++) {
+        if (am_timeline_value(timelines[i]) != UINT64_MAX || *(i ? t2.word : t.word) != UINT64_MAX)
+            die("signal: a timeline whose signal failed did not settle");
+    }
+    if (am_timeline_value(t3.t) != 2 || am_timeline_value(t4.t) != 7)
+        die("signal: a timeline signalled by the host or a queue did not get its value");
+    fake_queue waited[2] = {c, d};
+    am_timeline *refusers[2] = {a.t, a2.t};
+    for (int i = 0; i < 2; i++) {
+        int error = 0;
+        uint64_t at = 0, value = 0;
+        if (am_timeline_value(waited[i].t) != UINT64_MAX ||
+            am_cuq_error(waited[i].q, &at) != CU_WAITED_FAILED || at != 1)
+            die("signal: a queue that waited on a failed signal did not fail from the wait");
+        if (am_cuq_cause(waited[i].q, &error, &value) != refusers[i] || error != 1 || value != 2)
+            die("signal: a queue that waited on a failed signal does not name the refused command");
+    }
+    uint64_t at = 0;
+    if (am_cuq_error(b.q, &at) != CU_WAITED_FAILED || am_cuq_error(a2.q, &at) != 1)
+        die("signal: a failed signal's own queue did not fail");
+    for (int i = 4; i < 7; i++)
+        if (am_timeline_value(settled[i].t) != 2 || am_cuq_error(settled[i].q, &at))
+            die("signal: a wait released by a signal that succeeded failed");
+    refuse_fn = NULL;
+    fake_queue all[8] = {a, b, c, a2, d, e, f, g};
+    for (int i = 0; i < 8; i++) queue_free(all[i], 0);
+    free_timeline frees[4] = {t, t2, t3, t4};
+    for (int i = 0; i < 4; i++) {
+        am_timeline_free(frees[i].t);
+        free(frees[i].word);
+    }
+    puts("ok signal");
+}
+
 static void check_kick(void) {
     fake_queue f = queue_new();
     am_timeline *gate = am_timeline_new();
@@ -494,6 +586,52 @@ static void check_foreign(void) {
     puts("ok foreign");
 }
 
+typedef struct { fake_queue owner; fake_stream *stream; uint64_t target; int r, call; } waiter;
+
+static void *wait_in_driver(void *arg) {
+    waiter *w = arg;
+    w->r = am_cuq_wait_foreign(w->owner.q, (void *)1, w->stream, w->target, &w->call);
+    return NULL;
+}
+
+static void check_unlocked(void) {
+    fake_queue a = queue_new(), b = queue_new();
+    static kernel slow = {0, 40000000, NULL, 0}, after_a = {0, 0, NULL, 1};
+    after_a.check = a.s;
+    if (launch(a, &slow, 1, 1)) die("unlocked: a's launch failed");
+    atomic_store(&wait_event_ns, 400000000);  /* b's wait on a's command 1: 400 ms */
+    waiter w = {a, b.s, 1, -1, -1};
+    pthread_t thread;
+    pthread_create(&thread, NULL, wait_in_driver, &w);
+    while (!atomic_load(&waits_in_driver)) sched_yield();
+    int64_t start = now_ns();
+    for (uint64_t v = 2; v <= 20; v++)
+        if (launch(a, NULL, (int64_t)v, v)) die("unlocked: a launch failed");
+    if (now_ns() - start > 100000000)
+        die("unlocked: a submission waited for another stream's wait in the driver");
+    reach(a.t, 20, "unlocked: a's commands were never confirmed");
+    /* more commands, all in flight at once behind a gate, with plain events as command
+     * 1's: they take every event of the pool, but not the one lent */
+    _Atomic uint64_t *gate = calloc(1, sizeof *gate);
+    for (uint64_t v = 21; v <= 60; v++)
+        if (am_cuq_wait(a.q, (void *)gate, 1, v) ||
+            am_cuq_finish(a.q, v, NULL, 0, 0, CU_FINISH_PLAIN))
+            die("unlocked: a wait failed");
+    atomic_store(gate, 1);
+    reach(a.t, 60, "unlocked: a's commands were never confirmed");
+    if (!atomic_load(&waits_in_driver))
+        die("unlocked: confirmations waited for another stream's wait in the driver");
+    pthread_join(thread, NULL);
+    atomic_store(&wait_event_ns, 0);
+    if (w.r || w.call != CU_WAIT_EVENT) die("unlocked: the wait was not made on the event");
+    if (launch(b, &after_a, 1, 1)) die("unlocked: b's launch failed");
+    reach(b.t, 1, "unlocked: b never got past its wait");
+    queue_free(a, 0);
+    queue_free(b, 0);
+    free((void *)gate);
+    puts("ok unlocked");
+}
+
 int main(void) {
     fake_driver_install();
     check_order();
@@ -508,11 +646,13 @@ int main(void) {
     check_refused();
     check_partial();
     check_release();
+    check_signal();
     check_predict();  /* before abandon, after which a blocking wait never blocks */
     check_kick();
     check_abandon();
     check_context();
     check_foreign();
+    check_unlocked();
     /* The abandoned queues' threads have all returned (check_abandon's blocked one once
      * its sync gave up), each destroying its queue's events as it stopped. */
     int64_t deadline = now_ns() + 10000000000LL;
