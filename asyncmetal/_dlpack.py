@@ -532,17 +532,18 @@ def cuda_array_interface(
     when they are all done. The interface holds nothing: keep the buffer alive and
     unfreed while the consumer uses the memory (DLPack holds it for you)."""
     buffer._check_usable("buffer")
-    if dlpack_device(buffer)[0] != KDLCUDA:
+    state = buffer._export_state()
+    if state.backend.dlpack_device_type != KDLCUDA:
         raise AttributeError(
-            f"__cuda_array_interface__ is for cuda buffers; this one is on "
-            f"{buffer._export_state().name}"
+            f"__cuda_array_interface__ is for cuda buffers; this one is on {state.name}"
         )
-    dtype = np.dtype(dtype)
+    if not isinstance(dtype, np.dtype):  # a Buffer's and a TypedView's are already
+        dtype = np.dtype(dtype)
     if shape is None:
         shape = (buffer.nbytes // dtype.itemsize,)
     stream = None
     if buffer.busy():
-        queue = buffer._export_state().default_queue()
+        queue = state.default_queue()
         queue.after(buffer)
         stream = queue.handle
     handle, _ = buffer._lend(hold=False)
