@@ -346,7 +346,7 @@ def test_deleters_at_interpreter_exit(path: str) -> None:
     the process exits cleanly, neither crashing nor hanging. (The deleter leaves an
     export alone once the interpreter is ending on a thread without the GIL; Python
     3.11 would end such a thread inside PyGILState_Ensure instead, which this exit does
-    not tell apart, but newer Pythons block it there for good.)"""
+    not tell apart; from 3.14 on it blocks there for good.)"""
     if path == "extension":
         _extension_make()
     env_line = "" if path == "extension" else "_dlpack._make = _dlpack.numpy_capsule\n"
