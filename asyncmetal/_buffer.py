@@ -83,7 +83,10 @@ class Buffer(Exports):
 
     def busy(self) -> bool:
         """Whether a command using this buffer's memory is still in flight. Never blocks."""
-        return any(q.timeline.value < v for q, v in uses(self))
+        for queue, value in list(self._allocation.last_use.items()):
+            if queue.timeline.native.value < value:
+                return True
+        return False
 
     def typed(self, dtype: Any, shape: Any = None) -> TypedView:
         """This buffer's memory as a C-contiguous array of ``dtype`` and ``shape`` (default:

@@ -11,7 +11,9 @@ backend's ``order_stream``: on cuda, on each queue's event, or its timeline word
 command still held on the host); the stream is not adopted, so no queue or completion
 thread is made per consumer stream. Host memory (cpu, npy, Metal's shared storage) has
 no stream to wait on, so exporting it while a command that uses it is in flight raises
-``BufferError`` (await that command first).
+``BufferError`` (await that command first). The capsule is made in one call of the
+native extension (``native/py_dlpack.c``'s ``dlpack_export``), else through numpy and
+ctypes (:func:`numpy_capsule`): the same tensor either way.
 
 Buffers in. ``from_dlpack(obj)`` takes a producer's DLPack capsule (asking it to order
 its work before the device's default queue) and makes a Buffer over that memory, on the
@@ -30,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _native
 from ._errors import ArgumentTypeError, ExchangeError, InvalidArgumentError
 
 # The buffers here are asyncmetal Buffers, typed Any: _buffer imports this module, and
@@ -216,7 +219,12 @@ class _Loan:
         self.release()
 
 
+def _no_release() -> None:
+    """What a loan whose capsule was never made ends with: nothing (the caller ends it)."""
+
+
 _dtype_codes: dict[np.dtype[Any], tuple[int, int]] = {}
+_KINDS = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}
 
 
 def dtype_code(dtype: np.dtype[Any]) -> tuple[int, int]:
@@ -224,13 +232,33 @@ def dtype_code(dtype: np.dtype[Any]) -> tuple[int, int]:
     known = _dtype_codes.get(dtype)
     if known is not None:
         return known
-    codes = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}
-    if dtype.kind not in codes or dtype.fields is not None or dtype.subdtype is not None:
+    if dtype.kind not in _KINDS or dtype.fields is not None or dtype.subdtype is not None:
         raise ArgumentTypeError(
             f"DLPack exports ints, unsigned ints, floats, complex and bools, not {dtype}"
         )
-    known = _dtype_codes[dtype] = codes[dtype.kind], dtype.itemsize * 8
+    known = _dtype_codes[dtype] = _KINDS[dtype.kind], dtype.itemsize * 8
     return known
+
+
+def _export_code(dtype: np.dtype[Any]) -> tuple[int, int]:
+    """:func:`dtype_code`, and numpy's refusals of what a consumer would misread (as
+    numpy's own ``__dlpack__`` words them, which the fallback calls)."""
+    known = _export_codes.get(dtype)
+    if known is not None:
+        return known
+    code, bits = dtype_code(dtype)
+    if not dtype.isnative:
+        raise ExchangeError("DLPack only supports native byte order.")
+    if (dtype.kind == "f" and bits > 64) or (dtype.kind == "c" and bits > 128):
+        raise ExchangeError(
+            "DLPack only supports IEEE floating point types without padding (longdouble "
+            "typically is not IEEE)."
+        )
+    known = _export_codes[dtype] = code, bits
+    return known
+
+
+_export_codes: dict[np.dtype[Any], tuple[int, int]] = {}
 
 
 def dlpack_device(buffer: Buffer) -> tuple[int, int]:
@@ -260,7 +288,8 @@ def export_dlpack(
 ) -> object:
     """``buffer.__dlpack__``: a capsule of ``buffer``'s memory as ``dtype`` of ``shape``."""
     buffer._check_usable("buffer")
-    device_type, device_id = dlpack_device(buffer)
+    state = buffer._export_state()
+    device_type, device_id = device_dlpack(state)
     if dl_device is not None and tuple(dl_device) != (device_type, device_id):
         raise ExchangeError(
             f"the buffer is on DLPack device {(device_type, device_id)}, not {tuple(dl_device)}:"
@@ -268,32 +297,76 @@ def export_dlpack(
         )
     if copy:
         raise ExchangeError("asyncmetal exports without copying: copy=True is not supported")
-    dtype = np.dtype(dtype)
-    dtype_code(dtype)  # one DLPack exports
+    if not isinstance(dtype, np.dtype):  # a Buffer's and a TypedView's are already
+        dtype = np.dtype(dtype)
+    code, bits = _export_code(dtype)
     if shape is None:
         shape = (buffer.nbytes // dtype.itemsize,)
     versioned = max_version is not None and tuple(max_version) >= (1, 0)
-    writable = buffer._export_state().backend.writable
+    writable = state.backend.writable
     if not writable and not versioned:  # as numpy does: the legacy capsule has no flag
         raise ExchangeError(
             "the buffer is read-only and a legacy DLPack capsule cannot say so: ask with "
             "max_version=(1, 0) or later"
         )
-    _order_for_consumer(buffer, stream)
+    _order_for_consumer(buffer, state, stream)
     handle, release = buffer._lend()
-    data, byte_offset = _data_pointer(buffer, handle, device_type)
+    if device_type == KDLMETAL:  # the MTLBuffer, and the offset into it
+        data, byte_offset = int(handle), buffer.offset
+    else:  # an address (host memory objects carry theirs)
+        data, byte_offset = int(getattr(handle, "address", handle)) + buffer.offset, 0
+    try:
+        return _maker()(
+            data,
+            byte_offset,
+            device_type,
+            device_id,
+            code,
+            bits,
+            shape,
+            versioned,
+            not writable,
+            release,
+        )
+    except BaseException:
+        release()  # no capsule: the loan ends here
+        raise
+
+
+def numpy_capsule(
+    data: int,
+    byte_offset: int,
+    device_type: int,
+    device_id: int,
+    code: int,
+    bits: int,
+    shape: tuple[int, ...],
+    versioned: bool,
+    read_only: bool,
+    release: Callable[[], None],
+) -> object:
+    """The capsule of a C-contiguous tensor of ``shape`` at ``data`` (+ ``byte_offset``)
+    on ``(device_type, device_id)``; deleting the tensor calls ``release`` once, on any
+    thread. Through numpy and ctypes: the extension's ``dlpack_export`` is the same in
+    one call. Failing, it leaves ``release`` uncalled."""
+    dtype = np.dtype(f"{_LETTERS[code]}{bits // 8}")
+    nbytes = math.prod(shape) * dtype.itemsize
     # numpy makes the capsule (in C, and its deleter takes the GIL on whatever thread
     # calls it) of an array over the memory -- never read here: device memory, or a
     # Metal buffer's handle -- and the tensor's device is then set to the buffer's.
-    memory = (ctypes.c_uint8 * buffer.nbytes).from_address(data)
-    memory.loan = _Loan(release)
-    array = np.frombuffer(memory, dtype).reshape(shape)
-    if not writable:
-        array.flags.writeable = False  # the read-only flag
+    memory: Any = (ctypes.c_uint8 * nbytes).from_address(data)  # carries the loan
+    memory.loan = loan = _Loan(release)
     try:
-        capsule: object = array.__dlpack__(max_version=DLPACK_VERSION if versioned else None)
-    except TypeError:  # a numpy before the versioned protocol
-        capsule = array.__dlpack__()
+        array = np.frombuffer(memory, dtype).reshape(shape)
+        if read_only:
+            array.flags.writeable = False  # the read-only flag
+        try:
+            capsule: object = array.__dlpack__(max_version=DLPACK_VERSION if versioned else None)
+        except TypeError:  # a numpy before the versioned protocol
+            capsule = array.__dlpack__()
+    except BaseException:
+        loan.release = _no_release
+        raise
     name = (
         CAPSULE_NAME_VERSIONED if capsule_valid(capsule, CAPSULE_NAME_VERSIONED) else CAPSULE_NAME
     )
@@ -304,19 +377,30 @@ def export_dlpack(
     return capsule
 
 
-def _data_pointer(buffer: Buffer, handle: Any, device_type: int) -> tuple[int, int]:
-    """(data, byte_offset) of DLTensor: a host or device address, or for Metal the
-    MTLBuffer with the offset into it."""
-    if device_type == KDLMETAL:
-        return int(handle), buffer.offset
-    address = getattr(handle, "address", handle)  # host memory objects carry theirs
-    return int(address) + buffer.offset, 0
+_LETTERS = {code: kind for kind, code in _KINDS.items()}
+MakeCapsule = Callable[
+    [int, int, int, int, int, int, tuple[int, ...], bool, bool, Callable[[], None]], object
+]
 
 
-def _order_for_consumer(buffer: Buffer, stream: int | None) -> None:
+def _maker() -> MakeCapsule:
+    """How a capsule is made: the extension's one call where it is loaded, else numpy
+    and ctypes (the runtime is loaded by then: the buffer's device loaded it)."""
+    global _make
+    if _make is None:
+        if _native.loaded() is None:  # never builds here
+            return numpy_capsule
+        extension = _native.extension()
+        _make = numpy_capsule if extension is None else extension.dlpack_export
+    return _make
+
+
+_make: MakeCapsule | None = None
+
+
+def _order_for_consumer(buffer: Buffer, state: Any, stream: int | None) -> None:
     """Make the consumer see the commands that use ``buffer``: its stream waits for them
     on the device; for host memory there is nothing to wait on, so they must be done."""
-    state = buffer._export_state()
     if not state.backend.host_visible:  # device memory: a device with streams
         if stream == _STREAM_NONE:
             return
@@ -448,17 +532,18 @@ def cuda_array_interface(
     when they are all done. The interface holds nothing: keep the buffer alive and
     unfreed while the consumer uses the memory (DLPack holds it for you)."""
     buffer._check_usable("buffer")
-    if dlpack_device(buffer)[0] != KDLCUDA:
+    state = buffer._export_state()
+    if state.backend.dlpack_device_type != KDLCUDA:
         raise AttributeError(
-            f"__cuda_array_interface__ is for cuda buffers; this one is on "
-            f"{buffer._export_state().name}"
+            f"__cuda_array_interface__ is for cuda buffers; this one is on {state.name}"
         )
-    dtype = np.dtype(dtype)
+    if not isinstance(dtype, np.dtype):  # a Buffer's and a TypedView's are already
+        dtype = np.dtype(dtype)
     if shape is None:
         shape = (buffer.nbytes // dtype.itemsize,)
     stream = None
     if buffer.busy():
-        queue = buffer._export_state().default_queue()
+        queue = state.default_queue()
         queue.after(buffer)
         stream = queue.handle
     handle, _ = buffer._lend(hold=False)

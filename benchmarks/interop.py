@@ -26,7 +26,8 @@ into the producer's own ``__dlpack__(stream=...)`` (measured alone) and the rest
 
     python benchmarks/interop.py --cpu --json out.json
 
-runs only that split, with a numpy array on the cpu device (any machine).
+runs only that split, with a numpy array on the cpu device (any machine), and the other
+way, ``np.from_dlpack`` of a cpu buffer (its ``__dlpack__`` and numpy's import).
 """
 
 from __future__ import annotations
@@ -323,9 +324,14 @@ async def run() -> dict[str, Any]:
 
 
 async def run_cpu() -> dict[str, Any]:
-    """``am.from_dlpack``'s split with a numpy array on the cpu device."""
+    """``am.from_dlpack``'s split with a numpy array on the cpu device, and
+    ``np.from_dlpack`` of a cpu buffer."""
     async with am.open_device("cpu") as dev:
         split = from_dlpack_split(dev, np.zeros((64, 64), np.float32))
+        buf = await dev.alloc(64 * 64 * 4)
+        typed = buf.typed(np.float32, (64, 64))
+        split["np_from_dlpack_us"] = median_call_us(lambda: np.from_dlpack(typed))
+        await buf.free()
     progress(f"dlpack: {split}")
     return {"device": "cpu", "dlpack": split}
 

@@ -17,6 +17,10 @@
  *                                    shape, or a size past 64 bits
  * Refused capsules are left as they were: their own destructor calls the deleter.
  * The structures are dlpack.h's (DLPack 1.x); data + byte_offset is the address.
+ *
+ * dlpack_export(...) is the other way, Buffer.__dlpack__'s capsule made in one call
+ * (below): the ctypes fallback (asyncmetal/_dlpack.py's numpy_capsule) has numpy make
+ * one over the memory and then edits its device, a few dozen ctypes steps.
  */
 #include "py_ext.h"
 
@@ -129,4 +133,142 @@ PyObject *py_dlpack_take(PyObject *self, PyObject *capsule) {
     }
     return Py_BuildValue("(iNKLii)", TAKEN, owner, (unsigned long long)data, (long long)nbytes,
                          (int)tensor->device.device_type, (int)tensor->device.device_id);
+}
+
+/* dlpack_export(data, byte_offset, device_type, device_id, code, bits, shape, versioned,
+ *               read_only, release) -> a capsule named "dltensor_versioned" (versioned)
+ * or "dltensor" over a C-contiguous tensor of `shape` (a tuple of ints; its strides are
+ * written out, in items, as numpy does). Its version is DLPack 1.1; read_only sets the
+ * read-only flag (asyncmetal/_dlpack.py refuses a legacy capsule of read-only memory
+ * before it gets here). `release` is called, with no arguments, once, when the
+ * tensor is deleted: by the consumer's deleter call (on any thread) or, never consumed,
+ * by the capsule's destructor. It ends the buffer's loan of its memory.
+ *
+ * The tensor, its shape and strides and the manager's state are one allocation; the
+ * managed tensor comes first, so the capsule's pointer is also the allocation's. */
+#define EXPORT_MINOR 1  /* the DLPack version the structures above are: 1.1 */
+
+typedef struct {
+    union {
+        DLManagedTensorVersioned versioned;
+        DLManagedTensor legacy;
+    } managed;
+    PyObject *release;
+    int64_t extents[];  /* shape, then strides */
+} Export;
+
+#if PY_VERSION_HEX >= 0x030D0000
+#define finalizing() Py_IsFinalizing()
+#else
+#define finalizing() _Py_IsFinalizing()
+#endif
+
+/* The deleter's work, on whatever thread the consumer lets go from. Past the
+ * interpreter's end (or during it, on a thread that cannot take the GIL any more) the
+ * export is left as it is: the memory's process is going. */
+static void export_delete(Export *e) {
+    if (!Py_IsInitialized() || (finalizing() && !PyGILState_Check())) return;
+    PyGILState_STATE gil = PyGILState_Ensure();
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *raised = PyErr_GetRaisedException();  /* a destructor may run mid-raise */
+#else
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+#endif
+    PyObject *release = e->release, *r = PyObject_CallNoArgs(release);
+    if (r) Py_DECREF(r);
+    else PyErr_WriteUnraisable(release);
+    Py_DECREF(release);
+    PyMem_Free(e);
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(raised);
+#else
+    PyErr_Restore(type, value, traceback);
+#endif
+    PyGILState_Release(gil);
+}
+
+static void export_delete_versioned(DLManagedTensorVersioned *m) { export_delete(m->manager_ctx); }
+static void export_delete_legacy(DLManagedTensor *m) { export_delete(m->manager_ctx); }
+
+/* The capsule's destructor: a capsule still named "dltensor[_versioned]" was never
+ * consumed, and deletes its tensor; a consumer renamed it and calls the deleter itself. */
+static void export_capsule_destructor(PyObject *capsule) {
+    if (PyCapsule_IsValid(capsule, NAME_VERSIONED)) {
+        DLManagedTensorVersioned *m = PyCapsule_GetPointer(capsule, NAME_VERSIONED);
+        m->deleter(m);
+    } else if (PyCapsule_IsValid(capsule, NAME)) {
+        DLManagedTensor *m = PyCapsule_GetPointer(capsule, NAME);
+        m->deleter(m);
+    }
+}
+
+PyObject *py_dlpack_export(PyObject *self, PyObject *const *a, Py_ssize_t n) {
+    (void)self;
+    if (take_args(n, 10, "dlpack_export")) return NULL;
+    void *data = PyLong_AsVoidPtr(a[0]);
+    uint64_t byte_offset = PyLong_AsUnsignedLongLong(a[1]);
+    long device_type = PyLong_AsLong(a[2]), device_id = PyLong_AsLong(a[3]);
+    long code = PyLong_AsLong(a[4]), bits = PyLong_AsLong(a[5]);
+    PyObject *shape = a[6], *release = a[9];
+    int versioned = PyObject_IsTrue(a[7]), read_only = PyObject_IsTrue(a[8]);
+    if (PyErr_Occurred()) return NULL;
+    if (!PyTuple_Check(shape) || !PyCallable_Check(release) || code < 0 || code > UINT8_MAX ||
+        bits <= 0 || bits > UINT8_MAX || PyTuple_GET_SIZE(shape) > INT32_MAX / 2) {
+        PyErr_SetString(PyExc_TypeError, "dlpack_export: a shape tuple, a callable release, "
+                                         "and a type code and bits that fit a DLDataType");
+        return NULL;
+    }
+    int32_t ndim = (int32_t)PyTuple_GET_SIZE(shape);
+    Export *e = PyMem_Malloc(sizeof(Export) + 2 * (size_t)ndim * sizeof(int64_t));
+    if (!e) return PyErr_NoMemory();
+    int64_t *extents = ndim ? e->extents : NULL, *strides = ndim ? e->extents + ndim : NULL;
+    int64_t stride = 1;
+    for (int32_t i = ndim - 1; i >= 0; i--) {
+        long long extent = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+        if (extent < 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a negative extent");
+            PyMem_Free(e);
+            return NULL;
+        }
+        extents[i] = extent, strides[i] = stride;
+        if (__builtin_mul_overflow(stride, (int64_t)extent, &stride)) {
+            PyErr_SetString(PyExc_ValueError, "a shape of more than 2**63 items");
+            PyMem_Free(e);
+            return NULL;
+        }
+    }
+    DLTensor tensor = {
+        .data = data,
+        .device = {(int32_t)device_type, (int32_t)device_id},
+        .ndim = ndim,
+        .dtype = {(uint8_t)code, (uint8_t)bits, 1},
+        .shape = extents,
+        .strides = strides,
+        .byte_offset = byte_offset,
+    };
+    const char *name;
+    if (versioned) {
+        e->managed.versioned = (DLManagedTensorVersioned){
+            .version = {DLPACK_MAJOR, EXPORT_MINOR},
+            .manager_ctx = e,
+            .deleter = export_delete_versioned,
+            .flags = read_only ? FLAG_READ_ONLY : 0,
+            .dl_tensor = tensor,
+        };
+        name = NAME_VERSIONED;
+    } else {
+        e->managed.legacy = (DLManagedTensor){
+            .dl_tensor = tensor, .manager_ctx = e, .deleter = export_delete_legacy};
+        name = NAME;
+    }
+    /* Until the capsule exists, its destructor cannot delete the tensor: free it here,
+     * without calling release (the caller still owns the loan on failure). */
+    PyObject *capsule = PyCapsule_New(&e->managed, name, export_capsule_destructor);
+    if (!capsule) {
+        PyMem_Free(e);
+        return NULL;
+    }
+    e->release = Py_NewRef(release);
+    return capsule;
 }

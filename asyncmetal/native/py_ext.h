@@ -3,7 +3,8 @@
  *   py_module.c   the module, and one-call wrappers of runtime functions (a cpu kernel
  *                 call, a cuda launch or copy, a timeline's spin and acquire load)
  *   py_launch.c   Queue.launch's common case, checked and submitted in one call
- *   py_dlpack.c   a producer's DLPack capsule checked and taken in one call
+ *   py_dlpack.c   a producer's DLPack capsule checked and taken in one call, and a
+ *                 Buffer's capsule made in one
  *
  * Built into the same shared object as the runtime where the interpreter's headers are
  * (Python.h), and imported from the very file ctypes loads: one library, one set of
@@ -70,5 +71,6 @@ AM_HIDDEN PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n);
 
 /* py_dlpack.c */
 AM_HIDDEN PyObject *py_dlpack_take(PyObject *self, PyObject *capsule);
+AM_HIDDEN PyObject *py_dlpack_export(PyObject *self, PyObject *const *a, Py_ssize_t n);
 
 #endif

@@ -309,6 +309,9 @@ static PyMethodDef methods[] = {
      "timeline_value(timeline) -> its value (an acquire load)"},
     {"dlpack_take", py_dlpack_take, METH_O,
      "dlpack_take(capsule) -> (status, ...): a DLPack capsule checked and taken"},
+    {"dlpack_export", (PyCFunction)(void (*)(void))py_dlpack_export, METH_FASTCALL,
+     "dlpack_export(data, byte_offset, device_type, device_id, code, bits, shape, "
+     "versioned, read_only, release) -> a DLPack capsule"},
     {"address_of", py_address_of, METH_O, "address_of(name) -> int"},
     {NULL, NULL, 0, NULL},
 };

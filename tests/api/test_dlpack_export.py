@@ -1,0 +1,362 @@
+"""How a Buffer's DLPack capsule is made, both ways it runs: the native extension's one
+call (``native/py_dlpack.c``, ``dlpack_export``) and the fallback where the extension is
+not loaded (``asyncmetal._dlpack.numpy_capsule``: numpy makes a capsule, ctypes edits
+its device). Every case runs through both, and the two capsules are compared field by
+field; the tensor's deleter runs once whether a consumer took the capsule (and let go,
+maybe on another thread) or nobody did; the memory outlives a freed Buffer while a
+consumer holds it."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import asyncmetal as am
+from asyncmetal import _dlpack, _native
+from asyncmetal._dlpack import (
+    CAPSULE_NAME,
+    CAPSULE_NAME_VERSIONED,
+    USED_NAME,
+    USED_NAME_VERSIONED,
+    DLManagedTensorVersioned,
+    capsule_set_name,
+)
+from tests.api.test_dlpack_take import _capsule_name, _extension_take, _tensor
+
+pytestmark = pytest.mark.anyio
+
+Make = Callable[..., object]
+
+
+def _extension_make() -> Make:
+    _extension_take()  # skips where the extension is not in use
+    make: Make = _native.extension().dlpack_export  # type: ignore[union-attr]
+    return make
+
+
+MAKERS: dict[str, Callable[[], Make]] = {
+    "extension": _extension_make,
+    "ctypes": lambda: _dlpack.numpy_capsule,
+}
+
+
+@pytest.fixture(params=list(MAKERS))
+def make(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Make:
+    """Buffer.__dlpack__ made to make capsules one way or the other."""
+    fn = MAKERS[request.param]()
+    monkeypatch.setattr(_dlpack, "_make", fn)
+    return fn
+
+
+def _managed(capsule: object) -> Any:
+    """The managed tensor (legacy or versioned) of an unconsumed capsule."""
+    return _tensor(capsule)[0]
+
+
+def _fields(capsule: object) -> dict[str, Any]:
+    """What a consumer reads of an unconsumed capsule (the minor version aside: numpy
+    writes its own, the extension 1.1)."""
+    managed = _managed(capsule)
+    tensor = managed.dl_tensor
+    ndim = tensor.ndim
+    fields = {
+        "name": _capsule_name(capsule),
+        "data": tensor.data or 0,
+        "byte_offset": tensor.byte_offset,
+        "device": (tensor.device.device_type, tensor.device.device_id),
+        "ndim": ndim,
+        "dtype": (tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes),
+        "shape": tensor.shape[:ndim] if ndim else [],
+        "strides": tensor.strides[:ndim] if tensor.strides else None,
+    }
+    if isinstance(managed, DLManagedTensorVersioned):
+        fields["major"], fields["flags"] = managed.version.major, managed.flags
+    return fields
+
+
+def _both(export: Callable[[], object], monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The fields of ``export()``'s capsule made each way (each capsule then dropped)."""
+    found = []
+    for name, maker in MAKERS.items():
+        monkeypatch.setattr(_dlpack, "_make", maker())
+        capsule = export()
+        found.append({"made by": name, **_fields(capsule)})
+        del capsule
+    return found
+
+
+def _address(buf: am.Buffer) -> int:
+    """Where a buffer's bytes start: a host address, or (Metal) the MTLBuffer."""
+    handle = buf._allocation.handle
+    return int(getattr(handle, "address", handle))
+
+
+async def test_both_ways_make_the_same_tensor(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _extension_make()
+    buf = await device.alloc(256)
+    view = buf.view(64, 96)
+    metal = device.name == "metal"
+    cases: list[tuple[Callable[[], object], dict[str, Any]]] = [
+        (buf.__dlpack__, {"name": b"dltensor", "shape": [256], "dtype": (1, 8, 1)}),
+        (lambda: buf.__dlpack__(max_version=(1, 0)), {"flags": 0, "major": 1}),
+        (lambda: buf.typed(np.float32, (8, 8)).__dlpack__(), {"strides": [8, 1]}),
+        (lambda: buf.typed(np.complex64, (2, 4, 4)).__dlpack__(max_version=(1, 1)), {}),
+        (lambda: buf.typed(np.bool_, (16, 16)).__dlpack__(), {"dtype": (6, 8, 1)}),
+        (lambda: view.typed(np.int16, (2, 24)).__dlpack__(max_version=(1, 0)), {}),
+        (lambda: view.typed(np.float64, (12, 1)).__dlpack__(), {"shape": [12, 1]}),
+        (lambda: buf.view(8, 4).typed(np.int32, ()).__dlpack__(), {"ndim": 0, "shape": []}),
+    ]
+    for export, expected in cases:
+        extension, fallback = _both(export, monkeypatch)
+        assert {**extension, "made by": ""} == {**fallback, "made by": ""}
+        for key, value in expected.items():
+            assert extension[key] == value, (key, extension)
+    # Each export's address: the buffer's memory; Metal's is the MTLBuffer and an offset.
+    extension, fallback = _both(lambda: view.__dlpack__(), monkeypatch)
+    base = _address(buf)
+    if metal:
+        assert (extension["data"], extension["byte_offset"]) == (base, 64)
+        assert extension["device"] == (8, 0)
+    else:
+        assert (extension["data"], extension["byte_offset"]) == (base + 64, 0)
+        assert extension["device"] == (1, 0)
+    assert extension == {**fallback, "made by": "extension"}
+
+
+async def test_a_read_only_source_exports_flagged_both_ways(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _extension_make()
+    source = await am.from_numpy(np.arange(6, dtype=np.int32))
+    extension, fallback = _both(
+        lambda: source.typed(np.int32, (2, 3)).__dlpack__(max_version=(1, 0)), monkeypatch
+    )
+    assert extension["flags"] == fallback["flags"] == _dlpack.FLAG_READ_ONLY
+    assert {**extension, "made by": ""} == {**fallback, "made by": ""}
+    for name, maker in MAKERS.items():
+        monkeypatch.setattr(_dlpack, "_make", maker())
+        shared = np.from_dlpack(source.typed(np.int32, (2, 3)))
+        assert shared.tolist() == [[0, 1, 2], [3, 4, 5]], name
+        assert not shared.flags.writeable, name
+        with pytest.raises(BufferError, match="read-only"):
+            source.__dlpack__()  # legacy: no flag to say so
+
+
+class _Counted:
+    """A release that counts its calls, and the thread of each."""
+
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+
+    def __call__(self) -> None:
+        self.threads.append(threading.get_ident())
+
+
+class _Producer:
+    """Hands over ``capsule`` (once) to a consumer such as numpy."""
+
+    def __init__(self, capsule: object) -> None:
+        self.capsule: object = capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)
+
+    def __dlpack__(self, **kwargs: object) -> object:
+        capsule, self.capsule = self.capsule, None
+        return capsule
+
+
+def _call_deleter_without_the_gil(capsule: object) -> None:
+    """Consume ``capsule`` as a foreign consumer does -- renamed used, its deleter called
+    through a C function pointer -- on a new thread, the GIL released (ctypes' CFUNCTYPE
+    releases it): the deleter has to take it itself."""
+    versioned = _capsule_name(capsule) == CAPSULE_NAME_VERSIONED.value
+    managed = _managed(capsule)
+    capsule_set_name(capsule, USED_NAME_VERSIONED if versioned else USED_NAME)
+    address = ctypes.addressof(managed)
+    deleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(
+        ctypes.cast(managed.deleter, ctypes.c_void_p).value
+    )
+    thread = threading.Thread(target=deleter, args=(address,))
+    thread.start()
+    thread.join()
+
+
+@pytest.mark.parametrize("versioned", [True, False])
+@pytest.mark.parametrize("consumer", ["numpy", "foreign thread", "none"])
+def test_the_tensor_is_deleted_once(make: Make, versioned: bool, consumer: str) -> None:
+    """Checked: a deleter left out of the capsule's destructor (or called twice) fails."""
+    memory = np.arange(16, dtype=np.float32)
+    release = _Counted()
+    capsule = make(
+        memory.ctypes.data, 0, 1, 0, 2, 32, (4, 4), versioned, False, release
+    )  # fmt: skip
+    name = CAPSULE_NAME_VERSIONED.value if versioned else CAPSULE_NAME.value
+    assert _capsule_name(capsule) == name
+    if consumer == "numpy":
+        array = np.from_dlpack(_Producer(capsule))
+        assert _capsule_name(capsule) == b"used_" + name
+        del capsule
+        gc.collect()
+        assert array.tolist() == memory.reshape(4, 4).tolist()
+        assert array.ctypes.data == memory.ctypes.data
+        assert release.threads == []  # the consumer still holds it
+        dropper = threading.Thread(target=lambda: held.clear())  # let go on another thread
+        held = [array]
+        del array
+        dropper.start()
+        dropper.join()
+        assert release.threads == [dropper.ident]
+    elif consumer == "foreign thread":
+        _call_deleter_without_the_gil(capsule)
+        assert len(release.threads) == 1 and release.threads[0] != threading.get_ident()
+        del capsule  # used: its destructor leaves the tensor alone
+    else:
+        del capsule  # never consumed: the destructor deletes the tensor
+    gc.collect()
+    assert len(release.threads) == 1
+
+
+def test_a_failed_export_calls_no_release(make: Make) -> None:
+    """A tensor that cannot be made leaves the loan to the caller: release uncalled."""
+    release = _Counted()
+    memory = np.zeros(4, np.uint8)
+    with pytest.raises((ValueError, TypeError)):
+        make(memory.ctypes.data, 0, 1, 0, 1, 8, (-4,), True, False, release)
+    gc.collect()
+    assert release.threads == []
+
+
+def test_the_extension_checks_its_arguments() -> None:
+    export = _extension_make()
+    release = _Counted()
+    memory = np.zeros(4, np.uint8)
+    args = [memory.ctypes.data, 0, 1, 0, 1, 8, (4,), True, False, release]
+    with pytest.raises(TypeError, match="10 arguments"):
+        export(*args[:9])
+    for at, bad in ((6, [4]), (9, None), (5, 0), (5, 256), (4, -1)):
+        with pytest.raises(TypeError, match="shape tuple"):
+            export(*args[:at], bad, *args[at + 1 :])
+    with pytest.raises(ValueError, match="2\\*\\*63"):
+        export(*args[:6], (1 << 62, 4), *args[7:])
+    with pytest.raises(OverflowError):
+        export(*args[:6], (1 << 64,), *args[7:])
+    gc.collect()
+    assert release.threads == []
+
+
+async def test_memory_outlives_a_freed_buffer(make: Make, anyio_backend: object) -> None:
+    async with am.open_device("cpu") as dev:
+        buf = await dev.alloc(4096)
+        await buf.write(np.full(1024, 5, np.int32))
+        held = np.from_dlpack(buf.typed(np.int32, (32, 32)))
+        await buf.free()
+        assert dev.memory_statistics().in_use == 4096  # lent: not released
+        other = await dev.alloc(4096)  # not the held memory: it is not reused
+        await other.write(np.zeros(1024, np.int32))
+        assert held.ravel().tolist() == [5] * 1024
+        held[:] = 9  # still the consumer's to write
+        assert held.sum() == 9 * 1024
+        del held
+        gc.collect()
+        stats = dev.memory_statistics()
+        assert (stats.in_use, stats.cached) == (4096, 4096)  # back with the allocator
+        await other.free()
+
+
+async def test_an_export_that_fails_ends_its_loan(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checked: without the release on failure, the freed block stayed in use."""
+
+    def fail(*args: object) -> object:
+        raise MemoryError
+
+    async with am.open_device("cpu") as dev:
+        buf = await dev.alloc(256)
+        monkeypatch.setattr(_dlpack, "_make", fail)
+        with pytest.raises(MemoryError):
+            buf.__dlpack__()
+        await buf.free()
+        assert dev.memory_statistics().in_use == 0
+
+
+async def test_what_numpy_refuses_is_refused_alike(make: Make, anyio_backend: object) -> None:
+    """A dtype a consumer would misread: refused with numpy's words whichever way the
+    capsule is made (as ExchangeError, a BufferError), before anything is lent."""
+    async with am.open_device("cpu") as dev:
+        buf = await dev.alloc(64)
+        with pytest.raises(am.ExchangeError, match="native byte order"):
+            buf.typed(np.dtype(">f4")).__dlpack__()
+        if np.dtype(np.longdouble).itemsize > 8:
+            with pytest.raises(am.ExchangeError, match="longdouble"):
+                buf.typed(np.longdouble).__dlpack__()
+        await buf.free()
+        assert dev.memory_statistics().in_use == 0
+
+
+_AT_EXIT = """
+import asyncio, ctypes, sys, threading
+import numpy as np
+import asyncmetal as am
+from asyncmetal import _dlpack
+
+HELD = []
+
+async def main():
+    dev = await am.open_device("cpu")
+    buf = await dev.alloc(1 << 16)
+    HELD.append(np.from_dlpack(buf.typed(np.int32)))  # consumed, held past the end
+    HELD.append(buf.__dlpack__(max_version=(1, 0)))  # never consumed
+    # Capsules a foreign consumer took: their deleters are called, without the GIL,
+    # by a thread still running while the interpreter ends.
+    deleters = []
+    for _ in range(N):
+        capsule = buf.__dlpack__(max_version=(1, 0))
+        address = _dlpack.capsule_pointer(capsule, _dlpack.CAPSULE_NAME_VERSIONED)
+        _dlpack.capsule_set_name(capsule, _dlpack.USED_NAME_VERSIONED)
+        managed = _dlpack.DLManagedTensorVersioned.from_address(address)
+        deleters.append((ctypes.cast(managed.deleter, ctypes.c_void_p).value, address))
+        HELD.append(capsule)
+    def consumer():
+        for fn, address in deleters:
+            ctypes.CFUNCTYPE(None, ctypes.c_void_p)(fn)(address)
+    threading.Thread(target=consumer, daemon=True).start()
+
+asyncio.run(main())
+print("ended", flush=True)
+"""
+
+
+@pytest.mark.parametrize("path", list(MAKERS))
+def test_deleters_at_interpreter_exit(path: str) -> None:
+    """Exports held past the interpreter's end, and deleters called from another thread
+    while it ends (some during finalization: the thread is still calling them then):
+    the process exits cleanly, neither crashing nor hanging. (The deleter leaves an
+    export alone once the interpreter is ending on a thread without the GIL; Python
+    3.11 would end such a thread inside PyGILState_Ensure instead, which this exit does
+    not tell apart; from 3.14 on it blocks there for good.)"""
+    if path == "extension":
+        _extension_make()
+    env_line = "" if path == "extension" else "_dlpack._make = _dlpack.numpy_capsule\n"
+    source = _AT_EXIT.replace("HELD = []", "HELD = []\nN = 3000\n" + env_line)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(source)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip() == "ended"
+    assert "Fatal" not in proc.stderr and "Exception" not in proc.stderr, proc.stderr[-4000:]
