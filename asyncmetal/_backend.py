@@ -176,6 +176,12 @@ class NativeQueue(ABC):
         (asked for only where ``markers`` is set)."""
         raise NotImplementedError(f"{type(self).__name__} has no marker commands")
 
+    def wait_stream(self, stream: int, value: int, record: Record) -> None:
+        """A command done once what another library submitted to ``stream`` (a handle
+        ``Backend.stream_key`` accepted) until now is, and which the queue's later
+        commands come after, on the device (asked for only where ``markers`` is set)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot wait for other streams")
+
     @abstractmethod
     def launch(
         self,

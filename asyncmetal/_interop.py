@@ -2,14 +2,18 @@
 
 It takes the producer's DLPack capsule -- asking the producer to order its pending work
 before the device's default queue -- and owns it: the capsule's deleter runs once the
-Buffer (and every view of it) is gone. ``__cuda_array_interface__`` objects are taken
-too (their ``stream`` is waited for by the default queue, on the device).
+Buffer (and every view of it) is gone. A PyTorch tensor's capsule is asked for without
+ordering, and the default queue waits, on the device, for the tensor's current stream
+itself (PyTorch's own ordering costs more than the whole exchange otherwise).
+``__cuda_array_interface__`` objects are taken too (their ``stream`` waited for the
+same way). Neither stream is adopted: nothing watches it afterwards.
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -127,7 +131,14 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     if device_type == KDLMETAL:  # an MTLBuffer and an offset, not an address
         raise ExchangeError("from_dlpack of Metal memory is not supported yet")
     target = _device_for(device_type, device_id, device)
-    stream = target.queue.handle if device_type == KDLCUDA else None
+    producer = _torch_stream(obj) if device_type == KDLCUDA else None
+    if producer is not None:
+        # PyTorch's own ordering (an event and an external-stream wrapper made in Python
+        # on every call) costs more than the rest of the exchange: the capsule is asked
+        # for without it (-1), and the default queue waits for the tensor's stream itself.
+        stream: int | None = -1
+    else:
+        stream = target.queue.handle if device_type == KDLCUDA else None
     try:
         capsule = obj.__dlpack__(stream=stream, max_version=DLPACK_VERSION)
     except TypeError:  # a producer of the protocol before max_version
@@ -143,10 +154,24 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
             f"the capsule's tensor is on DLPack device {(tensor_type, tensor_id)}, but "
             f"__dlpack_device__ said {(device_type, device_id)}"
         )
-    return _buffer(target, _Imported(obj, owner, data, nbytes), device_type != KDLCUDA)
+    memory = _Imported(obj, owner, data, nbytes)
+    if producer is not None:
+        after = target.queue._after_stream(producer)
+        return foreign_buffer(target, data, nbytes, memory, (target.queue, after.value))
+    return _buffer(target, memory, device_type != KDLCUDA)
 
 
 _HOST = (KDLCPU, KDLCUDAHOST)
+
+
+def _torch_stream(obj: Any) -> int | None:
+    """For a PyTorch CUDA tensor: the handle of its device's current stream (the stream
+    its ``__dlpack__`` would order on); else None."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(obj, torch.Tensor):
+        return None
+    handle: int = torch.cuda.current_stream(obj.device).cuda_stream
+    return handle
 
 
 def _taker() -> Callable[[object], tuple[Any, ...]]:
@@ -193,7 +218,10 @@ def _from_cuda_array_interface(obj: Any, device: Device | None) -> Buffer:
         )
     device = _device_for(KDLCUDA, indices.pop() or 0, device)
     stream = interface.get("stream")
-    if stream is not None:  # the producer's stream: the default queue waits for it
-        produced = device.adopt_stream(int(stream)).marker()
-        device.queue.wait(produced.timeline, produced.value)
-    return _buffer(device, _Imported(obj, None, address, nbytes), False)
+    memory = _Imported(obj, None, address, nbytes)
+    if stream is None:
+        return _buffer(device, memory, False)
+    # The producer's stream: the default queue waits, on the device, for what was
+    # submitted there until now (the stream is not adopted), and so do later commands.
+    after = device.queue._after_stream(int(stream))
+    return foreign_buffer(device, address, nbytes, memory, (device.queue, after.value))

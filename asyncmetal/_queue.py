@@ -199,6 +199,19 @@ class Queue:
         self._issue(self._native.marker, done.value, done)
         return done
 
+    def _after_stream(self, stream: object) -> Completion:
+        """A command done once what another library submitted to ``stream`` until now
+        is done, and which this queue's later commands come after, on the device: an
+        event recorded on that stream now, waited for in this queue's order. The stream
+        is not adopted (nothing watches it afterwards). Where the backend has no such
+        streams (``markers`` unset), a ``ValueError``-type refusal."""
+        if not self._native.markers:
+            raise InvalidArgumentError(f"{self.device.name} has no streams of other libraries")
+        handle = self._state.backend.stream_key(stream)
+        done = self._next()
+        self._issue(self._native.wait_stream, handle, done.value, done)
+        return done
+
     def launch(
         self,
         program: Program,

@@ -205,6 +205,7 @@ int am_cuq_error(am_cuq *q, uint64_t *value);
 void *am_cuq_cause(am_cuq *q, int *error, uint64_t *value);
 void am_cuq_close(am_cuq *q, int abandon);
 int am_cuq_wait_foreign(am_cuq *owner, void *ctx, void *stream, uint64_t target, int *call);
+int am_cuq_wait_stream(am_cuq *q, void *ctx, void *stream, uint64_t value, int *call);
 
 /* ---- objc_blocks.c: Objective-C blocks whose invoke functions never take the GIL -----
  * Metal keeps and later calls the blocks given to addCompletedHandler: and

@@ -85,7 +85,8 @@ typedef struct {
 struct am_cuq;
 
 /* A driver operation held on the host until the stream has room for it. */
-enum { CUOP_LAUNCH, CUOP_COPY, CUOP_HTOD, CUOP_DTOH, CUOP_WRITE, CUOP_WAIT, CUOP_WAIT_QUEUE, CUOP_FINISH };
+enum { CUOP_LAUNCH, CUOP_COPY, CUOP_HTOD, CUOP_DTOH, CUOP_WRITE, CUOP_WAIT, CUOP_WAIT_QUEUE,
+       CUOP_WAIT_EVENT, CUOP_FINISH };
 typedef struct am_cuop {
     int kind;
     int flags;                      /* CUOP_FINISH: CU_FINISH_* */
@@ -97,7 +98,10 @@ typedef struct am_cuop {
     uint64_t dst, src;              /* copies: device or host addresses */
     void *src_ctx;                  /* CUOP_COPY between devices: the source's context */
     size_t nbytes;
-    void *word;                     /* CUOP_WRITE, CUOP_WAIT: a device word */
+    void *word;                     /* CUOP_WRITE, CUOP_WAIT: a device word; CUOP_WAIT_EVENT:
+                                       an event another library's stream recorded, owned
+                                       by the operation (destroyed once waited for, or
+                                       when the operation is dropped) */
     uint64_t target;                /* ... its value; CUOP_WAIT_QUEUE: other's value */
     struct am_cuq *other;           /* CUOP_WAIT_QUEUE: the queue waited for (referenced) */
     am_timeline *extra;             /* CUOP_FINISH */

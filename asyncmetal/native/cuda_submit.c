@@ -211,6 +211,15 @@ int cuq_run_op(am_cuq *q, const am_cuop *op) {
         return cuq_wait_word(q, op->word, op->target);
     case CUOP_WAIT_QUEUE:
         return cuq_wait_queue(q, op->other, op->target, op->value);
+    case CUOP_WAIT_EVENT: {
+        /* Waited for (or refused), the event is let go of: the driver keeps what a
+         * pending wait needs. The operation no longer owns it. */
+        void *event = op->word;
+        r = ((int (*)(void *, void *, unsigned))cu_funcs[CU_WAIT_EVENT])(q->stream, event, 0);
+        ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(event);
+        ((am_cuop *)op)->word = NULL;
+        return r ? cuq_fail(q, CU_WAIT_EVENT, r) : 0;
+    }
     case CUOP_FINISH:
         return cuq_finish(q, op->value, op->extra, op->extra_value, op->spin_ns, op->flags);
     }
@@ -419,6 +428,37 @@ void am_cuq_close(am_cuq *q, int abandon) {
  * reaches the driver. Submitted now, with `ctx` current (the stream's context: for
  * CU_STREAM_LEGACY, which one it is), and the caller's context current again after.
  * Returns a CUresult; *call: the driver call it came from. */
+/* The stream of q waits, as a part of command `value` and in the queue's order (behind
+ * what is held on the host), for what another library submitted to `stream` (of `ctx`)
+ * until now: an event recorded there now, in ctx (made current for that, the calling
+ * thread's context kept). Nothing is watched or adopted for that stream. Returns a
+ * CUresult (-1: out of memory); *call: the driver call that failed. */
+int am_cuq_wait_stream(am_cuq *q, void *ctx, void *stream, uint64_t value, int *call) {
+    void *before = NULL, *event = NULL;
+    ((int (*)(void **))cu_funcs[CU_CTX_GET])(&before);
+    int r = before == ctx ? 0 : ((int (*)(void *))cu_funcs[CU_CTX_SET])(ctx);
+    if (r) {
+        *call = CU_CTX_SET;
+        return r;
+    }
+    r = ((int (*)(void **, unsigned))cu_funcs[CU_EVENT_CREATE])(&event, 0x2);  /* no timing */
+    *call = CU_EVENT_CREATE;
+    if (!r) {
+        r = ((int (*)(void *, void *))cu_funcs[CU_EVENT_RECORD])(event, stream);
+        *call = CU_EVENT_RECORD;
+        if (r) ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(event);
+    }
+    if (before != ctx) ((int (*)(void *))cu_funcs[CU_CTX_SET])(before);
+    if (r) return r;
+    am_cuop op = {.kind = CUOP_WAIT_EVENT, .value = value, .word = event};
+    r = cuq_submit(q, &op, sizeof op);
+    *call = CU_WAIT_EVENT;
+    /* 0: waited for (the event let go of) or held (the held copy owns it); else refused
+     * before either, unless the refusal was the wait's own. */
+    if (r && op.word) ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(op.word);
+    return r;
+}
+
 int am_cuq_wait_foreign(am_cuq *owner, void *ctx, void *stream, uint64_t target, int *call) {
     void *before = NULL;
     ((int (*)(void **))cu_funcs[CU_CTX_GET])(&before);

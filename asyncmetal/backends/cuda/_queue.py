@@ -348,6 +348,19 @@ class CUDAQueue(NativeQueue):
             self._staging = Staging(self._backend)
         return self._staging
 
+    def wait_stream(self, stream: int, value: int, record: Record) -> None:
+        if _driver.lost_first is not None:
+            raise self._lost("a wait for another library's stream")
+        if stream != self.handle:  # (this queue's own stream: in order already)
+            call = ctypes.c_int()
+            code = self._lib.am_cuq_wait_stream(
+                self._q, self._backend.context_address, stream, value, ctypes.byref(call)
+            )
+            if code:
+                name = self._lib.am_cuda_name(call.value).decode()
+                raise driver_error(name, code, self._backend.name)
+        self.marker(value, record)
+
     def marker(self, value: int, record: Record) -> None:
         if _driver.lost_first is not None:
             raise self._lost("a marker")

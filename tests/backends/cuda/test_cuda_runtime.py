@@ -42,5 +42,6 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "context"),
         *("ok", "foreign"),
         *("ok", "unlocked"),
+        *("ok", "waitstream"),
         *("ok", "released"),
     ]

@@ -111,3 +111,63 @@ async def test_a_consumer_streams_wait_refused_by_the_driver_raises_its_error(
         dev.queue.timeline.native.signal(used.value)  # confirmed: the close drains nothing
     finally:
         await dev.close()
+
+
+async def test_an_interface_producers_stream_is_waited_for_and_not_adopted(
+    anyio_backend: object, driver_fixture: _Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``am.from_dlpack`` of a ``__cuda_array_interface__`` object with a ``stream``: the
+    default queue's one command waits for that stream's work (an event recorded there:
+    am_cuq_wait_stream) and is the buffer's last use; no queue is made for the stream.
+    Checked: fails with the stream adopted (as before): a queue made per producer
+    stream, whose marker nothing confirms here, so the device's close never ends."""
+    driver = driver_fixture
+    _streams_of(driver, CONTEXT)
+    waits: list[tuple[int, int, int, int]] = []
+    finished: list[int] = []
+
+    def wait_stream(q: int, context: int, stream: int, value: int, call: Any) -> int:
+        waits.append((q, context, stream, value))
+        return 0
+
+    def finish(q: int, value: int, extra: Any, target: int, ns: int, flags: int) -> int:
+        finished.append(value)
+        return 0
+
+    assert driver.runtime is not None
+    driver.runtime.am_cuq_wait_stream = wait_stream  # type: ignore[attr-defined]
+    driver.runtime.am_cuq_finish = finish  # type: ignore[attr-defined]
+    dev = await am.open_device("cuda:0")
+    # (the fake has no pointer attributes: every address is cuda:0's)
+    monkeypatch.setattr(type(dev._backend), "pointer_index", lambda self, address: 0)
+    try:
+        memory = await dev.alloc(1024)
+        address = int(memory._allocation.handle)
+        queues = len(driver.runtime.queues)
+        default = dev.queue._native._q  # type: ignore[attr-defined]
+
+        class Producer:
+            def __init__(self, stream: int | None) -> None:
+                self.__cuda_array_interface__ = {
+                    "shape": (256,),
+                    "typestr": "<i4",
+                    "data": (address, False),
+                    "version": 3,
+                    "stream": stream,
+                }
+
+        bufs = [am.from_dlpack(Producer(s), device=dev) for s in (0x5000, 0x6000, 0x5000)]
+        assert [w[2] for w in waits] == [0x5000, 0x6000, 0x5000]
+        assert all(w[0] == default and w[1] == CONTEXT for w in waits)
+        assert [w[3] for w in waits] == finished  # one command each: the wait, then its end
+        assert len(driver.runtime.queues) == queues and not dev._adopted
+        for buf, wait in zip(bufs, waits, strict=True):
+            assert buf._allocation.last_use == {dev.queue: wait[3]}
+        with pytest.raises(am.InvalidArgumentError, match="per-thread"):
+            am.from_dlpack(Producer(2), device=dev)
+        del waits[:]
+        am.from_dlpack(Producer(None), device=dev)  # no stream: nothing to wait for
+        assert waits == []
+        dev.queue._native._timeline._value.value = dev.queue._submitted  # type: ignore[attr-defined]
+    finally:
+        await dev.close()

@@ -116,6 +116,47 @@ async def test_a_torch_tensor_comes_in_without_a_copy(anyio_backend: object) -> 
         assert (await buf.read(np.int32) == 9).all()  # the buffer keeps the tensor alive
 
 
+@needs_torch
+async def test_producer_streams_are_waited_for_without_adopting_them(
+    anyio_backend: object,
+) -> None:
+    """A tensor made on a torch stream of its own (current while it is imported), and
+    an ``__cuda_array_interface__`` object naming its stream: the default queue waits
+    for each on the device, the host does not, and neither stream becomes a queue."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    async with am.open_device("cuda:0") as dev:
+        tensor = torch.zeros(N, dtype=torch.int32, device="cuda:0")
+        with torch.cuda.stream(stream):
+            am.from_dlpack(tensor)  # the first import: done before timing
+        torch.cuda.synchronize()
+        threads = _threads()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            tensor.fill_(5)
+            start = time.perf_counter()
+            buf = am.from_dlpack(tensor)
+            assert time.perf_counter() - start < 0.02  # nothing waited on the host
+        assert (await buf.read(np.int32) == 5).all()  # ordered after the fill on `stream`
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            tensor.fill_(7)
+
+        class Interface:
+            def __init__(self) -> None:
+                self.__cuda_array_interface__ = {
+                    **tensor.__cuda_array_interface__,
+                    "stream": stream.cuda_stream,
+                }
+                self.tensor = tensor
+
+        wrapped = am.from_dlpack(Interface())
+        assert _address(wrapped) == tensor.data_ptr()
+        assert (await wrapped.read(np.int32) == 7).all()
+        assert not dev._adopted and _threads() == threads
+
+
 def _threads() -> int:
     """The process's threads (a completion thread is one of them)."""
     return len(os.listdir("/proc/self/task"))

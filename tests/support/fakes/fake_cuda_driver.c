@@ -16,7 +16,14 @@ void *_Atomic held;     /* an event whose queries report it unfinished (a slow t
 atomic_long wait_event_ns;  /* >0: cuStreamWaitEvent takes this long (a slow driver) */
 atomic_int waits_in_driver;
 
+static int refers_to_event(const op *o) { return o->kind == OP_RECORD || o->kind == OP_WAIT_EVENT; }
+
+static void event_unref(fake_event *ev) {
+    if (atomic_fetch_sub(&ev->refs, 1) == 1) free(ev);
+}
+
 void enqueue(fake_stream *s, op o) {
+    if (refers_to_event(&o)) atomic_fetch_add(&((fake_event *)o.p)->refs, 1);
     pthread_mutex_lock(&s->mu);
     if (s->tail - s->head == s->cap) die("fake stream full");
     s->ops[s->tail++ % s->cap] = o;
@@ -60,6 +67,7 @@ static void *stream_run(void *arg) {
             while (atomic_load(&((fake_event *)o.p)->done) < o.a)
                 if (atomic_load(&s->stop) == 2) return NULL;
         }
+        if (refers_to_event(&o)) event_unref(o.p);
         pthread_mutex_lock(&s->mu);
         s->head++;
         pthread_mutex_unlock(&s->mu);
@@ -78,6 +86,8 @@ static fake_stream *stream_new(void) {
 void stream_free(fake_stream *s, int abandon) {
     atomic_store(&s->stop, abandon ? 2 : 1);
     pthread_join(s->thread, NULL);
+    for (size_t i = s->head; i < s->tail; i++)  /* abandoned: operations never run */
+        if (refers_to_event(&s->ops[i % s->cap])) event_unref(s->ops[i % s->cap].p);
     free(s->ops);
     free(s);
 }
@@ -133,13 +143,14 @@ static int f_sync(void *e) {
 static int f_create(void **e, unsigned flags) {
     *e = calloc(1, sizeof(fake_event));
     ((fake_event *)*e)->flags = flags;
+    atomic_store(&((fake_event *)*e)->refs, 1);
     atomic_fetch_add(&events_made, 1);
     return 0;
 }
 static int f_destroy(void *e) {
     if (atomic_load(&((fake_event *)e)->waited))
         die("an event was destroyed while a stream's wait on it was in the driver");
-    free(e);
+    event_unref(e);
     atomic_fetch_add(&events_destroyed, 1);
     return 0;
 }

@@ -18,6 +18,10 @@ typedef struct {
     _Atomic int64_t recorded, done;
     unsigned flags;
     atomic_int waited;             /* stream waits on it inside the driver now */
+    atomic_int refs;               /* its handle's (until destroyed) and one per operation
+                                      on a stream that refers to it: freed at none, as
+                                      the driver releases a destroyed event's resources
+                                      once the work referring to it is done */
 } fake_event;
 
 enum { OP_KERNEL, OP_RECORD, OP_WRITE, OP_WAIT, OP_WAIT_EVENT };

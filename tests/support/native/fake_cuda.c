@@ -55,6 +55,11 @@
  *   unlocked  a stream's wait on a queue's event that is slow in the driver holds up
  *             neither submissions to that queue nor its confirmations, and the event
  *             is neither recorded again (reused) nor destroyed until the call returned
+ *   waitstream a queue waits for another library's stream without adopting it: the
+ *             work submitted there until then (an event recorded now), in the queue's
+ *             order -- behind what it holds on the host -- and its commands after the
+ *             wait run only once that work ran; the caller's context is kept; the event
+ *             is destroyed once waited for, or when the held wait is abandoned
  */
 #include "fake_cuda_driver.h"
 
@@ -632,6 +637,58 @@ static void check_unlocked(void) {
     puts("ok unlocked");
 }
 
+static void check_waitstream(void) {
+    /* b plays another library's stream: a wait nobody has signalled yet, then a kernel.
+     * a: its own gate, then 20 kernels, most held on the host; then its wait for what
+     * was submitted to b so far (held too), then a kernel that checks b's ran. */
+    /* Blocked syncs block here (a's commands behind its gate get blocking-sync events);
+     * check_abandon's orphan, if it is still blocked, returns at the end. */
+    int released = atomic_exchange(&release_syncs, 0);
+    static uint64_t gates[3];
+    static kernel quick = {0, 0, NULL, 0}, after_b = {0, 0, NULL, 1};
+    fake_queue a = queue_bounded(4), b = queue_new(), c = queue_new(), d = queue_bounded(2);
+    after_b.check = b.s;
+    if (am_cuq_wait(b.q, &gates[0], 1, 1) || am_cuq_finish(b.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
+        die("waitstream: b's gate failed");
+    if (launch(b, &quick, 1, 2)) die("waitstream: b's launch failed");
+    if (am_cuq_wait(a.q, &gates[1], 1, 1) || am_cuq_finish(a.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
+        die("waitstream: a's gate failed");
+    for (uint64_t v = 2; v <= 21; v++)
+        if (launch(a, &quick, (int64_t)v, v)) die("waitstream: a launch failed");
+    long made = atomic_load(&events_made);
+    fake_ctx_set_current((void *)0x77);  /* another library's context */
+    int call = -1;
+    if (am_cuq_wait_stream(a.q, (void *)1, b.s, 22, &call) ||
+        am_cuq_finish(a.q, 22, NULL, 0, 0, 0))
+        die("waitstream: the wait was refused");
+    if (fake_ctx_current() != (void *)0x77) die("waitstream: the caller's context was not kept");
+    if (atomic_load(&events_made) != made + 1) die("waitstream: not one event recorded on b");
+    if (launch(a, &after_b, 23, 23)) die("waitstream: a's launch after the wait failed");
+    atomic_store((_Atomic uint64_t *)&gates[1], 1);  /* a runs up to its wait */
+    reach(a.t, 21, "waitstream: a never ran what came before its wait");
+    nap_ns(20000000);
+    if (am_timeline_value(a.t) > 21) die("waitstream: a got past its wait before b's work ran");
+    atomic_store((_Atomic uint64_t *)&gates[0], 1);  /* b's work runs: a goes on */
+    reach(a.t, 23, "waitstream: a never got past its wait");
+    /* Nothing held: the wait goes to the driver at once. */
+    if (am_cuq_wait_stream(c.q, (void *)1, b.s, 1, &call) || am_cuq_finish(c.q, 1, NULL, 0, 0, 0))
+        die("waitstream: a direct wait was refused");
+    reach(c.t, 1, "waitstream: a direct wait never ended");
+    /* Held behind a gate nobody opens, then abandoned: its event goes with it. */
+    if (am_cuq_wait(d.q, &gates[2], 1, 1) || am_cuq_finish(d.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
+        die("waitstream: d's gate failed");
+    for (uint64_t v = 2; v <= 4; v++)
+        if (launch(d, &quick, (int64_t)v, v)) die("waitstream: a launch on d failed");
+    if (am_cuq_wait_stream(d.q, (void *)1, b.s, 5, &call)) die("waitstream: d's wait was refused");
+    queue_free(d, 1);
+    queue_free(a, 0);
+    queue_free(c, 0);
+    queue_free(b, 0);
+    fake_ctx_set_current(NULL);
+    atomic_store(&release_syncs, released);
+    puts("ok waitstream");
+}
+
 int main(void) {
     fake_driver_install();
     check_order();
@@ -653,6 +710,7 @@ int main(void) {
     check_context();
     check_foreign();
     check_unlocked();
+    check_waitstream();
     /* The abandoned queues' threads have all returned (check_abandon's blocked one once
      * its sync gave up), each destroying its queue's events as it stopped. */
     int64_t deadline = now_ns() + 10000000000LL;
