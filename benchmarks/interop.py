@@ -21,8 +21,11 @@ at half the best peer's flat-out rate (at most 64 in flight), with each request'
 from arrival to done. Then
 ``torch.from_dlpack(buffer)`` and ``am.from_dlpack(tensor)``: the same data pointer (no
 copy), and the median time of each call (target: <= 20 us), ``am.from_dlpack``'s split
-into the producer's own ``__dlpack__(stream=...)`` (measured alone) and the rest
-(asyncmetal's: taking the capsule, the buffer, the ordering marker).
+into the producer's own ``__dlpack__`` (measured alone: ``stream=-1`` for a PyTorch
+tensor, whose stream the default queue waits for itself) and the rest (asyncmetal's:
+taking the capsule, the buffer, the ordering command); and the same through the
+protocol alone (the tensor behind a plain DLPack object: PyTorch orders its stream
+before the default queue's, ``__dlpack__(stream=...)``, and a marker follows).
 
     python benchmarks/interop.py --cpu --json out.json
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -239,25 +243,54 @@ def median_call_us(fn: Callable[[], Any], n: int = 2000) -> float:
     return statistics.median(times) / 1e3
 
 
+class _Protocol:
+    """``array`` seen through the DLPack protocol alone (no longer a PyTorch tensor):
+    ``am.from_dlpack`` then asks the producer to order its work itself."""
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self.array.__dlpack_device__()
+
+
 def from_dlpack_split(dev: am.Device, array: Any, n: int = 2000) -> dict[str, float]:
     """The median time of ``am.from_dlpack(array)`` on ``dev``, of the producer's own
-    ``__dlpack__`` as it is called there (the stream ``dev``'s default queue on cuda,
-    the capsule then dropped, so its deleter runs as the buffer's does), and the rest."""
-    stream = dev.queue.handle if dev.kind == "cuda" else None
+    ``__dlpack__`` as it is called there (on cuda: with ``stream=-1`` for a PyTorch
+    tensor, whose stream the default queue then waits for itself; else the stream of
+    ``dev``'s default queue, for the producer to order. The capsule then dropped, so
+    its deleter runs as the buffer's does), and the rest. For a PyTorch tensor also the
+    protocol's own way, measured the same: ``am.from_dlpack`` of the tensor behind a
+    plain DLPack object, and its ``__dlpack__(stream=<the default queue's>)``."""
+    torch = sys.modules.get("torch")
+    is_torch = dev.kind == "cuda" and torch is not None and isinstance(array, torch.Tensor)
 
-    def produce() -> Any:
-        try:
-            return array.__dlpack__(stream=stream, max_version=(1, 1))
-        except TypeError:  # a producer before max_version: as am.from_dlpack calls it
-            return array.__dlpack__(stream=stream)
+    def produce(stream: int | None) -> Callable[[], Any]:
+        def call() -> Any:
+            try:
+                return array.__dlpack__(stream=stream, max_version=(1, 1))
+            except TypeError:  # a producer before max_version: as am.from_dlpack calls it
+                return array.__dlpack__(stream=stream)
 
-    producer = median_call_us(produce, n)
+        return call
+
+    ordered = dev.queue.handle if dev.kind == "cuda" else None
+    producer = median_call_us(produce(-1 if is_torch else ordered), n)
     total = median_call_us(lambda: am.from_dlpack(array), n)
-    return {
-        "am_from_dlpack_us": total,
-        "producer_dlpack_us": producer,
-        "rest_us": total - producer,
-    }
+    out = {"am_from_dlpack_us": total, "producer_dlpack_us": producer, "rest_us": total - producer}
+    if is_torch:
+        plain = _Protocol(array)
+        protocol = median_call_us(lambda: am.from_dlpack(plain), n)
+        protocol_producer = median_call_us(produce(ordered), n)
+        out.update(
+            protocol_am_from_dlpack_us=protocol,
+            protocol_producer_dlpack_us=protocol_producer,
+            protocol_rest_us=protocol - protocol_producer,
+        )
+    return out
 
 
 async def dlpack(dev: am.Device, torch: Any) -> dict[str, Any]:
