@@ -421,13 +421,6 @@ void am_cuq_close(am_cuq *q, int abandon) {
     cuq_unref(q);
 }
 
-/* Make another library's stream (a DLPack consumer's) wait until queue `owner` reaches
- * `target`, as a queue's wait on another queue does, but for a stream that is no queue
- * of asyncmetal's: nothing is numbered, held or confirmed for it, so no completion
- * thread watches it. A target still held on the host has owner write its word once it
- * reaches the driver. Submitted now, with `ctx` current (the stream's context: for
- * CU_STREAM_LEGACY, which one it is), and the caller's context current again after.
- * Returns a CUresult; *call: the driver call it came from. */
 /* The stream of q waits, as a part of command `value` and in the queue's order (behind
  * what is held on the host), for what another library submitted to `stream` (of `ctx`)
  * until now: an event recorded there now, in ctx (made current for that, the calling
@@ -459,6 +452,13 @@ int am_cuq_wait_stream(am_cuq *q, void *ctx, void *stream, uint64_t value, int *
     return r;
 }
 
+/* Make another library's stream (a DLPack consumer's) wait until queue `owner` reaches
+ * `target`, as a queue's wait on another queue does, but for a stream that is no queue
+ * of asyncmetal's: nothing is numbered, held or confirmed for it, so no completion
+ * thread watches it. A target still held on the host has owner write its word once it
+ * reaches the driver. Submitted now, with `ctx` current (the stream's context: for
+ * CU_STREAM_LEGACY, which one it is), and the caller's context current again after.
+ * Returns a CUresult; *call: the driver call it came from. */
 int am_cuq_wait_foreign(am_cuq *owner, void *ctx, void *stream, uint64_t target, int *call) {
     void *before = NULL;
     ((int (*)(void **))cu_funcs[CU_CTX_GET])(&before);

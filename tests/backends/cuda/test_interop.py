@@ -128,9 +128,8 @@ async def test_producer_streams_are_waited_for_without_adopting_them(
     stream = torch.cuda.Stream()
     async with am.open_device("cuda:0") as dev:
         tensor = torch.zeros(N, dtype=torch.int32, device="cuda:0")
-        with torch.cuda.stream(stream):
-            am.from_dlpack(tensor)  # the first import: done before timing
-        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):  # the first import and read: before counting
+            await am.from_dlpack(tensor).read(np.int32)
         threads = _threads()
         with torch.cuda.stream(stream):
             torch.cuda._sleep(SLEEP_CYCLES)
