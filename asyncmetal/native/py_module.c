@@ -215,27 +215,29 @@ static PyObject *py_due(PyObject *self, PyObject *const *a, Py_ssize_t n) {
  * for more than another thread's few instructions under a timeline's lock, so they keep
  * the GIL. */
 
+/* fn(timeline, value) with the arguments of a call named `name`. */
+static PyObject *timeline_call(PyObject *const *a, Py_ssize_t n, const char *name,
+                               void (*fn)(am_timeline *, uint64_t)) {
+    if (take_args(n, 2, name)) return NULL;
+    am_timeline *t = PyLong_AsVoidPtr(a[0]);
+    uint64_t value = PyLong_AsUnsignedLongLong(a[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (!t) return PyErr_Format(PyExc_ValueError, "%s: null timeline", name);
+    fn(t, value);
+    Py_RETURN_NONE;
+}
+
 /* timeline_signal(timeline, value): am_timeline_signal. */
 static PyObject *py_timeline_signal(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     (void)self;
-    if (take_args(n, 2, "timeline_signal")) return NULL;
-    am_timeline *t = PyLong_AsVoidPtr(a[0]);
-    uint64_t value = PyLong_AsUnsignedLongLong(a[1]);
-    if (converted(t, "timeline_signal: null timeline")) return NULL;
-    am_timeline_signal(t, value);
-    Py_RETURN_NONE;
+    return timeline_call(a, n, "timeline_signal", am_timeline_signal);
 }
 
 /* host_signal(timeline, value): am_timeline_host_signal (the word devices wait on, and
  * the napping completion threads woken). */
 static PyObject *py_host_signal(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     (void)self;
-    if (take_args(n, 2, "host_signal")) return NULL;
-    am_timeline *t = PyLong_AsVoidPtr(a[0]);
-    uint64_t value = PyLong_AsUnsignedLongLong(a[1]);
-    if (converted(t, "host_signal: null timeline")) return NULL;
-    am_timeline_host_signal(t, value);
-    Py_RETURN_NONE;
+    return timeline_call(a, n, "host_signal", am_timeline_host_signal);
 }
 
 /* watch_arm(watch, next) -> bool: am_watch_arm (whether next is reached already). */

@@ -98,29 +98,7 @@ async def test_many_waiters_are_woken_in_slices_between_the_loops_other_work(
     iteration as long as 500 task steps holds back every timer and socket)."""
     from asyncmetal import _bridge
 
-    tl = device.timeline()
-    resumed = 0
-    most: list[int] = []
-    released = anyio.Event()
-
-    async def waiter() -> None:
-        nonlocal resumed
-        await tl.wait(1)
-        resumed += 1
-
-    async def ticker() -> None:
-        await released.wait()
-        most.append(await _most_between_steps(lambda: resumed, lambda: resumed >= 500))
-
-    async with anyio.create_task_group() as tg:
-        for _ in range(500):
-            tg.start_soon(waiter)
-        tg.start_soon(ticker)
-        await anyio.wait_all_tasks_blocked()
-        tl.signal(1)
-        released.set()
-    assert resumed == 500
-    most_between_ticks = most[0]
+    most_between_ticks = max(await _woken_between_ticks(device, 500))
     # A loop may run the ticker before or after a slice within one iteration (trio
     # shuffles its batches), so two slices can fall between two of its steps.
     assert 0 < most_between_ticks <= 2 * _bridge.WAKE_SLICE, most_between_ticks
@@ -132,6 +110,24 @@ async def test_tasks_with_long_steps_are_woken_fewer_at_a_time(device: am.Device
     between two steps of the loop's other tasks -- not WAKE_SLICE (16 ms of loop)."""
     from asyncmetal import _bridge
 
+    def python_for_2_ms() -> None:
+        end = time.perf_counter() + 0.002
+        while time.perf_counter() < end:
+            pass
+
+    grew = await _woken_between_ticks(device, 48, python_for_2_ms)
+    assert max(grew[:3]) <= 2 * _bridge.WAKE_SLICE, grew
+    # After the first slice (sized before any step was measured), one task per slice;
+    # two slices may fall between two ticker steps (trio shuffles its batches).
+    assert max(grew[2:]) <= 2, grew
+
+
+async def _woken_between_ticks(
+    device: am.Device, n: int, after_wake: Callable[[], None] | None = None
+) -> list[int]:
+    """``n`` tasks await one value of a timeline, then each runs ``after_wake()``; one
+    signal releases them all. How many finished between each two steps of another task
+    of the loop (where any did)."""
     tl = device.timeline()
     resumed = 0
     steps: list[int] = []
@@ -140,32 +136,27 @@ async def test_tasks_with_long_steps_are_woken_fewer_at_a_time(device: am.Device
     async def waiter() -> None:
         nonlocal resumed
         await tl.wait(1)
-        end = time.perf_counter() + 0.002
-        while time.perf_counter() < end:
-            pass
+        if after_wake is not None:
+            after_wake()
         resumed += 1
 
     async def ticker() -> None:
         await released.wait()
         last = resumed
-        while resumed < 48:
+        while resumed < n:
             await anyio.lowlevel.checkpoint()
             steps.append(resumed - last)
             last = resumed
 
     async with anyio.create_task_group() as tg:
-        for _ in range(48):
+        for _ in range(n):
             tg.start_soon(waiter)
         tg.start_soon(ticker)
         await anyio.wait_all_tasks_blocked()
         tl.signal(1)
         released.set()
-    assert resumed == 48
-    grew = [n for n in steps if n]
-    assert max(grew[:3]) <= 2 * _bridge.WAKE_SLICE, grew
-    # After the first slice (sized before any step was measured), one task per slice;
-    # two slices may fall between two ticker steps (trio shuffles its batches).
-    assert max(grew[2:]) <= 2, grew
+    assert resumed == n
+    return [k for k in steps if k]
 
 
 async def test_a_crowd_of_tasks_awaiting_launches_leaves_room_for_the_loops_other_work(
