@@ -165,3 +165,41 @@ async def test_a_watch_left_empty_goes_after_the_woken_tasks_have_run(
     for _ in range(6):
         await anyio.lowlevel.checkpoint()
     assert tl._watch_of.get(bridge) is None
+
+
+async def test_a_wait_added_to_a_watch_about_to_go_keeps_it(device: am.Device) -> None:
+    """A wait is added to a timeline's watch that its last waiter has just left (the watch
+    is to go two turns of the loop later): the watch stays, and the new wait ends at the
+    timeline's next signal; the watch goes once that wait left it too."""
+    from asyncmetal import _bridge, _timeline
+
+    tl = device.timeline()
+    bridge = _bridge.current_bridge()
+    watches: list[object] = []
+    reached = anyio.Event()
+
+    def at_2() -> None:
+        watches.append(tl._watch_of.get(bridge))
+        reached.set()
+
+    async def first() -> None:
+        await tl.wait(1)
+        # Woken: the watch is empty and about to go. Wait on it again, at once.
+        watches.append(tl._watch_of.get(bridge))
+        _timeline.call_when_reached(tl, 2, at_2)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            await anyio.wait_all_tasks_blocked()
+            watch = tl._watch_of[bridge]
+            tl.signal(1)
+        for _ in range(6):  # past the turns at which an empty watch goes
+            await anyio.lowlevel.checkpoint()
+        assert tl._watch_of.get(bridge) is watch  # kept: a wait is on it
+        threading.Thread(target=tl.signal, args=(2,)).start()
+        await reached.wait()
+    assert watches == [watch, watch]
+    for _ in range(6):
+        await anyio.lowlevel.checkpoint()
+    assert tl._watch_of.get(bridge) is None

@@ -151,3 +151,36 @@ def test_interpreter_exit_with_work_and_waiters_pending(loop: str) -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "exiting"
     assert proc.stderr == ""
+
+
+def test_each_loop_in_each_thread_is_given_its_own_bridge() -> None:
+    """current_bridge() keeps the last asyncio loop's bridge at hand: with loops in two
+    threads asking in turn, and with loops made anew (possibly where a closed one was),
+    each gets its own live bridge, never another loop's."""
+    from asyncmetal import _bridge
+
+    wrong: list[str] = []
+    turn = [threading.Event(), threading.Event()]
+
+    def in_thread(i: int) -> None:
+        async def ask() -> None:
+            loop = asyncio.get_running_loop()
+            for _ in range(50):
+                turn[i].wait(5)
+                turn[i].clear()
+                bridge = _bridge.current_bridge()
+                if bridge._loop_ref() is not loop or bridge.dead:  # type: ignore[attr-defined]
+                    wrong.append(f"thread {i}")
+                turn[1 - i].set()
+
+        for _ in range(3):
+            asyncio.run(ask())
+            gc.collect()  # a new loop may then be made where this one was
+
+    threads = [threading.Thread(target=in_thread, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    turn[0].set()
+    for t in threads:
+        t.join(30)
+    assert not wrong, wrong
