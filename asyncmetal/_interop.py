@@ -166,12 +166,16 @@ _HOST = (KDLCPU, KDLCUDAHOST)
 
 def _torch_stream(obj: Any) -> int | None:
     """For a PyTorch CUDA tensor: the handle of its device's current stream (the stream
-    its ``__dlpack__`` would order on); else None."""
+    its ``__dlpack__`` would order on); else None -- also where that is the per-thread
+    default stream, which a queue cannot wait for (PyTorch then orders it itself)."""
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(obj, torch.Tensor):
         return None
     handle: int = torch.cuda.current_stream(obj.device).cuda_stream
-    return handle
+    return None if handle == _PER_THREAD_STREAM else handle
+
+
+_PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD
 
 
 def _taker() -> Callable[[object], tuple[Any, ...]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import sys
 import threading
 
 import numpy as np
@@ -313,3 +314,27 @@ async def test_from_dlpack_refuses_metal_memory(anyio_backend: object) -> None:
     async with am.open_device("cpu"):
         with pytest.raises(BufferError, match="Metal memory"):
             am.from_dlpack(MetalTensor())
+
+
+def test_a_torch_tensors_stream_is_the_current_one_unless_per_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``am.from_dlpack`` waits itself for a PyTorch tensor's current stream; for the
+    per-thread default stream (2), which a queue cannot wait for, it lets PyTorch order
+    it (the protocol's way). A stand-in for torch: only what the lookup uses."""
+    import types
+
+    from asyncmetal import _interop
+
+    class Tensor:
+        device = "cuda:0"
+
+    current = types.SimpleNamespace(cuda_stream=0x5000)
+    torch = types.SimpleNamespace(
+        Tensor=Tensor, cuda=types.SimpleNamespace(current_stream=lambda device: current)
+    )
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    assert _interop._torch_stream(Tensor()) == 0x5000
+    assert _interop._torch_stream(object()) is None  # not a tensor
+    current.cuda_stream = 2
+    assert _interop._torch_stream(Tensor()) is None
