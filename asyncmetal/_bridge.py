@@ -99,7 +99,7 @@ class Watch:
         self.next = INFINITY  # smallest value waited for; read by notifying threads
         self.queued = False  # already in the bridge's pending deque
         self.withdrawn = 0  # cancelled entries still in the heap
-        self.dropping = False  # empty: let go of in the loop's next iteration, if still
+        self.dropping = False  # empty: let go of two turns of the loop later, if still
         c_timeline = getattr(timeline.native, "c_timeline", None)
         self.cwatch = None if c_timeline is None else bridge.native_watch(self, c_timeline)
 
