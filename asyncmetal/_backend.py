@@ -230,6 +230,11 @@ class NativeQueue(ABC):
         """Hand over anything submitted but still kept back (a Metal wait waiting for
         the command buffer of the work that depends on it). Called before parking."""
 
+    def hand_over(self, value: int) -> None:  # noqa: B027 - most backends hold nothing
+        """Hand what is held on the host up to command ``value`` to the device now:
+        another library is about to use the queue's stream itself, and sees only what
+        reached it. Raise BufferError if a wait before it cannot be handed over yet."""
+
     @abstractmethod
     def close(self, abandon: bool = False) -> None:
         """Finish what was submitted, then release the queue. May block: never on a loop.

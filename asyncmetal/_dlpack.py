@@ -545,6 +545,7 @@ def cuda_array_interface(
     if buffer.busy():
         queue = state.default_queue()
         queue.after(buffer)
+        queue._native.hand_over(queue._submitted)  # the consumer records an event there
         stream = queue.handle
     handle, _ = buffer._lend(hold=False)
     return {

@@ -24,6 +24,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -50,6 +51,14 @@ typedef struct am_notifier {
 } am_notifier;
 
 struct am_timeline;
+
+/* A device wait held on the host until what satisfies it was handed to a device or the
+ * host raised the word (timeline_defer): `fn` runs once, on the thread that got there. */
+typedef struct am_kick {
+    struct am_kick *next;
+    uint64_t target;
+    void (*fn)(struct am_kick *);
+} am_kick;
 
 typedef struct am_watch {
     _Atomic uint64_t next;          /* smallest value its loop waits for */
@@ -79,7 +88,17 @@ typedef struct am_timeline {
     int fail_error;
     uint64_t fail_value;
     struct am_timeline *fail_cause;
+    /* The highest value a device write of the word was handed to a driver for (a queue's
+     * own timeline: its commands; another: a queue's signal), and the device waits held
+     * until that or the word gets to theirs (under mu; has_kicks: any, read unlocked). */
+    _Atomic uint64_t handed;
+    am_kick *kicks;
+    atomic_int has_kicks;
+    atomic_int signalled_by;        /* AM_BY_HOST: a host signal raised it; AM_BY_DEVICE:
+                                       a queue's signal of it was submitted */
 } am_timeline;
+
+enum { AM_BY_HOST = 1, AM_BY_DEVICE = 2 };
 
 /* ---- host_queues.c: a cpu queue's commands, and the queue ------------------------ */
 
@@ -164,6 +183,9 @@ void am_timeline_signal(am_timeline *t, uint64_t v);
 int am_timeline_spin(am_timeline *t, uint64_t v, long max_ns);
 int64_t am_timeline_due(am_timeline *t, uint64_t v);
 AM_HIDDEN void timeline_set_due(am_timeline *t, uint64_t v, int64_t due_ns);
+AM_HIDDEN void timeline_handed(am_timeline *t, uint64_t v);
+AM_HIDDEN int timeline_defer(am_timeline *t, uint64_t target, am_kick *k);
+AM_HIDDEN void timeline_kick(am_timeline *t);
 const char *am_build_digest(void);
 
 /* ---- host_queues.c --------------------------------------------------------------- */
@@ -198,6 +220,8 @@ int am_cuq_memcpy(am_cuq *q, int to_device, uint64_t dst, uint64_t src, size_t n
                   uint64_t value);
 int am_cuq_write(am_cuq *q, void *word, uint64_t target, uint64_t value);
 int am_cuq_wait(am_cuq *q, void *word, uint64_t target, uint64_t value);
+int am_cuq_wait_timeline(am_cuq *q, am_timeline *t, uint64_t target, uint64_t value);
+int am_cuq_hand_over(am_cuq *q, uint64_t value);
 int am_cuq_failed_call(am_cuq *q);
 void am_cuq_stats(am_cuq *q, uint64_t *out);
 void am_cuq_set_shared(am_cuq *q);

@@ -167,17 +167,29 @@ static void cuq_release_waiters(am_cuq *q) {
         w = next;
     }
     raise_word(q->word, UINT64_MAX);
+    timeline_kick(q->timeline);  /* waits held for it: they go to the driver (and pass) */
     host_signalled();
 }
 
-/* Hand held operations to the driver while the stream has room. Runs on the completion
- * thread (the context is current there). */
-static void cuq_drain(am_cuq *q) {
+/* Whether cuq_drain hands over the first held operation (under mu): while the stream has
+ * room; `through` a value, while that command is not handed over yet, room or not. */
+static int cuq_drains(const am_cuq *q, uint64_t through) {
+    if (!through) return cuq_can_drain(q);
+    return q->held && !q->driving && !q->deferred && q->stop != 2 && q->submitted < through;
+}
+
+/* Hand held operations to the driver while the stream has room (through 0), or up to
+ * command `through`; `most` operations at most (0: no limit). Runs on the completion
+ * thread, or on another between cuq_enter and cuq_leave: the context is current. A
+ * device wait that must not reach the driver yet goes back, first, and stops it
+ * (q->deferred). */
+void cuq_drain(am_cuq *q, uint64_t through, int most) {
+    int ops = 0;
     am_cuop *dropped = NULL;
     int refused = 0;
     uint64_t refused_value = 0;
     pthread_mutex_lock(&q->mu);
-    while (cuq_can_drain(q)) {
+    while (cuq_drains(q, through) && (!most || ops++ < most)) {
         am_cuop *op = q->held;
         q->held = op->next;
         if (!q->held) q->held_tail = NULL;
@@ -185,6 +197,13 @@ static void cuq_drain(am_cuq *q) {
         q->driving = 1;
         pthread_mutex_unlock(&q->mu);
         int r = cuq_run_op(q, op);
+        if (r == CU_DEFERRED) {
+            pthread_mutex_lock(&q->mu);
+            q->driving = 0;
+            op->next = NULL;
+            cuq_hold_first(q, op);
+            continue;
+        }
         /* Refused: what this command handed over before may still run; the queue settles
          * only once the stream is past it (an event behind it, waited for, that fails). */
         if (r && __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) != 2) {
@@ -265,7 +284,9 @@ static void *cuq_run(void *arg) {
                 sched_yield();
         }
         pthread_mutex_lock(&q->mu);
-        while (q->count == 0 && !cuq_can_drain(q) && !q->stop) {
+        /* (Stopping, with work held behind a deferred wait: that wait's kick, or an
+         * abandon, comes first.) */
+        while (q->count == 0 && !cuq_can_drain(q) && (!q->stop || (q->stop == 1 && q->held))) {
             q->sleeping = 1;  /* submissions signal the condition only then */
             pthread_cond_wait(&q->cv, &q->mu);
             q->sleeping = 0;
@@ -273,7 +294,7 @@ static void *cuq_run(void *arg) {
         if (q->stop == 2 || (q->stop && q->count == 0 && !q->held)) break;
         if (q->count == 0) {
             pthread_mutex_unlock(&q->mu);
-            cuq_drain(q);
+            cuq_drain(q, 0, 0);
             continue;
         }
         am_cuentry e = q->ring[q->head];
@@ -332,6 +353,10 @@ static void *cuq_run(void *arg) {
                 if (due + late - t > spin) spin = (long)(due + late - t);
             }
             int64_t deadline = r == CU_ERROR_NOT_READY ? t + spin : t;
+            /* Work a kick released (a host signal just let a held wait go): polled for
+             * a while, as a wait a host signal releases on the device is. */
+            int64_t kicked_until = atomic_load(&q->poll_until);
+            if (r == CU_ERROR_NOT_READY && kicked_until > deadline) deadline = kicked_until;
             int64_t last = t - CU_POLL_GAP_NS;
             while (t < deadline) {
                 int64_t since = t - last;
@@ -430,7 +455,7 @@ static void *cuq_run(void *arg) {
                 cuq_recycle(q, e.event, e.blocking);
                 if (e.signals) cuq_fail_signal(q, &e);
                 pthread_mutex_unlock(&q->mu);
-                cuq_drain(q);
+                cuq_drain(q, 0, 0);
                 continue;
             }
             r = CU_WAITED_FAILED;
@@ -449,7 +474,7 @@ static void *cuq_run(void *arg) {
         if (e.extra && !r && !e.waited) am_timeline_poke(e.extra, e.extra_value);
         am_timeline_poke(q->timeline, settle ? UINT64_MAX : e.value);
         if (settle) cuq_release_waiters(q);
-        cuq_drain(q);
+        cuq_drain(q, 0, 0);
     }
     /* Stopping, under mu. An abandoned queue's closer may have given up waiting for this
      * thread (it was blocked on an event that never completes): then it frees the queue.

@@ -7,10 +7,18 @@
  * cuGetProcAddress (asyncmetal asks cuda-bindings for them once).
  *
  * Measured on an H200 VM: cuLaunchKernel ~5 us, cuStreamWriteValue64 ~2.4 us, an event
- * record ~0.8 us. So the queue's device word (which streams wait on with
- * cuStreamWaitValue64) is written only for values some device wait asked for before
- * they were submitted; a wait for a value already submitted waits on that command's
- * event instead (cuStreamWaitEvent, across devices too).
+ * record ~0.8 us. A wait for another queue's value waits on that command's event
+ * (cuStreamWaitEvent, across devices too), never on a word the stream would write later.
+ *
+ * A device wait is handed to the driver only once what satisfies it was: the command it
+ * waits for, the signal that writes the word it waits on, or a host signal. Streams
+ * beyond the device's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default) share
+ * one, in the order their work was handed over, and a wait there holds up every stream
+ * behind it: a wait handed over before the work that satisfies it can wait forever (on
+ * the H200, with one hardware queue, every such wait did). So until then the wait, and
+ * everything behind it, is held here (deferred: a kick on the timeline, timelines.c,
+ * resumes it); another library's stream, which cannot be held, has the commands up to
+ * the one it waits for handed over at once (cuq_hand_over), then waits on its event.
  *
  * Commands in flight are bounded (max_inflight, the commands handed to the driver and
  * not yet confirmed). Past the bound, operations are held here, in order, and the
@@ -46,6 +54,7 @@ extern AM_HIDDEN void *cu_funcs[CU_NFUNCS];
 #define CU_POLL_GAP_NS 10000     /* at most this long between queries, ... */
 #define CU_POLL_QUIET_NS 500     /* ... or this long while no thread submits to the queue */
 #define CU_KICK_POLL_NS 500000   /* after a host signal, poll this long before napping */
+#define CU_KICK_OPS 8            /* a kick's thread hands over this many held operations */
 #define CU_NAP_MIN_NS 60000      /* a command expected to run this much longer: nap first */
 #define CU_NAP_LEAD_NS 30000     /* ... waking this long (and a 128th of its run) before */
 #define CU_NAP_CHUNK_NS 20000000 /* ... in naps of at most this (an abandon is seen) */
@@ -98,7 +107,9 @@ typedef struct am_cuop {
     uint64_t dst, src;              /* copies: device or host addresses */
     void *src_ctx;                  /* CUOP_COPY between devices: the source's context */
     size_t nbytes;
-    void *word;                     /* CUOP_WRITE, CUOP_WAIT: a device word; CUOP_WAIT_EVENT:
+    void *word;                     /* CUOP_WRITE, CUOP_WAIT: a device word (CUOP_WAIT with
+                                       `extra`: that timeline's, deferred until it can be
+                                       satisfied); CUOP_WAIT_EVENT:
                                        an event another library's stream recorded, owned
                                        by the operation (destroyed once waited for, or
                                        when the operation is dropped) */
@@ -131,12 +142,15 @@ struct am_cuq {
     am_timeline *timeline;          /* the queue's timeline: its value is verified */
     _Atomic uint64_t *word;         /* its device word, written by the stream on demand */
     uint64_t submitted;             /* the last value handed to the completion thread */
-    uint64_t wanted;                /* write the word for values up to this one */
     long spin_ns;
     int sleeping;                   /* the completion thread waits on cv */
     size_t max_inflight;            /* entries handed to the driver at most; then held */
     am_cuop *held, *held_tail;      /* operations held on the host, in order */
     size_t nheld;
+    int deferred;                   /* the first held one is a device wait that must not
+                                       reach the driver yet: `kick` is registered */
+    am_kick kick;                   /* ... on the timeline it waits for (one ref of q) */
+    _Atomic int64_t poll_until;     /* a kicked wait's work: polled for until then */
     int driving;                    /* a thread is making driver calls for this queue */
     _Atomic(void *) spare[2];       /* an event for the next command, taken without the lock */
     atomic_int blocking;            /* commands get blocking-sync events (they run long) */
@@ -182,10 +196,12 @@ typedef struct am_cuwaiter {
 } am_cuwaiter;
 
 #define CU_WAITED_FAILED (-3)  /* a queue's error: it waited for a failed command's value */
+#define CU_DEFERRED (-4)       /* cuq_run_op: a device wait that must be held (q->deferred) */
 
 /* Whether the completion thread has held operations it may hand over now (under mu). */
 static inline int cuq_can_drain(const am_cuq *q) {
-    return q->held && !q->driving && q->count < q->max_inflight && q->stop != 2;
+    return q->held && !q->driving && !q->deferred && q->count < q->max_inflight &&
+           q->stop != 2;
 }
 
 static inline int cuq_fail(am_cuq *q, int call, int r) {
@@ -203,6 +219,7 @@ AM_HIDDEN void cuq_destroy_events(am_cuq *q);                      /* under q->m
 AM_HIDDEN void cuq_drop_waiters(am_cuq *q);
 
 /* cuda_completion.c */
+AM_HIDDEN void cuq_drain(am_cuq *q, uint64_t through, int most);
 AM_HIDDEN int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command);
 AM_HIDDEN void cuq_poison_after(am_cuq *q, uint64_t command, am_cuq *other);
 
@@ -212,5 +229,6 @@ AM_HIDDEN int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t
                          long spin_ns, int flags);
 AM_HIDDEN int cuq_submit(am_cuq *q, const am_cuop *op, size_t size);
 AM_HIDDEN int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *then);
+AM_HIDDEN void cuq_hold_first(am_cuq *q, am_cuop *op);            /* under q->mu */
 
 #endif

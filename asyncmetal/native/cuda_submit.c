@@ -29,11 +29,10 @@ static int cuq_leave(am_cuq *q, int r, void *before) {
     return r;
 }
 
-/* Record an event behind the command, hand it to the completion thread and, if a device
- * wait asked for this value before it was submitted, have the stream write it into the
- * queue's device word. One pass under the lock: the hand-over, the word decision (so a
- * waiter on another queue either finds the command's event or has its value written)
- * and the event for the next command. Returns a CUresult (-1: out of memory). */
+/* Record an event behind the command and hand it to the completion thread: one pass
+ * under the lock, with the event for the next command. Then the device waits held until
+ * this command (or the signal it makes) was handed over go on (timeline_handed).
+ * Returns a CUresult (-1: out of memory). */
 int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
                       long spin_ns, int flags) {
     /* Which kind of event the command gets: blocking-sync for one known to run long,
@@ -83,7 +82,6 @@ int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_val
                     signals};
     q->ring[(q->head + q->count) % q->cap] = e;
     q->count++;
-    int write = !fence && value <= q->wanted;
     if (!fence && value > q->submitted) q->submitted = value;
     void *spare = NULL;
     if (q->events_count[k] && !atomic_load(&q->spare[k]))
@@ -99,29 +97,80 @@ int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_val
             pthread_mutex_unlock(&q->mu);
         }
     }
-    if (write) {
-        r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WRITE64])(
-            q->stream, (void *)q->word, value, 0);
-        if (r) {  /* handed over already: the queue fails from this command on */
-            pthread_mutex_lock(&q->mu);
-            if (!q->error) { q->error = r; q->error_value = value; }
-            pthread_mutex_unlock(&q->mu);
-            return cuq_fail(q, CU_WRITE64, r);
-        }
-    }
+    if (!fence) timeline_handed(q->timeline, value);
+    if (signals) timeline_handed(extra, extra_value);  /* its word write went before */
     return 0;
 }
 
-static int cuq_wait_word(am_cuq *q, void *word, uint64_t value) {
+/* A thread handing over what a kick released (below): the kicks its hand-overs cause
+ * wake those queues' completion threads instead. */
+static _Thread_local int kick_driving;
+
+/* What satisfies q's held wait reached a driver or the word: the thread that got it there
+ * (a host signal's caller, or one handing another queue's signal over) hands the wait and
+ * the first few operations behind it over itself -- the device starts on them at once,
+ * not a thread wake-up later -- and the completion thread, woken by them, does the rest.
+ * The thread then polls for a while rather than block on their events. */
+static void cuq_kicked(am_kick *k) {
+    am_cuq *q = (am_cuq *)(void *)((char *)k - offsetof(am_cuq, kick));
+    atomic_store(&q->poll_until, now_ns() + CU_KICK_POLL_NS);
+    pthread_mutex_lock(&q->mu);
+    q->deferred = 0;
+    int here = !kick_driving && cuq_can_drain(q);
+    if (!here && q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    if (here) {
+        void *before;
+        kick_driving = 1;
+        if (!cuq_enter(q, &before)) cuq_drain(q, 0, CU_KICK_OPS);
+        cuq_leave(q, 0, before);
+        kick_driving = 0;
+        pthread_mutex_lock(&q->mu);
+        if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
+        pthread_mutex_unlock(&q->mu);
+    }
+    cuq_unref(q);
+}
+
+/* Whether q's device wait for `target` of t must be held (q->deferred, and a kick
+ * registered that resumes it) rather than handed to the driver now. By the thread
+ * handing q's operations over (q->driving). */
+static int cuq_defer(am_cuq *q, am_timeline *t, uint64_t target) {
+    pthread_mutex_lock(&q->mu);
+    q->deferred = 1;  /* before the kick can run: it clears this */
+    pthread_mutex_unlock(&q->mu);
+    atomic_fetch_add(&q->refs, 1);
+    q->kick.fn = cuq_kicked;
+    if (timeline_defer(t, target, &q->kick)) return 1;
+    pthread_mutex_lock(&q->mu);
+    q->deferred = 0;
+    pthread_mutex_unlock(&q->mu);
+    atomic_fetch_sub(&q->refs, 1);  /* (never the last: the caller's) */
+    return 0;
+}
+
+/* A device wait on a word: raised by the host (`extra` NULL: a staging chunk's), or a
+ * timeline's, held until a signal of it was handed over (or it was raised), and then not
+ * made at all if the word got there already. A timeline only host signals raised so far
+ * is waited for on the device at once: the device then polls its word through the
+ * wait, and starts on the work behind it within microseconds of the signal (handing
+ * that work over after the signal adds ~100 us on the H200 once it idled a while). */
+static int cuq_wait_word(am_cuq *q, const am_cuop *op) {
+    am_timeline *t = op->extra;
+    int host_only = t && atomic_load(&t->signalled_by) == AM_BY_HOST;
+    if (t && !host_only && cuq_defer(q, t, op->target)) return CU_DEFERRED;
+    if (t && atomic_load((_Atomic uint64_t *)op->word) >= op->target) return 0;
     int r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WAIT64])(
-        q->stream, word, value, 0x0 /* CU_STREAM_WAIT_VALUE_GEQ */);
+        q->stream, op->word, op->target, 0x0 /* CU_STREAM_WAIT_VALUE_GEQ */);
     return r ? cuq_fail(q, CU_WAIT64, r) : 0;
 }
 
 /* Make `stream` wait until queue `other` reaches `value`: on the event of the first
- * command at or after it if that was submitted and is not yet confirmed, on other's
- * device word if it was not submitted yet (other then writes its word up to it), and
- * not at all if it is confirmed. Decided under other's lock, and the event lent
+ * command at or after it if that was submitted and is not yet confirmed, not at all if
+ * it is confirmed (or other was abandoned). Not submitted yet: a queue q holds its wait
+ * until it is (CU_DEFERRED); another library's stream (q NULL) had it handed over first
+ * (cuq_hand_over), so only a wait that is held (CU_DEFERRED) or a failed other is left
+ * -- whose device word the host raises, which the stream then waits on. Decided under other's lock, and the event lent
  * (am_culend): the driver call, which can block (a deep stream, the driver's own
  * locks), is made without the lock -- other's completion thread and submitters never
  * wait behind it -- while other's completion thread cannot recycle (re-record) or
@@ -132,10 +181,15 @@ static int cuq_wait_word(am_cuq *q, void *word, uint64_t value) {
 static int stream_wait_queue(void *stream, am_cuq *other, uint64_t value, am_cuq *q,
                              uint64_t command, int *call) {
     int r = 0;
+    if (q && cuq_defer(q, other->timeline, value)) return CU_DEFERRED;
     pthread_mutex_lock(&other->mu);
+    if (value > other->submitted && (other->stop == 2 ||
+                                     (!q && !other->error && atomic_load(other->word) < value))) {
+        pthread_mutex_unlock(&other->mu);
+        return other->stop == 2 ? 0 : CU_DEFERRED;
+    }
     int failed = q && other->stop != 2 && cuq_waited(q, other, value, command);
     if (value > other->submitted) {
-        if (value > other->wanted) other->wanted = value;
         pthread_mutex_unlock(&other->mu);
         if (failed) cuq_poison_after(q, command, other);
         *call = CU_WAIT64;
@@ -208,7 +262,7 @@ int cuq_run_op(am_cuq *q, const am_cuop *op) {
             q->stream, op->word, op->target, 0);
         return r ? cuq_fail(q, CU_WRITE64, r) : 0;
     case CUOP_WAIT:
-        return cuq_wait_word(q, op->word, op->target);
+        return cuq_wait_word(q, op);
     case CUOP_WAIT_QUEUE:
         return cuq_wait_queue(q, op->other, op->target, op->value);
     case CUOP_WAIT_EVENT: {
@@ -226,6 +280,25 @@ int cuq_run_op(am_cuq *q, const am_cuop *op) {
     return -2;
 }
 
+/* A copy of `op` (`size` bytes) to hold, linked to one of `then`, if any; NULL if out of
+ * memory. */
+static am_cuop *cuq_copy_op(const am_cuop *op, size_t size, const am_cuop *then) {
+    am_cuop *copy = malloc(size), *end = then ? malloc(sizeof *end) : NULL;
+    if (!copy || (then && !end)) {
+        free(copy);
+        free(end);
+        return NULL;
+    }
+    memcpy(copy, op, size);
+    copy->next = end;
+    if (copy->other) atomic_fetch_add(&copy->other->refs, 1);
+    if (end) {
+        *end = *then;
+        end->next = NULL;
+    }
+    return copy;
+}
+
 /* Hand an operation to the driver now, or hold it (copied) behind what is held already
  * or while the stream has max_inflight commands unconfirmed; with `then` (a command's
  * CUOP_FINISH), that one too, right behind it in the same pass (both handed over, or both
@@ -240,20 +313,12 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
         return e;
     }
     if (q->held || q->driving || q->count >= q->max_inflight) {
-        am_cuop *copy = malloc(size), *end = then ? malloc(sizeof *end) : NULL;
-        if (!copy || (then && !end)) {
+        am_cuop *copy = cuq_copy_op(op, size, then);
+        if (!copy) {
             pthread_mutex_unlock(&q->mu);
-            free(copy);
-            free(end);
             return -1;
         }
-        memcpy(copy, op, size);
-        copy->next = end;
-        if (copy->other) atomic_fetch_add(&copy->other->refs, 1);
-        if (end) {
-            *end = *then;
-            end->next = NULL;
-        }
+        am_cuop *end = copy->next;
         if (q->held_tail) q->held_tail->next = copy; else q->held = copy;
         q->held_tail = end ? end : copy;
         q->nheld += end ? 2 : 1;
@@ -267,13 +332,35 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
     void *before;
     int r = cuq_enter(q, &before);
     if (!r) r = cuq_run_op(q, op);
-    if (!r && then) r = cuq_run_op(q, then);
+    am_cuop *held = NULL;
+    if (r == CU_DEFERRED) {  /* held after all, first (before what came meanwhile) */
+        r = 0;
+        held = cuq_copy_op(op, size, then);
+        if (!held) r = -1;  /* (q->deferred: its kick clears it) */
+    } else if (!r && then) {
+        r = cuq_run_op(q, then);
+    }
     cuq_leave(q, r, before);
     pthread_mutex_lock(&q->mu);
     q->driving = 0;
+    if (held) {
+        cuq_hold_first(q, held);
+        atomic_fetch_add(&q->held_total, then ? 2 : 1);
+    }
     if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
     pthread_mutex_unlock(&q->mu);
     return r;
+}
+
+/* Put `op` and those it links to before the held operations. Under mu. */
+void cuq_hold_first(am_cuq *q, am_cuop *op) {
+    am_cuop *last = op;
+    size_t n = 1;
+    for (; last->next; last = last->next) n++;
+    last->next = q->held;
+    if (!q->held) q->held_tail = last;
+    q->held = op;
+    q->nheld += n;
 }
 
 int cuq_submit(am_cuq *q, const am_cuop *op, size_t size) {
@@ -284,6 +371,8 @@ int cuq_submit(am_cuq *q, const am_cuop *op, size_t size) {
  * wait's: a plain event). spin_ns: how long the command is expected to take at most. */
 int am_cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
                   long spin_ns, int flags) {
+    if (extra && !(flags & (CU_FINISH_PLAIN | CU_FINISH_WAITED)))  /* a signal of extra */
+        atomic_fetch_or(&extra->signalled_by, AM_BY_DEVICE);
     am_cuop op = {.kind = CUOP_FINISH, .flags = flags, .value = value, .extra = extra,
                   .extra_value = extra_value, .spin_ns = spin_ns};
     return cuq_submit(q, &op, sizeof op);
@@ -341,6 +430,14 @@ int am_cuq_write(am_cuq *q, void *word, uint64_t target, uint64_t value) {
 
 int am_cuq_wait(am_cuq *q, void *word, uint64_t target, uint64_t value) {
     am_cuop op = {.kind = CUOP_WAIT, .value = value, .word = word, .target = target};
+    return cuq_submit(q, &op, sizeof op);
+}
+
+/* A device wait on timeline t's word, held on the host until a signal of t that gets
+ * there was handed to a driver, or the host raised the word (cuq_wait_word). */
+int am_cuq_wait_timeline(am_cuq *q, am_timeline *t, uint64_t target, uint64_t value) {
+    am_cuop op = {.kind = CUOP_WAIT, .value = value, .word = (void *)t->word, .target = target,
+                  .extra = t};
     return cuq_submit(q, &op, sizeof op);
 }
 
@@ -452,13 +549,64 @@ int am_cuq_wait_stream(am_cuq *q, void *ctx, void *stream, uint64_t value, int *
     return r;
 }
 
+/* Hand q's operations up to command `value` to the driver now, on the calling thread and
+ * past the bound on commands in flight: for a stream that is about to wait on its event
+ * and cannot be held. A held wait of q on another queue has that queue's operations up
+ * to what it waits for handed over first, the same way. Returns 0 once `value` was
+ * handed over (or q failed, or was abandoned); CU_DEFERRED if a wait before it waits for
+ * what no one handed over yet (a timeline only a later signal raises); a CUresult if the
+ * context could not be made current. The caller's context is kept. */
+static int cuq_hand_over(am_cuq *q, uint64_t value, int depth) {
+    void *before;
+    int r = cuq_enter(q, &before);
+    if (r) return cuq_leave(q, r, before);
+    pthread_mutex_lock(&q->mu);
+    while (q->submitted < value && q->stop != 2 && !q->error) {
+        if (q->driving) {  /* another thread hands some over now: it is brief */
+            pthread_mutex_unlock(&q->mu);
+            sched_yield();
+            pthread_mutex_lock(&q->mu);
+            continue;
+        }
+        if (!q->held) break;  /* (nothing up to it submitted at all) */
+        if (q->deferred) {
+            am_cuop *first = q->held;
+            if (first->kind != CUOP_WAIT_QUEUE || depth >= 8) {
+                r = CU_DEFERRED;
+                break;
+            }
+            am_cuq *other = first->other;
+            uint64_t target = first->target;
+            atomic_fetch_add(&other->refs, 1);
+            pthread_mutex_unlock(&q->mu);
+            r = cuq_hand_over(other, target, depth + 1);  /* its hand-over kicks q */
+            cuq_unref(other);
+            pthread_mutex_lock(&q->mu);
+            if (!r && q->deferred && q->held == first) r = CU_DEFERRED;  /* (abandoned) */
+            if (r) break;
+            continue;
+        }
+        pthread_mutex_unlock(&q->mu);
+        cuq_drain(q, value, 0);
+        pthread_mutex_lock(&q->mu);
+    }
+    pthread_mutex_unlock(&q->mu);
+    return cuq_leave(q, r, before);
+}
+
+/* Hand q's operations up to command `value` to the driver now (cuq_hand_over): before
+ * another library uses q's stream, or a stream that waits on q's events. */
+int am_cuq_hand_over(am_cuq *q, uint64_t value) { return cuq_hand_over(q, value, 0); }
+
 /* Make another library's stream (a DLPack consumer's) wait until queue `owner` reaches
  * `target`, as a queue's wait on another queue does, but for a stream that is no queue
  * of asyncmetal's: nothing is numbered, held or confirmed for it, so no completion
- * thread watches it. A target still held on the host has owner write its word once it
- * reaches the driver. Submitted now, with `ctx` current (the stream's context: for
- * CU_STREAM_LEGACY, which one it is), and the caller's context current again after.
- * Returns a CUresult; *call: the driver call it came from. */
+ * thread watches it. What owner still holds up to `target` is handed over first (a
+ * stream cannot be held), then the stream waits on its event. Submitted now, with `ctx`
+ * current (the stream's context: for CU_STREAM_LEGACY, which one it is), and the
+ * caller's context current again after. Returns a CUresult, or CU_DEFERRED (nothing
+ * done) if `target` waits for what no one handed over yet; *call: the driver call the
+ * CUresult came from. */
 int am_cuq_wait_foreign(am_cuq *owner, void *ctx, void *stream, uint64_t target, int *call) {
     void *before = NULL;
     ((int (*)(void **))cu_funcs[CU_CTX_GET])(&before);
@@ -467,7 +615,9 @@ int am_cuq_wait_foreign(am_cuq *owner, void *ctx, void *stream, uint64_t target,
         *call = CU_CTX_SET;
         return r;
     }
-    r = stream_wait_queue(stream, owner, target, NULL, 0, call);
+    r = cuq_hand_over(owner, target, 0);
+    *call = CU_CTX_SET;
+    if (!r) r = stream_wait_queue(stream, owner, target, NULL, 0, call);
     if (before != ctx) ((int (*)(void *))cu_funcs[CU_CTX_SET])(before);
     return r;
 }

@@ -91,10 +91,88 @@ void am_timeline_set_word(am_timeline *t, uint64_t *word) {
     t->word = (_Atomic uint64_t *)word;
 }
 
+/* ---- device waits held until they can be satisfied --------------------------------
+ *
+ * A device waits on a word (cuStreamWaitValue64) only once the write that satisfies it
+ * was handed to a driver, or the host raised the word: streams beyond the device's
+ * hardware queues share one, and a wait there holds up every stream behind it, which a
+ * write handed over later would be. Until then the wait is held on the host, with a
+ * kick registered here; it runs once the value handed over or the word got there. */
+
+static uint64_t timeline_reached_for_devices(am_timeline *t) {
+    uint64_t word = t->word ? atomic_load(t->word) : 0, handed = atomic_load(&t->handed);
+    return word > handed ? word : handed;
+}
+
+/* The kicks due now, taken off the list (under mu): run them once mu is released. */
+static am_kick *kicks_due(am_timeline *t) {
+    if (!t->kicks) return NULL;
+    uint64_t v = timeline_reached_for_devices(t);
+    am_kick *due = NULL, **p = &t->kicks;
+    while (*p) {
+        am_kick *k = *p;
+        if (k->target <= v) {
+            *p = k->next;
+            k->next = due;
+            due = k;
+        } else {
+            p = &k->next;
+        }
+    }
+    atomic_store(&t->has_kicks, t->kicks != NULL);
+    return due;
+}
+
+static void run_kicks(am_kick *k) {
+    while (k) {
+        am_kick *next = k->next;
+        k->fn(k);
+        k = next;
+    }
+}
+
+/* A device write of v into the word was handed to a driver (or, a queue's own timeline,
+ * its command v). The seq_cst store-then-load pairs with timeline_defer's. */
+void timeline_handed(am_timeline *t, uint64_t v) {
+    uint64_t old = atomic_load(&t->handed);
+    while (old < v && !atomic_compare_exchange_weak(&t->handed, &old, v)) {}
+    if (!atomic_load(&t->has_kicks)) return;
+    pthread_mutex_lock(&t->mu);
+    am_kick *due = kicks_due(t);
+    pthread_mutex_unlock(&t->mu);
+    run_kicks(due);
+}
+
+/* Register k for `target`: 1 if registered (k->fn runs once it is due), 0 if a device may
+ * wait for it now. */
+int timeline_defer(am_timeline *t, uint64_t target, am_kick *k) {
+    pthread_mutex_lock(&t->mu);
+    k->target = target;
+    k->next = t->kicks;
+    t->kicks = k;
+    atomic_store(&t->has_kicks, 1);
+    int ready = timeline_reached_for_devices(t) >= target;
+    if (ready) {
+        t->kicks = k->next;
+        atomic_store(&t->has_kicks, t->kicks != NULL);
+    }
+    pthread_mutex_unlock(&t->mu);
+    return !ready;
+}
+
+/* The word was raised outside the functions here (a failed queue's, to UINT64_MAX). */
+void timeline_kick(am_timeline *t) {
+    pthread_mutex_lock(&t->mu);
+    am_kick *due = kicks_due(t);
+    pthread_mutex_unlock(&t->mu);
+    run_kicks(due);
+}
+
 void am_timeline_free(am_timeline *t) {
     /* In a child, the parent's: destroying a condition waits for its waiters, which
      * here are threads that no longer exist. */
     if (t->forks != am_forks) return;
+    /* (t->kicks: none while a wait is held for t -- its command keeps t alive) */
     pthread_mutex_destroy(&t->mu);
     pthread_cond_destroy(&t->cv);
     free(t);
@@ -111,10 +189,13 @@ void am_timeline_poke(am_timeline *t, uint64_t v) {
     pthread_cond_broadcast(&t->cv);
     for (am_watch *w = t->watches; w; w = w->link)
         if (v >= atomic_load(&w->next)) notify(w->notifier);
+    am_kick *due = kicks_due(t);
     pthread_mutex_unlock(&t->mu);
+    run_kicks(due);
 }
 
 void am_timeline_signal(am_timeline *t, uint64_t v) {
+    atomic_fetch_or(&t->signalled_by, AM_BY_HOST);
     pthread_mutex_lock(&t->mu);
     if (t->word) raise_word(t->word, v);  /* devices waiting on it go first */
     if (v > atomic_load(&t->value)) {
@@ -123,7 +204,9 @@ void am_timeline_signal(am_timeline *t, uint64_t v) {
         for (am_watch *w = t->watches; w; w = w->link)
             if (v >= atomic_load(&w->next)) notify(w->notifier);
     }
+    am_kick *due = kicks_due(t);
     pthread_mutex_unlock(&t->mu);
+    run_kicks(due);
 }
 
 /* Read t until it reaches v, for at most max_ns: 1 if it did. For a waiter whose value is

@@ -547,7 +547,7 @@ async def test_a_device_wait_on_a_timeline_no_queue_owns_is_confirmed_by_its_val
 
     runtime: Any = driver.runtime
     runtime.am_cuq_finish = am_cuq_finish
-    runtime.am_cuq_wait = lambda q, word, target, value: 0
+    runtime.am_cuq_wait_timeline = lambda q, timeline, target, value: 0
     runtime.am_cuq_wait_queue = lambda q, other, target, value: 0
     dev = await am.open_device("cuda:0")
     try:

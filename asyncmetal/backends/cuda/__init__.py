@@ -11,11 +11,11 @@
   cuda-bindings.
 * Timelines are native-runtime timelines (the host-side value that loops read and await,
   raised only for confirmed work) with a 64-bit device word in pinned, device-mapped host
-  memory: streams wait on the word with ``cuStreamWaitValue64`` (GEQ) before anyone
-  signals, from the host, another stream or another GPU. A wait on a queue's own
-  timeline for a value already submitted waits on that command's event instead
-  (``cuStreamWaitEvent``); for a later value the queue writes its word once it gets
-  there.
+  memory: streams wait on the word with ``cuStreamWaitValue64`` (GEQ), signalled from
+  the host, another stream or another GPU. A wait on a queue's own timeline waits on
+  that command's event (``cuStreamWaitEvent``). A device wait reaches the driver only
+  once what satisfies it did (held on the host until then, ``native/cuda_stream.h``
+  says why), except a wait on a timeline only the host has signalled so far.
 * Kernels are CUDA C compiled by NVRTC for the device's own architecture into a cubin,
   in the compile pool. ``global_size`` is the number of threads per dimension and
   ``local_size`` the block: the grid is ``ceil(global / local)``.

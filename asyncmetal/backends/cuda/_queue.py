@@ -33,6 +33,9 @@ MARKER_POLL_NS = 500_000  # ... a marker with nothing unconfirmed before it
 # A queue's error when a command of it waited on the device for a value of another
 # queue's that failed before producing it (CU_WAITED_FAILED, native/cuda_stream.h).
 WAITED_FAILED = -3
+# A wait for what no one has handed to the device yet (CU_DEFERRED): am_cuq_wait_foreign
+# and am_cuq_hand_over return it when a stream cannot be made to wait now.
+DEFERRED = -4
 
 
 class QueueDevice(StagingDevice, Protocol):
@@ -129,13 +132,12 @@ class CUDAQueue(NativeQueue):
         device_wait: bool = False,
         waited: bool = False,
     ) -> None:
-        """End a command: an event behind it, which the completion thread confirms (the
-        stream also writes the queue's device word if a device wait asked for the
-        value before it was submitted). A command expected to take at most
-        ``MAX_POLL_NS`` (a copy of known size) is polled for through its end: blocking
-        would add an interrupt and a wake-up. One expected to take longer gets a
-        blocking-sync event, which the completion thread sleeps on after a short poll.
-        A device wait's event is always plain: its thread naps, and a host signal wakes it.
+        """End a command: an event behind it, which the completion thread confirms. A
+        command expected to take at most ``MAX_POLL_NS`` (a copy of known size) is polled
+        for through its end: blocking would add an interrupt and a wake-up. One expected
+        to take longer gets a blocking-sync event, which the completion thread sleeps on
+        after a short poll. A device wait's event is always plain: its thread naps, and a
+        host signal wakes it.
         ``waited``: the command is a device wait on the word of ``extra`` (a timeline no
         queue owns) for ``target``, confirmed once the timeline got there, and failed if
         the timeline failed instead."""
@@ -159,7 +161,8 @@ class CUDAQueue(NativeQueue):
         self._check(self._lib.am_cuq_write(self._q, timeline.address, target, value))
 
     def _wait_value(self, value: int, timeline: CUDATimeline, target: int) -> None:
-        """The stream waits for ``timeline``'s word to reach ``target`` (part of ``value``)."""
+        """The stream waits for ``timeline``'s word, which only host threads raise (a
+        staging chunk's), to reach ``target`` (part of ``value``)."""
         self._check(self._lib.am_cuq_wait(self._q, timeline.address, target, value))
 
     def _memcpy(self, value: int, to_device: bool, dst: int, src: int, nbytes: int) -> None:
@@ -169,18 +172,36 @@ class CUDAQueue(NativeQueue):
 
     def order_stream(self, context: int, stream: int, target: int) -> None:
         """Make another library's ``stream`` (of ``context``) wait, on the device, until
-        this queue reaches ``target``: on the command's event, or on the queue's word
-        for a command still held on the host (written once it is handed over). Nothing
-        is numbered or watched for the stream; the calling thread's context is kept."""
+        this queue reaches ``target``, on the command's event: what the queue still
+        holds on the host up to it is handed to the driver first (a stream that waited
+        on a word written later could hold up this queue's, sharing a hardware queue).
+        Nothing is numbered or watched for the stream; the calling thread's context is
+        kept."""
         if _driver.lost_first is not None:
             raise self._lost("a consumer stream's wait")
         if self._q is None:  # closed: its commands are done or were abandoned
             return
         call = ctypes.c_int()
         code = self._lib.am_cuq_wait_foreign(self._q, context, stream, target, ctypes.byref(call))
+        if code == DEFERRED:
+            raise self._not_handed_over(target)
         if code:
             name = self._lib.am_cuda_name(call.value).decode()
             raise driver_error(name, code, self._backend.name)
+
+    def hand_over(self, value: int) -> None:
+        """Hand the operations held on the host up to command ``value`` to the driver
+        now, past the bound on commands in flight: another library is about to use the
+        stream itself (record an event there), which sees only what reached it."""
+        if self._q is not None and self._lib.am_cuq_hand_over(self._q, value) == DEFERRED:
+            raise self._not_handed_over(value)
+
+    def _not_handed_over(self, value: int) -> BufferError:
+        return BufferError(
+            f"command {value} of a queue of {self._backend.name} waits, on the host, for a "
+            "timeline value nothing has signalled yet: another library's stream cannot "
+            "wait for it (signal the timeline, or await the command, before exporting)"
+        )
 
     def failure(self, value: int) -> BaseException | None:
         if not self._error.value and _driver.lost_first is None:  # the common case: no call
@@ -317,7 +338,12 @@ class CUDAQueue(NativeQueue):
                     # shows one it waited for as unfinished.
                     confirms = timeline
             else:
-                self._wait_value(value, timeline, target)
+                # Held on the host until a signal that gets there was handed to a device
+                # (or the host raised the word): a stream's wait on a word holds up the
+                # streams sharing its hardware queue, the signal's among them.
+                self._check(
+                    self._lib.am_cuq_wait_timeline(self._q, timeline.c_timeline, target, value)
+                )
                 # Confirmed once the timeline's value got there: its word may be raised
                 # for a value never produced, when the command signalling it failed.
                 confirms, waited = timeline, True

@@ -1,8 +1,9 @@
 """The cuda queues of the native runtime against a simulated driver
 (tests/support/native/fake_cuda.c).
 
-Runs everywhere: the completion thread, the word-or-event choice for waits between queues
-(submitted from two threads), fault stickiness, event recycling and a wait's confirmation
+Runs everywhere: the completion thread, waits between queues held until what they wait
+for reached the driver (submitted from two threads, and on streams sharing one hardware
+queue), fault stickiness, event recycling and a wait's confirmation
 of the value it waited for are the runtime's own
 logic, which the GPU tests (tests/backends/cuda/test_cuda.py) can only exercise on an
 NVIDIA machine.
@@ -43,5 +44,6 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "foreign"),
         *("ok", "unlocked"),
         *("ok", "waitstream"),
+        *("ok", "shared"),
         *("ok", "released"),
     ]

@@ -23,6 +23,7 @@ static void event_unref(fake_event *ev) {
 }
 
 void enqueue(fake_stream *s, op o) {
+    if (s->hw) s = s->hw;  /* behind whatever any stream of its hardware queue handed over */
     if (refers_to_event(&o)) atomic_fetch_add(&((fake_event *)o.p)->refs, 1);
     pthread_mutex_lock(&s->mu);
     if (s->tail - s->head == s->cap) die("fake stream full");
@@ -74,7 +75,7 @@ static void *stream_run(void *arg) {
     }
 }
 
-static fake_stream *stream_new(void) {
+fake_stream *stream_new(void) {
     fake_stream *s = calloc(1, sizeof *s);
     s->cap = 1 << 20;
     s->ops = calloc(s->cap, sizeof(op));
@@ -83,7 +84,17 @@ static fake_stream *stream_new(void) {
     return s;
 }
 
+fake_stream *stream_sharing(fake_stream *hw) {
+    fake_stream *s = calloc(1, sizeof *s);
+    s->hw = hw;
+    return s;
+}
+
 void stream_free(fake_stream *s, int abandon) {
+    if (s->hw) {  /* its operations are hw's */
+        free(s);
+        return;
+    }
     atomic_store(&s->stop, abandon ? 2 : 1);
     pthread_join(s->thread, NULL);
     for (size_t i = s->head; i < s->tail; i++)  /* abandoned: operations never run */
@@ -194,16 +205,18 @@ static int f_unused(void) { die("a driver call the queues should not make"); ret
 
 long max_inflight = 1 << 20;  /* the queues' bound (most checks: none) */
 
-fake_queue queue_new(void) {
+fake_queue queue_on(fake_stream *s, long bound) {
     fake_queue f;
-    f.s = stream_new();
+    f.s = s;
     f.t = am_timeline_new();
     f.word = calloc(1, sizeof(uint64_t));
     am_timeline_set_word(f.t, f.word);
-    f.q = am_cuq_new((void *)1, f.s, f.t, 30000, max_inflight);
+    f.q = am_cuq_new((void *)1, f.s, f.t, 30000, bound);
     if (!f.q) die("am_cuq_new");
     return f;
 }
+
+fake_queue queue_new(void) { return queue_on(stream_new(), max_inflight); }
 
 fake_queue queue_bounded(long bound) {  /* at most `bound` commands in flight */
     long saved = max_inflight;

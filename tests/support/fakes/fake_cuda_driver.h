@@ -2,7 +2,10 @@
  * stream is a thread that runs its operations in order: kernels (a busy wait, then an
  * entry in the stream's log; one may fault, which, as on a GPU, fails every call after
  * it on that context), event records, 64-bit word writes and waits, event waits. A query
- * reports an event done once the stream ran past its latest record.
+ * reports an event done once the stream ran past its latest record. Streams may share one
+ * hardware queue (stream_sharing), as streams beyond a GPU's CUDA_DEVICE_MAX_CONNECTIONS
+ * do: their operations run in the order they were handed over, one at a time, so a wait
+ * holds up every stream behind it.
  */
 #ifndef FAKE_CUDA_DRIVER_H
 #define FAKE_CUDA_DRIVER_H
@@ -41,6 +44,7 @@ typedef struct fake_stream {
     atomic_int stop;
     _Atomic int64_t log[1 << 16];  /* parameters of the kernels run, in order */
     atomic_long ran;
+    struct fake_stream *hw;        /* the stream whose hardware queue it shares, or NULL */
 } fake_stream;
 
 typedef struct {
@@ -60,6 +64,9 @@ typedef struct {
 void die(const char *what);
 void enqueue(fake_stream *s, op o);  /* an operation on a stream, behind the others */
 void stream_free(fake_stream *s, int abandon);
+fake_stream *stream_new(void);
+fake_stream *stream_sharing(fake_stream *hw);  /* runs its operations on hw's queue */
+fake_queue queue_on(fake_stream *s, long bound);  /* a queue on stream s */
 void fake_driver_install(void);
 void fake_ctx_set_current(void *ctx);  /* the calling thread's current context */
 void *fake_ctx_current(void);

@@ -49,9 +49,10 @@
  *   released  every event any queue made was destroyed once its completion thread
  *             stopped, abandoned ones' included (those in flight, pooled and spare)
  *   foreign   another library's stream waits for a queue's value without becoming a
- *             queue: on the queue's word for a value still held on the host (written
- *             once it is handed over), on an event for one submitted, not at all for one
- *             confirmed; its kernels run only after the value; the context is kept
+ *             queue: for a value still held on the host, the queue's commands up to it
+ *             are handed over at once (past its bound) and the stream waits on its
+ *             event; on an event for one submitted, not at all for one confirmed; its
+ *             kernels run only after the value; the context is kept
  *   unlocked  a stream's wait on a queue's event that is slow in the driver holds up
  *             neither submissions to that queue nor its confirmations, and the event
  *             is neither recorded again (reused) nor destroyed until the call returned
@@ -60,6 +61,13 @@
  *             order -- behind what it holds on the host -- and its commands after the
  *             wait run only once that work ran; the caller's context is kept; the event
  *             is destroyed once waited for, or when the held wait is abandoned
+ *   shared    streams sharing one hardware queue (a wait there holds up every stream
+ *             behind it): a queue's wait for another queue's command still held on the
+ *             host, a wait on a timeline before the signal that raises it was
+ *             submitted, and another library's stream waiting for a held command all
+ *             end, and a wait a host signal releases is held until that signal: no
+ *             stream waits for work handed over behind it; a wait on a timeline only
+ *             the host has signalled goes to the device at once
  */
 #include "fake_cuda_driver.h"
 
@@ -566,8 +574,10 @@ static void check_foreign(void) {
     if (stats[6] < 50) die("foreign: the bounded queue held nothing on the host");
     fake_ctx_set_current((void *)0x77);  /* another library's context */
     int call = -1;
-    if (am_cuq_wait_foreign(a.q, (void *)1, b.s, 60, &call) || call != CU_WAIT64)
-        die("foreign: a value held on the host was not waited for on the word");
+    if (am_cuq_wait_foreign(a.q, (void *)1, b.s, 60, &call) || call != CU_WAIT_EVENT)
+        die("foreign: a value held on the host was not handed over and waited for on its event");
+    am_cuq_stats(a.q, stats);
+    if (stats[6] > 10) die("foreign: what the queue held up to the value stayed held");
     if (am_cuq_wait_foreign(c.q, (void *)1, b.s, 5, &call) || call != CU_WAIT_EVENT)
         die("foreign: a submitted value was not waited for on its event");
     if (fake_ctx_current() != (void *)0x77) die("foreign: the caller's context was not kept");
@@ -689,6 +699,76 @@ static void check_waitstream(void) {
     puts("ok waitstream");
 }
 
+static void check_shared(void) {
+    int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
+    fake_stream *hw = stream_new(), *consumer = stream_sharing(hw);
+    fake_queue a = queue_on(stream_sharing(hw), 2), b = queue_on(stream_sharing(hw), 1 << 20),
+               c = queue_on(stream_sharing(hw), 1 << 20);
+    static kernel slow = {0, 1000000, NULL, 0};
+    /* b waits for a's command 8, which a holds on the host (2 in flight at most) */
+    for (uint64_t v = 1; v <= 8; v++)
+        if (launch(a, &slow, (int64_t)v, v)) die("shared: a launch on a failed");
+    if (am_cuq_wait_queue(b.q, a.q, 8, 1) || launch(b, NULL, 1, 1)) die("shared: b's wait");
+    reach(b.t, 1, "shared: a wait for a held command held up that command");
+    /* c waits on a timeline before the signal that raises it was submitted (by a) */
+    am_timeline *t = am_timeline_new(), *gate = am_timeline_new();
+    uint64_t *words = calloc(2, sizeof(uint64_t));
+    am_timeline_set_word(t, &words[0]);
+    am_timeline_set_word(gate, &words[1]);
+    if (am_cuq_wait_timeline(c.q, t, 1, 1) || am_cuq_finish(c.q, 1, NULL, 0, 0, CU_FINISH_PLAIN) ||
+        launch(c, NULL, 2, 2))
+        die("shared: c's wait");
+    for (uint64_t v = 9; v <= 12; v++)
+        if (launch(a, &slow, (int64_t)v, v)) die("shared: a launch on a failed");
+    if (am_cuq_write(a.q, &words[0], 1, 13) || am_cuq_finish(a.q, 13, t, 1, 0, 0))
+        die("shared: a's signal");
+    reach(c.t, 2, "shared: a wait on a timeline before its signal held up the signal");
+    /* another library's stream waits for a's command 21, held on the host */
+    for (uint64_t v = 14; v <= 21; v++)
+        if (launch(a, &slow, (int64_t)v, v)) die("shared: a launch on a failed");
+    int call = -1;
+    if (am_cuq_wait_foreign(a.q, (void *)1, consumer, 21, &call))
+        die("shared: the other library's wait failed");
+    _Atomic uint64_t *done = calloc(1, sizeof *done);
+    ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WRITE64])(consumer, (void *)done,
+                                                                         1, 0);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!atomic_load(done))
+        if (now_ns() > deadline) die("shared: another library's wait held up what it waits for");
+    if (am_timeline_value(a.t) < 20) die("shared: another library's stream did not wait");
+    /* a wait the host releases: held until the signal, then handed over */
+    if (am_cuq_wait_timeline(c.q, gate, 1, 3) || am_cuq_finish(c.q, 3, NULL, 0, 0, CU_FINISH_PLAIN) ||
+        launch(c, NULL, 4, 4))
+        die("shared: c's second wait");
+    nap_ns(5000000);
+    uint64_t stats[8];
+    am_cuq_stats(c.q, stats);
+    if (am_timeline_value(c.t) > 2 || stats[6] < 3)
+        die("shared: a wait nothing signalled was handed over, or passed");
+    am_timeline_host_signal(gate, 1);
+    reach(c.t, 4, "shared: a host signal did not release the wait held for it");
+    /* gate is a timeline only the host signals: its next wait goes to the device at once */
+    if (am_cuq_wait_timeline(c.q, gate, 2, 5) || am_cuq_finish(c.q, 5, NULL, 0, 0, CU_FINISH_PLAIN) ||
+        launch(c, NULL, 6, 6))
+        die("shared: c's third wait");
+    am_cuq_stats(c.q, stats);
+    if (stats[6]) die("shared: a wait on a timeline only the host signals was held");
+    am_timeline_host_signal(gate, 2);
+    reach(c.t, 6, "shared: a host signal did not release the device's wait");
+    reach(a.t, 21, "shared: a never finished");
+    queue_free(a, 0);
+    queue_free(b, 0);
+    queue_free(c, 0);
+    stream_free(consumer, 0);
+    stream_free(hw, 0);
+    am_timeline_free(t);
+    am_timeline_free(gate);
+    free(words);
+    free((void *)done);
+    atomic_store(&release_syncs, released);
+    puts("ok shared");
+}
+
 int main(void) {
     fake_driver_install();
     check_order();
@@ -711,6 +791,7 @@ int main(void) {
     check_foreign();
     check_unlocked();
     check_waitstream();
+    check_shared();
     /* The abandoned queues' threads have all returned (check_abandon's blocked one once
      * its sync gave up), each destroying its queue's events as it stopped. */
     int64_t deadline = now_ns() + 10000000000LL;
