@@ -165,6 +165,9 @@ class Allocator:
         self._collected: collections.deque[tuple[Block, int]] = collections.deque()  # GC
         self._returned: collections.deque[Block] = collections.deque()  # loans ended
         self._lent_out: set[Block] = set()  # released while lent: released once returned
+        # Blocks whose memory went out to another library (DLPack, the CUDA array
+        # interface), by address: memory that comes back in (from_dlpack) is found here.
+        self._exported: dict[int, Block] = {}
         self._pending: list[tuple[Block, list[tuple[Queue, int]]]] = []  # uses in flight
         # Per loop: the (queue, value) uses it already watches for a pending release.
         self._watched: weakref.WeakKeyDictionary[LoopBridge, set[tuple[Queue, int]]] = (
@@ -299,10 +302,27 @@ class Allocator:
         self._collected.append((block, generation))
         self._frees.increment()
 
-    def lend(self, block: Block) -> None:
-        """Hold ``block`` for a consumer outside asyncmetal until :meth:`returned`."""
+    def lend(self, block: Block, hold: bool = True) -> None:
+        """Hold ``block`` for a consumer outside asyncmetal until :meth:`returned` (with
+        ``hold`` False: not held), and remember that its memory went out."""
+        address = getattr(block.handle, "address", block.handle)
         with self._lock:
-            block.lent += 1
+            block.lent += hold
+            if isinstance(address, int):
+                self._exported[address] = block
+
+    def exported_uses(self, address: int, nbytes: int) -> dict[Queue, int] | None:
+        """The uses record (``last_use``) of the block in use whose memory went out to
+        another library and holds ``nbytes`` at ``address``; None if there is none."""
+        if not self._exported:
+            return None
+        with self._lock:
+            for base, block in list(self._exported.items()):
+                if block not in self._live:  # released since (or cached: not in use)
+                    del self._exported[base]
+                elif base <= address and address + nbytes <= base + block.nbytes:
+                    return block.last_use
+        return None
 
     def returned(self, block: Block) -> None:
         """A loan of ``block`` ended (any thread, even in the GC: no lock taken here)."""

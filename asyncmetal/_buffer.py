@@ -106,9 +106,11 @@ class Buffer(Exports):
 
     def _lend(self, hold: bool = True) -> tuple[Any, Callable[[], None]]:
         allocation = self._allocation
-        if not hold:
-            return allocation.handle, _no_loan
         allocator = allocation.allocator
+        if not hold:
+            if allocator is not None:
+                allocator.lend(allocation.block, hold=False)
+            return allocation.handle, _no_loan
         if allocator is None:  # memory the device does not own: keep its owner alive
             return allocation.handle, functools.partial(_no_loan, allocation)
         allocator.lend(allocation.block)
@@ -259,10 +261,19 @@ def foreign_buffer(
 ) -> Buffer:
     """A Buffer over memory the device does not own (another library's array): ``owner``
     is kept alive while the buffer is, and its memory is never released by asyncmetal.
-    ``after``: a command that later uses order themselves after, as after a write."""
+    ``after``: a command that later uses order themselves after, as after a write.
+    Memory of one of the device's own buffers that went out and came back (a round trip
+    through another library) shares that buffer's record of uses: commands on either
+    are ordered after those on the other, as on one buffer."""
     block = Block(handle, nbytes, owner)
+    address = getattr(handle, "address", handle)
+    if isinstance(address, int):
+        shared = state.device._allocator.exported_uses(address, nbytes)
+        if shared is not None:
+            block.last_use = shared
     if after is not None:
-        block.last_use[after[0]] = after[1]
+        queue, value = after
+        block.last_use[queue] = max(value, block.last_use.get(queue, 0))
     return Buffer(state, Allocation(block), 0, nbytes)
 
 

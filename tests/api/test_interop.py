@@ -219,6 +219,26 @@ async def test_from_dlpack_round_trip_through_a_buffer(anyio_backend: object) ->
         assert again.device is dev
 
 
+async def test_a_round_trip_alias_is_ordered_with_its_buffer(anyio_backend: object) -> None:
+    """Memory of a buffer that comes back through DLPack (directly, or through numpy)
+    shares the buffer's record of uses: a copy of one orders itself after a launch on
+    another queue that wrote the other. Checked: without the shared record, the reads
+    ran before the writes."""
+    async with am.open_device("cpu") as dev:
+        kernels = {name: await dev.compile(KERNELS, name) for name in ("fill", "sleep_ms")}
+        buf = await dev.alloc(64)
+        await dev.queue.launch(kernels["fill"], buf, vals=(1, 16))
+        for alias in (am.from_dlpack(buf.typed(np.int32)), am.from_dlpack(np.from_dlpack(buf))):
+            q = dev.new_queue()
+            q.launch(kernels["sleep_ms"], vals=(30,))
+            q.launch(kernels["fill"], alias, vals=(2, 16))  # a write of the alias ...
+            assert (await buf.read(np.int32)).tolist() == [2] * 16  # ... read after
+            q.launch(kernels["sleep_ms"], vals=(30,))
+            q.launch(kernels["fill"], buf, vals=(3, 16))  # and the other way round
+            assert (await alias.read(np.int32)).tolist() == [3] * 16
+            await dev.queue.launch(kernels["fill"], buf, vals=(1, 16))
+
+
 async def test_what_from_dlpack_refuses(anyio_backend: object) -> None:
     with pytest.raises(am.ArgumentTypeError, match="__dlpack__"):
         am.from_dlpack([1, 2, 3])

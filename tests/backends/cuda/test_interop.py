@@ -91,6 +91,26 @@ async def test_torch_shares_a_buffer_both_ways(anyio_backend: object) -> None:
 
 
 @needs_torch
+async def test_a_round_trip_through_torch_is_ordered_with_its_buffer(
+    anyio_backend: object,
+) -> None:
+    """A buffer's memory back from PyTorch shares the buffer's record of uses: a read of
+    the buffer comes after a long write of the alias on another queue."""
+    import torch
+
+    async with am.open_device("cuda:0") as dev:
+        fill, sleep = await _kernels(dev)
+        buf = await dev.alloc(4 * N)
+        await dev.queue.launch(fill, buf, vals=(1, N), **GRID)
+        alias = am.from_dlpack(torch.from_dlpack(buf.typed(np.int32)))
+        assert _address(alias) == _address(buf)
+        queue = dev.new_queue()
+        queue.launch(sleep, vals=(50_000,))  # ~50 ms
+        queue.launch(fill, alias, vals=(2, N), **GRID)
+        assert (await buf.read(np.int32) == 2).all()
+
+
+@needs_torch
 async def test_a_torch_tensor_comes_in_without_a_copy(anyio_backend: object) -> None:
     import torch
 
