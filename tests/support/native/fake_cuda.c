@@ -68,6 +68,15 @@
  *             end, and a wait a host signal releases is held until that signal: no
  *             stream waits for work handed over behind it; a wait on a timeline only
  *             the host has signalled goes to the device at once
+ *   handover  another library's stream waits for a command held behind a queue's wait
+ *             whose kick is under way on another thread (which still hands another
+ *             queue's kicked work over, slowly): the wait is made once the kick ran,
+ *             not refused as waiting for what nothing handed over
+ *   closing   a queue closed while another thread (a host signal's kick) hands its held
+ *             operations over: closed to finish, it returns only once the command being
+ *             handed over was confirmed; abandoned, it returns only once that thread's
+ *             driver call on the stream returned (the stream may be destroyed then),
+ *             and leaves no kick on a timeline nothing signalled (which may be freed)
  */
 #include "fake_cuda_driver.h"
 
@@ -769,6 +778,116 @@ static void check_shared(void) {
     puts("ok shared");
 }
 
+/* q1 and q wait for other's command 5, held behind other's gate: both deferred, q1's kick
+ * registered first. Once the gate opens, other's completion thread hands 5 over and runs
+ * the kicks, q1's first, whose hand-over of q1's wait on other's event is slow in the
+ * driver. Meanwhile another library's stream waits for q's command 2. */
+static void check_handover(void) {
+    int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
+    _Atomic uint64_t *gate = calloc(1, sizeof *gate);
+    fake_queue other = queue_bounded(1), q1 = queue_new(), q = queue_new();
+    fake_stream *consumer = stream_new();
+    static kernel after_q = {0, 0, NULL, 1};
+    after_q.check = q.s;
+    if (am_cuq_wait(other.q, (void *)gate, 1, 1) ||
+        am_cuq_finish(other.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
+        die("handover: other's gate failed");
+    for (uint64_t v = 2; v <= 5; v++)
+        if (launch(other, NULL, (int64_t)v, v)) die("handover: a launch on other failed");
+    if (am_cuq_wait_queue(q1.q, other.q, 5, 1) || am_cuq_finish(q1.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
+        die("handover: q1's wait failed");
+    if (am_cuq_wait_queue(q.q, other.q, 5, 1) || am_cuq_finish(q.q, 1, NULL, 0, 0, CU_FINISH_PLAIN) ||
+        launch(q, NULL, 2, 2))
+        die("handover: q's wait failed");
+    uint64_t stats[8];
+    am_cuq_stats(q.q, stats);
+    if (stats[6] < 3) die("handover: q's wait for a held command was not held");
+    atomic_store(&wait_event_ns, 200000000);  /* 200 ms */
+    atomic_store(gate, 1);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!atomic_load(&waits_in_driver))  /* q1's kick: its wait in the driver */
+        if (now_ns() > deadline) die("handover: q1's wait never reached the driver");
+    int call = -1;
+    int r = am_cuq_wait_foreign(q.q, (void *)1, consumer, 2, &call);
+    if (r == CU_DEFERRED) die("handover: refused while q's kick was under way");
+    if (r) die("handover: another library's wait failed");
+    atomic_store(&wait_event_ns, 0);
+    /* the other library's kernel, behind its wait: it runs after q's kernel */
+    int64_t arg = 0;
+    void *params[1] = {&arg};
+    if (((int (*)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                  void *, void **, void **))cu_funcs[CU_LAUNCH])(&after_q, 1, 1, 1, 1, 1, 1, 0,
+                                                                   consumer, params, NULL))
+        die("handover: the other library's launch failed");
+    while (atomic_load(&consumer->ran) < 1)
+        if (now_ns() > deadline) die("handover: the other library's kernel never ran");
+    reach(q.t, 2, "handover: q never finished");
+    reach(q1.t, 1, "handover: q1 never finished");
+    queue_free(other, 0);
+    queue_free(q1, 0);
+    queue_free(q, 0);
+    stream_free(consumer, 0);
+    free((void *)gate);
+    atomic_store(&release_syncs, released);
+    puts("ok handover");
+}
+
+typedef struct { am_timeline *t; uint64_t v; } host_signal;
+
+static void *signal_from_host(void *arg) {
+    host_signal *h = arg;
+    am_timeline_host_signal(h->t, h->v);  /* runs the kick: hands the queue's work over */
+    return NULL;
+}
+
+/* A queue whose wait on a timeline nothing signalled yet is held, closed (to finish, then
+ * abandoned) while a host signal's thread hands its command over, slowly (its event
+ * record takes 100 ms in the driver). */
+static void check_closing(void) {
+    int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
+    for (int abandon = 0; abandon < 2; abandon++) {
+        fake_queue f = queue_new();
+        am_timeline *t = am_timeline_new();
+        uint64_t *word = calloc(1, sizeof(uint64_t));
+        am_timeline_set_word(t, word);
+        if (am_cuq_wait_timeline(f.q, t, 1, 1) || am_cuq_finish(f.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
+            die("closing: the wait failed");
+        atomic_store(&record_ns, 100000000);
+        host_signal h = {t, 1};
+        pthread_t thread;
+        pthread_create(&thread, NULL, signal_from_host, &h);
+        int64_t deadline = now_ns() + 10000000000LL;
+        while (!atomic_load(&records_in_driver))
+            if (now_ns() > deadline) die("closing: the kick never handed the command over");
+        am_cuq_close(f.q, abandon);
+        atomic_store(&f.s->released, 1);  /* its owner may destroy the stream now */
+        if (!abandon && am_timeline_value(f.t) < 1)
+            die("closing: closed to finish, before the command handed over was confirmed");
+        pthread_join(thread, NULL);
+        atomic_store(&record_ns, 0);
+        stream_free(f.s, abandon);
+        am_timeline_free(f.t);
+        free(f.word);
+        am_timeline_free(t);
+        free(word);
+    }
+    /* Abandoned while its wait is held for a timeline nothing signals: the kick goes. */
+    fake_queue f = queue_new();
+    am_timeline *t = am_timeline_new();
+    uint64_t *word = calloc(1, sizeof(uint64_t));
+    am_timeline_set_word(t, word);
+    if (am_cuq_wait_timeline(f.q, t, 1, 1) || am_cuq_finish(f.q, 1, NULL, 0, 0, CU_FINISH_PLAIN) ||
+        launch(f, NULL, 2, 2))
+        die("closing: the wait failed");
+    if (!atomic_load(&t->has_kicks)) die("closing: the wait was not held");
+    queue_free(f, 1);
+    if (atomic_load(&t->has_kicks)) die("closing: an abandoned queue's kick stayed registered");
+    am_timeline_free(t);
+    free(word);
+    atomic_store(&release_syncs, released);
+    puts("ok closing");
+}
+
 int main(void) {
     fake_driver_install();
     check_order();
@@ -792,6 +911,8 @@ int main(void) {
     check_unlocked();
     check_waitstream();
     check_shared();
+    check_handover();
+    check_closing();
     /* The abandoned queues' threads have all returned (check_abandon's blocked one once
      * its sync gave up), each destroying its queue's events as it stopped. */
     int64_t deadline = now_ns() + 10000000000LL;
