@@ -47,5 +47,6 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "shared"),
         *("ok", "handover"),
         *("ok", "closing"),
+        *("ok", "stress"),
         *("ok", "released"),
     ]

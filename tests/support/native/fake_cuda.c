@@ -77,6 +77,11 @@
  *             handed over was confirmed; abandoned, it returns only once that thread's
  *             driver call on the stream returned (the stream may be destroyed then),
  *             and leaves no kick on a timeline nothing signalled (which may be freed)
+ *   stress    queues on one shared hardware queue, bounded, submitted to from two
+ *             threads: waits on each other's commands (held or not), on a timeline a
+ *             queue signals and on one the host signals, while a third thread has
+ *             other libraries' streams wait for their commands (refused only behind a
+ *             wait on a timeline); every wait ends, nothing fails
  */
 #include "fake_cuda_driver.h"
 
@@ -888,6 +893,154 @@ static void check_closing(void) {
     puts("ok closing");
 }
 
+enum { STRESS_ROUNDS = 300 };
+
+typedef struct {
+    fake_queue q[4];
+    am_timeline *signalled, *host;  /* signalled by q[0]; by the host thread */
+    uint64_t *words;
+    _Atomic uint64_t submitted[4];  /* each queue's last value submitted */
+    atomic_int done;
+    fake_stream *consumer;          /* another library's, on the same hardware queue */
+    long refused, waited;           /* the consumer thread's */
+} stress;
+
+/* q[0]: kernels, signalling `signalled` every round; q[1]: waits on q[2]'s commands. */
+static void *stress_a(void *arg) {
+    stress *st = arg;
+    uint64_t v0 = 0, v1 = 0;
+    for (uint64_t r = 1; r <= STRESS_ROUNDS; r++) {
+        if (launch(st->q[0], NULL, (int64_t)r, ++v0)) die("stress: a launch on q0 failed");
+        ++v0;
+        if (am_cuq_write(st->q[0].q, &st->words[0], r, v0) ||
+            am_cuq_finish(st->q[0].q, v0, st->signalled, r, 0, 0))
+            die("stress: q0's signal failed");
+        atomic_store(&st->submitted[0], v0);
+        uint64_t theirs = atomic_load(&st->submitted[2]);
+        if (theirs && r % 3 == 0) {
+            ++v1;
+            if (am_cuq_wait_queue(st->q[1].q, st->q[2].q, theirs, v1) ||
+                am_cuq_finish(st->q[1].q, v1, NULL, 0, 0, CU_FINISH_PLAIN))
+                die("stress: q1's wait failed");
+        }
+        if (launch(st->q[1], NULL, (int64_t)r, ++v1)) die("stress: a launch on q1 failed");
+        atomic_store(&st->submitted[1], v1);
+        if (r % 16 == 0) sched_yield();
+    }
+    return NULL;
+}
+
+/* q[2]: waits on `signalled` (often before q[0] signals it); q[3]: on q[1]'s commands and
+ * on the host's timeline. */
+static void *stress_b(void *arg) {
+    stress *st = arg;
+    uint64_t v2 = 0, v3 = 0;
+    for (uint64_t r = 1; r <= STRESS_ROUNDS; r++) {
+        if (r % 2 == 0) {
+            ++v2;
+            uint64_t target = r + 2 <= STRESS_ROUNDS ? r + 2 : STRESS_ROUNDS;
+            if (am_cuq_wait_timeline(st->q[2].q, st->signalled, target, v2) ||
+                am_cuq_finish(st->q[2].q, v2, st->signalled, target, 0,
+                              CU_FINISH_PLAIN | CU_FINISH_WAITED))
+                die("stress: q2's wait failed");
+        }
+        if (launch(st->q[2], NULL, (int64_t)r, ++v2)) die("stress: a launch on q2 failed");
+        atomic_store(&st->submitted[2], v2);
+        uint64_t theirs = atomic_load(&st->submitted[1]);
+        if (theirs && r % 4 == 1) {
+            ++v3;
+            if (am_cuq_wait_queue(st->q[3].q, st->q[1].q, theirs, v3) ||
+                am_cuq_finish(st->q[3].q, v3, NULL, 0, 0, CU_FINISH_PLAIN))
+                die("stress: q3's wait on q1 failed");
+        }
+        if (r % 5 == 0) {
+            ++v3;
+            if (am_cuq_wait_timeline(st->q[3].q, st->host, r / 5, v3) ||
+                am_cuq_finish(st->q[3].q, v3, st->host, r / 5, 0,
+                              CU_FINISH_PLAIN | CU_FINISH_WAITED))
+                die("stress: q3's wait on the host's timeline failed");
+        }
+        if (launch(st->q[3], NULL, (int64_t)r, ++v3)) die("stress: a launch on q3 failed");
+        atomic_store(&st->submitted[3], v3);
+        if (r % 16 == 0) sched_yield();
+    }
+    return NULL;
+}
+
+static void *stress_host(void *arg) {
+    stress *st = arg;
+    for (uint64_t v = 1; v <= STRESS_ROUNDS / 5; v++) {
+        nap_ns(200000);
+        am_timeline_host_signal(st->host, v);
+    }
+    return NULL;
+}
+
+/* Other libraries' streams (sharing the hardware queue) wait for the queues' commands. */
+static void *stress_consumer(void *arg) {
+    stress *st = arg;
+    fake_stream *consumer = st->consumer;
+    for (int i = 0; !atomic_load(&st->done); i++) {
+        int k = 1 + i % 3;
+        uint64_t target = atomic_load(&st->submitted[k]);
+        if (!target) continue;
+        int call = -1;
+        int r = am_cuq_wait_foreign(st->q[k].q, (void *)1, consumer, target, &call);
+        if (r == CU_DEFERRED) {
+            /* only a queue behind a wait on a timeline (q2, and q1 and q3 through q2) */
+            st->refused++;
+        } else if (r) {
+            die("stress: another library's wait failed");
+        } else {
+            st->waited++;
+        }
+        nap_ns(50000);
+    }
+    return NULL;
+}
+
+static void check_stress(void) {
+    int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
+    fake_stream *hw = stream_new();
+    static stress st;
+    long bounds[4] = {3, 2, 4, 2};
+    for (int i = 0; i < 4; i++) st.q[i] = queue_on(stream_sharing(hw), bounds[i]);
+    st.consumer = stream_sharing(hw);
+    st.signalled = am_timeline_new();
+    st.host = am_timeline_new();
+    st.words = calloc(2, sizeof(uint64_t));
+    am_timeline_set_word(st.signalled, &st.words[0]);
+    am_timeline_set_word(st.host, &st.words[1]);
+    pthread_t a, b, h, c;
+    pthread_create(&a, NULL, stress_a, &st);
+    pthread_create(&b, NULL, stress_b, &st);
+    pthread_create(&h, NULL, stress_host, &st);
+    pthread_create(&c, NULL, stress_consumer, &st);
+    pthread_join(a, NULL);
+    pthread_join(b, NULL);
+    pthread_join(h, NULL);
+    for (int i = 0; i < 4; i++) {
+        int64_t deadline = now_ns() + 30000000000LL;
+        while (am_timeline_value(st.q[i].t) < atomic_load(&st.submitted[i]))
+            if (now_ns() > deadline) die("stress: a queue never finished (a wait hangs)");
+        uint64_t at = 0;
+        if (am_cuq_error(st.q[i].q, &at)) die("stress: a queue failed");
+    }
+    atomic_store(&st.done, 1);
+    pthread_join(c, NULL);
+    if (!st.waited) die("stress: no other library's wait was made");
+    if (getenv("STRESS_VERBOSE"))
+        fprintf(stderr, "stress: %ld waited, %ld refused\n", st.waited, st.refused);
+    for (int i = 0; i < 4; i++) queue_free(st.q[i], 0);
+    stream_free(st.consumer, 0);
+    stream_free(hw, 0);
+    am_timeline_free(st.signalled);
+    am_timeline_free(st.host);
+    free(st.words);
+    atomic_store(&release_syncs, released);
+    puts("ok stress");
+}
+
 int main(void) {
     fake_driver_install();
     check_order();
@@ -913,6 +1066,7 @@ int main(void) {
     check_shared();
     check_handover();
     check_closing();
+    check_stress();
     /* The abandoned queues' threads have all returned (check_abandon's blocked one once
      * its sync gave up), each destroying its queue's events as it stopped. */
     int64_t deadline = now_ns() + 10000000000LL;
