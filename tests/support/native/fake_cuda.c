@@ -828,9 +828,8 @@ static void check_handover(void) {
         if (now_ns() > deadline) die("handover: the other library's kernel never ran");
     reach(q.t, 2, "handover: q never finished");
     reach(q1.t, 1, "handover: q1 never finished");
-    queue_free(other, 0);
-    queue_free(q1, 0);
-    queue_free(q, 0);
+    fake_queue all[3] = {other, q1, q};
+    for (int i = 0; i < 3; i++) queue_free(all[i], 0);
     stream_free(consumer, 0);
     free((void *)gate);
     atomic_store(&release_syncs, released);
@@ -905,26 +904,39 @@ typedef struct {
     long refused, waited;           /* the consumer thread's */
 } stress;
 
+/* A command of q (value v) that waits for `other`'s command `target`. */
+static void stress_wait_queue(am_cuq *q, am_cuq *other, uint64_t target, uint64_t v) {
+    if (am_cuq_wait_queue(q, other, target, v) || am_cuq_finish(q, v, NULL, 0, 0, CU_FINISH_PLAIN))
+        die("stress: a wait on a queue failed");
+}
+
+/* A command of q (value v) that waits for t to reach `target`, confirmed once it did. */
+static void stress_wait_timeline(am_cuq *q, am_timeline *t, uint64_t target, uint64_t v) {
+    if (am_cuq_wait_timeline(q, t, target, v) ||
+        am_cuq_finish(q, v, t, target, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED))
+        die("stress: a wait on a timeline failed");
+}
+
+/* A kernel on st->q[i] (its value ++*v), then that value published to the other threads. */
+static void stress_launch(stress *st, int i, uint64_t r, uint64_t *v) {
+    if (launch(st->q[i], NULL, (int64_t)r, ++*v)) die("stress: a launch failed");
+    atomic_store(&st->submitted[i], *v);
+}
+
 /* q[0]: kernels, signalling `signalled` every round; q[1]: waits on q[2]'s commands. */
 static void *stress_a(void *arg) {
     stress *st = arg;
     uint64_t v0 = 0, v1 = 0;
     for (uint64_t r = 1; r <= STRESS_ROUNDS; r++) {
-        if (launch(st->q[0], NULL, (int64_t)r, ++v0)) die("stress: a launch on q0 failed");
+        stress_launch(st, 0, r, &v0);
         ++v0;
         if (am_cuq_write(st->q[0].q, &st->words[0], r, v0) ||
             am_cuq_finish(st->q[0].q, v0, st->signalled, r, 0, 0))
             die("stress: q0's signal failed");
         atomic_store(&st->submitted[0], v0);
         uint64_t theirs = atomic_load(&st->submitted[2]);
-        if (theirs && r % 3 == 0) {
-            ++v1;
-            if (am_cuq_wait_queue(st->q[1].q, st->q[2].q, theirs, v1) ||
-                am_cuq_finish(st->q[1].q, v1, NULL, 0, 0, CU_FINISH_PLAIN))
-                die("stress: q1's wait failed");
-        }
-        if (launch(st->q[1], NULL, (int64_t)r, ++v1)) die("stress: a launch on q1 failed");
-        atomic_store(&st->submitted[1], v1);
+        if (theirs && r % 3 == 0) stress_wait_queue(st->q[1].q, st->q[2].q, theirs, ++v1);
+        stress_launch(st, 1, r, &v1);
         if (r % 16 == 0) sched_yield();
     }
     return NULL;
@@ -936,32 +948,13 @@ static void *stress_b(void *arg) {
     stress *st = arg;
     uint64_t v2 = 0, v3 = 0;
     for (uint64_t r = 1; r <= STRESS_ROUNDS; r++) {
-        if (r % 2 == 0) {
-            ++v2;
-            uint64_t target = r + 2 <= STRESS_ROUNDS ? r + 2 : STRESS_ROUNDS;
-            if (am_cuq_wait_timeline(st->q[2].q, st->signalled, target, v2) ||
-                am_cuq_finish(st->q[2].q, v2, st->signalled, target, 0,
-                              CU_FINISH_PLAIN | CU_FINISH_WAITED))
-                die("stress: q2's wait failed");
-        }
-        if (launch(st->q[2], NULL, (int64_t)r, ++v2)) die("stress: a launch on q2 failed");
-        atomic_store(&st->submitted[2], v2);
+        uint64_t ahead = r + 2 <= STRESS_ROUNDS ? r + 2 : STRESS_ROUNDS;
+        if (r % 2 == 0) stress_wait_timeline(st->q[2].q, st->signalled, ahead, ++v2);
+        stress_launch(st, 2, r, &v2);
         uint64_t theirs = atomic_load(&st->submitted[1]);
-        if (theirs && r % 4 == 1) {
-            ++v3;
-            if (am_cuq_wait_queue(st->q[3].q, st->q[1].q, theirs, v3) ||
-                am_cuq_finish(st->q[3].q, v3, NULL, 0, 0, CU_FINISH_PLAIN))
-                die("stress: q3's wait on q1 failed");
-        }
-        if (r % 5 == 0) {
-            ++v3;
-            if (am_cuq_wait_timeline(st->q[3].q, st->host, r / 5, v3) ||
-                am_cuq_finish(st->q[3].q, v3, st->host, r / 5, 0,
-                              CU_FINISH_PLAIN | CU_FINISH_WAITED))
-                die("stress: q3's wait on the host's timeline failed");
-        }
-        if (launch(st->q[3], NULL, (int64_t)r, ++v3)) die("stress: a launch on q3 failed");
-        atomic_store(&st->submitted[3], v3);
+        if (theirs && r % 4 == 1) stress_wait_queue(st->q[3].q, st->q[1].q, theirs, ++v3);
+        if (r % 5 == 0) stress_wait_timeline(st->q[3].q, st->host, r / 5, ++v3);
+        stress_launch(st, 3, r, &v3);
         if (r % 16 == 0) sched_yield();
     }
     return NULL;
