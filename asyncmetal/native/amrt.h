@@ -185,6 +185,7 @@ int64_t am_timeline_due(am_timeline *t, uint64_t v);
 AM_HIDDEN void timeline_set_due(am_timeline *t, uint64_t v, int64_t due_ns);
 AM_HIDDEN void timeline_handed(am_timeline *t, uint64_t v);
 AM_HIDDEN int timeline_defer(am_timeline *t, uint64_t target, am_kick *k);
+AM_HIDDEN int timeline_undefer(am_timeline *t, am_kick *k, int take);
 AM_HIDDEN void timeline_kick(am_timeline *t);
 const char *am_build_digest(void);
 

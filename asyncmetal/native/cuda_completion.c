@@ -199,7 +199,7 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
         int r = cuq_run_op(q, op);
         if (r == CU_DEFERRED) {
             pthread_mutex_lock(&q->mu);
-            q->driving = 0;
+            cuq_undrive(q);
             op->next = NULL;
             cuq_hold_first(q, op);
             continue;
@@ -214,7 +214,7 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
             __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);
         }
         pthread_mutex_lock(&q->mu);
-        q->driving = 0;
+        cuq_undrive(q);
         if (r) {
             dropped = cuq_refused(q, op->value, r);
             refused = r;
@@ -285,13 +285,15 @@ static void *cuq_run(void *arg) {
         }
         pthread_mutex_lock(&q->mu);
         /* (Stopping, with work held behind a deferred wait: that wait's kick, or an
-         * abandon, comes first.) */
-        while (q->count == 0 && !cuq_can_drain(q) && (!q->stop || (q->stop == 1 && q->held))) {
+         * abandon, comes first; with a command another thread hands over now -- a kick's,
+         * cuq_hand_over -- that one.) */
+        while (q->count == 0 && !cuq_can_drain(q) &&
+               (!q->stop || (q->stop == 1 && (q->held || q->driving)))) {
             q->sleeping = 1;  /* submissions signal the condition only then */
             pthread_cond_wait(&q->cv, &q->mu);
             q->sleeping = 0;
         }
-        if (q->stop == 2 || (q->stop && q->count == 0 && !q->held)) break;
+        if (q->stop == 2 || (q->stop && q->count == 0 && !q->held && !q->driving)) break;
         if (q->count == 0) {
             pthread_mutex_unlock(&q->mu);
             cuq_drain(q, 0, 0);
@@ -478,9 +480,12 @@ static void *cuq_run(void *arg) {
     }
     /* Stopping, under mu. An abandoned queue's closer may have given up waiting for this
      * thread (it was blocked on an event that never completes): then it frees the queue.
-     * Once events lent to a stream's wait are given back, no thread uses the queue's
-     * events any more. */
-    while (q->lends) pthread_cond_wait(&q->cv, &q->mu);
+     * Once events lent to a stream's wait are given back, and another thread handing
+     * operations over (a kick's) is done with its driver calls, no thread uses the
+     * queue's events or its stream any more; abandoned, one it put back held (deferred)
+     * after the closer dropped them goes too. */
+    while (q->lends || q->driving) pthread_cond_wait(&q->cv, &q->mu);
+    cuq_drop_held(q);
     cuq_destroy_events(q);
     q->exited = 1;
     int orphan = q->orphan;

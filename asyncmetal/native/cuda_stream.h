@@ -150,6 +150,7 @@ struct am_cuq {
     int deferred;                   /* the first held one is a device wait that must not
                                        reach the driver yet: `kick` is registered */
     am_kick kick;                   /* ... on the timeline it waits for (one ref of q) */
+    am_timeline *kick_on;           /* ... that timeline (set with deferred, under mu) */
     _Atomic int64_t poll_until;     /* a kicked wait's work: polled for until then */
     int driving;                    /* a thread is making driver calls for this queue */
     _Atomic(void *) spare[2];       /* an event for the next command, taken without the lock */
@@ -202,6 +203,13 @@ typedef struct am_cuwaiter {
 static inline int cuq_can_drain(const am_cuq *q) {
     return q->held && !q->driving && !q->deferred && q->count < q->max_inflight &&
            q->stop != 2;
+}
+
+/* A thread is done handing q's operations over (under mu): a completion thread waiting
+ * for that to stop (am_cuq_close: cuq_run) goes on. */
+static inline void cuq_undrive(am_cuq *q) {
+    q->driving = 0;
+    if (q->stop) pthread_cond_broadcast(&q->cv);
 }
 
 static inline int cuq_fail(am_cuq *q, int call, int r) {

@@ -138,6 +138,7 @@ static void cuq_kicked(am_kick *k) {
 static int cuq_defer(am_cuq *q, am_timeline *t, uint64_t target) {
     pthread_mutex_lock(&q->mu);
     q->deferred = 1;  /* before the kick can run: it clears this */
+    q->kick_on = t;
     pthread_mutex_unlock(&q->mu);
     atomic_fetch_add(&q->refs, 1);
     q->kick.fn = cuq_kicked;
@@ -342,7 +343,7 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
     }
     cuq_leave(q, r, before);
     pthread_mutex_lock(&q->mu);
-    q->driving = 0;
+    cuq_undrive(q);
     if (held) {
         cuq_hold_first(q, held);
         atomic_fetch_add(&q->held_total, then ? 2 : 1);
@@ -487,7 +488,8 @@ int am_cuq_error(am_cuq *q, uint64_t *value) {
 
 /* Stop the completion thread and release the queue; the stream is the caller's.
  * abandon=0: after everything held was handed over and every command confirmed (or the
- * queue failed). abandon=1: now, dropping what is held. A thread blocked on an event that
+ * queue failed). abandon=1: now, dropping what is held, once another thread handing
+ * operations over (a kick's) is out of the driver. A thread blocked on an event that
  * will never complete (behind a device wait nothing signals) is not waited for beyond
  * ~200 ms: it frees the queue itself if it ever returns. The thread destroys the queue's
  * events as it stops (then, for one that never returns, never). Blocks. */
@@ -512,7 +514,12 @@ void am_cuq_close(am_cuq *q, int abandon) {
             return;
         }
     }
+    /* No thread hands q's operations over any more (its thread waited for that): a wait
+     * still held has its kick taken off the timeline, which may be freed once this
+     * returns (and its reference of q goes). */
+    am_timeline *kick_on = abandon && q->deferred ? q->kick_on : NULL;
     pthread_mutex_unlock(&q->mu);
+    if (kick_on && timeline_undefer(kick_on, &q->kick, 1)) cuq_unref(q);  /* (not the last) */
     pthread_join(q->thread, NULL);
     cuq_drop_waiters(q);  /* (waiters reference their queues: two waiting on each other) */
     cuq_unref(q);
@@ -571,19 +578,28 @@ static int cuq_hand_over(am_cuq *q, uint64_t value, int depth) {
         if (!q->held) break;  /* (nothing up to it submitted at all) */
         if (q->deferred) {
             am_cuop *first = q->held;
-            if (first->kind != CUOP_WAIT_QUEUE || depth >= 8) {
-                r = CU_DEFERRED;
-                break;
-            }
-            am_cuq *other = first->other;
+            am_timeline *t = q->kick_on;
+            am_cuq *other = first->kind == CUOP_WAIT_QUEUE && depth < 8 ? first->other : NULL;
             uint64_t target = first->target;
-            atomic_fetch_add(&other->refs, 1);
+            if (other) atomic_fetch_add(&other->refs, 1);
             pthread_mutex_unlock(&q->mu);
-            r = cuq_hand_over(other, target, depth + 1);  /* its hand-over kicks q */
-            cuq_unref(other);
+            if (other) {
+                r = cuq_hand_over(other, target, depth + 1);  /* its hand-over kicks q */
+                cuq_unref(other);
+            }
+            /* q's kick still registered: nothing got its wait there (a timeline only a later
+             * signal raises; other abandoned, or failed and not settled yet). Else the kick
+             * is due, and runs -- maybe on another thread, behind other kicks' driver calls
+             * -- which clears q->deferred: waited for. */
+            int waiting = !r && timeline_undefer(t, &q->kick, 0);
             pthread_mutex_lock(&q->mu);
-            if (!r && q->deferred && q->held == first) r = CU_DEFERRED;  /* (abandoned) */
+            if (waiting && q->deferred && q->held == first) r = CU_DEFERRED;
             if (r) break;
+            if (q->deferred) {
+                pthread_mutex_unlock(&q->mu);
+                sched_yield();
+                pthread_mutex_lock(&q->mu);
+            }
             continue;
         }
         pthread_mutex_unlock(&q->mu);

@@ -160,6 +160,21 @@ int timeline_defer(am_timeline *t, uint64_t target, am_kick *k) {
     return !ready;
 }
 
+/* Whether k is registered on t still (not due yet: its fn has not run, nor will run
+ * before something gets t there); `take`: taken off if so, and then it never runs. */
+int timeline_undefer(am_timeline *t, am_kick *k, int take) {
+    pthread_mutex_lock(&t->mu);
+    am_kick **p = &t->kicks;
+    while (*p && *p != k) p = &(*p)->next;
+    int registered = *p != NULL;
+    if (registered && take) {
+        *p = k->next;
+        atomic_store(&t->has_kicks, t->kicks != NULL);
+    }
+    pthread_mutex_unlock(&t->mu);
+    return registered;
+}
+
 /* The word was raised outside the functions here (a failed queue's, to UINT64_MAX). */
 void timeline_kick(am_timeline *t) {
     pthread_mutex_lock(&t->mu);

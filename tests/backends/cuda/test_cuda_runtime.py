@@ -45,5 +45,8 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "unlocked"),
         *("ok", "waitstream"),
         *("ok", "shared"),
+        *("ok", "handover"),
+        *("ok", "closing"),
+        *("ok", "stress"),
         *("ok", "released"),
     ]

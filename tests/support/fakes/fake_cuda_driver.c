@@ -15,6 +15,8 @@ atomic_int fault_code;  /* the context's sticky error once a kernel faulted */
 void *_Atomic held;     /* an event whose queries report it unfinished (a slow thread) */
 atomic_long wait_event_ns;  /* >0: cuStreamWaitEvent takes this long (a slow driver) */
 atomic_int waits_in_driver;
+atomic_long record_ns;      /* >0: cuEventRecord takes this long (a slow driver) */
+atomic_int records_in_driver;
 
 static int refers_to_event(const op *o) { return o->kind == OP_RECORD || o->kind == OP_WAIT_EVENT; }
 
@@ -23,6 +25,7 @@ static void event_unref(fake_event *ev) {
 }
 
 void enqueue(fake_stream *s, op o) {
+    if (atomic_load(&s->released)) die("a driver call on a stream after its queue was closed");
     if (s->hw) s = s->hw;  /* behind whatever any stream of its hardware queue handed over */
     if (refers_to_event(&o)) atomic_fetch_add(&((fake_event *)o.p)->refs, 1);
     pthread_mutex_lock(&s->mu);
@@ -135,6 +138,12 @@ static int f_launch(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx
 static int f_record(void *e, void *stream) {
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     fake_event *ev = e;
+    long slow = atomic_load(&record_ns);
+    if (slow > 0) {
+        atomic_fetch_add(&records_in_driver, 1);
+        nap_ns(slow);
+        atomic_fetch_sub(&records_in_driver, 1);
+    }
     int64_t gen = atomic_fetch_add(&ev->recorded, 1) + 1;
     enqueue(stream, (op){OP_RECORD, gen, ev, 0});
     return 0;

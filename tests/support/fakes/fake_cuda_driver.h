@@ -45,6 +45,8 @@ typedef struct fake_stream {
     _Atomic int64_t log[1 << 16];  /* parameters of the kernels run, in order */
     atomic_long ran;
     struct fake_stream *hw;        /* the stream whose hardware queue it shares, or NULL */
+    atomic_int released;           /* its queue was closed: a driver call on it fails the
+                                      check (the stream's owner may have destroyed it) */
 } fake_stream;
 
 typedef struct {
@@ -85,6 +87,8 @@ extern atomic_int fault_code;         /* the context's sticky error once a kerne
 extern void *_Atomic held;            /* an event whose queries report it unfinished */
 extern atomic_long wait_event_ns;     /* >0: a stream's wait on an event takes this long */
 extern atomic_int waits_in_driver;    /* ... such waits inside the driver now */
+extern atomic_long record_ns;         /* >0: an event record takes this long */
+extern atomic_int records_in_driver;  /* ... such records inside the driver now */
 extern long max_inflight;             /* the queues' bound (most checks: none) */
 extern const unsigned dims[7];
 

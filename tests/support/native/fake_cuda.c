@@ -68,6 +68,20 @@
  *             end, and a wait a host signal releases is held until that signal: no
  *             stream waits for work handed over behind it; a wait on a timeline only
  *             the host has signalled goes to the device at once
+ *   handover  another library's stream waits for a command held behind a queue's wait
+ *             whose kick is under way on another thread (which still hands another
+ *             queue's kicked work over, slowly): the wait is made once the kick ran,
+ *             not refused as waiting for what nothing handed over
+ *   closing   a queue closed while another thread (a host signal's kick) hands its held
+ *             operations over: closed to finish, it returns only once the command being
+ *             handed over was confirmed; abandoned, it returns only once that thread's
+ *             driver call on the stream returned (the stream may be destroyed then),
+ *             and leaves no kick on a timeline nothing signalled (which may be freed)
+ *   stress    queues on one shared hardware queue, bounded, submitted to from two
+ *             threads: waits on each other's commands (held or not), on a timeline a
+ *             queue signals and on one the host signals, while a third thread has
+ *             other libraries' streams wait for their commands (refused only behind a
+ *             wait on a timeline); every wait ends, nothing fails
  */
 #include "fake_cuda_driver.h"
 
@@ -769,6 +783,257 @@ static void check_shared(void) {
     puts("ok shared");
 }
 
+/* q1 and q wait for other's command 5, held behind other's gate: both deferred, q1's kick
+ * registered first. Once the gate opens, other's completion thread hands 5 over and runs
+ * the kicks, q1's first, whose hand-over of q1's wait on other's event is slow in the
+ * driver. Meanwhile another library's stream waits for q's command 2. */
+static void check_handover(void) {
+    int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
+    _Atomic uint64_t *gate = calloc(1, sizeof *gate);
+    fake_queue other = queue_bounded(1), q1 = queue_new(), q = queue_new();
+    fake_stream *consumer = stream_new();
+    static kernel after_q = {0, 0, NULL, 1};
+    after_q.check = q.s;
+    if (am_cuq_wait(other.q, (void *)gate, 1, 1) ||
+        am_cuq_finish(other.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
+        die("handover: other's gate failed");
+    for (uint64_t v = 2; v <= 5; v++)
+        if (launch(other, NULL, (int64_t)v, v)) die("handover: a launch on other failed");
+    if (am_cuq_wait_queue(q1.q, other.q, 5, 1) || am_cuq_finish(q1.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
+        die("handover: q1's wait failed");
+    if (am_cuq_wait_queue(q.q, other.q, 5, 1) || am_cuq_finish(q.q, 1, NULL, 0, 0, CU_FINISH_PLAIN) ||
+        launch(q, NULL, 2, 2))
+        die("handover: q's wait failed");
+    uint64_t stats[8];
+    am_cuq_stats(q.q, stats);
+    if (stats[6] < 3) die("handover: q's wait for a held command was not held");
+    atomic_store(&wait_event_ns, 200000000);  /* 200 ms */
+    atomic_store(gate, 1);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!atomic_load(&waits_in_driver))  /* q1's kick: its wait in the driver */
+        if (now_ns() > deadline) die("handover: q1's wait never reached the driver");
+    int call = -1;
+    int r = am_cuq_wait_foreign(q.q, (void *)1, consumer, 2, &call);
+    if (r == CU_DEFERRED) die("handover: refused while q's kick was under way");
+    if (r) die("handover: another library's wait failed");
+    atomic_store(&wait_event_ns, 0);
+    /* the other library's kernel, behind its wait: it runs after q's kernel */
+    int64_t arg = 0;
+    void *params[1] = {&arg};
+    if (((int (*)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                  void *, void **, void **))cu_funcs[CU_LAUNCH])(&after_q, 1, 1, 1, 1, 1, 1, 0,
+                                                                   consumer, params, NULL))
+        die("handover: the other library's launch failed");
+    while (atomic_load(&consumer->ran) < 1)
+        if (now_ns() > deadline) die("handover: the other library's kernel never ran");
+    reach(q.t, 2, "handover: q never finished");
+    reach(q1.t, 1, "handover: q1 never finished");
+    fake_queue all[3] = {other, q1, q};
+    for (int i = 0; i < 3; i++) queue_free(all[i], 0);
+    stream_free(consumer, 0);
+    free((void *)gate);
+    atomic_store(&release_syncs, released);
+    puts("ok handover");
+}
+
+typedef struct { am_timeline *t; uint64_t v; } host_signal;
+
+static void *signal_from_host(void *arg) {
+    host_signal *h = arg;
+    am_timeline_host_signal(h->t, h->v);  /* runs the kick: hands the queue's work over */
+    return NULL;
+}
+
+/* A queue whose wait on a timeline nothing signalled yet is held, closed (to finish, then
+ * abandoned) while a host signal's thread hands its command over, slowly (its event
+ * record takes 100 ms in the driver). */
+static void check_closing(void) {
+    int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
+    for (int abandon = 0; abandon < 2; abandon++) {
+        fake_queue f = queue_new();
+        am_timeline *t = am_timeline_new();
+        uint64_t *word = calloc(1, sizeof(uint64_t));
+        am_timeline_set_word(t, word);
+        if (am_cuq_wait_timeline(f.q, t, 1, 1) || am_cuq_finish(f.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
+            die("closing: the wait failed");
+        atomic_store(&record_ns, 100000000);
+        host_signal h = {t, 1};
+        pthread_t thread;
+        pthread_create(&thread, NULL, signal_from_host, &h);
+        int64_t deadline = now_ns() + 10000000000LL;
+        while (!atomic_load(&records_in_driver))
+            if (now_ns() > deadline) die("closing: the kick never handed the command over");
+        am_cuq_close(f.q, abandon);
+        atomic_store(&f.s->released, 1);  /* its owner may destroy the stream now */
+        if (!abandon && am_timeline_value(f.t) < 1)
+            die("closing: closed to finish, before the command handed over was confirmed");
+        pthread_join(thread, NULL);
+        atomic_store(&record_ns, 0);
+        stream_free(f.s, abandon);
+        am_timeline_free(f.t);
+        free(f.word);
+        am_timeline_free(t);
+        free(word);
+    }
+    /* Abandoned while its wait is held for a timeline nothing signals: the kick goes. */
+    fake_queue f = queue_new();
+    am_timeline *t = am_timeline_new();
+    uint64_t *word = calloc(1, sizeof(uint64_t));
+    am_timeline_set_word(t, word);
+    if (am_cuq_wait_timeline(f.q, t, 1, 1) || am_cuq_finish(f.q, 1, NULL, 0, 0, CU_FINISH_PLAIN) ||
+        launch(f, NULL, 2, 2))
+        die("closing: the wait failed");
+    if (!atomic_load(&t->has_kicks)) die("closing: the wait was not held");
+    queue_free(f, 1);
+    if (atomic_load(&t->has_kicks)) die("closing: an abandoned queue's kick stayed registered");
+    am_timeline_free(t);
+    free(word);
+    atomic_store(&release_syncs, released);
+    puts("ok closing");
+}
+
+enum { STRESS_ROUNDS = 300 };
+
+typedef struct {
+    fake_queue q[4];
+    am_timeline *signalled, *host;  /* signalled by q[0]; by the host thread */
+    uint64_t *words;
+    _Atomic uint64_t submitted[4];  /* each queue's last value submitted */
+    atomic_int done;
+    fake_stream *consumer;          /* another library's, on the same hardware queue */
+    long refused, waited;           /* the consumer thread's */
+} stress;
+
+/* A command of q (value v) that waits for `other`'s command `target`. */
+static void stress_wait_queue(am_cuq *q, am_cuq *other, uint64_t target, uint64_t v) {
+    if (am_cuq_wait_queue(q, other, target, v) || am_cuq_finish(q, v, NULL, 0, 0, CU_FINISH_PLAIN))
+        die("stress: a wait on a queue failed");
+}
+
+/* A command of q (value v) that waits for t to reach `target`, confirmed once it did. */
+static void stress_wait_timeline(am_cuq *q, am_timeline *t, uint64_t target, uint64_t v) {
+    if (am_cuq_wait_timeline(q, t, target, v) ||
+        am_cuq_finish(q, v, t, target, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED))
+        die("stress: a wait on a timeline failed");
+}
+
+/* A kernel on st->q[i] (its value ++*v), then that value published to the other threads. */
+static void stress_launch(stress *st, int i, uint64_t r, uint64_t *v) {
+    if (launch(st->q[i], NULL, (int64_t)r, ++*v)) die("stress: a launch failed");
+    atomic_store(&st->submitted[i], *v);
+}
+
+/* q[0]: kernels, signalling `signalled` every round; q[1]: waits on q[2]'s commands. */
+static void *stress_a(void *arg) {
+    stress *st = arg;
+    uint64_t v0 = 0, v1 = 0;
+    for (uint64_t r = 1; r <= STRESS_ROUNDS; r++) {
+        stress_launch(st, 0, r, &v0);
+        ++v0;
+        if (am_cuq_write(st->q[0].q, &st->words[0], r, v0) ||
+            am_cuq_finish(st->q[0].q, v0, st->signalled, r, 0, 0))
+            die("stress: q0's signal failed");
+        atomic_store(&st->submitted[0], v0);
+        uint64_t theirs = atomic_load(&st->submitted[2]);
+        if (theirs && r % 3 == 0) stress_wait_queue(st->q[1].q, st->q[2].q, theirs, ++v1);
+        stress_launch(st, 1, r, &v1);
+        if (r % 16 == 0) sched_yield();
+    }
+    return NULL;
+}
+
+/* q[2]: waits on `signalled` (often before q[0] signals it); q[3]: on q[1]'s commands and
+ * on the host's timeline. */
+static void *stress_b(void *arg) {
+    stress *st = arg;
+    uint64_t v2 = 0, v3 = 0;
+    for (uint64_t r = 1; r <= STRESS_ROUNDS; r++) {
+        uint64_t ahead = r + 2 <= STRESS_ROUNDS ? r + 2 : STRESS_ROUNDS;
+        if (r % 2 == 0) stress_wait_timeline(st->q[2].q, st->signalled, ahead, ++v2);
+        stress_launch(st, 2, r, &v2);
+        uint64_t theirs = atomic_load(&st->submitted[1]);
+        if (theirs && r % 4 == 1) stress_wait_queue(st->q[3].q, st->q[1].q, theirs, ++v3);
+        if (r % 5 == 0) stress_wait_timeline(st->q[3].q, st->host, r / 5, ++v3);
+        stress_launch(st, 3, r, &v3);
+        if (r % 16 == 0) sched_yield();
+    }
+    return NULL;
+}
+
+static void *stress_host(void *arg) {
+    stress *st = arg;
+    for (uint64_t v = 1; v <= STRESS_ROUNDS / 5; v++) {
+        nap_ns(200000);
+        am_timeline_host_signal(st->host, v);
+    }
+    return NULL;
+}
+
+/* Other libraries' streams (sharing the hardware queue) wait for the queues' commands. */
+static void *stress_consumer(void *arg) {
+    stress *st = arg;
+    fake_stream *consumer = st->consumer;
+    for (int i = 0; !atomic_load(&st->done); i++) {
+        int k = 1 + i % 3;
+        uint64_t target = atomic_load(&st->submitted[k]);
+        if (!target) continue;
+        int call = -1;
+        int r = am_cuq_wait_foreign(st->q[k].q, (void *)1, consumer, target, &call);
+        if (r == CU_DEFERRED) {
+            /* only a queue behind a wait on a timeline (q2, and q1 and q3 through q2) */
+            st->refused++;
+        } else if (r) {
+            die("stress: another library's wait failed");
+        } else {
+            st->waited++;
+        }
+        nap_ns(50000);
+    }
+    return NULL;
+}
+
+static void check_stress(void) {
+    int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
+    fake_stream *hw = stream_new();
+    static stress st;
+    long bounds[4] = {3, 2, 4, 2};
+    for (int i = 0; i < 4; i++) st.q[i] = queue_on(stream_sharing(hw), bounds[i]);
+    st.consumer = stream_sharing(hw);
+    st.signalled = am_timeline_new();
+    st.host = am_timeline_new();
+    st.words = calloc(2, sizeof(uint64_t));
+    am_timeline_set_word(st.signalled, &st.words[0]);
+    am_timeline_set_word(st.host, &st.words[1]);
+    pthread_t a, b, h, c;
+    pthread_create(&a, NULL, stress_a, &st);
+    pthread_create(&b, NULL, stress_b, &st);
+    pthread_create(&h, NULL, stress_host, &st);
+    pthread_create(&c, NULL, stress_consumer, &st);
+    pthread_join(a, NULL);
+    pthread_join(b, NULL);
+    pthread_join(h, NULL);
+    for (int i = 0; i < 4; i++) {
+        int64_t deadline = now_ns() + 30000000000LL;
+        while (am_timeline_value(st.q[i].t) < atomic_load(&st.submitted[i]))
+            if (now_ns() > deadline) die("stress: a queue never finished (a wait hangs)");
+        uint64_t at = 0;
+        if (am_cuq_error(st.q[i].q, &at)) die("stress: a queue failed");
+    }
+    atomic_store(&st.done, 1);
+    pthread_join(c, NULL);
+    if (!st.waited) die("stress: no other library's wait was made");
+    if (getenv("STRESS_VERBOSE"))
+        fprintf(stderr, "stress: %ld waited, %ld refused\n", st.waited, st.refused);
+    for (int i = 0; i < 4; i++) queue_free(st.q[i], 0);
+    stream_free(st.consumer, 0);
+    stream_free(hw, 0);
+    am_timeline_free(st.signalled);
+    am_timeline_free(st.host);
+    free(st.words);
+    atomic_store(&release_syncs, released);
+    puts("ok stress");
+}
+
 int main(void) {
     fake_driver_install();
     check_order();
@@ -792,6 +1057,9 @@ int main(void) {
     check_unlocked();
     check_waitstream();
     check_shared();
+    check_handover();
+    check_closing();
+    check_stress();
     /* The abandoned queues' threads have all returned (check_abandon's blocked one once
      * its sync gave up), each destroying its queue's events as it stopped. */
     int64_t deadline = now_ns() + 10000000000LL;
