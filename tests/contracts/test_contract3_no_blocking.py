@@ -84,10 +84,15 @@ async def test_loop_keeps_ticking_during_long_kernel(
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(ticker)
+        start = time.perf_counter()
         await device.queue.launch(kernels["sleep_ms"], vals=(300,))
         await _workload()
+        elapsed = time.perf_counter() - start
         tg.cancel_scope.cancel()
-    assert len(gaps) > 20
+    # The kernel's length varies by device (the simulated Metal's is a busy loop): the
+    # ticker is judged against how long the work took, at least half its ticks.
+    assert elapsed > 0.05
+    assert len(gaps) > elapsed / 0.005 / 2, (len(gaps), elapsed)
     assert max(gaps) < 0.2, f"the loop stalled for {max(gaps):.3f} s"
 
 
