@@ -502,6 +502,9 @@ void am_cuq_close(am_cuq *q, int abandon) {
         pthread_mutex_unlock(&q->mu);
         host_signalled();  /* wake it if it naps */
         cuq_drop_waiters(q);  /* it settles nothing now: no waiter of it will fail */
+        /* What it held never comes: other queues' waits held for it go on, and wait for
+         * nothing (stream_wait_queue), as waits for its commands in flight do. */
+        timeline_handed(q->timeline, UINT64_MAX);
         pthread_mutex_lock(&q->mu);
         struct timespec until;
         deadline_after(&until, 200000000L);

@@ -44,6 +44,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "foreign"),
         *("ok", "unlocked"),
         *("ok", "waitstream"),
+        *("ok", "orphaned"),
         *("ok", "shared"),
         *("ok", "handover"),
         *("ok", "closing"),

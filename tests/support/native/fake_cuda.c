@@ -61,6 +61,8 @@
  *             order -- behind what it holds on the host -- and its commands after the
  *             wait run only once that work ran; the caller's context is kept; the event
  *             is destroyed once waited for, or when the held wait is abandoned
+ *   orphaned  a queue's wait held for another queue's command, which that queue held on
+ *             the host when it was closed with abandon, goes on (it never comes)
  *   shared    streams sharing one hardware queue (a wait there holds up every stream
  *             behind it): a queue's wait for another queue's command still held on the
  *             host, a wait on a timeline before the signal that raises it was
@@ -713,6 +715,23 @@ static void check_waitstream(void) {
     puts("ok waitstream");
 }
 
+static void check_orphaned(void) {
+    int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
+    fake_queue a = queue_bounded(1), b = queue_new();
+    static kernel slow = {0, 20000000, NULL, 0};
+    for (uint64_t v = 1; v <= 4; v++)  /* 2 to 4 held on the host */
+        if (launch(a, &slow, (int64_t)v, v)) die("orphaned: a launch on a failed");
+    if (am_cuq_wait_queue(b.q, a.q, 4, 1) || launch(b, NULL, 1, 1)) die("orphaned: b's wait");
+    uint64_t stats[8];
+    am_cuq_stats(b.q, stats);
+    if (!stats[6]) die("orphaned: b's wait for a held command was not held");
+    queue_free(a, 1);
+    reach(b.t, 1, "orphaned: a wait held for an abandoned queue's command never went on");
+    queue_free(b, 0);
+    atomic_store(&release_syncs, released);
+    puts("ok orphaned");
+}
+
 static void check_shared(void) {
     int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
     fake_stream *hw = stream_new(), *consumer = stream_sharing(hw);
@@ -1056,6 +1075,7 @@ int main(void) {
     check_foreign();
     check_unlocked();
     check_waitstream();
+    check_orphaned();
     check_shared();
     check_handover();
     check_closing();
