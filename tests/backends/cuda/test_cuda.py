@@ -257,9 +257,12 @@ async def test_64_awaiters_batched(anyio_backend: object) -> None:
             tl.signal(1)
         after = am.loop_statistics()
         # 64 parked tasks (the queue's own flush of the commands it held on the host
-        # behind the device wait is a callback, not counted).
+        # behind the device wait is a callback, not counted). The wait, on a timeline
+        # nothing signalled yet, is held on the host with the launches behind it until
+        # the signal: they reach the device in batches (the first few on the signalling
+        # thread, the rest as the bound on commands in flight allows), a few wake-ups.
         assert after.resolved - before.resolved in (64, 65)
-        assert after.wakeups - before.wakeups <= 4
+        assert after.wakeups - before.wakeups <= 6
 
 
 async def test_copies(anyio_backend: object) -> None:
