@@ -515,6 +515,7 @@ am_cuq *am_cuq_new(void *ctx, void *stream, am_timeline *timeline, long spin_ns,
     atomic_store(&q->refs, 1);
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->cv, NULL);
+    pthread_cond_init(&q->hand_cv, NULL);
     if (!q->ring || !q->events[0] || !q->events[1] ||
         pthread_create(&q->thread, NULL, cuq_run, q) != 0) {
         free(q->ring); free(q->events[0]); free(q->events[1]); free(q);

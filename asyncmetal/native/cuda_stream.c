@@ -62,6 +62,7 @@ static void cuq_free(am_cuq *q) {
     cuq_drop_waiters(q);
     pthread_mutex_destroy(&q->mu);
     pthread_cond_destroy(&q->cv);
+    pthread_cond_destroy(&q->hand_cv);
     free(q->ring); free(q->events[0]); free(q->events[1]); free(q);
 }
 

@@ -153,6 +153,9 @@ struct am_cuq {
     am_timeline *kick_on;           /* ... that timeline (set with deferred, under mu) */
     _Atomic int64_t poll_until;     /* a kicked wait's work: polled for until then */
     int driving;                    /* a thread is making driver calls for this queue */
+    int handing;                    /* threads in cuq_hand_over waiting on hand_cv for
+                                       that to end, or for a due kick to run */
+    pthread_cond_t hand_cv;
     _Atomic(void *) spare[2];       /* an event for the next command, taken without the lock */
     atomic_int blocking;            /* commands get blocking-sync events (they run long) */
     int quick;                      /* blocking events confirmed while polling, in a row */
@@ -210,6 +213,7 @@ static inline int cuq_can_drain(const am_cuq *q) {
 static inline void cuq_undrive(am_cuq *q) {
     q->driving = 0;
     if (q->stop) pthread_cond_broadcast(&q->cv);
+    if (q->handing) pthread_cond_broadcast(&q->hand_cv);
 }
 
 static inline int cuq_fail(am_cuq *q, int call, int r) {

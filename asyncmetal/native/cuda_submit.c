@@ -116,6 +116,7 @@ static void cuq_kicked(am_kick *k) {
     atomic_store(&q->poll_until, now_ns() + CU_KICK_POLL_NS);
     pthread_mutex_lock(&q->mu);
     q->deferred = 0;
+    if (q->handing) pthread_cond_broadcast(&q->hand_cv);
     int here = !kick_driving && cuq_can_drain(q);
     if (!here && q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
     pthread_mutex_unlock(&q->mu);
@@ -566,16 +567,26 @@ int am_cuq_wait_stream(am_cuq *q, void *ctx, void *stream, uint64_t value, int *
  * handed over (or q failed, or was abandoned); CU_DEFERRED if a wait before it waits for
  * what no one handed over yet (a timeline only a later signal raises); a CUresult if the
  * context could not be made current. The caller's context is kept. */
+/* Wait, in cuq_hand_over, until another thread stopped handing q's operations over or a
+ * due kick cleared q->deferred (under mu; they broadcast hand_cv). A bounded wait: what
+ * it waits for is re-read after it either way. */
+static void cuq_wait_handing(am_cuq *q) {
+    struct timespec until;
+    deadline_after(&until, CU_NAP_CHUNK_NS);
+    q->handing++;
+    pthread_cond_timedwait(&q->hand_cv, &q->mu, &until);
+    q->handing--;
+}
+
 static int cuq_hand_over(am_cuq *q, uint64_t value, int depth) {
     void *before;
     int r = cuq_enter(q, &before);
     if (r) return cuq_leave(q, r, before);
     pthread_mutex_lock(&q->mu);
     while (q->submitted < value && q->stop != 2 && !q->error) {
-        if (q->driving) {  /* another thread hands some over now: it is brief */
-            pthread_mutex_unlock(&q->mu);
-            sched_yield();
-            pthread_mutex_lock(&q->mu);
+        if (q->driving) {  /* another thread hands some over now (its driver calls may
+                              block, a deep stream's): until it is done */
+            cuq_wait_handing(q);
             continue;
         }
         if (!q->held) break;  /* (nothing up to it submitted at all) */
@@ -598,11 +609,7 @@ static int cuq_hand_over(am_cuq *q, uint64_t value, int depth) {
             pthread_mutex_lock(&q->mu);
             if (waiting && q->deferred && q->held == first) r = CU_DEFERRED;
             if (r) break;
-            if (q->deferred) {
-                pthread_mutex_unlock(&q->mu);
-                sched_yield();
-                pthread_mutex_lock(&q->mu);
-            }
+            if (q->deferred) cuq_wait_handing(q);  /* its kick, due, clears it */
             continue;
         }
         pthread_mutex_unlock(&q->mu);

@@ -73,7 +73,8 @@
  *   handover  another library's stream waits for a command held behind a queue's wait
  *             whose kick is under way on another thread (which still hands another
  *             queue's kicked work over, slowly): the wait is made once the kick ran,
- *             not refused as waiting for what nothing handed over
+ *             not refused as waiting for what nothing handed over, and waiting for
+ *             the kick keeps no core busy
  *   closing   a queue closed while another thread (a host signal's kick) hands its held
  *             operations over: closed to finish, it returns only once the command being
  *             handed over was confirmed; abandoned, it returns only once that thread's
@@ -832,7 +833,12 @@ static void check_handover(void) {
     while (!atomic_load(&waits_in_driver))  /* q1's kick: its wait in the driver */
         if (now_ns() > deadline) die("handover: q1's wait never reached the driver");
     int call = -1;
+    struct timespec cpu0, cpu1;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu0);
     int r = am_cuq_wait_foreign(q.q, (void *)1, consumer, 2, &call);
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu1);
+    long cpu_ms = (cpu1.tv_sec - cpu0.tv_sec) * 1000 + (cpu1.tv_nsec - cpu0.tv_nsec) / 1000000;
+    if (cpu_ms > 40) die("handover: waiting for q's kick on another thread kept a core busy");
     if (r == CU_DEFERRED) die("handover: refused while q's kick was under way");
     if (r) die("handover: another library's wait failed");
     atomic_store(&wait_event_ns, 0);
