@@ -171,3 +171,44 @@ async def test_an_interface_producers_stream_is_waited_for_and_not_adopted(
         dev.queue._native._timeline._value.value = dev.queue._submitted  # type: ignore[attr-defined]
     finally:
         await dev.close()
+
+
+async def test_an_interface_export_hands_the_default_queue_over_first(
+    anyio_backend: object, driver_fixture: _Driver
+) -> None:
+    """``__cuda_array_interface__`` of a buffer another queue still uses names the
+    default queue's stream, made to wait for that queue: the consumer records an event
+    there, which covers only what reached the driver, so the default queue hands over
+    what it holds up to that wait first (am_cuq_hand_over); a wait that cannot be
+    handed over yet (CU_DEFERRED) raises BufferError. Checked: without the hand-over
+    the export returned the stream with the wait still held on the host."""
+    driver = driver_fixture
+    assert driver.runtime is not None
+    runtime: Any = driver.runtime
+    handed: list[tuple[int, int]] = []
+    answer = [0]
+
+    def hand_over(q: int, value: int) -> int:
+        handed.append((q, value))
+        return answer[0]
+
+    runtime.am_cuq_hand_over = hand_over
+    runtime.am_cuq_wait_queue = lambda q, other, target, value: 0
+    runtime.am_cuq_finish = lambda q, value, extra, target, ns, flags: 0
+    dev = await am.open_device("cuda:0")
+    try:
+        buf = await dev.alloc(256)
+        busy = dev.new_queue()
+        used = busy._next()  # submitted, not confirmed
+        record_uses([buf], busy, used.value)
+        interface = buf.__cuda_array_interface__
+        default = dev.queue._native._q  # type: ignore[attr-defined]
+        assert interface["stream"] == dev.queue.handle
+        assert handed == [(default, dev.queue.submitted)]
+        answer[0] = -4  # CU_DEFERRED
+        with pytest.raises(BufferError, match="nothing has signalled yet"):
+            buf.__cuda_array_interface__  # noqa: B018 - the property is the call
+    finally:
+        busy.timeline.native.signal(used.value)  # confirmed: the close drains nothing
+        dev.queue.timeline.native.signal(dev.queue.submitted)
+        await dev.close()
