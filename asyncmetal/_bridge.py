@@ -24,6 +24,15 @@ woken tasks' steps and the loop's other work) and sizes the next to about
 whose steps are short, one or two whose steps run a model's Python for a hundred
 microseconds. (Larger slices of short steps do not raise throughput: they only
 lengthen the iterations.)
+
+A wake-up from the bridge also keeps the loop's timers on time. asyncio's epoll and
+poll selectors, and trio's epoll, sleep in whole milliseconds, rounded up: a loop woken
+0.3 ms before a timer is due sleeps a full millisecond after the wake-up, and the timer
+runs 0.7 ms late. After each wake-up the bridge caused, while the loop's next timer is
+due within that millisecond, the loop keeps polling (a callback per iteration) until
+that timer is due, and no longer: at most a millisecond of polling per wake-up, and
+none where the loop sleeps precisely (kqueue, select) or cannot say when its next timer
+is due (uvloop).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import contextlib
 import heapq
 import itertools
 import os
+import selectors
 import sys
 import threading
 import time
@@ -49,6 +59,7 @@ from . import _native
 from ._backend import NativeTimeline
 
 INFINITY = 1 << 64  # larger than any 64-bit timeline value
+SLEEP_GRANULE = 1e-3  # seconds: epoll and poll sleep in whole milliseconds, rounded up
 WAKE_SLICE = 8  # tasks a drain wakes at most; the rest in the loop's next iteration
 SLICE_BUDGET_NS = 250_000  # fewer, where their steps would take longer than this
 
@@ -229,6 +240,10 @@ class LoopBridge(ABC):
         self._step_ns = SLICE_BUDGET_NS // WAKE_SLICE  # a woken task's step, smoothed
         self._slice_began = 0  # a perf_counter_ns: when a full slice was woken (0: none)
         self._slice_woke = 0  # how many tasks it woke
+        self._holding = False  # polling until a timer due within SLEEP_GRANULE
+        self._hold_until = 0.0  # until then, on the loop's clock
+        self._hold_looks = 0  # looks left for such a timer, after a wake-up
+        self.sleeps_coarsely = False  # the loop sleeps in whole SLEEP_GRANULEs, rounded up
 
     @abstractmethod
     def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
@@ -241,6 +256,11 @@ class LoopBridge(ABC):
     @abstractmethod
     def _watch_fd(self, fd: int) -> None:
         """Call :meth:`_drain_native` on the loop whenever ``fd`` is readable."""
+
+    def _next_timer(self) -> tuple[float, float] | None:
+        """(now, when the loop's next timer is due) on the loop's clock, in seconds; None
+        if it has none. Only where ``sleeps_coarsely``."""
+        return None
 
     def native_watch(self, watch: Watch, c_timeline: int) -> int:
         """A native watch on ``c_timeline`` that wakes this loop through its pipe."""
@@ -276,6 +296,7 @@ class LoopBridge(ABC):
         self.wakeups += 1
         if not self._continued:  # else the slice scheduled next does it
             self._resolve()
+        self._hold_for_timer()
 
     def close(self) -> None:
         """The loop is gone: detach every native watch, then release the pipe."""
@@ -333,6 +354,36 @@ class LoopBridge(ABC):
         self._scheduled = False
         if not self._continued:  # else the slice scheduled next does it
             self._resolve()
+        self._hold_for_timer()
+
+    def _hold_for_timer(self) -> None:
+        """After a wake-up the bridge caused: look in the loop's next two iterations (once
+        the tasks just woken have run: trio runs a batch in random order) for a timer due
+        within ``SLEEP_GRANULE``, and if there is one keep the loop polling until it is
+        due (see the module doc)."""
+        if not self.sleeps_coarsely:
+            return
+        self._hold_looks = 2
+        if not self._holding:
+            self._holding = True
+            self._call_soon(self._hold_tick)
+
+    def _hold_tick(self) -> None:
+        if not self.dead:
+            timer = self._next_timer()
+            looking = self._hold_looks > 0
+            self._hold_looks -= looking
+            if timer is not None:
+                now, when = timer
+                if looking and now < when < now + SLEEP_GRANULE and when > self._hold_until:
+                    self._hold_until = when  # the timer due next: hold until it is due
+                looking = looking or now < self._hold_until
+            if looking:
+                self._call_soon(self._hold_tick)  # the loop polls in its next iteration
+                return
+        self._holding = False
+        self._hold_until = 0.0
+        self._hold_looks = 0
 
     def _resolve(self) -> None:
         """Wake a slice of the waiters reached, watches queued by notifiers first, then
@@ -412,6 +463,12 @@ class _AsyncioBridge(LoopBridge):
         super().__init__()
         self._loop_ref = weakref.ref(loop)  # weak: the bridge must not keep the loop alive
         weakref.finalize(loop, self.close)
+        # asyncio's epoll and poll selectors (uvloop has neither, nor says when its next
+        # timer is due: libuv's timers are whole milliseconds anyway).
+        selector = getattr(loop, "_selector", None)
+        self.sleeps_coarsely = isinstance(selector, _COARSE_SELECTORS) and hasattr(
+            loop, "_scheduled"
+        )
 
     def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
         loop = self._loop_ref()
@@ -428,6 +485,14 @@ class _AsyncioBridge(LoopBridge):
         loop = self._loop_ref()
         assert loop is not None
         loop.add_reader(fd, self._drain_native)
+
+    def _next_timer(self) -> tuple[float, float] | None:
+        loop = self._loop_ref()
+        # What asyncio's own loop reads to choose its sleep (BaseEventLoop._run_once).
+        scheduled = getattr(loop, "_scheduled", None)
+        if loop is None or not scheduled:
+            return None
+        return loop.time(), scheduled[0].when()
 
     async def park(self, watch: Watch | None, value: int) -> None:
         loop = self._loop_ref()
@@ -460,6 +525,7 @@ class _TrioBridge(LoopBridge):
 
         super().__init__()
         self._run_sync_soon = trio.lowlevel.current_trio_token().run_sync_soon
+        self.sleeps_coarsely = _TRIO_SLEEPS_COARSELY
 
     def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
         self._run_sync_soon(fn)
@@ -480,6 +546,15 @@ class _TrioBridge(LoopBridge):
 
         trio.lowlevel.spawn_system_task(reader, name="asyncmetal-bridge")
 
+    def _next_timer(self) -> tuple[float, float] | None:
+        import trio
+
+        seconds = trio.lowlevel.current_statistics().seconds_to_next_deadline
+        if seconds == float("inf"):
+            return None
+        now = trio.current_time()
+        return now, now + seconds
+
     async def park(self, watch: Watch | None, value: int) -> None:
         import trio
 
@@ -499,6 +574,15 @@ class _TrioBridge(LoopBridge):
             watch.add(value, entry)
         await trio.lowlevel.wait_task_rescheduled(abort)
 
+
+# Selectors that sleep in whole milliseconds (rounded up); kqueue and select do not.
+_COARSE_SELECTORS = tuple(
+    getattr(selectors, name)
+    for name in ("EpollSelector", "PollSelector", "DevpollSelector")
+    if hasattr(selectors, name)
+)
+# trio sleeps in epoll (Linux) or IOCP (Windows), both in milliseconds; kqueue elsewhere.
+_TRIO_SLEEPS_COARSELY = sys.platform.startswith("linux") or sys.platform == "win32"
 
 _asyncio_bridges: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopBridge] = (
     weakref.WeakKeyDictionary()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -94,6 +96,77 @@ async def test_loop_keeps_ticking_during_long_kernel(
     assert elapsed > 0.05
     assert len(gaps) > elapsed / 0.005 / 2, (len(gaps), elapsed)
     assert max(gaps) < 0.2, f"the loop stalled for {max(gaps):.3f} s"
+
+
+def _record_sleeps(backend: str, monkeypatch: pytest.MonkeyPatch) -> tuple[list[bool], list[bool]]:
+    """(recording, sleeps): from the call on, while ``recording[0]`` is set, for each
+    time the running loop polls for I/O, whether it may sleep there (a timeout above
+    zero, and nothing that makes the poll return at once). asyncio: its selector's
+    timeout (0 while callbacks are ready). trio: the I/O manager's timeout, where a
+    pending ``run_sync_soon`` callback (which writes trio's wake-up socket) also makes
+    the poll return at once."""
+    sleeps: list[bool] = []
+    recording = [False]
+    if backend == "trio":
+        from trio._core._run import GLOBAL_RUN_CONTEXT
+
+        runner = GLOBAL_RUN_CONTEXT.runner
+        manager = type(runner.io_manager)
+        get_events = manager.get_events
+
+        def trio_poll(self: Any, timeout: float) -> object:
+            if recording[0]:
+                # (what trio.lowlevel.current_statistics() reports, which needs a task)
+                pending = runner.entry_queue.size()
+                sleeps.append(timeout > 0 and not pending)
+            return get_events(self, timeout)
+
+        monkeypatch.setattr(manager, "get_events", trio_poll)
+    else:
+        import asyncio
+
+        selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+        select = selector.select
+
+        def asyncio_poll(timeout: float | None = None) -> object:
+            if recording[0]:
+                sleeps.append(timeout is None or timeout > 0)
+            return select(timeout)
+
+        monkeypatch.setattr(selector, "select", asyncio_poll)
+    return recording, sleeps
+
+
+async def test_a_wake_up_just_before_a_timer_leaves_the_timer_on_time(
+    anyio_backend: tuple[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task woken by a completion (through the bridge's pipe) sets a 0.5 ms timer:
+    asyncio's and trio's epoll sleep in whole milliseconds, rounded up, so a loop that
+    went to sleep now would run that timer 0.5 ms late. After a wake-up it caused, the
+    bridge keeps the loop polling until such a timer is due: the loop never sleeps
+    before the timer fires (checked for each poll, no timing involved)."""
+    recording, sleeps = _record_sleeps(anyio_backend[0], monkeypatch)
+    async with am.open_device("cpu") as dev:
+        tl = dev.timeline()
+        for v in range(1, 6):
+            fired: list[bool] = []
+
+            async def waiter(v: int = v, fired: list[bool] = fired) -> None:
+                await tl.wait(v)
+                recording[0] = True
+                await anyio.sleep(0.0005)
+                recording[0] = False
+                fired.append(True)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiter)
+                await anyio.sleep(0.01)  # the waiter parks on the timeline
+                signaller = threading.Thread(target=tl.signal, args=(v,))
+                signaller.start()
+            signaller.join()
+            assert fired
+    assert sleeps, "the loop never polled between the wake-up and the timer"
+    assert not any(sleeps), sleeps
 
 
 async def test_many_waiters_are_woken_in_slices_between_the_loops_other_work(
