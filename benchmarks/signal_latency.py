@@ -17,6 +17,12 @@ same park (no asyncmetal at all: the machine's and the loop's own floor -- a CPU
 idle for milliseconds runs the first microseconds of Python after it several times
 slower than a busy one).
 
+The floor, on cuda, for parks up to 1 s: the same wait and launch made with the driver
+directly (cuda-bindings: ``cuStreamWaitValue64`` on a word of pinned memory, the kernel,
+an event), the host storing the word, and a thread spinning on ``cuEventQuery`` -- no
+event loop, no wake-up, a core polled throughout; and the other way round, the launch
+made only at the signal (nothing held on the device during the park), spun on alike.
+
 Target: p50 <= 50 us for every P, without polling a core during the park (here: a
 median < 5 % of a core, judged for parks of 10 ms and more: a 1 ms park's CPU time is
 mostly the loop's own timer wake-up and the sample's submissions, not polling).
@@ -46,6 +52,7 @@ KERNELS = {
 }
 SAMPLES_MS = {1: 20, 10: 20, 100: 10, 1000: 5, 10000: 2}  # fewer for long parks
 HOST_WAIT_PARKS_MS = (1, 10, 100)
+DRIVER_PARKS_MS = (1, 10, 100, 1000)  # the driver floor (cuda): at most 10 samples each
 TARGET_P50_US = 50.0
 IDLE_CPU_LIMIT = 0.05
 IDLE_CPU_FROM_MS = 10  # shorter parks: reported, not judged (see the docstring)
@@ -119,6 +126,78 @@ async def event_sample(park_s: float) -> float:
     return (resumed[0] - t0) / 1e3
 
 
+def driver_floor(parks_ms: list[float]) -> dict[str, dict[str, float]]:
+    """The driver's own latency (cuda-bindings, no asyncmetal, no loop): per park, p50 of
+    the host's store of the word -> the kernel's event seen done by a thread spinning on
+    ``cuEventQuery`` (``device_wait``), and of the launch made at that moment instead
+    (``launch_at_signal``)."""
+    import ctypes
+
+    from cuda.bindings import driver as cu
+
+    from asyncmetal.backends.cuda._compiler import CUDACompiler
+
+    def ok(result: Any) -> Any:
+        err, *rest = result if isinstance(result, tuple) else (result,)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"driver call failed: {err}")
+        return rest[0] if len(rest) == 1 else rest
+
+    ok(cu.cuInit(0))
+    ctx = ok(cu.cuDevicePrimaryCtxRetain(ok(cu.cuDeviceGet(0))))
+    ok(cu.cuCtxSetCurrent(ctx))
+    module = ok(cu.cuModuleLoadData(CUDACompiler().compile(KERNELS["cuda"])))
+    kernel = ok(cu.cuModuleGetFunction(module, b"empty"))
+    pinned = ok(cu.cuMemHostAlloc(8, cu.CU_MEMHOSTALLOC_PORTABLE | cu.CU_MEMHOSTALLOC_DEVICEMAP))
+    word = ctypes.c_uint64.from_address(int(pinned))
+    word.value = 0
+    device_word = ok(cu.cuMemHostGetDevicePointer(pinned, 0))
+    stream = ok(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    event = ok(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+    not_ready = cu.CUresult.CUDA_ERROR_NOT_READY
+
+    def launch() -> None:
+        ok(cu.cuLaunchKernel(kernel, 1, 1, 1, 1, 1, 1, 0, stream, 0, 0))
+        ok(cu.cuEventRecord(event, stream))
+
+    def done_after(t0: int) -> float:
+        while cu.cuEventQuery(event)[0] == not_ready:
+            pass
+        return (time.perf_counter_ns() - t0) / 1e3
+
+    out: dict[str, dict[str, float]] = {}
+    v = 0
+    try:
+        for park_ms in [p for p in parks_ms if p in DRIVER_PARKS_MS]:
+            n = min(10, samples_for(park_ms))
+            held, at_signal = [], []
+            for _ in range(n):
+                v += 1
+                ok(cu.cuStreamWaitValue64(stream, device_word, v, 0))  # (>=)
+                launch()
+                time.sleep(park_ms / 1e3)
+                t0 = time.perf_counter_ns()
+                word.value = v
+                held.append(done_after(t0))
+                time.sleep(park_ms / 1e3)
+                t0 = time.perf_counter_ns()
+                launch()
+                at_signal.append(done_after(t0))
+            out[str(park_ms)] = {
+                "device_wait_p50_us": statistics.median(held),
+                "launch_at_signal_p50_us": statistics.median(at_signal),
+            }
+            progress(f"  driver floor, park {park_ms} ms: {out[str(park_ms)]}")
+    finally:
+        cu.cuStreamSynchronize(stream)
+        cu.cuEventDestroy(event)
+        cu.cuStreamDestroy(stream)
+        cu.cuMemFreeHost(pinned)
+        cu.cuModuleUnload(module)
+        cu.cuDevicePrimaryCtxRelease(ok(cu.cuDeviceGet(0)))
+    return out
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     kind = "cpu" if args.device.startswith("cpu") else "cuda"
     out: dict[str, Any] = {"device": args.device, "loop": args.loop, "parks": []}
@@ -173,6 +252,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             lat = [await event_sample(park_ms / 1e3) for _ in range(10)]
             floor[str(park_ms)] = {"p50_us": statistics.median(lat), "max_us": max(lat)}
         out["asyncio_event_us"] = floor
+    if kind == "cuda":
+        progress("driver floor (cuda-bindings, a core spinning on the event)")
+        out["driver_floor_us"] = driver_floor(args.parks_ms)
     out["target_met"] = all(r["target_met"] for r in out["parks"])
     return out
 
@@ -199,6 +281,12 @@ def report(r: dict[str, Any]) -> None:
         for p, h in r.get("asyncio_event_us", {}).items()
     )
     print(f"floor, await asyncio.Event().wait() after the same park (us): {floor}")
+    for p, d in r.get("driver_floor_us", {}).items():
+        print(
+            f"driver floor, park {p} ms (us): a device wait released by a store "
+            f"{d['device_wait_p50_us']:.1f}, the launch made at the signal "
+            f"{d['launch_at_signal_p50_us']:.1f}"
+        )
 
 
 def main() -> None:
