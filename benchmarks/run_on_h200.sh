@@ -2,7 +2,7 @@
 # What runs on the GPU machine (device tool), from the repository root:
 #   bash benchmarks/run_on_h200.sh     (with the test wheels carried in .whl/)
 # Writes the test log and the benchmark JSON under $OUT.
-# RUN_PEERS=0 skips cuda_peers + the probe, RUN_SIGNAL=0 the host-signal latency (~30 s),
+# RUN_PEERS=0 skips cuda_peers + the probe, RUN_SIGNAL=0 the host-signal latency (~1 min),
 # RUN_INTEROP=0 the PyTorch interop benchmark, RUN_TESTS=0 the tests (RUN_TESTS_ONE_GPU=1 adds
 # them with one GPU visible). RUN_LOOP_LAG=1 adds the loop-lag grid (~7 min: run it with
 # RUN_PEERS=0 RUN_SIGNAL=0 RUN_TESTS=0 to stay within one command's 10 min).
@@ -20,7 +20,7 @@ if [ "${RUN_PEERS:-1}" = 1 ]; then
     timeout 320 python3 benchmarks/cuda_peers.py --json "$OUT/cuda_peers.json" 2>&1 | tee "$OUT/bench.txt"
     (cd benchmarks && timeout 60 python3 cuda_submit_probe.py --json "$OUT/cuda_submit_probe.json") 2>&1 | tee "$OUT/probe.txt"
 fi
-[ "${RUN_SIGNAL:-1}" = 1 ] && timeout 90 python3 benchmarks/signal_latency.py --json "$OUT/signal_latency.json" 2>&1 | tee "$OUT/signal_latency.txt"
+[ "${RUN_SIGNAL:-1}" = 1 ] && timeout 150 python3 benchmarks/signal_latency.py --json "$OUT/signal_latency.json" 2>&1 | tee "$OUT/signal_latency.txt"
 [ "${RUN_LOOP_LAG:-0}" = 1 ] && timeout 540 python3 benchmarks/loop_lag.py ${LOOP_LAG_ARGS:-} --json "$OUT/loop_lag.json" 2>&1 | tee "$OUT/loop_lag.txt"
 [ "${RUN_INTEROP:-1}" = 1 ] && timeout 120 python3 benchmarks/interop.py --json "$OUT/interop.json" 2>&1 | tee "$OUT/interop.txt"
 GPU_TESTS=(tests/backends/cuda tests/native tests/contracts/test_contract7_compile_pool.py
