@@ -244,6 +244,9 @@ class LoopBridge(ABC):
         self._hold_until = 0.0  # until then, on the loop's clock
         self._hold_looks = 0  # looks left for such a timer, after a wake-up
         self.sleeps_coarsely = False  # the loop sleeps in whole SLEEP_GRANULEs, rounded up
+        # Iterations after a wake-up in which to look for a timer: one where the tasks
+        # just woken have run by then (asyncio runs callbacks in order).
+        self.looks_after_wakeup = 1
 
     @abstractmethod
     def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
@@ -357,13 +360,12 @@ class LoopBridge(ABC):
         self._hold_for_timer()
 
     def _hold_for_timer(self) -> None:
-        """After a wake-up the bridge caused: look in the loop's next two iterations (once
-        the tasks just woken have run: trio runs a batch in random order) for a timer due
-        within ``SLEEP_GRANULE``, and if there is one keep the loop polling until it is
-        due (see the module doc)."""
+        """After a wake-up the bridge caused: look in the loop's next iteration(s), once the
+        tasks just woken have run, for a timer due within ``SLEEP_GRANULE``, and if there
+        is one keep the loop polling until it is due (see the module doc)."""
         if not self.sleeps_coarsely:
             return
-        self._hold_looks = 2
+        self._hold_looks = self.looks_after_wakeup
         if not self._holding:
             self._holding = True
             self._call_soon(self._hold_tick)
@@ -526,6 +528,7 @@ class _TrioBridge(LoopBridge):
         super().__init__()
         self._run_sync_soon = trio.lowlevel.current_trio_token().run_sync_soon
         self.sleeps_coarsely = _TRIO_SLEEPS_COARSELY
+        self.looks_after_wakeup = 2  # trio runs a batch's tasks in random order
 
     def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
         self._run_sync_soon(fn)
