@@ -1,4 +1,5 @@
-"""The event loop's own lag while many tasks launch and await kernels (DESIGN contract 3).
+"""The event loop's own lag while many tasks launch and await kernels (README: "Nothing
+blocks the loop").
 
     python benchmarks/loop_lag.py [--device cuda:0|cpu] [--loop asyncio|uvloop]
         [--tasks 1 64 1024] [--kernel-us 10 200 1000 10000] [--queues 1 4]
