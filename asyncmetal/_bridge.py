@@ -30,9 +30,10 @@ poll selectors, and trio's epoll, sleep in whole milliseconds, rounded up: a loo
 0.3 ms before a timer is due sleeps a full millisecond after the wake-up, and the timer
 runs 0.7 ms late. After each wake-up the bridge caused, while the loop's next timer is
 due within that millisecond, the loop keeps polling (a callback per iteration) until
-that timer is due, and no longer: at most a millisecond of polling per wake-up, and
-none where the loop sleeps precisely (kqueue, select) or cannot say when its next timer
-is due (uvloop).
+that timer is due, and no longer: at most a millisecond of polling per wake-up (of
+real time too, where the loop's clock stands still while it polls), and none where the
+loop sleeps precisely (kqueue, select) or cannot say when its next timer is due
+(uvloop).
 """
 
 from __future__ import annotations
@@ -242,6 +243,7 @@ class LoopBridge(ABC):
         self._slice_woke = 0  # how many tasks it woke
         self._holding = False  # polling until a timer due within SLEEP_GRANULE
         self._hold_until = 0.0  # until then, on the loop's clock
+        self._hold_wall = 0.0  # and at most until then, on time.perf_counter's
         self._hold_looks = 0  # looks left for such a timer, after a wake-up
         self.sleeps_coarsely = False  # the loop sleeps in whole SLEEP_GRANULEs, rounded up
 
@@ -370,19 +372,24 @@ class LoopBridge(ABC):
 
     def _hold_tick(self) -> None:
         if not self.dead:
-            timer = self._next_timer()
             looking = self._hold_looks > 0
             self._hold_looks -= looking
+            holding = False
+            timer = self._next_timer()
             if timer is not None:
                 now, when = timer
                 if looking and now < when < now + SLEEP_GRANULE and when > self._hold_until:
                     self._hold_until = when  # the timer due next: hold until it is due
-                looking = looking or now < self._hold_until
-            if looking:
+                    # ... and no longer in real time: a loop whose clock stands still
+                    # while it polls (trio's MockClock, an asyncio loop on virtual time)
+                    # would never reach it, nor ever sleep.
+                    self._hold_wall = time.perf_counter() + (when - now)
+                holding = now < self._hold_until and time.perf_counter() < self._hold_wall
+            if looking or holding:
                 self._call_soon(self._hold_tick)  # the loop polls in its next iteration
                 return
         self._holding = False
-        self._hold_until = 0.0
+        self._hold_until = self._hold_wall = 0.0
         self._hold_looks = 0
 
     def _resolve(self) -> None:

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import selectors
 import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 import asyncmetal as am
 from tests.support.kernels import KERNELS
@@ -184,3 +189,77 @@ def test_each_loop_in_each_thread_is_given_its_own_bridge() -> None:
     for t in threads:
         t.join(30)
     assert not wrong, wrong
+
+
+def _wake_then_sleep_half_a_millisecond(
+    tl: am.Timeline, sleep: Callable[[float], Awaitable[None]]
+) -> Callable[[], Awaitable[None]]:
+    """A task woken through the bridge's pipe that then sleeps 0.5 ms: a timer due within
+    the millisecond the bridge holds the loop for."""
+
+    async def woken_then_sleeps() -> None:
+        value = tl.value + 1
+        threading.Timer(0.01, tl.signal, args=(value,)).start()
+        await tl.wait(value)
+        await sleep(0.0005)
+
+    return woken_then_sleeps
+
+
+class _VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An asyncio loop on virtual time (as pytest's looptime makes one): where it would
+    sleep until a timer, its clock jumps there instead; only a wait for I/O alone
+    blocks."""
+
+    def __init__(self) -> None:
+        super().__init__(selectors.PollSelector())  # whole milliseconds: the bridge holds
+        self.virtual = 0.0
+        select = self._selector.select  # type: ignore[attr-defined]
+
+        def select_on_virtual_time(timeout: float | None = None) -> Any:
+            if timeout is not None and timeout > 0:
+                self.virtual += timeout
+                timeout = 0
+            return select(timeout)
+
+        self._selector.select = select_on_virtual_time  # type: ignore[attr-defined]
+
+    def time(self) -> float:
+        return self.virtual
+
+
+def test_a_loop_on_virtual_time_is_not_held_forever() -> None:
+    """Loops whose clock stands still while they poll -- trio's MockClock with autojump,
+    an asyncio loop on virtual time -- advance it only when they would sleep: a
+    wake-up just before a timer must not keep them polling until that timer is due
+    (it never would be), only for as long in real time."""
+
+    async def on_trio() -> bool:
+        async with am.open_device("cpu") as dev:
+            with trio.CancelScope() as scope:
+                token = trio.lowlevel.current_trio_token()
+                watchdog = threading.Timer(10, token.run_sync_soon, args=(scope.cancel,))
+                watchdog.start()
+                await _wake_then_sleep_half_a_millisecond(dev.timeline(), trio.sleep)()
+            watchdog.cancel()
+            return not scope.cancelled_caught
+
+    assert trio.run(on_trio, clock=trio.testing.MockClock(autojump_threshold=0))
+
+    async def on_asyncio() -> bool:
+        async with am.open_device("cpu") as dev:
+            woken = _wake_then_sleep_half_a_millisecond(dev.timeline(), asyncio.sleep)
+            task = asyncio.ensure_future(woken())
+            loop = asyncio.get_running_loop()
+            watchdog = threading.Timer(10, loop.call_soon_threadsafe, args=(task.cancel,))
+            watchdog.start()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            watchdog.cancel()
+            return not task.cancelled()
+
+    loop = _VirtualTimeLoop()
+    try:
+        assert loop.run_until_complete(on_asyncio())
+    finally:
+        loop.close()
