@@ -538,7 +538,10 @@ class _TrioBridge(LoopBridge):
         self._run_sync_soon(fn)
 
     def _call_soon(self, fn: Callable[[], None]) -> None:
-        self._run_sync_soon(fn)
+        try:
+            self._run_sync_soon(fn)
+        except RuntimeError:  # trio.RunFinishedError: called among the run's last callbacks
+            self.dead = True
 
     def _watch_fd(self, fd: int) -> None:
         import trio

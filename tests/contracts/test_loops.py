@@ -263,3 +263,28 @@ def test_a_loop_on_virtual_time_is_not_held_forever() -> None:
         assert loop.run_until_complete(on_asyncio())
     finally:
         loop.close()
+
+
+def test_a_completion_as_a_trio_run_ends_leaves_the_run_to_end() -> None:
+    """A completion that reaches a waited value while trio shuts its run down: the wake-up
+    may run among the run's last callbacks, where asking for another raises
+    RunFinishedError. The bridge takes that for the run's end; trio must not turn it
+    into a TrioInternalError."""
+    from asyncmetal._timeline import HostEvents
+
+    async def main() -> None:
+        events = HostEvents()  # notified from Python, not through the bridge's pipe
+        with trio.move_on_after(0.001):
+            await events.wait(1)  # parks, then is cancelled: the watch still waits for 1
+
+        async def completes_as_the_run_ends() -> None:
+            try:
+                await trio.sleep_forever()
+            finally:  # system tasks are cancelled as the run ends
+                events.increment()
+
+        trio.lowlevel.spawn_system_task(completes_as_the_run_ends)
+        await trio.lowlevel.checkpoint()
+
+    for _ in range(20):  # where among trio's last callbacks the wake-up runs varies
+        trio.run(main)
