@@ -533,6 +533,7 @@ class _TrioBridge(LoopBridge):
         super().__init__()
         self._run_sync_soon = trio.lowlevel.current_trio_token().run_sync_soon
         self.sleeps_coarsely = _TRIO_SLEEPS_COARSELY
+        self._next_deadline = _trio_next_deadline_reader()
 
     def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
         self._run_sync_soon(fn)
@@ -559,11 +560,8 @@ class _TrioBridge(LoopBridge):
     def _next_timer(self) -> tuple[float, float] | None:
         import trio
 
-        seconds = trio.lowlevel.current_statistics().seconds_to_next_deadline
-        if seconds == float("inf"):
-            return None
-        now = trio.current_time()
-        return now, now + seconds
+        when = self._next_deadline()
+        return None if when == float("inf") else (trio.current_time(), when)
 
     async def park(self, watch: Watch | None, value: int) -> None:
         import trio
@@ -593,6 +591,33 @@ _COARSE_SELECTORS = tuple(
 )
 # trio sleeps in epoll (Linux) or IOCP (Windows), both in milliseconds; kqueue elsewhere.
 _TRIO_SLEEPS_COARSELY = sys.platform.startswith("linux") or sys.platform == "win32"
+
+
+def _trio_next_deadline_reader() -> Callable[[], float]:
+    """A reader of when the running trio run's next deadline is due, on its clock (inf:
+    none): what its run loop reads to choose its sleep. trio.lowlevel.current_statistics()
+    says it too, but also counts every file descriptor the run waits on (a server's
+    thousands of sockets, at each of the hold's looks); it stands in where trio's
+    internals differ."""
+    import trio
+
+    try:
+        from trio._core._run import GLOBAL_RUN_CONTEXT
+
+        GLOBAL_RUN_CONTEXT.runner.deadlines.next_deadline  # noqa: B018 (present?)
+    except (ImportError, AttributeError):
+
+        def from_statistics() -> float:
+            seconds = trio.lowlevel.current_statistics().seconds_to_next_deadline
+            return float(trio.current_time() + seconds)
+
+        return from_statistics
+
+    def next_deadline() -> float:  # the run's own, looked up each time: none is kept
+        return float(GLOBAL_RUN_CONTEXT.runner.deadlines.next_deadline())
+
+    return next_deadline
+
 
 _asyncio_bridges: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopBridge] = (
     weakref.WeakKeyDictionary()

@@ -288,3 +288,32 @@ def test_a_completion_as_a_trio_run_ends_leaves_the_run_to_end() -> None:
 
     for _ in range(20):  # where among trio's last callbacks the wake-up runs varies
         trio.run(main)
+
+
+def test_on_trio_the_look_for_a_timer_does_not_walk_the_runs_sockets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After each wake-up the bridge looks (a few times) for trio's next deadline.
+    trio.lowlevel.current_statistics() gives it, but also counts every file descriptor
+    the run waits on -- a server's thousands of sockets, at every look -- so the bridge
+    reads the deadline alone: the I/O manager's statistics are never asked for."""
+    from trio._core._run import GLOBAL_RUN_CONTEXT
+
+    counted = [0]
+
+    async def main() -> None:
+        manager = type(GLOBAL_RUN_CONTEXT.runner.io_manager)
+        statistics = manager.statistics
+
+        def counting(self: Any) -> Any:
+            counted[0] += 1
+            return statistics(self)
+
+        monkeypatch.setattr(manager, "statistics", counting)
+        async with am.open_device("cpu") as dev:
+            tl = dev.timeline()
+            for _ in range(5):  # each wake-up looks, then holds for the 0.5 ms sleep
+                await _wake_then_sleep_half_a_millisecond(tl, trio.sleep)()
+
+    trio.run(main)
+    assert counted[0] == 0
