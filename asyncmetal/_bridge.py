@@ -385,7 +385,7 @@ class LoopBridge(ABC):
                     # would never reach it, nor ever sleep.
                     self._hold_wall = time.perf_counter() + (when - now)
                 holding = now < self._hold_until and time.perf_counter() < self._hold_wall
-            if looking or holding:
+            if self._hold_looks or holding:
                 self._call_soon(self._hold_tick)  # the loop polls in its next iteration
                 return
         self._holding = False

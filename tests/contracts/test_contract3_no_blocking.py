@@ -169,6 +169,42 @@ async def test_a_wake_up_just_before_a_timer_leaves_the_timer_on_time(
     assert not any(sleeps), sleeps
 
 
+async def test_a_wake_up_with_no_timer_due_soon_costs_the_loop_no_iteration_more(
+    anyio_backend: tuple[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a wake-up the bridge looks for a timer in the loop's next two iterations
+    (the woken tasks' steps may set one), which it runs anyway (a watch left empty is
+    let go of two turns later): with no timer due soon, the loop polls without sleeping
+    after a wake-up as often as it does where the bridge never looks."""
+    from asyncmetal import _bridge
+
+    recording, sleeps = _record_sleeps(anyio_backend[0], monkeypatch)
+    polls_awake: dict[bool, list[int]] = {True: [], False: []}
+    async with am.open_device("cpu") as dev:
+        tl = dev.timeline()
+        bridge = _bridge.current_bridge()
+        assert bridge.sleeps_coarsely
+        for v in range(1, 7):
+            looks = bridge.sleeps_coarsely = v % 2 == 0
+
+            async def waiter(v: int = v) -> None:
+                await tl.wait(v)
+                sleeps.clear()
+                recording[0] = True
+                await anyio.sleep(0.05)  # a timer, far off
+                recording[0] = False
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiter)
+                await anyio.sleep(0.01)  # the waiter parks on the timeline
+                signaller = threading.Thread(target=tl.signal, args=(v,))
+                signaller.start()
+            signaller.join()
+            assert True in sleeps, sleeps
+            polls_awake[looks].append(sleeps.index(True))
+    assert max(polls_awake[True]) <= min(polls_awake[False]), polls_awake
+
+
 async def test_many_waiters_are_woken_in_slices_between_the_loops_other_work(
     device: am.Device,
 ) -> None:
