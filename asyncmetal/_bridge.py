@@ -30,9 +30,10 @@ poll selectors, and trio's epoll, sleep in whole milliseconds, rounded up: a loo
 0.3 ms before a timer is due sleeps a full millisecond after the wake-up, and the timer
 runs 0.7 ms late. After each wake-up the bridge caused, while the loop's next timer is
 due within that millisecond, the loop keeps polling (a callback per iteration) until
-that timer is due, and no longer: at most a millisecond of polling per wake-up, and
-none where the loop sleeps precisely (kqueue, select) or cannot say when its next timer
-is due (uvloop).
+that timer is due, and no longer: at most a millisecond of polling per wake-up (of
+real time too, where the loop's clock stands still while it polls), and none where the
+loop sleeps precisely (kqueue, select) or cannot say when its next timer is due
+(uvloop).
 """
 
 from __future__ import annotations
@@ -242,6 +243,7 @@ class LoopBridge(ABC):
         self._slice_woke = 0  # how many tasks it woke
         self._holding = False  # polling until a timer due within SLEEP_GRANULE
         self._hold_until = 0.0  # until then, on the loop's clock
+        self._hold_wall = 0.0  # and at most until then, on time.perf_counter's
         self._hold_looks = 0  # looks left for such a timer, after a wake-up
         self.sleeps_coarsely = False  # the loop sleeps in whole SLEEP_GRANULEs, rounded up
         # Iterations after a wake-up in which to look for a timer: one where the tasks
@@ -372,19 +374,24 @@ class LoopBridge(ABC):
 
     def _hold_tick(self) -> None:
         if not self.dead:
-            timer = self._next_timer()
             looking = self._hold_looks > 0
             self._hold_looks -= looking
+            holding = False
+            timer = self._next_timer()
             if timer is not None:
                 now, when = timer
                 if looking and now < when < now + SLEEP_GRANULE and when > self._hold_until:
                     self._hold_until = when  # the timer due next: hold until it is due
-                looking = looking or now < self._hold_until
-            if looking:
+                    # ... and no longer in real time: a loop whose clock stands still
+                    # while it polls (trio's MockClock, an asyncio loop on virtual time)
+                    # would never reach it, nor ever sleep.
+                    self._hold_wall = time.perf_counter() + (when - now)
+                holding = now < self._hold_until and time.perf_counter() < self._hold_wall
+            if self._hold_looks or holding:
                 self._call_soon(self._hold_tick)  # the loop polls in its next iteration
                 return
         self._holding = False
-        self._hold_until = 0.0
+        self._hold_until = self._hold_wall = 0.0
         self._hold_looks = 0
 
     def _resolve(self) -> None:
@@ -529,12 +536,16 @@ class _TrioBridge(LoopBridge):
         self._run_sync_soon = trio.lowlevel.current_trio_token().run_sync_soon
         self.sleeps_coarsely = _TRIO_SLEEPS_COARSELY
         self.looks_after_wakeup = 2  # trio runs a batch's tasks in random order
+        self._next_deadline = _trio_next_deadline_reader()
 
     def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
         self._run_sync_soon(fn)
 
     def _call_soon(self, fn: Callable[[], None]) -> None:
-        self._run_sync_soon(fn)
+        try:
+            self._run_sync_soon(fn)
+        except RuntimeError:  # trio.RunFinishedError: called among the run's last callbacks
+            self.dead = True
 
     def _watch_fd(self, fd: int) -> None:
         import trio
@@ -552,11 +563,8 @@ class _TrioBridge(LoopBridge):
     def _next_timer(self) -> tuple[float, float] | None:
         import trio
 
-        seconds = trio.lowlevel.current_statistics().seconds_to_next_deadline
-        if seconds == float("inf"):
-            return None
-        now = trio.current_time()
-        return now, now + seconds
+        when = self._next_deadline()
+        return None if when == float("inf") else (trio.current_time(), when)
 
     async def park(self, watch: Watch | None, value: int) -> None:
         import trio
@@ -586,6 +594,33 @@ _COARSE_SELECTORS = tuple(
 )
 # trio sleeps in epoll (Linux) or IOCP (Windows), both in milliseconds; kqueue elsewhere.
 _TRIO_SLEEPS_COARSELY = sys.platform.startswith("linux") or sys.platform == "win32"
+
+
+def _trio_next_deadline_reader() -> Callable[[], float]:
+    """A reader of when the running trio run's next deadline is due, on its clock (inf:
+    none): what its run loop reads to choose its sleep. trio.lowlevel.current_statistics()
+    says it too, but also counts every file descriptor the run waits on (a server's
+    thousands of sockets, at each of the hold's looks); it stands in where trio's
+    internals differ."""
+    import trio
+
+    try:
+        from trio._core._run import GLOBAL_RUN_CONTEXT
+
+        GLOBAL_RUN_CONTEXT.runner.deadlines.next_deadline  # noqa: B018 (present?)
+    except (ImportError, AttributeError):
+
+        def from_statistics() -> float:
+            seconds = trio.lowlevel.current_statistics().seconds_to_next_deadline
+            return float(trio.current_time() + seconds)
+
+        return from_statistics
+
+    def next_deadline() -> float:  # the run's own, looked up each time: none is kept
+        return float(GLOBAL_RUN_CONTEXT.runner.deadlines.next_deadline())
+
+    return next_deadline
+
 
 _asyncio_bridges: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopBridge] = (
     weakref.WeakKeyDictionary()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -137,6 +137,24 @@ def _record_sleeps(backend: str, monkeypatch: pytest.MonkeyPatch) -> tuple[list[
     return recording, sleeps
 
 
+async def _woken_through_the_pipe(
+    tl: am.Timeline, value: int, then: Callable[[], Awaitable[None]]
+) -> None:
+    """A task parks on ``tl`` until ``value``, which another thread signals (the wake-up
+    comes through the bridge's pipe); woken, it awaits ``then()``."""
+
+    async def waiter() -> None:
+        await tl.wait(value)
+        await then()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        await anyio.sleep(0.01)  # the waiter parks on the timeline
+        signaller = threading.Thread(target=tl.signal, args=(value,))
+        signaller.start()
+    signaller.join()
+
+
 async def test_a_wake_up_just_before_a_timer_leaves_the_timer_on_time(
     anyio_backend: tuple[str, object], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -151,22 +169,46 @@ async def test_a_wake_up_just_before_a_timer_leaves_the_timer_on_time(
         for v in range(1, 6):
             fired: list[bool] = []
 
-            async def waiter(v: int = v, fired: list[bool] = fired) -> None:
-                await tl.wait(v)
+            async def sleep_half_a_millisecond(fired: list[bool] = fired) -> None:
                 recording[0] = True
                 await anyio.sleep(0.0005)
                 recording[0] = False
                 fired.append(True)
 
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(waiter)
-                await anyio.sleep(0.01)  # the waiter parks on the timeline
-                signaller = threading.Thread(target=tl.signal, args=(v,))
-                signaller.start()
-            signaller.join()
+            await _woken_through_the_pipe(tl, v, sleep_half_a_millisecond)
             assert fired
     assert sleeps, "the loop never polled between the wake-up and the timer"
     assert not any(sleeps), sleeps
+
+
+async def test_a_wake_up_with_no_timer_due_soon_costs_the_loop_no_iteration_more(
+    anyio_backend: tuple[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a wake-up the bridge looks for a timer in the loop's next iteration (two on
+    trio; the woken tasks' steps may set one), which it runs anyway (a watch left empty
+    is let go of two turns later): with no timer due soon, the loop polls without sleeping
+    after a wake-up as often as it does where the bridge never looks."""
+    from asyncmetal import _bridge
+
+    recording, sleeps = _record_sleeps(anyio_backend[0], monkeypatch)
+    polls_awake: dict[bool, list[int]] = {True: [], False: []}
+    async with am.open_device("cpu") as dev:
+        tl = dev.timeline()
+        bridge = _bridge.current_bridge()
+        assert bridge.sleeps_coarsely
+        for v in range(1, 7):
+            looks = bridge.sleeps_coarsely = v % 2 == 0
+
+            async def sleep_long() -> None:
+                sleeps.clear()
+                recording[0] = True
+                await anyio.sleep(0.05)  # a timer, far off
+                recording[0] = False
+
+            await _woken_through_the_pipe(tl, v, sleep_long)
+            assert True in sleeps, sleeps
+            polls_awake[looks].append(sleeps.index(True))
+    assert max(polls_awake[True]) <= min(polls_awake[False]), polls_awake
 
 
 async def test_many_waiters_are_woken_in_slices_between_the_loops_other_work(

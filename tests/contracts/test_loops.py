@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import selectors
 import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 import asyncmetal as am
 from tests.support.kernels import KERNELS
@@ -184,3 +189,131 @@ def test_each_loop_in_each_thread_is_given_its_own_bridge() -> None:
     for t in threads:
         t.join(30)
     assert not wrong, wrong
+
+
+def _wake_then_sleep_half_a_millisecond(
+    tl: am.Timeline, sleep: Callable[[float], Awaitable[None]]
+) -> Callable[[], Awaitable[None]]:
+    """A task woken through the bridge's pipe that then sleeps 0.5 ms: a timer due within
+    the millisecond the bridge holds the loop for."""
+
+    async def woken_then_sleeps() -> None:
+        value = tl.value + 1
+        threading.Timer(0.01, tl.signal, args=(value,)).start()
+        await tl.wait(value)
+        await sleep(0.0005)
+
+    return woken_then_sleeps
+
+
+class _VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An asyncio loop on virtual time (as pytest's looptime makes one): where it would
+    sleep until a timer, its clock jumps there instead; only a wait for I/O alone
+    blocks."""
+
+    def __init__(self) -> None:
+        super().__init__(selectors.PollSelector())  # whole milliseconds: the bridge holds
+        self.virtual = 0.0
+        select = self._selector.select  # type: ignore[attr-defined]
+
+        def select_on_virtual_time(timeout: float | None = None) -> Any:
+            if timeout is not None and timeout > 0:
+                self.virtual += timeout
+                timeout = 0
+            return select(timeout)
+
+        self._selector.select = select_on_virtual_time  # type: ignore[attr-defined]
+
+    def time(self) -> float:
+        return self.virtual
+
+
+def test_a_loop_on_virtual_time_is_not_held_forever() -> None:
+    """Loops whose clock stands still while they poll -- trio's MockClock with autojump,
+    an asyncio loop on virtual time -- advance it only when they would sleep: a
+    wake-up just before a timer must not keep them polling until that timer is due
+    (it never would be), only for as long in real time."""
+
+    async def on_trio() -> bool:
+        async with am.open_device("cpu") as dev:
+            with trio.CancelScope() as scope:
+                token = trio.lowlevel.current_trio_token()
+                watchdog = threading.Timer(10, token.run_sync_soon, args=(scope.cancel,))
+                watchdog.start()
+                await _wake_then_sleep_half_a_millisecond(dev.timeline(), trio.sleep)()
+            watchdog.cancel()
+            return not scope.cancelled_caught
+
+    assert trio.run(on_trio, clock=trio.testing.MockClock(autojump_threshold=0))
+
+    async def on_asyncio() -> bool:
+        async with am.open_device("cpu") as dev:
+            woken = _wake_then_sleep_half_a_millisecond(dev.timeline(), asyncio.sleep)
+            task = asyncio.ensure_future(woken())
+            loop = asyncio.get_running_loop()
+            watchdog = threading.Timer(10, loop.call_soon_threadsafe, args=(task.cancel,))
+            watchdog.start()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            watchdog.cancel()
+            return not task.cancelled()
+
+    loop = _VirtualTimeLoop()
+    try:
+        assert loop.run_until_complete(on_asyncio())
+    finally:
+        loop.close()
+
+
+def test_a_completion_as_a_trio_run_ends_leaves_the_run_to_end() -> None:
+    """A completion that reaches a waited value while trio shuts its run down: the wake-up
+    may run among the run's last callbacks, where asking for another raises
+    RunFinishedError. The bridge takes that for the run's end; trio must not turn it
+    into a TrioInternalError."""
+    from asyncmetal._timeline import HostEvents
+
+    async def main() -> None:
+        events = HostEvents()  # notified from Python, not through the bridge's pipe
+        with trio.move_on_after(0.001):
+            await events.wait(1)  # parks, then is cancelled: the watch still waits for 1
+
+        async def completes_as_the_run_ends() -> None:
+            try:
+                await trio.sleep_forever()
+            finally:  # system tasks are cancelled as the run ends
+                events.increment()
+
+        trio.lowlevel.spawn_system_task(completes_as_the_run_ends)
+        await trio.lowlevel.checkpoint()
+
+    for _ in range(20):  # where among trio's last callbacks the wake-up runs varies
+        trio.run(main)
+
+
+def test_on_trio_the_look_for_a_timer_does_not_walk_the_runs_sockets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After each wake-up the bridge looks (a few times) for trio's next deadline.
+    trio.lowlevel.current_statistics() gives it, but also counts every file descriptor
+    the run waits on -- a server's thousands of sockets, at every look -- so the bridge
+    reads the deadline alone: the I/O manager's statistics are never asked for."""
+    from trio._core._run import GLOBAL_RUN_CONTEXT
+
+    counted = [0]
+
+    async def main() -> None:
+        manager = type(GLOBAL_RUN_CONTEXT.runner.io_manager)
+        statistics = manager.statistics
+
+        def counting(self: Any) -> Any:
+            counted[0] += 1
+            return statistics(self)
+
+        monkeypatch.setattr(manager, "statistics", counting)
+        async with am.open_device("cpu") as dev:
+            tl = dev.timeline()
+            for _ in range(5):  # each wake-up looks, then holds for the 0.5 ms sleep
+                await _wake_then_sleep_half_a_millisecond(tl, trio.sleep)()
+
+    trio.run(main)
+    assert counted[0] == 0
