@@ -537,6 +537,7 @@ class _TrioBridge(LoopBridge):
         self.sleeps_coarsely = _TRIO_SLEEPS_COARSELY
         self.looks_after_wakeup = 2  # trio runs a batch's tasks in random order
         self._next_deadline = _trio_next_deadline_reader()
+        self._current_time = trio.current_time
 
     def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
         self._run_sync_soon(fn)
@@ -561,10 +562,8 @@ class _TrioBridge(LoopBridge):
         trio.lowlevel.spawn_system_task(reader, name="asyncmetal-bridge")
 
     def _next_timer(self) -> tuple[float, float] | None:
-        import trio
-
         when = self._next_deadline()
-        return None if when == float("inf") else (trio.current_time(), when)
+        return None if when == float("inf") else (self._current_time(), when)
 
     async def park(self, watch: Watch | None, value: int) -> None:
         import trio
