@@ -25,6 +25,18 @@ whose steps are short, one or two whose steps run a model's Python for a hundred
 microseconds. (Larger slices of short steps do not raise throughput: they only
 lengthen the iterations.)
 
+A crowd's waits take turns. From a number of waiting tasks on (``_timeline.CROWD``), a
+wait would park at once, and so bound the loop's iterations; but a park and its wake-up
+cost more than the step of a task whose command finishes while the loop runs its other
+tasks once. So a crowd's wait may first yield plainly, once -- a turn -- and parks only
+if its command is still not done. The bridge grants as many turns per iteration of the
+loop as keep an iteration to about ``TURN_BUDGET_NS``: a callback that runs once per
+iteration while turns are taken measures the iterations and scales the turns granted to
+the time they took (``turn_limit``); the tasks that asked later park and are woken in
+slices, as before. Every ``TURN_SHARE``-th turn asked for is refused, so that the tasks
+taking turns change: a task refused parks behind those woken in slices, and one of
+those takes its place.
+
 A wake-up from the bridge also keeps the loop's timers on time. asyncio's epoll and
 poll selectors, and trio's epoll, sleep in whole milliseconds, rounded up: a loop woken
 0.3 ms before a timer is due sleeps a full millisecond after the wake-up, and the timer
@@ -63,6 +75,10 @@ INFINITY = 1 << 64  # larger than any 64-bit timeline value
 SLEEP_GRANULE = 1e-3  # seconds: epoll and poll sleep in whole milliseconds, rounded up
 WAKE_SLICE = 8  # tasks a drain wakes at most; the rest in the loop's next iteration
 SLICE_BUDGET_NS = 250_000  # fewer, where their steps would take longer than this
+TURN_BUDGET_NS = 300_000  # a crowd's turns: as many per iteration as keep it this long
+TURN_LIMIT = 16  # turns per iteration granted at first
+TURN_MAX = 4096
+TURN_SHARE = 8  # every 8th turn asked for is refused (the task parks instead)
 
 
 @dataclass(frozen=True)
@@ -249,6 +265,44 @@ class LoopBridge(ABC):
         # Iterations after a wake-up in which to look for a timer: one where the tasks
         # just woken have run by then (asyncio runs callbacks in order).
         self.looks_after_wakeup = 1
+        self.turn_limit = TURN_LIMIT  # turns a crowd's waits get per iteration of the loop
+        self._turns = 0  # granted since the last mark
+        self._turns_asked = 0  # asked for, ever (every TURN_SHARE-th is refused)
+        self._marking = False  # _turn_mark is scheduled
+        self._marked_at = 0  # a perf_counter_ns: when it last ran (0: not in the iteration before)
+
+    def turn(self) -> bool:
+        """Whether a crowd's wait may yield plainly now rather than park (see the module
+        doc). Called on the loop's thread."""
+        self._turns_asked += 1
+        if self._turns >= self.turn_limit or self._turns_asked % TURN_SHARE == 0:
+            return False
+        self._turns += 1
+        if not self._marking:
+            self._marking = True
+            self._marked_at = 0
+            self._call_soon(self._turn_mark)
+        return True
+
+    def _turn_mark(self) -> None:
+        """Once per iteration while turns are taken: size the turns to the iteration."""
+        now = time.perf_counter_ns()
+        granted, self._turns = self._turns, 0
+        if self._marked_at and granted:  # it ran in the iteration before: that one took
+            took = max(now - self._marked_at, 1)  # this long, with these turns in it
+            fit = granted * TURN_BUDGET_NS // took
+            # Quick to fall, slow to rise: a mark may run early or late in its iteration
+            # (trio shuffles a batch), so one iteration measured short says little.
+            limit = self.turn_limit
+            if fit < limit:
+                self.turn_limit = max(1, fit)
+            else:
+                self.turn_limit = min(TURN_MAX, fit, limit + limit // 8 + 1)
+        if granted and not self.dead:
+            self._marked_at = now
+            self._call_soon(self._turn_mark)
+        else:
+            self._marking = False
 
     @abstractmethod
     def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:

@@ -270,7 +270,7 @@ def passed(timeline: Timeline, value: int) -> bool:
 AWAKE_AFTER_SIGNAL_NS = 500_000  # a loop that host-signals a device timeline checks this long
 SPIN_NS = 50_000  # waits recently shorter than this first yield to the loop a few times
 _waiting = threading.local()  # per thread (a loop's): tasks waiting in wait_value now
-CROWD = 16  # from this many waiting tasks on, a wait parks at once (no yield first)
+CROWD = 16  # from this many waiting tasks on, a wait yields first only on a turn (_bridge)
 SPINNERS = 4  # only while fewer tasks wait does a wait read the timeline between yields
 DUE_NS = 2_000_000  # a command due within this long is checked for rather than parked on
 SLICE_NS = 5_000  # between two such yields, a native timeline is read this long at most
@@ -305,21 +305,22 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
     try:
         # Yield once before parking: under load one pass over the other ready tasks
         # usually finishes the command, and a yield costs far less than a park and a
-        # wake-up. Not in a crowd: tasks that never park are all ready in every
-        # iteration of the loop, which then lasts as long as all their steps; parked,
-        # they are woken in slices (WAKE_SLICE) with the loop's other work between --
-        # also those whose value is reached already.
+        # wake-up. In a crowd, only while the bridge grants turns: tasks that never park
+        # are all ready in every iteration of the loop, which then lasts as long as all
+        # their steps; the bridge grants as many turns per iteration as keep it short,
+        # and the rest park at once and are woken in slices (WAKE_SLICE) with the loop's
+        # other work between -- also those whose value is reached already.
         # And reading the timeline between yields pays off for a few waiters only: each
         # read holds the loop up to SLICE_NS, once per waiter and iteration.
-        if crowd < CROWD:
-            deadline = 0
-            if crowd < SPINNERS:
-                deadline = start + 2 * recent if recent < SPIN_NS else 0
-                if not due_ns and c_timeline and _native.due is not None:
-                    # The queue's prediction for its last command (a launch, a marker).
-                    due_ns = _native.due(c_timeline, value)
-                if start < due_ns <= start + DUE_NS:
-                    deadline = max(deadline, due_ns + SPIN_NS)
+        deadline = 0
+        if crowd < SPINNERS:
+            deadline = start + 2 * recent if recent < SPIN_NS else 0
+            if not due_ns and c_timeline and _native.due is not None:
+                # The queue's prediction for its last command (a launch, a marker).
+                due_ns = _native.due(c_timeline, value)
+            if start < due_ns <= start + DUE_NS:
+                deadline = max(deadline, due_ns + SPIN_NS)
+        if crowd < CROWD or _bridge.current_bridge().turn():
             while True:
                 yield from _bridge.checkpoint()
                 now = time.perf_counter_ns()
@@ -343,16 +344,20 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
 @types.coroutine
 def ready_checkpoint() -> Generator[Any, Any, None]:
     """The checkpoint of an await whose value is reached: a yield -- or, while a crowd
-    of tasks waits on this thread's loop, a turn in the bridge's next slice (tasks whose
-    commands are always done by the time they await would otherwise all be ready in
-    every iteration of the loop)."""
+    of tasks waits on this thread's loop and the bridge grants no turn, a place in its
+    next slices (tasks whose commands are always done by the time they await would
+    otherwise all be ready in every iteration of the loop)."""
     crowd = getattr(_waiting, "n", 0)
     _waiting.n = crowd + 1
     try:
         if crowd < CROWD:
             yield from _bridge.checkpoint()
         else:
-            yield from _bridge.current_bridge().park(None, 0).__await__()
+            bridge = _bridge.current_bridge()
+            if bridge.turn():
+                yield from _bridge.checkpoint()
+            else:
+                yield from bridge.park(None, 0).__await__()
     finally:
         _waiting.n -= 1
 

@@ -283,15 +283,19 @@ async def _woken_between_ticks(
 
 
 async def test_a_crowd_of_tasks_awaiting_launches_leaves_room_for_the_loops_other_work(
-    device: am.Device, kernels: dict[str, am.Program]
+    device: am.Device, kernels: dict[str, am.Program], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """200 tasks each awaiting launch after launch on one queue: each command finishes
     within a loop iteration, so tasks that yielded before parking would never park and
-    all 200 would run in every iteration. In a crowd they park at once and are woken in
-    slices, with the loop's other work between."""
+    all 200 would run in every iteration. In a crowd only those granted a turn yield; the
+    rest park at once and are woken in slices, with the loop's other work between."""
     from asyncmetal import _bridge, _timeline
 
     assert _timeline.CROWD < 200
+    bridge = _bridge.current_bridge()
+    turns = 4  # what an iteration of this many steps' length is granted, held there
+    monkeypatch.setattr(bridge, "turn_limit", turns)
+    monkeypatch.setattr(_bridge, "TURN_BUDGET_NS", 1)  # sizing only lowers it (to 1)
     steps = 0
     most: list[int] = []
     finished = 0
@@ -312,10 +316,71 @@ async def test_a_crowd_of_tasks_awaiting_launches_leaves_room_for_the_loops_othe
         tg.start_soon(ticker)
     assert steps == 200 * 40
     most_between_ticks = most[0]
-    # Below the crowd, tasks yield and run every iteration; beyond it, two slices may
-    # fall between two ticker steps. Without slices, all 200 step between two of its.
-    limit = _timeline.CROWD + 2 * _bridge.WAKE_SLICE
+    # Below the crowd, tasks yield and run every iteration; beyond it, those on a turn,
+    # and two slices may fall between two ticker steps. Without slices, all 200 step
+    # between two of its.
+    limit = _timeline.CROWD + 2 * turns + 2 * _bridge.WAKE_SLICE
     assert most_between_ticks <= limit < 200, most_between_ticks
+
+
+async def test_a_crowd_whose_commands_finish_within_an_iteration_takes_turns_not_parks(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """100 tasks awaiting values reached already: a park and its wake-up cost more than
+    the step of a task that yields plainly, so while iterations are short (a budget
+    large enough for all of them here) a crowd's tasks yield, and only the turns refused
+    so that others get theirs (one in ``TURN_SHARE``) park."""
+    from asyncmetal import _bridge
+
+    monkeypatch.setattr(_bridge, "TURN_BUDGET_NS", 10**12)
+    bridge = _bridge.current_bridge()
+    monkeypatch.setattr(bridge, "turn_limit", _bridge.TURN_MAX)
+    tl = device.timeline()
+    tl.signal(1)
+    before = am.loop_statistics().resolved
+
+    async def waiter() -> None:
+        for _ in range(40):
+            await tl.wait(1)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(100):
+            tg.start_soon(waiter)
+    parked = am.loop_statistics().resolved - before
+    # Without turns, every await in the crowd parks (about 84 tasks' 40 each).
+    assert parked <= 100 * 40 // _bridge.TURN_SHARE + 100, parked
+
+
+async def test_a_crowds_turns_are_sized_to_the_loops_iterations(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tasks whose steps run 0.5 ms of Python, turns budgeted to 1 ms of iteration: the
+    turns granted fall from the first guess to what fits, a few steps."""
+    from asyncmetal import _bridge
+
+    monkeypatch.setattr(_bridge, "TURN_BUDGET_NS", 1_000_000)
+    bridge = _bridge.current_bridge()
+    monkeypatch.setattr(bridge, "turn_limit", _bridge.TURN_LIMIT)
+    tl = device.timeline()
+    tl.signal(1)
+    limits: list[int] = []
+
+    async def waiter() -> None:
+        for _ in range(10):
+            end = time.perf_counter() + 0.0005
+            while time.perf_counter() < end:
+                pass
+            await tl.wait(1)
+            limits.append(bridge.turn_limit)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(40):
+            tg.start_soon(waiter)
+    assert limits[0] >= _bridge.TURN_LIMIT // 2, limits[:8]
+    # 2 steps fit; a slower machine fits fewer. Unsized, it stays at TURN_LIMIT. (Not
+    # at the end: as the tasks finish, iterations grow short and the turns many.)
+    crowded = limits[len(limits) // 4 : len(limits) // 2]
+    assert max(crowded) <= 4, crowded
 
 
 async def _most_between_steps(progress: Callable[[], int], finished: Callable[[], bool]) -> int:
