@@ -251,9 +251,11 @@ class LoopBridge(ABC):
         self.arm: Callable[[int, int], object] = _unloaded  # am_watch_arm, once loaded
         self._reset: Callable[[int], object] = _unloaded  # am_notifier_reset
         self._pipe: tuple[int, int] | None = None
-        self._native_watches: set[Watch] = set()
+        # (a dict for its order: the watch that used up a slice goes last)
+        self._native_watches: dict[Watch, None] = {}
         self._awake_until = 0  # a perf_counter_ns: check native watches every iteration
         self.slice = WAKE_SLICE  # tasks the next slice wakes at most
+        self._ready_first = False  # the last slice woke a crowd's tasks before watches
         self._step_ns = SLICE_BUDGET_NS // WAKE_SLICE  # a woken task's step, smoothed
         self._slice_began = 0  # a perf_counter_ns: when a full slice was woken (0: none)
         self._slice_woke = 0  # how many tasks it woke
@@ -334,14 +336,14 @@ class LoopBridge(ABC):
             self._reset = _native.fast_call(lib, "am_notifier_reset")
             self._watch_fd(rfd)
         handle: int = lib.am_watch_new(c_timeline, self._notifier)
-        self._native_watches.add(watch)
+        self._native_watches[watch] = None
         return handle
 
     def drop_native_watch(self, watch: Watch) -> None:
         if watch.cwatch is not None:
             _native_lib().am_watch_free(watch.cwatch)
             watch.cwatch = None
-        self._native_watches.discard(watch)
+        self._native_watches.pop(watch, None)
 
     def _drain_native(self) -> None:
         """The pipe is readable: resolve every native watch that was reached."""
@@ -449,8 +451,13 @@ class LoopBridge(ABC):
         self._hold_looks = 0
 
     def _resolve(self) -> None:
-        """Wake a slice of the waiters reached, watches queued by notifiers first, then
-        native ones; if more may be due, go on in the loop's next iteration."""
+        """Wake a slice of the waiters reached; if more may be due, go on in the loop's
+        next iteration. Three kinds wait: a crowd's tasks whose turn in a slice came
+        (``_ready``), watches queued by notifiers, and native watches reached. No kind,
+        and no watch, may take every slice while the others wait: the crowd's tasks and
+        the watches go first in alternate slices, and a watch that used up a slice goes
+        behind the others (a crowd kept busy by one queue would otherwise leave the
+        tasks of another queue parked for as long as it lasts)."""
         self._continued = False
         began = time.perf_counter_ns()
         if self._slice_began:
@@ -460,7 +467,18 @@ class LoopBridge(ABC):
             self._step_ns = (self._step_ns * 3 + step) >> 2
             self.slice = max(1, min(WAKE_SLICE, SLICE_BUDGET_NS // (self._step_ns or 1)))
             self._slice_began = 0
-        budget = size = self.slice
+        size = self.slice
+        self._ready_first = ready_first = not self._ready_first
+        if ready_first:
+            budget = self._wake_watches(self._wake_ready(size))
+        else:
+            budget = self._wake_ready(self._wake_watches(size))
+        if budget == 0:
+            self._slice_began, self._slice_woke = began, size
+            self._schedule_slice()
+
+    def _wake_ready(self, budget: int) -> int:
+        """Wake up to ``budget`` of a crowd's tasks whose turn came; return the rest."""
         ready = self._ready
         while ready and budget:
             entry = ready.popleft()
@@ -470,6 +488,11 @@ class LoopBridge(ABC):
                 self.resolved += 1
                 budget -= 1
                 entry.wake()
+        return budget
+
+    def _wake_watches(self, budget: int) -> int:
+        """Wake up to ``budget`` tasks of the watches reached, those queued by notifiers
+        first, then native ones; return the budget left."""
         pending = self._pending
         while pending and budget:
             watch = pending.popleft()
@@ -478,17 +501,18 @@ class LoopBridge(ABC):
             if budget == 0:
                 if not watch.queued:
                     watch.queued = True
-                    pending.appendleft(watch)
+                    pending.append(watch)  # behind the others queued
+                return 0
+        native = self._native_watches
+        for watch in list(native):
+            if not budget:
                 break
-        else:
-            for watch in list(self._native_watches):
-                if watch.timeline.native.value >= watch.next:
-                    budget = watch.resolve(budget)
-                    if budget == 0:
-                        break
-        if budget == 0:
-            self._slice_began, self._slice_woke = began, size
-            self._schedule_slice()
+            if watch.timeline.native.value >= watch.next:
+                budget = watch.resolve(budget)
+                if budget == 0 and watch in native:  # behind the others, next time
+                    del native[watch]
+                    native[watch] = None
+        return budget
 
     def stay_awake(self, ns: int) -> None:
         """For ``ns``, read the native watches' timelines in every iteration of the loop

@@ -225,6 +225,77 @@ async def test_many_waiters_are_woken_in_slices_between_the_loops_other_work(
     assert 0 < most_between_ticks <= 2 * _bridge.WAKE_SLICE, most_between_ticks
 
 
+async def test_a_busy_crowd_leaves_no_other_waiter_parked(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """40 tasks of a crowd awaiting reached values over and over fill every slice with
+    their turns; 10 tasks parked on another timeline that the host signals are woken
+    within a few slices all the same, not once the crowd is done."""
+    from asyncmetal import _bridge
+
+    monkeypatch.setattr(_bridge.current_bridge(), "turn_limit", 0)  # every wait parks
+    busy, other = device.timeline(), device.timeline()
+    busy.signal(1)
+    rounds = 0
+    woken = 0
+    rounds_when_all_woken: list[int] = []
+
+    async def crowd() -> None:
+        nonlocal rounds
+        while not rounds_when_all_woken and rounds < 40 * 200:
+            await busy.wait(1)
+            rounds += 1
+
+    async def waiter() -> None:
+        nonlocal woken
+        await other.wait(1)
+        woken += 1
+        if woken == 10:
+            rounds_when_all_woken.append(rounds)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(10):
+            tg.start_soon(waiter)
+        await anyio.wait_all_tasks_blocked()
+        for _ in range(40):
+            tg.start_soon(crowd)
+        while rounds < 200:
+            await anyio.sleep(0.001)
+        other.signal(1)
+        signalled_at = rounds
+    assert woken == 10
+    # Unfair, the crowd keeps every slice for itself: the waiters wake once it is done
+    # (8000 rounds). A slice wakes at most WAKE_SLICE tasks.
+    assert rounds_when_all_woken[0] - signalled_at <= 20 * _bridge.WAKE_SLICE, (
+        signalled_at,
+        rounds_when_all_woken,
+    )
+
+
+async def test_a_crowd_on_two_queues_keeps_both_busy(
+    device: am.Device, kernels: dict[str, am.Program], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crowd of tasks launching on two queues, each task on its own: every wait parks
+    and is woken by its queue's watch. Neither queue's tasks may take every slice (one
+    queue's watch, reached again each time its commands finish, would)."""
+    from asyncmetal import _bridge
+
+    monkeypatch.setattr(_bridge.current_bridge(), "turn_limit", 0)  # every wait parks
+    queues = [device.queue, device.new_queue()]
+    done = [0, 0]
+    total = 4000
+
+    async def worker(q: int) -> None:
+        while sum(done) < total:
+            await queues[q].launch(kernels["empty"])
+            done[q] += 1
+
+    async with anyio.create_task_group() as tg:
+        for i in range(64):
+            tg.start_soon(worker, i % 2)
+    assert min(done) >= total // 4, done
+
+
 async def test_tasks_with_long_steps_are_woken_fewer_at_a_time(device: am.Device) -> None:
     """Woken tasks that each run 2 ms of Python (a model's forward pass, say): slices are
     sized by the time their steps took, so after the first slice one or two of them run
