@@ -33,9 +33,11 @@ if its command is still not done. The bridge grants as many turns per iteration 
 loop as keep an iteration to about ``TURN_BUDGET_NS``: a callback that runs once per
 iteration while turns are taken measures the iterations and scales the turns granted to
 the time they took (``turn_limit``); the tasks that asked later park and are woken in
-slices, as before. Every ``TURN_SHARE``-th turn asked for is refused, so that the tasks
-taking turns change: a task refused parks behind those woken in slices, and one of
-those takes its place.
+slices, as before. Where not even one turn fits (a step longer than the budget, or an
+iteration full without turns), none is granted but one in every ``TURN_PROBE``-th
+iteration, which measures again. Every ``TURN_SHARE``-th turn asked for is refused, so
+that the tasks taking turns change: a task refused parks behind those woken in slices,
+and one of those takes its place.
 
 A wake-up from the bridge also keeps the loop's timers on time. asyncio's epoll and
 poll selectors, and trio's epoll, sleep in whole milliseconds, rounded up: a loop woken
@@ -79,6 +81,7 @@ TURN_BUDGET_NS = 300_000  # a crowd's turns: as many per iteration as keep it th
 TURN_LIMIT = 16  # turns per iteration granted at first
 TURN_MAX = 4096
 TURN_SHARE = 8  # every 8th turn asked for is refused (the task parks instead)
+TURN_PROBE = 8  # while no turn fits: one turn in every 8th iteration, to measure again
 
 
 @dataclass(frozen=True)
@@ -270,6 +273,8 @@ class LoopBridge(ABC):
         self.turn_limit = TURN_LIMIT  # turns a crowd's waits get per iteration of the loop
         self._turns = 0  # granted since the last mark
         self._turns_asked = 0  # asked for, ever (every TURN_SHARE-th is refused)
+        self._asked = False  # a turn was asked for since the last mark
+        self._probe_in = TURN_PROBE  # marks until a probe, while turn_limit is 0
         self._marking = False  # _turn_mark is scheduled
         self._marked_at = 0  # a perf_counter_ns: when it last ran (0: not in the iteration before)
 
@@ -277,30 +282,39 @@ class LoopBridge(ABC):
         """Whether a crowd's wait may yield plainly now rather than park (see the module
         doc). Called on the loop's thread."""
         self._turns_asked += 1
-        if self._turns >= self.turn_limit or self._turns_asked % TURN_SHARE == 0:
-            return False
-        self._turns += 1
+        self._asked = True
         if not self._marking:
             self._marking = True
             self._marked_at = 0
             self._call_soon(self._turn_mark)
+        if self._turns >= self.turn_limit or self._turns_asked % TURN_SHARE == 0:
+            return False
+        self._turns += 1
         return True
 
     def _turn_mark(self) -> None:
-        """Once per iteration while turns are taken: size the turns to the iteration."""
+        """Once per iteration while turns are asked for: size the turns to the iteration."""
         now = time.perf_counter_ns()
         granted, self._turns = self._turns, 0
+        asked, self._asked = self._asked, False
+        limit = self.turn_limit
         if self._marked_at and granted:  # it ran in the iteration before: that one took
             took = max(now - self._marked_at, 1)  # this long, with these turns in it
             fit = granted * TURN_BUDGET_NS // took
             # Quick to fall, slow to rise: a mark may run early or late in its iteration
             # (trio shuffles a batch), so one iteration measured short says little.
-            limit = self.turn_limit
+            # To none only from one: twice over the budget with a single turn.
             if fit < limit:
-                self.turn_limit = max(1, fit)
+                limit = fit if fit or limit == 1 else 1
             else:
-                self.turn_limit = min(TURN_MAX, fit, limit + limit // 8 + 1)
-        if granted and not self.dead:
+                limit = min(TURN_MAX, fit, limit + limit // 8 + 1)
+            self._probe_in = TURN_PROBE
+        elif limit == 0 and asked:  # none fits: a turn now and then measures again
+            self._probe_in -= 1
+            if self._probe_in <= 0:
+                limit = 1
+        self.turn_limit = limit
+        if asked and not self.dead:
             self._marked_at = now
             self._call_soon(self._turn_mark)
         else:

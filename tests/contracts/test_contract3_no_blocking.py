@@ -454,11 +454,54 @@ async def test_a_crowds_turns_are_sized_to_the_loops_iterations(
     assert max(crowded) <= 4, crowded
 
 
-async def _most_between_steps(progress: Callable[[], int], finished: Callable[[], bool]) -> int:
-    """Step as one task of the loop until ``finished()``; return the most ``progress()``
-    grew between two of its steps (what the loop ran between them)."""
-    most, last = 0, progress()
+async def test_a_crowd_whose_steps_outlast_the_turns_budget_takes_no_turns(
+    device: am.Device,
+) -> None:
+    """40 tasks whose steps each run 0.5 ms of Python (more than ``TURN_BUDGET_NS``),
+    awaiting values reached: a turn would add a whole step to an iteration that holds a
+    woken task's step already, and double it. Not even one turn fits, so the crowd
+    parks and is woken in slices, as it would without turns (but for a turn now and then
+    that measures again): about one step per iteration of the loop, not two."""
+    from asyncmetal import _bridge
+
+    step_s = 0.0005
+    assert step_s * 1e9 > _bridge.TURN_BUDGET_NS
+    tl = device.timeline()
+    tl.signal(1)
+    steps = 0
+    finished = 0
+
+    async def waiter() -> None:
+        nonlocal steps, finished
+        for _ in range(12):
+            end = time.perf_counter() + step_s
+            while time.perf_counter() < end:
+                pass
+            steps += 1
+            await tl.wait(1)
+        finished += 1
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(40):
+            tg.start_soon(waiter)
+        between = await _between_steps(lambda: steps, lambda: finished >= 40)
+    # Not at the start (the slices are sized down from WAKE_SLICE) nor at the end (as
+    # the tasks finish, the crowd dissolves and its tasks all yield).
+    crowded = between[len(between) // 4 : len(between) // 2]
+    assert statistics.mean(crowded) <= 1.5, crowded
+
+
+async def _between_steps(progress: Callable[[], int], finished: Callable[[], bool]) -> list[int]:
+    """Step as one task of the loop until ``finished()``; return how much ``progress()``
+    grew between each two of its steps (what the loop ran between them)."""
+    between, last = [], progress()
     while not finished():
         await anyio.lowlevel.checkpoint()
-        most, last = max(most, progress() - last), progress()
-    return most
+        between.append(progress() - last)
+        last = progress()
+    return between
+
+
+async def _most_between_steps(progress: Callable[[], int], finished: Callable[[], bool]) -> int:
+    """The most ``progress()`` grew between two steps of a task (``_between_steps``)."""
+    return max(await _between_steps(progress, finished), default=0)
