@@ -11,7 +11,15 @@ from ... import _native, _native_contract
 from ..._backend import Arg, KeepAlive, NativeQueue, NativeTimeline, Record, host_address
 from ..._errors import AsyncMetalError, DeviceLostError
 from . import _driver
-from ._driver import UNCONFIRMED, check, cu, driver_error, process_lost_error, refuse_if_lost
+from ._driver import (
+    UNCONFIRMED,
+    CudaOutOfMemory,
+    check,
+    cu,
+    driver_error,
+    process_lost_error,
+    refuse_if_lost,
+)
 from ._interop import keeps_context
 from ._staging import STAGE_CHUNK, STAGE_DIRECT, STAGED_BYTES_PER_NS, Staging, StagingDevice
 from ._timeline import CUDATimeline
@@ -36,6 +44,9 @@ WAITED_FAILED = -3
 # A wait for what no one has handed to the device yet (CU_DEFERRED): am_cuq_wait_foreign
 # and am_cuq_hand_over return it when a stream cannot be made to wait now.
 DEFERRED = -4
+# Out of host memory in a submission (native/cuda_submit.c, cuq_no_memory); as a queue's
+# error: part of that command had reached the driver, and the queue failed from it on.
+NO_MEMORY = -1
 
 
 class QueueDevice(StagingDevice, Protocol):
@@ -105,8 +116,18 @@ class CUDAQueue(NativeQueue):
             _driver.live_queues.add(self)
 
     def _failed(self, code: int) -> AsyncMetalError:
-        if code == -1:
-            raise MemoryError("the CUDA completion ring could not grow")
+        if code == NO_MEMORY:
+            failed, first = self._first_error()
+            if failed == NO_MEMORY:
+                return CudaOutOfMemory(
+                    f"out of host memory for the command at value {first} on a stream of "
+                    f"{self._backend.name}, after part of it was handed to the driver: the "
+                    "queue fails from that command on"
+                )
+            return CudaOutOfMemory(
+                f"out of host memory to submit a command to a stream of {self._backend.name}: "
+                "nothing of it was submitted"
+            )
         if code == WAITED_FAILED:
             return self._waited_failed(self._first_error()[1])
         call = self._lib.am_cuda_name(self._lib.am_cuq_failed_call(self._q)).decode()
@@ -382,6 +403,8 @@ class CUDAQueue(NativeQueue):
             code = self._lib.am_cuq_wait_stream(
                 self._q, self._backend.context_address, stream, value, ctypes.byref(call)
             )
+            if code == NO_MEMORY:
+                raise self._failed(code)
             if code:
                 name = self._lib.am_cuda_name(call.value).decode()
                 raise driver_error(name, code, self._backend.name)
