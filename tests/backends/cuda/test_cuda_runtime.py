@@ -55,6 +55,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "orphaned"),
         *("ok", "shared"),
         *("ok", "handover"),
+        *("ok", "handsignal"),
         *("ok", "closing"),
         *("ok", "stress"),
         *("ok", "released"),

@@ -84,6 +84,10 @@
  *             queue's kicked work over, slowly): the wait is made once the kick ran,
  *             not refused as waiting for what nothing handed over, and waiting for
  *             the kick keeps no core busy
+ *   handsignal another library's stream waits for a command held behind a queue's wait
+ *             on a timeline whose signal another queue holds on the host: refused
+ *             until that queue's commands up to the signal are handed over, then made,
+ *             on the command's event
  *   closing   a queue closed while another thread (a host signal's kick) hands its held
  *             operations over: closed to finish, it returns only once the command being
  *             handed over was confirmed; abandoned, it returns only once that thread's
@@ -968,6 +972,35 @@ static void check_nomemory(void) {
     puts("ok nomemory");
 }
 
+static void check_handsignal(void) {
+    int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
+    static kernel slow = {0, 100000000, NULL, 0}, after_w = {0, 0, NULL, 1};
+    fake_queue s = queue_bounded(1), w = queue_new(), b = queue_new();
+    after_w.check = w.s;
+    free_timeline t = free_timeline_new();
+    if (launch(s, &slow, 1, 1) || signal_free(s, t, 1, 2)) die("handsignal: s failed at once");
+    if (am_cuq_wait_timeline(w.q, t.t, 1, 1) ||
+        am_cuq_finish(w.q, 1, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) || launch(w, NULL, 7, 2))
+        die("handsignal: w failed at once");
+    int call = -1;
+    if (am_cuq_wait_foreign(w.q, (void *)1, b.s, 2, &call) != CU_DEFERRED)
+        die("handsignal: a stream waited for a command behind a wait nothing handed over");
+    if (am_cuq_hand_over(s.q, 2)) die("handsignal: the held signal was not handed over");
+    if (am_cuq_wait_foreign(w.q, (void *)1, b.s, 2, &call) || call != CU_WAIT_EVENT)
+        die("handsignal: once the signal was handed over, the stream did not wait on the event");
+    if (launch(b, &after_w, 1, 1)) die("handsignal: b's launch failed");
+    reach(b.t, 1, "handsignal: the consumer's stream never got past its wait");
+    reach(w.t, 2, "handsignal: w never finished");
+    reach(s.t, 2, "handsignal: s never finished");
+    queue_free(s, 0);
+    queue_free(w, 0);
+    queue_free(b, 0);
+    am_timeline_free(t.t);
+    free(t.word);
+    atomic_store(&release_syncs, released);
+    puts("ok handsignal");
+}
+
 static void check_closing(void) {
     int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
     for (int abandon = 0; abandon < 2; abandon++) {
@@ -1182,6 +1215,7 @@ int main(void) {
     check_orphaned();
     check_shared();
     check_handover();
+    check_handsignal();
     check_closing();
     check_stress();
     /* The abandoned queues' threads have all returned (check_abandon's blocked one once
