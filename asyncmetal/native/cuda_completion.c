@@ -15,8 +15,8 @@
  * it. So every wait on it ends: a host task's, and a stream's, whose queue then fails its
  * commands from that wait on (cuq_confirm_wait), as a wait on a failed queue's value
  * does. Not under any queue's mu. */
-static void timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value,
-                          am_timeline *cause) {
+void timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value,
+                   am_timeline *cause) {
     pthread_mutex_lock(&t->mu);
     uint64_t reached = atomic_load(&t->value);
     if (reached >= target) {
@@ -52,8 +52,7 @@ static am_cuop *cuq_refused(am_cuq *q, uint64_t value, int r) {
 static void cuq_drop_refused(am_cuq *q, am_cuop *op, int error, uint64_t value) {
     while (op) {
         am_cuop *next = op->next;
-        if (op->kind == CUOP_FINISH && op->extra &&
-            !(op->flags & (CU_FINISH_PLAIN | CU_FINISH_WAITED)))
+        if (cuop_signals(op))
             timeline_fail(op->extra, op->extra_value, error, value, q->timeline);
         cuop_free(op);
         op = next;
@@ -171,6 +170,13 @@ static void cuq_release_waiters(am_cuq *q) {
     host_signalled();
 }
 
+/* A failed queue with nothing left in flight or held settles: its timeline and word at
+ * UINT64_MAX, other queues' waits on it released. Not under mu. */
+void cuq_settle(am_cuq *q) {
+    am_timeline_poke(q->timeline, UINT64_MAX);
+    cuq_release_waiters(q);
+}
+
 /* Whether cuq_drain hands over the first held operation (under mu): while the stream has
  * room; `through` a value, while that command is not handed over yet, room or not. */
 static int cuq_drains(const am_cuq *q, uint64_t through) {
@@ -195,22 +201,31 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
         if (!q->held) q->held_tail = NULL;
         q->nheld--;
         q->driving = 1;
+        uint64_t handed = q->handed_value;
+        q->handed_value = op->value;
         pthread_mutex_unlock(&q->mu);
         int r = cuq_run_op(q, op);
         if (r == CU_DEFERRED) {
             pthread_mutex_lock(&q->mu);
+            q->handed_value = handed;  /* (not handed over after all) */
             cuq_undrive(q);
             op->next = NULL;
             cuq_hold_first(q, op);
             continue;
         }
         /* Refused: what this command handed over before may still run; the queue settles
-         * only once the stream is past it (an event behind it, waited for, that fails). */
+         * only once the stream is past it (an event behind it, waited for, that fails).
+         * A signal's end refused (its event record): the timeline it was to raise fails
+         * too, or its waiters would wait for good -- with the fence, once the stream is
+         * past the signal's word write (handed over before), which would otherwise land
+         * on the failed timeline's word; without one, now, as those dropped below. */
+        int signals = cuop_signals(op), fenced = 0;
         if (r && __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) != 2) {
             /* (not once abandoned: the stream may be destroyed; the call reported stays
              * the refused one, not the fence's) */
             int call = __atomic_load_n(&q->failed_call, __ATOMIC_RELAXED);
-            cuq_finish(q, op->value, NULL, 0, 0, CU_FINISH_FENCE);
+            fenced = !cuq_finish(q, op->value, signals ? op->extra : NULL,
+                                 signals ? op->extra_value : 0, 0, CU_FINISH_FENCE);
             __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);
         }
         pthread_mutex_lock(&q->mu);
@@ -219,8 +234,13 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
             dropped = cuq_refused(q, op->value, r);
             refused = r;
             refused_value = op->value;
+            if (signals && !fenced && q->stop != 2) {
+                op->next = dropped;
+                dropped = op;
+                op = NULL;
+            }
         }
-        cuop_free(op);
+        if (op) cuop_free(op);
     }
     /* Refused with nothing left in flight: settle the waiters now (they find the error).
      * Not once abandoned: the closer may have returned (this thread orphaned) and the
@@ -228,10 +248,7 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
     int settle = q->error && !q->count && !q->held && q->stop != 2;
     pthread_mutex_unlock(&q->mu);
     cuq_drop_refused(q, dropped, refused, refused_value);
-    if (settle) {
-        am_timeline_poke(q->timeline, UINT64_MAX);
-        cuq_release_waiters(q);
-    }
+    if (settle) cuq_settle(q);
 }
 
 /* A device wait of q on the word of a timeline no queue owns, done on the stream: it is

@@ -153,6 +153,8 @@ struct am_cuq {
     am_timeline *kick_on;           /* ... that timeline (set with deferred, under mu) */
     _Atomic int64_t poll_until;     /* a kicked wait's work: polled for until then */
     int driving;                    /* a thread is making driver calls for this queue */
+    uint64_t handed_value;          /* the command of the last operation handed to the
+                                       driver, or being handed now (under mu) */
     int handing;                    /* threads in cuq_hand_over waiting on hand_cv for
                                        that to end, or for a due kick to run */
     pthread_cond_t hand_cv;
@@ -216,6 +218,22 @@ static inline void cuq_undrive(am_cuq *q) {
     if (q->handing) pthread_cond_broadcast(&q->hand_cv);
 }
 
+/* A command's end that raises a timeline (its signal), as the operation held for it. */
+static inline int cuop_signals(const am_cuop *op) {
+    return op->kind == CUOP_FINISH && op->extra &&
+           !(op->flags & (CU_FINISH_PLAIN | CU_FINISH_WAITED));
+}
+
+/* Memory for operations held on the host and for the completion ring. The native test
+ * harness builds with AM_TEST_ALLOC, its simulated driver defining am_test_alloc, to make
+ * these allocations fail on demand. */
+#ifdef AM_TEST_ALLOC
+AM_HIDDEN void *am_test_alloc(size_t size);
+#define cuq_alloc am_test_alloc
+#else
+#define cuq_alloc malloc
+#endif
+
 static inline int cuq_fail(am_cuq *q, int call, int r) {
     __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);
     return r;
@@ -232,6 +250,9 @@ AM_HIDDEN void cuq_drop_waiters(am_cuq *q);
 
 /* cuda_completion.c */
 AM_HIDDEN void cuq_drain(am_cuq *q, uint64_t through, int most);
+AM_HIDDEN void timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value,
+                             am_timeline *cause);
+AM_HIDDEN void cuq_settle(am_cuq *q);
 AM_HIDDEN int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command);
 AM_HIDDEN void cuq_poison_after(am_cuq *q, uint64_t command, am_cuq *other);
 

@@ -58,7 +58,7 @@ int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_val
     }
     pthread_mutex_lock(&q->mu);
     if (q->count == q->cap) {
-        am_cuentry *ring = malloc(2 * q->cap * sizeof *ring);
+        am_cuentry *ring = cuq_alloc(2 * q->cap * sizeof *ring);
         if (!ring) {
             cuq_recycle(q, event, k);  /* recorded, never handed over: reusable */
             pthread_mutex_unlock(&q->mu);
@@ -285,7 +285,7 @@ int cuq_run_op(am_cuq *q, const am_cuop *op) {
 /* A copy of `op` (`size` bytes) to hold, linked to one of `then`, if any; NULL if out of
  * memory. */
 static am_cuop *cuq_copy_op(const am_cuop *op, size_t size, const am_cuop *then) {
-    am_cuop *copy = malloc(size), *end = then ? malloc(sizeof *end) : NULL;
+    am_cuop *copy = cuq_alloc(size), *end = then ? cuq_alloc(sizeof *end) : NULL;
     if (!copy || (then && !end)) {
         free(copy);
         free(end);
@@ -299,6 +299,62 @@ static am_cuop *cuq_copy_op(const am_cuop *op, size_t size, const am_cuop *then)
         end->next = NULL;
     }
     return copy;
+}
+
+/* Out of memory for an operation of command `value` of q (`op`; `then`, the command's
+ * end behind it, if any): what q still holds of that command is dropped, with the kick of
+ * a device wait of it held (own_kick: `op`'s own, not held). If no part of the command
+ * reached the driver, that is all: the caller takes its value back, as for a command the
+ * driver refused at once, and q goes on. Else its event can no longer follow what did:
+ * q fails from that command on, as for a held command the driver refused (a signal of it
+ * failing its timeline), and settles now if nothing is left in flight. Returns -1. Not
+ * under mu. */
+static int cuq_no_memory(am_cuq *q, uint64_t value, const am_cuop *op, const am_cuop *then,
+                         int own_kick) {
+    am_cuop *mine = NULL, **p = &q->held, *last = NULL;
+    pthread_mutex_lock(&q->mu);
+    int unkick = own_kick || (q->deferred && q->held && q->held->value == value);
+    am_timeline *kick_on = q->kick_on;
+    while (*p) {
+        am_cuop *held = *p;
+        if (held->value == value) {
+            *p = held->next;
+            q->nheld--;
+            held->next = mine;
+            mine = held;
+        } else {
+            last = held;
+            p = &held->next;
+        }
+    }
+    q->held_tail = last;
+    int part = q->handed_value == value && q->stop != 2;
+    if (part && !q->error) {
+        q->error = -1;
+        q->error_value = value;
+    }
+    int settle = part && !q->count && !q->held && !q->driving;
+    pthread_mutex_unlock(&q->mu);
+    if (unkick && timeline_undefer(kick_on, &q->kick, 1)) {  /* (else due: it clears it) */
+        pthread_mutex_lock(&q->mu);
+        q->deferred = 0;
+        if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
+        pthread_mutex_unlock(&q->mu);
+        cuq_unref(q);  /* (never the last: the caller's) */
+    }
+    const am_cuop *ends[2] = {op, then};
+    for (int i = 0; i < 2; i++)
+        if (part && ends[i] && cuop_signals(ends[i]))
+            timeline_fail(ends[i]->extra, ends[i]->extra_value, -1, value, q->timeline);
+    while (mine) {
+        am_cuop *next = mine->next;
+        if (part && cuop_signals(mine))
+            timeline_fail(mine->extra, mine->extra_value, -1, value, q->timeline);
+        cuop_free(mine);
+        mine = next;
+    }
+    if (settle) cuq_settle(q);
+    return -1;
 }
 
 /* Hand an operation to the driver now, or hold it (copied) behind what is held already
@@ -318,7 +374,7 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
         am_cuop *copy = cuq_copy_op(op, size, then);
         if (!copy) {
             pthread_mutex_unlock(&q->mu);
-            return -1;
+            return cuq_no_memory(q, op->value, op, then, 0);
         }
         am_cuop *end = copy->next;
         if (q->held_tail) q->held_tail->next = copy; else q->held = copy;
@@ -334,16 +390,18 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
     void *before;
     int r = cuq_enter(q, &before);
     if (!r) r = cuq_run_op(q, op);
+    int ran = !r, deferred = r == CU_DEFERRED;
     am_cuop *held = NULL;
-    if (r == CU_DEFERRED) {  /* held after all, first (before what came meanwhile) */
+    if (deferred) {  /* held after all, first (before what came meanwhile) */
         r = 0;
         held = cuq_copy_op(op, size, then);
-        if (!held) r = -1;  /* (q->deferred: its kick clears it) */
+        if (!held) r = -1;
     } else if (!r && then) {
         r = cuq_run_op(q, then);
     }
     cuq_leave(q, r, before);
     pthread_mutex_lock(&q->mu);
+    if (ran) q->handed_value = op->value;
     cuq_undrive(q);
     if (held) {
         cuq_hold_first(q, held);
@@ -351,7 +409,7 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
     }
     if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
     pthread_mutex_unlock(&q->mu);
-    return r;
+    return r == -1 ? cuq_no_memory(q, op->value, op, then, deferred) : r;
 }
 
 /* Put `op` and those it links to before the held operations. Under mu. */

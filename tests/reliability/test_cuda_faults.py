@@ -620,3 +620,36 @@ async def test_a_command_that_waited_for_a_failed_commands_value_names_it(
     finally:
         await dev0.close()
         await dev1.close()
+
+
+async def test_a_submission_out_of_host_memory_raises_memory_error(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """A submission the native runtime had no host memory for (-1, native/cuda_submit.c:
+    cuq_no_memory) raises MemoryError, an AsyncMetalError: nothing of it was submitted,
+    and its value is given back; or, where part of it had reached the driver (the
+    queue's error is then -1 from that command on), saying that the queue fails from that
+    command on -- as do the submissions after it. Checked: before, both raised
+    MemoryError saying the completion ring could not grow."""
+    assert driver.runtime is not None
+    runtime: Any = driver.runtime
+    runtime.am_cuq_finish = lambda q, value, extra, target, ns, flags: -1
+    dev = await am.open_device("cuda:0")
+    try:
+        queue = dev.new_queue()
+        with pytest.raises(MemoryError, match="nothing of it was submitted") as caught:
+            queue.marker()
+        assert isinstance(caught.value, am.AsyncMetalError)
+        assert queue.submitted == 0  # the value given back
+        native = runtime.queues[queue._native._q]  # type: ignore[attr-defined]
+        native.error, native.error_value = -1, 1
+        failed = (
+            "out of host memory for the command at value 1 on a stream of cuda:0, after part "
+            "of it was handed to the driver: the queue fails from that command on"
+        )
+        for _ in range(2):
+            with pytest.raises(MemoryError, match=re.escape(failed)):
+                queue.marker()
+        assert queue.submitted == 0
+    finally:
+        await dev.close()

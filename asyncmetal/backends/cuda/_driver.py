@@ -11,7 +11,8 @@ from typing import Any, Protocol
 from ..._backend import NativeTimeline
 from ..._errors import AsyncMetalError, DeviceLostError
 
-__all__ = ["check", "cu", "driver_error", "nvrtc"]  # what the other modules import
+# What the other modules import.
+__all__ = ["CudaOutOfMemory", "check", "cu", "driver_error", "nvrtc"]
 
 try:
     from cuda.bindings import driver as cu
@@ -101,12 +102,13 @@ def driver_error(call: str, err: Any, where: str = "") -> AsyncMetalError:
     if lost_first is not None:
         return process_lost_error(f"{at} failed with {name}")
     if name == "CUDA_ERROR_OUT_OF_MEMORY":
-        return _CudaOutOfMemory(f"{at} failed: {name}")
+        return CudaOutOfMemory(f"{at} failed: {name}")
     return AsyncMetalError(f"{at} failed: {name}")
 
 
-class _CudaOutOfMemory(AsyncMetalError, MemoryError):
-    """The driver had no memory left (the allocator empties its cache and retries)."""
+class CudaOutOfMemory(AsyncMetalError, MemoryError):
+    """The driver, or the host, had no memory left (the allocator empties its cache and
+    retries)."""
 
 
 def check(result: Any, call: str, where: str = "") -> Any:

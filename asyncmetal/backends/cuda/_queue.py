@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -11,7 +13,15 @@ from ... import _native, _native_contract
 from ..._backend import Arg, KeepAlive, NativeQueue, NativeTimeline, Record, host_address
 from ..._errors import AsyncMetalError, DeviceLostError
 from . import _driver
-from ._driver import UNCONFIRMED, check, cu, driver_error, process_lost_error, refuse_if_lost
+from ._driver import (
+    UNCONFIRMED,
+    CudaOutOfMemory,
+    check,
+    cu,
+    driver_error,
+    process_lost_error,
+    refuse_if_lost,
+)
 from ._interop import keeps_context
 from ._staging import STAGE_CHUNK, STAGE_DIRECT, STAGED_BYTES_PER_NS, Staging, StagingDevice
 from ._timeline import CUDATimeline
@@ -36,6 +46,11 @@ WAITED_FAILED = -3
 # A wait for what no one has handed to the device yet (CU_DEFERRED): am_cuq_wait_foreign
 # and am_cuq_hand_over return it when a stream cannot be made to wait now.
 DEFERRED = -4
+# Out of host memory in a submission (native/cuda_submit.c, cuq_no_memory); as a queue's
+# error: part of that command had reached the driver, and the queue failed from it on.
+NO_MEMORY = -1
+# How many queues deep a hand-over follows waits to the signals they wait for.
+MAX_HAND_OVER_DEPTH = 8
 
 
 class QueueDevice(StagingDevice, Protocol):
@@ -96,6 +111,9 @@ class CUDAQueue(NativeQueue):
         self._dims: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
         self._dims_arrays: list[ctypes.Array[ctypes.c_uint]] = []
         self._staging: Staging | None = None  # made at the first large pageable copy
+        # This queue's device waits not known to be confirmed: (command, timeline,
+        # target), for a hand-over that finds one of them held (_hand_over_signals).
+        self._waits: collections.deque[tuple[int, CUDATimeline, int]] = collections.deque()
         # Commands up to this value were confirmed before the process's CUDA state was
         # lost (set then); every later one failed with it.
         self._confirmed_at_loss = UNCONFIRMED
@@ -105,8 +123,18 @@ class CUDAQueue(NativeQueue):
             _driver.live_queues.add(self)
 
     def _failed(self, code: int) -> AsyncMetalError:
-        if code == -1:
-            raise MemoryError("the CUDA completion ring could not grow")
+        if code == NO_MEMORY:
+            failed, first = self._first_error()
+            if failed == NO_MEMORY:
+                return CudaOutOfMemory(
+                    f"out of host memory for the command at value {first} on a stream of "
+                    f"{self._backend.name}, after part of it was handed to the driver: the "
+                    "queue fails from that command on"
+                )
+            return CudaOutOfMemory(
+                f"out of host memory to submit a command to a stream of {self._backend.name}: "
+                "nothing of it was submitted"
+            )
         if code == WAITED_FAILED:
             return self._waited_failed(self._first_error()[1])
         call = self._lib.am_cuda_name(self._lib.am_cuq_failed_call(self._q)).decode()
@@ -182,19 +210,67 @@ class CUDAQueue(NativeQueue):
         if self._q is None:  # closed: its commands are done or were abandoned
             return
         call = ctypes.c_int()
-        code = self._lib.am_cuq_wait_foreign(self._q, context, stream, target, ctypes.byref(call))
+        wait = self._lib.am_cuq_wait_foreign
+        code = wait(self._q, context, stream, target, ctypes.byref(call))
+        if code == DEFERRED and self._hand_over_signals(target, 0):
+            code = wait(self._q, context, stream, target, ctypes.byref(call))
         if code == DEFERRED:
             raise self._not_handed_over(target)
         if code:
             name = self._lib.am_cuda_name(call.value).decode()
             raise driver_error(name, code, self._backend.name)
 
-    def hand_over(self, value: int) -> None:
+    def hand_over(self, value: int, depth: int = 0) -> None:
         """Hand the operations held on the host up to command ``value`` to the driver
         now, past the bound on commands in flight: another library is about to use the
         stream itself (record an event there), which sees only what reached it."""
-        if self._q is not None and self._lib.am_cuq_hand_over(self._q, value) == DEFERRED:
+        if self._q is None:
+            return
+        code = self._lib.am_cuq_hand_over(self._q, value)
+        if code == DEFERRED and self._hand_over_signals(value, depth):
+            code = self._lib.am_cuq_hand_over(self._q, value)
+        if code == DEFERRED:
             raise self._not_handed_over(value)
+
+    def _hand_over_signals(self, value: int, depth: int) -> bool:
+        """Before a hand-over up to command ``value`` is tried again: the queue signals
+        that this queue's waits up to it wait for, handed over up to the signal. Another
+        queue may hold such a signal on the host (past its bound), and then holds this
+        queue's wait too, which the native hand-over cannot help (a timeline does not
+        record which queue holds its signal); a wait for another queue's command is
+        followed to that queue's waits. Whether any signal was handed over; BufferError
+        for one that cannot be."""
+        handed = False
+        for command, timeline, target in list(self._waits):
+            if command > value or depth >= MAX_HAND_OVER_DEPTH:
+                break
+            if timeline.value >= target:
+                continue
+            owner, signal = timeline.queue, timeline.last_signal
+            if isinstance(owner, CUDAQueue):  # the native hand-over hands its commands over
+                handed = owner._hand_over_signals(target, depth + 1) or handed
+                continue
+            if signal is None:  # no queue signals it: only the host can
+                continue
+            signaller, at, raises_to = signal[0](), signal[1], signal[2]
+            if (
+                not isinstance(signaller, CUDAQueue)
+                or signaller is self
+                or raises_to < target  # no signal submitted gets there
+                or signaller._timeline.value >= at  # confirmed: handed over long ago
+            ):
+                continue
+            try:
+                signaller.hand_over(at, depth + 1)
+            except BufferError as held:
+                raise BufferError(
+                    f"command {command} of a queue of {self._backend.name} waits, on the "
+                    f"host, for a timeline value that command {at} of a queue of "
+                    f"{signaller._backend.name} signals, and that signal cannot be handed "
+                    f"to the device before it: {held}"
+                ) from None
+            handed = True
+        return handed
 
     def _not_handed_over(self, value: int) -> BufferError:
         return BufferError(
@@ -320,6 +396,7 @@ class CUDAQueue(NativeQueue):
             raise self._lost("a signal")
         self._write(value, timeline, target)  # native calls: they make the context current
         self._finish(value, timeline, extra=timeline, target=target)
+        timeline.last_signal = (weakref.ref(self), value, target)
 
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, CUDATimeline)
@@ -348,6 +425,11 @@ class CUDAQueue(NativeQueue):
                 # for a value never produced, when the command signalling it failed.
                 confirms, waited = timeline, True
         self._finish(value, timeline, confirms, target, device_wait=True, waited=waited)
+        if timeline.value < target:
+            waits = self._waits
+            while waits and waits[0][0] <= self._timeline.value:
+                waits.popleft()
+            waits.append((value, timeline, target))
 
     def copy(
         self, dst: Arg, src: Arg, nbytes: int, value: int, record: Record, peer: Any = None
@@ -382,6 +464,8 @@ class CUDAQueue(NativeQueue):
             code = self._lib.am_cuq_wait_stream(
                 self._q, self._backend.context_address, stream, value, ctypes.byref(call)
             )
+            if code == NO_MEMORY:
+                raise self._failed(code)
             if code:
                 name = self._lib.am_cuda_name(call.value).decode()
                 raise driver_error(name, code, self._backend.name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import weakref
 from typing import Any, Protocol
 
 from ... import _native
@@ -57,6 +58,10 @@ class CUDATimeline(ForkableTimeline):
         self._word = ctypes.c_uint64.from_address(self.address)
         self._host_signal = fast_call(backend.lib, "am_timeline_host_signal")
         self.queue: object = None  # the CUDAQueue whose own timeline this is
+        # The last queue signal of it: (a weak reference to that CUDAQueue, the command,
+        # the value it raises the timeline to); a hand-over of a wait held for it hands
+        # that command over first (CUDAQueue._hand_over_signals).
+        self.last_signal: tuple[weakref.ref[Any], int, int] | None = None
 
     @property
     def value(self) -> int:

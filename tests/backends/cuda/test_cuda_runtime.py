@@ -22,7 +22,13 @@ from tests.support.native import harness
 
 @pytest.mark.parametrize("sanitizer", harness.SANITIZERS, ids=["plain", "tsan", "asan"])
 def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer: str) -> None:
-    binary = harness.build("fake_cuda.c", tmp_path, sanitizer, extra=("fakes/fake_cuda_driver.c",))
+    binary = harness.build(
+        "fake_cuda.c",
+        tmp_path,
+        sanitizer,
+        extra=("fakes/fake_cuda_driver.c",),
+        defines=("AM_TEST_ALLOC",),  # its simulated driver makes allocations fail on demand
+    )
     proc = harness.run(binary, sanitizer=sanitizer)
     assert proc.returncode == 0, proc.stderr[-6000:] + proc.stdout
     assert proc.stdout.split() == [
@@ -37,6 +43,8 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "partial"),
         *("ok", "release"),
         *("ok", "signal"),
+        *("ok", "signalrecord"),
+        *("ok", "nomemory"),
         *("ok", "predict"),
         *("ok", "kick"),
         *("ok", "abandon"),
@@ -47,6 +55,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "orphaned"),
         *("ok", "shared"),
         *("ok", "handover"),
+        *("ok", "handsignal"),
         *("ok", "closing"),
         *("ok", "stress"),
         *("ok", "released"),

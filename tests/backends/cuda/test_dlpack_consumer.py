@@ -212,3 +212,84 @@ async def test_an_interface_export_hands_the_default_queue_over_first(
         busy.timeline.native.signal(used.value)  # confirmed: the close drains nothing
         dev.queue.timeline.native.signal(dev.queue.submitted)
         await dev.close()
+
+
+async def test_an_export_hands_over_the_signal_a_held_wait_waits_for_first(
+    anyio_backend: object, driver_fixture: _Driver
+) -> None:
+    """A queue waits on a timeline whose signal another queue holds on the host (past
+    its bound): the wait is held too (CU_DEFERRED), and the native hand-over cannot find
+    the signal (a timeline does not record which queue holds it). The export hands the
+    signalling queue over up to its signal first, then makes the consumer's stream wait
+    (``__dlpack__``), or hands over the default queue, which waits for the waiting one
+    (``__cuda_array_interface__``). A signal that cannot be handed over itself raises
+    BufferError saying so. Checked: without it, both exports raised BufferError saying
+    nothing had signalled the value."""
+    driver = driver_fixture
+    assert driver.runtime is not None
+    runtime: Any = driver.runtime
+    _streams_of(driver, CONTEXT)
+    calls: list[tuple[str, int, int]] = []
+    signal = {"queue": 0, "handed": False, "refused": False}
+
+    def hand_over(q: int, value: int) -> int:
+        calls.append(("hand_over", q, value))
+        if q == signal["queue"]:
+            signal["handed"] = not signal["refused"]
+        return 0 if signal["handed"] else -4  # CU_DEFERRED: the wait held for the signal
+
+    def wait_foreign(owner: int, context: int, stream: int, target: int, call: Any) -> int:
+        calls.append(("wait_foreign", owner, target))
+        return 0 if signal["handed"] else -4
+
+    runtime.am_cuq_hand_over = hand_over
+    runtime.am_cuq_wait_foreign = wait_foreign
+    runtime.am_cuq_write = lambda q, word, target, value: 0
+    runtime.am_cuq_finish = lambda q, value, extra, target, ns, flags: 0
+    runtime.am_cuq_wait_timeline = lambda q, timeline, target, value: 0
+    runtime.am_cuq_wait_queue = lambda q, other, target, value: 0
+    dev = await am.open_device("cuda:0")
+    queues: list[am.Queue] = []
+    try:
+        buf = await dev.alloc(256)
+        timeline, signaller, waiter = dev.timeline(), dev.new_queue(), dev.new_queue()
+        queues = [dev.queue, signaller, waiter]
+        signal["queue"] = signaller._native._q  # type: ignore[attr-defined]
+        signalled = signaller.signal(timeline, 3)
+        waiter.wait(timeline, 3)
+        used = waiter._next()
+        record_uses([buf], waiter, used.value)
+        held = waiter._native._q  # type: ignore[attr-defined]
+
+        assert buf.__dlpack__(stream=0x5000) is not None
+        assert calls == [
+            ("wait_foreign", held, used.value),
+            ("hand_over", signal["queue"], signalled.value),
+            ("wait_foreign", held, used.value),
+        ]
+
+        del calls[:]
+        signal["handed"] = False
+        interface = buf.__cuda_array_interface__
+        default = dev.queue._native._q  # type: ignore[attr-defined]
+        assert interface["stream"] == dev.queue.handle
+        assert calls == [
+            ("hand_over", default, dev.queue.submitted),
+            ("hand_over", signal["queue"], signalled.value),
+            ("hand_over", default, dev.queue.submitted),
+        ]
+
+        signal["handed"], signal["refused"] = False, True
+        expected = (
+            rf"command {used.value - 1} of a queue of cuda:0 waits, on the host, for a "
+            rf"timeline value that command {signalled.value} of a queue of cuda:0 signals, "
+            "and that signal cannot be handed to the device before it"
+        )
+        with pytest.raises(BufferError, match=expected):
+            buf.__dlpack__(stream=0x5000)
+        with pytest.raises(BufferError, match=expected):
+            buf.__cuda_array_interface__  # noqa: B018 - the property is the call
+    finally:
+        for queue in queues:  # confirmed: the close drains nothing
+            queue.timeline.native.signal(queue.submitted)
+        await dev.close()

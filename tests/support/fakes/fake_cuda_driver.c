@@ -15,8 +15,18 @@ atomic_int fault_code;  /* the context's sticky error once a kernel faulted */
 void *_Atomic held;     /* an event whose queries report it unfinished (a slow thread) */
 atomic_long wait_event_ns;  /* >0: cuStreamWaitEvent takes this long (a slow driver) */
 atomic_int waits_in_driver;
+fake_stream *_Atomic refuse_records;  /* the next event record on this stream is refused */
+atomic_int refuse_allocs;   /* >0: the runtime's next that many cuq_alloc fail */
 atomic_long record_ns;      /* >0: cuEventRecord takes this long (a slow driver) */
 atomic_int records_in_driver;
+
+/* The runtime's allocations of held operations and of its completion ring (the harness
+ * builds it with AM_TEST_ALLOC): out of memory on demand. */
+void *am_test_alloc(size_t size) {
+    int left = atomic_load(&refuse_allocs);
+    while (left > 0 && !atomic_compare_exchange_weak(&refuse_allocs, &left, left - 1)) {}
+    return left > 0 ? NULL : malloc(size);
+}
 
 static int refers_to_event(const op *o) { return o->kind == OP_RECORD || o->kind == OP_WAIT_EVENT; }
 
@@ -137,6 +147,8 @@ static int f_launch(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx
 }
 static int f_record(void *e, void *stream) {
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
+    fake_stream *refused = stream;  /* the next record there: CUDA_ERROR_INVALID_VALUE */
+    if (atomic_compare_exchange_strong(&refuse_records, &refused, NULL)) return 1;
     fake_event *ev = e;
     long slow = atomic_load(&record_ns);
     if (slow > 0) {

@@ -35,6 +35,15 @@
  *             blocks for good, and a queue that waited on it on the device fails from
  *             that wait on, naming the refused command; a wait released by a signal
  *             that succeeded (a queue's, or the host's) succeeds
+ *   signalrecord a held signal of a timeline no queue owns whose event record the driver
+ *             refuses when it is handed over fails: the timeline settles, so neither a
+ *             host wait on it nor a queue's device wait held for it is left waiting,
+ *             and that queue fails from its wait on, naming the refused command
+ *   nomemory  out of memory to hold an operation: what its command holds goes with it
+ *             (a held wait's kick too) and the queue goes on, the value given back;
+ *             out of memory once part of a command reached the driver (a signal whose
+ *             end finds the ring full): the queue fails from that command on, the
+ *             signal's timeline settles, and the queue settles once what came before ran
  *   kick      a host signal of a timeline a stream waits on cuts the completion
  *             thread's nap short
  *   abandon   closing with abandon returns while the completion thread naps on, or is
@@ -75,6 +84,10 @@
  *             queue's kicked work over, slowly): the wait is made once the kick ran,
  *             not refused as waiting for what nothing handed over, and waiting for
  *             the kick keeps no core busy
+ *   handsignal another library's stream waits for a command held behind a queue's wait
+ *             on a timeline whose signal another queue holds on the host: refused
+ *             until that queue's commands up to the signal are handed over, then made,
+ *             on the command's event
  *   closing   a queue closed while another thread (a host signal's kick) hands its held
  *             operations over: closed to finish, it returns only once the command being
  *             handed over was confirmed; abandoned, it returns only once that thread's
@@ -872,6 +885,122 @@ static void *signal_from_host(void *arg) {
 /* A queue whose wait on a timeline nothing signalled yet is held, closed (to finish, then
  * abandoned) while a host signal's thread hands its command over, slowly (its event
  * record takes 100 ms in the driver). */
+static void check_signalrecord(void) {
+    static kernel slow = {0, 30000000, NULL, 0};
+    fake_queue a = queue_bounded(1), c = queue_new();
+    free_timeline t = free_timeline_new();
+    uint64_t stats[8], at = 0, value = 0;
+    int error = 0;
+    if (launch(a, &slow, 1, 1) || signal_free(a, t, 5, 2)) die("signalrecord: a failed at once");
+    am_cuq_stats(a.q, stats);
+    if (stats[6] != 2) die("signalrecord: a's signal was not held on the host");
+    /* c's wait is held on the host until a signal of t gets to a driver */
+    if (am_cuq_wait_timeline(c.q, t.t, 5, 1) ||
+        am_cuq_finish(c.q, 1, t.t, 5, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) || launch(c, NULL, 1, 2))
+        die("signalrecord: c failed at once");
+    atomic_store(&refuse_records, a.s);  /* the signal's record, once handed over */
+    reach(t.t, 5, "signalrecord: a wait on the timeline of a refused signal never ended");
+    reach(c.t, 2, "signalrecord: a queue's wait on a refused signal's timeline never ended");
+    if (am_timeline_value(t.t) != UINT64_MAX || atomic_load((_Atomic uint64_t *)t.word) != UINT64_MAX)
+        die("signalrecord: the timeline of the refused signal did not settle");
+    if (am_cuq_error(a.q, &at) != 1 || at != 2 || am_timeline_value(a.t) != UINT64_MAX ||
+        atomic_load(&a.s->ran) != 1)
+        die("signalrecord: the refused signal's queue did not fail from it, once the launch ran");
+    if (am_cuq_error(c.q, &at) != CU_WAITED_FAILED || at != 1 ||
+        am_cuq_cause(c.q, &error, &value) != a.t || error != 1 || value != 2)
+        die("signalrecord: the waiting queue did not fail from its wait, naming the signal");
+    queue_free(a, 0);
+    queue_free(c, 0);
+    am_timeline_free(t.t);
+    free(t.word);
+    puts("ok signalrecord");
+}
+
+static void check_nomemory(void) {
+    static kernel slow = {0, 30000000, NULL, 0};
+    uint64_t stats[8], at = 0;
+    free_timeline t = free_timeline_new(), t2 = free_timeline_new();  /* t: nobody signals it */
+    /* a: a wait held behind a launch (the bound), whose end cannot be held */
+    fake_queue a = queue_bounded(1);
+    if (launch(a, &slow, 1, 1) || am_cuq_wait_timeline(a.q, t.t, 1, 2)) die("nomemory: a failed");
+    atomic_store(&refuse_allocs, 1);
+    if (am_cuq_finish(a.q, 2, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) != -1)
+        die("nomemory: a wait's end was held without memory");
+    am_cuq_stats(a.q, stats);
+    if (stats[6]) die("nomemory: part of a command that could not be held stayed held");
+    if (launch(a, NULL, 2, 2)) die("nomemory: the value given back was refused");
+    reach(a.t, 2, "nomemory: a command given back held up the queue's next one");
+    if (am_cuq_error(a.q, &at)) die("nomemory: a command given back failed its queue");
+    /* b: a wait for a signal none submitted yet (held, a kick registered) that cannot be
+     * held; past b's bound, what follows is held, and must not stay held behind it */
+    fake_queue b = queue_bounded(2);
+    atomic_store(&refuse_allocs, 1);
+    if (am_cuq_wait_timeline(b.q, t.t, 1, 1) != -1) die("nomemory: a wait was held without memory");
+    for (uint64_t v = 1; v <= 8; v++)
+        if (launch(b, NULL, (int64_t)v, v)) die("nomemory: a launch after the wait failed");
+    reach(b.t, 8, "nomemory: commands after a wait that could not be held never ran");
+    /* c: a signal whose word write reached the driver; its end finds the ring full, and
+     * cannot grow it */
+    fake_queue c = queue_new();
+    uint64_t *gate = calloc(1, sizeof(uint64_t));
+    if (am_cuq_wait(c.q, gate, 1, 1) || am_cuq_finish(c.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
+        die("nomemory: c's gate failed");
+    pthread_mutex_lock(&c.q->mu);
+    uint64_t full = c.q->cap;
+    pthread_mutex_unlock(&c.q->mu);
+    for (uint64_t v = 2; v <= full; v++)
+        if (launch(c, NULL, (int64_t)v, v)) die("nomemory: a launch on c failed");
+    if (am_cuq_write(c.q, t2.word, 3, full + 1)) die("nomemory: the signal's write failed");
+    atomic_store(&refuse_allocs, 1);
+    if (am_cuq_finish(c.q, full + 1, t2.t, 3, 0, 0) != -1)
+        die("nomemory: the completion ring grew without memory");
+    if (am_cuq_error(c.q, &at) != -1 || at != full + 1)
+        die("nomemory: a command part of which reached the driver did not fail its queue");
+    if (launch(c, NULL, 0, full + 1) != -1) die("nomemory: the failed queue took a command");
+    atomic_store((_Atomic uint64_t *)gate, 1);
+    reach(c.t, UINT64_MAX, "nomemory: the failed queue never settled");
+    if (atomic_load(&c.s->ran) != (long)full - 1) die("nomemory: c settled before its launches ran");
+    if (am_timeline_value(t2.t) != UINT64_MAX) die("nomemory: the failed signal's timeline is unsettled");
+    fake_queue all[3] = {a, b, c};
+    for (int i = 0; i < 3; i++) queue_free(all[i], 0);
+    free_timeline frees[2] = {t, t2};
+    for (int i = 0; i < 2; i++) {
+        am_timeline_free(frees[i].t);
+        free(frees[i].word);
+    }
+    free(gate);
+    puts("ok nomemory");
+}
+
+static void check_handsignal(void) {
+    int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
+    static kernel slow = {0, 100000000, NULL, 0}, after_w = {0, 0, NULL, 1};
+    fake_queue s = queue_bounded(1), w = queue_new(), b = queue_new();
+    after_w.check = w.s;
+    free_timeline t = free_timeline_new();
+    if (launch(s, &slow, 1, 1) || signal_free(s, t, 1, 2)) die("handsignal: s failed at once");
+    if (am_cuq_wait_timeline(w.q, t.t, 1, 1) ||
+        am_cuq_finish(w.q, 1, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) || launch(w, NULL, 7, 2))
+        die("handsignal: w failed at once");
+    int call = -1;
+    if (am_cuq_wait_foreign(w.q, (void *)1, b.s, 2, &call) != CU_DEFERRED)
+        die("handsignal: a stream waited for a command behind a wait nothing handed over");
+    if (am_cuq_hand_over(s.q, 2)) die("handsignal: the held signal was not handed over");
+    if (am_cuq_wait_foreign(w.q, (void *)1, b.s, 2, &call) || call != CU_WAIT_EVENT)
+        die("handsignal: once the signal was handed over, the stream did not wait on the event");
+    if (launch(b, &after_w, 1, 1)) die("handsignal: b's launch failed");
+    reach(b.t, 1, "handsignal: the consumer's stream never got past its wait");
+    reach(w.t, 2, "handsignal: w never finished");
+    reach(s.t, 2, "handsignal: s never finished");
+    queue_free(s, 0);
+    queue_free(w, 0);
+    queue_free(b, 0);
+    am_timeline_free(t.t);
+    free(t.word);
+    atomic_store(&release_syncs, released);
+    puts("ok handsignal");
+}
+
 static void check_closing(void) {
     int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
     for (int abandon = 0; abandon < 2; abandon++) {
@@ -1074,6 +1203,8 @@ int main(void) {
     check_partial();
     check_release();
     check_signal();
+    check_signalrecord();
+    check_nomemory();
     check_predict();  /* before abandon, after which a blocking wait never blocks */
     check_kick();
     check_abandon();
@@ -1084,6 +1215,7 @@ int main(void) {
     check_orphaned();
     check_shared();
     check_handover();
+    check_handsignal();
     check_closing();
     check_stress();
     /* The abandoned queues' threads have all returned (check_abandon's blocked one once

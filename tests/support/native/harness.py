@@ -75,9 +75,16 @@ def sanitizer_missing(sanitizer: str) -> str | None:
     return None
 
 
-def build(harness: str, out_dir: Path, sanitizer: str = "", extra: tuple[str, ...] = ()) -> Path:
+def build(
+    harness: str,
+    out_dir: Path,
+    sanitizer: str = "",
+    extra: tuple[str, ...] = (),
+    defines: tuple[str, ...] = (),
+) -> Path:
     """``harness`` (a file of this folder, with the files ``extra`` of tests/support) compiled with
-    the runtime; skips the calling test if the sanitizer is unavailable."""
+    the runtime, with the macros ``defines`` (the runtime's test hooks: AM_TEST_ALLOC, see
+    native/cuda_stream.h); skips the calling test if the sanitizer is unavailable."""
     reason = sanitizer_missing(sanitizer)
     if reason is not None:
         pytest.skip(reason)
@@ -95,6 +102,7 @@ def build(harness: str, out_dir: Path, sanitizer: str = "", extra: tuple[str, ..
         [
             cc,
             *flags,
+            *(f"-D{name}" for name in defines),
             "-pthread",
             "-I",
             str(native),
