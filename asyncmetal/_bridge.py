@@ -254,8 +254,7 @@ class LoopBridge(ABC):
         self.arm: Callable[[int, int], object] = _unloaded  # am_watch_arm, once loaded
         self._reset: Callable[[int], object] = _unloaded  # am_notifier_reset
         self._pipe: tuple[int, int] | None = None
-        # (a dict for its order: the watch that used up a slice goes last)
-        self._native_watches: dict[Watch, None] = {}
+        self._native_watches: set[Watch] = set()
         self._awake_until = 0  # a perf_counter_ns: check native watches every iteration
         self.slice = WAKE_SLICE  # tasks the next slice wakes at most
         self._ready_first = False  # the last slice woke a crowd's tasks before watches
@@ -350,14 +349,14 @@ class LoopBridge(ABC):
             self._reset = _native.fast_call(lib, "am_notifier_reset")
             self._watch_fd(rfd)
         handle: int = lib.am_watch_new(c_timeline, self._notifier)
-        self._native_watches[watch] = None
+        self._native_watches.add(watch)
         return handle
 
     def drop_native_watch(self, watch: Watch) -> None:
         if watch.cwatch is not None:
             _native_lib().am_watch_free(watch.cwatch)
             watch.cwatch = None
-        self._native_watches.pop(watch, None)
+        self._native_watches.discard(watch)
 
     def _drain_native(self) -> None:
         """The pipe is readable: resolve every native watch that was reached."""
@@ -466,12 +465,13 @@ class LoopBridge(ABC):
 
     def _resolve(self) -> None:
         """Wake a slice of the waiters reached; if more may be due, go on in the loop's
-        next iteration. Three kinds wait: a crowd's tasks whose turn in a slice came
-        (``_ready``), watches queued by notifiers, and native watches reached. No kind,
-        and no watch, may take every slice while the others wait: the crowd's tasks and
-        the watches go first in alternate slices, and a watch that used up a slice goes
-        behind the others (a crowd kept busy by one queue would otherwise leave the
-        tasks of another queue parked for as long as it lasts)."""
+        next iteration. Two kinds wait: a crowd's tasks whose turn in a slice came
+        (``_ready``), and the watches reached (queued by notifiers, or native ones whose
+        wake-up came through the pipe). No kind, and no watch, may take every slice
+        while the others wait: the crowd's tasks and the watches go first in alternate
+        slices, and a watch that used up a slice goes behind the others (a crowd kept
+        busy by one queue would otherwise leave the tasks of another queue parked for as
+        long as it lasts)."""
         self._continued = False
         began = time.perf_counter_ns()
         if self._slice_began:
@@ -505,9 +505,14 @@ class LoopBridge(ABC):
         return budget
 
     def _wake_watches(self, budget: int) -> int:
-        """Wake up to ``budget`` tasks of the watches reached, those queued by notifiers
-        first, then native ones; return the budget left."""
+        """Wake up to ``budget`` tasks of the watches reached, in the order they were
+        reached; return the budget left. Native watches reached (their wake-up came
+        through the pipe) join the queue behind those already in it."""
         pending = self._pending
+        for watch in self._native_watches:
+            if not watch.queued and watch.timeline.native.value >= watch.next:
+                watch.queued = True
+                pending.append(watch)
         while pending and budget:
             watch = pending.popleft()
             watch.queued = False
@@ -517,15 +522,6 @@ class LoopBridge(ABC):
                     watch.queued = True
                     pending.append(watch)  # behind the others queued
                 return 0
-        native = self._native_watches
-        for watch in list(native):
-            if not budget:
-                break
-            if watch.timeline.native.value >= watch.next:
-                budget = watch.resolve(budget)
-                if budget == 0 and watch in native:  # behind the others, next time
-                    del native[watch]
-                    native[watch] = None
         return budget
 
     def stay_awake(self, ns: int) -> None:

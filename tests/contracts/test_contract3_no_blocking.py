@@ -233,7 +233,7 @@ async def test_a_busy_crowd_leaves_no_other_waiter_parked(
     within a few slices all the same, not once the crowd is done."""
     from asyncmetal import _bridge
 
-    monkeypatch.setattr(_bridge.current_bridge(), "turn_limit", 0)  # every wait parks
+    monkeypatch.setattr(_bridge, "TURN_SHARE", 1)  # every turn refused: every wait parks
     busy, other = device.timeline(), device.timeline()
     busy.signal(1)
     rounds = 0
@@ -272,6 +272,59 @@ async def test_a_busy_crowd_leaves_no_other_waiter_parked(
     )
 
 
+async def test_a_watch_kept_busy_leaves_no_other_watch_parked(device: am.Device) -> None:
+    """40 tasks awaiting a host counter that a task raises over and over keep its watch
+    reached in every slice; 10 tasks parked on a timeline the host signals (a native
+    watch, whose wake-ups come through the pipe) are woken within a few slices all the
+    same, not once the counter's tasks are done."""
+    from asyncmetal import _bridge, _timeline
+
+    events = _timeline.HostEvents()
+    other = device.timeline()
+    rounds = 0
+    woken = 0
+    crowded = 40
+    rounds_when_all_woken: list[int] = []
+
+    async def crowd() -> None:
+        nonlocal rounds, crowded
+        while not rounds_when_all_woken and rounds < 40 * 200:
+            await events.wait(events.native.value + 1)
+            rounds += 1
+        crowded -= 1
+
+    async def raiser() -> None:
+        while crowded:  # until the last of the crowd is done: each waits for a raise
+            events.increment()
+            await anyio.lowlevel.checkpoint()
+
+    async def waiter() -> None:
+        nonlocal woken
+        await other.wait(1)
+        woken += 1
+        if woken == 10:
+            rounds_when_all_woken.append(rounds)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(10):
+            tg.start_soon(waiter)
+        await anyio.wait_all_tasks_blocked()
+        for _ in range(40):
+            tg.start_soon(crowd)
+        tg.start_soon(raiser)
+        while rounds < 200:
+            await anyio.sleep(0.001)
+        other.signal(1)
+        signalled_at = rounds
+    assert woken == 10
+    # Unfair, the counter's watch keeps every slice: the waiters wake once its tasks
+    # are done (8000 rounds). A slice wakes at most WAKE_SLICE tasks.
+    assert rounds_when_all_woken[0] - signalled_at <= 20 * _bridge.WAKE_SLICE, (
+        signalled_at,
+        rounds_when_all_woken,
+    )
+
+
 async def test_a_crowd_on_two_queues_keeps_both_busy(
     device: am.Device, kernels: dict[str, am.Program], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -280,7 +333,7 @@ async def test_a_crowd_on_two_queues_keeps_both_busy(
     queue's watch, reached again each time its commands finish, would)."""
     from asyncmetal import _bridge
 
-    monkeypatch.setattr(_bridge.current_bridge(), "turn_limit", 0)  # every wait parks
+    monkeypatch.setattr(_bridge, "TURN_SHARE", 1)  # every turn refused: every wait parks
     queues = [device.queue, device.new_queue()]
     done = [0, 0]
     total = 4000
