@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import anyio
+import anyio.abc
 import anyio.lowlevel
 import numpy as np
 import pytest
@@ -234,42 +235,21 @@ async def test_a_busy_crowd_leaves_no_other_waiter_parked(
     from asyncmetal import _bridge
 
     monkeypatch.setattr(_bridge, "TURN_SHARE", 1)  # every turn refused: every wait parks
-    busy, other = device.timeline(), device.timeline()
+    busy = device.timeline()
     busy.signal(1)
     rounds = 0
-    woken = 0
-    rounds_when_all_woken: list[int] = []
 
-    async def crowd() -> None:
+    async def crowd(going: Callable[[], bool]) -> None:
         nonlocal rounds
-        while not rounds_when_all_woken and rounds < 40 * 200:
+        while going():
             await busy.wait(1)
             rounds += 1
 
-    async def waiter() -> None:
-        nonlocal woken
-        await other.wait(1)
-        woken += 1
-        if woken == 10:
-            rounds_when_all_woken.append(rounds)
-
-    async with anyio.create_task_group() as tg:
-        for _ in range(10):
-            tg.start_soon(waiter)
-        await anyio.wait_all_tasks_blocked()
+    def start(tg: anyio.abc.TaskGroup, going: Callable[[], bool]) -> None:
         for _ in range(40):
-            tg.start_soon(crowd)
-        while rounds < 200:
-            await anyio.sleep(0.001)
-        other.signal(1)
-        signalled_at = rounds
-    assert woken == 10
-    # Unfair, the crowd keeps every slice for itself: the waiters wake once it is done
-    # (8000 rounds). A slice wakes at most WAKE_SLICE tasks.
-    assert rounds_when_all_woken[0] - signalled_at <= 20 * _bridge.WAKE_SLICE, (
-        signalled_at,
-        rounds_when_all_woken,
-    )
+            tg.start_soon(crowd, going)
+
+    await _woken_beside_a_busy_crowd(device, start, lambda: rounds)
 
 
 async def test_a_watch_kept_busy_leaves_no_other_watch_parked(device: am.Device) -> None:
@@ -277,18 +257,15 @@ async def test_a_watch_kept_busy_leaves_no_other_watch_parked(device: am.Device)
     reached in every slice; 10 tasks parked on a timeline the host signals (a native
     watch, whose wake-ups come through the pipe) are woken within a few slices all the
     same, not once the counter's tasks are done."""
-    from asyncmetal import _bridge, _timeline
+    from asyncmetal import _timeline
 
     events = _timeline.HostEvents()
-    other = device.timeline()
     rounds = 0
-    woken = 0
     crowded = 40
-    rounds_when_all_woken: list[int] = []
 
-    async def crowd() -> None:
+    async def crowd(going: Callable[[], bool]) -> None:
         nonlocal rounds, crowded
-        while not rounds_when_all_woken and rounds < 40 * 200:
+        while going():
             await events.wait(events.native.value + 1)
             rounds += 1
         crowded -= 1
@@ -298,27 +275,47 @@ async def test_a_watch_kept_busy_leaves_no_other_watch_parked(device: am.Device)
             events.increment()
             await anyio.lowlevel.checkpoint()
 
+    def start(tg: anyio.abc.TaskGroup, going: Callable[[], bool]) -> None:
+        for _ in range(crowded):
+            tg.start_soon(crowd, going)
+        tg.start_soon(raiser)
+
+    await _woken_beside_a_busy_crowd(device, start, lambda: rounds)
+
+
+async def _woken_beside_a_busy_crowd(
+    device: am.Device,
+    start: Callable[[anyio.abc.TaskGroup, Callable[[], bool]], None],
+    rounds: Callable[[], int],
+) -> None:
+    """10 tasks park on a timeline; ``start(tg, going)`` starts a crowd that keeps the
+    loop's wake-up slices busy while ``going()``, counting its awaits in ``rounds()``;
+    after 200 of them the host signals the timeline. The 10 must wake within a few
+    slices, not once the crowd is done (after 8000 rounds)."""
+    from asyncmetal import _bridge
+
+    other = device.timeline()
+    woken = 0
+    rounds_when_all_woken: list[int] = []
+
     async def waiter() -> None:
         nonlocal woken
         await other.wait(1)
         woken += 1
         if woken == 10:
-            rounds_when_all_woken.append(rounds)
+            rounds_when_all_woken.append(rounds())
 
     async with anyio.create_task_group() as tg:
         for _ in range(10):
             tg.start_soon(waiter)
         await anyio.wait_all_tasks_blocked()
-        for _ in range(40):
-            tg.start_soon(crowd)
-        tg.start_soon(raiser)
-        while rounds < 200:
+        start(tg, lambda: not rounds_when_all_woken and rounds() < 40 * 200)
+        while rounds() < 200:
             await anyio.sleep(0.001)
         other.signal(1)
-        signalled_at = rounds
+        signalled_at = rounds()
     assert woken == 10
-    # Unfair, the counter's watch keeps every slice: the waiters wake once its tasks
-    # are done (8000 rounds). A slice wakes at most WAKE_SLICE tasks.
+    # A slice wakes at most WAKE_SLICE tasks.
     assert rounds_when_all_woken[0] - signalled_at <= 20 * _bridge.WAKE_SLICE, (
         signalled_at,
         rounds_when_all_woken,
