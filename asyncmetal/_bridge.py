@@ -35,9 +35,9 @@ iteration while turns are taken measures the iterations and scales the turns gra
 the time they took (``turn_limit``); the tasks that asked later park and are woken in
 slices, as before. Where not even one turn fits (a step longer than the budget, or an
 iteration full without turns), none is granted but one in every ``TURN_PROBE``-th
-iteration, which measures again. Every ``TURN_SHARE``-th turn asked for is refused, so
-that the tasks taking turns change: a task refused parks behind those woken in slices,
-and one of those takes its place.
+iteration, which measures again. One turn asked for in ``TURN_SHARE``, at random, is
+refused, so that the tasks taking turns change: a task refused parks behind those woken
+in slices, and one of those takes its place.
 
 A wake-up from the bridge also keeps the loop's timers on time. asyncio's epoll and
 poll selectors, and trio's epoll, sleep in whole milliseconds, rounded up: a loop woken
@@ -58,6 +58,7 @@ import contextlib
 import heapq
 import itertools
 import os
+import random
 import selectors
 import sys
 import threading
@@ -80,7 +81,7 @@ SLICE_BUDGET_NS = 250_000  # fewer, where their steps would take longer than thi
 TURN_BUDGET_NS = 300_000  # a crowd's turns: as many per iteration as keep it this long
 TURN_LIMIT = 16  # turns per iteration granted at first
 TURN_MAX = 4096
-TURN_SHARE = 8  # every 8th turn asked for is refused (the task parks instead)
+TURN_SHARE = 8  # one turn asked for in 8, at random, is refused (the task parks instead)
 TURN_PROBE = 8  # while no turn fits: one turn in every 8th iteration, to measure again
 
 
@@ -271,7 +272,9 @@ class LoopBridge(ABC):
         self.looks_after_wakeup = 1
         self.turn_limit = TURN_LIMIT  # turns a crowd's waits get per iteration of the loop
         self._turns = 0  # granted since the last mark
-        self._turns_asked = 0  # asked for, ever (every TURN_SHARE-th is refused)
+        # One turn asked for in TURN_SHARE is refused, at random: a count would refuse
+        # the same task each time where as many ask per iteration as the count.
+        self._refusal = random.Random().random  # noqa: S311 (a share, not a secret)
         self._asked = False  # a turn was asked for since the last mark
         self._probe_in = TURN_PROBE  # marks until a probe, while turn_limit is 0
         self._marking = False  # _turn_mark is scheduled
@@ -280,13 +283,12 @@ class LoopBridge(ABC):
     def turn(self) -> bool:
         """Whether a crowd's wait may yield plainly now rather than park (see the module
         doc). Called on the loop's thread."""
-        self._turns_asked += 1
         self._asked = True
         if not self._marking:
             self._marking = True
             self._marked_at = 0
             self._call_soon(self._turn_mark)
-        if self._turns >= self.turn_limit or self._turns_asked % TURN_SHARE == 0:
+        if self._turns >= self.turn_limit or self._refusal() * TURN_SHARE < 1:
             return False
         self._turns += 1
         return True

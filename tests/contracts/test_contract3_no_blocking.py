@@ -472,6 +472,36 @@ async def test_a_crowd_whose_commands_finish_within_an_iteration_takes_turns_not
     assert parked <= 100 * 40 // _bridge.TURN_SHARE + 100, parked
 
 
+async def test_the_tasks_holding_a_crowds_turns_change(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """40 tasks awaiting a reached value 100 times each, 8 turns per iteration: the
+    first 8 to ask would keep their turns to the end (a refused task parks behind the
+    others and waits its slice) were no turn ever refused. One in TURN_SHARE is, so by
+    the time half the work is done no task has finished."""
+    from asyncmetal import _bridge
+
+    monkeypatch.setattr(_bridge, "TURN_MAX", 8)
+    monkeypatch.setattr(_bridge, "TURN_BUDGET_NS", 10**12)  # 8, however long
+    monkeypatch.setattr(_bridge.current_bridge(), "turn_limit", 8)
+    tl = device.timeline()
+    tl.signal(1)
+    done = [0] * 40
+    at_half: list[list[int]] = []
+
+    async def waiter(i: int) -> None:
+        for _ in range(100):
+            await tl.wait(1)
+            done[i] += 1
+            if not at_half and sum(done) >= 40 * 100 // 2:
+                at_half.append(list(done))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(40):
+            tg.start_soon(waiter, i)
+    assert max(at_half[0]) < 100, sorted(at_half[0])
+
+
 async def test_a_crowds_turns_are_sized_to_the_loops_iterations(
     device: am.Device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
