@@ -477,8 +477,9 @@ async def test_the_tasks_holding_a_crowds_turns_change(
 ) -> None:
     """40 tasks awaiting a reached value 100 times each, 8 turns per iteration: the
     first 8 to ask would keep their turns to the end (a refused task parks behind the
-    others and waits its slice) were no turn ever refused. One in TURN_SHARE is, so by
-    the time half the work is done no task has finished."""
+    others and waits its slice) were no turn ever refused, or the same ones each time.
+    One in TURN_SHARE is, at random, so by the time half the work is done hardly any
+    task has finished."""
     from asyncmetal import _bridge
 
     monkeypatch.setattr(_bridge, "TURN_MAX", 8)
@@ -499,7 +500,8 @@ async def test_the_tasks_holding_a_crowds_turns_change(
     async with anyio.create_task_group() as tg:
         for i in range(40):
             tg.start_soon(waiter, i)
-    assert max(at_half[0]) < 100, sorted(at_half[0])
+    # Refused by count, 7 of the first 8 to ask finish by then; at random, rarely one.
+    assert sum(1 for k in at_half[0] if k == 100) <= 2, sorted(at_half[0])
 
 
 async def test_a_crowds_turns_are_sized_to_the_loops_iterations(
