@@ -327,23 +327,44 @@ async def test_a_crowd_on_two_queues_keeps_both_busy(
 ) -> None:
     """A crowd of tasks launching on two queues, each task on its own: every wait parks
     and is woken by its queue's watch. Neither queue's tasks may take every slice (one
-    queue's watch, reached again each time its commands finish, would)."""
+    queue's watch, reached again each time its commands finish, would): once a queue's
+    commands are done, its tasks are woken within a few slices, whatever the other
+    queue's tasks do meanwhile. Counted in completions, not in time, and of watches
+    reached only: how fast each queue's thread runs is the OS's (on two cores, a queue
+    thread left runnable beside the loop's can stand still for tens of milliseconds)."""
     from asyncmetal import _bridge
 
     monkeypatch.setattr(_bridge, "TURN_SHARE", 1)  # every turn refused: every wait parks
     queues = [device.queue, device.new_queue()]
+    bridge = _bridge.current_bridge()
     done = [0, 0]
     total = 4000
+    reached: list[tuple[int, int] | None] = [None, None]  # (watch, value) reached, unwoken
+    reached_at = [0, 0]  # completions counted when it was first seen so
+    longest = 0  # completions of the crowd while one watch stayed reached
+
+    def look() -> None:
+        nonlocal longest
+        for q, queue in enumerate(queues):
+            watch = queue.timeline._watch_of.get(bridge)
+            key = None
+            if watch is not None and watch.heap and queue.timeline.value >= watch.heap[0][0]:
+                key = (id(watch), watch.heap[0][0])  # its first waiter, reached
+            if key != reached[q]:
+                reached[q], reached_at[q] = key, sum(done)
+            elif key is not None:
+                longest = max(longest, sum(done) - reached_at[q])
 
     async def worker(q: int) -> None:
         while sum(done) < total:
             await queues[q].launch(kernels["empty"])
             done[q] += 1
+            look()
 
     async with anyio.create_task_group() as tg:
         for i in range(64):
             tg.start_soon(worker, i % 2)
-    assert min(done) >= total // 4, done
+    assert longest <= total // 20, (longest, done)
 
 
 async def test_tasks_with_long_steps_are_woken_fewer_at_a_time(device: am.Device) -> None:
