@@ -171,7 +171,13 @@ def _torch_stream(obj: Any) -> int | None:
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(obj, torch.Tensor):
         return None
-    handle: int = torch.cuda.current_stream(obj.device).cuda_stream
+    # The raw handle in one call (what PyTorch's compiled code asks for on every launch):
+    # torch.cuda.current_stream() makes a Stream object in Python first.
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        handle: int = raw(obj.get_device())
+    else:
+        handle = torch.cuda.current_stream(obj.device).cuda_stream
     return None if handle == _PER_THREAD_STREAM else handle
 
 

@@ -23,7 +23,8 @@ from arrival to done. Then
 copy), and the median time of each call (target: <= 20 us), ``am.from_dlpack``'s split
 into the producer's own ``__dlpack__`` (measured alone: ``stream=-1`` for a PyTorch
 tensor, whose stream the default queue waits for itself) and the rest (asyncmetal's:
-taking the capsule, the buffer, the ordering command); and the same through the
+taking the capsule, the buffer, the ordering command; of it, the tensor's stream looked
+up and the default queue's wait for that stream, each timed alone); and the same through the
 protocol alone (the tensor behind a plain DLPack object: PyTorch orders its stream
 before the default queue's, ``__dlpack__(stream=...)``, and a marker follows).
 
@@ -282,6 +283,14 @@ def from_dlpack_split(dev: am.Device, array: Any, n: int = 2000) -> dict[str, fl
     total = median_call_us(lambda: am.from_dlpack(array), n)
     out = {"am_from_dlpack_us": total, "producer_dlpack_us": producer, "rest_us": total - producer}
     if is_torch:
+        # Its other parts, alone: the tensor's stream looked up, and the default queue's
+        # wait for that stream (an event recorded there, waited for in the queue's order).
+        from asyncmetal import _interop
+
+        handle = _interop._torch_stream(array)
+        out["stream_lookup_us"] = median_call_us(lambda: _interop._torch_stream(array), n)
+        if handle is not None:
+            out["queue_wait_us"] = median_call_us(lambda: dev.queue._after_stream(handle), n)
         plain = _Protocol(array)
         protocol = median_call_us(lambda: am.from_dlpack(plain), n)
         protocol_producer = median_call_us(produce(ordered), n)

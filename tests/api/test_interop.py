@@ -347,14 +347,25 @@ def test_a_torch_tensors_stream_is_the_current_one_unless_per_thread(
     from asyncmetal import _interop
 
     class Tensor:
-        device = "cuda:0"
+        device = "cuda:1"
+
+        def get_device(self) -> int:
+            return 1
 
     current = types.SimpleNamespace(cuda_stream=0x5000)
     torch = types.SimpleNamespace(
-        Tensor=Tensor, cuda=types.SimpleNamespace(current_stream=lambda device: current)
+        Tensor=Tensor,
+        _C=types.SimpleNamespace(),  # a PyTorch without the raw lookup
+        cuda=types.SimpleNamespace(current_stream={"cuda:1": current}.__getitem__),
     )
     monkeypatch.setitem(sys.modules, "torch", torch)
     assert _interop._torch_stream(Tensor()) == 0x5000
     assert _interop._torch_stream(object()) is None  # not a tensor
     current.cuda_stream = 2
+    assert _interop._torch_stream(Tensor()) is None
+    # With it: the raw handle of the tensor's device's current stream, in one call.
+    raw = {1: 0x6000}
+    torch._C = types.SimpleNamespace(_cuda_getCurrentRawStream=raw.__getitem__)
+    assert _interop._torch_stream(Tensor()) == 0x6000
+    raw[1] = 2
     assert _interop._torch_stream(Tensor()) is None
