@@ -269,11 +269,35 @@ def passed(timeline: Timeline, value: int) -> bool:
 
 AWAKE_AFTER_SIGNAL_NS = 500_000  # a loop that host-signals a device timeline checks this long
 SPIN_NS = 50_000  # waits recently shorter than this first yield to the loop a few times
-_waiting = threading.local()  # per thread (a loop's): tasks waiting in wait_value now
 CROWD = 16  # from this many waiting tasks on, a wait yields first only on a turn (_bridge)
 SPINNERS = 4  # only while fewer tasks wait does a wait read the timeline between yields
 DUE_NS = 2_000_000  # a command due within this long is checked for rather than parked on
 SLICE_NS = 5_000  # between two such yields, a native timeline is read this long at most
+
+
+class _Count:
+    """Tasks of one thread's loop waiting in ``wait_value`` now. A wait keeps its own
+    thread's: a task dropped while it waits is closed wherever the garbage collector
+    runs, maybe on another thread, and must uncount itself from its loop's."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
+_waiting = threading.local()  # per thread (a loop's): its _Count, as "count"
+
+
+def _count_here() -> _Count:
+    count = _waiting.count = _Count()
+    return count
+
+
+def waiting_here() -> int:
+    """How many tasks of the calling thread's loop wait in ``wait_value`` now."""
+    count: _Count | None = getattr(_waiting, "count", None)
+    return 0 if count is None else count.n
 
 
 @types.coroutine
@@ -300,8 +324,9 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
     spin = _native.spin if c_timeline else None  # (a native timeline: the runtime is loaded)
     start = time.perf_counter_ns()
     recent = timeline._recent_ns
-    crowd = getattr(_waiting, "n", 0)
-    _waiting.n = crowd + 1
+    count: _Count = getattr(_waiting, "count", None) or _count_here()
+    crowd = count.n
+    count.n = crowd + 1
     try:
         # Yield once before parking: under load one pass over the other ready tasks
         # usually finishes the command, and a yield costs far less than a park and a
@@ -338,7 +363,7 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
         yield from bridge.park(watch, value).__await__()
         timeline._recent_ns = (recent * 7 + time.perf_counter_ns() - start) >> 3
     finally:
-        _waiting.n -= 1
+        count.n -= 1
 
 
 @types.coroutine
@@ -347,8 +372,9 @@ def ready_checkpoint() -> Generator[Any, Any, None]:
     of tasks waits on this thread's loop and the bridge grants no turn, a place in its
     next slices (tasks whose commands are always done by the time they await would
     otherwise all be ready in every iteration of the loop)."""
-    crowd = getattr(_waiting, "n", 0)
-    _waiting.n = crowd + 1
+    count: _Count = getattr(_waiting, "count", None) or _count_here()
+    crowd = count.n
+    count.n = crowd + 1
     try:
         if crowd < CROWD:
             yield from _bridge.checkpoint()
@@ -359,7 +385,7 @@ def ready_checkpoint() -> Generator[Any, Any, None]:
             else:
                 yield from bridge.park(None, 0).__await__()
     finally:
-        _waiting.n -= 1
+        count.n -= 1
 
 
 def call_when_reached(waitable: Waitable, value: int, callback: Callable[[], None]) -> None:

@@ -608,3 +608,34 @@ async def _between_steps(progress: Callable[[], int], finished: Callable[[], boo
 async def _most_between_steps(progress: Callable[[], int], finished: Callable[[], bool]) -> int:
     """The most ``progress()`` grew between two steps of a task (``_between_steps``)."""
     return max(await _between_steps(progress, finished), default=0)
+
+
+async def test_a_wait_dropped_on_another_thread_leaves_its_loops_count_right(
+    device: am.Device,
+) -> None:
+    """A task dropped while it waits is closed wherever the garbage collector runs,
+    maybe on another thread: its wait must uncount itself from its own loop's waiting
+    tasks (the crowd's size), not fail on that thread and leave its loop counting a
+    task that is gone (16 such and every wait there is a crowd's for good)."""
+    from asyncmetal import _timeline
+
+    timeline = device.timeline()
+    before = _timeline.waiting_here()
+    waits = [_timeline.wait_value(timeline, 1) for _ in range(3)]
+    for wait in waits:
+        wait.send(None)  # in it: counted, at its first yield to the loop
+    assert _timeline.waiting_here() == before + 3
+    errors: list[BaseException] = []
+
+    def close_all() -> None:
+        for wait in waits:
+            try:
+                wait.close()
+            except BaseException as error:
+                errors.append(error)
+
+    thread = threading.Thread(target=close_all)
+    thread.start()
+    thread.join()
+    assert errors == []
+    assert _timeline.waiting_here() == before
