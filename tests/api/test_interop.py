@@ -1,5 +1,5 @@
 """Interop on any machine: Queue.marker() on every backend, DLPack both ways with numpy
-(the same memory, written through one side and read through the other), the lifetime
+and JAX (the same memory, written through one side and read through the other), the lifetime
 of exported memory, and what is refused."""
 
 from __future__ import annotations
@@ -208,6 +208,30 @@ async def _wraps_numpy(device: am.Device, kernels: dict[str, am.Program]) -> Non
     assert (await buf.read(np.int32)).tolist() == [-2] * 32
     await buf.free()  # the memory is numpy's: nothing returns to the allocator
     assert device.memory_statistics().in_use == 128
+
+
+async def test_jax_shares_cpu_memory_both_ways(anyio_backend: object) -> None:
+    """JAX (CPU): a JAX array over a buffer's memory and a buffer over a JAX array's,
+    both without a copy (the same address), each seeing what the other side wrote."""
+    jnp = pytest.importorskip("jax.numpy", reason="needs JAX (the test extra installs it)")
+    async with am.open_device("cpu") as device:
+        kernels = await _cpu_kernels(device)
+        buf = await device.alloc(64)
+        await buf.write(np.arange(16, dtype=np.float32))
+        grid = jnp.from_dlpack(buf.typed(np.float32, (4, 4)))
+        assert grid.shape == (4, 4) and grid.dtype == jnp.float32
+        assert grid.unsafe_buffer_pointer() == np.from_dlpack(buf).ctypes.data  # no copy
+        assert np.asarray(grid).ravel().tolist() == list(range(16))
+        await device.queue.launch(kernels["fill"], buf, vals=(7, 16))  # the device writes
+        assert np.asarray(grid).view(np.int32).ravel().tolist() == [7] * 16  # JAX reads
+
+        array = jnp.arange(32, dtype=jnp.int32)
+        wrapped = am.from_dlpack(array)
+        assert wrapped.device is device and wrapped.nbytes == 128
+        assert (await wrapped.map(np.int32)).ctypes.data == array.unsafe_buffer_pointer()
+        out = await device.alloc(128)
+        await am.copy(out, wrapped)  # the device reads what JAX wrote
+        assert (await out.read(np.int32)).tolist() == list(range(32))
 
 
 async def test_from_dlpack_round_trip_through_a_buffer(anyio_backend: object) -> None:
