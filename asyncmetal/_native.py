@@ -83,7 +83,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_timeline_poke": (None, [c_p, c_u64]),
     "am_timeline_spin": (c_int, [c_p, c_u64, ctypes.c_long]),
     "am_timeline_due": (ctypes.c_int64, [c_p, c_u64]),
-    "am_queue_new": (c_p, [c_p, ctypes.c_long]),
+    "am_queue_new": (c_p, [c_p, ctypes.c_long, ctypes.c_int]),
     "am_queue_call": (c_int, [c_p, c_p, c_int, c_p, c_p, c_u64]),
     "am_queue_copy": (c_int, [c_p, c_p, c_p, ctypes.c_size_t, c_p, c_u64]),
     "am_queue_signal": (c_int, [c_p, c_p, c_u64, c_u64]),

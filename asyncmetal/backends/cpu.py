@@ -42,12 +42,33 @@ from .._backend import (
     host_address,
 )
 from .._compile import Compiler, ParamKind
-from .._errors import ArgumentTypeError, ClosedResourceError, CompileError
+from .._errors import ArgumentTypeError, ClosedResourceError, CompileError, InvalidArgumentError
 
 _ALIGN = 64
 MAX_ARGS = _native.MAX_ARGS
 TIMES_KEPT = 4096  # device times are kept for a queue's last 4096 commands
 SPIN_NS = 50_000  # a queue thread spins this long for the next command before sleeping
+# The queue threads' nice value (Linux): the lowest priority by default, so that a loop
+# thread that wakes runs before spinning kernels; $ASYNCMETAL_CPU_QUEUE_NICE sets another
+# (0-19) for the queues made after it is set, e.g. where other busy processes starve them.
+QUEUE_NICE = 19
+NICE_VARIABLE = "ASYNCMETAL_CPU_QUEUE_NICE"
+
+
+def queue_nice() -> int:
+    """The nice value for a queue thread made now."""
+    given = os.environ.get(NICE_VARIABLE)
+    if given is None or given == "":
+        return QUEUE_NICE
+    try:
+        nice = int(given)
+    except ValueError:
+        nice = -1
+    if not 0 <= nice <= 19:
+        raise InvalidArgumentError(
+            f"${NICE_VARIABLE} must be an integer from 0 to 19, got {given!r}"
+        )
+    return nice
 
 
 class CCompiler(Compiler):
@@ -218,7 +239,7 @@ class CPUQueue(NativeQueue):
     def __init__(self, lib: ctypes.CDLL, timeline: NativeTimeline) -> None:
         self._lib = lib
         self._timeline = timeline
-        self._handle: int | None = lib.am_queue_new(timeline.c_timeline, SPIN_NS)
+        self._handle: int | None = lib.am_queue_new(timeline.c_timeline, SPIN_NS, queue_nice())
         if not self._handle:
             raise MemoryError("am_queue_new")
         self._keep = KeepAlive(timeline)

@@ -136,6 +136,7 @@ typedef struct am_queue {
     int stop;                       /* 1: finish what is queued, 2: abandon now */
     int sleeping;
     long spin_ns;
+    int nice;                       /* the thread's nice value on Linux (< 0: inherited) */
     am_timeline *own;
     am_timeline *waiting_on;
     unsigned forks;                 /* am_forks when made */
@@ -190,7 +191,7 @@ AM_HIDDEN void timeline_kick(am_timeline *t);
 const char *am_build_digest(void);
 
 /* ---- host_queues.c --------------------------------------------------------------- */
-am_queue *am_queue_new(am_timeline *own, long spin_ns);
+am_queue *am_queue_new(am_timeline *own, long spin_ns, int nice);
 int am_queue_call(am_queue *q, void *fn, int nargs, const int64_t *args, int64_t *record,
                   uint64_t value);
 int am_queue_copy(am_queue *q, void *dst, const void *src, size_t nbytes, int64_t *record,

@@ -8,7 +8,6 @@
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#define HOST_QUEUE_NICE 19
 #endif
 
 typedef void (*am_kernel)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
@@ -141,11 +140,12 @@ static void *run(void *arg) {
     am_queue *q = arg;
     am_cmd c;
 #ifdef __linux__
-    /* Kernels run here, on the host's cores, which the event loops need too: this thread
-     * yields to a loop thread that wakes (a lower weight for the scheduler), so a
-     * machine with fewer cores than busy queues starves the kernels a little, not the
-     * loops. (Linux: a thread's nice value is its own.) */
-    setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), HOST_QUEUE_NICE);
+    /* Kernels run here, on the host's cores, which the event loops need too: at a nice
+     * value above the loop's this thread yields to a loop thread that wakes (a lower
+     * weight for the scheduler), so a machine with fewer cores than busy queues starves
+     * the kernels, not the loops. (Linux: a thread's nice value is its own. One below
+     * the process's needs privileges: refused, the thread keeps the process's.) */
+    if (q->nice >= 0) setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), q->nice);
 #endif
     while (take(q, &c)) {
         if (c.record) {  /* the row's value goes last, so a reader can tell a torn row */
@@ -181,13 +181,14 @@ static void *run(void *arg) {
     return NULL;
 }
 
-am_queue *am_queue_new(am_timeline *own, long spin_ns) {
+am_queue *am_queue_new(am_timeline *own, long spin_ns, int nice) {
     am_queue *q = calloc(1, sizeof *q);
     if (!q) return NULL;
     q->cap = 64;
     q->ring = calloc(q->cap, sizeof(am_cmd));
     q->own = own;
     q->spin_ns = spin_ns;
+    q->nice = nice;
     q->forks = am_forks;
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->cv, NULL);

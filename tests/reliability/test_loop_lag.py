@@ -78,11 +78,11 @@ def _nice_of_threads() -> dict[int, int]:
     return out
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
-def test_cpu_queue_threads_yield_to_the_event_loop() -> None:
-    """Kernels of the cpu device spin on host cores the loops need too: its queue threads
-    run at the lowest priority (nice 19), so a loop thread that wakes runs first, even
-    with more busy queues than cores."""
+def _queue_threads_nice(wanted: int) -> tuple[int, dict[int, int]]:
+    """Open the cpu device and three queues more; return the loop thread's nice value
+    and that of each thread made meanwhile, once ``wanted`` is seen on three of them
+    (each queue thread sets its own as it starts, which may be just after its queue
+    was made) or after 5 s."""
     import threading
 
     import anyio
@@ -98,15 +98,52 @@ def test_cpu_queue_threads_yield_to_the_event_loop() -> None:
             for q in queues:
                 await q.marker()
             loop_nice.append(_nice_of_threads()[threading.get_native_id()])
-            # Each queue thread lowers its own priority as it starts, which may be just
-            # after its queue was made.
             for _ in range(500):
                 new = {t: n for t, n in _nice_of_threads().items() if t not in before}
-                if len([n for n in new.values() if n == 19]) >= 3:
+                if len([n for n in new.values() if n == wanted]) >= 3:
                     break
                 await anyio.sleep(0.01)
             return new
 
     new = anyio.run(main)
-    assert loop_nice[0] < 19
+    return loop_nice[0], new
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
+
+
+@needs_proc
+def test_cpu_queue_threads_yield_to_the_event_loop() -> None:
+    """Kernels of the cpu device spin on host cores the loops need too: its queue threads
+    run at the lowest priority (nice 19), so a loop thread that wakes runs first, even
+    with more busy queues than cores."""
+    loop_nice, new = _queue_threads_nice(19)
+    assert loop_nice < 19
     assert len([n for n in new.values() if n == 19]) >= 3, new
+
+
+@needs_proc
+def test_the_cpu_queue_threads_nice_value_can_be_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$ASYNCMETAL_CPU_QUEUE_NICE sets another (where other busy processes starve the
+    queue threads at 19); a value outside 0-19 fails the open, which leaves nothing
+    open behind it."""
+    import anyio
+
+    import asyncmetal as am
+
+    monkeypatch.setenv("ASYNCMETAL_CPU_QUEUE_NICE", "7")
+    _, new = _queue_threads_nice(7)
+    assert len([n for n in new.values() if n == 7]) >= 3, new
+    assert 19 not in new.values()
+
+    async def open_cpu() -> None:
+        async with am.open_device("cpu"):
+            pass
+
+    for bad in ("20", "-1", "low"):
+        monkeypatch.setenv("ASYNCMETAL_CPU_QUEUE_NICE", bad)
+        with pytest.raises(am.InvalidArgumentError, match="ASYNCMETAL_CPU_QUEUE_NICE"):
+            anyio.run(open_cpu)
+        assert am.open_devices() == []
+    monkeypatch.setenv("ASYNCMETAL_CPU_QUEUE_NICE", "")  # unset: the default
+    anyio.run(open_cpu)

@@ -87,7 +87,7 @@ static void check_abandon(long n) {
     for (long i = 0; i < n; i++) {
         am_timeline *own = am_timeline_new(), *t = am_timeline_new();
         int warm = i % 4 != 0;
-        am_queue *q = am_queue_new(own, warm ? 50000 : 0);
+        am_queue *q = am_queue_new(own, warm ? 50000 : 0, 19);
         if (!own || !t || !q) die("abandon: out of memory");
         uint64_t ran = 0;
         if (warm) {  /* the thread is up and spinning for its next command: the wait is
@@ -129,7 +129,7 @@ static void check_word(long n) {
     for (long i = 0; i < n; i++) {
         am_timeline *own = am_timeline_new(), *t = am_timeline_new();
         am_timeline_set_word(t, (uint64_t *)&word);
-        am_queue *q = am_queue_new(own, 0);
+        am_queue *q = am_queue_new(own, 0, 19);
         if (!own || !t || !q) die("word: out of memory");
         if (am_queue_copy_part(q, dst, src, sizeof src, 16, t, 1, (void *)&claimed, 0,
                                (void *)&count, 4, (void *)&ready, 1, NULL, 1))
@@ -158,7 +158,7 @@ static void check_finish(long n) {
     atomic_store(&phase, "finish");
     for (long i = 0; i < n; i++) {
         am_timeline *own = am_timeline_new(), *t = am_timeline_new();
-        am_queue *q = am_queue_new(own, i % 2 ? 50000 : 0);
+        am_queue *q = am_queue_new(own, i % 2 ? 50000 : 0, 19);
         if (!own || !t || !q) die("finish: out of memory");
         char a[32] = "x", b[32];
         if (am_queue_wait(q, t, 1, 1) || am_queue_copy(q, b, a, sizeof a, NULL, 2) ||
@@ -186,7 +186,7 @@ static void check_watch(long n) {
     am_notifier *notifier = am_notifier_new(fds[1]);
     am_timeline *own = am_timeline_new();
     am_watch *w = am_watch_new(own, notifier);
-    am_queue *q = am_queue_new(own, 0);
+    am_queue *q = am_queue_new(own, 0, 19);
     char a[8] = "", b[8];
     for (long i = 1; i <= n; i++) {
         if (am_queue_copy(q, b, a, sizeof a, NULL, (uint64_t)i)) die("watch: push");
@@ -236,7 +236,7 @@ static void check_parts(long n) {
     am_queue *q[QUEUES];
     for (int k = 0; k < QUEUES; k++) {
         own[k] = am_timeline_new();
-        q[k] = am_queue_new(own[k], k ? 0 : 50000);
+        q[k] = am_queue_new(own[k], k ? 0 : 50000, 19);
     }
     for (long i = 1; i <= n; i++) {
         for (int b = 0; b < NBYTES; b++) src[b] = (unsigned char)(i * 31 + b);
@@ -307,7 +307,7 @@ static void check_fork(long n) {
         am_notifier *notifier = am_notifier_new(fds[1]);
         am_timeline *own = am_timeline_new(), *t = am_timeline_new();
         am_watch *w = am_watch_new(t, notifier);
-        am_queue *q = am_queue_new(own, 0);
+        am_queue *q = am_queue_new(own, 0, 19);
         if (am_queue_wait(q, t, 1, 1)) die("fork: push");
         jitter(i);
         pid_t pid = fork();
@@ -318,7 +318,7 @@ static void check_fork(long n) {
             am_timeline_free(t);
             am_timeline_free(own);
             am_timeline *mine = am_timeline_new();
-            am_queue *q2 = am_queue_new(mine, 0);
+            am_queue *q2 = am_queue_new(mine, 0, 19);
             char a[8] = "child", b[8];
             if (am_queue_copy(q2, b, a, sizeof a, NULL, 1)) _exit(4);
             am_queue_close(q2, 0);
