@@ -782,7 +782,11 @@ static void check_shared(void) {
     int64_t deadline = now_ns() + 10000000000LL;
     while (!atomic_load(done))
         if (now_ns() > deadline) die("shared: another library's wait held up what it waits for");
-    if (am_timeline_value(a.t) < 20) die("shared: another library's stream did not wait");
+    /* a's command 21 ran before the write (one hardware queue runs them all, in order;
+     * a's timeline may not be raised yet: its completion thread confirms after) */
+    long ran = atomic_load(&hw->ran), seen21 = 0;
+    for (long i = 0; i < ran && i < (1 << 16); i++) seen21 |= hw->log[i] == 21;
+    if (!seen21) die("shared: another library's stream did not wait");
     /* a wait the host releases: held until the signal, then handed over */
     if (am_cuq_wait_timeline(c.q, gate, 1, 3) || am_cuq_finish(c.q, 3, NULL, 0, 0, CU_FINISH_PLAIN) ||
         launch(c, NULL, 4, 4))
