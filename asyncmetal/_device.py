@@ -51,7 +51,7 @@ def parse_name(name: str) -> tuple[str, int]:
         raise ArgumentTypeError(f"device name must be a str, got {type(name).__name__}")
     kind, _, index = name.partition(":")
     if kind not in backends.BACKENDS or (index and not index.isdigit()):
-        raise AsyncMetalError(
+        raise InvalidArgumentError(
             f"unknown device {name!r}: expected one of {', '.join(backends.BACKENDS)}, "
             "optionally with ':N'"
         )
