@@ -48,7 +48,7 @@ def test_hello_example() -> None:
 def test_overlap_example() -> None:
     out = _run(str(ROOT / "examples" / "overlap.py"))
     assert out.count("compiled; launching") == 8
-    assert "all done" in out
+    assert "all done; x[0] = 36.0" in out  # whatever order the stages ran in
 
 
 def _readme_programs() -> list[str]:
