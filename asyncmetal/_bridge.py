@@ -55,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import heapq
 import itertools
 import os
@@ -158,6 +159,13 @@ class Watch:
         return self.timeline.native.value >= value
 
     def withdraw(self, entry: Entry) -> None:
+        if threading.get_ident() != self.bridge.thread:
+            # Closed on another thread (a task dropped while it waited, by the garbage
+            # collector there): the heap and the counts are the loop thread's.
+            self.bridge.off_thread(functools.partial(self.withdraw, entry))
+            return
+        if entry.done:  # woken meanwhile (withdrawn from another thread, later)
+            return
         entry.done = True
         entry.wake = _nothing  # it held the task and its loop: let them go now
         self.bridge.waiting -= entry.task
@@ -243,6 +251,7 @@ class LoopBridge(ABC):
     """
 
     def __init__(self) -> None:
+        self.thread = threading.get_ident()  # the loop's (made there, by current_bridge)
         self._pending: collections.deque[Watch] = collections.deque()
         self._scheduled = False
         self._continued = False  # a drain's next slice is scheduled on the loop
@@ -413,9 +422,24 @@ class LoopBridge(ABC):
         self._schedule_slice()
 
     def withdraw_ready(self, entry: Entry) -> None:
+        if threading.get_ident() != self.thread:  # as Watch.withdraw
+            self.off_thread(functools.partial(self.withdraw_ready, entry))
+            return
+        if entry.done:
+            return
         entry.done = True  # skipped when its turn comes
         entry.wake = _nothing  # it held the task and its loop: let them go now
         self.waiting -= 1
+
+    def off_thread(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop's thread; called from another one. Nothing if the loop
+        is gone (its waiters went with it)."""
+        if self.dead:
+            return
+        try:
+            self._call_soon_threadsafe(fn)
+        except Exception:  # the loop closed (asyncio RuntimeError, trio RunFinishedError)
+            self.dead = True
 
     def notify_here(self, watch: Watch) -> None:
         """``notify`` from the loop's own thread: no wake-up, the next slice."""

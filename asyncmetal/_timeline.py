@@ -3,6 +3,7 @@ awaiting of any such counter (``wait_value``)."""
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 import types
@@ -278,12 +279,21 @@ SLICE_NS = 5_000  # between two such yields, a native timeline is read this long
 class _Count:
     """Tasks of one thread's loop waiting in ``wait_value`` now. A wait keeps its own
     thread's: a task dropped while it waits is closed wherever the garbage collector
-    runs, maybe on another thread, and must uncount itself from its loop's."""
+    runs, maybe on another thread, and must uncount itself from its loop's -- there
+    through ``gone`` (an append is atomic; ``n -= 1`` there would race the loop's)."""
 
-    __slots__ = ("n",)
+    __slots__ = ("gone", "n")
 
     def __init__(self) -> None:
         self.n = 0
+        self.gone: collections.deque[None] = collections.deque()  # uncounted elsewhere
+
+    def settle(self) -> None:
+        """On the owning thread: take off the waits that ended on other threads."""
+        gone = self.gone
+        while gone:
+            gone.pop()
+            self.n -= 1
 
 
 _waiting = threading.local()  # per thread (a loop's): its _Count, as "count"
@@ -297,7 +307,10 @@ def _count_here() -> _Count:
 def waiting_here() -> int:
     """How many tasks of the calling thread's loop wait in ``wait_value`` now."""
     count: _Count | None = getattr(_waiting, "count", None)
-    return 0 if count is None else count.n
+    if count is None:
+        return 0
+    count.settle()
+    return count.n
 
 
 @types.coroutine
@@ -325,6 +338,8 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
     start = time.perf_counter_ns()
     recent = timeline._recent_ns
     count: _Count = getattr(_waiting, "count", None) or _count_here()
+    if count.gone:
+        count.settle()
     crowd = count.n
     count.n = crowd + 1
     try:
@@ -363,7 +378,10 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
         yield from bridge.park(watch, value).__await__()
         timeline._recent_ns = (recent * 7 + time.perf_counter_ns() - start) >> 3
     finally:
-        count.n -= 1
+        if getattr(_waiting, "count", None) is count:  # ended on its loop's thread
+            count.n -= 1
+        else:
+            count.gone.append(None)
 
 
 @types.coroutine
@@ -373,6 +391,8 @@ def ready_checkpoint() -> Generator[Any, Any, None]:
     next slices (tasks whose commands are always done by the time they await would
     otherwise all be ready in every iteration of the loop)."""
     count: _Count = getattr(_waiting, "count", None) or _count_here()
+    if count.gone:
+        count.settle()
     crowd = count.n
     count.n = crowd + 1
     try:
@@ -385,7 +405,10 @@ def ready_checkpoint() -> Generator[Any, Any, None]:
             else:
                 yield from bridge.park(None, 0).__await__()
     finally:
-        count.n -= 1
+        if getattr(_waiting, "count", None) is count:  # ended on its loop's thread
+            count.n -= 1
+        else:
+            count.gone.append(None)
 
 
 def call_when_reached(waitable: Waitable, value: int, callback: Callable[[], None]) -> None:

@@ -170,3 +170,84 @@ def test_open_close_cycles_with_work_in_flight(loop: tuple[str, dict[str, Any]])
     gc.collect()
     assert _settled_threads(threads) <= threads
     assert _fds() <= fds
+
+
+@pytest.mark.parametrize("anyio_backend", LOOPS[:2])
+def test_waits_closed_on_another_thread_lose_no_waiter(
+    anyio_backend: tuple[str, dict[str, Any]],
+) -> None:
+    """Waits parked beside the loop's own, closed on another thread while the loop wakes
+    and parks others on the same timeline -- what the garbage collector does to tasks
+    dropped while they wait, wherever it runs. Withdrawing them there once rebuilt the
+    timeline's heap of waiters on that thread, dropping waiters the loop added
+    meanwhile: they were never woken. Thread switches every microsecond make the race
+    likely (lost waiters in every run of this test without the fix)."""
+    import asyncio
+    import queue
+    import sys
+    import time
+
+    async def scenario() -> tuple[int, int, int]:
+        async with am.open_device("cpu") as dev:
+            timeline = dev.timeline()
+            dropped: queue.Queue[object] = queue.Queue()
+            done = threading.Event()
+
+            def reaper() -> None:  # closes them here (the last reference goes)
+                while not done.is_set() or not dropped.empty():
+                    try:
+                        wait = dropped.get(timeout=0.01)
+                    except queue.Empty:
+                        continue
+                    del wait
+
+            def signaller() -> None:
+                for value in range(1, n + 1):
+                    timeline.signal(value)
+                    if value % 50 == 0:
+                        time.sleep(0.0005)
+
+            n, woken = 1000, [0]
+
+            async def waiter(value: int) -> None:
+                await timeline.wait(value)
+                woken[0] += 1
+
+            threads = [threading.Thread(target=reaper), threading.Thread(target=signaller)]
+            threads[0].start()
+            tasks: list[asyncio.Future[None]] = []
+            try:
+                for i in range(n):
+                    tasks.append(asyncio.ensure_future(waiter(i + 1)))
+                    for _ in range(3):  # parked, by hand as a task would, then dropped
+                        wait = timeline.wait(1 << 60).__await__()
+                        step = wait.send(None)
+                        while step is None:  # yields to the loop before it parks
+                            step = wait.send(None)
+                        step._asyncio_future_blocking = False
+                        dropped.put(wait)
+                        del wait
+                    if i % 10 == 0:
+                        await asyncio.sleep(0)
+                    if i == n // 3:
+                        threads[1].start()
+                threads[1].join()
+                _, pending = await asyncio.wait(tasks, timeout=10)
+                return len(pending), woken[0], am._timeline.waiting_here()
+            finally:
+                for task in tasks:
+                    task.cancel()
+                done.set()
+                for thread in threads:
+                    if thread.is_alive():
+                        thread.join()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        name, options = anyio_backend
+        lost, woken, waiting = anyio.run(scenario, backend=name, backend_options=options)
+    finally:
+        sys.setswitchinterval(interval)
+    assert (lost, woken) == (0, 1000)
+    assert waiting == 0  # the dropped waits uncounted themselves from the loop's crowd
