@@ -133,6 +133,7 @@ class Watch:
         self.queued = False  # already in the bridge's pending deque
         self.withdrawn = 0  # cancelled entries still in the heap
         self.dropping = False  # empty: let go of two turns of the loop later, if still
+        bridge.watches.add(self)
         c_timeline = getattr(timeline.native, "c_timeline", None)
         self.cwatch = None if c_timeline is None else bridge.native_watch(self, c_timeline)
 
@@ -217,6 +218,7 @@ class Watch:
     def _drop_if_idle(self) -> None:
         self.dropping = False
         if not self.heap:
+            self.bridge.watches.discard(self)
             self.timeline.drop_watch(self)
             if self.cwatch is not None:
                 self.bridge.drop_native_watch(self)
@@ -265,6 +267,7 @@ class LoopBridge(ABC):
         self._reset: Callable[[int], object] = _unloaded  # am_notifier_reset
         self._pipe: tuple[int, int] | None = None
         self._native_watches: set[Watch] = set()
+        self.watches: set[Watch] = set()  # every watch of this loop's, native or not
         self._awake_until = 0  # a perf_counter_ns: check native watches every iteration
         self.slice = WAKE_SLICE  # tasks the next slice wakes at most
         self._ready_first = False  # the last slice woke a crowd's tasks before watches
@@ -395,6 +398,27 @@ class LoopBridge(ABC):
             for fd in self._pipe:
                 os.close(fd)
             self._pipe = None
+
+    def release(self) -> None:
+        """The loop closed with tasks still parked (an asyncio loop closed without
+        cancelling them; ``asyncio.run`` cancels them): let go of them and of every
+        watch, which would otherwise keep the timelines holding the tasks, their futures
+        and the loop itself, and so the pipe, for good. The tasks, unreachable then, are
+        closed by the garbage collector."""
+        self.close()
+        for watch in list(self.watches):
+            for _, _, entry in watch.heap:
+                entry.done = True
+                entry.wake = _nothing
+            watch.heap = []
+            watch.timeline.drop_watch(watch)
+        self.watches.clear()
+        for entry in self._ready:
+            entry.done = True
+            entry.wake = _nothing
+        self._ready.clear()
+        self._pending.clear()
+        self.waiting = 0
 
     def notify(self, watch: Watch) -> None:
         """Called from any thread once ``watch.timeline`` reached ``watch.next``."""
@@ -752,9 +776,18 @@ def current_bridge() -> LoopBridge:
         return last
     bridge = _asyncio_bridges.get(loop)
     if bridge is None:
+        _release_closed_loops()
         bridge = _asyncio_bridges.setdefault(loop, _AsyncioBridge(loop))
     _remember(loop, bridge)
     return bridge
+
+
+def _release_closed_loops() -> None:
+    """Release the bridges of asyncio loops closed with tasks still parked (see
+    ``LoopBridge.release``): looked for as a new loop's bridge is made."""
+    for loop, bridge in list(_asyncio_bridges.items()):
+        if loop.is_closed() and bridge.watches | bridge._native_watches:
+            bridge.release()
 
 
 def _remember(loop: asyncio.AbstractEventLoop, bridge: LoopBridge) -> None:

@@ -251,3 +251,52 @@ def test_waits_closed_on_another_thread_lose_no_waiter(
         sys.setswitchinterval(interval)
     assert (lost, woken) == (0, 1000)
     assert waiting == 0  # the dropped waits uncounted themselves from the loop's crowd
+
+
+@pytest.mark.parametrize("use_uvloop", [False, True], ids=["asyncio", "uvloop"])
+def test_a_loop_closed_with_tasks_parked_is_let_go_of(use_uvloop: bool) -> None:
+    """Loops closed without cancelling the tasks still parked on a timeline (what
+    ``asyncio.run`` would have cancelled): each kept its bridge's pipe, its watch and
+    the tasks for good -- the timeline held the tasks' futures, and so the loop -- and
+    the tasks stayed counted as waiting on the thread. The next loop's first wait lets
+    go of them."""
+    import asyncio
+    import gc
+
+    new_loop = asyncio.new_event_loop
+    if use_uvloop:
+        uvloop = pytest.importorskip("uvloop", reason="uvloop is a test dependency")
+        new_loop = uvloop.new_event_loop
+    boot = new_loop()
+    dev = boot.run_until_complete(am.open_device("cpu"))
+    try:
+        timeline = dev.timeline()
+        boot.run_until_complete(timeline.wait(0))
+        gc.collect()
+        fds, waiting = _fds(), am._timeline.waiting_here()
+        for _ in range(3):
+            loop = new_loop()
+            tasks = [loop.create_task(timeline.wait(1 << 60)) for _ in range(20)]
+            loop.run_until_complete(asyncio.sleep(0.02))
+            loop.close()  # the 20 still parked
+            for task in tasks:
+                task._log_destroy_pending = False  # (asyncio would warn of each)
+            del tasks, task, loop
+
+        async def later() -> None:
+            waits = [asyncio.ensure_future(timeline.wait(5)) for _ in range(20)]
+            await asyncio.sleep(0.01)
+            timeline.signal(5)
+            await asyncio.wait_for(asyncio.gather(*waits), 5)
+
+        later_loop = new_loop()
+        later_loop.run_until_complete(later())
+        later_loop.close()
+        del later_loop
+        gc.collect()
+        assert am._timeline.waiting_here() == waiting
+        assert len(timeline._watch_of) <= 1  # at most the boot loop's
+        assert _fds() <= fds + (2 if use_uvloop else 0)  # (uvloop keeps two of its own)
+    finally:
+        boot.run_until_complete(dev.close())
+        boot.close()
