@@ -232,12 +232,18 @@ static void check_long(void) {
     uint64_t v = 0, before[8], stats[8];
     am_cuq_stats(f.q, stats);
     if (stats[4]) die("long: a new queue starts with blocking-sync events");
-    v = until_plain(f, v, before);
-    launch(f, &slow, 0, ++v);
-    while (am_timeline_value(f.t) < v) nap_ns(100000);
-    am_cuq_stats(f.q, stats);
-    if (stats[2] != before[2] + 1 || stats[1] != before[1] || stats[4] != 1)
+    for (int attempt = 1;; attempt++) {
+        v = until_plain(f, v, before);
+        launch(f, &slow, 0, ++v);
+        while (am_timeline_value(f.t) < v) nap_ns(100000);
+        am_cuq_stats(f.q, stats);
+        if (stats[2] == before[2] + 1 && stats[1] == before[1] && stats[4] == 1) break;
+        /* Seen done while polling, as if quick: a busy machine kept the completion
+         * thread off a core for the whole 50 ms. Again, a few times at most. */
+        if (attempt < 4 && stats[2] == before[2] && stats[1] == before[1] && !stats[4])
+            continue;
         die("long: a long command on a plain event was not napped on, or changed nothing");
+    }
     launch(f, &slow, 0, ++v);
     while (am_timeline_value(f.t) < v) nap_ns(100000);
     am_cuq_stats(f.q, stats);
@@ -561,12 +567,21 @@ static void check_predict(void) {
     /* Far shorter commands after those: seen within an eighth of the old estimate at
      * first, and the estimate falls (not a 5 ms nap each: 100 ms). */
     static kernel k02 = {0, 200000, NULL, 0};  /* 0.2 ms */
-    int64_t t0 = now_ns();
-    for (int i = 0; i < 20; i++) {
-        if (launch(f, &k02, 0, ++v)) die("predict: a launch failed");
-        while (am_timeline_value(f.t) < v) sched_yield();
+    for (int attempt = 1;; attempt++) {
+        int64_t t0 = now_ns();
+        for (int i = 0; i < 20; i++) {
+            if (launch(f, &k02, 0, ++v)) die("predict: a launch failed");
+            while (am_timeline_value(f.t) < v) sched_yield();
+        }
+        if (now_ns() - t0 <= 40000000) break;
+        /* A busy machine's scheduler can take that long by itself: learn the long
+         * commands again and measure again, a few times at most. */
+        if (attempt == 4) die("predict: short commands after long ones were seen late");
+        for (int i = 0; i < 8; i++) {
+            launch(f, &k5, 0, ++v);
+            while (am_timeline_value(f.t) < v) nap_ns(200000);
+        }
     }
-    if (now_ns() - t0 > 40000000) die("predict: short commands after long ones were seen late");
     queue_free(f, 0);
     puts("ok predict");
 }
