@@ -160,7 +160,7 @@ class Watch:
         return self.timeline.native.value >= value
 
     def withdraw(self, entry: Entry) -> None:
-        if threading.get_ident() != self.bridge.thread:
+        if not self.bridge.on_loop_thread():
             # Closed on another thread (a task dropped while it waited, by the garbage
             # collector there): the heap and the counts are the loop thread's.
             self.bridge.off_thread(functools.partial(self.withdraw, entry))
@@ -253,7 +253,8 @@ class LoopBridge(ABC):
     """
 
     def __init__(self) -> None:
-        self.thread = threading.get_ident()  # the loop's (made there, by current_bridge)
+        self._closing = threading.RLock()  # close() and release() run once, on any thread
+        self._released = False
         self._pending: collections.deque[Watch] = collections.deque()
         self._scheduled = False
         self._continued = False  # a drain's next slice is scheduled on the loop
@@ -386,18 +387,24 @@ class LoopBridge(ABC):
             self._resolve()
         self._hold_for_timer()
 
+    @abstractmethod
+    def on_loop_thread(self) -> bool:
+        """Whether the calling thread is the one running this bridge's loop now."""
+
     def close(self) -> None:
-        """The loop is gone: detach every native watch, then release the pipe."""
-        self.dead = True
-        for watch in list(self._native_watches):
-            self.drop_native_watch(watch)
-        if self._notifier is not None:
-            _native_lib().am_notifier_free(self._notifier)
-            self._notifier = None
-        if self._pipe is not None:
-            for fd in self._pipe:
-                os.close(fd)
-            self._pipe = None
+        """The loop is gone: detach every native watch, then release the pipe. Once,
+        from whichever thread gets here first (a finalizer, a new loop's release)."""
+        with self._closing:
+            self.dead = True
+            for watch in list(self._native_watches):
+                self.drop_native_watch(watch)
+            if self._notifier is not None:
+                _native_lib().am_notifier_free(self._notifier)
+                self._notifier = None
+            if self._pipe is not None:
+                for fd in self._pipe:
+                    os.close(fd)
+                self._pipe = None
 
     def release(self) -> None:
         """The loop closed with tasks still parked (an asyncio loop closed without
@@ -406,6 +413,10 @@ class LoopBridge(ABC):
         and the loop itself, and so the pipe, for good. The tasks, unreachable then, are
         closed by the garbage collector."""
         self.close()
+        with self._closing:
+            if self._released:
+                return
+            self._released = True
         for watch in list(self.watches):
             for _, _, entry in watch.heap:
                 entry.done = True
@@ -446,7 +457,7 @@ class LoopBridge(ABC):
         self._schedule_slice()
 
     def withdraw_ready(self, entry: Entry) -> None:
-        if threading.get_ident() != self.thread:  # as Watch.withdraw
+        if not self.on_loop_thread():  # as Watch.withdraw
             self.off_thread(functools.partial(self.withdraw_ready, entry))
             return
         if entry.done:
@@ -617,6 +628,10 @@ class _AsyncioBridge(LoopBridge):
             loop, "_scheduled"
         )
 
+    def on_loop_thread(self) -> bool:
+        # Its loop is running on this thread (a loop may run on one thread, then another).
+        return _get_running_loop() is self._loop_ref()
+
     def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
         loop = self._loop_ref()
         if loop is None:
@@ -672,10 +687,14 @@ class _TrioBridge(LoopBridge):
 
         super().__init__()
         self._run_sync_soon = trio.lowlevel.current_trio_token().run_sync_soon
+        self._thread = threading.get_ident()  # the run's (made there)
         self.sleeps_coarsely = _TRIO_SLEEPS_COARSELY
         self.looks_after_wakeup = 2  # trio runs a batch's tasks in random order
         self._next_deadline = _trio_next_deadline_reader()
         self._current_time = trio.current_time
+
+    def on_loop_thread(self) -> bool:
+        return threading.get_ident() == self._thread  # (a trio run stays on its thread)
 
     def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
         self._run_sync_soon(fn)
@@ -776,18 +795,25 @@ def current_bridge() -> LoopBridge:
         return last
     bridge = _asyncio_bridges.get(loop)
     if bridge is None:
-        _release_closed_loops()
-        bridge = _asyncio_bridges.setdefault(loop, _AsyncioBridge(loop))
+        with _bridges_lock:  # (inserts, and the look for closed loops, one at a time)
+            bridge = _asyncio_bridges.get(loop)
+            if bridge is None:
+                bridge = _asyncio_bridges[loop] = _AsyncioBridge(loop)
+            closed = _closed_loops_bridges()
+        for other in closed:
+            other.release()
     _remember(loop, bridge)
     return bridge
 
 
-def _release_closed_loops() -> None:
-    """Release the bridges of asyncio loops closed with tasks still parked (see
+def _closed_loops_bridges() -> list[LoopBridge]:
+    """The bridges of asyncio loops closed with tasks still parked, to release (see
     ``LoopBridge.release``): looked for as a new loop's bridge is made."""
-    for loop, bridge in list(_asyncio_bridges.items()):
-        if loop.is_closed() and bridge.watches | bridge._native_watches:
-            bridge.release()
+    return [
+        bridge
+        for loop, bridge in list(_asyncio_bridges.items())
+        if loop.is_closed() and not bridge._released and (bridge.watches or bridge._native_watches)
+    ]
 
 
 def _remember(loop: asyncio.AbstractEventLoop, bridge: LoopBridge) -> None:

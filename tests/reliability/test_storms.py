@@ -300,3 +300,101 @@ def test_a_loop_closed_with_tasks_parked_is_let_go_of(use_uvloop: bool) -> None:
     finally:
         boot.run_until_complete(dev.close())
         boot.close()
+
+
+def test_a_loop_moved_to_another_thread_withdraws_on_it() -> None:
+    """A loop whose bridge was made on one thread (set up with run_until_complete),
+    then run on another (run_forever in a thread): a wait that times out there is
+    withdrawn at once. (Compared with the thread the bridge was made on, it was handed
+    to the loop again and again, for good: a busy loop, the waiter still counted.)"""
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    dev = loop.run_until_complete(am.open_device("cpu"))
+    timeline = dev.timeline()
+
+    async def prime() -> None:  # the bridge is made here, on this thread
+        waiting = asyncio.ensure_future(timeline.wait(1))
+        await asyncio.sleep(0.01)
+        timeline.signal(1)
+        await waiting
+
+    loop.run_until_complete(prime())
+    thread = threading.Thread(target=loop.run_forever)
+    thread.start()
+    try:
+
+        async def time_out() -> int:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(timeline.wait(100), 0.02)
+            await asyncio.sleep(0.05)
+            return am.loop_statistics().waiting
+
+        assert asyncio.run_coroutine_threadsafe(time_out(), loop).result(10) == 0
+    finally:
+        asyncio.run_coroutine_threadsafe(dev.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+
+_CONCURRENT_NEW_LOOPS = """
+import asyncio, sys, threading
+import asyncmetal as am
+
+sys.setswitchinterval(1e-6)
+errors = []
+threading.excepthook = lambda args: errors.append(repr(args.exc_value))
+boot = asyncio.new_event_loop()
+dev = boot.run_until_complete(am.open_device("cpu"))
+timelines = [dev.timeline() for _ in range(8)]
+boot.run_until_complete(timelines[0].wait(0))
+kept_open = []
+for _ in range(30):
+    loop = asyncio.new_event_loop()  # closed with 24 tasks still parked
+    tasks = [loop.create_task(t.wait(1 << 60)) for t in timelines for _ in range(3)]
+    loop.run_until_complete(asyncio.sleep(0.002))
+    loop.close()
+    for task in tasks:
+        task._log_destroy_pending = False
+    del tasks, task, loop
+    barrier = threading.Barrier(4)
+
+    def new_loop():
+        loop = asyncio.new_event_loop()
+        kept_open.append(loop)  # open: more bridges to look through
+
+        async def first_await():
+            barrier.wait()
+            am.loop_statistics()
+
+        loop.run_until_complete(first_await())
+
+    threads = [threading.Thread(target=new_loop) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+boot.run_until_complete(dev.close())
+print("errors", errors)
+"""
+
+
+def test_new_loops_made_at_once_release_a_closed_loop_once() -> None:
+    """Threads starting new loops at once, each making its bridge, while closed loops'
+    bridges wait to be released: each is released once, and making a bridge never
+    fails. (Two releases of one bridge freed its native watches twice: the process
+    aborted; looking through the bridges while another thread added one raised
+    RuntimeError.) In a process of its own: the defect killed it."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _CONCURRENT_NEW_LOOPS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "errors []", proc.stdout + proc.stderr[-3000:]
