@@ -533,14 +533,20 @@ static void check_context(void) {
     puts("ok context");
 }
 
+/* Eight long commands one after another, so the queue learns how long they run. */
+static uint64_t learn_long(fake_queue f, kernel *k, uint64_t v) {
+    for (int i = 0; i < 8; i++) {
+        launch(f, k, 0, ++v);
+        while (am_timeline_value(f.t) < v) nap_ns(200000);
+    }
+    return v;
+}
+
 static void check_predict(void) {
     fake_queue f = queue_new();
     static kernel k5 = {0, 5000000, NULL, 0};  /* 5 ms: the fake stream naps through it */
     uint64_t v = 0, before[8], stats[8];
-    for (int i = 0; i < 8; i++) {  /* learn */
-        launch(f, &k5, 0, ++v);
-        while (am_timeline_value(f.t) < v) nap_ns(200000);
-    }
+    v = learn_long(f, &k5, v);
     am_cuq_stats(f.q, before);
     int64_t early = 0;
     for (int i = 0; i < 30; i++) {
@@ -577,10 +583,7 @@ static void check_predict(void) {
         /* A busy machine's scheduler can take that long by itself: learn the long
          * commands again and measure again, a few times at most. */
         if (attempt == 4) die("predict: short commands after long ones were seen late");
-        for (int i = 0; i < 8; i++) {
-            launch(f, &k5, 0, ++v);
-            while (am_timeline_value(f.t) < v) nap_ns(200000);
-        }
+        v = learn_long(f, &k5, v);
     }
     queue_free(f, 0);
     puts("ok predict");
