@@ -28,6 +28,12 @@ up and the default queue's wait for that stream, each timed alone); and the same
 protocol alone (the tensor behind a plain DLPack object: PyTorch orders its stream
 before the default queue's, ``__dlpack__(stream=...)``, and a marker follows).
 
+Flat out, no way exceeds what the one stream runs, 1 / (GPU time per pass): the JSON's
+``ratios`` give each rate as a share of that ceiling. Each measurement also records the
+garbage collector's pauses (``gc_count``, ``gc_max_ms``) and, paced, how long each
+PyTorch submission held the loop: stalls that no way of awaiting causes or prevents.
+``--gc-freeze`` calls ``gc.freeze()`` once set up, as a tuned service does.
+
     python benchmarks/interop.py --cpu --json out.json
 
 runs only that split, with a numpy array on the cpu device (any machine), and the other
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import statistics
 import sys
 import time
@@ -109,6 +116,31 @@ class Model:
         return float(start.elapsed_time(end)) * 1e3 / 100
 
 
+class Collections:
+    """The garbage collector's pauses while in use (``gc.callbacks``): a full collection
+    of a process holding PyTorch stops the loop like any long step does."""
+
+    def __init__(self) -> None:
+        self.pauses_ms: list[float] = []
+        self._began = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.pauses_ms.append((time.perf_counter() - self._began) * 1e3)
+
+    def __enter__(self) -> Collections:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, float]:
+        return {"gc_count": len(self.pauses_ms), "gc_max_ms": max(self.pauses_ms, default=0.0)}
+
+
 def ways(model: Model, queue: am.Queue) -> dict[str, Callable[[], Awaitable[None]]]:
     torch = model.torch
 
@@ -173,9 +205,11 @@ async def concurrent(fn: Callable[[], Awaitable[None]]) -> dict[str, float]:
             lags.append(max(0.0, time.perf_counter() - t0 - 0.001) * 1e3)
 
     start = time.perf_counter()
-    await asyncio.gather(ticker(), *(worker() for _ in range(CONCURRENT)))
+    with Collections() as collections:
+        await asyncio.gather(ticker(), *(worker() for _ in range(CONCURRENT)))
     elapsed = time.perf_counter() - start
     return {
+        **collections.summary(),
         "requests_per_s": count / elapsed,
         "lag_p50_ms": percentile(lags, 0.5),
         "lag_p99_ms": percentile(lags, 0.99),
@@ -225,10 +259,12 @@ async def paced(model: Model, fn: Callable[[], Awaitable[None]], rate: float) ->
         await asyncio.gather(*tasks)
 
     model.submit_ms.clear()
-    await asyncio.gather(ticker(), arrivals())
+    with Collections() as collections:
+        await asyncio.gather(ticker(), arrivals())
     return {
-        # the requests' own PyTorch submissions, on the loop: their longest is a stall
-        # of the loop that no way of awaiting causes or prevents
+        **collections.summary(),
+        # the requests' own PyTorch submissions, on the loop, and the garbage
+        # collector's pauses: stalls of the loop that no way of awaiting causes or prevents
         "submit_p99_ms": percentile(model.submit_ms, 0.99),
         "submit_max_ms": max(model.submit_ms),
         "offered_per_s": rate,
@@ -330,7 +366,7 @@ async def dlpack(dev: am.Device, torch: Any) -> dict[str, Any]:
     return out
 
 
-async def run() -> dict[str, Any]:
+async def run(gc_freeze: bool = False) -> dict[str, Any]:
     import torch
 
     out: dict[str, Any] = {"torch": torch.__version__, "concurrent": CONCURRENT}
@@ -338,6 +374,10 @@ async def run() -> dict[str, Any]:
         stream = torch.cuda.Stream()
         model = Model(torch, stream)
         queue = dev.adopt_stream(stream)
+        if gc_freeze:  # what a tuned service does once set up: no full collection
+            gc.collect()  # walks PyTorch's and CuPy's objects again and again
+            gc.freeze()
+        out["gc_frozen"] = gc_freeze
         out["forward_gpu_us"], out["model_width"] = model.gpu_us, model.width
         progress(f"forward pass (width {model.width}): {model.gpu_us:.1f} us of GPU time")
         fns = ways(model, queue)
@@ -396,8 +436,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--cpu", action="store_true", help="only from_dlpack's split, on cpu")
+    parser.add_argument(
+        "--gc-freeze", action="store_true", help="gc.freeze() once set up (no full collections)"
+    )
     args = parser.parse_args()
-    write_json(args.json, asyncio.run(run_cpu() if args.cpu else run()))
+    write_json(args.json, asyncio.run(run_cpu() if args.cpu else run(args.gc_freeze)))
 
 
 if __name__ == "__main__":
