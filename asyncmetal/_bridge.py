@@ -171,8 +171,14 @@ class Watch:
         entry.wake = _nothing  # it held the task and its loop: let them go now
         self.bridge.waiting -= entry.task
         self.withdrawn += 1
+        if self.withdrawn == len(self.heap):
+            # None left: let go of the watch (and its native part, armed at a value
+            # nobody waits for now) as when the last waiter is woken.
+            self.heap = []
+            self.withdrawn = 0
+            self._update_next()
         # Cancelled waits for values never reached would pile up: rebuild when most are dead.
-        if self.withdrawn > 32 and self.withdrawn * 2 > len(self.heap):
+        elif self.withdrawn > 32 and self.withdrawn * 2 > len(self.heap):
             self.heap = [item for item in self.heap if not item[2].done]
             heapq.heapify(self.heap)
             self.withdrawn = 0

@@ -86,6 +86,33 @@ async def test_cancelled_waits_for_unreached_values_do_not_pile_up(device: am.De
     assert all(size <= 70 for size in watch_sizes), watch_sizes
 
 
+async def test_a_watch_whose_only_waits_were_cancelled_goes(device: am.Device) -> None:
+    """Waits that time out (or are cancelled) on a timeline nobody signals: once none is
+    left, the loop lets go of the timeline's watch -- and of its native part, which would
+    otherwise stay armed at the old value -- as it does when the last waiter is woken.
+    Kept, every timeline ever waited on with a timeout held a watch until the device
+    closed."""
+    from asyncmetal import _bridge
+
+    bridge = _bridge.current_bridge()
+    timelines = [device.timeline() for _ in range(3)]
+    before = len(bridge.watches)
+    for tl in timelines:
+        for value in (5, 7):  # two waits, the second one the last to go
+            with anyio.move_on_after(0.005):
+                await tl.wait(value)
+    for _ in range(6):  # past the turns at which an empty watch goes
+        await anyio.lowlevel.checkpoint()
+    assert [tl._watch_of.get(bridge) for tl in timelines] == [None] * 3
+    assert len(bridge.watches) == before
+    assert not any(w.timeline in timelines for w in bridge._native_watches)
+    # A wait after that makes a new watch, and is woken as any.
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(timelines[0].wait, 1)
+        await anyio.wait_all_tasks_blocked()
+        timelines[0].signal(1)
+
+
 async def test_cancelled_write_still_completes_and_keeps_its_source_alive(
     device: am.Device,
 ) -> None:
