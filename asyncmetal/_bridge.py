@@ -82,7 +82,7 @@ SLICE_BUDGET_NS = 250_000  # fewer, where their steps would take longer than thi
 TURN_BUDGET_NS = 300_000  # a crowd's turns: as many per iteration as keep it this long
 TURN_LIMIT = 16  # turns per iteration granted at first
 TURN_MAX = 4096
-TURN_SHARE = 8  # one turn asked for in 8, at random, is refused (the task parks instead)
+TURN_SHARE = 4  # one turn asked for in 4, at random, is refused (the task parks instead)
 TURN_PROBE = 8  # while no turn fits: one turn in every 8th iteration, to measure again
 
 
