@@ -59,11 +59,17 @@ def test_loop_lag_cpu_1000_tasks(tmp_path: Path) -> None:
             for key in ("p50", "p99", "max"):
                 assert math.isfinite(row["lag_ms"][key]), where
                 assert math.isfinite(row["submit_ms"][key]), where
+            # One latency (launch to resumption) per command completed in the window,
+            # each at least as long as its launch call.
+            latency = row["latency_ms"]
+            assert latency["count"] == row["completed_in_window"], where
+            assert row["submit_ms"]["p50"] <= latency["p50"] <= latency["p99"] <= latency["max"]
             lag = row["lag_ms"]
             print(
                 f"{where}: lag p50 {lag['p50']:.3f} p99 {lag['p99']:.3f} max {lag['max']:.2f}"
                 f" ms, {row['throughput_per_s']:.0f} kernels/s,"
                 f" submit max {row['submit_ms']['max']:.3f} ms,"
+                f" latency p99 {row['latency_ms']['p99']:.2f} ms,"
                 f" {row['tasks_done_in_window']}/{TASKS} tasks done in the window"
             )
 
