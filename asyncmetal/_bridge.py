@@ -171,15 +171,14 @@ class Watch:
         entry.wake = _nothing  # it held the task and its loop: let them go now
         self.bridge.waiting -= entry.task
         self.withdrawn += 1
+        # The heap changes in place: a withdraw can come from inside resolve() going
+        # through this heap (a woken callback cancelling a trio task, whose abort runs
+        # at once).
         if self.withdrawn == len(self.heap):
-            # None left: let go of the watch (and its native part, armed at a value
-            # nobody waits for now) as when the last waiter is woken.
-            self.heap = []
-            self.withdrawn = 0
-            self._update_next()
+            self._update_next()  # none left: the watch goes
         # Cancelled waits for values never reached would pile up: rebuild when most are dead.
         elif self.withdrawn > 32 and self.withdrawn * 2 > len(self.heap):
-            self.heap = [item for item in self.heap if not item[2].done]
+            self.heap[:] = [item for item in self.heap if not item[2].done]
             heapq.heapify(self.heap)
             self.withdrawn = 0
             self._update_next()
@@ -206,8 +205,14 @@ class Watch:
                 return budget
 
     def _update_next(self) -> bool:
-        if self.heap:
-            return self._publish(self.heap[0][0])
+        heap = self.heap
+        if heap and self.withdrawn == len(heap):
+            # Only withdrawn waits left: let go of the watch (and of its native part,
+            # armed at a value nobody waits for now) as when the last waiter is woken.
+            heap.clear()
+            self.withdrawn = 0
+        if heap:
+            return self._publish(heap[0][0])
         self.next = INFINITY
         # Let go of it (and free its native part) after the tasks just woken have run,
         # not on their way; one that parks on this timeline again by then keeps it.

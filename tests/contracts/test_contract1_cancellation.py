@@ -113,6 +113,66 @@ async def test_a_watch_whose_only_waits_were_cancelled_goes(device: am.Device) -
         timelines[0].signal(1)
 
 
+async def test_the_last_waiter_woken_past_cancelled_ones_lets_the_watch_go(
+    device: am.Device,
+) -> None:
+    """A wait for a value nobody signals times out while another task waits for a lower
+    one, which is then woken: only the withdrawn wait is left in the timeline's watch,
+    and the loop lets go of the watch (it kept it, armed at the withdrawn wait's value)."""
+    from asyncmetal import _bridge
+
+    bridge = _bridge.current_bridge()
+    tl = device.timeline()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tl.wait, 1)
+        await anyio.wait_all_tasks_blocked()
+        with anyio.move_on_after(0.005):
+            await tl.wait(5)
+        tl.signal(1)
+    for _ in range(6):  # past the turns at which an empty watch goes
+        await anyio.lowlevel.checkpoint()
+    assert tl._watch_of.get(bridge) is None
+
+
+async def test_a_wait_withdrawn_while_its_watch_wakes_keeps_the_watchs_count(
+    device: am.Device,
+) -> None:
+    """A callback waiting for value 1 (``call_when_reached``) is woken first, cancels the
+    only task also parked for 1 and waits for 2 itself. On trio the task's wait is
+    withdrawn there and then, inside the wake-up going through that same watch (its
+    abort runs at once; asyncio and uvloop withdraw it when the task next runs). The
+    watch's count of withdrawn waits stays right: once 2 is reached with only a
+    cancelled wait left, the watch goes (with the count left at -1 it stayed)."""
+    from asyncmetal import _bridge, _timeline
+
+    bridge = _bridge.current_bridge()
+    tl = device.timeline()
+    scope = anyio.CancelScope()
+    reached_2 = anyio.Event()
+
+    def at_1() -> None:
+        scope.cancel()
+        _timeline.call_when_reached(tl, 2, reached_2.set)
+
+    async def waiter() -> None:
+        with scope:
+            await tl.wait(1)
+
+    async with anyio.create_task_group() as tg:
+        _timeline.call_when_reached(tl, 1, at_1)  # before the task's: woken first
+        tg.start_soon(waiter)
+        await anyio.wait_all_tasks_blocked()
+        tl.signal(1)
+    assert scope.cancelled_caught
+    with anyio.move_on_after(0.005):
+        await tl.wait(3)  # withdrawn, left behind the callback's wait for 2
+    tl.signal(2)
+    await reached_2.wait()
+    for _ in range(6):
+        await anyio.lowlevel.checkpoint()
+    assert tl._watch_of.get(bridge) is None
+
+
 async def test_cancelled_write_still_completes_and_keeps_its_source_alive(
     device: am.Device,
 ) -> None:
