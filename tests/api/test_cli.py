@@ -75,12 +75,13 @@ def test_demo_without_a_c_compiler_says_so(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("command", ["demo", "bench"])
-def test_the_trio_loop_without_trio_says_so(command: str, tmp_path: Path) -> None:
-    proc = _run(["-m", "asyncmetal", command, "--loop", "trio"], hide=("trio",), tmp_path=tmp_path)
-    _said_plainly(proc, 2, "needs trio", "pip install trio")
+@pytest.mark.parametrize("loop", ["trio", "uvloop"])
+def test_a_loop_not_installed_says_so(command: str, loop: str, tmp_path: Path) -> None:
+    proc = _run(["-m", "asyncmetal", command, "--loop", loop], hide=(loop,), tmp_path=tmp_path)
+    _said_plainly(proc, 2, f"needs {loop}", f"pip install {loop}")
 
 
-@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop", "trio"])
 def test_bench_compares_with_a_thread_hand_off(loop: str) -> None:
     """bench --help promises a comparison: bench prints both ways and their ratio."""
     proc = _run(["-m", "asyncmetal", "bench", "--loop", loop, "--launches", "300", "--tasks", "20"])
