@@ -68,7 +68,12 @@ def _completable() -> dict[Queue, int]:
 
 
 class Device:
-    """An opened device. Use ``async with asyncmetal.open_device(name) as dev``."""
+    """An opened device. Use ``async with asyncmetal.open_device(name) as dev``.
+
+    ``dev.queue`` is its default queue, made when it opens (``new_queue()`` makes more;
+    ``adopt_stream()`` wraps another library's cuda stream). ``buf.write`` and
+    ``buf.read`` run on it; ``queue.copy`` runs a copy on any queue.
+    """
 
     def __init__(self, name: str, backend: Backend) -> None:
         # What the layers below see of this device: they are handed this, not the Device.
