@@ -432,7 +432,8 @@ class LoopBridge(ABC):
             for _, _, entry in watch.heap:
                 entry.done = True
                 entry.wake = _nothing
-            watch.heap = []
+            watch.heap.clear()  # (in place, as everywhere: see Watch.withdraw)
+            watch.withdrawn = 0
             watch.timeline.drop_watch(watch)
         self.watches.clear()
         for entry in self._ready:
