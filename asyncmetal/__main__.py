@@ -102,10 +102,8 @@ async def demo(name: str | None) -> None:
 
 def _loop_missing(loop: str) -> str | None:
     """What running on ``loop`` needs that is not installed here, if anything."""
-    if loop == "trio" and importlib.util.find_spec("trio") is None:
-        return "the trio loop needs trio, which is not installed here (pip install trio)"
-    if loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
-        return "the uvloop loop needs uvloop, which is not installed here (pip install uvloop)"
+    if loop != "asyncio" and importlib.util.find_spec(loop) is None:  # trio, uvloop
+        return f"the {loop} loop needs {loop}, which is not installed here (pip install {loop})"
     return None
 
 
