@@ -30,11 +30,13 @@ wait would park at once, and so bound the loop's iterations; but a park and its 
 cost more than the step of a task whose command finishes while the loop runs its other
 tasks once. So a crowd's wait may first yield plainly, once -- a turn -- and parks only
 if its command is still not done. The bridge grants as many turns per iteration of the
-loop as keep an iteration to about ``TURN_BUDGET_NS``: a callback that runs once per
-iteration while turns are taken measures the iterations and scales the turns granted to
-the time they took (``turn_limit``); the tasks that asked later park and are woken in
-slices, as before. Where not even one turn fits (a step longer than the budget, or an
-iteration full without turns), none is granted but one in every ``TURN_PROBE``-th
+loop as keep its tasks' steps to about ``TURN_BUDGET_NS`` an iteration: a callback that
+runs once per iteration while turns are taken measures the iterations, counts the steps
+in them (the tasks on a turn and those a slice woke) and grants the next as many turns
+as steps of that length fit the budget (``turn_limit``); the tasks that asked later park
+and are woken in slices, as before. An iteration then holds about the budget's worth of
+turns and a slice. Where not even one turn fits (a step longer than the budget, or the
+loop's other work filling it), none is granted but one in every ``TURN_PROBE``-th
 iteration, which measures again. One turn asked for in ``TURN_SHARE``, at random, is
 refused, so that the tasks taking turns change: a task refused parks behind those woken
 in slices, and one of those takes its place.
@@ -303,6 +305,7 @@ class LoopBridge(ABC):
         self._probe_in = TURN_PROBE  # marks until a probe, while turn_limit is 0
         self._marking = False  # _turn_mark is scheduled
         self._marked_at = 0  # a perf_counter_ns: when it last ran (0: not in the iteration before)
+        self._resolved_at_mark = 0  # self.resolved when it last ran
 
     def turn(self) -> bool:
         """Whether a crowd's wait may yield plainly now rather than park (see the module
@@ -321,11 +324,18 @@ class LoopBridge(ABC):
         """Once per iteration while turns are asked for: size the turns to the iteration."""
         now = time.perf_counter_ns()
         granted, self._turns = self._turns, 0
+        woken, self._resolved_at_mark = self.resolved - self._resolved_at_mark, self.resolved
         asked, self._asked = self._asked, False
         limit = self.turn_limit
         if self._marked_at and granted:  # it ran in the iteration before: that one took
-            took = max(now - self._marked_at, 1)  # this long, with these turns in it
-            fit = granted * TURN_BUDGET_NS // took
+            took = max(now - self._marked_at, 1)  # this long, with these steps in it
+            # Sized by every step of the iteration, the tasks woken in slices as well as
+            # those on a turn. By the turns alone, the limit would fall to none where the
+            # slices fill the budget by themselves: then every wait parks, which keeps
+            # the slices full, and the loop stays there (at about half the rate turns
+            # give). So the turns come to about the budget's worth of steps, whatever
+            # the slices: an iteration holds at most that and a slice.
+            fit = (granted + woken) * TURN_BUDGET_NS // took
             # Quick to fall, slow to rise: a mark may run early or late in its iteration
             # (trio shuffles a batch), so one iteration measured short says little.
             # To none only from one: twice over the budget with a single turn.
