@@ -268,12 +268,17 @@ int cuq_run_op(am_cuq *q, const am_cuop *op) {
     case CUOP_WAIT_QUEUE:
         return cuq_wait_queue(q, op->other, op->target, op->value);
     case CUOP_WAIT_EVENT: {
-        /* Waited for (or refused), the event is let go of: the driver keeps what a
-         * pending wait needs. The operation no longer owns it. */
-        void *event = op->word;
+        /* Waited for (or refused), the event goes back to the queue's plain ones: the
+         * wait keeps the state it captured, and the event may be recorded again. The
+         * operation no longer owns it. */
+        void *event = op->word, *none = NULL;
         r = ((int (*)(void *, void *, unsigned))cu_funcs[CU_WAIT_EVENT])(q->stream, event, 0);
-        ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(event);
         ((am_cuop *)op)->word = NULL;
+        if (!atomic_compare_exchange_strong(&q->spare[0], &none, event)) {
+            pthread_mutex_lock(&q->mu);
+            cuq_recycle(q, event, 0);
+            pthread_mutex_unlock(&q->mu);
+        }
         return r ? cuq_fail(q, CU_WAIT_EVENT, r) : 0;
     }
     case CUOP_FINISH:
@@ -600,7 +605,15 @@ int am_cuq_wait_stream(am_cuq *q, void *ctx, void *stream, uint64_t value, int *
         *call = CU_CTX_SET;
         return r;
     }
-    r = ((int (*)(void **, unsigned))cu_funcs[CU_EVENT_CREATE])(&event, 0x2);  /* no timing */
+    /* A plain event of the queue's own (the same kind, no timing), given back to its
+     * pool once the stream waits on it: a wait recorded there captures the event's
+     * state at that call, so the event may be recorded again behind it. */
+    event = atomic_exchange(&q->spare[0], NULL);
+    r = 0;
+    if (!event) {
+        r = ((int (*)(void **, unsigned))cu_funcs[CU_EVENT_CREATE])(&event, 0x2);
+        if (!r) atomic_fetch_add(&q->events_made, 1);
+    }
     *call = CU_EVENT_CREATE;
     if (!r) {
         r = ((int (*)(void *, void *))cu_funcs[CU_EVENT_RECORD])(event, stream);
