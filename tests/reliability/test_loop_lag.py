@@ -78,7 +78,10 @@ def _nice_of_threads() -> dict[int, int]:
     """Each thread of this process: its nice value (the 19th field of its stat line)."""
     out = {}
     for task in Path("/proc/self/task").iterdir():
-        stat = (task / "stat").read_text()
+        try:
+            stat = (task / "stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):  # it ended since it was listed
+            continue
         fields = stat[stat.rindex(")") + 2 :].split()
         out[int(task.name)] = int(fields[16])
     return out
