@@ -32,14 +32,14 @@ tasks once. So a crowd's wait may first yield plainly, once -- a turn -- and par
 if its command is still not done. The bridge grants as many turns per iteration of the
 loop as keep its tasks' steps to about ``TURN_BUDGET_NS`` an iteration: a callback that
 runs once per iteration while turns are taken measures the iterations, counts the steps
-in them (the tasks on a turn and those a slice woke) and grants the next as many turns
-as steps of that length fit the budget (``turn_limit``); the tasks that asked later park
-and are woken in slices, as before. An iteration then holds about the budget's worth of
-turns and a slice. Where not even one turn fits (a step longer than the budget, or the
-loop's other work filling it), none is granted but one in every ``TURN_PROBE``-th
-iteration, which measures again. One turn asked for in ``TURN_SHARE``, at random, is
-refused, so that the tasks taking turns change: a task refused parks behind those woken
-in slices, and one of those takes its place.
+in them (the tasks on a turn and those a slice woke) and grants the next what the
+slices leave of the budget's worth of such steps, but at least half of it
+(``turn_limit``); the tasks that asked later park and are woken in slices, as before.
+Where not even one turn fits (a step longer than half the budget, or the loop's other
+work filling it), none is granted but one in every ``TURN_PROBE``-th iteration, which
+measures again. One turn asked for in ``TURN_SHARE``, at random, is refused, so that
+the tasks taking turns change: a task refused parks behind those woken in slices, and
+one of those takes its place.
 
 A wake-up from the bridge also keeps the loop's timers on time. asyncio's epoll and
 poll selectors, and trio's epoll, sleep in whole milliseconds, rounded up: a loop woken
@@ -330,12 +330,13 @@ class LoopBridge(ABC):
         if self._marked_at and granted:  # it ran in the iteration before: that one took
             took = max(now - self._marked_at, 1)  # this long, with these steps in it
             # Sized by every step of the iteration, the tasks woken in slices as well as
-            # those on a turn. By the turns alone, the limit would fall to none where the
-            # slices fill the budget by themselves: then every wait parks, which keeps
-            # the slices full, and the loop stays there (at about half the rate turns
-            # give). So the turns come to about the budget's worth of steps, whatever
-            # the slices: an iteration holds at most that and a slice.
-            fit = (granted + woken) * TURN_BUDGET_NS // took
+            # those on a turn: the turns get what the slices leave of the budget's worth
+            # of steps, but at least half of it. Without that half, the limit would fall
+            # to none where the slices fill the budget by themselves; then every wait
+            # parks, which keeps the slices full, and the loop stays there (at about
+            # half the rate turns give). An iteration holds up to half a budget more.
+            steps = (granted + woken) * TURN_BUDGET_NS // took
+            fit = max(steps - woken, steps // 2)
             # Quick to fall, slow to rise: a mark may run early or late in its iteration
             # (trio shuffles a batch), so one iteration measured short says little.
             # To none only from one: twice over the budget with a single turn.
