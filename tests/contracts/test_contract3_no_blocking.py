@@ -535,21 +535,7 @@ async def test_a_crowds_turns_are_sized_to_the_loops_iterations(
     monkeypatch.setattr(_bridge, "TURN_BUDGET_NS", 1_000_000)
     bridge = _bridge.current_bridge()
     monkeypatch.setattr(bridge, "turn_limit", _bridge.TURN_LIMIT)
-    tl = device.timeline()
-    tl.signal(1)
-    limits: list[int] = []
-
-    async def waiter() -> None:
-        for _ in range(10):
-            end = time.perf_counter() + 0.0005
-            while time.perf_counter() < end:
-                pass
-            await tl.wait(1)
-            limits.append(bridge.turn_limit)
-
-    async with anyio.create_task_group() as tg:
-        for _ in range(40):
-            tg.start_soon(waiter)
+    limits = await _turn_limits_of_a_crowd(device, tasks=40, steps=10, step_s=0.0005)
     assert limits[0] >= _bridge.TURN_LIMIT // 2, limits[:8]
     # 2 steps fit; a slower machine fits fewer. Unsized, it stays at TURN_LIMIT. (Not
     # at the end: as the tasks finish, iterations grow short and the turns many.)
@@ -560,40 +546,79 @@ async def test_a_crowds_turns_are_sized_to_the_loops_iterations(
 async def test_a_crowd_whose_slices_fill_the_turns_budget_still_takes_turns(
     device: am.Device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """60 tasks whose steps run 0.4 ms of Python, awaiting values reached; slices
-    budgeted to 4 ms (8 such steps at most), turns to 3 ms: a slice of parked tasks
+    """40 tasks whose steps run 1 ms of Python, awaiting values reached; slices
+    budgeted to 10 ms (8 such steps at most), turns to 6 ms: a slice of parked tasks
     woken fills the turns' budget by itself. Were the turns sized by the turns alone,
     one turn beside a slice would be over the budget, the limit would fall to none and
     stay there (every wait parks, so the slices stay full): a crowd that could take
     turns parks for good. Sized by every step of the iteration, at least half the
-    budget's worth of steps are turns. (Budgets of milliseconds, so that the loop's own
-    cost per step, asyncio's debug mode here, stays a small part of a step.)"""
+    budget's worth of steps are turns. (Steps and budgets of milliseconds, so that the
+    loop's own cost per step, asyncio's debug mode here, and the process being
+    descheduled now and then on a busy machine stay a small part of an iteration.)"""
     from asyncmetal import _bridge, _timeline
 
-    assert _timeline.CROWD < 60
-    monkeypatch.setattr(_bridge, "SLICE_BUDGET_NS", 4_000_000)
-    monkeypatch.setattr(_bridge, "TURN_BUDGET_NS", 3_000_000)
+    assert _timeline.CROWD < 40
+    monkeypatch.setattr(_bridge, "SLICE_BUDGET_NS", 10_000_000)
+    monkeypatch.setattr(_bridge, "TURN_BUDGET_NS", 6_000_000)
+    limits = await _turn_limits_of_a_crowd(device, tasks=40, steps=20, step_s=0.001)
+    crowded = limits[len(limits) // 4 : 3 * len(limits) // 4]
+    none = sum(1 for k in crowded if k == 0) / len(crowded)
+    # Sized by the turns alone, the limit is 0 in about 7 of 8 iterations (a probe's
+    # turn in the 8th: 0.78-0.90 measured); sized by every step, hardly ever (0.0 on an
+    # idle machine, up to 0.39 beside a busy process).
+    assert none <= 0.6, (none, statistics.mean(crowded))
+
+
+async def test_a_crowds_turns_come_back_the_iteration_after_one_gone_long(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One iteration measured far over the budget (the process descheduled, a garbage
+    collection) takes the last turn away. The next, with no turn in it but a slice of
+    tasks woken, measures the steps as well and gives the turns back at once: waiting
+    for a probe's turn, every 8th iteration, left a crowd parked for 8 iterations after
+    each such hiccup, which on a busy machine came often."""
+    from asyncmetal import _bridge
+
+    bridge = _bridge.current_bridge()
+    monkeypatch.setattr(bridge, "turn_limit", 1)
+
+    def iteration(took_ns: int, turns: int, woken: int) -> int:
+        bridge._marked_at = time.perf_counter_ns() - took_ns
+        bridge._turns = turns
+        bridge._resolved_at_mark = bridge.resolved - woken
+        bridge._asked = True
+        bridge._turn_mark()
+        return bridge.turn_limit
+
+    assert iteration(100 * _bridge.TURN_BUDGET_NS, turns=1, woken=8) == 0
+    assert iteration(_bridge.TURN_BUDGET_NS // 10, turns=0, woken=8) >= 1
+
+
+async def _turn_limits_of_a_crowd(
+    device: am.Device, tasks: int, steps: int, step_s: float
+) -> list[int]:
+    """``tasks`` tasks each running ``steps`` steps of ``step_s`` of Python, each step
+    followed by a wait for a value reached already; the bridge's turn limit after every
+    wait, in order."""
+    from asyncmetal import _bridge
+
     bridge = _bridge.current_bridge()
     tl = device.timeline()
     tl.signal(1)
     limits: list[int] = []
 
     async def waiter() -> None:
-        for _ in range(30):
-            end = time.perf_counter() + 0.0004
+        for _ in range(steps):
+            end = time.perf_counter() + step_s
             while time.perf_counter() < end:
                 pass
             await tl.wait(1)
             limits.append(bridge.turn_limit)
 
     async with anyio.create_task_group() as tg:
-        for _ in range(60):
+        for _ in range(tasks):
             tg.start_soon(waiter)
-    crowded = limits[len(limits) // 4 : 3 * len(limits) // 4]
-    none = sum(1 for k in crowded if k == 0) / len(crowded)
-    # Sized by the turns alone, the limit is 0 in about 7 of 8 iterations (a probe's
-    # turn in the 8th: 0.81-0.89 measured); sized by every step, hardly ever (0.0).
-    assert none <= 0.3, (none, statistics.mean(crowded))
+    return limits
 
 
 async def test_a_crowd_whose_steps_outlast_the_turns_budget_takes_no_turns(
