@@ -71,15 +71,16 @@ static void *stream_run(void *arg) {
                 atomic_fetch_add(&s->ran, 1);
             }
         } else if (o.kind == OP_RECORD) {
-            if (!atomic_load(&fault_code)) atomic_store(&((fake_event *)o.p)->done, o.a);
+            if (!atomic_load(&fault_code))
+                atomic_store(&((fake_event *)o.p)->ended[o.a % FAKE_RECORDS], 1);
         } else if (o.kind == OP_WRITE) {
             atomic_store((_Atomic uint64_t *)o.p, (uint64_t)o.a);
         } else if (o.kind == OP_WAIT) {
             while (atomic_load((_Atomic uint64_t *)o.p) < (uint64_t)o.a)
                 if (atomic_load(&s->stop) == 2) return NULL;
         } else if (o.kind == OP_WAIT_EVENT) {
-            while (atomic_load(&((fake_event *)o.p)->done) < o.a)
-                if (atomic_load(&s->stop) == 2) return NULL;
+            while (o.a && !atomic_load(&((fake_event *)o.p)->ended[o.a % FAKE_RECORDS]))
+                if (atomic_load(&s->stop) == 2) return NULL;  /* (0: never recorded) */
         }
         if (refers_to_event(&o)) event_unref(o.p);
         pthread_mutex_lock(&s->mu);
@@ -156,7 +157,9 @@ static int f_record(void *e, void *stream) {
         nap_ns(slow);
         atomic_fetch_sub(&records_in_driver, 1);
     }
-    int64_t gen = atomic_fetch_add(&ev->recorded, 1) + 1;
+    int64_t gen = atomic_load(&ev->recorded) + 1;  /* (one thread records an event) */
+    atomic_store(&ev->ended[gen % FAKE_RECORDS], 0);  /* before a query can look at it */
+    atomic_store(&ev->recorded, gen);
     enqueue(stream, (op){OP_RECORD, gen, ev, 0});
     return 0;
 }
@@ -164,7 +167,8 @@ static int f_query(void *e) {
     fake_event *ev = e;
     if (e == atomic_load(&held)) return NOT_READY;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
-    return atomic_load(&ev->done) >= atomic_load(&ev->recorded) ? 0 : NOT_READY;
+    int64_t latest = atomic_load(&ev->recorded);
+    return !latest || atomic_load(&ev->ended[latest % FAKE_RECORDS]) ? 0 : NOT_READY;
 }
 static int f_sync(void *e) {
     int r;

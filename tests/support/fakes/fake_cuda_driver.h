@@ -17,8 +17,15 @@
 #define ILLEGAL_ADDRESS 700
 
 
+#define FAKE_RECORDS 4096  /* an event's records whose ends are told apart (a ring) */
+
 typedef struct {
-    _Atomic int64_t recorded, done;
+    /* Each record is a point of its own, as the driver's: a stream's wait waits for the
+     * record current when it was called, however often the event is recorded again
+     * (elsewhere, ending sooner) meanwhile; a query looks at the latest. `ended` holds
+     * whether record n has run, at n % FAKE_RECORDS. */
+    _Atomic int64_t recorded;
+    _Atomic unsigned char ended[FAKE_RECORDS];
     unsigned flags;
     atomic_int waited;             /* stream waits on it inside the driver now */
     atomic_int refs;               /* its handle's (until destroyed) and one per operation

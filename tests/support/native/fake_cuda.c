@@ -704,7 +704,7 @@ static void check_waitstream(void) {
     /* Blocked syncs block here (a's commands behind its gate get blocking-sync events);
      * check_abandon's orphan, if it is still blocked, returns at the end. */
     int released = atomic_exchange(&release_syncs, 0);
-    static uint64_t gates[3];
+    static uint64_t gates[4];
     static kernel quick = {0, 0, NULL, 0}, after_b = {0, 0, NULL, 1};
     fake_queue a = queue_bounded(4), b = queue_new(), c = queue_new(), d = queue_bounded(2);
     after_b.check = b.s;
@@ -743,6 +743,24 @@ static void check_waitstream(void) {
         reach(c.t, v, "waitstream: a wait after another never ended");
     }
     if (atomic_load(&events_made) > made + 2) die("waitstream: an event made for every wait");
+    /* Two waits in one command, on two streams: the event the first waited on goes back
+     * to c's own and is recorded again at once on the second stream, which is idle; the
+     * first wait still waits for what g's stream had when it was made. */
+    fake_queue g = queue_new();
+    static kernel after_g = {0, 0, NULL, 1};
+    after_g.check = g.s;
+    if (am_cuq_wait(g.q, &gates[3], 1, 1) || am_cuq_finish(g.q, 1, NULL, 0, 0, CU_FINISH_PLAIN) ||
+        launch(g, &quick, 1, 2))
+        die("waitstream: g's gate failed");
+    if (am_cuq_wait_stream(c.q, (void *)1, g.s, 12, &call) ||
+        am_cuq_wait_stream(c.q, (void *)1, b.s, 12, &call) || am_cuq_finish(c.q, 12, NULL, 0, 0, 0))
+        die("waitstream: two waits in one command were refused");
+    if (launch(c, &after_g, 13, 13)) die("waitstream: c's launch after two waits failed");
+    nap_ns(20000000);
+    if (am_timeline_value(c.t) >= 12) die("waitstream: a wait ended by its event's later record");
+    atomic_store((_Atomic uint64_t *)&gates[3], 1);
+    reach(c.t, 13, "waitstream: two waits in one command never ended");
+    queue_free(g, 0);
     /* Held behind a gate nobody opens, then abandoned: its event goes with it. */
     if (am_cuq_wait(d.q, &gates[2], 1, 1) || am_cuq_finish(d.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
         die("waitstream: d's gate failed");
