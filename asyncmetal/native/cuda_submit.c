@@ -29,6 +29,18 @@ static int cuq_leave(am_cuq *q, int r, void *before) {
     return r;
 }
 
+/* One of q's finished events of kind k (0: plain, 1: blocking-sync) to record again:
+ * the spare, taken without the lock, else one from the pool; NULL if there is none. */
+static void *cuq_spare_event(am_cuq *q, int k) {
+    void *event = atomic_exchange(&q->spare[k], NULL);
+    if (!event) {
+        pthread_mutex_lock(&q->mu);
+        if (q->events_count[k]) event = q->events[k][--q->events_count[k]];
+        pthread_mutex_unlock(&q->mu);
+    }
+    return event;
+}
+
 /* Record an event behind the command and hand it to the completion thread: one pass
  * under the lock, with the event for the next command. Then the device waits held until
  * this command (or the signal it makes) was handed over go on (timeline_handed).
@@ -40,12 +52,7 @@ int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_val
     int fence = (flags & CU_FINISH_FENCE) != 0;
     int r, k = !(flags & (CU_FINISH_PLAIN | CU_FINISH_FENCE)) &&
                ((flags & CU_FINISH_LONG) || atomic_load(&q->blocking));
-    void *event = atomic_exchange(&q->spare[k], NULL);
-    if (!event) {
-        pthread_mutex_lock(&q->mu);
-        if (q->events_count[k]) event = q->events[k][--q->events_count[k]];
-        pthread_mutex_unlock(&q->mu);
-    }
+    void *event = cuq_spare_event(q, k);
     if (!event) {  /* CU_EVENT_DISABLE_TIMING, | CU_EVENT_BLOCKING_SYNC for k = 1 */
         r = ((int (*)(void **, unsigned))cu_funcs[CU_EVENT_CREATE])(&event, k ? 0x1 | 0x2 : 0x2);
         if (r) return cuq_fail(q, CU_EVENT_CREATE, r);
@@ -608,7 +615,7 @@ int am_cuq_wait_stream(am_cuq *q, void *ctx, void *stream, uint64_t value, int *
     /* A plain event of the queue's own (the same kind, no timing), given back to its
      * pool once the stream waits on it: a wait recorded there captures the event's
      * state at that call, so the event may be recorded again behind it. */
-    event = atomic_exchange(&q->spare[0], NULL);
+    event = cuq_spare_event(q, 0);
     r = 0;
     if (!event) {
         r = ((int (*)(void **, unsigned))cu_funcs[CU_EVENT_CREATE])(&event, 0x2);

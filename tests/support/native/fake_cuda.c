@@ -704,7 +704,7 @@ static void check_waitstream(void) {
     /* Blocked syncs block here (a's commands behind its gate get blocking-sync events);
      * check_abandon's orphan, if it is still blocked, returns at the end. */
     int released = atomic_exchange(&release_syncs, 0);
-    static uint64_t gates[4];
+    static uint64_t gates[6];
     static kernel quick = {0, 0, NULL, 0}, after_b = {0, 0, NULL, 1};
     fake_queue a = queue_bounded(4), b = queue_new(), c = queue_new(), d = queue_bounded(2);
     after_b.check = b.s;
@@ -761,6 +761,28 @@ static void check_waitstream(void) {
     atomic_store((_Atomic uint64_t *)&gates[3], 1);
     reach(c.t, 13, "waitstream: two waits in one command never ended");
     queue_free(g, 0);
+    /* Waits held on the host, in batches behind a gate: handed over together, their
+     * events go back to h's own, and the next batch's waits take them from there. */
+    fake_queue h = queue_bounded(2);
+    uint64_t v = 1;
+    for (int batch = 0; batch < 2; batch++) {
+        if (am_cuq_wait(h.q, &gates[4 + batch], 1, v) ||
+            am_cuq_finish(h.q, v, NULL, 0, 0, CU_FINISH_PLAIN))
+            die("waitstream: h's gate failed");
+        made = atomic_load(&events_made);
+        for (int i = 0; i < 40; i++) {
+            v++;
+            if (am_cuq_wait_stream(h.q, (void *)1, b.s, v, &call) ||
+                am_cuq_finish(h.q, v, NULL, 0, 0, 0))
+                die("waitstream: a held wait was refused");
+        }
+        atomic_store((_Atomic uint64_t *)&gates[4 + batch], 1);
+        reach(h.t, v, "waitstream: held waits never ended");
+        v++;
+    }
+    if (atomic_load(&events_made) > made + 10)
+        die("waitstream: held waits made events while their queue had them spare");
+    queue_free(h, 0);
     /* Held behind a gate nobody opens, then abandoned: its event goes with it. */
     if (am_cuq_wait(d.q, &gates[2], 1, 1) || am_cuq_finish(d.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
         die("waitstream: d's gate failed");
