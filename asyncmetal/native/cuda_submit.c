@@ -41,6 +41,17 @@ static void *cuq_spare_event(am_cuq *q, int k) {
     return event;
 }
 
+/* Make `event` (of kind k, unused now) q's spare, taken without the lock, or else put it
+ * in the pool. Not under mu. */
+static void cuq_put_spare(am_cuq *q, void *event, int k) {
+    void *none = NULL;
+    if (!atomic_compare_exchange_strong(&q->spare[k], &none, event)) {
+        pthread_mutex_lock(&q->mu);
+        cuq_recycle(q, event, k);
+        pthread_mutex_unlock(&q->mu);
+    }
+}
+
 /* Record an event behind the command and hand it to the completion thread: one pass
  * under the lock, with the event for the next command. Then the device waits held until
  * this command (or the signal it makes) was handed over go on (timeline_handed).
@@ -96,14 +107,7 @@ int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_val
     atomic_fetch_add(&q->pending, 1);
     if (q->sleeping) pthread_cond_signal(&q->cv);
     pthread_mutex_unlock(&q->mu);
-    if (spare) {
-        void *none = NULL;
-        if (!atomic_compare_exchange_strong(&q->spare[k], &none, spare)) {
-            pthread_mutex_lock(&q->mu);
-            cuq_recycle(q, spare, k);
-            pthread_mutex_unlock(&q->mu);
-        }
-    }
+    if (spare) cuq_put_spare(q, spare, k);
     if (!fence) timeline_handed(q->timeline, value);
     if (signals) timeline_handed(extra, extra_value);  /* its word write went before */
     return 0;
@@ -278,14 +282,10 @@ int cuq_run_op(am_cuq *q, const am_cuop *op) {
         /* Waited for (or refused), the event goes back to the queue's plain ones: the
          * wait keeps the state it captured, and the event may be recorded again. The
          * operation no longer owns it. */
-        void *event = op->word, *none = NULL;
+        void *event = op->word;
         r = ((int (*)(void *, void *, unsigned))cu_funcs[CU_WAIT_EVENT])(q->stream, event, 0);
         ((am_cuop *)op)->word = NULL;
-        if (!atomic_compare_exchange_strong(&q->spare[0], &none, event)) {
-            pthread_mutex_lock(&q->mu);
-            cuq_recycle(q, event, 0);
-            pthread_mutex_unlock(&q->mu);
-        }
+        cuq_put_spare(q, event, 0);
         return r ? cuq_fail(q, CU_WAIT_EVENT, r) : 0;
     }
     case CUOP_FINISH:
