@@ -36,8 +36,9 @@ in them (the tasks on a turn and those a slice woke) and grants the next what th
 slices leave of the budget's worth of such steps, but at least half of it
 (``turn_limit``); the tasks that asked later park and are woken in slices, as before.
 Where not even one turn fits (a step longer than half the budget, or the loop's other
-work filling it), none is granted; the tasks a slice wakes measure the iterations still,
-and where none is woken, one turn in every ``TURN_PROBE``-th iteration measures again.
+work filling it), none is granted; one is again as soon as the steps of the tasks a
+slice wakes (smoothed over slices) say it fits, and else one turn in every
+``TURN_PROBE``-th iteration measures again.
 One turn asked for in ``TURN_SHARE``, at random, is refused, so that the tasks taking
 turns change: a task refused parks behind those woken in slices, and one of those takes
 its place.
@@ -328,12 +329,8 @@ class LoopBridge(ABC):
         woken, self._resolved_at_mark = self.resolved - self._resolved_at_mark, self.resolved
         asked, self._asked = self._asked, False
         limit = self.turn_limit
-        # It ran in the iteration before: that one took this long, with these steps in
-        # it. Tasks woken measure it as well as turns do: where none was granted (a
-        # measure gone long, the process descheduled or a collection), the next
-        # iteration's slice sizes the turns again at once.
-        if self._marked_at and (granted or woken):
-            took = max(now - self._marked_at, 1)
+        if self._marked_at and granted:  # it ran in the iteration before: that one took
+            took = max(now - self._marked_at, 1)  # this long, with these steps in it
             # Sized by every step of the iteration, the tasks woken in slices as well as
             # those on a turn: the turns get what the slices leave of the budget's worth
             # of steps, but at least half of it. Without that half, the limit would fall
@@ -350,10 +347,19 @@ class LoopBridge(ABC):
             else:
                 limit = min(TURN_MAX, fit, limit + limit // 8 + 1)
             self._probe_in = TURN_PROBE
-        elif limit == 0 and asked:  # none fits, none woken: a turn now and then measures
-            self._probe_in -= 1
-            if self._probe_in <= 0:
+        elif limit == 0 and asked:
+            # None granted. The tasks a slice woke tell how long a step is (smoothed over
+            # slices: one iteration gone long, the process descheduled or a collection,
+            # says little); where steps of that length fit, a turn again at once. Else
+            # a turn now and then measures again.
+            steps = TURN_BUDGET_NS // (self._step_ns or 1) if woken else 0
+            if max(steps - woken, steps // 2):
                 limit = 1
+                self._probe_in = TURN_PROBE
+            else:
+                self._probe_in -= 1
+                if self._probe_in <= 0:
+                    limit = 1
         self.turn_limit = limit
         if asked and not self.dead:
             self._marked_at = now

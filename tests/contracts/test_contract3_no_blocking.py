@@ -574,9 +574,10 @@ async def test_a_crowds_turns_come_back_the_iteration_after_one_gone_long(
 ) -> None:
     """One iteration measured far over the budget (the process descheduled, a garbage
     collection) takes the last turn away. The next, with no turn in it but a slice of
-    tasks woken, measures the steps as well and gives the turns back at once: waiting
-    for a probe's turn, every 8th iteration, left a crowd parked for 8 iterations after
-    each such hiccup, which on a busy machine came often."""
+    tasks woken whose steps, smoothed over slices, are a tenth of the budget, gives a
+    turn back at once: waiting for a probe's turn, every 8th iteration, left a crowd
+    parked for 8 iterations after each such hiccup, which on a busy machine came often.
+    Steps longer than the budget give none back."""
     from asyncmetal import _bridge
 
     bridge = _bridge.current_bridge()
@@ -590,8 +591,13 @@ async def test_a_crowds_turns_come_back_the_iteration_after_one_gone_long(
         bridge._turn_mark()
         return bridge.turn_limit
 
-    assert iteration(100 * _bridge.TURN_BUDGET_NS, turns=1, woken=8) == 0
-    assert iteration(_bridge.TURN_BUDGET_NS // 10, turns=0, woken=8) >= 1
+    budget = _bridge.TURN_BUDGET_NS
+    monkeypatch.setattr(bridge, "_step_ns", budget // 10)
+    assert iteration(100 * budget, turns=1, woken=8) == 0
+    assert iteration(budget, turns=0, woken=8) == 1
+    assert iteration(100 * budget, turns=1, woken=8) == 0
+    monkeypatch.setattr(bridge, "_step_ns", 2 * budget)
+    assert iteration(16 * budget, turns=0, woken=8) == 0
 
 
 async def _turn_limits_of_a_crowd(
