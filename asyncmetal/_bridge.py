@@ -62,6 +62,7 @@ import contextlib
 import functools
 import heapq
 import itertools
+import logging
 import os
 import random
 import selectors
@@ -79,6 +80,7 @@ from typing import Any, Protocol
 from . import _native
 from ._backend import NativeTimeline
 
+_log = logging.getLogger("asyncmetal")
 INFINITY = 1 << 64  # larger than any 64-bit timeline value
 SLEEP_GRANULE = 1e-3  # seconds: epoll and poll sleep in whole milliseconds, rounded up
 WAKE_SLICE = 8  # tasks a drain wakes at most; the rest in the loop's next iteration
@@ -204,7 +206,10 @@ class Watch:
                 self.bridge.waiting -= entry.task
                 self.bridge.resolved += entry.task
                 budget -= entry.task
-                entry.wake()
+                try:
+                    entry.wake()
+                except Exception:  # a callback's (call_when_reached): the rest still wake
+                    _log.exception("a callback waiting for value %d raised", reached)
             if not self._update_next():  # re-read after publishing next: see module doc
                 return budget
 

@@ -203,3 +203,36 @@ async def test_a_wait_added_to_a_watch_about_to_go_keeps_it(device: am.Device) -
     for _ in range(6):
         await anyio.lowlevel.checkpoint()
     assert tl._watch_of.get(bridge) is None
+
+
+async def test_a_callback_that_raises_does_not_stop_the_wakeups_after_it(
+    device: am.Device, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Of three waits for value 1 -- a callback that raises (``call_when_reached``),
+    a task, another callback -- the two after the raising one still wake, and the
+    error is logged ("asyncmetal"). Checked: without the guard the drain stopped at the
+    raise and the task waited for good."""
+    from asyncmetal import _timeline
+
+    tl = device.timeline()
+    woken: list[str] = []
+
+    def raising() -> None:
+        raise ValueError("a callback's own error")
+
+    async def waiter() -> None:
+        await tl.wait(1)
+        woken.append("task")
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            _timeline.call_when_reached(tl, 1, raising)
+            tg.start_soon(waiter)
+            await anyio.wait_all_tasks_blocked()
+            _timeline.call_when_reached(tl, 1, lambda: woken.append("callback"))
+            threading.Thread(target=tl.signal, args=(1,)).start()
+    assert sorted(woken) == ["callback", "task"]
+    assert any(
+        r.name == "asyncmetal" and r.exc_info and isinstance(r.exc_info[1], ValueError)
+        for r in caplog.records
+    )
