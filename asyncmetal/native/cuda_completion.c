@@ -330,8 +330,8 @@ static void *cuq_run(void *arg) {
             /* A query takes the driver's locks: back-to-back queries slowed the
              * submitting thread's launches ~4x on the H200 (42 us instead of ~10), one
              * every 2 us still by ~1.7 us a launch. So queries wait for a moment when
-             * no thread is submitting to a queue of this context (then come every
-             * CU_POLL_QUIET_NS), but for no longer than CU_POLL_GAP_NS. */
+             * no thread is submitting to this queue (then come every CU_POLL_QUIET_NS),
+             * but for no longer than CU_POLL_GAP_NS. */
             unsigned kicks = atomic_load(&kick_gen);
             long spin = e.spin_ns > q->spin_ns ? e.spin_ns : q->spin_ns;
             int64_t t = now_ns();
@@ -381,7 +381,7 @@ static void *cuq_run(void *arg) {
                 int64_t since = t - last;
                 if (since >= CU_POLL_GAP_NS ||
                     (since >= CU_POLL_QUIET_NS && !atomic_load(&q->shared) &&
-                     atomic_load(q->submitting) == 0)) {
+                     atomic_load(&q->submitting) == 0)) {
                     atomic_fetch_add(&q->queries, 1);
                     if ((r = query(e.event)) != CU_ERROR_NOT_READY) break;
                     running = 1;
@@ -529,7 +529,6 @@ am_cuq *am_cuq_new(void *ctx, void *stream, am_timeline *timeline, long spin_ns,
     q->word = timeline->word;
     q->spin_ns = spin_ns;
     q->max_inflight = (size_t)max_inflight;
-    q->submitting = cuq_context_submitting(ctx);
     atomic_store(&q->refs, 1);
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->cv, NULL);

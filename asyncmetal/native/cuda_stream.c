@@ -4,29 +4,6 @@
  */
 #include "cuda_stream.h"
 
-/* How many threads are inside a submission to the queues of each context: a completion
- * thread holds its queries back while any is (cuda_completion.c), not only while its
- * own queue's are -- the driver's locks are the context's, and with four queues the
- * loop thread's launches went to one stream while three threads queried. A table
- * filled once per context, never emptied (a context made again at a freed one's
- * address shares its count, which is balanced); contexts past it share one count. */
-#define CU_MAX_CONTEXTS 64
-static struct {
-    void *_Atomic ctx;
-    atomic_int submitting;
-} cu_contexts[CU_MAX_CONTEXTS];
-static atomic_int cu_other_contexts;
-
-atomic_int *cuq_context_submitting(void *ctx) {
-    for (int i = 0; i < CU_MAX_CONTEXTS; i++) {
-        void *seen = atomic_load(&cu_contexts[i].ctx);
-        if (!seen && atomic_compare_exchange_strong(&cu_contexts[i].ctx, &seen, ctx))
-            return &cu_contexts[i].submitting;
-        if (seen == ctx) return &cu_contexts[i].submitting;
-    }
-    return &cu_other_contexts;
-}
-
 void cuq_recycle(am_cuq *q, void *event, int blocking) {  /* under q->mu */
     for (am_culend *lend = q->lends; lend; lend = lend->next)
         if (lend->event == event) {  /* lent: its borrower recycles it when done */

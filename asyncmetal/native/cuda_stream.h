@@ -133,8 +133,7 @@ struct am_cuq {
     void **events[2];               /* finished events for reuse: plain, blocking-sync */
     size_t events_cap, events_count[2];
     atomic_size_t pending;          /* entries pushed and not yet confirmed */
-    atomic_int *submitting;         /* threads inside a submission (driver calls) to any
-                                       queue of its context now (cuq_context_submitting) */
+    atomic_int submitting;          /* threads inside a submission (driver calls) now */
     int stop;                       /* 1: finish everything, then stop; 2: abandon now */
     int exited, orphan;             /* the thread returned; it frees the queue itself */
     atomic_int refs;                /* the owner's, and one per held wait on this queue */
@@ -244,7 +243,6 @@ static inline int cuq_fail(am_cuq *q, int call, int r) {
 AM_HIDDEN void cuq_recycle(am_cuq *q, void *event, int blocking);  /* under q->mu */
 AM_HIDDEN void cuq_give_back(am_cuq *q, am_culend *lend);          /* under q->mu */
 AM_HIDDEN void cuq_unref(am_cuq *q);
-AM_HIDDEN atomic_int *cuq_context_submitting(void *ctx);
 AM_HIDDEN void cuop_free(am_cuop *op);
 AM_HIDDEN void cuq_drop_held(am_cuq *q);                           /* under q->mu */
 AM_HIDDEN void cuq_destroy_events(am_cuq *q);                      /* under q->mu */

@@ -13,7 +13,7 @@
  * device and library on it, and theirs must be as they left it. Events are created in,
  * and recorded from, it. */
 static int cuq_enter(am_cuq *q, void **before) {
-    atomic_fetch_add(q->submitting, 1);
+    atomic_fetch_add(&q->submitting, 1);
     void *current = NULL;
     ((int (*)(void **))cu_funcs[CU_CTX_GET])(&current);
     *before = current;
@@ -25,7 +25,7 @@ static int cuq_enter(am_cuq *q, void **before) {
 /* After cuq_enter, whatever it returned. */
 static int cuq_leave(am_cuq *q, int r, void *before) {
     if (before != q->ctx) ((int (*)(void *))cu_funcs[CU_CTX_SET])(before);
-    atomic_fetch_sub(q->submitting, 1);
+    atomic_fetch_sub(&q->submitting, 1);
     return r;
 }
 

@@ -57,7 +57,6 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "handover"),
         *("ok", "handsignal"),
         *("ok", "closing"),
-        *("ok", "quiet"),
         *("ok", "stress"),
         *("ok", "released"),
     ]

@@ -230,18 +230,16 @@ static int f_unused(void) { die("a driver call the queues should not make"); ret
 
 long max_inflight = 1 << 20;  /* the queues' bound (most checks: none) */
 
-fake_queue queue_in(void *ctx, fake_stream *s, long spin_ns, long bound) {
+fake_queue queue_on(fake_stream *s, long bound) {
     fake_queue f;
     f.s = s;
     f.t = am_timeline_new();
     f.word = calloc(1, sizeof(uint64_t));
     am_timeline_set_word(f.t, f.word);
-    f.q = am_cuq_new(ctx, f.s, f.t, spin_ns, bound);
+    f.q = am_cuq_new((void *)1, f.s, f.t, 30000, bound);
     if (!f.q) die("am_cuq_new");
     return f;
 }
-
-fake_queue queue_on(fake_stream *s, long bound) { return queue_in((void *)1, s, 30000, bound); }
 
 fake_queue queue_new(void) { return queue_on(stream_new(), max_inflight); }
 

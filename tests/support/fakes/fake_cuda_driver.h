@@ -76,8 +76,6 @@ void stream_free(fake_stream *s, int abandon);
 fake_stream *stream_new(void);
 fake_stream *stream_sharing(fake_stream *hw);  /* runs its operations on hw's queue */
 fake_queue queue_on(fake_stream *s, long bound);  /* a queue on stream s */
-fake_queue queue_in(void *ctx, fake_stream *s, long spin_ns, long bound);  /* ... of context
-                                                  ctx, polling spin_ns */
 void fake_driver_install(void);
 void fake_ctx_set_current(void *ctx);  /* the calling thread's current context */
 void *fake_ctx_current(void);

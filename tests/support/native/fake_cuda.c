@@ -95,9 +95,6 @@
  *             handed over was confirmed; abandoned, it returns only once that thread's
  *             driver call on the stream returned (the stream may be destroyed then),
  *             and leaves no kick on a timeline nothing signalled (which may be freed)
- *   quiet     while a thread submits to a queue, the completion threads of its context's
- *             other queues query their events every CU_POLL_GAP_NS at most (the
- *             driver's locks are the context's); one of another context is not held back
  *   stress    queues on one shared hardware queue, bounded, submitted to from two
  *             threads: waits on each other's commands (held or not), on a timeline a
  *             queue signals and on one the host signals, while a third thread has
@@ -1225,60 +1222,6 @@ static void *stress_consumer(void *arg) {
     return NULL;
 }
 
-/* The queries q's completion thread made while `submit` ran, and in how long. */
-static uint64_t queries_while(am_cuq *q, void (*submit)(void), int64_t *took) {
-    uint64_t before[8], after[8];
-    am_cuq_stats(q, before);
-    int64_t t = now_ns();
-    submit();
-    *took = now_ns() - t;
-    am_cuq_stats(q, after);
-    return after[0] - before[0];
-}
-
-static fake_queue quiet_b;
-static uint64_t quiet_b_value;
-static void quiet_nothing(void) { nap_ns(30000000); }
-static void quiet_submit(void) {  /* a record 30 ms long in the driver, on b */
-    atomic_store(&record_ns, 30000000);
-    quiet_b_value++;
-    if (launch(quiet_b, NULL, 1, quiet_b_value)) die("quiet: a launch on b failed");
-    atomic_store(&record_ns, 0);
-}
-
-static void check_quiet(void) {
-    /* a and b share a context, c has its own; a's and c's commands run 400 ms and are
-     * polled through (1 s each), b's is submitted meanwhile */
-    fake_queue a = queue_in((void *)1, stream_new(), 1000000000, 1 << 20),
-               c = queue_in((void *)2, stream_new(), 1000000000, 1 << 20);
-    quiet_b = queue_in((void *)1, stream_new(), 30000, 1 << 20);
-    static kernel long_one = {0, 400000000, NULL, 0};
-    if (launch(a, &long_one, 1, 1) || launch(c, &long_one, 1, 1)) die("quiet: a launch failed");
-    nap_ns(5000000);  /* both threads polling */
-    int64_t took_idle, took_a, took_c;
-    uint64_t c_idle = queries_while(c.q, quiet_nothing, &took_idle);
-    uint64_t a_during = queries_while(a.q, quiet_submit, &took_a);
-    reach(quiet_b.t, 1, "quiet: b's command never finished");
-    uint64_t c_during = queries_while(c.q, quiet_submit, &took_c);
-    reach(quiet_b.t, 2, "quiet: b's second command never finished");
-    if (am_timeline_value(a.t) || am_timeline_value(c.t)) die("quiet: the long commands ended early");
-    if (a_during > (uint64_t)(took_a / CU_POLL_GAP_NS) * 3 / 2 + 20) {
-        fprintf(stderr, "%llu queries in %lld ns\n", (unsigned long long)a_during, (long long)took_a);
-        die("quiet: a queue's thread queried while another queue of its context submitted");
-    }
-    if (c_during * took_idle * 2 < c_idle * took_c) {
-        fprintf(stderr, "%llu queries, %llu idle\n", (unsigned long long)c_during,
-                (unsigned long long)c_idle);
-        die("quiet: a queue's thread was held back by another context's submission");
-    }
-    reach(a.t, 1, "quiet: a never finished");
-    reach(c.t, 1, "quiet: c never finished");
-    queue_free(a, 0);
-    queue_free(c, 0);
-    queue_free(quiet_b, 0);
-    puts("ok quiet");
-}
-
 static void check_stress(void) {
     int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
     fake_stream *hw = stream_new();
@@ -1350,7 +1293,6 @@ int main(void) {
     check_handover();
     check_handsignal();
     check_closing();
-    check_quiet();
     check_stress();
     /* The abandoned queues' threads have all returned (check_abandon's blocked one once
      * its sync gave up), each destroying its queue's events as it stopped. */
