@@ -274,6 +274,7 @@ CROWD = 16  # from this many waiting tasks on, a wait yields first only on a tur
 SPINNERS = 4  # only while fewer tasks wait does a wait read the timeline between yields
 DUE_NS = 2_000_000  # a command due within this long is checked for rather than parked on
 SLICE_NS = 5_000  # between two such yields, a native timeline is read this long at most
+AWAKE_DUE_NS = 200_000  # a task parking on a command due within this long keeps the loop awake
 
 
 class _Count:
@@ -375,6 +376,16 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
                     break
         bridge = _bridge.current_bridge()
         watch = None if native.value >= value else timeline._watch_for(bridge)
+        if watch is not None and c_timeline and _native.due is not None:
+            # Parked on a command the queue expects done soon (a crowd's tasks park at
+            # once): the loop reads the timeline in each iteration until shortly after,
+            # rather than sleep and be woken through the pipe, which takes tens of
+            # microseconds -- with short kernels the loop would sleep between most of
+            # them while the streams ran dry.
+            due = due_ns or _native.due(c_timeline, value)
+            now = time.perf_counter_ns()
+            if now < due <= now + AWAKE_DUE_NS:
+                bridge.stay_awake(due - now + SPIN_NS)
         yield from bridge.park(watch, value).__await__()
         timeline._recent_ns = (recent * 7 + time.perf_counter_ns() - start) >> 3
     finally:

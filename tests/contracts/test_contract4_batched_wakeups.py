@@ -140,6 +140,47 @@ async def test_a_loop_kept_awake_sees_a_native_value_without_a_wake_up(
             await woken.wait()
 
 
+@pytest.mark.parametrize("due_in", [1.0, 3.0], ids=["due-soon", "due-later"])
+async def test_a_crowd_parked_on_a_command_due_soon_keeps_the_loop_awake(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch, due_in: float
+) -> None:
+    """A crowd's tasks park at once; parked on a command the queue expects done within
+    ``AWAKE_DUE_NS``, they keep the loop reading their timeline in each iteration, so
+    the value (here written in place: nothing writes the loop's pipe) wakes them with no
+    wake-up. Due later, the loop sleeps until woken. (Scaled to seconds: the constant
+    and the queue's prediction are patched.) Checked: without it, due soon fails."""
+    import ctypes
+
+    from asyncmetal import _native, _timeline
+
+    monkeypatch.setattr(_timeline, "AWAKE_DUE_NS", 2_000_000_000, raising=False)
+    monkeypatch.setattr(_native, "due", lambda c, v: time.perf_counter_ns() + int(due_in * 1e9))
+    tl = device.timeline()
+    c_timeline = tl.native.c_timeline
+    assert c_timeline  # the cpu device's timelines live in the native runtime
+    n = _timeline.CROWD + 4
+    woken = 0
+
+    async def waiter() -> None:
+        nonlocal woken
+        await tl.wait(1)
+        woken += 1
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(n):
+            tg.start_soon(waiter)
+        while am.loop_statistics().waiting < n:
+            await anyio.lowlevel.checkpoint()
+        ctypes.c_uint64.from_address(c_timeline).value = 1  # the value, first member
+        with anyio.move_on_after(0.5):
+            while woken < n:
+                await anyio.sleep(0.001)
+        assert woken == (n if due_in < 2 else 0)
+        if woken < n:
+            tl.signal(2)  # still parked: wake them through the pipe
+    assert woken == n
+
+
 async def test_a_watch_left_empty_goes_after_the_woken_tasks_have_run(
     device: am.Device,
 ) -> None:
