@@ -817,6 +817,16 @@ def _trio_next_deadline_reader() -> Callable[[], float]:
     return next_deadline
 
 
+# Per thread: what the thread's running loop keeps of its tasks waiting (``_timeline``'s
+# count of them, as "count"). A new loop's bridge starts it afresh: tasks a loop closed
+# without cancelling them, and still held, would otherwise stay counted for good.
+thread_waits = threading.local()
+
+
+def _new_loop_on_this_thread() -> None:
+    thread_waits.count = None
+
+
 _asyncio_bridges: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopBridge] = (
     weakref.WeakKeyDictionary()
 )
@@ -838,6 +848,7 @@ def current_bridge() -> LoopBridge:
             bridge = _asyncio_bridges.get(loop)
             if bridge is None:
                 bridge = _asyncio_bridges[loop] = _AsyncioBridge(loop)
+                _new_loop_on_this_thread()
             closed = _closed_loops_bridges()
         for other in closed:
             other.release()
@@ -883,6 +894,7 @@ def _current_trio_bridge() -> LoopBridge:
     except LookupError:
         bridge = _TrioBridge()
         _trio_bridge_var.set(bridge)
+        _new_loop_on_this_thread()
     return bridge
 
 

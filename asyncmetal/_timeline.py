@@ -297,7 +297,7 @@ class _Count:
             self.n -= 1
 
 
-_waiting = threading.local()  # per thread (a loop's): its _Count, as "count"
+_waiting = _bridge.thread_waits  # per thread (a loop's): its _Count, as "count"
 
 
 def _count_here() -> _Count:

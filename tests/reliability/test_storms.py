@@ -306,6 +306,43 @@ def test_a_loop_closed_with_tasks_parked_is_let_go_of(use_uvloop: bool) -> None:
         boot.close()
 
 
+@pytest.mark.parametrize("next_loop", ["asyncio", "trio"])
+def test_tasks_a_closed_loop_left_parked_and_still_held_are_not_the_next_loops(
+    next_loop: str,
+) -> None:
+    """A loop closed without cancelling 20 tasks parked on a timeline, the tasks still
+    held (so never collected, their waits never ended): the next loop on the thread,
+    asyncio or trio, counts its own waiting tasks from none -- counted as its, the 20
+    made it treat a lone wait as a crowd's (turns, slices) for good. Checked: without
+    the fresh count, 20 stayed counted."""
+    import asyncio
+
+    boot = asyncio.new_event_loop()
+    dev = boot.run_until_complete(am.open_device("cpu"))
+    held: list[asyncio.Task[None]] = []
+    try:
+        timeline = dev.timeline()
+        loop = asyncio.new_event_loop()
+        held += [loop.create_task(timeline.wait(1 << 60)) for _ in range(20)]
+        loop.run_until_complete(asyncio.sleep(0.02))
+        loop.close()  # the 20 still parked, and held
+        for task in held:
+            task._log_destroy_pending = False  # (asyncio would warn of each)
+        del loop
+
+        async def later() -> int:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(timeline.wait, 1)  # parks: the loop's bridge is made
+                await anyio.wait_all_tasks_blocked()
+                timeline.signal(1)
+            return am._timeline.waiting_here()
+
+        assert anyio.run(later, backend=next_loop) == 0
+    finally:
+        boot.run_until_complete(dev.close())
+        boot.close()
+
+
 def test_a_loop_moved_to_another_thread_withdraws_on_it() -> None:
     """A loop whose bridge was made on one thread (set up with run_until_complete),
     then run on another (run_forever in a thread): a wait that times out there is
