@@ -198,7 +198,7 @@ class Watch:
             while heap and heap[0][0] <= reached:
                 if budget <= 0:
                     return 0
-                entry = heapq.heappop(heap)[2]
+                value, _, entry = heapq.heappop(heap)
                 if entry.done:
                     self.withdrawn -= 1
                     continue
@@ -206,12 +206,24 @@ class Watch:
                 self.bridge.waiting -= entry.task
                 self.bridge.resolved += entry.task
                 budget -= entry.task
-                try:
+                if entry.task:
                     entry.wake()
-                except Exception:  # a callback's (call_when_reached): the rest still wake
-                    _log.exception("a callback waiting for value %d raised", reached)
+                else:
+                    self._call(entry, value)
             if not self._update_next():  # re-read after publishing next: see module doc
                 return budget
+
+    def _call(self, entry: Entry, value: int) -> None:
+        """Run a callback's wake-up (``call_when_reached``): one that raises is logged and
+        the waits after it still wake -- now, or (a BaseException, which goes on up) in a
+        later slice."""
+        try:
+            entry.wake()
+        except Exception:
+            _log.exception("a callback waiting for value %d raised", value)
+        except BaseException:
+            self.bridge.notify_here(self)
+            raise
 
     def _update_next(self) -> bool:
         heap = self.heap
@@ -817,14 +829,18 @@ def _trio_next_deadline_reader() -> Callable[[], float]:
     return next_deadline
 
 
-# Per thread: what the thread's running loop keeps of its tasks waiting (``_timeline``'s
-# count of them, as "count"). A new loop's bridge starts it afresh: tasks a loop closed
-# without cancelling them, and still held, would otherwise stay counted for good.
-thread_waits = threading.local()
-
-
-def _new_loop_on_this_thread() -> None:
-    thread_waits.count = None
+def running_trio_run() -> object | None:
+    """The trio run on this thread (its runner: one per ``trio.run``), or None."""
+    trio = sys.modules.get("trio")
+    if trio is None:  # never imported: no trio run anywhere
+        return None
+    try:
+        return trio._core._run.GLOBAL_RUN_CONTEXT.runner  # type: ignore[no-any-return]
+    except AttributeError:  # none on this thread (or another trio's layout)
+        try:
+            return trio.lowlevel.current_trio_token()  # type: ignore[no-any-return]
+        except RuntimeError:
+            return None
 
 
 _asyncio_bridges: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopBridge] = (
@@ -848,7 +864,6 @@ def current_bridge() -> LoopBridge:
             bridge = _asyncio_bridges.get(loop)
             if bridge is None:
                 bridge = _asyncio_bridges[loop] = _AsyncioBridge(loop)
-                _new_loop_on_this_thread()
             closed = _closed_loops_bridges()
         for other in closed:
             other.release()
@@ -894,7 +909,6 @@ def _current_trio_bridge() -> LoopBridge:
     except LookupError:
         bridge = _TrioBridge()
         _trio_bridge_var.set(bridge)
-        _new_loop_on_this_thread()
     return bridge
 
 

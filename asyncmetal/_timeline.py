@@ -7,6 +7,8 @@ import collections
 import threading
 import time
 import types
+import weakref
+from asyncio import _get_running_loop
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -278,16 +280,20 @@ AWAKE_DUE_NS = 200_000  # a task parking on a command due within this long keeps
 
 
 class _Count:
-    """Tasks of one thread's loop waiting in ``wait_value`` now. A wait keeps its own
-    thread's: a task dropped while it waits is closed wherever the garbage collector
-    runs, maybe on another thread, and must uncount itself from its loop's -- there
-    through ``gone`` (an append is atomic; ``n -= 1`` there would race the loop's)."""
+    """Tasks of one loop waiting in ``wait_value`` now, counted on the loop's thread. A
+    wait keeps its own count: a task dropped while it waits is closed wherever the
+    garbage collector runs, maybe on another thread, and must uncount itself from its
+    loop's -- there through ``gone`` (an append is atomic; ``n -= 1`` there would race
+    the loop's). ``owner`` is the loop's (weakly): another loop on the thread, or a trio
+    run after it, starts a count of its own, so tasks a closed loop left parked, still
+    held, count for no later loop."""
 
-    __slots__ = ("gone", "n")
+    __slots__ = ("gone", "n", "owner")
 
-    def __init__(self) -> None:
+    def __init__(self, owner: object | None) -> None:
         self.n = 0
         self.gone: collections.deque[None] = collections.deque()  # uncounted elsewhere
+        self.owner: Callable[[], object | None] = _no_owner if owner is None else weakref.ref(owner)
 
     def settle(self) -> None:
         """On the owning thread: take off the waits that ended on other threads."""
@@ -297,18 +303,28 @@ class _Count:
             self.n -= 1
 
 
-_waiting = _bridge.thread_waits  # per thread (a loop's): its _Count, as "count"
+def _no_owner() -> None:
+    return None
+
+
+_waiting = threading.local()  # per thread: the _Count of the loop that waited last, as "count"
 
 
 def _count_here() -> _Count:
-    count = _waiting.count = _Count()
+    """The running loop's count (a new one where another loop waited last here)."""
+    count: _Count | None = getattr(_waiting, "count", None)
+    owner = _get_running_loop() or _bridge.running_trio_run()
+    if count is None or count.owner() is not owner:
+        count = _waiting.count = _Count(owner)
     return count
 
 
 def waiting_here() -> int:
-    """How many tasks of the calling thread's loop wait in ``wait_value`` now."""
+    """How many tasks of the calling thread's loop wait in ``wait_value`` now (outside a
+    loop: of the loop that waited last on this thread)."""
     count: _Count | None = getattr(_waiting, "count", None)
-    if count is None:
+    owner = _get_running_loop() or _bridge.running_trio_run()
+    if count is None or (owner is not None and count.owner() is not owner):
         return 0
     count.settle()
     return count.n
@@ -338,7 +354,7 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
     spin = _native.spin if c_timeline else None  # (a native timeline: the runtime is loaded)
     start = time.perf_counter_ns()
     recent = timeline._recent_ns
-    count: _Count = getattr(_waiting, "count", None) or _count_here()
+    count = _count_here()
     if count.gone:
         count.settle()
     crowd = count.n
@@ -401,7 +417,7 @@ def ready_checkpoint() -> Generator[Any, Any, None]:
     of tasks waits on this thread's loop and the bridge grants no turn, a place in its
     next slices (tasks whose commands are always done by the time they await would
     otherwise all be ready in every iteration of the loop)."""
-    count: _Count = getattr(_waiting, "count", None) or _count_here()
+    count = _count_here()
     if count.gone:
         count.settle()
     crowd = count.n

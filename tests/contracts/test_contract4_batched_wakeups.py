@@ -277,3 +277,36 @@ async def test_a_callback_that_raises_does_not_stop_the_wakeups_after_it(
         r.name == "asyncmetal" and r.exc_info and isinstance(r.exc_info[1], ValueError)
         for r in caplog.records
     )
+
+
+def test_a_callback_raising_a_base_exception_leaves_the_waits_after_it_to_a_slice() -> None:
+    """A callback waiting for value 1 raises KeyboardInterrupt, which goes on up out of
+    the loop (as a Ctrl-C would); a task parked for the same value behind it wakes once
+    the loop runs again. Checked: without putting the watch back, it stayed parked
+    (``next`` at the reached value, the watch off the queue: nothing drained it)."""
+    import asyncio
+
+    from asyncmetal import _timeline
+
+    loop = asyncio.new_event_loop()
+    dev = loop.run_until_complete(am.open_device("cpu"))
+    try:
+        tl = dev.timeline()
+
+        def interrupt() -> None:
+            raise KeyboardInterrupt
+
+        async def setup() -> asyncio.Task[None]:
+            _timeline.call_when_reached(tl, 1, interrupt)
+            task = asyncio.ensure_future(tl.wait(1))
+            await asyncio.sleep(0.01)  # parked behind the callback
+            return task
+
+        task = loop.run_until_complete(setup())
+        threading.Thread(target=tl.signal, args=(1,)).start()
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_until_complete(task)
+        loop.run_until_complete(asyncio.wait_for(asyncio.shield(task), 5))
+    finally:
+        loop.run_until_complete(dev.close())
+        loop.close()

@@ -313,8 +313,10 @@ def test_tasks_a_closed_loop_left_parked_and_still_held_are_not_the_next_loops(
     """A loop closed without cancelling 20 tasks parked on a timeline, the tasks still
     held (so never collected, their waits never ended): the next loop on the thread,
     asyncio or trio, counts its own waiting tasks from none -- counted as its, the 20
-    made it treat a lone wait as a crowd's (turns, slices) for good. Checked: without
-    the fresh count, 20 stayed counted."""
+    made it treat a lone wait as a crowd's (turns, slices) for good -- and counts all of
+    its own, those before its bridge was made included (a count started afresh as a
+    loop's bridge was made lost them: 3 of 20). Checked: without a count per loop, 20
+    stayed counted; with one started as the bridge was made, 3 of 20 were counted."""
     import asyncio
 
     boot = asyncio.new_event_loop()
@@ -330,14 +332,16 @@ def test_tasks_a_closed_loop_left_parked_and_still_held_are_not_the_next_loops(
             task._log_destroy_pending = False  # (asyncio would warn of each)
         del loop
 
-        async def later() -> int:
+        async def later() -> tuple[int, int]:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(timeline.wait, 1)  # parks: the loop's bridge is made
+                for _ in range(20):
+                    tg.start_soon(timeline.wait, 1)  # the loop's first waits
                 await anyio.wait_all_tasks_blocked()
+                parked = am._timeline.waiting_here()
                 timeline.signal(1)
-            return am._timeline.waiting_here()
+            return parked, am._timeline.waiting_here()
 
-        assert anyio.run(later, backend=next_loop) == 0
+        assert anyio.run(later, backend=next_loop) == (20, 0)
     finally:
         boot.run_until_complete(dev.close())
         boot.close()
