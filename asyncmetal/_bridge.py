@@ -75,7 +75,7 @@ from abc import ABC, abstractmethod
 from asyncio import _get_running_loop
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from . import _native
 from ._backend import NativeTimeline
@@ -259,7 +259,7 @@ class Watch:
 _sequence = itertools.count()
 
 
-def _unloaded(*args: int) -> object:
+def _unloaded(*args: int) -> NoReturn:
     raise RuntimeError("the native runtime is not loaded")
 
 
@@ -297,7 +297,7 @@ class LoopBridge(ABC):
         self.waiting = 0
         self._notifier: int | None = None  # the native notifier writing our pipe
         self.arm: Callable[[int, int], object] = _unloaded  # am_watch_arm, once loaded
-        self._reset: Callable[[int], object] = _unloaded  # am_notifier_reset
+        self._reset: Callable[[int], int] = _unloaded  # am_notifier_reset
         self._pipe: tuple[int, int] | None = None
         self._native_watches: set[Watch] = set()
         self.watches: set[Watch] = set()  # every watch of this loop's, native or not
@@ -429,12 +429,16 @@ class LoopBridge(ABC):
         # Empty the pipe, then re-arm, then read values: in this order a byte written by
         # a native thread is either still unread after re-arming or its value is seen.
         # One read empties it: the notifier writes one byte until it is re-armed.
+        # A completion thread may have woken the loop ahead of a long command's end
+        # (am_timeline_near): then the loop stays awake until shortly after it.
         with contextlib.suppress(BlockingIOError):
             os.read(self._pipe[0], 4096)
-        self._reset(self._notifier)
+        awake_until = self._reset(self._notifier)
         self.wakeups += 1
         if not self._continued:  # else the slice scheduled next does it
             self._resolve()
+        if awake_until > (now := time.perf_counter_ns()):
+            self.stay_awake(awake_until - now)
         self._hold_for_timer()
 
     @abstractmethod

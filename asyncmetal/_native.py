@@ -71,7 +71,7 @@ c_p, c_u64, c_int = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int
 _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_notifier_new": (c_p, [c_int]),
     "am_notifier_free": (None, [c_p]),
-    "am_notifier_reset": (None, [c_p]),
+    "am_notifier_reset": (ctypes.c_int64, [c_p]),
     "am_watch_new": (c_p, [c_p, c_p]),
     "am_watch_free": (None, [c_p]),
     "am_watch_arm": (c_int, [c_p, c_u64]),
@@ -81,6 +81,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_timeline_value": (c_u64, [c_p]),
     "am_timeline_signal": (None, [c_p, c_u64]),
     "am_timeline_poke": (None, [c_p, c_u64]),
+    "am_timeline_near": (None, [c_p, c_u64, ctypes.c_int64]),
     "am_timeline_spin": (c_int, [c_p, c_u64, ctypes.c_long]),
     "am_timeline_due": (ctypes.c_int64, [c_p, c_u64]),
     "am_queue_new": (c_p, [c_p, ctypes.c_long, ctypes.c_int]),

@@ -48,6 +48,7 @@ extern AM_HIDDEN unsigned am_forks;
 typedef struct am_notifier {
     atomic_int pending;
     int fd;
+    _Atomic int64_t awake_until;    /* a now_ns() time: the loop reads its timelines until */
 } am_notifier;
 
 struct am_timeline;
@@ -171,7 +172,7 @@ static inline void raise_word(_Atomic uint64_t *word, uint64_t v) {
 /* ---- the functions: timelines.c ------------------------------------------------- */
 am_notifier *am_notifier_new(int fd);
 void am_notifier_free(am_notifier *n);
-void am_notifier_reset(am_notifier *n);
+int64_t am_notifier_reset(am_notifier *n);
 am_watch *am_watch_new(am_timeline *t, am_notifier *n);
 void am_watch_free(am_watch *w);
 int am_watch_arm(am_watch *w, uint64_t next);
@@ -180,6 +181,7 @@ void am_timeline_set_word(am_timeline *t, uint64_t *word);
 void am_timeline_free(am_timeline *t);
 uint64_t am_timeline_value(am_timeline *t);
 void am_timeline_poke(am_timeline *t, uint64_t v);
+void am_timeline_near(am_timeline *t, uint64_t v, int64_t until_ns);
 void am_timeline_signal(am_timeline *t, uint64_t v);
 int am_timeline_spin(am_timeline *t, uint64_t v, long max_ns);
 int64_t am_timeline_due(am_timeline *t, uint64_t v);

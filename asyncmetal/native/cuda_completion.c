@@ -370,6 +370,12 @@ static void *cuq_run(void *arg) {
                 t = now_ns();
                 int64_t late = est / 16 < CU_LATE_POLL_NS ? est / 16 : CU_LATE_POLL_NS;
                 if (due + late - t > spin) spin = (long)(due + late - t);
+                if (napped && r == CU_ERROR_NOT_READY && est >= CU_NEAR_MIN_NS) {
+                    /* Napped through most of a long one: the loops awaiting it have
+                     * likely slept as long. Woken now, they are awake when it ends. */
+                    am_timeline_near(q->timeline, e.value, due + late);
+                    if (e.extra && !e.waited) am_timeline_near(e.extra, e.extra_value, due + late);
+                }
             }
             int64_t deadline = r == CU_ERROR_NOT_READY ? t + spin : t;
             /* Work a kick released (a host signal just let a held wait go): polled for

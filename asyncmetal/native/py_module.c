@@ -250,13 +250,13 @@ static PyObject *py_watch_arm(PyObject *self, PyObject *const *a, Py_ssize_t n) 
     return PyBool_FromLong(am_watch_arm(w, next));
 }
 
-/* notifier_reset(notifier): am_notifier_reset. */
+/* notifier_reset(notifier) -> int: am_notifier_reset (until when the loop was asked to
+ * stay awake, a time.perf_counter_ns(); 0: not asked). */
 static PyObject *py_notifier_reset(PyObject *self, PyObject *arg) {
     (void)self;
     am_notifier *notifier = PyLong_AsVoidPtr(arg);
     if (converted(notifier, "notifier_reset: null notifier")) return NULL;
-    am_notifier_reset(notifier);
-    Py_RETURN_NONE;
+    return PyLong_FromLongLong(am_notifier_reset(notifier));
 }
 
 /* timeline_value(timeline) -> int: the timeline's value, an acquire load: whatever the
@@ -306,7 +306,7 @@ static PyMethodDef methods[] = {
     {"watch_arm", (PyCFunction)(void (*)(void))py_watch_arm, METH_FASTCALL,
      "watch_arm(watch, next) -> whether the timeline reached next already"},
     {"notifier_reset", py_notifier_reset, METH_O,
-     "notifier_reset(notifier): let the next advance write the pipe again"},
+     "notifier_reset(notifier) -> int: let the next advance write the pipe again"},
     {"timeline_value", py_timeline_value, METH_O,
      "timeline_value(timeline) -> its value (an acquire load)"},
     {"dlpack_take", py_dlpack_take, METH_O,

@@ -33,8 +33,12 @@ static void notify(am_notifier *n) {
 }
 
 /* Called by the loop after emptying its pipe and before reading the values: any later
- * advance writes again. */
-void am_notifier_reset(am_notifier *n) { atomic_store(&n->pending, 0); }
+ * advance writes again. Returns until when (a now_ns() time) the loop was asked to read
+ * its timelines in every iteration (am_timeline_near; 0: not asked), and forgets it. */
+int64_t am_notifier_reset(am_notifier *n) {
+    atomic_store(&n->pending, 0);
+    return atomic_exchange(&n->awake_until, 0);
+}
 
 am_watch *am_watch_new(am_timeline *t, am_notifier *n) {
     if (t->forks != am_forks) return NULL;  /* the parent's timeline */
@@ -207,6 +211,25 @@ void am_timeline_poke(am_timeline *t, uint64_t v) {
     am_kick *due = kicks_due(t);
     pthread_mutex_unlock(&t->mu);
     run_kicks(due);
+}
+
+/* The work raising t to v is about to end (a completion thread that napped through most
+ * of a long command, now polling for its end): wake the loops waiting for up to v, and
+ * ask them to read t in every iteration until until_ns rather than sleep. A sleeping
+ * loop takes tens of microseconds to wake, more after a long sleep: woken now, it is
+ * awake when the value comes. */
+void am_timeline_near(am_timeline *t, uint64_t v, int64_t until_ns) {
+    pthread_mutex_lock(&t->mu);
+    if (atomic_load(&t->value) < v) {
+        for (am_watch *w = t->watches; w; w = w->link) {
+            if (atomic_load(&w->next) > v) continue;
+            am_notifier *n = w->notifier;
+            int64_t old = atomic_load(&n->awake_until);
+            while (old < until_ns && !atomic_compare_exchange_weak(&n->awake_until, &old, until_ns)) {}
+            notify(n);
+        }
+    }
+    pthread_mutex_unlock(&t->mu);
 }
 
 void am_timeline_signal(am_timeline *t, uint64_t v) {

@@ -181,6 +181,51 @@ async def test_a_crowd_parked_on_a_command_due_soon_keeps_the_loop_awake(
     assert woken == n
 
 
+@pytest.mark.parametrize(
+    ("awaited", "awake_s", "after_s", "wakes"),
+    [(1, 2.0, 0.0, True), (2, 2.0, 0.0, False), (1, 0.05, 0.2, False)],
+    ids=["near-its-value", "near-a-value-before-it", "past-the-time-asked"],
+)
+async def test_a_loop_woken_ahead_of_a_value_stays_awake_until_the_time_asked(
+    device: am.Device, awaited: int, awake_s: float, after_s: float, wakes: bool
+) -> None:
+    """A completion thread that napped through most of a long command wakes the loops
+    waiting for it ahead of its end (``am_timeline_near``), asking them to read the
+    timeline in each iteration until shortly after: a sleeping loop takes tens of
+    microseconds to wake. Here the value then comes in place (nothing writes the pipe):
+    a task parked on it wakes while the loop is kept awake -- not when the work near
+    its end is not what it awaits, nor once the time asked is past (the loop sleeps
+    again). Checked: without it, the first fails."""
+    import ctypes
+
+    from asyncmetal import _native
+
+    lib = await anyio.to_thread.run_sync(_native.runtime)
+    tl = device.timeline()
+    c_timeline = tl.native.c_timeline
+    assert c_timeline  # the cpu device's timelines live in the native runtime
+    woken = anyio.Event()
+
+    async def waiter() -> None:
+        await tl.wait(awaited)
+        woken.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        while am.loop_statistics().waiting < 1:
+            await anyio.lowlevel.checkpoint()
+        await anyio.sleep(0.01)  # parked, and the loop asleep
+        lib.am_timeline_near(c_timeline, 1, time.perf_counter_ns() + int(awake_s * 1e9))
+        await anyio.sleep(after_s or 0.01)
+        ctypes.c_uint64.from_address(c_timeline).value = awaited  # the value, first member
+        with anyio.move_on_after(0.5):
+            await woken.wait()
+        assert woken.is_set() == wakes
+        if not wakes:
+            tl.signal(awaited + 1)  # still parked: wake it through the pipe
+    assert woken.is_set()
+
+
 async def test_a_watch_left_empty_goes_after_the_woken_tasks_have_run(
     device: am.Device,
 ) -> None:

@@ -378,6 +378,18 @@ def test_fast_calls_do_what_the_runtime_functions_do() -> None:
         assert extension.watch_arm(watch, 9) is False
         extension.timeline_signal(timeline, 9)
         assert os.read(rfd, 16) == b"\x01"
+        assert extension.notifier_reset(notifier) == 0  # not asked to stay awake
+        # Work near a value beyond the one awaited wakes nothing; near it, the loop, asked
+        # to stay awake until the later of the times asked (once: reset forgets it).
+        assert extension.watch_arm(watch, 11) is False
+        lib.am_timeline_near(timeline, 10, 5_000)
+        with pytest.raises(BlockingIOError):
+            os.read(rfd, 16)
+        lib.am_timeline_near(timeline, 11, 7_000)
+        lib.am_timeline_near(timeline, 12, 6_000)
+        assert os.read(rfd, 16) == b"\x01"
+        assert extension.notifier_reset(notifier) == 7_000
+        assert extension.notifier_reset(notifier) == 0
     finally:
         lib.am_watch_free(watch)
         lib.am_notifier_free(notifier)

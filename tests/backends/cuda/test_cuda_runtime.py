@@ -46,6 +46,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "signalrecord"),
         *("ok", "nomemory"),
         *("ok", "predict"),
+        *("ok", "near"),
         *("ok", "kick"),
         *("ok", "abandon"),
         *("ok", "context"),

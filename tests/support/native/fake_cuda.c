@@ -55,6 +55,9 @@
  *             should be done, and its completion thread naps until just before that
  *             and confirms them by polling (no blocking wait, no nap after the end);
  *             far shorter ones after them are seen soon, not a long nap later
+ *   near      a loop waiting for a long command's value is woken ahead of its end and
+ *             asked to stay awake until shortly after it (not by the end itself); a
+ *             loop waiting for a later value is not
  *   released  every event any queue made was destroyed once its completion thread
  *             stopped, abandoned ones' included (those in flight, pooled and spare)
  *   foreign   another library's stream waits for a queue's value without becoming a
@@ -102,6 +105,9 @@
  *             wait on a timeline); every wait ends, nothing fails
  */
 #include "fake_cuda_driver.h"
+
+#include <fcntl.h>
+#include <unistd.h>
 
 static void check_order(void) {
     fake_queue f = queue_new();
@@ -589,6 +595,55 @@ static void check_predict(void) {
     }
     queue_free(f, 0);
     puts("ok predict");
+}
+
+/* A loop (its pipe, notifier and watch) waiting for long commands' values. */
+static void check_near(void) {
+    fake_queue f = queue_new();
+    static kernel k5 = {0, 5000000, NULL, 0};
+    uint64_t v = learn_long(f, &k5, 0);
+    int fds[2];
+    if (pipe(fds) || fcntl(fds[0], F_SETFL, O_NONBLOCK)) die("near: pipe");
+    am_notifier *n = am_notifier_new(fds[1]);
+    am_watch *w = am_watch_new(f.t, n);
+    int ahead = 0;
+    for (int i = 0; i < 10; i++) {
+        if (am_watch_arm(w, ++v)) die("near: reached before it was launched");
+        if (launch(f, &k5, 0, v)) die("near: a launch failed");
+        char byte;
+        while (read(fds[0], &byte, 1) != 1) nap_ns(2000);
+        /* The first byte: the completion thread's, ahead of the end, asking the loop to
+         * stay awake until shortly after it -- or, on a machine too busy for its nap to
+         * end in time, the end itself (and then nothing is asked). */
+        int64_t until = am_notifier_reset(n), at = now_ns(), due = am_timeline_due(f.t, v);
+        if (until) {
+            if (until > at + 4000000 || (due && until < due)) {
+                fprintf(stderr, "until - now %lld ns, until - due %lld ns\n",
+                        (long long)(until - at), (long long)(until - due));
+                die("near: the loop is asked to stay awake not to the end, or far past it");
+            }
+            ahead += until > at;  /* (a busy machine may run this thread after that) */
+        }
+        while (am_timeline_value(f.t) < v) nap_ns(50000);
+        pthread_mutex_lock(&f.t->mu);  /* the end's byte, if any, was written meanwhile */
+        pthread_mutex_unlock(&f.t->mu);
+        while (read(fds[0], &byte, 1) == 1) {}
+        if (am_notifier_reset(n)) die("near: asked to stay awake by the end itself");
+    }
+    if (ahead < 5) die("near: long commands' loops were not woken ahead of their ends");
+    /* Nothing near a value beyond the one waited for. */
+    am_watch_arm(w, v + 2);
+    if (launch(f, &k5, 0, ++v)) die("near: a launch failed");
+    while (am_timeline_value(f.t) < v) nap_ns(50000);
+    char byte;
+    if (read(fds[0], &byte, 1) == 1 || am_notifier_reset(n))
+        die("near: a loop woken for work before the value it waits for");
+    am_watch_free(w);
+    am_notifier_free(n);
+    close(fds[0]);
+    close(fds[1]);
+    queue_free(f, 0);
+    puts("ok near");
 }
 
 /* Wait up to 10 s for a timeline to reach a value. */
@@ -1282,6 +1337,7 @@ int main(void) {
     check_signalrecord();
     check_nomemory();
     check_predict();  /* before abandon, after which a blocking wait never blocks */
+    check_near();
     check_kick();
     check_abandon();
     check_context();
