@@ -52,6 +52,12 @@ that timer is due, and no longer: at most a millisecond of polling per wake-up (
 real time too, where the loop's clock stands still while it polls), and none where the
 loop sleeps precisely (kqueue, select) or cannot say when its next timer is due
 (uvloop).
+
+A wake-up may also come ahead of a completion: a CUDA completion thread that napped
+through most of a long command wakes the loops awaiting it shortly before its expected
+end, with a time until which each reads its native timelines in every iteration
+(``stay_awake``) rather than sleep. Woken by the end itself, a loop asleep that long
+takes tens of microseconds to run again.
 """
 
 from __future__ import annotations
