@@ -96,6 +96,7 @@ TURN_LIMIT = 16  # turns per iteration granted at first
 TURN_MAX = 4096
 TURN_SHARE = 4  # one turn asked for in 4, at random, is refused (the task parks instead)
 TURN_PROBE = 8  # while no turn fits: one turn in every 8th iteration, to measure again
+AHEAD_AWAKE_NS = 2_000_000  # a loop woken ahead of a completion stays awake this long at most
 
 
 @dataclass(frozen=True)
@@ -444,7 +445,7 @@ class LoopBridge(ABC):
         if not self._continued:  # else the slice scheduled next does it
             self._resolve()
         if awake_until > (now := time.perf_counter_ns()):
-            self.stay_awake(awake_until - now)
+            self.stay_awake(min(awake_until - now, AHEAD_AWAKE_NS))
         self._hold_for_timer()
 
     @abstractmethod

@@ -282,6 +282,14 @@ static void cuq_fail_signal(am_cuq *q, const am_cuentry *e) {
     pthread_mutex_lock(&q->mu);
 }
 
+/* Wake the loops awaiting e (its queue's timeline, a timeline it signals) ahead of its
+ * end, asking them to stay awake until `until`. Not once abandoned (the closer may have
+ * returned and the caller freed the timelines): the caller checks stop. */
+static void cuq_near(am_cuq *q, const am_cuentry *e, int64_t until) {
+    am_timeline_near(q->timeline, e->value, until);
+    if (e->extra && !e->waited) am_timeline_near(e->extra, e->extra_value, until);
+}
+
 static void *cuq_run(void *arg) {
     am_cuq *q = arg;
     ((int (*)(void *))cu_funcs[CU_CTX_SET])(q->ctx);
@@ -323,6 +331,7 @@ static void *cuq_run(void *arg) {
          * end later and later). */
         int napped = 0, running = 0, coarse = 0;
         int64_t seen_at = 0;  /* the last time the event said unfinished */
+        int64_t near_at = 0, near_until = 0;  /* when to wake its loops ahead (0: not), until */
         int failed = q->error && e.value >= q->error_value && !e.fence ? q->error : 0;
         pthread_mutex_unlock(&q->mu);
         int r = failed;
@@ -371,10 +380,11 @@ static void *cuq_run(void *arg) {
                 int64_t late = est / 16 < CU_LATE_POLL_NS ? est / 16 : CU_LATE_POLL_NS;
                 if (due + late - t > spin) spin = (long)(due + late - t);
                 if (napped && r == CU_ERROR_NOT_READY && est >= CU_NEAR_MIN_NS) {
-                    /* Napped through most of a long one: the loops awaiting it have
-                     * likely slept as long. Woken now, they are awake when it ends. */
-                    am_timeline_near(q->timeline, e.value, due + late);
-                    if (e.extra && !e.waited) am_timeline_near(e.extra, e.extra_value, due + late);
+                    /* Napped through a long one: the loops awaiting it have likely slept
+                     * as long. Woken shortly before its end (below, while polling), they
+                     * are awake when it ends. */
+                    near_at = due - CU_NEAR_LEAD_NS;
+                    near_until = due + late;
                 }
             }
             int64_t deadline = r == CU_ERROR_NOT_READY ? t + spin : t;
@@ -392,6 +402,10 @@ static void *cuq_run(void *arg) {
                     if ((r = query(e.event)) != CU_ERROR_NOT_READY) break;
                     running = 1;
                     seen_at = last = t;
+                    if (near_at && t >= near_at) {
+                        near_at = 0;
+                        if (!__atomic_load_n(&q->stop, __ATOMIC_SEQ_CST)) cuq_near(q, &e, near_until);
+                    }
                 }
                 sched_yield();
                 t = now_ns();

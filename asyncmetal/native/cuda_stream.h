@@ -59,7 +59,8 @@ extern AM_HIDDEN void *cu_funcs[CU_NFUNCS];
 #define CU_NAP_LEAD_NS 30000     /* ... waking this long (and a 128th of its run) before */
 #define CU_NAP_CHUNK_NS 20000000 /* ... in naps of at most this (an abandon is seen) */
 #define CU_LATE_POLL_NS 200000   /* poll past the expected end at most this long */
-#define CU_NEAR_MIN_NS 1000000   /* one expected to run this long wakes its loops ahead */
+#define CU_NEAR_MIN_NS 1000000   /* one expected to run this long wakes its loops ahead, */
+#define CU_NEAR_LEAD_NS 250000   /* ... at most this long before its expected end */
 #define CU_MAX_NAP_LATE_NS 200000 /* a nap's lateness is allowed for up to this */
 #define CU_MAX_PARAMS 64
 #define CU_FINISH_LONG 1         /* am_cuq_finish flags: a command known to run long */

@@ -220,9 +220,11 @@ void am_timeline_poke(am_timeline *t, uint64_t v) {
  * awake when the value comes. */
 void am_timeline_near(am_timeline *t, uint64_t v, int64_t until_ns) {
     pthread_mutex_lock(&t->mu);
-    if (atomic_load(&t->value) < v) {
+    uint64_t value = atomic_load(&t->value);
+    if (value < v) {
         for (am_watch *w = t->watches; w; w = w->link) {
-            if (atomic_load(&w->next) > v) continue;
+            uint64_t next = atomic_load(&w->next);
+            if (next > v || next <= value) continue;  /* (reached: notified already) */
             am_notifier *n = w->notifier;
             int64_t old = atomic_load(&n->awake_until);
             while (old < until_ns && !atomic_compare_exchange_weak(&n->awake_until, &old, until_ns)) {}

@@ -182,12 +182,23 @@ async def test_a_crowd_parked_on_a_command_due_soon_keeps_the_loop_awake(
 
 
 @pytest.mark.parametrize(
-    ("awaited", "awake_s", "after_s", "wakes"),
-    [(1, 2.0, 0.0, True), (2, 2.0, 0.0, False), (1, 0.05, 0.2, False)],
-    ids=["near-its-value", "near-a-value-before-it", "past-the-time-asked"],
+    ("awaited", "awake_s", "cap_s", "after_s", "wakes"),
+    [
+        (1, 2.0, 3.0, 0.0, True),
+        (2, 2.0, 3.0, 0.0, False),
+        (1, 0.05, 3.0, 0.2, False),
+        (1, 2.0, 0.05, 0.2, False),
+    ],
+    ids=["near-its-value", "near-a-value-before-it", "past-the-time-asked", "past-the-cap"],
 )
 async def test_a_loop_woken_ahead_of_a_value_stays_awake_until_the_time_asked(
-    device: am.Device, awaited: int, awake_s: float, after_s: float, wakes: bool
+    device: am.Device,
+    monkeypatch: pytest.MonkeyPatch,
+    awaited: int,
+    awake_s: float,
+    cap_s: float,
+    after_s: float,
+    wakes: bool,
 ) -> None:
     """A completion thread that napped through most of a long command wakes the loops
     waiting for it ahead of its end (``am_timeline_near``), asking them to read the
@@ -195,11 +206,13 @@ async def test_a_loop_woken_ahead_of_a_value_stays_awake_until_the_time_asked(
     microseconds to wake. Here the value then comes in place (nothing writes the pipe):
     a task parked on it wakes while the loop is kept awake -- not when the work near
     its end is not what it awaits, nor once the time asked is past (the loop sleeps
-    again). Checked: without it, the first fails."""
+    again), nor past ``AHEAD_AWAKE_NS`` whatever the time asked. Checked: without it,
+    the first fails."""
     import ctypes
 
-    from asyncmetal import _native
+    from asyncmetal import _bridge, _native
 
+    monkeypatch.setattr(_bridge, "AHEAD_AWAKE_NS", int(cap_s * 1e9))  # (scaled to seconds)
     lib = await anyio.to_thread.run_sync(_native.runtime)
     tl = device.timeline()
     c_timeline = tl.native.c_timeline

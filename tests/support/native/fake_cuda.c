@@ -56,8 +56,10 @@
  *             and confirms them by polling (no blocking wait, no nap after the end);
  *             far shorter ones after them are seen soon, not a long nap later
  *   near      a loop waiting for a long command's value is woken ahead of its end and
- *             asked to stay awake until shortly after it (not by the end itself); a
- *             loop waiting for a later value is not
+ *             asked to stay awake until shortly after it (not by the end itself), also
+ *             when a host signal cut the completion thread's nap short long before the
+ *             end (not asked to stay awake from then on); a loop waiting for a later
+ *             value is not
  *   released  every event any queue made was destroyed once its completion thread
  *             stopped, abandoned ones' included (those in flight, pooled and spare)
  *   foreign   another library's stream waits for a queue's value without becoming a
@@ -598,50 +600,78 @@ static void check_predict(void) {
 }
 
 /* A loop (its pipe, notifier and watch) waiting for long commands' values. */
+typedef struct {
+    int fds[2];
+    am_notifier *n;
+    am_watch *w;
+} fake_loop;
+
+/* Awaits command v of f, running k: returns whether the loop was woken ahead of its end
+ * (asked to stay awake until shortly after it, never for long); `kick_at_ns` > 0: a
+ * host signal of an unrelated timeline that long after the launch, which cuts the
+ * completion thread's nap short. */
+static int near_one(fake_queue f, fake_loop *l, kernel *k, uint64_t v, int64_t kick_at_ns) {
+    if (am_watch_arm(l->w, v)) die("near: reached before it was launched");
+    if (launch(f, k, 0, v)) die("near: a launch failed");
+    int64_t due = 0;  /* the queue's prediction, as the completion thread's */
+    while (!(due = am_timeline_due(f.t, v)) && am_timeline_value(f.t) < v) sched_yield();
+    if (kick_at_ns) {
+        nap_ns((long)kick_at_ns);
+        am_timeline *other = am_timeline_new();
+        am_timeline_host_signal(other, 1);  /* (kicks every napping completion thread) */
+        am_timeline_free(other);
+    }
+    char byte;
+    while (read(l->fds[0], &byte, 1) != 1) nap_ns(2000);
+    /* The first byte: the completion thread's, ahead of the end -- or, on a machine too
+     * busy for its nap to end in time, the end itself (and then nothing is asked). */
+    int64_t until = am_notifier_reset(l->n), at = now_ns();
+    if (until && (until - at > CU_NEAR_LEAD_NS + CU_LATE_POLL_NS + 1000000 ||
+                  (due && until < due - 1000000))) {
+        fprintf(stderr, "until - now %lld ns, until - due %lld ns\n", (long long)(until - at),
+                (long long)(until - due));
+        die("near: the loop is asked to stay awake not to the expected end, or for long");
+    }
+    while (am_timeline_value(f.t) < v) nap_ns(50000);
+    pthread_mutex_lock(&f.t->mu);  /* the end's byte, if any, was written meanwhile */
+    pthread_mutex_unlock(&f.t->mu);
+    while (read(l->fds[0], &byte, 1) == 1) {}
+    if (am_notifier_reset(l->n)) die("near: asked to stay awake by the end itself");
+    am_watch_arm(l->w, UINT64_MAX);  /* waiting for nothing */
+    return until != 0;
+}
+
 static void check_near(void) {
     fake_queue f = queue_new();
-    static kernel k5 = {0, 5000000, NULL, 0};
-    uint64_t v = learn_long(f, &k5, 0);
-    int fds[2];
-    if (pipe(fds) || fcntl(fds[0], F_SETFL, O_NONBLOCK)) die("near: pipe");
-    am_notifier *n = am_notifier_new(fds[1]);
-    am_watch *w = am_watch_new(f.t, n);
-    int ahead = 0;
-    for (int i = 0; i < 10; i++) {
-        if (am_watch_arm(w, ++v)) die("near: reached before it was launched");
-        if (launch(f, &k5, 0, v)) die("near: a launch failed");
-        char byte;
-        while (read(fds[0], &byte, 1) != 1) nap_ns(2000);
-        /* The first byte: the completion thread's, ahead of the end, asking the loop to
-         * stay awake until shortly after it -- or, on a machine too busy for its nap to
-         * end in time, the end itself (and then nothing is asked). */
-        int64_t until = am_notifier_reset(n), at = now_ns(), due = am_timeline_due(f.t, v);
-        if (until) {
-            if (until > at + 4000000 || (due && until < due)) {
-                fprintf(stderr, "until - now %lld ns, until - due %lld ns\n",
-                        (long long)(until - at), (long long)(until - due));
-                die("near: the loop is asked to stay awake not to the end, or far past it");
-            }
-            ahead += until > at;  /* (a busy machine may run this thread after that) */
-        }
-        while (am_timeline_value(f.t) < v) nap_ns(50000);
-        pthread_mutex_lock(&f.t->mu);  /* the end's byte, if any, was written meanwhile */
-        pthread_mutex_unlock(&f.t->mu);
-        while (read(fds[0], &byte, 1) == 1) {}
-        if (am_notifier_reset(n)) die("near: asked to stay awake by the end itself");
+    static kernel k5 = {0, 5000000, NULL, 0}, k20 = {0, 20000000, NULL, 0};
+    fake_loop l;
+    if (pipe(l.fds) || fcntl(l.fds[0], F_SETFL, O_NONBLOCK)) die("near: pipe");
+    l.n = am_notifier_new(l.fds[1]);
+    l.w = am_watch_new(f.t, l.n);
+    uint64_t v = 0;
+    /* Woken ahead in most of ten (a busy machine's thread may nap past an end), in one
+     * of a few attempts. */
+    for (int attempt = 1, ahead = 0; ahead < 5; attempt++) {
+        if (attempt == 4) die("near: long commands' loops were not woken ahead of their ends");
+        v = learn_long(f, &k5, v);
+        ahead = 0;
+        for (int i = 0; i < 10; i++) ahead += near_one(f, &l, &k5, ++v, 0);
     }
-    if (ahead < 5) die("near: long commands' loops were not woken ahead of their ends");
+    /* A host signal cutting the nap short of a 20 ms command 5 ms in: the loop is still
+     * woken shortly before its end at the earliest, not asked to stay awake till then. */
+    v = learn_long(f, &k20, v);
+    for (int i = 0; i < 3; i++) near_one(f, &l, &k20, ++v, 5000000);
     /* Nothing near a value beyond the one waited for. */
-    am_watch_arm(w, v + 2);
+    am_watch_arm(l.w, v + 2);
     if (launch(f, &k5, 0, ++v)) die("near: a launch failed");
     while (am_timeline_value(f.t) < v) nap_ns(50000);
     char byte;
-    if (read(fds[0], &byte, 1) == 1 || am_notifier_reset(n))
+    if (read(l.fds[0], &byte, 1) == 1 || am_notifier_reset(l.n))
         die("near: a loop woken for work before the value it waits for");
-    am_watch_free(w);
-    am_notifier_free(n);
-    close(fds[0]);
-    close(fds[1]);
+    am_watch_free(l.w);
+    am_notifier_free(l.n);
+    close(l.fds[0]);
+    close(l.fds[1]);
     queue_free(f, 0);
     puts("ok near");
 }
