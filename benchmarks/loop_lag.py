@@ -183,6 +183,18 @@ class Asyncmetal:
         st = am.loop_statistics()
         return {"wakeups": st.wakeups, "woken": st.resolved}
 
+    def completion_stats(self) -> dict[str, int]:
+        """The cuda queues' completion threads, summed: event queries, waits blocked on a
+        blocking-sync event or napping on a plain one after polling found a command
+        unfinished, naps cut short by a host signal (none on other devices)."""
+        total: dict[str, int] = {}
+        for q in self.queues:
+            stats = getattr(q._native, "stats", None)
+            for key, value in (stats() if stats else {}).items():
+                if key in ("queries", "blocking_waits", "napping_waits", "kicked"):
+                    total[key] = total.get(key, 0) + value
+        return total
+
     def close(self) -> None:
         pass
 
@@ -406,6 +418,8 @@ async def run_cell(
     await asyncio.sleep(warmup)
     stats = getattr(runner, "stats", None)
     stats0 = stats() if stats else {}
+    completion = getattr(runner, "completion_stats", None)
+    completion0 = completion() if completion else {}
     state["measuring"] = state["ticking"] = True
     t_start = time.perf_counter()
     # The ticker first, then the probe: each wake-up the probe causes a hair before a
@@ -423,6 +437,7 @@ async def run_cell(
     t_end = time.perf_counter()
     stop.set(1)  # the kernels still queued end at once
     stats1 = stats() if stats else {}
+    completion1 = completion() if completion else {}
     drain0 = time.perf_counter()
     error = None
     if workers:
@@ -446,6 +461,8 @@ async def run_cell(
         # Diagnostic: how many tasks each wake-up of the loop resumed in the window (a
         # large batch is a long loop iteration, which is what the ticker feels).
         row["loop_bridge"] = {k: stats1[k] - stats0[k] for k in stats0}
+    if completion0:
+        row["completion_threads"] = {k: completion1[k] - completion0[k] for k in completion0}
     return row | {
         "lag_ms": summary_ms(lags),
         "probe_ms": summary_ms(probes),
