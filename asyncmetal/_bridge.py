@@ -444,7 +444,7 @@ class LoopBridge(ABC):
         self.wakeups += 1
         if not self._continued:  # else the slice scheduled next does it
             self._resolve()
-        if awake_until > (now := time.perf_counter_ns()):
+        if awake_until and awake_until > (now := time.perf_counter_ns()):
             self.stay_awake(min(awake_until - now, AHEAD_AWAKE_NS))
         self._hold_for_timer()
 
