@@ -221,17 +221,25 @@ async def concurrent(
 
 
 async def concurrent_rounds(
-    model: Model, fns: dict[str, Callable[[], Awaitable[None]]]
+    model: Model,
+    fns: dict[str, Callable[[], Awaitable[None]]],
+    counters: dict[str, Callable[[], dict[str, int]]],
 ) -> dict[str, dict[str, Any]]:
     """Each way flat out in ROUNDS windows, the ways alternating (a machine's drift
     within the run hits all alike): requests/s of each window and their median; the
-    lag, the collections and the submissions over all of its windows."""
+    lag, the collections and the submissions over all of its windows; for a way with
+    ``counters`` (asyncmetal's adopted queue: its completion thread's), what they
+    counted over its windows."""
     raw: dict[str, list[tuple[float, list[float], list[float], list[float]]]] = {
         name: [] for name in fns
     }
+    counted: dict[str, dict[str, int]] = {name: {} for name in counters}
     for _ in range(ROUNDS):
         for name, fn in fns.items():
+            before = counters[name]() if name in counters else {}
             raw[name].append(await concurrent(model, fn))
+            for key, value in (counters[name]() if name in counters else {}).items():
+                counted[name][key] = counted[name].get(key, 0) + value - before[key]
     out = {}
     for name, windows in raw.items():
         rates = [w[0] for w in windows]
@@ -248,7 +256,22 @@ async def concurrent_rounds(
             "lag_p99_ms": percentile(lags, 0.99),
             "lag_max_ms": max(lags),
         }
+        if name in counted:
+            out[name]["completion_thread"] = counted[name]
     return out
+
+
+def completion_counters(queue: am.Queue) -> Callable[[], dict[str, int]]:
+    """The counters of ``queue``'s completion thread (a cuda queue's): event queries,
+    waits blocked on a blocking-sync event or napping on a plain one, events made."""
+    stats = queue._native.stats  # type: ignore[attr-defined]
+    keys = ("queries", "blocking_waits", "napping_waits", "events_made")
+
+    def read() -> dict[str, int]:
+        now = stats()
+        return {key: int(now[key]) for key in keys}
+
+    return read
 
 
 async def paced(model: Model, fn: Callable[[], Awaitable[None]], rate: float) -> dict[str, float]:
@@ -417,7 +440,8 @@ async def run(gc_freeze: bool = False) -> dict[str, Any]:
         fns = ways(model, queue)
         out["p50_us"] = await latencies_us(fns)
         progress(f"p50 us: {out['p50_us']}")
-        out["concurrent_results"] = await concurrent_rounds(model, fns)
+        counters = {"asyncmetal": completion_counters(queue)}
+        out["concurrent_results"] = await concurrent_rounds(model, fns, counters)
         for name, result in out["concurrent_results"].items():
             progress(f"{name}: {result}")
         p50, conc = out["p50_us"], out["concurrent_results"]
