@@ -425,14 +425,13 @@ static void *cuq_run(void *arg) {
                  * copy -- with ~150 wake-ups for a 100 ms kernel), cut short by a host
                  * signal, and the commands after it get blocking-sync events, which this
                  * thread then sleeps on, until 16 in a row are confirmed while polling.
-                 * Device waits always get plain events: a host signal releases them; so
-                 * do all commands on an adopted stream (am_cuq_set_shared). */
+                 * Device waits always get plain events: a host signal releases them. */
                 q->quick = 0;
                 if (e.blocking) {
                     atomic_fetch_add(&q->syncs, 1);
                     r = sync(e.event);
                 } else {
-                    if (!atomic_load(&q->shared)) atomic_store(&q->blocking, 1);
+                    atomic_store(&q->blocking, 1);
                     atomic_fetch_add(&q->naps, 1);
                     int64_t since = now_ns() - spin;  /* about when polling began */
                     int64_t polling_until = 0;

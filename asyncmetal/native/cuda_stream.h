@@ -169,8 +169,7 @@ struct am_cuq {
     int64_t est_ns, last_done_ns, last_due_ns;
     int64_t nap_late_ns;            /* how late naps end here (the completion thread's) */
     atomic_int shared;              /* other libraries submit to the stream too (adopted):
-                                       queries come at most every CU_POLL_GAP_NS, and
-                                       commands get plain events only */
+                                       queries come at most every CU_POLL_GAP_NS */
     atomic_ulong queries, syncs, naps, events_made, held_total, kicked;  /* statistics */
     /* Failing with another queue (cuda_completion.c, cuq_poison): the device waits of
      * other queues on this one, and from which command on this one ran after a wait for

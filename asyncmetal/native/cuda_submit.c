@@ -59,11 +59,9 @@ static void cuq_put_spare(am_cuq *q, void *event, int k) {
 int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
                       long spin_ns, int flags) {
     /* Which kind of event the command gets: blocking-sync for one known to run long,
-     * plain for a device wait (so that a host signal's kick is seen), and always plain on
-     * an adopted stream: blocking-sync events queued on a stream slow every launch to it,
-     * its owner's too, and its owner may queue any number of them there. */
+     * plain for a device wait (so that a host signal's kick is seen). */
     int fence = (flags & CU_FINISH_FENCE) != 0;
-    int r, k = !(flags & (CU_FINISH_PLAIN | CU_FINISH_FENCE)) && !atomic_load(&q->shared) &&
+    int r, k = !(flags & (CU_FINISH_PLAIN | CU_FINISH_FENCE)) &&
                ((flags & CU_FINISH_LONG) || atomic_load(&q->blocking));
     void *event = cuq_spare_event(q, k);
     if (!event) {  /* CU_EVENT_DISABLE_TIMING, | CU_EVENT_BLOCKING_SYNC for k = 1 */
@@ -523,8 +521,7 @@ int am_cuq_failed_call(am_cuq *q) { return __atomic_load_n(&q->failed_call, __AT
  * held on the host so far, held now, and naps cut short by a host signal. */
 /* Other libraries submit to this queue's stream too (an adopted one): its completion
  * thread's queries, which take the driver's locks, come at most every CU_POLL_GAP_NS
- * (it cannot see when they submit), and its commands get plain events only (a long one
- * is napped on). Before the first command. */
+ * (it cannot see when they submit). Before the first command. */
 void am_cuq_set_shared(am_cuq *q) { atomic_store(&q->shared, 1); }
 
 void am_cuq_stats(am_cuq *q, uint64_t *out) {

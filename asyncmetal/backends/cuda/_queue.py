@@ -165,8 +165,7 @@ class CUDAQueue(NativeQueue):
         for through its end: blocking would add an interrupt and a wake-up. One expected
         to take longer gets a blocking-sync event, which the completion thread sleeps on
         after a short poll. A device wait's event is always plain: its thread naps, and a
-        host signal wakes it. So is every event on an adopted stream (the native queue
-        is shared): blocking-sync events queued there would slow its owner's launches.
+        host signal wakes it.
         ``waited``: the command is a device wait on the word of ``extra`` (a timeline no
         queue owns) for ``target``, confirmed once the timeline got there, and failed if
         the timeline failed instead."""

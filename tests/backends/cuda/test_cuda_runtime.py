@@ -35,7 +35,6 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "order"),
         *("ok", "cross"),
         *("ok", "long"),
-        *("ok", "adopted"),
         *("ok", "events"),
         *("ok", "fault"),
         *("ok", "causal"),

@@ -6,7 +6,6 @@
 void die(const char *what) { fprintf(stderr, "FAIL %s\n", what); exit(1); }
 
 atomic_long events_made, events_destroyed;
-atomic_long blocking_events_made;  /* of them, made with CU_EVENT_BLOCKING_SYNC */
 atomic_long deep_limit;       /* >0: a launch blocks while its stream has more ops */
 atomic_long blocked_launches; /* launches that had to block for that */
 atomic_int release_syncs;     /* 1: blocked syncs give up (NOT_READY) */
@@ -182,7 +181,6 @@ static int f_create(void **e, unsigned flags) {
     ((fake_event *)*e)->flags = flags;
     atomic_store(&((fake_event *)*e)->refs, 1);
     atomic_fetch_add(&events_made, 1);
-    if (flags & 0x1) atomic_fetch_add(&blocking_events_made, 1);
     return 0;
 }
 static int f_destroy(void *e) {

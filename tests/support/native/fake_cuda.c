@@ -12,10 +12,6 @@
  *   long      events are plain until a command runs long, then blocking-sync (and blocked
  *             on, never a plain one) until commands are quick again; a command finished
  *             as long-running gets a blocking-sync event at once and changes nothing
- *   adopted   on a stream another library submits to as well (am_cuq_set_shared) every
- *             command gets a plain event, also behind long ones and when finished as
- *             long-running: such a stream's owner would queue its launches behind any
- *             number of blocking-sync events otherwise
  *   events    every event the queues made is destroyed by am_cuq_close
  *   causal    a wait on another queue's value, once confirmed, confirms that value there
  *             (before that queue's own thread saw it), which a later sticky error no
@@ -275,32 +271,6 @@ static void check_long(void) {
         die("long: a command finished as long-running was not blocked on, or changed the mode");
     queue_free(f, 0);
     puts("ok long");
-}
-
-static void check_adopted(void) {
-    fake_queue f = queue_new();
-    am_cuq_set_shared(f.q);
-    static kernel slow = {0, 30000000, NULL, 0};  /* 30 ms: outlasts any polling window */
-    uint64_t v = 0, before[8], stats[8];
-    long blocking = atomic_load(&blocking_events_made);
-    am_cuq_stats(f.q, before);
-    for (int i = 0; i < 3; i++) {  /* long ones, each with short ones queued behind it */
-        launch(f, &slow, 0, ++v);
-        for (int j = 0; j < 8; j++) launch(f, NULL, j, ++v);
-    }
-    enqueue(f.s, (op){OP_KERNEL, 30000000, NULL, 0});  /* finished as long-running */
-    if (am_cuq_finish(f.q, ++v, NULL, 0, 0, CU_FINISH_LONG)) die("adopted: am_cuq_finish failed");
-    launch(f, NULL, 0, ++v);
-    int64_t deadline = now_ns() + 10000000000LL;
-    while (am_timeline_value(f.t) < v)
-        if (now_ns() > deadline) die("adopted: the commands never finished");
-        else nap_ns(100000);
-    am_cuq_stats(f.q, stats);
-    if (atomic_load(&blocking_events_made) != blocking || stats[1] != before[1] || stats[4])
-        die("adopted: a command on an adopted stream got a blocking-sync event");
-    if (stats[2] == before[2]) die("adopted: the long commands were not napped on");
-    queue_free(f, 0);
-    puts("ok adopted");
 }
 
 /* 300 launches of 200 us kernels behind a stream that blocks a launch once it holds more
@@ -1384,7 +1354,6 @@ int main(void) {
     check_order();
     check_cross();
     check_long();
-    check_adopted();
     if (atomic_load(&events_made) != atomic_load(&events_destroyed))
         die("events: am_cuq_close left events behind");
     puts("ok events");
