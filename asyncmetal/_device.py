@@ -59,6 +59,13 @@ def parse_name(name: str) -> tuple[str, int]:
 
 
 _open_devices: weakref.WeakSet[Device] = weakref.WeakSet()
+_opened = [0]  # devices opened so far in this process
+
+
+def devices_opened() -> int:
+    """How many devices this process has opened so far: what was looked up among the
+    open devices is stale once it changes (another may be the one to pick now)."""
+    return _opened[0]
 
 
 def _completable() -> dict[Queue, int]:
@@ -88,6 +95,7 @@ class Device:
         self._programs: dict[tuple[str, str], Program] = {}
         self.queue = self._state.queue = self.new_queue()
         _open_devices.add(self)
+        _opened[0] += 1
 
     def __repr__(self) -> str:
         return f"<Device {self.name}{' closed' if self.closed else ''}>"

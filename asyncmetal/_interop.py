@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _native, backends
 from ._buffer import Buffer
-from ._device import Device, foreign_buffer, open_devices
+from ._device import Device, devices_opened, foreign_buffer, open_devices
 from ._dlpack import (
     DLPACK_VERSION,
     KDLCPU,
@@ -73,9 +73,10 @@ def _device_for(device_type: int, device_id: int, given: Device | None) -> Devic
             raise InvalidArgumentError(f"the array is on DLPack device {where}, not {given.name}")
         return given
     found_last = _last_found.get(where)
-    last = found_last() if found_last is not None else None
-    if last is not None and not last.closed:
-        return last
+    if found_last is not None and found_last[1] == devices_opened():
+        last = found_last[0]()
+        if last is not None and not last.closed:
+            return last
     found = [d for d in open_devices() if d.writable and d.dlpack_device == where]
     found.sort(key=lambda d: d.name not in (backends.HOST, f"{backends.HOST}:0"))
     if not found:
@@ -83,13 +84,13 @@ def _device_for(device_type: int, device_id: int, given: Device | None) -> Devic
             f"no open device holds DLPack device {where}'s memory: open it first "
             "(cpu for host memory, cuda:N for CUDA memory), or pass device="
         )
-    _last_found[where] = weakref.ref(found[0])
+    _last_found[where] = (weakref.ref(found[0]), devices_opened())
     return found[0]
 
 
-# The device each DLPack device was found on last (kept while it is open: weakly; a
-# plain dict of references, which a lookup reads in C).
-_last_found: dict[tuple[int, int], weakref.ref[Device]] = {}
+# The device each DLPack device was found on last, while it is open (weakly) and no
+# device has opened since (which may be the one to pick: cpu before cpu:1).
+_last_found: dict[tuple[int, int], tuple[weakref.ref[Device], int]] = {}
 
 
 def _nbytes(shape: tuple[int, ...], strides: tuple[int, ...] | None, itembits: int) -> int:
@@ -140,9 +141,14 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     else:
         stream = target.queue.handle if device_type == KDLCUDA else None
     try:
-        capsule = obj.__dlpack__(stream=stream, max_version=DLPACK_VERSION)
-    except TypeError:  # a producer of the protocol before max_version
-        capsule = obj.__dlpack__() if stream is None else obj.__dlpack__(stream=stream)
+        try:
+            capsule = obj.__dlpack__(stream=stream, max_version=DLPACK_VERSION)
+        except TypeError:  # a producer of the protocol before max_version
+            capsule = obj.__dlpack__() if stream is None else obj.__dlpack__(stream=stream)
+    except BufferError as refused:  # the protocol's refusal (numpy: byte order, dtype)
+        if isinstance(refused, ExchangeError):  # (a round trip of asyncmetal's own)
+            raise
+        raise ExchangeError(f"{type(obj).__name__} refused to export: {refused}") from refused
     found = _taker()(capsule)
     if found[0] != TAKEN:
         raise refuse(found)

@@ -190,6 +190,18 @@ async def test_from_dlpack_wraps_a_numpy_array(anyio_backend: object) -> None:
         await _wraps_numpy(device, await _cpu_kernels(device))
 
 
+async def test_host_memory_goes_to_cpu_once_it_opens_whatever_was_picked_before(
+    anyio_backend: object,
+) -> None:
+    """Host memory is the open ``cpu``'s, also after a lookup found only ``cpu:1``."""
+    async with am.open_device("cpu:1") as second:
+        assert am.from_dlpack(np.zeros(4)).device is second
+        async with am.open_device("cpu") as first:
+            assert am.from_dlpack(np.zeros(4)).device is first
+            assert am.from_dlpack(np.zeros(4)).device is first
+        assert am.from_dlpack(np.zeros(4)).device is second
+
+
 async def _wraps_numpy(device: am.Device, kernels: dict[str, am.Program]) -> None:
     array = np.arange(32, dtype=np.int32)
     buf = am.from_dlpack(array)
@@ -275,6 +287,9 @@ async def test_what_from_dlpack_refuses(anyio_backend: object) -> None:
             am.from_dlpack(np.zeros((4, 4))[:, 1])
         with pytest.raises(am.InvalidArgumentError, match="empty"):
             am.from_dlpack(np.zeros(0))
+        for refused in (np.zeros(4, ">i4"), np.zeros(4, "i4,f4")):  # numpy's own refusal
+            with pytest.raises(am.ExchangeError, match="ndarray refused to export"):
+                am.from_dlpack(refused)
         other = await am.open_device("cpu:1")
         try:
             assert am.from_dlpack(np.zeros(4), device=other).device is other
