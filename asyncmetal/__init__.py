@@ -20,6 +20,7 @@ from ._errors import CompileError as CompileError
 from ._errors import DeviceLostError as DeviceLostError
 from ._errors import ExchangeError as ExchangeError
 from ._errors import InvalidArgumentError as InvalidArgumentError
+from ._errors import NoLoopError as NoLoopError
 from ._errors import OutOfMemoryError as OutOfMemoryError
 from ._interop import from_dlpack as from_dlpack
 from ._pool import CompilePool as CompilePool
@@ -52,6 +53,7 @@ __all__ = [
     "DeviceLostError",
     "ExchangeError",
     "InvalidArgumentError",
+    "NoLoopError",
     "OutOfMemoryError",
     "from_dlpack",
     "CompilePool",

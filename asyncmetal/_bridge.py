@@ -85,6 +85,7 @@ from typing import Any, NoReturn, Protocol
 
 from . import _native
 from ._backend import NativeTimeline
+from ._errors import NoLoopError
 
 _log = logging.getLogger("asyncmetal")
 INFINITY = 1 << 64  # larger than any 64-bit timeline value
@@ -840,6 +841,36 @@ def _trio_next_deadline_reader() -> Callable[[], float]:
     return next_deadline
 
 
+def running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
+    """The asyncio (or uvloop) loop running the calling task, or None -- also inside a
+    task of a trio run hosted by that loop (``trio.lowlevel.start_guest_run``), where
+    the thread's running asyncio loop is the host's."""
+    loop = _get_running_loop()
+    if loop is not None and "trio" in sys.modules and _in_trio_task():
+        return None
+    return loop
+
+
+def _in_trio_task() -> bool:
+    """Whether the calling code runs as a trio task (trio is imported)."""
+    global _trio_run_context
+    if _trio_run_context is None:
+        trio = sys.modules["trio"]
+        try:  # what trio sets while it runs a task's step, and deletes after it
+            _trio_run_context = trio._core._run.GLOBAL_RUN_CONTEXT
+            return hasattr(_trio_run_context, "task")
+        except AttributeError:  # another trio's layout: ask it, each time
+            try:
+                trio.lowlevel.current_task()
+            except RuntimeError:
+                return False
+            return True
+    return hasattr(_trio_run_context, "task")
+
+
+_trio_run_context: Any = None  # trio's per-thread run state, once looked up
+
+
 def running_trio_run() -> object | None:
     """The trio run on this thread (its runner: one per ``trio.run``), or None."""
     trio = sys.modules.get("trio")
@@ -863,7 +894,7 @@ _bridges_lock = threading.Lock()
 
 def current_bridge() -> LoopBridge:
     """The bridge of the running loop (asyncio, uvloop or trio), made on first use."""
-    loop = _get_running_loop()
+    loop = running_asyncio_loop()
     if loop is None:
         return _current_trio_bridge()
     last_loop, last = _last_asyncio_bridge  # (a weak reference to a loop, its bridge)
@@ -910,7 +941,7 @@ def _current_trio_bridge() -> LoopBridge:
     global _trio_bridge_var
     trio = sys.modules.get("trio")
     if trio is None:
-        raise RuntimeError("asyncmetal must be awaited from asyncio, uvloop or trio")
+        raise NoLoopError("asyncmetal must be awaited from asyncio, uvloop or trio")
     if _trio_bridge_var is None:
         with _bridges_lock:
             if _trio_bridge_var is None:
@@ -920,6 +951,8 @@ def _current_trio_bridge() -> LoopBridge:
     except LookupError:
         bridge = _TrioBridge()
         _trio_bridge_var.set(bridge)
+    except RuntimeError:  # not in a trio run either
+        raise NoLoopError("asyncmetal must be awaited from asyncio, uvloop or trio") from None
     return bridge
 
 
@@ -929,7 +962,7 @@ def checkpoint() -> Generator[Any, Any, None]:
 
     ``await checkpoint()``, or ``yield from checkpoint()`` in an ``__await__``. Under
     asyncio a bare yield: what ``asyncio.sleep(0)`` does, minus its coroutine frames."""
-    if _get_running_loop() is not None:
+    if _get_running_loop() is not None and ("trio" not in sys.modules or not _in_trio_task()):
         yield
     else:
         import trio
@@ -940,7 +973,7 @@ def checkpoint() -> Generator[Any, Any, None]:
 def stay_awake(ns: int) -> None:
     """``LoopBridge.stay_awake`` of the calling thread's running loop, if it runs one and
     its bridge exists (nothing waits on it otherwise)."""
-    loop = _get_running_loop()
+    loop = running_asyncio_loop()
     if loop is not None:
         bridge = _asyncio_bridges.get(loop)
     elif _trio_bridge_var is not None:

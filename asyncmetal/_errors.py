@@ -63,3 +63,7 @@ class ExchangeError(AsyncMetalError, BufferError):
 
 class ClosedResourceError(AsyncMetalError):
     """The device, queue or buffer has been closed or freed."""
+
+
+class NoLoopError(AsyncMetalError, RuntimeError):
+    """Called outside a running asyncio, uvloop or trio loop where one is needed."""

@@ -8,7 +8,6 @@ import threading
 import time
 import types
 import weakref
-from asyncio import _get_running_loop
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -313,7 +312,7 @@ _waiting = threading.local()  # per thread: the _Count of the loop that waited l
 def _count_here() -> _Count:
     """The running loop's count (a new one where another loop waited last here)."""
     count: _Count | None = getattr(_waiting, "count", None)
-    owner = _get_running_loop() or _bridge.running_trio_run()
+    owner = _bridge.running_asyncio_loop() or _bridge.running_trio_run()
     if count is None or count.owner() is not owner:
         count = _waiting.count = _Count(owner)
     return count
@@ -323,7 +322,7 @@ def waiting_here() -> int:
     """How many tasks of the calling thread's loop wait in ``wait_value`` now (outside a
     loop: of the loop that waited last on this thread)."""
     count: _Count | None = getattr(_waiting, "count", None)
-    owner = _get_running_loop() or _bridge.running_trio_run()
+    owner = _bridge.running_asyncio_loop() or _bridge.running_trio_run()
     if count is None or (owner is not None and count.owner() is not owner):
         return 0
     count.settle()

@@ -56,6 +56,37 @@ async def test_pytest_asyncio_strict_mode() -> None:
     await _exercise()
 
 
+def test_a_trio_guest_run_on_an_asyncio_loop_awaits_as_trio_beside_the_hosts_tasks() -> None:
+    """``trio.lowlevel.start_guest_run``: trio's tasks run inside the asyncio loop's
+    callbacks, on its thread, where asyncio's running loop is the host's. A trio task's
+    awaits go through trio (asyncio's bare yield would end its run with a TypeError),
+    the host's tasks' through asyncio, at the same time."""
+
+    async def host() -> None:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+        trio.lowlevel.start_guest_run(
+            _exercise,
+            "cpu:1",
+            run_sync_soon_threadsafe=loop.call_soon_threadsafe,
+            run_sync_soon_not_threadsafe=loop.call_soon,
+            done_callback=done.set_result,
+            host_uses_signal_set_wakeup_fd=True,
+        )
+        hosted = await _exercise("cpu")
+        guest = (await done).unwrap()
+        assert hosted.resolved >= 64 and guest.resolved >= 64
+
+    asyncio.run(host())
+
+
+def test_outside_a_loop_the_error_is_asyncmetals() -> None:
+    for _ in range(2):  # with trio imported and not running, and again
+        with pytest.raises(am.NoLoopError, match="awaited from asyncio, uvloop or trio"):
+            am.loop_statistics()
+    assert issubclass(am.NoLoopError, RuntimeError)
+
+
 def test_several_loops_in_several_threads_share_a_device() -> None:
     async def main() -> None:
         async with am.open_device("cpu") as dev:
