@@ -356,8 +356,11 @@ class Device:
                 return
             self._closing = closing = HostEvents()
             try:
+                await self._finish_completable()
+                # Sealed: no submission is under way (another thread's) or can start.
+                # Then what was submitted meanwhile is waited for as well.
+                await anyio.to_thread.run_sync(self._seal)
                 limits = await self._finish_completable()
-                self.closed = True  # no await since the limits: they are final
                 blocked = {q: limits[q] for q in self._queues if limits[q] < q.submitted}
                 await anyio.to_thread.run_sync(self._close_native, False, set(blocked))
                 for queue, limit in blocked.items():
@@ -366,6 +369,10 @@ class Device:
                     end_waits(timeline)
             finally:
                 closing.increment()
+
+    def _seal(self) -> None:
+        with self._state.submitting:
+            self.closed = True
 
     async def _finish_completable(self) -> dict[Queue, int]:
         """Wait until every queue of this device has finished all the commands that can

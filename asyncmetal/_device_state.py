@@ -9,6 +9,7 @@ below the Device calls it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
@@ -25,12 +26,18 @@ class Copier(Protocol):
 class DeviceState:
     """One opened device, as its timelines, buffers, queues and allocator see it."""
 
-    __slots__ = ("backend", "closed", "device", "name", "queue")
+    __slots__ = ("backend", "closed", "device", "name", "queue", "submitting")
 
     def __init__(self, name: str, backend: Backend, device: Any) -> None:
         self.name = name
         self.backend = backend
         self.closed = False
+        # Held by a queue from the check that the device is open to the hand-over of
+        # its command, and by a close as it sets ``closed`` (Queue._submit): no
+        # command of another thread is left between the two as the device closes.
+        # (The native launch path needs none: it numbers a command and reads
+        # ``closed`` with no Python code between, so no thread runs in between.)
+        self.submitting = threading.RLock()
         self.device = device  # the asyncmetal.Device that owns this state
         self.queue: Copier | None = None  # its default queue, once made
 

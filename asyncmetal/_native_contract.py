@@ -31,13 +31,15 @@ class NativeContractError(AsyncMetalError):
 
 
 # Key ("Class.role", as the C side names it) -> the attribute or method name it reads.
-# The classes: Queue (_queue.py), its Device (_device.py), Program (_program.py),
+# The classes: Queue (_queue.py), its Device (_device.py) and DeviceState
+# (_device_state.py), Program (_program.py),
 # Buffer (_buffer.py) and its allocation (_allocator.py), Completion (_queue.py), the
 # cpu backend's memory handle and queue (backends/cpu.py), the cuda backend's queue.
 NAMES: dict[str, str] = {
     "Queue.device": "device",  # the queue's Device
     "Queue.submitted": "_submitted",  # int: the last value numbered; set to the next one
-    "Device.closed": "closed",  # bool
+    "Queue.state": "_state",  # its DeviceState (a plain attribute: read with no Python code)
+    "DeviceState.closed": "closed",  # bool (a slot)
     "Program.device": "device",  # must be the queue's device
     "Program.buffer_count": "buffer_count",  # int: buffers the kernel takes
     "Program.value_count": "value_count",  # int: values the kernel takes

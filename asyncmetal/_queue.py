@@ -126,6 +126,7 @@ def _extension_launch(device_type: type) -> Callable[..., Completion | None] | N
     classes = {
         "Queue": Queue,
         "Device": device_type,
+        "DeviceState": DeviceState,
         "Program": Program,
         "Buffer": Buffer,
         "Allocation": Allocation,
@@ -181,10 +182,26 @@ class Queue:
         """The timeline value of the last command submitted (0 if none)."""
         return self._submitted
 
-    def _next(self) -> Completion:
-        self._state.check_open()
-        self._submitted += 1
-        return Completion(self, self._submitted)
+    def _submit(
+        self, fn: Callable[..., None], *before: Any, after: tuple[Any, ...] = ()
+    ) -> Completion:
+        """Number the next command and hand it to the backend, ``fn(*before, value,
+        completion, *after)``; return its Completion. If the backend refuses it, its
+        value was never used: it is taken back. Under the device's submission lock,
+        which a close takes to seal the device: a command submitted from another thread
+        is either numbered and handed over before the close counts what to wait for, or
+        refused as the device is closed (never numbered and left unsubmitted)."""
+        state = self._state
+        with state.submitting:
+            state.check_open()
+            self._submitted = value = self._submitted + 1
+            done = Completion(self, value)
+            try:
+                fn(*before, value, done, *after)
+            except BaseException:
+                self._submitted -= 1
+                raise
+        return done
 
     def marker(self) -> Completion:
         """A Completion for everything submitted to this queue so far: awaiting it
@@ -195,9 +212,7 @@ class Queue:
         if not self._native.markers:
             self._state.check_open()
             return Completion(self, self._submitted)
-        done = self._next()
-        self._issue(self._native.marker, done.value, done)
-        return done
+        return self._submit(self._native.marker)
 
     def _after_stream(self, stream: object) -> Completion:
         """A command done once what another library submitted to ``stream`` until now
@@ -208,9 +223,7 @@ class Queue:
         if not self._native.markers:
             raise InvalidArgumentError(f"{self.device.name} has no streams of other libraries")
         handle = self._state.backend.stream_key(stream)
-        done = self._next()
-        self._issue(self._native.wait_stream, handle, done.value, done)
-        return done
+        return self._submit(self._native.wait_stream, handle)
 
     def launch(
         self,
@@ -235,11 +248,8 @@ class Queue:
         args = self._launch_args(program, buffers, vals)
         gsize = _ONE3 if global_size is _ONE3 else _size3(global_size, "global_size")
         lsize = _ONE3 if local_size is _ONE3 else _size3(local_size, "local_size")
-        self._state.check_open()
-        self._submitted = value = self._submitted + 1
-        done = Completion(self, value)
-        self._issue(self._native.launch, program.native, args, gsize, lsize, value, done)
-        record_uses(buffers, self, value)
+        done = self._submit(self._native.launch, program.native, args, gsize, lsize)
+        record_uses(buffers, self, done.value)
         return done
 
     def _launch_args(
@@ -286,8 +296,7 @@ class Queue:
         value, earlier = order_queue_signal(timeline, value, self.timeline)
         if earlier:  # another queue's signal of it, not run yet: that one first
             self.wait(timeline, earlier)
-        done = self._next()
-        self._issue(self._native.signal, timeline.native, value, done.value, done)
+        done = self._submit(self._native.signal, timeline.native, value)
         queue_signal_submitted(timeline, self.timeline, done.value, value)
         self._track(done.value, False, timeline, value)
         return done
@@ -300,19 +309,9 @@ class Queue:
         """
         timeline = check_timeline(timeline, "timeline", self._state.kind)
         value = check_value(value)
-        done = self._next()
-        self._issue(self._native.wait, timeline.native, value, done.value, done)
+        done = self._submit(self._native.wait, timeline.native, value)
         self._track(done.value, True, timeline, value)
         return done
-
-    def _issue(self, fn: Callable[..., None], *args: Any) -> None:
-        """Hand the command just numbered (by ``_next``) to the backend. If the backend
-        refuses it, its value was never used: it is taken back."""
-        try:
-            fn(*args)
-        except BaseException:
-            self._submitted -= 1
-            raise
 
     def _track(self, value: int, is_wait: bool, timeline: Timeline, target: int) -> None:
         ops = self._sync_ops
@@ -331,9 +330,8 @@ class Queue:
         """
         operands = copy_operands(self._state, dst, src, nbytes)
         self._after(operands.buffers)
-        done = self._next()
         hook = getattr(self._native, operands.hook)
-        self._issue(hook, *operands.args, done.value, done, *operands.extra)
+        done = self._submit(hook, *operands.args, after=operands.extra)
         record_uses(operands.buffers, self, done.value)
         return done
 

@@ -31,7 +31,8 @@
 #define AM_CONTRACT_KEYS(X)                                                               \
     X(QUEUE_DEVICE, "Queue.device")                                                       \
     X(QUEUE_SUBMITTED, "Queue.submitted")                                                 \
-    X(DEVICE_CLOSED, "Device.closed")                                                     \
+    X(QUEUE_STATE, "Queue.state")                                                         \
+    X(STATE_CLOSED, "DeviceState.closed")                                                 \
     X(PROGRAM_DEVICE, "Program.device")                                                   \
     X(PROGRAM_BUFFER_COUNT, "Program.buffer_count")                                       \
     X(PROGRAM_VALUE_COUNT, "Program.value_count")                                         \

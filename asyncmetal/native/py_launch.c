@@ -129,10 +129,13 @@ static int parse_target(PyObject *target, target_t *t) {
 }
 
 /* Number the command, make its Completion and submit it; then record each buffer's use.
- * Errors after numbering take the number back. */
-static PyObject *submit(PyObject *queue, const target_t *t, void *fn, const unsigned *dims,
-                        int64_t *slots, Py_ssize_t nargs, PyObject *handles,
-                        PyObject *const *allocations, Py_ssize_t nbuf) {
+ * Errors after numbering take the number back. None (numbered, then taken back): the
+ * device closed meanwhile. The number is set and the device's `closed` read right after
+ * it with no Python code between (plain attributes), so no other thread runs between
+ * them: a close either counts this command (and waits for it) or is seen here. */
+static PyObject *submit(PyObject *queue, PyObject *state, const target_t *t, void *fn,
+                        const unsigned *dims, int64_t *slots, Py_ssize_t nargs,
+                        PyObject *handles, PyObject *const *allocations, Py_ssize_t nbuf) {
     PyObject *last = PyObject_GetAttr(queue, NAME(QUEUE_SUBMITTED));
     if (!last) return NULL;
     uint64_t value = PyLong_AsUnsignedLongLong(last) + 1;
@@ -142,6 +145,12 @@ static PyObject *submit(PyObject *queue, const target_t *t, void *fn, const unsi
     if (!value_obj) return NULL;
     PyObject *done = NULL;
     if (PyObject_SetAttr(queue, NAME(QUEUE_SUBMITTED), value_obj)) goto out;
+    int closed = attr_true(state, NAME(STATE_CLOSED));
+    if (closed) {
+        if (closed > 0) done = Py_NewRef(Py_None);  /* the Python path raises it */
+        unnumber(queue, value);
+        goto out;
+    }
     done = PyObject_CallFunctionObjArgs(Completion_type, queue, value_obj, NULL);
     if (!done) goto unnumbered;
     int code;
@@ -226,7 +235,12 @@ PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     PyObject *handles = NULL;  /* cpu: the buffers' handles, kept alive by the queue */
     PyObject *device = PyObject_GetAttr(queue, NAME(QUEUE_DEVICE));
     if (!device) return NULL;
-    int r = attr_true(device, NAME(DEVICE_CLOSED));
+    PyObject *state = PyObject_GetAttr(queue, NAME(QUEUE_STATE));
+    if (!state) {
+        Py_DECREF(device);
+        return NULL;
+    }
+    int r = attr_true(state, NAME(STATE_CLOSED));
     if (r == 0) r = 1 - attr_is(program, NAME(PROGRAM_DEVICE), device);
     if (r) goto fallback;
 
@@ -300,12 +314,14 @@ PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
 
     /* Number it, make its Completion, submit. */
     Py_DECREF(device);
-    PyObject *done = submit(queue, &t, fn, dims, slots, nargs, handles, allocations, nbuf);
+    PyObject *done = submit(queue, state, &t, fn, dims, slots, nargs, handles, allocations, nbuf);
+    Py_DECREF(state);
     Py_XDECREF(handles);
     return done;
 
 fallback:
     Py_DECREF(device);
+    Py_DECREF(state);
     Py_XDECREF(handles);
     if (PyErr_Occurred()) return NULL;
     Py_RETURN_NONE;

@@ -18,6 +18,7 @@ import pytest
 import asyncmetal as am
 from asyncmetal import _native
 from asyncmetal._queue import _ONE3
+from tests.support.kernels import KERNELS
 
 pytestmark = pytest.mark.anyio
 
@@ -104,6 +105,34 @@ async def test_a_closed_device_is_declined(anyio_backend: object) -> None:
     assert extension.launch(queue, queue._launch_target, empty, (), (), _ONE3, _ONE3) is None
     with pytest.raises(am.ClosedResourceError):
         queue.launch(empty)
+
+
+async def test_a_device_closed_as_it_reads_the_arguments_is_refused(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python code the native path runs after its check that the device is open (here a
+    program's ``device``, made a property) lets another thread close the device in
+    between: the command it then numbers is taken back and refused, not submitted to a
+    device whose close has counted what to wait for."""
+    _extension()
+    from asyncmetal._program import Program
+
+    async with am.open_device("cpu") as device:
+        fill = await device.compile(KERNELS, "fill")
+        buf = await device.alloc(4)
+        queue = device.new_queue()
+        state = device._state
+
+        def closed_meanwhile(program: Program) -> am.Device:
+            state.closed = True  # as a close on another thread would, between two reads
+            return device
+
+        monkeypatch.setattr(Program, "device", property(closed_meanwhile), raising=False)
+        with pytest.raises(am.ClosedResourceError):
+            queue.launch(fill, buf, vals=(7, 1))
+        monkeypatch.undo()
+        assert queue.submitted == 0 and buf._allocation.last_use.get(queue) is None
+        state.closed = False  # (the close above was make-believe)
 
 
 def _random_launch(rng: random.Random, buffers: list[am.Buffer]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from asyncmetal import _native, _native_contract
 from asyncmetal._allocator import Allocation
 from asyncmetal._backend import Arg
 from asyncmetal._buffer import Buffer
+from asyncmetal._device_state import DeviceState
 from asyncmetal._native_contract import NativeContractError
 from asyncmetal._program import Program
 from asyncmetal._queue import _ONE3, Completion, Queue
@@ -44,6 +45,7 @@ def _classes(**override: type) -> dict[str, type]:
     classes: dict[str, type] = {
         "Queue": Queue,
         "Device": _Device,
+        "DeviceState": DeviceState,
         "Program": Program,
         "Buffer": Buffer,
         "Allocation": Allocation,
@@ -70,12 +72,11 @@ def test_a_renamed_attribute_is_named_at_setup(
 
 
 def test_a_class_that_lost_an_attribute_is_named(extension: types.ModuleType) -> None:
-    class Device:  # no `closed`
-        def __init__(self) -> None:
-            self.name = "x"
+    class DeviceState:  # no `closed`
+        __slots__ = ("name",)
 
-    with pytest.raises(NativeContractError, match=r"Device has no attribute 'closed'"):
-        _native_contract.setup(extension, _classes(Device=Device), _ONE3)
+    with pytest.raises(NativeContractError, match=r"DeviceState has no attribute 'closed'"):
+        _native_contract.setup(extension, _classes(DeviceState=DeviceState), _ONE3)
 
 
 def test_attributes_assigned_in_init_slots_and_fields_count() -> None:

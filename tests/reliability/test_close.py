@@ -8,6 +8,7 @@ import contextlib
 import gc
 import os
 import random
+import threading
 import time
 import weakref
 
@@ -57,6 +58,56 @@ async def test_work_submitted_while_close_waits_runs(anyio_backend: object) -> N
     assert out[0] == 7
     with pytest.raises(am.ClosedResourceError, match="never ran"):
         await stuck
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("at_count", [1, 2])
+async def test_what_another_thread_submits_as_close_counts_runs_or_is_refused(
+    anyio_backend: object, at_count: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread (another loop's) submits a launch (the native path) and a copy
+    (Python's) right as the close counts what is left to wait for (each time it
+    counts, in turn): each command runs, or is refused as the device is closed --
+    never accepted, then abandoned as one that "never ran"."""
+    from asyncmetal import _device
+
+    dev = await am.open_device("cpu:22")
+    fill = await dev.compile(KERNELS, "fill")
+    buf = await dev.alloc(4)
+    queue = dev.new_queue()
+    await queue.launch(fill, buf, vals=(1, 1))
+    out = np.zeros(1, np.int32)
+    made: list[am.Completion] = []
+    refused: list[am.ClosedResourceError] = []
+
+    def submit() -> None:
+        for one in (lambda: queue.launch(fill, buf, vals=(7, 1)), lambda: queue.copy(out, buf)):
+            try:
+                made.append(one())
+            except am.ClosedResourceError as exc:
+                refused.append(exc)
+
+    counted = 0
+    original = _device._completable
+
+    def count_then_submit_elsewhere() -> dict[am.Queue, int]:
+        nonlocal counted
+        limits = original()
+        counted += 1
+        if counted == at_count:  # another thread runs right here
+            thread = threading.Thread(target=submit)
+            thread.start()
+            thread.join()
+        return limits
+
+    monkeypatch.setattr(_device, "_completable", count_then_submit_elsewhere)
+    with anyio.fail_after(20):
+        await dev.close()
+    assert counted >= at_count and len(made) + len(refused) == 2
+    for done in made:
+        await done  # ran (a command abandoned at close would raise "never ran")
+    if len(made) == 2:
+        assert out[0] == 7
 
 
 @pytest.mark.anyio

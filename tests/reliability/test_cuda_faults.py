@@ -338,10 +338,15 @@ def test_a_sticky_error_loses_the_process_and_other_errors_do_not(
     assert "first seen by the command at value 3 on a stream of cuda:1" in str(later)
 
 
+def numbered_only(value: int, done: am.Completion) -> None:
+    """A backend hook that hands nothing over: ``queue._submit(numbered_only)`` numbers a
+    command and returns its Completion, which the simulated driver then settles."""
+
+
 def _fault(queue: am.Queue, runtime: _Runtime, error: CUresult) -> am.Completion:
     """A command on ``queue`` whose event reported ``error``, as the completion thread
     records it: the queue's first error, and its timeline raised to wake the waiters."""
-    done = queue._next()
+    done = queue._submit(numbered_only)
     native = runtime.queues[queue._native._q]  # type: ignore[attr-defined]
     native.error, native.error_value = int(error), done.value
     queue.timeline.native.signal(MAX)
@@ -350,7 +355,7 @@ def _fault(queue: am.Queue, runtime: _Runtime, error: CUresult) -> am.Completion
 
 def _confirmed(queue: am.Queue) -> am.Completion:
     """A command on ``queue`` its completion thread confirmed."""
-    done = queue._next()
+    done = queue._submit(numbered_only)
     queue.timeline.native.signal(done.value)
     return done
 
@@ -599,7 +604,7 @@ async def test_a_command_that_waited_for_a_failed_commands_value_names_it(
     try:
         queue = dev1.new_queue()
         before = _confirmed(queue)
-        waited = queue._next()
+        waited = queue._submit(numbered_only)
         native = runtime.queues[queue._native._q]  # type: ignore[attr-defined]
         native.error, native.error_value = cuda_queue.WAITED_FAILED, waited.value
         failed = (dev0.queue.timeline.native.c_timeline, CUresult.CUDA_ERROR_INVALID_VALUE, 7)

@@ -183,7 +183,7 @@ import pytest
 from tests.support.fakes import metal_sim
 metal_sim.configure()
 import asyncmetal as am
-from tests.reliability.test_cuda_faults import fake_driver
+from tests.reliability.test_cuda_faults import fake_driver, numbered_only
 from tests.support.kernels import MSL_KERNELS
 
 if kind == "cuda":
@@ -195,7 +195,7 @@ async def parent_open():
     tl = dev.timeline()
     queue = dev.new_queue()
     if kind == "cuda":
-        pending = queue._next()
+        pending = queue._submit(numbered_only)
     else:
         queue.wait(tl, 1)  # the command waits on the device across the fork
         pending = queue.launch(await dev.compile(MSL_KERNELS, "empty"))

@@ -19,7 +19,7 @@ import pytest
 import asyncmetal as am
 from asyncmetal._buffer import record_uses
 from tests.reliability import test_cuda_faults
-from tests.reliability.test_cuda_faults import CUresult, _confirmed, _Driver
+from tests.reliability.test_cuda_faults import CUresult, _confirmed, _Driver, numbered_only
 
 pytestmark = pytest.mark.anyio
 driver_fixture = test_cuda_faults.driver  # the fake driver: a fixture, by this name here
@@ -58,7 +58,7 @@ async def test_a_consumer_stream_waits_for_the_buffers_users_and_is_not_adopted(
         assert driver.runtime is not None
         buf = await dev.alloc(256)
         busy, idle = dev.new_queue(), dev.new_queue()
-        used = busy._next()  # submitted, not confirmed
+        used = busy._submit(numbered_only)  # submitted, not confirmed
         record_uses([buf], busy, used.value)
         record_uses([buf], idle, _confirmed(idle).value)  # done: nothing to wait for
         owner = busy._native._q  # type: ignore[attr-defined]
@@ -104,7 +104,7 @@ async def test_a_consumer_streams_wait_refused_by_the_driver_raises_its_error(
     dev = await am.open_device("cuda:0")
     try:
         buf = await dev.alloc(256)
-        used = dev.queue._next()
+        used = dev.queue._submit(numbered_only)
         record_uses([buf], dev.queue, used.value)
         with pytest.raises(am.AsyncMetalError, match=r"cuStreamWaitValue64.*INVALID_VALUE"):
             buf.__dlpack__(stream=0x5000)
@@ -199,7 +199,7 @@ async def test_an_interface_export_hands_the_default_queue_over_first(
     try:
         buf = await dev.alloc(256)
         busy = dev.new_queue()
-        used = busy._next()  # submitted, not confirmed
+        used = busy._submit(numbered_only)  # submitted, not confirmed
         record_uses([buf], busy, used.value)
         interface = buf.__cuda_array_interface__
         default = dev.queue._native._q  # type: ignore[attr-defined]
@@ -257,7 +257,7 @@ async def test_an_export_hands_over_the_signal_a_held_wait_waits_for_first(
         signal["queue"] = signaller._native._q  # type: ignore[attr-defined]
         signalled = signaller.signal(timeline, 3)
         waiter.wait(timeline, 3)
-        used = waiter._next()
+        used = waiter._submit(numbered_only)
         record_uses([buf], waiter, used.value)
         held = waiter._native._q  # type: ignore[attr-defined]
 
