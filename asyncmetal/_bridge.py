@@ -846,12 +846,12 @@ def running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
     task of a trio run hosted by that loop (``trio.lowlevel.start_guest_run``), where
     the thread's running asyncio loop is the host's."""
     loop = _get_running_loop()
-    if loop is not None and "trio" in sys.modules and _in_trio_task():
+    if loop is not None and "trio" in sys.modules and in_trio_task():
         return None
     return loop
 
 
-def _in_trio_task() -> bool:
+def in_trio_task() -> bool:
     """Whether the calling code runs as a trio task (trio is imported)."""
     global _trio_run_context
     if _trio_run_context is None:
@@ -894,8 +894,8 @@ _bridges_lock = threading.Lock()
 
 def current_bridge() -> LoopBridge:
     """The bridge of the running loop (asyncio, uvloop or trio), made on first use."""
-    loop = running_asyncio_loop()
-    if loop is None:
+    loop = _get_running_loop()  # (running_asyncio_loop(), inline: this is every park's)
+    if loop is None or ("trio" in sys.modules and in_trio_task()):
         return _current_trio_bridge()
     last_loop, last = _last_asyncio_bridge  # (a weak reference to a loop, its bridge)
     if last is not None and last_loop() is loop:
@@ -962,7 +962,7 @@ def checkpoint() -> Generator[Any, Any, None]:
 
     ``await checkpoint()``, or ``yield from checkpoint()`` in an ``__await__``. Under
     asyncio a bare yield: what ``asyncio.sleep(0)`` does, minus its coroutine frames."""
-    if _get_running_loop() is not None and ("trio" not in sys.modules or not _in_trio_task()):
+    if _get_running_loop() is not None and ("trio" not in sys.modules or not in_trio_task()):
         yield
     else:
         import trio

@@ -4,10 +4,12 @@ awaiting of any such counter (``wait_value``)."""
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 import time
 import types
 import weakref
+from asyncio import _get_running_loop
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -312,7 +314,9 @@ _waiting = threading.local()  # per thread: the _Count of the loop that waited l
 def _count_here() -> _Count:
     """The running loop's count (a new one where another loop waited last here)."""
     count: _Count | None = getattr(_waiting, "count", None)
-    owner = _bridge.running_asyncio_loop() or _bridge.running_trio_run()
+    owner: object = _get_running_loop()  # (_bridge.running_asyncio_loop(), inline: hot)
+    if owner is None or ("trio" in sys.modules and _bridge.in_trio_task()):
+        owner = _bridge.running_trio_run()
     if count is None or count.owner() is not owner:
         count = _waiting.count = _Count(owner)
     return count
