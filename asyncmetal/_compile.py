@@ -68,12 +68,51 @@ _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 _ATTRIBUTES = re.compile(r"\[\[.*?\]\]", re.S)
 
 
+class NotDefinedError(CompileError):
+    """No definition of the kernel was found in the source (before compiling it: a
+    source that does not compile says why instead)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"kernel {name!r}: not defined in the source", name=name)
+
+    def __reduce__(self) -> tuple[type[NotDefinedError], tuple[str]]:  # type: ignore[override]
+        return type(self), (self.name or "",)
+
+
 def c_params(src: str, name: str) -> tuple[ParamKind, ...]:
     """Parameter kinds of the C-like function ``name`` defined in ``src``.
 
     A parameter declared with ``*`` or ``[]`` is a buffer; any other is a value.
     Attributes (``[[buffer(0)]]``) and comments are ignored.
     """
+    return tuple(kind for kind, _ in c_param_declarations(src, name))
+
+
+# Value parameters launches cannot pass: launch values are ints (int32).
+_NOT_AN_INTEGER = re.compile(
+    r"\b(float|double|half|_Float\d+|__fp16|__half|__half2|__nv_bfloat16|_Complex|struct|union)\b"
+)
+
+
+def integer_params(src: str, name: str) -> tuple[ParamKind, ...]:
+    """``c_params``, refusing a value parameter that is not of an integer type (float,
+    double, a struct by value...): a launch's values are ints, which such a parameter
+    would receive as garbage (cpu, whose C calling convention passes them elsewhere) or
+    as raw bits (cuda)."""
+    declarations = c_param_declarations(src, name)
+    for kind, declaration in declarations:
+        if kind == "value" and _NOT_AN_INTEGER.search(declaration):
+            raise CompileError(
+                f"kernel {name!r}: parameter {declaration!r} is not an integer; launch "
+                "values are ints (int32): pass other values in a buffer",
+                name=name,
+            )
+    return tuple(kind for kind, _ in declarations)
+
+
+def c_param_declarations(src: str, name: str) -> list[tuple[ParamKind, str]]:
+    """Each parameter of the C-like function ``name`` defined in ``src``: its kind and
+    its declaration (``NotDefinedError`` where no definition is found)."""
     text = _ATTRIBUTES.sub("", _COMMENTS.sub(" ", src))
     for match in re.finditer(rf"\b{re.escape(name)}\s*\(", text):
         depth, start = 1, match.end()
@@ -88,12 +127,12 @@ def c_params(src: str, name: str) -> tuple[ParamKind, ...]:
             continue
         body = text[start : pos - 1].strip()
         if body in ("", "void"):
-            return ()
-        return tuple(
-            "buffer" if ("*" in p or "[" in p or ("&" in p and "device" in p)) else "value"
+            return []
+        return [
+            ("buffer" if ("*" in p or "[" in p or ("&" in p and "device" in p)) else "value", p)
             for p in _split_top_level(body)
-        )
-    raise CompileError(f"kernel {name!r} is not defined in the source", name=name)
+        ]
+    raise NotDefinedError(name)
 
 
 def _split_top_level(params: str) -> list[str]:

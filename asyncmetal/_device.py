@@ -20,7 +20,7 @@ from ._backend import Backend
 from ._bridge import checkpoint
 from ._buffer import Buffer, wrap_buffer
 from ._buffer import foreign_buffer as _foreign_buffer
-from ._compile import ParamKind, source_key
+from ._compile import NotDefinedError, ParamKind, source_key
 from ._device_state import DeviceState
 from ._dlpack import device_dlpack
 from ._errors import (
@@ -250,7 +250,13 @@ class Device:
         """
         timeout = check_timeout(timeout)  # arguments first, then the source
         with _naming(name):
-            params = self._check_compile(src, name)
+            try:
+                params = self._check_compile(src, name)
+            except NotDefinedError as missing:
+                # Not found: where the source does not compile (a typo in the very
+                # signature), the compiler's error says why, with its log.
+                await self.compile_pool.compile(self._backend.compiler, src, timeout=timeout)
+                raise missing from None
             key = (source_key(await compiler_identity(self._backend.compiler), src), name)
             program = self._programs.get(key)
             if program is not None:
@@ -452,8 +458,11 @@ class _CompileMany:
         identity = await compiler_identity(compiler)
         while self._dispatched < len(self._kernels):
             src, name = self._kernels[self._dispatched]
+            params: tuple[ParamKind, ...] | NotDefinedError
             try:
                 params = device._check_compile(src, name)
+            except NotDefinedError as missing:  # compiled all the same: see compile()
+                params = missing
             except CompileError as exc:  # this kernel's own result, raised in its turn
                 self._dispatched += 1
                 self._arrived(("", name), ((), src), exc)
@@ -495,6 +504,8 @@ class _CompileMany:
                 pool.withdraw(result)
                 pool.cache.warn_if_disabled()  # storing it may have found the disk full
                 result = pool.result(result)
+            if isinstance(params, NotDefinedError):  # the source compiled without it
+                raise params
             try:
                 return await self._device._program(key, params, result, src, self._timeout)
             except anyio.get_cancelled_exc_class():

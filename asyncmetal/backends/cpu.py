@@ -41,7 +41,7 @@ from .._backend import (
     Timelines,
     host_address,
 )
-from .._compile import Compiler, ParamKind
+from .._compile import Compiler, ParamKind, integer_params
 from .._errors import ArgumentTypeError, ClosedResourceError, CompileError, InvalidArgumentError
 
 _ALIGN = 64
@@ -114,7 +114,7 @@ class CCompiler(Compiler):
     def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
         """The kernel's parameters, refused when the queue threads could not pass them
         all: checked before compiling, not at every launch."""
-        params = super().params(src, name)
+        params = integer_params(src, name)
         if len(params) > MAX_ARGS:
             raise CompileError(
                 f"cpu kernel {name!r} has {len(params)} parameters; cpu kernels take at most "

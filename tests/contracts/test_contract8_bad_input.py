@@ -167,11 +167,39 @@ async def test_freed_buffer_is_refused(device: am.Device, kernels: dict[str, am.
 
 
 async def test_missing_kernel_name(device: am.Device) -> None:
-    with pytest.raises(am.CompileError, match="kernel 'nope' is not defined"):
+    with pytest.raises(am.CompileError, match="kernel 'nope': not defined"):
         await device.compile("void k(void) {}", "nope")
     # A name only declared or called, never defined, is missing too.
-    with pytest.raises(am.CompileError, match="kernel 'g' is not defined"):
+    with pytest.raises(am.CompileError, match="kernel 'g': not defined"):
         await device.compile("void g(int);\nvoid k(void) { }", "g")
+
+
+async def test_a_signature_that_does_not_compile_carries_the_log(device: am.Device) -> None:
+    """No definition is found where the very signature is broken: the compiler's error
+    comes out, with its log, rather than a kernel said to be missing (checked: it was
+    "not defined in the source", with no log)."""
+    broken = "void f( {"
+    with pytest.raises(am.CompileError) as info:
+        await device.compile(broken, "f")
+    assert "not defined" not in str(info.value) and info.value.log and info.value.name == "f"
+    with pytest.raises(am.CompileError) as info:
+        await device.compile_many([(broken, "f")]).__anext__()
+    assert "not defined" not in str(info.value) and info.value.log and info.value.name == "f"
+    with pytest.raises(am.CompileError, match="kernel 'g': not defined"):  # it compiles
+        await device.compile_many([("void f(void) {}", "g")]).__anext__()
+
+
+async def test_value_parameters_must_be_integers(device: am.Device) -> None:
+    """Launch values are ints: a cpu kernel's float parameter got garbage from them (the
+    C calling convention passes floats elsewhere) and the next int parameter the value
+    meant for it. Refused at compile, before compiling (checked: accepted before)."""
+    for declaration in ("float a", "double a", "long double a", "struct pair { int x; } a"):
+        source = f"void k(int* out, {declaration}, int n) {{ out[0] = n; }}"
+        with pytest.raises(am.CompileError, match="is not an integer") as info:
+            await device.compile(source, "k")
+        assert info.value.name == "k" and declaration in str(info.value)
+    ints = "void k(int* out, long a, unsigned n, unsigned long long m, char c, _Bool b) {}"
+    assert (await device.compile(ints, "k")).params == ("buffer",) + ("value",) * 5
 
 
 async def test_c_that_does_not_compile_carries_the_log(device: am.Device) -> None:

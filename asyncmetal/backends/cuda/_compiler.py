@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..._compile import Compiler
+from ..._compile import Compiler, ParamKind, integer_params
 from ..._errors import CompileError
 from ._driver import check, nvrtc
 
@@ -48,6 +48,12 @@ class CUDACompiler(Compiler):
             return bytes(cubin)
         finally:
             nvrtc.nvrtcDestroyProgram(prog)
+
+
+    def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
+        """The kernel's parameters; a value parameter must be an integer (launches
+        pass ints: a float parameter would get an int's bits)."""
+        return integer_params(src, name)
 
 
 def _nvrtc_name(err: Any) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from ctypes import c_void_p
 from typing import Any
 
-from ..._compile import Compiler, ParamKind
+from ..._compile import Compiler, NotDefinedError, ParamKind
 from ..._errors import CompileError
 from . import _blocks
 from ._objc import (
@@ -192,7 +192,7 @@ def metal_params(src: str, name: str) -> tuple[ParamKind, ...]:
     text = re.sub(r"//[^\n]*|/\*.*?\*/", " ", src, flags=re.S)
     match = re.search(rf"\bkernel\s+void\s+{re.escape(name)}\s*\((.*?)\)\s*{{", text, re.S)
     if match is None:
-        raise CompileError(f"kernel {name!r} is not defined in the source", name=name)
+        raise NotDefinedError(name)
     bound: list[tuple[int, ParamKind]] = []
     for param in match.group(1).split(","):
         index = re.search(r"\[\[\s*buffer\s*\(\s*(\d+)\s*\)\s*\]\]", param)
