@@ -13,7 +13,7 @@ import numpy as np
 from ._allocator import Allocation, Block, Queue
 from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import checkpoint
-from ._device_state import DeviceState
+from ._device_state import DeviceState, two_names
 from ._dlpack import Exports, TypedView
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
 from ._timeline import wait_value
@@ -39,6 +39,29 @@ def plain_dtype(dtype: Any, what: str = "dtype") -> np.dtype[Any]:
 
 
 _BYTES = np.dtype(np.uint8)
+
+
+def items_of(nbytes: int, dtype: np.dtype[Any], shape: Any) -> int:
+    """How many ``dtype`` items ``nbytes`` hold, checked to fill whole items and, unless
+    ``shape`` is None, to take ``shape`` (as numpy's ``reshape`` does, ``-1`` included)
+    -- before anything is read."""
+    if nbytes % dtype.itemsize:
+        raise InvalidArgumentError(
+            f"buffer of {nbytes} bytes is not a whole number of {dtype} items"
+        )
+    count = nbytes // dtype.itemsize
+    if shape is not None:
+        try:  # a zero-stride array of that many items: reshaped without memory
+            np.broadcast_to(np.empty(1, np.uint8), (count,)).reshape(shape)
+        except TypeError:
+            raise ArgumentTypeError(
+                f"shape must be an int or a tuple of ints, got {shape!r}"
+            ) from None
+        except ValueError:
+            raise InvalidArgumentError(
+                f"shape {shape!r} does not hold the buffer's {count} {dtype} items"
+            ) from None
+    return count
 
 
 class Buffer(Exports):
@@ -129,16 +152,14 @@ class Buffer(Exports):
         Ordered after earlier work on the device's default queue. Cancelling the await
         does not withdraw the copy: it completes, and ``data`` is kept alive until then.
         """
+        check_buffer(self, "buffer")  # (the copy's own check would call it dst)
         await self._state.default_queue().copy(self, data)
 
     async def read(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray[Any, Any]:
         """A new numpy array holding the buffer's bytes, read after earlier queue work."""
+        check_buffer(self, "buffer")  # (the copy's own check would call it src)
         dtype = plain_dtype(dtype)
-        if self.nbytes % dtype.itemsize:
-            raise InvalidArgumentError(
-                f"buffer of {self.nbytes} bytes is not a whole number of {dtype} items"
-            )
-        out = np.empty(self.nbytes // dtype.itemsize, dtype)
+        out = np.empty(items_of(self.nbytes, dtype, shape), dtype)
         await self._state.default_queue().copy(out, self)
         return out if shape is None else out.reshape(shape)
 
@@ -178,10 +199,7 @@ class Buffer(Exports):
                 f"{self._state.name} memory is not host-visible: use read() instead"
             )
         dtype = plain_dtype(dtype)
-        if self.nbytes % dtype.itemsize:
-            raise InvalidArgumentError(
-                f"buffer of {self.nbytes} bytes is not a whole number of {dtype} items"
-            )
+        items_of(self.nbytes, dtype, shape)
         for queue, value in uses(self):
             await wait_value(queue.timeline, value)
         view = backend.host_view(self._allocation.handle, self.offset, self.nbytes)
@@ -198,7 +216,8 @@ def check_buffer(buf: Buffer, what: str, state: DeviceState | None = None) -> No
     if own.closed:
         raise ClosedResourceError(f"{what} belongs to the closed device {own.name}")
     if state is not None and state is not own:
-        raise InvalidArgumentError(f"{what} is on {own.name}, expected a buffer of {state.name}")
+        its, expected = two_names(own, state)
+        raise InvalidArgumentError(f"{what} is on {its}, expected a buffer of {expected}")
 
 
 def launch_args(buffers: Sequence[Buffer], kernel: str, state: DeviceState) -> list[Arg]:

@@ -271,6 +271,8 @@ class Device:
             raise ArgumentTypeError(
                 f"compile(src, name) takes two str, got {type(src).__name__}, {type(name).__name__}"
             )
+        if not name:
+            raise InvalidArgumentError("compile(src, name): the kernel's name is empty")
         lost = self._backend.lost_error(f"compiling {name!r}")  # a loaded program too
         if lost is not None:
             raise lost
@@ -593,6 +595,8 @@ async def from_numpy(array: Any) -> Buffer:
     """``array`` as a read-only Buffer of the process's ``npy`` device, usable as a
     source of :func:`asyncmetal.copy` like any device buffer. No bytes are copied."""
     global _npy_device
+    if not isinstance(array, np.ndarray):
+        raise ArgumentTypeError(f"from_numpy takes a numpy array, got {type(array).__name__}")
     if _npy_device is None or _npy_device.closed:
         device = await open_device(backends.ARRAYS)
         if _npy_device is None or _npy_device.closed:

@@ -52,3 +52,12 @@ class DeviceState:
     def default_queue(self) -> Copier:
         assert self.queue is not None, "a device makes its default queue when it opens"
         return self.queue
+
+
+def two_names(one: DeviceState, other: DeviceState) -> tuple[str, str]:
+    """The names of two different devices for one message: where both were opened under
+    the same name (each ``open_device`` opens a device of its own), the first is called
+    "another device opened as ..."."""
+    if one.name == other.name:
+        return f"another device opened as {one.name}", other.name
+    return one.name, other.name

@@ -497,7 +497,10 @@ class TypedView(Exports):
     __slots__ = ("buffer", "dtype", "shape")
 
     def __init__(self, buffer: Buffer, dtype: Any, shape: Any = None) -> None:
-        dtype = np.dtype(dtype)
+        try:
+            dtype = np.dtype(dtype)
+        except (TypeError, ValueError):
+            raise ArgumentTypeError(f"dtype must be a numpy dtype, got {dtype!r}") from None
         dtype_code(dtype)
         if buffer.nbytes % dtype.itemsize:
             raise InvalidArgumentError(
@@ -508,6 +511,8 @@ class TypedView(Exports):
             shape = (count,)
         elif isinstance(shape, int):
             shape = (shape,)
+        if not isinstance(shape, (tuple, list)):
+            raise ArgumentTypeError(f"shape must be an int or a tuple of ints, got {shape!r}")
         shape = tuple(shape)
         if not all(isinstance(n, int) and n >= 0 for n in shape) or math.prod(shape) != count:
             raise InvalidArgumentError(

@@ -11,7 +11,7 @@ from ._allocator import Allocation
 from ._backend import Arg, NativeQueue, Record, new_arg
 from ._buffer import Buffer, check_buffer, launch_args, record_uses, uses
 from ._copyargs import copy_operands
-from ._device_state import DeviceState
+from ._device_state import DeviceState, two_names
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
 from ._program import Program
 from ._timeline import (
@@ -259,9 +259,9 @@ class Queue:
         if program.__class__ is not Program:
             raise ArgumentTypeError(f"program must be a Program, got {type(program).__name__}")
         if program.device is not self.device:
+            compiled_for, this = two_names(program._state, self._state)
             raise InvalidArgumentError(
-                f"program {program.name!r} was compiled for {program.device.name}, "
-                f"not {self._state.name}"
+                f"program {program.name!r} was compiled for {compiled_for}, not {this}"
             )
         if vals.__class__ is not tuple and (
             isinstance(vals, (str, bytes)) or not isinstance(vals, Sequence)

@@ -153,6 +153,25 @@ async def test_buffer_of_another_device_is_refused(
         )
 
 
+async def test_a_device_opened_under_the_same_name_is_told_apart(anyio_backend: object) -> None:
+    """Each open_device opens a device of its own: two opened as cpu are two devices,
+    and a refusal says which is which (before: "is on cpu, expected a buffer of cpu")."""
+    async with am.open_device("cpu") as first, am.open_device("cpu") as second:
+        assert first is not second and first.name == second.name == "cpu"
+        k = await second.compile("void k(int* x) {}", "k")
+        buf = await second.alloc(4)
+        with pytest.raises(
+            am.InvalidArgumentError, match="compiled for another device opened as cpu, not cpu"
+        ):
+            first.queue.launch(k, buf)
+        k = await first.compile("void k(int* x) {}", "k")
+        with pytest.raises(
+            am.InvalidArgumentError,
+            match="is on another device opened as cpu, expected a buffer of cpu",
+        ):
+            first.queue.launch(k, buf)
+
+
 async def test_freed_buffer_is_refused(device: am.Device, kernels: dict[str, am.Program]) -> None:
     buf = await device.alloc(16)
     await buf.free()
@@ -214,6 +233,38 @@ async def test_c_that_does_not_compile_carries_the_log(device: am.Device) -> Non
 async def test_bad_compile_arguments(device: am.Device) -> None:
     with pytest.raises(am.ArgumentTypeError, match="takes two str"):
         await device.compile(b"void k(void){}", "k")  # type: ignore[arg-type]
+
+
+async def test_bad_dtypes_and_shapes_raise_asyncmetals_errors(device: am.Device) -> None:
+    """Checked before anything is read (before: numpy's own TypeError and ValueError,
+    the read's after its copy)."""
+    buf = await device.alloc(64)
+    await buf.write(np.arange(16, dtype=np.int32))
+    with pytest.raises(am.ArgumentTypeError, match="dtype"):
+        buf.typed("nope")
+    with pytest.raises(am.ArgumentTypeError, match="shape"):
+        buf.typed(np.int32, "4")
+    for read in (buf.read, buf.map):
+        with pytest.raises(am.InvalidArgumentError, match=r"shape \(5,\) does not hold"):
+            await read(np.int32, (5,))
+        with pytest.raises(am.ArgumentTypeError, match="shape"):
+            await read(np.int32, "4")
+        assert (await read(np.int32, (4, -1))).tolist()[1] == [4, 5, 6, 7]
+
+
+async def test_refusals_name_what_was_called(device: am.Device) -> None:
+    """Not the internals' names (before: "src was freed" from read, "wrap takes" from
+    from_numpy, and an empty kernel name compiled before it was refused)."""
+    buf = await device.alloc(16)
+    await buf.free()
+    with pytest.raises(am.ClosedResourceError, match=r"^buffer was freed"):
+        await buf.read()
+    with pytest.raises(am.ClosedResourceError, match=r"^buffer was freed"):
+        await buf.write(bytes(16))
+    with pytest.raises(am.ArgumentTypeError, match=r"^from_numpy takes a numpy array, got list"):
+        await am.from_numpy([1, 2])
+    with pytest.raises(am.InvalidArgumentError, match="name is empty"):
+        await device.compile("void k(void) {}", "")
 
 
 async def test_bad_allocations(device: am.Device) -> None:

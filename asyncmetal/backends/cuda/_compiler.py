@@ -49,7 +49,6 @@ class CUDACompiler(Compiler):
         finally:
             nvrtc.nvrtcDestroyProgram(prog)
 
-
     def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
         """The kernel's parameters; a value parameter must be an integer (launches
         pass ints: a float parameter would get an int's bits)."""
