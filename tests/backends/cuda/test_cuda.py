@@ -179,6 +179,12 @@ async def test_compile_errors(anyio_backend: object) -> None:
         assert "nope" in info.value.log
         with pytest.raises(am.CompileError, match="not defined"):
             await dev.compile(KERNELS, "missing")
+        with pytest.raises(am.CompileError) as info:  # the signature itself is broken
+            await dev.compile('extern "C" __global__ void k( {', "k")
+        assert "not defined" not in str(info.value) and info.value.log
+        # Launch values are ints: a float parameter would get an int's bits.
+        with pytest.raises(am.CompileError, match="'float a' is not an integer"):
+            await dev.compile('extern "C" __global__ void k(float* x, float a) { x[0] = a; }', "k")
 
 
 def test_nvrtc_compiler_pickles_as_configuration() -> None:
