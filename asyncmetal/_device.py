@@ -145,9 +145,10 @@ class Device:
 
     def new_queue(self) -> Queue:
         """A new queue: its own ordered stream and timeline."""
-        self._check_open()
-        queue = Queue(self._state, _made=MADE_BY_DEVICE)
-        self._queues.append(queue)
+        with self._state.submitting:  # (a close seals its queues: see Queue._submit)
+            self._check_open()
+            queue = Queue(self._state, _made=MADE_BY_DEVICE)
+            self._queues.append(queue)
         return queue
 
     def adopt_stream(self, stream: object) -> Queue:
@@ -158,13 +159,14 @@ class Device:
         submitted there before. asyncmetal commands on it run in the stream's order.
         Closing the device leaves the stream to its owner (it must outlive the device
         or the queue's last use). Adopting a stream again gives the same queue."""
-        self._check_open()
-        key = self._backend.stream_key(stream)
-        queue = self._adopted.get(key)
-        if queue is None:
-            queue = Queue(self._state, _made=MADE_BY_DEVICE, _stream=stream)
-            self._queues.append(queue)
-            self._adopted[key] = queue
+        with self._state.submitting:  # (as new_queue)
+            self._check_open()
+            key = self._backend.stream_key(stream)
+            queue = self._adopted.get(key)
+            if queue is None:
+                queue = Queue(self._state, _made=MADE_BY_DEVICE, _stream=stream)
+                self._queues.append(queue)
+                self._adopted[key] = queue
         return queue
 
     def timeline(self) -> Timeline:

@@ -111,6 +111,49 @@ async def test_what_another_thread_submits_as_close_counts_runs_or_is_refused(
 
 
 @pytest.mark.anyio
+async def test_a_queue_made_on_another_thread_as_the_device_closes_closes_with_it(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queue that another thread is making as the device closes is closed with the
+    device, or refused (before: it was added once the close had closed the others, and
+    its native thread ran on)."""
+    from asyncmetal._queue import Queue
+
+    dev = await am.open_device("cpu:23")
+    making, made_slowly = threading.Event(), threading.Event()
+    original = Queue.__init__
+
+    def slow_init(self: Queue, *args: object, **kwargs: object) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            making.set()
+            made_slowly.wait(10)
+        original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Queue, "__init__", slow_init)
+    made: list[am.Queue] = []
+    refused: list[am.ClosedResourceError] = []
+
+    def make() -> None:
+        try:
+            made.append(dev.new_queue())
+        except am.ClosedResourceError as exc:
+            refused.append(exc)
+
+    thread = threading.Thread(target=make)
+    thread.start()
+    assert making.wait(10)
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(dev.close)
+            await anyio.sleep(0.05)
+            made_slowly.set()
+    await anyio.to_thread.run_sync(thread.join)
+    assert len(made) + len(refused) == 1
+    for queue in made:
+        assert queue._native._handle is None  # type: ignore[attr-defined]  # closed natively
+
+
+@pytest.mark.anyio
 async def test_concurrent_closes_share_one_teardown(anyio_backend: object) -> None:
     dev = await am.open_device("cpu:22")
     sleep = await dev.compile(KERNELS, "sleep_ms")
