@@ -171,9 +171,10 @@ class Device:
 
     def timeline(self) -> Timeline:
         """A new timeline at value 0, for ordering between queues, devices and the host."""
-        self._check_open()
-        timeline = Timeline(self._state, _made=MADE_BY_DEVICE)
-        self._timelines.add(timeline)
+        with self._state.submitting:  # (as new_queue: a close ends waits on every one)
+            self._check_open()
+            timeline = Timeline(self._state, _made=MADE_BY_DEVICE)
+            self._timelines.add(timeline)
         return timeline
 
     async def alloc(self, nbytes: int, *, timeout: float | None = None) -> Buffer:
