@@ -154,6 +154,46 @@ async def test_a_queue_made_on_another_thread_as_the_device_closes_closes_with_i
 
 
 @pytest.mark.anyio
+async def test_a_timeline_made_on_another_thread_as_the_device_closes_ends_its_waits(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the queue above: a timeline made as the device closes is refused, or one whose
+    waits the close ends (before: made after the close ended the others' waits, a wait
+    on it waited for good)."""
+    from asyncmetal._timeline import Timeline
+
+    dev = await am.open_device("cpu:24")
+    making, made_slowly = threading.Event(), threading.Event()
+    original = Timeline.__init__
+
+    def slow_init(self: Timeline, *args: object, **kwargs: object) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            making.set()
+            made_slowly.wait(10)
+        original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Timeline, "__init__", slow_init)
+    made: list[am.Timeline] = []
+
+    def make() -> None:
+        with contextlib.suppress(am.ClosedResourceError):
+            made.append(dev.timeline())
+
+    thread = threading.Thread(target=make)
+    thread.start()
+    assert making.wait(10)
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(dev.close)
+            await anyio.sleep(0.05)
+            made_slowly.set()
+        await anyio.to_thread.run_sync(thread.join)
+        for timeline in made:
+            with pytest.raises(am.ClosedResourceError):
+                await timeline.wait(1)
+
+
+@pytest.mark.anyio
 async def test_concurrent_closes_share_one_teardown(anyio_backend: object) -> None:
     dev = await am.open_device("cpu:22")
     sleep = await dev.compile(KERNELS, "sleep_ms")
