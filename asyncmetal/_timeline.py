@@ -308,7 +308,10 @@ def _no_owner() -> None:
     return None
 
 
-_waiting = threading.local()  # per thread: the _Count of the loop that waited last, as "count"
+# Per thread: the _Count of the loop that waited last, as "count", and the one before
+# it, as "previous": two loops that take turns on one thread (a trio guest run and its
+# asyncio host, two asyncio loops run in turn) each keep their own.
+_waiting = threading.local()
 
 
 def _count_here() -> _Count:
@@ -318,19 +321,37 @@ def _count_here() -> _Count:
     if owner is None or ("trio" in sys.modules and _bridge.in_trio_task()):
         owner = _bridge.running_trio_run()
     if count is None or count.owner() is not owner:
-        count = _waiting.count = _Count(owner)
+        count = _switch_count(count, owner)
+    return count
+
+
+def _switch_count(last: _Count | None, owner: object) -> _Count:
+    """The count of ``owner``, a loop other than the one that waited last on this
+    thread: the one before it, or a new one. The other is kept as the one before."""
+    previous: _Count | None = getattr(_waiting, "previous", None)
+    if previous is not None and previous.owner() is owner:
+        count = previous
+        if count.gone:
+            count.settle()
+    else:
+        count = _Count(owner)
+    _waiting.previous, _waiting.count = last, count
     return count
 
 
 def waiting_here() -> int:
     """How many tasks of the calling thread's loop wait in ``wait_value`` now (outside a
     loop: of the loop that waited last on this thread)."""
-    count: _Count | None = getattr(_waiting, "count", None)
     owner = _bridge.running_asyncio_loop() or _bridge.running_trio_run()
-    if count is None or (owner is not None and count.owner() is not owner):
-        return 0
-    count.settle()
-    return count.n
+    counts: tuple[_Count | None, ...] = (
+        getattr(_waiting, "count", None),
+        getattr(_waiting, "previous", None),
+    )
+    for count in counts:
+        if count is not None and (owner is None or count.owner() is owner):
+            count.settle()
+            return count.n
+    return 0
 
 
 @types.coroutine

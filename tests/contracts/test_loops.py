@@ -80,6 +80,36 @@ def test_a_trio_guest_run_on_an_asyncio_loop_awaits_as_trio_beside_the_hosts_tas
     asyncio.run(host())
 
 
+def test_loops_taking_turns_on_one_thread_each_count_their_own_waiting_tasks() -> None:
+    """The crowd count (turns and slices start from 16 waiting tasks) is per loop: a
+    loop run again after another ran on the thread finds its tasks still counted
+    (before: it started from 0, and a crowd of it was not treated as one)."""
+    from asyncmetal import _timeline
+
+    async def waiting() -> int:
+        return _timeline.waiting_here()
+
+    first, second = asyncio.new_event_loop(), asyncio.new_event_loop()
+    try:
+        dev = first.run_until_complete(am.open_device("cpu"))
+        timeline = dev.timeline()
+        tasks = [first.create_task(timeline.wait(1)) for _ in range(20)]
+        first.run_until_complete(asyncio.sleep(0.01))
+        tasks += [second.create_task(timeline.wait(1)) for _ in range(5)]
+        second.run_until_complete(asyncio.sleep(0.01))
+        for _ in range(2):
+            assert first.run_until_complete(waiting()) == 20
+            assert second.run_until_complete(waiting()) == 5
+        timeline.signal(1)
+        second.run_until_complete(asyncio.gather(*tasks[20:]))
+        first.run_until_complete(asyncio.gather(*tasks[:20]))
+        assert first.run_until_complete(waiting()) == second.run_until_complete(waiting()) == 0
+        first.run_until_complete(dev.close())
+    finally:
+        first.close()
+        second.close()
+
+
 def test_outside_a_loop_the_error_is_asyncmetals() -> None:
     for _ in range(2):  # with trio imported and not running, and again
         with pytest.raises(am.NoLoopError, match="awaited from asyncio, uvloop or trio"):
