@@ -101,7 +101,10 @@ def integer_params(src: str, name: str) -> tuple[ParamKind, ...]:
     as raw bits (cuda)."""
     declarations = c_param_declarations(src, name)
     for kind, declaration in declarations:
-        if kind == "value" and _NOT_AN_INTEGER.search(declaration):
+        # The type: the declaration less its name (`int half` is an int named half).
+        words = declaration.split()
+        type_words = " ".join(words[:-1]) if len(words) > 1 else declaration
+        if kind == "value" and _NOT_AN_INTEGER.search(type_words):
             raise CompileError(
                 f"kernel {name!r}: parameter {declaration!r} is not an integer; launch "
                 "values are ints (int32): pass other values in a buffer",

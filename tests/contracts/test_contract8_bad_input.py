@@ -219,6 +219,9 @@ async def test_value_parameters_must_be_integers(device: am.Device) -> None:
         assert info.value.name == "k" and declaration in str(info.value)
     ints = "void k(int* out, long a, unsigned n, unsigned long long m, char c, _Bool b) {}"
     assert (await device.compile(ints, "k")).params == ("buffer",) + ("value",) * 5
+    # Named like a type, still an int (the name is not the type).
+    named = "void k(int* out, int half, unsigned float_count, int struct_size) {}"
+    assert (await device.compile(named, "k")).params == ("buffer",) + ("value",) * 3
 
 
 async def test_c_that_does_not_compile_carries_the_log(device: am.Device) -> None:
