@@ -7,6 +7,7 @@ import collections
 import contextlib
 import functools
 import os
+import threading
 import weakref
 from collections.abc import AsyncIterator, Collection, Generator, Iterable
 from typing import Any
@@ -72,6 +73,19 @@ def _completable() -> dict[Queue, int]:
     """How far each queue of every open device can still get (``_queue.completable``):
     queues of one device may wait on those of another."""
     return completable([q for d in list(_open_devices) for q in d._queues])
+
+
+def _count_completable() -> dict[Queue, int]:
+    """``_completable()``, counted while no submission to any open device is under way:
+    each holds its device's submission lock from its check that the device is open to
+    its record of a device wait (``Queue.wait``), and a count between a wait's hand-over
+    and that record would take the wait for one that completes, and wait for it for
+    good. It takes the locks: call it off the loop."""
+    states = sorted({id(d._state): d._state for d in list(_open_devices)}.items())
+    with contextlib.ExitStack() as held:
+        for _, state in states:
+            held.enter_context(state.submitting)
+        return _completable()
 
 
 class Device:
@@ -145,6 +159,7 @@ class Device:
 
     def new_queue(self) -> Queue:
         """A new queue: its own ordered stream and timeline."""
+        self._check_open()  # (first: see Queue._submit)
         with self._state.submitting:  # (a close seals its queues: see Queue._submit)
             self._check_open()
             queue = Queue(self._state, _made=MADE_BY_DEVICE)
@@ -159,6 +174,7 @@ class Device:
         submitted there before. asyncmetal commands on it run in the stream's order.
         Closing the device leaves the stream to its owner (it must outlive the device
         or the queue's last use). Adopting a stream again gives the same queue."""
+        self._check_open()
         with self._state.submitting:  # (as new_queue)
             self._check_open()
             key = self._backend.stream_key(stream)
@@ -171,6 +187,7 @@ class Device:
 
     def timeline(self) -> Timeline:
         """A new timeline at value 0, for ordering between queues, devices and the host."""
+        self._check_open()
         with self._state.submitting:  # (as new_queue: a close ends waits on every one)
             self._check_open()
             timeline = Timeline(self._state, _made=MADE_BY_DEVICE)
@@ -390,7 +407,7 @@ class Device:
         still complete (commands may be submitted meanwhile: they are waited for too);
         return each queue's limit, computed with nothing left to wait for."""
         while True:
-            limits = _completable()
+            limits = await anyio.to_thread.run_sync(_count_completable)
             behind = [q for q in self._queues if q.timeline.value < limits[q]]
             if not behind:
                 return limits
@@ -644,6 +661,8 @@ def _forget_parent_devices() -> None:
         _inherited_drivers.setdefault(kind, parent)
     for device in list(_open_devices):
         _open_devices.discard(device)
+        # A thread of the parent may have held it at the fork: it is never let go here.
+        device._state.submitting = threading.RLock()
         if device.closed:
             continue
         where = f"opened in process {parent}; open devices in the child"

@@ -192,6 +192,9 @@ class Queue:
         is either numbered and handed over before the close counts what to wait for, or
         refused as the device is closed (never numbered and left unsubmitted)."""
         state = self._state
+        # Refused before the lock too: in a forked child (whose devices are all closed)
+        # the lock may be one a parent thread held at the fork.
+        state.check_open()
         with state.submitting:
             state.check_open()
             self._submitted = value = self._submitted + 1
@@ -296,9 +299,10 @@ class Queue:
         value, earlier = order_queue_signal(timeline, value, self.timeline)
         if earlier:  # another queue's signal of it, not run yet: that one first
             self.wait(timeline, earlier)
-        done = self._submit(self._native.signal, timeline.native, value)
-        queue_signal_submitted(timeline, self.timeline, done.value, value)
-        self._track(done.value, False, timeline, value)
+        with self._state.submitting:  # recorded with it, for a close's count (as wait)
+            done = self._submit(self._native.signal, timeline.native, value)
+            queue_signal_submitted(timeline, self.timeline, done.value, value)
+            self._track(done.value, False, timeline, value)
         return done
 
     def wait(self, timeline: Timeline, value: int) -> Completion:
@@ -309,8 +313,12 @@ class Queue:
         """
         timeline = check_timeline(timeline, "timeline", self._state.kind)
         value = check_value(value)
-        done = self._submit(self._native.wait, timeline.native, value)
-        self._track(done.value, True, timeline, value)
+        # Recorded as a device wait with the command, under the lock a close counts
+        # under (Device._finish_completable): counted in between, it would seem to be
+        # one that completes, and the close would wait for it for good.
+        with self._state.submitting:
+            done = self._submit(self._native.wait, timeline.native, value)
+            self._track(done.value, True, timeline, value)
         return done
 
     def _track(self, value: int, is_wait: bool, timeline: Timeline, target: int) -> None:

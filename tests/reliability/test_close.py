@@ -11,6 +11,7 @@ import random
 import threading
 import time
 import weakref
+from typing import Any
 
 import anyio
 import numpy as np
@@ -66,9 +67,10 @@ async def test_what_another_thread_submits_as_close_counts_runs_or_is_refused(
     anyio_backend: object, at_count: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another thread (another loop's) submits a launch (the native path) and a copy
-    (Python's) right as the close counts what is left to wait for (each time it
-    counts, in turn): each command runs, or is refused as the device is closed --
-    never accepted, then abandoned as one that "never ran"."""
+    (Python's) as the close counts what is left to wait for (each time it counts, in
+    turn; the count holds the submission locks, so the thread goes on right after it):
+    each command runs, or is refused as the device is closed -- never accepted, then
+    abandoned as one that "never ran"."""
     from asyncmetal import _device
 
     dev = await am.open_device("cpu:22")
@@ -89,20 +91,22 @@ async def test_what_another_thread_submits_as_close_counts_runs_or_is_refused(
 
     counted = 0
     original = _device._completable
+    threads: list[threading.Thread] = []
 
     def count_then_submit_elsewhere() -> dict[am.Queue, int]:
         nonlocal counted
         limits = original()
         counted += 1
-        if counted == at_count:  # another thread runs right here
-            thread = threading.Thread(target=submit)
-            thread.start()
-            thread.join()
+        if counted == at_count:  # another thread submits from here on
+            threads.append(threading.Thread(target=submit))
+            threads[0].start()
         return limits
 
     monkeypatch.setattr(_device, "_completable", count_then_submit_elsewhere)
     with anyio.fail_after(20):
         await dev.close()
+        for thread in threads:
+            await anyio.to_thread.run_sync(thread.join)
     assert counted >= at_count and len(made) + len(refused) == 2
     for done in made:
         await done  # ran (a command abandoned at close would raise "never ran")
@@ -191,6 +195,53 @@ async def test_a_timeline_made_on_another_thread_as_the_device_closes_ends_its_w
         for timeline in made:
             with pytest.raises(am.ClosedResourceError):
                 await timeline.wait(1)
+
+
+def test_a_wait_another_thread_submits_as_close_counts_is_abandoned_not_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A device wait nothing will signal, submitted by another thread as the device
+    closes: the close counts it as a wait (and abandons what it holds) rather than as a
+    command that completes -- which it would wait for for good. Here the thread is held
+    between the wait's hand-over and its record as a wait (before: the close hung)."""
+    from asyncmetal._queue import Queue
+
+    original = Queue._track
+    submitted = threading.Event()
+
+    def slow_track(self: Queue, *args: Any) -> None:
+        if threading.current_thread().name == "submitter":
+            submitted.set()
+            time.sleep(0.3)  # preempted here: the close counts meanwhile
+        original(self, *args)
+
+    monkeypatch.setattr(Queue, "_track", slow_track)
+
+    async def main() -> tuple[bool, list[object]]:
+        dev = await am.open_device("cpu:25")
+        timeline, queue = dev.timeline(), dev.new_queue()
+        result: list[object] = []
+
+        def submit() -> None:
+            try:
+                result.append(queue.wait(timeline, 5))  # nothing signals 5
+            except am.ClosedResourceError as exc:
+                result.append(exc)
+
+        thread = threading.Thread(target=submit, name="submitter")
+        thread.start()
+        await anyio.to_thread.run_sync(submitted.wait)
+        closing = asyncio.ensure_future(dev.close())  # shielded: waited for, bounded
+        done, _ = await asyncio.wait({closing}, timeout=10)
+        if not done:
+            timeline.signal(5)  # let the hung close end, to report it
+            await closing
+        await anyio.to_thread.run_sync(thread.join)
+        return bool(done), result
+
+    closed, result = asyncio.run(main())
+    assert closed, "the close waited for a device wait nothing signals"
+    assert len(result) == 1
 
 
 @pytest.mark.anyio

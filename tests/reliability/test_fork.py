@@ -89,6 +89,7 @@ SRC = "void k(int* o, int v) { o[0] = v; }"
 async def child(dev, program, buf, tl, queue, pending):
     with anyio.fail_after(20):
         await refused("launch", lambda: dev.queue.launch(program, buf, vals=(5,)))
+        await refused("launch, no buffer", lambda: queue.launch(dev._programs_empty))
         await refused("await a completion", lambda: pending)
         await refused("completion.done", pending.done)
         await refused("timeline.wait", lambda: tl.wait(1))
@@ -133,6 +134,7 @@ async def parent_open():
     queue = dev.new_queue()
     queue.wait(tl, 1)  # its thread sleeps on tl's condition across the fork
     pending = queue.launch(program, buf, vals=(4,))
+    dev._programs_empty = await dev.compile("void e(void) {}", "e")  # (held for the child)
     getattr(_device, "_kinds_opened", set()).add("cuda")  # as if it had opened cuda too
     return dev, program, buf, tl, queue, pending
 
@@ -149,7 +151,23 @@ async def parent_finish(dev, buf, tl, pending):
 def main(scenario):
     objects = anyio.run(parent_open)
     dev, program, buf, tl, queue, pending = objects
+    stop, submitter = False, None
+    if scenario == "use-while-submitting":  # a parent thread may hold the device's
+        scenario = "use"  # submission lock as the process forks
+
+        def submit(q=dev.new_queue(), out=np.zeros(1, np.int32)):
+            while not stop:
+                q.copy(out, buf)
+
+        import threading
+
+        submitter = threading.Thread(target=submit)
+        submitter.start()
+        time.sleep(0.05)
     fork_and_check(scenario, child, objects)
+    stop = True
+    if submitter is not None:
+        submitter.join()
     anyio.run(parent_finish, dev, buf, tl, pending)
     print("\n".join(checks) if checks else "ok", flush=True)
 
@@ -160,7 +178,7 @@ main(sys.argv[1])
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
-@pytest.mark.parametrize("scenario", ["exit", "exit-in-loop", "use"])
+@pytest.mark.parametrize("scenario", ["exit", "exit-in-loop", "use", "use-while-submitting"])
 def test_a_forked_child_is_refused_the_parents_devices_and_exits(scenario: str) -> None:
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, scenario], capture_output=True, text=True, timeout=120
