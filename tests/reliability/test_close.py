@@ -114,6 +114,39 @@ async def test_what_another_thread_submits_as_close_counts_runs_or_is_refused(
         assert out[0] == 7
 
 
+async def _made_elsewhere_as_it_closes(
+    dev: am.Device, cls: type, make: Any, monkeypatch: pytest.MonkeyPatch
+) -> list[Any]:
+    """Another thread calls ``make()``, which builds a ``cls`` -- slowly: the device's
+    close starts while it does. Returns what it made (nothing where it was refused)."""
+    making, made_slowly = threading.Event(), threading.Event()
+    original = cls.__init__
+
+    def slow_init(self: object, *args: object, **kwargs: object) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            making.set()
+            made_slowly.wait(10)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "__init__", slow_init)
+    made: list[Any] = []
+
+    def call() -> None:
+        with contextlib.suppress(am.ClosedResourceError):
+            made.append(make())
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    assert making.wait(10)
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(dev.close)
+            await anyio.sleep(0.05)
+            made_slowly.set()
+        await anyio.to_thread.run_sync(thread.join)
+    return made
+
+
 @pytest.mark.anyio
 async def test_a_queue_made_on_another_thread_as_the_device_closes_closes_with_it(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch
@@ -124,37 +157,8 @@ async def test_a_queue_made_on_another_thread_as_the_device_closes_closes_with_i
     from asyncmetal._queue import Queue
 
     dev = await am.open_device("cpu:23")
-    making, made_slowly = threading.Event(), threading.Event()
-    original = Queue.__init__
-
-    def slow_init(self: Queue, *args: object, **kwargs: object) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            making.set()
-            made_slowly.wait(10)
-        original(self, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Queue, "__init__", slow_init)
-    made: list[am.Queue] = []
-    refused: list[am.ClosedResourceError] = []
-
-    def make() -> None:
-        try:
-            made.append(dev.new_queue())
-        except am.ClosedResourceError as exc:
-            refused.append(exc)
-
-    thread = threading.Thread(target=make)
-    thread.start()
-    assert making.wait(10)
-    with anyio.fail_after(20):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(dev.close)
-            await anyio.sleep(0.05)
-            made_slowly.set()
-    await anyio.to_thread.run_sync(thread.join)
-    assert len(made) + len(refused) == 1
-    for queue in made:
-        assert queue._native._handle is None  # type: ignore[attr-defined]  # closed natively
+    for queue in await _made_elsewhere_as_it_closes(dev, Queue, dev.new_queue, monkeypatch):
+        assert queue._native._handle is None  # closed natively
 
 
 @pytest.mark.anyio
@@ -167,34 +171,9 @@ async def test_a_timeline_made_on_another_thread_as_the_device_closes_ends_its_w
     from asyncmetal._timeline import Timeline
 
     dev = await am.open_device("cpu:24")
-    making, made_slowly = threading.Event(), threading.Event()
-    original = Timeline.__init__
-
-    def slow_init(self: Timeline, *args: object, **kwargs: object) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            making.set()
-            made_slowly.wait(10)
-        original(self, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Timeline, "__init__", slow_init)
-    made: list[am.Timeline] = []
-
-    def make() -> None:
-        with contextlib.suppress(am.ClosedResourceError):
-            made.append(dev.timeline())
-
-    thread = threading.Thread(target=make)
-    thread.start()
-    assert making.wait(10)
-    with anyio.fail_after(20):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(dev.close)
-            await anyio.sleep(0.05)
-            made_slowly.set()
-        await anyio.to_thread.run_sync(thread.join)
-        for timeline in made:
-            with pytest.raises(am.ClosedResourceError):
-                await timeline.wait(1)
+    for timeline in await _made_elsewhere_as_it_closes(dev, Timeline, dev.timeline, monkeypatch):
+        with anyio.fail_after(20), pytest.raises(am.ClosedResourceError):
+            await timeline.wait(1)
 
 
 def test_a_wait_another_thread_submits_as_close_counts_is_abandoned_not_waited_for(
