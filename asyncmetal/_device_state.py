@@ -33,8 +33,9 @@ class DeviceState:
         self.backend = backend
         self.closed = False
         # Held by a queue from the check that the device is open to the hand-over of
-        # its command, and by a close as it sets ``closed`` (Queue._submit): no
-        # command of another thread is left between the two as the device closes.
+        # its command (and its record as a device wait or signal), by a close as it
+        # sets ``closed`` and as it counts what is left to wait for (Queue._submit,
+        # Device.close): no command of another thread is half submitted then.
         # (The native launch path needs none: it numbers a command and reads
         # ``closed`` with no Python code between, so no thread runs in between.)
         self.submitting = threading.RLock()
