@@ -9,8 +9,8 @@ import functools
 import os
 import threading
 import weakref
-from collections.abc import AsyncIterator, Collection, Generator, Iterable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Collection, Generator, Iterable
+from typing import Any, TypeVar
 
 import anyio
 import numpy as np
@@ -34,7 +34,7 @@ from ._errors import (
 )
 from ._pool import CompilePool, check_timeout, compiler_identity, default_pool
 from ._program import Program
-from ._queue import Queue, abandon, close_native, completable, flush
+from ._queue import Queue, abandon, close_native, completable, flush, submitted_record
 from ._timeline import MADE_BY_DEVICE, HostEvents, Timeline, end_waits, wait_value
 
 
@@ -59,8 +59,19 @@ def parse_name(name: str) -> tuple[str, int]:
     return kind, int(index or 0)
 
 
+T = TypeVar("T")
+
+# The devices open in this process, weakly. A WeakSet's iteration is Python code, which
+# another thread's add or discard breaks ("changed size"): both under the lock.
 _open_devices: weakref.WeakSet[Device] = weakref.WeakSet()
+_open_devices_lock = threading.Lock()
 _opened = [0]  # devices opened so far in this process
+
+
+def _devices() -> list[Device]:
+    """The devices in ``_open_devices`` now (some may be closing)."""
+    with _open_devices_lock:
+        return list(_open_devices)
 
 
 def devices_opened() -> int:
@@ -72,20 +83,49 @@ def devices_opened() -> int:
 def _completable() -> dict[Queue, int]:
     """How far each queue of every open device can still get (``_queue.completable``):
     queues of one device may wait on those of another."""
-    return completable([q for d in list(_open_devices) for q in d._queues])
+    return completable([q for d in _devices() for q in d._queues])
 
 
-def _count_completable() -> dict[Queue, int]:
-    """``_completable()``, counted while no submission to any open device is under way:
-    each holds its device's submission lock from its check that the device is open to
-    its record of a device wait (``Queue.wait``), and a count between a wait's hand-over
-    and that record would take the wait for one that completes, and wait for it for
-    good. It takes the locks: call it off the loop."""
-    states = sorted({id(d._state): d._state for d in list(_open_devices)}.items())
-    with contextlib.ExitStack() as held:
-        for _, state in states:
-            held.enter_context(state.submitting)
-        return _completable()
+async def _count_completable() -> dict[Queue, int]:
+    """``_completable()``, from what was submitted to each queue taken while no
+    submission to any open device is under way: each holds its device's submission
+    lock from its check that the device is open to its record of a device wait
+    (``Queue.wait``), and a count between a wait's hand-over and that record would take
+    the wait for one that completes, and wait for it for good. Only the taking is under
+    the locks (a queue's number and its record of waits: quick); the count is not."""
+    devices = _devices()
+    states = [state for _, state in sorted({id(d._state): d._state for d in devices}.items())]
+
+    def take() -> dict[Queue, tuple[int, list[Any]]]:
+        return {q: submitted_record(q) for d in devices for q in d._queues}
+
+    records = await _holding(states, take)
+    return completable(list(records), records)
+
+
+async def _holding(states: list[DeviceState], fn: Callable[[], T]) -> T:
+    """``fn()`` with the submission lock of each of ``states`` held: on the loop's
+    thread where no other thread holds one now (the common case, no hop), else from a
+    worker thread that waits for them."""
+    held: list[DeviceState] = []
+    try:
+        for state in states:
+            if not state.submitting.acquire(blocking=False):
+                break
+            held.append(state)
+        else:
+            return fn()
+    finally:
+        for state in reversed(held):
+            state.submitting.release()
+
+    def waiting() -> T:
+        with contextlib.ExitStack() as stack:
+            for state in states:
+                stack.enter_context(state.submitting)
+            return fn()
+
+    return await anyio.to_thread.run_sync(waiting)
 
 
 class Device:
@@ -108,8 +148,9 @@ class Device:
         self._pool: CompilePool | None = None
         self._programs: dict[tuple[str, str], Program] = {}
         self.queue = self._state.queue = self.new_queue()
-        _open_devices.add(self)
-        _opened[0] += 1
+        with _open_devices_lock:
+            _open_devices.add(self)
+            _opened[0] += 1
 
     def __repr__(self) -> str:
         return f"<Device {self.name}{' closed' if self.closed else ''}>"
@@ -387,27 +428,29 @@ class Device:
                 await self._finish_completable()
                 # Sealed: no submission is under way (another thread's) or can start.
                 # Then what was submitted meanwhile is waited for as well.
-                await anyio.to_thread.run_sync(self._seal)
+                await _holding([self._state], self._seal)
                 limits = await self._finish_completable()
                 blocked = {q: limits[q] for q in self._queues if limits[q] < q.submitted}
                 await anyio.to_thread.run_sync(self._close_native, False, set(blocked))
                 for queue, limit in blocked.items():
-                    abandon(queue, limit + 1)
+                    # From what did not run: another device's close may have released a
+                    # wait it was blocked on meanwhile (its abandon raises the timeline
+                    # waited on), and then more ran before its queue stopped.
+                    abandon(queue, max(limit, queue.timeline.value) + 1)
                 for timeline in [*self._timelines, *(q.timeline for q in self._queues)]:
                     end_waits(timeline)
             finally:
                 closing.increment()
 
     def _seal(self) -> None:
-        with self._state.submitting:
-            self.closed = True
+        self.closed = True  # (with the submission lock held: see close)
 
     async def _finish_completable(self) -> dict[Queue, int]:
         """Wait until every queue of this device has finished all the commands that can
         still complete (commands may be submitted meanwhile: they are waited for too);
         return each queue's limit, computed with nothing left to wait for."""
         while True:
-            limits = await anyio.to_thread.run_sync(_count_completable)
+            limits = await _count_completable()
             behind = [q for q in self._queues if q.timeline.value < limits[q]]
             if not behind:
                 return limits
@@ -424,7 +467,8 @@ class Device:
             close_native(queue, abandon or queue in blocked)
         self._allocator.close(_completable)
         self._backend.close()
-        _open_devices.discard(self)
+        with _open_devices_lock:
+            _open_devices.discard(self)
 
     async def __aenter__(self) -> Device:
         return self
@@ -597,7 +641,7 @@ def foreign_buffer(
 
 def open_devices() -> list[Device]:
     """The devices open now in this process."""
-    return [device for device in list(_open_devices) if not device.closed]
+    return [device for device in _devices() if not device.closed]
 
 
 def open_device(name: str | None = None) -> _DeviceOpener:
@@ -630,7 +674,7 @@ def _close_all_at_exit() -> None:
     # Drain in-flight work before the interpreter finalizes, so no device thread or
     # native callback runs into a half-torn-down interpreter. (A forked child has none
     # of its parent's devices here: _forget_parent_devices took them out.)
-    for device in list(_open_devices):
+    for device in _devices():
         if not device.closed:
             with contextlib.suppress(Exception):  # exiting: nothing left to report to
                 device._close_native(abandon=True)
@@ -659,7 +703,9 @@ def _forget_parent_devices() -> None:
     parent = _pid_before_fork
     for kind in _kinds_opened:
         _inherited_drivers.setdefault(kind, parent)
-    for device in list(_open_devices):
+    global _open_devices_lock
+    _open_devices_lock = threading.Lock()  # (a parent thread may have held it at the fork)
+    for device in _devices():
         _open_devices.discard(device)
         # A thread of the parent may have held it at the fork: it is never let go here.
         device._state.submitting = threading.RLock()

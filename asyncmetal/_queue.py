@@ -375,19 +375,30 @@ class Queue:
         await wait_value(self.timeline, self._submitted)
 
 
-def completable(queues: list[Queue]) -> dict[Queue, int]:
+def submitted_record(queue: Queue) -> tuple[int, list[Any]]:
+    """What ``completable`` reads of a queue's submissions: its last value, and its
+    device-side signals and waits not yet known complete."""
+    return queue._submitted, list(queue._sync_ops)
+
+
+def completable(
+    queues: list[Queue], records: dict[Queue, tuple[int, list[Any]]] | None = None
+) -> dict[Queue, int]:
     """For each queue, the value up to which its commands can still complete.
 
     A queue stops at its first device-side wait that nothing will satisfy: not the
     timeline's value now, not a completable signal of some queue, and -- for a wait on
     a queue's own timeline (a copy ordered after another queue's use) -- not that
     queue's own completable commands. A fixed point over all queues: one queue's
-    progress unblocks another's waits.
+    progress unblocks another's waits. ``records``: each queue's ``submitted_record``,
+    taken earlier (else now).
     """
+    if records is None:
+        records = {q: submitted_record(q) for q in queues}
     reach: dict[Timeline, int] = {}
     limit = {q: q.timeline.value for q in queues}
     position = dict.fromkeys(queues, 0)
-    ops = {q: list(q._sync_ops) for q in queues}
+    ops = {q: records[q][1] for q in queues}
     owner = {q.timeline: q for q in queues}
 
     def satisfied(timeline: Timeline, target: int) -> bool:
@@ -410,7 +421,7 @@ def completable(queues: list[Queue]) -> dict[Queue, int]:
                     reach[timeline] = max(reach.get(timeline, 0), target)
                 i += 1
             position[q] = i
-            reached = items[i][0] - 1 if i < len(items) else q.submitted
+            reached = items[i][0] - 1 if i < len(items) else records[q][0]
             if reached > limit[q]:
                 limit[q] = reached
                 changed = True

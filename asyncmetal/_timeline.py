@@ -308,9 +308,10 @@ def _no_owner() -> None:
     return None
 
 
-# Per thread: the _Count of the loop that waited last, as "count", and the one before
-# it, as "previous": two loops that take turns on one thread (a trio guest run and its
-# asyncio host, two asyncio loops run in turn) each keep their own.
+# Per thread: the _Count of the loop that waited last, as "count", and those of other
+# loops that waited on the thread before, as "others" (by id; while they are alive):
+# loops that take turns on one thread (a trio guest run and its asyncio host, asyncio
+# loops run in turn) each keep their own.
 _waiting = threading.local()
 
 
@@ -325,17 +326,28 @@ def _count_here() -> _Count:
     return count
 
 
+def _others() -> dict[int, _Count]:
+    others: dict[int, _Count] | None = getattr(_waiting, "others", None)
+    if others is None:
+        others = _waiting.others = {}
+    return others
+
+
 def _switch_count(last: _Count | None, owner: object) -> _Count:
     """The count of ``owner``, a loop other than the one that waited last on this
-    thread: the one before it, or a new one. The other is kept as the one before."""
-    previous: _Count | None = getattr(_waiting, "previous", None)
-    if previous is not None and previous.owner() is owner:
-        count = previous
-        if count.gone:
-            count.settle()
-    else:
+    thread: kept from when it waited here before, or a new one. The last one's is
+    kept in turn (and those of loops gone are let go of)."""
+    others = _others()
+    count = others.pop(id(owner), None)
+    if count is None or count.owner() is not owner:
         count = _Count(owner)
-    _waiting.previous, _waiting.count = last, count
+    elif count.gone:
+        count.settle()
+    if last is not None and (last_owner := last.owner()) is not None:
+        others[id(last_owner)] = last
+    for key in [key for key, kept in others.items() if kept.owner() is None]:
+        del others[key]
+    _waiting.count = count
     return count
 
 
@@ -343,15 +355,15 @@ def waiting_here() -> int:
     """How many tasks of the calling thread's loop wait in ``wait_value`` now (outside a
     loop: of the loop that waited last on this thread)."""
     owner = _bridge.running_asyncio_loop() or _bridge.running_trio_run()
-    counts: tuple[_Count | None, ...] = (
-        getattr(_waiting, "count", None),
-        getattr(_waiting, "previous", None),
-    )
-    for count in counts:
-        if count is not None and (owner is None or count.owner() is owner):
-            count.settle()
-            return count.n
-    return 0
+    count: _Count | None = getattr(_waiting, "count", None)
+    if owner is not None and (count is None or count.owner() is not owner):
+        count = _others().get(id(owner))
+        if count is not None and count.owner() is not owner:
+            count = None
+    if count is None:
+        return 0
+    count.settle()
+    return count.n
 
 
 @types.coroutine

@@ -89,25 +89,26 @@ def test_loops_taking_turns_on_one_thread_each_count_their_own_waiting_tasks() -
     async def waiting() -> int:
         return _timeline.waiting_here()
 
-    first, second = asyncio.new_event_loop(), asyncio.new_event_loop()
+    loops = [asyncio.new_event_loop() for _ in range(3)]
     try:
-        dev = first.run_until_complete(am.open_device("cpu"))
+        dev = loops[0].run_until_complete(am.open_device("cpu"))
         timeline = dev.timeline()
-        tasks = [first.create_task(timeline.wait(1)) for _ in range(20)]
-        first.run_until_complete(asyncio.sleep(0.01))
-        tasks += [second.create_task(timeline.wait(1)) for _ in range(5)]
-        second.run_until_complete(asyncio.sleep(0.01))
+        crowds = [
+            [loop.create_task(timeline.wait(1)) for _ in range(n)]
+            for loop, n in zip(loops, (20, 5, 17), strict=True)
+        ]
+        for loop in loops:
+            loop.run_until_complete(asyncio.sleep(0.01))
         for _ in range(2):
-            assert first.run_until_complete(waiting()) == 20
-            assert second.run_until_complete(waiting()) == 5
+            assert [loop.run_until_complete(waiting()) for loop in loops] == [20, 5, 17]
         timeline.signal(1)
-        second.run_until_complete(asyncio.gather(*tasks[20:]))
-        first.run_until_complete(asyncio.gather(*tasks[:20]))
-        assert first.run_until_complete(waiting()) == second.run_until_complete(waiting()) == 0
-        first.run_until_complete(dev.close())
+        for loop, crowd in zip(reversed(loops), reversed(crowds), strict=True):
+            loop.run_until_complete(asyncio.gather(*crowd))
+        assert [loop.run_until_complete(waiting()) for loop in loops] == [0, 0, 0]
+        loops[0].run_until_complete(dev.close())
     finally:
-        first.close()
-        second.close()
+        for loop in loops:
+            loop.close()
 
 
 def test_outside_a_loop_the_error_is_asyncmetals() -> None:

@@ -8,6 +8,7 @@ import contextlib
 import gc
 import os
 import random
+import sys
 import threading
 import time
 import weakref
@@ -90,19 +91,19 @@ async def test_what_another_thread_submits_as_close_counts_runs_or_is_refused(
                 refused.append(exc)
 
     counted = 0
-    original = _device._completable
+    original = _device.completable
     threads: list[threading.Thread] = []
 
-    def count_then_submit_elsewhere() -> dict[am.Queue, int]:
+    def count_then_submit_elsewhere(*args: Any) -> dict[am.Queue, int]:
         nonlocal counted
-        limits = original()
+        limits = original(*args)
         counted += 1
         if counted == at_count:  # another thread submits from here on
             threads.append(threading.Thread(target=submit))
             threads[0].start()
         return limits
 
-    monkeypatch.setattr(_device, "_completable", count_then_submit_elsewhere)
+    monkeypatch.setattr(_device, "completable", count_then_submit_elsewhere)
     with anyio.fail_after(20):
         await dev.close()
         for thread in threads:
@@ -221,6 +222,91 @@ def test_a_wait_another_thread_submits_as_close_counts_is_abandoned_not_waited_f
     closed, result = asyncio.run(main())
     assert closed, "the close waited for a device wait nothing signals"
     assert len(result) == 1
+
+
+def test_devices_opened_and_closed_on_another_thread_as_one_closes() -> None:
+    """The open devices are looked at (a close's count) while another thread opens and
+    closes devices (before: the set of them, iterated in Python, raised "changed size
+    during iteration" out of the close, which left the device half closed)."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def churn() -> None:
+        async def run() -> None:
+            while not stop.is_set():
+                await (await am.open_device("cpu:31")).close()
+
+        try:
+            asyncio.run(run())
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    async def main() -> None:
+        held = [await am.open_device(f"cpu:{40 + i}") for i in range(64)]  # a long set
+        try:
+            for _ in range(400):
+                device = await am.open_device("cpu:32")
+                await device.close()
+                assert device.closed
+        finally:
+            for device in held:
+                await device.close()
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        asyncio.run(main())
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+
+
+def test_closes_at_once_report_run_commands_as_run() -> None:
+    """A's queue waits on the device for B's command, which waits for a value nobody
+    signals; A and B close at once, from two threads. B's close abandons its command
+    and raises its timeline, which releases A's wait: A's commands behind it may run
+    before A's queue stops. Each of them reports what it did -- ran, or never ran --
+    (before: a copy that had filled the host array raised "never ran", in about one
+    run in ten)."""
+
+    async def once() -> None:
+        a, b = await am.open_device("cpu:33"), await am.open_device("cpu:34")
+        b.queue.wait(b.timeline(), 1)  # B's command 1: never satisfied
+        a.queue.wait(b.queue.timeline, 1)
+        buf = await a.alloc(8)
+        host, sentinel = np.zeros(1, np.int64), np.array([42], np.int64)
+        a.queue.copy(buf, sentinel)
+        out = a.queue.copy(host, buf)
+        barrier = threading.Barrier(2)
+
+        def close(device: am.Device) -> None:
+            async def run() -> None:
+                barrier.wait()
+                await device.close()
+
+            asyncio.run(run())
+
+        threads = [threading.Thread(target=close, args=(d,)) for d in (a, b)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            await anyio.to_thread.run_sync(thread.join)
+        try:
+            await out
+        except am.ClosedResourceError:
+            assert host[0] == 0, "a copy that ran reported it never ran"
+        else:
+            assert host[0] == 42
+
+    async def main() -> None:
+        for _ in range(30):
+            await once()
+
+    asyncio.run(main())
 
 
 @pytest.mark.anyio
