@@ -299,6 +299,7 @@ class Queue:
         value, earlier = order_queue_signal(timeline, value, self.timeline)
         if earlier:  # another queue's signal of it, not run yet: that one first
             self.wait(timeline, earlier)
+        self._state.check_open()  # (before the lock: see _submit)
         with self._state.submitting:  # recorded with it, for a close's count (as wait)
             done = self._submit(self._native.signal, timeline.native, value)
             queue_signal_submitted(timeline, self.timeline, done.value, value)
@@ -316,6 +317,7 @@ class Queue:
         # Recorded as a device wait with the command, under the lock a close counts
         # under (Device._finish_completable): counted in between, it would seem to be
         # one that completes, and the close would wait for it for good.
+        self._state.check_open()  # (before the lock: see _submit)
         with self._state.submitting:
             done = self._submit(self._native.wait, timeline.native, value)
             self._track(done.value, True, timeline, value)
