@@ -363,7 +363,10 @@ static void check_partial(void) {
 static void check_release(void) {
     fake_queue a = queue_bounded(1);
     fake_queue b = queue_new();
-    static kernel slow = {0, 20000000, NULL, 0}, refused = {0, 0, NULL, 0};
+    /* 200 ms: everything below is submitted while it runs, also under ThreadSanitizer on
+     * a loaded 2-core machine (with 20 ms, c was made after b had failed, and c's launch
+     * then failed at once) */
+    static kernel slow = {0, 200000000, NULL, 0}, refused = {0, 0, NULL, 0};
     refuse_fn = &refused;
     if (launch(a, &slow, 1, 1) || launch(a, &refused, 2, 2)) die("release: a failed at once");
     if (am_cuq_wait_queue(b.q, a.q, 2, 1) || am_cuq_finish(b.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
