@@ -424,7 +424,9 @@ static int signal_free(fake_queue q, free_timeline f, uint64_t target, uint64_t 
 }
 
 static void check_signal(void) {
-    static kernel slow = {0, 20000000, NULL, 0}, refused = {0, 0, NULL, 0};
+    /* 200 ms: what waits for the refused commands is submitted while it runs (as in
+     * check_release, also under ThreadSanitizer on a loaded machine) */
+    static kernel slow = {0, 200000000, NULL, 0}, refused = {0, 0, NULL, 0};
     refuse_fn = &refused;
     /* b waits for a's refused command 2, then signals t; c waits for t on the device.
      * a2 signals t2 behind its own refused command; d waits for t2. */
