@@ -60,6 +60,7 @@ def parse_name(name: str) -> tuple[str, int]:
 
 
 T = TypeVar("T")
+RECOUNT_S = 0.05  # a close waiting for its queues counts what can complete this often
 
 # The devices open in this process, weakly. A WeakSet's iteration is Python code, which
 # another thread's add or discard breaks ("changed size"): both under the lock.
@@ -430,6 +431,8 @@ class Device:
                 # Then what was submitted meanwhile is waited for as well.
                 await _holding([self._state], self._seal)
                 limits = await self._finish_completable()
+                for queue in self._queues:  # what other devices' closes count on
+                    queue._final = limits[queue]
                 blocked = {q: limits[q] for q in self._queues if limits[q] < q.submitted}
                 await anyio.to_thread.run_sync(self._close_native, False, set(blocked))
                 for queue, limit in blocked.items():
@@ -454,9 +457,12 @@ class Device:
             behind = [q for q in self._queues if q.timeline.value < limits[q]]
             if not behind:
                 return limits
-            for queue in behind:
-                flush(queue)
-                await wait_value(queue.timeline, limits[queue])
+            # Counted again now and then: another device's close, deciding what of its
+            # queues stops, can make what this count relied on never come.
+            with anyio.move_on_after(RECOUNT_S):
+                for queue in behind:
+                    flush(queue)
+                    await wait_value(queue.timeline, limits[queue])
 
     def _close_native(self, abandon: bool = False, blocked: Collection[Queue] = ()) -> None:
         """Close every queue natively, then the allocator and the backend. A queue in

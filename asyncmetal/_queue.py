@@ -162,6 +162,9 @@ class Queue:
         # Device-side signals and waits not yet known complete: (value, is_wait, tl, target)
         self._sync_ops: collections.deque[tuple[int, bool, Timeline, int]] = collections.deque()
         self._abandoned_from: int | None = None  # commands from here on never ran
+        # Set by its device's close once it decided what can still complete: no command
+        # past it (or past what ran by the time the queue stopped) will.
+        self._final: int | None = None
         # Common launches submitted by the native extension in one call (py_launch.c).
         self._launch_target = self._native.launch_target()
         self._fast_launch = (
@@ -379,8 +382,14 @@ class Queue:
 
 def submitted_record(queue: Queue) -> tuple[int, list[Any]]:
     """What ``completable`` reads of a queue's submissions: its last value, and its
-    device-side signals and waits not yet known complete."""
-    return queue._submitted, list(queue._sync_ops)
+    device-side signals and waits not yet known complete -- of a queue whose device is
+    closing, only those up to what its close decided can complete (or what ran): its
+    commands past that are stopped, whatever values its waits find reached later."""
+    submitted, final = queue._submitted, queue._final
+    if final is None:
+        return submitted, list(queue._sync_ops)
+    submitted = min(submitted, max(final, queue.timeline.value))
+    return submitted, [op for op in list(queue._sync_ops) if op[0] <= submitted]
 
 
 def completable(

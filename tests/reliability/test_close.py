@@ -309,6 +309,53 @@ def test_closes_at_once_report_run_commands_as_run() -> None:
     asyncio.run(main())
 
 
+def test_a_close_counting_on_another_closing_devices_signal_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """R's queue waits for Y (a third device's timeline), then signals X; A's queue
+    waits for X. R closes: its count finds the wait on Y unsatisfied and stops the
+    queue there. Y is then signalled from the host, and A closes: its count must not
+    take R's signal of X for one still to come (its waits now satisfied) and wait for it
+    for good (before: A's close hung; the reviewer's natural race hung 3 runs in 25)."""
+    from asyncmetal import _device
+
+    original = _device.close_native
+    stopped = threading.Event()
+    timelines: dict[str, am.Timeline] = {}
+
+    def close_native_then_signal_y(queue: am.Queue, abandon: bool) -> None:
+        original(queue, abandon)
+        if abandon and not stopped.is_set():  # R's, stopped in its wait on Y: now Y comes
+            timelines["Y"].signal(1)
+            stopped.set()
+            time.sleep(0.3)  # R is still among the open devices meanwhile
+
+    monkeypatch.setattr(_device, "close_native", close_native_then_signal_y)
+
+    async def main() -> bool:
+        r, a, c = [await am.open_device(f"cpu:{i}") for i in (35, 36, 37)]
+        y, x = timelines["Y"], timelines["X"] = c.timeline(), a.timeline()
+        r.queue.wait(y, 1)
+        r.queue.signal(x, 1)
+        a.queue.wait(x, 1)
+        closing_r = threading.Thread(target=lambda: asyncio.run(r.close()))
+        closing_r.start()
+        await anyio.to_thread.run_sync(stopped.wait)
+        closed = threading.Event()
+
+        def close_a() -> None:
+            asyncio.run(a.close())
+            closed.set()
+
+        threading.Thread(target=close_a, daemon=True).start()  # (left hung on failure)
+        await anyio.to_thread.run_sync(closing_r.join)
+        finished = await anyio.to_thread.run_sync(closed.wait, 10)
+        await c.close()
+        return finished
+
+    assert asyncio.run(main()), "a close waited for good for another closing device's signal"
+
+
 @pytest.mark.anyio
 async def test_concurrent_closes_share_one_teardown(anyio_backend: object) -> None:
     dev = await am.open_device("cpu:22")
