@@ -128,14 +128,57 @@ static int parse_target(PyObject *target, target_t *t) {
     return !t->times_base || t->kept <= 0;
 }
 
-/* Number the command, make its Completion and submit it; then record each buffer's use.
- * Errors after numbering take the number back. None (numbered, then taken back): the
- * device closed meanwhile. The number is set and the device's `closed` read right after
- * it with no Python code between (plain attributes), so no other thread runs between
- * them: a close either counts this command (and waits for it) or is seen here. */
+static PyObject *submit_locked(PyObject *queue, PyObject *state, const target_t *t, void *fn,
+                               const unsigned *dims, int64_t *slots, Py_ssize_t nargs,
+                               PyObject *handles, PyObject *const *allocations,
+                               Py_ssize_t nbuf);
+
+/* Number the command, make its Completion and submit it, then record each buffer's use:
+ * all under the device's submission lock (DeviceState.submitting), as the Python path
+ * does (Queue._submit), so that commands another thread submits to the queue meanwhile
+ * are numbered and handed over in one order, and a close counts either this command or
+ * sees it refused. Taken without blocking: held by another thread, the Python path
+ * (None) waits for it. */
 static PyObject *submit(PyObject *queue, PyObject *state, const target_t *t, void *fn,
                         const unsigned *dims, int64_t *slots, Py_ssize_t nargs,
                         PyObject *handles, PyObject *const *allocations, Py_ssize_t nbuf) {
+    static PyObject *acquire, *release;
+    if (!acquire && !(acquire = PyUnicode_InternFromString("acquire"))) return NULL;
+    if (!release && !(release = PyUnicode_InternFromString("release"))) return NULL;
+    PyObject *lock = PyObject_GetAttr(state, NAME(STATE_SUBMITTING));
+    if (!lock) return NULL;
+    PyObject *held = PyObject_CallMethodOneArg(lock, acquire, Py_False);
+    int taken = held ? PyObject_IsTrue(held) : -1;
+    Py_XDECREF(held);
+    if (taken <= 0) {
+        Py_DECREF(lock);
+        if (taken < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    PyObject *done =
+        submit_locked(queue, state, t, fn, dims, slots, nargs, handles, allocations, nbuf);
+    PyObject *type, *exc, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyObject *released = PyObject_CallMethodNoArgs(lock, release);
+    Py_DECREF(lock);
+    if (!released) {  /* (cannot happen: this thread holds it) */
+        Py_XDECREF(type);
+        Py_XDECREF(exc);
+        Py_XDECREF(tb);
+        Py_XDECREF(done);
+        return NULL;
+    }
+    Py_DECREF(released);
+    PyErr_Restore(type, exc, tb);
+    return done;
+}
+
+/* submit(), under the lock. Errors after numbering take the number back. None
+ * (numbered, then taken back): the device closed meanwhile. */
+static PyObject *submit_locked(PyObject *queue, PyObject *state, const target_t *t, void *fn,
+                               const unsigned *dims, int64_t *slots, Py_ssize_t nargs,
+                               PyObject *handles, PyObject *const *allocations,
+                               Py_ssize_t nbuf) {
     PyObject *last = PyObject_GetAttr(queue, NAME(QUEUE_SUBMITTED));
     if (!last) return NULL;
     uint64_t value = PyLong_AsUnsignedLongLong(last) + 1;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 import time
 
@@ -215,3 +216,50 @@ def test_a_device_word_follows_host_signals_not_confirmations() -> None:
         assert (word.value, lib.am_timeline_value(t)) == (20, 12)
     finally:
         lib.am_timeline_free(t)
+
+
+def test_launches_from_two_threads_on_one_queue_run_in_value_order() -> None:
+    """Two threads launch on one queue, one through the native launch path only, the
+    other alternating it with the Python path (a ``range`` size is the Python path's);
+    each kernel appends its tag to a log. The queue runs them in the order of their
+    values -- what each Completion's value says -- whatever the threads' interleaving.
+    Checked: before, the native path numbered a command and ran Python code before
+    handing it over (and took no submission lock), so another thread's later value ran
+    first (2 to 51 of 8000 each run with a tiny switch interval), and a completion could
+    be awaited before its kernel ran."""
+    src = "void k(int* log, int tag) { int n = log[0]; log[n + 1] = tag; log[0] = n + 1; }"
+    n = 3000
+    values: dict[int, int] = {}
+
+    async def main() -> list[int]:
+        async with am.open_device("cpu:31") as dev:
+            k = await dev.compile(src, "k")
+            log = await dev.alloc(4 * (2 * n + 1))
+            await log.write(np.zeros(2 * n + 1, np.int32))
+            queue = dev.new_queue()
+
+            def launch_all(thread: int) -> None:
+                for i in range(n):
+                    tag = thread * n + i + 1
+                    size: object = range(1, 2) if thread and i % 2 else 1
+                    values[tag] = queue.launch(k, log, vals=(tag,), global_size=size).value
+
+            threads = [threading.Thread(target=launch_all, args=(t,)) for t in range(2)]
+            for thread in threads:
+                thread.start()
+            while any(thread.is_alive() for thread in threads):
+                await anyio.sleep(0.01)
+            await queue.synchronize()
+            ran = (await log.read(np.int32)).tolist()
+            return ran[1 : ran[0] + 1]
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        ran = anyio.run(main)
+    finally:
+        sys.setswitchinterval(switch)
+    assert len(ran) == 2 * n
+    order = [values[tag] for tag in ran]
+    inverted = sum(b < a for a, b in zip(order, order[1:], strict=False))
+    assert inverted == 0, f"{inverted} commands ran before a command of a lower value"
