@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
 
+from . import _native
 from ._errors import ClosedResourceError, InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -122,6 +123,17 @@ class NativeTimeline(ABC):
     @abstractmethod
     def signal(self, value: int) -> None:
         """Host-side signal: raise to ``value`` (never lower) and report the advance."""
+
+    def abandon(self, target: int, first: int) -> None:
+        """The commands of its queue that would raise it from where it is to ``target``
+        (``first`` on) will never run: their device closed while they waited. Every wait
+        for them ends: a native timeline fails, from the value after the last it
+        reached, and settles (a host task's wait then raises; a queue that waited for
+        one of those values fails its commands from that wait on)."""
+        if self.c_timeline is None:
+            self.signal(target)
+        else:
+            _native.timeline_abandon(self.c_timeline, target, first)
 
 
 class InheritedValue:

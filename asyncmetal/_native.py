@@ -41,7 +41,7 @@ import warnings
 from collections.abc import Callable
 from importlib import resources
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from . import _native_build as build
 from . import _native_contract
@@ -84,6 +84,12 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_timeline_near": (None, [c_p, c_u64, ctypes.c_int64]),
     "am_timeline_spin": (c_int, [c_p, c_u64, ctypes.c_long]),
     "am_timeline_due": (ctypes.c_int64, [c_p, c_u64]),
+    "am_timeline_fail": (None, [c_p, c_u64, c_int, c_u64, c_p]),
+    "am_timeline_failure": (
+        c_u64,
+        [c_p, ctypes.POINTER(c_int), ctypes.POINTER(c_u64), ctypes.POINTER(c_p)],
+    ),
+    "am_timeline_failed_offset": (ctypes.c_size_t, []),
     "am_queue_new": (c_p, [c_p, ctypes.c_long, ctypes.c_int]),
     "am_queue_call": (c_int, [c_p, c_p, c_int, c_p, c_p, c_u64]),
     "am_queue_copy": (c_int, [c_p, c_p, c_p, ctypes.c_size_t, c_p, c_u64]),
@@ -373,6 +379,48 @@ def timeline_reader(c_timeline: int, plain: bool | None = None) -> ValueReader:
         return ctypes.c_uint64.from_address(c_timeline)  # read in place: one load
     read = lib.am_timeline_value if _extension is None else _extension.timeline_value
     return _AcquireReader(read, c_timeline)
+
+
+# AM_ABANDONED (amrt.h): the error of a command that will never run, its device having
+# closed while it waited for a value nobody signalled.
+ABANDONED = -4
+
+
+class Failure(NamedTuple):
+    """Why a native timeline's values from ``first`` on were never produced: a command
+    that signals it failed, or was abandoned (``error`` is ABANDONED, else the backend's
+    error code); ``value`` is the command where that began, on the queue whose own
+    timeline is ``cause`` (a native timeline's address)."""
+
+    first: int
+    error: int
+    value: int
+    cause: int
+
+
+def timeline_failure(c_timeline: int) -> Failure | None:
+    """The native timeline's failure, if it failed (after its value got there, a read of
+    it is current)."""
+    lib = runtime()
+    error, value, cause = c_int(), c_u64(), c_p()
+    first = lib.am_timeline_failure(
+        c_timeline, ctypes.byref(error), ctypes.byref(value), ctypes.byref(cause)
+    )
+    return Failure(first, error.value, value.value, cause.value or 0) if first else None
+
+
+def timeline_abandon(c_timeline: int, target: int, first: int) -> None:
+    """The commands that would raise the native timeline from where it is to ``target``
+    will never run (their device closed): it fails, and settles (every wait on it ends;
+    a queue that waited on it fails its commands from there on)."""
+    runtime().am_timeline_fail(c_timeline, target, ABANDONED, first, c_timeline)
+
+
+def failed_from(c_timeline: int) -> ValueReader:
+    """An object whose ``.value`` is the native timeline's first failed value (0: none),
+    read in place: current once its value got to what the caller awaited."""
+    offset = runtime().am_timeline_failed_offset()
+    return ctypes.c_uint64.from_address(c_timeline + offset)
 
 
 def loaded() -> ctypes.CDLL | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import weakref
 from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from ._timeline import (
     order_queue_signal,
     queue_signal_submitted,
     ready_checkpoint,
+    register_queue,
     timeline_kind,
     wait_value,
 )
@@ -73,15 +75,9 @@ class Completion(Record):
             yield from wait_value(timeline, self.value, self.due_ns)
         if self.error is not None:
             raise self.error
-        failure = self.queue._native.failure(self.value)
+        failure = self.queue._failure(self.value)
         if failure is not None:
             raise failure
-        abandoned = self.queue._abandoned_from
-        if abandoned is not None and self.value >= abandoned:
-            raise ClosedResourceError(
-                f"the device {self.queue.device.name} was closed while this command waited "
-                "for a timeline value nobody signalled: it never ran"
-            )
 
     @property
     def start_time(self) -> float | None:
@@ -158,6 +154,8 @@ class Queue:
             if _stream is None
             else backend.adopt_queue(timeline, _stream)
         )
+        self.timeline._queue = weakref.ref(self)
+        register_queue(timeline.c_timeline, self)
         self._submitted = 0
         # Device-side signals and waits not yet known complete: (value, is_wait, tl, target)
         self._sync_ops: collections.deque[tuple[int, bool, Timeline, int]] = collections.deque()
@@ -174,6 +172,22 @@ class Queue:
     def __repr__(self) -> str:
         return f"<Queue of {self._state.name} submitted={self._submitted}>"
 
+    def _failure(self, value: int) -> BaseException | None:
+        """The error of the command at ``value``, done: it failed (a device fault, a
+        device-side wait for a value never produced), or was abandoned by the device's
+        close. None if it ran."""
+        failure = self._native.failure(value)
+        if failure is not None:
+            return failure
+        abandoned = self._abandoned_from
+        if abandoned is not None and value >= abandoned:
+            return ClosedResourceError(
+                f"the device {self.device.name} was closed while this queue's command "
+                f"{abandoned} waited for a timeline value nobody signalled: commands from "
+                "there on never ran"
+            )
+        return None
+
     @property
     def handle(self) -> int | None:
         """The native stream under this queue (a ``CUstream`` address on cuda), for other
@@ -186,14 +200,21 @@ class Queue:
         return self._submitted
 
     def _submit(
-        self, fn: Callable[..., None], *before: Any, after: tuple[Any, ...] = ()
+        self,
+        fn: Callable[..., None],
+        *before: Any,
+        after: tuple[Any, ...] = (),
+        uses: Iterable[Buffer] = (),
     ) -> Completion:
         """Number the next command and hand it to the backend, ``fn(*before, value,
-        completion, *after)``; return its Completion. If the backend refuses it, its
-        value was never used: it is taken back. Under the device's submission lock,
-        which a close takes to seal the device: a command submitted from another thread
-        is either numbered and handed over before the close counts what to wait for, or
-        refused as the device is closed (never numbered and left unsubmitted)."""
+        completion, *after)``, then record it as the last use of ``uses``; return its
+        Completion. If the backend refuses it, its value was never used: it is taken
+        back. Under the device's submission lock, which a close takes to seal the
+        device: a command submitted from another thread is either numbered and handed
+        over before the close counts what to wait for, or refused as the device is
+        closed (never numbered and left unsubmitted); and commands other threads submit
+        to the queue are numbered, handed over and recorded in one order (the native
+        launch path takes the same lock)."""
         state = self._state
         # Refused before the lock too: in a forked child (whose devices are all closed)
         # the lock may be one a parent thread held at the fork.
@@ -207,6 +228,7 @@ class Queue:
             except BaseException:
                 self._submitted -= 1
                 raise
+            record_uses(uses, self, value)
         return done
 
     def marker(self) -> Completion:
@@ -254,9 +276,7 @@ class Queue:
         args = self._launch_args(program, buffers, vals)
         gsize = _ONE3 if global_size is _ONE3 else _size3(global_size, "global_size")
         lsize = _ONE3 if local_size is _ONE3 else _size3(local_size, "local_size")
-        done = self._submit(self._native.launch, program.native, args, gsize, lsize)
-        record_uses(buffers, self, done.value)
-        return done
+        return self._submit(self._native.launch, program.native, args, gsize, lsize, uses=buffers)
 
     def _launch_args(
         self, program: Program, buffers: Sequence[Buffer], vals: Sequence[int]
@@ -344,9 +364,7 @@ class Queue:
         operands = copy_operands(self._state, dst, src, nbytes)
         self._after(operands.buffers)
         hook = getattr(self._native, operands.hook)
-        done = self._submit(hook, *operands.args, after=operands.extra)
-        record_uses(operands.buffers, self, done.value)
-        return done
+        return self._submit(hook, *operands.args, after=operands.extra, uses=operands.buffers)
 
     def after(self, *buffers: Buffer) -> Queue:
         """Order this queue's next commands after every command submitted so far on
@@ -457,4 +475,4 @@ def abandon(queue: Queue, first: int) -> None:
     they waited, and its queue threads were stopped. Settle them, so that their waiters
     wake and raise instead of waiting forever."""
     queue._abandoned_from = first
-    queue.timeline.native.signal(queue._submitted)
+    queue.timeline.native.abandon(queue._submitted, first)

@@ -11,12 +11,18 @@ import types
 import weakref
 from asyncio import _get_running_loop
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, Protocol
 
 from . import _bridge, _native
 from ._backend import NativeTimeline
 from ._device_state import DeviceState
-from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
+from ._errors import (
+    ArgumentTypeError,
+    AsyncMetalError,
+    ClosedResourceError,
+    DeviceLostError,
+    InvalidArgumentError,
+)
 
 MAX_VALUE = (1 << 64) - 1
 
@@ -32,6 +38,50 @@ def check_value(value: object, what: str = "value") -> int:
 # What Device and Queue pass to make timelines and queues: made any other way, one would
 # belong to no device's bookkeeping (never closed with it, never woken at its close).
 MADE_BY_DEVICE = object()
+
+
+class FailingQueue(Protocol):
+    device: Any
+
+    @property
+    def submitted(self) -> int: ...
+
+    def _failure(self, value: int) -> BaseException | None: ...
+
+
+# The queues alive, by the native address of their own timeline: a native timeline's
+# failure names the queue where it began by that address.
+_queues: weakref.WeakValueDictionary[int, FailingQueue] = weakref.WeakValueDictionary()
+
+
+def register_queue(c_timeline: int | None, queue: FailingQueue) -> None:
+    if c_timeline is not None:
+        _queues[c_timeline] = queue
+
+
+def failure_error(failure: _native.Failure, lead: str) -> AsyncMetalError:
+    """The error of something that depends on a value ``failure`` kept from being
+    produced: ``lead`` ("... a value that"), then the command where the failure began
+    and why (a queue that is gone is not named)."""
+    queue = _queues.get(failure.cause)
+    where = (
+        "a command of another queue"
+        if queue is None
+        else f"command {failure.value} of a queue of {queue.device.name}"
+    )
+    if failure.error == _native.ABANDONED:
+        device = "its device" if queue is None else queue.device.name
+        return ClosedResourceError(
+            f"{lead} {where} never produced: {device} was closed while that command waited "
+            "for a timeline value nobody signalled, and it never ran"
+        )
+    cause = None if queue is None else queue._failure(failure.value)
+    if cause is None:
+        cause = AsyncMetalError(f"it failed (error {failure.error})")
+    kind = DeviceLostError if isinstance(cause, DeviceLostError) else AsyncMetalError
+    error = kind(f"{lead} {where} never produced: {cause}")
+    error.__cause__ = cause
+    return error
 
 
 class Waitable:
@@ -157,6 +207,8 @@ class Timeline(Waitable):
         self._highest = 0
         self._last_signal: tuple[Timeline, int, int] | None = None
         self.native: NativeTimeline = state.backend.new_timeline(self.advanced)
+        self._queue: weakref.ref[FailingQueue] | None = None  # a queue's own: that queue
+        self._failed_from: _native.ValueReader | None = None  # read in place, once made
 
     def __repr__(self) -> str:
         return f"<Timeline of {self._state.name} value={self.value}>"
@@ -205,10 +257,31 @@ class Timeline(Waitable):
         """
         value = check_value(value)
         await wait_value(self, value)
+        failure = self._failure(value)
+        if failure is not None:
+            raise failure
         if self.native.value < value:  # woken by the close: the value will never come
             raise ClosedResourceError(
                 f"the timeline's device {self._state.name} closed before it reached {value}"
             )
+
+    def _failure(self, value: int) -> BaseException | None:
+        """Why ``value``, reached, was never produced: a command that signals the
+        timeline failed, or was abandoned by its device's close. None if it was."""
+        queue = None if self._queue is None else self._queue()
+        if queue is not None:  # a queue's own timeline: its commands' failures
+            return queue._failure(value) if value <= queue.submitted else None
+        c_timeline = self.native.c_timeline
+        if c_timeline is None:
+            return None
+        if self._failed_from is None:
+            self._failed_from = _native.failed_from(c_timeline)
+        first = self._failed_from.value
+        if not first or value < first:  # (the common case: one read in place)
+            return None
+        failure = _native.timeline_failure(c_timeline)
+        assert failure is not None
+        return failure_error(failure, f"this timeline will not reach {value}: a value that")
 
     def _check_signal(self, value: object, what: str) -> int:
         value = check_value(value, what)

@@ -43,6 +43,7 @@ from .._backend import (
 )
 from .._compile import Compiler, ParamKind, integer_params
 from .._errors import ArgumentTypeError, ClosedResourceError, CompileError, InvalidArgumentError
+from .._timeline import failure_error
 
 _ALIGN = 64
 MAX_ARGS = _native.MAX_ARGS
@@ -249,6 +250,21 @@ class CPUQueue(NativeQueue):
         self._fast_call = None if extension is None else extension.queue_call
         self._times = (ctypes.c_int64 * (3 * TIMES_KEPT))()  # start, end, value per row
         self._times_address = ctypes.addressof(self._times)
+        # The first of its commands that failed (a device wait of theirs ended on a
+        # timeline that failed instead), or was abandoned (0: none), read in place.
+        assert timeline.c_timeline is not None
+        self._failed_from = _native.failed_from(timeline.c_timeline)
+
+    def failure(self, value: int) -> BaseException | None:
+        first = self._failed_from.value
+        if not first or value < first:  # the common case: one read in place
+            return None
+        own = self._timeline.c_timeline
+        assert own is not None
+        failure = _native.timeline_failure(own)
+        if failure is None or failure.cause == own:
+            return None  # abandoned by its own device's close (Queue says so)
+        return failure_error(failure, "this command ran after a device-side wait for a value that")
 
     def _row(self, record: Record) -> int:
         """The address of the times row the queue thread writes for ``record``."""

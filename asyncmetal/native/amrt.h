@@ -82,7 +82,7 @@ typedef struct am_timeline {
      * one submitted; a hint for waiters about to wait (am_timeline_due). */
     _Atomic uint64_t due_value;
     _Atomic int64_t due_ns;
-    /* A command that signals it failed (cuda_completion.c, timeline_fail): it settled at
+    /* A command that signals it failed (am_timeline_fail): it settled at
      * UINT64_MAX, failed from this value on (0: not failed), and the failure behind it
      * (a queue's timeline, its error and failed value). Under mu. */
     uint64_t failed_from;
@@ -141,6 +141,13 @@ typedef struct am_queue {
     am_timeline *own;
     am_timeline *waiting_on;
     unsigned forks;                 /* am_forks when made */
+    /* Its commands from this value on fail (0: none): a wait of theirs ended on a
+     * timeline that failed instead of reaching its value. The failure behind it (as
+     * am_timeline's fail_*). Written by the queue's thread under mu. */
+    uint64_t poisoned;
+    int cause_error;
+    uint64_t cause_value;
+    struct am_timeline *cause;
 } am_queue;
 
 /* ---- helpers of every file ------------------------------------------------------ */
@@ -185,6 +192,15 @@ void am_timeline_near(am_timeline *t, uint64_t v, int64_t until_ns);
 void am_timeline_signal(am_timeline *t, uint64_t v);
 int am_timeline_spin(am_timeline *t, uint64_t v, long max_ns);
 int64_t am_timeline_due(am_timeline *t, uint64_t v);
+/* A timeline's failure: a command that signals it was abandoned (its device closed while
+ * it waited for a value nobody signalled), or failed (cuda errors, CU_WAITED_FAILED). */
+#define AM_ABANDONED (-4)
+void am_timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value,
+                      am_timeline *cause);
+uint64_t am_timeline_failure(am_timeline *t, int *error, uint64_t *value, am_timeline **cause);
+size_t am_timeline_failed_offset(void);
+/* cuda_driver.c: wakes the cuda completion threads napping on a command, if any */
+AM_HIDDEN void host_signalled(void);
 AM_HIDDEN void timeline_set_due(am_timeline *t, uint64_t v, int64_t due_ns);
 AM_HIDDEN void timeline_handed(am_timeline *t, uint64_t v);
 AM_HIDDEN int timeline_defer(am_timeline *t, uint64_t target, am_kick *k);
@@ -205,6 +221,7 @@ int am_queue_copy_part(am_queue *q, void *dst, const void *src, size_t nbytes, s
                        void *count, uint64_t count_target, void *ready, uint64_t ready_value,
                        int64_t *record, uint64_t value);
 void am_queue_close(am_queue *q, int abandon);
+uint64_t am_queue_failure(am_queue *q, int *error, uint64_t *value, am_timeline **cause);
 
 /* ---- cuda_driver.c, cuda_stream.c, cuda_submit.c, cuda_completion.c (cuda_stream.h) */
 typedef struct am_cuq am_cuq;

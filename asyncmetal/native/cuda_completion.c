@@ -9,32 +9,6 @@
 #include <sys/prctl.h>
 #endif
 
-/* A command that signals t (to `target`) failed, or will never run: unless t got there
- * already, it settles -- its value and its word at UINT64_MAX, as a failed queue's own
- * timeline -- failed from the value after the last it reached, with the failure behind
- * it. So every wait on it ends: a host task's, and a stream's, whose queue then fails its
- * commands from that wait on (cuq_confirm_wait), as a wait on a failed queue's value
- * does. Not under any queue's mu. */
-void timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value,
-                   am_timeline *cause) {
-    pthread_mutex_lock(&t->mu);
-    uint64_t reached = atomic_load(&t->value);
-    if (reached >= target) {
-        pthread_mutex_unlock(&t->mu);
-        return;
-    }
-    if (!t->failed_from) {
-        t->failed_from = reached + 1;
-        t->fail_error = error;
-        t->fail_value = value;
-        t->fail_cause = cause;
-    }
-    pthread_mutex_unlock(&t->mu);
-    if (t->word) raise_word(t->word, UINT64_MAX);
-    am_timeline_poke(t, UINT64_MAX);
-    host_signalled();  /* completion threads napping on a wait it releases */
-}
-
 /* A held operation the driver refused: that command and every one after it will never
  * run. The queue fails from that command's value on (earlier ones are still confirmed
  * by their events); what is still held is taken off the queue and returned, for the
@@ -53,7 +27,7 @@ static void cuq_drop_refused(am_cuq *q, am_cuop *op, int error, uint64_t value) 
     while (op) {
         am_cuop *next = op->next;
         if (cuop_signals(op))
-            timeline_fail(op->extra, op->extra_value, error, value, q->timeline);
+            am_timeline_fail(op->extra, op->extra_value, error, value, q->timeline);
         cuop_free(op);
         op = next;
     }
@@ -278,7 +252,7 @@ static void cuq_fail_signal(am_cuq *q, const am_cuentry *e) {
     am_timeline *cause;
     cuq_cause(q, &error, &value, &cause);
     pthread_mutex_unlock(&q->mu);
-    timeline_fail(e->extra, e->extra_value, error, value, cause);
+    am_timeline_fail(e->extra, e->extra_value, error, value, cause);
     pthread_mutex_lock(&q->mu);
 }
 

@@ -73,7 +73,6 @@ extern AM_HIDDEN void *cu_funcs[CU_NFUNCS];
 /* cuda_driver.c: a host signal of a device timeline bumps the kick generation and wakes
  * completion threads napping on a command (kick_nap: 1 if kicked after `seen`). */
 extern AM_HIDDEN atomic_uint kick_gen;
-AM_HIDDEN void host_signalled(void);
 AM_HIDDEN int kick_nap(long ns, unsigned seen);
 AM_HIDDEN void deadline_after(struct timespec *ts, long ns);
 
@@ -252,8 +251,6 @@ AM_HIDDEN void cuq_drop_waiters(am_cuq *q);
 
 /* cuda_completion.c */
 AM_HIDDEN void cuq_drain(am_cuq *q, uint64_t through, int most);
-AM_HIDDEN void timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value,
-                             am_timeline *cause);
 AM_HIDDEN void cuq_settle(am_cuq *q);
 AM_HIDDEN int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command);
 AM_HIDDEN void cuq_poison_after(am_cuq *q, uint64_t command, am_cuq *other);

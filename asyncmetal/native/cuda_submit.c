@@ -357,11 +357,11 @@ static int cuq_no_memory(am_cuq *q, uint64_t value, const am_cuop *op, const am_
     const am_cuop *ends[2] = {op, then};
     for (int i = 0; i < 2; i++)
         if (part && ends[i] && cuop_signals(ends[i]))
-            timeline_fail(ends[i]->extra, ends[i]->extra_value, -1, value, q->timeline);
+            am_timeline_fail(ends[i]->extra, ends[i]->extra_value, -1, value, q->timeline);
     while (mine) {
         am_cuop *next = mine->next;
         if (part && cuop_signals(mine))
-            timeline_fail(mine->extra, mine->extra_value, -1, value, q->timeline);
+            am_timeline_fail(mine->extra, mine->extra_value, -1, value, q->timeline);
         cuop_free(mine);
         mine = next;
     }

@@ -43,8 +43,11 @@ static int take(am_queue *q, am_cmd *out) {
  * t's condition under t->mu. So stop is read under t->mu right before each sleep: either
  * the close's broadcast comes after this thread sleeps (it wakes it), or its store to
  * stop came before this thread took t->mu (it sees it). Read only before taking t->mu,
- * a broadcast landing in between would find nobody asleep and be lost. */
-static int wait_timeline(am_queue *q, am_timeline *t, uint64_t target) {
+ * a broadcast landing in between would find nobody asleep and be lost. Returns 0 if
+ * abandoned. If t failed instead of reaching target, the wait's command (`value`) and
+ * every later one fail, with t's failure behind them: so does the queue's own timeline
+ * from `value` on, without settling (it goes on rising as the commands pass). */
+static int wait_timeline(am_queue *q, am_timeline *t, uint64_t target, uint64_t value) {
     pthread_mutex_lock(&q->mu);
     q->waiting_on = t;
     pthread_mutex_unlock(&q->mu);
@@ -54,10 +57,33 @@ static int wait_timeline(am_queue *q, am_timeline *t, uint64_t target) {
         if ((abandon = __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) == 2)) break;
         pthread_cond_wait(&t->cv, &t->mu);
     }
+    int failed = !abandon && t->failed_from && target >= t->failed_from;
+    int error = t->fail_error;
+    uint64_t cause_value = t->fail_value;
+    am_timeline *cause = t->fail_cause ? t->fail_cause : t;
     pthread_mutex_unlock(&t->mu);
     pthread_mutex_lock(&q->mu);
     q->waiting_on = NULL;
+    if (failed) {
+        q->poisoned = value;
+        q->cause_error = error;
+        q->cause_value = cause_value;
+        q->cause = cause;
+    }
     pthread_mutex_unlock(&q->mu);
+    if (failed) {
+        /* Before the queue's own timeline gets to `value`: a wait on it that gets
+         * there sees the failure (both under its mu). */
+        am_timeline *own = q->own;
+        pthread_mutex_lock(&own->mu);
+        if (!own->failed_from) {
+            own->failed_from = value;
+            own->fail_error = error;
+            own->fail_value = cause_value;
+            own->fail_cause = cause;
+        }
+        pthread_mutex_unlock(&own->mu);
+    }
     return !abandon;
 }
 
@@ -152,7 +178,15 @@ static void *run(void *arg) {
             __atomic_store_n(&c.record[2], 0, __ATOMIC_RELEASE);
             c.record[0] = now_ns();
         }
-        switch (c.kind) {
+        /* A failed command does nothing (nothing runs on what was never produced), but
+         * fails the timeline it signals, and raises the queue's own as any command does
+         * (its objects are let go of once past). A shared copy's part runs all the
+         * same: a stream waits for its chunk's ready word (the cuda staging queues'
+         * commands, which wait on no timeline). */
+        int failed = q->poisoned && c.value >= q->poisoned && c.kind != CMD_COPY_PART;
+        if (failed && c.kind == CMD_SIGNAL)
+            am_timeline_fail(c.timeline, c.target, q->cause_error, q->cause_value, q->cause);
+        if (!failed) switch (c.kind) {
         case CMD_CALL:
             ((am_kernel)c.fn)(c.args[0], c.args[1], c.args[2], c.args[3], c.args[4], c.args[5],
                               c.args[6], c.args[7], c.args[8], c.args[9], c.args[10],
@@ -165,7 +199,7 @@ static void *run(void *arg) {
             am_timeline_signal(c.timeline, c.target);
             break;
         case CMD_WAIT:
-            if (!wait_timeline(q, c.timeline, c.target)) return NULL;
+            if (!wait_timeline(q, c.timeline, c.target, c.value)) return NULL;
             break;
         case CMD_COPY_PART:  /* parts of a chunk; the last one done marks it ready */
             if (c.after && !wait_word(q, c.after, c.target)) return NULL;
@@ -262,6 +296,17 @@ int am_queue_copy_part(am_queue *q, void *dst, const void *src, size_t nbytes, s
                 .count = count, .count_target = count_target, .ready = ready,
                 .ready_value = ready_value, .record = record, .value = value};
     return push(q, &c);
+}
+
+/* The first of q's commands that failed (0: none), and the failure behind it. */
+uint64_t am_queue_failure(am_queue *q, int *error, uint64_t *value, am_timeline **cause) {
+    pthread_mutex_lock(&q->mu);
+    uint64_t failed = q->poisoned;
+    *error = q->cause_error;
+    *value = q->cause_value;
+    *cause = q->cause;
+    pthread_mutex_unlock(&q->mu);
+    return failed;
 }
 
 /* Stop the thread and free the queue. abandon=0: after everything queued has run;

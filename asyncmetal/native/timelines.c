@@ -187,6 +187,50 @@ void timeline_kick(am_timeline *t) {
     run_kicks(due);
 }
 
+/* A command that signals t (to `target`) failed, or will never run (its device closed
+ * while it waited for a value nobody signalled: AM_ABANDONED): unless t got there
+ * already, it settles -- its value and its word at UINT64_MAX, as a failed queue's own
+ * timeline -- failed from the value after the last it reached, with the failure behind
+ * it (an error, the failed value, a queue's own timeline). So every wait on it ends: a
+ * host task's, which then raises; a cpu queue's and a stream's, whose queue then fails
+ * its commands from that wait on (host_queues.c, cuda_completion.c). Not under any
+ * queue's mu. */
+void am_timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value,
+                      am_timeline *cause) {
+    pthread_mutex_lock(&t->mu);
+    uint64_t reached = atomic_load(&t->value);
+    if (reached >= target) {
+        pthread_mutex_unlock(&t->mu);
+        return;
+    }
+    if (!t->failed_from) {
+        t->failed_from = reached + 1;
+        t->fail_error = error;
+        t->fail_value = value;
+        t->fail_cause = cause;
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (t->word) raise_word(t->word, UINT64_MAX);
+    am_timeline_poke(t, UINT64_MAX);
+    host_signalled();  /* cuda completion threads napping on a wait it releases */
+}
+
+/* Where failed_from lies in an am_timeline: Python reads it in place (a queue's own
+ * timeline, on every await of a command's completion; written before the value gets
+ * there, under mu, so read after the value it is current). */
+size_t am_timeline_failed_offset(void) { return offsetof(am_timeline, failed_from); }
+
+/* The first value of t that failed (0: none), and the failure behind it. */
+uint64_t am_timeline_failure(am_timeline *t, int *error, uint64_t *value, am_timeline **cause) {
+    pthread_mutex_lock(&t->mu);
+    uint64_t failed = t->failed_from;
+    *error = t->fail_error;
+    *value = t->fail_value;
+    *cause = t->fail_cause;
+    pthread_mutex_unlock(&t->mu);
+    return failed;
+}
+
 void am_timeline_free(am_timeline *t) {
     /* In a child, the parent's: destroying a condition waits for its waiters, which
      * here are threads that no longer exist. */

@@ -22,7 +22,7 @@ import asyncmetal as am
 from asyncmetal import backends
 from asyncmetal._compile import Compiler
 from asyncmetal.backends.cpu import CCompiler, CPUBackend
-from tests.support.kernels import KERNELS
+from tests.support.kernels import KERNELS, MSL_KERNELS
 
 INC = "void inc(int* x) { x[0] += 1; }"
 WIDE = "void wide(" + ", ".join(f"int a{i}" for i in range(17)) + ") {}"
@@ -442,6 +442,64 @@ async def test_close_waits_for_a_queue_waiting_on_another_devices_queue(
         await copied  # it ran: the peer's queue was going to reach that value
     assert out[0] == 5
     await peer.close()
+
+
+@pytest.mark.anyio
+async def test_a_wait_for_a_command_abandoned_by_a_close_fails_what_follows(
+    device: am.Device, device_name: str
+) -> None:
+    """A queue of one device waits, on the device, for a command of another device's
+    queue that waits for a value nobody signals; closing that device abandons the
+    command. The waiting queue's commands from its wait on fail (ClosedResourceError,
+    naming where), and so do host waits for the abandoned value. On cpu they do not run
+    and the timeline they signal fails in turn, failing the commands and host waits
+    behind it. (Before, the close raised the abandoned queue's timeline as if its
+    commands had run: the commands behind the wait ran on data never produced, and
+    every wait returned as if it had been.)"""
+    source = MSL_KERNELS if device_name == "metal" else KERNELS
+    other = await am.open_device(device_name)
+    fill_here = await device.compile(source, "fill")
+    fill_there = await other.compile(source, "fill")
+    mine, theirs = await device.alloc(4), await other.alloc(4)
+    await device.queue.launch(fill_here, mine, vals=(5, 1))
+    stuck = other.new_queue()
+    ran = stuck.launch(fill_there, theirs, vals=(2, 1))
+    stuck.wait(other.timeline(), 1)  # nobody signals it
+    produced = stuck.launch(fill_there, theirs, vals=(1, 1))
+    queue = device.new_queue()
+    before = queue.launch(fill_here, mine, vals=(5, 1))
+    waited = queue.wait(stuck.timeline, produced.value)
+    behind = queue.launch(fill_here, mine, vals=(7, 1))
+    signalled = device.timeline()
+    queue.signal(signalled, 1)
+    follower = device.new_queue()
+    follower.wait(signalled, 1)
+    followed = follower.launch(fill_here, mine, vals=(9, 1))
+    with anyio.fail_after(20):
+        await before
+        await other.close()
+        for done in (waited, behind):
+            with pytest.raises(am.ClosedResourceError, match=f"never produced: {other.name} was"):
+                await done
+        with pytest.raises(am.ClosedResourceError, match="never ran"):
+            await stuck.timeline.wait(produced.value)
+        await stuck.timeline.wait(ran.value)  # ran before the close: no error
+        await queue.timeline.wait(before.value)
+        with pytest.raises(am.ClosedResourceError, match="never produced"):
+            await queue.timeline.wait(behind.value)
+        if device_name == "cpu":  # a Metal GPU runs them: only their awaits fail
+            with pytest.raises(am.ClosedResourceError, match="never produced"):
+                await signalled.wait(1)
+            with pytest.raises(am.ClosedResourceError, match="never produced"):
+                await followed
+            assert (await mine.read(np.int32))[0] == 5  # neither fill ran
+        else:
+            await followed
+        # The queue stays failed; another one of the device works.
+        with pytest.raises(am.ClosedResourceError, match="never produced"):
+            await queue.launch(fill_here, mine, vals=(3, 1))
+        await device.new_queue().launch(fill_here, mine, vals=(4, 1))
+    assert (await mine.read(np.int32))[0] == 4
 
 
 @pytest.mark.anyio

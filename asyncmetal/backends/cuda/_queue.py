@@ -12,6 +12,8 @@ from typing import Any, Protocol
 from ... import _native, _native_contract
 from ..._backend import Arg, KeepAlive, NativeQueue, NativeTimeline, Record, host_address
 from ..._errors import AsyncMetalError, DeviceLostError
+from ..._native import ABANDONED, Failure
+from ..._timeline import failure_error
 from . import _driver
 from ._driver import (
     UNCONFIRMED,
@@ -330,6 +332,12 @@ class CUDAQueue(NativeQueue):
         wait for a value that another queue's failed command never produced: that
         command's error, named (by its queue's device, where that queue is still alive)."""
         timeline, error, value = self._cause
+        if error == ABANDONED:  # that command's device closed while it waited
+            lead = (
+                f"the command at value {first} on a stream of {self._backend.name} ran after "
+                "a device-side wait for a value that"
+            )
+            return failure_error(Failure(first, error, value, timeline), lead)
         where = next(
             (
                 f"a stream of {queue._backend.name}"

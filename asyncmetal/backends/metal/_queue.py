@@ -23,6 +23,7 @@ from ..._backend import (
     host_address,
 )
 from ..._errors import DeviceLostError
+from ..._timeline import MAX_VALUE, failure_error
 from . import _blocks
 from ._objc import (
     autorelease_pool,
@@ -87,6 +88,17 @@ class MetalTimeline(ForkableTimeline):
         send(self.event, "setSignaledValue:", value, restype=None, argtypes=(c_uint64,))
         self._lib.am_timeline_signal(self.c_timeline, value)
 
+    def abandon(self, target: int, first: int) -> None:
+        # The mirror fails and settles; the event goes as far, ending the GPU's waits on
+        # it (the queues that waited report their commands from there on as failed).
+        super().abandon(target, first)
+        send(self.event, "setSignaledValue:", MAX_VALUE, restype=None, argtypes=(c_uint64,))
+
+    def failure(self, target: int) -> _native.Failure | None:
+        """Why ``target``, reached, was never produced (None: it was)."""
+        failure = _native.timeline_failure(self.c_timeline)
+        return failure if failure is not None and target >= failure.first else None
+
 
 class MetalQueue(NativeQueue):
     def __init__(self, backend: MetalDevice, timeline: MetalTimeline) -> None:
@@ -96,6 +108,11 @@ class MetalQueue(NativeQueue):
             backend.device, "newCommandQueueWithMaxCommandBufferCount:", 1024, argtypes=(c_ulong,)
         )
         self._waits: list[tuple[MetalTimeline, int]] = []  # re-encoded until reached
+        # Its waits, until their value is reached: (the wait command's value, timeline,
+        # target). A timeline that fails instead (its device closed while its command
+        # waited) ends the GPU's wait all the same: that command and every later one
+        # fail.
+        self._waited: collections.deque[tuple[int, MetalTimeline, int]] = collections.deque()
         self._unmarked = 0  # a wait command's own value, marked by the next buffer
         # (value, command buffer, block, record, committed behind an unreached wait)
         self._buffers: collections.deque[tuple[int, int, Any, Record, bool]] = collections.deque()
@@ -217,7 +234,21 @@ class MetalQueue(NativeQueue):
         self.flush()
         self._reap()
         lost = self._backend.lost
-        return lost if lost is not None and value >= self._backend.lost_from else None
+        if lost is not None and value >= self._backend.lost_from:
+            return lost
+        waited = self._waited
+        while (
+            waited and waited[0][1].value >= waited[0][2] and not waited[0][1].failure(waited[0][2])
+        ):
+            waited.popleft()  # produced: nothing after it can fail by it
+        for at, timeline, target in waited:
+            if at > value:
+                break
+            failure = timeline.failure(target)
+            if failure is not None:
+                lead = "this command ran after a device-side wait for a value that"
+                return failure_error(failure, lead)
+        return None
 
     # -- commands -------------------------------------------------------------------------
 
@@ -291,6 +322,7 @@ class MetalQueue(NativeQueue):
         # Encoded at the head of the next command buffer, with the work that depends on
         # it; this command's own value is marked by that buffer (or by flush()).
         self._waits.append((timeline, target))
+        self._waited.append((value, timeline, target))
         self._unmarked = value
 
     def _blit(
