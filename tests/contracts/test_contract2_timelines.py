@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import itertools
 import sys
 import threading
 import time
@@ -261,5 +262,5 @@ def test_launches_from_two_threads_on_one_queue_run_in_value_order() -> None:
         sys.setswitchinterval(switch)
     assert len(ran) == 2 * n
     order = [values[tag] for tag in ran]
-    inverted = sum(b < a for a, b in zip(order, order[1:], strict=False))
+    inverted = sum(b < a for a, b in itertools.pairwise(order))
     assert inverted == 0, f"{inverted} commands ran before a command of a lower value"
