@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import anyio
 
-from ._backend import NativeTimeline
+from ._backend import NativeTimeline, let_go_everywhere
 from ._bridge import LoopBridge, checkpoint, current_bridge
 from ._device_state import DeviceState
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError, OutOfMemoryError
@@ -199,6 +199,8 @@ class Allocator:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise self._oom(nbytes, f"no memory was freed within {timeout} s")
+            if self._lent_out:  # a loan a finished command still keeps comes back now
+                let_go_everywhere()
             self._watch_pending()
             with anyio.move_on_after(remaining if remaining is not None else math.inf):
                 await wait_value(self._frees, seen + 1)

@@ -9,7 +9,7 @@ above, once, for all backends.
 
 from __future__ import annotations
 
-import collections
+import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -69,26 +69,56 @@ def host_address(view: memoryview) -> tuple[int, Any]:
 class KeepAlive:
     """Host objects a queue's commands use, kept until its timeline passes them.
 
-    ``items`` holds ``(value, object)`` pairs, oldest first; its length is what a fast
-    launch path reads (whether anything is kept at all)."""
+    ``items`` maps each command's value to its object, oldest first; its length is what
+    a fast launch path reads (whether anything is kept at all). Objects are let go of as
+    later commands are added, and by :func:`let_go_everywhere`, from any thread: each is
+    dropped by its own key (``dict.pop``), so two threads letting go at once never drop
+    one whose command has not passed."""
 
-    __slots__ = ("_timeline", "items")
+    __slots__ = ("__weakref__", "_timeline", "items")
 
     def __init__(self, timeline: NativeTimeline) -> None:
         self._timeline = timeline
-        self.items: collections.deque[tuple[int, object]] = collections.deque()
+        self.items: dict[int, object] = {}
+        with _keeps_lock:
+            _keeps.add(self)
 
     def add(self, value: int, obj: object) -> None:
-        items = self.items
-        if items:
-            reached = self._timeline.value
-            while items and items[0][0] <= reached:
-                items.popleft()
+        if self.items:
+            self.let_go()
         if obj is not None:
-            items.append((value, obj))
+            self.items[value] = obj
+
+    def let_go(self) -> None:
+        """Drop the objects of the commands the timeline has passed."""
+        items = self.items
+        reached = self._timeline.value
+        while items:
+            try:
+                first = next(iter(items))
+            except (StopIteration, RuntimeError):  # emptied, or changed, meanwhile
+                return
+            if first > reached:
+                return
+            items.pop(first, None)
 
     def clear(self) -> None:
         self.items.clear()
+
+
+_keeps: weakref.WeakSet[KeepAlive] = weakref.WeakSet()
+_keeps_lock = threading.Lock()
+
+
+def let_go_everywhere() -> None:
+    """Every queue's :meth:`KeepAlive.let_go`: a host object that lends memory out (a
+    DLPack view of a buffer's own memory, used as a copy's host side) holds that memory
+    until its last holder lets it go, which a queue does otherwise only at its next
+    submission."""
+    with _keeps_lock:
+        keeps = list(_keeps)
+    for keep in keeps:
+        keep.let_go()
 
 
 class Arg(NamedTuple):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
+from tests.support.kernels import KERNELS
 
 MiB = 1 << 20
 LIMIT = 10  # seconds: every wait here ends within a fraction of this, or it hangs
@@ -403,3 +404,96 @@ def test_gc_of_a_buffer_on_another_thread_wakes_the_waiting_loop(
 
     name, options = anyio_backend
     anyio.run(scenario, backend=name, backend_options=options)
+
+
+@pytest.mark.anyio
+async def test_map_of_a_buffer_freed_while_it_waits_raises(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """``map`` waits for the commands using the buffer; a free (or the device's close)
+    meanwhile makes it raise, rather than hand out a view of memory the next allocation
+    gets. Checked: before, it returned the view, which then showed the next buffer's
+    data."""
+    buf = await device.alloc(16)
+    gate = device.timeline()
+    device.queue.wait(gate, 1)
+    device.queue.launch(kernels["fill"], buf, vals=(1, 4))
+    outcome: list[object] = []
+
+    async def mapper() -> None:
+        try:
+            outcome.append(await buf.map(np.int32))
+        except am.ClosedResourceError as exc:
+            outcome.append(exc)
+
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(mapper)
+            await anyio.sleep(0.02)
+            tg.start_soon(buf.free)
+            await anyio.sleep(0.02)
+            gate.signal(1)
+    assert len(outcome) == 1 and isinstance(outcome[0], am.ClosedResourceError), outcome
+    assert "was freed" in str(outcome[0])
+
+
+@pytest.mark.anyio
+@pytest.mark.metal
+@pytest.mark.skipif("metal" not in am.devices(), reason="needs Metal (or its simulation)")
+async def test_a_copy_between_kinds_of_a_source_freed_as_it_settles_raises(
+    anyio_backend: object,
+) -> None:
+    """A copy from a cpu buffer to a Metal one waits for the source's writers, then
+    reads it in place: a free of the source meanwhile makes it raise, rather than copy
+    memory that another buffer may have by then. Checked: before, it copied."""
+    cpu, metal = await am.open_device("cpu"), await am.open_device("metal")
+    try:
+        fill = await cpu.compile(KERNELS, "fill")
+        src, dst = await cpu.alloc(16), await metal.alloc(16)
+        gate = cpu.timeline()
+        cpu.queue.wait(gate, 1)
+        cpu.queue.launch(fill, src, vals=(1, 4))
+        outcome: list[object] = []
+
+        async def copier() -> None:
+            try:
+                await am.copy(dst, src)
+                outcome.append("copied")
+            except am.ClosedResourceError as exc:
+                outcome.append(exc)
+
+        with anyio.fail_after(LIMIT):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(copier)
+                await anyio.sleep(0.02)  # it waits for the fill
+                tg.start_soon(src.free)
+                await anyio.sleep(0.02)
+                gate.signal(1)
+        assert len(outcome) == 1 and isinstance(outcome[0], am.ClosedResourceError), outcome
+        assert "src was freed" in str(outcome[0])
+    finally:
+        await cpu.close()
+        await metal.close()
+
+
+@pytest.mark.anyio
+async def test_a_dlpack_view_a_finished_copy_kept_lets_its_memory_come_back(
+    anyio_backend: object,
+) -> None:
+    """A DLPack view of a buffer's own memory, used as a copy's host source, is let go
+    of by the consumer and the buffer freed: an allocation that needs that memory gets
+    it, though nothing more is submitted to the queue that copied. Checked: before, the
+    queue kept the view (so the loan, so the block) until its next submission, and the
+    allocation waited for good (numpy imports cpu memory only)."""
+    async with am.open_device("cpu:32") as device:
+        device.memory_budget = 2 * MiB
+        a, b = await device.alloc(MiB), await device.alloc(MiB)
+        view = np.from_dlpack(a)
+        await b.write(view)  # done: nothing in flight
+        del view
+        gc.collect()
+        await a.free()
+        with anyio.fail_after(LIMIT):
+            c = await device.alloc(MiB)
+        await c.free()
+        await b.free()
