@@ -5,7 +5,7 @@ known."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -202,6 +202,7 @@ class Buffer(Exports):
         items_of(self.nbytes, dtype, shape)
         for queue, value in uses(self):
             await wait_value(queue.timeline, value)
+        check_buffer(self, "buffer")  # freed, or its device closed, while it waited
         view = backend.host_view(self._allocation.handle, self.offset, self.nbytes)
         array = np.frombuffer(view, dtype)
         return array if shape is None else array.reshape(shape)
@@ -243,7 +244,7 @@ def native_arg(buf: Buffer) -> Arg:
     return new_arg(Arg, (buf._allocation.handle, buf.offset, None))
 
 
-def record_uses(buffers: Sequence[Buffer], queue: Queue, value: int) -> None:
+def record_uses(buffers: Iterable[Buffer], queue: Queue, value: int) -> None:
     """``queue``'s command ``value`` uses ``buffers``: they are freed only after it."""
     for buf in buffers:
         buf._allocation.last_use[queue] = value

@@ -66,14 +66,14 @@ async def _copy_between_kinds(dst: Buffer, src: Buffer, nbytes: int | None) -> N
     # copy is a use of it like any other, so that freeing it (say, once this await is
     # cancelled) returns its memory only after the copy.
     if buffer_state(src).backend.host_visible:  # read the source in place
-        await _settled(src)
+        await _settled(src, "src")
         queue = _queue_of(dst)
         done = queue.copy(dst, host_memory(src, nbytes), nbytes)
         record_uses((src,), queue, done.value)
         await done
         return
     if buffer_state(dst).backend.host_visible:  # write the destination in place
-        await _settled(dst)
+        await _settled(dst, "dst")
         queue = _queue_of(src)
         done = queue.copy(host_memory(dst, nbytes), src, nbytes)
         record_uses((dst,), queue, done.value)
@@ -82,12 +82,13 @@ async def _copy_between_kinds(dst: Buffer, src: Buffer, nbytes: int | None) -> N
     await _staged_copy(dst, src, nbytes)
 
 
-async def _settled(buf: Buffer) -> None:
+async def _settled(buf: Buffer, what: str) -> None:
     """Wait until every command using ``buf`` has finished (those submitted while
-    waiting too)."""
+    waiting too); then raise if it was freed, or its device closed, meanwhile."""
     while True:
         pending = [(q, v) for q, v in uses(buf) if q.timeline.value < v]
         if not pending:
+            check_buffer(buf, what)
             return
         for queue, value in pending:
             await wait_value(queue.timeline, value)
