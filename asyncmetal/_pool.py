@@ -51,6 +51,21 @@ def check_timeout(timeout: object) -> float | None:
     return None if math.isinf(seconds) else seconds
 
 
+def _replies_within(pipe: Any, seconds: float) -> bool:
+    """Whether ``pipe`` has something to read within ``seconds``. ``poll``, not
+    ``select``: a process with more than 1024 files open (a service's sockets) gets
+    descriptors ``select`` refuses. Any finite wait, in waits ``poll`` takes."""
+    poller = select.poll()
+    poller.register(pipe, select.POLLIN)
+    deadline = time.monotonic() + seconds
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if poller.poll(min(math.ceil(left * 1000), 1 << 30)):
+            return True
+
+
 class _Job:
     __slots__ = (
         "awaiters",
@@ -165,11 +180,9 @@ class _Worker:
         assert proc.stdin is not None and proc.stdout is not None
         try:
             write_message(proc.stdin, (job.compiler, job.src))
-            if job.timeout is not None:
-                ready, _, _ = select.select([proc.stdout], [], [], job.timeout)
-                if not ready:
-                    self._kill()
-                    return CompileError(f"compile timed out after {job.timeout} s")
+            if job.timeout is not None and not _replies_within(proc.stdout, job.timeout):
+                self._kill()
+                return CompileError(f"compile timed out after {job.timeout} s")
             reply = read_message(proc.stdout)
         except (EOFError, OSError):
             return CompileError(self._death_message())
@@ -277,8 +290,23 @@ class CompilePool:
         idle_timeout: float = 60.0,
         cache: CompileCache | None = None,
     ) -> None:
+        if max_workers is not None and (
+            isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1
+        ):
+            raise InvalidArgumentError(
+                f"max_workers must be an int >= 1 (or None: one per core, at most 8), "
+                f"got {max_workers!r}"
+            )
+        if (
+            isinstance(idle_timeout, bool)
+            or not isinstance(idle_timeout, numbers.Real)
+            or not 0 < float(idle_timeout) < math.inf
+        ):
+            raise InvalidArgumentError(
+                f"idle_timeout must be a positive, finite number of seconds, got {idle_timeout!r}"
+            )
         self.max_workers = max_workers or min(os.cpu_count() or 1, 8)
-        self.idle_timeout = idle_timeout
+        self.idle_timeout = float(idle_timeout)
         self.cache = cache if cache is not None else CompileCache()
         self._pending: queue_module.Queue[Any] = queue_module.Queue()
         self._workers: list[_Worker] = []

@@ -20,6 +20,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
@@ -72,6 +73,13 @@ def queue_nice() -> int:
     return nice
 
 
+# A kernel's calls to functions of its own source bind to them, not to a library's of the
+# same name loaded before (libc's truncate, write, kill...): ELF shared objects resolve
+# such calls through the process's global symbols otherwise. (Mach-O binds them within
+# the library already.)
+_LINK = ("-Wl,-Bsymbolic",) if sys.platform.startswith("linux") else ()
+
+
 class CCompiler(Compiler):
     """C source -> shared object, with ``$CC`` (default ``cc``). Pickles as its flags."""
 
@@ -88,7 +96,7 @@ class CCompiler(Compiler):
         return self.cc or os.environ.get("CC") or "cc"
 
     def version(self) -> str:
-        return _cc_version(self._executable())
+        return " ".join((_cc_version(self._executable()), *_LINK))
 
     def compile(self, src: str) -> bytes:
         cc = self._executable()
@@ -101,7 +109,7 @@ class CCompiler(Compiler):
         with tempfile.TemporaryDirectory(prefix="asyncmetal-cc-") as tmp:
             out = os.path.join(tmp, "kernel.so")
             proc = subprocess.run(
-                [cc, *self.flags, "-shared", "-fPIC", "-x", "c", "-", "-o", out],
+                [cc, *self.flags, "-shared", "-fPIC", *_LINK, "-x", "c", "-", "-o", out],
                 input=src.encode(),
                 capture_output=True,
                 check=False,

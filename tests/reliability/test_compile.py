@@ -624,3 +624,66 @@ async def test_a_compile_submitted_as_a_worker_takes_another_gets_its_own_worker
                 await pool.wait(first)
     finally:
         await pool.aclose()
+
+
+async def test_a_kernels_own_helper_is_called_not_a_librarys_namesake(
+    anyio_backend: object,
+) -> None:
+    """A helper of the kernel's source named like a libc function (``truncate``) is the
+    one its kernel calls. Checked: before, the call went to libc's ``truncate(path, n)``
+    (an ELF shared object's calls resolve through the process's global symbols)."""
+    src = (
+        "int truncate(int v, int hi) { return v < hi ? v : hi; }\n"
+        "void k(int* x, int n) { for (int i = 0; i < n; i++) x[i] = truncate(i, 3); }\n"
+        f"/* {time.time_ns()} */"
+    )
+    with anyio.fail_after(BOUND):
+        async with am.open_device("cpu") as device:
+            k = await device.compile(src, "k")
+            buf = await device.alloc(24)
+            await device.queue.launch(k, buf, vals=(6,))
+            assert (await buf.read(np.int32)).tolist() == [0, 1, 2, 3, 3, 3]
+
+
+async def test_timed_compiles_work_with_descriptors_above_1023(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A service holds over a thousand sockets: a compile with a timeout still works.
+    Checked: before, the pool waited on the worker's pipe with ``select``, which refuses
+    descriptors above 1023 ("filedescriptor out of range"), killing the worker."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard limit on open files here is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache"))
+    try:
+        with anyio.fail_after(BOUND):
+            assert await pool.compile(CCompiler(), _src("many fds"), timeout=BOUND)
+            assert await pool.compile(CCompiler(), _src("huge timeout"), timeout=1e300)
+    finally:
+        await pool.aclose()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"max_workers": -1},
+        {"max_workers": 0},
+        {"max_workers": 1.5},
+        {"idle_timeout": -1},
+        {"idle_timeout": float("nan")},
+        {"idle_timeout": 0},
+    ],
+    ids=str,
+)
+def test_a_pool_with_bad_arguments_is_refused(arguments: dict[str, Any]) -> None:
+    """Checked: before, such a pool was made, and its compiles waited for good (no
+    worker ever started, or its handler thread died of the idle timeout)."""
+    with pytest.raises(am.InvalidArgumentError, match=next(iter(arguments))):
+        CompilePool(**arguments)
