@@ -290,17 +290,19 @@ class CompilePool:
         idle_timeout: float = 60.0,
         cache: CompileCache | None = None,
     ) -> None:
-        if max_workers is not None and (
-            isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1
+        workers: object = max_workers  # (any object: checked here)
+        idle: object = idle_timeout
+        if workers is not None and (
+            isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
         ):
             raise InvalidArgumentError(
                 f"max_workers must be an int >= 1 (or None: one per core, at most 8), "
                 f"got {max_workers!r}"
             )
         if (
-            isinstance(idle_timeout, bool)
-            or not isinstance(idle_timeout, numbers.Real)
-            or not 0 < float(idle_timeout) < math.inf
+            isinstance(idle, bool)
+            or not isinstance(idle, numbers.Real)
+            or not 0 < float(idle) < math.inf
         ):
             raise InvalidArgumentError(
                 f"idle_timeout must be a positive, finite number of seconds, got {idle_timeout!r}"
