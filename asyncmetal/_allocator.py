@@ -183,7 +183,11 @@ class Allocator:
             raise ArgumentTypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
         if nbytes <= 0:
             raise InvalidArgumentError(f"nbytes must be > 0, got {nbytes}")
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not timeout >= 0  # also refuses NaN
+        ):
             raise InvalidArgumentError(f"timeout must be a number >= 0, got {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         # The checkpoint comes first: once a block is taken, nothing may cancel the
@@ -228,7 +232,6 @@ class Allocator:
             # Reserved before the lock is let go: an allocation on another thread sees
             # it, so the two cannot both pass the budget while the backend allocates.
             self.in_use += nbytes
-            self.peak = max(self.peak, self.in_use + self.cached)
         try:
             handle = self._allocate(nbytes)
         except BaseException:
@@ -300,7 +303,10 @@ class Allocator:
 
     def collected(self, block: Block, generation: int) -> None:
         """A buffer of ``block`` was garbage-collected unfreed (any thread, even in the
-        GC): queue the block for the next sweep and wake whoever waits to sweep."""
+        GC): queue the block for the next sweep and wake whoever waits to sweep. Not once
+        the device closed: its close freed the memory, and nothing sweeps any more."""
+        if self.closed:
+            return
         self._collected.append((block, generation))
         self._frees.increment()
 
@@ -404,6 +410,10 @@ class Allocator:
                 return
             self._live.discard(block)
             self.in_use -= block.nbytes
+            if self._exported:  # its memory went out once: no longer this buffer's
+                address = getattr(block.handle, "address", block.handle)
+                if self._exported.get(address) is block:
+                    del self._exported[address]
             if block.nbytes <= self.cache_limit and not self.closed:
                 self._cache[id(block)] = block
                 self._by_size.setdefault(block.nbytes, []).append(block)
@@ -449,6 +459,8 @@ class Allocator:
                     self._state.backend.free(block.handle)
             self._live.clear()
             self._pending.clear()
+            self._collected.clear()
+            self._exported.clear()
             self.in_use = 0
 
     def _foreign_uses(self, block: Block) -> list[tuple[Queue, int]]:

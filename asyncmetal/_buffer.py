@@ -143,7 +143,7 @@ class Buffer(Exports):
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if not self._allocation.freed:
+        if not self._allocation.freed and not self._state.closed:  # (closed: freed with it)
             await self.free()
 
     async def write(self, data: Any) -> None:

@@ -337,6 +337,11 @@ class Queue:
         """
         timeline = check_timeline(timeline, "timeline", self._state.kind)
         value = check_value(value)
+        if timeline is self.timeline and value > self._submitted:
+            raise InvalidArgumentError(
+                f"a queue cannot wait for its own value {value}: its commands so far reach "
+                f"{self._submitted}, and later ones would run only after this wait"
+            )
         # Recorded as a device wait with the command, under the lock a close counts
         # under (Device._finish_completable): counted in between, it would seem to be
         # one that completes, and the close would wait for it for good.

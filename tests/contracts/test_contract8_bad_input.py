@@ -311,3 +311,15 @@ async def test_bad_copies(device: am.Device) -> None:
     _rejects(device, am.ArgumentTypeError, "buffer protocol", lambda: q.copy(buf, [1, 2, 3]))
     with pytest.raises(am.InvalidArgumentError, match="whole number"):
         await buf.view(0, 6).read(np.float32)
+
+
+@pytest.mark.anyio
+async def test_a_queue_waiting_for_its_own_later_value_is_refused(device: am.Device) -> None:
+    """Its commands after the wait would run only after it: never. Checked: before, it
+    was accepted and the queue waited until the device closed."""
+    queue = device.new_queue()
+    with pytest.raises(am.InvalidArgumentError, match="its own value 1"):
+        queue.wait(queue.timeline, 1)
+    assert queue.submitted == 0
+    queue.signal(device.timeline(), 1)
+    await queue.wait(queue.timeline, 1)  # a value already submitted: accepted
