@@ -333,8 +333,7 @@ class Device:
             raise ArgumentTypeError(
                 f"compile(src, name) takes two str, got {type(src).__name__}, {type(name).__name__}"
             )
-        if not name:
-            raise InvalidArgumentError("compile(src, name): the kernel's name is empty")
+        _check_kernel(src, name, "compile(src, name)")
         lost = self._backend.lost_error(f"compiling {name!r}")  # a loaded program too
         if lost is not None:
             raise lost
@@ -389,6 +388,8 @@ class Device:
                 raise ArgumentTypeError(
                     f"compile_many takes (src, name) pairs of str, got {kernel!r:.80}"
                 )
+        for i, (src, name) in enumerate(kernels):
+            _check_kernel(src, name, f"compile_many: kernel {i}")
         return _CompileMany(self, [(src, name) for src, name in kernels], check_timeout(timeout))
 
     def _load(self, binary: bytes, name: str) -> Any:
@@ -499,6 +500,19 @@ def _naming(name: str) -> Generator[None, None, None]:
         if named is exc:
             raise
         raise named from None
+
+
+def _check_kernel(src: str, name: str, what: str) -> None:
+    """Refuse a kernel that cannot be compiled whatever its source says."""
+    if not name:
+        raise InvalidArgumentError(f"{what}: the kernel's name is empty")
+    try:
+        src.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(
+            f"{what}: the source of {name!r} is not encodable text ({exc.reason} at "
+            f"character {exc.start})"
+        ) from None
 
 
 class _CompileMany:

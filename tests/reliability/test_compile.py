@@ -687,3 +687,24 @@ def test_a_pool_with_bad_arguments_is_refused(arguments: dict[str, Any]) -> None
     worker ever started, or its handler thread died of the idle timeout)."""
     with pytest.raises(am.InvalidArgumentError, match=next(iter(arguments))):
         CompilePool(**arguments)
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (("void b(int* x) {}", ""), "kernel 1: the kernel's name is empty"),
+        (("void b(int* x) {} // caf\udce9", "b"), "kernel 1: the source of 'b' is not encodable"),
+    ],
+    ids=["empty name", "lone surrogate"],
+)
+async def test_compile_many_refuses_a_bad_kernel_before_compiling_any(
+    device: am.Device, bad: tuple[str, str], match: str
+) -> None:
+    """Checked: before, the list was accepted, and every step raised the bad kernel's
+    error for good (the good kernels never came)."""
+    good = f"void a(int* x) {{ x[0] = 1; }} /* {time.time_ns()} */"
+    kernels = [(good, "a"), bad, (good, "a")]
+    with pytest.raises(am.InvalidArgumentError, match=match):
+        device.compile_many(kernels)
+    with pytest.raises(am.InvalidArgumentError, match="not encodable"):
+        await device.compile("void b(int* x) {} // caf\udce9", "b")
