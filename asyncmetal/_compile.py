@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from ._errors import CompileError
@@ -64,7 +65,22 @@ def source_key(compiler_identity: str, src: str) -> str:
     return hashlib.sha256(f"{compiler_identity}\0{src}".encode()).hexdigest()
 
 
-_COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+# Comments, and string and character literals (which may hold "//" or "/*"): a comment
+# becomes a space, a literal an empty one.
+_COMMENTS_AND_LITERALS = re.compile(
+    r"""//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*'""", re.S
+)
+# Names a source makes pointer types of: `typedef float *fptr;`, `#define BUF float*`.
+_POINTER_TYPEDEF = re.compile(r"\btypedef\b[^;{}]*[*\[][^;{}]*?\b(\w+)\s*(?:\[[^;]*\])?\s*;")
+_POINTER_MACRO = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+[^\n(]*\*", re.M)
+
+
+def _strip(src: str) -> str:
+    return _COMMENTS_AND_LITERALS.sub(
+        lambda m: " " if m.group()[0] == "/" else m.group()[0] * 2, src
+    )
+
+
 _ATTRIBUTES = re.compile(r"\[\[.*?\]\]", re.S)
 
 
@@ -115,8 +131,39 @@ def integer_params(src: str, name: str) -> tuple[ParamKind, ...]:
 
 def c_param_declarations(src: str, name: str) -> list[tuple[ParamKind, str]]:
     """Each parameter of the C-like function ``name`` defined in ``src``: its kind and
-    its declaration (``NotDefinedError`` where no definition is found)."""
-    text = _ATTRIBUTES.sub("", _COMMENTS.sub(" ", src))
+    its declaration (``NotDefinedError`` where no definition is found).
+
+    Read from the source as written, before preprocessing: a parameter whose type is a
+    name the source makes a pointer type of (a typedef, an object-like macro) is a
+    buffer; two definitions that differ (in ``#if`` branches: only one compiles) are
+    refused, as the one that compiles cannot be told."""
+    text = _ATTRIBUTES.sub("", _strip(src))
+    pointers = set(_POINTER_TYPEDEF.findall(text)) | set(_POINTER_MACRO.findall(text))
+    found: list[list[tuple[ParamKind, str]]] = []
+    for params in _definitions(text, name):
+        declared = [("buffer" if _is_buffer(p, pointers) else "value", p) for p in params]
+        if found and [p for _, p in declared] != [p for _, p in found[0]]:
+            raise CompileError(
+                f"kernel {name!r} is defined more than once, with different parameters "
+                "(in #if branches?): its parameters are read from the source, which "
+                "cannot say which definition compiles; keep one definition",
+                name=name,
+            )
+        found.append(declared)
+    if not found:
+        raise NotDefinedError(name)
+    return found[0]
+
+
+def _is_buffer(param: str, pointers: set[str]) -> bool:
+    if "*" in param or "[" in param or ("&" in param and "device" in param):
+        return True
+    words = re.findall(r"\w+", param)
+    return any(word in pointers for word in words[:-1] or words)
+
+
+def _definitions(text: str, name: str) -> Iterator[list[str]]:
+    """The parameter declarations of each definition of ``name`` in ``text``."""
     for match in re.finditer(rf"\b{re.escape(name)}\s*\(", text):
         depth, start = 1, match.end()
         pos = start
@@ -124,18 +171,12 @@ def c_param_declarations(src: str, name: str) -> list[tuple[ParamKind, str]]:
             depth += {"(": 1, ")": -1}.get(text[pos], 0)
             pos += 1
         if depth:
-            break
+            return
         rest = text[pos:].lstrip()
         if not rest.startswith("{"):  # a call or a declaration, not the definition
             continue
         body = text[start : pos - 1].strip()
-        if body in ("", "void"):
-            return []
-        return [
-            ("buffer" if ("*" in p or "[" in p or ("&" in p and "device" in p)) else "value", p)
-            for p in _split_top_level(body)
-        ]
-    raise NotDefinedError(name)
+        yield [] if body in ("", "void") else _split_top_level(body)
 
 
 def _split_top_level(params: str) -> list[str]:

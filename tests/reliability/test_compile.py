@@ -708,3 +708,33 @@ async def test_compile_many_refuses_a_bad_kernel_before_compiling_any(
         device.compile_many(kernels)
     with pytest.raises(am.InvalidArgumentError, match="not encodable"):
         await device.compile("void b(int* x) {} // caf\udce9", "b")
+
+
+async def test_kernel_parameters_are_read_as_the_compiler_sees_them(anyio_backend: object) -> None:
+    """A kernel's parameter kinds come from its source before preprocessing. Checked:
+    before, ``//`` inside a string literal hid the kernel ("not defined"); a typedef'd
+    or macro pointer type was taken for a value (the launch passed the buffer's address
+    as an int and the value as a pointer: memory corruption, or SIGSEGV); and of two
+    ``#if`` branches defining the kernel differently, the first was used, the compiled
+    one being the other."""
+    tag = time.time_ns()
+    fill = "{ for (int i = 0; i < n; i++) x[i] = i; }"
+    async with am.open_device("cpu") as device:
+        buf = await device.alloc(16)
+        for src in (
+            f'static const char* origin = "https://example.org/{tag}"; '
+            f"void k(int* x, int n) {fill}",
+            f"typedef int *ints; /* {tag} */ void k(ints x, int n) {fill}",
+            f"#define INTS int *\n/* {tag} */ void k(INTS x, int n) {fill}",
+        ):
+            await buf.write(np.full(4, -1, np.int32))
+            with anyio.fail_after(BOUND):
+                k = await device.compile(src, "k")
+                await device.queue.launch(k, buf, vals=(4,))
+                assert (await buf.read(np.int32)).tolist() == [0, 1, 2, 3], src
+        two = (
+            f"#ifdef OLD_API\nvoid k(int n, int* x) {fill}\n#else\n"
+            f"void k(int* x, int n) {fill}\n#endif\n/* {tag} */"
+        )
+        with pytest.raises(am.CompileError, match="defined more than once"):
+            await device.compile(two, "k")
