@@ -141,7 +141,9 @@ def c_param_declarations(src: str, name: str) -> list[tuple[ParamKind, str]]:
     pointers = set(_POINTER_TYPEDEF.findall(text)) | set(_POINTER_MACRO.findall(text))
     found: list[list[tuple[ParamKind, str]]] = []
     for params in _definitions(text, name):
-        declared = [("buffer" if _is_buffer(p, pointers) else "value", p) for p in params]
+        declared: list[tuple[ParamKind, str]] = [
+            ("buffer" if _is_buffer(p, pointers) else "value", p) for p in params
+        ]
         if found and [p for _, p in declared] != [p for _, p in found[0]]:
             raise CompileError(
                 f"kernel {name!r} is defined more than once, with different parameters "
