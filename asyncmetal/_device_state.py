@@ -26,7 +26,7 @@ class Copier(Protocol):
 class DeviceState:
     """One opened device, as its timelines, buffers, queues and allocator see it."""
 
-    __slots__ = ("backend", "closed", "device", "name", "queue", "submitting")
+    __slots__ = ("backend", "busy", "closed", "device", "name", "queue", "submitting")
 
     def __init__(self, name: str, backend: Backend, device: Any) -> None:
         self.name = name
@@ -36,9 +36,14 @@ class DeviceState:
         # its command (and its record as a device wait or signal), by a close as it
         # sets ``closed`` and as it counts what is left to wait for (Queue._submit,
         # Device.close): no command of another thread is half submitted then.
-        # (The native launch path needs none: it numbers a command and reads
-        # ``closed`` with no Python code between, so no thread runs in between.)
         self.submitting = threading.RLock()
+        # How many Python-path submissions (Queue._submit) are under way, lock held.
+        # The native launch path takes no lock: it numbers a command, reads ``closed``
+        # and hands the command over with no Python code between (no other thread runs
+        # meanwhile) -- unless ``busy``: another thread's submission is half done
+        # (numbered, not yet handed over), and the launch takes the Python path, which
+        # waits for the lock. So commands are handed over in the order of their values.
+        self.busy = 0
         self.device = device  # the asyncmetal.Device that owns this state
         self.queue: Copier | None = None  # its default queue, once made
 

@@ -40,7 +40,7 @@ NAMES: dict[str, str] = {
     "Queue.submitted": "_submitted",  # int: the last value numbered; set to the next one
     "Queue.state": "_state",  # its DeviceState (a plain attribute: read with no Python code)
     "DeviceState.closed": "closed",  # bool (a slot)
-    "DeviceState.submitting": "submitting",  # its submission lock (RLock): held meanwhile
+    "DeviceState.busy": "busy",  # int: Python-path submissions under way (a slot)
     "Program.device": "device",  # must be the queue's device
     "Program.buffer_count": "buffer_count",  # int: buffers the kernel takes
     "Program.value_count": "value_count",  # int: values the kernel takes

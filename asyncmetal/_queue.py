@@ -214,21 +214,25 @@ class Queue:
         over before the close counts what to wait for, or refused as the device is
         closed (never numbered and left unsubmitted); and commands other threads submit
         to the queue are numbered, handed over and recorded in one order (the native
-        launch path takes the same lock)."""
+        launch path defers to it: see DeviceState.busy)."""
         state = self._state
         # Refused before the lock too: in a forked child (whose devices are all closed)
         # the lock may be one a parent thread held at the fork.
         state.check_open()
         with state.submitting:
             state.check_open()
-            self._submitted = value = self._submitted + 1
-            done = Completion(self, value)
+            state.busy += 1  # (see DeviceState.busy)
             try:
-                fn(*before, value, done, *after)
-            except BaseException:
-                self._submitted -= 1
-                raise
-            record_uses(uses, self, value)
+                self._submitted = value = self._submitted + 1
+                done = Completion(self, value)
+                try:
+                    fn(*before, value, done, *after)
+                except BaseException:
+                    self._submitted -= 1
+                    raise
+                record_uses(uses, self, value)
+            finally:
+                state.busy -= 1
         return done
 
     def marker(self) -> Completion:

@@ -33,7 +33,7 @@
     X(QUEUE_SUBMITTED, "Queue.submitted")                                                 \
     X(QUEUE_STATE, "Queue.state")                                                         \
     X(STATE_CLOSED, "DeviceState.closed")                                                 \
-    X(STATE_SUBMITTING, "DeviceState.submitting")                                         \
+    X(STATE_BUSY, "DeviceState.busy")                                                     \
     X(PROGRAM_DEVICE, "Program.device")                                                   \
     X(PROGRAM_BUFFER_COUNT, "Program.buffer_count")                                       \
     X(PROGRAM_VALUE_COUNT, "Program.value_count")                                         \

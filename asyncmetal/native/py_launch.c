@@ -128,57 +128,24 @@ static int parse_target(PyObject *target, target_t *t) {
     return !t->times_base || t->kept <= 0;
 }
 
-static PyObject *submit_locked(PyObject *queue, PyObject *state, const target_t *t, void *fn,
-                               const unsigned *dims, int64_t *slots, Py_ssize_t nargs,
-                               PyObject *handles, PyObject *const *allocations,
-                               Py_ssize_t nbuf);
-
-/* Number the command, make its Completion and submit it, then record each buffer's use:
- * all under the device's submission lock (DeviceState.submitting), as the Python path
- * does (Queue._submit), so that commands another thread submits to the queue meanwhile
- * are numbered and handed over in one order, and a close counts either this command or
- * sees it refused. Taken without blocking: held by another thread, the Python path
- * (None) waits for it. */
+/* Number the command and hand it over, then make its Completion and record each
+ * buffer's use. From reading the last number to the hand-over no Python code runs (plain
+ * attributes, ints -- whose making never starts a garbage collection -- and the
+ * runtime's call, made holding the GIL): no other thread runs meanwhile. So another
+ * thread's command of this queue is numbered and handed over wholly before or after
+ * this one, and a close (which sets `closed` under the submission lock) either counts
+ * this command or is seen here. Unless a Python-path submission of the device is half
+ * done (DeviceState.busy): then None, and the Python path, which waits for the lock
+ * that one holds, submits this one. Errors before the hand-over take the number back;
+ * None also where the device closed meanwhile (the Python path raises it). */
 static PyObject *submit(PyObject *queue, PyObject *state, const target_t *t, void *fn,
                         const unsigned *dims, int64_t *slots, Py_ssize_t nargs,
                         PyObject *handles, PyObject *const *allocations, Py_ssize_t nbuf) {
-    static PyObject *acquire, *release;
-    if (!acquire && !(acquire = PyUnicode_InternFromString("acquire"))) return NULL;
-    if (!release && !(release = PyUnicode_InternFromString("release"))) return NULL;
-    PyObject *lock = PyObject_GetAttr(state, NAME(STATE_SUBMITTING));
-    if (!lock) return NULL;
-    PyObject *held = PyObject_CallMethodOneArg(lock, acquire, Py_False);
-    int taken = held ? PyObject_IsTrue(held) : -1;
-    Py_XDECREF(held);
-    if (taken <= 0) {
-        Py_DECREF(lock);
-        if (taken < 0) return NULL;
+    int busy = attr_true(state, NAME(STATE_BUSY));
+    if (busy) {
+        if (busy < 0) return NULL;
         Py_RETURN_NONE;
     }
-    PyObject *done =
-        submit_locked(queue, state, t, fn, dims, slots, nargs, handles, allocations, nbuf);
-    PyObject *type, *exc, *tb;
-    PyErr_Fetch(&type, &exc, &tb);
-    PyObject *released = PyObject_CallMethodNoArgs(lock, release);
-    Py_DECREF(lock);
-    if (!released) {  /* (cannot happen: this thread holds it) */
-        Py_XDECREF(type);
-        Py_XDECREF(exc);
-        Py_XDECREF(tb);
-        Py_XDECREF(done);
-        return NULL;
-    }
-    Py_DECREF(released);
-    PyErr_Restore(type, exc, tb);
-    return done;
-}
-
-/* submit(), under the lock. Errors after numbering take the number back. None
- * (numbered, then taken back): the device closed meanwhile. */
-static PyObject *submit_locked(PyObject *queue, PyObject *state, const target_t *t, void *fn,
-                               const unsigned *dims, int64_t *slots, Py_ssize_t nargs,
-                               PyObject *handles, PyObject *const *allocations,
-                               Py_ssize_t nbuf) {
     PyObject *last = PyObject_GetAttr(queue, NAME(QUEUE_SUBMITTED));
     if (!last) return NULL;
     uint64_t value = PyLong_AsUnsignedLongLong(last) + 1;
@@ -194,62 +161,79 @@ static PyObject *submit_locked(PyObject *queue, PyObject *state, const target_t 
         unnumber(queue, value);
         goto out;
     }
-    done = PyObject_CallFunctionObjArgs(Completion_type, queue, value_obj, NULL);
-    if (!done) goto unnumbered;
     int code;
+    uint64_t row = 0;
     if (t->kind == 1) {
         void *params[AM_MAX_PARAMS];
         for (Py_ssize_t i = 0; i < nargs; i++) params[i] = &slots[i];
-        Py_BEGIN_ALLOW_THREADS
         code = am_cuq_launch(t->handle, fn, dims, params, (int)nargs, value);
-        Py_END_ALLOW_THREADS
-        if (code) {  /* the backend's hook explains it: it raises or returns the error */
-            PyObject *code_obj = PyLong_FromLong(code);
+    } else {
+        row = value % (uint64_t)t->kept;  /* the times row the queue thread writes */
+        code = am_queue_call(t->handle, fn, (int)nargs, slots, t->times_base + 3 * row, value);
+    }
+    if (code) {  /* not handed over: its number back, then the backend's hook explains */
+        unnumber(queue, value);
+        PyObject *code_obj = PyLong_FromLong(code);
+        if (code_obj && t->kind == 1) {  /* it raises or returns the error */
             PyObject *exc =
-                code_obj ? PyObject_CallMethodObjArgs(t->native, NAME(CUDA_QUEUE_FAILED), code_obj, NULL)
-                         : NULL;
-            Py_XDECREF(code_obj);
+                PyObject_CallMethodObjArgs(t->native, NAME(CUDA_QUEUE_FAILED), code_obj, NULL);
             if (exc) {
                 PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
                 Py_DECREF(exc);
             }
-            goto unnumbered;
+        } else if (code_obj) {  /* CPUQueue._submitted raises it */
+            PyObject *res = PyObject_CallMethodObjArgs(t->native, NAME(CPU_QUEUE_SUBMITTED),
+                                                       code_obj, value_obj, Py_None, NULL);
+            Py_XDECREF(res);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_MemoryError, "am_queue_call");
         }
-    } else {
-        /* The times row the queue thread writes, as CPUQueue.launch records it. */
-        uint64_t row = value % (uint64_t)t->kept;
+        Py_XDECREF(code_obj);
+        goto out;
+    }
+    /* Handed over: Python code may run from here on. */
+    done = PyObject_CallFunctionObjArgs(Completion_type, queue, value_obj, NULL);
+    if (!done) goto out;
+    if (t->kind == 0) {
         PyObject *row_obj = PyLong_FromUnsignedLongLong(row);
         int failed = !row_obj || PyObject_SetAttr(done, NAME(COMPLETION_RING), t->times) ||
                      PyObject_SetAttr(done, NAME(COMPLETION_ROW), row_obj);
         Py_XDECREF(row_obj);
-        if (failed) goto unnumbered;
-        code = am_queue_call(t->handle, fn, (int)nargs, slots, t->times_base + 3 * row, value);
-        if (code || nargs || PyObject_Length(t->keep)) {  /* CPUQueue._submitted: errors,
-                                                             keeping the handles alive */
-            PyObject *status = PyLong_FromLong(code);
+        if (failed) {
+            Py_CLEAR(done);
+            goto out;
+        }
+        if (nargs || PyObject_Length(t->keep)) {  /* CPUQueue._submitted: the handles kept
+                                                     alive until the command passed */
+            PyObject *status = PyLong_FromLong(0);
             PyObject *res = status ? PyObject_CallMethodObjArgs(
                                          t->native, NAME(CPU_QUEUE_SUBMITTED), status, value_obj,
                                          handles ? handles : Py_None, NULL)
                                    : NULL;
             Py_XDECREF(status);
-            if (!res) goto unnumbered;
+            if (!res) {
+                Py_CLEAR(done);
+                goto out;
+            }
             Py_DECREF(res);
         }
     }
-    /* Each buffer's allocation: used by this queue up to value. */
+    /* Each buffer's allocation: used by this queue up to value -- unless another
+     * thread's later command of the queue recorded a higher value meanwhile. */
     for (Py_ssize_t i = 0; i < nbuf; i++) {
         PyObject *uses = PyObject_GetAttr(allocations[i], NAME(ALLOCATION_LAST_USE));
-        int failed = !uses || PyObject_SetItem(uses, queue, value_obj);
-        Py_XDECREF(uses);
+        int failed = !uses;
+        if (uses) {
+            PyObject *had = PyDict_CheckExact(uses) ? PyDict_GetItemWithError(uses, queue) : NULL;
+            if (!PyErr_Occurred() && (!had || PyLong_AsUnsignedLongLong(had) < value))
+                PyObject_SetItem(uses, queue, value_obj);
+            failed = PyErr_Occurred() != NULL;
+            Py_DECREF(uses);
+        }
         if (failed) {
             Py_CLEAR(done);
             goto out;
         }
     }
-    goto out;
-unnumbered:
-    Py_CLEAR(done);
-    unnumber(queue, value);
 out:
     Py_DECREF(value_obj);
     return done;
