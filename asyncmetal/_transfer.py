@@ -33,6 +33,11 @@ async def copy(dst: Any, src: Any, nbytes: int | None = None) -> None:
     kinds the bytes go through host memory: directly when one side is host-visible,
     else through a ring of staging buffers, chunked so that reading the source and
     writing the destination overlap. Cancelling the await detaches; the copy goes on.
+    Between kinds, only once submitted: such a copy starts once the buffers' earlier
+    users finished, and cancelled before then it is withdrawn (nothing copied; through
+    staging buffers, cancelled between chunks, it stops there). Cancelled in flight, the
+    buffers stay in use until it ends, and using them on the other device meanwhile is
+    refused (``synchronize`` the device that copies first).
     """
     if (
         isinstance(dst, Buffer)
