@@ -113,7 +113,8 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     object with ``__dlpack__`` or ``__cuda_array_interface__`` -- without copying.
 
     The buffer is on the open device the memory lives on (or ``device``, which must be
-    that one): host memory on the open ``cpu``, CUDA memory on the open ``cuda:N``. The
+    that one): host memory on the open ``cpu`` (or on the device one of whose buffers
+    lent it out, coming back), CUDA memory on the open ``cuda:N``. The
     producer's pending work on it comes before the device's default queue, and so
     before every command that orders itself after the buffer (copies do; launches with
     ``queue.after(buf)``). The array must be C-contiguous. It is kept alive while the
@@ -161,6 +162,8 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
             f"__dlpack_device__ said {(device_type, device_id)}"
         )
     memory = _Imported(obj, owner, data, nbytes)
+    if device is None and device_type in _HOST:
+        target = _lender(data, nbytes) or target
     if producer is not None:
         after = target.queue._after_stream(producer)
         return foreign_buffer(target, data, nbytes, memory, (target.queue, after.value))
@@ -168,6 +171,16 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
 
 
 _HOST = (KDLCPU, KDLCUDAHOST)
+
+
+def _lender(address: int, nbytes: int) -> Device | None:
+    """The open device one of whose buffers lent this host memory out, now coming back
+    (``cpu:1``'s, say, where ``cpu`` would be picked): there the buffer shares the
+    lender's record of uses, and so its ordering."""
+    for device in open_devices():
+        if device.writable and device._allocator.exported_uses(address, nbytes) is not None:
+            return device
+    return None
 
 
 def _torch_stream(obj: Any) -> int | None:

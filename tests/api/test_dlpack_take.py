@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -250,3 +251,32 @@ def test_the_benchmarks_split_of_from_dlpack_runs_on_cpu(tmp_path: Path) -> None
     split = json.loads(out.read_text())["dlpack"]
     assert 0 < split["producer_dlpack_us"] < split["am_from_dlpack_us"]
     assert split["rest_us"] == split["am_from_dlpack_us"] - split["producer_dlpack_us"]
+
+
+@pytest.mark.anyio
+async def test_a_round_trip_of_cpu_1_memory_comes_back_on_cpu_1(anyio_backend: object) -> None:
+    """A ``cpu:1`` buffer through numpy and back: the buffer lands on ``cpu:1`` (where
+    its memory is), sharing the original's record of uses, so a copy of it orders
+    itself after a held-up write of the original. Checked: before, it landed on ``cpu``
+    (the first device of host memory), unordered: the copy read the old bytes."""
+    fill = "void fill(int* x, int v, int n) { for (int i = 0; i < n; i++) x[i] = v; }"
+    d0, d1 = await am.open_device("cpu"), await am.open_device("cpu:1")
+    try:
+        k = await d1.compile(fill, "fill")
+        buf = await d1.alloc(4096)
+        await d1.queue.launch(k, buf, vals=(1, 1024))
+        back = am.from_dlpack(np.from_dlpack(buf))
+        assert back.device is d1
+        gate = d1.timeline()
+        d1.queue.wait(gate, 1)
+        d1.queue.launch(k, buf, vals=(2, 1024))  # held up
+        out = await d0.alloc(4096)
+        copied = d0.queue.copy(out, back)  # d0's queue: waits for d1's fill
+        with anyio.fail_after(10):
+            await anyio.sleep(0.05)
+            gate.signal(1)
+            await copied
+            assert (await out.read(np.int32) == 2).all()
+    finally:
+        await d0.close()
+        await d1.close()
