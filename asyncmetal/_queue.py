@@ -407,8 +407,8 @@ class Queue:
             if timeline_kind(other.timeline) != kind:
                 raise InvalidArgumentError(
                     f"{buf!r} is still used in place by a copy between kinds on a queue of "
-                    f"{other.timeline.device.name} (its command {value} has not finished): await "
-                    "that copy before using the buffer here"
+                    f"{other.timeline.device.name} (its command {value} has not finished): "
+                    f"synchronize {other.timeline.device.name} before using the buffer here"
                 )
         for _, other, value in pending:
             self.wait(other.timeline, value)
