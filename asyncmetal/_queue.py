@@ -393,25 +393,13 @@ class Queue:
     def _after(self, buffers: Iterable[Buffer]) -> None:
         """after() for buffers already checked. A use by a queue of another kind (a copy
         between kinds reading or writing host-visible memory in place) cannot be waited
-        for on this device: ``am.copy`` settles the buffer before it copies and awaits
-        the copy, so none is left pending -- unless that await was cancelled (or another
-        task uses the buffer meanwhile): refused then, as this command would race it."""
+        for on this device: the host orders those (the copy settles the buffer first)."""
         kind = self._state.kind
-        pending = [
-            (buf, other, value)
-            for buf in buffers
-            for other, value in uses(buf)
-            if other is not self and other.timeline.value < value
-        ]
-        for buf, other, value in pending:
-            if timeline_kind(other.timeline) != kind:
-                raise InvalidArgumentError(
-                    f"{buf!r} is still used in place by a copy between kinds on a queue of "
-                    f"{other.timeline.device.name} (its command {value} has not finished): "
-                    f"synchronize {other.timeline.device.name} before using the buffer here"
-                )
-        for _, other, value in pending:
-            self.wait(other.timeline, value)
+        for buf in buffers:
+            for other, value in uses(buf):
+                timeline = other.timeline
+                if other is not self and timeline.value < value and timeline_kind(timeline) == kind:
+                    self.wait(timeline, value)
 
     async def synchronize(self) -> None:
         """Wait until everything submitted so far has finished."""

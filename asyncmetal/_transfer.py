@@ -36,8 +36,9 @@ async def copy(dst: Any, src: Any, nbytes: int | None = None) -> None:
     Between kinds, only once submitted: such a copy starts once the buffers' earlier
     users finished, and cancelled before then it is withdrawn (nothing copied; through
     staging buffers, cancelled between chunks, it stops there). Cancelled in flight, the
-    buffers stay in use until it ends, and using them on the other device meanwhile is
-    refused (``synchronize`` the device that copies first).
+    buffers stay in use until it ends (never freed before), but the other device's
+    commands are not ordered after it: ``synchronize`` the device that copies before
+    writing the buffer it reads, or using the buffer it writes.
     """
     if (
         isinstance(dst, Buffer)
