@@ -165,6 +165,13 @@ class NativeTimeline(ABC):
         else:
             _native.timeline_abandon(self.c_timeline, target, first)
 
+    def close_waits(self) -> None:
+        """Its device closed: nothing will raise it any more. A native timeline fails
+        from the value after the one it reached (without rising): a device wait of
+        another device's queue for more ends, and that queue fails from that wait on."""
+        if self.c_timeline is not None:
+            _native.timeline_close(self.c_timeline)
+
 
 class InheritedValue:
     """Where a timeline of the parent process keeps its value, in a forked child: the

@@ -442,6 +442,7 @@ class Device:
                     # waited on), and then more ran before its queue stopped.
                     abandon(queue, max(limit, queue.timeline.value) + 1)
                 for timeline in [*self._timelines, *(q.timeline for q in self._queues)]:
+                    timeline.native.close_waits()  # other devices' queues' waits end
                     end_waits(timeline)
             finally:
                 closing.increment()

@@ -90,6 +90,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
         [c_p, ctypes.POINTER(c_int), ctypes.POINTER(c_u64), ctypes.POINTER(c_p)],
     ),
     "am_timeline_failed_offset": (ctypes.c_size_t, []),
+    "am_timeline_close": (None, [c_p]),
     "am_queue_new": (c_p, [c_p, ctypes.c_long, ctypes.c_int]),
     "am_queue_call": (c_int, [c_p, c_p, c_int, c_p, c_p, c_u64]),
     "am_queue_copy": (c_int, [c_p, c_p, c_p, ctypes.c_size_t, c_p, c_u64]),
@@ -382,8 +383,10 @@ def timeline_reader(c_timeline: int, plain: bool | None = None) -> ValueReader:
 
 
 # AM_ABANDONED (amrt.h): the error of a command that will never run, its device having
-# closed while it waited for a value nobody signalled.
+# closed while it waited for a value nobody signalled. AM_CLOSED: a timeline's device
+# closed before it reached the value.
 ABANDONED = -4
+CLOSED = -5
 
 
 class Failure(NamedTuple):
@@ -414,6 +417,12 @@ def timeline_abandon(c_timeline: int, target: int, first: int) -> None:
     will never run (their device closed): it fails, and settles (every wait on it ends;
     a queue that waited on it fails its commands from there on)."""
     runtime().am_timeline_fail(c_timeline, target, ABANDONED, first, c_timeline)
+
+
+def timeline_close(c_timeline: int) -> None:
+    """The native timeline's device closed: waits for values it has not reached end,
+    failed (see am_timeline_close)."""
+    runtime().am_timeline_close(c_timeline)
 
 
 def failed_from(c_timeline: int) -> ValueReader:

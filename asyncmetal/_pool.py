@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -158,6 +159,9 @@ class _Worker:
                 return
             if withdrawn:
                 pool._finish(job, CompileError("compile withdrawn"), ran=False)
+                continue
+            if pool._killing:  # shut down at exit: nothing will await it
+                pool._finish(job, CompileError("the compile pool was shut down"), ran=False)
                 continue
             try:
                 result = self._compile(job)
@@ -316,7 +320,9 @@ class CompilePool:
         self._in_flight: dict[str, _Job] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._killing = False  # shut down at exit: jobs not run yet are dropped
         self.compiles = 0  # jobs that ran in a worker
+        _pools.add(self)
 
     @property
     def workers(self) -> int:
@@ -437,12 +443,21 @@ class CompilePool:
         assert result is not None
         return result
 
-    def shutdown(self) -> None:
-        """Stop the workers (they finish the job in hand). Blocks: not on a loop."""
+    def shutdown(self, *, kill: bool = False) -> None:
+        """Stop the workers: they finish the job in hand -- or, with ``kill`` (at
+        interpreter exit, when nothing will await them), that job and the ones waiting
+        are dropped, the workers and their compilers killed at once. Their temporary
+        directories are removed either way. Blocks: not on a loop."""
         self._closed = True
+        self._killing = kill
         workers = list(self._workers)
         for _ in workers:
             self._pending.put(_STOP)
+        if kill:
+            for worker in workers:
+                proc = worker.proc
+                if proc is not None:
+                    _kill_group(proc)  # its thread sees the worker die, and goes on
         for worker in workers:
             worker.thread.join(timeout=10)
         self._workers.clear()
@@ -478,12 +493,19 @@ def default_pool() -> CompilePool:
         return _default_pool
 
 
-def _shutdown_default() -> None:
-    if _default_pool is not None:
-        _default_pool.shutdown()
+# Every pool alive (the default one and those made by hand), for the exit.
+_pools: weakref.WeakSet[CompilePool] = weakref.WeakSet()
 
 
-atexit.register(_shutdown_default)
+def _shutdown_all() -> None:
+    """At exit: every pool's workers killed, with the compilers they run, and their
+    temporary directories removed -- not waited for one after another."""
+    for pool in list(_pools):
+        if not pool._closed:
+            pool.shutdown(kill=True)
+
+
+atexit.register(_shutdown_all)
 
 
 def _forget_default_in_child() -> None:

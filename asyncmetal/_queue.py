@@ -176,17 +176,14 @@ class Queue:
         """The error of the command at ``value``, done: it failed (a device fault, a
         device-side wait for a value never produced), or was abandoned by the device's
         close. None if it ran."""
-        failure = self._native.failure(value)
-        if failure is not None:
-            return failure
         abandoned = self._abandoned_from
-        if abandoned is not None and value >= abandoned:
+        if abandoned is not None and value >= abandoned:  # (whatever it waited for)
             return ClosedResourceError(
                 f"the device {self.device.name} was closed while this queue's command "
                 f"{abandoned} waited for a timeline value nobody signalled: commands from "
                 "there on never ran"
             )
-        return None
+        return self._native.failure(value)
 
     @property
     def handle(self) -> int | None:

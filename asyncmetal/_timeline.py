@@ -59,6 +59,11 @@ def register_queue(c_timeline: int | None, queue: FailingQueue) -> None:
         _queues[c_timeline] = queue
 
 
+# The timelines alive, by native address (likewise: a closed device's timeline is the
+# cause of the failures it leads to).
+_timelines: weakref.WeakValueDictionary[int, Timeline] = weakref.WeakValueDictionary()
+
+
 def failure_error(failure: _native.Failure, lead: str) -> AsyncMetalError:
     """The error of something that depends on a value ``failure`` kept from being
     produced: ``lead`` ("... a value that"), then the command where the failure began
@@ -69,6 +74,12 @@ def failure_error(failure: _native.Failure, lead: str) -> AsyncMetalError:
         if queue is None
         else f"command {failure.value} of a queue of {queue.device.name}"
     )
+    if failure.error == _native.CLOSED:  # a timeline whose device closed
+        owner = _timelines.get(failure.cause)
+        device = "its device" if owner is None else f"its device, {owner.device.name},"
+        return ClosedResourceError(
+            f"{lead} nothing will produce: {device} closed before the timeline got there"
+        )
     if failure.error == _native.ABANDONED:
         device = "its device" if queue is None else queue.device.name
         return ClosedResourceError(
@@ -207,6 +218,8 @@ class Timeline(Waitable):
         self._highest = 0
         self._last_signal: tuple[Timeline, int, int] | None = None
         self.native: NativeTimeline = state.backend.new_timeline(self.advanced)
+        if self.native.c_timeline is not None:
+            _timelines[self.native.c_timeline] = self
         self._queue: weakref.ref[FailingQueue] | None = None  # a queue's own: that queue
         self._failed_from: _native.ValueReader | None = None  # read in place, once made
 
@@ -281,6 +294,8 @@ class Timeline(Waitable):
             return None
         failure = _native.timeline_failure(c_timeline)
         assert failure is not None
+        if failure.error == _native.CLOSED:
+            return None  # (Timeline.wait says its device closed)
         return failure_error(failure, f"this timeline will not reach {value}: a value that")
 
     def _check_signal(self, value: object, what: str) -> int:

@@ -195,9 +195,12 @@ int64_t am_timeline_due(am_timeline *t, uint64_t v);
 /* A timeline's failure: a command that signals it was abandoned (its device closed while
  * it waited for a value nobody signalled), or failed (cuda errors, CU_WAITED_FAILED). */
 #define AM_ABANDONED (-4)
+#define AM_CLOSED (-5)  /* its device closed before it reached the value */
 void am_timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value,
                       am_timeline *cause);
 uint64_t am_timeline_failure(am_timeline *t, int *error, uint64_t *value, am_timeline **cause);
+void am_timeline_close(am_timeline *t);
+AM_HIDDEN int timeline_failed_for(const am_timeline *t, uint64_t target);
 size_t am_timeline_failed_offset(void);
 /* cuda_driver.c: wakes the cuda completion threads napping on a command, if any */
 AM_HIDDEN void host_signalled(void);

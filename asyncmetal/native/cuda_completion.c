@@ -232,7 +232,7 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
 static void cuq_confirm_wait(am_cuq *q, const am_cuentry *e) {
     am_timeline *t = e->extra;
     pthread_mutex_lock(&t->mu);
-    while (atomic_load(&t->value) < e->extra_value &&
+    while (atomic_load(&t->value) < e->extra_value && !timeline_failed_for(t, e->extra_value) &&
            __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) != 2) {
         struct timespec until;
         deadline_after(&until, CU_NAP_CHUNK_NS);  /* an abandon is seen */

@@ -53,11 +53,11 @@ static int wait_timeline(am_queue *q, am_timeline *t, uint64_t target, uint64_t 
     pthread_mutex_unlock(&q->mu);
     int abandon = 0;
     pthread_mutex_lock(&t->mu);
-    while (atomic_load(&t->value) < target) {
+    while (atomic_load(&t->value) < target && !timeline_failed_for(t, target)) {
         if ((abandon = __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) == 2)) break;
         pthread_cond_wait(&t->cv, &t->mu);
     }
-    int failed = !abandon && t->failed_from && target >= t->failed_from;
+    int failed = !abandon && timeline_failed_for(t, target);
     int error = t->fail_error;
     uint64_t cause_value = t->fail_value;
     am_timeline *cause = t->fail_cause ? t->fail_cause : t;

@@ -215,6 +215,36 @@ void am_timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value
     host_signalled();  /* cuda completion threads napping on a wait it releases */
 }
 
+/* t's device closed: nothing will raise it any more. Unless it failed already, it
+ * fails from the value after the one it reached (AM_CLOSED, its own cause), without
+ * rising: a wait for more ends -- a cpu queue's, which then fails its commands from the
+ * wait on (host_queues.c) -- and its word goes to UINT64_MAX, ending device waits on it
+ * (a stream's: whose queue does the same, cuda_completion.c). Not under any queue's mu. */
+void am_timeline_close(am_timeline *t) {
+    pthread_mutex_lock(&t->mu);
+    if (!t->failed_from) {
+        uint64_t reached = atomic_load(&t->value);
+        if (reached == UINT64_MAX) {
+            pthread_mutex_unlock(&t->mu);
+            return;
+        }
+        t->failed_from = reached + 1;
+        t->fail_error = AM_CLOSED;
+        t->fail_value = reached + 1;
+        t->fail_cause = t;
+    }
+    pthread_cond_broadcast(&t->cv);
+    pthread_mutex_unlock(&t->mu);
+    if (t->word) raise_word(t->word, UINT64_MAX);
+    host_signalled();
+}
+
+/* Whether a wait on t for target ends without target: t failed at or before it. Under
+ * t->mu. */
+int timeline_failed_for(const am_timeline *t, uint64_t target) {
+    return t->failed_from && target >= t->failed_from;
+}
+
 /* Where failed_from lies in an am_timeline: Python reads it in place (a queue's own
  * timeline, on every await of a command's completion; written before the value gets
  * there, under mu, so read after the value it is current). */

@@ -503,6 +503,38 @@ async def test_a_wait_for_a_command_abandoned_by_a_close_fails_what_follows(
 
 
 @pytest.mark.anyio
+async def test_a_wait_for_a_closed_devices_timeline_fails_what_follows(
+    device: am.Device, device_name: str
+) -> None:
+    """A queue waits, on the device, for a value of another device's timeline that it
+    has not reached; that device closes (nothing can signal the timeline any more). The
+    wait ends: the queue's commands from it on fail (ClosedResourceError naming the
+    closed device); a host wait for the value raises too. Checked: before, the queue
+    waited until its own device closed."""
+    source = MSL_KERNELS if device_name == "metal" else KERNELS
+    other = await am.open_device(device_name)
+    fill = await device.compile(source, "fill")
+    mine = await device.alloc(4)
+    await device.queue.launch(fill, mine, vals=(5, 1))
+    theirs = other.timeline()
+    theirs.signal(1)
+    queue = device.new_queue()
+    waited = queue.wait(theirs, 2)
+    behind = queue.launch(fill, mine, vals=(7, 1))
+    with anyio.fail_after(20):
+        await anyio.sleep(0.05)  # the queue waits
+        await other.close()
+        for done in (waited, behind):
+            with pytest.raises(am.ClosedResourceError, match=f"{other.name}, closed before"):
+                await done
+        with pytest.raises(am.ClosedResourceError, match="closed before it reached 2"):
+            await theirs.wait(2)
+        await theirs.wait(1)
+        if device_name == "cpu":
+            assert (await mine.read(np.int32))[0] == 5  # the fill did not run
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("seed", [1, 2])
 async def test_close_with_thousands_of_mixed_commands_loses_none(
     anyio_backend: object, seed: int

@@ -738,3 +738,50 @@ async def test_kernel_parameters_are_read_as_the_compiler_sees_them(anyio_backen
         )
         with pytest.raises(am.CompileError, match="defined more than once"):
             await device.compile(two, "k")
+
+
+_EXIT_WITH_COMPILES = """
+import sys, time, anyio
+sys.path.insert(0, {root!r})
+from asyncmetal._pool import CompilePool
+from asyncmetal._cache import CompileCache
+from tests.support.compilers import SlowCompiler
+async def main():
+    pools = [CompilePool(2, cache=CompileCache({cache!r})) for _ in range(2)]
+    async with anyio.create_task_group() as tg:
+        for i in range(4):
+            src = "int f%d(void) {{ return %d; }}" % (i, time.time_ns() % 1000)
+            tg.start_soon(pools[i % 2].compile, SlowCompiler(30), src)
+        await anyio.sleep(3)  # the workers compile
+        print(" ".join(str(w.proc.pid) for p in pools for w in p._workers if w.proc), flush=True)
+        tg.cancel_scope.cancel()
+anyio.run(main)
+"""
+
+
+def test_exit_with_compiles_in_flight_kills_them_at_once(tmp_path: Path) -> None:
+    """A process exits while its pools (the default one and those made by hand) compile:
+    it exits at once, its workers and their temporary directories gone. Checked: before,
+    the exit joined each busy worker for up to 10 s in turn, and left the workers (and
+    every hand-made pool's directory) behind."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    script = _EXIT_WITH_COMPILES.format(
+        root=str(Path(__file__).resolve().parents[2]), cache=str(tmp_path / "cache")
+    )
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+        env={**os.environ, "TMPDIR": str(scratch)},
+        check=False,
+    )
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 4
+    assert took < 3 + 6, f"the exit took {took - 3:.1f} s"
+    assert all(_dead(pid) for pid in pids), "workers outlived the exit"
+    assert list(scratch.iterdir()) == [], "temporary directories were left behind"

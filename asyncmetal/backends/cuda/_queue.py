@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from ... import _native, _native_contract
 from ..._backend import Arg, KeepAlive, NativeQueue, NativeTimeline, Record, host_address
 from ..._errors import AsyncMetalError, DeviceLostError
-from ..._native import ABANDONED, Failure
+from ..._native import ABANDONED, CLOSED, Failure
 from ..._timeline import failure_error
 from . import _driver
 from ._driver import (
@@ -332,7 +332,7 @@ class CUDAQueue(NativeQueue):
         wait for a value that another queue's failed command never produced: that
         command's error, named (by its queue's device, where that queue is still alive)."""
         timeline, error, value = self._cause
-        if error == ABANDONED:  # that command's device closed while it waited
+        if error in (ABANDONED, CLOSED):  # that command's (or timeline's) device closed
             lead = (
                 f"the command at value {first} on a stream of {self._backend.name} ran after "
                 "a device-side wait for a value that"

@@ -79,6 +79,12 @@ class CUDATimeline(ForkableTimeline):
         # releases is confirmed within microseconds rather than at the end of a nap.
         self._host_signal(self.c_timeline, value)
 
+    def close_waits(self) -> None:
+        # A queue's own: other streams' waits on it are not failed by the cuda queues
+        # (README, "Not done yet"): left waiting, as a close of theirs ends them.
+        if self.queue is None:
+            super().close_waits()
+
     def forked(self, message: str) -> None:
         # The completion threads that raise it are the parent's; its word and slot are
         # left as they are (the parent's pinned memory).

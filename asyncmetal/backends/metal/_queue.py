@@ -94,6 +94,10 @@ class MetalTimeline(ForkableTimeline):
         super().abandon(target, first)
         send(self.event, "setSignaledValue:", MAX_VALUE, restype=None, argtypes=(c_uint64,))
 
+    def close_waits(self) -> None:
+        super().close_waits()  # (and the GPU's waits on the event end)
+        send(self.event, "setSignaledValue:", MAX_VALUE, restype=None, argtypes=(c_uint64,))
+
     def failure(self, target: int) -> _native.Failure | None:
         """Why ``target``, reached, was never produced (None: it was)."""
         failure = _native.timeline_failure(self.c_timeline)
