@@ -8,6 +8,7 @@ import contextlib
 import gc
 import threading
 import weakref
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -407,6 +408,14 @@ def test_gc_of_a_buffer_on_another_thread_wakes_the_waiting_loop(
     anyio.run(scenario, backend=name, backend_options=options)
 
 
+async def _result_or_closed(call: Callable[[], Awaitable[object]], into: list[object]) -> None:
+    """Append what ``call()`` returns, or the ClosedResourceError it raises."""
+    try:
+        into.append(await call())
+    except am.ClosedResourceError as exc:
+        into.append(exc)
+
+
 @pytest.mark.anyio
 async def test_map_of_a_buffer_freed_while_it_waits_raises(
     device: am.Device, kernels: dict[str, am.Program]
@@ -420,16 +429,9 @@ async def test_map_of_a_buffer_freed_while_it_waits_raises(
     device.queue.wait(gate, 1)
     device.queue.launch(kernels["fill"], buf, vals=(1, 4))
     outcome: list[object] = []
-
-    async def mapper() -> None:
-        try:
-            outcome.append(await buf.map(np.int32))
-        except am.ClosedResourceError as exc:
-            outcome.append(exc)
-
     with anyio.fail_after(LIMIT):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(mapper)
+            tg.start_soon(_result_or_closed, lambda: buf.map(np.int32), outcome)
             await anyio.sleep(0.02)
             tg.start_soon(buf.free)
             await anyio.sleep(0.02)
@@ -455,17 +457,9 @@ async def test_a_copy_between_kinds_of_a_source_freed_as_it_settles_raises(
         cpu.queue.wait(gate, 1)
         cpu.queue.launch(fill, src, vals=(1, 4))
         outcome: list[object] = []
-
-        async def copier() -> None:
-            try:
-                await am.copy(dst, src)
-                outcome.append("copied")
-            except am.ClosedResourceError as exc:
-                outcome.append(exc)
-
         with anyio.fail_after(LIMIT):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(copier)
+                tg.start_soon(_result_or_closed, lambda: am.copy(dst, src), outcome)
                 await anyio.sleep(0.02)  # it waits for the fill
                 tg.start_soon(src.free)
                 await anyio.sleep(0.02)
