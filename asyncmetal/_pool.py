@@ -321,8 +321,19 @@ class CompilePool:
         self._lock = threading.Lock()
         self._closed = False
         self._killing = False  # shut down at exit: jobs not run yet are dropped
+        self._pid = os.getpid()  # a forked child refuses it
         self.compiles = 0  # jobs that ran in a worker
         _pools.add(self)
+
+    def _check_usable(self) -> None:
+        if self._pid != os.getpid():  # (before its lock, which a parent thread may hold)
+            raise ClosedResourceError(
+                "this compile pool was made before the fork that made this process: its "
+                "workers and threads are the parent's; make a CompilePool here (the "
+                "default pool is made afresh)"
+            )
+        if self._closed:
+            raise ClosedResourceError("the compile pool is closed")
 
     @property
     def workers(self) -> int:
@@ -347,8 +358,7 @@ class CompilePool:
     ) -> _Job:
         """Start (or join) the compile of ``src``; never blocks. Cache misses only."""
         timeout = check_timeout(timeout)
-        if self._closed:
-            raise ClosedResourceError("the compile pool is closed")
+        self._check_usable()
         with self._lock:
             job = self._in_flight.get(key)
             if job is None:
@@ -407,6 +417,7 @@ class CompilePool:
         finishes into the cache.
         """
         timeout = check_timeout(timeout)
+        self._check_usable()
         key = source_key(await compiler_identity(compiler), src)
         if refresh:
             await anyio.to_thread.run_sync(self.cache.evict, key)
@@ -501,7 +512,7 @@ def _shutdown_all() -> None:
     """At exit: every pool's workers killed, with the compilers they run, and their
     temporary directories removed -- not waited for one after another."""
     for pool in list(_pools):
-        if not pool._closed:
+        if not pool._closed and pool._pid == os.getpid():  # (a forked child's: the parent's)
             pool.shutdown(kill=True)
 
 

@@ -785,3 +785,35 @@ def test_exit_with_compiles_in_flight_kills_them_at_once(tmp_path: Path) -> None
     assert took < 3 + 6, f"the exit took {took - 3:.1f} s"
     assert all(_dead(pid) for pid in pids), "workers outlived the exit"
     assert list(scratch.iterdir()) == [], "temporary directories were left behind"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_pool_made_before_a_fork_is_refused_in_the_child(tmp_path: Path) -> None:
+    """A forked child has none of a pool's threads, and its workers are the parent's: a
+    compile there is refused at once, and the child's exit leaves the parent's workers
+    alone. Checked: before, the child's compile waited for good (only the default pool
+    was reset at fork)."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache"))
+    try:
+        assert anyio.run(pool.compile, CCompiler(), _src("parent"))  # its worker is up
+        pid = os.fork()
+        if pid == 0:  # the child
+            code = 1
+            try:
+                anyio.run(pool.compile, CCompiler(), _src("child"))
+            except am.ClosedResourceError as exc:
+                code = 0 if "before the fork" in str(exc) else 3
+            except BaseException:
+                code = 2
+            os._exit(code)
+        deadline = time.monotonic() + BOUND
+        while (status := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if status[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the child's compile hung")
+        assert os.waitstatus_to_exitcode(status[1]) == 0
+        assert anyio.run(pool.compile, CCompiler(), _src("parent again"))  # still works
+    finally:
+        anyio.run(pool.aclose)
