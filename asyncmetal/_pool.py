@@ -52,19 +52,24 @@ def check_timeout(timeout: object) -> float | None:
     return None if math.isinf(seconds) else seconds
 
 
-def _replies_within(pipe: Any, seconds: float) -> bool:
-    """Whether ``pipe`` has something to read within ``seconds``. ``poll``, not
-    ``select``: a process with more than 1024 files open (a service's sockets) gets
-    descriptors ``select`` refuses. Any finite wait, in waits ``poll`` takes."""
+def _replies_in_time(pipe: Any, job: _Job) -> bool:
+    """Whether ``pipe`` has something to read before ``job``'s timeout passes, counted
+    from now -- re-read as it waits: a request joining the job may widen it (or lift it:
+    None). ``poll``, not ``select``: a process with more than 1024 files open (a
+    service's sockets) gets descriptors ``select`` refuses."""
     poller = select.poll()
     poller.register(pipe, select.POLLIN)
-    deadline = time.monotonic() + seconds
+    start = time.monotonic()
     while True:
-        left = deadline - time.monotonic()
+        timeout = job.timeout
+        left = JOIN_CHECK_S if timeout is None else start + timeout - time.monotonic()
         if left <= 0:
             return False
-        if poller.poll(min(math.ceil(left * 1000), 1 << 30)):
+        if poller.poll(math.ceil(min(left, JOIN_CHECK_S) * 1000)):
             return True
+
+
+JOIN_CHECK_S = 0.1  # how often a timed compile's wait looks at a widened timeout
 
 
 class _Job:
@@ -76,11 +81,13 @@ class _Job:
         "key",
         "result",
         "src",
+        "started",
         "timeout",
     )
 
     def __init__(self, key: str, compiler: Compiler, src: str, timeout: float | None) -> None:
         self.key, self.compiler, self.src, self.timeout = key, compiler, src, timeout
+        self.started = False  # a worker compiles it (its timeout runs from then)
         self.awaiters = 0
         self.result: bytes | CompileError | None = None
         self.done = HostEvents()  # reaches 1 when result is set
@@ -184,7 +191,8 @@ class _Worker:
         assert proc.stdin is not None and proc.stdout is not None
         try:
             write_message(proc.stdin, (job.compiler, job.src))
-            if job.timeout is not None and not _replies_within(proc.stdout, job.timeout):
+            job.started = True
+            if job.timeout is not None and not _replies_in_time(proc.stdout, job):
                 self._kill()
                 return CompileError(f"compile timed out after {job.timeout} s")
             reply = read_message(proc.stdout)
@@ -366,6 +374,8 @@ class CompilePool:
                 self._in_flight[key] = job
                 self._pending.put(job)
                 self._grow()
+            elif job.timeout is not None:  # joined: the job lasts as long as its longest
+                job.timeout = None if timeout is None else max(job.timeout, timeout)
             job.awaiters += 1
             if on_done is not None:
                 job.callbacks.append(on_done)
@@ -421,22 +431,33 @@ class CompilePool:
         key = source_key(await compiler_identity(compiler), src)
         if refresh:
             await anyio.to_thread.run_sync(self.cache.evict, key)
-            return await self.wait(self.submit(compiler, src, key, timeout=timeout))
+            return await self.wait(self.submit(compiler, src, key, timeout=timeout), timeout)
         cached = self.cache.get_memory(key)
         if cached is None and self.cache.disk_enabled:
             cached = await self.cache.get_disk(key)
         if cached is not None:
             await checkpoint()
             return cached
-        return await self.wait(self.submit(compiler, src, key, timeout=timeout))
+        return await self.wait(self.submit(compiler, src, key, timeout=timeout), timeout)
 
-    async def wait(self, job: _Job) -> bytes:
-        """Wait for a submitted job; cancelling withdraws it if it has not started."""
+    async def wait(self, job: _Job, timeout: float | None = None) -> bytes:
+        """Wait for a submitted job, for at most ``timeout`` seconds (its own: a job
+        others joined with a longer one goes on for them); cancelling, or the timeout,
+        withdraws it if nobody else waits and it has not started."""
         try:
-            await wait_value(job.done, 1)
+            with anyio.move_on_after(math.inf if timeout is None else timeout) as waited:
+                await wait_value(job.done, 1)
         except BaseException:
             self.withdraw(job)
             raise
+        if waited.cancelled_caught:
+            job_timeout = job.timeout
+            ends_now = job_timeout is not None and timeout is not None and job_timeout <= timeout
+            if job.started and ends_now:  # its worker ends it now: its error, once the
+                await self.wait(job)  # worker and its compiler's files are gone
+            if not job.done.value:
+                self.withdraw(job)
+                raise CompileError(f"compile timed out after {timeout} s")
         self.cache.warn_if_disabled()  # storing the result may have found the disk full
         return self.result(job)
 

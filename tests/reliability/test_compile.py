@@ -835,3 +835,36 @@ def test_a_pool_made_before_a_fork_is_refused_in_the_child(tmp_path: Path) -> No
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=BOUND
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize("first", ["timed", "untimed"])
+async def test_a_joined_compile_keeps_each_callers_own_timeout(
+    pool: CompilePool, first: str
+) -> None:
+    """Two callers compile one source (3 s), one with a 1 s timeout, the other with
+    none, in either order: the timed one raises after its second; the other gets the
+    binary. Checked: before, the job kept the first caller's timeout, so the untimed
+    caller failed with it, or the timed one waited the whole 3 s and succeeded."""
+    src = _src(f"joined {first}")
+    outcome: dict[str, object] = {}
+
+    async def compile_with(name: str, timeout: float | None) -> None:
+        started = time.monotonic()
+        try:
+            outcome[name] = await pool.compile(SlowCompiler(3), src, timeout=timeout)
+        except am.CompileError as exc:
+            outcome[name] = exc
+        outcome[name + " took"] = time.monotonic() - started
+
+    callers = [("timed", 1.0), ("untimed", None)]
+    if first == "untimed":
+        callers.reverse()
+    with anyio.fail_after(BOUND):
+        async with anyio.create_task_group() as tg:
+            for name, timeout in callers:
+                tg.start_soon(compile_with, name, timeout)
+                await anyio.sleep(0.2)  # the second joins the first's job
+    assert isinstance(outcome["untimed"], bytes), outcome["untimed"]
+    assert isinstance(outcome["timed"], am.CompileError), outcome["timed"]
+    assert "timed out after 1.0 s" in str(outcome["timed"])
+    assert outcome["timed took"] < 2.5  # type: ignore[operator]
