@@ -23,7 +23,6 @@ from ._timeline import (
     order_queue_signal,
     queue_signal_submitted,
     ready_checkpoint,
-    register_queue,
     timeline_kind,
     wait_value,
 )
@@ -75,7 +74,12 @@ class Completion(Record):
             yield from wait_value(timeline, self.value, self.due_ns)
         if self.error is not None:
             raise self.error
-        failure = self.queue._failure(self.value)
+        queue = self.queue
+        failure = (  # (the common case without Queue._failure's frame)
+            queue._native.failure(self.value)
+            if queue._abandoned_from is None
+            else queue._failure(self.value)
+        )
         if failure is not None:
             raise failure
 
@@ -155,7 +159,6 @@ class Queue:
             else backend.adopt_queue(timeline, _stream)
         )
         self.timeline._queue = weakref.ref(self)
-        register_queue(timeline.c_timeline, self)
         self._submitted = 0
         # Device-side signals and waits not yet known complete: (value, is_wait, tl, target)
         self._sync_ops: collections.deque[tuple[int, bool, Timeline, int]] = collections.deque()

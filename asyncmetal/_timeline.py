@@ -49,26 +49,22 @@ class FailingQueue(Protocol):
     def _failure(self, value: int) -> BaseException | None: ...
 
 
-# The queues alive, by the native address of their own timeline: a native timeline's
-# failure names the queue where it began by that address.
-_queues: weakref.WeakValueDictionary[int, FailingQueue] = weakref.WeakValueDictionary()
-
-
-def register_queue(c_timeline: int | None, queue: FailingQueue) -> None:
-    if c_timeline is not None:
-        _queues[c_timeline] = queue
-
-
-# The timelines alive, by native address (likewise: a closed device's timeline is the
-# cause of the failures it leads to).
+# The timelines alive, by native address: a native timeline's failure names where it
+# began by that address (a queue's own timeline, or a closed device's).
 _timelines: weakref.WeakValueDictionary[int, Timeline] = weakref.WeakValueDictionary()
+
+
+def _queue_of(c_timeline: int) -> FailingQueue | None:
+    """The live queue whose own timeline is at ``c_timeline``, if any."""
+    timeline = _timelines.get(c_timeline)
+    return None if timeline is None or timeline._queue is None else timeline._queue()
 
 
 def failure_error(failure: _native.Failure, lead: str) -> AsyncMetalError:
     """The error of something that depends on a value ``failure`` kept from being
     produced: ``lead`` ("... a value that"), then the command where the failure began
     and why (a queue that is gone is not named)."""
-    queue = _queues.get(failure.cause)
+    queue = _queue_of(failure.cause)
     where = (
         "a command of another queue"
         if queue is None
