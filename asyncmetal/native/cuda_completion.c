@@ -35,7 +35,7 @@ static void cuq_drop_refused(am_cuq *q, am_cuop *op, int error, uint64_t value) 
 
 /* The first value of q that failed (a command refused or faulted), or that ran after a
  * device wait for a value its queue never produced (poisoned): 0 if none. Under mu. */
-static uint64_t cuq_failed_at(const am_cuq *q) {
+uint64_t cuq_failed_at(const am_cuq *q) {
     uint64_t at = q->error ? q->error_value : 0;
     return q->poisoned && (!at || q->poisoned < at) ? q->poisoned : at;
 }
@@ -114,6 +114,39 @@ void cuq_poison_after(am_cuq *q, uint64_t command, am_cuq *other) {
     cuq_cause(other, &error, &value, &cause);
     pthread_mutex_unlock(&other->mu);
     cuq_poison(q, command, error, value, cause);
+}
+
+/* q's commands from `first` on (0: none) never run: abandoned by am_cuq_close (`error`
+ * AM_ABANDONED), or never given to it before it closed (AM_CLOSED). It fails from there,
+ * for the device waits on those values made from now on (stream_wait_queue). Under mu,
+ * with stop 2. */
+void cuq_mark_failed(am_cuq *q, uint64_t first, int error) {
+    if (!first || (q->poisoned && q->poisoned <= first)) return;
+    q->poisoned = first;
+    q->cause_error = error;
+    q->cause_value = first;
+    q->cause = q->timeline;
+}
+
+/* Abandoned: the device waits on those commands made before fail their queues' commands from
+ * that wait on (cuq_poison) -- those whose stream goes on once the abandoned command ran
+ * anyway (a close raises the words it waited on) ran on data never produced -- unless
+ * that wait's command was confirmed already: the command it waited for ran. And q
+ * forgets its waiters. Not under mu. */
+void cuq_abandon_waiters(am_cuq *q, uint64_t first) {
+    pthread_mutex_lock(&q->mu);
+    am_cuwaiter *w = q->waiters;
+    q->waiters = NULL;
+    pthread_mutex_unlock(&q->mu);
+    while (w) {
+        am_cuwaiter *next = w->next;
+        uint64_t confirmed = atomic_load(&w->q->timeline->value);
+        if (first && w->target >= first && confirmed < w->command)
+            cuq_poison(w->q, w->command, AM_ABANDONED, first, q->timeline);
+        cuq_unref(w->q);
+        free(w);
+        w = next;
+    }
 }
 
 /* The queue failed and settled (its timeline at UINT64_MAX): the stream will never write

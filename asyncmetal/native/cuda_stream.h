@@ -254,6 +254,9 @@ AM_HIDDEN void cuq_drain(am_cuq *q, uint64_t through, int most);
 AM_HIDDEN void cuq_settle(am_cuq *q);
 AM_HIDDEN int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command);
 AM_HIDDEN void cuq_poison_after(am_cuq *q, uint64_t command, am_cuq *other);
+AM_HIDDEN void cuq_mark_failed(am_cuq *q, uint64_t first, int error);
+AM_HIDDEN void cuq_abandon_waiters(am_cuq *q, uint64_t first);
+AM_HIDDEN uint64_t cuq_failed_at(const am_cuq *q);
 
 /* cuda_submit.c */
 AM_HIDDEN int cuq_run_op(am_cuq *q, const am_cuop *op);

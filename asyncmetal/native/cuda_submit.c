@@ -196,12 +196,18 @@ static int stream_wait_queue(void *stream, am_cuq *other, uint64_t value, am_cuq
     int r = 0;
     if (q && cuq_defer(q, other->timeline, value)) return CU_DEFERRED;
     pthread_mutex_lock(&other->mu);
-    if (value > other->submitted && (other->stop == 2 ||
-                                     (!q && !other->error && atomic_load(other->word) < value))) {
+    int abandoned = other->stop == 2;
+    /* A wait of q on a command an abandoned (or closed) queue never confirms fails q
+     * from there (cuq_mark_failed); else it is recorded, or fails now if other failed
+     * before. */
+    uint64_t from = abandoned ? cuq_failed_at(other) : 0;
+    int failed = q && (abandoned ? from && value >= from : cuq_waited(q, other, value, command));
+    if (value > other->submitted &&
+        (abandoned || (!q && !other->error && atomic_load(other->word) < value))) {
         pthread_mutex_unlock(&other->mu);
-        return other->stop == 2 ? 0 : CU_DEFERRED;
+        if (failed) cuq_poison_after(q, command, other);
+        return abandoned ? 0 : CU_DEFERRED;
     }
-    int failed = q && other->stop != 2 && cuq_waited(q, other, value, command);
     if (value > other->submitted) {
         pthread_mutex_unlock(&other->mu);
         if (failed) cuq_poison_after(q, command, other);
@@ -567,12 +573,17 @@ int am_cuq_error(am_cuq *q, uint64_t *value) {
 void am_cuq_close(am_cuq *q, int abandon) {
     pthread_mutex_lock(&q->mu);
     __atomic_store_n(&q->stop, abandon ? 2 : 1, __ATOMIC_SEQ_CST);  /* read unlocked too */
-    if (abandon) cuq_drop_held(q);  /* what is in flight, its thread releases as it stops */
+    /* The first command never confirmed now: its thread confirms none once stopped. */
+    uint64_t first = q->count ? q->ring[q->head].value : q->held ? q->held->value : 0;
+    if (abandon) {
+        cuq_mark_failed(q, first, AM_ABANDONED);
+        cuq_drop_held(q);
+    }  /* what is in flight, its thread releases as it stops */
     pthread_cond_signal(&q->cv);
     if (abandon) {
         pthread_mutex_unlock(&q->mu);
         host_signalled();  /* wake it if it naps */
-        cuq_drop_waiters(q);  /* it settles nothing now: no waiter of it will fail */
+        cuq_abandon_waiters(q, first);  /* it settles nothing now: their waits fail */
         /* What it held never comes: other queues' waits held for it go on, and wait for
          * nothing (stream_wait_queue), as waits for its commands in flight do. */
         timeline_handed(q->timeline, UINT64_MAX);
@@ -595,6 +606,15 @@ void am_cuq_close(am_cuq *q, int abandon) {
     pthread_mutex_unlock(&q->mu);
     if (kick_on && timeline_undefer(kick_on, &q->kick, 1)) cuq_unref(q);  /* (not the last) */
     pthread_join(q->thread, NULL);
+    if (!abandon) {
+        /* Everything it was given ran: what it never was given never comes. Waits held
+         * for those values go on, and fail their queues from there (stream_wait_queue). */
+        pthread_mutex_lock(&q->mu);
+        __atomic_store_n(&q->stop, 2, __ATOMIC_SEQ_CST);
+        cuq_mark_failed(q, q->submitted + 1, AM_CLOSED);
+        pthread_mutex_unlock(&q->mu);
+        timeline_handed(q->timeline, UINT64_MAX);
+    }
     cuq_drop_waiters(q);  /* (waiters reference their queues: two waiting on each other) */
     cuq_unref(q);
 }

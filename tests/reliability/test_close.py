@@ -503,21 +503,30 @@ async def test_a_wait_for_a_command_abandoned_by_a_close_fails_what_follows(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("whose", ["timeline", "queue"])
 async def test_a_wait_for_a_closed_devices_timeline_fails_what_follows(
-    device: am.Device, device_name: str
+    device: am.Device, device_name: str, whose: str
 ) -> None:
-    """A queue waits, on the device, for a value of another device's timeline that it
-    has not reached; that device closes (nothing can signal the timeline any more). The
-    wait ends: the queue's commands from it on fail (ClosedResourceError naming the
-    closed device); a host wait for the value raises too. Checked: before, the queue
-    waited until its own device closed."""
+    """A queue waits, on the device, for a value of another device's timeline (a
+    ``device.timeline()``, or a queue's own) that it has not reached; that device
+    closes (nothing can signal the timeline any more). The wait ends: the queue's
+    commands from it on fail (ClosedResourceError naming the closed device); a host wait
+    for the value raises too. Checked: before, the queue waited until its own device
+    closed."""
     source = MSL_KERNELS if device_name == "metal" else KERNELS
     other = await am.open_device(device_name)
     fill = await device.compile(source, "fill")
     mine = await device.alloc(4)
     await device.queue.launch(fill, mine, vals=(5, 1))
-    theirs = other.timeline()
-    theirs.signal(1)
+    if whose == "queue":
+        their_queue = other.new_queue()
+        theirs = their_queue.timeline
+        their_fill = await other.compile(source, "fill")
+        await their_queue.launch(their_fill, await other.alloc(4), vals=(1, 1))
+    else:
+        theirs = other.timeline()
+        theirs.signal(1)
+    assert theirs.value == 1
     queue = device.new_queue()
     waited = queue.wait(theirs, 2)
     behind = queue.launch(fill, mine, vals=(7, 1))

@@ -80,8 +80,8 @@ class CUDATimeline(ForkableTimeline):
         self._host_signal(self.c_timeline, value)
 
     def close_waits(self) -> None:
-        # A queue's own: other streams' waits on it are not failed by the cuda queues
-        # (README, "Not done yet"): left waiting, as a close of theirs ends them.
+        # A queue's own: its native queue, closed, fails other queues' device waits for
+        # values it never got to (am_cuq_close); its word stays where its stream left it.
         if self.queue is None:
             super().close_waits()
 

@@ -249,6 +249,59 @@ async def test_waits_on_another_queues_timeline(anyio_backend: object) -> None:
         assert (await buf.read(np.int32) == 3).all()
 
 
+async def test_waits_for_what_a_closed_device_never_produced_fail_what_follows(
+    anyio_backend: object,
+) -> None:
+    """Two devices on one GPU: queues of one wait, on the device, for a command of the
+    other's that its close abandons (behind a wait nobody signals), and for a value
+    another of its queues was never given. The close ends both waits, and each waiting
+    queue's commands from its wait on fail with ClosedResourceError naming the closed
+    device; a queue that waited for a command that ran goes on. (Checked on the
+    simulated driver: before, the first ran and reported success, the second waited
+    until its own device closed.)"""
+    dev, other = await am.open_device("cuda:0"), await am.open_device("cuda:0")
+    try:
+        fill_here, fill_there = (
+            await dev.compile(KERNELS, "fill"),
+            await other.compile(KERNELS, "fill"),
+        )
+        mine, theirs = await dev.alloc(4), await other.alloc(4)
+        await dev.queue.launch(fill_here, mine, vals=(5, 1))
+        stuck = other.new_queue()
+        stuck.wait(other.timeline(), 1)  # nobody signals it
+        produced = stuck.launch(fill_there, theirs, vals=(1, 1))
+        idle = other.new_queue()
+        ran = idle.launch(fill_there, theirs, vals=(2, 1))
+        await ran
+        abandoned_wait, never_given = dev.new_queue(), dev.new_queue()
+        fine = dev.new_queue()
+        waits = [
+            abandoned_wait.wait(stuck.timeline, produced.value),
+            abandoned_wait.launch(fill_here, mine, vals=(7, 1)),
+        ]
+        closed = [
+            never_given.wait(idle.timeline, ran.value + 1),
+            never_given.launch(fill_here, mine, vals=(8, 1)),
+        ]
+        fine.wait(idle.timeline, ran.value)
+        fine_done = fine.launch(fill_here, mine, vals=(5, 1))
+        with anyio.fail_after(30):
+            await anyio.sleep(0.05)
+            await other.close()
+            for done in waits:
+                with pytest.raises(am.ClosedResourceError, match="never produced: cuda:0 was"):
+                    await done
+            for done in closed:
+                with pytest.raises(am.ClosedResourceError, match="cuda:0, closed before"):
+                    await done
+            await fine_done
+            await dev.new_queue().launch(fill_here, mine, vals=(4, 1))
+            assert (await mine.read(np.int32))[0] == 4
+    finally:
+        await other.close()
+        await dev.close()
+
+
 async def test_64_awaiters_batched(anyio_backend: object) -> None:
     async with am.open_device("cuda:0") as dev:
         empty = await dev.compile(KERNELS, "empty")

@@ -54,6 +54,8 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "unlocked"),
         *("ok", "waitstream"),
         *("ok", "orphaned"),
+        *("ok", "abandonwait"),
+        *("ok", "closedwait"),
         *("ok", "shared"),
         *("ok", "handover"),
         *("ok", "handsignal"),

@@ -78,7 +78,16 @@
  *             after another make no new events), and destroyed when the held wait is
  *             abandoned
  *   orphaned  a queue's wait held for another queue's command, which that queue held on
- *             the host when it was closed with abandon, goes on (it never comes)
+ *             the host when it was closed with abandon, goes on (it never comes), and
+ *             the queue fails from that wait on, naming the abandon
+ *   abandonwait a queue closed with abandon while its command waits for a timeline
+ *             nobody signals: commands of queues that waited on the device for its
+ *             abandoned commands fail once run (the close raised that timeline's word,
+ *             so they ran behind commands that waited for nothing), naming the abandon,
+ *             and so do those that waited for them; a wait for one of its commands
+ *             confirmed before succeeds
+ *   closedwait a queue's device wait for a value another queue was never given before it
+ *             closed ends, and the commands from that wait on fail, naming the close
  *   shared    streams sharing one hardware queue (a wait there holds up every stream
  *             behind it): a queue's wait for another queue's command still held on the
  *             host, a wait on a timeline before the signal that raises it was
@@ -903,11 +912,93 @@ static void check_orphaned(void) {
     uint64_t stats[8];
     am_cuq_stats(b.q, stats);
     if (!stats[6]) die("orphaned: b's wait for a held command was not held");
+    reach(a.t, 1, "orphaned: a's first command never ran");  /* then 2 is in flight */
     queue_free(a, 1);
     reach(b.t, 1, "orphaned: a wait held for an abandoned queue's command never went on");
+    /* it went on for a command that never ran: b's command fails, naming the abandon */
+    uint64_t at = 0, value = 0;
+    int error = 0;
+    if (am_cuq_error(b.q, &at) != CU_WAITED_FAILED || at != 1 ||
+        !am_cuq_cause(b.q, &error, &value) || error != AM_ABANDONED || value != 2)
+        die("orphaned: a wait held for an abandoned command did not fail what followed it");
     queue_free(b, 0);
     atomic_store(&release_syncs, released);
     puts("ok orphaned");
+}
+
+/* The error and cause a queue reports: 1 if they are a failed wait, from command `at`,
+ * for queue `cause`'s abandoned command `value`. */
+static int abandoned_cause(fake_queue f, uint64_t at, am_timeline *cause, uint64_t value) {
+    uint64_t from = 0, v = 0;
+    int error = 0;
+    return am_cuq_error(f.q, &from) == CU_WAITED_FAILED && from == at &&
+           am_cuq_cause(f.q, &error, &v) == cause && error == AM_ABANDONED && v == value;
+}
+
+static void check_abandonwait(void) {
+    int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
+    /* a: command 1 runs; command 2 waits for a timeline nobody signals; command 3 is
+     * behind it. b waits on the device for a's 3, c for b's 2, d for a's 1. */
+    fake_queue a = queue_new(), b = queue_new(), c = queue_new(), d = queue_new();
+    free_timeline gate = free_timeline_new();
+    if (launch(a, NULL, 1, 1)) die("abandonwait: a's launch failed");
+    reach(a.t, 1, "abandonwait: a's first command never ran");
+    if (wait_free(a, gate, 1, 2) || launch(a, NULL, 2, 3)) die("abandonwait: a failed at once");
+    if (am_cuq_wait_queue(b.q, a.q, 3, 1) || am_cuq_finish(b.q, 1, NULL, 0, 0, CU_FINISH_PLAIN) ||
+        launch(b, NULL, 1, 2))
+        die("abandonwait: b failed at once");
+    if (am_cuq_wait_queue(c.q, b.q, 2, 1) || am_cuq_finish(c.q, 1, NULL, 0, 0, CU_FINISH_PLAIN) ||
+        launch(c, NULL, 1, 2))
+        die("abandonwait: c failed at once");
+    if (am_cuq_wait_queue(d.q, a.q, 1, 1) || am_cuq_finish(d.q, 1, NULL, 0, 0, CU_FINISH_PLAIN) ||
+        launch(d, NULL, 1, 2))
+        die("abandonwait: d failed at once");
+    nap_ns(50000000);  /* a's thread naps on the wait */
+    am_cuq_close(a.q, 1);  /* a's commands 2 and 3 are abandoned */
+    /* As a device's close does: the word a's stream waits on is raised, so a's abandoned
+     * commands run after all, and b's and c's streams go on behind them. */
+    am_timeline_close(gate.t);
+    reach(b.t, 2, "abandonwait: b never went on");
+    reach(c.t, 2, "abandonwait: c never went on");
+    reach(d.t, 2, "abandonwait: d never went on");
+    if (!abandoned_cause(b, 1, a.t, 2) || !abandoned_cause(c, 1, a.t, 2))
+        die("abandonwait: commands behind a wait for an abandoned command did not fail");
+    uint64_t at = 0;
+    if (am_cuq_error(d.q, &at) || am_timeline_value(d.t) != 2)
+        die("abandonwait: a wait for a command confirmed before the abandon failed");
+    stream_free(a.s, 0);
+    am_timeline_free(a.t);
+    free(a.word);
+    queue_free(b, 0);
+    queue_free(c, 0);
+    queue_free(d, 0);
+    am_timeline_free(gate.t);
+    free(gate.word);
+    atomic_store(&release_syncs, released);
+    puts("ok abandonwait");
+}
+
+static void check_closedwait(void) {
+    int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
+    /* b waits on the device for a's value 3, which a is never given: a closes after its
+     * command 1 ran */
+    fake_queue a = queue_new(), b = queue_new();
+    if (launch(a, NULL, 1, 1)) die("closedwait: a's launch failed");
+    if (am_cuq_wait_queue(b.q, a.q, 3, 1) || am_cuq_finish(b.q, 1, NULL, 0, 0, CU_FINISH_PLAIN) ||
+        launch(b, NULL, 1, 2))
+        die("closedwait: b failed at once");
+    reach(a.t, 1, "closedwait: a's command never ran");
+    am_timeline *gone = a.t;
+    queue_free(a, 0);
+    reach(b.t, 2, "closedwait: a wait for a value a closed queue was never given never ended");
+    uint64_t at = 0, value = 0;
+    int error = 0;
+    if (am_cuq_error(b.q, &at) != CU_WAITED_FAILED || at != 1 ||
+        am_cuq_cause(b.q, &error, &value) != gone || error != AM_CLOSED || value != 2)
+        die("closedwait: the commands behind that wait did not fail, naming the close");
+    queue_free(b, 0);
+    atomic_store(&release_syncs, released);
+    puts("ok closedwait");
 }
 
 static void check_shared(void) {
@@ -1385,6 +1476,8 @@ int main(void) {
     check_unlocked();
     check_waitstream();
     check_orphaned();
+    check_abandonwait();
+    check_closedwait();
     check_shared();
     check_handover();
     check_handsignal();
