@@ -198,7 +198,8 @@ class ForkableTimeline(NativeTimeline):
 
 
 class Timelines:
-    """The timelines a backend made and still alive, to cut them off in a forked child."""
+    """The timelines a backend made and still alive: to cut them off in a forked child,
+    and to end device waits on them when the device closes."""
 
     def __init__(self) -> None:
         self._alive: weakref.WeakSet[ForkableTimeline] = weakref.WeakSet()
@@ -209,6 +210,10 @@ class Timelines:
     def forked(self, message: str) -> None:
         for timeline in list(self._alive):
             timeline.forked(message)
+
+    def close_waits(self) -> None:
+        for timeline in list(self._alive):
+            timeline.close_waits()
 
 
 class NativeQueue(ABC):

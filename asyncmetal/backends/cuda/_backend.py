@@ -258,6 +258,11 @@ class CUDABackend(Backend):
 
     @keeps_context
     def close(self) -> None:
+        # Device waits on its timelines end first, failed: a stream of this GPU still
+        # waiting on one would hold up the frees below, which wait for every stream of
+        # the GPU. (Its queues are closed: what a stopped one's stream runs now is never
+        # confirmed, so it stays abandoned.)
+        self._timelines.close_waits()
         self.make_current()
         self._frees.put(None)
         self._freer.join()

@@ -302,6 +302,49 @@ async def test_waits_for_what_a_closed_device_never_produced_fail_what_follows(
         await dev.close()
 
 
+@pytest.mark.parametrize("whose", ["own", "peer"])
+def test_close_ends_a_stream_waiting_for_a_value_nobody_signals(whose: str) -> None:
+    """A stream waits on the device for a value of a timeline that the host signalled
+    before (such a wait goes to the device at once) and nobody signals: the device's own
+    timeline, or another device's on the same GPU. Closing the device whose timeline it
+    is returns (in a child process, with a watchdog), and the commands behind the wait
+    raise ClosedResourceError. Checked on the H200: before, both closes hung (freeing
+    memory waits for every stream of the GPU, the waiting one too)."""
+    script = textwrap.dedent(
+        f"""
+        import os, threading, anyio, asyncmetal as am
+        SRC = {KERNELS!r}
+        async def main():
+            dev = await am.open_device("cuda:0")
+            peer = await am.open_device("cuda:0") if {whose == "peer"!r} else dev
+            fill = await dev.compile(SRC, "fill")
+            buf = await dev.alloc(4)
+            tl = peer.timeline()
+            tl.signal(1)
+            queue = dev.new_queue()
+            behind = [queue.wait(tl, 2), queue.launch(fill, buf, vals=(3, 1))]
+            await anyio.sleep(0.1)  # the stream waits
+            threading.Timer(30, lambda: (print("hung", flush=True), os._exit(3))).start()
+            await peer.close()
+            print("closed", flush=True)
+            for done in behind:
+                try:
+                    await done
+                    print("ran")
+                except am.ClosedResourceError:
+                    print("raised")
+            await dev.close()
+            os._exit(0)
+        anyio.run(main)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.stdout.split() == ["closed", "raised", "raised"], proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stderr
+
+
 async def test_64_awaiters_batched(anyio_backend: object) -> None:
     async with am.open_device("cuda:0") as dev:
         empty = await dev.compile(KERNELS, "empty")
