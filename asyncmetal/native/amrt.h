@@ -163,6 +163,12 @@ static inline void nap_ns(long ns) {
     nanosleep(&ts, NULL);
 }
 
+/* What a timeline's device word is raised to for good (a failed or closed timeline, a
+ * settled queue's) to end every device wait on it: a CUDA stream's 64-bit wait compares
+ * cyclically, (int64_t)(word - target) >= 0, which UINT64_MAX (-1) passes for no target
+ * from 0 to 2**63 - 1, and this passes for all of them. */
+#define AM_WORD_RELEASED ((uint64_t)INT64_MAX)
+
 static inline void raise_word(_Atomic uint64_t *word, uint64_t v) {
     uint64_t old = atomic_load(word);
     while (old < v && !atomic_compare_exchange_weak(word, &old, v)) {}

@@ -140,7 +140,11 @@ void cuq_abandon_waiters(am_cuq *q, uint64_t first) {
     pthread_mutex_unlock(&q->mu);
     while (w) {
         am_cuwaiter *next = w->next;
-        uint64_t confirmed = atomic_load(&w->q->timeline->value);
+        /* (w->q's timeline only while w->q is open: a closed one's may be freed) */
+        pthread_mutex_lock(&w->q->mu);
+        int open = w->q->stop != 2;  /* (closing to finish: its closer holds it) */
+        uint64_t confirmed = open ? atomic_load(&w->q->timeline->value) : UINT64_MAX;
+        pthread_mutex_unlock(&w->q->mu);
         if (first && w->target >= first && confirmed < w->command)
             cuq_poison(w->q, w->command, AM_ABANDONED, first, q->timeline);
         cuq_unref(w->q);
@@ -172,7 +176,7 @@ static void cuq_release_waiters(am_cuq *q) {
         free(w);
         w = next;
     }
-    raise_word(q->word, UINT64_MAX);
+    raise_word(q->word, AM_WORD_RELEASED);
     timeline_kick(q->timeline);  /* waits held for it: they go to the driver (and pass) */
     host_signalled();
 }

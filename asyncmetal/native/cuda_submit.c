@@ -574,7 +574,9 @@ void am_cuq_close(am_cuq *q, int abandon) {
     pthread_mutex_lock(&q->mu);
     __atomic_store_n(&q->stop, abandon ? 2 : 1, __ATOMIC_SEQ_CST);  /* read unlocked too */
     /* The first command never confirmed now: its thread confirms none once stopped. */
-    uint64_t first = q->count ? q->ring[q->head].value : q->held ? q->held->value : 0;
+    uint64_t first = q->count ? q->ring[q->head].value : q->submitted + 1;
+    uint64_t seen = atomic_load(&q->timeline->value);  /* confirmed through waiters */
+    if (seen != UINT64_MAX && first <= seen) first = seen + 1;
     if (abandon) {
         cuq_mark_failed(q, first, AM_ABANDONED);
         cuq_drop_held(q);

@@ -210,7 +210,7 @@ void am_timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value
         t->fail_cause = cause;
     }
     pthread_mutex_unlock(&t->mu);
-    if (t->word) raise_word(t->word, UINT64_MAX);
+    if (t->word) raise_word(t->word, AM_WORD_RELEASED);
     am_timeline_poke(t, UINT64_MAX);
     host_signalled();  /* cuda completion threads napping on a wait it releases */
 }
@@ -235,7 +235,7 @@ void am_timeline_close(am_timeline *t) {
     }
     pthread_cond_broadcast(&t->cv);
     pthread_mutex_unlock(&t->mu);
-    if (t->word) raise_word(t->word, UINT64_MAX);
+    if (t->word) raise_word(t->word, AM_WORD_RELEASED);
     host_signalled();
 }
 

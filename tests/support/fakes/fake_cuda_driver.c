@@ -76,7 +76,8 @@ static void *stream_run(void *arg) {
         } else if (o.kind == OP_WRITE) {
             atomic_store((_Atomic uint64_t *)o.p, (uint64_t)o.a);
         } else if (o.kind == OP_WAIT) {
-            while (atomic_load((_Atomic uint64_t *)o.p) < (uint64_t)o.a)
+            /* as the driver's 64-bit GEQ: a cyclic comparison */
+            while ((int64_t)(atomic_load((_Atomic uint64_t *)o.p) - (uint64_t)o.a) < 0)
                 if (atomic_load(&s->stop) == 2) return NULL;
         } else if (o.kind == OP_WAIT_EVENT) {
             while (o.a && !atomic_load(&((fake_event *)o.p)->ended[o.a % FAKE_RECORDS]))

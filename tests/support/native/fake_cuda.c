@@ -31,7 +31,7 @@
  *             command that failed
  *   signal    a signal of a timeline no queue owns, by a queue that waited for a refused
  *             command's value (or held behind a refused command of its own), fails:
- *             the timeline settles (value and word at UINT64_MAX), so no wait on it
+ *             the timeline settles (value at UINT64_MAX, word released), so no wait on it
  *             blocks for good, and a queue that waited on it on the device fails from
  *             that wait on, naming the refused command; a wait released by a signal
  *             that succeeded (a queue's, or the host's) succeeds
@@ -88,6 +88,13 @@
  *             confirmed before succeeds
  *   closedwait a queue's device wait for a value another queue was never given before it
  *             closed ends, and the commands from that wait on fail, naming the close
+ *   uafwaiter a queue abandoned after a queue that waited for it closed (its timeline
+ *             freed): nothing of the closed queue's is read
+ *   confirmedfirst a queue abandoned when its command was confirmed through another
+ *             queue's wait but not by its own thread: a wait for that command succeeds
+ *   kickmiss  a queue abandoned while a kick's thread hands its command over (neither
+ *             held nor in flight): a wait for that command fails
+ *   idleabandon an idle queue abandoned: a wait for a value it was never given fails
  *   shared    streams sharing one hardware queue (a wait there holds up every stream
  *             behind it): a queue's wait for another queue's command still held on the
  *             host, a wait on a timeline before the signal that raises it was
@@ -464,7 +471,7 @@ static void check_signal(void) {
         while (am_timeline_value(settled[i].t) < 2)
             if (now_ns() > deadline) die("signal: a queue's wait on a failed signal never ended");
     for (int i = 0; i < 2; i++) {
-        if (am_timeline_value(timelines[i]) != UINT64_MAX || *(i ? t2.word : t.word) != UINT64_MAX)
+        if (am_timeline_value(timelines[i]) != UINT64_MAX || *(i ? t2.word : t.word) != AM_WORD_RELEASED)
             die("signal: a timeline whose signal failed did not settle");
     }
     if (am_timeline_value(t3.t) != 2 || am_timeline_value(t4.t) != 7)
@@ -1160,7 +1167,7 @@ static void check_signalrecord(void) {
     atomic_store(&refuse_records, a.s);  /* the signal's record, once handed over */
     reach(t.t, 5, "signalrecord: a wait on the timeline of a refused signal never ended");
     reach(c.t, 2, "signalrecord: a queue's wait on a refused signal's timeline never ended");
-    if (am_timeline_value(t.t) != UINT64_MAX || atomic_load((_Atomic uint64_t *)t.word) != UINT64_MAX)
+    if (am_timeline_value(t.t) != UINT64_MAX || atomic_load((_Atomic uint64_t *)t.word) != AM_WORD_RELEASED)
         die("signalrecord: the timeline of the refused signal did not settle");
     /* a settles once the stream is past the fence behind the refused record, which
      * fails t first: on a busy machine this thread may look between the two */
@@ -1450,6 +1457,132 @@ static void check_stress(void) {
     puts("ok stress");
 }
 
+/* Whether f failed from a device wait for a value never produced. */
+static int waited_failed(fake_queue f) {
+    uint64_t at = 0;
+    return am_cuq_error(f.q, &at) == CU_WAITED_FAILED;
+}
+
+/* A waiter's record stays in a's waiters after the waiter closed and its timeline was
+ * freed; a's abandon then reads that timeline (cuq_abandon_waiters). ASan: UAF. */
+static void check_uafwaiter(void) {
+    int released = atomic_exchange(&release_syncs, 0);
+    fake_queue a = queue_new(), b = queue_new();
+    free_timeline gate = free_timeline_new();
+    static kernel slow = {0, 20000000, NULL, 0};
+    if (launch(a, &slow, 1, 1)) die("uafwaiter: a");
+    if (wait_free(a, gate, 1, 2) || launch(a, NULL, 2, 3)) die("uafwaiter: a2");
+    if (am_cuq_wait_queue(b.q, a.q, 1, 1) || am_cuq_finish(b.q, 1, a.t, 1, 0, CU_FINISH_PLAIN))
+        die("uafwaiter: b");
+    reach(b.t, 1, "uafwaiter: b never went on");
+    reach(a.t, 1, "uafwaiter: a 1");
+    queue_free(b, 0);          /* b's timeline freed; its record stays in a's waiters */
+    am_cuq_close(a.q, 1);      /* reads b's freed timeline */
+    am_timeline_close(gate.t);
+    stream_free(a.s, 1);
+    am_timeline_free(a.t);
+    free(a.word);
+    am_timeline_free(gate.t);
+    free(gate.word);
+    atomic_store(&release_syncs, released);
+    puts("ok uafwaiter");
+}
+
+/* a's command 1 confirmed through b's wait (a's timeline at 1) but not yet by a's own
+ * thread; a abandoned: c's wait for a's 1 must not fail. */
+static void check_confirmedfirst(void) {
+    int released = atomic_exchange(&release_syncs, 0);
+    fake_queue a = queue_new(), b = queue_new(), c = queue_new();
+    free_timeline gate = free_timeline_new();
+    static kernel slow = {0, 20000000, NULL, 0}, cslow = {0, 300000000, NULL, 0};
+    if (launch(a, &slow, 1, 1)) die("confirmedfirst: a");
+    pthread_mutex_lock(&a.q->mu);
+    atomic_store(&held, a.q->ring[a.q->head].event);
+    pthread_mutex_unlock(&a.q->mu);
+    if (wait_free(a, gate, 1, 2)) die("confirmedfirst: a2");
+    if (launch(c, &cslow, 1, 1) || am_cuq_wait_queue(c.q, a.q, 1, 2) ||
+        am_cuq_finish(c.q, 2, a.t, 1, 0, CU_FINISH_PLAIN) || launch(c, NULL, 3, 3))
+        die("confirmedfirst: c");
+    if (am_cuq_wait_queue(b.q, a.q, 1, 1) || am_cuq_finish(b.q, 1, a.t, 1, 0, CU_FINISH_PLAIN))
+        die("confirmedfirst: b");
+    reach(a.t, 1, "falsepos: a's 1 never confirmed through b");
+    am_cuq_close(a.q, 1);
+    atomic_store(&held, NULL);
+    am_timeline_close(gate.t);
+    reach(c.t, 3, "falsepos: c never went on");
+    uint64_t at = 0;
+    if (am_cuq_error(c.q, &at))
+        die("confirmedfirst: a wait for a command confirmed (through another queue's wait) "
+            "before its queue was abandoned failed");
+    stream_free(a.s, 1);
+    am_timeline_free(a.t);
+    free(a.word);
+    queue_free(b, 0);
+    queue_free(c, 0);
+    am_timeline_free(gate.t);
+    free(gate.word);
+    atomic_store(&release_syncs, released);
+    puts("ok confirmedfirst");
+}
+
+/* f abandoned while a kick's thread is inside the driver call of f's command 1's end
+ * (popped off held, not yet in the ring): w's wait for f's 1 must fail. */
+static void check_kickmiss(void) {
+    int released = atomic_exchange(&release_syncs, 0);
+    fake_queue f = queue_new(), w = queue_new();
+    free_timeline t = free_timeline_new();
+    if (am_cuq_wait_timeline(f.q, t.t, 1, 1) || am_cuq_finish(f.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
+        die("kickmiss: f");
+    if (am_cuq_wait_queue(w.q, f.q, 1, 1) || am_cuq_finish(w.q, 1, f.t, 1, 0, CU_FINISH_PLAIN) ||
+        launch(w, NULL, 2, 2))
+        die("kickmiss: w");
+    atomic_store(&record_ns, 100000000);
+    host_signal h = {t.t, 1};
+    pthread_t thread;
+    pthread_create(&thread, NULL, signal_from_host, &h);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!atomic_load(&records_in_driver))
+        if (now_ns() > deadline) die("kickmiss: the kick never handed the command over");
+    atomic_store(&record_ns, 0);
+    am_cuq_close(f.q, 1);
+    pthread_join(thread, NULL);
+    reach(w.t, 2, "kickmiss: w never went on");
+    if (!waited_failed(w))
+        die("kickmiss: a wait for a command being handed over when its queue was abandoned "
+            "did not fail");
+    stream_free(f.s, 1);
+    am_timeline_free(f.t);
+    free(f.word);
+    queue_free(w, 0);
+    am_timeline_free(t.t);
+    free(t.word);
+    atomic_store(&release_syncs, released);
+    puts("ok kickmiss");
+}
+
+/* f idle (all confirmed) abandoned: w's held wait for f's never-given 2 must fail (a
+ * normal close fails it: AM_CLOSED). */
+static void check_idleabandon(void) {
+    int released = atomic_exchange(&release_syncs, 0);
+    fake_queue f = queue_new(), w = queue_new();
+    if (launch(f, NULL, 1, 1)) die("idleabandon: f");
+    reach(f.t, 1, "idleabandon: f 1");
+    if (am_cuq_wait_queue(w.q, f.q, 2, 1) || am_cuq_finish(w.q, 1, f.t, 2, 0, CU_FINISH_PLAIN) ||
+        launch(w, NULL, 2, 2))
+        die("idleabandon: w");
+    am_cuq_close(f.q, 1);
+    reach(w.t, 2, "idleabandon: w never went on");
+    if (!waited_failed(w))
+        die("idleabandon: a wait for a value an idle queue abandoned was never given did not "
+            "fail");
+    stream_free(f.s, 1);
+    am_timeline_free(f.t);
+    free(f.word);
+    queue_free(w, 0);
+    atomic_store(&release_syncs, released);
+    puts("ok idleabandon");
+}
+
 int main(void) {
     fake_driver_install();
     check_order();
@@ -1478,6 +1611,10 @@ int main(void) {
     check_orphaned();
     check_abandonwait();
     check_closedwait();
+    check_uafwaiter();
+    check_confirmedfirst();
+    check_kickmiss();
+    check_idleabandon();
     check_shared();
     check_handover();
     check_handsignal();
