@@ -140,6 +140,8 @@ class NativeTimeline(ABC):
     """
 
     c_timeline: int | None = None
+    # The highest value it takes (a device's waits may compare fewer bits than 64).
+    max_value = (1 << 64) - 1
     # A host signal may release device waits, whose commands then finish in microseconds
     # (their completion comes through a native thread): the signalling loop stays awake a
     # moment to see it rather than sleep and be woken.

@@ -19,7 +19,6 @@ from ._timeline import (
     MADE_BY_DEVICE,
     Timeline,
     check_timeline,
-    check_value,
     order_queue_signal,
     queue_signal_submitted,
     ready_checkpoint,
@@ -340,7 +339,7 @@ class Queue:
         ``value``. No host thread blocks.
         """
         timeline = check_timeline(timeline, "timeline", self._state.kind)
-        value = check_value(value)
+        value = timeline.check_device_value(value, "value")
         if timeline is self.timeline and value > self._submitted:
             raise InvalidArgumentError(
                 f"a queue cannot wait for its own value {value}: its commands so far reach "

@@ -295,7 +295,7 @@ class Timeline(Waitable):
         return failure_error(failure, f"this timeline will not reach {value}: a value that")
 
     def _check_signal(self, value: object, what: str) -> int:
-        value = check_value(value, what)
+        value = self.check_device_value(value, what)
         if value <= self._highest:
             raise InvalidArgumentError(
                 f"{what} {value} does not increase the timeline: it has been signalled "
@@ -303,6 +303,17 @@ class Timeline(Waitable):
             )
         if self._state.closed:
             raise ClosedResourceError(f"the timeline's device {self._state.name} is closed")
+        return value
+
+    def check_device_value(self, value: object, what: str) -> int:
+        """``value`` as one this timeline can be signalled to or waited for."""
+        value = check_value(value, what)
+        highest = self.native.max_value
+        if value > highest:
+            raise InvalidArgumentError(
+                f"{what} must be at most {highest} on a {self._state.kind} timeline (its "
+                f"devices compare values in fewer bits), got {value}"
+            )
         return value
 
 

@@ -73,6 +73,9 @@ class CUDATimeline(ForkableTimeline):
         return self._word.value >= target
 
     releases_device_work = True
+    # A stream's 64-bit wait compares cyclically, (int64_t)(word - target) >= 0: it holds
+    # as "word >= target" only while both stay below 2**63.
+    max_value = (1 << 63) - 1
 
     def signal(self, value: int) -> None:
         # Raises the word, then wakes napping completion threads: a stream's wait it

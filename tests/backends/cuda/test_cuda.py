@@ -345,6 +345,34 @@ def test_close_ends_a_stream_waiting_for_a_value_nobody_signals(whose: str) -> N
     assert proc.returncode == 0, proc.stderr
 
 
+async def test_timeline_values_stop_below_2_to_the_63(anyio_backend: object) -> None:
+    """A stream's 64-bit wait compares cyclically ((int64_t)(word - target) >= 0): a
+    timeline at 2**64 - 1 would release no wait, and a wait for 2**63 would pass at
+    once. Signals and device waits beyond 2**63 - 1 are refused on cuda; up to it they
+    work."""
+    async with am.open_device("cuda:0") as dev:
+        tl = dev.timeline()
+        for value in (1 << 63, (1 << 64) - 1):
+            with pytest.raises(am.InvalidArgumentError, match="at most"):
+                tl.signal(value)
+            with pytest.raises(am.InvalidArgumentError, match="at most"):
+                dev.queue.wait(tl, value)
+            with pytest.raises(am.InvalidArgumentError, match="at most"):
+                dev.queue.signal(tl, value)
+        top = (1 << 63) - 1
+        fill = await dev.compile(KERNELS, "fill")
+        buf = await dev.alloc(4)
+        queue = dev.new_queue()
+        queue.wait(tl, top)
+        done = queue.launch(fill, buf, vals=(6, 1))
+        await anyio.sleep(0.02)
+        assert not done.done()
+        tl.signal(top)
+        with anyio.fail_after(10):
+            await done
+        assert (await buf.read(np.int32))[0] == 6
+
+
 async def test_64_awaiters_batched(anyio_backend: object) -> None:
     async with am.open_device("cuda:0") as dev:
         empty = await dev.compile(KERNELS, "empty")
