@@ -202,7 +202,13 @@ class Staging:
 
     def close(self, abandon: bool) -> None:
         self.copier.close(abandon)
-        if not abandon:  # everything finished: the chunks go back to the device's pool
-            for chunk, _, _ in self._ring:
+        for chunk, _, _ in self._ring:
+            if not abandon:  # everything finished: the chunks go back to the device's pool
                 self._backend.give_chunk(chunk)
+            elif chunk.ready is not None:
+                # The host threads stopped: a fill the stream waits for may never come.
+                # Its wait ends (the chunk is not used again), so that the stream, once
+                # what holds it up ends, runs to its end rather than waiting for good --
+                # and holding up the device's frees, which wait for every stream.
+                chunk.ready.close_waits()
         self._ring.clear()

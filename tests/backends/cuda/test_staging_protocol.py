@@ -171,6 +171,37 @@ def test_staged_copies_reuse_chunks_before_their_last_use_ran(
         staging.close(False)
 
 
+class _Gate:
+    """A device word nobody raises until the test does."""
+
+    value = 0
+
+    def reached(self, target: int) -> bool:
+        return self.value >= target
+
+
+def test_an_abandoned_staged_copy_leaves_no_stream_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream held up (by a wait nobody signals) with a staged copy in behind it,
+    larger than the ring: the host threads fill the chunks they can, then wait for marks
+    that never come. Closing the staging with abandon (a device's close does, for a
+    blocked queue) ends the stream's waits for fills that will never come: once what
+    holds it up ends (the close raises the word), the stream runs to its end. Checked:
+    before, it waited on a chunk nobody filled (for good: a device's frees then hung)."""
+    monkeypatch.setattr(cb, "STAGE_RING", RING)
+    monkeypatch.setattr(cb, "HOST_COPY_THREADS", 2)
+    monkeypatch.setattr(cb, "STAGE_PART", 4096)
+    staging = cb.Staging(_StubBackend())  # type: ignore[arg-type]
+    stream, gate = _Stream(), _Gate()
+    nbytes = 3 * CHUNK * RING
+    device = np.zeros(nbytes, np.uint8)
+    stream.put("wait", gate, 1)
+    _copy_in(staging, stream, device, np.ones(nbytes, np.uint8))
+    time.sleep(0.1)  # the host threads filled the ring and wait for the stream's marks
+    staging.close(True)
+    gate.value = 1
+    stream.finish()
+
+
 def test_chunks_stay_mapped_while_registered(monkeypatch: pytest.MonkeyPatch) -> None:
     """A staging chunk is anonymous memory registered with the driver (faked here): freed,
     it is unregistered, then unmapped; dropped unfreed (a queue abandoned), it stays
