@@ -16,7 +16,7 @@ import pytest
 from blockbuster import BlockBuster, blockbuster_ctx
 
 import asyncmetal as am
-from tests.support.kernels import KERNELS
+from tests.support.kernels import KERNELS, MSL_KERNELS
 
 pytestmark = pytest.mark.anyio
 
@@ -709,3 +709,29 @@ async def test_a_wait_dropped_on_another_thread_leaves_its_loops_count_right(
     thread.join()
     assert errors == []
     assert _timeline.waiting_here() == before
+
+
+async def test_a_long_sources_parameters_are_read_off_the_loop(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading a kernel's parameters (and hashing its source) takes ~20 us per KiB of
+    source: for a long one (a 1.5 MB source took 33 ms) both run on a worker thread, in
+    compile and compile_many; a short one's stay on the loop (a thread hop costs more).
+    Checked: before, a long source's parameters were read on the loop."""
+    compiler = type(device._backend.compiler)
+    original = compiler.params
+    on_loop: list[tuple[int, bool]] = []
+
+    def params(self: Any, src: str, name: str) -> Any:
+        on_loop.append((len(src), threading.current_thread() is threading.main_thread()))
+        return original(self, src, name)
+
+    monkeypatch.setattr(compiler, "params", params)
+    source = MSL_KERNELS if device.name == "metal" else KERNELS
+    short = source + f"\n/* {time.time_ns()} */\n"
+    long = short + "/* padding */\n" * 20_000
+    await device.compile(short, "add")
+    await device.compile(long, "add")
+    async for _ in device.compile_many([(long + "\n", "add")]):
+        pass
+    assert on_loop == [(len(short), True), (len(long), False), (len(long) + 1, False)]
