@@ -68,6 +68,11 @@ class Allocation:
             self.allocator.collected(self.block, self.generation)
 
 
+# The allocators some of whose memory went out to another library: while none has, a
+# host copy's operand needs no look-up (it can be no buffer's memory lent out).
+lenders: weakref.WeakSet[Allocator] = weakref.WeakSet()
+
+
 @dataclass(frozen=True)
 class MemoryStatistics:
     """A device's memory, in bytes (see :meth:`Device.memory_statistics`)."""
@@ -318,6 +323,11 @@ class Allocator:
             block.lent += hold
             if isinstance(address, int):
                 self._exported[address] = block
+                lenders.add(self)
+
+    def lends(self) -> bool:
+        """Whether memory of its blocks may be out with another library."""
+        return bool(self._exported)
 
     def exported_uses(self, address: int, nbytes: int) -> dict[Queue, int] | None:
         """The uses record (``last_use``) of the block in use whose memory went out to
@@ -330,6 +340,8 @@ class Allocator:
                     del self._exported[base]
                 elif base <= address and address + nbytes <= base + block.nbytes:
                     return block.last_use
+            if not self._exported:
+                lenders.discard(self)
         return None
 
     def returned(self, block: Block) -> None:
@@ -414,6 +426,8 @@ class Allocator:
                 address = getattr(block.handle, "address", block.handle)
                 if self._exported.get(address) is block:
                     del self._exported[address]
+                if not self._exported:
+                    lenders.discard(self)
             if block.nbytes <= self.cache_limit and not self.closed:
                 self._cache[id(block)] = block
                 self._by_size.setdefault(block.nbytes, []).append(block)
@@ -461,6 +475,7 @@ class Allocator:
             self._pending.clear()
             self._collected.clear()
             self._exported.clear()
+            lenders.discard(self)
             self.in_use = 0
 
     def _foreign_uses(self, block: Block) -> list[tuple[Queue, int]]:

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ._allocator import lenders
 from ._buffer import Buffer, buffer_state, check_buffer, native_arg, overlap
 from ._device_state import DeviceState
 from ._errors import ArgumentTypeError, InvalidArgumentError
@@ -102,11 +103,26 @@ def copy_operands(state: DeviceState, dst: Any, src: Any, nbytes: int | None) ->
     if isinstance(dst, Buffer):
         check_buffer(dst, "dst", state)
         view = host_view(src, "src", writable=False)
+        lent = _lent_back(state, view)
+        if lent is not None:  # a buffer's memory, lent out: ordered as that buffer
+            return copy_operands(state, dst, lent, nbytes)
         nbytes = copy_size(dst.nbytes, view.nbytes, nbytes)
         return CopyOperands("copyin", (native_arg(dst), view[:nbytes]), (), (dst,))
     if isinstance(src, Buffer):
         check_buffer(src, "src", state)
         view = host_view(dst, "dst", writable=True)
+        lent = _lent_back(state, view)
+        if lent is not None:
+            return copy_operands(state, lent, src, nbytes)
         nbytes = copy_size(view.nbytes, src.nbytes, nbytes)
         return CopyOperands("copyout", (view[:nbytes], native_arg(src)), (), (src,))
     raise ArgumentTypeError("copy needs a Buffer as dst or src (or both)")
+
+
+def _lent_back(state: DeviceState, view: memoryview) -> Buffer | None:
+    """``_interop.lent_back`` for a copy on a queue of ``state``'s kind."""
+    if not lenders:  # nothing lent out: no look-up
+        return None
+    from ._interop import lent_back  # (it needs the devices: imported once one is open)
+
+    return lent_back(state.kind, view)

@@ -408,3 +408,31 @@ def test_a_torch_tensors_stream_is_the_current_one_unless_per_thread(
     assert _interop._torch_stream(Tensor()) == 0x6000
     raw[1] = 2
     assert _interop._torch_stream(Tensor()) is None
+
+
+async def test_a_host_array_of_a_buffer_is_ordered_as_the_buffer_in_copies(
+    anyio_backend: object,
+) -> None:
+    """A numpy array over a buffer's memory (``np.from_dlpack``), used as a copy's host
+    operand on another queue while a command writing the buffer is still queued: the
+    copy is ordered as if the buffer itself were its operand -- it reads what that
+    command wrote, and writes only after it. Checked: before, the copy read the bytes
+    from before the write, and a copy into it was overwritten by the queued write."""
+    async with am.open_device("cpu") as dev:
+        fill = await dev.compile(KERNELS, "fill")
+        sleep = await dev.compile(KERNELS, "sleep_ms")
+        buf, out, src = await dev.alloc(4), await dev.alloc(4), await dev.alloc(4)
+        await dev.queue.launch(fill, buf, vals=(1, 1))
+        await dev.queue.launch(fill, src, vals=(9, 1))
+        alias = np.from_dlpack(buf.typed(np.int32))
+        writer, copier = dev.new_queue(), dev.new_queue()
+        writer.launch(sleep, vals=(100,))
+        writer.launch(fill, buf, vals=(7, 1))
+        await copier.copy(out, alias)  # reads the 7
+        assert (await out.read(np.int32)).tolist() == [7]
+        writer.launch(sleep, vals=(100,))
+        writer.launch(fill, buf, vals=(8, 1))
+        await copier.copy(alias, src)  # lands after the 8
+        await writer.synchronize()
+        assert (await buf.read(np.int32)).tolist() == [9]
+        assert alias.tolist() == [9]
