@@ -9,7 +9,7 @@ import functools
 import os
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Collection, Generator, Iterable
+from collections.abc import Callable, Collection, Generator, Iterable
 from typing import Any, TypeVar
 
 import anyio
@@ -378,13 +378,13 @@ class Device:
 
     def compile_many(
         self, kernels: Iterable[tuple[str, str]], *, timeout: float | None = None
-    ) -> AsyncIterator[Program]:
+    ) -> CompileMany:
         """Compile every ``(src, name)`` in the pool; yield each program once it is ready.
 
         Programs come in the order they finish, so the device can run the first while
         the pool compiles the rest. A failed compile raises its CompileError when
         reached (its ``name`` says which kernel failed). Compiles not consumed finish
-        into the cache.
+        into the cache -- unless ``aclose()`` gives them up (``contextlib.aclosing``).
         """
         kernels = list(kernels)
         for kernel in kernels:  # checked before anything is submitted
@@ -399,7 +399,7 @@ class Device:
                 )
         for i, (src, name) in enumerate(kernels):
             _check_kernel(src, name, f"compile_many: kernel {i}")
-        return _CompileMany(self, [(src, name) for src, name in kernels], check_timeout(timeout))
+        return CompileMany(self, [(src, name) for src, name in kernels], check_timeout(timeout))
 
     def _load(self, binary: bytes, name: str) -> Any:
         try:
@@ -540,7 +540,7 @@ def _check_kernel(src: str, name: str, what: str) -> None:
         ) from None
 
 
-class _CompileMany:
+class CompileMany:
     """The async iterator of Device.compile_many.
 
     Each kernel's result -- a binary from a cache, a pool job, or the CompileError of a
@@ -559,9 +559,26 @@ class _CompileMany:
         self._ready: collections.deque[tuple[tuple[str, str], Any]] = collections.deque()
         self._events = HostEvents()
         self._yielded = 0
+        self._jobs: set[Any] = set()  # pool jobs submitted and not yet yielded
+        self._closed = False
 
-    def __aiter__(self) -> _CompileMany:
+    def __aiter__(self) -> CompileMany:
         return self
+
+    async def aclose(self) -> None:
+        """Stop: kernels not submitted yet are not compiled, and this iterator's claims
+        on the compiles in the pool are given up -- one not started that nobody else
+        awaits is dropped, a running one finishes into the cache. A step under way, and
+        every later one, raises StopAsyncIteration."""
+        if not self._closed:
+            self._closed = True
+            pool = self._device.compile_pool
+            for job in self._jobs:
+                pool.withdraw(job)
+            self._jobs.clear()
+            self._ready.clear()
+            self._events.increment()  # a step waiting wakes, and stops
+        await checkpoint()
 
     async def _dispatch(self) -> None:
         device = self._device
@@ -583,13 +600,14 @@ class _CompileMany:
                 binary = await pool.cache.get_disk(key)  # cancelled: looked up again next time
             self._dispatched += 1
             if binary is None:
-                pool.submit(
+                job = pool.submit(
                     compiler,
                     src,
                     key,
                     timeout=self._timeout,
                     on_done=functools.partial(self._arrived, (key, name), (params, src)),
                 )
+                self._jobs.add(job)
             else:
                 self._arrived((key, name), (params, src), binary)
 
@@ -599,11 +617,13 @@ class _CompileMany:
         self._events.increment()
 
     async def __anext__(self) -> Program:
-        if self._dispatched < len(self._kernels):
+        if not self._closed and self._dispatched < len(self._kernels):
             await self._dispatch()
-        if self._yielded == len(self._kernels):
+        if self._closed or self._yielded == len(self._kernels):
             raise StopAsyncIteration
         await wait_value(self._events, self._yielded + 1)
+        if self._closed:  # (closed while this step waited)
+            raise StopAsyncIteration
         self._yielded += 1
         key, ((params, src), result) = self._ready.popleft()
         with _naming(key[1]):
@@ -612,6 +632,7 @@ class _CompileMany:
             if not isinstance(result, bytes):  # a finished pool job
                 pool = self._device.compile_pool
                 pool.withdraw(result)
+                self._jobs.discard(result)
                 pool.cache.warn_if_disabled()  # storing it may have found the disk full
                 result = pool.result(result)
             if isinstance(params, NotDefinedError):  # the source compiled without it

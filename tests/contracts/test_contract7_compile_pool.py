@@ -19,7 +19,8 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal._cache import CacheWarning, CompileCache
-from asyncmetal._pool import CompilePool
+from asyncmetal._compile import source_key
+from asyncmetal._pool import CompilePool, compiler_identity
 from asyncmetal.backends.cpu import CCompiler
 from tests.support.compilers import (
     CrashingCompiler,
@@ -277,5 +278,46 @@ async def test_prestart_starts_every_worker(anyio_backend: object, tmp_path: Pat
                 await anyio.sleep(0.01)
         assert await pool.compile(CCompiler(), _src("prestarted"))
         assert pool.workers == 2
+    finally:
+        await pool.aclose()
+
+
+async def test_compile_many_aclose_gives_up_what_it_has_not_yielded(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """``aclose()`` on compile_many's iterator: the step waiting in another task stops
+    (StopAsyncIteration), as does every later one; the compile not started that
+    nobody else awaits is dropped, the running one finishes into the cache."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path))
+    try:
+        async with am.open_device("cpu") as dev:
+            dev.compile_pool = pool
+            sources = [_src(f"many {i}") for i in range(3)]
+            kernels = [(src, "twice") for src in sources]
+            many = dev.compile_many(kernels)
+            first = await many.__anext__()  # the second one compiles now, the third waits
+            assert first.name == "twice"
+            stopped: list[bool] = []
+
+            async def step() -> None:
+                try:
+                    await many.__anext__()
+                except StopAsyncIteration:
+                    stopped.append(True)
+
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(step)
+                    await anyio.sleep(0.01)  # it waits for the second
+                    await many.aclose()
+                assert stopped == [True]
+                with pytest.raises(StopAsyncIteration):
+                    await many.__anext__()
+                while pool._in_flight:
+                    await anyio.sleep(0.01)
+            identity = await compiler_identity(dev._backend.compiler)
+            keys = [source_key(identity, src) for src in sources]
+            assert pool.compiles == 2
+            assert [pool.cache.get_memory(k) is not None for k in keys] == [True, True, False]
     finally:
         await pool.aclose()
