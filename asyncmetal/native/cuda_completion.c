@@ -132,7 +132,7 @@ void cuq_mark_failed(am_cuq *q, uint64_t first, int error) {
  * that wait on (cuq_poison) -- those whose stream goes on once the abandoned command ran
  * anyway (a close raises the words it waited on) ran on data never produced -- unless
  * that wait's command was confirmed already: the command it waited for ran. And q
- * forgets its waiters. Not under mu. */
+ * forgets its waiters (all it does with `first` 0). Not under mu. */
 void cuq_abandon_waiters(am_cuq *q, uint64_t first) {
     pthread_mutex_lock(&q->mu);
     am_cuwaiter *w = q->waiters;
@@ -140,13 +140,15 @@ void cuq_abandon_waiters(am_cuq *q, uint64_t first) {
     pthread_mutex_unlock(&q->mu);
     while (w) {
         am_cuwaiter *next = w->next;
-        /* (w->q's timeline only while w->q is open: a closed one's may be freed) */
-        pthread_mutex_lock(&w->q->mu);
-        int open = w->q->stop != 2;  /* (closing to finish: its closer holds it) */
-        uint64_t confirmed = open ? atomic_load(&w->q->timeline->value) : UINT64_MAX;
-        pthread_mutex_unlock(&w->q->mu);
-        if (first && w->target >= first && confirmed < w->command)
-            cuq_poison(w->q, w->command, AM_ABANDONED, first, q->timeline);
+        if (first && w->target >= first) {
+            /* (w->q's timeline only while w->q is open: a closed one's may be freed) */
+            pthread_mutex_lock(&w->q->mu);
+            int open = w->q->stop != 2;  /* (closing to finish: its closer holds it) */
+            uint64_t confirmed = open ? atomic_load(&w->q->timeline->value) : UINT64_MAX;
+            pthread_mutex_unlock(&w->q->mu);
+            if (confirmed < w->command)
+                cuq_poison(w->q, w->command, AM_ABANDONED, first, q->timeline);
+        }
         cuq_unref(w->q);
         free(w);
         w = next;

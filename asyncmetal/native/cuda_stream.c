@@ -45,18 +45,7 @@ void cuq_destroy_events(am_cuq *q) {
 }
 
 /* Forget the device waits of other queues on this one (it will fail no more). */
-void cuq_drop_waiters(am_cuq *q) {
-    pthread_mutex_lock(&q->mu);
-    am_cuwaiter *w = q->waiters;
-    q->waiters = NULL;
-    pthread_mutex_unlock(&q->mu);
-    while (w) {
-        am_cuwaiter *next = w->next;
-        cuq_unref(w->q);
-        free(w);
-        w = next;
-    }
-}
+void cuq_drop_waiters(am_cuq *q) { cuq_abandon_waiters(q, 0); }
 
 static void cuq_free(am_cuq *q) {
     cuq_drop_waiters(q);

@@ -427,6 +427,18 @@ static free_timeline free_timeline_new(void) {
     return f;
 }
 
+static void free_timeline_free(free_timeline f) {
+    am_timeline_free(f.t);
+    free(f.word);
+}
+
+/* What queue_free does for a queue closed (abandoned) by the check itself. */
+static void abandoned_free(fake_queue f) {
+    stream_free(f.s, 1);
+    am_timeline_free(f.t);
+    free(f.word);
+}
+
 /* q waits on the device for f's value `target` (its command `value`) */
 static int wait_free(fake_queue q, free_timeline f, uint64_t target, uint64_t value) {
     return am_cuq_wait(q.q, f.word, target, value) ||
@@ -979,8 +991,7 @@ static void check_abandonwait(void) {
     queue_free(b, 0);
     queue_free(c, 0);
     queue_free(d, 0);
-    am_timeline_free(gate.t);
-    free(gate.word);
+    free_timeline_free(gate);
     atomic_store(&release_syncs, released);
     puts("ok abandonwait");
 }
@@ -1180,8 +1191,7 @@ static void check_signalrecord(void) {
         die("signalrecord: the waiting queue did not fail from its wait, naming the signal");
     queue_free(a, 0);
     queue_free(c, 0);
-    am_timeline_free(t.t);
-    free(t.word);
+    free_timeline_free(t);
     puts("ok signalrecord");
 }
 
@@ -1264,8 +1274,7 @@ static void check_handsignal(void) {
     queue_free(s, 0);
     queue_free(w, 0);
     queue_free(b, 0);
-    am_timeline_free(t.t);
-    free(t.word);
+    free_timeline_free(t);
     atomic_store(&release_syncs, released);
     puts("ok handsignal");
 }
@@ -1479,11 +1488,8 @@ static void check_uafwaiter(void) {
     queue_free(b, 0);          /* b's timeline freed; its record stays in a's waiters */
     am_cuq_close(a.q, 1);      /* reads b's freed timeline */
     am_timeline_close(gate.t);
-    stream_free(a.s, 1);
-    am_timeline_free(a.t);
-    free(a.word);
-    am_timeline_free(gate.t);
-    free(gate.word);
+    abandoned_free(a);
+    free_timeline_free(gate);
     atomic_store(&release_syncs, released);
     puts("ok uafwaiter");
 }
@@ -1514,13 +1520,10 @@ static void check_confirmedfirst(void) {
     if (am_cuq_error(c.q, &at))
         die("confirmedfirst: a wait for a command confirmed (through another queue's wait) "
             "before its queue was abandoned failed");
-    stream_free(a.s, 1);
-    am_timeline_free(a.t);
-    free(a.word);
+    abandoned_free(a);
     queue_free(b, 0);
     queue_free(c, 0);
-    am_timeline_free(gate.t);
-    free(gate.word);
+    free_timeline_free(gate);
     atomic_store(&release_syncs, released);
     puts("ok confirmedfirst");
 }
@@ -1550,12 +1553,9 @@ static void check_kickmiss(void) {
     if (!waited_failed(w))
         die("kickmiss: a wait for a command being handed over when its queue was abandoned "
             "did not fail");
-    stream_free(f.s, 1);
-    am_timeline_free(f.t);
-    free(f.word);
+    abandoned_free(f);
     queue_free(w, 0);
-    am_timeline_free(t.t);
-    free(t.word);
+    free_timeline_free(t);
     atomic_store(&release_syncs, released);
     puts("ok kickmiss");
 }
@@ -1575,9 +1575,7 @@ static void check_idleabandon(void) {
     if (!waited_failed(w))
         die("idleabandon: a wait for a value an idle queue abandoned was never given did not "
             "fail");
-    stream_free(f.s, 1);
-    am_timeline_free(f.t);
-    free(f.word);
+    abandoned_free(f);
     queue_free(w, 0);
     atomic_store(&release_syncs, released);
     puts("ok idleabandon");
