@@ -325,10 +325,6 @@ class Allocator:
                 self._exported[address] = block
                 lenders.add(self)
 
-    def lends(self) -> bool:
-        """Whether memory of its blocks may be out with another library."""
-        return bool(self._exported)
-
     def exported_uses(self, address: int, nbytes: int) -> dict[Queue, int] | None:
         """The uses record (``last_use``) of the block in use whose memory went out to
         another library and holds ``nbytes`` at ``address``; None if there is none."""

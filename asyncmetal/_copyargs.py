@@ -120,9 +120,16 @@ def copy_operands(state: DeviceState, dst: Any, src: Any, nbytes: int | None) ->
 
 
 def _lent_back(state: DeviceState, view: memoryview) -> Buffer | None:
-    """``_interop.lent_back`` for a copy on a queue of ``state``'s kind."""
-    if not lenders:  # nothing lent out: no look-up
+    """A Buffer over the host memory ``view`` (flat bytes) if a buffer of ``state``'s
+    device lent it out (``np.from_dlpack(buf)``, say), sharing that buffer's record of
+    uses: a copy with it as an operand is then ordered as with the buffer itself. None
+    if the memory is no such loan (or another device's: a plain host copy, as ever)."""
+    allocator = state.device._allocator
+    if allocator not in lenders or not view.nbytes:  # (nothing lent out: no look-up)
         return None
-    from ._interop import lent_back  # (it needs the devices: imported once one is open)
+    address = np.frombuffer(view, np.uint8).ctypes.data
+    if allocator.exported_uses(address, view.nbytes) is None:
+        return None
+    from ._interop import lent_memory  # (it needs the devices: imported once one is open)
 
-    return lent_back(state.kind, view)
+    return lent_memory(state.device, view, address)

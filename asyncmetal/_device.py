@@ -323,12 +323,13 @@ class Device:
                 await checkpoint()
                 return program
             params = await self._params(src, name)
+            pool = self.compile_pool
             if isinstance(params, NotDefinedError):
                 # Not found: where the source does not compile (a typo in the very
                 # signature), the compiler's error says why, with its log.
-                await self.compile_pool.compile(compiler, src, timeout=timeout)
+                await pool.compile_keyed(compiler, src, key[0], timeout=timeout)
                 raise params
-            binary = await self.compile_pool.compile(compiler, src, timeout=timeout)
+            binary = await pool.compile_keyed(compiler, src, key[0], timeout=timeout)
             return await self._program(key, params, binary, src, timeout)
 
     def _check_compile(self, src: object, name: object) -> None:
@@ -365,7 +366,7 @@ class Device:
             # a miss. Build it afresh, once; if that does not load either, say so.
             pool = self.compile_pool
             compiler = self._backend.compiler
-            binary = await pool.compile(compiler, src, timeout=timeout, refresh=True)
+            binary = await pool.compile_keyed(compiler, src, key[0], timeout=timeout, refresh=True)
             try:
                 native = await anyio.to_thread.run_sync(self._load, binary, name)
             except _UnloadableError as exc:
@@ -559,8 +560,10 @@ class CompileMany:
         self._ready: collections.deque[tuple[tuple[str, str], Any]] = collections.deque()
         self._events = HostEvents()
         self._yielded = 0
-        self._jobs: set[Any] = set()  # pool jobs submitted and not yet yielded
+        # Its claims on pool jobs not yet yielded (kernels of one source share a job).
+        self._jobs: collections.Counter[Any] = collections.Counter()
         self._closed = False
+        self._stepping = False
 
     def __aiter__(self) -> CompileMany:
         return self
@@ -573,8 +576,9 @@ class CompileMany:
         if not self._closed:
             self._closed = True
             pool = self._device.compile_pool
-            for job in self._jobs:
-                pool.withdraw(job)
+            for job, claims in self._jobs.items():
+                for _ in range(claims):
+                    pool.withdraw(job)
             self._jobs.clear()
             self._ready.clear()
             self._events.increment()  # a step waiting wakes, and stops
@@ -584,7 +588,7 @@ class CompileMany:
         device = self._device
         pool, compiler = device.compile_pool, device._backend.compiler
         identity = await compiler_identity(compiler)
-        while self._dispatched < len(self._kernels):
+        while self._dispatched < len(self._kernels) and not self._closed:
             src, name = self._kernels[self._dispatched]
             try:
                 device._check_compile(src, name)
@@ -598,6 +602,8 @@ class CompileMany:
             binary = pool.cache.get_memory(key)
             if binary is None and pool.cache.disk_enabled:
                 binary = await pool.cache.get_disk(key)  # cancelled: looked up again next time
+            if self._closed:  # (closed while this step looked the kernel up)
+                return
             self._dispatched += 1
             if binary is None:
                 job = pool.submit(
@@ -607,7 +613,7 @@ class CompileMany:
                     timeout=self._timeout,
                     on_done=functools.partial(self._arrived, (key, name), (params, src)),
                 )
-                self._jobs.add(job)
+                self._jobs[job] += 1
             else:
                 self._arrived((key, name), (params, src), binary)
 
@@ -617,6 +623,15 @@ class CompileMany:
         self._events.increment()
 
     async def __anext__(self) -> Program:
+        if self._stepping:
+            raise RuntimeError("a step of this compile_many is already under way")
+        self._stepping = True
+        try:
+            return await self._step()
+        finally:
+            self._stepping = False
+
+    async def _step(self) -> Program:
         if not self._closed and self._dispatched < len(self._kernels):
             await self._dispatch()
         if self._closed or self._yielded == len(self._kernels):
@@ -632,7 +647,9 @@ class CompileMany:
             if not isinstance(result, bytes):  # a finished pool job
                 pool = self._device.compile_pool
                 pool.withdraw(result)
-                self._jobs.discard(result)
+                self._jobs[result] -= 1
+                if not self._jobs[result]:
+                    del self._jobs[result]
                 pool.cache.warn_if_disabled()  # storing it may have found the disk full
                 result = pool.result(result)
             if isinstance(params, NotDefinedError):  # the source compiled without it

@@ -173,20 +173,11 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
 _HOST = (KDLCPU, KDLCUDAHOST)
 
 
-def lent_back(kind: str, view: memoryview) -> Buffer | None:
-    """A Buffer over the host memory ``view`` (flat bytes) if a buffer of an open device
-    of ``kind`` lent it out (``np.from_dlpack(buf)``, say), sharing that buffer's record
-    of uses: a copy with it as an operand is then ordered as with the buffer itself.
-    None if the memory is no such loan."""
-    lenders = [d for d in open_devices() if d.kind == kind and d.writable and d._allocator.lends()]
-    if not lenders or not view.nbytes:
-        return None
-    address = np.frombuffer(view, np.uint8).ctypes.data
-    for device in lenders:
-        if device._allocator.exported_uses(address, view.nbytes) is not None:
-            memory = _Imported(view, None, address, view.nbytes)
-            return foreign_buffer(device, memory, view.nbytes, None, None)
-    return None
+def lent_memory(device: Device, view: memoryview, address: int) -> Buffer:
+    """A Buffer of ``device`` over host memory one of its buffers lent out (``view``, at
+    ``address``), sharing that buffer's record of uses (see ``foreign_buffer``)."""
+    memory = _Imported(view, None, address, view.nbytes)
+    return foreign_buffer(device, memory, view.nbytes, None, None)
 
 
 def _lender(address: int, nbytes: int) -> Device | None:

@@ -429,6 +429,22 @@ class CompilePool:
         timeout = check_timeout(timeout)
         self._check_usable()
         key = source_key(await compiler_identity(compiler), src)
+        return await self.compile_keyed(compiler, src, key, timeout=timeout, refresh=refresh)
+
+    async def compile_keyed(
+        self,
+        compiler: Compiler,
+        src: str,
+        key: str,
+        *,
+        timeout: float | None = None,
+        refresh: bool = False,
+    ) -> bytes:
+        """:meth:`compile` for a caller that has the source's key (``source_key`` of the
+        compiler's identity and ``src``) already: a long source's hash costs the loop
+        milliseconds."""
+        timeout = check_timeout(timeout)
+        self._check_usable()
         if refresh:
             await anyio.to_thread.run_sync(self.cache.evict, key)
             return await self.wait(self.submit(compiler, src, key, timeout=timeout), timeout)

@@ -436,3 +436,21 @@ async def test_a_host_array_of_a_buffer_is_ordered_as_the_buffer_in_copies(
         await writer.synchronize()
         assert (await buf.read(np.int32)).tolist() == [9]
         assert alias.tolist() == [9]
+
+
+async def test_a_host_array_of_another_devices_buffer_is_a_plain_host_operand(
+    anyio_backend: object,
+) -> None:
+    """An array over memory ``cpu:1`` lent out, as a host operand of copies on ``cpu``'s
+    queue, both ways: a plain host copy, as before (only the lending device's queues
+    order it as its buffer). Checked: a copy into it was refused ("dst is on cpu:1")."""
+    async with am.open_device("cpu") as dev, am.open_device("cpu:1") as lender:
+        theirs, mine = await lender.alloc(4), await dev.alloc(4)
+        await theirs.write(np.array([3], np.int32))
+        await mine.write(np.array([4], np.int32))
+        alias = np.from_dlpack(theirs.typed(np.int32))
+        out = await dev.alloc(4)
+        await dev.queue.copy(out, alias)
+        assert (await out.read(np.int32)).tolist() == [3]
+        await dev.queue.copy(alias, mine)
+        assert alias.tolist() == [4]

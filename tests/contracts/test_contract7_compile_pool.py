@@ -4,6 +4,7 @@ cancellation, deduplication and the content-addressed caches."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import pickle
 import signal
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 import asyncmetal as am
@@ -321,3 +323,65 @@ async def test_compile_many_aclose_gives_up_what_it_has_not_yielded(
             assert [pool.cache.get_memory(k) is not None for k in keys] == [True, True, False]
     finally:
         await pool.aclose()
+
+
+async def test_compile_many_aclose_gives_up_every_claim(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """Kernels of one source share one pool job (joined once per kernel): aclose gives
+    up each of its claims, so the job, not started, is dropped; and aclose while a step
+    is still looking kernels up submits no more of them. Checked: before, the shared
+    job kept a claim, and the step went on submitting every kernel."""
+    two = SRC + "int thrice(int x) { return 3 * x; }\n"
+    pool = CompilePool(1, cache=CompileCache(tmp_path))
+    try:
+        async with am.open_device("cpu") as dev:
+            dev.compile_pool = pool
+            a, b = _src("a"), two + f"/* b {time.time_ns()} */\n"
+            many = dev.compile_many([(a, "twice"), (b, "twice"), (b, "thrice")])
+            await many.__anext__()  # a compiled; b was submitted for both its kernels
+            (shared,) = [job for job in many._jobs if job.src == b]
+            assert shared.awaiters == 2
+            await many.aclose()
+            assert shared.awaiters == 0  # (not started: dropped; started: into the cache)
+            later = dev.compile_many([(_src(i), "twice") for i in range(4)])
+
+            async def step() -> None:
+                with contextlib.suppress(StopAsyncIteration):
+                    await later.__anext__()
+
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(step)
+                    await anyio.lowlevel.checkpoint()  # the step looks the first kernel up
+                    await later.aclose()
+            assert later._dispatched <= 1 and not later._jobs
+    finally:
+        await pool.aclose()
+
+
+async def test_compile_many_refuses_a_second_step_under_way(anyio_backend: object) -> None:
+    """Two tasks stepping one compile_many at once: the second is refused, as an async
+    generator's would be. Checked: before, the steps took each other's kernels (one
+    yielded twice, another never, or IndexError)."""
+    async with am.open_device("cpu") as device:
+        await _steps_refused(device)
+
+
+async def _steps_refused(device: am.Device) -> None:
+    many = device.compile_many([(_src(i), "twice") for i in range(3)])
+    got: list[str] = []
+
+    async def step() -> None:
+        try:
+            got.append((await many.__anext__()).name)
+        except RuntimeError as exc:
+            got.append(str(exc))
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(step)
+            tg.start_soon(step)
+        assert sorted(got) == ["a step of this compile_many is already under way", "twice"]
+        names = [program.name async for program in many]
+    assert names == ["twice", "twice"]
