@@ -379,7 +379,8 @@ async def test_a_fault_on_one_gpu_loses_every_cuda_device_of_the_process(
     dev0 = await am.open_device("cuda:0")
     dev1 = await am.open_device("cuda:1")
     try:
-        params = dev0._check_compile(SRC, "k")
+        params = await dev0._params(SRC, "k")
+        assert isinstance(params, tuple)
         kernel = await dev0._program(("key", "k"), params, b"cubin", SRC, None)
         buf, other = await dev0.alloc(64), await dev0.alloc(64)
         driver.fail["cuMemAlloc"] = CUresult.CUDA_ERROR_OUT_OF_MEMORY  # not sticky:
