@@ -207,6 +207,7 @@ void am_timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value
 uint64_t am_timeline_failure(am_timeline *t, int *error, uint64_t *value, am_timeline **cause);
 void am_timeline_close(am_timeline *t);
 AM_HIDDEN int timeline_failed_for(const am_timeline *t, uint64_t target);
+AM_HIDDEN void timeline_keep_released(am_timeline *t);
 size_t am_timeline_failed_offset(void);
 /* cuda_driver.c: wakes the cuda completion threads napping on a command, if any */
 AM_HIDDEN void host_signalled(void);

@@ -524,6 +524,7 @@ static void *cuq_run(void *arg) {
         int settle = r || (q->error && !q->count && !q->held);
         pthread_mutex_unlock(&q->mu);
         if (e.extra && !r && !e.waited) am_timeline_poke(e.extra, e.extra_value);
+        if (e.signals && !r) timeline_keep_released(e.extra);  /* its write landed */
         am_timeline_poke(q->timeline, settle ? UINT64_MAX : e.value);
         if (settle) cuq_release_waiters(q);
         cuq_drain(q, 0, 0);

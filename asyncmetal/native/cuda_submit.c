@@ -580,6 +580,9 @@ void am_cuq_close(am_cuq *q, int abandon) {
     if (abandon) {
         cuq_mark_failed(q, first, AM_ABANDONED);
         cuq_drop_held(q);
+        /* A failed queue's word is waited on (another library's stream, for a value past
+         * what it handed over): its thread settles nothing now, so released here. */
+        raise_word(q->word, AM_WORD_RELEASED);
     }  /* what is in flight, its thread releases as it stops */
     pthread_cond_signal(&q->cv);
     if (abandon) {

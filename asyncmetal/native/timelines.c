@@ -201,6 +201,7 @@ void am_timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value
     uint64_t reached = atomic_load(&t->value);
     if (reached >= target) {
         pthread_mutex_unlock(&t->mu);
+        timeline_keep_released(t);  /* (failed already: a later write may have landed) */
         return;
     }
     if (!t->failed_from) {
@@ -236,6 +237,20 @@ void am_timeline_close(am_timeline *t) {
     pthread_cond_broadcast(&t->cv);
     pthread_mutex_unlock(&t->mu);
     if (t->word) raise_word(t->word, AM_WORD_RELEASED);
+    timeline_kick(t);  /* waits held on the host for it: they go on (and fail) */
+    host_signalled();
+}
+
+/* A failed or closed timeline's word, which a stream's store (a signal's word write,
+ * cuStreamWriteValue64: a store, not a max) may have lowered again after it was
+ * released: released again, and the waits held for it go on. Not under t->mu. */
+void timeline_keep_released(am_timeline *t) {
+    pthread_mutex_lock(&t->mu);
+    int failed = t->failed_from != 0;
+    pthread_mutex_unlock(&t->mu);
+    if (!failed || !t->word || atomic_load(t->word) == AM_WORD_RELEASED) return;
+    raise_word(t->word, AM_WORD_RELEASED);
+    timeline_kick(t);
     host_signalled();
 }
 

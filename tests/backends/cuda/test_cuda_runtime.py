@@ -65,5 +65,8 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "handsignal"),
         *("ok", "closing"),
         *("ok", "stress"),
+        *("ok", "closekick"),
+        *("ok", "lowered"),
+        *("ok", "foreignabandon"),
         *("ok", "released"),
     ]

@@ -116,6 +116,11 @@
  *             handed over was confirmed; abandoned, it returns only once that thread's
  *             driver call on the stream returned (the stream may be destroyed then),
  *             and leaves no kick on a timeline nothing signalled (which may be freed)
+ *   closekick a wait held on the host for a timeline whose device closes goes on, and fails
+ *   lowered   a signal's word write landing after the timeline was released (a store,
+ *             not a max) does not leave a device wait it released waiting
+ *   foreignabandon another library's stream waiting on the word of a failed queue that
+ *             is abandoned before it settled gets to its end
  *   stress    queues on one shared hardware queue, bounded, submitted to from two
  *             threads: waits on each other's commands (held or not), on a timeline a
  *             queue signals and on one the host signals, while a third thread has
@@ -1581,6 +1586,99 @@ static void check_idleabandon(void) {
     puts("ok idleabandon");
 }
 
+/* A wait held on the host for a timeline nobody signalled (not on the device yet: no
+ * signal of it handed over), and the timeline's device closes (am_timeline_close): the
+ * held wait goes on and fails, as a device wait on it does. */
+static void check_closekick(void) {
+    int released = atomic_exchange(&release_syncs, 0);
+    fake_queue w = queue_new();
+    free_timeline t = free_timeline_new();
+    if (am_cuq_wait_timeline(w.q, t.t, 5, 1) ||
+        am_cuq_finish(w.q, 1, t.t, 5, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        launch(w, NULL, 2, 2))
+        die("closekick: w");
+    uint64_t stats[8];
+    am_cuq_stats(w.q, stats);
+    if (!stats[6]) die("closekick: the wait was not held");
+    am_timeline_close(t.t);
+    int64_t deadline = now_ns() + 3000000000LL;
+    while (am_timeline_value(w.t) < 2)
+        if (now_ns() > deadline)
+            die("closekick: a wait held for a value of a closed timeline never went on "
+                "(am_timeline_close runs no kicks)");
+    if (!waited_failed(w)) die("closekick: the commands behind it did not fail");
+    queue_free(w, 0);
+    free_timeline_free(t);
+    atomic_store(&release_syncs, released);
+    puts("ok closekick");
+}
+
+/* A timeline only the host signalled (to 1): c's device wait for 3 is made at once,
+ * behind a long kernel. a then signals it to 2 (its write behind a shorter kernel), and
+ * the timeline's device closes: the word is released to 2**63 - 1, then a's write
+ * stores 2 over it. c's stream must still get past its wait. */
+static void check_lowered(void) {
+    int released = atomic_exchange(&release_syncs, 0);
+    fake_queue a = queue_new(), c = queue_new();
+    free_timeline t = free_timeline_new();
+    static kernel a_slow = {0, 30000000, NULL, 0}, c_slow = {0, 150000000, NULL, 0};
+    am_timeline_host_signal(t.t, 1);
+    if (launch(c, &c_slow, 1, 1) || am_cuq_wait_timeline(c.q, t.t, 3, 2) ||
+        am_cuq_finish(c.q, 2, t.t, 3, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        launch(c, NULL, 3, 3))
+        die("lowered: c");
+    if (launch(a, &a_slow, 1, 1) || signal_free(a, t, 2, 2)) die("lowered: a");
+    am_timeline_close(t.t);  /* its device closed: the word released */
+    reach(a.t, 2, "lowered: a never ran");
+    int64_t deadline = now_ns() + 3000000000LL;
+    while (am_timeline_value(c.t) < 3)
+        if (now_ns() > deadline)
+            die("lowered: a signal's word write after the timeline was released stored a "
+                "lower value over 2**63 - 1: a device wait it had released waits for good");
+    queue_free(a, 0);
+    queue_free(c, 0);
+    free_timeline_free(t);
+    atomic_store(&release_syncs, released);
+    puts("ok lowered");
+}
+
+/* a fails (a held command refused) while an earlier command of it waits on a gate; a
+ * consumer stream (b's) waits for a's refused value: on a's word (a failed). a is
+ * abandoned and the gate closed, as a device's close does before cuCtxSynchronize: the
+ * consumer's stream must get to its end (a's word released), before a's timeline is
+ * failed (Device.close's abandon(), which comes after the backend's close). */
+static void check_foreignabandon(void) {
+    int released = atomic_exchange(&release_syncs, 0);
+    fake_queue a = queue_bounded(2), b = queue_new();
+    free_timeline gate = free_timeline_new();
+    static kernel slow = {0, 50000000, NULL, 0}, refused = {0, 0, NULL, 0};
+    refuse_fn = &refused;
+    if (launch(a, &slow, 1, 1) || wait_free(a, gate, 1, 2) || launch(a, &refused, 3, 3))
+        die("foreignabandon: a");
+    uint64_t at = 0;
+    int64_t deadline = now_ns() + 3000000000LL;
+    while (!am_cuq_error(a.q, &at))
+        if (now_ns() > deadline) die("foreignabandon: (setup) a's held command not refused");
+    int call = -1;
+    if (am_cuq_wait_foreign(a.q, (void *)1, b.s, 3, &call) || call != CU_WAIT64)
+        die("foreignabandon: (setup) the consumer's wait was not made on a's word");
+    if (launch(b, NULL, 1, 1)) die("foreignabandon: b");
+    am_cuq_close(a.q, 1);
+    am_timeline_close(gate.t);
+    deadline = now_ns() + 3000000000LL;
+    while (am_timeline_value(b.t) < 1)
+        if (now_ns() > deadline)
+            die("foreignabandon: a consumer stream waiting on the word of a failed queue "
+                "that was abandoned before it settled waits for good (call was "
+                "cuStreamWaitValue64)");
+    refuse_fn = NULL;
+    abandoned_free(a);
+    queue_free(b, 0);
+    free_timeline_free(gate);
+    atomic_store(&release_syncs, released);
+    puts("ok foreignabandon");
+}
+
 int main(void) {
     fake_driver_install();
     check_order();
@@ -1618,6 +1716,9 @@ int main(void) {
     check_handsignal();
     check_closing();
     check_stress();
+    check_closekick();
+    check_lowered();
+    check_foreignabandon();
     /* The abandoned queues' threads have all returned (check_abandon's blocked one once
      * its sync gave up), each destroying its queue's events as it stopped. */
     int64_t deadline = now_ns() + 10000000000LL;
