@@ -17,6 +17,7 @@ from ._errors import ArgumentTypeError as ArgumentTypeError
 from ._errors import AsyncMetalError as AsyncMetalError
 from ._errors import ClosedResourceError as ClosedResourceError
 from ._errors import CompileError as CompileError
+from ._errors import CompileWarning as CompileWarning
 from ._errors import DeviceLostError as DeviceLostError
 from ._errors import ExchangeError as ExchangeError
 from ._errors import InvalidArgumentError as InvalidArgumentError
@@ -50,6 +51,7 @@ __all__ = [
     "AsyncMetalError",
     "ClosedResourceError",
     "CompileError",
+    "CompileWarning",
     "DeviceLostError",
     "ExchangeError",
     "InvalidArgumentError",

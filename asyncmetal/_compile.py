@@ -23,6 +23,9 @@ class Compiler(ABC):
     """
 
     name: str = "compiler"
+    # What the compiler printed as its last compile succeeded (its warnings), where it
+    # can tell: the pool's worker sends it back with the binary.
+    last_log: str = ""
 
     def config(self) -> tuple[Any, ...]:
         """The constructor arguments that recreate this compiler."""

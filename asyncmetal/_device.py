@@ -329,7 +329,7 @@ class Device:
                 # signature), the compiler's error says why, with its log.
                 await pool.compile_keyed(compiler, src, key[0], timeout=timeout)
                 raise params
-            binary = await pool.compile_keyed(compiler, src, key[0], timeout=timeout)
+            binary = await pool.compile_keyed(compiler, src, key[0], timeout=timeout, name=name)
             return await self._program(key, params, binary, src, timeout)
 
     def _check_compile(self, src: object, name: object) -> None:
@@ -366,7 +366,9 @@ class Device:
             # a miss. Build it afresh, once; if that does not load either, say so.
             pool = self.compile_pool
             compiler = self._backend.compiler
-            binary = await pool.compile_keyed(compiler, src, key[0], timeout=timeout, refresh=True)
+            binary = await pool.compile_keyed(
+                compiler, src, key[0], timeout=timeout, refresh=True, name=name
+            )
             try:
                 native = await anyio.to_thread.run_sync(self._load, binary, name)
             except _UnloadableError as exc:
@@ -651,7 +653,7 @@ class CompileMany:
                 if not self._jobs[result]:
                     del self._jobs[result]
                 pool.cache.warn_if_disabled()  # storing it may have found the disk full
-                result = pool.result(result)
+                result = pool.result(result, key[1])
             if isinstance(params, NotDefinedError):  # the source compiled without it
                 raise params
             try:

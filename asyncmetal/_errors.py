@@ -15,6 +15,15 @@ class ArgumentTypeError(AsyncMetalError, TypeError):
     """An argument has the wrong type or the call has the wrong number of them."""
 
 
+class CompileWarning(UserWarning):
+    """A kernel compiled, and the compiler printed warnings: ``log`` holds them. Emitted
+    by the compile that ran the compiler (a cached binary warns no more)."""
+
+    def __init__(self, message: str, log: str = "") -> None:
+        super().__init__(message if not log else f"{message}\n{log}")
+        self.log = log
+
+
 class CompileError(AsyncMetalError):
     """A kernel failed to compile, or the compiled code lacks the named kernel.
 

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +31,13 @@ import anyio
 from ._bridge import checkpoint
 from ._cache import CompileCache
 from ._compile import Compiler, source_key
-from ._errors import ArgumentTypeError, ClosedResourceError, CompileError, InvalidArgumentError
+from ._errors import (
+    ArgumentTypeError,
+    ClosedResourceError,
+    CompileError,
+    CompileWarning,
+    InvalidArgumentError,
+)
 from ._timeline import HostEvents, wait_value
 from ._worker import read_message, write_message
 
@@ -79,6 +86,7 @@ class _Job:
         "compiler",
         "done",
         "key",
+        "log",
         "result",
         "src",
         "started",
@@ -90,6 +98,7 @@ class _Job:
         self.started = False  # a worker compiles it (its timeout runs from then)
         self.awaiters = 0
         self.result: bytes | CompileError | None = None
+        self.log = ""  # what the compiler printed as it succeeded (its warnings)
         self.done = HostEvents()  # reaches 1 when result is set
         self.callbacks: list[Callable[[_Job], None]] = []  # run on the handler thread
 
@@ -200,6 +209,7 @@ class _Worker:
             return CompileError(self._death_message())
         if reply[0] == "ok":
             data: bytes = reply[1]
+            job.log = reply[2]
             return data
         return CompileError(reply[1], reply[2])
 
@@ -439,24 +449,26 @@ class CompilePool:
         *,
         timeout: float | None = None,
         refresh: bool = False,
+        name: str | None = None,
     ) -> bytes:
         """:meth:`compile` for a caller that has the source's key (``source_key`` of the
         compiler's identity and ``src``) already: a long source's hash costs the loop
-        milliseconds."""
+        milliseconds. ``name``: the kernel a CompileWarning names."""
         timeout = check_timeout(timeout)
         self._check_usable()
         if refresh:
             await anyio.to_thread.run_sync(self.cache.evict, key)
-            return await self.wait(self.submit(compiler, src, key, timeout=timeout), timeout)
+            job = self.submit(compiler, src, key, timeout=timeout)
+            return await self.wait(job, timeout, name)
         cached = self.cache.get_memory(key)
         if cached is None and self.cache.disk_enabled:
             cached = await self.cache.get_disk(key)
         if cached is not None:
             await checkpoint()
             return cached
-        return await self.wait(self.submit(compiler, src, key, timeout=timeout), timeout)
+        return await self.wait(self.submit(compiler, src, key, timeout=timeout), timeout, name)
 
-    async def wait(self, job: _Job, timeout: float | None = None) -> bytes:
+    async def wait(self, job: _Job, timeout: float | None = None, name: str | None = None) -> bytes:
         """Wait for a submitted job, for at most ``timeout`` seconds (its own: a job
         others joined with a longer one goes on for them); cancelling, or the timeout,
         withdraws it if nobody else waits and it has not started."""
@@ -475,7 +487,7 @@ class CompilePool:
                 self.withdraw(job)
                 raise CompileError(f"compile timed out after {timeout} s")
         self.cache.warn_if_disabled()  # storing the result may have found the disk full
-        return self.result(job)
+        return self.result(job, name)
 
     def withdraw(self, job: _Job) -> None:
         """Give up one claim on ``job``; a job nobody claims is skipped if not started."""
@@ -483,12 +495,16 @@ class CompilePool:
             job.awaiters -= 1
 
     @staticmethod
-    def result(job: _Job) -> bytes:
-        """The binary of a finished job, or its CompileError raised."""
+    def result(job: _Job, name: str | None = None) -> bytes:
+        """The binary of a finished job, or its CompileError raised. Where the compiler
+        printed warnings, a CompileWarning carries them (naming kernel ``name``)."""
         result = job.result
         if isinstance(result, CompileError):
             raise result
         assert result is not None
+        if job.log.strip():
+            what = "the compiler" if name is None else f"kernel {name!r}: the compiler"
+            warnings.warn(CompileWarning(f"{what} printed warnings", job.log), stacklevel=3)
         return result
 
     def shutdown(self, *, kill: bool = False) -> None:

@@ -2,9 +2,9 @@
 
 Started by :class:`asyncmetal._pool.CompilePool` as a fresh interpreter (never forked,
 never importing the parent's ``__main__``). It reads length-prefixed pickled jobs
-``(compiler, src)`` on stdin and answers ``("ok", bytes)`` or ``("error", message, log)``
-on stdout. It ignores SIGINT so Ctrl-C reaches only the parent, and it never opens a
-device: ``ASYNCMETAL_WORKER`` makes ``open_device`` refuse.
+``(compiler, src)`` on stdin and answers ``("ok", bytes, log)`` (the compiler's warnings)
+or ``("error", message, log)`` on stdout. It ignores SIGINT so Ctrl-C reaches only the
+parent, and it never opens a device: ``ASYNCMETAL_WORKER`` makes ``open_device`` refuse.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def main() -> None:
         except EOFError:
             return
         try:
-            write_message(stdout, ("ok", compiler.compile(src)))
+            binary = compiler.compile(src)
+            write_message(stdout, ("ok", binary, compiler.last_log))
         except CompileError as exc:
             write_message(stdout, ("error", str(exc).partition("\n")[0], exc.log))
         except Exception as exc:

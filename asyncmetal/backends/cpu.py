@@ -114,9 +114,10 @@ class CCompiler(Compiler):
                 capture_output=True,
                 check=False,
             )
+            log = (proc.stderr + proc.stdout).decode(errors="replace")
             if proc.returncode != 0:
-                log = (proc.stderr + proc.stdout).decode(errors="replace")
                 raise CompileError(f"{cc} failed with exit code {proc.returncode}", log)
+            self.last_log = log
             with open(out, "rb") as f:
                 return f.read()
 

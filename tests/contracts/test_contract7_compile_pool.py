@@ -385,3 +385,27 @@ async def _steps_refused(device: am.Device) -> None:
         assert sorted(got) == ["a step of this compile_many is already under way", "twice"]
         names = [program.name async for program in many]
     assert names == ["twice", "twice"]
+
+
+async def test_compiler_warnings_come_as_a_compile_warning(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A kernel that compiles with warnings: the compile that ran the compiler warns
+    (CompileWarning naming the kernel, with the compiler's output), through compile and
+    compile_many; a cached binary warns no more. Checked: before, the warnings were
+    dropped."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path))
+    try:
+        async with am.open_device("cpu") as dev:
+            dev.compile_pool = pool
+            src = f'#warning "look at {time.time_ns()}"\n' + SRC
+            with pytest.warns(am.CompileWarning, match="kernel 'twice': the compiler") as got:
+                await dev.compile(src, "twice")
+            assert "look at" in got[0].message.log  # type: ignore[union-attr]
+            await dev.compile(src, "twice")  # cached: no warning (warnings are errors here)
+            other = "\n" + src
+            with pytest.warns(am.CompileWarning, match="look at"):
+                programs = [p async for p in dev.compile_many([(other, "twice")])]
+            assert [p.name for p in programs] == ["twice"]
+    finally:
+        await pool.aclose()

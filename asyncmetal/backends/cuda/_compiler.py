@@ -35,16 +35,16 @@ class CUDACompiler(Compiler):
                 *(f.encode() for f in self.flags),
             ]
             (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
+            size = check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+            raw = b" " * size
+            check(nvrtc.nvrtcGetProgramLog(prog, raw), "nvrtcGetProgramLog")
+            log = raw.rstrip(b"\0").decode(errors="replace")
             if int(err) != 0:
-                size = check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-                log = b" " * size
-                check(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
-                raise CompileError(
-                    f"NVRTC failed ({_nvrtc_name(err)})", log.decode(errors="replace")
-                )
+                raise CompileError(f"NVRTC failed ({_nvrtc_name(err)})", log)
             size = check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
             cubin = b" " * size
             check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+            self.last_log = log
             return bytes(cubin)
         finally:
             nvrtc.nvrtcDestroyProgram(prog)
