@@ -124,8 +124,10 @@ def _lent_back(state: DeviceState, view: memoryview) -> Buffer | None:
     device lent it out (``np.from_dlpack(buf)``, say), sharing that buffer's record of
     uses: a copy with it as an operand is then ordered as with the buffer itself. None
     if the memory is no such loan (or another device's: a plain host copy, as ever)."""
+    if not lenders:  # nothing lent out: no look-up
+        return None
     allocator = state.device._allocator
-    if allocator not in lenders or not view.nbytes:  # (nothing lent out: no look-up)
+    if allocator not in lenders or not view.nbytes:
         return None
     address = np.frombuffer(view, np.uint8).ctypes.data
     if allocator.exported_uses(address, view.nbytes) is None:
