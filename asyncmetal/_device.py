@@ -8,6 +8,7 @@ import contextlib
 import functools
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Collection, Generator, Iterable
 from typing import Any, TypeVar
@@ -29,6 +30,7 @@ from ._errors import (
     AsyncMetalError,
     ClosedResourceError,
     CompileError,
+    CompileWarning,
     DeviceLostError,
     InvalidArgumentError,
 )
@@ -329,8 +331,11 @@ class Device:
                 # signature), the compiler's error says why, with its log.
                 await pool.compile_keyed(compiler, src, key[0], timeout=timeout)
                 raise params
-            binary = await pool.compile_keyed(compiler, src, key[0], timeout=timeout, name=name)
-            return await self._program(key, params, binary, src, timeout)
+            binary, log = await pool.compile_keyed(compiler, src, key[0], timeout=timeout)
+            program = await self._program(key, params, binary, src, timeout)
+        if log:  # once the program is loaded: raised as an error, it loses no compile
+            _warn_compiled(name, log, 3)
+        return program
 
     def _check_compile(self, src: object, name: object) -> None:
         self._check_open()
@@ -366,9 +371,11 @@ class Device:
             # a miss. Build it afresh, once; if that does not load either, say so.
             pool = self.compile_pool
             compiler = self._backend.compiler
-            binary = await pool.compile_keyed(
-                compiler, src, key[0], timeout=timeout, refresh=True, name=name
+            binary, log = await pool.compile_keyed(
+                compiler, src, key[0], timeout=timeout, refresh=True
             )
+            if log:
+                _warn_compiled(name, log, 4)
             try:
                 native = await anyio.to_thread.run_sync(self._load, binary, name)
             except _UnloadableError as exc:
@@ -515,6 +522,12 @@ def _naming(name: str) -> Generator[None, None, None]:
         raise named from None
 
 
+def _warn_compiled(name: str, log: str, stacklevel: int) -> None:
+    """The CompileWarning of kernel ``name``, whose compile printed ``log``."""
+    warning = CompileWarning(f"kernel {name!r}: the compiler printed warnings", log)
+    warnings.warn(warning, stacklevel=stacklevel)
+
+
 def _read_params(compiler: Any, src: str, name: str) -> tuple[ParamKind, ...] | NotDefinedError:
     try:
         params: tuple[ParamKind, ...] = compiler.params(src, name)
@@ -646,6 +659,7 @@ class CompileMany:
         with _naming(key[1]):
             if isinstance(result, CompileError):
                 raise result
+            log = ""
             if not isinstance(result, bytes):  # a finished pool job
                 pool = self._device.compile_pool
                 pool.withdraw(result)
@@ -653,16 +667,21 @@ class CompileMany:
                 if not self._jobs[result]:
                     del self._jobs[result]
                 pool.cache.warn_if_disabled()  # storing it may have found the disk full
-                result = pool.result(result, key[1])
+                log = pool.take_log(result)
+                result = pool.result(result)
             if isinstance(params, NotDefinedError):  # the source compiled without it
                 raise params
             try:
-                return await self._device._program(key, params, result, src, self._timeout)
-            except anyio.get_cancelled_exc_class():
-                # Not handed out: the next step yields it (its binary is ready now).
+                program = await self._device._program(key, params, result, src, self._timeout)
+                if log:
+                    _warn_compiled(key[1], log, 4)
+            except (anyio.get_cancelled_exc_class(), CompileWarning):
+                # Not handed out (cancelled, or its warning raised as an error): the next
+                # step yields it (its binary is ready now; it warns no more).
                 self._ready.appendleft((key, ((params, src), result)))
                 self._yielded -= 1
                 raise
+            return program
 
 
 class _DeviceOpener:

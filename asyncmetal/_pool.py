@@ -439,7 +439,10 @@ class CompilePool:
         timeout = check_timeout(timeout)
         self._check_usable()
         key = source_key(await compiler_identity(compiler), src)
-        return await self.compile_keyed(compiler, src, key, timeout=timeout, refresh=refresh)
+        binary, log = await self.compile_keyed(compiler, src, key, timeout=timeout, refresh=refresh)
+        if log:
+            warnings.warn(CompileWarning("the compiler printed warnings", log), stacklevel=2)
+        return binary
 
     async def compile_keyed(
         self,
@@ -449,26 +452,27 @@ class CompilePool:
         *,
         timeout: float | None = None,
         refresh: bool = False,
-        name: str | None = None,
-    ) -> bytes:
+    ) -> tuple[bytes, str]:
         """:meth:`compile` for a caller that has the source's key (``source_key`` of the
-        compiler's identity and ``src``) already: a long source's hash costs the loop
-        milliseconds. ``name``: the kernel a CompileWarning names."""
+        compiler's identity and ``src``) already (a long source's hash costs the loop
+        milliseconds), with the compiler's warnings (``take_log``) for the caller to
+        report: "" from a cache, or where another caller of the compile got them."""
         timeout = check_timeout(timeout)
         self._check_usable()
         if refresh:
             await anyio.to_thread.run_sync(self.cache.evict, key)
-            job = self.submit(compiler, src, key, timeout=timeout)
-            return await self.wait(job, timeout, name)
-        cached = self.cache.get_memory(key)
-        if cached is None and self.cache.disk_enabled:
-            cached = await self.cache.get_disk(key)
-        if cached is not None:
-            await checkpoint()
-            return cached
-        return await self.wait(self.submit(compiler, src, key, timeout=timeout), timeout, name)
+        else:
+            cached = self.cache.get_memory(key)
+            if cached is None and self.cache.disk_enabled:
+                cached = await self.cache.get_disk(key)
+            if cached is not None:
+                await checkpoint()
+                return cached, ""
+        job = self.submit(compiler, src, key, timeout=timeout)
+        binary = await self.wait(job, timeout)
+        return binary, self.take_log(job)
 
-    async def wait(self, job: _Job, timeout: float | None = None, name: str | None = None) -> bytes:
+    async def wait(self, job: _Job, timeout: float | None = None) -> bytes:
         """Wait for a submitted job, for at most ``timeout`` seconds (its own: a job
         others joined with a longer one goes on for them); cancelling, or the timeout,
         withdraws it if nobody else waits and it has not started."""
@@ -487,7 +491,7 @@ class CompilePool:
                 self.withdraw(job)
                 raise CompileError(f"compile timed out after {timeout} s")
         self.cache.warn_if_disabled()  # storing the result may have found the disk full
-        return self.result(job, name)
+        return self.result(job)
 
     def withdraw(self, job: _Job) -> None:
         """Give up one claim on ``job``; a job nobody claims is skipped if not started."""
@@ -495,17 +499,20 @@ class CompilePool:
             job.awaiters -= 1
 
     @staticmethod
-    def result(job: _Job, name: str | None = None) -> bytes:
-        """The binary of a finished job, or its CompileError raised. Where the compiler
-        printed warnings, a CompileWarning carries them (naming kernel ``name``)."""
+    def result(job: _Job) -> bytes:
+        """The binary of a finished job, or its CompileError raised."""
         result = job.result
         if isinstance(result, CompileError):
             raise result
         assert result is not None
-        if job.log.strip():
-            what = "the compiler" if name is None else f"kernel {name!r}: the compiler"
-            warnings.warn(CompileWarning(f"{what} printed warnings", job.log), stacklevel=3)
         return result
+
+    @staticmethod
+    def take_log(job: _Job) -> str:
+        """What the compiler printed as the job succeeded (its warnings), once: to the
+        first caller that asks (one compile warns once, whoever joined it)."""
+        log, job.log = job.log, ""
+        return log if log.strip() else ""
 
     def shutdown(self, *, kill: bool = False) -> None:
         """Stop the workers: they finish the job in hand -- or, with ``kill`` (at

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -391,21 +392,32 @@ async def test_compiler_warnings_come_as_a_compile_warning(
     anyio_backend: object, tmp_path: Path
 ) -> None:
     """A kernel that compiles with warnings: the compile that ran the compiler warns
-    (CompileWarning naming the kernel, with the compiler's output), through compile and
-    compile_many; a cached binary warns no more. Checked: before, the warnings were
-    dropped."""
+    once (CompileWarning naming the kernel, with the compiler's output, at the caller's
+    line), however many callers joined it, through compile and compile_many; a cached
+    binary warns no more. Raised as an error, the warning loses no kernel: compile_many's
+    next step yields it. Checked: before, the warnings were dropped; then each joined
+    caller warned, and compile_many lost the kernel whose warning raised."""
     pool = CompilePool(1, cache=CompileCache(tmp_path))
     try:
         async with am.open_device("cpu") as dev:
             dev.compile_pool = pool
             src = f'#warning "look at {time.time_ns()}"\n' + SRC
-            with pytest.warns(am.CompileWarning, match="kernel 'twice': the compiler") as got:
-                await dev.compile(src, "twice")
-            assert "look at" in got[0].message.log  # type: ignore[union-attr]
+            with warnings.catch_warnings(record=True) as got:
+                warnings.simplefilter("always")
+                async with anyio.create_task_group() as tg:
+                    for _ in range(3):
+                        tg.start_soon(dev.compile, src, "twice")
+            assert [type(w.message) for w in got] == [am.CompileWarning]
+            warning = got[0].message
+            assert isinstance(warning, am.CompileWarning) and "look at" in warning.log
+            assert str(warning).startswith("kernel 'twice': the compiler printed warnings")
             await dev.compile(src, "twice")  # cached: no warning (warnings are errors here)
-            other = "\n" + src
-            with pytest.warns(am.CompileWarning, match="look at"):
-                programs = [p async for p in dev.compile_many([(other, "twice")])]
-            assert [p.name for p in programs] == ["twice"]
+            with pytest.warns(am.CompileWarning) as where:
+                await dev.compile("\n" + src, "twice")
+            assert where[0].filename == __file__
+            many = dev.compile_many([("\n\n" + src, "twice")])
+            with pytest.raises(am.CompileWarning, match="look at"):
+                await many.__anext__()  # raised as an error (this suite's filter)
+            assert [p.name async for p in many] == ["twice"]
     finally:
         await pool.aclose()

@@ -132,6 +132,7 @@ class MetalCompiler(Compiler):
             source, air, lib = (os.path.join(tmp, n) for n in ("k.metal", "k.air", "k.metallib"))
             with open(source, "w") as f:
                 f.write(src)
+            printed = ""
             for command in (
                 ["xcrun", "-sdk", "macosx", "metal", "-O2", *self.flags, "-c", source, "-o", air],
                 ["xcrun", "-sdk", "macosx", "metallib", air, "-o", lib],
@@ -142,9 +143,11 @@ class MetalCompiler(Compiler):
                     raise CompileError(
                         f"cannot run {command[0]}: {exc} (install Xcode and its Metal toolchain)"
                     ) from None
+                log = (proc.stderr + proc.stdout).decode(errors="replace")
                 if proc.returncode != 0:
-                    log = (proc.stderr + proc.stdout).decode(errors="replace")
                     raise CompileError(f"{command[3]} failed", log)
+                printed += log
+            self.last_log = printed
             with open(lib, "rb") as f:
                 return f.read()
 
