@@ -176,8 +176,7 @@ _HOST = (KDLCPU, KDLCUDAHOST)
 def lent_memory(device: Device, view: memoryview, address: int) -> Buffer:
     """A Buffer of ``device`` over host memory one of its buffers lent out (``view``, at
     ``address``), sharing that buffer's record of uses (see ``foreign_buffer``)."""
-    memory = _Imported(view, None, address, view.nbytes)
-    return foreign_buffer(device, memory, view.nbytes, None, None)
+    return _buffer(device, _Imported(view, None, address, view.nbytes), True)
 
 
 def _lender(address: int, nbytes: int) -> Device | None:
