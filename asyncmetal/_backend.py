@@ -339,6 +339,12 @@ class Backend(ABC):
         """Load a compiled binary; return the native program for ``name``. May block."""
 
     @abstractmethod
+    def unload(self, native: Any) -> None:
+        """Release a native program ``load`` returned, which nothing launches any more:
+        every command that launched it has finished, and no Program holds it (after a
+        ``close``: nothing to do). May block."""
+
+    @abstractmethod
     def allocate(self, nbytes: int) -> Any:
         """A native buffer handle; raise MemoryError when the device has none left."""
 

@@ -152,7 +152,14 @@ class Device:
         self._closing: HostEvents | None = None  # reaches 1 once a close has finished
         self._allocator = Allocator(self._state)
         self._pool: CompilePool | None = None
-        self._programs: dict[tuple[str, str], Program] = {}
+        # Loaded programs while they are in use; a Program collected leaves its native
+        # program in _dropped (its finalizer), to be unloaded once what launched it ran.
+        self._programs: weakref.WeakValueDictionary[tuple[str, str], Program] = (
+            weakref.WeakValueDictionary()
+        )
+        self._dropped: list[Any] = []
+        self._retired: list[tuple[Any, list[tuple[Queue, int]]]] = []
+        self._retire_lock = threading.Lock()
         self.queue = self._state.queue = self.new_queue()
         with _open_devices_lock:
             _open_devices.add(self)
@@ -383,8 +390,13 @@ class Device:
                 raise CompileError(
                     f"the compiled kernel {name!r} does not load: {cause}", name=name
                 ) from cause
-        program = self._programs.setdefault(key, Program(self._state, name, params, binary, native))
-        return program
+        program = Program(self._state, name, params, binary, native)
+        kept = self._programs.setdefault(key, program)
+        if kept is not program:  # a concurrent compile of it loaded it first: never run
+            self._dropped.append(native)
+        else:
+            weakref.finalize(program, self._dropped.append, native).atexit = False
+        return kept
 
     def compile_many(
         self, kernels: Iterable[tuple[str, str]], *, timeout: float | None = None
@@ -412,6 +424,7 @@ class Device:
         return CompileMany(self, [(src, name) for src, name in kernels], check_timeout(timeout))
 
     def _load(self, binary: bytes, name: str) -> Any:
+        self._unload_retired()
         try:
             return self._backend.load(binary, name)
         except AttributeError:
@@ -422,6 +435,28 @@ class Device:
             raise  # the device's trouble, not the binary's
         except Exception as exc:
             raise _UnloadableError from exc
+
+    def _unload_retired(self) -> None:
+        """Unload the programs collected before, once every command that may have
+        launched one has finished: each queue reached what it had been given when the
+        collection was first seen here (later, so more than the launches needed).
+        Called as a program loads (off the loop): a device that compiles now and then
+        keeps the programs in use and those dropped since the compile before."""
+        with self._retire_lock:
+            dropped = self._dropped[:]  # (finalizers append meanwhile, on any thread)
+            del self._dropped[: len(dropped)]
+            if dropped:
+                reach = [(queue, queue.submitted) for queue in list(self._queues)]
+                self._retired += [(native, reach) for native in dropped]
+            ready = [
+                native
+                for native, reach in self._retired
+                if all(queue.timeline.value >= value for queue, value in reach)
+            ]
+            if ready:
+                self._retired = [entry for entry in self._retired if entry[0] not in ready]
+        for native in ready:
+            self._backend.unload(native)
 
     async def synchronize(self) -> None:
         """Wait until every queue of this device has finished what was submitted."""

@@ -449,7 +449,7 @@ class CPUBackend(HostQueues, Backend):
         self.index = index
         self._lib = _native.runtime()  # builds it on first use (we are off the loop)
         self._compiler = CCompiler()
-        self._libraries: list[Any] = []
+        self._libraries: dict[int, Any] = {}  # by the address of the kernel loaded
         self._libraries_lock = threading.Lock()
         self._closed = False
         self._timelines = Timelines()
@@ -474,8 +474,19 @@ class CPUBackend(HostQueues, Backend):
                 if self._closed:
                     raise ClosedResourceError(f"device {self._info.name} is closed")
                 lib = ctypes.CDLL(f.name, mode=os.RTLD_LOCAL)
-                self._libraries.append(lib)  # unloaded by close(), found or not
-                return _own_symbol(lib, name, f.name)
+                try:
+                    address = _own_symbol(lib, name, f.name)
+                except AttributeError:
+                    _dlclose(lib._handle)
+                    raise
+                self._libraries[address] = lib  # unloaded by unload() or close()
+                return address
+
+    def unload(self, native: Any) -> None:
+        with self._libraries_lock:  # (after a close: already unloaded)
+            lib = self._libraries.pop(native, None)
+            if lib is not None:
+                _dlclose(lib._handle)
 
     def allocate(self, nbytes: int) -> Any:
         memory = _Memory(nbytes)
@@ -494,7 +505,7 @@ class CPUBackend(HostQueues, Backend):
         super().forked(message)
         self._libraries_lock = threading.Lock()  # may have been held at the fork
         self._closed = True
-        self._libraries = []  # the parent's to unload
+        self._libraries = {}  # the parent's to unload
 
     def close(self) -> None:
         # Every queue of the device has stopped (Device closes them first) and its
@@ -504,6 +515,6 @@ class CPUBackend(HostQueues, Backend):
         # library it loaded mapped, until the process runs out of mappings.
         with self._libraries_lock:
             self._closed = True
-            libraries, self._libraries = self._libraries, []
-            for lib in libraries:
+            libraries, self._libraries = self._libraries, {}
+            for lib in libraries.values():
                 _dlclose(lib._handle)

@@ -80,6 +80,9 @@ class NpyBackend(HostQueues, Backend):
     def load(self, binary: bytes, name: str) -> Any:
         raise CompileError(NO_KERNELS)
 
+    def unload(self, native: Any) -> None:
+        raise CompileError(NO_KERNELS)  # (never called: nothing was loaded)
+
     def allocate(self, nbytes: int) -> Any:
         raise InvalidArgumentError("npy buffers are made from arrays: asyncmetal.from_numpy(array)")
 

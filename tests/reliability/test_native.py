@@ -10,6 +10,7 @@ machine cannot run it). A hang ends the run through the harness's watchdog.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 from pathlib import Path
 
@@ -88,6 +89,59 @@ async def test_closing_a_device_unmaps_its_kernel_libraries(anyio_backend: objec
     async with am.open_device("cpu") as other:
         with pytest.raises(am.InvalidArgumentError, match="compiled for"):
             other.queue.launch(program, await other.alloc(4))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+@pytest.mark.anyio
+async def test_programs_no_longer_used_are_unloaded_while_the_device_stays_open(
+    anyio_backend: object,
+) -> None:
+    """A long-lived device that compiles kernel after kernel (a service building one per
+    shape) keeps only the programs in use mapped: one collected is unloaded by a later
+    compile once what launched it has run. One compiled again loads afresh."""
+    sources = [f"void k(int* out) {{ out[0] += {i}; }}\n" for i in range(12)]
+    async with am.open_device("cpu") as dev:
+        buf = await dev.alloc(4)
+        await buf.write(np.zeros(1, np.int32))
+        before = _kernel_mappings()
+        program = await dev.compile(sources[0], "k")
+        per_library = _kernel_mappings() - before
+        await dev.queue.launch(program, buf)
+        for src in sources[1:]:
+            program = await dev.compile(src, "k")  # the one before is collected
+            await dev.queue.launch(program, buf)
+        assert _kernel_mappings() - before <= 2 * per_library  # (12 before)
+        assert (await buf.read(np.int32))[0] == sum(range(12))
+        again = await dev.compile(sources[0], "k")
+        await dev.queue.launch(again, buf)
+        assert (await buf.read(np.int32))[0] == sum(range(12))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+@pytest.mark.anyio
+async def test_a_program_collected_while_its_launch_waits_stays_loaded_until_it_ran(
+    anyio_backend: object,
+) -> None:
+    async with am.open_device("cpu") as dev:
+        buf = await dev.alloc(4)
+        queue, timeline = dev.new_queue(), dev.timeline()
+        before = _kernel_mappings()
+        program = await dev.compile("void k(int* out) { out[0] = 41; }\n", "k")
+        loaded = _kernel_mappings()
+        queue.wait(timeline, 1)
+        done = queue.launch(program, buf)
+        del program
+        gc.collect()
+        other = await dev.compile("void k(int* out) { out[0] += 1; }\n", "k")
+        assert _kernel_mappings() - before == 2 * (loaded - before)  # both still mapped
+        timeline.signal(1)
+        await done
+        await queue.launch(other, buf)
+        assert (await buf.read(np.int32))[0] == 42
+        del other
+        gc.collect()
+        await dev.compile("void k(int* out) { out[0] = 0; }\n", "k")  # unloads both
+        assert _kernel_mappings() - before == loaded - before
 
 
 def test_a_closed_cpu_backend_loads_nothing() -> None:

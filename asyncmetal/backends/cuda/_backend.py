@@ -118,7 +118,7 @@ class CUDABackend(Backend):
         self._compiler = CUDACompiler(f"sm_{major}{minor}")
         self.lib = _native.runtime()
         install_driver(self.lib)
-        self._modules: list[Any] = []
+        self._modules: dict[int, Any] = {}  # by the kernel loaded from it
         self._timelines = Timelines()
         self._slot_arenas: list[Pinned] = []
         self._free_slots: list[int] = []
@@ -188,13 +188,23 @@ class CUDABackend(Backend):
         refuse_if_lost(f"loading kernel {name!r} on {self.name}")
         self.make_current()
         module = check(cu.cuModuleLoadData(binary), "cuModuleLoadData", self.name)
-        self._modules.append(module)
         err, function = cu.cuModuleGetFunction(module, name.encode())
         if int(err) != 0:
+            cu.cuModuleUnload(module)  # (nothing of it was launched)
             if error_name(err) in LOST or _driver.lost_first is not None:
                 raise driver_error("cuModuleGetFunction", err, self.name)
             raise AttributeError(name)  # the device turns this into a CompileError
-        return int(function)  # a CUfunction's address, as the native launch takes it
+        # A CUfunction's address, as the native launch takes it; its module unloaded by
+        # unload() or close().
+        self._modules[int(function)] = module
+        return int(function)
+
+    @keeps_context
+    def unload(self, native: Any) -> None:
+        module = self._modules.pop(native, None)  # (after a close: already unloaded)
+        if module is not None:
+            self.make_current()
+            cu.cuModuleUnload(module)
 
     @keeps_context
     def allocate(self, nbytes: int) -> Any:
@@ -271,9 +281,9 @@ class CUDABackend(Backend):
             for chunk in self._chunks:
                 chunk.free()
             self._chunks.clear()
-        for module in self._modules:
+        modules, self._modules = self._modules, {}
+        for module in modules.values():
             cu.cuModuleUnload(module)
-        self._modules.clear()
         # The primary context stays retained for the life of the process (as the CUDA
         # runtime keeps it): timelines live in its pinned memory and may outlive the
         # device object (a Completion kept around, a loop's watch), so that memory must

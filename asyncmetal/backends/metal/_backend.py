@@ -88,7 +88,7 @@ class MetalBackend(Backend):
         self.lost: DeviceLostError | None = None
         self.lost_from = 0
         self.live_allocations = 0
-        self._pipelines: list[int] = []
+        self._pipelines: dict[int, None] = {}  # loaded, not unloaded yet
         self._timelines = Timelines()
 
     @property
@@ -132,8 +132,14 @@ class MetalBackend(Backend):
                 raise CompileError(
                     f"no pipeline for {name!r}: {describe_error(error.value or 0)}", name=name
                 )
-            self._pipelines.append(pipeline)  # released with the device
+            self._pipelines[pipeline] = None  # released by unload() or close()
             return pipeline
+
+    def unload(self, native: Any) -> None:
+        # A command buffer retains the pipelines encoded in it: released here, one still
+        # running keeps it until it completes.
+        if self._pipelines.pop(native, 0) is None:  # (after a close: already released)
+            release(native)
 
     def allocate(self, nbytes: int) -> Any:
         buffer = send(
@@ -198,7 +204,7 @@ class MetalBackend(Backend):
         forget_objects()
 
     def close(self) -> None:
-        for pipeline in self._pipelines:
+        pipelines, self._pipelines = self._pipelines, {}
+        for pipeline in pipelines:
             release(pipeline)
-        self._pipelines.clear()
         release(self.device)  # MTLCreateSystemDefaultDevice's reference

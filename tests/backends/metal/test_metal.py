@@ -5,6 +5,7 @@ machine is available to this project)."""
 
 from __future__ import annotations
 
+import gc
 import pickle
 import struct
 import subprocess
@@ -301,6 +302,39 @@ def test_nothing_is_leaked_or_released_twice(tmp_path: object) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     counts = __import__("json").loads(out.stdout.strip().splitlines()[-1])
     assert counts == {name: 0 for name in counts}, counts
+
+
+@pytest.mark.metal
+@sim_only
+@pytest.mark.anyio
+async def test_pipelines_no_longer_used_are_released_while_the_device_stays_open(
+    anyio_backend: object,
+) -> None:
+    """A Program collected gives its pipeline back at a later compile, once every queue
+    of the device ran what it had been given by then: a queue still waiting keeps those
+    dropped meanwhile."""
+    kernel = "kernel void k(device int* out [[buffer(0)]], uint i [[thread_position_in_grid]])"
+    sources = [f"{kernel} {{ if (i == 0) out[0] += {n}; }}" for n in range(6)]
+    async with am.open_device("metal") as dev:
+        buf = await dev.alloc(4)
+        await buf.write(np.zeros(1, np.int32))
+        before = metal_sim.live("MTLComputePipelineState")
+        tl, queue = dev.timeline(), dev.new_queue()
+        program = await dev.compile(sources[0], "k")
+        queue.wait(tl, 1)
+        waiting = queue.launch(program, buf)
+        for src in sources[1:]:
+            program = await dev.compile(src, "k")  # the one before is collected
+            await dev.queue.launch(program, buf)
+        gc.collect()
+        assert metal_sim.live("MTLComputePipelineState") - before == 6
+        tl.signal(1)
+        await waiting
+        del program
+        gc.collect()
+        await dev.compile(sources[0], "k")
+        assert metal_sim.live("MTLComputePipelineState") - before == 1
+        assert (await buf.read(np.int32))[0] == sum(range(6))
 
 
 @pytest.mark.metal
