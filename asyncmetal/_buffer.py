@@ -202,6 +202,9 @@ class Buffer(Exports):
         items_of(self.nbytes, dtype, shape)
         for queue, value in uses(self):
             await wait_value(queue.timeline, value)
+            failure = queue._failure(value)  # a use that did not run: its error, as read's
+            if failure is not None:
+                raise failure
         check_buffer(self, "buffer")  # freed, or its device closed, while it waited
         view = backend.host_view(self._allocation.handle, self.offset, self.nbytes)
         array = np.frombuffer(view, dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import collections
 import contextlib
@@ -10,7 +11,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Collection, Generator, Iterable
+from collections.abc import Awaitable, Callable, Collection, Generator, Iterable
 from typing import Any, TypeVar
 
 import anyio
@@ -19,7 +20,7 @@ import numpy as np
 from . import backends
 from ._allocator import Allocator, MemoryStatistics
 from ._backend import Backend
-from ._bridge import checkpoint
+from ._bridge import checkpoint, running_asyncio_loop
 from ._buffer import Buffer, wrap_buffer
 from ._buffer import foreign_buffer as _foreign_buffer
 from ._compile import NotDefinedError, ParamKind, source_key
@@ -150,6 +151,7 @@ class Device:
         self._adopted: dict[object, Queue] = {}  # by stream
         self._timelines: weakref.WeakSet[Timeline] = weakref.WeakSet()  # from timeline()
         self._closing: HostEvents | None = None  # reaches 1 once a close has finished
+        self._close_lock = threading.Lock()
         self._allocator = Allocator(self._state)
         self._pool: CompilePool | None = None
         # Loaded programs while they are in use; a Program collected leaves its native
@@ -459,9 +461,16 @@ class Device:
             self._backend.unload(native)
 
     async def synchronize(self) -> None:
-        """Wait until every queue of this device has finished what was submitted."""
+        """Wait until every queue of this device has finished what was submitted; then
+        raise the error of a command that failed (the first queue's, in creation order)."""
+        failure: AsyncMetalError | None = None
         for queue in list(self._queues):
-            await wait_value(queue.timeline, queue.submitted)
+            try:
+                await queue.synchronize()
+            except AsyncMetalError as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     async def close(self) -> None:
         """Let submitted work finish, then release the device.
@@ -473,33 +482,38 @@ class Device:
         and all return once it is done. Shielded from cancellation: a device is never
         left half-closed.
         """
-        with anyio.CancelScope(shield=True):
-            if self._closing is not None:  # another close is under way: wait for it
-                await wait_value(self._closing, 1)
-                return
-            if self.closed:
-                return
-            self._closing = closing = HostEvents()
-            try:
-                await self._finish_completable()
-                # Sealed: no submission is under way (another thread's) or can start.
-                # Then what was submitted meanwhile is waited for as well.
-                await _holding([self._state], self._seal)
-                limits = await self._finish_completable()
-                for queue in self._queues:  # what other devices' closes count on
-                    queue._final = limits[queue]
-                blocked = {q: limits[q] for q in self._queues if limits[q] < q.submitted}
-                await anyio.to_thread.run_sync(self._close_native, False, set(blocked))
-                for queue, limit in blocked.items():
-                    # From what did not run: another device's close may have released a
-                    # wait it was blocked on meanwhile (its abandon raises the timeline
-                    # waited on), and then more ran before its queue stopped.
-                    abandon(queue, max(limit, queue.timeline.value) + 1)
-                for timeline in [*self._timelines, *(q.timeline for q in self._queues)]:
-                    timeline.native.close_waits()  # other devices' queues' waits end
-                    end_waits(timeline)
-            finally:
-                closing.increment()
+        with self._close_lock:  # one teardown, whichever thread closes first
+            closing, starts = self._closing, self._closing is None and not self.closed
+            if starts:
+                self._closing = closing = HostEvents()
+        if closing is None:
+            return  # closed without a teardown (a forked child's, at exit)
+        if starts:
+            await _to_the_end(functools.partial(self._teardown, closing))
+        else:  # another close is under way: wait for it
+            await _to_the_end(functools.partial(wait_value, closing, 1))
+
+    async def _teardown(self, closing: HostEvents) -> None:
+        try:
+            await self._finish_completable()
+            # Sealed: no submission is under way (another thread's) or can start.
+            # Then what was submitted meanwhile is waited for as well.
+            await _holding([self._state], self._seal)
+            limits = await self._finish_completable()
+            for queue in self._queues:  # what other devices' closes count on
+                queue._final = limits[queue]
+            blocked = {q: limits[q] for q in self._queues if limits[q] < q.submitted}
+            await anyio.to_thread.run_sync(self._close_native, False, set(blocked))
+            for queue, limit in blocked.items():
+                # From what did not run: another device's close may have released a
+                # wait it was blocked on meanwhile (its abandon raises the timeline
+                # waited on), and then more ran before its queue stopped.
+                abandon(queue, max(limit, queue.timeline.value) + 1)
+            for timeline in [*self._timelines, *(q.timeline for q in self._queues)]:
+                timeline.native.close_waits()  # other devices' queues' waits end
+                end_waits(timeline)
+        finally:
+            closing.increment()
 
     def _seal(self) -> None:
         self.closed = True  # (with the submission lock held: see close)
@@ -768,6 +782,35 @@ class _DeviceOpener:
         await self._device.close()
 
 
+async def _awaited(run: Callable[[], Awaitable[object]]) -> object:
+    return await run()
+
+
+async def _to_the_end(run: Callable[[], Awaitable[object]]) -> None:
+    """Await ``run()`` to its end, whatever cancels the caller meanwhile: in a shielded
+    scope (anyio's, trio's), and on asyncio -- whose ``task.cancel()`` (``wait_for``'s
+    timeout) a shielded scope does not stop -- in a task of its own, awaited again after
+    each cancellation; the cancellation is raised once it has ended."""
+    loop = running_asyncio_loop()
+    if loop is None:
+        with anyio.CancelScope(shield=True):
+            await run()
+        return
+    task: asyncio.Task[object] = loop.create_task(_awaited(run))
+    cancelled: BaseException | None = None
+    while True:
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError as exc:
+            if not task.done():
+                cancelled = exc
+                continue
+            raise
+        break
+    if cancelled is not None:
+        raise cancelled
+
+
 def foreign_buffer(
     device: Device, handle: Any, nbytes: int, owner: object, after: tuple[Queue, int] | None
 ) -> Buffer:
@@ -847,6 +890,8 @@ def _forget_parent_devices() -> None:
         _open_devices.discard(device)
         # A thread of the parent may have held it at the fork: it is never let go here.
         device._state.submitting = threading.RLock()
+        device._close_lock = threading.Lock()
+        device._closing = None  # (a close under way in the parent: no teardown here)
         if device.closed:
             continue
         where = f"opened in process {parent}; open devices in the child"

@@ -401,9 +401,19 @@ class Queue:
                     self.wait(timeline, value)
 
     async def synchronize(self) -> None:
-        """Wait until everything submitted so far has finished."""
-        self._native.flush()
-        await wait_value(self.timeline, self._submitted)
+        """Wait until everything submitted so far has finished; raise the error of a
+        command that failed (its failure fails what follows it on the queue)."""
+        await wait_finished(self, self._submitted)
+
+
+async def wait_finished(queue: Queue, value: int) -> None:
+    """Wait for ``queue``'s command ``value`` (and so those before it); raise its error
+    if it did not run -- also when one before it failed, which fails what follows."""
+    queue._native.flush()
+    await wait_value(queue.timeline, value)
+    failure = queue._failure(value) if value else None
+    if failure is not None:
+        raise failure
 
 
 def submitted_record(queue: Queue) -> tuple[int, list[Any]]:

@@ -391,6 +391,104 @@ async def test_concurrent_closes_share_one_teardown(anyio_backend: object) -> No
     assert returned == [["started", "done"]] * 4  # each returned after the one teardown
 
 
+def test_closes_from_two_threads_at_once_share_one_teardown() -> None:
+    """Two threads, each with a loop of its own, close one device at the same moment:
+    one teardown, and both return once it is done (before, both could start one: the
+    later failed with a KeyError, and both could close the native queues). The race is
+    narrow: a short switch interval widens it (it showed within ~100 trials)."""
+
+    async def opened() -> am.Device:
+        return await am.open_device("cpu:25")
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(300):
+            dev = asyncio.run(opened())
+            for _ in range(3):
+                dev.new_queue()
+            barrier = threading.Barrier(2)
+            errors: list[BaseException] = []
+
+            def close(
+                dev: am.Device, barrier: threading.Barrier, errors: list[BaseException]
+            ) -> None:
+                async def run() -> None:
+                    barrier.wait()
+                    await dev.close()
+
+                try:
+                    asyncio.run(run())
+                except BaseException as exc:  # reported below
+                    errors.append(exc)
+
+            threads = [
+                threading.Thread(target=close, args=(dev, barrier, errors)) for _ in range(2)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(20)
+            assert not any(thread.is_alive() for thread in threads), "a close hung"
+            assert not errors, errors
+            assert dev.closed
+    finally:
+        sys.setswitchinterval(interval)
+
+
+@pytest.mark.anyio
+async def test_a_close_cancelled_by_its_caller_still_closes_the_device(
+    anyio_backend: object,
+) -> None:
+    """A caller's timeout cancels close() while it waits for work: on asyncio
+    ``wait_for``'s (a task.cancel(), which anyio's shielded scope does not stop), on
+    trio a cancel scope's. The close goes on to its end before the cancellation is
+    raised: the device is closed and an abandoned command's waiter fails (before, on
+    asyncio the device stayed open for good, and every later close returned at once)."""
+    dev = await am.open_device("cpu:26")
+    sleep = await dev.compile(KERNELS, "sleep_ms")
+    dev.queue.launch(sleep, vals=(200,))  # the close waits for this
+    stuck_queue = dev.new_queue()
+    stuck_queue.wait(dev.timeline(), 1)  # never signalled: the close abandons what follows
+    stuck = stuck_queue.launch(sleep, vals=(0,))
+    with anyio.fail_after(20):
+        if am._bridge.running_asyncio_loop() is not None:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(dev.close(), 0.02)
+        else:
+            with anyio.move_on_after(0.02):
+                await dev.close()
+        assert dev.closed
+        assert dev not in am.open_devices()
+        with pytest.raises(am.ClosedResourceError, match="never ran"):
+            await stuck
+        await dev.close()  # closed: returns at once
+
+
+@pytest.mark.anyio
+async def test_synchronize_and_map_raise_for_commands_that_did_not_run(
+    anyio_backend: object,
+) -> None:
+    """A queue waits on another device's timeline; that device closes, so the wait and
+    what follows never run. Queue.synchronize, Device.synchronize and Buffer.map (of
+    the buffer the stopped launch would have written) raise the ClosedResourceError
+    that awaiting the launch raises (before, all three returned as if it had run)."""
+    dev, other = await am.open_device("cpu:27"), await am.open_device("cpu:28")
+    fill = await dev.compile(KERNELS, "fill")
+    buf = await dev.alloc(4)
+    await buf.write(np.zeros(1, np.int32))
+    queue = dev.new_queue()
+    queue.wait(other.timeline(), 1)  # nobody signals it
+    launch = queue.launch(fill, buf, vals=(1, 1))
+    with anyio.fail_after(20):
+        await other.close()
+        for waited in (launch, queue.synchronize(), dev.synchronize(), buf.map(np.int32)):
+            with pytest.raises(am.ClosedResourceError, match="cpu:28"):
+                await waited
+        await dev.queue.synchronize()  # the default queue's work ran
+        await dev.close()
+
+
 # -- tasks parked on a free timeline -----------------------------------------------------
 
 
