@@ -144,6 +144,11 @@ def _passed(queue: Queue, value: int) -> bool:
     return passed(queue.timeline, value)
 
 
+# How often an allocation waiting while blocks are lent out (``np.from_dlpack(buf)``)
+# looks for loans that finished commands of idle queues still keep.
+LOAN_RECHECK_S = 0.01
+
+
 class Allocator:
     """The native allocations of one device: a cache of freed blocks, a budget, and
     frees deferred until the device is done with the memory.
@@ -211,10 +216,14 @@ class Allocator:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise self._oom(nbytes, f"no memory was freed within {timeout} s")
+            wait = math.inf if remaining is None else remaining
             if self._lent_out:  # a loan a finished command still keeps comes back now
                 let_go_everywhere()
+                # ... or later: a queue lets go of what its finished commands kept only
+                # at its next submission (or here), and nothing wakes this for that.
+                wait = min(wait, LOAN_RECHECK_S)
             self._watch_pending()
-            with anyio.move_on_after(remaining if remaining is not None else math.inf):
+            with anyio.move_on_after(wait):
                 await wait_value(self._frees, seen + 1)
 
     def _check_usable(self, nbytes: int) -> None:
@@ -244,16 +253,17 @@ class Allocator:
             handle = self._allocate(nbytes)
         except BaseException:
             with self._lock:
-                self.in_use -= nbytes
+                if not self.closed:  # (a close counted the reservation out already)
+                    self.in_use -= nbytes
             self._frees.increment()  # the reservation may have held another back
             raise
         with self._lock:
-            if handle is None:
-                self.in_use -= nbytes
-            elif self.closed:  # closed meanwhile: the device has no use for it
-                self.in_use -= nbytes
-                self._state.backend.free(handle)
+            if self.closed:  # closed meanwhile: the device has no use for it, and its
+                if handle is not None:  # close counted the reservation out already
+                    self._state.backend.free(handle)
                 handle = None
+            elif handle is None:
+                self.in_use -= nbytes
             else:
                 return self._hand_out(Block(handle, nbytes))
         self._frees.increment()
@@ -403,6 +413,8 @@ class Allocator:
             firsts = [next((u for u in left if not _passed(*u)), None) for _, left in self._pending]
             new = [use for use in firsts if use is not None and use not in watched]
             watched.update(new)
+        if None in firsts:  # every use of one passed since the sweep: sweep again now
+            self._frees.increment()
         for queue, value in new:
             passed = functools.partial(self._use_passed, watched, queue, value)
             call_when_reached(queue.timeline, value, passed)

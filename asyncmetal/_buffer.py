@@ -13,7 +13,7 @@ import numpy as np
 from ._allocator import Allocation, Block, Queue
 from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import checkpoint
-from ._device_state import DeviceState, two_names
+from ._device_state import DeviceState, holding, open_states, two_names
 from ._dlpack import Exports, TypedView
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
 from ._timeline import wait_value
@@ -174,10 +174,17 @@ class Buffer(Exports):
         allocation = self._allocation
         allocation.freed = True
         allocation.block.freed = True
-        uses = list(allocation.last_use.items())
-        allocator = allocation.allocator  # None: memory the buffer wraps, not the device's
-        if allocator is not None:
-            allocator.release_after(allocation.block, uses)
+        # A submission on another thread may have found the buffer usable just before
+        # and not recorded its use yet: it has once each device's submission lock is
+        # free (each submission checks again under its lock, and refuses it now).
+        settled: list[list[tuple[Queue, int]]] = []
+        try:
+            await holding(open_states(), lambda: settled.append(list(allocation.last_use.items())))
+        finally:  # (cancelled meanwhile: released all the same)
+            uses = settled[0] if settled else list(allocation.last_use.items())
+            allocator = allocation.allocator  # None: memory it wraps, not the device's
+            if allocator is not None:
+                allocator.release_after(allocation.block, uses)
         for queue, value in uses:
             await wait_value(queue.timeline, value)
         if uses and allocator is not None:

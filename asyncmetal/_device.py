@@ -24,7 +24,7 @@ from ._bridge import checkpoint, running_asyncio_loop
 from ._buffer import Buffer, wrap_buffer
 from ._buffer import foreign_buffer as _foreign_buffer
 from ._compile import NotDefinedError, ParamKind, source_key
-from ._device_state import DeviceState
+from ._device_state import DeviceState, holding
 from ._dlpack import device_dlpack
 from ._errors import (
     ArgumentTypeError,
@@ -106,33 +106,8 @@ async def _count_completable() -> dict[Queue, int]:
     def take() -> dict[Queue, tuple[int, list[Any]]]:
         return {q: submitted_record(q) for d in devices for q in d._queues}
 
-    records = await _holding(states, take)
+    records = await holding(states, take)
     return completable(list(records), records)
-
-
-async def _holding(states: list[DeviceState], fn: Callable[[], T]) -> T:
-    """``fn()`` with the submission lock of each of ``states`` held: on the loop's
-    thread where no other thread holds one now (the common case, no hop), else from a
-    worker thread that waits for them."""
-    held: list[DeviceState] = []
-    try:
-        for state in states:
-            if not state.submitting.acquire(blocking=False):
-                break
-            held.append(state)
-        else:
-            return fn()
-    finally:
-        for state in reversed(held):
-            state.submitting.release()
-
-    def waiting() -> T:
-        with contextlib.ExitStack() as stack:
-            for state in states:
-                stack.enter_context(state.submitting)
-            return fn()
-
-    return await anyio.to_thread.run_sync(waiting)
 
 
 class Device:
@@ -498,7 +473,7 @@ class Device:
             await self._finish_completable()
             # Sealed: no submission is under way (another thread's) or can start.
             # Then what was submitted meanwhile is waited for as well.
-            await _holding([self._state], self._seal)
+            await holding([self._state], self._seal)
             limits = await self._finish_completable()
             for queue in self._queues:  # what other devices' closes count on
                 queue._final = limits[queue]

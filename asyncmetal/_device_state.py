@@ -9,9 +9,13 @@ below the Device calls it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Awaitable
-from typing import Any, Protocol
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+import anyio
 
 from ._backend import Backend
 from ._errors import ClosedResourceError
@@ -26,7 +30,16 @@ class Copier(Protocol):
 class DeviceState:
     """One opened device, as its timelines, buffers, queues and allocator see it."""
 
-    __slots__ = ("backend", "busy", "closed", "device", "name", "queue", "submitting")
+    __slots__ = (
+        "__weakref__",
+        "backend",
+        "busy",
+        "closed",
+        "device",
+        "name",
+        "queue",
+        "submitting",
+    )
 
     def __init__(self, name: str, backend: Backend, device: Any) -> None:
         self.name = name
@@ -46,6 +59,7 @@ class DeviceState:
         self.busy = 0
         self.device = device  # the asyncmetal.Device that owns this state
         self.queue: Copier | None = None  # its default queue, once made
+        _states.add(self)
 
     @property
     def kind(self) -> str:
@@ -67,3 +81,38 @@ def two_names(one: DeviceState, other: DeviceState) -> tuple[str, str]:
     if one.name == other.name:
         return f"another device opened as {one.name}", other.name
     return one.name, other.name
+
+
+_states: weakref.WeakSet[DeviceState] = weakref.WeakSet()  # every device's, while it lives
+
+T = TypeVar("T")
+
+
+def open_states() -> list[DeviceState]:
+    """The states of the devices open now."""
+    return [state for state in list(_states) if not state.closed]
+
+
+async def holding(states: list[DeviceState], fn: Callable[[], T]) -> T:
+    """``fn()`` with the submission lock of each of ``states`` held: on the loop's
+    thread where no other thread holds one now (the common case, no hop), else from a
+    worker thread that waits for them."""
+    held: list[DeviceState] = []
+    try:
+        for state in states:
+            if not state.submitting.acquire(blocking=False):
+                break
+            held.append(state)
+        else:
+            return fn()
+    finally:
+        for state in reversed(held):
+            state.submitting.release()
+
+    def waiting() -> T:
+        with contextlib.ExitStack() as stack:
+            for state in states:
+                stack.enter_context(state.submitting)
+            return fn()
+
+    return await anyio.to_thread.run_sync(waiting)

@@ -220,6 +220,8 @@ class Queue:
         state.check_open()
         with state.submitting:
             state.check_open()
+            for buf in uses:  # freed on another thread since checked (see Buffer.free)
+                check_buffer(buf, "buffer")
             state.busy += 1  # (see DeviceState.busy)
             try:
                 self._submitted = value = self._submitted + 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+import time
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
+from asyncmetal import _queue
 from tests.support.kernels import KERNELS
 
 MiB = 1 << 20
@@ -226,6 +228,134 @@ async def test_a_release_between_a_failed_attempt_and_the_wait_is_not_missed(
     with anyio.fail_after(LIMIT):
         buf = await device.alloc(MiB)
     await buf.free()
+
+
+@pytest.mark.anyio
+async def test_a_freed_buffers_last_use_passing_as_the_allocation_looks_is_not_missed(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A buffer freed while a kernel uses it (the free's caller cancelled): an
+    allocation that needs its memory sweeps (the use not passed yet), and the kernel
+    ends before it looks for uses to watch. It must not park unwatched (before, it
+    waited for good)."""
+    async with am.open_device("cpu:33") as device:
+        device.memory_budget = 2 * MiB
+        sleep, fill = (
+            await device.compile(KERNELS, "sleep_ms"),
+            await device.compile(KERNELS, "fill"),
+        )
+        a, b = await device.alloc(MiB), await device.alloc(MiB)
+        device.queue.launch(sleep, vals=(50,))
+        done = device.queue.launch(fill, a, vals=(1, 1))
+        with anyio.CancelScope() as scope:
+            scope.cancel()  # (a request's timeout, say: free() goes on without its caller)
+            await a.free()
+        allocator = device._allocator
+        sweep = allocator.sweep
+
+        def sweep_then_finish() -> None:
+            sweep()
+            while not done.done():  # the kernel ends between the sweep and the watch
+                time.sleep(0.001)
+
+        monkeypatch.setattr(allocator, "sweep", sweep_then_finish)
+        with anyio.fail_after(LIMIT):
+            c = await device.alloc(MiB)
+        await c.free()
+        await b.free()
+
+
+@pytest.mark.anyio
+async def test_a_buffer_freed_as_a_copy_into_it_is_submitted_is_refused_by_the_copy(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread frees the buffer after a copy checked it and before the copy is
+    numbered: the copy is refused (before, it was submitted after the free had seen no
+    use, so the block went back to the allocator, and to its next owner, with the copy
+    still to run)."""
+    async with am.open_device("cpu:34") as device:
+        buf = await device.alloc(4096)
+        operands = _queue.copy_operands
+        freeing: list[Any] = []
+
+        def checked_then_freed(*args: Any, **kwargs: Any) -> Any:
+            checked = operands(*args, **kwargs)
+            coro = buf.free()  # its part before the first await, as another thread's
+            freeing.append(coro)
+            with contextlib.suppress(StopIteration):
+                coro.send(None)
+            return checked
+
+        monkeypatch.setattr(_queue, "copy_operands", checked_then_freed)
+        with pytest.raises(am.ClosedResourceError, match="freed"):
+            device.queue.copy(buf, np.full(4096, 7, np.uint8))
+        monkeypatch.undo()
+        with anyio.fail_after(LIMIT), contextlib.suppress(StopIteration, RuntimeError):
+            await freeing[0]  # (its end)
+        assert device.memory_statistics().in_use == 0
+
+
+@pytest.mark.anyio
+async def test_a_loan_an_idle_queue_of_another_device_kept_comes_back_to_a_waiting_allocation(
+    anyio_backend: object,
+) -> None:
+    """A DLPack view of a cpu buffer's memory is a copy's host source on cpu:1's queue,
+    then let go of; the buffer is freed and an allocation waits for its memory. Once the
+    copy has run, the allocation gets it, though cpu:1's queue submits nothing more
+    (before, it waited until that queue's next submission)."""
+    async with am.open_device("cpu:35") as device, am.open_device("cpu:36") as other:
+        device.memory_budget = MiB
+        a = await device.alloc(MiB)
+        view = np.from_dlpack(a)
+        target, gate = await other.alloc(MiB), other.timeline()
+        other.queue.wait(gate, 1)  # (holds the copy until the allocation waits)
+        copied = other.queue.copy(target, view)
+        del view
+        gc.collect()
+        await a.free()
+        async with anyio.create_task_group() as tg:
+            got: list[am.Buffer] = []
+
+            async def allocate() -> None:
+                got.append(await device.alloc(MiB))
+
+            tg.start_soon(allocate)
+            await anyio.sleep(0.1)
+            gate.signal(1)
+            with anyio.fail_after(LIMIT):
+                await copied
+                while not got:
+                    await anyio.sleep(0.01)
+        await got[0].free()
+        await target.free()
+
+
+def test_an_allocation_inside_the_backend_as_the_device_closes_counts_nothing_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The device closes while an allocation is inside the backend's allocate (its
+    bytes reserved): the close counts them out, and the allocation does not again
+    (before, in_use went negative)."""
+
+    async def main() -> am.MemoryStatistics:
+        device = await am.open_device("cpu:37")
+        backend = device._backend
+        allocate = backend.allocate
+
+        def allocate_as_it_closes(nbytes: int) -> Any:
+            handle = allocate(nbytes)
+            device._allocator.close(dict)  # what the close does (nothing of it in use)
+            return handle
+
+        monkeypatch.setattr(backend, "allocate", allocate_as_it_closes)
+        with pytest.raises(am.ClosedResourceError):
+            await device.alloc(4096)
+        statistics = device.memory_statistics()
+        monkeypatch.undo()
+        await device.close()
+        return statistics
+
+    assert anyio.run(main).in_use == 0
 
 
 def test_allocations_on_loops_in_several_threads_stay_within_the_budget(
