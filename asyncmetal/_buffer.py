@@ -5,6 +5,7 @@ known."""
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -80,13 +81,16 @@ class Buffer(Exports):
         self._allocation = allocation
         self.offset = offset
         self.nbytes = nbytes
+        self.is_view = False  # made by view(): freed with the buffer it views
 
     def __repr__(self) -> str:
         state = " freed" if self._allocation.freed else ""
-        return f"<Buffer {self.nbytes} bytes on {self._state.name}{state}>"
+        view = f" (a view at {self.offset})" if self.is_view else ""
+        return f"<Buffer {self.nbytes} bytes{view} on {self._state.name}{state}>"
 
     @property
     def freed(self) -> bool:
+        """Whether the buffer was freed (or its memory, through the buffer it views)."""
         return self._allocation.freed
 
     def view(self, offset: int, nbytes: int | None = None) -> Buffer:
@@ -99,7 +103,9 @@ class Buffer(Exports):
             raise InvalidArgumentError(
                 f"nbytes must be an int in [1, {self.nbytes - offset}], got {nbytes}"
             )
-        return Buffer(self._state, self._allocation, self.offset + offset, nbytes)
+        view = Buffer(self._state, self._allocation, self.offset + offset, nbytes)
+        view.is_view = True
+        return view
 
     def _check_usable(self, what: str) -> None:
         check_buffer(self, what)
@@ -143,7 +149,8 @@ class Buffer(Exports):
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if not self._allocation.freed and not self._state.closed:  # (closed: freed with it)
+        # (closed: freed with it; a view: freed with its buffer)
+        if not self._allocation.freed and not self._state.closed and not self.is_view:
             await self.free()
 
     async def write(self, data: Any) -> None:
@@ -165,12 +172,17 @@ class Buffer(Exports):
 
     async def free(self) -> None:
         """Free the buffer (and every view of it) once the commands using it finished.
+        A view is freed with its buffer: its own ``free()`` is refused.
 
         It is unusable at once. Waits until the memory is back with the allocator;
         cancelling that wait changes nothing: the memory still returns when the device
         is done with it.
         """
         check_buffer(self, "buffer")
+        if self.is_view:
+            raise InvalidArgumentError(
+                f"{self!r} is a view: it is freed with the buffer it views (free that one)"
+            )
         allocation = self._allocation
         allocation.freed = True
         allocation.block.freed = True
@@ -241,6 +253,7 @@ def launch_args(buffers: Sequence[Buffer], kernel: str, state: DeviceState) -> l
         if buf.__class__ is not Buffer:
             raise ArgumentTypeError(
                 f"buffer {i} of {kernel!r} must be a Buffer, got {type(buf).__name__}"
+                + (" (did you forget to await alloc?)" if inspect.isawaitable(buf) else "")
             )
         allocation = buf._allocation
         if allocation.freed or buf._state is not state or state.closed:

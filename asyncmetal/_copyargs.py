@@ -9,7 +9,7 @@ import numpy as np
 
 from ._allocator import lenders
 from ._buffer import Buffer, buffer_state, check_buffer, native_arg, overlap
-from ._device_state import DeviceState
+from ._device_state import DeviceState, two_names
 from ._errors import ArgumentTypeError, InvalidArgumentError
 
 
@@ -77,6 +77,18 @@ class CopyOperands(NamedTuple):
     buffers: tuple[Buffer, ...]
 
 
+def _check_own(buf: Buffer, what: str, state: DeviceState) -> None:
+    """``check_buffer`` of a buffer that must be the queue's device's, saying where a
+    copy with another device's goes."""
+    check_buffer(buf, what)
+    if buffer_state(buf) is not state:
+        its, this = two_names(buffer_state(buf), state)
+        raise InvalidArgumentError(
+            f"{what} is a buffer of {its}, not of {this}, whose queue this is: copy on a "
+            "queue of its device (asyncmetal.copy(dst, src) picks one)"
+        )
+
+
 def copy_operands(state: DeviceState, dst: Any, src: Any, nbytes: int | None) -> CopyOperands:
     """Check a copy submitted to a queue of ``state``'s device."""
     if isinstance(dst, Buffer) and not buffer_state(dst).backend.writable:
@@ -84,7 +96,7 @@ def copy_operands(state: DeviceState, dst: Any, src: Any, nbytes: int | None) ->
             f"dst is a buffer of {buffer_state(dst).name}: its buffers are read-only sources"
         )
     if isinstance(dst, Buffer) and isinstance(src, Buffer):
-        check_buffer(dst, "dst", state)
+        _check_own(dst, "dst", state)
         check_buffer(src, "src")
         source = buffer_state(src)
         if source.kind != state.kind:
@@ -101,7 +113,7 @@ def copy_operands(state: DeviceState, dst: Any, src: Any, nbytes: int | None) ->
         peer = None if source is state else source.backend
         return CopyOperands("copy", (native_arg(dst), native_arg(src), nbytes), (peer,), (dst, src))
     if isinstance(dst, Buffer):
-        check_buffer(dst, "dst", state)
+        _check_own(dst, "dst", state)
         view = host_view(src, "src", writable=False)
         lent = _lent_back(state, view)
         if lent is not None:  # a buffer's memory, lent out: ordered as that buffer
@@ -109,7 +121,7 @@ def copy_operands(state: DeviceState, dst: Any, src: Any, nbytes: int | None) ->
         nbytes = copy_size(dst.nbytes, view.nbytes, nbytes)
         return CopyOperands("copyin", (native_arg(dst), view[:nbytes]), (), (dst,))
     if isinstance(src, Buffer):
-        check_buffer(src, "src", state)
+        _check_own(src, "src", state)
         view = host_view(dst, "dst", writable=True)
         lent = _lent_back(state, view)
         if lent is not None:

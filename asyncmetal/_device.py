@@ -715,6 +715,15 @@ class _DeviceOpener:
         self._name = name
         self._device: Device | None = None
 
+    def __enter__(self) -> None:
+        raise TypeError(
+            "open_device() is asynchronous: use 'async with open_device(...) as dev' or "
+            "'dev = await open_device(...)'"
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        """(Never reached: __enter__ refuses.)"""
+
     async def _open(self) -> Device:
         if os.environ.get("ASYNCMETAL_WORKER"):
             raise AsyncMetalError("compile workers never open a device")

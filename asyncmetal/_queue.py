@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import collections
+import inspect
+import numbers
 import weakref
 from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any
+
+import numpy as np
 
 from . import _native, _native_contract
 from ._allocator import Allocation
@@ -288,7 +292,10 @@ class Queue:
     ) -> list[Arg]:
         # The hot path of every launch: identity checks first, messages only on failure.
         if program.__class__ is not Program:
-            raise ArgumentTypeError(f"program must be a Program, got {type(program).__name__}")
+            raise ArgumentTypeError(
+                f"program must be a Program, got {type(program).__name__}"
+                + (" (did you forget to await compile?)" if inspect.isawaitable(program) else "")
+            )
         if program.device is not self.device:
             compiled_for, this = two_names(program._state, self._state)
             raise InvalidArgumentError(
@@ -310,11 +317,11 @@ class Queue:
         append = args.append
         for i, v in enumerate(vals):
             if v.__class__ is not int:
-                if not isinstance(v, int) or isinstance(v, bool):
+                if not isinstance(v, numbers.Integral) or isinstance(v, (bool, np.bool_)):
                     raise ArgumentTypeError(
-                        f"vals[{i}] of {program.name!r} must be an int, got {type(v).__name__}"
+                        f"vals[{i}] of {program.name!r} must be an integer, got {type(v).__name__}"
                     )
-                v = int(v)
+                v = int(v)  # (numpy's integers too)
             if not _INT32_MIN <= v <= _INT32_MAX:
                 raise InvalidArgumentError(f"vals[{i}] of {program.name!r} must fit in int32: {v}")
             append(new_arg(Arg, (None, 0, v)))

@@ -43,13 +43,13 @@ async def test_wrong_argument_counts_and_types(
     _rejects(
         device,
         am.ArgumentTypeError,
-        r"vals\[0\] of 'fill' must be an int, got float",
+        r"vals\[0\] of 'fill' must be an integer, got float",
         lambda: q.launch(fill, a, vals=(1.5, 2)),
     )
     _rejects(
         device,
         am.ArgumentTypeError,
-        r"vals\[1\] of 'fill' must be an int, got bool",
+        r"vals\[1\] of 'fill' must be an integer, got bool",
         lambda: q.launch(fill, a, vals=(1, True)),
     )
     _rejects(
@@ -323,3 +323,74 @@ async def test_a_queue_waiting_for_its_own_later_value_is_refused(device: am.Dev
     assert queue.submitted == 0
     queue.signal(device.timeline(), 1)
     await queue.wait(queue.timeline, 1)  # a value already submitted: accepted
+
+
+async def test_mistakes_a_newcomer_makes_are_named(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """What the refusal of a common slip says: a Program or Buffer not awaited, a view
+    freed on its own, a copy on another device's queue, open_device in a plain with."""
+    fill = kernels["fill"]
+    buf = await device.alloc(16)
+    pending = device.compile("void k(void) {}", "k")
+    _rejects(
+        device,
+        am.ArgumentTypeError,
+        "forget to await compile",
+        lambda: device.queue.launch(pending),
+    )  # type: ignore[arg-type]
+    pending.close()
+    pending = device.alloc(16)
+    _rejects(
+        device,
+        am.ArgumentTypeError,
+        "forget to await alloc",
+        lambda: device.queue.launch(fill, pending, vals=(1, 1)),  # type: ignore[arg-type]
+    )
+    pending.close()
+    view = buf.view(4, 8)
+    assert "a view at 4" in repr(view)
+    with pytest.raises(am.InvalidArgumentError, match="freed with the buffer it views"):
+        await view.free()
+    async with buf.view(0, 8):
+        pass  # frees nothing
+    assert not buf.freed and not view.freed
+    async with am.open_device("cpu:8") as other:
+        elsewhere = await other.alloc(16)
+        for dst, src in ((elsewhere, buf), (elsewhere, np.zeros(16, np.uint8))):
+            _rejects(
+                device,
+                am.InvalidArgumentError,
+                rf"dst is a buffer of cpu:8, not of {device.name}, .*asyncmetal\.copy",
+                lambda dst=dst, src=src: device.queue.copy(dst, src),
+            )
+        _rejects(
+            device,
+            am.InvalidArgumentError,
+            "src is a buffer of cpu:8",
+            lambda: device.queue.copy(np.zeros(16, np.uint8), elsewhere),
+        )
+    with pytest.raises(TypeError, match="async with open_device"), am.open_device("cpu"):  # type: ignore[attr-defined]
+        pass
+    await buf.free()
+    assert view.freed
+
+
+async def test_numpy_integers_are_launch_values(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    buf = await device.alloc(16)
+    await device.queue.launch(kernels["fill"], buf, vals=(np.int32(5), np.int64(4)))
+    assert list(await buf.read(np.int32)) == [5, 5, 5, 5]
+    _rejects(
+        device,
+        am.InvalidArgumentError,
+        "must fit in int32",
+        lambda: device.queue.launch(kernels["fill"], buf, vals=(np.int64(1 << 40), 4)),
+    )
+    _rejects(
+        device,
+        am.ArgumentTypeError,
+        "must be an integer, got bool",
+        lambda: device.queue.launch(kernels["fill"], buf, vals=(np.bool_(True), 4)),
+    )
