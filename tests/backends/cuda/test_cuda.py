@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import pickle
 import subprocess
 import sys
@@ -343,6 +344,37 @@ def test_close_ends_a_stream_waiting_for_a_value_nobody_signals(whose: str) -> N
     )
     assert proc.stdout.split() == ["closed", "raised", "raised"], proc.stdout + proc.stderr
     assert proc.returncode == 0, proc.stderr
+
+
+async def test_modules_no_longer_used_are_unloaded_while_the_device_stays_open(
+    anyio_backend: object,
+) -> None:
+    """A collected Program's module is unloaded (cuModuleUnload) by a later compile, once
+    every queue ran what it had been given: one whose launch waits on a timeline stays
+    loaded until that launch ran, and ran right."""
+    kernel = 'extern "C" __global__ void k(int* out) {{ out[0] += {}; }}'
+    async with am.open_device("cuda:0") as dev:
+        buf = await dev.alloc(4)
+        await buf.write(np.zeros(1, np.int32))
+        loaded = dev._backend._modules
+        before = len(loaded)
+        tl, queue = dev.timeline(), dev.new_queue()
+        program = await dev.compile(kernel.format(1), "k")
+        queue.wait(tl, 1)
+        waiting = queue.launch(program, buf)
+        for n in range(2, 6):
+            program = await dev.compile(kernel.format(n), "k")  # the one before collected
+            await dev.queue.launch(program, buf)
+        assert len(loaded) - before == 5  # the queue still waits: nothing unloaded
+        tl.signal(1)
+        with anyio.fail_after(10):
+            await waiting
+            await queue.synchronize()
+        del program
+        gc.collect()
+        await dev.compile(kernel.format(6), "k")
+        assert len(loaded) - before == 1
+        assert (await buf.read(np.int32))[0] == 1 + 2 + 3 + 4 + 5
 
 
 async def test_timeline_values_stop_below_2_to_the_63(anyio_backend: object) -> None:
