@@ -11,7 +11,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Awaitable, Callable, Collection, Generator, Iterable
+from collections.abc import Callable, Collection, Coroutine, Generator, Iterable
 from typing import Any, TypeVar
 
 import anyio
@@ -466,7 +466,7 @@ class Device:
         if starts:
             await _to_the_end(functools.partial(self._teardown, closing))
         else:  # another close is under way: wait for it
-            await _to_the_end(functools.partial(wait_value, closing, 1))
+            await _to_the_end(functools.partial(_closed, closing))
 
     async def _teardown(self, closing: HostEvents) -> None:
         try:
@@ -766,33 +766,31 @@ class _DeviceOpener:
         await self._device.close()
 
 
-async def _awaited(run: Callable[[], Awaitable[object]]) -> object:
-    return await run()
+async def _closed(closing: HostEvents) -> None:
+    await wait_value(closing, 1)
 
 
-async def _to_the_end(run: Callable[[], Awaitable[object]]) -> None:
+class _Uncancellable(asyncio.Task[None]):
+    """An asyncio task that ``cancel()`` does not stop (it says so: False). A task
+    awaiting it and cancelled meanwhile waits for its end, then raises the cancellation
+    (asyncio cancels what a task awaits through that ``cancel``)."""
+
+    def cancel(self, msg: object = None) -> bool:
+        return False
+
+
+async def _to_the_end(run: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """Await ``run()`` to its end, whatever cancels the caller meanwhile: in a shielded
     scope (anyio's, trio's), and on asyncio -- whose ``task.cancel()`` (``wait_for``'s
-    timeout) a shielded scope does not stop -- in a task of its own, awaited again after
-    each cancellation; the cancellation is raised once it has ended."""
+    timeout, a framework cancelling every task as it shuts down) a shielded scope does
+    not stop -- as a task that cannot be cancelled; the caller's cancellation is raised
+    once it has ended."""
     loop = running_asyncio_loop()
     if loop is None:
         with anyio.CancelScope(shield=True):
             await run()
         return
-    task: asyncio.Task[object] = loop.create_task(_awaited(run))
-    cancelled: BaseException | None = None
-    while True:
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError as exc:
-            if not task.done():
-                cancelled = exc
-                continue
-            raise
-        break
-    if cancelled is not None:
-        raise cancelled
+    await _Uncancellable(run(), loop=loop)
 
 
 def foreign_buffer(

@@ -444,25 +444,37 @@ async def test_a_close_cancelled_by_its_caller_still_closes_the_device(
     ``wait_for``'s (a task.cancel(), which anyio's shielded scope does not stop), on
     trio a cancel scope's. The close goes on to its end before the cancellation is
     raised: the device is closed and an abandoned command's waiter fails (before, on
-    asyncio the device stayed open for good, and every later close returned at once)."""
-    dev = await am.open_device("cpu:26")
-    sleep = await dev.compile(KERNELS, "sleep_ms")
-    dev.queue.launch(sleep, vals=(200,))  # the close waits for this
-    stuck_queue = dev.new_queue()
-    stuck_queue.wait(dev.timeline(), 1)  # never signalled: the close abandons what follows
-    stuck = stuck_queue.launch(sleep, vals=(0,))
-    with anyio.fail_after(20):
-        if am._bridge.running_asyncio_loop() is not None:
-            with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(dev.close(), 0.02)
-        else:
-            with anyio.move_on_after(0.02):
-                await dev.close()
-        assert dev.closed
-        assert dev not in am.open_devices()
-        with pytest.raises(am.ClosedResourceError, match="never ran"):
-            await stuck
-        await dev.close()  # closed: returns at once
+    asyncio the device stayed open for good, and every later close returned at once).
+    On asyncio also every task the close made cancelled with it, as a framework
+    shutting down cancels every task."""
+    on_asyncio = am._bridge.running_asyncio_loop() is not None
+    for how in ("timeout", "every task cancelled") if on_asyncio else ("timeout",):
+        dev = await am.open_device("cpu:26")
+        sleep = await dev.compile(KERNELS, "sleep_ms")
+        dev.queue.launch(sleep, vals=(200,))  # the close waits for this
+        stuck_queue = dev.new_queue()
+        stuck_queue.wait(dev.timeline(), 1)  # never signalled: the close abandons the rest
+        stuck = stuck_queue.launch(sleep, vals=(0,))
+        with anyio.fail_after(20):
+            if how == "every task cancelled":  # as a framework shutting down does
+                others = asyncio.all_tasks()  # (the test's own: left alone)
+                closing = asyncio.ensure_future(dev.close())
+                await asyncio.sleep(0.02)
+                for task in asyncio.all_tasks() - others:  # the close's, and any it made
+                    task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await closing
+            elif on_asyncio:
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(dev.close(), 0.02)
+            else:
+                with anyio.move_on_after(0.02):
+                    await dev.close()
+            assert dev.closed, how
+            assert dev not in am.open_devices()
+            with pytest.raises(am.ClosedResourceError, match="never ran"):
+                await stuck
+            await dev.close()  # closed: returns at once
 
 
 @pytest.mark.anyio
