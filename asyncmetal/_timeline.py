@@ -240,7 +240,8 @@ class Timeline(Waitable):
                 f"a queue's signal of this timeline to {previous[2]} has not run yet: the "
                 f"host may signal it only after that (await timeline.wait({previous[2]}))"
             )
-        self._highest = value
+        # (A max: another thread's signal, checked at the same time, may be higher.)
+        self._highest = max(self._highest, value)
         self.native.signal(value)
         if self.native.releases_device_work:
             _bridge.stay_awake(AWAKE_AFTER_SIGNAL_NS)
@@ -350,7 +351,7 @@ def order_queue_signal(timeline: Timeline, value: object, signaller: Timeline) -
 def queue_signal_submitted(timeline: Timeline, signaller: Timeline, at: int, target: int) -> None:
     """The queue whose own timeline is ``signaller`` submitted, as its command ``at``,
     a signal of ``timeline`` to ``target`` (checked by :func:`order_queue_signal`)."""
-    timeline._highest = target
+    timeline._highest = max(timeline._highest, target)  # (see Timeline.signal)
     timeline._last_signal = (signaller, at, target)
 
 

@@ -151,6 +151,33 @@ async def test_signals_take_effect_in_submission_order(
     tl.signal(3)
 
 
+async def test_host_signals_racing_on_two_threads_keep_the_highest(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two threads signal one timeline at once: 3 is checked, then 5 (the other thread's)
+    is checked and made, then 3 is made. A later signal below 5 is refused (before, the
+    3 made last was taken as the highest, and 4 passed as if the timeline were below
+    it: a signal that did nothing, unrefused)."""
+    tl = device.timeline()
+    pending = tl._signal_pending
+    interleaved: list[int] = []
+
+    def the_other_thread_signals_now() -> bool:  # between the check and the record
+        if not interleaved:
+            interleaved.append(5)
+            tl.signal(5)
+        return pending()
+
+    monkeypatch.setattr(tl, "_signal_pending", the_other_thread_signals_now)
+    tl.signal(3)
+    monkeypatch.undo()
+    assert tl.value == 5
+    with pytest.raises(am.InvalidArgumentError, match="up to 5"):
+        tl.signal(4)
+    tl.signal(6)
+    assert tl.value == 6
+
+
 async def test_the_host_may_signal_once_a_queues_signal_is_seen(device: am.Device) -> None:
     """A queue raises a timeline before it records the signalling command as done: a
     task that saw the value (as told: await timeline.wait(target)) may signal the
