@@ -333,6 +333,8 @@ class Allocator:
         ``hold`` False: not held), and remember that its memory went out."""
         address = getattr(block.handle, "address", block.handle)
         with self._lock:
+            if block.freed or block not in self._live:  # freed on another thread since
+                raise ClosedResourceError("the buffer was freed as it was exported")
             block.lent += hold
             if isinstance(address, int):
                 self._exported[address] = block

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-from asyncmetal import _queue
+from asyncmetal import _dlpack, _queue
 from tests.support.kernels import KERNELS
 
 MiB = 1 << 20
@@ -622,6 +622,33 @@ async def test_a_dlpack_view_a_finished_copy_kept_lets_its_memory_come_back(
             c = await device.alloc(MiB)
         await c.free()
         await b.free()
+
+
+@pytest.mark.anyio
+async def test_a_buffer_freed_on_another_thread_as_it_is_exported_is_not_lent(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread frees the buffer after the export checked it: the export is
+    refused, and the block goes back unlent (before, the block, released meanwhile, was
+    lent from the allocator's cache: its next owner's memory held by a stale loan)."""
+    async with am.open_device("cpu:38") as device:
+        buf = await device.alloc(4096)
+        order = _dlpack._order_for_consumer
+
+        def checked_then_freed(*args: Any) -> None:  # (after the export's checks)
+            order(*args)
+            # What free() does before it awaits, as another thread's free would now.
+            buf._allocation.freed = buf._allocation.block.freed = True
+            device._allocator.release_after(buf._allocation.block, [])
+
+        monkeypatch.setattr(_dlpack, "_order_for_consumer", checked_then_freed)
+        with pytest.raises(am.ClosedResourceError, match="freed as it was exported"):
+            np.from_dlpack(buf)
+        monkeypatch.undo()
+        again = await device.alloc(4096)  # the cached block, not lent
+        assert not again._allocation.block.lent
+        await again.free()
+        assert device.memory_statistics().in_use == 0
 
 
 @pytest.mark.anyio
