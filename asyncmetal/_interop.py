@@ -128,8 +128,7 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
             "from_dlpack takes an object with __dlpack__ or __cuda_array_interface__, "
             f"got {type(obj).__name__}"
         )
-    where = obj.__dlpack_device__()
-    device_type, device_id = int(where[0]), int(where[1])
+    device_type, device_id = _dlpack_device(obj)
     if device_type == KDLMETAL:  # an MTLBuffer and an offset, not an address
         raise ExchangeError("from_dlpack of Metal memory is not supported yet")
     target = _device_for(device_type, device_id, device)
@@ -187,6 +186,21 @@ def _lender(address: int, nbytes: int) -> Device | None:
         if device.writable and device._allocator.exported_uses(address, nbytes) is not None:
             return device
     return None
+
+
+def _dlpack_device(obj: Any) -> tuple[int, int]:
+    """``obj.__dlpack_device__()``; for a PyTorch CUDA tensor read in two C calls (its
+    ``__dlpack_device__`` is Python that makes a device object and an enum first)."""
+    torch = sys.modules.get("torch")
+    if (
+        torch is not None
+        and type(obj) is torch.Tensor  # (a subclass may answer otherwise)
+        and obj.is_cuda
+        and torch.version.hip is None  # (ROCm memory says kDLROCM)
+    ):
+        return KDLCUDA, obj.get_device()
+    where = obj.__dlpack_device__()
+    return int(where[0]), int(where[1])
 
 
 def _torch_stream(obj: Any) -> int | None:
