@@ -98,6 +98,10 @@ class Buffer(Exports):
         check_buffer(self, "buffer")
         if not isinstance(offset, int) or not 0 <= offset <= self.nbytes:
             raise InvalidArgumentError(f"offset must be an int in [0, {self.nbytes}], got {offset}")
+        if offset == self.nbytes:
+            raise InvalidArgumentError(
+                f"offset {offset} leaves no bytes of the buffer's {self.nbytes} for a view"
+            )
         nbytes = self.nbytes - offset if nbytes is None else nbytes
         if not isinstance(nbytes, int) or not 0 < nbytes <= self.nbytes - offset:
             raise InvalidArgumentError(

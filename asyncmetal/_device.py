@@ -571,6 +571,12 @@ def _check_kernel(src: str, name: str, what: str) -> None:
     """Refuse a kernel that cannot be compiled whatever its source says."""
     if not name:
         raise InvalidArgumentError(f"{what}: the kernel's name is empty")
+    if not name.isidentifier():
+        shown = name if len(name) <= 40 else name[:37] + "..."
+        raise InvalidArgumentError(
+            f"{what}: the kernel's name must be an identifier, got {shown!r}"
+            + (" (source and name swapped?)" if name_looks_like_source(name) else "")
+        )
     try:
         src.encode()
     except UnicodeEncodeError as exc:
@@ -578,6 +584,10 @@ def _check_kernel(src: str, name: str, what: str) -> None:
             f"{what}: the source of {name!r} is not encodable text ({exc.reason} at "
             f"character {exc.start})"
         ) from None
+
+
+def name_looks_like_source(name: str) -> bool:
+    return any(mark in name for mark in "(){};\n")
 
 
 class CompileMany:

@@ -348,6 +348,10 @@ async def test_mistakes_a_newcomer_makes_are_named(
         lambda: device.queue.launch(fill, pending, vals=(1, 1)),  # type: ignore[arg-type]
     )
     pending.close()
+    with pytest.raises(am.InvalidArgumentError, match="source and name swapped"):
+        await device.compile("k", "void k(void) {}")
+    with pytest.raises(am.InvalidArgumentError, match="offset 16 leaves no bytes"):
+        buf.view(16, 1)
     view = buf.view(4, 8)
     assert "a view at 4" in repr(view)
     with pytest.raises(am.InvalidArgumentError, match="freed with the buffer it views"):
