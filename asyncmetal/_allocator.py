@@ -29,9 +29,6 @@ class Queue(Protocol):
     @property
     def timeline(self) -> Timeline: ...
 
-    def _failure(self, value: int) -> BaseException | None:
-        """The error of the command at ``value``, done; None if it ran."""
-
 
 class Block:
     """Native memory and the commands that use it. Outlives the Python-facing

@@ -14,7 +14,7 @@ import numpy as np
 from ._allocator import Allocation, Block, Queue
 from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import checkpoint
-from ._device_state import DeviceState, holding, open_states, two_names
+from ._device_state import DeviceState, after_submissions, open_states, two_names
 from ._dlpack import Exports, TypedView
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
 from ._timeline import wait_value
@@ -191,16 +191,18 @@ class Buffer(Exports):
         allocation.freed = True
         allocation.block.freed = True
         # A submission on another thread may have found the buffer usable just before
-        # and not recorded its use yet: it has once each device's submission lock is
-        # free (each submission checks again under its lock, and refuses it now).
-        settled: list[list[tuple[Queue, int]]] = []
-        try:
-            await holding(open_states(), lambda: settled.append(list(allocation.last_use.items())))
-        finally:  # (cancelled meanwhile: released all the same)
-            uses = settled[0] if settled else list(allocation.last_use.items())
-            allocator = allocation.allocator  # None: memory it wraps, not the device's
+        # and not recorded its use yet: it has once each device's submission lock was
+        # free (each submission checks again under its lock, and refuses it now). The
+        # release is made then, whatever happens to this call meanwhile.
+        allocator = allocation.allocator  # None: memory it wraps, not the device's
+
+        def settle() -> list[tuple[Queue, int]]:
+            uses = list(allocation.last_use.items())
             if allocator is not None:
                 allocator.release_after(allocation.block, uses)
+            return uses
+
+        uses = await after_submissions(open_states(), settle)
         for queue, value in uses:
             await wait_value(queue.timeline, value)
         if uses and allocator is not None:
@@ -225,9 +227,6 @@ class Buffer(Exports):
         items_of(self.nbytes, dtype, shape)
         for queue, value in uses(self):
             await wait_value(queue.timeline, value)
-            failure = queue._failure(value)  # a use that did not run: its error, as read's
-            if failure is not None:
-                raise failure
         check_buffer(self, "buffer")  # freed, or its device closed, while it waited
         view = backend.host_view(self._allocation.handle, self.offset, self.nbytes)
         array = np.frombuffer(view, dtype)

@@ -11,8 +11,8 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Collection, Coroutine, Generator, Iterable
-from typing import Any, TypeVar
+from collections.abc import Collection, Generator, Iterable
+from typing import Any
 
 import anyio
 import numpy as np
@@ -24,7 +24,7 @@ from ._bridge import checkpoint, running_asyncio_loop
 from ._buffer import Buffer, wrap_buffer
 from ._buffer import foreign_buffer as _foreign_buffer
 from ._compile import NotDefinedError, ParamKind, source_key
-from ._device_state import DeviceState, holding
+from ._device_state import DeviceState, forget_open_states, holding, state_closed
 from ._dlpack import device_dlpack
 from ._errors import (
     ArgumentTypeError,
@@ -62,7 +62,6 @@ def parse_name(name: str) -> tuple[str, int]:
     return kind, int(index or 0)
 
 
-T = TypeVar("T")
 RECOUNT_S = 0.05  # a close waiting for its queues counts what can complete this often
 # A source this long or longer is hashed and its kernel's parameters read on a worker
 # thread, not the loop: both take about 20 us per KiB (33 ms for 1.5 MB).
@@ -160,6 +159,8 @@ class Device:
     @closed.setter
     def closed(self, closed: bool) -> None:
         self._state.closed = closed
+        if closed:
+            state_closed(self._state)
 
     @property
     def kind(self) -> str:
@@ -348,7 +349,7 @@ class Device:
     ) -> Program:
         name = key[1]
         try:
-            native = await anyio.to_thread.run_sync(self._load, binary, name)
+            native = await self._loaded(binary, name)
         except _UnloadableError:
             # A binary that verified but does not load came from the cache damaged in a
             # way no checksum sees (built for another machine sharing the directory):
@@ -361,7 +362,7 @@ class Device:
             if log:
                 _warn_compiled(name, log, 4)
             try:
-                native = await anyio.to_thread.run_sync(self._load, binary, name)
+                native = await self._loaded(binary, name)
             except _UnloadableError as exc:
                 cause = exc.__cause__
                 raise CompileError(
@@ -399,6 +400,22 @@ class Device:
         for i, (src, name) in enumerate(kernels):
             _check_kernel(src, name, f"compile_many: kernel {i}")
         return CompileMany(self, [(src, name) for src, name in kernels], check_timeout(timeout))
+
+    async def _loaded(self, binary: bytes, name: str) -> Any:
+        """``_load`` on a worker thread. What it loads for a caller cancelled meanwhile
+        (asyncio's own cancel ends the wait, not the thread) is left to be unloaded as
+        a collected program's is."""
+        claim = _Claim()
+        try:
+            return await anyio.to_thread.run_sync(self._load_claimed, binary, name, claim)
+        except BaseException:
+            claim.give_up(self._dropped)
+            raise
+
+    def _load_claimed(self, binary: bytes, name: str, claim: _Claim) -> Any:
+        native = self._load(binary, name)
+        claim.loaded(native, self._dropped)
+        return native
 
     def _load(self, binary: bytes, name: str) -> Any:
         self._unload_retired()
@@ -463,12 +480,22 @@ class Device:
                 self._closing = closing = HostEvents()
         if closing is None:
             return  # closed without a teardown (a forked child's, at exit)
+        failed: list[BaseException] = []
         if starts:
-            await _to_the_end(functools.partial(self._teardown, closing))
-        else:  # another close is under way: wait for it
-            await _to_the_end(functools.partial(_closed, closing))
+            run = functools.partial(self._teardown, closing, failed)
+            if running_asyncio_loop() is None:
+                with anyio.CancelScope(shield=True):  # (trio's shield stops all it cancels)
+                    await run()
+            else:
+                # asyncio's own task.cancel() -- wait_for's timeout, a framework cancelling
+                # every task as it stops -- is stopped by no shielded scope: the teardown
+                # runs on a loop of its own, where nothing of the caller's reaches it.
+                threading.Thread(target=anyio.run, args=(run,), name="asyncmetal close").start()
+        await _until_closed(closing)  # (another close's teardown, or this one's)
+        if failed:
+            raise failed[0]
 
-    async def _teardown(self, closing: HostEvents) -> None:
+    async def _teardown(self, closing: HostEvents, failed: list[BaseException]) -> None:
         try:
             await self._finish_completable()
             # Sealed: no submission is under way (another thread's) or can start.
@@ -487,6 +514,8 @@ class Device:
             for timeline in [*self._timelines, *(q.timeline for q in self._queues)]:
                 timeline.native.close_waits()  # other devices' queues' waits end
                 end_waits(timeline)
+        except BaseException as exc:  # raised by close() (on the caller's loop)
+            failed.append(exc)
         finally:
             closing.increment()
 
@@ -776,31 +805,43 @@ class _DeviceOpener:
         await self._device.close()
 
 
-async def _closed(closing: HostEvents) -> None:
-    await wait_value(closing, 1)
+class _Claim:
+    """A native program being loaded for a caller who may give it up meanwhile: then it
+    goes to the device's dropped programs, whichever of the two comes second."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._native: Any = None
+        self._given_up = False
+
+    def loaded(self, native: Any, dropped: list[Any]) -> None:
+        with self._lock:
+            self._native = native
+            if self._given_up:
+                dropped.append(native)
+
+    def give_up(self, dropped: list[Any]) -> None:
+        with self._lock:
+            self._given_up = True
+            if self._native is not None:
+                dropped.append(self._native)
 
 
-class _Uncancellable(asyncio.Task[None]):
-    """An asyncio task that ``cancel()`` does not stop (it says so: False). A task
-    awaiting it and cancelled meanwhile waits for its end, then raises the cancellation
-    (asyncio cancels what a task awaits through that ``cancel``)."""
-
-    def cancel(self, msg: object = None) -> bool:
-        return False
-
-
-async def _to_the_end(run: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    """Await ``run()`` to its end, whatever cancels the caller meanwhile: in a shielded
-    scope (anyio's, trio's), and on asyncio -- whose ``task.cancel()`` (``wait_for``'s
-    timeout, a framework cancelling every task as it shuts down) a shielded scope does
-    not stop -- as a task that cannot be cancelled; the caller's cancellation is raised
-    once it has ended."""
-    loop = running_asyncio_loop()
-    if loop is None:
-        with anyio.CancelScope(shield=True):
-            await run()
-        return
-    await _Uncancellable(run(), loop=loop)
+async def _until_closed(closing: HostEvents) -> None:
+    """Wait for a close's teardown to end, whatever cancels the caller meanwhile: in a
+    shielded scope, and on asyncio waiting again after each of its own cancellations
+    (which no scope stops); the cancellation is raised once the teardown has ended."""
+    cancelled: BaseException | None = None
+    with anyio.CancelScope(shield=True):
+        while True:
+            try:
+                await wait_value(closing, 1)
+            except asyncio.CancelledError as exc:  # (asyncio's own: a task.cancel())
+                cancelled = exc
+                continue
+            break
+    if cancelled is not None:
+        raise cancelled
 
 
 def foreign_buffer(
@@ -878,6 +919,7 @@ def _forget_parent_devices() -> None:
         _inherited_drivers.setdefault(kind, parent)
     global _open_devices_lock
     _open_devices_lock = threading.Lock()  # (a parent thread may have held it at the fork)
+    forget_open_states()
     for device in _devices():
         _open_devices.discard(device)
         # A thread of the parent may have held it at the fork: it is never let go here.

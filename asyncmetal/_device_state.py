@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
@@ -31,7 +30,6 @@ class DeviceState:
     """One opened device, as its timelines, buffers, queues and allocator see it."""
 
     __slots__ = (
-        "__weakref__",
         "backend",
         "busy",
         "closed",
@@ -59,7 +57,8 @@ class DeviceState:
         self.busy = 0
         self.device = device  # the asyncmetal.Device that owns this state
         self.queue: Copier | None = None  # its default queue, once made
-        _states.add(self)
+        with _open_lock:
+            _open[id(self)] = self
 
     @property
     def kind(self) -> str:
@@ -83,20 +82,39 @@ def two_names(one: DeviceState, other: DeviceState) -> tuple[str, str]:
     return one.name, other.name
 
 
-_states: weakref.WeakSet[DeviceState] = weakref.WeakSet()  # every device's, while it lives
+# Every open device's state, in the order opened: a close takes its own out.
+_open: dict[int, DeviceState] = {}
+_open_lock = threading.Lock()
 
 T = TypeVar("T")
 
 
 def open_states() -> list[DeviceState]:
     """The states of the devices open now."""
-    return [state for state in list(_states) if not state.closed]
+    with _open_lock:
+        return list(_open.values())
+
+
+def forget_open_states() -> None:
+    """In a forked child: none of the parent's devices is open here (and the lock may
+    have been held by a parent thread at the fork)."""
+    global _open_lock
+    _open_lock = threading.Lock()
+    _open.clear()
+
+
+def state_closed(state: DeviceState) -> None:
+    """``state``'s device closed (or, in a forked child, was the parent's)."""
+    with _open_lock:
+        _open.pop(id(state), None)
 
 
 async def holding(states: list[DeviceState], fn: Callable[[], T]) -> T:
     """``fn()`` with the submission lock of each of ``states`` held: on the loop's
     thread where no other thread holds one now (the common case, no hop), else from a
-    worker thread that waits for them."""
+    worker thread that waits for them, taken in one order (by address) whoever takes
+    several, so that two such takers never wait for each other."""
+    states = sorted(states, key=id)
     held: list[DeviceState] = []
     try:
         for state in states:
@@ -114,5 +132,29 @@ async def holding(states: list[DeviceState], fn: Callable[[], T]) -> T:
             for state in states:
                 stack.enter_context(state.submitting)
             return fn()
+
+    return await anyio.to_thread.run_sync(waiting)
+
+
+async def after_submissions(states: list[DeviceState], fn: Callable[[], T]) -> T:
+    """``fn()`` once no submission to ``states``' devices that was under way when this
+    was called still is: each device's submission lock taken and let go in turn (never
+    two held at once, so no other taker waits on this one for longer than a look). On
+    the loop's thread where none is held now; else ``fn`` runs on a worker thread once
+    they were all free, and runs there even if the caller is cancelled meanwhile."""
+    busy = []
+    for state in states:
+        if state.submitting.acquire(blocking=False):
+            state.submitting.release()
+        else:
+            busy.append(state)
+    if not busy:
+        return fn()
+
+    def waiting() -> T:
+        for state in busy:
+            with state.submitting:
+                pass
+        return fn()
 
     return await anyio.to_thread.run_sync(waiting)

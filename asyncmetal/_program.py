@@ -37,3 +37,11 @@ class Program:
 
     def __repr__(self) -> str:
         return f"<Program {self.name!r} on {self._state.name} params={self.params}>"
+
+    # One object per loaded program: its device unloads the program once it is gone,
+    # so a copy sharing ``native`` must not outlive it -- a copy is the same object.
+    def __copy__(self) -> Program:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Program:
+        return self

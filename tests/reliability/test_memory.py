@@ -4,6 +4,7 @@ host arrays that cannot be copied as bytes. Every wait is bounded: a hang fails.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import threading
@@ -293,6 +294,88 @@ async def test_a_buffer_freed_as_a_copy_into_it_is_submitted_is_refused_by_the_c
         with anyio.fail_after(LIMIT), contextlib.suppress(StopIteration, RuntimeError):
             await freeing[0]  # (its end)
         assert device.memory_statistics().in_use == 0
+
+
+@pytest.mark.anyio
+async def test_a_free_cancelled_while_another_thread_submits_still_waits_for_that_submission(
+    anyio_backend: object,
+) -> None:
+    """Another thread is inside a copy's submission into the buffer (its hand-over slow,
+    as a large pageable copy is on cuda) when the buffer is freed, and the free is
+    cancelled at once (on asyncio by wait_for's timeout). The block is released only
+    after that copy recorded its use, so the next owner's data stays its own (before, a
+    cancelled free released it at once, and the copy landed in the next owner's)."""
+    async with am.open_device("cpu:39") as device:
+        sleep = await device.compile(KERNELS, "sleep_ms")
+        queue = device.new_queue()
+        buf = await device.alloc(MiB)
+        queue.launch(sleep, vals=(400,))  # the copy runs after this
+        inside = threading.Event()
+        copyin = queue._native.copyin
+
+        def slow_copyin(*args: Any) -> None:  # (under the submission lock)
+            inside.set()
+            time.sleep(0.2)
+            copyin(*args)
+
+        queue._native.copyin = slow_copyin  # type: ignore[method-assign]
+        submitting = threading.Thread(target=queue.copy, args=(buf, np.ones(MiB // 4, np.int32)))
+        submitting.start()
+        inside.wait()
+        if am._bridge.running_asyncio_loop() is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(buf.free(), 0.02)
+        else:
+            with anyio.move_on_after(0.02):
+                await buf.free()
+        with anyio.fail_after(LIMIT):
+            following = await device.alloc(MiB)
+            await following.write(np.zeros(MiB // 4, np.int32))
+            submitting.join()
+            await queue.synchronize()
+            assert not (await following.read(np.int32)).any()
+        await following.free()
+
+
+def test_a_free_never_holds_up_another_devices_submissions() -> None:
+    """While a slow submission holds device B's submission lock, a free on another
+    thread waits for it -- and holds no other device's lock meanwhile: a loop copying
+    to device A is not held up (before, the free held A's lock as it waited for B's,
+    and A's copy blocked its loop for the whole hand-over)."""
+
+    async def main() -> float:
+        a, b = await am.open_device("cpu:40"), await am.open_device("cpu:41")
+        queue = b.new_queue()
+        b_buf, a_buf, to_free = await b.alloc(4096), await a.alloc(4096), await a.alloc(64)
+        inside = threading.Event()
+        copyin = queue._native.copyin
+
+        def slow_copyin(*args: Any) -> None:
+            inside.set()
+            time.sleep(0.3)
+            copyin(*args)
+
+        queue._native.copyin = slow_copyin  # type: ignore[method-assign]
+        submitting = threading.Thread(target=queue.copy, args=(b_buf, np.ones(1024, np.int32)))
+        submitting.start()
+        inside.wait()
+        freeing = threading.Thread(target=asyncio.run, args=(to_free.free(),))
+        freeing.start()
+        await asyncio.sleep(0.02)  # (the free waits for B's lock now)
+        worst = 0.0
+        for _ in range(10):
+            start = time.perf_counter()
+            a.queue.copy(a_buf, np.zeros(1024, np.int32))
+            worst = max(worst, time.perf_counter() - start)
+            await asyncio.sleep(0.01)
+        submitting.join()
+        freeing.join()
+        await queue.synchronize()
+        await a.close()
+        await b.close()
+        return worst
+
+    assert asyncio.run(main()) < 0.1
 
 
 @pytest.mark.anyio

@@ -9,11 +9,16 @@ machine cannot run it). A hang ends the run through the harness's watchdog.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ctypes
 import gc
 import os
+import time
 from pathlib import Path
+from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -142,6 +147,37 @@ async def test_a_program_collected_while_its_launch_waits_stays_loaded_until_it_
         gc.collect()
         await dev.compile("void k(int* out) { out[0] = 0; }\n", "k")  # unloads both
         assert _kernel_mappings() - before == loaded - before
+
+
+@pytest.mark.anyio
+async def test_a_program_loaded_for_a_cancelled_compile_is_unloaded_later(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compile cancelled while its library loads on a worker thread (asyncio's own
+    cancel ends the wait, not the thread; the load slowed here): the library it loaded,
+    owned by no Program, is unloaded by a later compile (before, it stayed until close)."""
+    async with am.open_device("cpu") as dev:
+        backend = dev._backend
+        await dev.compile("void k1(int* x) { x[0] = 1; }", "k1")  # compiled: cached
+        gc.collect()  # (its Program gone: compiled again, it is loaded again)
+        load = backend.load
+
+        def slow_load(binary: bytes, name: str) -> Any:
+            time.sleep(0.2)
+            return load(binary, name)
+
+        monkeypatch.setattr(backend, "load", slow_load)
+        if am._bridge.running_asyncio_loop() is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(dev.compile("void k1(int* x) { x[0] = 1; }", "k1"), 0.1)
+        else:
+            with anyio.move_on_after(0.1):
+                await dev.compile("void k1(int* x) { x[0] = 1; }", "k1")
+        await anyio.sleep(0.3)  # the load ended meanwhile
+        monkeypatch.undo()
+        kept = await dev.compile("void k2(int* x) { x[0] = 2; }", "k2")
+        assert len(backend._libraries) == 1, "a library nothing owns is still loaded"
+        del kept
 
 
 def test_a_closed_cpu_backend_loads_nothing() -> None:

@@ -119,6 +119,7 @@ class CUDABackend(Backend):
         self.lib = _native.runtime()
         install_driver(self.lib)
         self._modules: dict[int, Any] = {}  # by the kernel loaded from it
+        self._modules_lock = threading.Lock()
         self._timelines = Timelines()
         self._slot_arenas: list[Pinned] = []
         self._free_slots: list[int] = []
@@ -196,15 +197,17 @@ class CUDABackend(Backend):
             raise AttributeError(name)  # the device turns this into a CompileError
         # A CUfunction's address, as the native launch takes it; its module unloaded by
         # unload() or close().
-        self._modules[int(function)] = module
+        with self._modules_lock:
+            self._modules[int(function)] = module
         return int(function)
 
     @keeps_context
     def unload(self, native: Any) -> None:
-        module = self._modules.pop(native, None)  # (after a close: already unloaded)
-        if module is not None:
-            self.make_current()
-            cu.cuModuleUnload(module)
+        with self._modules_lock:  # (after a close: already unloaded)
+            module = self._modules.pop(native, None)
+            if module is not None:
+                self.make_current()
+                cu.cuModuleUnload(module)
 
     @keeps_context
     def allocate(self, nbytes: int) -> Any:
@@ -281,9 +284,10 @@ class CUDABackend(Backend):
             for chunk in self._chunks:
                 chunk.free()
             self._chunks.clear()
-        modules, self._modules = self._modules, {}
-        for module in modules.values():
-            cu.cuModuleUnload(module)
+        with self._modules_lock:
+            modules, self._modules = self._modules, {}
+            for module in modules.values():
+                cu.cuModuleUnload(module)
         # The primary context stays retained for the life of the process (as the CUDA
         # runtime keeps it): timelines live in its pinned memory and may outlive the
         # device object (a Completion kept around, a loop's watch), so that memory must
