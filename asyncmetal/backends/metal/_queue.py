@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from ctypes import c_uint64, c_ulong, c_void_p
 from typing import Any, Protocol, overload
 
@@ -121,8 +121,14 @@ class MetalQueue(NativeQueue):
         # (value, command buffer, block, record, committed behind an unreached wait)
         self._buffers: collections.deque[tuple[int, int, Any, Record, bool]] = collections.deque()
         self._keep = KeepAlive(timeline)
-        self._worker: ThreadPoolExecutor | None = None
+        # The queue's own thread, and what is held for it (_hand_over).
+        self._worker: threading.Thread | None = None
+        self._held: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]] | None]
+        self._held = queue.SimpleQueue()
         self._routed = 0  # submissions handed to the worker and not yet committed
+        self._busy = False  # the worker is committing (maybe blocked in commandBuffer)
+        self._dropping = False  # abandoned: what is held is dropped, not committed
+        self._release_later = False  # the worker releases the queue once it returns
         self._lock = threading.Lock()
 
     # -- submission -----------------------------------------------------------------------
@@ -139,13 +145,9 @@ class MetalQueue(NativeQueue):
         record = record if record is not None else Record(value)
         if self._routed or value - 1 - self._timeline.value >= MAX_IN_FLIGHT:
             # `commandBuffer` would block: commit from the queue's own thread, in order.
-            if self._worker is None:
-                self._worker = ThreadPoolExecutor(1, thread_name_prefix="asyncmetal-metal")
-            with self._lock:
-                self._routed += 1
-            self._worker.submit(self._commit, value, encode, keep, copy_back, record, then, True)
+            self._hand_over(self._commit, value, encode, keep, copy_back, record, then)
             return
-        self._commit(value, encode, keep, copy_back, record, then, False)
+        self._commit(value, encode, keep, copy_back, record, then)
 
     def _commit(
         self,
@@ -155,15 +157,44 @@ class MetalQueue(NativeQueue):
         copy_back: tuple[int, int, int] | None,
         record: Record,
         then: tuple[int, int] | None,
-        routed: bool,
     ) -> None:
         # The command buffer and its encoders are autoreleased: without a pool they would
         # stay alive until this thread exits (the loop's thread: never).
         with autorelease_pool():
             self._encode_and_commit(value, encode, keep, copy_back, record, then)
-        if routed:
+
+    def _hand_over(self, step: Callable[..., None], *args: Any) -> None:
+        """Run ``step(*args)`` on the queue's own thread, after what it was handed before."""
+        if self._worker is None:
+            # A daemon: blocked in `commandBuffer` behind a wait nobody signals, it must
+            # not hold up the interpreter's exit (nor a close that abandons the queue).
+            self._worker = threading.Thread(target=self._work, name="asyncmetal-metal", daemon=True)
+            self._worker.start()
+        with self._lock:
+            self._routed += 1
+        self._held.put((step, args))
+
+    def _work(self) -> None:
+        while (item := self._held.get()) is not None:
+            step, args = item
             with self._lock:
-                self._routed -= 1
+                run = self._busy = not self._dropping
+            try:
+                if run:
+                    step(*args)
+            except Exception as exc:  # reported as a thread's own; the queue goes on
+                thread = threading.current_thread()
+                threading.excepthook(
+                    threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, thread))
+                )
+            finally:
+                with self._lock:
+                    self._busy = False
+                    self._routed -= 1
+        with self._lock:
+            release = self._release_later
+        if release:
+            self._release()
 
     def _encode_and_commit(
         self,
@@ -176,6 +207,9 @@ class MetalQueue(NativeQueue):
     ) -> None:
         backend = self._backend
         cb = retain(send(self._queue, "commandBuffer"))
+        if self._dropping:  # abandoned while this waited in commandBuffer
+            release(cb)
+            return
         still = []
         for timeline, target in self._waits:
             if timeline.device_value() < target:
@@ -417,15 +451,29 @@ class MetalQueue(NativeQueue):
 
     def close(self, abandon: bool = False) -> None:
         self.flush()
+        later = False
         if self._worker is not None:
-            self._worker.shutdown(wait=True)
-        for _, cb, _, _, blocked in self._buffers:
+            with self._lock:
+                # Abandoned, what is still held is dropped (the device reports it as
+                # never run). A commit under way may be blocked in `commandBuffer` by
+                # buffers held by a wait that ends only after this close (or never, at
+                # exit): the worker releases the queue itself once that returns.
+                self._dropping = abandon
+                later = self._release_later = abandon and self._busy
+            self._held.put(None)
+            if not later:
+                self._worker.join()
+        for _, cb, _, _, blocked in list(self._buffers):
             # At exit (abandon) drain what can complete, so no handler fires during
             # finalization; stop at the first buffer held by a wait nothing may signal
             # (buffers of a queue complete in order).
             if abandon and blocked:
                 break
             send(cb, "waitUntilCompleted", restype=None)
+        if not later:
+            self._release()
+
+    def _release(self) -> None:
         for _, cb, _, _, _ in self._buffers:
             release(cb)
         self._buffers.clear()

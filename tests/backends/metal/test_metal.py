@@ -434,3 +434,71 @@ def test_shared_event_listener_calls_its_block_on_its_queue() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+HELD_AT_CLOSE = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, sys.argv[1])
+    import anyio
+    import asyncmetal as am
+    from tests.support.fakes import metal_sim
+    from tests.support.kernels import MSL_KERNELS
+
+    async def held(dev):
+        # More than the queue's 1024 command buffers, behind a wait nobody signals: its
+        # thread is left blocked in commandBuffer.
+        empty = await dev.compile(MSL_KERNELS, "empty")
+        tl, q = dev.timeline(), dev.new_queue()
+        q.wait(tl, 1)
+        done = [q.launch(empty) for _ in range(1100)]
+        await anyio.sleep(0.3)
+        return done
+
+    async def main():
+        dev = await am.open_device("metal")
+        done = await held(dev)
+        with anyio.fail_after(30):
+            await dev.close()
+        try:
+            await done[-1]
+        except am.ClosedResourceError:
+            pass
+        # The queue is released once its thread's commandBuffer returned.
+        deadline = time.monotonic() + 10
+        while metal_sim.live("MTLCommandQueue") and time.monotonic() < deadline:
+            await anyio.sleep(0.02)
+        print("closed", metal_sim.live("MTLCommandQueue"), flush=True)
+        await held(await am.open_device("metal"))  # left open: closed at exit
+
+    anyio.run(main, backend=sys.argv[2], backend_options=eval(sys.argv[3]))
+    """
+)
+
+
+@pytest.mark.metal
+@sim_only
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("loop", "options"),
+    [("asyncio", {}), ("asyncio", {"use_uvloop": True}), ("trio", {})],
+    ids=["asyncio", "uvloop", "trio"],
+)
+def test_close_and_exit_do_not_wait_for_commands_held_past_the_queue(
+    loop: str, options: dict[str, object]
+) -> None:
+    """A device closed while more commands than its queue holds wait behind a wait that
+    nothing signals: the close abandons them without waiting for the queue's thread, and
+    a process that exits with such a device open exits."""
+    root = str(__import__("pathlib").Path(__file__).parents[3])
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", HELD_AT_CLOSE, root, loop, repr(options)],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"hung: {exc.stdout!r}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["closed", "0"]
