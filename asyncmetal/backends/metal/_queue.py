@@ -117,7 +117,10 @@ class MetalQueue(NativeQueue):
         # waited) ends the GPU's wait all the same: that command and every later one
         # fail.
         self._waited: collections.deque[tuple[int, MetalTimeline, int]] = collections.deque()
-        self._unmarked = 0  # a wait command's own value, marked by the next buffer
+        # A wait command's own value, marked by the next buffer. It and _waits belong to
+        # whichever thread commits: the loop's, or the worker's while it holds commands.
+        self._unmarked = 0
+        self._wait_held = False  # a wait was handed to the worker since the last flush
         # (value, command buffer, block, record, committed behind an unreached wait)
         self._buffers: collections.deque[tuple[int, int, Any, Record, bool]] = collections.deque()
         self._keep = KeepAlive(timeline)
@@ -249,8 +252,16 @@ class MetalQueue(NativeQueue):
 
     def flush(self) -> None:
         """Commit a wait command that no later command carried yet (before parking)."""
-        if self._unmarked:
+        if self._routed:
+            if self._wait_held:  # the worker's to commit, after what it holds
+                self._wait_held = False
+                self._hand_over(self._flush_held)
+        elif self._unmarked:
             self._submit(self._unmarked, lambda cb: None)
+
+    def _flush_held(self) -> None:
+        if self._unmarked:
+            self._commit(self._unmarked, lambda cb: None, None, None, Record(self._unmarked), None)
 
     def _reap(self) -> None:
         """Release the command buffers that completed, noting the first that failed."""
@@ -357,10 +368,17 @@ class MetalQueue(NativeQueue):
 
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, MetalTimeline)
+        self._waited.append((value, timeline, target))
+        if self._routed:  # after the commands the worker holds, not into them
+            self._wait_held = True
+            self._hand_over(self._hold_wait, timeline, target, value)
+        else:
+            self._hold_wait(timeline, target, value)
+
+    def _hold_wait(self, timeline: MetalTimeline, target: int, value: int) -> None:
         # Encoded at the head of the next command buffer, with the work that depends on
         # it; this command's own value is marked by that buffer (or by flush()).
         self._waits.append((timeline, target))
-        self._waited.append((value, timeline, target))
         self._unmarked = value
 
     def _blit(

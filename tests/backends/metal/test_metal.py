@@ -502,3 +502,35 @@ def test_close_and_exit_do_not_wait_for_commands_held_past_the_queue(
         pytest.fail(f"hung: {exc.stdout!r}")
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["closed", "0"]
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+@pytest.mark.timeout(120)
+async def test_a_wait_after_commands_held_for_the_queue_holds_only_later_ones(
+    anyio_backend: object,
+) -> None:
+    """A wait submitted while the queue's thread holds earlier commands (more than 1000
+    in flight) comes after them: they run without it, and it completes once signalled."""
+    async with am.open_device("metal") as dev:
+        step = await dev.compile(MSL_KERNELS, "step")
+        cells = await dev.alloc(8)
+        tl, later_tl = dev.timeline(), dev.timeline()
+        q = dev.new_queue()
+        q.wait(tl, 1)
+        done = [q.launch(step, cells, vals=(0, 1, 1)) for _ in range(1100)]
+        later = q.wait(later_tl, 1)
+        tl.signal(1)
+        # (The finally clauses keep a failure from leaving the close waiting for ever.)
+        try:
+            try:
+                with anyio.fail_after(20):
+                    await done[-1]  # later_tl is not signalled yet
+                assert not later.done()
+            finally:
+                later_tl.signal(1)
+            with anyio.fail_after(20):
+                await later
+        finally:
+            q.launch(step, cells, vals=(0, 1, 1))  # marks the wait's value if it was lost
