@@ -59,6 +59,7 @@ class BlockLiteral(ctypes.Structure):
 
 
 _alive: dict[int, BlockLiteral] = {}  # address -> block: kept until it ran
+_held: dict[int, object] = {}  # address -> what the block's command uses, kept as long
 _lock = threading.Lock()
 
 
@@ -113,6 +114,13 @@ def callback_block(isa: int, invoke: Any, signature: bytes) -> CallbackBlock:
     return block
 
 
+def hold_until_run(block: BlockLiteral, obj: object) -> None:
+    """Keep ``obj`` (the host memory the block's command reads or writes) alive until
+    the block has run, whatever else lets go of it (an abandoned queue)."""
+    with _lock:
+        _held[ctypes.addressof(block)] = obj
+
+
 def release_ran() -> int:
     """Free every block that has run; returns how many are still kept."""
     from ... import _native
@@ -120,5 +128,6 @@ def release_ran() -> int:
     with _lock:
         for address in [a for a, b in _alive.items() if b.calls]:
             del _alive[address]
+            _held.pop(address, None)
             _native.runtime().am_block_free(address)
         return len(_alive)

@@ -244,8 +244,11 @@ class MetalQueue(NativeQueue):
             block.then, block.then_value = then
         send(cb, "addCompletedHandler:", ctypes.addressof(block), restype=None)
         send(cb, "commit", restype=None)
-        self._buffers.append((value, cb, block, record, bool(still)))
+        entry = (value, cb, block, record, bool(still))
+        self._buffers.append(entry)
         self._keep.add(value, (keep, block))
+        if self._dropping:  # abandoned while this was encoded: close may not have seen it
+            self._disarm([entry])
         if len(self._buffers) > 256:
             self._reap()
         self._unmarked = 0
@@ -481,15 +484,27 @@ class MetalQueue(NativeQueue):
             self._held.put(None)
             if not later:
                 self._worker.join()
-        for _, cb, _, _, blocked in list(self._buffers):
+        buffers = list(self._buffers)
+        for at, (_, cb, _, _, blocked) in enumerate(buffers):
             # At exit (abandon) drain what can complete, so no handler fires during
             # finalization; stop at the first buffer held by a wait nothing may signal
             # (buffers of a queue complete in order).
             if abandon and blocked:
+                self._disarm(buffers[at:])
                 break
             send(cb, "waitUntilCompleted", restype=None)
         if not later:
             self._release()
+
+    def _disarm(self, held: list[tuple[int, int, Any, Record, bool]]) -> None:
+        """Commands reported as never run, whose buffers may still run once their wait
+        ends: their handlers copy nothing to the host, and what they use outlives the
+        queue until they ran."""
+        for value, _, block, _, _ in held:
+            block.copy_nbytes = 0
+            kept = self._keep.items.get(value)
+            if kept is not None:
+                _blocks.hold_until_run(block, kept)
 
     def _release(self) -> None:
         for _, cb, _, _, _ in self._buffers:

@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 
 import anyio
 import numpy as np
@@ -534,3 +535,34 @@ async def test_a_wait_after_commands_held_for_the_queue_holds_only_later_ones(
                 await later
         finally:
             q.launch(step, cells, vals=(0, 1, 1))  # marks the wait's value if it was lost
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+@sim_only
+async def test_an_abandoned_copy_to_the_host_never_writes_it(anyio_backend: object) -> None:
+    """A copy to a host array, held behind a wait for another device's timeline, is
+    abandoned by its device's close. When the other device signals later, its command
+    buffer still runs: its handler writes nothing into the array."""
+    n = 1 << 14
+    async with am.open_device("metal") as other:
+        dev = await am.open_device("metal")
+        tl = other.timeline()
+        src = await dev.alloc(4 * n)
+        await src.write(np.full(n, 0x5A5A5A5A, np.int32))
+        host = np.zeros(n, np.int32)
+        kept = np.zeros(n, np.int32)
+        dev.queue.wait(tl, 1)
+        copies = [dev.queue.copy(host, src), dev.queue.copy(kept, src)]
+        await dev.close()
+        for copy in copies:
+            with pytest.raises(am.ClosedResourceError):
+                await copy
+        ran = metal_sim.handlers()[0]
+        tl.signal(1)
+        deadline = time.monotonic() + 10
+        while metal_sim.handlers()[0] < ran + 2 and time.monotonic() < deadline:
+            await anyio.sleep(0.01)
+        assert metal_sim.handlers()[0] >= ran + 2  # both command buffers ran
+        assert not host.any() and not kept.any()
