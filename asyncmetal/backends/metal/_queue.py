@@ -72,6 +72,10 @@ class MetalTimeline(ForkableTimeline):
         # Command buffers that wait on or signal the event retain it; this reference is
         # the timeline's own (newSharedEvent). None if __init__ failed before making it.
         release(getattr(self, "event", 0))
+        # Reached once no queue nor watch refers to it (they hold us); a completion
+        # handler yet to run may still raise the native timeline.
+        if getattr(self, "c_timeline", 0):
+            _blocks.free_timeline(self.c_timeline, self._lib.am_timeline_free)
 
     @property
     def value(self) -> int:

@@ -566,3 +566,36 @@ async def test_an_abandoned_copy_to_the_host_never_writes_it(anyio_backend: obje
             await anyio.sleep(0.01)
         assert metal_sim.handlers()[0] >= ran + 2  # both command buffers ran
         assert not host.any() and not kept.any()
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+async def test_a_dropped_timeline_frees_its_native_timeline(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each timeline has a native mirror: freed once the timeline is dropped and no
+    command that raises it is left to run."""
+    from asyncmetal import _native
+
+    lib = _native.runtime()
+    free, freed = lib.am_timeline_free, []
+
+    def counted(c_timeline: int) -> None:
+        freed.append(c_timeline)
+        free(c_timeline)
+
+    monkeypatch.setattr(lib, "am_timeline_free", counted)
+    async with am.open_device("metal") as dev:
+        empty = await dev.compile(MSL_KERNELS, "empty")
+        made = []
+        for _ in range(20):
+            tl = dev.timeline()
+            await dev.queue.signal(tl, 1)
+            made.append(tl.native.c_timeline)
+            del tl
+        await dev.queue.signal(dev.timeline(), 1)  # (the queue notes its last signal)
+        for _ in range(2):  # (what the commands kept, and blocks that ran, are let go of)
+            await dev.queue.launch(empty)
+            gc.collect()
+        assert set(made) <= set(freed)
