@@ -39,14 +39,11 @@ MAX_IN_FLIGHT = 1000  # the queues are made with room for 1024 command buffers
 
 
 class MetalDevice(Protocol):
-    """What timelines and queues need of their GPU (a ``MetalBackend``), which they also
-    mark lost when a command buffer fails."""
+    """What timelines and queues need of their GPU (a ``MetalBackend``)."""
 
     device: int
     lib: ctypes.CDLL
     block_isa: int
-    lost: DeviceLostError | None
-    lost_from: int
 
     @overload
     def wrap_pages(self, address: int, nbytes: int) -> tuple[int, int]: ...
@@ -128,6 +125,10 @@ class MetalQueue(NativeQueue):
         # (value, command buffer, block, record, committed behind an unreached wait)
         self._buffers: collections.deque[tuple[int, int, Any, Record, bool]] = collections.deque()
         self._keep = KeepAlive(timeline)
+        # The first of its command buffers that failed: it and every later one report
+        # its error (another queue's commands report their own).
+        self._lost: DeviceLostError | None = None
+        self._lost_from = 0
         # The queue's own thread, and what is held for it (_hand_over).
         self._worker: threading.Thread | None = None
         self._held: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]] | None]
@@ -279,19 +280,18 @@ class MetalQueue(NativeQueue):
             end = send(cb, "GPUEndTime", restype=ctypes.c_double)
             record.start_ns, record.end_ns = int(start * 1e9), int(end * 1e9)
             status = send(cb, "status", restype=c_ulong)
-            if status == STATUS_ERROR and self._backend.lost is None:
+            if status == STATUS_ERROR and self._lost is None:
                 error = describe_error(send(cb, "error"))
-                self._backend.lost = DeviceLostError(f"a Metal command buffer failed: {error}")
-                self._backend.lost_from = done_value
+                self._lost = DeviceLostError(f"a Metal command buffer failed: {error}")
+                self._lost_from = done_value
             release(cb)
         _blocks.release_ran()
 
     def failure(self, value: int) -> BaseException | None:
         self.flush()
         self._reap()
-        lost = self._backend.lost
-        if lost is not None and value >= self._backend.lost_from:
-            return lost
+        if self._lost is not None and value >= self._lost_from:
+            return self._lost
         waited = self._waited
         while (
             waited and waited[0][1].value >= waited[0][2] and not waited[0][1].failure(waited[0][2])

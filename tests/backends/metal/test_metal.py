@@ -599,3 +599,30 @@ async def test_a_dropped_timeline_frees_its_native_timeline(
             await dev.queue.launch(empty)
             gc.collect()
         assert set(made) <= set(freed)
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+@sim_only
+async def test_a_fault_fails_its_own_queue_only(anyio_backend: object) -> None:
+    """A command buffer that faults fails its command and its queue's later ones; the
+    commands of another queue that ran report success."""
+    async with am.open_device("metal") as dev:
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        crash = await dev.compile(FAULTY, "crash")
+        good, bad = await dev.alloc(64), await dev.alloc(4)
+        other = dev.new_queue()
+        ran = [other.launch(fill, good, vals=(7, 16)) for _ in range(5)]
+        for done in ran:
+            await done
+        with pytest.raises(am.DeviceLostError, match="kernel crash faulted"):
+            await dev.queue.launch(crash, bad)  # the default queue's value 1
+        with pytest.raises(am.DeviceLostError, match="kernel crash faulted"):
+            await dev.queue.launch(fill, bad, vals=(1, 1))
+        for done in ran:
+            await done  # values 1 to 5 of the other queue: they ran
+        await other.launch(fill, good, vals=(8, 16))
+        host = np.zeros(16, np.int32)
+        await other.copy(host, good)  # (the default queue, which reads would use, failed)
+        assert (host == 8).all()
