@@ -17,7 +17,7 @@ from ..._backend import (
     Timelines,
 )
 from ..._compile import Compiler
-from ..._errors import AsyncMetalError, CompileError, DeviceLostError
+from ..._errors import AsyncMetalError, CompileError
 from . import _blocks
 from ._compiler import MetalCompiler
 from ._objc import (
@@ -43,8 +43,6 @@ class MetalBackend(Backend):
     device: int
     lib: ctypes.CDLL
     block_isa: int
-    lost: DeviceLostError | None
-    lost_from: int
     live_allocations: int
     _info: DeviceInfo
     _compiler: MetalCompiler
@@ -85,8 +83,6 @@ class MetalBackend(Backend):
         total = send(self.device, "recommendedMaxWorkingSetSize", restype=c_uint64)
         self._info = DeviceInfo(name=(name or b"metal").decode(), total_memory=int(total))
         self._compiler = MetalCompiler()
-        self.lost: DeviceLostError | None = None
-        self.lost_from = 0
         self.live_allocations = 0
         self._pipelines: dict[int, None] = {}  # loaded, not unloaded yet
         self._timelines = Timelines()

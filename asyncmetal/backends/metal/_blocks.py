@@ -59,6 +59,9 @@ class BlockLiteral(ctypes.Structure):
 
 
 _alive: dict[int, BlockLiteral] = {}  # address -> block: kept until it ran
+_held: dict[int, object] = {}  # address -> what the block's command uses, kept as long
+# Native timelines dropped while a block yet to run raises them, and how each is freed.
+_unfreed: list[tuple[int, Any]] = []
 _lock = threading.Lock()
 
 
@@ -113,6 +116,13 @@ def callback_block(isa: int, invoke: Any, signature: bytes) -> CallbackBlock:
     return block
 
 
+def hold_until_run(block: BlockLiteral, obj: object) -> None:
+    """Keep ``obj`` (the host memory the block's command reads or writes) alive until
+    the block has run, whatever else lets go of it (an abandoned queue)."""
+    with _lock:
+        _held[ctypes.addressof(block)] = obj
+
+
 def release_ran() -> int:
     """Free every block that has run; returns how many are still kept."""
     from ... import _native
@@ -120,5 +130,25 @@ def release_ran() -> int:
     with _lock:
         for address in [a for a, b in _alive.items() if b.calls]:
             del _alive[address]
+            _held.pop(address, None)
             _native.runtime().am_block_free(address)
+        if _unfreed:
+            _free_unreferenced()
         return len(_alive)
+
+
+def free_timeline(c_timeline: int, free: Any) -> None:
+    """Free a native timeline nothing else refers to (``free(c_timeline)``): now, or once
+    every block that raises it has run (a command buffer of an abandoned queue may run
+    much later)."""
+    with _lock:
+        _unfreed.append((c_timeline, free))
+        _free_unreferenced()
+
+
+def _free_unreferenced() -> None:
+    """(Under the lock.)"""
+    raised = {t for b in _alive.values() if not b.calls for t in (b.timeline, b.then)}
+    for entry in [e for e in _unfreed if e[0] not in raised]:
+        _unfreed.remove(entry)
+        entry[1](entry[0])

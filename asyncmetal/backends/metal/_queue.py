@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from ctypes import c_uint64, c_ulong, c_void_p
 from typing import Any, Protocol, overload
 
@@ -39,14 +39,11 @@ MAX_IN_FLIGHT = 1000  # the queues are made with room for 1024 command buffers
 
 
 class MetalDevice(Protocol):
-    """What timelines and queues need of their GPU (a ``MetalBackend``), which they also
-    mark lost when a command buffer fails."""
+    """What timelines and queues need of their GPU (a ``MetalBackend``)."""
 
     device: int
     lib: ctypes.CDLL
     block_isa: int
-    lost: DeviceLostError | None
-    lost_from: int
 
     @overload
     def wrap_pages(self, address: int, nbytes: int) -> tuple[int, int]: ...
@@ -72,6 +69,10 @@ class MetalTimeline(ForkableTimeline):
         # Command buffers that wait on or signal the event retain it; this reference is
         # the timeline's own (newSharedEvent). None if __init__ failed before making it.
         release(getattr(self, "event", 0))
+        # Reached once no queue nor watch refers to it (they hold us); a completion
+        # handler yet to run may still raise the native timeline.
+        if getattr(self, "c_timeline", 0):
+            _blocks.free_timeline(self.c_timeline, self._lib.am_timeline_free)
 
     @property
     def value(self) -> int:
@@ -117,12 +118,25 @@ class MetalQueue(NativeQueue):
         # waited) ends the GPU's wait all the same: that command and every later one
         # fail.
         self._waited: collections.deque[tuple[int, MetalTimeline, int]] = collections.deque()
-        self._unmarked = 0  # a wait command's own value, marked by the next buffer
+        # A wait command's own value, marked by the next buffer. It and _waits belong to
+        # whichever thread commits: the loop's, or the worker's while it holds commands.
+        self._unmarked = 0
+        self._wait_held = False  # a wait was handed to the worker since the last flush
         # (value, command buffer, block, record, committed behind an unreached wait)
         self._buffers: collections.deque[tuple[int, int, Any, Record, bool]] = collections.deque()
         self._keep = KeepAlive(timeline)
-        self._worker: ThreadPoolExecutor | None = None
+        # The first of its command buffers that failed: it and every later one report
+        # its error (another queue's commands report their own).
+        self._lost: DeviceLostError | None = None
+        self._lost_from = 0
+        # The queue's own thread, and what is held for it (_hand_over).
+        self._worker: threading.Thread | None = None
+        self._held: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]] | None]
+        self._held = queue.SimpleQueue()
         self._routed = 0  # submissions handed to the worker and not yet committed
+        self._busy = False  # the worker is committing (maybe blocked in commandBuffer)
+        self._dropping = False  # abandoned: what is held is dropped, not committed
+        self._release_later = False  # the worker releases the queue once it returns
         self._lock = threading.Lock()
 
     # -- submission -----------------------------------------------------------------------
@@ -139,13 +153,9 @@ class MetalQueue(NativeQueue):
         record = record if record is not None else Record(value)
         if self._routed or value - 1 - self._timeline.value >= MAX_IN_FLIGHT:
             # `commandBuffer` would block: commit from the queue's own thread, in order.
-            if self._worker is None:
-                self._worker = ThreadPoolExecutor(1, thread_name_prefix="asyncmetal-metal")
-            with self._lock:
-                self._routed += 1
-            self._worker.submit(self._commit, value, encode, keep, copy_back, record, then, True)
+            self._hand_over(self._commit, value, encode, keep, copy_back, record, then)
             return
-        self._commit(value, encode, keep, copy_back, record, then, False)
+        self._commit(value, encode, keep, copy_back, record, then)
 
     def _commit(
         self,
@@ -155,15 +165,44 @@ class MetalQueue(NativeQueue):
         copy_back: tuple[int, int, int] | None,
         record: Record,
         then: tuple[int, int] | None,
-        routed: bool,
     ) -> None:
         # The command buffer and its encoders are autoreleased: without a pool they would
         # stay alive until this thread exits (the loop's thread: never).
         with autorelease_pool():
             self._encode_and_commit(value, encode, keep, copy_back, record, then)
-        if routed:
+
+    def _hand_over(self, step: Callable[..., None], *args: Any) -> None:
+        """Run ``step(*args)`` on the queue's own thread, after what it was handed before."""
+        if self._worker is None:
+            # A daemon: blocked in `commandBuffer` behind a wait nobody signals, it must
+            # not hold up the interpreter's exit (nor a close that abandons the queue).
+            self._worker = threading.Thread(target=self._work, name="asyncmetal-metal", daemon=True)
+            self._worker.start()
+        with self._lock:
+            self._routed += 1
+        self._held.put((step, args))
+
+    def _work(self) -> None:
+        while (item := self._held.get()) is not None:
+            step, args = item
             with self._lock:
-                self._routed -= 1
+                run = self._busy = not self._dropping
+            try:
+                if run:
+                    step(*args)
+            except Exception as exc:  # reported as a thread's own; the queue goes on
+                thread = threading.current_thread()
+                threading.excepthook(
+                    threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, thread))
+                )
+            finally:
+                with self._lock:
+                    self._busy = False
+                    self._routed -= 1
+        with self._lock:
+            release = self._release_later
+        if release:
+            self._release()
 
     def _encode_and_commit(
         self,
@@ -176,6 +215,9 @@ class MetalQueue(NativeQueue):
     ) -> None:
         backend = self._backend
         cb = retain(send(self._queue, "commandBuffer"))
+        if self._dropping:  # abandoned while this waited in commandBuffer
+            release(cb)
+            return
         still = []
         for timeline, target in self._waits:
             if timeline.device_value() < target:
@@ -207,16 +249,27 @@ class MetalQueue(NativeQueue):
             block.then, block.then_value = then
         send(cb, "addCompletedHandler:", ctypes.addressof(block), restype=None)
         send(cb, "commit", restype=None)
-        self._buffers.append((value, cb, block, record, bool(still)))
+        entry = (value, cb, block, record, bool(still))
+        self._buffers.append(entry)
         self._keep.add(value, (keep, block))
+        if self._dropping:  # abandoned while this was encoded: close may not have seen it
+            self._disarm([entry])
         if len(self._buffers) > 256:
             self._reap()
         self._unmarked = 0
 
     def flush(self) -> None:
         """Commit a wait command that no later command carried yet (before parking)."""
-        if self._unmarked:
+        if self._routed:
+            if self._wait_held:  # the worker's to commit, after what it holds
+                self._wait_held = False
+                self._hand_over(self._flush_held)
+        elif self._unmarked:
             self._submit(self._unmarked, lambda cb: None)
+
+    def _flush_held(self) -> None:
+        if self._unmarked:
+            self._commit(self._unmarked, lambda cb: None, None, None, Record(self._unmarked), None)
 
     def _reap(self) -> None:
         """Release the command buffers that completed, noting the first that failed."""
@@ -227,19 +280,18 @@ class MetalQueue(NativeQueue):
             end = send(cb, "GPUEndTime", restype=ctypes.c_double)
             record.start_ns, record.end_ns = int(start * 1e9), int(end * 1e9)
             status = send(cb, "status", restype=c_ulong)
-            if status == STATUS_ERROR and self._backend.lost is None:
+            if status == STATUS_ERROR and self._lost is None:
                 error = describe_error(send(cb, "error"))
-                self._backend.lost = DeviceLostError(f"a Metal command buffer failed: {error}")
-                self._backend.lost_from = done_value
+                self._lost = DeviceLostError(f"a Metal command buffer failed: {error}")
+                self._lost_from = done_value
             release(cb)
         _blocks.release_ran()
 
     def failure(self, value: int) -> BaseException | None:
         self.flush()
         self._reap()
-        lost = self._backend.lost
-        if lost is not None and value >= self._backend.lost_from:
-            return lost
+        if self._lost is not None and value >= self._lost_from:
+            return self._lost
         waited = self._waited
         while (
             waited and waited[0][1].value >= waited[0][2] and not waited[0][1].failure(waited[0][2])
@@ -323,10 +375,17 @@ class MetalQueue(NativeQueue):
 
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, MetalTimeline)
+        self._waited.append((value, timeline, target))
+        if self._routed:  # after the commands the worker holds, not into them
+            self._wait_held = True
+            self._hand_over(self._hold_wait, timeline, target, value)
+        else:
+            self._hold_wait(timeline, target, value)
+
+    def _hold_wait(self, timeline: MetalTimeline, target: int, value: int) -> None:
         # Encoded at the head of the next command buffer, with the work that depends on
         # it; this command's own value is marked by that buffer (or by flush()).
         self._waits.append((timeline, target))
-        self._waited.append((value, timeline, target))
         self._unmarked = value
 
     def _blit(
@@ -417,15 +476,41 @@ class MetalQueue(NativeQueue):
 
     def close(self, abandon: bool = False) -> None:
         self.flush()
+        later = False
         if self._worker is not None:
-            self._worker.shutdown(wait=True)
-        for _, cb, _, _, blocked in self._buffers:
+            with self._lock:
+                # Abandoned, what is still held is dropped (the device reports it as
+                # never run). A commit under way may be blocked in `commandBuffer` by
+                # buffers held by a wait that ends only after this close (or never, at
+                # exit): the worker releases the queue itself once that returns.
+                self._dropping = abandon
+                later = self._release_later = abandon and self._busy
+            self._held.put(None)
+            if not later:
+                self._worker.join()
+        buffers = list(self._buffers)
+        for at, (_, cb, _, _, blocked) in enumerate(buffers):
             # At exit (abandon) drain what can complete, so no handler fires during
             # finalization; stop at the first buffer held by a wait nothing may signal
             # (buffers of a queue complete in order).
             if abandon and blocked:
+                self._disarm(buffers[at:])
                 break
             send(cb, "waitUntilCompleted", restype=None)
+        if not later:
+            self._release()
+
+    def _disarm(self, held: list[tuple[int, int, Any, Record, bool]]) -> None:
+        """Commands reported as never run, whose buffers may still run once their wait
+        ends: their handlers copy nothing to the host, and what they use outlives the
+        queue until they ran."""
+        for value, _, block, _, _ in held:
+            block.copy_nbytes = 0
+            kept = self._keep.items.get(value)
+            if kept is not None:
+                _blocks.hold_until_run(block, kept)
+
+    def _release(self) -> None:
         for _, cb, _, _, _ in self._buffers:
             release(cb)
         self._buffers.clear()

@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 
 import anyio
 import numpy as np
@@ -434,3 +435,194 @@ def test_shared_event_listener_calls_its_block_on_its_queue() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+HELD_AT_CLOSE = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, sys.argv[1])
+    import anyio
+    import asyncmetal as am
+    from tests.support.fakes import metal_sim
+    from tests.support.kernels import MSL_KERNELS
+
+    async def held(dev):
+        # More than the queue's 1024 command buffers, behind a wait nobody signals: its
+        # thread is left blocked in commandBuffer.
+        empty = await dev.compile(MSL_KERNELS, "empty")
+        tl, q = dev.timeline(), dev.new_queue()
+        q.wait(tl, 1)
+        done = [q.launch(empty) for _ in range(1100)]
+        await anyio.sleep(0.3)
+        return done
+
+    async def main():
+        dev = await am.open_device("metal")
+        done = await held(dev)
+        with anyio.fail_after(30):
+            await dev.close()
+        try:
+            await done[-1]
+        except am.ClosedResourceError:
+            pass
+        # The queue is released once its thread's commandBuffer returned.
+        deadline = time.monotonic() + 10
+        while metal_sim.live("MTLCommandQueue") and time.monotonic() < deadline:
+            await anyio.sleep(0.02)
+        print("closed", metal_sim.live("MTLCommandQueue"), flush=True)
+        await held(await am.open_device("metal"))  # left open: closed at exit
+
+    anyio.run(main, backend=sys.argv[2], backend_options=eval(sys.argv[3]))
+    """
+)
+
+
+@pytest.mark.metal
+@sim_only
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("loop", "options"),
+    [("asyncio", {}), ("asyncio", {"use_uvloop": True}), ("trio", {})],
+    ids=["asyncio", "uvloop", "trio"],
+)
+def test_close_and_exit_do_not_wait_for_commands_held_past_the_queue(
+    loop: str, options: dict[str, object]
+) -> None:
+    """A device closed while more commands than its queue holds wait behind a wait that
+    nothing signals: the close abandons them without waiting for the queue's thread, and
+    a process that exits with such a device open exits."""
+    root = str(__import__("pathlib").Path(__file__).parents[3])
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", HELD_AT_CLOSE, root, loop, repr(options)],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"hung: {exc.stdout!r}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["closed", "0"]
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+@pytest.mark.timeout(120)
+async def test_a_wait_after_commands_held_for_the_queue_holds_only_later_ones(
+    anyio_backend: object,
+) -> None:
+    """A wait submitted while the queue's thread holds earlier commands (more than 1000
+    in flight) comes after them: they run without it, and it completes once signalled."""
+    async with am.open_device("metal") as dev:
+        step = await dev.compile(MSL_KERNELS, "step")
+        cells = await dev.alloc(8)
+        tl, later_tl = dev.timeline(), dev.timeline()
+        q = dev.new_queue()
+        q.wait(tl, 1)
+        done = [q.launch(step, cells, vals=(0, 1, 1)) for _ in range(1100)]
+        later = q.wait(later_tl, 1)
+        tl.signal(1)
+        # (The finally clauses keep a failure from leaving the close waiting for ever.)
+        try:
+            try:
+                with anyio.fail_after(20):
+                    await done[-1]  # later_tl is not signalled yet
+                assert not later.done()
+            finally:
+                later_tl.signal(1)
+            with anyio.fail_after(20):
+                await later
+        finally:
+            q.launch(step, cells, vals=(0, 1, 1))  # marks the wait's value if it was lost
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+@sim_only
+async def test_an_abandoned_copy_to_the_host_never_writes_it(anyio_backend: object) -> None:
+    """A copy to a host array, held behind a wait for another device's timeline, is
+    abandoned by its device's close. When the other device signals later, its command
+    buffer still runs: its handler writes nothing into the array."""
+    n = 1 << 14
+    async with am.open_device("metal") as other:
+        dev = await am.open_device("metal")
+        tl = other.timeline()
+        src = await dev.alloc(4 * n)
+        await src.write(np.full(n, 0x5A5A5A5A, np.int32))
+        host = np.zeros(n, np.int32)
+        kept = np.zeros(n, np.int32)
+        dev.queue.wait(tl, 1)
+        copies = [dev.queue.copy(host, src), dev.queue.copy(kept, src)]
+        await dev.close()
+        for copy in copies:
+            with pytest.raises(am.ClosedResourceError):
+                await copy
+        ran = metal_sim.handlers()[0]
+        tl.signal(1)
+        deadline = time.monotonic() + 10
+        while metal_sim.handlers()[0] < ran + 2 and time.monotonic() < deadline:
+            await anyio.sleep(0.01)
+        assert metal_sim.handlers()[0] >= ran + 2  # both command buffers ran
+        assert not host.any() and not kept.any()
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+async def test_a_dropped_timeline_frees_its_native_timeline(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each timeline has a native mirror: freed once the timeline is dropped and no
+    command that raises it is left to run."""
+    from asyncmetal import _native
+
+    lib = _native.runtime()
+    free, freed = lib.am_timeline_free, []
+
+    def counted(c_timeline: int) -> None:
+        freed.append(c_timeline)
+        free(c_timeline)
+
+    monkeypatch.setattr(lib, "am_timeline_free", counted)
+    async with am.open_device("metal") as dev:
+        empty = await dev.compile(MSL_KERNELS, "empty")
+        made = []
+        for _ in range(20):
+            tl = dev.timeline()
+            await dev.queue.signal(tl, 1)
+            made.append(tl.native.c_timeline)
+            del tl
+        await dev.queue.signal(dev.timeline(), 1)  # (the queue notes its last signal)
+        for _ in range(2):  # (what the commands kept, and blocks that ran, are let go of)
+            await dev.queue.launch(empty)
+            gc.collect()
+        assert set(made) <= set(freed)
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+@sim_only
+async def test_a_fault_fails_its_own_queue_only(anyio_backend: object) -> None:
+    """A command buffer that faults fails its command and its queue's later ones; the
+    commands of another queue that ran report success."""
+    async with am.open_device("metal") as dev:
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        crash = await dev.compile(FAULTY, "crash")
+        good, bad = await dev.alloc(64), await dev.alloc(4)
+        other = dev.new_queue()
+        ran = [other.launch(fill, good, vals=(7, 16)) for _ in range(5)]
+        for done in ran:
+            await done
+        with pytest.raises(am.DeviceLostError, match="kernel crash faulted"):
+            await dev.queue.launch(crash, bad)  # the default queue's value 1
+        with pytest.raises(am.DeviceLostError, match="kernel crash faulted"):
+            await dev.queue.launch(fill, bad, vals=(1, 1))
+        for done in ran:
+            await done  # values 1 to 5 of the other queue: they ran
+        await other.launch(fill, good, vals=(8, 16))
+        host = np.zeros(16, np.int32)
+        await other.copy(host, good)  # (the default queue, which reads would use, failed)
+        assert (host == 8).all()

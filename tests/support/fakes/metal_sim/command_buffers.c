@@ -35,6 +35,14 @@ static void mtlcmdbuf_dealloc(object *o) {
     mtlcmdbuf *cb = (mtlcmdbuf *)o;
     if (cb->status == STATUS_COMMITTED || cb->status == STATUS_SCHEDULED)
         fail("a command buffer was deallocated while in flight");
+    if (cb->status == STATUS_NOT_ENQUEUED) {
+        /* Never committed: it no longer counts against the queue's limit. */
+        mtlqueue *q = cb->queue;
+        pthread_mutex_lock(&q->lock);
+        q->outstanding--;
+        pthread_cond_broadcast(&q->cond);
+        pthread_mutex_unlock(&q->lock);
+    }
     for (command *c = cb->commands, *next; c; c = next) {
         next = c->next;
         free_command(c);
