@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import threading
 from collections.abc import Callable
 from ctypes import c_uint64, c_ulong, c_void_p
 from typing import Any, overload
@@ -85,6 +86,7 @@ class MetalBackend(Backend):
         self._compiler = MetalCompiler()
         self.live_allocations = 0
         self._pipelines: dict[int, None] = {}  # loaded, not unloaded yet
+        self._pipelines_lock = threading.Lock()
         self._timelines = Timelines()
 
     @property
@@ -128,14 +130,16 @@ class MetalBackend(Backend):
                 raise CompileError(
                     f"no pipeline for {name!r}: {describe_error(error.value or 0)}", name=name
                 )
-            self._pipelines[pipeline] = None  # released by unload() or close()
+            with self._pipelines_lock:
+                self._pipelines[pipeline] = None  # released by unload() or close()
             return pipeline
 
     def unload(self, native: Any) -> None:
         # A command buffer retains the pipelines encoded in it: released here, one still
         # running keeps it until it completes.
-        if self._pipelines.pop(native, 0) is None:  # (after a close: already released)
-            release(native)
+        with self._pipelines_lock:  # (after a close: already released)
+            if self._pipelines.pop(native, 0) is None:
+                release(native)
 
     def allocate(self, nbytes: int) -> Any:
         buffer = send(
@@ -200,7 +204,8 @@ class MetalBackend(Backend):
         forget_objects()
 
     def close(self) -> None:
-        pipelines, self._pipelines = self._pipelines, {}
-        for pipeline in pipelines:
-            release(pipeline)
+        with self._pipelines_lock:
+            pipelines, self._pipelines = self._pipelines, {}
+            for pipeline in pipelines:
+                release(pipeline)
         release(self.device)  # MTLCreateSystemDefaultDevice's reference
