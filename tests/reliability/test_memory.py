@@ -25,6 +25,14 @@ MiB = 1 << 20
 LIMIT = 10  # seconds: every wait here ends within a fraction of this, or it hangs
 
 
+async def _gets_a_mib(device: am.Device, *then_free: am.Buffer) -> None:
+    """An allocation of 1 MiB gets its memory within LIMIT; then everything is freed."""
+    with anyio.fail_after(LIMIT):
+        buf = await device.alloc(MiB)
+    for each in (buf, *then_free):
+        await each.free()
+
+
 @pytest.mark.anyio
 async def test_dropped_buffers_wake_allocations_waiting_under_the_budget(
     device: am.Device,
@@ -260,10 +268,7 @@ async def test_a_freed_buffers_last_use_passing_as_the_allocation_looks_is_not_m
                 time.sleep(0.001)
 
         monkeypatch.setattr(allocator, "sweep", sweep_then_finish)
-        with anyio.fail_after(LIMIT):
-            c = await device.alloc(MiB)
-        await c.free()
-        await b.free()
+        await _gets_a_mib(device, b)
 
 
 @pytest.mark.anyio
@@ -701,10 +706,7 @@ async def test_a_dlpack_view_a_finished_copy_kept_lets_its_memory_come_back(
         del view
         gc.collect()
         await a.free()
-        with anyio.fail_after(LIMIT):
-            c = await device.alloc(MiB)
-        await c.free()
-        await b.free()
+        await _gets_a_mib(device, b)
 
 
 @pytest.mark.anyio
