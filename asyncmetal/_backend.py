@@ -335,8 +335,10 @@ class Backend(ABC):
     def compiler(self) -> Compiler: ...
 
     @abstractmethod
-    def load(self, binary: bytes, name: str) -> Any:
-        """Load a compiled binary; return the native program for ``name``. May block."""
+    def load(self, binary: bytes, name: str, bindings: tuple[int, ...] | None = None) -> Any:
+        """Load a compiled binary; return the native program for ``name``, whose
+        parameters bind at ``bindings`` (its compiler's ``bindings``; None: in order).
+        May block."""
 
     @abstractmethod
     def unload(self, native: Any) -> None:

@@ -35,7 +35,14 @@ variables (``_objc.LIBRARIES``); ``devices()`` lists ``metal`` where they load.
 """
 
 from ._backend import MetalBackend
-from ._compiler import CodegenResult, MetalCompiler, codegen_library, codegen_request, metal_params
+from ._compiler import (
+    CodegenResult,
+    MetalCompiler,
+    codegen_library,
+    codegen_request,
+    metal_bindings,
+    metal_params,
+)
 from ._queue import MetalQueue, MetalTimeline
 
 __all__ = [
@@ -46,5 +53,6 @@ __all__ = [
     "MetalTimeline",
     "codegen_library",
     "codegen_request",
+    "metal_bindings",
     "metal_params",
 ]

@@ -154,6 +154,9 @@ class MetalCompiler(Compiler):
     def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
         return metal_params(src, name)
 
+    def bindings(self, src: str, name: str) -> tuple[int, ...]:
+        return metal_bindings(src, name)
+
 
 CODEGEN_CALLBACK = ctypes.CFUNCTYPE(
     None, c_void_p, ctypes.c_int32, c_void_p, ctypes.c_size_t, ctypes.c_char_p
@@ -192,6 +195,16 @@ def metal_params(src: str, name: str) -> tuple[ParamKind, ...]:
     """Launch parameters of a Metal kernel: those bound with ``[[buffer(i)]]`` in index
     order -- pointers are buffers, references and values are ``vals`` -- skipping
     ``[[thread_position_in_grid]]`` and the like."""
+    return tuple(kind for _, kind in _bound_params(src, name))
+
+
+def metal_bindings(src: str, name: str) -> tuple[int, ...]:
+    """The ``[[buffer(i)]]`` index of each of ``metal_params``' parameters (the indices
+    may have gaps: each argument is bound at its own)."""
+    return tuple(index for index, _ in _bound_params(src, name))
+
+
+def _bound_params(src: str, name: str) -> list[tuple[int, ParamKind]]:
     text = re.sub(r"//[^\n]*|/\*.*?\*/", " ", src, flags=re.S)
     match = re.search(rf"\bkernel\s+void\s+{re.escape(name)}\s*\((.*?)\)\s*{{", text, re.S)
     if match is None:
@@ -202,4 +215,4 @@ def metal_params(src: str, name: str) -> tuple[ParamKind, ...]:
         if index is None:
             continue
         bound.append((int(index.group(1)), "buffer" if "*" in param else "value"))
-    return tuple(kind for _, kind in sorted(bound))
+    return sorted(bound)

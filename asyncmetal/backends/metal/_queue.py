@@ -9,7 +9,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from ctypes import c_uint64, c_ulong, c_void_p
-from typing import Any, Protocol, overload
+from typing import Any, NamedTuple, Protocol, overload
 
 from ... import _native
 from ..._backend import (
@@ -49,6 +49,14 @@ class MetalDevice(Protocol):
     def wrap_pages(self, address: int, nbytes: int) -> tuple[int, int]: ...
     @overload
     def wrap_pages(self, address: int, nbytes: int, check: bool) -> tuple[int, int] | None: ...
+
+
+class MetalKernel(NamedTuple):
+    """A loaded kernel: its pipeline, and the index each launch argument binds at (its
+    parameter's ``[[buffer(i)]]``; None: the i-th at i)."""
+
+    pipeline: int
+    bindings: tuple[int, ...] | None
 
 
 class MTLSize(ctypes.Structure):
@@ -310,7 +318,7 @@ class MetalQueue(NativeQueue):
 
     def launch(
         self,
-        program: Any,
+        program: MetalKernel,
         args: Sequence[Arg],
         global_size: tuple[int, int, int],
         local_size: tuple[int, int, int],
@@ -318,12 +326,13 @@ class MetalQueue(NativeQueue):
         record: Record,
     ) -> None:
         ints = [ctypes.c_int32(a.value) for a in args if a.value is not None]
+        indices = program.bindings or range(len(args))
 
         def encode(cb: int) -> None:
             encoder = send(cb, "computeCommandEncoder")
-            send(encoder, "setComputePipelineState:", program, restype=None)
+            send(encoder, "setComputePipelineState:", program.pipeline, restype=None)
             values = iter(ints)
-            for index, (handle, offset, val) in enumerate(args):
+            for index, (handle, offset, val) in zip(indices, args, strict=True):
                 if val is None:
                     send(
                         encoder,

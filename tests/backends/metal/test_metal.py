@@ -22,6 +22,7 @@ from asyncmetal.backends.metal import (
     MetalCompiler,
     codegen_library,
     codegen_request,
+    metal_bindings,
     metal_params,
 )
 from tests.support.fakes import metal_sim
@@ -46,6 +47,20 @@ def test_metal_params_follow_buffer_indices() -> None:
     assert metal_params(KERNELS, "fill") == ("buffer", "value")
     with pytest.raises(am.CompileError, match="not defined"):
         metal_params(KERNELS, "missing")
+
+
+SPARSE = """
+kernel void k(device int* out [[buffer(0)]], constant int& add [[buffer(3)]],
+              uint i [[thread_position_in_grid]], device int* in [[buffer(2)]]) {
+    out[i] = in[i] + add;
+}
+"""
+
+
+def test_metal_bindings_are_each_parameters_own_index() -> None:
+    assert metal_params(SPARSE, "k") == ("buffer", "buffer", "value")
+    assert metal_bindings(SPARSE, "k") == (0, 2, 3)
+    assert metal_bindings(KERNELS, "add") == (0, 1, 2, 3)
 
 
 def test_metal_compiler_pickles_as_configuration() -> None:
@@ -472,7 +487,8 @@ HELD_AT_CLOSE = textwrap.dedent(
         print("closed", metal_sim.live("MTLCommandQueue"), flush=True)
         await held(await am.open_device("metal"))  # left open: closed at exit
 
-    anyio.run(main, backend=sys.argv[2], backend_options=eval(sys.argv[3]))
+    options = {"use_uvloop": True} if sys.argv[3] == "uvloop" else {}
+    anyio.run(main, backend=sys.argv[2], backend_options=options)
     """
 )
 
@@ -626,3 +642,43 @@ async def test_a_fault_fails_its_own_queue_only(anyio_backend: object) -> None:
         host = np.zeros(16, np.int32)
         await other.copy(host, good)  # (the default queue, which reads would use, failed)
         assert (host == 8).all()
+
+
+SPARSE_LAUNCH = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import anyio, numpy as np
+    import asyncmetal as am
+
+    async def main():
+        async with am.open_device("metal") as dev:
+            k = await dev.compile(sys.argv[4], "k")
+            out, inp = await dev.alloc(64), await dev.alloc(64)
+            await inp.write(np.arange(16, dtype=np.int32))
+            await dev.queue.launch(k, out, inp, vals=(100,), global_size=16)
+            print((await out.read(np.int32)).tolist())
+
+    options = {"use_uvloop": True} if sys.argv[3] == "uvloop" else {}
+    anyio.run(main, backend=sys.argv[2], backend_options=options)
+    """
+)
+
+
+@pytest.mark.metal
+@sim_only
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop", "trio"])
+def test_each_argument_is_bound_at_its_own_buffer_index(loop: str) -> None:
+    """A kernel whose [[buffer(i)]] indices have gaps (0, 2, 3): each argument is bound
+    at its parameter's index, the value too (in a fresh process: a kernel argument left
+    unbound aborts the simulation, as Metal's validation would trap it)."""
+    root = str(__import__("pathlib").Path(__file__).parents[3])
+    backend = "trio" if loop == "trio" else "asyncio"
+    out = subprocess.run(
+        [sys.executable, "-c", SPARSE_LAUNCH, root, backend, loop, SPARSE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == str(list(range(100, 116)))
