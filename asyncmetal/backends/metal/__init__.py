@@ -40,6 +40,7 @@ from ._compiler import (
     MetalCompiler,
     codegen_library,
     codegen_request,
+    codegen_warnings,
     metal_bindings,
     metal_params,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "MetalTimeline",
     "codegen_library",
     "codegen_request",
+    "codegen_warnings",
     "metal_bindings",
     "metal_params",
 ]

@@ -43,6 +43,13 @@ def codegen_library(reply: bytes) -> bytes:
     return library
 
 
+def codegen_warnings(reply: bytes) -> str:
+    """The compiler's warnings in the service's reply (between its header and the
+    library; NUL-terminated), or ``""``."""
+    header, size = struct.unpack("<LL", reply[8:16])
+    return reply[header : header + size].rstrip(b"\0").decode(errors="replace")
+
+
 class MetalCompiler(Compiler):
     """Metal Shading Language -> a Metal library.
 
@@ -125,7 +132,9 @@ class MetalCompiler(Compiler):
         lib.MTLCodeGenServiceBuildRequest(
             service, None, REQUEST_TYPE_COMPILE, request, len(request), ctypes.addressof(block)
         )
-        return result.library()
+        library = result.library()
+        self.last_log = result.warnings()
+        return library
 
     def _compile_xcrun(self, src: str) -> bytes:
         with tempfile.TemporaryDirectory(prefix="asyncmetal-metal-") as tmp:
@@ -189,6 +198,11 @@ class CodegenResult:
         if self.reply is None:
             raise CompileError("the Metal compiler service returned without replying")
         return codegen_library(self.reply)
+
+    def warnings(self) -> str:
+        """The compiler's warnings, once ``library()`` returned."""
+        assert self.reply is not None
+        return codegen_warnings(self.reply)
 
 
 def metal_params(src: str, name: str) -> tuple[ParamKind, ...]:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 
 import anyio
 import numpy as np
@@ -22,6 +23,7 @@ from asyncmetal.backends.metal import (
     MetalCompiler,
     codegen_library,
     codegen_request,
+    codegen_warnings,
     metal_bindings,
     metal_params,
 )
@@ -86,6 +88,16 @@ def test_compiler_service_request_layout() -> None:
     with pytest.raises(am.CompileError, match="no Metal library"):
         codegen_library(b"\0" * 8 + struct.pack("<LL", 16, 0) + b"garbage")
     assert codegen_library(b"\0" * 8 + struct.pack("<LL", 16, 0) + b"MTLBxENDT") == b"MTLBxENDT"
+
+
+def test_compiler_service_warnings_are_read_from_its_reply() -> None:
+    """The warnings section lies between the header and the library (its size at bytes
+    12-16), NUL-terminated."""
+    warning = b"program.metal:3:9: warning: unused variable 'x'\n"
+    reply = b"\0" * 8 + struct.pack("<LL", 16, len(warning) + 1) + warning + b"\0MTLBxENDT"
+    assert codegen_library(reply) == b"MTLBxENDT"
+    assert codegen_warnings(reply) == warning.decode()
+    assert codegen_warnings(b"\0" * 8 + struct.pack("<LL", 16, 1) + b"\0MTLBxENDT") == ""
 
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="off macOS only")
@@ -682,3 +694,33 @@ def test_each_argument_is_bound_at_its_own_buffer_index(loop: str) -> None:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == str(list(range(100, 116)))
+
+
+WARNED = """
+kernel void warned(device int* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+    out[i] = 3;  // __asyncmetal_sim_warning unused variable 'x' [-Wunused-variable]
+}
+"""
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+@sim_only
+async def test_the_compiler_services_warnings_raise_a_compile_warning(
+    anyio_backend: object,
+) -> None:
+    """A kernel the compiler service compiles with warnings warns once, with them as its
+    log, and runs; from the cache it warns no more."""
+    src = f"{WARNED}// {uuid.uuid4().hex} (not cached by another run)\n"
+    async with am.open_device("metal") as dev:
+        with pytest.warns(am.CompileWarning) as warned:
+            program = await dev.compile(src, "warned")
+        assert len(warned) == 1
+        log = warned[0].message.log  # type: ignore[union-attr]
+        assert "program.metal:3: warning: unused variable 'x'" in log, log
+        out = await dev.alloc(16)
+        await dev.queue.launch(program, out, global_size=4)
+        assert (await out.read(np.int32)).tolist() == [3] * 4
+    async with am.open_device("metal") as dev:
+        await dev.compile(src, "warned")  # (warnings are errors in the tests)
