@@ -350,6 +350,11 @@ class Backend(ABC):
     def allocate(self, nbytes: int) -> Any:
         """A native buffer handle; raise MemoryError when the device has none left."""
 
+    def max_allocation(self) -> int | None:
+        """The largest buffer one ``allocate`` can make, where the device has such a
+        limit below its memory (None: none); a larger request is refused at once."""
+        return None
+
     @abstractmethod
     def free(self, handle: Any) -> None: ...
 

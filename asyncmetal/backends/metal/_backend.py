@@ -82,6 +82,7 @@ class MetalBackend(Backend):
         self._dispatch = dispatch
         name = send(send(self.device, "name"), "UTF8String", restype=ctypes.c_char_p)
         total = send(self.device, "recommendedMaxWorkingSetSize", restype=c_uint64)
+        self._max_buffer = int(send(self.device, "maxBufferLength", restype=c_ulong))
         self._info = DeviceInfo(name=(name or b"metal").decode(), total_memory=int(total))
         self._compiler = MetalCompiler()
         self.live_allocations = 0
@@ -154,6 +155,9 @@ class MetalBackend(Backend):
             raise MemoryError(f"newBufferWithLength: {nbytes} failed")
         self.live_allocations += 1
         return buffer
+
+    def max_allocation(self) -> int:
+        return self._max_buffer  # newBufferWithLength: returns nil above it
 
     def free(self, handle: Any) -> None:
         self.live_allocations -= 1

@@ -724,3 +724,25 @@ async def test_the_compiler_services_warnings_raise_a_compile_warning(
         assert (await out.read(np.int32)).tolist() == [3] * 4
     async with am.open_device("metal") as dev:
         await dev.compile(src, "warned")  # (warnings are errors in the tests)
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+@sim_only
+async def test_a_buffer_above_max_buffer_length_is_refused_at_once(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Metal makes no buffer above the device's maxBufferLength (newBufferWithLength:
+    returns nil), well within the budget: such a request raises OutOfMemoryError at once,
+    while another buffer is held, rather than waiting for frees."""
+    monkeypatch.setenv("ASYNCMETAL_SIM_MAX_BUFFER", str(1 << 20))  # the simulation's
+    async with am.open_device("metal") as dev:
+        assert dev.memory_budget > 1 << 21
+        held = await dev.alloc(4096)
+        with anyio.fail_after(10), pytest.raises(am.OutOfMemoryError, match="largest buffer"):
+            await dev.alloc((1 << 20) + 1)
+        largest = await dev.alloc(1 << 20)
+        await largest.write(np.ones(1 << 18, np.int32))
+        assert int((await largest.read(np.int32)).sum()) == 1 << 18
+        await held.free()
