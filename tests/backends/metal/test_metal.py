@@ -11,8 +11,10 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
+from typing import Any
 
 import anyio
 import numpy as np
@@ -746,3 +748,40 @@ async def test_a_buffer_above_max_buffer_length_is_refused_at_once(
         await largest.write(np.ones(1 << 18, np.int32))
         assert int((await largest.read(np.int32)).sum()) == 1 << 18
         await held.free()
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+async def test_a_large_read_stages_off_the_loop_in_order(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy of a large buffer to the host has its staging buffer (as large) made on
+    the queue's own thread, not the loop's; it still sees the work before it on its
+    source and none after it, and the submissions after it keep their order."""
+    from asyncmetal.backends.metal import _queue
+
+    made: list[tuple[int, bool]] = []  # (bytes, on the loop's thread)
+    send, loop_thread = _queue.send, threading.get_ident()
+
+    def recorded(obj: int, selector: str, *args: Any, **kwargs: Any) -> Any:
+        if selector == "newBufferWithLength:options:":
+            made.append((args[0], threading.get_ident() == loop_thread))
+        return send(obj, selector, *args, **kwargs)
+
+    monkeypatch.setattr(_queue, "send", recorded)
+    n = 1 << 20  # 4 MiB of int32
+    async with am.open_device("metal") as dev:
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        buf = await dev.alloc(4 * n)
+        firsts, lasts = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        small = np.zeros(16, np.int32)
+        dev.queue.launch(fill, buf, vals=(1, n))
+        first = dev.queue.copy(firsts, buf)
+        dev.queue.launch(fill, buf, vals=(2, n))  # after the copy read
+        dev.queue.copy(small, buf.view(0, 64))
+        await dev.queue.copy(lasts, buf)
+        await first
+        assert (firsts == 1).all() and (small == 2).all() and (lasts == 2).all()
+    large = [on_loop for nbytes, on_loop in made if nbytes == 4 * n]
+    assert large == [False, False], made
