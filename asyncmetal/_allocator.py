@@ -228,6 +228,10 @@ class Allocator:
             raise ClosedResourceError(f"device {self._state.name} is closed")
         if nbytes > self.budget:
             raise self._oom(nbytes, "larger than the device's whole budget")
+        largest = self._state.backend.max_allocation()
+        if largest is not None and nbytes > largest:
+            detail = f"larger than the largest buffer the device makes ({largest} bytes)"
+            raise self._oom(nbytes, detail)
 
     def _try_alloc(self, nbytes: int) -> Block | None:
         with self._lock:

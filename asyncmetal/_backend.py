@@ -335,8 +335,10 @@ class Backend(ABC):
     def compiler(self) -> Compiler: ...
 
     @abstractmethod
-    def load(self, binary: bytes, name: str) -> Any:
-        """Load a compiled binary; return the native program for ``name``. May block."""
+    def load(self, binary: bytes, name: str, bindings: tuple[int, ...] | None = None) -> Any:
+        """Load a compiled binary; return the native program for ``name``, whose
+        parameters bind at ``bindings`` (its compiler's ``bindings``; None: in order).
+        May block."""
 
     @abstractmethod
     def unload(self, native: Any) -> None:
@@ -347,6 +349,11 @@ class Backend(ABC):
     @abstractmethod
     def allocate(self, nbytes: int) -> Any:
         """A native buffer handle; raise MemoryError when the device has none left."""
+
+    def max_allocation(self) -> int | None:
+        """The largest buffer one ``allocate`` can make, where the device has such a
+        limit below its memory (None: none); a larger request is refused at once."""
+        return None
 
     @abstractmethod
     def free(self, handle: Any) -> None: ...

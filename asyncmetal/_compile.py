@@ -43,6 +43,11 @@ class Compiler(ABC):
         """The kinds of kernel ``name``'s parameters, in order, read from ``src``."""
         return c_params(src, name)
 
+    def bindings(self, src: str, name: str) -> tuple[int, ...] | None:
+        """The index each of ``params``' parameters binds at, where the kernel's source
+        names them (Metal's ``[[buffer(i)]]``); None: the i-th parameter binds at i."""
+        return None
+
     def identity(self) -> str:
         """A key naming this compiler's name, version, target and flags."""
         return f"{self.name}|{self.version()}|{self.config()!r}"

@@ -349,7 +349,7 @@ class Device:
     ) -> Program:
         name = key[1]
         try:
-            native = await self._loaded(binary, name)
+            native = await self._loaded(binary, name, src)
         except _UnloadableError:
             # A binary that verified but does not load came from the cache damaged in a
             # way no checksum sees (built for another machine sharing the directory):
@@ -362,7 +362,7 @@ class Device:
             if log:
                 _warn_compiled(name, log, 4)
             try:
-                native = await self._loaded(binary, name)
+                native = await self._loaded(binary, name, src)
             except _UnloadableError as exc:
                 cause = exc.__cause__
                 raise CompileError(
@@ -401,26 +401,29 @@ class Device:
             _check_kernel(src, name, f"compile_many: kernel {i}")
         return CompileMany(self, [(src, name) for src, name in kernels], check_timeout(timeout))
 
-    async def _loaded(self, binary: bytes, name: str) -> Any:
+    async def _loaded(self, binary: bytes, name: str, src: str) -> Any:
         """``_load`` on a worker thread. What it loads for a caller cancelled meanwhile
         (asyncio's own cancel ends the wait, not the thread) is left to be unloaded as
         a collected program's is."""
         claim = _Claim()
         try:
-            return await anyio.to_thread.run_sync(self._load_claimed, binary, name, claim)
+            return await anyio.to_thread.run_sync(self._load_claimed, binary, name, src, claim)
         except BaseException:
             claim.give_up(self._dropped)
             raise
 
-    def _load_claimed(self, binary: bytes, name: str, claim: _Claim) -> Any:
-        native = self._load(binary, name)
+    def _load_claimed(self, binary: bytes, name: str, src: str, claim: _Claim) -> Any:
+        native = self._load(binary, name, src)
         claim.loaded(native, self._dropped)
         return native
 
-    def _load(self, binary: bytes, name: str) -> Any:
+    def _load(self, binary: bytes, name: str, src: str) -> Any:
         self._unload_retired()
+        bindings = self._backend.compiler.bindings(src, name)
         try:
-            return self._backend.load(binary, name)
+            if bindings is None:  # (a backend whose kernels bind in order takes none)
+                return self._backend.load(binary, name)
+            return self._backend.load(binary, name, bindings)
         except AttributeError:
             raise CompileError(
                 f"kernel {name!r} is not defined in the compiled code", name=name

@@ -464,7 +464,7 @@ class CPUBackend(HostQueues, Backend):
     def compiler(self) -> Compiler:
         return self._compiler
 
-    def load(self, binary: bytes, name: str) -> Any:
+    def load(self, binary: bytes, name: str, bindings: tuple[int, ...] | None = None) -> Any:
         with tempfile.NamedTemporaryFile(prefix="asyncmetal-", suffix=".so") as f:
             f.write(binary)
             f.flush()

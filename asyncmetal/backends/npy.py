@@ -77,7 +77,7 @@ class NpyBackend(HostQueues, Backend):
     def compiler(self) -> Compiler:
         return self._compiler
 
-    def load(self, binary: bytes, name: str) -> Any:
+    def load(self, binary: bytes, name: str, bindings: tuple[int, ...] | None = None) -> Any:
         raise CompileError(NO_KERNELS)
 
     def unload(self, native: Any) -> None:

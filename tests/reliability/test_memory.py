@@ -136,6 +136,26 @@ async def test_lowering_the_budget_below_a_waiting_request_fails_it(device: am.D
 
 
 @pytest.mark.anyio
+async def test_a_request_above_the_largest_buffer_the_device_makes_fails_at_once(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device whose buffers have a size limit below its budget (Backend.max_allocation)
+    refuses a larger request with OutOfMemoryError at once, even while other buffers are
+    held (whose frees could never make room for it); one within the limit is made."""
+    device.memory_budget = 64 * MiB
+    monkeypatch.setattr(device._backend, "max_allocation", lambda: 4 * MiB, raising=False)
+    held = await device.alloc(MiB)
+    with anyio.fail_after(LIMIT), pytest.raises(am.OutOfMemoryError) as info:
+        await device.alloc(4 * MiB + 1)
+    assert info.value.requested == 4 * MiB + 1
+    assert f"largest buffer the device makes ({4 * MiB} bytes)" in str(info.value)
+    within = await device.alloc(4 * MiB)
+    assert device.memory_statistics().in_use == 5 * MiB
+    await within.free()
+    await held.free()
+
+
+@pytest.mark.anyio
 async def test_a_release_never_caches_beyond_a_lowered_budget(device: am.Device) -> None:
     device.memory_budget = 4 * MiB
     held = await device.alloc(3 * MiB)

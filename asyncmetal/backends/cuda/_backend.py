@@ -185,7 +185,7 @@ class CUDABackend(Backend):
         return self._compiler
 
     @keeps_context
-    def load(self, binary: bytes, name: str) -> Any:
+    def load(self, binary: bytes, name: str, bindings: tuple[int, ...] | None = None) -> Any:
         refuse_if_lost(f"loading kernel {name!r} on {self.name}")
         self.make_current()
         module = check(cu.cuModuleLoadData(binary), "cuModuleLoadData", self.name)

@@ -26,7 +26,8 @@ variables (``_objc.LIBRARIES``); ``devices()`` lists ``metal`` where they load.
   buffer over its pages (nothing copied on the loop, and -- as ``Queue.copy`` documents
   -- not staged); only one Metal will not wrap is copied into a staging buffer at
   submission. Copies out blit into a shared staging
-  buffer that the completion handler's native code moves to the host array.
+  buffer that the completion handler's native code moves to the host array; one of 1 MiB
+  or more is made, and its copy committed, on the queue's own thread.
 * Kernels are Metal Shading Language compiled in the worker pool by the
   ``MTLCodeGenService`` of Apple's MTLCompiler framework, as tinygrad does (its reply
   block is a proper global block; the request and reply formats are tinygrad's), or by
@@ -35,7 +36,15 @@ variables (``_objc.LIBRARIES``); ``devices()`` lists ``metal`` where they load.
 """
 
 from ._backend import MetalBackend
-from ._compiler import CodegenResult, MetalCompiler, codegen_library, codegen_request, metal_params
+from ._compiler import (
+    CodegenResult,
+    MetalCompiler,
+    codegen_library,
+    codegen_request,
+    codegen_warnings,
+    metal_bindings,
+    metal_params,
+)
 from ._queue import MetalQueue, MetalTimeline
 
 __all__ = [
@@ -46,5 +55,7 @@ __all__ = [
     "MetalTimeline",
     "codegen_library",
     "codegen_request",
+    "codegen_warnings",
+    "metal_bindings",
     "metal_params",
 ]

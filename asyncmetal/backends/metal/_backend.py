@@ -31,7 +31,7 @@ from ._objc import (
     release,
     send,
 )
-from ._queue import STORAGE_SHARED, MetalQueue, MetalTimeline
+from ._queue import STORAGE_SHARED, MetalKernel, MetalQueue, MetalTimeline
 
 PAGE = mmap.PAGESIZE  # no-copy wrappers cover whole pages (16 KiB on Apple silicon)
 
@@ -82,6 +82,7 @@ class MetalBackend(Backend):
         self._dispatch = dispatch
         name = send(send(self.device, "name"), "UTF8String", restype=ctypes.c_char_p)
         total = send(self.device, "recommendedMaxWorkingSetSize", restype=c_uint64)
+        self._max_buffer = int(send(self.device, "maxBufferLength", restype=c_ulong))
         self._info = DeviceInfo(name=(name or b"metal").decode(), total_memory=int(total))
         self._compiler = MetalCompiler()
         self.live_allocations = 0
@@ -97,7 +98,7 @@ class MetalBackend(Backend):
     def compiler(self) -> Compiler:
         return self._compiler
 
-    def load(self, binary: bytes, name: str) -> Any:
+    def load(self, binary: bytes, name: str, bindings: tuple[int, ...] | None = None) -> Any:
         self._dispatch.dispatch_data_create.restype = c_void_p
         self._dispatch.dispatch_data_create.argtypes = [
             ctypes.c_char_p,
@@ -132,14 +133,15 @@ class MetalBackend(Backend):
                 )
             with self._pipelines_lock:
                 self._pipelines[pipeline] = None  # released by unload() or close()
-            return pipeline
+            return MetalKernel(pipeline, bindings)
 
     def unload(self, native: Any) -> None:
         # A command buffer retains the pipelines encoded in it: released here, one still
         # running keeps it until it completes.
+        assert isinstance(native, MetalKernel)
         with self._pipelines_lock:  # (after a close: already released)
-            if self._pipelines.pop(native, 0) is None:
-                release(native)
+            if self._pipelines.pop(native.pipeline, 0) is None:
+                release(native.pipeline)
 
     def allocate(self, nbytes: int) -> Any:
         buffer = send(
@@ -153,6 +155,9 @@ class MetalBackend(Backend):
             raise MemoryError(f"newBufferWithLength: {nbytes} failed")
         self.live_allocations += 1
         return buffer
+
+    def max_allocation(self) -> int:
+        return self._max_buffer  # newBufferWithLength: returns nil above it
 
     def free(self, handle: Any) -> None:
         self.live_allocations -= 1

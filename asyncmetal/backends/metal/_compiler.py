@@ -43,6 +43,13 @@ def codegen_library(reply: bytes) -> bytes:
     return library
 
 
+def codegen_warnings(reply: bytes) -> str:
+    """The compiler's warnings in the service's reply (between its header and the
+    library; NUL-terminated), or ``""``."""
+    header, size = struct.unpack("<LL", reply[8:16])
+    return reply[header : header + size].rstrip(b"\0").decode(errors="replace")
+
+
 class MetalCompiler(Compiler):
     """Metal Shading Language -> a Metal library.
 
@@ -125,7 +132,9 @@ class MetalCompiler(Compiler):
         lib.MTLCodeGenServiceBuildRequest(
             service, None, REQUEST_TYPE_COMPILE, request, len(request), ctypes.addressof(block)
         )
-        return result.library()
+        library = result.library()
+        self.last_log = result.warnings()
+        return library
 
     def _compile_xcrun(self, src: str) -> bytes:
         with tempfile.TemporaryDirectory(prefix="asyncmetal-metal-") as tmp:
@@ -153,6 +162,9 @@ class MetalCompiler(Compiler):
 
     def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
         return metal_params(src, name)
+
+    def bindings(self, src: str, name: str) -> tuple[int, ...]:
+        return metal_bindings(src, name)
 
 
 CODEGEN_CALLBACK = ctypes.CFUNCTYPE(
@@ -187,11 +199,26 @@ class CodegenResult:
             raise CompileError("the Metal compiler service returned without replying")
         return codegen_library(self.reply)
 
+    def warnings(self) -> str:
+        """The compiler's warnings, once ``library()`` returned."""
+        assert self.reply is not None
+        return codegen_warnings(self.reply)
+
 
 def metal_params(src: str, name: str) -> tuple[ParamKind, ...]:
     """Launch parameters of a Metal kernel: those bound with ``[[buffer(i)]]`` in index
     order -- pointers are buffers, references and values are ``vals`` -- skipping
     ``[[thread_position_in_grid]]`` and the like."""
+    return tuple(kind for _, kind in _bound_params(src, name))
+
+
+def metal_bindings(src: str, name: str) -> tuple[int, ...]:
+    """The ``[[buffer(i)]]`` index of each of ``metal_params``' parameters (the indices
+    may have gaps: each argument is bound at its own)."""
+    return tuple(index for index, _ in _bound_params(src, name))
+
+
+def _bound_params(src: str, name: str) -> list[tuple[int, ParamKind]]:
     text = re.sub(r"//[^\n]*|/\*.*?\*/", " ", src, flags=re.S)
     match = re.search(rf"\bkernel\s+void\s+{re.escape(name)}\s*\((.*?)\)\s*{{", text, re.S)
     if match is None:
@@ -202,4 +229,4 @@ def metal_params(src: str, name: str) -> tuple[ParamKind, ...]:
         if index is None:
             continue
         bound.append((int(index.group(1)), "buffer" if "*" in param else "value"))
-    return tuple(kind for _, kind in sorted(bound))
+    return sorted(bound)

@@ -9,7 +9,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from ctypes import c_uint64, c_ulong, c_void_p
-from typing import Any, Protocol, overload
+from typing import Any, NamedTuple, Protocol, overload
 
 from ... import _native
 from ..._backend import (
@@ -36,6 +36,9 @@ from ._objc import (
 STORAGE_SHARED = 0  # MTLResourceStorageModeShared
 STATUS_ERROR = 5  # MTLCommandBufferStatusError
 MAX_IN_FLIGHT = 1000  # the queues are made with room for 1024 command buffers
+# A copy to the host this large has its staging buffer made on the queue's own thread:
+# making one takes time in proportion to its size (its pages are zeroed and wired).
+STAGE_OFF_LOOP = 1 << 20
 
 
 class MetalDevice(Protocol):
@@ -49,6 +52,14 @@ class MetalDevice(Protocol):
     def wrap_pages(self, address: int, nbytes: int) -> tuple[int, int]: ...
     @overload
     def wrap_pages(self, address: int, nbytes: int, check: bool) -> tuple[int, int] | None: ...
+
+
+class MetalKernel(NamedTuple):
+    """A loaded kernel: its pipeline, and the index each launch argument binds at (its
+    parameter's ``[[buffer(i)]]``; None: the i-th at i)."""
+
+    pipeline: int
+    bindings: tuple[int, ...] | None
 
 
 class MTLSize(ctypes.Structure):
@@ -151,11 +162,15 @@ class MetalQueue(NativeQueue):
         then: tuple[int, int] | None = None,
     ) -> None:
         record = record if record is not None else Record(value)
-        if self._routed or value - 1 - self._timeline.value >= MAX_IN_FLIGHT:
-            # `commandBuffer` would block: commit from the queue's own thread, in order.
+        if self._routing(value):
             self._hand_over(self._commit, value, encode, keep, copy_back, record, then)
             return
         self._commit(value, encode, keep, copy_back, record, then)
+
+    def _routing(self, value: int) -> bool:
+        """Whether command ``value`` is committed from the queue's own thread, in order:
+        it holds earlier submissions, or `commandBuffer` would block."""
+        return bool(self._routed) or value - 1 - self._timeline.value >= MAX_IN_FLIGHT
 
     def _commit(
         self,
@@ -310,7 +325,7 @@ class MetalQueue(NativeQueue):
 
     def launch(
         self,
-        program: Any,
+        program: MetalKernel,
         args: Sequence[Arg],
         global_size: tuple[int, int, int],
         local_size: tuple[int, int, int],
@@ -318,12 +333,13 @@ class MetalQueue(NativeQueue):
         record: Record,
     ) -> None:
         ints = [ctypes.c_int32(a.value) for a in args if a.value is not None]
+        indices = program.bindings or range(len(args))
 
         def encode(cb: int) -> None:
             encoder = send(cb, "computeCommandEncoder")
-            send(encoder, "setComputePipelineState:", program, restype=None)
+            send(encoder, "setComputePipelineState:", program.pipeline, restype=None)
             values = iter(ints)
-            for index, (handle, offset, val) in enumerate(args):
+            for index, (handle, offset, val) in zip(indices, args, strict=True):
                 if val is None:
                     send(
                         encoder,
@@ -396,24 +412,8 @@ class MetalQueue(NativeQueue):
         nbytes: int,
         keep: object,
         record: Record,
-        copy_back: tuple[int, int, int] | None = None,
     ) -> None:
-        def encode(cb: int) -> None:
-            blit = send(cb, "blitCommandEncoder")
-            send(
-                blit,
-                "copyFromBuffer:sourceOffset:toBuffer:destinationOffset:size:",
-                src[0],
-                src[1],
-                dst[0],
-                dst[1],
-                nbytes,
-                restype=None,
-                argtypes=(c_void_p, c_ulong, c_void_p, c_ulong, c_ulong),
-            )
-            send(blit, "endEncoding", restype=None)
-
-        self._submit(value, encode, keep, copy_back, record)
+        self._submit(value, _blit_encoder(dst, src, nbytes), keep, None, record)
 
     def copy(
         self, dst: Arg, src: Arg, nbytes: int, value: int, record: Record, peer: Any = None
@@ -455,8 +455,16 @@ class MetalQueue(NativeQueue):
 
     def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
         # Blit into a shared staging buffer (the blit is ordered after earlier work on
-        # `src` by Metal's hazard tracking); the completion handler itself then moves the
-        # bytes to the host array, natively, before it raises the timeline.
+        # `src` by Metal's hazard tracking, and before later work on it); the completion
+        # handler itself then moves the bytes to the host array, natively, before it
+        # raises the timeline. A large staging buffer is made on the queue's own thread,
+        # which commits the copy after what it holds; later submissions follow it there.
+        if dst.nbytes >= STAGE_OFF_LOOP or self._routing(value):
+            self._hand_over(self._staged_copyout, dst, src, value, record)
+        else:
+            self._staged_copyout(dst, src, value, record)
+
+    def _staged_copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
         staging = send(
             self._backend.device,
             "newBufferWithLength:options:",
@@ -464,14 +472,13 @@ class MetalQueue(NativeQueue):
             STORAGE_SHARED,
             argtypes=(c_ulong, c_ulong),
         )
-        self._blit(
+        self._commit(
             value,
-            (staging, 0),
-            (src.handle, src.offset),
-            dst.nbytes,
+            _blit_encoder((staging, 0), (src.handle, src.offset), dst.nbytes),
             (dst, src, _Owned(staging)),
+            (host_address(dst)[0], send(staging, "contents"), dst.nbytes),
             record,
-            copy_back=(host_address(dst)[0], send(staging, "contents"), dst.nbytes),
+            None,
         )
 
     def close(self, abandon: bool = False) -> None:
@@ -515,6 +522,27 @@ class MetalQueue(NativeQueue):
             release(cb)
         self._buffers.clear()
         release(self._queue)
+
+
+def _blit_encoder(dst: tuple[int, int], src: tuple[int, int], nbytes: int) -> Callable[[int], None]:
+    """What encodes a blit of ``nbytes`` from ``src`` to ``dst`` (buffer, offset)."""
+
+    def encode(cb: int) -> None:
+        blit = send(cb, "blitCommandEncoder")
+        send(
+            blit,
+            "copyFromBuffer:sourceOffset:toBuffer:destinationOffset:size:",
+            src[0],
+            src[1],
+            dst[0],
+            dst[1],
+            nbytes,
+            restype=None,
+            argtypes=(c_void_p, c_ulong, c_void_p, c_ulong, c_ulong),
+        )
+        send(blit, "endEncoding", restype=None)
+
+    return encode
 
 
 class _Owned:

@@ -11,7 +11,10 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import uuid
+from typing import Any
 
 import anyio
 import numpy as np
@@ -22,6 +25,8 @@ from asyncmetal.backends.metal import (
     MetalCompiler,
     codegen_library,
     codegen_request,
+    codegen_warnings,
+    metal_bindings,
     metal_params,
 )
 from tests.support.fakes import metal_sim
@@ -48,6 +53,20 @@ def test_metal_params_follow_buffer_indices() -> None:
         metal_params(KERNELS, "missing")
 
 
+SPARSE = """
+kernel void k(device int* out [[buffer(0)]], constant int& add [[buffer(3)]],
+              uint i [[thread_position_in_grid]], device int* in [[buffer(2)]]) {
+    out[i] = in[i] + add;
+}
+"""
+
+
+def test_metal_bindings_are_each_parameters_own_index() -> None:
+    assert metal_params(SPARSE, "k") == ("buffer", "buffer", "value")
+    assert metal_bindings(SPARSE, "k") == (0, 2, 3)
+    assert metal_bindings(KERNELS, "add") == (0, 1, 2, 3)
+
+
 def test_metal_compiler_pickles_as_configuration() -> None:
     compiler = MetalCompiler("xcrun", ("-O3",))
     data = pickle.dumps(compiler)
@@ -71,6 +90,16 @@ def test_compiler_service_request_layout() -> None:
     with pytest.raises(am.CompileError, match="no Metal library"):
         codegen_library(b"\0" * 8 + struct.pack("<LL", 16, 0) + b"garbage")
     assert codegen_library(b"\0" * 8 + struct.pack("<LL", 16, 0) + b"MTLBxENDT") == b"MTLBxENDT"
+
+
+def test_compiler_service_warnings_are_read_from_its_reply() -> None:
+    """The warnings section lies between the header and the library (its size at bytes
+    12-16), NUL-terminated."""
+    warning = b"program.metal:3:9: warning: unused variable 'x'\n"
+    reply = b"\0" * 8 + struct.pack("<LL", 16, len(warning) + 1) + warning + b"\0MTLBxENDT"
+    assert codegen_library(reply) == b"MTLBxENDT"
+    assert codegen_warnings(reply) == warning.decode()
+    assert codegen_warnings(b"\0" * 8 + struct.pack("<LL", 16, 1) + b"\0MTLBxENDT") == ""
 
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="off macOS only")
@@ -472,7 +501,8 @@ HELD_AT_CLOSE = textwrap.dedent(
         print("closed", metal_sim.live("MTLCommandQueue"), flush=True)
         await held(await am.open_device("metal"))  # left open: closed at exit
 
-    anyio.run(main, backend=sys.argv[2], backend_options=eval(sys.argv[3]))
+    options = {"use_uvloop": True} if sys.argv[3] == "uvloop" else {}
+    anyio.run(main, backend=sys.argv[2], backend_options=options)
     """
 )
 
@@ -626,3 +656,132 @@ async def test_a_fault_fails_its_own_queue_only(anyio_backend: object) -> None:
         host = np.zeros(16, np.int32)
         await other.copy(host, good)  # (the default queue, which reads would use, failed)
         assert (host == 8).all()
+
+
+SPARSE_LAUNCH = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import anyio, numpy as np
+    import asyncmetal as am
+
+    async def main():
+        async with am.open_device("metal") as dev:
+            k = await dev.compile(sys.argv[4], "k")
+            out, inp = await dev.alloc(64), await dev.alloc(64)
+            await inp.write(np.arange(16, dtype=np.int32))
+            await dev.queue.launch(k, out, inp, vals=(100,), global_size=16)
+            print((await out.read(np.int32)).tolist())
+
+    options = {"use_uvloop": True} if sys.argv[3] == "uvloop" else {}
+    anyio.run(main, backend=sys.argv[2], backend_options=options)
+    """
+)
+
+
+@pytest.mark.metal
+@sim_only
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop", "trio"])
+def test_each_argument_is_bound_at_its_own_buffer_index(loop: str) -> None:
+    """A kernel whose [[buffer(i)]] indices have gaps (0, 2, 3): each argument is bound
+    at its parameter's index, the value too (in a fresh process: a kernel argument left
+    unbound aborts the simulation, as Metal's validation would trap it)."""
+    root = str(__import__("pathlib").Path(__file__).parents[3])
+    backend = "trio" if loop == "trio" else "asyncio"
+    out = subprocess.run(
+        [sys.executable, "-c", SPARSE_LAUNCH, root, backend, loop, SPARSE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == str(list(range(100, 116)))
+
+
+WARNED = """
+kernel void warned(device int* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+    out[i] = 3;  // __asyncmetal_sim_warning unused variable 'x' [-Wunused-variable]
+}
+"""
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+@sim_only
+async def test_the_compiler_services_warnings_raise_a_compile_warning(
+    anyio_backend: object,
+) -> None:
+    """A kernel the compiler service compiles with warnings warns once, with them as its
+    log, and runs; from the cache it warns no more."""
+    src = f"{WARNED}// {uuid.uuid4().hex} (not cached by another run)\n"
+    async with am.open_device("metal") as dev:
+        with pytest.warns(am.CompileWarning) as warned:
+            program = await dev.compile(src, "warned")
+        assert len(warned) == 1
+        log = warned[0].message.log  # type: ignore[union-attr]
+        assert "program.metal:3: warning: unused variable 'x'" in log, log
+        out = await dev.alloc(16)
+        await dev.queue.launch(program, out, global_size=4)
+        assert (await out.read(np.int32)).tolist() == [3] * 4
+    async with am.open_device("metal") as dev:
+        await dev.compile(src, "warned")  # (warnings are errors in the tests)
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+@sim_only
+async def test_a_buffer_above_max_buffer_length_is_refused_at_once(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Metal makes no buffer above the device's maxBufferLength (newBufferWithLength:
+    returns nil), well within the budget: such a request raises OutOfMemoryError at once,
+    while another buffer is held, rather than waiting for frees."""
+    monkeypatch.setenv("ASYNCMETAL_SIM_MAX_BUFFER", str(1 << 20))  # the simulation's
+    async with am.open_device("metal") as dev:
+        assert dev.memory_budget > 1 << 21
+        held = await dev.alloc(4096)
+        with anyio.fail_after(10), pytest.raises(am.OutOfMemoryError, match="largest buffer"):
+            await dev.alloc((1 << 20) + 1)
+        largest = await dev.alloc(1 << 20)
+        await largest.write(np.ones(1 << 18, np.int32))
+        assert int((await largest.read(np.int32)).sum()) == 1 << 18
+        await held.free()
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+async def test_a_large_read_stages_off_the_loop_in_order(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy of a large buffer to the host has its staging buffer (as large) made on
+    the queue's own thread, not the loop's; it still sees the work before it on its
+    source and none after it, and the submissions after it keep their order."""
+    from asyncmetal.backends.metal import _queue
+
+    made: list[tuple[int, bool]] = []  # (bytes, on the loop's thread)
+    send, loop_thread = _queue.send, threading.get_ident()
+
+    def recorded(obj: int, selector: str, *args: Any, **kwargs: Any) -> Any:
+        if selector == "newBufferWithLength:options:":
+            made.append((args[0], threading.get_ident() == loop_thread))
+        return send(obj, selector, *args, **kwargs)
+
+    monkeypatch.setattr(_queue, "send", recorded)
+    n = 1 << 20  # 4 MiB of int32
+    async with am.open_device("metal") as dev:
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        buf = await dev.alloc(4 * n)
+        firsts, lasts = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        small = np.zeros(16, np.int32)
+        dev.queue.launch(fill, buf, vals=(1, n))
+        first = dev.queue.copy(firsts, buf)
+        dev.queue.launch(fill, buf, vals=(2, n))  # after the copy read
+        dev.queue.copy(small, buf.view(0, 64))
+        await dev.queue.copy(lasts, buf)
+        await first
+        assert (firsts == 1).all() and (small == 2).all() and (lasts == 2).all()
+    large = [on_loop for nbytes, on_loop in made if nbytes == 4 * n]
+    assert large == [False, False], made

@@ -10,6 +10,9 @@
  *   uint i [[thread_position_in_grid]]  the x position (no uint2/uint3)
  *   #include <metal_stdlib>, using namespace metal; metal::min/max; C++ in the body
  *   __asyncmetal_sim_fault()            a simulation-only hook: the command buffer faults
+ *   __asyncmetal_sim_warning TEXT       a simulation-only marker (in a comment, say): the
+ *                                       reply's warnings section has "program.metal:LINE:
+ *                                       warning: TEXT" for each, as the compiler's warnings
  *
  * Not accepted: threadgroup memory and barriers, SIMD-group functions, vector types,
  * textures, other attributes. The library is "MTLB", a shared object, "ENDT"; the reply is
@@ -267,6 +270,19 @@ static char *compile(const char *source, size_t *len, char **message) {
     return library;
 }
 
+/* The warnings the reply carries: one line per __asyncmetal_sim_warning marker. */
+static void sim_warnings(const char *source, text *out) {
+    static const char marker[] = "__asyncmetal_sim_warning";
+    for (const char *p = source; (p = strstr(p, marker));) {
+        int line = 1;
+        for (const char *c = source; c < p; c++) line += *c == '\n';
+        p += sizeof marker - 1;
+        const char *end = strchrnul(p, '\n');
+        putf(out, "program.metal:%d: warning:%.*s\n", line, (int)(end - p), p);
+        p = end;
+    }
+}
+
 typedef struct { char name[64]; } service;
 
 void *MTLCodeGenServiceCreate(const char *name) {
@@ -309,15 +325,19 @@ void MTLCodeGenServiceBuildRequest(void *service, void *unused, int type, const 
     if (!library) {
         reply(3, NULL, 0, message);
     } else {
-        static const char warnings[] = "";
-        size_t total = 16 + sizeof warnings + lib_len;
+        text warnings = {0};
+        sim_warnings(request + 16, &warnings);
+        put(&warnings, "", 0);  /* NUL-terminated, as an empty section is */
+        uint32_t header = 16, warn = (uint32_t)warnings.len + 1;
+        size_t total = 16 + warn + lib_len;
         char *data = calloc(1, total);
-        uint32_t header = 16, warn = sizeof warnings;
         memcpy(data + 8, &header, 4);
         memcpy(data + 12, &warn, 4);
-        memcpy(data + 16 + sizeof warnings, library, lib_len);
+        memcpy(data + 16, warnings.data, warnings.len);
+        memcpy(data + 16 + warn, library, lib_len);
         reply(0, data, total, NULL);
         free(data);
+        free(warnings.data);
     }
     free(library);
     free(message);

@@ -174,10 +174,22 @@ static void *Device_newCommandQueue(mtldevice *self, SEL s, unsigned long max) {
     return q;
 }
 
+/* MTLDevice.maxBufferLength: $ASYNCMETAL_SIM_MAX_BUFFER, default 1 GiB. */
+static unsigned long max_buffer_length(void) {
+    const char *text = getenv("ASYNCMETAL_SIM_MAX_BUFFER");
+    return text ? strtoul(text, NULL, 0) : 1ul << 30;
+}
+
+static unsigned long Device_maxBufferLength(mtldevice *self, SEL s) {
+    (void)self, (void)s;
+    return max_buffer_length();
+}
+
 static mtlbuffer *make_buffer(unsigned long length, unsigned long options, const char *what) {
     if (options != 0) fail("%s: options %#lx (the simulation has shared storage only)", what,
                            options);
     if (length == 0) fail("%s: length 0", what);
+    if (length > max_buffer_length()) return NULL;  /* as Metal: nil above maxBufferLength */
     size_t page = (size_t)getpagesize();
     void *memory = NULL;
     if (posix_memalign(&memory, page, (length + page - 1) / page * page)) return NULL;
@@ -294,6 +306,7 @@ static const method MTLDevice_methods[] = {
     M("newComputePipelineStateWithFunction:error:", Device_newPipeline),
     M("name", Device_name),
     M("recommendedMaxWorkingSetSize", Device_recommendedMaxWorkingSetSize),
+    M("maxBufferLength", Device_maxBufferLength),
     {0, 0}};
 CLASS(MTLDevice, &NSObject_class, no_methods, MTLDevice_methods, mtldevice, NULL)
 static const method MTLBuffer_methods[] = {

@@ -24,7 +24,7 @@
  * autoreleased with no pool in place), asyncmetal_sim_handlers (completed handlers run,
  * and how many on the committing thread).
  *
- * Classes and selectors: every selector the backend (backends/metal/) sends -- 36 --
+ * Classes and selectors: every selector the backend (backends/metal/) sends -- 37 --
  * and, marked *, those it does not send but the simulation's own tests use:
  *   NSObject        -retain -release -autorelease* -retainCount*
  *   NSString        +stringWithUTF8String: -UTF8String
@@ -34,7 +34,7 @@
  *                   -newBufferWithBytesNoCopy:length:options:deallocator:
  *                   -newSharedEvent -newLibraryWithData:error:
  *                   -newComputePipelineStateWithFunction:error: -name
- *                   -recommendedMaxWorkingSetSize
+ *                   -recommendedMaxWorkingSetSize -maxBufferLength
  *   MTLCommandQueue -commandBuffer
  *   MTLCommandBuffer -computeCommandEncoder -blitCommandEncoder -encodeWaitForEvent:value:
  *                   -encodeSignalEvent:value: -addCompletedHandler: -commit
