@@ -21,14 +21,8 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-from asyncmetal.backends.metal import (
-    MetalCompiler,
-    codegen_library,
-    codegen_request,
-    codegen_warnings,
-    metal_bindings,
-    metal_params,
-)
+from asyncmetal.backends.metal import MetalCompiler, codegen_library, codegen_request
+from asyncmetal.backends.metal._compiler import codegen_warnings, metal_bindings, metal_params
 from tests.support.fakes import metal_sim
 from tests.support.kernels import KERNELS as C_KERNELS
 from tests.support.kernels import MSL_KERNELS
