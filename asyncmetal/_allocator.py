@@ -174,6 +174,7 @@ class Allocator:
         self._live: set[Block] = set()  # blocks handed out and not yet released
         self._collected: collections.deque[tuple[Block, int]] = collections.deque()  # GC
         self._returned: collections.deque[Block] = collections.deque()  # loans ended
+        self._left_lent: set[Block] = set()  # lent out as the device closed: still held
         self._lent_out: set[Block] = set()  # released while lent: released once returned
         # Blocks whose memory went out to another library (DLPack, the CUDA array
         # interface), by address: memory that comes back in (from_dlpack) is found here.
@@ -357,7 +358,15 @@ class Allocator:
         return None
 
     def returned(self, block: Block) -> None:
-        """A loan of ``block`` ended (any thread, even in the GC: no lock taken here)."""
+        """A loan of ``block`` ended (any thread, even in the GC: no lock taken here).
+        After the device closed, its last loan's end frees what the close left
+        allocated for it: nothing sweeps any more."""
+        if self.closed:
+            block.lent -= 1
+            if not block.lent and block in self._left_lent:
+                self._left_lent.discard(block)
+                self._state.backend.free(block.handle)
+            return
         self._returned.append(block)
         self._frees.increment()
 
@@ -482,8 +491,14 @@ class Allocator:
         self._settle_foreign_uses(completable)
         with self._lock:
             self._evict(self.cached)
+            while self._returned:  # loans that ended before the close
+                self._returned.popleft().lent -= 1
             for block in self._live:
-                if not self._foreign_uses(block) and not block.lent:  # lent: left allocated
+                if self._foreign_uses(block):
+                    continue  # left allocated (see _settle_foreign_uses)
+                if block.lent:  # left allocated until its last loan ends (returned)
+                    self._left_lent.add(block)
+                else:
                     self._state.backend.free(block.handle)
             self._live.clear()
             self._pending.clear()

@@ -790,6 +790,31 @@ async def test_buffers_dropped_after_their_device_closed_are_let_go_of(
 
 
 @pytest.mark.anyio
+async def test_memory_lent_out_past_a_close_is_freed_when_its_last_loan_ends(
+    anyio_backend: object,
+) -> None:
+    """A buffer's memory held by a consumer (DLPack: a numpy array, an unconsumed
+    capsule) as its device closes stays allocated until the consumer lets go, and is
+    freed natively then (before, nothing freed it: device memory stayed allocated until
+    the process exited)."""
+    device = await am.open_device("cpu:43")
+    viewed, captured, lent_before = [await device.alloc(4096) for _ in range(3)]
+    view = np.from_dlpack(viewed)
+    capsule = captured.__dlpack__()
+    gone = np.from_dlpack(lent_before)
+    del gone  # a loan that ended before the close: freed by it
+    gc.collect()
+    await device.close()
+    assert device._backend.live_allocations == 2
+    del view
+    gc.collect()
+    assert device._backend.live_allocations == 1
+    del capsule
+    gc.collect()
+    assert device._backend.live_allocations == 0
+
+
+@pytest.mark.anyio
 async def test_a_buffer_context_ends_quietly_once_its_device_closed(device: am.Device) -> None:
     """``async with await dev.alloc(n) as buf:`` around a close of the device: the close
     freed it. Checked: before, leaving the block raised ClosedResourceError (hiding the

@@ -129,6 +129,8 @@ class CUDABackend(Backend):
         self.live_allocations = 0
         # cuMemFree synchronizes the device: never on a loop, always on this thread.
         self._frees: queue_module.SimpleQueue[Any] = queue_module.SimpleQueue()
+        self._freer_stopped = False  # (then frees run on threads of their own)
+        self._freer_lock = threading.RLock()  # (an RLock: a free may come from the GC)
         self._freer = threading.Thread(
             target=self._free_loop, name="asyncmetal-cuda-free", daemon=True
         )
@@ -219,7 +221,16 @@ class CUDABackend(Backend):
 
     def free(self, handle: Any) -> None:
         self.live_allocations -= 1
-        self._frees.put(handle)
+        with self._freer_lock:
+            if not self._freer_stopped:
+                self._frees.put(handle)
+                return
+        # Closed: memory a consumer held past the close (DLPack), now let go of.
+        threading.Thread(target=self._free_now, args=(handle,), daemon=True).start()
+
+    def _free_now(self, handle: Any) -> None:
+        self.make_current()  # (a thread of its own: no other context to keep)
+        cu.cuMemFree(handle)
 
     def _free_loop(self) -> None:
         self.make_current()
@@ -277,7 +288,9 @@ class CUDABackend(Backend):
         # confirmed, so it stays abandoned.)
         self._timelines.close_waits()
         self.make_current()
-        self._frees.put(None)
+        with self._freer_lock:
+            self._freer_stopped = True
+            self._frees.put(None)
         self._freer.join()
         cu.cuCtxSynchronize()
         with self._chunk_lock:

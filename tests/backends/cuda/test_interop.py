@@ -350,6 +350,37 @@ async def test_what_adopt_stream_refuses(anyio_backend: object) -> None:
         await legacy.marker()
 
 
+async def test_memory_lent_out_past_a_close_is_freed_when_the_consumer_lets_go(
+    anyio_backend: object,
+) -> None:
+    """A buffer exported (an unconsumed DLPack capsule) as its device closes stays
+    allocated while the capsule lives, and is freed (cuMemFree, on a thread of its own:
+    the device's freer has stopped) once it goes: the GPU's free memory comes back
+    (before, it stayed allocated until the process exited)."""
+    from cuda.bindings import driver as cu
+
+    size = 512 << 20
+    gpu = cu.cuDeviceGet(0)[1]
+    context = cu.cuDevicePrimaryCtxRetain(gpu)[1]
+    (err,) = cu.cuCtxPushCurrent(context)  # (for cuMemGetInfo; taken off below)
+    assert int(err) == 0
+    try:
+        dev = await am.open_device("cuda:0")
+        buf = await dev.alloc(size)
+        capsule = buf.__dlpack__(stream=-1)
+        await dev.close()
+        held = int(cu.cuMemGetInfo()[1])
+        del capsule, buf
+        gc.collect()
+        with anyio.fail_after(10):
+            while int(cu.cuMemGetInfo()[1]) < held + size // 2:
+                await anyio.sleep(0.01)
+        assert dev._backend.live_allocations == 0
+    finally:
+        cu.cuCtxPopCurrent()
+        cu.cuDevicePrimaryCtxRelease(gpu)
+
+
 def _current() -> int:
     from cuda.bindings import driver as cu
 
