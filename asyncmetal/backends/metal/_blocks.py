@@ -62,7 +62,7 @@ _alive: dict[int, BlockLiteral] = {}  # address -> block: kept until it ran
 _held: dict[int, object] = {}  # address -> what the block's command uses, kept as long
 # Native timelines dropped while a block yet to run raises them, and how each is freed.
 _unfreed: list[tuple[int, Any]] = []
-_lock = threading.Lock()
+_lock = threading.RLock()  # (a collection inside it may free a timeline: free_timeline)
 
 
 def global_block_isa(runtime: Any = None) -> int:
@@ -127,14 +127,17 @@ def release_ran() -> int:
     """Free every block that has run; returns how many are still kept."""
     from ... import _native
 
-    with _lock:
+    let_go = []  # let go of once the lock is: a timeline's last reference among them
+    with _lock:  # frees its native timeline through free_timeline, which takes the lock
         for address in [a for a, b in _alive.items() if b.calls]:
             del _alive[address]
-            _held.pop(address, None)
+            let_go.append(_held.pop(address, None))
             _native.runtime().am_block_free(address)
         if _unfreed:
             _free_unreferenced()
-        return len(_alive)
+        left = len(_alive)
+    del let_go
+    return left
 
 
 def free_timeline(c_timeline: int, free: Any) -> None:
@@ -150,5 +153,6 @@ def _free_unreferenced() -> None:
     """(Under the lock.)"""
     raised = {t for b in _alive.values() if not b.calls for t in (b.timeline, b.then)}
     for entry in [e for e in _unfreed if e[0] not in raised]:
-        _unfreed.remove(entry)
-        entry[1](entry[0])
+        if entry in _unfreed:  # (not freed by a call nested in this one, from the GC)
+            _unfreed.remove(entry)
+            entry[1](entry[0])

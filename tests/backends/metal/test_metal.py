@@ -460,6 +460,61 @@ def test_shared_event_listener_calls_its_block_on_its_queue() -> None:
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+DROPPED_SIGNAL_TARGET = textwrap.dedent(
+    """
+    import gc, sys
+    sys.path.insert(0, sys.argv[1])
+    import anyio
+    import asyncmetal as am
+    from tests.support.kernels import MSL_KERNELS
+
+    async def abandoned(gate):
+        dev = await am.open_device("metal")
+        tl = dev.timeline()
+        dev.queue.wait(gate, 1)
+        dev.queue.signal(tl, 1)  # held: the close abandons it, and keeps tl for it
+        await dev.close()
+
+    async def main():
+        other = await am.open_device("metal")
+        empty = await other.compile(MSL_KERNELS, "empty")
+        gate = other.timeline()
+        await abandoned(gate)
+        for _ in range(3):
+            gc.collect()
+            await anyio.sleep(0.05)
+        gate.signal(1)  # the abandoned command buffer runs now
+        await anyio.sleep(0.3)
+        await other.queue.launch(empty)  # its reap lets go of the dropped timeline
+        print("done")
+        await other.close()
+
+    anyio.run(main)
+    """
+)
+
+
+@pytest.mark.metal
+@sim_only
+def test_a_timeline_an_abandoned_signal_kept_is_let_go_of_without_a_deadlock() -> None:
+    """A held signal abandoned by a close keeps its timeline until its command buffer
+    ran; the app dropped the timeline meanwhile. Letting go of it frees its native
+    timeline, which takes the lock the letting go held: a deadlock of the loop's thread
+    before (in a child process, with a timeout)."""
+    root = str(__import__("pathlib").Path(__file__).parents[3])
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", DROPPED_SIGNAL_TARGET, root],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"hung: {exc.stdout!r}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["done"]
+
+
 HELD_AT_CLOSE = textwrap.dedent(
     """
     import sys, time
