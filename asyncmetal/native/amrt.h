@@ -97,6 +97,9 @@ typedef struct am_timeline {
     atomic_int has_kicks;
     atomic_int signalled_by;        /* AM_BY_HOST: a host signal raised it; AM_BY_DEVICE:
                                        a queue's signal of it was submitted */
+    /* A Metal queue's own timeline: the value of its first command buffer that failed
+     * (0: none), set by that buffer's completion handler (am_block_completed). */
+    _Atomic uint64_t failed_command;
 } am_timeline;
 
 enum { AM_BY_HOST = 1, AM_BY_DEVICE = 2 };
@@ -202,6 +205,7 @@ int64_t am_timeline_due(am_timeline *t, uint64_t v);
  * it waited for a value nobody signalled), or failed (cuda errors, CU_WAITED_FAILED). */
 #define AM_ABANDONED (-4)
 #define AM_CLOSED (-5)  /* its device closed before it reached the value */
+#define AM_COMMAND_FAILED (-6)  /* a Metal command buffer of its queue failed */
 void am_timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value,
                       am_timeline *cause);
 uint64_t am_timeline_failure(am_timeline *t, int *error, uint64_t *value, am_timeline **cause);
@@ -284,6 +288,11 @@ typedef struct am_block {
     size_t copy_nbytes;
     am_timeline *then;              /* raised after `timeline` (a timeline the command */
     uint64_t then_value;            /* buffer signalled), or none */
+    /* Where set: objc_msgSend and the `status` selector, to ask the command buffer the
+     * block is called with whether it failed (then `then` fails rather than rises, as
+     * for every later command of the queue: see am_timeline.failed_command). */
+    void *status_send;
+    void *status_selector;
 } am_block;
 
 void am_block_completed(am_block *b, void *arg);

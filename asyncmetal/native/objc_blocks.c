@@ -8,12 +8,26 @@
 /* The count of calls is the last thing written: once it is seen, the block may be freed
  * (release_ran), so nothing reads the block after it. */
 
+#define MTL_COMMAND_BUFFER_STATUS_ERROR 5
+
 /* "v16@?0@8": void (^)(id<MTLCommandBuffer>) */
 void am_block_completed(am_block *b, void *arg) {
     b->arg = arg;
+    if (b->status_send) {
+        long status = ((long (*)(void *, void *))b->status_send)(arg, b->status_selector);
+        uint64_t none = 0;
+        if (status == MTL_COMMAND_BUFFER_STATUS_ERROR)
+            atomic_compare_exchange_strong(&b->timeline->failed_command, &none, b->value);
+    }
+    uint64_t failed = atomic_load(&b->timeline->failed_command);
     if (b->copy_nbytes) memmove(b->copy_dst, b->copy_src, b->copy_nbytes);
     am_timeline_signal(b->timeline, b->value);
-    if (b->then) am_timeline_signal(b->then, b->then_value);
+    if (b->then) {
+        if (failed && b->value >= failed)  /* a signal its queue's failure kept from running */
+            am_timeline_fail(b->then, b->then_value, AM_COMMAND_FAILED, failed, b->timeline);
+        else
+            am_timeline_signal(b->then, b->then_value);
+    }
     atomic_fetch_add(&b->calls, 1);
 }
 
@@ -55,6 +69,8 @@ am_block *am_block_new(void *isa, int reached, am_timeline *timeline, uint64_t v
         b->copy_nbytes = 0;
         b->then = NULL;
         b->then_value = 0;
+        b->status_send = NULL;
+        b->status_selector = NULL;
     } else {
         b = calloc(1, sizeof *b);
     }

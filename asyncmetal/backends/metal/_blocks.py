@@ -55,6 +55,8 @@ class BlockLiteral(ctypes.Structure):
         ("copy_nbytes", ctypes.c_size_t),
         ("then", ctypes.c_void_p),
         ("then_value", ctypes.c_uint64),
+        ("status_send", ctypes.c_void_p),
+        ("status_selector", ctypes.c_void_p),
     ]
 
 

@@ -98,9 +98,14 @@ def objc_class(name: str) -> int:
     return cls
 
 
+def objc_msgsend_address() -> int:
+    """The address of ``objc_msgSend``, for native code that sends messages itself."""
+    return ctypes.cast(libobjc().objc_msgSend, ctypes.c_void_p).value or 0
+
+
 @functools.cache
 def _sender(restype: Any, argtypes: tuple[Any, ...]) -> Any:
-    address = ctypes.cast(libobjc().objc_msgSend, ctypes.c_void_p).value or 0
+    address = objc_msgsend_address()
     prototype = ctypes.CFUNCTYPE(restype, ctypes.c_void_p, ctypes.c_void_p, *argtypes)
     return prototype(address)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -28,8 +29,10 @@ from . import _blocks
 from ._objc import (
     autorelease_pool,
     describe_error,
+    objc_msgsend_address,
     release,
     retain,
+    selector,
     send,
 )
 
@@ -262,6 +265,10 @@ class MetalQueue(NativeQueue):
             block.copy_dst, block.copy_src, block.copy_nbytes = copy_back
         if then is not None:
             block.then, block.then_value = then
+        # Its handler asks the command buffer's status and notes the queue's first that
+        # failed: a signal of a failed one, or of one after it, fails its timeline
+        # rather than raising it.
+        block.status_send, block.status_selector = _status_call()
         send(cb, "addCompletedHandler:", ctypes.addressof(block), restype=None)
         send(cb, "commit", restype=None)
         entry = (value, cb, block, record, bool(still))
@@ -553,3 +560,10 @@ class _Owned:
 
     def __del__(self) -> None:
         release(self.obj)
+
+
+@functools.cache
+def _status_call() -> tuple[int, int]:
+    """``objc_msgSend``'s address and the ``status`` selector, for a completion
+    handler's native code to ask its command buffer whether it failed."""
+    return objc_msgsend_address(), selector("status")

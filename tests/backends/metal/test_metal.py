@@ -707,6 +707,34 @@ async def test_a_fault_fails_its_own_queue_only(anyio_backend: object) -> None:
         assert (host == 8).all()
 
 
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+@sim_only
+async def test_a_signal_a_fault_kept_from_running_fails_its_timeline(
+    anyio_backend: object,
+) -> None:
+    """A queue faults, then signals a timeline that another queue waits on: the signal
+    fails the timeline (as on cpu and cuda), so the host's wait for it and the other
+    queue's commands after its wait raise (before, the completion handler raised the
+    timeline whatever the command buffer's status: both reported success)."""
+    async with am.open_device("metal") as dev:
+        crash = await dev.compile(FAULTY, "crash")
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        bad, good = await dev.alloc(4), await dev.alloc(64)
+        other, tl = dev.new_queue(), dev.timeline()
+        crashed = dev.queue.launch(crash, bad)
+        signalled = dev.queue.signal(tl, 1)
+        other.wait(tl, 1)
+        after = other.launch(fill, good, vals=(9, 16))
+        with anyio.fail_after(20):
+            for done in (crashed, signalled, after):
+                with pytest.raises(am.DeviceLostError):
+                    await done
+            with pytest.raises(am.DeviceLostError):
+                await tl.wait(1)
+
+
 SPARSE_LAUNCH = textwrap.dedent(
     """
     import sys
