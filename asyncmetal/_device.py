@@ -100,7 +100,7 @@ async def _count_completable() -> dict[Queue, int]:
     the wait for one that completes, and wait for it for good. Only the taking is under
     the locks (a queue's number and its record of waits: quick); the count is not."""
     devices = _devices()
-    states = [state for _, state in sorted({id(d._state): d._state for d in devices}.items())]
+    states = list({id(d._state): d._state for d in devices}.values())  # (holding orders them)
 
     def take() -> dict[Queue, tuple[int, list[Any]]]:
         return {q: submitted_record(q) for d in devices for q in d._queues}
@@ -445,14 +445,13 @@ class Device:
             if dropped:
                 reach = [(queue, queue.submitted) for queue in list(self._queues)]
                 self._retired += [(native, reach) for native in dropped]
-            ready = [
-                native
-                for native, reach in self._retired
-                if all(queue.timeline.value >= value for queue, value in reach)
-            ]
-            if ready:
-                self._retired = [entry for entry in self._retired if entry[0] not in ready]
-        for native in ready:
+            ready: list[tuple[Any, list[tuple[Queue, int]]]] = []
+            left: list[tuple[Any, list[tuple[Queue, int]]]] = []
+            for native, reach in self._retired:
+                done = all(queue.timeline.value >= value for queue, value in reach)
+                (ready if done else left).append((native, reach))
+            self._retired = left
+        for native, _ in ready:
             self._backend.unload(native)
 
     async def synchronize(self) -> None:
