@@ -165,6 +165,20 @@ def c_param_declarations(src: str, name: str) -> list[tuple[ParamKind, str]]:
     return found[0]
 
 
+def unlinked_hint(src: str, name: str) -> str:
+    """Why a kernel the source defines may not be in the compiled code: declared
+    ``static`` (internal linkage) or plain ``inline`` (C99 emits no external definition
+    of it), read from the declaration before the name; "" when neither."""
+    text = _ATTRIBUTES.sub("", _strip(src))
+    for match in re.finditer(rf"(?:^|[;{{}}])([^;{{}}]*?)\b{re.escape(name)}\s*\(", text):
+        words = set(re.findall(r"\w+", match.group(1)))
+        if "static" in words:
+            return "; it is declared static: a kernel needs external linkage (drop static)"
+        if "inline" in words and "extern" not in words:
+            return "; it is declared inline: C emits no external definition of it (drop inline)"
+    return ""
+
+
 def _is_buffer(param: str, pointers: set[str]) -> bool:
     if "*" in param or "[" in param or ("&" in param and "device" in param):
         return True

@@ -23,7 +23,7 @@ from ._backend import Backend
 from ._bridge import checkpoint, running_asyncio_loop
 from ._buffer import Buffer, wrap_buffer
 from ._buffer import foreign_buffer as _foreign_buffer
-from ._compile import NotDefinedError, ParamKind, source_key
+from ._compile import NotDefinedError, ParamKind, source_key, unlinked_hint
 from ._device_state import DeviceState, forget_open_states, holding, state_closed
 from ._dlpack import device_dlpack
 from ._errors import (
@@ -426,7 +426,8 @@ class Device:
             return self._backend.load(binary, name, bindings)
         except AttributeError:
             raise CompileError(
-                f"kernel {name!r} is not defined in the compiled code", name=name
+                f"kernel {name!r} is not defined in the compiled code" + unlinked_hint(src, name),
+                name=name,
             ) from None
         except (DeviceLostError, ClosedResourceError, MemoryError):
             raise  # the device's trouble, not the binary's

@@ -193,6 +193,17 @@ async def test_missing_kernel_name(device: am.Device) -> None:
         await device.compile("void g(int);\nvoid k(void) { }", "g")
 
 
+async def test_a_kernel_without_external_linkage_says_why(device: am.Device) -> None:
+    """A C kernel declared static (or plain inline) compiles but its symbol is not in the
+    library: the error says so (checked: it said only "not defined in the compiled
+    code")."""
+    for prefix, why in (("static ", "declared static"), ("inline ", "declared inline")):
+        with pytest.raises(am.CompileError, match=f"not defined in the compiled code; .*{why}"):
+            await device.compile(f"{prefix}void k(float *a) {{ a[0] = 1; }}", "k")
+    program = await device.compile("extern inline void k(float *a) { a[0] = 1; }", "k")
+    assert program.name == "k"
+
+
 async def test_a_signature_that_does_not_compile_carries_the_log(device: am.Device) -> None:
     """No definition is found where the very signature is broken: the compiler's error
     comes out, with its log, rather than a kernel said to be missing (checked: it was
