@@ -400,6 +400,10 @@ _UNWRITABLE_SCRIPT = """
 import sys, warnings
 import anyio, numpy as np
 import asyncmetal as am
+from asyncmetal import _native
+
+if sys.argv[2] == "first-use-build":  # as where no runtime is packaged: built at first use
+    _native._packaged_candidates = lambda: []
 
 async def main():
     async with am.open_device("cpu") as dev:
@@ -415,22 +419,35 @@ with warnings.catch_warnings(record=True) as caught:
 for warning in caught:
     print(warning.category.__name__, warning.message, file=sys.stderr)
 print(sorted({warning.category.__name__ for warning in caught}))
+print(_native.origin)
+print(any("native runtime" in str(warning.message) for warning in caught))
 """
 
 
-def test_an_unwritable_cache_directory_still_opens_the_cpu_device(tmp_path: Path) -> None:
+@pytest.mark.parametrize("runtime", ["packaged", "first-use-build"])
+def test_an_unwritable_cache_directory_still_opens_the_cpu_device(
+    tmp_path: Path, runtime: str
+) -> None:
+    """The compile cache, and the native runtime where it is built at first use (an
+    install without the packaged runtime: the cache directory is where it goes), fall
+    back with a CacheWarning. The checkout's editable install has the packaged runtime,
+    so the build's fallback is reached only with it set aside."""
     blocker = tmp_path / "a-file"
     blocker.write_text("a regular file: nothing can be made under it, even by root")
     env = dict(os.environ, ASYNCMETAL_CACHE_DIR=str(blocker / "cache"))
     proc = subprocess.run(
-        [sys.executable, "-c", _UNWRITABLE_SCRIPT, TWO_KERNELS],
+        [sys.executable, "-c", _UNWRITABLE_SCRIPT, TWO_KERNELS, runtime],
         capture_output=True,
         text=True,
         env=env,
-        timeout=BOUND * 2,
+        timeout=BOUND * 3,  # a first-use build compiles the runtime
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines() == ["42", "['CacheWarning']"], proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[:2] == ["42", "['CacheWarning']"], proc.stderr[-3000:]
+    built = runtime == "first-use-build"
+    assert (lines[2] == "built at first use") is built, lines
+    assert lines[3] == str(built), proc.stderr[-3000:]  # the build's own warning
 
 
 async def test_killing_workers_mid_compile_fails_those_compiles_only(
