@@ -348,6 +348,55 @@ def test_a_damaged_cache_entry_is_rebuilt(tmp_path: Path, expression: str) -> No
     assert proc.stdout.split() == ["42"]
 
 
+_CUT_SHORT_SCRIPT = """
+import sys
+import anyio, numpy as np
+import asyncmetal as am
+from asyncmetal._cache import CompileCache
+from asyncmetal._compile import source_key
+from asyncmetal._pool import CompilePool, compiler_identity
+
+async def main(directory, keep):
+    async with am.open_device("cpu") as dev:
+        pool = dev.compile_pool = CompilePool(1, cache=CompileCache(directory))
+        await dev.compile(sys.argv[3], "put")
+        await pool.aclose()
+        key = source_key(await compiler_identity(dev._backend.compiler), sys.argv[3])
+        good = pool.cache.load_disk(key)
+        pool.cache.put_disk(key, good[: int(keep * len(good))])  # with its own checksum
+        pool.cache.close()
+        pool = dev.compile_pool = CompilePool(1, cache=CompileCache(directory))
+        prog = await dev.compile(sys.argv[3], "put2")  # a new name: loaded from the cache
+        buf = await dev.alloc(4)
+        await dev.queue.launch(prog, buf, vals=(41,))
+        print(int((await buf.read(np.int32))[0]))
+        await buf.free()
+        await pool.aclose()
+        print(pool.cache.load_disk(key) == good)  # the entry was replaced
+        pool.cache.close()
+
+anyio.run(main, sys.argv[1], float(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("keep", [0.25, 0.5, 0.75])
+def test_a_cached_binary_cut_short_under_its_own_checksum_is_rebuilt(
+    tmp_path: Path, keep: float
+) -> None:
+    """A binary stored already cut short (its checksum taken of what was stored: a
+    writer that stored a partial file, another machine sharing the directory) passes
+    the entry's check; given to dlopen, the pages its segments map past the file's end
+    raise SIGBUS. It is refused before loading, as a binary that does not load: rebuilt."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _CUT_SHORT_SCRIPT, str(tmp_path / "cache"), str(keep), TWO_KERNELS],
+        capture_output=True,
+        text=True,
+        timeout=BOUND * 2,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
+    assert proc.stdout.split() == ["42", "True"], proc.stderr[-3000:]
+
+
 def _other_machine(binary: bytes) -> bytes:
     """``binary`` as if built for another architecture (its ELF e_machine changed)."""
     assert binary.startswith(b"\x7fELF")
