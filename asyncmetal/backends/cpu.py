@@ -19,6 +19,7 @@ import functools
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -197,6 +198,41 @@ def _own_symbol(lib: ctypes.CDLL, name: str, path: str) -> int:
             if found == path or os.path.samefile(found, path):
                 return address
     raise AttributeError(f"{name!r} is not defined in the compiled library")
+
+
+def _check_extent(binary: bytes) -> None:
+    """Raise OSError if ``binary``, an ELF shared object, ends before what its program
+    headers say is in the file.
+
+    dlopen maps each segment from the file; a page mapped past the file's end raises
+    SIGBUS when the loader touches it, which kills the process. A cache entry checks its
+    own checksum, but one stored already cut short (with the checksum of what was
+    stored) passes that. Not ELF (Mach-O on macOS): left to the loader.
+    """
+    if binary[:4] != b"\x7fELF":
+        return
+    if len(binary) < 64 or binary[4] not in (1, 2) or binary[5] not in (1, 2):
+        raise OSError("the compiled library is cut short (an incomplete ELF header)")
+    order = "<" if binary[5] == 1 else ">"
+    if binary[4] == 2:  # ELFCLASS64: e_phoff at 32; p_offset at 8, p_filesz at 32
+        (table,) = struct.unpack_from(order + "Q", binary, 32)
+        entry, count = struct.unpack_from(order + "HH", binary, 54)
+        fields, least = (order + "Q", 8, 32), 56
+    else:  # ELFCLASS32: e_phoff at 28; p_offset at 4, p_filesz at 16
+        (table,) = struct.unpack_from(order + "I", binary, 28)
+        entry, count = struct.unpack_from(order + "HH", binary, 42)
+        fields, least = (order + "I", 4, 16), 32
+    if count and (entry < least or table + entry * count > len(binary)):
+        raise OSError("the compiled library is cut short (its program headers)")
+    kind, at_offset, at_size = fields
+    for row in range(table, table + entry * count, entry):
+        (offset,) = struct.unpack_from(kind, binary, row + at_offset)
+        (size,) = struct.unpack_from(kind, binary, row + at_size)
+        if offset + size > len(binary):
+            raise OSError(
+                f"the compiled library is cut short: a segment ends at byte {offset + size}"
+                f" of a {len(binary)}-byte file"
+            )
 
 
 class _Memory:
@@ -465,6 +501,7 @@ class CPUBackend(HostQueues, Backend):
         return self._compiler
 
     def load(self, binary: bytes, name: str, bindings: tuple[int, ...] | None = None) -> Any:
+        _check_extent(binary)  # a file cut short would kill the process in dlopen
         with tempfile.NamedTemporaryFile(prefix="asyncmetal-", suffix=".so") as f:
             f.write(binary)
             f.flush()

@@ -348,6 +348,55 @@ def test_a_damaged_cache_entry_is_rebuilt(tmp_path: Path, expression: str) -> No
     assert proc.stdout.split() == ["42"]
 
 
+_CUT_SHORT_SCRIPT = """
+import sys
+import anyio, numpy as np
+import asyncmetal as am
+from asyncmetal._cache import CompileCache
+from asyncmetal._compile import source_key
+from asyncmetal._pool import CompilePool, compiler_identity
+
+async def main(directory, keep):
+    async with am.open_device("cpu") as dev:
+        pool = dev.compile_pool = CompilePool(1, cache=CompileCache(directory))
+        await dev.compile(sys.argv[3], "put")
+        await pool.aclose()
+        key = source_key(await compiler_identity(dev._backend.compiler), sys.argv[3])
+        good = pool.cache.load_disk(key)
+        pool.cache.put_disk(key, good[: int(keep * len(good))])  # with its own checksum
+        pool.cache.close()
+        pool = dev.compile_pool = CompilePool(1, cache=CompileCache(directory))
+        prog = await dev.compile(sys.argv[3], "put2")  # a new name: loaded from the cache
+        buf = await dev.alloc(4)
+        await dev.queue.launch(prog, buf, vals=(41,))
+        print(int((await buf.read(np.int32))[0]))
+        await buf.free()
+        await pool.aclose()
+        print(pool.cache.load_disk(key) == good)  # the entry was replaced
+        pool.cache.close()
+
+anyio.run(main, sys.argv[1], float(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("keep", [0.25, 0.5, 0.75])
+def test_a_cached_binary_cut_short_under_its_own_checksum_is_rebuilt(
+    tmp_path: Path, keep: float
+) -> None:
+    """A binary stored already cut short (its checksum taken of what was stored: a
+    writer that stored a partial file, another machine sharing the directory) passes
+    the entry's check; given to dlopen, the pages its segments map past the file's end
+    raise SIGBUS. It is refused before loading, as a binary that does not load: rebuilt."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _CUT_SHORT_SCRIPT, str(tmp_path / "cache"), str(keep), TWO_KERNELS],
+        capture_output=True,
+        text=True,
+        timeout=BOUND * 2,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
+    assert proc.stdout.split() == ["42", "True"], proc.stderr[-3000:]
+
+
 def _other_machine(binary: bytes) -> bytes:
     """``binary`` as if built for another architecture (its ELF e_machine changed)."""
     assert binary.startswith(b"\x7fELF")
@@ -400,6 +449,10 @@ _UNWRITABLE_SCRIPT = """
 import sys, warnings
 import anyio, numpy as np
 import asyncmetal as am
+from asyncmetal import _native
+
+if sys.argv[2] == "first-use-build":  # as where no runtime is packaged: built at first use
+    _native._packaged_candidates = lambda: []
 
 async def main():
     async with am.open_device("cpu") as dev:
@@ -415,22 +468,35 @@ with warnings.catch_warnings(record=True) as caught:
 for warning in caught:
     print(warning.category.__name__, warning.message, file=sys.stderr)
 print(sorted({warning.category.__name__ for warning in caught}))
+print(_native.origin)
+print(any("native runtime" in str(warning.message) for warning in caught))
 """
 
 
-def test_an_unwritable_cache_directory_still_opens_the_cpu_device(tmp_path: Path) -> None:
+@pytest.mark.parametrize("runtime", ["packaged", "first-use-build"])
+def test_an_unwritable_cache_directory_still_opens_the_cpu_device(
+    tmp_path: Path, runtime: str
+) -> None:
+    """The compile cache, and the native runtime where it is built at first use (an
+    install without the packaged runtime: the cache directory is where it goes), fall
+    back with a CacheWarning. The checkout's editable install has the packaged runtime,
+    so the build's fallback is reached only with it set aside."""
     blocker = tmp_path / "a-file"
     blocker.write_text("a regular file: nothing can be made under it, even by root")
     env = dict(os.environ, ASYNCMETAL_CACHE_DIR=str(blocker / "cache"))
     proc = subprocess.run(
-        [sys.executable, "-c", _UNWRITABLE_SCRIPT, TWO_KERNELS],
+        [sys.executable, "-c", _UNWRITABLE_SCRIPT, TWO_KERNELS, runtime],
         capture_output=True,
         text=True,
         env=env,
-        timeout=BOUND * 2,
+        timeout=BOUND * 3,  # a first-use build compiles the runtime
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines() == ["42", "['CacheWarning']"], proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[:2] == ["42", "['CacheWarning']"], proc.stderr[-3000:]
+    built = runtime == "first-use-build"
+    assert (lines[2] == "built at first use") is built, lines
+    assert lines[3] == str(built), proc.stderr[-3000:]  # the build's own warning
 
 
 async def test_killing_workers_mid_compile_fails_those_compiles_only(
