@@ -18,7 +18,13 @@ import anyio
 from ._backend import NativeTimeline, let_go_everywhere
 from ._bridge import LoopBridge, checkpoint, current_bridge
 from ._device_state import DeviceState
-from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError, OutOfMemoryError
+from ._errors import (
+    MAX_TIMEOUT_S,
+    ArgumentTypeError,
+    ClosedResourceError,
+    InvalidArgumentError,
+    OutOfMemoryError,
+)
 from ._timeline import Timeline, Waitable, call_when_reached, passed, wait_value
 
 
@@ -200,7 +206,9 @@ class Allocator:
             or not timeout >= 0  # also refuses NaN
         ):
             raise InvalidArgumentError(f"timeout must be a number >= 0, got {timeout!r}")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = (
+            None if timeout is None or timeout > MAX_TIMEOUT_S else time.monotonic() + timeout
+        )
         # The checkpoint comes first: once a block is taken, nothing may cancel the
         # allocation before it is handed out, or the block would have no owner.
         await checkpoint()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# A timeout longer than this (seconds: about 32 years) is taken as none: an int too large
+# for a float, or a deadline the loops' clocks cannot hold, would raise instead.
+MAX_TIMEOUT_S = 1e9
+
 
 class AsyncMetalError(Exception):
     """The base of every error asyncmetal raises."""

@@ -24,7 +24,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import anyio
 
@@ -32,6 +32,7 @@ from ._bridge import checkpoint
 from ._cache import CompileCache
 from ._compile import Compiler, source_key
 from ._errors import (
+    MAX_TIMEOUT_S,
     ArgumentTypeError,
     ClosedResourceError,
     CompileError,
@@ -53,10 +54,10 @@ def check_timeout(timeout: object) -> float | None:
         raise ArgumentTypeError(
             f"timeout must be a number of seconds or None, got {type(timeout).__name__}"
         )
-    seconds = float(timeout)
+    seconds = cast(float, timeout)  # compared as it is: an int may exceed any float
     if not seconds > 0:  # also refuses NaN
         raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    return None if math.isinf(seconds) else seconds
+    return None if seconds > MAX_TIMEOUT_S else float(seconds)
 
 
 def _replies_in_time(pipe: Any, job: _Job) -> bool:

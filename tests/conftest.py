@@ -44,6 +44,7 @@ CPU_ONLY = {
     # the compile pool and its cache, with C sources
     "test_value_parameters_must_be_integers",
     "test_a_kernel_without_external_linkage_says_why",
+    "test_a_timeout_too_long_for_a_clock_is_none",
     "test_compile_many_goes_on_after_an_error",
     "test_compile_many_goes_on_after_a_cancelled_step",
     "test_compile_errors_name_their_kernel",

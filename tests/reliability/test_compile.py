@@ -96,6 +96,7 @@ async def test_joining_a_compile_being_withdrawn_gets_a_real_result(pool: Compil
 
 BAD_TIMEOUTS = [
     (-1, am.InvalidArgumentError),
+    pytest.param(-(10**400), am.InvalidArgumentError, id="huge-negative"),
     (0, am.InvalidArgumentError),
     (float("nan"), am.InvalidArgumentError),
     ("1", am.ArgumentTypeError),
@@ -123,6 +124,13 @@ async def test_device_compiles_refuse_a_bad_timeout_up_front(
             await device.compile("void k(void) {}", "k", timeout=timeout)
         with pytest.raises(error, match="timeout"):
             device.compile_many([("void k(void) {}", "k")], timeout=timeout)
+
+
+@pytest.mark.parametrize("timeout", [10**400, 1e300, float("inf")], ids=["int", "float", "inf"])
+async def test_a_timeout_too_long_for_a_clock_is_none(device: am.Device, timeout: float) -> None:
+    """Checked: before, an int too large for a float raised a bare OverflowError."""
+    with anyio.fail_after(BOUND):
+        assert await device.compile(_src("long timeout"), "twice", timeout=timeout)
 
 
 class _UnpicklableCompiler(CCompiler):

@@ -833,6 +833,17 @@ async def test_an_allocation_refuses_a_bad_timeout(device: am.Device, timeout: o
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("timeout", [10**400, 1e300, float("inf")], ids=["int", "float", "inf"])
+async def test_an_allocation_takes_a_timeout_too_long_for_a_clock_as_none(
+    device: am.Device, timeout: float
+) -> None:
+    """A timeout beyond any deadline the clocks hold waits without one, as None does.
+    Checked: before, an int too large for a float raised a bare OverflowError."""
+    async with await device.alloc(16, timeout=timeout):
+        pass
+
+
+@pytest.mark.anyio
 async def test_peak_counts_only_memory_held(anyio_backend: object) -> None:
     """An allocation the device itself cannot make reserves its bytes a moment; the
     peak counts what was held. Checked: before, it counted the refused request."""
