@@ -9,6 +9,7 @@ above, once, for all backends.
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from abc import ABC, abstractmethod
@@ -69,17 +70,21 @@ def host_address(view: memoryview) -> tuple[int, Any]:
 class KeepAlive:
     """Host objects a queue's commands use, kept until its timeline passes them.
 
-    ``items`` maps each command's value to its object, oldest first; its length is what
-    a fast launch path reads (whether anything is kept at all). Objects are let go of as
-    later commands are added, and by :func:`let_go_everywhere`, from any thread: each is
-    dropped by its own key (``dict.pop``), so two threads letting go at once never drop
+    ``items`` maps each command's value to its object; its length is what a fast launch
+    path reads (whether anything is kept at all). Objects are let go of as later
+    commands are added, and by :func:`let_go_everywhere`, from any thread, oldest first
+    (``_order``, the values in the order added: a dict's front, once emptied, is scanned
+    again by every look at it, which made letting go of n objects cost n squared). A
+    value taken from the front that another thread's let-go had read as passed while
+    this one reads it as not is put back, so two threads letting go at once never drop
     one whose command has not passed."""
 
-    __slots__ = ("__weakref__", "_timeline", "items")
+    __slots__ = ("__weakref__", "_order", "_timeline", "items")
 
     def __init__(self, timeline: NativeTimeline) -> None:
         self._timeline = timeline
         self.items: dict[int, object] = {}
+        self._order: collections.deque[int] = collections.deque()
         with _keeps_lock:
             _keeps.add(self)
 
@@ -88,22 +93,27 @@ class KeepAlive:
             self.let_go()
         if obj is not None:
             self.items[value] = obj
+            self._order.append(value)
 
     def let_go(self) -> None:
         """Drop the objects of the commands the timeline has passed."""
-        items = self.items
+        items, order = self.items, self._order
         reached = self._timeline.value
-        while items:
+        while order:
             try:
-                first = next(iter(items))
-            except (StopIteration, RuntimeError):  # emptied, or changed, meanwhile
+                if order[0] > reached:
+                    return
+                value = order.popleft()
+            except IndexError:  # emptied meanwhile
                 return
-            if first > reached:
+            if value > reached:  # (another thread took the one read above)
+                order.appendleft(value)
                 return
-            items.pop(first, None)
+            items.pop(value, None)
 
     def clear(self) -> None:
         self.items.clear()
+        self._order.clear()
 
 
 _keeps: weakref.WeakSet[KeepAlive] = weakref.WeakSet()

@@ -5,6 +5,7 @@ back to zero, and the threads and file descriptors of the process are what they 
 
 from __future__ import annotations
 
+import collections
 import gc
 import os
 import random
@@ -443,3 +444,37 @@ def test_new_loops_made_at_once_release_a_closed_loop_once() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "errors []", proc.stdout + proc.stderr[-3000:]
+
+
+def test_objects_kept_for_commands_are_let_go_of_only_once_passed_by_racing_threads() -> None:
+    """A queue's kept host objects are let go of from several threads at once (each
+    submission, and every allocation waiting for a loan). Another thread's let-go runs
+    exactly between this one's look at the oldest value (passed) and its taking of it:
+    what this one then takes is the next, not passed, which it must keep (checked:
+    dropped without the put-back)."""
+    from asyncmetal._backend import KeepAlive
+
+    class Timeline:
+        value = 0
+
+    class Interleaved(collections.deque[int]):
+        others = 1  # let-goes of "another thread" to run before the next popleft
+
+        def popleft(self) -> int:
+            if self.others:
+                self.others -= 1
+                keep.let_go()
+            return super().popleft()
+
+    timeline = Timeline()
+    keep = KeepAlive(timeline)  # type: ignore[arg-type]
+    kept = {value: object() for value in (1, 2, 3)}
+    for value, obj in kept.items():
+        keep.add(value, obj)
+    keep._order = Interleaved(keep._order)
+    timeline.value = 1
+    keep.let_go()
+    assert sorted(keep.items) == [2, 3]
+    timeline.value = 3
+    keep.let_go()
+    assert not keep.items and not keep._order
