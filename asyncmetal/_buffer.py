@@ -233,6 +233,17 @@ class Buffer(Exports):
         return array if shape is None else array.reshape(shape)
 
 
+def not_a_buffer(obj: object) -> str:
+    """A hint for an object passed where a Buffer was expected ("" if none fits)."""
+    if isinstance(obj, TypedView):
+        return " (a typed view is for export: pass its .buffer)"
+    if inspect.isawaitable(obj):
+        code = getattr(obj, "cr_code", None)
+        name = f" {code.co_name}" if code is not None else ""
+        return f" (did you forget to await{name}?)"
+    return ""
+
+
 def check_buffer(buf: Buffer, what: str, state: DeviceState | None = None) -> None:
     """Raise unless ``buf`` is usable now (not freed, its device open) and, given
     ``state``, a buffer of that device."""
@@ -243,7 +254,10 @@ def check_buffer(buf: Buffer, what: str, state: DeviceState | None = None) -> No
         raise ClosedResourceError(f"{what} belongs to the closed device {own.name}")
     if state is not None and state is not own:
         its, expected = two_names(own, state)
-        raise InvalidArgumentError(f"{what} is on {its}, expected a buffer of {expected}")
+        hint = ""
+        if not own.backend.runs_kernels and state.backend.runs_kernels:
+            hint = f" ({own.kind} buffers hold data only: am.copy it into a {state.kind} buffer)"
+        raise InvalidArgumentError(f"{what} is on {its}, expected a buffer of {expected}{hint}")
 
 
 def launch_args(buffers: Sequence[Buffer], kernel: str, state: DeviceState) -> list[Arg]:
@@ -256,7 +270,7 @@ def launch_args(buffers: Sequence[Buffer], kernel: str, state: DeviceState) -> l
         if buf.__class__ is not Buffer:
             raise ArgumentTypeError(
                 f"buffer {i} of {kernel!r} must be a Buffer, got {type(buf).__name__}"
-                + (" (did you forget to await alloc?)" if inspect.isawaitable(buf) else "")
+                + not_a_buffer(buf)
             )
         allocation = buf._allocation
         if allocation.freed or buf._state is not state or state.closed:

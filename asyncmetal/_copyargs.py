@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._allocator import lenders
-from ._buffer import Buffer, buffer_state, check_buffer, native_arg, overlap
+from ._buffer import Buffer, buffer_state, check_buffer, native_arg, not_a_buffer, overlap
 from ._device_state import DeviceState, two_names
 from ._errors import ArgumentTypeError, InvalidArgumentError
 
@@ -20,6 +20,7 @@ def host_view(obj: Any, what: str, *, writable: bool) -> memoryview:
     except TypeError:
         raise ArgumentTypeError(
             f"{what} must be a Buffer or support the buffer protocol, got {type(obj).__name__}"
+            + not_a_buffer(obj)
         ) from None
     if not view.c_contiguous:
         raise InvalidArgumentError(
@@ -128,7 +129,13 @@ def copy_operands(state: DeviceState, dst: Any, src: Any, nbytes: int | None) ->
             return copy_operands(state, lent, src, nbytes)
         nbytes = copy_size(view.nbytes, src.nbytes, nbytes)
         return CopyOperands("copyout", (view[:nbytes], native_arg(src)), (), (src,))
-    raise ArgumentTypeError("copy needs a Buffer as dst or src (or both)")
+    raise no_buffer(dst, src)
+
+
+def no_buffer(dst: object, src: object) -> ArgumentTypeError:
+    """The error of a copy given no Buffer at all."""
+    hint = not_a_buffer(dst) or not_a_buffer(src)
+    return ArgumentTypeError(f"copy needs a Buffer as dst or src (or both){hint}")
 
 
 def _lent_back(state: DeviceState, view: memoryview) -> Buffer | None:

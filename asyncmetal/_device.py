@@ -288,6 +288,10 @@ class Device:
 
     @compile_pool.setter
     def compile_pool(self, pool: CompilePool) -> None:
+        if not isinstance(pool, CompilePool):
+            raise ArgumentTypeError(
+                f"compile_pool must be a CompilePool, got {type(pool).__name__}"
+            )
         self._pool = pool
 
     async def compile(self, src: str, name: str, *, timeout: float | None = None) -> Program:
@@ -429,7 +433,10 @@ class Device:
                 f"kernel {name!r} is not defined in the compiled code" + unlinked_hint(src, name),
                 name=name,
             ) from None
-        except (DeviceLostError, ClosedResourceError, MemoryError):
+        except ClosedResourceError:
+            self._state.check_open()  # (named as the device was opened)
+            raise
+        except (DeviceLostError, MemoryError):
             raise  # the device's trouble, not the binary's
         except Exception as exc:
             raise _UnloadableError from exc
@@ -766,6 +773,14 @@ class _DeviceOpener:
     def __exit__(self, *exc: object) -> None:
         """(Never reached: __enter__ refuses.)"""
 
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute.startswith("_") or not hasattr(Device, attribute):
+            raise AttributeError(attribute)
+        raise AttributeError(
+            f"open_device() returns an opener, not a Device (no {attribute!r}): use "
+            "'dev = await open_device(...)' or 'async with open_device(...) as dev'"
+        )
+
     async def _open(self) -> Device:
         if os.environ.get("ASYNCMETAL_WORKER"):
             raise AsyncMetalError("compile workers never open a device")
@@ -777,7 +792,13 @@ class _DeviceOpener:
         name = (
             self._name or os.environ.get("ASYNCMETAL_DEVICE") or (devices() or [backends.HOST])[0]
         )
-        kind, index = parse_name(name)
+        told = self._name is None and bool(os.environ.get("ASYNCMETAL_DEVICE"))
+        try:
+            kind, index = parse_name(name)
+        except InvalidArgumentError as exc:
+            if told:
+                raise InvalidArgumentError(f"{exc} (from $ASYNCMETAL_DEVICE)") from None
+            raise
         cls = backends.backend_class(kind)
         if not cls.runs_kernels and self._name is None:
             name = backends.HOST  # never the default: a device for kernels is wanted
@@ -790,7 +811,10 @@ class _DeviceOpener:
             and f"{kind}:{index}" not in available
             and not (cls.any_index and available)
         ):
-            raise AsyncMetalError(f"device {name!r} is not available here (available: {devices()})")
+            raise AsyncMetalError(
+                f"device {name!r} is not available here (available: {devices()})"
+                + (" (from $ASYNCMETAL_DEVICE)" if told else "")
+            )
         backend = cls(index)
         if not cls.fork_safe:
             _kinds_opened.add(kind)

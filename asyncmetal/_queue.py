@@ -301,13 +301,21 @@ class Queue:
             raise InvalidArgumentError(
                 f"program {program.name!r} was compiled for {compiled_for}, not {this}"
             )
-        if vals.__class__ is not tuple and (
-            isinstance(vals, (str, bytes)) or not isinstance(vals, Sequence)
-        ):
-            raise ArgumentTypeError(f"vals must be a sequence of ints, got {vals!r}")
+        if vals.__class__ is not tuple:
+            if isinstance(vals, np.ndarray) and vals.ndim == 1 and vals.dtype.kind in "iu":
+                vals = vals.tolist()
+            elif isinstance(vals, (str, bytes)) or not isinstance(vals, Sequence):
+                raise ArgumentTypeError(f"vals must be a sequence of ints, got {vals!r}")
         if len(buffers) != program.buffer_count:
+            misplaced = [i for i, v in enumerate(vals) if isinstance(v, Buffer)]
             raise ArgumentTypeError(
                 f"kernel {program.name!r} takes {program.buffer_count} buffers, got {len(buffers)}"
+                + (
+                    f" (vals[{misplaced[0]}] is a Buffer: buffers are launch's positional "
+                    "arguments, vals= its int values)"
+                    if misplaced
+                    else ""
+                )
             )
         if len(vals) != program.value_count:
             raise ArgumentTypeError(

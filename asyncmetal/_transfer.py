@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 
 from ._buffer import Buffer, buffer_state, check_buffer, host_memory, record_uses, uses
-from ._copyargs import copy_size
-from ._errors import ArgumentTypeError, InvalidArgumentError
+from ._copyargs import copy_size, no_buffer
+from ._errors import InvalidArgumentError
 from ._queue import Completion, Queue
 from ._timeline import wait_value
 
@@ -54,7 +54,7 @@ async def copy(dst: Any, src: Any, nbytes: int | None = None) -> None:
     elif isinstance(src, Buffer):
         queue = _queue_of(src)
     else:
-        raise ArgumentTypeError("copy needs a Buffer as dst or src (or both)")
+        raise no_buffer(dst, src)
     await queue.copy(dst, src, nbytes)
 
 

@@ -391,6 +391,52 @@ async def test_mistakes_a_newcomer_makes_are_named(
     assert view.freed
 
 
+async def test_more_slips_are_named(
+    device: am.Device, kernels: dict[str, am.Program], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A typed view, an npy buffer or an un-awaited from_numpy where a buffer goes, a
+    buffer among vals, an opener used as a device, a bad $ASYNCMETAL_DEVICE, a pool that
+    is not one (checked: each refused without saying why, the pool only at the next
+    compile)."""
+    fill, add = kernels["fill"], kernels["add"]
+    buf = await device.alloc(16)
+    typed = buf.typed(np.int32)
+    hint = r"typed view is for export: pass its \.buffer"
+    _rejects(
+        device, am.ArgumentTypeError, hint, lambda: device.queue.launch(fill, typed, vals=(1, 4))
+    )  # type: ignore[arg-type]
+    _rejects(device, am.ArgumentTypeError, hint, lambda: device.queue.copy(buf, typed))
+    with pytest.raises(am.ArgumentTypeError, match=hint):
+        await am.copy(typed, np.zeros(4, np.int32))  # type: ignore[arg-type]
+    pending = am.from_numpy(np.zeros(4, np.int32))
+    with pytest.raises(am.ArgumentTypeError, match="forget to await from_numpy"):
+        await am.copy(buf, pending)  # type: ignore[arg-type]
+    pending.close()
+    held = await am.from_numpy(np.zeros(4, np.int32))
+    _rejects(
+        device,
+        am.InvalidArgumentError,
+        f"npy buffers hold data only: am.copy it into a {device.kind} buffer",
+        lambda: device.queue.launch(fill, held, vals=(1, 4)),
+    )
+    _rejects(
+        device,
+        am.ArgumentTypeError,
+        r"vals\[0\] is a Buffer",
+        lambda: device.queue.launch(add, buf, buf, vals=(buf, 4)),  # type: ignore[arg-type]
+    )
+    await device.queue.launch(fill, buf, vals=np.array([9, 4], np.int32))  # type: ignore[arg-type]
+    assert list(await buf.read(np.int32)) == [9, 9, 9, 9]
+    opener = am.open_device("cpu")
+    with pytest.raises(AttributeError, match="await open_device"):
+        opener.alloc(16)  # type: ignore[attr-defined]
+    monkeypatch.setenv("ASYNCMETAL_DEVICE", "bogus")
+    with pytest.raises(am.InvalidArgumentError, match=r"from \$ASYNCMETAL_DEVICE"):
+        await am.open_device()
+    with pytest.raises(am.ArgumentTypeError, match="must be a CompilePool"):
+        device.compile_pool = "pool"  # type: ignore[assignment]
+
+
 async def test_numpy_integers_are_launch_values(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:
