@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -214,8 +215,10 @@ class Buffer(Exports):
         """A zero-copy numpy view of host-visible memory (the cpu device, Metal's shared
         storage), handed out once every command using the buffer has finished.
 
-        The view aliases the buffer: later device work shows through it, and it must
-        not be used after the buffer is freed.
+        The view aliases the buffer: later device work shows through it. It holds the
+        memory as an export does: a free (or the device's close) meanwhile does not let
+        that memory go to another buffer until the view and every array over it are
+        gone; commands submitted after the free are not ordered with it.
         """
         check_buffer(self, "buffer")
         backend = self._state.backend
@@ -228,8 +231,14 @@ class Buffer(Exports):
         for queue, value in uses(self):
             await wait_value(queue.timeline, value)
         check_buffer(self, "buffer")  # freed, or its device closed, while it waited
-        view = backend.host_view(self._allocation.handle, self.offset, self.nbytes)
-        array = np.frombuffer(view, dtype)
+        handle, release = self._lend()
+        try:
+            view = backend.host_view(handle, self.offset, self.nbytes)
+            array = np.frombuffer(view, dtype)
+        except BaseException:
+            release()
+            raise
+        weakref.finalize(array, release)  # arrays over it keep it as their base
         return array if shape is None else array.reshape(shape)
 
 

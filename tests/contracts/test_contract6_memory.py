@@ -181,6 +181,26 @@ async def test_map_is_zero_copy_and_waits_for_pending_work(
     assert (await buf.read(np.int32))[0] == 5
 
 
+async def test_a_mapped_view_holds_its_memory_past_a_free(device: am.Device) -> None:
+    """A map's view outlives the buffer's free: its memory goes to no other buffer until
+    the view is gone (checked: before, the next allocation of the size got that memory,
+    and writes through the stale view landed in the new owner's buffer)."""
+    buf = await device.alloc(64)
+    view = (await buf.map(np.int32)).reshape(4, 4)[1:]  # an array over it holds it too
+    address = view.ctypes.data
+    await buf.free()
+    other = await device.alloc(64)
+    await other.write(np.full(16, 9, np.int32))
+    view[:] = 0
+    assert (await other.read(np.int32)).tolist() == [9] * 16
+    await other.free()
+    assert device.memory_statistics().in_use == 64  # the view's
+    del view
+    gc.collect()
+    assert device.memory_statistics().in_use == 0  # let go of with the last array over it
+    assert address
+
+
 async def test_no_native_allocation_leaks(anyio_backend: object) -> None:
     dev = await am.open_device("cpu:9")
     backend = dev._backend
