@@ -509,15 +509,17 @@ class TypedView(Exports):
         count = buffer.nbytes // dtype.itemsize
         if shape is None:
             shape = (count,)
-        elif isinstance(shape, int):
-            shape = (shape,)
-        if not isinstance(shape, (tuple, list)):
-            raise ArgumentTypeError(f"shape must be an int or a tuple of ints, got {shape!r}")
-        shape = tuple(shape)
-        if not all(isinstance(n, int) and n >= 0 for n in shape) or math.prod(shape) != count:
-            raise InvalidArgumentError(
-                f"shape {shape} does not hold the buffer's {count} {dtype} items"
-            )
+        else:  # as numpy's reshape takes it (and read() and map()): numpy ints, one -1
+            try:  # a zero-stride array of that many items: reshaped without memory
+                shape = np.broadcast_to(np.empty(1, np.uint8), (count,)).reshape(shape).shape
+            except TypeError:
+                raise ArgumentTypeError(
+                    f"shape must be an int or a tuple of ints, got {shape!r}"
+                ) from None
+            except ValueError:
+                raise InvalidArgumentError(
+                    f"shape {shape!r} does not hold the buffer's {count} {dtype} items"
+                ) from None
         self.buffer = buffer
         self.dtype = dtype
         self.shape = shape

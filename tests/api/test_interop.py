@@ -165,6 +165,26 @@ async def test_exporting_memory_a_command_uses_is_refused(
     assert buf.__dlpack__() is not None
 
 
+async def test_a_typed_view_takes_shapes_as_read_does(device: am.Device) -> None:
+    """numpy ints and one -1, as numpy's reshape (and read and map) take them. Checked:
+    without it, np.int64(16) was "not an int", and (np.int64(16),) a shape that "does
+    not hold the buffer's 16 items"."""
+    buf = await device.alloc(64)
+    assert buf.typed(np.float32, np.int64(16)).shape == (16,)
+    assert buf.typed(np.float32, (np.int64(4), np.int32(4))).shape == (4, 4)
+    assert buf.typed(np.float32, (2, -1)).shape == (2, 8)
+    assert buf.typed(np.float32, [4, 4]).shape == (4, 4)
+    if device.name == "cpu":
+        assert np.from_dlpack(buf.typed(np.float32, (np.int64(2), -1))).shape == (2, 8)
+    with pytest.raises(am.InvalidArgumentError, match=r"shape \(5,\) does not hold"):
+        buf.typed(np.float32, (5,))
+    with pytest.raises(am.InvalidArgumentError, match="does not hold"):
+        buf.typed(np.float32, (-1, -1))
+    with pytest.raises(am.ArgumentTypeError, match="shape"):
+        buf.typed(np.float32, (4.0, 4))
+    await buf.free()
+
+
 async def test_what_an_export_refuses(device: am.Device) -> None:
     buf = await device.alloc(64)
     with pytest.raises(BufferError, match="without copying"):
