@@ -11,7 +11,8 @@ backend's ``order_stream``: on cuda, on each queue's event, or its timeline word
 command still held on the host); the stream is not adopted, so no queue or completion
 thread is made per consumer stream. Host memory (cpu, npy, Metal's shared storage) has
 no stream to wait on, so exporting it while a command that uses it is in flight raises
-``BufferError`` (await that command first). The capsule is made in one call of the
+``BufferError`` (await that command first). ``copy=True`` (the array API's) exports a copy
+of host memory, as kDLCPU, made at once. The capsule is made in one call of the
 native extension (``native/py_dlpack.c``'s ``dlpack_export``), else through numpy and
 ctypes (:func:`numpy_capsule`): the same tensor either way.
 
@@ -42,6 +43,7 @@ Buffer = Any
 KDLCPU, KDLCUDA, KDLCUDAHOST, KDLMETAL = 1, 2, 3, 8
 DLPACK_VERSION = (1, 1)
 FLAG_READ_ONLY = 1
+FLAG_IS_COPIED = 2
 _STREAM_NONE = -1  # the consumer asks for no ordering at all
 
 
@@ -297,19 +299,28 @@ def export_dlpack(
     buffer._check_usable("buffer")
     state = buffer._export_state()
     device_type, device_id = device_dlpack(state)
-    if dl_device is not None and tuple(dl_device) != (device_type, device_id):
-        raise ExchangeError(
-            f"the buffer is on DLPack device {(device_type, device_id)}, not {tuple(dl_device)}:"
-            " asyncmetal exports without copying (copy it with asyncmetal.copy first)"
-        )
-    if copy:
-        raise ExchangeError("asyncmetal exports without copying: copy=True is not supported")
     if not isinstance(dtype, np.dtype):  # a Buffer's and a TypedView's are already
         dtype = np.dtype(dtype)
     code, bits = _export_code(dtype)
     if shape is None:
         shape = (buffer.nbytes // dtype.itemsize,)
     versioned = max_version is not None and tuple(max_version) >= (1, 0)
+    target = (device_type, device_id) if dl_device is None else tuple(dl_device)
+    moved = target != (device_type, device_id)
+    # A copy, as the array API asks for copy=True (or for another device, unless
+    # copy=False): made of host memory into host memory, at once.
+    if (copy or (moved and copy is None)) and state.backend.host_visible and target == (KDLCPU, 0):
+        return _host_copy(buffer, state, dtype, shape, stream, versioned)
+    if moved:
+        raise ExchangeError(
+            f"the buffer is on DLPack device {(device_type, device_id)}, not {target}:"
+            " asyncmetal exports without copying there (copy it with asyncmetal.copy first)"
+        )
+    if copy:
+        raise ExchangeError(
+            f"asyncmetal exports {state.name} memory without copying: copy=True is supported "
+            "for host memory exported as kDLCPU (dl_device=(1, 0))"
+        )
     writable = state.backend.writable
     if not writable and not versioned:  # as numpy does: the legacy capsule has no flag
         raise ExchangeError(
@@ -338,6 +349,34 @@ def export_dlpack(
     except BaseException:
         release()  # no capsule: the loan ends here
         raise
+
+
+def _host_copy(
+    buffer: Buffer,
+    state: Any,
+    dtype: np.dtype[Any],
+    shape: tuple[int, ...],
+    stream: int | None,
+    versioned: bool,
+) -> object:
+    """A capsule of a new host array holding a copy of host-visible ``buffer``'s memory,
+    as ``dtype`` of ``shape`` (kDLCPU; versioned ones flagged as copied). It is read at
+    once, so a command still using the memory is refused as for a shared export."""
+    _order_for_consumer(buffer, state, stream)
+    handle, _ = buffer._lend(hold=False)
+    view = state.backend.host_view(handle, buffer.offset, buffer.nbytes)
+    array = np.frombuffer(view, dtype).reshape(shape).copy()
+    if not versioned:
+        return array.__dlpack__()
+    try:
+        capsule: object = array.__dlpack__(max_version=DLPACK_VERSION)
+    except TypeError:  # a numpy before the versioned protocol
+        return array.__dlpack__()
+    managed = DLManagedTensorVersioned.from_address(
+        capsule_pointer(capsule, CAPSULE_NAME_VERSIONED)
+    )
+    managed.flags |= FLAG_IS_COPIED
+    return capsule
 
 
 def numpy_capsule(
@@ -473,7 +512,9 @@ class Exports:
         """A DLPack capsule of the memory, no copy (array API semantics: versioned when
         ``max_version >= (1, 0)``). The consumer's ``stream`` waits, on the device, for
         the commands using the buffer; the memory stays valid while the consumer holds
-        it, freed buffer or not. Host memory still used by a command raises BufferError."""
+        it, freed buffer or not. Host memory still used by a command raises BufferError.
+        ``copy=True`` (or ``dl_device`` kDLCPU of host-visible memory on another DLPack
+        device, ``copy`` not False) gives a capsule of a host copy of host memory."""
         buffer, dtype, shape = self._exported()
         return export_dlpack(
             buffer,
