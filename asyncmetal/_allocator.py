@@ -366,17 +366,38 @@ class Allocator:
         return None
 
     def returned(self, block: Block) -> None:
-        """A loan of ``block`` ended (any thread, even in the GC: no lock taken here).
+        """A loan of ``block`` ended (any thread, even in the GC: the lock is only tried).
         After the device closed, its last loan's end frees what the close left
         allocated for it: nothing sweeps any more."""
         if self.closed:
-            block.lent -= 1
-            if not block.lent and block in self._left_lent:
-                self._left_lent.discard(block)
-                self._state.backend.free(block.handle)
+            self._returned_after_close(block)
             return
+        # Most loans end with nothing to release (the buffer is still in use, or other
+        # loans remain): counted here when the lock is free at once, rather than queued
+        # for a sweep that a program exporting in a loop without allocating never makes
+        # (the queue would grow by one entry per export). The lock is only tried: a
+        # finalizer may run on a thread that holds it.
+        if self._lock.acquire(blocking=False):
+            try:
+                closed = self.closed
+                done = not closed and (block.lent > 1 or block not in self._lent_out)
+                if done:
+                    block.lent -= 1
+            finally:
+                self._lock.release()
+            if closed:
+                self._returned_after_close(block)
+                return
+            if done:
+                return
         self._returned.append(block)
         self._frees.increment()
+
+    def _returned_after_close(self, block: Block) -> None:
+        block.lent -= 1
+        if not block.lent and block in self._left_lent:
+            self._left_lent.discard(block)
+            self._state.backend.free(block.handle)
 
     def sweep(self) -> None:
         """Take over blocks of garbage-collected buffers, and release the blocks whose

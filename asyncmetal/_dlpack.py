@@ -11,7 +11,8 @@ backend's ``order_stream``: on cuda, on each queue's event, or its timeline word
 command still held on the host); the stream is not adopted, so no queue or completion
 thread is made per consumer stream. Host memory (cpu, npy, Metal's shared storage) has
 no stream to wait on, so exporting it while a command that uses it is in flight raises
-``BufferError`` (await that command first). The capsule is made in one call of the
+``BufferError`` (await that command first). ``copy=True`` (the array API's) exports a copy
+of host memory, as kDLCPU, made at once. The capsule is made in one call of the
 native extension (``native/py_dlpack.c``'s ``dlpack_export``), else through numpy and
 ctypes (:func:`numpy_capsule`): the same tensor either way.
 
@@ -42,6 +43,7 @@ Buffer = Any
 KDLCPU, KDLCUDA, KDLCUDAHOST, KDLMETAL = 1, 2, 3, 8
 DLPACK_VERSION = (1, 1)
 FLAG_READ_ONLY = 1
+FLAG_IS_COPIED = 2
 _STREAM_NONE = -1  # the consumer asks for no ordering at all
 
 
@@ -111,6 +113,7 @@ _TENSOR_AT = {
 # the extension's dlpack_take, native/py_dlpack.c, which does the same in one call).
 TAKEN, NO_CAPSULE, NEWER_VERSION, READ_ONLY, EMPTY, NOT_CONTIGUOUS, MALFORMED = range(7)
 _SIZE_LIMIT = (1 << 63) - 8  # bytes' bits + 7 fit an int64, as in C
+_ADDRESS_LIMIT = 1 << (8 * ctypes.sizeof(ctypes.c_void_p))  # where memory would end
 
 
 class _Owner:
@@ -175,7 +178,13 @@ def take_capsule(capsule: object) -> tuple[Any, ...]:
         return MALFORMED, "a zero-sized element type"
     if bits > _SIZE_LIMIT:
         return MALFORMED, "a size past 64 bits"
-    data = (tensor.data or 0) + tensor.byte_offset
+    # No memory, or memory that would end past the address space: a Buffer over it
+    # would have kernels and copies write wherever the sum wrapped to.
+    if not tensor.data:
+        return MALFORMED, "no data"
+    data = tensor.data + tensor.byte_offset
+    if data + (bits + 7) // 8 >= _ADDRESS_LIMIT:  # (as in C: the end fits a pointer)
+        return MALFORMED, "an address past the address space"
     capsule_set_name(capsule, used)  # consumed: the deleter is ours to call
     device = tensor.device
     owner = _Owner(address, managed.deleter)
@@ -290,19 +299,28 @@ def export_dlpack(
     buffer._check_usable("buffer")
     state = buffer._export_state()
     device_type, device_id = device_dlpack(state)
-    if dl_device is not None and tuple(dl_device) != (device_type, device_id):
-        raise ExchangeError(
-            f"the buffer is on DLPack device {(device_type, device_id)}, not {tuple(dl_device)}:"
-            " asyncmetal exports without copying (copy it with asyncmetal.copy first)"
-        )
-    if copy:
-        raise ExchangeError("asyncmetal exports without copying: copy=True is not supported")
     if not isinstance(dtype, np.dtype):  # a Buffer's and a TypedView's are already
         dtype = np.dtype(dtype)
     code, bits = _export_code(dtype)
     if shape is None:
         shape = (buffer.nbytes // dtype.itemsize,)
     versioned = max_version is not None and tuple(max_version) >= (1, 0)
+    target = (device_type, device_id) if dl_device is None else tuple(dl_device)
+    moved = target != (device_type, device_id)
+    # A copy, as the array API asks for copy=True (or for another device, unless
+    # copy=False): made of host memory into host memory, at once.
+    if (copy or (moved and copy is None)) and state.backend.host_visible and target == (KDLCPU, 0):
+        return _host_copy(buffer, state, dtype, shape, stream, versioned)
+    if moved:
+        raise ExchangeError(
+            f"the buffer is on DLPack device {(device_type, device_id)}, not {target}:"
+            " asyncmetal exports without copying there (copy it with asyncmetal.copy first)"
+        )
+    if copy:
+        raise ExchangeError(
+            f"asyncmetal exports {state.name} memory without copying: copy=True is supported "
+            "for host memory exported as kDLCPU (dl_device=(1, 0))"
+        )
     writable = state.backend.writable
     if not writable and not versioned:  # as numpy does: the legacy capsule has no flag
         raise ExchangeError(
@@ -331,6 +349,34 @@ def export_dlpack(
     except BaseException:
         release()  # no capsule: the loan ends here
         raise
+
+
+def _host_copy(
+    buffer: Buffer,
+    state: Any,
+    dtype: np.dtype[Any],
+    shape: tuple[int, ...],
+    stream: int | None,
+    versioned: bool,
+) -> object:
+    """A capsule of a new host array holding a copy of host-visible ``buffer``'s memory,
+    as ``dtype`` of ``shape`` (kDLCPU; versioned ones flagged as copied). It is read at
+    once, so a command still using the memory is refused as for a shared export."""
+    _order_for_consumer(buffer, state, stream)
+    handle, _ = buffer._lend(hold=False)
+    view = state.backend.host_view(handle, buffer.offset, buffer.nbytes)
+    array = np.frombuffer(view, dtype).reshape(shape).copy()
+    if not versioned:
+        return array.__dlpack__()
+    try:
+        capsule: object = array.__dlpack__(max_version=DLPACK_VERSION)
+    except TypeError:  # a numpy before the versioned protocol
+        return array.__dlpack__()
+    managed = DLManagedTensorVersioned.from_address(
+        capsule_pointer(capsule, CAPSULE_NAME_VERSIONED)
+    )
+    managed.flags |= FLAG_IS_COPIED
+    return capsule
 
 
 def numpy_capsule(
@@ -466,7 +512,9 @@ class Exports:
         """A DLPack capsule of the memory, no copy (array API semantics: versioned when
         ``max_version >= (1, 0)``). The consumer's ``stream`` waits, on the device, for
         the commands using the buffer; the memory stays valid while the consumer holds
-        it, freed buffer or not. Host memory still used by a command raises BufferError."""
+        it, freed buffer or not. Host memory still used by a command raises BufferError.
+        ``copy=True`` (or ``dl_device`` kDLCPU of host-visible memory on another DLPack
+        device, ``copy`` not False) gives a capsule of a host copy of host memory."""
         buffer, dtype, shape = self._exported()
         return export_dlpack(
             buffer,
@@ -509,15 +557,17 @@ class TypedView(Exports):
         count = buffer.nbytes // dtype.itemsize
         if shape is None:
             shape = (count,)
-        elif isinstance(shape, int):
-            shape = (shape,)
-        if not isinstance(shape, (tuple, list)):
-            raise ArgumentTypeError(f"shape must be an int or a tuple of ints, got {shape!r}")
-        shape = tuple(shape)
-        if not all(isinstance(n, int) and n >= 0 for n in shape) or math.prod(shape) != count:
-            raise InvalidArgumentError(
-                f"shape {shape} does not hold the buffer's {count} {dtype} items"
-            )
+        else:  # as numpy's reshape takes it (and read() and map()): numpy ints, one -1
+            try:  # a zero-stride array of that many items: reshaped without memory
+                shape = np.broadcast_to(np.empty(1, np.uint8), (count,)).reshape(shape).shape
+            except TypeError:
+                raise ArgumentTypeError(
+                    f"shape must be an int or a tuple of ints, got {shape!r}"
+                ) from None
+            except ValueError:
+                raise InvalidArgumentError(
+                    f"shape {shape!r} does not hold the buffer's {count} {dtype} items"
+                ) from None
         self.buffer = buffer
         self.dtype = dtype
         self.shape = shape

@@ -14,7 +14,8 @@
  *   (EMPTY,)                         no elements
  *   (NOT_CONTIGUOUS,)                strides that are not C-contiguous
  *   (MALFORMED, what)                a negative ndim or extent, a zero-sized type, no
- *                                    shape, or a size past 64 bits
+ *                                    shape, a size past 64 bits, no data, or data
+ *                                    (+ byte_offset + size) past the address space
  * Refused capsules are left as they were: their own destructor calls the deleter.
  * The structures are dlpack.h's (DLPack 1.x); data + byte_offset is the address.
  *
@@ -122,7 +123,13 @@ PyObject *py_dlpack_take(PyObject *self, PyObject *capsule) {
     int64_t nbytes = tensor_nbytes(tensor, &what);
     if (nbytes < 0) return nbytes == -MALFORMED ? Py_BuildValue("(is)", MALFORMED, what)
                                                 : status((int)-nbytes);
-    uint64_t data = (uint64_t)(uintptr_t)tensor->data + tensor->byte_offset;
+    /* No memory, or memory that would end past the address space: a Buffer over it
+     * would have kernels and copies write wherever the sum wrapped to. */
+    uint64_t data, end;
+    if (!tensor->data) return Py_BuildValue("(is)", MALFORMED, "no data");
+    if (__builtin_add_overflow((uint64_t)(uintptr_t)tensor->data, tensor->byte_offset, &data) ||
+        __builtin_add_overflow(data, (uint64_t)nbytes, &end) || end > UINTPTR_MAX)
+        return Py_BuildValue("(is)", MALFORMED, "an address past the address space");
     /* The owner gets its destructor only once the capsule is ours: were the rename to
      * fail, the capsule's destructor would still be the one to call the deleter. */
     PyObject *owner = PyCapsule_New(managed, OWNER, NULL);

@@ -176,6 +176,11 @@ REFUSED = [
     (_set(shape=(0, 1 << 60)), am.ExchangeError, "malformed: a size past 64"),
     (_set(lanes=1 << 15, shape=(0, 1 << 42)), am.ExchangeError, "malformed: a size past 64"),
     (_set(device=2), am.ExchangeError, r"tensor is on DLPack device \(2, 0\)"),
+    # No memory, or memory ending past the address space (before, both were taken: a
+    # Buffer at address 0, or where the sum wrapped to; checked failing without).
+    (_set(data=None), am.ExchangeError, "malformed: no data"),
+    (_set(byte_offset=(1 << 64) - 8), am.ExchangeError, "malformed: an address past"),
+    (_set(data=(1 << 64) - 16), am.ExchangeError, "malformed: an address past"),
 ]
 
 

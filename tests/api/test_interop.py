@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
+from asyncmetal import _dlpack
+from tests.api.test_dlpack_take import _tensor
 from tests.support.kernels import KERNELS
 
 pytestmark = pytest.mark.anyio
@@ -165,10 +167,66 @@ async def test_exporting_memory_a_command_uses_is_refused(
     assert buf.__dlpack__() is not None
 
 
+async def test_a_typed_view_takes_shapes_as_read_does(device: am.Device) -> None:
+    """numpy ints and one -1, as numpy's reshape (and read and map) take them. Checked:
+    without it, np.int64(16) was "not an int", and (np.int64(16),) a shape that "does
+    not hold the buffer's 16 items"."""
+    buf = await device.alloc(64)
+    assert buf.typed(np.float32, np.int64(16)).shape == (16,)
+    assert buf.typed(np.float32, (np.int64(4), np.int32(4))).shape == (4, 4)
+    assert buf.typed(np.float32, (2, -1)).shape == (2, 8)
+    assert buf.typed(np.float32, [4, 4]).shape == (4, 4)
+    if device.name == "cpu":
+        assert np.from_dlpack(buf.typed(np.float32, (np.int64(2), -1))).shape == (2, 8)
+    with pytest.raises(am.InvalidArgumentError, match=r"shape \(5,\) does not hold"):
+        buf.typed(np.float32, (5,))
+    with pytest.raises(am.InvalidArgumentError, match="does not hold"):
+        buf.typed(np.float32, (-1, -1))
+    with pytest.raises(am.ArgumentTypeError, match="shape"):
+        buf.typed(np.float32, (4.0, 4))
+    await buf.free()
+
+
+async def test_copy_true_copies_host_memory(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """As the array API asks: copy=True (or dl_device another device, copy not False)
+    gives a copy, made of host memory exported as kDLCPU; a command still using the
+    memory is refused as for a shared export. Checked: without it, copy=True was
+    refused everywhere, and so was np.from_dlpack(metal_buffer, device="cpu")."""
+    buf = await device.alloc(64)
+    await buf.write(np.arange(16, dtype=np.int32))
+    cpu = (1, 0)
+    if device.name == "cpu":
+        copied = np.from_dlpack(buf.typed(np.int32, (4, 4)), copy=True)
+    else:  # Metal memory: a copy as kDLCPU only (no new MTLBuffer is made at once)
+        with pytest.raises(BufferError, match="copy=True is supported for host memory"):
+            buf.__dlpack__(copy=True)
+        with pytest.raises(BufferError, match="without copying there"):
+            buf.__dlpack__(dl_device=cpu, copy=False)
+        copied = np.from_dlpack(buf.typed(np.int32, (4, 4)), device="cpu")
+    assert copied.tolist() == np.arange(16).reshape(4, 4).tolist()
+    copied[:] = 0  # the copy's own memory
+    assert (await buf.read(np.int32)).tolist() == list(range(16))
+    capsule = buf.__dlpack__(max_version=(1, 0), dl_device=cpu, copy=True)
+    managed = _tensor(capsule)[0]
+    assert managed.flags & _dlpack.FLAG_IS_COPIED
+    assert managed.dl_tensor.device.device_type == 1
+    with pytest.raises(BufferError, match="must be None"):
+        buf.__dlpack__(dl_device=cpu, copy=True, stream=1)
+    device.queue.launch(kernels["sleep_ms"], vals=(50,))
+    use = device.queue.launch(kernels["fill"], buf, vals=(2, 16))
+    with pytest.raises(BufferError, match="in flight"):
+        buf.__dlpack__(dl_device=cpu, copy=True)
+    await use
+    del capsule, managed
+    await buf.free()
+    gc.collect()
+    assert device.memory_statistics().in_use == 0  # a copy holds no loan
+
+
 async def test_what_an_export_refuses(device: am.Device) -> None:
     buf = await device.alloc(64)
-    with pytest.raises(BufferError, match="without copying"):
-        buf.__dlpack__(copy=True)
     with pytest.raises(BufferError, match="DLPack device"):
         buf.__dlpack__(dl_device=(2, 0))
     with pytest.raises(am.InvalidArgumentError, match="shape"):
