@@ -60,10 +60,17 @@ def _queue_of(c_timeline: int) -> FailingQueue | None:
     return None if timeline is None or timeline._queue is None else timeline._queue()
 
 
-def failure_error(failure: _native.Failure, lead: str) -> AsyncMetalError:
+# What a queue's command failed by a wait of that queue for a value never produced adds.
+LATER_FAIL = (
+    " (the wait holds every later command of that queue, and so fails each: use "
+    "another queue, dev.new_queue())"
+)
+
+
+def failure_error(failure: _native.Failure, lead: str, tail: str = "") -> AsyncMetalError:
     """The error of something that depends on a value ``failure`` kept from being
     produced: ``lead`` ("... a value that"), then the command where the failure began
-    and why (a queue that is gone is not named)."""
+    and why (a queue that is gone is not named), then ``tail``."""
     queue = _queue_of(failure.cause)
     where = (
         "a command of another queue"
@@ -74,19 +81,19 @@ def failure_error(failure: _native.Failure, lead: str) -> AsyncMetalError:
         owner = _timelines.get(failure.cause)
         device = "its device" if owner is None else f"its device, {owner.device.name},"
         return ClosedResourceError(
-            f"{lead} nothing will produce: {device} closed before the timeline got there"
+            f"{lead} nothing will produce: {device} closed before the timeline got there{tail}"
         )
     if failure.error == _native.ABANDONED:
         device = "its device" if queue is None else queue.device.name
         return ClosedResourceError(
             f"{lead} {where} never produced: {device} was closed while that command waited "
-            "for a timeline value nobody signalled, and it never ran"
+            f"for a timeline value nobody signalled, and it never ran{tail}"
         )
     cause = None if queue is None else queue._failure(failure.value)
     if cause is None:
         cause = AsyncMetalError(f"it failed (error {failure.error})")
     kind = DeviceLostError if isinstance(cause, DeviceLostError) else AsyncMetalError
-    error = kind(f"{lead} {where} never produced: {cause}")
+    error = kind(f"{lead} {where} never produced: {cause}{tail}")
     error.__cause__ = cause
     return error
 

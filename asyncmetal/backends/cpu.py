@@ -45,7 +45,7 @@ from .._backend import (
 )
 from .._compile import Compiler, ParamKind, integer_params
 from .._errors import ArgumentTypeError, ClosedResourceError, CompileError, InvalidArgumentError
-from .._timeline import failure_error
+from .._timeline import LATER_FAIL, failure_error
 
 _ALIGN = 64
 MAX_ARGS = _native.MAX_ARGS
@@ -309,7 +309,8 @@ class CPUQueue(NativeQueue):
         failure = _native.timeline_failure(own)
         if failure is None or failure.cause == own:
             return None  # abandoned by its own device's close (Queue says so)
-        return failure_error(failure, "this command ran after a device-side wait for a value that")
+        lead = "this command did not run: it follows a device-side wait for a value that"
+        return failure_error(failure, lead, LATER_FAIL)
 
     def _row(self, record: Record) -> int:
         """The address of the times row the queue thread writes for ``record``."""

@@ -13,7 +13,7 @@ from ... import _native, _native_contract
 from ..._backend import Arg, KeepAlive, NativeQueue, NativeTimeline, Record, host_address
 from ..._errors import AsyncMetalError, DeviceLostError
 from ..._native import ABANDONED, CLOSED, Failure
-from ..._timeline import failure_error
+from ..._timeline import LATER_FAIL, failure_error
 from . import _driver
 from ._driver import (
     UNCONFIRMED,
@@ -337,7 +337,7 @@ class CUDAQueue(NativeQueue):
                 f"the command at value {first} on a stream of {self._backend.name} ran after "
                 "a device-side wait for a value that"
             )
-            return failure_error(Failure(first, error, value, timeline), lead)
+            return failure_error(Failure(first, error, value, timeline), lead, LATER_FAIL)
         where = next(
             (
                 f"a stream of {queue._backend.name}"
@@ -350,7 +350,7 @@ class CUDAQueue(NativeQueue):
         kind = DeviceLostError if isinstance(cause, DeviceLostError) else AsyncMetalError
         return kind(
             f"the command at value {first} on a stream of {self._backend.name} ran after a "
-            f"device-side wait for a value that was never produced: {cause}"
+            f"device-side wait for a value that was never produced: {cause}{LATER_FAIL}"
         )
 
     def launch(

@@ -24,7 +24,7 @@ from ..._backend import (
     host_address,
 )
 from ..._errors import DeviceLostError
-from ..._timeline import MAX_VALUE, failure_error
+from ..._timeline import LATER_FAIL, MAX_VALUE, failure_error
 from . import _blocks
 from ._objc import (
     autorelease_pool,
@@ -325,7 +325,7 @@ class MetalQueue(NativeQueue):
             failure = timeline.failure(target)
             if failure is not None:
                 lead = "this command ran after a device-side wait for a value that"
-                return failure_error(failure, lead)
+                return failure_error(failure, lead, LATER_FAIL)
         return None
 
     # -- commands -------------------------------------------------------------------------
