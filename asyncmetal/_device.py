@@ -7,7 +7,9 @@ import atexit
 import collections
 import contextlib
 import functools
+import importlib
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -61,6 +63,18 @@ def parse_name(name: str) -> tuple[str, int]:
         )
     return kind, int(index or 0)
 
+
+def _import_anyio_now() -> None:
+    """Import what anyio imports lazily, at its first use on a loop: done there, the
+    first open_device held the loop 15-25 ms. Here it runs as asyncmetal is imported."""
+    loops = ["asyncio", "trio"] if "trio" in sys.modules else ["asyncio"]
+    modules = ["anyio.to_thread", "anyio.lowlevel", "anyio.abc", "anyio.streams.memory"]
+    for module in modules + [f"anyio._backends._{loop}" for loop in loops]:
+        with contextlib.suppress(ImportError):  # (a private module anyio may move)
+            importlib.import_module(module)
+
+
+_import_anyio_now()
 
 RECOUNT_S = 0.05  # a close waiting for its queues counts what can complete this often
 # A source this long or longer is hashed and its kernel's parameters read on a worker

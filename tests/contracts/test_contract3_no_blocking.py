@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -756,3 +758,37 @@ async def test_a_launch_after_a_burst_of_finished_commands_returns_at_once(
         queue.launch(program, buf)
         assert time.perf_counter() - start < 1.0  # (10 ms here; 3.7 s before)
         await queue.synchronize()
+
+
+_FIRST_OPEN = """
+import sys, threading
+import {loop}
+import asyncmetal as am
+imported, recording = [], [False]
+def hook(event, args):
+    if event == "import" and recording[0] and threading.current_thread() is threading.main_thread():
+        imported.append(args[0])
+sys.addaudithook(hook)
+async def main():
+    recording[0] = True
+    dev = await am.open_device("cpu")
+    recording[0] = False
+    await dev.close()
+{loop}.run(main() if "{loop}" == "asyncio" else main)
+print(imported)
+"""
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_the_first_open_imports_nothing_on_the_loop(loop: str) -> None:
+    """A process's first open_device imports nothing on the loop thread (the backend's
+    modules are imported on a worker thread). Checked: anyio's lazily imported modules,
+    its loop's backend among them, were imported there, holding the loop 15-25 ms."""
+    run = subprocess.run(
+        [sys.executable, "-c", _FIRST_OPEN.format(loop=loop)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]", run.stdout
