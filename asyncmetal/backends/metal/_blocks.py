@@ -57,11 +57,21 @@ class BlockLiteral(ctypes.Structure):
         ("then_value", ctypes.c_uint64),
         ("status_send", ctypes.c_void_p),
         ("status_selector", ctypes.c_void_p),
+        ("gates", ctypes.c_void_p),
+        ("ngates", ctypes.c_int),
+        ("reserved3", ctypes.c_int),
     ]
+
+
+class Gate(ctypes.Structure):
+    """A value of another timeline that a block's command buffer waited for (am_gate)."""
+
+    _fields_ = [("timeline", ctypes.c_void_p), ("value", ctypes.c_uint64)]
 
 
 _alive: dict[int, BlockLiteral] = {}  # address -> block: kept until it ran
 _held: dict[int, object] = {}  # address -> what the block's command uses, kept as long
+_gates: dict[int, Any] = {}  # address -> its gates (a Gate array), kept as long
 # Native timelines dropped while a block yet to run raises them, and how each is freed.
 _unfreed: list[tuple[int, Any]] = []
 _lock = threading.RLock()  # (a collection inside it may free a timeline: free_timeline)
@@ -125,6 +135,17 @@ def hold_until_run(block: BlockLiteral, obj: object) -> None:
         _held[ctypes.addressof(block)] = obj
 
 
+def set_gates(block: BlockLiteral, gates: list[tuple[int, int]]) -> None:
+    """Have ``block`` raise its timeline only once each native timeline of ``gates``
+    reached its value or failed (the values its command buffer waited for: the GPU goes
+    on once their events get there, maybe before the handler of the command that signals
+    one has said whether it failed). Those timelines are kept until it ran."""
+    array = (Gate * len(gates))(*(Gate(t, v) for t, v in gates))
+    with _lock:
+        _gates[ctypes.addressof(block)] = array
+    block.gates, block.ngates = ctypes.addressof(array), len(gates)
+
+
 def release_ran() -> int:
     """Free every block that has run; returns how many are still kept."""
     from ... import _native
@@ -134,6 +155,7 @@ def release_ran() -> int:
         for address in [a for a, b in _alive.items() if b.calls]:
             del _alive[address]
             let_go.append(_held.pop(address, None))
+            let_go.append(_gates.pop(address, None))
             _native.runtime().am_block_free(address)
         if _unfreed:
             _free_unreferenced()
@@ -154,6 +176,7 @@ def free_timeline(c_timeline: int, free: Any) -> None:
 def _free_unreferenced() -> None:
     """(Under the lock.)"""
     raised = {t for b in _alive.values() if not b.calls for t in (b.timeline, b.then)}
+    raised.update(g.timeline for a, gates in _gates.items() if not _alive[a].calls for g in gates)
     for entry in [e for e in _unfreed if e[0] not in raised]:
         if entry in _unfreed:  # (not freed by a call nested in this one, from the GC)
             _unfreed.remove(entry)

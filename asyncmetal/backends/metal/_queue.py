@@ -135,6 +135,9 @@ class MetalQueue(NativeQueue):
         # A wait command's own value, marked by the next buffer. It and _waits belong to
         # whichever thread commits: the loop's, or the worker's while it holds commands.
         self._unmarked = 0
+        # The waits since the last buffer: its completion raises the queue's timeline
+        # only once each reached its value or failed (_blocks.set_gates).
+        self._gates: list[tuple[int, int]] = []
         self._wait_held = False  # a wait was handed to the worker since the last flush
         # (value, command buffer, block, record, committed behind an unreached wait)
         self._buffers: collections.deque[tuple[int, int, Any, Record, bool]] = collections.deque()
@@ -269,6 +272,8 @@ class MetalQueue(NativeQueue):
         # failed: a signal of a failed one, or of one after it, fails its timeline
         # rather than raising it.
         block.status_send, block.status_selector = _status_call()
+        if self._gates:
+            _blocks.set_gates(block, self._gates)
         send(cb, "addCompletedHandler:", ctypes.addressof(block), restype=None)
         send(cb, "commit", restype=None)
         entry = (value, cb, block, record, bool(still))
@@ -279,6 +284,7 @@ class MetalQueue(NativeQueue):
         if len(self._buffers) > 256:
             self._reap()
         self._unmarked = 0
+        self._gates = []
 
     def flush(self) -> None:
         """Commit a wait command that no later command carried yet (before parking)."""
@@ -409,6 +415,7 @@ class MetalQueue(NativeQueue):
         # Encoded at the head of the next command buffer, with the work that depends on
         # it; this command's own value is marked by that buffer (or by flush()).
         self._waits.append((timeline, target))
+        self._gates.append((timeline.c_timeline, target))
         self._unmarked = value
 
     def _blit(

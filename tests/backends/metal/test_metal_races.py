@@ -1,0 +1,88 @@
+"""The Metal backend where its threads meet: Metal's completion handlers, the queue's own
+thread and the loop's (against the simulated Metal, whose hooks order them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anyio
+import pytest
+
+import asyncmetal as am
+from tests.support.fakes import metal_sim
+from tests.support.kernels import MSL_KERNELS
+
+SIMULATED = metal_sim.configured()
+sim_only = pytest.mark.skipif(not SIMULATED, reason="needs the simulated Metal")
+loops = pytest.mark.parametrize(
+    "anyio_backend",
+    [
+        pytest.param(("asyncio", {}), id="asyncio"),
+        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+        pytest.param(("trio", {}), id="trio"),
+    ],
+)
+
+FAULTY = """
+kernel void crash(device int* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+    out[0] = 1;
+    __asyncmetal_sim_fault();  // the simulation's hook: this command buffer faults
+}
+"""
+
+
+async def _until(condition: Callable[[], object]) -> None:
+    """Poll ``condition()`` from the loop, for at most 20 s (what it waits for is under
+    way: no timing decides the outcome)."""
+    with anyio.fail_after(20):
+        while not condition():
+            await anyio.sleep(0.001)
+
+
+@pytest.mark.metal
+@loops
+@pytest.mark.anyio
+@sim_only
+async def test_a_wait_for_a_failed_signal_fails_even_if_its_handler_comes_last(
+    anyio_backend: object,
+) -> None:
+    """A queue faults, then signals a timeline another queue waits on. The GPU raises
+    the event all the same, so the other queue's command runs -- and its completion
+    handler may be called before the failed signal's (here it is: the simulation holds
+    the first queue's handlers back). Its await must still raise, as a command that
+    waited for a failed value (it reported success: the timeline had not failed yet)."""
+    async with am.open_device("metal") as dev:
+        crash = await dev.compile(FAULTY, "crash")
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        bad, good = await dev.alloc(4), await dev.alloc(64)
+        other, tl = dev.new_queue(), dev.timeline()
+        first = dev.queue._native._queue  # type: ignore[attr-defined]
+        metal_sim.hold_handlers(first, True)
+        try:
+            dev.queue.launch(crash, bad)
+            signalled = dev.queue.signal(tl, 1)
+            other.wait(tl, 1)
+            returned = metal_sim.handlers_returned()
+            after = other.launch(fill, good, vals=(9, 16))
+            outcome: list[str] = []
+
+            async def await_after() -> None:
+                try:
+                    await after
+                    outcome.append("success")
+                except am.DeviceLostError:
+                    outcome.append("failed")
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(await_after)
+                # The other queue's command ran and its handler returned ...
+                await _until(lambda: metal_sim.handlers_returned() > returned)
+                if after.done():  # (what the handler raised, seen by its awaiter)
+                    await _until(lambda: outcome)
+                assert not tl.value  # ... the failed signal's handler was not called
+                metal_sim.hold_handlers(first, False)
+            assert outcome == ["failed"]
+            with pytest.raises(am.DeviceLostError):
+                await signalled
+        finally:
+            metal_sim.hold_handlers(first, False)
