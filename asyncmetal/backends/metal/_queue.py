@@ -141,6 +141,9 @@ class MetalQueue(NativeQueue):
         self._wait_held = False  # a wait was handed to the worker since the last flush
         # (value, command buffer, block, record, committed behind an unreached wait)
         self._buffers: collections.deque[tuple[int, int, Any, Record, bool]] = collections.deque()
+        # Held by whoever takes buffers off the list (a reap, on the loop's thread or the
+        # queue's own) until it has noted what they say: another then sees that too.
+        self._buffers_lock = threading.Lock()
         self._keep = KeepAlive(timeline)
         # The first of its command buffers that failed: it and every later one report
         # its error (another queue's commands report their own).
@@ -277,7 +280,8 @@ class MetalQueue(NativeQueue):
         send(cb, "addCompletedHandler:", ctypes.addressof(block), restype=None)
         send(cb, "commit", restype=None)
         entry = (value, cb, block, record, bool(still))
-        self._buffers.append(entry)
+        with self._buffers_lock:
+            self._buffers.append(entry)
         self._keep.add(value, (keep, block))
         if self._dropping:  # abandoned while this was encoded: close may not have seen it
             self._disarm([entry])
@@ -301,18 +305,19 @@ class MetalQueue(NativeQueue):
 
     def _reap(self) -> None:
         """Release the command buffers that completed, noting the first that failed."""
-        buffers, reached = self._buffers, self._timeline.value
-        while buffers and buffers[0][0] <= reached:
-            done_value, cb, _, record, _ = buffers.popleft()
-            start = send(cb, "GPUStartTime", restype=ctypes.c_double)
-            end = send(cb, "GPUEndTime", restype=ctypes.c_double)
-            record.start_ns, record.end_ns = int(start * 1e9), int(end * 1e9)
-            status = send(cb, "status", restype=c_ulong)
-            if status == STATUS_ERROR and self._lost is None:
-                error = describe_error(send(cb, "error"))
-                self._lost = DeviceLostError(f"a Metal command buffer failed: {error}")
-                self._lost_from = done_value
-            release(cb)
+        with self._buffers_lock:
+            buffers, reached = self._buffers, self._timeline.value
+            while buffers and buffers[0][0] <= reached:
+                done_value, cb, _, record, _ = buffers.popleft()
+                start = send(cb, "GPUStartTime", restype=ctypes.c_double)
+                end = send(cb, "GPUEndTime", restype=ctypes.c_double)
+                record.start_ns, record.end_ns = int(start * 1e9), int(end * 1e9)
+                status = send(cb, "status", restype=c_ulong)
+                if status == STATUS_ERROR and self._lost is None:
+                    error = describe_error(send(cb, "error"))
+                    self._lost = DeviceLostError(f"a Metal command buffer failed: {error}")
+                    self._lost_from = done_value
+                release(cb)
         _blocks.release_ran()
 
     def failure(self, value: int) -> BaseException | None:

@@ -3,9 +3,12 @@ thread and the loop's (against the simulated Metal, whose hooks order them)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
 import asyncmetal as am
@@ -86,3 +89,62 @@ async def test_a_wait_for_a_failed_signal_fails_even_if_its_handler_comes_last(
                 await signalled
         finally:
             metal_sim.hold_handlers(first, False)
+
+
+@pytest.mark.metal
+@loops
+@pytest.mark.anyio
+@sim_only
+@pytest.mark.timeout(120)
+async def test_a_failure_noted_by_the_queues_thread_is_seen_by_the_loops(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The queue's own thread reaps command buffers (past 256 kept) while the loop's asks
+    a command's failure, which reaps too. A buffer the thread has taken and not yet looked
+    at was neither in the list nor noted as failed: the loop reported its command (a
+    fault) as a success. Now one reaps at a time (the queue's thread is held mid-reap
+    here, from its first buffer's GPUStartTime, until the loop's question was asked)."""
+    from asyncmetal.backends.metal import _objc, _queue
+
+    send, held = _objc.send, threading.Event()
+    committing, popped, resume = threading.Event(), threading.Event(), threading.Event()
+    worker: list[int] = []
+
+    def ordered(obj: int, selector: str, *args: Any, **kwargs: Any) -> Any:
+        if worker and threading.get_ident() == worker[0]:
+            if selector == "commandBuffer":
+                committing.wait(20)
+            elif selector == "GPUStartTime" and not held.is_set():
+                held.set()
+                popped.set()
+                resume.wait(20)
+        return send(obj, selector, *args, **kwargs)
+
+    monkeypatch.setattr(_queue, "send", ordered)
+    async with am.open_device("metal") as dev:
+        crash = await dev.compile(FAULTY, "crash")
+        empty = await dev.compile(MSL_KERNELS, "empty")
+        bad, big = await dev.alloc(4), await dev.alloc(_queue.STAGE_OFF_LOOP)
+        q, tl = dev.new_queue(), dev.timeline()
+        native = q._native
+        q.wait(tl, 1)
+        crashed = q.launch(crash, bad)
+        last = [q.launch(empty) for _ in range(300)][-1]  # more than 256 kept
+        host = np.zeros(_queue.STAGE_OFF_LOOP, np.uint8)
+        copied = q.copy(host, big)  # a large read: committed by the queue's thread
+        worker.append(native._worker.ident)  # type: ignore[attr-defined]
+        tl.signal(1)
+        await _until(lambda: q.timeline.value >= last.value)  # (no reap on the loop)
+        committing.set()  # the thread commits the copy, then reaps: held in it
+        await anyio.to_thread.run_sync(popped.wait, 20)
+        seen: list[BaseException | None] = []
+        asker = threading.Thread(target=lambda: seen.append(native.failure(crashed.value)))
+        asker.start()
+        asker.join(1)  # (done at once, or waiting for the thread's reap)
+        resume.set()
+        await anyio.to_thread.run_sync(asker.join)
+        assert isinstance(seen[0], am.DeviceLostError), seen
+        with pytest.raises(am.DeviceLostError):
+            await crashed
+        with pytest.raises(am.DeviceLostError):
+            await copied
