@@ -514,15 +514,25 @@ class MetalQueue(NativeQueue):
             self._held.put(None)
             if not later:
                 self._worker.join()
-        buffers = list(self._buffers)
-        for at, (_, cb, _, _, blocked) in enumerate(buffers):
-            # At exit (abandon) drain what can complete, so no handler fires during
-            # finalization; stop at the first buffer held by a wait nothing may signal
-            # (buffers of a queue complete in order).
-            if abandon and blocked:
-                self._disarm(buffers[at:])
-                break
-            send(cb, "waitUntilCompleted", restype=None)
+        # Left to the worker, the buffers are released by it once its commit returns --
+        # which the buffers drained here completing may let it do meanwhile: each is
+        # held here while it is drained.
+        with self._buffers_lock:
+            buffers = list(self._buffers)
+            for _, cb, _, _, _ in buffers:
+                retain(cb)
+        try:
+            for at, (_, cb, _, _, blocked) in enumerate(buffers):
+                # At exit (abandon) drain what can complete, so no handler fires during
+                # finalization; stop at the first buffer held by a wait nothing may
+                # signal (buffers of a queue complete in order).
+                if abandon and blocked:
+                    self._disarm(buffers[at:])
+                    break
+                send(cb, "waitUntilCompleted", restype=None)
+        finally:
+            for _, cb, _, _, _ in buffers:
+                release(cb)
         if not later:
             self._release()
 
@@ -537,9 +547,11 @@ class MetalQueue(NativeQueue):
                 _blocks.hold_until_run(block, kept)
 
     def _release(self) -> None:
-        for _, cb, _, _, _ in self._buffers:
+        with self._buffers_lock:
+            buffers = list(self._buffers)
+            self._buffers.clear()
+        for _, cb, _, _, _ in buffers:
             release(cb)
-        self._buffers.clear()
         release(self._queue)
 
 

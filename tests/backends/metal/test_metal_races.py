@@ -3,6 +3,7 @@ thread and the loop's (against the simulated Metal, whose hooks order them)."""
 
 from __future__ import annotations
 
+import textwrap
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
+from tests.backends.metal.test_metal import _in_a_child
 from tests.support.fakes import metal_sim
 from tests.support.kernels import MSL_KERNELS
 
@@ -148,3 +150,76 @@ async def test_a_failure_noted_by_the_queues_thread_is_seen_by_the_loops(
             await crashed
         with pytest.raises(am.DeviceLostError):
             await copied
+
+
+CLOSE_AS_THE_THREAD_RELEASES = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    sys.path.insert(0, sys.argv[1])
+    import anyio
+    import asyncmetal as am
+    from asyncmetal.backends.metal import _objc, _queue
+    from tests.support.fakes import metal_sim
+    from tests.support.kernels import MSL_KERNELS
+
+    released = threading.Event()
+    original = _queue.MetalQueue._release
+
+    def noted(self):
+        original(self)
+        released.set()
+
+    _queue.MetalQueue._release = noted
+
+    def until(condition):
+        deadline = time.monotonic() + 20
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    async def main():
+        dev = await am.open_device("metal")
+        empty = await dev.compile(MSL_KERNELS, "empty")
+        tl, q = dev.timeline(), dev.new_queue()
+        native = q._native
+        # Two command buffers that run, their handlers held back; behind them a wait
+        # nobody signals holds the rest of the queue's 1024, and its thread is left
+        # blocked in commandBuffer.
+        metal_sim.hold_handlers(native._queue, True)
+        q.launch(empty)
+        q.launch(empty)
+        q.wait(tl, 1)
+        for _ in range(1100):
+            q.launch(empty)
+        until(lambda: len(native._buffers) == 1024 and native._busy)
+        let_go = metal_sim.buffers_let_go()
+        send, asked = _objc.send, []
+
+        def ordered(obj, selector, *args, **kwargs):
+            if selector == "waitUntilCompleted" and not asked:
+                # The close drains the two: as it does, their handlers run, which lets
+                # the queue's thread return from commandBuffer and release the queue.
+                asked.append(obj)
+                metal_sim.hold_handlers(native._queue, False)
+                until(lambda: metal_sim.buffers_let_go() >= let_go + 2 and released.is_set())
+            return send(obj, selector, *args, **kwargs)
+
+        _queue.send = ordered
+        await anyio.to_thread.run_sync(native.close, True)  # as at exit: abandon
+        print("closed", flush=True)
+        os._exit(0)  # (the device's own close would close the queue again)
+
+    anyio.run(main)
+    """
+)
+
+
+@pytest.mark.metal
+@sim_only
+@pytest.mark.timeout(120)
+def test_an_abandoning_close_drains_buffers_the_queues_thread_releases() -> None:
+    """A close that abandons a queue whose thread is blocked in commandBuffer leaves the
+    release of the queue and its buffers to that thread, and drains the buffers that can
+    complete. Their completion lets the thread go on and release them: the close then
+    sent waitUntilCompleted to a released command buffer (the simulation aborts). Now
+    the close holds a reference to each buffer it drains (in a child process)."""
+    assert _in_a_child(CLOSE_AS_THE_THREAD_RELEASES, timeout=90) == ["closed"]

@@ -138,6 +138,12 @@ def handlers_returned() -> int:
     return count
 
 
+def buffers_let_go() -> int:
+    """Command buffers whose handlers all ran and that their queue let go of since."""
+    count: int = library().asyncmetal_sim_handlers(3)
+    return count
+
+
 def hold_handlers(queue: int, hold: bool) -> None:
     """Hold back (or, released, call in order) the completed handlers of the command
     buffers of ``queue`` (an ``MTLCommandQueue``): its GPU thread goes on meanwhile."""

@@ -187,12 +187,14 @@ static double MTLCommandBuffer_GPUEndTime(mtlcmdbuf *self, SEL s) {
 }
 /* ------------------------------------------------------------- the GPU thread ------ */
 
-static _Atomic long handlers_run, handlers_on_committer, handlers_returned;
+static _Atomic long handlers_run, handlers_on_committer, handlers_returned, buffers_let_go;
 
 /* (test query) Completed handlers run so far (0), how many of them on the thread that
- * committed (1), and how many of them returned (2). */
+ * committed (1), how many of them returned (2), and command buffers whose handlers all
+ * ran and that the queue let go of since (3). */
 long asyncmetal_sim_handlers(int which) {
-    return which == 2   ? (long)handlers_returned
+    return which == 3   ? (long)buffers_let_go
+           : which == 2 ? (long)handlers_returned
            : which == 1 ? (long)handlers_on_committer
                         : (long)handlers_run;
 }
@@ -212,6 +214,7 @@ static void run_handlers(void *p) {
     pthread_cond_broadcast(&q->cond);
     pthread_mutex_unlock(&q->lock);
     release(cb);  /* the queue's reference, taken at commit */
+    atomic_fetch_add(&buffers_let_go, 1);
 }
 
 static const char *execute(mtlcmdbuf *cb) {
