@@ -42,6 +42,7 @@ MAX_IN_FLIGHT = 1000  # the queues are made with room for 1024 command buffers
 # A copy to the host this large has its staging buffer made on the queue's own thread:
 # making one takes time in proportion to its size (its pages are zeroed and wired).
 STAGE_OFF_LOOP = 1 << 20
+AM_COMMAND_FAILED = -6  # amrt.h: a timeline's failure, a command of a Metal queue failed
 
 
 class MetalDevice(Protocol):
@@ -151,8 +152,13 @@ class MetalQueue(NativeQueue):
         self._lost_from = 0
         # The queue's own thread, and what is held for it (_hand_over).
         self._worker: threading.Thread | None = None
-        self._held: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]] | None]
+        # (step, its arguments, the command it commits: its value, record and signal)
+        self._held: queue.SimpleQueue[
+            tuple[Callable[..., None], tuple[Any, ...], _Command | None] | None
+        ]
         self._held = queue.SimpleQueue()
+        # Commands whose step failed on the worker, and the error each fails with.
+        self._step_errors: dict[int, BaseException] = {}
         self._routed = 0  # submissions handed to the worker and not yet committed
         self._busy = False  # the worker is committing (maybe blocked in commandBuffer)
         self._dropping = False  # abandoned: what is held is dropped, not committed
@@ -172,7 +178,10 @@ class MetalQueue(NativeQueue):
     ) -> None:
         record = record if record is not None else Record(value)
         if self._routing(value):
-            self._hand_over(self._commit, value, encode, keep, copy_back, record, then)
+            command = _Command(value, record, then)
+            self._hand_over(
+                self._commit, value, encode, keep, copy_back, record, then, command=command
+            )
             return
         self._commit(value, encode, keep, copy_back, record, then)
 
@@ -195,8 +204,11 @@ class MetalQueue(NativeQueue):
         with autorelease_pool():
             self._encode_and_commit(value, encode, keep, copy_back, record, then)
 
-    def _hand_over(self, step: Callable[..., None], *args: Any) -> None:
-        """Run ``step(*args)`` on the queue's own thread, after what it was handed before."""
+    def _hand_over(
+        self, step: Callable[..., None], *args: Any, command: _Command | None = None
+    ) -> None:
+        """Run ``step(*args)`` on the queue's own thread, after what it was handed before
+        (committing ``command``, which fails with the step's error if it raises)."""
         if self._worker is None:
             # A daemon: blocked in `commandBuffer` behind a wait nobody signals, it must
             # not hold up the interpreter's exit (nor a close that abandons the queue).
@@ -204,16 +216,21 @@ class MetalQueue(NativeQueue):
             self._worker.start()
         with self._lock:
             self._routed += 1
-        self._held.put((step, args))
+        self._held.put((step, args, command))
 
     def _work(self) -> None:
         while (item := self._held.get()) is not None:
-            step, args = item
+            step, args, command = item
             with self._lock:
                 run = self._busy = not self._dropping
             try:
                 if run:
-                    step(*args)
+                    try:
+                        step(*args)
+                    except Exception as exc:
+                        if command is None:
+                            raise
+                        self._step_failed(command, exc)
             except Exception as exc:  # reported as a thread's own; the queue goes on
                 thread = threading.current_thread()
                 threading.excepthook(
@@ -228,6 +245,19 @@ class MetalQueue(NativeQueue):
         if release:
             self._release()
 
+    def _step_failed(self, command: _Command, error: BaseException) -> None:
+        """The worker's step for ``command`` raised: the command fails with ``error``. An
+        empty command buffer takes its place, so that the queue's timeline still gets
+        there in order (with the waits it was to carry); a timeline it was to signal
+        fails."""
+        value, record, then = command
+        self._step_errors[value] = error
+        self._commit(value, lambda cb: None, None, None, record, None)
+        if then is not None:
+            self._backend.lib.am_timeline_fail(
+                then[0], then[1], AM_COMMAND_FAILED, value, self._timeline.c_timeline
+            )
+
     def _encode_and_commit(
         self,
         value: int,
@@ -237,11 +267,40 @@ class MetalQueue(NativeQueue):
         record: Record,
         then: tuple[int, int] | None,
     ) -> None:
-        backend = self._backend
-        cb = retain(send(self._queue, "commandBuffer"))
+        cb = send(self._queue, "commandBuffer")
+        if not cb:
+            raise MemoryError("commandBuffer returned nil")
+        retain(cb)
         if self._dropping:  # abandoned while this waited in commandBuffer
             release(cb)
             return
+        try:
+            still, block = self._encode(cb, value, encode, copy_back, then)
+        except BaseException:
+            release(cb)  # never committed (its waits are carried by the next one)
+            raise
+        self._waits = still
+        entry = (value, cb, block, record, bool(still))
+        with self._buffers_lock:
+            self._buffers.append(entry)
+        self._keep.add(value, (keep, block))
+        if self._dropping:  # abandoned while this was encoded: close may not have seen it
+            self._disarm([entry])
+        if len(self._buffers) > 256:
+            self._reap()
+        self._unmarked = 0
+        self._gates = []
+
+    def _encode(
+        self,
+        cb: int,
+        value: int,
+        encode: Callable[[int], None],
+        copy_back: tuple[int, int, int] | None,
+        then: tuple[int, int] | None,
+    ) -> tuple[list[tuple[MetalTimeline, int]], Any]:
+        """Encode command ``value`` into ``cb`` after the waits not reached yet, and
+        commit it; returns those waits and its completion handler's block."""
         still = []
         for timeline, target in self._waits:
             if timeline.device_value() < target:
@@ -254,7 +313,6 @@ class MetalQueue(NativeQueue):
                     argtypes=(c_void_p, c_uint64),
                 )
                 still.append((timeline, target))
-        self._waits = still
         encode(cb)
         send(
             cb,
@@ -265,7 +323,7 @@ class MetalQueue(NativeQueue):
             argtypes=(c_void_p, c_uint64),
         )
         block = _blocks.make_block(
-            backend.block_isa, _blocks.COMPLETED_SIGNATURE, self._timeline.c_timeline, value
+            self._backend.block_isa, _blocks.COMPLETED_SIGNATURE, self._timeline.c_timeline, value
         )
         if copy_back is not None:
             block.copy_dst, block.copy_src, block.copy_nbytes = copy_back
@@ -279,16 +337,7 @@ class MetalQueue(NativeQueue):
             _blocks.set_gates(block, self._gates)
         send(cb, "addCompletedHandler:", ctypes.addressof(block), restype=None)
         send(cb, "commit", restype=None)
-        entry = (value, cb, block, record, bool(still))
-        with self._buffers_lock:
-            self._buffers.append(entry)
-        self._keep.add(value, (keep, block))
-        if self._dropping:  # abandoned while this was encoded: close may not have seen it
-            self._disarm([entry])
-        if len(self._buffers) > 256:
-            self._reap()
-        self._unmarked = 0
-        self._gates = []
+        return still, block
 
     def flush(self) -> None:
         """Commit a wait command that no later command carried yet (before parking)."""
@@ -323,6 +372,8 @@ class MetalQueue(NativeQueue):
     def failure(self, value: int) -> BaseException | None:
         self.flush()
         self._reap()
+        if self._step_errors and value in self._step_errors:
+            return self._step_errors[value]
         if self._lost is not None and value >= self._lost_from:
             return self._lost
         waited = self._waited
@@ -479,7 +530,8 @@ class MetalQueue(NativeQueue):
         # raises the timeline. A large staging buffer is made on the queue's own thread,
         # which commits the copy after what it holds; later submissions follow it there.
         if dst.nbytes >= STAGE_OFF_LOOP or self._routing(value):
-            self._hand_over(self._staged_copyout, dst, src, value, record)
+            command = _Command(value, record, None)
+            self._hand_over(self._staged_copyout, dst, src, value, record, command=command)
         else:
             self._staged_copyout(dst, src, value, record)
 
@@ -491,6 +543,8 @@ class MetalQueue(NativeQueue):
             STORAGE_SHARED,
             argtypes=(c_ulong, c_ulong),
         )
+        if not staging:
+            raise MemoryError(f"newBufferWithLength: {dst.nbytes} failed (a copy's staging)")
         self._commit(
             value,
             _blit_encoder((staging, 0), (src.handle, src.offset), dst.nbytes),
@@ -574,6 +628,15 @@ def _blit_encoder(dst: tuple[int, int], src: tuple[int, int], nbytes: int) -> Ca
         send(blit, "endEncoding", restype=None)
 
     return encode
+
+
+class _Command(NamedTuple):
+    """A command a step on the queue's own thread commits: its value, its record, and
+    the timeline value its command buffer signals (native timeline, target), if any."""
+
+    value: int
+    record: Record
+    then: tuple[int, int] | None
 
 
 class _Owned:

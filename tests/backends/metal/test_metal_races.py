@@ -223,3 +223,40 @@ def test_an_abandoning_close_drains_buffers_the_queues_thread_releases() -> None
     sent waitUntilCompleted to a released command buffer (the simulation aborts). Now
     the close holds a reference to each buffer it drains (in a child process)."""
     assert _in_a_child(CLOSE_AS_THE_THREAD_RELEASES, timeout=90) == ["closed"]
+
+
+@pytest.mark.metal
+@loops
+@pytest.mark.anyio
+@sim_only
+async def test_a_step_that_fails_on_the_queues_thread_fails_its_command(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large read's staging buffer is made on the queue's own thread; Metal returns nil
+    there (out of memory). The copy fails with MemoryError -- the error went to the
+    thread's excepthook, and a later command's completion then reported the copy as done
+    -- and the queue goes on: what follows it runs."""
+    from asyncmetal.backends.metal import _objc, _queue
+
+    send, loop_thread = _objc.send, threading.get_ident()
+
+    def no_memory_off_the_loop(obj: int, selector: str, *args: Any, **kwargs: Any) -> Any:
+        if selector == "newBufferWithLength:options:" and threading.get_ident() != loop_thread:
+            return None  # nil: as Metal, out of memory
+        return send(obj, selector, *args, **kwargs)
+
+    monkeypatch.setattr(_queue, "send", no_memory_off_the_loop)
+    async with am.open_device("metal") as dev:
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        n = _queue.STAGE_OFF_LOOP // 4
+        big, small = await dev.alloc(4 * n), await dev.alloc(64)
+        await dev.queue.launch(fill, big, vals=(3, n))
+        host = np.zeros(n, np.int32)
+        copied = dev.queue.copy(host, big)  # staged on the queue's thread: nil there
+        later = dev.queue.launch(fill, small, vals=(4, 16))  # after it, on that thread
+        await later
+        with pytest.raises(MemoryError, match="newBufferWithLength"):
+            await copied
+        assert not host.any()
+        await dev.queue.launch(fill, small, vals=(5, 16))
+        assert (await small.read(np.int32) == 5).all()
