@@ -513,6 +513,8 @@ class MetalQueue(NativeQueue):
                 STORAGE_SHARED,
                 argtypes=(c_void_p, c_ulong, c_ulong),
             )
+            if not staging:
+                raise MemoryError(f"newBufferWithBytes: {src.nbytes} failed (a copy's staging)")
             wrapped = (staging, 0)
         self._blit(
             value,

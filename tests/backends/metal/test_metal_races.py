@@ -3,6 +3,7 @@ thread and the loop's (against the simulated Metal, whose hooks order them)."""
 
 from __future__ import annotations
 
+import ctypes
 import textwrap
 import threading
 from collections.abc import Callable
@@ -260,3 +261,47 @@ async def test_a_step_that_fails_on_the_queues_thread_fails_its_command(
         assert not host.any()
         await dev.queue.launch(fill, small, vals=(5, 16))
         assert (await small.read(np.int32) == 5).all()
+
+
+@pytest.mark.metal
+@loops
+@pytest.mark.anyio
+@sim_only
+async def test_host_memory_is_wrapped_only_within_max_buffer_length(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """newBufferWithBytesNoCopy makes no buffer above maxBufferLength (Metal returns nil:
+    the simulation does too). A copy from host memory whose pages span more than that
+    -- the largest buffer's size, from an address inside a page -- is not wrapped but
+    staged, and arrives (a smaller one is still wrapped)."""
+    from asyncmetal.backends.metal import _backend, _objc
+
+    largest = 1 << 20
+    monkeypatch.setenv("ASYNCMETAL_SIM_MAX_BUFFER", str(largest))
+    wrapped: list[int] = []
+    send = _objc.send
+
+    def recorded(obj: int, selector: str, *args: Any, **kwargs: Any) -> Any:
+        if selector.startswith("newBufferWithBytesNoCopy:"):
+            wrapped.append(args[1])
+        return send(obj, selector, *args, **kwargs)
+
+    async with am.open_device("metal") as dev:
+        device = dev._state.backend.device  # type: ignore[attr-defined]
+        # The simulation: nil above the largest buffer, as Metal.
+        page = _backend.PAGE
+        pages = np.zeros(largest + page, np.uint8)
+        base = pages.ctypes.data + (-pages.ctypes.data) % page
+        args = (base, largest + page, 0, None)
+        argtypes = (ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_void_p)
+        name = "newBufferWithBytesNoCopy:length:options:deallocator:"
+        assert not send(device, name, *args, argtypes=argtypes)
+        monkeypatch.setattr(_backend, "send", recorded)
+        buf = await dev.alloc(largest)
+        host = np.frombuffer(np.random.default_rng(2).bytes(largest + 64), np.uint8)[16:]
+        src = host[:largest]  # (16 bytes into a page: its pages are one more)
+        assert src.ctypes.data % page
+        await dev.queue.copy(buf, src)
+        assert (await buf.read(np.uint8) == src).all()
+        await dev.queue.copy(buf.view(0, 4096), host[:4096])  # wrapped: two pages
+        assert wrapped == [2 * page], wrapped
