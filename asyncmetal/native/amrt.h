@@ -285,7 +285,7 @@ typedef struct am_block {
     uint64_t value;                 /* to this value (completion handlers) */
     void *arg;                      /* what the block was called with (the command buffer) */
     _Atomic int calls;
-    int reserved2;
+    int notify;                     /* once run, wake am_blocks_wait (something waits for it) */
     void *copy_dst;                 /* a memmove to do first (a copy out to host memory */
     const void *copy_src;           /* that the GPU could not write in place), or none */
     size_t copy_nbytes;
@@ -320,5 +320,6 @@ void am_block_completed(am_block *b, void *arg);
 void am_block_reached(am_block *b, void *event, uint64_t value);
 am_block *am_block_new(void *isa, int reached, am_timeline *timeline, uint64_t value);
 void am_block_free(am_block *b);
+uint64_t am_blocks_wait(uint64_t seen, int64_t timeout_ns);
 
 #endif

@@ -10,6 +10,40 @@
 
 #define MTL_COMMAND_BUFFER_STATUS_ERROR 5
 
+/* Blocks that ran whose owner waits for that (their notify set): what they kept can go. */
+static pthread_mutex_t ran_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t ran_cv = PTHREAD_COND_INITIALIZER;
+static uint64_t notified_ran;
+
+/* b has run: its count of calls goes up, the last thing read or written of it. */
+static void block_ran(am_block *b) {
+    int notify = b->notify;
+    atomic_fetch_add(&b->calls, 1);  /* b (and maybe its timelines) may go now */
+    if (notify) {
+        pthread_mutex_lock(&ran_mu);
+        notified_ran++;
+        pthread_cond_broadcast(&ran_cv);
+        pthread_mutex_unlock(&ran_mu);
+    }
+}
+
+/* Wait until a block whose notify is set has run since the count `seen` (or for at most
+ * timeout_ns); returns the count. */
+uint64_t am_blocks_wait(uint64_t seen, int64_t timeout_ns) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    int64_t ns = until.tv_nsec + timeout_ns % 1000000000;
+    until.tv_sec += timeout_ns / 1000000000 + ns / 1000000000;
+    until.tv_nsec = ns % 1000000000;
+    pthread_mutex_lock(&ran_mu);
+    int r = 0;
+    while (notified_ran == seen && r != ETIMEDOUT)
+        r = pthread_cond_timedwait(&ran_cv, &ran_mu, &until);
+    uint64_t now = notified_ran;
+    pthread_mutex_unlock(&ran_mu);
+    return now;
+}
+
 /* Whether g's timeline reached its value or failed at or before it. */
 static int gate_settled(const am_gate *g) {
     am_timeline *t = g->timeline;
@@ -58,7 +92,7 @@ static void block_finish(am_block *b, uint64_t failed, int held) {
         }
     }
     if (held) atomic_fetch_sub(&t->held_raises, 1);
-    atomic_fetch_add(&b->calls, 1);  /* last: b (and maybe its timelines) may go now */
+    block_ran(b);
 }
 
 /* Completed blocks held until their gates settled, oldest first, and the thread that
@@ -167,7 +201,7 @@ void am_block_completed(am_block *b, void *arg) {
 void am_block_reached(am_block *b, void *event, uint64_t value) {
     b->arg = event;
     am_timeline_signal(b->timeline, value);
-    atomic_fetch_add(&b->calls, 1);
+    block_ran(b);
 }
 
 /* Blocks live in C memory, with static descriptors: a block still kept by Metal when the
@@ -195,7 +229,7 @@ am_block *am_block_new(void *isa, int reached, am_timeline *timeline, uint64_t v
         b->value = 0;
         b->arg = NULL;
         atomic_store(&b->calls, 0);
-        b->reserved2 = 0;
+        b->notify = 0;
         b->copy_dst = NULL;
         b->copy_src = NULL;
         b->copy_nbytes = 0;

@@ -4,8 +4,10 @@ thread and the loop's (against the simulated Metal, whose hooks order them)."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import textwrap
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -305,3 +307,43 @@ async def test_host_memory_is_wrapped_only_within_max_buffer_length(
         assert (await buf.read(np.uint8) == src).all()
         await dev.queue.copy(buf.view(0, 4096), host[:4096])  # wrapped: two pages
         assert wrapped == [2 * page], wrapped
+
+
+@pytest.mark.metal
+@loops
+@pytest.mark.anyio
+@sim_only
+@pytest.mark.timeout(120)
+async def test_what_an_abandoned_command_kept_is_let_go_of_once_it_ran(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal held behind another device's timeline is abandoned by its device's
+    close, which keeps the timeline it signals until its command buffer has run. Once it
+    ran, the timeline is let go of and its native timeline freed -- it was only at the
+    next reap of some queue, and with nothing more submitted, never."""
+    from asyncmetal import _native
+
+    lib = _native.runtime()
+    free, freed = lib.am_timeline_free, []
+
+    def counted(c_timeline: int) -> None:
+        freed.append(c_timeline)
+        free(c_timeline)
+
+    monkeypatch.setattr(lib, "am_timeline_free", counted)
+
+    async def abandoned(gate: am.Timeline) -> tuple[int, weakref.ref[am.Device]]:
+        dev = await am.open_device("metal")
+        tl = dev.timeline()
+        dev.queue.wait(gate, 1)
+        dev.queue.signal(tl, 1)  # held: the close abandons it, and keeps tl for it
+        await dev.close()
+        return tl.native.c_timeline, weakref.ref(dev)  # type: ignore[attr-defined]
+
+    async with am.open_device("metal") as other:
+        gate = other.timeline()
+        c_timeline, dev = await abandoned(gate)
+        await _until(lambda: gc.collect() >= 0 and dev() is None)  # dropped (a cycle)
+        assert c_timeline not in freed  # (its signal is yet to run)
+        gate.signal(1)  # the abandoned command buffer runs now; nothing is submitted
+        await _until(lambda: c_timeline in freed)
