@@ -103,6 +103,13 @@ typedef struct am_timeline {
     /* A Metal queue's own timeline: its command buffers that completed and whose rise is
      * held until what they waited for settled (objc_blocks.c); later ones queue behind. */
     _Atomic uint64_t held_raises;
+    /* A Metal queue's own timeline: its first command buffer that ran after a device wait
+     * for a value that failed (0: none), and that failure (error, value, cause): a signal
+     * of that buffer or a later one fails its timeline the same way. Under mu. */
+    uint64_t waited_failed;
+    int waited_error;
+    uint64_t waited_value;
+    struct am_timeline *waited_cause;
 } am_timeline;
 
 enum { AM_BY_HOST = 1, AM_BY_DEVICE = 2 };

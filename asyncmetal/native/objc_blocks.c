@@ -76,20 +76,33 @@ static const am_gate *gate_failed(const am_block *b) {
  * its queue's failure, or a wait for a failed value, kept from being produced). */
 static void block_finish(am_block *b, uint64_t failed, int held) {
     am_timeline *t = b->timeline;
+    const am_gate *g = b->ngates ? gate_failed(b) : NULL;
+    int error = 0;
+    uint64_t value = 0, waited_failed = 0;
+    am_timeline *cause = NULL;
+    if (g) am_timeline_failure(g->timeline, &error, &value, &cause);
+    if (g || b->then) {
+        pthread_mutex_lock(&t->mu);
+        if (g && !t->waited_failed) {  /* (the queue's handlers run in order) */
+            t->waited_failed = b->value;
+            t->waited_error = error;
+            t->waited_value = value;
+            t->waited_cause = cause;
+        }
+        waited_failed = t->waited_failed;
+        error = t->waited_error;
+        value = t->waited_value;
+        cause = t->waited_cause;
+        pthread_mutex_unlock(&t->mu);
+    }
     am_timeline_signal(t, b->value);
     if (b->then) {
-        const am_gate *g = b->ngates ? gate_failed(b) : NULL;
-        if (failed && b->value >= failed) {
+        if (failed && b->value >= failed)
             am_timeline_fail(b->then, b->then_value, AM_COMMAND_FAILED, failed, t);
-        } else if (g) {
-            int error;
-            uint64_t value;
-            am_timeline *cause;
-            am_timeline_failure(g->timeline, &error, &value, &cause);
+        else if (waited_failed && b->value >= waited_failed)
             am_timeline_fail(b->then, b->then_value, error, value, cause);
-        } else {
+        else
             am_timeline_signal(b->then, b->then_value);
-        }
     }
     if (held) atomic_fetch_sub(&t->held_raises, 1);
     block_ran(b);

@@ -347,3 +347,34 @@ async def test_what_an_abandoned_command_kept_is_let_go_of_once_it_ran(
         assert c_timeline not in freed  # (its signal is yet to run)
         gate.signal(1)  # the abandoned command buffer runs now; nothing is submitted
         await _until(lambda: c_timeline in freed)
+
+
+@pytest.mark.metal
+@loops
+@pytest.mark.anyio
+@sim_only
+@pytest.mark.parametrize("between", [False, True], ids=["next", "later"])
+async def test_a_signal_after_a_wait_for_a_failed_value_fails_its_timeline(
+    anyio_backend: object, between: bool
+) -> None:
+    """A queue waits on the device for a value whose signal failed, then signals
+    another timeline (right after the wait, or after a launch): that timeline fails
+    too, as on cpu and cuda -- it rose, and a host wait for it reported success."""
+    async with am.open_device("metal") as dev:
+        crash = await dev.compile(FAULTY, "crash")
+        empty = await dev.compile(MSL_KERNELS, "empty")
+        bad = await dev.alloc(4)
+        other, tl, onward = dev.new_queue(), dev.timeline(), dev.timeline()
+        dev.queue.launch(crash, bad)
+        dev.queue.signal(tl, 1)
+        with anyio.fail_after(20), pytest.raises(am.DeviceLostError):
+            await tl.wait(1)
+        other.wait(tl, 1)
+        if between:
+            other.launch(empty)
+        signalled = other.signal(onward, 1)
+        with anyio.fail_after(20):
+            with pytest.raises(am.DeviceLostError):
+                await signalled
+            with pytest.raises(am.DeviceLostError):
+                await onward.wait(1)
