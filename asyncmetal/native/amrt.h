@@ -100,6 +100,16 @@ typedef struct am_timeline {
     /* A Metal queue's own timeline: the value of its first command buffer that failed
      * (0: none), set by that buffer's completion handler (am_block_completed). */
     _Atomic uint64_t failed_command;
+    /* A Metal queue's own timeline: its command buffers that completed and whose rise is
+     * held until what they waited for settled (objc_blocks.c); later ones queue behind. */
+    _Atomic uint64_t held_raises;
+    /* A Metal queue's own timeline: its first command buffer that ran after a device wait
+     * for a value that failed (0: none), and that failure (error, value, cause): a signal
+     * of that buffer or a later one fails its timeline the same way. Under mu. */
+    uint64_t waited_failed;
+    int waited_error;
+    uint64_t waited_value;
+    struct am_timeline *waited_cause;
 } am_timeline;
 
 enum { AM_BY_HOST = 1, AM_BY_DEVICE = 2 };
@@ -282,7 +292,7 @@ typedef struct am_block {
     uint64_t value;                 /* to this value (completion handlers) */
     void *arg;                      /* what the block was called with (the command buffer) */
     _Atomic int calls;
-    int reserved2;
+    int notify;                     /* once run, wake am_blocks_wait (something waits for it) */
     void *copy_dst;                 /* a memmove to do first (a copy out to host memory */
     const void *copy_src;           /* that the GPU could not write in place), or none */
     size_t copy_nbytes;
@@ -293,11 +303,30 @@ typedef struct am_block {
      * for every later command of the queue: see am_timeline.failed_command). */
     void *status_send;
     void *status_selector;
+    /* The values of other timelines the command buffer waited for (its device waits):
+     * the GPU went on once their events got there, maybe before the completion handler
+     * of the command that signals one has said whether it failed. The block raises its
+     * timeline only once each of them reached its value or failed (then the queue reports
+     * the command as failed). Where set, `ngates` of them. */
+    const struct am_gate *gates;
+    int ngates;
+    int reserved3;
 } am_block;
+
+typedef struct am_gate {
+    am_timeline *timeline;
+    uint64_t value;
+} am_gate;
+
+/* Items are held for a gate (am_block.gates): a timeline that rises, fails or closes
+ * wakes the thread that lets them go (am_settle_wake). */
+extern AM_HIDDEN _Atomic int am_settling;
+AM_HIDDEN void am_settle_wake(void);
 
 void am_block_completed(am_block *b, void *arg);
 void am_block_reached(am_block *b, void *event, uint64_t value);
 am_block *am_block_new(void *isa, int reached, am_timeline *timeline, uint64_t value);
 void am_block_free(am_block *b);
+uint64_t am_blocks_wait(uint64_t seen, int64_t timeout_ns);
 
 #endif

@@ -10,6 +10,189 @@
 
 #define MTL_COMMAND_BUFFER_STATUS_ERROR 5
 
+/* Blocks that ran whose owner waits for that (their notify set): what they kept can go. */
+static pthread_mutex_t ran_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t ran_cv = PTHREAD_COND_INITIALIZER;
+static uint64_t notified_ran;
+
+/* b has run: its count of calls goes up, the last thing read or written of it. */
+static void block_ran(am_block *b) {
+    int notify = b->notify;
+    atomic_fetch_add(&b->calls, 1);  /* b (and maybe its timelines) may go now */
+    if (notify) {
+        pthread_mutex_lock(&ran_mu);
+        notified_ran++;
+        pthread_cond_broadcast(&ran_cv);
+        pthread_mutex_unlock(&ran_mu);
+    }
+}
+
+/* Wait until a block whose notify is set has run since the count `seen` (or for at most
+ * timeout_ns); returns the count. */
+uint64_t am_blocks_wait(uint64_t seen, int64_t timeout_ns) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    int64_t ns = until.tv_nsec + timeout_ns % 1000000000;
+    until.tv_sec += timeout_ns / 1000000000 + ns / 1000000000;
+    until.tv_nsec = ns % 1000000000;
+    pthread_mutex_lock(&ran_mu);
+    int r = 0;
+    while (notified_ran == seen && r != ETIMEDOUT)
+        r = pthread_cond_timedwait(&ran_cv, &ran_mu, &until);
+    uint64_t now = notified_ran;
+    pthread_mutex_unlock(&ran_mu);
+    return now;
+}
+
+/* Whether g's timeline reached its value or failed at or before it. */
+static int gate_settled(const am_gate *g) {
+    am_timeline *t = g->timeline;
+    if (atomic_load(&t->value) >= g->value) return 1;
+    pthread_mutex_lock(&t->mu);
+    int failed = timeline_failed_for(t, g->value);
+    pthread_mutex_unlock(&t->mu);
+    return failed;
+}
+
+static int gates_settled(const am_block *b) {
+    for (int i = 0; i < b->ngates; i++)
+        if (!gate_settled(&b->gates[i])) return 0;
+    return 1;
+}
+
+/* The first gate of b whose value failed, or NULL. */
+static const am_gate *gate_failed(const am_block *b) {
+    for (int i = 0; i < b->ngates; i++) {
+        am_timeline *t = b->gates[i].timeline;
+        pthread_mutex_lock(&t->mu);
+        int failed = timeline_failed_for(t, b->gates[i].value);
+        pthread_mutex_unlock(&t->mu);
+        if (failed) return &b->gates[i];
+    }
+    return NULL;
+}
+
+/* Raise b's timeline, and the one its command buffer signalled (or fail that: a signal
+ * its queue's failure, or a wait for a failed value, kept from being produced). */
+static void block_finish(am_block *b, uint64_t failed, int held) {
+    am_timeline *t = b->timeline;
+    const am_gate *g = b->ngates ? gate_failed(b) : NULL;
+    int error = 0;
+    uint64_t value = 0, waited_failed = 0;
+    am_timeline *cause = NULL;
+    if (g) am_timeline_failure(g->timeline, &error, &value, &cause);
+    if (g || b->then) {
+        pthread_mutex_lock(&t->mu);
+        if (g && !t->waited_failed) {  /* (the queue's handlers run in order) */
+            t->waited_failed = b->value;
+            t->waited_error = error;
+            t->waited_value = value;
+            t->waited_cause = cause;
+        }
+        waited_failed = t->waited_failed;
+        error = t->waited_error;
+        value = t->waited_value;
+        cause = t->waited_cause;
+        pthread_mutex_unlock(&t->mu);
+    }
+    am_timeline_signal(t, b->value);
+    if (b->then) {
+        if (failed && b->value >= failed)
+            am_timeline_fail(b->then, b->then_value, AM_COMMAND_FAILED, failed, t);
+        else if (waited_failed && b->value >= waited_failed)
+            am_timeline_fail(b->then, b->then_value, error, value, cause);
+        else
+            am_timeline_signal(b->then, b->then_value);
+    }
+    if (held) atomic_fetch_sub(&t->held_raises, 1);
+    block_ran(b);
+}
+
+/* Completed blocks held until their gates settled, oldest first, and the thread that
+ * lets them go: each queue's in order (a block waits behind every earlier one of its
+ * timeline), those of different queues as their gates settle. */
+typedef struct held_block {
+    am_block *b;
+    uint64_t failed;
+    struct held_block *next;
+} held_block;
+
+AM_HIDDEN _Atomic int am_settling;
+static pthread_mutex_t held_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t held_cv = PTHREAD_COND_INITIALIZER;
+static held_block *held_head;
+static unsigned settler_forks = (unsigned)-1;  /* am_forks when it started (a child: none) */
+
+void am_settle_wake(void) {
+    pthread_mutex_lock(&held_mu);
+    pthread_cond_broadcast(&held_cv);
+    pthread_mutex_unlock(&held_mu);
+}
+
+/* (Under held_mu.) The first held block that can go, taken off the list, or NULL. */
+static held_block *take_settled(void) {
+    for (held_block **p = &held_head; *p; p = &(*p)->next) {
+        int first = 1;
+        for (held_block *e = held_head; e != *p; e = e->next)
+            if (e->b->timeline == (*p)->b->timeline) { first = 0; break; }
+        if (first && gates_settled((*p)->b)) {
+            held_block *h = *p;
+            *p = h->next;
+            return h;
+        }
+    }
+    return NULL;
+}
+
+static void *settler(void *arg) {
+    (void)arg;
+    pthread_mutex_lock(&held_mu);
+    for (;;) {
+        held_block *h = take_settled();
+        if (!h) {
+            pthread_cond_wait(&held_cv, &held_mu);
+            continue;
+        }
+        atomic_fetch_sub(&am_settling, 1);
+        pthread_mutex_unlock(&held_mu);
+        block_finish(h->b, h->failed, 1);
+        free(h);
+        pthread_mutex_lock(&held_mu);
+    }
+    return NULL;
+}
+
+/* Hold b (its command buffer completed) until its gates settled and its queue's earlier
+ * held blocks went. Returns 0 if that cannot be arranged (then the caller goes on). */
+static int hold_block(am_block *b, uint64_t failed) {
+    held_block *h = malloc(sizeof *h);
+    if (!h) return 0;
+    *h = (held_block){b, failed, NULL};
+    pthread_mutex_lock(&held_mu);
+    if (settler_forks != am_forks) {
+        pthread_t th;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int started = pthread_create(&th, &attr, settler, NULL) == 0;
+        pthread_attr_destroy(&attr);
+        if (!started) {
+            pthread_mutex_unlock(&held_mu);
+            free(h);
+            return 0;
+        }
+        settler_forks = am_forks;
+    }
+    atomic_fetch_add(&b->timeline->held_raises, 1);
+    held_block **p = &held_head;
+    while (*p) p = &(*p)->next;
+    *p = h;
+    atomic_fetch_add(&am_settling, 1);
+    pthread_cond_broadcast(&held_cv);
+    pthread_mutex_unlock(&held_mu);
+    return 1;
+}
+
 /* "v16@?0@8": void (^)(id<MTLCommandBuffer>) */
 void am_block_completed(am_block *b, void *arg) {
     b->arg = arg;
@@ -21,21 +204,17 @@ void am_block_completed(am_block *b, void *arg) {
     }
     uint64_t failed = atomic_load(&b->timeline->failed_command);
     if (b->copy_nbytes) memmove(b->copy_dst, b->copy_src, b->copy_nbytes);
-    am_timeline_signal(b->timeline, b->value);
-    if (b->then) {
-        if (failed && b->value >= failed)  /* a signal its queue's failure kept from running */
-            am_timeline_fail(b->then, b->then_value, AM_COMMAND_FAILED, failed, b->timeline);
-        else
-            am_timeline_signal(b->then, b->then_value);
-    }
-    atomic_fetch_add(&b->calls, 1);
+    /* The queue's handlers are called in order: only the settler lowers held_raises. */
+    if ((atomic_load(&b->timeline->held_raises) || !gates_settled(b)) && hold_block(b, failed))
+        return;
+    block_finish(b, failed, 0);
 }
 
 /* "v24@?0@8Q16": void (^)(id<MTLSharedEvent>, uint64_t) */
 void am_block_reached(am_block *b, void *event, uint64_t value) {
     b->arg = event;
     am_timeline_signal(b->timeline, value);
-    atomic_fetch_add(&b->calls, 1);
+    block_ran(b);
 }
 
 /* Blocks live in C memory, with static descriptors: a block still kept by Metal when the
@@ -63,7 +242,7 @@ am_block *am_block_new(void *isa, int reached, am_timeline *timeline, uint64_t v
         b->value = 0;
         b->arg = NULL;
         atomic_store(&b->calls, 0);
-        b->reserved2 = 0;
+        b->notify = 0;
         b->copy_dst = NULL;
         b->copy_src = NULL;
         b->copy_nbytes = 0;
@@ -71,6 +250,8 @@ am_block *am_block_new(void *isa, int reached, am_timeline *timeline, uint64_t v
         b->then_value = 0;
         b->status_send = NULL;
         b->status_selector = NULL;
+        b->gates = NULL;
+        b->ngates = 0;
     } else {
         b = calloc(1, sizeof *b);
     }

@@ -239,6 +239,7 @@ void am_timeline_close(am_timeline *t) {
     if (t->word) raise_word(t->word, AM_WORD_RELEASED);
     timeline_kick(t);  /* waits held on the host for it: they go on (and fail) */
     host_signalled();
+    if (atomic_load(&am_settling)) am_settle_wake();
 }
 
 /* A failed or closed timeline's word, which a stream's store (a signal's word write,
@@ -300,6 +301,7 @@ void am_timeline_poke(am_timeline *t, uint64_t v) {
     am_kick *due = kicks_due(t);
     pthread_mutex_unlock(&t->mu);
     run_kicks(due);
+    if (atomic_load(&am_settling)) am_settle_wake();
 }
 
 /* The work raising t to v is about to end (a completion thread that napped through most
@@ -336,6 +338,7 @@ void am_timeline_signal(am_timeline *t, uint64_t v) {
     am_kick *due = kicks_due(t);
     pthread_mutex_unlock(&t->mu);
     run_kicks(due);
+    if (atomic_load(&am_settling)) am_settle_wake();
 }
 
 /* Read t until it reaches v, for at most max_ns: 1 if it did. For a waiter whose value is

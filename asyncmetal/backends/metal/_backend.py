@@ -171,9 +171,17 @@ class MetalBackend(Backend):
         """A buffer of this device over the pages that hold ``nbytes`` of host memory at
         ``address`` (no copy: whole pages are mapped, so covering them is valid), and
         the offset of ``address`` in it. Only the given range is ever read or written.
-        If Metal refuses, raises, or with ``check=False`` returns None."""
+        If Metal refuses (or the pages are more than its largest buffer), raises, or with
+        ``check=False`` returns None."""
         start = address - address % PAGE
         length = -(-(address + nbytes - start) // PAGE) * PAGE
+        if length > self._max_buffer:  # (Metal makes no buffer above maxBufferLength)
+            if not check:
+                return None
+            raise AsyncMetalError(
+                f"{length} bytes of host memory are more than Metal's largest buffer "
+                f"({self._max_buffer} bytes)"
+            )
         wrapped: int = send(
             self.device,
             "newBufferWithBytesNoCopy:length:options:deallocator:",

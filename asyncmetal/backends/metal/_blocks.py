@@ -12,6 +12,7 @@ kept alive in :data:`_alive` until the block has run (or its owner is closed).
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 from typing import Any
 
@@ -49,7 +50,7 @@ class BlockLiteral(ctypes.Structure):
         ("value", ctypes.c_uint64),
         ("arg", ctypes.c_void_p),
         ("calls", ctypes.c_int),
-        ("reserved2", ctypes.c_int),
+        ("notify", ctypes.c_int),
         ("copy_dst", ctypes.c_void_p),
         ("copy_src", ctypes.c_void_p),
         ("copy_nbytes", ctypes.c_size_t),
@@ -57,11 +58,21 @@ class BlockLiteral(ctypes.Structure):
         ("then_value", ctypes.c_uint64),
         ("status_send", ctypes.c_void_p),
         ("status_selector", ctypes.c_void_p),
+        ("gates", ctypes.c_void_p),
+        ("ngates", ctypes.c_int),
+        ("reserved3", ctypes.c_int),
     ]
+
+
+class Gate(ctypes.Structure):
+    """A value of another timeline that a block's command buffer waited for (am_gate)."""
+
+    _fields_ = [("timeline", ctypes.c_void_p), ("value", ctypes.c_uint64)]
 
 
 _alive: dict[int, BlockLiteral] = {}  # address -> block: kept until it ran
 _held: dict[int, object] = {}  # address -> what the block's command uses, kept as long
+_gates: dict[int, Any] = {}  # address -> its gates (a Gate array), kept as long
 # Native timelines dropped while a block yet to run raises them, and how each is freed.
 _unfreed: list[tuple[int, Any]] = []
 _lock = threading.RLock()  # (a collection inside it may free a timeline: free_timeline)
@@ -123,6 +134,49 @@ def hold_until_run(block: BlockLiteral, obj: object) -> None:
     the block has run, whatever else lets go of it (an abandoned queue)."""
     with _lock:
         _held[ctypes.addressof(block)] = obj
+        _notify(block)
+
+
+# What is kept until blocks have run (_held, _unfreed) is let go of once they ran by a
+# thread of its own, which their running wakes (am_blocks_wait): else it would be only at
+# the next reap of some queue, maybe never.
+_NAP_NS = 1_000_000_000  # (and it looks again after this long, whatever)
+_letting_go: threading.Thread | None = None
+
+
+def _notify(block: BlockLiteral) -> None:
+    """(Under the lock.) Have the thread let go of what ``block`` keeps once it ran."""
+    global _letting_go
+    block.notify = 1
+    if _letting_go is None or not _letting_go.is_alive():
+        _letting_go = threading.Thread(target=_let_go, name="asyncmetal-metal-blocks", daemon=True)
+        _letting_go.start()
+
+
+def _let_go() -> None:
+    from ... import _native
+
+    lib = _native.runtime()
+    seen = 0
+    while True:
+        release_ran()
+        with _lock:
+            if not _held and not _unfreed:
+                global _letting_go
+                _letting_go = None
+                return
+        seen = lib.am_blocks_wait(seen, _NAP_NS)
+
+
+def set_gates(block: BlockLiteral, gates: list[tuple[int, int]]) -> None:
+    """Have ``block`` raise its timeline only once each native timeline of ``gates``
+    reached its value or failed (the values its command buffer waited for: the GPU goes
+    on once their events get there, maybe before the handler of the command that signals
+    one has said whether it failed). Those timelines are kept until it ran."""
+    array = (Gate * len(gates))(*(Gate(t, v) for t, v in gates))
+    with _lock:
+        _gates[ctypes.addressof(block)] = array
+    block.gates, block.ngates = ctypes.addressof(array), len(gates)
 
 
 def release_ran() -> int:
@@ -134,6 +188,7 @@ def release_ran() -> int:
         for address in [a for a, b in _alive.items() if b.calls]:
             del _alive[address]
             let_go.append(_held.pop(address, None))
+            let_go.append(_gates.pop(address, None))
             _native.runtime().am_block_free(address)
         if _unfreed:
             _free_unreferenced()
@@ -145,16 +200,32 @@ def release_ran() -> int:
 def free_timeline(c_timeline: int, free: Any) -> None:
     """Free a native timeline nothing else refers to (``free(c_timeline)``): now, or once
     every block that raises it has run (a command buffer of an abandoned queue may run
-    much later)."""
+    much later). Not during the interpreter's finalization: a daemon thread (this
+    module's own, a queue's) stopped there may hold the lock for ever; what is left goes
+    with the process."""
+    if sys.is_finalizing():
+        return
     with _lock:
         _unfreed.append((c_timeline, free))
         _free_unreferenced()
 
 
+def _raised(address: int, block: BlockLiteral) -> tuple[int, ...]:
+    gates = _gates.get(address)
+    return (block.timeline, block.then, *(g.timeline for g in gates or ()))
+
+
 def _free_unreferenced() -> None:
-    """(Under the lock.)"""
-    raised = {t for b in _alive.values() if not b.calls for t in (b.timeline, b.then)}
+    """(Under the lock.) Free the dropped timelines no block yet to run raises; have the
+    blocks that raise the others let go of them once they ran."""
+    raising = [(a, b) for a, b in _alive.items() if not b.calls]
+    raised = {t for a, b in raising for t in _raised(a, b)}
     for entry in [e for e in _unfreed if e[0] not in raised]:
         if entry in _unfreed:  # (not freed by a call nested in this one, from the GC)
             _unfreed.remove(entry)
             entry[1](entry[0])
+    if _unfreed:
+        unfreed = {e[0] for e in _unfreed}
+        for address, block in raising:
+            if not block.notify and unfreed.intersection(_raised(address, block)):
+                _notify(block)

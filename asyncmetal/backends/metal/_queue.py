@@ -42,6 +42,7 @@ MAX_IN_FLIGHT = 1000  # the queues are made with room for 1024 command buffers
 # A copy to the host this large has its staging buffer made on the queue's own thread:
 # making one takes time in proportion to its size (its pages are zeroed and wired).
 STAGE_OFF_LOOP = 1 << 20
+AM_COMMAND_FAILED = -6  # amrt.h: a timeline's failure, a command of a Metal queue failed
 
 
 class MetalDevice(Protocol):
@@ -135,9 +136,15 @@ class MetalQueue(NativeQueue):
         # A wait command's own value, marked by the next buffer. It and _waits belong to
         # whichever thread commits: the loop's, or the worker's while it holds commands.
         self._unmarked = 0
+        # The waits since the last buffer: its completion raises the queue's timeline
+        # only once each reached its value or failed (_blocks.set_gates).
+        self._gates: list[tuple[int, int]] = []
         self._wait_held = False  # a wait was handed to the worker since the last flush
         # (value, command buffer, block, record, committed behind an unreached wait)
         self._buffers: collections.deque[tuple[int, int, Any, Record, bool]] = collections.deque()
+        # Held by whoever takes buffers off the list (a reap, on the loop's thread or the
+        # queue's own) until it has noted what they say: another then sees that too.
+        self._buffers_lock = threading.Lock()
         self._keep = KeepAlive(timeline)
         # The first of its command buffers that failed: it and every later one report
         # its error (another queue's commands report their own).
@@ -145,8 +152,13 @@ class MetalQueue(NativeQueue):
         self._lost_from = 0
         # The queue's own thread, and what is held for it (_hand_over).
         self._worker: threading.Thread | None = None
-        self._held: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]] | None]
+        # (step, its arguments, the command it commits: its value, record and signal)
+        self._held: queue.SimpleQueue[
+            tuple[Callable[..., None], tuple[Any, ...], _Command | None] | None
+        ]
         self._held = queue.SimpleQueue()
+        # Commands whose step failed on the worker, and the error each fails with.
+        self._step_errors: dict[int, BaseException] = {}
         self._routed = 0  # submissions handed to the worker and not yet committed
         self._busy = False  # the worker is committing (maybe blocked in commandBuffer)
         self._dropping = False  # abandoned: what is held is dropped, not committed
@@ -166,7 +178,10 @@ class MetalQueue(NativeQueue):
     ) -> None:
         record = record if record is not None else Record(value)
         if self._routing(value):
-            self._hand_over(self._commit, value, encode, keep, copy_back, record, then)
+            command = _Command(value, record, then)
+            self._hand_over(
+                self._commit, value, encode, keep, copy_back, record, then, command=command
+            )
             return
         self._commit(value, encode, keep, copy_back, record, then)
 
@@ -189,8 +204,11 @@ class MetalQueue(NativeQueue):
         with autorelease_pool():
             self._encode_and_commit(value, encode, keep, copy_back, record, then)
 
-    def _hand_over(self, step: Callable[..., None], *args: Any) -> None:
-        """Run ``step(*args)`` on the queue's own thread, after what it was handed before."""
+    def _hand_over(
+        self, step: Callable[..., None], *args: Any, command: _Command | None = None
+    ) -> None:
+        """Run ``step(*args)`` on the queue's own thread, after what it was handed before
+        (committing ``command``, which fails with the step's error if it raises)."""
         if self._worker is None:
             # A daemon: blocked in `commandBuffer` behind a wait nobody signals, it must
             # not hold up the interpreter's exit (nor a close that abandons the queue).
@@ -198,16 +216,21 @@ class MetalQueue(NativeQueue):
             self._worker.start()
         with self._lock:
             self._routed += 1
-        self._held.put((step, args))
+        self._held.put((step, args, command))
 
     def _work(self) -> None:
         while (item := self._held.get()) is not None:
-            step, args = item
+            step, args, command = item
             with self._lock:
                 run = self._busy = not self._dropping
             try:
                 if run:
-                    step(*args)
+                    try:
+                        step(*args)
+                    except Exception as exc:
+                        if command is None:
+                            raise
+                        self._step_failed(command, exc)
             except Exception as exc:  # reported as a thread's own; the queue goes on
                 thread = threading.current_thread()
                 threading.excepthook(
@@ -222,6 +245,19 @@ class MetalQueue(NativeQueue):
         if release:
             self._release()
 
+    def _step_failed(self, command: _Command, error: BaseException) -> None:
+        """The worker's step for ``command`` raised: the command fails with ``error``. An
+        empty command buffer takes its place, so that the queue's timeline still gets
+        there in order (with the waits it was to carry); a timeline it was to signal
+        fails."""
+        value, record, then = command
+        self._step_errors[value] = error
+        self._commit(value, lambda cb: None, None, None, record, None)
+        if then is not None:
+            self._backend.lib.am_timeline_fail(
+                then[0], then[1], AM_COMMAND_FAILED, value, self._timeline.c_timeline
+            )
+
     def _encode_and_commit(
         self,
         value: int,
@@ -231,11 +267,40 @@ class MetalQueue(NativeQueue):
         record: Record,
         then: tuple[int, int] | None,
     ) -> None:
-        backend = self._backend
-        cb = retain(send(self._queue, "commandBuffer"))
+        cb = send(self._queue, "commandBuffer")
+        if not cb:
+            raise MemoryError("commandBuffer returned nil")
+        retain(cb)
         if self._dropping:  # abandoned while this waited in commandBuffer
             release(cb)
             return
+        try:
+            still, block = self._encode(cb, value, encode, copy_back, then)
+        except BaseException:
+            release(cb)  # never committed (its waits are carried by the next one)
+            raise
+        self._waits = still
+        entry = (value, cb, block, record, bool(still))
+        with self._buffers_lock:
+            self._buffers.append(entry)
+        self._keep.add(value, (keep, block))
+        if self._dropping:  # abandoned while this was encoded: close may not have seen it
+            self._disarm([entry])
+        if len(self._buffers) > 256:
+            self._reap()
+        self._unmarked = 0
+        self._gates = []
+
+    def _encode(
+        self,
+        cb: int,
+        value: int,
+        encode: Callable[[int], None],
+        copy_back: tuple[int, int, int] | None,
+        then: tuple[int, int] | None,
+    ) -> tuple[list[tuple[MetalTimeline, int]], Any]:
+        """Encode command ``value`` into ``cb`` after the waits not reached yet, and
+        commit it; returns those waits and its completion handler's block."""
         still = []
         for timeline, target in self._waits:
             if timeline.device_value() < target:
@@ -248,7 +313,6 @@ class MetalQueue(NativeQueue):
                     argtypes=(c_void_p, c_uint64),
                 )
                 still.append((timeline, target))
-        self._waits = still
         encode(cb)
         send(
             cb,
@@ -259,7 +323,7 @@ class MetalQueue(NativeQueue):
             argtypes=(c_void_p, c_uint64),
         )
         block = _blocks.make_block(
-            backend.block_isa, _blocks.COMPLETED_SIGNATURE, self._timeline.c_timeline, value
+            self._backend.block_isa, _blocks.COMPLETED_SIGNATURE, self._timeline.c_timeline, value
         )
         if copy_back is not None:
             block.copy_dst, block.copy_src, block.copy_nbytes = copy_back
@@ -269,16 +333,11 @@ class MetalQueue(NativeQueue):
         # failed: a signal of a failed one, or of one after it, fails its timeline
         # rather than raising it.
         block.status_send, block.status_selector = _status_call()
+        if self._gates:
+            _blocks.set_gates(block, self._gates)
         send(cb, "addCompletedHandler:", ctypes.addressof(block), restype=None)
         send(cb, "commit", restype=None)
-        entry = (value, cb, block, record, bool(still))
-        self._buffers.append(entry)
-        self._keep.add(value, (keep, block))
-        if self._dropping:  # abandoned while this was encoded: close may not have seen it
-            self._disarm([entry])
-        if len(self._buffers) > 256:
-            self._reap()
-        self._unmarked = 0
+        return still, block
 
     def flush(self) -> None:
         """Commit a wait command that no later command carried yet (before parking)."""
@@ -295,23 +354,26 @@ class MetalQueue(NativeQueue):
 
     def _reap(self) -> None:
         """Release the command buffers that completed, noting the first that failed."""
-        buffers, reached = self._buffers, self._timeline.value
-        while buffers and buffers[0][0] <= reached:
-            done_value, cb, _, record, _ = buffers.popleft()
-            start = send(cb, "GPUStartTime", restype=ctypes.c_double)
-            end = send(cb, "GPUEndTime", restype=ctypes.c_double)
-            record.start_ns, record.end_ns = int(start * 1e9), int(end * 1e9)
-            status = send(cb, "status", restype=c_ulong)
-            if status == STATUS_ERROR and self._lost is None:
-                error = describe_error(send(cb, "error"))
-                self._lost = DeviceLostError(f"a Metal command buffer failed: {error}")
-                self._lost_from = done_value
-            release(cb)
+        with self._buffers_lock:
+            buffers, reached = self._buffers, self._timeline.value
+            while buffers and buffers[0][0] <= reached:
+                done_value, cb, _, record, _ = buffers.popleft()
+                start = send(cb, "GPUStartTime", restype=ctypes.c_double)
+                end = send(cb, "GPUEndTime", restype=ctypes.c_double)
+                record.start_ns, record.end_ns = int(start * 1e9), int(end * 1e9)
+                status = send(cb, "status", restype=c_ulong)
+                if status == STATUS_ERROR and self._lost is None:
+                    error = describe_error(send(cb, "error"))
+                    self._lost = DeviceLostError(f"a Metal command buffer failed: {error}")
+                    self._lost_from = done_value
+                release(cb)
         _blocks.release_ran()
 
     def failure(self, value: int) -> BaseException | None:
         self.flush()
         self._reap()
+        if self._step_errors and value in self._step_errors:
+            return self._step_errors[value]
         if self._lost is not None and value >= self._lost_from:
             return self._lost
         waited = self._waited
@@ -409,6 +471,7 @@ class MetalQueue(NativeQueue):
         # Encoded at the head of the next command buffer, with the work that depends on
         # it; this command's own value is marked by that buffer (or by flush()).
         self._waits.append((timeline, target))
+        self._gates.append((timeline.c_timeline, target))
         self._unmarked = value
 
     def _blit(
@@ -450,6 +513,8 @@ class MetalQueue(NativeQueue):
                 STORAGE_SHARED,
                 argtypes=(c_void_p, c_ulong, c_ulong),
             )
+            if not staging:
+                raise MemoryError(f"newBufferWithBytes: {src.nbytes} failed (a copy's staging)")
             wrapped = (staging, 0)
         self._blit(
             value,
@@ -467,7 +532,8 @@ class MetalQueue(NativeQueue):
         # raises the timeline. A large staging buffer is made on the queue's own thread,
         # which commits the copy after what it holds; later submissions follow it there.
         if dst.nbytes >= STAGE_OFF_LOOP or self._routing(value):
-            self._hand_over(self._staged_copyout, dst, src, value, record)
+            command = _Command(value, record, None)
+            self._hand_over(self._staged_copyout, dst, src, value, record, command=command)
         else:
             self._staged_copyout(dst, src, value, record)
 
@@ -479,6 +545,8 @@ class MetalQueue(NativeQueue):
             STORAGE_SHARED,
             argtypes=(c_ulong, c_ulong),
         )
+        if not staging:
+            raise MemoryError(f"newBufferWithLength: {dst.nbytes} failed (a copy's staging)")
         self._commit(
             value,
             _blit_encoder((staging, 0), (src.handle, src.offset), dst.nbytes),
@@ -502,15 +570,25 @@ class MetalQueue(NativeQueue):
             self._held.put(None)
             if not later:
                 self._worker.join()
-        buffers = list(self._buffers)
-        for at, (_, cb, _, _, blocked) in enumerate(buffers):
-            # At exit (abandon) drain what can complete, so no handler fires during
-            # finalization; stop at the first buffer held by a wait nothing may signal
-            # (buffers of a queue complete in order).
-            if abandon and blocked:
-                self._disarm(buffers[at:])
-                break
-            send(cb, "waitUntilCompleted", restype=None)
+        # Left to the worker, the buffers are released by it once its commit returns --
+        # which the buffers drained here completing may let it do meanwhile: each is
+        # held here while it is drained.
+        with self._buffers_lock:
+            buffers = list(self._buffers)
+            for _, cb, _, _, _ in buffers:
+                retain(cb)
+        try:
+            for at, (_, cb, _, _, blocked) in enumerate(buffers):
+                # At exit (abandon) drain what can complete, so no handler fires during
+                # finalization; stop at the first buffer held by a wait nothing may
+                # signal (buffers of a queue complete in order).
+                if abandon and blocked:
+                    self._disarm(buffers[at:])
+                    break
+                send(cb, "waitUntilCompleted", restype=None)
+        finally:
+            for _, cb, _, _, _ in buffers:
+                release(cb)
         if not later:
             self._release()
 
@@ -525,9 +603,11 @@ class MetalQueue(NativeQueue):
                 _blocks.hold_until_run(block, kept)
 
     def _release(self) -> None:
-        for _, cb, _, _, _ in self._buffers:
+        with self._buffers_lock:
+            buffers = list(self._buffers)
+            self._buffers.clear()
+        for _, cb, _, _, _ in buffers:
             release(cb)
-        self._buffers.clear()
         release(self._queue)
 
 
@@ -550,6 +630,15 @@ def _blit_encoder(dst: tuple[int, int], src: tuple[int, int], nbytes: int) -> Ca
         send(blit, "endEncoding", restype=None)
 
     return encode
+
+
+class _Command(NamedTuple):
+    """A command a step on the queue's own thread commits: its value, its record, and
+    the timeline value its command buffer signals (native timeline, target), if any."""
+
+    value: int
+    record: Record
+    then: tuple[int, int] | None
 
 
 class _Owned:

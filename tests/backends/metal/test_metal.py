@@ -725,8 +725,6 @@ async def test_a_signal_a_fault_kept_from_running_fails_its_timeline(
                     await done
             with pytest.raises(am.DeviceLostError):
                 await tl.wait(1)
-            # (Once the timeline failed: the other queue's command may be done before
-            # the failed signal's handler ran, and then reports success.)
             with pytest.raises(am.DeviceLostError):
                 await after
 

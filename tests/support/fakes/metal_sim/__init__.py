@@ -110,6 +110,8 @@ def library() -> ctypes.CDLL:
     lib.asyncmetal_sim_implicit.restype = ctypes.c_long
     lib.asyncmetal_sim_handlers.restype = ctypes.c_long
     lib.asyncmetal_sim_handlers.argtypes = [ctypes.c_int]
+    lib.asyncmetal_sim_hold_handlers.restype = None
+    lib.asyncmetal_sim_hold_handlers.argtypes = [ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
@@ -128,3 +130,21 @@ def handlers() -> tuple[int, int]:
     """Completed handlers run so far, and how many ran on the committing thread."""
     lib = library()
     return lib.asyncmetal_sim_handlers(0), lib.asyncmetal_sim_handlers(1)
+
+
+def handlers_returned() -> int:
+    """Completed handlers that have returned so far."""
+    count: int = library().asyncmetal_sim_handlers(2)
+    return count
+
+
+def buffers_let_go() -> int:
+    """Command buffers whose handlers all ran and that their queue let go of since."""
+    count: int = library().asyncmetal_sim_handlers(3)
+    return count
+
+
+def hold_handlers(queue: int, hold: bool) -> None:
+    """Hold back (or, released, call in order) the completed handlers of the command
+    buffers of ``queue`` (an ``MTLCommandQueue``): its GPU thread goes on meanwhile."""
+    library().asyncmetal_sim_hold_handlers(queue, int(hold))

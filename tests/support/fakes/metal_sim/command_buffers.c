@@ -187,12 +187,16 @@ static double MTLCommandBuffer_GPUEndTime(mtlcmdbuf *self, SEL s) {
 }
 /* ------------------------------------------------------------- the GPU thread ------ */
 
-static _Atomic long handlers_run, handlers_on_committer;
+static _Atomic long handlers_run, handlers_on_committer, handlers_returned, buffers_let_go;
 
-/* (test query) Completed handlers run so far, and how many of them on the thread that
- * committed. */
-long asyncmetal_sim_handlers(int on_committer) {
-    return on_committer ? (long)handlers_on_committer : (long)handlers_run;
+/* (test query) Completed handlers run so far (0), how many of them on the thread that
+ * committed (1), how many of them returned (2), and command buffers whose handlers all
+ * ran and that the queue let go of since (3). */
+long asyncmetal_sim_handlers(int which) {
+    return which == 3   ? (long)buffers_let_go
+           : which == 2 ? (long)handlers_returned
+           : which == 1 ? (long)handlers_on_committer
+                        : (long)handlers_run;
 }
 
 static void run_handlers(void *p) {
@@ -202,6 +206,7 @@ static void run_handlers(void *p) {
         if (pthread_equal(pthread_self(), cb->committer))
             atomic_fetch_add(&handlers_on_committer, 1);
         h->block(cb);
+        atomic_fetch_add(&handlers_returned, 1);
     }
     mtlqueue *q = cb->queue;
     pthread_mutex_lock(&q->lock);
@@ -209,6 +214,7 @@ static void run_handlers(void *p) {
     pthread_cond_broadcast(&q->cond);
     pthread_mutex_unlock(&q->lock);
     release(cb);  /* the queue's reference, taken at commit */
+    atomic_fetch_add(&buffers_let_go, 1);
 }
 
 static const char *execute(mtlcmdbuf *cb) {
@@ -288,7 +294,34 @@ static void *gpu_main(void *p) {
         cb->status = fault ? STATUS_ERROR : STATUS_COMPLETED;
         pthread_cond_broadcast(&cb->cond);
         pthread_mutex_unlock(&cb->lock);
-        dispatch_async_f(device->completions, cb, run_handlers);
+        pthread_mutex_lock(&q->lock);
+        if (q->hold_handlers || q->held_head) {  /* (test hook) kept back, in order */
+            cb->next = NULL;
+            if (q->held_tail) q->held_tail->next = cb; else q->held_head = cb;
+            q->held_tail = cb;
+            cb = NULL;
+        }
+        pthread_mutex_unlock(&q->lock);
+        if (cb) dispatch_async_f(device->completions, cb, run_handlers);
+    }
+}
+
+/* (test query) Hold back the completed handlers of `queue`'s command buffers (hold 1): the
+ * queue's GPU thread goes on running its command buffers (their signals included), and
+ * their handlers are called, in order, once released (hold 0). As Metal may call one
+ * queue's handlers long after another's that completed later. */
+void asyncmetal_sim_hold_handlers(mtlqueue *queue, int hold) {
+    expect(queue, &MTLCommandQueue_class, "asyncmetal_sim_hold_handlers");
+    mtldevice *device = (mtldevice *)queue->device;
+    pthread_mutex_lock(&queue->lock);
+    queue->hold_handlers = hold;
+    mtlcmdbuf *held = hold ? NULL : queue->held_head;
+    if (!hold) queue->held_head = queue->held_tail = NULL;
+    pthread_mutex_unlock(&queue->lock);
+    while (held) {
+        mtlcmdbuf *next = held->next;
+        dispatch_async_f(device->completions, held, run_handlers);
+        held = next;
     }
 }
 

@@ -222,8 +222,10 @@ static void *Device_newBufferNoCopy(mtldevice *self, SEL s, void *pointer, unsig
     if (options != 0) fail("%s: options %#lx", what, options);
     if (deallocator) fail("%s: the simulation takes no deallocator block", what);
     unsigned long page = (unsigned long)getpagesize();
-    /* Metal refuses memory that is not whole pages (it returns nil). */
+    /* Metal refuses memory that is not whole pages, and lengths above maxBufferLength
+     * (it returns nil). */
     if (!pointer || (uintptr_t)pointer % page || length == 0 || length % page) return NULL;
+    if (length > max_buffer_length()) return NULL;
     mtlbuffer *b = new_object(&MTLBuffer_class);
     b->contents = pointer;
     b->length = length;

@@ -171,6 +171,10 @@ struct mtlqueue {
     int thread_started;
     unsigned long max_buffers;
     unsigned long outstanding;      /* made and not yet completed */
+    /* (test hook) completed command buffers whose handlers are held back, in order, while
+     * hold_handlers is set (asyncmetal_sim_hold_handlers): the GPU thread goes on */
+    int hold_handlers;
+    mtlcmdbuf *held_head, *held_tail;
 };
 
 typedef struct {

@@ -1,0 +1,380 @@
+"""The Metal backend where its threads meet: Metal's completion handlers, the queue's own
+thread and the loop's (against the simulated Metal, whose hooks order them)."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import textwrap
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import asyncmetal as am
+from tests.backends.metal.test_metal import _in_a_child
+from tests.support.fakes import metal_sim
+from tests.support.kernels import MSL_KERNELS
+
+SIMULATED = metal_sim.configured()
+sim_only = pytest.mark.skipif(not SIMULATED, reason="needs the simulated Metal")
+loops = pytest.mark.parametrize(
+    "anyio_backend",
+    [
+        pytest.param(("asyncio", {}), id="asyncio"),
+        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+        pytest.param(("trio", {}), id="trio"),
+    ],
+)
+
+FAULTY = """
+kernel void crash(device int* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+    out[0] = 1;
+    __asyncmetal_sim_fault();  // the simulation's hook: this command buffer faults
+}
+"""
+
+
+async def _until(condition: Callable[[], object]) -> None:
+    """Poll ``condition()`` from the loop, for at most 20 s (what it waits for is under
+    way: no timing decides the outcome)."""
+    with anyio.fail_after(20):
+        while not condition():
+            await anyio.sleep(0.001)
+
+
+@pytest.mark.metal
+@loops
+@pytest.mark.anyio
+@sim_only
+async def test_a_wait_for_a_failed_signal_fails_even_if_its_handler_comes_last(
+    anyio_backend: object,
+) -> None:
+    """A queue faults, then signals a timeline another queue waits on. The GPU raises
+    the event all the same, so the other queue's command runs -- and its completion
+    handler may be called before the failed signal's (here it is: the simulation holds
+    the first queue's handlers back). Its await must still raise, as a command that
+    waited for a failed value (it reported success: the timeline had not failed yet)."""
+    async with am.open_device("metal") as dev:
+        crash = await dev.compile(FAULTY, "crash")
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        bad, good = await dev.alloc(4), await dev.alloc(64)
+        other, tl = dev.new_queue(), dev.timeline()
+        first = dev.queue._native._queue  # type: ignore[attr-defined]
+        metal_sim.hold_handlers(first, True)
+        try:
+            dev.queue.launch(crash, bad)
+            signalled = dev.queue.signal(tl, 1)
+            other.wait(tl, 1)
+            returned = metal_sim.handlers_returned()
+            after = other.launch(fill, good, vals=(9, 16))
+            outcome: list[str] = []
+
+            async def await_after() -> None:
+                try:
+                    await after
+                    outcome.append("success")
+                except am.DeviceLostError:
+                    outcome.append("failed")
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(await_after)
+                # The other queue's command ran and its handler returned ...
+                await _until(lambda: metal_sim.handlers_returned() > returned)
+                if after.done():  # (what the handler raised, seen by its awaiter)
+                    await _until(lambda: outcome)
+                assert not tl.value  # ... the failed signal's handler was not called
+                metal_sim.hold_handlers(first, False)
+            assert outcome == ["failed"]
+            with pytest.raises(am.DeviceLostError):
+                await signalled
+        finally:
+            metal_sim.hold_handlers(first, False)
+
+
+@pytest.mark.metal
+@loops
+@pytest.mark.anyio
+@sim_only
+@pytest.mark.timeout(120)
+async def test_a_failure_noted_by_the_queues_thread_is_seen_by_the_loops(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The queue's own thread reaps command buffers (past 256 kept) while the loop's asks
+    a command's failure, which reaps too. A buffer the thread has taken and not yet looked
+    at was neither in the list nor noted as failed: the loop reported its command (a
+    fault) as a success. Now one reaps at a time (the queue's thread is held mid-reap
+    here, from its first buffer's GPUStartTime, until the loop's question was asked)."""
+    from asyncmetal.backends.metal import _objc, _queue
+
+    send, held = _objc.send, threading.Event()
+    committing, popped, resume = threading.Event(), threading.Event(), threading.Event()
+    worker: list[int] = []
+
+    def ordered(obj: int, selector: str, *args: Any, **kwargs: Any) -> Any:
+        if worker and threading.get_ident() == worker[0]:
+            if selector == "commandBuffer":
+                committing.wait(20)
+            elif selector == "GPUStartTime" and not held.is_set():
+                held.set()
+                popped.set()
+                resume.wait(20)
+        return send(obj, selector, *args, **kwargs)
+
+    monkeypatch.setattr(_queue, "send", ordered)
+    async with am.open_device("metal") as dev:
+        crash = await dev.compile(FAULTY, "crash")
+        empty = await dev.compile(MSL_KERNELS, "empty")
+        bad, big = await dev.alloc(4), await dev.alloc(_queue.STAGE_OFF_LOOP)
+        q, tl = dev.new_queue(), dev.timeline()
+        native = q._native
+        q.wait(tl, 1)
+        crashed = q.launch(crash, bad)
+        last = [q.launch(empty) for _ in range(300)][-1]  # more than 256 kept
+        host = np.zeros(_queue.STAGE_OFF_LOOP, np.uint8)
+        copied = q.copy(host, big)  # a large read: committed by the queue's thread
+        worker.append(native._worker.ident)  # type: ignore[attr-defined]
+        tl.signal(1)
+        await _until(lambda: q.timeline.value >= last.value)  # (no reap on the loop)
+        committing.set()  # the thread commits the copy, then reaps: held in it
+        await anyio.to_thread.run_sync(popped.wait, 20)
+        seen: list[BaseException | None] = []
+        asker = threading.Thread(target=lambda: seen.append(native.failure(crashed.value)))
+        asker.start()
+        asker.join(1)  # (done at once, or waiting for the thread's reap)
+        resume.set()
+        await anyio.to_thread.run_sync(asker.join)
+        assert isinstance(seen[0], am.DeviceLostError), seen
+        with pytest.raises(am.DeviceLostError):
+            await crashed
+        with pytest.raises(am.DeviceLostError):
+            await copied
+
+
+CLOSE_AS_THE_THREAD_RELEASES = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    sys.path.insert(0, sys.argv[1])
+    import anyio
+    import asyncmetal as am
+    from asyncmetal.backends.metal import _objc, _queue
+    from tests.support.fakes import metal_sim
+    from tests.support.kernels import MSL_KERNELS
+
+    released = threading.Event()
+    original = _queue.MetalQueue._release
+
+    def noted(self):
+        original(self)
+        released.set()
+
+    _queue.MetalQueue._release = noted
+
+    def until(condition):
+        deadline = time.monotonic() + 20
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    async def main():
+        dev = await am.open_device("metal")
+        empty = await dev.compile(MSL_KERNELS, "empty")
+        tl, q = dev.timeline(), dev.new_queue()
+        native = q._native
+        # Two command buffers that run, their handlers held back; behind them a wait
+        # nobody signals holds the rest of the queue's 1024, and its thread is left
+        # blocked in commandBuffer.
+        metal_sim.hold_handlers(native._queue, True)
+        q.launch(empty)
+        q.launch(empty)
+        q.wait(tl, 1)
+        for _ in range(1100):
+            q.launch(empty)
+        until(lambda: len(native._buffers) == 1024 and native._busy)
+        let_go = metal_sim.buffers_let_go()
+        send, asked = _objc.send, []
+
+        def ordered(obj, selector, *args, **kwargs):
+            if selector == "waitUntilCompleted" and not asked:
+                # The close drains the two: as it does, their handlers run, which lets
+                # the queue's thread return from commandBuffer and release the queue.
+                asked.append(obj)
+                metal_sim.hold_handlers(native._queue, False)
+                until(lambda: metal_sim.buffers_let_go() >= let_go + 2 and released.is_set())
+            return send(obj, selector, *args, **kwargs)
+
+        _queue.send = ordered
+        await anyio.to_thread.run_sync(native.close, True)  # as at exit: abandon
+        print("closed", flush=True)
+        os._exit(0)  # (the device's own close would close the queue again)
+
+    anyio.run(main)
+    """
+)
+
+
+@pytest.mark.metal
+@sim_only
+@pytest.mark.timeout(120)
+def test_an_abandoning_close_drains_buffers_the_queues_thread_releases() -> None:
+    """A close that abandons a queue whose thread is blocked in commandBuffer leaves the
+    release of the queue and its buffers to that thread, and drains the buffers that can
+    complete. Their completion lets the thread go on and release them: the close then
+    sent waitUntilCompleted to a released command buffer (the simulation aborts). Now
+    the close holds a reference to each buffer it drains (in a child process)."""
+    assert _in_a_child(CLOSE_AS_THE_THREAD_RELEASES, timeout=90) == ["closed"]
+
+
+@pytest.mark.metal
+@loops
+@pytest.mark.anyio
+@sim_only
+async def test_a_step_that_fails_on_the_queues_thread_fails_its_command(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large read's staging buffer is made on the queue's own thread; Metal returns nil
+    there (out of memory). The copy fails with MemoryError -- the error went to the
+    thread's excepthook, and a later command's completion then reported the copy as done
+    -- and the queue goes on: what follows it runs."""
+    from asyncmetal.backends.metal import _objc, _queue
+
+    send, loop_thread = _objc.send, threading.get_ident()
+
+    def no_memory_off_the_loop(obj: int, selector: str, *args: Any, **kwargs: Any) -> Any:
+        if selector == "newBufferWithLength:options:" and threading.get_ident() != loop_thread:
+            return None  # nil: as Metal, out of memory
+        return send(obj, selector, *args, **kwargs)
+
+    monkeypatch.setattr(_queue, "send", no_memory_off_the_loop)
+    async with am.open_device("metal") as dev:
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        n = _queue.STAGE_OFF_LOOP // 4
+        big, small = await dev.alloc(4 * n), await dev.alloc(64)
+        await dev.queue.launch(fill, big, vals=(3, n))
+        host = np.zeros(n, np.int32)
+        copied = dev.queue.copy(host, big)  # staged on the queue's thread: nil there
+        later = dev.queue.launch(fill, small, vals=(4, 16))  # after it, on that thread
+        await later
+        with pytest.raises(MemoryError, match="newBufferWithLength"):
+            await copied
+        assert not host.any()
+        await dev.queue.launch(fill, small, vals=(5, 16))
+        assert (await small.read(np.int32) == 5).all()
+
+
+@pytest.mark.metal
+@loops
+@pytest.mark.anyio
+@sim_only
+async def test_host_memory_is_wrapped_only_within_max_buffer_length(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """newBufferWithBytesNoCopy makes no buffer above maxBufferLength (Metal returns nil:
+    the simulation does too). A copy from host memory whose pages span more than that
+    -- the largest buffer's size, from an address inside a page -- is not wrapped but
+    staged, and arrives (a smaller one is still wrapped)."""
+    from asyncmetal.backends.metal import _backend, _objc
+
+    largest = 1 << 20
+    monkeypatch.setenv("ASYNCMETAL_SIM_MAX_BUFFER", str(largest))
+    wrapped: list[int] = []
+    send = _objc.send
+
+    def recorded(obj: int, selector: str, *args: Any, **kwargs: Any) -> Any:
+        if selector.startswith("newBufferWithBytesNoCopy:"):
+            wrapped.append(args[1])
+        return send(obj, selector, *args, **kwargs)
+
+    async with am.open_device("metal") as dev:
+        device = dev._state.backend.device  # type: ignore[attr-defined]
+        # The simulation: nil above the largest buffer, as Metal.
+        page = _backend.PAGE
+        pages = np.zeros(largest + page, np.uint8)
+        base = pages.ctypes.data + (-pages.ctypes.data) % page
+        args = (base, largest + page, 0, None)
+        argtypes = (ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_void_p)
+        name = "newBufferWithBytesNoCopy:length:options:deallocator:"
+        assert not send(device, name, *args, argtypes=argtypes)
+        monkeypatch.setattr(_backend, "send", recorded)
+        buf = await dev.alloc(largest)
+        host = np.frombuffer(np.random.default_rng(2).bytes(largest + 64), np.uint8)[16:]
+        src = host[:largest]  # (16 bytes into a page: its pages are one more)
+        assert src.ctypes.data % page
+        await dev.queue.copy(buf, src)
+        assert (await buf.read(np.uint8) == src).all()
+        await dev.queue.copy(buf.view(0, 4096), host[:4096])  # wrapped: two pages
+        assert wrapped == [2 * page], wrapped
+
+
+@pytest.mark.metal
+@loops
+@pytest.mark.anyio
+@sim_only
+@pytest.mark.timeout(120)
+async def test_what_an_abandoned_command_kept_is_let_go_of_once_it_ran(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal held behind another device's timeline is abandoned by its device's
+    close, which keeps the timeline it signals until its command buffer has run. Once it
+    ran, the timeline is let go of and its native timeline freed -- it was only at the
+    next reap of some queue, and with nothing more submitted, never."""
+    from asyncmetal import _native
+
+    lib = _native.runtime()
+    free, freed = lib.am_timeline_free, []
+
+    def counted(c_timeline: int) -> None:
+        freed.append(c_timeline)
+        free(c_timeline)
+
+    monkeypatch.setattr(lib, "am_timeline_free", counted)
+
+    async def abandoned(gate: am.Timeline) -> tuple[int, weakref.ref[am.Device]]:
+        dev = await am.open_device("metal")
+        tl = dev.timeline()
+        dev.queue.wait(gate, 1)
+        dev.queue.signal(tl, 1)  # held: the close abandons it, and keeps tl for it
+        await dev.close()
+        return tl.native.c_timeline, weakref.ref(dev)  # type: ignore[attr-defined]
+
+    async with am.open_device("metal") as other:
+        gate = other.timeline()
+        c_timeline, dev = await abandoned(gate)
+        await _until(lambda: gc.collect() >= 0 and dev() is None)  # dropped (a cycle)
+        assert c_timeline not in freed  # (its signal is yet to run)
+        gate.signal(1)  # the abandoned command buffer runs now; nothing is submitted
+        await _until(lambda: c_timeline in freed)
+
+
+@pytest.mark.metal
+@loops
+@pytest.mark.anyio
+@sim_only
+@pytest.mark.parametrize("between", [False, True], ids=["next", "later"])
+async def test_a_signal_after_a_wait_for_a_failed_value_fails_its_timeline(
+    anyio_backend: object, between: bool
+) -> None:
+    """A queue waits on the device for a value whose signal failed, then signals
+    another timeline (right after the wait, or after a launch): that timeline fails
+    too, as on cpu and cuda -- it rose, and a host wait for it reported success."""
+    async with am.open_device("metal") as dev:
+        crash = await dev.compile(FAULTY, "crash")
+        empty = await dev.compile(MSL_KERNELS, "empty")
+        bad = await dev.alloc(4)
+        other, tl, onward = dev.new_queue(), dev.timeline(), dev.timeline()
+        dev.queue.launch(crash, bad)
+        dev.queue.signal(tl, 1)
+        with anyio.fail_after(20), pytest.raises(am.DeviceLostError):
+            await tl.wait(1)
+        other.wait(tl, 1)
+        if between:
+            other.launch(empty)
+        signalled = other.signal(onward, 1)
+        with anyio.fail_after(20):
+            with pytest.raises(am.DeviceLostError):
+                await signalled
+            with pytest.raises(am.DeviceLostError):
+                await onward.wait(1)
