@@ -547,6 +547,7 @@ class Device:
         self.closed = True
         for queue in self._queues:
             close_native(queue, abandon or queue in blocked)
+        self._state.stopped = True  # (before the allocator waits on other devices' queues)
         self._allocator.close(_completable)
         self._backend.close()
         with _open_devices_lock:
@@ -934,6 +935,7 @@ def _forget_parent_devices() -> None:
         message = f"device {device.name} was {where}"
         device.name = f"{device.name} ({where})"  # every closed-device error names it
         device.closed = True
+        device._state.stopped = True  # (nothing of it runs in the child)
         device._backend.forked(message)
 
 

@@ -362,9 +362,10 @@ def timeline_kind(timeline: Timeline) -> str:
 
 def passed(timeline: Timeline, value: int) -> bool:
     """Whether a queue whose own timeline is ``timeline`` is done with its command
-    ``value``: run, or never to run (its device closed: its queues ran or abandoned
-    everything)."""
-    return timeline.native.value >= value or timeline._state.closed
+    ``value``: run, or never to run (its device's queues stopped: they ran or abandoned
+    everything). A device that is closing but whose queues still run (``closed`` is set
+    before the close waits for them) is not done with anything it has not run."""
+    return timeline._state.stopped or timeline.native.value >= value
 
 
 AWAKE_AFTER_SIGNAL_NS = 500_000  # a loop that host-signals a device timeline checks this long
