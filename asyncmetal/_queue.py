@@ -378,10 +378,19 @@ class Queue:
         must not be changed until the completion is done. A host destination is filled
         when the completion is done.
         """
+        return self._copy(dst, src, nbytes)
+
+    def _copy(
+        self, dst: Any, src: Any, nbytes: int | None, in_place: tuple[Buffer, ...] = ()
+    ) -> Completion:
+        """``copy``; ``in_place``: buffers of another kind of device whose memory is the
+        host operand (see ``copy_in_place``)."""
         operands = copy_operands(self._state, dst, src, nbytes)
         self._after(operands.buffers)
         hook = getattr(self._native, operands.hook)
-        return self._submit(hook, *operands.args, after=operands.extra, uses=operands.buffers)
+        return self._submit(
+            hook, *operands.args, after=operands.extra, uses=(*operands.buffers, *in_place)
+        )
 
     def after(self, *buffers: Buffer) -> Queue:
         """Order this queue's next commands after every command submitted so far on
@@ -413,6 +422,16 @@ class Queue:
         """Wait until everything submitted so far has finished; raise the error of a
         command that failed (its failure fails what follows it on the queue)."""
         await wait_finished(self, self._submitted)
+
+
+def copy_in_place(queue: Queue, dst: Any, src: Any, nbytes: int, buffer: Buffer) -> Completion:
+    """``queue.copy(dst, src, nbytes)`` where the host side (``dst`` or ``src``) is the
+    memory of ``buffer``, a host-visible buffer of another kind of device, read or
+    written in place. The copy is a use of ``buffer`` like any other: it is checked (not
+    freed, its device open) under the submission lock, and recorded as used by the copy
+    before that lock is let go -- a ``free`` on another thread then either made the copy
+    refuse it, or waits for the copy (see ``Buffer.free``)."""
+    return queue._copy(dst, src, nbytes, (buffer,))
 
 
 async def wait_finished(queue: Queue, value: int) -> None:

@@ -153,3 +153,87 @@ class _OtherKind(CPUBackend):
     @classmethod
     def available(cls) -> list[str]:
         return ["cpu2"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("direction", ["read", "write"])
+async def test_a_free_on_another_thread_as_a_copy_between_kinds_is_submitted(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, direction: str, when: str
+) -> None:
+    """A copy between kinds reads (or writes) the cpu buffer in place, on the other
+    device's queue; another thread frees that buffer just before the copy is handed to
+    the queue, or just after. Before: the copy went ahead with the freed memory, or
+    recorded its use only after the queue's submission lock was let go -- either way the
+    free released the memory at once, and the next allocation got memory the copy then
+    read or overwrote. Now the copy is refused (freed before), or the free waits for it
+    (freed after)."""
+    from asyncmetal import backends
+
+    monkeypatch.setitem(backends.BACKENDS, "cpu2", f"{__name__}:_OtherKind")
+    cpu = await am.open_device("cpu:45")
+    other = await am.open_device("cpu2")
+    theirs = await other.alloc(64)
+    await theirs.write(np.full(16, 3, np.int32))
+    mine = await cpu.alloc(64)
+    await mine.write(np.full(16, 1, np.int32))
+    block = mine._allocation.block
+    gate = other.timeline()
+    other.queue.wait(gate, 1)  # the copy stays pending behind this
+
+    settled = threading.Event()
+    release_after = cpu._allocator.release_after
+
+    def noted(*args: Any) -> None:
+        release_after(*args)
+        settled.set()
+
+    monkeypatch.setattr(cpu._allocator, "release_after", noted)
+    threads: list[threading.Thread] = []
+
+    def free_elsewhere() -> None:  # another thread's loop frees `mine`, up to its release
+        threads.append(threading.Thread(target=anyio.run, args=(mine.free,)))
+        threads[0].start()
+        assert settled.wait(LIMIT)
+
+    submit = other.queue._submit
+
+    def submit_as_freed(*args: Any, **kwargs: Any) -> am.Completion:
+        if when == "before":
+            free_elsewhere()
+        done = submit(*args, **kwargs)
+        if when == "after":
+            free_elsewhere()
+        return done
+
+    monkeypatch.setattr(other.queue, "_submit", submit_as_freed)
+    refused: list[am.ClosedResourceError] = []
+
+    async def copy() -> None:
+        try:
+            if direction == "read":  # the other queue reads `mine` in place
+                await am.copy(theirs, mine)
+            else:  # the other queue writes `mine` in place
+                await am.copy(mine, theirs)
+        except am.ClosedResourceError as exc:
+            refused.append(exc)
+
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(copy)
+            await anyio.to_thread.run_sync(settled.wait)
+            monkeypatch.undo()  # (the allocation and the writes below are plain)
+            again = await cpu.alloc(64)
+            await again.write(np.full(16, 2, np.int32))
+            gate.signal(1)
+        await other.synchronize()
+        await anyio.to_thread.run_sync(threads[0].join)
+    assert (await again.read(np.int32) == 2).all(), "the copy wrote the new owner's memory"
+    if direction == "read":
+        copied = (await theirs.read(np.int32)).tolist()
+        assert copied == [3 if refused else 1] * 16, "the copy read the new owner's bytes"
+    assert bool(refused) == (when == "before")
+    if not refused:
+        assert again._allocation.block is not block, "handed out while the copy used it"
+    await other.close()
+    await cpu.close()
