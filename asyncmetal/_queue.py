@@ -25,9 +25,12 @@ from ._timeline import (
     check_timeline,
     order_queue_signal,
     queue_signal_submitted,
+    queue_wait_submitted,
     ready_checkpoint,
+    signal_provider,
     timeline_kind,
     wait_value,
+    waits_beyond_signals,
 )
 
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -329,13 +332,29 @@ class Queue:
         return args if order is None else [args[i] for i in order]
 
     def signal(self, timeline: Timeline, value: int) -> Completion:
-        """Raise ``timeline`` to ``value`` once every earlier command has finished."""
+        """Raise ``timeline`` to ``value`` once every earlier command has finished.
+
+        Signals of a timeline take effect in the order submitted: where another queue's
+        signal of it has not run yet, this queue first waits for that one (on the
+        device). A signal that could never run is refused (``InvalidArgumentError``):
+        one that this queue reaches only after a device wait -- its own, or one of
+        another queue whose command it waits for, and so on -- for ``timeline`` to reach
+        more than the signals submitted so far raise it to. Once this signal is
+        submitted, nothing raises the timeline before it runs (the host may not signal
+        a timeline while a queue's signal of it is pending, and later queue signals of
+        it wait for this one), so such a wait would wait for good.
+        """
         timeline = check_timeline(timeline, "timeline", self._state.kind)
         value, earlier = order_queue_signal(timeline, value, self.timeline)
-        if earlier:  # another queue's signal of it, not run yet: that one first
-            self.wait(timeline, earlier)
         self._state.check_open()  # (before the lock: see _submit)
         with self._state.submitting:  # recorded with it, for a close's count (as wait)
+            beyond = waits_beyond_signals(timeline)
+            if beyond:  # a device wait for more than the signals so far: this one's to reach
+                deadlock = _self_wait(self, timeline, beyond, value, earlier)
+                if deadlock is not None:
+                    raise InvalidArgumentError(deadlock)
+            if earlier:  # another queue's signal of it, not run yet: that one first
+                self.wait(timeline, earlier)
             done = self._submit(self._native.signal, timeline.native, value)
             queue_signal_submitted(timeline, self.timeline, done.value, value)
             self._track(done.value, False, timeline, value)
@@ -361,6 +380,7 @@ class Queue:
         with self._state.submitting:
             done = self._submit(self._native.wait, timeline.native, value)
             self._track(done.value, True, timeline, value)
+            queue_wait_submitted(timeline, value)
         return done
 
     def _track(self, value: int, is_wait: bool, timeline: Timeline, target: int) -> None:
@@ -422,6 +442,89 @@ class Queue:
         """Wait until everything submitted so far has finished; raise the error of a
         command that failed (its failure fails what follows it on the queue)."""
         await wait_finished(self, self._submitted)
+
+
+def _self_wait(queue: Queue, timeline: Timeline, low: int, value: int, earlier: int) -> str | None:
+    """Why ``queue``'s signal of ``timeline`` to ``value``, about to be submitted (after
+    its wait for ``earlier`` where that is not 0: another queue's signal first), could
+    never run; None where that is not known. It could not where it comes after a device
+    wait, not yet done, for ``timeline`` to reach ``low`` or more: once this signal is
+    submitted, nothing raises the timeline that far before it runs (see
+    ``Queue.signal``; the signals before it reach less: ``waits_beyond_signals``).
+    "After": on its own queue, or on another queue whose command a wait before it waits
+    for (the command that will raise what that wait waits for: ``signal_provider``), and
+    so on. A wait for what nothing submitted reaches yet is satisfiable (the host, or a
+    later signal, may), so it ends a chain."""
+    # (queue, up to which of its commands, and how this signal comes after them)
+    todo: list[tuple[Queue, int, list[str]]] = [(queue, queue._submitted, [])]
+    if earlier:
+        provider = signal_provider(timeline, earlier)
+        if provider is not None:
+            other, at = provider
+            assert isinstance(other, Queue)
+            step = (
+                f"this signal first waits for the timeline to reach {earlier} (signals of a "
+                f"timeline run in order), which {_who(other, queue)}'s command {at} raises"
+            )
+            todo.append((other, at, [step]))
+    explored: dict[Queue, int] = {}
+    while todo:
+        waiter, upto, path = todo.pop()
+        start = max(explored.get(waiter, 0), waiter.timeline.value)
+        if upto <= start:
+            continue
+        explored[waiter] = upto
+        ops = list(waiter._sync_ops)
+        for i, (at, is_wait, waited, target) in enumerate(ops):
+            if not is_wait or not start < at <= upto or waited.native.value >= target:
+                continue
+            if waited is timeline and target >= low:
+                who = _who(waiter, queue)
+                return (
+                    f"this signal of the timeline to {value} would never run: {who}'s command "
+                    f"{at} waits, on the device, for the timeline to reach {target}; once "
+                    "this signal is submitted nothing raises the timeline before it runs (the "
+                    "host may not signal it while a queue's signal of it is pending, and "
+                    "later signals of it wait for this one), and this queue runs it only "
+                    "after that wait"
+                    + ("" if not path else ": " + "; ".join(path))
+                    + ". Submit the signal before that wait, or on a queue that does not "
+                    "wait for it"
+                )
+            provider = signal_provider(waited, target)
+            if provider is None:
+                continue
+            other, raiser = provider
+            assert isinstance(other, Queue)
+            what = "the timeline" if waited is timeline else _describe(waited, queue)
+            follows = ops[i + 1] if i + 1 < len(ops) else None
+            ordering = (  # the wait its signal of that timeline, next, made first
+                follows is not None and follows[:3] == (at + 1, False, waited) and not waited._owned
+            )
+            step = (
+                f"{_who(waiter, queue)}'s command {at} waits for {what} to reach {target}"
+                + (" (its signal of it, next, runs after an earlier one)" if ordering else "")
+                + f", which {_who(other, queue)}'s command {raiser} raises"
+            )
+            todo.append((other, raiser, [*path, step]))
+    return None
+
+
+def _who(queue: Queue, this: Queue) -> str:
+    """``queue``, named for a message about ``this`` queue's command."""
+    if queue is this:
+        return "this queue"
+    if queue._state.queue is queue:
+        return f"the default queue of {queue._state.name}"
+    return f"another queue of {queue._state.name}"
+
+
+def _describe(timeline: Timeline, this: Queue) -> str:
+    """``timeline``, named for a message about ``this`` queue's command."""
+    owner = None if timeline._queue is None else timeline._queue()
+    if isinstance(owner, Queue):
+        return f"the own timeline of {_who(owner, this)}"
+    return f"another timeline of {timeline._state.name}"
 
 
 def copy_in_place(queue: Queue, dst: Any, src: Any, nbytes: int, buffer: Buffer) -> Completion:

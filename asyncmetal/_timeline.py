@@ -4,6 +4,7 @@ awaiting of any such counter (``wait_value``)."""
 from __future__ import annotations
 
 import collections
+import os
 import sys
 import threading
 import time
@@ -213,6 +214,12 @@ class Timeline(Waitable):
         # the last queue signal (the queue's own timeline, its value there, the target).
         self._highest = 0
         self._last_signal: tuple[Timeline, int, int] | None = None
+        # Queue signals of it not known to have run, in the order submitted (each the
+        # signalling queue's own timeline, its value there, the target), and the highest
+        # value a queue's device wait on it was submitted for: what tells a queue signal
+        # that would wait for itself (see ``signal_provider``).
+        self._signals: collections.deque[tuple[Timeline, int, int]] = collections.deque()
+        self._waited = 0
         self.native: NativeTimeline = state.backend.new_timeline(self.advanced)
         if self.native.c_timeline is not None:
             _timelines[self.native.c_timeline] = self
@@ -353,6 +360,61 @@ def queue_signal_submitted(timeline: Timeline, signaller: Timeline, at: int, tar
     a signal of ``timeline`` to ``target`` (checked by :func:`order_queue_signal`)."""
     timeline._highest = max(timeline._highest, target)  # (see Timeline.signal)
     timeline._last_signal = (signaller, at, target)
+    signals = timeline._signals
+    with _signals_lock:  # (queues of several devices may signal one timeline)
+        while signals and _signal_ran(timeline, signals[0]):  # (they run in this order)
+            signals.popleft()
+        signals.append((signaller, at, target))
+
+
+_signals_lock = threading.Lock()
+
+
+def _new_signals_lock() -> None:
+    """In a forked child: a parent thread may have held the lock at the fork."""
+    global _signals_lock
+    _signals_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_signals_lock)
+
+
+def _signal_ran(timeline: Timeline, signal: tuple[Timeline, int, int]) -> bool:
+    signaller, at, target = signal
+    return signaller.value >= at or timeline.native.value >= target
+
+
+def queue_wait_submitted(timeline: Timeline, target: int) -> None:
+    """A queue submitted a device wait for ``timeline`` to reach ``target``."""
+    if target > timeline._waited:
+        timeline._waited = target
+
+
+def waits_beyond_signals(timeline: Timeline) -> int:
+    """The lowest value of ``timeline`` that no signal submitted so far (a queue's, or
+    the host's) raises it to, where a queue's device wait was submitted for that much or
+    more; 0 where none was."""
+    return timeline._highest + 1 if timeline._waited > timeline._highest else 0
+
+
+def signal_provider(timeline: Timeline, value: int) -> tuple[FailingQueue, int] | None:
+    """The queue command that will raise ``timeline`` to ``value``, where that is known
+    now: the queue and its command's value. For a queue's own timeline, that queue's
+    command ``value`` (once submitted); for another timeline, the first queue signal
+    submitted for ``value`` or more that has not run (signals of a timeline run in the
+    order submitted, each after the one before). None where ``value`` is reached, or
+    nothing submitted yet reaches it (the host or a later signal may)."""
+    if timeline.native.value >= value:
+        return None
+    if timeline._queue is not None:
+        queue = timeline._queue()
+        return None if queue is None or value > queue.submitted else (queue, value)
+    for signaller, at, target in list(timeline._signals):
+        if target >= value and signaller.value < at:
+            queue = None if signaller._queue is None else signaller._queue()
+            return None if queue is None else (queue, at)
+    return None
 
 
 def timeline_kind(timeline: Timeline) -> str:
