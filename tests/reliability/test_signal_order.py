@@ -150,3 +150,29 @@ async def test_a_chain_of_waits_with_a_way_out_is_not_refused(device: am.Device)
         await tl.wait(2)
         tl.signal(5)
         await device.synchronize()
+
+
+@pytest.mark.anyio
+async def test_a_cycle_it_cannot_see_can_be_awaited_cancelled_and_closed(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """Waits on queues' own timelines for commands not submitted yet, then those
+    commands: a cycle no submission refuses (a launch is not checked). Awaiting it can
+    be cancelled (the device is untouched), and the close ends it, reporting every
+    command of it as never run."""
+    q1, q2 = device.new_queue(), device.new_queue()
+    q1.wait(q2.timeline, 2)
+    q2.wait(q1.timeline, 2)
+    stuck = [q1.launch(kernels["empty"]), q2.launch(kernels["empty"])]
+    with anyio.fail_after(LIMIT):
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stuck[0].wait)
+                await anyio.wait_all_tasks_blocked()
+                scope.cancel()
+        assert scope.cancelled_caught and not stuck[0].done()
+        await device.queue.marker()  # the device's other queues go on
+        await device.close()
+        for done in stuck:
+            with pytest.raises(am.ClosedResourceError, match="never ran"):
+                await done
