@@ -545,9 +545,11 @@ class Device:
         ``blocked`` (or every queue, with ``abandon``) is stopped where it is, inside a
         device-side wait; the others have finished everything submitted."""
         self.closed = True
-        for queue in self._queues:
-            close_native(queue, abandon or queue in blocked)
-        self._state.stopped = True  # (before the allocator waits on other devices' queues)
+        try:
+            for queue in self._queues:
+                close_native(queue, abandon or queue in blocked)
+        finally:  # (also where one failed: other devices' closes wait for these to stop)
+            self._state.stopped = True
         self._allocator.close(_completable)
         self._backend.close()
         with _open_devices_lock:
