@@ -28,9 +28,11 @@ from ._timeline import (
     queue_wait_submitted,
     ready_checkpoint,
     signal_provider,
+    signal_satisfies,
     timeline_kind,
     wait_value,
     waits_beyond_signals,
+    waits_for,
 )
 
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -336,13 +338,13 @@ class Queue:
 
         Signals of a timeline take effect in the order submitted: where another queue's
         signal of it has not run yet, this queue first waits for that one (on the
-        device). A signal that could never run is refused (``InvalidArgumentError``):
-        one that this queue reaches only after a device wait -- its own, or one of
-        another queue whose command it waits for, and so on -- for ``timeline`` to reach
-        more than the signals submitted so far raise it to. Once this signal is
-        submitted, nothing raises the timeline before it runs (the host may not signal
-        a timeline while a queue's signal of it is pending, and later queue signals of
-        it wait for this one), so such a wait would wait for good.
+        device), and the host may not signal a timeline while a queue's signal of it
+        is pending. A signal that could never run is refused (``InvalidArgumentError``,
+        nothing submitted): one that comes after a command that comes after it (through
+        the device waits commands satisfy), and one that comes after a device wait for
+        more of a timeline than its signals reach while a pending signal of that
+        timeline -- this one, or another that would come after this one -- must run
+        before anything can raise it that far (see ``_self_wait``).
         """
         timeline = check_timeline(timeline, "timeline", self._state.kind)
         value, earlier = order_queue_signal(timeline, value, self.timeline)
@@ -354,7 +356,7 @@ class Queue:
                 if deadlock is not None:
                     raise InvalidArgumentError(deadlock)
             if earlier:  # another queue's signal of it, not run yet: that one first
-                self.wait(timeline, earlier)
+                self._wait(timeline, earlier, True)
             done = self._submit(self._native.signal, timeline.native, value)
             queue_signal_submitted(timeline, self.timeline, done.value, value)
             self._track(done.value, False, timeline, value)
@@ -373,6 +375,11 @@ class Queue:
                 f"a queue cannot wait for its own value {value}: its commands so far reach "
                 f"{self._submitted}, and later ones would run only after this wait"
             )
+        return self._wait(timeline, value, False)
+
+    def _wait(self, timeline: Timeline, value: int, ordering: bool) -> Completion:
+        """``wait`` of checked arguments; ``ordering``: it orders this queue's signal of
+        ``timeline`` after another queue's (``signal``)."""
         # Recorded as a device wait with the command, under the lock a close counts
         # under (Device._finish_completable): counted in between, it would seem to be
         # one that completes, and the close would wait for it for good.
@@ -380,7 +387,7 @@ class Queue:
         with self._state.submitting:
             done = self._submit(self._native.wait, timeline.native, value)
             self._track(done.value, True, timeline, value)
-            queue_wait_submitted(timeline, value)
+            queue_wait_submitted(timeline, self, done.value, value, ordering)
         return done
 
     def _track(self, value: int, is_wait: bool, timeline: Timeline, target: int) -> None:
@@ -444,70 +451,249 @@ class Queue:
         await wait_finished(self, self._submitted)
 
 
+# How many device waits and signals a signal's check looks at, at most: past that, the
+# signal is let through (a cycle that far is left to the close to end).
+SELF_WAIT_STEPS = 256
+
+_INFINITE = 1 << 64
+
+# How a queue's commands from some value on come after where a search began: (the
+# queue's command that another queue's wait waits for -- the queue, its value -- the
+# timeline and value that command raises it to, then that wait: its queue, value,
+# target and whether it orders a signal), or where it began: a wait, (its queue, value,
+# target, whether it orders a signal).
+_Link = tuple[Any, ...]
+
+
+class _After:
+    """What comes after some device waits: on each one's queue its later commands, then
+    the device waits of other queues that those satisfy (a wait for a queue's own
+    timeline, by that command; for another timeline, by the first signal submitted for
+    as much: ``signal_satisfies``), their later commands, and so on. A wait for what
+    nothing submitted reaches yet is satisfied by nothing of this, so it ends a chain
+    (the host, or a later signal, may satisfy it). ``steps``: how many waits and
+    signals it may look at, shared with the searches it is handed to (``left``)."""
+
+    def __init__(self, steps: list[int]) -> None:
+        self.steps = steps
+        self.since: dict[Queue, tuple[int, _Link]] = {}  # from which command on, how
+        self.signals: dict[Timeline, tuple[Queue, int]] = {}  # pending ones among them
+
+    def search(
+        self, waits: list[tuple[Any, int, int, bool]], goal: Callable[[Queue, int], bool]
+    ) -> tuple[Queue, int, _Link] | None:
+        """From ``waits``: the first queue command found after them for which
+        ``goal(queue, value)`` holds (with how), else None -- also where it looked at
+        too much (``steps``) or another thread submitted to a queue meanwhile."""
+        since, todo = self.since, []
+        for wait in waits:
+            queue, at = wait[0], wait[1]
+            if goal(queue, at):
+                return queue, at, wait
+            if at < since.get(queue, (_INFINITE, ()))[0]:
+                since[queue] = (at, wait)
+                todo.append(queue)
+        while todo:
+            waiter = todo.pop()
+            start = since[waiter][0]
+            raises: list[tuple[int, Timeline, int, int]] = []  # (at, timeline, from, to)
+            try:  # (another device's queue may take a submission meanwhile: let it be)
+                for at, is_wait, signalled, target in reversed(waiter._sync_ops):
+                    if not self.left():
+                        return None
+                    if at < start:
+                        break
+                    if not is_wait:
+                        self.signals.setdefault(signalled, (waiter, at))
+                        raises.append((at, signalled, signal_satisfies(signalled, target), target))
+            except RuntimeError:  # (deque mutated during iteration)
+                self.steps[0] = 0
+                return None
+            raises.append((start, waiter.timeline, start - 1, _INFINITE))  # its own timeline
+            for at, signalled, above, target in raises:
+                for wait in waits_for(signalled, above + 1, target):
+                    if not self.left():
+                        return None
+                    command = wait[2] if signalled is waiter.timeline else at
+                    link = (waiter, command, signalled, *wait)
+                    other, other_at = wait[0], wait[1]
+                    if goal(other, other_at):
+                        return other, other_at, link
+                    if other_at < since.get(other, (_INFINITE, ()))[0]:
+                        since[other] = (other_at, link)
+                        todo.append(other)
+        return None
+
+    def left(self) -> bool:
+        self.steps[0] -= 1
+        return self.steps[0] >= 0
+
+    def chain(self, link: _Link, queue: Queue, timeline: Timeline) -> tuple[_Link, list[str]]:
+        """Where the search began on the way to ``link``, and the steps from there, in
+        words (for a message about ``queue``'s signal of ``timeline``)."""
+        steps: list[str] = []
+        while len(link) == 7:
+            waiter, command, signalled, other, other_at, target, ordering = link
+            what = "the timeline" if signalled is timeline else _describe(signalled, queue)
+            raises = (
+                "is what"
+                if signalled is waiter.timeline
+                else f"raises {what} to {target} or more, which"
+            )
+            steps.append(
+                f"{_who(waiter, queue)}'s command {command}, after it, {raises} "
+                f"{_who(other, queue)}'s command {other_at} waits for"
+                + (" (its signal of it, next, runs after an earlier one)" if ordering else "")
+            )
+            link = self.since[waiter][1]
+        steps.reverse()
+        return link, steps
+
+
 def _self_wait(queue: Queue, timeline: Timeline, low: int, value: int, earlier: int) -> str | None:
     """Why ``queue``'s signal of ``timeline`` to ``value``, about to be submitted (after
     its wait for ``earlier`` where that is not 0: another queue's signal first), could
-    never run; None where that is not known. It could not where it comes after a device
-    wait, not yet done, for ``timeline`` to reach ``low`` or more: once this signal is
-    submitted, nothing raises the timeline that far before it runs (see
-    ``Queue.signal``; the signals before it reach less: ``waits_beyond_signals``).
-    "After": on its own queue, or on another queue whose command a wait before it waits
-    for (the command that will raise what that wait waits for: ``signal_provider``), and
-    so on. A wait for what nothing submitted reaches yet is satisfiable (the host, or a
-    later signal, may), so it ends a chain."""
-    # (queue, up to which of its commands, and how this signal comes after them)
-    todo: list[tuple[Queue, int, list[str]]] = [(queue, queue._submitted, [])]
-    if earlier:
-        provider = signal_provider(timeline, earlier)
-        if provider is not None:
-            other, at = provider
-            assert isinstance(other, Queue)
-            step = (
-                f"this signal first waits for the timeline to reach {earlier} (signals of a "
-                f"timeline run in order), which {_who(other, queue)}'s command {at} raises"
-            )
-            todo.append((other, at, [step]))
-    explored: dict[Queue, int] = {}
-    while todo:
-        waiter, upto, path = todo.pop()
-        start = max(explored.get(waiter, 0), waiter.timeline.value)
-        if upto <= start:
+    never run; None where that is not known.
+
+    While a queue's signal of a timeline is pending, the host may not signal it, and
+    later queue signals of it wait for that one: a device wait for more than the
+    signals submitted so far reach can end only after that signal has run. So a wait
+    that such a pending signal comes after never ends. This signal makes one where it
+    comes after a device wait (``goal``: on its own queue, or before the command that
+    its wait for ``earlier`` waits for) for more of a timeline than its signals reach,
+    and that timeline has a pending signal that comes after this one -- or is
+    ``timeline`` itself (a wait for ``low`` or more; this signal is then that one).
+
+    What comes after this signal (``_After``): the waits it satisfies (for ``timeline``,
+    from ``low`` to ``value``; for its queue's own timeline, beyond what was submitted)
+    and what comes after those. At most ``SELF_WAIT_STEPS`` waits and signals are
+    looked at (None past that); mostly the waits this signal satisfies are the last
+    commands of their queues, and little comes after them."""
+    first = signal_provider(timeline, earlier) if earlier else None
+
+    def goal(other: Queue, at: int) -> bool:
+        return other is queue or (first is not None and other is first[0] and at <= first[1])
+
+    steps = [SELF_WAIT_STEPS]
+    after = _After(steps)  # what comes after this signal
+    beyond = waits_for(timeline, low, _INFINITE)
+    on_timeline = [wait for wait in beyond if wait[2] <= value]
+    satisfied = on_timeline + waits_for(queue.timeline, queue._submitted + 1, _INFINITE)
+    if len(on_timeline) == len(beyond) and all(
+        # (the common case: what this signal satisfies is the last command of its
+        # queue, and nothing waits for that queue's later commands: nothing more comes
+        # after this signal, and no wait is left that only it could satisfy)
+        at == other._submitted and other.timeline._waited < at and not goal(other, at)
+        for other, at, _, _ in satisfied
+    ):
+        return None
+    found = after.search(satisfied, goal)
+    if found is not None:  # this signal comes after a command that comes after it
+        return _cycle_error(queue, timeline, value, earlier, after, found, on_timeline)
+    if steps[0] < 0:
+        return None
+    # (those this signal satisfies were searched from already: the same goal)
+    trapped: list[tuple[Timeline, list[tuple[Any, int, int, bool]], tuple[Queue, int] | None]]
+    trapped = [(timeline, [wait for wait in beyond if wait[2] > value], None)]
+    for other, signal in after.signals.items():
+        above = waits_beyond_signals(other)
+        if other is not timeline and above:
+            trapped.append((other, waits_for(other, above, _INFINITE), signal))
+    for other, waits, pending in trapped:
+        if not waits:
             continue
-        explored[waiter] = upto
-        ops = list(waiter._sync_ops)
-        for i, (at, is_wait, waited, target) in enumerate(ops):
-            if not is_wait or not start < at <= upto or waited.native.value >= target:
-                continue
-            if waited is timeline and target >= low:
-                who = _who(waiter, queue)
-                return (
-                    f"this signal of the timeline to {value} would never run: {who}'s command "
-                    f"{at} waits, on the device, for the timeline to reach {target}; once "
-                    "this signal is submitted nothing raises the timeline before it runs (the "
-                    "host may not signal it while a queue's signal of it is pending, and "
-                    "later signals of it wait for this one), and this queue runs it only "
-                    "after that wait"
-                    + ("" if not path else ": " + "; ".join(path))
-                    + ". Submit the signal before that wait, or on a queue that does not "
-                    "wait for it"
-                )
-            provider = signal_provider(waited, target)
-            if provider is None:
-                continue
-            other, raiser = provider
-            assert isinstance(other, Queue)
-            what = "the timeline" if waited is timeline else _describe(waited, queue)
-            follows = ops[i + 1] if i + 1 < len(ops) else None
-            ordering = (  # the wait its signal of that timeline, next, made first
-                follows is not None and follows[:3] == (at + 1, False, waited) and not waited._owned
+        before = _After(steps)  # what comes after those waits: this signal?
+        found = before.search(waits, goal)
+        if found is not None:
+            return _self_wait_error(
+                queue, timeline, value, earlier, other, pending, after, found, before
             )
-            step = (
-                f"{_who(waiter, queue)}'s command {at} waits for {what} to reach {target}"
-                + (" (its signal of it, next, runs after an earlier one)" if ordering else "")
-                + f", which {_who(other, queue)}'s command {raiser} raises"
-            )
-            todo.append((other, raiser, [*path, step]))
+        if steps[0] < 0:
+            return None
     return None
+
+
+def _cycle_error(
+    queue: Queue,
+    timeline: Timeline,
+    value: int,
+    earlier: int,
+    after: _After,
+    found: tuple[Queue, int, _Link],
+    on_timeline: list[tuple[Any, int, int, bool]],
+) -> str:
+    """The refusal of ``queue``'s signal of ``timeline`` to ``value``, which comes after
+    a command (``found``) that comes after it (``after``, which began with the waits
+    ``on_timeline`` and waits for this queue's own later commands)."""
+    last, _, link = found
+    start, steps = after.chain(link, queue, timeline)
+    waiter, wait_at, target, _ = start
+    what = "the timeline" if start in on_timeline else "this queue's own timeline"
+    return (
+        f"this signal of the timeline to {value} would never run: it satisfies "
+        f"{_who(waiter, queue)}'s command {wait_at}, a device wait for {what} to reach "
+        f"{target}"
+        + ("" if not steps else "; " + "; ".join(steps))
+        + "; and this queue runs this signal only after that"
+        + _first_words(last, queue, earlier)
+        + ". Submit the signal before that wait, or on a queue that does not wait for it"
+    )
+
+
+def _first_words(last: Queue, queue: Queue, earlier: int) -> str:
+    if last is queue:
+        return ""
+    return (
+        f" -- this signal first waits for the timeline to reach {earlier} (signals of a "
+        f"timeline run in order), which {_who(last, queue)}'s later command raises"
+    )
+
+
+def _self_wait_error(
+    queue: Queue,
+    timeline: Timeline,
+    value: int,
+    earlier: int,
+    trapped: Timeline,
+    pending: tuple[Queue, int] | None,
+    after: _After,
+    found: tuple[Queue, int, _Link],
+    before: _After,
+) -> str:
+    """The refusal of ``queue``'s signal of ``timeline`` to ``value``: a wait for
+    ``trapped`` (where ``before`` began) comes before it (``found``), and the pending
+    signal of ``trapped`` (``pending``: its queue and value; None: this signal) comes
+    after it (``after``)."""
+    last, _, link = found
+    start, steps = before.chain(link, queue, timeline)
+    waiter, wait_at, target, _ = start
+    what = "the timeline" if trapped is timeline else _describe(trapped, queue)
+    words = [
+        f"this signal of the timeline to {value} would never run: {_who(waiter, queue)}'s "
+        f"command {wait_at} waits, on the device, for {what} to reach {target}"
+    ]
+    if pending is None:
+        words.append(
+            "; once this signal is submitted nothing raises the timeline before it runs (the "
+            "host may not signal it while a queue's signal of it is pending, and later "
+            "signals of it wait for this one)"
+        )
+    else:
+        signaller, signal_at = pending
+        satisfied, signal_steps = after.chain(after.since[signaller][1], queue, timeline)
+        words.append(
+            f"; {_who(signaller, queue)}'s signal of it (command {signal_at}) is pending, so "
+            "nothing raises it before that signal runs (the host may not signal it, and "
+            "later signals of it wait for that one) -- and that signal would come after "
+            f"this one: this signal satisfies {_who(satisfied[0], queue)}'s command "
+            f"{satisfied[1]}, a wait" + ("" if not signal_steps else "; " + "; ".join(signal_steps))
+        )
+    words.append("; and this queue runs this signal only after that wait")
+    if steps:
+        words.append(": " + "; ".join(steps))
+    words.append(_first_words(last, queue, earlier))
+    words.append(". Submit the signal before that wait, or on a queue that does not wait for it")
+    return "".join(words)
 
 
 def _who(queue: Queue, this: Queue) -> str:

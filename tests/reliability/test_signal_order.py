@@ -35,9 +35,8 @@ async def test_a_queue_signal_after_its_own_wait_for_it_is_refused(device: am.De
     for value in (1, 2):
         with pytest.raises(am.InvalidArgumentError, match="would never run") as refused:
             queue.signal(timeline, value)
-        assert "this queue's command 1 waits, on the device, for the timeline to reach 1" in str(
-            refused.value
-        )
+        message = str(refused.value)
+        assert "this queue's command 1, a device wait for the timeline to reach 1" in message
     assert queue.submitted == 1  # nothing submitted
     timeline.signal(1)  # the host still may: the wait ends, and the queue goes on
     done = queue.signal(timeline, 2)
@@ -60,7 +59,7 @@ async def test_an_implicit_wait_that_closes_a_cycle_is_refused(device: am.Device
     with pytest.raises(am.InvalidArgumentError, match="would never run") as refused:
         q2.signal(t2, 1)
     message = str(refused.value)
-    assert f"the default queue of {device.name}'s command 1 waits" in message
+    assert f"satisfies the default queue of {device.name}'s command 1, a device wait" in message
     assert "runs after an earlier one" in message  # the implicit wait is named
     assert q2.submitted == 2  # the implicit wait and the signal of t1: nothing more
     t2.signal(1)  # nothing signals t2 on a queue: the host can
@@ -101,6 +100,53 @@ async def test_a_wait_for_more_than_the_signals_before_is_refused_too(device: am
     with anyio.fail_after(LIMIT):
         await timeline.wait(2)
     await _untouched(q1, q2)
+
+
+@pytest.mark.anyio
+async def test_a_signal_that_another_timelines_pending_signal_would_come_after(
+    device: am.Device,
+) -> None:
+    """q1 waits for x, then signals t; q3 waits for t to reach 2 (more than any signal
+    of t submitted), then would signal x. With q1's signal of t pending, only a signal
+    of t after it can reach 2 -- and q1's comes after q3's signal of x, which comes
+    after q3's wait for 2: refused, though this signal is of another timeline than the
+    wait's."""
+    x, t = device.timeline(), device.timeline()
+    q1, q3 = device.new_queue(), device.new_queue()
+    q1.wait(x, 1)
+    q1.signal(t, 1)
+    q3.wait(t, 2)
+    with pytest.raises(am.InvalidArgumentError, match="would never run") as refused:
+        q3.signal(x, 1)
+    message = str(refused.value)
+    assert "signal of it (command 2) is pending" in message
+    assert "this queue's command 1 waits, on the device, for another timeline" in message
+    x.signal(1)  # the host can: q1 goes on, signals t to 1, and then the host raises it
+    with anyio.fail_after(LIMIT):
+        await t.wait(1)
+        t.signal(2)
+    await _untouched(q1, q3)
+
+
+@pytest.mark.anyio
+async def test_a_signal_that_satisfies_a_wait_it_comes_after_is_refused(
+    device: am.Device,
+) -> None:
+    """q1 waits for x, then signals t; q3 waits for t (for what q1's signal reaches),
+    then would signal x: q1's wait for x, its signal of t, q3's wait for it, then this
+    signal -- a cycle, refused."""
+    x, t = device.timeline(), device.timeline()
+    q1, q3 = device.new_queue(), device.new_queue()
+    q1.wait(x, 1)
+    q1.signal(t, 1)
+    q3.wait(t, 1)
+    with pytest.raises(am.InvalidArgumentError, match="would never run") as refused:
+        q3.signal(x, 1)
+    assert "which this queue's command 1 waits for" in str(refused.value)
+    x.signal(1)
+    with anyio.fail_after(LIMIT):
+        await t.wait(1)
+    await _untouched(q1, q3)
 
 
 @pytest.mark.anyio
