@@ -574,19 +574,19 @@ def _self_wait(queue: Queue, timeline: Timeline, low: int, value: int, earlier: 
     def goal(other: Queue, at: int) -> bool:
         return other is queue or (first is not None and other is first[0] and at <= first[1])
 
-    steps = [SELF_WAIT_STEPS]
-    after = _After(steps)  # what comes after this signal
     beyond = waits_for(timeline, low, _INFINITE)
     on_timeline = [wait for wait in beyond if wait[2] <= value]
     satisfied = on_timeline + waits_for(queue.timeline, queue._submitted + 1, _INFINITE)
     if len(on_timeline) == len(beyond) and all(
-        # (the common case: what this signal satisfies is the last command of its
-        # queue, and nothing waits for that queue's later commands: nothing more comes
-        # after this signal, and no wait is left that only it could satisfy)
-        at == other._submitted and other.timeline._waited < at and not goal(other, at)
+        # (the common case: what this signal satisfies is its queue's last signal or
+        # wait, and nothing waits for that queue's later commands: nothing it satisfies
+        # comes after this signal, and no wait is left that only it could satisfy)
+        other._sync_ops[-1][0] == at and other.timeline._waited < at and not goal(other, at)
         for other, at, _, _ in satisfied
     ):
         return None
+    steps = [SELF_WAIT_STEPS]
+    after = _After(steps)  # what comes after this signal
     found = after.search(satisfied, goal)
     if found is not None:  # this signal comes after a command that comes after it
         return _cycle_error(queue, timeline, value, earlier, after, found, on_timeline)
