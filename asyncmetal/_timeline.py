@@ -395,8 +395,10 @@ _waits_made = itertools.count()  # (next() is atomic)
 def _drop_reached(entries: list[Any], reached: int) -> None:
     """Forget the ``entries`` (by target, first) that ``reached`` satisfies: now and
     then, a run of them at once (a list's head is not removed one by one)."""
+    if len(entries) < 64:  # (few: kept, and skipped over when looked at)
+        return
     done = bisect.bisect_right(entries, (reached, *_LAST))
-    if done >= 32 or 2 * done >= len(entries) > 0:
+    if done >= 32:
         del entries[:done]
 
 
