@@ -506,8 +506,8 @@ class _After:
                     if not is_wait:
                         self.signals.setdefault(signalled, (waiter, at))
                         raises.append((at, signalled, signal_satisfies(signalled, target), target))
-            except RuntimeError:  # (deque mutated during iteration)
-                self.steps[0] = 0
+            except RuntimeError:  # (deque mutated during iteration: nothing more is sure)
+                self.steps[0] = -1
                 return None
             raises.append((start, waiter.timeline, start - 1, _INFINITE))  # its own timeline
             for at, signalled, above, target in raises:
