@@ -567,8 +567,11 @@ class Device:
         ``blocked`` (or every queue, with ``abandon``) is stopped where it is, inside a
         device-side wait; the others have finished everything submitted."""
         self.closed = True
-        for queue in self._queues:
-            close_native(queue, abandon or queue in blocked)
+        try:
+            for queue in self._queues:
+                close_native(queue, abandon or queue in blocked)
+        finally:  # (also where one failed: other devices' closes wait for these to stop)
+            self._state.stopped = True
         self._allocator.close(_completable)
         self._backend.close()
         with _open_devices_lock:
@@ -973,6 +976,7 @@ def _forget_parent_devices() -> None:
         message = f"device {device.name} was {where}"
         device.name = f"{device.name} ({where})"  # every closed-device error names it
         device.closed = True
+        device._state.stopped = True  # (nothing of it runs in the child)
         device._backend.forked(message)
 
 

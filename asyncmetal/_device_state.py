@@ -36,6 +36,7 @@ class DeviceState:
         "device",
         "name",
         "queue",
+        "stopped",
         "submitting",
     )
 
@@ -43,6 +44,11 @@ class DeviceState:
         self.name = name
         self.backend = backend
         self.closed = False
+        # Set once its queues have stopped (closed natively: each ran what it could and
+        # the rest was abandoned): nothing of the device runs any more. Not ``closed``:
+        # a close seals the device (``closed``) before it waits for the commands
+        # submitted by then, which still run -- and read or write their buffers.
+        self.stopped = False
         # Held by a queue from the check that the device is open to the hand-over of
         # its command (and its record as a device wait or signal), by a close as it
         # sets ``closed`` and as it counts what is left to wait for (Queue._submit,

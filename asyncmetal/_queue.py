@@ -25,9 +25,14 @@ from ._timeline import (
     check_timeline,
     order_queue_signal,
     queue_signal_submitted,
+    queue_wait_submitted,
     ready_checkpoint,
+    signal_provider,
+    signal_satisfies,
     timeline_kind,
     wait_value,
+    waits_beyond_signals,
+    waits_for,
 )
 
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -337,13 +342,29 @@ class Queue:
         return args if order is None else [args[i] for i in order]
 
     def signal(self, timeline: Timeline, value: int) -> Completion:
-        """Raise ``timeline`` to ``value`` once every earlier command has finished."""
+        """Raise ``timeline`` to ``value`` once every earlier command has finished.
+
+        Signals of a timeline take effect in the order submitted: where another queue's
+        signal of it has not run yet, this queue first waits for that one (on the
+        device), and the host may not signal a timeline while a queue's signal of it
+        is pending. A signal that could never run is refused (``InvalidArgumentError``,
+        nothing submitted): one that comes after a command that comes after it (through
+        the device waits commands satisfy), and one that comes after a device wait for
+        more of a timeline than its signals reach while a pending signal of that
+        timeline -- this one, or another that would come after this one -- must run
+        before anything can raise it that far (see ``_self_wait``).
+        """
         timeline = check_timeline(timeline, "timeline", self._state.kind)
         value, earlier = order_queue_signal(timeline, value, self.timeline)
-        if earlier:  # another queue's signal of it, not run yet: that one first
-            self.wait(timeline, earlier)
         self._state.check_open()  # (before the lock: see _submit)
         with self._state.submitting:  # recorded with it, for a close's count (as wait)
+            beyond = waits_beyond_signals(timeline)
+            if beyond:  # a device wait for more than the signals so far: this one's to reach
+                deadlock = _self_wait(self, timeline, beyond, value, earlier)
+                if deadlock is not None:
+                    raise InvalidArgumentError(deadlock)
+            if earlier:  # another queue's signal of it, not run yet: that one first
+                self._wait(timeline, earlier, True)
             done = self._submit(self._native.signal, timeline.native, value)
             queue_signal_submitted(timeline, self.timeline, done.value, value)
             self._track(done.value, False, timeline, value)
@@ -362,6 +383,11 @@ class Queue:
                 f"a queue cannot wait for its own value {value}: its commands so far reach "
                 f"{self._submitted}, and later ones would run only after this wait"
             )
+        return self._wait(timeline, value, False)
+
+    def _wait(self, timeline: Timeline, value: int, ordering: bool) -> Completion:
+        """``wait`` of checked arguments; ``ordering``: it orders this queue's signal of
+        ``timeline`` after another queue's (``signal``)."""
         # Recorded as a device wait with the command, under the lock a close counts
         # under (Device._finish_completable): counted in between, it would seem to be
         # one that completes, and the close would wait for it for good.
@@ -369,6 +395,7 @@ class Queue:
         with self._state.submitting:
             done = self._submit(self._native.wait, timeline.native, value)
             self._track(done.value, True, timeline, value)
+            queue_wait_submitted(timeline, self, done.value, value, ordering)
         return done
 
     def _track(self, value: int, is_wait: bool, timeline: Timeline, target: int) -> None:
@@ -386,10 +413,19 @@ class Queue:
         must not be changed until the completion is done. A host destination is filled
         when the completion is done.
         """
+        return self._copy(dst, src, nbytes)
+
+    def _copy(
+        self, dst: Any, src: Any, nbytes: int | None, in_place: tuple[Buffer, ...] = ()
+    ) -> Completion:
+        """``copy``; ``in_place``: buffers of another kind of device whose memory is the
+        host operand (see ``copy_in_place``)."""
         operands = copy_operands(self._state, dst, src, nbytes)
         self._after(operands.buffers)
         hook = getattr(self._native, operands.hook)
-        return self._submit(hook, *operands.args, after=operands.extra, uses=operands.buffers)
+        return self._submit(
+            hook, *operands.args, after=operands.extra, uses=(*operands.buffers, *in_place)
+        )
 
     def after(self, *buffers: Buffer) -> Queue:
         """Order this queue's next commands after every command submitted so far on
@@ -421,6 +457,278 @@ class Queue:
         """Wait until everything submitted so far has finished; raise the error of a
         command that failed (its failure fails what follows it on the queue)."""
         await wait_finished(self, self._submitted)
+
+
+# How many device waits and signals a signal's check looks at, at most: past that, the
+# signal is let through (a cycle that far is left to the close to end).
+SELF_WAIT_STEPS = 256
+
+_INFINITE = 1 << 64
+
+# How a queue's commands from some value on come after where a search began: (the
+# queue's command that another queue's wait waits for -- the queue, its value -- the
+# timeline and value that command raises it to, then that wait: its queue, value,
+# target and whether it orders a signal), or where it began: a wait, (its queue, value,
+# target, whether it orders a signal).
+_Link = tuple[Any, ...]
+
+
+class _After:
+    """What comes after some device waits: on each one's queue its later commands, then
+    the device waits of other queues that those satisfy (a wait for a queue's own
+    timeline, by that command; for another timeline, by the first signal submitted for
+    as much: ``signal_satisfies``), their later commands, and so on. A wait for what
+    nothing submitted reaches yet is satisfied by nothing of this, so it ends a chain
+    (the host, or a later signal, may satisfy it). ``steps``: how many waits and
+    signals it may look at, shared with the searches it is handed to (``left``)."""
+
+    def __init__(self, steps: list[int]) -> None:
+        self.steps = steps
+        self.since: dict[Queue, tuple[int, _Link]] = {}  # from which command on, how
+        self.signals: dict[Timeline, tuple[Queue, int]] = {}  # pending ones among them
+
+    def search(
+        self, waits: list[tuple[Any, int, int, bool]], goal: Callable[[Queue, int], bool]
+    ) -> tuple[Queue, int, _Link] | None:
+        """From ``waits``: the first queue command found after them for which
+        ``goal(queue, value)`` holds (with how), else None -- also where it looked at
+        too much (``steps``) or another thread submitted to a queue meanwhile."""
+        since, todo = self.since, []
+        for wait in waits:
+            queue, at = wait[0], wait[1]
+            if goal(queue, at):
+                return queue, at, wait
+            if at < since.get(queue, (_INFINITE, ()))[0]:
+                since[queue] = (at, wait)
+                todo.append(queue)
+        while todo:
+            waiter = todo.pop()
+            start = since[waiter][0]
+            raises: list[tuple[int, Timeline, int, int]] = []  # (at, timeline, from, to)
+            try:  # (another device's queue may take a submission meanwhile: let it be)
+                for at, is_wait, signalled, target in reversed(waiter._sync_ops):
+                    if not self.left():
+                        return None
+                    if at < start:
+                        break
+                    if not is_wait:
+                        self.signals.setdefault(signalled, (waiter, at))
+                        raises.append((at, signalled, signal_satisfies(signalled, target), target))
+            except RuntimeError:  # (deque mutated during iteration: nothing more is sure)
+                self.steps[0] = -1
+                return None
+            raises.append((start, waiter.timeline, start - 1, _INFINITE))  # its own timeline
+            for at, signalled, above, target in raises:
+                for wait in waits_for(signalled, above + 1, target):
+                    if not self.left():
+                        return None
+                    command = wait[2] if signalled is waiter.timeline else at
+                    link = (waiter, command, signalled, *wait)
+                    other, other_at = wait[0], wait[1]
+                    if goal(other, other_at):
+                        return other, other_at, link
+                    if other_at < since.get(other, (_INFINITE, ()))[0]:
+                        since[other] = (other_at, link)
+                        todo.append(other)
+        return None
+
+    def left(self) -> bool:
+        self.steps[0] -= 1
+        return self.steps[0] >= 0
+
+    def chain(self, link: _Link, queue: Queue, timeline: Timeline) -> tuple[_Link, list[str]]:
+        """Where the search began on the way to ``link``, and the steps from there, in
+        words (for a message about ``queue``'s signal of ``timeline``)."""
+        steps: list[str] = []
+        while len(link) == 7:
+            waiter, command, signalled, other, other_at, target, ordering = link
+            what = "the timeline" if signalled is timeline else _describe(signalled, queue)
+            raises = (
+                "is what"
+                if signalled is waiter.timeline
+                else f"raises {what} to {target} or more, which"
+            )
+            steps.append(
+                f"{_who(waiter, queue)}'s command {command}, after it, {raises} "
+                f"{_who(other, queue)}'s command {other_at} waits for"
+                + (" (its signal of it, next, runs after an earlier one)" if ordering else "")
+            )
+            link = self.since[waiter][1]
+        steps.reverse()
+        return link, steps
+
+
+def _self_wait(queue: Queue, timeline: Timeline, low: int, value: int, earlier: int) -> str | None:
+    """Why ``queue``'s signal of ``timeline`` to ``value``, about to be submitted (after
+    its wait for ``earlier`` where that is not 0: another queue's signal first), could
+    never run; None where that is not known.
+
+    While a queue's signal of a timeline is pending, the host may not signal it, and
+    later queue signals of it wait for that one: a device wait for more than the
+    signals submitted so far reach can end only after that signal has run. So a wait
+    that such a pending signal comes after never ends. This signal makes one where it
+    comes after a device wait (``goal``: on its own queue, or before the command that
+    its wait for ``earlier`` waits for) for more of a timeline than its signals reach,
+    and that timeline has a pending signal that comes after this one -- or is
+    ``timeline`` itself (a wait for ``low`` or more; this signal is then that one).
+
+    What comes after this signal (``_After``): the waits it satisfies (for ``timeline``,
+    from ``low`` to ``value``; for its queue's own timeline, beyond what was submitted)
+    and what comes after those. At most ``SELF_WAIT_STEPS`` waits and signals are
+    looked at (None past that); mostly the waits this signal satisfies are the last
+    commands of their queues, and little comes after them."""
+    first = signal_provider(timeline, earlier) if earlier else None
+
+    def goal(other: Queue, at: int) -> bool:
+        return other is queue or (first is not None and other is first[0] and at <= first[1])
+
+    beyond = waits_for(timeline, low, _INFINITE)
+    on_timeline = [wait for wait in beyond if wait[2] <= value]
+    satisfied = on_timeline + waits_for(queue.timeline, queue._submitted + 1, _INFINITE)
+    if len(on_timeline) == len(beyond) and all(
+        # (the common case: what this signal satisfies is its queue's last signal or
+        # wait, and nothing waits for that queue's later commands: nothing it satisfies
+        # comes after this signal, and no wait is left that only it could satisfy)
+        other._sync_ops[-1][0] == at and other.timeline._waited < at and not goal(other, at)
+        for other, at, _, _ in satisfied
+    ):
+        return None
+    steps = [SELF_WAIT_STEPS]
+    after = _After(steps)  # what comes after this signal
+    found = after.search(satisfied, goal)
+    if found is not None:  # this signal comes after a command that comes after it
+        return _cycle_error(queue, timeline, value, earlier, after, found, on_timeline)
+    if steps[0] < 0:
+        return None
+    # (those this signal satisfies were searched from already: the same goal)
+    trapped: list[tuple[Timeline, list[tuple[Any, int, int, bool]], tuple[Queue, int] | None]]
+    trapped = [(timeline, [wait for wait in beyond if wait[2] > value], None)]
+    for other, signal in after.signals.items():
+        above = waits_beyond_signals(other)
+        if other is not timeline and above:
+            trapped.append((other, waits_for(other, above, _INFINITE), signal))
+    for other, waits, pending in trapped:
+        if not waits:
+            continue
+        before = _After(steps)  # what comes after those waits: this signal?
+        found = before.search(waits, goal)
+        if found is not None:
+            return _self_wait_error(
+                queue, timeline, value, earlier, other, pending, after, found, before
+            )
+        if steps[0] < 0:
+            return None
+    return None
+
+
+def _cycle_error(
+    queue: Queue,
+    timeline: Timeline,
+    value: int,
+    earlier: int,
+    after: _After,
+    found: tuple[Queue, int, _Link],
+    on_timeline: list[tuple[Any, int, int, bool]],
+) -> str:
+    """The refusal of ``queue``'s signal of ``timeline`` to ``value``, which comes after
+    a command (``found``) that comes after it (``after``, which began with the waits
+    ``on_timeline`` and waits for this queue's own later commands)."""
+    last, _, link = found
+    start, steps = after.chain(link, queue, timeline)
+    waiter, wait_at, target, _ = start
+    what = "the timeline" if start in on_timeline else "this queue's own timeline"
+    return (
+        f"this signal of the timeline to {value} would never run: it satisfies "
+        f"{_who(waiter, queue)}'s command {wait_at}, a device wait for {what} to reach "
+        f"{target}"
+        + ("" if not steps else "; " + "; ".join(steps))
+        + "; and this queue runs this signal only after that"
+        + _first_words(last, queue, earlier)
+        + ". Submit the signal before that wait, or on a queue that does not wait for it"
+    )
+
+
+def _first_words(last: Queue, queue: Queue, earlier: int) -> str:
+    if last is queue:
+        return ""
+    return (
+        f" -- this signal first waits for the timeline to reach {earlier} (signals of a "
+        f"timeline run in order), which {_who(last, queue)}'s later command raises"
+    )
+
+
+def _self_wait_error(
+    queue: Queue,
+    timeline: Timeline,
+    value: int,
+    earlier: int,
+    trapped: Timeline,
+    pending: tuple[Queue, int] | None,
+    after: _After,
+    found: tuple[Queue, int, _Link],
+    before: _After,
+) -> str:
+    """The refusal of ``queue``'s signal of ``timeline`` to ``value``: a wait for
+    ``trapped`` (where ``before`` began) comes before it (``found``), and the pending
+    signal of ``trapped`` (``pending``: its queue and value; None: this signal) comes
+    after it (``after``)."""
+    last, _, link = found
+    start, steps = before.chain(link, queue, timeline)
+    waiter, wait_at, target, _ = start
+    what = "the timeline" if trapped is timeline else _describe(trapped, queue)
+    words = [
+        f"this signal of the timeline to {value} would never run: {_who(waiter, queue)}'s "
+        f"command {wait_at} waits, on the device, for {what} to reach {target}"
+    ]
+    if pending is None:
+        words.append(
+            "; once this signal is submitted nothing raises the timeline before it runs (the "
+            "host may not signal it while a queue's signal of it is pending, and later "
+            "signals of it wait for this one)"
+        )
+    else:
+        signaller, signal_at = pending
+        satisfied, signal_steps = after.chain(after.since[signaller][1], queue, timeline)
+        words.append(
+            f"; {_who(signaller, queue)}'s signal of it (command {signal_at}) is pending, so "
+            "nothing raises it before that signal runs (the host may not signal it, and "
+            "later signals of it wait for that one) -- and that signal would come after "
+            f"this one: this signal satisfies {_who(satisfied[0], queue)}'s command "
+            f"{satisfied[1]}, a wait" + ("" if not signal_steps else "; " + "; ".join(signal_steps))
+        )
+    words.append("; and this queue runs this signal only after that wait")
+    if steps:
+        words.append(": " + "; ".join(steps))
+    words.append(_first_words(last, queue, earlier))
+    words.append(". Submit the signal before that wait, or on a queue that does not wait for it")
+    return "".join(words)
+
+
+def _who(queue: Queue, this: Queue) -> str:
+    """``queue``, named for a message about ``this`` queue's command."""
+    if queue is this:
+        return "this queue"
+    if queue._state.queue is queue:
+        return f"the default queue of {queue._state.name}"
+    return f"another queue of {queue._state.name}"
+
+
+def _describe(timeline: Timeline, this: Queue) -> str:
+    """``timeline``, named for a message about ``this`` queue's command."""
+    owner = None if timeline._queue is None else timeline._queue()
+    if isinstance(owner, Queue):
+        return f"the own timeline of {_who(owner, this)}"
+    return f"another timeline of {timeline._state.name}"
+
+
+def copy_in_place(queue: Queue, dst: Any, src: Any, nbytes: int, buffer: Buffer) -> Completion:
+    """``queue.copy(dst, src, nbytes)`` where the host side (``dst`` or ``src``) is the
+    memory of ``buffer``, a host-visible buffer of another kind of device, read or
+    written in place. The copy is a use of ``buffer`` like any other: it is checked (not
+    freed, its device open) under the submission lock, and recorded as used by the copy
+    before that lock is let go -- a ``free`` on another thread then either made the copy
+    refuse it, or waits for the copy (see ``Buffer.free``)."""
+    return queue._copy(dst, src, nbytes, (buffer,))
 
 
 async def wait_finished(queue: Queue, value: int) -> None:

@@ -3,7 +3,10 @@ awaiting of any such counter (``wait_value``)."""
 
 from __future__ import annotations
 
+import bisect
 import collections
+import itertools
+import os
 import sys
 import threading
 import time
@@ -42,6 +45,7 @@ MADE_BY_DEVICE = object()
 
 class FailingQueue(Protocol):
     device: Any
+    timeline: Timeline
 
     @property
     def submitted(self) -> int: ...
@@ -220,6 +224,16 @@ class Timeline(Waitable):
         # the last queue signal (the queue's own timeline, its value there, the target).
         self._highest = 0
         self._last_signal: tuple[Timeline, int, int] | None = None
+        # Queue signals of it not known to have run, in the order submitted (each the
+        # signalling queue's own timeline, its value there, the target), and the highest
+        # value a queue's device wait on it was submitted for: what tells a queue signal
+        # that would wait for itself (see ``signal_provider``).
+        self._signals: list[tuple[int, int, Timeline]] = []  # (target, at, signaller)
+        self._waited = 0
+        # Queues' device waits on it not known done, by target: (target, a number in
+        # order submitted, queue, its value, whether it orders the queue's signal of
+        # this timeline after another's).
+        self._waits: list[tuple[int, int, Any, int, bool]] = []
         self.native: NativeTimeline = state.backend.new_timeline(self.advanced)
         if self.native.c_timeline is not None:
             _timelines[self.native.c_timeline] = self
@@ -360,6 +374,116 @@ def queue_signal_submitted(timeline: Timeline, signaller: Timeline, at: int, tar
     a signal of ``timeline`` to ``target`` (checked by :func:`order_queue_signal`)."""
     timeline._highest = max(timeline._highest, target)  # (see Timeline.signal)
     timeline._last_signal = (signaller, at, target)
+    signals = timeline._signals
+    with _signals_lock:  # (queues of several devices may signal one timeline)
+        _drop_reached(signals, timeline.native.value)
+        signals.append((target, at, signaller))  # (targets increase)
+
+
+# Guards the timelines' records of queue signals and waits (_signals, _waits): queues
+# of several devices, under their own submission locks, may signal or wait on one.
+_signals_lock = threading.Lock()
+
+
+def _new_signals_lock() -> None:
+    """In a forked child: a parent thread may have held the lock at the fork."""
+    global _signals_lock
+    _signals_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_signals_lock)
+
+
+_LAST = (1 << 64,)  # after every (value, ...) of the same value, in tuple order
+_waits_made = itertools.count()  # (next() is atomic)
+
+
+def _drop_reached(entries: list[Any], reached: int) -> None:
+    """Forget the ``entries`` (by target, first) that ``reached`` satisfies: now and
+    then, a run of them at once (a list's head is not removed one by one)."""
+    if len(entries) < 64:  # (few: kept, and skipped over when looked at)
+        return
+    done = bisect.bisect_right(entries, (reached, *_LAST))
+    if done >= 32:
+        del entries[:done]
+
+
+def queue_wait_submitted(
+    timeline: Timeline, queue: FailingQueue, at: int, target: int, ordering: bool
+) -> None:
+    """``queue`` submitted, as its command ``at``, a device wait for ``timeline`` to
+    reach ``target``; ``ordering``: one that orders its signal of ``timeline`` after
+    another queue's (see ``waits_for``)."""
+    if target > timeline._waited:
+        timeline._waited = target
+    waits = timeline._waits
+    entry = (target, next(_waits_made), queue, at, ordering)
+    with _signals_lock:
+        _drop_reached(waits, timeline.native.value)
+        if not waits or waits[-1] < entry:
+            waits.append(entry)  # (the common case: waits for more and more)
+        else:
+            bisect.insort_right(waits, entry)
+
+
+def waits_for(timeline: Timeline, low: int, high: int) -> list[tuple[Any, int, int, bool]]:
+    """The queues' device waits on ``timeline`` for a value from ``low`` to ``high``
+    not done yet: (queue, its value, target, whether it orders a signal)."""
+    if timeline._waited < low:  # (none was ever submitted for that much)
+        return []
+    low = max(low, timeline.native.value + 1)
+    waits = timeline._waits
+    with _signals_lock:
+        first = bisect.bisect_left(waits, (low,))
+        found = waits[first : bisect.bisect_right(waits, (high, *_LAST), lo=first)]
+    return [
+        (queue, at, target, ordering)
+        for target, _, queue, at, ordering in found
+        if queue.timeline.value < at
+    ]
+
+
+def signal_satisfies(timeline: Timeline, target: int) -> int:
+    """Where a queue's pending signal of ``timeline`` to ``target`` takes it from: the
+    device waits for more than that, up to ``target``, are satisfied by that signal
+    (signals run in the order submitted, each after the one before)."""
+    signals = timeline._signals
+    with _signals_lock:
+        i = bisect.bisect_left(signals, (target,))
+        before = signals[i - 1][0] if i else 0
+    return max(before, timeline.native.value)
+
+
+def waits_beyond_signals(timeline: Timeline) -> int:
+    """The lowest value of ``timeline`` that no signal submitted so far (a queue's, or
+    the host's) raises it to, where a queue's device wait was submitted for that much or
+    more; 0 where none was."""
+    return timeline._highest + 1 if timeline._waited > timeline._highest else 0
+
+
+def signal_provider(timeline: Timeline, value: int) -> tuple[FailingQueue, int] | None:
+    """The queue command that will raise ``timeline`` to ``value``, where that is known
+    now: the queue and its command's value. For a queue's own timeline, that queue's
+    command ``value`` (once submitted); for another timeline, the first queue signal
+    submitted for ``value`` or more that has not run (signals of a timeline run in the
+    order submitted, each after the one before). None where ``value`` is reached, or
+    nothing submitted yet reaches it (the host or a later signal may)."""
+    if timeline.native.value >= value:
+        return None
+    if timeline._queue is not None:
+        queue = timeline._queue()
+        return None if queue is None or value > queue.submitted else (queue, value)
+    signals = timeline._signals
+    with _signals_lock:  # (their targets increase: the first that reaches value, halving)
+        i = bisect.bisect_left(signals, (value,))
+        if i == len(signals):
+            return None
+        _, at, signaller = signals[i]
+    if signaller.value >= at:  # (it ran: a queue raises the timeline first)
+        return None
+    queue = None if signaller._queue is None else signaller._queue()
+    return None if queue is None else (queue, at)
 
 
 def timeline_kind(timeline: Timeline) -> str:
@@ -369,9 +493,10 @@ def timeline_kind(timeline: Timeline) -> str:
 
 def passed(timeline: Timeline, value: int) -> bool:
     """Whether a queue whose own timeline is ``timeline`` is done with its command
-    ``value``: run, or never to run (its device closed: its queues ran or abandoned
-    everything)."""
-    return timeline.native.value >= value or timeline._state.closed
+    ``value``: run, or never to run (its device's queues stopped: they ran or abandoned
+    everything). A device that is closing but whose queues still run (``closed`` is set
+    before the close waits for them) is not done with anything it has not run."""
+    return timeline._state.stopped or timeline.native.value >= value
 
 
 AWAKE_AFTER_SIGNAL_NS = 500_000  # a loop that host-signals a device timeline checks this long

@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from ._buffer import Buffer, buffer_state, check_buffer, host_memory, record_uses, uses
+from ._buffer import Buffer, buffer_state, check_buffer, host_memory, uses
 from ._copyargs import copy_size, no_buffer
 from ._errors import InvalidArgumentError
-from ._queue import Completion, Queue
+from ._queue import Completion, Queue, copy_in_place
 from ._timeline import wait_value
 
 
@@ -69,20 +69,17 @@ async def _copy_between_kinds(dst: Buffer, src: Buffer, nbytes: int | None) -> N
         raise InvalidArgumentError(f"{buffer_state(dst).kind} buffers are read-only sources")
     nbytes = copy_size(dst.nbytes, src.nbytes, nbytes)
     # One side is read or written in place by the other side's queue: that queue's
-    # copy is a use of it like any other, so that freeing it (say, once this await is
+    # copy is a use of it like any other, checked and recorded with the submission, so
+    # that freeing it (on another thread as it is submitted, or once this await is
     # cancelled) returns its memory only after the copy.
     if buffer_state(src).backend.host_visible:  # read the source in place
         await _settled(src, "src")
-        queue = _queue_of(dst)
-        done = queue.copy(dst, host_memory(src, nbytes), nbytes)
-        record_uses((src,), queue, done.value)
+        done = copy_in_place(_queue_of(dst), dst, host_memory(src, nbytes), nbytes, src)
         await done
         return
     if buffer_state(dst).backend.host_visible:  # write the destination in place
         await _settled(dst, "dst")
-        queue = _queue_of(src)
-        done = queue.copy(host_memory(dst, nbytes), src, nbytes)
-        record_uses((dst,), queue, done.value)
+        done = copy_in_place(_queue_of(src), host_memory(dst, nbytes), src, nbytes, dst)
         await done
         return
     await _staged_copy(dst, src, nbytes)

@@ -1,0 +1,239 @@
+"""A buffer's memory goes back to its allocator (and so to a new owner) only once every
+command using it is done: also while the device that runs such a command is closing,
+and for a copy between kinds that reads or writes it in place."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import asyncmetal as am
+from asyncmetal import _allocator
+from asyncmetal.backends.cpu import CPUBackend
+
+N = 4096
+LIMIT = 20  # seconds: every wait here ends within a fraction of this, or it hangs
+
+# Holds its queue until the host sets flag[0]: a command that runs as long as the test
+# wants, which a close cannot tell from a long kernel (it waits for it).
+HOLD = r"""
+#include <time.h>
+void hold(volatile int* flag) {
+    struct timespec ts = { 0, 100000 };
+    while (!flag[0]) nanosleep(&ts, 0);
+}
+"""
+
+
+async def _closing_with_a_copy_in_flight(
+    monkeypatch: pytest.MonkeyPatch, reader: am.Device, src: am.Buffer
+) -> tuple[list[am.Completion], np.ndarray[Any, Any], np.ndarray[Any, Any], threading.Event]:
+    """``reader`` copies ``src`` (another cpu device's buffer) into a buffer of its own,
+    behind a command held until the host lets it go; both are submitted just before its
+    close seals it (as another thread's may be), so the close waits for them. Returns
+    where the copy's Completion will be, a view of its destination, the gate's view
+    (set [0] to let go) and the event set once the device is sealed. Start
+    ``reader.close()`` next."""
+    hold = await reader.compile(HOLD, "hold")
+    flag = await reader.alloc(4)
+    await flag.write(np.zeros(1, np.int32))
+    gate = await flag.map(np.int32)
+    dst = await reader.alloc(N)
+    seen = await dst.map()  # (cpu memory: readable after the close too)
+    sealed = threading.Event()
+    copied: list[am.Completion] = []
+    seal = reader._seal
+
+    def submit_then_seal() -> None:
+        reader.queue.launch(hold, flag)
+        copied.append(reader.queue.copy(dst, src))
+        seal()
+        sealed.set()
+
+    monkeypatch.setattr(reader, "_seal", submit_then_seal)
+    return copied, seen, gate, sealed
+
+
+@pytest.mark.anyio
+async def test_a_free_waits_for_a_closing_devices_copy_of_the_buffer(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another cpu device's queue still has to copy the buffer when that device seals
+    itself as it closes: freeing the buffer meanwhile must not hand its memory to a new
+    allocation before the copy has read it (before, a sealed device's uses all counted
+    as done: the new owner's bytes were copied)."""
+    reader = await am.open_device("cpu:41")
+    owner = await am.open_device("cpu:42")
+    src = await owner.alloc(N)
+    await src.write(np.full(N, 7, np.uint8))
+    block = src._allocation.block
+    copied, seen, gate, sealed = await _closing_with_a_copy_in_flight(monkeypatch, reader, src)
+    settled = threading.Event()
+    release_after = owner._allocator.release_after
+
+    def noted(*args: Any) -> None:
+        release_after(*args)
+        settled.set()
+
+    monkeypatch.setattr(owner._allocator, "release_after", noted)
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reader.close)
+            await anyio.to_thread.run_sync(sealed.wait)
+            assert reader.closed
+            tg.start_soon(src.free)  # returns once the copy ran
+            await anyio.to_thread.run_sync(settled.wait)  # it decided when to release
+            again = await owner.alloc(N)
+            await again.write(np.full(N, 9, np.uint8))
+            gate[0] = 1  # the copy runs now
+            await copied[0]
+    assert again._allocation.block is not block, "handed out while the copy still read it"
+    assert (seen == 7).all(), "the copy read the memory's new owner's bytes"
+    await again.free()
+    await owner.close()
+
+
+@pytest.mark.anyio
+async def test_a_close_frees_memory_only_after_a_closing_devices_copy_of_it(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, but the buffer's own device closes: it waits for the other device's
+    copy of its memory before freeing it natively, also while that device is closing
+    (before, it freed it at once)."""
+    reader = await am.open_device("cpu:43")
+    owner = await am.open_device("cpu:44")
+    src = await owner.alloc(N)
+    await src.write(np.full(N, 5, np.uint8))
+    handle = src._allocation.handle
+    copied, seen, gate, sealed = await _closing_with_a_copy_in_flight(monkeypatch, reader, src)
+    decided = threading.Event()  # the owner's close freed the memory, or waits to
+    freed_early: list[bool] = []
+    free = owner._backend.free
+
+    def noted_free(freed: Any) -> None:
+        if freed is handle:
+            freed_early.append(gate[0] == 0)
+            decided.set()
+        free(freed)
+
+    class Sleep:  # the closing allocator's time: a sleep is a wait for another's queue
+        def __getattr__(self, name: str) -> Any:
+            return getattr(time, name)
+
+        def sleep(self, seconds: float) -> None:
+            decided.set()
+            time.sleep(seconds)
+
+    monkeypatch.setattr(owner._backend, "free", noted_free)
+    monkeypatch.setattr(_allocator, "time", Sleep())
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reader.close)
+            await anyio.to_thread.run_sync(sealed.wait)
+            tg.start_soon(owner.close)
+            await anyio.to_thread.run_sync(decided.wait)
+            gate[0] = 1  # the copy runs now
+            await copied[0]
+    assert freed_early == [False], "freed while the other device's copy had not run"
+    assert (seen == 5).all()
+
+
+class _OtherKind(CPUBackend):
+    """A second kind of device whose memory the host cannot see: copies between it and
+    the cpu device run on its queue, reading or writing the cpu buffer in place."""
+
+    kind = "cpu2"
+    host_visible = False
+
+    @classmethod
+    def available(cls) -> list[str]:
+        return ["cpu2"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("direction", ["read", "write"])
+async def test_a_free_on_another_thread_as_a_copy_between_kinds_is_submitted(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, direction: str, when: str
+) -> None:
+    """A copy between kinds reads (or writes) the cpu buffer in place, on the other
+    device's queue; another thread frees that buffer just before the copy is handed to
+    the queue, or just after. Before: the copy went ahead with the freed memory, or
+    recorded its use only after the queue's submission lock was let go -- either way the
+    free released the memory at once, and the next allocation got memory the copy then
+    read or overwrote. Now the copy is refused (freed before), or the free waits for it
+    (freed after)."""
+    from asyncmetal import backends
+
+    monkeypatch.setitem(backends.BACKENDS, "cpu2", f"{__name__}:_OtherKind")
+    cpu = await am.open_device("cpu:45")
+    other = await am.open_device("cpu2")
+    theirs = await other.alloc(64)
+    await theirs.write(np.full(16, 3, np.int32))
+    mine = await cpu.alloc(64)
+    await mine.write(np.full(16, 1, np.int32))
+    block = mine._allocation.block
+    gate = other.timeline()
+    other.queue.wait(gate, 1)  # the copy stays pending behind this
+
+    settled = threading.Event()
+    release_after = cpu._allocator.release_after
+
+    def noted(*args: Any) -> None:
+        release_after(*args)
+        settled.set()
+
+    monkeypatch.setattr(cpu._allocator, "release_after", noted)
+    threads: list[threading.Thread] = []
+
+    def free_elsewhere() -> None:  # another thread's loop frees `mine`, up to its release
+        threads.append(threading.Thread(target=anyio.run, args=(mine.free,)))
+        threads[0].start()
+        assert settled.wait(LIMIT)
+
+    submit = other.queue._submit
+
+    def submit_as_freed(*args: Any, **kwargs: Any) -> am.Completion:
+        if when == "before":
+            free_elsewhere()
+        done = submit(*args, **kwargs)
+        if when == "after":
+            free_elsewhere()
+        return done
+
+    monkeypatch.setattr(other.queue, "_submit", submit_as_freed)
+    refused: list[am.ClosedResourceError] = []
+
+    async def copy() -> None:
+        try:
+            if direction == "read":  # the other queue reads `mine` in place
+                await am.copy(theirs, mine)
+            else:  # the other queue writes `mine` in place
+                await am.copy(mine, theirs)
+        except am.ClosedResourceError as exc:
+            refused.append(exc)
+
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(copy)
+            await anyio.to_thread.run_sync(settled.wait)
+            monkeypatch.undo()  # (the allocation and the writes below are plain)
+            again = await cpu.alloc(64)
+            await again.write(np.full(16, 2, np.int32))
+            gate.signal(1)
+        await other.synchronize()
+        await anyio.to_thread.run_sync(threads[0].join)
+    assert (await again.read(np.int32) == 2).all(), "the copy wrote the new owner's memory"
+    if direction == "read":
+        copied = (await theirs.read(np.int32)).tolist()
+        assert copied == [3 if refused else 1] * 16, "the copy read the new owner's bytes"
+    assert bool(refused) == (when == "before")
+    if not refused:
+        assert again._allocation.block is not block, "handed out while the copy used it"
+    await other.close()
+    await cpu.close()
