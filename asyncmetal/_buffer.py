@@ -16,7 +16,7 @@ from ._allocator import Allocation, Block, Queue
 from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import checkpoint
 from ._device_state import DeviceState, after_submissions, open_states, two_names
-from ._dlpack import Exports, TypedView
+from ._dlpack import Exports, TypedView, items_shape
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
 from ._timeline import wait_value
 
@@ -45,25 +45,9 @@ _BYTES = np.dtype(np.uint8)
 
 def items_of(nbytes: int, dtype: np.dtype[Any], shape: Any) -> int:
     """How many ``dtype`` items ``nbytes`` hold, checked to fill whole items and, unless
-    ``shape`` is None, to take ``shape`` (as numpy's ``reshape`` does, ``-1`` included)
-    -- before anything is read."""
-    if nbytes % dtype.itemsize:
-        raise InvalidArgumentError(
-            f"buffer of {nbytes} bytes is not a whole number of {dtype} items"
-        )
-    count = nbytes // dtype.itemsize
-    if shape is not None:
-        try:  # a zero-stride array of that many items: reshaped without memory
-            np.broadcast_to(np.empty(1, np.uint8), (count,)).reshape(shape)
-        except TypeError:
-            raise ArgumentTypeError(
-                f"shape must be an int or a tuple of ints, got {shape!r}"
-            ) from None
-        except ValueError:
-            raise InvalidArgumentError(
-                f"shape {shape!r} does not hold the buffer's {count} {dtype} items"
-            ) from None
-    return count
+    ``shape`` is None, to take ``shape`` (:func:`items_shape`)."""
+    items_shape(nbytes, dtype, shape)
+    return nbytes // dtype.itemsize
 
 
 class Buffer(Exports):

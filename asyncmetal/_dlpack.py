@@ -536,6 +536,27 @@ class Exports:
         return cuda_array_interface(*self._exported())
 
 
+def items_shape(nbytes: int, dtype: np.dtype[Any], shape: Any) -> tuple[int, ...]:
+    """The shape of the ``dtype`` items ``nbytes`` hold: 1-D for ``shape`` None, else
+    ``shape`` as numpy's ``reshape`` takes it (numpy ints, one ``-1``), checked to fill
+    whole items and to take that shape -- before anything is read."""
+    if nbytes % dtype.itemsize:
+        raise InvalidArgumentError(
+            f"buffer of {nbytes} bytes is not a whole number of {dtype} items"
+        )
+    count = nbytes // dtype.itemsize
+    if shape is None:
+        return (count,)
+    try:  # a zero-stride array of that many items: reshaped without memory
+        return tuple(np.broadcast_to(np.empty(1, np.uint8), (count,)).reshape(shape).shape)
+    except TypeError:
+        raise ArgumentTypeError(f"shape must be an int or a tuple of ints, got {shape!r}") from None
+    except ValueError:
+        raise InvalidArgumentError(
+            f"shape {shape!r} does not hold the buffer's {count} {dtype} items"
+        ) from None
+
+
 class TypedView(Exports):
     """A buffer's memory as a C-contiguous array of ``dtype`` and ``shape``, for export
     (``buf.typed(np.float32, (64, 64))``): ``torch.from_dlpack``, ``np.from_dlpack``,
@@ -550,24 +571,7 @@ class TypedView(Exports):
         except (TypeError, ValueError):
             raise ArgumentTypeError(f"dtype must be a numpy dtype, got {dtype!r}") from None
         dtype_code(dtype)
-        if buffer.nbytes % dtype.itemsize:
-            raise InvalidArgumentError(
-                f"buffer of {buffer.nbytes} bytes is not a whole number of {dtype} items"
-            )
-        count = buffer.nbytes // dtype.itemsize
-        if shape is None:
-            shape = (count,)
-        else:  # as numpy's reshape takes it (and read() and map()): numpy ints, one -1
-            try:  # a zero-stride array of that many items: reshaped without memory
-                shape = np.broadcast_to(np.empty(1, np.uint8), (count,)).reshape(shape).shape
-            except TypeError:
-                raise ArgumentTypeError(
-                    f"shape must be an int or a tuple of ints, got {shape!r}"
-                ) from None
-            except ValueError:
-                raise InvalidArgumentError(
-                    f"shape {shape!r} does not hold the buffer's {count} {dtype} items"
-                ) from None
+        shape = items_shape(buffer.nbytes, dtype, shape)
         self.buffer = buffer
         self.dtype = dtype
         self.shape = shape

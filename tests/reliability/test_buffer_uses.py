@@ -14,7 +14,7 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal import _allocator
-from asyncmetal.backends.cpu import CPUBackend
+from tests.support.other_kind import held_pair
 
 N = 4096
 LIMIT = 20  # seconds: every wait here ends within a fraction of this, or it hangs
@@ -143,18 +143,6 @@ async def test_a_close_frees_memory_only_after_a_closing_devices_copy_of_it(
     assert (seen == 5).all()
 
 
-class _OtherKind(CPUBackend):
-    """A second kind of device whose memory the host cannot see: copies between it and
-    the cpu device run on its queue, reading or writing the cpu buffer in place."""
-
-    kind = "cpu2"
-    host_visible = False
-
-    @classmethod
-    def available(cls) -> list[str]:
-        return ["cpu2"]
-
-
 @pytest.mark.anyio
 @pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("direction", ["read", "write"])
@@ -168,18 +156,8 @@ async def test_a_free_on_another_thread_as_a_copy_between_kinds_is_submitted(
     free released the memory at once, and the next allocation got memory the copy then
     read or overwrote. Now the copy is refused (freed before), or the free waits for it
     (freed after)."""
-    from asyncmetal import backends
-
-    monkeypatch.setitem(backends.BACKENDS, "cpu2", f"{__name__}:_OtherKind")
-    cpu = await am.open_device("cpu:45")
-    other = await am.open_device("cpu2")
-    theirs = await other.alloc(64)
-    await theirs.write(np.full(16, 3, np.int32))
-    mine = await cpu.alloc(64)
-    await mine.write(np.full(16, 1, np.int32))
+    cpu, other, mine, theirs, gate = await held_pair(monkeypatch, "cpu:45")
     block = mine._allocation.block
-    gate = other.timeline()
-    other.queue.wait(gate, 1)  # the copy stays pending behind this
 
     settled = threading.Event()
     release_after = cpu._allocator.release_after

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-from asyncmetal import backends
 from asyncmetal._compile import Compiler
-from asyncmetal.backends.cpu import CCompiler, CPUBackend
+from asyncmetal.backends.cpu import CCompiler
 from tests.support.kernels import KERNELS, MSL_KERNELS
+from tests.support.other_kind import held_pair
 
 INC = "void inc(int* x) { x[0] += 1; }"
 WIDE = "void wide(" + ", ".join(f"int a{i}" for i in range(17)) + ") {}"
@@ -760,32 +760,12 @@ async def test_a_launch_the_backend_refuses_is_refused_at_once(
 # -- copies between kinds through a host-visible buffer ----------------------------------
 
 
-class _OtherKind(CPUBackend):
-    """A second kind of device whose memory the host cannot see: copies between it and
-    the cpu device run on its queue, reading or writing the cpu buffer in place."""
-
-    kind = "cpu2"
-    host_visible = False
-
-    @classmethod
-    def available(cls) -> list[str]:
-        return ["cpu2"]
-
-
 @pytest.mark.anyio
 @pytest.mark.parametrize("direction", ["read", "write"])
 async def test_a_cross_kind_copy_keeps_the_host_visible_buffer(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch, direction: str
 ) -> None:
-    monkeypatch.setitem(backends.BACKENDS, "cpu2", f"{__name__}:_OtherKind")
-    cpu = await am.open_device("cpu:26")
-    other = await am.open_device("cpu2")
-    theirs = await other.alloc(64)
-    await theirs.write(np.full(16, 3, np.int32))
-    mine = await cpu.alloc(64)
-    await mine.write(np.full(16, 1, np.int32))
-    gate = other.timeline()
-    other.queue.wait(gate, 1)  # the copy below stays pending behind this
+    cpu, other, mine, theirs, gate = await held_pair(monkeypatch, "cpu:26")
     if direction == "read":  # the other queue reads `mine` in place
         with anyio.move_on_after(0.05):
             await am.copy(theirs, mine)

@@ -16,27 +16,13 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-from tests.backends.metal.test_metal import _in_a_child
+from tests.backends.metal.test_metal import FAULTY, _in_a_child
+from tests.backends.metal.test_metal import pytestmark_loops as loops
 from tests.support.fakes import metal_sim
 from tests.support.kernels import MSL_KERNELS
 
 SIMULATED = metal_sim.configured()
 sim_only = pytest.mark.skipif(not SIMULATED, reason="needs the simulated Metal")
-loops = pytest.mark.parametrize(
-    "anyio_backend",
-    [
-        pytest.param(("asyncio", {}), id="asyncio"),
-        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-        pytest.param(("trio", {}), id="trio"),
-    ],
-)
-
-FAULTY = """
-kernel void crash(device int* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
-    out[0] = 1;
-    __asyncmetal_sim_fault();  // the simulation's hook: this command buffer faults
-}
-"""
 
 
 async def _until(condition: Callable[[], object]) -> None:
