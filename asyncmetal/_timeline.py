@@ -231,8 +231,9 @@ class Timeline(Waitable):
         self._signals: list[tuple[int, int, Timeline]] = []  # (target, at, signaller)
         self._waited = 0
         # Queues' device waits on it not known done, by target: (target, a number in
-        # order submitted, queue, its value, whether it orders the queue's signal of
-        # this timeline after another's).
+        # order submitted, the queue (weakly: a closed device's queues are not kept
+        # alive by another device's timeline), its value, whether it orders the queue's
+        # signal of this timeline after another's).
         self._waits: list[tuple[int, int, Any, int, bool]] = []
         self.native: NativeTimeline = state.backend.new_timeline(self.advanced)
         if self.native.c_timeline is not None:
@@ -418,7 +419,7 @@ def queue_wait_submitted(
     if target > timeline._waited:
         timeline._waited = target
     waits = timeline._waits
-    entry = (target, next(_waits_made), queue, at, ordering)
+    entry = (target, next(_waits_made), weakref.ref(queue), at, ordering)
     with _signals_lock:
         _drop_reached(waits, timeline.native.value)
         if not waits or waits[-1] < entry:
@@ -439,8 +440,8 @@ def waits_for(timeline: Timeline, low: int, high: int) -> list[tuple[Any, int, i
         found = waits[first : bisect.bisect_right(waits, (high, *_LAST), lo=first)]
     return [
         (queue, at, target, ordering)
-        for target, _, queue, at, ordering in found
-        if queue.timeline.value < at
+        for target, _, ref, at, ordering in found
+        if (queue := ref()) is not None and queue.timeline.value < at
     ]
 
 

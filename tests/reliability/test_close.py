@@ -846,3 +846,27 @@ def test_finished_trio_runs_leave_no_fds() -> None:
     gc.collect()
     assert _open_fds() <= before
     asyncio.run(dev.close())
+
+
+@pytest.mark.anyio
+async def test_a_closed_device_whose_queue_waited_on_another_devices_timeline_is_collected(
+    anyio_backend: object,
+) -> None:
+    """A device wait on another device's timeline is recorded on that timeline (for the
+    checks of later signals), weakly: the closed, dropped device goes, though the
+    timeline it waited on lives on (checked: before, the record kept its queue, and so
+    the device, alive for as long as the other device's timeline)."""
+    async with am.open_device("cpu:27") as other:
+        gate = other.timeline()
+
+        async def waited() -> weakref.ref[am.Device]:
+            dev = await am.open_device("cpu")
+            dev.queue.wait(gate, 1)
+            await dev.close()  # abandons the wait
+            return weakref.ref(dev)
+
+        dev = await waited()
+        with anyio.fail_after(10):
+            while gc.collect() >= 0 and dev() is not None:
+                await anyio.sleep(0.01)
+        assert gate.value == 0

@@ -23,6 +23,12 @@ from tests.support.kernels import MSL_KERNELS
 
 SIMULATED = metal_sim.configured()
 sim_only = pytest.mark.skipif(not SIMULATED, reason="needs the simulated Metal")
+pytestmark = [pytest.mark.metal, sim_only]
+
+
+def every_loop(test: Callable[..., Any]) -> Callable[..., Any]:
+    """An async test run on asyncio, uvloop and trio."""
+    return loops(pytest.mark.anyio(test))  # type: ignore[no-any-return]
 
 
 async def _until(condition: Callable[[], object]) -> None:
@@ -33,10 +39,7 @@ async def _until(condition: Callable[[], object]) -> None:
             await anyio.sleep(0.001)
 
 
-@pytest.mark.metal
-@loops
-@pytest.mark.anyio
-@sim_only
+@every_loop
 async def test_a_wait_for_a_failed_signal_fails_even_if_its_handler_comes_last(
     anyio_backend: object,
 ) -> None:
@@ -82,10 +85,7 @@ async def test_a_wait_for_a_failed_signal_fails_even_if_its_handler_comes_last(
             metal_sim.hold_handlers(first, False)
 
 
-@pytest.mark.metal
-@loops
-@pytest.mark.anyio
-@sim_only
+@every_loop
 @pytest.mark.timeout(120)
 async def test_a_failure_noted_by_the_queues_thread_is_seen_by_the_loops(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch
@@ -202,8 +202,6 @@ CLOSE_AS_THE_THREAD_RELEASES = textwrap.dedent(
 )
 
 
-@pytest.mark.metal
-@sim_only
 @pytest.mark.timeout(120)
 def test_an_abandoning_close_drains_buffers_the_queues_thread_releases() -> None:
     """A close that abandons a queue whose thread is blocked in commandBuffer leaves the
@@ -214,10 +212,7 @@ def test_an_abandoning_close_drains_buffers_the_queues_thread_releases() -> None
     assert _in_a_child(CLOSE_AS_THE_THREAD_RELEASES, timeout=90) == ["closed"]
 
 
-@pytest.mark.metal
-@loops
-@pytest.mark.anyio
-@sim_only
+@every_loop
 async def test_a_step_that_fails_on_the_queues_thread_fails_its_command(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -251,10 +246,7 @@ async def test_a_step_that_fails_on_the_queues_thread_fails_its_command(
         assert (await small.read(np.int32) == 5).all()
 
 
-@pytest.mark.metal
-@loops
-@pytest.mark.anyio
-@sim_only
+@every_loop
 async def test_host_memory_is_wrapped_only_within_max_buffer_length(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -295,10 +287,7 @@ async def test_host_memory_is_wrapped_only_within_max_buffer_length(
         assert wrapped == [2 * page], wrapped
 
 
-@pytest.mark.metal
-@loops
-@pytest.mark.anyio
-@sim_only
+@every_loop
 @pytest.mark.timeout(120)
 async def test_what_an_abandoned_command_kept_is_let_go_of_once_it_ran(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch
@@ -335,10 +324,7 @@ async def test_what_an_abandoned_command_kept_is_let_go_of_once_it_ran(
         await _until(lambda: c_timeline in freed)
 
 
-@pytest.mark.metal
-@loops
-@pytest.mark.anyio
-@sim_only
+@every_loop
 @pytest.mark.parametrize("between", [False, True], ids=["next", "later"])
 async def test_a_signal_after_a_wait_for_a_failed_value_fails_its_timeline(
     anyio_backend: object, between: bool
