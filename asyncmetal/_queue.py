@@ -494,13 +494,20 @@ class _After:
         ``goal(queue, value)`` holds (with how), else None -- also where it looked at
         too much (``steps``) or another thread submitted to a queue meanwhile."""
         since, todo = self.since, []
-        for wait in waits:
-            queue, at = wait[0], wait[1]
+
+        def reached(queue: Queue, at: int, link: _Link) -> tuple[Queue, int, _Link] | None:
+            """Whether ``queue``'s command ``at`` is the goal; if not, what follows it
+            is searched next (where it comes before what was found of that queue)."""
             if goal(queue, at):
-                return queue, at, wait
+                return queue, at, link
             if at < since.get(queue, (_INFINITE, ()))[0]:
-                since[queue] = (at, wait)
+                since[queue] = (at, link)
                 todo.append(queue)
+            return None
+
+        for wait in waits:
+            if found := reached(wait[0], wait[1], wait):
+                return found
         while todo:
             waiter = todo.pop()
             start = since[waiter][0]
@@ -523,13 +530,8 @@ class _After:
                     if not self.left():
                         return None
                     command = wait[2] if signalled is waiter.timeline else at
-                    link = (waiter, command, signalled, *wait)
-                    other, other_at = wait[0], wait[1]
-                    if goal(other, other_at):
-                        return other, other_at, link
-                    if other_at < since.get(other, (_INFINITE, ()))[0]:
-                        since[other] = (other_at, link)
-                        todo.append(other)
+                    if found := reached(wait[0], wait[1], (waiter, command, signalled, *wait)):
+                        return found
         return None
 
     def left(self) -> bool:

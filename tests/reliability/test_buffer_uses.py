@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import numpy as np
@@ -30,15 +30,41 @@ void hold(volatile int* flag) {
 """
 
 
+def _noting_releases(monkeypatch: pytest.MonkeyPatch, device: am.Device) -> threading.Event:
+    """An event set each time ``device``'s allocator decides when a freed block goes
+    back (its ``release_after``)."""
+    settled = threading.Event()
+    release_after = device._allocator.release_after
+
+    def noted(*args: Any) -> None:
+        release_after(*args)
+        settled.set()
+
+    monkeypatch.setattr(device._allocator, "release_after", noted)
+    return settled
+
+
+class _InFlight(NamedTuple):
+    reader: am.Device
+    owner: am.Device
+    src: am.Buffer  # the owner's buffer, filled with the fill byte
+    copied: list[am.Completion]  # where the copy's Completion will be
+    seen: np.ndarray[Any, Any]  # a view of the copy's destination
+    gate: np.ndarray[Any, Any]  # set [0] to let the held command go
+    sealed: threading.Event  # set once the reader is sealed
+
+
 async def _closing_with_a_copy_in_flight(
-    monkeypatch: pytest.MonkeyPatch, reader: am.Device, src: am.Buffer
-) -> tuple[list[am.Completion], np.ndarray[Any, Any], np.ndarray[Any, Any], threading.Event]:
-    """``reader`` copies ``src`` (another cpu device's buffer) into a buffer of its own,
-    behind a command held until the host lets it go; both are submitted just before its
-    close seals it (as another thread's may be), so the close waits for them. Returns
-    where the copy's Completion will be, a view of its destination, the gate's view
-    (set [0] to let go) and the event set once the device is sealed. Start
+    monkeypatch: pytest.MonkeyPatch, names: tuple[str, str], fill: int
+) -> _InFlight:
+    """Opens a reader and an owner (cpu devices ``names``); the reader copies a buffer
+    of the owner's, filled with ``fill``, into a buffer of its own, behind a command
+    held until the host lets it go; both are submitted just before its close seals it
+    (as another thread's may be), so the close waits for them. Start
     ``reader.close()`` next."""
+    reader, owner = await am.open_device(names[0]), await am.open_device(names[1])
+    src = await owner.alloc(N)
+    await src.write(np.full(N, fill, np.uint8))
     hold = await reader.compile(HOLD, "hold")
     flag = await reader.alloc(4)
     await flag.write(np.zeros(1, np.int32))
@@ -56,7 +82,7 @@ async def _closing_with_a_copy_in_flight(
         sealed.set()
 
     monkeypatch.setattr(reader, "_seal", submit_then_seal)
-    return copied, seen, gate, sealed
+    return _InFlight(reader, owner, src, copied, seen, gate, sealed)
 
 
 @pytest.mark.anyio
@@ -67,20 +93,10 @@ async def test_a_free_waits_for_a_closing_devices_copy_of_the_buffer(
     itself as it closes: freeing the buffer meanwhile must not hand its memory to a new
     allocation before the copy has read it (before, a sealed device's uses all counted
     as done: the new owner's bytes were copied)."""
-    reader = await am.open_device("cpu:41")
-    owner = await am.open_device("cpu:42")
-    src = await owner.alloc(N)
-    await src.write(np.full(N, 7, np.uint8))
+    flight = await _closing_with_a_copy_in_flight(monkeypatch, ("cpu:41", "cpu:42"), 7)
+    reader, owner, src, copied, seen, gate, sealed = flight
     block = src._allocation.block
-    copied, seen, gate, sealed = await _closing_with_a_copy_in_flight(monkeypatch, reader, src)
-    settled = threading.Event()
-    release_after = owner._allocator.release_after
-
-    def noted(*args: Any) -> None:
-        release_after(*args)
-        settled.set()
-
-    monkeypatch.setattr(owner._allocator, "release_after", noted)
+    settled = _noting_releases(monkeypatch, owner)
     with anyio.fail_after(LIMIT):
         async with anyio.create_task_group() as tg:
             tg.start_soon(reader.close)
@@ -105,12 +121,9 @@ async def test_a_close_frees_memory_only_after_a_closing_devices_copy_of_it(
     """As above, but the buffer's own device closes: it waits for the other device's
     copy of its memory before freeing it natively, also while that device is closing
     (before, it freed it at once)."""
-    reader = await am.open_device("cpu:43")
-    owner = await am.open_device("cpu:44")
-    src = await owner.alloc(N)
-    await src.write(np.full(N, 5, np.uint8))
+    flight = await _closing_with_a_copy_in_flight(monkeypatch, ("cpu:43", "cpu:44"), 5)
+    reader, owner, src, copied, seen, gate, sealed = flight
     handle = src._allocation.handle
-    copied, seen, gate, sealed = await _closing_with_a_copy_in_flight(monkeypatch, reader, src)
     decided = threading.Event()  # the owner's close freed the memory, or waits to
     freed_early: list[bool] = []
     free = owner._backend.free
@@ -158,15 +171,7 @@ async def test_a_free_on_another_thread_as_a_copy_between_kinds_is_submitted(
     (freed after)."""
     cpu, other, mine, theirs, gate = await held_pair(monkeypatch, "cpu:45")
     block = mine._allocation.block
-
-    settled = threading.Event()
-    release_after = cpu._allocator.release_after
-
-    def noted(*args: Any) -> None:
-        release_after(*args)
-        settled.set()
-
-    monkeypatch.setattr(cpu._allocator, "release_after", noted)
+    settled = _noting_releases(monkeypatch, cpu)
     threads: list[threading.Thread] = []
 
     def free_elsewhere() -> None:  # another thread's loop frees `mine`, up to its release

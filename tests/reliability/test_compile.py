@@ -306,7 +306,8 @@ import sqlite3, sys
 import anyio, numpy as np
 import asyncmetal as am
 from asyncmetal._cache import CacheWarning, CompileCache
-from asyncmetal._pool import CompilePool
+from asyncmetal._compile import source_key
+from asyncmetal._pool import CompilePool, compiler_identity
 
 def damage(path, expression):
     db = sqlite3.connect(path)
@@ -317,13 +318,19 @@ def damage(path, expression):
     db.commit()
     db.close()
 
-async def main(directory, expression):
+async def main(directory, how):
     async with am.open_device("cpu") as dev:
         pool = dev.compile_pool = CompilePool(1, cache=CompileCache(directory))
         await dev.compile(sys.argv[3], "put")
         await pool.aclose()
-        pool.cache.close()
-        damage(pool.cache.path, expression)
+        key = source_key(await compiler_identity(dev._backend.compiler), sys.argv[3])
+        good = pool.cache.load_disk(key)
+        if how.startswith("keep="):  # stored cut short, with its own checksum
+            pool.cache.put_disk(key, good[: int(float(how[5:]) * len(good))])
+            pool.cache.close()
+        else:  # an SQL expression of the stored data
+            pool.cache.close()
+            damage(pool.cache.path, how)
         pool = dev.compile_pool = CompilePool(1, cache=CompileCache(directory))
         prog = await dev.compile(sys.argv[3], "put2")  # a new name: loaded from the cache
         buf = await dev.alloc(4)
@@ -331,9 +338,25 @@ async def main(directory, expression):
         print(int((await buf.read(np.int32))[0]))
         await buf.free()
         await pool.aclose()
+        print(pool.cache.load_disk(key) == good)  # the entry was replaced
+        pool.cache.close()
 
 anyio.run(main, sys.argv[1], sys.argv[2])
 """
+
+
+def _damaged_run(tmp_path: Path, how: str) -> list[str]:
+    """What the damage script printed: the kernel's result (42), and whether the entry
+    was stored again as it was built. In a child process: loading a damaged shared
+    object can kill its process."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _DAMAGE_SCRIPT, str(tmp_path / "cache"), how, TWO_KERNELS],
+        capture_output=True,
+        text=True,
+        timeout=BOUND * 2,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
+    return proc.stdout.split()
 
 
 @pytest.mark.parametrize(
@@ -345,46 +368,7 @@ anyio.run(main, sys.argv[1], sys.argv[2])
     ],
 )
 def test_a_damaged_cache_entry_is_rebuilt(tmp_path: Path, expression: str) -> None:
-    # In a child process: loading a damaged shared object can kill its process.
-    proc = subprocess.run(
-        [sys.executable, "-c", _DAMAGE_SCRIPT, str(tmp_path / "cache"), expression, TWO_KERNELS],
-        capture_output=True,
-        text=True,
-        timeout=BOUND * 2,
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
-    assert proc.stdout.split() == ["42"]
-
-
-_CUT_SHORT_SCRIPT = """
-import sys
-import anyio, numpy as np
-import asyncmetal as am
-from asyncmetal._cache import CompileCache
-from asyncmetal._compile import source_key
-from asyncmetal._pool import CompilePool, compiler_identity
-
-async def main(directory, keep):
-    async with am.open_device("cpu") as dev:
-        pool = dev.compile_pool = CompilePool(1, cache=CompileCache(directory))
-        await dev.compile(sys.argv[3], "put")
-        await pool.aclose()
-        key = source_key(await compiler_identity(dev._backend.compiler), sys.argv[3])
-        good = pool.cache.load_disk(key)
-        pool.cache.put_disk(key, good[: int(keep * len(good))])  # with its own checksum
-        pool.cache.close()
-        pool = dev.compile_pool = CompilePool(1, cache=CompileCache(directory))
-        prog = await dev.compile(sys.argv[3], "put2")  # a new name: loaded from the cache
-        buf = await dev.alloc(4)
-        await dev.queue.launch(prog, buf, vals=(41,))
-        print(int((await buf.read(np.int32))[0]))
-        await buf.free()
-        await pool.aclose()
-        print(pool.cache.load_disk(key) == good)  # the entry was replaced
-        pool.cache.close()
-
-anyio.run(main, sys.argv[1], float(sys.argv[2]))
-"""
+    assert _damaged_run(tmp_path, expression)[0] == "42"
 
 
 @pytest.mark.parametrize("keep", [0.25, 0.5, 0.75])
@@ -395,14 +379,7 @@ def test_a_cached_binary_cut_short_under_its_own_checksum_is_rebuilt(
     writer that stored a partial file, another machine sharing the directory) passes
     the entry's check; given to dlopen, the pages its segments map past the file's end
     raise SIGBUS. It is refused before loading, as a binary that does not load: rebuilt."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _CUT_SHORT_SCRIPT, str(tmp_path / "cache"), str(keep), TWO_KERNELS],
-        capture_output=True,
-        text=True,
-        timeout=BOUND * 2,
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
-    assert proc.stdout.split() == ["42", "True"], proc.stderr[-3000:]
+    assert _damaged_run(tmp_path, f"keep={keep}") == ["42", "True"]
 
 
 def _other_machine(binary: bytes) -> bytes:

@@ -160,6 +160,21 @@ def _in_a_child(script: str, *args: str, timeout: float) -> list[str]:
     return out.stdout.strip().splitlines()
 
 
+def timelines_freed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The native timelines freed from now on (each ``am_timeline_free``'s argument)."""
+    from asyncmetal import _native
+
+    lib = _native.runtime()
+    free, freed = lib.am_timeline_free, []
+
+    def counted(c_timeline: int) -> None:
+        freed.append(c_timeline)
+        free(c_timeline)
+
+    monkeypatch.setattr(lib, "am_timeline_free", counted)
+    return freed
+
+
 pytestmark_loops = pytest.mark.parametrize(
     "anyio_backend",
     [
@@ -647,16 +662,7 @@ async def test_a_dropped_timeline_frees_its_native_timeline(
 ) -> None:
     """Each timeline has a native mirror: freed once the timeline is dropped and no
     command that raises it is left to run."""
-    from asyncmetal import _native
-
-    lib = _native.runtime()
-    free, freed = lib.am_timeline_free, []
-
-    def counted(c_timeline: int) -> None:
-        freed.append(c_timeline)
-        free(c_timeline)
-
-    monkeypatch.setattr(lib, "am_timeline_free", counted)
+    freed = timelines_freed(monkeypatch)
     async with am.open_device("metal") as dev:
         empty = await dev.compile(MSL_KERNELS, "empty")
         made = []

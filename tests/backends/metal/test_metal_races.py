@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-from tests.backends.metal.test_metal import FAULTY, _in_a_child
+from tests.backends.metal.test_metal import FAULTY, _in_a_child, timelines_freed
 from tests.backends.metal.test_metal import pytestmark_loops as loops
 from tests.support.fakes import metal_sim
 from tests.support.kernels import MSL_KERNELS
@@ -296,16 +296,7 @@ async def test_what_an_abandoned_command_kept_is_let_go_of_once_it_ran(
     close, which keeps the timeline it signals until its command buffer has run. Once it
     ran, the timeline is let go of and its native timeline freed -- it was only at the
     next reap of some queue, and with nothing more submitted, never."""
-    from asyncmetal import _native
-
-    lib = _native.runtime()
-    free, freed = lib.am_timeline_free, []
-
-    def counted(c_timeline: int) -> None:
-        freed.append(c_timeline)
-        free(c_timeline)
-
-    monkeypatch.setattr(lib, "am_timeline_free", counted)
+    freed = timelines_freed(monkeypatch)
 
     async def abandoned(gate: am.Timeline) -> tuple[int, weakref.ref[am.Device]]:
         dev = await am.open_device("metal")
