@@ -105,9 +105,12 @@ class MemoryStatistics:
 # Size classes: a request is rounded up so that a freed block serves near sizes too.
 # Up to SMALL_BLOCK, to a multiple of BLOCK_ALIGN; above, to a multiple of an eighth of
 # the power of two below it (8 classes per doubling: at most 12.5 % more than asked).
+# A request whose class has no cached block takes one of the next LARGER_CLASSES classes
+# rather than a new block.
 BLOCK_ALIGN = 512
 SMALL_BLOCK = 4096
 CLASSES_PER_DOUBLING = 8
+LARGER_CLASSES = 2
 # Most bytes of freed blocks kept for reuse, unless set (Device.memory_cache_limit): a
 # quarter of the device's memory, at most this (the budget bounds it too).
 CACHE_LIMIT_CAP = 1 << 30
@@ -305,11 +308,13 @@ class Allocator:
             if self.closed:
                 return None
             blocks = self._by_size.get(size)
+            if not blocks and self._cache:
+                blocks = self._larger_cached(size)
             if blocks:  # a cached block of the size class: no native call at all
                 block = blocks.pop()
                 del self._cache[id(block)]
-                self.cached -= size
-                self.in_use += size
+                self.cached -= block.nbytes
+                self.in_use += block.nbytes
                 return self._hand_out(block)
             if self._cache:
                 self._expire(time.monotonic())
@@ -337,6 +342,16 @@ class Allocator:
             else:
                 return self._hand_out(Block(handle, size))
         self._frees.increment()
+        return None
+
+    def _larger_cached(self, size: int) -> list[Block] | None:
+        """(Under the lock.) The cached blocks of the nearest of the next LARGER_CLASSES
+        size classes above ``size`` that has any."""
+        for _ in range(LARGER_CLASSES):
+            size = block_size(size + 1)
+            blocks = self._by_size.get(size)
+            if blocks:
+                return blocks
         return None
 
     def _allocate(self, nbytes: int, size: int) -> Any:

@@ -239,6 +239,22 @@ async def test_near_sizes_reuse_a_cached_block(device: am.Device) -> None:
     await again.free()
 
 
+async def test_a_request_takes_a_cached_block_of_a_near_larger_class(device: am.Device) -> None:
+    """A request whose class has no cached block takes one of the next two classes'
+    rather than a new block (at most 37.5 % more than asked); not a farther one."""
+    step = 64 << 10  # the classes between 512 KiB and 1 MiB are 64 KiB apart
+    buf = await device.alloc(MiB)
+    handle = buf._allocation.handle
+    await buf.free()
+    far = await device.alloc(13 * step - 100)  # three classes below: a new block
+    assert far._allocation.handle is not handle
+    near = await device.alloc(14 * step - 100)  # two classes below: the cached block
+    assert near._allocation.handle is handle and near.nbytes == 14 * step - 100
+    assert device.memory_statistics().in_use == 13 * step + MiB  # the blocks' sizes
+    await far.free()
+    await near.free()
+
+
 async def test_random_sizes_one_at_a_time_keep_the_cache_bounded(device: am.Device) -> None:
     """Holding one buffer of at most 1 MiB at a time, in random sizes: the cache holds a
     block per size class at most, and the process's memory stays near that. Before, each
