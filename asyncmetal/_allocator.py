@@ -319,7 +319,9 @@ class Allocator:
             if self._cache:
                 self._expire(time.monotonic())
             if self.in_use + self._releasing + size > self.budget:
-                return None  # only releases of blocks in use can make room
+                if self.in_use + self._releasing + nbytes > self.budget:
+                    return None  # only releases of blocks in use can make room
+                size = nbytes  # the class would not fit beside what is in use: exact
             self._evict(self.in_use + self._releasing + self.cached + size - self.budget)
             # Reserved before the lock is let go: an allocation on another thread sees
             # it, so the two cannot both pass the budget while the backend allocates.

@@ -285,16 +285,24 @@ async def test_rounding_never_refuses_what_fits_the_budget(device: am.Device) ->
     waiting: list[am.Buffer] = []
 
     async def second() -> None:
-        waiting.append(await device.alloc(10))
+        waiting.append(await device.alloc(400))
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             tg.start_soon(second)
             await anyio.sleep(0.05)
-            assert not waiting  # 4700 + 512 > 5000: it waits for the free
+            assert not waiting  # 4700 + 400 > 5000: it waits for the free
             await buf.free()
     assert device.memory_statistics().in_use == 512
     await waiting[0].free()
+    # Nor does it hold back one that fits beside what is in use: 1 MiB's class would not.
+    device.memory_budget = 2 * MiB - 1000
+    held = await device.alloc(MiB)
+    with anyio.fail_after(10):
+        beside = await device.alloc(MiB - 1000)
+    assert device.memory_statistics().in_use == 2 * MiB - 1000
+    await beside.free()
+    await held.free()
     device.memory_budget = 1000
     with pytest.raises(am.OutOfMemoryError):
         await device.alloc(1001)
