@@ -106,7 +106,7 @@ class MemoryStatistics:
 # Up to SMALL_BLOCK, to a multiple of BLOCK_ALIGN; above, to a multiple of an eighth of
 # the power of two below it (8 classes per doubling: at most 12.5 % more than asked).
 # A request whose class has no cached block takes one of the next LARGER_CLASSES classes
-# rather than a new block.
+# rather than a new block (two: above SMALL_BLOCK, at most 37.5 % more than asked).
 BLOCK_ALIGN = 512
 SMALL_BLOCK = 4096
 CLASSES_PER_DOUBLING = 8
@@ -288,7 +288,8 @@ class Allocator:
     def _usable_size(self, nbytes: int) -> int:
         """The size of the block for a request of ``nbytes``: its size class, or
         ``nbytes`` itself where the class would not fit the budget or the device's
-        largest buffer (rounding never refuses a request that fits)."""
+        largest buffer (rounding never refuses a request that fits; _try_alloc also
+        takes ``nbytes`` where only that fits beside what is in use)."""
         if self.closed or self._state.closed:
             raise ClosedResourceError(f"device {self._state.name} is closed")
         if nbytes > self.budget:
