@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import time
 
 import anyio
 import numpy as np
@@ -378,6 +379,33 @@ async def test_empty_memory_cache_releases_every_cached_block_off_the_loop(
     assert len(threads) == 4 and threading.get_ident() not in threads
     assert await device.empty_memory_cache() == 0  # nothing left
     await held.free()
+
+
+async def test_cancelling_empty_memory_cache(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled at its checkpoint, it releases nothing; cancelled while the frees run,
+    it still returns only once they are done."""
+    backend = device._backend
+    await (await device.alloc(MiB)).free()
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await device.empty_memory_cache()
+    assert device.memory_statistics().cached == MiB
+    natives = backend.live_allocations  # type: ignore[attr-defined]
+    free = backend.free
+
+    def slow_free(handle: object) -> None:
+        time.sleep(0.2)
+        free(handle)
+
+    monkeypatch.setattr(backend, "free", slow_free)
+    with anyio.fail_after(10):
+        with anyio.move_on_after(0.02) as scope:
+            await device.empty_memory_cache()
+    assert backend.live_allocations == natives - 1  # type: ignore[attr-defined]
+    stats = device.memory_statistics()
+    assert (stats.cached, stats.in_use) == (0, 0)
 
 
 async def test_an_allocation_waits_for_blocks_being_released(
