@@ -40,7 +40,16 @@ class Block:
     """Native memory and the commands that use it. Outlives the Python-facing
     allocation, so a collected buffer is still freed only after its last use."""
 
-    __slots__ = ("freed", "generation", "handle", "last_use", "lent", "nbytes", "owner")
+    __slots__ = (
+        "cached_at",
+        "freed",
+        "generation",
+        "handle",
+        "last_use",
+        "lent",
+        "nbytes",
+        "owner",
+    )
 
     def __init__(self, handle: Any, nbytes: int, owner: object = None) -> None:
         self.handle = handle
@@ -50,6 +59,7 @@ class Block:
         self.generation = 0  # bumped each time the block is handed out anew
         self.freed = False  # this generation was freed (explicitly or collected)
         self.last_use: dict[Queue, int] = {}  # per queue: value of the last command using it
+        self.cached_at = 0.0  # time.monotonic() when it last went into the cache
 
 
 class Allocation:
@@ -81,12 +91,41 @@ lenders: weakref.WeakSet[Allocator] = weakref.WeakSet()
 
 @dataclass(frozen=True)
 class MemoryStatistics:
-    """A device's memory, in bytes (see :meth:`Device.memory_statistics`)."""
+    """A device's memory, in bytes (see :meth:`Device.memory_statistics`). Blocks count
+    at their size class (a request rounded up, see :func:`block_size`), as the device
+    holds them."""
 
     in_use: int  # buffers handed out, and freed ones whose last use is in flight
     cached: int  # freed blocks kept for reuse
-    peak: int  # the most held at once (in use + cached)
+    peak: int  # the most held at once (in use + cached), since open or the last reset
     budget: int
+    peak_in_use: int = 0  # the most in use at once, since open or the last reset
+
+
+# Size classes: a request is rounded up so that a freed block serves near sizes too.
+# Up to SMALL_BLOCK, to a multiple of BLOCK_ALIGN; above, to a multiple of an eighth of
+# the power of two below it (8 classes per doubling: at most 12.5 % more than asked).
+# A request whose class has no cached block takes one of the next LARGER_CLASSES classes
+# rather than a new block (two: above SMALL_BLOCK, at most 37.5 % more than asked).
+BLOCK_ALIGN = 512
+SMALL_BLOCK = 4096
+CLASSES_PER_DOUBLING = 8
+LARGER_CLASSES = 2
+# Most bytes of freed blocks kept for reuse, unless set (Device.memory_cache_limit): a
+# quarter of the device's memory, at most this (the budget bounds it too).
+CACHE_LIMIT_CAP = 1 << 30
+# A cached block not reused for this long is released (at the next allocation, free or
+# look at the statistics after that: no timer runs).
+CACHE_MAX_AGE_S = 60.0
+
+
+@functools.lru_cache(maxsize=1024)  # (a hit costs less than the arithmetic)
+def block_size(nbytes: int) -> int:
+    """The size class of a request of ``nbytes`` (> 0): the bytes its block holds."""
+    if nbytes <= SMALL_BLOCK:
+        return -(-nbytes // BLOCK_ALIGN) * BLOCK_ALIGN
+    step = (1 << ((nbytes - 1).bit_length() - 1)) // CLASSES_PER_DOUBLING
+    return -(-nbytes // step) * step
 
 
 class _ReleaseCounter(NativeTimeline):
@@ -158,7 +197,13 @@ class Allocator:
 
     ``in_use`` counts blocks handed out (and freed blocks whose last use is still in
     flight); ``cached`` counts freed blocks kept for reuse. Their sum never exceeds
-    ``budget``: an allocation that does not fit waits for frees (backpressure).
+    ``budget``: an allocation that does not fit waits for frees (backpressure). Both
+    count a block at its size (the request rounded up to its class, see
+    :func:`block_size`), which is what the device holds.
+
+    The cache keeps at most ``cache_limit`` bytes, least recently freed blocks going
+    first; a block cached for ``cache_max_age`` seconds is released at the next look
+    (an allocation that misses the cache, a release, the statistics).
 
     Nothing here depends on the loop that freed a block: a deferred release waits in
     ``_pending`` until its last uses passed and is made by whoever looks next (an
@@ -170,10 +215,18 @@ class Allocator:
     def __init__(self, state: DeviceState) -> None:
         self._state = state
         self.budget = state.backend.info.total_memory
-        self.cache_limit = min(self.budget // 4, 1 << 30)  # bytes of freed blocks kept
+        self.cache_limit = self.default_cache_limit()  # bytes of freed blocks kept
+        self.cache_max_age = CACHE_MAX_AGE_S
+        self._next_expiry = 0.0  # time.monotonic() of the next look for old blocks
         self.in_use = 0  # handed out, being allocated natively, or released later
         self.cached = 0
         self.peak = 0  # the most bytes held at once (in use + cached)
+        self.peak_in_use = 0
+        # Cached blocks taken out to be freed natively off the loop (release_cached):
+        # their bytes still count against the budget until they are freed.
+        self._releasing = 0
+        self._releasing_blocks: list[Block] = []
+        self._free_lock = threading.Lock()  # held while those are freed (any thread)
         self.closed = False
         self._cache: collections.OrderedDict[int, Block] = collections.OrderedDict()
         self._by_size: dict[int, list[Block]] = {}
@@ -214,9 +267,9 @@ class Allocator:
         await checkpoint()
         while True:
             seen = self._frees.value  # before the attempt: a release after it wakes us
-            self._check_usable(nbytes)
+            size = self._usable_size(nbytes)
             self.sweep()
-            block = self._try_alloc(nbytes)
+            block = self._try_alloc(nbytes, size)
             if block is not None:
                 return Allocation(block, self)
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -232,7 +285,11 @@ class Allocator:
             with anyio.move_on_after(wait):
                 await wait_value(self._frees, seen + 1)
 
-    def _check_usable(self, nbytes: int) -> None:
+    def _usable_size(self, nbytes: int) -> int:
+        """The size of the block for a request of ``nbytes``: its size class, or
+        ``nbytes`` itself where the class would not fit the budget or the device's
+        largest buffer (rounding never refuses a request that fits; _try_alloc also
+        takes ``nbytes`` where only that fits beside what is in use)."""
         if self.closed or self._state.closed:
             raise ClosedResourceError(f"device {self._state.name} is closed")
         if nbytes > self.budget:
@@ -241,30 +298,41 @@ class Allocator:
         if largest is not None and nbytes > largest:
             detail = f"larger than the largest buffer the device makes ({largest} bytes)"
             raise self._oom(nbytes, detail)
+        size = block_size(nbytes)
+        if size > self.budget or (largest is not None and size > largest):
+            return nbytes
+        return size
 
-    def _try_alloc(self, nbytes: int) -> Block | None:
+    def _try_alloc(self, nbytes: int, size: int) -> Block | None:
+        """A block of ``size`` bytes for a request of ``nbytes``, or None to wait."""
         with self._lock:
             if self.closed:
                 return None
-            blocks = self._by_size.get(nbytes)
-            if blocks:  # an exact-size cached block: no native call at all
+            blocks = self._by_size.get(size)
+            if not blocks and self._cache:
+                blocks = self._larger_cached(size)
+            if blocks:  # a cached block of the size class: no native call at all
                 block = blocks.pop()
                 del self._cache[id(block)]
-                self.cached -= nbytes
-                self.in_use += nbytes
+                self.cached -= block.nbytes
+                self.in_use += block.nbytes
                 return self._hand_out(block)
-            if self.in_use + nbytes > self.budget:
-                return None  # only releases of blocks in use can make room
-            self._evict(self.in_use + self.cached + nbytes - self.budget)
+            if self._cache:
+                self._expire(time.monotonic())
+            if self.in_use + self._releasing + size > self.budget:
+                if self.in_use + self._releasing + nbytes > self.budget:
+                    return None  # only releases of blocks in use can make room
+                size = nbytes  # the class would not fit beside what is in use: exact
+            self._evict(self.in_use + self._releasing + self.cached + size - self.budget)
             # Reserved before the lock is let go: an allocation on another thread sees
             # it, so the two cannot both pass the budget while the backend allocates.
-            self.in_use += nbytes
+            self.in_use += size
         try:
-            handle = self._allocate(nbytes)
+            handle = self._allocate(nbytes, size)
         except BaseException:
             with self._lock:
                 if not self.closed:  # (a close counted the reservation out already)
-                    self.in_use -= nbytes
+                    self.in_use -= size
             self._frees.increment()  # the reservation may have held another back
             raise
         with self._lock:
@@ -273,26 +341,37 @@ class Allocator:
                     self._state.backend.free(handle)
                 handle = None
             elif handle is None:
-                self.in_use -= nbytes
+                self.in_use -= size
             else:
-                return self._hand_out(Block(handle, nbytes))
+                return self._hand_out(Block(handle, size))
         self._frees.increment()
         return None
 
-    def _allocate(self, nbytes: int) -> Any:
-        """Native memory, or None when only releases of blocks in use can make room."""
+    def _larger_cached(self, size: int) -> list[Block] | None:
+        """(Under the lock.) The cached blocks of the nearest of the next LARGER_CLASSES
+        size classes above ``size`` that has any."""
+        for _ in range(LARGER_CLASSES):
+            size = block_size(size + 1)
+            blocks = self._by_size.get(size)
+            if blocks:
+                return blocks
+        return None
+
+    def _allocate(self, nbytes: int, size: int) -> Any:
+        """Native memory of ``size`` bytes, or None when only releases of blocks in use
+        can make room."""
         try:
-            return self._state.backend.allocate(nbytes)
+            return self._state.backend.allocate(size)
         except MemoryError:
             with self._lock:
                 self._evict(self.cached)  # the device itself is full: drop the cache, retry
         try:
-            return self._state.backend.allocate(nbytes)
+            return self._state.backend.allocate(size)
         except MemoryError:
             if self._live:
                 return None  # frees of blocks in use (or in flight) may make room
             detail = "the device itself has no memory left"
-            raise self._oom(nbytes, detail, reserved=nbytes) from None
+            raise self._oom(nbytes, detail, reserved=size) from None
 
     def _hand_out(self, block: Block) -> Block:
         """(Under the lock; ``in_use`` already counts the block.)"""
@@ -300,17 +379,50 @@ class Allocator:
         block.generation += 1
         block.freed = False
         self._live.add(block)
-        self.peak = max(self.peak, self.in_use + self.cached)
+        if self.in_use > self.peak_in_use:
+            self.peak_in_use = self.in_use
+        if self.in_use + self.cached > self.peak:
+            self.peak = self.in_use + self.cached
         return block
 
     def _evict(self, nbytes: int) -> None:
-        """Free least recently cached blocks natively until ``nbytes`` are gone."""
+        """(Under the lock.) Free least recently cached blocks natively until ``nbytes``
+        are gone."""
         while nbytes > 0 and self._cache:
             _, block = self._cache.popitem(last=False)
             self._by_size[block.nbytes].remove(block)
             self.cached -= block.nbytes
             nbytes -= block.nbytes
             self._state.backend.free(block.handle)
+
+    def _expire(self, now: float) -> None:
+        """(Under the lock.) Free the blocks cached for ``cache_max_age`` or longer
+        (``now``: time.monotonic()); looks at most eight times per that age."""
+        if now < self._next_expiry:
+            return
+        self._next_expiry = now + self.cache_max_age / 8
+        cutoff = now - self.cache_max_age
+        while self._cache:
+            block = next(iter(self._cache.values()))  # the least recently cached
+            if block.cached_at > cutoff:
+                break
+            self._evict(block.nbytes)
+
+    def default_cache_limit(self) -> int:
+        """A quarter of the device's memory, at most CACHE_LIMIT_CAP."""
+        return min(self._state.backend.info.total_memory // 4, CACHE_LIMIT_CAP)
+
+    def set_cache_limit(self, limit: int | None) -> None:
+        """Keep at most ``limit`` bytes of freed blocks (None: the default)."""
+        if limit is not None and (
+            not isinstance(limit, int) or isinstance(limit, bool) or limit < 0
+        ):
+            raise InvalidArgumentError(
+                f"memory_cache_limit must be an int >= 0 or None, got {limit!r}"
+            )
+        with self._lock:
+            self.cache_limit = self.default_cache_limit() if limit is None else limit
+            self._evict(self.cached - self.cache_limit)
 
     def _oom(self, nbytes: int, detail: str, reserved: int = 0) -> OutOfMemoryError:
         in_use = self.in_use - reserved  # without this request's own reservation
@@ -481,13 +593,17 @@ class Allocator:
                 if not self._exported:
                     lenders.discard(self)
             if block.nbytes <= self.cache_limit and not self.closed:
+                block.cached_at = now = time.monotonic()
                 self._cache[id(block)] = block
                 self._by_size.setdefault(block.nbytes, []).append(block)
                 self.cached += block.nbytes
                 # Within the cache's limit and the budget (which may have been lowered
                 # below what was in use): the least recently cached blocks go first.
                 over_limit = self.cached - self.cache_limit
-                self._evict(max(over_limit, self.in_use + self.cached - self.budget))
+                held = self.in_use + self._releasing + self.cached
+                self._evict(max(over_limit, held - self.budget))
+                if now >= self._next_expiry:
+                    self._expire(now)
             else:
                 self._state.backend.free(block.handle)
         self._frees.increment()
@@ -497,18 +613,58 @@ class Allocator:
             raise InvalidArgumentError(f"memory_budget must be an int > 0, got {budget!r}")
         with self._lock:
             self.budget = budget
-            self._evict(self.in_use + self.cached - budget)
+            held = self.in_use + self._releasing + self.cached
+            self._evict(max(held - budget, self.cached - self.cache_limit))
         self._frees.increment()  # waiting allocations re-check against the new budget
 
-    def statistics(self) -> MemoryStatistics:
+    def statistics(self, reset_peaks: bool = False) -> MemoryStatistics:
+        """The numbers now; with ``reset_peaks``, the peaks start again from what is
+        held now (after these are read: a peak between the two cannot be lost)."""
         self.sweep()
         with self._lock:
-            return MemoryStatistics(self.in_use, self.cached, self.peak, self.budget)
+            self._expire(time.monotonic())
+            stats = MemoryStatistics(
+                self.in_use, self.cached, self.peak, self.budget, self.peak_in_use
+            )
+            if reset_peaks:
+                self.peak = self.in_use + self.cached
+                self.peak_in_use = self.in_use
+            return stats
 
     def trim(self) -> None:
-        """Free every cached block natively."""
+        """Free every cached block natively, on the calling thread."""
         with self._lock:
             self._evict(self.cached)
+
+    async def release_cached(self) -> int:
+        """Free every cached block natively, on a worker thread (a native free may wait
+        for the device); the bytes count against the budget until they are freed.
+        Returns the bytes released."""
+        await checkpoint()
+        with self._lock:
+            blocks = list(self._cache.values())
+            if not blocks:
+                return 0
+            self._cache.clear()
+            self._by_size.clear()
+            released, self.cached = self.cached, 0
+            self._releasing += released
+            self._releasing_blocks.extend(blocks)
+        try:
+            # Not abandoned on cancellation: the blocks are freed when this returns.
+            await anyio.to_thread.run_sync(self._free_releasing)
+        finally:
+            with self._lock:
+                self._releasing -= released
+            self._frees.increment()  # waiting allocations may fit now
+        return released
+
+    def _free_releasing(self) -> None:
+        """Free the blocks taken out of the cache by release_cached (any thread; a close
+        waits for this, and frees those no thread got to)."""
+        with self._free_lock:
+            while self._releasing_blocks:
+                self._state.backend.free(self._releasing_blocks.pop().handle)
 
     def close(self, completable: Callable[[], Mapping[Any, int]]) -> None:
         """The device is closing and its queues are idle: fail waiting allocations and
@@ -518,6 +674,7 @@ class Allocator:
         self.closed = True
         self._frees.increment()  # waiting allocations wake and raise ClosedResourceError
         self._settle_foreign_uses(completable)
+        self._free_releasing()  # (waits for a worker thread freeing cached blocks)
         with self._lock:
             self._evict(self.cached)
             while self._returned:  # loans that ended before the close

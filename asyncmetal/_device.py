@@ -291,9 +291,31 @@ class Device:
     def memory_budget(self, budget: int) -> None:
         self._allocator.set_budget(budget)
 
-    def memory_statistics(self) -> MemoryStatistics:
-        """Bytes in use, cached, the peak and the budget (releases due are made first)."""
-        return self._allocator.statistics()
+    @property
+    def memory_cache_limit(self) -> int:
+        """Most bytes of freed blocks this device keeps for reuse (least recently freed
+        go first). Settable: an int >= 0 (0 caches nothing), or None for the default,
+        a quarter of the device's memory and at most 1 GiB (``memory_budget`` bounds
+        what is cached too)."""
+        return self._allocator.cache_limit
+
+    @memory_cache_limit.setter
+    def memory_cache_limit(self, limit: int | None) -> None:
+        self._allocator.set_cache_limit(limit)
+
+    def memory_statistics(self, *, reset_peaks: bool = False) -> MemoryStatistics:
+        """Bytes in use, cached, the peaks and the budget (releases due are made first).
+        With ``reset_peaks``, the peaks start again from what is held now, once these
+        numbers are taken."""
+        if not isinstance(reset_peaks, bool):
+            raise ArgumentTypeError(f"reset_peaks must be a bool, got {type(reset_peaks).__name__}")
+        return self._allocator.statistics(reset_peaks)
+
+    async def empty_memory_cache(self) -> int:
+        """Release every cached block (freed buffers kept for reuse) to the device, and
+        return how many bytes that was. The native frees run on a worker thread (a
+        cuda free may wait for the device); buffers in use are untouched."""
+        return await self._allocator.release_cached()
 
     @property
     def compile_pool(self) -> CompilePool:

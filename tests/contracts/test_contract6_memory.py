@@ -4,6 +4,9 @@ backpressure, deferred and collected frees, and zero-copy views."""
 from __future__ import annotations
 
 import gc
+import os
+import threading
+import time
 
 import anyio
 import numpy as np
@@ -216,3 +219,292 @@ async def test_no_native_allocation_leaks(anyio_backend: object) -> None:
     await dev.alloc(64)  # sweeps the collected buffers into the cache
     await dev.close()
     assert backend.live_allocations == 0  # type: ignore[attr-defined]
+
+
+# -- size classes, the cache's limits, emptying it, peaks ------------------------------
+
+
+def test_size_classes_round_up_by_at_most_an_eighth() -> None:
+    from asyncmetal._allocator import block_size
+
+    sizes = [*range(1, 20000), *(int(x) for x in np.geomspace(20000, 1 << 40, 5000))]
+    previous = 0
+    for n in sizes:
+        size = block_size(n)
+        assert n <= size, n
+        assert size - n < 512 if n <= 4096 else size <= n * 1.125, (n, size)
+        assert size % 512 == 0 and block_size(size) == size, (n, size)  # a class is a class
+        assert size >= previous, n  # monotonic
+        previous = size
+    # Eight classes per doubling above 4 KiB: few distinct sizes up to 1 MiB.
+    assert len({block_size(n) for n in range(1, MiB + 1, 97)}) <= 8 + 8 * 8
+
+
+async def test_near_sizes_reuse_a_cached_block(device: am.Device) -> None:
+    """A freed 1 MiB block serves a request a little smaller: before, only the exact
+    size reused it (checked: this failed without size classes)."""
+    backend = device._backend
+    buf = await device.alloc(MiB)
+    handle = buf._allocation.handle
+    await buf.free()
+    natives = backend.live_allocations  # type: ignore[attr-defined]
+    again = await device.alloc(MiB - 4)
+    assert again._allocation.handle is handle
+    assert backend.live_allocations == natives  # type: ignore[attr-defined]
+    # The buffer is the size asked for; the budget counts the block the device holds.
+    assert again.nbytes == MiB - 4 and again.view(0).nbytes == MiB - 4
+    assert len(await again.read()) == MiB - 4
+    assert device.memory_statistics().in_use == MiB
+    with pytest.raises(am.InvalidArgumentError):
+        again.view(0, MiB)  # the rounding is not the buffer's to use
+    await again.free()
+
+
+async def test_a_request_takes_a_cached_block_of_a_near_larger_class(device: am.Device) -> None:
+    """A request whose class has no cached block takes one of the next two classes'
+    rather than a new block (at most 37.5 % more than asked); not a farther one."""
+    step = 64 << 10  # the classes between 512 KiB and 1 MiB are 64 KiB apart
+    buf = await device.alloc(MiB)
+    handle = buf._allocation.handle
+    await buf.free()
+    far = await device.alloc(13 * step - 100)  # three classes below: a new block
+    assert far._allocation.handle is not handle
+    near = await device.alloc(14 * step - 100)  # two classes below: the cached block
+    assert near._allocation.handle is handle and near.nbytes == 14 * step - 100
+    assert device.memory_statistics().in_use == 13 * step + MiB  # the blocks' sizes
+    await far.free()
+    await near.free()
+
+
+async def test_random_sizes_one_at_a_time_keep_the_cache_bounded(device: am.Device) -> None:
+    """Holding one buffer of at most 1 MiB at a time, in random sizes: the cache holds a
+    block per size class at most, and the process's memory stays near that. Before, each
+    new size was a new block kept (checked: without size classes, cached reached 208 MiB
+    here, and 1 GiB in longer runs)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+
+    rng = np.random.default_rng(7)
+    before = rss()
+    for n in rng.integers(1, MiB, 400):
+        buf = await device.alloc(int(n))
+        await buf.write(np.ones(int(n), np.uint8))  # touch every page of it
+        await buf.free()
+    stats = device.memory_statistics()
+    assert stats.cached <= 32 * MiB, stats
+    assert stats.peak_in_use <= MiB, stats
+    assert rss() - before <= 96 * MiB
+
+
+async def test_rounding_never_refuses_what_fits_the_budget(device: am.Device) -> None:
+    device.memory_budget = 5000  # 4700 bytes' class (5120) would not fit
+    buf = await device.alloc(4700)
+    assert device.memory_statistics().in_use == 4700  # the block is the bytes asked for
+    waiting: list[am.Buffer] = []
+
+    async def second() -> None:
+        waiting.append(await device.alloc(400))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(second)
+            await anyio.sleep(0.05)
+            assert not waiting  # 4700 + 400 > 5000: it waits for the free
+            await buf.free()
+    assert device.memory_statistics().in_use == 512
+    await waiting[0].free()
+    # Nor does it hold back one that fits beside what is in use: 1 MiB's class would not.
+    device.memory_budget = 2 * MiB - 1000
+    held = await device.alloc(MiB)
+    with anyio.fail_after(10):
+        beside = await device.alloc(MiB - 1000)
+    assert device.memory_statistics().in_use == 2 * MiB - 1000
+    await beside.free()
+    await held.free()
+    device.memory_budget = 1000
+    with pytest.raises(am.OutOfMemoryError):
+        await device.alloc(1001)
+
+
+async def test_the_cache_limit_is_settable_and_evicts_least_recently_freed(
+    device: am.Device,
+) -> None:
+    assert device.memory_cache_limit == min(device.total_memory // 4, 1 << 30)
+    bufs = [await device.alloc(MiB) for _ in range(3)]
+    handles = [b._allocation.handle for b in bufs]
+    device.memory_cache_limit = 2 * MiB
+    assert device.memory_cache_limit == 2 * MiB
+    for b in bufs:
+        await b.free()
+    assert device.memory_statistics().cached == 2 * MiB
+    again = [await device.alloc(MiB) for _ in range(2)]
+    assert {id(b._allocation.handle) for b in again} == {id(h) for h in handles[1:]}
+    for b in again:
+        await b.free()
+    device.memory_cache_limit = 0  # caches nothing: what is cached goes now
+    assert device.memory_statistics().cached == 0
+    big = await device.alloc(MiB)
+    await big.free()
+    assert device.memory_statistics().cached == 0
+    device.memory_cache_limit = None  # the default again
+    assert device.memory_cache_limit == min(device.total_memory // 4, 1 << 30)
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(am.InvalidArgumentError):
+            device.memory_cache_limit = bad  # type: ignore[assignment]
+
+
+async def test_blocks_not_reused_for_long_are_released(device: am.Device) -> None:
+    """No timer: the next allocation, release or look at the statistics after the
+    age passed releases them."""
+    backend = device._backend
+    device._allocator.cache_max_age = 0.05
+    old = await device.alloc(MiB)
+    await old.free()
+    natives = backend.live_allocations  # type: ignore[attr-defined]
+    assert device.memory_statistics().cached == MiB
+    await anyio.sleep(0.1)
+    fresh = await device.alloc(3 * MiB)  # misses the cache: looks for old blocks
+    assert device.memory_statistics().cached == 0
+    assert backend.live_allocations == natives  # type: ignore[attr-defined]  # -1 +1
+    await fresh.free()
+    await anyio.sleep(0.1)
+    assert device.memory_statistics().cached == 0  # (the statistics looked)
+
+
+async def test_empty_memory_cache_releases_every_cached_block_off_the_loop(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = device._backend
+    held = await device.alloc(MiB)
+    for n in (100, 5000, MiB, 3 * MiB):
+        await (await device.alloc(n)).free()
+    cached = device.memory_statistics().cached
+    assert cached == 512 + 5120 + MiB + 3 * MiB
+    natives = backend.live_allocations  # type: ignore[attr-defined]
+    threads: list[int] = []
+    free = backend.free
+
+    def recording_free(handle: object) -> None:
+        threads.append(threading.get_ident())
+        free(handle)
+
+    monkeypatch.setattr(backend, "free", recording_free)
+    assert await device.empty_memory_cache() == cached
+    stats = device.memory_statistics()
+    assert (stats.cached, stats.in_use) == (0, MiB)  # buffers in use are untouched
+    assert backend.live_allocations == natives - 4  # type: ignore[attr-defined]
+    assert len(threads) == 4 and threading.get_ident() not in threads
+    assert await device.empty_memory_cache() == 0  # nothing left
+    await held.free()
+
+
+async def test_cancelling_empty_memory_cache(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled at its checkpoint, it releases nothing; cancelled while the frees run,
+    it still returns only once they are done."""
+    backend = device._backend
+    await (await device.alloc(MiB)).free()
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await device.empty_memory_cache()
+    assert device.memory_statistics().cached == MiB
+    natives = backend.live_allocations  # type: ignore[attr-defined]
+    free = backend.free
+
+    def slow_free(handle: object) -> None:
+        time.sleep(0.2)
+        free(handle)
+
+    monkeypatch.setattr(backend, "free", slow_free)
+    with anyio.fail_after(10):
+        with anyio.move_on_after(0.02) as scope:
+            await device.empty_memory_cache()
+    assert backend.live_allocations == natives - 1  # type: ignore[attr-defined]
+    stats = device.memory_statistics()
+    assert (stats.cached, stats.in_use) == (0, 0)
+
+
+async def test_an_allocation_waits_for_blocks_being_released(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks being freed off the loop still count against the budget: an allocation
+    that needs their room waits for those frees, and is woken by them."""
+    backend = device._backend
+    device.memory_budget = 2 * MiB
+    held = await device.alloc(MiB)
+    await (await device.alloc(MiB)).free()  # 1 MiB cached
+    gate = threading.Event()
+    free = backend.free
+
+    def slow_free(handle: object) -> None:
+        gate.wait(10)
+        free(handle)
+
+    monkeypatch.setattr(backend, "free", slow_free)
+    got: list[am.Buffer] = []
+
+    async def allocate() -> None:
+        got.append(await device.alloc(MiB))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(device.empty_memory_cache)
+            await anyio.sleep(0.05)
+            tg.start_soon(allocate)
+            await anyio.sleep(0.05)
+            assert not got  # 1 MiB in use + 1 MiB being freed: the budget is spent
+            assert device.memory_statistics().in_use + MiB <= 2 * MiB
+            gate.set()
+    assert device.memory_statistics().in_use == 2 * MiB
+    await got[0].free()
+    await held.free()
+
+
+async def test_closing_waits_for_blocks_being_released(anyio_backend: object) -> None:
+    dev = await am.open_device("cpu:44")
+    backend = dev._backend
+    await (await dev.alloc(MiB)).free()
+    gate = threading.Event()
+    free = backend.free
+
+    def slow_free(handle: object) -> None:
+        gate.wait(10)
+        free(handle)
+
+    backend.free = slow_free  # type: ignore[method-assign]
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(dev.empty_memory_cache)
+            await anyio.sleep(0.05)
+            tg.start_soon(dev.close)
+            await anyio.sleep(0.05)
+            gate.set()
+    assert backend.live_allocations == 0  # type: ignore[attr-defined]
+
+
+async def test_peaks_in_use_and_held_and_resetting_them(device: am.Device) -> None:
+    """``peak`` is the most held (in use + cached), ``peak_in_use`` the most in
+    buffers; both start again from what is held now when reset. Checked: there was no
+    peak in use, and no reset."""
+    stats = device.memory_statistics(reset_peaks=True)
+    a, b = await device.alloc(3 * MiB), await device.alloc(MiB)
+    await a.free()
+    await b.free()
+    stats = device.memory_statistics(reset_peaks=True)  # the numbers before the reset
+    assert (stats.peak_in_use, stats.peak, stats.cached) == (4 * MiB, 4 * MiB, 4 * MiB)
+    stats = device.memory_statistics()
+    assert (stats.peak_in_use, stats.peak) == (0, 4 * MiB)  # from what is held now
+    c = await device.alloc(MiB)  # from the cache: held stays 4 MiB
+    stats = device.memory_statistics()
+    assert (stats.peak_in_use, stats.peak) == (MiB, 4 * MiB)
+    await c.free()
+    await device.empty_memory_cache()
+    device.memory_statistics(reset_peaks=True)
+    stats = device.memory_statistics()
+    assert (stats.peak_in_use, stats.peak) == (0, 0)
+    with pytest.raises(am.ArgumentTypeError):
+        device.memory_statistics(reset_peaks=1)  # type: ignore[arg-type]
