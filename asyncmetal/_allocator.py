@@ -453,12 +453,12 @@ class Allocator:
     def lend(self, block: Block, hold: bool = True) -> None:
         """Hold ``block`` for a consumer outside asyncmetal until :meth:`returned` (with
         ``hold`` False: not held), and remember that its memory went out."""
-        address = getattr(block.handle, "address", block.handle)
+        address = self._state.backend.loan_address(block.handle)
         with self._lock:
             if block.freed or block not in self._live:  # freed on another thread since
                 raise ClosedResourceError("the buffer was freed as it was exported")
             block.lent += hold
-            if isinstance(address, int):
+            if address is not None:
                 self._exported[address] = block
                 lenders.add(self)
 

@@ -380,6 +380,15 @@ class Backend(ABC):
     @abstractmethod
     def new_timeline(self, on_advance: Callable[[int], None]) -> NativeTimeline: ...
 
+    def loan_address(self, handle: Any) -> int | None:
+        """Where the memory of ``handle``, lent out, is addressed when it comes back (a
+        host array over cpu memory, a device pointer): what a copy or ``from_dlpack``
+        given that address matches to the buffer. None where memory lent out does not
+        come back as an address of the buffer's range (a Metal buffer goes out as its
+        MTLBuffer; its handle is an object, not its memory)."""
+        address = getattr(handle, "address", handle)
+        return address if isinstance(address, int) else None
+
     def pointer_index(self, address: int) -> int | None:
         """The index of the device whose memory ``address`` is (as its driver says),
         or None where this backend cannot tell."""

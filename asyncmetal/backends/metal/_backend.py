@@ -197,6 +197,9 @@ class MetalBackend(Backend):
             raise AsyncMetalError(f"Metal could not wrap {length} bytes of host memory")
         return wrapped, address - start
 
+    def loan_address(self, handle: Any) -> int | None:
+        return None  # (an MTLBuffer: an object, whose address is not its memory's)
+
     def host_view(self, handle: Any, offset: int, nbytes: int) -> memoryview:
         base = send(handle, "contents")
         return memoryview((ctypes.c_ubyte * nbytes).from_address(base + offset)).cast("B")

@@ -855,3 +855,37 @@ async def test_a_large_read_stages_off_the_loop_in_order(
         assert (firsts == 1).all() and (small == 2).all() and (lasts == 2).all()
     large = [on_loop for nbytes, on_loop in made if nbytes == 4 * n]
     assert large == [False, False], made
+
+
+HOST_MEMORY_NEAR_A_LENT_BUFFER = textwrap.dedent(
+    """
+    import ctypes, sys
+    sys.path.insert(0, sys.argv[1])
+    import anyio, numpy as np
+    import asyncmetal as am
+
+    async def main():
+        async with am.open_device("metal") as dev:
+            buf = await dev.alloc(4096)
+            view = await buf.map(np.uint8)  # lent while the view lives
+            handle = buf._allocation.handle  # the MTLBuffer: an object, not the memory
+            near = np.ctypeslib.as_array((ctypes.c_ubyte * 16).from_address(handle))
+            out = await dev.alloc(16)
+            await dev.queue.copy(out, near)  # a plain host source
+            print((await out.read(np.uint8) == near).all(), view.nbytes)
+
+    anyio.run(main)
+    """
+)
+
+
+@pytest.mark.metal
+@sim_only
+def test_host_memory_at_a_lent_buffers_object_is_a_plain_host_operand() -> None:
+    """A Metal buffer lent out (a map's view, a DLPack export) was recorded as lent at
+    its MTLBuffer's address, as if that were its memory: host memory within that many
+    bytes of the object (any heap allocation there, a numpy array a read made) was then
+    taken for the buffer's own memory coming back, made a Buffer whose handle Metal
+    cannot blit, and the encoder's abandonment killed the process (checked: it did, in
+    the child; intermittently in the suite, wherever a read's array fell there)."""
+    assert _in_a_child(HOST_MEMORY_NEAR_A_LENT_BUFFER, timeout=60) == ["True 4096"]
