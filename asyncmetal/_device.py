@@ -39,7 +39,16 @@ from ._errors import (
 )
 from ._pool import CompilePool, check_timeout, compiler_identity, default_pool
 from ._program import Program
-from ._queue import Queue, abandon, close_native, completable, flush, submitted_record
+from ._queue import (
+    Queue,
+    abandon,
+    close_native,
+    completable,
+    flush,
+    seal,
+    settled,
+    submitted_record,
+)
 from ._timeline import MADE_BY_DEVICE, HostEvents, Timeline, end_waits, wait_value
 
 
@@ -150,7 +159,13 @@ class Device:
         self._dropped: list[Any] = []
         self._retired: list[tuple[Any, list[tuple[Queue, int]]]] = []
         self._retire_lock = threading.Lock()
-        self.queue = self._state.queue = self.new_queue()
+        # Queues closed (Queue.close) and not released yet: each is released once its
+        # commands ran, by its close or, where that was cancelled, the next new_queue.
+        self._unreleased: list[Queue] = []
+        self._releases: dict[Queue, HostEvents] = {}  # under way: reach 1 once done
+        self._release_threads: list[threading.Thread] = []
+        self.queue = self._state.queue = Queue(self._state, _made=MADE_BY_DEVICE)
+        self._queues.append(self.queue)
         with _open_devices_lock:
             _open_devices.add(self)
             _opened[0] += 1
@@ -208,8 +223,12 @@ class Device:
         self._check_open()  # (first: see Queue._submit)
         with self._state.submitting:  # (a close seals its queues: see Queue._submit)
             self._check_open()
-            queue = Queue(self._state, _made=MADE_BY_DEVICE)
-            self._queues.append(queue)
+            queue = Queue(self._state, _made=MADE_BY_DEVICE, _closer=self._close_queue)
+            self._queues = [*self._queues, queue]  # (a new list: see _claim_release)
+            ready = [q for q in self._unreleased if settled(q)]
+            released = self._claim_release(ready)
+        if released is not None:
+            self._start_release(ready, released)
         return queue
 
     def adopt_stream(self, stream: object) -> Queue:
@@ -226,8 +245,10 @@ class Device:
             key = self._backend.stream_key(stream)
             queue = self._adopted.get(key)
             if queue is None:
-                queue = Queue(self._state, _made=MADE_BY_DEVICE, _stream=stream)
-                self._queues.append(queue)
+                queue = Queue(
+                    self._state, _made=MADE_BY_DEVICE, _stream=stream, _closer=self._close_queue
+                )
+                self._queues = [*self._queues, queue]
                 self._adopted[key] = queue
         return queue
 
@@ -565,6 +586,63 @@ class Device:
         finally:
             closing.increment()
 
+    async def _close_queue(self, queue: Queue) -> None:
+        """Queue.close of one of its queues (not the default one): seal it, wait for its
+        commands (a checkpoint), then release it natively on a thread of its own, which
+        every caller waits for (as close waits for its teardown)."""
+        with self._state.submitting:
+            if self.closed:
+                return  # closed with the device
+            if seal(queue, f"this queue of {self.name} was closed"):
+                self._unreleased.append(queue)
+        flush(queue)
+        with contextlib.suppress(AsyncMetalError):  # a command's error: its awaiter's
+            await wait_value(queue.timeline, queue.submitted)  # (whatever ended meanwhile)
+        with self._state.submitting:
+            if self.closed:
+                return  # closed meanwhile: the device's close released it
+            released = self._releases.get(queue)
+            if released is None:
+                released = self._claim_release([queue])
+                if released is None:
+                    return  # released already
+                self._start_release([queue], released)
+        await _until_closed(released)
+
+    def _claim_release(self, queues: list[Queue]) -> HostEvents | None:
+        """Take ``queues`` (closed, settled) off the device, submission lock held: its
+        close no longer waits for them. A new list, not changed in place: a close on
+        another thread may be going through the old one. None if there are none."""
+        queues = [q for q in queues if q in self._unreleased]
+        if not queues:
+            return None
+        released = HostEvents()
+        for queue in queues:
+            self._unreleased.remove(queue)
+            self._releases[queue] = released
+        self._queues = [q for q in self._queues if q not in queues]
+        self._adopted = {k: q for k, q in self._adopted.items() if q not in queues}
+        return released
+
+    def _start_release(self, queues: list[Queue], released: HostEvents) -> None:
+        """Close ``queues`` natively on a thread (it may block: never on a loop); the
+        device's close waits for it before it closes the backend."""
+
+        def release() -> None:
+            try:
+                for queue in queues:
+                    with contextlib.suppress(Exception):  # (the device's close reports it)
+                        close_native(queue, False)
+            finally:
+                with self._state.submitting:
+                    for queue in queues:
+                        self._releases.pop(queue, None)
+                released.increment()
+
+        thread = threading.Thread(target=release, name="asyncmetal queue close", daemon=True)
+        self._release_threads = [t for t in self._release_threads if t.is_alive()] + [thread]
+        thread.start()
+
     def _seal(self) -> None:
         self.closed = True  # (with the submission lock held: see close)
 
@@ -589,6 +667,8 @@ class Device:
         ``blocked`` (or every queue, with ``abandon``) is stopped where it is, inside a
         device-side wait; the others have finished everything submitted."""
         self.closed = True
+        for thread in list(self._release_threads):  # queues closed before (idle ones)
+            thread.join()
         try:
             for queue in self._queues:
                 close_native(queue, abandon or queue in blocked)

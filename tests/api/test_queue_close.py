@@ -1,0 +1,180 @@
+"""Queue lifetime: Queue.close releases a queue's native resources (a cpu queue's
+thread, a Metal command queue); a closed queue refuses commands; the default queue
+closes with its device only."""
+
+from __future__ import annotations
+
+import os
+
+import anyio
+import numpy as np
+import pytest
+
+import asyncmetal as am
+
+pytestmark = pytest.mark.anyio
+
+INC = "void inc(int* x) { x[0] += 1; }"
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+async def test_closed_queues_release_their_threads(anyio_backend: object) -> None:
+    async with am.open_device("cpu") as dev:
+        inc = await dev.compile(INC, "inc")
+        buf = await dev.alloc(4)
+        await buf.write(np.zeros(1, np.int32))
+        before = threads()
+        for _ in range(300):
+            q = dev.new_queue()
+            await q.launch(inc, buf)
+            await q.close()
+        assert threads() <= before + 2  # (a release thread may still be ending)
+        assert (await buf.read(np.int32))[0] == 300
+
+
+async def test_close_waits_for_submitted_commands(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    buf = await device.alloc(4)
+    q = device.new_queue()
+    q.launch(kernels["sleep_ms"], vals=(50,))
+    last = q.launch(kernels["fill"], buf, vals=(7, 1))
+    await q.close()
+    assert last.done()
+    assert q.timeline.value == 2
+    assert (await buf.read(np.int32))[0] == 7
+
+
+async def test_close_waits_for_a_device_wait_signalled_later(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    buf = await device.alloc(4)
+    tl = device.timeline()
+    q = device.new_queue()
+    q.wait(tl, 1)
+    filled = q.launch(kernels["fill"], buf, vals=(5, 1))
+    closed = anyio.Event()
+
+    async def close() -> None:
+        await q.close()
+        closed.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(close)
+        await anyio.sleep(0.05)
+        assert not closed.is_set() and not filled.done()
+        with pytest.raises(am.ClosedResourceError):  # refused as soon as close is called
+            q.launch(kernels["empty"])
+        tl.signal(1)
+    assert closed.is_set() and filled.done()
+    assert (await buf.read(np.int32))[0] == 5
+
+
+async def test_a_closed_queue_refuses_commands(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    buf = await device.alloc(4)
+    tl = device.timeline()
+    q = device.new_queue()
+    q.signal(tl, 1)
+    done = q.launch(kernels["fill"], buf, vals=(3, 1))
+    await q.close()
+    assert q.closed
+    calls = {
+        "launch": lambda: q.launch(kernels["fill"], buf, vals=(3, 1)),
+        "signal": lambda: q.signal(tl, 2),
+        "wait": lambda: q.wait(tl, 1),
+        "copy": lambda: q.copy(buf, np.zeros(1, np.int32)),
+        "after": lambda: q.after(buf),
+        "marker": lambda: q.marker(),
+        "handle": lambda: q.handle,
+    }
+    for name, call in calls.items():
+        with pytest.raises(am.ClosedResourceError, match=r"queue of .* was closed"):
+            call()
+        assert q.submitted == 2, name
+    # Its timeline, the timelines it signalled and its completions stay valid.
+    await done
+    await q.timeline.wait(2)
+    assert tl.value == 1
+    device.queue.wait(q.timeline, 2)  # another queue may still wait on its values
+    await device.queue.synchronize()
+    await q.close()  # again: nothing to do
+    assert (await buf.read(np.int32))[0] == 3
+
+
+async def test_the_default_queue_closes_with_its_device_only(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    with pytest.raises(am.InvalidArgumentError, match=r"default queue .* closing its device"):
+        await device.queue.close()
+    assert not device.queue.closed
+    await device.queue.launch(kernels["empty"])
+
+
+async def test_async_with_closes_the_queue(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    async with device.new_queue() as q:
+        done = q.launch(kernels["sleep_ms"], vals=(20,))
+    assert q.closed and done.done()
+    with pytest.raises(am.ClosedResourceError):
+        q.launch(kernels["empty"])
+
+
+async def test_a_queue_closed_before_its_device_is_not_closed_again(
+    anyio_backend: object, device_name: str
+) -> None:
+    dev = await am.open_device(device_name)
+    queues = [dev.new_queue() for _ in range(3)]
+    for q in queues[:2]:
+        await q.close()
+    await dev.close()
+    assert all(q.closed for q in queues)
+    await queues[2].close()  # closed with the device: nothing to do
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+async def test_a_cancelled_close_leaves_the_queue_closed_and_releases_it_later(
+    anyio_backend: object,
+) -> None:
+    async with am.open_device("cpu") as dev:
+        fill = await dev.compile("void fill(int* x, int v) { x[0] = v; }", "fill")
+        buf = await dev.alloc(4)
+        tl = dev.timeline()
+        before = threads()
+        q = dev.new_queue()
+        q.wait(tl, 1)
+        filled = q.launch(fill, buf, vals=(9,))
+        with anyio.move_on_after(0.05) as scope:
+            await q.close()  # waits for the wait: cancelled
+        assert scope.cancelled_caught
+        with pytest.raises(am.ClosedResourceError):
+            q.launch(fill, buf, vals=(1,))
+        tl.signal(1)  # what it waited for comes: its commands run
+        await filled
+        assert (await buf.read(np.int32))[0] == 9
+        dev.new_queue()  # released here (on a thread of its own)
+        with anyio.fail_after(5):
+            while threads() > before + 1:
+                await anyio.sleep(0.01)
+        await q.close()  # released: nothing to do
+
+
+async def test_a_cancelled_close_of_a_blocked_queue_leaves_it_to_the_device(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    tl = device.timeline()
+    q = device.new_queue()
+    q.wait(tl, 1)
+    blocked = q.launch(kernels["empty"])
+    with anyio.move_on_after(0.05):
+        await q.close()
+    await device.close()  # abandons what nothing will signal
+    with pytest.raises(am.ClosedResourceError):
+        await blocked
+    await q.close()
