@@ -161,6 +161,7 @@ class Queue:
         _made: object = None,
         _stream: object = None,
         _closer: Callable[[Queue], Awaitable[None]] | None = None,
+        _keeper: Callable[[Queue], None] | None = None,
     ) -> None:
         if _made is not MADE_BY_DEVICE:
             raise ArgumentTypeError("queues come from their device: device.new_queue()")
@@ -184,6 +185,10 @@ class Queue:
         # Once closed: why it refuses commands (see close). Its device closes it.
         self._closed: str | None = None
         self._closer = _closer
+        # Let go of by its device while it had nothing in flight (see let_go): the
+        # next submission has the device keep it again first (``_keeper``).
+        self._idle = False
+        self._keeper = _keeper
         # Common launches submitted by the native extension in one call (py_launch.c).
         self._launch_target = self._native.launch_target()
         self._fast_launch = (
@@ -277,6 +282,8 @@ class Queue:
         self._check_open()
         with state.submitting:
             self._check_open()
+            if self._idle:
+                self._kept()
             for buf in uses:  # freed on another thread since checked (see Buffer.free)
                 check_buffer(buf, "buffer")
             state.busy += 1  # (see DeviceState.busy)
@@ -292,6 +299,16 @@ class Queue:
             finally:
                 state.busy -= 1
         return done
+
+    def _kept(self) -> None:
+        """Kept by its device again (submission lock held), before a command is handed
+        over: a queue with commands in flight is never let go of."""
+        assert self._keeper is not None
+        self._keeper(self)
+        self._idle = False
+        self._fast_launch = (
+            None if self._launch_target is None else _extension_launch(type(self._state.device))
+        )
 
     def marker(self) -> Completion:
         """A Completion for everything submitted to this queue so far: awaiting it
@@ -877,6 +894,25 @@ def seal(queue: Queue, why: str) -> bool:
     queue._closed = why
     queue._fast_launch = None
     return True
+
+
+def let_go(queue: Queue) -> bool:
+    """Whether ``queue`` (submission lock held, not closed) has nothing in flight; if
+    so it is marked idle: its device no longer keeps it alive, and its next submission
+    takes the Python path, which has the device keep it again first. The native launch
+    path is turned off before its number is read: a launch that read it before has
+    handed its command over already (see seal)."""
+    fast, queue._fast_launch = queue._fast_launch, None
+    if queue._closed is not None or not settled(queue):
+        queue._fast_launch = fast
+        return False
+    queue._idle = True
+    return True
+
+
+def native_queue(queue: Queue) -> NativeQueue:
+    """``queue``'s backend queue (to release it once the queue was collected)."""
+    return queue._native
 
 
 def settled(queue: Queue) -> bool:

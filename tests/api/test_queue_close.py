@@ -4,6 +4,7 @@ closes with its device only."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import anyio
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
+from tests.support.kernels import KERNELS, MSL_KERNELS
 
 pytestmark = pytest.mark.anyio
 
@@ -178,3 +180,87 @@ async def test_a_cancelled_close_of_a_blocked_queue_leaves_it_to_the_device(
     with pytest.raises(am.ClosedResourceError):
         await blocked
     await q.close()
+
+
+# -- queues dropped without close --------------------------------------------------------
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+async def test_dropped_queues_release_their_threads(anyio_backend: object) -> None:
+    async with am.open_device("cpu") as dev:
+        inc = await dev.compile(INC, "inc")
+        buf = await dev.alloc(4)
+        await buf.write(np.zeros(1, np.int32))
+        before = threads()
+        for _ in range(400):
+            await dev.new_queue().launch(inc, buf)
+        assert (await buf.read(np.int32))[0] == 400
+        # Released on threads of their own, a batch at a time (each kept till then).
+        with anyio.fail_after(10):
+            while threads() > before + 24:  # (400 more without letting go of them)
+                await anyio.sleep(0.01)
+
+
+async def test_a_dropped_queue_with_pending_work_still_runs_it(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    buf = await device.alloc(4)
+    start, done = device.timeline(), device.timeline()
+    q = device.new_queue()
+    q.wait(start, 1)
+    q.launch(kernels["fill"], buf, vals=(4, 1))
+    q.signal(done, 1)  # another queue waits for it on the device
+    waiter = device.new_queue()
+    waiter.wait(done, 1)
+    after = waiter.launch(kernels["fill"], buf, vals=(6, 1))
+    del q
+    gc.collect()
+    for _ in range(40):  # the device looks for queues to let go of meanwhile
+        device.new_queue()
+    await anyio.sleep(0.02)
+    assert done.value == 0 and not after.done()
+    start.signal(1)
+    with anyio.fail_after(10):
+        await done.wait(1)
+        await after
+    assert (await buf.read(np.int32))[0] == 6
+
+
+async def test_a_kept_queue_let_go_of_while_idle_goes_on_working(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    buf = await device.alloc(4)
+    q = device.new_queue()
+    await q.launch(kernels["fill"], buf, vals=(1, 1))
+    for _ in range(40):  # the device lets go of idle queues meanwhile
+        device.new_queue()
+    assert q.launch(kernels["empty"]).value == 2
+    assert [q.launch(kernels["fill"], buf, vals=(v, 1)).value for v in (2, 3)] == [3, 4]
+    tl = device.timeline()
+    q.wait(tl, 1)
+    last = q.launch(kernels["fill"], buf, vals=(8, 1))
+    for _ in range(40):
+        device.new_queue()
+    tl.signal(1)
+    await device.synchronize()  # it counts the queue with work in flight
+    assert last.done()
+    assert (await buf.read(np.int32))[0] == 8
+
+
+async def test_closing_a_device_waits_for_a_queue_kept_again(
+    anyio_backend: object, device_name: str
+) -> None:
+    dev = await am.open_device(device_name)
+    sleep = await dev.compile(KERNELS if device_name == "cpu" else MSL_KERNELS, "sleep_ms")
+    q = dev.new_queue()
+    await q.launch(sleep, vals=(1,))
+    for _ in range(40):
+        dev.new_queue()
+    last = q.launch(sleep, vals=(50,))
+    idle = dev.new_queue()
+    for _ in range(40):
+        dev.new_queue()
+    await dev.close()
+    assert last.done() and q.closed and idle.closed
+    with pytest.raises(am.ClosedResourceError, match="is closed"):
+        idle.launch(sleep, vals=(1,))
