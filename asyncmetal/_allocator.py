@@ -693,10 +693,11 @@ class Allocator:
             lenders.discard(self)
             self.in_use = 0
 
-    def forget_passed_uses(self, queues: Collection[Queue]) -> None:
+    def forget_passed_uses(self, queues: Collection[Queue]) -> int:
         """Take the uses by ``queues`` that passed off the records of the blocks in use
-        and cached, so that the blocks no longer keep those queues alive. The caller
-        sees that nothing submits to ``queues`` meanwhile."""
+        and cached, so that the blocks no longer keep those queues alive; return how
+        many blocks it looked through. The caller sees that nothing submits to
+        ``queues`` meanwhile."""
         with self._lock:
             blocks = [*self._live, *self._cache.values()]
         forget = set(queues)
@@ -706,6 +707,7 @@ class Allocator:
                 value = uses.get(queue)
                 if value is not None and _passed(queue, value):
                     uses.pop(queue, None)
+        return len(blocks)
 
     def _foreign_uses(self, block: Block) -> list[tuple[Queue, int]]:
         """Uses of ``block`` by other devices' queues (a copy between devices) that

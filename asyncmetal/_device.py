@@ -181,7 +181,11 @@ class Device:
         self._on_drop: weakref.WeakKeyDictionary[Queue, weakref.finalize[Any, Any]] = (
             weakref.WeakKeyDictionary()
         )
-        self._kept_at_sweep = 0  # how many queues it kept after it last let go of some
+        # How many queues it kept after it last let go of some, and how many blocks it
+        # looked through then: the next time is once the queues doubled, and later with
+        # many blocks (each new_queue pays for about 64 looked at).
+        self._kept_at_sweep = 0
+        self._blocks_at_sweep = 0
         self.queue = self._state.queue = Queue(self._state, _made=MADE_BY_DEVICE)
         self._queues.append(self.queue)
         with _open_devices_lock:
@@ -255,7 +259,7 @@ class Device:
             self._on_drop[queue] = drop
             ready = [q for q in self._unreleased if settled(q)]
             released = self._claim_release(ready)
-            if len(self._queues) >= 2 * self._kept_at_sweep + 16:
+            if len(self._queues) >= 2 * self._kept_at_sweep + 16 + self._blocks_at_sweep // 64:
                 self._let_go_of_idle_queues()
             dropped = self._take_dropped()
             for _, timeline in dropped:  # its close ends waits on it (none reach it)
@@ -285,7 +289,7 @@ class Device:
             q for q in self._queues if q is not self.queue and id(q) not in adopted and let_go(q)
         ]
         if idle:
-            self._allocator.forget_passed_uses(idle)
+            self._blocks_at_sweep = self._allocator.forget_passed_uses(idle)
             self._queues = [q for q in self._queues if q not in idle]
             self._idle.update(idle)
         self._kept_at_sweep = len(self._queues)

@@ -4,14 +4,18 @@ closes with its device only."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
+import threading
+import time
 
 import anyio
 import numpy as np
 import pytest
 
 import asyncmetal as am
+from asyncmetal.backends.cpu import CPUQueue
 from tests.support.kernels import KERNELS, MSL_KERNELS
 
 pytestmark = pytest.mark.anyio
@@ -264,3 +268,47 @@ async def test_closing_a_device_waits_for_a_queue_kept_again(
     assert last.done() and q.closed and idle.closed
     with pytest.raises(am.ClosedResourceError, match="is closed"):
         idle.launch(sleep, vals=(1,))
+
+
+def _slow_release(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """cpu queues take 0.2 s to release; the event is set once one has been."""
+    released = threading.Event()
+    original = CPUQueue.close
+
+    def close(self: CPUQueue, abandon: bool = False) -> None:
+        time.sleep(0.2)
+        original(self, abandon)
+        released.set()
+
+    monkeypatch.setattr(CPUQueue, "close", close)
+    return released
+
+
+async def test_a_close_cancelled_as_it_releases_returns_once_released(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    released = _slow_release(monkeypatch)
+    async with am.open_device("cpu") as dev:
+        q = dev.new_queue()
+        with anyio.move_on_after(0.05):
+            await q.close()
+        assert released.is_set()  # never left half released
+        await q.close()  # released: nothing to do
+
+
+def test_a_close_cancelled_by_asyncio_as_it_releases_returns_once_released(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """asyncio's own task.cancel(), which no shielded scope stops."""
+    released = _slow_release(monkeypatch)
+
+    async def main() -> None:
+        async with am.open_device("cpu") as dev:
+            task = asyncio.ensure_future(dev.new_queue().close())
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert released.is_set()
+
+    asyncio.run(main())
