@@ -690,6 +690,7 @@ class Device:
             self._unreleased.remove(queue)
             self._releases[queue] = released
             self._idle.discard(queue)
+            self._timelines.add(queue.timeline)  # its close ends waits on it (none reach it)
             drop = self._on_drop.pop(queue, None)
             if drop is not None:  # released here, not once collected
                 detached = drop.detach()

@@ -312,3 +312,24 @@ def test_a_close_cancelled_by_asyncio_as_it_releases_returns_once_released(
             assert released.is_set()
 
     asyncio.run(main())
+
+
+async def test_closing_the_device_ends_waits_on_a_closed_queues_timeline(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    q = device.new_queue()
+    await q.launch(kernels["empty"])
+    await q.close()
+    ended = anyio.Event()
+
+    async def wait_beyond() -> None:
+        with pytest.raises(am.ClosedResourceError):
+            await q.timeline.wait(2)  # never submitted: only the close ends it
+        ended.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait_beyond)
+        await anyio.sleep(0.02)
+        assert not ended.is_set()
+        await device.close()
+    assert ended.is_set()
