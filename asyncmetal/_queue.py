@@ -239,9 +239,10 @@ class Queue:
         queue (``device.queue``) closes with its device only.
 
         Waiting for its commands is a checkpoint (a device-side wait may wait for a value
-        signalled later): cancelling it leaves the queue closed, and it is released once
-        its commands ran (or by its device's close). The release itself, once begun,
-        runs to its end whatever cancels the caller."""
+        signalled later): cancelling it leaves the queue closed, and once its commands
+        ran it is released by the device's next new_queue(), a later close() or the
+        device's close. The release itself, once begun, runs to its end whatever
+        cancels the caller."""
         if self._closer is None:
             raise InvalidArgumentError(
                 f"the default queue of {self._state.name} (device.queue) is closed by "
