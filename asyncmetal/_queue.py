@@ -904,7 +904,8 @@ def let_go(queue: Queue) -> bool:
     path is turned off before its number is read: a launch that read it before has
     handed its command over already (see seal)."""
     fast, queue._fast_launch = queue._fast_launch, None
-    if queue._closed is not None or not settled(queue):
+    # (One whose last command failed stays: Device.synchronize reports its error.)
+    if queue._closed is not None or not settled(queue) or queue._failure(queue._submitted):
         queue._fast_launch = fast
         return False
     queue._idle = True
