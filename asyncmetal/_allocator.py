@@ -9,7 +9,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -692,6 +692,22 @@ class Allocator:
             self._exported.clear()
             lenders.discard(self)
             self.in_use = 0
+
+    def forget_passed_uses(self, queues: Collection[Queue]) -> int:
+        """Take the uses by ``queues`` that passed off the records of the blocks in use
+        and cached, so that the blocks no longer keep those queues alive; return how
+        many blocks it looked through. The caller sees that nothing submits to
+        ``queues`` meanwhile."""
+        with self._lock:
+            blocks = [*self._live, *self._cache.values()]
+        forget = set(queues)
+        for block in blocks:
+            uses = block.last_use
+            for queue in [q for q in list(uses) if q in forget]:
+                value = uses.get(queue)
+                if value is not None and _passed(queue, value):
+                    uses.pop(queue, None)
+        return len(blocks)
 
     def _foreign_uses(self, block: Block) -> list[tuple[Queue, int]]:
         """Uses of ``block`` by other devices' queues (a copy between devices) that

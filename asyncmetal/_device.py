@@ -8,6 +8,7 @@ import collections
 import contextlib
 import functools
 import importlib
+import itertools
 import os
 import sys
 import threading
@@ -21,7 +22,7 @@ import numpy as np
 
 from . import backends
 from ._allocator import Allocator, MemoryStatistics
-from ._backend import Backend
+from ._backend import Backend, NativeQueue
 from ._bridge import checkpoint, running_asyncio_loop
 from ._buffer import Buffer, wrap_buffer
 from ._buffer import foreign_buffer as _foreign_buffer
@@ -39,7 +40,18 @@ from ._errors import (
 )
 from ._pool import CompilePool, check_timeout, compiler_identity, default_pool
 from ._program import Program
-from ._queue import Queue, abandon, close_native, completable, flush, submitted_record
+from ._queue import (
+    Queue,
+    abandon,
+    close_native,
+    completable,
+    flush,
+    let_go,
+    native_queue,
+    seal,
+    settled,
+    submitted_record,
+)
 from ._timeline import MADE_BY_DEVICE, HostEvents, Timeline, end_waits, wait_value
 
 
@@ -150,7 +162,32 @@ class Device:
         self._dropped: list[Any] = []
         self._retired: list[tuple[Any, list[tuple[Queue, int]]]] = []
         self._retire_lock = threading.Lock()
-        self.queue = self._state.queue = self.new_queue()
+        # Queues closed (Queue.close) and not released yet: each is released once its
+        # commands ran, by its close or, where that was cancelled, the next new_queue.
+        self._unreleased: list[Queue] = []
+        self._releases: dict[Queue, HostEvents] = {}  # under way: reach 1 once done
+        self._release_threads: list[threading.Thread] = []
+        # Queues from new_queue() with nothing in flight that the device let go of (see
+        # _let_go_of_idle_queues): alive while someone holds them. One collected leaves
+        # its number here (its finalizer, on any thread); its native queue is released by
+        # the next new_queue on a thread of its own, or by the device's close. The native
+        # queues are kept here by number, not by the finalizers: a native queue that
+        # refers to its Queue (a Metal queue's recent command buffers' records) would
+        # keep it alive for good from a finalizer.
+        self._idle: weakref.WeakSet[Queue] = weakref.WeakSet()
+        self._natives: dict[int, tuple[NativeQueue, Timeline]] = {}
+        self._dropped_queues: list[int] = []
+        self._numbers = itertools.count()
+        self._on_drop: weakref.WeakKeyDictionary[Queue, weakref.finalize[Any, Any]] = (
+            weakref.WeakKeyDictionary()
+        )
+        # How many queues it kept after it last let go of some, and how many blocks it
+        # looked through then: the next time is once the queues doubled, and later with
+        # many blocks (each new_queue pays for about 64 looked at).
+        self._kept_at_sweep = 0
+        self._blocks_at_sweep = 0
+        self.queue = self._state.queue = Queue(self._state, _made=MADE_BY_DEVICE)
+        self._queues.append(self.queue)
         with _open_devices_lock:
             _open_devices.add(self)
             _opened[0] += 1
@@ -208,9 +245,60 @@ class Device:
         self._check_open()  # (first: see Queue._submit)
         with self._state.submitting:  # (a close seals its queues: see Queue._submit)
             self._check_open()
-            queue = Queue(self._state, _made=MADE_BY_DEVICE)
-            self._queues.append(queue)
+            queue = Queue(
+                self._state,
+                _made=MADE_BY_DEVICE,
+                _closer=self._close_queue,
+                _keeper=self._keep_queue,
+            )
+            self._queues = [*self._queues, queue]  # (a new list: see _claim_release)
+            number = next(self._numbers)
+            self._natives[number] = (native_queue(queue), queue.timeline)
+            drop = weakref.finalize(queue, self._dropped_queues.append, number)
+            drop.atexit = False
+            self._on_drop[queue] = drop
+            ready = [q for q in self._unreleased if settled(q)]
+            released = self._claim_release(ready)
+            if len(self._queues) >= 2 * self._kept_at_sweep + 16 + self._blocks_at_sweep // 64:
+                self._let_go_of_idle_queues()
+            dropped = self._take_dropped()
+            for _, timeline in dropped:  # its close ends waits on it (none reach it)
+                self._timelines.add(timeline)
+        if released is not None:
+            self._start_release(ready, released)
+        if dropped:
+            self._start_release([], None, [native for native, _ in dropped])
         return queue
+
+    def _take_dropped(self) -> list[tuple[NativeQueue, Timeline]]:
+        """The native queues (and timelines) of the queues collected since last time."""
+        numbers = self._dropped_queues[:]  # (finalizers append meanwhile)
+        del self._dropped_queues[: len(numbers)]
+        natives = [self._natives.pop(number, None) for number in numbers]
+        return [native for native in natives if native is not None]
+
+    def _let_go_of_idle_queues(self) -> None:
+        """Stop keeping alive the queues from new_queue() that have nothing in flight
+        (submission lock held), so that one its owner dropped is collected and its
+        native queue released: their uses that passed are taken off the buffers' records
+        too (a queue there would stay alive as long as the buffer). An idle queue
+        submitted to again is kept again first (Queue._kept). Made now and then: once
+        the queues kept doubled since the last time."""
+        adopted = {id(q) for q in self._adopted.values()}
+        idle = [
+            q for q in self._queues if q is not self.queue and id(q) not in adopted and let_go(q)
+        ]
+        if idle:
+            self._blocks_at_sweep = self._allocator.forget_passed_uses(idle)
+            self._queues = [q for q in self._queues if q not in idle]
+            self._idle.update(idle)
+        self._kept_at_sweep = len(self._queues)
+
+    def _keep_queue(self, queue: Queue) -> None:
+        """Keep an idle queue again: a command is about to be submitted to it (its
+        submission lock held)."""
+        self._idle.discard(queue)
+        self._queues = [*self._queues, queue]
 
     def adopt_stream(self, stream: object) -> Queue:
         """A Queue over an existing stream of another library (cuda devices): an object
@@ -226,8 +314,10 @@ class Device:
             key = self._backend.stream_key(stream)
             queue = self._adopted.get(key)
             if queue is None:
-                queue = Queue(self._state, _made=MADE_BY_DEVICE, _stream=stream)
-                self._queues.append(queue)
+                queue = Queue(
+                    self._state, _made=MADE_BY_DEVICE, _stream=stream, _closer=self._close_queue
+                )
+                self._queues = [*self._queues, queue]
                 self._adopted[key] = queue
         return queue
 
@@ -565,8 +655,85 @@ class Device:
         finally:
             closing.increment()
 
+    async def _close_queue(self, queue: Queue) -> None:
+        """Queue.close of one of its queues (not the default one): seal it, wait for its
+        commands (a checkpoint), then release it natively on a thread of its own, which
+        every caller waits for (as close waits for its teardown)."""
+        with self._state.submitting:
+            if self.closed:
+                return  # closed with the device
+            if seal(queue, f"this queue of {self.name} was closed"):
+                self._unreleased.append(queue)
+        flush(queue)
+        with contextlib.suppress(AsyncMetalError):  # a command's error: its awaiter's
+            await wait_value(queue.timeline, queue.submitted)  # (whatever ended meanwhile)
+        with self._state.submitting:
+            if self.closed:
+                return  # closed meanwhile: the device's close released it
+            released = self._releases.get(queue)
+            if released is None:
+                released = self._claim_release([queue])
+                if released is None:
+                    return  # released already
+                self._start_release([queue], released)
+        await _until_closed(released)
+
+    def _claim_release(self, queues: list[Queue]) -> HostEvents | None:
+        """Take ``queues`` (closed, settled) off the device, submission lock held: its
+        close no longer waits for them. A new list, not changed in place: a close on
+        another thread may be going through the old one. None if there are none."""
+        queues = [q for q in queues if q in self._unreleased]
+        if not queues:
+            return None
+        released = HostEvents()
+        for queue in queues:
+            self._unreleased.remove(queue)
+            self._releases[queue] = released
+            self._idle.discard(queue)
+            self._timelines.add(queue.timeline)  # its close ends waits on it (none reach it)
+            drop = self._on_drop.pop(queue, None)
+            if drop is not None:  # released here, not once collected
+                detached = drop.detach()
+                if detached is not None:
+                    self._natives.pop(detached[2][0], None)
+        self._queues = [q for q in self._queues if q not in queues]
+        self._adopted = {k: q for k, q in self._adopted.items() if q not in queues}
+        return released
+
+    def _start_release(
+        self,
+        queues: list[Queue],
+        released: HostEvents | None,
+        natives: list[NativeQueue] = (),  # type: ignore[assignment]
+    ) -> None:
+        """Close ``queues`` (and the native queues of collected ones) natively on a
+        thread: it may block, never on a loop. The device's close waits for it before it
+        closes the backend."""
+
+        def release() -> None:
+            try:
+                for queue in queues:
+                    with contextlib.suppress(Exception):  # (the device's close reports it)
+                        close_native(queue, False)
+                for native in natives:
+                    with contextlib.suppress(Exception):
+                        native.close(False)
+            finally:
+                with self._state.submitting:
+                    for queue in queues:
+                        self._releases.pop(queue, None)
+                if released is not None:
+                    released.increment()
+
+        thread = threading.Thread(target=release, name="asyncmetal queue close", daemon=True)
+        self._release_threads = [t for t in self._release_threads if t.is_alive()] + [thread]
+        thread.start()
+
     def _seal(self) -> None:
         self.closed = True  # (with the submission lock held: see close)
+        # Its idle queues close with the others (none is submitted to any more).
+        kept = set(self._queues)
+        self._queues = [*self._queues, *(q for q in list(self._idle) if q not in kept)]
 
     async def _finish_completable(self) -> dict[Queue, int]:
         """Wait until every queue of this device has finished all the commands that can
@@ -574,7 +741,8 @@ class Device:
         return each queue's limit, computed with nothing left to wait for."""
         while True:
             limits = await _count_completable()
-            behind = [q for q in self._queues if q.timeline.value < limits[q]]
+            # (A queue kept again after the count is counted the next time.)
+            behind = [q for q in self._queues if q.timeline.value < limits.get(q, 0)]
             if not behind:
                 return limits
             # Counted again now and then: another device's close, deciding what of its
@@ -589,9 +757,15 @@ class Device:
         ``blocked`` (or every queue, with ``abandon``) is stopped where it is, inside a
         device-side wait; the others have finished everything submitted."""
         self.closed = True
+        for thread in list(self._release_threads):  # queues closed before (idle ones)
+            thread.join()
         try:
-            for queue in self._queues:
+            kept = set(self._queues)
+            for queue in [*self._queues, *(q for q in list(self._idle) if q not in kept)]:
                 close_native(queue, abandon or queue in blocked)
+            for native, _ in self._take_dropped():  # collected with nothing in flight
+                native.close(abandon)
+            self._natives.clear()  # (each closed with its queue)
         finally:  # (also where one failed: other devices' closes wait for these to stop)
             self._state.stopped = True
         self._allocator.close(_completable)

@@ -6,7 +6,7 @@ import collections
 import inspect
 import numbers
 import weakref
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -154,7 +154,15 @@ class Queue:
     Arguments are checked before anything is submitted.
     """
 
-    def __init__(self, state: DeviceState, *, _made: object = None, _stream: object = None) -> None:
+    def __init__(
+        self,
+        state: DeviceState,
+        *,
+        _made: object = None,
+        _stream: object = None,
+        _closer: Callable[[Queue], Awaitable[None]] | None = None,
+        _keeper: Callable[[Queue], None] | None = None,
+    ) -> None:
         if _made is not MADE_BY_DEVICE:
             raise ArgumentTypeError("queues come from their device: device.new_queue()")
         self._state = state
@@ -174,6 +182,13 @@ class Queue:
         # Set by its device's close once it decided what can still complete: no command
         # past it (or past what ran by the time the queue stopped) will.
         self._final: int | None = None
+        # Once closed: why it refuses commands (see close). Its device closes it.
+        self._closed: str | None = None
+        self._closer = _closer
+        # Let go of by its device while it had nothing in flight (see let_go): the
+        # next submission has the device keep it again first (``_keeper``).
+        self._idle = False
+        self._keeper = _keeper
         # Common launches submitted by the native extension in one call (py_launch.c).
         self._launch_target = self._native.launch_target()
         self._fast_launch = (
@@ -200,7 +215,46 @@ class Queue:
     def handle(self) -> int | None:
         """The native stream under this queue (a ``CUstream`` address on cuda), for other
         libraries (``torch.cuda.ExternalStream(q.handle)``); None where there is none."""
+        self._check_open()
         return self._native.handle
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (or its device is closed)."""
+        return self._closed is not None or self._state.closed
+
+    def _check_open(self) -> None:
+        self._state.check_open()
+        if self._closed is not None:
+            raise ClosedResourceError(self._closed)
+
+    async def close(self) -> None:
+        """Let the commands submitted to this queue finish, then release what it holds
+        natively (a cpu queue's thread; a cuda stream -- an adopted one only on
+        asyncmetal's side, the stream stays its owner's -- its completion thread, events
+        and staging chunks; a Metal command queue). From the call on, submitting to the
+        queue raises ClosedResourceError; its timeline stays valid, and so do the
+        completions it returned. Closing it again, or once its device closed, does
+        nothing; ``async with device.new_queue() as q:`` closes it on exit. The default
+        queue (``device.queue``) closes with its device only.
+
+        Waiting for its commands is a checkpoint (a device-side wait may wait for a value
+        signalled later): cancelling it leaves the queue closed, and once its commands
+        ran it is released by the device's next new_queue(), a later close() or the
+        device's close. The release itself, once begun, runs to its end whatever
+        cancels the caller."""
+        if self._closer is None:
+            raise InvalidArgumentError(
+                f"the default queue of {self._state.name} (device.queue) is closed by "
+                "closing its device; close queues from device.new_queue() instead"
+            )
+        await self._closer(self)
+
+    async def __aenter__(self) -> Queue:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     @property
     def submitted(self) -> int:
@@ -226,9 +280,11 @@ class Queue:
         state = self._state
         # Refused before the lock too: in a forked child (whose devices are all closed)
         # the lock may be one a parent thread held at the fork.
-        state.check_open()
+        self._check_open()
         with state.submitting:
-            state.check_open()
+            self._check_open()
+            if self._idle:
+                self._kept()
             for buf in uses:  # freed on another thread since checked (see Buffer.free)
                 check_buffer(buf, "buffer")
             state.busy += 1  # (see DeviceState.busy)
@@ -245,6 +301,16 @@ class Queue:
                 state.busy -= 1
         return done
 
+    def _kept(self) -> None:
+        """Kept by its device again (submission lock held), before a command is handed
+        over: a queue with commands in flight is never let go of."""
+        assert self._keeper is not None
+        self._keeper(self)
+        self._idle = False
+        self._fast_launch = (
+            None if self._launch_target is None else _extension_launch(type(self._state.device))
+        )
+
     def marker(self) -> Completion:
         """A Completion for everything submitted to this queue so far: awaiting it
         resumes once all of it has finished (a checkpoint; cancelling detaches this
@@ -252,7 +318,7 @@ class Queue:
         stream now: on a queue over an adopted stream (``device.adopt_stream``) it also
         covers what other libraries submitted to that stream before this call."""
         if not self._native.markers:
-            self._state.check_open()
+            self._check_open()
             return Completion(self, self._submitted)
         return self._submit(self._native.marker)
 
@@ -354,9 +420,10 @@ class Queue:
         timeline -- this one, or another that would come after this one -- must run
         before anything can raise it that far (see ``_self_wait``).
         """
+        self._check_open()
         timeline = check_timeline(timeline, "timeline", self._state.kind)
         value, earlier = order_queue_signal(timeline, value, self.timeline)
-        self._state.check_open()  # (before the lock: see _submit)
+        self._check_open()  # (before the lock: see _submit)
         with self._state.submitting:  # recorded with it, for a close's count (as wait)
             beyond = waits_beyond_signals(timeline)
             if beyond:  # a device wait for more than the signals so far: this one's to reach
@@ -391,7 +458,7 @@ class Queue:
         # Recorded as a device wait with the command, under the lock a close counts
         # under (Device._finish_completable): counted in between, it would seem to be
         # one that completes, and the close would wait for it for good.
-        self._state.check_open()  # (before the lock: see _submit)
+        self._check_open()  # (before the lock: see _submit)
         with self._state.submitting:
             done = self._submit(self._native.wait, timeline.native, value)
             self._track(done.value, True, timeline, value)
@@ -420,6 +487,7 @@ class Queue:
     ) -> Completion:
         """``copy``; ``in_place``: buffers of another kind of device whose memory is the
         host operand (see ``copy_in_place``)."""
+        self._check_open()
         operands = copy_operands(self._state, dst, src, nbytes)
         self._after(operands.buffers)
         hook = getattr(self._native, operands.hook)
@@ -435,6 +503,7 @@ class Queue:
         ordered), so ``q.after(buf).launch(k, buf)`` is how a launch on one queue sees a
         copy or launch submitted on another. Returns the queue.
         """
+        self._check_open()
         for buf in buffers:
             if not isinstance(buf, Buffer):
                 raise ArgumentTypeError(f"after() takes Buffers, got {type(buf).__name__}")
@@ -813,6 +882,44 @@ def flush(queue: Queue) -> None:
 def close_native(queue: Queue, abandon: bool) -> None:
     """Close ``queue``'s backend queue (see ``NativeQueue.close``). May block."""
     queue._native.close(abandon)
+
+
+def seal(queue: Queue, why: str) -> bool:
+    """Close ``queue`` to commands (see Queue.close), with its device's submission lock
+    held: none of another thread is half submitted. False if it already was. The native
+    launch path is turned off too: a launch reads ``_fast_launch`` and enters the
+    extension with no Python code between, so no other thread runs meanwhile, and the
+    extension hands the command over without running any either (see _submit)."""
+    if queue._closed is not None:
+        return False
+    queue._closed = why
+    queue._fast_launch = None
+    return True
+
+
+def let_go(queue: Queue) -> bool:
+    """Whether ``queue`` (submission lock held, not closed) has nothing in flight; if
+    so it is marked idle: its device no longer keeps it alive, and its next submission
+    takes the Python path, which has the device keep it again first. The native launch
+    path is turned off before its number is read: a launch that read it before has
+    handed its command over already (see seal)."""
+    fast, queue._fast_launch = queue._fast_launch, None
+    # (One whose last command failed stays: Device.synchronize reports its error.)
+    if queue._closed is not None or not settled(queue) or queue._failure(queue._submitted):
+        queue._fast_launch = fast
+        return False
+    queue._idle = True
+    return True
+
+
+def native_queue(queue: Queue) -> NativeQueue:
+    """``queue``'s backend queue (to release it once the queue was collected)."""
+    return queue._native
+
+
+def settled(queue: Queue) -> bool:
+    """Whether every command submitted to ``queue`` has finished (or was settled)."""
+    return queue.timeline.value >= queue._submitted
 
 
 def abandon(queue: Queue, first: int) -> None:

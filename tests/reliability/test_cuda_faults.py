@@ -588,6 +588,33 @@ async def test_the_null_stream_is_the_legacy_one_and_a_consumer_gets_buffer_erro
         await dev.close()
 
 
+async def test_closing_a_cuda_queue_releases_its_stream_and_leaves_an_adopted_one_to_its_owner(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """Queue.close releases a queue's native side (its completion thread: am_cuq_close)
+    and destroys the stream it made; an adopted stream's queue releases asyncmetal's
+    side only, and adopting the stream again gives a new queue."""
+    assert driver.runtime is not None
+    dev = await am.open_device("cuda:0")
+    try:
+        kept = len(driver.runtime.queues)
+        made, adopted = dev.new_queue(), dev.adopt_stream(1)
+        assert len(driver.runtime.queues) == kept + 2
+        await made.close()
+        assert len(driver.runtime.queues) == kept + 1
+        assert driver.calls.count("cuStreamDestroy") == 1
+        await adopted.close()
+        assert len(driver.runtime.queues) == kept
+        assert driver.calls.count("cuStreamDestroy") == 1  # the stream stays its owner's
+        with pytest.raises(am.ClosedResourceError):
+            adopted.marker()
+        again = dev.adopt_stream(1)
+        assert again is not adopted and not again.closed
+    finally:
+        await dev.close()
+    assert driver.calls.count("cuStreamDestroy") == 2  # the default queue's: none twice
+
+
 @pytest.mark.anyio
 async def test_a_command_that_waited_for_a_failed_commands_value_names_it(
     anyio_backend: object, driver: _Driver

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import pickle
 import subprocess
 import sys
@@ -752,3 +753,58 @@ def test_a_fault_on_one_gpu_loses_the_other_gpu_too() -> None:
     lost = "DeviceLostError True cuda:1"
     expected = [f"{what} {lost}" for what in ("fault", "alloc", "launch", "copy", "open")]
     assert lines == [*expected, "closed", "exiting"], "\n".join(lines)
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+async def test_closed_and_dropped_queues_release_their_streams(anyio_backend: object) -> None:
+    """Queue.close releases a queue's stream, completion thread, events and staging
+    chunks (a large pageable copy staged through them first); a queue dropped with
+    nothing in flight is released too, a few new_queue() calls later."""
+    async with am.open_device("cuda:0") as dev:
+        fill = await dev.compile(KERNELS, "fill")
+        n = 16 << 20  # 64 MiB of pageable memory: staged through pinned chunks
+        buf = await dev.alloc(4 * n)
+        for i in range(3):
+            async with dev.new_queue() as q:
+                await q.copy(buf, np.full(n, i, np.int32))
+            assert (await buf.read(np.int32))[:: n // 8].tolist() == [i] * 8
+        # Counted from here: the driver starts threads of its own at the first staging.
+        await dev.new_queue().close()
+        before = _threads()
+        for i in range(100):
+            q = dev.new_queue()
+            await q.launch(fill, buf, vals=(i, 1024), global_size=1024)
+            await q.close()
+        assert _threads() <= before + 8
+        for i in range(200):
+            await dev.new_queue().launch(fill, buf, vals=(i, 1024), global_size=1024)
+        with anyio.fail_after(10):
+            while _threads() > before + 64:  # (200 completion threads without it)
+                await anyio.sleep(0.01)
+        assert (await buf.read(np.int32))[:1024].tolist() == [199] * 1024
+
+
+async def test_closing_an_adopted_streams_queue_leaves_the_stream_to_its_owner(
+    anyio_backend: object,
+) -> None:
+    torch = pytest.importorskip("torch")
+    stream = torch.cuda.Stream()
+    async with am.open_device("cuda:0") as dev:
+        fill = await dev.compile(KERNELS, "fill")
+        buf = await dev.alloc(4 * 1024)
+        queue = dev.adopt_stream(stream)
+        await queue.launch(fill, buf, vals=(5, 1024), global_size=1024)
+        await queue.close()
+        with pytest.raises(am.ClosedResourceError):
+            queue.marker()
+        with torch.cuda.stream(stream):  # still its owner's, and usable
+            out = torch.ones(1024, device="cuda:0") * 3
+        stream.synchronize()
+        assert int(out.sum()) == 3 * 1024
+        again = dev.adopt_stream(stream)
+        assert again is not queue
+        await again.launch(fill, buf, vals=(6, 1024), global_size=1024)
+        assert (await buf.read(np.int32)).tolist() == [6] * 1024

@@ -1,0 +1,335 @@
+"""Queue lifetime: Queue.close releases a queue's native resources (a cpu queue's
+thread, a Metal command queue); a closed queue refuses commands; the default queue
+closes with its device only."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import threading
+import time
+
+import anyio
+import numpy as np
+import pytest
+
+import asyncmetal as am
+from asyncmetal.backends.cpu import CPUQueue
+from tests.support.kernels import KERNELS, MSL_KERNELS
+
+pytestmark = pytest.mark.anyio
+
+INC = "void inc(int* x) { x[0] += 1; }"
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+async def test_closed_queues_release_their_threads(anyio_backend: object) -> None:
+    async with am.open_device("cpu") as dev:
+        inc = await dev.compile(INC, "inc")
+        buf = await dev.alloc(4)
+        await buf.write(np.zeros(1, np.int32))
+        before = threads()
+        for _ in range(300):
+            q = dev.new_queue()
+            await q.launch(inc, buf)
+            await q.close()
+        assert threads() <= before + 2  # (a release thread may still be ending)
+        assert (await buf.read(np.int32))[0] == 300
+
+
+async def test_close_waits_for_submitted_commands(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    buf = await device.alloc(4)
+    q = device.new_queue()
+    q.launch(kernels["sleep_ms"], vals=(50,))
+    last = q.launch(kernels["fill"], buf, vals=(7, 1))
+    await q.close()
+    assert last.done()
+    assert q.timeline.value == 2
+    assert (await buf.read(np.int32))[0] == 7
+
+
+async def test_close_waits_for_a_device_wait_signalled_later(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    buf = await device.alloc(4)
+    tl = device.timeline()
+    q = device.new_queue()
+    q.wait(tl, 1)
+    filled = q.launch(kernels["fill"], buf, vals=(5, 1))
+    closed = anyio.Event()
+
+    async def close() -> None:
+        await q.close()
+        closed.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(close)
+        await anyio.sleep(0.05)
+        assert not closed.is_set() and not filled.done()
+        with pytest.raises(am.ClosedResourceError):  # refused as soon as close is called
+            q.launch(kernels["empty"])
+        tl.signal(1)
+    assert closed.is_set() and filled.done()
+    assert (await buf.read(np.int32))[0] == 5
+
+
+async def test_a_closed_queue_refuses_commands(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    buf = await device.alloc(4)
+    tl = device.timeline()
+    q = device.new_queue()
+    q.signal(tl, 1)
+    done = q.launch(kernels["fill"], buf, vals=(3, 1))
+    await q.close()
+    assert q.closed
+    calls = {
+        "launch": lambda: q.launch(kernels["fill"], buf, vals=(3, 1)),
+        "signal": lambda: q.signal(tl, 2),
+        "wait": lambda: q.wait(tl, 1),
+        "copy": lambda: q.copy(buf, np.zeros(1, np.int32)),
+        "after": lambda: q.after(buf),
+        "marker": lambda: q.marker(),
+        "handle": lambda: q.handle,
+    }
+    for name, call in calls.items():
+        with pytest.raises(am.ClosedResourceError, match=r"queue of .* was closed"):
+            call()
+        assert q.submitted == 2, name
+    # Its timeline, the timelines it signalled and its completions stay valid.
+    await done
+    await q.timeline.wait(2)
+    assert tl.value == 1
+    device.queue.wait(q.timeline, 2)  # another queue may still wait on its values
+    await device.queue.synchronize()
+    await q.close()  # again: nothing to do
+    assert (await buf.read(np.int32))[0] == 3
+
+
+async def test_the_default_queue_closes_with_its_device_only(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    with pytest.raises(am.InvalidArgumentError, match=r"default queue .* closing its device"):
+        await device.queue.close()
+    assert not device.queue.closed
+    await device.queue.launch(kernels["empty"])
+
+
+async def test_async_with_closes_the_queue(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    async with device.new_queue() as q:
+        done = q.launch(kernels["sleep_ms"], vals=(20,))
+    assert q.closed and done.done()
+    with pytest.raises(am.ClosedResourceError):
+        q.launch(kernels["empty"])
+
+
+async def test_a_queue_closed_before_its_device_is_not_closed_again(
+    anyio_backend: object, device_name: str
+) -> None:
+    dev = await am.open_device(device_name)
+    queues = [dev.new_queue() for _ in range(3)]
+    for q in queues[:2]:
+        await q.close()
+    await dev.close()
+    assert all(q.closed for q in queues)
+    await queues[2].close()  # closed with the device: nothing to do
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+async def test_a_cancelled_close_leaves_the_queue_closed_and_releases_it_later(
+    anyio_backend: object,
+) -> None:
+    async with am.open_device("cpu") as dev:
+        fill = await dev.compile("void fill(int* x, int v) { x[0] = v; }", "fill")
+        buf = await dev.alloc(4)
+        tl = dev.timeline()
+        before = threads()
+        q = dev.new_queue()
+        q.wait(tl, 1)
+        filled = q.launch(fill, buf, vals=(9,))
+        with anyio.move_on_after(0.05) as scope:
+            await q.close()  # waits for the wait: cancelled
+        assert scope.cancelled_caught
+        with pytest.raises(am.ClosedResourceError):
+            q.launch(fill, buf, vals=(1,))
+        tl.signal(1)  # what it waited for comes: its commands run
+        await filled
+        assert (await buf.read(np.int32))[0] == 9
+        dev.new_queue()  # released here (on a thread of its own)
+        with anyio.fail_after(5):
+            while threads() > before + 1:
+                await anyio.sleep(0.01)
+        await q.close()  # released: nothing to do
+
+
+async def test_a_cancelled_close_of_a_blocked_queue_leaves_it_to_the_device(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    tl = device.timeline()
+    q = device.new_queue()
+    q.wait(tl, 1)
+    blocked = q.launch(kernels["empty"])
+    with anyio.move_on_after(0.05):
+        await q.close()
+    await device.close()  # abandons what nothing will signal
+    with pytest.raises(am.ClosedResourceError):
+        await blocked
+    await q.close()
+
+
+# -- queues dropped without close --------------------------------------------------------
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+async def test_dropped_queues_release_their_threads(anyio_backend: object) -> None:
+    async with am.open_device("cpu") as dev:
+        inc = await dev.compile(INC, "inc")
+        buf = await dev.alloc(4)
+        await buf.write(np.zeros(1, np.int32))
+        before = threads()
+        for _ in range(400):
+            await dev.new_queue().launch(inc, buf)
+        assert (await buf.read(np.int32))[0] == 400
+        # Released on threads of their own, a batch at a time (each kept till then).
+        with anyio.fail_after(10):
+            while threads() > before + 24:  # (400 more without letting go of them)
+                await anyio.sleep(0.01)
+
+
+async def test_a_dropped_queue_with_pending_work_still_runs_it(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    buf = await device.alloc(4)
+    start, done = device.timeline(), device.timeline()
+    q = device.new_queue()
+    q.wait(start, 1)
+    q.launch(kernels["fill"], buf, vals=(4, 1))
+    q.signal(done, 1)  # another queue waits for it on the device
+    waiter = device.new_queue()
+    waiter.wait(done, 1)
+    after = waiter.launch(kernels["fill"], buf, vals=(6, 1))
+    del q
+    gc.collect()
+    for _ in range(40):  # the device looks for queues to let go of meanwhile
+        device.new_queue()
+    await anyio.sleep(0.02)
+    assert done.value == 0 and not after.done()
+    start.signal(1)
+    with anyio.fail_after(10):
+        await done.wait(1)
+        await after
+    assert (await buf.read(np.int32))[0] == 6
+
+
+async def test_a_kept_queue_let_go_of_while_idle_goes_on_working(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    buf = await device.alloc(4)
+    q = device.new_queue()
+    await q.launch(kernels["fill"], buf, vals=(1, 1))
+    for _ in range(40):  # the device lets go of idle queues meanwhile
+        device.new_queue()
+    assert q.launch(kernels["empty"]).value == 2
+    assert [q.launch(kernels["fill"], buf, vals=(v, 1)).value for v in (2, 3)] == [3, 4]
+    tl = device.timeline()
+    q.wait(tl, 1)
+    last = q.launch(kernels["fill"], buf, vals=(8, 1))
+    for _ in range(40):
+        device.new_queue()
+    tl.signal(1)
+    await device.synchronize()  # it counts the queue with work in flight
+    assert last.done()
+    assert (await buf.read(np.int32))[0] == 8
+
+
+async def test_closing_a_device_waits_for_a_queue_kept_again(
+    anyio_backend: object, device_name: str
+) -> None:
+    dev = await am.open_device(device_name)
+    sleep = await dev.compile(KERNELS if device_name == "cpu" else MSL_KERNELS, "sleep_ms")
+    q = dev.new_queue()
+    await q.launch(sleep, vals=(1,))
+    for _ in range(40):
+        dev.new_queue()
+    last = q.launch(sleep, vals=(50,))
+    idle = dev.new_queue()
+    for _ in range(40):
+        dev.new_queue()
+    await dev.close()
+    assert last.done() and q.closed and idle.closed
+    with pytest.raises(am.ClosedResourceError, match="is closed"):
+        idle.launch(sleep, vals=(1,))
+
+
+def _slow_release(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """cpu queues take 0.2 s to release; the event is set once one has been."""
+    released = threading.Event()
+    original = CPUQueue.close
+
+    def close(self: CPUQueue, abandon: bool = False) -> None:
+        time.sleep(0.2)
+        original(self, abandon)
+        released.set()
+
+    monkeypatch.setattr(CPUQueue, "close", close)
+    return released
+
+
+async def test_a_close_cancelled_as_it_releases_returns_once_released(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    released = _slow_release(monkeypatch)
+    async with am.open_device("cpu") as dev:
+        q = dev.new_queue()
+        with anyio.move_on_after(0.05):
+            await q.close()
+        assert released.is_set()  # never left half released
+        await q.close()  # released: nothing to do
+
+
+def test_a_close_cancelled_by_asyncio_as_it_releases_returns_once_released(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """asyncio's own task.cancel(), which no shielded scope stops."""
+    released = _slow_release(monkeypatch)
+
+    async def main() -> None:
+        async with am.open_device("cpu") as dev:
+            task = asyncio.ensure_future(dev.new_queue().close())
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert released.is_set()
+
+    asyncio.run(main())
+
+
+async def test_closing_the_device_ends_waits_on_a_closed_queues_timeline(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    q = device.new_queue()
+    await q.launch(kernels["empty"])
+    await q.close()
+    ended = anyio.Event()
+
+    async def wait_beyond() -> None:
+        with pytest.raises(am.ClosedResourceError):
+            await q.timeline.wait(2)  # never submitted: only the close ends it
+        ended.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait_beyond)
+        await anyio.sleep(0.02)
+        assert not ended.is_set()
+        await device.close()
+    assert ended.is_set()
