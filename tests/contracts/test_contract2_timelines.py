@@ -16,6 +16,7 @@ import pytest
 import asyncmetal as am
 from asyncmetal import _native
 from asyncmetal._timeline import wait_value
+from tests.support.queues import held_queue
 
 pytestmark = pytest.mark.anyio
 
@@ -39,9 +40,7 @@ async def test_each_queue_counts_from_one(
 async def test_completion_follows_the_value_reached(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:
-    tl = device.timeline()
-    q = device.new_queue()
-    q.wait(tl, 1)
+    q, tl = held_queue(device)
     later = [q.launch(kernels["empty"]) for _ in range(4)]
     await anyio.sleep(0.02)
     assert not any(c.done() for c in later)

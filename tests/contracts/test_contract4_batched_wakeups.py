@@ -10,6 +10,7 @@ import anyio.lowlevel
 import pytest
 
 import asyncmetal as am
+from tests.support.queues import held_queue
 from tests.support.stress import park_all
 
 pytestmark = pytest.mark.anyio
@@ -40,9 +41,7 @@ async def test_64_timeline_waiters_one_signal_one_wakeup(device: am.Device) -> N
 async def test_64_launch_waiters_released_together(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:
-    tl = device.timeline()
-    q = device.new_queue()
-    q.wait(tl, 1)
+    q, tl = held_queue(device)
     completions = [q.launch(kernels["empty"]) for _ in range(64)]
     async with anyio.create_task_group() as tg:
         for c in completions:
