@@ -3,12 +3,16 @@ stress test over several queues and two devices checks every byte."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import anyio
 import numpy as np
 import pytest
 
 import asyncmetal as am
 from asyncmetal import _transfer
+from tests.support.queues import held_queue
 from tests.support.stress import interleavings
 
 pytestmark = pytest.mark.anyio
@@ -134,3 +138,29 @@ async def test_random_interleavings_two_devices_every_byte(
     async with am.open_device("cpu:0") as d0, am.open_device("cpu:1") as d1:
         mixes = [await d.compile(MIX, "mix") for d in (d0, d1)]
         await interleavings([d0, d1], mixes, {}, seed)
+
+
+async def test_a_copys_host_array_is_let_go_of_once_its_copy_is_awaited(
+    device: am.Device,
+) -> None:
+    """The queue keeps a copy's host array until the copy is done; the task that
+    awaited it lets it go then (checked: before, it stayed until the queue's next
+    submission -- for an idle queue, as long as the device lived)."""
+    buf = await device.alloc(1 << 20)
+    q, tl = held_queue(device)
+    host = np.ones(1 << 18, np.float32)
+    gone = anyio.Event()
+    weakref.finalize(host, gone.set)
+    done = q.copy(buf, host)
+    del host
+
+    async def go_on() -> None:
+        await anyio.sleep(0.01)  # the copy's task parks first
+        tl.signal(1)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(go_on)
+        await done
+    gc.collect()
+    assert gone.is_set()
+    assert (await buf.read(np.float32) == 1).all()
