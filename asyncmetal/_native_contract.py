@@ -39,6 +39,7 @@ NAMES: dict[str, str] = {
     "Queue.device": "device",  # the queue's Device
     "Queue.submitted": "_submitted",  # int: the last value numbered; set to the next one
     "Queue.state": "_state",  # its DeviceState (a plain attribute: read with no Python code)
+    "Queue.fast": "_fast_launch",  # None while the queue is closed or let go of (idle)
     "DeviceState.closed": "closed",  # bool (a slot)
     "DeviceState.busy": "busy",  # int: Python-path submissions under way (a slot)
     "Program.device": "device",  # must be the queue's device

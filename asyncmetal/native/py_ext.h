@@ -32,6 +32,7 @@
     X(QUEUE_DEVICE, "Queue.device")                                                       \
     X(QUEUE_SUBMITTED, "Queue.submitted")                                                 \
     X(QUEUE_STATE, "Queue.state")                                                         \
+    X(QUEUE_FAST, "Queue.fast")                                                           \
     X(STATE_CLOSED, "DeviceState.closed")                                                 \
     X(STATE_BUSY, "DeviceState.busy")                                                     \
     X(PROGRAM_DEVICE, "Program.device")                                                   \

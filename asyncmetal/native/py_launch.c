@@ -156,8 +156,18 @@ static PyObject *submit(PyObject *queue, PyObject *state, const target_t *t, voi
     PyObject *done = NULL;
     if (PyObject_SetAttr(queue, NAME(QUEUE_SUBMITTED), value_obj)) goto out;
     int closed = attr_true(state, NAME(STATE_CLOSED));
+    /* From here to the hand-over no Python code runs, so no other thread can close the
+     * queue, have the device let go of it, or free a buffer: checked last here (Python
+     * code -- a collection -- may have run since the launch's own checks). */
+    if (!closed) {
+        PyObject *fast = PyObject_GetAttr(queue, NAME(QUEUE_FAST));
+        closed = !fast ? -1 : fast == Py_None;
+        Py_XDECREF(fast);
+    }
+    for (Py_ssize_t i = 0; !closed && i < nbuf; i++)
+        closed = attr_true(allocations[i], NAME(ALLOCATION_FREED));
     if (closed) {
-        if (closed > 0) done = Py_NewRef(Py_None);  /* the Python path raises it */
+        if (closed > 0) done = Py_NewRef(Py_None);  /* the Python path raises or takes it */
         unnumber(queue, value);
         goto out;
     }
@@ -190,7 +200,22 @@ static PyObject *submit(PyObject *queue, PyObject *state, const target_t *t, voi
         Py_XDECREF(code_obj);
         goto out;
     }
-    /* Handed over: Python code may run from here on. */
+    /* Each buffer's allocation: used by this queue up to value (unless another thread's
+     * later command of the queue recorded a higher value) -- before any Python code runs:
+     * a free on another thread then sees this use and waits for it. */
+    for (Py_ssize_t i = 0; i < nbuf; i++) {
+        PyObject *uses = PyObject_GetAttr(allocations[i], NAME(ALLOCATION_LAST_USE));
+        int failed = !uses;
+        if (uses) {
+            PyObject *had = PyDict_CheckExact(uses) ? PyDict_GetItemWithError(uses, queue) : NULL;
+            if (!PyErr_Occurred() && (!had || PyLong_AsUnsignedLongLong(had) < value))
+                PyObject_SetItem(uses, queue, value_obj);
+            failed = PyErr_Occurred() != NULL;
+            Py_DECREF(uses);
+        }
+        if (failed) goto out;
+    }
+    /* Recorded: Python code may run from here on. */
     done = PyObject_CallFunctionObjArgs(Completion_type, queue, value_obj, NULL);
     if (!done) goto out;
     if (t->kind == 0) {
@@ -215,23 +240,6 @@ static PyObject *submit(PyObject *queue, PyObject *state, const target_t *t, voi
                 goto out;
             }
             Py_DECREF(res);
-        }
-    }
-    /* Each buffer's allocation: used by this queue up to value -- unless another
-     * thread's later command of the queue recorded a higher value meanwhile. */
-    for (Py_ssize_t i = 0; i < nbuf; i++) {
-        PyObject *uses = PyObject_GetAttr(allocations[i], NAME(ALLOCATION_LAST_USE));
-        int failed = !uses;
-        if (uses) {
-            PyObject *had = PyDict_CheckExact(uses) ? PyDict_GetItemWithError(uses, queue) : NULL;
-            if (!PyErr_Occurred() && (!had || PyLong_AsUnsignedLongLong(had) < value))
-                PyObject_SetItem(uses, queue, value_obj);
-            failed = PyErr_Occurred() != NULL;
-            Py_DECREF(uses);
-        }
-        if (failed) {
-            Py_CLEAR(done);
-            goto out;
         }
     }
 out:

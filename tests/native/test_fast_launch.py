@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import enum
 import random
+import threading
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -202,3 +204,86 @@ async def test_random_launches_end_alike_with_and_without_it(
     for a, b in pairs:
         assert np.array_equal(await a.read(), await b.read())
     assert took > 100 and failed > 100, (took, failed)  # both kinds were exercised
+
+
+SLOW_FILL = """
+void slow_fill(int* out, int value, int n, int iters) {
+    volatile int x = 0;
+    for (int i = 0; i < iters; i++) x += i;
+    for (int j = 0; j < n; j++) out[j] = value;
+}
+"""
+
+
+def _on_another_thread(action: Any) -> None:
+    """Run ``action`` (an async function) to its end on a loop in another thread, as
+    another thread's code would, while the launch on this one is inside the extension."""
+    thread = threading.Thread(target=anyio.run, args=(action,))
+    thread.start()
+    thread.join()
+
+
+async def test_a_queue_closed_as_it_reads_the_arguments_is_declined(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread closes the queue (or the device lets go of it) while the native
+    path runs Python code reading the arguments (here a buffer's ``device``, made a
+    property): the launch is declined and the Python path refuses it. Checked: before,
+    the command went to the closed queue's freed native queue and never completed."""
+    _extension()
+    async with am.open_device("cpu") as device:
+        fill = await device.compile(KERNELS, "fill")
+        buf = await device.alloc(64)
+        queue = device.new_queue()
+        await queue.launch(fill, buf, vals=(1, 16))
+        closing = [True]
+
+        def device_then_close(self: am.Buffer) -> am.Device:
+            if closing and self is buf:
+                closing.clear()
+                _on_another_thread(queue.close)
+            return device
+
+        monkeypatch.setattr(am.Buffer, "device", property(device_then_close), raising=False)
+        with pytest.raises(am.ClosedResourceError, match="closed"):
+            queue.launch(fill, buf, vals=(7, 16))
+        monkeypatch.undo()
+        assert not closing and queue.submitted == 1
+
+
+async def test_a_buffer_freed_as_its_launch_is_numbered_waits_for_it(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread frees the buffer while the native path makes the launch's
+    Completion (Python code): the launch's use is recorded before that, so the free
+    waits for the kernel and the next allocation does not get memory it still writes.
+    Checked: before, the use was recorded after the Completion, the free released the
+    memory at once, and the kernel wrote into the next owner's buffer."""
+    _extension()
+    from asyncmetal._queue import Completion
+
+    async with am.open_device("cpu") as device:
+        slow_fill = await device.compile(SLOW_FILL, "slow_fill")
+        buf = await device.alloc(256)
+        queue = device.new_queue()
+        await queue.launch(slow_fill, buf, vals=(1, 64, 1))
+        other: list[am.Buffer] = []
+        init = Completion.__init__
+
+        def init_then_free(self: Completion, *args: Any) -> None:
+            init(self, *args)
+            if not other:
+
+                async def free_and_reuse() -> None:
+                    await buf.free()
+                    other.append(await device.alloc(256))
+                    await other[0].write(np.zeros(64, np.int32))
+
+                _on_another_thread(free_and_reuse)
+
+        monkeypatch.setattr(Completion, "__init__", init_then_free)
+        done = queue.launch(slow_fill, buf, vals=(7, 64, 50_000_000))
+        monkeypatch.undo()
+        assert other, "the free did not run inside the launch"
+        await done
+        assert (await other[0].read(np.int32) == 0).all(), "the freed buffer's kernel wrote it"
