@@ -246,6 +246,12 @@ class Allocator:
         self._frees = _Releases()
         self._lock = threading.Lock()
 
+    def forked(self) -> None:
+        """In a forked child: a parent thread may have held a lock at the fork (it is
+        never let go of here)."""
+        self._lock = threading.Lock()
+        self._free_lock = threading.Lock()
+
     # -- allocation ----------------------------------------------------------------------
 
     async def alloc(self, nbytes: int, timeout: float | None = None) -> Allocation:

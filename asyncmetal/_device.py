@@ -1165,6 +1165,7 @@ def _forget_parent_devices() -> None:
         # A thread of the parent may have held it at the fork: it is never let go here.
         device._state.submitting = threading.RLock()
         device._close_lock = threading.Lock()
+        device._allocator.forked()
         device._closing = None  # (a close under way in the parent: no teardown here)
         if device.closed:
             continue

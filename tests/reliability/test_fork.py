@@ -274,3 +274,55 @@ def test_a_forked_child_of_a_gpu_process_gets_errors_and_exits(kind: str, scenar
     assert proc.returncode == 0 and proc.stdout.split("\n")[-2:] == ["ok", ""], (
         proc.stdout + proc.stderr[-4000:]
     )
+
+
+_FORK_WHILE_THE_ALLOCATOR_IS_LOCKED = """
+import os, signal, sys, threading, time
+import anyio
+import asyncmetal as am
+
+async def main():
+    dev = await am.open_device("cpu")
+    buf = await dev.alloc(1 << 20)
+    await buf.free()  # cached
+    backend = dev._allocator._state.backend
+    free, inside = backend.free, threading.Event()
+
+    def slow_free(handle):  # a slow native free: the allocator's lock is held meanwhile
+        inside.set()
+        time.sleep(1.0)
+        free(handle)
+
+    backend.free = slow_free
+    evicting = threading.Thread(target=setattr, args=(dev, "memory_cache_limit", 0))
+    evicting.start()
+    inside.wait()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(10)  # a child that hangs is killed
+        dev.memory_statistics()
+        dev.memory_cache_limit = 0
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print(status)
+    evicting.join()
+    backend.free = free
+    await dev.close()
+
+anyio.run(main)
+"""
+
+
+def test_a_child_forked_while_a_thread_holds_the_allocators_lock_does_not_hang() -> None:
+    """Another thread of the parent held the device's allocator lock at the fork (a
+    slow native free): in the child the allocator's locks are new, so its statistics
+    and settings do not wait for a thread that does not exist there (checked: the child
+    hung in memory_statistics())."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORK_WHILE_THE_ALLOCATOR_IS_LOCKED],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["0"], (proc.stdout, proc.stderr[-3000:])
