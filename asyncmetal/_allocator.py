@@ -189,6 +189,8 @@ def _passed(queue: Queue, value: int) -> bool:
 # How often an allocation waiting while blocks are lent out (``np.from_dlpack(buf)``)
 # looks for loans that finished commands of idle queues still keep.
 LOAN_RECHECK_S = 0.01
+# How often an allocation waiting while the device itself is full tries again.
+FULL_RECHECK_S = 0.01
 
 
 class Allocator:
@@ -282,6 +284,13 @@ class Allocator:
             if remaining is not None and remaining <= 0:
                 raise self._oom(nbytes, f"no memory was freed within {timeout} s")
             wait = math.inf if remaining is None else remaining
+            if self.in_use + self._releasing + size <= self.budget:
+                # Not the budget: the device itself is full (its failed attempt counted
+                # a release, for allocations its reservation held back: not for this
+                # one, which would try again at once, for good). Wait for a release
+                # from now on, and look again now and then for one missed meanwhile.
+                seen = self._frees.value
+                wait = min(wait, FULL_RECHECK_S)
             if self._lent_out:  # a loan a finished command still keeps comes back now
                 let_go_everywhere()
                 # ... or later: a queue lets go of what its finished commands kept only

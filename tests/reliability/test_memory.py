@@ -858,3 +858,41 @@ async def test_peak_counts_only_memory_held(anyio_backend: object) -> None:
             await device.alloc(MiB)
         assert device.memory_statistics().peak == 512  # the 64 bytes' size class
         await held.free()
+
+
+@pytest.mark.anyio
+async def test_an_allocation_waiting_while_the_device_is_full_does_not_spin(
+    anyio_backend: object,
+) -> None:
+    """The device itself full (its allocator refuses) while a buffer is held: the
+    allocation waits for a release, trying again now and then, and gets its block once
+    the buffer is freed. Checked: before, its own failed attempt counted as a release
+    and it tried again at once, for good (about 100,000 native attempts a second on
+    the loop)."""
+    async with am.open_device("cpu:37") as dev:
+        backend = dev._allocator._state.backend
+        allocate, attempts = backend.allocate, [0]
+
+        def full_beyond_one(nbytes: int) -> Any:
+            attempts[0] += 1
+            if backend.live_allocations >= 1:
+                raise MemoryError("the device is full")
+            return allocate(nbytes)
+
+        backend.allocate = full_beyond_one  # type: ignore[method-assign]
+        held = await dev.alloc(1 << 20)
+        got: list[am.Buffer] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: _append(got, dev.alloc(1 << 20)))
+            await anyio.sleep(0.05)
+            attempts[0] = 0
+            await anyio.sleep(0.3)
+            assert not got and attempts[0] < 300, attempts[0]  # (about 60: 2 in 10 ms)
+            await held.free()
+        assert got
+        backend.allocate = allocate  # type: ignore[method-assign]
+        await got[0].free()
+
+
+async def _append(into: list[Any], awaitable: Any) -> None:
+    into.append(await awaitable)
