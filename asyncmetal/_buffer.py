@@ -319,8 +319,8 @@ def foreign_buffer(
     through another library) shares that buffer's record of uses: commands on either
     are ordered after those on the other, as on one buffer."""
     block = Block(handle, nbytes, owner)
-    address = getattr(handle, "address", handle)
-    if isinstance(address, int):
+    address = state.backend.loan_address(handle)  # where memory lent out comes back
+    if address is not None:
         shared = state.device._allocator.exported_uses(address, nbytes)
         if shared is not None:
             block.last_use = shared
