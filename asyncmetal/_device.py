@@ -264,10 +264,12 @@ class Device:
             dropped = self._take_dropped()
             for _, timeline in dropped:  # its close ends waits on it (none reach it)
                 self._timelines.add(timeline)
-        if released is not None:
-            self._start_release(ready, released)
-        if dropped:
-            self._start_release([], None, [native for native, _ in dropped])
+            # Started before the lock is let go: a close seals the device under it, so
+            # its thread is then among those the close waits for (see _start_release).
+            if released is not None:
+                self._start_release(ready, released)
+            if dropped:
+                self._start_release([], None, [native for native, _ in dropped])
         return queue
 
     def _take_dropped(self) -> list[tuple[NativeQueue, Timeline]]:
@@ -707,7 +709,9 @@ class Device:
         natives: list[NativeQueue] = (),  # type: ignore[assignment]
     ) -> None:
         """Close ``queues`` (and the native queues of collected ones) natively on a
-        thread: it may block, never on a loop. The device's close waits for it before it
+        thread: it may block, never on a loop. Submission lock held, from the claim of
+        what it releases on: the device's close, which seals the device under that lock,
+        then finds the thread among ``_release_threads`` and waits for it before it
         closes the backend."""
 
         def release() -> None:
