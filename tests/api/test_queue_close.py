@@ -373,3 +373,60 @@ async def test_a_release_new_queue_starts_ends_before_its_device_closes(
     for thread in dev._release_threads:
         thread.join(10)
     assert events.index("queue") < events.index("backend"), events
+
+
+async def test_a_queue_closed_as_its_device_closes_returns_once_its_commands_ran(
+    device: am.Device, kernels: dict[str, am.Program], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the device is sealed, its close still waits for what was submitted before:
+    so does a close of one of its queues."""
+    q = device.new_queue()
+    late: list[am.Completion] = []
+    seal = device._seal
+
+    def seal_after_a_command() -> None:  # (another thread's, just before the seal)
+        late.append(q.launch(kernels["sleep_ms"], vals=(100,)))
+        seal()
+
+    monkeypatch.setattr(device, "_seal", seal_after_a_command)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(device.close)
+        with anyio.fail_after(10):
+            while not device.closed:
+                await anyio.sleep(0.001)
+        await q.close()
+        assert late[0].done()
+
+
+async def test_a_queue_closed_as_its_device_closes_returns_once_released(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queue the device's close releases: its own close returns once that is done."""
+    go, released = threading.Event(), threading.Event()
+    original = CPUQueue.close
+
+    def close(self: CPUQueue, abandon: bool = False) -> None:
+        go.wait(10)
+        original(self, abandon)
+        if self is native:
+            released.set()
+
+    monkeypatch.setattr(CPUQueue, "close", close)
+    dev = await am.open_device("cpu")
+    q = dev.new_queue()
+    native = native_queue(q)
+    released_at_return: list[bool] = []
+
+    async def close_queue() -> None:
+        await q.close()
+        released_at_return.append(released.is_set())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(dev.close)
+        with anyio.fail_after(10):
+            while not dev.closed:
+                await anyio.sleep(0.001)
+        tg.start_soon(close_queue)
+        await anyio.sleep(0.05)
+        go.set()
+    assert released_at_return == [True]
