@@ -264,10 +264,12 @@ class Device:
             dropped = self._take_dropped()
             for _, timeline in dropped:  # its close ends waits on it (none reach it)
                 self._timelines.add(timeline)
-        if released is not None:
-            self._start_release(ready, released)
-        if dropped:
-            self._start_release([], None, [native for native, _ in dropped])
+            # Started before the lock is let go: a close seals the device under it, so
+            # its thread is then among those the close waits for (see _start_release).
+            if released is not None:
+                self._start_release(ready, released)
+            if dropped:
+                self._start_release([], None, [native for native, _ in dropped])
         return queue
 
     def _take_dropped(self) -> list[tuple[NativeQueue, Timeline]]:
@@ -658,25 +660,39 @@ class Device:
     async def _close_queue(self, queue: Queue) -> None:
         """Queue.close of one of its queues (not the default one): seal it, wait for its
         commands (a checkpoint), then release it natively on a thread of its own, which
-        every caller waits for (as close waits for its teardown)."""
+        every caller waits for (as close waits for its teardown). Once the device is
+        sealed its close does all that: this waits for that close to end instead."""
         with self._state.submitting:
-            if self.closed:
-                return  # closed with the device
-            if seal(queue, f"this queue of {self.name} was closed"):
+            closed = self.closed
+            if not closed and seal(queue, f"this queue of {self.name} was closed"):
                 self._unreleased.append(queue)
+        if closed:
+            await self._device_closed()  # closed with the device
+            return
         flush(queue)
         with contextlib.suppress(AsyncMetalError):  # a command's error: its awaiter's
             await wait_value(queue.timeline, queue.submitted)  # (whatever ended meanwhile)
         with self._state.submitting:
-            if self.closed:
-                return  # closed meanwhile: the device's close released it
-            released = self._releases.get(queue)
-            if released is None:
+            closed = self.closed  # (meanwhile: the device's close releases it)
+            released = None if closed else self._releases.get(queue)
+            if released is None and not closed:
                 released = self._claim_release([queue])
                 if released is None:
                     return  # released already
                 self._start_release([queue], released)
-        await _until_closed(released)
+        if released is None:
+            await self._device_closed()
+        else:
+            await _until_closed(released)
+
+    async def _device_closed(self) -> None:
+        """Wait until the device's close, sealed, has ended (a checkpoint): it finishes
+        what its queues were given and releases them. Cancelled, the close goes on."""
+        closing = self._closing
+        if closing is None:  # (closed without a teardown: a forked child's, at exit)
+            await checkpoint()
+        else:
+            await wait_value(closing, 1)
 
     def _claim_release(self, queues: list[Queue]) -> HostEvents | None:
         """Take ``queues`` (closed, settled) off the device, submission lock held: its
@@ -707,7 +723,9 @@ class Device:
         natives: list[NativeQueue] = (),  # type: ignore[assignment]
     ) -> None:
         """Close ``queues`` (and the native queues of collected ones) natively on a
-        thread: it may block, never on a loop. The device's close waits for it before it
+        thread: it may block, never on a loop. Submission lock held, from the claim of
+        what it releases on: the device's close, which seals the device under that lock,
+        then finds the thread among ``_release_threads`` and waits for it before it
         closes the backend."""
 
         def release() -> None:

@@ -242,14 +242,17 @@ class Queue:
         and staging chunks; a Metal command queue). From the call on, submitting to the
         queue raises ClosedResourceError; its timeline stays valid, and so do the
         completions it returned. Closing it again, or once its device closed, does
-        nothing; ``async with device.new_queue() as q:`` closes it on exit. The default
-        queue (``device.queue``) closes with its device only.
+        nothing; closing it while its device closes returns once the device's close has
+        ended (that close finishes the queue's commands and releases it). ``async with
+        device.new_queue() as q:`` closes it on exit. The default queue
+        (``device.queue``) closes with its device only.
 
         Waiting for its commands is a checkpoint (a device-side wait may wait for a value
         signalled later): cancelling it leaves the queue closed, and once its commands
         ran it is released by the device's next new_queue(), a later close() or the
         device's close. The release itself, once begun, runs to its end whatever
-        cancels the caller."""
+        cancels the caller. Waiting for the device's close is a checkpoint too: that
+        close goes on."""
         if self._closer is None:
             raise InvalidArgumentError(
                 f"the default queue of {self._state.name} (device.queue) is closed by "

@@ -9,13 +9,15 @@ import gc
 import os
 import threading
 import time
+from typing import Any
 
 import anyio
 import numpy as np
 import pytest
 
 import asyncmetal as am
-from asyncmetal.backends.cpu import CPUQueue
+from asyncmetal._queue import native_queue
+from asyncmetal.backends.cpu import CPUBackend, CPUQueue
 from tests.support.kernels import KERNELS, MSL_KERNELS
 from tests.support.queues import held_queue
 
@@ -323,3 +325,108 @@ async def test_closing_the_device_ends_waits_on_a_closed_queues_timeline(
         assert not ended.is_set()
         await device.close()
     assert ended.is_set()
+
+
+async def test_a_release_new_queue_starts_ends_before_its_device_closes(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queue whose close was cancelled is released by the next new_queue(), on a
+    thread of its own: a device close on another thread meanwhile waits for that
+    release before it closes the backend, however late the thread is started."""
+    events: list[str] = []
+    queue_close, backend_close = CPUQueue.close, CPUBackend.close
+
+    def close_queue(self: CPUQueue, abandon: bool = False) -> None:
+        events.append("queue" if self is native else "other queue")
+        queue_close(self, abandon)
+
+    def close_backend(self: CPUBackend) -> None:
+        events.append("backend")
+        backend_close(self)
+
+    monkeypatch.setattr(CPUQueue, "close", close_queue)
+    monkeypatch.setattr(CPUBackend, "close", close_backend)
+    dev = await am.open_device("cpu")
+    q, tl = held_queue(dev)
+    native = native_queue(q)
+    with anyio.move_on_after(0.02):
+        await q.close()  # cancelled: left for the next new_queue to release
+    tl.signal(1)
+    await q.timeline.wait(q.submitted)
+    entered, device_closed = threading.Event(), threading.Event()
+    start_release = dev._start_release
+
+    def late_start(*args: Any) -> None:
+        entered.set()
+        # Where new_queue starts the release with the submission lock let go, the
+        # device's close may run to its end before the thread starts: let it.
+        if not dev._state.submitting._is_owned():  # type: ignore[attr-defined]
+            device_closed.wait(10)
+        start_release(*args)
+
+    monkeypatch.setattr(dev, "_start_release", late_start)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(anyio.to_thread.run_sync, dev.new_queue)
+        await anyio.to_thread.run_sync(entered.wait, 10)
+        await dev.close()
+        device_closed.set()
+    for thread in dev._release_threads:
+        thread.join(10)
+    assert events.index("queue") < events.index("backend"), events
+
+
+async def test_a_queue_closed_as_its_device_closes_returns_once_its_commands_ran(
+    device: am.Device, kernels: dict[str, am.Program], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the device is sealed, its close still waits for what was submitted before:
+    so does a close of one of its queues."""
+    q = device.new_queue()
+    late: list[am.Completion] = []
+    seal = device._seal
+
+    def seal_after_a_command() -> None:  # (another thread's, just before the seal)
+        late.append(q.launch(kernels["sleep_ms"], vals=(100,)))
+        seal()
+
+    monkeypatch.setattr(device, "_seal", seal_after_a_command)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(device.close)
+        with anyio.fail_after(10):
+            while not device.closed:
+                await anyio.sleep(0.001)
+        await q.close()
+        assert late[0].done()
+
+
+async def test_a_queue_closed_as_its_device_closes_returns_once_released(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queue the device's close releases: its own close returns once that is done."""
+    go, released = threading.Event(), threading.Event()
+    original = CPUQueue.close
+
+    def close(self: CPUQueue, abandon: bool = False) -> None:
+        go.wait(10)
+        original(self, abandon)
+        if self is native:
+            released.set()
+
+    monkeypatch.setattr(CPUQueue, "close", close)
+    dev = await am.open_device("cpu")
+    q = dev.new_queue()
+    native = native_queue(q)
+    released_at_return: list[bool] = []
+
+    async def close_queue() -> None:
+        await q.close()
+        released_at_return.append(released.is_set())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(dev.close)
+        with anyio.fail_after(10):
+            while not dev.closed:
+                await anyio.sleep(0.001)
+        tg.start_soon(close_queue)
+        await anyio.sleep(0.05)
+        go.set()
+    assert released_at_return == [True]
