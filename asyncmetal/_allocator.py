@@ -247,11 +247,18 @@ class Allocator:
         )
         self._frees = _Releases()
         self._lock = threading.Lock()
+        # Native allocations under way (outside the lock), per thread: a close waits
+        # for them (on _allocated) before it frees anything, so that none of them calls
+        # the backend after the close's frees and the backend's own close.
+        self._allocating: collections.Counter[int] = collections.Counter()
+        self._allocated = threading.Condition(self._lock)
 
     def forked(self) -> None:
         """In a forked child: a parent thread may have held a lock at the fork (it is
-        never let go of here)."""
+        never let go of here), and its allocations under way are not the child's."""
         self._lock = threading.Lock()
+        self._allocated = threading.Condition(self._lock)
+        self._allocating = collections.Counter()
         self._free_lock = threading.Lock()
 
     # -- allocation ----------------------------------------------------------------------
@@ -342,25 +349,39 @@ class Allocator:
             # Reserved before the lock is let go: an allocation on another thread sees
             # it, so the two cannot both pass the budget while the backend allocates.
             self.in_use += size
+            thread = threading.get_ident()
+            self._allocating[thread] += 1  # a close waits until it is done
         try:
             handle = self._allocate(nbytes, size)
         except BaseException:
             with self._lock:
+                self._done_allocating(thread)
                 if not self.closed:  # (a close counted the reservation out already)
                     self.in_use -= size
             self._frees.increment()  # the reservation may have held another back
             raise
         with self._lock:
-            if self.closed:  # closed meanwhile: the device has no use for it, and its
-                if handle is not None:  # close counted the reservation out already
-                    self._state.backend.free(handle)
-                handle = None
-            elif handle is None:
-                self.in_use -= size
-            else:
-                return self._hand_out(Block(handle, size))
+            try:
+                if self.closed:  # closed meanwhile: the device has no use for it, and
+                    if handle is not None:  # its close counted the reservation out
+                        self._state.backend.free(handle)  # (before the close's frees)
+                    handle = None
+                elif handle is None:
+                    self.in_use -= size
+                else:
+                    return self._hand_out(Block(handle, size))
+            finally:
+                self._done_allocating(thread)
         self._frees.increment()
         return None
+
+    def _done_allocating(self, thread: int) -> None:
+        """(Under the lock.) A native allocation of ``thread`` is over: a close waiting
+        for it goes on."""
+        self._allocating[thread] -= 1
+        if not self._allocating[thread]:
+            del self._allocating[thread]
+            self._allocated.notify_all()
 
     def _larger_cached(self, size: int) -> list[Block] | None:
         """(Under the lock.) The cached blocks of the nearest of the next LARGER_CLASSES
@@ -685,12 +706,20 @@ class Allocator:
         """The device is closing and its queues are idle: fail waiting allocations and
         free everything natively -- once other devices' queues are done with it, as far
         as they can get: ``completable()`` says how far each queue can (see
-        ``_queue.completable``)."""
+        ``_queue.completable``), and once other threads' allocations inside the backend
+        are over. Runs on a thread of its own (or at exit), never a loop's."""
         self.closed = True
         self._frees.increment()  # waiting allocations wake and raise ClosedResourceError
         self._settle_foreign_uses(completable)
         self._free_releasing()  # (waits for a worker thread freeing cached blocks)
         with self._lock:
+            # Allocations inside the backend finish first (a native call that returns;
+            # the lock is let go meanwhile): seeing the close, they free what they got
+            # before the frees below, and none calls the backend after its close. Not
+            # this thread's own (a close from inside its allocate could never go on).
+            me = threading.get_ident()
+            while any(thread != me for thread in self._allocating):
+                self._allocated.wait()
             self._evict(self.cached)
             while self._returned:  # loans that ended before the close
                 self._returned.popleft().lent -= 1
