@@ -678,14 +678,14 @@ class Allocator:
         Returns the bytes released."""
         await checkpoint()
         with self._lock:
-            blocks = list(self._cache.values())
-            if not blocks:
+            if not self._cache:
                 return 0
+            # (No reference to a block kept here: its last one goes on the thread.)
+            self._releasing_blocks.extend(self._cache.values())
             self._cache.clear()
             self._by_size.clear()
             released, self.cached = self.cached, 0
             self._releasing += released
-            self._releasing_blocks.extend(blocks)
         try:
             # Not abandoned on cancellation: the blocks are freed when this returns.
             await anyio.to_thread.run_sync(self._free_releasing)

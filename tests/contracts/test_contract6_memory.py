@@ -7,6 +7,7 @@ import gc
 import os
 import threading
 import time
+import weakref
 
 import anyio
 import numpy as np
@@ -400,6 +401,45 @@ async def test_empty_memory_cache_releases_every_cached_block_off_the_loop(
     assert len(threads) == 4 and threading.get_ident() not in threads
     assert await device.empty_memory_cache() == 0  # nothing left
     await held.free()
+
+
+async def test_cpu_memory_is_let_go_of_off_the_loop(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cpu block's pages are unmapped (its array deallocated) on a thread of the
+    backend, not on the loop: evicted by an allocation, released beyond the cache's
+    limit, or released by empty_memory_cache."""
+    async with am.open_device("cpu:47") as dev:
+        backend = dev._backend
+        allocate = backend.allocate
+        threads: list[int] = []
+
+        def recorded_allocate(nbytes: int) -> object:
+            memory = allocate(nbytes)
+            weakref.finalize(memory.array.base, lambda: threads.append(threading.get_ident()))
+            return memory
+
+        monkeypatch.setattr(backend, "allocate", recorded_allocate)
+
+        async def let_go_of() -> int:
+            with anyio.fail_after(10):
+                while not threads:
+                    await anyio.sleep(0.001)
+            return threads.pop()
+
+        loop = threading.get_ident()
+        dev.memory_budget = 3 * MiB
+        await (await dev.alloc(2 * MiB)).free()  # cached
+        held = await dev.alloc(3 * MiB)  # evicts it
+        assert await let_go_of() != loop
+        dev.memory_cache_limit = MiB
+        await held.free()  # beyond the cache's limit: released
+        del held
+        assert await let_go_of() != loop
+        await (await dev.alloc(MiB)).free()
+        assert await dev.empty_memory_cache() == MiB
+        assert await let_go_of() != loop
+        assert not threads
 
 
 async def test_cancelling_empty_memory_cache(
