@@ -96,7 +96,7 @@ class MemoryStatistics:
     holds them."""
 
     in_use: int  # buffers handed out, and freed ones whose last use is in flight
-    cached: int  # freed blocks kept for reuse
+    cached: int  # freed blocks kept for reuse, or still being released (emptying it)
     peak: int  # the most held at once (in use + cached), since open or the last reset
     budget: int
     peak_in_use: int = 0  # the most in use at once, since open or the last reset
@@ -222,7 +222,7 @@ class Allocator:
         self._next_expiry = 0.0  # time.monotonic() of the next look for old blocks
         self.in_use = 0  # handed out, being allocated natively, or released later
         self.cached = 0
-        self.peak = 0  # the most bytes held at once (in use + cached)
+        self.peak = 0  # the most bytes held at once (in use, being released, cached)
         self.peak_in_use = 0
         # Cached blocks taken out to be freed natively off the loop (release_cached):
         # their bytes still count against the budget until they are freed.
@@ -417,8 +417,9 @@ class Allocator:
         self._live.add(block)
         if self.in_use > self.peak_in_use:
             self.peak_in_use = self.in_use
-        if self.in_use + self.cached > self.peak:
-            self.peak = self.in_use + self.cached
+        held = self.in_use + self._releasing + self.cached
+        if held > self.peak:
+            self.peak = held
         return block
 
     def _evict(self, nbytes: int) -> None:
@@ -462,7 +463,8 @@ class Allocator:
 
     def _oom(self, nbytes: int, detail: str, reserved: int = 0) -> OutOfMemoryError:
         in_use = self.in_use - reserved  # without this request's own reservation
-        return OutOfMemoryError(nbytes, in_use, self.cached, self.budget, detail)
+        cached = self.cached + self._releasing  # (as the statistics count them)
+        return OutOfMemoryError(nbytes, in_use, cached, self.budget, detail)
 
     # -- release -------------------------------------------------------------------------
 
@@ -659,11 +661,12 @@ class Allocator:
         self.sweep()
         with self._lock:
             self._expire(time.monotonic())
-            stats = MemoryStatistics(
-                self.in_use, self.cached, self.peak, self.budget, self.peak_in_use
-            )
+            # Blocks being released count as cached: freed, and held until their
+            # native frees are done (the budget counts them so too).
+            cached = self.cached + self._releasing
+            stats = MemoryStatistics(self.in_use, cached, self.peak, self.budget, self.peak_in_use)
             if reset_peaks:
-                self.peak = self.in_use + self.cached
+                self.peak = self.in_use + cached
                 self.peak_in_use = self.in_use
             return stats
 

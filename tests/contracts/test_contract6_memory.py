@@ -505,6 +505,39 @@ async def test_an_allocation_waits_for_blocks_being_released(
     await held.free()
 
 
+async def test_blocks_being_released_count_as_cached_until_freed(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While empty_memory_cache frees blocks off the loop, the statistics count them as
+    cached (the device holds them, and the budget counts them), and in the peak."""
+    backend = device._backend
+    held = await device.alloc(MiB)
+    await (await device.alloc(MiB)).free()  # 1 MiB cached
+    device.memory_statistics(reset_peaks=True)
+    gate = threading.Event()
+    free = backend.free
+
+    def slow_free(handle: object) -> None:
+        gate.wait(10)
+        free(handle)
+
+    monkeypatch.setattr(backend, "free", slow_free)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(device.empty_memory_cache)
+            await anyio.sleep(0.05)
+            try:
+                stats = device.memory_statistics()
+                more = await device.alloc(MiB)  # 3 MiB held at once
+            finally:
+                gate.set()
+    assert (stats.in_use, stats.cached) == (MiB, MiB)
+    stats = device.memory_statistics()
+    assert (stats.in_use, stats.cached, stats.peak) == (2 * MiB, 0, 3 * MiB)
+    await more.free()
+    await held.free()
+
+
 async def test_closing_waits_for_blocks_being_released(anyio_backend: object) -> None:
     dev = await am.open_device("cpu:44")
     backend = dev._backend
