@@ -96,7 +96,7 @@ class MemoryStatistics:
     holds them."""
 
     in_use: int  # buffers handed out, and freed ones whose last use is in flight
-    cached: int  # freed blocks kept for reuse
+    cached: int  # freed blocks kept for reuse, or still being released (emptying it)
     peak: int  # the most held at once (in use + cached), since open or the last reset
     budget: int
     peak_in_use: int = 0  # the most in use at once, since open or the last reset
@@ -222,7 +222,7 @@ class Allocator:
         self._next_expiry = 0.0  # time.monotonic() of the next look for old blocks
         self.in_use = 0  # handed out, being allocated natively, or released later
         self.cached = 0
-        self.peak = 0  # the most bytes held at once (in use + cached)
+        self.peak = 0  # the most bytes held at once (in use, being released, cached)
         self.peak_in_use = 0
         # Cached blocks taken out to be freed natively off the loop (release_cached):
         # their bytes still count against the budget until they are freed.
@@ -247,11 +247,18 @@ class Allocator:
         )
         self._frees = _Releases()
         self._lock = threading.Lock()
+        # Native allocations under way (outside the lock), per thread: a close waits
+        # for them (on _allocated) before it frees anything, so that none of them calls
+        # the backend after the close's frees and the backend's own close.
+        self._allocating: collections.Counter[int] = collections.Counter()
+        self._allocated = threading.Condition(self._lock)
 
     def forked(self) -> None:
         """In a forked child: a parent thread may have held a lock at the fork (it is
-        never let go of here)."""
+        never let go of here), and its allocations under way are not the child's."""
         self._lock = threading.Lock()
+        self._allocated = threading.Condition(self._lock)
+        self._allocating = collections.Counter()
         self._free_lock = threading.Lock()
 
     # -- allocation ----------------------------------------------------------------------
@@ -342,25 +349,39 @@ class Allocator:
             # Reserved before the lock is let go: an allocation on another thread sees
             # it, so the two cannot both pass the budget while the backend allocates.
             self.in_use += size
+            thread = threading.get_ident()
+            self._allocating[thread] += 1  # a close waits until it is done
         try:
             handle = self._allocate(nbytes, size)
         except BaseException:
             with self._lock:
+                self._done_allocating(thread)
                 if not self.closed:  # (a close counted the reservation out already)
                     self.in_use -= size
             self._frees.increment()  # the reservation may have held another back
             raise
         with self._lock:
-            if self.closed:  # closed meanwhile: the device has no use for it, and its
-                if handle is not None:  # close counted the reservation out already
-                    self._state.backend.free(handle)
-                handle = None
-            elif handle is None:
-                self.in_use -= size
-            else:
-                return self._hand_out(Block(handle, size))
+            try:
+                if self.closed:  # closed meanwhile: the device has no use for it, and
+                    if handle is not None:  # its close counted the reservation out
+                        self._state.backend.free(handle)  # (before the close's frees)
+                    handle = None
+                elif handle is None:
+                    self.in_use -= size
+                else:
+                    return self._hand_out(Block(handle, size))
+            finally:
+                self._done_allocating(thread)
         self._frees.increment()
         return None
+
+    def _done_allocating(self, thread: int) -> None:
+        """(Under the lock.) A native allocation of ``thread`` is over: a close waiting
+        for it goes on."""
+        self._allocating[thread] -= 1
+        if not self._allocating[thread]:
+            del self._allocating[thread]
+            self._allocated.notify_all()
 
     def _larger_cached(self, size: int) -> list[Block] | None:
         """(Under the lock.) The cached blocks of the nearest of the next LARGER_CLASSES
@@ -396,8 +417,9 @@ class Allocator:
         self._live.add(block)
         if self.in_use > self.peak_in_use:
             self.peak_in_use = self.in_use
-        if self.in_use + self.cached > self.peak:
-            self.peak = self.in_use + self.cached
+        held = self.in_use + self._releasing + self.cached
+        if held > self.peak:
+            self.peak = held
         return block
 
     def _evict(self, nbytes: int) -> None:
@@ -441,7 +463,8 @@ class Allocator:
 
     def _oom(self, nbytes: int, detail: str, reserved: int = 0) -> OutOfMemoryError:
         in_use = self.in_use - reserved  # without this request's own reservation
-        return OutOfMemoryError(nbytes, in_use, self.cached, self.budget, detail)
+        cached = self.cached + self._releasing  # (as the statistics count them)
+        return OutOfMemoryError(nbytes, in_use, cached, self.budget, detail)
 
     # -- release -------------------------------------------------------------------------
 
@@ -638,11 +661,12 @@ class Allocator:
         self.sweep()
         with self._lock:
             self._expire(time.monotonic())
-            stats = MemoryStatistics(
-                self.in_use, self.cached, self.peak, self.budget, self.peak_in_use
-            )
+            # Blocks being released count as cached: freed, and held until their
+            # native frees are done (the budget counts them so too).
+            cached = self.cached + self._releasing
+            stats = MemoryStatistics(self.in_use, cached, self.peak, self.budget, self.peak_in_use)
             if reset_peaks:
-                self.peak = self.in_use + self.cached
+                self.peak = self.in_use + cached
                 self.peak_in_use = self.in_use
             return stats
 
@@ -657,14 +681,14 @@ class Allocator:
         Returns the bytes released."""
         await checkpoint()
         with self._lock:
-            blocks = list(self._cache.values())
-            if not blocks:
+            if not self._cache:
                 return 0
+            # (No reference to a block kept here: its last one goes on the thread.)
+            self._releasing_blocks.extend(self._cache.values())
             self._cache.clear()
             self._by_size.clear()
             released, self.cached = self.cached, 0
             self._releasing += released
-            self._releasing_blocks.extend(blocks)
         try:
             # Not abandoned on cancellation: the blocks are freed when this returns.
             await anyio.to_thread.run_sync(self._free_releasing)
@@ -685,12 +709,20 @@ class Allocator:
         """The device is closing and its queues are idle: fail waiting allocations and
         free everything natively -- once other devices' queues are done with it, as far
         as they can get: ``completable()`` says how far each queue can (see
-        ``_queue.completable``)."""
+        ``_queue.completable``), and once other threads' allocations inside the backend
+        are over. Runs on a thread of its own (or at exit), never a loop's."""
         self.closed = True
         self._frees.increment()  # waiting allocations wake and raise ClosedResourceError
         self._settle_foreign_uses(completable)
         self._free_releasing()  # (waits for a worker thread freeing cached blocks)
         with self._lock:
+            # Allocations inside the backend finish first (a native call that returns;
+            # the lock is let go meanwhile): seeing the close, they free what they got
+            # before the frees below, and none calls the backend after its close. Not
+            # this thread's own (a close from inside its allocate could never go on).
+            me = threading.get_ident()
+            while any(thread != me for thread in self._allocating):
+                self._allocated.wait()
             self._evict(self.cached)
             while self._returned:  # loans that ended before the close
                 self._returned.popleft().lent -= 1

@@ -366,7 +366,10 @@ class Backend(ABC):
         return None
 
     @abstractmethod
-    def free(self, handle: Any) -> None: ...
+    def free(self, handle: Any) -> None:
+        """Release a handle ``allocate`` returned. Called on any thread, a loop's too (a
+        cache eviction, a release), and from the GC: what takes time (a free that waits
+        for the device, unmapping pages) belongs on a thread of the backend's own."""
 
     @abstractmethod
     def host_view(self, handle: Any, offset: int, nbytes: int) -> memoryview:

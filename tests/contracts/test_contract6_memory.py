@@ -7,6 +7,7 @@ import gc
 import os
 import threading
 import time
+import weakref
 
 import anyio
 import numpy as np
@@ -402,6 +403,45 @@ async def test_empty_memory_cache_releases_every_cached_block_off_the_loop(
     await held.free()
 
 
+async def test_cpu_memory_is_let_go_of_off_the_loop(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cpu block's pages are unmapped (its array deallocated) on a thread of the
+    backend, not on the loop: evicted by an allocation, released beyond the cache's
+    limit, or released by empty_memory_cache."""
+    async with am.open_device("cpu:47") as dev:
+        backend = dev._backend
+        allocate = backend.allocate
+        threads: list[int] = []
+
+        def recorded_allocate(nbytes: int) -> object:
+            memory = allocate(nbytes)
+            weakref.finalize(memory.array.base, lambda: threads.append(threading.get_ident()))
+            return memory
+
+        monkeypatch.setattr(backend, "allocate", recorded_allocate)
+
+        async def let_go_of() -> int:
+            with anyio.fail_after(10):
+                while not threads:
+                    await anyio.sleep(0.001)
+            return threads.pop()
+
+        loop = threading.get_ident()
+        dev.memory_budget = 3 * MiB
+        await (await dev.alloc(2 * MiB)).free()  # cached
+        held = await dev.alloc(3 * MiB)  # evicts it
+        assert await let_go_of() != loop
+        dev.memory_cache_limit = MiB
+        await held.free()  # beyond the cache's limit: released
+        del held
+        assert await let_go_of() != loop
+        await (await dev.alloc(MiB)).free()
+        assert await dev.empty_memory_cache() == MiB
+        assert await let_go_of() != loop
+        assert not threads
+
+
 async def test_cancelling_empty_memory_cache(
     device: am.Device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -462,6 +502,39 @@ async def test_an_allocation_waits_for_blocks_being_released(
             gate.set()
     assert device.memory_statistics().in_use == 2 * MiB
     await got[0].free()
+    await held.free()
+
+
+async def test_blocks_being_released_count_as_cached_until_freed(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While empty_memory_cache frees blocks off the loop, the statistics count them as
+    cached (the device holds them, and the budget counts them), and in the peak."""
+    backend = device._backend
+    held = await device.alloc(MiB)
+    await (await device.alloc(MiB)).free()  # 1 MiB cached
+    device.memory_statistics(reset_peaks=True)
+    gate = threading.Event()
+    free = backend.free
+
+    def slow_free(handle: object) -> None:
+        gate.wait(10)
+        free(handle)
+
+    monkeypatch.setattr(backend, "free", slow_free)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(device.empty_memory_cache)
+            await anyio.sleep(0.05)
+            try:
+                stats = device.memory_statistics()
+                more = await device.alloc(MiB)  # 3 MiB held at once
+            finally:
+                gate.set()
+    assert (stats.in_use, stats.cached) == (MiB, MiB)
+    stats = device.memory_statistics()
+    assert (stats.in_use, stats.cached, stats.peak) == (2 * MiB, 0, 3 * MiB)
+    await more.free()
     await held.free()
 
 

@@ -466,6 +466,74 @@ def test_an_allocation_inside_the_backend_as_the_device_closes_counts_nothing_tw
     assert anyio.run(main).in_use == 0
 
 
+def test_a_close_waits_for_another_threads_allocation_inside_the_backend(
+    anyio_backend: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop on another thread is inside the backend's allocate as the device closes:
+    the close waits for it, the allocation frees what it got and raises
+    ClosedResourceError, and nothing of it calls the backend after the backend's close."""
+    name, options = anyio_backend
+
+    async def open_device() -> am.Device:
+        return await am.open_device("cpu:46")
+
+    dev = anyio.run(open_device, backend=name, backend_options=options)
+    backend = dev._backend
+    allocate, free, close = backend.allocate, backend.free, backend.close
+    calls: list[str] = []
+    inside, go_on = threading.Event(), threading.Event()
+
+    def blocked_allocate(nbytes: int) -> Any:
+        calls.append("allocate")
+        inside.set()
+        go_on.wait(LIMIT)
+        return allocate(nbytes)
+
+    def recorded_free(handle: Any) -> None:
+        calls.append("free")
+        free(handle)
+
+    def recorded_close() -> None:
+        calls.append("close")
+        close()
+
+    monkeypatch.setattr(backend, "allocate", blocked_allocate)
+    monkeypatch.setattr(backend, "free", recorded_free)
+    monkeypatch.setattr(backend, "close", recorded_close)
+    failures: list[BaseException] = []
+
+    async def allocate_as_it_closes() -> None:
+        with pytest.raises(am.ClosedResourceError):
+            await dev.alloc(MiB)
+
+    def loop() -> None:
+        try:
+            anyio.run(allocate_as_it_closes, backend=name, backend_options=options)
+        except BaseException as exc:
+            failures.append(exc)
+
+    async def close_as_it_allocates() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(dev.close)
+            with anyio.fail_after(LIMIT):
+                while not dev._allocator.closed:
+                    await anyio.sleep(0.001)
+            await anyio.sleep(0.1)  # a close that did not wait would go on meanwhile
+            go_on.set()
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    try:
+        assert inside.wait(LIMIT)
+        anyio.run(close_as_it_allocates, backend=name, backend_options=options)
+    finally:
+        go_on.set()
+        thread.join(LIMIT)
+    assert not thread.is_alive() and not failures
+    assert calls == ["allocate", "free", "close"]
+    assert backend.live_allocations == 0  # type: ignore[attr-defined]
+
+
 def test_allocations_on_loops_in_several_threads_stay_within_the_budget(
     anyio_backend: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
