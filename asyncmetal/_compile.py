@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from ._errors import CompileError
+from ._errors import ArgumentTypeError, CompileError, InvalidArgumentError
 
 ParamKind = Literal["buffer", "value"]
 
@@ -48,6 +48,18 @@ class Compiler(ABC):
         names them (Metal's ``[[buffer(i)]]``); None: the i-th parameter binds at i."""
         return None
 
+    def with_options(self, options: tuple[str, ...]) -> Compiler:
+        """This compiler with ``options`` after its own flags: a compiler of its own
+        (its own cache entries; it pickles so). A compiler that takes options keeps its
+        flags in ``flags``, the last of its :meth:`config`."""
+        if not options:
+            return self
+        flags = getattr(self, "flags", None)
+        if not isinstance(flags, tuple):
+            raise InvalidArgumentError(f"the {self.name} compiler takes no options")
+        made: Compiler = type(self)(*self.config()[:-1], (*flags, *options))  # type: ignore[call-arg]
+        return made
+
     def identity(self) -> str:
         """A key naming this compiler's name, version, target and flags."""
         return f"{self.name}|{self.version()}|{self.config()!r}"
@@ -67,6 +79,24 @@ class Compiler(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}{self.config()!r}"
+
+
+def check_options(options: object) -> tuple[str, ...]:
+    """A compile's ``options`` as a tuple of str, or the error naming what is wrong."""
+    if not isinstance(options, (tuple, list)):
+        raise ArgumentTypeError(
+            "options must be a tuple or list of str, one option each (e.g. ('-DN=4', '-O3')), "
+            f"got {type(options).__name__}"
+        )
+    for option in options:
+        if not isinstance(option, str):
+            raise ArgumentTypeError(f"each compile option must be a str, got {option!r:.60}")
+        if not option or "\0" in option or any(c.isspace() for c in option):
+            raise InvalidArgumentError(
+                f"compile option {option!r:.60}: one option per item, without whitespace "
+                "(pass '-D N=4' as '-DN=4', or '-D' and 'N=4' as two)"
+            )
+    return tuple(options)
 
 
 def source_key(compiler_identity: str, src: str) -> str:

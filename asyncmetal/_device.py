@@ -26,7 +26,14 @@ from ._backend import Backend, NativeQueue
 from ._bridge import checkpoint, running_asyncio_loop
 from ._buffer import Buffer, wrap_buffer
 from ._buffer import foreign_buffer as _foreign_buffer
-from ._compile import NotDefinedError, ParamKind, source_key, unlinked_hint
+from ._compile import (
+    Compiler,
+    NotDefinedError,
+    ParamKind,
+    check_options,
+    source_key,
+    unlinked_hint,
+)
 from ._device_state import DeviceState, forget_open_states, holding, state_closed
 from ._dlpack import device_dlpack
 from ._errors import (
@@ -422,8 +429,20 @@ class Device:
             )
         self._pool = pool
 
-    async def compile(self, src: str, name: str, *, timeout: float | None = None) -> Program:
+    async def compile(
+        self,
+        src: str,
+        name: str,
+        *,
+        options: tuple[str, ...] | list[str] = (),
+        timeout: float | None = None,
+    ) -> Program:
         """Compile ``src`` in the worker-process pool (cached) and load kernel ``name``.
+
+        ``options`` go to the device's compiler after its own flags, one per item: the C
+        compiler's (cpu: ``("-DN=4", "-O3")``), NVRTC's (cuda: ``("-DN=4",
+        "--use_fast_math")``), the Metal compiler's (``("-DN=4",)``). A source compiled
+        with other options is another program, cached apart.
 
         Raises :class:`CompileError` (its ``name`` is ``name``) with the compiler's log,
         also when ``name`` is not defined in ``src``, and when ``timeout`` (seconds,
@@ -433,9 +452,10 @@ class Device:
         running one finishes into the cache.
         """
         timeout = check_timeout(timeout)  # arguments first, then the source
+        options = check_options(options)
         with _naming(name):
             self._check_compile(src, name)
-            compiler = self._backend.compiler
+            compiler = self._backend.compiler.with_options(options)
             key = (await _source_key(await compiler_identity(compiler), src), name)
             program = self._programs.get(key)
             if program is not None:  # (its parameters were read when it was loaded)
@@ -449,7 +469,7 @@ class Device:
                 await pool.compile_keyed(compiler, src, key[0], timeout=timeout)
                 raise params
             binary, log = await pool.compile_keyed(compiler, src, key[0], timeout=timeout)
-            program = await self._program(key, params, binary, src, timeout)
+            program = await self._program(key, params, binary, src, compiler, timeout)
         if log:  # once the program is loaded: raised as an error, it loses no compile
             _warn_compiled(name, log, 3)
         return program
@@ -477,6 +497,7 @@ class Device:
         params: tuple[ParamKind, ...],
         binary: bytes,
         src: str,
+        compiler: Compiler,
         timeout: float | None,
     ) -> Program:
         name = key[1]
@@ -487,7 +508,6 @@ class Device:
             # way no checksum sees (built for another machine sharing the directory):
             # a miss. Build it afresh, once; if that does not load either, say so.
             pool = self.compile_pool
-            compiler = self._backend.compiler
             binary, log = await pool.compile_keyed(
                 compiler, src, key[0], timeout=timeout, refresh=True
             )
@@ -509,7 +529,11 @@ class Device:
         return kept
 
     def compile_many(
-        self, kernels: Iterable[tuple[str, str]], *, timeout: float | None = None
+        self,
+        kernels: Iterable[tuple[str, str]],
+        *,
+        options: tuple[str, ...] | list[str] = (),
+        timeout: float | None = None,
     ) -> CompileMany:
         """Compile every ``(src, name)`` in the pool; yield each program once it is ready.
 
@@ -517,7 +541,9 @@ class Device:
         the pool compiles the rest. A failed compile raises its CompileError when
         reached (its ``name`` says which kernel failed). Compiles not consumed finish
         into the cache -- unless ``aclose()`` gives them up (``contextlib.aclosing``).
+        ``options`` go to the compiler for every kernel, as :meth:`compile`'s do.
         """
+        compiler = self._backend.compiler.with_options(check_options(options))
         kernels = list(kernels)
         for kernel in kernels:  # checked before anything is submitted
             if not (
@@ -531,7 +557,8 @@ class Device:
                 )
         for i, (src, name) in enumerate(kernels):
             _check_kernel(src, name, f"compile_many: kernel {i}")
-        return CompileMany(self, [(src, name) for src, name in kernels], check_timeout(timeout))
+        kernels = [(src, name) for src, name in kernels]
+        return CompileMany(self, kernels, compiler, check_timeout(timeout))
 
     async def _loaded(self, binary: bytes, name: str, src: str) -> Any:
         """``_load`` on a worker thread. What it loads for a caller cancelled meanwhile
@@ -870,10 +897,15 @@ class CompileMany:
     """
 
     def __init__(
-        self, device: Device, kernels: list[tuple[str, str]], timeout: float | None
+        self,
+        device: Device,
+        kernels: list[tuple[str, str]],
+        compiler: Compiler,
+        timeout: float | None,
     ) -> None:
         self._device = device
         self._kernels = kernels
+        self._compiler = compiler
         self._timeout = timeout
         self._dispatched = 0  # kernels looked up and, on a miss, submitted
         self._ready: collections.deque[tuple[tuple[str, str], Any]] = collections.deque()
@@ -905,7 +937,7 @@ class CompileMany:
 
     async def _dispatch(self) -> None:
         device = self._device
-        pool, compiler = device.compile_pool, device._backend.compiler
+        pool, compiler = device.compile_pool, self._compiler
         identity = await compiler_identity(compiler)
         while self._dispatched < len(self._kernels) and not self._closed:
             src, name = self._kernels[self._dispatched]
@@ -976,7 +1008,9 @@ class CompileMany:
             if isinstance(params, NotDefinedError):  # the source compiled without it
                 raise params
             try:
-                program = await self._device._program(key, params, result, src, self._timeout)
+                program = await self._device._program(
+                    key, params, result, src, self._compiler, self._timeout
+                )
                 if log:
                     _warn_compiled(key[1], log, 4)
             except (anyio.get_cancelled_exc_class(), CompileWarning):

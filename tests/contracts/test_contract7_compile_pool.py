@@ -18,6 +18,7 @@ from pathlib import Path
 
 import anyio
 import anyio.lowlevel
+import numpy as np
 import pytest
 
 import asyncmetal as am
@@ -421,3 +422,39 @@ async def test_compiler_warnings_come_as_a_compile_warning(
             assert [p.name async for p in many] == ["twice"]
     finally:
         await pool.aclose()
+
+
+_PUT = {
+    "cpu": "void put(int* out) { out[0] = VALUE; }",
+    "metal": "kernel void put(device int* out [[buffer(0)]], uint i [[thread_position_in_grid]])"
+    " { if (i == 0) out[0] = VALUE; }",
+}
+
+
+async def test_compile_options_reach_the_compiler_and_key_the_cache(device: am.Device) -> None:
+    """``options`` go to the device's compiler (a macro here): each set of options is a
+    program of its own, compile_many takes them too, and without the macro the source
+    does not compile."""
+    src = _PUT["metal" if device.name == "metal" else "cpu"]
+    out = await device.alloc(4)
+    for value in (7, 9):
+        prog = await device.compile(src, "put", options=(f"-DVALUE={value}",))
+        await device.queue.launch(prog, out)
+        assert (await out.read(np.int32))[0] == value
+    async for prog in device.compile_many([(src, "put")], options=["-DVALUE=11"]):
+        await device.queue.launch(prog, out)
+    assert (await out.read(np.int32))[0] == 11
+    with pytest.raises(am.CompileError):
+        await device.compile(src, "put")
+
+
+async def test_compile_options_are_checked_before_anything_compiles(device: am.Device) -> None:
+    src = _PUT["metal" if device.name == "metal" else "cpu"]
+    with pytest.raises(am.ArgumentTypeError, match="tuple or list of str"):
+        await device.compile(src, "put", options="-DVALUE=1")  # type: ignore[arg-type]
+    with pytest.raises(am.ArgumentTypeError, match="must be a str"):
+        await device.compile(src, "put", options=(1,))  # type: ignore[arg-type]
+    with pytest.raises(am.InvalidArgumentError, match="without whitespace"):
+        await device.compile(src, "put", options=("-D VALUE=1",))
+    with pytest.raises(am.InvalidArgumentError, match="without whitespace"):
+        device.compile_many([(src, "put")], options=("",))

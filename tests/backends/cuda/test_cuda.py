@@ -63,6 +63,20 @@ async def test_launch_computes(anyio_backend: object) -> None:
         np.testing.assert_array_equal(await out.read(np.float32), np.arange(n) + 2)
 
 
+async def test_compile_options_reach_nvrtc(anyio_backend: object) -> None:
+    """A macro given as a compile option (NVRTC's ``-D``); another value is another
+    program; the source does not compile without it."""
+    src = 'extern "C" __global__ void put(int* out) { out[0] = VALUE; }'
+    async with am.open_device("cuda:0") as dev:
+        out = await dev.alloc(4)
+        for value in (7, 9):
+            prog = await dev.compile(src, "put", options=(f"-DVALUE={value}",))
+            await dev.queue.launch(prog, out)
+            assert (await out.read(np.int32))[0] == value
+        with pytest.raises(am.CompileError):
+            await dev.compile(src, "put")
+
+
 @pytest.mark.parametrize("path", PATHS)
 async def test_launch_paths_give_the_same_results(anyio_backend: object, path: str) -> None:
     """The extension module's launch (native/py_module.c) and the ctypes one it replaces:

@@ -216,8 +216,26 @@ static int write_file(const char *path, const char *data, size_t len) {
     return fclose(f) || n != len ? -1 : 0;
 }
 
+/* The options' macros (-DNAME, -DNAME=VALUE; options are separated by spaces), as the
+ * Metal compiler takes them: #define lines. */
+static void put_macros(text *unit, const char *options) {
+    for (const char *p = options; *p;) {
+        while (*p == ' ') p++;
+        const char *end = strchrnul(p, ' ');
+        if (end - p > 2 && p[0] == '-' && p[1] == 'D') {
+            const char *eq = memchr(p, '=', (size_t)(end - p));
+            if (eq)
+                putf(unit, "#define %.*s %.*s\n", (int)(eq - p - 2), p + 2, (int)(end - eq - 1),
+                     eq + 1);
+            else
+                putf(unit, "#define %.*s 1\n", (int)(end - p - 2), p + 2);
+        }
+        p = end;
+    }
+}
+
 /* Compiles; returns the library (malloc'd, *len) or NULL with *message (malloc'd). */
-static char *compile(const char *source, size_t *len, char **message) {
+static char *compile(const char *source, const char *options, size_t *len, char **message) {
     char dir[] = "/tmp/asyncmetal-sim-XXXXXX";
     if (!mkdtemp(dir)) {
         *message = strdup("cannot make a temporary directory");
@@ -236,7 +254,9 @@ static char *compile(const char *source, size_t *len, char **message) {
     if (error) {
         *message = strdup(error);
     } else {
-        put(&unit, "#include <metal_stdlib>\n#line 1 \"program.metal\"\n", 48);
+        put(&unit, "#include <metal_stdlib>\n", 24);
+        put_macros(&unit, options);
+        put(&unit, "#line 1 \"program.metal\"\n", 24);
         put(&unit, src, strlen(src));
         put(&unit, "\n", 1);
         if (wrappers.len) put(&unit, wrappers.data, wrappers.len);
@@ -321,7 +341,7 @@ void MTLCodeGenServiceBuildRequest(void *service, void *unused, int type, const 
     }
     char *message = NULL;
     size_t lib_len = 0;
-    char *library = compile(request + 16, &lib_len, &message);
+    char *library = compile(request + 16, request + 16 + n_src, &lib_len, &message);
     if (!library) {
         reply(3, NULL, 0, message);
     } else {
