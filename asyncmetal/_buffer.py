@@ -6,19 +6,20 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from ._allocator import Allocation, Block, Queue
 from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import checkpoint
-from ._device_state import DeviceState, after_submissions, open_states, two_names
+from ._device_state import DeviceState, open_states, two_names
 from ._dlpack import Exports, TypedView, items_shape
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
-from ._timeline import wait_value
+from ._timeline import HostEvents, wait_value
 
 
 def plain_dtype(dtype: Any, what: str = "dtype") -> np.dtype[Any]:
@@ -334,3 +335,44 @@ def wrap_buffer(state: DeviceState, handle: Any, nbytes: int) -> Buffer:
     """A Buffer over memory the device did not allocate (an array it wraps): never
     returned to an allocator."""
     return Buffer(state, Allocation(Block(handle, nbytes)), 0, nbytes)
+
+
+T = TypeVar("T")
+
+
+async def after_submissions(states: list[DeviceState], fn: Callable[[], T]) -> T:
+    """``fn()`` once no submission to ``states``' devices that was under way when this
+    was called still is: each device's submission lock taken and let go in turn (never
+    two held at once, so no other taker waits on this one for longer than a look). On
+    the loop's thread where none is held now; else on a thread of its own, started
+    before anything can cancel the caller: ``fn`` runs there whatever happens to the
+    caller (a worker thread's hand-off is cancellable before the work starts)."""
+    busy = []
+    for state in states:
+        if state.submitting.acquire(blocking=False):
+            state.submitting.release()
+        else:
+            busy.append(state)
+    if not busy:
+        return fn()
+    outcome: list[tuple[bool, Any]] = []
+    done = HostEvents()
+
+    def waiting() -> None:
+        try:
+            for state in busy:
+                with state.submitting:
+                    pass
+            outcome.append((True, fn()))
+        except BaseException as exc:  # (raised to the caller, if it still waits)
+            outcome.append((False, exc))
+        finally:
+            done.increment()
+
+    threading.Thread(target=waiting, name="asyncmetal free", daemon=True).start()
+    await wait_value(done, 1)
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    result: T = value
+    return result

@@ -140,27 +140,3 @@ async def holding(states: list[DeviceState], fn: Callable[[], T]) -> T:
             return fn()
 
     return await anyio.to_thread.run_sync(waiting)
-
-
-async def after_submissions(states: list[DeviceState], fn: Callable[[], T]) -> T:
-    """``fn()`` once no submission to ``states``' devices that was under way when this
-    was called still is: each device's submission lock taken and let go in turn (never
-    two held at once, so no other taker waits on this one for longer than a look). On
-    the loop's thread where none is held now; else ``fn`` runs on a worker thread once
-    they were all free, and runs there even if the caller is cancelled meanwhile."""
-    busy = []
-    for state in states:
-        if state.submitting.acquire(blocking=False):
-            state.submitting.release()
-        else:
-            busy.append(state)
-    if not busy:
-        return fn()
-
-    def waiting() -> T:
-        for state in busy:
-            with state.submitting:
-                pass
-        return fn()
-
-    return await anyio.to_thread.run_sync(waiting)

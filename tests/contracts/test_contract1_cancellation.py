@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import anyio
 import anyio.lowlevel
@@ -250,3 +251,34 @@ async def test_close_abandons_commands_waiting_for_values_nobody_signals(
     assert stuck.done()
     with pytest.raises(am.ClosedResourceError, match="never ran"):
         await stuck
+
+
+async def test_a_free_cancelled_as_another_thread_submits_still_returns_the_memory(
+    device: am.Device,
+) -> None:
+    """free() releases the memory once the submissions under way on other threads are
+    done (their device's submission lock free again), on a thread of its own when one
+    holds it now: a free cancelled at once still returns the memory. Handed to a worker
+    thread, the release was lost, as that hand-off is cancellable before it starts."""
+    buf = await device.alloc(4096)
+    held, let_go = threading.Event(), threading.Event()
+
+    def submitting() -> None:
+        with device._state.submitting:
+            held.set()
+            let_go.wait(10)
+
+    thread = threading.Thread(target=submitting)
+    thread.start()
+    held.wait(10)
+    try:
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await buf.free()
+    finally:
+        let_go.set()
+        thread.join()
+    with anyio.move_on_after(5):
+        while device.memory_statistics().in_use:
+            await anyio.sleep(0.005)
+    assert device.memory_statistics().in_use == 0
