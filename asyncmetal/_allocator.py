@@ -25,7 +25,14 @@ from ._errors import (
     InvalidArgumentError,
     OutOfMemoryError,
 )
-from ._timeline import Timeline, Waitable, call_when_reached, passed, wait_value
+from ._timeline import (
+    Timeline,
+    Waitable,
+    call_when_reached,
+    on_own_thread,
+    passed,
+    wait_value,
+)
 
 
 class Queue(Protocol):
@@ -676,9 +683,10 @@ class Allocator:
             self._evict(self.cached)
 
     async def release_cached(self) -> int:
-        """Free every cached block natively, on a worker thread (a native free may wait
-        for the device); the bytes count against the budget until they are freed.
-        Returns the bytes released."""
+        """Free every cached block natively, on a thread of its own (a native free may
+        wait for the device); the bytes count against the budget until they are freed.
+        Returns the bytes released. Cancelled, the caller stops waiting; the frees go
+        on."""
         await checkpoint()
         with self._lock:
             if not self._cache:
@@ -689,13 +697,16 @@ class Allocator:
             self._by_size.clear()
             released, self.cached = self.cached, 0
             self._releasing += released
-        try:
-            # Not abandoned on cancellation: the blocks are freed when this returns.
-            await anyio.to_thread.run_sync(self._free_releasing)
-        finally:
-            with self._lock:
-                self._releasing -= released
-            self._frees.increment()  # waiting allocations may fit now
+
+        def free() -> None:
+            try:
+                self._free_releasing()
+            finally:
+                with self._lock:
+                    self._releasing -= released
+                self._frees.increment()  # waiting allocations may fit now
+
+        await on_own_thread(free, "asyncmetal empty cache")
         return released
 
     def _free_releasing(self) -> None:

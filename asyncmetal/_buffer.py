@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -19,7 +18,7 @@ from ._bridge import checkpoint
 from ._device_state import DeviceState, open_states, two_names
 from ._dlpack import Exports, TypedView, items_shape
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
-from ._timeline import HostEvents, wait_value
+from ._timeline import on_own_thread, wait_value
 
 
 def plain_dtype(dtype: Any, what: str = "dtype") -> np.dtype[Any]:
@@ -344,9 +343,8 @@ async def after_submissions(states: list[DeviceState], fn: Callable[[], T]) -> T
     """``fn()`` once no submission to ``states``' devices that was under way when this
     was called still is: each device's submission lock taken and let go in turn (never
     two held at once, so no other taker waits on this one for longer than a look). On
-    the loop's thread where none is held now; else on a thread of its own, started
-    before anything can cancel the caller: ``fn`` runs there whatever happens to the
-    caller (a worker thread's hand-off is cancellable before the work starts)."""
+    the loop's thread where none is held now; else on a thread of its own, which runs
+    ``fn`` whatever happens to the caller."""
     busy = []
     for state in states:
         if state.submitting.acquire(blocking=False):
@@ -355,24 +353,11 @@ async def after_submissions(states: list[DeviceState], fn: Callable[[], T]) -> T
             busy.append(state)
     if not busy:
         return fn()
-    outcome: list[tuple[bool, Any]] = []
-    done = HostEvents()
 
-    def waiting() -> None:
-        try:
-            for state in busy:
-                with state.submitting:
-                    pass
-            outcome.append((True, fn()))
-        except BaseException as exc:  # (raised to the caller, if it still waits)
-            outcome.append((False, exc))
-        finally:
-            done.increment()
+    def waiting() -> T:
+        for state in busy:
+            with state.submitting:
+                pass
+        return fn()
 
-    threading.Thread(target=waiting, name="asyncmetal free", daemon=True).start()
-    await wait_value(done, 1)
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    result: T = value
-    return result
+    return await on_own_thread(waiting, "asyncmetal free")

@@ -14,7 +14,7 @@ import types
 import weakref
 from asyncio import _get_running_loop
 from collections.abc import Callable, Generator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from . import _bridge, _native
 from ._backend import NativeTimeline
@@ -199,6 +199,33 @@ class HostEvents(Waitable):
 
     async def wait(self, value: int) -> None:
         await wait_value(self, value)
+
+
+T = TypeVar("T")
+
+
+async def on_own_thread(fn: Callable[[], T], name: str) -> T:
+    """``fn()`` on a thread started now, and its result (or error) once it returns:
+    it runs to its end whatever happens to the caller meanwhile (anyio's hand-off to a
+    worker thread is cancellable before the work starts)."""
+    outcome: list[tuple[bool, Any]] = []
+    done = HostEvents()
+
+    def run() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as exc:  # (raised to the caller, if it still waits)
+            outcome.append((False, exc))
+        finally:
+            done.increment()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    await wait_value(done, 1)
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    result: T = value
+    return result
 
 
 class Timeline(Waitable):

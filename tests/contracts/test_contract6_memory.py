@@ -582,3 +582,34 @@ async def test_peaks_in_use_and_held_and_resetting_them(device: am.Device) -> No
     assert (stats.peak_in_use, stats.peak) == (0, 0)
     with pytest.raises(am.ArgumentTypeError):
         device.memory_statistics(reset_peaks=1)  # type: ignore[arg-type]
+
+
+async def test_an_emptying_given_up_while_worker_threads_are_busy_still_frees(
+    anyio_backend: object,
+) -> None:
+    """empty_memory_cache() frees on a thread of its own: with anyio's worker threads all
+    taken, a caller that gives up still has its blocks freed natively, and counted so
+    only then. Handed to a worker thread, the blocks taken out of the cache were neither
+    freed nor counted once the caller was cancelled waiting for a thread."""
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    tokens, busy = limiter.total_tokens, threading.Event()
+    async with am.open_device("cpu") as dev:
+        buf = await dev.alloc(1 << 20)
+        await buf.free()
+        assert dev.memory_statistics().cached == 1 << 20
+        limiter.total_tokens = 1
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(anyio.to_thread.run_sync, busy.wait)  # the one worker's
+                await anyio.sleep(0.05)
+                with anyio.move_on_after(0.1):
+                    await dev.empty_memory_cache()
+                busy.set()
+        finally:
+            busy.set()
+            limiter.total_tokens = tokens
+        with anyio.move_on_after(5):
+            while dev._backend.live_allocations:
+                await anyio.sleep(0.005)
+        assert dev._backend.live_allocations == 0
+        assert dev.memory_statistics().cached == 0
