@@ -412,8 +412,9 @@ class Device:
 
     async def empty_memory_cache(self) -> int:
         """Release every cached block (freed buffers kept for reuse) to the device, and
-        return how many bytes that was. The native frees run on a worker thread (a
-        cuda free may wait for the device); buffers in use are untouched."""
+        return how many bytes that was. The native frees run on a thread of their own
+        (a cuda free may wait for the device), to their end whatever cancels the caller;
+        buffers in use are untouched."""
         return await self._allocator.release_cached()
 
     @property
