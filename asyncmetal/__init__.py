@@ -7,6 +7,7 @@ from ._buffer import Buffer as Buffer
 from ._cache import CacheWarning as CacheWarning
 from ._cache import CompileCache as CompileCache
 from ._compile import Compiler as Compiler
+from ._compile import NotDefinedError as NotDefinedError
 from ._device import Device as Device
 from ._device import devices as devices
 from ._device import from_numpy as from_numpy
@@ -56,6 +57,7 @@ __all__ = [
     "ExchangeError",
     "InvalidArgumentError",
     "NoLoopError",
+    "NotDefinedError",
     "OutOfMemoryError",
     "from_dlpack",
     "CompilePool",

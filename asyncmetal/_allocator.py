@@ -653,9 +653,14 @@ class Allocator:
                 self._state.backend.free(block.handle)
         self._frees.increment()
 
-    def set_budget(self, budget: int) -> None:
+    def set_budget(self, budget: int | None) -> None:
+        """The bytes the device may hold (None: all it has, the default)."""
+        if budget is None:
+            budget = self._state.backend.info.total_memory
         if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
-            raise InvalidArgumentError(f"memory_budget must be an int > 0, got {budget!r}")
+            raise InvalidArgumentError(
+                f"memory_budget must be an int > 0 or None (all it has), got {budget!r}"
+            )
         with self._lock:
             self.budget = budget
             held = self.in_use + self._releasing + self.cached

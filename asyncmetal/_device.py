@@ -381,13 +381,13 @@ class Device:
 
     @property
     def memory_budget(self) -> int:
-        """Bytes this device may hold (buffers in use plus cached ones). Settable;
-        lowering it below what is in use makes later allocations wait, and fails those
-        waiting for more than the new budget."""
+        """Bytes this device may hold (buffers in use plus cached ones). Settable (None:
+        all it has, the default); lowering it below what is in use makes later
+        allocations wait, and fails those waiting for more than the new budget."""
         return self._allocator.budget
 
     @memory_budget.setter
-    def memory_budget(self, budget: int) -> None:
+    def memory_budget(self, budget: int | None) -> None:
         self._allocator.set_budget(budget)
 
     @property

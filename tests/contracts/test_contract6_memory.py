@@ -159,6 +159,8 @@ async def test_lowering_the_budget_trims_the_cache(device: am.Device) -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises((am.InvalidArgumentError, am.ArgumentTypeError)):
             device.memory_budget = bad  # type: ignore[assignment]
+    device.memory_budget = None  # back to the default: all the device has
+    assert device.memory_budget == device._backend.info.total_memory
 
 
 async def test_map_is_zero_copy_and_waits_for_pending_work(

@@ -446,6 +446,8 @@ async def test_compile_options_reach_the_compiler_and_key_the_cache(device: am.D
     assert (await out.read(np.int32))[0] == 11
     with pytest.raises(am.CompileError):
         await device.compile(src, "put")
+    with pytest.raises(am.NotDefinedError, match="'nope': not defined"):
+        await device.compile(src, "nope", options=("-DVALUE=1",))
 
 
 async def test_compile_options_are_checked_before_anything_compiles(device: am.Device) -> None:
