@@ -211,10 +211,12 @@ class Queue:
         close. None if it ran."""
         abandoned = self._abandoned_from
         if abandoned is not None and value >= abandoned:  # (whatever it waited for)
+            which = "its default queue" if self._closer is None else "a queue"
             return ClosedResourceError(
-                f"the device {self.device.name} was closed while this queue's command "
-                f"{abandoned} waited for a timeline value nobody signalled: commands from "
-                "there on never ran"
+                f"the device {self.device.name} was closed while command {abandoned} of "
+                f"{which} (this command's) waited on the device for a timeline value "
+                "never produced (nobody signalled it, or what would have waited in turn): "
+                "commands of that queue from there on never ran"
             )
         return self._native.failure(value)
 

@@ -64,6 +64,28 @@ async def test_work_submitted_while_close_waits_runs(anyio_backend: object) -> N
 
 
 @pytest.mark.anyio
+async def test_a_read_behind_an_abandoned_command_of_another_queue_says_which_queue(
+    anyio_backend: object,
+) -> None:
+    """A buffer's read (on the default queue) waits on the device for the launch of
+    another queue that waits for a value nobody signals; the close abandons both, and
+    the read's error names the queue whose command it is, not "this queue"."""
+    dev = await am.open_device("cpu:22")
+    fill = await dev.compile(KERNELS, "fill")
+    buf = await dev.alloc(4)
+    other = dev.new_queue()
+    other.wait(dev.timeline(), 1)  # never signalled
+    stuck = other.launch(fill, buf, vals=(7, 1))
+    reading = dev.queue.copy(np.zeros(1, np.int32), buf)  # ordered after that launch
+    with anyio.fail_after(20):
+        await dev.close()
+    with pytest.raises(am.ClosedResourceError, match=r"of its default queue \(this command.s\)"):
+        await reading
+    with pytest.raises(am.ClosedResourceError, match=r"of a queue \(this command.s\)"):
+        await stuck
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("at_count", [1, 2])
 async def test_what_another_thread_submits_as_close_counts_runs_or_is_refused(
     anyio_backend: object, at_count: int, monkeypatch: pytest.MonkeyPatch
