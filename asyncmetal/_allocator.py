@@ -678,10 +678,11 @@ class Allocator:
     async def release_cached(self) -> int:
         """Free every cached block natively, on a worker thread (a native free may wait
         for the device); the bytes count against the budget until they are freed.
-        Returns the bytes released."""
+        Returns the bytes released: none once the device is closing (its close frees
+        what is cached)."""
         await checkpoint()
         with self._lock:
-            if not self._cache:
+            if self.closed or not self._cache:  # (closing: the close frees the cache)
                 return 0
             # (No reference to a block kept here: its last one goes on the thread.)
             self._releasing_blocks.extend(self._cache.values())
@@ -711,10 +712,13 @@ class Allocator:
         as they can get: ``completable()`` says how far each queue can (see
         ``_queue.completable``), and once other threads' allocations inside the backend
         are over. Runs on a thread of its own (or at exit), never a loop's."""
-        self.closed = True
+        with self._lock:  # (release_cached takes no block out of the cache from now on)
+            self.closed = True
         self._frees.increment()  # waiting allocations wake and raise ClosedResourceError
         self._settle_foreign_uses(completable)
-        self._free_releasing()  # (waits for a worker thread freeing cached blocks)
+        # The blocks release_cached took out before: freed here, or by its worker thread
+        # (which this waits for).
+        self._free_releasing()
         with self._lock:
             # Allocations inside the backend finish first (a native call that returns;
             # the lock is let go meanwhile): seeing the close, they free what they got

@@ -534,6 +534,65 @@ def test_a_close_waits_for_another_threads_allocation_inside_the_backend(
     assert backend.live_allocations == 0  # type: ignore[attr-defined]
 
 
+@pytest.mark.anyio
+async def test_empty_memory_cache_as_the_device_closes_frees_before_the_backend_closes(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """empty_memory_cache runs as the device closes, just after the close freed the
+    blocks being released: the cached blocks are freed natively (by the close, or by
+    empty_memory_cache with the close waiting for it) before the backend closes, never
+    after. Checked failing without: the close ended with the cache emptied under it and
+    the block was freed after the backend's close."""
+    dev = await am.open_device("cpu:49")
+    backend, allocator = dev._backend, dev._allocator
+    await (await dev.alloc(MiB)).free()  # cached
+    free, close = backend.free, backend.close
+    calls: list[str] = []
+    close_passed, emptied, backend_closed = threading.Event(), threading.Event(), threading.Event()
+    free_releasing = allocator._free_releasing
+    seen = [0]
+
+    def recorded_free(handle: Any) -> None:
+        calls.append("free")
+        free(handle)
+
+    def recorded_close() -> None:
+        calls.append("close")
+        close()
+        backend_closed.set()
+
+    def widened_free_releasing() -> None:
+        seen[0] += 1
+        if seen[0] == 1:  # the close's: the cache is emptied right after it
+            free_releasing()
+            close_passed.set()
+            emptied.wait(LIMIT)
+        else:  # empty_memory_cache's thread: late, as late as it may be
+            backend_closed.wait(1)
+            free_releasing()
+
+    monkeypatch.setattr(backend, "free", recorded_free)
+    monkeypatch.setattr(backend, "close", recorded_close)
+    monkeypatch.setattr(allocator, "_free_releasing", widened_free_releasing)
+
+    async def empty() -> None:
+        try:
+            await dev.empty_memory_cache()
+        finally:
+            emptied.set()
+
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(dev.close)
+            assert await anyio.to_thread.run_sync(close_passed.wait, LIMIT)
+            tg.start_soon(empty)
+            while not (allocator._releasing or emptied.is_set()):
+                await anyio.sleep(0.001)
+            emptied.set()  # taken out of the cache (or refused): the close goes on
+    assert calls == ["free", "close"]
+    assert backend.live_allocations == 0  # type: ignore[attr-defined]
+
+
 def test_allocations_on_loops_in_several_threads_stay_within_the_budget(
     anyio_backend: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
