@@ -508,7 +508,10 @@ class CPUBackend(HostQueues, Backend):
         self._frees: queue.SimpleQueue[_Memory | None] = queue.SimpleQueue()
         self._freer: threading.Thread | None = None
         self._freer_stopped = False  # (then frees let go at once)
-        self._freer_lock = threading.RLock()  # (an RLock: a free may come from the GC)
+        # An RLock: a free may come from the GC, even inside a free on the same thread
+        # (while it starts the freer: _freer_starting says so, and that free queues).
+        self._freer_lock = threading.RLock()
+        self._freer_starting = False
 
     @property
     def info(self) -> DeviceInfo:
@@ -553,12 +556,17 @@ class CPUBackend(HostQueues, Backend):
         self.live_allocations -= 1
         with self._freer_lock:
             if not self._freer_stopped:
-                if self._freer is None:
-                    self._freer = threading.Thread(
-                        target=self._free_loop, name="asyncmetal-cpu-free", daemon=True
-                    )
-                    self._freer.start()
                 self._frees.put(memory)
+                if self._freer is None and not self._freer_starting:
+                    self._freer_starting = True
+                    try:
+                        freer = threading.Thread(
+                            target=self._free_loop, name="asyncmetal-cpu-free", daemon=True
+                        )
+                        freer.start()
+                        self._freer = freer
+                    finally:
+                        self._freer_starting = False
                 return
         # Closed (or the parent's device, in a forked child): memory a consumer held
         # past the close (DLPack), let go of where its last loan ended.
@@ -581,7 +589,7 @@ class CPUBackend(HostQueues, Backend):
         self._libraries = {}  # the parent's to unload
         # The freer thread is the parent's: frees in the child let go at once.
         self._freer_lock = threading.RLock()
-        self._freer_stopped, self._freer = True, None
+        self._freer_stopped, self._freer, self._freer_starting = True, None, False
         self._frees = queue.SimpleQueue()
 
     def close(self) -> None:

@@ -593,6 +593,43 @@ async def test_empty_memory_cache_as_the_device_closes_frees_before_the_backend_
     assert backend.live_allocations == 0  # type: ignore[attr-defined]
 
 
+@pytest.mark.anyio
+async def test_a_free_the_gc_makes_as_the_cpu_freer_starts_starts_no_second_one(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cpu backend starts its freer thread at its first free: a free from a
+    finalizer the GC runs right then (inside that first free, its lock held) starts no
+    second one, and the close stops the one there is. Checked failing without: two
+    freer threads, of which the close stopped one (the other waited for good, or took
+    the close's stop and left the close waiting for good)."""
+    dev = await am.open_device("cpu:50")
+    backend = dev._backend
+    first, second = backend.allocate(4096), backend.allocate(4096)
+    made: list[threading.Thread] = []
+    thread_class = threading.Thread
+
+    class GCInside(thread_class):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if kwargs.get("name") == "asyncmetal-cpu-free":
+                made.append(self)
+                if len(made) == 1:  # what a finalizer the GC ran here would do
+                    backend.free(second)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(threading, "Thread", GCInside)
+    backend.free(first)
+    monkeypatch.undo()
+    try:
+        assert len(made) == 1
+    finally:
+        for _ in made[1:]:  # (without: let the extra ones end, or the close would hang)
+            backend._frees.put(None)  # type: ignore[attr-defined]
+        await dev.close()
+    assert not any(thread.is_alive() for thread in made)
+    assert backend.live_allocations == 0  # type: ignore[attr-defined]
+    assert first.array.size == second.array.size == 0  # both let go of
+
+
 def test_allocations_on_loops_in_several_threads_stay_within_the_budget(
     anyio_backend: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
