@@ -5,6 +5,7 @@ host arrays that cannot be copied as bytes. Every wait is bounded: a hang fails.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import gc
 import threading
@@ -976,6 +977,68 @@ async def test_memory_lent_out_past_a_close_is_freed_when_its_last_loan_ends(
     del capsule
     gc.collect()
     assert device._backend.live_allocations == 0
+
+
+@pytest.mark.anyio
+async def test_a_loan_ending_as_the_close_leaves_its_block_lent_still_frees_it(
+    anyio_backend: object,
+) -> None:
+    """A buffer's last loan ends on another thread just as the device's close finds the
+    buffer lent and leaves its block allocated for the loan: the block is freed all the
+    same (by the loan's end or by the close), once. Checked failing without: the loan's
+    end found the block not yet left to it and the close left it for a loan already
+    over, allocated for as long as the device object lived."""
+    dev = await am.open_device("cpu:51")
+    buf = await dev.alloc(4096)
+    views = [np.from_dlpack(buf)]
+    allocator, backend = dev._allocator, dev._backend
+    endings: list[threading.Thread] = []
+
+    class LeftAsTheLoanEnds(set):  # type: ignore[type-arg]
+        def add(self, block: Any) -> None:  # the close found the block lent
+            ending = threading.Thread(target=views.clear)  # its loan ends meanwhile
+            endings.append(ending)
+            ending.start()
+            ending.join(0.5)  # (where the loan's end waits for the close: not long)
+            super().add(block)
+
+    allocator._left_lent = LeftAsTheLoanEnds()
+    await dev.close()
+    assert len(endings) == 1
+    endings[0].join(LIMIT)
+    assert not endings[0].is_alive()
+    assert backend.live_allocations == 0  # type: ignore[attr-defined]
+    assert not allocator._left_lent
+    del buf
+
+
+@pytest.mark.anyio
+async def test_a_loan_end_a_sweep_takes_up_as_the_device_closes_frees_its_block(
+    anyio_backend: object,
+) -> None:
+    """A freed buffer's last loan ended (queued for a sweep), and the close comes
+    between the sweep taking it up and counting it: the close leaves the block to the
+    loan, and the sweep, seeing the close, frees it. Checked failing without: the sweep
+    counted the loan out after the close had left the block to it, which nothing freed."""
+    dev = await am.open_device("cpu:52")
+    buf = await dev.alloc(4096)
+    view = np.from_dlpack(buf)
+    await buf.free()  # released once its loan ends
+    allocator, backend = dev._allocator, dev._backend
+    del view  # its loan ends: queued for the next sweep
+    assert allocator._returned
+
+    class ClosesAsItIsTaken(collections.deque):  # type: ignore[type-arg]
+        def popleft(self) -> Any:
+            block = super().popleft()
+            allocator.close(dict)  # what the device's close does (on another thread)
+            return block
+
+    allocator._returned = ClosesAsItIsTaken(allocator._returned)
+    dev.memory_statistics()  # sweeps
+    assert backend.live_allocations == 0  # type: ignore[attr-defined]
+    assert not allocator._left_lent
+    await dev.close()
 
 
 @pytest.mark.anyio
