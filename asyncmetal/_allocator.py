@@ -243,6 +243,10 @@ class Allocator:
         self._collected: collections.deque[tuple[Block, int]] = collections.deque()  # GC
         self._returned: collections.deque[Block] = collections.deque()  # loans ended
         self._left_lent: set[Block] = set()  # lent out as the device closed: still held
+        # Guards loans' ends once the device is closing (their count, _left_lent): they
+        # end on any thread, even in the GC, where _lock may be held. Held only around
+        # a few operations that run no Python code (the GC runs none inside it).
+        self._loans_lock = threading.RLock()
         self._lent_out: set[Block] = set()  # released while lent: released once returned
         # Blocks whose memory went out to another library (DLPack, the CUDA array
         # interface), by address: memory that comes back in (from_dlpack) is found here.
@@ -267,6 +271,7 @@ class Allocator:
         self._allocated = threading.Condition(self._lock)
         self._allocating = collections.Counter()
         self._free_lock = threading.Lock()
+        self._loans_lock = threading.RLock()
 
     # -- allocation ----------------------------------------------------------------------
 
@@ -551,9 +556,14 @@ class Allocator:
         self._frees.increment()
 
     def _returned_after_close(self, block: Block) -> None:
-        block.lent -= 1
-        if not block.lent and block in self._left_lent:
-            self._left_lent.discard(block)
+        # (Under _loans_lock: the close may be deciding whether to leave the block to
+        # its loans, and two loans' ends must not both take their last as their own.)
+        with self._loans_lock:
+            block.lent -= 1
+            last = not block.lent and block in self._left_lent
+            if last:
+                self._left_lent.discard(block)
+        if last:
             self._state.backend.free(block.handle)
 
     def sweep(self) -> None:
@@ -565,11 +575,16 @@ class Allocator:
             except IndexError:  # another thread swept it
                 break
             with self._lock:
-                block.lent -= 1
-                back = not block.lent and block in self._lent_out
-                if back:
-                    self._lent_out.discard(block)
-            if back:
+                closed = self.closed
+                back = False
+                if not closed:
+                    block.lent -= 1
+                    back = not block.lent and block in self._lent_out
+                    if back:
+                        self._lent_out.discard(block)
+            if closed:  # closed since it was taken up: the close may have left it the block
+                self._returned_after_close(block)
+            elif back:
                 self._release(block)
         while self._collected:
             try:
@@ -690,11 +705,11 @@ class Allocator:
     async def release_cached(self) -> int:
         """Free every cached block natively, on a thread of its own (a native free may
         wait for the device); the bytes count against the budget until they are freed.
-        Returns the bytes released. Cancelled, the caller stops waiting; the frees go
-        on."""
+        Returns the bytes released: none once the device is closing (its close frees
+        what is cached). Cancelled, the caller stops waiting; the frees go on."""
         await checkpoint()
         with self._lock:
-            if not self._cache:
+            if self.closed or not self._cache:  # (closing: the close frees the cache)
                 return 0
             # (No reference to a block kept here: its last one goes on the thread.)
             self._releasing_blocks.extend(self._cache.values())
@@ -727,10 +742,13 @@ class Allocator:
         as they can get: ``completable()`` says how far each queue can (see
         ``_queue.completable``), and once other threads' allocations inside the backend
         are over. Runs on a thread of its own (or at exit), never a loop's."""
-        self.closed = True
+        with self._lock:  # (release_cached takes no block out of the cache from now on)
+            self.closed = True
         self._frees.increment()  # waiting allocations wake and raise ClosedResourceError
         self._settle_foreign_uses(completable)
-        self._free_releasing()  # (waits for a worker thread freeing cached blocks)
+        # The blocks release_cached took out before: freed here, or by its worker thread
+        # (which this waits for).
+        self._free_releasing()
         with self._lock:
             # Allocations inside the backend finish first (a native call that returns;
             # the lock is let go meanwhile): seeing the close, they free what they got
@@ -740,14 +758,17 @@ class Allocator:
             while any(thread != me for thread in self._allocating):
                 self._allocated.wait()
             self._evict(self.cached)
-            while self._returned:  # loans that ended before the close
-                self._returned.popleft().lent -= 1
+            with self._loans_lock:  # (loans ending meanwhile: _returned_after_close)
+                while self._returned:  # loans that ended before the close
+                    self._returned.popleft().lent -= 1
             for block in self._live:
                 if self._foreign_uses(block):
                     continue  # left allocated (see _settle_foreign_uses)
-                if block.lent:  # left allocated until its last loan ends (returned)
-                    self._left_lent.add(block)
-                else:
+                with self._loans_lock:
+                    left = block.lent > 0  # left allocated until its last loan ends
+                    if left:
+                        self._left_lent.add(block)
+                if not left:
                     self._state.backend.free(block.handle)
             self._live.clear()
             self._pending.clear()

@@ -1220,12 +1220,14 @@ def _forget_parent_devices() -> None:
         device._close_lock = threading.Lock()
         device._allocator.forked()
         device._closing = None  # (a close under way in the parent: no teardown here)
-        if device.closed:
-            continue
         where = f"opened in process {parent}; open devices in the child"
         message = f"device {device.name} was {where}"
-        device.name = f"{device.name} ({where})"  # every closed-device error names it
-        device.closed = True
+        if not device.closed:
+            device.name = f"{device.name} ({where})"  # every closed-device error names it
+            device.closed = True
+        # Closing in the parent too: its native close is not through (a device is in
+        # _open_devices until then), and nothing of it goes on here -- its backend's
+        # locks and threads are the parent's as much as an open device's are.
         device._state.stopped = True  # (nothing of it runs in the child)
         device._backend.forked(message)
 

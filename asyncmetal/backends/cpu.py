@@ -508,7 +508,13 @@ class CPUBackend(HostQueues, Backend):
         self._frees: queue.SimpleQueue[_Memory | None] = queue.SimpleQueue()
         self._freer: threading.Thread | None = None
         self._freer_stopped = False  # (then frees let go at once)
-        self._freer_lock = threading.RLock()  # (an RLock: a free may come from the GC)
+        # An RLock: a free may come from the GC, even inside a free on the same thread.
+        # The freer is started with it let go of (_freer_starting meanwhile: other frees
+        # only queue, a close waits on _freer_started): a finalizer the GC runs on the
+        # new thread before it says it started may free, and its start waits for that.
+        self._freer_lock = threading.RLock()
+        self._freer_started = threading.Condition(self._freer_lock)
+        self._freer_starting = False
 
     @property
     def info(self) -> DeviceInfo:
@@ -552,17 +558,33 @@ class CPUBackend(HostQueues, Backend):
         memory: _Memory = handle
         self.live_allocations -= 1
         with self._freer_lock:
-            if not self._freer_stopped:
-                if self._freer is None:
-                    self._freer = threading.Thread(
-                        target=self._free_loop, name="asyncmetal-cpu-free", daemon=True
-                    )
-                    self._freer.start()
+            stopped = self._freer_stopped
+            if not stopped:
                 self._frees.put(memory)
-                return
-        # Closed (or the parent's device, in a forked child): memory a consumer held
-        # past the close (DLPack), let go of where its last loan ended.
-        memory.drop()
+                start = self._freer is None and not self._freer_starting
+                self._freer_starting |= start
+        if stopped:
+            # Closed (or the parent's device, in a forked child): memory a consumer held
+            # past the close (DLPack), let go of where its last loan ended.
+            memory.drop()
+        elif start:
+            self._start_freer()
+
+    def _start_freer(self) -> None:
+        """Start the freer thread (no lock held: see ``_freer_lock``)."""
+        freer: threading.Thread | None = None
+        try:
+            freer = threading.Thread(
+                target=self._free_loop, name="asyncmetal-cpu-free", daemon=True
+            )
+            freer.start()
+        except BaseException:
+            freer = None  # (not started: the next free tries again)
+            raise
+        finally:
+            with self._freer_lock:
+                self._freer, self._freer_starting = freer, False
+                self._freer_started.notify_all()
 
     def _free_loop(self) -> None:
         frees = self._frees
@@ -581,7 +603,8 @@ class CPUBackend(HostQueues, Backend):
         self._libraries = {}  # the parent's to unload
         # The freer thread is the parent's: frees in the child let go at once.
         self._freer_lock = threading.RLock()
-        self._freer_stopped, self._freer = True, None
+        self._freer_started = threading.Condition(self._freer_lock)
+        self._freer_stopped, self._freer, self._freer_starting = True, None, False
         self._frees = queue.SimpleQueue()
 
     def close(self) -> None:
@@ -598,8 +621,11 @@ class CPUBackend(HostQueues, Backend):
         # The allocator freed everything before: the freer lets go of it, then stops.
         with self._freer_lock:
             self._freer_stopped = True
+            while self._freer_starting:  # (a free is starting it, the lock let go of)
+                self._freer_started.wait()
             freer, self._freer = self._freer, None
-            if freer is not None:
-                self._frees.put(None)
+            self._frees.put(None)
         if freer is not None:
             freer.join()
+        else:  # none started (or its start failed): what is queued is let go of here
+            self._free_loop()

@@ -326,3 +326,76 @@ def test_a_child_forked_while_a_thread_holds_the_allocators_lock_does_not_hang()
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["0"], (proc.stdout, proc.stderr[-3000:])
+
+
+_FORK_WHILE_A_CLOSING_CPU_DEVICE_FREES = """
+import os, queue, signal, threading, time
+import anyio, numpy as np
+import asyncmetal as am
+
+
+class SlowPuts:  # the cpu freer's queue, whose puts take a while (the freer lock held)
+    def __init__(self, inside):
+        self.items, self.inside = queue.SimpleQueue(), inside
+
+    def put(self, item):
+        if item is not None:
+            self.inside.set()
+            time.sleep(1.0)
+        self.items.put(item)
+
+    def get(self):
+        return self.items.get()
+
+
+async def main():
+    dev = await am.open_device("cpu")
+    a, b = await dev.alloc(4096), await dev.alloc(4096)
+    views = [np.from_dlpack(a), np.from_dlpack(b)]  # lent past the close
+    backend = dev._backend
+    inside, closing, go_on = threading.Event(), threading.Event(), threading.Event()
+    backend._frees = SlowPuts(inside)
+    close = backend.close
+
+    def held_close():  # the device's close, held just before its backend's
+        closing.set()
+        go_on.wait(30)
+        close()
+
+    backend.close = held_close
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(dev.close)
+        await anyio.to_thread.run_sync(closing.wait)
+        ending = threading.Thread(target=views.pop)  # a loan ends: its memory is freed
+        ending.start()
+        await anyio.to_thread.run_sync(inside.wait)
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(10)  # a child that hangs is killed
+            views.clear()  # the other loan ends in the child: its memory is freed
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print(status)
+        go_on.set()
+    ending.join()
+    print(backend.live_allocations)
+
+anyio.run(main)
+"""
+
+
+def test_a_child_forked_as_a_closing_cpu_device_frees_does_not_hang() -> None:
+    """The parent's cpu device was closing (its backend not closed yet) and a thread
+    held the backend's freer lock at the fork (a loan ending, its memory freed): in the
+    child that device's backend is the parent's as an open one's is, so a loan ending
+    there lets its memory go at once rather than wait for a lock, or a freer thread,
+    that does not exist there. Checked failing without: the child hung (its alarm
+    killed it, status 14)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORK_WHILE_A_CLOSING_CPU_DEVICE_FREES],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["0", "1"], (proc.stdout, proc.stderr[-3000:])

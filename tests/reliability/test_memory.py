@@ -5,6 +5,7 @@ host arrays that cannot be copied as bytes. Every wait is bounded: a hang fails.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import gc
 import threading
@@ -534,6 +535,102 @@ def test_a_close_waits_for_another_threads_allocation_inside_the_backend(
     assert backend.live_allocations == 0  # type: ignore[attr-defined]
 
 
+@pytest.mark.anyio
+async def test_empty_memory_cache_as_the_device_closes_frees_before_the_backend_closes(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """empty_memory_cache runs as the device closes, just after the close freed the
+    blocks being released: the cached blocks are freed natively (by the close, or by
+    empty_memory_cache with the close waiting for it) before the backend closes, never
+    after. Checked failing without: the close ended with the cache emptied under it and
+    the block was freed after the backend's close."""
+    dev = await am.open_device("cpu:49")
+    backend, allocator = dev._backend, dev._allocator
+    await (await dev.alloc(MiB)).free()  # cached
+    free, close = backend.free, backend.close
+    calls: list[str] = []
+    close_passed, emptied, backend_closed = threading.Event(), threading.Event(), threading.Event()
+    free_releasing = allocator._free_releasing
+    seen = [0]
+
+    def recorded_free(handle: Any) -> None:
+        calls.append("free")
+        free(handle)
+
+    def recorded_close() -> None:
+        calls.append("close")
+        close()
+        backend_closed.set()
+
+    def widened_free_releasing() -> None:
+        seen[0] += 1
+        if seen[0] == 1:  # the close's: the cache is emptied right after it
+            free_releasing()
+            close_passed.set()
+            emptied.wait(LIMIT)
+        else:  # empty_memory_cache's thread: late, as late as it may be
+            backend_closed.wait(1)
+            free_releasing()
+
+    monkeypatch.setattr(backend, "free", recorded_free)
+    monkeypatch.setattr(backend, "close", recorded_close)
+    monkeypatch.setattr(allocator, "_free_releasing", widened_free_releasing)
+
+    async def empty() -> None:
+        try:
+            await dev.empty_memory_cache()
+        finally:
+            emptied.set()
+
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(dev.close)
+            assert await anyio.to_thread.run_sync(close_passed.wait, LIMIT)
+            tg.start_soon(empty)
+            while not (allocator._releasing or emptied.is_set()):
+                await anyio.sleep(0.001)
+            emptied.set()  # taken out of the cache (or refused): the close goes on
+    assert calls == ["free", "close"]
+    assert backend.live_allocations == 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.anyio
+async def test_a_free_the_gc_makes_as_the_cpu_freer_starts_starts_no_second_one(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cpu backend starts its freer thread at its first free: a free from a
+    finalizer the GC runs right then (inside that first free, its lock held) starts no
+    second one, and the close stops the one there is. Checked failing without: two
+    freer threads, of which the close stopped one (the other waited for good, or took
+    the close's stop and left the close waiting for good)."""
+    dev = await am.open_device("cpu:50")
+    backend = dev._backend
+    first, second = backend.allocate(4096), backend.allocate(4096)
+    made: list[threading.Thread] = []
+    thread_class = threading.Thread
+
+    class GCInside(thread_class):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if kwargs.get("name") == "asyncmetal-cpu-free":
+                made.append(self)
+                if len(made) == 1:  # what a finalizer the GC ran here would do
+                    backend.free(second)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(threading, "Thread", GCInside)
+    backend.free(first)
+    monkeypatch.undo()
+    try:
+        assert len(made) == 1
+    finally:
+        for _ in made[1:]:  # (without: let the extra ones end, or the close would hang)
+            backend._frees.put(None)  # type: ignore[attr-defined]
+        await dev.close()
+    assert not any(thread.is_alive() for thread in made)
+    assert backend.live_allocations == 0  # type: ignore[attr-defined]
+    assert first.array.size == second.array.size == 0  # both let go of
+
+
 def test_allocations_on_loops_in_several_threads_stay_within_the_budget(
     anyio_backend: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -880,6 +977,68 @@ async def test_memory_lent_out_past_a_close_is_freed_when_its_last_loan_ends(
     del capsule
     gc.collect()
     assert device._backend.live_allocations == 0
+
+
+@pytest.mark.anyio
+async def test_a_loan_ending_as_the_close_leaves_its_block_lent_still_frees_it(
+    anyio_backend: object,
+) -> None:
+    """A buffer's last loan ends on another thread just as the device's close finds the
+    buffer lent and leaves its block allocated for the loan: the block is freed all the
+    same (by the loan's end or by the close), once. Checked failing without: the loan's
+    end found the block not yet left to it and the close left it for a loan already
+    over, allocated for as long as the device object lived."""
+    dev = await am.open_device("cpu:51")
+    buf = await dev.alloc(4096)
+    views = [np.from_dlpack(buf)]
+    allocator, backend = dev._allocator, dev._backend
+    endings: list[threading.Thread] = []
+
+    class LeftAsTheLoanEnds(set):  # type: ignore[type-arg]
+        def add(self, block: Any) -> None:  # the close found the block lent
+            ending = threading.Thread(target=views.clear)  # its loan ends meanwhile
+            endings.append(ending)
+            ending.start()
+            ending.join(0.5)  # (where the loan's end waits for the close: not long)
+            super().add(block)
+
+    allocator._left_lent = LeftAsTheLoanEnds()
+    await dev.close()
+    assert len(endings) == 1
+    endings[0].join(LIMIT)
+    assert not endings[0].is_alive()
+    assert backend.live_allocations == 0  # type: ignore[attr-defined]
+    assert not allocator._left_lent
+    del buf
+
+
+@pytest.mark.anyio
+async def test_a_loan_end_a_sweep_takes_up_as_the_device_closes_frees_its_block(
+    anyio_backend: object,
+) -> None:
+    """A freed buffer's last loan ended (queued for a sweep), and the close comes
+    between the sweep taking it up and counting it: the close leaves the block to the
+    loan, and the sweep, seeing the close, frees it. Checked failing without: the sweep
+    counted the loan out after the close had left the block to it, which nothing freed."""
+    dev = await am.open_device("cpu:52")
+    buf = await dev.alloc(4096)
+    view = np.from_dlpack(buf)
+    await buf.free()  # released once its loan ends
+    allocator, backend = dev._allocator, dev._backend
+    del view  # its loan ends: queued for the next sweep
+    assert allocator._returned
+
+    class ClosesAsItIsTaken(collections.deque):  # type: ignore[type-arg]
+        def popleft(self) -> Any:
+            block = super().popleft()
+            allocator.close(dict)  # what the device's close does (on another thread)
+            return block
+
+    allocator._returned = ClosesAsItIsTaken(allocator._returned)
+    dev.memory_statistics()  # sweeps
+    assert backend.live_allocations == 0  # type: ignore[attr-defined]
+    assert not allocator._left_lent
+    await dev.close()
 
 
 @pytest.mark.anyio

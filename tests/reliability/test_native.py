@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import gc
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -189,6 +190,36 @@ def test_a_closed_cpu_backend_loads_nothing() -> None:
     backend.close()
     with pytest.raises(am.ClosedResourceError):
         backend.load(binary, "k")
+
+
+def test_a_free_the_gc_makes_on_the_cpu_freer_as_it_starts_does_not_deadlock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The GC may run finalizers on a new thread as it starts, before Thread.start()
+    returns to the thread that started it: one there freeing memory of the same backend
+    (a DLPack loan ending after its device's allocator closed) is not held up by the
+    first free, which starts the freer thread and waits for it to start. Checked
+    failing without: the first free held the freer lock across the start, and both
+    threads waited for each other for good."""
+    backend = CPUBackend(0)
+    first, second = backend.allocate(4096), backend.allocate(4096)
+    thread_class = threading.Thread
+
+    class GCAsItStarts(thread_class):
+        def _set_native_id(self) -> None:  # (on the new thread, before it says started)
+            if self.name == "asyncmetal-cpu-free":
+                backend.free(second)  # what a finalizer the GC ran here would do
+            super()._set_native_id()  # type: ignore[misc]
+
+    monkeypatch.setattr(threading, "Thread", GCAsItStarts)
+    freeing = thread_class(target=backend.free, args=(first,), daemon=True)
+    freeing.start()
+    freeing.join(10)
+    monkeypatch.undo()
+    assert not freeing.is_alive(), "the first free and the freer thread wait for each other"
+    backend.close()
+    assert backend.live_allocations == 0
+    assert first.array.size == second.array.size == 0  # both let go of
 
 
 # ---- timeline values: read with acquire ordering where a plain load is not ----------

@@ -135,6 +135,7 @@ def hold_until_run(block: BlockLiteral, obj: object) -> None:
     with _lock:
         _held[ctypes.addressof(block)] = obj
         _notify(block)
+    _start_letting_go()
 
 
 # What is kept until blocks have run (_held, _unfreed) is let go of once they ran by a
@@ -142,15 +143,36 @@ def hold_until_run(block: BlockLiteral, obj: object) -> None:
 # the next reap of some queue, maybe never.
 _NAP_NS = 1_000_000_000  # (and it looks again after this long, whatever)
 _letting_go: threading.Thread | None = None
+_starting = False  # the thread is being started (the lock let go of meanwhile)
 
 
 def _notify(block: BlockLiteral) -> None:
-    """(Under the lock.) Have the thread let go of what ``block`` keeps once it ran."""
-    global _letting_go
+    """(Under the lock.) Have the thread let go of what ``block`` keeps once it ran: the
+    holder of the lock starts it once it has let go of the lock (_start_letting_go)."""
     block.notify = 1
-    if _letting_go is None or not _letting_go.is_alive():
-        _letting_go = threading.Thread(target=_let_go, name="asyncmetal-metal-blocks", daemon=True)
-        _letting_go.start()
+
+
+def _start_letting_go() -> None:
+    """Start the thread if something is kept until blocks run and none is running. Never
+    with the lock held: the GC may run finalizers on a new thread before Thread.start()
+    returns to its starter, and a dropped timeline's (free_timeline) takes the lock.
+    Inside a holder of the lock on this thread (a finalizer the GC ran there), left to
+    that holder."""
+    global _letting_go, _starting
+    if _lock._is_owned():  # type: ignore[attr-defined]
+        return
+    with _lock:
+        running = _letting_go is not None and _letting_go.is_alive()
+        if _starting or running or not (_held or _unfreed):
+            return
+        _starting = True
+    thread = None
+    try:
+        thread = threading.Thread(target=_let_go, name="asyncmetal-metal-blocks", daemon=True)
+        thread.start()
+    finally:
+        with _lock:
+            _letting_go, _starting = thread, False
 
 
 def _let_go() -> None:
@@ -194,6 +216,7 @@ def release_ran() -> int:
             _free_unreferenced()
         left = len(_alive)
     del let_go
+    _start_letting_go()
     return left
 
 
@@ -208,6 +231,7 @@ def free_timeline(c_timeline: int, free: Any) -> None:
     with _lock:
         _unfreed.append((c_timeline, free))
         _free_unreferenced()
+    _start_letting_go()
 
 
 def _raised(address: int, block: BlockLiteral) -> tuple[int, ...]:

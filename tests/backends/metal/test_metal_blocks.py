@@ -190,3 +190,58 @@ def test_metal_is_absent_off_macos_without_configured_libraries() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert re.search(r"metal.*not available here", out.stdout), out.stdout
+
+
+_FREE_A_TIMELINE_AS_THE_THREAD_STARTS = """
+import os
+import threading
+from asyncmetal import _native
+from asyncmetal.backends.metal import _blocks
+
+lib = _native.runtime()
+timeline, dropped = lib.am_timeline_new(), lib.am_timeline_new()
+block = _blocks.make_block(0, _blocks.COMPLETED_SIGNATURE, timeline)  # yet to run
+thread_class = threading.Thread
+
+
+class GCAsItStarts(thread_class):
+    def _set_native_id(self):  # on the new thread, before it says it started
+        if self.name == "asyncmetal-metal-blocks":  # what a dropped MetalTimeline does
+            _blocks.free_timeline(dropped, lib.am_timeline_free)  # from the GC here
+        super()._set_native_id()
+
+
+threading.Thread = GCAsItStarts
+holding = thread_class(target=_blocks.hold_until_run, args=(block, object()), daemon=True)
+holding.start()
+holding.join(10)
+threading.Thread = thread_class
+if holding.is_alive():
+    print("deadlocked", flush=True)
+    os._exit(1)  # (the lock is held for good: nothing more can be asked)
+print("returned")
+block.calls = 1  # it ran: the thread lets go of it, and ends
+_blocks.release_ran()
+letting_go = _blocks._letting_go
+if letting_go is not None:
+    letting_go.join(10)
+print(_blocks._held, _blocks._unfreed)
+"""
+
+
+def test_a_timeline_freed_as_the_letting_go_thread_starts_does_not_deadlock() -> None:
+    """The GC may run finalizers on a new thread before Thread.start() returns to its
+    starter: a dropped MetalTimeline's there (free_timeline, which takes the module's
+    lock) as hold_until_run starts the thread that lets go of what blocks keep does not
+    wait for the starter, which waits for the thread to start. Checked failing without:
+    the starter held the lock across the start, and both waited for good (this hung the
+    test suite once, in a metal queue's close). In a process of its own: without the
+    fix, the lock stays held for good."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _FREE_A_TIMELINE_AS_THE_THREAD_STARTS],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, (proc.stdout, proc.stderr[-3000:])
+    assert proc.stdout.split("\n")[:2] == ["returned", "{} []"], proc.stdout
