@@ -865,6 +865,8 @@ def in_trio_task() -> bool:
                 trio.lowlevel.current_task()
             except RuntimeError:
                 return False
+            except AttributeError:  # a trio still being imported (another thread's):
+                return False  # no task of it runs yet
             return True
     # (Its thread's dict: hasattr would raise and catch an AttributeError in every
     # await of an asyncio loop of a process that imported trio, ~0.4 us each.)

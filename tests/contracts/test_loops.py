@@ -379,3 +379,24 @@ def test_on_trio_the_look_for_a_timer_does_not_walk_the_runs_sockets(
 
     trio.run(main)
     assert counted[0] == 0
+
+
+def test_an_asyncio_await_while_another_thread_imports_trio(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An await on an asyncio loop asks whether it runs as a trio task where trio is in
+    ``sys.modules``; a trio another thread is still importing is there without its
+    attributes. That is no trio task (it raised AttributeError out of the await)."""
+    import types
+
+    from asyncmetal import _bridge
+
+    monkeypatch.setitem(sys.modules, "trio", types.ModuleType("trio"))  # half imported
+    monkeypatch.setattr(_bridge, "_trio_run_context", None)
+
+    async def main() -> None:
+        async with am.open_device("cpu") as dev:
+            empty = await dev.compile(KERNELS, "empty")
+            await dev.queue.launch(empty)
+
+    asyncio.run(main())
