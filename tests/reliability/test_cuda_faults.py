@@ -382,7 +382,9 @@ async def test_a_fault_on_one_gpu_loses_every_cuda_device_of_the_process(
     try:
         params = await dev0._params(SRC, "k")
         assert isinstance(params, tuple)
-        kernel = await dev0._program(("key", "k"), params, b"cubin", SRC, None)
+        kernel = await dev0._program(
+            ("key", "k"), params, b"cubin", SRC, dev0._backend.compiler, None
+        )
         buf, other = await dev0.alloc(64), await dev0.alloc(64)
         driver.fail["cuMemAlloc"] = CUresult.CUDA_ERROR_OUT_OF_MEMORY  # not sticky:
         with pytest.raises(am.OutOfMemoryError):  # the device is full, nothing more
@@ -420,7 +422,9 @@ async def test_a_fault_on_one_gpu_loses_every_cuda_device_of_the_process(
             ("compiling 'k' on cuda:0", lambda: dev0.compile(SRC, "k")),  # a loaded one
             (
                 "loading kernel 'k' on cuda:0",
-                lambda: dev0._program(("other", "k"), params, b"", SRC, None),
+                lambda: dev0._program(
+                    ("other", "k"), params, b"", SRC, dev0._backend.compiler, None
+                ),
             ),
             ("a new queue on cuda:0", lambda: _now(dev0.new_queue)),
             ("a launch on cuda:0", lambda: _now(dev0.queue.launch, kernel, buf)),
