@@ -460,3 +460,20 @@ async def test_compile_options_are_checked_before_anything_compiles(device: am.D
         await device.compile(src, "put", options=("-D VALUE=1",))
     with pytest.raises(am.InvalidArgumentError, match="without whitespace"):
         device.compile_many([(src, "put")], options=("",))
+
+
+async def test_a_long_macro_and_a_macro_given_apart_reach_the_compiler(
+    device: am.Device,
+) -> None:
+    """A macro thousands of characters long (an expression) and ``-D`` with the macro as
+    the next option, as the error for ``'-D N=4'`` suggests, compile alike on every
+    device. The simulated Metal compiler put a macro longer than 511 characters from
+    beyond its buffer (garbage, or the compile worker killed by SIGSEGV), and let a
+    ``-D`` given apart define nothing."""
+    src = _PUT["metal" if device.name == "metal" else "cpu"]
+    out = await device.alloc(4)
+    expr = "(" + "+".join(["1"] * 2000) + ")"
+    for options in ((f"-DVALUE={expr}",), ("-D", "VALUE=5")):
+        prog = await device.compile(src, "put", options=options)
+        await device.queue.launch(prog, out)
+        assert (await out.read(np.int32))[0] == (2000 if len(options) == 1 else 5)
