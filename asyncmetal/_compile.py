@@ -55,9 +55,15 @@ class Compiler(ABC):
         if not options:
             return self
         flags = getattr(self, "flags", None)
-        if not isinstance(flags, tuple):
-            raise InvalidArgumentError(f"the {self.name} compiler takes no options")
-        made: Compiler = type(self)(*self.config()[:-1], (*flags, *options))  # type: ignore[call-arg]
+        config = self.config()
+        if not isinstance(flags, tuple) or not config or config[-1] != flags:
+            # (Flags kept elsewhere in the config: made from it, they would land in
+            # another of its arguments.)
+            raise InvalidArgumentError(
+                f"the {self.name} compiler takes no options (a compiler takes them with "
+                "its flags in a tuple `flags`, the last item of its config())"
+            )
+        made: Compiler = type(self)(*config[:-1], (*flags, *options))  # type: ignore[call-arg]
         return made
 
     def identity(self) -> str:

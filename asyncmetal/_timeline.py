@@ -207,7 +207,8 @@ T = TypeVar("T")
 async def on_own_thread(fn: Callable[[], T], name: str) -> T:
     """``fn()`` on a thread started now, and its result (or error) once it returns:
     it runs to its end whatever happens to the caller meanwhile (anyio's hand-off to a
-    worker thread is cancellable before the work starts)."""
+    worker thread is cancellable before the work starts). Where no thread can be
+    started, on the caller's thread."""
     outcome: list[tuple[bool, Any]] = []
     done = HostEvents()
 
@@ -219,7 +220,13 @@ async def on_own_thread(fn: Callable[[], T], name: str) -> T:
         finally:
             done.increment()
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    try:
+        threading.Thread(target=run, name=name, daemon=True).start()
+    except Exception:
+        # No thread to be had (a limit on threads reached, the interpreter exiting):
+        # ``fn`` runs here, blocking the caller's thread, rather than never (what it
+        # does -- a free, a release -- is counted on to happen once called).
+        run()
     await wait_value(done, 1)
     ok, value = outcome[0]
     if not ok:

@@ -621,3 +621,49 @@ async def test_an_emptying_given_up_while_worker_threads_are_busy_still_frees(
                 await anyio.sleep(0.005)
         assert dev._backend.live_allocations == 0
         assert dev.memory_statistics().cached == 0
+
+
+async def test_a_free_and_an_emptying_where_no_thread_starts_still_release(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the thread of their own cannot be started (a limit on threads reached: a
+    storm of frees while another thread submits starts one a free), a free behind
+    another thread's submission and empty_memory_cache() still release the memory, on
+    the caller's thread. Before, the free raised with its buffer already unusable and the
+    memory in use for good, and the emptying left the bytes counted as cached for good
+    (and against the budget)."""
+    start = threading.Thread.start
+
+    def no_thread(thread: threading.Thread) -> None:
+        if thread.name in ("asyncmetal free", "asyncmetal empty cache"):
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    async with am.open_device("cpu") as dev:
+        buf = await dev.alloc(1 << 20)
+        await buf.free()
+        monkeypatch.setattr(threading.Thread, "start", no_thread)
+        assert await dev.empty_memory_cache() == 1 << 20
+        assert dev.memory_statistics().cached == 0
+        assert dev._backend.live_allocations == 0
+
+        buf = await dev.alloc(1 << 20)
+        held, let_go = threading.Event(), threading.Event()
+
+        def submitting() -> None:
+            with dev._state.submitting:
+                held.set()
+                let_go.wait(10)
+
+        thread = threading.Thread(target=submitting)
+        start(thread)
+        held.wait(10)
+        timer = threading.Timer(0.05, let_go.set)  # (the free waits for it here)
+        start(timer)
+        try:
+            await buf.free()
+        finally:
+            let_go.set()
+            thread.join()
+            timer.join()
+        assert dev.memory_statistics().in_use == 0

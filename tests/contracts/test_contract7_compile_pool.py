@@ -23,7 +23,7 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal._cache import CacheWarning, CompileCache
-from asyncmetal._compile import source_key
+from asyncmetal._compile import Compiler, source_key
 from asyncmetal._pool import CompilePool, compiler_identity
 from asyncmetal.backends.cpu import CCompiler
 from tests.support.compilers import (
@@ -460,3 +460,44 @@ async def test_compile_options_are_checked_before_anything_compiles(device: am.D
         await device.compile(src, "put", options=("-D VALUE=1",))
     with pytest.raises(am.InvalidArgumentError, match="without whitespace"):
         device.compile_many([(src, "put")], options=("",))
+
+
+async def test_a_long_macro_and_a_macro_given_apart_reach_the_compiler(
+    device: am.Device,
+) -> None:
+    """A macro thousands of characters long (an expression) and ``-D`` with the macro as
+    the next option, as the error for ``'-D N=4'`` suggests, compile alike on every
+    device. The simulated Metal compiler put a macro longer than 511 characters from
+    beyond its buffer (garbage, or the compile worker killed by SIGSEGV), and let a
+    ``-D`` given apart define nothing."""
+    src = _PUT["metal" if device.name == "metal" else "cpu"]
+    out = await device.alloc(4)
+    expr = "(" + "+".join(["1"] * 2000) + ")"
+    for options in ((f"-DVALUE={expr}",), ("-D", "VALUE=5")):
+        prog = await device.compile(src, "put", options=options)
+        await device.queue.launch(prog, out)
+        assert (await out.read(np.int32))[0] == (2000 if len(options) == 1 else 5)
+
+
+class _FlagsFirst(Compiler):
+    """A user's compiler keeping its flags first in its config, not last."""
+
+    name = "flags-first"
+
+    def __init__(self, flags: tuple[str, ...] = (), target: str = "t1") -> None:
+        self.flags, self.target = tuple(flags), target
+
+    def config(self) -> tuple[object, ...]:
+        return (self.flags, self.target)
+
+    def compile(self, src: str) -> bytes:
+        return src.encode()
+
+
+def test_options_for_a_compiler_without_its_flags_last_are_refused() -> None:
+    """with_options remakes a compiler from its config with the options after the flags,
+    its last item: a compiler whose flags are elsewhere is refused as one that takes no
+    options. Before, it was remade with the flags and options as its target."""
+    with pytest.raises(am.InvalidArgumentError, match="takes no options"):
+        _FlagsFirst(("-O1",)).with_options(("-DN=4",))
+    assert _FlagsFirst().with_options(()) == _FlagsFirst()

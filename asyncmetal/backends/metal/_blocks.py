@@ -161,18 +161,23 @@ def _start_letting_go() -> None:
     global _letting_go, _starting
     if _lock._is_owned():  # type: ignore[attr-defined]
         return
-    with _lock:
-        running = _letting_go is not None and _letting_go.is_alive()
-        if _starting or running or not (_held or _unfreed):
-            return
-        _starting = True
-    thread = None
-    try:
-        thread = threading.Thread(target=_let_go, name="asyncmetal-metal-blocks", daemon=True)
-        thread.start()
-    finally:
+    again = True
+    while again:
         with _lock:
-            _letting_go, _starting = thread, False
+            running = _letting_go is not None and _letting_go.is_alive()
+            if _starting or running or not (_held or _unfreed):
+                return
+            _starting = True
+        thread = None
+        try:
+            thread = threading.Thread(target=_let_go, name="asyncmetal-metal-blocks", daemon=True)
+            thread.start()
+        finally:
+            with _lock:
+                _letting_go, _starting = thread, False
+                # Started, the thread may have found nothing kept and ended already,
+                # while another caller, seeing it starting, left something to it.
+                again = thread is not None and not thread.is_alive() and bool(_held or _unfreed)
 
 
 def _let_go() -> None:

@@ -17,6 +17,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import anyio
@@ -245,3 +246,38 @@ def test_a_timeline_freed_as_the_letting_go_thread_starts_does_not_deadlock() ->
     )
     assert proc.returncode == 0, (proc.stdout, proc.stderr[-3000:])
     assert proc.stdout.split("\n")[:2] == ["returned", "{} []"], proc.stdout
+
+
+def test_what_is_kept_as_the_letting_go_thread_ends_on_its_start_is_let_go_of(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A thread started to let go of what blocks keep may find nothing kept any more and
+    end before its starter is through; something kept meanwhile by another caller, who
+    saw the thread starting and left it to that thread, gets a thread of its own still.
+    Before, it was kept with no thread running, until the next block was kept."""
+    start = threading.Thread.start
+    kept = object()
+    first = [False, True]
+
+    def ending_first(thread: threading.Thread) -> None:
+        if thread.name != "asyncmetal-metal-blocks" or not first.pop():
+            return start(thread)
+        _blocks._held.pop(-1, None)  # let go of by another thread's release_ran, say
+        start(thread)
+        thread.join(10)  # it found nothing kept and ended
+        _blocks._held[-2] = kept  # another caller keeps something: starting, so left
+        _blocks._start_letting_go()
+
+    monkeypatch.setattr(threading.Thread, "start", ending_first)
+    _native.runtime()
+    try:
+        with _blocks._lock:
+            _blocks._held[-1] = object()
+        _blocks._start_letting_go()
+        thread = _blocks._letting_go
+        assert thread is not None and thread.is_alive()
+    finally:
+        monkeypatch.undo()
+        with _blocks._lock:
+            _blocks._held.pop(-1, None)
+            _blocks._held.pop(-2, None)

@@ -77,12 +77,18 @@ static void put(text *t, const char *s, size_t n) {
 
 static void putf(text *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void putf(text *t, const char *fmt, ...) {
-    char buf[512];
+    /* Sized first: a line longer than any fixed buffer (a long macro) is put whole. */
     va_list ap;
     va_start(ap, fmt);
-    int n = vsnprintf(buf, sizeof buf, fmt, ap);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (n <= 0) return;
+    char *buf = malloc((size_t)n + 1);
+    va_start(ap, fmt);
+    vsnprintf(buf, (size_t)n + 1, fmt, ap);
     va_end(ap);
     put(t, buf, (size_t)n);
+    free(buf);
 }
 
 static int is_ident(char c) { return c == '_' || (c >= '0' && c <= '9') || ((c | 32) >= 'a' && (c | 32) <= 'z'); }
@@ -216,19 +222,24 @@ static int write_file(const char *path, const char *data, size_t len) {
     return fclose(f) || n != len ? -1 : 0;
 }
 
-/* The options' macros (-DNAME, -DNAME=VALUE; options are separated by spaces), as the
- * Metal compiler takes them: #define lines. */
+/* The options' macros (-DNAME, -DNAME=VALUE, or -D and the macro as the next option;
+ * options are separated by spaces), as the Metal compiler takes them: #define lines. */
 static void put_macros(text *unit, const char *options) {
     for (const char *p = options; *p;) {
         while (*p == ' ') p++;
         const char *end = strchrnul(p, ' ');
-        if (end - p > 2 && p[0] == '-' && p[1] == 'D') {
-            const char *eq = memchr(p, '=', (size_t)(end - p));
+        if (end - p >= 2 && p[0] == '-' && p[1] == 'D') {
+            const char *name = p + 2;
+            if (name == end) { /* -D NAME: the macro is the next option */
+                for (name = end; *name == ' '; name++) {}
+                end = strchrnul(name, ' ');
+            }
+            const char *eq = memchr(name, '=', (size_t)(end - name));
             if (eq)
-                putf(unit, "#define %.*s %.*s\n", (int)(eq - p - 2), p + 2, (int)(end - eq - 1),
+                putf(unit, "#define %.*s %.*s\n", (int)(eq - name), name, (int)(end - eq - 1),
                      eq + 1);
-            else
-                putf(unit, "#define %.*s 1\n", (int)(end - p - 2), p + 2);
+            else if (end > name)
+                putf(unit, "#define %.*s 1\n", (int)(end - name), name);
         }
         p = end;
     }
