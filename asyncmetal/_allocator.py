@@ -26,11 +26,12 @@ from ._errors import (
     OutOfMemoryError,
 )
 from ._timeline import (
+    Detached,
     Timeline,
     Waitable,
     call_when_reached,
-    on_own_thread,
     passed,
+    run_detached,
     wait_value,
 )
 
@@ -198,6 +199,8 @@ def _passed(queue: Queue, value: int) -> bool:
 LOAN_RECHECK_S = 0.01
 # How often an allocation waiting while the device itself is full tries again.
 FULL_RECHECK_S = 0.01
+# Where empty_memory_cache frees: one thread, whoever empties a cache.
+_EMPTYING = Detached("asyncmetal empty cache")
 
 
 class Allocator:
@@ -726,7 +729,7 @@ class Allocator:
                     self._releasing -= released
                 self._frees.increment()  # waiting allocations may fit now
 
-        await on_own_thread(free, "asyncmetal empty cache")
+        await run_detached(_EMPTYING, free)
         return released
 
     def _free_releasing(self) -> None:

@@ -18,7 +18,7 @@ from ._bridge import checkpoint
 from ._device_state import DeviceState, open_states, two_names
 from ._dlpack import Exports, TypedView, items_shape
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
-from ._timeline import on_own_thread, wait_value
+from ._timeline import Detached, run_detached, wait_value
 
 
 def plain_dtype(dtype: Any, what: str = "dtype") -> np.dtype[Any]:
@@ -337,6 +337,8 @@ def wrap_buffer(state: DeviceState, handle: Any, nbytes: int) -> Buffer:
 
 
 T = TypeVar("T")
+# Frees behind other threads' submissions: one thread for a burst of them.
+_FREES = Detached("asyncmetal free")
 
 
 async def after_submissions(states: list[DeviceState], fn: Callable[[], T]) -> T:
@@ -360,4 +362,4 @@ async def after_submissions(states: list[DeviceState], fn: Callable[[], T]) -> T
                 pass
         return fn()
 
-    return await on_own_thread(waiting, "asyncmetal free")
+    return await run_detached(_FREES, waiting)

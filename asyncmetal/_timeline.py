@@ -204,11 +204,65 @@ class HostEvents(Waitable):
 T = TypeVar("T")
 
 
-async def on_own_thread(fn: Callable[[], T], name: str) -> T:
-    """``fn()`` on a thread started now, and its result (or error) once it returns:
-    it runs to its end whatever happens to the caller meanwhile (anyio's hand-off to a
-    worker thread is cancellable before the work starts). Where no thread can be
-    started, on the caller's thread."""
+class Detached:
+    """Runs functions one after another on a thread of its own, started when one comes
+    and ending once none is left: what is handed to it runs to its end whatever happens
+    to whoever handed it over, and a burst of them takes one thread, not one each."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._work: collections.deque[Callable[[], None]] = collections.deque()
+        self._running = False
+        _detached.add(self)
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            self._work.append(job)
+            if self._running:
+                return  # (the running thread takes it)
+            self._running = True
+        try:  # (started with the lock let go: the GC may run finalizers on it at once)
+            threading.Thread(target=self._run, name=self.name, daemon=True).start()
+        except Exception:
+            # No thread to be had (a limit on threads reached, the interpreter exiting):
+            # here, blocking the caller's thread, rather than never (what is handed
+            # over -- a free, a release -- is counted on to happen).
+            self._run()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._work:
+                    self._running = False
+                    return
+                job = self._work.popleft()
+            job()
+
+    def forked(self) -> None:
+        """In a forked child: no thread runs, and what the parent handed over is the
+        parent's."""
+        self._lock = threading.Lock()
+        self._work = collections.deque()
+        self._running = False
+
+
+_detached: weakref.WeakSet[Detached] = weakref.WeakSet()
+
+
+def _detached_forked() -> None:
+    for detached in list(_detached):
+        detached.forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_detached_forked)
+
+
+async def run_detached(detached: Detached, fn: Callable[[], T]) -> T:
+    """``fn()`` on ``detached``'s thread, and its result (or error) once it returns: it
+    runs to its end whatever happens to the caller meanwhile (anyio's hand-off to a
+    worker thread is cancellable before the work starts)."""
     outcome: list[tuple[bool, Any]] = []
     done = HostEvents()
 
@@ -220,13 +274,7 @@ async def on_own_thread(fn: Callable[[], T], name: str) -> T:
         finally:
             done.increment()
 
-    try:
-        threading.Thread(target=run, name=name, daemon=True).start()
-    except Exception:
-        # No thread to be had (a limit on threads reached, the interpreter exiting):
-        # ``fn`` runs here, blocking the caller's thread, rather than never (what it
-        # does -- a free, a release -- is counted on to happen once called).
-        run()
+    detached.submit(run)
     await wait_value(done, 1)
     ok, value = outcome[0]
     if not ok:

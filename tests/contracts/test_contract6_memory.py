@@ -667,3 +667,36 @@ async def test_a_free_and_an_emptying_where_no_thread_starts_still_release(
             thread.join()
             timer.join()
         assert dev.memory_statistics().in_use == 0
+
+
+async def test_a_burst_of_frees_behind_another_threads_submission_takes_one_thread(
+    anyio_backend: object,
+) -> None:
+    """500 buffers freed at once while another thread holds the device's submission
+    lock: their releases wait on one thread, not one each (each had a thread of its
+    own: 500 started at once, the loop held for their starts), and all the memory
+    returns once the lock is let go."""
+    async with am.open_device("cpu") as dev:
+        bufs = [await dev.alloc(4096) for _ in range(500)]
+        held, let_go = threading.Event(), threading.Event()
+
+        def submitting() -> None:
+            with dev._state.submitting:
+                held.set()
+                let_go.wait(10)
+
+        thread = threading.Thread(target=submitting)
+        thread.start()
+        held.wait(10)
+        try:
+            async with anyio.create_task_group() as tg:
+                for buf in bufs:
+                    tg.start_soon(buf.free)
+                await anyio.sleep(0.1)  # every free waits now
+                freeing = [t for t in threading.enumerate() if t.name == "asyncmetal free"]
+                let_go.set()
+        finally:
+            let_go.set()
+            thread.join()
+        assert len(freeing) == 1
+        assert dev.memory_statistics().in_use == 0
