@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import threading
 
 import anyio
 import anyio.lowlevel
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
+from tests.support.threads import submission_lock_held
 
 pytestmark = pytest.mark.anyio
 
@@ -261,23 +261,9 @@ async def test_a_free_cancelled_as_another_thread_submits_still_returns_the_memo
     holds it now: a free cancelled at once still returns the memory. Handed to a worker
     thread, the release was lost, as that hand-off is cancellable before it starts."""
     buf = await device.alloc(4096)
-    held, let_go = threading.Event(), threading.Event()
-
-    def submitting() -> None:
-        with device._state.submitting:
-            held.set()
-            let_go.wait(10)
-
-    thread = threading.Thread(target=submitting)
-    thread.start()
-    held.wait(10)
-    try:
-        with anyio.CancelScope() as scope:
-            scope.cancel()
-            await buf.free()
-    finally:
-        let_go.set()
-        thread.join()
+    with submission_lock_held(device), anyio.CancelScope() as scope:
+        scope.cancel()
+        await buf.free()
     with anyio.move_on_after(5):
         while device.memory_statistics().in_use:
             await anyio.sleep(0.005)

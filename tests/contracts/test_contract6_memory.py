@@ -8,12 +8,14 @@ import os
 import threading
 import time
 import weakref
+from typing import Any
 
 import anyio
 import numpy as np
 import pytest
 
 import asyncmetal as am
+from tests.support.threads import submission_lock_held
 
 pytestmark = pytest.mark.anyio
 MiB = 1 << 20
@@ -486,14 +488,7 @@ async def test_an_allocation_waits_for_blocks_being_released(
     device.memory_budget = 2 * MiB
     held = await device.alloc(MiB)
     await (await device.alloc(MiB)).free()  # 1 MiB cached
-    gate = threading.Event()
-    free = backend.free
-
-    def slow_free(handle: object) -> None:
-        gate.wait(10)
-        free(handle)
-
-    monkeypatch.setattr(backend, "free", slow_free)
+    gate = _frees_held(monkeypatch, backend)
     got: list[am.Buffer] = []
 
     async def allocate() -> None:
@@ -522,14 +517,7 @@ async def test_blocks_being_released_count_as_cached_until_freed(
     held = await device.alloc(MiB)
     await (await device.alloc(MiB)).free()  # 1 MiB cached
     device.memory_statistics(reset_peaks=True)
-    gate = threading.Event()
-    free = backend.free
-
-    def slow_free(handle: object) -> None:
-        gate.wait(10)
-        free(handle)
-
-    monkeypatch.setattr(backend, "free", slow_free)
+    gate = _frees_held(monkeypatch, backend)
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             tg.start_soon(device.empty_memory_cache)
@@ -648,24 +636,13 @@ async def test_a_free_and_an_emptying_where_no_thread_starts_still_release(
         assert dev._backend.live_allocations == 0
 
         buf = await dev.alloc(1 << 20)
-        held, let_go = threading.Event(), threading.Event()
-
-        def submitting() -> None:
-            with dev._state.submitting:
-                held.set()
-                let_go.wait(10)
-
-        thread = threading.Thread(target=submitting)
-        start(thread)
-        held.wait(10)
-        timer = threading.Timer(0.05, let_go.set)  # (the free waits for it here)
-        start(timer)
-        try:
-            await buf.free()
-        finally:
-            let_go.set()
-            thread.join()
-            timer.join()
+        with submission_lock_held(dev) as let_go:
+            timer = threading.Timer(0.05, let_go.set)  # (the free waits for it here)
+            start(timer)
+            try:
+                await buf.free()
+            finally:
+                timer.join()
         assert dev.memory_statistics().in_use == 0
 
 
@@ -678,25 +655,25 @@ async def test_a_burst_of_frees_behind_another_threads_submission_takes_one_thre
     returns once the lock is let go."""
     async with am.open_device("cpu") as dev:
         bufs = [await dev.alloc(4096) for _ in range(500)]
-        held, let_go = threading.Event(), threading.Event()
-
-        def submitting() -> None:
-            with dev._state.submitting:
-                held.set()
-                let_go.wait(10)
-
-        thread = threading.Thread(target=submitting)
-        thread.start()
-        held.wait(10)
-        try:
+        with submission_lock_held(dev) as let_go:
             async with anyio.create_task_group() as tg:
                 for buf in bufs:
                     tg.start_soon(buf.free)
                 await anyio.sleep(0.1)  # every free waits now
                 freeing = [t for t in threading.enumerate() if t.name == "asyncmetal free"]
                 let_go.set()
-        finally:
-            let_go.set()
-            thread.join()
         assert len(freeing) == 1
         assert dev.memory_statistics().in_use == 0
+
+
+def _frees_held(monkeypatch: pytest.MonkeyPatch, backend: Any) -> threading.Event:
+    """Have ``backend``'s native frees wait until the event given is set."""
+    gate = threading.Event()
+    free = backend.free
+
+    def slow_free(handle: object) -> None:
+        gate.wait(10)
+        free(handle)
+
+    monkeypatch.setattr(backend, "free", slow_free)
+    return gate

@@ -318,14 +318,7 @@ def test_a_child_forked_while_a_thread_holds_the_allocators_lock_does_not_hang()
     slow native free): in the child the allocator's locks are new, so its statistics
     and settings do not wait for a thread that does not exist there (checked: the child
     hung in memory_statistics())."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _FORK_WHILE_THE_ALLOCATOR_IS_LOCKED],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["0"], (proc.stdout, proc.stderr[-3000:])
+    assert _child_prints(_FORK_WHILE_THE_ALLOCATOR_IS_LOCKED) == ["0"]
 
 
 _FORK_WHILE_A_CLOSING_CPU_DEVICE_FREES = """
@@ -391,11 +384,13 @@ def test_a_child_forked_as_a_closing_cpu_device_frees_does_not_hang() -> None:
     there lets its memory go at once rather than wait for a lock, or a freer thread,
     that does not exist there. Checked failing without: the child hung (its alarm
     killed it, status 14)."""
+    assert _child_prints(_FORK_WHILE_A_CLOSING_CPU_DEVICE_FREES) == ["0", "1"]
+
+
+def _child_prints(script: str) -> list[str]:
+    """What ``script``, run in a new interpreter that must exit cleanly, printed."""
     proc = subprocess.run(
-        [sys.executable, "-c", _FORK_WHILE_A_CLOSING_CPU_DEVICE_FREES],
-        capture_output=True,
-        text=True,
-        timeout=60,
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["0", "1"], (proc.stdout, proc.stderr[-3000:])
+    return proc.stdout.split()

@@ -480,8 +480,8 @@ def test_a_close_waits_for_another_threads_allocation_inside_the_backend(
 
     dev = anyio.run(open_device, backend=name, backend_options=options)
     backend = dev._backend
-    allocate, free, close = backend.allocate, backend.free, backend.close
-    calls: list[str] = []
+    allocate = backend.allocate
+    calls = _record_frees_and_close(monkeypatch, backend)
     inside, go_on = threading.Event(), threading.Event()
 
     def blocked_allocate(nbytes: int) -> Any:
@@ -490,17 +490,7 @@ def test_a_close_waits_for_another_threads_allocation_inside_the_backend(
         go_on.wait(LIMIT)
         return allocate(nbytes)
 
-    def recorded_free(handle: Any) -> None:
-        calls.append("free")
-        free(handle)
-
-    def recorded_close() -> None:
-        calls.append("close")
-        close()
-
     monkeypatch.setattr(backend, "allocate", blocked_allocate)
-    monkeypatch.setattr(backend, "free", recorded_free)
-    monkeypatch.setattr(backend, "close", recorded_close)
     failures: list[BaseException] = []
 
     async def allocate_as_it_closes() -> None:
@@ -547,20 +537,10 @@ async def test_empty_memory_cache_as_the_device_closes_frees_before_the_backend_
     dev = await am.open_device("cpu:49")
     backend, allocator = dev._backend, dev._allocator
     await (await dev.alloc(MiB)).free()  # cached
-    free, close = backend.free, backend.close
-    calls: list[str] = []
     close_passed, emptied, backend_closed = threading.Event(), threading.Event(), threading.Event()
+    calls = _record_frees_and_close(monkeypatch, backend, backend_closed)
     free_releasing = allocator._free_releasing
     seen = [0]
-
-    def recorded_free(handle: Any) -> None:
-        calls.append("free")
-        free(handle)
-
-    def recorded_close() -> None:
-        calls.append("close")
-        close()
-        backend_closed.set()
 
     def widened_free_releasing() -> None:
         seen[0] += 1
@@ -572,8 +552,6 @@ async def test_empty_memory_cache_as_the_device_closes_frees_before_the_backend_
             backend_closed.wait(1)
             free_releasing()
 
-    monkeypatch.setattr(backend, "free", recorded_free)
-    monkeypatch.setattr(backend, "close", recorded_close)
     monkeypatch.setattr(allocator, "_free_releasing", widened_free_releasing)
 
     async def empty() -> None:
@@ -1123,3 +1101,26 @@ async def test_an_allocation_waiting_while_the_device_is_full_does_not_spin(
 
 async def _append(into: list[Any], awaitable: Any) -> None:
     into.append(await awaitable)
+
+
+def _record_frees_and_close(
+    monkeypatch: pytest.MonkeyPatch, backend: Any, closed: threading.Event | None = None
+) -> list[str]:
+    """The list ``backend``'s frees and close append "free" and "close" to (the event
+    set once it closed)."""
+    free, close = backend.free, backend.close
+    calls: list[str] = []
+
+    def recorded_free(handle: Any) -> None:
+        calls.append("free")
+        free(handle)
+
+    def recorded_close() -> None:
+        calls.append("close")
+        close()
+        if closed is not None:
+            closed.set()
+
+    monkeypatch.setattr(backend, "free", recorded_free)
+    monkeypatch.setattr(backend, "close", recorded_close)
+    return calls
