@@ -1185,6 +1185,14 @@ def _close_all_at_exit() -> None:
         if not device.closed:
             with contextlib.suppress(Exception):  # exiting: nothing left to report to
                 device._close_native(abandon=True)
+            with contextlib.suppress(Exception):  # (a warnings filter that raises)
+                warnings.warn(
+                    f"device {device.name} was never closed: closed at exit once its "
+                    "queued work ran, waits nobody signals abandoned (close it: `async "
+                    "with am.open_device(...)`, or `await dev.close()`)",
+                    ResourceWarning,
+                    stacklevel=1,
+                )
 
 
 atexit.register(_close_all_at_exit)

@@ -9,6 +9,7 @@ import gc
 import os
 import random
 import resource
+import subprocess
 import sys
 import threading
 import time
@@ -892,3 +893,31 @@ async def test_a_closed_device_whose_queue_waited_on_another_devices_timeline_is
             while gc.collect() >= 0 and dev() is not None:
                 await anyio.sleep(0.01)
         assert gate.value == 0
+
+
+_LEFT_OPEN = """
+import sys, anyio, asyncmetal as am
+async def main():
+    dev = await am.open_device("cpu")
+    fill = await dev.compile("void k(int* x) { x[0] = 1; }", "k")
+    await dev.queue.launch(fill, await dev.alloc(4))
+    if sys.argv[1] == "closed":
+        await dev.close()
+anyio.run(main)
+"""
+
+
+@pytest.mark.parametrize("how", ["left open", "closed"])
+def test_a_device_left_open_at_exit_warns(how: str) -> None:
+    """A device never closed is closed at exit, with a ResourceWarning saying so (shown
+    under ``-X dev`` or ``-W``, as Python's own unclosed resources are); a closed one
+    warns nothing."""
+    proc = subprocess.run(
+        [sys.executable, "-W", "always::ResourceWarning", "-c", _LEFT_OPEN, how],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warned = "ResourceWarning: device cpu was never closed" in proc.stderr
+    assert warned == (how == "left open"), proc.stderr[-3000:]
