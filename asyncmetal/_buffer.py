@@ -345,8 +345,8 @@ async def after_submissions(states: list[DeviceState], fn: Callable[[], T]) -> T
     """``fn()`` once no submission to ``states``' devices that was under way when this
     was called still is: each device's submission lock taken and let go in turn (never
     two held at once, so no other taker waits on this one for longer than a look). On
-    the loop's thread where none is held now; else on a thread of its own, which runs
-    ``fn`` whatever happens to the caller."""
+    the loop's thread where none is held now; else on the thread the frees share
+    (``_FREES``), which runs ``fn`` whatever happens to the caller."""
     busy = []
     for state in states:
         if state.submitting.acquire(blocking=False):
@@ -357,9 +357,9 @@ async def after_submissions(states: list[DeviceState], fn: Callable[[], T]) -> T
         return fn()
 
     def waiting() -> T:
-        for state in busy:
-            with state.submitting:
-                pass
+        for state in busy:  # taken and let go: the submission under way is over
+            state.submitting.acquire()
+            state.submitting.release()
         return fn()
 
     return await run_detached(_FREES, waiting)
