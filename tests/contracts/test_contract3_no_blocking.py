@@ -562,13 +562,19 @@ async def test_a_crowd_whose_slices_fill_the_turns_budget_still_takes_turns(
     assert _timeline.CROWD < 40
     monkeypatch.setattr(_bridge, "SLICE_BUDGET_NS", 10_000_000)
     monkeypatch.setattr(_bridge, "TURN_BUDGET_NS", 6_000_000)
-    limits = await _turn_limits_of_a_crowd(device, tasks=40, steps=20, step_s=0.001)
-    crowded = limits[len(limits) // 4 : 3 * len(limits) // 4]
-    none = sum(1 for k in crowded if k == 0) / len(crowded)
     # Sized by the turns alone, the limit is 0 in about 7 of 8 iterations (a probe's
     # turn in the 8th: 0.78-0.90 measured); sized by every step, hardly ever (0.0 on an
-    # idle machine, up to 0.39 beside a busy process).
-    assert none <= 0.6, (none, statistics.mean(crowded))
+    # idle machine, up to 0.39 beside a busy process, 0.61 once on two cores running
+    # four other test processes). Descheduling only adds iterations without a turn:
+    # the least of up to three crowds is the measure.
+    shares = []
+    for _ in range(3):
+        limits = await _turn_limits_of_a_crowd(device, tasks=40, steps=20, step_s=0.001)
+        crowded = limits[len(limits) // 4 : 3 * len(limits) // 4]
+        shares.append(sum(1 for k in crowded if k == 0) / len(crowded))
+        if shares[-1] <= 0.6:
+            break
+    assert min(shares) <= 0.6, (shares, statistics.mean(crowded))
 
 
 async def test_a_crowds_turns_come_back_the_iteration_after_one_gone_long(
