@@ -45,8 +45,10 @@ NAMES: dict[str, str] = {
     "Program.device": "device",  # must be the queue's device
     "Program.buffer_count": "buffer_count",  # int: buffers the kernel takes
     "Program.value_count": "value_count",  # int: values the kernel takes
-    "Program.order": "order",  # None or list[int]: launch argument -> parameter position
-    "Program.value_codes": "value_codes",  # None (every value an int32) or bytes, one a value
+    # None (buffers then int32 values, in the kernel's order), or (order, value_codes):
+    # order None or list[int] (launch argument -> parameter position), value_codes None
+    # or bytes (one per value: _scalars.CODES)
+    "Program.launch_layout": "launch_layout",
     "Program.native": "native",  # int: the kernel's function (cpu) or CUfunction (cuda)
     "Buffer.device": "device",  # must be the queue's device
     "Buffer.allocation": "_allocation",  # the allocation it views

@@ -41,6 +41,12 @@ class Program:
         position = {p: i for i, p in enumerate(buffers + values)}
         order = [position[p] for p in range(len(params))]
         self.order: list[int] | None = None if order == sorted(order) else order
+        # Both, as the native launch path reads them: None in the common case.
+        self.launch_layout: tuple[list[int] | None, bytes | None] | None = (
+            None
+            if self.order is None and self.value_codes is None
+            else (self.order, self.value_codes)
+        )
 
     def __repr__(self) -> str:
         return f"<Program {self.name!r} on {self._state.name} params={self.params}>"

@@ -38,8 +38,7 @@
     X(PROGRAM_DEVICE, "Program.device")                                                   \
     X(PROGRAM_BUFFER_COUNT, "Program.buffer_count")                                       \
     X(PROGRAM_VALUE_COUNT, "Program.value_count")                                         \
-    X(PROGRAM_ORDER, "Program.order")                                                     \
-    X(PROGRAM_VALUE_CODES, "Program.value_codes")                                         \
+    X(PROGRAM_LAUNCH_LAYOUT, "Program.launch_layout")                                     \
     X(PROGRAM_NATIVE, "Program.native")                                                   \
     X(BUFFER_DEVICE, "Buffer.device")                                                     \
     X(BUFFER_ALLOCATION, "Buffer.allocation")                                             \

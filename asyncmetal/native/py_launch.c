@@ -5,7 +5,7 @@
  * launch(queue, target, program, buffers, vals, global, local) -> Completion or None.
  * It submits only what asyncmetal.Queue.launch would accept: a Program of the queue's
  * device, live Buffers of that device (exactly Buffer), vals a tuple or list of exact
- * ints within int32 -- or, for a program whose value_codes name other integer types,
+ * ints within int32 -- or, for a program whose launch_layout names other integer types,
  * within each one's range (a float parameter's value is left to Python) -- sizes the
  * default, an int or a tuple/list of 1-3 exact ints >= 1,
  * and a queue holding nothing back. Anything else returns None *before* submitting, and
@@ -287,6 +287,7 @@ PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     /* The queue's device is open and the program's. (r: 0 so far the common case, 1 not,
      * -1 an error; any error set is raised.) */
     PyObject *handles = NULL;  /* cpu: the buffers' handles, kept alive by the queue */
+    PyObject *layout = NULL;   /* the program's launch_layout */
     PyObject *device = PyObject_GetAttr(queue, NAME(QUEUE_DEVICE));
     if (!device) return NULL;
     PyObject *state = PyObject_GetAttr(queue, NAME(QUEUE_STATE));
@@ -332,16 +333,23 @@ PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
         if (PyErr_Occurred()) { r = -1; goto fallback; }
         if (offset < 0) { r = 1; goto fallback; }
     }
-    const char *codes = NULL;  /* each value's type (asyncmetal/_scalars.py's CODES) */
-    if (nval) {
-        PyObject *value_codes = PyObject_GetAttr(program, NAME(PROGRAM_VALUE_CODES));
-        if (!value_codes) { r = -1; goto fallback; }
-        if (value_codes != Py_None &&
-            (!PyBytes_CheckExact(value_codes) || PyBytes_GET_SIZE(value_codes) != nval))
-            r = 1;
-        else if (value_codes != Py_None)
-            codes = PyBytes_AS_STRING(value_codes);  /* the program holds it */
-        Py_DECREF(value_codes);
+    /* The program's launch layout: None in the common case (the kernel takes the
+     * buffers, then the values, each an int32), else (order, value_codes). */
+    layout = PyObject_GetAttr(program, NAME(PROGRAM_LAUNCH_LAYOUT));
+    if (!layout) { r = -1; goto fallback; }
+    PyObject *order = Py_None;  /* borrowed from layout */
+    const char *codes = NULL;   /* each value's type (asyncmetal/_scalars.py's CODES) */
+    if (layout != Py_None) {
+        PyObject *value_codes = NULL;
+        if (PyTuple_CheckExact(layout) && PyTuple_GET_SIZE(layout) == 2) {
+            order = PyTuple_GET_ITEM(layout, 0);
+            value_codes = PyTuple_GET_ITEM(layout, 1);
+        }
+        if (!value_codes) r = 1;
+        else if (value_codes != Py_None && PyBytes_CheckExact(value_codes) &&
+                 PyBytes_GET_SIZE(value_codes) == nval)
+            codes = PyBytes_AS_STRING(value_codes);
+        else if (value_codes != Py_None) r = 1;
         if (r) goto fallback;
     }
     for (Py_ssize_t i = 0; i < nval; i++) {
@@ -355,8 +363,6 @@ PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     /* Reordered to the kernel's parameter order where it differs. */
     int64_t slots[AM_MAX_PARAMS];
     Py_ssize_t nargs = nbuf + nval;
-    PyObject *order = PyObject_GetAttr(program, NAME(PROGRAM_ORDER));
-    if (!order) { r = -1; goto fallback; }
     if (order == Py_None) {
         memcpy(slots, packed, nargs * sizeof *slots);
     } else if (!PyList_CheckExact(order) || PyList_GET_SIZE(order) != nargs) {
@@ -368,7 +374,6 @@ PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
             else slots[i] = packed[j];
         }
     }
-    Py_DECREF(order);
     if (r) goto fallback;
     PyObject *function = PyObject_GetAttr(program, NAME(PROGRAM_NATIVE));
     if (!function) { r = -1; goto fallback; }
@@ -380,6 +385,7 @@ PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
 
     /* Number it, make its Completion, submit. */
     Py_DECREF(device);
+    Py_DECREF(layout);
     PyObject *done = submit(queue, state, &t, fn, dims, slots, nargs, handles, allocations, nbuf);
     Py_DECREF(state);
     Py_XDECREF(handles);
@@ -389,6 +395,7 @@ fallback:
     Py_DECREF(device);
     Py_DECREF(state);
     Py_XDECREF(handles);
+    Py_XDECREF(layout);
     if (PyErr_Occurred()) return NULL;
     Py_RETURN_NONE;
 }

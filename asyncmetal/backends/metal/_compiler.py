@@ -244,5 +244,6 @@ def _bound_params(src: str, name: str) -> list[tuple[int, ParamKind, str]]:
         if index is None:
             continue
         kind: ParamKind = "buffer" if "*" in param else "value"
-        bound.append((int(index.group(1)), kind, param.strip()))
+        declaration = re.sub(r"\[\[.*?\]\]", "", param).strip()
+        bound.append((int(index.group(1)), kind, " ".join(declaration.split())))
     return sorted(bound)
