@@ -3,7 +3,7 @@
 The extension (``native/py_launch.c``, ``native/py_module.c``) submits
 ``Queue.launch``'s common case in one C call. To do so it reads Python objects directly:
 attributes of the queue, its device, the program, each buffer and its allocation; one
-method of each backend queue; and the fields of four positional tuples. **This module
+method of each backend queue; and the fields of five positional tuples. **This module
 is the one declaration of all of it.** The C side names each thing it reads by a key
 (``"Queue.device"``, its ``CONTRACT_KEYS``) and gets the attribute or method name from
 :data:`NAMES` when it loads; it hard-codes no attribute name.
@@ -72,6 +72,8 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "Arg": ("handle", "offset", "value"),
     # asyncmetal._scalars.Scalar: a value's 64-bit slot, and its type's name.
     "Scalar": ("bits", "type"),
+    # Program.launch_layout, where not None (see NAMES).
+    "launch_layout": ("order", "value_codes"),
     # The backend queue's launch_target(): what the extension submits through.
     "cuda_target": ("kind", "queue", "backend_queue"),
     "cpu_target": (

@@ -61,6 +61,7 @@ extern AM_HIDDEN PyObject *am_names[AM_NAMES];
 /* Positional tuples the extension reads, field by field (checked by the contract). */
 #define LAYOUT_ARG "handle", "offset", "value"
 #define LAYOUT_SCALAR "bits", "type"
+#define LAYOUT_LAUNCH_LAYOUT "order", "value_codes"
 #define LAYOUT_CUDA_TARGET "kind", "queue", "backend_queue"
 #define LAYOUT_CPU_TARGET                                                                 \
     "kind", "queue", "backend_queue", "times", "times_address", "times_kept", "keep_items"

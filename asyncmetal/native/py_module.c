@@ -366,6 +366,7 @@ PyMODINIT_FUNC PyInit__amrt(void) {
     if (!layouts || add_strings(m, "CONTRACT_KEYS", contract_keys, AM_NAMES, NULL) ||
         add_strings(m, "Arg", STRINGS(LAYOUT_ARG), layouts) ||
         add_strings(m, "Scalar", STRINGS(LAYOUT_SCALAR), layouts) ||
+        add_strings(m, "launch_layout", STRINGS(LAYOUT_LAUNCH_LAYOUT), layouts) ||
         add_strings(m, "cuda_target", STRINGS(LAYOUT_CUDA_TARGET), layouts) ||
         add_strings(m, "cpu_target", STRINGS(LAYOUT_CPU_TARGET), layouts) ||
         PyModule_AddObjectRef(m, "LAYOUTS", layouts)) {
