@@ -16,6 +16,7 @@ import pytest
 import asyncmetal as am
 from asyncmetal._queue import _ONE3
 from tests.support.launch_paths import PATHS, select_launch_path
+from tests.support.refusals import rejects as _rejects
 
 pytestmark = pytest.mark.anyio
 
@@ -166,15 +167,6 @@ async def test_cpu_arguments_past_the_registers_go_on_the_stack(device: am.Devic
     assert got[:64] == _bytes_of(*doubles)
     assert got[64:68] == np.float32(-9.5).tobytes()
     assert got[72:] == np.array(ints, np.int64).tobytes()
-
-
-def _rejects(
-    device: am.Device, exc: type[BaseException], match: str, action: Callable[[], Any]
-) -> None:
-    before = [q.submitted for q in device._queues]
-    with pytest.raises(exc, match=match):
-        action()
-    assert [q.submitted for q in device._queues] == before, "something was submitted"
 
 
 async def test_values_that_do_not_fit_their_parameter_are_refused(device: am.Device) -> None:

@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import numpy as np
 import pytest
 
 import asyncmetal as am
+from tests.support.refusals import rejects as _rejects
 
 pytestmark = pytest.mark.anyio
-
-
-def _rejects(
-    device: am.Device, exc: type[BaseException], match: str, action: Callable[[], Any]
-) -> None:
-    before = [q.submitted for q in device._queues]
-    with pytest.raises(exc, match=match):
-        action()
-    assert [q.submitted for q in device._queues] == before, "something was submitted"
 
 
 async def test_wrong_argument_counts_and_types(
