@@ -250,3 +250,18 @@ def test_the_simulated_metal_refuses_bytes_shorter_than_the_argument() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "takes 8 bytes, setBytes gave 4" in out.stderr, out.stderr[-2000:]
+
+
+async def test_cpu_half_floats_pass_in_the_vector_registers(device: am.Device) -> None:
+    """``_Float16`` parameters (the C calling convention passes them in a vector
+    register's low bytes) from np.float16 and a Python float."""
+    src = (
+        "#include <string.h>\n"
+        "void k(_Float16 a, unsigned char* out, int n, _Float16 b)"
+        " { memcpy(out, &a, 2); memcpy(out + 2, &b, 2); memcpy(out + 4, &n, 4); }"
+    )
+    k = await device.compile(src, "k")
+    out = await device.alloc(8)
+    await device.queue.launch(k, out, vals=(np.float16(-1.5), 9, 0.333))
+    got = (await out.read(np.uint8)).tobytes()
+    assert got == _bytes_of(np.float16(-1.5), np.float16(0.333), np.int32(9))
