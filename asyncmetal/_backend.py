@@ -21,6 +21,7 @@ import numpy as np
 
 from . import _native
 from ._errors import ClosedResourceError, InvalidArgumentError
+from ._scalars import Scalar
 
 if TYPE_CHECKING:
     from ._compile import Compiler
@@ -132,11 +133,12 @@ def let_go_everywhere() -> None:
 
 
 class Arg(NamedTuple):
-    """One launch argument: a native buffer handle plus a byte offset, or an int value."""
+    """One launch argument: a native buffer handle plus a byte offset, or a value: an
+    int (an int32), or a :class:`~asyncmetal._scalars.Scalar` (its type and bits)."""
 
     handle: Any = None
     offset: int = 0
-    value: int | None = None
+    value: int | Scalar | None = None
 
 
 new_arg = tuple.__new__  # new_arg(Arg, (handle, offset, value)): Arg without its Python __new__

@@ -6,11 +6,21 @@ import hashlib
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from ._errors import ArgumentTypeError, CompileError, InvalidArgumentError
+from ._scalars import scalar_type, type_words, typedefs
 
 ParamKind = Literal["buffer", "value"]
+
+
+class Signature(NamedTuple):
+    """What launches need of a kernel's parameters: each one's kind, in order, and each
+    value parameter's scalar type (``_scalars.SIZES``' names; None where not known) and
+    declaration, in order."""
+
+    kinds: tuple[ParamKind, ...]
+    values: tuple[tuple[str | None, str], ...]
 
 
 class Compiler(ABC):
@@ -42,6 +52,21 @@ class Compiler(ABC):
     def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
         """The kinds of kernel ``name``'s parameters, in order, read from ``src``."""
         return c_params(src, name)
+
+    def value_types(self, src: str, name: str) -> tuple[tuple[str | None, str], ...]:
+        """Each value parameter of kernel ``name``: its scalar type (None where not
+        known) and its declaration, in order, read from ``src``."""
+        return c_value_types(src, name)
+
+    def signature(self, src: str, name: str) -> Signature:
+        """:meth:`params` and :meth:`value_types` together; where the two read a
+        different number of values (a subclass's own ``params``), the types are not
+        known."""
+        kinds = self.params(src, name)
+        values = self.value_types(src, name)
+        if len(values) != kinds.count("value"):
+            values = tuple((None, f"value {i}") for i in range(kinds.count("value")))
+        return Signature(kinds, values)
 
     def bindings(self, src: str, name: str) -> tuple[int, ...] | None:
         """The index each of ``params``' parameters binds at, where the kernel's source
@@ -148,26 +173,41 @@ def c_params(src: str, name: str) -> tuple[ParamKind, ...]:
     return tuple(kind for kind, _ in c_param_declarations(src, name))
 
 
-# Value parameters launches cannot pass: launch values are ints (int32).
-_NOT_AN_INTEGER = re.compile(
-    r"\b(float|double|half|_Float\d+|__fp16|__half|__half2|__nv_bfloat16|_Complex|struct|union)\b"
+def c_value_types(src: str, name: str) -> tuple[tuple[str | None, str], ...]:
+    """Each value parameter of the C-like function ``name`` defined in ``src``: its
+    scalar type (resolving the source's plain typedefs; None where not known) and its
+    declaration."""
+    known = typedefs(_strip(src))
+    return tuple(
+        (scalar_type(type_words(declaration), known), declaration)
+        for kind, declaration in c_param_declarations(src, name)
+        if kind == "value"
+    )
+
+
+# Type words of value parameters that are no scalar a launch can pass (with
+# ``scalar_type`` None: ``long double``, a struct by value...).
+_NOT_A_SCALAR = re.compile(
+    r"\b(float|double|half|_Float\d+x?|__fp16|__half|__half2|__nv_bfloat16|_Complex|struct|union)\b"
 )
 
 
-def integer_params(src: str, name: str) -> tuple[ParamKind, ...]:
-    """``c_params``, refusing a value parameter that is not of an integer type (float,
-    double, a struct by value...): a launch's values are ints, which such a parameter
-    would receive as garbage (cpu, whose C calling convention passes them elsewhere) or
-    as raw bits (cuda)."""
+def scalar_params(src: str, name: str) -> tuple[ParamKind, ...]:
+    """``c_params``, refusing a value parameter whose type is no scalar a launch
+    passes (``long double``, a struct by value, a vector...): its value would arrive as
+    garbage (cpu, whose C calling convention passes it elsewhere) or cut short (cuda)."""
     declarations = c_param_declarations(src, name)
+    known = typedefs(_strip(src))
     for kind, declaration in declarations:
-        # The type: the declaration less its name (`int half` is an int named half).
-        words = declaration.split()
-        type_words = " ".join(words[:-1]) if len(words) > 1 else declaration
-        if kind == "value" and _NOT_AN_INTEGER.search(type_words):
+        words = type_words(declaration)
+        if (
+            kind == "value"
+            and _NOT_A_SCALAR.search(" ".join(words))
+            and scalar_type(words, known) is None
+        ):
             raise CompileError(
-                f"kernel {name!r}: parameter {declaration!r} is not an integer; launch "
-                "values are ints (int32): pass other values in a buffer",
+                f"kernel {name!r}: parameter {declaration!r} is not a scalar that launch "
+                "values pass (an integer, float or double): pass it in a buffer",
                 name=name,
             )
     return tuple(kind for kind, _ in declarations)

@@ -29,7 +29,7 @@ from ._buffer import foreign_buffer as _foreign_buffer
 from ._compile import (
     Compiler,
     NotDefinedError,
-    ParamKind,
+    Signature,
     check_options,
     source_key,
     unlinked_hint,
@@ -486,7 +486,7 @@ class Device:
         if lost is not None:
             raise lost
 
-    async def _params(self, src: str, name: str) -> tuple[ParamKind, ...] | NotDefinedError:
+    async def _params(self, src: str, name: str) -> Signature | NotDefinedError:
         """Kernel ``name``'s parameters as ``src`` declares them, or the NotDefinedError
         of a name it lacks; read on a worker thread for a long source."""
         read = functools.partial(_read_params, self._backend.compiler, src, name)
@@ -495,7 +495,7 @@ class Device:
     async def _program(
         self,
         key: tuple[str, str],
-        params: tuple[ParamKind, ...],
+        params: Signature,
         binary: bytes,
         src: str,
         compiler: Compiler,
@@ -850,9 +850,9 @@ def _warn_compiled(name: str, log: str, stacklevel: int) -> None:
     warnings.warn(warning, stacklevel=stacklevel)
 
 
-def _read_params(compiler: Any, src: str, name: str) -> tuple[ParamKind, ...] | NotDefinedError:
+def _read_params(compiler: Any, src: str, name: str) -> Signature | NotDefinedError:
     try:
-        params: tuple[ParamKind, ...] = compiler.params(src, name)
+        params: Signature = compiler.signature(src, name)
     except NotDefinedError as missing:
         return missing
     return params

@@ -92,7 +92,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_timeline_failed_offset": (ctypes.c_size_t, []),
     "am_timeline_close": (None, [c_p]),
     "am_queue_new": (c_p, [c_p, ctypes.c_long, ctypes.c_int]),
-    "am_queue_call": (c_int, [c_p, c_p, c_int, c_p, c_p, c_u64]),
+    "am_queue_call": (c_int, [c_p, c_p, c_int, c_p, ctypes.c_uint32, c_p, c_u64]),
     "am_queue_copy": (c_int, [c_p, c_p, c_p, ctypes.c_size_t, c_p, c_u64]),
     "am_queue_signal": (c_int, [c_p, c_p, c_u64, c_u64]),
     "am_queue_wait": (c_int, [c_p, c_p, c_u64, c_u64]),

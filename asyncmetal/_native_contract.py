@@ -3,7 +3,7 @@
 The extension (``native/py_launch.c``, ``native/py_module.c``) submits
 ``Queue.launch``'s common case in one C call. To do so it reads Python objects directly:
 attributes of the queue, its device, the program, each buffer and its allocation; one
-method of each backend queue; and the fields of three positional tuples. **This module
+method of each backend queue; and the fields of five positional tuples. **This module
 is the one declaration of all of it.** The C side names each thing it reads by a key
 (``"Queue.device"``, its ``CONTRACT_KEYS``) and gets the attribute or method name from
 :data:`NAMES` when it loads; it hard-codes no attribute name.
@@ -45,7 +45,10 @@ NAMES: dict[str, str] = {
     "Program.device": "device",  # must be the queue's device
     "Program.buffer_count": "buffer_count",  # int: buffers the kernel takes
     "Program.value_count": "value_count",  # int: values the kernel takes
-    "Program.order": "order",  # None or list[int]: launch argument -> parameter position
+    # None (buffers then int32 values, in the kernel's order), or (order, value_codes):
+    # order None or list[int] (launch argument -> parameter position), value_codes None
+    # or bytes (one per value: _scalars.CODES)
+    "Program.launch_layout": "launch_layout",
     "Program.native": "native",  # int: the kernel's function (cpu) or CUfunction (cuda)
     "Buffer.device": "device",  # must be the queue's device
     "Buffer.allocation": "_allocation",  # the allocation it views
@@ -64,8 +67,13 @@ METHODS = frozenset({"CUDAQueue.failed", "CPUQueue.submitted"})
 
 # The positional tuples the extension reads, field by field.
 LAYOUTS: dict[str, tuple[str, ...]] = {
-    # asyncmetal._backend.Arg: a buffer handle plus offset, or an int value.
+    # asyncmetal._backend.Arg: a buffer handle plus offset, or a value (an int, or a
+    # Scalar).
     "Arg": ("handle", "offset", "value"),
+    # asyncmetal._scalars.Scalar: a value's 64-bit slot, and its type's name.
+    "Scalar": ("bits", "type"),
+    # Program.launch_layout, where not None (see NAMES).
+    "launch_layout": ("order", "value_codes"),
     # The backend queue's launch_target(): what the extension submits through.
     "cuda_target": ("kind", "queue", "backend_queue"),
     "cpu_target": (
@@ -107,11 +115,12 @@ def setup(extension: ModuleType, classes: Mapping[str, type], one3: object) -> N
     Called once, with the first queue."""
     for cls_name, cls in classes.items():
         check_class(cls_name, cls)
-    arg_fields = tuple(getattr(classes.get("Arg"), "_fields", LAYOUTS["Arg"]))
-    if arg_fields != LAYOUTS["Arg"]:
-        raise NativeContractError(
-            f"Arg's fields are {arg_fields}, the extension reads {LAYOUTS['Arg']}"
-        )
+    for layout in ("Arg", "Scalar"):
+        fields = tuple(getattr(classes.get(layout), "_fields", LAYOUTS[layout]))
+        if fields != LAYOUTS[layout]:
+            raise NativeContractError(
+                f"{layout}'s fields are {fields}, the extension reads {LAYOUTS[layout]}"
+            )
     extension.setup(classes["Program"], classes["Buffer"], classes["Completion"], one3)
 
 

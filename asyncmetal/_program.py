@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._compile import ParamKind
+from ._compile import Signature
 from ._device_state import DeviceState
+from ._scalars import CODES
 
 
 class Program:
@@ -15,14 +16,20 @@ class Program:
         self,
         state: DeviceState,
         name: str,
-        params: tuple[ParamKind, ...],
+        signature: Signature,
         binary: bytes,
         native: Any,
     ) -> None:
         self._state = state
         self.device = state.device
         self.name = name
-        self.params = params
+        self.params = params = signature.kinds
+        # Each value parameter's scalar type (None: not known) and declaration.
+        self.value_types = signature.values
+        # What the native launch path reads of them: None where every one takes an
+        # int32 from an int, else a code per value (``_scalars.CODES``).
+        codes = b"".join(CODES[type_] for type_, _ in signature.values)
+        self.value_codes: bytes | None = None if codes.count(b"i") == len(codes) else codes
         self.binary = binary
         self.native = native
         self.buffer_count = params.count("buffer")
@@ -34,6 +41,12 @@ class Program:
         position = {p: i for i, p in enumerate(buffers + values)}
         order = [position[p] for p in range(len(params))]
         self.order: list[int] | None = None if order == sorted(order) else order
+        # Both, as the native launch path reads them: None in the common case.
+        self.launch_layout: tuple[list[int] | None, bytes | None] | None = (
+            None
+            if self.order is None and self.value_codes is None
+            else (self.order, self.value_codes)
+        )
 
     def __repr__(self) -> str:
         return f"<Program {self.name!r} on {self._state.name} params={self.params}>"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import inspect
-import numbers
 import weakref
 from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
 from typing import Any
@@ -19,6 +18,7 @@ from ._copyargs import copy_operands
 from ._device_state import DeviceState, two_names
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
 from ._program import Program
+from ._scalars import Scalar, launch_value
 from ._timeline import (
     MADE_BY_DEVICE,
     Timeline,
@@ -147,6 +147,7 @@ def _extension_launch(device_type: type) -> Callable[..., Completion | None] | N
         "Allocation": Allocation,
         "Completion": Completion,
         "Arg": Arg,
+        "Scalar": Scalar,
     }
     _native_contract.setup(extension, classes, _ONE3)
     launch: Callable[..., Completion | None] = extension.launch
@@ -351,12 +352,18 @@ class Queue:
         *buffers: Buffer,
         global_size: int | Sequence[int] = _ONE3,
         local_size: int | Sequence[int] = _ONE3,
-        vals: Sequence[int] = (),
+        vals: Sequence[int | float | np.generic] = (),
     ) -> Completion:
         """Run ``program`` with ``buffers`` (its pointer parameters, in order) and
         ``vals`` (its value parameters, in order).
 
-        Every argument is checked before anything is submitted.
+        Each value is passed as its parameter's type, read from the kernel's source: a
+        Python int must fit it (an int32 where the type is not known), a Python float
+        takes a floating-point parameter's type, and a numpy scalar (``np.float32``,
+        ``np.int64``, ``np.uint32``...) keeps its own type -- an integer's value must
+        fit an integer parameter, a float may widen to a float parameter, not narrow.
+        Anything else (a float for an integer, a Python float where the type is not
+        known) is refused. Every argument is checked before anything is submitted.
         """
         fast = self._fast_launch
         if fast is not None:  # the common case, in C; None: not that case, see below
@@ -371,7 +378,7 @@ class Queue:
         return self._submit(self._native.launch, program.native, args, gsize, lsize, uses=buffers)
 
     def _launch_args(
-        self, program: Program, buffers: Sequence[Buffer], vals: Sequence[int]
+        self, program: Program, buffers: Sequence[Buffer], vals: Sequence[Any]
     ) -> list[Arg]:
         # The hot path of every launch: identity checks first, messages only on failure.
         if program.__class__ is not Program:
@@ -385,17 +392,17 @@ class Queue:
                 f"program {program.name!r} was compiled for {compiled_for}, not {this}"
             )
         if vals.__class__ is not tuple:
-            if isinstance(vals, np.ndarray) and vals.ndim == 1 and vals.dtype.kind in "iu":
-                vals = vals.tolist()
+            if isinstance(vals, np.ndarray) and vals.ndim == 1 and vals.dtype.kind in "iuf":
+                vals = list(vals)  # numpy scalars, each of the array's type
             elif isinstance(vals, (str, bytes)) or not isinstance(vals, Sequence):
-                raise ArgumentTypeError(f"vals must be a sequence of ints, got {vals!r}")
+                raise ArgumentTypeError(f"vals must be a sequence of numbers, got {vals!r}")
         if len(buffers) != program.buffer_count:
             misplaced = [i for i, v in enumerate(vals) if isinstance(v, Buffer)]
             raise ArgumentTypeError(
                 f"kernel {program.name!r} takes {program.buffer_count} buffers, got {len(buffers)}"
                 + (
                     f" (vals[{misplaced[0]}] is a Buffer: buffers are launch's positional "
-                    "arguments, vals= its int values)"
+                    "arguments, vals= its values)"
                     if misplaced
                     else ""
                 )
@@ -406,14 +413,12 @@ class Queue:
             )
         args = launch_args(buffers, program.name, self._state)
         append = args.append
+        types = program.value_types
         for i, v in enumerate(vals):
-            if v.__class__ is not int:
-                if not isinstance(v, numbers.Integral) or isinstance(v, (bool, np.bool_)):
-                    raise ArgumentTypeError(
-                        f"vals[{i}] of {program.name!r} must be an integer, got {type(v).__name__}"
-                    )
-                v = int(v)  # (numpy's integers too)
-            if not _INT32_MIN <= v <= _INT32_MAX:
+            declared, param = types[i]
+            if v.__class__ is not int or (declared is not None and declared != "int32"):
+                v = launch_value(v, declared, f"vals[{i}] of {program.name!r}", param)
+            elif not _INT32_MIN <= v <= _INT32_MAX:
                 raise InvalidArgumentError(f"vals[{i}] of {program.name!r} must fit in int32: {v}")
             append(new_arg(Arg, (None, 0, v)))
         order = program.order

@@ -42,7 +42,12 @@ CPU_ONLY = {
     "test_closing_a_device_keeps_memory_another_device_still_reads",
     "test_closing_a_device_never_frees_memory_a_held_copy_will_read",
     # the compile pool and its cache, with C sources
-    "test_value_parameters_must_be_integers",
+    "test_value_parameters_must_be_scalars",
+    # C kernels: the cpu device's launch paths, calling convention and macros
+    "test_every_launch_path_passes_them",
+    "test_cpu_arguments_past_the_registers_go_on_the_stack",
+    "test_a_python_float_for_a_type_not_known_is_refused",
+    "test_cpu_half_floats_pass_in_the_vector_registers",
     "test_a_kernel_without_external_linkage_says_why",
     "test_a_timeout_too_long_for_a_clock_is_none",
     "test_compile_many_goes_on_after_an_error",

@@ -8,6 +8,9 @@ reaches a value some loop awaits writes one byte to that loop's pipe.
 Kernels are called with up to 16 parameters (compiling refuses more), each passed as a
 64-bit integer register or stack slot (pointers, and ints widened): right for the x86-64
 System V and AArch64 Linux calling conventions, which read an ``int`` from the low half.
+A kernel given floats (``float``, ``double``, ``_Float16`` parameters) is called with
+them in the vector registers instead, as those conventions pass them (the runtime sorts
+the arguments: ``native/host_queues.c``).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from .._backend import (
     Timelines,
     host_address,
 )
-from .._compile import Compiler, ParamKind, integer_params
+from .._compile import Compiler, ParamKind, scalar_params
 from .._errors import ArgumentTypeError, ClosedResourceError, CompileError, InvalidArgumentError
 from .._timeline import LATER_FAIL, failure_error
 
@@ -126,7 +129,7 @@ class CCompiler(Compiler):
     def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
         """The kernel's parameters, refused when the queue threads could not pass them
         all: checked before compiling, not at every launch."""
-        params = integer_params(src, name)
+        params = scalar_params(src, name)
         if len(params) > MAX_ARGS:
             raise CompileError(
                 f"cpu kernel {name!r} has {len(params)} parameters; cpu kernels take at most "
@@ -367,11 +370,18 @@ class CPUQueue(NativeQueue):
             )
         else:
             ints = self._scratch  # the runtime copies the arguments before returning
+            floats = 0  # bit i: argument i is a float's bits
             for i in range(nargs):
                 handle, offset, val = args[i]
-                ints[i] = handle.address + offset if val is None else val
+                if val is None:
+                    ints[i] = handle.address + offset
+                elif isinstance(val, int):
+                    ints[i] = val
+                else:
+                    ints[i] = val.bits
+                    floats |= (val.type[0] == "f") << i
             status = self._call(
-                self._handle, program, nargs, ints, self._times_address + 24 * row, value
+                self._handle, program, nargs, ints, floats, self._times_address + 24 * row, value
             )
         if status or nargs or self._keep.items:
             self._submitted(status, value, args or None)

@@ -123,6 +123,7 @@ typedef struct {
     int nargs;
     void *fn;
     int64_t args[AM_MAX_ARGS];
+    uint32_t floats;                /* CMD_CALL: bit i set: args[i] is a float's bits */
     am_timeline *timeline;
     uint64_t target;
     void *dst;
@@ -234,8 +235,8 @@ const char *am_build_digest(void);
 
 /* ---- host_queues.c --------------------------------------------------------------- */
 am_queue *am_queue_new(am_timeline *own, long spin_ns, int nice);
-int am_queue_call(am_queue *q, void *fn, int nargs, const int64_t *args, int64_t *record,
-                  uint64_t value);
+int am_queue_call(am_queue *q, void *fn, int nargs, const int64_t *args, uint32_t floats,
+                  int64_t *record, uint64_t value);
 int am_queue_copy(am_queue *q, void *dst, const void *src, size_t nbytes, int64_t *record,
                   uint64_t value);
 int am_queue_signal(am_queue *q, am_timeline *t, uint64_t target, uint64_t value);

@@ -14,6 +14,59 @@ typedef void (*am_kernel)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, 
                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                           int64_t, int64_t);
 
+/* A kernel with floating-point parameters (float, double, _Float16), whose arguments
+ * the C calling convention passes in two sequences: integers and pointers in the
+ * general registers, floats in the vector registers, each in parameter order, and
+ * those past a sequence's registers on the stack, in parameter order, one 8-byte slot
+ * each (x86-64 System V: 6 general, 8 vector registers; AArch64 as Linux runs it: 8
+ * and 8). So the kernel is called through a type with every register of both kinds
+ * and then stack slots enough for all arguments: each argument goes where its kind
+ * would put it, the rest are ignored. A float passes in a register's low bytes (the
+ * double handed over carries its bits there), and on the stack in the slot's low
+ * bytes, as each convention reads it. */
+#if defined(__aarch64__)
+#define AM_INT_REGS 8
+#else
+#define AM_INT_REGS 6
+#endif
+#define AM_FLOAT_REGS 8
+#define AM_I8(p) int64_t p##0, int64_t p##1, int64_t p##2, int64_t p##3, int64_t p##4, \
+    int64_t p##5, int64_t p##6, int64_t p##7
+#define AM_D8 double, double, double, double, double, double, double, double
+
+#if AM_INT_REGS == 8
+typedef void (*am_mixed_kernel)(AM_I8(r), AM_D8, AM_I8(s), AM_I8(t));
+#else
+typedef void (*am_mixed_kernel)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, AM_D8,
+                                AM_I8(s), AM_I8(t));
+#endif
+
+static void call_mixed(const am_cmd *c) {
+    int64_t regs[AM_INT_REGS] = {0}, stack[AM_MAX_ARGS] = {0};
+    double vregs[AM_FLOAT_REGS] = {0};
+    int ni = 0, nf = 0, ns = 0;
+    for (int i = 0; i < c->nargs; i++) {
+        if (c->floats >> i & 1) {
+            if (nf < AM_FLOAT_REGS) memcpy(&vregs[nf++], &c->args[i], sizeof(double));
+            else stack[ns++] = c->args[i];
+        } else if (ni < AM_INT_REGS) {
+            regs[ni++] = c->args[i];
+        } else {
+            stack[ns++] = c->args[i];
+        }
+    }
+    am_mixed_kernel fn = (am_mixed_kernel)c->fn;
+    const int64_t *r = regs, *s = stack;
+    const double *v = vregs;
+#if AM_INT_REGS == 8
+    fn(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7],
+#else
+    fn(r[0], r[1], r[2], r[3], r[4], r[5],
+#endif
+       v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], s[0], s[1], s[2], s[3], s[4], s[5],
+       s[6], s[7], s[8], s[9], s[10], s[11], s[12], s[13], s[14], s[15]);
+}
+
 static int take(am_queue *q, am_cmd *out) {
     /* A short spin first: a command submitted right behind the last one then starts
      * without a sleep/wake round trip. Bounded by spin_ns after each command. */
@@ -188,6 +241,10 @@ static void *run(void *arg) {
             am_timeline_fail(c.timeline, c.target, q->cause_error, q->cause_value, q->cause);
         if (!failed) switch (c.kind) {
         case CMD_CALL:
+            if (c.floats) {
+                call_mixed(&c);
+                break;
+            }
             ((am_kernel)c.fn)(c.args[0], c.args[1], c.args[2], c.args[3], c.args[4], c.args[5],
                               c.args[6], c.args[7], c.args[8], c.args[9], c.args[10],
                               c.args[11], c.args[12], c.args[13], c.args[14], c.args[15]);
@@ -253,9 +310,10 @@ static int push(am_queue *q, const am_cmd *c) {
     return 0;
 }
 
-int am_queue_call(am_queue *q, void *fn, int nargs, const int64_t *args, int64_t *record,
-                  uint64_t value) {
-    am_cmd c = {.kind = CMD_CALL, .fn = fn, .nargs = nargs, .record = record, .value = value};
+int am_queue_call(am_queue *q, void *fn, int nargs, const int64_t *args, uint32_t floats,
+                  int64_t *record, uint64_t value) {
+    am_cmd c = {.kind = CMD_CALL, .fn = fn, .nargs = nargs, .floats = floats, .record = record,
+                .value = value};
     if (nargs < 0 || nargs > AM_MAX_ARGS) return -2;
     memcpy(c.args, args, (size_t)nargs * sizeof(int64_t));
     return push(q, &c);

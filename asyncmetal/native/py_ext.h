@@ -38,7 +38,7 @@
     X(PROGRAM_DEVICE, "Program.device")                                                   \
     X(PROGRAM_BUFFER_COUNT, "Program.buffer_count")                                       \
     X(PROGRAM_VALUE_COUNT, "Program.value_count")                                         \
-    X(PROGRAM_ORDER, "Program.order")                                                     \
+    X(PROGRAM_LAUNCH_LAYOUT, "Program.launch_layout")                                     \
     X(PROGRAM_NATIVE, "Program.native")                                                   \
     X(BUFFER_DEVICE, "Buffer.device")                                                     \
     X(BUFFER_ALLOCATION, "Buffer.allocation")                                             \
@@ -60,6 +60,8 @@ extern AM_HIDDEN PyObject *am_names[AM_NAMES];
 
 /* Positional tuples the extension reads, field by field (checked by the contract). */
 #define LAYOUT_ARG "handle", "offset", "value"
+#define LAYOUT_SCALAR "bits", "type"
+#define LAYOUT_LAUNCH_LAYOUT "order", "value_codes"
 #define LAYOUT_CUDA_TARGET "kind", "queue", "backend_queue"
 #define LAYOUT_CPU_TARGET                                                                 \
     "kind", "queue", "backend_queue", "times", "times_address", "times_kept", "keep_items"

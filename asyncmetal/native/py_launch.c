@@ -5,7 +5,9 @@
  * launch(queue, target, program, buffers, vals, global, local) -> Completion or None.
  * It submits only what asyncmetal.Queue.launch would accept: a Program of the queue's
  * device, live Buffers of that device (exactly Buffer), vals a tuple or list of exact
- * ints within int32, sizes the default, an int or a tuple/list of 1-3 exact ints >= 1,
+ * ints within int32 -- or, for a program whose launch_layout names other integer types,
+ * within each one's range (a float parameter's value is left to Python) -- sizes the
+ * default, an int or a tuple/list of 1-3 exact ints >= 1,
  * and a queue holding nothing back. Anything else returns None *before* submitting, and
  * Queue.launch's Python path then checks and explains it: this path raises only what a
  * submission raises (the backend's own error, through its Python hooks).
@@ -85,6 +87,23 @@ static int simple_size(PyObject *size, unsigned long out[3]) {
         out[i] = (unsigned long)v;
     }
     return 0;
+}
+
+/* Whether an int fits the parameter type of code (CODES in asyncmetal/_scalars.py); a
+ * float's code, or a uint64 past int64 (an overflow before this), fits none here. */
+static int value_fits(long long x, char code) {
+    switch (code) {
+    case 'i': return x >= INT32_MIN && x <= INT32_MAX;
+    case 'I': return x >= 0 && x <= UINT32_MAX;
+    case 'q': return 1;
+    case 'Q': return x >= 0;
+    case 'h': return x >= INT16_MIN && x <= INT16_MAX;
+    case 'H': return x >= 0 && x <= UINT16_MAX;
+    case 'b': return x >= INT8_MIN && x <= INT8_MAX;
+    case 'B': return x >= 0 && x <= UINT8_MAX;
+    case '?': return x == 0 || x == 1;
+    default: return 0;
+    }
 }
 
 /* The command numbered value was not submitted: its number is taken back (an error is
@@ -179,7 +198,7 @@ static PyObject *submit(PyObject *queue, PyObject *state, const target_t *t, voi
         code = am_cuq_launch(t->handle, fn, dims, params, (int)nargs, value);
     } else {
         row = value % (uint64_t)t->kept;  /* the times row the queue thread writes */
-        code = am_queue_call(t->handle, fn, (int)nargs, slots, t->times_base + 3 * row, value);
+        code = am_queue_call(t->handle, fn, (int)nargs, slots, 0, t->times_base + 3 * row, value);
     }
     if (code) {  /* not handed over: its number back, then the backend's hook explains */
         unnumber(queue, value);
@@ -268,6 +287,7 @@ PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     /* The queue's device is open and the program's. (r: 0 so far the common case, 1 not,
      * -1 an error; any error set is raised.) */
     PyObject *handles = NULL;  /* cpu: the buffers' handles, kept alive by the queue */
+    PyObject *layout = NULL;   /* the program's launch_layout */
     PyObject *device = PyObject_GetAttr(queue, NAME(QUEUE_DEVICE));
     if (!device) return NULL;
     PyObject *state = PyObject_GetAttr(queue, NAME(QUEUE_STATE));
@@ -313,19 +333,36 @@ PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
         if (PyErr_Occurred()) { r = -1; goto fallback; }
         if (offset < 0) { r = 1; goto fallback; }
     }
+    /* The program's launch layout: None in the common case (the kernel takes the
+     * buffers, then the values, each an int32), else (order, value_codes). */
+    layout = PyObject_GetAttr(program, NAME(PROGRAM_LAUNCH_LAYOUT));
+    if (!layout) { r = -1; goto fallback; }
+    PyObject *order = Py_None;  /* borrowed from layout */
+    const char *codes = NULL;   /* each value's type (asyncmetal/_scalars.py's CODES) */
+    if (layout != Py_None) {
+        PyObject *value_codes = NULL;
+        if (PyTuple_CheckExact(layout) && PyTuple_GET_SIZE(layout) == 2) {
+            order = PyTuple_GET_ITEM(layout, 0);
+            value_codes = PyTuple_GET_ITEM(layout, 1);
+        }
+        if (!value_codes) r = 1;
+        else if (value_codes != Py_None && PyBytes_CheckExact(value_codes) &&
+                 PyBytes_GET_SIZE(value_codes) == nval)
+            codes = PyBytes_AS_STRING(value_codes);
+        else if (value_codes != Py_None) r = 1;
+        if (r) goto fallback;
+    }
     for (Py_ssize_t i = 0; i < nval; i++) {
         PyObject *v = PySequence_Fast_ITEMS(vals)[i];
         if (!PyLong_CheckExact(v)) { r = 1; goto fallback; }
         int overflow;
         long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
-        if (overflow || x < INT32_MIN || x > INT32_MAX) { r = 1; goto fallback; }
+        if (overflow || !value_fits(x, codes ? codes[i] : 'i')) { r = 1; goto fallback; }
         packed[nbuf + i] = x;
     }
     /* Reordered to the kernel's parameter order where it differs. */
     int64_t slots[AM_MAX_PARAMS];
     Py_ssize_t nargs = nbuf + nval;
-    PyObject *order = PyObject_GetAttr(program, NAME(PROGRAM_ORDER));
-    if (!order) { r = -1; goto fallback; }
     if (order == Py_None) {
         memcpy(slots, packed, nargs * sizeof *slots);
     } else if (!PyList_CheckExact(order) || PyList_GET_SIZE(order) != nargs) {
@@ -337,7 +374,6 @@ PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
             else slots[i] = packed[j];
         }
     }
-    Py_DECREF(order);
     if (r) goto fallback;
     PyObject *function = PyObject_GetAttr(program, NAME(PROGRAM_NATIVE));
     if (!function) { r = -1; goto fallback; }
@@ -349,6 +385,7 @@ PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
 
     /* Number it, make its Completion, submit. */
     Py_DECREF(device);
+    Py_DECREF(layout);
     PyObject *done = submit(queue, state, &t, fn, dims, slots, nargs, handles, allocations, nbuf);
     Py_DECREF(state);
     Py_XDECREF(handles);
@@ -358,6 +395,7 @@ fallback:
     Py_DECREF(device);
     Py_DECREF(state);
     Py_XDECREF(handles);
+    Py_XDECREF(layout);
     if (PyErr_Occurred()) return NULL;
     Py_RETURN_NONE;
 }

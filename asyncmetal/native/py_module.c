@@ -4,7 +4,7 @@
  * Each wrapper takes the native handles as ints and does what the ctypes call it
  * replaces does, without ctypes' argument conversion and libffi call (~1-2 us on the GPU
  * machine's VM), packing a kernel's arguments (a list of asyncmetal.Arg: a buffer
- * handle plus offset, or an int32 value) itself.
+ * handle plus offset, an int32 value, or a Scalar: another type's bits) itself.
  */
 #include "py_ext.h"
 
@@ -36,8 +36,11 @@ static PyObject *py_set_names(PyObject *self, PyObject *names) {
     Py_RETURN_NONE;
 }
 
-/* Arguments to 64-bit slots: a buffer's address plus its offset, or a value. */
-static int pack_args(PyObject *args, int64_t *slots, Py_ssize_t most, int by_attribute) {
+/* Arguments to 64-bit slots: a buffer's address plus its offset, or a value (an int32,
+ * or a Scalar's bits). *floats (where not NULL) gets bit i set where argument i is a
+ * floating-point Scalar (its type's name starts with "f"). */
+static int pack_args(PyObject *args, int64_t *slots, Py_ssize_t most, int by_attribute,
+                     uint32_t *floats) {
     if (!PyList_CheckExact(args) && !PyTuple_Check(args)) {
         PyErr_SetString(PyExc_TypeError, "args must be a list of Arg");
         return -1;
@@ -55,7 +58,16 @@ static int pack_args(PyObject *args, int64_t *slots, Py_ssize_t most, int by_att
             return -1;
         }
         PyObject *val = PyTuple_GET_ITEM(arg, 2);
-        if (val != Py_None) {
+        if (val != Py_None && !PyLong_Check(val)) {  /* a Scalar: (bits, type) */
+            PyObject *type = PyTuple_Check(val) && PyTuple_GET_SIZE(val) == 2
+                                 ? PyTuple_GET_ITEM(val, 1) : NULL;
+            if (!type || !PyUnicode_Check(type) || !PyUnicode_GET_LENGTH(type)) {
+                PyErr_SetString(PyExc_TypeError, "each value must be an int or a Scalar");
+                return -1;
+            }
+            slots[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(val, 0));
+            if (floats && PyUnicode_READ_CHAR(type, 0) == 'f') *floats |= (uint32_t)1 << i;
+        } else if (val != Py_None) {
             slots[i] = PyLong_AsLongLong(val);
         } else {
             PyObject *handle = PyTuple_GET_ITEM(arg, 0);
@@ -99,14 +111,15 @@ static int converted(const void *handle, const char *null_message) {
 static PyObject *py_queue_call(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     (void)self;
     int64_t slots[AM_MAX_ARGS];
+    uint32_t floats = 0;
     if (take_args(n, 5, "queue_call")) return NULL;
     void *q = PyLong_AsVoidPtr(a[0]), *fn = PyLong_AsVoidPtr(a[1]);
     int64_t *row = PyLong_AsVoidPtr(a[3]);
     uint64_t value = PyLong_AsUnsignedLongLong(a[4]);
     if (PyErr_Occurred()) return NULL;
-    int nargs = pack_args(a[2], slots, AM_MAX_ARGS, 1);
+    int nargs = pack_args(a[2], slots, AM_MAX_ARGS, 1, &floats);
     if (nargs < 0) return NULL;
-    return PyLong_FromLong(am_queue_call(q, fn, nargs, slots, row, value));
+    return PyLong_FromLong(am_queue_call(q, fn, nargs, slots, floats, row, value));
 }
 
 /* grid = ceil(global / local) and block = local per dimension, no shared memory; 1 if
@@ -143,7 +156,8 @@ static int launch_dims(PyObject *global, PyObject *local, unsigned *dims) {
 }
 
 /* cuq_launch(queue, function, global, local, args, value) -> am_cuq_launch's CUresult.
- * Values are int32 kernel parameters (the low half of their slot). The GIL is released
+ * Each parameter's pointer is its 8-byte (so 8-aligned) slot, the value in its low bytes:
+ * the driver copies as many as the kernel's parameter takes. The GIL is released
  * around the driver calls: a driver thread holding a driver lock may be waiting for it
  * (a host function that runs Python, numba-cuda #317). */
 static PyObject *py_cuq_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
@@ -156,7 +170,7 @@ static PyObject *py_cuq_launch(PyObject *self, PyObject *const *a, Py_ssize_t n)
     uint64_t value = PyLong_AsUnsignedLongLong(a[5]);
     if (converted(q, "cuq_launch: null queue")) return NULL;
     if (launch_dims(a[2], a[3], dims)) return NULL;
-    int nargs = pack_args(a[4], slots, AM_MAX_PARAMS, 0);
+    int nargs = pack_args(a[4], slots, AM_MAX_PARAMS, 0, NULL);
     if (nargs < 0) return NULL;
     for (int i = 0; i < nargs; i++) params[i] = &slots[i];
     int r;
@@ -351,6 +365,8 @@ PyMODINIT_FUNC PyInit__amrt(void) {
     PyObject *layouts = PyDict_New();
     if (!layouts || add_strings(m, "CONTRACT_KEYS", contract_keys, AM_NAMES, NULL) ||
         add_strings(m, "Arg", STRINGS(LAYOUT_ARG), layouts) ||
+        add_strings(m, "Scalar", STRINGS(LAYOUT_SCALAR), layouts) ||
+        add_strings(m, "launch_layout", STRINGS(LAYOUT_LAUNCH_LAYOUT), layouts) ||
         add_strings(m, "cuda_target", STRINGS(LAYOUT_CUDA_TARGET), layouts) ||
         add_strings(m, "cpu_target", STRINGS(LAYOUT_CPU_TARGET), layouts) ||
         PyModule_AddObjectRef(m, "LAYOUTS", layouts)) {

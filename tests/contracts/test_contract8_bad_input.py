@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import numpy as np
 import pytest
 
 import asyncmetal as am
+from tests.support.refusals import rejects as _rejects
 
 pytestmark = pytest.mark.anyio
-
-
-def _rejects(
-    device: am.Device, exc: type[BaseException], match: str, action: Callable[[], Any]
-) -> None:
-    before = [q.submitted for q in device._queues]
-    with pytest.raises(exc, match=match):
-        action()
-    assert [q.submitted for q in device._queues] == before, "something was submitted"
 
 
 async def test_wrong_argument_counts_and_types(
@@ -219,20 +208,28 @@ async def test_a_signature_that_does_not_compile_carries_the_log(device: am.Devi
         await device.compile_many([("void f(void) {}", "g")]).__anext__()
 
 
-async def test_value_parameters_must_be_integers(device: am.Device) -> None:
-    """Launch values are ints: a cpu kernel's float parameter got garbage from them (the
-    C calling convention passes floats elsewhere) and the next int parameter the value
-    meant for it. Refused at compile, before compiling (checked: accepted before)."""
-    for declaration in ("float a", "double a", "long double a", "struct pair { int x; } a"):
+async def test_value_parameters_must_be_scalars(device: am.Device) -> None:
+    """Launch values are integers and floats: a cpu kernel's ``long double`` or struct
+    parameter would get garbage from them (the C calling convention passes those
+    elsewhere). Refused at compile, before compiling; ``float`` and ``double`` are read
+    as their types."""
+    for declaration in ("long double a", "struct pair { int x; } a", "_Complex double a"):
         source = f"void k(int* out, {declaration}, int n) {{ out[0] = n; }}"
-        with pytest.raises(am.CompileError, match="is not an integer") as info:
+        with pytest.raises(am.CompileError, match="is not a scalar") as info:
             await device.compile(source, "k")
         assert info.value.name == "k" and declaration in str(info.value)
     ints = "void k(int* out, long a, unsigned n, unsigned long long m, char c, _Bool b) {}"
-    assert (await device.compile(ints, "k")).params == ("buffer",) + ("value",) * 5
+    program = await device.compile(ints, "k")
+    assert program.params == ("buffer",) + ("value",) * 5
+    assert [t for t, _ in program.value_types] == ["int64", "uint32", "uint64", "int8", "bool"]
     # Named like a type, still an int (the name is not the type).
     named = "void k(int* out, int half, unsigned float_count, int struct_size) {}"
-    assert (await device.compile(named, "k")).params == ("buffer",) + ("value",) * 3
+    program = await device.compile(named, "k")
+    assert program.params == ("buffer",) + ("value",) * 3
+    assert [t for t, _ in program.value_types] == ["int32", "uint32", "int32"]
+    floats = "typedef double real; void k(float a, int* out, const real b, _Float16 c) {}"
+    program = await device.compile(floats, "k")
+    assert [t for t, _ in program.value_types] == ["float32", "float64", "float16"]
 
 
 async def test_c_that_does_not_compile_carries_the_log(device: am.Device) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..._compile import Compiler, ParamKind, integer_params
+from ..._compile import Compiler, ParamKind, scalar_params
 from ..._errors import CompileError
 from ._driver import check, nvrtc
 
@@ -50,9 +50,9 @@ class CUDACompiler(Compiler):
             nvrtc.nvrtcDestroyProgram(prog)
 
     def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
-        """The kernel's parameters; a value parameter must be an integer (launches
-        pass ints: a float parameter would get an int's bits)."""
-        return integer_params(src, name)
+        """The kernel's parameters; a value parameter must be a scalar (an integer,
+        ``float``, ``double`` or ``__half``: launches pass nothing else)."""
+        return scalar_params(src, name)
 
 
 def _nvrtc_name(err: Any) -> str:

@@ -64,6 +64,9 @@ class QueueDevice(StagingDevice, Protocol):
     def make_current(self) -> None: ...
 
 
+_SLOT = (1 << 64) - 1  # a value's two's complement bits in a 64-bit slot
+
+
 class CUDAQueue(NativeQueue):
     markers = True  # an event recorded on the stream: adopted streams have others' work
 
@@ -375,8 +378,13 @@ class CUDAQueue(NativeQueue):
             if dims is None:
                 dims = self._launch_dims(global_size, local_size)
             slots = self._slots
+            # Each parameter's pointer is its 8-byte slot (8-aligned), the value in its
+            # low bytes: the driver copies as many as the kernel's parameter takes.
             for i, (handle, offset, val) in enumerate(args):
-                slots[i] = (handle + offset) if val is None else (val & 0xFFFFFFFF)
+                if val is None:
+                    slots[i] = handle + offset
+                else:
+                    slots[i] = (val if isinstance(val, int) else val.bits) & _SLOT
             code = self._lib.am_cuq_launch(
                 self._q, program, dims, self._pointers_address, len(args), value
             )

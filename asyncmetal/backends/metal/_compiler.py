@@ -15,6 +15,7 @@ from typing import Any
 
 from ..._compile import Compiler, NotDefinedError, ParamKind
 from ..._errors import CompileError
+from ..._scalars import scalar_type, type_words, typedefs
 from . import _blocks
 from ._objc import (
     load,
@@ -163,6 +164,9 @@ class MetalCompiler(Compiler):
     def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
         return metal_params(src, name)
 
+    def value_types(self, src: str, name: str) -> tuple[tuple[str | None, str], ...]:
+        return metal_value_types(src, name)
+
     def bindings(self, src: str, name: str) -> tuple[int, ...]:
         return metal_bindings(src, name)
 
@@ -209,24 +213,37 @@ def metal_params(src: str, name: str) -> tuple[ParamKind, ...]:
     """Launch parameters of a Metal kernel: those bound with ``[[buffer(i)]]`` in index
     order -- pointers are buffers, references and values are ``vals`` -- skipping
     ``[[thread_position_in_grid]]`` and the like."""
-    return tuple(kind for _, kind in _bound_params(src, name))
+    return tuple(kind for _, kind, _ in _bound_params(src, name))
+
+
+def metal_value_types(src: str, name: str) -> tuple[tuple[str | None, str], ...]:
+    """Each ``vals`` parameter of ``metal_params``: its scalar type (``constant float&
+    s`` is a float32; None where not known) and its declaration."""
+    known = typedefs(src)
+    return tuple(
+        (scalar_type(type_words(param), known), param)
+        for _, kind, param in _bound_params(src, name)
+        if kind == "value"
+    )
 
 
 def metal_bindings(src: str, name: str) -> tuple[int, ...]:
     """The ``[[buffer(i)]]`` index of each of ``metal_params``' parameters (the indices
     may have gaps: each argument is bound at its own)."""
-    return tuple(index for index, _ in _bound_params(src, name))
+    return tuple(index for index, _, _ in _bound_params(src, name))
 
 
-def _bound_params(src: str, name: str) -> list[tuple[int, ParamKind]]:
+def _bound_params(src: str, name: str) -> list[tuple[int, ParamKind, str]]:
     text = re.sub(r"//[^\n]*|/\*.*?\*/", " ", src, flags=re.S)
     match = re.search(rf"\bkernel\s+void\s+{re.escape(name)}\s*\((.*?)\)\s*{{", text, re.S)
     if match is None:
         raise NotDefinedError(name)
-    bound: list[tuple[int, ParamKind]] = []
+    bound: list[tuple[int, ParamKind, str]] = []
     for param in match.group(1).split(","):
         index = re.search(r"\[\[\s*buffer\s*\(\s*(\d+)\s*\)\s*\]\]", param)
         if index is None:
             continue
-        bound.append((int(index.group(1)), "buffer" if "*" in param else "value"))
+        kind: ParamKind = "buffer" if "*" in param else "value"
+        declaration = re.sub(r"\[\[.*?\]\]", "", param).strip()
+        bound.append((int(index.group(1)), kind, " ".join(declaration.split())))
     return sorted(bound)

@@ -24,6 +24,7 @@ from ..._backend import (
     host_address,
 )
 from ..._errors import DeviceLostError
+from ..._scalars import SIZES, Scalar
 from ..._timeline import LATER_FAIL, MAX_VALUE, failure_error
 from . import _blocks
 from ._objc import (
@@ -401,13 +402,16 @@ class MetalQueue(NativeQueue):
         value: int,
         record: Record,
     ) -> None:
-        ints = [ctypes.c_int32(a.value) for a in args if a.value is not None]
+        # Each value's bytes (the low ones of its slot: Metal's GPUs are little-endian)
+        # and their number, its type's size: setBytes copies them into the argument
+        # table, aligned as the kernel's parameter type.
+        values = [_value_bytes(a.value) for a in args if a.value is not None]
         indices = program.bindings or range(len(args))
 
         def encode(cb: int) -> None:
             encoder = send(cb, "computeCommandEncoder")
             send(encoder, "setComputePipelineState:", program.pipeline, restype=None)
-            values = iter(ints)
+            pending = iter(values)
             for index, (handle, offset, val) in zip(indices, args, strict=True):
                 if val is None:
                     send(
@@ -420,12 +424,12 @@ class MetalQueue(NativeQueue):
                         argtypes=(c_void_p, c_ulong, c_ulong),
                     )
                 else:
-                    v = next(values)
+                    v, size = next(pending)
                     send(
                         encoder,
                         "setBytes:length:atIndex:",
                         ctypes.addressof(v),
-                        4,
+                        size,
                         index,
                         restype=None,
                         argtypes=(c_void_p, c_ulong, c_ulong),
@@ -440,7 +444,7 @@ class MetalQueue(NativeQueue):
             )
             send(encoder, "endEncoding", restype=None)
 
-        self._submit(value, encode, (args, ints), record=record)
+        self._submit(value, encode, (args, values), record=record)
 
     def signal(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, MetalTimeline)
@@ -609,6 +613,13 @@ class MetalQueue(NativeQueue):
         for _, cb, _, _, _ in buffers:
             release(cb)
         release(self._queue)
+
+
+def _value_bytes(value: int | Scalar) -> tuple[ctypes.c_int64, int]:
+    """A launch value's slot, and how many of its bytes its type has."""
+    if isinstance(value, int):
+        return ctypes.c_int64(value), 4  # an int32
+    return ctypes.c_int64(value.bits), SIZES[value.type]
 
 
 def _blit_encoder(dst: tuple[int, int], src: tuple[int, int], nbytes: int) -> Callable[[int], None]:

@@ -95,6 +95,60 @@ async def test_launch_paths_give_the_same_results(anyio_backend: object, path: s
             assert (got[:2] == 99).all() and (got[2:] == value).all(), value
 
 
+VALUES = r"""
+extern "C" __global__ void put(float f, unsigned char* out, double d, long long big,
+                               unsigned int u, unsigned char* more, float g, int n, short s,
+                               unsigned char c) {
+    if (blockIdx.x * blockDim.x + threadIdx.x != 0) return;
+    *(float*)(out) = f; *(double*)(out + 8) = d; *(long long*)(out + 16) = big;
+    *(unsigned int*)(out + 24) = u; *(float*)(more) = g; *(int*)(more + 4) = n;
+    *(short*)(more + 8) = s; more[10] = c;
+}
+extern "C" __global__ void ints(unsigned char* out, long long a, unsigned int b, short c,
+                                unsigned long long d) {
+    *(long long*)(out) = a; *(unsigned int*)(out + 8) = b; *(short*)(out + 12) = c;
+    *(unsigned long long*)(out + 16) = d;
+}
+"""
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_launch_values_of_each_type_reach_the_kernel_bit_for_bit(
+    anyio_backend: object, path: str
+) -> None:
+    """float, double, int64 and uint32 beyond int32, int16 and uint8 parameters between
+    buffers, on each launch path (floats leave the native one for Python's): each value
+    in its parameter slot (cuLaunchKernel copies each parameter's size from it), every
+    byte written back its own; ints of other integer types on the native path too."""
+    async with am.open_device("cuda:0") as dev:
+        put, ints = await dev.compile(VALUES, "put"), await dev.compile(VALUES, "ints")
+        queue = dev.new_queue()
+        select_launch_path(queue, path, "_fast_launch")
+        out, more = await dev.alloc(32), await dev.alloc(16)
+        await queue.copy(out, np.zeros(32, np.uint8))
+        await queue.copy(more, np.zeros(16, np.uint8))
+        vals = (
+            np.float32(-0.1), np.float64(np.pi), np.int64(-(1 << 40) - 3),
+            np.uint32(0xFFFF_FFF0), 1e-3, -7, np.int16(-300), 200,
+        )  # fmt: skip
+        await queue.launch(put, out, more, vals=vals)
+        got, got_more = (await out.read(np.uint8)).tobytes(), (await more.read(np.uint8)).tobytes()
+        assert got[0:4] == np.float32(-0.1).tobytes()
+        assert got[8:16] == np.float64(np.pi).tobytes()
+        assert got[16:24] == np.int64(-(1 << 40) - 3).tobytes()
+        assert got[24:28] == np.uint32(0xFFFF_FFF0).tobytes()
+        expected = b"".join(
+            v.tobytes() for v in (np.float32(1e-3), np.int32(-7), np.int16(-300), np.uint8(200))
+        )
+        assert got_more[0:11] == expected
+        values = [(1 << 40) + 5, (1 << 32) - 2, -300, (1 << 64) - 1]
+        await queue.launch(ints, out, vals=values)
+        got = (await out.read(np.uint8)).tobytes()
+        assert got[0:8] == np.int64(values[0]).tobytes()
+        assert got[8:14] == np.uint32(values[1]).tobytes() + np.int16(values[2]).tobytes()
+        assert got[16:24] == np.uint64(values[3]).tobytes()
+
+
 @pytest.mark.parametrize("path", ["extension", "ctypes"])
 async def test_copy_paths_give_the_same_results(anyio_backend: object, path: str) -> None:
     """Device copies through the extension module's call and through ctypes: at offsets

@@ -6,7 +6,9 @@
  *
  *   kernel void NAME(PARAMS) { BODY }   any number of kernels per source
  *   device T* p [[buffer(i)]]           a buffer (const, device address space)
- *   constant T& v [[buffer(i)]]         a value set with setBytes: (or T v [[buffer(i)]])
+ *   constant T& v [[buffer(i)]]         a value set with setBytes: (or T v [[buffer(i)]]), whose
+ *                                       length must cover sizeof(T) (as Metal's validation
+ *                                       demands; T: an integer, bool, half, float)
  *   uint i [[thread_position_in_grid]]  the x position (no uint2/uint3)
  *   #include <metal_stdlib>, using namespace metal; metal::min/max; C++ in the body
  *   __asyncmetal_sim_fault()            a simulation-only hook: the command buffer faults
@@ -42,6 +44,8 @@ static const char prelude[] =
     "typedef unsigned int uint;\n"
     "typedef unsigned short ushort;\n"
     "typedef unsigned char uchar;\n"
+    "typedef unsigned long ulong;\n"
+    "typedef _Float16 half;\n"
     "namespace metal { using std::min; using std::max; }\n"
     "static thread_local int __asyncmetal_sim_faulted;\n"
     "static inline void __asyncmetal_sim_fault() { __asyncmetal_sim_faulted = 1; }\n"
@@ -49,6 +53,16 @@ static const char prelude[] =
     "    if constexpr (std::is_pointer_v<T>) return static_cast<T>(b[i]);\n"
     "    else return *static_cast<std::remove_reference_t<T> *>(\n"
     "        i < 0 ? (void *)&g[-1 - i] : b[i]);\n"
+    "}\n"
+    "template <class T> constexpr int __asyncmetal_sim_size() {\n"
+    "    if constexpr (std::is_pointer_v<T>) return 0;\n"
+    "    else return (int)sizeof(std::remove_reference_t<T>);\n"
+    "}\n"
+    "template <class... P> struct __asyncmetal_sim_sizes_of {\n"
+    "    static constexpr int sizes[] = {0, __asyncmetal_sim_size<P>()...};\n"
+    "};\n"
+    "template <class... P> static inline const int *__asyncmetal_sim_sizes(void (*)(P...)) {\n"
+    "    return __asyncmetal_sim_sizes_of<P...>::sizes + 1;\n"
     "}\n"
     "template <class... P, std::size_t... I>\n"
     "static inline void __asyncmetal_sim_apply(void (*f)(P...), const int *m, void **b,\n"
@@ -196,6 +210,9 @@ static char *parse_kernels(char *src, text *wrappers, int *count) {
                        "const unsigned *g) {\n    return __asyncmetal_sim_run(%.*s, "
                        "__asyncmetal_sim_params_%.*s + 1, b, g);\n}\n",
              name_len, name, name_len, name, name_len, name);
+        putf(wrappers, "extern \"C\" const int *__asyncmetal_sim_sizes_%.*s(void) {\n"
+                       "    return __asyncmetal_sim_sizes(%.*s);\n}\n",
+             name_len, name, name_len, name);
         ++*count;
         p = q;
     }

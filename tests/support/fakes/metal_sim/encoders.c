@@ -64,12 +64,20 @@ static void encode_dispatch(mtlencoder *self, MTLSize grid, MTLSize group, const
         group.width * group.height * group.depth > 1024)
         fail("%s: threads per threadgroup %lux%lux%lu", what, group.width, group.height,
              group.depth);
-    const int *params = state->pipeline->function->params;
+    const mtlfunction *function = state->pipeline->function;
+    const int *params = function->params;
     for (int i = 1; i <= params[0]; i++) {
         int index = params[i];
         if (index >= 0 && !state->buffers[index] && !state->bytes[index])
-            fail("%s: kernel %s's argument at buffer(%d) is not bound", what,
-                 state->pipeline->function->name, index);
+            fail("%s: kernel %s's argument at buffer(%d) is not bound", what, function->name,
+                 index);
+        /* Metal's validation: the bytes set must cover the argument's type (fewer would
+         * have the kernel read past them). */
+        int size = function->sizes[i - 1];
+        if (index >= 0 && state->bytes[index] && size > 0 &&
+            state->lengths[index] < (unsigned long)size)
+            fail("%s: kernel %s's argument at buffer(%d) takes %d bytes, setBytes gave %lu",
+                 what, function->name, index, size, state->lengths[index]);
     }
     /* The command takes the bindings as they are now; later set* calls change only the
      * encoder's state for the next dispatch (as in Metal). */

@@ -132,11 +132,14 @@ static void *MTLLibrary_newFunctionWithName(mtllibrary *self, SEL s, nsstring *n
     kernel_fn fn = (kernel_fn)dlsym(self->handle, symbol);
     snprintf(symbol, sizeof symbol, "__asyncmetal_sim_params_%s", name->text);
     const int *params = dlsym(self->handle, symbol);
-    if (!fn || !params) return NULL;
+    snprintf(symbol, sizeof symbol, "__asyncmetal_sim_sizes_%s", name->text);
+    const int *(*sizes)(void) = (const int *(*)(void))dlsym(self->handle, symbol);
+    if (!fn || !params || !sizes) return NULL;
     mtlfunction *f = new_object(&MTLFunction_class);
     f->library = retain(self);
     f->fn = fn;
     f->params = params;
+    f->sizes = sizes();
     snprintf(f->name, sizeof f->name, "%s", name->text);
     return f;
 }

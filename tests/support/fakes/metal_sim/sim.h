@@ -105,6 +105,7 @@ typedef struct {
     mtllibrary *library;
     kernel_fn fn;
     const int *params;              /* count, then each parameter's buffer index (-1: position) */
+    const int *sizes;               /* each parameter's size in bytes (0: a pointer) */
     char name[128];
 } mtlfunction;
 

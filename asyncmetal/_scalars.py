@@ -1,0 +1,232 @@
+"""The scalar types of kernel value parameters, and a launch value as its parameter
+takes it.
+
+A kernel's value parameters are read from its source (``_compile``): each is one of the
+types below (numpy's names, and ``bool``), or unknown (a struct, a type the source's
+own typedefs do not resolve). A launch value becomes what the backend passes: a plain
+``int`` for an int32 (the common case, as it always was), else a :class:`Scalar` -- its
+bits and its type, from which each backend takes the size (Metal's ``setBytes``) and
+the register class (cpu: integer or floating-point).
+"""
+
+from __future__ import annotations
+
+import numbers
+import re
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import numpy as np
+
+from ._errors import ArgumentTypeError, InvalidArgumentError
+
+# Each type's size in bytes.
+SIZES: dict[str, int] = {
+    "bool": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "uint16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+}
+_RANGES: dict[str, tuple[int, int]] = {"bool": (0, 1)}
+for _name, _size in SIZES.items():
+    if _name.startswith("int"):
+        _RANGES[_name] = (-(1 << (8 * _size - 1)), (1 << (8 * _size - 1)) - 1)
+    elif _name.startswith("uint"):
+        _RANGES[_name] = (0, (1 << (8 * _size)) - 1)
+_INT32_MIN, _INT32_MAX = _RANGES["int32"]
+
+# What the native launch path reads of a program (``Program.value_codes``): one byte per
+# value parameter -- an integer type's struct code (``?`` bool), or ``f`` for a float,
+# which the native path leaves to Python.
+CODES: dict[str | None, bytes] = {
+    None: b"i",
+    "bool": b"?",
+    "int8": b"b",
+    "uint8": b"B",
+    "int16": b"h",
+    "uint16": b"H",
+    "int32": b"i",
+    "uint32": b"I",
+    "int64": b"q",
+    "uint64": b"Q",
+    "float16": b"f",
+    "float32": b"f",
+    "float64": b"f",
+}
+
+
+class Scalar(NamedTuple):
+    """A launch value other than an int32: the 64-bit slot that carries it (a signed
+    int64 whose low ``SIZES[type]`` bytes, little-endian, are the value's own), and its
+    type."""
+
+    bits: int
+    type: str
+
+
+# C's type names (cpu C, CUDA C, the Metal Shading Language), after the qualifiers are
+# dropped; the integer keywords (signed, unsigned, char, short, int, long) are read
+# apart. ``long`` is 64-bit (LP64: Linux, macOS, CUDA's host, Metal).
+_NAMED: dict[str, str] = {
+    "float": "float32",
+    "_Float32": "float32",
+    "double": "float64",
+    "_Float64": "float64",
+    "half": "float16",
+    "_Float16": "float16",
+    "__half": "float16",
+    "bool": "bool",
+    "_Bool": "bool",
+    "uchar": "uint8",
+    "ushort": "uint16",
+    "uint": "uint32",
+    "ulong": "uint64",
+    "size_t": "uint64",
+    "uintptr_t": "uint64",
+    "ssize_t": "int64",
+    "ptrdiff_t": "int64",
+    "intptr_t": "int64",
+    **{f"int{n}_t": f"int{n}" for n in (8, 16, 32, 64)},
+    **{f"uint{n}_t": f"uint{n}" for n in (8, 16, 32, 64)},
+}
+# Qualifiers, and Metal's address spaces.
+_QUALIFIERS = frozenset(
+    [
+        "const",
+        "volatile",
+        "restrict",
+        "__restrict",
+        "__restrict__",
+        "register",
+        "constant",
+        "device",
+        "thread",
+        "threadgroup",
+    ]
+)
+_INTEGER_WORDS = frozenset(("signed", "unsigned", "char", "short", "int", "long"))
+_TYPEDEF = re.compile(r"\btypedef\s+([\w\s:]+?)\s+(\w+)\s*;")
+
+
+def typedefs(text: str) -> dict[str, list[str]]:
+    """The plain typedefs of ``text`` (``typedef unsigned int u32;``): name -> words."""
+    return {name: re.findall(r"\w+", words) for words, name in _TYPEDEF.findall(text)}
+
+
+def type_words(declaration: str) -> list[str]:
+    """The words of a parameter declaration's type: its name (the last word, where
+    there are several) and qualifiers dropped."""
+    words = re.findall(r"\w+", re.sub(r"\[\[.*?\]\]|\w+::", " ", declaration))
+    words = words[:-1] if len(words) > 1 else words
+    return [word for word in words if word not in _QUALIFIERS]
+
+
+def scalar_type(words: list[str], typedefs: Mapping[str, list[str]]) -> str | None:
+    """The scalar type that a declaration's type words name, or None where they name
+    none of ``SIZES`` (a struct, a vector, ``long double``, an unknown name)."""
+    for _ in range(8):  # a typedef of a typedef...
+        if len(words) != 1 or words[0] not in typedefs:
+            break
+        words = [word for word in typedefs[words[0]] if word not in _QUALIFIERS]
+    if len(words) == 1 and words[0] in _NAMED:
+        return _NAMED[words[0]]
+    if not words or not _INTEGER_WORDS.issuperset(words):
+        return None
+    signed = "unsigned" not in words
+    if "char" in words:
+        bits = 8
+    elif "short" in words:
+        bits = 16
+    elif "long" in words:
+        bits = 64
+    else:
+        bits = 32
+    return f"{'' if signed else 'u'}int{bits}"
+
+
+def launch_value(value: object, declared: str | None, where: str, param: str) -> int | Scalar:
+    """``value`` as the backend passes it to a parameter of type ``declared`` (None:
+    not known), declared as ``param``: an int (an int32) or a :class:`Scalar`. Refuses
+    (naming ``where``, the value) what the parameter would not receive as given: a
+    float for an integer, a wider float for a narrower one, a value out of range.
+
+    Python ints take the parameter's type (int32 where it is not known); Python floats
+    take a floating-point parameter's type (refused where it is not known: pass
+    ``np.float32``/``np.float64``); numpy scalars keep their own type, checked against
+    a known parameter's (an integer's value must fit it; a float may widen, not
+    narrow)."""
+    if isinstance(value, (bool, np.bool_)):
+        if declared != "bool":
+            raise ArgumentTypeError(
+                f"{where} must be an integer, got {type(value).__name__}" + _takes(declared, param)
+            )
+        return Scalar(int(value), "bool")
+    if isinstance(value, np.generic):
+        own = value.dtype.name
+        if own not in SIZES:
+            raise ArgumentTypeError(
+                f"{where} must be an integer or a float, got numpy {own}" + _takes(declared, param)
+            )
+        if declared is None:
+            return _packed(value.item(), own, where, param)
+        if (own[0] == "f") != (declared[0] == "f"):
+            wanted = "a float" if declared[0] == "f" else "an integer"
+            raise ArgumentTypeError(
+                f"{where} must be {wanted}, got numpy {own}" + _takes(declared, param)
+            )
+        if own[0] == "f" and SIZES[own] > SIZES[declared]:
+            raise ArgumentTypeError(
+                f"{where} is a numpy {own}, wider than its parameter {param!r} ({declared}): "
+                f"pass np.{declared}(...) to round it"
+            )
+        return _packed(value.item(), declared, where, param)
+    if isinstance(value, float):
+        if declared is None:
+            raise ArgumentTypeError(
+                f"{where} is a Python float, and the type of its parameter {param!r} is not "
+                "known here: pass np.float32(x) or np.float64(x)"
+            )
+        if declared[0] != "f":
+            raise ArgumentTypeError(
+                f"{where} must be an integer, got float" + _takes(declared, param)
+            )
+        return _packed(value, declared, where, param)
+    if isinstance(value, numbers.Integral):
+        return _packed(int(value), declared or "int32", where, param)
+    raise ArgumentTypeError(
+        f"{where} must be an integer or a float, got {type(value).__name__}"
+        + _takes(declared, param)
+    )
+
+
+def _takes(declared: str | None, param: str) -> str:
+    return "" if declared is None else f"; its parameter {param!r} takes {declared}"
+
+
+def _packed(value: float, type_: str, where: str, param: str) -> int | Scalar:
+    """A Python number as a parameter of ``type_`` takes it (checked to fit)."""
+    if type_[0] == "f":
+        with np.errstate(over="raise"):
+            try:
+                raw = np.array(value, dtype=type_).tobytes()
+            except (FloatingPointError, OverflowError):
+                raise InvalidArgumentError(
+                    f"{where} does not fit in {type_} (its parameter {param!r}): {value}"
+                ) from None
+        return Scalar(int.from_bytes(raw, "little", signed=True), type_)
+    low, high = _RANGES[type_]
+    if not low <= value <= high:  # (value: an int here)
+        about = "" if type_ == "int32" else f" (its parameter {param!r})"
+        raise InvalidArgumentError(f"{where} must fit in {type_}{about}: {value}")
+    if type_ == "int32":
+        return int(value)
+    bits = int(value)
+    return Scalar(bits - (1 << 64) if bits >= 1 << 63 else bits, type_)

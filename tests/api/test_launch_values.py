@@ -1,0 +1,267 @@
+"""Launch values of every scalar type a kernel takes: each passed as its parameter's
+type (read from the kernel's source), bit for bit, or refused before anything is
+submitted."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import asyncmetal as am
+from asyncmetal._queue import _ONE3
+from tests.support.launch_paths import PATHS, select_launch_path
+from tests.support.refusals import rejects as _rejects
+
+pytestmark = pytest.mark.anyio
+
+# put: values of several types between two buffers, each written to them as its bytes.
+# (Metal has no double: its kernel takes a half there.)
+C_PUT = r"""
+#include <string.h>
+void put(float f, unsigned char* out, double d, long long big, unsigned int u,
+         unsigned char* more, float g, int n, short s, unsigned char c) {
+    memcpy(out, &f, 4); memcpy(out + 8, &d, 8); memcpy(out + 16, &big, 8);
+    memcpy(out + 24, &u, 4); memcpy(more, &g, 4); memcpy(more + 4, &n, 4);
+    memcpy(more + 8, &s, 2); memcpy(more + 10, &c, 1);
+}
+"""
+MSL_PUT = r"""
+#include <metal_stdlib>
+using namespace metal;
+kernel void put(constant float& f [[buffer(0)]], device uchar* out [[buffer(1)]],
+                constant half& d [[buffer(2)]], constant long& big [[buffer(3)]],
+                constant uint& u [[buffer(4)]], device uchar* more [[buffer(5)]],
+                constant float& g [[buffer(6)]], constant int& n [[buffer(7)]],
+                constant short& s [[buffer(8)]], constant uchar& c [[buffer(9)]],
+                uint i [[thread_position_in_grid]]) {
+    if (i != 0) return;
+    *(device float*)(out) = f; *(device half*)(out + 8) = d;
+    *(device long*)(out + 16) = big; *(device uint*)(out + 24) = u;
+    *(device float*)(more) = g; *(device int*)(more + 4) = n;
+    *(device short*)(more + 8) = s; more[10] = c;
+}
+"""
+
+
+def _second(device: am.Device) -> np.floating[Any]:
+    """The value for put's third parameter: a double, on Metal a half."""
+    return np.float16(-2.71875) if device.kind == "metal" else np.float64(np.pi)
+
+
+def _bytes_of(*values: np.generic) -> bytes:
+    return b"".join(v.tobytes() for v in values)
+
+
+async def _put(device: am.Device, queue: am.Queue, vals: tuple[Any, ...]) -> tuple[bytes, bytes]:
+    put = await device.compile(MSL_PUT if device.kind == "metal" else C_PUT, "put")
+    out, more = await device.alloc(32), await device.alloc(16)
+    await queue.copy(out, np.zeros(32, np.uint8))
+    await queue.copy(more, np.zeros(16, np.uint8))
+    await queue.launch(put, out, more, vals=vals)
+    return (await out.read(np.uint8)).tobytes(), (await more.read(np.uint8)).tobytes()
+
+
+async def test_values_of_each_type_reach_the_kernel_bit_for_bit(device: am.Device) -> None:
+    """float, double (Metal: half), int64 beyond int32, uint32 beyond int32, int16 and
+    uint8 parameters between buffers: numpy scalars pass as their own type, Python
+    numbers as the parameter's; every byte written back is the value's own."""
+    second = _second(device)
+    vals = (
+        np.float32(-0.1),  # not exact in binary: its own rounding, not a double's
+        second,
+        np.int64(-(1 << 40) - 3),
+        np.uint32(0xFFFF_FFF0),
+        1e-3,  # a Python float, rounded to the float parameter
+        -7,
+        np.int16(-300),
+        200,  # a Python int, into an unsigned char
+    )
+    out, more = await _put(device, device.queue, vals)
+    assert out[0:4] == np.float32(-0.1).tobytes()
+    assert out[8 : 8 + second.nbytes] == second.tobytes()
+    assert out[16:28] == _bytes_of(np.int64(-(1 << 40) - 3), np.uint32(0xFFFF_FFF0))
+    assert more[0:11] == _bytes_of(np.float32(1e-3), np.int32(-7), np.int16(-300), np.uint8(200))
+
+
+async def test_python_ints_take_the_parameters_type(device: am.Device) -> None:
+    """A Python int beyond int32 reaches a 64-bit parameter whole, one up to 2**32 - 1
+    an unsigned int, and a Python int a float parameter as that float."""
+    vals = (3, _second(device), -(1 << 62), (1 << 32) - 1, 1 << 24, 1 << 30, -1, 0)
+    out, more = await _put(device, device.queue, vals)
+    assert out[0:4] == np.float32(3).tobytes()
+    assert out[16:28] == _bytes_of(np.int64(-(1 << 62)), np.uint32((1 << 32) - 1))
+    assert more[0:8] == _bytes_of(np.float32(1 << 24), np.int32(1 << 30))
+
+
+INTS = r"""
+#include <string.h>
+void ints(unsigned char* out, long long a, unsigned int b, short c, unsigned long long d) {
+    memcpy(out, &a, 8); memcpy(out + 8, &b, 4); memcpy(out + 12, &c, 2); memcpy(out + 16, &d, 8);
+}
+"""
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_every_launch_path_passes_them(device: am.Device, path: str) -> None:
+    """The native launch path (ints of other integer types, each checked against its
+    type's range), the extension's call and ctypes' (floats too) pass the same bits."""
+    queue = device.new_queue()
+    select_launch_path(queue, path, "_fast_call")
+    ints = await device.compile(INTS, "ints")
+    assert ints.value_codes == b"qIhQ"
+    buf = await device.alloc(24)
+    vals = [(1 << 40) + 5, (1 << 32) - 2, -300, (1 << 63) - 1]
+    if path == "queue":  # the native path submits it (a Completion, not None)
+        assert queue._fast_launch is not None
+        done = queue._fast_launch(queue, queue._launch_target, ints, (buf,), vals, _ONE3, _ONE3)
+        assert isinstance(done, am.Completion)
+        # (None: declined, for the Python path to refuse, submitting nothing)
+        for i, beyond in ((1, -1), (2, 1 << 15), (3, -1), (0, 1 << 63)):
+            wrong = [*vals[:i], beyond, *vals[i + 1 :]]
+            assert (
+                queue._fast_launch(queue, queue._launch_target, ints, (buf,), wrong, _ONE3, _ONE3)
+                is None
+            )
+    await queue.launch(ints, buf, vals=vals)
+    expected = _bytes_of(np.int64(vals[0]), np.uint32(vals[1]), np.int16(vals[2]))
+    got = (await buf.read(np.uint8)).tobytes()
+    assert got[:14] == expected and got[16:] == np.uint64(vals[3]).tobytes()
+    out, more = await _put(device, queue, (3, 2.5, 1, 2, 1.0, 2, 3, 4))
+    assert out[0:16] == _bytes_of(np.float32(3), np.zeros(4, np.uint8), np.float64(2.5))
+    assert more[0:11] == _bytes_of(np.float32(1), np.int32(2), np.int16(3), np.uint8(4))
+
+
+SPILL = r"""
+#include <string.h>
+void spill(double a0, long long i0, double a1, double a2, long long* out, double a3,
+           double a4, double a5, double a6, long long i1, double a7, float a8,
+           long long i2, long long i3, long long i4, long long i5) {
+    double d[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    memcpy(out, d, sizeof d); memcpy(out + 8, &a8, 4);
+    long long i[6] = {i0, i1, i2, i3, i4, i5};
+    memcpy(out + 9, i, sizeof i);
+}
+"""
+
+
+async def test_cpu_arguments_past_the_registers_go_on_the_stack(device: am.Device) -> None:
+    """A cpu kernel of 16 parameters, 9 of them floats: the ninth float and the seventh
+    integer (x86-64: past its 6 integer registers) go on the stack, in parameter order,
+    each in its 8-byte slot."""
+    spill = await device.compile(SPILL, "spill")
+    out = await device.alloc(15 * 8)
+    doubles = [np.float64(k + 0.125) * (-1) ** k for k in range(8)]
+    ints = [(k + 1) * (1 << 33) + k for k in range(6)]
+    vals = (
+        doubles[0], ints[0], doubles[1], doubles[2], doubles[3], doubles[4], doubles[5],
+        doubles[6], ints[1], doubles[7], np.float32(-9.5), ints[2], ints[3], ints[4], ints[5],
+    )  # fmt: skip
+    await device.queue.launch(spill, out, vals=vals)
+    got = (await out.read(np.uint8)).tobytes()
+    assert got[:64] == _bytes_of(*doubles)
+    assert got[64:68] == np.float32(-9.5).tobytes()
+    assert got[72:] == np.array(ints, np.int64).tobytes()
+
+
+async def test_values_that_do_not_fit_their_parameter_are_refused(device: am.Device) -> None:
+    """Nothing of the wrong size or kind reaches a kernel: each refusal names the value
+    and its parameter, and submits nothing."""
+    put = await device.compile(MSL_PUT if device.kind == "metal" else C_PUT, "put")
+    out, more = await device.alloc(32), await device.alloc(16)
+    good = [np.float32(1), _second(device), 1, 2, np.float32(3), 4, 5, 6]
+
+    def launch(i: int, value: Any) -> Callable[[], Any]:
+        vals = list(good)
+        vals[i] = value
+        return lambda: device.queue.launch(put, out, more, vals=vals)
+
+    type_error, value_error = am.ArgumentTypeError, am.InvalidArgumentError
+    cases: list[tuple[type[BaseException], str, int, Any]] = [
+        # a double where a float is declared: it would be cut, or rounded unseen
+        (type_error, r"vals\[0\] of 'put' is a numpy float64, wider than its parameter "
+         r"'.*float.* f' \(float32\): pass np.float32", 0, np.float64(1.5)),
+        # floats where an integer is declared, and the other way round
+        (type_error, r"vals\[5\] of 'put' must be an integer, got float; its parameter "
+         r"'.*int.* n' takes int32", 5, 2.5),
+        (type_error, r"vals\[5\] of 'put' must be an integer, got numpy float32", 5,
+         np.float32(2)),
+        (type_error, r"vals\[0\] of 'put' must be a float, got numpy int32", 0, np.int32(1)),
+        (type_error, r"vals\[3\] of 'put' must be an integer, got bool", 3, True),
+        (type_error, r"vals\[3\] of 'put' must be an integer or a float, got str", 3, "1"),
+        # out of the parameter's range
+        (value_error, r"vals\[3\] of 'put' must fit in uint32 \(its parameter .*\): -1", 3, -1),
+        (value_error, r"vals\[3\] of 'put' must fit in uint32", 3, np.int64(1 << 32)),
+        (value_error, r"vals\[2\] of 'put' must fit in int64", 2, 1 << 63),
+        (value_error, r"vals\[7\] of 'put' must fit in uint8", 7, 256),
+        (value_error, r"vals\[5\] of 'put' must fit in int32: 2147483648", 5, 1 << 31),
+        (value_error, r"vals\[4\] of 'put' does not fit in float32", 4, 1e300),
+    ]  # fmt: skip
+    for exc, match, i, value in cases:
+        _rejects(device, exc, match, launch(i, value))
+    await device.queue.launch(put, out, more, vals=good)  # and the good ones pass
+
+
+async def test_a_python_float_for_a_type_not_known_is_refused(device: am.Device) -> None:
+    """A parameter whose type the source does not name plainly (a macro) takes numpy
+    scalars as their own type; a Python float, whose size would be a guess, is refused,
+    saying what to pass."""
+    src = "#define REAL float\nvoid scale(float* out, REAL x) { out[0] = x * 2; }"
+    scale = await device.compile(src, "scale")
+    assert scale.value_types == ((None, "REAL x"),)
+    out = await device.alloc(4)
+    _rejects(
+        device,
+        am.ArgumentTypeError,
+        r"vals\[0\] of 'scale' is a Python float, and the type of its parameter 'REAL x' is "
+        r"not known here: pass np.float32\(x\) or np.float64\(x\)",
+        lambda: device.queue.launch(scale, out, vals=(2.5,)),
+    )
+    await device.queue.launch(scale, out, vals=(np.float32(2.5),))
+    assert (await out.read(np.float32)).tolist() == [5.0]
+
+
+@pytest.mark.metal
+def test_the_simulated_metal_refuses_bytes_shorter_than_the_argument() -> None:
+    """As Metal's validation does: a value bound with fewer bytes than its parameter's
+    type (4 for a long, as every value was once passed) aborts the simulation, saying
+    so, rather than have the kernel read past them."""
+    if "metal" not in am.devices():
+        pytest.skip("no Metal device (nor the simulation) here")
+    code = textwrap.dedent(
+        """
+        import ctypes, anyio, asyncmetal as am
+        from asyncmetal.backends.metal import _queue
+        _queue._value_bytes = lambda v: (ctypes.c_int64(getattr(v, "bits", v)), 4)
+        SRC = ("kernel void k(device long* out [[buffer(0)]], constant long& v [[buffer(1)]],"
+               " uint i [[thread_position_in_grid]]) { out[0] = v; }")
+        async def main():
+            async with am.open_device("metal") as dev:
+                k, out = await dev.compile(SRC, "k"), await dev.alloc(8)
+                await dev.queue.launch(k, out, vals=(1 << 40,))
+        anyio.run(main)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "takes 8 bytes, setBytes gave 4" in out.stderr, out.stderr[-2000:]
+
+
+async def test_cpu_half_floats_pass_in_the_vector_registers(device: am.Device) -> None:
+    """``_Float16`` parameters (the C calling convention passes them in a vector
+    register's low bytes) from np.float16 and a Python float."""
+    src = (
+        "#include <string.h>\n"
+        "void k(_Float16 a, unsigned char* out, int n, _Float16 b)"
+        " { memcpy(out, &a, 2); memcpy(out + 2, &b, 2); memcpy(out + 4, &n, 4); }"
+    )
+    k = await device.compile(src, "k")
+    out = await device.alloc(8)
+    await device.queue.launch(k, out, vals=(np.float16(-1.5), 9, 0.333))
+    got = (await out.read(np.uint8)).tobytes()
+    assert got == _bytes_of(np.float16(-1.5), np.float16(0.333), np.int32(9))
