@@ -1185,6 +1185,8 @@ def _close_all_at_exit() -> None:
         if not device.closed:
             with contextlib.suppress(Exception):  # exiting: nothing left to report to
                 device._close_native(abandon=True)
+            if device is _npy_device:
+                continue  # from_numpy's own: the program never opened it
             with contextlib.suppress(Exception):  # (a warnings filter that raises)
                 warnings.warn(
                     f"device {device.name} was never closed: closed at exit once its "
