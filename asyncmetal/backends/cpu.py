@@ -204,6 +204,36 @@ def _own_symbol(lib: ctypes.CDLL, name: str, path: str) -> int:
     raise AttributeError(f"{name!r} is not defined in the compiled library")
 
 
+def _program_headers(binary: bytes) -> list[tuple[int, int, int, int]]:
+    """``binary``'s ELF program headers, as (type, offset in the file, address, size in
+    the file); none where it is not ELF (Mach-O on macOS). OSError where the headers
+    themselves are cut short."""
+    if binary[:4] != b"\x7fELF":
+        return []
+    if len(binary) < 64 or binary[4] not in (1, 2) or binary[5] not in (1, 2):
+        raise OSError("the compiled library is cut short (an incomplete ELF header)")
+    order = "<" if binary[5] == 1 else ">"
+    if binary[4] == 2:  # ELFCLASS64: e_phoff at 32; type, flags, offset, address, .., size
+        (table,) = struct.unpack_from(order + "Q", binary, 32)
+        entry, count = struct.unpack_from(order + "HH", binary, 54)
+        row_format, least = order + "IIQQQQ", 56
+    else:  # ELFCLASS32: e_phoff at 28; type, offset, address, .., size
+        (table,) = struct.unpack_from(order + "I", binary, 28)
+        entry, count = struct.unpack_from(order + "HH", binary, 42)
+        row_format, least = order + "IIIII", 32
+    if count and (entry < least or table + entry * count > len(binary)):
+        raise OSError("the compiled library is cut short (its program headers)")
+    headers = []
+    for row in range(table, table + entry * count, entry):
+        fields = struct.unpack_from(row_format, binary, row)
+        if binary[4] == 2:
+            kind, _, offset, address, _, size = fields
+        else:
+            kind, offset, address, _, size = fields
+        headers.append((kind, offset, address, size))
+    return headers
+
+
 def _check_extent(binary: bytes) -> None:
     """Raise OSError if ``binary``, an ELF shared object, ends before what its program
     headers say is in the file.
@@ -213,30 +243,62 @@ def _check_extent(binary: bytes) -> None:
     own checksum, but one stored already cut short (with the checksum of what was
     stored) passes that. Not ELF (Mach-O on macOS): left to the loader.
     """
-    if binary[:4] != b"\x7fELF":
-        return
-    if len(binary) < 64 or binary[4] not in (1, 2) or binary[5] not in (1, 2):
-        raise OSError("the compiled library is cut short (an incomplete ELF header)")
-    order = "<" if binary[5] == 1 else ">"
-    if binary[4] == 2:  # ELFCLASS64: e_phoff at 32; p_offset at 8, p_filesz at 32
-        (table,) = struct.unpack_from(order + "Q", binary, 32)
-        entry, count = struct.unpack_from(order + "HH", binary, 54)
-        fields, least = (order + "Q", 8, 32), 56
-    else:  # ELFCLASS32: e_phoff at 28; p_offset at 4, p_filesz at 16
-        (table,) = struct.unpack_from(order + "I", binary, 28)
-        entry, count = struct.unpack_from(order + "HH", binary, 42)
-        fields, least = (order + "I", 4, 16), 32
-    if count and (entry < least or table + entry * count > len(binary)):
-        raise OSError("the compiled library is cut short (its program headers)")
-    kind, at_offset, at_size = fields
-    for row in range(table, table + entry * count, entry):
-        (offset,) = struct.unpack_from(kind, binary, row + at_offset)
-        (size,) = struct.unpack_from(kind, binary, row + at_size)
+    for _, offset, _, size in _program_headers(binary):
         if offset + size > len(binary):
             raise OSError(
                 f"the compiled library is cut short: a segment ends at byte {offset + size}"
                 f" of a {len(binary)}-byte file"
             )
+
+
+_PT_LOAD, _PT_DYNAMIC, _DT_NEEDED, _DT_STRTAB = 1, 2, 1, 5
+
+
+def _needed(binary: bytes) -> list[str]:
+    """The libraries ``binary`` (a checked ELF shared object) names as its dependencies
+    (DT_NEEDED); none where it is not ELF or names none."""
+    headers = _program_headers(binary)
+    wide, order = binary[4:5] == b"\x02", "<" if binary[5:6] == b"\x01" else ">"
+    pair = struct.Struct(order + ("qQ" if wide else "iI"))
+    names, strtab = [], None
+    for kind, offset, _, size in headers:
+        if kind != _PT_DYNAMIC:
+            continue
+        for at in range(offset, offset + size - pair.size + 1, pair.size):
+            tag, value = pair.unpack_from(binary, at)
+            if tag == 0:  # DT_NULL
+                break
+            if tag == _DT_NEEDED:
+                names.append(value)
+            elif tag == _DT_STRTAB:
+                strtab = value
+    if strtab is None:
+        return []
+    for kind, offset, address, size in headers:  # the table's address to its place in the file
+        if kind == _PT_LOAD and address <= strtab < address + size:
+            base = offset + strtab - address
+            return [os.fsdecode(binary[base + at : binary.index(b"\0", base + at)]) for at in names]
+    return []
+
+
+_pinned: set[str] = set()
+
+
+def _pin_dependencies(binary: bytes) -> None:
+    """Keep the libraries a kernel library loaded with it (an OpenMP runtime, say)
+    loaded for the process's life. Unloading a kernel library unloads them too when
+    nothing else uses them; but a library may leave threads of its own running its code
+    after the kernel returned (OpenMP's worker threads, which a queue thread's exit lets
+    go of without waiting for them), and those die of the unmapping, and the process
+    with them. Only the kernel libraries themselves are unmapped then: the dependencies
+    are few and shared by all of them."""
+    if not hasattr(os, "RTLD_NODELETE") or not hasattr(os, "RTLD_NOLOAD"):
+        return
+    for name in _needed(binary):
+        if name not in _pinned:
+            with contextlib.suppress(OSError):  # (not loaded after all: nothing to keep)
+                ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_NODELETE | os.RTLD_LAZY)
+                _pinned.add(name)
 
 
 class _Memory:
@@ -545,6 +607,7 @@ class CPUBackend(HostQueues, Backend):
                 if self._closed:
                     raise ClosedResourceError(f"device {self._info.name} is closed")
                 lib = ctypes.CDLL(f.name, mode=os.RTLD_LOCAL)
+                _pin_dependencies(binary)
                 try:
                     address = _own_symbol(lib, name, f.name)
                 except AttributeError:

@@ -14,6 +14,8 @@ import contextlib
 import ctypes
 import gc
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -95,6 +97,45 @@ async def test_closing_a_device_unmaps_its_kernel_libraries(anyio_backend: objec
     async with am.open_device("cpu") as other:
         with pytest.raises(am.InvalidArgumentError, match="compiled for"):
             other.queue.launch(program, await other.alloc(4))
+
+
+_OPENMP = r"""
+import time, anyio, numpy as np, asyncmetal as am
+SRC = "void k(int* x, int n) {\n#pragma omp parallel for\nfor (int i = 0; i < n; i++) x[i] = i;\n}"
+def mapped(part):
+    with open("/proc/self/maps") as maps:
+        return sum(part in line for line in maps)
+async def main():
+    for _ in range(3):
+        async with am.open_device("cpu") as dev:
+            program = await dev.compile(SRC, "k", options=("-fopenmp",))
+            buf = await dev.alloc(4096)
+            await dev.queue.launch(program, buf, vals=(1024,))
+            assert (await buf.read(np.int32))[1023] == 1023
+            assert mapped(".so (deleted)") > 0  # (the kernel library, its file deleted)
+        time.sleep(0.1)  # (the OpenMP workers, spinning, run into anything unmapped)
+    print("kernel libraries", mapped(".so (deleted)"), "openmp", mapped("libgomp"))
+anyio.run(main)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_a_kernel_librarys_dependencies_stay_loaded_once_it_is_unloaded() -> None:
+    """An OpenMP kernel, its device closed: the kernel library is unmapped, the OpenMP
+    runtime it brought is not. Its worker threads outlive the queue thread that ran the
+    kernel and spin in its code: unmapped with the kernel library, it killed the process
+    at times (SIGSEGV; checked: without the pinning the runtime was unmapped)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _OPENMP],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_WAIT_POLICY": "active", "OMP_NUM_THREADS": "2"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = proc.stdout.split()
+    assert counts[2] == "0", proc.stdout  # the kernel libraries: unmapped
+    assert int(counts[4]) > 0, proc.stdout  # the OpenMP runtime: kept
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
