@@ -20,6 +20,7 @@ from ._errors import ClosedResourceError as ClosedResourceError
 from ._errors import CompileError as CompileError
 from ._errors import CompileWarning as CompileWarning
 from ._errors import DeviceLostError as DeviceLostError
+from ._errors import DeviceNotFoundError as DeviceNotFoundError
 from ._errors import ExchangeError as ExchangeError
 from ._errors import InvalidArgumentError as InvalidArgumentError
 from ._errors import NoLoopError as NoLoopError
@@ -54,6 +55,7 @@ __all__ = [
     "CompileError",
     "CompileWarning",
     "DeviceLostError",
+    "DeviceNotFoundError",
     "ExchangeError",
     "InvalidArgumentError",
     "NoLoopError",

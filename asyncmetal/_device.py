@@ -43,6 +43,7 @@ from ._errors import (
     CompileError,
     CompileWarning,
     DeviceLostError,
+    DeviceNotFoundError,
     InvalidArgumentError,
 )
 from ._pool import CompilePool, check_timeout, compiler_identity, default_pool
@@ -1077,7 +1078,7 @@ class _DeviceOpener:
             and f"{kind}:{index}" not in available
             and not (cls.any_index and available)
         ):
-            raise AsyncMetalError(
+            raise DeviceNotFoundError(
                 f"device {name!r} is not available here (available: {devices()})"
                 + (" (from $ASYNCMETAL_DEVICE)" if told else "")
             )

@@ -65,6 +65,11 @@ class OutOfMemoryError(AsyncMetalError, MemoryError):
         self.requested, self.in_use, self.cached, self.budget = requested, in_use, cached, budget
 
 
+class DeviceNotFoundError(AsyncMetalError, LookupError):
+    """No such device here: its driver, framework or hardware is missing, or its index
+    is past those there are (``devices()`` lists what can be opened)."""
+
+
 class DeviceLostError(AsyncMetalError):
     """The device (or its context) failed; its work cannot complete."""
 

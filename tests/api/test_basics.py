@@ -52,6 +52,17 @@ async def test_unknown_device_is_a_clear_error(anyio_backend: object) -> None:
         await am.open_device("tpu")
 
 
+async def test_a_device_not_here_is_not_found(anyio_backend: object) -> None:
+    """A known kind whose device is not here (no such GPU, an index past those there
+    are): DeviceNotFoundError, also a LookupError, naming what can be opened (checked:
+    it was a bare AsyncMetalError)."""
+    for name in ("cuda:7", "npy:1"):
+        with pytest.raises(am.DeviceNotFoundError, match="not available here") as refused:
+            await am.open_device(name)
+        assert isinstance(refused.value, LookupError)
+        assert "'cpu'" in str(refused.value)
+
+
 async def test_launch_computes_and_reads_back(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:

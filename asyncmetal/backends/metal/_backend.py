@@ -18,7 +18,7 @@ from ..._backend import (
     Timelines,
 )
 from ..._compile import Compiler
-from ..._errors import AsyncMetalError, CompileError
+from ..._errors import AsyncMetalError, CompileError, DeviceNotFoundError
 from . import _blocks
 from ._compiler import MetalCompiler
 from ._objc import (
@@ -70,11 +70,11 @@ class MetalBackend(Backend):
             metal = load("metal")
             dispatch = load("system")
         except OSError as exc:
-            raise AsyncMetalError(f"the metal device is not available here: {exc}") from None
+            raise DeviceNotFoundError(f"the metal device is not available here: {exc}") from None
         metal.MTLCreateSystemDefaultDevice.restype = c_void_p
         self.device: int = metal.MTLCreateSystemDefaultDevice()
         if not self.device:
-            raise AsyncMetalError("no Metal device")
+            raise DeviceNotFoundError("no Metal device")
         self.lib = _native.runtime()
         self.block_isa = _blocks.global_block_isa(dispatch)
         dispatch.dispatch_release.restype = None
