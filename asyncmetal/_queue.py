@@ -14,8 +14,8 @@ import numpy as np
 from . import _native, _native_contract
 from ._allocator import Allocation
 from ._backend import Arg, NativeQueue, Record, new_arg
-from ._buffer import Buffer, check_buffer, launch_args, record_uses, uses
-from ._copyargs import copy_operands
+from ._buffer import Buffer, check_buffer, launch_args, native_arg, record_uses, uses
+from ._copyargs import copy_operands, fill_operands
 from ._device_state import DeviceState, two_names
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
 from ._program import Program
@@ -506,6 +506,32 @@ class Queue:
         return self._submit(
             hook, *operands.args, after=operands.extra, uses=(*operands.buffers, *in_place)
         )
+
+    def fill(
+        self, buf: Buffer, value: Any, *, offset: int = 0, size: int | None = None
+    ) -> Completion:
+        """Submit a fill of ``size`` bytes of ``buf`` from ``offset`` (default: all of it)
+        with ``value``, and return its Completion (a memset on the device: no host array
+        is copied).
+
+        ``value`` is a byte (an int from 0 to 255), or a numpy scalar of 2 or 4 bytes
+        whose bits are repeated (``np.uint16(7)``, ``np.uint32(0xDEADBEEF)``,
+        ``np.float32(1.0)``), and then ``offset`` and ``size`` are multiples of its size.
+        Like a copy into ``buf``, it is ordered after earlier commands on other queues
+        that used ``buf`` (on the device), and later copies and frees are ordered after
+        it. Metal fills bytes only: a wider pattern must be one byte repeated, and the
+        range whole 4-byte words. Every argument is checked before anything is submitted.
+        """
+        self._check_open()
+        operands = fill_operands(self._state, buf, value, offset, size)
+        return self._fill(buf, operands.offset, operands.nbytes, operands.pattern, operands.size)
+
+    def _fill(self, buf: Buffer, offset: int, nbytes: int, pattern: int, size: int) -> Completion:
+        """``fill`` of checked arguments."""
+        self._after((buf,))
+        arg = native_arg(buf)
+        arg = new_arg(Arg, (arg.handle, arg.offset + offset, None))
+        return self._submit(self._native.fill, arg, nbytes, pattern, size, uses=(buf,))
 
     def after(self, *buffers: Buffer) -> Queue:
         """Order this queue's next commands after every command submitted so far on
