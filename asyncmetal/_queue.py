@@ -527,7 +527,8 @@ class Queue:
         return self._fill(buf, operands.offset, operands.nbytes, operands.pattern, operands.size)
 
     def _fill(self, buf: Buffer, offset: int, nbytes: int, pattern: int, size: int) -> Completion:
-        """``fill`` of checked arguments."""
+        """``fill`` of checked arguments (``nbytes`` may reach into the rest of the
+        buffer's block: see ``fill_zeros``)."""
         self._after((buf,))
         arg = native_arg(buf)
         arg = new_arg(Arg, (arg.handle, arg.offset + offset, None))
@@ -838,6 +839,13 @@ def copy_in_place(queue: Queue, dst: Any, src: Any, nbytes: int, buffer: Buffer)
     before that lock is let go -- a ``free`` on another thread then either made the copy
     refuse it, or waits for the copy (see ``Buffer.free``)."""
     return queue._copy(dst, src, nbytes, (buffer,))
+
+
+def fill_zeros(queue: Queue, buf: Buffer, nbytes: int) -> Completion:
+    """Zero the first ``nbytes`` of ``buf``'s block (a buffer just allocated, none of
+    whose commands are in flight), on ``queue``: ``nbytes`` covers ``buf`` and is a
+    multiple of the device's ``fill_alignment``, within the block."""
+    return queue._fill(buf, 0, nbytes, 0, 1)
 
 
 async def wait_finished(queue: Queue, value: int) -> None:

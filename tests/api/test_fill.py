@@ -1,4 +1,4 @@
-"""Queue.fill: a memset on the device, ordered like a write, on
+"""Queue.fill and alloc(zeroed=True): a memset on the device, ordered like a write, on
 every device the `device` fixture opens (cpu; metal where it opens), asyncio and trio."""
 
 from __future__ import annotations
@@ -194,6 +194,54 @@ async def test_a_buffer_freed_behind_a_held_fill_returns_only_after_it(
     assert device.memory_statistics().in_use == 0
 
 
+async def test_zeroed_alloc_zeroes_a_block_from_the_cache(device: am.Device) -> None:
+    """A freed block that held data comes back from the cache as it was (alloc does not
+    zero), and with zeroed=True as zeros, ready for any queue once alloc returns."""
+    buf, data = await _numbered(device, 4096)
+    await buf.free()
+    cached = device.memory_statistics().cached
+    assert cached >= 4096
+    reused = await device.alloc(4096)
+    assert device.memory_statistics().cached == cached - 4096  # the same block again
+    np.testing.assert_array_equal(await reused.read(), data)
+    await reused.free()
+
+    zeroed = await device.alloc(4096, zeroed=True)
+    assert device.memory_statistics().cached == cached - 4096
+    assert not zeroed.busy()  # its fill has finished: other queues see zeros too
+    async with device.new_queue() as q2:
+        out = np.ones(4096, np.uint8)
+        await q2.copy(out, zeroed)
+    assert not out.any()
+
+
+@pytest.mark.parametrize("nbytes", [1, 3, 10, 1001, 5000])
+async def test_zeroed_alloc_of_any_size(device: am.Device, nbytes: int) -> None:
+    """Sizes that are not whole words too (Metal fills whole words: the block is
+    allocated to the next one)."""
+    async with await device.alloc(8192) as dirty:  # (a dirty block for the cache)
+        await dirty.write(np.full(8192, 0xFF, np.uint8))
+    buf = await device.alloc(nbytes, zeroed=True)
+    assert buf.nbytes == nbytes
+    assert not (await buf.read()).any()
+
+
+async def test_zeroed_alloc_cancelled_during_its_fill_frees_the_buffer(
+    device: am.Device,
+) -> None:
+    """The default queue is held behind a device wait: the zeroing fill cannot run, the
+    caller gives up, and the block is released once the fill has run."""
+    with released(device.timeline()) as tl:
+        device.queue.wait(tl, 1)
+        with anyio.move_on_after(0.05) as scope:
+            await device.alloc(N, zeroed=True)
+        assert scope.cancelled_caught
+        assert device.memory_statistics().in_use > 0  # the fill still holds it
+        tl.signal(1)
+    await device.queue.synchronize()
+    assert device.memory_statistics().in_use == 0
+
+
 async def test_fill_refuses_bad_arguments_before_submitting(device: am.Device) -> None:
     buf = await device.alloc(N)
     q = device.queue
@@ -246,6 +294,8 @@ async def test_fill_refuses_bad_arguments_before_submitting(device: am.Device) -
     await freed.free()
     with pytest.raises(am.ClosedResourceError, match="buf was freed"):
         q.fill(freed, 0)
+    with pytest.raises(am.ArgumentTypeError, match="zeroed must be a bool"):
+        await device.alloc(N, zeroed=1)  # type: ignore[arg-type]
     assert q.submitted == before  # nothing was submitted
 
 

@@ -1,8 +1,9 @@
-"""Queue.fill on an NVIDIA GPU (`pytest -m cuda`): cuMemsetD8/D16/
+"""Queue.fill and alloc(zeroed=True) on an NVIDIA GPU (`pytest -m cuda`): cuMemsetD8/D16/
 D32Async on the queue's stream; skipped where there is no GPU."""
 
 from __future__ import annotations
 
+import anyio
 import numpy as np
 import pytest
 
@@ -67,9 +68,8 @@ async def test_fills_and_kernels_on_streams_keep_their_order(anyio_backend: obje
         mix = await dev.compile(KERNELS, "mix")
         sleep_us = await dev.compile(KERNELS, "sleep_us")
         n = 1 << 16
-        buf = await dev.alloc(n)
+        buf = await dev.alloc(n, zeroed=True)
         q = dev.new_queue()
-        q.fill(buf, 0)
         expected = np.zeros(n, np.uint8)
         q.launch(sleep_us, vals=(2000,))  # what follows is held behind it
         for k in range(200):
@@ -86,3 +86,28 @@ async def test_fills_and_kernels_on_streams_keep_their_order(anyio_backend: obje
         await dev.queue.copy(out, buf)  # on another queue: ordered after q's last use
         np.testing.assert_array_equal(out, expected)
         await q.close()
+
+
+async def test_zeroed_alloc_on_cuda_zeroes_a_cached_block(anyio_backend: object) -> None:
+    async with am.open_device("cuda:0") as dev:
+        buf = await dev.alloc(1 << 20)
+        await buf.write(np.full(1 << 20, 0xFF, np.uint8))
+        await buf.free()
+        zeroed = await dev.alloc((1 << 20) - 4, zeroed=True)
+        assert dev.memory_statistics().cached == 0  # the same block, from the cache
+        assert not zeroed.busy()
+        async with dev.new_queue() as q2:
+            out = np.ones((1 << 20) - 4, np.uint8)
+            await q2.copy(out, zeroed)
+        assert not out.any()
+
+
+async def test_a_cancelled_zeroed_alloc_frees_its_block_on_cuda(anyio_backend: object) -> None:
+    async with am.open_device("cuda:0") as dev:
+        sleep_us = await dev.compile(KERNELS, "sleep_us")
+        dev.queue.launch(sleep_us, vals=(200_000,))
+        with anyio.move_on_after(0.02) as scope:
+            await dev.alloc(1 << 20, zeroed=True)
+        assert scope.cancelled_caught
+        await dev.queue.synchronize()
+        assert dev.memory_statistics().in_use == 0
