@@ -276,6 +276,15 @@ class NativeQueue(ABC):
         """Device memory to device memory. ``peer`` is the source's backend when it is
         another device of the same kind."""
 
+    def fill(
+        self, dst: Arg, nbytes: int, pattern: int, size: int, value: int, record: Record
+    ) -> None:
+        """Fill ``nbytes`` at ``dst`` with ``pattern``'s low ``size`` bytes (1, 2 or 4,
+        in host byte order) repeated: ``nbytes`` is a multiple of ``size``, and ``dst``
+        is aligned to it within its block. Checked against ``Backend.fill_alignment``
+        and ``Backend.fill_patterns`` before it gets here."""
+        raise NotImplementedError(f"{type(self).__name__} has no fill command")
+
     @abstractmethod
     def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
         """Host to device. ``src`` stays alive and unchanged until the command completes."""
@@ -329,6 +338,11 @@ class Backend(ABC):
     # DLPack's device type of its memory (kDLCPU 1, kDLCUDA 2, kDLMetal 8); 0: none.
     # Memory that is not host-visible is DLPack's device ``index`` (``kind:index``).
     dlpack_device_type: ClassVar[int] = 0
+    # Queue.fill: the multiple of bytes its start (within the block) and length must be
+    # (Metal on macOS: 4), and whether patterns of 2 or 4 bytes that are not one byte
+    # repeated can be written (Metal's blit fills bytes only).
+    fill_alignment: ClassVar[int] = 1
+    fill_patterns: ClassVar[bool] = True
 
     @classmethod
     @abstractmethod

@@ -226,6 +226,16 @@ class Buffer(Exports):
         return array if shape is None else array.reshape(shape)
 
 
+def discard(buf: Buffer) -> None:
+    """Free ``buf``, which was never handed out (no other thread can be submitting a
+    command that uses it), once the commands recorded as using it have finished."""
+    allocation = buf._allocation
+    allocation.freed = True
+    allocation.block.freed = True
+    if allocation.allocator is not None:
+        allocation.allocator.release_after(allocation.block, list(allocation.last_use.items()))
+
+
 def not_a_buffer(obj: object) -> str:
     """A hint for an object passed where a Buffer was expected ("" if none fits)."""
     if isinstance(obj, TypedView):

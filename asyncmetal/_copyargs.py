@@ -1,8 +1,10 @@
 """A copy's operands, checked before anything is submitted: buffers, host views, sizes
-and overlaps, and what the backend's copy, copyin or copyout then takes."""
+and overlaps, and what the backend's copy, copyin or copyout then takes; and a fill's
+(its buffer, pattern and range)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -154,3 +156,99 @@ def _lent_back(state: DeviceState, view: memoryview) -> Buffer | None:
     from ._interop import lent_memory  # (it needs the devices: imported once one is open)
 
     return lent_memory(state.device, view, address)
+
+
+class FillOperands(NamedTuple):
+    """A checked fill: the pattern (an int in host byte order) and its size in bytes (1,
+    2 or 4), and the range of the buffer it fills."""
+
+    pattern: int
+    size: int
+    offset: int
+    nbytes: int
+
+
+_PATTERN_SIZES = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def fill_pattern(value: object) -> tuple[int, int]:
+    """A fill's ``value`` as (pattern, size): an int from 0 to 255 is a byte; a numpy
+    scalar of 1, 2 or 4 bytes (``np.uint16(7)``, ``np.float32(1.0)``) is its bits."""
+    if isinstance(value, np.generic):
+        if value.dtype.kind not in "iuf" or value.dtype.itemsize not in _PATTERN_SIZES:
+            raise ArgumentTypeError(
+                f"value must be an int from 0 to 255 or a numpy integer or float scalar of "
+                f"1, 2 or 4 bytes, got a {value.dtype} scalar"
+            )
+        size = value.dtype.itemsize
+        bits = np.asarray(value).reshape(1).view(_PATTERN_SIZES[size])
+        return int(bits[0]), size
+    if not isinstance(value, int) or isinstance(value, bool):
+        hint = " (a float's bits: np.float32(x))" if isinstance(value, float) else ""
+        raise ArgumentTypeError(
+            f"value must be an int from 0 to 255 (a byte) or a numpy scalar of 1, 2 or 4 "
+            f"bytes (a pattern), got {type(value).__name__}{hint}"
+        )
+    if not 0 <= value <= 255:
+        raise InvalidArgumentError(
+            f"value must be a byte, 0 to 255, got {value}; a wider pattern is a numpy "
+            "scalar (np.uint16, np.uint32, np.float32, ...)"
+        )
+    return value, 1
+
+
+def fill_operands(
+    state: DeviceState, buf: Any, value: object, offset: object, nbytes: object
+) -> FillOperands:
+    """Check a fill of ``buf`` submitted to a queue of ``state``'s device."""
+    if not isinstance(buf, Buffer):
+        raise ArgumentTypeError(
+            f"buf must be a Buffer, got {type(buf).__name__}" + not_a_buffer(buf)
+        )
+    if not buffer_state(buf).backend.writable:
+        raise InvalidArgumentError(
+            f"buf is a buffer of {buffer_state(buf).name}: its buffers are read-only sources"
+        )
+    _check_own(buf, "buf", state)
+    pattern, size = fill_pattern(value)
+    if not isinstance(offset, int) or isinstance(offset, bool):
+        raise ArgumentTypeError(f"offset must be an int, got {type(offset).__name__}")
+    if not 0 <= offset < buf.nbytes:
+        raise InvalidArgumentError(f"offset must be in [0, {buf.nbytes - 1}], got {offset}")
+    if nbytes is None:
+        nbytes = buf.nbytes - offset
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+        raise ArgumentTypeError(f"size must be an int or None, got {type(nbytes).__name__}")
+    if not 0 < nbytes <= buf.nbytes - offset:
+        raise InvalidArgumentError(
+            f"size must be in [1, {buf.nbytes - offset}] (the bytes from offset {offset} to "
+            f"the buffer's end), got {nbytes}"
+        )
+    align = math.lcm(size, state.backend.fill_alignment)
+    for what, number in (("offset", offset), ("size", nbytes)):
+        if number % align:
+            raise InvalidArgumentError(
+                f"{what} must be a multiple of {align}{_why(size, align, state)}, got {number}"
+            )
+    if buf.offset % align:
+        raise InvalidArgumentError(
+            f"buf is a view at byte {buf.offset} of its buffer, and a fill starts at a multiple "
+            f"of {align}{_why(size, align, state)}: fill the buffer it views instead"
+        )
+    if not state.backend.fill_patterns and pattern != int.from_bytes(
+        bytes([pattern & 0xFF]) * size, "little"
+    ):
+        raise InvalidArgumentError(
+            f"{state.name} fills bytes only (MTLBlitCommandEncoder fillBuffer:range:value:): "
+            f"the {size}-byte pattern {value!r} is not one byte repeated; write it with a "
+            "kernel, or copy an array of it"
+        )
+    return FillOperands(pattern, size, offset, nbytes)
+
+
+def _why(size: int, align: int, state: DeviceState) -> str:
+    """Why a fill's range must be a multiple of ``align`` (the pattern's ``size``, or the
+    device's own rule)."""
+    if align == size:
+        return f" (the pattern's size, {size} bytes)"
+    return f" ({state.name} fills ranges of whole {state.backend.fill_alignment}-byte words)"

@@ -24,7 +24,7 @@ from . import backends
 from ._allocator import Allocator, MemoryStatistics
 from ._backend import Backend, NativeQueue
 from ._bridge import checkpoint, running_asyncio_loop
-from ._buffer import Buffer, wrap_buffer
+from ._buffer import Buffer, discard, wrap_buffer
 from ._buffer import foreign_buffer as _foreign_buffer
 from ._compile import (
     Compiler,
@@ -53,6 +53,7 @@ from ._queue import (
     abandon,
     close_native,
     completable,
+    fill_zeros,
     flush,
     let_go,
     native_queue,
@@ -340,8 +341,11 @@ class Device:
             self._timelines.add(timeline)
         return timeline
 
-    async def alloc(self, nbytes: int, *, timeout: float | None = None) -> Buffer:
-        """Allocate ``nbytes`` of device memory (contents undefined).
+    async def alloc(
+        self, nbytes: int, *, timeout: float | None = None, zeroed: bool = False
+    ) -> Buffer:
+        """Allocate ``nbytes`` of device memory (contents undefined; with ``zeroed``,
+        zeros).
 
         When the device's budget is spent this waits for frees -- including buffers
         freed (or dropped) while commands using them are still in flight -- and raises
@@ -349,13 +353,31 @@ class Device:
         (also once the budget is lowered below it while it waits), the device itself is
         full with nothing in flight, or ``timeout`` passes. Closing the device makes it
         raise :class:`ClosedResourceError`. Cancelling it allocates nothing.
+
+        ``zeroed``: the memory is filled with zeros on the device (a fill on the
+        default queue, as ``queue.fill(buf, 0)``) and the buffer is returned once that
+        fill has finished, so commands on any queue see zeros (``timeout`` bounds the
+        allocation only); cancelled during the fill, the buffer is freed once the fill
+        is done.
         """
         self._check_open()
+        if not isinstance(zeroed, bool):
+            raise ArgumentTypeError(f"zeroed must be a bool, got {type(zeroed).__name__}")
         lost = self._backend.lost_error(f"allocating {nbytes} bytes")  # a cached block too
         if lost is not None:
             raise lost
-        allocation = await self._allocator.alloc(nbytes, timeout)
-        return Buffer(self._state, allocation, 0, nbytes)
+        span = nbytes
+        if zeroed and isinstance(nbytes, int):  # (whole words where the fill needs them)
+            span = -(-nbytes // self._backend.fill_alignment) * self._backend.fill_alignment
+        allocation = await self._allocator.alloc(span, timeout)
+        buf = Buffer(self._state, allocation, 0, nbytes)
+        if zeroed:
+            try:
+                await fill_zeros(self.queue, buf, span)
+            except BaseException:
+                discard(buf)  # (after the fill: it is recorded as a use)
+                raise
+        return buf
 
     def wrap(self, array: Any) -> Buffer:
         """A read-only Buffer whose memory is ``array`` itself (the ``npy`` device only).

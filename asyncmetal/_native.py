@@ -94,6 +94,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_queue_new": (c_p, [c_p, ctypes.c_long, ctypes.c_int]),
     "am_queue_call": (c_int, [c_p, c_p, c_int, c_p, ctypes.c_uint32, c_p, c_u64]),
     "am_queue_copy": (c_int, [c_p, c_p, c_p, ctypes.c_size_t, c_p, c_u64]),
+    "am_queue_fill": (c_int, [c_p, c_p, ctypes.c_size_t, ctypes.c_uint32, c_int, c_p, c_u64]),
     "am_queue_signal": (c_int, [c_p, c_p, c_u64, c_u64]),
     "am_queue_wait": (c_int, [c_p, c_p, c_u64, c_u64]),
     "am_queue_copy_part": (
@@ -108,6 +109,10 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_cuq_finish": (c_int, [c_p, c_u64, c_p, c_u64, ctypes.c_long, c_int]),
     "am_cuq_launch": (c_int, [c_p, c_p, c_p, c_p, c_int, c_u64]),
     "am_cuq_copy": (c_int, [c_p, c_u64, c_u64, c_p, ctypes.c_size_t, c_u64, ctypes.c_long]),
+    "am_cuq_fill": (
+        c_int,
+        [c_p, c_u64, ctypes.c_uint32, c_int, ctypes.c_size_t, c_u64, ctypes.c_long],
+    ),
     "am_cuq_memcpy": (c_int, [c_p, c_int, c_u64, c_u64, ctypes.c_size_t, c_u64]),
     "am_cuq_write": (c_int, [c_p, c_p, c_u64, c_u64]),
     "am_cuq_wait": (c_int, [c_p, c_p, c_u64, c_u64]),

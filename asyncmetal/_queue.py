@@ -13,8 +13,8 @@ import numpy as np
 from . import _native, _native_contract
 from ._allocator import Allocation
 from ._backend import Arg, NativeQueue, Record, new_arg
-from ._buffer import Buffer, check_buffer, launch_args, record_uses, uses
-from ._copyargs import copy_operands
+from ._buffer import Buffer, check_buffer, launch_args, native_arg, record_uses, uses
+from ._copyargs import copy_operands, fill_operands
 from ._device_state import DeviceState, two_names
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
 from ._program import Program
@@ -512,6 +512,33 @@ class Queue:
             hook, *operands.args, after=operands.extra, uses=(*operands.buffers, *in_place)
         )
 
+    def fill(
+        self, buf: Buffer, value: Any, *, offset: int = 0, size: int | None = None
+    ) -> Completion:
+        """Submit a fill of ``size`` bytes of ``buf`` from ``offset`` (default: all of it)
+        with ``value``, and return its Completion (a memset on the device: no host array
+        is copied).
+
+        ``value`` is a byte (an int from 0 to 255), or a numpy scalar of 2 or 4 bytes
+        whose bits are repeated (``np.uint16(7)``, ``np.uint32(0xDEADBEEF)``,
+        ``np.float32(1.0)``), and then ``offset`` and ``size`` are multiples of its size.
+        Like a copy into ``buf``, it is ordered after earlier commands on other queues
+        that used ``buf`` (on the device), and later copies and frees are ordered after
+        it. Metal fills bytes only: a wider pattern must be one byte repeated, and the
+        range whole 4-byte words. Every argument is checked before anything is submitted.
+        """
+        self._check_open()
+        operands = fill_operands(self._state, buf, value, offset, size)
+        return self._fill(buf, operands.offset, operands.nbytes, operands.pattern, operands.size)
+
+    def _fill(self, buf: Buffer, offset: int, nbytes: int, pattern: int, size: int) -> Completion:
+        """``fill`` of checked arguments (``nbytes`` may reach into the rest of the
+        buffer's block: see ``fill_zeros``)."""
+        self._after((buf,))
+        arg = native_arg(buf)
+        arg = new_arg(Arg, (arg.handle, arg.offset + offset, None))
+        return self._submit(self._native.fill, arg, nbytes, pattern, size, uses=(buf,))
+
     def after(self, *buffers: Buffer) -> Queue:
         """Order this queue's next commands after every command submitted so far on
         other queues that used ``buffers`` (device-side waits; no host thread blocks).
@@ -817,6 +844,13 @@ def copy_in_place(queue: Queue, dst: Any, src: Any, nbytes: int, buffer: Buffer)
     before that lock is let go -- a ``free`` on another thread then either made the copy
     refuse it, or waits for the copy (see ``Buffer.free``)."""
     return queue._copy(dst, src, nbytes, (buffer,))
+
+
+def fill_zeros(queue: Queue, buf: Buffer, nbytes: int) -> Completion:
+    """Zero the first ``nbytes`` of ``buf``'s block (a buffer just allocated, none of
+    whose commands are in flight), on ``queue``: ``nbytes`` covers ``buf`` and is a
+    multiple of the device's ``fill_alignment``, within the block."""
+    return queue._fill(buf, 0, nbytes, 0, 1)
 
 
 async def wait_finished(queue: Queue, value: int) -> None:

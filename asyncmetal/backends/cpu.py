@@ -1,7 +1,7 @@
 """The ``cpu`` device: C kernels built by the system C compiler, run on queue threads.
 
 Each queue is a thread of asyncmetal's native runtime (``native/host_queues.c``) executing its
-commands in order -- kernel calls, memmoves, timeline signals and waits -- without ever
+commands in order -- kernel calls, memmoves, fills, timeline signals and waits -- without ever
 taking the GIL. Timelines are 64-bit counters in the runtime; a queue thread that
 reaches a value some loop awaits writes one byte to that loop's pipe.
 
@@ -514,6 +514,14 @@ class CPUQueue(NativeQueue):
     def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
         address, keep = host_address(dst)
         self.memmove(address, _address(src), dst.nbytes, value, record, (keep, src))
+
+    def fill(
+        self, dst: Arg, nbytes: int, pattern: int, size: int, value: int, record: Record
+    ) -> None:
+        status = self._lib.am_queue_fill(
+            self._handle, _address(dst), nbytes, pattern, size, self._row(record), value
+        )
+        self._submitted(status, value, dst)
 
     def close(self, abandon: bool = False) -> None:
         if self._handle is not None:

@@ -116,7 +116,7 @@ enum { AM_BY_HOST = 1, AM_BY_DEVICE = 2 };
 
 /* ---- host_queues.c: a cpu queue's commands, and the queue ------------------------ */
 
-enum { CMD_CALL = 1, CMD_COPY, CMD_SIGNAL, CMD_WAIT, CMD_COPY_PART };
+enum { CMD_CALL = 1, CMD_COPY, CMD_SIGNAL, CMD_WAIT, CMD_COPY_PART, CMD_FILL };
 
 typedef struct {
     int kind;
@@ -139,6 +139,8 @@ typedef struct {
     uint64_t count_target;          /* ... the count once every part of this use is in */
     _Atomic uint64_t *ready;        /* ... the word that part raises to ready_value */
     uint64_t ready_value;
+    uint32_t pattern;               /* CMD_FILL: dst's nbytes hold this, repeated (host */
+    int pattern_size;               /* ... order, its low 1, 2 or 4 bytes) */
 } am_cmd;
 
 typedef struct am_queue {
@@ -245,6 +247,8 @@ int am_queue_copy_part(am_queue *q, void *dst, const void *src, size_t nbytes, s
                        am_timeline *after, uint64_t after_value, void *claimed, uint64_t first,
                        void *count, uint64_t count_target, void *ready, uint64_t ready_value,
                        int64_t *record, uint64_t value);
+int am_queue_fill(am_queue *q, void *dst, size_t nbytes, uint32_t pattern, int pattern_size,
+                  int64_t *record, uint64_t value);
 void am_queue_close(am_queue *q, int abandon);
 uint64_t am_queue_failure(am_queue *q, int *error, uint64_t *value, am_timeline **cause);
 
@@ -261,6 +265,8 @@ int am_cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value, uint64_t command
 int am_cuq_launch(am_cuq *q, void *function, const unsigned *dims, void **params, int nparams,
                   uint64_t value);
 int am_cuq_copy(am_cuq *q, uint64_t dst, uint64_t src, void *src_ctx, size_t nbytes,
+                uint64_t value, long spin_ns);
+int am_cuq_fill(am_cuq *q, uint64_t dst, uint32_t pattern, int size, size_t nbytes,
                 uint64_t value, long spin_ns);
 int am_cuq_memcpy(am_cuq *q, int to_device, uint64_t dst, uint64_t src, size_t nbytes,
                   uint64_t value);

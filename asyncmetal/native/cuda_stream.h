@@ -48,7 +48,8 @@
 
 enum { CU_LAUNCH, CU_WRITE64, CU_WAIT64, CU_EVENT_CREATE, CU_EVENT_RECORD, CU_EVENT_QUERY,
        CU_EVENT_SYNC, CU_EVENT_DESTROY, CU_CTX_SET, CU_WAIT_EVENT, CU_CTX_GET, CU_COPY,
-       CU_COPY_PEER, CU_COPY_HTOD, CU_COPY_DTOH, CU_NFUNCS };
+       CU_COPY_PEER, CU_COPY_HTOD, CU_COPY_DTOH, CU_MEMSET8, CU_MEMSET16, CU_MEMSET32,
+       CU_NFUNCS };
 extern AM_HIDDEN void *cu_funcs[CU_NFUNCS];
 #define CU_ERROR_NOT_READY 600
 #define CU_POLL_GAP_NS 10000     /* at most this long between queries, ... */
@@ -96,10 +97,11 @@ struct am_cuq;
 
 /* A driver operation held on the host until the stream has room for it. */
 enum { CUOP_LAUNCH, CUOP_COPY, CUOP_HTOD, CUOP_DTOH, CUOP_WRITE, CUOP_WAIT, CUOP_WAIT_QUEUE,
-       CUOP_WAIT_EVENT, CUOP_FINISH };
+       CUOP_WAIT_EVENT, CUOP_FINISH, CUOP_FILL };
 typedef struct am_cuop {
     int kind;
-    int flags;                      /* CUOP_FINISH: CU_FINISH_* */
+    int flags;                      /* CUOP_FINISH: CU_FINISH_*; CUOP_FILL: the pattern's
+                                       size, 1, 2 or 4 bytes */
     uint64_t value;                 /* the command it belongs to */
     struct am_cuop *next;
     void *fn;                       /* CUOP_LAUNCH */
@@ -107,14 +109,15 @@ typedef struct am_cuop {
     int nparams;
     uint64_t dst, src;              /* copies: device or host addresses */
     void *src_ctx;                  /* CUOP_COPY between devices: the source's context */
-    size_t nbytes;
+    size_t nbytes;                  /* (CUOP_FILL: dst's bytes filled) */
     void *word;                     /* CUOP_WRITE, CUOP_WAIT: a device word (CUOP_WAIT with
                                        `extra`: that timeline's, deferred until it can be
                                        satisfied); CUOP_WAIT_EVENT:
                                        an event another library's stream recorded, owned
                                        by the operation (destroyed once waited for, or
                                        when the operation is dropped) */
-    uint64_t target;                /* ... its value; CUOP_WAIT_QUEUE: other's value */
+    uint64_t target;                /* ... its value; CUOP_WAIT_QUEUE: other's value;
+                                       CUOP_FILL: the pattern */
     struct am_cuq *other;           /* CUOP_WAIT_QUEUE: the queue waited for (referenced) */
     am_timeline *extra;             /* CUOP_FINISH */
     uint64_t extra_value;

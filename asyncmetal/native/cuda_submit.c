@@ -276,6 +276,20 @@ int cuq_run_op(am_cuq *q, const am_cuop *op) {
         r = ((int (*)(void *, uint64_t, size_t, void *))cu_funcs[CU_COPY_DTOH])(
             (void *)(uintptr_t)op->dst, op->src, op->nbytes, q->stream);
         return r ? cuq_fail(q, CU_COPY_DTOH, r) : 0;
+    case CUOP_FILL: {  /* cuMemsetD8/D16/D32Async: a count of 1, 2 or 4-byte items */
+        int call = op->flags == 1 ? CU_MEMSET8 : op->flags == 2 ? CU_MEMSET16 : CU_MEMSET32;
+        size_t count = op->nbytes / (size_t)op->flags;
+        if (op->flags == 1)
+            r = ((int (*)(uint64_t, unsigned char, size_t, void *))cu_funcs[call])(
+                op->dst, (unsigned char)op->target, count, q->stream);
+        else if (op->flags == 2)
+            r = ((int (*)(uint64_t, unsigned short, size_t, void *))cu_funcs[call])(
+                op->dst, (unsigned short)op->target, count, q->stream);
+        else
+            r = ((int (*)(uint64_t, unsigned int, size_t, void *))cu_funcs[call])(
+                op->dst, (unsigned int)op->target, count, q->stream);
+        return r ? cuq_fail(q, call, r) : 0;
+    }
     case CUOP_WRITE:
         r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WRITE64])(
             q->stream, op->word, op->target, 0);
@@ -486,6 +500,18 @@ int am_cuq_copy(am_cuq *q, uint64_t dst, uint64_t src, void *src_ctx, size_t nby
                 uint64_t value, long spin_ns) {
     am_cuop op = {.kind = CUOP_COPY, .value = value, .dst = dst, .src = src, .src_ctx = src_ctx,
                   .nbytes = nbytes};
+    am_cuop end = {.kind = CUOP_FINISH, .value = value, .spin_ns = spin_ns};
+    return cuq_submit_then(q, &op, sizeof op, &end);
+}
+
+/* nbytes of device memory at dst filled with `pattern` (its low `size` bytes, 1, 2 or 4,
+ * repeated; nbytes a multiple of size, dst aligned to it), then its event, as am_cuq_copy. */
+int am_cuq_fill(am_cuq *q, uint64_t dst, uint32_t pattern, int size, size_t nbytes,
+                uint64_t value, long spin_ns) {
+    if ((size != 1 && size != 2 && size != 4) || nbytes % (size_t)size || dst % (uint64_t)size)
+        return -2;
+    am_cuop op = {.kind = CUOP_FILL, .flags = size, .value = value, .dst = dst,
+                  .nbytes = nbytes, .target = pattern};
     am_cuop end = {.kind = CUOP_FINISH, .value = value, .spin_ns = spin_ns};
     return cuq_submit_then(q, &op, sizeof op, &end);
 }

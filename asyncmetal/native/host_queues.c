@@ -1,5 +1,5 @@
 /* The cpu device's queues: one thread each, running its commands in order (kernel
- * calls, memmoves, timeline signals and waits, parts of shared copies) and signalling
+ * calls, memmoves, fills, timeline signals and waits, parts of shared copies) and signalling
  * its own timeline after each. The threads never take the GIL.
  */
 #include "amrt.h"
@@ -215,6 +215,22 @@ static void copy_parts(const am_cmd *c) {
     }
 }
 
+/* nbytes (a multiple of size) of dst, each size bytes the pattern's low ones: the first
+ * copy, then copies of what is filled, doubling. */
+static void fill(char *dst, size_t nbytes, uint32_t pattern, int size) {
+    if (size == 1) {
+        memset(dst, (int)(pattern & 0xff), nbytes);
+        return;
+    }
+    uint16_t half = (uint16_t)pattern;
+    memcpy(dst, size == 2 ? (const void *)&half : (const void *)&pattern, (size_t)size);
+    for (size_t done = (size_t)size; done < nbytes;) {
+        size_t n = nbytes - done < done ? nbytes - done : done;
+        memcpy(dst + done, dst, n);
+        done += n;
+    }
+}
+
 static void *run(void *arg) {
     am_queue *q = arg;
     am_cmd c;
@@ -251,6 +267,9 @@ static void *run(void *arg) {
             break;
         case CMD_COPY:
             memmove(c.dst, c.src, c.nbytes);
+            break;
+        case CMD_FILL:
+            fill(c.dst, c.nbytes, c.pattern, c.pattern_size);
             break;
         case CMD_SIGNAL:
             am_timeline_signal(c.timeline, c.target);
@@ -323,6 +342,15 @@ int am_queue_copy(am_queue *q, void *dst, const void *src, size_t nbytes, int64_
                   uint64_t value) {
     am_cmd c = {.kind = CMD_COPY, .dst = dst, .src = src, .nbytes = nbytes, .record = record,
                 .value = value};
+    return push(q, &c);
+}
+
+int am_queue_fill(am_queue *q, void *dst, size_t nbytes, uint32_t pattern, int pattern_size,
+                  int64_t *record, uint64_t value) {
+    if (pattern_size != 1 && pattern_size != 2 && pattern_size != 4) return -2;
+    if (nbytes % (size_t)pattern_size) return -2;
+    am_cmd c = {.kind = CMD_FILL, .dst = dst, .nbytes = nbytes, .pattern = pattern,
+                .pattern_size = pattern_size, .record = record, .value = value};
     return push(q, &c);
 }
 

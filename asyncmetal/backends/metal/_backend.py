@@ -40,6 +40,9 @@ class MetalBackend(Backend):
     kind = "metal"
     host_visible = True  # shared storage
     dlpack_device_type = 8  # kDLMetal: data is the MTLBuffer, byte_offset the offset
+    # fillBuffer:range:value: writes one byte, over a range of whole 4-byte words on macOS
+    fill_alignment = 4
+    fill_patterns = False
 
     device: int
     lib: ctypes.CDLL

@@ -71,6 +71,10 @@ class MTLSize(ctypes.Structure):
     _fields_ = [("width", c_ulong), ("height", c_ulong), ("depth", c_ulong)]
 
 
+class NSRange(ctypes.Structure):
+    _fields_ = [("location", c_ulong), ("length", c_ulong)]
+
+
 class MetalTimeline(ForkableTimeline):
     """An ``MTLSharedEvent`` with a native mirror timeline that wakes the loops."""
 
@@ -501,6 +505,29 @@ class MetalQueue(NativeQueue):
             keep.append(_Owned(wrapped))
             source = (wrapped, delta + src.offset)
         self._blit(value, (dst.handle, dst.offset), source, nbytes, keep, record)
+
+    def fill(
+        self, dst: Arg, nbytes: int, pattern: int, size: int, value: int, record: Record
+    ) -> None:
+        # A blit fill writes one byte: a wider pattern reached here as one byte repeated
+        # (Backend.fill_patterns), over whole words (fill_alignment).
+        byte = ctypes.c_uint8(pattern & 0xFF)
+        span = NSRange(dst.offset, nbytes)
+
+        def encode(cb: int) -> None:
+            blit = send(cb, "blitCommandEncoder")
+            send(
+                blit,
+                "fillBuffer:range:value:",
+                dst.handle,
+                span,
+                byte,
+                restype=None,
+                argtypes=(c_void_p, NSRange, ctypes.c_uint8),
+            )
+            send(blit, "endEncoding", restype=None)
+
+        self._submit(value, encode, dst, None, record)
 
     def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:
         # The source is read in place by the blit, through a buffer over its pages:

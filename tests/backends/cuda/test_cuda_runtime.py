@@ -3,7 +3,7 @@
 
 Runs everywhere: the completion thread, waits between queues held until what they wait
 for reached the driver (submitted from two threads, and on streams sharing one hardware
-queue), fault stickiness, event recycling and a wait's confirmation
+queue), fault stickiness, event recycling, fills of each pattern size and a wait's confirmation
 of the value it waited for are the runtime's own
 logic, which the GPU tests (tests/backends/cuda/test_cuda.py) can only exercise on an
 NVIDIA machine.
@@ -35,6 +35,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "order"),
         *("ok", "cross"),
         *("ok", "long"),
+        *("ok", "fill"),
         *("ok", "events"),
         *("ok", "fault"),
         *("ok", "causal"),

@@ -79,6 +79,15 @@ static void *stream_run(void *arg) {
             /* as the driver's 64-bit GEQ: a cyclic comparison */
             while ((int64_t)(atomic_load((_Atomic uint64_t *)o.p) - (uint64_t)o.a) < 0)
                 if (atomic_load(&s->stop) == 2) return NULL;
+        } else if (o.kind == OP_FILL) {  /* cuMemsetD8/D16/D32Async: items of 1, 2, 4 bytes */
+            int size = (int)(o.arg >> 32);
+            uint32_t pattern = (uint32_t)o.arg;
+            for (int64_t i = 0; i < o.a; i++) {
+                char *at = (char *)o.p + i * size;
+                if (size == 1) *(uint8_t *)at = (uint8_t)pattern;
+                else if (size == 2) *(uint16_t *)at = (uint16_t)pattern;
+                else *(uint32_t *)at = pattern;
+            }
         } else if (o.kind == OP_WAIT_EVENT) {
             while (o.a && !atomic_load(&((fake_event *)o.p)->ended[o.a % FAKE_RECORDS]))
                 if (atomic_load(&s->stop) == 2) return NULL;  /* (0: never recorded) */
@@ -198,6 +207,22 @@ static int f_write(void *stream, void *word, uint64_t value, unsigned flags) {
     enqueue(stream, (op){OP_WRITE, (int64_t)value, word, 0});
     return 0;
 }
+static int fill(void *stream, uint64_t dst, uint32_t pattern, int size, size_t items) {
+    if (atomic_load(&fault_code)) return atomic_load(&fault_code);
+    if (dst % (uint64_t)size) return 1;  /* CUDA_ERROR_INVALID_VALUE: misaligned */
+    enqueue(stream, (op){OP_FILL, (int64_t)items, (void *)(uintptr_t)dst,
+                         (int64_t)pattern | (int64_t)size << 32});
+    return 0;
+}
+static int f_memset8(uint64_t dst, unsigned char uc, size_t n, void *stream) {
+    return fill(stream, dst, uc, 1, n);
+}
+static int f_memset16(uint64_t dst, unsigned short us, size_t n, void *stream) {
+    return fill(stream, dst, us, 2, n);
+}
+static int f_memset32(uint64_t dst, unsigned int ui, size_t n, void *stream) {
+    return fill(stream, dst, ui, 4, n);
+}
 static int f_wait(void *stream, void *word, uint64_t value, unsigned flags) {
     (void)flags;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
@@ -282,4 +307,7 @@ void fake_driver_install(void) {
     am_cuda_set(CU_CTX_GET, (void *)f_ctx_get);
     am_cuda_set(CU_COPY_HTOD, (void *)f_unused);  /* set: am_cuq_new needs every one */
     am_cuda_set(CU_COPY_DTOH, (void *)f_unused);
+    am_cuda_set(CU_MEMSET8, (void *)f_memset8);
+    am_cuda_set(CU_MEMSET16, (void *)f_memset16);
+    am_cuda_set(CU_MEMSET32, (void *)f_memset32);
 }

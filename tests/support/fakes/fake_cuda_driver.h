@@ -34,13 +34,16 @@ typedef struct {
                                       once the work referring to it is done */
 } fake_event;
 
-enum { OP_KERNEL, OP_RECORD, OP_WRITE, OP_WAIT, OP_WAIT_EVENT };
+enum { OP_KERNEL, OP_RECORD, OP_WRITE, OP_WAIT, OP_WAIT_EVENT, OP_FILL };
 
 typedef struct {
     int kind;
-    int64_t a;          /* kernel: duration ns; record/wait event: generation; word: value */
-    void *p;            /* kernel: its spec; record/wait event: the event; word: the word */
-    int64_t arg;        /* kernel: its first parameter */
+    int64_t a;          /* kernel: duration ns; record/wait event: generation; word: value;
+                           fill: items */
+    void *p;            /* kernel: its spec; record/wait event: the event; word: the word;
+                           fill: where (a device pointer is a host address here) */
+    int64_t arg;        /* kernel: its first parameter; fill: the pattern, then its size in
+                           bits 32-39 */
 } op;
 
 typedef struct fake_stream {

@@ -150,6 +150,55 @@ static void check_order(void) {
     puts("ok order");
 }
 
+/* Fills of each pattern size, on a queue bounded to 2 commands in flight (so most are
+ * held, then handed over by its completion thread), behind kernels of a few us: each in
+ * stream order -- a later fill over an earlier one's range wins -- confirmed only once
+ * it ran, and the bytes around each range untouched. Refused: a size that is not 1, 2
+ * or 4, a length or an address that is not a multiple of it (nothing submitted). */
+static void check_fill(void) {
+    fake_queue f = queue_bounded(2);
+    static uint8_t memory[4096 + 8];
+    uint8_t *base = memory + (8 - (uintptr_t)memory % 8) % 8;  /* 8-byte aligned */
+    memset(base, 0xEE, 4096);
+    static kernel slow = {0, 20000, NULL, 0};
+    uint64_t value = 0;
+    for (int round = 0; round < 64; round++) {
+        int size = 1 << (round % 3);
+        uint64_t at = (uint64_t)(uintptr_t)base + 64 * (uint64_t)(round % 32) + 8;
+        uint32_t pattern = 0x01020304u * (uint32_t)(round + 1);
+        if (launch(f, &slow, round, ++value)) die("fill: launch failed");
+        if (am_cuq_fill(f.q, at, pattern, size, 48, ++value, 0)) die("fill: refused");
+    }
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (am_timeline_value(f.t) < value)
+        if (now_ns() > deadline) die("fill: the fills were never confirmed");
+    for (int slot = 0; slot < 32; slot++) {  /* the later round of the two on each slot */
+        int round = slot + 32, size = 1 << (round % 3);
+        uint32_t pattern = 0x01020304u * (uint32_t)(round + 1);
+        const uint8_t *at = base + 64 * slot;
+        for (int i = 0; i < 8; i++)
+            if (at[i] != 0xEE) die("fill: a byte before a fill's range was written");
+        for (int i = 0; i < 48; i += size) {  /* each item: the pattern's low bytes */
+            uint32_t item = 0;
+            uint16_t half;
+            if (size == 1) item = at[8 + i];
+            else if (size == 2) memcpy(&half, at + 8 + i, 2), item = half;
+            else memcpy(&item, at + 8 + i, 4);
+            if (item != (size == 4 ? pattern : pattern & ((1u << (8 * size)) - 1)))
+                die("fill: a range does not hold its last fill's pattern");
+        }
+        for (int i = 56; i < 64; i++)
+            if (at[i] != 0xEE) die("fill: a byte after a fill's range was written");
+    }
+    uint64_t aligned = (uint64_t)(uintptr_t)base;
+    if (am_cuq_fill(f.q, aligned, 0, 3, 48, value + 1, 0) != -2 ||
+        am_cuq_fill(f.q, aligned, 0, 4, 6, value + 1, 0) != -2 ||
+        am_cuq_fill(f.q, aligned + 2, 0, 4, 8, value + 1, 0) != -2)
+        die("fill: a bad fill was not refused");
+    queue_free(f, 0);
+    puts("ok fill");
+}
+
 typedef struct { fake_queue a; uint64_t n; } producer;
 
 static void *produce(void *arg) {
@@ -1666,6 +1715,7 @@ int main(void) {
     check_order();
     check_cross();
     check_long();
+    check_fill();
     if (atomic_load(&events_made) != atomic_load(&events_destroyed))
         die("events: am_cuq_close left events behind");
     puts("ok events");

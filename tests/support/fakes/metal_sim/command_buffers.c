@@ -252,6 +252,9 @@ static const char *execute(mtlcmdbuf *cb) {
                 memmove(c->dst->contents + c->dst_offset, c->src->contents + c->src_offset,
                         c->size);
             break;
+        case CMD_FILL:
+            if (!fault) memset(c->dst->contents + c->dst_offset, c->fill_value, c->size);
+            break;
         }
     }
     return fault;

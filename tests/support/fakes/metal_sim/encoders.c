@@ -149,6 +149,29 @@ static void Blit_copy(mtlencoder *self, SEL s, mtlbuffer *src, unsigned long src
     add_command(self->cb, c);
 }
 
+/* As on macOS: a range of whole 4-byte words (iOS takes any), at least one, within the
+ * buffer; the value is one byte. */
+static void Blit_fill(mtlencoder *self, SEL s, mtlbuffer *buffer, NSRange range,
+                      unsigned char value) {
+    (void)s;
+    const char *what = "fillBuffer:range:value:";
+    open_encoder(self, what);
+    expect(buffer, &MTLBuffer_class, what);
+    if (range.length == 0 || range.location % 4 || range.length % 4)
+        fail("%s: range %lu+%lu is not of whole 4-byte words (at least one)", what,
+             range.location, range.length);
+    if (range.location > buffer->length || range.length > buffer->length - range.location)
+        fail("%s: range %lu+%lu out of a buffer of %lu bytes", what, range.location,
+             range.length, buffer->length);
+    command *c = calloc(1, sizeof *c);
+    c->kind = CMD_FILL;
+    c->dst = retain(buffer);
+    c->dst_offset = range.location;
+    c->size = range.length;
+    c->fill_value = value;
+    add_command(self->cb, c);
+}
+
 /* ---------------------------------------------------------------- classes ------ */
 
 static const method MTLComputeCommandEncoder_methods[] = {
@@ -163,6 +186,7 @@ CLASS(MTLComputeCommandEncoder, &NSObject_class, no_methods, MTLComputeCommandEn
       mtlencoder, mtlencoder_dealloc)
 static const method MTLBlitCommandEncoder_methods[] = {
     M("copyFromBuffer:sourceOffset:toBuffer:destinationOffset:size:", Blit_copy),
+    M("fillBuffer:range:value:", Blit_fill),
     M("endEncoding", Encoder_endEncoding),
     {0, 0}};
 CLASS(MTLBlitCommandEncoder, &NSObject_class, no_methods, MTLBlitCommandEncoder_methods,

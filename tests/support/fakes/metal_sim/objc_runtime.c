@@ -24,7 +24,7 @@
  * autoreleased with no pool in place), asyncmetal_sim_handlers (completed handlers run,
  * and how many on the committing thread).
  *
- * Classes and selectors: every selector the backend (backends/metal/) sends -- 37 --
+ * Classes and selectors: every selector the backend (backends/metal/) sends -- 38 --
  * and, marked *, those it does not send but the simulation's own tests use:
  *   NSObject        -retain -release -autorelease* -retainCount*
  *   NSString        +stringWithUTF8String: -UTF8String
@@ -43,7 +43,7 @@
  *                   -setBytes:length:atIndex: -dispatchThreads:threadsPerThreadgroup:
  *                   -dispatchThreadgroups:threadsPerThreadgroup:* -endEncoding
  *   MTLBlitCommandEncoder -copyFromBuffer:sourceOffset:toBuffer:destinationOffset:size:
- *                   -endEncoding
+ *                   -fillBuffer:range:value: -endEncoding
  *   MTLBuffer       -contents -length
  *   MTLSharedEvent  -signaledValue -setSignaledValue: -notifyListener:atValue:block:*
  *   MTLSharedEventListener +alloc* -initWithDispatchQueue:*
@@ -62,7 +62,7 @@
  * methods that do not begin with new/alloc are autoreleased. Misuse that Metal's
  * validation layer or the Objective-C runtime would trap (unrecognized selector, message
  * to a released object, encoding while another encoder is open, committing twice,
- * adding a handler after commit, a copy out of bounds, an unbound kernel argument)
+ * adding a handler after commit, a copy or fill out of bounds, an unbound kernel argument)
  * prints "asyncmetal-sim:" and aborts the process, as an uncaught exception would.
  */
 #include "sim.h"

@@ -111,7 +111,7 @@ typedef struct {
 
 typedef struct { object obj; mtlfunction *function; } mtlpipeline;
 
-enum { CMD_WAIT, CMD_SIGNAL, CMD_DISPATCH, CMD_COPY };
+enum { CMD_WAIT, CMD_SIGNAL, CMD_DISPATCH, CMD_COPY, CMD_FILL };
 
 #define MAX_BINDINGS 31
 typedef struct command {
@@ -125,8 +125,9 @@ typedef struct command {
     void *bytes[MAX_BINDINGS];      /* setBytes: copies */
     unsigned long lengths[MAX_BINDINGS];
     unsigned long grid[3];
-    mtlbuffer *src, *dst;           /* copy */
+    mtlbuffer *src, *dst;           /* copy (fill: dst) */
     unsigned long src_offset, dst_offset, size;
+    unsigned char fill_value;       /* fill */
 } command;
 
 typedef struct handler {
@@ -187,6 +188,7 @@ typedef struct {
 typedef struct { mtlcmdbuf *cb; } completion;
 
 typedef struct { unsigned long width, height, depth; } MTLSize;
+typedef struct { unsigned long location, length; } NSRange;
 
 #define M(name, fn) {name, (IMP)(fn)}
 
