@@ -54,15 +54,7 @@ static void poison(am_queue *q, uint64_t value, int error, uint64_t cause_value,
         q->cause = cause;
     }
     pthread_mutex_unlock(&q->mu);
-    am_timeline *own = q->own;
-    pthread_mutex_lock(&own->mu);
-    if (!own->failed_from) {
-        own->failed_from = value;
-        own->fail_error = error;
-        own->fail_value = cause_value;
-        own->fail_cause = cause;
-    }
-    pthread_mutex_unlock(&own->mu);
+    am_timeline_fail_from(q->own, value, error, cause_value, cause);
 }
 
 /* am_queue_close(abandon) sets stop under q->mu, then reads waiting_on and broadcasts

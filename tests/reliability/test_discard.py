@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
+from tests.support.queues import discard_outcomes
 
 pytestmark = pytest.mark.anyio
 
@@ -57,21 +58,6 @@ async def marker(device: am.Device) -> am.Program:
     return await device.compile(MSL_MARK if device.name == "metal" else C_MARK, "slow_mark")
 
 
-async def outcomes(done: list[am.Completion]) -> list[bool]:
-    """Whether each command ran (its await returned) or was discarded (it raised
-    ClosedResourceError saying so); anything else fails the test."""
-    ran = []
-    for completion in done:
-        error: am.ClosedResourceError | None = None
-        try:
-            await completion
-        except am.ClosedResourceError as exc:
-            error = exc
-        assert error is None or "discard" in str(error), error
-        ran.append(error is None)
-    return ran
-
-
 def check_ran(ran: list[bool], marks: np.ndarray) -> None:
     """The commands that ran are the first ones, each marked its run; the others
     never ran (no mark), and most of the backlog was dropped."""
@@ -97,7 +83,7 @@ async def test_a_queue_closed_with_discard_drops_what_has_not_started(
     with anyio.fail_after(20):
         await q.close(discard=True)
         assert q.closed and q.timeline.value >= q.submitted
-        ran = await outcomes(done)
+        ran = await discard_outcomes(done)
         with pytest.raises(am.ClosedResourceError, match="discard"):
             await signalled
         with pytest.raises(am.ClosedResourceError, match="discard"):
@@ -118,7 +104,7 @@ async def test_a_device_wait_under_way_ends(
     dropped = [q.launch(kernels["sleep_ms"], vals=(1,)) for _ in range(100)]
     with anyio.fail_after(20):
         await q.close(discard=True)
-        assert await outcomes([waiting, *dropped]) == [False] * 101
+        assert await discard_outcomes([waiting, *dropped]) == [False] * 101
 
 
 async def test_a_device_wait_for_a_dropped_signal_fails_what_follows(
@@ -139,7 +125,7 @@ async def test_a_device_wait_for_a_dropped_signal_fails_what_follows(
         await q.close(discard=True)
         with pytest.raises(am.AsyncMetalError, match="discard"):
             await behind
-    assert sum(await outcomes(dropped)) < BACKLOG // 2
+    assert sum(await discard_outcomes(dropped)) < BACKLOG // 2
 
 
 @pytest.mark.parametrize("how", ["discard", "switched"])
@@ -174,7 +160,7 @@ async def test_a_device_closed_with_discard_drops_every_queues_backlog(
                 await device.close(discard=True)
         else:
             await device.close(discard=True)
-        ran = await outcomes([*done, held])
+        ran = await discard_outcomes([*done, held])
         with pytest.raises(am.ClosedResourceError):
             await tl.wait(1)
     assert device.closed and not ran[-1]
@@ -199,7 +185,7 @@ async def test_a_queue_close_under_way_switches_to_discarding(
             tg.start_soon(q.close)
             await anyio.sleep(0.05)
             await q.close(discard=True)
-    ran = await outcomes(done)
+    ran = await discard_outcomes(done)
     assert sum(ran) < BACKLOG // 2 and not ran[-1]
 
 

@@ -294,6 +294,8 @@ class MetalQueue(NativeQueue):
         """After the dropped steps: one empty command buffer, with none of the waits held
         before, takes the queue's timeline through their values."""
         if self._discarded_to:
+            if self._unmarked:  # a wait run before, still to be encoded: dropped too
+                self._discarded_from = min(self._discarded_from, self._unmarked)
             self._waits, self._gates, self._unmarked = [], [], 0
             value, first = self._discarded_to, self._discarded_from
             own = self._timeline.c_timeline
