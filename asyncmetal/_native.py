@@ -122,6 +122,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_cuq_error": (c_int, [c_p, ctypes.POINTER(c_u64)]),
     "am_cuq_cause": (c_p, [c_p, ctypes.POINTER(c_int), ctypes.POINTER(c_u64)]),
     "am_cuq_close": (None, [c_p, c_int]),
+    "am_cuq_discard": (None, [c_p]),
     "am_cuq_wait_foreign": (c_int, [c_p, c_p, c_p, c_u64, ctypes.POINTER(c_int)]),
     "am_cuq_wait_stream": (c_int, [c_p, c_p, c_p, c_u64, ctypes.POINTER(c_int)]),
     "am_block_completed": (None, [c_p, c_p]),

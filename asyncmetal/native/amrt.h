@@ -278,6 +278,7 @@ void am_cuq_set_shared(am_cuq *q);
 int am_cuq_error(am_cuq *q, uint64_t *value);
 void *am_cuq_cause(am_cuq *q, int *error, uint64_t *value);
 void am_cuq_close(am_cuq *q, int abandon);
+void am_cuq_discard(am_cuq *q);
 int am_cuq_wait_foreign(am_cuq *owner, void *ctx, void *stream, uint64_t target, int *call);
 int am_cuq_wait_stream(am_cuq *q, void *ctx, void *stream, uint64_t value, int *call);
 
