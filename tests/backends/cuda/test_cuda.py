@@ -842,8 +842,9 @@ async def test_close_with_discard_drops_a_streams_held_backlog(
     """10,000 launches of ~1 ms queued on a stream (held on the host past its bound)
     and closed with discard: the commands the driver has run (those that ran are the
     first ones, each marked its buffer), the held ones are dropped -- their awaits say
-    so, the timeline a dropped signal was to raise fails, another stream's device wait
-    for it fails its queue -- and memory returns to zero."""
+    so (a staged copy to pageable memory among them too, whose host part the close
+    stops), the timeline a dropped signal was to raise fails, another stream's device
+    wait for it fails its queue -- and memory returns to zero."""
     n = 10_000
     dev = await am.open_device("cuda:0")
     mark = await dev.compile(SLOW_MARK, "slow_mark")
@@ -853,6 +854,9 @@ async def test_close_with_discard_drops_a_streams_held_backlog(
     gate, tl = dev.timeline(), dev.timeline()
     q.wait(gate, 1)  # (held until the backlog is submitted: none runs meanwhile)
     done = [q.launch(mark, marks, vals=(i, 1000)) for i in range(n)]
+    big = await dev.alloc(32 << 20)
+    out = np.empty(32 << 20, np.uint8)
+    copied = q.copy(out, big)  # pageable: its host part waits for a mark never written
     signalled = q.signal(tl, 1)
     other.wait(tl, 1)
     behind = other.launch(mark, marks, vals=(0, 1))
@@ -864,8 +868,9 @@ async def test_close_with_discard_drops_a_streams_held_backlog(
         else:
             await dev.close(discard=True)
         ran = await discard_outcomes(done)
-        with pytest.raises(am.ClosedResourceError, match="discard"):
-            await signalled
+        for dropped in (copied, signalled):
+            with pytest.raises(am.ClosedResourceError, match="discard"):
+                await dropped
         with pytest.raises(am.ClosedResourceError):
             await tl.wait(1)
         with pytest.raises(am.AsyncMetalError):
@@ -876,6 +881,7 @@ async def test_close_with_discard_drops_a_streams_held_backlog(
     if what == "queue":
         assert (await marks.read(np.int32))[:n].tolist() == [int(r) for r in ran]
         await marks.free()
+        await big.free()
         await dev.close()
     statistics = dev.memory_statistics()
     assert statistics.in_use == statistics.cached == 0
