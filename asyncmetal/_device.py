@@ -14,7 +14,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Collection, Generator, Iterable
+from collections.abc import Callable, Collection, Generator, Iterable
 from typing import Any
 
 import anyio
@@ -23,8 +23,9 @@ import numpy as np
 from . import backends
 from ._allocator import Allocator, MemoryStatistics
 from ._backend import Backend, NativeQueue
-from ._bridge import checkpoint, running_asyncio_loop
-from ._buffer import Buffer, discard, wrap_buffer
+from ._bridge import checkpoint
+from ._buffer import Buffer, wrap_buffer
+from ._buffer import discard as discard_buffer
 from ._buffer import foreign_buffer as _foreign_buffer
 from ._compile import (
     Compiler,
@@ -53,6 +54,7 @@ from ._queue import (
     abandon,
     close_native,
     completable,
+    discard,
     fill_zeros,
     flush,
     let_go,
@@ -160,6 +162,7 @@ class Device:
         self._adopted: dict[object, Queue] = {}  # by stream
         self._timelines: weakref.WeakSet[Timeline] = weakref.WeakSet()  # from timeline()
         self._closing: HostEvents | None = None  # reaches 1 once a close has finished
+        self._discarding = False  # its close drops what has not started (close(discard=))
         self._close_lock = threading.Lock()
         self._allocator = Allocator(self._state)
         self._pool: CompilePool | None = None
@@ -375,7 +378,7 @@ class Device:
             try:
                 await fill_zeros(self.queue, buf, span)
             except BaseException:
-                discard(buf)  # (after the fill: it is recorded as a use)
+                discard_buffer(buf)  # (after the fill: it is recorded as a use)
                 raise
         return buf
 
@@ -653,7 +656,7 @@ class Device:
         if failure is not None:
             raise failure
 
-    async def close(self) -> None:
+    async def close(self, *, discard: bool = False) -> None:
         """Let submitted work finish, then release the device.
 
         Work submitted while the close waits is waited for too. Commands still waiting
@@ -662,6 +665,14 @@ class Device:
         timelines for values they never reached. Concurrent closes share one teardown
         and all return once it is done. Shielded from cancellation: a device is never
         left half-closed.
+
+        ``discard=True`` seals the device at once and drops every command of its queues
+        that has not started (see ``Queue.close``): only what runs on the device now
+        finishes. A close under way is switched to discarding by a close with
+        ``discard=True``, and by a KeyboardInterrupt that reaches a task waiting for it
+        (trio delivers Ctrl-C so): that task waits for the rest, now bounded, and then
+        raises the interrupt; a further interrupt is raised at once, the teardown
+        running on to its end on its own thread.
         """
         with self._close_lock:  # one teardown, whichever thread closes first
             closing, starts = self._closing, self._closing is None and not self.closed
@@ -669,26 +680,31 @@ class Device:
                 self._closing = closing = HostEvents()
         if closing is None:
             return  # closed without a teardown (a forked child's, at exit)
+        if discard:
+            self._discarding = True  # (a teardown under way sees it at its next count)
         failed: list[BaseException] = []
         if starts:
+            # The teardown runs on a loop of its own, in a thread: nothing of the caller's
+            # reaches it -- neither asyncio's own task.cancel() (a wait_for timeout, a
+            # framework cancelling every task as it stops), which no shielded scope stops,
+            # nor trio's KeyboardInterrupt, which trio raises in its main task also inside
+            # a shielded scope (and, between checkpoints, in whatever Python code runs).
             run = functools.partial(self._teardown, closing, failed)
-            if running_asyncio_loop() is None:
-                with anyio.CancelScope(shield=True):  # (trio's shield stops all it cancels)
-                    await run()
-            else:
-                # asyncio's own task.cancel() -- wait_for's timeout, a framework cancelling
-                # every task as it stops -- is stopped by no shielded scope: the teardown
-                # runs on a loop of its own, where nothing of the caller's reaches it.
-                threading.Thread(target=anyio.run, args=(run,), name="asyncmetal close").start()
-        await _until_closed(closing)  # (another close's teardown, or this one's)
+            threading.Thread(target=anyio.run, args=(run,), name="asyncmetal close").start()
+        await _until_closed(closing, self._interrupted)  # (another close's, or this one's)
         if failed:
             raise failed[0]
 
+    def _interrupted(self) -> None:
+        """A KeyboardInterrupt reached a task waiting for this device's close: what has
+        not started is dropped (the teardown discards at its next count)."""
+        self._discarding = True
+
     async def _teardown(self, closing: HostEvents, failed: list[BaseException]) -> None:
         try:
-            await self._finish_completable()
+            await self._finish_completable()  # (returns at once when discarding)
             # Sealed: no submission is under way (another thread's) or can start.
-            # Then what was submitted meanwhile is waited for as well.
+            # Then what was submitted meanwhile is waited for as well (or discarded).
             await holding([self._state], self._seal)
             limits = await self._finish_completable()
             for queue in self._queues:  # what other devices' closes count on
@@ -708,15 +724,21 @@ class Device:
         finally:
             closing.increment()
 
-    async def _close_queue(self, queue: Queue) -> None:
+    async def _close_queue(self, queue: Queue, discarding: bool = False) -> None:
         """Queue.close of one of its queues (not the default one): seal it, wait for its
-        commands (a checkpoint), then release it natively on a thread of its own, which
-        every caller waits for (as close waits for its teardown). Once the device is
-        sealed its close does all that: this waits for that close to end instead."""
+        commands (a checkpoint) or drop those not started (``discarding``), then release
+        it natively on a thread of its own, which every caller waits for (as close waits
+        for its teardown). Once the device is sealed its close does all that: this
+        waits for that close to end instead."""
         with self._state.submitting:
             closed = self.closed
             if not closed and seal(queue, f"this queue of {self.name} was closed"):
                 self._unreleased.append(queue)
+            # Sealed either way (by the device's close, or here). One being released has
+            # finished: nothing is left to drop. (The backend's discard and its native
+            # close exclude each other: the device's close releases it meanwhile.)
+            if discarding and (closed or queue in self._unreleased):
+                discard(queue)
         if closed:
             await self._device_closed()  # closed with the device
             return
@@ -807,8 +829,15 @@ class Device:
     async def _finish_completable(self) -> dict[Queue, int]:
         """Wait until every queue of this device has finished all the commands that can
         still complete (commands may be submitted meanwhile: they are waited for too);
-        return each queue's limit, computed with nothing left to wait for."""
+        return each queue's limit, computed with nothing left to wait for. Discarding
+        (``_discarding``, seen at each count): once sealed, what has not started is
+        dropped natively and then passes at once; before, this returns at once (empty)."""
         while True:
+            if self._discarding:
+                if not self.closed:
+                    return {}  # (the close seals the device next)
+                for queue in self._queues:
+                    discard(queue)
             limits = await _count_completable()
             # (A queue kept again after the count is counted the next time.)
             behind = [q for q in self._queues if q.timeline.value < limits.get(q, 0)]
@@ -1143,16 +1172,26 @@ class _Claim:
                 dropped.append(self._native)
 
 
-async def _until_closed(closing: HostEvents) -> None:
+async def _until_closed(closing: HostEvents, interrupted: Callable[[], None] | None = None) -> None:
     """Wait for a close's teardown to end, whatever cancels the caller meanwhile: in a
     shielded scope, and on asyncio waiting again after each of its own cancellations
-    (which no scope stops); the cancellation is raised once the teardown has ended."""
+    (which no scope stops); the cancellation is raised once the teardown has ended.
+    A KeyboardInterrupt (trio raises Ctrl-C in its main task, shielded or not) calls
+    ``interrupted`` -- a device's close then drops what has not started -- and is
+    raised once the teardown has ended; a second one, or any without ``interrupted``,
+    is raised at once (the teardown, on a thread of its own, still ends)."""
     cancelled: BaseException | None = None
     with anyio.CancelScope(shield=True):
         while True:
             try:
                 await wait_value(closing, 1)
             except asyncio.CancelledError as exc:  # (asyncio's own: a task.cancel())
+                cancelled = cancelled if isinstance(cancelled, KeyboardInterrupt) else exc
+                continue
+            except KeyboardInterrupt as exc:
+                if interrupted is None or isinstance(cancelled, KeyboardInterrupt):
+                    raise
+                interrupted()
                 cancelled = exc
                 continue
             break

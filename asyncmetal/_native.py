@@ -85,6 +85,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_timeline_spin": (c_int, [c_p, c_u64, ctypes.c_long]),
     "am_timeline_due": (ctypes.c_int64, [c_p, c_u64]),
     "am_timeline_fail": (None, [c_p, c_u64, c_int, c_u64, c_p]),
+    "am_timeline_fail_from": (None, [c_p, c_u64, c_int, c_u64, c_p]),
     "am_timeline_failure": (
         c_u64,
         [c_p, ctypes.POINTER(c_int), ctypes.POINTER(c_u64), ctypes.POINTER(c_p)],
@@ -102,6 +103,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
         [c_p, c_p, c_p, ctypes.c_size_t, ctypes.c_size_t, *[c_p, c_u64] * 5],
     ),
     "am_queue_close": (None, [c_p, c_int]),
+    "am_queue_discard": (None, [c_p]),
     "am_cuda_name": (ctypes.c_char_p, [c_int]),
     "am_cuda_set": (None, [c_int, c_p]),
     "am_timeline_host_signal": (None, [c_p, c_u64]),
@@ -125,6 +127,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_cuq_error": (c_int, [c_p, ctypes.POINTER(c_u64)]),
     "am_cuq_cause": (c_p, [c_p, ctypes.POINTER(c_int), ctypes.POINTER(c_u64)]),
     "am_cuq_close": (None, [c_p, c_int]),
+    "am_cuq_discard": (None, [c_p]),
     "am_cuq_wait_foreign": (c_int, [c_p, c_p, c_p, c_u64, ctypes.POINTER(c_int)]),
     "am_cuq_wait_stream": (c_int, [c_p, c_p, c_p, c_u64, ctypes.POINTER(c_int)]),
     "am_block_completed": (None, [c_p, c_p]),
@@ -390,9 +393,11 @@ def timeline_reader(c_timeline: int, plain: bool | None = None) -> ValueReader:
 
 # AM_ABANDONED (amrt.h): the error of a command that will never run, its device having
 # closed while it waited for a value nobody signalled. AM_CLOSED: a timeline's device
-# closed before it reached the value.
+# closed before it reached the value. AM_DISCARDED: a command dropped before it
+# started, its queue (or device) closed with discard=True.
 ABANDONED = -4
 CLOSED = -5
+DISCARDED = -7
 
 
 class Failure(NamedTuple):

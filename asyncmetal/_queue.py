@@ -23,6 +23,7 @@ from ._timeline import (
     MADE_BY_DEVICE,
     Timeline,
     check_timeline,
+    discarded_error,
     order_queue_signal,
     queue_signal_submitted,
     queue_wait_submitted,
@@ -168,7 +169,7 @@ class Queue:
         *,
         _made: object = None,
         _stream: object = None,
-        _closer: Callable[[Queue], Awaitable[None]] | None = None,
+        _closer: Callable[[Queue, bool], Awaitable[None]] | None = None,
         _keeper: Callable[[Queue], None] | None = None,
     ) -> None:
         if _made is not MADE_BY_DEVICE:
@@ -187,6 +188,7 @@ class Queue:
         # Device-side signals and waits not yet known complete: (value, is_wait, tl, target)
         self._sync_ops: collections.deque[tuple[int, bool, Timeline, int]] = collections.deque()
         self._abandoned_from: int | None = None  # commands from here on never ran
+        self._discarded = False  # closed with discard=True: what had not started never ran
         # Set by its device's close once it decided what can still complete: no command
         # past it (or past what ran by the time the queue stopped) will.
         self._final: int | None = None
@@ -211,6 +213,8 @@ class Queue:
         device-side wait for a value never produced), or was abandoned by the device's
         close. None if it ran."""
         abandoned = self._abandoned_from
+        if abandoned is not None and value >= abandoned and self._discarded:
+            return discarded_error(value)  # (stopped as it was being discarded)
         if abandoned is not None and value >= abandoned:  # (whatever it waited for)
             which = "its default queue" if self._closer is None else "a queue"
             return ClosedResourceError(
@@ -238,7 +242,7 @@ class Queue:
         if self._closed is not None:
             raise ClosedResourceError(self._closed)
 
-    async def close(self) -> None:
+    async def close(self, *, discard: bool = False) -> None:
         """Let the commands submitted to this queue finish, then release what it holds
         natively (a cpu queue's thread; a cuda stream -- an adopted one only on
         asyncmetal's side, the stream stays its owner's -- its completion thread, events
@@ -255,13 +259,24 @@ class Queue:
         ran it is released by the device's next new_queue(), a later close() or the
         device's close. The release itself, once begun, runs to its end whatever
         cancels the caller. Waiting for the device's close is a checkpoint too: that
-        close goes on."""
+        close goes on.
+
+        ``discard=True`` drops the commands that have not started instead of waiting for
+        them: what runs on the device now finishes (a GPU stream's commands already
+        handed to the driver -- at most a bound per stream, device waits among them --
+        run), a device-side wait held on the host ends (on cpu, any: its queue thread
+        waits on the host), and every command dropped raises ClosedResourceError,
+        saying it was discarded, where it is awaited; a timeline it was to signal
+        fails, so waits for that value end failed rather than wait for good. Buffers
+        those commands used go back to the allocator once no running command uses
+        them. A queue already closing is switched to discarding (also while its device
+        closes)."""
         if self._closer is None:
             raise InvalidArgumentError(
                 f"the default queue of {self._state.name} (device.queue) is closed by "
                 "closing its device; close queues from device.new_queue() instead"
             )
-        await self._closer(self)
+        await self._closer(self, discard)
 
     async def __aenter__(self) -> Queue:
         return self
@@ -928,6 +943,14 @@ def completable(
 def flush(queue: Queue) -> None:
     """Hand over what ``queue``'s backend still keeps back (before waiting for it)."""
     queue._native.flush()
+
+
+def discard(queue: Queue) -> None:
+    """Drop ``queue``'s commands that have not started (see ``NativeQueue.discard``);
+    sealed first (``seal``), so none comes after. Never blocks; once is enough."""
+    if not queue._discarded:
+        queue._discarded = True
+        queue._native.discard()
 
 
 def close_native(queue: Queue, abandon: bool) -> None:

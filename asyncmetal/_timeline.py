@@ -87,6 +87,11 @@ def failure_error(failure: _native.Failure, lead: str, tail: str = "") -> AsyncM
         return ClosedResourceError(
             f"{lead} nothing will produce: {device} closed before the timeline got there{tail}"
         )
+    if failure.error == _native.DISCARDED:
+        return ClosedResourceError(
+            f"{lead} {where} never produced: it was discarded, not started when its queue "
+            f"was closed with discard=True{tail}"
+        )
     if failure.error == _native.ABANDONED:
         device = "its device" if queue is None else queue.device.name
         return ClosedResourceError(
@@ -100,6 +105,15 @@ def failure_error(failure: _native.Failure, lead: str, tail: str = "") -> AsyncM
     error = kind(f"{lead} {where} never produced: {cause}{tail}")
     error.__cause__ = cause
     return error
+
+
+def discarded_error(value: int) -> ClosedResourceError:
+    """The error of command ``value`` of a queue, dropped before it started by a close
+    with ``discard=True`` (``Queue.close``, ``Device.close``)."""
+    return ClosedResourceError(
+        f"command {value} was discarded: its queue was closed with discard=True before "
+        "the command started, and it never ran"
+    )
 
 
 class Waitable:

@@ -49,7 +49,7 @@ from .._backend import (
 )
 from .._compile import Compiler, ParamKind, scalar_params
 from .._errors import ArgumentTypeError, ClosedResourceError, CompileError, InvalidArgumentError
-from .._timeline import LATER_FAIL, failure_error
+from .._timeline import LATER_FAIL, discarded_error, failure_error
 
 _ALIGN = 64
 MAX_ARGS = _native.MAX_ARGS
@@ -364,6 +364,7 @@ class CPUQueue(NativeQueue):
         if not self._handle:
             raise MemoryError("am_queue_new")
         self._keep = KeepAlive(timeline)
+        self._closing = threading.Lock()  # a discard (any thread) and the close's take
         self._scratch = (ctypes.c_int64 * MAX_ARGS)()
         self._call = lib.am_queue_call
         extension = _native.extension()
@@ -382,6 +383,8 @@ class CPUQueue(NativeQueue):
         own = self._timeline.c_timeline
         assert own is not None
         failure = _native.timeline_failure(own)
+        if failure is not None and failure.error == _native.DISCARDED:
+            return discarded_error(value)
         if failure is None or failure.cause == own:
             return None  # abandoned by its own device's close (Queue says so)
         lead = "this command did not run: it follows a device-side wait for a value that"
@@ -523,9 +526,15 @@ class CPUQueue(NativeQueue):
         )
         self._submitted(status, value, dst)
 
+    def discard(self) -> None:
+        with self._closing:  # (the close frees the native queue)
+            if self._handle is not None:
+                self._lib.am_queue_discard(self._handle)
+
     def close(self, abandon: bool = False) -> None:
-        if self._handle is not None:
+        with self._closing:
             handle, self._handle = self._handle, None
+        if handle is not None:
             self._lib.am_queue_close(handle, int(abandon))
             self._keep.clear()
 

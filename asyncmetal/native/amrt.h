@@ -151,6 +151,7 @@ typedef struct am_queue {
     size_t cap, head, count;
     atomic_size_t pending;          /* commands submitted and not yet taken */
     int stop;                       /* 1: finish what is queued, 2: abandon now */
+    int discard;                    /* am_queue_discard: commands not started never run */
     int sleeping;
     long spin_ns;
     int nice;                       /* the thread's nice value on Linux (< 0: inherited) */
@@ -219,8 +220,11 @@ int64_t am_timeline_due(am_timeline *t, uint64_t v);
 #define AM_ABANDONED (-4)
 #define AM_CLOSED (-5)  /* its device closed before it reached the value */
 #define AM_COMMAND_FAILED (-6)  /* a Metal command buffer of its queue failed */
+#define AM_DISCARDED (-7)  /* dropped before it started: its queue was closed with discard */
 void am_timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value,
                       am_timeline *cause);
+void am_timeline_fail_from(am_timeline *t, uint64_t from, int error, uint64_t value,
+                           am_timeline *cause);
 uint64_t am_timeline_failure(am_timeline *t, int *error, uint64_t *value, am_timeline **cause);
 void am_timeline_close(am_timeline *t);
 AM_HIDDEN int timeline_failed_for(const am_timeline *t, uint64_t target);
@@ -250,6 +254,7 @@ int am_queue_copy_part(am_queue *q, void *dst, const void *src, size_t nbytes, s
 int am_queue_fill(am_queue *q, void *dst, size_t nbytes, uint32_t pattern, int pattern_size,
                   int64_t *record, uint64_t value);
 void am_queue_close(am_queue *q, int abandon);
+void am_queue_discard(am_queue *q);
 uint64_t am_queue_failure(am_queue *q, int *error, uint64_t *value, am_timeline **cause);
 
 /* ---- cuda_driver.c, cuda_stream.c, cuda_submit.c, cuda_completion.c (cuda_stream.h) */
@@ -280,6 +285,7 @@ void am_cuq_set_shared(am_cuq *q);
 int am_cuq_error(am_cuq *q, uint64_t *value);
 void *am_cuq_cause(am_cuq *q, int *error, uint64_t *value);
 void am_cuq_close(am_cuq *q, int abandon);
+void am_cuq_discard(am_cuq *q);
 int am_cuq_wait_foreign(am_cuq *owner, void *ctx, void *stream, uint64_t target, int *call);
 int am_cuq_wait_stream(am_cuq *q, void *ctx, void *stream, uint64_t value, int *call);
 

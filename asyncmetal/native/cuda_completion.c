@@ -33,6 +33,59 @@ static void cuq_drop_refused(am_cuq *q, am_cuop *op, int error, uint64_t value) 
     }
 }
 
+/* The held device wait first in q (deferred, its kick on kick_on) was dropped: its kick
+ * goes too, unless it is due (then it clears q->deferred itself). Not under mu; the
+ * caller holds a reference of q. */
+void cuq_unkick(am_cuq *q, am_timeline *kick_on) {
+    if (!timeline_undefer(kick_on, &q->kick, 1)) return;
+    pthread_mutex_lock(&q->mu);
+    q->deferred = 0;
+    if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    cuq_unref(q);  /* (never the last: the caller's) */
+}
+
+/* Drop what q holds on the host (past its bound on commands in flight, or behind a device
+ * wait held) from its first command with no operation handed to the driver yet: those
+ * commands fail with AM_DISCARDED (q's error, from that value on), a signal among them
+ * fails its timeline (cuq_drop_refused), and q settles once what the driver has is
+ * confirmed (cuq_run), now if nothing is -- as for a held command the driver refused.
+ * What the driver has runs; a command part of which was handed over stays held and is
+ * handed over as before. The queue is sealed: nothing is submitted to it any more. Not
+ * under mu; never waits for the driver. */
+void am_cuq_discard(am_cuq *q) {
+    pthread_mutex_lock(&q->mu);
+    if (q->stop) {  /* closing: its close settles what is left */
+        pthread_mutex_unlock(&q->mu);
+        return;
+    }
+    am_cuop **p = &q->held, *last = NULL;
+    while (*p && (*p)->value <= q->handed_value) {
+        last = *p;
+        p = &(*p)->next;
+    }
+    am_cuop *dropped = *p;
+    if (!dropped) {
+        pthread_mutex_unlock(&q->mu);
+        return;
+    }
+    uint64_t first = dropped->value;
+    int unkick = q->deferred && dropped == q->held;  /* the held wait's kick goes too */
+    am_timeline *kick_on = q->kick_on;
+    *p = NULL;
+    q->held_tail = last;
+    for (am_cuop *op = dropped; op; op = op->next) q->nheld--;
+    if (!q->error || first < q->error_value) {
+        q->error = AM_DISCARDED;
+        q->error_value = first;
+    }
+    int settle = !q->count && !q->held && !q->driving;
+    pthread_mutex_unlock(&q->mu);
+    if (unkick) cuq_unkick(q, kick_on);
+    cuq_drop_refused(q, dropped, AM_DISCARDED, first);
+    if (settle) cuq_settle(q);
+}
+
 /* The first value of q that failed (a command refused or faulted), or that ran after a
  * device wait for a value its queue never produced (poisoned): 0 if none. Under mu. */
 uint64_t cuq_failed_at(const am_cuq *q) {

@@ -367,13 +367,7 @@ static int cuq_no_memory(am_cuq *q, uint64_t value, const am_cuop *op, const am_
     }
     int settle = part && !q->count && !q->held && !q->driving;
     pthread_mutex_unlock(&q->mu);
-    if (unkick && timeline_undefer(kick_on, &q->kick, 1)) {  /* (else due: it clears it) */
-        pthread_mutex_lock(&q->mu);
-        q->deferred = 0;
-        if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
-        pthread_mutex_unlock(&q->mu);
-        cuq_unref(q);  /* (never the last: the caller's) */
-    }
+    if (unkick) cuq_unkick(q, kick_on);
     const am_cuop *ends[2] = {op, then};
     for (int i = 0; i < 2; i++)
         if (part && ends[i] && cuop_signals(ends[i]))

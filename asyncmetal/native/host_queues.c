@@ -92,51 +92,53 @@ static int take(am_queue *q, am_cmd *out) {
     return 1;
 }
 
-/* am_queue_close(abandon) sets stop under q->mu, then reads waiting_on and broadcasts
- * t's condition under t->mu. So stop is read under t->mu right before each sleep: either
- * the close's broadcast comes after this thread sleeps (it wakes it), or its store to
- * stop came before this thread took t->mu (it sees it). Read only before taking t->mu,
- * a broadcast landing in between would find nobody asleep and be lost. Returns 0 if
- * abandoned. If t failed instead of reaching target, the wait's command (`value`) and
- * every later one fail, with t's failure behind them: so does the queue's own timeline
- * from `value` on, without settling (it goes on rising as the commands pass). */
-static int wait_timeline(am_queue *q, am_timeline *t, uint64_t target, uint64_t value) {
+/* Queue q's commands from `value` on fail (each does nothing, a signal among them fails
+ * its timeline): a wait of theirs ended on a failed timeline, or they were discarded.
+ * The queue's own timeline fails from `value` on too, before it gets there (a wait on it
+ * that gets there sees the failure, both under its mu), without settling: it goes on
+ * rising as the commands pass. On the queue's thread. */
+static void poison(am_queue *q, uint64_t value, int error, uint64_t cause_value,
+                   am_timeline *cause) {
     pthread_mutex_lock(&q->mu);
-    q->waiting_on = t;
-    pthread_mutex_unlock(&q->mu);
-    int abandon = 0;
-    pthread_mutex_lock(&t->mu);
-    while (atomic_load(&t->value) < target && !timeline_failed_for(t, target)) {
-        if ((abandon = __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) == 2)) break;
-        pthread_cond_wait(&t->cv, &t->mu);
-    }
-    int failed = !abandon && timeline_failed_for(t, target);
-    int error = t->fail_error;
-    uint64_t cause_value = t->fail_value;
-    am_timeline *cause = t->fail_cause ? t->fail_cause : t;
-    pthread_mutex_unlock(&t->mu);
-    pthread_mutex_lock(&q->mu);
-    q->waiting_on = NULL;
-    if (failed) {
+    if (!q->poisoned || value < q->poisoned) {
         q->poisoned = value;
         q->cause_error = error;
         q->cause_value = cause_value;
         q->cause = cause;
     }
     pthread_mutex_unlock(&q->mu);
-    if (failed) {
-        /* Before the queue's own timeline gets to `value`: a wait on it that gets
-         * there sees the failure (both under its mu). */
-        am_timeline *own = q->own;
-        pthread_mutex_lock(&own->mu);
-        if (!own->failed_from) {
-            own->failed_from = value;
-            own->fail_error = error;
-            own->fail_value = cause_value;
-            own->fail_cause = cause;
-        }
-        pthread_mutex_unlock(&own->mu);
+    am_timeline_fail_from(q->own, value, error, cause_value, cause);
+}
+
+/* am_queue_close(abandon) sets stop under q->mu, then reads waiting_on and broadcasts
+ * t's condition under t->mu (am_queue_discard sets discard the same way). So stop and
+ * discard are read under t->mu right before each sleep: either the broadcast comes after
+ * this thread sleeps (it wakes it), or the store came before this thread took t->mu (it
+ * sees it). Read only before taking t->mu, a broadcast landing in between would find
+ * nobody asleep and be lost. Returns 0 if abandoned. If t failed instead of reaching
+ * target, or the queue was told to discard meanwhile, the wait's command (`value`) and
+ * every later one fail (poison), with t's failure behind them or as discarded. */
+static int wait_timeline(am_queue *q, am_timeline *t, uint64_t target, uint64_t value) {
+    pthread_mutex_lock(&q->mu);
+    q->waiting_on = t;
+    pthread_mutex_unlock(&q->mu);
+    int abandon = 0, discarded = 0;
+    pthread_mutex_lock(&t->mu);
+    while (atomic_load(&t->value) < target && !timeline_failed_for(t, target)) {
+        if ((abandon = __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) == 2)) break;
+        if ((discarded = __atomic_load_n(&q->discard, __ATOMIC_SEQ_CST))) break;
+        pthread_cond_wait(&t->cv, &t->mu);
     }
+    int failed = !abandon && !discarded && timeline_failed_for(t, target);
+    int error = t->fail_error;
+    uint64_t cause_value = t->fail_value;
+    am_timeline *cause = t->fail_cause ? t->fail_cause : t;
+    pthread_mutex_unlock(&t->mu);
+    pthread_mutex_lock(&q->mu);
+    q->waiting_on = NULL;
+    pthread_mutex_unlock(&q->mu);
+    if (failed) poison(q, value, error, cause_value, cause);
+    if (discarded) poison(q, value, AM_DISCARDED, value, q->own);
     return !abandon;
 }
 
@@ -252,9 +254,15 @@ static void *run(void *arg) {
          * (its objects are let go of once past). A shared copy's part runs all the
          * same: a stream waits for its chunk's ready word (the cuda staging queues'
          * commands, which wait on no timeline). */
+        /* Discarded (am_queue_discard): this command and every later one never run. */
+        if (__atomic_load_n(&q->discard, __ATOMIC_SEQ_CST) && c.kind != CMD_COPY_PART &&
+            (!q->poisoned || c.value < q->poisoned))  /* (written by this thread only) */
+            poison(q, c.value, AM_DISCARDED, c.value, q->own);
         int failed = q->poisoned && c.value >= q->poisoned && c.kind != CMD_COPY_PART;
-        if (failed && c.kind == CMD_SIGNAL)
-            am_timeline_fail(c.timeline, c.target, q->cause_error, q->cause_value, q->cause);
+        if (failed && c.kind == CMD_SIGNAL)  /* (a discarded signal names itself) */
+            am_timeline_fail(c.timeline, c.target, q->cause_error,
+                             q->cause_error == AM_DISCARDED ? c.value : q->cause_value,
+                             q->cause);
         if (!failed) switch (c.kind) {
         case CMD_CALL:
             if (c.floats) {
@@ -393,6 +401,24 @@ uint64_t am_queue_failure(am_queue *q, int *error, uint64_t *value, am_timeline 
     *cause = q->cause;
     pthread_mutex_unlock(&q->mu);
     return failed;
+}
+
+/* Drop q's commands that have not started: each that the thread takes from now on fails
+ * without running (a signal among them fails its timeline), as does a device wait it is
+ * in (it ends); a command running now finishes. The queue's own timeline still rises
+ * through them (quickly: nothing runs), failed from the first one dropped, with
+ * AM_DISCARDED as the cause. Every later command fails too: the queue is closed next. */
+void am_queue_discard(am_queue *q) {
+    if (q->forks != am_forks) return;  /* (a parent's queue, in a forked child) */
+    pthread_mutex_lock(&q->mu);
+    __atomic_store_n(&q->discard, 1, __ATOMIC_SEQ_CST);
+    am_timeline *t = q->waiting_on;
+    pthread_mutex_unlock(&q->mu);
+    if (t) {
+        pthread_mutex_lock(&t->mu);
+        pthread_cond_broadcast(&t->cv);
+        pthread_mutex_unlock(&t->mu);
+    }
 }
 
 /* Stop the thread and free the queue. abandon=0: after everything queued has run;

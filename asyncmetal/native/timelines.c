@@ -216,6 +216,23 @@ void am_timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value
     host_signalled();  /* cuda completion threads napping on a wait it releases */
 }
 
+/* t's values from `from` on will be reached without being produced (a cpu queue's
+ * failed commands, which its thread passes without running them; a Metal queue's
+ * dropped by a discarding close, which an empty command buffer takes t past): unless it
+ * failed already, t fails from there, with the failure behind it, without rising or
+ * settling. A wait that gets there sees the failure (both under t's mu). */
+void am_timeline_fail_from(am_timeline *t, uint64_t from, int error, uint64_t value,
+                           am_timeline *cause) {
+    pthread_mutex_lock(&t->mu);
+    if (!t->failed_from) {
+        t->failed_from = from;
+        t->fail_error = error;
+        t->fail_value = value;
+        t->fail_cause = cause;
+    }
+    pthread_mutex_unlock(&t->mu);
+}
+
 /* t's device closed: nothing will raise it any more. Unless it failed already, it
  * fails from the value after the one it reached (AM_CLOSED, its own cause), without
  * rising: a wait for more ends -- a cpu queue's, which then fails its commands from the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -12,8 +13,8 @@ from typing import Any, Protocol
 from ... import _native, _native_contract
 from ..._backend import Arg, KeepAlive, NativeQueue, NativeTimeline, Record, host_address
 from ..._errors import AsyncMetalError, DeviceLostError
-from ..._native import ABANDONED, CLOSED, Failure
-from ..._timeline import LATER_FAIL, failure_error
+from ..._native import ABANDONED, CLOSED, DISCARDED, Failure
+from ..._timeline import LATER_FAIL, discarded_error, failure_error
 from . import _driver
 from ._driver import (
     UNCONFIRMED,
@@ -106,6 +107,8 @@ class CUDAQueue(NativeQueue):
         self._sticky = (0, 0)
         self._cause = (0, 0, 0)  # for WAITED_FAILED: that queue's timeline, error, value
         self._keep = KeepAlive(timeline)
+        self._closing = threading.Lock()  # a discard (any thread) and the close's take
+        self._discarded = False
         self._slots = (ctypes.c_uint64 * MAX_PARAMS)()
         base = ctypes.addressof(self._slots)
         self._pointers = (ctypes.c_void_p * MAX_PARAMS)(*(base + 8 * i for i in range(MAX_PARAMS)))
@@ -290,6 +293,8 @@ class CUDAQueue(NativeQueue):
         code, first = self._first_error()
         if code == WAITED_FAILED and value >= first:
             return self._waited_failed(first)
+        if code == DISCARDED and value >= first:
+            return discarded_error(value)
         if code and value >= first:
             where = f"a stream of {self._backend.name}"
             return driver_error(f"the command at value {first}", code, where)
@@ -335,7 +340,7 @@ class CUDAQueue(NativeQueue):
         wait for a value that another queue's failed command never produced: that
         command's error, named (by its queue's device, where that queue is still alive)."""
         timeline, error, value = self._cause
-        if error in (ABANDONED, CLOSED):  # that command's (or timeline's) device closed
+        if error in (ABANDONED, CLOSED, DISCARDED):  # its device closed, or it was dropped
             lead = (
                 f"the command at value {first} on a stream of {self._backend.name} ran after "
                 "a device-side wait for a value that"
@@ -568,16 +573,26 @@ class CUDAQueue(NativeQueue):
             self._wait_value(value, *unfinished)
         self._finish(value, (dst, src), expected_ns=dst.nbytes // STAGED_BYTES_PER_NS)
 
+    def discard(self) -> None:
+        with self._closing:  # (the close frees the native queue)
+            if self._q is not None:
+                self._discarded = True
+                self._lib.am_cuq_discard(self._q)
+
     def close(self, abandon: bool = False) -> None:
-        if self._q is not None:
+        with self._closing:
             handle = self._q
             code, _ = self._first_error()
             self._q = None
+        if handle is not None:
             # Without abandon this returns once every held command was submitted and
             # every command confirmed (the stream is then idle).
             self._lib.am_cuq_close(handle, int(abandon))
             if self._staging is not None:
-                self._staging.close(abandon)
+                # Discarded, a host copy of a dropped command may wait for a mark its
+                # stream never writes: the copy threads stop where they are (those of
+                # commands that ran are done: a command is confirmed after them).
+                self._staging.close(abandon or self._discarded)
             self._error = ctypes.c_int(code)  # the closed queue's error stays reported
             if self._owns_stream:
                 cu.cuStreamDestroy(self.stream)

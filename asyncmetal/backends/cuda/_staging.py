@@ -202,8 +202,8 @@ class Staging:
 
     def close(self, abandon: bool) -> None:
         self.copier.close(abandon)
-        for chunk, _, _ in self._ring:
-            if not abandon:  # everything finished: the chunks go back to the device's pool
+        for chunk, timeline, value in self._ring:
+            if not abandon or timeline.reached(value):  # its last use ended: back to the pool
                 self._backend.give_chunk(chunk)
             elif chunk.ready is not None:
                 # The host threads stopped: a fill the stream waits for may never come.

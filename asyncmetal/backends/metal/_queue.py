@@ -25,7 +25,7 @@ from ..._backend import (
 )
 from ..._errors import DeviceLostError
 from ..._scalars import SIZES, Scalar
-from ..._timeline import LATER_FAIL, MAX_VALUE, failure_error
+from ..._timeline import LATER_FAIL, MAX_VALUE, discarded_error, failure_error
 from . import _blocks
 from ._objc import (
     autorelease_pool,
@@ -44,6 +44,7 @@ MAX_IN_FLIGHT = 1000  # the queues are made with room for 1024 command buffers
 # making one takes time in proportion to its size (its pages are zeroed and wired).
 STAGE_OFF_LOOP = 1 << 20
 AM_COMMAND_FAILED = -6  # amrt.h: a timeline's failure, a command of a Metal queue failed
+AM_DISCARDED = _native.DISCARDED  # amrt.h: ... a command dropped by a discarding close
 
 
 class MetalDevice(Protocol):
@@ -167,6 +168,11 @@ class MetalQueue(NativeQueue):
         self._routed = 0  # submissions handed to the worker and not yet committed
         self._busy = False  # the worker is committing (maybe blocked in commandBuffer)
         self._dropping = False  # abandoned: what is held is dropped, not committed
+        # Discarding (discard): the worker drops what it holds, from _discarded_from on,
+        # then commits one empty command buffer that takes the timeline past it all.
+        self._discarding = False
+        self._discarded_from = 0
+        self._discarded_to = 0
         self._release_later = False  # the worker releases the queue once it returns
         self._lock = threading.Lock()
 
@@ -228,6 +234,9 @@ class MetalQueue(NativeQueue):
             step, args, command = item
             with self._lock:
                 run = self._busy = not self._dropping
+            if run and self._discarding and step != self._end_discard:
+                run = False
+                self._drop(step, args, command)
             try:
                 if run:
                     try:
@@ -249,6 +258,54 @@ class MetalQueue(NativeQueue):
             release = self._release_later
         if release:
             self._release()
+
+    def discard(self) -> None:
+        """Drop what the worker holds (the commands past the bound in flight, and those
+        behind them): committed ones run."""
+        with self._lock:
+            if self._discarding or self._dropping or not self._routed:
+                return  # (nothing held: everything was committed)
+            self._discarding = True
+        self._hand_over(self._end_discard)
+
+    def _drop(
+        self, step: Callable[..., None], args: tuple[Any, ...], command: _Command | None
+    ) -> None:
+        """On the worker, discarding: a held step is dropped. A command's signal fails
+        its timeline; a held wait is not encoded (nothing after it runs)."""
+        value = command.value if command is not None else 0
+        if step == self._hold_wait:
+            value = args[2]
+        if not value:
+            return  # (a flush: its wait's value is dropped already)
+        self._discarded_from = self._discarded_from or value
+        self._discarded_to = max(self._discarded_to, value)
+        if command is not None and command.then is not None:
+            target_timeline, target = command.then
+            self._backend.lib.am_timeline_fail(
+                target_timeline, target, AM_DISCARDED, value, self._timeline.c_timeline
+            )
+            signalled = args[2]  # (a signal's keep: its timeline, see signal)
+            if isinstance(signalled, MetalTimeline):  # the GPU's waits on it end too
+                send(
+                    signalled.event,
+                    "setSignaledValue:",
+                    MAX_VALUE,
+                    restype=None,
+                    argtypes=(c_uint64,),
+                )
+
+    def _end_discard(self) -> None:
+        """After the dropped steps: one empty command buffer, with none of the waits held
+        before, takes the queue's timeline through their values."""
+        if self._discarded_to:
+            if self._unmarked:  # a wait run before, still to be encoded: dropped too
+                self._discarded_from = min(self._discarded_from, self._unmarked)
+            self._waits, self._gates, self._unmarked = [], [], 0
+            value, first = self._discarded_to, self._discarded_from
+            own = self._timeline.c_timeline
+            self._backend.lib.am_timeline_fail_from(own, first, AM_DISCARDED, first, own)
+            self._commit(value, lambda cb: None, None, None, Record(value), None)
 
     def _step_failed(self, command: _Command, error: BaseException) -> None:
         """The worker's step for ``command`` raised: the command fails with ``error``. An
@@ -379,6 +436,8 @@ class MetalQueue(NativeQueue):
         self._reap()
         if self._step_errors and value in self._step_errors:
             return self._step_errors[value]
+        if self._discarded_from and value >= self._discarded_from:
+            return discarded_error(value)
         if self._lost is not None and value >= self._lost_from:
             return self._lost
         waited = self._waited

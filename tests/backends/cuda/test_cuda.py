@@ -17,6 +17,7 @@ import pytest
 
 import asyncmetal as am
 from tests.support.launch_paths import PATHS, select_launch_path
+from tests.support.queues import discard_outcomes
 from tests.support.stress import interleavings, park_all
 
 GPUS = [d for d in am.devices() if d.startswith("cuda:")]
@@ -876,3 +877,65 @@ async def test_closing_an_adopted_streams_queue_leaves_the_stream_to_its_owner(
         assert again is not queue
         await again.launch(fill, buf, vals=(6, 1024), global_size=1024)
         assert (await buf.read(np.int32)).tolist() == [6] * 1024
+
+
+SLOW_MARK = r"""
+extern "C" __global__ void slow_mark(int* marks, int i, int us) {
+    long long start = clock64();
+    long long cycles = (long long)us * 1800;  // ~1.8 GHz
+    while (clock64() - start < cycles) {}
+    marks[i] = 1;
+}
+"""
+
+
+@pytest.mark.parametrize("what", ["queue", "device"])
+async def test_close_with_discard_drops_a_streams_held_backlog(
+    anyio_backend: object, what: str
+) -> None:
+    """10,000 launches of ~1 ms queued on a stream (held on the host past its bound)
+    and closed with discard: the commands the driver has run (those that ran are the
+    first ones, each marked its buffer), the held ones are dropped -- their awaits say
+    so (a staged copy to pageable memory among them too, whose host part the close
+    stops), the timeline a dropped signal was to raise fails, another stream's device
+    wait for it fails its queue -- and memory returns to zero."""
+    n = 10_000
+    dev = await am.open_device("cuda:0")
+    mark = await dev.compile(SLOW_MARK, "slow_mark")
+    marks = await dev.alloc(4 * n)
+    await marks.write(np.zeros(n, np.int32))
+    q, other = dev.new_queue(), dev.new_queue()
+    gate, tl = dev.timeline(), dev.timeline()
+    q.wait(gate, 1)  # (held until the backlog is submitted: none runs meanwhile)
+    done = [q.launch(mark, marks, vals=(i, 1000)) for i in range(n)]
+    big = await dev.alloc(32 << 20)
+    out = np.empty(32 << 20, np.uint8)
+    copied = q.copy(out, big)  # pageable: its host part waits for a mark never written
+    signalled = q.signal(tl, 1)
+    other.wait(tl, 1)
+    behind = other.launch(mark, marks, vals=(0, 1))
+    gate.signal(1)
+    await done[0]
+    with anyio.fail_after(60):
+        if what == "queue":
+            await q.close(discard=True)
+        else:
+            await dev.close(discard=True)
+        ran = await discard_outcomes(done)
+        for dropped in (copied, signalled):
+            with pytest.raises(am.ClosedResourceError, match="discard"):
+                await dropped
+        with pytest.raises(am.ClosedResourceError):
+            await tl.wait(1)
+        with pytest.raises(am.AsyncMetalError):
+            await behind
+    count = sum(ran)
+    assert ran == [True] * count + [False] * (n - count)
+    assert count < n // 2
+    if what == "queue":
+        assert (await marks.read(np.int32))[:n].tolist() == [int(r) for r in ran]
+        await marks.free()
+        await big.free()
+        await dev.close()
+    statistics = dev.memory_statistics()
+    assert statistics.in_use == statistics.cached == 0

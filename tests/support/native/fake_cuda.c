@@ -22,6 +22,11 @@
  *             in order
  *   refused   a held command the driver refuses when it is handed over fails from its
  *             value on; the commands before it still complete as they run, never early
+ *   discard   a queue told to discard drops what it holds on the host (its commands
+ *             past the bound in flight) and fails from the first of them: those in
+ *             flight run and complete, never early, then the queue settles; a dropped
+ *             signal's timeline fails, naming the discard, and a queue that waited for
+ *             it on the device fails from that wait on
  *   partial   a held command refused after part of it was handed over settles its queue
  *             only once the stream is past that part (its kernel ran)
  *   release   a queue's device wait on a value of a queue that failed that way ends
@@ -568,6 +573,50 @@ static void check_signal(void) {
         free(frees[i].word);
     }
     puts("ok signal");
+}
+
+static void check_discard(void) {
+    /* f: two commands in flight (a slow one first), four held, then a held signal of t;
+     * w waits on the device for that signal. */
+    fake_queue f = queue_bounded(2), w = queue_new();
+    free_timeline t = free_timeline_new();
+    static kernel slow = {0, 30000000, NULL, 0};
+    uint64_t v = 0;
+    if (launch(f, &slow, 1, ++v)) die("discard: the slow launch failed");
+    for (int i = 0; i < 5; i++)
+        if (launch(f, NULL, 2 + i, ++v)) die("discard: a launch failed at once");
+    uint64_t sig = ++v;
+    if (signal_free(f, t, 1, sig)) die("discard: the held signal failed at once");
+    if (wait_free(w, t, 1, 1) || launch(w, NULL, 1, 2)) die("discard: w failed at once");
+    am_cuq_discard(f.q);
+    am_cuq_discard(f.q);  /* (again: nothing more) */
+    int64_t deadline = now_ns() + 10000000000LL;
+    uint64_t reached;
+    while ((reached = am_timeline_value(f.t)) != UINT64_MAX) {
+        if ((long)reached > atomic_load(&f.s->ran))
+            die("discard: a command was reported done before it ran");
+        if (now_ns() > deadline) die("discard: the queue never settled");
+    }
+    if (atomic_load(&f.s->ran) != 2) die("discard: a held command ran, or one in flight not");
+    uint64_t at = 0;
+    if (am_cuq_error(f.q, &at) != AM_DISCARDED || at != 3)
+        die("discard: wrong error or first value");
+    int error = 0;
+    uint64_t value = 0;
+    am_timeline *cause = NULL;
+    if (am_timeline_value(t.t) != UINT64_MAX || *t.word != AM_WORD_RELEASED ||
+        !am_timeline_failure(t.t, &error, &value, &cause) || error != AM_DISCARDED ||
+        value != 3 || cause != f.t)
+        die("discard: the dropped signal's timeline did not fail, naming the discard");
+    while (am_timeline_value(w.t) < 2)
+        if (now_ns() > deadline) die("discard: a wait for the dropped signal never ended");
+    if (am_timeline_value(w.t) != UINT64_MAX || am_cuq_error(w.q, &at) != CU_WAITED_FAILED ||
+        at != 1 || am_cuq_cause(w.q, &error, &value) != f.t || error != AM_DISCARDED)
+        die("discard: a queue that waited for the dropped signal did not fail from its wait");
+    queue_free(f, 0);
+    queue_free(w, 0);
+    free_timeline_free(t);
+    puts("ok discard");
 }
 
 static void check_kick(void) {
@@ -1723,6 +1772,7 @@ int main(void) {
     check_causal();
     check_bound();
     check_refused();
+    check_discard();
     check_partial();
     check_release();
     check_signal();

@@ -1,0 +1,250 @@
+"""Closing with discard=True: a queue's or a device's commands that have not started
+are dropped -- each raises ClosedResourceError saying so where awaited, a timeline one
+was to signal fails -- what runs finishes, and nothing leaks. And a KeyboardInterrupt
+that reaches a close (trio's second Ctrl-C) switches it to discarding, never leaving
+the device half closed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import anyio
+import numpy as np
+import pytest
+
+import asyncmetal as am
+from tests.support.queues import discard_outcomes
+
+pytestmark = pytest.mark.anyio
+
+BACKLOG = 10_000  # commands queued behind the one running: ~10 s of 1 ms kernels
+
+
+def gated(queue: am.Queue) -> am.Timeline:
+    """A timeline ``queue`` waits for (on the device) before what is submitted next:
+    signalled once the whole backlog is submitted, so that it is held, not run, while
+    the test submits it (a GPU would run some meanwhile, as fast as they come)."""
+    gate = queue.device.timeline()
+    queue.wait(gate, 1)
+    return gate
+
+
+# A kernel that marks its run at its end: the mark is there once it is done, never
+# before (a command reported as run that did not finish would show).
+C_MARK = r"""
+#include <time.h>
+void slow_mark(int* marks, int i, int ms) {
+    struct timespec ts = { ms / 1000, (long)(ms % 1000) * 1000000L };
+    nanosleep(&ts, 0);
+    marks[i] = 1;
+}
+"""
+MSL_MARK = r"""
+#include <metal_stdlib>
+using namespace metal;
+kernel void slow_mark(device int* marks [[buffer(0)]], constant int& i [[buffer(1)]],
+                      constant int& ms [[buffer(2)]], uint t [[thread_position_in_grid]]) {
+    volatile int x = 0;
+    for (long k = 0; k < (long)ms * 400000; k++) x += 1;
+    if (t == 0) marks[i] = 1;
+}
+"""
+
+
+async def marker(device: am.Device) -> am.Program:
+    return await device.compile(MSL_MARK if device.name == "metal" else C_MARK, "slow_mark")
+
+
+def check_ran(ran: list[bool], marks: np.ndarray) -> None:
+    """The commands that ran are the first ones, each marked its run; the others
+    never ran (no mark), and most of the backlog was dropped."""
+    count = sum(ran)
+    assert ran == [True] * count + [False] * (len(ran) - count)
+    assert marks[: len(ran)].tolist() == [int(r) for r in ran]
+    assert count < len(ran) // 2  # (dropped, not waited for: ~10 s of kernels)
+
+
+async def test_a_queue_closed_with_discard_drops_what_has_not_started(
+    device: am.Device,
+) -> None:
+    mark = await marker(device)
+    marks = await device.alloc(4 * BACKLOG)
+    await marks.write(np.zeros(BACKLOG, np.int32))
+    tl = device.timeline()
+    q = device.new_queue()
+    gate = gated(q)
+    done = [q.launch(mark, marks, vals=(i, 1)) for i in range(BACKLOG)]
+    signalled = q.signal(tl, 1)  # among the dropped: tl never gets there
+    gate.signal(1)
+    await done[0]
+    with anyio.fail_after(20):
+        await q.close(discard=True)
+        assert q.closed and q.timeline.value >= q.submitted
+        ran = await discard_outcomes(done)
+        with pytest.raises(am.ClosedResourceError, match="discard"):
+            await signalled
+        with pytest.raises(am.ClosedResourceError, match="discard"):
+            await tl.wait(1)
+    check_ran(ran, await marks.read(np.int32))
+    # The device goes on: its other queues, the same buffer.
+    await device.queue.launch(mark, marks, vals=(BACKLOG - 1, 0))
+    assert (await marks.read(np.int32))[-1] == 1
+
+
+async def test_a_device_wait_under_way_ends(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """A device wait nobody signals does not hold a discarding close on the cpu device
+    (its queue thread waits on the host; a GPU stream's wait cannot be taken back)."""
+    q = device.new_queue()
+    waiting = q.wait(device.timeline(), 1)
+    dropped = [q.launch(kernels["sleep_ms"], vals=(1,)) for _ in range(100)]
+    with anyio.fail_after(20):
+        await q.close(discard=True)
+        assert await discard_outcomes([waiting, *dropped]) == [False] * 101
+
+
+async def test_a_device_wait_for_a_dropped_signal_fails_what_follows(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """Another queue's device wait for a signal the close dropped fails that queue's
+    commands from the wait on, naming the discard."""
+    tl = device.timeline()
+    q, other = device.new_queue(), device.new_queue()
+    gate = gated(q)
+    dropped = [q.launch(kernels["sleep_ms"], vals=(1,)) for _ in range(BACKLOG)]
+    q.signal(tl, 1)
+    other.wait(tl, 1)
+    behind = other.launch(kernels["empty"])
+    gate.signal(1)
+    await dropped[0]
+    with anyio.fail_after(20):
+        await q.close(discard=True)
+        with pytest.raises(am.AsyncMetalError, match="discard"):
+            await behind
+    assert sum(await discard_outcomes(dropped)) < BACKLOG // 2
+
+
+@pytest.mark.parametrize("how", ["discard", "switched"])
+async def test_a_device_closed_with_discard_drops_every_queues_backlog(
+    anyio_backend: object, device_name: str, how: str
+) -> None:
+    """``close(discard=True)``, or a plain close switched to discarding by one with
+    discard=True while it waits: bounded, every queue's backlog dropped (a queue held
+    by a wait nobody signals too), waits on the device's timelines end failed, memory
+    returns to zero (also buffers never freed, used by dropped commands) and the
+    queue threads go."""
+    threads = len(os.listdir("/proc/self/task"))
+    device = await am.open_device(device_name)
+    mark = await marker(device)
+    marks = await device.alloc(4 * BACKLOG)
+    await marks.write(np.zeros(BACKLOG, np.int32))
+    tl, never = device.timeline(), device.timeline()
+    queues = [device.queue, device.new_queue(), device.new_queue()]
+    queues[2].wait(never, 1)
+    gates = [gated(queues[0]), gated(queues[1])]
+    done = [queues[i % 2].launch(mark, marks, vals=(i, 1)) for i in range(BACKLOG)]
+    held = queues[2].launch(mark, marks, vals=(0, 1))
+    queues[0].signal(tl, 1)
+    for gate in gates:
+        gate.signal(1)
+    await done[0]
+    with anyio.fail_after(30):
+        if how == "switched":
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(device.close)
+                await anyio.sleep(0.1)  # (the plain close waits for the backlog)
+                await device.close(discard=True)
+        else:
+            await device.close(discard=True)
+        ran = await discard_outcomes([*done, held])
+        with pytest.raises(am.ClosedResourceError):
+            await tl.wait(1)
+    assert device.closed and not ran[-1]
+    assert sum(ran) < BACKLOG // 2
+    statistics = device.memory_statistics()  # (marks was never freed)
+    assert statistics.in_use == statistics.cached == 0
+    del marks, done, held
+    with anyio.fail_after(10):
+        while len(os.listdir("/proc/self/task")) > threads + 1:  # (a close may be ending)
+            await anyio.sleep(0.01)
+
+
+async def test_a_queue_close_under_way_switches_to_discarding(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    q = device.new_queue()
+    gate = gated(q)
+    done = [q.launch(kernels["sleep_ms"], vals=(1,)) for _ in range(BACKLOG)]
+    gate.signal(1)
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(q.close)
+            await anyio.sleep(0.05)
+            await q.close(discard=True)
+    ran = await discard_outcomes(done)
+    assert sum(ran) < BACKLOG // 2 and not ran[-1]
+
+
+# A program as a user writes it: a backlog queued, then Ctrl-C (the first leaves
+# sleep_forever, and the `async with` closes the device, waiting for the backlog), then
+# Ctrl-C again while that close waits. Each from a thread, as a terminal's would come.
+_INTERRUPTED = r"""
+import os, signal, sys, threading, time
+import anyio, numpy as np
+import asyncmetal as am
+
+LOOP = sys.argv[1]
+dev = last = None
+
+
+def interrupt():
+    while dev is None or dev._closing is None:  # (until the first one started a close)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+async def main():
+    global dev, last
+    async with am.open_device("cpu") as opened:
+        k = await opened.compile("#include <time.h>\n"
+            "void k(int* x) { struct timespec t = {0, 2000000}; nanosleep(&t, 0); x[0]++; }",
+            "k")
+        buf = await opened.alloc(4)
+        await buf.write(np.zeros(1, np.int32))
+        for _ in range(5000):  # ~10 s of kernels
+            opened.queue.launch(k, buf)
+        dev, last = opened, opened.queue.launch(k, buf)
+        threading.Thread(target=interrupt, daemon=True).start()
+        await anyio.sleep_forever()
+
+
+try:
+    anyio.run(main, backend=LOOP)
+except KeyboardInterrupt:
+    pass
+dropped = last.queue._failure(last.value) is not None  # (what its await raises)
+print("closed", dev.closed, "stopped", dev._state.stopped, "open", len(am.open_devices()),
+      "dropped", dropped)
+"""
+
+
+@pytest.mark.parametrize("loop", ["trio"])
+def test_a_second_ctrl_c_during_a_close_discards_and_never_half_closes(loop: str) -> None:
+    """trio raises a Ctrl-C in its main task even inside a shielded close: the second
+    one switches the close to discarding and is raised once the device is fully
+    closed (its queues stopped natively), within a fraction of the backlog's time."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_INTERRUPTED), loop],
+        capture_output=True,
+        text=True,
+        timeout=60,  # (the backlog alone: ~10 s)
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    facts = ["closed", "True", "stopped", "True", "open", "0", "dropped", "True"]
+    assert proc.stdout.split() == facts, proc.stdout + proc.stderr[-3000:]
