@@ -14,7 +14,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Collection, Generator, Iterable
+from collections.abc import Callable, Collection, Generator, Iterable
 from typing import Any
 
 import anyio
@@ -671,7 +671,10 @@ class Device:
             for queue in self._queues:  # what other devices' closes count on
                 queue._final = limits[queue]
             blocked = {q: limits[q] for q in self._queues if limits[q] < q.submitted}
-            await anyio.to_thread.run_sync(self._close_native, False, set(blocked))
+            try:
+                await anyio.to_thread.run_sync(self._close_native, False, set(blocked))
+            except Exception as exc:  # (raised by close once the waits below ended)
+                failed.append(exc)
             for queue, limit in blocked.items():
                 # From what did not run: another device's close may have released a
                 # wait it was blocked on meanwhile (its abandon raises the timeline
@@ -805,25 +808,37 @@ class Device:
         self.closed = True
         for thread in list(self._release_threads):  # queues closed before (idle ones)
             thread.join()
-        try:
-            kept = set(self._queues)
-            for queue in [*self._queues, *(q for q in list(self._idle) if q not in kept)]:
-                close_native(queue, abandon or queue in blocked)
-            for native, _ in self._take_dropped():  # collected with nothing in flight
-                native.close(abandon)
-            self._natives.clear()  # (each closed with its queue)
-        finally:  # (also where one failed: other devices' closes wait for these to stop)
-            self._state.stopped = True
-        self._allocator.close(_completable)
-        self._backend.close()
+        # Each step runs whatever an earlier one raised (a queue's native close that
+        # fails still leaves the others, the memory and the backend to release); the
+        # first error is raised once all of them ran.
+        errors: list[Exception] = []
+        kept = set(self._queues)
+        for queue in [*self._queues, *(q for q in list(self._idle) if q not in kept)]:
+            _attempt(errors, close_native, queue, abandon or queue in blocked)
+        for native, _ in self._take_dropped():  # collected with nothing in flight
+            _attempt(errors, native.close, abandon)
+        self._natives.clear()  # (each closed with its queue)
+        self._state.stopped = True  # (other devices' closes wait for these to stop)
+        _attempt(errors, self._allocator.close, _completable)
+        _attempt(errors, self._backend.close)
         with _open_devices_lock:
             _open_devices.discard(self)
+        if errors:
+            raise errors[0]
 
     async def __aenter__(self) -> Device:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _attempt(errors: list[Exception], fn: Callable[..., object], *args: Any) -> None:
+    """``fn(*args)``; an error it raises goes to ``errors`` (see Device._close_native)."""
+    try:
+        fn(*args)
+    except Exception as exc:
+        errors.append(exc)
 
 
 class _UnloadableError(Exception):

@@ -921,3 +921,54 @@ def test_a_device_left_open_at_exit_warns(how: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     warned = "ResourceWarning: device cpu was never closed" in proc.stderr
     assert warned == (how == "left open"), proc.stderr[-3000:]
+
+
+@pytest.mark.anyio
+async def test_a_queue_whose_native_close_fails_leaves_nothing_else_unreleased(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One queue's native close raises: the device's other queues, its memory and its
+    backend are released all the same, waits on its timelines end, and close() raises
+    that error (the first)."""
+    from asyncmetal._queue import native_queue
+    from asyncmetal.backends.cpu import CPUBackend, CPUQueue
+
+    queue_close, backend_close = CPUQueue.close, CPUBackend.close
+    closed: list[object] = []
+
+    def failing_close(self: CPUQueue, abandon: bool = False) -> None:
+        queue_close(self, abandon)  # (released all the same: nothing left running)
+        closed.append(self)
+        if self is failing:
+            raise am.AsyncMetalError("the native close failed")
+
+    def recorded_backend_close(self: CPUBackend) -> None:
+        closed.append("backend")
+        backend_close(self)
+
+    monkeypatch.setattr(CPUQueue, "close", failing_close)
+    monkeypatch.setattr(CPUBackend, "close", recorded_backend_close)
+    dev = await am.open_device("cpu:23")
+    failing = native_queue(dev.queue)  # the first closed
+    other = native_queue(dev.new_queue())
+    await dev.alloc(1024)
+    backend = dev._backend
+    assert isinstance(backend, CPUBackend) and backend.live_allocations == 1
+    ended: list[BaseException] = []
+
+    async def wait_on_timeline(timeline: am.Timeline) -> None:
+        try:
+            await timeline.wait(1)  # nothing signals it: the close ends it
+        except am.ClosedResourceError as exc:
+            ended.append(exc)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait_on_timeline, dev.timeline())
+            await anyio.sleep(0.01)
+            with pytest.raises(am.AsyncMetalError, match="the native close failed"):
+                await dev.close()
+    assert closed == [failing, other, "backend"]
+    assert backend.live_allocations == 0, "the allocator's close was skipped"
+    assert len(ended) == 1
+    assert dev not in am.open_devices()
