@@ -775,8 +775,15 @@ class Device:
                     released.increment()
 
         thread = threading.Thread(target=release, name="asyncmetal queue close", daemon=True)
+        try:
+            thread.start()
+        except Exception:
+            # No thread to be had (a limit on threads reached, the interpreter exiting):
+            # released here, blocking the caller, rather than never (the queues are
+            # claimed: nothing else releases them, and their closes wait for this).
+            release()
+            return
         self._release_threads = [t for t in self._release_threads if t.is_alive()] + [thread]
-        thread.start()
 
     def _seal(self) -> None:
         self.closed = True  # (with the submission lock held: see close)
