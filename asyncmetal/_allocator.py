@@ -729,7 +729,7 @@ class Allocator:
                     self._releasing -= released
                 self._frees.increment()  # waiting allocations may fit now
 
-        await run_detached(_EMPTYING, free)
+        await run_detached(_EMPTYING, free, self._state.unheard_error)
         return released
 
     def _free_releasing(self) -> None:

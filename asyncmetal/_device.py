@@ -639,6 +639,10 @@ class Device:
         timelines for values they never reached. Concurrent closes share one teardown
         and all return once it is done. Shielded from cancellation: a device is never
         left half-closed.
+
+        Raises the first error of its teardown (everything is released all the same),
+        else the first of the device's native frees that failed after their callers
+        were cancelled (a ``Buffer.free``, ``empty_memory_cache``): nobody heard of it.
         """
         with self._close_lock:  # one teardown, whichever thread closes first
             closing, starts = self._closing, self._closing is None and not self.closed
@@ -686,6 +690,9 @@ class Device:
         except BaseException as exc:  # raised by close() (on the caller's loop)
             failed.append(exc)
         finally:
+            # Then the errors of frees and cache emptyings whose callers were cancelled
+            # before those ended (nobody else heard of them).
+            failed += self._state.take_unheard_errors()
             closing.increment()
 
     async def _close_queue(self, queue: Queue) -> None:
