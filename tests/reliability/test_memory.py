@@ -1181,3 +1181,30 @@ async def test_a_keyboard_interrupt_inside_an_allocation_leaves_no_allocation_un
                 break
             at += 1
         assert at >= 6
+
+
+class _Tracked(np.ndarray):  # (a plain ndarray takes no weak reference)
+    pass
+
+
+@pytest.mark.anyio
+async def test_a_copy_done_before_it_was_awaited_lets_its_host_objects_go_once_awaited(
+    device: am.Device,
+) -> None:
+    """The queue keeps a copy's host side alive until the copy has run; awaited, a
+    copy done before lets it go at once, as one still running does: the array is
+    freed, and a bytearray can be resized (while a view of it is kept, it cannot)."""
+    buf = await device.alloc(16)
+    source = np.arange(16, dtype=np.uint8).view(_Tracked)
+    gone = weakref.ref(source)
+    into = bytearray(16)
+    with anyio.fail_after(LIMIT):
+        for done in (device.queue.copy(buf, source), device.queue.copy(into, buf)):
+            while not done.done():  # done before it is awaited
+                await anyio.sleep(0.001)
+            await done
+    del source
+    gc.collect()
+    assert gone() is None, "the copy's source is kept alive"
+    into.extend(b"!")  # (BufferError while a view of it is kept)
+    assert bytes(into[:16]) == bytes(range(16))
