@@ -17,9 +17,9 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal._queue import native_queue
-from asyncmetal.backends.cpu import CPUBackend, CPUQueue
+from asyncmetal.backends.cpu import CPUQueue
 from tests.support.kernels import KERNELS, MSL_KERNELS
-from tests.support.queues import held_queue
+from tests.support.queues import held_queue, record_native_closes
 
 pytestmark = pytest.mark.anyio
 
@@ -333,19 +333,9 @@ async def test_a_release_new_queue_starts_ends_before_its_device_closes(
     """A queue whose close was cancelled is released by the next new_queue(), on a
     thread of its own: a device close on another thread meanwhile waits for that
     release before it closes the backend, however late the thread is started."""
-    events: list[str] = []
-    queue_close, backend_close = CPUQueue.close, CPUBackend.close
-
-    def close_queue(self: CPUQueue, abandon: bool = False) -> None:
-        events.append("queue" if self is native else "other queue")
-        queue_close(self, abandon)
-
-    def close_backend(self: CPUBackend) -> None:
-        events.append("backend")
-        backend_close(self)
-
-    monkeypatch.setattr(CPUQueue, "close", close_queue)
-    monkeypatch.setattr(CPUBackend, "close", close_backend)
+    events = record_native_closes(
+        monkeypatch, lambda queue: "queue" if queue is native else "other queue"
+    )
     dev = await am.open_device("cpu")
     q, tl = held_queue(dev)
     native = native_queue(q)

@@ -25,6 +25,7 @@ from asyncmetal._compile import Compiler
 from asyncmetal.backends.cpu import CCompiler
 from tests.support.kernels import KERNELS, MSL_KERNELS
 from tests.support.other_kind import held_pair
+from tests.support.queues import record_native_closes
 
 INC = "void inc(int* x) { x[0] += 1; }"
 WIDE = "void wide(" + ", ".join(f"int a{i}" for i in range(17)) + ") {}"
@@ -930,24 +931,19 @@ async def test_a_queue_whose_native_close_fails_leaves_nothing_else_unreleased(
     """One queue's native close raises: the device's other queues, its memory and its
     backend are released all the same, waits on its timelines end, and close() raises
     that error (the first)."""
+    from asyncmetal import _device
     from asyncmetal._queue import native_queue
-    from asyncmetal.backends.cpu import CPUBackend, CPUQueue
+    from asyncmetal.backends.cpu import CPUBackend
 
-    queue_close, backend_close = CPUQueue.close, CPUBackend.close
-    closed: list[object] = []
+    closed = record_native_closes(monkeypatch, lambda queue: queue)
+    close_native = _device.close_native
 
-    def failing_close(self: CPUQueue, abandon: bool = False) -> None:
-        queue_close(self, abandon)  # (released all the same: nothing left running)
-        closed.append(self)
-        if self is failing:
+    def failing_close(queue: am.Queue, abandon: bool) -> None:
+        close_native(queue, abandon)  # (released all the same: nothing left running)
+        if queue is dev.queue:
             raise am.AsyncMetalError("the native close failed")
 
-    def recorded_backend_close(self: CPUBackend) -> None:
-        closed.append("backend")
-        backend_close(self)
-
-    monkeypatch.setattr(CPUQueue, "close", failing_close)
-    monkeypatch.setattr(CPUBackend, "close", recorded_backend_close)
+    monkeypatch.setattr(_device, "close_native", failing_close)
     dev = await am.open_device("cpu:23")
     failing = native_queue(dev.queue)  # the first closed
     other = native_queue(dev.new_queue())
