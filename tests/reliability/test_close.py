@@ -25,7 +25,7 @@ from asyncmetal._compile import Compiler
 from asyncmetal.backends.cpu import CCompiler
 from tests.support.kernels import KERNELS, MSL_KERNELS
 from tests.support.other_kind import held_pair
-from tests.support.queues import record_native_closes
+from tests.support.queues import close_failing_with_a_wait, record_native_closes
 
 INC = "void inc(int* x) { x[0] += 1; }"
 WIDE = "void wide(" + ", ".join(f"int a{i}" for i in range(17)) + ") {}"
@@ -950,20 +950,7 @@ async def test_a_queue_whose_native_close_fails_leaves_nothing_else_unreleased(
     await dev.alloc(1024)
     backend = dev._backend
     assert isinstance(backend, CPUBackend) and backend.live_allocations == 1
-    ended: list[BaseException] = []
-
-    async def wait_on_timeline(timeline: am.Timeline) -> None:
-        try:
-            await timeline.wait(1)  # nothing signals it: the close ends it
-        except am.ClosedResourceError as exc:
-            ended.append(exc)
-
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(wait_on_timeline, dev.timeline())
-            await anyio.sleep(0.01)
-            with pytest.raises(am.AsyncMetalError, match="the native close failed"):
-                await dev.close()
+    ended = await close_failing_with_a_wait(dev, "the native close failed")
     assert closed == [failing, other, "backend"]
     assert backend.live_allocations == 0, "the allocator's close was skipped"
     assert len(ended) == 1

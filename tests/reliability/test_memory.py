@@ -24,6 +24,7 @@ import asyncmetal as am
 from asyncmetal import _dlpack, _queue
 from asyncmetal._allocator import Allocator
 from tests.support.kernels import KERNELS
+from tests.support.queues import copies_done_before_awaited
 
 MiB = 1 << 20
 LIMIT = 10  # seconds: every wait here ends within a fraction of this, or it hangs
@@ -1183,10 +1184,6 @@ async def test_a_keyboard_interrupt_inside_an_allocation_leaves_no_allocation_un
         assert at >= 6
 
 
-class _Tracked(np.ndarray):  # (a plain ndarray takes no weak reference)
-    pass
-
-
 @pytest.mark.anyio
 async def test_a_copy_done_before_it_was_awaited_lets_its_host_objects_go_once_awaited(
     device: am.Device,
@@ -1194,16 +1191,7 @@ async def test_a_copy_done_before_it_was_awaited_lets_its_host_objects_go_once_a
     """The queue keeps a copy's host side alive until the copy has run; awaited, a
     copy done before lets it go at once, as one still running does: the array is
     freed, and a bytearray can be resized (while a view of it is kept, it cannot)."""
-    buf = await device.alloc(16)
-    source = np.arange(16, dtype=np.uint8).view(_Tracked)
-    gone = weakref.ref(source)
-    into = bytearray(16)
-    with anyio.fail_after(LIMIT):
-        for done in (device.queue.copy(buf, source), device.queue.copy(into, buf)):
-            while not done.done():  # done before it is awaited
-                await anyio.sleep(0.001)
-            await done
-    del source
+    gone, into = await copies_done_before_awaited(device)
     gc.collect()
     assert gone() is None, "the copy's source is kept alive"
     into.extend(b"!")  # (BufferError while a view of it is kept)
