@@ -197,6 +197,8 @@ def _passed(queue: Queue, value: int) -> bool:
 # How often an allocation waiting while blocks are lent out (``np.from_dlpack(buf)``)
 # looks for loans that finished commands of idle queues still keep.
 LOAN_RECHECK_S = 0.01
+# How often a close waiting for allocations under way looks again without being told.
+ALLOCATING_RECHECK_S = 0.05
 # How often an allocation waiting while the device itself is full tries again.
 FULL_RECHECK_S = 0.01
 # Where empty_memory_cache frees: one thread, whoever empties a cache.
@@ -264,7 +266,7 @@ class Allocator:
         # Native allocations under way (outside the lock), per thread: a close waits
         # for them (on _allocated) before it frees anything, so that none of them calls
         # the backend after the close's frees and the backend's own close.
-        self._allocating: collections.Counter[int] = collections.Counter()
+        self._allocating: dict[int, int] = {}  # (a dict: Counter.__delitem__ is Python code)
         self._allocated = threading.Condition(self._lock)
 
     def forked(self) -> None:
@@ -272,7 +274,7 @@ class Allocator:
         never let go of here), and its allocations under way are not the child's."""
         self._lock = threading.Lock()
         self._allocated = threading.Condition(self._lock)
-        self._allocating = collections.Counter()
+        self._allocating = {}
         self._free_lock = threading.Lock()
         self._loans_lock = threading.RLock()
 
@@ -341,62 +343,75 @@ class Allocator:
         return size
 
     def _try_alloc(self, nbytes: int, size: int) -> Block | None:
-        """A block of ``size`` bytes for a request of ``nbytes``, or None to wait."""
-        with self._lock:
-            if self.closed:
-                return None
-            blocks = self._by_size.get(size)
-            if not blocks and self._cache:
-                blocks = self._larger_cached(size)
-            if blocks:  # a cached block of the size class: no native call at all
-                block = blocks.pop()
-                del self._cache[id(block)]
-                self.cached -= block.nbytes
-                self.in_use += block.nbytes
-                return self._hand_out(block)
-            if self._cache:
-                self._expire(time.monotonic())
-            if self.in_use + self._releasing + size > self.budget:
-                if self.in_use + self._releasing + nbytes > self.budget:
-                    return None  # only releases of blocks in use can make room
-                size = nbytes  # the class would not fit beside what is in use: exact
-            self._evict(self.in_use + self._releasing + self.cached + size - self.budget)
-            # Reserved before the lock is let go: an allocation on another thread sees
-            # it, so the two cannot both pass the budget while the backend allocates.
-            self.in_use += size
-            thread = threading.get_ident()
-            self._allocating[thread] += 1  # a close waits until it is done
+        """A block of ``size`` bytes for a request of ``nbytes``, or None to wait.
+
+        A KeyboardInterrupt (a Ctrl-C outside trio's own code, or with no loop's
+        handler) comes where CPython runs signal handlers -- after a call, at a
+        function's entry, at a loop's end -- and finds no window here: each change of
+        state is a run of bytecode with no call inside, and what a native allocation
+        counted (its reservation in ``in_use``, itself as under way) is undone by what
+        ``reserved`` and ``counted`` say, set in those runs. So the block is handed out
+        or stays where it was, and no allocation stays counted as under way (a close
+        waits for those to end: it would wait for good)."""
+        thread = threading.get_ident()
+        counted = reserved = False
+        block: Block | None = None
         try:
-            handle = self._allocate(nbytes, size)
-        except BaseException:
             with self._lock:
-                self._done_allocating(thread)
-                if not self.closed:  # (a close counted the reservation out already)
-                    self.in_use -= size
-            self._frees.increment()  # the reservation may have held another back
-            raise
-        with self._lock:
-            try:
+                if self.closed:
+                    return None
+                blocks = self._by_size.get(size)
+                if not blocks and self._cache:
+                    blocks = self._larger_cached(size)
+                if blocks:  # a cached block of the size class: no native call at all
+                    return self._hand_out(blocks[-1], blocks)
+                if self._cache:
+                    self._expire(time.monotonic())
+                if self.in_use + self._releasing + size > self.budget:
+                    if self.in_use + self._releasing + nbytes > self.budget:
+                        return None  # only releases of blocks in use can make room
+                    size = nbytes  # the class would not fit beside what is in use: exact
+                self._evict(self.in_use + self._releasing + self.cached + size - self.budget)
+                # Reserved before the lock is let go: an allocation on another thread
+                # sees it, so the two cannot both pass the budget while the backend
+                # allocates; and counted as under way: a close waits until it is done.
+                under_way = self._allocating.get(thread, 0) + 1
+                self._allocating[thread] = under_way
+                self.in_use += size
+                counted = reserved = True
+            handle = self._allocate(nbytes, size)
+            block = None if handle is None else Block(handle, size)
+            with self._lock:
                 if self.closed:  # closed meanwhile: the device has no use for it, and
-                    if handle is not None:  # its close counted the reservation out
+                    reserved, block = False, None  # its close counted the reservation out
+                    if handle is not None:
                         self._state.backend.free(handle)  # (before the close's frees)
-                    handle = None
-                elif handle is None:
-                    self.in_use -= size
+                elif block is not None:
+                    return self._hand_out(block)
                 else:
-                    return self._hand_out(Block(handle, size))
-            finally:
-                self._done_allocating(thread)
+                    self.in_use -= size
+                    reserved = False
+        except BaseException:
+            if reserved:
+                with self._lock:
+                    if block is None or block not in self._live:  # not handed out
+                        if not self.closed:  # (a close counted the reservation out already)
+                            self.in_use -= size
+                        if block is not None:
+                            self._state.backend.free(block.handle)
+                self._frees.increment()  # the reservation may have held another back
+            raise
+        finally:
+            if counted:
+                with self._lock:  # (no call before the count is down)
+                    under_way = self._allocating[thread] - 1
+                    if under_way:
+                        self._allocating[thread] = under_way
+                    else:
+                        del self._allocating[thread]
+                    self._allocated.notify_all()
         self._frees.increment()
         return None
-
-    def _done_allocating(self, thread: int) -> None:
-        """(Under the lock.) A native allocation of ``thread`` is over: a close waiting
-        for it goes on."""
-        self._allocating[thread] -= 1
-        if not self._allocating[thread]:
-            del self._allocating[thread]
-            self._allocated.notify_all()
 
     def _larger_cached(self, size: int) -> list[Block] | None:
         """(Under the lock.) The cached blocks of the nearest of the next LARGER_CLASSES
@@ -424,9 +439,18 @@ class Allocator:
             detail = "the device itself has no memory left"
             raise self._oom(nbytes, detail, reserved=size) from None
 
-    def _hand_out(self, block: Block) -> Block:
-        """(Under the lock; ``in_use`` already counts the block.)"""
-        block.last_use.clear()
+    def _hand_out(self, block: Block, cached: list[Block] | None = None) -> Block:
+        """(Under the lock.) Hand ``block`` out: a new one, which ``in_use`` counts
+        already, or the last of ``cached``, its size class's cached blocks. Past its
+        first calls, no call before the block is live: an interrupt (see _try_alloc)
+        lands before it changed hands, or after."""
+        key = id(block)
+        block.last_use.clear()  # (a cached block's uses passed: they go either way)
+        if cached is not None:
+            del cached[-1]
+            del self._cache[key]
+            self.cached -= block.nbytes
+            self.in_use += block.nbytes
         block.generation += 1
         block.freed = False
         self._live.add(block)
@@ -729,7 +753,7 @@ class Allocator:
                     self._releasing -= released
                 self._frees.increment()  # waiting allocations may fit now
 
-        await run_detached(_EMPTYING, free)
+        await run_detached(_EMPTYING, free, self._state.unheard_error)
         return released
 
     def _free_releasing(self) -> None:
@@ -759,7 +783,7 @@ class Allocator:
             # this thread's own (a close from inside its allocate could never go on).
             me = threading.get_ident()
             while any(thread != me for thread in self._allocating):
-                self._allocated.wait()
+                self._allocated.wait(ALLOCATING_RECHECK_S)  # (a notify an interrupt cut)
             self._evict(self.cached)
             with self._loans_lock:  # (loans ending meanwhile: _returned_after_close)
                 while self._returned:  # loans that ended before the close

@@ -187,7 +187,7 @@ class Buffer(Exports):
                 allocator.release_after(allocation.block, uses)
             return uses
 
-        uses = await after_submissions(open_states(), settle)
+        uses = await after_submissions(open_states(), settle, self._state.unheard_error)
         for queue, value in uses:
             await wait_value(queue.timeline, value)
         if uses and allocator is not None:
@@ -351,12 +351,15 @@ T = TypeVar("T")
 _FREES = Detached("asyncmetal free")
 
 
-async def after_submissions(states: list[DeviceState], fn: Callable[[], T]) -> T:
+async def after_submissions(
+    states: list[DeviceState], fn: Callable[[], T], unheard: Callable[[BaseException], None]
+) -> T:
     """``fn()`` once no submission to ``states``' devices that was under way when this
     was called still is: each device's submission lock taken and let go in turn (never
     two held at once, so no other taker waits on this one for longer than a look). On
     the loop's thread where none is held now; else on the thread the frees share
-    (``_FREES``), which runs ``fn`` whatever happens to the caller."""
+    (``_FREES``), which runs ``fn`` whatever happens to the caller (its error goes to
+    ``unheard`` where the caller was cancelled meanwhile, see ``run_detached``)."""
     busy = []
     for state in states:
         if state.submitting.acquire(blocking=False):
@@ -372,4 +375,4 @@ async def after_submissions(states: list[DeviceState], fn: Callable[[], T]) -> T
             state.submitting.release()
         return fn()
 
-    return await run_detached(_FREES, waiting)
+    return await run_detached(_FREES, waiting, unheard)

@@ -673,6 +673,10 @@ class Device:
         (trio delivers Ctrl-C so): that task waits for the rest, now bounded, and then
         raises the interrupt; a further interrupt is raised at once, the teardown
         running on to its end on its own thread.
+
+        Raises the first error of its teardown (everything is released all the same),
+        else the first of the device's native frees that failed after their callers
+        were cancelled (a ``Buffer.free``, ``empty_memory_cache``): nobody heard of it.
         """
         with self._close_lock:  # one teardown, whichever thread closes first
             closing, starts = self._closing, self._closing is None and not self.closed
@@ -710,7 +714,10 @@ class Device:
             for queue in self._queues:  # what other devices' closes count on
                 queue._final = limits[queue]
             blocked = {q: limits[q] for q in self._queues if limits[q] < q.submitted}
-            await anyio.to_thread.run_sync(self._close_native, False, set(blocked))
+            try:
+                await anyio.to_thread.run_sync(self._close_native, False, set(blocked))
+            except Exception as exc:  # (raised by close once the waits below ended)
+                failed.append(exc)
             for queue, limit in blocked.items():
                 # From what did not run: another device's close may have released a
                 # wait it was blocked on meanwhile (its abandon raises the timeline
@@ -722,6 +729,9 @@ class Device:
         except BaseException as exc:  # raised by close() (on the caller's loop)
             failed.append(exc)
         finally:
+            # Then the errors of frees and cache emptyings whose callers were cancelled
+            # before those ended (nobody else heard of them).
+            failed += self._state.take_unheard_errors()
             closing.increment()
 
     async def _close_queue(self, queue: Queue, discarding: bool = False) -> None:
@@ -817,8 +827,15 @@ class Device:
                     released.increment()
 
         thread = threading.Thread(target=release, name="asyncmetal queue close", daemon=True)
+        try:
+            thread.start()
+        except Exception:
+            # No thread to be had (a limit on threads reached, the interpreter exiting):
+            # released here, blocking the caller, rather than never (the queues are
+            # claimed: nothing else releases them, and their closes wait for this).
+            release()
+            return
         self._release_threads = [t for t in self._release_threads if t.is_alive()] + [thread]
-        thread.start()
 
     def _seal(self) -> None:
         self.closed = True  # (with the submission lock held: see close)
@@ -857,25 +874,37 @@ class Device:
         self.closed = True
         for thread in list(self._release_threads):  # queues closed before (idle ones)
             thread.join()
-        try:
-            kept = set(self._queues)
-            for queue in [*self._queues, *(q for q in list(self._idle) if q not in kept)]:
-                close_native(queue, abandon or queue in blocked)
-            for native, _ in self._take_dropped():  # collected with nothing in flight
-                native.close(abandon)
-            self._natives.clear()  # (each closed with its queue)
-        finally:  # (also where one failed: other devices' closes wait for these to stop)
-            self._state.stopped = True
-        self._allocator.close(_completable)
-        self._backend.close()
+        # Each step runs whatever an earlier one raised (a queue's native close that
+        # fails still leaves the others, the memory and the backend to release); the
+        # first error is raised once all of them ran.
+        errors: list[Exception] = []
+        kept = set(self._queues)
+        for queue in [*self._queues, *(q for q in list(self._idle) if q not in kept)]:
+            _attempt(errors, close_native, queue, abandon or queue in blocked)
+        for native, _ in self._take_dropped():  # collected with nothing in flight
+            _attempt(errors, native.close, abandon)
+        self._natives.clear()  # (each closed with its queue)
+        self._state.stopped = True  # (other devices' closes wait for these to stop)
+        _attempt(errors, self._allocator.close, _completable)
+        _attempt(errors, self._backend.close)
         with _open_devices_lock:
             _open_devices.discard(self)
+        if errors:
+            raise errors[0]
 
     async def __aenter__(self) -> Device:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _attempt(errors: list[Exception], fn: Callable[..., object], *args: Any) -> None:
+    """``fn(*args)``; an error it raises goes to ``errors`` (see Device._close_native)."""
+    try:
+        fn(*args)
+    except Exception as exc:
+        errors.append(exc)
 
 
 class _UnloadableError(Exception):

@@ -30,6 +30,8 @@ class DeviceState:
     """One opened device, as its timelines, buffers, queues and allocator see it."""
 
     __slots__ = (
+        "_unheard",
+        "_unheard_lock",
         "backend",
         "busy",
         "closed",
@@ -63,6 +65,11 @@ class DeviceState:
         self.busy = 0
         self.device = device  # the asyncmetal.Device that owns this state
         self.queue: Copier | None = None  # its default queue, once made
+        # Errors of work done for callers who were cancelled before it ended (a free's
+        # release, an emptying of the cache): raised by the device's close; None once
+        # that close took them.
+        self._unheard: list[BaseException] | None = []
+        self._unheard_lock = threading.Lock()
         with _open_lock:
             _open[id(self)] = self
 
@@ -73,6 +80,25 @@ class DeviceState:
     def check_open(self) -> None:
         if self.closed:
             raise ClosedResourceError(f"device {self.name} is closed")
+
+    def unheard_error(self, error: BaseException) -> None:
+        """``error`` ended work of this device whose caller no longer waited for it
+        (any thread): the device's close raises it -- or, where that close has taken
+        its errors already, it goes to ``threading.excepthook``, as an error nobody
+        catches on a thread does."""
+        with self._unheard_lock:
+            if self._unheard is not None:
+                self._unheard.append(error)
+                return
+        hook_args = (type(error), error, error.__traceback__, threading.current_thread())
+        threading.excepthook(threading.ExceptHookArgs(hook_args))
+
+    def take_unheard_errors(self) -> list[BaseException]:
+        """The errors ``unheard_error`` kept (for the device's close): later ones go to
+        ``threading.excepthook``."""
+        with self._unheard_lock:
+            errors, self._unheard = self._unheard or [], None
+        return errors
 
     def default_queue(self) -> Copier:
         assert self.queue is not None, "a device makes its default queue when it opens"

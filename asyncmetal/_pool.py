@@ -7,6 +7,7 @@ submits jobs and awaits them through the bridge. Identical compiles in flight ru
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import logging
 import math
@@ -540,15 +541,29 @@ class CompilePool:
             await anyio.to_thread.run_sync(self.shutdown)
 
 
-_identities: dict[Compiler, str] = {}
+# Compilers' identities, the most recently used last: each compile's options make a
+# compiler of their own, so a program compiling with ever new options (a ``-DN=`` per
+# request) would keep one for each for good; past this many, the least recently used
+# goes (found again, off the loop, if it comes back).
+IDENTITIES_KEPT = 256
+_identities: collections.OrderedDict[Compiler, str] = collections.OrderedDict()
+_identities_lock = threading.Lock()  # (loops on several threads look them up)
 
 
 async def compiler_identity(compiler: Compiler) -> str:
-    """``compiler.identity()``, found off the loop once (it may run the compiler)."""
-    identity = _identities.get(compiler)
-    if identity is None:
-        identity = await anyio.to_thread.run_sync(compiler.identity)
+    """``compiler.identity()``, found off the loop once (it may run the compiler) and
+    kept while it is among the ``IDENTITIES_KEPT`` most recently used."""
+    with _identities_lock:
+        identity = _identities.get(compiler)
+        if identity is not None:
+            _identities.move_to_end(compiler)
+            return identity
+    identity = await anyio.to_thread.run_sync(compiler.identity)
+    with _identities_lock:
         _identities[compiler] = identity
+        _identities.move_to_end(compiler)
+        while len(_identities) > IDENTITIES_KEPT:
+            _identities.popitem(last=False)
     return identity
 
 
@@ -584,9 +599,10 @@ def _forget_default_in_child() -> None:
     # A forked child has none of the pool's threads, and its workers are the parent's
     # (their pipes too): compiles sent there would never come back. The child makes
     # its own pool on first use; the parent's is left alone.
-    global _default_pool, _default_lock
+    global _default_pool, _default_lock, _identities_lock
     _default_pool = None
     _default_lock = threading.Lock()
+    _identities_lock = threading.Lock()  # (a parent thread may have held it)
 
 
 if hasattr(os, "register_at_fork"):

@@ -76,18 +76,18 @@ class Completion(Record):
 
     def __await__(self) -> Generator[Any, None, None]:
         timeline = self.queue.timeline
+        native = self.queue._native
         if timeline.native.value >= self.value:  # the fast path: a yield
             yield from ready_checkpoint()
         else:
-            native = self.queue._native
             native.flush()
             yield from wait_value(timeline, self.value, self.due_ns)
-            # What the queue kept for it (a copy's host array, megabytes maybe) goes now,
-            # not at the queue's next submission. (A command done before it was awaited
-            # skips this: its wait must stay a yield.)
-            keep = getattr(native, "_keep", None)
-            if keep is not None and keep.items:
-                keep.let_go()
+        # What the queue kept for it goes now, not at the queue's next submission: a
+        # copy's host array (megabytes maybe), a bytearray (which cannot be resized
+        # while a view of it is kept).
+        keep = getattr(native, "_keep", None)
+        if keep is not None and keep.items:
+            keep.let_go()
         if self.error is not None:
             raise self.error
         queue = self.queue

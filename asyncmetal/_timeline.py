@@ -273,23 +273,41 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_detached_forked)
 
 
-async def run_detached(detached: Detached, fn: Callable[[], T]) -> T:
+async def run_detached(
+    detached: Detached, fn: Callable[[], T], unheard: Callable[[BaseException], None]
+) -> T:
     """``fn()`` on ``detached``'s thread, and its result (or error) once it returns: it
     runs to its end whatever happens to the caller meanwhile (anyio's hand-off to a
-    worker thread is cancellable before the work starts)."""
+    worker thread is cancellable before the work starts). Its error goes to
+    ``unheard`` instead where the caller stopped waiting (cancelled) before it came:
+    whichever of the two comes second hands it over, once."""
     outcome: list[tuple[bool, Any]] = []
     done = HostEvents()
+    lock = threading.Lock()
+    left: list[bool] = []  # the caller stopped waiting
 
     def run() -> None:
         try:
-            outcome.append((True, fn()))
+            result: tuple[bool, Any] = (True, fn())
         except BaseException as exc:  # (raised to the caller, if it still waits)
-            outcome.append((False, exc))
-        finally:
-            done.increment()
+            result = (False, exc)
+        with lock:
+            outcome.append(result)
+            lost = left and not result[0]
+        done.increment()
+        if lost:
+            unheard(result[1])
 
     detached.submit(run)
-    await wait_value(done, 1)
+    try:
+        await wait_value(done, 1)
+    except BaseException:
+        with lock:
+            left.append(True)
+            lost = outcome and not outcome[0][0]
+        if lost:
+            unheard(outcome[0][1])
+        raise
     ok, value = outcome[0]
     if not ok:
         raise value

@@ -17,9 +17,9 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal._queue import native_queue
-from asyncmetal.backends.cpu import CPUBackend, CPUQueue
+from asyncmetal.backends.cpu import CPUQueue
 from tests.support.kernels import KERNELS, MSL_KERNELS
-from tests.support.queues import held_queue
+from tests.support.queues import held_queue, record_native_closes
 
 pytestmark = pytest.mark.anyio
 
@@ -333,19 +333,9 @@ async def test_a_release_new_queue_starts_ends_before_its_device_closes(
     """A queue whose close was cancelled is released by the next new_queue(), on a
     thread of its own: a device close on another thread meanwhile waits for that
     release before it closes the backend, however late the thread is started."""
-    events: list[str] = []
-    queue_close, backend_close = CPUQueue.close, CPUBackend.close
-
-    def close_queue(self: CPUQueue, abandon: bool = False) -> None:
-        events.append("queue" if self is native else "other queue")
-        queue_close(self, abandon)
-
-    def close_backend(self: CPUBackend) -> None:
-        events.append("backend")
-        backend_close(self)
-
-    monkeypatch.setattr(CPUQueue, "close", close_queue)
-    monkeypatch.setattr(CPUBackend, "close", close_backend)
+    events = record_native_closes(
+        monkeypatch, lambda queue: "queue" if queue is native else "other queue"
+    )
     dev = await am.open_device("cpu")
     q, tl = held_queue(dev)
     native = native_queue(q)
@@ -430,3 +420,48 @@ async def test_a_queue_closed_as_its_device_closes_returns_once_released(
         await anyio.sleep(0.05)
         go.set()
     assert released_at_return == [True]
+
+
+def _no_release_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The threads that release queues cannot start (a limit on threads reached)."""
+    start = threading.Thread.start
+
+    def refused(self: threading.Thread) -> None:
+        if self.name == "asyncmetal queue close":
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+
+
+@pytest.mark.parametrize("by", ["its close", "new_queue"])
+async def test_a_queue_whose_release_thread_cannot_start_is_released_all_the_same(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, by: str
+) -> None:
+    """The release is made on the caller's thread rather than never: the queue's close
+    returns, the native queue is closed, and so is the device."""
+    released: list[CPUQueue] = []
+    original = CPUQueue.close
+
+    def close(self: CPUQueue, abandon: bool = False) -> None:
+        original(self, abandon)
+        released.append(self)
+
+    monkeypatch.setattr(CPUQueue, "close", close)
+    _no_release_threads(monkeypatch)
+    dev = await am.open_device("cpu")
+    q, tl = held_queue(dev)
+    native = native_queue(q)
+    with anyio.fail_after(10):
+        if by == "new_queue":
+            with anyio.move_on_after(0.02):
+                await q.close()  # cancelled: left for the next new_queue to release
+            tl.signal(1)
+            await q.timeline.wait(q.submitted)
+            dev.new_queue()  # releases it
+        else:
+            tl.signal(1)
+            assert native not in released
+        await q.close()
+        assert native in released
+        await dev.close()

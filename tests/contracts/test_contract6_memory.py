@@ -677,3 +677,53 @@ def _frees_held(monkeypatch: pytest.MonkeyPatch, backend: Any) -> threading.Even
 
     monkeypatch.setattr(backend, "free", slow_free)
     return gate
+
+
+def _first_free_fails(monkeypatch: pytest.MonkeyPatch, backend: Any) -> threading.Event:
+    """``backend``'s next native free waits until the event given is set, then raises
+    (the memory is let go all the same); later frees run as usual."""
+    gate = threading.Event()
+    free = backend.free
+    failed: list[bool] = []
+
+    def failing_free(handle: object) -> None:
+        free(handle)
+        if not failed:
+            failed.append(True)
+            gate.wait(10)
+            raise am.DeviceLostError("the native free failed")
+
+    monkeypatch.setattr(backend, "free", failing_free)
+    return gate
+
+
+@pytest.mark.parametrize("by", ["a free", "empty_memory_cache"])
+async def test_an_error_of_a_release_whose_caller_was_cancelled_is_raised_by_close(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, by: str
+) -> None:
+    """The native free fails after its caller stopped waiting (cancelled): nobody heard
+    of it, and the device's close raises it."""
+    dev = await am.open_device("cpu")
+    buf = await dev.alloc(MiB)
+    if by == "a free":
+        dev.memory_cache_limit = 0  # released natively, not cached
+    else:
+        await buf.free()  # cached
+    gate = _first_free_fails(monkeypatch, dev._backend)
+    with anyio.fail_after(10):
+        if by == "a free":
+            # Another thread's submission under way: the release waits for it on the
+            # frees' thread, to its end whatever happens to the caller.
+            with submission_lock_held(dev) as let_go, anyio.move_on_after(0.05) as scope:
+                await buf.free()
+            let_go.set()
+        else:
+            with anyio.move_on_after(0.05) as scope:
+                await dev.empty_memory_cache()
+        assert scope.cancelled_caught
+        gate.set()
+        names = ("asyncmetal free", "asyncmetal empty cache")
+        while any(thread.name in names for thread in threading.enumerate()):
+            await anyio.sleep(0.001)  # (the thread ends once its work is over)
+        with pytest.raises(am.DeviceLostError, match="the native free failed"):
+            await dev.close()

@@ -25,6 +25,7 @@ from asyncmetal._compile import Compiler
 from asyncmetal.backends.cpu import CCompiler
 from tests.support.kernels import KERNELS, MSL_KERNELS
 from tests.support.other_kind import held_pair
+from tests.support.queues import close_failing_with_a_wait, record_native_closes
 
 INC = "void inc(int* x) { x[0] += 1; }"
 WIDE = "void wide(" + ", ".join(f"int a{i}" for i in range(17)) + ") {}"
@@ -924,3 +925,36 @@ def test_a_device_left_open_at_exit_warns(how: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     warned = "was never closed" in proc.stderr
     assert warned == (how == "left open"), proc.stderr[-3000:]
+
+
+@pytest.mark.anyio
+async def test_a_queue_whose_native_close_fails_leaves_nothing_else_unreleased(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One queue's native close raises: the device's other queues, its memory and its
+    backend are released all the same, waits on its timelines end, and close() raises
+    that error (the first)."""
+    from asyncmetal import _device
+    from asyncmetal._queue import native_queue
+    from asyncmetal.backends.cpu import CPUBackend
+
+    closed = record_native_closes(monkeypatch, lambda queue: queue)
+    close_native = _device.close_native
+
+    def failing_close(queue: am.Queue, abandon: bool) -> None:
+        close_native(queue, abandon)  # (released all the same: nothing left running)
+        if queue is dev.queue:
+            raise am.AsyncMetalError("the native close failed")
+
+    monkeypatch.setattr(_device, "close_native", failing_close)
+    dev = await am.open_device("cpu:23")
+    failing = native_queue(dev.queue)  # the first closed
+    other = native_queue(dev.new_queue())
+    await dev.alloc(1024)
+    backend = dev._backend
+    assert isinstance(backend, CPUBackend) and backend.live_allocations == 1
+    ended = await close_failing_with_a_wait(dev, "the native close failed")
+    assert closed == [failing, other, "backend"]
+    assert backend.live_allocations == 0, "the allocator's close was skipped"
+    assert len(ended) == 1
+    assert dev not in am.open_devices()

@@ -919,3 +919,26 @@ async def test_a_joined_compile_keeps_each_callers_own_timeout(
     assert isinstance(outcome["timed"], am.CompileError), outcome["timed"]
     assert "timed out after 1.0 s" in str(outcome["timed"])
     assert outcome["timed took"] < 2.5  # type: ignore[operator]
+
+
+@pytest.mark.anyio
+async def test_compiler_identities_are_kept_for_the_most_recently_used_only(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each set of options makes a compiler of its own: ever new options (a ``-DN=``
+    per request) keep no identity for good, while one in use stays, and one that
+    went is found again alike."""
+    from asyncmetal import _pool
+
+    monkeypatch.setattr(_pool, "IDENTITIES_KEPT", 8, raising=False)
+    base = CCompiler()
+    used = base.with_options(("-DUSED=1",))
+    first = await compiler_identity(used)
+    for n in range(40):
+        await compiler_identity(base.with_options((f"-DN={n}",)))
+        assert await compiler_identity(used) == first  # (used again: kept)
+        assert len(_pool._identities) <= 8
+    assert used in _pool._identities
+    gone = base.with_options(("-DN=0",))
+    assert gone not in _pool._identities
+    assert await compiler_identity(gone) == gone.identity()

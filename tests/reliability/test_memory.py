@@ -8,10 +8,12 @@ import asyncio
 import collections
 import contextlib
 import gc
+import sys
 import threading
 import time
+import types
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -20,7 +22,9 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal import _dlpack, _queue
+from asyncmetal._allocator import Allocator
 from tests.support.kernels import KERNELS
+from tests.support.queues import copies_done_before_awaited
 
 MiB = 1 << 20
 LIMIT = 10  # seconds: every wait here ends within a fraction of this, or it hangs
@@ -1124,3 +1128,71 @@ def _record_frees_and_close(
     monkeypatch.setattr(backend, "free", recorded_free)
     monkeypatch.setattr(backend, "close", recorded_close)
     return calls
+
+
+@contextlib.contextmanager
+def _interrupted(codes: set[types.CodeType], at: int) -> Iterator[list[bool]]:
+    """A KeyboardInterrupt raised where CPython would raise one (it runs signal
+    handlers after a call returns, attributed to the call, and at a function's entry)
+    in a frame of ``codes``: at the ``at``-th of its calls' entries and returns,
+    counted from 0 (the list given gets True then). These frames have no loops."""
+    raised: list[bool] = []
+    seen = [0]
+
+    def profile(frame: types.FrameType, event: str, arg: object) -> None:
+        caller = frame if event.startswith("c_") else frame.f_back
+        calls = event in ("call", "return", "c_return")
+        if calls and caller is not None and caller.f_code in codes and not raised:
+            seen[0] += 1
+            if seen[0] > at:
+                raised.append(True)
+                raise KeyboardInterrupt
+
+    sys.setprofile(profile)
+    try:
+        yield raised
+    finally:
+        sys.setprofile(None)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("cached", [False, True], ids=["native", "cached"])
+async def test_a_keyboard_interrupt_inside_an_allocation_leaves_no_allocation_under_way(
+    anyio_backend: object, cached: bool
+) -> None:
+    """A KeyboardInterrupt wherever CPython delivers one in an allocation's attempt
+    leaves nothing counted as being allocated (a close waits for those to end: it
+    would wait for good), no reservation behind (the bytes in use are those of the
+    blocks handed out), and the cache whole."""
+    codes = {Allocator._try_alloc.__code__, Allocator._hand_out.__code__}
+    async with am.open_device("cpu") as dev:
+        allocator = dev._allocator
+        at = 0
+        while True:
+            if cached:
+                await (await dev.alloc(MiB)).free()
+            with _interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+                allocator._try_alloc(MiB, MiB)
+            assert not allocator._allocating, f"an allocation left under way ({at})"
+            live = sum(block.nbytes for block in allocator._live)
+            assert allocator.in_use == live, f"a reservation left behind ({at})"
+            allocator.close(dict)  # (frees everything, the cache too: whole)
+            allocator.closed = False
+            if not raised:
+                break
+            at += 1
+        assert at >= 6
+
+
+@pytest.mark.anyio
+async def test_a_copy_done_before_it_was_awaited_lets_its_host_objects_go_once_awaited(
+    device: am.Device,
+) -> None:
+    """The queue keeps a copy's host side alive until the copy has run; awaited, a
+    copy done before lets it go at once, as one still running does: the array is
+    freed, and a bytearray can be resized (while a view of it is kept, it cannot)."""
+    gone, into = await copies_done_before_awaited(device)
+    gc.collect()
+    assert gone() is None, "the copy's source is kept alive"
+    into.extend(b"!")  # (BufferError while a view of it is kept)
+    assert bytes(into[:16]) == bytes(range(16))

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
+import anyio
+import numpy as np
+import pytest
+
 import asyncmetal as am
+from asyncmetal.backends.cpu import CPUBackend, CPUQueue
 
 
 def held_queue(device: am.Device) -> tuple[am.Queue, am.Timeline]:
@@ -27,3 +35,67 @@ async def discard_outcomes(done: list[am.Completion]) -> list[bool]:
         assert error is None or "discard" in str(error), error
         ran.append(error is None)
     return ran
+
+
+def record_native_closes(
+    monkeypatch: pytest.MonkeyPatch, name: Callable[[CPUQueue], object]
+) -> list[object]:
+    """The list that cpu queues' native closes append ``name(queue)`` to, once closed,
+    and cpu backends' closes "backend" to, before closing."""
+    events: list[object] = []
+    close_queue, close_backend = CPUQueue.close, CPUBackend.close
+
+    def queue_closed(self: CPUQueue, abandon: bool = False) -> None:
+        close_queue(self, abandon)
+        events.append(name(self))
+
+    def backend_closing(self: CPUBackend) -> None:
+        events.append("backend")
+        close_backend(self)
+
+    monkeypatch.setattr(CPUQueue, "close", queue_closed)
+    monkeypatch.setattr(CPUBackend, "close", backend_closing)
+    return events
+
+
+async def close_failing_with_a_wait(device: am.Device, error: str) -> list[BaseException]:
+    """Close ``device``, which must raise an AsyncMetalError matching ``error``, while
+    a task waits for a value of one of its timelines that nothing signals (the close
+    ends it); return the errors such waits ended with."""
+    ended: list[BaseException] = []
+
+    async def wait_on_timeline(timeline: am.Timeline) -> None:
+        try:
+            await timeline.wait(1)
+        except am.ClosedResourceError as exc:
+            ended.append(exc)
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait_on_timeline, device.timeline())
+            await anyio.sleep(0.01)
+            with pytest.raises(am.AsyncMetalError, match=error):
+                await device.close()
+    return ended
+
+
+class _Tracked(np.ndarray):  # (a plain ndarray takes no weak reference)
+    pass
+
+
+async def copies_done_before_awaited(
+    device: am.Device,
+) -> tuple[weakref.ref[np.ndarray], bytearray]:
+    """Two copies on ``device``'s default queue, each awaited once done: from an array
+    (nothing else keeps it: the reference given tells whether the queue still does)
+    into a buffer, and from the buffer into a bytearray (which cannot be resized while
+    the queue keeps a view of it), which it returns."""
+    buf = await device.alloc(16)
+    source = np.arange(16, dtype=np.uint8).view(_Tracked)
+    into = bytearray(16)
+    with anyio.fail_after(30):
+        for done in (device.queue.copy(buf, source), device.queue.copy(into, buf)):
+            while not done.done():  # done before it is awaited
+                await anyio.sleep(0.001)
+            await done
+    return weakref.ref(source), into

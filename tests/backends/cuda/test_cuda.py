@@ -17,7 +17,11 @@ import pytest
 
 import asyncmetal as am
 from tests.support.launch_paths import PATHS, select_launch_path
-from tests.support.queues import discard_outcomes
+from tests.support.queues import (
+    close_failing_with_a_wait,
+    copies_done_before_awaited,
+    discard_outcomes,
+)
 from tests.support.stress import interleavings, park_all
 
 GPUS = [d for d in am.devices() if d.startswith("cuda:")]
@@ -939,3 +943,50 @@ async def test_close_with_discard_drops_a_streams_held_backlog(
         await dev.close()
     statistics = dev.memory_statistics()
     assert statistics.in_use == statistics.cached == 0
+
+
+async def test_a_queue_whose_native_close_fails_leaves_nothing_else_unreleased(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default queue's native close raises (after closing it): the other queue,
+    the memory and the backend are released all the same, a wait on one of its
+    timelines ends, close() raises that error, and the GPU opens again as new."""
+    from asyncmetal import _device
+
+    close_native = _device.close_native
+    closed: list[am.Queue] = []
+
+    def failing_close(queue: am.Queue, abandon: bool) -> None:
+        close_native(queue, abandon)
+        closed.append(queue)
+        if queue is dev.queue:
+            raise am.AsyncMetalError("the native close failed")
+
+    monkeypatch.setattr(_device, "close_native", failing_close)
+    dev = await am.open_device("cuda:0")
+    other = dev.new_queue()
+    fill = await dev.compile(KERNELS, "fill")
+    buf = await dev.alloc(4 * 1024)
+    await other.launch(fill, buf, vals=(3, 1024), global_size=1024)
+    ended = await close_failing_with_a_wait(dev, "the native close failed")
+    assert closed == [dev.queue, other]
+    assert len(ended) == 1
+    assert dev not in am.open_devices()
+    async with am.open_device("cuda:0") as again:
+        fill = await again.compile(KERNELS, "fill")
+        buf = await again.alloc(4 * 1024)
+        await again.queue.launch(fill, buf, vals=(4, 1024), global_size=1024)
+        assert (await buf.read(np.int32)).tolist() == [4] * 1024
+
+
+async def test_a_copy_done_before_it_was_awaited_lets_its_host_objects_go_once_awaited(
+    anyio_backend: object,
+) -> None:
+    """As on cpu (tests/reliability/test_memory.py): awaited, a copy done before lets
+    go of its host side -- the array is freed, the bytearray can be resized."""
+    async with am.open_device("cuda:0") as dev:
+        gone, into = await copies_done_before_awaited(dev)
+        gc.collect()
+        assert gone() is None, "the copy's source is kept alive"
+        into.extend(b"!")  # (BufferError while a view of it is kept)
+        assert bytes(into[:16]) == bytes(range(16))
