@@ -175,6 +175,8 @@ def launch_value(value: object, declared: str | None, where: str, param: str) ->
             raise ArgumentTypeError(
                 f"{where} must be an integer or a float, got numpy {own}" + _takes(declared, param)
             )
+        if own[0] == "f" and declared in (None, own):  # its own bits (a NaN's payload too)
+            return Scalar(int.from_bytes(value.tobytes(), "little", signed=True), own)
         if declared is None:
             return _packed(value.item(), own, where, param)
         if (own[0] == "f") != (declared[0] == "f"):

@@ -265,3 +265,16 @@ async def test_cpu_half_floats_pass_in_the_vector_registers(device: am.Device) -
     await device.queue.launch(k, out, vals=(np.float16(-1.5), 9, 0.333))
     got = (await out.read(np.uint8)).tobytes()
     assert got == _bytes_of(np.float16(-1.5), np.float16(0.333), np.int32(9))
+
+
+async def test_numpy_floats_pass_their_own_bits(device: am.Device) -> None:
+    """A numpy float for a parameter of its own type reaches it bit for bit: a
+    signalling NaN stays one, its payload whole (not quieted by a round trip through a
+    Python float)."""
+    signalling = np.frombuffer(np.uint32(0x7F80_0001).tobytes(), np.float32)[0]
+    payload = np.frombuffer(np.uint32(0xFFA0_0D0D).tobytes(), np.float32)[0]
+    out, more = await _put(
+        device, device.queue, (signalling, _second(device), 1, 2, payload, 3, 4, 5)
+    )
+    assert out[0:4] == signalling.tobytes() and more[0:4] == payload.tobytes()
+
