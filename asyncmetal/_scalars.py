@@ -117,8 +117,15 @@ _TYPEDEF = re.compile(r"\btypedef\s+([\w\s:]+?)\s+(\w+)\s*;")
 
 
 def typedefs(text: str) -> dict[str, list[str]]:
-    """The plain typedefs of ``text`` (``typedef unsigned int u32;``): name -> words."""
-    return {name: re.findall(r"\w+", words) for words, name in _TYPEDEF.findall(text)}
+    """The plain typedefs of ``text`` (``typedef unsigned int u32;``): name -> words. A
+    name typedef'd as different types (in ``#if`` branches, of which one compiles) is
+    left out: which one the kernel takes cannot be told from the source."""
+    found: dict[str, list[str]] = {}
+    apart: set[str] = set()
+    for words, name in _TYPEDEF.findall(text):
+        if found.setdefault(name, re.findall(r"\w+", words)) != re.findall(r"\w+", words):
+            apart.add(name)
+    return {name: words for name, words in found.items() if name not in apart}
 
 
 def type_words(declaration: str) -> list[str]:

@@ -4,6 +4,7 @@ submitted."""
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import textwrap
@@ -278,3 +279,32 @@ async def test_numpy_floats_pass_their_own_bits(device: am.Device) -> None:
     )
     assert out[0:4] == signalling.tobytes() and more[0:4] == payload.tobytes()
 
+
+TYPEDEF_APART = r"""
+#include <string.h>
+#ifdef WIDE
+typedef double real;
+#else
+typedef float real;
+#endif
+void keep(unsigned char* out, real x) { memcpy(out, &x, sizeof x); }
+"""
+
+
+async def test_a_type_defined_apart_in_if_branches_is_not_known(device: am.Device) -> None:
+    """A typedef in two #if branches names the type of whichever compiles, which the
+    source cannot tell: not known, so a numpy float passes as its own type and a
+    Python float is refused -- none is passed as the other branch's type."""
+    out = await device.alloc(8)
+    for options, value in (((), np.float32(-2.5)), (("-DWIDE",), np.float64(-2.5))):
+        keep = await device.compile(TYPEDEF_APART, "keep", options=options)
+        assert keep.value_types == ((None, "real x"),)
+        await device.queue.launch(keep, out, vals=(value,))
+        assert (await out.read(np.uint8)).tobytes()[: value.nbytes] == value.tobytes()
+        _rejects(
+            device,
+            am.ArgumentTypeError,
+            r"vals\[0\] of 'keep' is a Python float, and the type of its parameter 'real x' "
+            r"is not known",
+            functools.partial(device.queue.launch, keep, out, vals=(-2.5,)),
+        )
