@@ -114,6 +114,9 @@ _QUALIFIERS = frozenset(
 )
 _INTEGER_WORDS = frozenset(("signed", "unsigned", "char", "short", "int", "long"))
 _TYPEDEF = re.compile(r"\btypedef\s+([\w\s:]+?)\s+(\w+)\s*;")
+# What a declaration holds besides its type and name: attributes (``[[...]]``, GNU's
+# ``__attribute__((unused))``), namespaces.
+_NOT_TYPE_WORDS = re.compile(r"\[\[.*?\]\]|__attribute__\s*\(\(.*?\)\)|\w+::")
 
 
 def typedefs(text: str) -> dict[str, list[str]]:
@@ -128,10 +131,19 @@ def typedefs(text: str) -> dict[str, list[str]]:
     return {name: words for name, words in found.items() if name not in apart}
 
 
+def resolved(words: list[str], typedefs: Mapping[str, list[str]]) -> list[str]:
+    """Type words with a typedef's name replaced by what it names (in turn)."""
+    for _ in range(8):  # a typedef of a typedef...
+        if len(words) != 1 or words[0] not in typedefs:
+            break
+        words = [word for word in typedefs[words[0]] if word not in _QUALIFIERS]
+    return words
+
+
 def type_words(declaration: str) -> list[str]:
     """The words of a parameter declaration's type: its name (the last word, where
-    there are several) and qualifiers dropped."""
-    words = re.findall(r"\w+", re.sub(r"\[\[.*?\]\]|\w+::", " ", declaration))
+    there are several), qualifiers and attributes dropped."""
+    words = re.findall(r"\w+", re.sub(_NOT_TYPE_WORDS, " ", declaration))
     words = words[:-1] if len(words) > 1 else words
     return [word for word in words if word not in _QUALIFIERS]
 
@@ -139,10 +151,7 @@ def type_words(declaration: str) -> list[str]:
 def scalar_type(words: list[str], typedefs: Mapping[str, list[str]]) -> str | None:
     """The scalar type that a declaration's type words name, or None where they name
     none of ``SIZES`` (a struct, a vector, ``long double``, an unknown name)."""
-    for _ in range(8):  # a typedef of a typedef...
-        if len(words) != 1 or words[0] not in typedefs:
-            break
-        words = [word for word in typedefs[words[0]] if word not in _QUALIFIERS]
+    words = resolved(words, typedefs)
     if len(words) == 1 and words[0] in _NAMED:
         return _NAMED[words[0]]
     if not words or not _INTEGER_WORDS.issuperset(words):

@@ -308,3 +308,40 @@ async def test_a_type_defined_apart_in_if_branches_is_not_known(device: am.Devic
             r"is not known",
             functools.partial(device.queue.launch, keep, out, vals=(-2.5,)),
         )
+
+
+@pytest.mark.parametrize(
+    ("before", "declaration"),
+    [
+        ("typedef long double ld; typedef ld wide;", "wide a"),
+        ("typedef struct { float x, y; } pair;", "pair a"),
+        ("struct pair { int x; }; typedef struct pair pair_t;", "pair_t a"),
+        ("typedef float v4 __attribute__((vector_size(16)));", "v4 a"),
+        ("typedef unsigned __int128 u128;", "u128 a"),
+        ("", "__int128 a"),
+        ("", "__float128 a"),
+        ("", "__bf16 a"),
+    ],
+)
+async def test_a_value_no_launch_passes_is_refused_behind_its_typedef(
+    device: am.Device, before: str, declaration: str
+) -> None:
+    """A cpu value parameter of a type no launch value passes (its calling convention
+    passes it in memory, in two registers, or in a vector register a launch's int would
+    not reach) is refused at compile, also when a typedef names it or it is one of the
+    compiler's own (``__int128``)."""
+    source = f"{before}\nvoid k(int* out, {declaration}, int n) {{ out[0] = n; }}"
+    with pytest.raises(am.CompileError, match="is not a scalar") as info:
+        await device.compile(source, "k")
+    assert declaration in str(info.value)
+
+
+async def test_scalar_types_read_past_attributes_and_enums(device: am.Device) -> None:
+    """A GNU attribute after a parameter's name is not its type; an enum's typedef (an
+    int) is no struct."""
+    source = (
+        "typedef enum { A, B } mode;\n"
+        "void k(int* out, float x __attribute__((unused)), mode m, unsigned char c) {}"
+    )
+    k = await device.compile(source, "k")
+    assert [t for t, _ in k.value_types] == ["float32", None, "uint8"]
