@@ -114,20 +114,43 @@ _QUALIFIERS = frozenset(
 )
 _INTEGER_WORDS = frozenset(("signed", "unsigned", "char", "short", "int", "long"))
 _TYPEDEF = re.compile(r"\btypedef\s+([\w\s:]+?)\s+(\w+)\s*;")
+_DIRECTIVE = re.compile(r"^[ \t]*#[ \t]*(\w+)(.*)$", re.M)
+_TYPE_MACRO = re.compile(r"[ \t]*(\w+)(?:[ \t]+([\w \t]*?))?[ \t]*$")
 # What a declaration holds besides its type and name: attributes (``[[...]]``, GNU's
 # ``__attribute__((unused))``), namespaces.
 _NOT_TYPE_WORDS = re.compile(r"\[\[.*?\]\]|__attribute__\s*\(\(.*?\)\)|\w+::")
 
 
 def typedefs(text: str) -> dict[str, list[str]]:
-    """The plain typedefs of ``text`` (``typedef unsigned int u32;``): name -> words. A
-    name typedef'd as different types (in ``#if`` branches, of which one compiles) is
-    left out: which one the kernel takes cannot be told from the source."""
+    """The plain typedefs of ``text`` (``typedef unsigned int u32;``) and its object-like
+    macros of type words (``#define REAL float``): name -> words. A name given different
+    types (typedefs in ``#if`` branches, of which one compiles), a macro defined inside
+    an ``#if`` (a default a compile option may override) or undefined is left out: which
+    type the kernel takes cannot be told from the source."""
     found: dict[str, list[str]] = {}
     apart: set[str] = set()
-    for words, name in _TYPEDEF.findall(text):
-        if found.setdefault(name, re.findall(r"\w+", words)) != re.findall(r"\w+", words):
+
+    def add(name: str, words: list[str]) -> None:
+        if found.setdefault(name, words) != words:
             apart.add(name)
+
+    for words, name in _TYPEDEF.findall(text):
+        add(name, re.findall(r"\w+", words))
+    depth = 0  # of #if blocks
+    for directive, rest in _DIRECTIVE.findall(text):
+        if directive in ("if", "ifdef", "ifndef"):
+            depth += 1
+        elif directive == "endif":
+            depth -= 1
+        elif directive in ("define", "undef"):
+            macro = _TYPE_MACRO.match(rest)
+            if macro is None:  # function-like, or more than words
+                continue
+            name, body = macro.group(1), macro.group(2)
+            if directive == "undef" or depth or not body:
+                apart.add(name)
+            else:
+                add(name, body.split())
     return {name: words for name, words in found.items() if name not in apart}
 
 

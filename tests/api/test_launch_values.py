@@ -209,10 +209,13 @@ async def test_values_that_do_not_fit_their_parameter_are_refused(device: am.Dev
 
 
 async def test_a_python_float_for_a_type_not_known_is_refused(device: am.Device) -> None:
-    """A parameter whose type the source does not name plainly (a macro) takes numpy
-    scalars as their own type; a Python float, whose size would be a guess, is refused,
-    saying what to pass."""
-    src = "#define REAL float\nvoid scale(float* out, REAL x) { out[0] = x * 2; }"
+    """A parameter whose type the source does not name plainly (a macro a compile
+    option may override) takes numpy scalars as their own type; a Python float, whose
+    size would be a guess, is refused, saying what to pass."""
+    src = (
+        "#ifndef REAL\n#define REAL float\n#endif\n"
+        "void scale(float* out, REAL x) { out[0] = x * 2; }"
+    )
     scale = await device.compile(src, "scale")
     assert scale.value_types == ((None, "REAL x"),)
     out = await device.alloc(4)
@@ -345,3 +348,25 @@ async def test_scalar_types_read_past_attributes_and_enums(device: am.Device) ->
     )
     k = await device.compile(source, "k")
     assert [t for t, _ in k.value_types] == ["float32", None, "uint8"]
+
+
+async def test_a_macro_naming_a_type_is_read_as_it(device: am.Device) -> None:
+    """An object-like macro of type words, defined outside any #if, names its type as a
+    typedef does: a Python int reaches a float parameter so declared as that float (not
+    as an int's bits in the wrong register), and an unsigned short's range is its own."""
+    src = (
+        "#include <string.h>\n#define REAL float\n#define COUNT unsigned short\n"
+        "void k(unsigned char* out, REAL x, COUNT n)"
+        " { memcpy(out, &x, 4); memcpy(out + 4, &n, 2); }"
+    )
+    k = await device.compile(src, "k")
+    out = await device.alloc(8)
+    await device.queue.launch(k, out, vals=(3, 65535))
+    assert (await out.read(np.uint8)).tobytes()[:6] == _bytes_of(np.float32(3), np.uint16(65535))
+    assert k.value_types == (("float32", "REAL x"), ("uint16", "COUNT n"))
+    _rejects(
+        device,
+        am.InvalidArgumentError,
+        r"vals\[1\] of 'k' must fit in uint16",
+        lambda: device.queue.launch(k, out, vals=(3, 65536)),
+    )
