@@ -222,6 +222,13 @@ def scalar_params(src: str, name: str) -> tuple[ParamKind, ...]:
     known = typedefs(_strip(src))
     not_scalars = _not_scalar_typedefs(_strip(src))
     for kind, declaration in declarations:
+        if kind == "value" and "&" in declaration:
+            raise CompileError(
+                f"kernel {name!r}: parameter {declaration!r} is a reference, which the "
+                "kernel takes as an address: a launch value is no address (pass a pointer "
+                "to a buffer, or the value itself)",
+                name=name,
+            )
         words = resolved(type_words(declaration), known)
         if (
             kind == "value"

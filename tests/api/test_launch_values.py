@@ -370,3 +370,14 @@ async def test_a_macro_naming_a_type_is_read_as_it(device: am.Device) -> None:
         r"vals\[1\] of 'k' must fit in uint16",
         lambda: device.queue.launch(k, out, vals=(3, 65536)),
     )
+
+
+async def test_a_reference_parameter_is_refused(device: am.Device) -> None:
+    """A C++ reference parameter (CUDA C++ takes one in a kernel: an address the kernel
+    reads through) is refused at compile, before compiling: a launch value would be
+    read as an address, and ``const float&`` taken as a float."""
+    for declaration in ("const float& a", "int &a", "const double &a"):
+        source = f"void k(int* out, {declaration}) {{ out[0] = 1; }}"
+        with pytest.raises(am.CompileError, match="is a reference") as info:
+            await device.compile(source, "k")
+        assert declaration in str(info.value) and not info.value.log
