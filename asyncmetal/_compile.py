@@ -186,11 +186,12 @@ def c_value_types(src: str, name: str) -> tuple[tuple[str | None, str], ...]:
 
 
 # Type words of value parameters that are no scalar a launch can pass (with
-# ``scalar_type`` None: ``long double``, a struct by value...).
+# ``scalar_type`` None: ``long double``, a struct by value, CUDA's vector types...).
 _NOT_A_SCALAR = re.compile(
     r"\b(float|double|half|_Float\d+x?|__fp16|__half|__half2|__nv_bfloat16|_Complex|struct|union"
     r"|__int128|_BitInt|__float128|__float80|__ibm128|__bf16|_Decimal\d+|__m\d+\w*"
-    r"|vector_size|ext_vector_type)\b"
+    r"|vector_size|ext_vector_type|half2|__nv_bfloat162|nv_bfloat16|nv_bfloat162|dim3"
+    r"|(?:u?char|u?short|u?int|u?long|u?longlong|float|double)[1-4])\b"
 )
 # Each typedef of a source (its body's braces emptied): its words and its name, before
 # any GNU attribute (``typedef float v4 __attribute__((vector_size(16)));``).

@@ -324,6 +324,9 @@ async def test_a_type_defined_apart_in_if_branches_is_not_known(device: am.Devic
         ("", "__int128 a"),
         ("", "__float128 a"),
         ("", "__bf16 a"),
+        ("", "float2 a"),  # CUDA's vector types (a struct of two floats)
+        ("", "const uint4 a"),
+        ("", "__half2 a"),
     ],
 )
 async def test_a_value_no_launch_passes_is_refused_behind_its_typedef(

@@ -255,6 +255,8 @@ async def test_compile_errors(anyio_backend: object) -> None:
         # A value no launch passes: a long double, a reference (the kernel takes an address).
         with pytest.raises(am.CompileError, match="'long double a' is not a scalar"):
             await dev.compile('extern "C" __global__ void k(float* x, long double a) {}', "k")
+        with pytest.raises(am.CompileError, match="'float2 a' is not a scalar"):
+            await dev.compile('extern "C" __global__ void k(float* x, float2 a) {}', "k")
         with pytest.raises(am.CompileError, match="'const float& a' is a reference"):
             await dev.compile('extern "C" __global__ void k(float* x, const float& a) {}', "k")
 
