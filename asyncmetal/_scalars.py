@@ -114,6 +114,7 @@ _QUALIFIERS = frozenset(
 )
 _INTEGER_WORDS = frozenset(("signed", "unsigned", "char", "short", "int", "long"))
 _TYPEDEF = re.compile(r"\btypedef\s+([\w\s:]+?)\s+(\w+)\s*;")
+_USING = re.compile(r"\busing\s+(\w+)\s*=\s*([\w\s:]+?)\s*;")  # C++'s typedef
 _DIRECTIVE = re.compile(r"^[ \t]*#[ \t]*(\w+)(.*)$", re.M)
 _TYPE_MACRO = re.compile(r"[ \t]*(\w+)(?:[ \t]+([\w \t]*?))?[ \t]*$")
 # What a declaration holds besides its type and name: attributes (``[[...]]``, GNU's
@@ -122,11 +123,12 @@ _NOT_TYPE_WORDS = re.compile(r"\[\[.*?\]\]|__attribute__\s*\(\(.*?\)\)|\w+::")
 
 
 def typedefs(text: str) -> dict[str, list[str]]:
-    """The plain typedefs of ``text`` (``typedef unsigned int u32;``) and its object-like
-    macros of type words (``#define REAL float``): name -> words. A name given different
-    types (typedefs in ``#if`` branches, of which one compiles), a macro defined inside
-    an ``#if`` (a default a compile option may override) or undefined is left out: which
-    type the kernel takes cannot be told from the source."""
+    """The plain typedefs of ``text`` (``typedef unsigned int u32;``, C++'s ``using u32 =
+    unsigned int;``) and its object-like macros of type words (``#define REAL float``):
+    name -> words. A name given different types (typedefs in ``#if`` branches, of which
+    one compiles), a macro defined inside an ``#if`` (a default a compile option may
+    override) or undefined is left out: which type the kernel takes cannot be told from
+    the source."""
     found: dict[str, list[str]] = {}
     apart: set[str] = set()
 
@@ -135,6 +137,8 @@ def typedefs(text: str) -> dict[str, list[str]]:
             apart.add(name)
 
     for words, name in _TYPEDEF.findall(text):
+        add(name, re.findall(r"\w+", words))
+    for name, words in _USING.findall(text):
         add(name, re.findall(r"\w+", words))
     depth = 0  # of #if blocks
     for directive, rest in _DIRECTIVE.findall(text):
