@@ -256,6 +256,14 @@ def test_the_simulated_metal_refuses_bytes_shorter_than_the_argument() -> None:
     assert "takes 8 bytes, setBytes gave 4" in out.stderr, out.stderr[-2000:]
 
 
+async def _kept(device: am.Device, src: str, vals: tuple[Any, ...]) -> tuple[am.Program, bytes]:
+    """Kernel k of ``src`` launched with an 8-byte buffer and ``vals``: the buffer's bytes."""
+    k = await device.compile(src, "k")
+    out = await device.alloc(8)
+    await device.queue.launch(k, out, vals=vals)
+    return k, (await out.read(np.uint8)).tobytes()
+
+
 async def test_cpu_half_floats_pass_in_the_vector_registers(device: am.Device) -> None:
     """``_Float16`` parameters (the C calling convention passes them in a vector
     register's low bytes) from np.float16 and a Python float."""
@@ -264,10 +272,7 @@ async def test_cpu_half_floats_pass_in_the_vector_registers(device: am.Device) -
         "void k(_Float16 a, unsigned char* out, int n, _Float16 b)"
         " { memcpy(out, &a, 2); memcpy(out + 2, &b, 2); memcpy(out + 4, &n, 4); }"
     )
-    k = await device.compile(src, "k")
-    out = await device.alloc(8)
-    await device.queue.launch(k, out, vals=(np.float16(-1.5), 9, 0.333))
-    got = (await out.read(np.uint8)).tobytes()
+    _, got = await _kept(device, src, (np.float16(-1.5), 9, 0.333))
     assert got == _bytes_of(np.float16(-1.5), np.float16(0.333), np.int32(9))
 
 
@@ -362,11 +367,10 @@ async def test_a_macro_naming_a_type_is_read_as_it(device: am.Device) -> None:
         "void k(unsigned char* out, REAL x, COUNT n)"
         " { memcpy(out, &x, 4); memcpy(out + 4, &n, 2); }"
     )
-    k = await device.compile(src, "k")
-    out = await device.alloc(8)
-    await device.queue.launch(k, out, vals=(3, 65535))
-    assert (await out.read(np.uint8)).tobytes()[:6] == _bytes_of(np.float32(3), np.uint16(65535))
+    k, got = await _kept(device, src, (3, 65535))
+    assert got[:6] == _bytes_of(np.float32(3), np.uint16(65535))
     assert k.value_types == (("float32", "REAL x"), ("uint16", "COUNT n"))
+    out = await device.alloc(8)
     _rejects(
         device,
         am.InvalidArgumentError,
