@@ -105,6 +105,7 @@ _QUALIFIERS = frozenset(
         "restrict",
         "__restrict",
         "__restrict__",
+        "__grid_constant__",  # CUDA's, of a const kernel parameter
         "register",
         "constant",
         "device",

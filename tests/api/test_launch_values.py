@@ -348,14 +348,18 @@ async def test_a_value_no_launch_passes_is_refused_behind_its_typedef(
 
 
 async def test_scalar_types_read_past_attributes_and_enums(device: am.Device) -> None:
-    """A GNU attribute after a parameter's name is not its type; an enum's typedef (an
-    int) is no struct."""
+    """A GNU attribute after a parameter's name is not its type, nor is CUDA's
+    ``__grid_constant__``; an enum's typedef (an int) is no struct."""
     source = (
         "typedef enum { A, B } mode;\n"
         "void k(int* out, float x __attribute__((unused)), mode m, unsigned char c) {}"
     )
     k = await device.compile(source, "k")
     assert [t for t, _ in k.value_types] == ["float32", None, "uint8"]
+    # CUDA's qualifier of a const kernel parameter (here defined away for C)
+    source = "void k(int* out, const __grid_constant__ float x) {}"
+    k = await device.compile(source, "k", options=("-D__grid_constant__=",))
+    assert k.value_types == (("float32", "const __grid_constant__ float x"),)
 
 
 async def test_a_macro_naming_a_type_is_read_as_it(device: am.Device) -> None:
