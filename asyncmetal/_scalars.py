@@ -152,19 +152,21 @@ def typedefs(text: str) -> dict[str, list[str]]:
             if macro is None:  # function-like, or more than words
                 continue
             name, body = macro.group(1), macro.group(2)
-            if directive == "undef" or depth or not body:
+            if directive == "undef" or depth:
                 apart.add(name)
             else:
-                add(name, body.split())
+                add(name, body.split() if body else [])
     return {name: words for name, words in found.items() if name not in apart}
 
 
 def resolved(words: list[str], typedefs: Mapping[str, list[str]]) -> list[str]:
-    """Type words with a typedef's name replaced by what it names (in turn)."""
+    """Type words with each typedef's or macro's name replaced by what it names (in turn;
+    a macro may stand for a qualifier, ``#define KCONST const``, or nothing)."""
     for _ in range(8):  # a typedef of a typedef...
-        if len(words) != 1 or words[0] not in typedefs:
+        named = [w for word in words for w in typedefs.get(word, [word]) if w not in _QUALIFIERS]
+        if named == words:
             break
-        words = [word for word in typedefs[words[0]] if word not in _QUALIFIERS]
+        words = named
     return words
 
 

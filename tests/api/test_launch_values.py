@@ -365,7 +365,8 @@ async def test_scalar_types_read_past_attributes_and_enums(device: am.Device) ->
 async def test_a_macro_naming_a_type_is_read_as_it(device: am.Device) -> None:
     """An object-like macro of type words, defined outside any #if, names its type as a
     typedef does: a Python int reaches a float parameter so declared as that float (not
-    as an int's bits in the wrong register), and an unsigned short's range is its own."""
+    as an int's bits in the wrong register), and an unsigned short's range is its own;
+    a macro of a qualifier is one."""
     src = (
         "#include <string.h>\n#define REAL float\n#define COUNT unsigned short\n"
         "void k(unsigned char* out, REAL x, COUNT n)"
@@ -374,6 +375,14 @@ async def test_a_macro_naming_a_type_is_read_as_it(device: am.Device) -> None:
     k, got = await _kept(device, src, (3, 65535))
     assert got[:6] == _bytes_of(np.float32(3), np.uint16(65535))
     assert k.value_types == (("float32", "REAL x"), ("uint16", "COUNT n"))
+    # A macro of a qualifier, or of nothing, beside a type.
+    qualified = (
+        "#include <string.h>\n#define KCONST const\n#define ARG\n"
+        "void k(unsigned char* out, KCONST float x, ARG short n)"
+        " { memcpy(out, &x, 4); memcpy(out + 4, &n, 2); }"
+    )
+    _, got = await _kept(device, qualified, (1.5, -2))
+    assert got[:6] == _bytes_of(np.float32(1.5), np.int16(-2))
     out = await device.alloc(8)
     _rejects(
         device,
