@@ -114,6 +114,9 @@ _QUALIFIERS = frozenset(
     ]
 )
 _INTEGER_WORDS = frozenset(("signed", "unsigned", "char", "short", "int", "long"))
+# Words no parameter is named: an unnamed parameter's declaration may end in one.
+_KEYWORDS = _INTEGER_WORDS | {"float", "double", "_Bool", "_Float16", "_Float32", "_Float64"}
+_KEYWORDS |= {"const", "volatile", "restrict"}
 _TYPEDEF = re.compile(r"\btypedef\s+([\w\s:]+?)\s+(\w+)\s*;")
 _USING = re.compile(r"\busing\s+(\w+)\s*=\s*([\w\s:]+?)\s*;")  # C++'s typedef
 _DIRECTIVE = re.compile(r"^[ \t]*#[ \t]*(\w+)(.*)$", re.M)
@@ -172,9 +175,10 @@ def resolved(words: list[str], typedefs: Mapping[str, list[str]]) -> list[str]:
 
 def type_words(declaration: str) -> list[str]:
     """The words of a parameter declaration's type: its name (the last word, where
-    there are several), qualifiers and attributes dropped."""
+    there are several and it is no keyword: a parameter may be unnamed, ``unsigned
+    char``), qualifiers and attributes dropped."""
     words = re.findall(r"\w+", re.sub(_NOT_TYPE_WORDS, " ", declaration))
-    words = words[:-1] if len(words) > 1 else words
+    words = words[:-1] if len(words) > 1 and words[-1] not in _KEYWORDS else words
     return [word for word in words if word not in _QUALIFIERS]
 
 

@@ -375,6 +375,13 @@ async def test_a_macro_naming_a_type_is_read_as_it(device: am.Device) -> None:
     k, got = await _kept(device, src, (3, 65535))
     assert got[:6] == _bytes_of(np.float32(3), np.uint16(65535))
     assert k.value_types == (("float32", "REAL x"), ("uint16", "COUNT n"))
+    out = await device.alloc(8)
+    _rejects(
+        device,
+        am.InvalidArgumentError,
+        r"vals\[1\] of 'k' must fit in uint16",
+        lambda: device.queue.launch(k, out, vals=(3, 65536)),
+    )
     # A macro of a qualifier, or of nothing, beside a type.
     qualified = (
         "#include <string.h>\n#define KCONST const\n#define ARG\n"
@@ -383,13 +390,23 @@ async def test_a_macro_naming_a_type_is_read_as_it(device: am.Device) -> None:
     )
     _, got = await _kept(device, qualified, (1.5, -2))
     assert got[:6] == _bytes_of(np.float32(1.5), np.int16(-2))
+
+
+async def test_unnamed_parameters_take_their_whole_type(device: am.Device) -> None:
+    """A value parameter without a name (C23, C++) is its whole declaration: an unnamed
+    ``unsigned char`` takes uint8 (not uint32, its last word taken for a name), and an
+    unnamed ``const float`` a float (not a type not known, given an int's bits)."""
+    src = "void k(unsigned char* out, unsigned char, const float, unsigned short n) {}"
+    k = await device.compile(src, "k", options=("-std=c2x",))
+    assert [t for t, _ in k.value_types] == ["uint8", "float32", "uint16"]
     out = await device.alloc(8)
     _rejects(
         device,
         am.InvalidArgumentError,
-        r"vals\[1\] of 'k' must fit in uint16",
-        lambda: device.queue.launch(k, out, vals=(3, 65536)),
+        r"vals\[0\] of 'k' must fit in uint8",
+        lambda: device.queue.launch(k, out, vals=(256, 1, 2)),
     )
+    await device.queue.launch(k, out, vals=(255, 3, 2))
 
 
 async def test_a_reference_parameter_is_refused(device: am.Device) -> None:
