@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any, Literal, NamedTuple
 
 from ._errors import ArgumentTypeError, CompileError, InvalidArgumentError
-from ._scalars import scalar_type, type_words, typedefs
+from ._scalars import resolved, scalar_type, type_words, typedefs
 
 ParamKind = Literal["buffer", "value"]
 
@@ -186,10 +186,33 @@ def c_value_types(src: str, name: str) -> tuple[tuple[str | None, str], ...]:
 
 
 # Type words of value parameters that are no scalar a launch can pass (with
-# ``scalar_type`` None: ``long double``, a struct by value...).
+# ``scalar_type`` None: ``long double``, a struct by value, CUDA's vector types...).
 _NOT_A_SCALAR = re.compile(
-    r"\b(float|double|half|_Float\d+x?|__fp16|__half|__half2|__nv_bfloat16|_Complex|struct|union)\b"
+    r"\b(float|double|half|_Float\d+x?|__fp16|__half|__half2|__nv_bfloat16|_Complex|struct|union"
+    r"|__int128|_BitInt|__float128|__float80|__ibm128|__bf16|_Decimal\d+|__m\d+\w*"
+    r"|vector_size|ext_vector_type|half2|__nv_bfloat162|nv_bfloat16|nv_bfloat162|dim3"
+    r"|(?:u?char|u?short|u?int|u?long|u?longlong|float|double)[1-4])\b"
 )
+# Each typedef of a source (its body's braces emptied): its words and its name, before
+# any GNU attribute (``typedef float v4 __attribute__((vector_size(16)));``).
+_ANY_TYPEDEF = re.compile(r"\btypedef\b([^;]*?)\b(\w+)\s*(__attribute__\s*\(\(.*?\)\))?\s*;")
+_BRACES = re.compile(r"\{[^{}]*\}")
+
+
+def _not_scalar_typedefs(text: str) -> set[str]:
+    """The names ``text`` typedefs as types no launch value passes (a struct, a vector,
+    ``long double``...)."""
+    while True:
+        emptied = _BRACES.sub(" ", text)
+        if emptied == text:
+            break
+        text = emptied
+    return {
+        name
+        for words, name, attribute in _ANY_TYPEDEF.findall(text)
+        if _NOT_A_SCALAR.search(attribute)  # a vector
+        or (_NOT_A_SCALAR.search(words) and scalar_type(type_words(f"{words} {name}"), {}) is None)
+    }
 
 
 def scalar_params(src: str, name: str) -> tuple[ParamKind, ...]:
@@ -198,11 +221,19 @@ def scalar_params(src: str, name: str) -> tuple[ParamKind, ...]:
     garbage (cpu, whose C calling convention passes it elsewhere) or cut short (cuda)."""
     declarations = c_param_declarations(src, name)
     known = typedefs(_strip(src))
+    not_scalars = _not_scalar_typedefs(_strip(src))
     for kind, declaration in declarations:
-        words = type_words(declaration)
+        if kind == "value" and "&" in declaration:
+            raise CompileError(
+                f"kernel {name!r}: parameter {declaration!r} is a reference, which the "
+                "kernel takes as an address: a launch value is no address (pass a pointer "
+                "to a buffer, or the value itself)",
+                name=name,
+            )
+        words = resolved(type_words(declaration), known)
         if (
             kind == "value"
-            and _NOT_A_SCALAR.search(" ".join(words))
+            and (_NOT_A_SCALAR.search(" ".join(words)) or not_scalars.intersection(words))
             and scalar_type(words, known) is None
         ):
             raise CompileError(

@@ -105,6 +105,7 @@ _QUALIFIERS = frozenset(
         "restrict",
         "__restrict",
         "__restrict__",
+        "__grid_constant__",  # CUDA's, of a const kernel parameter
         "register",
         "constant",
         "device",
@@ -113,29 +114,78 @@ _QUALIFIERS = frozenset(
     ]
 )
 _INTEGER_WORDS = frozenset(("signed", "unsigned", "char", "short", "int", "long"))
+# Words no parameter is named: an unnamed parameter's declaration may end in one.
+_KEYWORDS = _INTEGER_WORDS | {"float", "double", "_Bool", "_Float16", "_Float32", "_Float64"}
+_KEYWORDS |= {"const", "volatile", "restrict"}
 _TYPEDEF = re.compile(r"\btypedef\s+([\w\s:]+?)\s+(\w+)\s*;")
+_USING = re.compile(r"\busing\s+(\w+)\s*=\s*([\w\s:]+?)\s*;")  # C++'s typedef
+_DIRECTIVE = re.compile(r"^[ \t]*#[ \t]*(\w+)(.*)$", re.M)
+_TYPE_MACRO = re.compile(r"[ \t]*(\w+)(?:[ \t]+([\w \t]*?))?[ \t]*$")
+# What a declaration holds besides its type and name: attributes (``[[...]]``, GNU's
+# ``__attribute__((unused))``), namespaces.
+_NOT_TYPE_WORDS = re.compile(r"\[\[.*?\]\]|__attribute__\s*\(\(.*?\)\)|\w+::")
 
 
 def typedefs(text: str) -> dict[str, list[str]]:
-    """The plain typedefs of ``text`` (``typedef unsigned int u32;``): name -> words."""
-    return {name: re.findall(r"\w+", words) for words, name in _TYPEDEF.findall(text)}
+    """The plain typedefs of ``text`` (``typedef unsigned int u32;``, C++'s ``using u32 =
+    unsigned int;``) and its object-like macros of type words (``#define REAL float``):
+    name -> words. A name given different types (typedefs in ``#if`` branches, of which
+    one compiles), a macro defined inside an ``#if`` (a default a compile option may
+    override) or undefined is left out: which type the kernel takes cannot be told from
+    the source."""
+    found: dict[str, list[str]] = {}
+    apart: set[str] = set()
+
+    def add(name: str, words: list[str]) -> None:
+        if found.setdefault(name, words) != words:
+            apart.add(name)
+
+    for words, name in _TYPEDEF.findall(text):
+        add(name, re.findall(r"\w+", words))
+    for name, words in _USING.findall(text):
+        add(name, re.findall(r"\w+", words))
+    depth = 0  # of #if blocks
+    for directive, rest in _DIRECTIVE.findall(text):
+        if directive in ("if", "ifdef", "ifndef"):
+            depth += 1
+        elif directive == "endif":
+            depth -= 1
+        elif directive in ("define", "undef"):
+            macro = _TYPE_MACRO.match(rest)
+            if macro is None:  # function-like, or more than words
+                continue
+            name, body = macro.group(1), macro.group(2)
+            if directive == "undef" or depth:
+                apart.add(name)
+            else:
+                add(name, body.split() if body else [])
+    return {name: words for name, words in found.items() if name not in apart}
+
+
+def resolved(words: list[str], typedefs: Mapping[str, list[str]]) -> list[str]:
+    """Type words with each typedef's or macro's name replaced by what it names (in turn;
+    a macro may stand for a qualifier, ``#define KCONST const``, or nothing)."""
+    for _ in range(8):  # a typedef of a typedef...
+        named = [w for word in words for w in typedefs.get(word, [word]) if w not in _QUALIFIERS]
+        if named == words:
+            break
+        words = named
+    return words
 
 
 def type_words(declaration: str) -> list[str]:
     """The words of a parameter declaration's type: its name (the last word, where
-    there are several) and qualifiers dropped."""
-    words = re.findall(r"\w+", re.sub(r"\[\[.*?\]\]|\w+::", " ", declaration))
-    words = words[:-1] if len(words) > 1 else words
+    there are several and it is no keyword: a parameter may be unnamed, ``unsigned
+    char``), qualifiers and attributes dropped."""
+    words = re.findall(r"\w+", re.sub(_NOT_TYPE_WORDS, " ", declaration))
+    words = words[:-1] if len(words) > 1 and words[-1] not in _KEYWORDS else words
     return [word for word in words if word not in _QUALIFIERS]
 
 
 def scalar_type(words: list[str], typedefs: Mapping[str, list[str]]) -> str | None:
     """The scalar type that a declaration's type words name, or None where they name
     none of ``SIZES`` (a struct, a vector, ``long double``, an unknown name)."""
-    for _ in range(8):  # a typedef of a typedef...
-        if len(words) != 1 or words[0] not in typedefs:
-            break
-        words = [word for word in typedefs[words[0]] if word not in _QUALIFIERS]
+    words = resolved(words, typedefs)
     if len(words) == 1 and words[0] in _NAMED:
         return _NAMED[words[0]]
     if not words or not _INTEGER_WORDS.issuperset(words):
@@ -175,6 +225,8 @@ def launch_value(value: object, declared: str | None, where: str, param: str) ->
             raise ArgumentTypeError(
                 f"{where} must be an integer or a float, got numpy {own}" + _takes(declared, param)
             )
+        if own[0] == "f" and declared in (None, own):  # its own bits (a NaN's payload too)
+            return Scalar(int.from_bytes(value.tobytes(), "little", signed=True), own)
         if declared is None:
             return _packed(value.item(), own, where, param)
         if (own[0] == "f") != (declared[0] == "f"):

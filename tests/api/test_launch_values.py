@@ -4,6 +4,7 @@ submitted."""
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import textwrap
@@ -208,10 +209,13 @@ async def test_values_that_do_not_fit_their_parameter_are_refused(device: am.Dev
 
 
 async def test_a_python_float_for_a_type_not_known_is_refused(device: am.Device) -> None:
-    """A parameter whose type the source does not name plainly (a macro) takes numpy
-    scalars as their own type; a Python float, whose size would be a guess, is refused,
-    saying what to pass."""
-    src = "#define REAL float\nvoid scale(float* out, REAL x) { out[0] = x * 2; }"
+    """A parameter whose type the source does not name plainly (a macro a compile
+    option may override) takes numpy scalars as their own type; a Python float, whose
+    size would be a guess, is refused, saying what to pass."""
+    src = (
+        "#ifndef REAL\n#define REAL float\n#endif\n"
+        "void scale(float* out, REAL x) { out[0] = x * 2; }"
+    )
     scale = await device.compile(src, "scale")
     assert scale.value_types == ((None, "REAL x"),)
     out = await device.alloc(4)
@@ -252,6 +256,14 @@ def test_the_simulated_metal_refuses_bytes_shorter_than_the_argument() -> None:
     assert "takes 8 bytes, setBytes gave 4" in out.stderr, out.stderr[-2000:]
 
 
+async def _kept(device: am.Device, src: str, vals: tuple[Any, ...]) -> tuple[am.Program, bytes]:
+    """Kernel k of ``src`` launched with an 8-byte buffer and ``vals``: the buffer's bytes."""
+    k = await device.compile(src, "k")
+    out = await device.alloc(8)
+    await device.queue.launch(k, out, vals=vals)
+    return k, (await out.read(np.uint8)).tobytes()
+
+
 async def test_cpu_half_floats_pass_in_the_vector_registers(device: am.Device) -> None:
     """``_Float16`` parameters (the C calling convention passes them in a vector
     register's low bytes) from np.float16 and a Python float."""
@@ -260,8 +272,149 @@ async def test_cpu_half_floats_pass_in_the_vector_registers(device: am.Device) -
         "void k(_Float16 a, unsigned char* out, int n, _Float16 b)"
         " { memcpy(out, &a, 2); memcpy(out + 2, &b, 2); memcpy(out + 4, &n, 4); }"
     )
-    k = await device.compile(src, "k")
-    out = await device.alloc(8)
-    await device.queue.launch(k, out, vals=(np.float16(-1.5), 9, 0.333))
-    got = (await out.read(np.uint8)).tobytes()
+    _, got = await _kept(device, src, (np.float16(-1.5), 9, 0.333))
     assert got == _bytes_of(np.float16(-1.5), np.float16(0.333), np.int32(9))
+
+
+async def test_numpy_floats_pass_their_own_bits(device: am.Device) -> None:
+    """A numpy float for a parameter of its own type reaches it bit for bit: a
+    signalling NaN stays one, its payload whole (not quieted by a round trip through a
+    Python float)."""
+    signalling = np.frombuffer(np.uint32(0x7F80_0001).tobytes(), np.float32)[0]
+    payload = np.frombuffer(np.uint32(0xFFA0_0D0D).tobytes(), np.float32)[0]
+    out, more = await _put(
+        device, device.queue, (signalling, _second(device), 1, 2, payload, 3, 4, 5)
+    )
+    assert out[0:4] == signalling.tobytes() and more[0:4] == payload.tobytes()
+
+
+TYPEDEF_APART = r"""
+#include <string.h>
+#ifdef WIDE
+typedef double real;
+#else
+typedef float real;
+#endif
+void keep(unsigned char* out, real x) { memcpy(out, &x, sizeof x); }
+"""
+
+
+async def test_a_type_defined_apart_in_if_branches_is_not_known(device: am.Device) -> None:
+    """A typedef in two #if branches names the type of whichever compiles, which the
+    source cannot tell: not known, so a numpy float passes as its own type and a
+    Python float is refused -- none is passed as the other branch's type."""
+    out = await device.alloc(8)
+    for options, value in (((), np.float32(-2.5)), (("-DWIDE",), np.float64(-2.5))):
+        keep = await device.compile(TYPEDEF_APART, "keep", options=options)
+        assert keep.value_types == ((None, "real x"),)
+        await device.queue.launch(keep, out, vals=(value,))
+        assert (await out.read(np.uint8)).tobytes()[: value.nbytes] == value.tobytes()
+        _rejects(
+            device,
+            am.ArgumentTypeError,
+            r"vals\[0\] of 'keep' is a Python float, and the type of its parameter 'real x' "
+            r"is not known",
+            functools.partial(device.queue.launch, keep, out, vals=(-2.5,)),
+        )
+
+
+@pytest.mark.parametrize(
+    ("before", "declaration"),
+    [
+        ("typedef long double ld; typedef ld wide;", "wide a"),
+        ("typedef struct { float x, y; } pair;", "pair a"),
+        ("struct pair { int x; }; typedef struct pair pair_t;", "pair_t a"),
+        ("typedef float v4 __attribute__((vector_size(16)));", "v4 a"),
+        ("typedef unsigned __int128 u128;", "u128 a"),
+        ("", "__int128 a"),
+        ("", "__float128 a"),
+        ("", "__bf16 a"),
+        ("", "float2 a"),  # CUDA's vector types (a struct of two floats)
+        ("", "const uint4 a"),
+        ("", "__half2 a"),
+    ],
+)
+async def test_a_value_no_launch_passes_is_refused_behind_its_typedef(
+    device: am.Device, before: str, declaration: str
+) -> None:
+    """A cpu value parameter of a type no launch value passes (its calling convention
+    passes it in memory, in two registers, or in a vector register a launch's int would
+    not reach) is refused at compile, also when a typedef names it or it is one of the
+    compiler's own (``__int128``)."""
+    source = f"{before}\nvoid k(int* out, {declaration}, int n) {{ out[0] = n; }}"
+    with pytest.raises(am.CompileError, match="is not a scalar") as info:
+        await device.compile(source, "k")
+    assert declaration in str(info.value)
+
+
+async def test_scalar_types_read_past_attributes_and_enums(device: am.Device) -> None:
+    """A GNU attribute after a parameter's name is not its type, nor is CUDA's
+    ``__grid_constant__``; an enum's typedef (an int) is no struct."""
+    source = (
+        "typedef enum { A, B } mode;\n"
+        "void k(int* out, float x __attribute__((unused)), mode m, unsigned char c) {}"
+    )
+    k = await device.compile(source, "k")
+    assert [t for t, _ in k.value_types] == ["float32", None, "uint8"]
+    # CUDA's qualifier of a const kernel parameter (here defined away for C)
+    source = "void k(int* out, const __grid_constant__ float x) {}"
+    k = await device.compile(source, "k", options=("-D__grid_constant__=",))
+    assert k.value_types == (("float32", "const __grid_constant__ float x"),)
+
+
+async def test_a_macro_naming_a_type_is_read_as_it(device: am.Device) -> None:
+    """An object-like macro of type words, defined outside any #if, names its type as a
+    typedef does: a Python int reaches a float parameter so declared as that float (not
+    as an int's bits in the wrong register), and an unsigned short's range is its own;
+    a macro of a qualifier is one."""
+    src = (
+        "#include <string.h>\n#define REAL float\n#define COUNT unsigned short\n"
+        "void k(unsigned char* out, REAL x, COUNT n)"
+        " { memcpy(out, &x, 4); memcpy(out + 4, &n, 2); }"
+    )
+    k, got = await _kept(device, src, (3, 65535))
+    assert got[:6] == _bytes_of(np.float32(3), np.uint16(65535))
+    assert k.value_types == (("float32", "REAL x"), ("uint16", "COUNT n"))
+    out = await device.alloc(8)
+    _rejects(
+        device,
+        am.InvalidArgumentError,
+        r"vals\[1\] of 'k' must fit in uint16",
+        lambda: device.queue.launch(k, out, vals=(3, 65536)),
+    )
+    # A macro of a qualifier, or of nothing, beside a type.
+    qualified = (
+        "#include <string.h>\n#define KCONST const\n#define ARG\n"
+        "void k(unsigned char* out, KCONST float x, ARG short n)"
+        " { memcpy(out, &x, 4); memcpy(out + 4, &n, 2); }"
+    )
+    _, got = await _kept(device, qualified, (1.5, -2))
+    assert got[:6] == _bytes_of(np.float32(1.5), np.int16(-2))
+
+
+async def test_unnamed_parameters_take_their_whole_type(device: am.Device) -> None:
+    """A value parameter without a name (C23, C++) is its whole declaration: an unnamed
+    ``unsigned char`` takes uint8 (not uint32, its last word taken for a name), and an
+    unnamed ``const float`` a float (not a type not known, given an int's bits)."""
+    src = "void k(unsigned char* out, unsigned char, const float, unsigned short n) {}"
+    k = await device.compile(src, "k", options=("-std=c2x",))
+    assert [t for t, _ in k.value_types] == ["uint8", "float32", "uint16"]
+    out = await device.alloc(8)
+    _rejects(
+        device,
+        am.InvalidArgumentError,
+        r"vals\[0\] of 'k' must fit in uint8",
+        lambda: device.queue.launch(k, out, vals=(256, 1, 2)),
+    )
+    await device.queue.launch(k, out, vals=(255, 3, 2))
+
+
+async def test_a_reference_parameter_is_refused(device: am.Device) -> None:
+    """A C++ reference parameter (CUDA C++ takes one in a kernel: an address the kernel
+    reads through) is refused at compile, before compiling: a launch value would be
+    read as an address, and ``const float&`` taken as a float."""
+    for declaration in ("const float& a", "int &a", "const double &a"):
+        source = f"void k(int* out, {declaration}) {{ out[0] = 1; }}"
+        with pytest.raises(am.CompileError, match="is a reference") as info:
+            await device.compile(source, "k")
+        assert declaration in str(info.value) and not info.value.log

@@ -257,9 +257,13 @@ async def test_compile_errors(anyio_backend: object) -> None:
         with pytest.raises(am.CompileError) as info:  # the signature itself is broken
             await dev.compile('extern "C" __global__ void k( {', "k")
         assert "not defined" not in str(info.value) and info.value.log
-        # Launch values are ints: a float parameter would get an int's bits.
-        with pytest.raises(am.CompileError, match="'float a' is not an integer"):
-            await dev.compile('extern "C" __global__ void k(float* x, float a) { x[0] = a; }', "k")
+        # A value no launch passes: a long double, a reference (the kernel takes an address).
+        with pytest.raises(am.CompileError, match="'long double a' is not a scalar"):
+            await dev.compile('extern "C" __global__ void k(float* x, long double a) {}', "k")
+        with pytest.raises(am.CompileError, match="'float2 a' is not a scalar"):
+            await dev.compile('extern "C" __global__ void k(float* x, float2 a) {}', "k")
+        with pytest.raises(am.CompileError, match="'const float& a' is a reference"):
+            await dev.compile('extern "C" __global__ void k(float* x, const float& a) {}', "k")
 
 
 def test_nvrtc_compiler_pickles_as_configuration() -> None:

@@ -107,6 +107,34 @@ GPU = "metal" in am.devices()
 SIMULATED = metal_sim.configured()
 
 
+USING = """
+#include <metal_stdlib>
+using namespace metal;
+using real = float;
+using count_t = ushort;
+kernel void keep(device uchar* out [[buffer(0)]], constant real& x [[buffer(1)]],
+                 constant count_t& n [[buffer(2)]], uint i [[thread_position_in_grid]]) {
+    *(device real*)(out) = x; *(device count_t*)(out + 4) = n;
+}
+"""
+
+
+@pytest.mark.metal
+@pytest.mark.anyio
+@pytest.mark.skipif(not GPU, reason="needs macOS with a Metal device")
+async def test_values_of_types_named_by_using(anyio_backend: object) -> None:
+    """A type C++'s ``using`` names is read as the type it names: a Python int reaches a
+    ``real`` (float) parameter as that float, not as an int's bits, and a ``count_t``
+    (ushort) parameter as its two bytes."""
+    async with am.open_device("metal") as dev:
+        keep = await dev.compile(USING, "keep")
+        out = await dev.alloc(8)
+        await dev.queue.launch(keep, out, vals=(3, 65535))
+        got = (await out.read(np.uint8)).tobytes()
+        assert got[:6] == np.float32(3).tobytes() + np.uint16(65535).tobytes()
+        assert [t for t, _ in keep.value_types] == ["float32", "uint16"]
+
+
 @pytest.mark.parametrize("n", [1000])
 @pytest.mark.metal
 @pytest.mark.anyio

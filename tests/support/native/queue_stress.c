@@ -17,6 +17,10 @@
  *   parts     queues sharing a chunk's copy in parts, after a device word another
  *             thread raises: the chunk is ready only once every byte is in
  *   blocks    a block invoke function raising a timeline from another thread
+ *   calls     kernels of 16 parameters mixing integers, pointers, floats, doubles and
+ *             _Float16 (past the general and the vector registers, onto the stack) called
+ *             by the queue thread with random bits: each parameter gets its slot's own
+ *             low bytes
  *   fork      (only with "fork") a child forked while a queue waits frees the parent's
  *             queue, timeline and watch without hanging, and runs a queue of its own
  *
@@ -349,6 +353,103 @@ static void check_fork(long n) {
     puts("ok fork");
 }
 
+/* ---- calls: the runtime's calling convention for mixed parameter types ----------- */
+
+static int64_t got[16];  /* each parameter's bytes, as the kernel received them */
+#define GOT(i, x) memcpy(&got[i], &(x), sizeof(x))
+#ifdef __FLT16_MAX__
+typedef _Float16 h16;
+#else
+typedef float h16;  /* a compiler without _Float16 here: a float in the same register */
+#endif
+
+/* float int double pointer, four times: 8 vector and 8 general arguments */
+static void k_alternate(float a0, int b0, double c0, void *d0, float a1, int b1, double c1,
+                        void *d1, float a2, int b2, double c2, void *d2, float a3, int b3,
+                        double c3, void *d3) {
+    GOT(0, a0); GOT(1, b0); GOT(2, c0); GOT(3, d0); GOT(4, a1); GOT(5, b1); GOT(6, c1);
+    GOT(7, d1); GOT(8, a2); GOT(9, b2); GOT(10, c2); GOT(11, d2); GOT(12, a3); GOT(13, b3);
+    GOT(14, c3); GOT(15, d3);
+}
+static void k_doubles(double a0, double a1, double a2, double a3, double a4, double a5,
+                      double a6, double a7, double a8, double a9, double a10, double a11,
+                      double a12, double a13, double a14, double a15) {
+    GOT(0, a0); GOT(1, a1); GOT(2, a2); GOT(3, a3); GOT(4, a4); GOT(5, a5); GOT(6, a6);
+    GOT(7, a7); GOT(8, a8); GOT(9, a9); GOT(10, a10); GOT(11, a11); GOT(12, a12);
+    GOT(13, a13); GOT(14, a14); GOT(15, a15);
+}
+/* 9 floats then an int, a float past the registers, then ints: stack order mixed */
+static void k_floats_first(float a0, float a1, float a2, float a3, float a4, float a5,
+                           float a6, float a7, float a8, long long b0, float a9, long long b1,
+                           long long b2, long long b3, long long b4, long long b5) {
+    GOT(0, a0); GOT(1, a1); GOT(2, a2); GOT(3, a3); GOT(4, a4); GOT(5, a5); GOT(6, a6);
+    GOT(7, a7); GOT(8, a8); GOT(9, b0); GOT(10, a9); GOT(11, b1); GOT(12, b2); GOT(13, b3);
+    GOT(14, b4); GOT(15, b5);
+}
+/* 7 integers (the 7th past x86-64's registers) then 9 halves (the 9th past the vector
+ * registers), shorts and chars among them */
+static void k_ints_first(long long b0, short b1, int b2, signed char b3, long long b4,
+                         unsigned short b5, long long b6, h16 a0, h16 a1, h16 a2, h16 a3,
+                         h16 a4, h16 a5, h16 a6, h16 a7, h16 a8) {
+    GOT(0, b0); GOT(1, b1); GOT(2, b2); GOT(3, b3); GOT(4, b4); GOT(5, b5); GOT(6, b6);
+    GOT(7, a0); GOT(8, a1); GOT(9, a2); GOT(10, a3); GOT(11, a4); GOT(12, a5); GOT(13, a6);
+    GOT(14, a7); GOT(15, a8);
+}
+
+static const struct {
+    void *fn;
+    const char *types;  /* each parameter: i int, q long long, h short, c char, p pointer,
+                           f float, d double, e _Float16 */
+} CALLS[] = {
+    {(void *)k_alternate, "fidpfidpfidpfidp"},
+    {(void *)k_doubles, "dddddddddddddddd"},
+    {(void *)k_floats_first, "fffffffffqfqqqqq"},
+    {(void *)k_ints_first, "qhicqhqeeeeeeeee"},
+};
+
+static size_t type_size(char type) {
+    switch (type) {
+    case 'c': return 1;
+    case 'h': case 'e': return 2;
+    case 'i': case 'f': return 4;
+    default: return 8;
+    }
+}
+
+static void check_calls(long n) {
+    atomic_store(&phase, "calls");
+    am_timeline *own = am_timeline_new();
+    am_queue *q = am_queue_new(own, 0, 19);
+    if (!own || !q) die("calls: out of memory");
+    uint64_t bits = 0x9E3779B97F4A7C15ULL, done = 0;
+    for (long i = 0; i < n; i++) {
+        for (size_t k = 0; k < sizeof CALLS / sizeof CALLS[0]; k++) {
+            int64_t args[16];
+            uint32_t floats = 0;
+            for (int j = 0; j < 16; j++) {
+                bits ^= bits << 13; bits ^= bits >> 7; bits ^= bits << 17;  /* xorshift */
+                args[j] = (int64_t)bits;
+                if (strchr("fde", CALLS[k].types[j])) floats |= 1u << j;
+            }
+            memset(got, 0, sizeof got);
+            if (am_queue_call(q, CALLS[k].fn, 16, args, floats, NULL, ++done)) die("calls: push");
+            if (!reached(own, done)) die("calls: the call did not run");
+            for (int j = 0; j < 16; j++) {
+                if (memcmp(&got[j], &args[j], type_size(CALLS[k].types[j]))) {
+                    fprintf(stderr, "signature %s: parameter %d got %016llx, passed %016llx\n",
+                            CALLS[k].types, j, (unsigned long long)got[j],
+                            (unsigned long long)args[j]);
+                    die("calls: a parameter got other bits than its slot's");
+                }
+            }
+        }
+        atomic_fetch_add(&progress, 1);
+    }
+    am_queue_close(q, 0);
+    am_timeline_free(own);
+    puts("ok calls");
+}
+
 int main(int argc, char **argv) {
     long n = argc > 1 ? atol(argv[1]) : 5000;
     pthread_t dog;
@@ -360,6 +461,7 @@ int main(int argc, char **argv) {
     check_watch(n);
     check_parts(n / 10);
     check_blocks(n / 10);
+    check_calls(n / 10);
     if (argc > 2 && !strcmp(argv[2], "fork")) check_fork(n / 50 + 1);
     return 0;
 }
