@@ -531,6 +531,10 @@ class CPUQueue(NativeQueue):
             if self._handle is not None:
                 self._lib.am_queue_discard(self._handle)
 
+    def let_go_kept(self) -> None:
+        """Let go of the host objects of the commands this queue has done."""
+        self._keep.let_go()
+
     def close(self, abandon: bool = False) -> None:
         with self._closing:
             handle, self._handle = self._handle, None

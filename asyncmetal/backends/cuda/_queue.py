@@ -68,6 +68,24 @@ class QueueDevice(StagingDevice, Protocol):
 _SLOT = (1 << 64) - 1  # a value's two's complement bits in a 64-bit slot
 
 
+class _StagedKeepAlive(KeepAlive):
+    """A cuda queue's host objects. A pageable copy's host side is kept by its staging's
+    host-copy threads as well (each thread's queue, until that queue's next part): once
+    the copy is done and awaited, theirs are let go of with the queue's own."""
+
+    __slots__ = ("staging",)
+
+    def __init__(self, timeline: NativeTimeline) -> None:
+        super().__init__(timeline)
+        self.staging: Staging | None = None
+
+    def let_go(self) -> None:
+        super().let_go()
+        if self.staging is not None:
+            for copier in self.staging.copier.queues:
+                copier.let_go_kept()
+
+
 class CUDAQueue(NativeQueue):
     markers = True  # an event recorded on the stream: adopted streams have others' work
 
@@ -106,7 +124,7 @@ class CUDAQueue(NativeQueue):
         self._error = ctypes.c_int.from_address(self._q)  # am_cuq's first member
         self._sticky = (0, 0)
         self._cause = (0, 0, 0)  # for WAITED_FAILED: that queue's timeline, error, value
-        self._keep = KeepAlive(timeline)
+        self._keep = _StagedKeepAlive(timeline)
         self._closing = threading.Lock()  # a discard (any thread) and the close's take
         self._discarded = False
         self._slots = (ctypes.c_uint64 * MAX_PARAMS)()
@@ -494,7 +512,7 @@ class CUDAQueue(NativeQueue):
 
     def _staging_for(self) -> Staging:
         if self._staging is None:
-            self._staging = Staging(self._backend)
+            self._staging = self._keep.staging = Staging(self._backend)
         return self._staging
 
     def wait_stream(self, stream: int, value: int, record: Record) -> None:
