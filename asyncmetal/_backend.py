@@ -238,6 +238,8 @@ class NativeQueue(ABC):
     # submit to too), not the queue's last command.
     markers: bool = False
     handle: int | None = None  # the native stream (a CUstream's address), where there is one
+    # The host objects its commands use (a copy's arrays), kept until they are done.
+    _keep: KeepAlive | None = None
 
     def marker(self, value: int, record: Record) -> None:
         """A command that does nothing: done once everything before it on the stream is

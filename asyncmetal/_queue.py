@@ -85,7 +85,7 @@ class Completion(Record):
         # What the queue kept for it goes now, not at the queue's next submission: a
         # copy's host array (megabytes maybe), a bytearray (which cannot be resized
         # while a view of it is kept).
-        keep = getattr(native, "_keep", None)
+        keep = native._keep
         if keep is not None and keep.items:
             keep.let_go()
         if self.error is not None:

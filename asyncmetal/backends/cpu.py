@@ -363,7 +363,7 @@ class CPUQueue(NativeQueue):
         self._handle: int | None = lib.am_queue_new(timeline.c_timeline, SPIN_NS, queue_nice())
         if not self._handle:
             raise MemoryError("am_queue_new")
-        self._keep = KeepAlive(timeline)
+        self._keep: KeepAlive = KeepAlive(timeline)
         self._closing = threading.Lock()  # a discard (any thread) and the close's take
         self._scratch = (ctypes.c_int64 * MAX_ARGS)()
         self._call = lib.am_queue_call

@@ -124,7 +124,7 @@ class CUDAQueue(NativeQueue):
         self._error = ctypes.c_int.from_address(self._q)  # am_cuq's first member
         self._sticky = (0, 0)
         self._cause = (0, 0, 0)  # for WAITED_FAILED: that queue's timeline, error, value
-        self._keep = _StagedKeepAlive(timeline)
+        self._keep: _StagedKeepAlive = _StagedKeepAlive(timeline)
         self._closing = threading.Lock()  # a discard (any thread) and the close's take
         self._discarded = False
         self._slots = (ctypes.c_uint64 * MAX_PARAMS)()

@@ -151,7 +151,7 @@ class MetalQueue(NativeQueue):
         # Held by whoever takes buffers off the list (a reap, on the loop's thread or the
         # queue's own) until it has noted what they say: another then sees that too.
         self._buffers_lock = threading.Lock()
-        self._keep = KeepAlive(timeline)
+        self._keep: KeepAlive = KeepAlive(timeline)
         # The first of its command buffers that failed: it and every later one report
         # its error (another queue's commands report their own).
         self._lost: DeviceLostError | None = None
