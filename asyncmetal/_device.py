@@ -162,6 +162,7 @@ class Device:
         self._adopted: dict[object, Queue] = {}  # by stream
         self._timelines: weakref.WeakSet[Timeline] = weakref.WeakSet()  # from timeline()
         self._closing: HostEvents | None = None  # reaches 1 once a close has finished
+        self._torn_down = False  # a close's teardown has begun (on its thread)
         self._discarding = False  # its close drops what has not started (close(discard=))
         self._close_lock = threading.Lock()
         self._allocator = Allocator(self._state)
@@ -679,9 +680,12 @@ class Device:
         were cancelled (a ``Buffer.free``, ``empty_memory_cache``): nobody heard of it.
         """
         with self._close_lock:  # one teardown, whichever thread closes first
-            closing, starts = self._closing, self._closing is None and not self.closed
-            if starts:
-                self._closing = closing = HostEvents()
+            if self._closing is None and not self.closed:
+                self._closing = HostEvents()
+            # Until a teardown has begun, each close starts one (the first to begin runs
+            # it, see _teardown): a KeyboardInterrupt may have stopped an earlier close
+            # anywhere before its thread ran, and nothing else would ever end it.
+            closing, starts = self._closing, not self._torn_down
         if closing is None:
             return  # closed without a teardown (a forked child's, at exit)
         if discard:
@@ -705,6 +709,10 @@ class Device:
         self._discarding = True
 
     async def _teardown(self, closing: HostEvents, failed: list[BaseException]) -> None:
+        with self._close_lock:
+            if self._torn_down:
+                return  # another close's thread runs it
+            self._torn_down = True
         try:
             await self._finish_completable()  # (returns at once when discarding)
             # Sealed: no submission is under way (another thread's) or can start.

@@ -111,13 +111,14 @@ static void poison(am_queue *q, uint64_t value, int error, uint64_t cause_value,
 }
 
 /* am_queue_close(abandon) sets stop under q->mu, then reads waiting_on and broadcasts
- * t's condition under t->mu (am_queue_discard sets discard the same way). So stop and
- * discard are read under t->mu right before each sleep: either the broadcast comes after
- * this thread sleeps (it wakes it), or the store came before this thread took t->mu (it
- * sees it). Read only before taking t->mu, a broadcast landing in between would find
- * nobody asleep and be lost. Returns 0 if abandoned. If t failed instead of reaching
- * target, or the queue was told to discard meanwhile, the wait's command (`value`) and
- * every later one fail (poison), with t's failure behind them or as discarded. */
+ * t's condition under t->mu, q->mu still held (am_queue_discard sets discard the same
+ * way: wake_waiting). So stop and discard are read under t->mu right before each sleep:
+ * either the broadcast comes after this thread sleeps (it wakes it), or the store came
+ * before this thread took t->mu (it sees it). Read only before taking t->mu, a broadcast
+ * landing in between would find nobody asleep and be lost. Returns 0 if abandoned. If t
+ * failed instead of reaching target, or the queue was told to discard meanwhile, the
+ * wait's command (`value`) and every later one fail (poison), with t's failure behind
+ * them or as discarded. */
 static int wait_timeline(am_queue *q, am_timeline *t, uint64_t target, uint64_t value) {
     pthread_mutex_lock(&q->mu);
     q->waiting_on = t;
@@ -403,6 +404,21 @@ uint64_t am_queue_failure(am_queue *q, int *error, uint64_t *value, am_timeline 
     return failed;
 }
 
+/* Wake q's thread from the wait it is in, if any, to look at stop and discard again.
+ * Under q->mu: the thread clears waiting_on under it once its wait ended, and only then
+ * passes the wait's command, whose objects keep the timeline waited on alive -- let go
+ * of past it, the timeline may be freed at once (on another thread) while this still
+ * broadcasts its condition. (Lock order: q->mu, then t->mu; the thread never takes q->mu
+ * with a timeline's mu held.) */
+static void wake_waiting(am_queue *q) {
+    am_timeline *t = q->waiting_on;
+    if (t) {
+        pthread_mutex_lock(&t->mu);
+        pthread_cond_broadcast(&t->cv);
+        pthread_mutex_unlock(&t->mu);
+    }
+}
+
 /* Drop q's commands that have not started: each that the thread takes from now on fails
  * without running (a signal among them fails its timeline), as does a device wait it is
  * in (it ends); a command running now finishes. The queue's own timeline still rises
@@ -412,13 +428,8 @@ void am_queue_discard(am_queue *q) {
     if (q->forks != am_forks) return;  /* (a parent's queue, in a forked child) */
     pthread_mutex_lock(&q->mu);
     __atomic_store_n(&q->discard, 1, __ATOMIC_SEQ_CST);
-    am_timeline *t = q->waiting_on;
+    wake_waiting(q);
     pthread_mutex_unlock(&q->mu);
-    if (t) {
-        pthread_mutex_lock(&t->mu);
-        pthread_cond_broadcast(&t->cv);
-        pthread_mutex_unlock(&t->mu);
-    }
 }
 
 /* Stop the thread and free the queue. abandon=0: after everything queued has run;
@@ -429,13 +440,8 @@ void am_queue_close(am_queue *q, int abandon) {
     pthread_mutex_lock(&q->mu);
     __atomic_store_n(&q->stop, abandon ? 2 : 1, __ATOMIC_SEQ_CST);
     pthread_cond_signal(&q->cv);
-    am_timeline *t = q->waiting_on;
+    if (abandon) wake_waiting(q);
     pthread_mutex_unlock(&q->mu);
-    if (t && abandon) {
-        pthread_mutex_lock(&t->mu);
-        pthread_cond_broadcast(&t->cv);
-        pthread_mutex_unlock(&t->mu);
-    }
     pthread_join(q->thread, NULL);
     pthread_mutex_destroy(&q->mu);
     pthread_cond_destroy(&q->cv);

@@ -6,16 +6,19 @@ the device half closed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import anyio
 import numpy as np
 import pytest
 
 import asyncmetal as am
+from tests.support.interrupts import interrupted
 from tests.support.queues import discard_outcomes
 
 pytestmark = pytest.mark.anyio
@@ -248,3 +251,38 @@ def test_a_second_ctrl_c_during_a_close_discards_and_never_half_closes(loop: str
     assert proc.returncode == 0, proc.stderr[-3000:]
     facts = ["closed", "True", "stopped", "True", "open", "0", "dropped", "True"]
     assert proc.stdout.split() == facts, proc.stdout + proc.stderr[-3000:]
+
+
+async def test_a_keyboard_interrupt_anywhere_in_close_leaves_the_device_closable(
+    anyio_backend: object,
+) -> None:
+    """A KeyboardInterrupt wherever CPython delivers one in ``Device.close`` (trio
+    raises Ctrl-C in whatever Python code its main task runs) -- before, while and
+    after the teardown is started -- never leaves a device whose teardown nobody
+    runs: the next close ends, the device fully closed (its queues stopped)."""
+    at = 0
+    while True:
+        device = await am.open_device("cpu")
+        device.new_queue().wait(device.timeline(), 1)  # (abandoned by the close)
+        codes = {am.Device.close.__code__}
+        with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+            await device.close()
+        # The next close, from a thread of its own: one waiting for a teardown that
+        # never comes waits for good (shielded), which this must see fail, not hang.
+        closed = threading.Event()
+        threading.Thread(target=_close_then_set, args=(device, closed), daemon=True).start()
+        with anyio.move_on_after(10):
+            while not closed.is_set():
+                await anyio.sleep(0.01)
+        assert closed.is_set(), f"the next close waits for good (interrupted at {at})"
+        assert device.closed and device._state.stopped, at
+        assert device not in am.open_devices(), at
+        if not raised:
+            break
+        at += 1
+    assert at >= 3
+
+
+def _close_then_set(device: am.Device, closed: threading.Event) -> None:
+    anyio.run(device.close)
+    closed.set()

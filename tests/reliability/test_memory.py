@@ -8,12 +8,10 @@ import asyncio
 import collections
 import contextlib
 import gc
-import sys
 import threading
 import time
-import types
 import weakref
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -23,6 +21,7 @@ import pytest
 import asyncmetal as am
 from asyncmetal import _dlpack, _queue
 from asyncmetal._allocator import Allocator
+from tests.support.interrupts import interrupted
 from tests.support.kernels import KERNELS
 from tests.support.queues import copies_done_before_awaited
 
@@ -1130,31 +1129,6 @@ def _record_frees_and_close(
     return calls
 
 
-@contextlib.contextmanager
-def _interrupted(codes: set[types.CodeType], at: int) -> Iterator[list[bool]]:
-    """A KeyboardInterrupt raised where CPython would raise one (it runs signal
-    handlers after a call returns, attributed to the call, and at a function's entry)
-    in a frame of ``codes``: at the ``at``-th of its calls' entries and returns,
-    counted from 0 (the list given gets True then). These frames have no loops."""
-    raised: list[bool] = []
-    seen = [0]
-
-    def profile(frame: types.FrameType, event: str, arg: object) -> None:
-        caller = frame if event.startswith("c_") else frame.f_back
-        calls = event in ("call", "return", "c_return")
-        if calls and caller is not None and caller.f_code in codes and not raised:
-            seen[0] += 1
-            if seen[0] > at:
-                raised.append(True)
-                raise KeyboardInterrupt
-
-    sys.setprofile(profile)
-    try:
-        yield raised
-    finally:
-        sys.setprofile(None)
-
-
 @pytest.mark.anyio
 @pytest.mark.parametrize("cached", [False, True], ids=["native", "cached"])
 async def test_a_keyboard_interrupt_inside_an_allocation_leaves_no_allocation_under_way(
@@ -1171,7 +1145,7 @@ async def test_a_keyboard_interrupt_inside_an_allocation_leaves_no_allocation_un
         while True:
             if cached:
                 await (await dev.alloc(MiB)).free()
-            with _interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+            with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
                 allocator._try_alloc(MiB, MiB)
             assert not allocator._allocating, f"an allocation left under way ({at})"
             live = sum(block.nbytes for block in allocator._live)

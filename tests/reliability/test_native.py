@@ -46,7 +46,17 @@ def test_queue_close_wait_watch_stress(tmp_path: Path, sanitizer: str) -> None:
     args = ARGS[sanitizer]
     proc = harness.run(binary, *args, sanitizer=sanitizer)
     assert proc.returncode == 0, proc.stderr[-6000:] + proc.stdout
-    checks = ["abandon", "word", "finish", "watch", "parts", "blocks", "calls", *args[1:]]
+    checks = [
+        "abandon",
+        "word",
+        "finish",
+        "discard",
+        "watch",
+        "parts",
+        "blocks",
+        "calls",
+        *args[1:],
+    ]
     assert proc.stdout.split() == [word for check in checks for word in ("ok", check)]
 
 

@@ -21,6 +21,14 @@
  *             _Float16 (past the general and the vector registers, onto the stack) called
  *             by the queue thread with random bits: each parameter gets its slot's own
  *             low bytes
+ *   discard   am_queue_discard racing the queue thread's way into a device wait, a
+ *             thread pushing commands and a close: the wait ends (a broadcast lost
+ *             between the thread's look at `discard` and its sleep hangs here), the
+ *             close returns with the queue's timeline at its last value, failed as
+ *             discarded; a signal dropped fails its timeline. And a discard while the
+ *             wait it would end is released by another thread, which then frees the
+ *             timeline once the queue's own passed the wait (as the Python side lets go
+ *             of a command's objects): the discard must not touch it (AddressSanitizer)
  *   fork      (only with "fork") a child forked while a queue waits frees the parent's
  *             queue, timeline and watch without hanging, and runs a queue of its own
  *
@@ -180,6 +188,77 @@ static void check_finish(long n) {
         atomic_fetch_add(&progress, 1);
     }
     puts("ok finish");
+}
+
+typedef struct { am_queue *q; long n; } push_arg;
+
+static void *push_copies(void *arg) {  /* another thread's submissions, values 3.. */
+    push_arg *p = arg;
+    static char a[8] = "x", b[8];
+    for (long v = 3; v < 3 + p->n; v++)
+        if (am_queue_copy(p->q, b, a, sizeof a, NULL, (uint64_t)v)) die("discard: push");
+    return NULL;
+}
+
+typedef struct { am_timeline *t, *own; uint64_t passed; long delay; } release_arg;
+
+static void *release_and_free(void *arg) {  /* signal t; once the wait passed, free t */
+    release_arg *r = arg;
+    jitter(r->delay);
+    am_timeline_signal(r->t, 1);
+    if (!reached(r->own, r->passed)) die("discard: a released wait never passed");
+    am_timeline_free(r->t);
+    return NULL;
+}
+
+static void check_discard(long n) {
+    atomic_store(&phase, "discard");
+    for (long i = 0; i < n; i++) {
+        am_timeline *own = am_timeline_new(), *t = am_timeline_new(), *t2 = am_timeline_new();
+        am_queue *q = am_queue_new(own, i % 2 ? 50000 : 0, 19);
+        if (!own || !t || !t2 || !q) die("discard: out of memory");
+        /* 1: a wait nobody signals, 2: a signal of t2; 3..: another thread's copies */
+        if (am_queue_wait(q, t, 1, 1) || am_queue_signal(q, t2, 1, 2)) die("discard: push");
+        push_arg p = {q, 64};
+        pthread_t th;
+        pthread_create(&th, NULL, push_copies, &p);
+        jitter(i);
+        am_queue_discard(q);
+        pthread_join(th, NULL);
+        am_queue_close(q, 0);
+        int error = 0;
+        uint64_t value = 0;
+        am_timeline *cause = NULL;
+        if (am_timeline_value(own) != 3 + 63) die("discard: the queue's timeline stopped short");
+        if (am_timeline_failure(own, &error, &value, &cause) != 1 || error != AM_DISCARDED)
+            die("discard: the queue's timeline not failed from the wait, as discarded");
+        if (am_timeline_failure(t2, &error, &value, &cause) != 1 || error != AM_DISCARDED)
+            die("discard: a dropped signal did not fail its timeline");
+        am_timeline_free(t);
+        am_timeline_free(t2);
+        am_timeline_free(own);
+        atomic_fetch_add(&progress, 1);
+    }
+    for (long i = 0; i < n; i++) {
+        am_timeline *own = am_timeline_new(), *t = am_timeline_new();
+        am_queue *q = am_queue_new(own, i % 2 ? 50000 : 0, 19);
+        if (!own || !t || !q) die("discard: out of memory");
+        if (am_queue_wait(q, t, 1, 1)) die("discard: push");
+#if !SANITIZE_THREAD
+        int64_t deadline = now_ns() + 1000000;  /* (read without q->mu: see abandon) */
+        while (!__atomic_load_n(&q->waiting_on, __ATOMIC_ACQUIRE) && now_ns() < deadline) {}
+#endif
+        release_arg r = {t, own, 1, i / 2};
+        pthread_t th;
+        pthread_create(&th, NULL, release_and_free, &r);
+        jitter(i / 3);
+        am_queue_discard(q);
+        pthread_join(th, NULL);
+        am_queue_close(q, 0);
+        am_timeline_free(own);
+        atomic_fetch_add(&progress, 1);
+    }
+    puts("ok discard");
 }
 
 static void check_watch(long n) {
@@ -458,6 +537,7 @@ int main(int argc, char **argv) {
     check_abandon(n);
     check_word(n / 4);
     check_finish(n / 4);
+    check_discard(n / 4);
     check_watch(n);
     check_parts(n / 10);
     check_blocks(n / 10);
