@@ -213,9 +213,9 @@ class Queue:
         device-side wait for a value never produced), or was abandoned by the device's
         close. None if it ran."""
         abandoned = self._abandoned_from
-        if abandoned is not None and value >= abandoned and self._discarded:
-            return discarded_error(value)  # (stopped as it was being discarded)
         if abandoned is not None and value >= abandoned:  # (whatever it waited for)
+            if self._discarded:
+                return discarded_error(value)  # (stopped as it was being discarded)
             which = "its default queue" if self._closer is None else "a queue"
             return ClosedResourceError(
                 f"the device {self.device.name} was closed while command {abandoned} of "
