@@ -47,6 +47,7 @@ from ._errors import (
     DeviceNotFoundError,
     InvalidArgumentError,
 )
+from ._interrupts import ctrl_c_discards
 from ._pool import CompilePool, check_timeout, compiler_identity, default_pool
 from ._program import Program
 from ._queue import (
@@ -671,9 +672,11 @@ class Device:
         that has not started (see ``Queue.close``): only what runs on the device now
         finishes. A close under way is switched to discarding by a close with
         ``discard=True``, and by a KeyboardInterrupt that reaches a task waiting for it
-        (trio delivers Ctrl-C so): that task waits for the rest, now bounded, and then
-        raises the interrupt; a further interrupt is raised at once, the teardown
-        running on to its end on its own thread.
+        (trio delivers Ctrl-C so), or a Ctrl-C while it waits on the main thread where
+        Ctrl-C raises one (Python's handler, asyncio.Runner's: ``_interrupts``): that
+        task waits for the rest, now bounded, and then raises the interrupt; a further
+        interrupt is raised at once, the teardown running on to its end on its own
+        thread.
 
         Raises the first error of its teardown (everything is released all the same),
         else the first of the device's native frees that failed after their callers
@@ -1213,12 +1216,15 @@ async def _until_closed(closing: HostEvents, interrupted: Callable[[], None] | N
     """Wait for a close's teardown to end, whatever cancels the caller meanwhile: in a
     shielded scope, and on asyncio waiting again after each of its own cancellations
     (which no scope stops); the cancellation is raised once the teardown has ended.
-    A KeyboardInterrupt (trio raises Ctrl-C in its main task, shielded or not) calls
-    ``interrupted`` -- a device's close then drops what has not started -- and is
-    raised once the teardown has ended; a second one, or any without ``interrupted``,
-    is raised at once (the teardown, on a thread of its own, still ends)."""
+    A KeyboardInterrupt (trio raises Ctrl-C in its main task, shielded or not), or a
+    Ctrl-C meanwhile on the main thread (``ctrl_c_discards``: asyncio's runner raises it
+    outside any task), calls ``interrupted`` -- a device's close then drops what has
+    not started. A KeyboardInterrupt raised here is raised once the teardown has ended;
+    a second one, or any without ``interrupted``, is raised at once (the teardown, on
+    a thread of its own, still ends)."""
     cancelled: BaseException | None = None
-    with anyio.CancelScope(shield=True):
+    interrupts = contextlib.nullcontext() if interrupted is None else ctrl_c_discards(interrupted)
+    with interrupts, anyio.CancelScope(shield=True):
         while True:
             try:
                 await wait_value(closing, 1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
+from asyncmetal._interrupts import ctrl_c_discards
 from tests.support.interrupts import interrupted
 from tests.support.queues import discard_outcomes
 
@@ -199,6 +201,7 @@ _INTERRUPTED = r"""
 import os, signal, sys, threading, time
 import anyio, numpy as np
 import asyncmetal as am
+from asyncmetal._interrupts import ctrl_c_discards
 
 LOOP = sys.argv[1]
 dev = last = None
@@ -228,20 +231,27 @@ async def main():
 
 
 try:
-    anyio.run(main, backend=LOOP)
+    if LOOP == "asyncio.run":  # (asyncio's own runner, as most programs start)
+        import asyncio
+        asyncio.run(main())
+    else:
+        anyio.run(main, backend=LOOP.replace("uvloop", "asyncio"),
+                  backend_options={"use_uvloop": True} if LOOP == "uvloop" else {})
 except KeyboardInterrupt:
     pass
 dropped = last.queue._failure(last.value) is not None  # (what its await raises)
 print("closed", dev.closed, "stopped", dev._state.stopped, "open", len(am.open_devices()),
-      "dropped", dropped)
+      "dropped", dropped, "default", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
 """
 
 
-@pytest.mark.parametrize("loop", ["trio"])
+@pytest.mark.parametrize("loop", ["trio", "asyncio", "asyncio.run", "uvloop"])
 def test_a_second_ctrl_c_during_a_close_discards_and_never_half_closes(loop: str) -> None:
-    """trio raises a Ctrl-C in its main task even inside a shielded close: the second
-    one switches the close to discarding and is raised once the device is fully
-    closed (its queues stopped natively), within a fraction of the backlog's time."""
+    """The second Ctrl-C, while the close waits for the backlog, switches the close to
+    discarding and is raised once the device is fully closed (its queues stopped
+    natively), within a fraction of the backlog's time. trio raises it in its main task
+    even inside a shielded close; asyncio's runner raises it wherever the main thread
+    is (mostly in the loop's select) and then waits for every task, the close's too."""
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(_INTERRUPTED), loop],
         capture_output=True,
@@ -250,6 +260,7 @@ def test_a_second_ctrl_c_during_a_close_discards_and_never_half_closes(loop: str
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     facts = ["closed", "True", "stopped", "True", "open", "0", "dropped", "True"]
+    facts += ["default", "True"]  # (Python's own Ctrl-C handler is back)
     assert proc.stdout.split() == facts, proc.stdout + proc.stderr[-3000:]
 
 
@@ -286,3 +297,38 @@ async def test_a_keyboard_interrupt_anywhere_in_close_leaves_the_device_closable
 def _close_then_set(device: am.Device, closed: threading.Event) -> None:
     anyio.run(device.close)
     closed.set()
+
+
+def test_ctrl_c_switches_waiting_closes_then_raises_and_leaves_other_handlers_alone() -> None:
+    """Where Ctrl-C would raise a KeyboardInterrupt, a close waiting on the main thread
+    is switched (each of several) before it is raised, and the handler is put back once
+    the last has ended; a handler the program installed itself is never wrapped."""
+    switched: list[str] = []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with ctrl_c_discards(lambda: switched.append("a")):
+        with ctrl_c_discards(lambda: switched.append("b")):
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)
+            assert sorted(switched) == ["a", "b"]
+        assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        assert sorted(switched) == ["a", "a", "b"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    own: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: own.append(signum))
+    try:
+        with ctrl_c_discards(lambda: switched.append("c")):
+            signal.raise_signal(signal.SIGINT)
+        assert own == [signal.SIGINT] and "c" not in switched
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def off_main_thread() -> None:
+        with ctrl_c_discards(lambda: switched.append("d")):
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    thread = threading.Thread(target=off_main_thread)
+    thread.start()
+    thread.join()
