@@ -4,8 +4,9 @@
 # Writes the test log and the benchmark JSON under $OUT.
 # RUN_PEERS=0 skips cuda_peers + the probe, RUN_SIGNAL=0 the host-signal latency (~1 min),
 # RUN_INTEROP=0 the PyTorch interop benchmark, RUN_TESTS=0 the tests (RUN_TESTS_ONE_GPU=1 adds
-# them with one GPU visible). RUN_LOOP_LAG=1 adds the loop-lag grid (~7 min: run it with
-# RUN_PEERS=0 RUN_SIGNAL=0 RUN_TESTS=0 to stay within one command's 10 min).
+# them with one GPU visible). RUN_LOOP_LAG=1 adds the loop-lag grid (~9 min in all: run it
+# with RUN_PEERS=0 RUN_SIGNAL=0 RUN_TESTS=0 RUN_INTEROP=0, in two commands split by
+# LOOP_LAG_ARGS, e.g. "--tasks 1 64" then "--tasks 1024", to stay within one command's 10 min).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
