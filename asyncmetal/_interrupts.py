@@ -82,7 +82,7 @@ def ctrl_c_discards(interrupted: Callable[[], None]) -> Generator[None, None, No
             _closes.pop(key, None)
             # (Left installed where the wait ends off the main thread -- a coroutine
             # dropped and finalized elsewhere: with no close waiting it only passes on.)
-            on_main = threading.current_thread() is threading.main_thread()
-            if on_main and not _closes and signal.getsignal(signal.SIGINT) is _on_sigint:
-                signal.signal(signal.SIGINT, _previous)
-                _previous = None
+            if threading.current_thread() is threading.main_thread() and not _closes:
+                if signal.getsignal(signal.SIGINT) is _on_sigint:
+                    signal.signal(signal.SIGINT, _previous)
+                _previous = None  # (also where the program replaced ours meanwhile)

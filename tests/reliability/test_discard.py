@@ -325,6 +325,13 @@ def test_ctrl_c_switches_waiting_closes_then_raises_and_leaves_other_handlers_al
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
+    with ctrl_c_discards(lambda: switched.append("e")):  # the program's own, installed meanwhile
+        signal.signal(signal.SIGINT, lambda signum, frame: own.append(signum))
+    assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler  # (left alone)
+    signal.raise_signal(signal.SIGINT)
+    assert own == [signal.SIGINT] * 2 and "e" not in switched
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     def off_main_thread() -> None:
         with ctrl_c_discards(lambda: switched.append("d")):
             assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
