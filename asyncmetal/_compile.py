@@ -5,11 +5,11 @@ from __future__ import annotations
 import hashlib
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal, NamedTuple
 
 from ._errors import ArgumentTypeError, CompileError, InvalidArgumentError
-from ._scalars import resolved, scalar_type, type_words, typedefs
+from ._scalars import host_types, resolved, scalar_type, type_words, typedefs
 
 ParamKind = Literal["buffer", "value"]
 
@@ -173,13 +173,17 @@ def c_params(src: str, name: str) -> tuple[ParamKind, ...]:
     return tuple(kind for kind, _ in c_param_declarations(src, name))
 
 
-def c_value_types(src: str, name: str) -> tuple[tuple[str | None, str], ...]:
+def c_value_types(
+    src: str, name: str, plain: Mapping[str, str] | None = None
+) -> tuple[tuple[str | None, str], ...]:
     """Each value parameter of the C-like function ``name`` defined in ``src``: its
     scalar type (resolving the source's plain typedefs; None where not known) and its
-    declaration."""
+    declaration. ``plain``: the types of a plain ``char`` and of ``wchar_t``
+    (``_scalars.platform_types``; the host's by default)."""
     known = typedefs(_strip(src))
+    plain = host_types() if plain is None else plain
     return tuple(
-        (scalar_type(type_words(declaration), known), declaration)
+        (scalar_type(type_words(declaration), known, plain), declaration)
         for kind, declaration in c_param_declarations(src, name)
         if kind == "value"
     )
