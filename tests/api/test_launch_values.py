@@ -511,3 +511,39 @@ def test_a_plain_char_where_no_compiler_is_asked_is_the_platforms(
     missing = CCompiler(f"/nonexistent/cc-{uuid.uuid4().hex}")  # (its answer is kept)
     assert [t for t, _ in missing.value_types(src, "k")] == expected
 
+
+CUDA_TEMPLATE = r"""
+template <typename T> __global__ void scale(T* x, T a, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= a;
+}
+extern "C" __global__ void scale_f(float* x, float a, int n) { scale<float>(x, a, n); }
+extern "C" __global__ void scale_h(unsigned short* x, char16_t a, int n) {}
+struct pair { float x, y; };
+extern "C" __global__ void by_struct(float* x, pair p) {}
+extern "C" __global__ void by_bfloat(float* x, const __nv_bfloat16 b) {}
+"""
+
+
+def test_cuda_kernels_read_from_source_without_a_gpu() -> None:
+    """A CUDA kernel's value types are read from its source (no GPU needed): an extern
+    "C" wrapper of a template takes its own declared types; the template itself is
+    refused at compile (its name is mangled, its types its instantiation's), as are a
+    struct that C++ names without the keyword and a bfloat16 (numpy has no such
+    scalar), each naming the parameter."""
+    from asyncmetal.backends.cuda import CUDACompiler
+
+    nvrtc = CUDACompiler()
+    assert nvrtc.signature(CUDA_TEMPLATE, "scale_f").values == (
+        ("float32", "float a"),
+        ("int32", "int n"),
+    )
+    assert [t for t, _ in nvrtc.signature(CUDA_TEMPLATE, "scale_h").values] == ["uint16", "int32"]
+    refusals = [
+        ("scale", r"kernel 'scale' is a template: .*extern \"C\" __global__ void scale_f"),
+        ("by_struct", r"parameter 'pair p' is not a scalar that launch values pass"),
+        ("by_bfloat", r"'const __nv_bfloat16 b' is not a scalar .*convert it in the kernel"),
+    ]
+    for name, match in refusals:
+        with pytest.raises(am.CompileError, match=match):
+            nvrtc.params(CUDA_TEMPLATE, name)
