@@ -207,7 +207,10 @@ _BRACES = re.compile(r"\{[^{}]*\}")
 
 
 # A struct, class or union a source defines (C++ names it without the keyword).
-_RECORD = re.compile(r"\b(?:struct|class|union)\s+(?:alignas\s*\(\s*\w+\s*\)\s*)?(\w+)\s*[{:]")
+_RECORD = re.compile(
+    r"\b(?:struct|class|union)\s+(?:(?:alignas|__align__|__attribute__)\s*\(+[^()]*\)+\s*)*"
+    r"(\w+)\s*(?:final\s*)?[{:]"
+)
 _ENUM_CLASS = re.compile(r"\benum\s+(?:class|struct)\b")
 
 

@@ -521,6 +521,8 @@ extern "C" __global__ void scale_f(float* x, float a, int n) { scale<float>(x, a
 extern "C" __global__ void scale_h(unsigned short* x, char16_t a, int n) {}
 struct pair { float x, y; };
 extern "C" __global__ void by_struct(float* x, pair p) {}
+struct __align__(8) aligned final { float x, y; };
+extern "C" __global__ void by_aligned(float* x, aligned p) {}
 extern "C" __global__ void by_bfloat(float* x, const __nv_bfloat16 b) {}
 """
 
@@ -542,6 +544,7 @@ def test_cuda_kernels_read_from_source_without_a_gpu() -> None:
     refusals = [
         ("scale", r"kernel 'scale' is a template: .*extern \"C\" __global__ void scale_f"),
         ("by_struct", r"parameter 'pair p' is not a scalar that launch values pass"),
+        ("by_aligned", r"parameter 'aligned p' is not a scalar"),
         ("by_bfloat", r"'const __nv_bfloat16 b' is not a scalar .*convert it in the kernel"),
     ]
     for name, match in refusals:
