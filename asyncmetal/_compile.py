@@ -240,8 +240,8 @@ def scalar_params(src: str, name: str) -> tuple[ParamKind, ...]:
     if "template" in _declared_with(_ATTRIBUTES.sub("", _strip(src)), name):
         raise CompileError(
             f"kernel {name!r} is a template: its compiled name is mangled and its "
-            "parameters' types are those it is instantiated with; launch a function that "
-            f'is none, which calls it (extern "C" __global__ void {name}_f(float* x, '
+            'parameters\' types are those it is instantiated with; launch an extern "C" '
+            f'function that calls it (extern "C" __global__ void {name}_f(float* x, '
             f"float a) {{ {name}<float>(x, a); }})",
             name=name,
         )
