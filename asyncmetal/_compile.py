@@ -5,11 +5,11 @@ from __future__ import annotations
 import hashlib
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal, NamedTuple
 
 from ._errors import ArgumentTypeError, CompileError, InvalidArgumentError
-from ._scalars import resolved, scalar_type, type_words, typedefs
+from ._scalars import host_types, resolved, scalar_type, type_words, typedefs
 
 ParamKind = Literal["buffer", "value"]
 
@@ -173,13 +173,17 @@ def c_params(src: str, name: str) -> tuple[ParamKind, ...]:
     return tuple(kind for kind, _ in c_param_declarations(src, name))
 
 
-def c_value_types(src: str, name: str) -> tuple[tuple[str | None, str], ...]:
+def c_value_types(
+    src: str, name: str, plain: Mapping[str, str] | None = None
+) -> tuple[tuple[str | None, str], ...]:
     """Each value parameter of the C-like function ``name`` defined in ``src``: its
     scalar type (resolving the source's plain typedefs; None where not known) and its
-    declaration."""
+    declaration. ``plain``: the types of a plain ``char`` and of ``wchar_t``
+    (``_scalars.platform_types``; the host's by default)."""
     known = typedefs(_strip(src))
+    plain = host_types() if plain is None else plain
     return tuple(
-        (scalar_type(type_words(declaration), known), declaration)
+        (scalar_type(type_words(declaration), known, plain), declaration)
         for kind, declaration in c_param_declarations(src, name)
         if kind == "value"
     )
@@ -189,9 +193,12 @@ def c_value_types(src: str, name: str) -> tuple[tuple[str | None, str], ...]:
 # ``scalar_type`` None: ``long double``, a struct by value, CUDA's vector types...).
 _NOT_A_SCALAR = re.compile(
     r"\b(float|double|half|_Float\d+x?|__fp16|__half|__half2|__nv_bfloat16|_Complex|struct|union"
-    r"|__int128|_BitInt|__float128|__float80|__ibm128|__bf16|_Decimal\d+|__m\d+\w*"
-    r"|vector_size|ext_vector_type|half2|__nv_bfloat162|nv_bfloat16|nv_bfloat162|dim3"
-    r"|(?:u?char|u?short|u?int|u?long|u?longlong|float|double)[1-4])\b"
+    r"|class|__int128|_BitInt|__float128|__float80|__ibm128|__bf16|_Decimal\d+|__m\d+\w*"
+    r"|vector_size|ext_vector_type|__nv_bfloat162|nv_bfloat16|nv_bfloat162|dim3"
+    r"|(?:u?char|u?short|u?int|u?long|u?longlong|float|double)[1-4]"
+    # the Metal Shading Language's: bfloat, vectors, matrices, packed vectors, atomics
+    r"|bfloat\d?|(?:half|bool)[2-4]|(?:float|half|double|bfloat)[2-4]x[2-4]|packed_\w+"
+    r"|simd_\w+|atomic\w*)\b"
 )
 # Each typedef of a source (its body's braces emptied): its words and its name, before
 # any GNU attribute (``typedef float v4 __attribute__((vector_size(16)));``).
@@ -199,15 +206,24 @@ _ANY_TYPEDEF = re.compile(r"\btypedef\b([^;]*?)\b(\w+)\s*(__attribute__\s*\(\(.*
 _BRACES = re.compile(r"\{[^{}]*\}")
 
 
+# A struct, class or union a source defines (C++ names it without the keyword).
+_RECORD = re.compile(
+    r"\b(?:struct|class|union)\s+(?:(?:alignas|__align__|__attribute__)\s*\(+[^()]*\)+\s*)*"
+    r"(\w+)\s*(?:final\s*)?[{:]"
+)
+_ENUM_CLASS = re.compile(r"\benum\s+(?:class|struct)\b")
+
+
 def _not_scalar_typedefs(text: str) -> set[str]:
     """The names ``text`` typedefs as types no launch value passes (a struct, a vector,
-    ``long double``...)."""
+    ``long double``...), and those of the structs, classes and unions it defines."""
+    records = set(_RECORD.findall(_ENUM_CLASS.sub("enum", text)))
     while True:
         emptied = _BRACES.sub(" ", text)
         if emptied == text:
             break
         text = emptied
-    return {
+    return records | {
         name
         for words, name, attribute in _ANY_TYPEDEF.findall(text)
         if _NOT_A_SCALAR.search(attribute)  # a vector
@@ -218,10 +234,17 @@ def _not_scalar_typedefs(text: str) -> set[str]:
 def scalar_params(src: str, name: str) -> tuple[ParamKind, ...]:
     """``c_params``, refusing a value parameter whose type is no scalar a launch
     passes (``long double``, a struct by value, a vector...): its value would arrive as
-    garbage (cpu, whose C calling convention passes it elsewhere) or cut short (cuda)."""
+    garbage (cpu, whose C calling convention passes it elsewhere) or cut short (cuda);
+    and a kernel that is a template (C++: its parameters' types are its arguments')."""
     declarations = c_param_declarations(src, name)
-    known = typedefs(_strip(src))
-    not_scalars = _not_scalar_typedefs(_strip(src))
+    if "template" in _declared_with(_ATTRIBUTES.sub("", _strip(src)), name):
+        raise CompileError(
+            f"kernel {name!r} is a template: its compiled name is mangled and its "
+            'parameters\' types are those it is instantiated with; launch an extern "C" '
+            f'function that calls it (extern "C" __global__ void {name}_f(float* x, '
+            f"float a) {{ {name}<float>(x, a); }})",
+            name=name,
+        )
     for kind, declaration in declarations:
         if kind == "value" and "&" in declaration:
             raise CompileError(
@@ -230,18 +253,29 @@ def scalar_params(src: str, name: str) -> tuple[ParamKind, ...]:
                 "to a buffer, or the value itself)",
                 name=name,
             )
+    refuse_non_scalars(src, name, [d for kind, d in declarations if kind == "value"])
+    return tuple(kind for kind, _ in declarations)
+
+
+def refuse_non_scalars(src: str, name: str, values: list[str]) -> None:
+    """Refuse (``CompileError``, naming the parameter) any of kernel ``name``'s value
+    parameter declarations ``values`` whose type is no scalar that a launch value
+    passes: a struct, class or union (also one a typedef names), a vector or matrix,
+    ``long double``, a bfloat16 (numpy has no such scalar)..."""
+    known = typedefs(_strip(src))
+    not_scalars = _not_scalar_typedefs(_strip(src))
+    for declaration in values:
         words = resolved(type_words(declaration), known)
         if (
-            kind == "value"
-            and (_NOT_A_SCALAR.search(" ".join(words)) or not_scalars.intersection(words))
-            and scalar_type(words, known) is None
-        ):
+            _NOT_A_SCALAR.search(" ".join(words)) or not_scalars.intersection(words)
+        ) and scalar_type(words, known) is None:
+            bfloat = re.search(r"bfloat|bf16", " ".join(words))
             raise CompileError(
                 f"kernel {name!r}: parameter {declaration!r} is not a scalar that launch "
-                "values pass (an integer, float or double): pass it in a buffer",
+                "values pass (an integer, float or double): pass it in a buffer"
+                + (", or take a float and convert it in the kernel" if bfloat else ""),
                 name=name,
             )
-    return tuple(kind for kind, _ in declarations)
 
 
 def c_param_declarations(src: str, name: str) -> list[tuple[ParamKind, str]]:
@@ -276,14 +310,21 @@ def unlinked_hint(src: str, name: str) -> str:
     """Why a kernel the source defines may not be in the compiled code: declared
     ``static`` (internal linkage) or plain ``inline`` (C99 emits no external definition
     of it), read from the declaration before the name; "" when neither."""
-    text = _ATTRIBUTES.sub("", _strip(src))
-    for match in re.finditer(rf"(?:^|[;{{}}])([^;{{}}]*?)\b{re.escape(name)}\s*\(", text):
-        words = set(re.findall(r"\w+", match.group(1)))
-        if "static" in words:
-            return "; it is declared static: a kernel needs external linkage (drop static)"
-        if "inline" in words and "extern" not in words:
-            return "; it is declared inline: C emits no external definition of it (drop inline)"
+    words = _declared_with(_ATTRIBUTES.sub("", _strip(src)), name)
+    if "static" in words:
+        return "; it is declared static: a kernel needs external linkage (drop static)"
+    if "inline" in words and "extern" not in words:
+        return "; it is declared inline: C emits no external definition of it (drop inline)"
     return ""
+
+
+def _declared_with(text: str, name: str) -> set[str]:
+    """The words before ``name`` in the declarations of function ``name`` in ``text``
+    (``static``, ``inline``, ``template``...)."""
+    words: set[str] = set()
+    for match in re.finditer(rf"(?:^|[;{{}}])([^;{{}}]*?)\b{re.escape(name)}\s*\(", text):
+        words.update(re.findall(r"\w+", match.group(1)))
+    return words
 
 
 def _is_buffer(param: str, pointers: set[str]) -> bool:

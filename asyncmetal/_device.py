@@ -490,7 +490,7 @@ class Device:
             if program is not None:  # (its parameters were read when it was loaded)
                 await checkpoint()
                 return program
-            params = await self._params(src, name)
+            params = await self._params(src, name, compiler)
             pool = self.compile_pool
             if isinstance(params, NotDefinedError):
                 # Not found: where the source does not compile (a typo in the very
@@ -514,10 +514,15 @@ class Device:
         if lost is not None:
             raise lost
 
-    async def _params(self, src: str, name: str) -> Signature | NotDefinedError:
-        """Kernel ``name``'s parameters as ``src`` declares them, or the NotDefinedError
-        of a name it lacks; read on a worker thread for a long source."""
-        read = functools.partial(_read_params, self._backend.compiler, src, name)
+    async def _params(
+        self, src: str, name: str, compiler: Compiler | None = None
+    ) -> Signature | NotDefinedError:
+        """Kernel ``name``'s parameters as ``src`` declares them to ``compiler`` (the
+        device's by default; a compile's, with its options: ``-funsigned-char`` makes a
+        plain char unsigned), or the NotDefinedError of a name it lacks; read on a
+        worker thread for a long source."""
+        compiler = self._backend.compiler if compiler is None else compiler
+        read = functools.partial(_read_params, compiler, src, name)
         return read() if len(src) < OFF_LOOP_SOURCE else await anyio.to_thread.run_sync(read)
 
     async def _program(
@@ -1037,7 +1042,7 @@ class CompileMany:
             try:
                 device._check_compile(src, name)
                 # A name not defined is compiled all the same: see compile().
-                params = await device._params(src, name)
+                params = await device._params(src, name, compiler)
             except CompileError as exc:  # this kernel's own result, raised in its turn
                 self._dispatched += 1
                 self._arrived(("", name), ((), src), exc)

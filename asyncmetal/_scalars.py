@@ -11,8 +11,11 @@ the register class (cpu: integer or floating-point).
 
 from __future__ import annotations
 
+import functools
 import numbers
+import platform
 import re
+import sys
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -94,6 +97,9 @@ _NAMED: dict[str, str] = {
     "ssize_t": "int64",
     "ptrdiff_t": "int64",
     "intptr_t": "int64",
+    # C11's <uchar.h> types (uint_least16_t, uint_least32_t), C++'s keywords alike.
+    "char16_t": "uint16",
+    "char32_t": "uint32",
     **{f"int{n}_t": f"int{n}" for n in (8, 16, 32, 64)},
     **{f"uint{n}_t": f"uint{n}" for n in (8, 16, 32, 64)},
 }
@@ -116,7 +122,40 @@ _QUALIFIERS = frozenset(
 _INTEGER_WORDS = frozenset(("signed", "unsigned", "char", "short", "int", "long"))
 # Words no parameter is named: an unnamed parameter's declaration may end in one.
 _KEYWORDS = _INTEGER_WORDS | {"float", "double", "_Bool", "_Float16", "_Float32", "_Float64"}
-_KEYWORDS |= {"const", "volatile", "restrict"}
+_KEYWORDS |= {"const", "volatile", "restrict", "wchar_t", "char16_t", "char32_t"}
+
+# The types a platform's C ABI sets: a plain ``char`` (neither ``signed`` nor
+# ``unsigned``) and ``wchar_t``. These are x86-64 Linux's and macOS's (Apple's arm64
+# too); a plain char is signed in the Metal Shading Language as well.
+# :func:`platform_types` gives other platforms'.
+SIGNED_CHAR: Mapping[str, str] = {"char": "int8", "wchar_t": "int32"}
+
+
+def host_types() -> Mapping[str, str]:
+    """:func:`platform_types` of this host."""
+    return platform_types(platform.machine(), sys.platform)
+
+
+@functools.cache
+def platform_types(machine: str, system: str) -> Mapping[str, str]:
+    """The types of a plain ``char`` and of ``wchar_t`` under the C ABI of ``machine``
+    (``platform.machine()``) and ``system`` (``sys.platform``): for a compiler that
+    cannot be asked (see ``backends.cpu``).
+
+    A plain char is unsigned on Linux's AArch64 and 32-bit ARM (their procedure call
+    standards), PowerPC, s390x and RISC-V; signed on x86 and on macOS, whose arm64 ABI
+    keeps it signed. ``wchar_t`` is an ``unsigned int`` on Linux's ARM ABIs, an ``int``
+    on the others of Linux and macOS, and 16-bit unsigned on Windows."""
+    machine = machine.lower()
+    if system == "win32":
+        return {"char": "int8", "wchar_t": "uint16"}
+    if system == "darwin":
+        return SIGNED_CHAR
+    arm = machine.startswith(("aarch64", "arm"))
+    unsigned = arm or machine.startswith(("ppc", "powerpc", "s390", "riscv"))
+    return {"char": "uint8" if unsigned else "int8", "wchar_t": "uint32" if arm else "int32"}
+
+
 _TYPEDEF = re.compile(r"\btypedef\s+([\w\s:]+?)\s+(\w+)\s*;")
 _USING = re.compile(r"\busing\s+(\w+)\s*=\s*([\w\s:]+?)\s*;")  # C++'s typedef
 _DIRECTIVE = re.compile(r"^[ \t]*#[ \t]*(\w+)(.*)$", re.M)
@@ -182,10 +221,15 @@ def type_words(declaration: str) -> list[str]:
     return [word for word in words if word not in _QUALIFIERS]
 
 
-def scalar_type(words: list[str], typedefs: Mapping[str, list[str]]) -> str | None:
+def scalar_type(
+    words: list[str], typedefs: Mapping[str, list[str]], plain: Mapping[str, str] = SIGNED_CHAR
+) -> str | None:
     """The scalar type that a declaration's type words name, or None where they name
-    none of ``SIZES`` (a struct, a vector, ``long double``, an unknown name)."""
+    none of ``SIZES`` (a struct, a vector, ``long double``, an unknown name). ``plain``:
+    the types of a plain ``char`` and of ``wchar_t``, which the platform sets."""
     words = resolved(words, typedefs)
+    if len(words) == 1 and words[0] in plain:
+        return plain[words[0]]
     if len(words) == 1 and words[0] in _NAMED:
         return _NAMED[words[0]]
     if not words or not _INTEGER_WORDS.issuperset(words):

@@ -54,6 +54,8 @@ CPU_ONLY = {
     "test_a_macro_naming_a_type_is_read_as_it",
     "test_a_reference_parameter_is_refused",
     "test_unnamed_parameters_take_their_whole_type",
+    "test_a_plain_char_takes_the_signedness_its_compiler_gives_it",
+    "test_wide_character_parameters_take_their_types",
     "test_a_kernel_without_external_linkage_says_why",
     "test_a_timeout_too_long_for_a_clock_is_none",
     "test_compile_many_goes_on_after_an_error",

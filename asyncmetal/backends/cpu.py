@@ -22,13 +22,14 @@ import functools
 import os
 import platform
 import queue
+import re
 import shutil
 import struct
 import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,8 +48,9 @@ from .._backend import (
     Timelines,
     host_address,
 )
-from .._compile import Compiler, ParamKind, scalar_params
+from .._compile import Compiler, ParamKind, c_value_types, scalar_params
 from .._errors import ArgumentTypeError, ClosedResourceError, CompileError, InvalidArgumentError
+from .._scalars import host_types, scalar_type
 from .._timeline import LATER_FAIL, discarded_error, failure_error
 
 _ALIGN = 64
@@ -101,7 +103,18 @@ class CCompiler(Compiler):
         return self.cc or os.environ.get("CC") or "cc"
 
     def version(self) -> str:
+        # The C types it compiles for are asked here too: compile reads the identity
+        # first, off the loop, so that reading a kernel's value types runs nothing.
+        self.plain_types()
         return " ".join((_cc_version(self._executable()), *_LINK))
+
+    def plain_types(self) -> Mapping[str, str]:
+        """The types of a plain ``char`` and of ``wchar_t`` as this compiler, with its
+        flags (``-funsigned-char``...), compiles C (``_scalars.platform_types``)."""
+        return _plain_types(self._executable(), _type_flags(self.flags))
+
+    def value_types(self, src: str, name: str) -> tuple[tuple[str | None, str], ...]:
+        return c_value_types(src, name, self.plain_types())
 
     def compile(self, src: str) -> bytes:
         cc = self._executable()
@@ -151,6 +164,50 @@ def _cc_version(cc: str) -> str:
     first_line = version.stdout.decode(errors="replace").partition("\n")[0]
     machine = target.stdout.decode(errors="replace").strip() if target.returncode == 0 else ""
     return f"{first_line} {machine or platform.machine()}"
+
+
+# Flags that change no C type (macros, include paths, optimisation, warnings, debug
+# information): left out of asking the compiler, so that one answer serves compiles
+# that differ only in them; those in _WITH_NEXT take the next flag as their argument.
+_TYPE_NEUTRAL = ("-D", "-U", "-I", "-O", "-W", "-g")
+_WITH_NEXT = frozenset(("-D", "-U", "-I", "-include", "-isystem", "-iquote"))
+
+
+def _type_flags(flags: Sequence[str]) -> tuple[str, ...]:
+    kept: list[str] = []
+    flags_left = iter(flags)
+    for flag in flags_left:
+        if flag in _WITH_NEXT:
+            next(flags_left, None)
+        elif not flag.startswith(_TYPE_NEUTRAL):
+            kept.append(flag)
+    return tuple(kept)
+
+
+@functools.cache
+def _plain_types(cc: str, flags: tuple[str, ...]) -> Mapping[str, str]:
+    """The types of a plain ``char`` and of ``wchar_t`` as ``cc`` with ``flags``
+    compiles C, asked of it once (its predefined ``__CHAR_UNSIGNED__`` and
+    ``__WCHAR_TYPE__``, as GCC and clang define them); the host platform's where it
+    cannot be asked (a compile with it fails then anyway)."""
+    host = host_types()
+    try:
+        proc = subprocess.run(
+            [cc, *flags, "-dM", "-E", "-x", "c", os.devnull],
+            capture_output=True,
+            check=False,
+            timeout=60,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return host
+    if proc.returncode != 0:
+        return host
+    macros = dict(re.findall(r"^#define (\w+) ?(.*)$", proc.stdout.decode(errors="replace"), re.M))
+    wchar = scalar_type(macros.get("__WCHAR_TYPE__", "").split(), {})
+    return {
+        "char": "uint8" if "__CHAR_UNSIGNED__" in macros else "int8",
+        "wchar_t": wchar or host["wchar_t"],
+    }
 
 
 class _DlInfo(ctypes.Structure):

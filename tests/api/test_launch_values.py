@@ -5,9 +5,11 @@ submitted."""
 from __future__ import annotations
 
 import functools
+import platform
 import subprocess
 import sys
 import textwrap
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -418,3 +420,133 @@ async def test_a_reference_parameter_is_refused(device: am.Device) -> None:
         with pytest.raises(am.CompileError, match="is a reference") as info:
             await device.compile(source, "k")
         assert declaration in str(info.value) and not info.value.log
+
+
+CHARS = (
+    "#include <string.h>\n"
+    "void k(unsigned char* out, char c, const char d)"
+    " { memcpy(out, &c, 1); memcpy(out + 1, &d, 1); }"
+)
+
+
+async def test_a_plain_char_takes_the_signedness_its_compiler_gives_it(device: am.Device) -> None:
+    """A plain ``char`` is signed or unsigned as the C compiler, with the compile's
+    options, has it (asked of it): ``-fsigned-char`` takes -1 and 127 and refuses 200,
+    ``-funsigned-char`` (AArch64 Linux's default) takes 200 and refuses -1; compiled
+    as it is on x86-64, it is signed."""
+    out = await device.alloc(8)
+    defaults = [((), "int8")] if platform.machine() == "x86_64" else []
+    for options, kind in [*defaults, (("-fsigned-char",), "int8"), (("-funsigned-char",), "uint8")]:
+        k = await device.compile(CHARS, "k", options=options)
+        assert [t for t, _ in k.value_types] == [kind, kind]
+        taken, refused = ((-1, 127), 200) if kind == "int8" else ((200, 255), -1)
+        await device.queue.launch(k, out, vals=taken)
+        assert (await out.read(np.uint8)).tobytes()[:2] == np.array(taken, kind).tobytes()
+        _rejects(
+            device,
+            am.InvalidArgumentError,
+            rf"vals\[1\] of 'k' must fit in {kind} \(its parameter 'const char d'\): {refused}",
+            functools.partial(device.queue.launch, k, out, vals=(taken[0], refused)),
+        )
+
+
+async def test_wide_character_parameters_take_their_types(device: am.Device) -> None:
+    """``char16_t`` is a uint16 and ``char32_t`` a uint32 (C11's <uchar.h>, C++'s
+    keywords); ``wchar_t`` is what the compiler makes it (an int on x86-64 Linux, an
+    unsigned short with ``-fshort-wchar``)."""
+    src = (
+        "#include <string.h>\n#include <uchar.h>\n#include <stddef.h>\n"
+        "void k(unsigned char* out, char16_t a, char32_t b, wchar_t w)"
+        " { memcpy(out, &a, 2); memcpy(out + 4, &b, 4); memcpy(out + 8, &w, sizeof w); }"
+    )
+    out = await device.alloc(16)
+    wide = "int32" if platform.machine() == "x86_64" else None
+    for options, wchar in (((), wide), (("-fshort-wchar",), "uint16")):
+        k = await device.compile(src, "k", options=options)
+        assert [t for t, _ in k.value_types][:2] == ["uint16", "uint32"]
+        assert wchar is None or k.value_types[2][0] == wchar
+        await device.queue.launch(k, out, vals=(0xFFFF, 0xFFFF_FFFF, 65))
+        got = (await out.read(np.uint8)).tobytes()
+        assert got[:2] + got[4:8] == _bytes_of(np.uint16(0xFFFF), np.uint32(0xFFFF_FFFF))
+        assert got[8:10] == np.uint16(65).tobytes()
+        for i, beyond, kind in ((0, 0x10000, "uint16"), (1, -1, "uint32")):
+            vals = [1, 2, 3]
+            vals[i] = beyond
+            _rejects(
+                device,
+                am.InvalidArgumentError,
+                rf"vals\[{i}\] of 'k' must fit in {kind}",
+                functools.partial(device.queue.launch, k, out, vals=vals),
+            )
+
+
+@pytest.mark.parametrize(
+    ("machine", "system", "char", "wchar"),
+    [
+        ("x86_64", "linux", "int8", "int32"),
+        ("aarch64", "linux", "uint8", "uint32"),
+        ("armv7l", "linux", "uint8", "uint32"),
+        ("ppc64le", "linux", "uint8", "int32"),
+        ("s390x", "linux", "uint8", "int32"),
+        ("riscv64", "linux", "uint8", "int32"),
+        ("arm64", "darwin", "int8", "int32"),  # Apple's arm64 ABI: signed
+        ("x86_64", "darwin", "int8", "int32"),
+        ("ARM64", "win32", "int8", "uint16"),
+    ],
+)
+def test_a_plain_char_where_no_compiler_is_asked_is_the_platforms(
+    monkeypatch: pytest.MonkeyPatch, machine: str, system: str, char: str, wchar: str
+) -> None:
+    """Where the compiler cannot be asked (cuda's NVRTC; a C compiler that does not
+    run), a plain char and wchar_t take the host platform's ABI types: simulated by
+    the platform they are derived from."""
+    from asyncmetal.backends.cpu import CCompiler
+    from asyncmetal.backends.cuda import CUDACompiler
+
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setattr(sys, "platform", system)
+    src = "void k(int* out, char c, wchar_t w, signed char s, unsigned char u) {}"
+    expected = [char, wchar, "int8", "uint8"]
+    assert [t for t, _ in CUDACompiler().value_types(src, "k")] == expected
+    missing = CCompiler(f"/nonexistent/cc-{uuid.uuid4().hex}")  # (its answer is kept)
+    assert [t for t, _ in missing.value_types(src, "k")] == expected
+
+
+CUDA_TEMPLATE = r"""
+template <typename T> __global__ void scale(T* x, T a, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= a;
+}
+extern "C" __global__ void scale_f(float* x, float a, int n) { scale<float>(x, a, n); }
+extern "C" __global__ void scale_h(unsigned short* x, char16_t a, int n) {}
+struct pair { float x, y; };
+extern "C" __global__ void by_struct(float* x, pair p) {}
+struct __align__(8) aligned final { float x, y; };
+extern "C" __global__ void by_aligned(float* x, aligned p) {}
+extern "C" __global__ void by_bfloat(float* x, const __nv_bfloat16 b) {}
+"""
+
+
+def test_cuda_kernels_read_from_source_without_a_gpu() -> None:
+    """A CUDA kernel's value types are read from its source (no GPU needed): an extern
+    "C" wrapper of a template takes its own declared types; the template itself is
+    refused at compile (its name is mangled, its types its instantiation's), as are a
+    struct that C++ names without the keyword and a bfloat16 (numpy has no such
+    scalar), each naming the parameter."""
+    from asyncmetal.backends.cuda import CUDACompiler
+
+    nvrtc = CUDACompiler()
+    assert nvrtc.signature(CUDA_TEMPLATE, "scale_f").values == (
+        ("float32", "float a"),
+        ("int32", "int n"),
+    )
+    assert [t for t, _ in nvrtc.signature(CUDA_TEMPLATE, "scale_h").values] == ["uint16", "int32"]
+    refusals = [
+        ("scale", r"kernel 'scale' is a template: .*extern \"C\" __global__ void scale_f"),
+        ("by_struct", r"parameter 'pair p' is not a scalar that launch values pass"),
+        ("by_aligned", r"parameter 'aligned p' is not a scalar"),
+        ("by_bfloat", r"'const __nv_bfloat16 b' is not a scalar .*convert it in the kernel"),
+    ]
+    for name, match in refusals:
+        with pytest.raises(am.CompileError, match=match):
+            nvrtc.params(CUDA_TEMPLATE, name)

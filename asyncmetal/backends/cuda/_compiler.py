@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..._compile import Compiler, ParamKind, scalar_params
+from ..._compile import Compiler, ParamKind, c_value_types, scalar_params
 from ..._errors import CompileError
+from ..._scalars import host_types
 from ._driver import check, nvrtc
 
 
@@ -53,6 +54,16 @@ class CUDACompiler(Compiler):
         """The kernel's parameters; a value parameter must be a scalar (an integer,
         ``float``, ``double`` or ``__half``: launches pass nothing else)."""
         return scalar_params(src, name)
+
+    def value_types(self, src: str, name: str) -> tuple[tuple[str | None, str], ...]:
+        """The kernel's value types, a plain ``char`` and ``wchar_t`` as the host
+        platform's C ABI has them. NVRTC's guide does not say which signedness its char
+        has (nor can it be asked without compiling); nvcc compiles host and device code
+        as one program, whose types must agree, and libcu++'s NVRTC headers work out
+        ``__CHAR_UNSIGNED__`` as ``('\\xff' > 0)`` rather than assume one. So a char
+        is signed on x86-64 hosts and taken as unsigned on AArch64 Linux ones (GH200),
+        which is to be checked on such a host."""
+        return c_value_types(src, name, host_types())
 
 
 def _nvrtc_name(err: Any) -> str:

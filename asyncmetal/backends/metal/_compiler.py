@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from ctypes import c_void_p
 from typing import Any
 
-from ..._compile import Compiler, NotDefinedError, ParamKind
+from ..._compile import Compiler, NotDefinedError, ParamKind, refuse_non_scalars
 from ..._errors import CompileError
-from ..._scalars import scalar_type, type_words, typedefs
+from ..._scalars import SIGNED_CHAR, scalar_type, type_words, typedefs
 from . import _blocks
 from ._objc import (
     load,
@@ -211,17 +211,23 @@ class CodegenResult:
 
 def metal_params(src: str, name: str) -> tuple[ParamKind, ...]:
     """Launch parameters of a Metal kernel: those bound with ``[[buffer(i)]]`` in index
-    order -- pointers are buffers, references and values are ``vals`` -- skipping
-    ``[[thread_position_in_grid]]`` and the like."""
-    return tuple(kind for _, kind, _ in _bound_params(src, name))
+    order -- pointers and ``device`` references (``device atomic_uint& n``: memory the
+    kernel may write) are buffers, other references (``constant float& x``) and values
+    are ``vals`` -- skipping ``[[thread_position_in_grid]]`` and the like. A value
+    parameter whose type is no scalar (a vector, a matrix, a struct, ``bfloat``) is
+    refused (``CompileError``): ``setBytes`` of one launch value cannot make it."""
+    bound = _bound_params(src, name)
+    refuse_non_scalars(src, name, [param for _, kind, param in bound if kind == "value"])
+    return tuple(kind for _, kind, _ in bound)
 
 
 def metal_value_types(src: str, name: str) -> tuple[tuple[str | None, str], ...]:
     """Each ``vals`` parameter of ``metal_params``: its scalar type (``constant float&
-    s`` is a float32; None where not known) and its declaration."""
+    s`` is a float32; a plain ``char`` is signed in the Metal Shading Language; None
+    where not known) and its declaration."""
     known = typedefs(src)
     return tuple(
-        (scalar_type(type_words(param), known), param)
+        (scalar_type(type_words(param), known, SIGNED_CHAR), param)
         for _, kind, param in _bound_params(src, name)
         if kind == "value"
     )
@@ -243,7 +249,8 @@ def _bound_params(src: str, name: str) -> list[tuple[int, ParamKind, str]]:
         index = re.search(r"\[\[\s*buffer\s*\(\s*(\d+)\s*\)\s*\]\]", param)
         if index is None:
             continue
-        kind: ParamKind = "buffer" if "*" in param else "value"
+        memory = "*" in param or ("&" in param and re.search(r"\bdevice\b", param))
+        kind: ParamKind = "buffer" if memory else "value"
         declaration = re.sub(r"\[\[.*?\]\]", "", param).strip()
         bound.append((int(index.group(1)), kind, " ".join(declaration.split())))
     return sorted(bound)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
+from asyncmetal._scalars import host_types
 from tests.support.launch_paths import PATHS, select_launch_path
 from tests.support.queues import (
     close_failing_with_a_wait,
@@ -152,6 +153,48 @@ async def test_launch_values_of_each_type_reach_the_kernel_bit_for_bit(
         assert got[0:8] == np.int64(values[0]).tobytes()
         assert got[8:14] == np.uint32(values[1]).tobytes() + np.int16(values[2]).tobytes()
         assert got[16:24] == np.uint64(values[3]).tobytes()
+
+
+CHARACTERS = r"""
+template <typename T> __device__ void store(unsigned char* out, T v) { *(T*)(out) = v; }
+template <typename T> __global__ void twice(T* x, T a) { x[0] = a + a; }
+extern "C" __global__ void chars(unsigned char* out, char c, char16_t a, char32_t b, wchar_t w) {
+    if (blockIdx.x * blockDim.x + threadIdx.x != 0) return;
+    store(out, c); store(out + 2, a); store(out + 4, b); store(out + 8, w);
+}
+extern "C" __global__ void twice_f(float* x, float a) { twice<float>(x, a); }
+"""
+
+
+async def test_character_types_and_a_templates_wrapper_take_their_types(
+    anyio_backend: object,
+) -> None:
+    """A plain char takes the host platform's signedness (on an x86-64 host: signed,
+    -1 reaching the kernel as such and 200 refused), char16_t a uint16, char32_t a
+    uint32, wchar_t the host's (an int on Linux x86-64); an extern "C" wrapper of a
+    template kernel takes its own float, and the template itself is refused at
+    compile."""
+    async with am.open_device("cuda:0") as dev:
+        chars = await dev.compile(CHARACTERS, "chars")
+        char, wide = host_types()["char"], host_types()["wchar_t"]
+        assert [t for t, _ in chars.value_types] == [char, "uint16", "uint32", wide]
+        out = await dev.alloc(16)
+        await dev.queue.copy(out, np.zeros(16, np.uint8))
+        c = -1 if char == "int8" else 255
+        await dev.queue.launch(chars, out, vals=(c, 0xFFFF, 0xFFFF_FFFF, 65))
+        got = (await out.read(np.uint8)).tobytes()
+        assert got[0:1] == np.array(c, char).tobytes()
+        assert got[2:8] == np.uint16(0xFFFF).tobytes() + np.uint32(0xFFFF_FFFF).tobytes()
+        assert got[8:12] == np.array(65, wide).tobytes()
+        with pytest.raises(
+            am.InvalidArgumentError, match=rf"vals\[0\] of 'chars' must fit in {char}"
+        ):
+            dev.queue.launch(chars, out, vals=(200 if char == "int8" else -1, 1, 2, 3))
+        twice = await dev.compile(CHARACTERS, "twice_f")
+        await dev.queue.launch(twice, out, vals=(1.25,))
+        assert (await out.read(np.float32))[0] == 2.5
+        with pytest.raises(am.CompileError, match="'twice' is a template"):
+            await dev.compile(CHARACTERS, "twice")
 
 
 @pytest.mark.parametrize("path", ["extension", "ctypes"])

@@ -212,6 +212,70 @@ pytestmark_loops = pytest.mark.parametrize(
     ],
 )
 
+REFERENCES = """
+#include <metal_stdlib>
+using namespace metal;
+struct params { float scale; int n; };
+kernel void keep(device int& out [[buffer(0)]], constant char& c [[buffer(1)]],
+                 device atomic_uint& count [[buffer(2)]], uint i [[thread_position_in_grid]]) {
+    out = c;
+}
+kernel void by_vector(device float* out [[buffer(0)]], constant float4& v [[buffer(1)]]) {}
+kernel void by_struct(device float* out [[buffer(0)]], constant params& p [[buffer(1)]]) {}
+kernel void by_half3(device float* out [[buffer(0)]], half3 h [[buffer(1)]]) {}
+kernel void by_packed(device float* out [[buffer(0)]], constant packed_float3& v [[buffer(1)]]) {}
+kernel void by_matrix(device float* out [[buffer(0)]], constant float2x2& m [[buffer(1)]]) {}
+kernel void by_bfloat(device float* out [[buffer(0)]], constant bfloat& b [[buffer(1)]]) {}
+"""
+
+
+def test_metal_references_to_device_memory_are_buffers_and_no_vector_is_a_value() -> None:
+    """A ``device`` reference (``device int& out``, ``device atomic_uint& n``) is
+    memory the kernel may write: a buffer. A ``constant`` reference or a value of a
+    vector, matrix, packed vector, struct or ``bfloat`` is refused at compile, naming
+    it: one launch value's ``setBytes`` cannot make it (an int's 4 bytes were read
+    past). A plain char is signed (the Metal Shading Language's)."""
+    assert metal_params(REFERENCES, "keep") == ("buffer", "value", "buffer")
+    assert MetalCompiler().value_types(REFERENCES, "keep") == (("int8", "constant char& c"),)
+    for name, declaration in [
+        ("by_vector", "constant float4& v"),
+        ("by_struct", "constant params& p"),
+        ("by_half3", "half3 h"),
+        ("by_packed", "constant packed_float3& v"),
+        ("by_matrix", "constant float2x2& m"),
+        ("by_bfloat", "constant bfloat& b"),
+    ]:
+        with pytest.raises(am.CompileError, match="is not a scalar that launch values") as info:
+            metal_params(REFERENCES, name)
+        assert f"parameter {declaration!r}" in str(info.value)
+
+
+DEVICE_REFERENCE = """
+struct params { float scale; int n; };
+kernel void keep(device int& out [[buffer(0)]], constant char& c [[buffer(1)]],
+                 uint i [[thread_position_in_grid]]) { out = c; }
+kernel void by_struct(device float* out [[buffer(0)]], constant params& p [[buffer(1)]]) {}
+"""
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+async def test_a_device_reference_is_bound_as_a_buffer(anyio_backend: object) -> None:
+    """A kernel writes through its ``device int&`` parameter into the buffer launched
+    for it; its signed char takes -1 and refuses 200; a struct reference is refused at
+    compile, before anything is compiled."""
+    async with am.open_device("metal") as dev:
+        keep = await dev.compile(DEVICE_REFERENCE, "keep")
+        out = await dev.alloc(4)
+        await dev.queue.launch(keep, out, vals=(-1,))
+        assert (await out.read(np.int32)).tolist() == [-1]
+        with pytest.raises(am.InvalidArgumentError, match=r"must fit in int8 .*'constant char& c'"):
+            dev.queue.launch(keep, out, vals=(200,))
+        with pytest.raises(am.CompileError, match="'constant params& p' is not a scalar"):
+            await dev.compile(DEVICE_REFERENCE, "by_struct")
+
+
 FAULTY = """
 kernel void crash(device int* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
     out[0] = 1;
