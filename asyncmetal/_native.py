@@ -139,8 +139,8 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
 MAX_ARGS = 16
 
 
-def compiler() -> str | None:
-    """``$CC`` (default ``cc``) if it can be run, else None."""
+def compiler() -> list[str] | None:
+    """``$CC`` (default ``cc``), split into its words, if it can be run, else None."""
     return build.compiler()
 
 

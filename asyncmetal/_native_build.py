@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -37,10 +38,16 @@ PACKAGED_WITH_EXTENSION = "_amrt"
 PACKAGED_RUNTIME_ONLY = "libamrt"
 
 
-def compiler() -> str | None:
-    """``$CC`` (default ``cc``) if it can be run, else None."""
-    cc = os.environ.get("CC") or "cc"
-    return cc if shutil.which(cc) else None
+def cc_command() -> list[str]:
+    """``$CC`` (default ``cc``) split as a shell splits it: as with make and setuptools,
+    it may name a launcher or flags besides the compiler (``ccache gcc``, ``gcc -m64``)."""
+    return shlex.split(os.environ.get("CC") or "") or ["cc"]
+
+
+def compiler() -> list[str] | None:
+    """``cc_command()`` if its program can be run, else None."""
+    command = cc_command()
+    return command if shutil.which(command[0]) else None
 
 
 def python_include() -> str | None:
@@ -62,7 +69,7 @@ def digest(sources: Mapping[str, bytes], with_extension: bool) -> str:
 
 
 def compile_runtime(
-    sources: Mapping[str, bytes], target: str, include: str | None, cc: str | None = None
+    sources: Mapping[str, bytes], target: str, include: str | None, cc: list[str] | None = None
 ) -> None:
     """Compile the runtime (with the extension module if ``include``, the directory of
     Python.h, is given) from ``sources`` (file name -> bytes) into ``target``. Raises
@@ -82,7 +89,7 @@ def compile_runtime(
         if sys.platform == "darwin":
             flags += ["-undefined", "dynamic_lookup"]
         proc = subprocess.run(
-            [cc, *flags, *(os.path.join(tmp, n) for n in names), "-o", target],
+            [*cc, *flags, *(os.path.join(tmp, n) for n in names), "-o", target],
             capture_output=True,
             check=False,
         )

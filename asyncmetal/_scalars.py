@@ -259,8 +259,9 @@ def launch_value(value: object, declared: str | None, where: str, param: str) ->
     narrow)."""
     if isinstance(value, (bool, np.bool_)):
         if declared != "bool":
+            wanted = "a float" if declared and declared[0] == "f" else "an integer"
             raise ArgumentTypeError(
-                f"{where} must be an integer, got {type(value).__name__}" + _takes(declared, param)
+                f"{where} must be {wanted}, got {type(value).__name__}" + _takes(declared, param)
             )
         return Scalar(int(value), "bool")
     if isinstance(value, np.generic):

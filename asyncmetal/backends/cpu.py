@@ -50,6 +50,7 @@ from .._backend import (
 )
 from .._compile import Compiler, ParamKind, c_value_types, scalar_params
 from .._errors import ArgumentTypeError, ClosedResourceError, CompileError, InvalidArgumentError
+from .._native_build import cc_command
 from .._scalars import host_types, scalar_type
 from .._timeline import LATER_FAIL, discarded_error, failure_error
 
@@ -99,25 +100,29 @@ class CCompiler(Compiler):
     def config(self) -> tuple[Any, ...]:
         return (self.cc, self.flags)
 
-    def _executable(self) -> str:
-        return self.cc or os.environ.get("CC") or "cc"
+    def _command(self) -> tuple[str, ...]:
+        """The compiler's program and the words ``$CC`` gives with it (see
+        ``_native_build.cc_command``); ``cc``, where given, is one program."""
+        return (self.cc,) if self.cc else tuple(cc_command())
 
     def version(self) -> str:
         # The C types it compiles for are asked here too: compile reads the identity
         # first, off the loop, so that reading a kernel's value types runs nothing.
         self.plain_types()
-        return " ".join((_cc_version(self._executable()), *_LINK))
+        command = self._command()  # (its flags in $CC make other binaries)
+        return " ".join((_cc_version(command), *command[1:], *_LINK))
 
     def plain_types(self) -> Mapping[str, str]:
         """The types of a plain ``char`` and of ``wchar_t`` as this compiler, with its
         flags (``-funsigned-char``...), compiles C (``_scalars.platform_types``)."""
-        return _plain_types(self._executable(), _type_flags(self.flags))
+        return _plain_types(self._command(), _type_flags(self.flags))
 
     def value_types(self, src: str, name: str) -> tuple[tuple[str | None, str], ...]:
         return c_value_types(src, name, self.plain_types())
 
     def compile(self, src: str) -> bytes:
-        cc = self._executable()
+        command = self._command()
+        cc = command[0]
         if shutil.which(cc) is None:
             missing = "is not an executable" if os.sep in cc else "is not on PATH"
             raise CompileError(
@@ -127,7 +132,7 @@ class CCompiler(Compiler):
         with tempfile.TemporaryDirectory(prefix="asyncmetal-cc-") as tmp:
             out = os.path.join(tmp, "kernel.so")
             proc = subprocess.run(
-                [cc, *self.flags, "-shared", "-fPIC", *_LINK, "-x", "c", "-", "-o", out],
+                [*command, *self.flags, "-shared", "-fPIC", *_LINK, "-x", "c", "-", "-o", out],
                 input=src.encode(),
                 capture_output=True,
                 check=False,
@@ -153,12 +158,12 @@ class CCompiler(Compiler):
 
 
 @functools.lru_cache(maxsize=8)
-def _cc_version(cc: str) -> str:
+def _cc_version(cc: tuple[str, ...]) -> str:
     """The compiler's version and target: machines of two architectures that share a
     cache directory (a network home) must not share binaries."""
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, check=False)
-        target = subprocess.run([cc, "-dumpmachine"], capture_output=True, check=False)
+        version = subprocess.run([*cc, "--version"], capture_output=True, check=False)
+        target = subprocess.run([*cc, "-dumpmachine"], capture_output=True, check=False)
     except OSError:
         return "missing"
     first_line = version.stdout.decode(errors="replace").partition("\n")[0]
@@ -185,7 +190,7 @@ def _type_flags(flags: Sequence[str]) -> tuple[str, ...]:
 
 
 @functools.cache
-def _plain_types(cc: str, flags: tuple[str, ...]) -> Mapping[str, str]:
+def _plain_types(cc: tuple[str, ...], flags: tuple[str, ...]) -> Mapping[str, str]:
     """The types of a plain ``char`` and of ``wchar_t`` as ``cc`` with ``flags``
     compiles C, asked of it once (its predefined ``__CHAR_UNSIGNED__`` and
     ``__WCHAR_TYPE__``, as GCC and clang define them); the host platform's where it
@@ -193,7 +198,7 @@ def _plain_types(cc: str, flags: tuple[str, ...]) -> Mapping[str, str]:
     host = host_types()
     try:
         proc = subprocess.run(
-            [cc, *flags, "-dM", "-E", "-x", "c", os.devnull],
+            [*cc, *flags, "-dM", "-E", "-x", "c", os.devnull],
             capture_output=True,
             check=False,
             timeout=60,

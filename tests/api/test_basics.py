@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -190,6 +192,30 @@ def test_a_missing_c_compiler_is_named_as_given() -> None:
         CCompiler("/nonexistent/cc").compile("void f(void) {}")
     with pytest.raises(am.CompileError, match="'no-such-cc-here' is not on PATH"):
         CCompiler("no-such-cc-here").compile("void f(void) {}")
+
+
+def test_cc_may_give_flags_and_a_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$CC`` is split as a shell splits it (as make and setuptools take it): a
+    compiler with flags, or behind a launcher, compiles; its flags are part of the
+    compiler's identity (a binary built with them is not one built without)."""
+    from asyncmetal.backends.cpu import CCompiler
+
+    source = "int answer(void) { return ANSWER; }"
+    identities = set()
+    for cc in ("cc -DANSWER=42", "env LC_ALL=C cc -DANSWER=42"):
+        monkeypatch.setenv("CC", cc)
+        binary = CCompiler().compile(source)
+        identities.add(CCompiler().version())
+        with tempfile.NamedTemporaryFile(suffix=".so") as f:
+            f.write(binary)
+            f.flush()
+            assert ctypes.CDLL(f.name).answer() == 42
+    monkeypatch.setenv("CC", "cc -DANSWER=7")
+    identities.add(CCompiler().version())
+    assert len(identities) == 3
+    monkeypatch.setenv("CC", "no-such-cc-here -O1")
+    with pytest.raises(am.CompileError, match="'no-such-cc-here' is not on PATH"):
+        CCompiler().compile(source)
 
 
 def test_the_package_lists_its_api() -> None:

@@ -196,6 +196,8 @@ async def test_values_that_do_not_fit_their_parameter_are_refused(device: am.Dev
          np.float32(2)),
         (type_error, r"vals\[0\] of 'put' must be a float, got numpy int32", 0, np.int32(1)),
         (type_error, r"vals\[3\] of 'put' must be an integer, got bool", 3, True),
+        (type_error, r"vals\[0\] of 'put' must be a float, got bool; its parameter "
+         r"'.*float.* f' takes float32", 0, True),
         (type_error, r"vals\[3\] of 'put' must be an integer or a float, got str", 3, "1"),
         # out of the parameter's range
         (value_error, r"vals\[3\] of 'put' must fit in uint32 \(its parameter .*\): -1", 3, -1),

@@ -218,6 +218,7 @@ async def test_value_parameters_must_be_scalars(device: am.Device) -> None:
         with pytest.raises(am.CompileError, match="is not a scalar") as info:
             await device.compile(source, "k")
         assert info.value.name == "k" and declaration in str(info.value)
+        assert "a bool, a half, float or double" in str(info.value)  # (what it would take)
     ints = "void k(int* out, long a, unsigned n, unsigned long long m, char c, _Bool b) {}"
     program = await device.compile(ints, "k")
     assert program.params == ("buffer",) + ("value",) * 5
