@@ -344,3 +344,69 @@ async def test_a_signal_after_a_wait_for_a_failed_value_fails_its_timeline(
                 await signalled
             with pytest.raises(am.DeviceLostError):
                 await onward.wait(1)
+
+
+@every_loop
+@pytest.mark.timeout(120)
+async def test_a_flush_on_another_thread_keeps_a_wait_submitted_meanwhile(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread awaits a queue's wait command (its await commits the command
+    buffer that marks it: ``flush``) while this one submits a second wait, then a
+    launch. The launch's command buffer must still wait for the second wait's timeline:
+    the flush's commit, ending after the second wait was noted, replaced the queue's
+    list of waits with its own, and the launch ran before that timeline was signalled.
+    (The other thread's commit is held, at most 1 s, until the second wait was
+    submitted -- or, where the two exclude each other, until it gives up.)"""
+    from asyncmetal.backends.metal import _objc, _queue
+
+    send = _objc.send
+    flusher: list[int] = []
+    committing, waited = threading.Event(), threading.Event()
+    waits: dict[int, list[int]] = {}  # command buffer -> the events it waits for
+    signals: dict[int, list[tuple[int, int]]] = {}  # ... (event, value) it signals
+
+    def ordered(obj: int, selector: str, *args: Any, **kwargs: Any) -> Any:
+        if selector == "encodeWaitForEvent:value:":
+            waits.setdefault(obj, []).append(args[0])
+        elif selector == "encodeSignalEvent:value:":
+            signals.setdefault(obj, []).append((args[0], args[1]))
+        elif selector == "commit" and threading.get_ident() in flusher:
+            committing.set()
+            waited.wait(1)
+        return send(obj, selector, *args, **kwargs)
+
+    monkeypatch.setattr(_queue, "send", ordered)
+    async with am.open_device("metal") as dev:
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        buf = await dev.alloc(64)
+        q, first_tl, second_tl = dev.new_queue(), dev.timeline(), dev.timeline()
+        first = q.wait(first_tl, 1)
+
+        def await_first() -> None:
+            flusher.append(threading.get_ident())
+
+            async def awaiting() -> None:
+                await first  # (flushes the queue, then parks until first_tl reaches 1)
+
+            anyio.run(awaiting)
+
+        other = threading.Thread(target=await_first)
+        other.start()
+        try:
+            await anyio.to_thread.run_sync(committing.wait, 20)
+            await anyio.to_thread.run_sync(q.wait, second_tl, 1)
+        finally:
+            waited.set()
+            first_tl.signal(1)
+            await anyio.to_thread.run_sync(other.join, 20)
+        assert not other.is_alive()
+        launched = q.launch(fill, buf, vals=(7, 16))
+        own = q.timeline.native.event  # type: ignore[attr-defined]
+        (cb,) = [cb for cb, signalled in signals.items() if (own, launched.value) in signalled]
+        assert second_tl.native.event in waits.get(cb, [])  # type: ignore[attr-defined]
+        assert not launched.done()
+        second_tl.signal(1)
+        with anyio.fail_after(20):
+            await launched
+        assert (await buf.read(np.int32) == 7).all()
