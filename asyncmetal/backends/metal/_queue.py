@@ -137,8 +137,11 @@ class MetalQueue(NativeQueue):
         # Its waits, until their value is reached: (the wait command's value, timeline,
         # target). A timeline that fails instead (its device closed while its command
         # waited) ends the GPU's wait all the same: that command and every later one
-        # fail.
+        # fail. Under _waited_lock: any thread's await takes the produced ones off and
+        # looks through the rest (another's taking one off as this one looked would take
+        # a failed one instead, or end the look with RuntimeError).
         self._waited: collections.deque[tuple[int, MetalTimeline, int]] = collections.deque()
+        self._waited_lock = threading.Lock()
         # A wait command's own value, marked by the next buffer. It, _waits and _gates
         # belong to whichever thread commits -- a submitting thread, or the worker while
         # it holds commands -- and are read and changed under _commit_lock, which is
@@ -455,17 +458,22 @@ class MetalQueue(NativeQueue):
         if self._lost is not None and value >= self._lost_from:
             return self._lost
         waited = self._waited
-        while (
-            waited and waited[0][1].value >= waited[0][2] and not waited[0][1].failure(waited[0][2])
-        ):
-            waited.popleft()  # produced: nothing after it can fail by it
-        for at, timeline, target in waited:
-            if at > value:
-                break
-            failure = timeline.failure(target)
-            if failure is not None:
-                lead = "this command ran after a device-side wait for a value that"
-                return failure_error(failure, lead, LATER_FAIL)
+        if not waited:  # (a wait submitted meanwhile comes after `value`, reached)
+            return None
+        with self._waited_lock:
+            while (
+                waited
+                and waited[0][1].value >= waited[0][2]
+                and not waited[0][1].failure(waited[0][2])
+            ):
+                waited.popleft()  # produced: nothing after it can fail by it
+            for at, timeline, target in waited:
+                if at > value:
+                    break
+                failure = timeline.failure(target)
+                if failure is not None:
+                    lead = "this command ran after a device-side wait for a value that"
+                    return failure_error(failure, lead, LATER_FAIL)
         return None
 
     # -- commands -------------------------------------------------------------------------
@@ -541,7 +549,8 @@ class MetalQueue(NativeQueue):
 
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, MetalTimeline)
-        self._waited.append((value, timeline, target))
+        with self._waited_lock:
+            self._waited.append((value, timeline, target))
         with self._commit_lock:
             if self._routed:  # after the commands the worker holds, not into them
                 self._wait_held = True

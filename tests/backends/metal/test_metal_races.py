@@ -410,3 +410,62 @@ async def test_a_flush_on_another_thread_keeps_a_wait_submitted_meanwhile(
         with anyio.fail_after(20):
             await launched
         assert (await buf.read(np.int32) == 7).all()
+
+
+@every_loop
+@pytest.mark.timeout(120)
+async def test_two_threads_asking_a_failure_keep_a_failed_wait(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two threads ask a queue whether a command failed (each await does) while the
+    queue's first wait was produced and its second waited for a failed signal: each
+    drops the produced wait off the queue's list and must still find the failed one.
+    Both had read the first as produced; the second to take it off took the failed
+    one instead, and reported the command after it as a success. (The first thread is
+    held, at most 1 s, in its look at the produced wait's timeline until the second
+    asked -- or, where the two exclude each other, until it gives up.)"""
+    from asyncmetal.backends.metal import _queue
+
+    async with am.open_device("metal") as dev:
+        crash = await dev.compile(FAULTY, "crash")
+        empty = await dev.compile(MSL_KERNELS, "empty")
+        bad = await dev.alloc(4)
+        other, produced, failed = dev.new_queue(), dev.timeline(), dev.timeline()
+        dev.queue.launch(crash, bad)
+        dev.queue.signal(failed, 1)
+        with anyio.fail_after(20), pytest.raises(am.DeviceLostError):
+            await failed.wait(1)
+        produced.signal(1)
+        other.wait(produced, 1)
+        other.wait(failed, 1)
+        after = other.launch(empty)
+        await _until(after.done)  # (not awaited: no failure asked yet)
+        native = other._native  # type: ignore[attr-defined]
+        first: list[int] = []
+        looking, asked = threading.Event(), threading.Event()
+        failure = _queue.MetalTimeline.failure
+
+        def held(timeline: Any, target: int) -> Any:
+            if timeline is produced.native and threading.get_ident() in first:
+                first.clear()
+                looking.set()
+                asked.wait(1)
+            return failure(timeline, target)
+
+        monkeypatch.setattr(_queue.MetalTimeline, "failure", held)
+        seen: list[BaseException | None] = []
+
+        def ask() -> None:
+            first.append(threading.get_ident())
+            seen.append(native.failure(after.value))
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        try:
+            await anyio.to_thread.run_sync(looking.wait, 20)
+            seen.append(await anyio.to_thread.run_sync(native.failure, after.value))
+        finally:
+            asked.set()
+            await anyio.to_thread.run_sync(asker.join, 20)
+        assert len(seen) == 2
+        assert all(isinstance(error, am.DeviceLostError) for error in seen), seen
