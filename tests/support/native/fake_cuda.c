@@ -131,6 +131,20 @@
  *             queue signals and on one the host signals, while a third thread has
  *             other libraries' streams wait for their commands (refused only behind a
  *             wait on a timeline); every wait ends, nothing fails
+ *   discardkick a discard drops a queue's held wait while that wait's kick comes due
+ *             (run by a host signal between the discard's unlock and its taking the
+ *             kick off, at the runtime's test hook): the kick's reference of the queue
+ *             ends once, the queue settles, failed from the wait, and is freed
+ *   discardstress rounds of a bounded queue given kernels, signals and waits held until
+ *             another queue's signal, the host's signal or another queue's command
+ *             reached the driver (or for a value nothing signals), discarded while its
+ *             completion thread, that queue's (running kicks), the host's thread
+ *             (running kicks), a queue waiting on its values and another library's
+ *             stream waiting for them (handing its work over) all work on it, then
+ *             closed (to finish, or abandoned): it settles; the commands before the
+ *             first dropped one ran, in order, the others never did; a dropped
+ *             signal's timeline fails, naming the discard; the waits for dropped values
+ *             fail their queue from there, the others succeed; nothing stays held
  */
 #include "fake_cuda_driver.h"
 
@@ -1563,6 +1577,271 @@ static void check_stress(void) {
     puts("ok stress");
 }
 
+/* The hook's part of check_discardkick: the host signal that makes the held wait's kick
+ * due, run (with the kick) between the discard's unlock and its taking the kick off. */
+static am_timeline *_Atomic signal_at_discard;
+
+static void host_signal_at_discard(int where, am_cuq *q) {
+    (void)q;
+    am_timeline *t = where == CU_HOOK_DISCARD_UNLOCKED ? atomic_exchange(&signal_at_discard, NULL)
+                                                      : NULL;
+    if (t) am_timeline_host_signal(t, 1);
+}
+
+/* f holds a wait for t (which s signals, its signal held behind s's gate), and commands
+ * behind it; the discard drops them all, and the wait's kick runs right after the
+ * discard let go of f's lock -- a host signal of t on another thread. The kick ends its
+ * reference of f once, whichever of the two takes it: f settles, failed from 1, nothing
+ * held or registered, and its close frees it (ASan: no use after free, no leak). */
+static void check_discardkick(void) {
+    int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
+    fake_queue f = queue_new(), s = queue_bounded(1);
+    free_timeline t = free_timeline_new();
+    uint64_t *gate = calloc(1, sizeof(uint64_t));
+    if (am_cuq_wait(s.q, gate, 1, 1) || am_cuq_finish(s.q, 1, NULL, 0, 0, CU_FINISH_PLAIN) ||
+        signal_free(s, t, 1, 2))
+        die("discardkick: s failed at once");
+    if (am_cuq_wait_timeline(f.q, t.t, 1, 1) ||
+        am_cuq_finish(f.q, 1, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        launch(f, NULL, 2, 2) || launch(f, NULL, 3, 3))
+        die("discardkick: f failed at once");
+    uint64_t stats[8];
+    am_cuq_stats(f.q, stats);
+    if (stats[6] != 6 || !atomic_load(&t.t->has_kicks))  /* (two per launch) */
+        die("discardkick: (setup) f's wait was not held, its kick registered");
+    atomic_store(&signal_at_discard, t.t);
+    atomic_store(&test_hook, host_signal_at_discard);
+    am_cuq_discard(f.q);
+    atomic_store(&test_hook, NULL);
+    if (atomic_load(&signal_at_discard)) die("discardkick: (setup) the hook did not run");
+    reach(f.t, UINT64_MAX, "discardkick: the discarded queue never settled");
+    uint64_t at = 0;
+    am_cuq_stats(f.q, stats);
+    if (am_cuq_error(f.q, &at) != AM_DISCARDED || at != 1 || stats[6] || atomic_load(&f.s->ran))
+        die("discardkick: the held commands were not all dropped, failing from the first");
+    pthread_mutex_lock(&f.q->mu);
+    int deferred = f.q->deferred;
+    pthread_mutex_unlock(&f.q->mu);
+    if (deferred || atomic_load(&t.t->has_kicks))
+        die("discardkick: the dropped wait's kick stayed registered, or the queue deferred");
+    atomic_store((_Atomic uint64_t *)gate, 1);
+    reach(s.t, 2, "discardkick: s never finished");
+    queue_free(f, 0);
+    queue_free(s, 0);
+    free_timeline_free(t);
+    free(gate);
+    atomic_store(&release_syncs, released);
+    puts("ok discardkick");
+}
+
+/* ---- discardstress: a discard among the threads that hand a queue's work over ------- */
+
+enum { DS_ROUNDS = 60, DS_COMMANDS = 40, DS_SIGNALS = 30, DS_HOST = 20 };
+
+typedef struct {
+    fake_queue f, w, s;             /* f discarded; w waits on f's values; s signals dev */
+    fake_stream *consumer;          /* another library's stream waiting for f's values */
+    free_timeline dev, host, u;     /* signalled by s; by the host thread; by f */
+    _Atomic uint64_t f_published, s_published;
+    atomic_int stop;                /* the waiting threads stop (before f closes) */
+    uint64_t w_waits[64][2];        /* w's waits for f: (w's command, f's value) */
+    int w_count;
+    uint64_t seed;
+} dstress;
+
+static uint64_t ds_rand(uint64_t *x) {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    return *x;
+}
+
+/* s: kernels and signals of `dev` (s holds them past its bound of 1: its completion
+ * thread hands them over, and runs the kicks of f's waits held for them). */
+static void *ds_signaller(void *arg) {
+    dstress *d = arg;
+    uint64_t v = 0;
+    for (uint64_t target = 1; target <= DS_SIGNALS; target++) {
+        if (launch(d->s, NULL, (int64_t)target, ++v) || signal_free(d->s, d->dev, target, ++v))
+            die("discardstress: s failed");
+        atomic_store(&d->s_published, v);
+        if (target % 4 == 0) nap_ns(20000);
+    }
+    return NULL;
+}
+
+/* The host signals `host` (each signal kicks the waits held for it, on this thread). */
+static void *ds_host(void *arg) {
+    dstress *d = arg;
+    uint64_t x = d->seed ^ 0x9e3779b97f4a7c15ULL;
+    for (uint64_t v = 1; v <= DS_HOST; v++) {
+        nap_ns((long)(ds_rand(&x) % 150000));
+        am_timeline_host_signal(d->host.t, v);
+    }
+    return NULL;
+}
+
+/* w waits on the device for f's values published so far (as another queue's wait). */
+static void *ds_waiter(void *arg) {
+    dstress *d = arg;
+    uint64_t x = d->seed ^ 0x5bd1e995ULL, v = 0;
+    while (!atomic_load(&d->stop) && d->w_count < 64) {
+        uint64_t p = atomic_load(&d->f_published);
+        if (!p) { sched_yield(); continue; }
+        uint64_t target = 1 + ds_rand(&x) % p;
+        if (am_cuq_wait_queue(d->w.q, d->f.q, target, ++v) ||
+            am_cuq_finish(d->w.q, v, NULL, 0, 0, CU_FINISH_PLAIN) || launch(d->w, NULL, 0, ++v))
+            die("discardstress: w failed at once");
+        d->w_waits[d->w_count][0] = v - 1;
+        d->w_waits[d->w_count][1] = target;
+        d->w_count++;
+        nap_ns((long)(ds_rand(&x) % 50000));
+    }
+    return NULL;
+}
+
+/* Another library's stream waits for f's values (f's held work up to it handed over). */
+static void *ds_foreign(void *arg) {
+    dstress *d = arg;
+    uint64_t x = d->seed ^ 0xc2b2ae35ULL;
+    while (!atomic_load(&d->stop)) {
+        uint64_t p = atomic_load(&d->f_published);
+        if (!p) { sched_yield(); continue; }
+        int call = -1;
+        int r = am_cuq_wait_foreign(d->f.q, (void *)1, d->consumer, 1 + ds_rand(&x) % p, &call);
+        if (r && r != CU_DEFERRED) die("discardstress: another library's wait failed");
+        nap_ns((long)(ds_rand(&x) % 40000));
+    }
+    return NULL;
+}
+
+static void ds_round(int round) {
+    static dstress d;
+    memset(&d, 0, sizeof d);
+    d.seed = 0x2545f4914f6cdd1dULL * (uint64_t)(round + 1);
+    d.f = queue_bounded(2);
+    d.w = queue_new();
+    d.s = queue_bounded(1);
+    d.consumer = stream_new();
+    d.dev = free_timeline_new();
+    d.host = free_timeline_new();
+    d.u = free_timeline_new();
+    pthread_t threads[4];
+    void *(*runs[4])(void *) = {ds_signaller, ds_host, ds_waiter, ds_foreign};
+    for (int i = 0; i < 4; i++) pthread_create(&threads[i], NULL, runs[i], &d);
+    /* f: kernels, waits held until what they wait for was handed over (a signal of dev,
+     * the host's signal, a command of s), and signals of u -- most held past f's bound. */
+    uint64_t x = d.seed, launches[DS_COMMANDS + 1] = {0}, signals[DS_COMMANDS + 1] = {0};
+    uint64_t u_target = 0;
+    /* In some rounds a wait for a value nothing signals: it and all behind it are held
+     * until the discard drops them (its kick with them). */
+    uint64_t never = ds_rand(&x) % 3 ? 0 : DS_COMMANDS / 2 + ds_rand(&x) % (DS_COMMANDS / 2);
+    for (uint64_t v = 1; v <= DS_COMMANDS; v++) {
+        int r = 0;
+        switch (v == never ? 8 : ds_rand(&x) % 8) {
+        case 8:
+            r = am_cuq_wait_timeline(d.f.q, d.dev.t, DS_SIGNALS + 1, v) ||
+                am_cuq_finish(d.f.q, v, d.dev.t, DS_SIGNALS + 1, 0,
+                              CU_FINISH_PLAIN | CU_FINISH_WAITED);
+            break;
+        case 0: {
+            uint64_t target = 1 + ds_rand(&x) % DS_SIGNALS;
+            r = am_cuq_wait_timeline(d.f.q, d.dev.t, target, v) ||
+                am_cuq_finish(d.f.q, v, d.dev.t, target, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED);
+            break;
+        }
+        case 1: {
+            uint64_t target = 1 + ds_rand(&x) % DS_HOST;
+            r = am_cuq_wait_timeline(d.f.q, d.host.t, target, v) ||
+                am_cuq_finish(d.f.q, v, d.host.t, target, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED);
+            break;
+        }
+        case 2:
+            r = am_cuq_wait_queue(d.f.q, d.s.q, 1 + ds_rand(&x) % (2 * DS_SIGNALS), v) ||
+                am_cuq_finish(d.f.q, v, NULL, 0, 0, CU_FINISH_PLAIN);
+            break;
+        case 3:
+            signals[v] = ++u_target;
+            r = signal_free(d.f, d.u, u_target, v);
+            break;
+        default:
+            launches[v] = 1;
+            r = launch(d.f, NULL, (int64_t)v, v);
+        }
+        if (r) die("discardstress: f failed at once");
+        atomic_store(&d.f_published, v);
+        if (ds_rand(&x) % 8 == 0) sched_yield();
+    }
+    nap_ns((long)(ds_rand(&x) % 300000));
+    am_cuq_discard(d.f.q);
+    atomic_store(&d.stop, 1);
+    for (int i = 0; i < 4; i++) pthread_join(threads[i], NULL);
+    /* Everything f's kept commands wait for was signalled: f settles, or finishes. */
+    uint64_t first = 0;
+    int error = am_cuq_error(d.f.q, &first);
+    if (error && (error != AM_DISCARDED || !first || first > DS_COMMANDS))
+        die("discardstress: f failed otherwise than by the discard");
+    if (!error) first = DS_COMMANDS + 1;  /* nothing was held: nothing dropped */
+    if (never && first > never) die("discardstress: a wait nothing signals was not dropped");
+    reach(d.f.t, error ? UINT64_MAX : DS_COMMANDS,
+          "discardstress: a discarded queue never settled (a wait it kept left un-kicked?)");
+    uint64_t stats[8];
+    am_cuq_stats(d.f.q, stats);
+    if (stats[6]) die("discardstress: operations still held once the queue settled");
+    /* Its kernels before the first dropped command ran, in order; none after. */
+    long ran = 0;
+    for (uint64_t v = 1; v <= DS_COMMANDS; v++)
+        if (launches[v] && v < first) {
+            if (ran >= atomic_load(&d.f.s->ran) || d.f.s->log[ran] != (int64_t)v)
+                die("discardstress: a kept command did not run, or ran out of order");
+            ran++;
+        }
+    if (atomic_load(&d.f.s->ran) != ran) die("discardstress: a dropped command ran");
+    /* u: raised by the signals kept; failed, naming the discard, by one dropped. */
+    uint64_t dropped_signal = 0, kept_target = 0;
+    for (uint64_t v = 1; v <= DS_COMMANDS; v++)
+        if (signals[v] && v >= first && !dropped_signal) dropped_signal = signals[v];
+        else if (signals[v] && v < first) kept_target = signals[v];
+    int u_error = 0;
+    uint64_t u_value = 0;
+    am_timeline *cause = NULL;
+    if (dropped_signal) {
+        reach(d.u.t, UINT64_MAX, "discardstress: a dropped signal's timeline never failed");
+        if (!am_timeline_failure(d.u.t, &u_error, &u_value, &cause) || u_error != AM_DISCARDED ||
+            u_value != first || cause != d.f.t)
+            die("discardstress: a dropped signal's timeline did not fail, naming the discard");
+    } else if (am_timeline_value(d.u.t) != kept_target) {
+        die("discardstress: the signals kept did not raise their timeline");
+    }
+    /* w: its waits for f's values before the first dropped one succeed; from the first
+     * wait for a dropped one on, it fails. */
+    uint64_t w_last = d.w_count ? d.w_waits[d.w_count - 1][0] + 1 : 0, w_first = 0;
+    for (int i = 0; i < d.w_count && !w_first; i++)
+        if (d.w_waits[i][1] >= first) w_first = d.w_waits[i][0];
+    reach(d.w.t, w_first ? UINT64_MAX : w_last, "discardstress: a wait for f never ended");
+    uint64_t at = 0;
+    int w_error = am_cuq_error(d.w.q, &at);
+    if (w_first ? w_error != CU_WAITED_FAILED || at != w_first : w_error != 0)
+        die("discardstress: a wait for a discarded command did not fail from there, or one "
+            "for a kept command failed");
+    stream_free(d.consumer, 0);  /* (it may have waited on f's word: before f's goes) */
+    queue_free(d.f, round % 2);
+    queue_free(d.w, 0);
+    queue_free(d.s, 0);
+    free_timeline_free(d.dev);
+    free_timeline_free(d.host);
+    free_timeline_free(d.u);
+}
+
+static void check_discardstress(void) {
+    int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
+    const char *rounds = getenv("DISCARD_ROUNDS");
+    int n = rounds ? atoi(rounds) : DS_ROUNDS;
+    for (int round = 0; round < n; round++) ds_round(round);
+    atomic_store(&release_syncs, released);
+    puts("ok discardstress");
+}
+
 /* Whether f failed from a device wait for a value never produced. */
 static int waited_failed(fake_queue f) {
     uint64_t at = 0;
@@ -1798,6 +2077,8 @@ int main(void) {
     check_handsignal();
     check_closing();
     check_stress();
+    check_discardkick();
+    check_discardstress();
     unreleased(check_closekick, "closekick");
     unreleased(check_lowered, "lowered");
     unreleased(check_foreignabandon, "foreignabandon");
