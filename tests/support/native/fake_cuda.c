@@ -120,6 +120,7 @@
  *             operations over: closed to finish, it returns only once the command being
  *             handed over was confirmed; abandoned, it returns only once that thread's
  *             driver call on the stream returned (the stream may be destroyed then),
+ *             however long that call takes,
  *             and leaves no kick on a timeline nothing signalled (which may be freed)
  *   closekick a wait held on the host for a timeline whose device closes goes on, and fails
  *   lowered   a signal's word write landing after the timeline was released (a store,
@@ -1399,7 +1400,8 @@ static void check_closing(void) {
         am_timeline_set_word(t, word);
         if (am_cuq_wait_timeline(f.q, t, 1, 1) || am_cuq_finish(f.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
             die("closing: the wait failed");
-        atomic_store(&record_ns, 100000000);
+        /* 400 ms: longer than an abandoning close waits for a thread blocked on an event */
+        atomic_store(&record_ns, 400000000);
         host_signal h = {t, 1};
         pthread_t thread;
         pthread_create(&thread, NULL, signal_from_host, &h);
