@@ -318,6 +318,20 @@ async def test_what_an_abandoned_command_kept_is_let_go_of_once_it_ran(
         await _until(lambda: c_timeline in freed)
 
 
+async def _a_failed_signal(dev: am.Device) -> tuple[am.Program, am.Timeline]:
+    """The ``empty`` kernel, and a timeline whose signal failed (behind a faulting kernel
+    on the default queue), its failure seen."""
+    crash = await dev.compile(FAULTY, "crash")
+    empty = await dev.compile(MSL_KERNELS, "empty")
+    bad = await dev.alloc(4)
+    tl = dev.timeline()
+    dev.queue.launch(crash, bad)
+    dev.queue.signal(tl, 1)
+    with anyio.fail_after(20), pytest.raises(am.DeviceLostError):
+        await tl.wait(1)
+    return empty, tl
+
+
 @every_loop
 @pytest.mark.parametrize("between", [False, True], ids=["next", "later"])
 async def test_a_signal_after_a_wait_for_a_failed_value_fails_its_timeline(
@@ -327,14 +341,8 @@ async def test_a_signal_after_a_wait_for_a_failed_value_fails_its_timeline(
     another timeline (right after the wait, or after a launch): that timeline fails
     too, as on cpu and cuda -- it rose, and a host wait for it reported success."""
     async with am.open_device("metal") as dev:
-        crash = await dev.compile(FAULTY, "crash")
-        empty = await dev.compile(MSL_KERNELS, "empty")
-        bad = await dev.alloc(4)
-        other, tl, onward = dev.new_queue(), dev.timeline(), dev.timeline()
-        dev.queue.launch(crash, bad)
-        dev.queue.signal(tl, 1)
-        with anyio.fail_after(20), pytest.raises(am.DeviceLostError):
-            await tl.wait(1)
+        empty, tl = await _a_failed_signal(dev)
+        other, onward = dev.new_queue(), dev.timeline()
         other.wait(tl, 1)
         if between:
             other.launch(empty)
@@ -363,24 +371,24 @@ async def test_a_flush_on_another_thread_keeps_a_wait_submitted_meanwhile(
     send = _objc.send
     flusher: list[int] = []
     committing, waited = threading.Event(), threading.Event()
-    waits: dict[int, list[int]] = {}  # command buffer -> the events it waits for
-    signals: dict[int, list[tuple[int, int]]] = {}  # ... (event, value) it signals
+    # command buffer -> the (event, value)s it waits for, and those it signals
+    waits: dict[int, list[tuple[Any, ...]]] = {}
+    signals: dict[int, list[tuple[Any, ...]]] = {}
+    noted = {"encodeWaitForEvent:value:": waits, "encodeSignalEvent:value:": signals}
 
     def ordered(obj: int, selector: str, *args: Any, **kwargs: Any) -> Any:
-        if selector == "encodeWaitForEvent:value:":
-            waits.setdefault(obj, []).append(args[0])
-        elif selector == "encodeSignalEvent:value:":
-            signals.setdefault(obj, []).append((args[0], args[1]))
+        if selector in noted:
+            noted[selector].setdefault(obj, []).append(args)
         elif selector == "commit" and threading.get_ident() in flusher:
             committing.set()
             waited.wait(1)
         return send(obj, selector, *args, **kwargs)
 
-    monkeypatch.setattr(_queue, "send", ordered)
     async with am.open_device("metal") as dev:
         fill = await dev.compile(MSL_KERNELS, "fill")
         buf = await dev.alloc(64)
         q, first_tl, second_tl = dev.new_queue(), dev.timeline(), dev.timeline()
+        monkeypatch.setattr(_queue, "send", ordered)
         first = q.wait(first_tl, 1)
 
         def await_first() -> None:
@@ -404,7 +412,8 @@ async def test_a_flush_on_another_thread_keeps_a_wait_submitted_meanwhile(
         launched = q.launch(fill, buf, vals=(7, 16))
         own = q.timeline.native.event  # type: ignore[attr-defined]
         (cb,) = [cb for cb, signalled in signals.items() if (own, launched.value) in signalled]
-        assert second_tl.native.event in waits.get(cb, [])  # type: ignore[attr-defined]
+        waited_for = [event for event, _ in waits.get(cb, [])]
+        assert second_tl.native.event in waited_for  # type: ignore[attr-defined]
         assert not launched.done()
         second_tl.signal(1)
         with anyio.fail_after(20):
@@ -427,14 +436,8 @@ async def test_two_threads_asking_a_failure_keep_a_failed_wait(
     from asyncmetal.backends.metal import _queue
 
     async with am.open_device("metal") as dev:
-        crash = await dev.compile(FAULTY, "crash")
-        empty = await dev.compile(MSL_KERNELS, "empty")
-        bad = await dev.alloc(4)
-        other, produced, failed = dev.new_queue(), dev.timeline(), dev.timeline()
-        dev.queue.launch(crash, bad)
-        dev.queue.signal(failed, 1)
-        with anyio.fail_after(20), pytest.raises(am.DeviceLostError):
-            await failed.wait(1)
+        empty, failed = await _a_failed_signal(dev)
+        other, produced = dev.new_queue(), dev.timeline()
         produced.signal(1)
         other.wait(produced, 1)
         other.wait(failed, 1)
