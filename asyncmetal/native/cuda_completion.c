@@ -81,6 +81,12 @@ void am_cuq_discard(am_cuq *q) {
     }
     int settle = !q->count && !q->held && !q->driving;
     pthread_mutex_unlock(&q->mu);
+    /* The kick is taken off unlocked. If it came due meanwhile, cuq_kicked runs instead
+     * (timeline_undefer and kicks_due decide which under the timeline's lock; either
+     * ends the kick's reference of q, once), and finds nothing to hand over; with
+     * nothing held and q's error set, no thread registers the kick again (submissions
+     * are refused; cuq_drain and cuq_hand_over find nothing). */
+    cuq_test_hook(CU_HOOK_DISCARD_UNLOCKED, q);
     if (unkick) cuq_unkick(q, kick_on);
     cuq_drop_refused(q, dropped, AM_DISCARDED, first);
     if (settle) cuq_settle(q);

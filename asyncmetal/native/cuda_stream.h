@@ -238,6 +238,17 @@ AM_HIDDEN void *am_test_alloc(size_t size);
 #define cuq_alloc malloc
 #endif
 
+/* Points between two steps of a queue where the native test harness (built with
+ * AM_TEST_HOOKS, its simulated driver defining am_test_hook) runs what another thread
+ * could do there, to check that interleaving every time. Nothing otherwise. */
+enum { CU_HOOK_DISCARD_UNLOCKED };
+#ifdef AM_TEST_HOOKS
+AM_HIDDEN void am_test_hook(int where, am_cuq *q);
+#define cuq_test_hook am_test_hook
+#else
+#define cuq_test_hook(where, q) ((void)0)
+#endif
+
 static inline int cuq_fail(am_cuq *q, int call, int r) {
     __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);
     return r;

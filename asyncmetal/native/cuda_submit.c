@@ -616,7 +616,14 @@ void am_cuq_close(am_cuq *q, int abandon) {
         struct timespec until;
         deadline_after(&until, 200000000L);
         int r = 0;
-        while (!q->exited && r != ETIMEDOUT) r = pthread_cond_timedwait(&q->cv, &q->mu, &until);
+        while (!q->exited) {
+            /* Another thread's driver call on the stream (a kick's hand-over) returns,
+             * however long it takes on a busy machine: the caller may destroy the
+             * stream once this returns. Only a thread blocked on an event is given up. */
+            if (q->driving) pthread_cond_wait(&q->cv, &q->mu);  /* (cuq_undrive wakes) */
+            else if (r == ETIMEDOUT) break;
+            else r = pthread_cond_timedwait(&q->cv, &q->mu, &until);
+        }
         if (!q->exited) {
             q->orphan = 1;  /* its thread frees it: q may be gone once mu is released */
             pthread_detach(q->thread);

@@ -137,10 +137,18 @@ class MetalQueue(NativeQueue):
         # Its waits, until their value is reached: (the wait command's value, timeline,
         # target). A timeline that fails instead (its device closed while its command
         # waited) ends the GPU's wait all the same: that command and every later one
-        # fail.
+        # fail. Under _waited_lock: any thread's await takes the produced ones off and
+        # looks through the rest (another's taking one off as this one looked would take
+        # a failed one instead, or end the look with RuntimeError).
         self._waited: collections.deque[tuple[int, MetalTimeline, int]] = collections.deque()
-        # A wait command's own value, marked by the next buffer. It and _waits belong to
-        # whichever thread commits: the loop's, or the worker's while it holds commands.
+        self._waited_lock = threading.Lock()
+        # A wait command's own value, marked by the next buffer. It, _waits and _gates
+        # belong to whichever thread commits -- a submitting thread, or the worker while
+        # it holds commands -- and are read and changed under _commit_lock, which is
+        # also held from the choice between committing here and handing over to the
+        # worker to the end of that commit or hand-over: another thread's flush (an
+        # await of a command, which commits the wait it waits for) is then never half
+        # way through a commit as a submission notes a wait or commits.
         self._unmarked = 0
         # The waits since the last buffer: its completion raises the queue's timeline
         # only once each reached its value or failed (_blocks.set_gates).
@@ -175,6 +183,10 @@ class MetalQueue(NativeQueue):
         self._discarded_to = 0
         self._release_later = False  # the worker releases the queue once it returns
         self._lock = threading.Lock()
+        # The worker takes it once `commandBuffer` returned, which can block (1024
+        # buffers in flight): a loop's flush never waits for that. A submitting thread
+        # holds it through its own commit, which routing keeps under MAX_IN_FLIGHT.
+        self._commit_lock = threading.RLock()
 
     # -- submission -----------------------------------------------------------------------
 
@@ -188,13 +200,14 @@ class MetalQueue(NativeQueue):
         then: tuple[int, int] | None = None,
     ) -> None:
         record = record if record is not None else Record(value)
-        if self._routing(value):
-            command = _Command(value, record, then)
-            self._hand_over(
-                self._commit, value, encode, keep, copy_back, record, then, command=command
-            )
-            return
-        self._commit(value, encode, keep, copy_back, record, then)
+        with self._commit_lock:
+            if self._routing(value):
+                command = _Command(value, record, then)
+                self._hand_over(
+                    self._commit, value, encode, keep, copy_back, record, then, command=command
+                )
+                return
+            self._commit(value, encode, keep, copy_back, record, then)
 
     def _routing(self, value: int) -> bool:
         """Whether command ``value`` is committed from the queue's own thread, in order:
@@ -299,9 +312,10 @@ class MetalQueue(NativeQueue):
         """After the dropped steps: one empty command buffer, with none of the waits held
         before, takes the queue's timeline through their values."""
         if self._discarded_to:
-            if self._unmarked:  # a wait run before, still to be encoded: dropped too
-                self._discarded_from = min(self._discarded_from, self._unmarked)
-            self._waits, self._gates, self._unmarked = [], [], 0
+            with self._commit_lock:
+                if self._unmarked:  # a wait run before, still to be encoded: dropped too
+                    self._discarded_from = min(self._discarded_from, self._unmarked)
+                self._waits, self._gates, self._unmarked = [], [], 0
             value, first = self._discarded_to, self._discarded_from
             own = self._timeline.c_timeline
             self._backend.lib.am_timeline_fail_from(own, first, AM_DISCARDED, first, own)
@@ -336,22 +350,23 @@ class MetalQueue(NativeQueue):
         if self._dropping:  # abandoned while this waited in commandBuffer
             release(cb)
             return
-        try:
-            still, block = self._encode(cb, value, encode, copy_back, then)
-        except BaseException:
-            release(cb)  # never committed (its waits are carried by the next one)
-            raise
-        self._waits = still
-        entry = (value, cb, block, record, bool(still))
-        with self._buffers_lock:
-            self._buffers.append(entry)
-        self._keep.add(value, (keep, block))
+        with self._commit_lock:
+            try:
+                still, block = self._encode(cb, value, encode, copy_back, then)
+            except BaseException:
+                release(cb)  # never committed (its waits are carried by the next one)
+                raise
+            self._waits = still
+            entry = (value, cb, block, record, bool(still))
+            with self._buffers_lock:
+                self._buffers.append(entry)
+            self._keep.add(value, (keep, block))
+            self._unmarked = 0
+            self._gates = []
         if self._dropping:  # abandoned while this was encoded: close may not have seen it
             self._disarm([entry])
         if len(self._buffers) > 256:
             self._reap()
-        self._unmarked = 0
-        self._gates = []
 
     def _encode(
         self,
@@ -402,13 +417,15 @@ class MetalQueue(NativeQueue):
         return still, block
 
     def flush(self) -> None:
-        """Commit a wait command that no later command carried yet (before parking)."""
-        if self._routed:
-            if self._wait_held:  # the worker's to commit, after what it holds
-                self._wait_held = False
-                self._hand_over(self._flush_held)
-        elif self._unmarked:
-            self._submit(self._unmarked, lambda cb: None)
+        """Commit a wait command that no later command carried yet (before parking).
+        From any thread (an await of a command calls it)."""
+        with self._commit_lock:
+            if self._routed:
+                if self._wait_held:  # the worker's to commit, after what it holds
+                    self._wait_held = False
+                    self._hand_over(self._flush_held)
+            elif self._unmarked:
+                self._submit(self._unmarked, lambda cb: None)
 
     def _flush_held(self) -> None:
         if self._unmarked:
@@ -441,17 +458,22 @@ class MetalQueue(NativeQueue):
         if self._lost is not None and value >= self._lost_from:
             return self._lost
         waited = self._waited
-        while (
-            waited and waited[0][1].value >= waited[0][2] and not waited[0][1].failure(waited[0][2])
-        ):
-            waited.popleft()  # produced: nothing after it can fail by it
-        for at, timeline, target in waited:
-            if at > value:
-                break
-            failure = timeline.failure(target)
-            if failure is not None:
-                lead = "this command ran after a device-side wait for a value that"
-                return failure_error(failure, lead, LATER_FAIL)
+        if not waited:  # (a wait submitted meanwhile comes after `value`, reached)
+            return None
+        with self._waited_lock:
+            while (
+                waited
+                and waited[0][1].value >= waited[0][2]
+                and not waited[0][1].failure(waited[0][2])
+            ):
+                waited.popleft()  # produced: nothing after it can fail by it
+            for at, timeline, target in waited:
+                if at > value:
+                    break
+                failure = timeline.failure(target)
+                if failure is not None:
+                    lead = "this command ran after a device-side wait for a value that"
+                    return failure_error(failure, lead, LATER_FAIL)
         return None
 
     # -- commands -------------------------------------------------------------------------
@@ -527,19 +549,22 @@ class MetalQueue(NativeQueue):
 
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         assert isinstance(timeline, MetalTimeline)
-        self._waited.append((value, timeline, target))
-        if self._routed:  # after the commands the worker holds, not into them
-            self._wait_held = True
-            self._hand_over(self._hold_wait, timeline, target, value)
-        else:
-            self._hold_wait(timeline, target, value)
+        with self._waited_lock:
+            self._waited.append((value, timeline, target))
+        with self._commit_lock:
+            if self._routed:  # after the commands the worker holds, not into them
+                self._wait_held = True
+                self._hand_over(self._hold_wait, timeline, target, value)
+            else:
+                self._hold_wait(timeline, target, value)
 
     def _hold_wait(self, timeline: MetalTimeline, target: int, value: int) -> None:
         # Encoded at the head of the next command buffer, with the work that depends on
         # it; this command's own value is marked by that buffer (or by flush()).
-        self._waits.append((timeline, target))
-        self._gates.append((timeline.c_timeline, target))
-        self._unmarked = value
+        with self._commit_lock:
+            self._waits.append((timeline, target))
+            self._gates.append((timeline.c_timeline, target))
+            self._unmarked = value
 
     def _blit(
         self,
@@ -621,11 +646,12 @@ class MetalQueue(NativeQueue):
         # handler itself then moves the bytes to the host array, natively, before it
         # raises the timeline. A large staging buffer is made on the queue's own thread,
         # which commits the copy after what it holds; later submissions follow it there.
-        if dst.nbytes >= STAGE_OFF_LOOP or self._routing(value):
-            command = _Command(value, record, None)
-            self._hand_over(self._staged_copyout, dst, src, value, record, command=command)
-        else:
-            self._staged_copyout(dst, src, value, record)
+        with self._commit_lock:
+            if dst.nbytes >= STAGE_OFF_LOOP or self._routing(value):
+                command = _Command(value, record, None)
+                self._hand_over(self._staged_copyout, dst, src, value, record, command=command)
+            else:
+                self._staged_copyout(dst, src, value, record)
 
     def _staged_copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
         staging = send(

@@ -3,8 +3,9 @@
 
 Runs everywhere: the completion thread, waits between queues held until what they wait
 for reached the driver (submitted from two threads, and on streams sharing one hardware
-queue), fault stickiness, event recycling, fills of each pattern size and a wait's confirmation
-of the value it waited for are the runtime's own
+queue), fault stickiness, event recycling, fills of each pattern size, a wait's confirmation
+of the value it waited for and a discard among the threads that hand a queue's work over
+(its interleavings run at the runtime's test hooks, and in a stress) are the runtime's own
 logic, which the GPU tests (tests/backends/cuda/test_cuda.py) can only exercise on an
 NVIDIA machine.
 Also under ThreadSanitizer and AddressSanitizer (each skips, saying why, where the
@@ -27,7 +28,9 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         tmp_path,
         sanitizer,
         extra=("fakes/fake_cuda_driver.c",),
-        defines=("AM_TEST_ALLOC",),  # its simulated driver makes allocations fail on demand
+        # its simulated driver makes allocations fail on demand, and runs a check's
+        # interleavings at the runtime's hooks
+        defines=("AM_TEST_ALLOC", "AM_TEST_HOOKS"),
     )
     proc = harness.run(binary, sanitizer=sanitizer)
     assert proc.returncode == 0, proc.stderr[-6000:] + proc.stdout
@@ -67,6 +70,8 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "handsignal"),
         *("ok", "closing"),
         *("ok", "stress"),
+        *("ok", "discardkick"),
+        *("ok", "discardstress"),
         *("ok", "closekick"),
         *("ok", "lowered"),
         *("ok", "foreignabandon"),

@@ -318,6 +318,20 @@ async def test_what_an_abandoned_command_kept_is_let_go_of_once_it_ran(
         await _until(lambda: c_timeline in freed)
 
 
+async def _a_failed_signal(dev: am.Device) -> tuple[am.Program, am.Timeline]:
+    """The ``empty`` kernel, and a timeline whose signal failed (behind a faulting kernel
+    on the default queue), its failure seen."""
+    crash = await dev.compile(FAULTY, "crash")
+    empty = await dev.compile(MSL_KERNELS, "empty")
+    bad = await dev.alloc(4)
+    tl = dev.timeline()
+    dev.queue.launch(crash, bad)
+    dev.queue.signal(tl, 1)
+    with anyio.fail_after(20), pytest.raises(am.DeviceLostError):
+        await tl.wait(1)
+    return empty, tl
+
+
 @every_loop
 @pytest.mark.parametrize("between", [False, True], ids=["next", "later"])
 async def test_a_signal_after_a_wait_for_a_failed_value_fails_its_timeline(
@@ -327,14 +341,8 @@ async def test_a_signal_after_a_wait_for_a_failed_value_fails_its_timeline(
     another timeline (right after the wait, or after a launch): that timeline fails
     too, as on cpu and cuda -- it rose, and a host wait for it reported success."""
     async with am.open_device("metal") as dev:
-        crash = await dev.compile(FAULTY, "crash")
-        empty = await dev.compile(MSL_KERNELS, "empty")
-        bad = await dev.alloc(4)
-        other, tl, onward = dev.new_queue(), dev.timeline(), dev.timeline()
-        dev.queue.launch(crash, bad)
-        dev.queue.signal(tl, 1)
-        with anyio.fail_after(20), pytest.raises(am.DeviceLostError):
-            await tl.wait(1)
+        empty, tl = await _a_failed_signal(dev)
+        other, onward = dev.new_queue(), dev.timeline()
         other.wait(tl, 1)
         if between:
             other.launch(empty)
@@ -344,3 +352,123 @@ async def test_a_signal_after_a_wait_for_a_failed_value_fails_its_timeline(
                 await signalled
             with pytest.raises(am.DeviceLostError):
                 await onward.wait(1)
+
+
+@every_loop
+@pytest.mark.timeout(120)
+async def test_a_flush_on_another_thread_keeps_a_wait_submitted_meanwhile(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread awaits a queue's wait command (its await commits the command
+    buffer that marks it: ``flush``) while this one submits a second wait, then a
+    launch. The launch's command buffer must still wait for the second wait's timeline:
+    the flush's commit, ending after the second wait was noted, replaced the queue's
+    list of waits with its own, and the launch ran before that timeline was signalled.
+    (The other thread's commit is held, at most 1 s, until the second wait was
+    submitted -- or, where the two exclude each other, until it gives up.)"""
+    from asyncmetal.backends.metal import _objc, _queue
+
+    send = _objc.send
+    flusher: list[int] = []
+    committing, waited = threading.Event(), threading.Event()
+    # command buffer -> the (event, value)s it waits for, and those it signals
+    waits: dict[int, list[tuple[Any, ...]]] = {}
+    signals: dict[int, list[tuple[Any, ...]]] = {}
+    noted = {"encodeWaitForEvent:value:": waits, "encodeSignalEvent:value:": signals}
+
+    def ordered(obj: int, selector: str, *args: Any, **kwargs: Any) -> Any:
+        if selector in noted:
+            noted[selector].setdefault(obj, []).append(args)
+        elif selector == "commit" and threading.get_ident() in flusher:
+            committing.set()
+            waited.wait(1)
+        return send(obj, selector, *args, **kwargs)
+
+    async with am.open_device("metal") as dev:
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        buf = await dev.alloc(64)
+        q, first_tl, second_tl = dev.new_queue(), dev.timeline(), dev.timeline()
+        monkeypatch.setattr(_queue, "send", ordered)
+        first = q.wait(first_tl, 1)
+
+        def await_first() -> None:
+            flusher.append(threading.get_ident())
+
+            async def awaiting() -> None:
+                await first  # (flushes the queue, then parks until first_tl reaches 1)
+
+            anyio.run(awaiting)
+
+        other = threading.Thread(target=await_first)
+        other.start()
+        try:
+            await anyio.to_thread.run_sync(committing.wait, 20)
+            await anyio.to_thread.run_sync(q.wait, second_tl, 1)
+        finally:
+            waited.set()
+            first_tl.signal(1)
+            await anyio.to_thread.run_sync(other.join, 20)
+        assert not other.is_alive()
+        launched = q.launch(fill, buf, vals=(7, 16))
+        own = q.timeline.native.event  # type: ignore[attr-defined]
+        (cb,) = [cb for cb, signalled in signals.items() if (own, launched.value) in signalled]
+        waited_for = [event for event, _ in waits.get(cb, [])]
+        assert second_tl.native.event in waited_for  # type: ignore[attr-defined]
+        assert not launched.done()
+        second_tl.signal(1)
+        with anyio.fail_after(20):
+            await launched
+        assert (await buf.read(np.int32) == 7).all()
+
+
+@every_loop
+@pytest.mark.timeout(120)
+async def test_two_threads_asking_a_failure_keep_a_failed_wait(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two threads ask a queue whether a command failed (each await does) while the
+    queue's first wait was produced and its second waited for a failed signal: each
+    drops the produced wait off the queue's list and must still find the failed one.
+    Both had read the first as produced; the second to take it off took the failed
+    one instead, and reported the command after it as a success. (The first thread is
+    held, at most 1 s, in its look at the produced wait's timeline until the second
+    asked -- or, where the two exclude each other, until it gives up.)"""
+    from asyncmetal.backends.metal import _queue
+
+    async with am.open_device("metal") as dev:
+        empty, failed = await _a_failed_signal(dev)
+        other, produced = dev.new_queue(), dev.timeline()
+        produced.signal(1)
+        other.wait(produced, 1)
+        other.wait(failed, 1)
+        after = other.launch(empty)
+        await _until(after.done)  # (not awaited: no failure asked yet)
+        native = other._native  # type: ignore[attr-defined]
+        first: list[int] = []
+        looking, asked = threading.Event(), threading.Event()
+        failure = _queue.MetalTimeline.failure
+
+        def held(timeline: Any, target: int) -> Any:
+            if timeline is produced.native and threading.get_ident() in first:
+                first.clear()
+                looking.set()
+                asked.wait(1)
+            return failure(timeline, target)
+
+        monkeypatch.setattr(_queue.MetalTimeline, "failure", held)
+        seen: list[BaseException | None] = []
+
+        def ask() -> None:
+            first.append(threading.get_ident())
+            seen.append(native.failure(after.value))
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        try:
+            await anyio.to_thread.run_sync(looking.wait, 20)
+            seen.append(await anyio.to_thread.run_sync(native.failure, after.value))
+        finally:
+            asked.set()
+            await anyio.to_thread.run_sync(asker.join, 20)
+        assert len(seen) == 2
+        assert all(isinstance(error, am.DeviceLostError) for error in seen), seen

@@ -101,6 +101,7 @@ extern fake_stream *_Atomic refuse_records;  /* the next event record on it is r
 extern atomic_int refuse_allocs;      /* >0: the runtime's next that many cuq_alloc fail */
 extern atomic_long record_ns;         /* >0: an event record takes this long */
 extern atomic_int records_in_driver;  /* ... such records inside the driver now */
+extern void (*_Atomic test_hook)(int where, am_cuq *q);  /* run at the runtime's hooks */
 extern long max_inflight;             /* the queues' bound (most checks: none) */
 extern const unsigned dims[7];
 

@@ -83,8 +83,9 @@ def build(
     defines: tuple[str, ...] = (),
 ) -> Path:
     """``harness`` (a file of this folder, with the files ``extra`` of tests/support) compiled with
-    the runtime, with the macros ``defines`` (the runtime's test hooks: AM_TEST_ALLOC, see
-    native/cuda_stream.h); skips the calling test if the sanitizer is unavailable."""
+    the runtime, with the macros ``defines`` (the runtime's test hooks: AM_TEST_ALLOC and
+    AM_TEST_HOOKS, see native/cuda_stream.h); skips the calling test if the sanitizer is
+    unavailable."""
     reason = sanitizer_missing(sanitizer)
     if reason is not None:
         pytest.skip(reason)
