@@ -233,13 +233,13 @@ class CUDAQueue(NativeQueue):
         kept."""
         if _driver.lost_first is not None:
             raise self._lost("a consumer stream's wait")
-        if self._q is None:  # closed: its commands are done or were abandoned
-            return
         call = ctypes.c_int()
         wait = self._lib.am_cuq_wait_foreign
-        code = wait(self._q, context, stream, target, ctypes.byref(call))
+        code = self._held_open(wait, context, stream, target, ctypes.byref(call))
         if code == DEFERRED and self._hand_over_signals(target, 0):
-            code = wait(self._q, context, stream, target, ctypes.byref(call))
+            code = self._held_open(wait, context, stream, target, ctypes.byref(call))
+        if code is None:  # closed: its commands are done or were abandoned
+            return
         if code == DEFERRED:
             raise self._not_handed_over(target)
         if code:
@@ -250,13 +250,19 @@ class CUDAQueue(NativeQueue):
         """Hand the operations held on the host up to command ``value`` to the driver
         now, past the bound on commands in flight: another library is about to use the
         stream itself (record an event there), which sees only what reached it."""
-        if self._q is None:
-            return
-        code = self._lib.am_cuq_hand_over(self._q, value)
+        code = self._held_open(self._lib.am_cuq_hand_over, value)
         if code == DEFERRED and self._hand_over_signals(value, depth):
-            code = self._lib.am_cuq_hand_over(self._q, value)
+            code = self._held_open(self._lib.am_cuq_hand_over, value)
         if code == DEFERRED:
             raise self._not_handed_over(value)
+
+    def _held_open(self, fn: Any, *args: Any) -> int | None:
+        """``fn(the native queue, *args)``, the queue kept from closing meanwhile (a
+        close on another thread frees it: these run on the thread of a DLPack export's
+        consumer, any); None once closed. The lock is held over this queue's call only,
+        never while another queue's is made (a hand-over follows waits to other queues)."""
+        with self._closing:
+            return None if self._q is None else int(fn(self._q, *args))
 
     def _hand_over_signals(self, value: int, depth: int) -> bool:
         """Before a hand-over up to command ``value`` is tried again: the queue signals

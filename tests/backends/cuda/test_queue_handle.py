@@ -1,0 +1,93 @@
+"""A cuda queue's native handle against a close on another thread, without a GPU.
+
+A DLPack or ``__cuda_array_interface__`` export asks the queues that last wrote the
+buffer to order the consumer's stream (``order_stream``) or to hand what they hold over
+to the driver (``hand_over``), on whatever thread the consumer calls from; the queue's
+close, on another thread, frees the native queue. Each such call must be made with the
+queue kept open, and none after it closed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import pytest
+
+from asyncmetal.backends.cuda._queue import CUDAQueue
+
+
+class _Lib:
+    """The native queue's calls these paths make, one of them held until released."""
+
+    def __init__(self) -> None:
+        self.freed = False
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.calls: list[str] = []
+
+    def _call(self, name: str, handle: int) -> int:
+        assert handle == 1234 and not self.freed, f"{name} on a freed queue"
+        self.entered.set()
+        self.release.wait(10)
+        assert not self.freed, f"the queue was freed during {name}"
+        self.calls.append(name)
+        return 0
+
+    def am_cuq_hand_over(self, handle: int, value: int) -> int:
+        return self._call("hand_over", handle)
+
+    def am_cuq_wait_foreign(self, handle: int, *args: Any) -> int:
+        return self._call("wait_foreign", handle)
+
+    def am_cuq_error(self, handle: int, first: Any) -> int:
+        return 0
+
+    def am_cuq_close(self, handle: int, abandon: int) -> None:
+        self.freed = True
+
+
+class _Keep:
+    def clear(self) -> None:
+        pass
+
+
+def _queue(lib: _Lib) -> CUDAQueue:
+    queue = object.__new__(CUDAQueue)
+    queue._closing = threading.Lock()
+    queue._q = 1234
+    queue._lib = lib
+    queue._staging = None
+    queue._owns_stream = False
+    queue._keep = _Keep()  # type: ignore[assignment]
+    queue._discarded = False
+    queue._sticky = (0, 0)
+    queue._error = ctypes.c_int(0)
+    return queue
+
+
+@pytest.mark.parametrize("call", ["hand_over", "order_stream"])
+def test_a_close_on_another_thread_waits_for_an_exports_call(call: str) -> None:
+    lib = _Lib()
+    queue = _queue(lib)
+
+    def export() -> None:
+        if call == "hand_over":
+            queue.hand_over(5)
+        else:
+            queue.order_stream(0, 99, 5)
+
+    exporting = threading.Thread(target=export)
+    exporting.start()
+    assert lib.entered.wait(10)
+    closing = threading.Thread(target=queue.close)
+    closing.start()
+    closing.join(0.2)
+    assert closing.is_alive() and not lib.freed  # (the close waits for the call)
+    lib.release.set()
+    exporting.join(10)
+    closing.join(10)
+    assert lib.freed and lib.calls == [{"hand_over": "hand_over"}.get(call, "wait_foreign")]
+    export()  # closed: nothing to order, and no call on the freed queue
+    assert len(lib.calls) == 1
