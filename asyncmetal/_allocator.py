@@ -88,8 +88,12 @@ class Allocation:
         # Collected without free(): hand the block back -- unless this generation of it
         # was already freed (and maybe handed out again). Any thread, even inside the GC:
         # a deque append, then a wake-up that waits for no lock (see _ReleaseCounter).
-        if self.allocator is not None and not self.freed:
-            self.allocator.collected(self.block, self.generation)
+        try:
+            allocator, freed = self.allocator, self.freed
+        except AttributeError:  # an interrupt at __init__'s entry: it held nothing
+            return
+        if allocator is not None and not freed:
+            allocator.collected(self.block, self.generation)
 
 
 # The allocators some of whose memory went out to another library: while none has, a
@@ -301,9 +305,9 @@ class Allocator:
             seen = self._frees.value  # before the attempt: a release after it wakes us
             size = self._usable_size(nbytes)
             self.sweep()
-            block = self._try_alloc(nbytes, size)
-            if block is not None:
-                return Allocation(block, self)
+            allocation = self._try_alloc(nbytes, size)
+            if allocation is not None:
+                return allocation
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise self._oom(nbytes, f"no memory was freed within {timeout} s")
@@ -342,19 +346,28 @@ class Allocator:
             return nbytes
         return size
 
-    def _try_alloc(self, nbytes: int, size: int) -> Block | None:
-        """A block of ``size`` bytes for a request of ``nbytes``, or None to wait.
+    def _try_alloc(self, nbytes: int, size: int) -> Allocation | None:
+        """A block of ``size`` bytes for a request of ``nbytes``, handed out, or None to
+        wait.
 
         A KeyboardInterrupt (a Ctrl-C outside trio's own code, or with no loop's
         handler) comes where CPython runs signal handlers -- after a call, at a
-        function's entry, at a loop's end -- and finds no window here: each change of
-        state is a run of bytecode with no call inside, and what a native allocation
-        counted (its reservation in ``in_use``, itself as under way) is undone by what
-        ``reserved`` and ``counted`` say, set in those runs. So the block is handed out
-        or stays where it was, and no allocation stays counted as under way (a close
-        waits for those to end: it would wait for good)."""
+        function's entry, at a loop's end. Each change of state here is a run of
+        bytecode with no call inside, and what a native allocation counted (its
+        reservation in ``in_use``, itself as under way) is undone by what ``reserved``
+        and ``counted`` say, set in those runs; a native block not handed out is freed.
+        The block is handed out as an Allocation made before it changes hands (see
+        _hand_out): one an interrupt drops after that hands the block back when it is
+        collected. So no allocation stays counted as under way (a close waits for
+        those to end: it would wait for good), and the block is handed out or stays
+        where it was -- but for one window no Python code can close: from the native
+        allocation's return inside ``backend.allocate`` until ``handle`` below holds
+        its result, an interrupt (between a call's return and the store of what it
+        returned) loses that memory: the cpu backend's is collected, a cuda or Metal
+        block stays allocated, counted nowhere, until the process ends."""
         thread = threading.get_ident()
         counted = reserved = False
+        handle: Any = None  # a native block, not handed out yet
         block: Block | None = None
         try:
             with self._lock:
@@ -397,8 +410,8 @@ class Allocator:
                     if block is None or block not in self._live:  # not handed out
                         if not self.closed:  # (a close counted the reservation out already)
                             self.in_use -= size
-                        if block is not None:
-                            self._state.backend.free(block.handle)
+                        if handle is not None:
+                            self._state.backend.free(handle)
                 self._frees.increment()  # the reservation may have held another back
             raise
         finally:
@@ -439,27 +452,30 @@ class Allocator:
             detail = "the device itself has no memory left"
             raise self._oom(nbytes, detail, reserved=size) from None
 
-    def _hand_out(self, block: Block, cached: list[Block] | None = None) -> Block:
+    def _hand_out(self, block: Block, cached: list[Block] | None = None) -> Allocation:
         """(Under the lock.) Hand ``block`` out: a new one, which ``in_use`` counts
-        already, or the last of ``cached``, its size class's cached blocks. Past its
-        first calls, no call before the block is live: an interrupt (see _try_alloc)
-        lands before it changed hands, or after."""
+        already, or the last of ``cached``, its size class's cached blocks. Its
+        Allocation is made first (an interrupt, see _try_alloc, lands before anything
+        changed hands); then the block changes hands in a run with no call but the
+        last, which makes it live: an interrupt lands before the change or after it,
+        and after it the Allocation dropped hands the block back when collected."""
         key = id(block)
         block.last_use.clear()  # (a cached block's uses passed: they go either way)
+        block.generation += 1  # (one never handed out: its allocation's is stale)
+        allocation = Allocation(block, self)
         if cached is not None:
             del cached[-1]
             del self._cache[key]
             self.cached -= block.nbytes
             self.in_use += block.nbytes
-        block.generation += 1
         block.freed = False
-        self._live.add(block)
         if self.in_use > self.peak_in_use:
             self.peak_in_use = self.in_use
         held = self.in_use + self._releasing + self.cached
         if held > self.peak:
             self.peak = held
-        return block
+        self._live.add(block)
+        return allocation
 
     def _evict(self, nbytes: int) -> None:
         """(Under the lock.) Free least recently cached blocks natively until ``nbytes``

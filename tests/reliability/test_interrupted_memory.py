@@ -1,0 +1,93 @@
+"""A KeyboardInterrupt wherever CPython delivers one (trio raises Ctrl-C in whatever
+Python code its main task runs) in an allocation, a free and the caches' bookkeeping
+loses nothing: no memory stays counted or held, the budget is whole again, no waiter
+is left parked, and what a cache counts is what it holds. Each test interrupts every
+call of its window in turn (``tests.support.interrupts``), then looks."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Any
+
+import anyio
+import pytest
+
+import asyncmetal as am
+from asyncmetal._allocator import Allocation, Allocator, Block
+from asyncmetal._buffer import Buffer
+from tests.support.interrupts import interrupted
+
+MiB = 1 << 20
+BUDGET = 4 * MiB
+LIMIT = 10  # seconds: every wait here ends within a fraction of this, or it hangs
+
+# Where an interrupt loses a native allocation, and nothing in Python can keep it: the
+# backend's allocation returned, and its result was not stored yet (see _try_alloc).
+NATIVE_RESULT_IN_FLIGHT = {"_allocate return allocate", "_try_alloc return _allocate"}
+
+
+def _consistent(allocator: Allocator) -> None:
+    """What the allocator counts is what it holds; nothing is under way or waiting."""
+    assert not allocator._allocating, "an allocation left under way"
+    assert allocator.in_use == sum(block.nbytes for block in allocator._live)
+    cache = list(allocator._cache.values())
+    assert allocator.cached == sum(block.nbytes for block in cache)
+    assert sorted(map(id, cache)) == sorted(id(b) for bs in allocator._by_size.values() for b in bs)
+    assert all(block.nbytes == size for size, bs in allocator._by_size.items() for block in bs)
+    parked = [e for w in allocator._frees._watches for _, _, e in w.heap if not e.done]
+    assert not parked, "a waiter left parked"
+
+
+async def _whole_budget_back(device: am.Device, where: list[str]) -> None:
+    """Nothing is in use, and an allocation of the whole budget gets it at once."""
+    gc.collect()  # (a buffer the interrupt dropped: its memory comes back when collected)
+    stats = device.memory_statistics()
+    assert stats.in_use == 0, f"memory left in use (interrupted at {where})"
+    _consistent(device._allocator)
+    with anyio.fail_after(LIMIT):
+        whole = await device.alloc(BUDGET, timeout=LIMIT)
+    await whole.free()
+    _consistent(device._allocator)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("cached", [False, True], ids=["native", "cached"])
+async def test_a_keyboard_interrupt_anywhere_in_an_allocation_loses_no_memory(
+    anyio_backend: object, cached: bool
+) -> None:
+    """From the request to the Buffer handed back -- the block taken from the cache or
+    allocated natively, counted in use, wrapped -- an interrupt leaves the memory either
+    in the caller's hands or back with the allocator, except where the backend's native
+    allocation returned and its result is not stored yet (NATIVE_RESULT_IN_FLIGHT)."""
+    codes: set[Any] = {
+        am.Device.alloc.__code__,
+        Allocator.alloc.__code__,
+        Allocator._try_alloc.__code__,
+        Allocator._allocate.__code__,
+        Allocator._hand_out.__code__,
+        Allocation.__init__.__code__,
+        Block.__init__.__code__,
+        Buffer.__init__.__code__,
+    }
+    at = 0
+    while True:
+        device = await am.open_device("cpu")
+        device.memory_budget = BUDGET
+        backend: Any = device._backend
+        if cached:
+            await (await device.alloc(MiB)).free()
+        buf = None
+        with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+            buf = await device.alloc(MiB)
+        if buf is not None:
+            await buf.free()
+            del buf
+        await _whole_budget_back(device, raised)
+        await device.close()
+        lost = set(raised) & NATIVE_RESULT_IN_FLIGHT
+        assert backend.live_allocations == len(lost), f"native memory lost at {raised}"
+        if not raised:
+            break
+        at += 1
+    assert at >= 20
