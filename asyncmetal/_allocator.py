@@ -143,14 +143,18 @@ def block_size(nbytes: int) -> int:
 class _ReleaseCounter(NativeTimeline):
     """The count behind :class:`_Releases`: raised from any thread, including a buffer's
     finalizer that the GC runs on a thread which is, at that moment, inside this very
-    counter. So raising never waits for the lock: a caller that finds it taken leaves
-    its request queued, and whoever holds the lock takes queued requests up after
-    releasing it (a request is queued before the lock is tried, and the holder looks
-    for requests after it let go, so one of the two always sees the other)."""
+    counter. So raising never waits for itself: requests are queued, and the thread
+    taking them up takes up those queued meanwhile, a finalizer's beneath it included
+    (the lock is re-entrant; ``_busy`` tells it is taken up already). Each request is
+    counted and taken off the queue in one run with no call, and the lock is held in a
+    ``with``, so an interrupt (see Allocator._try_alloc) never leaves the lock held or a
+    request half counted; one cutting a wake-up after the count is why a waiting
+    allocation looks again now and then (LOST_WAKE_UP_RECHECK_S)."""
 
     def __init__(self, on_advance: Callable[[int], None]) -> None:
         self._value = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._busy = False  # a thread is taking requests up (under the lock)
         self._requests: collections.deque[int] = collections.deque()  # 0: one more
         self._on_advance = on_advance
 
@@ -165,17 +169,27 @@ class _ReleaseCounter(NativeTimeline):
         self._request(0)
 
     def _request(self, target: int) -> None:
-        self._requests.append(target)
-        while self._requests and self._lock.acquire(blocking=False):
-            try:
-                value = self._value
-                while self._requests:  # only the lock's holder takes requests out
-                    target = self._requests.popleft()
-                    value = value + 1 if target == 0 else max(value, target)
-                self._value = value
-            finally:
-                self._lock.release()
-            self._on_advance(value)
+        try:
+            self._requests.append(target)
+        finally:  # (also where an interrupt came right after the append)
+            taking = True
+            while taking and self._requests:
+                with self._lock:
+                    taking = not self._busy  # (busy: this thread, beneath this finalizer)
+                    if taking:
+                        self._busy = True
+                        try:
+                            while self._requests:  # only the busy thread takes them out
+                                target = self._requests[0]
+                                if target == 0:
+                                    self._value += 1
+                                elif target > self._value:
+                                    self._value = target
+                                del self._requests[0]
+                        finally:
+                            self._busy = False
+                if taking:
+                    self._on_advance(self._value)
 
 
 class _Releases(Waitable):
@@ -205,6 +219,9 @@ LOAN_RECHECK_S = 0.01
 ALLOCATING_RECHECK_S = 0.05
 # How often an allocation waiting while the device itself is full tries again.
 FULL_RECHECK_S = 0.01
+# How often a waiting allocation looks again, told or not: an interrupt (a Ctrl-C) may
+# cut the wake-up that follows a release (see _ReleaseCounter).
+LOST_WAKE_UP_RECHECK_S = 1.0
 # Where empty_memory_cache frees: one thread, whoever empties a cache.
 _EMPTYING = Detached("asyncmetal empty cache")
 
@@ -260,7 +277,9 @@ class Allocator:
         # Blocks whose memory went out to another library (DLPack, the CUDA array
         # interface), by address: memory that comes back in (from_dlpack) is found here.
         self._exported: dict[int, Block] = {}
-        self._pending: list[tuple[Block, list[tuple[Queue, int]]]] = []  # uses in flight
+        # Freed blocks whose last uses are in flight: those uses, by block (one entry a
+        # block: recorded, updated and taken off with no call, see _release).
+        self._pending: dict[Block, list[tuple[Queue, int]]] = {}
         # Per loop: the (queue, value) uses it already watches for a pending release.
         self._watched: weakref.WeakKeyDictionary[LoopBridge, set[tuple[Queue, int]]] = (
             weakref.WeakKeyDictionary()
@@ -311,7 +330,7 @@ class Allocator:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise self._oom(nbytes, f"no memory was freed within {timeout} s")
-            wait = math.inf if remaining is None else remaining
+            wait = min(math.inf if remaining is None else remaining, LOST_WAKE_UP_RECHECK_S)
             if self.in_use + self._releasing + size <= self.budget:
                 # Not the budget: the device itself is full (its failed attempt counted
                 # a release, for allocations its reservation held back: not for this
@@ -481,8 +500,15 @@ class Allocator:
         """(Under the lock.) Free least recently cached blocks natively until ``nbytes``
         are gone."""
         while nbytes > 0 and self._cache:
-            _, block = self._cache.popitem(last=False)
-            self._by_size[block.nbytes].remove(block)
+            key, block = next(iter(self._cache.items()))
+            same = self._by_size[block.nbytes]
+            at = same.index(block)
+            # The block leaves the cache, its size class and the count in one run with
+            # no call (an interrupt lands between two blocks, never inside one's move);
+            # an interrupt at the native free's entry, or in the backend's free before
+            # its native call, leaves that block allocated and counted nowhere.
+            del self._cache[key]
+            del same[at]
             self.cached -= block.nbytes
             nbytes -= block.nbytes
             self._state.backend.free(block.handle)
@@ -523,15 +549,21 @@ class Allocator:
 
     # -- release -------------------------------------------------------------------------
 
-    def release_after(self, block: Block, uses: list[tuple[Queue, int]]) -> None:
+    def release_after(
+        self, block: Block, uses: list[tuple[Queue, int]], generation: int | None = None
+    ) -> None:
         """Release ``block`` once each queue's timeline has passed its last use: now,
-        or at the first look after that (any thread, any loop)."""
+        or at the first look after that (any thread, any loop). With ``generation``
+        (the one freed), only that generation's: made again -- after an interrupt that
+        may have cut the first -- it changes nothing."""
         pending = [(q, v) for q, v in uses if not _passed(q, v)]
         if not pending:
-            self._release(block)
+            self._release(block, generation)
             return
         with self._lock:
-            self._pending.append((block, pending))
+            if block not in self._live or generation not in (None, block.generation):
+                return  # released already (and maybe handed out again)
+            self._pending[block] = pending
         self._frees.increment()  # waiting allocations start watching its uses
 
     def collected(self, block: Block, generation: int) -> None:
@@ -630,29 +662,28 @@ class Allocator:
             elif back:
                 self._release(block)
         while self._collected:
-            try:
-                block, generation = self._collected.popleft()
-            except IndexError:  # another thread swept it
-                break
             with self._lock:
+                if not self._collected:
+                    break  # another thread swept it
+                # Taken off the queue and recorded pending in one run with no call: an
+                # interrupt leaves it queued, or pending (released below, or later).
+                block, generation = self._collected[0]
                 taken = block in self._live and block.generation == generation
-                taken = taken and not block.freed
-                if taken:
+                if taken and not block.freed:
+                    uses = list(block.last_use.items())
                     block.freed = True
-            if taken:
-                self.release_after(block, list(block.last_use.items()))
+                    self._pending[block] = uses
+                del self._collected[0]
         if not self._pending:
             return
         due = []
         with self._lock:
-            still = []
-            for block, uses in self._pending:
+            for block, uses in list(self._pending.items()):
                 left = [(q, v) for q, v in uses if not _passed(q, v)]
                 if left:
-                    still.append((block, left))
+                    self._pending[block] = left
                 else:
-                    due.append(block)
-            self._pending = still
+                    due.append(block)  # (pending until released: an interrupt loses none)
         for block in due:
             self._release(block)
 
@@ -666,7 +697,8 @@ class Allocator:
             watched = self._watched.setdefault(bridge, set())
             # A release waits for all its uses: watching the first not yet passed is
             # enough, as each event brings this loop back here to watch the next.
-            firsts = [next((u for u in left if not _passed(*u)), None) for _, left in self._pending]
+            pending = self._pending.values()
+            firsts = [next((u for u in left if not _passed(*u)), None) for left in pending]
             new = [use for use in firsts if use is not None and use not in watched]
             watched.update(new)
         if None in firsts:  # every use of one passed since the sweep: sweep again now
@@ -680,26 +712,52 @@ class Allocator:
             watched.discard((queue, value))
         self._frees.increment()
 
-    def _release(self, block: Block) -> None:
+    def _release(self, block: Block, generation: int | None = None) -> None:
+        """Cache ``block`` (freed, its uses passed), or free it natively; with
+        ``generation``, only that generation of it. Its bookkeeping changes in one run
+        with no call but the last (the block leaves ``_live``): an interrupt lands
+        before it, the block still live and pending, or after it. The native free of a
+        block not cached is the window left: an interrupt at its entry, or in the
+        backend's free before its native call, leaves that memory allocated, counted
+        nowhere (as in _evict)."""
         with self._lock:
-            if block not in self._live:
+            if block not in self._live or generation not in (None, block.generation):
                 return
             if block.lent:  # a consumer outside asyncmetal still holds it
+                if block in self._pending:
+                    del self._pending[block]
                 self._lent_out.add(block)
                 return
-            self._live.discard(block)
-            self.in_use -= block.nbytes
+            nbytes = block.nbytes
+            keep = nbytes <= self.cache_limit and not self.closed
+            now, key = 0.0, 0
+            same: list[Block] = []
+            if keep:
+                now, key = time.monotonic(), id(block)
+                same = self._by_size.get(nbytes) or self._by_size.setdefault(nbytes, same)
+            exported, address = None, 0
             if self._exported:  # its memory went out once: no longer this buffer's
                 address = getattr(block.handle, "address", block.handle)
-                if self._exported.get(address) is block:
-                    del self._exported[address]
-                if not self._exported:
-                    lenders.discard(self)
-            if block.nbytes <= self.cache_limit and not self.closed:
-                block.cached_at = now = time.monotonic()
-                self._cache[id(block)] = block
-                self._by_size.setdefault(block.nbytes, []).append(block)
-                self.cached += block.nbytes
+                exported = self._exported.get(address)
+            # The run: no call until its last step (a native free, or the block leaving
+            # the live ones for the cache).
+            if exported is block:
+                del self._exported[address]
+            if block in self._pending:
+                del self._pending[block]
+            self.in_use -= nbytes
+            if not keep:
+                self._live -= {block}
+                self._state.backend.free(block.handle)
+            else:
+                block.cached_at = now
+                self._cache[key] = block
+                same += (block,)
+                self.cached += nbytes
+                self._live.discard(block)
+            if exported is not None and not self._exported:
+                lenders.discard(self)
+            if keep:
                 # Within the cache's limit and the budget (which may have been lowered
                 # below what was in use): the least recently cached blocks go first.
                 over_limit = self.cached - self.cache_limit
@@ -707,8 +765,6 @@ class Allocator:
                 self._evict(max(over_limit, held - self.budget))
                 if now >= self._next_expiry:
                     self._expire(now)
-            else:
-                self._state.backend.free(block.handle)
         self._frees.increment()
 
     def set_budget(self, budget: int | None) -> None:

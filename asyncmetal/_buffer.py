@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -184,10 +185,18 @@ class Buffer(Exports):
         def settle() -> list[tuple[Queue, int]]:
             uses = list(allocation.last_use.items())
             if allocator is not None:
-                allocator.release_after(allocation.block, uses)
+                allocator.release_after(allocation.block, uses, allocation.generation)
             return uses
 
-        uses = await after_submissions(open_states(), settle, self._state.unheard_error)
+        try:
+            uses = await after_submissions(open_states(), settle, self._state.unheard_error)
+        except BaseException:
+            # Interrupted (a KeyboardInterrupt lands between any two calls), maybe
+            # before the release was recorded: recorded on the frees' thread, after the
+            # submissions, as settle does (again, if it was: it changes nothing then).
+            if allocator is not None:
+                settle_detached(settle, self._state.unheard_error)
+            raise
         for queue, value in uses:
             await wait_value(queue.timeline, value)
         if uses and allocator is not None:
@@ -232,8 +241,14 @@ def discard(buf: Buffer) -> None:
     allocation = buf._allocation
     allocation.freed = True
     allocation.block.freed = True
-    if allocation.allocator is not None:
-        allocation.allocator.release_after(allocation.block, list(allocation.last_use.items()))
+    allocator = allocation.allocator
+    if allocator is not None:
+        block, generation = allocation.block, allocation.generation
+        try:
+            allocator.release_after(block, list(block.last_use.items()), generation)
+        except BaseException:  # an interrupt, maybe before it was recorded: again
+            allocator.release_after(block, list(block.last_use.items()), generation)
+            raise
 
 
 def not_a_buffer(obj: object) -> str:
@@ -355,24 +370,68 @@ async def after_submissions(
     states: list[DeviceState], fn: Callable[[], T], unheard: Callable[[BaseException], None]
 ) -> T:
     """``fn()`` once no submission to ``states``' devices that was under way when this
-    was called still is: each device's submission lock taken and let go in turn (never
-    two held at once, so no other taker waits on this one for longer than a look). On
-    the loop's thread where none is held now; else on the thread the frees share
+    was called still is: each device's submission lock tried and let go (never waited
+    for here, so no other taker waits on this one for longer than a look). On the
+    loop's thread where none is held now; else on the thread the frees share
     (``_FREES``), which runs ``fn`` whatever happens to the caller (its error goes to
     ``unheard`` where the caller was cancelled meanwhile, see ``run_detached``)."""
-    busy = []
-    for state in states:
-        if state.submitting.acquire(blocking=False):
-            state.submitting.release()
-        else:
-            busy.append(state)
+    busy = _held_elsewhere(states)
     if not busy:
         return fn()
 
     def waiting() -> T:
-        for state in busy:  # taken and let go: the submission under way is over
-            state.submitting.acquire()
-            state.submitting.release()
+        _submissions_over(busy)
         return fn()
 
     return await run_detached(_FREES, waiting, unheard)
+
+
+_TRY = operator.methodcaller("acquire", False)
+
+
+def _held_elsewhere(states: list[DeviceState]) -> list[DeviceState]:
+    """The states whose submission lock another thread holds now. No interrupt leaves
+    one held here: the locks are tried inside one C call that stores what each try got
+    (a list extended from a map of C calls: no signal handler runs between calls made
+    from C), and each is let go after its record is cleared."""
+    locks = [state.submitting for state in states]
+    got: list[bool] = []
+    try:
+        got.extend(map(_TRY, locks))
+        return [state for state, ok in zip(states, got, strict=True) if not ok]
+    finally:
+        try:
+            _let_go(locks, got)
+        except BaseException:  # an interrupt between two: the rest now
+            _let_go(locks, got)
+            raise
+
+
+def _let_go(locks: list[Any], got: list[bool]) -> None:
+    for i, ok in enumerate(got):
+        if ok:
+            got[i] = False
+            locks[i].release()
+
+
+def _submissions_over(states: list[DeviceState]) -> None:
+    """Once each device's submission lock was taken and let go: a submission under way
+    when this was called is over."""
+    for state in states:
+        state.submitting.acquire()
+        state.submitting.release()
+
+
+def settle_detached(fn: Callable[[], object], unheard: Callable[[BaseException], None]) -> None:
+    """``fn()`` on the thread the frees share once no submission under way now still
+    is (as after_submissions does), never waiting here; its error goes to ``unheard``."""
+    states = open_states()
+
+    def job() -> None:
+        _submissions_over(states)
+        try:
+            fn()
+        except Exception as exc:
+            unheard(exc)
+
+    _FREES.submit(job)
