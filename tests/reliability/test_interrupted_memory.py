@@ -18,6 +18,7 @@ import asyncmetal as am
 from asyncmetal import _allocator, _buffer
 from asyncmetal._allocator import Allocation, Allocator, Block
 from asyncmetal._buffer import Buffer
+from asyncmetal._cache import CompileCache
 from tests.support.interrupts import interrupted
 
 MiB = 1 << 20
@@ -204,6 +205,31 @@ async def test_a_keyboard_interrupt_anywhere_in_a_free_loses_no_memory(
         await device.close()
         lost = set(raised) & NATIVE_FREE_CUT
         assert backend.live_allocations == len(lost), f"native memory lost at {raised}"
+        if not raised:
+            break
+        at += 1
+    assert at >= 8
+
+
+def test_a_keyboard_interrupt_anywhere_in_the_compile_caches_memory_keeps_its_count(
+    tmp_path: Any,
+) -> None:
+    """Storing a binary in the compile cache's memory (evicting the least recently used
+    past its limit), evicting one and clearing it: an interrupt anywhere leaves the
+    bytes it counts those of the binaries it holds."""
+    codes = {c.__code__ for c in (CompileCache.put_memory, CompileCache.evict)}
+    codes.add(CompileCache.clear_memory.__code__)
+    at = 0
+    while True:
+        cache = CompileCache(tmp_path, disk=False, max_memory_bytes=250)
+        cache.put_memory("kept", b"k" * 100)
+        with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+            cache.put_memory("a", b"a" * 100)
+            cache.put_memory("b", b"b" * 100)  # past the limit: "kept" goes
+            cache.evict("a")
+            cache.clear_memory()
+        held = sum(len(data) for data in cache._memory.values())
+        assert cache._memory_bytes == held, f"counted apart (interrupted at {raised})"
         if not raised:
             break
         at += 1
