@@ -6,10 +6,11 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import operator
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -205,6 +206,17 @@ class _Releases(Waitable):
     def increment(self) -> None:
         """Count one more event and wake the allocations waiting for it (any thread)."""
         self._counter.increment()
+
+
+_TRY = operator.methodcaller("acquire", False)
+
+
+def try_locks(locks: Iterable[Any], got: list[bool]) -> None:
+    """Try each of ``locks`` without waiting, appending to ``got`` whether it was taken.
+    No interrupt comes between a try and its record -- they are all one C call, and no
+    signal handler runs between calls made from C -- so a caller letting go (in a
+    finally) of those ``got`` says were taken leaves none held."""
+    got.extend(map(_TRY, locks))
 
 
 def _passed(queue: Queue, value: int) -> bool:
@@ -614,21 +626,26 @@ class Allocator:
         # for a sweep that a program exporting in a loop without allocating never makes
         # (the queue would grow by one entry per export). The lock is only tried: a
         # finalizer may run on a thread that holds it.
-        if self._lock.acquire(blocking=False):
+        got: list[bool] = []
+        done = closed = False  # (done: counted here)
+        try:
             try:
-                closed = self.closed
-                done = not closed and (block.lent > 1 or block not in self._lent_out)
-                if done:
-                    block.lent -= 1
+                try_locks([self._lock], got)
+                if got[0]:
+                    closed = self.closed
+                    if not closed and (block.lent > 1 or block not in self._lent_out):
+                        block.lent -= 1
+                        done = True
             finally:
-                self._lock.release()
+                if got and got[0]:
+                    self._lock.release()
             if closed:
+                done = True
                 self._returned_after_close(block)
-                return
-            if done:
-                return
-        self._returned.append(block)
-        self._frees.increment()
+        finally:
+            if not done:  # (also where an interrupt came before it was counted)
+                self._returned.append(block)
+                self._frees.increment()
 
     def _returned_after_close(self, block: Block) -> None:
         # (Under _loans_lock: the close may be deciding whether to leave the block to

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import operator
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
-from ._allocator import Allocation, Block, Queue
+from ._allocator import Allocation, Block, Queue, try_locks
 from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import checkpoint
 from ._device_state import DeviceState, open_states, two_names
@@ -386,18 +385,14 @@ async def after_submissions(
     return await run_detached(_FREES, waiting, unheard)
 
 
-_TRY = operator.methodcaller("acquire", False)
-
-
 def _held_elsewhere(states: list[DeviceState]) -> list[DeviceState]:
     """The states whose submission lock another thread holds now. No interrupt leaves
-    one held here: the locks are tried inside one C call that stores what each try got
-    (a list extended from a map of C calls: no signal handler runs between calls made
-    from C), and each is let go after its record is cleared."""
+    one held here: what each try got is stored with it (``try_locks``), and each is let
+    go after its record is cleared."""
     locks = [state.submitting for state in states]
     got: list[bool] = []
     try:
-        got.extend(map(_TRY, locks))
+        try_locks(locks, got)
         return [state for state, ok in zip(states, got, strict=True) if not ok]
     finally:
         try:

@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
 import asyncmetal as am
@@ -234,3 +235,34 @@ def test_a_keyboard_interrupt_anywhere_in_the_compile_caches_memory_keeps_its_co
             break
         at += 1
     assert at >= 8
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("freed", [False, True], ids=["in_use", "freed"])
+async def test_a_keyboard_interrupt_as_a_loan_ends_leaves_the_allocator_usable(
+    anyio_backend: object, freed: bool
+) -> None:
+    """A DLPack export's end (any thread, even in the GC: the allocator's lock is only
+    tried) interrupted anywhere leaves that lock free -- every allocation and free takes
+    it -- and the buffer's memory comes back once it is freed."""
+    codes = {Allocator.returned.__code__}
+    at = 0
+    while True:
+        device = await am.open_device("cpu")
+        device.memory_budget = BUDGET
+        buf = await device.alloc(MiB)
+        view = np.from_dlpack(buf)
+        if freed:
+            await buf.free()  # (released when the loan ends)
+        with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+            del view
+        assert _free_elsewhere(device._allocator._lock), f"its lock left held ({raised})"
+        if not freed:
+            await buf.free()
+        del buf
+        await _whole_budget_back(device, raised)
+        await device.close()
+        if not raised:
+            break
+        at += 1
+    assert at >= 3
