@@ -22,6 +22,10 @@ from asyncmetal._buffer import Buffer
 from asyncmetal._cache import CompileCache
 from tests.support.interrupts import interrupted
 
+GPUS = [d for d in am.devices() if d.startswith("cuda:")]
+NO_GPU = pytest.mark.skipif(not GPUS, reason="no NVIDIA GPU with cuda-bindings on this machine")
+# The allocator is the same for every backend; the backends' native calls differ.
+DEVICES = ["cpu", pytest.param("cuda:0", marks=[pytest.mark.cuda, NO_GPU])]
 MiB = 1 << 20
 BUDGET = 4 * MiB
 LIMIT = 10  # seconds: every wait here ends within a fraction of this, or it hangs
@@ -74,10 +78,21 @@ async def _whole_budget_back(device: am.Device, where: list[str]) -> None:
     _consistent(device._allocator)
 
 
+async def _nothing_lost(device: am.Device, raised: list[str], unclosable: set[str]) -> None:
+    """The budget is whole again, and once the device closed no native memory is left
+    allocated -- but a block lost where ``raised`` is in ``unclosable``."""
+    await _whole_budget_back(device, raised)
+    backend: Any = device._backend
+    await device.close()
+    lost = set(raised) & unclosable
+    assert backend.live_allocations == len(lost), f"native memory lost at {raised}"
+
+
 @pytest.mark.anyio
+@pytest.mark.parametrize("name", DEVICES)
 @pytest.mark.parametrize("cached", [False, True], ids=["native", "cached"])
 async def test_a_keyboard_interrupt_anywhere_in_an_allocation_loses_no_memory(
-    anyio_backend: object, cached: bool
+    anyio_backend: object, cached: bool, name: str
 ) -> None:
     """From the request to the Buffer handed back -- the block taken from the cache or
     allocated natively, counted in use, wrapped -- an interrupt leaves the memory either
@@ -95,9 +110,8 @@ async def test_a_keyboard_interrupt_anywhere_in_an_allocation_loses_no_memory(
     }
     at = 0
     while True:
-        device = await am.open_device("cpu")
+        device = await am.open_device(name)
         device.memory_budget = BUDGET
-        backend: Any = device._backend
         if cached:
             await (await device.alloc(MiB)).free()
         buf = None
@@ -106,10 +120,7 @@ async def test_a_keyboard_interrupt_anywhere_in_an_allocation_loses_no_memory(
         if buf is not None:
             await buf.free()
             del buf
-        await _whole_budget_back(device, raised)
-        await device.close()
-        lost = set(raised) & NATIVE_RESULT_IN_FLIGHT
-        assert backend.live_allocations == len(lost), f"native memory lost at {raised}"
+        await _nothing_lost(device, raised, NATIVE_RESULT_IN_FLIGHT)
         if not raised:
             break
         at += 1
@@ -166,9 +177,10 @@ async def _let_go(device: am.Device, buffers: list[am.Buffer], how: str) -> None
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("name", DEVICES)
 @pytest.mark.parametrize("how", FREES)
 async def test_a_keyboard_interrupt_anywhere_in_a_free_loses_no_memory(
-    anyio_backend: object, how: str
+    anyio_backend: object, how: str, name: str
 ) -> None:
     """From a buffer's free (or its collection) to its block back in the cache or freed
     natively -- the release recorded, pending while a use is in flight, made, the
@@ -178,9 +190,8 @@ async def test_a_keyboard_interrupt_anywhere_in_a_free_loses_no_memory(
     codes = _releasing_codes()
     at = 0
     while True:
-        device = await am.open_device("cpu")
+        device = await am.open_device(name)
         device.memory_budget = BUDGET
-        backend: Any = device._backend
         if how == "native":
             device.memory_cache_limit = 0
         buf = await device.alloc(MiB)
@@ -202,10 +213,7 @@ async def test_a_keyboard_interrupt_anywhere_in_a_free_loses_no_memory(
         if buffers:  # (the free never began)
             await buffers.pop().free()
         device.memory_cache_limit = None
-        await _whole_budget_back(device, raised)
-        await device.close()
-        lost = set(raised) & NATIVE_FREE_CUT
-        assert backend.live_allocations == len(lost), f"native memory lost at {raised}"
+        await _nothing_lost(device, raised, NATIVE_FREE_CUT)
         if not raised:
             break
         at += 1
