@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ._allocator import Allocation, Block, Queue, try_locks
+from ._allocator import Allocation, Block, Queue
 from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import checkpoint
 from ._device_state import DeviceState, open_states, two_names
@@ -386,27 +386,23 @@ async def after_submissions(
 
 
 def _held_elsewhere(states: list[DeviceState]) -> list[DeviceState]:
-    """The states whose submission lock another thread holds now. No interrupt leaves
-    one held here: what each try got is stored with it (``try_locks``), and each is let
-    go after its record is cleared."""
-    locks = [state.submitting for state in states]
-    got: list[bool] = []
+    """The states whose submission lock another thread holds now, each tried and let
+    go. An interrupt right after a try took a lock leaves no name for what it got, but
+    the lock knows its owner: a task never holds a submission lock across an await, so
+    one this thread holds here is this try's, and is let go."""
+    busy = []
     try:
-        try_locks(locks, got)
-        return [state for state, ok in zip(states, got, strict=True) if not ok]
-    finally:
-        try:
-            _let_go(locks, got)
-        except BaseException:  # an interrupt between two: the rest now
-            _let_go(locks, got)
-            raise
-
-
-def _let_go(locks: list[Any], got: list[bool]) -> None:
-    for i, ok in enumerate(got):
-        if ok:
-            got[i] = False
-            locks[i].release()
+        for state in states:
+            if state.submitting.acquire(blocking=False):
+                state.submitting.release()
+            else:
+                busy.append(state)
+    except BaseException:
+        for state in states:
+            if state.submitting._is_owned():  # type: ignore[attr-defined]
+                state.submitting.release()
+        raise
+    return busy
 
 
 def _submissions_over(states: list[DeviceState]) -> None:
