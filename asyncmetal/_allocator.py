@@ -6,10 +6,11 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import operator
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -88,8 +89,12 @@ class Allocation:
         # Collected without free(): hand the block back -- unless this generation of it
         # was already freed (and maybe handed out again). Any thread, even inside the GC:
         # a deque append, then a wake-up that waits for no lock (see _ReleaseCounter).
-        if self.allocator is not None and not self.freed:
-            self.allocator.collected(self.block, self.generation)
+        try:
+            allocator, freed = self.allocator, self.freed
+        except AttributeError:  # an interrupt at __init__'s entry: it held nothing
+            return
+        if allocator is not None and not freed:
+            allocator.collected(self.block, self.generation)
 
 
 # The allocators some of whose memory went out to another library: while none has, a
@@ -139,14 +144,18 @@ def block_size(nbytes: int) -> int:
 class _ReleaseCounter(NativeTimeline):
     """The count behind :class:`_Releases`: raised from any thread, including a buffer's
     finalizer that the GC runs on a thread which is, at that moment, inside this very
-    counter. So raising never waits for the lock: a caller that finds it taken leaves
-    its request queued, and whoever holds the lock takes queued requests up after
-    releasing it (a request is queued before the lock is tried, and the holder looks
-    for requests after it let go, so one of the two always sees the other)."""
+    counter. So raising never waits for itself: requests are queued, and the thread
+    taking them up takes up those queued meanwhile, a finalizer's beneath it included
+    (the lock is re-entrant; ``_busy`` tells it is taken up already). Each request is
+    counted and taken off the queue in one run with no call, and the lock is held in a
+    ``with``, so an interrupt (see Allocator._try_alloc) never leaves the lock held or a
+    request half counted; one cutting a wake-up after the count is why a waiting
+    allocation looks again now and then (LOST_WAKE_UP_RECHECK_S)."""
 
     def __init__(self, on_advance: Callable[[int], None]) -> None:
         self._value = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._busy = False  # a thread is taking requests up (under the lock)
         self._requests: collections.deque[int] = collections.deque()  # 0: one more
         self._on_advance = on_advance
 
@@ -161,17 +170,27 @@ class _ReleaseCounter(NativeTimeline):
         self._request(0)
 
     def _request(self, target: int) -> None:
-        self._requests.append(target)
-        while self._requests and self._lock.acquire(blocking=False):
-            try:
-                value = self._value
-                while self._requests:  # only the lock's holder takes requests out
-                    target = self._requests.popleft()
-                    value = value + 1 if target == 0 else max(value, target)
-                self._value = value
-            finally:
-                self._lock.release()
-            self._on_advance(value)
+        try:
+            self._requests.append(target)
+        finally:  # (also where an interrupt came right after the append)
+            taking = True
+            while taking and self._requests:
+                with self._lock:
+                    taking = not self._busy  # (busy: this thread, beneath this finalizer)
+                    if taking:
+                        self._busy = True
+                        try:
+                            while self._requests:  # only the busy thread takes them out
+                                target = self._requests[0]
+                                if target == 0:
+                                    self._value += 1
+                                elif target > self._value:
+                                    self._value = target
+                                del self._requests[0]
+                        finally:
+                            self._busy = False
+                if taking:
+                    self._on_advance(self._value)
 
 
 class _Releases(Waitable):
@@ -189,6 +208,17 @@ class _Releases(Waitable):
         self._counter.increment()
 
 
+_TRY = operator.methodcaller("acquire", False)
+
+
+def try_locks(locks: Iterable[Any], got: list[bool]) -> None:
+    """Try each of ``locks`` without waiting, appending to ``got`` whether it was taken.
+    No interrupt comes between a try and its record -- they are all one C call, and no
+    signal handler runs between calls made from C -- so a caller letting go (in a
+    finally) of those ``got`` says were taken leaves none held."""
+    got.extend(map(_TRY, locks))
+
+
 def _passed(queue: Queue, value: int) -> bool:
     """Whether ``queue`` is done with the command ``value``."""
     return passed(queue.timeline, value)
@@ -201,6 +231,9 @@ LOAN_RECHECK_S = 0.01
 ALLOCATING_RECHECK_S = 0.05
 # How often an allocation waiting while the device itself is full tries again.
 FULL_RECHECK_S = 0.01
+# How often a waiting allocation looks again, told or not: an interrupt (a Ctrl-C) may
+# cut the wake-up that follows a release (see _ReleaseCounter).
+LOST_WAKE_UP_RECHECK_S = 1.0
 # Where empty_memory_cache frees: one thread, whoever empties a cache.
 _EMPTYING = Detached("asyncmetal empty cache")
 
@@ -256,7 +289,9 @@ class Allocator:
         # Blocks whose memory went out to another library (DLPack, the CUDA array
         # interface), by address: memory that comes back in (from_dlpack) is found here.
         self._exported: dict[int, Block] = {}
-        self._pending: list[tuple[Block, list[tuple[Queue, int]]]] = []  # uses in flight
+        # Freed blocks whose last uses are in flight: those uses, by block (one entry a
+        # block: recorded, updated and taken off with no call, see _release).
+        self._pending: dict[Block, list[tuple[Queue, int]]] = {}
         # Per loop: the (queue, value) uses it already watches for a pending release.
         self._watched: weakref.WeakKeyDictionary[LoopBridge, set[tuple[Queue, int]]] = (
             weakref.WeakKeyDictionary()
@@ -301,13 +336,13 @@ class Allocator:
             seen = self._frees.value  # before the attempt: a release after it wakes us
             size = self._usable_size(nbytes)
             self.sweep()
-            block = self._try_alloc(nbytes, size)
-            if block is not None:
-                return Allocation(block, self)
+            allocation = self._try_alloc(nbytes, size)
+            if allocation is not None:
+                return allocation
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise self._oom(nbytes, f"no memory was freed within {timeout} s")
-            wait = math.inf if remaining is None else remaining
+            wait = min(math.inf if remaining is None else remaining, LOST_WAKE_UP_RECHECK_S)
             if self.in_use + self._releasing + size <= self.budget:
                 # Not the budget: the device itself is full (its failed attempt counted
                 # a release, for allocations its reservation held back: not for this
@@ -342,19 +377,28 @@ class Allocator:
             return nbytes
         return size
 
-    def _try_alloc(self, nbytes: int, size: int) -> Block | None:
-        """A block of ``size`` bytes for a request of ``nbytes``, or None to wait.
+    def _try_alloc(self, nbytes: int, size: int) -> Allocation | None:
+        """A block of ``size`` bytes for a request of ``nbytes``, handed out, or None to
+        wait.
 
         A KeyboardInterrupt (a Ctrl-C outside trio's own code, or with no loop's
         handler) comes where CPython runs signal handlers -- after a call, at a
-        function's entry, at a loop's end -- and finds no window here: each change of
-        state is a run of bytecode with no call inside, and what a native allocation
-        counted (its reservation in ``in_use``, itself as under way) is undone by what
-        ``reserved`` and ``counted`` say, set in those runs. So the block is handed out
-        or stays where it was, and no allocation stays counted as under way (a close
-        waits for those to end: it would wait for good)."""
+        function's entry, at a loop's end. Each change of state here is a run of
+        bytecode with no call inside, and what a native allocation counted (its
+        reservation in ``in_use``, itself as under way) is undone by what ``reserved``
+        and ``counted`` say, set in those runs; a native block not handed out is freed.
+        The block is handed out as an Allocation made before it changes hands (see
+        _hand_out): one an interrupt drops after that hands the block back when it is
+        collected. So no allocation stays counted as under way (a close waits for
+        those to end: it would wait for good), and the block is handed out or stays
+        where it was -- but for one window no Python code can close: from the native
+        allocation's return inside ``backend.allocate`` until ``handle`` below holds
+        its result, an interrupt (between a call's return and the store of what it
+        returned) loses that memory: the cpu backend's is collected, a cuda or Metal
+        block stays allocated, counted nowhere, until the process ends."""
         thread = threading.get_ident()
         counted = reserved = False
+        handle: Any = None  # a native block, not handed out yet
         block: Block | None = None
         try:
             with self._lock:
@@ -397,8 +441,8 @@ class Allocator:
                     if block is None or block not in self._live:  # not handed out
                         if not self.closed:  # (a close counted the reservation out already)
                             self.in_use -= size
-                        if block is not None:
-                            self._state.backend.free(block.handle)
+                        if handle is not None:
+                            self._state.backend.free(handle)
                 self._frees.increment()  # the reservation may have held another back
             raise
         finally:
@@ -439,34 +483,44 @@ class Allocator:
             detail = "the device itself has no memory left"
             raise self._oom(nbytes, detail, reserved=size) from None
 
-    def _hand_out(self, block: Block, cached: list[Block] | None = None) -> Block:
+    def _hand_out(self, block: Block, cached: list[Block] | None = None) -> Allocation:
         """(Under the lock.) Hand ``block`` out: a new one, which ``in_use`` counts
-        already, or the last of ``cached``, its size class's cached blocks. Past its
-        first calls, no call before the block is live: an interrupt (see _try_alloc)
-        lands before it changed hands, or after."""
+        already, or the last of ``cached``, its size class's cached blocks. Its
+        Allocation is made first (an interrupt, see _try_alloc, lands before anything
+        changed hands); then the block changes hands in a run with no call but the
+        last, which makes it live: an interrupt lands before the change or after it,
+        and after it the Allocation dropped hands the block back when collected."""
         key = id(block)
         block.last_use.clear()  # (a cached block's uses passed: they go either way)
+        block.generation += 1  # (one never handed out: its allocation's is stale)
+        allocation = Allocation(block, self)
         if cached is not None:
             del cached[-1]
             del self._cache[key]
             self.cached -= block.nbytes
             self.in_use += block.nbytes
-        block.generation += 1
         block.freed = False
-        self._live.add(block)
         if self.in_use > self.peak_in_use:
             self.peak_in_use = self.in_use
         held = self.in_use + self._releasing + self.cached
         if held > self.peak:
             self.peak = held
-        return block
+        self._live.add(block)
+        return allocation
 
     def _evict(self, nbytes: int) -> None:
         """(Under the lock.) Free least recently cached blocks natively until ``nbytes``
         are gone."""
         while nbytes > 0 and self._cache:
-            _, block = self._cache.popitem(last=False)
-            self._by_size[block.nbytes].remove(block)
+            key, block = next(iter(self._cache.items()))
+            same = self._by_size[block.nbytes]
+            at = same.index(block)
+            # The block leaves the cache, its size class and the count in one run with
+            # no call (an interrupt lands between two blocks, never inside one's move);
+            # an interrupt at the native free's entry, or in the backend's free before
+            # its native call, leaves that block allocated and counted nowhere.
+            del self._cache[key]
+            del same[at]
             self.cached -= block.nbytes
             nbytes -= block.nbytes
             self._state.backend.free(block.handle)
@@ -507,15 +561,21 @@ class Allocator:
 
     # -- release -------------------------------------------------------------------------
 
-    def release_after(self, block: Block, uses: list[tuple[Queue, int]]) -> None:
+    def release_after(
+        self, block: Block, uses: list[tuple[Queue, int]], generation: int | None = None
+    ) -> None:
         """Release ``block`` once each queue's timeline has passed its last use: now,
-        or at the first look after that (any thread, any loop)."""
+        or at the first look after that (any thread, any loop). With ``generation``
+        (the one freed), only that generation's: made again -- after an interrupt that
+        may have cut the first -- it changes nothing."""
         pending = [(q, v) for q, v in uses if not _passed(q, v)]
         if not pending:
-            self._release(block)
+            self._release(block, generation)
             return
         with self._lock:
-            self._pending.append((block, pending))
+            if block not in self._live or generation not in (None, block.generation):
+                return  # released already (and maybe handed out again)
+            self._pending[block] = pending
         self._frees.increment()  # waiting allocations start watching its uses
 
     def collected(self, block: Block, generation: int) -> None:
@@ -566,21 +626,26 @@ class Allocator:
         # for a sweep that a program exporting in a loop without allocating never makes
         # (the queue would grow by one entry per export). The lock is only tried: a
         # finalizer may run on a thread that holds it.
-        if self._lock.acquire(blocking=False):
+        got: list[bool] = []
+        done = closed = False  # (done: counted here)
+        try:
             try:
-                closed = self.closed
-                done = not closed and (block.lent > 1 or block not in self._lent_out)
-                if done:
-                    block.lent -= 1
+                try_locks([self._lock], got)
+                if got[0]:
+                    closed = self.closed
+                    if not closed and (block.lent > 1 or block not in self._lent_out):
+                        block.lent -= 1
+                        done = True
             finally:
-                self._lock.release()
+                if got and got[0]:
+                    self._lock.release()
             if closed:
+                done = True
                 self._returned_after_close(block)
-                return
-            if done:
-                return
-        self._returned.append(block)
-        self._frees.increment()
+        finally:
+            if not done:  # (also where an interrupt came before it was counted)
+                self._returned.append(block)
+                self._frees.increment()
 
     def _returned_after_close(self, block: Block) -> None:
         # (Under _loans_lock: the close may be deciding whether to leave the block to
@@ -614,29 +679,28 @@ class Allocator:
             elif back:
                 self._release(block)
         while self._collected:
-            try:
-                block, generation = self._collected.popleft()
-            except IndexError:  # another thread swept it
-                break
             with self._lock:
+                if not self._collected:
+                    break  # another thread swept it
+                # Taken off the queue and recorded pending in one run with no call: an
+                # interrupt leaves it queued, or pending (released below, or later).
+                block, generation = self._collected[0]
                 taken = block in self._live and block.generation == generation
-                taken = taken and not block.freed
-                if taken:
+                if taken and not block.freed:
+                    uses = list(block.last_use.items())
                     block.freed = True
-            if taken:
-                self.release_after(block, list(block.last_use.items()))
+                    self._pending[block] = uses
+                del self._collected[0]
         if not self._pending:
             return
         due = []
         with self._lock:
-            still = []
-            for block, uses in self._pending:
+            for block, uses in list(self._pending.items()):
                 left = [(q, v) for q, v in uses if not _passed(q, v)]
                 if left:
-                    still.append((block, left))
+                    self._pending[block] = left
                 else:
-                    due.append(block)
-            self._pending = still
+                    due.append(block)  # (pending until released: an interrupt loses none)
         for block in due:
             self._release(block)
 
@@ -650,7 +714,8 @@ class Allocator:
             watched = self._watched.setdefault(bridge, set())
             # A release waits for all its uses: watching the first not yet passed is
             # enough, as each event brings this loop back here to watch the next.
-            firsts = [next((u for u in left if not _passed(*u)), None) for _, left in self._pending]
+            pending = self._pending.values()
+            firsts = [next((u for u in left if not _passed(*u)), None) for left in pending]
             new = [use for use in firsts if use is not None and use not in watched]
             watched.update(new)
         if None in firsts:  # every use of one passed since the sweep: sweep again now
@@ -664,26 +729,52 @@ class Allocator:
             watched.discard((queue, value))
         self._frees.increment()
 
-    def _release(self, block: Block) -> None:
+    def _release(self, block: Block, generation: int | None = None) -> None:
+        """Cache ``block`` (freed, its uses passed), or free it natively; with
+        ``generation``, only that generation of it. Its bookkeeping changes in one run
+        with no call but the last (the block leaves ``_live``): an interrupt lands
+        before it, the block still live and pending, or after it. The native free of a
+        block not cached is the window left: an interrupt at its entry, or in the
+        backend's free before its native call, leaves that memory allocated, counted
+        nowhere (as in _evict)."""
         with self._lock:
-            if block not in self._live:
+            if block not in self._live or generation not in (None, block.generation):
                 return
             if block.lent:  # a consumer outside asyncmetal still holds it
+                if block in self._pending:
+                    del self._pending[block]
                 self._lent_out.add(block)
                 return
-            self._live.discard(block)
-            self.in_use -= block.nbytes
+            nbytes = block.nbytes
+            keep = nbytes <= self.cache_limit and not self.closed
+            now, key = 0.0, 0
+            same: list[Block] = []
+            if keep:
+                now, key = time.monotonic(), id(block)
+                same = self._by_size.get(nbytes) or self._by_size.setdefault(nbytes, same)
+            exported, address = None, 0
             if self._exported:  # its memory went out once: no longer this buffer's
                 address = getattr(block.handle, "address", block.handle)
-                if self._exported.get(address) is block:
-                    del self._exported[address]
-                if not self._exported:
-                    lenders.discard(self)
-            if block.nbytes <= self.cache_limit and not self.closed:
-                block.cached_at = now = time.monotonic()
-                self._cache[id(block)] = block
-                self._by_size.setdefault(block.nbytes, []).append(block)
-                self.cached += block.nbytes
+                exported = self._exported.get(address)
+            # The run: no call until its last step (a native free, or the block leaving
+            # the live ones for the cache).
+            if exported is block:
+                del self._exported[address]
+            if block in self._pending:
+                del self._pending[block]
+            self.in_use -= nbytes
+            if not keep:
+                self._live -= {block}
+                self._state.backend.free(block.handle)
+            else:
+                block.cached_at = now
+                self._cache[key] = block
+                same += (block,)
+                self.cached += nbytes
+                self._live.discard(block)
+            if exported is not None and not self._exported:
+                lenders.discard(self)
+            if keep:
                 # Within the cache's limit and the budget (which may have been lowered
                 # below what was in use): the least recently cached blocks go first.
                 over_limit = self.cached - self.cache_limit
@@ -691,8 +782,6 @@ class Allocator:
                 self._evict(max(over_limit, held - self.budget))
                 if now >= self._next_expiry:
                     self._expire(now)
-            else:
-                self._state.backend.free(block.handle)
         self._frees.increment()
 
     def set_budget(self, budget: int | None) -> None:

@@ -184,10 +184,18 @@ class Buffer(Exports):
         def settle() -> list[tuple[Queue, int]]:
             uses = list(allocation.last_use.items())
             if allocator is not None:
-                allocator.release_after(allocation.block, uses)
+                allocator.release_after(allocation.block, uses, allocation.generation)
             return uses
 
-        uses = await after_submissions(open_states(), settle, self._state.unheard_error)
+        try:
+            uses = await after_submissions(open_states(), settle, self._state.unheard_error)
+        except BaseException:
+            # Interrupted (a KeyboardInterrupt lands between any two calls), maybe
+            # before the release was recorded: recorded on the frees' thread, after the
+            # submissions, as settle does (again, if it was: it changes nothing then).
+            if allocator is not None:
+                settle_detached(settle, self._state.unheard_error)
+            raise
         for queue, value in uses:
             await wait_value(queue.timeline, value)
         if uses and allocator is not None:
@@ -232,8 +240,14 @@ def discard(buf: Buffer) -> None:
     allocation = buf._allocation
     allocation.freed = True
     allocation.block.freed = True
-    if allocation.allocator is not None:
-        allocation.allocator.release_after(allocation.block, list(allocation.last_use.items()))
+    allocator = allocation.allocator
+    if allocator is not None:
+        block, generation = allocation.block, allocation.generation
+        try:
+            allocator.release_after(block, list(block.last_use.items()), generation)
+        except BaseException:  # an interrupt, maybe before it was recorded: again
+            allocator.release_after(block, list(block.last_use.items()), generation)
+            raise
 
 
 def not_a_buffer(obj: object) -> str:
@@ -355,24 +369,60 @@ async def after_submissions(
     states: list[DeviceState], fn: Callable[[], T], unheard: Callable[[BaseException], None]
 ) -> T:
     """``fn()`` once no submission to ``states``' devices that was under way when this
-    was called still is: each device's submission lock taken and let go in turn (never
-    two held at once, so no other taker waits on this one for longer than a look). On
-    the loop's thread where none is held now; else on the thread the frees share
+    was called still is: each device's submission lock tried and let go (never waited
+    for here, so no other taker waits on this one for longer than a look). On the
+    loop's thread where none is held now; else on the thread the frees share
     (``_FREES``), which runs ``fn`` whatever happens to the caller (its error goes to
     ``unheard`` where the caller was cancelled meanwhile, see ``run_detached``)."""
-    busy = []
-    for state in states:
-        if state.submitting.acquire(blocking=False):
-            state.submitting.release()
-        else:
-            busy.append(state)
+    busy = _held_elsewhere(states)
     if not busy:
         return fn()
 
     def waiting() -> T:
-        for state in busy:  # taken and let go: the submission under way is over
-            state.submitting.acquire()
-            state.submitting.release()
+        _submissions_over(busy)
         return fn()
 
     return await run_detached(_FREES, waiting, unheard)
+
+
+def _held_elsewhere(states: list[DeviceState]) -> list[DeviceState]:
+    """The states whose submission lock another thread holds now, each tried and let
+    go. An interrupt right after a try took a lock leaves no name for what it got, but
+    the lock knows its owner: a task never holds a submission lock across an await, so
+    one this thread holds here is this try's, and is let go."""
+    busy = []
+    try:
+        for state in states:
+            if state.submitting.acquire(blocking=False):
+                state.submitting.release()
+            else:
+                busy.append(state)
+    except BaseException:
+        for state in states:
+            if state.submitting._is_owned():  # type: ignore[attr-defined]
+                state.submitting.release()
+        raise
+    return busy
+
+
+def _submissions_over(states: list[DeviceState]) -> None:
+    """Once each device's submission lock was taken and let go: a submission under way
+    when this was called is over."""
+    for state in states:
+        state.submitting.acquire()
+        state.submitting.release()
+
+
+def settle_detached(fn: Callable[[], object], unheard: Callable[[BaseException], None]) -> None:
+    """``fn()`` on the thread the frees share once no submission under way now still
+    is (as after_submissions does), never waiting here; its error goes to ``unheard``."""
+    states = open_states()
+
+    def job() -> None:
+        _submissions_over(states)
+        try:
+            fn()
+        except Exception as exc:
+            unheard(exc)
+
+    _FREES.submit(job)

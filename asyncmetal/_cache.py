@@ -73,20 +73,29 @@ class CompileCache:
             self.hits_memory += 1
         return data
 
+    # An entry and its bytes are counted in and out together, in a run with no call (a
+    # KeyboardInterrupt comes after a call or at a function's entry, never inside one).
+
     def put_memory(self, key: str, data: bytes) -> None:
-        with self._memory_lock:  # called from threads only, never on a loop
+        size = len(data)
+        with self._memory_lock:
             if key in self._memory:
                 return
             self._memory[key] = data
-            self._memory_bytes += len(data)
+            self._memory_bytes += size
             while self._memory_bytes > self.max_memory_bytes and len(self._memory) > 1:
-                _, old = self._memory.popitem(last=False)
-                self._memory_bytes -= len(old)
+                try:
+                    old_key = next(iter(self._memory))  # the least recently used
+                except RuntimeError:  # reordered meanwhile by a lookup (get_memory)
+                    continue
+                old_size = len(self._memory[old_key])
+                del self._memory[old_key]
+                self._memory_bytes -= old_size
 
     def clear_memory(self) -> None:
         with self._memory_lock:
-            self._memory.clear()
-            self._memory_bytes = 0
+            empty: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+            self._memory, self._memory_bytes = empty, 0
 
     # -- disk ----------------------------------------------------------------------------
 
@@ -176,9 +185,11 @@ class CompileCache:
     def evict(self, key: str) -> None:
         """Forget ``key`` in memory and on disk (blocking: off the loop)."""
         with self._memory_lock:
-            data = self._memory.pop(key, None)
+            data = self._memory.get(key)
             if data is not None:
-                self._memory_bytes -= len(data)
+                size = len(data)
+                del self._memory[key]
+                self._memory_bytes -= size
         self._write_disk("DELETE FROM entries WHERE key = ?", (key,))
 
     def close(self) -> None:

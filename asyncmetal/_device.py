@@ -1228,21 +1228,33 @@ async def _until_closed(closing: HostEvents, interrupted: Callable[[], None] | N
     a second one, or any without ``interrupted``, is raised at once (the teardown, on
     a thread of its own, still ends)."""
     cancelled: BaseException | None = None
-    interrupts = contextlib.nullcontext() if interrupted is None else ctrl_c_discards(interrupted)
-    with interrupts, anyio.CancelScope(shield=True):
-        while True:
-            try:
-                await wait_value(closing, 1)
-            except asyncio.CancelledError as exc:  # (asyncio's own: a task.cancel())
-                cancelled = cancelled if isinstance(cancelled, KeyboardInterrupt) else exc
-                continue
-            except KeyboardInterrupt as exc:
-                if interrupted is None or isinstance(cancelled, KeyboardInterrupt):
-                    raise
-                interrupted()
-                cancelled = exc
-                continue
-            break
+    try:
+        interrupts = (
+            contextlib.nullcontext() if interrupted is None else ctrl_c_discards(interrupted)
+        )
+        with interrupts, anyio.CancelScope(shield=True):
+            while True:
+                try:
+                    await wait_value(closing, 1)
+                except asyncio.CancelledError as exc:  # (asyncio's own: a task.cancel())
+                    cancelled = cancelled if isinstance(cancelled, KeyboardInterrupt) else exc
+                    continue
+                except KeyboardInterrupt as exc:
+                    if interrupted is None or isinstance(cancelled, KeyboardInterrupt):
+                        raise
+                    interrupted()
+                    cancelled = exc
+                    continue
+                break
+    except KeyboardInterrupt:
+        # Raised where trio raises Ctrl-C in Python code: entering those scopes (before
+        # the shield stands) or leaving them. Before the end, the first is as one
+        # raised while waiting: it discards, and is raised once the teardown ended.
+        if interrupted is None or isinstance(cancelled, KeyboardInterrupt) or closing.value:
+            raise
+        interrupted()
+        await _until_closed(closing)
+        raise
     if cancelled is not None:
         raise cancelled
 

@@ -7,18 +7,22 @@ the device half closed."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
+from typing import Any
 
 import anyio
 import numpy as np
 import pytest
 
 import asyncmetal as am
+from asyncmetal import _device
 from asyncmetal._interrupts import ctrl_c_discards
 from tests.support.interrupts import interrupted
 from tests.support.queues import discard_outcomes
@@ -201,6 +205,7 @@ _INTERRUPTED = r"""
 import os, signal, sys, threading, time
 import anyio, numpy as np
 import asyncmetal as am
+from asyncmetal import _device
 from asyncmetal._interrupts import ctrl_c_discards
 
 LOOP = sys.argv[1]
@@ -294,9 +299,39 @@ async def test_a_keyboard_interrupt_anywhere_in_close_leaves_the_device_closable
     assert at >= 3
 
 
+def _slowly(close_native: Any, *args: Any) -> None:
+    time.sleep(0.05)
+    close_native(*args)
+
+
 def _close_then_set(device: am.Device, closed: threading.Event) -> None:
     anyio.run(device.close)
     closed.set()
+
+
+async def test_a_keyboard_interrupt_as_a_close_begins_to_wait_discards_and_waits_for_the_end(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt wherever CPython delivers one in the close's wait for its
+    teardown -- entering the scopes it waits in (Ctrl-C's hook, the shield), before
+    they stand, included -- is raised once the teardown has ended, the close switched to
+    discarding (but where the teardown had ended already: leaving those scopes)."""
+    codes = {_device._until_closed.__code__}
+    at = 0
+    while True:
+        device = await am.open_device("cpu")
+        device.new_queue().wait(device.timeline(), 1)  # (abandoned by the close)
+        slowly = functools.partial(_slowly, device._close_native)
+        monkeypatch.setattr(device, "_close_native", slowly)  # (ends after the interrupt)
+        with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+            await device.close()
+        assert device.closed and device._state.stopped, f"raised before the end ({raised})"
+        leaving = any("__exit__" in where for where in raised)
+        assert device._discarding or leaving or not raised, f"not discarding ({raised})"
+        if not raised:
+            break
+        at += 1
+    assert at >= 4
 
 
 def test_ctrl_c_switches_waiting_closes_then_raises_and_leaves_other_handlers_alone() -> None:

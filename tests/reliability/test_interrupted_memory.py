@@ -1,0 +1,276 @@
+"""A KeyboardInterrupt wherever CPython delivers one (trio raises Ctrl-C in whatever
+Python code its main task runs) in an allocation, a free and the caches' bookkeeping
+loses nothing: no memory stays counted or held, the budget is whole again, no waiter
+is left parked, and what a cache counts is what it holds. Each test interrupts every
+call of its window in turn (``tests.support.interrupts``), then looks."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import asyncmetal as am
+from asyncmetal import _allocator, _buffer
+from asyncmetal._allocator import Allocation, Allocator, Block
+from asyncmetal._buffer import Buffer
+from asyncmetal._cache import CompileCache
+from tests.support.interrupts import interrupted
+
+GPUS = [d for d in am.devices() if d.startswith("cuda:")]
+NO_GPU = pytest.mark.skipif(not GPUS, reason="no NVIDIA GPU with cuda-bindings on this machine")
+# The allocator is the same for every backend; the backends' native calls differ.
+DEVICES = ["cpu", pytest.param("cuda:0", marks=[pytest.mark.cuda, NO_GPU])]
+MiB = 1 << 20
+BUDGET = 4 * MiB
+LIMIT = 10  # seconds: every wait here ends within a fraction of this, or it hangs
+
+# Where an interrupt loses a native allocation, and nothing in Python can keep it: the
+# backend's allocation returned, and its result was not stored yet (see _try_alloc).
+NATIVE_RESULT_IN_FLIGHT = {"_allocate return allocate", "_try_alloc return _allocate"}
+
+
+def _consistent(allocator: Allocator) -> None:
+    """What the allocator counts is what it holds; nothing is under way or waiting."""
+    assert not allocator._allocating, "an allocation left under way"
+    assert allocator.in_use == sum(block.nbytes for block in allocator._live)
+    cache = list(allocator._cache.values())
+    assert allocator.cached == sum(block.nbytes for block in cache)
+    assert sorted(map(id, cache)) == sorted(id(b) for bs in allocator._by_size.values() for b in bs)
+    assert all(block.nbytes == size for size, bs in allocator._by_size.items() for block in bs)
+    parked = [e for w in allocator._frees._watches for _, _, e in w.heap if not e.done]
+    assert not parked, "a waiter left parked"
+    counter = allocator._frees._counter
+    assert not counter._requests, "a wake-up left uncounted"
+    assert _free_elsewhere(counter._lock), "the wake-ups' lock left held"
+
+
+def _free_elsewhere(lock: Any) -> bool:
+    """Whether another thread can take ``lock`` now (one held by this thread is not)."""
+    got: list[bool] = []
+
+    def take() -> None:
+        got.append(lock.acquire(blocking=False))
+        if got[0]:
+            lock.release()
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    thread.join()
+    return got[0]
+
+
+async def _whole_budget_back(device: am.Device, where: list[str]) -> None:
+    """Nothing is in use, and an allocation of the whole budget gets it at once."""
+    gc.collect()  # (a buffer the interrupt dropped: its memory comes back when collected)
+    stats = device.memory_statistics()
+    assert stats.in_use == 0, f"memory left in use (interrupted at {where})"
+    _consistent(device._allocator)
+    assert _free_elsewhere(device._state.submitting), "the submission lock left held"
+    with anyio.fail_after(LIMIT):
+        whole = await device.alloc(BUDGET, timeout=LIMIT)
+    await whole.free()
+    _consistent(device._allocator)
+
+
+async def _nothing_lost(device: am.Device, raised: list[str], unclosable: set[str]) -> None:
+    """The budget is whole again, and once the device closed no native memory is left
+    allocated -- but a block lost where ``raised`` is in ``unclosable``."""
+    await _whole_budget_back(device, raised)
+    backend: Any = device._backend
+    await device.close()
+    lost = set(raised) & unclosable
+    assert backend.live_allocations == len(lost), f"native memory lost at {raised}"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", DEVICES)
+@pytest.mark.parametrize("cached", [False, True], ids=["native", "cached"])
+async def test_a_keyboard_interrupt_anywhere_in_an_allocation_loses_no_memory(
+    anyio_backend: object, cached: bool, name: str
+) -> None:
+    """From the request to the Buffer handed back -- the block taken from the cache or
+    allocated natively, counted in use, wrapped -- an interrupt leaves the memory either
+    in the caller's hands or back with the allocator, except where the backend's native
+    allocation returned and its result is not stored yet (NATIVE_RESULT_IN_FLIGHT)."""
+    codes: set[Any] = {
+        am.Device.alloc.__code__,
+        Allocator.alloc.__code__,
+        Allocator._try_alloc.__code__,
+        Allocator._allocate.__code__,
+        Allocator._hand_out.__code__,
+        Allocation.__init__.__code__,
+        Block.__init__.__code__,
+        Buffer.__init__.__code__,
+    }
+    at = 0
+    while True:
+        device = await am.open_device(name)
+        device.memory_budget = BUDGET
+        if cached:
+            await (await device.alloc(MiB)).free()
+        buf = None
+        with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+            buf = await device.alloc(MiB)
+        if buf is not None:
+            await buf.free()
+            del buf
+        await _nothing_lost(device, raised, NATIVE_RESULT_IN_FLIGHT)
+        if not raised:
+            break
+        at += 1
+    assert at >= 20
+
+
+# Where an interrupt loses a native free: the block is off the books, and the backend's
+# free was entered but has not run (see Allocator._release and _evict).
+NATIVE_FREE_CUT = {"_release call free", "_evict call free"}
+
+FREES = ["cached", "native", "in_flight", "collected", "evicted", "expired"]
+
+
+def _releasing_codes() -> set[Any]:
+    """Buffer.free, the allocator's release and eviction, and the wake-ups after."""
+    free = am.Buffer.free.__code__
+    settle = next(c for c in free.co_consts if getattr(c, "co_name", "") == "settle")
+    functions = [
+        am.Buffer.free,
+        _buffer.after_submissions,
+        Allocator.release_after,
+        Allocator._release,
+        Allocator.collected,
+        Allocator.sweep,
+        Allocator._evict,
+        Allocator._expire,
+        Allocator.set_cache_limit,
+        Allocator.statistics,
+        _allocator._Releases.increment,
+        _allocator._ReleaseCounter._request,
+    ]
+    return {settle, *(function.__code__ for function in functions)}
+
+
+async def _let_go(device: am.Device, buffers: list[am.Buffer], how: str) -> None:
+    """Let go of the one buffer in ``buffers``, ``how``: freed (into the cache, natively,
+    with a use in flight), dropped, or freed before and evicted or expired from the
+    cache now."""
+    allocator = device._allocator
+    if how == "collected":
+        del buffers[0]
+        device.memory_statistics()  # (sweeps)
+    elif how == "evicted":
+        device.memory_cache_limit = 0
+    elif how == "expired":
+        allocator.cache_max_age = 0.0
+        allocator._next_expiry = 0.0
+        device.memory_statistics()
+    elif how == "in_flight":  # (its use passes once the host signals the gate it waits on)
+        threading.Timer(0.01, buffers.pop().signal, (1,)).start()
+        await buffers.pop().free()
+    else:
+        await buffers.pop().free()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", DEVICES)
+@pytest.mark.parametrize("how", FREES)
+async def test_a_keyboard_interrupt_anywhere_in_a_free_loses_no_memory(
+    anyio_backend: object, how: str, name: str
+) -> None:
+    """From a buffer's free (or its collection) to its block back in the cache or freed
+    natively -- the release recorded, pending while a use is in flight, made, the
+    cache's least recently used blocks evicted or expired, waiting allocations told --
+    an interrupt leaves the memory with the allocator, counted once, except where the
+    backend's native free was entered but has not run (NATIVE_FREE_CUT)."""
+    codes = _releasing_codes()
+    at = 0
+    while True:
+        device = await am.open_device(name)
+        device.memory_budget = BUDGET
+        if how == "native":
+            device.memory_cache_limit = 0
+        buf = await device.alloc(MiB)
+        buffers: list[Any] = [buf]
+        if how in ("evicted", "expired"):
+            await buffers.pop().free()
+        if how == "in_flight":
+            gate, queue = device.timeline(), device.new_queue()
+            queue.wait(gate, 1)
+            filled = queue.fill(buf, 7)
+            buffers.append(gate)
+        del buf
+        with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+            await _let_go(device, buffers, how)
+        if how == "in_flight":
+            with anyio.fail_after(LIMIT):
+                await filled
+            del filled
+        if buffers:  # (the free never began)
+            await buffers.pop().free()
+        device.memory_cache_limit = None
+        await _nothing_lost(device, raised, NATIVE_FREE_CUT)
+        if not raised:
+            break
+        at += 1
+    assert at >= 8
+
+
+def test_a_keyboard_interrupt_anywhere_in_the_compile_caches_memory_keeps_its_count(
+    tmp_path: Any,
+) -> None:
+    """Storing a binary in the compile cache's memory (evicting the least recently used
+    past its limit), evicting one and clearing it: an interrupt anywhere leaves the
+    bytes it counts those of the binaries it holds."""
+    codes = {c.__code__ for c in (CompileCache.put_memory, CompileCache.evict)}
+    codes.add(CompileCache.clear_memory.__code__)
+    at = 0
+    while True:
+        cache = CompileCache(tmp_path, disk=False, max_memory_bytes=250)
+        cache.put_memory("kept", b"k" * 100)
+        with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+            cache.put_memory("a", b"a" * 100)
+            cache.put_memory("b", b"b" * 100)  # past the limit: "kept" goes
+            cache.evict("a")
+            cache.clear_memory()
+        held = sum(len(data) for data in cache._memory.values())
+        assert cache._memory_bytes == held, f"counted apart (interrupted at {raised})"
+        if not raised:
+            break
+        at += 1
+    assert at >= 8
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("freed", [False, True], ids=["in_use", "freed"])
+async def test_a_keyboard_interrupt_as_a_loan_ends_leaves_the_allocator_usable(
+    anyio_backend: object, freed: bool
+) -> None:
+    """A DLPack export's end (any thread, even in the GC: the allocator's lock is only
+    tried) interrupted anywhere leaves that lock free -- every allocation and free takes
+    it -- and the buffer's memory comes back once it is freed."""
+    codes = {Allocator.returned.__code__}
+    at = 0
+    while True:
+        device = await am.open_device("cpu")
+        device.memory_budget = BUDGET
+        buf = await device.alloc(MiB)
+        view = np.from_dlpack(buf)
+        if freed:
+            await buf.free()  # (released when the loan ends)
+        with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+            del view
+        assert _free_elsewhere(device._allocator._lock), f"its lock left held ({raised})"
+        if not freed:
+            await buf.free()
+        del buf
+        await _whole_budget_back(device, raised)
+        await device.close()
+        if not raised:
+            break
+        at += 1
+    assert at >= 3
