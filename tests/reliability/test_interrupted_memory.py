@@ -31,8 +31,13 @@ BUDGET = 4 * MiB
 LIMIT = 10  # seconds: every wait here ends within a fraction of this, or it hangs
 
 # Where an interrupt loses a native allocation, and nothing in Python can keep it: the
-# backend's allocation returned, and its result was not stored yet (see _try_alloc).
-NATIVE_RESULT_IN_FLIGHT = {"_allocate return allocate", "_try_alloc return _allocate"}
+# backend's allocation returned, and its result was not stored yet (see _try_alloc). The
+# cuda backend's allocate is its keeps_context wrapper, ``keeping``.
+NATIVE_RESULT_IN_FLIGHT = {
+    "_allocate return allocate",
+    "_allocate return keeping",
+    "_try_alloc return _allocate",
+}
 
 
 def _consistent(allocator: Allocator) -> None:
