@@ -42,11 +42,33 @@ def _raises_interrupt(handler: Any) -> bool:
     )
 
 
+def _passed_on(handler: Any) -> Any:
+    """What ours passes a Ctrl-C on to, and puts back: ``handler``, but Python's default
+    for none (a program that put ours back after the last close ended) and for an
+    asyncio.Runner's whose run has ended -- found ours current as its run ended, the
+    runner left its own in place, where it would have put the default back (and a
+    later asyncio.run installs its own only over the default)."""
+    if handler is None:
+        return signal.default_int_handler
+    if isinstance(handler, functools.partial) and _raises_interrupt(handler):
+        task = handler.keywords.get("main_task")
+        if task is not None and task.done():
+            return signal.default_int_handler
+    return handler
+
+
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
     global _previous
+    previous = _passed_on(_previous)
+    if not _closes:
+        # No close waits: ours was left installed (an interrupt as a close stopped
+        # waiting, or a wait that ended off the main thread): it puts back what it
+        # passes on to, so that a later asyncio.run finds the default and installs its own.
+        _previous = None
+        if signal.getsignal(signal.SIGINT) is _on_sigint:
+            signal.signal(signal.SIGINT, previous)
     for interrupted in list(_closes.values()):
         interrupted()
-    previous = _previous
     try:
         previous(signum, frame)
     except KeyboardInterrupt:
@@ -54,7 +76,8 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
         # at every later Ctrl-C), and its run may be left by this very interrupt without
         # putting the default back (ours is current): ours goes on as the default, and
         # puts the default back, not a handler of a runner that ended.
-        _previous = signal.default_int_handler
+        if _closes:
+            _previous = signal.default_int_handler
         raise
 
 
@@ -68,21 +91,36 @@ def ctrl_c_discards(interrupted: Callable[[], None]) -> Generator[None, None, No
         yield
         return
     key = id(interrupted)
-    current = signal.getsignal(signal.SIGINT)
-    installed = current is _on_sigint or _raises_interrupt(current)
-    if installed:
-        if current is not _on_sigint:
-            _previous = current
-            signal.signal(signal.SIGINT, _on_sigint)
-        _closes[key] = interrupted
+    installed = False
     try:
+        current = signal.getsignal(signal.SIGINT)
+        if current is _on_sigint or _raises_interrupt(current):
+            # Registered before ours is installed, and inside the try: an interrupt at
+            # signal.signal's return (where its handler runs: ours) is cleaned up below.
+            installed = True
+            _closes[key] = interrupted
+            if current is not _on_sigint:
+                _previous = current
+                signal.signal(signal.SIGINT, _on_sigint)
         yield
     finally:
         if installed:
-            _closes.pop(key, None)
-            # (Left installed where the wait ends off the main thread -- a coroutine
-            # dropped and finalized elsewhere: with no close waiting it only passes on.)
-            if threading.current_thread() is threading.main_thread() and not _closes:
-                if signal.getsignal(signal.SIGINT) is _on_sigint:
-                    signal.signal(signal.SIGINT, _previous)
+            _leave(key)
+
+
+def _leave(key: int) -> None:
+    """A close that ``ctrl_c_discards`` registered stops waiting: the last to, on the
+    main thread, puts back the handler ours passes on to. It is taken off the list
+    first: ours, run by an interrupt at a later call's return here (or at this one's),
+    finds no close waiting and puts that handler back itself."""
+    global _previous
+    _closes.pop(key, None)
+    # (Left installed where the wait ends off the main thread -- a coroutine dropped and
+    # finalized elsewhere: with no close waiting it puts back the handler at a Ctrl-C.)
+    if not _closes and threading.current_thread() is threading.main_thread():
+        try:
+            if signal.getsignal(signal.SIGINT) is _on_sigint:
+                signal.signal(signal.SIGINT, _passed_on(_previous))
+        finally:
+            if not _closes:
                 _previous = None  # (also where the program replaced ours meanwhile)
