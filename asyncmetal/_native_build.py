@@ -40,8 +40,13 @@ PACKAGED_RUNTIME_ONLY = "libamrt"
 
 def cc_command() -> list[str]:
     """``$CC`` (default ``cc``) split as a shell splits it: as with make and setuptools,
-    it may name a launcher or flags besides the compiler (``ccache gcc``, ``gcc -m64``)."""
-    return shlex.split(os.environ.get("CC") or "") or ["cc"]
+    it may name a launcher or flags besides the compiler (``ccache gcc``, ``gcc -m64``).
+    One a shell cannot split is taken whole: a program not found, as any other."""
+    cc = os.environ.get("CC") or ""
+    try:
+        return shlex.split(cc) or ["cc"]
+    except ValueError:  # (no closing quotation: one word, which no program is named)
+        return [cc]
 
 
 def compiler() -> list[str] | None:

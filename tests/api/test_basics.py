@@ -216,6 +216,10 @@ def test_cc_may_give_flags_and_a_launcher(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("CC", "no-such-cc-here -O1")
     with pytest.raises(am.CompileError, match="'no-such-cc-here' is not on PATH"):
         CCompiler().compile(source)
+    monkeypatch.setenv("CC", 'cc "-O1')  # no closing quote: no compiler (no ValueError)
+    assert CCompiler().version()
+    with pytest.raises(am.CompileError, match="is not on PATH"):
+        CCompiler().compile(source)
 
 
 def test_the_package_lists_its_api() -> None:
