@@ -125,7 +125,10 @@ class CUDAQueue(NativeQueue):
         self._sticky = (0, 0)
         self._cause = (0, 0, 0)  # for WAITED_FAILED: that queue's timeline, error, value
         self._keep: _StagedKeepAlive = _StagedKeepAlive(timeline)
-        self._closing = threading.Lock()  # a discard (any thread) and the close's take
+        # A discard (any thread) and the close's take of the native queue; the export
+        # calls of other threads under way (_held_open), which the close waits for.
+        self._closing = threading.Condition(threading.Lock())
+        self._exporting = 0
         self._discarded = False
         self._slots = (ctypes.c_uint64 * MAX_PARAMS)()
         base = ctypes.addressof(self._slots)
@@ -257,12 +260,23 @@ class CUDAQueue(NativeQueue):
             raise self._not_handed_over(value)
 
     def _held_open(self, fn: Any, *args: Any) -> int | None:
-        """``fn(the native queue, *args)``, the queue kept from closing meanwhile (a
+        """``fn(the native queue, *args)``, the queue kept from being freed meanwhile (a
         close on another thread frees it: these run on the thread of a DLPack export's
-        consumer, any); None once closed. The lock is held over this queue's call only,
-        never while another queue's is made (a hand-over follows waits to other queues)."""
+        consumer, any); None once closed. No lock is held over the call, which may wait
+        for another thread's hand-over: a discard (on a loop) does not wait for it, and
+        the native queue takes its own; the close waits for it to return."""
         with self._closing:
-            return None if self._q is None else int(fn(self._q, *args))
+            handle = self._q
+            if handle is None:
+                return None
+            self._exporting += 1
+        try:
+            return int(fn(handle, *args))
+        finally:
+            with self._closing:
+                self._exporting -= 1
+                if not self._exporting:
+                    self._closing.notify_all()
 
     def _hand_over_signals(self, value: int, depth: int) -> bool:
         """Before a hand-over up to command ``value`` is tried again: the queue signals
@@ -608,6 +622,8 @@ class CUDAQueue(NativeQueue):
             handle = self._q
             code, _ = self._first_error()
             self._q = None
+            while self._exporting:  # (another thread's export call, not long)
+                self._closing.wait()
         if handle is not None:
             # Without abandon this returns once every held command was submitted and
             # every command confirmed (the stream is then idle).

@@ -47,6 +47,10 @@ class _Lib:
     def am_cuq_close(self, handle: int, abandon: int) -> None:
         self.freed = True
 
+    def am_cuq_discard(self, handle: int) -> None:
+        assert not self.freed, "a discard on a freed queue"
+        self.calls.append("discard")
+
 
 class _Keep:
     def clear(self) -> None:
@@ -55,7 +59,8 @@ class _Keep:
 
 def _queue(lib: _Lib) -> CUDAQueue:
     queue = object.__new__(CUDAQueue)
-    queue._closing = threading.Lock()
+    queue._closing = threading.Condition(threading.Lock())
+    queue._exporting = 0
     queue._q = 1234
     queue._lib = lib
     queue._staging = None
@@ -81,6 +86,10 @@ def test_a_close_on_another_thread_waits_for_an_exports_call(call: str) -> None:
     exporting = threading.Thread(target=export)
     exporting.start()
     assert lib.entered.wait(10)
+    discarding = threading.Thread(target=queue.discard)  # (as a loop's close(discard=True))
+    discarding.start()
+    discarding.join(5)
+    assert not discarding.is_alive() and lib.calls == ["discard"]  # (it did not wait)
     closing = threading.Thread(target=queue.close)
     closing.start()
     closing.join(0.2)
@@ -88,6 +97,10 @@ def test_a_close_on_another_thread_waits_for_an_exports_call(call: str) -> None:
     lib.release.set()
     exporting.join(10)
     closing.join(10)
-    assert lib.freed and lib.calls == [{"hand_over": "hand_over"}.get(call, "wait_foreign")]
+    assert lib.freed and lib.calls == [
+        "discard",
+        "hand_over" if call == "hand_over" else "wait_foreign",
+    ]
     export()  # closed: nothing to order, and no call on the freed queue
-    assert len(lib.calls) == 1
+    queue.discard()
+    assert len(lib.calls) == 2
