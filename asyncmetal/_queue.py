@@ -775,6 +775,9 @@ def _cycle_error(
         + "; and this queue runs this signal only after that"
         + _first_words(last, queue, earlier)
         + ". Submit the signal before that wait, or on a queue that does not wait for it"
+        + " (nothing was submitted: the commands already behind that wait still wait for "
+        "its value from elsewhere -- the host's signal, another queue's -- or for their "
+        "device's close)"
     )
 
 

@@ -37,6 +37,7 @@ async def test_a_queue_signal_after_its_own_wait_for_it_is_refused(device: am.De
             queue.signal(timeline, value)
         message = str(refused.value)
         assert "this queue's command 1, a device wait for the timeline to reach 1" in message
+        assert "the commands already behind that wait still wait for its value" in message
     assert queue.submitted == 1  # nothing submitted
     timeline.signal(1)  # the host still may: the wait ends, and the queue goes on
     done = queue.signal(timeline, 2)
