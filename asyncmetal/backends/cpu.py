@@ -89,21 +89,28 @@ _LINK = ("-Wl,-Bsymbolic",) if sys.platform.startswith("linux") else ()
 
 
 class CCompiler(Compiler):
-    """C source -> shared object, with ``$CC`` (default ``cc``). Pickles as its flags."""
+    """C source -> shared object, with ``cc`` or else ``$CC`` (default ``cc``) as it is
+    when the compiler is made: a device's compiler keeps the ``$CC`` of its opening, and
+    one set later is a compiler of its own (another identity, other binaries). Pickles as
+    its command and flags."""
 
     name = "cc"
 
-    def __init__(self, cc: str | None = None, flags: Sequence[str] = ("-O2",)) -> None:
-        self.cc = cc
+    def __init__(
+        self, cc: str | Sequence[str] | None = None, flags: Sequence[str] = ("-O2",)
+    ) -> None:
+        # The program and the words ``$CC`` gives with it (``_native_build.cc_command``);
+        # a str ``cc`` is one program.
+        if isinstance(cc, str):
+            cc = (cc,) if cc else None
+        self.cc = tuple(cc) if cc else tuple(cc_command())
         self.flags = tuple(flags)
 
     def config(self) -> tuple[Any, ...]:
         return (self.cc, self.flags)
 
     def _command(self) -> tuple[str, ...]:
-        """The compiler's program and the words ``$CC`` gives with it (see
-        ``_native_build.cc_command``); ``cc``, where given, is one program."""
-        return (self.cc,) if self.cc else tuple(cc_command())
+        return self.cc
 
     def version(self) -> str:
         # The C types it compiles for are asked here too: compile reads the identity

@@ -222,6 +222,29 @@ def test_cc_may_give_flags_and_a_launcher(monkeypatch: pytest.MonkeyPatch) -> No
         CCompiler().compile(source)
 
 
+async def test_a_device_keeps_the_cc_it_opened_with(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device compiles with the ``$CC`` of its opening; one set afterwards is the
+    compiler of devices opened afterwards, under an identity of its own. Checked: before,
+    the identity was found once per process (the compiler's config left ``$CC`` out, and
+    each compile read it anew, in whichever process compiled), so a device opened under
+    the new ``$CC`` got the binary built under the old one from the cache."""
+    source = "void answer(int *out) { *out = ANSWER + %d; }"
+    monkeypatch.setenv("CC", "cc -DANSWER=40")
+    async with am.open_device("cpu") as dev:
+        out = await dev.alloc(4)
+        await dev.queue.launch(await dev.compile(source % 2, "answer"), out)
+        assert (await out.read(np.int32))[0] == 42
+        monkeypatch.setenv("CC", "cc -DANSWER=7")
+        await dev.queue.launch(await dev.compile(source % 3, "answer"), out)
+        assert (await out.read(np.int32))[0] == 43  # the $CC it opened with
+    async with am.open_device("cpu") as dev:
+        out = await dev.alloc(4)
+        await dev.queue.launch(await dev.compile(source % 3, "answer"), out)
+        assert (await out.read(np.int32))[0] == 10  # the $CC now, not the cache's 43
+
+
 def test_the_package_lists_its_api() -> None:
     """``__all__`` names every public class, function and error the package exports (so
     pydoc and ``from asyncmetal import *`` show the API), and nothing else."""
