@@ -149,6 +149,23 @@ class Buffer(Exports):
         does not withdraw the copy: it completes, and ``data`` is kept alive until then.
         """
         check_buffer(self, "buffer")  # (the copy's own check would call it dst)
+        if isinstance(data, Buffer):
+            size = data.nbytes
+        else:  # refused first as the copy refuses it: no buffer protocol, objects, ...
+            from ._copyargs import host_view  # (it imports this module)
+
+            with host_view(data, "src", writable=False) as view:
+                size = view.nbytes
+        if size != self.nbytes:  # (the copy's own check would point to its nbytes)
+            hint = (
+                f"to write part of it, write to a view: buf.view(offset, {size}).write(data)"
+                if size < self.nbytes
+                else "pass as many bytes of data, or allocate a larger buffer"
+            )
+            raise InvalidArgumentError(
+                f"data holds {size} bytes and the buffer {self.nbytes}: write() fills the "
+                f"whole buffer; {hint}"
+            )
         await self._state.default_queue().copy(self, data)
 
     async def read(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray[Any, Any]:

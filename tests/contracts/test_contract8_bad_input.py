@@ -279,6 +279,19 @@ async def test_refusals_name_what_was_called(device: am.Device) -> None:
         await device.compile("void k(void) {}", "")
 
 
+async def test_a_write_of_the_wrong_size_points_to_a_view(device: am.Device) -> None:
+    """write() takes no nbytes (before: the copy's "pass nbytes to copy a prefix")."""
+    buf = await device.alloc(64, zeroed=True)
+    with pytest.raises(am.InvalidArgumentError, match="data holds 8 bytes") as small:
+        await buf.write(np.zeros(2, np.float32))
+    assert "nbytes" not in str(small.value) and "buf.view(offset, 8)" in str(small.value)
+    with pytest.raises(am.InvalidArgumentError, match="data holds 800 bytes") as large:
+        await buf.write(np.zeros(100))
+    assert "nbytes" not in str(large.value)
+    await buf.view(8, 8).write(np.ones(2, np.float32))
+    assert (await buf.read(np.float32))[2:5].tolist() == [1, 1, 0]
+
+
 async def test_bad_allocations(device: am.Device) -> None:
     for size, exc in [
         (0, am.InvalidArgumentError),
