@@ -292,6 +292,21 @@ async def test_a_write_of_the_wrong_size_points_to_a_view(device: am.Device) -> 
     assert (await buf.read(np.float32))[2:5].tolist() == [1, 1, 0]
 
 
+async def test_a_view_of_a_wrong_type_names_the_type(device: am.Device) -> None:
+    """Before: an np.int64 8 was "offset must be an int in [0, 64], got 8", and an offset
+    of True was taken as 1."""
+    buf = await device.alloc(64)
+    with pytest.raises(am.ArgumentTypeError, match="offset must be an int, got int64"):
+        buf.view(np.int64(8), 8)
+    with pytest.raises(am.ArgumentTypeError, match="nbytes must be an int or None, got int64"):
+        buf.view(8, np.int64(8))
+    with pytest.raises(am.ArgumentTypeError, match="offset must be an int, got bool"):
+        buf.view(True, 8)
+    with pytest.raises(am.InvalidArgumentError, match=r"nbytes must be an int in \[1, 56\]"):
+        buf.view(8, 57)
+    assert buf.view(8, 8).nbytes == 8 and buf.view(8).nbytes == 56
+
+
 async def test_bad_allocations(device: am.Device) -> None:
     for size, exc in [
         (0, am.InvalidArgumentError),
