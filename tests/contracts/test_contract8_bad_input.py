@@ -318,6 +318,23 @@ async def test_bad_allocations(device: am.Device) -> None:
             await device.alloc(size)  # type: ignore[arg-type]
 
 
+async def test_an_allocation_timeout_may_be_a_numpy_scalar(device: am.Device) -> None:
+    """As compile's timeout may (before: "timeout must be a number >= 0, got
+    np.float32(0.05)")."""
+    device.memory_budget = 4096
+    held = await device.alloc(4096)
+    for timeout in (np.float32(0.05), np.float64(0.05)):  # (an np.float32 deadline once
+        with pytest.raises(am.OutOfMemoryError, match=r"within 0\.050*\d* s"):  # broke trio)
+            await device.alloc(512, timeout=timeout)
+    with pytest.raises(am.InvalidArgumentError, match="timeout must be a number >= 0"):
+        await device.alloc(512, timeout="1")  # type: ignore[arg-type]
+    with pytest.raises(am.InvalidArgumentError, match="timeout must be a number >= 0"):
+        await device.alloc(512, timeout=np.float64("nan"))
+    await held.free()
+    await (await device.alloc(512, timeout=np.float32(1))).free()
+    await (await device.alloc(512, timeout=np.int64(1))).free()
+
+
 async def test_bad_copies(device: am.Device) -> None:
     buf = await device.alloc(64)
     q = device.queue
