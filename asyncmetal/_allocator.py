@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import numbers
 import operator
 import threading
 import time
@@ -322,12 +323,14 @@ class Allocator:
             raise InvalidArgumentError(f"nbytes must be > 0, got {nbytes}")
         if timeout is not None and (
             isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
+            or not isinstance(timeout, numbers.Real)  # (a numpy scalar too, as in compile)
             or not timeout >= 0  # also refuses NaN
         ):
             raise InvalidArgumentError(f"timeout must be a number >= 0, got {timeout!r}")
-        deadline = (
-            None if timeout is None or timeout > MAX_TIMEOUT_S else time.monotonic() + timeout
+        deadline = (  # a float: an np.float32 deadline would reach trio's epoll call
+            None
+            if timeout is None or timeout > MAX_TIMEOUT_S
+            else time.monotonic() + float(timeout)
         )
         # The checkpoint comes first: once a block is taken, nothing may cancel the
         # allocation before it is handed out, or the block would have no owner.

@@ -81,14 +81,19 @@ class Buffer(Exports):
     def view(self, offset: int, nbytes: int | None = None) -> Buffer:
         """A sub-buffer of ``nbytes`` at ``offset`` sharing this buffer's memory."""
         check_buffer(self, "buffer")
-        if not isinstance(offset, int) or not 0 <= offset <= self.nbytes:
+        # (the type first: the range's message would show an np.int64 8 as a plain 8)
+        if not isinstance(offset, int) or isinstance(offset, bool):
+            raise ArgumentTypeError(f"offset must be an int, got {type(offset).__name__}")
+        if nbytes is not None and (not isinstance(nbytes, int) or isinstance(nbytes, bool)):
+            raise ArgumentTypeError(f"nbytes must be an int or None, got {type(nbytes).__name__}")
+        if not 0 <= offset <= self.nbytes:
             raise InvalidArgumentError(f"offset must be an int in [0, {self.nbytes}], got {offset}")
         if offset == self.nbytes:
             raise InvalidArgumentError(
                 f"offset {offset} leaves no bytes of the buffer's {self.nbytes} for a view"
             )
         nbytes = self.nbytes - offset if nbytes is None else nbytes
-        if not isinstance(nbytes, int) or not 0 < nbytes <= self.nbytes - offset:
+        if not 0 < nbytes <= self.nbytes - offset:
             raise InvalidArgumentError(
                 f"nbytes must be an int in [1, {self.nbytes - offset}], got {nbytes}"
             )
@@ -149,6 +154,23 @@ class Buffer(Exports):
         does not withdraw the copy: it completes, and ``data`` is kept alive until then.
         """
         check_buffer(self, "buffer")  # (the copy's own check would call it dst)
+        if isinstance(data, Buffer):
+            size = data.nbytes
+        else:  # refused first as the copy refuses it: no buffer protocol, objects, ...
+            from ._copyargs import host_view  # (it imports this module)
+
+            with host_view(data, "src", writable=False) as view:
+                size = view.nbytes
+        if size != self.nbytes:  # (the copy's own check would point to its nbytes)
+            hint = (
+                f"to write part of it, write to a view: buf.view(offset, {size}).write(data)"
+                if size < self.nbytes
+                else "pass as many bytes of data, or allocate a larger buffer"
+            )
+            raise InvalidArgumentError(
+                f"data holds {size} bytes and the buffer {self.nbytes}: write() fills the "
+                f"whole buffer; {hint}"
+            )
         await self._state.default_queue().copy(self, data)
 
     async def read(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray[Any, Any]:

@@ -272,13 +272,18 @@ class Queue:
         them. A queue already closing is switched to discarding (also while its device
         closes)."""
         if self._closer is None:
-            raise InvalidArgumentError(
-                f"the default queue of {self._state.name} (device.queue) is closed by "
-                "closing its device; close queues from device.new_queue() instead"
-            )
+            raise self._not_closable()
         await self._closer(self, discard)
 
+    def _not_closable(self) -> InvalidArgumentError:
+        return InvalidArgumentError(
+            f"the default queue of {self._state.name} (device.queue) is closed by "
+            "closing its device; close queues from device.new_queue() instead"
+        )
+
     async def __aenter__(self) -> Queue:
+        if self._closer is None:  # refused before the body runs, not at its end
+            raise self._not_closable()
         return self
 
     async def __aexit__(self, *exc: object) -> None:

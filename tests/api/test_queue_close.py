@@ -134,6 +134,18 @@ async def test_the_default_queue_closes_with_its_device_only(
     await device.queue.launch(kernels["empty"])
 
 
+async def test_async_with_the_default_queue_is_refused_before_its_body(
+    device: am.Device,
+) -> None:
+    """Before: entered, the body ran, and leaving it raised the refusal (over the body's
+    own exception, if any)."""
+    ran = False
+    with pytest.raises(am.InvalidArgumentError, match=r"default queue .* closing its device"):
+        async with device.queue:
+            ran = True
+    assert not ran and not device.queue.closed
+
+
 async def test_async_with_closes_the_queue(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:

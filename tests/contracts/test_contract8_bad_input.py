@@ -279,6 +279,34 @@ async def test_refusals_name_what_was_called(device: am.Device) -> None:
         await device.compile("void k(void) {}", "")
 
 
+async def test_a_write_of_the_wrong_size_points_to_a_view(device: am.Device) -> None:
+    """write() takes no nbytes (before: the copy's "pass nbytes to copy a prefix")."""
+    buf = await device.alloc(64, zeroed=True)
+    with pytest.raises(am.InvalidArgumentError, match="data holds 8 bytes") as small:
+        await buf.write(np.zeros(2, np.float32))
+    assert "nbytes" not in str(small.value) and "buf.view(offset, 8)" in str(small.value)
+    with pytest.raises(am.InvalidArgumentError, match="data holds 800 bytes") as large:
+        await buf.write(np.zeros(100))
+    assert "nbytes" not in str(large.value)
+    await buf.view(8, 8).write(np.ones(2, np.float32))
+    assert (await buf.read(np.float32))[2:5].tolist() == [1, 1, 0]
+
+
+async def test_a_view_of_a_wrong_type_names_the_type(device: am.Device) -> None:
+    """Before: an np.int64 8 was "offset must be an int in [0, 64], got 8", and an offset
+    of True was taken as 1."""
+    buf = await device.alloc(64)
+    with pytest.raises(am.ArgumentTypeError, match="offset must be an int, got int64"):
+        buf.view(np.int64(8), 8)
+    with pytest.raises(am.ArgumentTypeError, match="nbytes must be an int or None, got int64"):
+        buf.view(8, np.int64(8))
+    with pytest.raises(am.ArgumentTypeError, match="offset must be an int, got bool"):
+        buf.view(True, 8)
+    with pytest.raises(am.InvalidArgumentError, match=r"nbytes must be an int in \[1, 56\]"):
+        buf.view(8, 57)
+    assert buf.view(8, 8).nbytes == 8 and buf.view(8).nbytes == 56
+
+
 async def test_bad_allocations(device: am.Device) -> None:
     for size, exc in [
         (0, am.InvalidArgumentError),
@@ -288,6 +316,23 @@ async def test_bad_allocations(device: am.Device) -> None:
     ]:
         with pytest.raises(exc, match="nbytes"):
             await device.alloc(size)  # type: ignore[arg-type]
+
+
+async def test_an_allocation_timeout_may_be_a_numpy_scalar(device: am.Device) -> None:
+    """As compile's timeout may (before: "timeout must be a number >= 0, got
+    np.float32(0.05)")."""
+    device.memory_budget = 4096
+    held = await device.alloc(4096)
+    for timeout in (np.float32(0.05), np.float64(0.05)):  # (an np.float32 deadline once
+        with pytest.raises(am.OutOfMemoryError, match=r"within 0\.050*\d* s"):  # broke trio)
+            await device.alloc(512, timeout=timeout)
+    with pytest.raises(am.InvalidArgumentError, match="timeout must be a number >= 0"):
+        await device.alloc(512, timeout="1")  # type: ignore[arg-type]
+    with pytest.raises(am.InvalidArgumentError, match="timeout must be a number >= 0"):
+        await device.alloc(512, timeout=np.float64("nan"))
+    await held.free()
+    await (await device.alloc(512, timeout=np.float32(1))).free()
+    await (await device.alloc(512, timeout=np.int64(1))).free()
 
 
 async def test_bad_copies(device: am.Device) -> None:
