@@ -24,6 +24,7 @@ import pytest
 import asyncmetal as am
 from asyncmetal._cache import CacheWarning, CompileCache
 from asyncmetal._compile import Compiler, source_key
+from asyncmetal._native_build import cc_command
 from asyncmetal._pool import CompilePool, compiler_identity
 from asyncmetal.backends.cpu import CCompiler
 from tests.support.compilers import (
@@ -49,8 +50,8 @@ async def pool(anyio_backend: object, tmp_path: Path) -> AsyncIterator[CompilePo
 
 
 def test_compilers_pickle_as_their_configuration() -> None:
-    compiler = CCompiler(flags=("-O1",))
-    assert compiler.__reduce__() == (CCompiler, (None, ("-O1",)))
+    compiler = CCompiler(flags=("-O1",))  # (the $CC of now, kept: a worker compiles with it)
+    assert compiler.__reduce__() == (CCompiler, (tuple(cc_command()), ("-O1",)))
     data = pickle.dumps(compiler)
     assert len(data) < 200  # configuration only: no handle, no cached state
     copy = pickle.loads(data)
