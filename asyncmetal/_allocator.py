@@ -26,6 +26,7 @@ from ._errors import (
     ClosedResourceError,
     InvalidArgumentError,
     OutOfMemoryError,
+    as_int,
 )
 from ._timeline import (
     Detached,
@@ -317,8 +318,9 @@ class Allocator:
     # -- allocation ----------------------------------------------------------------------
 
     async def alloc(self, nbytes: int, timeout: float | None = None) -> Allocation:
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool):
-            raise ArgumentTypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
+        given, nbytes = nbytes, as_int(nbytes)  # type: ignore[assignment]
+        if nbytes is None:
+            raise ArgumentTypeError(f"nbytes must be an int, got {type(given).__name__}")
         if nbytes <= 0:
             raise InvalidArgumentError(f"nbytes must be > 0, got {nbytes}")
         if timeout is not None and (
@@ -547,11 +549,10 @@ class Allocator:
 
     def set_cache_limit(self, limit: int | None) -> None:
         """Keep at most ``limit`` bytes of freed blocks (None: the default)."""
-        if limit is not None and (
-            not isinstance(limit, int) or isinstance(limit, bool) or limit < 0
-        ):
+        given = limit
+        if limit is not None and ((limit := as_int(limit)) is None or limit < 0):
             raise InvalidArgumentError(
-                f"memory_cache_limit must be an int >= 0 or None, got {limit!r}"
+                f"memory_cache_limit must be an int >= 0 or None, got {given!r}"
             )
         with self._lock:
             self.cache_limit = self.default_cache_limit() if limit is None else limit
@@ -791,9 +792,10 @@ class Allocator:
         """The bytes the device may hold (None: all it has, the default)."""
         if budget is None:
             budget = self._state.backend.info.total_memory
-        if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
+        given, budget = budget, as_int(budget)
+        if budget is None or budget <= 0:
             raise InvalidArgumentError(
-                f"memory_budget must be an int > 0 or None (all it has), got {budget!r}"
+                f"memory_budget must be an int > 0 or None (all it has), got {given!r}"
             )
         with self._lock:
             self.budget = budget

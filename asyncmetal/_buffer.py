@@ -17,7 +17,7 @@ from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import checkpoint
 from ._device_state import DeviceState, open_states, two_names
 from ._dlpack import Exports, TypedView, items_shape
-from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
+from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError, as_int
 from ._timeline import Detached, run_detached, wait_value
 
 
@@ -82,10 +82,15 @@ class Buffer(Exports):
         """A sub-buffer of ``nbytes`` at ``offset`` sharing this buffer's memory."""
         check_buffer(self, "buffer")
         # (the type first: the range's message would show an np.int64 8 as a plain 8)
-        if not isinstance(offset, int) or isinstance(offset, bool):
-            raise ArgumentTypeError(f"offset must be an int, got {type(offset).__name__}")
-        if nbytes is not None and (not isinstance(nbytes, int) or isinstance(nbytes, bool)):
-            raise ArgumentTypeError(f"nbytes must be an int or None, got {type(nbytes).__name__}")
+        given, offset = offset, as_int(offset)  # type: ignore[assignment]
+        if offset is None:
+            raise ArgumentTypeError(f"offset must be an int, got {type(given).__name__}")
+        if nbytes is not None:
+            given, nbytes = nbytes, as_int(nbytes)
+            if nbytes is None:
+                raise ArgumentTypeError(
+                    f"nbytes must be an int or None, got {type(given).__name__}"
+                )
         if not 0 <= offset <= self.nbytes:
             raise InvalidArgumentError(f"offset must be an int in [0, {self.nbytes}], got {offset}")
         if offset == self.nbytes:

@@ -12,7 +12,7 @@ import numpy as np
 from ._allocator import lenders
 from ._buffer import Buffer, buffer_state, check_buffer, native_arg, not_a_buffer, overlap
 from ._device_state import DeviceState, two_names
-from ._errors import ArgumentTypeError, InvalidArgumentError
+from ._errors import ArgumentTypeError, InvalidArgumentError, as_int
 
 
 def host_view(obj: Any, what: str, *, writable: bool) -> memoryview:
@@ -58,8 +58,9 @@ def copy_size(dst_nbytes: int, src_nbytes: int, nbytes: int | None) -> int:
                 "pass nbytes to copy a prefix"
             )
         nbytes = src_nbytes
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool):
-        raise ArgumentTypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
+    given, nbytes = nbytes, as_int(nbytes)
+    if nbytes is None:
+        raise ArgumentTypeError(f"nbytes must be an int, got {type(given).__name__}")
     if nbytes <= 0:
         raise InvalidArgumentError(f"nbytes must be > 0, got {nbytes}")
     if nbytes > dst_nbytes or nbytes > src_nbytes:
@@ -178,7 +179,7 @@ def fill_pattern(value: object) -> tuple[int, int]:
         if value.dtype.kind not in "iuf" or value.dtype.itemsize not in _PATTERN_SIZES:
             raise ArgumentTypeError(
                 f"value must be an int from 0 to 255 or a numpy integer or float scalar of "
-                f"1, 2 or 4 bytes, got a {value.dtype} scalar"
+                f"1, 2 or 4 bytes, got numpy {value.dtype}"
             )
         size = value.dtype.itemsize
         bits = np.asarray(value).reshape(1).view(_PATTERN_SIZES[size])
@@ -211,14 +212,16 @@ def fill_operands(
         )
     _check_own(buf, "buf", state)
     pattern, size = fill_pattern(value)
-    if not isinstance(offset, int) or isinstance(offset, bool):
-        raise ArgumentTypeError(f"offset must be an int, got {type(offset).__name__}")
+    given, offset = offset, as_int(offset)
+    if offset is None:
+        raise ArgumentTypeError(f"offset must be an int, got {type(given).__name__}")
     if not 0 <= offset < buf.nbytes:
         raise InvalidArgumentError(f"offset must be in [0, {buf.nbytes - 1}], got {offset}")
     if nbytes is None:
         nbytes = buf.nbytes - offset
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool):
-        raise ArgumentTypeError(f"size must be an int or None, got {type(nbytes).__name__}")
+    given, nbytes = nbytes, as_int(nbytes)
+    if nbytes is None:
+        raise ArgumentTypeError(f"size must be an int or None, got {type(given).__name__}")
     if not 0 < nbytes <= buf.nbytes - offset:
         raise InvalidArgumentError(
             f"size must be in [1, {buf.nbytes - offset}] (the bytes from offset {offset} to "

@@ -46,6 +46,7 @@ from ._errors import (
     DeviceLostError,
     DeviceNotFoundError,
     InvalidArgumentError,
+    as_int,
 )
 from ._interrupts import ctrl_c_discards
 from ._pool import CompilePool, check_timeout, compiler_identity, default_pool
@@ -368,6 +369,7 @@ class Device:
         self._check_open()
         if not isinstance(zeroed, bool):
             raise ArgumentTypeError(f"zeroed must be a bool, got {type(zeroed).__name__}")
+        nbytes = as_int(nbytes) or nbytes  # (a numpy integer as an int; the rest refused below)
         lost = self._backend.lost_error(f"allocating {nbytes} bytes")  # a cached block too
         if lost is not None:
             raise lost

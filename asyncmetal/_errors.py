@@ -1,10 +1,27 @@
-"""The exception types. Every error asyncmetal raises derives from AsyncMetalError."""
+"""The exception types (every error asyncmetal raises derives from AsyncMetalError),
+and what the argument checks share."""
 
 from __future__ import annotations
+
+import operator
 
 # A timeout longer than this (seconds: about 32 years) is taken as none: an int too large
 # for a float, or a deadline the loops' clocks cannot hold, would raise instead.
 MAX_TIMEOUT_S = 1e9
+
+
+def as_int(value: object) -> int | None:
+    """``value`` as a plain int where it is an integer -- an int, or an integer scalar of
+    numpy or PyTorch (anything with ``__index__``) -- but not a bool; None otherwise. Sizes,
+    offsets and values take what ``range`` and numpy's indexing take."""
+    if value.__class__ is int:
+        return value
+    if isinstance(value, bool):
+        return None
+    try:  # (numpy's bool has no __index__)
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 class AsyncMetalError(Exception):

@@ -419,7 +419,8 @@ class Queue:
         if len(buffers) != program.buffer_count:
             misplaced = [i for i, v in enumerate(vals) if isinstance(v, Buffer)]
             raise ArgumentTypeError(
-                f"kernel {program.name!r} takes {program.buffer_count} buffers, got {len(buffers)}"
+                f"kernel {program.name!r} takes {program.buffer_count} buffer"
+                f"{'' if program.buffer_count == 1 else 's'}, got {len(buffers)}"
                 + (
                     f" (vals[{misplaced[0]}] is a Buffer: buffers are launch's positional "
                     "arguments, vals= its values)"
@@ -429,7 +430,8 @@ class Queue:
             )
         if len(vals) != program.value_count:
             raise ArgumentTypeError(
-                f"kernel {program.name!r} takes {program.value_count} vals, got {len(vals)}"
+                f"kernel {program.name!r} takes {program.value_count} "
+                f"value{'' if program.value_count == 1 else 's'} (vals), got {len(vals)}"
             )
         args = launch_args(buffers, program.name, self._state)
         append = args.append

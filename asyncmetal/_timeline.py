@@ -25,17 +25,19 @@ from ._errors import (
     ClosedResourceError,
     DeviceLostError,
     InvalidArgumentError,
+    as_int,
 )
 
 MAX_VALUE = (1 << 64) - 1
 
 
 def check_value(value: object, what: str = "value") -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
+    number = as_int(value)
+    if number is None:
         raise ArgumentTypeError(f"{what} must be an int, got {type(value).__name__}")
-    if not 0 <= value <= MAX_VALUE:
-        raise InvalidArgumentError(f"{what} must be in [0, 2**64 - 1], got {value}")
-    return value
+    if not 0 <= number <= MAX_VALUE:
+        raise InvalidArgumentError(f"{what} must be in [0, 2**64 - 1], got {number}")
+    return number
 
 
 # What Device and Queue pass to make timelines and queues: made any other way, one would
@@ -363,7 +365,7 @@ class Timeline(Waitable):
 
         Waiters up to ``value`` -- host tasks and device queues -- are released.
         """
-        self._check_signal(value, "value")
+        value = self._check_signal(value, "value")
         if self._owned:
             raise InvalidArgumentError(
                 "this is a queue's own timeline: only its queue signals it; "

@@ -22,7 +22,16 @@ async def test_wrong_argument_counts_and_types(
         "takes 3 buffers, got 2",
         lambda: q.launch(add, a, a, vals=(4,)),
     )
-    _rejects(device, am.ArgumentTypeError, "takes 1 vals, got 0", lambda: q.launch(add, a, a, a))
+    _rejects(
+        device,
+        am.ArgumentTypeError,
+        r"takes 1 value \(vals\), got 0",
+        lambda: q.launch(add, a, a, a),
+    )
+    _rejects(device, am.ArgumentTypeError, "takes 1 buffer, got 0", lambda: q.launch(fill))
+    _rejects(
+        device, am.ArgumentTypeError, r"takes 2 values \(vals\), got 0", lambda: q.launch(fill, a)
+    )
     _rejects(
         device,
         am.ArgumentTypeError,
@@ -293,18 +302,47 @@ async def test_a_write_of_the_wrong_size_points_to_a_view(device: am.Device) -> 
 
 
 async def test_a_view_of_a_wrong_type_names_the_type(device: am.Device) -> None:
-    """Before: an np.int64 8 was "offset must be an int in [0, 64], got 8", and an offset
-    of True was taken as 1."""
+    """Before: an offset of True was taken as 1, and a float's refusal was its range's."""
     buf = await device.alloc(64)
-    with pytest.raises(am.ArgumentTypeError, match="offset must be an int, got int64"):
-        buf.view(np.int64(8), 8)
-    with pytest.raises(am.ArgumentTypeError, match="nbytes must be an int or None, got int64"):
-        buf.view(8, np.int64(8))
+    with pytest.raises(am.ArgumentTypeError, match="offset must be an int, got float"):
+        buf.view(8.0, 8)  # type: ignore[arg-type]
+    with pytest.raises(am.ArgumentTypeError, match="nbytes must be an int or None, got str"):
+        buf.view(8, "8")  # type: ignore[arg-type]
     with pytest.raises(am.ArgumentTypeError, match="offset must be an int, got bool"):
         buf.view(True, 8)
+    with pytest.raises(am.ArgumentTypeError, match="offset must be an int, got bool"):
+        buf.view(np.True_, 8)  # type: ignore[arg-type]
     with pytest.raises(am.InvalidArgumentError, match=r"nbytes must be an int in \[1, 56\]"):
         buf.view(8, 57)
     assert buf.view(8, 8).nbytes == 8 and buf.view(8).nbytes == 56
+
+
+async def test_numpy_integers_are_sizes_offsets_and_values(device: am.Device) -> None:
+    """Sizes, offsets, budgets and timeline values take numpy's integer scalars, as
+    ``range`` and numpy's own indexing do (``alloc(np.prod(shape) * 4)``), each taken as
+    a plain int. Checked: before, each was refused ("nbytes must be an int, got int64")."""
+    four = np.int64(4)
+    buf = await device.alloc(np.prod((4, 4)) * four)
+    assert buf.nbytes == 64 and type(buf.nbytes) is int
+    view = buf.view(np.uint8(8), np.int32(8))
+    assert (view.offset, view.nbytes) == (8, 8) and type(view.offset) is int
+    await device.queue.fill(buf, 0)
+    await device.queue.fill(buf, 7, offset=np.int16(4), size=np.uint64(4))
+    assert (await buf.read(np.uint8))[:12].tolist() == [0] * 4 + [7] * 4 + [0] * 4
+    other = await device.alloc(64, zeroed=True)
+    await device.queue.copy(other, buf, nbytes=np.int64(8))
+    assert (await other.read(np.uint8))[:8].tolist() == [0] * 4 + [7] * 4
+    device.memory_budget = np.int64(1 << 30)
+    device.memory_cache_limit = np.uint32(1 << 20)
+    assert (device.memory_budget, device.memory_cache_limit) == (1 << 30, 1 << 20)
+    tl = device.timeline()
+    tl.signal(np.uint64(3))
+    await tl.wait(np.int8(3))
+    await device.queue.signal(tl, np.int64(4))
+    await device.queue.wait(tl, np.uint16(4))
+    assert tl.value == 4
+    device.memory_budget = None
+    device.memory_cache_limit = None
 
 
 async def test_bad_allocations(device: am.Device) -> None:
