@@ -658,26 +658,40 @@ class Allocator:
         if last:
             self._state.backend.free(block.handle)
 
+    def _take_returned_after_close(self) -> None:
+        """Count the loans' ends queued once the device is closing; free each block
+        whose last loan that was and which the close left allocated for it (any
+        thread, the close's too). Each is taken off the queue and counted in one run
+        with no call but the last, its native free (as in _evict)."""
+        with self._loans_lock:  # (see _returned_after_close)
+            while self._returned:
+                block = self._returned[0]
+                block.lent -= 1
+                last = not block.lent and block in self._left_lent
+                if last:
+                    self._left_lent -= {block}
+                del self._returned[0]
+                if last:
+                    self._state.backend.free(block.handle)
+
     def sweep(self) -> None:
         """Take over blocks of garbage-collected buffers, and release the blocks whose
         last uses passed."""
         while self._returned:
-            try:
-                block = self._returned.popleft()
-            except IndexError:  # another thread swept it
-                break
             with self._lock:
-                closed = self.closed
-                back = False
-                if not closed:
-                    block.lent -= 1
-                    back = not block.lent and block in self._lent_out
-                    if back:
-                        self._lent_out.discard(block)
-            if closed:  # closed since it was taken up: the close may have left it the block
-                self._returned_after_close(block)
-            elif back:
-                self._release(block)
+                if not self._returned or self.closed:
+                    break  # another thread swept it; closed: the loans' ends are the close's
+                # Taken off the queue and counted in one run with no call (as below): an
+                # interrupt leaves the loan's end queued, or counted -- and the block, if
+                # that was its last loan and it was released meanwhile, pending.
+                block = self._returned[0]
+                block.lent -= 1
+                if not block.lent and block in self._lent_out:
+                    self._lent_out -= {block}
+                    self._pending[block] = []  # (no use left: released below, or later)
+                del self._returned[0]
+        if self._returned and self.closed:  # closed since they were queued
+            self._take_returned_after_close()
         while self._collected:
             with self._lock:
                 if not self._collected:
@@ -874,9 +888,8 @@ class Allocator:
             while any(thread != me for thread in self._allocating):
                 self._allocated.wait(ALLOCATING_RECHECK_S)  # (a notify an interrupt cut)
             self._evict(self.cached)
-            with self._loans_lock:  # (loans ending meanwhile: _returned_after_close)
-                while self._returned:  # loans that ended before the close
-                    self._returned.popleft().lent -= 1
+            # Loans that ended before the close (none of their blocks is left to them yet).
+            self._take_returned_after_close()
             for block in self._live:
                 if self._foreign_uses(block):
                     continue  # left allocated (see _settle_foreign_uses)

@@ -279,3 +279,37 @@ async def test_a_keyboard_interrupt_as_a_loan_ends_leaves_the_allocator_usable(
             break
         at += 1
     assert at >= 3
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("freed", [False, True], ids=["in_use", "freed"])
+async def test_a_keyboard_interrupt_as_a_sweep_takes_up_an_ended_loan_loses_no_memory(
+    anyio_backend: object, freed: bool
+) -> None:
+    """A loan's end queued for the sweep (its lock was taken as it ended), taken up by a
+    sweep interrupted anywhere: the loan stays ended, once -- counted down, and the
+    block released once the buffer is freed -- never left lent out for good."""
+    codes = {Allocator.sweep.__code__, Allocator._release.__code__}
+    at = 0
+    while True:
+        device = await am.open_device("cpu")
+        device.memory_budget = BUDGET
+        allocator = device._allocator
+        buf = await device.alloc(MiB)
+        view = np.from_dlpack(buf)
+        if freed:
+            await buf.free()  # (released when the loan ends)
+        with allocator._lock:  # (the loan's end only tries it: queued for the sweep)
+            del view
+        assert allocator._returned, "the loan's end was not queued"
+        with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+            device.memory_statistics()  # (sweeps)
+        if not freed:
+            await buf.free()
+        del buf
+        await _whole_budget_back(device, raised)
+        await device.close()
+        if not raised:
+            break
+        at += 1
+    assert at >= (3 if freed else 1)
