@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+import weakref
 from typing import Any
 
 import anyio
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-from asyncmetal import _allocator, _buffer
+from asyncmetal import _allocator, _buffer, _dlpack
 from asyncmetal._allocator import Allocation, Allocator, Block
 from asyncmetal._buffer import Buffer
 from asyncmetal._cache import CompileCache
@@ -250,25 +251,38 @@ def test_a_keyboard_interrupt_anywhere_in_the_compile_caches_memory_keeps_its_co
     assert at >= 8
 
 
+def _drop(views: list[Any]) -> None:
+    """Drop the one view in ``views`` (its loan's end, the capsule's deleter, is called
+    from here: a frame the interrupts can be told to count the calls of)."""
+    del views[0]
+
+
 @pytest.mark.anyio
+@pytest.mark.parametrize("maker", ["extension", "numpy", "map"])
 @pytest.mark.parametrize("freed", [False, True], ids=["in_use", "freed"])
-async def test_a_keyboard_interrupt_as_a_loan_ends_leaves_the_allocator_usable(
-    anyio_backend: object, freed: bool
+async def test_a_keyboard_interrupt_as_a_loan_ends_loses_no_memory(
+    anyio_backend: object, freed: bool, maker: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A DLPack export's end (any thread, even in the GC: the allocator's lock is only
-    tried) interrupted anywhere leaves that lock free -- every allocation and free takes
-    it -- and the buffer's memory comes back once it is freed."""
-    codes = {Allocator.returned.__code__}
+    """A DLPack export's end, or a mapped view's (any thread, even in the GC: the
+    allocator's lock is only tried), interrupted anywhere -- at the entry of the
+    function that ends the loan too, called by the capsule's deleter (the extension's,
+    in C) or by a finalizer (numpy's capsule's, the mapped view's) -- leaves that lock
+    free (every allocation and free takes it) and the loan ended, once: the buffer's
+    memory comes back once it is freed."""
+    if maker == "numpy":
+        monkeypatch.setattr(_dlpack, "_make", _dlpack.numpy_capsule)
+    codes = {Allocator.returned.__code__, _drop.__code__, _dlpack.Loan.__del__.__code__}
+    codes.add(weakref.finalize.__call__.__code__)
     at = 0
     while True:
         device = await am.open_device("cpu")
         device.memory_budget = BUDGET
         buf = await device.alloc(MiB)
-        view = np.from_dlpack(buf)
+        views = [await buf.map() if maker == "map" else np.from_dlpack(buf)]
         if freed:
             await buf.free()  # (released when the loan ends)
         with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
-            del view
+            _drop(views)
         assert _free_elsewhere(device._allocator._lock), f"its lock left held ({raised})"
         if not freed:
             await buf.free()
@@ -313,3 +327,49 @@ async def test_a_keyboard_interrupt_as_a_sweep_takes_up_an_ended_loan_loses_no_m
             break
         at += 1
     assert at >= (3 if freed else 1)
+
+
+# Where an interrupt leaves a block that a device's close left to its loans allocated
+# as its last loan ends: before that end counted it (the device's next loan's end
+# frees it) -- from the entry of the function that ends the loan, which the capsule's
+# deleter calls -- and at the entry of its native free (then it is lost, as in
+# NATIVE_FREE_CUT).
+LAST_LOAN_CUT = {
+    "_drop call returned",
+    "returned c_return clear",
+    "returned call _take_returned_after_close",
+}
+LAST_LOAN_FREE_CUT = {"_take_returned_after_close call free"}
+
+
+@pytest.mark.anyio
+async def test_a_keyboard_interrupt_as_a_loan_ends_after_the_close_leaves_its_block_to_the_next(
+    anyio_backend: object,
+) -> None:
+    """Blocks a device's close left to their loans (DLPack exports still held) are freed
+    by their last loans' ends: one interrupted anywhere frees its block, or -- where it
+    had not counted its end yet (LAST_LOAN_CUT) -- leaves it to the device's next loan's
+    end, which frees both; but where its native free was entered and has not run
+    (LAST_LOAN_FREE_CUT)."""
+    codes = {Allocator.returned.__code__, _drop.__code__}
+    codes.add(Allocator._take_returned_after_close.__code__)
+    at = 0
+    while True:
+        device = await am.open_device("cpu")
+        first, second = await device.alloc(MiB), await device.alloc(MiB)
+        views, later = [np.from_dlpack(first)], [np.from_dlpack(second)]
+        del first, second
+        backend: Any = device._backend
+        await device.close()
+        assert backend.live_allocations == 2, "the close freed memory still lent"
+        with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+            _drop(views)
+        left = set(raised) & (LAST_LOAN_CUT | LAST_LOAN_FREE_CUT)
+        assert backend.live_allocations == 1 + len(left), f"interrupted at {raised}"
+        _drop(later)
+        lost = len(set(raised) & LAST_LOAN_FREE_CUT)
+        assert backend.live_allocations == lost, f"memory lost (interrupted at {raised})"
+        if not raised:
+            break
+        at += 1
+    assert at >= 4

@@ -1008,7 +1008,8 @@ async def test_a_loan_end_a_sweep_takes_up_as_the_device_closes_frees_its_block(
     view = np.from_dlpack(buf)
     await buf.free()  # released once its loan ends
     allocator, backend = dev._allocator, dev._backend
-    del view  # its loan ends: queued for the next sweep
+    with allocator._lock:  # (its loan's end only tries it)
+        del view  # its loan ends: queued for the next sweep
     assert allocator._returned
     closing = [True]
 
