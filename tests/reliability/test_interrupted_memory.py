@@ -10,6 +10,7 @@ import contextlib
 import gc
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -21,12 +22,18 @@ from asyncmetal import _allocator, _buffer, _dlpack
 from asyncmetal._allocator import Allocation, Allocator, Block
 from asyncmetal._buffer import Buffer
 from asyncmetal._cache import CompileCache
+from asyncmetal.backends.cuda import _backend as cuda_backend
+from asyncmetal.backends.cuda._backend import CUDABackend
+from tests.reliability.test_cuda_faults import fake_driver
 from tests.support.interrupts import interrupted
 
 GPUS = [d for d in am.devices() if d.startswith("cuda:")]
 NO_GPU = pytest.mark.skipif(not GPUS, reason="no NVIDIA GPU with cuda-bindings on this machine")
+# The cuda backend over a fake of the driver (tests/reliability/test_cuda_faults.py): its
+# allocations and frees (its freeing thread's queue) without a GPU; it runs no commands.
+FAKE_CUDA = "cuda:0 (fake driver)"
 # The allocator is the same for every backend; the backends' native calls differ.
-DEVICES = ["cpu", pytest.param("cuda:0", marks=[pytest.mark.cuda, NO_GPU])]
+DEVICES = ["cpu", pytest.param("cuda:0", marks=[pytest.mark.cuda, NO_GPU]), FAKE_CUDA]
 MiB = 1 << 20
 BUDGET = 4 * MiB
 LIMIT = 10  # seconds: every wait here ends within a fraction of this, or it hangs
@@ -39,6 +46,20 @@ NATIVE_RESULT_IN_FLIGHT = {
     "_allocate return keeping",
     "_try_alloc return _allocate",
 }
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The fake driver as the cuda backend's (see FAKE_CUDA)."""
+    yield from fake_driver(monkeypatch)
+
+
+async def _open(name: str, request: pytest.FixtureRequest) -> am.Device:
+    """Device ``name`` (one of DEVICES) opened."""
+    if name == FAKE_CUDA:
+        request.getfixturevalue("fake_cuda").calls.clear()  # (this device's from now)
+        name = "cuda:0"
+    return await am.open_device(name)
 
 
 def _consistent(allocator: Allocator) -> None:
@@ -92,13 +113,17 @@ async def _nothing_lost(device: am.Device, raised: list[str], unclosable: set[st
     await device.close()
     lost = set(raised) & unclosable
     assert backend.live_allocations == len(lost), f"native memory lost at {raised}"
+    calls = getattr(cuda_backend.cu, "calls", None)  # (the fake driver's, see FAKE_CUDA)
+    if isinstance(backend, CUDABackend) and calls is not None:  # its freeing thread's too
+        freed = calls.count("cuMemFree")
+        assert calls.count("cuMemAlloc") - freed == len(lost), f"a free lost at {raised}"
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("name", DEVICES)
 @pytest.mark.parametrize("cached", [False, True], ids=["native", "cached"])
 async def test_a_keyboard_interrupt_anywhere_in_an_allocation_loses_no_memory(
-    anyio_backend: object, cached: bool, name: str
+    anyio_backend: object, cached: bool, name: str, request: pytest.FixtureRequest
 ) -> None:
     """From the request to the Buffer handed back -- the block taken from the cache or
     allocated natively, counted in use, wrapped -- an interrupt leaves the memory either
@@ -116,7 +141,7 @@ async def test_a_keyboard_interrupt_anywhere_in_an_allocation_loses_no_memory(
     }
     at = 0
     while True:
-        device = await am.open_device(name)
+        device = await _open(name, request)
         device.memory_budget = BUDGET
         if cached:
             await (await device.alloc(MiB)).free()
@@ -155,6 +180,7 @@ def _releasing_codes() -> set[Any]:
         Allocator._expire,
         Allocator.set_cache_limit,
         Allocator.statistics,
+        CUDABackend.free,  # (its thread's queue: the native free runs there)
         _allocator._Releases.increment,
         _allocator._ReleaseCounter._request,
     ]
@@ -186,17 +212,19 @@ async def _let_go(device: am.Device, buffers: list[am.Buffer], how: str) -> None
 @pytest.mark.parametrize("name", DEVICES)
 @pytest.mark.parametrize("how", FREES)
 async def test_a_keyboard_interrupt_anywhere_in_a_free_loses_no_memory(
-    anyio_backend: object, how: str, name: str
+    anyio_backend: object, how: str, name: str, request: pytest.FixtureRequest
 ) -> None:
     """From a buffer's free (or its collection) to its block back in the cache or freed
     natively -- the release recorded, pending while a use is in flight, made, the
     cache's least recently used blocks evicted or expired, waiting allocations told --
     an interrupt leaves the memory with the allocator, counted once, except where the
     backend's native free was entered but has not run (NATIVE_FREE_CUT)."""
+    if name == FAKE_CUDA and how == "in_flight":
+        pytest.skip("the fake driver runs no commands")
     codes = _releasing_codes()
     at = 0
     while True:
-        device = await am.open_device(name)
+        device = await _open(name, request)
         device.memory_budget = BUDGET
         if how == "native":
             device.memory_cache_limit = 0

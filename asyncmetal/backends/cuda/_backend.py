@@ -128,6 +128,9 @@ class CUDABackend(Backend):
         self._chunk_lock = threading.Lock()
         self.live_allocations = 0
         # cuMemFree synchronizes the device: never on a loop, always on this thread.
+        # A SimpleQueue, not a Queue: its put is one C call, which no KeyboardInterrupt
+        # cuts (a Queue's is Python code taking a lock and notifying: an interrupt
+        # inside it could lose the free or leave that lock held).
         self._frees: queue_module.SimpleQueue[Any] = queue_module.SimpleQueue()
         self._freer_stopped = False  # (then frees run on threads of their own)
         self._freer_lock = threading.RLock()  # (an RLock: a free may come from the GC)
