@@ -73,6 +73,28 @@ class Block:
         self.cached_at = 0.0  # time.monotonic() when it last went into the cache
 
 
+class _Token:
+    """What a loan of a block to a consumer outside asyncmetal holds until it ends: the
+    loan's end is recorded as this goes (see :meth:`Allocator.lend`)."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _LoanRecord(weakref.ref[_Token]):
+    """A loan's record: a weak reference to its token, whose callback -- a deque's
+    append, which CPython calls as the token goes, running no Python code, so that no
+    interrupt comes between -- queues this record of the loan's end."""
+
+    __slots__ = ("block",)
+    block: Block
+    # (Its hash is its own, not its token's: the token may be gone before it is hashed.)
+    __hash__ = object.__hash__
+
+
+def _not_lent() -> None:
+    """Ends a loan that was never made (an export of a copy): nothing."""
+
+
 class Allocation:
     """What Buffers (and their views) hold; its collection frees the block."""
 
@@ -281,7 +303,10 @@ class Allocator:
         self._by_size: dict[int, list[Block]] = {}
         self._live: set[Block] = set()  # blocks handed out and not yet released
         self._collected: collections.deque[tuple[Block, int]] = collections.deque()  # GC
-        self._returned: collections.deque[Block] = collections.deque()  # loans ended
+        # Loans out (DLPack), and the records of those that ended, queued as they end
+        # (see lend): counted by the next look (a loan's end, a sweep, the close).
+        self._loans: set[_LoanRecord] = set()
+        self._returned: collections.deque[_LoanRecord] = collections.deque()
         self._left_lent: set[Block] = set()  # lent out as the device closed: still held
         # Guards loans' ends once the device is closing (their count, _left_lent): they
         # end on any thread, even in the GC, where _lock may be held. Held only around
@@ -591,17 +616,36 @@ class Allocator:
         self._collected.append((block, generation))
         self._frees.increment()
 
-    def lend(self, block: Block, hold: bool = True) -> None:
-        """Hold ``block`` for a consumer outside asyncmetal until :meth:`returned` (with
-        ``hold`` False: not held), and remember that its memory went out."""
+    def lend(self, block: Block, hold: bool = True) -> Callable[[], None]:
+        """Hold ``block`` for a consumer outside asyncmetal until the function returned
+        is called or dropped, whichever comes first (any thread, even in the GC; with
+        ``hold`` False: not held), and remember that its memory went out.
+
+        The loan's end is recorded with no Python code (see _LoanRecord) as its token
+        goes -- the function clears it first thing (:meth:`returned`), or, where an
+        interrupt cut it before, its caller drops it -- so no interrupt loses it. (An
+        interrupt at a Python function's entry comes before any ``try`` of its own:
+        no code in it can catch that one.) The loan is counted in one run with no
+        call, its record among the loans; an interrupt before drops the token of a
+        record that was never among them: ignored."""
         address = self._state.backend.loan_address(block.handle)
+        token = _Token() if hold else None
+        loan = None if token is None else _LoanRecord(token, self._returned.append)
+        if loan is not None:
+            loan.block = block
         with self._lock:
+            # (Loans whose ends nothing counted -- a mapped view's, see Buffer.map --
+            # are counted here: a program exporting in a loop never sweeps.)
+            self._count_returned()
             if block.freed or block not in self._live:  # freed on another thread since
                 raise ClosedResourceError("the buffer was freed as it was exported")
-            block.lent += hold
+            if loan is not None:
+                block.lent += 1
+                self._loans |= {loan}
             if address is not None:
                 self._exported[address] = block
                 lenders.add(self)
+        return _not_lent if token is None else functools.partial(self.returned, [token])
 
     def exported_uses(self, address: int, nbytes: int) -> dict[Queue, int] | None:
         """The uses record (``last_use``) of the block in use whose memory went out to
@@ -618,70 +662,76 @@ class Allocator:
                 lenders.discard(self)
         return None
 
-    def returned(self, block: Block) -> None:
-        """A loan of ``block`` ended (any thread, even in the GC: the lock is only tried).
-        After the device closed, its last loan's end frees what the close left
-        allocated for it: nothing sweeps any more."""
-        if self.closed:
-            self._returned_after_close(block)
+    def returned(self, held: list[_Token]) -> None:
+        """A loan ended (any thread, even in the GC: the lock is only tried): its token
+        ``held`` goes, which queues the loan's record (see lend) -- also where an
+        interrupt cut this before, as its caller drops this function. Counted here
+        when the lock is free at once -- most loans end with nothing to release, and a
+        program exporting in a loop without allocating never sweeps (the queue would
+        grow by one entry per export) -- else by the next sweep. After the device
+        closed, its last loan's end frees what the close left allocated for it."""
+        held.clear()
+        if self.closed:  # (queued before the close counted it: the close did)
+            self._take_returned_after_close()
             return
-        # Most loans end with nothing to release (the buffer is still in use, or other
-        # loans remain): counted here when the lock is free at once, rather than queued
-        # for a sweep that a program exporting in a loop without allocating never makes
-        # (the queue would grow by one entry per export). The lock is only tried: a
-        # finalizer may run on a thread that holds it.
         got: list[bool] = []
-        done = closed = False  # (done: counted here)
         try:
-            try:
-                try_locks([self._lock], got)
-                if got[0]:
-                    closed = self.closed
-                    if not closed and (block.lent > 1 or block not in self._lent_out):
-                        block.lent -= 1
-                        done = True
-            finally:
-                if got and got[0]:
-                    self._lock.release()
-            if closed:
-                done = True
-                self._returned_after_close(block)
+            try_locks([self._lock], got)
+            if got[0]:
+                self._count_returned()
         finally:
-            if not done:  # (also where an interrupt came before it was counted)
-                self._returned.append(block)
-                self._frees.increment()
+            if got and got[0]:
+                self._lock.release()
+        if self._pending or self._returned:  # a release, or a sweep, is due
+            self._frees.increment()
 
-    def _returned_after_close(self, block: Block) -> None:
-        # (Under _loans_lock: the close may be deciding whether to leave the block to
-        # its loans, and two loans' ends must not both take their last as their own.)
+    def _count_returned(self) -> None:
+        """(Under the lock.) Count the loans' ends queued, until the device is closing
+        (then the close counts them, see _take_returned_after_close). Each is taken off
+        the queue and counted in one run with no call: an interrupt leaves the loan's
+        end queued, or counted -- and the block, if that was its last loan and it was
+        released meanwhile, pending (released by the next sweep)."""
+        while self._returned and not self.closed:
+            loan = self._returned[0]
+            if loan in self._loans:  # (else its loan was never made)
+                self._loans -= {loan}
+                block = loan.block
+                block.lent -= 1
+                if not block.lent and block in self._lent_out:
+                    self._lent_out -= {block}
+                    self._pending[block] = []  # (no use left)
+            del self._returned[0]
+
+    def _take_returned_after_close(self) -> None:
+        """Count the loans' ends queued once the device is closing; free each block
+        whose last loan that was and which the close left allocated for it (any
+        thread, the close's too). Each is taken off the queue and counted in one run
+        with no call but the last, its native free (as in _evict)."""
+        # (Under _loans_lock: the close may be deciding whether to leave a block to its
+        # loans, and two loans' ends must not both take their last as their own.)
         with self._loans_lock:
-            block.lent -= 1
-            last = not block.lent and block in self._left_lent
-            if last:
-                self._left_lent.discard(block)
-        if last:
-            self._state.backend.free(block.handle)
+            while self._returned:
+                loan = self._returned[0]
+                last = None
+                if loan in self._loans:  # (else its loan was never made)
+                    self._loans -= {loan}
+                    block = loan.block
+                    block.lent -= 1
+                    if not block.lent and block in self._left_lent:
+                        self._left_lent -= {block}
+                        last = block
+                del self._returned[0]
+                if last is not None:
+                    self._state.backend.free(last.handle)
 
     def sweep(self) -> None:
         """Take over blocks of garbage-collected buffers, and release the blocks whose
         last uses passed."""
-        while self._returned:
-            try:
-                block = self._returned.popleft()
-            except IndexError:  # another thread swept it
-                break
+        if self._returned:
             with self._lock:
-                closed = self.closed
-                back = False
-                if not closed:
-                    block.lent -= 1
-                    back = not block.lent and block in self._lent_out
-                    if back:
-                        self._lent_out.discard(block)
-            if closed:  # closed since it was taken up: the close may have left it the block
-                self._returned_after_close(block)
-            elif back:
-                self._release(block)
+                self._count_returned()
+        if self._returned and self.closed:  # closed since they were queued
+            self._take_returned_after_close()
         while self._collected:
             with self._lock:
                 if not self._collected:
@@ -879,9 +929,8 @@ class Allocator:
             while any(thread != me for thread in self._allocating):
                 self._allocated.wait(ALLOCATING_RECHECK_S)  # (a notify an interrupt cut)
             self._evict(self.cached)
-            with self._loans_lock:  # (loans ending meanwhile: _returned_after_close)
-                while self._returned:  # loans that ended before the close
-                    self._returned.popleft().lent -= 1
+            # Loans that ended before the close (none of their blocks is left to them yet).
+            self._take_returned_after_close()
             for block in self._live:
                 if self._foreign_uses(block):
                     continue  # left allocated (see _settle_foreign_uses)

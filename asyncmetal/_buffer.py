@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -16,7 +15,7 @@ from ._allocator import Allocation, Block, Queue
 from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import checkpoint
 from ._device_state import DeviceState, open_states, two_names
-from ._dlpack import Exports, TypedView, items_shape
+from ._dlpack import Exports, Loan, TypedView, items_shape
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError, as_int
 from ._timeline import Detached, run_detached, wait_value
 
@@ -141,8 +140,7 @@ class Buffer(Exports):
             return allocation.handle, _no_loan
         if allocator is None:  # memory the device does not own: keep its owner alive
             return allocation.handle, functools.partial(_no_loan, allocation)
-        allocator.lend(allocation.block)
-        return allocation.handle, functools.partial(allocator.returned, allocation.block)
+        return allocation.handle, allocator.lend(allocation.block)
 
     async def __aenter__(self) -> Buffer:
         return self
@@ -257,8 +255,22 @@ class Buffer(Exports):
         except BaseException:
             release()
             raise
-        weakref.finalize(array, release)  # arrays over it keep it as their base
+        # Arrays over it keep it as their base; once it goes, its loan ends (an
+        # interrupt before drops ``release``, which ends it too: see Allocator.lend).
+        array = np.asarray(_Mapping(array, Loan(release)))
         return array if shape is None else array.reshape(shape)
+
+
+class _Mapping:
+    """The base of a mapped view (Buffer.map) and the arrays over it: holds its loan,
+    which ends as it goes."""
+
+    __slots__ = ("__array_interface__", "array", "loan")
+
+    def __init__(self, array: np.ndarray[Any, Any], loan: Loan) -> None:
+        self.array = array  # (and the memory it is over)
+        self.loan = loan
+        self.__array_interface__ = array.__array_interface__
 
 
 def discard(buf: Buffer) -> None:

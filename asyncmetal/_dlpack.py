@@ -215,9 +215,11 @@ def refuse(found: tuple[Any, ...]) -> BaseException:
     return ArgumentTypeError("__dlpack__ returned no unconsumed DLPack capsule")
 
 
-class _Loan:
+class Loan:
     """Ends a buffer's loan of its memory when collected: the exported array's memory
-    object holds it, and the consumer's deleter lets that go (on any thread)."""
+    object (or a mapped view's base) holds it, and the consumer's deleter lets that go
+    (on any thread). Where an interrupt cuts ``__del__`` before ``release`` is called,
+    the loan still ends, as ``release`` goes with this (see Allocator.lend)."""
 
     __slots__ = ("release",)
 
@@ -401,7 +403,7 @@ def numpy_capsule(
     # calls it) of an array over the memory -- never read here: device memory, or a
     # Metal buffer's handle -- and the tensor's device is then set to the buffer's.
     memory: Any = (ctypes.c_uint8 * nbytes).from_address(data)  # carries the loan
-    memory.loan = loan = _Loan(release)
+    memory.loan = loan = Loan(release)
     try:
         array = np.frombuffer(memory, dtype).reshape(shape)
         if read_only:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -16,16 +18,22 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-from asyncmetal import _allocator, _buffer
+from asyncmetal import _allocator, _buffer, _dlpack
 from asyncmetal._allocator import Allocation, Allocator, Block
 from asyncmetal._buffer import Buffer
 from asyncmetal._cache import CompileCache
+from asyncmetal.backends.cuda import _backend as cuda_backend
+from asyncmetal.backends.cuda._backend import CUDABackend
+from tests.reliability.test_cuda_faults import fake_driver
 from tests.support.interrupts import interrupted
 
 GPUS = [d for d in am.devices() if d.startswith("cuda:")]
 NO_GPU = pytest.mark.skipif(not GPUS, reason="no NVIDIA GPU with cuda-bindings on this machine")
+# The cuda backend over a fake of the driver (tests/reliability/test_cuda_faults.py): its
+# allocations and frees (its freeing thread's queue) without a GPU; it runs no commands.
+FAKE_CUDA = "cuda:0 (fake driver)"
 # The allocator is the same for every backend; the backends' native calls differ.
-DEVICES = ["cpu", pytest.param("cuda:0", marks=[pytest.mark.cuda, NO_GPU])]
+DEVICES = ["cpu", pytest.param("cuda:0", marks=[pytest.mark.cuda, NO_GPU]), FAKE_CUDA]
 MiB = 1 << 20
 BUDGET = 4 * MiB
 LIMIT = 10  # seconds: every wait here ends within a fraction of this, or it hangs
@@ -38,6 +46,20 @@ NATIVE_RESULT_IN_FLIGHT = {
     "_allocate return keeping",
     "_try_alloc return _allocate",
 }
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The fake driver as the cuda backend's (see FAKE_CUDA)."""
+    yield from fake_driver(monkeypatch)
+
+
+async def _open(name: str, request: pytest.FixtureRequest) -> am.Device:
+    """Device ``name`` (one of DEVICES) opened."""
+    if name == FAKE_CUDA:
+        request.getfixturevalue("fake_cuda").calls.clear()  # (this device's from now)
+        name = "cuda:0"
+    return await am.open_device(name)
 
 
 def _consistent(allocator: Allocator) -> None:
@@ -91,13 +113,17 @@ async def _nothing_lost(device: am.Device, raised: list[str], unclosable: set[st
     await device.close()
     lost = set(raised) & unclosable
     assert backend.live_allocations == len(lost), f"native memory lost at {raised}"
+    calls = getattr(cuda_backend.cu, "calls", None)  # (the fake driver's, see FAKE_CUDA)
+    if isinstance(backend, CUDABackend) and calls is not None:  # its freeing thread's too
+        freed = calls.count("cuMemFree")
+        assert calls.count("cuMemAlloc") - freed == len(lost), f"a free lost at {raised}"
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("name", DEVICES)
 @pytest.mark.parametrize("cached", [False, True], ids=["native", "cached"])
 async def test_a_keyboard_interrupt_anywhere_in_an_allocation_loses_no_memory(
-    anyio_backend: object, cached: bool, name: str
+    anyio_backend: object, cached: bool, name: str, request: pytest.FixtureRequest
 ) -> None:
     """From the request to the Buffer handed back -- the block taken from the cache or
     allocated natively, counted in use, wrapped -- an interrupt leaves the memory either
@@ -115,7 +141,7 @@ async def test_a_keyboard_interrupt_anywhere_in_an_allocation_loses_no_memory(
     }
     at = 0
     while True:
-        device = await am.open_device(name)
+        device = await _open(name, request)
         device.memory_budget = BUDGET
         if cached:
             await (await device.alloc(MiB)).free()
@@ -154,6 +180,7 @@ def _releasing_codes() -> set[Any]:
         Allocator._expire,
         Allocator.set_cache_limit,
         Allocator.statistics,
+        CUDABackend.free,  # (its thread's queue: the native free runs there)
         _allocator._Releases.increment,
         _allocator._ReleaseCounter._request,
     ]
@@ -185,17 +212,19 @@ async def _let_go(device: am.Device, buffers: list[am.Buffer], how: str) -> None
 @pytest.mark.parametrize("name", DEVICES)
 @pytest.mark.parametrize("how", FREES)
 async def test_a_keyboard_interrupt_anywhere_in_a_free_loses_no_memory(
-    anyio_backend: object, how: str, name: str
+    anyio_backend: object, how: str, name: str, request: pytest.FixtureRequest
 ) -> None:
     """From a buffer's free (or its collection) to its block back in the cache or freed
     natively -- the release recorded, pending while a use is in flight, made, the
     cache's least recently used blocks evicted or expired, waiting allocations told --
     an interrupt leaves the memory with the allocator, counted once, except where the
     backend's native free was entered but has not run (NATIVE_FREE_CUT)."""
+    if name == FAKE_CUDA and how == "in_flight":
+        pytest.skip("the fake driver runs no commands")
     codes = _releasing_codes()
     at = 0
     while True:
-        device = await am.open_device(name)
+        device = await _open(name, request)
         device.memory_budget = BUDGET
         if how == "native":
             device.memory_cache_limit = 0
@@ -250,25 +279,38 @@ def test_a_keyboard_interrupt_anywhere_in_the_compile_caches_memory_keeps_its_co
     assert at >= 8
 
 
+def _drop(views: list[Any]) -> None:
+    """Drop the one view in ``views`` (its loan's end, the capsule's deleter, is called
+    from here: a frame the interrupts can be told to count the calls of)."""
+    del views[0]
+
+
 @pytest.mark.anyio
+@pytest.mark.parametrize("maker", ["extension", "numpy", "map"])
 @pytest.mark.parametrize("freed", [False, True], ids=["in_use", "freed"])
-async def test_a_keyboard_interrupt_as_a_loan_ends_leaves_the_allocator_usable(
-    anyio_backend: object, freed: bool
+async def test_a_keyboard_interrupt_as_a_loan_ends_loses_no_memory(
+    anyio_backend: object, freed: bool, maker: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A DLPack export's end (any thread, even in the GC: the allocator's lock is only
-    tried) interrupted anywhere leaves that lock free -- every allocation and free takes
-    it -- and the buffer's memory comes back once it is freed."""
-    codes = {Allocator.returned.__code__}
+    """A DLPack export's end, or a mapped view's (any thread, even in the GC: the
+    allocator's lock is only tried), interrupted anywhere -- at the entry of the
+    function that ends the loan too, called by the capsule's deleter (the extension's,
+    in C) or by a finalizer (numpy's capsule's, the mapped view's) -- leaves that lock
+    free (every allocation and free takes it) and the loan ended, once: the buffer's
+    memory comes back once it is freed."""
+    if maker == "numpy":
+        monkeypatch.setattr(_dlpack, "_make", _dlpack.numpy_capsule)
+    codes = {Allocator.returned.__code__, _drop.__code__, _dlpack.Loan.__del__.__code__}
+    codes.add(weakref.finalize.__call__.__code__)
     at = 0
     while True:
         device = await am.open_device("cpu")
         device.memory_budget = BUDGET
         buf = await device.alloc(MiB)
-        view = np.from_dlpack(buf)
+        views = [await buf.map() if maker == "map" else np.from_dlpack(buf)]
         if freed:
             await buf.free()  # (released when the loan ends)
         with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
-            del view
+            _drop(views)
         assert _free_elsewhere(device._allocator._lock), f"its lock left held ({raised})"
         if not freed:
             await buf.free()
@@ -279,3 +321,102 @@ async def test_a_keyboard_interrupt_as_a_loan_ends_leaves_the_allocator_usable(
             break
         at += 1
     assert at >= 3
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("freed", [False, True], ids=["in_use", "freed"])
+async def test_a_keyboard_interrupt_as_a_sweep_takes_up_an_ended_loan_loses_no_memory(
+    anyio_backend: object, freed: bool
+) -> None:
+    """A loan's end queued for the sweep (its lock was taken as it ended), taken up by a
+    sweep interrupted anywhere: the loan stays ended, once -- counted down, and the
+    block released once the buffer is freed -- never left lent out for good."""
+    codes = {Allocator.sweep.__code__, Allocator._release.__code__}
+    at = 0
+    while True:
+        device = await am.open_device("cpu")
+        device.memory_budget = BUDGET
+        allocator = device._allocator
+        buf = await device.alloc(MiB)
+        view = np.from_dlpack(buf)
+        if freed:
+            await buf.free()  # (released when the loan ends)
+        with allocator._lock:  # (the loan's end only tries it: queued for the sweep)
+            del view
+        assert allocator._returned, "the loan's end was not queued"
+        with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+            device.memory_statistics()  # (sweeps)
+        if not freed:
+            await buf.free()
+        del buf
+        await _whole_budget_back(device, raised)
+        await device.close()
+        if not raised:
+            break
+        at += 1
+    assert at >= (3 if freed else 1)
+
+
+# Where an interrupt leaves a block that a device's close left to its loans allocated
+# as its last loan ends: before that end counted it -- from the entry of the function
+# that ends the loan, which the capsule's deleter calls -- or (cuda) before its free,
+# queued for the backend's freeing thread, has a thread to run on: the device's next
+# loan's end frees it. At the entry of its native free it is lost (as in
+# NATIVE_FREE_CUT).
+LAST_LOAN_CUT = {
+    "_drop call returned",
+    "returned c_return clear",
+    "returned call _take_returned_after_close",
+    "free c_return put",
+    "free c_return __exit__",
+    "free call __init__",
+    "free return __init__",
+    "free call start",
+}
+LAST_LOAN_FREE_CUT = {"_take_returned_after_close call free"}
+
+
+def _unfreed(backend: Any) -> int:
+    """Blocks the backend allocated and did not free: the fake driver's count, once
+    the threads freeing after a close are done (cuda), or the backend's own."""
+    calls = getattr(cuda_backend.cu, "calls", None)
+    if not isinstance(backend, CUDABackend) or calls is None:
+        return int(backend.live_allocations)
+    for thread in threading.enumerate():
+        if thread.name == cuda_backend.AFTER_CLOSE:
+            thread.join(LIMIT)  # (no free runs that long)
+    return calls.count("cuMemAlloc") - calls.count("cuMemFree")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", ["cpu", FAKE_CUDA])
+async def test_a_keyboard_interrupt_as_a_loan_ends_after_the_close_leaves_its_block_to_the_next(
+    anyio_backend: object, name: str, request: pytest.FixtureRequest
+) -> None:
+    """Blocks a device's close left to their loans (DLPack exports still held) are freed
+    by their last loans' ends: one interrupted anywhere frees its block, or -- where it
+    had not counted its end yet, or (cuda) its free had no thread yet (LAST_LOAN_CUT) --
+    leaves it to the device's next loan's end, which frees both; but where its native
+    free was entered and has not run (LAST_LOAN_FREE_CUT)."""
+    codes = {Allocator.returned.__code__, _drop.__code__, CUDABackend.free.__code__}
+    codes.add(Allocator._take_returned_after_close.__code__)
+    at = 0
+    while True:
+        device = await _open(name, request)
+        first, second = await device.alloc(MiB), await device.alloc(MiB)
+        capsules, later = [first.__dlpack__()], [second.__dlpack__()]  # (never consumed)
+        del first, second
+        backend: Any = device._backend
+        await device.close()
+        assert _unfreed(backend) == 2, "the close freed memory still lent"
+        with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+            _drop(capsules)
+        left = set(raised) & (LAST_LOAN_CUT | LAST_LOAN_FREE_CUT)
+        assert _unfreed(backend) == 1 + len(left), f"interrupted at {raised}"
+        _drop(later)
+        lost = len(set(raised) & LAST_LOAN_FREE_CUT)
+        assert _unfreed(backend) == lost, f"memory lost (interrupted at {raised})"
+        if not raised:
+            break
+        at += 1
+    assert at >= 4

@@ -997,26 +997,32 @@ async def test_a_loan_ending_as_the_close_leaves_its_block_lent_still_frees_it(
 async def test_a_loan_end_a_sweep_takes_up_as_the_device_closes_frees_its_block(
     anyio_backend: object,
 ) -> None:
-    """A freed buffer's last loan ended (queued for a sweep), and the close comes
-    between the sweep taking it up and counting it: the close leaves the block to the
-    loan, and the sweep, seeing the close, frees it. Checked failing without: the sweep
-    counted the loan out after the close had left the block to it, which nothing freed."""
+    """A freed buffer's last loan ended (queued for a sweep), and the close comes as
+    the sweep looks at the queue: the loan's end is counted once, by the close or by
+    the sweep seeing the close, and the block is freed. (A sweep once took the loan's
+    end off the queue before its lock and counted it after: a close between the two
+    left the block to the loan, which nothing freed. It now takes it off and counts it
+    in one run under the lock, which the close takes too.)"""
     dev = await am.open_device("cpu:52")
     buf = await dev.alloc(4096)
     view = np.from_dlpack(buf)
     await buf.free()  # released once its loan ends
     allocator, backend = dev._allocator, dev._backend
-    del view  # its loan ends: queued for the next sweep
+    with allocator._lock:  # (its loan's end only tries it)
+        del view  # its loan ends: queued for the next sweep
     assert allocator._returned
+    closing = [True]
 
-    class ClosesAsItIsTaken(collections.deque):  # type: ignore[type-arg]
-        def popleft(self) -> Any:
-            block = super().popleft()
-            allocator.close(dict)  # what the device's close does (on another thread)
-            return block
+    class ClosesAsItIsLookedAt(collections.deque):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            if closing:
+                closing.clear()
+                allocator.close(dict)  # what the device's close does (on another thread)
+            return super().__len__()
 
-    allocator._returned = ClosesAsItIsTaken(allocator._returned)
+    allocator._returned = ClosesAsItIsLookedAt(allocator._returned)
     dev.memory_statistics()  # sweeps
+    assert not closing
     assert backend.live_allocations == 0  # type: ignore[attr-defined]
     assert not allocator._left_lent
     await dev.close()

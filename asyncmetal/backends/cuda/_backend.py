@@ -33,6 +33,10 @@ from ._timeline import CUDATimeline, Pinned
 _listed: list[str] = []  # the devices the driver listed last
 
 
+# The name of the threads that free memory let go of after its device closed.
+AFTER_CLOSE = "asyncmetal-cuda-free-after-close"
+
+
 class CUDABackend(Backend):
     kind = "cuda"
     host_visible = False
@@ -128,6 +132,9 @@ class CUDABackend(Backend):
         self._chunk_lock = threading.Lock()
         self.live_allocations = 0
         # cuMemFree synchronizes the device: never on a loop, always on this thread.
+        # A SimpleQueue, not a Queue: its put is one C call, which no KeyboardInterrupt
+        # cuts (a Queue's is Python code taking a lock and notifying: an interrupt
+        # inside it could lose the free or leave that lock held).
         self._frees: queue_module.SimpleQueue[Any] = queue_module.SimpleQueue()
         self._freer_stopped = False  # (then frees run on threads of their own)
         self._freer_lock = threading.RLock()  # (an RLock: a free may come from the GC)
@@ -222,15 +229,25 @@ class CUDABackend(Backend):
     def free(self, handle: Any) -> None:
         self.live_allocations -= 1
         with self._freer_lock:
+            self._frees.put(handle)  # (one C call: see _frees)
             if not self._freer_stopped:
-                self._frees.put(handle)
                 return
-        # Closed: memory a consumer held past the close (DLPack), now let go of.
-        threading.Thread(target=self._free_now, args=(handle,), daemon=True).start()
+        # Closed: memory a consumer held past the close (DLPack), now let go of, on a
+        # thread of its own -- with whatever is queued: where an interrupt cut this
+        # before that thread started, the next such free's thread frees it too.
+        thread = threading.Thread(target=self._free_queued, name=AFTER_CLOSE, daemon=True)
+        thread.start()
 
-    def _free_now(self, handle: Any) -> None:
+    def _free_queued(self) -> None:
+        """Free what is queued (after the close: the freeing thread is gone)."""
         self.make_current()  # (a thread of its own: no other context to keep)
-        cu.cuMemFree(handle)
+        while True:
+            try:
+                handle = self._frees.get_nowait()
+            except queue_module.Empty:
+                return
+            if handle is not None:  # (the close's word to the freeing thread)
+                cu.cuMemFree(handle)
 
     def _free_loop(self) -> None:
         self.make_current()
