@@ -24,6 +24,8 @@ from pathlib import Path
 
 import anyio
 
+from ._errors import env_switch
+
 
 def default_cache_dir() -> Path:
     if env := os.environ.get("ASYNCMETAL_CACHE_DIR"):
@@ -49,7 +51,7 @@ class CompileCache:
         max_memory_bytes: int = 256 << 20,
     ) -> None:
         if disk is None:
-            disk = os.environ.get("ASYNCMETAL_CACHE", "1") != "0"
+            disk = env_switch("ASYNCMETAL_CACHE")
         self.disk_enabled = disk
         self.directory = Path(directory) if directory is not None else default_cache_dir()
         self.max_memory_bytes = max_memory_bytes

@@ -4,6 +4,8 @@ and what the argument checks share."""
 from __future__ import annotations
 
 import operator
+import os
+import warnings
 
 # A timeout longer than this (seconds: about 32 years) is taken as none: an int too large
 # for a float, or a deadline the loops' clocks cannot hold, would raise instead.
@@ -22,6 +24,28 @@ def as_int(value: object) -> int | None:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+_OFF = frozenset(("0", "false", "no", "off"))
+_ON = frozenset(("1", "true", "yes", "on"))
+
+
+def env_switch(name: str) -> bool:
+    """The environment variable ``name`` as a switch that is on unless set off: ``0``,
+    ``false``, ``no`` or ``off`` (any case) turn it off; another value than those and
+    ``1``, ``true``, ``yes``, ``on`` is taken as on, with a warning naming them."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value or value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    warnings.warn(
+        f"${name}={os.environ[name]!r} is not a switch asyncmetal knows: taken as on "
+        "(0, false, no or off turn it off)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return True
 
 
 class AsyncMetalError(Exception):

@@ -46,7 +46,7 @@ from typing import Any, NamedTuple, Protocol
 from . import _native_build as build
 from . import _native_contract
 from ._cache import CacheWarning, default_cache_dir
-from ._errors import AsyncMetalError
+from ._errors import AsyncMetalError, env_switch
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -176,7 +176,7 @@ def _packaged_candidates() -> list[tuple[str, bool]]:
 
 def _python_include() -> str | None:
     """The interpreter's header directory if Python.h is there and wanted."""
-    if os.environ.get("ASYNCMETAL_EXTENSION", "1") == "0":
+    if not env_switch("ASYNCMETAL_EXTENSION"):
         return None
     return build.python_include()
 
@@ -281,7 +281,7 @@ def runtime() -> ctypes.CDLL:
         if _lib is None:
             sources = _sources()
             include = _python_include()
-            want_extension = os.environ.get("ASYNCMETAL_EXTENSION", "1") != "0"
+            want_extension = env_switch("ASYNCMETAL_EXTENSION")
             packaged = _packaged(sources, want_extension)
             target, load_extension = None, False
             if packaged is not None:

@@ -187,6 +187,22 @@ async def test_disk_cache_off(
         await pool.aclose()
 
 
+@pytest.mark.parametrize("off", ["false", "OFF", " no "])
+def test_the_cache_switch_takes_the_usual_words(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, off: str
+) -> None:
+    """``ASYNCMETAL_CACHE`` (as ``ASYNCMETAL_EXTENSION``) is off for 0, false, no and
+    off in any case, and a word it does not know is taken as on with a warning naming
+    those. Checked: before, only "0" turned it off, and "off" was silently on."""
+    monkeypatch.setenv("ASYNCMETAL_CACHE", off)
+    assert not CompileCache(tmp_path).disk_enabled
+    monkeypatch.setenv("ASYNCMETAL_CACHE", "Yes")
+    assert CompileCache(tmp_path).disk_enabled
+    monkeypatch.setenv("ASYNCMETAL_CACHE", "disabled")
+    with pytest.warns(RuntimeWarning, match=r"ASYNCMETAL_CACHE='disabled'.*taken as on"):
+        assert CompileCache(tmp_path).disk_enabled
+
+
 async def test_corrupt_cache_is_ignored_with_a_warning(
     anyio_backend: object, tmp_path: Path
 ) -> None:
