@@ -555,7 +555,8 @@ def items_shape(nbytes: int, dtype: np.dtype[Any], shape: Any) -> tuple[int, ...
         raise ArgumentTypeError(f"shape must be an int or a tuple of ints, got {shape!r}") from None
     except ValueError:
         raise InvalidArgumentError(
-            f"shape {shape!r} does not hold the buffer's {count} {dtype} items"
+            f"shape {shape!r} does not cover the buffer's {count} {dtype} items, as it must "
+            "(to type a part, take a view of it first: buf.view(offset, nbytes))"
         ) from None
 
 

@@ -178,9 +178,9 @@ async def test_a_typed_view_takes_shapes_as_read_does(device: am.Device) -> None
     assert buf.typed(np.float32, [4, 4]).shape == (4, 4)
     if device.name == "cpu":
         assert np.from_dlpack(buf.typed(np.float32, (np.int64(2), -1))).shape == (2, 8)
-    with pytest.raises(am.InvalidArgumentError, match=r"shape \(5,\) does not hold"):
+    with pytest.raises(am.InvalidArgumentError, match=r"shape \(5,\) does not cover"):
         buf.typed(np.float32, (5,))
-    with pytest.raises(am.InvalidArgumentError, match="does not hold"):
+    with pytest.raises(am.InvalidArgumentError, match=r"does not cover.*buf\.view"):
         buf.typed(np.float32, (-1, -1))
     with pytest.raises(am.ArgumentTypeError, match="shape"):
         buf.typed(np.float32, (4.0, 4))
