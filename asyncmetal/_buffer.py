@@ -43,11 +43,12 @@ def plain_dtype(dtype: Any, what: str = "dtype") -> np.dtype[Any]:
 _BYTES = np.dtype(np.uint8)
 
 
-def items_of(nbytes: int, dtype: np.dtype[Any], shape: Any) -> int:
-    """How many ``dtype`` items ``nbytes`` hold, checked to fill whole items and, unless
-    ``shape`` is None, to take ``shape`` (:func:`items_shape`)."""
-    items_shape(nbytes, dtype, shape)
-    return nbytes // dtype.itemsize
+def array_shape(nbytes: int, dtype: np.dtype[Any], shape: Any) -> tuple[int, ...]:
+    """The shape of the array of ``dtype`` items that ``nbytes`` hold, as ``shape`` (None:
+    1-D) takes them, checked before anything is read (:func:`items_shape`). A sub-array
+    dtype (``np.dtype((np.int32, 4))``) adds its own dimensions after them, as numpy
+    does: the array's elements are ``dtype.base``."""
+    return items_shape(nbytes, dtype, shape) + dtype.shape
 
 
 class Buffer(Exports):
@@ -155,9 +156,9 @@ class Buffer(Exports):
         """A new numpy array holding the buffer's bytes, read after earlier queue work."""
         check_buffer(self, "buffer")  # (the copy's own check would call it src)
         dtype = plain_dtype(dtype)
-        out = np.empty(items_of(self.nbytes, dtype, shape), dtype)
+        out = np.empty(array_shape(self.nbytes, dtype, shape), dtype.base)
         await self._state.default_queue().copy(out, self)
-        return out if shape is None else out.reshape(shape)
+        return out
 
     async def free(self) -> None:
         """Free the buffer (and every view of it) once the commands using it finished.
@@ -219,19 +220,19 @@ class Buffer(Exports):
                 f"{self._state.name} memory is not host-visible: use read() instead"
             )
         dtype = plain_dtype(dtype)
-        items_of(self.nbytes, dtype, shape)
+        full = array_shape(self.nbytes, dtype, shape)
         for queue, value in uses(self):
             await wait_value(queue.timeline, value)
         check_buffer(self, "buffer")  # freed, or its device closed, while it waited
         handle, release = self._lend()
         try:
             view = backend.host_view(handle, self.offset, self.nbytes)
-            array = np.frombuffer(view, dtype)
+            array = np.frombuffer(view, dtype.base)
         except BaseException:
             release()
             raise
         weakref.finalize(array, release)  # arrays over it keep it as their base
-        return array if shape is None else array.reshape(shape)
+        return array if array.shape == full else array.reshape(full)
 
 
 def discard(buf: Buffer) -> None:
