@@ -82,14 +82,19 @@ class Buffer(Exports):
     def view(self, offset: int, nbytes: int | None = None) -> Buffer:
         """A sub-buffer of ``nbytes`` at ``offset`` sharing this buffer's memory."""
         check_buffer(self, "buffer")
-        if not isinstance(offset, int) or not 0 <= offset <= self.nbytes:
+        for what, number in (("offset", offset), ("nbytes", nbytes)):
+            if (not isinstance(number, int) or isinstance(number, bool)) and (
+                what == "offset" or number is not None
+            ):  # (a bool would be a view at byte 1)
+                raise ArgumentTypeError(f"{what} must be an int, got {type(number).__name__}")
+        if not 0 <= offset <= self.nbytes:
             raise InvalidArgumentError(f"offset must be an int in [0, {self.nbytes}], got {offset}")
         if offset == self.nbytes:
             raise InvalidArgumentError(
                 f"offset {offset} leaves no bytes of the buffer's {self.nbytes} for a view"
             )
         nbytes = self.nbytes - offset if nbytes is None else nbytes
-        if not isinstance(nbytes, int) or not 0 < nbytes <= self.nbytes - offset:
+        if not 0 < nbytes <= self.nbytes - offset:
             raise InvalidArgumentError(
                 f"nbytes must be an int in [1, {self.nbytes - offset}], got {nbytes}"
             )

@@ -264,6 +264,24 @@ async def test_bad_dtypes_and_shapes_raise_asyncmetals_errors(device: am.Device)
         assert (await read(np.int32, (4, -1))).tolist()[1] == [4, 5, 6, 7]
 
 
+async def test_a_views_offset_and_size_of_a_wrong_type_are_refused_so(device: am.Device) -> None:
+    """As a copy's nbytes and a fill's offset are. Checked: without it, True was a view
+    at byte 1, and np.int64(4) "must be an int in [0, 16], got 4"."""
+    buf = await device.alloc(16)
+    for offset, nbytes, what, name in (
+        (True, None, "offset", "bool"),
+        (np.int64(4), None, "offset", "int64"),
+        (4.0, None, "offset", "float"),
+        (0, True, "nbytes", "bool"),
+        (0, np.int32(4), "nbytes", "int32"),
+    ):
+        with pytest.raises(am.ArgumentTypeError, match=f"^{what} must be an int, got {name}$"):
+            buf.view(offset, nbytes)
+    assert buf.view(4).nbytes == 12 and buf.view(4, 8).nbytes == 8
+    with pytest.raises(am.InvalidArgumentError, match=r"offset must be an int in \[0, 16\]"):
+        buf.view(-1)
+
+
 async def test_read_and_map_take_a_sub_array_dtype_with_a_shape(device: am.Device) -> None:
     """Its own dimensions come after the shape's, as with no shape (and as numpy's
     ``np.empty(shape, dtype)``). Checked: without it, a shape raised numpy's ValueError
