@@ -226,9 +226,9 @@ class Buffer(Exports):
             )
         dtype = plain_dtype(dtype)
         full = array_shape(self.nbytes, dtype, shape)
-        for queue, value in uses(self):
-            await wait_value(queue.timeline, value)
-        check_buffer(self, "buffer")  # freed, or its device closed, while it waited
+        if not self.busy():
+            await checkpoint()  # (a checkpoint all the same; what it let in is seen below)
+        await settled(self, "buffer")
         handle, release = self._lend()
         try:
             view = backend.host_view(handle, self.offset, self.nbytes)
@@ -238,6 +238,18 @@ class Buffer(Exports):
             raise
         weakref.finalize(array, release)  # arrays over it keep it as their base
         return array if array.shape == full else array.reshape(full)
+
+
+async def settled(buf: Buffer, what: str) -> None:
+    """Wait until every command using ``buf`` has finished (those submitted while
+    waiting too); then raise if it was freed, or its device closed, meanwhile."""
+    while True:
+        pending = [(q, v) for q, v in uses(buf) if q.timeline.value < v]
+        if not pending:
+            check_buffer(buf, what)
+            return
+        for queue, value in pending:
+            await wait_value(queue.timeline, value)
 
 
 def discard(buf: Buffer) -> None:
