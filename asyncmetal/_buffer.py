@@ -147,6 +147,8 @@ class Buffer(Exports):
         # (closed: freed with it; a view: freed with its buffer)
         if not self._allocation.freed and not self._state.closed and not self.is_view:
             await self.free()
+        else:
+            await checkpoint()  # (as a free is)
 
     async def write(self, data: Any) -> None:
         """Copy ``data`` (any C-contiguous buffer-protocol object) into the buffer.

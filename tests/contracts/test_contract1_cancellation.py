@@ -203,6 +203,29 @@ async def test_map_is_a_checkpoint_with_no_command_to_wait_for(device: am.Device
         assert scope.cancelled_caught
 
 
+async def test_from_numpy_and_a_buffers_exit_are_checkpoints(device: am.Device) -> None:
+    """from_numpy once its device is open, and ``async with`` a buffer whose exit frees
+    nothing (a view, a freed buffer). Checked: without it, each returned in a cancelled
+    scope."""
+    await am.from_numpy(np.zeros(4))  # (opens the npy device)
+    buf = await device.alloc(16)
+    view = buf.view(8)
+    freed = await device.alloc(16)
+    await freed.free()
+    for name, step in (
+        ("from_numpy", lambda: am.from_numpy(np.zeros(4))),
+        ("a view's exit", lambda: view.__aexit__(None, None, None)),
+        ("a freed buffer's exit", lambda: freed.__aexit__(None, None, None)),
+    ):
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await step()
+            pytest.fail(f"{name} returned in a cancelled scope")
+        assert scope.cancelled_caught
+    assert not buf.freed
+    await buf.free()
+
+
 async def test_cancelled_free_returns_memory_only_after_use(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:
