@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ._allocator import Allocation, Block, Queue
+from ._allocator import Allocation, Block, Queue, lenders_for
 from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import checkpoint
 from ._device_state import DeviceState, open_states, two_names
@@ -360,14 +360,17 @@ def foreign_buffer(
     is kept alive while the buffer is, and its memory is never released by asyncmetal.
     ``after``: a command that later uses order themselves after, as after a write.
     Memory of one of the device's own buffers that went out and came back (a round trip
-    through another library) shares that buffer's record of uses: commands on either
-    are ordered after those on the other, as on one buffer."""
+    through another library) -- or of a buffer of another open device of its kind --
+    shares that buffer's record of uses: commands on either are ordered after those on
+    the other, as on one buffer."""
     block = Block(handle, nbytes, owner)
     address = state.backend.loan_address(handle)  # where memory lent out comes back
     if address is not None:
-        shared = state.device._allocator.exported_uses(address, nbytes)
-        if shared is not None:
-            block.last_use = shared
+        for allocator in lenders_for(state.device._allocator):  # (its own, or its kind's)
+            shared = allocator.exported_uses(address, nbytes)
+            if shared is not None:
+                block.last_use = shared
+                break
     if after is not None:
         queue, value = after
         block.last_use[queue] = max(value, block.last_use.get(queue, 0))

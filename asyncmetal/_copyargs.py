@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._allocator import lenders
+from ._allocator import lenders_for
 from ._buffer import Buffer, buffer_state, check_buffer, native_arg, not_a_buffer, overlap
 from ._device_state import DeviceState, two_names
 from ._errors import ArgumentTypeError, InvalidArgumentError
@@ -151,14 +151,11 @@ def _lent_back(state: DeviceState, view: memoryview) -> Buffer | None:
     commands, on the device, and theirs for it). None if the memory is no such loan (a
     plain host copy, as ever: also memory another kind of device lent, whose commands
     ``state``'s queues cannot wait for)."""
-    if not lenders or not view.nbytes:  # nothing lent out: no look-up
+    candidates = lenders_for(state.device._allocator) if view.nbytes else []
+    if not candidates:  # nothing lent out: no look-up
         return None
-    own = state.device._allocator
-    kind = [a for a in list(lenders) if a is not own and a._state.kind == state.kind]
-    address = 0
-    for allocator in [own, *kind] if own in lenders else kind:
-        if not address:
-            address = np.frombuffer(view, np.uint8).ctypes.data
+    address = np.frombuffer(view, np.uint8).ctypes.data
+    for allocator in candidates:
         if allocator.exported_uses(address, view.nbytes) is not None:
             from ._interop import lent_memory  # (it needs the devices: imported once open)
 

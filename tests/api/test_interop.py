@@ -550,3 +550,30 @@ async def test_a_host_array_of_another_devices_buffer_is_ordered_as_that_buffer(
         gate.signal(2)
         await read
         assert (await out.read(np.int32)).tolist() == [3] * 4
+
+
+async def test_from_dlpack_onto_another_device_of_the_lenders_kind_is_ordered_with_it(
+    anyio_backend: object,
+) -> None:
+    """``from_dlpack(array, device=cpu)`` of memory ``cpu:1`` lent out shares the lending
+    buffer's record of uses, as the same coming back to ``cpu:1`` does. Checked: without
+    it, a read of it ran at once, before ``cpu:1``'s pending write of that memory."""
+    async with am.open_device("cpu") as dev, am.open_device("cpu:1") as lender:
+        theirs = await lender.alloc(16)
+        await theirs.write(np.zeros(4, np.int32))
+        alias = am.from_dlpack(np.from_dlpack(theirs.typed(np.int32)), device=dev)
+        assert alias.device is dev
+        gate = lender.timeline()
+        lender.queue.wait(gate, 1)
+        lender.queue.copy(theirs, np.full(4, 1, np.int32))  # pending
+        read: list[np.ndarray] = []
+        async with anyio.create_task_group() as tg:
+
+            async def reader() -> None:
+                read.append(await alias.read(np.int32))
+
+            tg.start_soon(reader)
+            await anyio.sleep(0.05)
+            assert not read  # after the pending write, on the device
+            gate.signal(1)
+        assert read[0].tolist() == [1] * 4
