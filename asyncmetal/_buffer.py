@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ._allocator import Allocation, Block, Queue
+from ._allocator import Allocation, Block, Queue, lenders_for
 from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import checkpoint
 from ._device_state import DeviceState, open_states, two_names
@@ -42,11 +42,12 @@ def plain_dtype(dtype: Any, what: str = "dtype") -> np.dtype[Any]:
 _BYTES = np.dtype(np.uint8)
 
 
-def items_of(nbytes: int, dtype: np.dtype[Any], shape: Any) -> int:
-    """How many ``dtype`` items ``nbytes`` hold, checked to fill whole items and, unless
-    ``shape`` is None, to take ``shape`` (:func:`items_shape`)."""
-    items_shape(nbytes, dtype, shape)
-    return nbytes // dtype.itemsize
+def array_shape(nbytes: int, dtype: np.dtype[Any], shape: Any) -> tuple[int, ...]:
+    """The shape of the array of ``dtype`` items that ``nbytes`` hold, as ``shape`` (None:
+    1-D) takes them, checked before anything is read (:func:`items_shape`). A sub-array
+    dtype (``np.dtype((np.int32, 4))``) adds its own dimensions after them, as numpy
+    does: the array's elements are ``dtype.base``."""
+    return items_shape(nbytes, dtype, shape) + dtype.shape
 
 
 class Buffer(Exports):
@@ -149,6 +150,8 @@ class Buffer(Exports):
         # (closed: freed with it; a view: freed with its buffer)
         if not self._allocation.freed and not self._state.closed and not self.is_view:
             await self.free()
+        else:
+            await checkpoint()  # (as a free is)
 
     async def write(self, data: Any) -> None:
         """Copy ``data`` (any C-contiguous buffer-protocol object) into the buffer.
@@ -180,9 +183,9 @@ class Buffer(Exports):
         """A new numpy array holding the buffer's bytes, read after earlier queue work."""
         check_buffer(self, "buffer")  # (the copy's own check would call it src)
         dtype = plain_dtype(dtype)
-        out = np.empty(items_of(self.nbytes, dtype, shape), dtype)
+        out = np.empty(array_shape(self.nbytes, dtype, shape), dtype.base)
         await self._state.default_queue().copy(out, self)
-        return out if shape is None else out.reshape(shape)
+        return out
 
     async def free(self) -> None:
         """Free the buffer (and every view of it) once the commands using it finished.
@@ -244,21 +247,33 @@ class Buffer(Exports):
                 f"{self._state.name} memory is not host-visible: use read() instead"
             )
         dtype = plain_dtype(dtype)
-        items_of(self.nbytes, dtype, shape)
-        for queue, value in uses(self):
-            await wait_value(queue.timeline, value)
-        check_buffer(self, "buffer")  # freed, or its device closed, while it waited
+        full = array_shape(self.nbytes, dtype, shape)
+        if not self.busy():
+            await checkpoint()  # (a checkpoint all the same; what it let in is seen below)
+        await settled(self, "buffer")
         handle, release = self._lend()
         try:
             view = backend.host_view(handle, self.offset, self.nbytes)
-            array = np.frombuffer(view, dtype)
+            array = np.frombuffer(view, dtype.base)
         except BaseException:
             release()
             raise
         # Arrays over it keep it as their base; once it goes, its loan ends (an
         # interrupt before drops ``release``, which ends it too: see Allocator.lend).
         array = np.asarray(_Mapping(array, Loan(release)))
-        return array if shape is None else array.reshape(shape)
+        return array if array.shape == full else array.reshape(full)
+
+
+async def settled(buf: Buffer, what: str) -> None:
+    """Wait until every command using ``buf`` has finished (those submitted while
+    waiting too); then raise if it was freed, or its device closed, meanwhile."""
+    while True:
+        pending = [(q, v) for q, v in uses(buf) if q.timeline.value < v]
+        if not pending:
+            check_buffer(buf, what)
+            return
+        for queue, value in pending:
+            await wait_value(queue.timeline, value)
 
 
 class _Mapping:
@@ -379,14 +394,17 @@ def foreign_buffer(
     is kept alive while the buffer is, and its memory is never released by asyncmetal.
     ``after``: a command that later uses order themselves after, as after a write.
     Memory of one of the device's own buffers that went out and came back (a round trip
-    through another library) shares that buffer's record of uses: commands on either
-    are ordered after those on the other, as on one buffer."""
+    through another library) -- or of a buffer of another open device of its kind --
+    shares that buffer's record of uses: commands on either are ordered after those on
+    the other, as on one buffer."""
     block = Block(handle, nbytes, owner)
     address = state.backend.loan_address(handle)  # where memory lent out comes back
     if address is not None:
-        shared = state.device._allocator.exported_uses(address, nbytes)
-        if shared is not None:
-            block.last_use = shared
+        for allocator in lenders_for(state.device._allocator):  # (its own, or its kind's)
+            shared = allocator.exported_uses(address, nbytes)
+            if shared is not None:
+                block.last_use = shared
+                break
     if after is not None:
         queue, value = after
         block.last_use[queue] = max(value, block.last_use.get(queue, 0))

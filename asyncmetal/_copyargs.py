@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._allocator import lenders
+from ._allocator import lenders_for
 from ._buffer import Buffer, buffer_state, check_buffer, native_arg, not_a_buffer, overlap
 from ._device_state import DeviceState, two_names
 from ._errors import ArgumentTypeError, InvalidArgumentError, as_int
@@ -120,18 +120,20 @@ def copy_operands(state: DeviceState, dst: Any, src: Any, nbytes: int | None) ->
         _check_own(dst, "dst", state)
         view = host_view(src, "src", writable=False)
         lent = _lent_back(state, view)
-        if lent is not None:  # a buffer's memory, lent out: ordered as that buffer
+        if lent is not None and buffer_state(lent) is state:  # ordered as that buffer
             return copy_operands(state, dst, lent, nbytes)
         nbytes = copy_size(dst.nbytes, view.nbytes, nbytes)
-        return CopyOperands("copyin", (native_arg(dst), view[:nbytes]), (), (dst,))
+        used = (dst,) if lent is None else (dst, lent)
+        return CopyOperands("copyin", (native_arg(dst), view[:nbytes]), (), used)
     if isinstance(src, Buffer):
         _check_own(src, "src", state)
         view = host_view(dst, "dst", writable=True)
         lent = _lent_back(state, view)
-        if lent is not None:
+        if lent is not None and buffer_state(lent) is state:
             return copy_operands(state, lent, src, nbytes)
         nbytes = copy_size(view.nbytes, src.nbytes, nbytes)
-        return CopyOperands("copyout", (view[:nbytes], native_arg(src)), (), (src,))
+        used = (src,) if lent is None else (src, lent)
+        return CopyOperands("copyout", (view[:nbytes], native_arg(src)), (), used)
     raise no_buffer(dst, src)
 
 
@@ -143,20 +145,23 @@ def no_buffer(dst: object, src: object) -> ArgumentTypeError:
 
 def _lent_back(state: DeviceState, view: memoryview) -> Buffer | None:
     """A Buffer over the host memory ``view`` (flat bytes) if a buffer of ``state``'s
-    device lent it out (``np.from_dlpack(buf)``, say), sharing that buffer's record of
-    uses: a copy with it as an operand is then ordered as with the buffer itself. None
-    if the memory is no such loan (or another device's: a plain host copy, as ever)."""
-    if not lenders:  # nothing lent out: no look-up
-        return None
-    allocator = state.device._allocator
-    if allocator not in lenders or not view.nbytes:
+    device, or of another open device of its kind, lent it out (``np.from_dlpack(buf)``,
+    say), sharing that buffer's record of uses: a copy with it as an operand is then
+    ordered as with the buffer itself -- on ``state``'s device, a copy with that buffer;
+    on another, a host copy that also uses it (its queue waits for that device's
+    commands, on the device, and theirs for it). None if the memory is no such loan (a
+    plain host copy, as ever: also memory another kind of device lent, whose commands
+    ``state``'s queues cannot wait for)."""
+    candidates = lenders_for(state.device._allocator) if view.nbytes else []
+    if not candidates:  # nothing lent out: no look-up
         return None
     address = np.frombuffer(view, np.uint8).ctypes.data
-    if allocator.exported_uses(address, view.nbytes) is None:
-        return None
-    from ._interop import lent_memory  # (it needs the devices: imported once one is open)
+    for allocator in candidates:
+        if allocator.exported_uses(address, view.nbytes) is not None:
+            from ._interop import lent_memory  # (it needs the devices: imported once open)
 
-    return lent_memory(state.device, view, address)
+            return lent_memory(allocator._state.device, view, address)
+    return None
 
 
 class FillOperands(NamedTuple):

@@ -1292,6 +1292,8 @@ async def from_numpy(array: Any) -> Buffer:
     global _npy_device
     if not isinstance(array, np.ndarray):
         raise ArgumentTypeError(f"from_numpy takes a numpy array, got {type(array).__name__}")
+    if _npy_device is not None and not _npy_device.closed:
+        await checkpoint()  # (as opening it is: cancelled, nothing is wrapped)
     if _npy_device is None or _npy_device.closed:
         device = await open_device(backends.ARRAYS)
         if _npy_device is None or _npy_device.closed:

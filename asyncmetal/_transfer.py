@@ -10,11 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from ._buffer import Buffer, buffer_state, check_buffer, host_memory, uses
+from ._buffer import Buffer, buffer_state, check_buffer, host_memory, settled
 from ._copyargs import copy_size, no_buffer
 from ._errors import InvalidArgumentError
 from ._queue import Completion, Queue, copy_in_place
-from ._timeline import wait_value
 
 
 def _queue_of(buf: Buffer) -> Queue:
@@ -73,28 +72,16 @@ async def _copy_between_kinds(dst: Buffer, src: Buffer, nbytes: int | None) -> N
     # that freeing it (on another thread as it is submitted, or once this await is
     # cancelled) returns its memory only after the copy.
     if buffer_state(src).backend.host_visible:  # read the source in place
-        await _settled(src, "src")
+        await settled(src, "src")
         done = copy_in_place(_queue_of(dst), dst, host_memory(src, nbytes), nbytes, src)
         await done
         return
     if buffer_state(dst).backend.host_visible:  # write the destination in place
-        await _settled(dst, "dst")
+        await settled(dst, "dst")
         done = copy_in_place(_queue_of(src), host_memory(dst, nbytes), src, nbytes, dst)
         await done
         return
     await _staged_copy(dst, src, nbytes)
-
-
-async def _settled(buf: Buffer, what: str) -> None:
-    """Wait until every command using ``buf`` has finished (those submitted while
-    waiting too); then raise if it was freed, or its device closed, meanwhile."""
-    while True:
-        pending = [(q, v) for q, v in uses(buf) if q.timeline.value < v]
-        if not pending:
-            check_buffer(buf, what)
-            return
-        for queue, value in pending:
-            await wait_value(queue.timeline, value)
 
 
 async def _staged_copy(dst: Buffer, src: Buffer, nbytes: int) -> None:

@@ -9,6 +9,7 @@ import gc
 import sys
 import threading
 
+import anyio
 import numpy as np
 import pytest
 
@@ -500,8 +501,8 @@ async def test_a_host_array_of_another_devices_buffer_is_a_plain_host_operand(
     anyio_backend: object,
 ) -> None:
     """An array over memory ``cpu:1`` lent out, as a host operand of copies on ``cpu``'s
-    queue, both ways: a plain host copy, as before (only the lending device's queues
-    order it as its buffer). Checked: a copy into it was refused ("dst is on cpu:1")."""
+    queue, both ways: a host copy on that queue (ordered as with the buffer: see the
+    next test). Checked: a copy into it was refused ("dst is on cpu:1")."""
     async with am.open_device("cpu") as dev, am.open_device("cpu:1") as lender:
         theirs, mine = await lender.alloc(4), await dev.alloc(4)
         await theirs.write(np.array([3], np.int32))
@@ -512,3 +513,67 @@ async def test_a_host_array_of_another_devices_buffer_is_a_plain_host_operand(
         assert (await out.read(np.int32)).tolist() == [3]
         await dev.queue.copy(alias, mine)
         assert alias.tolist() == [4]
+
+
+async def test_a_host_array_of_another_devices_buffer_is_ordered_as_that_buffer(
+    anyio_backend: object,
+) -> None:
+    """A copy on ``cpu``'s queue into or out of an array over memory ``cpu:1`` lent out
+    comes after ``cpu:1``'s earlier commands using that buffer, and its later ones after
+    the copy, as with ``cpu``'s own lent memory (and with the buffer itself). Checked:
+    without it, the copy ran at once -- before the lender's pending write, which then
+    overwrote it, and a read got the bytes from before that write."""
+    async with am.open_device("cpu") as dev, am.open_device("cpu:1") as lender:
+        theirs, mine = await lender.alloc(16), await dev.alloc(16)
+        await theirs.write(np.zeros(4, np.int32))
+        await mine.write(np.full(4, 2, np.int32))
+        alias = np.from_dlpack(theirs.typed(np.int32))
+        gate = lender.timeline()
+        lender.queue.wait(gate, 1)
+        lender.queue.copy(theirs, np.full(4, 1, np.int32))  # pending
+        into = dev.queue.copy(alias, mine)
+        await anyio.sleep(0.05)
+        assert not into.done()  # after the pending write, on the device
+        check = await lender.alloc(16)
+        after = lender.queue.copy(check, theirs)  # (on the lender: after the copy)
+        gate.signal(1)
+        await into
+        await after
+        assert alias.tolist() == [2] * 4
+        assert (await check.read(np.int32)).tolist() == [2] * 4
+        lender.queue.wait(gate, 2)
+        lender.queue.copy(theirs, np.full(4, 3, np.int32))  # pending
+        out = await dev.alloc(16)
+        read = dev.queue.copy(out, alias)
+        await anyio.sleep(0.05)
+        assert not read.done()
+        gate.signal(2)
+        await read
+        assert (await out.read(np.int32)).tolist() == [3] * 4
+
+
+async def test_from_dlpack_onto_another_device_of_the_lenders_kind_is_ordered_with_it(
+    anyio_backend: object,
+) -> None:
+    """``from_dlpack(array, device=cpu)`` of memory ``cpu:1`` lent out shares the lending
+    buffer's record of uses, as the same coming back to ``cpu:1`` does. Checked: without
+    it, a read of it ran at once, before ``cpu:1``'s pending write of that memory."""
+    async with am.open_device("cpu") as dev, am.open_device("cpu:1") as lender:
+        theirs = await lender.alloc(16)
+        await theirs.write(np.zeros(4, np.int32))
+        alias = am.from_dlpack(np.from_dlpack(theirs.typed(np.int32)), device=dev)
+        assert alias.device is dev
+        gate = lender.timeline()
+        lender.queue.wait(gate, 1)
+        lender.queue.copy(theirs, np.full(4, 1, np.int32))  # pending
+        read: list[np.ndarray] = []
+        async with anyio.create_task_group() as tg:
+
+            async def reader() -> None:
+                read.append(await alias.read(np.int32))
+
+            tg.start_soon(reader)
+            await anyio.sleep(0.05)
+            assert not read  # after the pending write, on the device
+            gate.signal(1)
+        assert read[0].tolist() == [1] * 4

@@ -189,6 +189,43 @@ async def test_cancelled_write_still_completes_and_keeps_its_source_alive(
     np.testing.assert_array_equal(await buf.read(np.int32), np.arange(1 << 18))
 
 
+async def test_map_is_a_checkpoint_with_no_command_to_wait_for(device: am.Device) -> None:
+    """A buffer no command used yet (over an array: from_numpy, from_dlpack) too.
+    Checked: without it, a cancelled scope's map returned the view all the same."""
+    if device.name == "metal":
+        pytest.skip("host arrays come in as cpu memory")
+    for buf in (await am.from_numpy(np.zeros(4)), am.from_dlpack(np.zeros(4))):
+        assert not buf.busy()
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await buf.map()
+            pytest.fail("map returned in a cancelled scope")
+        assert scope.cancelled_caught
+
+
+async def test_from_numpy_and_a_buffers_exit_are_checkpoints(device: am.Device) -> None:
+    """from_numpy once its device is open, and ``async with`` a buffer whose exit frees
+    nothing (a view, a freed buffer). Checked: without it, each returned in a cancelled
+    scope."""
+    await am.from_numpy(np.zeros(4))  # (opens the npy device)
+    buf = await device.alloc(16)
+    view = buf.view(8)
+    freed = await device.alloc(16)
+    await freed.free()
+    for name, step in (
+        ("from_numpy", lambda: am.from_numpy(np.zeros(4))),
+        ("a view's exit", lambda: view.__aexit__(None, None, None)),
+        ("a freed buffer's exit", lambda: freed.__aexit__(None, None, None)),
+    ):
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await step()
+            pytest.fail(f"{name} returned in a cancelled scope")
+        assert scope.cancelled_caught
+    assert not buf.freed
+    await buf.free()
+
+
 async def test_cancelled_free_returns_memory_only_after_use(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:

@@ -189,6 +189,34 @@ async def test_map_is_zero_copy_and_waits_for_pending_work(
     assert (await buf.read(np.int32))[0] == 5
 
 
+async def test_map_waits_for_commands_submitted_while_it_waits(device: am.Device) -> None:
+    """Handed out once every command using the buffer has finished -- also one another
+    queue took while map waited for the first (a DLPack export would be refused then).
+    Checked: without it, the view came with the other queue's copy in flight."""
+    buf = await device.alloc(16)
+    first, second = device.timeline(), device.timeline()
+    other = device.new_queue()
+    device.queue.wait(first, 1)
+    device.queue.copy(buf, np.full(4, 1, np.int32))
+    views: list[np.ndarray] = []
+
+    async def mapper() -> None:
+        views.append(await buf.map(np.int32))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(mapper)
+        await anyio.sleep(0.02)
+        other.wait(second, 1)
+        other.copy(buf, np.full(4, 2, np.int32))  # (ordered after the first copy)
+        first.signal(1)
+        await device.queue.synchronize()
+        await anyio.sleep(0.05)
+        assert not views  # not handed out while the other queue's copy is pending
+        second.signal(1)
+    assert views[0].tolist() == [2, 2, 2, 2]
+    assert not buf.busy()
+
+
 async def test_a_mapped_view_holds_its_memory_past_a_free(device: am.Device) -> None:
     """A map's view outlives the buffer's free: its memory goes to no other buffer until
     the view is gone (checked: before, the next allocation of the size got that memory,

@@ -266,11 +266,28 @@ async def test_bad_dtypes_and_shapes_raise_asyncmetals_errors(device: am.Device)
     with pytest.raises(am.ArgumentTypeError, match="shape"):
         buf.typed(np.int32, "4")
     for read in (buf.read, buf.map):
-        with pytest.raises(am.InvalidArgumentError, match=r"shape \(5,\) does not hold"):
+        with pytest.raises(am.InvalidArgumentError, match=r"shape \(5,\) does not cover"):
             await read(np.int32, (5,))
         with pytest.raises(am.ArgumentTypeError, match="shape"):
             await read(np.int32, "4")
         assert (await read(np.int32, (4, -1))).tolist()[1] == [4, 5, 6, 7]
+
+
+async def test_read_and_map_take_a_sub_array_dtype_with_a_shape(device: am.Device) -> None:
+    """Its own dimensions come after the shape's, as with no shape (and as numpy's
+    ``np.empty(shape, dtype)``). Checked: without it, a shape raised numpy's ValueError
+    (from read, once its copy had run), and -1 flattened the items' dimensions."""
+    buf = await device.alloc(32)
+    await buf.write(np.arange(8, dtype=np.int32))
+    pair = np.dtype((np.int32, 2))
+    expected = np.arange(8).reshape(4, 2).tolist()
+    for read in (buf.read, buf.map):
+        assert (await read(pair)).tolist() == expected
+        assert (await read(pair, (4,))).tolist() == expected
+        assert (await read(pair, (-1,))).tolist() == expected
+        assert (await read(pair, (2, 2))).shape == (2, 2, 2)
+        with pytest.raises(am.InvalidArgumentError, match=r"shape \(8,\) does not cover"):
+            await read(pair, (8,))
 
 
 async def test_refusals_name_what_was_called(device: am.Device) -> None:

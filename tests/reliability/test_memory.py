@@ -412,9 +412,10 @@ async def test_a_loan_an_idle_queue_of_another_device_kept_comes_back_to_a_waiti
     anyio_backend: object,
 ) -> None:
     """A DLPack view of a cpu buffer's memory is a copy's host source on cpu:1's queue,
-    then let go of; the buffer is freed and an allocation waits for its memory. Once the
-    copy has run, the allocation gets it, though cpu:1's queue submits nothing more
-    (before, it waited until that queue's next submission)."""
+    then let go of; the buffer is freed (the free waits for the copy, a use of its
+    memory) and an allocation waits for its memory. Once the copy has run, the
+    allocation gets it, though cpu:1's queue submits nothing more (before, it waited
+    until that queue's next submission)."""
     async with am.open_device("cpu:35") as device, am.open_device("cpu:36") as other:
         device.memory_budget = MiB
         a = await device.alloc(MiB)
@@ -424,13 +425,15 @@ async def test_a_loan_an_idle_queue_of_another_device_kept_comes_back_to_a_waiti
         copied = other.queue.copy(target, view)
         del view
         gc.collect()
-        await a.free()
         async with anyio.create_task_group() as tg:
             got: list[am.Buffer] = []
 
             async def allocate() -> None:
                 got.append(await device.alloc(MiB))
 
+            tg.start_soon(a.free)
+            await anyio.sleep(0.05)
+            assert a.freed
             tg.start_soon(allocate)
             await anyio.sleep(0.1)
             gate.signal(1)
