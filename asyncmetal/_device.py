@@ -80,8 +80,12 @@ def devices() -> list[str]:
 def parse_name(name: str) -> tuple[str, int]:
     if not isinstance(name, str):
         raise ArgumentTypeError(f"device name must be a str, got {type(name).__name__}")
-    kind, _, index = name.partition(":")
-    if kind not in backends.BACKENDS or (index and not index.isdigit()):
+    kind, colon, index = name.partition(":")
+    # (ASCII digits only, no leading zero: "cpu:01" would be another name for cpu:1, and
+    # str.isdigit passes digits int() refuses, such as "²")
+    if kind not in backends.BACKENDS or (
+        colon and not (index.isascii() and index.isdigit() and str(int(index)) == index)
+    ):
         raise InvalidArgumentError(
             f"unknown device {name!r}: expected one of {', '.join(backends.BACKENDS)}, "
             "optionally with ':N'"
@@ -1155,7 +1159,9 @@ class _DeviceOpener:
 
     def _open_backend(self) -> tuple[str, Backend]:
         name = (
-            self._name or os.environ.get("ASYNCMETAL_DEVICE") or (devices() or [backends.HOST])[0]
+            self._name
+            if self._name is not None  # ("" is no device's name: refused below)
+            else os.environ.get("ASYNCMETAL_DEVICE") or (devices() or [backends.HOST])[0]
         )
         told = self._name is None and bool(os.environ.get("ASYNCMETAL_DEVICE"))
         try:

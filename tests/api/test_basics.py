@@ -47,7 +47,7 @@ async def test_default_device_from_environment(
 async def test_unknown_device_is_a_clear_error(anyio_backend: object) -> None:
     """A name no backend has is bad input: an argument error (also ValueError), like
     every other (README: bad input fails first)."""
-    for name in ("tpu", "cpu:-1", "cpu:x"):
+    for name in ("tpu", "cpu:-1", "cpu:x", "cpu:01", "cpu:\u00b2", "cpu:\u0663", "", "cpu:"):
         with pytest.raises(am.InvalidArgumentError, match=f"unknown device {name!r}"):
             await am.open_device(name)
     with pytest.raises(ValueError, match="unknown device 'tpu'"):
