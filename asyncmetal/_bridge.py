@@ -1065,10 +1065,12 @@ def checkpoint() -> Generator[Any, Any, None]:
     asyncio a bare yield: what ``asyncio.sleep(0)`` does, minus its coroutine frames."""
     if _get_running_loop() is not None and ("trio" not in sys.modules or not in_trio_task()):
         yield
-    else:
+    elif "trio" in sys.modules and in_trio_task():
         import trio
 
         yield from trio.lowlevel.checkpoint().__await__()  # noqa: ASYNC105 (yielded from)
+    else:  # (trio's trap, yielded to whatever drives us, would say nothing of why)
+        raise NoLoopError("asyncmetal must be awaited from asyncio, uvloop or trio")
 
 
 def stay_awake(ns: int) -> None:

@@ -118,6 +118,23 @@ def test_outside_a_loop_the_error_is_asyncmetals() -> None:
     assert issubclass(am.NoLoopError, RuntimeError)
 
 
+def test_awaited_outside_a_loop_the_error_is_asyncmetals() -> None:
+    """An await driven by something other than asyncio, uvloop or trio (a coroutine
+    sent to by hand, another framework's runner) raises NoLoopError at its first step,
+    whether its value is reached or not (it yielded one of trio's traps to the caller)."""
+    loop = asyncio.new_event_loop()
+    try:
+        dev = loop.run_until_complete(am.open_device("cpu"))
+        tl = dev.timeline()
+        for awaited in (tl.wait(1), tl.wait(0), dev.queue.marker().wait()):
+            with pytest.raises(am.NoLoopError, match="awaited from asyncio, uvloop or trio"):
+                awaited.send(None)
+            awaited.close()
+        loop.run_until_complete(dev.close())
+    finally:
+        loop.close()
+
+
 def test_several_loops_in_several_threads_share_a_device() -> None:
     async def main() -> None:
         async with am.open_device("cpu") as dev:
