@@ -71,6 +71,7 @@ import itertools
 import logging
 import os
 import random
+import select
 import selectors
 import sys
 import threading
@@ -463,10 +464,15 @@ class LoopBridge(ABC):
             if self._notifier is not None:
                 _native_lib().am_notifier_free(self._notifier)
                 self._notifier = None
-            if self._pipe is not None:
+            if self._pipe is not None and not self._pipe_kept():
                 for fd in self._pipe:
                     os.close(fd)
                 self._pipe = None
+
+    def _pipe_kept(self) -> bool:
+        """Whether ``close`` leaves the pipe to another thread, which closes it (it may
+        be waiting on it now)."""
+        return False
 
     def release(self) -> None:
         """The loop closed with tasks still parked (an asyncio loop closed without
@@ -745,6 +751,13 @@ class _AsyncioBridge(LoopBridge):
 
 
 class _TrioBridge(LoopBridge):
+    """A trio run's bridge. Its pipe is read by a system task; but trio cancels its
+    system tasks as the run ends, and the run goes on a while after that: the other
+    system tasks' cleanup runs, then the async generators left unfinished are finalized
+    (an ``async with`` device's close among them) -- and these may await. From the
+    reader's end on, a thread watches the pipe and hands each wake-up to the run
+    (``run_sync_soon``); the bridge closes once the run has ended (``after_run``)."""
+
     def __init__(self) -> None:
         import trio
 
@@ -755,6 +768,10 @@ class _TrioBridge(LoopBridge):
         self.looks_after_wakeup = 2  # trio runs a batch's tasks in random order
         self._next_deadline = _trio_next_deadline_reader()
         self._current_time = trio.current_time
+        self._reader_ended = False  # the system task reading the pipe has ended
+        self._watcher: threading.Thread | None = None  # reads it from then on
+        self._drained = threading.Event()  # the wake-up it handed over has run
+        trio.lowlevel.add_instrument(_run_end_instrument(self))
 
     def on_loop_thread(self) -> bool:
         return threading.get_ident() == self._thread  # (a trio run stays on its thread)
@@ -776,10 +793,78 @@ class _TrioBridge(LoopBridge):
                 while True:
                     await trio.lowlevel.wait_readable(fd)
                     self._drain_native()
-            finally:  # the run is ending: system tasks are cancelled last
-                self.close()
+            finally:  # the run is ending: its system tasks are cancelled
+                self._reader_ended = True
+                if self._native_watches:
+                    self._watch_on_thread(fd)
 
-        trio.lowlevel.spawn_system_task(reader, name="asyncmetal-bridge")
+        if self._reader_ended:  # (a run's system tasks are not spawned again)
+            self._watch_on_thread(fd)
+            return
+        try:
+            trio.lowlevel.spawn_system_task(reader, name="asyncmetal-bridge")
+        except RuntimeError:  # its system tasks have all ended: the run is ending
+            self._reader_ended = True
+            self._watch_on_thread(fd)
+
+    def native_watch(self, watch: Watch, c_timeline: int) -> int:
+        handle = super().native_watch(watch, c_timeline)
+        if self._reader_ended and self._watcher is None and self._pipe is not None:
+            self._watch_on_thread(self._pipe[0])  # a new wait after the reader's end
+        return handle
+
+    def _watch_on_thread(self, fd: int) -> None:
+        """Watch the pipe on a thread of its own until the run has ended (see the class
+        doc): it hands each wake-up to the run and waits for it to have run."""
+        with self._closing:
+            if self.dead or self._watcher is not None:
+                return
+            self._watcher = threading.Thread(
+                target=self._watch_pipe, args=(fd,), name="asyncmetal-bridge", daemon=True
+            )
+            self._watcher.start()
+
+    def _watch_pipe(self, fd: int) -> None:
+        poll = select.poll()  # (select.select refuses descriptors from FD_SETSIZE on)
+        poll.register(fd, select.POLLIN)
+        try:
+            while not self.dead:
+                poll.poll()
+                self._drained.clear()
+                if self.dead:  # (after the clear: a close sets dead, then _drained)
+                    break
+                try:
+                    self._run_sync_soon(self._drain_handed_over)
+                except RuntimeError:  # trio.RunFinishedError: the run has ended
+                    break
+                self._drained.wait()
+        finally:
+            self._watcher = None
+            self.close()  # (the pipe is this thread's to close)
+
+    def _drain_handed_over(self) -> None:
+        try:
+            if not self.dead:
+                self._drain_native()
+        finally:
+            self._drained.set()
+
+    def _pipe_kept(self) -> bool:
+        watcher = self._watcher
+        if watcher is None or watcher is threading.current_thread():
+            return False
+        assert self._pipe is not None
+        with contextlib.suppress(OSError):  # wake it: it ends, and closes the pipe
+            os.write(self._pipe[1], b"\0")
+        self._drained.set()
+        return True
+
+    def run_ended(self) -> None:
+        """The run has ended: close, and let the pipe's watcher end (not left behind)."""
+        watcher = self._watcher
+        self.close()
+        if watcher is not None:
+            watcher.join(1.0)
 
     def _next_timer(self) -> tuple[float, float] | None:
         when = self._next_deadline()
@@ -803,6 +888,17 @@ class _TrioBridge(LoopBridge):
         else:
             watch.add(value, entry)
         await trio.lowlevel.wait_task_rescheduled(abort)
+
+
+def _run_end_instrument(bridge: _TrioBridge) -> Any:
+    """A trio instrument that runs ``bridge.run_ended`` once its run has ended."""
+    import trio
+
+    class RunEnd(trio.abc.Instrument):
+        def after_run(self) -> None:
+            bridge.run_ended()
+
+    return RunEnd()
 
 
 # Selectors that sleep in whole milliseconds (rounded up); kqueue and select do not.
@@ -969,10 +1065,12 @@ def checkpoint() -> Generator[Any, Any, None]:
     asyncio a bare yield: what ``asyncio.sleep(0)`` does, minus its coroutine frames."""
     if _get_running_loop() is not None and ("trio" not in sys.modules or not in_trio_task()):
         yield
-    else:
+    elif "trio" in sys.modules and in_trio_task():
         import trio
 
         yield from trio.lowlevel.checkpoint().__await__()  # noqa: ASYNC105 (yielded from)
+    else:  # (trio's trap, yielded to whatever drives us, would say nothing of why)
+        raise NoLoopError("asyncmetal must be awaited from asyncio, uvloop or trio")
 
 
 def stay_awake(ns: int) -> None:

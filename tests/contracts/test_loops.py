@@ -118,6 +118,23 @@ def test_outside_a_loop_the_error_is_asyncmetals() -> None:
     assert issubclass(am.NoLoopError, RuntimeError)
 
 
+def test_awaited_outside_a_loop_the_error_is_asyncmetals() -> None:
+    """An await driven by something other than asyncio, uvloop or trio (a coroutine
+    sent to by hand, another framework's runner) raises NoLoopError at its first step,
+    whether its value is reached or not (it yielded one of trio's traps to the caller)."""
+    loop = asyncio.new_event_loop()
+    try:
+        dev = loop.run_until_complete(am.open_device("cpu"))
+        tl = dev.timeline()
+        for awaited in (tl.wait(1), tl.wait(0), dev.queue.marker().wait()):
+            with pytest.raises(am.NoLoopError, match="awaited from asyncio, uvloop or trio"):
+                awaited.send(None)
+            awaited.close()
+        loop.run_until_complete(dev.close())
+    finally:
+        loop.close()
+
+
 def test_several_loops_in_several_threads_share_a_device() -> None:
     async def main() -> None:
         async with am.open_device("cpu") as dev:
@@ -400,3 +417,90 @@ def test_an_asyncio_await_while_another_thread_imports_trio(
             await dev.queue.launch(empty)
 
     asyncio.run(main())
+
+
+def _shielded_wait_with_watchdog(
+    awaited: Callable[[], Awaitable[None]], woke: list[bool]
+) -> Callable[[], Awaitable[None]]:
+    """A wait in a shielded scope (what a cleanup does as a trio run ends) that a
+    watchdog cancels after 10 s: ``woke`` says whether it ended by itself."""
+
+    async def wait() -> None:
+        with trio.CancelScope(shield=True), trio.CancelScope() as inner:
+            token = trio.lowlevel.current_trio_token()
+            watchdog = threading.Timer(10, token.run_sync_soon, args=(inner.cancel,))
+            watchdog.start()
+            try:
+                await awaited()
+            finally:
+                watchdog.cancel()
+        woke.append(not inner.cancelled_caught)
+
+    return wait
+
+
+def test_a_system_tasks_cleanup_as_the_trio_run_ends_is_woken() -> None:
+    """trio cancels its system tasks together as the run ends, the bridge's pipe reader
+    among them. Another system task's shielded cleanup that awaits a command then is
+    still woken when the command is done (it stayed parked for good: the run never
+    ended)."""
+    woke: list[bool] = []
+    opened: list[Any] = [None]
+
+    async def main() -> None:
+        dev = opened[0] = await am.open_device("cpu")
+        empty = await dev.compile(KERNELS, "empty")
+        tl = dev.timeline()
+        await dev.queue.launch(empty)  # the bridge's reader of its pipe runs
+
+        async def cleans_up_as_the_run_ends() -> None:
+            try:
+                await trio.sleep_forever()
+            finally:  # system tasks are cancelled as the run ends
+                queue = dev.new_queue()
+                queue.wait(tl, 1)
+                pending = queue.launch(empty)
+                threading.Timer(0.05, tl.signal, args=(1,)).start()
+                await _shielded_wait_with_watchdog(pending.wait, woke)()
+
+        trio.lowlevel.spawn_system_task(cleans_up_as_the_run_ends)
+        await trio.lowlevel.checkpoint()
+
+    trio.run(main)
+    asyncio.run(opened[0].close())
+    assert woke == [True]
+
+
+def test_an_async_generator_finalized_as_the_trio_run_ends_is_woken() -> None:
+    """trio finalizes the async generators left unfinished once its system tasks (the
+    bridge's pipe reader among them) have ended: a generator's cleanup that awaits a
+    command (shielded: a device's close is) is still woken when it is done."""
+    woke: list[bool] = []
+    opened: list[Any] = [None]
+    left: list[Any] = []
+
+    async def main() -> None:
+        dev = opened[0] = await am.open_device("cpu")
+        empty = await dev.compile(KERNELS, "empty")
+        tl = dev.timeline()
+        await dev.queue.launch(empty)  # the bridge's reader of its pipe runs
+
+        async def generator() -> Any:
+            try:
+                yield 1
+                yield 2
+            finally:  # run by trio as the run ends
+                queue = dev.new_queue()
+                queue.wait(tl, 1)
+                pending = queue.launch(empty)
+                threading.Timer(0.05, tl.signal, args=(1,)).start()
+                await _shielded_wait_with_watchdog(pending.wait, woke)()
+
+        unfinished = generator()
+        left.append(unfinished)  # kept: trio finalizes it as the run ends
+        async for _ in unfinished:
+            break
+
+    trio.run(main)
+    asyncio.run(opened[0].close())
+    assert woke == [True]
