@@ -448,7 +448,7 @@ class Allocator:
                 if self.closed:
                     return None
                 blocks = self._by_size.get(size)
-                if not blocks and self._cache:
+                if not blocks and self._cache and not self._budget_set():
                     blocks = self._larger_cached(size)
                 if blocks:  # a cached block of the size class: no native call at all
                     return self._hand_out(blocks[-1], blocks)
@@ -499,6 +499,14 @@ class Allocator:
                     self._allocated.notify_all()
         self._frees.increment()
         return None
+
+    def _budget_set(self) -> bool:
+        """Whether a budget below the device's memory is set. Under one, a request never
+        takes a larger class's cached block: the buffer would hold that block's extra
+        bytes against the budget for as long as it lives, and a later request that fits
+        beside the buffers' own classes could wait for good (the larger block, cached,
+        is evicted instead when room is needed)."""
+        return self.budget < self._state.backend.info.total_memory
 
     def _larger_cached(self, size: int) -> list[Block] | None:
         """(Under the lock.) The cached blocks of the nearest of the next LARGER_CLASSES

@@ -310,6 +310,23 @@ async def test_a_request_takes_a_cached_block_of_a_near_larger_class(device: am.
     await near.free()
 
 
+async def test_under_a_budget_a_request_takes_no_larger_block(device: am.Device) -> None:
+    """Under a budget, a request does not take a larger class's cached block: the
+    buffer would hold its extra bytes as long as it lives, and a later request that fits
+    beside the buffers' own classes would wait for good (found by the memory property
+    test: a 479-byte buffer held a 1536-byte block, and a 624-byte alloc never ended)."""
+    device.memory_budget = 2048
+    big = await device.alloc(1536)
+    await big.free()  # cached: 1536
+    small = await device.alloc(512)  # a new block of its own class; the 1536 one is evicted
+    assert device.memory_statistics().in_use == 512
+    with anyio.fail_after(10):  # (a bound on a hang, not a timing)
+        other = await device.alloc(1024)  # 512 + 1024 fit the budget
+    assert device.memory_statistics().in_use == 1536
+    await small.free()
+    await other.free()
+
+
 async def test_random_sizes_one_at_a_time_keep_the_cache_bounded(device: am.Device) -> None:
     """Holding one buffer of at most 1 MiB at a time, in random sizes: the cache holds a
     block per size class at most, and the process's memory stays near that. Before, each
