@@ -65,6 +65,7 @@ from ._queue import (
     settled,
     submitted_record,
 )
+from ._threads import run_sync as to_thread
 from ._timeline import MADE_BY_DEVICE, HostEvents, Timeline, end_waits, wait_value
 
 
@@ -529,7 +530,7 @@ class Device:
         worker thread for a long source."""
         compiler = self._backend.compiler if compiler is None else compiler
         read = functools.partial(_read_params, compiler, src, name)
-        return read() if len(src) < OFF_LOOP_SOURCE else await anyio.to_thread.run_sync(read)
+        return read() if len(src) < OFF_LOOP_SOURCE else await to_thread(read)
 
     async def _program(
         self,
@@ -606,7 +607,7 @@ class Device:
         a collected program's is."""
         claim = _Claim()
         try:
-            return await anyio.to_thread.run_sync(self._load_claimed, binary, name, src, claim)
+            return await to_thread(self._load_claimed, binary, name, src, claim)
         except BaseException:
             claim.give_up(self._dropped)
             raise
@@ -737,7 +738,7 @@ class Device:
                 queue._final = limits[queue]
             blocked = {q: limits[q] for q in self._queues if limits[q] < q.submitted}
             try:
-                await anyio.to_thread.run_sync(self._close_native, False, set(blocked))
+                await to_thread(self._close_native, False, set(blocked))
             except Exception as exc:  # (raised by close once the waits below ended)
                 failed.append(exc)
             for queue, limit in blocked.items():
@@ -965,7 +966,7 @@ async def _source_key(identity: str, src: str) -> str:
     """``source_key``, computed on a worker thread for a long source."""
     if len(src) < OFF_LOOP_SOURCE:
         return source_key(identity, src)
-    return await anyio.to_thread.run_sync(source_key, identity, src)
+    return await to_thread(source_key, identity, src)
 
 
 def _check_kernel(src: str, name: str, what: str) -> None:
@@ -1154,7 +1155,7 @@ class _DeviceOpener:
         if os.environ.get("ASYNCMETAL_WORKER"):
             raise AsyncMetalError("compile workers never open a device")
         # Finding compilers and drivers touches the filesystem: all of it off the loop.
-        name, backend = await anyio.to_thread.run_sync(self._open_backend)
+        name, backend = await to_thread(self._open_backend)
         return Device(name, backend)
 
     def _open_backend(self) -> tuple[str, Backend]:
