@@ -685,10 +685,10 @@ class Device:
         finishes. A close under way is switched to discarding by a close with
         ``discard=True``, and by a KeyboardInterrupt that reaches a task waiting for it
         (trio delivers Ctrl-C so), or a Ctrl-C while it waits on the main thread where
-        Ctrl-C raises one (Python's handler, asyncio.Runner's: ``_interrupts``): that
-        task waits for the rest, now bounded, and then raises the interrupt; a further
-        interrupt is raised at once, the teardown running on to its end on its own
-        thread.
+        Ctrl-C raises one (Python's handler, asyncio.Runner's; a handler the program
+        installed, as aiohttp's ``web.run_app`` does, is left alone): that task waits
+        for the rest, now bounded, and then raises the interrupt; a further interrupt
+        is raised at once, the teardown running on to its end on its own thread.
 
         Raises the first error of its teardown (everything is released all the same),
         else the first of the device's native frees that failed after their callers

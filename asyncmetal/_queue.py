@@ -457,7 +457,8 @@ class Queue:
         the device waits commands satisfy), and one that comes after a device wait for
         more of a timeline than its signals reach while a pending signal of that
         timeline -- this one, or another that would come after this one -- must run
-        before anything can raise it that far (see ``_self_wait``).
+        before anything can raise it that far. The error names the wait and the chain of
+        commands.
         """
         self._check_open()
         timeline = check_timeline(timeline, "timeline", self._state.kind)
