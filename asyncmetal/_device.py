@@ -14,7 +14,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Collection, Generator, Iterable
+from collections.abc import Callable, Collection, Coroutine, Generator, Iterable
 from typing import Any
 
 import anyio
@@ -1127,12 +1127,29 @@ class CompileMany:
             return program
 
 
-class _DeviceOpener:
-    """What open_device returns: ``async with`` it, or ``await`` it."""
+class _DeviceOpener(Coroutine[Any, Any, "Device"]):
+    """What open_device returns: ``async with`` it, or ``await`` it -- or hand it to
+    what takes a coroutine (``asyncio.run``, ``asyncio.create_task``), as it is one."""
 
     def __init__(self, name: str | None) -> None:
         self._name = name
         self._device: Device | None = None
+        self._opening: Coroutine[Any, Any, Device] | None = None  # (run by send/throw)
+
+    def _coroutine(self) -> Coroutine[Any, Any, Device]:
+        if self._opening is None:
+            self._opening = self._open()
+        return self._opening
+
+    def send(self, value: Any) -> Any:
+        return self._coroutine().send(value)
+
+    def throw(self, *exc: Any) -> Any:
+        return self._coroutine().throw(*exc)
+
+    def close(self) -> None:
+        if self._opening is not None:
+            self._opening.close()
 
     def __enter__(self) -> None:
         raise TypeError(
@@ -1283,7 +1300,8 @@ def open_devices() -> list[Device]:
 
 
 def open_device(name: str | None = None) -> _DeviceOpener:
-    """Open a device: ``async with open_device("cpu") as dev`` or ``dev = await ...``.
+    """Open a device: ``async with open_device("cpu") as dev`` or ``dev = await ...``
+    (a coroutine too: ``asyncio.run`` and ``asyncio.create_task`` take it).
 
     ``name`` None means ``$ASYNCMETAL_DEVICE``, else the best device available.
     """

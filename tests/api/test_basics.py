@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import tempfile
 from pathlib import Path
@@ -34,6 +35,28 @@ async def test_open_close_and_name(anyio_backend: object) -> None:
     assert dev2.name == "cpu:1"
     await dev2.close()
     await dev2.close()  # closing twice is harmless
+
+
+def test_open_device_is_a_coroutine_for_asyncio() -> None:
+    """What takes a coroutine takes open_device(...) as it is: ``asyncio.run`` (a device
+    opened at start-up, used by a server's loop later) and ``asyncio.create_task``; each
+    await of it opens a device of its own. Checked: both raised, asyncio.run with "a
+    coroutine was expected, got <asyncmetal._device._DeviceOpener object ...>"."""
+    dev = asyncio.run(am.open_device("cpu"))
+
+    async def main() -> list[am.Device]:
+        opener = am.open_device("cpu:1")
+        opened = [await asyncio.create_task(am.open_device("cpu:2")), await opener]
+        opened.append(await opener)
+        assert (await dev.alloc(16)).nbytes == 16  # another loop's device
+        for device in [*opened, dev]:
+            await device.close()
+        return opened
+
+    opened = asyncio.run(main())
+    assert [d.name for d in opened] == ["cpu:2", "cpu:1", "cpu:1"]
+    assert opened[1] is not opened[2]
+    assert dev.closed and all(d.closed for d in opened)
 
 
 async def test_default_device_from_environment(
