@@ -6,7 +6,7 @@ import collections
 import inspect
 import weakref
 from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -73,6 +73,14 @@ class Completion(Record):
     async def wait(self) -> None:
         """Wait for the command to finish; raise its error if it failed."""
         await self
+
+    def add_done_callback(self, *args: object, **kwargs: object) -> NoReturn:
+        """(Not an asyncio future: asyncio.wait, which takes only futures from Python
+        3.11 on, calls this and is told what to pass it instead.)"""
+        raise ArgumentTypeError(
+            "a Completion is awaitable, not an asyncio future (asyncio.wait takes only "
+            "futures): pass asyncio.ensure_future(completion)"
+        )
 
     def __await__(self) -> Generator[Any, None, None]:
         timeline = self.queue.timeline

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import sys
 import tempfile
 from pathlib import Path
 
@@ -57,6 +58,26 @@ def test_open_device_is_a_coroutine_for_asyncio() -> None:
     assert [d.name for d in opened] == ["cpu:2", "cpu:1", "cpu:1"]
     assert opened[1] is not opened[2]
     assert dev.closed and all(d.closed for d in opened)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.wait wraps awaitables")
+def test_asyncio_wait_of_a_completion_says_what_to_pass() -> None:
+    """asyncio.wait takes only futures (Python 3.11 on): a Completion passed to it is
+    refused saying what to pass (checked: a bare "AttributeError: 'Completion' object
+    has no attribute 'add_done_callback'"), and what it says works, as does a task of
+    completion.wait()."""
+
+    async def main() -> None:
+        async with am.open_device("cpu") as dev:
+            done = dev.queue.marker()
+            with pytest.raises(am.ArgumentTypeError, match=r"asyncio\.ensure_future"):
+                await asyncio.wait([done])
+            finished, pending = await asyncio.wait(
+                [asyncio.ensure_future(done), asyncio.create_task(done.wait())]
+            )
+            assert len(finished) == 2 and not pending
+
+    asyncio.run(main())
 
 
 async def test_default_device_from_environment(
