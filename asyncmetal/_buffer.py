@@ -156,8 +156,10 @@ class Buffer(Exports):
     async def write(self, data: Any) -> None:
         """Copy ``data`` (any C-contiguous buffer-protocol object) into the buffer.
 
-        Ordered after earlier work on the device's default queue. Cancelling the await
-        does not withdraw the copy: it completes, and ``data`` is kept alive until then.
+        A copy on the device's default queue, ordered (as every copy is) after the
+        earlier commands of any queue that used the buffer, launches included. Cancelling
+        the await does not withdraw the copy: it completes, and ``data`` is kept alive
+        until then.
         """
         check_buffer(self, "buffer")  # (the copy's own check would call it dst)
         if isinstance(data, Buffer):
@@ -180,7 +182,9 @@ class Buffer(Exports):
         await self._state.default_queue().copy(self, data)
 
     async def read(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray[Any, Any]:
-        """A new numpy array holding the buffer's bytes, read after earlier queue work."""
+        """A new numpy array holding the buffer's bytes: a copy on the device's default
+        queue, ordered (as every copy is) after the earlier commands of any queue that used
+        the buffer, launches included."""
         check_buffer(self, "buffer")  # (the copy's own check would call it src)
         dtype = plain_dtype(dtype)
         out = np.empty(array_shape(self.nbytes, dtype, shape), dtype.base)

@@ -22,9 +22,8 @@ import threading
 import warnings
 from pathlib import Path
 
-import anyio
-
 from ._errors import env_switch
+from ._threads import run_sync as to_thread
 
 
 def default_cache_dir() -> Path:
@@ -161,7 +160,7 @@ class CompileCache:
         return data
 
     async def get_disk(self, key: str) -> bytes | None:
-        data = await anyio.to_thread.run_sync(self.load_disk, key)
+        data = await to_thread(self.load_disk, key)
         self.warn_if_disabled()
         return data
 

@@ -25,6 +25,12 @@ def host_view(obj: Any, what: str, *, writable: bool) -> memoryview:
             + not_a_buffer(obj)
         ) from None
     if not view.c_contiguous:
+        if writable:  # (a contiguous copy of it would receive the bytes, not it)
+            raise InvalidArgumentError(
+                f"{what} is not C-contiguous, and a copy cannot fill it in place: copy "
+                "into a contiguous array (numpy.empty(shape, dtype)), then assign that "
+                f"to {what} (an array's dst[...] = filled)"
+            )
         raise InvalidArgumentError(
             f"{what} is not C-contiguous; pass a contiguous copy (numpy.ascontiguousarray)"
         )

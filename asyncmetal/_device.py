@@ -14,7 +14,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Collection, Generator, Iterable
+from collections.abc import Callable, Collection, Coroutine, Generator, Iterable
 from typing import Any
 
 import anyio
@@ -65,6 +65,7 @@ from ._queue import (
     settled,
     submitted_record,
 )
+from ._threads import run_sync as to_thread
 from ._timeline import MADE_BY_DEVICE, HostEvents, Timeline, end_waits, wait_value
 
 
@@ -529,7 +530,7 @@ class Device:
         worker thread for a long source."""
         compiler = self._backend.compiler if compiler is None else compiler
         read = functools.partial(_read_params, compiler, src, name)
-        return read() if len(src) < OFF_LOOP_SOURCE else await anyio.to_thread.run_sync(read)
+        return read() if len(src) < OFF_LOOP_SOURCE else await to_thread(read)
 
     async def _program(
         self,
@@ -606,7 +607,7 @@ class Device:
         a collected program's is."""
         claim = _Claim()
         try:
-            return await anyio.to_thread.run_sync(self._load_claimed, binary, name, src, claim)
+            return await to_thread(self._load_claimed, binary, name, src, claim)
         except BaseException:
             claim.give_up(self._dropped)
             raise
@@ -684,10 +685,10 @@ class Device:
         finishes. A close under way is switched to discarding by a close with
         ``discard=True``, and by a KeyboardInterrupt that reaches a task waiting for it
         (trio delivers Ctrl-C so), or a Ctrl-C while it waits on the main thread where
-        Ctrl-C raises one (Python's handler, asyncio.Runner's: ``_interrupts``): that
-        task waits for the rest, now bounded, and then raises the interrupt; a further
-        interrupt is raised at once, the teardown running on to its end on its own
-        thread.
+        Ctrl-C raises one (Python's handler, asyncio.Runner's; a handler the program
+        installed, as aiohttp's ``web.run_app`` does, is left alone): that task waits
+        for the rest, now bounded, and then raises the interrupt; a further interrupt
+        is raised at once, the teardown running on to its end on its own thread.
 
         Raises the first error of its teardown (everything is released all the same),
         else the first of the device's native frees that failed after their callers
@@ -737,7 +738,7 @@ class Device:
                 queue._final = limits[queue]
             blocked = {q: limits[q] for q in self._queues if limits[q] < q.submitted}
             try:
-                await anyio.to_thread.run_sync(self._close_native, False, set(blocked))
+                await to_thread(self._close_native, False, set(blocked))
             except Exception as exc:  # (raised by close once the waits below ended)
                 failed.append(exc)
             for queue, limit in blocked.items():
@@ -965,7 +966,7 @@ async def _source_key(identity: str, src: str) -> str:
     """``source_key``, computed on a worker thread for a long source."""
     if len(src) < OFF_LOOP_SOURCE:
         return source_key(identity, src)
-    return await anyio.to_thread.run_sync(source_key, identity, src)
+    return await to_thread(source_key, identity, src)
 
 
 def _check_kernel(src: str, name: str, what: str) -> None:
@@ -1126,12 +1127,29 @@ class CompileMany:
             return program
 
 
-class _DeviceOpener:
-    """What open_device returns: ``async with`` it, or ``await`` it."""
+class _DeviceOpener(Coroutine[Any, Any, "Device"]):
+    """What open_device returns: ``async with`` it, or ``await`` it -- or hand it to
+    what takes a coroutine (``asyncio.run``, ``asyncio.create_task``), as it is one."""
 
     def __init__(self, name: str | None) -> None:
         self._name = name
         self._device: Device | None = None
+        self._opening: Coroutine[Any, Any, Device] | None = None  # (run by send/throw)
+
+    def _coroutine(self) -> Coroutine[Any, Any, Device]:
+        if self._opening is None:
+            self._opening = self._open()
+        return self._opening
+
+    def send(self, value: Any) -> Any:
+        return self._coroutine().send(value)
+
+    def throw(self, *exc: Any) -> Any:
+        return self._coroutine().throw(*exc)
+
+    def close(self) -> None:
+        if self._opening is not None:
+            self._opening.close()
 
     def __enter__(self) -> None:
         raise TypeError(
@@ -1154,7 +1172,7 @@ class _DeviceOpener:
         if os.environ.get("ASYNCMETAL_WORKER"):
             raise AsyncMetalError("compile workers never open a device")
         # Finding compilers and drivers touches the filesystem: all of it off the loop.
-        name, backend = await anyio.to_thread.run_sync(self._open_backend)
+        name, backend = await to_thread(self._open_backend)
         return Device(name, backend)
 
     def _open_backend(self) -> tuple[str, Backend]:
@@ -1282,7 +1300,8 @@ def open_devices() -> list[Device]:
 
 
 def open_device(name: str | None = None) -> _DeviceOpener:
-    """Open a device: ``async with open_device("cpu") as dev`` or ``dev = await ...``.
+    """Open a device: ``async with open_device("cpu") as dev`` or ``dev = await ...``
+    (a coroutine too: ``asyncio.run`` and ``asyncio.create_task`` take it).
 
     ``name`` None means ``$ASYNCMETAL_DEVICE``, else the best device available.
     """

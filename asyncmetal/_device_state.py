@@ -14,10 +14,9 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
-import anyio
-
 from ._backend import Backend
 from ._errors import ClosedResourceError
+from ._threads import run_sync as to_thread
 
 
 class Copier(Protocol):
@@ -165,4 +164,4 @@ async def holding(states: list[DeviceState], fn: Callable[[], T]) -> T:
                 stack.enter_context(state.submitting)
             return fn()
 
-    return await anyio.to_thread.run_sync(waiting)
+    return await to_thread(waiting)

@@ -40,6 +40,7 @@ from ._errors import (
     CompileWarning,
     InvalidArgumentError,
 )
+from ._threads import run_sync as to_thread
 from ._timeline import HostEvents, wait_value
 from ._worker import read_message, write_message
 
@@ -462,7 +463,7 @@ class CompilePool:
         timeout = check_timeout(timeout)
         self._check_usable()
         if refresh:
-            await anyio.to_thread.run_sync(self.cache.evict, key)
+            await to_thread(self.cache.evict, key)
         else:
             cached = self.cache.get_memory(key)
             if cached is None and self.cache.disk_enabled:
@@ -538,7 +539,7 @@ class CompilePool:
     async def aclose(self) -> None:
         """Stop the workers without blocking the loop."""
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self.shutdown)
+            await to_thread(self.shutdown)
 
 
 # Compilers' identities, the most recently used last: each compile's options make a
@@ -558,7 +559,7 @@ async def compiler_identity(compiler: Compiler) -> str:
         if identity is not None:
             _identities.move_to_end(compiler)
             return identity
-    identity = await anyio.to_thread.run_sync(compiler.identity)
+    identity = await to_thread(compiler.identity)
     with _identities_lock:
         _identities[compiler] = identity
         _identities.move_to_end(compiler)

@@ -6,7 +6,7 @@ import collections
 import inspect
 import weakref
 from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -73,6 +73,14 @@ class Completion(Record):
     async def wait(self) -> None:
         """Wait for the command to finish; raise its error if it failed."""
         await self
+
+    def add_done_callback(self, *args: object, **kwargs: object) -> NoReturn:
+        """(Not an asyncio future: asyncio.wait, which takes only futures from Python
+        3.11 on, calls this and is told what to pass it instead.)"""
+        raise ArgumentTypeError(
+            "a Completion is awaitable, not an asyncio future (asyncio.wait takes only "
+            "futures): pass asyncio.ensure_future(completion)"
+        )
 
     def __await__(self) -> Generator[Any, None, None]:
         timeline = self.queue.timeline
@@ -457,7 +465,8 @@ class Queue:
         the device waits commands satisfy), and one that comes after a device wait for
         more of a timeline than its signals reach while a pending signal of that
         timeline -- this one, or another that would come after this one -- must run
-        before anything can raise it that far (see ``_self_wait``).
+        before anything can raise it that far. The error names the wait and the chain of
+        commands.
         """
         self._check_open()
         timeline = check_timeline(timeline, "timeline", self._state.kind)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import sys
 import tempfile
 from pathlib import Path
 
@@ -34,6 +36,48 @@ async def test_open_close_and_name(anyio_backend: object) -> None:
     assert dev2.name == "cpu:1"
     await dev2.close()
     await dev2.close()  # closing twice is harmless
+
+
+def test_open_device_is_a_coroutine_for_asyncio() -> None:
+    """What takes a coroutine takes open_device(...) as it is: ``asyncio.run`` (a device
+    opened at start-up, used by a server's loop later) and ``asyncio.create_task``; each
+    await of it opens a device of its own. Checked: both raised, asyncio.run with "a
+    coroutine was expected, got <asyncmetal._device._DeviceOpener object ...>"."""
+    dev = asyncio.run(am.open_device("cpu"))
+
+    async def main() -> list[am.Device]:
+        opener = am.open_device("cpu:1")
+        opened = [await asyncio.create_task(am.open_device("cpu:2")), await opener]
+        opened.append(await opener)
+        assert (await dev.alloc(16)).nbytes == 16  # another loop's device
+        for device in [*opened, dev]:
+            await device.close()
+        return opened
+
+    opened = asyncio.run(main())
+    assert [d.name for d in opened] == ["cpu:2", "cpu:1", "cpu:1"]
+    assert opened[1] is not opened[2]
+    assert dev.closed and all(d.closed for d in opened)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.wait wraps awaitables")
+def test_asyncio_wait_of_a_completion_says_what_to_pass() -> None:
+    """asyncio.wait takes only futures (Python 3.11 on): a Completion passed to it is
+    refused saying what to pass (checked: a bare "AttributeError: 'Completion' object
+    has no attribute 'add_done_callback'"), and what it says works, as does a task of
+    completion.wait()."""
+
+    async def main() -> None:
+        async with am.open_device("cpu") as dev:
+            done = dev.queue.marker()
+            with pytest.raises(am.ArgumentTypeError, match=r"asyncio\.ensure_future"):
+                await asyncio.wait([done])
+            finished, pending = await asyncio.wait(
+                [asyncio.ensure_future(done), asyncio.create_task(done.wait())]
+            )
+            assert len(finished) == 2 and not pending
+
+    asyncio.run(main())
 
 
 async def test_default_device_from_environment(

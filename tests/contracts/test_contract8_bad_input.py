@@ -535,6 +535,27 @@ async def test_more_slips_are_named(
         device.compile_pool = "pool"  # type: ignore[assignment]
 
 
+async def test_a_strided_destination_is_told_how_to_receive_the_bytes(
+    device: am.Device,
+) -> None:
+    """A host destination that is not C-contiguous is refused with what to do instead:
+    a contiguous copy of it, as a source's refusal says to pass, would receive the
+    bytes rather than it (checked: the destination was told so too)."""
+    buf = await device.alloc(16)
+    strided = np.zeros(8, np.int32)[::2]
+    told = r"cannot fill it in place: copy into a contiguous array"
+    with pytest.raises(am.InvalidArgumentError, match=told):
+        await am.copy(strided, buf)
+    _rejects(device, am.InvalidArgumentError, told, lambda: device.queue.copy(strided, buf))
+    source = r"src is not C-contiguous; pass a contiguous copy \(numpy\.ascontiguousarray\)"
+    _rejects(device, am.InvalidArgumentError, source, lambda: device.queue.copy(buf, strided))
+    filled = np.empty(4, np.int32)
+    await buf.write(np.arange(4, dtype=np.int32))
+    await am.copy(filled, buf)
+    strided[...] = filled
+    assert list(strided) == [0, 1, 2, 3]
+
+
 async def test_numpy_integers_are_launch_values(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:

@@ -927,6 +927,39 @@ def test_a_device_left_open_at_exit_warns(how: str) -> None:
     assert warned == (how == "left open"), proc.stderr[-3000:]
 
 
+_LOOP_LEFT = """
+import asyncio, sys, asyncmetal as am
+async def serve():
+    dev = await am.open_device("cpu")
+    await dev.compile("void k(int* x) { x[0] = 1; }", "k")
+    if sys.argv[1] == "closed":
+        await dev.close()
+    await asyncio.sleep(3600)  # still pending when the loop stops
+loop = asyncio.new_event_loop()
+loop.create_task(serve())
+loop.call_later(0.2, loop.stop)  # as a SIGTERM handler calling loop.stop() would
+loop.run_forever()
+loop.close()
+print("left the loop")
+"""
+
+
+@pytest.mark.parametrize("how", ["left open", "closed"])
+def test_a_program_whose_loop_stops_with_the_opening_task_pending_exits(how: str) -> None:
+    """A program whose asyncio loop stops (``loop.stop()``, or a framework leaving its
+    loop on a repeated Ctrl-C) while the task that opened a device is still pending
+    exits. Checked: it waited at exit, for good, for the idle worker thread the device
+    had opened on (anyio's, told to stop only once that task was done)."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _LOOP_LEFT, how], capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the program never exited; it printed {exc.stdout!r}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == "left the loop\n"
+
+
 @pytest.mark.anyio
 async def test_a_queue_whose_native_close_fails_leaves_nothing_else_unreleased(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch

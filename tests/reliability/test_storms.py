@@ -44,11 +44,11 @@ def _settled_fds(baseline: int) -> int:
 
 def _settled_threads(baseline: int) -> int:
     """The thread count once the threads a closed device or finished loop leaves exiting
-    have exited. Not counted: anyio's and trio's cached worker threads and the process's
-    compile pool (shared by every device; its workers retire when idle)."""
+    have exited. Not counted: anyio's, trio's and asyncmetal's cached worker threads and
+    the process's compile pool (shared by every device; its workers retire when idle)."""
 
     def ours() -> int:
-        skip = ("AnyIO", "Trio thread", "asyncmetal-compile")
+        skip = ("AnyIO", "Trio thread", "asyncmetal-compile", "asyncmetal worker")
         return sum(not t.name.startswith(skip) for t in threading.enumerate())
 
     for _ in range(200):

@@ -1,0 +1,114 @@
+"""Blocking calls handed to a worker thread and awaited, on threads that never hold up
+the interpreter's exit.
+
+``anyio.to_thread.run_sync`` would do, but on asyncio (and uvloop) anyio's worker
+threads are not daemons, and each is told to stop only once the task its loop's run
+began with is done. A program whose loop stops with that task still pending -- a
+``loop.stop()`` from a signal handler, or aiohttp's ``web.run_app`` left by a third
+Ctrl-C while it waits for its cleanup -- then waits at exit for that idle thread for
+good, and the loop's signal handlers, still installed, swallow Ctrl-C and SIGTERM:
+``open_device`` alone, whose backend opens on such a thread, made the program unable to
+exit. asyncmetal's calls run on its own daemon threads instead, each kept for reuse
+until it has been idle for ``IDLE_S``. Everything else is as anyio does it: anyio's
+default thread limiter bounds how many run at once, the function runs in a copy of the
+caller's context, and cancelling the caller does not abandon it (the wait is shielded:
+asyncio's own ``task.cancel()``, which no scope stops, ends the wait, not the call).
+On trio, trio's threads -- daemons already -- run them, through anyio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import anyio
+
+T = TypeVar("T")
+IDLE_S = 10.0  # a worker idle this long exits (a later call starts another)
+NAME = "asyncmetal worker"
+
+
+class _Workers:
+    """Idle worker threads, each waiting on its own inbox for its next job."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue[Callable[[], None]]] = []
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), name=NAME, daemon=True).start()
+        inbox.put(job)
+
+    def _serve(self, inbox: queue.SimpleQueue[Callable[[], None]]) -> None:
+        while True:
+            try:
+                job = inbox.get(timeout=IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if any(idle is inbox for idle in self._idle):
+                        self._idle = [idle for idle in self._idle if idle is not inbox]
+                        return
+                continue  # taken as it timed out: its job is on the way
+            job()
+            del job  # (what it holds is not kept alive by an idle thread)
+            with self._lock:
+                self._idle.append(inbox)
+
+
+_workers = _Workers()
+
+
+def _forked() -> None:
+    """A forked child has none of its parent's threads (nor a sane copy of its lock)."""
+    global _workers
+    _workers = _Workers()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
+def _report(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return  # (the caller stopped waiting: asyncio's own cancellation)
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+
+
+async def run_sync(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a worker thread, awaited; its exception is raised here."""
+    from ._bridge import running_asyncio_loop  # (it imports what imports this module)
+
+    loop = running_asyncio_loop()
+    if loop is None:  # trio (a guest run's task too)
+        return await anyio.to_thread.run_sync(fn, *args)
+    async with anyio.to_thread.current_default_thread_limiter():
+        with anyio.CancelScope(shield=True):
+            future: asyncio.Future[T] = loop.create_future()
+            context = contextvars.copy_context()
+
+            def job() -> None:
+                result: Any = None
+                error: BaseException | None = None
+                try:
+                    result = context.run(fn, *args)
+                except BaseException as exc:  # (raised on the caller's side)
+                    error = exc
+                with contextlib.suppress(RuntimeError):  # its loop closed meanwhile
+                    loop.call_soon_threadsafe(_report, future, result, error)
+
+            _workers.submit(job)
+            result = await future
+    return result
