@@ -1871,8 +1871,13 @@ static void ds_round(int round) {
         die("discardstress: a wait for a discarded command did not fail from there, or one "
             "for a kept command failed");
     stream_free(d.consumer, 0);  /* (it may have waited on f's word: before f's goes) */
+    /* w's stream may still be reading f's word, released by f's close: the word goes
+     * once w's stream has ended */
+    uint64_t *f_word = d.f.word;
+    d.f.word = NULL;
     queue_free(d.f, round % 2);
     queue_free(d.w, 0);
+    free(f_word);
     queue_free(d.s, 0);
     free_timeline_free(d.dev);
     free_timeline_free(d.host);
