@@ -1037,3 +1037,33 @@ async def test_a_copy_done_before_it_was_awaited_lets_its_host_objects_go_once_a
         assert gone() is None, "the copy's source is kept alive"
         into.extend(b"!")  # (BufferError while a view of it is kept)
         assert bytes(into[:16]) == bytes(range(16))
+
+
+async def test_a_budget_holds_on_cuda(anyio_backend: object) -> None:
+    """The allocator's budget over cuMemAlloc: a request takes a block of its own size
+    class only (a larger cached block would hold its extra bytes against the budget),
+    and an alloc waiting under the budget ends when a buffer is freed."""
+    async with am.open_device("cuda:0") as dev:
+        dev.memory_budget = 2 * 2**20
+        big = await dev.alloc(3 * 2**19)
+        await big.free()  # cached: 1.5 MiB
+        small = await dev.alloc(2**19)  # a block of its own class; the cached one evicted
+        assert dev.memory_statistics().in_use == 2**19
+        with anyio.fail_after(10):  # (a bound on a hang, not a timing)
+            other = await dev.alloc(2**20)
+        assert dev.memory_statistics().in_use == 3 * 2**19
+        async with anyio.create_task_group() as tg:
+            got: list[am.Buffer] = []
+
+            async def waiter() -> None:
+                got.append(await dev.alloc(2**20, timeout=10))
+
+            tg.start_soon(waiter)
+            await anyio.sleep(0.05)
+            assert not got  # 1.5 MiB in use: 1 MiB more does not fit
+            await other.free()
+        assert dev.memory_statistics().in_use == 3 * 2**19
+        await got[0].free()
+        await small.free()
+        await dev.synchronize()
+        assert dev.memory_statistics().in_use == 0
