@@ -324,8 +324,26 @@ def c_param_declarations(src: str, name: str) -> list[tuple[ParamKind, str]]:
             )
         found.append(declared)
     if not found:
+        if _kr_definition(name).search(text):
+            raise CompileError(
+                f"kernel {name!r} is defined in K&R style (its parameters' types declared "
+                "after the parentheses), which is not supported: a launch passes each value "
+                "as its declared type, and such a function takes its values promoted (a "
+                "float as a double), with no prototype to say so; C23 removes the style. "
+                f"Use a prototype-style definition: void {name}(float *a, int n) {{ ... }}",
+                name=name,
+            )
         raise NotDefinedError(name, c_kernel_names(src))
     return found[0]
+
+
+def _kr_definition(name: str) -> re.Pattern[str]:
+    """A K&R (old-style) definition of function ``name``: identifiers alone in the
+    parentheses, then their declarations (each beginning with a word, with no ``=``),
+    then the body."""
+    return re.compile(
+        rf"\b{re.escape(name)}\s*\(\s*\w+(?:\s*,\s*\w+)*\s*\)(?:\s*[A-Za-z_][^;{{}}=]*;)+\s*\{{"
+    )
 
 
 def c_kernel_names(src: str) -> list[str]:

@@ -242,6 +242,24 @@ async def test_a_missing_kernel_of_a_long_source_lists_some(device: am.Device) -
         await device.compile("int unused;", "k")
 
 
+async def test_a_kernel_defined_in_k_and_r_style_is_refused_saying_why(device: am.Device) -> None:
+    """An old-style (K&R) definition, which cc compiles, is refused before compiling,
+    saying so and what to write instead (checked: it was "not defined in the
+    source"): its float values would arrive as doubles, and C23 removes the style. A
+    call followed by a block is no such definition."""
+    for src in (
+        "void k(a, n)\n  float *a;\n  int n;\n{ a[0] = n; }\n",
+        "void k(a, b, s) float *a, *b; float s; { a[0] = b[0] * s; }",
+    ):
+        with pytest.raises(am.CompileError, match="kernel 'k' is defined in K&R style") as info:
+            await device.compile(src, "k")
+        assert not isinstance(info.value, am.NotDefinedError) and info.value.name == "k"
+        assert "Use a prototype-style definition: void k(float *a, int n)" in str(info.value)
+    calls = "void h(float *a, int n);\nvoid g(float *a, int n) { h(a, n); { a[0] = 1; } }"
+    with pytest.raises(am.NotDefinedError, match="kernel 'h': not defined"):
+        await device.compile(calls, "h")
+
+
 def test_a_missing_cuda_kernel_lists_the_global_functions() -> None:
     """The cuda backend reads its kernels' parameters from the source too (no GPU
     needed): its list holds the ``__global__`` functions, not the ``__device__`` ones."""
