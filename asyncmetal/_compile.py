@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal, NamedTuple
 
 from ._errors import ArgumentTypeError, CompileError, InvalidArgumentError
@@ -155,13 +156,33 @@ _ATTRIBUTES = re.compile(r"\[\[.*?\]\]", re.S)
 
 class NotDefinedError(CompileError):
     """No definition of the kernel was found in the source (before compiling it: a
-    source that does not compile says why instead)."""
+    source that does not compile says why instead). ``defined``: the names of the
+    kernels the source does define, sorted; the message lists them (the first
+    ``SHOWN_DEFINED``) and the nearest to ``name``."""
 
-    def __init__(self, name: str) -> None:
-        super().__init__(f"kernel {name!r}: not defined in the source", name=name)
+    SHOWN_DEFINED = 10
 
-    def __reduce__(self) -> tuple[type[NotDefinedError], tuple[str]]:  # type: ignore[override]
-        return type(self), (self.name or "",)
+    def __init__(self, name: str, defined: Iterable[str] = ()) -> None:
+        self.defined = tuple(sorted(set(defined)))
+        super().__init__(
+            f"kernel {name!r}: not defined in the source; {self._listed(name)}", name=name
+        )
+
+    def _listed(self, name: str) -> str:
+        defined = self.defined
+        if not defined:
+            return "it defines no kernel"
+        shown = ", ".join(map(repr, defined[: self.SHOWN_DEFINED]))
+        if len(defined) > self.SHOWN_DEFINED:
+            shown = (
+                f"{len(defined)} kernels: {shown}, ... ({len(defined) - self.SHOWN_DEFINED} more)"
+            )
+        listed = f"it defines {shown}"
+        nearest = difflib.get_close_matches(name, defined, n=1) if len(defined) > 1 else []
+        return listed + (f" (did you mean {nearest[0]!r}?)" if nearest else "")
+
+    def __reduce__(self) -> tuple[type[NotDefinedError], tuple[str, tuple[str, ...]]]:  # type: ignore[override]
+        return type(self), (self.name or "", self.defined)
 
 
 def c_params(src: str, name: str) -> tuple[ParamKind, ...]:
@@ -303,8 +324,70 @@ def c_param_declarations(src: str, name: str) -> list[tuple[ParamKind, str]]:
             )
         found.append(declared)
     if not found:
-        raise NotDefinedError(name)
+        if _kr_definition(name).search(text):
+            raise CompileError(
+                f"kernel {name!r} is defined in K&R style (its parameters' types declared "
+                "after the parentheses), which is not supported: a launch passes each value "
+                "as its declared type, and such a function takes its values promoted (a "
+                "float as a double), with no prototype to say so; C23 removes the style. "
+                f"Use a prototype-style definition: void {name}(float *a, int n) {{ ... }}",
+                name=name,
+            )
+        raise NotDefinedError(name, c_kernel_names(src))
     return found[0]
+
+
+def _kr_definition(name: str) -> re.Pattern[str]:
+    """A K&R (old-style) definition of function ``name``: identifiers alone in the
+    parentheses, then their declarations (each beginning with a word, with no ``=``),
+    then the body."""
+    return re.compile(
+        rf"\b{re.escape(name)}\s*\(\s*\w+(?:\s*,\s*\w+)*\s*\)(?:\s*[A-Za-z_][^;{{}}=]*;)+\s*\{{"
+    )
+
+
+def c_kernel_names(src: str) -> list[str]:
+    """The names of the functions ``src`` defines that a launch can name: not those
+    declared ``static`` (no external linkage) and, in a source that has ``__global__``
+    functions (CUDA), only those (its ``__device__`` and host functions are no kernels)."""
+    text = _PREPROCESSOR_LINE.sub(" ", _ATTRIBUTES.sub("", _strip(src)))
+    declared = {
+        name: set(words.split())
+        for name, words, _ in _each_definition(text, r"\w+")
+        if name not in _NOT_FUNCTIONS
+    }
+    kernels = {name for name, words in declared.items() if "static" not in words}
+    if any("__global__" in declared[name] for name in kernels):
+        kernels = {name for name in kernels if "__global__" in declared[name]}
+    return sorted(kernels)
+
+
+# A preprocessor line and its continuations (a function-like macro's body is no function).
+_PREPROCESSOR_LINE = re.compile(r"^[ \t]*#(?:[^\n]*\\\n)*[^\n]*", re.M)
+# Words before a parenthesis that make no function definition (``if (x) {``).
+_NOT_FUNCTIONS = frozenset(
+    [
+        "if",
+        "for",
+        "while",
+        "switch",
+        "catch",
+        "return",
+        "sizeof",
+        "alignof",
+        "_Alignof",
+        "alignas",
+        "_Alignas",
+        "decltype",
+        "typeof",
+        "__typeof__",
+        "__attribute__",
+        "__declspec",
+        "noexcept",
+        "static_assert",
+        "_Static_assert",
+    ]
+)
 
 
 def unlinked_hint(src: str, name: str) -> str:
@@ -337,7 +420,18 @@ def _is_buffer(param: str, pointers: set[str]) -> bool:
 
 def _definitions(text: str, name: str) -> Iterator[list[str]]:
     """The parameter declarations of each definition of ``name`` in ``text``."""
-    for match in re.finditer(rf"\b{re.escape(name)}\s*\(", text):
+    for _, _, params in _each_definition(text, re.escape(name)):
+        yield params
+
+
+_BODY = re.compile(r"\s*\{")
+
+
+def _each_definition(text: str, name: str) -> Iterator[tuple[str, str, list[str]]]:
+    """Each function definition in ``text`` whose name matches the pattern ``name``:
+    its name, the words of its declaration before the name (``static``,
+    ``__global__``...) and its parameter declarations."""
+    for match in re.finditer(rf"\b({name})\s*\(", text):
         depth, start = 1, match.end()
         pos = start
         while pos < len(text) and depth:
@@ -345,11 +439,12 @@ def _definitions(text: str, name: str) -> Iterator[list[str]]:
             pos += 1
         if depth:
             return
-        rest = text[pos:].lstrip()
-        if not rest.startswith("{"):  # a call or a declaration, not the definition
+        if not _BODY.match(text, pos):  # a call or a declaration, not the definition
             continue
         body = text[start : pos - 1].strip()
-        yield [] if body in ("", "void") else _split_top_level(body)
+        after = max(text.rfind(c, 0, match.start()) for c in ";{}") + 1
+        words = " ".join(re.findall(r"\w+", text[after : match.start()]))
+        yield match.group(1), words, [] if body in ("", "void") else _split_top_level(body)
 
 
 def _split_top_level(params: str) -> list[str]:

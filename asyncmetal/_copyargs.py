@@ -78,13 +78,16 @@ def copy_size(dst_nbytes: int, src_nbytes: int, nbytes: int | None) -> int:
 
 class CopyOperands(NamedTuple):
     """A checked copy: the backend hook (``"copy"``, ``"copyin"``, ``"copyout"``), its
-    arguments before the command's value, those after its record, and the buffers it
-    uses (the queue orders it after their earlier uses, then records its own)."""
+    arguments before the command's value, those after its record, the buffers it uses
+    (the queue orders it after their earlier uses, then records its own) and what each
+    of them is to the caller, for errors: ``"dst"``, ``"src"``, or what a host operand
+    over memory another buffer lent out is (``lent_operand``)."""
 
     hook: str
     args: tuple[Any, ...]
     extra: tuple[Any, ...]
     buffers: tuple[Buffer, ...]
+    names: tuple[str, ...]
 
 
 def _check_own(buf: Buffer, what: str, state: DeviceState) -> None:
@@ -121,7 +124,8 @@ def copy_operands(state: DeviceState, dst: Any, src: Any, nbytes: int | None) ->
                 f"{dst.offset}, {nbytes} bytes)"
             )
         peer = None if source is state else source.backend
-        return CopyOperands("copy", (native_arg(dst), native_arg(src), nbytes), (peer,), (dst, src))
+        args = (native_arg(dst), native_arg(src), nbytes)
+        return CopyOperands("copy", args, (peer,), (dst, src), ("dst", "src"))
     if isinstance(dst, Buffer):
         _check_own(dst, "dst", state)
         view = host_view(src, "src", writable=False)
@@ -130,7 +134,8 @@ def copy_operands(state: DeviceState, dst: Any, src: Any, nbytes: int | None) ->
             return copy_operands(state, dst, lent, nbytes)
         nbytes = copy_size(dst.nbytes, view.nbytes, nbytes)
         used = (dst,) if lent is None else (dst, lent)
-        return CopyOperands("copyin", (native_arg(dst), view[:nbytes]), (), used)
+        names = ("dst", lent_operand("src", lent))
+        return CopyOperands("copyin", (native_arg(dst), view[:nbytes]), (), used, names)
     if isinstance(src, Buffer):
         _check_own(src, "src", state)
         view = host_view(dst, "dst", writable=True)
@@ -139,7 +144,8 @@ def copy_operands(state: DeviceState, dst: Any, src: Any, nbytes: int | None) ->
             return copy_operands(state, lent, src, nbytes)
         nbytes = copy_size(view.nbytes, src.nbytes, nbytes)
         used = (src,) if lent is None else (src, lent)
-        return CopyOperands("copyout", (view[:nbytes], native_arg(src)), (), used)
+        names = ("src", lent_operand("dst", lent))
+        return CopyOperands("copyout", (view[:nbytes], native_arg(src)), (), used, names)
     raise no_buffer(dst, src)
 
 
@@ -147,6 +153,18 @@ def no_buffer(dst: object, src: object) -> ArgumentTypeError:
     """The error of a copy given no Buffer at all."""
     hint = not_a_buffer(dst) or not_a_buffer(src)
     return ArgumentTypeError(f"copy needs a Buffer as dst or src (or both){hint}")
+
+
+def lent_operand(role: str, lent: Buffer | None) -> str:
+    """What the host operand ``role`` of a copy is where it is memory that a buffer
+    lent out (``_lent_back``'s ``lent``): errors about it name the device that lent it,
+    not a buffer or timeline the caller never saw."""
+    if lent is None:
+        return role
+    return (
+        f"{role}, host memory that a buffer of {buffer_state(lent).name} lent out (a DLPack "
+        "export or a map() view),"
+    )
 
 
 def _lent_back(state: DeviceState, view: memoryview) -> Buffer | None:

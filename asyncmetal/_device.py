@@ -161,7 +161,7 @@ class Device:
     ``buf.read`` run on it; ``queue.copy`` runs a copy on any queue.
     """
 
-    def __init__(self, name: str, backend: Backend) -> None:
+    def __init__(self, name: str, backend: Backend, opened_at: str = "") -> None:
         # What the layers below see of this device: they are handed this, not the Device.
         self._state = DeviceState(name, backend, self)
         self._backend = backend
@@ -211,6 +211,11 @@ class Device:
         with _open_devices_lock:
             _open_devices.add(self)
             _opened[0] += 1
+            # Which device of the process it is, and where open_device was called: its
+            # warning if left open says so (two of one name would warn alike).
+            self._opened_as = f"number {_opened[0]} opened in this process" + (
+                f", at {opened_at}" if opened_at else ""
+            )
 
     def __repr__(self) -> str:
         return f"<Device {self.name}{' closed' if self.closed else ''}>"
@@ -1131,8 +1136,9 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
     """What open_device returns: ``async with`` it, or ``await`` it -- or hand it to
     what takes a coroutine (``asyncio.run``, ``asyncio.create_task``), as it is one."""
 
-    def __init__(self, name: str | None) -> None:
+    def __init__(self, name: str | None, opened_at: str = "") -> None:
         self._name = name
+        self._opened_at = opened_at
         self._device: Device | None = None
         self._opening: Coroutine[Any, Any, Device] | None = None  # (run by send/throw)
 
@@ -1173,7 +1179,7 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
             raise AsyncMetalError("compile workers never open a device")
         # Finding compilers and drivers touches the filesystem: all of it off the loop.
         name, backend = await to_thread(self._open_backend)
-        return Device(name, backend)
+        return Device(name, backend, self._opened_at)
 
     def _open_backend(self) -> tuple[str, Backend]:
         name = (
@@ -1305,7 +1311,8 @@ def open_device(name: str | None = None) -> _DeviceOpener:
 
     ``name`` None means ``$ASYNCMETAL_DEVICE``, else the best device available.
     """
-    return _DeviceOpener(name)
+    caller = sys._getframe(1)  # where it is opened: a device left open says so at exit
+    return _DeviceOpener(name, f"{caller.f_code.co_filename}:{caller.f_lineno}")
 
 
 _npy_device: Device | None = None
@@ -1340,7 +1347,8 @@ def _close_all_at_exit() -> None:
                 continue  # from_numpy's own: the program never opened it
             with contextlib.suppress(Exception):  # (a warnings filter that raises)
                 warnings.warn(
-                    f"device {device.name} was never closed: closed at exit once its "
+                    f"device {device.name} ({device._opened_as}) was never closed: "
+                    "closed at exit once its "
                     "queued work ran, waits nobody signals abandoned (close it: `async "
                     "with am.open_device(...)`, or `await dev.close()`)",
                     ResourceWarning,

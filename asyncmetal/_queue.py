@@ -30,6 +30,7 @@ from ._timeline import (
     ready_checkpoint,
     signal_provider,
     signal_satisfies,
+    timeline_device,
     timeline_kind,
     wait_value,
     waits_beyond_signals,
@@ -308,9 +309,11 @@ class Queue:
         *before: Any,
         after: tuple[Any, ...] = (),
         uses: Iterable[Buffer] = (),
+        names: Sequence[str] = (),
     ) -> Completion:
         """Number the next command and hand it to the backend, ``fn(*before, value,
-        completion, *after)``, then record it as the last use of ``uses``; return its
+        completion, *after)``, then record it as the last use of ``uses`` (``names``:
+        what each is to the caller, for errors; "buffer" past them); return its
         Completion. If the backend refuses it, its value was never used: it is taken
         back. Under the device's submission lock, which a close takes to seal the
         device: a command submitted from another thread is either numbered and handed
@@ -326,8 +329,8 @@ class Queue:
             self._check_open()
             if self._idle:
                 self._kept()
-            for buf in uses:  # freed on another thread since checked (see Buffer.free)
-                check_buffer(buf, "buffer")
+            for i, buf in enumerate(uses):  # freed, or its device closed, on another thread
+                check_buffer(buf, names[i] if i < len(names) else "buffer")  # since checked
             state.busy += 1  # (see DeviceState.busy)
             try:
                 self._submitted = value = self._submitted + 1
@@ -537,10 +540,14 @@ class Queue:
         host operand (see ``copy_in_place``)."""
         self._check_open()
         operands = copy_operands(self._state, dst, src, nbytes)
-        self._after(operands.buffers)
+        self._after(operands.buffers, operands.names)
         hook = getattr(self._native, operands.hook)
         return self._submit(
-            hook, *operands.args, after=operands.extra, uses=(*operands.buffers, *in_place)
+            hook,
+            *operands.args,
+            after=operands.extra,
+            uses=(*operands.buffers, *in_place),
+            names=operands.names,
         )
 
     def fill(
@@ -586,16 +593,30 @@ class Queue:
         self._after(buffers)
         return self
 
-    def _after(self, buffers: Iterable[Buffer]) -> None:
-        """after() for buffers already checked. A use by a queue of another kind (a copy
+    def _after(self, buffers: Iterable[Buffer], names: Sequence[str] = ()) -> None:
+        """after() for buffers already checked (``names``: what each is to the caller,
+        for errors; "buffer" past them). A use by a queue of another kind (a copy
         between kinds reading or writing host-visible memory in place) cannot be waited
-        for on this device: the host orders those (the copy settles the buffer first)."""
+        for on this device: the host orders those (the copy settles the buffer first).
+        A use by a queue of a device closed since (on another thread) cannot be either:
+        refused, naming that device rather than its queue's timeline."""
         kind = self._state.kind
-        for buf in buffers:
+        for i, buf in enumerate(buffers):
             for other, value in uses(buf):
                 timeline = other.timeline
                 if other is not self and timeline.value < value and timeline_kind(timeline) == kind:
-                    self.wait(timeline, value)
+                    try:
+                        self.wait(timeline, value)
+                    except ClosedResourceError:
+                        closed = timeline_device(timeline)
+                        if not closed.closed:
+                            raise  # (this queue's own device)
+                        what = names[i] if i < len(names) else "buffer"
+                        raise ClosedResourceError(
+                            f"{what} is used by commands of {closed.name} that had not "
+                            f"finished when {closed.name} closed: this command cannot be "
+                            "ordered after them"
+                        ) from None
 
     async def synchronize(self) -> None:
         """Wait until everything submitted so far has finished; raise the error of a

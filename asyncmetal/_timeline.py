@@ -608,6 +608,11 @@ def timeline_kind(timeline: Timeline) -> str:
     return timeline._state.kind
 
 
+def timeline_device(timeline: Timeline) -> DeviceState:
+    """``timeline``'s device (its state: closed or not, its name)."""
+    return timeline._state
+
+
 def passed(timeline: Timeline, value: int) -> bool:
     """Whether a queue whose own timeline is ``timeline`` is done with its command
     ``value``: run, or never to run (its device's queues stopped: they ran or abandoned

@@ -57,6 +57,7 @@ CPU_ONLY = {
     "test_a_plain_char_takes_the_signedness_its_compiler_gives_it",
     "test_wide_character_parameters_take_their_types",
     "test_a_kernel_without_external_linkage_says_why",
+    "test_a_kernel_defined_in_k_and_r_style_is_refused_saying_why",
     "test_a_timeout_too_long_for_a_clock_is_none",
     "test_compile_many_goes_on_after_an_error",
     "test_compile_many_goes_on_after_a_cancelled_step",

@@ -8,6 +8,7 @@ import ctypes
 import gc
 import sys
 import threading
+from typing import Any
 
 import anyio
 import numpy as np
@@ -577,3 +578,115 @@ async def test_from_dlpack_onto_another_device_of_the_lenders_kind_is_ordered_wi
             assert not read  # after the pending write, on the device
             gate.signal(1)
         assert read[0].tolist() == [1] * 4
+
+
+def _park_close_when_sealed(lender: am.Device) -> tuple[threading.Event, threading.Event]:
+    """Make ``lender``'s close stop once it sealed the device (no command can be
+    submitted to it), before its queues and memory go: ``(parked, go)``, set as it stops
+    there, and to let it go on."""
+    parked, go = threading.Event(), threading.Event()
+    real = lender._close_native
+
+    def close_native(*args: Any) -> None:
+        parked.set()
+        go.wait(30)
+        real(*args)
+
+    lender._close_native = close_native  # type: ignore[method-assign]
+    return parked, go
+
+
+@pytest.mark.parametrize("export", ["dlpack", "map"])
+@pytest.mark.parametrize("pending", [False, True], ids=["idle", "pending"])
+async def test_a_copy_of_lent_memory_as_its_lender_closes_names_the_lender(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, export: str, pending: bool
+) -> None:
+    """A copy on ``cpu`` of host memory that a buffer of ``cpu:1`` lent out (a DLPack
+    export, a map() view), submitted as ``cpu:1`` closes on another thread -- open as
+    the copy looked up the lender, sealed by the time it orders itself or submits --
+    is refused naming its operand, what lent the memory and the device that closed.
+    Checked: it said "buffer belongs to the closed device cpu:1" (a buffer the caller
+    never passed) or, with a command of ``cpu:1`` on that memory pending, "timeline
+    belongs to the closed device cpu:1"."""
+    from asyncmetal import _interop
+
+    async with am.open_device("cpu") as dev:
+        lender = await am.open_device("cpu:1")
+        theirs = await lender.alloc(16)
+        await theirs.write(np.arange(4, dtype=np.int32))
+        if export == "map":
+            host = await theirs.map(np.int32)
+        else:
+            host = np.from_dlpack(theirs.typed(np.int32))
+        gate = dev.timeline()
+        if pending:  # a command of the lender on that memory, waiting for the host
+            lender.queue.wait(gate, 1)
+            lender.queue.copy(theirs, np.full(4, 1, np.int32))
+        parked, go = _park_close_when_sealed(lender)
+        closing: list[threading.Thread] = []
+        real_lent_memory = _interop.lent_memory
+
+        def lent_memory(*args: Any) -> am.Buffer:  # the lender just found: it closes now
+            closer = threading.Thread(target=anyio.run, args=(lender.close,))
+            closer.start()
+            closing.append(closer)
+            assert parked.wait(30)
+            return real_lent_memory(*args)
+
+        monkeypatch.setattr(_interop, "lent_memory", lent_memory)
+        mine = await dev.alloc(16)
+        role = "src" if export == "dlpack" else "dst"
+        operands = (mine, host) if role == "src" else (host, mine)
+        try:
+            with pytest.raises(am.ClosedResourceError) as info:
+                dev.queue.copy(*operands)
+        finally:
+            go.set()
+            gate.signal(1)
+            for closer in closing:
+                await anyio.to_thread.run_sync(closer.join)
+        lent = (
+            f"{role}, host memory that a buffer of cpu:1 lent out (a DLPack export or a "
+            "map() view), "
+        )
+        why = (
+            "is used by commands of cpu:1 that had not finished when cpu:1 closed"
+            if pending
+            else "belongs to the closed device cpu:1"
+        )
+        assert str(info.value).startswith(lent + why), str(info.value)
+        assert lender.closed
+        await dev.queue.copy(*operands)  # once the close is over: a plain host copy
+
+
+async def test_a_copy_of_a_buffer_over_lent_memory_as_its_lender_closes_names_the_lender(
+    anyio_backend: object,
+) -> None:
+    """``from_dlpack(array, device=cpu)`` of memory ``cpu:1`` lent out, used by a copy
+    while ``cpu:1``, closing, has a command on that memory it never ran: refused naming
+    the operand and ``cpu:1`` (checked: "timeline belongs to the closed device cpu:1",
+    a timeline the caller never saw). Once that close is over the copy goes through."""
+    async with am.open_device("cpu") as dev:
+        lender = await am.open_device("cpu:1")
+        theirs = await lender.alloc(16)
+        alias = am.from_dlpack(np.from_dlpack(theirs.typed(np.int32)), device=dev)
+        gate = dev.timeline()
+        lender.queue.wait(gate, 1)
+        never_ran = lender.queue.copy(theirs, np.full(4, 1, np.int32))
+        parked, go = _park_close_when_sealed(lender)
+        mine = await dev.alloc(16)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lender.close)
+            try:
+                await anyio.to_thread.run_sync(parked.wait, 30)
+                with pytest.raises(am.ClosedResourceError) as info:
+                    dev.queue.copy(mine, alias)
+            finally:
+                go.set()
+        assert str(info.value).startswith(
+            "src is used by commands of cpu:1 that had not finished when cpu:1 closed"
+        ), str(info.value)
+        with pytest.raises(am.ClosedResourceError, match="cpu:1 was closed while command"):
+            await never_ran
+        await dev.queue.copy(mine, alias)
+        gate.signal(1)

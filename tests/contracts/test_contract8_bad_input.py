@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pickle
+import re
+
 import numpy as np
 import pytest
 
@@ -189,6 +192,88 @@ async def test_missing_kernel_name(device: am.Device) -> None:
     # A name only declared or called, never defined, is missing too.
     with pytest.raises(am.CompileError, match="kernel 'g': not defined"):
         await device.compile("void g(int);\nvoid k(void) { }", "g")
+
+
+_TWO_KERNELS = {
+    "cpu": "static void helper(float* a) {}\n"
+    "void scale(float* a, float s) { if (s) { helper(a); } }\n"
+    "void shift(float* a, float s) { for (;;) { break; } }\n",
+    "metal": "void helper(device float* a) {}\n"
+    "kernel void scale(device float* a [[buffer(0)]], constant float& s [[buffer(1)]]) {}\n"
+    "kernel void shift(device float* a [[buffer(0)]], constant float& s [[buffer(1)]]) {}\n",
+}
+
+
+async def test_a_missing_kernel_lists_those_the_source_defines(device: am.Device) -> None:
+    """A mistyped name gets the names of the kernels the source does define (sorted; not
+    its static or non-kernel helpers, nor ``if``/``for``) and the nearest of them, in
+    the message and as ``defined``, also after pickling and from compile_many (checked:
+    the message named only the missing kernel)."""
+    src = _TWO_KERNELS["metal" if device.name == "metal" else "cpu"]
+    expected = "kernel 'scal': not defined in the source; it defines 'scale', 'shift'"
+    with pytest.raises(am.NotDefinedError) as info:
+        await device.compile(src, "scal")
+    assert str(info.value) == expected + " (did you mean 'scale'?)"
+    assert info.value.defined == ("scale", "shift") and info.value.name == "scal"
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert str(copy) == str(info.value) and copy.defined == ("scale", "shift")
+    with pytest.raises(am.NotDefinedError, match=re.escape(expected)):
+        await device.compile_many([(src, "scal")]).__anext__()
+
+
+async def test_a_missing_kernel_of_a_long_source_lists_some(device: am.Device) -> None:
+    """A source of many kernels: the message lists the first ten names, sorted, says
+    how many more there are and names the nearest (one not listed here); ``defined``
+    has them all."""
+    if device.name == "metal":
+        kernel = "kernel void k{}(device int* a [[buffer(0)]]) {{}}"
+    else:
+        kernel = "void k{}(int* a) {{}}"
+    src = "\n".join(kernel.format(i) for i in range(25))
+    with pytest.raises(am.NotDefinedError) as info:
+        await device.compile(src, "k_24")
+    names = sorted(f"k{i}" for i in range(25))
+    assert info.value.defined == tuple(names)
+    shown = ", ".join(map(repr, names[:10]))
+    assert str(info.value).endswith(
+        f"it defines 25 kernels: {shown}, ... (15 more) (did you mean 'k24'?)"
+    )
+    with pytest.raises(am.NotDefinedError, match=r"it defines no kernel$"):
+        await device.compile("int unused;", "k")
+
+
+async def test_a_kernel_defined_in_k_and_r_style_is_refused_saying_why(device: am.Device) -> None:
+    """An old-style (K&R) definition, which cc compiles, is refused before compiling,
+    saying so and what to write instead (checked: it was "not defined in the
+    source"): its float values would arrive as doubles, and C23 removes the style. A
+    call followed by a block is no such definition."""
+    for src in (
+        "void k(a, n)\n  float *a;\n  int n;\n{ a[0] = n; }\n",
+        "void k(a, b, s) float *a, *b; float s; { a[0] = b[0] * s; }",
+    ):
+        with pytest.raises(am.CompileError, match="kernel 'k' is defined in K&R style") as info:
+            await device.compile(src, "k")
+        assert not isinstance(info.value, am.NotDefinedError) and info.value.name == "k"
+        assert "Use a prototype-style definition: void k(float *a, int n)" in str(info.value)
+    calls = "void h(float *a, int n);\nvoid g(float *a, int n) { h(a, n); { a[0] = 1; } }"
+    with pytest.raises(am.NotDefinedError, match="kernel 'h': not defined"):
+        await device.compile(calls, "h")
+
+
+def test_a_missing_cuda_kernel_lists_the_global_functions() -> None:
+    """The cuda backend reads its kernels' parameters from the source too (no GPU
+    needed): its list holds the ``__global__`` functions, not the ``__device__`` ones."""
+    from asyncmetal.backends.cuda import CUDACompiler
+
+    src = (
+        "__device__ float twice(float x) { return 2 * x; }\n"
+        'extern "C" __global__ void scale(float* a, float s) { a[0] = twice(s); }\n'
+        'extern "C" {\n__global__ void shift(float* a, float s) { a[0] += s; }\n}\n'
+    )
+    with pytest.raises(am.NotDefinedError) as info:
+        CUDACompiler().signature(src, "twice_")
+    assert info.value.defined == ("scale", "shift")
+    assert str(info.value).endswith("it defines 'scale', 'shift'")
 
 
 async def test_a_kernel_without_external_linkage_says_why(device: am.Device) -> None:

@@ -8,6 +8,7 @@ import contextlib
 import gc
 import os
 import random
+import re
 import resource
 import subprocess
 import sys
@@ -925,6 +926,36 @@ def test_a_device_left_open_at_exit_warns(how: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     warned = "was never closed" in proc.stderr
     assert warned == (how == "left open"), proc.stderr[-3000:]
+
+
+_TWO_LEFT_OPEN = """
+import anyio, asyncmetal as am
+async def main():
+    for _ in range(2):
+        await am.open_device("cpu")
+    await am.open_device("cpu")
+anyio.run(main)
+"""
+
+
+def test_each_device_left_open_warns_for_itself() -> None:
+    """Devices of one name left open each warn at exit, also under the ``default``
+    action (``-X dev``, ``-W default``), which shows a warning once per text: each says
+    which device of the process it is and where it was opened (checked: three cpu
+    devices warned once, all alike)."""
+    proc = subprocess.run(
+        [sys.executable, "-W", "default::ResourceWarning", "-c", _TWO_LEFT_OPEN],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warned = sorted(re.findall(r"device cpu \((.*?)\) was never closed", proc.stderr))
+    assert warned == [
+        "number 1 opened in this process, at <string>:5",
+        "number 2 opened in this process, at <string>:5",
+        "number 3 opened in this process, at <string>:6",
+    ], proc.stderr[-3000:]
 
 
 _LOOP_LEFT = """

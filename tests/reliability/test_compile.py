@@ -234,7 +234,7 @@ async def test_compile_many_goes_on_after_an_error(device: am.Device) -> None:
     assert names == sorted([f"ok{tag}", f"ok2{tag}"])
     assert sorted(errors) == sorted(
         [
-            "kernel 'nowhere': not defined in the source",
+            f"kernel 'nowhere': not defined in the source; it defines 'k{tag}'",
             f"kernel 'bad{tag}': cc failed with exit code 1",
         ]
     )
@@ -272,7 +272,10 @@ async def test_compile_errors_name_their_kernel(device: am.Device) -> None:
         assert str(exc).startswith(f"kernel {name!r}: cc failed with exit code 1\n")
         assert f"b1_{tag}" in exc.log and exc.log in str(exc)  # the compiler's own words
     assert errors[f"b1_{tag}"] is not errors[f"b2_{tag}"]
-    assert str(errors["nowhere"]) == "kernel 'nowhere': not defined in the source"
+    assert (
+        str(errors["nowhere"])
+        == f"kernel 'nowhere': not defined in the source; it defines 'k{tag}'"
+    )
     with pytest.raises(am.CompileError) as caught:
         await device.compile(broken, f"b2_{tag}")
     exc = caught.value

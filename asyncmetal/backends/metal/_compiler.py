@@ -243,7 +243,7 @@ def _bound_params(src: str, name: str) -> list[tuple[int, ParamKind, str]]:
     text = re.sub(r"//[^\n]*|/\*.*?\*/", " ", src, flags=re.S)
     match = re.search(rf"\bkernel\s+void\s+{re.escape(name)}\s*\((.*?)\)\s*{{", text, re.S)
     if match is None:
-        raise NotDefinedError(name)
+        raise NotDefinedError(name, re.findall(r"\bkernel\s+void\s+(\w+)\s*\(", text))
     bound: list[tuple[int, ParamKind, str]] = []
     for param in match.group(1).split(","):
         index = re.search(r"\[\[\s*buffer\s*\(\s*(\d+)\s*\)\s*\]\]", param)
