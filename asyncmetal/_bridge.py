@@ -53,6 +53,14 @@ real time too, where the loop's clock stands still while it polls), and none whe
 loop sleeps precisely (kqueue, select) or cannot say when its next timer is due
 (uvloop).
 
+While the cpu device's queue threads running commands need every core the process may
+run on (``_native.cores_taken``), a polling loop would take CPU time from their kernels
+(on two cores, four busy queues of 200 us kernels ran a fifth fewer): there an asyncio
+loop sleeps instead until that timer is due, precisely, in ``select`` on its selector's
+own descriptor (which any of the loop's descriptors becoming ready wakes at once), and
+only when nothing else is ready to run; where it cannot, the hold ends, and so does
+``stay_awake``'s polling below.
+
 A wake-up may also come ahead of a completion: a CUDA completion thread that napped
 through most of a long command wakes the loops awaiting it shortly before its expected
 end, with a time until which each reads its native timelines in every iteration
@@ -571,6 +579,12 @@ class LoopBridge(ABC):
             self._holding = True
             self._call_soon(self._hold_tick)
 
+    def _sleep_precisely(self, seconds: float) -> bool:
+        """Block the loop's thread for up to ``seconds``, woken at once by any of the
+        loop's descriptors, if nothing else is ready to run. Whether the loop may go on
+        holding for a timer without polling idle: it slept, or it has other work."""
+        return False
+
     def _hold_tick(self) -> None:
         if not self.dead:
             looking = self._hold_looks > 0
@@ -586,7 +600,13 @@ class LoopBridge(ABC):
                     # would never reach it, nor ever sleep.
                     self._hold_wall = time.perf_counter() + (when - now)
                 holding = now < self._hold_until and time.perf_counter() < self._hold_wall
-            if self._hold_looks or holding:
+            if holding and _native.cores_taken():
+                # polling would take a busy queue's core: sleep until the timer is due
+                ahead = min(self._hold_until - now, self._hold_wall - time.perf_counter())
+                if self._sleep_precisely(ahead):
+                    self._call_soon(self._hold_tick)
+                    return
+            elif self._hold_looks or holding:
                 self._call_soon(self._hold_tick)  # the loop polls in its next iteration
                 return
         self._holding = False
@@ -658,7 +678,11 @@ class LoopBridge(ABC):
         """For ``ns``, read the native watches' timelines in every iteration of the loop
         (which then does not sleep) and wake what they reached without a wake-up through
         the pipe: a sleeping loop takes tens of microseconds to wake, more after a long
-        idle. Only while tasks wait on native timelines. Called on the loop's thread."""
+        idle. Only while tasks wait on native timelines, and not while the cpu device's
+        busy queue threads need every core (``_native.cores_taken``). Called on the
+        loop's thread."""
+        if _native.cores_taken():
+            return
         until = time.perf_counter_ns() + ns
         if self._awake_until < until:
             if self._awake_until == 0:
@@ -671,7 +695,11 @@ class LoopBridge(ABC):
                 if not self._continued:
                     self._resolve()
                 break
-        if self._native_watches and time.perf_counter_ns() < self._awake_until:
+        if (
+            self._native_watches
+            and time.perf_counter_ns() < self._awake_until
+            and not _native.cores_taken()
+        ):
             self._call_soon(self._awake_tick)
         else:
             self._awake_until = 0
@@ -716,6 +744,20 @@ class _AsyncioBridge(LoopBridge):
         loop = self._loop_ref()
         assert loop is not None
         loop.add_reader(fd, self._drain_native)
+
+    def _sleep_precisely(self, seconds: float) -> bool:
+        loop = self._loop_ref()
+        selector = getattr(loop, "_selector", None)
+        # (asyncio's ready callbacks: the rest of this iteration's, and any added since)
+        if selector is None:
+            return False
+        if getattr(loop, "_ready", None):
+            return True  # the next iteration has work: no sleep, no idle poll
+        try:  # select: microseconds (epoll and poll: whole milliseconds, rounded up)
+            select.select([selector.fileno()], [], [], max(seconds, 0.0))
+        except (ValueError, OSError):  # a descriptor past select's FD_SETSIZE
+            return False
+        return True
 
     def _next_timer(self) -> tuple[float, float] | None:
         loop = self._loop_ref()

@@ -756,7 +756,7 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
         # And reading the timeline between yields pays off for a few waiters only: each
         # read holds the loop up to SLICE_NS, once per waiter and iteration.
         deadline = 0
-        if crowd < SPINNERS:
+        if crowd < SPINNERS and not _native.cores_taken():  # (spinning takes a core)
             deadline = start + 2 * recent if recent < SPIN_NS else 0
             if not due_ns and c_timeline and _native.due is not None:
                 # The queue's prediction for its last command (a launch, a marker).

@@ -254,6 +254,7 @@ int am_queue_copy_part(am_queue *q, void *dst, const void *src, size_t nbytes, s
 int am_queue_fill(am_queue *q, void *dst, size_t nbytes, uint32_t pattern, int pattern_size,
                   int64_t *record, uint64_t value);
 void am_queue_close(am_queue *q, int abandon);
+int am_host_running(void);
 void am_queue_discard(am_queue *q);
 uint64_t am_queue_failure(am_queue *q, int *error, uint64_t *value, am_timeline **cause);
 

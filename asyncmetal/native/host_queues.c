@@ -234,6 +234,13 @@ static void fill(char *dst, size_t nbytes, uint32_t pattern, int size) {
     }
 }
 
+/* Kernels, copies and fills running on the cpu device's queue threads now, in the
+ * whole process: a loop that polls rather than sleeps takes a core, which they need
+ * once they are as many as the process's cores (am_host_running; the bridge asks). */
+static atomic_int host_running;
+
+int am_host_running(void) { return atomic_load_explicit(&host_running, memory_order_relaxed); }
+
 static void *run(void *arg) {
     am_queue *q = arg;
     am_cmd c;
@@ -264,6 +271,8 @@ static void *run(void *arg) {
             am_timeline_fail(c.timeline, c.target, q->cause_error,
                              q->cause_error == AM_DISCARDED ? c.value : q->cause_value,
                              q->cause);
+        int busy = !failed && (c.kind == CMD_CALL || c.kind == CMD_COPY || c.kind == CMD_FILL);
+        if (busy) atomic_fetch_add_explicit(&host_running, 1, memory_order_relaxed);
         if (!failed) switch (c.kind) {
         case CMD_CALL:
             if (c.floats) {
@@ -291,6 +300,7 @@ static void *run(void *arg) {
             copy_parts(&c);
             break;
         }
+        if (busy) atomic_fetch_sub_explicit(&host_running, 1, memory_order_relaxed);
         if (c.record) {
             c.record[1] = now_ns();
             __atomic_store_n(&c.record[2], (int64_t)c.value, __ATOMIC_RELEASE);

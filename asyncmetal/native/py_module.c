@@ -224,6 +224,13 @@ static PyObject *py_due(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     return PyLong_FromLongLong(am_timeline_due(t, value));
 }
 
+/* host_running() -> int: am_host_running. */
+static PyObject *py_host_running(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyLong_FromLong(am_host_running());
+}
+
 /* The calls on the way from a host signal to the task it releases, which ctypes makes
  * several times slower (and slower still on a CPU that has just been idle): none waits
  * for more than another thread's few instructions under a timeline's lock, so they keep
@@ -313,6 +320,8 @@ static PyMethodDef methods[] = {
      "spin(timeline, value, max_ns) -> whether the timeline reached value"},
     {"due", (PyCFunction)(void (*)(void))py_due, METH_FASTCALL,
      "due(timeline, value) -> when the command reaching value is expected done, or 0"},
+    {"host_running", py_host_running, METH_NOARGS,
+     "host_running() -> the cpu queues' commands running now, in the process"},
     {"timeline_signal", (PyCFunction)(void (*)(void))py_timeline_signal, METH_FASTCALL,
      "timeline_signal(timeline, value): raise a native timeline from the host"},
     {"host_signal", (PyCFunction)(void (*)(void))py_host_signal, METH_FASTCALL,

@@ -184,6 +184,86 @@ async def test_a_wake_up_just_before_a_timer_leaves_the_timer_on_time(
     assert not any(sleeps), sleeps
 
 
+async def test_with_every_core_taken_by_busy_queues_the_loop_does_not_poll_for_a_timer(
+    anyio_backend: tuple[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, but with the cpu device's busy queue threads needing every core
+    (``_native.cores_taken``): a loop polling until the timer is due would take CPU
+    time from their kernels. asyncio's loop sleeps precisely instead (in ``select`` on
+    its selector's descriptor), so it polls a few times at most and still never sleeps
+    past the timer; trio's ends the hold. Checked failing without: the loop polled
+    through the whole 0.9 ms."""
+    from asyncmetal import _native
+
+    monkeypatch.setattr(_native, "cores_taken", lambda: True)
+    recording, sleeps = _record_sleeps(anyio_backend[0], monkeypatch)
+    async with am.open_device("cpu") as dev:
+        tl = dev.timeline()
+        for v in range(1, 6):
+            sleeps.clear()
+
+            async def sleep_a_while() -> None:
+                recording[0] = True
+                await anyio.sleep(0.0009)
+                recording[0] = False
+
+            await _woken_through_the_pipe(tl, v, sleep_a_while)
+            assert sleeps.count(False) <= 4, sleeps
+            if anyio_backend[0] == "asyncio":
+                assert not any(sleeps), sleeps
+
+
+async def test_with_every_core_taken_stay_awake_leaves_the_loop_asleep(
+    anyio_backend: tuple[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``stay_awake`` (a command due soon, a completion thread's wake-up ahead of a long
+    command's end) makes the loop read its timelines in every iteration instead of
+    sleeping: not while the cpu device's busy queue threads need every core, whose
+    kernels that polling would slow. Checked failing without: the loop never slept."""
+    from asyncmetal import _bridge, _native
+
+    monkeypatch.setattr(_native, "cores_taken", lambda: True)
+    recording, sleeps = _record_sleeps(anyio_backend[0], monkeypatch)
+    async with am.open_device("cpu") as dev:
+        tl = dev.timeline()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tl.wait, 1)
+            while am.loop_statistics().waiting < 1:
+                await anyio.sleep(0.001)
+            _bridge.stay_awake(2_000_000_000)
+            recording[0] = True
+            await anyio.sleep(0.02)
+            recording[0] = False
+            tl.signal(1)
+    assert any(sleeps), sleeps
+
+
+async def test_host_running_counts_the_cpu_kernels_running_now(anyio_backend: object) -> None:
+    """``_native.host_running()``, which ``cores_taken`` compares with the process's
+    cores, counts a cpu queue's kernel while it runs, and not once it is done."""
+    from asyncmetal import _native
+
+    src = """#include <time.h>
+    void spin_ms(int ms) {
+        struct timespec a, b;
+        clock_gettime(CLOCK_MONOTONIC, &a);
+        do clock_gettime(CLOCK_MONOTONIC, &b);
+        while ((b.tv_sec - a.tv_sec) * 1000 + (b.tv_nsec - a.tv_nsec) / 1000000 < ms);
+    }"""
+    async with am.open_device("cpu") as dev:
+        prog = await dev.compile(src, "spin_ms")
+        assert _native.host_running is not None
+        assert _native.host_running() == 0
+        done = dev.queue.launch(prog, vals=(500,))
+        seen = set()
+        while not done.done():
+            seen.add(_native.host_running())
+            await anyio.sleep(0.001)
+        await done
+        assert 1 in seen, seen
+        assert _native.host_running() == 0
+
+
 async def test_a_wake_up_with_no_timer_due_soon_costs_the_loop_no_iteration_more(
     anyio_backend: tuple[str, object], monkeypatch: pytest.MonkeyPatch
 ) -> None:
