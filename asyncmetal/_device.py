@@ -605,16 +605,16 @@ class Device:
         """``_load`` on a worker thread. What it loads for a caller cancelled meanwhile
         (asyncio's own cancel ends the wait, not the thread) is left to be unloaded as
         a collected program's is."""
-        claim = _Claim()
+        claim = _Claim(self._dropped.append)
         try:
             return await to_thread(self._load_claimed, binary, name, src, claim)
         except BaseException:
-            claim.give_up(self._dropped)
+            claim.give_up()
             raise
 
     def _load_claimed(self, binary: bytes, name: str, src: str, claim: _Claim) -> Any:
         native = self._load(binary, name, src)
-        claim.loaded(native, self._dropped)
+        claim.made(native)
         return native
 
     def _load(self, binary: bytes, name: str, src: str) -> Any:
@@ -1172,8 +1172,20 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
         if os.environ.get("ASYNCMETAL_WORKER"):
             raise AsyncMetalError("compile workers never open a device")
         # Finding compilers and drivers touches the filesystem: all of it off the loop.
-        name, backend = await to_thread(self._open_backend)
+        # What it opens for a caller cancelled meanwhile (asyncio's own cancel ends the
+        # wait, not the thread) is closed.
+        claim = _Claim(_close_abandoned)
+        try:
+            name, backend = await to_thread(self._open_claimed, claim)
+        except BaseException:
+            claim.give_up()
+            raise
         return Device(name, backend)
+
+    def _open_claimed(self, claim: _Claim) -> tuple[str, Backend]:
+        name, backend = self._open_backend()
+        claim.made(backend)
+        return name, backend
 
     def _open_backend(self) -> tuple[str, Backend]:
         name = (
@@ -1222,25 +1234,38 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
 
 
 class _Claim:
-    """A native program being loaded for a caller who may give it up meanwhile: then it
-    goes to the device's dropped programs, whichever of the two comes second."""
+    """What a worker thread makes for a caller who may give it up meanwhile (asyncio's
+    own cancel ends the wait, not the thread): then ``drop`` takes it, whichever of the
+    two comes second."""
 
-    def __init__(self) -> None:
+    def __init__(self, drop: Callable[[Any], None]) -> None:
         self._lock = threading.Lock()
-        self._native: Any = None
+        self._drop = drop
+        self._made: Any = None
         self._given_up = False
 
-    def loaded(self, native: Any, dropped: list[Any]) -> None:
+    def made(self, made: Any) -> None:
         with self._lock:
-            self._native = native
+            self._made = made
             if self._given_up:
-                dropped.append(native)
+                self._drop(made)
 
-    def give_up(self, dropped: list[Any]) -> None:
+    def give_up(self) -> None:
         with self._lock:
             self._given_up = True
-            if self._native is not None:
-                dropped.append(self._native)
+            if self._made is not None:
+                self._drop(self._made)
+
+
+def _close_abandoned(backend: Backend) -> None:
+    """Close a backend opened for a caller who stopped waiting, on a thread of its own
+    (a native close may wait for the device). Its errors are nobody's to hear."""
+
+    def close() -> None:
+        with contextlib.suppress(Exception):
+            backend.close()
+
+    threading.Thread(target=close, name="asyncmetal close", daemon=True).start()
 
 
 async def _until_closed(closing: HostEvents, interrupted: Callable[[], None] | None = None) -> None:
