@@ -1133,7 +1133,10 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
 
     def __init__(self, name: str | None) -> None:
         self._name = name
-        self._device: Device | None = None
+        # The devices its 'async with' entries opened and have not closed, by task, in
+        # the order they were entered: one opener may be entered again meanwhile,
+        # nested or by another task.
+        self._entered: list[tuple[int, Device]] = []
         self._opening: Coroutine[Any, Any, Device] | None = None  # (run by send/throw)
 
     def _coroutine(self) -> Coroutine[Any, Any, Device]:
@@ -1225,12 +1228,18 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
         return self._open().__await__()
 
     async def __aenter__(self) -> Device:
-        self._device = await self._open()
-        return self._device
+        device = await self._open()
+        self._entered.append((anyio.get_current_task().id, device))
+        return device
 
     async def __aexit__(self, *exc: object) -> None:
-        assert self._device is not None
-        await self._device.close()
+        """Close the device of the calling task's innermost entry -- or, exited by a
+        task that entered none (an async generator's teardown in a task of its own),
+        of the latest entry."""
+        task = anyio.get_current_task().id
+        entries = [i for i, (entered_by, _) in enumerate(self._entered) if entered_by == task]
+        _, device = self._entered.pop(entries[-1] if entries else -1)
+        await device.close()
 
 
 class _Claim:
