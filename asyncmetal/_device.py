@@ -1176,10 +1176,10 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
             raise AsyncMetalError("compile workers never open a device")
         # Finding compilers and drivers touches the filesystem: all of it off the loop.
         # What it opens for a caller cancelled meanwhile (asyncio's own cancel ends the
-        # wait, not the thread) is closed.
+        # wait, not the thread), or whose loop closed meanwhile, is closed.
         claim = _Claim(_close_abandoned)
         try:
-            name, backend = await to_thread(self._open_claimed, claim)
+            name, backend = await to_thread(self._open_claimed, claim, undelivered=claim.give_up)
         except BaseException:
             claim.give_up()
             raise
@@ -1260,7 +1260,10 @@ class _Claim:
                 self._drop(made)
 
     def give_up(self) -> None:
+        """Give up what is made, now or once it is (a second time: nothing)."""
         with self._lock:
+            if self._given_up:
+                return
             self._given_up = True
             if self._made is not None:
                 self._drop(self._made)

@@ -338,17 +338,18 @@ class _SlowToOpen(CPUBackend):
         super().close()
 
 
-@pytest.mark.parametrize("when", ["opening", "opened"])
+@pytest.mark.parametrize("when", ["opening", "opened", "loop closed"])
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_an_open_cancelled_meanwhile_closes_what_it_opened(
     monkeypatch: pytest.MonkeyPatch, loop: str, when: str
 ) -> None:
     """asyncio's own task.cancel() (a wait_for's timeout, Ctrl-C under asyncio.run) ends
     an open's wait for its backend, not the opening on its worker thread: the backend
-    it opens, for nobody now, is closed (a cuda device's context, staging memory and
-    free thread were held for good). Cancelled while the backend opens, and once it
-    has opened and its result is handed over, the caller not yet resumed. Checked:
-    never closed, either way."""
+    it opens, for nobody now, is closed (a cuda device's pinned staging memory and free
+    thread were held for good). Cancelled while the backend opens, and once it has
+    opened and its result is handed over, the caller not yet resumed; and with its
+    loop stopped and closed while it opens (as a framework left by a repeated Ctrl-C
+    does), the task never resumed. Checked: never closed, each way."""
     if loop == "uvloop":
         uvloop = pytest.importorskip("uvloop", reason="uvloop is not built for this platform")
     monkeypatch.setitem(backends.BACKENDS, "slowcpu", f"{__name__}:_SlowToOpen")
@@ -374,7 +375,15 @@ def test_an_open_cancelled_meanwhile_closes_what_it_opened(
         with pytest.raises(asyncio.CancelledError):
             await opening
 
-    (uvloop.run if loop == "uvloop" else asyncio.run)(main())
+    if when == "loop closed":
+        left = uvloop.new_event_loop() if loop == "uvloop" else asyncio.new_event_loop()
+        pending = left.create_task(am.open_device("slowcpu"))
+        left.run_until_complete(left.run_in_executor(None, _SlowToOpen.started.wait))
+        left.close()
+        _SlowToOpen.go.set()
+        assert not pending.done()
+    else:
+        (uvloop.run if loop == "uvloop" else asyncio.run)(main())
     for _ in range(1000):  # (a bound on a hang, not a timing)
         if _SlowToOpen.closed:
             break
