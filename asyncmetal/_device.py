@@ -610,16 +610,16 @@ class Device:
         """``_load`` on a worker thread. What it loads for a caller cancelled meanwhile
         (asyncio's own cancel ends the wait, not the thread) is left to be unloaded as
         a collected program's is."""
-        claim = _Claim()
+        claim = _Claim(self._dropped.append)
         try:
             return await to_thread(self._load_claimed, binary, name, src, claim)
         except BaseException:
-            claim.give_up(self._dropped)
+            claim.give_up()
             raise
 
     def _load_claimed(self, binary: bytes, name: str, src: str, claim: _Claim) -> Any:
         native = self._load(binary, name, src)
-        claim.loaded(native, self._dropped)
+        claim.made(native)
         return native
 
     def _load(self, binary: bytes, name: str, src: str) -> Any:
@@ -1139,7 +1139,10 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
     def __init__(self, name: str | None, opened_at: str = "") -> None:
         self._name = name
         self._opened_at = opened_at
-        self._device: Device | None = None
+        # The devices its 'async with' entries opened and have not closed, by task, in
+        # the order they were entered: one opener may be entered again meanwhile,
+        # nested or by another task.
+        self._entered: list[tuple[int, Device]] = []
         self._opening: Coroutine[Any, Any, Device] | None = None  # (run by send/throw)
 
     def _coroutine(self) -> Coroutine[Any, Any, Device]:
@@ -1178,8 +1181,20 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
         if os.environ.get("ASYNCMETAL_WORKER"):
             raise AsyncMetalError("compile workers never open a device")
         # Finding compilers and drivers touches the filesystem: all of it off the loop.
-        name, backend = await to_thread(self._open_backend)
+        # What it opens for a caller cancelled meanwhile (asyncio's own cancel ends the
+        # wait, not the thread), or whose loop closed meanwhile, is closed.
+        claim = _Claim(_close_abandoned)
+        try:
+            name, backend = await to_thread(self._open_claimed, claim, undelivered=claim.give_up)
+        except BaseException:
+            claim.give_up()
+            raise
         return Device(name, backend, self._opened_at)
+
+    def _open_claimed(self, claim: _Claim) -> tuple[str, Backend]:
+        name, backend = self._open_backend()
+        claim.made(backend)
+        return name, backend
 
     def _open_backend(self) -> tuple[str, Backend]:
         name = (
@@ -1219,34 +1234,56 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
         return self._open().__await__()
 
     async def __aenter__(self) -> Device:
-        self._device = await self._open()
-        return self._device
+        device = await self._open()
+        self._entered.append((anyio.get_current_task().id, device))
+        return device
 
     async def __aexit__(self, *exc: object) -> None:
-        assert self._device is not None
-        await self._device.close()
+        """Close the device of the calling task's innermost entry -- or, exited by a
+        task that entered none (an async generator's teardown in a task of its own),
+        of the latest entry."""
+        task = anyio.get_current_task().id
+        entries = [i for i, (entered_by, _) in enumerate(self._entered) if entered_by == task]
+        _, device = self._entered.pop(entries[-1] if entries else -1)
+        await device.close()
 
 
 class _Claim:
-    """A native program being loaded for a caller who may give it up meanwhile: then it
-    goes to the device's dropped programs, whichever of the two comes second."""
+    """What a worker thread makes for a caller who may give it up meanwhile (asyncio's
+    own cancel ends the wait, not the thread): then ``drop`` takes it, whichever of the
+    two comes second."""
 
-    def __init__(self) -> None:
+    def __init__(self, drop: Callable[[Any], None]) -> None:
         self._lock = threading.Lock()
-        self._native: Any = None
+        self._drop = drop
+        self._made: Any = None
         self._given_up = False
 
-    def loaded(self, native: Any, dropped: list[Any]) -> None:
+    def made(self, made: Any) -> None:
         with self._lock:
-            self._native = native
+            self._made = made
             if self._given_up:
-                dropped.append(native)
+                self._drop(made)
 
-    def give_up(self, dropped: list[Any]) -> None:
+    def give_up(self) -> None:
+        """Give up what is made, now or once it is (a second time: nothing)."""
         with self._lock:
+            if self._given_up:
+                return
             self._given_up = True
-            if self._native is not None:
-                dropped.append(self._native)
+            if self._made is not None:
+                self._drop(self._made)
+
+
+def _close_abandoned(backend: Backend) -> None:
+    """Close a backend opened for a caller who stopped waiting, on a thread of its own
+    (a native close may wait for the device). Its errors are nobody's to hear."""
+
+    def close() -> None:
+        with contextlib.suppress(Exception):
+            backend.close()
+
+    threading.Thread(target=close, name="asyncmetal close", daemon=True).start()
 
 
 async def _until_closed(closing: HostEvents, interrupted: Callable[[], None] | None = None) -> None:

@@ -87,8 +87,12 @@ def _report(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_exception(error)
 
 
-async def run_sync(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` on a worker thread, awaited; its exception is raised here."""
+async def run_sync(
+    fn: Callable[..., T], *args: Any, undelivered: Callable[[], None] | None = None
+) -> T:
+    """``fn(*args)`` on a worker thread, awaited; its exception is raised here. Where
+    its loop closed before the outcome could be handed over, ``undelivered()`` is
+    called on the worker thread (the caller never resumes to see it)."""
     from ._bridge import running_asyncio_loop  # (it imports what imports this module)
 
     loop = running_asyncio_loop()
@@ -106,8 +110,12 @@ async def run_sync(fn: Callable[..., T], *args: Any) -> T:
                     result = context.run(fn, *args)
                 except BaseException as exc:  # (raised on the caller's side)
                     error = exc
-                with contextlib.suppress(RuntimeError):  # its loop closed meanwhile
+                try:
                     loop.call_soon_threadsafe(_report, future, result, error)
+                except RuntimeError:  # its loop closed meanwhile
+                    if undelivered is not None:
+                        with contextlib.suppress(Exception):  # (nobody to tell)
+                            undelivered()
 
             _workers.submit(job)
             result = await future

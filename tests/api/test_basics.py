@@ -8,6 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import anyio
 import numpy as np
 import pytest
 
@@ -300,3 +301,56 @@ def test_the_package_lists_its_api() -> None:
         if not name.startswith("_") and not inspect.ismodule(value)
     }
     assert set(am.__all__) == exported
+
+
+async def test_each_async_with_of_one_opener_closes_the_device_it_opened() -> None:
+    """One opener entered more than once at a time -- nested, and by two tasks -- gives
+    each ``async with`` a device of its own, and each exit closes its own. Checked: the
+    opener remembered only the last device opened, so an exit closed another's device
+    (twice), and the first one opened was never closed."""
+    opener = am.open_device("cpu")
+    async with opener as outer:
+        async with opener as inner:
+            assert inner is not outer
+        assert inner.closed and not outer.closed
+    assert outer.closed
+
+    entered: list[am.Device] = []
+    first_in, second_in, first_out = anyio.Event(), anyio.Event(), anyio.Event()
+
+    async def user(first: bool) -> None:
+        if not first:
+            await first_in.wait()
+        async with opener as dev:
+            entered.append(dev)
+            if first:  # leaves while the second is inside
+                first_in.set()
+                await second_in.wait()
+            else:
+                second_in.set()
+                await first_out.wait()
+            assert not dev.closed
+        if first:
+            first_out.set()
+        assert dev.closed
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(user, True)
+        tg.start_soon(user, False)
+    assert len(entered) == 2 and entered[0] is not entered[1]
+
+
+async def test_an_opener_entered_in_one_task_exits_in_another() -> None:
+    """An ``async with`` of an opener left in another task than the one that entered it
+    (an async generator fixture's teardown, in a task of its own) closes its device."""
+    opener = am.open_device("cpu")
+    entered: list[am.Device] = []
+
+    async def enter() -> None:
+        entered.append(await opener.__aenter__())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(enter)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(opener.__aexit__, None, None, None)
+    assert entered[0].closed

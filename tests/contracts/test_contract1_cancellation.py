@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import threading
+import time
+from typing import Any, ClassVar
 
 import anyio
 import anyio.lowlevel
@@ -10,6 +14,8 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
+from asyncmetal import _threads, backends
+from asyncmetal.backends.cpu import CPUBackend
 from tests.support.threads import submission_lock_held
 
 pytestmark = pytest.mark.anyio
@@ -305,3 +311,82 @@ async def test_a_free_cancelled_as_another_thread_submits_still_returns_the_memo
         while device.memory_statistics().in_use:
             await anyio.sleep(0.005)
     assert device.memory_statistics().in_use == 0
+
+
+class _SlowToOpen(CPUBackend):
+    """A cpu device whose opening waits for ``go``; its instances opened and closed are
+    recorded."""
+
+    kind = "slowcpu"
+    started = threading.Event()
+    go = threading.Event()
+    opened: ClassVar[list[CPUBackend]] = []
+    closed: ClassVar[list[CPUBackend]] = []
+
+    @classmethod
+    def available(cls) -> list[str]:
+        return ["slowcpu"]
+
+    def __init__(self, index: int) -> None:
+        type(self).started.set()
+        type(self).go.wait()
+        super().__init__(index)
+        type(self).opened.append(self)
+
+    def close(self) -> None:
+        type(self).closed.append(self)
+        super().close()
+
+
+@pytest.mark.parametrize("when", ["opening", "opened", "loop closed"])
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_an_open_cancelled_meanwhile_closes_what_it_opened(
+    monkeypatch: pytest.MonkeyPatch, loop: str, when: str
+) -> None:
+    """asyncio's own task.cancel() (a wait_for's timeout, Ctrl-C under asyncio.run) ends
+    an open's wait for its backend, not the opening on its worker thread: the backend
+    it opens, for nobody now, is closed (a cuda device's pinned staging memory and free
+    thread were held for good). Cancelled while the backend opens, and once it has
+    opened and its result is handed over, the caller not yet resumed; and with its
+    loop stopped and closed while it opens (as a framework left by a repeated Ctrl-C
+    does), the task never resumed. Checked: never closed, each way."""
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop", reason="uvloop is not built for this platform")
+    monkeypatch.setitem(backends.BACKENDS, "slowcpu", f"{__name__}:_SlowToOpen")
+    monkeypatch.setattr(_SlowToOpen, "started", threading.Event())
+    monkeypatch.setattr(_SlowToOpen, "go", threading.Event())
+    monkeypatch.setattr(_SlowToOpen, "opened", [])
+    monkeypatch.setattr(_SlowToOpen, "closed", [])
+
+    async def main() -> None:
+        opening = asyncio.ensure_future(am.open_device("slowcpu"))
+        if when == "opened":  # cancelled as its result is handed over, before it resumes
+            report = _threads._report
+
+            def report_then_cancel(*args: Any) -> None:
+                report(*args)
+                opening.cancel()
+
+            monkeypatch.setattr(_threads, "_report", report_then_cancel)
+        await asyncio.get_running_loop().run_in_executor(None, _SlowToOpen.started.wait)
+        if when == "opening":
+            opening.cancel()
+        _SlowToOpen.go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+
+    if when == "loop closed":
+        left = uvloop.new_event_loop() if loop == "uvloop" else asyncio.new_event_loop()
+        pending = left.create_task(am.open_device("slowcpu"))
+        left.run_until_complete(left.run_in_executor(None, _SlowToOpen.started.wait))
+        left.close()
+        _SlowToOpen.go.set()
+        assert not pending.done()
+    else:
+        (uvloop.run if loop == "uvloop" else asyncio.run)(main())
+    for _ in range(1000):  # (a bound on a hang, not a timing)
+        if _SlowToOpen.closed:
+            break
+        time.sleep(0.01)
+    assert len(_SlowToOpen.opened) == 1
+    assert _SlowToOpen.closed == _SlowToOpen.opened
