@@ -63,11 +63,12 @@ A loop may stop and never run again: a thread that returns from
 ``loop.run_until_complete`` without closing the loop leaves its other tasks parked. The
 timelines hold those tasks' watches, so the tasks and their loop, its bridge's pipe and
 native watches, for as long as they live. So once the thread that ran the loop ends
-(``_ThreadEnd``, kept in a thread-local, is dropped then) or awaits on another loop,
-and the loop is not running, its bridge sets its watches aside (``suspend``): the
-timelines let go of them, and a callback queued on the loop holds them and takes them
-back if it runs again. A loop nothing else holds is then garbage, and its bridge
-closes. A closed loop's bridge lets go of its waiters for good (``release``).
+(``_ThreadEnd``, kept in a thread-local, is dropped then) or parks a task of another
+loop (``_switch_here``), and the loop is not running, its bridge sets its watches
+aside (``suspend``): the timelines let go of them, and a callback queued on the loop
+holds them and takes them back if it runs again. A loop nothing else holds is then
+garbage, and its bridge closes. A closed loop's bridge lets go of its waiters for good
+(``release``).
 """
 
 from __future__ import annotations

@@ -59,7 +59,10 @@ def _settled_threads(baseline: int) -> int:
     return threading.active_count()
 
 
-@pytest.mark.filterwarnings("ignore::ResourceWarning")  # the loops were never closed
+# The loops were never closed: asyncio warns as each goes, and its finalizer, closing
+# the loop, may find the loop's own sockets closed already (collected with it).
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("use_uvloop", LOOPS)
 def test_a_loop_left_stopped_by_a_thread_that_ended_is_let_go_of(use_uvloop: bool) -> None:
     """Threads each ran a loop until its main task was done, 10 other tasks still parked
@@ -216,7 +219,8 @@ def test_a_stopped_loop_runs_its_waits_after_another_loop_ran_on_its_thread(
         first.close()
 
 
-@pytest.mark.filterwarnings("ignore::ResourceWarning")  # the loop was never closed
+@pytest.mark.filterwarnings("ignore::ResourceWarning")  # as above
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_stopped_loop_nothing_holds_goes_once_another_loop_runs_on_its_thread() -> None:
     """A loop run until its main task was done, 10 other tasks still parked on a
     timeline, then dropped, unclosed, by a thread that lives on: once another loop's
