@@ -66,6 +66,17 @@ through most of a long command wakes the loops awaiting it shortly before its ex
 end, with a time until which each reads its native timelines in every iteration
 (``stay_awake``) rather than sleep. Woken by the end itself, a loop asleep that long
 takes tens of microseconds to run again.
+
+A loop may stop and never run again: a thread that returns from
+``loop.run_until_complete`` without closing the loop leaves its other tasks parked. The
+timelines hold those tasks' watches, so the tasks and their loop, its bridge's pipe and
+native watches, for as long as they live. So once the thread that ran the loop ends
+(``_ThreadEnd``, kept in a thread-local, is dropped then) or parks a task of another
+loop (``_switch_here``), and the loop is not running, its bridge sets its watches
+aside (``suspend``): the timelines let go of them, and a callback queued on the loop
+holds them and takes them back if it runs again. A loop nothing else holds is then
+garbage, and its bridge closes. A closed loop's bridge lets go of its waiters for good
+(``release``).
 """
 
 from __future__ import annotations
@@ -129,6 +140,8 @@ class Watched(Protocol):
 
     def drop_watch(self, watch: Watch) -> None: ...
 
+    def _watch_for(self, bridge: LoopBridge) -> Watch: ...
+
 
 class Entry:
     __slots__ = ("done", "task", "wake")
@@ -146,7 +159,18 @@ class Watch:
     ``next`` where native threads read it, and they wake the loop through its pipe.
     """
 
-    __slots__ = ("bridge", "cwatch", "dropping", "heap", "next", "queued", "timeline", "withdrawn")
+    __slots__ = (
+        "__weakref__",
+        "bridge",
+        "cwatch",
+        "detached",
+        "dropping",
+        "heap",
+        "next",
+        "queued",
+        "timeline",
+        "withdrawn",
+    )
 
     def __init__(self, bridge: LoopBridge, timeline: Watched) -> None:
         self.bridge = bridge
@@ -156,9 +180,24 @@ class Watch:
         self.queued = False  # already in the bridge's pending deque
         self.withdrawn = 0  # cancelled entries still in the heap
         self.dropping = False  # empty: let go of two turns of the loop later, if still
-        bridge.watches.add(self)
-        c_timeline = getattr(timeline.native, "c_timeline", None)
-        self.cwatch = None if c_timeline is None else bridge.native_watch(self, c_timeline)
+        self.cwatch: int | None = None
+        self.attach()
+
+    def attach(self) -> None:
+        """Join the bridge, and the native runtime's watches where the timeline lives
+        there; also again, after its loop set it aside (``LoopBridge.suspend``)."""
+        self.detached = False  # set aside, with its waiters, by a loop that stopped
+        self.next = INFINITY  # (nothing is published yet: see rearm)
+        self.bridge.watches.add(self)
+        c_timeline = getattr(self.timeline.native, "c_timeline", None)
+        if c_timeline is not None:
+            self.cwatch = self.bridge.native_watch(self, c_timeline)
+
+    def rearm(self) -> None:
+        """Attached again (and seen by the timeline's notifiers): publish the smallest
+        value waited for, and wake what was reached meanwhile."""
+        if self.heap and self._update_next():
+            self.bridge.notify_here(self)
 
     def add(self, value: int, entry: Entry) -> None:
         """Park ``entry`` until ``value``; it is woken later, never from inside this call."""
@@ -318,6 +357,9 @@ class LoopBridge(ABC):
         self._pipe: tuple[int, int] | None = None
         self._native_watches: set[Watch] = set()
         self.watches: set[Watch] = set()  # every watch of this loop's, native or not
+        # Watches set aside as the loop stopped (see suspend), by id of their timeline:
+        # weakly, the loop holds them.
+        self._detached: weakref.WeakValueDictionary[int, Watch] = weakref.WeakValueDictionary()
         self._awake_until = 0  # a perf_counter_ns: check native watches every iteration
         self.slice = WAKE_SLICE  # tasks the next slice wakes at most
         self._ready_first = False  # the last slice woke a crowd's tasks before watches
@@ -493,7 +535,7 @@ class LoopBridge(ABC):
             if self._released:
                 return
             self._released = True
-        for watch in list(self.watches):
+        for watch in list(self.watches) + list(self._detached.values()):
             for _, _, entry in watch.heap:
                 entry.done = True
                 entry.wake = _nothing
@@ -501,12 +543,66 @@ class LoopBridge(ABC):
             watch.withdrawn = 0
             watch.timeline.drop_watch(watch)
         self.watches.clear()
+        self._detached.clear()
         for entry in self._ready:
             entry.done = True
             entry.wake = _nothing
         self._ready.clear()
         self._pending.clear()
         self.waiting = 0
+
+    def take_detached(self, timeline: Watched) -> Watch | None:
+        """The watch on ``timeline`` that this loop set aside as it stopped (see
+        ``suspend``), to attach again; None if there is none."""
+        if not self._detached:  # (most often: a pop costs more)
+            return None
+        watch = self._detached.pop(id(timeline), None)
+        return watch if watch is not None and watch.timeline is timeline else None
+
+    def suspend(self) -> bool:
+        """The loop has stopped, and may never run again (the thread that ran it has
+        ended, or runs another loop now): the timelines let go of its watches, and so of
+        its parked tasks and the loop, which now hold one another only. The loop is
+        handed what it needs to take them back, a callback that runs as it runs again
+        (``resume``); a loop that nothing else holds is garbage, and its bridge closes
+        (the finalizer of ``_AsyncioBridge``) -- as an asyncio loop lets go of a task
+        waiting on a socket. Called on any thread; never while the loop runs. Returns
+        whether it set anything aside."""
+        with self._closing:
+            if self.dead or self._released:
+                return False
+            watches = [watch for watch in self.watches if watch.heap]
+            ready = list(self._ready)
+            if not (watches or ready):  # (empty watches hold nothing of the loop's)
+                return False
+            try:
+                self._call_soon_threadsafe(functools.partial(self.resume, watches, ready))
+            except RuntimeError:  # the loop closed meanwhile (or is gone)
+                return False
+            for watch in list(self.watches):
+                self.watches.discard(watch)
+                watch.timeline.drop_watch(watch)
+                if watch.cwatch is not None:
+                    self.drop_native_watch(watch)
+                watch.queued = False
+                if watch.heap:
+                    watch.detached = True
+                    self._detached[id(watch.timeline)] = watch
+            self._pending.clear()
+            self._ready.clear()
+            return True
+
+    def resume(self, watches: list[Watch], ready: list[Entry]) -> None:
+        """The loop runs again (``suspend``'s callback): take its watches back."""
+        with self._closing:  # (after the suspend, where it overtook it)
+            pass
+        for watch in watches:
+            if watch.detached and watch.heap and not self.dead:  # (not all withdrawn)
+                watch.timeline._watch_for(self)  # (takes it back)
+        for entry in ready:
+            if not entry.done:
+                self._ready.append(entry)  # (still counted as waiting)
+                self._schedule_slice()
 
     def notify(self, watch: Watch) -> None:
         """Called from any thread once ``watch.timeline`` reached ``watch.next``."""
@@ -724,6 +820,48 @@ class _AsyncioBridge(LoopBridge):
         self.sleeps_coarsely = isinstance(selector, _COARSE_SELECTORS) and hasattr(
             loop, "_scheduled"
         )
+        self._pid = os.getpid()
+        self.thread = 0  # the thread the loop ran on when last seen (made on it)
+        self.thread_gone = False  # it has ended since
+        self._thread_mark = 0
+        self._adopt_thread()
+
+    def _adopt_thread(self) -> None:
+        """The loop runs on the calling thread: have its end looked at (``thread_ended``)."""
+        holder: _ThreadEnd | None = getattr(_thread_end, "holder", None)
+        if holder is None:
+            holder = _thread_end.holder = _ThreadEnd()
+        self.thread = _get_ident()
+        self.thread_gone = False
+        self._thread_mark = holder.mark(self)
+
+    def thread_ended(self, mark: int) -> None:
+        """The thread the loop ran on when last seen has ended (called as it ends): a
+        loop it left stopped sets its waiters aside (``suspend``), as one may never run
+        again; one it left closed lets go of them (``release``)."""
+        if mark != self._thread_mark:  # (seen on another thread since)
+            return
+        self.thread_gone = True
+        self.left_behind()
+
+    def left_behind(self) -> None:
+        """The thread the loop ran on has ended, or runs another loop now: if it left
+        the loop stopped, set its waiters aside; closed, let go of them."""
+        loop = self._loop_ref()
+        if loop is None or os.getpid() != self._pid:
+            # (In a forked child, whose copies of other threads' states are cleared as
+            # it starts: the parent's loops and timelines are the parent's.)
+            return
+        if loop.is_closed():
+            if self.watches or self._native_watches or self._detached:
+                self.release()
+        elif not loop.is_running():
+            self.suspend()
+
+    def resume(self, watches: list[Watch], ready: list[Entry]) -> None:
+        if self.thread_gone or self.thread != _get_ident():
+            self._adopt_thread()
+        super().resume(watches, ready)
 
     def on_loop_thread(self) -> bool:
         # Its loop is running on this thread (a loop may run on one thread, then another).
@@ -770,6 +908,8 @@ class _AsyncioBridge(LoopBridge):
     async def park(self, watch: Watch | None, value: int) -> None:
         loop = self._loop_ref()
         assert loop is not None
+        if self.thread != _get_ident() or self.thread_gone:
+            self._adopt_thread()  # (the loop moved to another thread)
         future: asyncio.Future[None] = loop.create_future()
 
         def wake() -> None:
@@ -790,6 +930,35 @@ class _AsyncioBridge(LoopBridge):
                 else:
                     watch.withdraw(entry)
             raise
+
+
+class _ThreadEnd:
+    """Held by a thread-local of each thread that ran an asyncio loop with a bridge, so
+    dropped as that thread ends: it tells the bridges of the loops last seen on it."""
+
+    __slots__ = ("bridges",)
+
+    def __init__(self) -> None:
+        self.bridges: weakref.WeakKeyDictionary[_AsyncioBridge, int] = weakref.WeakKeyDictionary()
+
+    def mark(self, bridge: _AsyncioBridge) -> int:
+        self.bridges[bridge] = mark = next(_thread_marks)
+        return mark
+
+    def __del__(self) -> None:
+        if _is_finalizing():  # (the interpreter's end: its loops go with it)
+            return
+        for bridge, mark in list(self.bridges.items()):
+            try:
+                bridge.thread_ended(mark)
+            except Exception:  # (nowhere to raise to: the thread has ended)
+                _log.exception("letting go of a loop whose thread ended")
+
+
+_thread_end = threading.local()
+_thread_marks = itertools.count(1)
+_is_finalizing = sys.is_finalizing
+_get_ident = threading.get_ident
 
 
 class _TrioBridge(LoopBridge):
@@ -1050,10 +1219,27 @@ def current_bridge() -> LoopBridge:
             if bridge is None:
                 bridge = _asyncio_bridges[loop] = _AsyncioBridge(loop)
             closed = _closed_loops_bridges()
+            stopped = _stopped_loops_bridges()
         for other in closed:
             other.release()
+        for other in stopped:
+            other.suspend()
+    _switch_here(bridge)
     _remember(loop, bridge)
     return bridge
+
+
+def _switch_here(bridge: LoopBridge) -> None:
+    """The calling thread's running loop is ``bridge``'s: the one it ran before, if it
+    stopped there with tasks parked, sets them aside (``LoopBridge.suspend``) -- it may
+    never run again (nothing else may hold it)."""
+    last_ref: Callable[[], LoopBridge | None] = getattr(_thread_end, "last", _no_loop)
+    last = last_ref()
+    if last is bridge:
+        return
+    _thread_end.last = weakref.ref(bridge)
+    if isinstance(last, _AsyncioBridge) and last.thread == _get_ident():
+        last.left_behind()
 
 
 def _closed_loops_bridges() -> list[LoopBridge]:
@@ -1063,6 +1249,22 @@ def _closed_loops_bridges() -> list[LoopBridge]:
         bridge
         for loop, bridge in list(_asyncio_bridges.items())
         if loop.is_closed() and not bridge._released and (bridge.watches or bridge._native_watches)
+    ]
+
+
+def _stopped_loops_bridges() -> list[LoopBridge]:
+    """The bridges of asyncio loops stopped, not closed, with tasks still parked, that
+    were last seen on a thread that has ended, to suspend (see ``LoopBridge.suspend``):
+    looked for as a new loop's bridge is made (where the loop moved to another thread
+    as that one ended, see ``thread_ended``)."""
+    return [
+        bridge
+        for loop, bridge in list(_asyncio_bridges.items())
+        if isinstance(bridge, _AsyncioBridge)
+        and bridge.thread_gone
+        and (bridge.watches or bridge._ready)
+        and not loop.is_closed()
+        and not loop.is_running()
     ]
 
 

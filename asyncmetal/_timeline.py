@@ -149,13 +149,21 @@ class Waitable:
         watch = self._watch_of.get(bridge)
         if watch is None:
             with self._watch_lock:
-                watch = _bridge.Watch(bridge, self)
+                # One its loop set aside as it stopped (LoopBridge.suspend), with its
+                # waiters, rejoins: a loop has one watch on a timeline.
+                taken = watch = bridge.take_detached(self)
+                if watch is None:
+                    watch = _bridge.Watch(bridge, self)
+                else:
+                    watch.attach()
                 # Watches of loops that have ended go now (their bridge let go of them
                 # then, but may not take this lock: it ends from a finalizer).
                 watch_of = {b: w for b, w in self._watch_of.items() if not b.dead}
                 watch_of[bridge] = watch
                 self._watch_of = watch_of
                 self._watches = tuple(watch_of.values())
+            if taken is not None:
+                taken.rearm()  # (once notifiers see it: see _bridge's module doc)
         return watch
 
     def drop_watch(self, watch: _bridge.Watch) -> None:

@@ -1,0 +1,338 @@
+"""asyncio loops stopped with tasks parked on a timeline and never closed (the thread
+that ran ``loop.run_until_complete`` ends, or runs another loop): a loop nothing else
+holds goes, with its bridge's wake-up pipe and watches; a loop still held runs its waits
+again when it runs again. (A trio run always ends: its bridge closes then.)"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import os
+import threading
+import weakref
+from collections.abc import Callable
+
+import pytest
+
+import asyncmetal as am
+
+LOOPS = [pytest.param(False, id="asyncio"), pytest.param(True, id="uvloop")]
+
+
+def _new_loop(use_uvloop: bool) -> Callable[[], asyncio.AbstractEventLoop]:
+    if use_uvloop:
+        uvloop = pytest.importorskip("uvloop", reason="uvloop is a test dependency")
+        return uvloop.new_event_loop  # type: ignore[no-any-return]
+    return asyncio.new_event_loop
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _open_pipes() -> set[str]:
+    """The pipes the process has open, as /proc names them ("pipe:[inode]")."""
+    names = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # (listdir's own, closed since)
+            names.add(os.readlink(f"/proc/self/fd/{fd}"))
+    return {name for name in names if name.startswith("pipe:")}
+
+
+def _collected(refs: list[weakref.ref[asyncio.AbstractEventLoop]]) -> bool:
+    """Whether the loops are garbage once collected (a thread's end is seen as the
+    thread ends, before join returns; looked at a while, in case it came later)."""
+    for _ in range(200):
+        gc.collect()
+        if all(ref() is None for ref in refs):
+            return True
+        threading.Event().wait(0.01)
+    return False
+
+
+def _settled_threads(baseline: int) -> int:
+    for _ in range(200):
+        if threading.active_count() <= baseline:
+            break
+        threading.Event().wait(0.01)
+    return threading.active_count()
+
+
+# The loops were never closed: asyncio warns as each goes, and its finalizer, closing
+# the loop, may find the loop's own sockets closed already (collected with it).
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("use_uvloop", LOOPS)
+def test_a_loop_left_stopped_by_a_thread_that_ended_is_let_go_of(use_uvloop: bool) -> None:
+    """Threads each ran a loop until its main task was done, 10 other tasks still parked
+    on a device's timeline, and ended without closing it. The timeline held the tasks,
+    so the loop, its bridge's wake-up pipe (2 file descriptors), its native watch and
+    notifier -- for as long as the device lived. Now each loop is garbage, with its
+    bridge, and its pipe is closed; the timeline keeps no watch and the process no
+    thread. (uvloop, for its part, does not close a loop that is collected unclosed: its
+    own descriptors stay, asyncmetal or not; asyncio's loop closes then.) Checked failing
+    without: the three loops stayed, with their pipes and watches, 15 descriptors."""
+    new_loop = _new_loop(use_uvloop)
+    boot = asyncio.new_event_loop()
+    dev = boot.run_until_complete(am.open_device("cpu"))
+    try:
+        timeline = dev.timeline()
+        boot.run_until_complete(timeline.wait(0))
+        gc.collect()
+        fds, threads = _fds(), threading.active_count()
+        bridges = len(am._bridge._asyncio_bridges)
+        loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+        pipes: list[str] = []
+
+        def run() -> None:
+            loop = new_loop()
+            loops.append(weakref.ref(loop))
+
+            async def main() -> None:
+                waits = [asyncio.ensure_future(timeline.wait(1 << 60)) for _ in range(10)]
+                await asyncio.sleep(0.02)
+                for task in waits:
+                    task._log_destroy_pending = False  # type: ignore[attr-defined]
+                wake_up = am._bridge.current_bridge()._pipe  # the bridge's pipe
+                assert wake_up is not None
+                pipes.extend(os.readlink(f"/proc/self/fd/{fd}") for fd in wake_up)
+
+            loop.run_until_complete(main())  # returns with the 10 still parked
+
+        for _ in range(3):
+            thread = threading.Thread(target=run)
+            thread.start()
+            thread.join()
+        assert _collected(loops)
+        assert len(am._bridge._asyncio_bridges) == bridges
+        assert not timeline._watch_of
+        assert pipes and not set(pipes) & _open_pipes()
+        if not use_uvloop:
+            assert _fds() == fds
+        assert _settled_threads(threads) <= threads
+
+        async def later() -> None:  # the timeline's waits go on for other loops
+            waiting = asyncio.ensure_future(timeline.wait(1))
+            await asyncio.sleep(0.01)
+            timeline.signal(1)
+            await asyncio.wait_for(waiting, 5)
+
+        boot.run_until_complete(later())
+    finally:
+        boot.run_until_complete(dev.close())
+        boot.close()
+
+
+@pytest.mark.parametrize("use_uvloop", LOOPS)
+def test_a_loop_stopped_by_a_thread_that_ended_runs_its_waits_when_run_again(
+    use_uvloop: bool,
+) -> None:
+    """A loop stopped with three tasks parked on a timeline by a thread that then ended,
+    the loop still held: it is not torn down. Run again on another thread, each wait
+    ends as it would have -- one for a value signalled while it was stopped, one
+    cancelled while it was stopped, one for a value signalled after -- and none is left
+    counted as waiting."""
+    new_loop = _new_loop(use_uvloop)
+    boot = asyncio.new_event_loop()
+    dev = boot.run_until_complete(am.open_device("cpu"))
+    held: list[asyncio.AbstractEventLoop] = []
+    waits: list[asyncio.Future[None]] = []
+    try:
+        timeline = dev.timeline()
+
+        def run() -> None:
+            loop = new_loop()
+            held.append(loop)
+
+            async def main() -> None:
+                waits.extend(asyncio.ensure_future(timeline.wait(v)) for v in (1, 2, 3))
+                await asyncio.sleep(0.02)
+
+            loop.run_until_complete(main())
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        (loop,) = held
+        assert am._bridge._asyncio_bridges[loop] not in timeline._watch_of  # set aside
+        timeline.signal(1)
+        loop.call_soon_threadsafe(waits[1].cancel)
+
+        async def again() -> int:
+            await asyncio.sleep(0.01)
+            timeline.signal(3)
+            await asyncio.wait_for(asyncio.gather(waits[0], waits[2]), 5)
+            assert waits[1].cancelled()
+            await asyncio.sleep(0.01)
+            return am.loop_statistics().waiting
+
+        assert loop.run_until_complete(again()) == 0
+        loop.close()
+    finally:
+        boot.run_until_complete(dev.close())
+        boot.close()
+
+
+@pytest.mark.parametrize("use_uvloop", LOOPS)
+def test_a_stopped_loop_runs_its_waits_after_another_loop_ran_on_its_thread(
+    use_uvloop: bool,
+) -> None:
+    """A loop stopped with tasks parked on a timeline, then another loop run on the same
+    thread (whose first wait lets go of stopped loops' waits there, for a loop nothing
+    else holds): the first, run again, wakes its tasks -- for a value reached while the
+    other ran, and one after."""
+    new_loop = _new_loop(use_uvloop)
+    first = new_loop()
+    dev = first.run_until_complete(am.open_device("cpu"))
+    try:
+        timeline = dev.timeline()
+
+        async def park() -> list[asyncio.Future[None]]:
+            waits = [asyncio.ensure_future(timeline.wait(v)) for v in (1, 1, 2)]
+            await asyncio.sleep(0.02)
+            return waits
+
+        waits = first.run_until_complete(park())
+
+        async def other() -> None:
+            waiting = asyncio.ensure_future(timeline.wait(1))
+            await asyncio.sleep(0.01)
+            timeline.signal(1)
+            await asyncio.wait_for(waiting, 5)
+
+        second = new_loop()
+        second.run_until_complete(other())
+        second.close()
+        assert am._bridge._asyncio_bridges[first] not in timeline._watch_of  # set aside
+
+        async def again() -> int:
+            await asyncio.sleep(0.01)
+            timeline.signal(2)
+            await asyncio.wait_for(asyncio.gather(*waits), 5)
+            await asyncio.sleep(0.01)
+            return am.loop_statistics().waiting
+
+        assert first.run_until_complete(again()) == 0
+    finally:
+        first.run_until_complete(dev.close())
+        first.close()
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")  # as above
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_stopped_loop_nothing_holds_goes_once_another_loop_runs_on_its_thread() -> None:
+    """A loop run until its main task was done, 10 other tasks still parked on a
+    timeline, then dropped, unclosed, by a thread that lives on: once another loop's
+    first wait on that thread lets go of its waits, it is garbage, and its bridge's pipe
+    closed. Checked failing without: the loop stayed, held by the timeline."""
+    boot = asyncio.new_event_loop()
+    dev = boot.run_until_complete(am.open_device("cpu"))
+    try:
+        timeline = dev.timeline()
+
+        async def other(value: int) -> None:
+            waiting = asyncio.ensure_future(timeline.wait(value))
+            await asyncio.sleep(0.01)
+            timeline.signal(value)
+            await asyncio.wait_for(waiting, 5)
+
+        boot.run_until_complete(other(1))  # (its bridge, and pipe, made)
+        gc.collect()
+        fds = _fds()
+        loop = asyncio.new_event_loop()
+        dropped = weakref.ref(loop)
+
+        async def main() -> None:
+            waits = [asyncio.ensure_future(timeline.wait(1 << 60)) for _ in range(10)]
+            await asyncio.sleep(0.02)
+            for task in waits:
+                task._log_destroy_pending = False  # type: ignore[attr-defined]
+
+        loop.run_until_complete(main())
+        del loop
+        boot.run_until_complete(other(2))
+        assert _collected([dropped])
+        assert _fds() == fds
+    finally:
+        boot.run_until_complete(dev.close())
+        boot.close()
+
+
+@pytest.mark.parametrize("use_uvloop", LOOPS)
+def test_a_loop_closed_with_tasks_parked_goes_as_its_thread_ends(use_uvloop: bool) -> None:
+    """A thread ran a loop, 10 tasks still parked on a timeline, and closed it without
+    cancelling them; no other loop awaits anything after: the loop's waits, watch and
+    pipe are let go of as the thread ends (they were at the next loop's first await
+    only). Checked failing without: the watch stayed."""
+    new_loop = _new_loop(use_uvloop)
+    boot = asyncio.new_event_loop()
+    dev = boot.run_until_complete(am.open_device("cpu"))
+    try:
+        timeline = dev.timeline()
+        pipes: list[str] = []
+
+        def run() -> None:
+            loop = new_loop()
+
+            async def main() -> None:
+                waits = [asyncio.ensure_future(timeline.wait(1 << 60)) for _ in range(10)]
+                await asyncio.sleep(0.02)
+                for task in waits:
+                    task._log_destroy_pending = False  # type: ignore[attr-defined]
+                wake_up = am._bridge.current_bridge()._pipe
+                assert wake_up is not None
+                pipes.extend(os.readlink(f"/proc/self/fd/{fd}") for fd in wake_up)
+
+            loop.run_until_complete(main())
+            loop.close()  # the 10 still parked
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        assert not timeline._watch_of
+        assert pipes and not set(pipes) & _open_pipes()
+    finally:
+        boot.run_until_complete(dev.close())
+        boot.close()
+
+
+def test_a_trio_run_ended_by_an_error_with_tasks_parked_keeps_nothing() -> None:
+    """trio's counterpart: a ``trio.run`` cannot be left stopped -- it returns only once
+    every task has ended, also when an error ends it while 10 tasks wait on a timeline
+    -- and its bridge closes as the run ends: no watch, pipe or thread is left."""
+    import trio
+
+    boot = asyncio.new_event_loop()
+    dev = boot.run_until_complete(am.open_device("cpu"))
+    try:
+        timeline = dev.timeline()
+        gc.collect()
+        fds, threads = _fds(), threading.active_count()
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                for _ in range(10):
+                    nursery.start_soon(timeline.wait, 1 << 60)
+                await trio.sleep(0.02)
+                raise KeyError("ends the run")
+
+        ended: list[Exception] = []
+
+        def run() -> None:
+            try:
+                trio.run(main)
+            except Exception as error:  # (the KeyError, in trio's exception group)
+                ended.append(error)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        assert "KeyError" in repr(ended)
+        gc.collect()
+        assert not timeline._watch_of
+        assert _fds() == fds
+        assert _settled_threads(threads) <= threads
+    finally:
+        boot.run_until_complete(dev.close())
+        boot.close()
