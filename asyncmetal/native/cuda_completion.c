@@ -59,6 +59,10 @@ void am_cuq_discard(am_cuq *q) {
         pthread_mutex_unlock(&q->mu);
         return;
     }
+    /* A thread handing a held device wait over now (driving) may find it must wait, and
+     * put it back held: this discard takes its command for handed over (handed_value),
+     * so that thread discards again then (cuq_drain, cuq_submit_then). */
+    q->discarded = 1;
     am_cuop **p = &q->held, *last = NULL;
     while (*p && (*p)->value <= q->handed_value) {
         last = *p;
@@ -276,6 +280,7 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
         uint64_t handed = q->handed_value;
         q->handed_value = op->value;
         pthread_mutex_unlock(&q->mu);
+        cuq_test_hook(CU_HOOK_DRAIN_HANDING, q);
         int r = cuq_run_op(q, op);
         if (r == CU_DEFERRED) {
             pthread_mutex_lock(&q->mu);
@@ -283,6 +288,11 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
             cuq_undrive(q);
             op->next = NULL;
             cuq_hold_first(q, op);
+            if (q->discarded) {  /* discarded meanwhile, with this command kept: it goes */
+                pthread_mutex_unlock(&q->mu);
+                am_cuq_discard(q);
+                pthread_mutex_lock(&q->mu);
+            }
             continue;
         }
         /* Refused: what this command handed over before may still run; the queue settles

@@ -157,6 +157,8 @@ struct am_cuq {
     am_timeline *kick_on;           /* ... that timeline (set with deferred, under mu) */
     _Atomic int64_t poll_until;     /* a kicked wait's work: polled for until then */
     int driving;                    /* a thread is making driver calls for this queue */
+    int discarded;                  /* am_cuq_discard ran: a device wait that a thread
+                                       handing it over puts back held goes too (under mu) */
     uint64_t handed_value;          /* the command of the last operation handed to the
                                        driver, or being handed now (under mu) */
     int handing;                    /* threads in cuq_hand_over waiting on hand_cv for
@@ -241,7 +243,7 @@ AM_HIDDEN void *am_test_alloc(size_t size);
 /* Points between two steps of a queue where the native test harness (built with
  * AM_TEST_HOOKS, its simulated driver defining am_test_hook) runs what another thread
  * could do there, to check that interleaving every time. Nothing otherwise. */
-enum { CU_HOOK_DISCARD_UNLOCKED };
+enum { CU_HOOK_DISCARD_UNLOCKED, CU_HOOK_DRAIN_HANDING, CU_HOOK_SUBMIT_HANDING };
 #ifdef AM_TEST_HOOKS
 AM_HIDDEN void am_test_hook(int where, am_cuq *q);
 #define cuq_test_hook am_test_hook

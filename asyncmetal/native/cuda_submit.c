@@ -415,6 +415,7 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
     pthread_mutex_unlock(&q->mu);
     void *before;
     int r = cuq_enter(q, &before);
+    cuq_test_hook(CU_HOOK_SUBMIT_HANDING, q);
     if (!r) r = cuq_run_op(q, op);
     int ran = !r, deferred = r == CU_DEFERRED;
     am_cuop *held = NULL;
@@ -433,8 +434,10 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
         cuq_hold_first(q, held);
         atomic_fetch_add(&q->held_total, then ? 2 : 1);
     }
+    int discard = held && q->discarded;  /* discarded meanwhile: the wait held goes too */
     if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
     pthread_mutex_unlock(&q->mu);
+    if (discard) am_cuq_discard(q);
     return r == -1 ? cuq_no_memory(q, op->value, op, then, deferred) : r;
 }
 

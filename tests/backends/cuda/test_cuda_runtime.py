@@ -71,6 +71,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "closing"),
         *("ok", "stress"),
         *("ok", "discardkick"),
+        *("ok", "discarddrain"),
         *("ok", "discardstress"),
         *("ok", "closekick"),
         *("ok", "lowered"),
