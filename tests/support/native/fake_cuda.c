@@ -1628,6 +1628,14 @@ static void host_signal_at_discard(int where, am_cuq *q) {
     if (t) am_timeline_host_signal(t, 1);
 }
 
+/* f's held wait for t was dropped: its kick too, and f defers nothing. */
+static void kick_gone(fake_queue f, free_timeline t, const char *what) {
+    pthread_mutex_lock(&f.q->mu);
+    int deferred = f.q->deferred;
+    pthread_mutex_unlock(&f.q->mu);
+    if (deferred || atomic_load(&t.t->has_kicks)) die(what);
+}
+
 /* f holds a wait for t (which s signals, its signal held behind s's gate), and commands
  * behind it; the discard drops them all, and the wait's kick runs right after the
  * discard let go of f's lock -- a host signal of t on another thread. The kick ends its
@@ -1659,11 +1667,7 @@ static void check_discardkick(void) {
     am_cuq_stats(f.q, stats);
     if (am_cuq_error(f.q, &at) != AM_DISCARDED || at != 1 || stats[6] || atomic_load(&f.s->ran))
         die("discardkick: the held commands were not all dropped, failing from the first");
-    pthread_mutex_lock(&f.q->mu);
-    int deferred = f.q->deferred;
-    pthread_mutex_unlock(&f.q->mu);
-    if (deferred || atomic_load(&t.t->has_kicks))
-        die("discardkick: the dropped wait's kick stayed registered, or the queue deferred");
+    kick_gone(f, t, "discardkick: the dropped wait's kick stayed registered, or f deferred");
     atomic_store((_Atomic uint64_t *)gate, 1);
     reach(s.t, 2, "discardkick: s never finished");
     queue_free(f, 0);
@@ -1712,11 +1716,7 @@ static void check_discarddrain(void) {
     if (am_cuq_error(f.q, &at) != AM_DISCARDED || at != 2 || stats[6] ||
         atomic_load(&f.s->ran) != 1)
         die("discarddrain: the wait and the kernel behind it were not dropped, from 2");
-    pthread_mutex_lock(&f.q->mu);
-    int deferred = f.q->deferred;
-    pthread_mutex_unlock(&f.q->mu);
-    if (deferred || atomic_load(&t.t->has_kicks))
-        die("discarddrain: the dropped wait's kick stayed registered, or the queue deferred");
+    kick_gone(f, t, "discarddrain: the dropped wait's kick stayed registered, or f deferred");
     queue_free(f, 0);
     free_timeline_free(t);
     /* The same where the submitting thread hands the wait over itself (nothing held):
