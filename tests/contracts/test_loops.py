@@ -439,6 +439,18 @@ def _shielded_wait_with_watchdog(
     return wait
 
 
+async def _a_launch_released_later(
+    dev: am.Device, tl: am.Timeline, empty: am.Program, woke: list[bool]
+) -> None:
+    """Await, shielded (with a watchdog), a launch on a new queue behind a wait for
+    ``tl``'s 1, which a thread signals 50 ms later."""
+    queue = dev.new_queue()
+    queue.wait(tl, 1)
+    pending = queue.launch(empty)
+    threading.Timer(0.05, tl.signal, args=(1,)).start()
+    await _shielded_wait_with_watchdog(pending.wait, woke)()
+
+
 def test_a_system_tasks_cleanup_as_the_trio_run_ends_is_woken() -> None:
     """trio cancels its system tasks together as the run ends, the bridge's pipe reader
     among them. Another system task's shielded cleanup that awaits a command then is
@@ -457,11 +469,7 @@ def test_a_system_tasks_cleanup_as_the_trio_run_ends_is_woken() -> None:
             try:
                 await trio.sleep_forever()
             finally:  # system tasks are cancelled as the run ends
-                queue = dev.new_queue()
-                queue.wait(tl, 1)
-                pending = queue.launch(empty)
-                threading.Timer(0.05, tl.signal, args=(1,)).start()
-                await _shielded_wait_with_watchdog(pending.wait, woke)()
+                await _a_launch_released_later(dev, tl, empty, woke)
 
         trio.lowlevel.spawn_system_task(cleans_up_as_the_run_ends)
         await trio.lowlevel.checkpoint()
@@ -490,11 +498,7 @@ def test_an_async_generator_finalized_as_the_trio_run_ends_is_woken() -> None:
                 yield 1
                 yield 2
             finally:  # run by trio as the run ends
-                queue = dev.new_queue()
-                queue.wait(tl, 1)
-                pending = queue.launch(empty)
-                threading.Timer(0.05, tl.signal, args=(1,)).start()
-                await _shielded_wait_with_watchdog(pending.wait, woke)()
+                await _a_launch_released_later(dev, tl, empty, woke)
 
         unfinished = generator()
         left.append(unfinished)  # kept: trio finalizes it as the run ends
