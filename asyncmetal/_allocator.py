@@ -968,13 +968,21 @@ class Allocator:
             lenders.discard(self)
             self.in_use = 0
 
-    def forget_passed_uses(self, queues: Collection[Queue]) -> int:
-        """Take the uses by ``queues`` that passed off the records of the blocks in use
-        and cached, so that the blocks no longer keep those queues alive; return how
-        many blocks it looked through. The caller sees that nothing submits to
-        ``queues`` meanwhile."""
+    def blocks(self) -> list[Block]:
+        """The blocks in use and cached now (for ``forget_passed_uses``, a part at a
+        time)."""
         with self._lock:
-            blocks = [*self._live, *self._cache.values()]
+            return [*self._live, *self._cache.values()]
+
+    def forget_passed_uses(
+        self, queues: Collection[Queue], blocks: list[Block] | None = None
+    ) -> int:
+        """Take the uses by ``queues`` that passed off the records of ``blocks`` (by
+        default the blocks in use and cached), so that the blocks no longer keep those
+        queues alive; return how many blocks it looked through. The caller sees that
+        nothing submits to ``queues`` meanwhile."""
+        if blocks is None:
+            blocks = self.blocks()
         forget = set(queues)
         for block in blocks:
             uses = block.last_use

@@ -12,9 +12,11 @@ import itertools
 import os
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Coroutine, Generator, Iterable
+from queue import Empty, SimpleQueue
 from typing import Any
 
 import anyio
@@ -107,6 +109,17 @@ def _import_anyio_now() -> None:
 _import_anyio_now()
 
 RECOUNT_S = 0.05  # a close waiting for its queues counts what can complete this often
+# A device's reaper (see Device._reap_later) looks for queues from new_queue() that have
+# nothing in flight any more this long after one was made or submitted to again, then
+# again twice as long after each look that let go of none (at most REAP_MAX_S), and at
+# least REAP_DUTY times as long as its last look took. It holds the submission lock for
+# REAP_CHUNK blocks' records at a time.
+REAP_S = 0.05
+REAP_MAX_S = 0.5
+REAP_DUTY = 100
+REAP_CHUNK = 256
+# What a reaper is told: look soon (a queue to watch); a queue was collected; stop.
+_LOOK, _COLLECTED, _STOP = 0, 1, 2
 # A source this long or longer is hashed and its kernel's parameters read on a worker
 # thread, not the loop: both take about 20 us per KiB (33 ms for 1.5 MB).
 OFF_LOOP_SOURCE = 16 << 10
@@ -183,17 +196,18 @@ class Device:
         self._retired: list[tuple[Any, list[tuple[Queue, int]]]] = []
         self._retire_lock = threading.Lock()
         # Queues closed (Queue.close) and not released yet: each is released once its
-        # commands ran, by its close or, where that was cancelled, the next new_queue.
+        # commands ran, by its close or, where that was cancelled, the reaper (or the next
+        # new_queue).
         self._unreleased: list[Queue] = []
         self._releases: dict[Queue, HostEvents] = {}  # under way: reach 1 once done
         self._release_threads: list[threading.Thread] = []
         # Queues from new_queue() with nothing in flight that the device let go of (see
         # _let_go_of_idle_queues): alive while someone holds them. One collected leaves
-        # its number here (its finalizer, on any thread); its native queue is released by
-        # the next new_queue on a thread of its own, or by the device's close. The native
-        # queues are kept here by number, not by the finalizers: a native queue that
-        # refers to its Queue (a Metal queue's recent command buffers' records) would
-        # keep it alive for good from a finalizer.
+        # its number here (its finalizer, on any thread) and tells the reaper, which
+        # releases its native queue on a thread of its own (so does the next new_queue,
+        # and the device's close). The native queues are kept here by number, not by the
+        # finalizers: a native queue that refers to its Queue (a Metal queue's recent
+        # command buffers' records) would keep it alive for good from a finalizer.
         self._idle: weakref.WeakSet[Queue] = weakref.WeakSet()
         self._natives: dict[int, tuple[NativeQueue, Timeline]] = {}
         self._dropped_queues: list[int] = []
@@ -206,6 +220,12 @@ class Device:
         # many blocks (each new_queue pays for about 64 looked at).
         self._kept_at_sweep = 0
         self._blocks_at_sweep = 0
+        # The reaper (see _reap_later): a thread, started at the first new_queue, that
+        # lets go of idle queues and releases collected ones without waiting for another
+        # new_queue. _watching: it was told to look (submission lock held to change it).
+        self._reaper: threading.Thread | None = None
+        self._reaper_inbox: SimpleQueue[int] = SimpleQueue()
+        self._watching = False
         self.queue = self._state.queue = Queue(self._state, _made=MADE_BY_DEVICE)
         self._queues.append(self.queue)
         with _open_devices_lock:
@@ -279,7 +299,9 @@ class Device:
             self._queues = [*self._queues, queue]  # (a new list: see _claim_release)
             number = next(self._numbers)
             self._natives[number] = (native_queue(queue), queue.timeline)
-            drop = weakref.finalize(queue, self._dropped_queues.append, number)
+            drop = weakref.finalize(
+                queue, _collected, self._dropped_queues, self._reaper_inbox, number
+            )
             drop.atexit = False
             self._on_drop[queue] = drop
             ready = [q for q in self._unreleased if settled(q)]
@@ -295,6 +317,7 @@ class Device:
                 self._start_release(ready, released)
             if dropped:
                 self._start_release([], None, [native for native, _ in dropped])
+            self._reap_later()
         return queue
 
     def _take_dropped(self) -> list[tuple[NativeQueue, Timeline]]:
@@ -311,21 +334,121 @@ class Device:
         too (a queue there would stay alive as long as the buffer). An idle queue
         submitted to again is kept again first (Queue._kept). Made now and then: once
         the queues kept doubled since the last time."""
-        adopted = {id(q) for q in self._adopted.values()}
-        idle = [
-            q for q in self._queues if q is not self.queue and id(q) not in adopted and let_go(q)
-        ]
+        idle = self._mark_idle(False)
         if idle:
             self._blocks_at_sweep = self._allocator.forget_passed_uses(idle)
+
+    def _mark_idle(self, unused: bool) -> list[Queue]:
+        """Let go of the idle queues (see _let_go_of_idle_queues; submission lock held),
+        with ``unused`` only those not submitted to since the last time (the reaper's
+        look): their uses on the buffers' records are left to the caller. Return them."""
+        adopted = {id(q) for q in self._adopted.values()}
+        idle = [
+            q
+            for q in self._queues
+            if q is not self.queue
+            and id(q) not in adopted
+            and (not unused or _unused(q))
+            and let_go(q)
+        ]
+        if idle:
             self._queues = [q for q in self._queues if q not in idle]
             self._idle.update(idle)
         self._kept_at_sweep = len(self._queues)
+        return idle
 
     def _keep_queue(self, queue: Queue) -> None:
         """Keep an idle queue again: a command is about to be submitted to it (its
         submission lock held)."""
         self._idle.discard(queue)
         self._queues = [*self._queues, queue]
+        self._reap_later()
+
+    def _reap_later(self) -> None:
+        """Have the reaper look soon for queues to let go of and release (submission
+        lock held): a queue was made, submitted to after it was let go of, or closed by
+        a close that may be cancelled before it releases it.
+
+        The reaper is a thread of the device's, so that a queue its owner dropped is
+        released once nothing of it is in flight, not at the next new_queue: it lets go
+        of the idle queues now and then (``_look``) while some may become idle, and a
+        queue collected (its finalizer, on any thread, even in a GC pass inside a
+        lock, only appends its number and tells the reaper through a SimpleQueue,
+        which takes no lock) is released at once on a release thread (``_reaped``):
+        neither the thread that dropped it nor a loop ever waits for its native
+        close."""
+        if self._watching:
+            return
+        if self._reaper is None:
+            reaper = threading.Thread(
+                target=_reap,
+                args=(weakref.ref(self), self._reaper_inbox),
+                name=f"asyncmetal reaper ({self.name})",
+                daemon=True,
+            )
+            try:
+                reaper.start()
+            except RuntimeError:
+                return  # (no thread to be had: new_queue and the close release them)
+            self._reaper = reaper
+            # A device collected unclosed (its warning at exit says so) stops it.
+            weakref.finalize(self, self._reaper_inbox.put, _STOP).atexit = False
+        self._watching = True
+        self._reaper_inbox.put(_LOOK)
+
+    def _reaped(self) -> bool:
+        """Release the native queues of the queues collected, and the closed queues
+        whose closes were cancelled once their commands ran (on the reaper; taking the
+        submission lock). False once the device is closed (the close releases them)."""
+        with self._state.submitting:
+            if self.closed:
+                return False
+            ready = [q for q in self._unreleased if settled(q)]
+            released = self._claim_release(ready)
+            dropped = self._take_dropped()
+            for _, timeline in dropped:  # its close ends waits on it (none reach it)
+                self._timelines.add(timeline)
+            if released is not None:
+                self._start_release(ready, released)
+            if dropped:
+                self._start_release([], None, [native for native, _ in dropped])
+        return True
+
+    def _look(self) -> bool | None:
+        """Let go of the idle queues (on the reaper), a part of the buffers' records at a
+        time, so that those dropped are collected (and then released: ``_reaped``).
+        Whether it let go of any; None once nothing more can become idle (the reaper
+        waits until told; ``_watching`` unset) or the device is closed."""
+        lock = self._state.submitting
+        with lock:
+            if self.closed:
+                return None
+            idle = self._mark_idle(True)
+            blocks = self._allocator.blocks() if idle else []
+        still = idle
+        for start in range(0, len(blocks), REAP_CHUNK):
+            with lock:
+                if self.closed:
+                    return None
+                # Those submitted to again meanwhile (kept) record new uses: left alone.
+                still = [q for q in idle if q._idle]
+                if not still:
+                    break
+                self._allocator.forget_passed_uses(still, blocks[start : start + REAP_CHUNK])
+        let_go_of = bool(idle)
+        del idle, still  # a queue nobody else holds is collected here
+        if not self._reaped():
+            return None
+        with lock:
+            if let_go_of:
+                self._blocks_at_sweep = len(blocks)
+            adopted = {id(q) for q in self._adopted.values()}
+            if not self._unreleased and not any(
+                q is not self.queue and id(q) not in adopted for q in self._queues
+            ):
+                self._watching = False
+                return None
+        return let_go_of
 
     def adopt_stream(self, stream: object) -> Queue:
         """A Queue over an existing stream of another library (cuda devices): an object
@@ -772,6 +895,7 @@ class Device:
             closed = self.closed
             if not closed and seal(queue, f"this queue of {self.name} was closed"):
                 self._unreleased.append(queue)
+                self._reap_later()  # (released by the reaper if this close is cancelled)
             # Sealed either way (by the device's close, or here). One being released has
             # finished: nothing is left to drop. (The backend's discard and its native
             # close exclude each other: the device's close releases it meanwhile.)
@@ -822,7 +946,7 @@ class Device:
             if drop is not None:  # released here, not once collected
                 detached = drop.detach()
                 if detached is not None:
-                    self._natives.pop(detached[2][0], None)
+                    self._natives.pop(detached[2][2], None)  # (its number)
         self._queues = [q for q in self._queues if q not in queues]
         self._adopted = {k: q for k, q in self._adopted.items() if q not in queues}
         return released
@@ -900,6 +1024,10 @@ class Device:
         ``blocked`` (or every queue, with ``abandon``) is stopped where it is, inside a
         device-side wait; the others have finished everything submitted."""
         self.closed = True
+        reaper = self._reaper
+        if reaper is not None and reaper is not threading.current_thread():
+            self._reaper_inbox.put(_STOP)
+            reaper.join()  # (it starts no release threads once closed)
         for thread in list(self._release_threads):  # queues closed before (idle ones)
             thread.join()
         # Each step runs whatever an earlier one raised (a queue's native close that
@@ -925,6 +1053,62 @@ class Device:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _unused(queue: Queue) -> bool:
+    """Whether nothing was submitted to ``queue`` since the reaper's last look (each
+    look notes it): a queue in use is not let go of (its next launch would take the
+    Python path), only one left alone a whole look apart (submission lock held)."""
+    looked_at, queue._looked_at = queue._looked_at, queue.submitted
+    return looked_at == queue.submitted
+
+
+def _collected(dropped: list[int], inbox: SimpleQueue[int], number: int) -> None:
+    """The finalizer of a queue from new_queue(): its number for the reaper. It may run
+    on any thread, inside a GC pass of a thread holding any lock (the submission lock,
+    a driver's): it takes none (SimpleQueue.put is safe from finalizers) and never
+    waits."""
+    dropped.append(number)
+    inbox.put(_COLLECTED)
+
+
+def _reap(device_ref: weakref.ref[Device], inbox: SimpleQueue[int]) -> None:
+    """A device's reaper thread (see Device._reap_later). It holds the device only while
+    it works, so a device left unclosed is still collected (its finalizer stops this)."""
+    due: float | None = None  # when to look next
+    wait = REAP_S  # how long after a look that let go of nothing
+    while True:
+        try:
+            message = inbox.get(timeout=None if due is None else max(0.0, due - time.monotonic()))
+        except Empty:
+            message = None  # time to look
+        if message == _STOP:
+            return
+        if message == _LOOK:  # a queue made or submitted to: it may be idle soon
+            wait = REAP_S
+            if due is None:
+                due = time.monotonic() + wait
+            continue
+        device = device_ref()
+        if device is None:
+            return
+        if message == _COLLECTED:
+            if not device._reaped():
+                return
+            del device
+            continue
+        began = time.monotonic()
+        let_go_of = device._look()
+        took = time.monotonic() - began
+        closed = device.closed
+        del device
+        if closed:
+            return
+        if let_go_of is None:
+            due = None  # nothing to watch: told again when there is
+            continue
+        wait = REAP_S if let_go_of else min(2 * wait, REAP_MAX_S)
+        due = time.monotonic() + max(wait, REAP_DUTY * took)
 
 
 def _attempt(errors: list[Exception], fn: Callable[..., object], *args: Any) -> None:

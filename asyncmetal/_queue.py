@@ -208,6 +208,9 @@ class Queue:
         # next submission has the device keep it again first (``_keeper``).
         self._idle = False
         self._keeper = _keeper
+        # What was submitted when its device's reaper last looked: one submitted to
+        # since is in use, and not let go of then (see Device._look).
+        self._looked_at = -1
         # Common launches submitted by the native extension in one call (py_launch.c).
         self._launch_target = self._native.launch_target()
         self._fast_launch = (
@@ -265,8 +268,8 @@ class Queue:
 
         Waiting for its commands is a checkpoint (a device-side wait may wait for a value
         signalled later): cancelling it leaves the queue closed, and once its commands
-        ran it is released by the device's next new_queue(), a later close() or the
-        device's close. The release itself, once begun, runs to its end whatever
+        ran it is released soon after by the device's reaper thread, a later close() or
+        the device's close. The release itself, once begun, runs to its end whatever
         cancels the caller. Waiting for the device's close is a checkpoint too: that
         close goes on.
 

@@ -117,3 +117,13 @@ async def kernels(device: am.Device) -> dict[str, am.Program]:
     names = ["empty", "add", "fill", "step", "spin", "sleep_ms"]
     source = MSL_KERNELS if device.name == "metal" else KERNELS
     return {name: await device.compile(source, name) for name in names}
+
+
+@pytest.fixture
+def unreaped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Devices' reapers never let go of idle queues during the test (Device._look): a
+    queue let go of takes the Python launch path until submitted to again, so a test of
+    which path a queue takes would depend on the time between its launches."""
+    from asyncmetal import _device
+
+    monkeypatch.setattr(_device, "REAP_S", 1e6)

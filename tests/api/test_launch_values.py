@@ -111,6 +111,7 @@ void ints(unsigned char* out, long long a, unsigned int b, short c, unsigned lon
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.usefixtures("unreaped")
 async def test_every_launch_path_passes_them(device: am.Device, path: str) -> None:
     """The native launch path (ints of other integer types, each checked against its
     type's range), the extension's call and ctypes' (floats too) pass the same bits."""

@@ -9,6 +9,7 @@ import gc
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import anyio
@@ -169,9 +170,13 @@ async def test_a_queue_closed_before_its_device_is_not_closed_again(
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+@pytest.mark.parametrize("new_queue", [True, False], ids=["new queue", "reaper"])
 async def test_a_cancelled_close_leaves_the_queue_closed_and_releases_it_later(
-    anyio_backend: object,
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, new_queue: bool
 ) -> None:
+    """Released once its commands ran: by the next new_queue(), or without one by the
+    device's reaper."""
+    closes = record_native_closes(monkeypatch, lambda native: native)
     async with am.open_device("cpu") as dev:
         fill = await dev.compile("void fill(int* x, int v) { x[0] = v; }", "fill")
         buf = await dev.alloc(4)
@@ -188,9 +193,12 @@ async def test_a_cancelled_close_leaves_the_queue_closed_and_releases_it_later(
         tl.signal(1)  # what it waited for comes: its commands run
         await filled
         assert (await buf.read(np.int32))[0] == 9
-        dev.new_queue()  # released here (on a thread of its own)
+        if new_queue:
+            dev.new_queue()  # released here (on a thread of its own)
         with anyio.fail_after(5):
-            while threads() > before + 1:
+            while native_queue(q) not in closes:
+                await anyio.sleep(0.01)
+            while threads() > before + 1 + new_queue:  # (the reaper; the new queue)
                 await anyio.sleep(0.01)
         await q.close()  # released: nothing to do
 
@@ -253,6 +261,93 @@ async def test_a_kept_queue_let_go_of_while_idle_goes_on_working(
     await device.synchronize()  # it counts the queue with work in flight
     assert last.done()
     assert (await buf.read(np.int32))[0] == 8
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+@pytest.mark.parametrize("in_flight", [False, True], ids=["idle", "in flight"])
+async def test_a_dropped_queue_is_released_once_idle_without_another_new_queue(
+    anyio_backend: object, in_flight: bool
+) -> None:
+    """Queues dropped without close, with or without commands in flight: once their
+    commands ran (those in flight run, and a completion someone holds stays awaitable)
+    each is released -- its thread ends -- with no new_queue() after the drop (which
+    alone released them before: a service that made no more queues kept them all)."""
+    async with am.open_device("cpu") as dev:
+        inc = await dev.compile(INC, "inc")
+        sleep = await dev.compile(KERNELS, "sleep_ms")
+        buf = await dev.alloc(4)
+        await buf.write(np.zeros(1, np.int32))
+        before = threads()
+        queues = [dev.new_queue() for _ in range(4)]
+        for q in queues:
+            if in_flight:
+                q.launch(sleep, vals=(100,))
+                held = q.launch(inc, buf)
+            else:
+                await q.launch(inc, buf)
+        del q, queues
+        gc.collect()
+        if in_flight:
+            await held  # its queue was dropped: it still runs, and is awaited
+            del held
+            gc.collect()
+        with anyio.fail_after(10):
+            while threads() > before + 1:  # (the device's reaper)
+                await anyio.sleep(0.01)
+        assert (await buf.read(np.int32))[0] == 4
+
+
+async def test_a_queue_dropped_on_the_loop_is_released_on_another_thread(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queue its device let go of (nothing in flight) is collected as the loop drops
+    it, while another thread holds the device's submission lock (as a GC pass may run
+    anywhere): its finalizer runs on the loop's thread, waits for no lock, and hands the
+    release (which may wait: a queue thread's join, a stream's synchronize) to another
+    thread -- the drop returns first, and the release never runs on the loop."""
+    events: list[str] = []
+    release_threads: list[threading.Thread] = []
+    original = CPUQueue.close
+
+    def close(self: CPUQueue, abandon: bool = False) -> None:
+        release_threads.append(threading.current_thread())
+        time.sleep(0.2)
+        original(self, abandon)
+        events.append("released")
+
+    monkeypatch.setattr(CPUQueue, "close", close)
+    async with am.open_device("cpu") as dev:
+        fill = await dev.compile(KERNELS, "fill")
+        buf = await dev.alloc(4)
+        q = dev.new_queue()
+        await q.launch(fill, buf, vals=(5, 1))
+        with anyio.fail_after(10):
+            while not q._idle:  # let go of by its device: collected at the drop below
+                await anyio.sleep(0.01)
+        held, dropped_now = threading.Event(), threading.Event()
+        waited: list[bool] = []
+
+        def hold_the_lock() -> None:
+            with dev._state.submitting:
+                held.set()
+                waited.append(dropped_now.wait(10))
+
+        holder = threading.Thread(target=hold_the_lock)
+        holder.start()
+        held.wait(10)
+        dropped = weakref.ref(q)
+        del q
+        assert dropped() is None  # collected here, on the loop's thread
+        events.append("dropped")
+        dropped_now.set()
+        holder.join()
+        assert waited == [True]  # the drop returned while the lock was held
+        with anyio.fail_after(10):
+            while not events.count("released"):
+                await anyio.sleep(0.01)
+        assert events == ["dropped", "released"]
+        assert threading.current_thread() not in release_threads
+        assert (await buf.read(np.int32))[0] == 5
 
 
 async def test_closing_a_device_waits_for_a_queue_kept_again(

@@ -22,7 +22,7 @@ from asyncmetal import _native
 from asyncmetal._queue import _ONE3
 from tests.support.kernels import KERNELS
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("unreaped")]
 
 
 def _extension() -> Any:

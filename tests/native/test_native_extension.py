@@ -70,6 +70,7 @@ def test_extension_refuses_bad_arguments_without_crashing() -> None:
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.usefixtures("unreaped")
 async def test_launch_paths_give_the_same_results(
     device: am.Device, kernels: dict[str, am.Program], path: str
 ) -> None:

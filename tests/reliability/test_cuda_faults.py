@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
+import anyio
 import numpy as np
 import pytest
 
@@ -615,6 +616,35 @@ async def test_closing_a_cuda_queue_releases_its_stream_and_leaves_an_adopted_on
             adopted.marker()
         again = dev.adopt_stream(1)
         assert again is not adopted and not again.closed
+    finally:
+        await dev.close()
+    assert driver.calls.count("cuStreamDestroy") == 2  # the default queue's: none twice
+
+
+async def test_a_dropped_cuda_queue_releases_its_stream_once_its_commands_ran(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """A queue dropped with a command its completion thread has not confirmed keeps its
+    stream; once it is confirmed, the queue is released (am_cuq_close, the stream
+    destroyed) on another thread, with no new_queue() after the drop (which alone
+    released it before) and no close."""
+    assert driver.runtime is not None
+    dev = await am.open_device("cuda:0")
+    try:
+        kept = len(driver.runtime.queues)
+        queue = dev.new_queue()
+        timeline = queue.timeline
+        value = queue._submit(numbered_only).value  # in flight until confirmed
+        del queue
+        gc.collect()
+        await anyio.sleep(0.2)  # (the device looks for idle queues meanwhile)
+        assert len(driver.runtime.queues) == kept + 1
+        assert driver.calls.count("cuStreamDestroy") == 0
+        timeline.native.signal(value)  # its completion thread confirms it
+        with anyio.fail_after(10):
+            while len(driver.runtime.queues) > kept or "cuStreamDestroy" not in driver.calls:
+                await anyio.sleep(0.01)
+        assert driver.calls.count("cuStreamDestroy") == 1
     finally:
         await dev.close()
     assert driver.calls.count("cuStreamDestroy") == 2  # the default queue's: none twice

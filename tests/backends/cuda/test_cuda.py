@@ -84,6 +84,7 @@ async def test_compile_options_reach_nvrtc(anyio_backend: object) -> None:
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.usefixtures("unreaped")
 async def test_launch_paths_give_the_same_results(anyio_backend: object, path: str) -> None:
     """The extension module's launch (native/py_module.c) and the ctypes one it replaces:
     buffers at offsets, int32 values at both ends, sizes, every element checked."""
@@ -119,6 +120,7 @@ extern "C" __global__ void ints(unsigned char* out, long long a, unsigned int b,
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.usefixtures("unreaped")
 async def test_launch_values_of_each_type_reach_the_kernel_bit_for_bit(
     anyio_backend: object, path: str
 ) -> None:
