@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -624,6 +624,7 @@ class HostQueues:
 
     _lib: ctypes.CDLL
     _timelines: Timelines
+    waits_across_kinds: ClassVar[bool] = True  # (a wait is on the timeline's condition)
 
     def new_queue(self, timeline: NativeTimeline) -> NativeQueue:
         assert isinstance(timeline, CPUTimeline)

@@ -12,6 +12,8 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal import _transfer
+from tests.support.kernels import KERNELS
+from tests.support.other_kind import held_pair
 from tests.support.queues import held_queue
 from tests.support.stress import interleavings
 
@@ -164,3 +166,67 @@ async def test_a_copys_host_array_is_let_go_of_once_its_copy_is_awaited(
     gc.collect()
     assert gone.is_set()
     assert (await buf.read(np.float32) == 1).all()
+
+
+# -- copies between kinds: the in-place side's later commands ----------------------------
+
+
+@pytest.mark.parametrize("later", ["write", "fill", "launch"])
+async def test_a_later_write_on_the_sources_device_waits_for_a_copy_between_kinds(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, later: str
+) -> None:
+    """The other kind's queue reads the cpu buffer in place, held there; a write of
+    that buffer submitted next on the cpu device (a copy, a fill, a launch after
+    ``after()``) runs only once the copy has read it. Before, the cpu queue did not
+    wait for the other kind's copy, and the write changed what it copied."""
+    cpu, other, mine, theirs, gate = await held_pair(monkeypatch, "cpu:53")
+    fill = await cpu.compile(KERNELS, "fill")
+    with anyio.move_on_after(0.05):
+        await am.copy(theirs, mine)  # submitted, held behind the gate: cancelled
+    if later == "write":
+        done = cpu.queue.copy(mine, np.full(16, 7, np.int32))
+    elif later == "fill":
+        done = cpu.queue.fill(mine, np.int32(7))
+    else:
+        done = cpu.new_queue().after(mine).launch(fill, mine, vals=(7, 16))
+    with anyio.move_on_after(0.05):
+        await done  # (unordered, it runs now)
+    gate.signal(1)
+    with anyio.fail_after(10):
+        await done
+        await other.synchronize()
+    assert (await theirs.read(np.int32)).tolist() == [1] * 16, "the copy read the later write"
+    assert (await mine.read(np.int32)).tolist() == [7] * 16
+    await other.close()
+    await cpu.close()
+
+
+@pytest.mark.parametrize("later", ["read", "launch"])
+async def test_a_later_read_on_the_destinations_device_waits_for_a_copy_between_kinds(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, later: str
+) -> None:
+    """The other kind's queue writes the cpu buffer in place, held there; a read of
+    that buffer submitted next on the cpu device (a copy out, a launch after
+    ``after()``) sees the copy's bytes. Before, it ran first and saw the old ones."""
+    cpu, other, mine, theirs, gate = await held_pair(monkeypatch, "cpu:54")
+    add = await cpu.compile(KERNELS, "add")
+    with anyio.move_on_after(0.05):
+        await am.copy(mine, theirs)  # submitted, held behind the gate: cancelled
+    seen = np.zeros(16, np.int32)
+    if later == "read":
+        done = cpu.queue.copy(seen, mine)
+    else:  # out = mine + zeros, as floats: 3 as an int32 stays its bits
+        out, zeros = await cpu.alloc(64), await cpu.alloc(64)
+        await zeros.write(np.zeros(16, np.int32))
+        done = cpu.new_queue().after(mine).launch(add, out, mine, zeros, vals=(16,))
+    with anyio.move_on_after(0.05):
+        await done  # (unordered, it runs now)
+    gate.signal(1)
+    with anyio.fail_after(10):
+        await done
+        await other.synchronize()
+    if later == "launch":
+        seen = await out.read(np.int32)
+    assert seen.tolist() == [3] * 16, "read before the copy wrote"
+    await other.close()
+    await cpu.close()

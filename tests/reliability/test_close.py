@@ -794,7 +794,6 @@ async def test_a_cross_kind_copy_keeps_the_host_visible_buffer(
     if direction == "read":  # the other queue reads `mine` in place
         with anyio.move_on_after(0.05):
             await am.copy(theirs, mine)
-        assert (await mine.read(np.int32) == 1).all()  # reading it meanwhile is fine
     else:  # the other queue writes `mine` in place
         with anyio.move_on_after(0.05):
             await am.copy(mine, theirs)
