@@ -230,3 +230,38 @@ async def test_a_later_read_on_the_destinations_device_waits_for_a_copy_between_
     assert seen.tolist() == [3] * 16, "read before the copy wrote"
     await other.close()
     await cpu.close()
+
+
+@pytest.mark.parametrize("cpu_side", ["earlier", "later"])
+async def test_an_npy_queues_copy_into_lent_cpu_memory_is_ordered_with_the_cpu_device(
+    anyio_backend: object, cpu_side: str
+) -> None:
+    """An npy queue copies into a host array over a cpu buffer's memory (a DLPack
+    export): a copy of another kind's queue, which uses that buffer. A cpu write of it
+    submitted before that copy, held, runs first; a cpu read submitted after it, with
+    the npy queue held, sees its bytes. Before, the host array was a plain operand of
+    the npy queue, ordered with neither."""
+    async with am.open_device("cpu:55") as cpu:
+        mine = await cpu.alloc(64)
+        await mine.write(np.full(16, 1, np.int32))
+        src = await am.from_numpy(np.full(16, 3, np.int32))
+        lent = np.from_dlpack(mine)  # mine's memory, no copy
+        seen = np.zeros(16, np.int32)
+        if cpu_side == "earlier":
+            q, tl = held_queue(cpu)
+            first = q.copy(mine, np.full(16, 5, np.int32))
+            then = src.device.queue.copy(lent, src)
+        else:
+            q, tl = held_queue(src.device)
+            first = q.copy(lent, src)
+            then = cpu.queue.copy(seen, mine)
+        with anyio.move_on_after(0.05):
+            await then  # (unordered, it runs now)
+        tl.signal(1)
+        with anyio.fail_after(10):
+            await first
+            await then
+        if cpu_side == "later":
+            assert seen.tolist() == [3] * 16, "read before the npy queue's copy wrote"
+        assert (await mine.read(np.int32)).tolist() == [3] * 16
+        del lent
