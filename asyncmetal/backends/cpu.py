@@ -452,9 +452,9 @@ class CPUQueue(NativeQueue):
         own = self._timeline.c_timeline
         assert own is not None
         failure = _native.timeline_failure(own)
-        if failure is not None and failure.error == _native.DISCARDED:
-            return discarded_error(value)
         if failure is None or failure.cause == own:
+            if failure is not None and failure.error == _native.DISCARDED:
+                return discarded_error(value)
             return None  # abandoned by its own device's close (Queue says so)
         lead = "this command did not run: it follows a device-side wait for a value that"
         return failure_error(failure, lead, LATER_FAIL)
