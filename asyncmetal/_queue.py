@@ -606,15 +606,15 @@ class Queue:
         not ordered with it). A use by a queue of a device closed since (on another
         thread) cannot be either: refused, naming that device rather than its queue's
         timeline."""
-        kind = self._state.kind
-        across = self._state.backend.waits_across_kinds
+        state = self._state
+        kind = state.kind
         for i, buf in enumerate(buffers):
             for other, value in uses(buf):
                 timeline = other.timeline
                 if other is self or timeline.value >= value:
                     continue
                 if timeline_kind(timeline) != kind and (
-                    not across or timeline.native.c_timeline is None
+                    not state.backend.waits_across_kinds or timeline.native.c_timeline is None
                 ):
                     continue
                 try:
