@@ -209,25 +209,24 @@ async def test_a_later_read_on_the_destinations_device_waits_for_a_copy_between_
     that buffer submitted next on the cpu device (a copy out, a launch after
     ``after()``) sees the copy's bytes. Before, it ran first and saw the old ones."""
     cpu, other, mine, theirs, gate = await held_pair(monkeypatch, "cpu:54")
-    add = await cpu.compile(KERNELS, "add")
+    step = await cpu.compile(KERNELS, "step")
     with anyio.move_on_after(0.05):
         await am.copy(mine, theirs)  # submitted, held behind the gate: cancelled
     seen = np.zeros(16, np.int32)
     if later == "read":
         done = cpu.queue.copy(seen, mine)
-    else:  # out = mine + zeros, as floats: 3 as an int32 stays its bits
-        out, zeros = await cpu.alloc(64), await cpu.alloc(64)
-        await zeros.write(np.zeros(16, np.int32))
-        done = cpu.new_queue().after(mine).launch(add, out, mine, zeros, vals=(16,))
+    else:  # mine[0] = mine[0] * 31 + mine[1]: 96 from the copy's 3s, 32 from the 1s
+        done = cpu.new_queue().after(mine).launch(step, mine, vals=(0, 1, 0))
     with anyio.move_on_after(0.05):
         await done  # (unordered, it runs now)
     gate.signal(1)
     with anyio.fail_after(10):
         await done
         await other.synchronize()
+    expected = [3] * 16
     if later == "launch":
-        seen = await out.read(np.int32)
-    assert seen.tolist() == [3] * 16, "read before the copy wrote"
+        seen, expected[0] = await mine.read(np.int32), 96
+    assert seen.tolist() == expected, "read before the copy wrote"
     await other.close()
     await cpu.close()
 
