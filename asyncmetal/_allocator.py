@@ -126,16 +126,21 @@ class Allocation:
 lenders: weakref.WeakSet[Allocator] = weakref.WeakSet()
 
 
-def lenders_for(own: Allocator) -> list[Allocator]:
+def lenders_for(own: Allocator, any_kind: bool = False) -> list[Allocator]:
     """The allocators whose lent memory, coming back as an address, is a buffer of
     theirs to ``own``'s device: ``own`` first, then those of other open devices of its
-    kind (whose commands its queues order themselves with, on the device). Empty while
-    none of them lent anything out."""
+    kind (whose commands its queues order themselves with, on the device), then where
+    ``any_kind``, those of open devices of other kinds (a host copy over their memory
+    is a use of their buffer: see ``_copyargs._lent_back``). Empty while none of them
+    lent anything out."""
     if not lenders:
         return []
     kind = own._state.kind
     # (Not by iterating lenders: another thread may add to it meanwhile.)
-    others = [s.device._allocator for s in open_states() if s.kind == kind]
+    states = open_states()
+    others = [s.device._allocator for s in states if s.kind == kind]
+    if any_kind:
+        others += [s.device._allocator for s in states if s.kind != kind]
     return [a for a in (own, *(o for o in others if o is not own)) if a in lenders]
 
 

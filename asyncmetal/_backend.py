@@ -353,6 +353,12 @@ class Backend(ABC):
     # repeated can be written (Metal's blit fills bytes only).
     fill_alignment: ClassVar[int] = 1
     fill_patterns: ClassVar[bool] = True
+    # Its queues' device waits take any timeline of the native runtime (``c_timeline``
+    # set: every kind's queue timelines), not only its own kind's: a queue thread waits
+    # on the timeline's condition, which whatever raises or fails the timeline wakes.
+    # Its queues then order themselves after another kind's copies that read or wrote
+    # its buffers in place (as after their own kind's commands: ``Queue.after``).
+    waits_across_kinds: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod

@@ -168,15 +168,15 @@ def lent_operand(role: str, lent: Buffer | None) -> str:
 
 
 def _lent_back(state: DeviceState, view: memoryview) -> Buffer | None:
-    """A Buffer over the host memory ``view`` (flat bytes) if a buffer of ``state``'s
-    device, or of another open device of its kind, lent it out (``np.from_dlpack(buf)``,
-    say), sharing that buffer's record of uses: a copy with it as an operand is then
-    ordered as with the buffer itself -- on ``state``'s device, a copy with that buffer;
-    on another, a host copy that also uses it (its queue waits for that device's
-    commands, on the device, and theirs for it). None if the memory is no such loan (a
-    plain host copy, as ever: also memory another kind of device lent, whose commands
-    ``state``'s queues cannot wait for)."""
-    candidates = lenders_for(state.device._allocator) if view.nbytes else []
+    """A Buffer over the host memory ``view`` (flat bytes) if a buffer of an open device
+    lent it out (``np.from_dlpack(buf)``, say), sharing that buffer's record of uses: a
+    copy with it as an operand is then ordered as with the buffer itself -- on
+    ``state``'s device, a copy with that buffer; on another, a host copy that also uses
+    it: its queue waits, on the device, for the lender's earlier commands where it can
+    (a device of ``state``'s kind; another kind's where ``state``'s queues wait across
+    kinds: ``Backend.waits_across_kinds``), and the lender's later commands wait for it
+    where theirs can. None if the memory is no such loan (a plain host copy)."""
+    candidates = lenders_for(state.device._allocator, any_kind=True) if view.nbytes else []
     if not candidates:  # nothing lent out: no look-up
         return None
     address = np.frombuffer(view, np.uint8).ctypes.data

@@ -586,7 +586,10 @@ class Queue:
 
         Copies do this by themselves; launches do not (queues run independently unless
         ordered), so ``q.after(buf).launch(k, buf)`` is how a launch on one queue sees a
-        copy or launch submitted on another. Returns the queue.
+        copy or launch submitted on another. A copy of another kind of device that read
+        or wrote ``buf`` in place (``asyncmetal.copy`` between kinds) is waited for too
+        where this device's queues can wait for that kind's (cpu and npy queues can).
+        Returns the queue.
         """
         self._check_open()
         for buf in buffers:
@@ -599,27 +602,37 @@ class Queue:
     def _after(self, buffers: Iterable[Buffer], names: Sequence[str] = ()) -> None:
         """after() for buffers already checked (``names``: what each is to the caller,
         for errors; "buffer" past them). A use by a queue of another kind (a copy
-        between kinds reading or writing host-visible memory in place) cannot be waited
-        for on this device: the host orders those (the copy settles the buffer first).
-        A use by a queue of a device closed since (on another thread) cannot be either:
-        refused, naming that device rather than its queue's timeline."""
-        kind = self._state.kind
+        between kinds reading or writing host-visible memory in place) is waited for
+        too where this device's queues can wait on that queue's timeline
+        (``Backend.waits_across_kinds``); elsewhere it cannot be waited for on this
+        device (the copy settles the buffer on the host first; commands after it are
+        not ordered with it). A use by a queue of a device closed since (on another
+        thread) cannot be either: refused, naming that device rather than its queue's
+        timeline."""
+        state = self._state
+        kind = state.kind
         for i, buf in enumerate(buffers):
             for other, value in uses(buf):
                 timeline = other.timeline
-                if other is not self and timeline.value < value and timeline_kind(timeline) == kind:
-                    try:
-                        self.wait(timeline, value)
-                    except ClosedResourceError:
-                        closed = timeline_device(timeline)
-                        if not closed.closed:
-                            raise  # (this queue's own device)
-                        what = names[i] if i < len(names) else "buffer"
-                        raise ClosedResourceError(
-                            f"{what} is used by commands of {closed.name} that had not "
-                            f"finished when {closed.name} closed: this command cannot be "
-                            "ordered after them"
-                        ) from None
+                if other is self or timeline.value >= value:
+                    continue
+                if timeline_kind(timeline) != kind and (
+                    not state.backend.waits_across_kinds or timeline.native.c_timeline is None
+                ):
+                    continue
+                try:
+                    check_timeline(timeline, "timeline", timeline_kind(timeline))
+                    self._wait(timeline, value, False)
+                except ClosedResourceError:
+                    closed = timeline_device(timeline)
+                    if not closed.closed:
+                        raise  # (this queue's own device)
+                    what = names[i] if i < len(names) else "buffer"
+                    raise ClosedResourceError(
+                        f"{what} is used by commands of {closed.name} that had not "
+                        f"finished when {closed.name} closed: this command cannot be "
+                        "ordered after them"
+                    ) from None
 
     async def synchronize(self) -> None:
         """Wait until everything submitted so far has finished; raise the error of a

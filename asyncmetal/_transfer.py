@@ -35,9 +35,11 @@ async def copy(dst: Any, src: Any, nbytes: int | None = None) -> None:
     Between kinds, only once submitted: such a copy starts once the buffers' earlier
     users finished, and cancelled before then it is withdrawn (nothing copied; through
     staging buffers, cancelled between chunks, it stops there). Cancelled in flight, the
-    buffers stay in use until it ends (never freed before), but the other device's
-    commands are not ordered after it: ``synchronize`` the device that copies before
-    writing the buffer it reads, or using the buffer it writes.
+    buffers stay in use until it ends (never freed before), and the other device's
+    later commands on the buffer read or written in place are ordered after it where
+    that device's queues can wait for the copying queue (``Queue.after``: cpu and npy
+    queues can); where they cannot (a Metal buffer a cpu queue reads in place),
+    ``synchronize`` the device that copies before writing that buffer.
     """
     if (
         isinstance(dst, Buffer)
@@ -70,7 +72,8 @@ async def _copy_between_kinds(dst: Buffer, src: Buffer, nbytes: int | None) -> N
     # One side is read or written in place by the other side's queue: that queue's
     # copy is a use of it like any other, checked and recorded with the submission, so
     # that freeing it (on another thread as it is submitted, or once this await is
-    # cancelled) returns its memory only after the copy.
+    # cancelled) returns its memory only after the copy, and its own device's later
+    # commands wait for the copy where its queues can wait for another kind's.
     if buffer_state(src).backend.host_visible:  # read the source in place
         await settled(src, "src")
         done = copy_in_place(_queue_of(dst), dst, host_memory(src, nbytes), nbytes, src)

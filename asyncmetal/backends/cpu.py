@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -452,9 +452,9 @@ class CPUQueue(NativeQueue):
         own = self._timeline.c_timeline
         assert own is not None
         failure = _native.timeline_failure(own)
-        if failure is not None and failure.error == _native.DISCARDED:
-            return discarded_error(value)
         if failure is None or failure.cause == own:
+            if failure is not None and failure.error == _native.DISCARDED:
+                return discarded_error(value)
             return None  # abandoned by its own device's close (Queue says so)
         lead = "this command did not run: it follows a device-side wait for a value that"
         return failure_error(failure, lead, LATER_FAIL)
@@ -624,6 +624,7 @@ class HostQueues:
 
     _lib: ctypes.CDLL
     _timelines: Timelines
+    waits_across_kinds: ClassVar[bool] = True  # (a wait is on the timeline's condition)
 
     def new_queue(self, timeline: NativeTimeline) -> NativeQueue:
         assert isinstance(timeline, CPUTimeline)

@@ -12,6 +12,8 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal import _transfer
+from tests.support.kernels import KERNELS
+from tests.support.other_kind import held_pair
 from tests.support.queues import held_queue
 from tests.support.stress import interleavings
 
@@ -164,3 +166,101 @@ async def test_a_copys_host_array_is_let_go_of_once_its_copy_is_awaited(
     gc.collect()
     assert gone.is_set()
     assert (await buf.read(np.float32) == 1).all()
+
+
+# -- copies between kinds: the in-place side's later commands ----------------------------
+
+
+@pytest.mark.parametrize("later", ["write", "fill", "launch"])
+async def test_a_later_write_on_the_sources_device_waits_for_a_copy_between_kinds(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, later: str
+) -> None:
+    """The other kind's queue reads the cpu buffer in place, held there; a write of
+    that buffer submitted next on the cpu device (a copy, a fill, a launch after
+    ``after()``) runs only once the copy has read it. Before, the cpu queue did not
+    wait for the other kind's copy, and the write changed what it copied."""
+    cpu, other, mine, theirs, gate = await held_pair(monkeypatch, "cpu:53")
+    fill = await cpu.compile(KERNELS, "fill")
+    with anyio.move_on_after(0.05):
+        await am.copy(theirs, mine)  # submitted, held behind the gate: cancelled
+    if later == "write":
+        done = cpu.queue.copy(mine, np.full(16, 7, np.int32))
+    elif later == "fill":
+        done = cpu.queue.fill(mine, np.int32(7))
+    else:
+        done = cpu.new_queue().after(mine).launch(fill, mine, vals=(7, 16))
+    with anyio.move_on_after(0.05):
+        await done  # (unordered, it runs now)
+    gate.signal(1)
+    with anyio.fail_after(10):
+        await done
+        await other.synchronize()
+    assert (await theirs.read(np.int32)).tolist() == [1] * 16, "the copy read the later write"
+    assert (await mine.read(np.int32)).tolist() == [7] * 16
+    await other.close()
+    await cpu.close()
+
+
+@pytest.mark.parametrize("later", ["read", "launch"])
+async def test_a_later_read_on_the_destinations_device_waits_for_a_copy_between_kinds(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, later: str
+) -> None:
+    """The other kind's queue writes the cpu buffer in place, held there; a read of
+    that buffer submitted next on the cpu device (a copy out, a launch after
+    ``after()``) sees the copy's bytes. Before, it ran first and saw the old ones."""
+    cpu, other, mine, theirs, gate = await held_pair(monkeypatch, "cpu:54")
+    step = await cpu.compile(KERNELS, "step")
+    with anyio.move_on_after(0.05):
+        await am.copy(mine, theirs)  # submitted, held behind the gate: cancelled
+    seen = np.zeros(16, np.int32)
+    if later == "read":
+        done = cpu.queue.copy(seen, mine)
+    else:  # mine[0] = mine[0] * 31 + mine[1]: 96 from the copy's 3s, 32 from the 1s
+        done = cpu.new_queue().after(mine).launch(step, mine, vals=(0, 1, 0))
+    with anyio.move_on_after(0.05):
+        await done  # (unordered, it runs now)
+    gate.signal(1)
+    with anyio.fail_after(10):
+        await done
+        await other.synchronize()
+    expected = [3] * 16
+    if later == "launch":
+        seen, expected[0] = await mine.read(np.int32), 96
+    assert seen.tolist() == expected, "read before the copy wrote"
+    await other.close()
+    await cpu.close()
+
+
+@pytest.mark.parametrize("cpu_side", ["earlier", "later"])
+async def test_an_npy_queues_copy_into_lent_cpu_memory_is_ordered_with_the_cpu_device(
+    anyio_backend: object, cpu_side: str
+) -> None:
+    """An npy queue copies into a host array over a cpu buffer's memory (a DLPack
+    export): a copy of another kind's queue, which uses that buffer. A cpu write of it
+    submitted before that copy, held, runs first; a cpu read submitted after it, with
+    the npy queue held, sees its bytes. Before, the host array was a plain operand of
+    the npy queue, ordered with neither."""
+    async with am.open_device("cpu:55") as cpu:
+        mine = await cpu.alloc(64)
+        await mine.write(np.full(16, 1, np.int32))
+        src = await am.from_numpy(np.full(16, 3, np.int32))
+        lent = np.from_dlpack(mine)  # mine's memory, no copy
+        seen = np.zeros(16, np.int32)
+        if cpu_side == "earlier":
+            q, tl = held_queue(cpu)
+            first = q.copy(mine, np.full(16, 5, np.int32))
+            then = src.device.queue.copy(lent, src)
+        else:
+            q, tl = held_queue(src.device)
+            first = q.copy(lent, src)
+            then = cpu.queue.copy(seen, mine)
+        with anyio.move_on_after(0.05):
+            await then  # (unordered, it runs now)
+        tl.signal(1)
+        with anyio.fail_after(10):
+            await first
+            await then
+        if cpu_side == "later":
+            assert seen.tolist() == [3] * 16, "read before the npy queue's copy wrote"
+        assert (await mine.read(np.int32)).tolist() == [3] * 16
+        del lent

@@ -794,7 +794,6 @@ async def test_a_cross_kind_copy_keeps_the_host_visible_buffer(
     if direction == "read":  # the other queue reads `mine` in place
         with anyio.move_on_after(0.05):
             await am.copy(theirs, mine)
-        assert (await mine.read(np.int32) == 1).all()  # reading it meanwhile is fine
     else:  # the other queue writes `mine` in place
         with anyio.move_on_after(0.05):
             await am.copy(mine, theirs)
@@ -810,6 +809,30 @@ async def test_a_cross_kind_copy_keeps_the_host_visible_buffer(
         assert (await theirs.read(np.int32) == 1).all()
     await again.write(np.zeros(16, np.int32))  # still usable by the cpu queue
     await other.close()
+    await cpu.close()
+
+
+@pytest.mark.anyio
+async def test_a_command_after_another_queues_discarded_copy_names_that_queue(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cpu write waits, on the device, for the other kind's copy of its buffer, which
+    that device's close with discard drops: the write fails, saying the value it waited
+    for was discarded on that device's queue. Before, it said the write's own queue was
+    closed with discard=True, which it was not."""
+    cpu, other, mine, theirs, gate = await held_pair(monkeypatch, "cpu:56")
+    sleep = await other.compile(KERNELS, "sleep_ms")
+    gate.signal(1)
+    other.queue.launch(sleep, vals=(200,))  # the copy waits behind it: none is abandoned
+    with anyio.move_on_after(0.05):
+        await am.copy(theirs, mine)  # submitted, not started: cancelled
+    done = cpu.queue.copy(mine, np.full(16, 7, np.int32))
+    await other.close(discard=True)
+    with pytest.raises(am.ClosedResourceError) as caught:
+        with anyio.fail_after(10):
+            await done
+    assert "a device-side wait for a value that command" in str(caught.value)
+    assert "of a queue of cpu2" in str(caught.value)
     await cpu.close()
 
 
