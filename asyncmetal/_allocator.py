@@ -19,7 +19,7 @@ import anyio
 
 from ._backend import NativeTimeline, let_go_everywhere
 from ._bridge import LoopBridge, checkpoint, current_bridge
-from ._device_state import DeviceState, open_states
+from ._device_state import DeviceState, unreleased_states
 from ._errors import (
     MAX_TIMEOUT_S,
     ArgumentTypeError,
@@ -128,14 +128,17 @@ lenders: weakref.WeakSet[Allocator] = weakref.WeakSet()
 
 def lenders_for(own: Allocator) -> list[Allocator]:
     """The allocators whose lent memory, coming back as an address, is a buffer of
-    theirs to ``own``'s device: ``own`` first, then those of other open devices of its
-    kind (whose commands its queues order themselves with, on the device). Empty while
-    none of them lent anything out."""
+    theirs to ``own``'s device: ``own`` first, then those of other devices of its kind
+    (whose commands its queues order themselves with, on the device) -- open, or
+    closing until their memory is released: a sealed device's commands still run on
+    its memory (a copy is then refused, see ``Queue._after``), and memory it lent is no
+    plain host operand before its close has ended. Empty while none of them lent
+    anything out."""
     if not lenders:
         return []
     kind = own._state.kind
     # (Not by iterating lenders: another thread may add to it meanwhile.)
-    others = [s.device._allocator for s in open_states() if s.kind == kind]
+    others = [s.device._allocator for s in unreleased_states() if s.kind == kind]
     return [a for a in (own, *(o for o in others if o is not own)) if a in lenders]
 
 

@@ -35,7 +35,13 @@ from ._compile import (
     source_key,
     unlinked_hint,
 )
-from ._device_state import DeviceState, forget_open_states, holding, state_closed
+from ._device_state import (
+    DeviceState,
+    forget_open_states,
+    holding,
+    state_closed,
+    state_released,
+)
 from ._dlpack import device_dlpack
 from ._errors import (
     ArgumentTypeError,
@@ -915,6 +921,7 @@ class Device:
         self._state.stopped = True  # (other devices' closes wait for these to stop)
         _attempt(errors, self._allocator.close, _completable)
         _attempt(errors, self._backend.close)
+        state_released(self._state)
         with _open_devices_lock:
             _open_devices.discard(self)
         if errors:
