@@ -1349,6 +1349,12 @@ def open_devices() -> list[Device]:
     return [device for device in _devices() if not device.closed]
 
 
+def closing(device: Device) -> bool:
+    """Whether ``device``'s close has begun (what was submitted may still run): a
+    device picked for a caller who named none is never one of those."""
+    return device.closed or device._closing is not None
+
+
 def open_device(name: str | None = None) -> _DeviceOpener:
     """Open a device: ``async with open_device("cpu") as dev`` or ``dev = await ...``
     (a coroutine too: ``asyncio.run`` and ``asyncio.create_task`` take it).

@@ -764,3 +764,44 @@ async def test_a_copy_of_lent_memory_while_its_lender_is_sealed_is_refused(
         ), str(info.value)
         await dev.queue.copy(mine, operand)  # once the close is over: a plain host copy
         assert (await mine.read(np.int32)).tolist() == [7] * 4
+
+
+async def test_from_dlpack_of_memory_a_closing_device_lent_is_on_another_open_device(
+    anyio_backend: object,
+) -> None:
+    """``from_dlpack(array)`` of memory a buffer of ``cpu:1`` lent out, as ``cpu:1``'s
+    close waits for its commands (not sealed yet), is a buffer of ``cpu`` -- not of the
+    closing ``cpu:1``, whose queues refuse it once sealed -- and ordered after
+    ``cpu:1``'s write of that memory all the same. With no other device of the kind
+    open, it is refused naming ``cpu:1``. Checked: a buffer of ``cpu:1``."""
+    async with am.open_device("cpu") as dev:
+        lender = await am.open_device("cpu:1")
+        theirs = await lender.alloc(16)
+        await theirs.write(np.zeros(4, np.int32))
+        host = np.from_dlpack(theirs.typed(np.int32))
+        release = await _held_fill(lender, theirs)
+        mine = await dev.alloc(16)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lender.close)
+            try:
+                await _until(lambda: lender._closing is not None)
+                assert not lender.closed  # (its close waits for the write before sealing)
+                alias = am.from_dlpack(host)
+                assert alias.device is dev
+                done = dev.queue.copy(mine, alias)  # after the write, on the device
+            finally:
+                release[0] = 1
+        await done
+        assert (await mine.read(np.int32)).tolist() == [7] * 4
+    lender = await am.open_device("cpu:1")
+    theirs = await lender.alloc(16)
+    host = np.from_dlpack(theirs.typed(np.int32))
+    release = await _held_fill(lender, theirs)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lender.close)
+        try:
+            await _until(lambda: lender._closing is not None)
+            with pytest.raises(am.ClosedResourceError, match=r"closing \(cpu:1\)"):
+                am.from_dlpack(host)
+        finally:
+            release[0] = 1
