@@ -41,6 +41,7 @@ from ._device_state import (
     holding,
     state_closed,
     state_released,
+    unreleased_states,
 )
 from ._dlpack import device_dlpack
 from ._errors import (
@@ -213,7 +214,7 @@ class Device:
         self._kept_at_sweep = 0
         self._blocks_at_sweep = 0
         self.queue = self._state.queue = Queue(self._state, _made=MADE_BY_DEVICE)
-        self._queues.append(self.queue)
+        self._queues = [self.queue]  # (no call between: made, it is among them)
         with _open_devices_lock:
             _open_devices.add(self)
             _opened[0] += 1
@@ -1196,7 +1197,11 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
         except BaseException:
             claim.give_up()
             raise
-        return Device(name, backend, self._opened_at)
+        try:
+            return Device(name, backend, self._opened_at)
+        except BaseException:  # (with what of the Device was made: see _close_abandoned)
+            claim.give_up()
+            raise
 
     def _open_claimed(self, claim: _Claim) -> tuple[str, Backend]:
         name, backend = self._open_backend()
@@ -1283,14 +1288,33 @@ class _Claim:
 
 
 def _close_abandoned(backend: Backend) -> None:
-    """Close a backend opened for a caller who stopped waiting, on a thread of its own
-    (a native close may wait for the device). Its errors are nobody's to hear."""
+    """Close a backend opened for a caller who never got it -- who stopped waiting, or
+    whose Device could not be made of it -- on a thread of its own (a native close may
+    wait for the device), with what of a Device was made of it. Its errors are
+    nobody's to hear."""
 
     def close() -> None:
         with contextlib.suppress(Exception):
-            backend.close()
+            made = _made_of(backend)
+            if made is None:
+                backend.close()
+            else:
+                made._close_native(abandon=True)  # its queue, its memory, the backend
 
     threading.Thread(target=close, name="asyncmetal close", daemon=True).start()
+
+
+def _made_of(backend: Backend) -> Device | None:
+    """The Device made of ``backend`` for a caller who never got it, where its making
+    got as far as its default queue (its native close then releases that, its memory
+    and the backend); none where it made nothing more of the backend. Its state is no
+    open device's either way."""
+    for state in unreleased_states():
+        if state.backend is backend:
+            state_released(state)
+            device = state.device
+            return device if isinstance(device, Device) and hasattr(device, "queue") else None
+    return None
 
 
 async def _until_closed(closing: HostEvents, interrupted: Callable[[], None] | None = None) -> None:

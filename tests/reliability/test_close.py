@@ -15,15 +15,16 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import numpy as np
 import pytest
 
 import asyncmetal as am
+from asyncmetal import _device_state, backends
 from asyncmetal._compile import Compiler
-from asyncmetal.backends.cpu import CCompiler
+from asyncmetal.backends.cpu import CCompiler, CPUBackend
 from tests.support.kernels import KERNELS, MSL_KERNELS
 from tests.support.other_kind import held_pair
 from tests.support.queues import close_failing_with_a_wait, record_native_closes
@@ -1022,3 +1023,66 @@ async def test_a_queue_whose_native_close_fails_leaves_nothing_else_unreleased(
     assert backend.live_allocations == 0, "the allocator's close was skipped"
     assert len(ended) == 1
     assert dev not in am.open_devices()
+
+
+# -- an open that does not hand its device over ------------------------------------------
+
+
+class _Recorded(CPUBackend):
+    """A cpu device whose instances opened and closed are recorded; with ``no_queue``
+    set, its default queue cannot be made (the Device of it is never made)."""
+
+    kind = "recordedcpu"
+    no_queue = False
+    opened: ClassVar[list[CPUBackend]] = []
+    closed: ClassVar[list[CPUBackend]] = []
+
+    @classmethod
+    def available(cls) -> list[str]:
+        return ["recordedcpu"]
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        type(self).opened.append(self)
+
+    def new_queue(self, timeline: Any) -> Any:
+        if type(self).no_queue:
+            raise am.AsyncMetalError("no queue to be had")
+        return super().new_queue(timeline)
+
+    def close(self) -> None:
+        type(self).closed.append(self)
+        super().close()
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> type[_Recorded]:
+    monkeypatch.setitem(backends.BACKENDS, "recordedcpu", f"{__name__}:_Recorded")
+    monkeypatch.setattr(_Recorded, "opened", [])
+    monkeypatch.setattr(_Recorded, "closed", [])
+    return _Recorded
+
+
+async def _all_closed(recorded: type[_Recorded]) -> None:
+    """Wait until every backend opened was closed (a given-up one closes on a thread
+    of its own); then no device of them is open, nor any state of theirs."""
+    with anyio.move_on_after(10):  # (a bound on a hang, not a timing)
+        while len(recorded.closed) < len(recorded.opened):
+            await anyio.sleep(0.005)
+    assert recorded.closed == recorded.opened
+    assert not [d for d in am.open_devices() if d.kind == recorded.kind]
+    assert not [s for s in _device_state.unreleased_states() if s.kind == recorded.kind]
+
+
+@pytest.mark.anyio
+async def test_an_open_whose_device_cannot_be_made_closes_its_backend(
+    anyio_backend: object, recorded: type[_Recorded], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend opened for a Device that cannot be made of it (its default queue
+    refused) is closed, and the error raised; nothing of it stays among the open
+    devices. Checked: the backend never closed, its state left among the open ones."""
+    monkeypatch.setattr(recorded, "no_queue", True)
+    with pytest.raises(am.AsyncMetalError, match="no queue to be had"):
+        await am.open_device("recordedcpu")
+    assert len(recorded.opened) == 1
+    await _all_closed(recorded)
