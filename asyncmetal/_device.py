@@ -1185,7 +1185,9 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
             "'dev = await open_device(...)' or 'async with open_device(...) as dev'"
         )
 
-    async def _open(self) -> Device:
+    async def _open(self, enter: bool = False) -> Device:
+        """Open a device and hand it over: return it, and with ``enter`` (an 'async
+        with') record it as the calling task's entry, which its exit closes."""
         if os.environ.get("ASYNCMETAL_WORKER"):
             raise AsyncMetalError("compile workers never open a device")
         # Finding compilers and drivers touches the filesystem: all of it off the loop.
@@ -1197,11 +1199,22 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
         except BaseException:
             claim.give_up()
             raise
+        # Then what is not handed over is closed too (with what of a Device was made of
+        # it, see _close_abandoned): a Device that could not be made, or one a
+        # KeyboardInterrupt reached before the caller got it (trio raises Ctrl-C
+        # wherever its main task is; CPython, at a call's entry or return).
+        entry: tuple[int, Device] | None = None
         try:
-            return Device(name, backend, self._opened_at)
-        except BaseException:  # (with what of the Device was made: see _close_abandoned)
+            device = Device(name, backend, self._opened_at)
+            if enter:
+                entry = (anyio.get_current_task().id, device)
+                self._entered.append(entry)
+        except BaseException:
+            if entry is not None and entry in self._entered:
+                self._entered.remove(entry)
             claim.give_up()
             raise
+        return device  # (handed over: no call since the entry was recorded)
 
     def _open_claimed(self, claim: _Claim) -> tuple[str, Backend]:
         name, backend = self._open_backend()
@@ -1246,9 +1259,7 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
         return self._open().__await__()
 
     async def __aenter__(self) -> Device:
-        device = await self._open()
-        self._entered.append((anyio.get_current_task().id, device))
-        return device
+        return await self._open(enter=True)
 
     async def __aexit__(self, *exc: object) -> None:
         """Close the device of the calling task's innermost entry -- or, exited by a

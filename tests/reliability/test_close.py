@@ -22,9 +22,10 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-from asyncmetal import _device_state, backends
+from asyncmetal import _device, _device_state, backends
 from asyncmetal._compile import Compiler
 from asyncmetal.backends.cpu import CCompiler, CPUBackend
+from tests.support.interrupts import interrupted
 from tests.support.kernels import KERNELS, MSL_KERNELS
 from tests.support.other_kind import held_pair
 from tests.support.queues import close_failing_with_a_wait, record_native_closes
@@ -1086,3 +1087,34 @@ async def test_an_open_whose_device_cannot_be_made_closes_its_backend(
         await am.open_device("recordedcpu")
     assert len(recorded.opened) == 1
     await _all_closed(recorded)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["await", "async with"])
+async def test_a_keyboard_interrupt_as_an_open_hands_its_device_over_closes_it(
+    anyio_backend: object, recorded: type[_Recorded], how: str
+) -> None:
+    """A KeyboardInterrupt wherever CPython delivers one in the opening, once its
+    backend has opened (trio raises Ctrl-C in whatever Python code its main task runs)
+    -- as the Device is made, as an 'async with' records its entry -- either comes
+    after the caller got the device, or closes what was opened: the backend, and the
+    Device made of it. Checked: an interrupt as the 'async with' recorded its entry
+    left the device open, never handed over."""
+    codes = {_device._DeviceOpener._open.__code__, _device._DeviceOpener.__aenter__.__code__}
+    at = 0
+    while True:
+        handed: list[am.Device] = []
+        with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+            if how == "await":
+                handed.append(await am.open_device("recordedcpu"))
+            else:
+                async with am.open_device("recordedcpu") as dev:
+                    handed.append(dev)
+        if how == "await" and handed:
+            await handed[0].close()
+        await _all_closed(recorded)
+        assert bool(handed) != bool(raised), raised
+        if not raised:
+            break
+        at += 1
+    assert at >= 4
