@@ -19,7 +19,7 @@ import anyio
 
 from ._backend import NativeTimeline, let_go_everywhere
 from ._bridge import LoopBridge, checkpoint, current_bridge
-from ._device_state import DeviceState, open_states
+from ._device_state import DeviceState, unreleased_states
 from ._errors import (
     MAX_TIMEOUT_S,
     ArgumentTypeError,
@@ -128,16 +128,18 @@ lenders: weakref.WeakSet[Allocator] = weakref.WeakSet()
 
 def lenders_for(own: Allocator, any_kind: bool = False) -> list[Allocator]:
     """The allocators whose lent memory, coming back as an address, is a buffer of
-    theirs to ``own``'s device: ``own`` first, then those of other open devices of its
-    kind (whose commands its queues order themselves with, on the device), then where
-    ``any_kind``, those of open devices of other kinds (a host copy over their memory
-    is a use of their buffer: see ``_copyargs._lent_back``). Empty while none of them
-    lent anything out."""
+    theirs to ``own``'s device: ``own`` first, then those of other devices of its kind
+    (whose commands its queues order themselves with, on the device), then where
+    ``any_kind``, those of devices of other kinds (a host copy over their memory is a
+    use of their buffer: see ``_copyargs._lent_back``) -- open, or closing until their
+    memory is released: a sealed device's commands still run on its memory (a copy is
+    then refused, see ``Queue._after``), and memory it lent is no plain host operand
+    before its close has ended. Empty while none of them lent anything out."""
     if not lenders:
         return []
     kind = own._state.kind
     # (Not by iterating lenders: another thread may add to it meanwhile.)
-    states = open_states()
+    states = unreleased_states()
     others = [s.device._allocator for s in states if s.kind == kind]
     if any_kind:
         others += [s.device._allocator for s in states if s.kind != kind]

@@ -37,7 +37,14 @@ from ._compile import (
     source_key,
     unlinked_hint,
 )
-from ._device_state import DeviceState, forget_open_states, holding, state_closed
+from ._device_state import (
+    DeviceState,
+    forget_open_states,
+    holding,
+    state_closed,
+    state_released,
+    unreleased_states,
+)
 from ._dlpack import device_dlpack
 from ._errors import (
     ArgumentTypeError,
@@ -227,7 +234,7 @@ class Device:
         self._reaper_inbox: SimpleQueue[int] = SimpleQueue()
         self._watching = False
         self.queue = self._state.queue = Queue(self._state, _made=MADE_BY_DEVICE)
-        self._queues.append(self.queue)
+        self._queues = [self.queue]  # (no call between: made, it is among them)
         with _open_devices_lock:
             _open_devices.add(self)
             _opened[0] += 1
@@ -1043,6 +1050,7 @@ class Device:
         self._state.stopped = True  # (other devices' closes wait for these to stop)
         _attempt(errors, self._allocator.close, _completable)
         _attempt(errors, self._backend.close)
+        state_released(self._state)
         with _open_devices_lock:
             _open_devices.discard(self)
         if errors:
@@ -1361,7 +1369,9 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
             "'dev = await open_device(...)' or 'async with open_device(...) as dev'"
         )
 
-    async def _open(self) -> Device:
+    async def _open(self, enter: bool = False) -> Device:
+        """Open a device and hand it over: return it, and with ``enter`` (an 'async
+        with') record it as the calling task's entry, which its exit closes."""
         if os.environ.get("ASYNCMETAL_WORKER"):
             raise AsyncMetalError("compile workers never open a device")
         # Finding compilers and drivers touches the filesystem: all of it off the loop.
@@ -1373,7 +1383,22 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
         except BaseException:
             claim.give_up()
             raise
-        return Device(name, backend, self._opened_at)
+        # Then what is not handed over is closed too (with what of a Device was made of
+        # it, see _close_abandoned): a Device that could not be made, or one a
+        # KeyboardInterrupt reached before the caller got it (trio raises Ctrl-C
+        # wherever its main task is; CPython, at a call's entry or return).
+        entry: tuple[int, Device] | None = None
+        try:
+            device = Device(name, backend, self._opened_at)
+            if enter:
+                entry = (anyio.get_current_task().id, device)
+                self._entered.append(entry)
+        except BaseException:
+            if entry is not None and entry in self._entered:
+                self._entered.remove(entry)
+            claim.give_up()
+            raise
+        return device  # (handed over: no call since the entry was recorded)
 
     def _open_claimed(self, claim: _Claim) -> tuple[str, Backend]:
         name, backend = self._open_backend()
@@ -1418,9 +1443,7 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
         return self._open().__await__()
 
     async def __aenter__(self) -> Device:
-        device = await self._open()
-        self._entered.append((anyio.get_current_task().id, device))
-        return device
+        return await self._open(enter=True)
 
     async def __aexit__(self, *exc: object) -> None:
         """Close the device of the calling task's innermost entry -- or, exited by a
@@ -1460,14 +1483,33 @@ class _Claim:
 
 
 def _close_abandoned(backend: Backend) -> None:
-    """Close a backend opened for a caller who stopped waiting, on a thread of its own
-    (a native close may wait for the device). Its errors are nobody's to hear."""
+    """Close a backend opened for a caller who never got it -- who stopped waiting, or
+    whose Device could not be made of it -- on a thread of its own (a native close may
+    wait for the device), with what of a Device was made of it. Its errors are
+    nobody's to hear."""
 
     def close() -> None:
         with contextlib.suppress(Exception):
-            backend.close()
+            made = _made_of(backend)
+            if made is None:
+                backend.close()
+            else:
+                made._close_native(abandon=True)  # its queue, its memory, the backend
 
     threading.Thread(target=close, name="asyncmetal close", daemon=True).start()
+
+
+def _made_of(backend: Backend) -> Device | None:
+    """The Device made of ``backend`` for a caller who never got it, where its making
+    got as far as its default queue (its native close then releases that, its memory
+    and the backend); none where it made nothing more of the backend. Its state is no
+    open device's either way."""
+    for state in unreleased_states():
+        if state.backend is backend:
+            state_released(state)
+            device = state.device
+            return device if isinstance(device, Device) and hasattr(device, "queue") else None
+    return None
 
 
 async def _until_closed(closing: HostEvents, interrupted: Callable[[], None] | None = None) -> None:
@@ -1524,6 +1566,12 @@ def foreign_buffer(
 def open_devices() -> list[Device]:
     """The devices open now in this process."""
     return [device for device in _devices() if not device.closed]
+
+
+def closing(device: Device) -> bool:
+    """Whether ``device``'s close has begun (what was submitted may still run): a
+    device picked for a caller who named none is never one of those."""
+    return device.closed or device._closing is not None
 
 
 def open_device(name: str | None = None) -> _DeviceOpener:

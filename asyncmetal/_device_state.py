@@ -71,6 +71,7 @@ class DeviceState:
         self._unheard_lock = threading.Lock()
         with _open_lock:
             _open[id(self)] = self
+            _unreleased[id(self)] = self
 
     @property
     def kind(self) -> str:
@@ -113,8 +114,11 @@ def two_names(one: DeviceState, other: DeviceState) -> tuple[str, str]:
     return one.name, other.name
 
 
-# Every open device's state, in the order opened: a close takes its own out.
+# Every open device's state, in the order opened: a close takes its own out as it seals
+# the device. And every state until its device's close released its queues and memory
+# (or its opening failed): a sealed device's commands still run meanwhile, on its memory.
 _open: dict[int, DeviceState] = {}
+_unreleased: dict[int, DeviceState] = {}
 _open_lock = threading.Lock()
 
 T = TypeVar("T")
@@ -126,18 +130,34 @@ def open_states() -> list[DeviceState]:
         return list(_open.values())
 
 
+def unreleased_states() -> list[DeviceState]:
+    """The states of the devices open now and of those closing, until each close has
+    released its device's queues and memory."""
+    with _open_lock:
+        return list(_unreleased.values())
+
+
 def forget_open_states() -> None:
     """In a forked child: none of the parent's devices is open here (and the lock may
     have been held by a parent thread at the fork)."""
     global _open_lock
     _open_lock = threading.Lock()
     _open.clear()
+    _unreleased.clear()
 
 
 def state_closed(state: DeviceState) -> None:
     """``state``'s device closed (or, in a forked child, was the parent's)."""
     with _open_lock:
         _open.pop(id(state), None)
+
+
+def state_released(state: DeviceState) -> None:
+    """``state``'s device released its queues and memory (its close's last step), or
+    never opened (its opening failed)."""
+    with _open_lock:
+        _open.pop(id(state), None)
+        _unreleased.pop(id(state), None)
 
 
 async def holding(states: list[DeviceState], fn: Callable[[], T]) -> T:

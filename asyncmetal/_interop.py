@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _native, backends
 from ._buffer import Buffer
-from ._device import Device, devices_opened, foreign_buffer, open_devices
+from ._device import Device, closing, devices_opened, foreign_buffer, open_devices
 from ._dlpack import (
     DLPACK_VERSION,
     KDLCPU,
@@ -60,7 +60,8 @@ class _Imported:
 
 def _device_for(device_type: int, device_id: int, given: Device | None) -> Device:
     """The open device whose memory DLPack calls (device_type, device_id): ``given``,
-    checked, or the first one open (the host kind's device 0 first for host memory)."""
+    checked, or the first one open whose close has not begun (the host kind's device 0
+    first for host memory)."""
     if device_type == KDLCUDAHOST:  # pinned host memory: host memory to asyncmetal
         device_type, device_id = KDLCPU, 0
     where = (device_type, device_id)
@@ -75,10 +76,17 @@ def _device_for(device_type: int, device_id: int, given: Device | None) -> Devic
     found_last = _last_found.get(where)
     if found_last is not None and found_last[1] == devices_opened():
         last = found_last[0]()
-        if last is not None and not last.closed:
+        if last is not None and not closing(last):
             return last
     found = [d for d in open_devices() if d.writable and d.dlpack_device == where]
+    closed = [d.name for d in found if closing(d)]
+    found = [d for d in found if not closing(d)]
     found.sort(key=lambda d: d.name not in (backends.HOST, f"{backends.HOST}:0"))
+    if not found and closed:
+        raise ClosedResourceError(
+            f"the open devices that hold DLPack device {where}'s memory are closing "
+            f"({', '.join(closed)}): open another, or pass device="
+        )
     if not found:
         raise InvalidArgumentError(
             f"no open device holds DLPack device {where}'s memory: open it first "
@@ -114,7 +122,9 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
 
     The buffer is on the open device the memory lives on (or ``device``, which must be
     that one): host memory on the open ``cpu`` (or on the device one of whose buffers
-    lent it out, coming back), CUDA memory on the open ``cuda:N``. The
+    lent it out, coming back), CUDA memory on the open ``cuda:N`` -- never, unless
+    given, on a device whose close has begun (ClosedResourceError where only such
+    devices could take it). The
     producer's pending work on it comes before the device's default queue, and so
     before every command that orders itself after the buffer (copies do; launches with
     ``queue.after(buf)``). The array must be C-contiguous. It is kept alive while the
@@ -181,10 +191,12 @@ def lent_memory(device: Device, view: memoryview, address: int) -> Buffer:
 def _lender(address: int, nbytes: int) -> Device | None:
     """The open device one of whose buffers lent this host memory out, now coming back
     (``cpu:1``'s, say, where ``cpu`` would be picked): there the buffer shares the
-    lender's record of uses, and so its ordering."""
+    lender's record of uses, and so its ordering. None where its close has begun: the
+    buffer is then on the device picked otherwise, which shares that record too where
+    it is of the lender's kind, until the lender's close has ended."""
     for device in open_devices():
         if device.writable and device._allocator.exported_uses(address, nbytes) is not None:
-            return device
+            return None if closing(device) else device
     return None
 
 

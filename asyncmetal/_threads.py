@@ -14,6 +14,12 @@ default thread limiter bounds how many run at once, the function runs in a copy 
 caller's context, and cancelling the caller does not abandon it (the wait is shielded:
 asyncio's own ``task.cancel()``, which no scope stops, ends the wait, not the call).
 On trio, trio's threads -- daemons already -- run them, through anyio.
+
+A task whose asyncio loop is closed while it waits here is never collected, nor its
+loop: anyio's records of the shielded scope and of the limiter's borrower hold the
+task, each keyed weakly by what it holds (the task; the loop, which the task holds).
+So they hold any task waiting in an anyio scope, or in anyio.to_thread.run_sync, as
+its loop closes. ``undelivered`` is how what the call made is let go of then.
 """
 
 from __future__ import annotations

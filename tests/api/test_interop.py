@@ -5,6 +5,7 @@ of exported memory, and what is refused."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import sys
 import threading
@@ -690,3 +691,117 @@ async def test_a_copy_of_a_buffer_over_lent_memory_as_its_lender_closes_names_th
             await never_ran
         await dev.queue.copy(mine, alias)
         gate.signal(1)
+
+
+# A write of 7s that a cpu device's queue, once it started it (its flag's second int
+# set), runs only once the host lets it (the first, set through a map() view): its
+# device's close waits for it meanwhile -- a discarding one too, as it has started.
+_HELD_FILL = r"""
+#include <time.h>
+void held_fill(volatile int* flag, int* out, int value, int n) {
+    struct timespec ts = { 0, 200000L };
+    flag[1] = 1;
+    while (!flag[0]) nanosleep(&ts, 0);
+    for (int i = 0; i < n; i++) out[i] = value;
+}
+"""
+
+
+async def _held_fill(device: am.Device, buf: am.Buffer) -> np.ndarray[Any, Any]:
+    """Launch ``_HELD_FILL`` on ``buf`` (4 int32s); return its flag, once it started."""
+    program = await device.compile(_HELD_FILL, "held_fill")
+    flag = await device.alloc(8)
+    await flag.write(np.zeros(2, np.int32))
+    release: np.ndarray[Any, Any] = await flag.map(np.int32)
+    device.queue.launch(program, flag, buf, vals=(7, 4))
+    await _until(lambda: release[1])
+    return release
+
+
+async def _until(condition: Any) -> None:
+    with anyio.fail_after(10):  # (a bound on a hang, not a timing)
+        while not condition():
+            await anyio.sleep(0.001)
+
+
+@pytest.mark.parametrize("export", ["dlpack", "map", "from_dlpack"])
+async def test_a_copy_of_lent_memory_while_its_lender_is_sealed_is_refused(
+    anyio_backend: object, export: str
+) -> None:
+    """A copy on ``cpu`` of host memory that a buffer of ``cpu:1`` lent out (a DLPack
+    export, a map() view, or a ``from_dlpack`` buffer on ``cpu`` over it) submitted while
+    ``cpu:1`` is sealed -- its close under way (a discarding one: sealed at once), still
+    waiting for a command that writes that memory -- is refused naming ``cpu:1``: that
+    command cannot be waited for any more. Checked: a plain host copy, not ordered
+    after the write."""
+    async with am.open_device("cpu") as dev:
+        lender = await am.open_device("cpu:1")
+        theirs = await lender.alloc(16)
+        await theirs.write(np.zeros(4, np.int32))
+        if export == "map":
+            host = await theirs.map(np.int32)
+        else:
+            host = np.from_dlpack(theirs.typed(np.int32))
+        release = await _held_fill(lender, theirs)
+        mine = await dev.alloc(16)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(lender.close, discard=True))
+            try:
+                await _until(lambda: lender.closed)  # sealed, waiting for the write
+                operand = am.from_dlpack(host) if export == "from_dlpack" else host
+                with pytest.raises(am.ClosedResourceError) as info:
+                    dev.queue.copy(mine, operand)
+            finally:
+                release[0] = 1
+        what = (
+            "src"
+            if export == "from_dlpack"
+            else "src, host memory that a buffer of cpu:1 lent out (a DLPack export or a "
+            "map() view),"
+        )
+        assert str(info.value).startswith(
+            f"{what} is used by commands of cpu:1 that had not finished when cpu:1 closed"
+        ), str(info.value)
+        await dev.queue.copy(mine, operand)  # once the close is over: a plain host copy
+        assert (await mine.read(np.int32)).tolist() == [7] * 4
+
+
+async def test_from_dlpack_of_memory_a_closing_device_lent_is_on_another_open_device(
+    anyio_backend: object,
+) -> None:
+    """``from_dlpack(array)`` of memory a buffer of ``cpu:1`` lent out, as ``cpu:1``'s
+    close waits for its commands (not sealed yet), is a buffer of ``cpu`` -- not of the
+    closing ``cpu:1``, whose queues refuse it once sealed -- and ordered after
+    ``cpu:1``'s write of that memory all the same. With no other device of the kind
+    open, it is refused naming ``cpu:1``. Checked: a buffer of ``cpu:1``."""
+    async with am.open_device("cpu") as dev:
+        lender = await am.open_device("cpu:1")
+        theirs = await lender.alloc(16)
+        await theirs.write(np.zeros(4, np.int32))
+        host = np.from_dlpack(theirs.typed(np.int32))
+        release = await _held_fill(lender, theirs)
+        mine = await dev.alloc(16)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lender.close)
+            try:
+                await _until(lambda: lender._closing is not None)
+                assert not lender.closed  # (its close waits for the write before sealing)
+                alias = am.from_dlpack(host)
+                assert alias.device is dev
+                done = dev.queue.copy(mine, alias)  # after the write, on the device
+            finally:
+                release[0] = 1
+        await done
+        assert (await mine.read(np.int32)).tolist() == [7] * 4
+    lender = await am.open_device("cpu:1")
+    theirs = await lender.alloc(16)
+    host = np.from_dlpack(theirs.typed(np.int32))
+    release = await _held_fill(lender, theirs)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lender.close)
+        try:
+            await _until(lambda: lender._closing is not None)
+            with pytest.raises(am.ClosedResourceError, match=r"closing \(cpu:1\)"):
+                am.from_dlpack(host)
+        finally:
+            release[0] = 1

@@ -15,15 +15,17 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import numpy as np
 import pytest
 
 import asyncmetal as am
+from asyncmetal import _device, _device_state, backends
 from asyncmetal._compile import Compiler
-from asyncmetal.backends.cpu import CCompiler
+from asyncmetal.backends.cpu import CCompiler, CPUBackend
+from tests.support.interrupts import interrupted
 from tests.support.kernels import KERNELS, MSL_KERNELS
 from tests.support.other_kind import held_pair
 from tests.support.queues import close_failing_with_a_wait, record_native_closes
@@ -1045,3 +1047,97 @@ async def test_a_queue_whose_native_close_fails_leaves_nothing_else_unreleased(
     assert backend.live_allocations == 0, "the allocator's close was skipped"
     assert len(ended) == 1
     assert dev not in am.open_devices()
+
+
+# -- an open that does not hand its device over ------------------------------------------
+
+
+class _Recorded(CPUBackend):
+    """A cpu device whose instances opened and closed are recorded; with ``no_queue``
+    set, its default queue cannot be made (the Device of it is never made)."""
+
+    kind = "recordedcpu"
+    no_queue = False
+    opened: ClassVar[list[CPUBackend]] = []
+    closed: ClassVar[list[CPUBackend]] = []
+
+    @classmethod
+    def available(cls) -> list[str]:
+        return ["recordedcpu"]
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        type(self).opened.append(self)
+
+    def new_queue(self, timeline: Any) -> Any:
+        if type(self).no_queue:
+            raise am.AsyncMetalError("no queue to be had")
+        return super().new_queue(timeline)
+
+    def close(self) -> None:
+        type(self).closed.append(self)
+        super().close()
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> type[_Recorded]:
+    monkeypatch.setitem(backends.BACKENDS, "recordedcpu", f"{__name__}:_Recorded")
+    monkeypatch.setattr(_Recorded, "opened", [])
+    monkeypatch.setattr(_Recorded, "closed", [])
+    return _Recorded
+
+
+async def _all_closed(recorded: type[_Recorded]) -> None:
+    """Wait until every backend opened was closed (a given-up one closes on a thread
+    of its own); then no device of them is open, nor any state of theirs."""
+    with anyio.move_on_after(10):  # (a bound on a hang, not a timing)
+        while len(recorded.closed) < len(recorded.opened):
+            await anyio.sleep(0.005)
+    assert recorded.closed == recorded.opened
+    assert not [d for d in am.open_devices() if d.kind == recorded.kind]
+    assert not [s for s in _device_state.unreleased_states() if s.kind == recorded.kind]
+
+
+@pytest.mark.anyio
+async def test_an_open_whose_device_cannot_be_made_closes_its_backend(
+    anyio_backend: object, recorded: type[_Recorded], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend opened for a Device that cannot be made of it (its default queue
+    refused) is closed, and the error raised; nothing of it stays among the open
+    devices. Checked: the backend never closed, its state left among the open ones."""
+    monkeypatch.setattr(recorded, "no_queue", True)
+    with pytest.raises(am.AsyncMetalError, match="no queue to be had"):
+        await am.open_device("recordedcpu")
+    assert len(recorded.opened) == 1
+    await _all_closed(recorded)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["await", "async with"])
+async def test_a_keyboard_interrupt_as_an_open_hands_its_device_over_closes_it(
+    anyio_backend: object, recorded: type[_Recorded], how: str
+) -> None:
+    """A KeyboardInterrupt wherever CPython delivers one in the opening, once its
+    backend has opened (trio raises Ctrl-C in whatever Python code its main task runs)
+    -- as the Device is made, as an 'async with' records its entry -- either comes
+    after the caller got the device, or closes what was opened: the backend, and the
+    Device made of it. Checked: an interrupt as the 'async with' recorded its entry
+    left the device open, never handed over."""
+    codes = {_device._DeviceOpener._open.__code__, _device._DeviceOpener.__aenter__.__code__}
+    at = 0
+    while True:
+        handed: list[am.Device] = []
+        with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+            if how == "await":
+                handed.append(await am.open_device("recordedcpu"))
+            else:
+                async with am.open_device("recordedcpu") as dev:
+                    handed.append(dev)
+        if how == "await" and handed:
+            await handed[0].close()
+        await _all_closed(recorded)
+        assert bool(handed) != bool(raised), raised
+        if not raised:
+            break
+        at += 1
+    assert at >= 4
