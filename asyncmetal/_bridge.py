@@ -885,14 +885,15 @@ class _AsyncioBridge(LoopBridge):
 
     def _sleep_precisely(self, seconds: float) -> bool:
         loop = self._loop_ref()
-        selector = getattr(loop, "_selector", None)
-        # (asyncio's ready callbacks: the rest of this iteration's, and any added since)
-        if selector is None:
+        # (PollSelector has no descriptor of its own: the hold ends, as trio's)
+        fileno = getattr(getattr(loop, "_selector", None), "fileno", None)
+        if fileno is None:
             return False
+        # (asyncio's ready callbacks: the rest of this iteration's, and any added since)
         if getattr(loop, "_ready", None):
             return True  # the next iteration has work: no sleep, no idle poll
         try:  # select: microseconds (epoll and poll: whole milliseconds, rounded up)
-            select.select([selector.fileno()], [], [], max(seconds, 0.0))
+            select.select([fileno()], [], [], max(seconds, 0.0))
         except (ValueError, OSError):  # a descriptor past select's FD_SETSIZE
             return False
         return True
