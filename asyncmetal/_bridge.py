@@ -571,12 +571,17 @@ class LoopBridge(ABC):
         with self._closing:
             if self.dead or self._released:
                 return False
-            watches = [watch for watch in self.watches if watch.heap]
-            ready = list(self._ready)
-            if not (watches or ready):  # (empty watches hold nothing of the loop's)
-                return False
+            if not (self._ready or any(watch.heap for watch in self.watches)):
+                return False  # (empty watches hold nothing of the loop's)
+            # What is set aside, filled in below; the loop's callback reads it under
+            # _closing, so once this is done. The loop may have started on another
+            # thread since it was seen stopped, its tasks parking and being woken now:
+            # whatever this takes from it goes back as that callback runs.
+            watches: list[Watch] = []
+            ready: list[Entry] = []
+            pending: list[Watch] = []
             try:
-                self._call_soon_threadsafe(functools.partial(self.resume, watches, ready))
+                self._call_soon_threadsafe(functools.partial(self.resume, watches, ready, pending))
             except RuntimeError:  # the loop closed meanwhile (or is gone)
                 return False
             for watch in list(self.watches):
@@ -585,24 +590,38 @@ class LoopBridge(ABC):
                 if watch.cwatch is not None:
                     self.drop_native_watch(watch)
                 watch.queued = False
-                if watch.heap:
-                    watch.detached = True
-                    self._detached[id(watch.timeline)] = watch
-            self._pending.clear()
-            self._ready.clear()
+                # Also one with no waiter now: a task of the loop started meanwhile may
+                # be adding one (a park takes the watch back, as resume does).
+                watch.detached = True
+                self._detached[id(watch.timeline)] = watch
+                watches.append(watch)
+            # (swapped, not cleared: what is added meanwhile stays, or goes back)
+            taken_pending, self._pending = self._pending, collections.deque()
+            taken_ready, self._ready = self._ready, collections.deque()
+            pending.extend(taken_pending)
+            ready.extend(taken_ready)
             return True
 
-    def resume(self, watches: list[Watch], ready: list[Entry]) -> None:
+    def resume(self, watches: list[Watch], ready: list[Entry], pending: list[Watch]) -> None:
         """The loop runs again (``suspend``'s callback): take its watches back."""
         with self._closing:  # (after the suspend, where it overtook it)
             pass
+        for watch in pending:  # (queued as it was set aside: looked at again below)
+            watch.queued = False
         for watch in watches:
             if watch.detached and watch.heap and not self.dead:  # (not all withdrawn)
+                # (A park may have registered it as it was set aside: it goes, and comes
+                # back attached.)
+                watch.timeline.drop_watch(watch)
+                self._detached[id(watch.timeline)] = watch
                 watch.timeline._watch_for(self)  # (takes it back)
         for entry in ready:
             if not entry.done:
                 self._ready.append(entry)  # (still counted as waiting)
                 self._schedule_slice()
+        for watch in pending:
+            if not watch.detached:  # (one still set aside is looked at as it comes back)
+                self.notify_here(watch)
 
     def notify(self, watch: Watch) -> None:
         """Called from any thread once ``watch.timeline`` reached ``watch.next``."""
@@ -858,10 +877,10 @@ class _AsyncioBridge(LoopBridge):
         elif not loop.is_running():
             self.suspend()
 
-    def resume(self, watches: list[Watch], ready: list[Entry]) -> None:
+    def resume(self, watches: list[Watch], ready: list[Entry], pending: list[Watch]) -> None:
         if self.thread_gone or self.thread != _get_ident():
             self._adopt_thread()
-        super().resume(watches, ready)
+        super().resume(watches, ready, pending)
 
     def on_loop_thread(self) -> bool:
         # Its loop is running on this thread (a loop may run on one thread, then another).
