@@ -718,7 +718,14 @@ class LoopBridge(ABC):
             if holding and _native.cores_taken():
                 # polling would take a busy queue's core: sleep until the timer is due
                 ahead = min(self._hold_until - now, self._hold_wall - time.perf_counter())
-                if self._sleep_precisely(ahead):
+                try:
+                    slept = self._sleep_precisely(ahead)
+                except BaseException:  # (a signal handler's, raised in select: Ctrl-C's)
+                    self._holding = False  # (the next wake-up holds again)
+                    self._hold_until = self._hold_wall = 0.0
+                    self._hold_looks = 0
+                    raise
+                if slept:
                     self._call_soon(self._hold_tick)
                     return
             elif self._hold_looks or holding:
