@@ -571,12 +571,17 @@ class LoopBridge(ABC):
         with self._closing:
             if self.dead or self._released:
                 return False
-            watches = [watch for watch in self.watches if watch.heap]
-            ready = list(self._ready)
-            if not (watches or ready):  # (empty watches hold nothing of the loop's)
-                return False
+            if not (self._ready or any(watch.heap for watch in self.watches)):
+                return False  # (empty watches hold nothing of the loop's)
+            # What is set aside, filled in below; the loop's callback reads it under
+            # _closing, so once this is done. The loop may have started on another
+            # thread since it was seen stopped, its tasks parking and being woken now:
+            # whatever this takes from it goes back as that callback runs.
+            watches: list[Watch] = []
+            ready: list[Entry] = []
+            pending: list[Watch] = []
             try:
-                self._call_soon_threadsafe(functools.partial(self.resume, watches, ready))
+                self._call_soon_threadsafe(functools.partial(self.resume, watches, ready, pending))
             except RuntimeError:  # the loop closed meanwhile (or is gone)
                 return False
             for watch in list(self.watches):
@@ -585,24 +590,38 @@ class LoopBridge(ABC):
                 if watch.cwatch is not None:
                     self.drop_native_watch(watch)
                 watch.queued = False
-                if watch.heap:
-                    watch.detached = True
-                    self._detached[id(watch.timeline)] = watch
-            self._pending.clear()
-            self._ready.clear()
+                # Also one with no waiter now: a task of the loop started meanwhile may
+                # be adding one (a park takes the watch back, as resume does).
+                watch.detached = True
+                self._detached[id(watch.timeline)] = watch
+                watches.append(watch)
+            # (swapped, not cleared: what is added meanwhile stays, or goes back)
+            taken_pending, self._pending = self._pending, collections.deque()
+            taken_ready, self._ready = self._ready, collections.deque()
+            pending.extend(taken_pending)
+            ready.extend(taken_ready)
             return True
 
-    def resume(self, watches: list[Watch], ready: list[Entry]) -> None:
+    def resume(self, watches: list[Watch], ready: list[Entry], pending: list[Watch]) -> None:
         """The loop runs again (``suspend``'s callback): take its watches back."""
         with self._closing:  # (after the suspend, where it overtook it)
             pass
+        for watch in pending:  # (queued as it was set aside: looked at again below)
+            watch.queued = False
         for watch in watches:
             if watch.detached and watch.heap and not self.dead:  # (not all withdrawn)
+                # (A park may have registered it as it was set aside: it goes, and comes
+                # back attached.)
+                watch.timeline.drop_watch(watch)
+                self._detached[id(watch.timeline)] = watch
                 watch.timeline._watch_for(self)  # (takes it back)
         for entry in ready:
             if not entry.done:
                 self._ready.append(entry)  # (still counted as waiting)
                 self._schedule_slice()
+        for watch in pending:
+            if not watch.detached:  # (one still set aside is looked at as it comes back)
+                self.notify_here(watch)
 
     def notify(self, watch: Watch) -> None:
         """Called from any thread once ``watch.timeline`` reached ``watch.next``."""
@@ -699,7 +718,14 @@ class LoopBridge(ABC):
             if holding and _native.cores_taken():
                 # polling would take a busy queue's core: sleep until the timer is due
                 ahead = min(self._hold_until - now, self._hold_wall - time.perf_counter())
-                if self._sleep_precisely(ahead):
+                try:
+                    slept = self._sleep_precisely(ahead)
+                except BaseException:  # (a signal handler's, raised in select: Ctrl-C's)
+                    self._holding = False  # (the next wake-up holds again)
+                    self._hold_until = self._hold_wall = 0.0
+                    self._hold_looks = 0
+                    raise
+                if slept:
                     self._call_soon(self._hold_tick)
                     return
             elif self._hold_looks or holding:
@@ -858,10 +884,10 @@ class _AsyncioBridge(LoopBridge):
         elif not loop.is_running():
             self.suspend()
 
-    def resume(self, watches: list[Watch], ready: list[Entry]) -> None:
+    def resume(self, watches: list[Watch], ready: list[Entry], pending: list[Watch]) -> None:
         if self.thread_gone or self.thread != _get_ident():
             self._adopt_thread()
-        super().resume(watches, ready)
+        super().resume(watches, ready, pending)
 
     def on_loop_thread(self) -> bool:
         # Its loop is running on this thread (a loop may run on one thread, then another).
@@ -885,14 +911,15 @@ class _AsyncioBridge(LoopBridge):
 
     def _sleep_precisely(self, seconds: float) -> bool:
         loop = self._loop_ref()
-        selector = getattr(loop, "_selector", None)
-        # (asyncio's ready callbacks: the rest of this iteration's, and any added since)
-        if selector is None:
+        # (PollSelector has no descriptor of its own: the hold ends, as trio's)
+        fileno = getattr(getattr(loop, "_selector", None), "fileno", None)
+        if fileno is None:
             return False
+        # (asyncio's ready callbacks: the rest of this iteration's, and any added since)
         if getattr(loop, "_ready", None):
             return True  # the next iteration has work: no sleep, no idle poll
         try:  # select: microseconds (epoll and poll: whole milliseconds, rounded up)
-            select.select([selector.fileno()], [], [], max(seconds, 0.0))
+            select.select([fileno()], [], [], max(seconds, 0.0))
         except (ValueError, OSError):  # a descriptor past select's FD_SETSIZE
             return False
         return True

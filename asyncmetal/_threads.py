@@ -27,9 +27,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -93,12 +95,47 @@ def _report(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_exception(error)
 
 
+class _Handover:
+    """A call's outcome on its way to the caller, which may never get it: where its
+    loop closed before the outcome could be queued there (``drop``), or dropped what
+    was queued without running it -- closed (``close`` clears what is ready) or
+    stopped for good and collected -- whether the report itself or the caller's wake-up
+    that the report queued. Until the caller has resumed (and cleared ``undelivered``)
+    those queued callbacks hold this, the caller only weakly: let go of with
+    ``undelivered`` still set, it calls it, on whichever thread let go of it."""
+
+    __slots__ = ("__weakref__", "error", "future", "result", "undelivered")
+
+    def __init__(self, future: asyncio.Future[Any], undelivered: Callable[[], None] | None) -> None:
+        self.future = future
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.undelivered = undelivered
+
+    def __call__(self) -> None:
+        self.future.add_done_callback(self._held)  # (queued behind the caller's wake-up)
+        _report(self.future, self.result, self.error)
+
+    def _held(self, _: asyncio.Future[Any]) -> None:
+        """(Holds this until the caller's wake-up has run.)"""
+
+    def drop(self) -> None:
+        undelivered, self.undelivered = self.undelivered, None
+        if undelivered is not None:
+            with contextlib.suppress(Exception):  # (nobody to tell)
+                undelivered()
+
+    def __del__(self) -> None:
+        self.drop()
+
+
 async def run_sync(
     fn: Callable[..., T], *args: Any, undelivered: Callable[[], None] | None = None
 ) -> T:
     """``fn(*args)`` on a worker thread, awaited; its exception is raised here. Where
-    its loop closed before the outcome could be handed over, ``undelivered()`` is
-    called on the worker thread (the caller never resumes to see it)."""
+    its loop closed, or was stopped and let go of, before the caller resumed with the
+    outcome, ``undelivered()`` is called: on the worker thread, or the one that closed
+    or collected the loop (the caller never resumes to see it)."""
     from ._bridge import running_asyncio_loop  # (it imports what imports this module)
 
     loop = running_asyncio_loop()
@@ -109,20 +146,23 @@ async def run_sync(
             future: asyncio.Future[T] = loop.create_future()
             context = contextvars.copy_context()
 
-            def job() -> None:
-                result: Any = None
-                error: BaseException | None = None
+            def job(handover: _Handover) -> None:
                 try:
-                    result = context.run(fn, *args)
+                    handover.result = context.run(fn, *args)
                 except BaseException as exc:  # (raised on the caller's side)
-                    error = exc
+                    handover.error = exc
                 try:
-                    loop.call_soon_threadsafe(_report, future, result, error)
+                    loop.call_soon_threadsafe(handover)
                 except RuntimeError:  # its loop closed meanwhile
-                    if undelivered is not None:
-                        with contextlib.suppress(Exception):  # (nobody to tell)
-                            undelivered()
+                    handover.drop()
 
-            _workers.submit(job)
-            result = await future
+            handover = _Handover(future, undelivered)
+            _workers.submit(functools.partial(job, handover))
+            arrived = weakref.ref(handover)
+            del handover  # (held by the job, then by the loop's callbacks)
+            try:
+                result = await future
+            finally:
+                if (held := arrived()) is not None:
+                    held.undelivered = None  # the caller resumed
     return result

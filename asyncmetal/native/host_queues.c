@@ -241,6 +241,13 @@ static atomic_int host_running;
 
 int am_host_running(void) { return atomic_load_explicit(&host_running, memory_order_relaxed); }
 
+/* A forked child runs none of them: the parent's queue threads do not exist there. */
+static void host_running_forked(void) { atomic_store(&host_running, 0); }
+
+__attribute__((constructor)) static void host_running_register_fork_handler(void) {
+    pthread_atfork(NULL, NULL, host_running_forked);
+}
+
 static void *run(void *arg) {
     am_queue *q = arg;
     am_cmd c;

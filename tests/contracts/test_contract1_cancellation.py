@@ -338,7 +338,9 @@ class _SlowToOpen(CPUBackend):
         super().close()
 
 
-@pytest.mark.parametrize("when", ["opening", "opened", "loop closed"])
+@pytest.mark.parametrize(
+    "when", ["opening", "opened", "loop closed", "loop closed handed over", "loop closed reported"]
+)
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_an_open_cancelled_meanwhile_closes_what_it_opened(
     monkeypatch: pytest.MonkeyPatch, loop: str, when: str
@@ -349,9 +351,13 @@ def test_an_open_cancelled_meanwhile_closes_what_it_opened(
     thread were held for good). Cancelled while the backend opens, and once it has
     opened and its result is handed over, the caller not yet resumed; and with its
     loop stopped and closed while it opens (as a framework left by a repeated Ctrl-C
-    does), the task never resumed. Checked: never closed, each way."""
+    does), the task never resumed, or once the opening ended and handed its result to
+    the stopped loop, which its close drops unrun, or reported to the task and its
+    loop stopped before the task resumed (checked: never closed, each way)."""
     if loop == "uvloop":
         uvloop = pytest.importorskip("uvloop", reason="uvloop is not built for this platform")
+        if when == "loop closed reported":
+            pytest.skip("uvloop runs the callbacks queued meanwhile before it stops")
     monkeypatch.setitem(backends.BACKENDS, "slowcpu", f"{__name__}:_SlowToOpen")
     monkeypatch.setattr(_SlowToOpen, "started", threading.Event())
     monkeypatch.setattr(_SlowToOpen, "go", threading.Event())
@@ -375,10 +381,27 @@ def test_an_open_cancelled_meanwhile_closes_what_it_opened(
         with pytest.raises(asyncio.CancelledError):
             await opening
 
-    if when == "loop closed":
+    if when.startswith("loop closed"):
         left = uvloop.new_event_loop() if loop == "uvloop" else asyncio.new_event_loop()
         pending = left.create_task(am.open_device("slowcpu"))
         left.run_until_complete(left.run_in_executor(None, _SlowToOpen.started.wait))
+        if when == "loop closed handed over":
+            idle = len(_threads._workers._idle)
+            _SlowToOpen.go.set()
+            for _ in range(1000):  # (a bound on a hang) until the worker has handed over
+                if len(_threads._workers._idle) > idle:
+                    break
+                time.sleep(0.01)
+        elif when == "loop closed reported":  # the loop stops as the result comes
+            report = _threads._report
+
+            def report_then_stop(*args: Any) -> None:
+                report(*args)
+                left.stop()
+
+            monkeypatch.setattr(_threads, "_report", report_then_stop)
+            _SlowToOpen.go.set()
+            left.run_forever()
         left.close()
         _SlowToOpen.go.set()
         assert not pending.done()

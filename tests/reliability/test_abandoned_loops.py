@@ -175,6 +175,60 @@ def test_a_loop_stopped_by_a_thread_that_ended_runs_its_waits_when_run_again(
 
 
 @pytest.mark.parametrize("use_uvloop", LOOPS)
+def test_a_loop_started_again_as_it_is_set_aside_loses_no_wait(use_uvloop: bool) -> None:
+    """A loop seen stopped is set aside by another thread (``LoopBridge.suspend``, as
+    the thread that ran it ends) while a thread starts it again: meanwhile, a task of
+    it parks on a timeline the loop had no watch on, and another takes a place in the
+    bridge's next slice (a crowd's park, ``park(None, 0)``). Both are woken once the
+    loop runs on, with the task parked before it was set aside. Checked failing
+    without: the two tasks were never woken (the watch made meanwhile was set aside and
+    never taken back; the place, cleared)."""
+    new_loop = _new_loop(use_uvloop)
+    loop = new_loop()
+    try:
+        dev = loop.run_until_complete(am.open_device("cpu"))
+        first, later = dev.timeline(), dev.timeline()
+
+        async def park_one() -> tuple[am._bridge.LoopBridge, asyncio.Future[None]]:
+            waiting = asyncio.ensure_future(first.wait(1))
+            while am.loop_statistics().waiting < 1:
+                await asyncio.sleep(0.001)
+            return am._bridge.current_bridge(), waiting
+
+        bridge, parked_before = loop.run_until_complete(park_one())
+        call_soon_threadsafe = bridge._call_soon_threadsafe
+        started, parked = threading.Event(), threading.Event()
+
+        def held(fn: Callable[[], None]) -> None:  # the loop starts as this sets it aside
+            del bridge._call_soon_threadsafe  # type: ignore[method-assign]
+            started.set()
+            parked.wait(10)
+            call_soon_threadsafe(fn)
+
+        bridge._call_soon_threadsafe = held  # type: ignore[method-assign]
+        setting_aside = threading.Thread(target=bridge.suspend)
+        setting_aside.start()
+        started.wait(10)
+
+        async def meanwhile() -> None:
+            parks = asyncio.ensure_future(later.wait(1))
+            while am.loop_statistics().waiting < 2:
+                await asyncio.sleep(0)
+            takes_a_place = asyncio.ensure_future(bridge.park(None, 0))
+            await asyncio.sleep(0)  # (it takes its place; its slice is the next iteration's)
+            parked.set()
+            setting_aside.join()  # (the loop waits here, its tasks parked, till it is done)
+            first.signal(1)
+            later.signal(1)
+            await asyncio.wait_for(asyncio.gather(parked_before, parks, takes_a_place), 5)
+
+        loop.run_until_complete(meanwhile())
+        loop.run_until_complete(dev.close())
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("use_uvloop", LOOPS)
 def test_a_stopped_loop_runs_its_waits_after_another_loop_ran_on_its_thread(
     use_uvloop: bool,
 ) -> None:

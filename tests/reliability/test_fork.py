@@ -387,6 +387,45 @@ def test_a_child_forked_as_a_closing_cpu_device_frees_does_not_hang() -> None:
     assert _child_prints(_FORK_WHILE_A_CLOSING_CPU_DEVICE_FREES) == ["0", "1"]
 
 
+_FORK_WHILE_A_CPU_KERNEL_RUNS = """
+import os, signal
+import anyio
+import asyncmetal as am
+from asyncmetal import _native
+
+SRC = "#include <unistd.h>\\nvoid read_one(int fd) { char c; (void)read(fd, &c, 1); }"
+
+async def main():
+    async with am.open_device("cpu") as dev:
+        prog = await dev.compile(SRC, "read_one")
+        r, w = os.pipe()
+        done = dev.queue.launch(prog, vals=(r,))  # runs until a byte comes
+        while _native.host_running() < 1:
+            await anyio.sleep(0.001)
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(10)
+            os._exit(_native.host_running())
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status))
+        os.write(w, b"x")
+        await done
+        print(_native.host_running())
+
+anyio.run(main)
+"""
+
+
+def test_a_child_forked_while_a_cpu_kernel_runs_counts_no_kernel_running() -> None:
+    """The count of the cpu queues' commands running now (``_native.host_running``,
+    which ``cores_taken`` compares with the process's cores) starts at none in a forked
+    child: the parent's kernel running at the fork does not run there, nor ever ends
+    there. Checked failing without: the child counted the parent's kernel (1) for
+    good, so on a machine of as many cores as the parent ran kernels at the fork, its
+    loops never polled for a timer or a completion again."""
+    assert _child_prints(_FORK_WHILE_A_CPU_KERNEL_RUNS) == ["0", "0"]
+
+
 def _child_prints(script: str) -> list[str]:
     """What ``script``, run in a new interpreter that must exit cleanly, printed."""
     proc = subprocess.run(
