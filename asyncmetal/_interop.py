@@ -79,13 +79,13 @@ def _device_for(device_type: int, device_id: int, given: Device | None) -> Devic
         if last is not None and not closing(last):
             return last
     found = [d for d in open_devices() if d.writable and d.dlpack_device == where]
-    closed = [d.name for d in found if closing(d)]
+    closing_names = [d.name for d in found if closing(d)]
     found = [d for d in found if not closing(d)]
     found.sort(key=lambda d: d.name not in (backends.HOST, f"{backends.HOST}:0"))
-    if not found and closed:
+    if not found and closing_names:
         raise ClosedResourceError(
             f"the open devices that hold DLPack device {where}'s memory are closing "
-            f"({', '.join(closed)}): open another, or pass device="
+            f"({', '.join(closing_names)}): open another, or pass device="
         )
     if not found:
         raise InvalidArgumentError(
