@@ -877,6 +877,48 @@ def test_a_fault_on_one_gpu_loses_the_other_gpu_too() -> None:
     assert lines == [*expected, "closed", "exiting"], "\n".join(lines)
 
 
+def test_a_cpu_write_after_a_faulted_cuda_copy_of_its_buffer_fails_naming_it() -> None:
+    """A copy from cuda:0 into a cpu buffer (cuda's queue writes it in place) is in
+    flight behind a kernel that faults; a cpu write of that buffer, ordered after the
+    copy on the device (the cpu queue's thread waits on the cuda queue's timeline),
+    fails -- DeviceLostError naming the cuda queue's command -- and never runs: the
+    buffer keeps its bytes. Before, the cuda queue's timeline settled with no failure
+    that the cpu queue's wait read: the write ran."""
+    lines = _fault_scenario(
+        """
+        async with am.open_device("cuda:0") as dev, am.open_device("cpu") as cpu:
+            fault = await dev.compile(SRC, "fault")
+            sleep = await dev.compile(SRC, "sleep_us")
+            host = await cpu.alloc(64)
+            await host.write(np.zeros(16, np.int32))
+            src, other = await dev.alloc(64), await dev.alloc(4)
+            await src.write(np.full(16, 5, np.int32))
+            dev.queue.launch(sleep, vals=(300_000,))
+            bad = dev.queue.launch(fault, other)
+            with anyio.move_on_after(0.05):
+                await am.copy(host, src)  # in flight, behind the fault: cancelled
+            write = cpu.queue.copy(host, np.full(16, 7, np.int32))
+            try:
+                with anyio.fail_after(30):
+                    await write
+                print("write ok")
+            except am.AsyncMetalError as exc:
+                named = "that command" in str(exc) and "of a queue of cuda:0" in str(exc)
+                print("write", type(exc).__name__, named)
+            out = np.ones(16, np.int32)
+            await cpu.new_queue().copy(out, host)
+            print("host", out.tolist() == [0] * 16)
+            await outcome("fault", lambda: bad)
+        """
+    )
+    assert lines == [
+        "write DeviceLostError True",
+        "host True",
+        "fault DeviceLostError True cuda:0",
+        "exiting",
+    ], "\n".join(lines)
+
+
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
