@@ -748,6 +748,48 @@ async def test_a_cpu_command_after_a_failed_cuda_command_names_it(
         await dev.close()
 
 
+@pytest.mark.anyio
+async def test_a_cuda_queue_waits_for_a_cpu_queues_pending_use_of_a_buffer(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """A cpu write of a buffer is held (its queue behind a timeline not signalled yet);
+    a cuda queue ordered after that buffer (``after``, as a copy of lent memory of it
+    is) submits a device wait on the cpu queue's timeline for the write -- which the
+    native runtime holds on the host until the cpu queue's thread raised it
+    (tests/support/native/fake_cuda.c, hostheld) -- confirmed by that timeline's value,
+    and failed if it fails. Before, a cuda queue skipped another kind's uses: nothing
+    ordered it after the write."""
+    from asyncmetal.backends.cuda import _queue as cuda_queue
+    from tests.support.queues import held_queue
+
+    runtime: Any = driver.runtime
+    waits: list[tuple[int, int, int]] = []
+    finishes: list[tuple[int, int, int, int]] = []
+    runtime.am_cuq_wait_timeline = lambda q, t, target, value: waits.append((t, target, value)) or 0
+    runtime.am_cuq_finish = lambda q, value, extra, target, ns, flags: (
+        finishes.append((value, extra, target, flags)) or 0
+    )
+    dev = await am.open_device("cuda:0")
+    cpu = await am.open_device("cpu")
+    try:
+        buf = await cpu.alloc(64)
+        held, gate = held_queue(cpu)
+        write = held.copy(buf, np.full(16, 7, np.int32))
+        queue = dev.new_queue()
+        queue.after(buf)
+        c_timeline = held.timeline.native.c_timeline
+        assert waits == [(c_timeline, write.value, queue.submitted)]
+        flags = cuda_queue.FINISH_PLAIN | cuda_queue.FINISH_WAITED
+        assert finishes == [(queue.submitted, c_timeline, write.value, flags)]
+        gate.signal(1)
+        with anyio.fail_after(10):
+            await write
+        queue.timeline.native.signal(queue.submitted)  # its completion thread confirms it
+    finally:
+        await cpu.close()
+        await dev.close()
+
+
 async def test_a_submission_out_of_host_memory_raises_memory_error(
     anyio_backend: object, driver: _Driver
 ) -> None:

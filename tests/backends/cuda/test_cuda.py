@@ -22,6 +22,7 @@ from tests.support.queues import (
     close_failing_with_a_wait,
     copies_done_before_awaited,
     discard_outcomes,
+    held_queue,
 )
 from tests.support.stress import interleavings, park_all
 
@@ -561,6 +562,35 @@ async def test_copies(anyio_backend: object) -> None:
         cpu_side = await am.from_numpy(data)
         await am.copy(a, cpu_side)  # npy -> cuda
         np.testing.assert_array_equal(await a.read(), data)
+
+
+@pytest.mark.parametrize("n", [64, 24 << 20])  # direct, and staged through pinned chunks
+async def test_a_copy_of_lent_cpu_memory_waits_for_a_held_cpu_write_of_it(
+    anyio_backend: object, n: int
+) -> None:
+    """A cuda queue copies from a host array over a cpu buffer's memory (a DLPack
+    export) after a cpu write of that buffer was submitted, held behind a timeline: the
+    copy waits (held on the host, its stream's work and the staging threads' reads of
+    the memory with it) until the write ran, and copies what it wrote. Before, a cuda
+    queue did not wait for another kind's uses: the copy read the old bytes."""
+    async with am.open_device("cuda:0") as dev, am.open_device("cpu") as cpu:
+        mine = await cpu.alloc(n)
+        await mine.write(np.full(n, 1, np.uint8))
+        lent = np.from_dlpack(mine)  # mine's memory, no copy
+        q, tl = held_queue(cpu)
+        write = q.copy(mine, np.full(n, 5, np.uint8))
+        dst = await dev.alloc(n)
+        copy = dev.new_queue().copy(dst, lent)
+        with anyio.move_on_after(0.05):
+            await copy
+        assert not copy.done(), "the copy ran before the cpu write it follows"
+        tl.signal(1)
+        with anyio.fail_after(30):
+            await write
+            await copy
+        seen = await dst.read(np.uint8)
+        assert (seen == 5).all(), "the copy read the bytes from before the write"
+        del lent
 
 
 async def test_pageable_copies_reuse_the_staging_ring(anyio_backend: object) -> None:

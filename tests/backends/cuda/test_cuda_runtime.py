@@ -48,6 +48,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "partial"),
         *("ok", "release"),
         *("ok", "hostwait"),
+        *("ok", "hostheld"),
         *("ok", "signal"),
         *("ok", "signalrecord"),
         *("ok", "nomemory"),

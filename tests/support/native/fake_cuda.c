@@ -34,6 +34,10 @@
  *             kernel that faulted, it fails its commands from that wait on (none runs),
  *             naming the failed command -- the settled timeline carries the failure --
  *             while a wait for a value confirmed before it passes
+ *   hostheld  a queue's device wait on a host queue's timeline (no device word: a cpu
+ *             or npy queue's) is held on the host until that queue's thread raised it,
+ *             and the work behind it is handed over only then; a wait on one whose
+ *             device closes instead fails the queue from that wait on, naming the close
  *   release   a queue's device wait on a value of a queue that failed that way ends
  *             (the failed queue's word is raised), rather than blocking for good; the
  *             commands from that wait on fail once run (they ran on data never
@@ -500,6 +504,52 @@ static void check_hostwait(void) {
     queue_free(g, 1);
     atomic_store(&fault_code, 0);
     puts("ok hostwait");
+}
+
+static void check_hostheld(void) {
+    fake_queue f = queue_new();
+    /* h: a host queue's own timeline, raised by its thread: command 1 waits for the
+     * gate, command 2 copies a word. f waits for h's 2, then runs a kernel. */
+    am_timeline *gate = am_timeline_new(), *h = am_timeline_new();
+    am_queue *hq = am_queue_new(h, 0, 0);
+    static const int64_t one = 1;
+    int64_t copied = 0;
+    if (!hq || am_queue_wait(hq, gate, 1, 1) || am_queue_copy(hq, &copied, &one, 8, NULL, 2))
+        die("hostheld: the host queue");
+    if (am_cuq_wait_timeline(f.q, h, 2, 1) ||
+        am_cuq_finish(f.q, 1, h, 2, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) || launch(f, NULL, 1, 2))
+        die("hostheld: a wait on a host queue's timeline failed at once");
+    nap_ns(50000000);  /* 50 ms */
+    if (atomic_load(&f.s->ran) || am_timeline_value(f.t) >= 1)
+        die("hostheld: a kernel after a wait on a host queue's timeline ran before it got there");
+    am_timeline_signal(gate, 1);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (am_timeline_value(f.t) < 2)
+        if (now_ns() > deadline) die("hostheld: a wait on a host queue's timeline never ended");
+    uint64_t at = 0;
+    if (am_timeline_value(f.t) != 2 || atomic_load(&f.s->ran) != 1 || am_cuq_error(f.q, &at) ||
+        copied != 1)
+        die("hostheld: a wait on a host queue's timeline did not succeed once it got there");
+    am_queue_close(hq, 0);
+    /* h2: a host timeline whose device closes before it gets to what f waits for. */
+    am_timeline *h2 = am_timeline_new();
+    if (am_cuq_wait_timeline(f.q, h2, 1, 3) ||
+        am_cuq_finish(f.q, 3, h2, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) || launch(f, NULL, 3, 4))
+        die("hostheld: a wait on a host timeline failed at once");
+    nap_ns(20000000);  /* 20 ms */
+    am_timeline_close(h2);
+    while (am_timeline_value(f.t) < 4)
+        if (now_ns() > deadline) die("hostheld: a wait on a closed host timeline never ended");
+    int error = 0;
+    uint64_t value = 0;
+    if (am_timeline_value(f.t) != UINT64_MAX || am_cuq_error(f.q, &at) != CU_WAITED_FAILED ||
+        at != 3 || am_cuq_cause(f.q, &error, &value) != h2 || error != AM_CLOSED)
+        die("hostheld: a wait on a closed host timeline did not fail its queue from there");
+    queue_free(f, 0);
+    am_timeline_free(gate);
+    am_timeline_free(h);
+    am_timeline_free(h2);
+    puts("ok hostheld");
 }
 
 static void check_partial(void) {
@@ -2245,6 +2295,7 @@ int main(void) {
     check_partial();
     check_release();
     check_hostwait();
+    check_hostheld();
     check_signal();
     check_signalrecord();
     check_nomemory();
