@@ -790,6 +790,62 @@ async def test_a_cuda_queue_waits_for_a_cpu_queues_pending_use_of_a_buffer(
         await dev.close()
 
 
+@pytest.mark.anyio
+async def test_a_staged_copy_behind_a_wait_on_a_cpu_queue_reads_its_source_after_it(
+    anyio_backend: object, driver: _Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cuda queue holds a wait for a cpu queue's pending write (``after``), then copies
+    from pageable host memory through staging chunks: the host threads that fill each
+    chunk read the source only once the stream wrote a mark behind that wait (held on
+    the host until the cpu write ran) -- not as soon as the chunk is free, which would
+    read the source (lent memory the cpu write writes, say) before the write ran."""
+    from asyncmetal.backends.cuda import _timeline
+    from tests.support.queues import held_queue
+
+    runtime: Any = driver.runtime
+    calls: list[tuple[Any, ...]] = []
+
+    def record(name: str) -> Any:
+        return lambda q, *args: calls.append((name, *args)) or 0
+
+    for name in ("wait_timeline", "finish", "wait", "write", "memcpy"):
+        setattr(runtime, f"am_cuq_{name}", record(name))
+
+    def fill(
+        copier: Any, dst: int, src: int, n: int, keep: object, chunk: Any, after: Any
+    ) -> tuple[Any, int]:
+        calls.append(("fill", None if after is None else (after[0].address, after[1])))
+        if chunk.ready is None:
+            chunk.ready = _timeline.CUDATimeline(copier._backend)
+        return chunk.ready, 1
+
+    monkeypatch.setattr(_staging._HostCopier, "copy", fill)
+    dev = await am.open_device("cuda:0")
+    cpu = await am.open_device("cpu")
+    try:
+        buf = await cpu.alloc(64)
+        held, gate = held_queue(cpu)
+        write = held.copy(buf, np.full(16, 7, np.int32))
+        queue = dev.new_queue()
+        queue.after(buf)
+        assert calls[0][:2] == ("wait_timeline", held.timeline.native.c_timeline)
+        del calls[:]
+        dst = await dev.alloc(3 * _staging.STAGE_CHUNK)
+        queue.copy(dst, np.zeros(3 * _staging.STAGE_CHUNK, np.uint8))  # 3 chunks
+        gate.signal(1)
+        with anyio.fail_after(10):
+            await write
+        queue.timeline.native.signal(queue.submitted)  # its completion thread confirms it
+        fills = [i for i, call in enumerate(calls) if call[0] == "fill"]
+        assert len(fills) == 3
+        for i in fills:  # each after a mark the stream writes (behind the wait) just before
+            assert calls[i][1] is not None, "a chunk is filled before the held wait ended"
+            assert calls[i - 1][0] == "write" and calls[i - 1][1:3] == calls[i][1], calls
+    finally:
+        await cpu.close()
+        await dev.close()
+
+
 async def test_a_submission_out_of_host_memory_raises_memory_error(
     anyio_backend: object, driver: _Driver
 ) -> None:
