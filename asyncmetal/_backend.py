@@ -354,8 +354,11 @@ class Backend(ABC):
     fill_alignment: ClassVar[int] = 1
     fill_patterns: ClassVar[bool] = True
     # Its queues' device waits take any timeline of the native runtime (``c_timeline``
-    # set: every kind's queue timelines), not only its own kind's: a queue thread waits
-    # on the timeline's condition, which whatever raises or fails the timeline wakes.
+    # set: every kind's queue timelines), not only its own kind's: a cpu or npy queue's
+    # thread waits on the timeline's condition, which whatever raises or fails the
+    # timeline wakes; a cuda queue's wait on one with no device word (a cpu or npy
+    # queue's) is held on the host, with the stream's work behind it, until it got there
+    # or failed (native/timelines.c: ``kick_due``).
     # Its queues then order themselves after another kind's copies that read or wrote
     # its buffers in place (as after their own kind's commands: ``Queue.after``).
     waits_across_kinds: ClassVar[bool] = False

@@ -588,7 +588,8 @@ class Queue:
         ordered), so ``q.after(buf).launch(k, buf)`` is how a launch on one queue sees a
         copy or launch submitted on another. A copy of another kind of device that read
         or wrote ``buf`` in place (``asyncmetal.copy`` between kinds) is waited for too
-        where this device's queues can wait for that kind's (cpu and npy queues can).
+        where this device's queues can wait for that kind's (cpu and npy queues wait for
+        any kind's; cuda queues for cpu and npy queues', held on the host).
         Returns the queue.
         """
         self._check_open()

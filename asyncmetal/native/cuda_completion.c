@@ -246,9 +246,33 @@ static void cuq_release_waiters(am_cuq *q) {
     host_signalled();
 }
 
-/* A failed queue with nothing left in flight or held settles: its timeline and word at
- * UINT64_MAX, other queues' waits on it released. Not under mu. */
+/* A failed queue about to settle: its timeline fails from its first failed value (past
+ * what it confirmed), with the failure behind it (cuq_cause), before it goes to
+ * UINT64_MAX. A wait on it by a queue of another kind -- a cpu or npy queue's thread
+ * (host_queues.c), which reads the timeline's failure, not q's -- then fails its
+ * queue's commands from that wait on, as a cuda queue's wait does (cuq_poison), rather
+ * than let them run on data never produced. (A cuda queue's own completions read q's
+ * error, not this.) Not under mu. */
+static void cuq_fail_timeline(am_cuq *q) {
+    int error;
+    uint64_t value;
+    am_timeline *cause;
+    pthread_mutex_lock(&q->mu);
+    uint64_t failed = cuq_failed_at(q);
+    cuq_cause(q, &error, &value, &cause);
+    pthread_mutex_unlock(&q->mu);
+    if (!failed) return;
+    uint64_t reached = atomic_load(&q->timeline->value);
+    if (reached == UINT64_MAX) return;  /* settled already */
+    if (failed <= reached) failed = reached + 1;  /* (confirmed through a waiter: it ran) */
+    am_timeline_fail_from(q->timeline, failed, error, value, cause);
+}
+
+/* A failed queue with nothing left in flight or held settles: its timeline (failed from
+ * its first failed value) and word at UINT64_MAX, other queues' waits on it released.
+ * Not under mu. */
 void cuq_settle(am_cuq *q) {
+    cuq_fail_timeline(q);
     am_timeline_poke(q->timeline, UINT64_MAX);
     cuq_release_waiters(q);
 }
@@ -594,6 +618,7 @@ static void *cuq_run(void *arg) {
         pthread_mutex_unlock(&q->mu);
         if (e.extra && !r && !e.waited) am_timeline_poke(e.extra, e.extra_value);
         if (e.signals && !r) timeline_keep_released(e.extra);  /* its write landed */
+        if (settle) cuq_fail_timeline(q);
         am_timeline_poke(q->timeline, settle ? UINT64_MAX : e.value);
         if (settle) cuq_release_waiters(q);
         cuq_drain(q, 0, 0);

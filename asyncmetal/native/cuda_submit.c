@@ -170,6 +170,10 @@ static int cuq_defer(am_cuq *q, am_timeline *t, uint64_t target) {
  * that work over after the signal adds ~100 us on the H200 once it idled a while). */
 static int cuq_wait_word(am_cuq *q, const am_cuop *op) {
     am_timeline *t = op->extra;
+    /* A timeline with no device word (a host queue's: cpu, npy) is only ever held on the
+     * host, until its value got there -- or it failed, which the wait's confirmation
+     * finds (cuq_confirm_wait) -- and then nothing is left for the stream to wait on. */
+    if (t && !t->word) return cuq_defer(q, t, op->target) ? CU_DEFERRED : 0;
     int host_only = t && atomic_load(&t->signalled_by) == AM_BY_HOST;
     if (t && !host_only && cuq_defer(q, t, op->target)) return CU_DEFERRED;
     if (t && atomic_load((_Atomic uint64_t *)op->word) >= op->target) return 0;
@@ -535,7 +539,8 @@ int am_cuq_wait(am_cuq *q, void *word, uint64_t target, uint64_t value) {
 }
 
 /* A device wait on timeline t's word, held on the host until a signal of t that gets
- * there was handed to a driver, or the host raised the word (cuq_wait_word). */
+ * there was handed to a driver, or the host raised the word (cuq_wait_word); on a
+ * timeline with no word (a host queue's), held until its value got there. */
 int am_cuq_wait_timeline(am_cuq *q, am_timeline *t, uint64_t target, uint64_t value) {
     am_cuop op = {.kind = CUOP_WAIT, .value = value, .word = (void *)t->word, .target = target,
                   .extra = t};

@@ -108,14 +108,24 @@ static uint64_t timeline_reached_for_devices(am_timeline *t) {
     return word > handed ? word : handed;
 }
 
+/* Whether a device wait for `target` of t can go on (under mu). A timeline with no device
+ * word (a host queue's, cpu or npy: its thread raises it once a command ran) is never
+ * waited for on a device: a wait is held on the host until the value got there, or t
+ * failed for it (a host queue's values before the first failed one were all reached:
+ * its thread runs its commands in order) -- and is then done, the work behind it handed
+ * to the driver only after what it waited for (cuq_wait_word). */
+static int kick_due(am_timeline *t, uint64_t target) {
+    if (!t->word) return atomic_load(&t->value) >= target || timeline_failed_for(t, target);
+    return timeline_reached_for_devices(t) >= target;
+}
+
 /* The kicks due now, taken off the list (under mu): run them once mu is released. */
 static am_kick *kicks_due(am_timeline *t) {
     if (!t->kicks) return NULL;
-    uint64_t v = timeline_reached_for_devices(t);
     am_kick *due = NULL, **p = &t->kicks;
     while (*p) {
         am_kick *k = *p;
-        if (k->target <= v) {
+        if (kick_due(t, k->target)) {
             *p = k->next;
             k->next = due;
             due = k;
@@ -155,7 +165,7 @@ int timeline_defer(am_timeline *t, uint64_t target, am_kick *k) {
     k->next = t->kicks;
     t->kicks = k;
     atomic_store(&t->has_kicks, 1);
-    int ready = timeline_reached_for_devices(t) >= target;
+    int ready = kick_due(t, target);
     if (ready) {
         t->kicks = k->next;
         atomic_store(&t->has_kicks, t->kicks != NULL);

@@ -347,12 +347,22 @@ def numbered_only(value: int, done: am.Completion) -> None:
 
 def _fault(queue: am.Queue, runtime: _Runtime, error: CUresult) -> am.Completion:
     """A command on ``queue`` whose event reported ``error``, as the completion thread
-    records it: the queue's first error, and its timeline raised to wake the waiters."""
+    records it (``_failed``)."""
     done = queue._submit(numbered_only)
-    native = runtime.queues[queue._native._q]  # type: ignore[attr-defined]
-    native.error, native.error_value = int(error), done.value
-    queue.timeline.native.signal(MAX)
+    _failed(queue, runtime, done.value, error)
     return done
+
+
+def _failed(queue: am.Queue, runtime: _Runtime, value: int, error: CUresult) -> None:
+    """``queue``'s command ``value`` failed with ``error``, and the queue settles, as its
+    completion thread does it (native/cuda_completion.c): the queue's first error; its
+    timeline failed from that value, with it as the cause (what a wait on it by another
+    kind's queue reads); then the timeline raised for good, waking the waiters."""
+    native = runtime.queues[queue._native._q]  # type: ignore[attr-defined]
+    native.error, native.error_value = int(error), value
+    c_timeline = queue.timeline.native.c_timeline
+    runtime.am_timeline_fail_from(c_timeline, value, int(error), value, c_timeline)
+    queue.timeline.native.signal(MAX)
 
 
 def _confirmed(queue: am.Queue) -> am.Completion:
@@ -688,6 +698,152 @@ async def test_a_command_that_waited_for_a_failed_commands_value_names_it(
     finally:
         await dev0.close()
         await dev1.close()
+
+
+@pytest.mark.anyio
+async def test_a_cpu_command_after_a_failed_cuda_command_names_it(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """A cpu write of a buffer waits, on the device, for a cuda command's pending use of
+    it (a copy between kinds reading it in place), whose kernel then faults: the cpu
+    queue's wait on the cuda queue's timeline fails the write (it never runs), and its
+    error names the cuda command and its fault (DeviceLostError: the fault is sticky),
+    as for a wait on a failed command of the cpu's own kind. The cuda command's own
+    completion still raises the cuda error it did, from its queue's error. (That the
+    completion thread fails the timeline it settles: tests/support/native/fake_cuda.c,
+    hostwait.)"""
+    from asyncmetal._buffer import record_uses
+
+    runtime = cuda_backend._native.runtime()
+    dev = await am.open_device("cuda:0")
+    cpu = await am.open_device("cpu")
+    try:
+        buf = await cpu.alloc(64)
+        await cpu.queue.copy(buf, np.zeros(16, np.int32))
+        use = dev.queue._submit(numbered_only)
+        record_uses([buf], dev.queue, use.value)
+        write = cpu.queue.copy(buf, np.full(16, 7, np.int32))  # after the use, on the device
+        _failed(dev.queue, runtime, use.value, CUresult.CUDA_ERROR_ILLEGAL_ADDRESS)
+        with pytest.raises(DeviceLostError, match=PROCESS_LOST) as caught:
+            with anyio.fail_after(10):
+                await write
+        message = str(caught.value)
+        assert message.startswith(
+            "this command did not run: it follows a device-side wait for a value that "
+            f"command {use.value} of a queue of cuda:0 never produced: the command at value "
+            f"{use.value} on a stream of cuda:0 failed with CUDA_ERROR_ILLEGAL_ADDRESS"
+        ), message
+        assert LATER_FAIL in message
+        out = np.ones(16, np.int32)
+        await cpu.new_queue().copy(out, buf)
+        assert not out.any()  # the write never ran
+        with pytest.raises(DeviceLostError, match=PROCESS_LOST) as caught:
+            await use
+        assert str(caught.value).startswith(
+            f"the command at value {use.value} on a stream of cuda:0 failed with "
+            "CUDA_ERROR_ILLEGAL_ADDRESS"
+        )
+    finally:
+        await cpu.close()
+        await dev.close()
+
+
+@pytest.mark.anyio
+async def test_a_cuda_queue_waits_for_a_cpu_queues_pending_use_of_a_buffer(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """A cpu write of a buffer is held (its queue behind a timeline not signalled yet);
+    a cuda queue ordered after that buffer (``after``, as a copy of lent memory of it
+    is) submits a device wait on the cpu queue's timeline for the write -- which the
+    native runtime holds on the host until the cpu queue's thread raised it
+    (tests/support/native/fake_cuda.c, hostheld) -- confirmed by that timeline's value,
+    and failed if it fails. Before, a cuda queue skipped another kind's uses: nothing
+    ordered it after the write."""
+    from asyncmetal.backends.cuda import _queue as cuda_queue
+    from tests.support.queues import held_queue
+
+    runtime: Any = driver.runtime
+    waits: list[tuple[int, int, int]] = []
+    finishes: list[tuple[int, int, int, int]] = []
+    runtime.am_cuq_wait_timeline = lambda q, t, target, value: waits.append((t, target, value)) or 0
+    runtime.am_cuq_finish = lambda q, value, extra, target, ns, flags: (
+        finishes.append((value, extra, target, flags)) or 0
+    )
+    dev = await am.open_device("cuda:0")
+    cpu = await am.open_device("cpu")
+    try:
+        buf = await cpu.alloc(64)
+        held, gate = held_queue(cpu)
+        write = held.copy(buf, np.full(16, 7, np.int32))
+        queue = dev.new_queue()
+        queue.after(buf)
+        c_timeline = held.timeline.native.c_timeline
+        assert waits == [(c_timeline, write.value, queue.submitted)]
+        flags = cuda_queue.FINISH_PLAIN | cuda_queue.FINISH_WAITED
+        assert finishes == [(queue.submitted, c_timeline, write.value, flags)]
+        gate.signal(1)
+        with anyio.fail_after(10):
+            await write
+        queue.timeline.native.signal(queue.submitted)  # its completion thread confirms it
+    finally:
+        await cpu.close()
+        await dev.close()
+
+
+@pytest.mark.anyio
+async def test_a_staged_copy_behind_a_wait_on_a_cpu_queue_reads_its_source_after_it(
+    anyio_backend: object, driver: _Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cuda queue holds a wait for a cpu queue's pending write (``after``), then copies
+    from pageable host memory through staging chunks: the host threads that fill each
+    chunk read the source only once the stream wrote a mark behind that wait (held on
+    the host until the cpu write ran) -- not as soon as the chunk is free, which would
+    read the source (lent memory the cpu write writes, say) before the write ran."""
+    from asyncmetal.backends.cuda import _timeline
+    from tests.support.queues import held_queue
+
+    runtime: Any = driver.runtime
+    calls: list[tuple[Any, ...]] = []
+
+    def record(name: str) -> Any:
+        return lambda q, *args: calls.append((name, *args)) or 0
+
+    for name in ("wait_timeline", "finish", "wait", "write", "memcpy"):
+        setattr(runtime, f"am_cuq_{name}", record(name))
+
+    def fill(
+        copier: Any, dst: int, src: int, n: int, keep: object, chunk: Any, after: Any
+    ) -> tuple[Any, int]:
+        calls.append(("fill", None if after is None else (after[0].address, after[1])))
+        if chunk.ready is None:
+            chunk.ready = _timeline.CUDATimeline(copier._backend)
+        return chunk.ready, 1
+
+    monkeypatch.setattr(_staging._HostCopier, "copy", fill)
+    dev = await am.open_device("cuda:0")
+    cpu = await am.open_device("cpu")
+    try:
+        buf = await cpu.alloc(64)
+        held, gate = held_queue(cpu)
+        write = held.copy(buf, np.full(16, 7, np.int32))
+        queue = dev.new_queue()
+        queue.after(buf)
+        assert calls[0][:2] == ("wait_timeline", held.timeline.native.c_timeline)
+        del calls[:]
+        dst = await dev.alloc(3 * _staging.STAGE_CHUNK)
+        queue.copy(dst, np.zeros(3 * _staging.STAGE_CHUNK, np.uint8))  # 3 chunks
+        gate.signal(1)
+        with anyio.fail_after(10):
+            await write
+        queue.timeline.native.signal(queue.submitted)  # its completion thread confirms it
+        fills = [i for i, call in enumerate(calls) if call[0] == "fill"]
+        assert len(fills) == 3
+        for i in fills:  # each after a mark the stream writes (behind the wait) just before
+            assert calls[i][1] is not None, "a chunk is filled before the held wait ended"
+            assert calls[i - 1][0] == "write" and calls[i - 1][1:3] == calls[i][1], calls
+    finally:
+        await cpu.close()
+        await dev.close()
 
 
 async def test_a_submission_out_of_host_memory_raises_memory_error(

@@ -41,6 +41,9 @@ class CUDABackend(Backend):
     kind = "cuda"
     host_visible = False
     dlpack_device_type = 2  # kDLCUDA
+    # A wait on another kind's queue timeline (a cpu or npy queue's: no device word) is
+    # held on the host until that queue's thread raised it (native/cuda_submit.c).
+    waits_across_kinds = True
     # The native queue bounds what a stream has in flight (MAX_IN_FLIGHT), device waits
     # included, and holds the rest.
 

@@ -142,7 +142,7 @@ class CUDAQueue(NativeQueue):
         self._staging: Staging | None = None  # made at the first large pageable copy
         # This queue's device waits not known to be confirmed: (command, timeline,
         # target), for a hand-over that finds one of them held (_hand_over_signals).
-        self._waits: collections.deque[tuple[int, CUDATimeline, int]] = collections.deque()
+        self._waits: collections.deque[tuple[int, NativeTimeline, int]] = collections.deque()
         # Commands up to this value were confirmed before the process's CUDA state was
         # lost (set then); every later one failed with it.
         self._confirmed_at_loss = UNCONFIRMED
@@ -183,7 +183,7 @@ class CUDAQueue(NativeQueue):
         self,
         value: int,
         keep: object = None,
-        extra: CUDATimeline | None = None,
+        extra: NativeTimeline | None = None,
         target: int = 0,
         expected_ns: int = 0,
         device_wait: bool = False,
@@ -196,8 +196,9 @@ class CUDAQueue(NativeQueue):
         after a short poll. A device wait's event is always plain: its thread naps, and a
         host signal wakes it.
         ``waited``: the command is a device wait on the word of ``extra`` (a timeline no
-        queue owns) for ``target``, confirmed once the timeline got there, and failed if
-        the timeline failed instead."""
+        queue owns, or another kind's queue timeline, held on the host) for ``target``,
+        confirmed once the timeline got there, and failed if the timeline failed
+        instead."""
         long_running = expected_ns > MAX_POLL_NS
         flags = FINISH_PLAIN if device_wait else FINISH_LONG if long_running else 0
         flags |= FINISH_WAITED if waited else 0
@@ -290,8 +291,8 @@ class CUDAQueue(NativeQueue):
         for command, timeline, target in list(self._waits):
             if command > value or depth >= MAX_HAND_OVER_DEPTH:
                 break
-            if timeline.value >= target:
-                continue
+            if timeline.value >= target or not isinstance(timeline, CUDATimeline):
+                continue  # (another kind's: only its queue's thread raises it)
             owner, signal = timeline.queue, timeline.last_signal
             if isinstance(owner, CUDAQueue):  # the native hand-over hands its commands over
                 handed = owner._hand_over_signals(target, depth + 1) or handed
@@ -458,13 +459,18 @@ class CUDAQueue(NativeQueue):
         timeline.last_signal = (weakref.ref(self), value, target)
 
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
-        assert isinstance(timeline, CUDATimeline)
+        # A CUDATimeline; or another kind's queue timeline (a host queue's, with no device
+        # word), waited for across kinds: held on the host until its queue's thread
+        # raised it, then nothing for the stream to wait on (the work behind it reaches
+        # the driver after that), and failed from there if it failed instead.
+        assert timeline.c_timeline is not None
         if _driver.lost_first is not None:
             raise self._lost("a wait")
         # Native calls only (they make the context current); none if confirmed already.
-        confirms, waited = None, False
+        confirms: NativeTimeline | None = None
+        waited = False
         if timeline.value < target:
-            owner = timeline.queue
+            owner = getattr(timeline, "queue", None)
             if isinstance(owner, CUDAQueue) and owner._q is not None:  # a queue's own
                 self._check(self._lib.am_cuq_wait_queue(self._q, owner._q, target, value))
                 if owner._backend is self._backend:
@@ -530,6 +536,14 @@ class CUDAQueue(NativeQueue):
         self._check(code)
         record.due_ns = time.perf_counter_ns() + expected
 
+    def _held_across(self) -> bool:
+        """Whether a wait of this queue on another kind's queue timeline (held on the
+        host until that queue's thread raises it) may not have ended yet."""
+        return any(
+            not isinstance(timeline, CUDATimeline) and timeline.value < target
+            for _, timeline, target in self._waits
+        )
+
     def _staging_for(self) -> Staging:
         if self._staging is None:
             self._staging = self._keep.staging = Staging(self._backend)
@@ -577,9 +591,18 @@ class CUDAQueue(NativeQueue):
             self._finish(value, (dst, src))
             return
         staging = self._staging_for()
+        held = self._held_across()
         for offset in range(0, src.nbytes, STAGE_CHUNK):
             n = min(STAGE_CHUNK, src.nbytes - offset)
             chunk, busy = staging.acquire()  # busy: host threads refill it after the stream
+            if held:
+                # The stream is held on the host behind another kind's queue (which may
+                # write src: lent memory of its buffer): the host threads read src only
+                # once the stream got past that wait, and the chunk's last use ended.
+                if busy is not None:
+                    self._wait_value(value, *busy)
+                busy = staging.next_mark()
+                self._write(value, *busy)
             filled = staging.copier.copy(chunk.address, address + offset, n, src, chunk, busy)
             self._wait_value(value, *filled)
             self._memcpy(value, True, base + offset, chunk.address, n)

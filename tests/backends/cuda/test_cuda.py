@@ -22,6 +22,7 @@ from tests.support.queues import (
     close_failing_with_a_wait,
     copies_done_before_awaited,
     discard_outcomes,
+    held_queue,
 )
 from tests.support.stress import interleavings, park_all
 
@@ -563,6 +564,35 @@ async def test_copies(anyio_backend: object) -> None:
         np.testing.assert_array_equal(await a.read(), data)
 
 
+@pytest.mark.parametrize("n", [64, 24 << 20])  # direct, and staged through pinned chunks
+async def test_a_copy_of_lent_cpu_memory_waits_for_a_held_cpu_write_of_it(
+    anyio_backend: object, n: int
+) -> None:
+    """A cuda queue copies from a host array over a cpu buffer's memory (a DLPack
+    export) after a cpu write of that buffer was submitted, held behind a timeline: the
+    copy waits (held on the host, its stream's work and the staging threads' reads of
+    the memory with it) until the write ran, and copies what it wrote. Before, a cuda
+    queue did not wait for another kind's uses: the copy read the old bytes."""
+    async with am.open_device("cuda:0") as dev, am.open_device("cpu") as cpu:
+        mine = await cpu.alloc(n)
+        await mine.write(np.full(n, 1, np.uint8))
+        lent = np.from_dlpack(mine)  # mine's memory, no copy
+        q, tl = held_queue(cpu)
+        write = q.copy(mine, np.full(n, 5, np.uint8))
+        dst = await dev.alloc(n)
+        copy = dev.new_queue().copy(dst, lent)
+        with anyio.move_on_after(0.05):
+            await copy
+        assert not copy.done(), "the copy ran before the cpu write it follows"
+        tl.signal(1)
+        with anyio.fail_after(30):
+            await write
+            await copy
+        seen = await dst.read(np.uint8)
+        assert (seen == 5).all(), "the copy read the bytes from before the write"
+        del lent
+
+
 async def test_pageable_copies_reuse_the_staging_ring(anyio_backend: object) -> None:
     """Copies larger than a queue's ring of pinned chunks (16 x 4 MiB), both ways, on
     two queues at once, at odd offsets and sizes: every byte checked."""
@@ -875,6 +905,48 @@ def test_a_fault_on_one_gpu_loses_the_other_gpu_too() -> None:
     lost = "DeviceLostError True cuda:1"
     expected = [f"{what} {lost}" for what in ("fault", "alloc", "launch", "copy", "open")]
     assert lines == [*expected, "closed", "exiting"], "\n".join(lines)
+
+
+def test_a_cpu_write_after_a_faulted_cuda_copy_of_its_buffer_fails_naming_it() -> None:
+    """A copy from cuda:0 into a cpu buffer (cuda's queue writes it in place) is in
+    flight behind a kernel that faults; a cpu write of that buffer, ordered after the
+    copy on the device (the cpu queue's thread waits on the cuda queue's timeline),
+    fails -- DeviceLostError naming the cuda queue's command -- and never runs: the
+    buffer keeps its bytes. Before, the cuda queue's timeline settled with no failure
+    that the cpu queue's wait read: the write ran."""
+    lines = _fault_scenario(
+        """
+        async with am.open_device("cuda:0") as dev, am.open_device("cpu") as cpu:
+            fault = await dev.compile(SRC, "fault")
+            sleep = await dev.compile(SRC, "sleep_us")
+            host = await cpu.alloc(64)
+            await host.write(np.zeros(16, np.int32))
+            src, other = await dev.alloc(64), await dev.alloc(4)
+            await src.write(np.full(16, 5, np.int32))
+            dev.queue.launch(sleep, vals=(300_000,))
+            bad = dev.queue.launch(fault, other)
+            with anyio.move_on_after(0.05):
+                await am.copy(host, src)  # in flight, behind the fault: cancelled
+            write = cpu.queue.copy(host, np.full(16, 7, np.int32))
+            try:
+                with anyio.fail_after(30):
+                    await write
+                print("write ok")
+            except am.AsyncMetalError as exc:
+                named = "that command" in str(exc) and "of a queue of cuda:0" in str(exc)
+                print("write", type(exc).__name__, named)
+            out = np.ones(16, np.int32)
+            await cpu.new_queue().copy(out, host)
+            print("host", out.tolist() == [0] * 16)
+            await outcome("fault", lambda: bad)
+        """
+    )
+    assert lines == [
+        "write DeviceLostError True",
+        "host True",
+        "fault DeviceLostError True cuda:0",
+        "exiting",
+    ], "\n".join(lines)
 
 
 def _threads() -> int:

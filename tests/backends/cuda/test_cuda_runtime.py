@@ -47,6 +47,8 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "discard"),
         *("ok", "partial"),
         *("ok", "release"),
+        *("ok", "hostwait"),
+        *("ok", "hostheld"),
         *("ok", "signal"),
         *("ok", "signalrecord"),
         *("ok", "nomemory"),

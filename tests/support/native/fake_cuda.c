@@ -29,6 +29,15 @@
  *             it on the device fails from that wait on
  *   partial   a held command refused after part of it was handed over settles its queue
  *             only once the stream is past that part (its kernel ran)
+ *   hostwait  a host queue (a cpu or npy queue's thread) waits on a cuda queue's
+ *             timeline: for a value of a held command the driver refused, or of a
+ *             kernel that faulted, it fails its commands from that wait on (none runs),
+ *             naming the failed command -- the settled timeline carries the failure --
+ *             while a wait for a value confirmed before it passes
+ *   hostheld  a queue's device wait on a host queue's timeline (no device word: a cpu
+ *             or npy queue's) is held on the host until that queue's thread raised it,
+ *             and the work behind it is handed over only then; a wait on one whose
+ *             device closes instead fails the queue from that wait on, naming the close
  *   release   a queue's device wait on a value of a queue that failed that way ends
  *             (the failed queue's word is raised), rather than blocking for good; the
  *             commands from that wait on fail once run (they ran on data never
@@ -431,6 +440,116 @@ static void check_refused(void) {
     queue_free(f, 1);
     free(gate);
     puts("ok refused");
+}
+
+/* A host queue whose first command waits on t for `target`, its second copies a word
+ * into *dst: run once its own timeline got past both. Returns the host queue's first
+ * failed value (0: none), with the failure behind it. */
+static uint64_t host_wait(am_timeline *t, uint64_t target, int64_t *dst, int *error,
+                          uint64_t *value, am_timeline **cause, const char *what) {
+    static const int64_t one = 1;
+    am_timeline *own = am_timeline_new();
+    am_queue *h = own ? am_queue_new(own, 0, 0) : NULL;
+    if (!h || am_queue_wait(h, t, target, 1) || am_queue_copy(h, dst, &one, sizeof one, NULL, 2))
+        die(what);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (am_timeline_value(own) < 2)
+        if (now_ns() > deadline) die("hostwait: a host queue's wait on a cuda queue never ended");
+    uint64_t failed = am_queue_failure(h, error, value, cause);
+    am_queue_close(h, 0);
+    am_timeline_free(own);
+    return failed;
+}
+
+static void check_hostwait(void) {
+    /* A held command refused (f: bounded, behind a gate): a host wait for the command
+     * before it passes, one for it fails, naming it. */
+    fake_queue f = queue_bounded(2);
+    static kernel refused = {0, 0, NULL, 0}, faulty = {1, 2000000, NULL, 0};
+    refuse_fn = &refused;
+    uint64_t v = 0, *gate = calloc(1, sizeof(uint64_t));
+    if (gated_launch(f, gate, ++v)) die("hostwait: the gated launch failed");
+    for (int i = 0; i < 3; i++)
+        if (launch(f, NULL, 2 + i, ++v)) die("hostwait: a held launch failed at once");
+    uint64_t bad = ++v;
+    if (launch(f, &refused, 0, bad)) die("hostwait: a held launch was refused at once");
+    atomic_store((_Atomic uint64_t *)gate, 1);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (am_timeline_value(f.t) != UINT64_MAX)
+        if (now_ns() > deadline) die("hostwait: the refused queue never settled");
+    int error = 0;
+    uint64_t value = 0;
+    am_timeline *cause = NULL;
+    int64_t before = 0, after = 0;
+    if (host_wait(f.t, bad - 1, &before, &error, &value, &cause, "hostwait: host queue") ||
+        before != 1)
+        die("hostwait: a host wait for a value confirmed before the refused one failed");
+    if (host_wait(f.t, bad, &after, &error, &value, &cause, "hostwait: host queue") != 1 ||
+        after != 0)
+        die("hostwait: a host wait for a refused command's value passed (its command ran)");
+    if (error != 1 || value != bad || cause != f.t)
+        die("hostwait: a host wait for a refused command's value does not name it");
+    refuse_fn = NULL;
+    queue_free(f, 1);
+    free(gate);
+    /* A kernel that faults (its queue's first command): a host wait for it fails. */
+    fake_queue g = queue_new();
+    if (launch(g, &faulty, 0, 1)) die("hostwait: the faulting launch was refused at once");
+    int64_t faulted = 0;
+    if (host_wait(g.t, 1, &faulted, &error, &value, &cause, "hostwait: host queue") != 1 ||
+        faulted != 0)
+        die("hostwait: a host wait for a faulted kernel's value passed (its command ran)");
+    if (error != ILLEGAL_ADDRESS || value != 1 || cause != g.t)
+        die("hostwait: a host wait for a faulted kernel's value does not name it");
+    queue_free(g, 1);
+    atomic_store(&fault_code, 0);
+    puts("ok hostwait");
+}
+
+static void check_hostheld(void) {
+    fake_queue f = queue_new();
+    /* h: a host queue's own timeline, raised by its thread: command 1 waits for the
+     * gate, command 2 copies a word. f waits for h's 2, then runs a kernel. */
+    am_timeline *gate = am_timeline_new(), *h = am_timeline_new();
+    am_queue *hq = am_queue_new(h, 0, 0);
+    static const int64_t one = 1;
+    int64_t copied = 0;
+    if (!hq || am_queue_wait(hq, gate, 1, 1) || am_queue_copy(hq, &copied, &one, 8, NULL, 2))
+        die("hostheld: the host queue");
+    if (am_cuq_wait_timeline(f.q, h, 2, 1) ||
+        am_cuq_finish(f.q, 1, h, 2, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) || launch(f, NULL, 1, 2))
+        die("hostheld: a wait on a host queue's timeline failed at once");
+    nap_ns(50000000);  /* 50 ms */
+    if (atomic_load(&f.s->ran) || am_timeline_value(f.t) >= 1)
+        die("hostheld: a kernel after a wait on a host queue's timeline ran before it got there");
+    am_timeline_signal(gate, 1);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (am_timeline_value(f.t) < 2)
+        if (now_ns() > deadline) die("hostheld: a wait on a host queue's timeline never ended");
+    uint64_t at = 0;
+    if (am_timeline_value(f.t) != 2 || atomic_load(&f.s->ran) != 1 || am_cuq_error(f.q, &at) ||
+        copied != 1)
+        die("hostheld: a wait on a host queue's timeline did not succeed once it got there");
+    am_queue_close(hq, 0);
+    /* h2: a host timeline whose device closes before it gets to what f waits for. */
+    am_timeline *h2 = am_timeline_new();
+    if (am_cuq_wait_timeline(f.q, h2, 1, 3) ||
+        am_cuq_finish(f.q, 3, h2, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) || launch(f, NULL, 3, 4))
+        die("hostheld: a wait on a host timeline failed at once");
+    nap_ns(20000000);  /* 20 ms */
+    am_timeline_close(h2);
+    while (am_timeline_value(f.t) < 4)
+        if (now_ns() > deadline) die("hostheld: a wait on a closed host timeline never ended");
+    int error = 0;
+    uint64_t value = 0;
+    if (am_timeline_value(f.t) != UINT64_MAX || am_cuq_error(f.q, &at) != CU_WAITED_FAILED ||
+        at != 3 || am_cuq_cause(f.q, &error, &value) != h2 || error != AM_CLOSED)
+        die("hostheld: a wait on a closed host timeline did not fail its queue from there");
+    queue_free(f, 0);
+    am_timeline_free(gate);
+    am_timeline_free(h);
+    am_timeline_free(h2);
+    puts("ok hostheld");
 }
 
 static void check_partial(void) {
@@ -2175,6 +2294,8 @@ int main(void) {
     check_discard();
     check_partial();
     check_release();
+    check_hostwait();
+    check_hostheld();
     check_signal();
     check_signalrecord();
     check_nomemory();
