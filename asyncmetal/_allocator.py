@@ -999,6 +999,16 @@ class Allocator:
                     uses.pop(queue, None)
         return len(blocks)
 
+    @staticmethod
+    def forget_passed(uses: Iterable[tuple[Block, Queue]]) -> None:
+        """Take each of ``uses`` (a block and a queue on its record) that passed off that
+        block's record (see ``forget_passed_uses``). The caller sees that nothing submits
+        to those queues meanwhile."""
+        for block, queue in uses:
+            value = block.last_use.get(queue)
+            if value is not None and _passed(queue, value):
+                block.last_use.pop(queue, None)
+
     def _foreign_uses(self, block: Block) -> list[tuple[Queue, int]]:
         """Uses of ``block`` by other devices' queues (a copy between devices) that
         have not passed."""

@@ -572,3 +572,74 @@ async def test_a_queue_whose_release_thread_cannot_start_is_released_all_the_sam
         await q.close()
         assert native in released
         await dev.close()
+
+
+class _HoldsOfTheReaper:
+    """A device's submission lock (an RLock) that notes each hold of it by the device's
+    reaper thread: how many uses it looked at (``_passed``) in each."""
+
+    def __init__(self, lock: Any) -> None:
+        self.lock = lock
+        self.depth = 0  # (the reaper's)
+        self.holds: list[int] = []
+
+    @staticmethod
+    def reaper() -> bool:
+        return threading.current_thread().name.startswith("asyncmetal reaper")
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        got = bool(self.lock.acquire(blocking, timeout))
+        if got and self.reaper():
+            self.depth += 1
+            if self.depth == 1:
+                self.holds.append(0)
+        return got
+
+    def release(self) -> None:
+        if self.reaper():
+            self.depth -= 1
+        self.lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def looked_at_one(self) -> None:
+        if self.reaper() and self.depth:
+            self.holds[-1] += 1
+
+
+async def test_the_reaper_forgets_the_uses_of_one_buffer_a_part_per_hold_of_the_lock(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Queues the reaper lets go of all used one buffer: their uses on its record are
+    forgotten a part (REAP_CHUNK of them) per hold of the submission lock, as those of
+    many buffers are -- not all of one buffer's in one hold (a buffer every request's
+    queue reads had thousands, and each loop's next launch waited for all of them)."""
+    from asyncmetal import _allocator, _device
+
+    monkeypatch.setattr(_device, "REAP_CHUNK", 8)
+    async with am.open_device("cpu") as dev:
+        holds = _HoldsOfTheReaper(dev._state.submitting)
+        monkeypatch.setattr(dev._state, "submitting", holds)
+        passed = _allocator._passed
+
+        def counted(queue: Any, value: int) -> bool:
+            holds.looked_at_one()
+            return passed(queue, value)
+
+        monkeypatch.setattr(_allocator, "_passed", counted)
+        inc = await dev.compile(INC, "inc")
+        buf = await dev.alloc(4)
+        await buf.write(np.zeros(1, np.int32))
+        queues = [dev.new_queue() for _ in range(40)]
+        for q in queues:
+            await q.launch(inc, buf)
+        with anyio.fail_after(10):
+            while any(q in buf._allocation.last_use for q in queues):
+                await anyio.sleep(0.01)
+        assert sum(holds.holds) >= len(queues)  # each use looked at, then forgotten
+        assert max(holds.holds) <= 8
+        assert (await buf.read(np.int32))[0] == 40
