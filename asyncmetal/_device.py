@@ -359,7 +359,8 @@ class Device:
             and let_go(q)
         ]
         if idle:
-            self._queues = [q for q in self._queues if q not in idle]
+            gone = {id(q) for q in idle}  # (not ``in idle``: that is one pass per queue kept)
+            self._queues = [q for q in self._queues if id(q) not in gone]
             self._idle.update(idle)
         self._kept_at_sweep = len(self._queues)
         return idle
