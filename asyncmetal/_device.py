@@ -343,7 +343,18 @@ class Device:
         the queues kept doubled since the last time."""
         idle = self._mark_idle(False)
         if idle:
-            self._blocks_at_sweep = self._allocator.forget_passed_uses(idle)
+            self._blocks_at_sweep = self._allocator.forget_passed_uses(
+                idle, self._recorded_blocks()
+            )
+
+    def _recorded_blocks(self) -> list[Block]:
+        """The blocks in use and cached whose records this device's queues may be on:
+        its own, and those of the other open devices (a copy between devices records
+        its queue's use on the other's buffer too)."""
+        return [
+            *self._allocator.blocks(),
+            *(b for d in _devices() if d is not self for b in d._allocator.blocks()),
+        ]
 
     def _mark_idle(self, unused: bool) -> list[Queue]:
         """Let go of the idle queues (see _let_go_of_idle_queues; submission lock held),
@@ -432,7 +443,7 @@ class Device:
             if self.closed:
                 return None
             idle = self._mark_idle(True)
-            blocks = self._allocator.blocks() if idle else []
+        blocks = self._recorded_blocks() if idle else []  # (each use looked up again)
         parts = _recorded_uses(idle, blocks)
         part: list[tuple[Block, Queue]] = []
         for part in parts:

@@ -671,3 +671,28 @@ async def test_letting_go_of_idle_queues_compares_no_two_queues(
             while not all(q._idle for q in queues):  # let go of by the reaper
                 await anyio.sleep(0.01)
         assert len(compared) < len(queues)
+
+
+@pytest.mark.parametrize("new_queue", [False, True], ids=["reaper", "new queue"])
+async def test_a_queue_that_copied_from_another_device_is_collected_once_dropped(
+    anyio_backend: object, new_queue: bool
+) -> None:
+    """A copy between devices records its queue's use on the other device's buffer
+    too: once the queue is let go of (by the reaper, or a new_queue's sweep) that use,
+    passed, is forgotten there as well, so the queue dropped is collected (and
+    released) -- not kept alive by the other device's buffer as long as that lives."""
+    async with am.open_device("cpu") as a, am.open_device("cpu") as b:
+        mine, theirs = await a.alloc(64), await b.alloc(64)
+        await theirs.write(np.arange(16, dtype=np.int32))
+        q = a.new_queue()
+        await q.copy(mine, theirs)
+        dropped = weakref.ref(q)
+        del q
+        if new_queue:
+            for _ in range(40):  # (a sweep once the queues kept doubled)
+                a.new_queue()
+        with anyio.fail_after(10):
+            while dropped() is not None:
+                await anyio.sleep(0.01)
+                gc.collect()
+        assert (await mine.read(np.int32)).tolist() == list(range(16))
