@@ -696,3 +696,25 @@ async def test_a_queue_that_copied_from_another_device_is_collected_once_dropped
                 await anyio.sleep(0.01)
                 gc.collect()
         assert (await mine.read(np.int32)).tolist() == list(range(16))
+
+
+async def test_a_queue_that_used_a_foreign_buffer_is_collected_once_dropped(
+    anyio_backend: object,
+) -> None:
+    """A buffer over another library's memory (from_dlpack of a numpy array) is no
+    block of the device's allocator, and its record of uses was never looked through:
+    a queue that launched on it, dropped, stayed alive (and unreleased) as long as that
+    buffer. Once let go of, its passed use is forgotten there too."""
+    async with am.open_device("cpu") as dev:
+        inc = await dev.compile(INC, "inc")
+        array = np.zeros(4, np.int32)
+        foreign = am.from_dlpack(array, device=dev)
+        q = dev.new_queue()
+        await q.launch(inc, foreign)
+        dropped = weakref.ref(q)
+        del q
+        with anyio.fail_after(10):
+            while dropped() is not None:
+                await anyio.sleep(0.01)
+                gc.collect()
+        assert array[0] == 1
