@@ -52,6 +52,7 @@ class Block:
     allocation, so a collected buffer is still freed only after its last use."""
 
     __slots__ = (
+        "__weakref__",  # (an allocator's foreign blocks: see Allocator.note_foreign)
         "cached_at",
         "freed",
         "generation",
@@ -322,6 +323,9 @@ class Allocator:
         self._cache: collections.OrderedDict[int, Block] = collections.OrderedDict()
         self._by_size: dict[int, list[Block]] = {}
         self._live: set[Block] = set()  # blocks handed out and not yet released
+        # Blocks over memory the device does not own (another library's array) while
+        # their buffers live: their records of uses are looked through too (``blocks``).
+        self._foreign: weakref.WeakSet[Block] = weakref.WeakSet()
         self._collected: collections.deque[tuple[Block, int]] = collections.deque()  # GC
         # Loans out (DLPack), and the records of those that ended, queued as they end
         # (see lend): counted by the next look (a loan's end, a sweep, the close).
@@ -976,10 +980,16 @@ class Allocator:
             self.in_use = 0
 
     def blocks(self) -> list[Block]:
-        """The blocks in use and cached now (for ``forget_passed_uses``, a part at a
-        time)."""
+        """The blocks in use and cached now, and the foreign ones whose buffers live
+        (for ``forget_passed_uses``, a part at a time)."""
         with self._lock:
-            return [*self._live, *self._cache.values()]
+            return [*self._live, *self._cache.values(), *self._foreign]
+
+    def note_foreign(self, block: Block) -> None:
+        """``block`` is over memory the device does not own (a buffer of another
+        library's array): the queues that use it are recorded on it too."""
+        with self._lock:
+            self._foreign.add(block)
 
     def forget_passed_uses(
         self, queues: Collection[Queue], blocks: list[Block] | None = None
@@ -998,6 +1008,16 @@ class Allocator:
                 if value is not None and _passed(queue, value):
                     uses.pop(queue, None)
         return len(blocks)
+
+    @staticmethod
+    def forget_passed(uses: Iterable[tuple[Block, Queue]]) -> None:
+        """Take each of ``uses`` (a block and a queue on its record) that passed off that
+        block's record (see ``forget_passed_uses``). The caller sees that nothing submits
+        to those queues meanwhile."""
+        for block, queue in uses:
+            value = block.last_use.get(queue)
+            if value is not None and _passed(queue, value):
+                block.last_use.pop(queue, None)
 
     def _foreign_uses(self, block: Block) -> list[tuple[Queue, int]]:
         """Uses of ``block`` by other devices' queues (a copy between devices) that

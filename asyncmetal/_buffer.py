@@ -402,6 +402,7 @@ def foreign_buffer(
     shares that buffer's record of uses: commands on either are ordered after those on
     the other, as on one buffer."""
     block = Block(handle, nbytes, owner)
+    state.device._allocator.note_foreign(block)  # (its record is looked through too)
     address = state.backend.loan_address(handle)  # where memory lent out comes back
     if address is not None:
         for allocator in lenders_for(state.device._allocator):  # (its own, or its kind's)

@@ -23,7 +23,7 @@ import anyio
 import numpy as np
 
 from . import backends
-from ._allocator import Allocator, MemoryStatistics
+from ._allocator import Allocator, Block, MemoryStatistics
 from ._backend import Backend, NativeQueue
 from ._bridge import checkpoint
 from ._buffer import Buffer, wrap_buffer
@@ -120,11 +120,11 @@ RECOUNT_S = 0.05  # a close waiting for its queues counts what can complete this
 # nothing in flight any more this long after one was made or submitted to again, then
 # again twice as long after each look that let go of none (at most REAP_MAX_S), and at
 # least REAP_DUTY times as long as its last look took. It holds the submission lock for
-# REAP_CHUNK blocks' records at a time.
+# REAP_CHUNK uses on the blocks' records at a time.
 REAP_S = 0.05
 REAP_MAX_S = 0.5
 REAP_DUTY = 100
-REAP_CHUNK = 256
+REAP_CHUNK = 1024
 # What a reaper is told: look soon (a queue to watch); a queue was collected; stop.
 _LOOK, _COLLECTED, _STOP = 0, 1, 2
 # A source this long or longer is hashed and its kernel's parameters read on a worker
@@ -343,7 +343,18 @@ class Device:
         the queues kept doubled since the last time."""
         idle = self._mark_idle(False)
         if idle:
-            self._blocks_at_sweep = self._allocator.forget_passed_uses(idle)
+            self._blocks_at_sweep = self._allocator.forget_passed_uses(
+                idle, self._recorded_blocks()
+            )
+
+    def _recorded_blocks(self) -> list[Block]:
+        """The blocks in use and cached whose records this device's queues may be on:
+        its own, and those of the other open devices (a copy between devices records
+        its queue's use on the other's buffer too)."""
+        return [
+            *self._allocator.blocks(),
+            *(b for d in _devices() if d is not self for b in d._allocator.blocks()),
+        ]
 
     def _mark_idle(self, unused: bool) -> list[Queue]:
         """Let go of the idle queues (see _let_go_of_idle_queues; submission lock held),
@@ -359,7 +370,8 @@ class Device:
             and let_go(q)
         ]
         if idle:
-            self._queues = [q for q in self._queues if q not in idle]
+            gone = {id(q) for q in idle}  # (not ``in idle``: that is one pass per queue kept)
+            self._queues = [q for q in self._queues if id(q) not in gone]
             self._idle.update(idle)
         self._kept_at_sweep = len(self._queues)
         return idle
@@ -431,19 +443,17 @@ class Device:
             if self.closed:
                 return None
             idle = self._mark_idle(True)
-            blocks = self._allocator.blocks() if idle else []
-        still = idle
-        for start in range(0, len(blocks), REAP_CHUNK):
+        blocks = self._recorded_blocks() if idle else []  # (each use looked up again)
+        parts = _recorded_uses(idle, blocks)
+        part: list[tuple[Block, Queue]] = []
+        for part in parts:
             with lock:
                 if self.closed:
                     return None
                 # Those submitted to again meanwhile (kept) record new uses: left alone.
-                still = [q for q in idle if q._idle]
-                if not still:
-                    break
-                self._allocator.forget_passed_uses(still, blocks[start : start + REAP_CHUNK])
+                self._allocator.forget_passed([(b, q) for b, q in part if q._idle])
         let_go_of = bool(idle)
-        del idle, still  # a queue nobody else holds is collected here
+        del idle, parts, part  # a queue nobody else holds is collected here
         if not self._reaped():
             return None
         with lock:
@@ -1069,6 +1079,26 @@ def _unused(queue: Queue) -> bool:
     Python path), only one left alone a whole look apart (submission lock held)."""
     looked_at, queue._looked_at = queue._looked_at, queue.submitted
     return looked_at == queue.submitted
+
+
+def _recorded_uses(
+    queues: Collection[Queue], blocks: list[Block]
+) -> Generator[list[tuple[Block, Queue]], None, None]:
+    """The uses by ``queues`` on the records of ``blocks``, REAP_CHUNK at a time (for
+    Device._look: one part per hold of the submission lock, however many queues used
+    one block). Read without that lock: each record's queues are listed at once (no
+    Python code runs meanwhile), and a use is looked up again under the lock."""
+    forget = set(queues)
+    part: list[tuple[Block, Queue]] = []
+    for block in blocks:
+        for queue in list(block.last_use):
+            if queue in forget:
+                part.append((block, queue))
+                if len(part) >= REAP_CHUNK:
+                    yield part
+                    part = []
+    if part:
+        yield part
 
 
 def _collected(dropped: list[int], inbox: SimpleQueue[int], number: int) -> None:

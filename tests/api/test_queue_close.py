@@ -572,3 +572,149 @@ async def test_a_queue_whose_release_thread_cannot_start_is_released_all_the_sam
         await q.close()
         assert native in released
         await dev.close()
+
+
+class _HoldsOfTheReaper:
+    """A device's submission lock (an RLock) that notes each hold of it by the device's
+    reaper thread: how many uses it looked at (``_passed``) in each."""
+
+    def __init__(self, lock: Any) -> None:
+        self.lock = lock
+        self.depth = 0  # (the reaper's)
+        self.holds: list[int] = []
+
+    @staticmethod
+    def reaper() -> bool:
+        return threading.current_thread().name.startswith("asyncmetal reaper")
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        got = bool(self.lock.acquire(blocking, timeout))
+        if got and self.reaper():
+            self.depth += 1
+            if self.depth == 1:
+                self.holds.append(0)
+        return got
+
+    def release(self) -> None:
+        if self.reaper():
+            self.depth -= 1
+        self.lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def looked_at_one(self) -> None:
+        if self.reaper() and self.depth:
+            self.holds[-1] += 1
+
+
+async def test_the_reaper_forgets_the_uses_of_one_buffer_a_part_per_hold_of_the_lock(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Queues the reaper lets go of all used one buffer: their uses on its record are
+    forgotten a part (REAP_CHUNK of them) per hold of the submission lock, as those of
+    many buffers are -- not all of one buffer's in one hold (a buffer every request's
+    queue reads had thousands, and each loop's next launch waited for all of them)."""
+    from asyncmetal import _allocator, _device
+
+    monkeypatch.setattr(_device, "REAP_CHUNK", 8)
+    async with am.open_device("cpu") as dev:
+        holds = _HoldsOfTheReaper(dev._state.submitting)
+        monkeypatch.setattr(dev._state, "submitting", holds)
+        passed = _allocator._passed
+
+        def counted(queue: Any, value: int) -> bool:
+            holds.looked_at_one()
+            return passed(queue, value)
+
+        monkeypatch.setattr(_allocator, "_passed", counted)
+        inc = await dev.compile(INC, "inc")
+        buf = await dev.alloc(4)
+        await buf.write(np.zeros(1, np.int32))
+        queues = [dev.new_queue() for _ in range(40)]
+        for q in queues:
+            await q.launch(inc, buf)
+        with anyio.fail_after(10):
+            while any(q in buf._allocation.last_use for q in queues):
+                await anyio.sleep(0.01)
+        assert sum(holds.holds) >= len(queues)  # each use looked at, then forgotten
+        assert max(holds.holds) <= 8
+        assert (await buf.read(np.int32))[0] == 40
+
+
+async def test_letting_go_of_idle_queues_compares_no_two_queues(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reaper lets go of many idle queues at once, under the submission lock,
+    without comparing each queue kept with each let go of (a pass over the idle ones
+    per queue: with 6000 queues, a hold of about 0.3 s that each loop's next launch
+    waited for)."""
+    from asyncmetal._queue import Queue
+
+    compared: list[int] = []
+
+    def eq(self: object, other: object) -> bool:
+        compared.append(1)
+        return self is other
+
+    async with am.open_device("cpu") as dev:
+        empty = await dev.compile(KERNELS, "empty")
+        queues = [dev.new_queue() for _ in range(100)]
+        for q in queues:  # each kept (again, where a new_queue let go of it)
+            await q.launch(empty)
+        assert not any(q._idle for q in queues)
+        monkeypatch.setattr(Queue, "__eq__", eq)
+        with anyio.fail_after(10):
+            while not all(q._idle for q in queues):  # let go of by the reaper
+                await anyio.sleep(0.01)
+        assert len(compared) < len(queues)
+
+
+@pytest.mark.parametrize("new_queue", [False, True], ids=["reaper", "new queue"])
+async def test_a_queue_that_copied_from_another_device_is_collected_once_dropped(
+    anyio_backend: object, new_queue: bool
+) -> None:
+    """A copy between devices records its queue's use on the other device's buffer
+    too: once the queue is let go of (by the reaper, or a new_queue's sweep) that use,
+    passed, is forgotten there as well, so the queue dropped is collected (and
+    released) -- not kept alive by the other device's buffer as long as that lives."""
+    async with am.open_device("cpu") as a, am.open_device("cpu") as b:
+        mine, theirs = await a.alloc(64), await b.alloc(64)
+        await theirs.write(np.arange(16, dtype=np.int32))
+        q = a.new_queue()
+        await q.copy(mine, theirs)
+        dropped = weakref.ref(q)
+        del q
+        if new_queue:
+            for _ in range(40):  # (a sweep once the queues kept doubled)
+                a.new_queue()
+        with anyio.fail_after(10):
+            while dropped() is not None:
+                await anyio.sleep(0.01)
+                gc.collect()
+        assert (await mine.read(np.int32)).tolist() == list(range(16))
+
+
+async def test_a_queue_that_used_a_foreign_buffer_is_collected_once_dropped(
+    anyio_backend: object,
+) -> None:
+    """A buffer over another library's memory (from_dlpack of a numpy array) is no
+    block of the device's allocator, and its record of uses was never looked through:
+    a queue that launched on it, dropped, stayed alive (and unreleased) as long as that
+    buffer. Once let go of, its passed use is forgotten there too."""
+    async with am.open_device("cpu") as dev:
+        inc = await dev.compile(INC, "inc")
+        array = np.zeros(4, np.int32)
+        foreign = am.from_dlpack(array, device=dev)
+        q = dev.new_queue()
+        await q.launch(inc, foreign)
+        dropped = weakref.ref(q)
+        del q
+        with anyio.fail_after(10):
+            while dropped() is not None:
+                await anyio.sleep(0.01)
+                gc.collect()
+        assert array[0] == 1
