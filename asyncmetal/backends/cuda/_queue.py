@@ -652,10 +652,13 @@ class CUDAQueue(NativeQueue):
             # every command confirmed (the stream is then idle).
             self._lib.am_cuq_close(handle, int(abandon))
             if self._staging is not None:
-                # Discarded, a host copy of a dropped command may wait for a mark its
-                # stream never writes: the copy threads stop where they are (those of
-                # commands that ran are done: a command is confirmed after them).
-                self._staging.close(abandon or self._discarded)
+                # Discarded or failed (a fault loses the whole context: the process's
+                # CUDA state), a host copy of a command that never ran may wait for a
+                # mark its stream never writes: the copy threads stop where they are
+                # (those of commands that ran are done: a command is confirmed after
+                # them). Otherwise the close waited for good.
+                failed = code != 0 or _driver.lost_first is not None
+                self._staging.close(abandon or self._discarded or failed)
             self._error = ctypes.c_int(code)  # the closed queue's error stays reported
             if self._owns_stream:
                 cu.cuStreamDestroy(self.stream)
