@@ -877,3 +877,39 @@ async def test_a_submission_out_of_host_memory_raises_memory_error(
         assert queue.submitted == 0
     finally:
         await dev.close()
+
+
+@pytest.mark.anyio
+async def test_a_timeline_collected_while_its_backend_makes_slots_does_not_deadlock(
+    anyio_backend: object, driver: _Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A collection can run inside ``_timeline_slot`` (it allocates an arena, holding
+    the slot lock) and finalize a dropped timeline there, on the same thread; the
+    finalizer gives its slot back. That took the slot lock, and the thread waited for
+    itself for good (seen on the H200 as a new_queue hanging once the device's reaper
+    made dropped queues garbage)."""
+    dev = await am.open_device("cuda:0")
+    try:
+        timeline = dev.timeline()
+        backend = timeline.native._backend
+        real = cuda_backend.Pinned
+
+        def collecting(*args: Any) -> Any:
+            gc.collect()  # (the dropped timeline's finalizer runs here)
+            return real(*args)
+
+        gc.disable()
+        try:
+            cycle: list[Any] = [timeline]
+            cycle.append(cycle)
+            del timeline, cycle
+            backend._free_slots.clear()  # the next slot makes an arena
+            monkeypatch.setattr(cuda_backend, "Pinned", collecting)
+            taker = threading.Thread(target=backend._timeline_slot, daemon=True)
+            taker.start()
+            taker.join(10)
+            assert not taker.is_alive(), "the slot's taker waited for itself"
+        finally:
+            gc.enable()
+    finally:
+        await dev.close()

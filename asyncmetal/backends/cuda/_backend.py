@@ -176,17 +176,19 @@ class CUDABackend(Backend):
 
     @keeps_context
     def _timeline_slot(self) -> int:
-        with self._slot_lock:
+        with self._slot_lock:  # (among takers: one makes an arena where none is free)
             if not self._free_slots:
                 self.make_current()
                 arena = Pinned(64 << 10, self.name)
                 self._slot_arenas.append(arena)
-                self._free_slots = [arena.address + 128 * i for i in range(arena.nbytes // 128)]
+                self._free_slots.extend(arena.address + 128 * i for i in range(arena.nbytes // 128))
             return self._free_slots.pop()
 
     def _release_slot(self, slot: int) -> None:
-        with self._slot_lock:
-            self._free_slots.append(slot)
+        """A timeline's slot back (its finalizer): no lock, an append being atomic. A
+        collection may run that finalizer on a thread inside ``_timeline_slot``, which
+        holds the slot lock: taking it here deadlocked that thread."""
+        self._free_slots.append(slot)
 
     @property
     def info(self) -> DeviceInfo:
