@@ -311,21 +311,27 @@ class Device:
             )
             drop.atexit = False
             self._on_drop[queue] = drop
-            ready = [q for q in self._unreleased if settled(q)]
-            released = self._claim_release(ready)
             if len(self._queues) >= 2 * self._kept_at_sweep + 16 + self._blocks_at_sweep // 64:
                 self._let_go_of_idle_queues()
-            dropped = self._take_dropped()
-            for _, timeline in dropped:  # its close ends waits on it (none reach it)
-                self._timelines.add(timeline)
-            # Started before the lock is let go: a close seals the device under it, so
-            # its thread is then among those the close waits for (see _start_release).
-            if released is not None:
-                self._start_release(ready, released)
-            if dropped:
-                self._start_release([], None, [native for native, _ in dropped])
+            self._release_done()
             self._reap_later()
         return queue
+
+    def _release_done(self) -> None:
+        """Release, on release threads, the closed queues whose closes were cancelled
+        once their commands ran, and the native queues of the queues collected
+        (submission lock held). Started before the lock is let go: a close seals the
+        device under it, so their threads are then among those the close waits for (see
+        _start_release)."""
+        ready = [q for q in self._unreleased if settled(q)]
+        released = self._claim_release(ready)
+        dropped = self._take_dropped()
+        for _, timeline in dropped:  # its close ends waits on it (none reach it)
+            self._timelines.add(timeline)
+        if released is not None:
+            self._start_release(ready, released)
+        if dropped:
+            self._start_release([], None, [native for native, _ in dropped])
 
     def _take_dropped(self) -> list[tuple[NativeQueue, Timeline]]:
         """The native queues (and timelines) of the queues collected since last time."""
@@ -422,15 +428,7 @@ class Device:
         with self._state.submitting:
             if self.closed:
                 return False
-            ready = [q for q in self._unreleased if settled(q)]
-            released = self._claim_release(ready)
-            dropped = self._take_dropped()
-            for _, timeline in dropped:  # its close ends waits on it (none reach it)
-                self._timelines.add(timeline)
-            if released is not None:
-                self._start_release(ready, released)
-            if dropped:
-                self._start_release([], None, [native for native, _ in dropped])
+            self._release_done()
         return True
 
     def _look(self) -> bool | None:
