@@ -189,16 +189,22 @@ async def test_a_later_write_on_the_sources_device_waits_for_a_copy_between_kind
         done = cpu.queue.fill(mine, np.int32(7))
     else:
         done = cpu.new_queue().after(mine).launch(fill, mine, vals=(7, 16))
-    with anyio.move_on_after(0.05):
-        await done  # (unordered, it runs now)
-    gate.signal(1)
-    with anyio.fail_after(10):
-        await done
-        await other.synchronize()
+    await _open_gate_after(done, gate, other)
     assert (await theirs.read(np.int32)).tolist() == [1] * 16, "the copy read the later write"
     assert (await mine.read(np.int32)).tolist() == [7] * 16
     await other.close()
     await cpu.close()
+
+
+async def _open_gate_after(done: am.Completion, gate: am.Timeline, other: am.Device) -> None:
+    """Give ``done`` 50 ms (unordered, it would run now), then open the gate holding the
+    copy and wait for both."""
+    with anyio.move_on_after(0.05):
+        await done
+    gate.signal(1)
+    with anyio.fail_after(10):
+        await done
+        await other.synchronize()
 
 
 @pytest.mark.parametrize("later", ["read", "launch"])
@@ -217,12 +223,7 @@ async def test_a_later_read_on_the_destinations_device_waits_for_a_copy_between_
         done = cpu.queue.copy(seen, mine)
     else:  # mine[0] = mine[0] * 31 + mine[1]: 96 from the copy's 3s, 32 from the 1s
         done = cpu.new_queue().after(mine).launch(step, mine, vals=(0, 1, 0))
-    with anyio.move_on_after(0.05):
-        await done  # (unordered, it runs now)
-    gate.signal(1)
-    with anyio.fail_after(10):
-        await done
-        await other.synchronize()
+    await _open_gate_after(done, gate, other)
     expected = [3] * 16
     if later == "launch":
         seen, expected[0] = await mine.read(np.int32), 96
