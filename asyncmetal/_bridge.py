@@ -624,12 +624,14 @@ class LoopBridge(ABC):
                 return False
             for watch in taken:
                 self.watches.discard(watch)
-                watch.timeline.drop_watch(watch)
                 watch.queued = False
                 # Also one with no waiter now: a task of the loop started meanwhile may
-                # be adding one (a park takes the watch back, as resume does).
+                # be adding one (a park takes the watch back, as resume does). Set aside
+                # before the timeline lets go of it: a park that finds it no more there
+                # finds it here.
                 watch.detached = True
                 self._detached[id(watch.timeline)] = watch
+                watch.timeline.drop_watch(watch)
                 watches.append(watch)
             with self._native_lock:  # (not one that a park took back meanwhile)
                 self._native_watches = {

@@ -463,6 +463,64 @@ def test_a_loop_started_again_as_it_is_set_aside_goes_through_its_watches_unhind
 
 
 @pytest.mark.parametrize("use_uvloop", LOOPS)
+def test_a_loop_started_again_as_it_is_set_aside_parks_on_the_watch_set_aside(
+    use_uvloop: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop seen stopped, a task parked on a timeline (for 1), is set aside by another
+    thread while a thread starts it again; the setting aside is held once the timeline
+    has let go of the loop's watch (``drop_watch``), and a task of the loop parks on
+    that timeline (for 2). It takes the watch set aside back, the one task parked before
+    with it: both are woken. Checked failing without: the park made another watch (the
+    one let go of was not set aside yet), and the task parked before was never woken."""
+    new_loop = _new_loop(use_uvloop)
+    loop = new_loop()
+    go_on = threading.Event()
+    try:
+        dev = loop.run_until_complete(am.open_device("cpu"))
+        timeline = dev.timeline()
+
+        async def park_one() -> tuple[am._bridge.LoopBridge, asyncio.Future[None]]:
+            waiting = asyncio.ensure_future(timeline.wait(1))
+            while am.loop_statistics().waiting < 1:
+                await asyncio.sleep(0.001)
+            return am._bridge.current_bridge(), waiting
+
+        bridge, parked_before = loop.run_until_complete(park_one())
+        held = threading.Event()
+        drop_watch = timeline.drop_watch
+
+        def held_drop_watch(watch: am._bridge.Watch) -> None:
+            drop_watch(watch)
+            if threading.current_thread() is setting_aside:
+                held.set()
+                go_on.wait(10)
+
+        monkeypatch.setattr(timeline, "drop_watch", held_drop_watch)
+        resumes = _held_back(bridge)
+        setting_aside = threading.Thread(target=bridge.suspend)
+        setting_aside.start()
+
+        async def meanwhile() -> None:
+            held.wait(10)  # (the loop waits here, its task parked)
+            parks = asyncio.ensure_future(timeline.wait(2))
+            while am.loop_statistics().waiting < 2:
+                await asyncio.sleep(0)
+            go_on.set()
+            setting_aside.join()
+            for resume in resumes:
+                loop.call_soon(resume)
+            await asyncio.sleep(0)
+            timeline.signal(2)
+            await asyncio.wait_for(asyncio.gather(parked_before, parks), 5)
+
+        loop.run_until_complete(meanwhile())
+        loop.run_until_complete(dev.close())
+    finally:
+        go_on.set()
+        loop.close()
+
+
+@pytest.mark.parametrize("use_uvloop", LOOPS)
 def test_a_stopped_loop_runs_its_waits_after_another_loop_ran_on_its_thread(
     use_uvloop: bool,
 ) -> None:
