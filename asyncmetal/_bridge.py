@@ -76,7 +76,10 @@ loop (``_switch_here``), and the loop is not running, its bridge sets its watche
 aside (``suspend``): the timelines let go of them, and a callback queued on the loop
 holds them and takes them back if it runs again. A loop nothing else holds is then
 garbage, and its bridge closes. A closed loop's bridge lets go of its waiters for good
-(``release``).
+(``release``). The loop may start again on a third thread as it is set aside: the
+setting aside frees no native watch (the loop may be arming it: each keeps its own and
+takes it back with it, or the callback frees it on the loop's thread, or the bridge's
+close once the loop is gone) and changes in place nothing the loop goes through.
 """
 
 from __future__ import annotations
@@ -185,7 +188,8 @@ class Watch:
 
     def attach(self) -> None:
         """Join the bridge, and the native runtime's watches where the timeline lives
-        there; also again, after its loop set it aside (``LoopBridge.suspend``)."""
+        there; also again, after its loop set it aside (``LoopBridge.suspend``), with
+        the native watch it kept."""
         self.detached = False  # set aside, with its waiters, by a loop that stopped
         self.next = INFINITY  # (nothing is published yet: see rearm)
         self.bridge.watches.add(self)
@@ -355,7 +359,14 @@ class LoopBridge(ABC):
         self.arm: Callable[[int, int], object] = _unloaded  # am_watch_arm, once loaded
         self._reset: Callable[[int], int] = _unloaded  # am_notifier_reset
         self._pipe: tuple[int, int] | None = None
+        # The watches with a native part, which the loop goes through as it wakes: changed
+        # in place on the loop's thread only; another thread replaces it (a loop seen
+        # stopped may run again as it is set aside, see suspend). Both under
+        # _native_lock, as is _handles: every native watch not freed yet (close frees
+        # them).
+        self._native_lock = threading.Lock()
         self._native_watches: set[Watch] = set()
+        self._handles: set[int] = set()
         self.watches: set[Watch] = set()  # every watch of this loop's, native or not
         # Watches set aside as the loop stopped (see suspend), by id of their timeline:
         # weakly, the loop holds them.
@@ -460,8 +471,10 @@ class LoopBridge(ABC):
         if it has none. Only where ``sleeps_coarsely``."""
         return None
 
-    def native_watch(self, watch: Watch, c_timeline: int) -> int:
-        """A native watch on ``c_timeline`` that wakes this loop through its pipe."""
+    def native_watch(self, watch: Watch, c_timeline: int) -> int | None:
+        """A native watch on ``c_timeline`` that wakes this loop through its pipe: the
+        one ``watch`` has kept, if it was set aside with it (see ``suspend``). Called on
+        the loop's thread."""
         lib = _native_lib()
         if self._notifier is None:
             rfd, wfd = os.pipe()
@@ -472,15 +485,26 @@ class LoopBridge(ABC):
             self.arm = _native.fast_call(lib, "am_watch_arm")
             self._reset = _native.fast_call(lib, "am_notifier_reset")
             self._watch_fd(rfd)
-        handle: int = lib.am_watch_new(c_timeline, self._notifier)
-        self._native_watches.add(watch)
+        handle = watch.cwatch
+        if handle is None:
+            handle = lib.am_watch_new(c_timeline, self._notifier)  # (None in a fork's child)
+        with self._native_lock:
+            if handle is not None:
+                self._handles.add(handle)
+            self._native_watches.add(watch)
         return handle
 
     def drop_native_watch(self, watch: Watch) -> None:
-        if watch.cwatch is not None:
-            _native_lib().am_watch_free(watch.cwatch)
-            watch.cwatch = None
-        self._native_watches.discard(watch)
+        """Free ``watch``'s native part, unless ``close`` has. Called on the loop's
+        thread: the loop may be arming it (only ``close``, once the loop is gone, frees
+        native watches elsewhere)."""
+        handle, watch.cwatch = watch.cwatch, None
+        with self._native_lock:
+            self._native_watches.discard(watch)
+            if handle is None or handle not in self._handles:
+                return
+            self._handles.remove(handle)
+        _native_lib().am_watch_free(handle)
 
     def _drain_native(self) -> None:
         """The pipe is readable: resolve every native watch that was reached."""
@@ -509,8 +533,14 @@ class LoopBridge(ABC):
         from whichever thread gets here first (a finalizer, a new loop's release)."""
         with self._closing:
             self.dead = True
-            for watch in list(self._native_watches):
-                self.drop_native_watch(watch)
+            with self._native_lock:
+                watches, self._native_watches = self._native_watches, set()
+                handles, self._handles = self._handles, set()
+            # (Also those set aside, which kept theirs: see suspend.)
+            for watch in [*watches, *self._detached.values()]:
+                watch.cwatch = None
+            for handle in handles:
+                _native_lib().am_watch_free(handle)
             if self._notifier is not None:
                 _native_lib().am_notifier_free(self._notifier)
                 self._notifier = None
@@ -567,16 +597,24 @@ class LoopBridge(ABC):
         (``resume``); a loop that nothing else holds is garbage, and its bridge closes
         (the finalizer of ``_AsyncioBridge``) -- as an asyncio loop lets go of a task
         waiting on a socket. Called on any thread; never while the loop runs. Returns
-        whether it set anything aside."""
+        whether it set anything aside.
+
+        The loop may have started on another thread since it was seen stopped, its
+        tasks parking and being woken now: whatever this takes from it goes back as
+        that callback runs. So this changes in place nothing the loop goes through (the
+        set of native watches: it replaces it), and frees no native watch, which the
+        loop may be arming: a watch set aside keeps its own, registered with its
+        timeline (whose notifier may write to the pipe meanwhile), and takes it back
+        with it; the callback frees those it does not take back, on the loop's thread,
+        and ``close`` those of a loop that never runs again."""
         with self._closing:
             if self.dead or self._released:
                 return False
-            if not (self._ready or any(watch.heap for watch in self.watches)):
+            taken = list(self.watches)  # (the loop may be adding to it)
+            if not (self._ready or any(watch.heap for watch in taken)):
                 return False  # (empty watches hold nothing of the loop's)
             # What is set aside, filled in below; the loop's callback reads it under
-            # _closing, so once this is done. The loop may have started on another
-            # thread since it was seen stopped, its tasks parking and being woken now:
-            # whatever this takes from it goes back as that callback runs.
+            # _closing, so once this is done.
             watches: list[Watch] = []
             ready: list[Entry] = []
             pending: list[Watch] = []
@@ -584,17 +622,21 @@ class LoopBridge(ABC):
                 self._call_soon_threadsafe(functools.partial(self.resume, watches, ready, pending))
             except RuntimeError:  # the loop closed meanwhile (or is gone)
                 return False
-            for watch in list(self.watches):
+            for watch in taken:
                 self.watches.discard(watch)
-                watch.timeline.drop_watch(watch)
-                if watch.cwatch is not None:
-                    self.drop_native_watch(watch)
                 watch.queued = False
                 # Also one with no waiter now: a task of the loop started meanwhile may
-                # be adding one (a park takes the watch back, as resume does).
+                # be adding one (a park takes the watch back, as resume does). Set aside
+                # before the timeline lets go of it: a park that finds it no more there
+                # finds it here.
                 watch.detached = True
                 self._detached[id(watch.timeline)] = watch
+                watch.timeline.drop_watch(watch)
                 watches.append(watch)
+            with self._native_lock:  # (not one that a park took back meanwhile)
+                self._native_watches = {
+                    watch for watch in self._native_watches if not watch.detached
+                }
             # (swapped, not cleared: what is added meanwhile stays, or goes back)
             taken_pending, self._pending = self._pending, collections.deque()
             taken_ready, self._ready = self._ready, collections.deque()
@@ -603,7 +645,8 @@ class LoopBridge(ABC):
             return True
 
     def resume(self, watches: list[Watch], ready: list[Entry], pending: list[Watch]) -> None:
-        """The loop runs again (``suspend``'s callback): take its watches back."""
+        """The loop runs again (``suspend``'s callback): take its watches back, and free
+        the native part of those not taken back (all their waits withdrawn)."""
         with self._closing:  # (after the suspend, where it overtook it)
             pass
         for watch in pending:  # (queued as it was set aside: looked at again below)
@@ -615,6 +658,8 @@ class LoopBridge(ABC):
                 watch.timeline.drop_watch(watch)
                 self._detached[id(watch.timeline)] = watch
                 watch.timeline._watch_for(self)  # (takes it back)
+            if watch.detached and watch.cwatch is not None:
+                self.drop_native_watch(watch)  # (a park that takes it later makes one)
         for entry in ready:
             if not entry.done:
                 self._ready.append(entry)  # (still counted as waiting)
@@ -879,7 +924,7 @@ class _AsyncioBridge(LoopBridge):
             # it starts: the parent's loops and timelines are the parent's.)
             return
         if loop.is_closed():
-            if self.watches or self._native_watches or self._detached:
+            if self.watches or self._native_watches or self._detached or self._handles:
                 self.release()
         elif not loop.is_running():
             self.suspend()
@@ -1045,7 +1090,7 @@ class _TrioBridge(LoopBridge):
             self._reader_ended = True
             self._watch_on_thread(fd)
 
-    def native_watch(self, watch: Watch, c_timeline: int) -> int:
+    def native_watch(self, watch: Watch, c_timeline: int) -> int | None:
         handle = super().native_watch(watch, c_timeline)
         if self._reader_ended and self._watcher is None and self._pipe is not None:
             self._watch_on_thread(self._pipe[0])  # a new wait after the reader's end
@@ -1275,7 +1320,9 @@ def _closed_loops_bridges() -> list[LoopBridge]:
     return [
         bridge
         for loop, bridge in list(_asyncio_bridges.items())
-        if loop.is_closed() and not bridge._released and (bridge.watches or bridge._native_watches)
+        if loop.is_closed()
+        and not bridge._released
+        and (bridge.watches or bridge._native_watches or bridge._handles)
     ]
 
 

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -59,20 +60,43 @@ def _settled_threads(baseline: int) -> int:
     return threading.active_count()
 
 
+def _native_watches_counted(monkeypatch: pytest.MonkeyPatch) -> set[int]:
+    """The native watches made from now on and not freed yet, kept up to date."""
+    lib = am._bridge._native_lib()
+    new, free = lib.am_watch_new, lib.am_watch_free
+    live: set[int] = set()
+
+    def watch_new(c_timeline: int, notifier: int) -> int:
+        handle: int = new(c_timeline, notifier)
+        live.add(handle)
+        return handle
+
+    def watch_free(handle: int) -> None:
+        free(handle)
+        live.discard(handle)
+
+    monkeypatch.setattr(lib, "am_watch_new", watch_new)
+    monkeypatch.setattr(lib, "am_watch_free", watch_free)
+    return live
+
+
 # The loops were never closed: asyncio warns as each goes, and its finalizer, closing
 # the loop, may find the loop's own sockets closed already (collected with it).
 @pytest.mark.filterwarnings("ignore::ResourceWarning")
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("use_uvloop", LOOPS)
-def test_a_loop_left_stopped_by_a_thread_that_ended_is_let_go_of(use_uvloop: bool) -> None:
+def test_a_loop_left_stopped_by_a_thread_that_ended_is_let_go_of(
+    use_uvloop: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Threads each ran a loop until its main task was done, 10 other tasks still parked
     on a device's timeline, and ended without closing it. The timeline held the tasks,
     so the loop, its bridge's wake-up pipe (2 file descriptors), its native watch and
     notifier -- for as long as the device lived. Now each loop is garbage, with its
     bridge, and its pipe is closed; the timeline keeps no watch and the process no
     thread. (uvloop, for its part, does not close a loop that is collected unclosed: its
-    own descriptors stay, asyncmetal or not; asyncio's loop closes then.) Checked failing
-    without: the three loops stayed, with their pipes and watches, 15 descriptors."""
+    own descriptors stay, asyncmetal or not; asyncio's loop closes then.) Every native
+    watch made is freed. Checked failing without: the three loops stayed, with their
+    pipes and watches, 15 descriptors."""
     new_loop = _new_loop(use_uvloop)
     boot = asyncio.new_event_loop()
     dev = boot.run_until_complete(am.open_device("cpu"))
@@ -84,6 +108,7 @@ def test_a_loop_left_stopped_by_a_thread_that_ended_is_let_go_of(use_uvloop: boo
         bridges = len(am._bridge._asyncio_bridges)
         loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
         pipes: list[str] = []
+        live = _native_watches_counted(monkeypatch)
 
         def run() -> None:
             loop = new_loop()
@@ -108,6 +133,7 @@ def test_a_loop_left_stopped_by_a_thread_that_ended_is_let_go_of(use_uvloop: boo
         assert len(am._bridge._asyncio_bridges) == bridges
         assert not timeline._watch_of
         assert pipes and not set(pipes) & _open_pipes()
+        assert not live
         if not use_uvloop:
             assert _fds() == fds
         assert _settled_threads(threads) <= threads
@@ -225,6 +251,272 @@ def test_a_loop_started_again_as_it_is_set_aside_loses_no_wait(use_uvloop: bool)
         loop.run_until_complete(meanwhile())
         loop.run_until_complete(dev.close())
     finally:
+        loop.close()
+
+
+def _held_back(bridge: am._bridge.LoopBridge) -> list[Callable[[], None]]:
+    """The callback that takes a loop's waiters back as it runs again (``resume``),
+    which the next setting aside of ``bridge`` queues on the loop: kept in the list
+    returned, for the test to queue once the loop is done with the iteration it runs as
+    the setting aside is held (the callback would wait for it to end there)."""
+    resumes: list[Callable[[], None]] = []
+
+    def held_back(fn: Callable[[], None]) -> None:
+        del bridge._call_soon_threadsafe  # type: ignore[method-assign]
+        resumes.append(fn)
+
+    bridge._call_soon_threadsafe = held_back  # type: ignore[method-assign]
+    return resumes
+
+
+@pytest.mark.parametrize("use_uvloop", LOOPS)
+def test_a_loop_started_again_as_it_is_set_aside_arms_no_freed_watch(
+    use_uvloop: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop seen stopped, two tasks parked on a timeline (for 5 and 7), is set aside by
+    another thread while a thread starts it again. The setting aside is held where the
+    native runtime frees a native watch (``am_watch_free``, through ctypes, which lets go
+    of the GIL: the loop runs on meanwhile), and the loop wakes the task waiting for 5,
+    then arms the watch for 7. No native watch is armed once freed (the stand-in for
+    ``am_watch_arm`` here records it instead: the real one would write into freed
+    memory), both tasks are woken, and every native watch is freed once its waits are
+    done. Checked failing without: the setting-aside thread freed the watch the loop
+    armed next."""
+    new_loop = _new_loop(use_uvloop)
+    loop = new_loop()
+    try:
+        dev = loop.run_until_complete(am.open_device("cpu"))
+        timeline, other = dev.timeline(), dev.timeline()
+
+        async def park_two() -> tuple[am._bridge.LoopBridge, list[asyncio.Future[None]]]:
+            waits = [asyncio.ensure_future(timeline.wait(v)) for v in (5, 7)]
+            while am.loop_statistics().waiting < 2:
+                await asyncio.sleep(0.001)
+            return am._bridge.current_bridge(), waits
+
+        bridge, waits = loop.run_until_complete(park_two())
+        lib = am._bridge._native_lib()
+        live = {watch.cwatch for watch in bridge.watches}  # native watches not yet freed
+        armed_freed: list[int] = []
+        held, go_on = threading.Event(), threading.Event()
+        new, free, arm = lib.am_watch_new, lib.am_watch_free, bridge.arm
+
+        def watch_new(c_timeline: int, notifier: int) -> int:
+            handle: int = new(c_timeline, notifier)
+            live.add(handle)  # (a new one may have the address of one freed)
+            return handle
+
+        def watch_free(handle: int) -> None:
+            free(handle)
+            live.remove(handle)
+            if threading.current_thread() is setting_aside:
+                held.set()  # (as ctypes has let go of the GIL, the loop runs here)
+                go_on.wait(10)
+
+        def watch_arm(handle: int, value: int) -> object:
+            if handle not in live:
+                armed_freed.append(handle)
+                return 0
+            return arm(handle, value)
+
+        monkeypatch.setattr(lib, "am_watch_new", watch_new)
+        monkeypatch.setattr(lib, "am_watch_free", watch_free)
+        monkeypatch.setattr(bridge, "arm", watch_arm)
+        resumes = _held_back(bridge)
+
+        def set_aside() -> None:
+            bridge.suspend()
+            held.set()  # (done without freeing any)
+
+        setting_aside = threading.Thread(target=set_aside)
+        setting_aside.start()
+
+        async def meanwhile() -> None:
+            held.wait(10)  # (the loop waits here, its tasks parked)
+            # A wake-up through the loop's pipe: a watch made now, on another timeline.
+            woken = asyncio.ensure_future(other.wait(1))
+            while am.loop_statistics().waiting < 3:
+                await asyncio.sleep(0)
+            timeline.signal(5)
+            other.signal(1)
+            await asyncio.wait_for(woken, 5)  # (and the watches reached with it)
+            go_on.set()
+            setting_aside.join()
+            for resume in resumes:
+                loop.call_soon(resume)
+            await asyncio.wait_for(waits[0], 5)
+            timeline.signal(7)
+            await asyncio.wait_for(waits[1], 5)
+            for _ in range(4):  # (an idle watch goes two turns of the loop later)
+                await asyncio.sleep(0)
+
+        loop.run_until_complete(meanwhile())
+        assert not armed_freed
+        assert not live
+        loop.run_until_complete(dev.close())
+    finally:
+        go_on.set()
+        loop.close()
+
+
+class _ReadHook:
+    """A timeline's native part whose value, read as the bridge goes through its native
+    watches (``LoopBridge._wake_watches``), runs ``hook`` first, once."""
+
+    def __init__(self, native: object, hook: Callable[[], None]) -> None:
+        self._native, self._hook = native, hook
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._native, name)
+
+    @property
+    def value(self) -> int:
+        if sys._getframe(1).f_code.co_name == "_wake_watches":
+            hook, self._hook = self._hook, _nothing
+            hook()
+        value: int = self._native.value  # type: ignore[attr-defined]
+        return value
+
+
+def _nothing() -> None:
+    pass
+
+
+@pytest.mark.parametrize("use_uvloop", LOOPS)
+def test_a_loop_started_again_as_it_is_set_aside_goes_through_its_watches_unhindered(
+    use_uvloop: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop seen stopped, a task parked on a timeline, is set aside by another thread
+    while a thread starts it again; the setting aside is held as it makes that timeline
+    let go of the watch (``drop_watch``). The loop, woken through its pipe for a watch
+    of another timeline made meanwhile, goes through its native watches, and the setting
+    aside goes on and ends as the loop reads that other timeline's value. The loop goes
+    on through its watches unhindered, wakes the task of the other timeline, and the
+    first task too once its value comes. Checked failing without: the setting aside
+    changed the set of native watches the loop went through ("Set changed size during
+    iteration", raised in the loop's wake-up; the other task was never woken)."""
+    new_loop = _new_loop(use_uvloop)
+    loop = new_loop()
+    errors: list[object] = []
+    go_on = threading.Event()
+    try:
+        dev = loop.run_until_complete(am.open_device("cpu"))
+        timeline, other = dev.timeline(), dev.timeline()
+
+        async def park_one() -> tuple[am._bridge.LoopBridge, asyncio.Future[None]]:
+            waiting = asyncio.ensure_future(timeline.wait(1))
+            while am.loop_statistics().waiting < 1:
+                await asyncio.sleep(0.001)
+            return am._bridge.current_bridge(), waiting
+
+        bridge, parked_before = loop.run_until_complete(park_one())
+        held, hooked = threading.Event(), threading.Event()
+        drop_watch = timeline.drop_watch
+
+        def held_drop_watch(watch: am._bridge.Watch) -> None:
+            if threading.current_thread() is setting_aside:
+                held.set()
+                go_on.wait(10)
+            drop_watch(watch)
+
+        monkeypatch.setattr(timeline, "drop_watch", held_drop_watch)
+        resumes = _held_back(bridge)
+        setting_aside = threading.Thread(target=bridge.suspend)
+        setting_aside.start()
+
+        def setting_aside_ends() -> None:  # (on the loop's thread, in its wake-up)
+            hooked.set()
+            go_on.set()
+            setting_aside.join()
+
+        monkeypatch.setattr(other, "native", _ReadHook(other.native, setting_aside_ends))
+
+        async def meanwhile() -> None:
+            failed = asyncio.Event()
+
+            def on_error(_: asyncio.AbstractEventLoop, context: dict[str, object]) -> None:
+                errors.append(context.get("exception", context))
+                failed.set()
+
+            loop.set_exception_handler(on_error)
+            held.wait(10)  # (the loop waits here, its task parked)
+            woken = asyncio.ensure_future(other.wait(1))
+            while am.loop_statistics().waiting < 2:
+                await asyncio.sleep(0)
+            other.signal(1)
+            failing = asyncio.ensure_future(failed.wait())
+            await asyncio.wait([woken, failing], timeout=5, return_when="FIRST_COMPLETED")
+            failing.cancel()
+            assert not errors
+            assert hooked.is_set() and woken.done()
+            for resume in resumes:
+                loop.call_soon(resume)
+            await asyncio.sleep(0)
+            timeline.signal(1)
+            await asyncio.wait_for(parked_before, 5)
+
+        loop.run_until_complete(meanwhile())
+        loop.run_until_complete(dev.close())
+    finally:
+        go_on.set()
+        loop.close()
+
+
+@pytest.mark.parametrize("use_uvloop", LOOPS)
+def test_a_loop_started_again_as_it_is_set_aside_parks_on_the_watch_set_aside(
+    use_uvloop: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop seen stopped, a task parked on a timeline (for 1), is set aside by another
+    thread while a thread starts it again; the setting aside is held once the timeline
+    has let go of the loop's watch (``drop_watch``), and a task of the loop parks on
+    that timeline (for 2). It takes the watch set aside back, the one task parked before
+    with it: both are woken. Checked failing without: the park made another watch (the
+    one let go of was not set aside yet), and the task parked before was never woken."""
+    new_loop = _new_loop(use_uvloop)
+    loop = new_loop()
+    go_on = threading.Event()
+    try:
+        dev = loop.run_until_complete(am.open_device("cpu"))
+        timeline = dev.timeline()
+
+        async def park_one() -> tuple[am._bridge.LoopBridge, asyncio.Future[None]]:
+            waiting = asyncio.ensure_future(timeline.wait(1))
+            while am.loop_statistics().waiting < 1:
+                await asyncio.sleep(0.001)
+            return am._bridge.current_bridge(), waiting
+
+        bridge, parked_before = loop.run_until_complete(park_one())
+        held = threading.Event()
+        drop_watch = timeline.drop_watch
+
+        def held_drop_watch(watch: am._bridge.Watch) -> None:
+            drop_watch(watch)
+            if threading.current_thread() is setting_aside:
+                held.set()
+                go_on.wait(10)
+
+        monkeypatch.setattr(timeline, "drop_watch", held_drop_watch)
+        resumes = _held_back(bridge)
+        setting_aside = threading.Thread(target=bridge.suspend)
+        setting_aside.start()
+
+        async def meanwhile() -> None:
+            held.wait(10)  # (the loop waits here, its task parked)
+            parks = asyncio.ensure_future(timeline.wait(2))
+            while am.loop_statistics().waiting < 2:
+                await asyncio.sleep(0)
+            go_on.set()
+            setting_aside.join()
+            for resume in resumes:
+                loop.call_soon(resume)
+            await asyncio.sleep(0)
+            timeline.signal(2)
+            await asyncio.wait_for(asyncio.gather(parked_before, parks), 5)
+
+        loop.run_until_complete(meanwhile())
+        loop.run_until_complete(dev.close())
+    finally:
+        go_on.set()
         loop.close()
 
 
