@@ -181,6 +181,12 @@ struct am_cuq {
      * one, through any chain of waits). */
     struct am_cuwaiter *waiters;
     uint64_t poisoned;
+    /* From which command on the data operations (launches, copies, fills) are not handed
+     * to the driver -- they pass, with only their events recorded, and fail once
+     * confirmed (poisoned) -- because a wait of that command held on the host for a host
+     * queue's timeline found it failed (0: none). Written by the thread handing the wait
+     * over, under mu; read by those handing operations over (one at a time). */
+    uint64_t skipped;
     int cause_error;
     uint64_t cause_value;
     am_timeline *cause;
@@ -209,6 +215,9 @@ typedef struct am_cuwaiter {
 
 #define CU_WAITED_FAILED (-3)  /* a queue's error: it waited for a failed command's value */
 #define CU_DEFERRED (-4)       /* cuq_run_op: a device wait that must be held (q->deferred) */
+#define CU_HELD_FAILED (-8)    /* a queue's error: a wait of it held on the host for a host
+                                  queue's timeline (cpu, npy) that failed instead: the
+                                  commands from that wait on were never handed over */
 
 /* Whether the completion thread has held operations it may hand over now (under mu). */
 static inline int cuq_can_drain(const am_cuq *q) {

@@ -46,6 +46,10 @@ MARKER_POLL_NS = 500_000  # ... a marker with nothing unconfirmed before it
 # A queue's error when a command of it waited on the device for a value of another
 # queue's that failed before producing it (CU_WAITED_FAILED, native/cuda_stream.h).
 WAITED_FAILED = -3
+# A queue's error when a wait of it held on the host for a host queue's timeline (cpu,
+# npy) found that timeline failed: its commands from that wait on were never handed to
+# the stream (CU_HELD_FAILED).
+HELD_FAILED = -8
 # A wait for what no one has handed to the device yet (CU_DEFERRED): am_cuq_wait_foreign
 # and am_cuq_hand_over return it when a stream cannot be made to wait now.
 DEFERRED = -4
@@ -164,8 +168,8 @@ class CUDAQueue(NativeQueue):
                 f"out of host memory to submit a command to a stream of {self._backend.name}: "
                 "nothing of it was submitted"
             )
-        if code == WAITED_FAILED:
-            return self._waited_failed(self._first_error()[1])
+        if code in (WAITED_FAILED, HELD_FAILED):
+            return self._waited_failed(*self._first_error())
         call = self._lib.am_cuda_name(self._lib.am_cuq_failed_call(self._q)).decode()
         return driver_error(call, code, self._backend.name)
 
@@ -330,8 +334,8 @@ class CUDAQueue(NativeQueue):
         if not self._error.value and _driver.lost_first is None:  # the common case: no call
             return None
         code, first = self._first_error()
-        if code == WAITED_FAILED and value >= first:
-            return self._waited_failed(first)
+        if code in (WAITED_FAILED, HELD_FAILED) and value >= first:
+            return self._waited_failed(code, first)
         if code == DISCARDED and value >= first:
             return discarded_error(value)
         if code and value >= first:
@@ -368,17 +372,22 @@ class CUDAQueue(NativeQueue):
             first = ctypes.c_uint64()
             code = self._lib.am_cuq_error(self._q, ctypes.byref(first))
             self._sticky = (code, first.value)
-            if code == WAITED_FAILED:
+            if code in (WAITED_FAILED, HELD_FAILED):
                 error, value = ctypes.c_int(), ctypes.c_uint64()
                 cause = self._lib.am_cuq_cause(self._q, ctypes.byref(error), ctypes.byref(value))
                 self._cause = (cause or 0, error.value, value.value)
         return self._sticky
 
-    def _waited_failed(self, first: int) -> AsyncMetalError:
+    def _waited_failed(self, code: int, first: int) -> AsyncMetalError:
         """The error of this queue's commands from ``first`` on, which ran after a device
         wait for a value that another queue's failed command never produced: that
-        command's error, named (by its queue's device, where that queue is still alive)."""
+        command's error, named (by its queue's device, where that queue is still alive).
+        Held on the host behind another kind's queue (HELD_FAILED), they never ran: they
+        fail as a cpu queue's commands behind a failed wait do, naming where it began."""
         timeline, error, value = self._cause
+        if code == HELD_FAILED:
+            lead = "this command did not run: it follows a device-side wait for a value that"
+            return failure_error(Failure(first, error, value, timeline), lead, LATER_FAIL)
         if error in (ABANDONED, CLOSED, DISCARDED):  # its device closed, or it was dropped
             lead = (
                 f"the command at value {first} on a stream of {self._backend.name} ran after "
