@@ -14,7 +14,7 @@ from ... import _native, _native_contract
 from ..._backend import Arg, KeepAlive, NativeQueue, NativeTimeline, Record, host_address
 from ..._errors import AsyncMetalError, DeviceLostError
 from ..._native import ABANDONED, CLOSED, DISCARDED, Failure
-from ..._timeline import LATER_FAIL, discarded_error, failure_error
+from ..._timeline import LATER_FAIL, command_of, discarded_error, failure_error
 from . import _driver
 from ._driver import (
     UNCONFIRMED,
@@ -324,11 +324,40 @@ class CUDAQueue(NativeQueue):
         return handed
 
     def _not_handed_over(self, value: int) -> BufferError:
+        held = self._held_behind_host(value, 0)
+        if held is not None:
+            return BufferError(
+                f"command {value} of a queue of {self._backend.name} is held on the host "
+                f"behind a wait for {held}, which has not run yet: another library's stream "
+                "cannot wait on the device for a host queue's command, and an export does "
+                "not block the calling thread (await that command, or this one, before "
+                "exporting)"
+            )
         return BufferError(
             f"command {value} of a queue of {self._backend.name} waits, on the host, for a "
             "timeline value nothing has signalled yet: another library's stream cannot "
             "wait for it (signal the timeline, or await the command, before exporting)"
         )
+
+    def _held_behind_host(self, value: int, depth: int) -> str | None:
+        """The command of another kind's queue (a host queue's: cpu, npy) not yet run that
+        a wait of this queue up to command ``value`` waits for, held on the host until
+        it ran -- or that such a wait of a queue this one waits for does, up to what it
+        waits for -- named; None if there is none."""
+        for command, timeline, target in list(self._waits):
+            if command > value or depth >= MAX_HAND_OVER_DEPTH:
+                break
+            if timeline.value >= target:
+                continue
+            if not isinstance(timeline, CUDATimeline):  # (a host queue's: no device word)
+                assert timeline.c_timeline is not None
+                return command_of(timeline.c_timeline, target)
+            owner = timeline.queue
+            if isinstance(owner, CUDAQueue):
+                held = owner._held_behind_host(target, depth + 1)
+                if held is not None:
+                    return held
+        return None
 
     def failure(self, value: int) -> BaseException | None:
         if not self._error.value and _driver.lost_first is None:  # the common case: no call
