@@ -277,6 +277,7 @@ int am_cuq_fill(am_cuq *q, uint64_t dst, uint32_t pattern, int size, size_t nbyt
 int am_cuq_memcpy(am_cuq *q, int to_device, uint64_t dst, uint64_t src, size_t nbytes,
                   uint64_t value);
 int am_cuq_write(am_cuq *q, void *word, uint64_t target, uint64_t value);
+int am_cuq_mark(am_cuq *q, am_timeline *t, uint64_t target, uint64_t value);
 int am_cuq_wait(am_cuq *q, void *word, uint64_t target, uint64_t value);
 int am_cuq_wait_timeline(am_cuq *q, am_timeline *t, uint64_t target, uint64_t value);
 int am_cuq_hand_over(am_cuq *q, uint64_t value);

@@ -104,7 +104,7 @@ uint64_t cuq_failed_at(const am_cuq *q) {
 }
 
 /* The failure behind that: q's own, or the one its waits came to. Under mu. */
-static void cuq_cause(const am_cuq *q, int *error, uint64_t *value, am_timeline **cause) {
+void cuq_cause(const am_cuq *q, int *error, uint64_t *value, am_timeline **cause) {
     int own = q->error && q->error != CU_WAITED_FAILED && q->error != CU_HELD_FAILED &&
               (!q->poisoned || q->error_value <= q->poisoned);
     *error = own ? q->error : q->cause_error;
@@ -117,7 +117,7 @@ static void cuq_cause(const am_cuq *q, int *error, uint64_t *value, am_timeline 
  * past all it was given (cuq_run). So do the commands of queues that wait on q's values
  * from there on, at once: a wait on an event of q's would otherwise let them run and be
  * confirmed before q settles. Not under any queue's mu. */
-static void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value, am_timeline *cause) {
+void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value, am_timeline *cause) {
     pthread_mutex_lock(&q->mu);
     if (q->poisoned && q->poisoned <= from) {
         pthread_mutex_unlock(&q->mu);

@@ -170,9 +170,14 @@ static int cuq_defer(am_cuq *q, am_timeline *t, uint64_t target) {
  * on (CU_HELD_FAILED), with t's failure behind it. */
 static void cuq_skip_failed(am_cuq *q, am_timeline *t, const am_cuop *op) {
     pthread_mutex_lock(&t->mu);
-    int failed = timeline_failed_for(t, op->target);
+    int failed = timeline_failed_for(t, op->target), error = t->fail_error;
+    uint64_t value = t->fail_value;
+    am_timeline *cause = t->fail_cause ? t->fail_cause : t;
     pthread_mutex_unlock(&t->mu);
     if (!failed) return;
+    /* Failed from here now (as its confirmation would), with t's failure: the marks of
+     * the commands passed carry it (cuq_run_op). */
+    cuq_poison(q, op->value, error, value, cause);
     pthread_mutex_lock(&q->mu);
     if (!q->skipped || op->value < q->skipped)
         __atomic_store_n(&q->skipped, op->value, __ATOMIC_RELAXED);
@@ -280,6 +285,18 @@ int cuq_run_op(am_cuq *q, const am_cuop *op) {
     int data = op->kind == CUOP_LAUNCH || op->kind == CUOP_COPY || op->kind == CUOP_HTOD ||
                op->kind == CUOP_DTOH || op->kind == CUOP_FILL;
     if (data && skipped && op->value >= skipped) return 0;
+    if (op->kind == CUOP_WRITE && op->extra && skipped && op->value >= skipped) {
+        /* A staging chunk's mark: the host threads that wait for it then copy nothing
+         * (the chunk holds what the stream never wrote), but count the chunk's parts, so
+         * that the stream's wait for them ends (host_queues.c, copy_parts). */
+        int error;
+        uint64_t value;
+        am_timeline *cause;
+        pthread_mutex_lock(&q->mu);
+        cuq_cause(q, &error, &value, &cause);
+        pthread_mutex_unlock(&q->mu);
+        am_timeline_fail_from(op->extra, op->target, error, value, cause);
+    }
     switch (op->kind) {
     case CUOP_LAUNCH: {
         void *params[CU_MAX_PARAMS];
@@ -558,6 +575,16 @@ int am_cuq_memcpy(am_cuq *q, int to_device, uint64_t dst, uint64_t src, size_t n
  * as a part of command `value`. */
 int am_cuq_write(am_cuq *q, void *word, uint64_t target, uint64_t value) {
     am_cuop op = {.kind = CUOP_WRITE, .value = value, .word = word, .target = target};
+    return cuq_submit(q, &op, sizeof op);
+}
+
+/* A mark of t (a staging ring's: host threads copy a chunk once the stream wrote it):
+ * t's word written with `target`, as am_cuq_write, as a part of command `value`. Of a
+ * command passed without running (behind a failed wait held on the host), t fails from
+ * `target` first: what waits for the mark then knows the chunk holds nothing new. */
+int am_cuq_mark(am_cuq *q, am_timeline *t, uint64_t target, uint64_t value) {
+    am_cuop op = {.kind = CUOP_WRITE, .value = value, .word = (void *)t->word, .target = target,
+                  .extra = t};
     return cuq_submit(q, &op, sizeof op);
 }
 

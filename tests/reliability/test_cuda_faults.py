@@ -850,13 +850,13 @@ async def test_a_staged_copy_behind_a_wait_on_a_cpu_queue_reads_its_source_after
     def record(name: str) -> Any:
         return lambda q, *args: calls.append((name, *args)) or 0
 
-    for name in ("wait_timeline", "finish", "wait", "write", "memcpy"):
+    for name in ("wait_timeline", "finish", "wait", "mark", "memcpy"):
         setattr(runtime, f"am_cuq_{name}", record(name))
 
     def fill(
         copier: Any, dst: int, src: int, n: int, keep: object, chunk: Any, after: Any
     ) -> tuple[Any, int]:
-        calls.append(("fill", None if after is None else (after[0].address, after[1])))
+        calls.append(("fill", None if after is None else (after[0].c_timeline, after[1])))
         if chunk.ready is None:
             chunk.ready = _timeline.CUDATimeline(copier._backend)
         return chunk.ready, 1
@@ -882,7 +882,7 @@ async def test_a_staged_copy_behind_a_wait_on_a_cpu_queue_reads_its_source_after
         assert len(fills) == 3
         for i in fills:  # each after a mark the stream writes (behind the wait) just before
             assert calls[i][1] is not None, "a chunk is filled before the held wait ended"
-            assert calls[i - 1][0] == "write" and calls[i - 1][1:3] == calls[i][1], calls
+            assert calls[i - 1][0] == "mark" and calls[i - 1][1:3] == calls[i][1], calls
     finally:
         await cpu.close()
         await dev.close()

@@ -222,6 +222,13 @@ class CUDAQueue(NativeQueue):
         """The stream writes ``target`` into ``timeline``'s word (part of command ``value``)."""
         self._check(self._lib.am_cuq_write(self._q, timeline.address, target, value))
 
+    def _mark(self, value: int, timeline: CUDATimeline, target: int) -> None:
+        """The stream marks a staging chunk's use on ``timeline``'s word, which host
+        threads poll: ``target`` written there (part of ``value``), as ``_write``. Of a
+        command that never runs (behind a failed wait held on the host), the host threads
+        copy nothing for it (native/cuda_submit.c, am_cuq_mark)."""
+        self._check(self._lib.am_cuq_mark(self._q, timeline.c_timeline, target, value))
+
     def _wait_value(self, value: int, timeline: CUDATimeline, target: int) -> None:
         """The stream waits for ``timeline``'s word, which only host threads raise (a
         staging chunk's), to reach ``target`` (part of ``value``)."""
@@ -640,12 +647,12 @@ class CUDAQueue(NativeQueue):
                 if busy is not None:
                     self._wait_value(value, *busy)
                 busy = staging.next_mark()
-                self._write(value, *busy)
+                self._mark(value, *busy)
             filled = staging.copier.copy(chunk.address, address + offset, n, src, chunk, busy)
             self._wait_value(value, *filled)
             self._memcpy(value, True, base + offset, chunk.address, n)
             mark = staging.next_mark()
-            self._write(value, *mark)  # the chunk is free again: host threads poll the word
+            self._mark(value, *mark)  # the chunk is free again: host threads poll the word
             staging.release_after(chunk, *mark)
         self._finish(value, (dst, src), expected_ns=src.nbytes // STAGED_BYTES_PER_NS)
 
@@ -665,7 +672,7 @@ class CUDAQueue(NativeQueue):
             self._memcpy(value, False, chunk.address, base + offset, n)
             # The stream marks the chunk arrived; a host thread then moves it out.
             mark = staging.next_mark()
-            self._write(value, *mark)
+            self._mark(value, *mark)
             emptied = staging.copier.copy(address + offset, chunk.address, n, dst, chunk, mark)
             staging.release_after(chunk, *emptied)
         for unfinished in staging.unfinished():  # done once every byte is in dst

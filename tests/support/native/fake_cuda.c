@@ -45,7 +45,10 @@
  *             stream -- no kernel launches, no fill writes, as a cpu queue's never run
  *             -- and fail, the queue from the wait's value on (CU_HELD_FAILED), naming
  *             the failure the host timeline carries; a signal among them fails its
- *             timeline with it
+ *             timeline with it; a staging chunk's mark among them has the host thread
+ *             waiting for it copy nothing out of the chunk (which the stream never
+ *             wrote) and still mark the chunk ready, where a mark of a command that
+ *             runs has it copied
  *   release   a queue's device wait on a value of a queue that failed that way ends
  *             (the failed queue's word is raised), rather than blocking for good; the
  *             commands from that wait on fail once run (they ran on data never
@@ -603,6 +606,35 @@ static void held_failed(fake_queue f, const uint32_t *memory, size_t n, am_timel
         die("hostfailed: the settled queue took another command");
 }
 
+/* A staging copy's host part behind mark 1 of `marks`, which queue f writes as its
+ * command `value` (am_cuq_mark), and then *gate raised to 1 (if given: f's stream waits
+ * for it, so that f does not settle before the mark is submitted): 64 bytes of `chunk`
+ * to `dst`, in parts of 16. Returns once the host thread is done, with the chunk's
+ * ready word. */
+static uint64_t staged_part(fake_queue f, uint64_t value, uint8_t *dst, const uint8_t *chunk,
+                            uint64_t *gate) {
+    uint64_t word = 0, ready = 0;
+    _Atomic uint64_t claimed = 0, count = 0;
+    am_timeline *marks = am_timeline_new(), *own = am_timeline_new();
+    am_timeline_set_word(marks, &word);
+    am_queue *copier = own ? am_queue_new(own, 0, 0) : NULL;
+    if (!copier || am_queue_copy_part(copier, dst, chunk, 64, 16, marks, 1, (void *)&claimed, 0,
+                                      (void *)&count, 4, &ready, 1, NULL, 1))
+        die("hostfailed: the staging copier");
+    if (am_cuq_mark(f.q, marks, 1, value) || am_cuq_finish(f.q, value, NULL, 0, 0, 0))
+        die("hostfailed: a mark failed at once");
+    if (gate) atomic_store((_Atomic uint64_t *)gate, 1);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (am_timeline_value(own) < 1)
+        if (now_ns() > deadline) die("hostfailed: a staging copy's host part never ran");
+    am_queue_close(copier, 0);
+    am_timeline_free(own);
+    while (am_timeline_value(f.t) < value)  /* (its stream is past the mark's word) */
+        if (now_ns() > deadline) die("hostfailed: a mark was never confirmed or failed");
+    am_timeline_free(marks);
+    return __atomic_load_n(&ready, __ATOMIC_SEQ_CST);
+}
+
 static void check_hostfailed(void) {
     /* h: a host queue's own timeline; its command 1 waits for gate, which fails (command
      * 7 of `cause`'s queue faulted): it fails, and h fails from 1 with that failure. */
@@ -630,6 +662,25 @@ static void check_hostfailed(void) {
     behind_host_wait(g, h, later, sizeof later, sig2);
     held_failed(g, later, 16, sig2, cause,
                 "hostfailed: a wait on a failed host timeline never ended");
+    /* A staging chunk's mark behind such a wait: nothing copied out of the chunk; of a
+     * queue that runs its commands, the chunk copied. */
+    static uint8_t chunk[64], out[64], ran_out[64];
+    memset(chunk, 0xEE, sizeof chunk);
+    fake_queue e = queue_new(), p = queue_new();
+    uint64_t *gate_word = calloc(1, sizeof(uint64_t));
+    if (am_cuq_wait(e.q, gate_word, 1, 1) || am_cuq_finish(e.q, 1, NULL, 0, 0, 0) ||
+        am_cuq_wait_timeline(e.q, h, 1, 2) ||
+        am_cuq_finish(e.q, 2, h, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED))
+        die("hostfailed: a wait on a failed host timeline failed at once");
+    if (staged_part(e, 3, out, chunk, gate_word) != 1)
+        die("hostfailed: a chunk behind a failed host wait was never marked ready");
+    for (size_t i = 0; i < sizeof out; i++)
+        if (out[i]) die("hostfailed: a staging copy behind a failed host wait copied its chunk");
+    if (staged_part(p, 1, ran_out, chunk, NULL) != 1 || memcmp(ran_out, chunk, sizeof chunk))
+        die("hostfailed: a staging copy behind a mark that ran did not copy its chunk");
+    queue_free(e, 0);
+    queue_free(p, 0);
+    free(gate_word);
     am_queue_close(hq, 0);
     queue_free(f, 0);
     queue_free(g, 0);
