@@ -158,6 +158,9 @@ class NativeTimeline(ABC):
     # (their completion comes through a native thread): the signalling loop stays awake a
     # moment to see it rather than sleep and be woken.
     releases_device_work = False
+    # Only host threads raise or fail it (a cpu or npy queue's, a host signal): it has no
+    # device word or event a device's own wait could read.
+    host_raised = False
 
     @property
     @abstractmethod
@@ -358,10 +361,18 @@ class Backend(ABC):
     # thread waits on the timeline's condition, which whatever raises or fails the
     # timeline wakes; a cuda queue's wait on one with no device word (a cpu or npy
     # queue's) is held on the host, with the stream's work behind it, until it got there
-    # or failed (native/timelines.c: ``kick_due``).
+    # or failed (native/timelines.c: ``kick_due``); Metal's waits on the host queues'
+    # timelines only (``waits_for``), on a shared event that the native runtime sets once
+    # the timeline got there or failed (native/objc_blocks.c: ``am_relay_new``).
     # Its queues then order themselves after another kind's copies that read or wrote
     # its buffers in place (as after their own kind's commands: ``Queue.after``).
     waits_across_kinds: ClassVar[bool] = False
+
+    def waits_for(self, timeline: NativeTimeline) -> bool:
+        """Whether this backend's queues can wait on ``timeline``, another kind's queue
+        timeline: where ``waits_across_kinds``, any of the native runtime's (a backend
+        may take fewer)."""
+        return self.waits_across_kinds and timeline.c_timeline is not None
 
     @classmethod
     @abstractmethod

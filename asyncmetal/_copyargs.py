@@ -174,7 +174,7 @@ def _lent_back(state: DeviceState, view: memoryview) -> Buffer | None:
     ``state``'s device, a copy with that buffer; on another, a host copy that also uses
     it: its queue waits, on the device, for the lender's earlier commands where it can
     (a device of ``state``'s kind; another kind's where ``state``'s queues wait across
-    kinds: ``Backend.waits_across_kinds``), and the lender's later commands wait for it
+    kinds: ``Backend.waits_for``), and the lender's later commands wait for it
     where theirs can. None if the memory is no such loan (a plain host copy)."""
     candidates = lenders_for(state.device._allocator, any_kind=True) if view.nbytes else []
     if not candidates:  # nothing lent out: no look-up

@@ -9,12 +9,15 @@ held when its device closes is left allocated. Ordering: on a device with stream
 consumer's stream waits, on the device, for the commands that use the buffer (the
 backend's ``order_stream``: on cuda, on each queue's event, or its timeline word for a
 command still held on the host); the stream is not adopted, so no queue or completion
-thread is made per consumer stream. Host memory (cpu, npy, Metal's shared storage) has
-no stream to wait on, so exporting it while a command that uses it is in flight raises
-``BufferError`` (await that command first). ``copy=True`` (the array API's) exports a copy
-of host memory, as kDLCPU, made at once. The capsule is made in one call of the
-native extension (``native/py_dlpack.c``'s ``dlpack_export``), else through numpy and
-ctypes (:func:`numpy_capsule`): the same tensor either way.
+thread is made per consumer stream. A command held on the host behind a wait for a host
+queue's command (cpu, npy) that has not run cannot be waited for on the device, and the
+export does not block: it raises ``BufferError`` naming that command. Host memory (cpu,
+npy, Metal's shared storage) has no stream to wait on, so exporting it while a command
+that uses it is in flight raises ``BufferError`` (await that command first).
+``copy=True`` (the array API's) exports a copy of host memory, as kDLCPU, made at once.
+The capsule is made in one call of the native extension (``native/py_dlpack.c``'s
+``dlpack_export``), else through numpy and ctypes (:func:`numpy_capsule`): the same
+tensor either way.
 
 Buffers in. ``from_dlpack(obj)`` takes a producer's DLPack capsule (asking it to order
 its work before the device's default queue) and makes a Buffer over that memory, on the

@@ -132,6 +132,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     ),
     "am_cuq_memcpy": (c_int, [c_p, c_int, c_u64, c_u64, ctypes.c_size_t, c_u64]),
     "am_cuq_write": (c_int, [c_p, c_p, c_u64, c_u64]),
+    "am_cuq_mark": (c_int, [c_p, c_p, c_u64, c_u64]),
     "am_cuq_wait": (c_int, [c_p, c_p, c_u64, c_u64]),
     "am_cuq_wait_timeline": (c_int, [c_p, c_p, c_u64, c_u64]),
     "am_cuq_hand_over": (c_int, [c_p, c_u64]),
@@ -149,6 +150,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_block_reached": (None, [c_p, c_p, c_u64]),
     "am_block_new": (c_p, [c_p, c_int, c_p, c_u64]),
     "am_block_free": (None, [c_p]),
+    "am_relay_new": (c_int, [c_p, c_u64, c_p, c_p, c_p, c_p]),
     "am_blocks_wait": (c_u64, [c_u64, ctypes.c_int64]),
 }
 MAX_ARGS = 16

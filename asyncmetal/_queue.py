@@ -605,7 +605,7 @@ class Queue:
         for errors; "buffer" past them). A use by a queue of another kind (a copy
         between kinds reading or writing host-visible memory in place) is waited for
         too where this device's queues can wait on that queue's timeline
-        (``Backend.waits_across_kinds``); elsewhere it cannot be waited for on this
+        (``Backend.waits_for``); elsewhere it cannot be waited for on this
         device (the copy settles the buffer on the host first; commands after it are
         not ordered with it). A use by a queue of a device closed since (on another
         thread) cannot be either: refused, naming that device rather than its queue's
@@ -617,9 +617,7 @@ class Queue:
                 timeline = other.timeline
                 if other is self or timeline.value >= value:
                     continue
-                if timeline_kind(timeline) != kind and (
-                    not state.backend.waits_across_kinds or timeline.native.c_timeline is None
-                ):
+                if timeline_kind(timeline) != kind and not state.backend.waits_for(timeline.native):
                     continue
                 try:
                     check_timeline(timeline, "timeline", timeline_kind(timeline))

@@ -66,6 +66,17 @@ def _queue_of(c_timeline: int) -> FailingQueue | None:
     return None if timeline is None or timeline._queue is None else timeline._queue()
 
 
+def command_of(c_timeline: int, value: int) -> str:
+    """Command ``value`` of the live queue whose own timeline is at ``c_timeline``, named
+    by its device ("a command of another queue" if there is none)."""
+    queue = _queue_of(c_timeline)
+    return (
+        "a command of another queue"
+        if queue is None
+        else f"command {value} of a queue of {queue.device.name}"
+    )
+
+
 # What a queue's command failed by a wait of that queue for a value never produced adds.
 LATER_FAIL = (
     " (the wait holds every later command of that queue, and so fails each: use "
@@ -78,11 +89,7 @@ def failure_error(failure: _native.Failure, lead: str, tail: str = "") -> AsyncM
     produced: ``lead`` ("... a value that"), then the command where the failure began
     and why (a queue that is gone is not named), then ``tail``."""
     queue = _queue_of(failure.cause)
-    where = (
-        "a command of another queue"
-        if queue is None
-        else f"command {failure.value} of a queue of {queue.device.name}"
-    )
+    where = command_of(failure.cause, failure.value)
     if failure.error == _native.CLOSED:  # a timeline whose device closed
         owner = _timelines.get(failure.cause)
         device = "its device" if owner is None else f"its device, {owner.device.name},"

@@ -392,6 +392,8 @@ _NO_MEMORY = np.empty(0, np.uint8)
 class CPUTimeline(ForkableTimeline):
     """A timeline in the native runtime: queue threads signal and wait on it in C."""
 
+    host_raised = True
+
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
         self.c_timeline: int = lib.am_timeline_new()

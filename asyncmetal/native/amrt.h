@@ -277,6 +277,7 @@ int am_cuq_fill(am_cuq *q, uint64_t dst, uint32_t pattern, int size, size_t nbyt
 int am_cuq_memcpy(am_cuq *q, int to_device, uint64_t dst, uint64_t src, size_t nbytes,
                   uint64_t value);
 int am_cuq_write(am_cuq *q, void *word, uint64_t target, uint64_t value);
+int am_cuq_mark(am_cuq *q, am_timeline *t, uint64_t target, uint64_t value);
 int am_cuq_wait(am_cuq *q, void *word, uint64_t target, uint64_t value);
 int am_cuq_wait_timeline(am_cuq *q, am_timeline *t, uint64_t target, uint64_t value);
 int am_cuq_hand_over(am_cuq *q, uint64_t value);
@@ -339,6 +340,8 @@ AM_HIDDEN void am_settle_wake(void);
 
 void am_block_completed(am_block *b, void *arg);
 void am_block_reached(am_block *b, void *event, uint64_t value);
+int am_relay_new(am_timeline *t, uint64_t target, void *event, void *send, void *set_value,
+                 void *release);
 am_block *am_block_new(void *isa, int reached, am_timeline *timeline, uint64_t value);
 void am_block_free(am_block *b);
 uint64_t am_blocks_wait(uint64_t seen, int64_t timeout_ns);

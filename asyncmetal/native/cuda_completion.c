@@ -104,8 +104,8 @@ uint64_t cuq_failed_at(const am_cuq *q) {
 }
 
 /* The failure behind that: q's own, or the one its waits came to. Under mu. */
-static void cuq_cause(const am_cuq *q, int *error, uint64_t *value, am_timeline **cause) {
-    int own = q->error && q->error != CU_WAITED_FAILED &&
+void cuq_cause(const am_cuq *q, int *error, uint64_t *value, am_timeline **cause) {
+    int own = q->error && q->error != CU_WAITED_FAILED && q->error != CU_HELD_FAILED &&
               (!q->poisoned || q->error_value <= q->poisoned);
     *error = own ? q->error : q->cause_error;
     *value = own ? q->error_value : q->cause_value;
@@ -117,7 +117,7 @@ static void cuq_cause(const am_cuq *q, int *error, uint64_t *value, am_timeline 
  * past all it was given (cuq_run). So do the commands of queues that wait on q's values
  * from there on, at once: a wait on an event of q's would otherwise let them run and be
  * confirmed before q settles. Not under any queue's mu. */
-static void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value, am_timeline *cause) {
+void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value, am_timeline *cause) {
     pthread_mutex_lock(&q->mu);
     if (q->poisoned && q->poisoned <= from) {
         pthread_mutex_unlock(&q->mu);
@@ -594,7 +594,8 @@ static void *cuq_run(void *arg) {
         if (e.fence && !r) r = q->error ? q->error : -2;  /* the refused command fails */
         uint64_t failed_from = e.value;
         if (!r && q->poisoned && e.value >= q->poisoned && e.value > seen) {
-            /* It ran after a wait for a value never produced: it fails, and the queue
+            /* It ran after a wait for a value never produced (or, behind a failed wait
+             * held on the host, passed without running): it fails, and the queue
              * settles once its stream is past everything it was given. */
             if (q->count || q->held) {
                 cuq_recycle(q, e.event, e.blocking);
@@ -603,7 +604,7 @@ static void *cuq_run(void *arg) {
                 cuq_drain(q, 0, 0);
                 continue;
             }
-            r = CU_WAITED_FAILED;
+            r = q->skipped && q->skipped <= q->poisoned ? CU_HELD_FAILED : CU_WAITED_FAILED;
             failed_from = q->poisoned;
         }
         if (r && (!q->error || failed_from < q->error_value)) {

@@ -112,14 +112,15 @@ typedef struct am_cuop {
     size_t nbytes;                  /* (CUOP_FILL: dst's bytes filled) */
     void *word;                     /* CUOP_WRITE, CUOP_WAIT: a device word (CUOP_WAIT with
                                        `extra`: that timeline's, deferred until it can be
-                                       satisfied); CUOP_WAIT_EVENT:
+                                       satisfied; CUOP_WRITE with `extra`: a mark of that
+                                       timeline's, am_cuq_mark); CUOP_WAIT_EVENT:
                                        an event another library's stream recorded, owned
                                        by the operation (destroyed once waited for, or
                                        when the operation is dropped) */
     uint64_t target;                /* ... its value; CUOP_WAIT_QUEUE: other's value;
                                        CUOP_FILL: the pattern */
     struct am_cuq *other;           /* CUOP_WAIT_QUEUE: the queue waited for (referenced) */
-    am_timeline *extra;             /* CUOP_FINISH */
+    am_timeline *extra;             /* CUOP_FINISH; CUOP_WAIT, CUOP_WRITE: the word's */
     uint64_t extra_value;
     long spin_ns;
     int64_t params[];               /* CUOP_LAUNCH: nparams 64-bit parameter slots */
@@ -181,6 +182,12 @@ struct am_cuq {
      * one, through any chain of waits). */
     struct am_cuwaiter *waiters;
     uint64_t poisoned;
+    /* From which command on the data operations (launches, copies, fills) are not handed
+     * to the driver -- they pass, with only their events recorded, and fail once
+     * confirmed (poisoned) -- because a wait of that command held on the host for a host
+     * queue's timeline found it failed (0: none). Written by the thread handing the wait
+     * over, under mu; read by those handing operations over (one at a time). */
+    uint64_t skipped;
     int cause_error;
     uint64_t cause_value;
     am_timeline *cause;
@@ -209,6 +216,9 @@ typedef struct am_cuwaiter {
 
 #define CU_WAITED_FAILED (-3)  /* a queue's error: it waited for a failed command's value */
 #define CU_DEFERRED (-4)       /* cuq_run_op: a device wait that must be held (q->deferred) */
+#define CU_HELD_FAILED (-8)    /* a queue's error: a wait of it held on the host for a host
+                                  queue's timeline (cpu, npy) that failed instead: the
+                                  commands from that wait on were never handed over */
 
 /* Whether the completion thread has held operations it may hand over now (under mu). */
 static inline int cuq_can_drain(const am_cuq *q) {
@@ -274,6 +284,10 @@ AM_HIDDEN void cuq_poison_after(am_cuq *q, uint64_t command, am_cuq *other);
 AM_HIDDEN void cuq_mark_failed(am_cuq *q, uint64_t first, int error);
 AM_HIDDEN void cuq_abandon_waiters(am_cuq *q, uint64_t first);
 AM_HIDDEN uint64_t cuq_failed_at(const am_cuq *q);
+AM_HIDDEN void cuq_cause(const am_cuq *q, int *error, uint64_t *value,
+                         am_timeline **cause);                     /* under q->mu */
+AM_HIDDEN void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value,
+                          am_timeline *cause);
 
 /* cuda_submit.c */
 AM_HIDDEN int cuq_run_op(am_cuq *q, const am_cuop *op);

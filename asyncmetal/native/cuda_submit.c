@@ -162,6 +162,28 @@ static int cuq_defer(am_cuq *q, am_timeline *t, uint64_t target) {
     return 0;
 }
 
+/* q's wait `op` on t, a host queue's timeline, is over: if t failed at or before what it
+ * waited for, q's data operations from the wait's command on are not handed to the
+ * driver (q->skipped; cuq_run_op passes them), as a host queue's commands behind a
+ * failed wait never run: whatever they would have written stays as it was. Their events
+ * are still recorded, in order: each is confirmed, and fails, the queue from that wait
+ * on (CU_HELD_FAILED), with t's failure behind it. */
+static void cuq_skip_failed(am_cuq *q, am_timeline *t, const am_cuop *op) {
+    pthread_mutex_lock(&t->mu);
+    int failed = timeline_failed_for(t, op->target), error = t->fail_error;
+    uint64_t value = t->fail_value;
+    am_timeline *cause = t->fail_cause ? t->fail_cause : t;
+    pthread_mutex_unlock(&t->mu);
+    if (!failed) return;
+    /* Failed from here now (as its confirmation would), with t's failure: the marks of
+     * the commands passed carry it (cuq_run_op). */
+    cuq_poison(q, op->value, error, value, cause);
+    pthread_mutex_lock(&q->mu);
+    if (!q->skipped || op->value < q->skipped)
+        __atomic_store_n(&q->skipped, op->value, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&q->mu);
+}
+
 /* A device wait on a word: raised by the host (`extra` NULL: a staging chunk's), or a
  * timeline's, held until a signal of it was handed over (or it was raised), and then not
  * made at all if the word got there already. A timeline only host signals raised so far
@@ -171,9 +193,14 @@ static int cuq_defer(am_cuq *q, am_timeline *t, uint64_t target) {
 static int cuq_wait_word(am_cuq *q, const am_cuop *op) {
     am_timeline *t = op->extra;
     /* A timeline with no device word (a host queue's: cpu, npy) is only ever held on the
-     * host, until its value got there -- or it failed, which the wait's confirmation
-     * finds (cuq_confirm_wait) -- and then nothing is left for the stream to wait on. */
-    if (t && !t->word) return cuq_defer(q, t, op->target) ? CU_DEFERRED : 0;
+     * host, until its value got there -- and then nothing is left for the stream to wait
+     * on -- or it failed: then nothing from this command on runs (cuq_skip_failed), and
+     * the wait's confirmation fails the queue from there (cuq_confirm_wait). */
+    if (t && !t->word) {
+        if (cuq_defer(q, t, op->target)) return CU_DEFERRED;
+        cuq_skip_failed(q, t, op);
+        return 0;
+    }
     int host_only = t && atomic_load(&t->signalled_by) == AM_BY_HOST;
     if (t && !host_only && cuq_defer(q, t, op->target)) return CU_DEFERRED;
     if (t && atomic_load((_Atomic uint64_t *)op->word) >= op->target) return 0;
@@ -252,6 +279,24 @@ static int cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value, uint64_t com
 /* One operation's driver calls (the context is current on the calling thread). */
 int cuq_run_op(am_cuq *q, const am_cuop *op) {
     int r;
+    /* A data operation of a command behind a failed wait held on the host (cuq_skip_failed)
+     * passes; the order's own (waits, word writes, events) are made. */
+    uint64_t skipped = __atomic_load_n(&q->skipped, __ATOMIC_RELAXED);
+    int data = op->kind == CUOP_LAUNCH || op->kind == CUOP_COPY || op->kind == CUOP_HTOD ||
+               op->kind == CUOP_DTOH || op->kind == CUOP_FILL;
+    if (data && skipped && op->value >= skipped) return 0;
+    if (op->kind == CUOP_WRITE && op->extra && skipped && op->value >= skipped) {
+        /* A staging chunk's mark: the host threads that wait for it then copy nothing
+         * (the chunk holds what the stream never wrote), but count the chunk's parts, so
+         * that the stream's wait for them ends (host_queues.c, copy_parts). */
+        int error;
+        uint64_t value;
+        am_timeline *cause;
+        pthread_mutex_lock(&q->mu);
+        cuq_cause(q, &error, &value, &cause);
+        pthread_mutex_unlock(&q->mu);
+        am_timeline_fail_from(op->extra, op->target, error, value, cause);
+    }
     switch (op->kind) {
     case CUOP_LAUNCH: {
         void *params[CU_MAX_PARAMS];
@@ -533,6 +578,16 @@ int am_cuq_write(am_cuq *q, void *word, uint64_t target, uint64_t value) {
     return cuq_submit(q, &op, sizeof op);
 }
 
+/* A mark of t (a staging ring's: host threads copy a chunk once the stream wrote it):
+ * t's word written with `target`, as am_cuq_write, as a part of command `value`. Of a
+ * command passed without running (behind a failed wait held on the host), t fails from
+ * `target` first: what waits for the mark then knows the chunk holds nothing new. */
+int am_cuq_mark(am_cuq *q, am_timeline *t, uint64_t target, uint64_t value) {
+    am_cuop op = {.kind = CUOP_WRITE, .value = value, .word = (void *)t->word, .target = target,
+                  .extra = t};
+    return cuq_submit(q, &op, sizeof op);
+}
+
 int am_cuq_wait(am_cuq *q, void *word, uint64_t target, uint64_t value) {
     am_cuop op = {.kind = CUOP_WAIT, .value = value, .word = word, .target = target};
     return cuq_submit(q, &op, sizeof op);
@@ -571,7 +626,7 @@ void am_cuq_stats(am_cuq *q, uint64_t *out) {
     out[7] = atomic_load(&q->kicked);
 }
 
-/* For a queue whose error is CU_WAITED_FAILED: the failure it waited for -- that
+/* For a queue whose error is CU_WAITED_FAILED or CU_HELD_FAILED: the failure it waited for -- that
  * queue's error and failed value, and its timeline (returned; maybe freed since, an
  * address to compare only). */
 void *am_cuq_cause(am_cuq *q, int *error, uint64_t *value) {

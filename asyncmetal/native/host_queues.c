@@ -201,8 +201,10 @@ static int wait_word(am_queue *q, am_timeline *t, uint64_t target) {
  * most, not by a whole share. A use's parts are numbered from `first` on the chunk's
  * claim counter; uses run one after another (each waits, through the stream, for the
  * last one's ready word), so a command that finds the counter past its use's parts
- * has nothing left to do. */
-static void copy_parts(const am_cmd *c) {
+ * has nothing left to do. `empty`: the chunk holds nothing to copy (the mark it waited
+ * for is of a command that never ran: its timeline failed for it, am_cuq_mark): the
+ * parts are taken and counted, and nothing is copied. */
+static void copy_parts(const am_cmd *c, int empty) {
     uint64_t end = c->first + (c->nbytes + c->part - 1) / c->part;
     uint64_t i = atomic_load_explicit(c->claimed, memory_order_relaxed);
     while (i >= c->first && i < end) {
@@ -211,7 +213,7 @@ static void copy_parts(const am_cmd *c) {
             continue;  /* i now holds the counter's value: try the next part */
         size_t offset = (size_t)(i - c->first) * c->part;
         size_t n = c->nbytes - offset < c->part ? c->nbytes - offset : c->part;
-        memmove((char *)c->dst + offset, (const char *)c->src + offset, n);
+        if (!empty) memmove((char *)c->dst + offset, (const char *)c->src + offset, n);
         if (atomic_fetch_add_explicit(c->count, 1, memory_order_acq_rel) + 1 == c->count_target)
             raise_word(c->ready, c->ready_value);
         i = atomic_load_explicit(c->claimed, memory_order_relaxed);
@@ -246,6 +248,15 @@ static void host_running_forked(void) { atomic_store(&host_running, 0); }
 
 __attribute__((constructor)) static void host_running_register_fork_handler(void) {
     pthread_atfork(NULL, NULL, host_running_forked);
+}
+
+/* Whether the mark `target` of t that a copy part waited for is of a command that never
+ * ran (t failed for it). */
+static int mark_failed(am_timeline *t, uint64_t target) {
+    pthread_mutex_lock(&t->mu);
+    int failed = timeline_failed_for(t, target);
+    pthread_mutex_unlock(&t->mu);
+    return failed;
 }
 
 static void *run(void *arg) {
@@ -304,7 +315,7 @@ static void *run(void *arg) {
             break;
         case CMD_COPY_PART:  /* parts of a chunk; the last one done marks it ready */
             if (c.after && !wait_word(q, c.after, c.target)) return NULL;
-            copy_parts(&c);
+            copy_parts(&c, c.after && mark_failed(c.after, c.target));
             break;
         }
         if (busy) atomic_fetch_sub_explicit(&host_running, 1, memory_order_relaxed);

@@ -271,3 +271,45 @@ void am_block_free(am_block *b) {
     spare_blocks = b;
     pthread_mutex_unlock(&spare_blocks_mu);
 }
+
+/* ---- relays: a Metal queue's wait on a host queue's timeline ----------------------
+ *
+ * A cpu or npy queue's timeline has no MTLSharedEvent for a command buffer to wait on:
+ * the wait is on an event of its own (made for it, one reference of it the relay's),
+ * which the relay sets to `target` once the timeline got there or failed for it -- on
+ * the thread that raised, failed or closed the timeline (a host queue's), through
+ * objc_msgSend (`send`, with the selectors of setSignaledValue: and release) -- and then
+ * lets go of. A failed timeline ends the wait all the same: the command buffers behind it
+ * run, and their completions, gated on the timeline (am_block.gates), fail them, as for
+ * a wait on a Metal timeline that failed. */
+typedef struct {
+    am_kick kick;
+    void *event, *send, *set_value, *release;
+    uint64_t target;
+} am_relay;
+
+static void relay_run(am_kick *k) {
+    am_relay *r = (am_relay *)(void *)((char *)k - offsetof(am_relay, kick));
+    ((void (*)(void *, void *, uint64_t))r->send)(r->event, r->set_value, r->target);
+    ((void (*)(void *, void *))r->send)(r->event, r->release);
+    free(r);
+}
+
+/* Set `event` to `target` once t (a timeline with no device word) got there or failed
+ * for it, now if it has; the relay takes over one reference of the event. 0, or -1 out
+ * of memory (nothing done: the reference is the caller's still), -2 for a timeline with
+ * a device word (a device's own: not relayed). */
+int am_relay_new(am_timeline *t, uint64_t target, void *event, void *send, void *set_value,
+                 void *release) {
+    if (t->word) return -2;
+    am_relay *r = calloc(1, sizeof *r);
+    if (!r) return -1;
+    r->kick.fn = relay_run;
+    r->event = event;
+    r->send = send;
+    r->set_value = set_value;
+    r->release = release;
+    r->target = target;
+    if (!timeline_defer(t, target, &r->kick)) relay_run(&r->kick);
+    return 0;
+}

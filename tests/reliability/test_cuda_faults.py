@@ -701,6 +701,48 @@ async def test_a_command_that_waited_for_a_failed_commands_value_names_it(
 
 
 @pytest.mark.anyio
+async def test_a_cuda_command_held_behind_a_failed_cpu_timeline_did_not_run(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """A cuda queue's wait held on the host for a cpu queue's timeline, which failed
+    instead (its command 3 was discarded): the native runtime hands nothing from that
+    wait on to the stream and fails the queue from there (HELD_FAILED: no kernel
+    launched, tests/support/native/fake_cuda.c, hostfailed). Its completions, and a
+    submission to it, raise what a cpu command behind a failed wait raises -- that it
+    did not run, naming the command where the failure began -- not that it ran after
+    the wait."""
+    from asyncmetal.backends.cuda import _queue as cuda_queue
+
+    runtime = cuda_backend._native.runtime()
+    dev = await am.open_device("cuda:0")
+    cpu = await am.open_device("cpu")
+    try:
+        queue = dev.new_queue()
+        before = _confirmed(queue)
+        waited = queue._submit(numbered_only)
+        native = runtime.queues[queue._native._q]  # type: ignore[attr-defined]
+        native.error, native.error_value = cuda_queue.HELD_FAILED, waited.value
+        failed = (cpu.queue.timeline.native.c_timeline, _native.DISCARDED, 3)
+        runtime.causes[queue._native._q] = failed  # type: ignore[attr-defined]
+        queue.timeline.native.signal(MAX)
+        await before
+        expected = (
+            "this command did not run: it follows a device-side wait for a value that "
+            "command 3 of a queue of cpu never produced: it was discarded, not started when "
+            "its queue was closed with discard=True" + LATER_FAIL
+        )
+        with pytest.raises(am.ClosedResourceError) as caught:
+            await waited
+        assert str(caught.value) == expected
+        with pytest.raises(am.ClosedResourceError) as caught:
+            queue._native._check(cuda_queue.HELD_FAILED)  # a submission it refuses now
+        assert str(caught.value) == expected
+    finally:
+        await cpu.close()
+        await dev.close()
+
+
+@pytest.mark.anyio
 async def test_a_cpu_command_after_a_failed_cuda_command_names_it(
     anyio_backend: object, driver: _Driver
 ) -> None:
@@ -808,13 +850,13 @@ async def test_a_staged_copy_behind_a_wait_on_a_cpu_queue_reads_its_source_after
     def record(name: str) -> Any:
         return lambda q, *args: calls.append((name, *args)) or 0
 
-    for name in ("wait_timeline", "finish", "wait", "write", "memcpy"):
+    for name in ("wait_timeline", "finish", "wait", "mark", "memcpy"):
         setattr(runtime, f"am_cuq_{name}", record(name))
 
     def fill(
         copier: Any, dst: int, src: int, n: int, keep: object, chunk: Any, after: Any
     ) -> tuple[Any, int]:
-        calls.append(("fill", None if after is None else (after[0].address, after[1])))
+        calls.append(("fill", None if after is None else (after[0].c_timeline, after[1])))
         if chunk.ready is None:
             chunk.ready = _timeline.CUDATimeline(copier._backend)
         return chunk.ready, 1
@@ -840,7 +882,7 @@ async def test_a_staged_copy_behind_a_wait_on_a_cpu_queue_reads_its_source_after
         assert len(fills) == 3
         for i in fills:  # each after a mark the stream writes (behind the wait) just before
             assert calls[i][1] is not None, "a chunk is filled before the held wait ended"
-            assert calls[i - 1][0] == "write" and calls[i - 1][1:3] == calls[i][1], calls
+            assert calls[i - 1][0] == "mark" and calls[i - 1][1:3] == calls[i][1], calls
     finally:
         await cpu.close()
         await dev.close()

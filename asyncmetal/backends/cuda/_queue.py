@@ -14,7 +14,7 @@ from ... import _native, _native_contract
 from ..._backend import Arg, KeepAlive, NativeQueue, NativeTimeline, Record, host_address
 from ..._errors import AsyncMetalError, DeviceLostError
 from ..._native import ABANDONED, CLOSED, DISCARDED, Failure
-from ..._timeline import LATER_FAIL, discarded_error, failure_error
+from ..._timeline import LATER_FAIL, command_of, discarded_error, failure_error
 from . import _driver
 from ._driver import (
     UNCONFIRMED,
@@ -46,6 +46,10 @@ MARKER_POLL_NS = 500_000  # ... a marker with nothing unconfirmed before it
 # A queue's error when a command of it waited on the device for a value of another
 # queue's that failed before producing it (CU_WAITED_FAILED, native/cuda_stream.h).
 WAITED_FAILED = -3
+# A queue's error when a wait of it held on the host for a host queue's timeline (cpu,
+# npy) found that timeline failed: its commands from that wait on were never handed to
+# the stream (CU_HELD_FAILED).
+HELD_FAILED = -8
 # A wait for what no one has handed to the device yet (CU_DEFERRED): am_cuq_wait_foreign
 # and am_cuq_hand_over return it when a stream cannot be made to wait now.
 DEFERRED = -4
@@ -164,8 +168,8 @@ class CUDAQueue(NativeQueue):
                 f"out of host memory to submit a command to a stream of {self._backend.name}: "
                 "nothing of it was submitted"
             )
-        if code == WAITED_FAILED:
-            return self._waited_failed(self._first_error()[1])
+        if code in (WAITED_FAILED, HELD_FAILED):
+            return self._waited_failed(*self._first_error())
         call = self._lib.am_cuda_name(self._lib.am_cuq_failed_call(self._q)).decode()
         return driver_error(call, code, self._backend.name)
 
@@ -217,6 +221,13 @@ class CUDAQueue(NativeQueue):
     def _write(self, value: int, timeline: CUDATimeline, target: int) -> None:
         """The stream writes ``target`` into ``timeline``'s word (part of command ``value``)."""
         self._check(self._lib.am_cuq_write(self._q, timeline.address, target, value))
+
+    def _mark(self, value: int, timeline: CUDATimeline, target: int) -> None:
+        """The stream marks a staging chunk's use on ``timeline``'s word, which host
+        threads poll: ``target`` written there (part of ``value``), as ``_write``. Of a
+        command that never runs (behind a failed wait held on the host), the host threads
+        copy nothing for it (native/cuda_submit.c, am_cuq_mark)."""
+        self._check(self._lib.am_cuq_mark(self._q, timeline.c_timeline, target, value))
 
     def _wait_value(self, value: int, timeline: CUDATimeline, target: int) -> None:
         """The stream waits for ``timeline``'s word, which only host threads raise (a
@@ -320,18 +331,47 @@ class CUDAQueue(NativeQueue):
         return handed
 
     def _not_handed_over(self, value: int) -> BufferError:
+        held = self._held_behind_host(value, 0)
+        if held is not None:
+            return BufferError(
+                f"command {value} of a queue of {self._backend.name} is held on the host "
+                f"behind a wait for {held}, which has not run yet: another library's stream "
+                "cannot wait on the device for a host queue's command, and an export does "
+                "not block the calling thread (await that command, or this one, before "
+                "exporting)"
+            )
         return BufferError(
             f"command {value} of a queue of {self._backend.name} waits, on the host, for a "
             "timeline value nothing has signalled yet: another library's stream cannot "
             "wait for it (signal the timeline, or await the command, before exporting)"
         )
 
+    def _held_behind_host(self, value: int, depth: int) -> str | None:
+        """The command of another kind's queue (a host queue's: cpu, npy) not yet run that
+        a wait of this queue up to command ``value`` waits for, held on the host until
+        it ran -- or that such a wait of a queue this one waits for does, up to what it
+        waits for -- named; None if there is none."""
+        for command, timeline, target in list(self._waits):
+            if command > value or depth >= MAX_HAND_OVER_DEPTH:
+                break
+            if timeline.value >= target:
+                continue
+            if not isinstance(timeline, CUDATimeline):  # (a host queue's: no device word)
+                assert timeline.c_timeline is not None
+                return command_of(timeline.c_timeline, target)
+            owner = timeline.queue
+            if isinstance(owner, CUDAQueue):
+                held = owner._held_behind_host(target, depth + 1)
+                if held is not None:
+                    return held
+        return None
+
     def failure(self, value: int) -> BaseException | None:
         if not self._error.value and _driver.lost_first is None:  # the common case: no call
             return None
         code, first = self._first_error()
-        if code == WAITED_FAILED and value >= first:
-            return self._waited_failed(first)
+        if code in (WAITED_FAILED, HELD_FAILED) and value >= first:
+            return self._waited_failed(code, first)
         if code == DISCARDED and value >= first:
             return discarded_error(value)
         if code and value >= first:
@@ -368,17 +408,22 @@ class CUDAQueue(NativeQueue):
             first = ctypes.c_uint64()
             code = self._lib.am_cuq_error(self._q, ctypes.byref(first))
             self._sticky = (code, first.value)
-            if code == WAITED_FAILED:
+            if code in (WAITED_FAILED, HELD_FAILED):
                 error, value = ctypes.c_int(), ctypes.c_uint64()
                 cause = self._lib.am_cuq_cause(self._q, ctypes.byref(error), ctypes.byref(value))
                 self._cause = (cause or 0, error.value, value.value)
         return self._sticky
 
-    def _waited_failed(self, first: int) -> AsyncMetalError:
+    def _waited_failed(self, code: int, first: int) -> AsyncMetalError:
         """The error of this queue's commands from ``first`` on, which ran after a device
         wait for a value that another queue's failed command never produced: that
-        command's error, named (by its queue's device, where that queue is still alive)."""
+        command's error, named (by its queue's device, where that queue is still alive).
+        Held on the host behind another kind's queue (HELD_FAILED), they never ran: they
+        fail as a cpu queue's commands behind a failed wait do, naming where it began."""
         timeline, error, value = self._cause
+        if code == HELD_FAILED:
+            lead = "this command did not run: it follows a device-side wait for a value that"
+            return failure_error(Failure(first, error, value, timeline), lead, LATER_FAIL)
         if error in (ABANDONED, CLOSED, DISCARDED):  # its device closed, or it was dropped
             lead = (
                 f"the command at value {first} on a stream of {self._backend.name} ran after "
@@ -602,12 +647,12 @@ class CUDAQueue(NativeQueue):
                 if busy is not None:
                     self._wait_value(value, *busy)
                 busy = staging.next_mark()
-                self._write(value, *busy)
+                self._mark(value, *busy)
             filled = staging.copier.copy(chunk.address, address + offset, n, src, chunk, busy)
             self._wait_value(value, *filled)
             self._memcpy(value, True, base + offset, chunk.address, n)
             mark = staging.next_mark()
-            self._write(value, *mark)  # the chunk is free again: host threads poll the word
+            self._mark(value, *mark)  # the chunk is free again: host threads poll the word
             staging.release_after(chunk, *mark)
         self._finish(value, (dst, src), expected_ns=src.nbytes // STAGED_BYTES_PER_NS)
 
@@ -627,7 +672,7 @@ class CUDAQueue(NativeQueue):
             self._memcpy(value, False, chunk.address, base + offset, n)
             # The stream marks the chunk arrived; a host thread then moves it out.
             mark = staging.next_mark()
-            self._write(value, *mark)
+            self._mark(value, *mark)
             emptied = staging.copier.copy(address + offset, chunk.address, n, dst, chunk, mark)
             staging.release_after(chunk, *emptied)
         for unfinished in staging.unfinished():  # done once every byte is in dst

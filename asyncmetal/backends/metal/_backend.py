@@ -43,6 +43,10 @@ class MetalBackend(Backend):
     # fillBuffer:range:value: writes one byte, over a range of whole 4-byte words on macOS
     fill_alignment = 4
     fill_patterns = False
+    # A wait on a cpu or npy queue's timeline is on an event of its own that the native
+    # runtime sets once that timeline got there or failed (_queue.HostWait); another
+    # device kind's timelines are not waited for (waits_for).
+    waits_across_kinds = True
 
     device: int
     lib: ctypes.CDLL
@@ -206,6 +210,9 @@ class MetalBackend(Backend):
     def host_view(self, handle: Any, offset: int, nbytes: int) -> memoryview:
         base = send(handle, "contents")
         return memoryview((ctypes.c_ubyte * nbytes).from_address(base + offset)).cast("B")
+
+    def waits_for(self, timeline: NativeTimeline) -> bool:
+        return timeline.host_raised and timeline.c_timeline is not None
 
     def new_queue(self, timeline: NativeTimeline) -> NativeQueue:
         assert isinstance(timeline, MetalTimeline)

@@ -126,6 +126,49 @@ class MetalTimeline(ForkableTimeline):
         return failure if failure is not None and target >= failure.first else None
 
 
+class HostWait:
+    """A Metal queue's wait for a value of another kind's queue timeline (a cpu or npy
+    queue's, which has no ``MTLSharedEvent``): an event of its own, which the native
+    runtime sets to ``target`` once the timeline got there -- or failed, ending the wait
+    all the same: the completions of the commands behind it, gated on the timeline,
+    then fail them, as for a Metal timeline (native/objc_blocks.c, am_relay_new). What
+    a queue's waits and their gates read of a ``MetalTimeline``."""
+
+    def __init__(self, backend: MetalDevice, timeline: NativeTimeline, target: int) -> None:
+        assert timeline.c_timeline is not None
+        self._timeline = timeline
+        self.c_timeline: int = timeline.c_timeline
+        self.event: int = send(backend.device, "newSharedEvent")
+        retain(self.event)  # the relay's reference
+        code = backend.lib.am_relay_new(
+            self.c_timeline,
+            target,
+            self.event,
+            objc_msgsend_address(),
+            selector("setSignaledValue:"),
+            selector("release"),
+        )
+        if code:
+            release(self.event)
+            raise MemoryError("out of memory for a wait on another kind's timeline")
+
+    def __del__(self) -> None:
+        release(getattr(self, "event", 0))  # (its own reference)
+
+    @property
+    def value(self) -> int:
+        return self._timeline.value
+
+    def device_value(self) -> int:
+        value: int = send(self.event, "signaledValue", restype=c_uint64)
+        return value
+
+    def failure(self, target: int) -> _native.Failure | None:
+        """Why ``target``, reached, was never produced (None: it was)."""
+        failure = _native.timeline_failure(self.c_timeline)
+        return failure if failure is not None and target >= failure.first else None
+
+
 class MetalQueue(NativeQueue):
     def __init__(self, backend: MetalDevice, timeline: MetalTimeline) -> None:
         self._backend = backend
@@ -133,14 +176,16 @@ class MetalQueue(NativeQueue):
         self._queue: int = send(
             backend.device, "newCommandQueueWithMaxCommandBufferCount:", 1024, argtypes=(c_ulong,)
         )
-        self._waits: list[tuple[MetalTimeline, int]] = []  # re-encoded until reached
+        self._waits: list[tuple[MetalTimeline | HostWait, int]] = []  # re-encoded until reached
         # Its waits, until their value is reached: (the wait command's value, timeline,
         # target). A timeline that fails instead (its device closed while its command
         # waited) ends the GPU's wait all the same: that command and every later one
         # fail. Under _waited_lock: any thread's await takes the produced ones off and
         # looks through the rest (another's taking one off as this one looked would take
         # a failed one instead, or end the look with RuntimeError).
-        self._waited: collections.deque[tuple[int, MetalTimeline, int]] = collections.deque()
+        self._waited: collections.deque[tuple[int, MetalTimeline | HostWait, int]] = (
+            collections.deque()
+        )
         self._waited_lock = threading.Lock()
         # A wait command's own value, marked by the next buffer. It, _waits and _gates
         # belong to whichever thread commits -- a submitting thread, or the worker while
@@ -375,7 +420,7 @@ class MetalQueue(NativeQueue):
         encode: Callable[[int], None],
         copy_back: tuple[int, int, int] | None,
         then: tuple[int, int] | None,
-    ) -> tuple[list[tuple[MetalTimeline, int]], Any]:
+    ) -> tuple[list[tuple[MetalTimeline | HostWait, int]], Any]:
         """Encode command ``value`` into ``cb`` after the waits not reached yet, and
         commit it; returns those waits and its completion handler's block."""
         still = []
@@ -548,17 +593,23 @@ class MetalQueue(NativeQueue):
         self._submit(value, encode, timeline, record=record, then=(timeline.c_timeline, target))
 
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
-        assert isinstance(timeline, MetalTimeline)
+        # A Metal timeline's event; or, another kind's queue timeline (a cpu or npy
+        # queue's, waited for across kinds), an event of the wait's own.
+        waited = (
+            timeline
+            if isinstance(timeline, MetalTimeline)
+            else HostWait(self._backend, timeline, target)
+        )
         with self._waited_lock:
-            self._waited.append((value, timeline, target))
+            self._waited.append((value, waited, target))
         with self._commit_lock:
             if self._routed:  # after the commands the worker holds, not into them
                 self._wait_held = True
-                self._hand_over(self._hold_wait, timeline, target, value)
+                self._hand_over(self._hold_wait, waited, target, value)
             else:
-                self._hold_wait(timeline, target, value)
+                self._hold_wait(waited, target, value)
 
-    def _hold_wait(self, timeline: MetalTimeline, target: int, value: int) -> None:
+    def _hold_wait(self, timeline: MetalTimeline | HostWait, target: int, value: int) -> None:
         # Encoded at the head of the next command buffer, with the work that depends on
         # it; this command's own value is marked by that buffer (or by flush()).
         with self._commit_lock:

@@ -49,6 +49,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "release"),
         *("ok", "hostwait"),
         *("ok", "hostheld"),
+        *("ok", "hostfailed"),
         *("ok", "signal"),
         *("ok", "signalrecord"),
         *("ok", "nomemory"),

@@ -14,6 +14,8 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
+import anyio
+import numpy as np
 import pytest
 
 import asyncmetal as am
@@ -292,4 +294,65 @@ async def test_an_export_hands_over_the_signal_a_held_wait_waits_for_first(
     finally:
         for queue in queues:  # confirmed: the close drains nothing
             queue.timeline.native.signal(queue.submitted)
+        await dev.close()
+
+
+async def test_an_export_held_behind_a_cpu_queues_command_names_it(
+    anyio_backend: object, driver_fixture: _Driver
+) -> None:
+    """A cuda buffer's writer is held on the host behind its queue's wait for a cpu
+    queue's command that has not run (``after`` a cpu buffer that command writes): no
+    stream can wait for a host queue's command on the device, and an export does not
+    block the calling thread (a loop's, as a rule), so both exports refuse, naming that
+    command and saying to await it -- through the default queue's wait for the writer's
+    queue too (``__cuda_array_interface__``). Once it ran (the held wait released), the
+    export goes on. Checked: before, both said "a timeline value nothing has signalled
+    yet", naming no command."""
+    from tests.support.queues import held_queue
+
+    driver = driver_fixture
+    assert driver.runtime is not None
+    runtime: Any = driver.runtime
+    _streams_of(driver, CONTEXT)
+    released = [False]  # whether the native hand-over finds the held wait released
+    runtime.am_cuq_hand_over = lambda q, value: 0 if released[0] else -4  # CU_DEFERRED
+    runtime.am_cuq_wait_foreign = lambda owner, ctx, stream, target, call: 0 if released[0] else -4
+    runtime.am_cuq_wait_timeline = lambda q, timeline, target, value: 0
+    runtime.am_cuq_wait_queue = lambda q, other, target, value: 0
+    runtime.am_cuq_finish = lambda q, value, extra, target, ns, flags: 0
+    dev = await am.open_device("cuda:0")
+    cpu = await am.open_device("cpu")
+    queues: list[am.Queue] = []
+    try:
+        host = await cpu.alloc(64)
+        held, gate = held_queue(cpu)
+        write = held.copy(host, np.full(16, 7, np.int32))
+        buf = await dev.alloc(256)
+        queue = dev.new_queue()
+        queues = [dev.queue, queue]
+        queue.after(host)  # its wait for the cpu write, held on the host
+        used = queue._submit(numbered_only)
+        record_uses([buf], queue, used.value)
+        tail = (
+            f"is held on the host behind a wait for command {write.value} of a queue of "
+            "cpu, which has not run yet: another library's stream cannot wait on the device "
+            "for a host queue's command, and an export does not block the calling thread "
+            "(await that command, or this one, before exporting)"
+        )
+        with pytest.raises(BufferError) as caught:
+            buf.__dlpack__(stream=0x5000)
+        assert str(caught.value) == f"command {used.value} of a queue of cuda:0 {tail}"
+        with pytest.raises(BufferError) as caught:
+            buf.__cuda_array_interface__  # noqa: B018 - the property is the call
+        expected = f"command {dev.queue.submitted} of a queue of cuda:0 {tail}"
+        assert str(caught.value) == expected
+        gate.signal(1)
+        with anyio.fail_after(10):
+            await write
+        released[0] = True  # (the cpu queue's thread ran it: the kick released the wait)
+        assert buf.__dlpack__(stream=0x5000) is not None
+    finally:
+        for q in queues:  # confirmed: the close drains nothing
+            q.timeline.native.signal(q.submitted)
+        await cpu.close()
         await dev.close()

@@ -981,3 +981,86 @@ def test_host_memory_at_a_lent_buffers_object_is_a_plain_host_operand() -> None:
     cannot blit, and the encoder's abandonment killed the process (checked: it did, in
     the child; intermittently in the suite, wherever a read's array fell there)."""
     assert _in_a_child(HOST_MEMORY_NEAR_A_LENT_BUFFER, timeout=60) == ["True 4096"]
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+async def test_a_metal_queue_waits_for_a_cpu_queues_pending_use_of_a_buffer(
+    anyio_backend: object,
+) -> None:
+    """A Metal queue ordered after a cpu buffer (``after``) whose write a cpu queue holds
+    (behind a timeline not signalled yet) waits for it on the GPU -- on an event of the
+    wait's own, which the native runtime sets once the cpu queue's thread ran the write
+    (native/objc_blocks.c, am_relay_new): its kernel completes only after the write ran.
+    A wait for a cpu write discarded instead (its queue closed with discard=True) ends
+    all the same, and the kernel behind it fails, naming the first command the discard
+    dropped (the held queue's wait). Checked:
+    before, the Metal queue skipped the cpu queue's use (metal waited for its own kind
+    only) and its kernel completed with the write still held."""
+    from tests.support.queues import held_queue
+
+    n = 16
+    async with am.open_device("metal") as mtl, am.open_device("cpu") as cpu:
+        fill = await mtl.compile(MSL_KERNELS, "fill")
+        host = await cpu.alloc(4 * n)
+        out = await mtl.alloc(4 * n)
+        held, gate = held_queue(cpu)
+        write = held.copy(host, np.full(n, 7, np.int32))
+        queue = mtl.new_queue()
+        queue.after(host)
+        launched = queue.launch(fill, out, vals=(5, n))
+        seen: list[bool] = []
+
+        async def await_launch() -> None:
+            await launched
+            seen.append(held.timeline.value >= write.value)  # the write had run
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(await_launch)
+                await anyio.sleep(0.05)
+                gate.signal(1)
+        assert seen == [True]
+        assert (await out.read(np.int32)).tolist() == [5] * n
+
+        held, gate = held_queue(cpu)
+        write = held.copy(host, np.full(n, 9, np.int32))
+        queue.after(host)
+        launched = queue.launch(fill, out, vals=(6, n))
+        await held.close(discard=True)
+        with anyio.fail_after(10):
+            with pytest.raises(am.ClosedResourceError) as caught:
+                await launched
+        assert str(caught.value).startswith(  # (the first it dropped: its wait, 1)
+            "this command ran after a device-side wait for a value that command 1 of a "
+            "queue of cpu never produced: it was discarded"
+        ), caught.value
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+async def test_a_metal_fill_waits_for_a_cpu_copy_that_reads_its_buffer_in_place(
+    anyio_backend: object,
+) -> None:
+    """``am.copy(cpu_buf, metal_buf)`` runs on the cpu queue, reading the Metal buffer's
+    shared memory in place; held there (behind a timeline), a Metal fill of that buffer
+    submitted meanwhile waits for it on the GPU, so the copy reads what the buffer held
+    before the fill. Checked: before, the fill ran first and the copy read zeros."""
+    async with am.open_device("metal") as mtl, am.open_device("cpu") as cpu:
+        metal_buf = await mtl.alloc(64)
+        await metal_buf.write(np.full(16, 3, np.int32))
+        cpu_buf = await cpu.alloc(64)
+        gate = cpu.timeline()
+        cpu.queue.wait(gate, 1)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(am.copy, cpu_buf, metal_buf)
+                while not metal_buf.busy():  # the copy submitted on the cpu queue
+                    await anyio.sleep(0.001)
+                filled = mtl.queue.fill(metal_buf, 0)
+                gate.signal(1)
+                await filled
+        assert (await cpu_buf.read(np.int32)).tolist() == [3] * 16
+        assert (await metal_buf.read(np.int32)).tolist() == [0] * 16

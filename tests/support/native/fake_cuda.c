@@ -37,7 +37,18 @@
  *   hostheld  a queue's device wait on a host queue's timeline (no device word: a cpu
  *             or npy queue's) is held on the host until that queue's thread raised it,
  *             and the work behind it is handed over only then; a wait on one whose
- *             device closes instead fails the queue from that wait on, naming the close
+ *             device closes instead fails the queue from that wait on, naming the close,
+ *             and the kernel behind it never launches
+ *   hostfailed a queue's device wait on a host queue's timeline that fails instead (a
+ *             cpu queue's command behind a failed wait of its own), held when it fails
+ *             or submitted after: the commands from that wait on never reach the
+ *             stream -- no kernel launches, no fill writes, as a cpu queue's never run
+ *             -- and fail, the queue from the wait's value on (CU_HELD_FAILED), naming
+ *             the failure the host timeline carries; a signal among them fails its
+ *             timeline with it; a staging chunk's mark among them has the host thread
+ *             waiting for it copy nothing out of the chunk (which the stream never
+ *             wrote) and still mark the chunk ready, where a mark of a command that
+ *             runs has it copied
  *   release   a queue's device wait on a value of a queue that failed that way ends
  *             (the failed queue's word is raised), rather than blocking for good; the
  *             commands from that wait on fail once run (they ran on data never
@@ -542,14 +553,143 @@ static void check_hostheld(void) {
         if (now_ns() > deadline) die("hostheld: a wait on a closed host timeline never ended");
     int error = 0;
     uint64_t value = 0;
-    if (am_timeline_value(f.t) != UINT64_MAX || am_cuq_error(f.q, &at) != CU_WAITED_FAILED ||
+    if (am_timeline_value(f.t) != UINT64_MAX || am_cuq_error(f.q, &at) != CU_HELD_FAILED ||
         at != 3 || am_cuq_cause(f.q, &error, &value) != h2 || error != AM_CLOSED)
         die("hostheld: a wait on a closed host timeline did not fail its queue from there");
+    if (atomic_load(&f.s->ran) != 1)
+        die("hostheld: a kernel after a wait on a closed host timeline ran");
     queue_free(f, 0);
     am_timeline_free(gate);
     am_timeline_free(h);
     am_timeline_free(h2);
     puts("ok hostheld");
+}
+
+/* Behind f's wait on h (a host queue's timeline) for 1, as command 1: a kernel (2), a
+ * fill of `memory` (3), a signal of `sig` to 1 (4). Command 1 first waits for a word
+ * raised only once all are submitted: f, failed from 1, would settle (and take nothing
+ * more) once its stream is past all it was given. */
+static void behind_host_wait(fake_queue f, am_timeline *h, uint32_t *memory, size_t nbytes,
+                             am_timeline *sig) {
+    static uint64_t gate;
+    atomic_store((_Atomic uint64_t *)&gate, 0);
+    if (am_cuq_wait(f.q, &gate, 1, 1) || am_cuq_wait_timeline(f.q, h, 1, 1) ||
+        am_cuq_finish(f.q, 1, h, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        launch(f, NULL, 1, 2) ||
+        am_cuq_fill(f.q, (uint64_t)(uintptr_t)memory, 0xABABABABu, 4, nbytes, 3, 0) ||
+        am_cuq_write(f.q, (void *)sig->word, 1, 4) || am_cuq_finish(f.q, 4, sig, 1, 0, 0))
+        die("hostfailed: a command behind a wait on a host queue's timeline failed at once");
+    atomic_store((_Atomic uint64_t *)&gate, 1);
+}
+
+/* f settled failed from its wait (1) on, having run nothing behind it, naming the
+ * failure of `cause`'s command 7 (ILLEGAL_ADDRESS) -- and so does sig. */
+static void held_failed(fake_queue f, const uint32_t *memory, size_t n, am_timeline *sig,
+                        am_timeline *cause, const char *what) {
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (am_timeline_value(f.t) != UINT64_MAX)
+        if (now_ns() > deadline) die(what);
+    if (atomic_load(&f.s->ran)) die("hostfailed: a kernel behind a failed host wait launched");
+    for (size_t i = 0; i < n; i++)
+        if (memory[i]) die("hostfailed: a fill behind a failed host wait wrote its memory");
+    uint64_t at = 0, value = 0;
+    int error = 0;
+    if (am_cuq_error(f.q, &at) != CU_HELD_FAILED || at != 1)
+        die("hostfailed: the queue does not fail from its wait on a failed host timeline");
+    if (am_cuq_cause(f.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
+        die("hostfailed: the queue does not name the failure its wait came to");
+    am_timeline *by = NULL;
+    if (am_timeline_failure(sig, &error, &value, &by) != 1 || by != cause ||
+        error != ILLEGAL_ADDRESS || value != 7)
+        die("hostfailed: a signal behind a failed host wait does not fail its timeline so");
+    if (launch(f, NULL, 5, 5) != CU_HELD_FAILED)
+        die("hostfailed: the settled queue took another command");
+}
+
+/* A staging copy's host part behind mark 1 of `marks`, which queue f writes as its
+ * command `value` (am_cuq_mark), and then *gate raised to 1 (if given: f's stream waits
+ * for it, so that f does not settle before the mark is submitted): 64 bytes of `chunk`
+ * to `dst`, in parts of 16. Returns once the host thread is done, with the chunk's
+ * ready word. */
+static uint64_t staged_part(fake_queue f, uint64_t value, uint8_t *dst, const uint8_t *chunk,
+                            uint64_t *gate) {
+    uint64_t word = 0, ready = 0;
+    _Atomic uint64_t claimed = 0, count = 0;
+    am_timeline *marks = am_timeline_new(), *own = am_timeline_new();
+    am_timeline_set_word(marks, &word);
+    am_queue *copier = own ? am_queue_new(own, 0, 0) : NULL;
+    if (!copier || am_queue_copy_part(copier, dst, chunk, 64, 16, marks, 1, (void *)&claimed, 0,
+                                      (void *)&count, 4, &ready, 1, NULL, 1))
+        die("hostfailed: the staging copier");
+    if (am_cuq_mark(f.q, marks, 1, value) || am_cuq_finish(f.q, value, NULL, 0, 0, 0))
+        die("hostfailed: a mark failed at once");
+    if (gate) atomic_store((_Atomic uint64_t *)gate, 1);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (am_timeline_value(own) < 1)
+        if (now_ns() > deadline) die("hostfailed: a staging copy's host part never ran");
+    am_queue_close(copier, 0);
+    am_timeline_free(own);
+    while (am_timeline_value(f.t) < value)  /* (its stream is past the mark's word) */
+        if (now_ns() > deadline) die("hostfailed: a mark was never confirmed or failed");
+    am_timeline_free(marks);
+    return __atomic_load_n(&ready, __ATOMIC_SEQ_CST);
+}
+
+static void check_hostfailed(void) {
+    /* h: a host queue's own timeline; its command 1 waits for gate, which fails (command
+     * 7 of `cause`'s queue faulted): it fails, and h fails from 1 with that failure. */
+    am_timeline *gate = am_timeline_new(), *h = am_timeline_new(), *cause = am_timeline_new();
+    am_queue *hq = am_queue_new(h, 0, 0);
+    if (!hq || am_queue_wait(hq, gate, 1, 1)) die("hostfailed: the host queue");
+    static uint32_t memory[16], later[16];
+    uint64_t sig_word = 0, sig2_word = 0;
+    am_timeline *sig = am_timeline_new(), *sig2 = am_timeline_new();
+    am_timeline_set_word(sig, &sig_word);
+    am_timeline_set_word(sig2, &sig2_word);
+    /* Held: f's wait is held on the host when h fails. */
+    fake_queue f = queue_new();
+    behind_host_wait(f, h, memory, sizeof memory, sig);
+    nap_ns(20000000);  /* 20 ms */
+    if (atomic_load(&f.s->ran)) die("hostfailed: a kernel ran before the host wait ended");
+    am_timeline_fail(gate, 1, ILLEGAL_ADDRESS, 7, cause);
+    held_failed(f, memory, 16, sig, cause,
+                "hostfailed: a held wait on a failed host timeline never ended");
+    /* Submitted once h has failed: the same. */
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (am_timeline_value(h) < 1)
+        if (now_ns() > deadline) die("hostfailed: the host queue never passed its failed wait");
+    fake_queue g = queue_new();
+    behind_host_wait(g, h, later, sizeof later, sig2);
+    held_failed(g, later, 16, sig2, cause,
+                "hostfailed: a wait on a failed host timeline never ended");
+    /* A staging chunk's mark behind such a wait: nothing copied out of the chunk; of a
+     * queue that runs its commands, the chunk copied. */
+    static uint8_t chunk[64], out[64], ran_out[64];
+    memset(chunk, 0xEE, sizeof chunk);
+    fake_queue e = queue_new(), p = queue_new();
+    uint64_t *gate_word = calloc(1, sizeof(uint64_t));
+    if (am_cuq_wait(e.q, gate_word, 1, 1) || am_cuq_finish(e.q, 1, NULL, 0, 0, 0) ||
+        am_cuq_wait_timeline(e.q, h, 1, 2) ||
+        am_cuq_finish(e.q, 2, h, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED))
+        die("hostfailed: a wait on a failed host timeline failed at once");
+    if (staged_part(e, 3, out, chunk, gate_word) != 1)
+        die("hostfailed: a chunk behind a failed host wait was never marked ready");
+    for (size_t i = 0; i < sizeof out; i++)
+        if (out[i]) die("hostfailed: a staging copy behind a failed host wait copied its chunk");
+    if (staged_part(p, 1, ran_out, chunk, NULL) != 1 || memcmp(ran_out, chunk, sizeof chunk))
+        die("hostfailed: a staging copy behind a mark that ran did not copy its chunk");
+    queue_free(e, 0);
+    queue_free(p, 0);
+    free(gate_word);
+    am_queue_close(hq, 0);
+    queue_free(f, 0);
+    queue_free(g, 0);
+    am_timeline_free(gate);
+    am_timeline_free(h);
+    am_timeline_free(cause);
+    am_timeline_free(sig);
+    am_timeline_free(sig2);
+    puts("ok hostfailed");
 }
 
 static void check_partial(void) {
@@ -2296,6 +2436,7 @@ int main(void) {
     check_release();
     check_hostwait();
     check_hostheld();
+    check_hostfailed();
     check_signal();
     check_signalrecord();
     check_nomemory();
