@@ -461,6 +461,11 @@ class Timeline(Waitable):
             )
         if self._state.closed:
             raise ClosedResourceError(f"the timeline's device {self._state.name} is closed")
+        # A failed timeline (a signal of it failed, or was discarded) stays at 2**64 - 1
+        # and every wait for this value on it fails: a signal of it would do nothing.
+        failure = None if self._owned else self._failure(value)
+        if failure is not None:
+            raise ClosedResourceError(f"{what} {value} cannot be signalled: {failure}")
         return value
 
     def check_device_value(self, value: object, what: str) -> int:
