@@ -28,6 +28,7 @@ from ._timeline import (
     queue_signal_submitted,
     queue_wait_submitted,
     ready_checkpoint,
+    signal_order,
     signal_provider,
     signal_satisfies,
     timeline_device,
@@ -476,9 +477,12 @@ class Queue:
         """
         self._check_open()
         timeline = check_timeline(timeline, "timeline", self._state.kind)
-        value, earlier = order_queue_signal(timeline, value, self.timeline)
         self._check_open()  # (before the lock: see _submit)
-        with self._state.submitting:  # recorded with it, for a close's count (as wait)
+        # Recorded with it, for a close's count (as wait); checked, submitted and
+        # recorded in one step that other threads' signals of the timeline (the host's,
+        # other queues' of any device) come before or after.
+        with self._state.submitting, signal_order():
+            value, earlier = order_queue_signal(timeline, value, self.timeline)
             beyond = waits_beyond_signals(timeline)
             if beyond:  # a device wait for more than the signals so far: this one's to reach
                 deadlock = _self_wait(self, timeline, beyond, value, earlier)

@@ -380,21 +380,25 @@ class Timeline(Waitable):
 
         Waiters up to ``value`` -- host tasks and device queues -- are released.
         """
-        value = self._check_signal(value, "value")
-        if self._owned:
-            raise InvalidArgumentError(
-                "this is a queue's own timeline: only its queue signals it; "
-                "make one with device.timeline()"
-            )
-        if self._signal_pending():
-            previous = self._last_signal
-            assert previous is not None
-            raise InvalidArgumentError(
-                f"a queue's signal of this timeline to {previous[2]} has not run yet: the "
-                f"host may signal it only after that (await timeline.wait({previous[2]}))"
-            )
-        # (A max: another thread's signal, checked at the same time, may be higher.)
-        self._highest = max(self._highest, value)
+        # Checked and counted as signalled in one step that queue signals of it, on
+        # other threads, come before or after (see signal_order): the native signal
+        # below raises it to no more than what was counted here.
+        with signal_order():
+            value = self._check_signal(value, "value")
+            if self._owned:
+                raise InvalidArgumentError(
+                    "this is a queue's own timeline: only its queue signals it; "
+                    "make one with device.timeline()"
+                )
+            if self._signal_pending():
+                previous = self._last_signal
+                assert previous is not None
+                raise InvalidArgumentError(
+                    f"a queue's signal of this timeline to {previous[2]} has not run yet: the "
+                    f"host may signal it only after that (await timeline.wait({previous[2]}))"
+                )
+            # (A max: this thread's own signal may have come in between, see signal_order.)
+            self._highest = max(self._highest, value)
         self.native.signal(value)
         if self.native.releases_device_work:
             _bridge.stay_awake(AWAKE_AFTER_SIGNAL_NS)
@@ -457,6 +461,11 @@ class Timeline(Waitable):
             )
         if self._state.closed:
             raise ClosedResourceError(f"the timeline's device {self._state.name} is closed")
+        # A failed timeline (a signal of it failed, or was discarded) stays at 2**64 - 1
+        # and every wait for this value on it fails: a signal of it would do nothing.
+        failure = None if self._owned else self._failure(value)
+        if failure is not None:
+            raise ClosedResourceError(f"{what} {value} cannot be signalled: {failure}")
         return value
 
     def check_device_value(self, value: object, what: str) -> int:
@@ -515,12 +524,25 @@ def queue_signal_submitted(timeline: Timeline, signaller: Timeline, at: int, tar
 # Guards the timelines' records of queue signals and waits (_signals, _waits): queues
 # of several devices, under their own submission locks, may signal or wait on one.
 _signals_lock = threading.Lock()
+# Held by a queue's signal of a timeline from its check (order_queue_signal) to its
+# record (queue_signal_submitted), and by a host signal around its check and count:
+# a signal on another thread -- a queue's of any device, or the host's -- is checked
+# against this one's record, never against what was there before it. (A queue's
+# signal takes it inside its device's submission lock; nothing holding it takes one.
+# Re-entrant: code the check calls back, a finalizer, may signal on this thread.)
+_signal_order = threading.RLock()
+
+
+def signal_order() -> threading.RLock:
+    """The lock that orders the checks of timelines' signals with their records."""
+    return _signal_order
 
 
 def _new_signals_lock() -> None:
-    """In a forked child: a parent thread may have held the lock at the fork."""
-    global _signals_lock
+    """In a forked child: a parent thread may have held the locks at the fork."""
+    global _signals_lock, _signal_order
     _signals_lock = threading.Lock()
+    _signal_order = threading.RLock()
 
 
 if hasattr(os, "register_at_fork"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import sys
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
+import asyncmetal._queue
 from asyncmetal import _native
 from asyncmetal._timeline import wait_value
 from tests.support.queues import held_queue
@@ -175,6 +177,60 @@ async def test_host_signals_racing_on_two_threads_keep_the_highest(
         tl.signal(4)
     tl.signal(6)
     assert tl.value == 6
+
+
+@pytest.mark.parametrize("other", ["queue", "queue of another device", "host"])
+async def test_a_signal_checked_while_another_threads_queue_signal_is_submitted_sees_it(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch, other: str
+) -> None:
+    """Thread A submits a queue signal of a timeline to 5 (held behind a gate); thread B
+    signals the same timeline -- to 5 from another queue, or to 6 from the host -- while
+    A's signal is between its check and its record. B must see A's signal: a second 5
+    does not increase the timeline, and the host may not signal past a pending queue
+    signal. Checked failing without: B's check ran before A's record, so both 5s were
+    accepted (and on two threads at once, about one race in five, a 6 submitted after
+    a 5 took effect before it), and the host raised the timeline past A's pending 5."""
+    tl, gate = device.timeline(), device.timeline()
+    q = device.new_queue()
+    q.wait(gate, 1)
+    async with contextlib.AsyncExitStack() as stack:
+        if other == "queue of another device":
+            other_device = await stack.enter_async_context(am.open_device(device.name))
+        else:
+            other_device = device
+        other_queue = other_device.new_queue()
+        outcome: list[object] = []
+
+        def signal_on_thread_b() -> None:
+            try:
+                if other == "host":
+                    tl.signal(6)
+                else:
+                    other_queue.signal(tl, 5)
+                outcome.append("accepted")
+            except am.InvalidArgumentError as refused:
+                outcome.append(refused)
+
+        thread_b = threading.Thread(target=signal_on_thread_b)
+        record = asyncmetal._queue.queue_signal_submitted
+
+        def b_signals_first(*args: object) -> None:  # (before A records its signal)
+            if not thread_b.is_alive() and not outcome:
+                thread_b.start()
+                thread_b.join(0.5)  # (B's check comes now, or waits for this signal)
+            record(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(asyncmetal._queue, "queue_signal_submitted", b_signals_first)
+        done = q.signal(tl, 5)
+        monkeypatch.undo()
+        thread_b.join()
+        assert len(outcome) == 1 and isinstance(outcome[0], am.InvalidArgumentError), outcome
+        expected = "has not run yet" if other == "host" else "does not increase"
+        assert expected in str(outcome[0])
+        assert tl.value == 0
+        gate.signal(1)
+        await done
+        assert tl.value == 5
 
 
 async def test_the_host_may_signal_once_a_queues_signal_is_seen(device: am.Device) -> None:

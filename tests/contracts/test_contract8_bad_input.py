@@ -111,6 +111,36 @@ async def test_timeline_values_must_increase(device: am.Device) -> None:
     )  # type: ignore[arg-type]
 
 
+async def test_a_failed_timeline_refuses_signals(anyio_backend: object) -> None:
+    """A timeline whose queue signal was discarded fails (on cpu, where a discard drops
+    a device wait held for a value nobody signals): its value goes to 2**64 - 1 and
+    every wait for a value from there on raises. A later signal of it -- from the host,
+    or a queue -- can raise it to nothing: refused, naming the failure, before anything
+    is submitted. Checked failing without: both were accepted, the queue's completing as
+    if it had signalled 7, and a wait for 7 then raised."""
+    async with am.open_device("cpu") as device:
+        tl, gate = device.timeline(), device.timeline()
+        q = device.new_queue()
+        q.wait(gate, 1)
+        q.signal(tl, 5)
+        await q.close(discard=True)
+        assert tl.value == 2**64 - 1
+        why = "cannot be signalled: this timeline will not reach {}: .* discarded"
+        with pytest.raises(am.ClosedResourceError, match=why.format(10)):
+            tl.signal(10)
+        _rejects(
+            device,
+            am.ClosedResourceError,
+            why.format(7),
+            lambda: device.queue.signal(tl, 7),
+        )
+        with pytest.raises(am.ClosedResourceError, match="will not reach 7"):
+            await tl.wait(7)
+        other = device.timeline()  # (the device and its default queue are unaffected)
+        await device.queue.signal(other, 1)
+        assert other.value == 1
+
+
 async def test_closed_device_and_its_objects(anyio_backend: object) -> None:
     dev = await am.open_device("cpu:5")
     prog = await dev.compile("void k(int* x) { x[0] = 1; }", "k")
