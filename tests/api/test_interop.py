@@ -33,14 +33,23 @@ _capsule_name.argtypes = [ctypes.py_object]
 async def test_marker_covers_what_was_submitted(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:
+    """The launch is held behind a device wait on a timeline only the test signals: the
+    marker stays pending until then, however long the host takes between the calls (a
+    kernel's run time cannot stand for that, on a loaded machine)."""
     q = device.new_queue()
     assert q.marker().done()  # nothing submitted: done at once
     await q.marker()
-    q.launch(kernels["sleep_ms"], vals=(30,))
-    marker = q.marker()
-    assert not marker.done()
+    gate = device.timeline()
+    q.wait(gate, 1)
+    try:
+        launched = q.launch(kernels["empty"])
+        marker = q.marker()
+        assert not marker.done()
+    finally:
+        gate.signal(1)
     await marker
-    assert q.timeline.value >= marker.value == q.submitted
+    assert launched.done()
+    assert q.timeline.value >= marker.value == launched.value == q.submitted
     later = q.launch(kernels["empty"])
     assert marker.value < later.value
     await q.marker()
