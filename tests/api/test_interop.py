@@ -33,14 +33,23 @@ _capsule_name.argtypes = [ctypes.py_object]
 async def test_marker_covers_what_was_submitted(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:
+    """The launch is held behind a device wait on a timeline only the test signals: the
+    marker stays pending until then, however long the host takes between the calls (a
+    kernel's run time cannot stand for that, on a loaded machine)."""
     q = device.new_queue()
     assert q.marker().done()  # nothing submitted: done at once
     await q.marker()
-    q.launch(kernels["sleep_ms"], vals=(30,))
-    marker = q.marker()
-    assert not marker.done()
+    gate = device.timeline()
+    q.wait(gate, 1)
+    try:
+        launched = q.launch(kernels["empty"])
+        marker = q.marker()
+        assert not marker.done()
+    finally:
+        gate.signal(1)
     await marker
-    assert q.timeline.value >= marker.value == q.submitted
+    assert launched.done()
+    assert q.timeline.value >= marker.value == launched.value == q.submitted
     later = q.launch(kernels["empty"])
     assert marker.value < later.value
     await q.marker()
@@ -157,13 +166,16 @@ async def test_exporting_memory_a_command_uses_is_refused(
 ) -> None:
     buf = await device.alloc(64)
     done = device.queue.launch(kernels["fill"], buf, vals=(1, 16))
-    device.queue.launch(kernels["sleep_ms"], vals=(50,))
     busy = device.new_queue().after(buf)
-    busy.launch(kernels["sleep_ms"], vals=(50,))
-    use = busy.launch(kernels["fill"], buf, vals=(2, 16))
-    assert buf.busy()
-    with pytest.raises(BufferError, match="in flight"):
-        buf.__dlpack__()
+    gate = device.timeline()  # holds the other queue's use until the checks are made
+    busy.wait(gate, 1)
+    try:
+        use = busy.launch(kernels["fill"], buf, vals=(2, 16))
+        assert buf.busy()
+        with pytest.raises(BufferError, match="in flight"):
+            buf.__dlpack__()
+    finally:
+        gate.signal(1)
     await done
     await use
     assert not buf.busy()
@@ -217,10 +229,14 @@ async def test_copy_true_copies_host_memory(
     assert managed.dl_tensor.device.device_type == 1
     with pytest.raises(BufferError, match="must be None"):
         buf.__dlpack__(dl_device=cpu, copy=True, stream=1)
-    device.queue.launch(kernels["sleep_ms"], vals=(50,))
-    use = device.queue.launch(kernels["fill"], buf, vals=(2, 16))
-    with pytest.raises(BufferError, match="in flight"):
-        buf.__dlpack__(dl_device=cpu, copy=True)
+    gate = device.timeline()  # holds the use until the export was refused
+    device.queue.wait(gate, 1)
+    try:
+        use = device.queue.launch(kernels["fill"], buf, vals=(2, 16))
+        with pytest.raises(BufferError, match="in flight"):
+            buf.__dlpack__(dl_device=cpu, copy=True)
+    finally:
+        gate.signal(1)
     await use
     del capsule, managed
     await buf.free()
