@@ -1064,3 +1064,66 @@ async def test_a_metal_fill_waits_for_a_cpu_copy_that_reads_its_buffer_in_place(
                 await filled
         assert (await cpu_buf.read(np.int32)).tolist() == [3] * 16
         assert (await metal_buf.read(np.int32)).tolist() == [0] * 16
+
+
+def _relay_on_new_timeline(target: int, reached: int) -> tuple[Any, int, int]:
+    """A native timeline raised to ``reached``, and a relay on it (am_relay_new) for
+    ``target`` handed one reference of a new shared event: the runtime, the timeline,
+    the event (the caller's own reference of it taken too)."""
+    from ctypes import c_void_p
+
+    from asyncmetal import _native
+    from asyncmetal.backends.metal._objc import (
+        load,
+        objc_msgsend_address,
+        retain,
+        selector,
+        send,
+    )
+
+    metal = load("metal")
+    metal.MTLCreateSystemDefaultDevice.restype = c_void_p
+    device = metal.MTLCreateSystemDefaultDevice()
+    lib = _native.runtime()
+    timeline = lib.am_timeline_new()
+    if reached:
+        lib.am_timeline_signal(timeline, reached)
+    event = send(device, "newSharedEvent")
+    retain(event)  # (the test's own)
+    code = lib.am_relay_new(
+        timeline,
+        target,
+        event,
+        objc_msgsend_address(),
+        selector("setSignaledValue:"),
+        selector("release"),
+    )
+    assert code == 0
+    return lib, timeline, event
+
+
+@pytest.mark.metal
+@sim_only
+def test_a_relay_on_a_timeline_freed_before_it_got_there_lets_go_of_its_event() -> None:
+    """A relay (am_relay_new: a Metal queue's wait on a cpu or npy queue's timeline) on a
+    timeline freed without ever getting there (nor failing, nor closing) lets go of its
+    reference of the event as the timeline is freed, and never sets it. Checked: before,
+    the relay and its reference were kept for good (the event stayed alive). A relay on
+    a timeline that got there already sets the event at once, and lets go of it then."""
+    from ctypes import c_uint64
+
+    from asyncmetal.backends.metal._objc import release, send
+
+    live = metal_sim.live("MTLSharedEvent")
+    lib, timeline, event = _relay_on_new_timeline(5, 0)
+    assert metal_sim.live("MTLSharedEvent") == live + 1
+    lib.am_timeline_free(timeline)
+    assert send(event, "signaledValue", restype=c_uint64) == 0
+    release(event)  # (the test's own: the last one, unless the relay kept one)
+    assert metal_sim.live("MTLSharedEvent") == live
+
+    lib, timeline, event = _relay_on_new_timeline(3, 5)  # (got there: set at once)
+    assert send(event, "signaledValue", restype=c_uint64) == 3
+    release(event)
+    assert metal_sim.live("MTLSharedEvent") == live
+    lib.am_timeline_free(timeline)
