@@ -363,10 +363,12 @@ class LoopBridge(ABC):
         # in place on the loop's thread only; another thread replaces it (a loop seen
         # stopped may run again as it is set aside, see suspend). Both under
         # _native_lock, as is _handles: every native watch not freed yet (close frees
-        # them).
+        # them), with the object of its native timeline, kept as long: a watch set aside
+        # may go (its loop closed, its callbacks dropped) and its timeline with it, which
+        # frees the native one -- before am_watch_free, which unlinks the watch from it.
         self._native_lock = threading.Lock()
         self._native_watches: set[Watch] = set()
-        self._handles: set[int] = set()
+        self._handles: dict[int, object] = {}
         self.watches: set[Watch] = set()  # every watch of this loop's, native or not
         # Watches set aside as the loop stopped (see suspend), by id of their timeline:
         # weakly, the loop holds them.
@@ -490,7 +492,7 @@ class LoopBridge(ABC):
             handle = lib.am_watch_new(c_timeline, self._notifier)  # (None in a fork's child)
         with self._native_lock:
             if handle is not None:
-                self._handles.add(handle)
+                self._handles[handle] = watch.timeline.native
             self._native_watches.add(watch)
         return handle
 
@@ -503,8 +505,9 @@ class LoopBridge(ABC):
             self._native_watches.discard(watch)
             if handle is None or handle not in self._handles:
                 return
-            self._handles.remove(handle)
+            native = self._handles.pop(handle)  # (let go of once the watch is freed)
         _native_lib().am_watch_free(handle)
+        del native
 
     def _drain_native(self) -> None:
         """The pipe is readable: resolve every native watch that was reached."""
@@ -535,12 +538,13 @@ class LoopBridge(ABC):
             self.dead = True
             with self._native_lock:
                 watches, self._native_watches = self._native_watches, set()
-                handles, self._handles = self._handles, set()
+                handles, self._handles = self._handles, {}
             # (Also those set aside, which kept theirs: see suspend.)
             for watch in [*watches, *self._detached.values()]:
                 watch.cwatch = None
-            for handle in handles:
+            for handle in handles:  # (their timelines let go of after)
                 _native_lib().am_watch_free(handle)
+            del handles
             if self._notifier is not None:
                 _native_lib().am_notifier_free(self._notifier)
                 self._notifier = None

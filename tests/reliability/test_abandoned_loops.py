@@ -682,3 +682,60 @@ def test_a_trio_run_ended_by_an_error_with_tasks_parked_keeps_nothing() -> None:
     finally:
         boot.run_until_complete(dev.close())
         boot.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("use_uvloop", LOOPS)
+def test_a_loop_closed_once_set_aside_frees_its_native_watches_before_their_timelines(
+    use_uvloop: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop set aside (``LoopBridge.suspend``) with a task parked on a timeline keeps
+    the watch's native part, for the callback that takes it back; the loop is closed
+    instead (which drops that callback, and with it the watch and the task, the only
+    holders of the timeline), and its bridge is released later. The native timeline is
+    freed only once the native watch on it is (``am_watch_free`` unlinks the watch from
+    its timeline: it would read and lock freed memory). Checked failing without: the
+    timeline was freed as the loop closed, and the native watch on it after."""
+    loop = _new_loop(use_uvloop)()
+    order: list[str] = []
+
+    def free_watch(handle: int) -> None:
+        order.append("watch" if handle == cwatch else "other watch")
+        watch_free(handle)
+
+    def free_timeline(c_timeline: int) -> None:
+        order.append("timeline" if c_timeline == c_timeline_of_watch else "other timeline")
+        timeline_free(c_timeline)
+
+    try:
+        dev = loop.run_until_complete(am.open_device("cpu"))
+        lib = am._bridge._native_lib()
+        watch_free, timeline_free = lib.am_watch_free, lib.am_timeline_free
+
+        async def park() -> am._bridge.LoopBridge:
+            timeline = dev.timeline()
+            # (held by its wait only: the watch, and the timeline, go with the loop's
+            # callbacks)
+            asyncio.ensure_future(timeline.wait(5))  # noqa: RUF006
+            while am.loop_statistics().waiting < 1:
+                await asyncio.sleep(0.001)
+            return am._bridge.current_bridge()
+
+        bridge = loop.run_until_complete(park())
+        (watch,) = bridge.watches
+        cwatch, c_timeline_of_watch = watch.cwatch, watch.timeline.native.c_timeline
+        del watch
+        monkeypatch.setattr(lib, "am_watch_free", free_watch)
+        monkeypatch.setattr(lib, "am_timeline_free", free_timeline)
+        assert bridge.suspend()  # (here, as a thread that ran it would as it ended)
+    finally:
+        loop.close()
+    gc.collect()
+    bridge.release()  # (as a new loop's bridge, or the end of its thread, does)
+    gc.collect()
+    assert [step for step in order if not step.startswith("other")] == ["watch", "timeline"]
+    dev_closing = asyncio.new_event_loop()
+    try:
+        dev_closing.run_until_complete(dev.close())
+    finally:
+        dev_closing.close()
