@@ -366,7 +366,9 @@ class LoopBridge(ABC):
         # them), with the object of its native timeline, kept as long: a watch set aside
         # may go (its loop closed, its callbacks dropped) and its timeline with it, which
         # frees the native one -- before am_watch_free, which unlinks the watch from it.
-        self._native_lock = threading.Lock()
+        # Reentrant: a collection as it is held (at any allocation) may collect the loop,
+        # whose finalizer closes the bridge on this thread (as for _closing).
+        self._native_lock = threading.RLock()
         self._native_watches: set[Watch] = set()
         self._handles: dict[int, object] = {}
         self.watches: set[Watch] = set()  # every watch of this loop's, native or not
@@ -536,9 +538,14 @@ class LoopBridge(ABC):
         from whichever thread gets here first (a finalizer, a new loop's release)."""
         with self._closing:
             self.dead = True
+            # (made before: an allocation under the lock may collect the loop, whose
+            # finalizer closes the bridge inside, on this thread, freeing what this then
+            # took too)
+            no_watches: set[Watch] = set()
+            no_handles: dict[int, object] = {}
             with self._native_lock:
-                watches, self._native_watches = self._native_watches, set()
-                handles, self._handles = self._handles, {}
+                watches, self._native_watches = self._native_watches, no_watches
+                handles, self._handles = self._handles, no_handles
             # (Also those set aside, which kept theirs: see suspend.)
             for watch in [*watches, *self._detached.values()]:
                 watch.cwatch = None
