@@ -363,10 +363,14 @@ class LoopBridge(ABC):
         # in place on the loop's thread only; another thread replaces it (a loop seen
         # stopped may run again as it is set aside, see suspend). Both under
         # _native_lock, as is _handles: every native watch not freed yet (close frees
-        # them).
-        self._native_lock = threading.Lock()
+        # them), with the object of its native timeline, kept as long: a watch set aside
+        # may go (its loop closed, its callbacks dropped) and its timeline with it, which
+        # frees the native one -- before am_watch_free, which unlinks the watch from it.
+        # Reentrant: a collection as it is held (at any allocation) may collect the loop,
+        # whose finalizer closes the bridge on this thread (as for _closing).
+        self._native_lock = threading.RLock()
         self._native_watches: set[Watch] = set()
-        self._handles: set[int] = set()
+        self._handles: dict[int, object] = {}
         self.watches: set[Watch] = set()  # every watch of this loop's, native or not
         # Watches set aside as the loop stopped (see suspend), by id of their timeline:
         # weakly, the loop holds them.
@@ -490,7 +494,7 @@ class LoopBridge(ABC):
             handle = lib.am_watch_new(c_timeline, self._notifier)  # (None in a fork's child)
         with self._native_lock:
             if handle is not None:
-                self._handles.add(handle)
+                self._handles[handle] = watch.timeline.native
             self._native_watches.add(watch)
         return handle
 
@@ -503,8 +507,9 @@ class LoopBridge(ABC):
             self._native_watches.discard(watch)
             if handle is None or handle not in self._handles:
                 return
-            self._handles.remove(handle)
+            native = self._handles.pop(handle)  # (let go of once the watch is freed)
         _native_lib().am_watch_free(handle)
+        del native
 
     def _drain_native(self) -> None:
         """The pipe is readable: resolve every native watch that was reached."""
@@ -533,14 +538,20 @@ class LoopBridge(ABC):
         from whichever thread gets here first (a finalizer, a new loop's release)."""
         with self._closing:
             self.dead = True
+            # (made before: an allocation under the lock may collect the loop, whose
+            # finalizer closes the bridge inside, on this thread, freeing what this then
+            # took too)
+            no_watches: set[Watch] = set()
+            no_handles: dict[int, object] = {}
             with self._native_lock:
-                watches, self._native_watches = self._native_watches, set()
-                handles, self._handles = self._handles, set()
+                watches, self._native_watches = self._native_watches, no_watches
+                handles, self._handles = self._handles, no_handles
             # (Also those set aside, which kept theirs: see suspend.)
             for watch in [*watches, *self._detached.values()]:
                 watch.cwatch = None
-            for handle in handles:
+            for handle in handles:  # (their timelines let go of after)
                 _native_lib().am_watch_free(handle)
+            del handles
             if self._notifier is not None:
                 _native_lib().am_notifier_free(self._notifier)
                 self._notifier = None

@@ -54,11 +54,13 @@ typedef struct am_notifier {
 struct am_timeline;
 
 /* A device wait held on the host until what satisfies it was handed to a device or the
- * host raised the word (timeline_defer): `fn` runs once, on the thread that got there. */
+ * host raised the word (timeline_defer): `fn` runs once, on the thread that got there.
+ * `drop` (NULL: none) runs instead if the timeline is freed first (am_timeline_free). */
 typedef struct am_kick {
     struct am_kick *next;
     uint64_t target;
     void (*fn)(struct am_kick *);
+    void (*drop)(struct am_kick *);
 } am_kick;
 
 typedef struct am_watch {

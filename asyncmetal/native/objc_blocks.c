@@ -295,6 +295,14 @@ static void relay_run(am_kick *k) {
     free(r);
 }
 
+/* Its timeline is freed without having got there, failed or closed (am_timeline_free):
+ * the event is never set; the relay lets go of its reference. */
+static void relay_drop(am_kick *k) {
+    am_relay *r = (am_relay *)(void *)((char *)k - offsetof(am_relay, kick));
+    ((void (*)(void *, void *))r->send)(r->event, r->release);
+    free(r);
+}
+
 /* Set `event` to `target` once t (a timeline with no device word) got there or failed
  * for it, now if it has; the relay takes over one reference of the event. 0, or -1 out
  * of memory (nothing done: the reference is the caller's still), -2 for a timeline with
@@ -305,6 +313,7 @@ int am_relay_new(am_timeline *t, uint64_t target, void *event, void *send, void 
     am_relay *r = calloc(1, sizeof *r);
     if (!r) return -1;
     r->kick.fn = relay_run;
+    r->kick.drop = relay_drop;
     r->event = event;
     r->send = send;
     r->set_value = set_value;

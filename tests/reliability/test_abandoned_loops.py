@@ -13,6 +13,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -681,4 +682,125 @@ def test_a_trio_run_ended_by_an_error_with_tasks_parked_keeps_nothing() -> None:
         assert _settled_threads(threads) <= threads
     finally:
         boot.run_until_complete(dev.close())
+        boot.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("use_uvloop", LOOPS)
+def test_a_loop_closed_once_set_aside_frees_its_native_watches_before_their_timelines(
+    use_uvloop: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop set aside (``LoopBridge.suspend``) with a task parked on a timeline keeps
+    the watch's native part, for the callback that takes it back; the loop is closed
+    instead (which drops that callback, and with it the watch and the task, the only
+    holders of the timeline), and its bridge is released later. The native timeline is
+    freed only once the native watch on it is (``am_watch_free`` unlinks the watch from
+    its timeline: it would read and lock freed memory). Checked failing without: the
+    timeline was freed as the loop closed, and the native watch on it after."""
+    loop = _new_loop(use_uvloop)()
+    order: list[str] = []
+
+    def free_watch(handle: int) -> None:
+        order.append("watch" if handle == cwatch else "other watch")
+        watch_free(handle)
+
+    def free_timeline(c_timeline: int) -> None:
+        order.append("timeline" if c_timeline == c_timeline_of_watch else "other timeline")
+        timeline_free(c_timeline)
+
+    try:
+        dev = loop.run_until_complete(am.open_device("cpu"))
+        lib = am._bridge._native_lib()
+        watch_free, timeline_free = lib.am_watch_free, lib.am_timeline_free
+
+        async def park() -> am._bridge.LoopBridge:
+            timeline = dev.timeline()
+            # (held by its wait only: the watch, and the timeline, go with the loop's
+            # callbacks)
+            asyncio.ensure_future(timeline.wait(5))  # noqa: RUF006
+            while am.loop_statistics().waiting < 1:
+                await asyncio.sleep(0.001)
+            return am._bridge.current_bridge()
+
+        bridge = loop.run_until_complete(park())
+        (watch,) = bridge.watches
+        cwatch, c_timeline_of_watch = watch.cwatch, watch.timeline.native.c_timeline
+        del watch
+        monkeypatch.setattr(lib, "am_watch_free", free_watch)
+        monkeypatch.setattr(lib, "am_timeline_free", free_timeline)
+        assert bridge.suspend()  # (here, as a thread that ran it would as it ended)
+    finally:
+        loop.close()
+    gc.collect()
+    bridge.release()  # (as a new loop's bridge, or the end of its thread, does)
+    gc.collect()
+    assert [step for step in order if not step.startswith("other")] == ["watch", "timeline"]
+    dev_closing = asyncio.new_event_loop()
+    try:
+        dev_closing.run_until_complete(dev.close())
+    finally:
+        dev_closing.close()
+
+
+class _CollectingAsHeld:
+    """``lock``, with a garbage collection each time ``thread`` takes it (as one may come
+    at any allocation of an object the collector tracks)."""
+
+    def __init__(self, lock: Any, thread: Callable[[], threading.Thread | None]) -> None:
+        self._lock, self._thread = lock, thread
+
+    def __enter__(self) -> None:
+        self._lock.__enter__()
+        if threading.current_thread() is self._thread():
+            gc.collect()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.__exit__(*exc)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("use_uvloop", LOOPS)
+def test_a_release_during_which_a_collection_closes_the_bridge_ends(
+    use_uvloop: bool,
+) -> None:
+    """A loop set aside with a task parked, then closed (which drops the callback that
+    would take its watches back) and let go of, is garbage: its bridge is released (by
+    a new loop's bridge, or the end of a thread), and a collection there, as the bridge
+    holds its lock on the native watches, collects the loop, whose finalizer closes the
+    bridge on that thread, inside. The release ends. Checked failing without: the
+    finalizer waited for the lock its own thread held, for good."""
+    gc.disable()  # (the loop goes at the collection in the lock, not before)
+    boot = asyncio.new_event_loop()
+    try:
+        dev = boot.run_until_complete(am.open_device("cpu"))
+        timeline = dev.timeline()
+
+        def set_aside_and_closed() -> tuple[am._bridge.LoopBridge, weakref.ref[Any]]:
+            loop = _new_loop(use_uvloop)()
+
+            async def park() -> am._bridge.LoopBridge:
+                asyncio.ensure_future(timeline.wait(5))  # noqa: RUF006
+                while am.loop_statistics().waiting < 1:
+                    await asyncio.sleep(0.001)
+                return am._bridge.current_bridge()
+
+            bridge = loop.run_until_complete(park())
+            assert bridge.suspend()  # (as a thread that ran it would as it ended)
+            loop.close()
+            return bridge, weakref.ref(loop)
+
+        bridge, loop = set_aside_and_closed()
+        assert loop() is not None  # (garbage, not collected yet)
+        releasing: list[threading.Thread] = []
+        bridge._native_lock = _CollectingAsHeld(  # type: ignore[assignment]
+            bridge._native_lock, lambda: releasing[0] if releasing else None
+        )
+        releasing.append(threading.Thread(target=bridge.release, daemon=True))
+        releasing[0].start()
+        releasing[0].join(10)
+        assert not releasing[0].is_alive(), "the release never ended"
+        assert loop() is None and bridge.dead
+        boot.run_until_complete(dev.close())
+    finally:
+        gc.enable()
         boot.close()

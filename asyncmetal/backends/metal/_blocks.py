@@ -72,7 +72,7 @@ class Gate(ctypes.Structure):
 
 _alive: dict[int, BlockLiteral] = {}  # address -> block: kept until it ran
 _held: dict[int, object] = {}  # address -> what the block's command uses, kept as long
-_gates: dict[int, Any] = {}  # address -> its gates (a Gate array), kept as long
+_gates: dict[int, Any] = {}  # address -> its gates (a Gate array, what keeps them)
 # Native timelines dropped while a block yet to run raises them, and how each is freed.
 _unfreed: list[tuple[int, Any]] = []
 _lock = threading.RLock()  # (a collection inside it may free a timeline: free_timeline)
@@ -195,14 +195,16 @@ def _let_go() -> None:
         seen = lib.am_blocks_wait(seen, _NAP_NS)
 
 
-def set_gates(block: BlockLiteral, gates: list[tuple[int, int]]) -> None:
+def set_gates(block: BlockLiteral, gates: list[tuple[int, int]], keep: object = None) -> None:
     """Have ``block`` raise its timeline only once each native timeline of ``gates``
     reached its value or failed (the values its command buffer waited for: the GPU goes
     on once their events get there, maybe before the handler of the command that signals
-    one has said whether it failed). Those timelines are kept until it ran."""
+    one has said whether it failed). Those timelines are kept until it ran: a Metal
+    timeline's through ``free_timeline``; another's (a cpu or npy queue's, freed as its
+    object goes) by ``keep``, what holds their objects, kept as long."""
     array = (Gate * len(gates))(*(Gate(t, v) for t, v in gates))
     with _lock:
-        _gates[ctypes.addressof(block)] = array
+        _gates[ctypes.addressof(block)] = (array, keep)
     block.gates, block.ngates = ctypes.addressof(array), len(gates)
 
 
@@ -241,7 +243,7 @@ def free_timeline(c_timeline: int, free: Any) -> None:
 
 def _raised(address: int, block: BlockLiteral) -> tuple[int, ...]:
     gates = _gates.get(address)
-    return (block.timeline, block.then, *(g.timeline for g in gates or ()))
+    return (block.timeline, block.then, *(g.timeline for g in (gates[0] if gates else ())))
 
 
 def _free_unreferenced() -> None:

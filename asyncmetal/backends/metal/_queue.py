@@ -197,7 +197,7 @@ class MetalQueue(NativeQueue):
         self._unmarked = 0
         # The waits since the last buffer: its completion raises the queue's timeline
         # only once each reached its value or failed (_blocks.set_gates).
-        self._gates: list[tuple[int, int]] = []
+        self._gates: list[tuple[MetalTimeline | HostWait, int]] = []
         self._wait_held = False  # a wait was handed to the worker since the last flush
         # (value, command buffer, block, record, committed behind an unreached wait)
         self._buffers: collections.deque[tuple[int, int, Any, Record, bool]] = collections.deque()
@@ -456,7 +456,9 @@ class MetalQueue(NativeQueue):
         # rather than raising it.
         block.status_send, block.status_selector = _status_call()
         if self._gates:
-            _blocks.set_gates(block, self._gates)
+            # (the host waits among them hold their timelines, which the handler reads)
+            hosts = [wait for wait, _ in self._gates if isinstance(wait, HostWait)]
+            _blocks.set_gates(block, [(w.c_timeline, v) for w, v in self._gates], hosts)
         send(cb, "addCompletedHandler:", ctypes.addressof(block), restype=None)
         send(cb, "commit", restype=None)
         return still, block
@@ -614,7 +616,7 @@ class MetalQueue(NativeQueue):
         # it; this command's own value is marked by that buffer (or by flush()).
         with self._commit_lock:
             self._waits.append((timeline, target))
-            self._gates.append((timeline.c_timeline, target))
+            self._gates.append((timeline, target))
             self._unmarked = value
 
     def _blit(

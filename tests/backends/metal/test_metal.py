@@ -14,6 +14,7 @@ import textwrap
 import threading
 import time
 import uuid
+import weakref
 from typing import Any
 
 import anyio
@@ -1064,3 +1065,116 @@ async def test_a_metal_fill_waits_for_a_cpu_copy_that_reads_its_buffer_in_place(
                 await filled
         assert (await cpu_buf.read(np.int32)).tolist() == [3] * 16
         assert (await metal_buf.read(np.int32)).tolist() == [0] * 16
+
+
+def _relay_on_new_timeline(target: int, reached: int) -> tuple[Any, int, int]:
+    """A native timeline raised to ``reached``, and a relay on it (am_relay_new) for
+    ``target`` handed one reference of a new shared event: the runtime, the timeline,
+    the event (the caller's own reference of it taken too)."""
+    from ctypes import c_void_p
+
+    from asyncmetal import _native
+    from asyncmetal.backends.metal._objc import (
+        load,
+        objc_msgsend_address,
+        retain,
+        selector,
+        send,
+    )
+
+    metal = load("metal")
+    metal.MTLCreateSystemDefaultDevice.restype = c_void_p
+    device = metal.MTLCreateSystemDefaultDevice()
+    lib = _native.runtime()
+    timeline = lib.am_timeline_new()
+    if reached:
+        lib.am_timeline_signal(timeline, reached)
+    event = send(device, "newSharedEvent")
+    retain(event)  # (the test's own)
+    code = lib.am_relay_new(
+        timeline,
+        target,
+        event,
+        objc_msgsend_address(),
+        selector("setSignaledValue:"),
+        selector("release"),
+    )
+    assert code == 0
+    return lib, timeline, event
+
+
+@pytest.mark.metal
+@sim_only
+def test_a_relay_on_a_timeline_freed_before_it_got_there_lets_go_of_its_event() -> None:
+    """A relay (am_relay_new: a Metal queue's wait on a cpu or npy queue's timeline) on a
+    timeline freed without ever getting there (nor failing, nor closing) lets go of its
+    reference of the event as the timeline is freed, and never sets it. Checked: before,
+    the relay and its reference were kept for good (the event stayed alive). A relay on
+    a timeline that got there already sets the event at once, and lets go of it then."""
+    from ctypes import c_uint64
+
+    from asyncmetal.backends.metal._objc import release, send
+
+    live = metal_sim.live("MTLSharedEvent")
+    lib, timeline, event = _relay_on_new_timeline(5, 0)
+    assert metal_sim.live("MTLSharedEvent") == live + 1
+    lib.am_timeline_free(timeline)
+    assert send(event, "signaledValue", restype=c_uint64) == 0
+    release(event)  # (the test's own: the last one, unless the relay kept one)
+    assert metal_sim.live("MTLSharedEvent") == live
+
+    lib, timeline, event = _relay_on_new_timeline(3, 5)  # (got there: set at once)
+    assert send(event, "signaledValue", restype=c_uint64) == 3
+    release(event)
+    assert metal_sim.live("MTLSharedEvent") == live
+    lib.am_timeline_free(timeline)
+
+
+@pytest.mark.metal
+@sim_only
+@pytestmark_loops
+@pytest.mark.anyio
+async def test_a_cpu_timeline_a_held_completion_handler_is_gated_on_outlives_it(
+    anyio_backend: object,
+) -> None:
+    """A Metal command buffer that waited for a cpu queue's command (``after``) has a
+    completion handler gated on that queue's native timeline (it reads its value and
+    failure). With the Metal device closed while the buffer still waited, and the cpu
+    device closed (which ends the wait: the buffer runs), the handler may run after
+    everything else let go of the cpu queue: its timeline is kept until the handler
+    ran, and freed after. Checked: before, it was freed as the cpu queue went, while the
+    handler (held back by the simulation) was still to read it."""
+    from asyncmetal.backends.metal._objc import release, retain
+    from tests.support.queues import held_queue
+
+    sim = metal_sim.library()
+    cpu = await am.open_device("cpu").__aenter__()
+    mtl = await am.open_device("metal").__aenter__()
+    out = await mtl.alloc(64)
+    host = await cpu.alloc(64)
+    held, gate = held_queue(cpu)
+    held.copy(host, np.full(16, 7, np.int32))
+    queue = mtl.new_queue()
+    command_queue = retain(queue._native._queue)
+    sim.asyncmetal_sim_hold_handlers(command_queue, 1)
+    try:
+        queue.after(host)
+        queue.fill(out, 1)
+        queue._native.flush()
+        with anyio.fail_after(10):
+            await mtl.close()
+        timeline = weakref.ref(held.timeline.native)
+        with anyio.fail_after(10):
+            await cpu.close()  # (the wait ends: the buffer runs, its handler held)
+        del cpu, mtl, out, host, held, gate, queue
+        for _ in range(4):  # (the loop lets go of its watches two turns after their waits)
+            await anyio.sleep(0.01)
+        gc.collect()
+        assert timeline() is not None, "freed before the handler gated on it ran"
+    finally:
+        sim.asyncmetal_sim_hold_handlers(command_queue, 0)
+        release(command_queue)
+    with anyio.fail_after(10):
+        while timeline() is not None:  # let go of once the handler ran
+            await anyio.sleep(0.01)
+            gc.collect()
