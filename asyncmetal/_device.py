@@ -23,7 +23,7 @@ import anyio
 import numpy as np
 
 from . import backends
-from ._allocator import Allocator, Block, MemoryStatistics
+from ._allocator import Allocator, Block, MemoryStatistics, closed_blocks
 from ._backend import Backend, NativeQueue
 from ._bridge import checkpoint
 from ._buffer import Buffer, wrap_buffer
@@ -355,11 +355,13 @@ class Device:
 
     def _recorded_blocks(self) -> list[Block]:
         """The blocks in use and cached whose records this device's queues may be on:
-        its own, and those of the other open devices (a copy between devices records
-        its queue's use on the other's buffer too)."""
+        its own, those of the other open devices (a copy between devices records its
+        queue's use on the other's buffer too), and those of closed devices whose
+        buffers live with such uses on their records."""
         return [
             *self._allocator.blocks(),
             *(b for d in _devices() if d is not self for b in d._allocator.blocks()),
+            *closed_blocks(),
         ]
 
     def _mark_idle(self, unused: bool) -> list[Queue]:

@@ -718,3 +718,31 @@ async def test_a_queue_that_used_a_foreign_buffer_is_collected_once_dropped(
                 await anyio.sleep(0.01)
                 gc.collect()
         assert array[0] == 1
+
+
+@pytest.mark.parametrize("new_queue", [False, True], ids=["reaper", "new queue"])
+async def test_a_queue_that_copied_from_a_closed_devices_buffer_is_collected_once_dropped(
+    anyio_backend: object, new_queue: bool
+) -> None:
+    """The other device of a copy between devices closed first, its buffer still held:
+    its blocks are no longer among any open device's, yet the queue's use on that
+    buffer's record, passed, is forgotten once the queue is let go of (by the reaper,
+    or a new_queue's sweep), so the queue dropped is collected -- not kept alive by a
+    closed device's buffer as long as that lives."""
+    async with am.open_device("cpu") as a:
+        async with am.open_device("cpu") as b:
+            mine, theirs = await a.alloc(64), await b.alloc(64)
+            await theirs.write(np.arange(16, dtype=np.int32))
+            q = a.new_queue()
+            await q.copy(mine, theirs)
+        dropped = weakref.ref(q)
+        del q
+        if new_queue:
+            for _ in range(40):  # (a sweep once the queues kept doubled)
+                a.new_queue()
+        with anyio.fail_after(10):
+            while dropped() is not None:
+                await anyio.sleep(0.01)
+                gc.collect()
+        assert (await mine.read(np.int32)).tolist() == list(range(16))
+        del theirs
