@@ -204,8 +204,9 @@ class Device:
         self._retire_lock = threading.Lock()
         # Queues closed (Queue.close) and not released yet: each is released once its
         # commands ran, by its close or, where that was cancelled, the reaper (or the next
-        # new_queue).
-        self._unreleased: list[Queue] = []
+        # new_queue). A dict (in the order they were closed), so that each is found and
+        # taken off at once, however many there are.
+        self._unreleased: dict[Queue, None] = {}
         self._releases: dict[Queue, HostEvents] = {}  # under way: reach 1 once done
         self._release_threads: list[threading.Thread] = []
         # Queues from new_queue() with nothing in flight that the device let go of (see
@@ -911,7 +912,7 @@ class Device:
         with self._state.submitting:
             closed = self.closed
             if not closed and seal(queue, f"this queue of {self.name} was closed"):
-                self._unreleased.append(queue)
+                self._unreleased[queue] = None
                 self._reap_later()  # (released by the reaper if this close is cancelled)
             # Sealed either way (by the device's close, or here). One being released has
             # finished: nothing is left to drop. (The backend's discard and its native
@@ -949,13 +950,15 @@ class Device:
     def _claim_release(self, queues: list[Queue]) -> HostEvents | None:
         """Take ``queues`` (closed, settled) off the device, submission lock held: its
         close no longer waits for them. A new list, not changed in place: a close on
-        another thread may be going through the old one. None if there are none."""
+        another thread may be going through the old one. None if there are none. Each
+        of ``queues`` is looked up, not searched for: one pass over the queues kept in
+        all, however many cancelled closes left theirs."""
         queues = [q for q in queues if q in self._unreleased]
         if not queues:
             return None
         released = HostEvents()
         for queue in queues:
-            self._unreleased.remove(queue)
+            del self._unreleased[queue]
             self._releases[queue] = released
             self._idle.discard(queue)
             self._timelines.add(queue.timeline)  # its close ends waits on it (none reach it)
@@ -964,8 +967,9 @@ class Device:
                 detached = drop.detach()
                 if detached is not None:
                     self._natives.pop(detached[2][2], None)  # (its number)
-        self._queues = [q for q in self._queues if q not in queues]
-        self._adopted = {k: q for k, q in self._adopted.items() if q not in queues}
+        gone = {id(q) for q in queues}
+        self._queues = [q for q in self._queues if id(q) not in gone]
+        self._adopted = {k: q for k, q in self._adopted.items() if id(q) not in gone}
         return released
 
     def _start_release(

@@ -673,6 +673,40 @@ async def test_letting_go_of_idle_queues_compares_no_two_queues(
         assert len(compared) < len(queues)
 
 
+async def test_releasing_the_queues_of_many_cancelled_closes_compares_no_two_queues(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many closes cancelled while their queues wait each leave a queue to release
+    once its commands ran: the reaper takes them all off the device without comparing
+    each with the others closed (a search of the closed queues per queue: 2000 of them
+    held the submission lock about 50 ms, each loop's next launch waiting)."""
+    from asyncmetal._queue import Queue
+
+    compared: list[int] = []
+
+    def eq(self: object, other: object) -> bool:
+        if self is not other:  # (weak references' look-ups compare a queue with itself)
+            compared.append(1)
+        return self is other
+
+    closes = record_native_closes(monkeypatch, lambda native: native)
+    async with am.open_device("cpu") as dev:
+        tl = dev.timeline()
+        queues = [dev.new_queue() for _ in range(100)]
+        monkeypatch.setattr(Queue, "__eq__", eq)
+        for q in queues:
+            q.wait(tl, 1)
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await q.close()  # sealed, then cancelled at its wait
+        assert not any(native_queue(q) in closes for q in queues)
+        tl.signal(1)
+        with anyio.fail_after(10):
+            while not all(native_queue(q) in closes for q in queues):
+                await anyio.sleep(0.01)
+        assert not compared
+
+
 @pytest.mark.parametrize("new_queue", [False, True], ids=["reaper", "new queue"])
 async def test_a_queue_that_copied_from_another_device_is_collected_once_dropped(
     anyio_backend: object, new_queue: bool
