@@ -1116,9 +1116,13 @@ def _collected(dropped: list[int], inbox: SimpleQueue[int], number: int) -> None
 
 def _reap(device_ref: weakref.ref[Device], inbox: SimpleQueue[int]) -> None:
     """A device's reaper thread (see Device._reap_later). It holds the device only while
-    it works, so a device left unclosed is still collected (its finalizer stops this)."""
+    it works, so a device left unclosed is still collected (its finalizer stops this).
+    An error in its work goes to the device's close (``unheard_error``: the first
+    until a look succeeds), and it looks again later, as after a look that let go of
+    nothing: it reaps as long as the device is open."""
     due: float | None = None  # when to look next
     wait = REAP_S  # how long after a look that let go of nothing
+    failing = False  # its work raised since its last look that did not
     while True:
         try:
             message = inbox.get(timeout=None if due is None else max(0.0, due - time.monotonic()))
@@ -1134,18 +1138,25 @@ def _reap(device_ref: weakref.ref[Device], inbox: SimpleQueue[int]) -> None:
         device = device_ref()
         if device is None:
             return
-        if message == _COLLECTED:
-            if not device._reaped():
-                return
-            del device
-            continue
         began = time.monotonic()
-        let_go_of = device._look()
+        try:
+            let_go_of = device._reaped() if message == _COLLECTED else device._look()
+        except Exception as exc:  # reported; what failed is done again at a later look
+            if not failing:
+                device._state.unheard_error(exc)
+            failing = failed = True
+            let_go_of = False
+        else:
+            failed = False
+            if message != _COLLECTED:
+                failing = False  # (a look ends with a release too: all of it went)
         took = time.monotonic() - began
         closed = device.closed
         del device
         if closed:
             return
+        if message == _COLLECTED and not failed:
+            continue  # (released: when to look next is unchanged)
         if let_go_of is None:
             due = None  # nothing to watch: told again when there is
             continue

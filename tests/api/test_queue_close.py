@@ -780,3 +780,48 @@ async def test_a_queue_that_copied_from_a_closed_devices_buffer_is_collected_onc
                 gc.collect()
         assert (await mine.read(np.int32)).tolist() == list(range(16))
         del theirs
+
+
+@pytest.mark.parametrize("where", ["_look", "_reaped"])
+async def test_a_reaper_that_raised_goes_on_reaping_and_its_close_reports_it(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """An error inside the reaper's work (its look, or its release of what was
+    collected, which each look ends with) ended its thread, silently: no queue dropped
+    later was released (until a new_queue's sweep, or the device's close). It is
+    reported as an error nobody awaited (the device's close raises it) and the reaper
+    goes on."""
+    from asyncmetal import _device
+
+    work = getattr(_device.Device, where)
+    raised: list[bool] = []
+
+    def failing_once(self: am.Device) -> object:
+        if not raised:
+            raised.append(True)
+            raise RuntimeError(f"{where} failed")
+        return work(self)
+
+    monkeypatch.setattr(_device.Device, where, failing_once)
+    closes = record_native_closes(monkeypatch, lambda native: native)
+    dev = await am.open_device("cpu")
+    async with dev:
+        inc = await dev.compile(INC, "inc")
+        buf = await dev.alloc(4)
+        await buf.write(np.zeros(1, np.int32))
+        first = dev.new_queue()  # the reaper starts, and looks soon
+        await first.launch(inc, buf)
+        with anyio.fail_after(10):
+            while not raised:
+                await anyio.sleep(0.01)
+        q = dev.new_queue()
+        await q.launch(inc, buf)
+        native = native_queue(q)
+        del q  # released by the reaper once let go of
+        with anyio.fail_after(10):
+            while native not in closes:
+                await anyio.sleep(0.01)
+                gc.collect()
+        assert (await buf.read(np.int32))[0] == 2
+        with pytest.raises(RuntimeError, match=f"{where} failed"):
+            await dev.close()
