@@ -119,11 +119,15 @@ RECOUNT_S = 0.05  # a close waiting for its queues counts what can complete this
 # A device's reaper (see Device._reap_later) looks for queues from new_queue() that have
 # nothing in flight any more this long after one was made or submitted to again, then
 # again twice as long after each look that let go of none (at most REAP_MAX_S), and at
-# least REAP_DUTY times as long as its last look took. It holds the submission lock for
-# REAP_CHUNK uses on the blocks' records at a time.
+# least REAP_DUTY times as long as its last look took -- but never more than
+# REAP_LONGEST_S later: a queue dropped is let go of at its second look after its last
+# command, so a long look (many buffers' records) delays that by seconds, not by a
+# hundred times its own length. It holds the submission lock for REAP_CHUNK uses on the
+# blocks' records at a time.
 REAP_S = 0.05
 REAP_MAX_S = 0.5
 REAP_DUTY = 100
+REAP_LONGEST_S = 5.0
 REAP_CHUNK = 1024
 # What a reaper is told: look soon (a queue to watch); a queue was collected; stop.
 _LOOK, _COLLECTED, _STOP = 0, 1, 2
@@ -1161,7 +1165,7 @@ def _reap(device_ref: weakref.ref[Device], inbox: SimpleQueue[int]) -> None:
             due = None  # nothing to watch: told again when there is
             continue
         wait = REAP_S if let_go_of else min(2 * wait, REAP_MAX_S)
-        due = time.monotonic() + max(wait, REAP_DUTY * took)
+        due = time.monotonic() + min(max(wait, REAP_DUTY * took), REAP_LONGEST_S)
 
 
 def _attempt(errors: list[Exception], fn: Callable[..., object], *args: Any) -> None:

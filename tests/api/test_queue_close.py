@@ -825,3 +825,59 @@ async def test_a_reaper_that_raised_goes_on_reaping_and_its_close_reports_it(
         assert (await buf.read(np.int32))[0] == 2
         with pytest.raises(RuntimeError, match=f"{where} failed"):
             await dev.close()
+
+
+class _Clock:
+    """A monotonic clock ``ahead`` seconds ahead of the real one (the reaper's: see
+    test_after_a_long_look_the_reaper_looks_again_within_seconds)."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.ahead
+
+
+async def test_after_a_long_look_the_reaper_looks_again_within_seconds(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reaper waits longer after a long look (it takes the GIL), but not without
+    bound: after a look that took 1000 s (its clock moved on meanwhile), a queue dropped
+    is let go of and released once a minute has passed -- not 100 times that look's
+    time later (a day)."""
+    from asyncmetal import _device
+
+    clock = _Clock()
+    monkeypatch.setattr(_device, "time", clock)  # (the reaper's clock only)
+    look = _device.Device._look
+    looks: list[bool | None] = []
+
+    def long_first_look(self: am.Device) -> bool | None:
+        let_go_of = look(self)
+        if not looks:
+            clock.ahead += 1000.0  # as if this look took 1000 s
+        looks.append(let_go_of)
+        return let_go_of
+
+    monkeypatch.setattr(_device.Device, "_look", long_first_look)
+    closes = record_native_closes(monkeypatch, lambda native: native)
+    async with am.open_device("cpu") as dev:
+        inc = await dev.compile(INC, "inc")
+        buf = await dev.alloc(4)
+        await buf.write(np.zeros(1, np.int32))
+        q = dev.new_queue()  # the reaper starts, and looks soon
+        await q.launch(inc, buf)
+        native = native_queue(q)
+        del q  # kept until let go of, at a look after the long one
+        with anyio.fail_after(10):
+            while not looks:
+                await anyio.sleep(0.01)
+        await anyio.sleep(0.1)  # (the reaper has set when to look next)
+        assert native not in closes
+        clock.ahead += 60.0
+        dev._reaper_inbox.put(_device._LOOK)  # wakes it: it looks if that time has come
+        with anyio.fail_after(10):
+            while native not in closes:
+                await anyio.sleep(0.01)
+                gc.collect()
+        assert (await buf.read(np.int32))[0] == 1
