@@ -126,6 +126,20 @@ class Allocation:
 # host copy's operand needs no look-up (it can be no buffer's memory lent out).
 lenders: weakref.WeakSet[Allocator] = weakref.WeakSet()
 
+# The blocks of closed devices whose records held other devices' queues as their device
+# closed (a copy between devices), while their buffers live: no open device lists them
+# (``Allocator.blocks``), yet those queues' uses there keep them alive until forgotten
+# when their own device lets go of them (``closed_blocks``).
+_closed_blocks: weakref.WeakSet[Block] = weakref.WeakSet()
+_closed_blocks_lock = threading.Lock()
+
+
+def closed_blocks() -> list[Block]:
+    """The blocks of closed devices whose records may hold open devices' queues (see
+    ``_closed_blocks``)."""
+    with _closed_blocks_lock:
+        return list(_closed_blocks)
+
 
 def lenders_for(own: Allocator, any_kind: bool = False) -> list[Allocator]:
     """The allocators whose lent memory, coming back as an address, is a buffer of
@@ -963,6 +977,13 @@ class Allocator:
             self._evict(self.cached)
             # Loans that ended before the close (none of their blocks is left to them yet).
             self._take_returned_after_close()
+            device = self._state.device
+            with _closed_blocks_lock:
+                _closed_blocks.update(
+                    block
+                    for block in [*self._live, *self._foreign]
+                    if any(q.timeline.device is not device for q in list(block.last_use))
+                )
             for block in self._live:
                 if self._foreign_uses(block):
                     continue  # left allocated (see _settle_foreign_uses)

@@ -23,7 +23,7 @@ import anyio
 import numpy as np
 
 from . import backends
-from ._allocator import Allocator, Block, MemoryStatistics
+from ._allocator import Allocator, Block, MemoryStatistics, closed_blocks
 from ._backend import Backend, NativeQueue
 from ._bridge import checkpoint
 from ._buffer import Buffer, wrap_buffer
@@ -119,11 +119,15 @@ RECOUNT_S = 0.05  # a close waiting for its queues counts what can complete this
 # A device's reaper (see Device._reap_later) looks for queues from new_queue() that have
 # nothing in flight any more this long after one was made or submitted to again, then
 # again twice as long after each look that let go of none (at most REAP_MAX_S), and at
-# least REAP_DUTY times as long as its last look took. It holds the submission lock for
-# REAP_CHUNK uses on the blocks' records at a time.
+# least REAP_DUTY times as long as its last look took -- but never more than
+# REAP_LONGEST_S later: a queue dropped is let go of at its second look after its last
+# command, so a long look (many buffers' records) delays that by seconds, not by a
+# hundred times its own length. It holds the submission lock for REAP_CHUNK uses on the
+# blocks' records at a time.
 REAP_S = 0.05
 REAP_MAX_S = 0.5
 REAP_DUTY = 100
+REAP_LONGEST_S = 5.0
 REAP_CHUNK = 1024
 # What a reaper is told: look soon (a queue to watch); a queue was collected; stop.
 _LOOK, _COLLECTED, _STOP = 0, 1, 2
@@ -204,8 +208,9 @@ class Device:
         self._retire_lock = threading.Lock()
         # Queues closed (Queue.close) and not released yet: each is released once its
         # commands ran, by its close or, where that was cancelled, the reaper (or the next
-        # new_queue).
-        self._unreleased: list[Queue] = []
+        # new_queue). A dict (in the order they were closed), so that each is found and
+        # taken off at once, however many there are.
+        self._unreleased: dict[Queue, None] = {}
         self._releases: dict[Queue, HostEvents] = {}  # under way: reach 1 once done
         self._release_threads: list[threading.Thread] = []
         # Queues from new_queue() with nothing in flight that the device let go of (see
@@ -355,11 +360,13 @@ class Device:
 
     def _recorded_blocks(self) -> list[Block]:
         """The blocks in use and cached whose records this device's queues may be on:
-        its own, and those of the other open devices (a copy between devices records
-        its queue's use on the other's buffer too)."""
+        its own, those of the other open devices (a copy between devices records its
+        queue's use on the other's buffer too), and those of closed devices whose
+        buffers live with such uses on their records."""
         return [
             *self._allocator.blocks(),
             *(b for d in _devices() if d is not self for b in d._allocator.blocks()),
+            *closed_blocks(),
         ]
 
     def _mark_idle(self, unused: bool) -> list[Queue]:
@@ -909,7 +916,7 @@ class Device:
         with self._state.submitting:
             closed = self.closed
             if not closed and seal(queue, f"this queue of {self.name} was closed"):
-                self._unreleased.append(queue)
+                self._unreleased[queue] = None
                 self._reap_later()  # (released by the reaper if this close is cancelled)
             # Sealed either way (by the device's close, or here). One being released has
             # finished: nothing is left to drop. (The backend's discard and its native
@@ -947,13 +954,15 @@ class Device:
     def _claim_release(self, queues: list[Queue]) -> HostEvents | None:
         """Take ``queues`` (closed, settled) off the device, submission lock held: its
         close no longer waits for them. A new list, not changed in place: a close on
-        another thread may be going through the old one. None if there are none."""
+        another thread may be going through the old one. None if there are none. Each
+        of ``queues`` is looked up, not searched for: one pass over the queues kept in
+        all, however many cancelled closes left theirs."""
         queues = [q for q in queues if q in self._unreleased]
         if not queues:
             return None
         released = HostEvents()
         for queue in queues:
-            self._unreleased.remove(queue)
+            del self._unreleased[queue]
             self._releases[queue] = released
             self._idle.discard(queue)
             self._timelines.add(queue.timeline)  # its close ends waits on it (none reach it)
@@ -962,8 +971,9 @@ class Device:
                 detached = drop.detach()
                 if detached is not None:
                     self._natives.pop(detached[2][2], None)  # (its number)
-        self._queues = [q for q in self._queues if q not in queues]
-        self._adopted = {k: q for k, q in self._adopted.items() if q not in queues}
+        gone = {id(q) for q in queues}
+        self._queues = [q for q in self._queues if id(q) not in gone]
+        self._adopted = {k: q for k, q in self._adopted.items() if id(q) not in gone}
         return released
 
     def _start_release(
@@ -1110,9 +1120,13 @@ def _collected(dropped: list[int], inbox: SimpleQueue[int], number: int) -> None
 
 def _reap(device_ref: weakref.ref[Device], inbox: SimpleQueue[int]) -> None:
     """A device's reaper thread (see Device._reap_later). It holds the device only while
-    it works, so a device left unclosed is still collected (its finalizer stops this)."""
+    it works, so a device left unclosed is still collected (its finalizer stops this).
+    An error in its work goes to the device's close (``unheard_error``: the first
+    until a look succeeds), and it looks again later, as after a look that let go of
+    nothing: it reaps as long as the device is open."""
     due: float | None = None  # when to look next
     wait = REAP_S  # how long after a look that let go of nothing
+    failing = False  # its work raised since its last look that did not
     while True:
         try:
             message = inbox.get(timeout=None if due is None else max(0.0, due - time.monotonic()))
@@ -1128,23 +1142,30 @@ def _reap(device_ref: weakref.ref[Device], inbox: SimpleQueue[int]) -> None:
         device = device_ref()
         if device is None:
             return
-        if message == _COLLECTED:
-            if not device._reaped():
-                return
-            del device
-            continue
         began = time.monotonic()
-        let_go_of = device._look()
+        try:
+            let_go_of = device._reaped() if message == _COLLECTED else device._look()
+        except Exception as exc:  # reported; what failed is done again at a later look
+            if not failing:
+                device._state.unheard_error(exc)
+            failing = failed = True
+            let_go_of = False
+        else:
+            failed = False
+            if message != _COLLECTED:
+                failing = False  # (a look ends with a release too: all of it went)
         took = time.monotonic() - began
         closed = device.closed
         del device
         if closed:
             return
+        if message == _COLLECTED and not failed:
+            continue  # (released: when to look next is unchanged)
         if let_go_of is None:
             due = None  # nothing to watch: told again when there is
             continue
         wait = REAP_S if let_go_of else min(2 * wait, REAP_MAX_S)
-        due = time.monotonic() + max(wait, REAP_DUTY * took)
+        due = time.monotonic() + min(max(wait, REAP_DUTY * took), REAP_LONGEST_S)
 
 
 def _attempt(errors: list[Exception], fn: Callable[..., object], *args: Any) -> None:

@@ -673,6 +673,40 @@ async def test_letting_go_of_idle_queues_compares_no_two_queues(
         assert len(compared) < len(queues)
 
 
+async def test_releasing_the_queues_of_many_cancelled_closes_compares_no_two_queues(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many closes cancelled while their queues wait each leave a queue to release
+    once its commands ran: the reaper takes them all off the device without comparing
+    each with the others closed (a search of the closed queues per queue: 2000 of them
+    held the submission lock about 50 ms, each loop's next launch waiting)."""
+    from asyncmetal._queue import Queue
+
+    compared: list[int] = []
+
+    def eq(self: object, other: object) -> bool:
+        if self is not other:  # (weak references' look-ups compare a queue with itself)
+            compared.append(1)
+        return self is other
+
+    closes = record_native_closes(monkeypatch, lambda native: native)
+    async with am.open_device("cpu") as dev:
+        tl = dev.timeline()
+        queues = [dev.new_queue() for _ in range(100)]
+        monkeypatch.setattr(Queue, "__eq__", eq)
+        for q in queues:
+            q.wait(tl, 1)
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await q.close()  # sealed, then cancelled at its wait
+        assert not any(native_queue(q) in closes for q in queues)
+        tl.signal(1)
+        with anyio.fail_after(10):
+            while not all(native_queue(q) in closes for q in queues):
+                await anyio.sleep(0.01)
+        assert not compared
+
+
 @pytest.mark.parametrize("new_queue", [False, True], ids=["reaper", "new queue"])
 async def test_a_queue_that_copied_from_another_device_is_collected_once_dropped(
     anyio_backend: object, new_queue: bool
@@ -718,3 +752,132 @@ async def test_a_queue_that_used_a_foreign_buffer_is_collected_once_dropped(
                 await anyio.sleep(0.01)
                 gc.collect()
         assert array[0] == 1
+
+
+@pytest.mark.parametrize("new_queue", [False, True], ids=["reaper", "new queue"])
+async def test_a_queue_that_copied_from_a_closed_devices_buffer_is_collected_once_dropped(
+    anyio_backend: object, new_queue: bool
+) -> None:
+    """The other device of a copy between devices closed first, its buffer still held:
+    its blocks are no longer among any open device's, yet the queue's use on that
+    buffer's record, passed, is forgotten once the queue is let go of (by the reaper,
+    or a new_queue's sweep), so the queue dropped is collected -- not kept alive by a
+    closed device's buffer as long as that lives."""
+    async with am.open_device("cpu") as a:
+        async with am.open_device("cpu") as b:
+            mine, theirs = await a.alloc(64), await b.alloc(64)
+            await theirs.write(np.arange(16, dtype=np.int32))
+            q = a.new_queue()
+            await q.copy(mine, theirs)
+        dropped = weakref.ref(q)
+        del q
+        if new_queue:
+            for _ in range(40):  # (a sweep once the queues kept doubled)
+                a.new_queue()
+        with anyio.fail_after(10):
+            while dropped() is not None:
+                await anyio.sleep(0.01)
+                gc.collect()
+        assert (await mine.read(np.int32)).tolist() == list(range(16))
+        del theirs
+
+
+@pytest.mark.parametrize("where", ["_look", "_reaped"])
+async def test_a_reaper_that_raised_goes_on_reaping_and_its_close_reports_it(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """An error inside the reaper's work (its look, or its release of what was
+    collected, which each look ends with) ended its thread, silently: no queue dropped
+    later was released (until a new_queue's sweep, or the device's close). It is
+    reported as an error nobody awaited (the device's close raises it) and the reaper
+    goes on."""
+    from asyncmetal import _device
+
+    work = getattr(_device.Device, where)
+    raised: list[bool] = []
+
+    def failing_once(self: am.Device) -> object:
+        if not raised:
+            raised.append(True)
+            raise RuntimeError(f"{where} failed")
+        return work(self)
+
+    monkeypatch.setattr(_device.Device, where, failing_once)
+    closes = record_native_closes(monkeypatch, lambda native: native)
+    dev = await am.open_device("cpu")
+    async with dev:
+        inc = await dev.compile(INC, "inc")
+        buf = await dev.alloc(4)
+        await buf.write(np.zeros(1, np.int32))
+        first = dev.new_queue()  # the reaper starts, and looks soon
+        await first.launch(inc, buf)
+        with anyio.fail_after(10):
+            while not raised:
+                await anyio.sleep(0.01)
+        q = dev.new_queue()
+        await q.launch(inc, buf)
+        native = native_queue(q)
+        del q  # released by the reaper once let go of
+        with anyio.fail_after(10):
+            while native not in closes:
+                await anyio.sleep(0.01)
+                gc.collect()
+        assert (await buf.read(np.int32))[0] == 2
+        with pytest.raises(RuntimeError, match=f"{where} failed"):
+            await dev.close()
+
+
+class _Clock:
+    """A monotonic clock ``ahead`` seconds ahead of the real one (the reaper's: see
+    test_after_a_long_look_the_reaper_looks_again_within_seconds)."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.ahead
+
+
+async def test_after_a_long_look_the_reaper_looks_again_within_seconds(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reaper waits longer after a long look (it takes the GIL), but not without
+    bound: after a look that took 1000 s (its clock moved on meanwhile), a queue dropped
+    is let go of and released once a minute has passed -- not 100 times that look's
+    time later (a day)."""
+    from asyncmetal import _device
+
+    clock = _Clock()
+    monkeypatch.setattr(_device, "time", clock)  # (the reaper's clock only)
+    look = _device.Device._look
+    looks: list[bool | None] = []
+
+    def long_first_look(self: am.Device) -> bool | None:
+        let_go_of = look(self)
+        if not looks:
+            clock.ahead += 1000.0  # as if this look took 1000 s
+        looks.append(let_go_of)
+        return let_go_of
+
+    monkeypatch.setattr(_device.Device, "_look", long_first_look)
+    closes = record_native_closes(monkeypatch, lambda native: native)
+    async with am.open_device("cpu") as dev:
+        inc = await dev.compile(INC, "inc")
+        buf = await dev.alloc(4)
+        await buf.write(np.zeros(1, np.int32))
+        q = dev.new_queue()  # the reaper starts, and looks soon
+        await q.launch(inc, buf)
+        native = native_queue(q)
+        del q  # kept until let go of, at a look after the long one
+        with anyio.fail_after(10):
+            while not looks:
+                await anyio.sleep(0.01)
+        await anyio.sleep(0.1)  # (the reaper has set when to look next)
+        assert native not in closes
+        clock.ahead += 60.0
+        dev._reaper_inbox.put(_device._LOOK)  # wakes it: it looks if that time has come
+        with anyio.fail_after(10):
+            while native not in closes:
+                await anyio.sleep(0.01)
+                gc.collect()
+        assert (await buf.read(np.int32))[0] == 1
