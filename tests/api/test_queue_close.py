@@ -707,6 +707,19 @@ async def test_releasing_the_queues_of_many_cancelled_closes_compares_no_two_que
         assert not compared
 
 
+async def _collected(dropped: weakref.ref[am.Queue], sweep: am.Device | None = None) -> None:
+    """Wait (10 s at most) until the queue ``dropped`` refers to is collected: let go of
+    by the reaper, or, given ``sweep``, by a sweep of that device's new_queue (once the
+    queues kept doubled)."""
+    if sweep is not None:
+        for _ in range(40):
+            sweep.new_queue()
+    with anyio.fail_after(10):
+        while dropped() is not None:
+            await anyio.sleep(0.01)
+            gc.collect()
+
+
 @pytest.mark.parametrize("new_queue", [False, True], ids=["reaper", "new queue"])
 async def test_a_queue_that_copied_from_another_device_is_collected_once_dropped(
     anyio_backend: object, new_queue: bool
@@ -722,13 +735,7 @@ async def test_a_queue_that_copied_from_another_device_is_collected_once_dropped
         await q.copy(mine, theirs)
         dropped = weakref.ref(q)
         del q
-        if new_queue:
-            for _ in range(40):  # (a sweep once the queues kept doubled)
-                a.new_queue()
-        with anyio.fail_after(10):
-            while dropped() is not None:
-                await anyio.sleep(0.01)
-                gc.collect()
+        await _collected(dropped, a if new_queue else None)
         assert (await mine.read(np.int32)).tolist() == list(range(16))
 
 
@@ -747,10 +754,7 @@ async def test_a_queue_that_used_a_foreign_buffer_is_collected_once_dropped(
         await q.launch(inc, foreign)
         dropped = weakref.ref(q)
         del q
-        with anyio.fail_after(10):
-            while dropped() is not None:
-                await anyio.sleep(0.01)
-                gc.collect()
+        await _collected(dropped)
         assert array[0] == 1
 
 
@@ -771,13 +775,7 @@ async def test_a_queue_that_copied_from_a_closed_devices_buffer_is_collected_onc
             await q.copy(mine, theirs)
         dropped = weakref.ref(q)
         del q
-        if new_queue:
-            for _ in range(40):  # (a sweep once the queues kept doubled)
-                a.new_queue()
-        with anyio.fail_after(10):
-            while dropped() is not None:
-                await anyio.sleep(0.01)
-                gc.collect()
+        await _collected(dropped, a if new_queue else None)
         assert (await mine.read(np.int32)).tolist() == list(range(16))
         del theirs
 

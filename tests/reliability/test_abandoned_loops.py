@@ -216,13 +216,7 @@ def test_a_loop_started_again_as_it_is_set_aside_loses_no_wait(use_uvloop: bool)
         dev = loop.run_until_complete(am.open_device("cpu"))
         first, later = dev.timeline(), dev.timeline()
 
-        async def park_one() -> tuple[am._bridge.LoopBridge, asyncio.Future[None]]:
-            waiting = asyncio.ensure_future(first.wait(1))
-            while am.loop_statistics().waiting < 1:
-                await asyncio.sleep(0.001)
-            return am._bridge.current_bridge(), waiting
-
-        bridge, parked_before = loop.run_until_complete(park_one())
+        bridge, parked_before = loop.run_until_complete(_park_one(first))
         call_soon_threadsafe = bridge._call_soon_threadsafe
         started, parked = threading.Event(), threading.Event()
 
@@ -379,6 +373,14 @@ class _ReadHook:
         return value
 
 
+async def _park_one(timeline: am.Timeline) -> tuple[am._bridge.LoopBridge, asyncio.Future[None]]:
+    """A task of the running loop parked on ``timeline`` (for 1), and that loop's bridge."""
+    waiting = asyncio.ensure_future(timeline.wait(1))
+    while am.loop_statistics().waiting < 1:
+        await asyncio.sleep(0.001)
+    return am._bridge.current_bridge(), waiting
+
+
 def _nothing() -> None:
     pass
 
@@ -404,13 +406,7 @@ def test_a_loop_started_again_as_it_is_set_aside_goes_through_its_watches_unhind
         dev = loop.run_until_complete(am.open_device("cpu"))
         timeline, other = dev.timeline(), dev.timeline()
 
-        async def park_one() -> tuple[am._bridge.LoopBridge, asyncio.Future[None]]:
-            waiting = asyncio.ensure_future(timeline.wait(1))
-            while am.loop_statistics().waiting < 1:
-                await asyncio.sleep(0.001)
-            return am._bridge.current_bridge(), waiting
-
-        bridge, parked_before = loop.run_until_complete(park_one())
+        bridge, parked_before = loop.run_until_complete(_park_one(timeline))
         held, hooked = threading.Event(), threading.Event()
         drop_watch = timeline.drop_watch
 
@@ -480,13 +476,7 @@ def test_a_loop_started_again_as_it_is_set_aside_parks_on_the_watch_set_aside(
         dev = loop.run_until_complete(am.open_device("cpu"))
         timeline = dev.timeline()
 
-        async def park_one() -> tuple[am._bridge.LoopBridge, asyncio.Future[None]]:
-            waiting = asyncio.ensure_future(timeline.wait(1))
-            while am.loop_statistics().waiting < 1:
-                await asyncio.sleep(0.001)
-            return am._bridge.current_bridge(), waiting
-
-        bridge, parked_before = loop.run_until_complete(park_one())
+        bridge, parked_before = loop.run_until_complete(_park_one(timeline))
         held = threading.Event()
         drop_watch = timeline.drop_watch
 
