@@ -31,7 +31,9 @@ from tests.support.compilers import (
     CrashingCompiler,
     DeviceOpeningCompiler,
     EnvironmentCompiler,
+    GatedCompiler,
     SlowCompiler,
+    gate_name,
 )
 
 pytestmark = pytest.mark.anyio
@@ -308,16 +310,21 @@ async def test_compile_many_aclose_gives_up_what_it_has_not_yielded(
 ) -> None:
     """``aclose()`` on compile_many's iterator: the step waiting in another task stops
     (StopAsyncIteration), as does every later one; the compile not started that
-    nobody else awaits is dropped, the running one finishes into the cache."""
-    pool = CompilePool(1, cache=CompileCache(tmp_path))
+    nobody else awaits is dropped, the running one finishes into the cache. (The
+    compiler holds the second compile at a gate the test opens after aclose: held so,
+    it runs while the third waits behind it for the pool's one worker, whatever the
+    machine's load.)"""
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache"))
+    sources = [_src(f"many {i}") for i in range(3)]
     try:
         async with am.open_device("cpu") as dev:
             dev.compile_pool = pool
-            sources = [_src(f"many {i}") for i in range(3)]
+            dev._backend._compiler = GatedCompiler(str(gates))
+            (gates / gate_name(sources[0])).touch()  # the first compiles at once
             kernels = [(src, "twice") for src in sources]
             many = dev.compile_many(kernels)
-            first = await many.__anext__()  # the second one compiles now, the third waits
-            assert first.name == "twice"
             stopped: list[bool] = []
 
             async def step() -> None:
@@ -327,20 +334,29 @@ async def test_compile_many_aclose_gives_up_what_it_has_not_yielded(
                     stopped.append(True)
 
             with anyio.fail_after(30):
+                first = await many.__anext__()
+                assert first.name == "twice"
+                while not (gates / f"{gate_name(sources[1])}.began").exists():
+                    await anyio.sleep(0.01)  # the second compiles now, the third waits
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(step)
-                    await anyio.sleep(0.01)  # it waits for the second
+                    await anyio.wait_all_tasks_blocked()  # it waits for the second
                     await many.aclose()
                 assert stopped == [True]
                 with pytest.raises(StopAsyncIteration):
                     await many.__anext__()
+                for src in sources[1:]:  # (a third compile not dropped would run now)
+                    (gates / gate_name(src)).touch()
                 while pool._in_flight:
                     await anyio.sleep(0.01)
             identity = await compiler_identity(dev._backend.compiler)
             keys = [source_key(identity, src) for src in sources]
             assert pool.compiles == 2
             assert [pool.cache.get_memory(k) is not None for k in keys] == [True, True, False]
+            assert not (gates / f"{gate_name(sources[2])}.began").exists()
     finally:
+        for src in sources:  # (a test failed before opening them: its worker goes on)
+            (gates / gate_name(src)).touch()
         await pool.aclose()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import time
@@ -82,3 +83,35 @@ class EnvironmentCompiler(CCompiler):
             "pid": os.getpid(),
         }
         return repr(facts).encode()
+
+
+GATE_WAIT_S = 60.0  # a gate never opened (a failed test) holds its worker this long at most
+
+
+def gate_name(src: str) -> str:
+    """The name of ``src``'s gate in a GatedCompiler's directory."""
+    return hashlib.sha256(src.encode()).hexdigest()[:16]
+
+
+class GatedCompiler(CCompiler):
+    """A C compiler that marks each source it begins (the file ``gate_name(src)`` +
+    ``.began`` in ``gate_dir``), then waits for its gate (the file ``gate_name(src)``
+    there) before compiling: the test opens it."""
+
+    name = "gated-cc"
+
+    def __init__(self, gate_dir: str) -> None:
+        super().__init__()
+        self.gate_dir = gate_dir
+
+    def config(self) -> tuple[Any, ...]:
+        return (self.gate_dir,)
+
+    def compile(self, src: str) -> bytes:
+        gate = os.path.join(self.gate_dir, gate_name(src))
+        with open(gate + ".began", "w"):
+            pass
+        deadline = time.monotonic() + GATE_WAIT_S
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return super().compile(src)
