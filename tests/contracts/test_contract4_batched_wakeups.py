@@ -94,7 +94,9 @@ async def test_completions_during_a_busy_loop_are_batched(
     after = am.loop_statistics()
     resolved, wakeups = after.resolved - before.resolved, after.wakeups - before.wakeups
     assert resolved == len(completions) + 1  # and our own wait for the last
-    assert wakeups <= slices, (wakeups, resolved)
+    # About one per slice (twice that allowed: no test of the machine's timing); one
+    # apiece would be about 200.
+    assert wakeups <= 2 * slices, (wakeups, resolved)
 
 
 async def test_no_wakeup_for_completions_nobody_awaits(
