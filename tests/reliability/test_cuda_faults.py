@@ -372,6 +372,23 @@ def _confirmed(queue: am.Queue) -> am.Completion:
     return done
 
 
+async def _failed_from_a_wait(
+    queue: am.Queue, error: int, cause: tuple[int, int, int]
+) -> am.Completion:
+    """A command on ``queue`` (after one confirmed) that the simulated runtime fails
+    with ``error`` from a wait whose timeline failed for ``cause`` (the failed timeline,
+    its error, its value), the queue's timeline then settled: the command's completion."""
+    runtime = cuda_backend._native.runtime()
+    before = _confirmed(queue)
+    waited = queue._submit(numbered_only)
+    native = runtime.queues[queue._native._q]  # type: ignore[attr-defined]
+    native.error, native.error_value = error, waited.value
+    runtime.causes[queue._native._q] = cause  # type: ignore[attr-defined]
+    queue.timeline.native.signal(MAX)
+    await before
+    return waited
+
+
 async def _now(call: Any, *args: Any) -> Any:
     """``call(*args)`` from a coroutine: what it raises is raised when awaited."""
     return call(*args)
@@ -671,19 +688,12 @@ async def test_a_command_that_waited_for_a_failed_commands_value_names_it(
     device, not a CUDA error of their own; not DeviceLostError (nothing sticky)."""
     from asyncmetal.backends.cuda import _queue as cuda_queue
 
-    runtime = cuda_backend._native.runtime()
     dev0 = await am.open_device("cuda:0")
     dev1 = await am.open_device("cuda:1")
     try:
         queue = dev1.new_queue()
-        before = _confirmed(queue)
-        waited = queue._submit(numbered_only)
-        native = runtime.queues[queue._native._q]  # type: ignore[attr-defined]
-        native.error, native.error_value = cuda_queue.WAITED_FAILED, waited.value
         failed = (dev0.queue.timeline.native.c_timeline, CUresult.CUDA_ERROR_INVALID_VALUE, 7)
-        runtime.causes[queue._native._q] = failed  # type: ignore[attr-defined]
-        queue.timeline.native.signal(MAX)
-        await before
+        waited = await _failed_from_a_wait(queue, cuda_queue.WAITED_FAILED, failed)
         expected = (
             f"the command at value {waited.value} on a stream of cuda:1 ran after a "
             "device-side wait for a value that was never produced: the command at value 7 "
@@ -713,19 +723,12 @@ async def test_a_cuda_command_held_behind_a_failed_cpu_timeline_did_not_run(
     the wait."""
     from asyncmetal.backends.cuda import _queue as cuda_queue
 
-    runtime = cuda_backend._native.runtime()
     dev = await am.open_device("cuda:0")
     cpu = await am.open_device("cpu")
     try:
         queue = dev.new_queue()
-        before = _confirmed(queue)
-        waited = queue._submit(numbered_only)
-        native = runtime.queues[queue._native._q]  # type: ignore[attr-defined]
-        native.error, native.error_value = cuda_queue.HELD_FAILED, waited.value
         failed = (cpu.queue.timeline.native.c_timeline, _native.DISCARDED, 3)
-        runtime.causes[queue._native._q] = failed  # type: ignore[attr-defined]
-        queue.timeline.native.signal(MAX)
-        await before
+        waited = await _failed_from_a_wait(queue, cuda_queue.HELD_FAILED, failed)
         expected = (
             "this command did not run: it follows a device-side wait for a value that "
             "command 3 of a queue of cpu never produced: it was discarded, not started when "
