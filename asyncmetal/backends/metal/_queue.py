@@ -76,7 +76,24 @@ class NSRange(ctypes.Structure):
     _fields_ = [("location", c_ulong), ("length", c_ulong)]
 
 
-class MetalTimeline(ForkableTimeline):
+class _EventWaited:
+    """What a queue's waits and their gates read of what a Metal wait waits on: its
+    ``MTLSharedEvent`` and the native timeline it stands for."""
+
+    event: int
+    c_timeline: int
+
+    def device_value(self) -> int:
+        value: int = send(self.event, "signaledValue", restype=c_uint64)
+        return value
+
+    def failure(self, target: int) -> _native.Failure | None:
+        """Why ``target``, reached, was never produced (None: it was)."""
+        failure = _native.timeline_failure(self.c_timeline)
+        return failure if failure is not None and target >= failure.first else None
+
+
+class MetalTimeline(_EventWaited, ForkableTimeline):
     """An ``MTLSharedEvent`` with a native mirror timeline that wakes the loops."""
 
     def __init__(self, backend: MetalDevice) -> None:
@@ -102,10 +119,6 @@ class MetalTimeline(ForkableTimeline):
     def forked(self, message: str) -> None:
         self._mirror = InheritedValue(message)
 
-    def device_value(self) -> int:
-        value: int = send(self.event, "signaledValue", restype=c_uint64)
-        return value
-
     def signal(self, value: int) -> None:
         send(self.event, "setSignaledValue:", value, restype=None, argtypes=(c_uint64,))
         self._lib.am_timeline_signal(self.c_timeline, value)
@@ -120,13 +133,8 @@ class MetalTimeline(ForkableTimeline):
         super().close_waits()  # (and the GPU's waits on the event end)
         send(self.event, "setSignaledValue:", MAX_VALUE, restype=None, argtypes=(c_uint64,))
 
-    def failure(self, target: int) -> _native.Failure | None:
-        """Why ``target``, reached, was never produced (None: it was)."""
-        failure = _native.timeline_failure(self.c_timeline)
-        return failure if failure is not None and target >= failure.first else None
 
-
-class HostWait:
+class HostWait(_EventWaited):
     """A Metal queue's wait for a value of another kind's queue timeline (a cpu or npy
     queue's, which has no ``MTLSharedEvent``): an event of its own, which the native
     runtime sets to ``target`` once the timeline got there -- or failed, ending the wait
@@ -158,15 +166,6 @@ class HostWait:
     @property
     def value(self) -> int:
         return self._timeline.value
-
-    def device_value(self) -> int:
-        value: int = send(self.event, "signaledValue", restype=c_uint64)
-        return value
-
-    def failure(self, target: int) -> _native.Failure | None:
-        """Why ``target``, reached, was never produced (None: it was)."""
-        failure = _native.timeline_failure(self.c_timeline)
-        return failure if failure is not None and target >= failure.first else None
 
 
 class MetalQueue(NativeQueue):
