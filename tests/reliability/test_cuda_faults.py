@@ -389,6 +389,19 @@ async def _failed_from_a_wait(
     return waited
 
 
+async def _raised_twice(
+    queue: am.Queue, waited: am.Completion, code: int, kind: type[Exception]
+) -> BaseException:
+    """What awaiting ``waited`` raises (of ``kind``), checked to be what a submission
+    to ``queue`` now raises too: its native check refusing with ``code``."""
+    with pytest.raises(kind) as caught:
+        await waited
+    with pytest.raises(kind) as refused:
+        queue._native._check(code)
+    assert str(refused.value) == str(caught.value)
+    return caught.value
+
+
 async def _now(call: Any, *args: Any) -> Any:
     """``call(*args)`` from a coroutine: what it raises is raised when awaited."""
     return call(*args)
@@ -699,12 +712,8 @@ async def test_a_command_that_waited_for_a_failed_commands_value_names_it(
             "device-side wait for a value that was never produced: the command at value 7 "
             "on a stream of cuda:0 failed: CUDA_ERROR_INVALID_VALUE" + LATER_FAIL
         )
-        with pytest.raises(am.AsyncMetalError) as caught:
-            await waited
-        assert str(caught.value) == expected and not isinstance(caught.value, DeviceLostError)
-        with pytest.raises(am.AsyncMetalError) as caught:
-            queue._native._check(cuda_queue.WAITED_FAILED)  # a submission it refuses now
-        assert str(caught.value) == expected
+        error = await _raised_twice(queue, waited, cuda_queue.WAITED_FAILED, am.AsyncMetalError)
+        assert str(error) == expected and not isinstance(error, DeviceLostError)
     finally:
         await dev0.close()
         await dev1.close()
@@ -734,12 +743,8 @@ async def test_a_cuda_command_held_behind_a_failed_cpu_timeline_did_not_run(
             "command 3 of a queue of cpu never produced: it was discarded, not started when "
             "its queue was closed with discard=True" + LATER_FAIL
         )
-        with pytest.raises(am.ClosedResourceError) as caught:
-            await waited
-        assert str(caught.value) == expected
-        with pytest.raises(am.ClosedResourceError) as caught:
-            queue._native._check(cuda_queue.HELD_FAILED)  # a submission it refuses now
-        assert str(caught.value) == expected
+        error = await _raised_twice(queue, waited, cuda_queue.HELD_FAILED, am.ClosedResourceError)
+        assert str(error) == expected
     finally:
         await cpu.close()
         await dev.close()
