@@ -249,14 +249,27 @@ class Watch:
             self.withdrawn = 0
             self._update_next()
 
-    def resolve(self, budget: int) -> int:
+    def wake_now(self) -> None:
+        """The timeline was raised on the loop's own thread (a host signal from one of
+        its tasks): wake the tasks it reached at once, as ``asyncio.Event.set`` does,
+        rather than after the loop's next look at its pipe -- a loop iteration, and the
+        slowest part of the way on a CPU that was idle. A callback's turn
+        (``call_when_reached``), or more tasks than a slice, wait for the next slice as
+        usual: a callback never runs inside the signal."""
+        if self.queued or self.bridge.dead or not self.heap:
+            return
+        if self.resolve(self.bridge.slice, calls=False) == 0:
+            self.bridge.notify_here(self)
+
+    def resolve(self, budget: int, calls: bool = True) -> int:
         """Wake the entries whose value is reached, ``budget`` tasks at most; return the
-        budget left (0: it stopped there, and more may be due)."""
+        budget left (0: it stopped there, and more may be due). With ``calls`` false it
+        stops at a callback's entry instead of running it, returning 0."""
         heap, timeline = self.heap, self.timeline
         while True:
             reached = INFINITY if timeline.ended else timeline.native.value
             while heap and heap[0][0] <= reached:
-                if budget <= 0:
+                if budget <= 0 or not (calls or heap[0][2].task or heap[0][2].done):
                     return 0
                 value, _, entry = heapq.heappop(heap)
                 if entry.done:
@@ -1402,21 +1415,44 @@ def checkpoint() -> Generator[Any, Any, None]:
         raise NoLoopError("asyncmetal must be awaited from asyncio, uvloop or trio")
 
 
-def stay_awake(ns: int) -> None:
-    """``LoopBridge.stay_awake`` of the calling thread's running loop, if it runs one and
-    its bridge exists (nothing waits on it otherwise)."""
-    loop = running_asyncio_loop()
-    if loop is not None:
-        bridge = _asyncio_bridges.get(loop)
+def _running_bridge() -> LoopBridge | None:
+    """The bridge of the calling thread's running loop, if it runs one and its bridge
+    exists (nothing waits on it otherwise) and lives."""
+    loop = _get_running_loop()
+    if loop is not None and ("trio" not in sys.modules or not in_trio_task()):
+        last_loop, bridge = _last_asyncio_bridge
+        if bridge is None or last_loop() is not loop:
+            bridge = _asyncio_bridges.get(loop)
     elif _trio_bridge_var is not None:
         try:
             bridge = _trio_bridge_var.get()
         except (LookupError, RuntimeError):  # no bridge yet; not in a trio run
-            return
+            return None
     else:
-        return
-    if bridge is not None and not bridge.dead:
+        return None
+    return None if bridge is None or bridge.dead else bridge
+
+
+def stay_awake(ns: int) -> None:
+    """``LoopBridge.stay_awake`` of the calling thread's running loop, if any."""
+    bridge = _running_bridge()
+    if bridge is not None:
         bridge.stay_awake(ns)
+
+
+def signalled_here(watch_of: dict[LoopBridge, Watch], awake_ns: int) -> None:
+    """A host signal raised a timeline, whose watches by loop are ``watch_of``, on the
+    calling thread: if the thread runs a loop waiting on it, wake what it reached now
+    (``Watch.wake_now``); with ``awake_ns``, keep that loop reading its native watches
+    for as long (``LoopBridge.stay_awake``: the device work the signal released)."""
+    bridge = _running_bridge()
+    if bridge is None:
+        return
+    watch = watch_of.get(bridge)
+    if watch is not None:
+        watch.wake_now()
+    if awake_ns:
+        bridge.stay_awake(awake_ns)
 
 
 def loop_statistics() -> LoopStatistics:

@@ -309,6 +309,59 @@ async def test_a_wait_added_to_a_watch_about_to_go_keeps_it(device: am.Device) -
     assert tl._watch_of.get(bridge) is None
 
 
+async def test_a_host_signal_on_the_loop_wakes_its_tasks_as_it_returns(
+    device: am.Device,
+) -> None:
+    """A task of the loop signals a timeline its other tasks wait on: they are woken by
+    the signal itself, as ``Event.set`` wakes, and run in the loop's next iteration --
+    before the signalling task's second checkpoint returns. Checked failing without (on
+    asyncio, at once; on trio, by chance): they were woken only once the loop had seen
+    its pipe, an iteration later."""
+    tl = device.timeline()
+    woken: list[int] = []
+
+    async def waiter(v: int) -> None:
+        await tl.wait(v)
+        woken.append(v)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            for v in (1, 2, 2, 3):
+                tg.start_soon(waiter, v)
+            await anyio.wait_all_tasks_blocked()
+            tl.signal(2)
+            assert woken == []  # (woken, not run: nothing runs inside the signal)
+            await anyio.lowlevel.checkpoint()
+            await anyio.lowlevel.checkpoint()
+            assert sorted(woken) == [1, 2, 2]
+            tl.signal(3)
+    assert sorted(woken) == [1, 2, 2, 3]
+
+
+async def test_a_callback_waiting_is_not_run_inside_a_host_signal(device: am.Device) -> None:
+    """A callback waiting on a timeline (``call_when_reached``) is run by the loop after a
+    host signal reached it, never inside the signal's call, also when the signal comes
+    from the loop's own thread; the tasks waiting behind it still wake."""
+    from asyncmetal import _timeline
+
+    tl = device.timeline()
+    order: list[str] = []
+
+    async def waiter() -> None:
+        await tl.wait(1)
+        order.append("task")
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            _timeline.call_when_reached(tl, 1, lambda: order.append("callback"))
+            tg.start_soon(waiter)
+            await anyio.wait_all_tasks_blocked()
+            tl.signal(1)
+            order.append("signalled")
+    assert order[0] == "signalled"
+    assert sorted(order[1:]) == ["callback", "task"]
+
+
 async def test_a_callback_that_raises_does_not_stop_the_wakeups_after_it(
     device: am.Device, caplog: pytest.LogCaptureFixture
 ) -> None:
