@@ -1362,6 +1362,8 @@ class CompileMany:
                 program = await self._device._program(
                     key, params, result, src, self._compiler, self._timeout
                 )
+                if self._closed:  # (closed while this step loaded it: not handed out)
+                    raise StopAsyncIteration
                 if log:
                     _warn_compiled(key[1], log, 4)
             except (anyio.get_cancelled_exc_class(), CompileWarning):
