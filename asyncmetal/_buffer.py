@@ -159,7 +159,11 @@ class Buffer(Exports):
         A copy on the device's default queue, ordered (as every copy is) after the
         earlier commands of any queue that used the buffer, launches included. Cancelling
         the await does not withdraw the copy: it completes, and ``data`` is kept alive
-        until then.
+        until then. ``data`` may be a Buffer of this device, of another of its kind, or
+        of another kind whose memory the host sees (cpu, npy, Metal): that one is read in
+        place once the commands that used it finished, as ``asyncmetal.copy`` reads it;
+        a buffer of another kind the host cannot see (cuda) goes through
+        ``asyncmetal.copy``.
         """
         check_buffer(self, "buffer")  # (the copy's own check would call it dst)
         if isinstance(data, Buffer):
@@ -179,6 +183,16 @@ class Buffer(Exports):
                 f"data holds {size} bytes and the buffer {self.nbytes}: write() fills the "
                 f"whole buffer; {hint}"
             )
+        if (
+            isinstance(data, Buffer)
+            and data._state.kind != self._state.kind
+            and data._state.backend.host_visible
+            and self._state.backend.writable  # (else refused as read-only, below)
+        ):
+            from ._transfer import copy  # (it imports this module)
+
+            await copy(self, data)  # read in place, on this device's default queue
+            return
         await self._state.default_queue().copy(self, data)
 
     async def read(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray[Any, Any]:

@@ -129,6 +129,7 @@ REAP_MAX_S = 0.5
 REAP_DUTY = 100
 REAP_LONGEST_S = 5.0
 REAP_CHUNK = 1024
+RELEASE_LOOKS = 4  # closed queues new_queue (and a collection) look at, in turn
 # What a reaper is told: look soon (a queue to watch); a queue was collected; stop.
 _LOOK, _COLLECTED, _STOP = 0, 1, 2
 # A source this long or longer is hashed and its kernel's parameters read on a worker
@@ -207,10 +208,13 @@ class Device:
         self._retired: list[tuple[Any, list[tuple[Queue, int]]]] = []
         self._retire_lock = threading.Lock()
         # Queues closed (Queue.close) and not released yet: each is released once its
-        # commands ran, by its close or, where that was cancelled, the reaper (or the next
-        # new_queue). A dict (in the order they were closed), so that each is found and
-        # taken off at once, however many there are.
+        # commands ran, by its close or, where that was cancelled, the reaper (or
+        # new_queue, a few at a time: _release_done). A dict (in the order they were
+        # closed), so that each is found and taken off at once, however many there are.
         self._unreleased: dict[Queue, None] = {}
+        # Its queues in the order new_queue looks at them, a few at a time (see
+        # _release_done); those released since are passed over as they come.
+        self._in_turn: collections.deque[Queue] = collections.deque()
         self._releases: dict[Queue, HostEvents] = {}  # under way: reach 1 once done
         self._release_threads: list[threading.Thread] = []
         # Queues from new_queue() with nothing in flight that the device let go of (see
@@ -322,13 +326,26 @@ class Device:
             self._reap_later()
         return queue
 
-    def _release_done(self) -> None:
+    def _release_done(self, every: bool = False) -> None:
         """Release, on release threads, the closed queues whose closes were cancelled
         once their commands ran, and the native queues of the queues collected
         (submission lock held). Started before the lock is let go: a close seals the
         device under it, so their threads are then among those the close waits for (see
-        _start_release)."""
-        ready = [q for q in self._unreleased if settled(q)]
+        _start_release).
+
+        The closed queues looked at are RELEASE_LOOKS of them, in turn -- ``every`` one
+        at the reaper's looks (paced by how long they take): so new_queue takes the
+        same time however many closes stay blocked (not a pass over all of them per
+        call), and one done is released by the reaper's next look or by new_queue once
+        its turn comes, whichever is first."""
+        if every:
+            ready: list[Queue] = []
+            waiting: collections.deque[Queue] = collections.deque()
+            for queue in self._unreleased:
+                (ready if settled(queue) else waiting).append(queue)
+            self._in_turn = waiting
+        else:
+            ready = self._settled_in_turn(RELEASE_LOOKS)
         released = self._claim_release(ready)
         dropped = self._take_dropped()
         for _, timeline in dropped:  # its close ends waits on it (none reach it)
@@ -337,6 +354,23 @@ class Device:
             self._start_release(ready, released)
         if dropped:
             self._start_release([], None, [native for native, _ in dropped])
+
+    def _settled_in_turn(self, looks: int) -> list[Queue]:
+        """The settled ones among the next ``looks`` closed queues in turn (submission
+        lock held); those not settled go to the back. Those released since they were
+        closed are passed over (not counted): each once."""
+        ready = []
+        turn = self._in_turn
+        while looks and turn:
+            queue = turn.popleft()
+            if queue not in self._unreleased:
+                continue
+            looks -= 1
+            if settled(queue):
+                ready.append(queue)
+            else:
+                turn.append(queue)
+        return ready
 
     def _take_dropped(self) -> list[tuple[NativeQueue, Timeline]]:
         """The native queues (and timelines) of the queues collected since last time."""
@@ -428,14 +462,16 @@ class Device:
         self._watching = True
         self._reaper_inbox.put(_LOOK)
 
-    def _reaped(self) -> bool:
+    def _reaped(self, every: bool = False) -> bool:
         """Release the native queues of the queues collected, and the closed queues
         whose closes were cancelled once their commands ran (on the reaper; taking the
-        submission lock). False once the device is closed (the close releases them)."""
+        submission lock): ``every`` one done, or those done of the next few in turn (a
+        collection: see _release_done). False once the device is closed (the close
+        releases them)."""
         with self._state.submitting:
             if self.closed:
                 return False
-            self._release_done()
+            self._release_done(every)
         return True
 
     def _look(self) -> bool | None:
@@ -459,7 +495,7 @@ class Device:
                 self._allocator.forget_passed([(b, q) for b, q in part if q._idle])
         let_go_of = bool(idle)
         del idle, parts, part  # a queue nobody else holds is collected here
-        if not self._reaped():
+        if not self._reaped(every=True):
             return None
         with lock:
             if let_go_of:
@@ -917,6 +953,7 @@ class Device:
             closed = self.closed
             if not closed and seal(queue, f"this queue of {self.name} was closed"):
                 self._unreleased[queue] = None
+                self._in_turn.append(queue)
                 self._reap_later()  # (released by the reaper if this close is cancelled)
             # Sealed either way (by the device's close, or here). One being released has
             # finished: nothing is left to drop. (The backend's discard and its native
@@ -1362,6 +1399,8 @@ class CompileMany:
                 program = await self._device._program(
                     key, params, result, src, self._compiler, self._timeout
                 )
+                if self._closed:  # (closed while this step loaded it: not handed out)
+                    raise StopAsyncIteration
                 if log:
                     _warn_compiled(key[1], log, 4)
             except (anyio.get_cancelled_exc_class(), CompileWarning):

@@ -547,15 +547,16 @@ class Queue:
         host operand (see ``copy_in_place``)."""
         self._check_open()
         operands = copy_operands(self._state, dst, src, nbytes)
-        self._after(operands.buffers, operands.names)
         hook = getattr(self._native, operands.hook)
-        return self._submit(
-            hook,
-            *operands.args,
-            after=operands.extra,
-            uses=(*operands.buffers, *in_place),
-            names=operands.names,
-        )
+        with self._state.submitting:  # (the uses read and its own recorded: see _after)
+            self._after(operands.buffers, operands.names)
+            return self._submit(
+                hook,
+                *operands.args,
+                after=operands.extra,
+                uses=(*operands.buffers, *in_place),
+                names=operands.names,
+            )
 
     def fill(
         self, buf: Buffer, value: Any, *, offset: int = 0, size: int | None = None
@@ -579,10 +580,11 @@ class Queue:
     def _fill(self, buf: Buffer, offset: int, nbytes: int, pattern: int, size: int) -> Completion:
         """``fill`` of checked arguments (``nbytes`` may reach into the rest of the
         buffer's block: see ``fill_zeros``)."""
-        self._after((buf,))
         arg = native_arg(buf)
         arg = new_arg(Arg, (arg.handle, arg.offset + offset, None))
-        return self._submit(self._native.fill, arg, nbytes, pattern, size, uses=(buf,))
+        with self._state.submitting:  # (see _copy)
+            self._after((buf,))
+            return self._submit(self._native.fill, arg, nbytes, pattern, size, uses=(buf,))
 
     def after(self, *buffers: Buffer) -> Queue:
         """Order this queue's next commands after every command submitted so far on
@@ -613,7 +615,10 @@ class Queue:
         device (the copy settles the buffer on the host first; commands after it are
         not ordered with it). A use by a queue of a device closed since (on another
         thread) cannot be either: refused, naming that device rather than its queue's
-        timeline."""
+        timeline. A copy or fill reads the uses and records its own under its device's
+        submission lock, in one hold: two of them on two queues of the device, submitted
+        at once on two threads, are ordered one after the other, never each missing the
+        other's use."""
         state = self._state
         kind = state.kind
         for i, buf in enumerate(buffers):

@@ -720,6 +720,51 @@ async def _collected(dropped: weakref.ref[am.Queue], sweep: am.Device | None = N
             gc.collect()
 
 
+async def test_new_queue_looks_at_a_few_blocked_closes_and_releases_each_in_turn(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many closes cancelled while their queues wait: each new_queue() looks at a few of
+    those queues (whether their commands ran), not at every one -- a pass over them
+    all per call, with thousands blocked, made many new_queue() calls quadratic -- and
+    still releases each once its commands ran, in turn, none before. (No reaper here:
+    new_queue alone releases them; whether a queue ran is counted through ``settled``.)
+    Checked failing without the fix (10,000 looks for 100 calls)."""
+    from asyncmetal import _device
+
+    monkeypatch.setattr(am.Device, "_reap_later", lambda self: None)
+    looked: list[int] = []
+    settled = _device.settled
+
+    def counted(queue: am.Queue) -> bool:
+        looked.append(1)
+        return settled(queue)
+
+    closes = record_native_closes(monkeypatch, lambda native: native)
+    async with am.open_device("cpu") as dev:
+        tl = dev.timeline()
+        queues = [dev.new_queue() for _ in range(100)]
+        for q in queues:
+            q.wait(tl, 1)
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await q.close()  # sealed, then cancelled at its wait
+        monkeypatch.setattr(_device, "settled", counted)
+        made = [dev.new_queue() for _ in range(100)]  # (kept: none of them released)
+        assert len(looked) <= 8 * len(made)  # (a few each, however many are blocked)
+        assert not any(native_queue(q) in closes for q in queues)
+        tl.signal(1)
+        for q in queues:
+            await q.timeline.wait(q.submitted)
+        calls = 0
+        while any(q in dev._unreleased for q in queues) and calls < len(queues):
+            made.append(dev.new_queue())  # takes those done among the next few off
+            calls += 1
+        assert calls < len(queues)  # each released, in turn, by new_queue alone
+        with anyio.fail_after(10):  # (each released on a thread of its own)
+            while not all(native_queue(q) in closes for q in queues):
+                await anyio.sleep(0.01)
+
+
 @pytest.mark.parametrize("new_queue", [False, True], ids=["reaper", "new queue"])
 async def test_a_queue_that_copied_from_another_device_is_collected_once_dropped(
     anyio_backend: object, new_queue: bool
@@ -794,11 +839,11 @@ async def test_a_reaper_that_raised_goes_on_reaping_and_its_close_reports_it(
     work = getattr(_device.Device, where)
     raised: list[bool] = []
 
-    def failing_once(self: am.Device) -> object:
+    def failing_once(self: am.Device, *args: Any, **kwargs: Any) -> object:
         if not raised:
             raised.append(True)
             raise RuntimeError(f"{where} failed")
-        return work(self)
+        return work(self, *args, **kwargs)
 
     monkeypatch.setattr(_device.Device, where, failing_once)
     closes = record_native_closes(monkeypatch, lambda native: native)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-from asyncmetal import _transfer
+from asyncmetal import _transfer, backends
 from tests.support.kernels import KERNELS
 from tests.support.other_kind import held_pair
 from tests.support.queues import held_queue
@@ -67,6 +67,51 @@ async def test_npy_buffers_are_read_only_sources(anyio_backend: object) -> None:
             await am.from_numpy(np.zeros((4, 4))[:, 1])
         with pytest.raises(am.InvalidArgumentError, match="wrap"):
             dev.wrap(arr)
+
+
+async def test_write_takes_an_npy_buffer(anyio_backend: object) -> None:
+    """``Buffer.write`` of an npy buffer reads it in place, as ``asyncmetal.copy`` does
+    (before, it was refused -- "staged through the host: use asyncmetal.copy()" --
+    while a buffer of another cpu device was taken); an npy buffer is still never
+    written. Checked failing without the fix."""
+    async with am.open_device("cpu") as dev:
+        arr = np.arange(1000, dtype=np.float32)
+        src = await am.from_numpy(arr)
+        buf = await dev.alloc(4000)
+        await buf.write(src)  # npy -> cpu
+        np.testing.assert_array_equal(await buf.read(np.float32), arr)
+        await buf.view(0, 400).write(src.view(400, 400))  # views, with offsets
+        np.testing.assert_array_equal((await buf.read(np.float32))[:100], arr[100:200])
+        with pytest.raises(am.InvalidArgumentError, match="read-only"):
+            await src.write(buf)  # cpu -> npy: refused, as a write of any data is
+
+
+@pytest.mark.parametrize("direction", ["cpu to other", "other to cpu"])
+async def test_write_takes_a_host_visible_buffer_of_another_kind_once_its_writer_ran(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, direction: str
+) -> None:
+    """``Buffer.write`` of a buffer of another kind whose memory the host sees reads
+    it in place once the command writing it (held here behind a wait) ran, as a write
+    of a buffer of another device of its own kind does; of a buffer of a kind the host
+    cannot see it still says to use ``asyncmetal.copy``. Checked failing without the
+    fix (refused: "staged through the host")."""
+    monkeypatch.setitem(backends.BACKENDS, "cpu3", "tests.support.other_kind:HostKind")
+    monkeypatch.setitem(backends.BACKENDS, "cpu2", "tests.support.other_kind:OtherKind")
+    async with am.open_device("cpu") as cpu, am.open_device("cpu3") as other:
+        source, destination = (cpu, other) if direction == "cpu to other" else (other, cpu)
+        src, dst = await source.alloc(64), await destination.alloc(64)
+        await src.write(np.full(64, 1, np.uint8))
+        queue, gate = held_queue(source)
+        queue.copy(src, np.full(64, 7, np.uint8))  # the source's last writer, held
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(dst.write, src)
+                await anyio.wait_all_tasks_blocked()  # the write waits for the writer
+                gate.signal(1)
+        assert (await dst.read()).tolist() == [7] * 64
+        async with am.open_device("cpu2") as hidden:
+            with pytest.raises(am.InvalidArgumentError, match=r"use asyncmetal\.copy\(\)"):
+                await dst.write(await hidden.alloc(64))
 
 
 @pytest.mark.parametrize("chunk", [4096, 1000, 1 << 20])

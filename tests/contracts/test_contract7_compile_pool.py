@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from collections.abc import AsyncIterator
@@ -28,6 +29,7 @@ from asyncmetal._native_build import cc_command
 from asyncmetal._pool import CompilePool, compiler_identity
 from asyncmetal.backends.cpu import CCompiler
 from tests.support.compilers import (
+    GATE_WAIT_S,
     CrashingCompiler,
     DeviceOpeningCompiler,
     EnvironmentCompiler,
@@ -393,6 +395,46 @@ async def test_compile_many_aclose_gives_up_every_claim(
             assert later._dispatched <= 1 and not later._jobs
     finally:
         await pool.aclose()
+
+
+async def test_compile_many_aclose_stops_a_step_loading_its_program(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``aclose()`` while a step has taken its kernel's binary and is loading it on a
+    thread: that step raises StopAsyncIteration once the load ends, as a step waiting
+    does, rather than handing the program out. (The backend's load is held until the
+    test has closed the iterator.) Checked: before, the step returned the program."""
+    began, release = threading.Event(), threading.Event()
+    async with am.open_device("cpu") as dev:
+        load = dev._backend.load
+
+        def held_load(*args: object) -> object:
+            began.set()
+            release.wait(GATE_WAIT_S)
+            return load(*args)
+
+        monkeypatch.setattr(dev._backend, "load", held_load)
+        many = dev.compile_many([(_src("held load"), "twice")])
+        got: list[object] = []
+
+        async def step() -> None:
+            try:
+                got.append(await many.__anext__())
+            except StopAsyncIteration:
+                got.append(StopAsyncIteration)
+
+        try:
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(step)
+                    await anyio.to_thread.run_sync(began.wait)  # the step loads it now
+                    await many.aclose()
+                    release.set()
+        finally:
+            release.set()
+        assert got == [StopAsyncIteration]
+        with pytest.raises(StopAsyncIteration):
+            await many.__anext__()
 
 
 async def test_compile_many_refuses_a_second_step_under_way(anyio_backend: object) -> None:

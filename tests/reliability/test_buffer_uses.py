@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-from asyncmetal import _allocator
+from asyncmetal import _allocator, _queue
 from tests.support.other_kind import held_pair
 
 N = 4096
@@ -179,17 +179,24 @@ async def test_a_free_on_another_thread_as_a_copy_between_kinds_is_submitted(
         threads[0].start()
         assert settled.wait(LIMIT)
 
-    submit = other.queue._submit
+    # Freed once the copy was checked, before it takes the submission lock (under which
+    # it reads the buffers' uses and is handed over), or once it let go of that lock.
+    checked_operands, copy_checked = _queue.copy_operands, other.queue._copy
 
-    def submit_as_freed(*args: Any, **kwargs: Any) -> am.Completion:
-        if when == "before":
+    def checked_then_freed(*args: Any) -> Any:
+        operands = checked_operands(*args)
+        if when == "before" and not threads:
             free_elsewhere()
-        done = submit(*args, **kwargs)
+        return operands
+
+    def copied_then_freed(*args: Any, **kwargs: Any) -> am.Completion:
+        done = copy_checked(*args, **kwargs)
         if when == "after":
             free_elsewhere()
         return done
 
-    monkeypatch.setattr(other.queue, "_submit", submit_as_freed)
+    monkeypatch.setattr(_queue, "copy_operands", checked_then_freed)
+    monkeypatch.setattr(other.queue, "_copy", copied_then_freed)
     refused: list[am.ClosedResourceError] = []
 
     async def copy() -> None:
@@ -220,3 +227,77 @@ async def test_a_free_on_another_thread_as_a_copy_between_kinds_is_submitted(
         assert again._allocation.block is not block, "handed out while the copy used it"
     await other.close()
     await cpu.close()
+
+
+class _NotingLock:
+    """A device's submission lock that calls ``noted()`` as each acquire begins."""
+
+    def __init__(self, lock: Any, noted: Any) -> None:
+        self._lock = lock
+        self._noted = noted
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        self._noted()
+        return bool(self._lock.acquire(blocking, timeout))
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+async def test_two_threads_copying_into_one_buffer_on_two_queues_are_ordered(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two threads copy into one buffer at once, on two queues of one device: the
+    second copy handed over waits for the first. The first thread is held right after
+    it read the buffer's uses until the second has read them too, or is waiting for
+    the submission lock (which the device's lock, wrapped, tells). Before, a copy read
+    the uses before taking that lock: each read none of the other's, and the second,
+    not ordered, could run before the first (held here behind a wait), whose bytes
+    were then left. Checked failing without the fix (the second waited for nothing)."""
+    async with am.open_device("cpu") as dev:
+        held, other = dev.new_queue(), dev.new_queue()
+        gate = dev.timeline()
+        held.wait(gate, 1)
+        buf = await dev.alloc(N)
+        first, second = np.full(N, 1, np.uint8), np.full(N, 2, np.uint8)
+        arrived = threading.Event()  # the second thread read the uses, or waits to
+        threads: list[threading.Thread] = []
+        copies: list[am.Completion] = []
+
+        def copy_second() -> None:
+            copies.append(other.copy(buf, second))
+
+        def second_arrived() -> None:
+            if threads and threading.current_thread() is threads[0]:
+                arrived.set()
+
+        read_uses = _queue.uses
+
+        def uses_then_second(b: am.Buffer) -> Any:
+            found = read_uses(b)
+            if not threads:  # (the first thread's read: the second copies now)
+                threads.append(threading.Thread(target=copy_second))
+                threads[0].start()
+                assert arrived.wait(LIMIT)
+            else:
+                second_arrived()
+            return found
+
+        state = dev._state
+        monkeypatch.setattr(state, "submitting", _NotingLock(state.submitting, second_arrived))
+        monkeypatch.setattr(_queue, "uses", uses_then_second)
+        with anyio.fail_after(LIMIT):
+            copies.insert(0, await anyio.to_thread.run_sync(held.copy, buf, first))
+            await anyio.to_thread.run_sync(threads[0].join)
+            monkeypatch.undo()
+            assert any(op[2] is held.timeline for op in other._sync_ops), "not ordered"
+            gate.signal(1)
+            for done in copies:
+                await done
+            assert (await buf.read() == 2).all(), "the second copy ran before the first"

@@ -22,6 +22,18 @@ class OtherKind(CPUBackend):
         return ["cpu2"]
 
 
+class HostKind(CPUBackend):
+    """A second kind of device whose memory the host sees, as the cpu device's: a
+    copy between it and the cpu device reads the source in place on the destination's
+    queue."""
+
+    kind = "cpu3"
+
+    @classmethod
+    def available(cls) -> list[str]:
+        return ["cpu3"]
+
+
 async def held_pair(
     monkeypatch: pytest.MonkeyPatch, cpu_name: str
 ) -> tuple[am.Device, am.Device, am.Buffer, am.Buffer, am.Timeline]:
