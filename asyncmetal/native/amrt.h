@@ -344,6 +344,8 @@ void am_block_completed(am_block *b, void *arg);
 void am_block_reached(am_block *b, void *event, uint64_t value);
 int am_relay_new(am_timeline *t, uint64_t target, void *event, void *send, void *set_value,
                  void *release);
+int am_host_wait(am_timeline *t, uint64_t target, int *stop, int64_t timeout_ns);
+void am_host_wait_stop(am_timeline *t, int *stop);
 am_block *am_block_new(void *isa, int reached, am_timeline *timeline, uint64_t value);
 void am_block_free(am_block *b);
 uint64_t am_blocks_wait(uint64_t seen, int64_t timeout_ns);

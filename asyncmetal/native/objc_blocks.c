@@ -322,3 +322,40 @@ int am_relay_new(am_timeline *t, uint64_t target, void *event, void *send, void 
     if (!timeline_defer(t, target, &r->kick)) relay_run(&r->kick);
     return 0;
 }
+
+/* ---- a wait held on a Metal queue's own thread --------------------------------------
+ *
+ * A Metal queue's wait for a value of a host queue's timeline (cpu or npy) that is not
+ * there yet is held on the queue's own thread, with what is submitted after it, until
+ * the timeline got there or failed for it: nothing behind it is committed before, so a
+ * discarding close drops it all (and it never runs). *stop, set by am_host_wait_stop
+ * (the queue discards, or is abandoned), ends the wait early. */
+
+static int host_wait_over(am_timeline *t, uint64_t target, const int *stop) {
+    return *stop || atomic_load(&t->value) >= target || timeline_failed_for(t, target);
+}
+
+/* Wait until t reached `target` or failed for it, or *stop is set, for at most
+ * timeout_ns: 1 if t got there or failed for it, else 0. */
+int am_host_wait(am_timeline *t, uint64_t target, int *stop, int64_t timeout_ns) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    int64_t ns = until.tv_nsec + timeout_ns % 1000000000;
+    until.tv_sec += timeout_ns / 1000000000 + ns / 1000000000;
+    until.tv_nsec = ns % 1000000000;
+    pthread_mutex_lock(&t->mu);
+    int r = 0;
+    while (!host_wait_over(t, target, stop) && r != ETIMEDOUT)
+        r = pthread_cond_timedwait(&t->cv, &t->mu, &until);
+    int settled = atomic_load(&t->value) >= target || timeline_failed_for(t, target);
+    pthread_mutex_unlock(&t->mu);
+    return settled;
+}
+
+/* Set *stop, and wake a thread in am_host_wait on t. */
+void am_host_wait_stop(am_timeline *t, int *stop) {
+    pthread_mutex_lock(&t->mu);
+    *stop = 1;
+    pthread_cond_broadcast(&t->cv);
+    pthread_mutex_unlock(&t->mu);
+}
