@@ -231,6 +231,8 @@ uint64_t am_timeline_failure(am_timeline *t, int *error, uint64_t *value, am_tim
 void am_timeline_close(am_timeline *t);
 AM_HIDDEN int timeline_failed_for(const am_timeline *t, uint64_t target);
 AM_HIDDEN void timeline_keep_released(am_timeline *t);
+AM_HIDDEN void timeline_signal_failed(am_timeline *t, uint64_t v, uint64_t from, int error,
+                                      uint64_t value, am_timeline *cause);
 size_t am_timeline_failed_offset(void);
 /* cuda_driver.c: wakes the cuda completion threads napping on a command, if any */
 AM_HIDDEN void host_signalled(void);

@@ -95,7 +95,15 @@ static void block_finish(am_block *b, uint64_t failed, int held) {
         cause = t->waited_cause;
         pthread_mutex_unlock(&t->mu);
     }
-    am_timeline_signal(t, b->value);
+    /* Failed, or behind a wait that failed, the command fails its queue's timeline from
+     * there on as it raises it: a wait on that timeline (another kind's queue's, a
+     * host's) sees the failure, as a wait on a failed cpu command's value does. */
+    if (failed && b->value >= failed)
+        timeline_signal_failed(t, b->value, failed, AM_COMMAND_FAILED, failed, t);
+    else if (waited_failed && b->value >= waited_failed)
+        timeline_signal_failed(t, b->value, waited_failed, error, value, cause);
+    else
+        am_timeline_signal(t, b->value);
     if (b->then) {
         if (failed && b->value >= failed)
             am_timeline_fail(b->then, b->then_value, AM_COMMAND_FAILED, failed, t);

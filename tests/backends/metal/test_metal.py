@@ -1227,3 +1227,51 @@ async def test_a_discarding_close_drops_what_waits_for_a_cpu_command_not_run_yet
         if close == "queue":
             assert (await out.read(np.int32)).tolist() == [0] * 16  # never ran
             await mtl.close()
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+@sim_only
+async def test_a_fault_fails_its_queues_timeline_for_a_cpu_queue_that_waits_on_it(
+    anyio_backend: object,
+) -> None:
+    """A Metal queue faults, then copies from a cpu buffer in place (``am.copy``): that
+    copy fails with the fault, and its queue's timeline fails from the fault on, so a
+    cpu queue ordered after the copy (``after``) -- waiting for that Metal queue's value
+    on its thread -- fails its commands from the wait on, naming the fault (as behind a
+    wait on a failed cpu command), and a host wait for the value raises. Checked:
+    before, the completion handlers raised the timeline as if the commands had run: the
+    cpu queue's copy behind the wait ran and reported success."""
+    async with am.open_device("metal") as mtl, am.open_device("cpu") as cpu:
+        crash = await mtl.compile(FAULTY, "crash")
+        bad, metal_buf = await mtl.alloc(4), await mtl.alloc(64)
+        cpu_buf = await cpu.alloc(64)
+        await cpu_buf.write(np.full(16, 3, np.int32))
+        gate = mtl.timeline()
+        mtl.queue.wait(gate, 1)  # (what follows waits until the cpu queue waits for it)
+        crashed = mtl.queue.launch(crash, bad)
+        failed: list[BaseException] = []
+
+        async def copy_in() -> None:
+            try:
+                await am.copy(metal_buf, cpu_buf)  # (on the Metal queue, after the fault)
+            except am.DeviceLostError as exc:
+                failed.append(exc)
+
+        host = np.zeros(16, np.int32)
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(copy_in)
+                while not cpu_buf.busy():
+                    await anyio.sleep(0.001)
+                cq = cpu.new_queue()
+                copied = cq.after(cpu_buf).copy(host, cpu_buf)
+                gate.signal(1)
+            assert len(failed) == 1 and "kernel crash faulted" in str(failed[0]), failed
+            with pytest.raises(am.DeviceLostError, match="kernel crash faulted"):
+                await mtl.queue.timeline.wait(crashed.value)
+            with pytest.raises(am.DeviceLostError, match="never produced") as caught:
+                await copied
+        assert "kernel crash faulted" in str(caught.value), caught.value
+        assert not host.any()  # (the copy never ran)
