@@ -23,7 +23,7 @@ from ..._backend import (
     Record,
     host_address,
 )
-from ..._errors import DeviceLostError
+from ..._errors import AsyncMetalError, DeviceLostError, InvalidArgumentError
 from ..._scalars import SIZES, Scalar
 from ..._timeline import LATER_FAIL, MAX_VALUE, discarded_error, failure_error
 from . import _blocks
@@ -172,7 +172,7 @@ class HostWait(_EventWaited):
         if code:
             release(event)  # (the relay's: it took nothing)
             release(event)  # (its own)
-            raise MemoryError("out of memory for a wait on another kind's timeline")
+            raise _relay_error(code)
         self.event = event
 
     def __del__(self) -> None:
@@ -185,6 +185,18 @@ class HostWait(_EventWaited):
     def settled(self, target: int) -> bool:
         """Whether the timeline got there, or failed for ``target``."""
         return self.value >= target or self.failure(target) is not None
+
+
+def _relay_error(code: int) -> Exception:
+    """The error of ``am_relay_new``'s ``code``."""
+    if code == -1:
+        return MemoryError("out of memory for a wait on another kind's timeline")
+    if code == -2:
+        return InvalidArgumentError(
+            "a Metal queue waits on the host for a cpu or npy queue's timeline only: this "
+            "one has a device word (another device's own)"
+        )
+    return AsyncMetalError(f"a wait on another kind's timeline failed (error {code})")
 
 
 class MetalQueue(NativeQueue):

@@ -1275,3 +1275,41 @@ async def test_a_fault_fails_its_queues_timeline_for_a_cpu_queue_that_waits_on_i
                 await copied
         assert "kernel crash faulted" in str(caught.value), caught.value
         assert not host.any()  # (the copy never ran)
+
+
+@pytest.mark.metal
+@sim_only
+def test_a_wait_on_a_timeline_with_a_device_word_is_refused_as_such() -> None:
+    """``am_relay_new`` relays host timelines only: for one with a device word (a cuda
+    device's own) it returns -2, taking nothing. The wait raises InvalidArgumentError
+    saying so, and lets go of the event it made. Checked: before, every code of the
+    relay raised MemoryError ("out of memory")."""
+    import ctypes
+
+    from asyncmetal import _native
+    from asyncmetal._backend import NativeTimeline
+    from asyncmetal.backends.metal import MetalBackend
+    from asyncmetal.backends.metal._queue import HostWait
+
+    lib = _native.runtime()
+    word = ctypes.c_uint64(0)
+    c_timeline = lib.am_timeline_new()
+    lib.am_timeline_set_word(c_timeline, ctypes.addressof(word))
+
+    class WithAWord(NativeTimeline):
+        value = 0
+
+        def signal(self, value: int) -> None:
+            raise AssertionError("not signalled")
+
+    timeline = WithAWord()
+    timeline.c_timeline = c_timeline
+    backend = MetalBackend(0)
+    live = metal_sim.live("MTLSharedEvent")
+    try:
+        with pytest.raises(am.InvalidArgumentError, match="device word"):
+            HostWait(backend, timeline, 1)
+        assert metal_sim.live("MTLSharedEvent") == live  # (its event let go of)
+    finally:
+        lib.am_timeline_free(c_timeline)
+        backend.close()
