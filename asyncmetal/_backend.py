@@ -362,8 +362,8 @@ class Backend(ABC):
     # timeline wakes; a cuda queue's wait on one with no device word (a cpu or npy
     # queue's) is held on the host, with the stream's work behind it, until it got there
     # or failed (native/timelines.c: ``kick_due``); Metal's waits on the host queues'
-    # timelines only (``waits_for``), on a shared event that the native runtime sets once
-    # the timeline got there or failed (native/objc_blocks.c: ``am_relay_new``).
+    # timelines only (``waits_for``), held on the queue's own thread with what comes
+    # after until the timeline got there or failed (metal/_queue.py: ``HostWait``).
     # Its queues then order themselves after another kind's copies that read or wrote
     # its buffers in place (as after their own kind's commands: ``Queue.after``).
     waits_across_kinds: ClassVar[bool] = False

@@ -231,6 +231,8 @@ uint64_t am_timeline_failure(am_timeline *t, int *error, uint64_t *value, am_tim
 void am_timeline_close(am_timeline *t);
 AM_HIDDEN int timeline_failed_for(const am_timeline *t, uint64_t target);
 AM_HIDDEN void timeline_keep_released(am_timeline *t);
+AM_HIDDEN void timeline_signal_failed(am_timeline *t, uint64_t v, uint64_t from, int error,
+                                      uint64_t value, am_timeline *cause);
 size_t am_timeline_failed_offset(void);
 /* cuda_driver.c: wakes the cuda completion threads napping on a command, if any */
 AM_HIDDEN void host_signalled(void);
@@ -344,6 +346,8 @@ void am_block_completed(am_block *b, void *arg);
 void am_block_reached(am_block *b, void *event, uint64_t value);
 int am_relay_new(am_timeline *t, uint64_t target, void *event, void *send, void *set_value,
                  void *release);
+int am_host_wait(am_timeline *t, uint64_t target, int *stop, int64_t timeout_ns);
+void am_host_wait_stop(am_timeline *t, int *stop);
 am_block *am_block_new(void *isa, int reached, am_timeline *timeline, uint64_t value);
 void am_block_free(am_block *b);
 uint64_t am_blocks_wait(uint64_t seen, int64_t timeout_ns);

@@ -95,7 +95,15 @@ static void block_finish(am_block *b, uint64_t failed, int held) {
         cause = t->waited_cause;
         pthread_mutex_unlock(&t->mu);
     }
-    am_timeline_signal(t, b->value);
+    /* Failed, or behind a wait that failed, the command fails its queue's timeline from
+     * there on as it raises it: a wait on that timeline (another kind's queue's, a
+     * host's) sees the failure, as a wait on a failed cpu command's value does. */
+    if (failed && b->value >= failed)
+        timeline_signal_failed(t, b->value, failed, AM_COMMAND_FAILED, failed, t);
+    else if (waited_failed && b->value >= waited_failed)
+        timeline_signal_failed(t, b->value, waited_failed, error, value, cause);
+    else
+        am_timeline_signal(t, b->value);
     if (b->then) {
         if (failed && b->value >= failed)
             am_timeline_fail(b->then, b->then_value, AM_COMMAND_FAILED, failed, t);
@@ -321,4 +329,41 @@ int am_relay_new(am_timeline *t, uint64_t target, void *event, void *send, void 
     r->target = target;
     if (!timeline_defer(t, target, &r->kick)) relay_run(&r->kick);
     return 0;
+}
+
+/* ---- a wait held on a Metal queue's own thread --------------------------------------
+ *
+ * A Metal queue's wait for a value of a host queue's timeline (cpu or npy) that is not
+ * there yet is held on the queue's own thread, with what is submitted after it, until
+ * the timeline got there or failed for it: nothing behind it is committed before, so a
+ * discarding close drops it all (and it never runs). *stop, set by am_host_wait_stop
+ * (the queue discards, or is abandoned), ends the wait early. */
+
+static int host_wait_over(am_timeline *t, uint64_t target, const int *stop) {
+    return *stop || atomic_load(&t->value) >= target || timeline_failed_for(t, target);
+}
+
+/* Wait until t reached `target` or failed for it, or *stop is set, for at most
+ * timeout_ns: 1 if t got there or failed for it, else 0. */
+int am_host_wait(am_timeline *t, uint64_t target, int *stop, int64_t timeout_ns) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    int64_t ns = until.tv_nsec + timeout_ns % 1000000000;
+    until.tv_sec += timeout_ns / 1000000000 + ns / 1000000000;
+    until.tv_nsec = ns % 1000000000;
+    pthread_mutex_lock(&t->mu);
+    int r = 0;
+    while (!host_wait_over(t, target, stop) && r != ETIMEDOUT)
+        r = pthread_cond_timedwait(&t->cv, &t->mu, &until);
+    int settled = atomic_load(&t->value) >= target || timeline_failed_for(t, target);
+    pthread_mutex_unlock(&t->mu);
+    return settled;
+}
+
+/* Set *stop, and wake a thread in am_host_wait on t. */
+void am_host_wait_stop(am_timeline *t, int *stop) {
+    pthread_mutex_lock(&t->mu);
+    *stop = 1;
+    pthread_cond_broadcast(&t->cv);
+    pthread_mutex_unlock(&t->mu);
 }

@@ -359,9 +359,31 @@ void am_timeline_near(am_timeline *t, uint64_t v, int64_t until_ns) {
     pthread_mutex_unlock(&t->mu);
 }
 
-void am_timeline_signal(am_timeline *t, uint64_t v) {
+static void timeline_raise(am_timeline *t, uint64_t v, uint64_t from, int error,
+                           uint64_t value, am_timeline *cause);
+
+void am_timeline_signal(am_timeline *t, uint64_t v) { timeline_raise(t, v, 0, 0, 0, NULL); }
+
+/* am_timeline_signal(t, v), t failing from `from` on (unless it failed already, as
+ * am_timeline_fail_from) under the same hold of its mu: a wait that sees the failure
+ * sees v reached too (a Metal queue's command that failed, or ran behind a wait for a
+ * value never produced, raises its own timeline so: objc_blocks.c, block_finish). */
+void timeline_signal_failed(am_timeline *t, uint64_t v, uint64_t from, int error,
+                            uint64_t value, am_timeline *cause) {
+    timeline_raise(t, v, from, error, value, cause);
+}
+
+static void timeline_raise(am_timeline *t, uint64_t v, uint64_t from, int error,
+                           uint64_t value, am_timeline *cause) {
     atomic_fetch_or(&t->signalled_by, AM_BY_HOST);
     pthread_mutex_lock(&t->mu);
+    if (from && !t->failed_from) {
+        t->failed_from = from;
+        t->fail_error = error;
+        t->fail_value = value;
+        t->fail_cause = cause;
+        pthread_cond_broadcast(&t->cv);  /* (a wait for more than v ends failed) */
+    }
     if (t->word) raise_word(t->word, v);  /* devices waiting on it go first */
     if (v > atomic_load(&t->value)) {
         atomic_store(&t->value, v);

@@ -43,8 +43,8 @@ class MetalBackend(Backend):
     # fillBuffer:range:value: writes one byte, over a range of whole 4-byte words on macOS
     fill_alignment = 4
     fill_patterns = False
-    # A wait on a cpu or npy queue's timeline is on an event of its own that the native
-    # runtime sets once that timeline got there or failed (_queue.HostWait); another
+    # A wait on a cpu or npy queue's timeline is held on the queue's own thread, with what
+    # comes after it, until that timeline got there or failed (_queue.HostWait); another
     # device kind's timelines are not waited for (waits_for).
     waits_across_kinds = True
 

@@ -23,7 +23,7 @@ from ..._backend import (
     Record,
     host_address,
 )
-from ..._errors import DeviceLostError
+from ..._errors import AsyncMetalError, DeviceLostError, InvalidArgumentError
 from ..._scalars import SIZES, Scalar
 from ..._timeline import LATER_FAIL, MAX_VALUE, discarded_error, failure_error
 from . import _blocks
@@ -43,6 +43,9 @@ MAX_IN_FLIGHT = 1000  # the queues are made with room for 1024 command buffers
 # A copy to the host this large has its staging buffer made on the queue's own thread:
 # making one takes time in proportion to its size (its pages are zeroed and wired).
 STAGE_OFF_LOOP = 1 << 20
+# A queue's thread holding a wait for a host queue's timeline looks at it again this
+# often whatever (it is woken when the timeline moves, and when the queue discards).
+HOST_WAIT_NAP_NS = 1_000_000_000
 AM_COMMAND_FAILED = -6  # amrt.h: a timeline's failure, a command of a Metal queue failed
 AM_DISCARDED = _native.DISCARDED  # amrt.h: ... a command dropped by a discarding close
 
@@ -136,36 +139,64 @@ class MetalTimeline(_EventWaited, ForkableTimeline):
 
 class HostWait(_EventWaited):
     """A Metal queue's wait for a value of another kind's queue timeline (a cpu or npy
-    queue's, which has no ``MTLSharedEvent``): an event of its own, which the native
-    runtime sets to ``target`` once the timeline got there -- or failed, ending the wait
-    all the same: the completions of the commands behind it, gated on the timeline,
-    then fail them, as for a Metal timeline (native/objc_blocks.c, am_relay_new). What
-    a queue's waits and their gates read of a ``MetalTimeline``."""
+    queue's, which has no ``MTLSharedEvent``). One whose value is not there yet is held
+    on the queue's own thread, with what comes after it, until the timeline got there or
+    failed (``MetalQueue._host_wait``): nothing behind it is committed before, so a
+    discarding close drops it all. The GPU waits on an event of its own (``relay``),
+    which the native runtime sets to ``target`` once the timeline got there -- or
+    failed, ending the wait all the same. Either way the completions of the commands
+    behind it, gated on the timeline, fail them if it failed, as for a Metal timeline
+    (native/objc_blocks.c, am_relay_new). What a queue's waits and their gates read of
+    a ``MetalTimeline``."""
 
-    def __init__(self, backend: MetalDevice, timeline: NativeTimeline, target: int) -> None:
+    event: int = 0  # (none: a wait held on the queue's thread, which the GPU never sees)
+
+    def __init__(
+        self, backend: MetalDevice, timeline: NativeTimeline, target: int, relay: bool = True
+    ) -> None:
         assert timeline.c_timeline is not None
         self._timeline = timeline
         self.c_timeline: int = timeline.c_timeline
-        self.event: int = send(backend.device, "newSharedEvent")
-        retain(self.event)  # the relay's reference
+        if not relay:
+            return
+        event: int = send(backend.device, "newSharedEvent")
+        retain(event)  # the relay's reference
         code = backend.lib.am_relay_new(
             self.c_timeline,
             target,
-            self.event,
+            event,
             objc_msgsend_address(),
             selector("setSignaledValue:"),
             selector("release"),
         )
         if code:
-            release(self.event)
-            raise MemoryError("out of memory for a wait on another kind's timeline")
+            release(event)  # (the relay's: it took nothing)
+            release(event)  # (its own)
+            raise _relay_error(code)
+        self.event = event
 
     def __del__(self) -> None:
-        release(getattr(self, "event", 0))  # (its own reference)
+        release(self.event)  # (its own reference)
 
     @property
     def value(self) -> int:
         return self._timeline.value
+
+    def settled(self, target: int) -> bool:
+        """Whether the timeline got there, or failed for ``target``."""
+        return self.value >= target or self.failure(target) is not None
+
+
+def _relay_error(code: int) -> Exception:
+    """The error of ``am_relay_new``'s ``code``."""
+    if code == -1:
+        return MemoryError("out of memory for a wait on another kind's timeline")
+    if code == -2:
+        return InvalidArgumentError(
+            "a Metal queue waits on the host for a cpu or npy queue's timeline only: this "
+            "one has a device word (another device's own)"
+        )
+    return AsyncMetalError(f"a wait on another kind's timeline failed (error {code})")
 
 
 class MetalQueue(NativeQueue):
@@ -226,6 +257,10 @@ class MetalQueue(NativeQueue):
         self._discarded_from = 0
         self._discarded_to = 0
         self._release_later = False  # the worker releases the queue once it returns
+        # The wait for a host queue's timeline the worker holds now (_host_wait), and what
+        # ends it early once set, for good (am_host_wait_stop: discarding, abandoned).
+        self._host_waiting: HostWait | None = None
+        self._stop_host_wait = ctypes.c_int(0)
         self._lock = threading.Lock()
         # The worker takes it once `commandBuffer` returned, which can block (1024
         # buffers in flight): a loop's flush never waits for that. A submitting thread
@@ -323,7 +358,17 @@ class MetalQueue(NativeQueue):
             if self._discarding or self._dropping or not self._routed:
                 return  # (nothing held: everything was committed)
             self._discarding = True
+            waiting = self._host_waiting
+        self._stop_waiting(waiting)  # (held there, a wait is dropped: see _host_wait)
         self._hand_over(self._end_discard)
+
+    def _stop_waiting(self, waiting: HostWait | None) -> None:
+        """End the worker's wait for ``waiting``'s timeline, and any it starts later."""
+        if waiting is not None:
+            flag = ctypes.byref(self._stop_host_wait)
+            self._backend.lib.am_host_wait_stop(waiting.c_timeline, flag)
+        else:
+            self._stop_host_wait.value = 1  # (read under the lock by _host_wait first)
 
     def _drop(
         self, step: Callable[..., None], args: tuple[Any, ...], command: _Command | None
@@ -331,7 +376,7 @@ class MetalQueue(NativeQueue):
         """On the worker, discarding: a held step is dropped. A command's signal fails
         its timeline; a held wait is not encoded (nothing after it runs)."""
         value = command.value if command is not None else 0
-        if step == self._hold_wait:
+        if step in (self._hold_wait, self._host_wait):
             value = args[2]
         if not value:
             return  # (a flush: its wait's value is dropped already)
@@ -595,20 +640,55 @@ class MetalQueue(NativeQueue):
 
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         # A Metal timeline's event; or, another kind's queue timeline (a cpu or npy
-        # queue's, waited for across kinds), an event of the wait's own.
-        waited = (
-            timeline
-            if isinstance(timeline, MetalTimeline)
-            else HostWait(self._backend, timeline, target)
-        )
+        # queue's, waited for across kinds), an event of the wait's own -- or, the value
+        # not there yet, the wait held on the queue's own thread (see HostWait).
+        if isinstance(timeline, MetalTimeline):
+            waited: MetalTimeline | HostWait = timeline
+            held = False
+        else:
+            waited = HostWait(self._backend, timeline, target, relay=False)
+            held = not waited.settled(target)
+            if not held:
+                waited = HostWait(self._backend, timeline, target)
         with self._waited_lock:
             self._waited.append((value, waited, target))
         with self._commit_lock:
-            if self._routed:  # after the commands the worker holds, not into them
+            if held:  # what comes after it is held with it
+                assert isinstance(waited, HostWait)
+                self._wait_held = True
+                self._hand_over(self._host_wait, waited, target, value)
+            elif self._routed:  # after the commands the worker holds, not into them
                 self._wait_held = True
                 self._hand_over(self._hold_wait, waited, target, value)
             else:
                 self._hold_wait(waited, target, value)
+
+    def _host_wait(self, wait: HostWait, target: int, value: int) -> None:
+        """On the queue's own thread: hold what was submitted after wait ``value`` until
+        ``wait``'s timeline got there or failed for ``target`` -- then the commands
+        behind it are committed, gated on it (the GPU has nothing to wait for) -- or the
+        queue discards (the wait is dropped, and so is what follows it) or is abandoned
+        (nothing more is committed)."""
+        with self._lock:
+            stop = self._discarding or self._dropping
+            self._host_waiting = None if stop else wait
+        flag = ctypes.byref(self._stop_host_wait)
+        try:
+            while not stop and not self._backend.lib.am_host_wait(
+                wait.c_timeline, target, flag, HOST_WAIT_NAP_NS
+            ):
+                stop = bool(self._stop_host_wait.value)
+        finally:
+            with self._lock:
+                self._host_waiting = None
+                discarding = self._discarding
+        if not wait.settled(target):
+            if discarding:
+                self._drop(self._hold_wait, (wait, target, value), None)
+            return
+        with self._commit_lock:
+            self._gates.append((wait, target))
+            self._unmarked = value
 
     def _hold_wait(self, timeline: MetalTimeline | HostWait, target: int, value: int) -> None:
         # Encoded at the head of the next command buffer, with the work that depends on
@@ -735,6 +815,9 @@ class MetalQueue(NativeQueue):
                 # exit): the worker releases the queue itself once that returns.
                 self._dropping = abandon
                 later = self._release_later = abandon and self._busy
+                waiting = self._host_waiting
+            if abandon:
+                self._stop_waiting(waiting)
             self._held.put(None)
             if not later:
                 self._worker.join()

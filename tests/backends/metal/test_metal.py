@@ -991,9 +991,9 @@ async def test_a_metal_queue_waits_for_a_cpu_queues_pending_use_of_a_buffer(
     anyio_backend: object,
 ) -> None:
     """A Metal queue ordered after a cpu buffer (``after``) whose write a cpu queue holds
-    (behind a timeline not signalled yet) waits for it on the GPU -- on an event of the
-    wait's own, which the native runtime sets once the cpu queue's thread ran the write
-    (native/objc_blocks.c, am_relay_new): its kernel completes only after the write ran.
+    (behind a timeline not signalled yet) waits for it -- held on the Metal queue's own
+    thread until the cpu queue's thread ran the write: its kernel completes only after
+    the write ran.
     A wait for a cpu write discarded instead (its queue closed with discard=True) ends
     all the same, and the kernel behind it fails, naming the first command the discard
     dropped (the held queue's wait). Checked:
@@ -1134,16 +1134,17 @@ def test_a_relay_on_a_timeline_freed_before_it_got_there_lets_go_of_its_event() 
 @sim_only
 @pytestmark_loops
 @pytest.mark.anyio
-async def test_a_cpu_timeline_a_held_completion_handler_is_gated_on_outlives_it(
+async def test_commands_held_behind_a_wait_for_a_cpu_command_never_run_once_abandoned(
     anyio_backend: object,
 ) -> None:
-    """A Metal command buffer that waited for a cpu queue's command (``after``) has a
-    completion handler gated on that queue's native timeline (it reads its value and
-    failure). With the Metal device closed while the buffer still waited, and the cpu
-    device closed (which ends the wait: the buffer runs), the handler may run after
-    everything else let go of the cpu queue: its timeline is kept until the handler
-    ran, and freed after. Checked: before, it was freed as the cpu queue went, while the
-    handler (held back by the simulation) was still to read it."""
+    """A Metal queue's fill waits for a cpu queue's command (``after``) held behind a
+    timeline nobody signals. The Metal device's close abandons the fill (it raises
+    ClosedResourceError); the cpu device's close then ends the cpu command (failed):
+    the fill never runs -- it was held on the Metal queue's thread, never committed --
+    so nothing is gated on the cpu queue's timeline, which goes with that queue, while
+    the simulation holds every completion handler of the Metal queue back. Checked:
+    before, the fill's command buffer was committed behind the GPU's wait, ran once the
+    cpu device closed, and its (held) handler kept the cpu timeline."""
     from asyncmetal.backends.metal._objc import release, retain
     from tests.support.queues import held_queue
 
@@ -1159,22 +1160,156 @@ async def test_a_cpu_timeline_a_held_completion_handler_is_gated_on_outlives_it(
     sim.asyncmetal_sim_hold_handlers(command_queue, 1)
     try:
         queue.after(host)
-        queue.fill(out, 1)
+        filled = queue.fill(out, 1)
         queue._native.flush()
         with anyio.fail_after(10):
             await mtl.close()
+            with pytest.raises(am.ClosedResourceError):
+                await filled
         timeline = weakref.ref(held.timeline.native)
         with anyio.fail_after(10):
-            await cpu.close()  # (the wait ends: the buffer runs, its handler held)
-        del cpu, mtl, out, host, held, gate, queue
-        for _ in range(4):  # (the loop lets go of its watches two turns after their waits)
-            await anyio.sleep(0.01)
-        gc.collect()
-        assert timeline() is not None, "freed before the handler gated on it ran"
+            await cpu.close()  # (the cpu command fails: the wait for it ends)
+        del cpu, mtl, out, host, held, gate, queue, filled
+        with anyio.fail_after(10):
+            while timeline() is not None:  # (the loop lets go of its watches later)
+                await anyio.sleep(0.01)
+                gc.collect()
     finally:
         sim.asyncmetal_sim_hold_handlers(command_queue, 0)
         release(command_queue)
-    with anyio.fail_after(10):
-        while timeline() is not None:  # let go of once the handler ran
-            await anyio.sleep(0.01)
-            gc.collect()
+
+
+@pytest.mark.metal
+@sim_only
+@pytestmark_loops
+@pytest.mark.anyio
+@pytest.mark.parametrize("close", ["queue", "device"])
+async def test_a_discarding_close_drops_what_waits_for_a_cpu_command_not_run_yet(
+    anyio_backend: object, close: str
+) -> None:
+    """A Metal queue waits for a cpu queue's command held behind a timeline nobody
+    signalled yet. Its close (or its device's) with discard=True returns at once: the
+    commands behind the wait are dropped -- each raises ClosedResourceError saying it
+    was discarded, and never runs, not even once the cpu command ran -- and the wait's
+    event is let go of. Checked: before, the close waited until the cpu command ran."""
+    from tests.support.queues import held_queue
+
+    async with am.open_device("cpu") as cpu:
+        mtl = await am.open_device("metal")
+        fill = await mtl.compile(MSL_KERNELS, "fill")
+        out = await mtl.alloc(64)
+        await out.write(np.zeros(16, np.int32))
+        host = await cpu.alloc(64)
+        held, gate = held_queue(cpu)
+        held.copy(host, np.full(16, 7, np.int32))
+        queue = mtl.new_queue()
+        before = metal_sim.live("MTLSharedEvent")  # (its device's timelines, its own)
+        queue.after(host)
+        dropped = [queue.launch(fill, out, vals=(5, 16)), queue.launch(fill, out, vals=(6, 16))]
+        try:
+            with anyio.fail_after(10):
+                if close == "queue":
+                    await queue.close(discard=True)
+                else:
+                    await mtl.close(discard=True)
+                for done in dropped:
+                    with pytest.raises(am.ClosedResourceError, match="discarded"):
+                        await done
+        finally:
+            gate.signal(1)  # (the cpu command runs: a failed check leaves nothing held)
+        await held.synchronize()
+        del dropped, queue
+        # Let go of once nothing uses it (a command buffer that waited on it: none ran).
+        with anyio.fail_after(10):
+            while metal_sim.live("MTLSharedEvent") > before:
+                await anyio.sleep(0.01)
+                gc.collect()
+        if close == "queue":
+            assert (await out.read(np.int32)).tolist() == [0] * 16  # never ran
+            await mtl.close()
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+@sim_only
+async def test_a_fault_fails_its_queues_timeline_for_a_cpu_queue_that_waits_on_it(
+    anyio_backend: object,
+) -> None:
+    """A Metal queue faults, then copies from a cpu buffer in place (``am.copy``): that
+    copy fails with the fault, and its queue's timeline fails from the fault on, so a
+    cpu queue ordered after the copy (``after``) -- waiting for that Metal queue's value
+    on its thread -- fails its commands from the wait on, naming the fault (as behind a
+    wait on a failed cpu command), and a host wait for the value raises. Checked:
+    before, the completion handlers raised the timeline as if the commands had run: the
+    cpu queue's copy behind the wait ran and reported success."""
+    async with am.open_device("metal") as mtl, am.open_device("cpu") as cpu:
+        crash = await mtl.compile(FAULTY, "crash")
+        bad, metal_buf = await mtl.alloc(4), await mtl.alloc(64)
+        cpu_buf = await cpu.alloc(64)
+        await cpu_buf.write(np.full(16, 3, np.int32))
+        gate = mtl.timeline()
+        mtl.queue.wait(gate, 1)  # (what follows waits until the cpu queue waits for it)
+        crashed = mtl.queue.launch(crash, bad)
+        failed: list[BaseException] = []
+
+        async def copy_in() -> None:
+            try:
+                await am.copy(metal_buf, cpu_buf)  # (on the Metal queue, after the fault)
+            except am.DeviceLostError as exc:
+                failed.append(exc)
+
+        host = np.zeros(16, np.int32)
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(copy_in)
+                while not cpu_buf.busy():
+                    await anyio.sleep(0.001)
+                cq = cpu.new_queue()
+                copied = cq.after(cpu_buf).copy(host, cpu_buf)
+                gate.signal(1)
+            assert len(failed) == 1 and "kernel crash faulted" in str(failed[0]), failed
+            with pytest.raises(am.DeviceLostError, match="kernel crash faulted"):
+                await mtl.queue.timeline.wait(crashed.value)
+            with pytest.raises(am.DeviceLostError, match="never produced") as caught:
+                await copied
+        assert "kernel crash faulted" in str(caught.value), caught.value
+        assert not host.any()  # (the copy never ran)
+
+
+@pytest.mark.metal
+@sim_only
+def test_a_wait_on_a_timeline_with_a_device_word_is_refused_as_such() -> None:
+    """``am_relay_new`` relays host timelines only: for one with a device word (a cuda
+    device's own) it returns -2, taking nothing. The wait raises InvalidArgumentError
+    saying so, and lets go of the event it made. Checked: before, every code of the
+    relay raised MemoryError ("out of memory")."""
+    import ctypes
+
+    from asyncmetal import _native
+    from asyncmetal._backend import NativeTimeline
+    from asyncmetal.backends.metal import MetalBackend
+    from asyncmetal.backends.metal._queue import HostWait
+
+    lib = _native.runtime()
+    word = ctypes.c_uint64(0)
+    c_timeline = lib.am_timeline_new()
+    lib.am_timeline_set_word(c_timeline, ctypes.addressof(word))
+
+    class WithAWord(NativeTimeline):
+        value = 0
+
+        def signal(self, value: int) -> None:
+            raise AssertionError("not signalled")
+
+    timeline = WithAWord()
+    timeline.c_timeline = c_timeline
+    backend = MetalBackend(0)
+    live = metal_sim.live("MTLSharedEvent")
+    try:
+        with pytest.raises(am.InvalidArgumentError, match="device word"):
+            HostWait(backend, timeline, 1)
+        assert metal_sim.live("MTLSharedEvent") == live  # (its event let go of)
+    finally:
+        lib.am_timeline_free(c_timeline)
+        backend.close()
