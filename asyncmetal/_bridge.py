@@ -255,11 +255,25 @@ class Watch:
         rather than after the loop's next look at its pipe -- a loop iteration, and the
         slowest part of the way on a CPU that was idle. A callback's turn
         (``call_when_reached``), or more tasks than a slice, wait for the next slice as
-        usual: a callback never runs inside the signal."""
-        if self.queued or self.bridge.dead or not self.heap:
+        usual: a callback never runs inside the signal. A slice in all, per iteration of
+        the loop, whatever the signals (a task raising a timeline value by value, each
+        reaching one task of a crowd, or a timeline each): the rest go to the slices."""
+        bridge = self.bridge
+        if self.queued or bridge.dead or not self.heap:
             return
-        if self.resolve(self.bridge.slice, calls=False) == 0:
-            self.bridge.notify_here(self)
+        budget = bridge.slice - bridge.woken_now
+        if budget <= 0:  # (this iteration's slice is woken: the next slice's, if reached)
+            if self.timeline.ended or self.heap[0][0] <= self.timeline.native.value:
+                bridge.notify_here(self)
+            return
+        resolved = bridge.resolved
+        left = self.resolve(budget, calls=False)
+        if bridge.resolved != resolved:  # (0 left may also be a callback's turn)
+            if not bridge.woken_now:
+                bridge._call_soon(bridge._woken_now_reset)
+            bridge.woken_now += bridge.resolved - resolved
+        if left == 0:
+            bridge.notify_here(self)
 
     def resolve(self, budget: int, calls: bool = True) -> int:
         """Wake the entries whose value is reached, ``budget`` tasks at most; return the
@@ -390,6 +404,7 @@ class LoopBridge(ABC):
         self._detached: weakref.WeakValueDictionary[int, Watch] = weakref.WeakValueDictionary()
         self._awake_until = 0  # a perf_counter_ns: check native watches every iteration
         self.slice = WAKE_SLICE  # tasks the next slice wakes at most
+        self.woken_now = 0  # tasks host signals on the loop's thread woke this iteration
         self._ready_first = False  # the last slice woke a crowd's tasks before watches
         self._step_ns = SLICE_BUDGET_NS // WAKE_SLICE  # a woken task's step, smoothed
         self._slice_began = 0  # a perf_counter_ns: when a full slice was woken (0: none)
@@ -691,6 +706,11 @@ class LoopBridge(ABC):
         for watch in pending:
             if not watch.detached:  # (one still set aside is looked at as it comes back)
                 self.notify_here(watch)
+
+    def _woken_now_reset(self) -> None:
+        """The loop's next iteration after host signals woke tasks (``Watch.wake_now``):
+        its signals may wake a slice again."""
+        self.woken_now = 0
 
     def notify(self, watch: Watch) -> None:
         """Called from any thread once ``watch.timeline`` reached ``watch.next``."""

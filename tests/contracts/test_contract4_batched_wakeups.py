@@ -338,6 +338,42 @@ async def test_a_host_signal_on_the_loop_wakes_its_tasks_as_it_returns(
     assert sorted(woken) == [1, 2, 2, 3]
 
 
+@pytest.mark.parametrize("timelines", [1, 64], ids=["one-timeline", "a-timeline-each"])
+async def test_a_crowd_reached_signal_by_signal_in_one_step_is_woken_in_slices(
+    device: am.Device, timelines: int
+) -> None:
+    """A task raises, in one step, the values 64 tasks of its loop wait for, one signal
+    for each (of one timeline, or of a timeline each): the signals wake a slice of them
+    at most, and the rest are woken in slices, an iteration of the loop apiece -- not
+    all 64 in the loop's next iteration, however many signals reached them. Checked
+    failing without (all 64 ran before the signalling task's first checkpoint returned:
+    each signal woke what it reached with a slice of its own)."""
+    from asyncmetal import _bridge
+
+    tls = [device.timeline() for _ in range(timelines)]
+    woken: list[int] = []
+
+    async def waiter(i: int) -> None:
+        await tls[i % timelines].wait(i // timelines + 1)
+        woken.append(i)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            for i in range(64):
+                tg.start_soon(waiter, i)
+            await anyio.wait_all_tasks_blocked()
+            for i in range(64):
+                tls[i % timelines].signal(i // timelines + 1)
+            runs = []  # how many have run, after each checkpoint of this task
+            while len(woken) < 64:
+                await anyio.lowlevel.checkpoint()
+                runs.append(len(woken))
+    steps = [b - a for a, b in zip([0, *runs], runs, strict=False)]
+    # (a slice woken by the signals, and one by the loop, between two checkpoints)
+    assert max(steps) <= 2 * _bridge.WAKE_SLICE, runs
+    assert sorted(woken) == list(range(64))
+
+
 async def test_a_callback_waiting_is_not_run_inside_a_host_signal(device: am.Device) -> None:
     """A callback waiting on a timeline (``call_when_reached``) is run by the loop after a
     host signal reached it, never inside the signal's call, also when the signal comes
