@@ -330,6 +330,7 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
             /* (not once abandoned: the stream may be destroyed; the call reported stays
              * the refused one, not the fence's) */
             int call = __atomic_load_n(&q->failed_call, __ATOMIC_RELAXED);
+            if (signals) cuq_fail_signal_now(q, op, r, op->value, q->timeline);
             fenced = !cuq_finish(q, op->value, signals ? op->extra : NULL,
                                  signals ? op->extra_value : 0, 0, CU_FINISH_FENCE);
             __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);
@@ -375,6 +376,30 @@ static void cuq_confirm_wait(am_cuq *q, const am_cuentry *e) {
     am_timeline *cause = t->fail_cause;
     pthread_mutex_unlock(&t->mu);
     if (failed && e->extra_value >= failed) cuq_poison(q, e->value, error, value, cause);
+}
+
+/* q's signal `op` (a command's end that raises a timeline) is known to fail before it
+ * is handed over: its command was passed behind a failed wait (cuda_submit.c, cuq_run_op)
+ * or refused by the driver (cuq_drain). Its timeline fails now, with the failure behind
+ * it -- before the hand-over releases the device waits held for the signal, which then
+ * find the timeline failed and run nothing behind them (cuq_skip_failed) -- from the
+ * value after the last one it is sure to get: what it reached, or what a signal of q's
+ * in flight before this one (not passed) raises it to, which is confirmed first, in q's
+ * order (one that fails lowers that, am_timeline_fail). The signal's confirmation then
+ * settles it (cuq_fail_signal). Not under mu. */
+void cuq_fail_signal_now(am_cuq *q, const am_cuop *op, int error, uint64_t value,
+                         am_timeline *cause) {
+    am_timeline *t = op->extra;
+    uint64_t sure = atomic_load(&t->value);
+    pthread_mutex_lock(&q->mu);
+    uint64_t before = q->skipped && q->skipped < op->value ? q->skipped : op->value;
+    for (size_t i = 0; i < q->count; i++) {
+        const am_cuentry *e = &q->ring[(q->head + i) % q->cap];
+        if (e->signals && e->extra == t && e->value < before && e->extra_value > sure)
+            sure = e->extra_value;
+    }
+    pthread_mutex_unlock(&q->mu);
+    if (sure < op->extra_value) am_timeline_fail_from(t, sure + 1, error, value, cause);
 }
 
 /* The failure a failed command of q passes on to the timeline it signals. Under mu. */

@@ -50,6 +50,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "hostwait"),
         *("ok", "hostheld"),
         *("ok", "hostfailed"),
+        *("ok", "skipsignal"),
         *("ok", "signal"),
         *("ok", "signalrecord"),
         *("ok", "nomemory"),

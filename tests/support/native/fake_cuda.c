@@ -49,6 +49,13 @@
  *             waiting for it copy nothing out of the chunk (which the stream never
  *             wrote) and still mark the chunk ready, where a mark of a command that
  *             runs has it copied
+ *   skipsignal a signal of a timeline no queue owns whose command follows a failed wait
+ *             on a host queue's timeline (passed, not run) writes nothing, and fails
+ *             its timeline before its hand-over releases another queue's wait held for
+ *             it: that queue's commands from the wait on never reach the stream (no
+ *             fill writes, no kernel launches) and fail (CU_HELD_FAILED), naming the
+ *             host timeline's failure; a wait for the value of a signal of that queue
+ *             in flight before it still succeeds
  *   release   a queue's device wait on a value of a queue that failed that way ends
  *             (the failed queue's word is raised), rather than blocking for good; the
  *             commands from that wait on fail once run (they ran on data never
@@ -63,7 +70,8 @@
  *   signalrecord a held signal of a timeline no queue owns whose event record the driver
  *             refuses when it is handed over fails: the timeline settles, so neither a
  *             host wait on it nor a queue's device wait held for it is left waiting,
- *             and that queue fails from its wait on, naming the refused command
+ *             and that queue fails from its wait on, naming the refused command, its
+ *             kernel behind the wait never launched
  *   nomemory  out of memory to hold an operation: what its command holds goes with it
  *             (a held wait's kick too) and the queue goes on, the value given back;
  *             out of memory once part of a command reached the driver (a signal whose
@@ -143,6 +151,7 @@
  *             however long that call takes,
  *             and leaves no kick on a timeline nothing signalled (which may be freed)
  *   closekick a wait held on the host for a timeline whose device closes goes on, and fails
+ *             (what follows it never runs)
  *   lowered   a signal's word write landing after the timeline was released (a store,
  *             not a max) does not leave a device wait it released waiting
  *   foreignabandon another library's stream waiting on the word of a failed queue that
@@ -1132,6 +1141,67 @@ static void reach(am_timeline *t, uint64_t value, const char *what) {
         if (now_ns() > deadline) die(what);
 }
 
+static void check_skipsignal(void) {
+    /* h: a host queue's own timeline, failed from 1 once gate fails (command 7 of
+     * `cause`'s queue faulted), as in check_hostfailed. */
+    am_timeline *gate = am_timeline_new(), *h = am_timeline_new(), *cause = am_timeline_new();
+    am_queue *hq = am_queue_new(h, 0, 0);
+    if (!hq || am_queue_wait(hq, gate, 1, 1)) die("skipsignal: the host queue");
+    /* a: command 1 signals t to 1 behind a gate (in flight until it is raised); command
+     * 2 waits for h; command 3 signals t to 2. b waits for t's 2, then fills `memory`
+     * and launches; c waits for t's 1, then launches. */
+    static uint32_t memory[16];
+    fake_queue a = queue_new(), b = queue_new(), c = queue_new();
+    free_timeline t = free_timeline_new();
+    uint64_t *a_gate = calloc(1, sizeof(uint64_t));
+    if (am_cuq_wait(a.q, a_gate, 1, 1) || signal_free(a, t, 1, 1) ||
+        am_cuq_wait_timeline(a.q, h, 1, 2) ||
+        am_cuq_finish(a.q, 2, h, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        signal_free(a, t, 2, 3))
+        die("skipsignal: a failed at once");
+    if (am_cuq_wait_timeline(b.q, t.t, 2, 1) ||
+        am_cuq_finish(b.q, 1, t.t, 2, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        am_cuq_fill(b.q, (uint64_t)(uintptr_t)memory, 0xABABABABu, 4, sizeof memory, 2, 0) ||
+        launch(b, NULL, 1, 3))
+        die("skipsignal: b failed at once");
+    if (am_cuq_wait_timeline(c.q, t.t, 1, 1) ||
+        am_cuq_finish(c.q, 1, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        launch(c, NULL, 1, 2))
+        die("skipsignal: c failed at once");
+    am_timeline_fail(gate, 1, ILLEGAL_ADDRESS, 7, cause);
+    /* a's wait on h goes on, failed: a's signal of t to 2 is handed over, passed, and b's
+     * wait with it -- while a's signal of t to 1 is still behind its gate, then raised */
+    nap_ns(20000000);  /* 20 ms */
+    atomic_store((_Atomic uint64_t *)a_gate, 1);
+    reach(b.t, UINT64_MAX, "skipsignal: b's wait for a passed signal never ended");
+    if (atomic_load(&b.s->ran)) die("skipsignal: a kernel behind a passed signal launched");
+    for (size_t i = 0; i < 16; i++)
+        if (memory[i]) die("skipsignal: a fill behind a passed signal wrote its memory");
+    uint64_t at = 0, value = 0;
+    int error = 0;
+    if (am_cuq_error(b.q, &at) != CU_HELD_FAILED || at != 1 ||
+        am_cuq_cause(b.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
+        die("skipsignal: b does not fail from its wait, naming the host timeline's failure");
+    reach(a.t, UINT64_MAX, "skipsignal: a never settled");
+    reach(c.t, 2, "skipsignal: c's wait for a's signal in flight never ended");
+    if (am_cuq_error(c.q, &at) || am_timeline_value(c.t) != 2 || atomic_load(&c.s->ran) != 1)
+        die("skipsignal: a wait for a signal in flight before the passed one failed");
+    am_timeline *by = NULL;
+    if (am_cuq_error(a.q, &at) != CU_HELD_FAILED || at != 2 ||
+        am_timeline_failure(t.t, &error, &value, &by) != 2 || by != cause ||
+        error != ILLEGAL_ADDRESS || value != 7 || am_timeline_value(t.t) != UINT64_MAX)
+        die("skipsignal: the passed signal's timeline does not fail from its value so");
+    am_queue_close(hq, 0);
+    fake_queue all[3] = {a, b, c};
+    for (int i = 0; i < 3; i++) queue_free(all[i], 0);
+    free_timeline_free(t);
+    free(a_gate);
+    am_timeline_free(gate);
+    am_timeline_free(h);
+    am_timeline_free(cause);
+    puts("ok skipsignal");
+}
+
 static void check_foreign(void) {
     /* b's stream plays the consumer's: waits go onto it directly, and a kernel behind
      * them checks, as it runs, how far the waited-for queue's stream got. */
@@ -1594,9 +1664,10 @@ static void check_signalrecord(void) {
     if (am_cuq_error(a.q, &at) != 1 || at != 2 || am_timeline_value(a.t) != UINT64_MAX ||
         atomic_load(&a.s->ran) != 1)
         die("signalrecord: the refused signal's queue did not fail from it, once the launch ran");
-    if (am_cuq_error(c.q, &at) != CU_WAITED_FAILED || at != 1 ||
+    if (am_cuq_error(c.q, &at) != CU_HELD_FAILED || at != 1 || atomic_load(&c.s->ran) ||
         am_cuq_cause(c.q, &error, &value) != a.t || error != 1 || value != 2)
-        die("signalrecord: the waiting queue did not fail from its wait, naming the signal");
+        die("signalrecord: the waiting queue did not fail from its wait without running, "
+            "naming the signal");
     queue_free(a, 0);
     queue_free(c, 0);
     free_timeline_free(t);
@@ -2228,6 +2299,13 @@ static int waited_failed(fake_queue f) {
     return am_cuq_error(f.q, &at) == CU_WAITED_FAILED;
 }
 
+/* Whether f failed from a device wait, held on the host, for a value never produced:
+ * from that wait on nothing ran. */
+static int wait_skipped(fake_queue f) {
+    uint64_t at = 0;
+    return am_cuq_error(f.q, &at) == CU_HELD_FAILED && !atomic_load(&f.s->ran);
+}
+
 /* A waiter's record stays in a's waiters after the waiter closed and its timeline was
  * freed; a's abandon then reads that timeline (cuq_abandon_waiters). ASan: UAF. */
 static void check_uafwaiter(void) {
@@ -2345,7 +2423,7 @@ static void check_closekick(void) {
         if (now_ns() > deadline)
             die("closekick: a wait held for a value of a closed timeline never went on "
                 "(am_timeline_close runs no kicks)");
-    if (!waited_failed(w)) die("closekick: the commands behind it did not fail");
+    if (!wait_skipped(w)) die("closekick: the commands behind it did not fail without running");
     queue_free(w, 0);
     free_timeline_free(t);
 }
@@ -2437,6 +2515,7 @@ int main(void) {
     check_hostwait();
     check_hostheld();
     check_hostfailed();
+    check_skipsignal();
     check_signal();
     check_signalrecord();
     check_nomemory();
