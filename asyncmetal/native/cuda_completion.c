@@ -145,8 +145,8 @@ void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value, am_timeline
 
 /* Under other->mu: record a device wait of q (part of its command `command`) for value
  * `target` of other, forgetting those other has confirmed since. Returns 1 if other has
- * failed at or before `target` already: then the caller, with other->mu released, calls
- * cuq_poison_after(q, command, other). */
+ * failed at or before `target` already (nothing recorded): then the caller, with
+ * other->mu released, fails q from `command` on (cuda_submit.c, cuq_skip_from). */
 int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command) {
     uint64_t failed = cuq_failed_at(other);
     if (failed && target >= failed) return 1;
@@ -167,16 +167,6 @@ int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command) {
     atomic_fetch_add(&q->refs, 1);
     other->waiters = w;
     return 0;
-}
-
-void cuq_poison_after(am_cuq *q, uint64_t command, am_cuq *other) {
-    int error;
-    uint64_t value;
-    am_timeline *cause;
-    pthread_mutex_lock(&other->mu);
-    cuq_cause(other, &error, &value, &cause);
-    pthread_mutex_unlock(&other->mu);
-    cuq_poison(q, command, error, value, cause);
 }
 
 /* q's commands from `first` on (0: none) never run: abandoned by am_cuq_close (`error`

@@ -186,8 +186,8 @@ struct am_cuq {
      * word writes are not handed to the driver -- they pass, with only their events
      * recorded, and fail once confirmed (poisoned) -- because a wait of that command,
      * held on the host until what it waits for reached the driver, found it failed
-     * before the wait was made: a host queue's timeline, a timeline whose signal
-     * failed or was passed so (0: none). Written by the thread
+     * before the wait was made: a host queue's timeline, another queue's command, a
+     * timeline whose signal failed or was passed so (0: none). Written by the thread
      * handing the wait over, under mu; read by those handing operations over (one at a
      * time). */
     uint64_t skipped;
@@ -283,7 +283,6 @@ AM_HIDDEN void cuq_drain(am_cuq *q, uint64_t through, int most);
 AM_HIDDEN void cuq_settle(am_cuq *q);
 AM_HIDDEN void cuq_unkick(am_cuq *q, am_timeline *kick_on);
 AM_HIDDEN int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command);
-AM_HIDDEN void cuq_poison_after(am_cuq *q, uint64_t command, am_cuq *other);
 AM_HIDDEN void cuq_mark_failed(am_cuq *q, uint64_t first, int error);
 AM_HIDDEN void cuq_abandon_waiters(am_cuq *q, uint64_t first);
 AM_HIDDEN uint64_t cuq_failed_at(const am_cuq *q);

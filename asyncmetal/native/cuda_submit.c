@@ -234,8 +234,9 @@ static int cuq_wait_word(am_cuq *q, const am_cuop *op) {
  * locks), is made without the lock -- other's completion thread and submitters never
  * wait behind it -- while other's completion thread cannot recycle (re-record) or
  * destroy the event. The wait of a queue q (its command `command`) is recorded with
- * other, so that other's failure before `value` fails that command too (or fails it
- * now, if other failed before `value` already); a foreign stream's (q NULL) is not.
+ * other, so that other's failure before `value` fails that command too; if other failed
+ * before `value` already, it is not made, and q's work from that command on never
+ * reaches the driver (cuq_skip_from). A foreign stream's (q NULL) is not recorded.
  * Returns a CUresult; *call: the driver call made. */
 static int stream_wait_queue(void *stream, am_cuq *other, uint64_t value, am_cuq *q,
                              uint64_t command, int *call) {
@@ -244,19 +245,27 @@ static int stream_wait_queue(void *stream, am_cuq *other, uint64_t value, am_cuq
     pthread_mutex_lock(&other->mu);
     int abandoned = other->stop == 2;
     /* A wait of q on a command an abandoned (or closed) queue never confirms fails q
-     * from there (cuq_mark_failed); else it is recorded, or fails now if other failed
-     * before. */
+     * from there (cuq_mark_failed); else it is recorded, unless other failed before. */
     uint64_t from = abandoned ? cuq_failed_at(other) : 0;
     int failed = q && (abandoned ? from && value >= from : cuq_waited(q, other, value, command));
+    if (failed) {
+        /* Known failed before this wait reached the driver: it is not made, and nothing
+         * of q's from it on runs (cuq_skip_from), with other's failure behind it. */
+        int error;
+        uint64_t failed_value;
+        am_timeline *cause;
+        cuq_cause(other, &error, &failed_value, &cause);
+        pthread_mutex_unlock(&other->mu);
+        cuq_skip_from(q, command, error, failed_value, cause);
+        return 0;
+    }
     if (value > other->submitted &&
         (abandoned || (!q && !other->error && atomic_load(other->word) < value))) {
         pthread_mutex_unlock(&other->mu);
-        if (failed) cuq_poison_after(q, command, other);
         return abandoned ? 0 : CU_DEFERRED;
     }
     if (value > other->submitted) {
         pthread_mutex_unlock(&other->mu);
-        if (failed) cuq_poison_after(q, command, other);
         *call = CU_WAIT64;
         return ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WAIT64])(
             stream, (void *)other->word, value, 0x0 /* CU_STREAM_WAIT_VALUE_GEQ */);
@@ -280,7 +289,6 @@ static int stream_wait_queue(void *stream, am_cuq *other, uint64_t value, am_cuq
         cuq_give_back(other, &lend);
         pthread_mutex_unlock(&other->mu);
     }
-    if (failed) cuq_poison_after(q, command, other);
     return r;
 }
 

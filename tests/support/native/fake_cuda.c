@@ -56,11 +56,12 @@
  *             fill writes, no kernel launches) and fail (CU_HELD_FAILED), naming the
  *             host timeline's failure; a wait for the value of a signal of that queue
  *             in flight before it still succeeds
- *   release   a queue's device wait on a value of a queue that failed that way ends
- *             (the failed queue's word is raised), rather than blocking for good; the
- *             commands from that wait on fail once run (they ran on data never
- *             produced), and so do those of a queue that waited for them, naming the
- *             command that failed
+ *   release   a queue's device wait on a value of a queue that failed that way (held
+ *             on the host until that command reached the driver, which refused it)
+ *             ends rather than blocking for good, without being made: the commands
+ *             from that wait on never reach the stream (no kernel launches) and fail
+ *             (CU_HELD_FAILED), and so do those of a queue that waited for them, each
+ *             naming the command that failed
  *   signal    a signal of a timeline no queue owns, by a queue that waited for a refused
  *             command's value (or held behind a refused command of its own), fails:
  *             the timeline settles (value at UINT64_MAX, word released), so no wait on it
@@ -111,8 +112,9 @@
  *             after another make no new events), and destroyed when the held wait is
  *             abandoned
  *   orphaned  a queue's wait held for another queue's command, which that queue held on
- *             the host when it was closed with abandon, goes on (it never comes), and
- *             the queue fails from that wait on, naming the abandon
+ *             the host when it was closed with abandon, goes on (it never comes)
+ *             without being made, and the queue fails from that wait on, naming the
+ *             abandon, its kernel behind the wait never launched
  *   abandonwait a queue closed with abandon while its command waits for a timeline
  *             nobody signals: commands of queues that waited on the device for its
  *             abandoned commands fail once run (the close raised that timeline's word,
@@ -120,14 +122,17 @@
  *             and so do those that waited for them; a wait for one of its commands
  *             confirmed before succeeds
  *   closedwait a queue's device wait for a value another queue was never given before it
- *             closed ends, and the commands from that wait on fail, naming the close
+ *             closed ends (held on the host until then, it is not made), and the
+ *             commands from that wait on fail without running, naming the close
  *   uafwaiter a queue abandoned after a queue that waited for it closed (its timeline
  *             freed): nothing of the closed queue's is read
  *   confirmedfirst a queue abandoned when its command was confirmed through another
  *             queue's wait but not by its own thread: a wait for that command succeeds
  *   kickmiss  a queue abandoned while a kick's thread hands its command over (neither
- *             held nor in flight): a wait for that command fails
+ *             held nor in flight): a wait for that command fails (what follows it never
+ *             runs)
  *   idleabandon an idle queue abandoned: a wait for a value it was never given fails
+ *             (what follows it never runs)
  *   shared    streams sharing one hardware queue (a wait there holds up every stream
  *             behind it): a queue's wait for another queue's command still held on the
  *             host, a wait on a timeline before the signal that raises it was
@@ -753,16 +758,18 @@ static void check_release(void) {
         if (now_ns() > deadline) die("release: a wait on a failed queue's value never ended");
     uint64_t at = 0;
     if (am_cuq_error(a.q, &at) != 1 || at != 2) die("release: a's failure is wrong");
-    /* b's wait and launch ran (the stream was released) but fail, once both ran; so do
-     * c's, which waited for b's launch; each names a's refused command */
-    if (am_timeline_value(b.t) != UINT64_MAX || atomic_load(&b.s->ran) != 1)
-        die("release: b's commands after the wait did not fail once run");
-    if (am_timeline_value(c.t) != UINT64_MAX) die("release: c's commands did not fail");
+    /* b's wait went on once a's command 2 was refused, and neither it nor b's launch
+     * reached the stream: they fail; so do c's, which waited for b's launch; each names
+     * a's refused command */
+    if (am_timeline_value(b.t) != UINT64_MAX || atomic_load(&b.s->ran))
+        die("release: b's commands after the wait did not fail without running");
+    if (am_timeline_value(c.t) != UINT64_MAX || atomic_load(&c.s->ran))
+        die("release: c's commands did not fail without running");
     fake_queue waiting[2] = {b, c};
     for (int i = 0; i < 2; i++) {
         int error = 0;
         uint64_t value = 0;
-        if (am_cuq_error(waiting[i].q, &at) != CU_WAITED_FAILED || at != 1)
+        if (am_cuq_error(waiting[i].q, &at) != CU_HELD_FAILED || at != 1)
             die("release: a waiting queue's failure is wrong");
         if (am_cuq_cause(waiting[i].q, &error, &value) != a.t || error != 1 || value != 2)
             die("release: a waiting queue does not name the command that failed");
@@ -856,7 +863,7 @@ static void check_signal(void) {
             die("signal: a queue that waited on a failed signal does not name the refused command");
     }
     uint64_t at = 0;
-    if (am_cuq_error(b.q, &at) != CU_WAITED_FAILED || am_cuq_error(a2.q, &at) != 1)
+    if (am_cuq_error(b.q, &at) != CU_HELD_FAILED || am_cuq_error(a2.q, &at) != 1)
         die("signal: a failed signal's own queue did not fail");
     for (int i = 4; i < 7; i++)
         if (am_timeline_value(settled[i].t) != 2 || am_cuq_error(settled[i].q, &at))
@@ -1418,10 +1425,12 @@ static void check_orphaned(void) {
     queue_free(a, 1);
     free(gates);
     reach(b.t, 1, "orphaned: a wait held for an abandoned queue's command never went on");
-    /* it went on for a command that never ran: b's command fails, naming the abandon */
+    /* it went on for a command that never ran: b's command fails without running,
+     * naming the abandon */
     uint64_t at = 0, value = 0;
     int error = 0;
-    if (am_cuq_error(b.q, &at) != CU_WAITED_FAILED || at != 1 ||
+    if (atomic_load(&b.s->ran)) die("orphaned: a kernel behind a wait for an abandoned command ran");
+    if (am_cuq_error(b.q, &at) != CU_HELD_FAILED || at != 1 ||
         !am_cuq_cause(b.q, &error, &value) || error != AM_ABANDONED || value != 2)
         die("orphaned: a wait held for an abandoned command did not fail what followed it");
     queue_free(b, 0);
@@ -1491,7 +1500,7 @@ static void check_closedwait(void) {
     reach(b.t, 2, "closedwait: a wait for a value a closed queue was never given never ended");
     uint64_t at = 0, value = 0;
     int error = 0;
-    if (am_cuq_error(b.q, &at) != CU_WAITED_FAILED || at != 1 ||
+    if (am_cuq_error(b.q, &at) != CU_HELD_FAILED || at != 1 || atomic_load(&b.s->ran) ||
         am_cuq_cause(b.q, &error, &value) != gone || error != AM_CLOSED || value != 2)
         die("closedwait: the commands behind that wait did not fail, naming the close");
     queue_free(b, 0);
@@ -2132,7 +2141,8 @@ static void *ds_waiter(void *arg) {
             r = launch(d->w, NULL, 0, ++v);
         }
         if (r) {  /* w failed already, from a wait for a dropped value: it takes no more */
-            if (am_cuq_error(d->w.q, &at) != CU_WAITED_FAILED) die("discardstress: w failed");
+            int e = am_cuq_error(d->w.q, &at);
+            if (e != CU_WAITED_FAILED && e != CU_HELD_FAILED) die("discardstress: w failed");
             break;
         }
         nap_ns((long)(ds_rand(&x) % 50000));
@@ -2267,7 +2277,9 @@ static void ds_round(int round) {
     reach(d.w.t, w_first ? UINT64_MAX : w_last, "discardstress: a wait for f never ended");
     uint64_t at = 0;
     int w_error = am_cuq_error(d.w.q, &at);
-    if (w_first ? w_error != CU_WAITED_FAILED || at != w_first : w_error != 0)
+    /* (held on the host until f's failure was known, w's work from there never ran) */
+    int w_failed = w_error == CU_WAITED_FAILED || w_error == CU_HELD_FAILED;
+    if (w_first ? !w_failed || at != w_first : w_error != 0)
         die("discardstress: a wait for a discarded command did not fail from there, or one "
             "for a kept command failed");
     stream_free(d.consumer, 0);  /* (it may have waited on f's word: before f's goes) */
@@ -2291,12 +2303,6 @@ static void check_discardstress(void) {
     for (int round = 0; round < n; round++) ds_round(round);
     atomic_store(&release_syncs, released);
     puts("ok discardstress");
-}
-
-/* Whether f failed from a device wait for a value never produced. */
-static int waited_failed(fake_queue f) {
-    uint64_t at = 0;
-    return am_cuq_error(f.q, &at) == CU_WAITED_FAILED;
 }
 
 /* Whether f failed from a device wait, held on the host, for a value never produced:
@@ -2360,7 +2366,7 @@ static void check_confirmedfirst(void) {
  * its command 2) and fails; both are freed. */
 static void wait_failed(fake_queue f, fake_queue w, const char *what) {
     reach(w.t, 2, what);
-    if (!waited_failed(w)) die(what);
+    if (!wait_skipped(w)) die(what);
     abandoned_free(f);
     queue_free(w, 0);
 }
