@@ -62,6 +62,11 @@
  *             from that wait on never reach the stream (no kernel launches) and fail
  *             (CU_HELD_FAILED), and so do those of a queue that waited for them, each
  *             naming the command that failed
+ *   failedqueue a queue's command that failed on the device (it ran after a device wait
+ *             on a timeline whose signal failed, and was confirmed failed): a wait of
+ *             another queue for its value, submitted once that is known, is not made,
+ *             and the commands behind it never reach the stream (no kernel launches)
+ *             and fail (CU_HELD_FAILED), naming the failure it came to
  *   signal    a signal of a timeline no queue owns, by a queue that waited for a refused
  *             command's value (or held behind a refused command of its own), fails:
  *             the timeline settles (value at UINT64_MAX, word released), so no wait on it
@@ -1207,6 +1212,35 @@ static void check_skipsignal(void) {
     am_timeline_free(h);
     am_timeline_free(cause);
     puts("ok skipsignal");
+}
+
+static void check_failedqueue(void) {
+    /* a: command 1 waits on the device for t, which fails (command 7 of `cause`'s
+     * queue faulted); command 2 launches behind it: both run, and fail once confirmed */
+    fake_queue a = queue_new(), b = queue_new();
+    free_timeline t = free_timeline_new();
+    am_timeline *cause = am_timeline_new();
+    if (wait_free(a, t, 1, 1) || launch(a, NULL, 1, 2)) die("failedqueue: a failed at once");
+    am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
+    reach(a.t, UINT64_MAX, "failedqueue: a never settled");
+    uint64_t at = 0, value = 0;
+    int error = 0;
+    if (am_cuq_error(a.q, &at) != CU_WAITED_FAILED || at != 1)
+        die("failedqueue: a did not fail from its wait");
+    /* b waits for a's failed command 2, then launches */
+    if (am_cuq_wait_queue(b.q, a.q, 2, 1) || am_cuq_finish(b.q, 1, NULL, 0, 0, CU_FINISH_PLAIN) ||
+        launch(b, NULL, 1, 2))
+        die("failedqueue: b failed at once");
+    reach(b.t, UINT64_MAX, "failedqueue: b never settled");
+    if (atomic_load(&b.s->ran)) die("failedqueue: a kernel behind a wait for a failed command ran");
+    if (am_cuq_error(b.q, &at) != CU_HELD_FAILED || at != 1 ||
+        am_cuq_cause(b.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
+        die("failedqueue: b did not fail from its wait, naming the failure it came to");
+    queue_free(a, 0);
+    queue_free(b, 0);
+    free_timeline_free(t);
+    am_timeline_free(cause);
+    puts("ok failedqueue");
 }
 
 static void check_foreign(void) {
@@ -2522,6 +2556,7 @@ int main(void) {
     check_hostheld();
     check_hostfailed();
     check_skipsignal();
+    check_failedqueue();
     check_signal();
     check_signalrecord();
     check_nomemory();
