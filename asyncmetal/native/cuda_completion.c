@@ -114,15 +114,23 @@ void cuq_cause(const am_cuq *q, int *error, uint64_t *value, am_timeline **cause
 
 /* Queue q's commands from `from` on ran (or will run) after a device wait for a value
  * that was never produced: each fails once confirmed, and q settles once its stream is
- * past all it was given (cuq_run). So do the commands of queues that wait on q's values
- * from there on, at once: a wait on an event of q's would otherwise let them run and be
- * confirmed before q settles. Not under any queue's mu. */
+ * past all it was given (cuq_run). Those of its commands after `from`, and after the
+ * last one with an operation handed to the driver, are not handed over any more: they
+ * pass (q->skipped), as behind a failed wait held on the host. So do the commands of
+ * queues that wait on q's values from there on, at once: a wait on an event of q's
+ * would otherwise let them run and be confirmed before q settles. Not under any
+ * queue's mu. */
 void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value, am_timeline *cause) {
     pthread_mutex_lock(&q->mu);
     if (q->poisoned && q->poisoned <= from) {
         pthread_mutex_unlock(&q->mu);
         return;
     }
+    /* (A command being handed over on another thread now, not in handed_value yet, runs:
+     * it passed its check already. After `from`, so the queue's error still says its
+     * commands from `from` on ran: CU_WAITED_FAILED.) */
+    uint64_t skip = (from > q->handed_value ? from : q->handed_value) + 1;
+    if (!q->skipped || skip < q->skipped) __atomic_store_n(&q->skipped, skip, __ATOMIC_RELAXED);
     q->poisoned = from;
     q->cause_error = error;
     q->cause_value = value;

@@ -67,6 +67,10 @@
  *             another queue for its value, submitted once that is known, is not made,
  *             and the commands behind it never reach the stream (no kernel launches)
  *             and fail (CU_HELD_FAILED), naming the failure it came to
+ *   poisonheld a queue's device wait, on the device already, for a value of a queue that
+ *             then fails: its commands handed over behind the wait run (they cannot be
+ *             recalled) and fail, and those it still held on the host (past its bound)
+ *             never reach the stream, and fail too
  *   signal    a signal of a timeline no queue owns, by a queue that waited for a refused
  *             command's value (or held behind a refused command of its own), fails:
  *             the timeline settles (value at UINT64_MAX, word released), so no wait on it
@@ -1245,6 +1249,39 @@ static void check_failedqueue(void) {
     free_timeline_free(t);
     am_timeline_free(cause);
     puts("ok failedqueue");
+}
+
+static void check_poisonheld(void) {
+    /* a: command 1 waits on the device for t, which fails; command 2, behind it, runs
+     * 200 ms (b's wait ends only then, long after a's thread learned of the failure). b,
+     * bounded to 1 in flight: command 1 waits on the device for a's 2; commands 2 and 3,
+     * launches, are held on the host. */
+    static kernel slow = {0, 200000000, NULL, 0};
+    fake_queue a = queue_new(), b = queue_bounded(1);
+    free_timeline t = free_timeline_new();
+    am_timeline *cause = am_timeline_new();
+    if (wait_free(a, t, 1, 1) || launch(a, &slow, 1, 2)) die("poisonheld: a failed at once");
+    if (am_cuq_wait_queue(b.q, a.q, 2, 1) || am_cuq_finish(b.q, 1, NULL, 0, 0, CU_FINISH_PLAIN) ||
+        launch(b, NULL, 1, 2) || launch(b, NULL, 2, 3))
+        die("poisonheld: b failed at once");
+    uint64_t stats[8];
+    am_cuq_stats(b.q, stats);
+    if (stats[6] != 4) die("poisonheld: b's launches were not held on the host");
+    am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
+    reach(a.t, UINT64_MAX, "poisonheld: a never settled");
+    reach(b.t, UINT64_MAX, "poisonheld: b never settled");
+    if (atomic_load(&a.s->ran) != 1) die("poisonheld: a's kernel handed over did not run");
+    if (atomic_load(&b.s->ran)) die("poisonheld: a kernel held behind a failed wait ran");
+    uint64_t at = 0, value = 0;
+    int error = 0;
+    if (am_cuq_error(b.q, &at) != CU_WAITED_FAILED || at != 1 ||
+        am_cuq_cause(b.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
+        die("poisonheld: b did not fail from its wait, naming the failure it came to");
+    queue_free(a, 0);
+    queue_free(b, 0);
+    free_timeline_free(t);
+    am_timeline_free(cause);
+    puts("ok poisonheld");
 }
 
 static void check_foreign(void) {
@@ -2566,6 +2603,7 @@ int main(void) {
     check_hostfailed();
     check_skipsignal();
     check_failedqueue();
+    check_poisonheld();
     check_signal();
     check_signalrecord();
     check_nomemory();
