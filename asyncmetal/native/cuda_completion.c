@@ -114,15 +114,23 @@ void cuq_cause(const am_cuq *q, int *error, uint64_t *value, am_timeline **cause
 
 /* Queue q's commands from `from` on ran (or will run) after a device wait for a value
  * that was never produced: each fails once confirmed, and q settles once its stream is
- * past all it was given (cuq_run). So do the commands of queues that wait on q's values
- * from there on, at once: a wait on an event of q's would otherwise let them run and be
- * confirmed before q settles. Not under any queue's mu. */
+ * past all it was given (cuq_run). Those of its commands after `from`, and after the
+ * last one with an operation handed to the driver, are not handed over any more: they
+ * pass (q->skipped), as behind a failed wait held on the host. So do the commands of
+ * queues that wait on q's values from there on, at once: a wait on an event of q's
+ * would otherwise let them run and be confirmed before q settles. Not under any
+ * queue's mu. */
 void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value, am_timeline *cause) {
     pthread_mutex_lock(&q->mu);
     if (q->poisoned && q->poisoned <= from) {
         pthread_mutex_unlock(&q->mu);
         return;
     }
+    /* (A command being handed over on another thread now, not in handed_value yet, runs:
+     * it passed its check already. After `from`, so the queue's error still says its
+     * commands from `from` on ran: CU_WAITED_FAILED.) */
+    uint64_t skip = (from > q->handed_value ? from : q->handed_value) + 1;
+    if (!q->skipped || skip < q->skipped) __atomic_store_n(&q->skipped, skip, __ATOMIC_RELAXED);
     q->poisoned = from;
     q->cause_error = error;
     q->cause_value = value;
@@ -145,8 +153,8 @@ void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value, am_timeline
 
 /* Under other->mu: record a device wait of q (part of its command `command`) for value
  * `target` of other, forgetting those other has confirmed since. Returns 1 if other has
- * failed at or before `target` already: then the caller, with other->mu released, calls
- * cuq_poison_after(q, command, other). */
+ * failed at or before `target` already (nothing recorded): then the caller, with
+ * other->mu released, fails q from `command` on (cuda_submit.c, cuq_skip_from). */
 int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command) {
     uint64_t failed = cuq_failed_at(other);
     if (failed && target >= failed) return 1;
@@ -167,16 +175,6 @@ int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command) {
     atomic_fetch_add(&q->refs, 1);
     other->waiters = w;
     return 0;
-}
-
-void cuq_poison_after(am_cuq *q, uint64_t command, am_cuq *other) {
-    int error;
-    uint64_t value;
-    am_timeline *cause;
-    pthread_mutex_lock(&other->mu);
-    cuq_cause(other, &error, &value, &cause);
-    pthread_mutex_unlock(&other->mu);
-    cuq_poison(q, command, error, value, cause);
 }
 
 /* q's commands from `first` on (0: none) never run: abandoned by am_cuq_close (`error`
@@ -330,6 +328,7 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
             /* (not once abandoned: the stream may be destroyed; the call reported stays
              * the refused one, not the fence's) */
             int call = __atomic_load_n(&q->failed_call, __ATOMIC_RELAXED);
+            if (signals) cuq_fail_signal_now(q, op, r, op->value, q->timeline);
             fenced = !cuq_finish(q, op->value, signals ? op->extra : NULL,
                                  signals ? op->extra_value : 0, 0, CU_FINISH_FENCE);
             __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);
@@ -375,6 +374,30 @@ static void cuq_confirm_wait(am_cuq *q, const am_cuentry *e) {
     am_timeline *cause = t->fail_cause;
     pthread_mutex_unlock(&t->mu);
     if (failed && e->extra_value >= failed) cuq_poison(q, e->value, error, value, cause);
+}
+
+/* q's signal `op` (a command's end that raises a timeline) is known to fail before it
+ * is handed over: its command was passed behind a failed wait (cuda_submit.c, cuq_run_op)
+ * or refused by the driver (cuq_drain). Its timeline fails now, with the failure behind
+ * it -- before the hand-over releases the device waits held for the signal, which then
+ * find the timeline failed and run nothing behind them (cuq_skip_failed) -- from the
+ * value after the last one it is sure to get: what it reached, or what a signal of q's
+ * in flight before this one (not passed) raises it to, which is confirmed first, in q's
+ * order (one that fails lowers that, am_timeline_fail). The signal's confirmation then
+ * settles it (cuq_fail_signal). Not under mu. */
+void cuq_fail_signal_now(am_cuq *q, const am_cuop *op, int error, uint64_t value,
+                         am_timeline *cause) {
+    am_timeline *t = op->extra;
+    uint64_t sure = atomic_load(&t->value);
+    pthread_mutex_lock(&q->mu);
+    uint64_t before = q->skipped && q->skipped < op->value ? q->skipped : op->value;
+    for (size_t i = 0; i < q->count; i++) {
+        const am_cuentry *e = &q->ring[(q->head + i) % q->cap];
+        if (e->signals && e->extra == t && e->value < before && e->extra_value > sure)
+            sure = e->extra_value;
+    }
+    pthread_mutex_unlock(&q->mu);
+    if (sure < op->extra_value) am_timeline_fail_from(t, sure + 1, error, value, cause);
 }
 
 /* The failure a failed command of q passes on to the timeline it signals. Under mu. */

@@ -182,11 +182,14 @@ struct am_cuq {
      * one, through any chain of waits). */
     struct am_cuwaiter *waiters;
     uint64_t poisoned;
-    /* From which command on the data operations (launches, copies, fills) are not handed
-     * to the driver -- they pass, with only their events recorded, and fail once
-     * confirmed (poisoned) -- because a wait of that command held on the host for a host
-     * queue's timeline found it failed (0: none). Written by the thread handing the wait
-     * over, under mu; read by those handing operations over (one at a time). */
+    /* From which command on the data operations (launches, copies, fills) and signals'
+     * word writes are not handed to the driver -- they pass, with only their events
+     * recorded, and fail once confirmed (poisoned) -- because a wait of that command,
+     * held on the host until what it waits for reached the driver, found it failed
+     * before the wait was made: a host queue's timeline, another queue's command, a
+     * timeline whose signal failed or was passed so (0: none). Written by the thread
+     * handing the wait over, under mu; read by those handing operations over (one at a
+     * time). */
     uint64_t skipped;
     int cause_error;
     uint64_t cause_value;
@@ -216,9 +219,9 @@ typedef struct am_cuwaiter {
 
 #define CU_WAITED_FAILED (-3)  /* a queue's error: it waited for a failed command's value */
 #define CU_DEFERRED (-4)       /* cuq_run_op: a device wait that must be held (q->deferred) */
-#define CU_HELD_FAILED (-8)    /* a queue's error: a wait of it held on the host for a host
-                                  queue's timeline (cpu, npy) that failed instead: the
-                                  commands from that wait on were never handed over */
+#define CU_HELD_FAILED (-8)    /* a queue's error: a wait of it held on the host found
+                                  what it waits for failed before it was made (q->skipped):
+                                  the commands from that wait on were never handed over */
 
 /* Whether the completion thread has held operations it may hand over now (under mu). */
 static inline int cuq_can_drain(const am_cuq *q) {
@@ -280,7 +283,6 @@ AM_HIDDEN void cuq_drain(am_cuq *q, uint64_t through, int most);
 AM_HIDDEN void cuq_settle(am_cuq *q);
 AM_HIDDEN void cuq_unkick(am_cuq *q, am_timeline *kick_on);
 AM_HIDDEN int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command);
-AM_HIDDEN void cuq_poison_after(am_cuq *q, uint64_t command, am_cuq *other);
 AM_HIDDEN void cuq_mark_failed(am_cuq *q, uint64_t first, int error);
 AM_HIDDEN void cuq_abandon_waiters(am_cuq *q, uint64_t first);
 AM_HIDDEN uint64_t cuq_failed_at(const am_cuq *q);
@@ -288,6 +290,8 @@ AM_HIDDEN void cuq_cause(const am_cuq *q, int *error, uint64_t *value,
                          am_timeline **cause);                     /* under q->mu */
 AM_HIDDEN void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value,
                           am_timeline *cause);
+AM_HIDDEN void cuq_fail_signal_now(am_cuq *q, const am_cuop *op, int error, uint64_t value,
+                                   am_timeline *cause);
 
 /* cuda_submit.c */
 AM_HIDDEN int cuq_run_op(am_cuq *q, const am_cuop *op);

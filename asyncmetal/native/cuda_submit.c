@@ -162,26 +162,38 @@ static int cuq_defer(am_cuq *q, am_timeline *t, uint64_t target) {
     return 0;
 }
 
-/* q's wait `op` on t, a host queue's timeline, is over: if t failed at or before what it
- * waited for, q's data operations from the wait's command on are not handed to the
- * driver (q->skipped; cuq_run_op passes them), as a host queue's commands behind a
- * failed wait never run: whatever they would have written stays as it was. Their events
- * are still recorded, in order: each is confirmed, and fails, the queue from that wait
- * on (CU_HELD_FAILED), with t's failure behind it. */
-static void cuq_skip_failed(am_cuq *q, am_timeline *t, const am_cuop *op) {
+/* From command `from` on, q's data operations are not handed to the driver (q->skipped;
+ * cuq_run_op passes them, and the word writes of its signals): what they would have
+ * written stays as it was. Their events are still recorded, in order: each is confirmed,
+ * and fails, the queue from there on (CU_HELD_FAILED), with the failure behind it
+ * (`error`, `value`, `cause`: that of what the wait at `from` waited for). */
+static void cuq_skip_from(am_cuq *q, uint64_t from, int error, uint64_t value,
+                          am_timeline *cause) {
+    /* Failed from here now (as its confirmation would), with that failure: the marks of
+     * the commands passed carry it (cuq_run_op). */
+    cuq_poison(q, from, error, value, cause);
+    pthread_mutex_lock(&q->mu);
+    if (!q->skipped || from < q->skipped) __atomic_store_n(&q->skipped, from, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&q->mu);
+}
+
+/* q's wait `op` on t, held on the host until it could go on, goes on now: if t failed at
+ * or before what it waited for, nothing from the wait's command on runs (cuq_skip_from)
+ * -- as a host queue's commands behind a failed wait never run -- and 1 is returned:
+ * the wait is not made either. t is a host queue's timeline (cpu, npy), which failed,
+ * or a timeline with a device word that failed before the wait reached the driver: its
+ * signal was passed behind such a wait or refused (cuq_fail_signal_now), or failed on
+ * the device and was confirmed failed. A failure known only once the wait was handed to
+ * the driver cannot hold back what was handed over behind it: that runs, and fails
+ * once confirmed (cuq_confirm_wait). */
+static int cuq_skip_failed(am_cuq *q, am_timeline *t, const am_cuop *op) {
     pthread_mutex_lock(&t->mu);
     int failed = timeline_failed_for(t, op->target), error = t->fail_error;
     uint64_t value = t->fail_value;
     am_timeline *cause = t->fail_cause ? t->fail_cause : t;
     pthread_mutex_unlock(&t->mu);
-    if (!failed) return;
-    /* Failed from here now (as its confirmation would), with t's failure: the marks of
-     * the commands passed carry it (cuq_run_op). */
-    cuq_poison(q, op->value, error, value, cause);
-    pthread_mutex_lock(&q->mu);
-    if (!q->skipped || op->value < q->skipped)
-        __atomic_store_n(&q->skipped, op->value, __ATOMIC_RELAXED);
-    pthread_mutex_unlock(&q->mu);
+    if (failed) cuq_skip_from(q, op->value, error, value, cause);
+    return failed;
 }
 
 /* A device wait on a word: raised by the host (`extra` NULL: a staging chunk's), or a
@@ -203,6 +215,9 @@ static int cuq_wait_word(am_cuq *q, const am_cuop *op) {
     }
     int host_only = t && atomic_load(&t->signalled_by) == AM_BY_HOST;
     if (t && !host_only && cuq_defer(q, t, op->target)) return CU_DEFERRED;
+    /* t failed for it by now (a signal of it passed, or failed): the word may be raised
+     * for a value never produced, and the work behind the wait is not handed over. */
+    if (t && cuq_skip_failed(q, t, op)) return 0;
     if (t && atomic_load((_Atomic uint64_t *)op->word) >= op->target) return 0;
     int r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WAIT64])(
         q->stream, op->word, op->target, 0x0 /* CU_STREAM_WAIT_VALUE_GEQ */);
@@ -219,8 +234,9 @@ static int cuq_wait_word(am_cuq *q, const am_cuop *op) {
  * locks), is made without the lock -- other's completion thread and submitters never
  * wait behind it -- while other's completion thread cannot recycle (re-record) or
  * destroy the event. The wait of a queue q (its command `command`) is recorded with
- * other, so that other's failure before `value` fails that command too (or fails it
- * now, if other failed before `value` already); a foreign stream's (q NULL) is not.
+ * other, so that other's failure before `value` fails that command too; if other failed
+ * before `value` already, it is not made, and q's work from that command on never
+ * reaches the driver (cuq_skip_from). A foreign stream's (q NULL) is not recorded.
  * Returns a CUresult; *call: the driver call made. */
 static int stream_wait_queue(void *stream, am_cuq *other, uint64_t value, am_cuq *q,
                              uint64_t command, int *call) {
@@ -229,19 +245,27 @@ static int stream_wait_queue(void *stream, am_cuq *other, uint64_t value, am_cuq
     pthread_mutex_lock(&other->mu);
     int abandoned = other->stop == 2;
     /* A wait of q on a command an abandoned (or closed) queue never confirms fails q
-     * from there (cuq_mark_failed); else it is recorded, or fails now if other failed
-     * before. */
+     * from there (cuq_mark_failed); else it is recorded, unless other failed before. */
     uint64_t from = abandoned ? cuq_failed_at(other) : 0;
     int failed = q && (abandoned ? from && value >= from : cuq_waited(q, other, value, command));
+    if (failed) {
+        /* Known failed before this wait reached the driver: it is not made, and nothing
+         * of q's from it on runs (cuq_skip_from), with other's failure behind it. */
+        int error;
+        uint64_t failed_value;
+        am_timeline *cause;
+        cuq_cause(other, &error, &failed_value, &cause);
+        pthread_mutex_unlock(&other->mu);
+        cuq_skip_from(q, command, error, failed_value, cause);
+        return 0;
+    }
     if (value > other->submitted &&
         (abandoned || (!q && !other->error && atomic_load(other->word) < value))) {
         pthread_mutex_unlock(&other->mu);
-        if (failed) cuq_poison_after(q, command, other);
         return abandoned ? 0 : CU_DEFERRED;
     }
     if (value > other->submitted) {
         pthread_mutex_unlock(&other->mu);
-        if (failed) cuq_poison_after(q, command, other);
         *call = CU_WAIT64;
         return ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WAIT64])(
             stream, (void *)other->word, value, 0x0 /* CU_STREAM_WAIT_VALUE_GEQ */);
@@ -265,7 +289,6 @@ static int stream_wait_queue(void *stream, am_cuq *other, uint64_t value, am_cuq
         cuq_give_back(other, &lend);
         pthread_mutex_unlock(&other->mu);
     }
-    if (failed) cuq_poison_after(q, command, other);
     return r;
 }
 
@@ -285,6 +308,8 @@ int cuq_run_op(am_cuq *q, const am_cuop *op) {
     int data = op->kind == CUOP_LAUNCH || op->kind == CUOP_COPY || op->kind == CUOP_HTOD ||
                op->kind == CUOP_DTOH || op->kind == CUOP_FILL;
     if (data && skipped && op->value >= skipped) return 0;
+    /* A signal's word write (its command passed: its timeline fails, cuq_fail_signal_now) */
+    if (op->kind == CUOP_WRITE && !op->extra && skipped && op->value >= skipped) return 0;
     if (op->kind == CUOP_WRITE && op->extra && skipped && op->value >= skipped) {
         /* A staging chunk's mark: the host threads that wait for it then copy nothing
          * (the chunk holds what the stream never wrote), but count the chunk's parts, so
@@ -358,6 +383,17 @@ int cuq_run_op(am_cuq *q, const am_cuop *op) {
         return r ? cuq_fail(q, CU_WAIT_EVENT, r) : 0;
     }
     case CUOP_FINISH:
+        if (skipped && op->value >= skipped && cuop_signals(op)) {
+            /* A signal passed, not run: its word write was not made (above); its
+             * timeline fails before its hand-over releases the waits held for it. */
+            int error;
+            uint64_t value;
+            am_timeline *cause;
+            pthread_mutex_lock(&q->mu);
+            cuq_cause(q, &error, &value, &cause);
+            pthread_mutex_unlock(&q->mu);
+            cuq_fail_signal_now(q, op, error, value, cause);
+        }
         return cuq_finish(q, op->value, op->extra, op->extra_value, op->spin_ns, op->flags);
     }
     return -2;

@@ -214,7 +214,9 @@ void am_timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value
         timeline_keep_released(t);  /* (failed already: a later write may have landed) */
         return;
     }
-    if (!t->failed_from) {
+    /* (failed already from a later value, marked before it settles -- a signal passed
+     * behind a failed wait, cuda_submit.c, cuq_skip_signal -- the earlier one stands) */
+    if (!t->failed_from || reached + 1 < t->failed_from) {
         t->failed_from = reached + 1;
         t->fail_error = error;
         t->fail_value = value;

@@ -691,14 +691,18 @@ async def test_a_dropped_cuda_queue_releases_its_stream_once_its_commands_ran(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("held", [False, True], ids=["ran", "held"])
 async def test_a_command_that_waited_for_a_failed_commands_value_names_it(
-    anyio_backend: object, driver: _Driver
+    anyio_backend: object, driver: _Driver, held: bool
 ) -> None:
     """A queue of cuda:1 waited on the device for a value of cuda:0's default queue,
     whose command at value 7 the driver refused (native/cuda_completion.c then fails the
-    waiting queue's commands from the wait on: they ran on data never produced). Its
-    completions, and a submission to it, raise an error naming that command and its
-    device, not a CUDA error of their own; not DeviceLostError (nothing sticky)."""
+    waiting queue's commands from the wait on: they ran on data never produced) -- or,
+    its wait held on the host until that refusal was known, never handed to the stream
+    (HELD_FAILED: native/cuda_submit.c, stream_wait_queue). Its completions, and a
+    submission to it, raise an error naming that command and its device, not a CUDA
+    error of their own, saying whether they ran; not DeviceLostError (nothing sticky).
+    Checked (held): named as a cpu queue's failure (an error number) before."""
     from asyncmetal.backends.cuda import _queue as cuda_queue
 
     dev0 = await am.open_device("cuda:0")
@@ -706,13 +710,15 @@ async def test_a_command_that_waited_for_a_failed_commands_value_names_it(
     try:
         queue = dev1.new_queue()
         failed = (dev0.queue.timeline.native.c_timeline, CUresult.CUDA_ERROR_INVALID_VALUE, 7)
-        waited = await _failed_from_a_wait(queue, cuda_queue.WAITED_FAILED, failed)
+        code = cuda_queue.HELD_FAILED if held else cuda_queue.WAITED_FAILED
+        waited = await _failed_from_a_wait(queue, code, failed)
+        ran = "did not run: it follows" if held else "ran after"
         expected = (
-            f"the command at value {waited.value} on a stream of cuda:1 ran after a "
+            f"the command at value {waited.value} on a stream of cuda:1 {ran} a "
             "device-side wait for a value that was never produced: the command at value 7 "
             "on a stream of cuda:0 failed: CUDA_ERROR_INVALID_VALUE" + LATER_FAIL
         )
-        error = await _raised_twice(queue, waited, cuda_queue.WAITED_FAILED, am.AsyncMetalError)
+        error = await _raised_twice(queue, waited, code, am.AsyncMetalError)
         assert str(error) == expected and not isinstance(error, DeviceLostError)
     finally:
         await dev0.close()

@@ -46,9 +46,10 @@ MARKER_POLL_NS = 500_000  # ... a marker with nothing unconfirmed before it
 # A queue's error when a command of it waited on the device for a value of another
 # queue's that failed before producing it (CU_WAITED_FAILED, native/cuda_stream.h).
 WAITED_FAILED = -3
-# A queue's error when a wait of it held on the host for a host queue's timeline (cpu,
-# npy) found that timeline failed: its commands from that wait on were never handed to
-# the stream (CU_HELD_FAILED).
+# A queue's error when a wait of it, held on the host until what it waits for reached
+# the driver, found that it failed before the wait was made -- a host queue's timeline
+# (cpu, npy), another queue's command, or a timeline whose signal failed or was passed:
+# its commands from that wait on were never handed to the stream (CU_HELD_FAILED).
 HELD_FAILED = -8
 # A wait for what no one has handed to the device yet (CU_DEFERRED): am_cuq_wait_foreign
 # and am_cuq_hand_over return it when a stream cannot be made to wait now.
@@ -418,10 +419,21 @@ class CUDAQueue(NativeQueue):
         """The error of this queue's commands from ``first`` on, which ran after a device
         wait for a value that another queue's failed command never produced: that
         command's error, named (by its queue's device, where that queue is still alive).
-        Held on the host behind another kind's queue (HELD_FAILED), they never ran: they
-        fail as a cpu queue's commands behind a failed wait do, naming where it began."""
+        Held on the host until that failure was known (HELD_FAILED), they never ran: they
+        say so, and one behind another kind's queue fails as a cpu queue's command behind
+        a failed wait does, naming where it began."""
         timeline, error, value = self._cause
-        if code == HELD_FAILED:
+        source = next(
+            (
+                queue
+                for queue in list(_driver.live_queues)
+                if isinstance(queue, CUDAQueue) and queue._timeline.c_timeline == timeline
+            ),
+            None,
+        )
+        if code == HELD_FAILED and (
+            error in (ABANDONED, CLOSED, DISCARDED) or (source is None and error <= 0)
+        ):
             lead = "this command did not run: it follows a device-side wait for a value that"
             return failure_error(Failure(first, error, value, timeline), lead, LATER_FAIL)
         if error in (ABANDONED, CLOSED, DISCARDED):  # its device closed, or it was dropped
@@ -430,18 +442,12 @@ class CUDAQueue(NativeQueue):
                 "a device-side wait for a value that"
             )
             return failure_error(Failure(first, error, value, timeline), lead, LATER_FAIL)
-        where = next(
-            (
-                f"a stream of {queue._backend.name}"
-                for queue in list(_driver.live_queues)
-                if isinstance(queue, CUDAQueue) and queue._timeline.c_timeline == timeline
-            ),
-            "another stream",
-        )
+        where = "another stream" if source is None else f"a stream of {source._backend.name}"
         cause = driver_error(f"the command at value {value}", error, where)
         kind = DeviceLostError if isinstance(cause, DeviceLostError) else AsyncMetalError
+        ran = "did not run: it follows" if code == HELD_FAILED else "ran after"
         return kind(
-            f"the command at value {first} on a stream of {self._backend.name} ran after a "
+            f"the command at value {first} on a stream of {self._backend.name} {ran} a "
             f"device-side wait for a value that was never produced: {cause}{LATER_FAIL}"
         )
 
