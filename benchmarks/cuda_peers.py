@@ -35,6 +35,7 @@ from _common import (
 )
 
 import asyncmetal as am
+from asyncmetal import _native
 from asyncmetal.backends.cuda import CUDACompiler, check, cu
 
 EMPTY = 'extern "C" __global__ void empty() {}'
@@ -143,8 +144,12 @@ async def run(loop_name: str) -> dict[str, Any]:
         # backend's extension call, and through ctypes (the launch path a machine
         # without Python's headers takes): a queue each.
         q_python, q_ctypes = dev.new_queue(), dev.new_queue()
-        out["extension"] = q._fast_launch is not None
+        # (Not q._fast_launch: the device lets go of a queue idle a while, which turns
+        # its native launch path off until its next launch; _launch_target stays, and
+        # is what a queue taken back turns the path on from.)
+        out["extension"] = q._launch_target is not None and _native.extension() is not None
         q_python._fast_launch = q_ctypes._fast_launch = None
+        q_python._launch_target = q_ctypes._launch_target = None
         q_ctypes._native._fast_launch = None  # type: ignore[attr-defined]
 
         async def asyncmetal_python_launch() -> None:
