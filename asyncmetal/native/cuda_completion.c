@@ -112,6 +112,16 @@ void cuq_cause(const am_cuq *q, int *error, uint64_t *value, am_timeline **cause
     *cause = own ? q->timeline : q->cause;
 }
 
+/* cuq_cause, taking mu; with `failed`, also q's first failed value (cuq_failed_at) read
+ * in the same hold. */
+void cuq_cause_now(am_cuq *q, uint64_t *failed, int *error, uint64_t *value,
+                   am_timeline **cause) {
+    pthread_mutex_lock(&q->mu);
+    if (failed) *failed = cuq_failed_at(q);
+    cuq_cause(q, error, value, cause);
+    pthread_mutex_unlock(&q->mu);
+}
+
 /* Queue q's commands from `from` on ran (or will run) after a device wait for a value
  * that was never produced: each fails once confirmed, and q settles once its stream is
  * past all it was given (cuq_run). Those of its commands after `from`, and after the
@@ -253,12 +263,9 @@ static void cuq_release_waiters(am_cuq *q) {
  * error, not this.) Not under mu. */
 static void cuq_fail_timeline(am_cuq *q) {
     int error;
-    uint64_t value;
+    uint64_t failed, value;
     am_timeline *cause;
-    pthread_mutex_lock(&q->mu);
-    uint64_t failed = cuq_failed_at(q);
-    cuq_cause(q, &error, &value, &cause);
-    pthread_mutex_unlock(&q->mu);
+    cuq_cause_now(q, &failed, &error, &value, &cause);
     if (!failed) return;
     uint64_t reached = atomic_load(&q->timeline->value);
     if (reached == UINT64_MAX) return;  /* settled already */

@@ -288,6 +288,8 @@ AM_HIDDEN void cuq_abandon_waiters(am_cuq *q, uint64_t first);
 AM_HIDDEN uint64_t cuq_failed_at(const am_cuq *q);
 AM_HIDDEN void cuq_cause(const am_cuq *q, int *error, uint64_t *value,
                          am_timeline **cause);                     /* under q->mu */
+AM_HIDDEN void cuq_cause_now(am_cuq *q, uint64_t *failed, int *error, uint64_t *value,
+                             am_timeline **cause);                 /* takes q->mu */
 AM_HIDDEN void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value,
                           am_timeline *cause);
 AM_HIDDEN void cuq_fail_signal_now(am_cuq *q, const am_cuop *op, int error, uint64_t value,

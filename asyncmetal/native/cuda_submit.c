@@ -317,9 +317,7 @@ int cuq_run_op(am_cuq *q, const am_cuop *op) {
         int error;
         uint64_t value;
         am_timeline *cause;
-        pthread_mutex_lock(&q->mu);
-        cuq_cause(q, &error, &value, &cause);
-        pthread_mutex_unlock(&q->mu);
+        cuq_cause_now(q, NULL, &error, &value, &cause);
         am_timeline_fail_from(op->extra, op->target, error, value, cause);
     }
     switch (op->kind) {
@@ -389,9 +387,7 @@ int cuq_run_op(am_cuq *q, const am_cuop *op) {
             int error;
             uint64_t value;
             am_timeline *cause;
-            pthread_mutex_lock(&q->mu);
-            cuq_cause(q, &error, &value, &cause);
-            pthread_mutex_unlock(&q->mu);
+            cuq_cause_now(q, NULL, &error, &value, &cause);
             cuq_fail_signal_now(q, op, error, value, cause);
         }
         return cuq_finish(q, op->value, op->extra, op->extra_value, op->spin_ns, op->flags);
