@@ -885,6 +885,10 @@ class LoopBridge(ABC):
                 return 0
         return budget
 
+    def wake_now(self, watch: Watch) -> None:
+        """``watch.wake_now()``, in the step of the task that signalled."""
+        watch.wake_now()
+
     def stay_awake(self, ns: int) -> None:
         """For ``ns``, read the native watches' timelines in every iteration of the loop
         (which then does not sleep) and wake what they reached without a wake-up through
@@ -1088,7 +1092,10 @@ class _TrioBridge(LoopBridge):
     def __init__(self) -> None:
         import trio
 
+        global _trio_wake_now
         super().__init__()
+        if _trio_wake_now is None:
+            _trio_wake_now = trio.lowlevel.enable_ki_protection(_wake_now)
         self._run_sync_soon = trio.lowlevel.current_trio_token().run_sync_soon
         self._thread = threading.get_ident()  # the run's (made there)
         self.sleeps_coarsely = _TRIO_SLEEPS_COARSELY
@@ -1099,6 +1106,13 @@ class _TrioBridge(LoopBridge):
         self._watcher: threading.Thread | None = None  # reads it from then on
         self._drained = threading.Event()  # the wake-up it handed over has run
         trio.lowlevel.add_instrument(_run_end_instrument(self))
+
+    def wake_now(self, watch: Watch) -> None:
+        # In a user task's step, where trio raises a Ctrl-C at any point unless the frame
+        # is protected: one between a heap's pop and its entry marked done would lose a
+        # wait (the bridge's other wake-ups run where trio delivers none).
+        assert _trio_wake_now is not None
+        _trio_wake_now(watch)
 
     def on_loop_thread(self) -> bool:
         return threading.get_ident() == self._thread  # (a trio run stays on its thread)
@@ -1215,6 +1229,14 @@ class _TrioBridge(LoopBridge):
         else:
             watch.add(value, entry)
         await trio.lowlevel.wait_task_rescheduled(abort)
+
+
+def _wake_now(watch: Watch) -> None:
+    watch.wake_now()
+
+
+# _wake_now with trio's KeyboardInterrupt protection, once a trio run made a bridge.
+_trio_wake_now: Callable[[Watch], None] | None = None
 
 
 def _run_end_instrument(bridge: _TrioBridge) -> Any:
@@ -1470,7 +1492,7 @@ def signalled_here(watch_of: dict[LoopBridge, Watch], awake_ns: int) -> None:
         return
     watch = watch_of.get(bridge)
     if watch is not None:
-        watch.wake_now()
+        bridge.wake_now(watch)
     if awake_ns:
         bridge.stay_awake(awake_ns)
 

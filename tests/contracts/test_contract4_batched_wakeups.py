@@ -374,6 +374,37 @@ async def test_a_crowd_reached_signal_by_signal_in_one_step_is_woken_in_slices(
     assert sorted(woken) == list(range(64))
 
 
+@pytest.mark.parametrize("anyio_backend", [pytest.param("trio", id="trio")])
+async def test_a_host_signal_wakes_its_trio_tasks_where_a_ctrl_c_is_held_off(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On trio, the tasks a host signal wakes in the signalling task's step are taken off
+    their watch's heap with KeyboardInterrupt protection on, as the bridge's other
+    wake-ups run: a Ctrl-C delivered between a pop and its entry marked done would lose
+    the wait. Checked failing without (unprotected)."""
+    import trio
+
+    from asyncmetal import _bridge
+
+    protected: list[bool] = []
+    resolve = _bridge.Watch.resolve
+
+    def recording(self: _bridge.Watch, budget: int, calls: bool = True) -> int:
+        protected.append(trio.lowlevel.currently_ki_protected())
+        return resolve(self, budget, calls)
+
+    async with am.open_device("cpu") as device:
+        tl = device.timeline()
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(tl.wait, 1)
+                await anyio.wait_all_tasks_blocked()
+                monkeypatch.setattr(_bridge.Watch, "resolve", recording)
+                tl.signal(1)
+                monkeypatch.undo()
+    assert protected[:1] == [True]
+
+
 async def test_a_callback_waiting_is_not_run_inside_a_host_signal(device: am.Device) -> None:
     """A callback waiting on a timeline (``call_when_reached``) is run by the loop after a
     host signal reached it, never inside the signal's call, also when the signal comes
