@@ -381,14 +381,18 @@ static void cuq_confirm_wait(am_cuq *q, const am_cuentry *e) {
  * or refused by the driver (cuq_drain). Its timeline fails now, with the failure behind
  * it -- before the hand-over releases the device waits held for the signal, which then
  * find the timeline failed and run nothing behind them (cuq_skip_failed) -- from the
- * value after the last one it is sure to get: what it reached, or what a signal of q's
- * in flight before this one (not passed) raises it to, which is confirmed first, in q's
- * order (one that fails lowers that, am_timeline_fail). The signal's confirmation then
- * settles it (cuq_fail_signal). Not under mu. */
+ * value after the last one it is sure to get: what it reached, what a signal of q's in
+ * flight before this one (not passed) raises it to, which is confirmed first, in q's
+ * order, or what another queue's signal handed over before this one raises it to (a
+ * queue's signal after another queue's pending one waits for it first, and so comes to
+ * its hand-over only once that one was handed over: t->handed). One of those that fails
+ * lowers that (am_timeline_fail). The signal's confirmation then settles it
+ * (cuq_fail_signal). Not under mu. */
 void cuq_fail_signal_now(am_cuq *q, const am_cuop *op, int error, uint64_t value,
                          am_timeline *cause) {
     am_timeline *t = op->extra;
-    uint64_t sure = atomic_load(&t->value);
+    uint64_t sure = atomic_load(&t->value), handed = atomic_load(&t->handed);
+    if (handed > sure && handed < op->extra_value) sure = handed;
     pthread_mutex_lock(&q->mu);
     uint64_t before = q->skipped && q->skipped < op->value ? q->skipped : op->value;
     for (size_t i = 0; i < q->count; i++) {

@@ -51,6 +51,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "hostheld"),
         *("ok", "hostfailed"),
         *("ok", "skipsignal"),
+        *("ok", "twosignals"),
         *("ok", "failedqueue"),
         *("ok", "poisonheld"),
         *("ok", "signal"),

@@ -56,6 +56,11 @@
  *             fill writes, no kernel launches) and fail (CU_HELD_FAILED), naming the
  *             host timeline's failure; a wait for the value of a signal of that queue
  *             in flight before it still succeeds
+ *   twosignals a signal passed behind a failed wait, submitted after another queue's
+ *             signal of the same timeline to a lower value that is in flight (handed
+ *             over, not confirmed): the timeline fails from the value after that one,
+ *             and a queue's wait for the lower value, handed over once the failure is
+ *             marked, is made, and the work behind it runs and succeeds
  *   release   a queue's device wait on a value of a queue that failed that way (held
  *             on the host until that command reached the driver, which refused it)
  *             ends rather than blocking for good, without being made: the commands
@@ -1215,6 +1220,62 @@ static void check_skipsignal(void) {
     am_timeline_free(h);
     am_timeline_free(cause);
     puts("ok skipsignal");
+}
+
+static void check_twosignals(void) {
+    /* h: a host queue's own timeline, failed from 1 once hgate fails (command 7 of
+     * `cause`'s queue faulted). p: command 1 signals t to 1 behind p_gate (in flight,
+     * handed over, until it is raised). q, as a queue's signal after another queue's
+     * pending one is submitted: command 1 waits for h; command 2 waits for t's 1 (p's
+     * signal, handed over: made on the device); command 3 waits for q_gate, then
+     * signals t to 2 -- passed behind the failed wait. */
+    am_timeline *hgate = am_timeline_new(), *h = am_timeline_new(), *cause = am_timeline_new();
+    am_queue *hq = am_queue_new(h, 0, 0);
+    if (!hq || am_queue_wait(hq, hgate, 1, 1)) die("twosignals: the host queue");
+    fake_queue p = queue_new(), q = queue_new(), r = queue_new();
+    free_timeline t = free_timeline_new();
+    uint64_t *gates = calloc(2, sizeof(uint64_t)), *p_gate = gates, *q_gate = gates + 1;
+    if (am_cuq_wait(p.q, p_gate, 1, 1) || signal_free(p, t, 1, 1)) die("twosignals: p failed at once");
+    if (am_cuq_wait_timeline(q.q, h, 1, 1) ||
+        am_cuq_finish(q.q, 1, h, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        am_cuq_wait_timeline(q.q, t.t, 1, 2) ||
+        am_cuq_finish(q.q, 2, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        am_cuq_wait(q.q, q_gate, 1, 3) || signal_free(q, t, 2, 3))
+        die("twosignals: q failed at once");
+    am_timeline_fail(hgate, 1, ILLEGAL_ADDRESS, 7, cause);
+    /* q's signal of t to 2 is passed: t fails from 2 -- p's signal in flight reaches 1 */
+    int error = 0;
+    uint64_t at = 0, value = 0;
+    am_timeline *by = NULL;
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!am_timeline_failure(t.t, &error, &value, &by))
+        if (now_ns() > deadline) die("twosignals: q's passed signal did not fail its timeline");
+    /* r waits for t's 1, then launches: p's signal gets t there */
+    if (am_cuq_wait_timeline(r.q, t.t, 1, 1) ||
+        am_cuq_finish(r.q, 1, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        launch(r, NULL, 1, 2))
+        die("twosignals: r failed at once");
+    atomic_store((_Atomic uint64_t *)p_gate, 1);
+    reach(p.t, 1, "twosignals: p's signal never ran");
+    reach(r.t, 2, "twosignals: r's wait for p's signal never ended");
+    if (am_cuq_error(r.q, &at) || am_timeline_value(r.t) != 2 || atomic_load(&r.s->ran) != 1)
+        die("twosignals: a wait for another queue's signal in flight before a passed one failed");
+    atomic_store((_Atomic uint64_t *)q_gate, 1);
+    reach(q.t, UINT64_MAX, "twosignals: q never settled");
+    reach(t.t, UINT64_MAX, "twosignals: t never settled");
+    if (am_cuq_error(q.q, &at) != CU_HELD_FAILED || at != 1 ||
+        am_timeline_failure(t.t, &error, &value, &by) != 2 || by != cause ||
+        error != ILLEGAL_ADDRESS || value != 7)
+        die("twosignals: the passed signal's timeline does not fail from its value so");
+    am_queue_close(hq, 0);
+    fake_queue all[3] = {p, q, r};
+    for (int i = 0; i < 3; i++) queue_free(all[i], 0);
+    free_timeline_free(t);
+    free(gates);
+    am_timeline_free(hgate);
+    am_timeline_free(h);
+    am_timeline_free(cause);
+    puts("ok twosignals");
 }
 
 static void check_failedqueue(void) {
@@ -2602,6 +2663,7 @@ int main(void) {
     check_hostheld();
     check_hostfailed();
     check_skipsignal();
+    check_twosignals();
     check_failedqueue();
     check_poisonheld();
     check_signal();
