@@ -249,11 +249,15 @@ void am_timeline_fail_from(am_timeline *t, uint64_t from, int error, uint64_t va
  * fails from the value after the one it reached (AM_CLOSED, its own cause), without
  * rising: a wait for more ends -- a cpu queue's, which then fails its commands from the
  * wait on (host_queues.c) -- and its word goes to UINT64_MAX, ending device waits on it
- * (a stream's: whose queue does the same, cuda_completion.c). Not under any queue's mu. */
+ * (a stream's: whose queue does the same, cuda_completion.c). A device timeline's
+ * failure marked from a later value before it settled (a signal passed behind a failed
+ * wait, after a signal in flight that was to get it there: cuq_fail_signal_now) is
+ * lowered so too: that signal never comes now. Not under any queue's mu. */
 void am_timeline_close(am_timeline *t) {
     pthread_mutex_lock(&t->mu);
-    if (!t->failed_from) {
-        uint64_t reached = atomic_load(&t->value);
+    uint64_t reached = atomic_load(&t->value);
+    if (!t->failed_from ||
+        (t->word && reached != UINT64_MAX && reached + 1 < t->failed_from)) {
         if (reached == UINT64_MAX) {
             pthread_mutex_unlock(&t->mu);
             return;

@@ -81,6 +81,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "discarddrain"),
         *("ok", "discardstress"),
         *("ok", "closekick"),
+        *("ok", "closeearly"),
         *("ok", "lowered"),
         *("ok", "foreignabandon"),
         *("ok", "released"),

@@ -170,6 +170,10 @@
  *             and leaves no kick on a timeline nothing signalled (which may be freed)
  *   closekick a wait held on the host for a timeline whose device closes goes on, and fails
  *             (what follows it never runs)
+ *   closeearly a timeline marked failed ahead of what it reached (a passed signal, behind
+ *             one of its queue's in flight) whose device closes once that queue was
+ *             abandoned: a host queue's wait for a value below the mark ends, failed,
+ *             naming the close
  *   lowered   a signal's word write landing after the timeline was released (a store,
  *             not a max) does not leave a device wait it released waiting
  *   foreignabandon another library's stream waiting on the word of a failed queue that
@@ -2575,6 +2579,50 @@ static void check_closekick(void) {
     free_timeline_free(t);
 }
 
+/* A signal passed behind a failed wait marks its timeline failed from the value after
+ * the one a signal of its queue in flight before it raises it to -- and that queue is
+ * then abandoned, that signal never confirmed, and the timeline's device closes: a
+ * host queue's wait for that lower value ends (failed, AM_CLOSED), not waits for good. */
+static void check_closeearly(void) {
+    am_timeline *hgate = am_timeline_new(), *h = am_timeline_new(), *cause = am_timeline_new();
+    am_timeline *h2 = am_timeline_new();
+    am_queue *hq = am_queue_new(h, 0, 0), *waiter = am_queue_new(h2, 0, 0);
+    if (!hq || !waiter || am_queue_wait(hq, hgate, 1, 1)) die("closeearly: the host queues");
+    /* a: command 1 signals t to 1 behind a gate never raised; command 2 waits for h;
+     * command 3 signals t to 2 (passed once h fails) */
+    fake_queue a = queue_new();
+    free_timeline t = free_timeline_new();
+    uint64_t *a_gate = calloc(1, sizeof(uint64_t));
+    if (am_cuq_wait(a.q, a_gate, 1, 1) || signal_free(a, t, 1, 1) ||
+        am_cuq_wait_timeline(a.q, h, 1, 2) ||
+        am_cuq_finish(a.q, 2, h, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        signal_free(a, t, 2, 3))
+        die("closeearly: a failed at once");
+    if (am_queue_wait(waiter, t.t, 1, 1)) die("closeearly: the waiting host queue");
+    am_timeline_fail(hgate, 1, ILLEGAL_ADDRESS, 7, cause);
+    int error = 0;
+    uint64_t value = 0;
+    am_timeline *by = NULL;
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!am_timeline_failure(t.t, &error, &value, &by))
+        if (now_ns() > deadline) die("closeearly: a's passed signal did not fail its timeline");
+    am_cuq_close(a.q, 1);  /* its signal of t to 1, in flight, never confirmed */
+    am_timeline_close(t.t);
+    reach(h2, 1, "closeearly: a wait for a value below an early failure mark never ended "
+                 "once the timeline closed");
+    if (am_queue_failure(waiter, &error, &value, &by) != 1 || error != AM_CLOSED)
+        die("closeearly: the wait did not fail, naming the close");
+    am_queue_close(hq, 0);
+    am_queue_close(waiter, 0);
+    abandoned_free(a);
+    free_timeline_free(t);
+    free(a_gate);
+    am_timeline_free(hgate);
+    am_timeline_free(h);
+    am_timeline_free(h2);
+    am_timeline_free(cause);
+}
+
 /* A timeline only the host signalled (to 1): c's device wait for 3 is made at once,
  * behind a long kernel. a then signals it to 2 (its write behind a shorter kernel), and
  * the timeline's device closes: the word is released to 2**63 - 1, then a's write
@@ -2693,6 +2741,7 @@ int main(void) {
     check_discarddrain();
     check_discardstress();
     unreleased(check_closekick, "closekick");
+    unreleased(check_closeearly, "closeearly");
     unreleased(check_lowered, "lowered");
     unreleased(check_foreignabandon, "foreignabandon");
     /* The abandoned queues' threads have all returned (check_abandon's blocked one once
