@@ -1313,3 +1313,26 @@ def test_a_wait_on_a_timeline_with_a_device_word_is_refused_as_such() -> None:
     finally:
         lib.am_timeline_free(c_timeline)
         backend.close()
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+@sim_only
+async def test_a_fault_awaited_after_its_queues_close_is_reported(anyio_backend: object) -> None:
+    """A queue's kernel faults, and the queue closes before anything awaited it: the
+    launch and the command after it, awaited then, raise DeviceLostError naming the
+    fault. Checked: before, the close let go of the command buffers without looking at
+    their status, and both reported success."""
+    async with am.open_device("metal") as mtl:
+        crash = await mtl.compile(FAULTY, "crash")
+        fill = await mtl.compile(MSL_KERNELS, "fill")
+        bad, out = await mtl.alloc(4), await mtl.alloc(64)
+        queue = mtl.new_queue()
+        crashed = queue.launch(crash, bad)
+        after = queue.launch(fill, out, vals=(5, 16))
+        with anyio.fail_after(20):
+            await queue.close()
+        for done in (crashed, after):
+            with pytest.raises(am.DeviceLostError, match="kernel crash faulted"):
+                await done
