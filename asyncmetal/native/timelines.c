@@ -370,8 +370,8 @@ static void timeline_raise(am_timeline *t, uint64_t v, uint64_t from, int error,
 
 void am_timeline_signal(am_timeline *t, uint64_t v) { timeline_raise(t, v, 0, 0, 0, NULL); }
 
-/* am_timeline_signal(t, v), t failing from `from` on (unless it failed already, as
- * am_timeline_fail_from) under the same hold of its mu: a wait that sees the failure
+/* am_timeline_signal(t, v), t failing from `from` on (unless it failed already from
+ * there or before) under the same hold of its mu: a wait that sees the failure
  * sees v reached too (a Metal queue's command that failed, or ran behind a wait for a
  * value never produced, raises its own timeline so: objc_blocks.c, block_finish). */
 void timeline_signal_failed(am_timeline *t, uint64_t v, uint64_t from, int error,
@@ -383,7 +383,10 @@ static void timeline_raise(am_timeline *t, uint64_t v, uint64_t from, int error,
                            uint64_t value, am_timeline *cause) {
     atomic_fetch_or(&t->signalled_by, AM_BY_HOST);
     pthread_mutex_lock(&t->mu);
-    if (from && !t->failed_from) {
+    /* (failed already from a later value -- a Metal queue's commands dropped by a
+     * discarding close, marked before its earlier ones completed -- the earlier one
+     * stands: nothing has seen a value from it on reached yet) */
+    if (from && (!t->failed_from || from < t->failed_from)) {
         t->failed_from = from;
         t->fail_error = error;
         t->fail_value = value;
