@@ -382,25 +382,31 @@ static void cuq_confirm_wait(am_cuq *q, const am_cuentry *e) {
  * it -- before the hand-over releases the device waits held for the signal, which then
  * find the timeline failed and run nothing behind them (cuq_skip_failed) -- from the
  * value after the last one it is sure to get: what it reached, what a signal of q's in
- * flight before this one (not passed) raises it to, which is confirmed first, in q's
- * order, or what another queue's signal handed over before this one raises it to (a
- * queue's signal after another queue's pending one waits for it first, and so comes to
- * its hand-over only once that one was handed over: t->handed). One of those that fails
- * lowers that (am_timeline_fail). The signal's confirmation then settles it
- * (cuq_fail_signal). Not under mu. */
+ * flight before this one raises it to, which is confirmed first, in q's order (unless
+ * it is known to fail: passed, or after a device wait found failed), or what another
+ * queue's signal handed over before this one raises it to (a queue's signal after
+ * another queue's pending one waits for it first, and so comes to its hand-over only
+ * once that one was handed over: t->handed). One of those that fails lowers that
+ * (am_timeline_fail). The signal's confirmation then settles it (cuq_fail_signal). Not
+ * under mu. */
 void cuq_fail_signal_now(am_cuq *q, const am_cuop *op, int error, uint64_t value,
                          am_timeline *cause) {
     am_timeline *t = op->extra;
     uint64_t sure = atomic_load(&t->value), handed = atomic_load(&t->handed);
-    if (handed > sure && handed < op->extra_value) sure = handed;
+    int failing = 0;  /* t->handed may be a signal of q's known to fail */
     pthread_mutex_lock(&q->mu);
+    /* Those from a device wait found failed (poisoned) on fail once confirmed, as those
+     * passed do: not sure. */
     uint64_t before = q->skipped && q->skipped < op->value ? q->skipped : op->value;
+    if (q->poisoned && q->poisoned < before) before = q->poisoned;
     for (size_t i = 0; i < q->count; i++) {
         const am_cuentry *e = &q->ring[(q->head + i) % q->cap];
-        if (e->signals && e->extra == t && e->value < before && e->extra_value > sure)
-            sure = e->extra_value;
+        if (!e->signals || e->extra != t) continue;
+        if (e->value < before && e->extra_value > sure) sure = e->extra_value;
+        if (e->value >= before && e->extra_value >= handed) failing = 1;
     }
     pthread_mutex_unlock(&q->mu);
+    if (!failing && handed > sure && handed < op->extra_value) sure = handed;
     if (sure < op->extra_value) am_timeline_fail_from(t, sure + 1, error, value, cause);
 }
 

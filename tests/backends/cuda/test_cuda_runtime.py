@@ -52,6 +52,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "hostfailed"),
         *("ok", "skipsignal"),
         *("ok", "twosignals"),
+        *("ok", "poisonsignal"),
         *("ok", "failedqueue"),
         *("ok", "poisonheld"),
         *("ok", "signal"),

@@ -61,6 +61,11 @@
  *             over, not confirmed): the timeline fails from the value after that one,
  *             and a queue's wait for the lower value, handed over once the failure is
  *             marked, is made, and the work behind it runs and succeeds
+ *   poisonsignal a signal passed behind a device wait found failed (its queue poisoned),
+ *             behind a signal of the same timeline of that queue in flight after that
+ *             wait (known to fail): the timeline fails from that one's value, so a
+ *             queue's wait for it, handed over then, is not made, and nothing behind it
+ *             runs (CU_HELD_FAILED, naming the failure)
  *   release   a queue's device wait on a value of a queue that failed that way (held
  *             on the host until that command reached the driver, which refused it)
  *             ends rather than blocking for good, without being made: the commands
@@ -1280,6 +1285,49 @@ static void check_twosignals(void) {
     am_timeline_free(h);
     am_timeline_free(cause);
     puts("ok twosignals");
+}
+
+static void check_poisonsignal(void) {
+    /* q, bounded to 3 in flight: command 1 waits on the device for t0; command 2 runs
+     * 200 ms; command 3 signals t to 1 (all three handed over); command 4 signals t to
+     * 2 (held on the host). t0 fails: q's commands from 1 on fail once confirmed --
+     * command 3's signal among them -- and command 4's signal is passed. */
+    static kernel slow = {0, 200000000, NULL, 0};
+    fake_queue q = queue_bounded(3), r = queue_new();
+    free_timeline t0 = free_timeline_new(), t = free_timeline_new();
+    am_timeline *cause = am_timeline_new();
+    if (wait_free(q, t0, 1, 1) || launch(q, &slow, 1, 2) || signal_free(q, t, 1, 3) ||
+        signal_free(q, t, 2, 4))
+        die("poisonsignal: q failed at once");
+    am_timeline_fail(t0.t, 1, ILLEGAL_ADDRESS, 7, cause);
+    int error = 0;
+    uint64_t at = 0, value = 0;
+    am_timeline *by = NULL;
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!am_timeline_failure(t.t, &error, &value, &by))
+        if (now_ns() > deadline) die("poisonsignal: q's passed signal did not fail its timeline");
+    /* (command 2 still runs: command 3's signal, known to fail, is not confirmed yet) */
+    if (am_timeline_value(t.t)) die("poisonsignal: t settled before command 3 ran");
+    /* r waits for t's 1, which q's command 3 (failing) was to produce, then launches */
+    if (am_cuq_wait_timeline(r.q, t.t, 1, 1) ||
+        am_cuq_finish(r.q, 1, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        launch(r, NULL, 1, 2))
+        die("poisonsignal: r failed at once");
+    reach(q.t, UINT64_MAX, "poisonsignal: q never settled");
+    reach(r.t, UINT64_MAX, "poisonsignal: r never settled");
+    if (atomic_load(&r.s->ran))
+        die("poisonsignal: a kernel behind a wait for a signal known to fail launched");
+    if (am_cuq_error(r.q, &at) != CU_HELD_FAILED || at != 1 ||
+        am_cuq_cause(r.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
+        die("poisonsignal: r does not fail from its wait, naming t0's failure");
+    if (am_timeline_failure(t.t, &error, &value, &by) != 1 || by != cause)
+        die("poisonsignal: t does not fail from 1, naming t0's failure");
+    queue_free(q, 0);
+    queue_free(r, 0);
+    free_timeline_free(t0);
+    free_timeline_free(t);
+    am_timeline_free(cause);
+    puts("ok poisonsignal");
 }
 
 static void check_failedqueue(void) {
@@ -2712,6 +2760,7 @@ int main(void) {
     check_hostfailed();
     check_skipsignal();
     check_twosignals();
+    check_poisonsignal();
     check_failedqueue();
     check_poisonheld();
     check_signal();
