@@ -53,6 +53,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "skipsignal"),
         *("ok", "twosignals"),
         *("ok", "poisonsignal"),
+        *("ok", "poisonflight"),
         *("ok", "failedqueue"),
         *("ok", "poisonheld"),
         *("ok", "signal"),

@@ -66,6 +66,10 @@
  *             wait (known to fail): the timeline fails from that one's value, so a
  *             queue's wait for it, handed over then, is not made, and nothing behind it
  *             runs (CU_HELD_FAILED, naming the failure)
+ *   poisonflight a queue that learns its device wait was for a value never produced
+ *             fails the timelines its signals handed over after that wait (in flight)
+ *             are to raise, from their values: a queue's wait for one of those, handed
+ *             over then, is not made, and nothing behind it runs (CU_HELD_FAILED)
  *   release   a queue's device wait on a value of a queue that failed that way (held
  *             on the host until that command reached the driver, which refused it)
  *             ends rather than blocking for good, without being made: the commands
@@ -1328,6 +1332,46 @@ static void check_poisonsignal(void) {
     free_timeline_free(t);
     am_timeline_free(cause);
     puts("ok poisonsignal");
+}
+
+static void check_poisonflight(void) {
+    /* q: command 1 waits on the device for t0; command 2 runs 200 ms; command 3 signals
+     * t to 1 (all handed over). t0 fails: q's commands from 1 on fail once confirmed,
+     * command 3's signal among them, which is known once command 1 is confirmed. */
+    static kernel slow = {0, 200000000, NULL, 0};
+    fake_queue q = queue_new(), r = queue_new();
+    free_timeline t0 = free_timeline_new(), t = free_timeline_new();
+    am_timeline *cause = am_timeline_new();
+    if (wait_free(q, t0, 1, 1) || launch(q, &slow, 1, 2) || signal_free(q, t, 1, 3))
+        die("poisonflight: q failed at once");
+    am_timeline_fail(t0.t, 1, ILLEGAL_ADDRESS, 7, cause);
+    int error = 0;
+    uint64_t at = 0, value = 0;
+    am_timeline *by = NULL;
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!am_cuq_cause(q.q, &error, &value))  /* q learned of it: poisoned */
+        if (now_ns() > deadline) die("poisonflight: q never learned its wait failed");
+    if (am_timeline_value(t.t)) die("poisonflight: t settled before command 3 ran");
+    /* r waits for t's 1, which q's command 3 (failing) was to produce, then launches */
+    if (am_cuq_wait_timeline(r.q, t.t, 1, 1) ||
+        am_cuq_finish(r.q, 1, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        launch(r, NULL, 1, 2))
+        die("poisonflight: r failed at once");
+    reach(q.t, UINT64_MAX, "poisonflight: q never settled");
+    reach(r.t, UINT64_MAX, "poisonflight: r never settled");
+    if (atomic_load(&r.s->ran))
+        die("poisonflight: a kernel behind a wait for a signal known to fail launched");
+    if (am_cuq_error(r.q, &at) != CU_HELD_FAILED || at != 1 ||
+        am_cuq_cause(r.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
+        die("poisonflight: r does not fail from its wait, naming t0's failure");
+    if (am_timeline_failure(t.t, &error, &value, &by) != 1 || by != cause)
+        die("poisonflight: t does not fail from 1, naming t0's failure");
+    queue_free(q, 0);
+    queue_free(r, 0);
+    free_timeline_free(t0);
+    free_timeline_free(t);
+    am_timeline_free(cause);
+    puts("ok poisonflight");
 }
 
 static void check_failedqueue(void) {
@@ -2761,6 +2805,7 @@ int main(void) {
     check_skipsignal();
     check_twosignals();
     check_poisonsignal();
+    check_poisonflight();
     check_failedqueue();
     check_poisonheld();
     check_signal();
