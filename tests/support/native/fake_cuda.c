@@ -1313,10 +1313,13 @@ static void check_poisonsignal(void) {
     /* (command 2 still runs: command 3's signal, known to fail, is not confirmed yet) */
     if (am_timeline_value(t.t)) die("poisonsignal: t settled before command 3 ran");
     /* r waits for t's 1, which q's command 3 (failing) was to produce, then launches */
-    if (am_cuq_wait_timeline(r.q, t.t, 1, 1) ||
+    uint64_t *r_gate = calloc(1, sizeof(uint64_t));  /* (r, failed from its command 1,
+                                                        settles only once past it) */
+    if (am_cuq_wait(r.q, r_gate, 1, 1) || am_cuq_wait_timeline(r.q, t.t, 1, 1) ||
         am_cuq_finish(r.q, 1, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
         launch(r, NULL, 1, 2))
         die("poisonsignal: r failed at once");
+    atomic_store((_Atomic uint64_t *)r_gate, 1);
     reach(q.t, UINT64_MAX, "poisonsignal: q never settled");
     reach(r.t, UINT64_MAX, "poisonsignal: r never settled");
     if (atomic_load(&r.s->ran))
@@ -1331,6 +1334,7 @@ static void check_poisonsignal(void) {
     free_timeline_free(t0);
     free_timeline_free(t);
     am_timeline_free(cause);
+    free(r_gate);
     puts("ok poisonsignal");
 }
 
@@ -1353,10 +1357,13 @@ static void check_poisonflight(void) {
         if (now_ns() > deadline) die("poisonflight: q never learned its wait failed");
     if (am_timeline_value(t.t)) die("poisonflight: t settled before command 3 ran");
     /* r waits for t's 1, which q's command 3 (failing) was to produce, then launches */
-    if (am_cuq_wait_timeline(r.q, t.t, 1, 1) ||
+    uint64_t *r_gate = calloc(1, sizeof(uint64_t));  /* (r, failed from its command 1,
+                                                        settles only once past it) */
+    if (am_cuq_wait(r.q, r_gate, 1, 1) || am_cuq_wait_timeline(r.q, t.t, 1, 1) ||
         am_cuq_finish(r.q, 1, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
         launch(r, NULL, 1, 2))
         die("poisonflight: r failed at once");
+    atomic_store((_Atomic uint64_t *)r_gate, 1);
     reach(q.t, UINT64_MAX, "poisonflight: q never settled");
     reach(r.t, UINT64_MAX, "poisonflight: r never settled");
     if (atomic_load(&r.s->ran))
@@ -1371,6 +1378,7 @@ static void check_poisonflight(void) {
     free_timeline_free(t0);
     free_timeline_free(t);
     am_timeline_free(cause);
+    free(r_gate);
     puts("ok poisonflight");
 }
 
