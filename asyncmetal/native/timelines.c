@@ -230,13 +230,16 @@ void am_timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value
 
 /* t's values from `from` on will be reached without being produced (a cpu queue's
  * failed commands, which its thread passes without running them; a Metal queue's
- * dropped by a discarding close, which an empty command buffer takes t past): unless it
- * failed already, t fails from there, with the failure behind it, without rising or
- * settling. A wait that gets there sees the failure (both under t's mu). */
+ * dropped by a discarding close, which an empty command buffer takes t past; a cuda
+ * queue's signals known to fail before they are confirmed): unless it failed already
+ * from there or before, t fails from there, with the failure behind it, without rising
+ * or settling -- a mark from a later value is lowered while t has not reached `from`
+ * (a signal counted as sure by the later mark, cuda_completion.c, cuq_sure, turned out
+ * to fail). A wait that gets there sees the failure (both under t's mu). */
 void am_timeline_fail_from(am_timeline *t, uint64_t from, int error, uint64_t value,
                            am_timeline *cause) {
     pthread_mutex_lock(&t->mu);
-    if (!t->failed_from) {
+    if (!t->failed_from || (from < t->failed_from && from > atomic_load(&t->value))) {
         t->failed_from = from;
         t->fail_error = error;
         t->fail_value = value;

@@ -54,6 +54,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "twosignals"),
         *("ok", "poisonsignal"),
         *("ok", "poisonflight"),
+        *("ok", "poisonlater"),
         *("ok", "failedqueue"),
         *("ok", "poisonheld"),
         *("ok", "signal"),

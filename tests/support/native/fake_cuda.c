@@ -70,6 +70,9 @@
  *             fails the timelines its signals handed over after that wait (in flight)
  *             are to raise, from their values: a queue's wait for one of those, handed
  *             over then, is not made, and nothing behind it runs (CU_HELD_FAILED)
+ *   poisonlater the same, for a signal another queue's passed signal counted as sure
+ *             (its timeline marked failed from a later value already): the mark is
+ *             lowered to that signal's value
  *   release   a queue's device wait on a value of a queue that failed that way (held
  *             on the host until that command reached the driver, which refused it)
  *             ends rather than blocking for good, without being made: the commands
@@ -1380,6 +1383,68 @@ static void check_poisonflight(void) {
     am_timeline_free(cause);
     free(r_gate);
     puts("ok poisonflight");
+}
+
+static void check_poisonlater(void) {
+    /* p: command 1 waits on the device for t0; command 2 runs 200 ms; command 3 signals
+     * t to 1 (all handed over). h: a host queue's timeline, failed from 1 once hgate
+     * fails. q: command 1 waits for h; command 2 waits for t's 1 (p's signal, handed
+     * over: made on the device); command 3 signals t to 2 -- passed once h fails, while
+     * p's signal still counts as sure: t fails from 2. Then t0 fails: p learns that its
+     * signal of t to 1 fails, and t fails from 1. */
+    static kernel slow = {0, 200000000, NULL, 0};
+    am_timeline *hgate = am_timeline_new(), *h = am_timeline_new(), *cause = am_timeline_new();
+    am_queue *hq = am_queue_new(h, 0, 0);
+    if (!hq || am_queue_wait(hq, hgate, 1, 1)) die("poisonlater: the host queue");
+    fake_queue p = queue_new(), q = queue_new(), r = queue_new();
+    free_timeline t0 = free_timeline_new(), t = free_timeline_new();
+    if (wait_free(p, t0, 1, 1) || launch(p, &slow, 1, 2) || signal_free(p, t, 1, 3))
+        die("poisonlater: p failed at once");
+    if (am_cuq_wait_timeline(q.q, h, 1, 1) ||
+        am_cuq_finish(q.q, 1, h, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        am_cuq_wait_timeline(q.q, t.t, 1, 2) ||
+        am_cuq_finish(q.q, 2, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        signal_free(q, t, 2, 3))
+        die("poisonlater: q failed at once");
+    am_timeline_fail(hgate, 1, ILLEGAL_ADDRESS, 5, cause);
+    int error = 0;
+    uint64_t at = 0, value = 0;
+    am_timeline *by = NULL;
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (am_timeline_failure(t.t, &error, &value, &by) != 2)
+        if (now_ns() > deadline) die("poisonlater: q's passed signal did not fail t from 2");
+    am_timeline_fail(t0.t, 1, ILLEGAL_ADDRESS, 7, cause);
+    while (!am_cuq_cause(p.q, &error, &value))  /* p learned of it: poisoned */
+        if (now_ns() > deadline) die("poisonlater: p never learned its wait failed");
+    if (am_timeline_value(t.t)) die("poisonlater: t settled before p's command 3 ran");
+    /* r waits for t's 1, which p's command 3 (failing) was to produce, then launches */
+    uint64_t *r_gate = calloc(1, sizeof(uint64_t));  /* (r, failed from its command 1,
+                                                        settles only once past it) */
+    if (am_cuq_wait(r.q, r_gate, 1, 1) || am_cuq_wait_timeline(r.q, t.t, 1, 1) ||
+        am_cuq_finish(r.q, 1, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        launch(r, NULL, 1, 2))
+        die("poisonlater: r failed at once");
+    atomic_store((_Atomic uint64_t *)r_gate, 1);
+    reach(p.t, UINT64_MAX, "poisonlater: p never settled");
+    reach(q.t, UINT64_MAX, "poisonlater: q never settled");
+    reach(r.t, UINT64_MAX, "poisonlater: r never settled");
+    if (atomic_load(&r.s->ran))
+        die("poisonlater: a kernel behind a wait for a signal known to fail launched");
+    if (am_cuq_error(r.q, &at) != CU_HELD_FAILED || at != 1 ||
+        am_cuq_cause(r.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
+        die("poisonlater: r does not fail from its wait, naming t0's failure");
+    if (am_timeline_failure(t.t, &error, &value, &by) != 1 || by != cause || value != 7)
+        die("poisonlater: t does not fail from 1, naming t0's failure");
+    am_queue_close(hq, 0);
+    fake_queue all[3] = {p, q, r};
+    for (int i = 0; i < 3; i++) queue_free(all[i], 0);
+    free_timeline_free(t0);
+    free_timeline_free(t);
+    am_timeline_free(hgate);
+    am_timeline_free(h);
+    am_timeline_free(cause);
+    free(r_gate);
+    puts("ok poisonlater");
 }
 
 static void check_failedqueue(void) {
@@ -2814,6 +2879,7 @@ int main(void) {
     check_twosignals();
     check_poisonsignal();
     check_poisonflight();
+    check_poisonlater();
     check_failedqueue();
     check_poisonheld();
     check_signal();
