@@ -122,6 +122,26 @@ void cuq_cause_now(am_cuq *q, uint64_t *failed, int *error, uint64_t *value,
     pthread_mutex_unlock(&q->mu);
 }
 
+/* The last value of t, below `target`, that it is sure to get (cuq_fail_signal_now):
+ * what it reached, what a signal of q's in flight before command `before` raises it to
+ * (confirmed first, in q's order), or what another queue's signal handed over raises it
+ * to. Those of q's from `before` on, and from a device wait found failed (poisoned) on,
+ * are known to fail (passed, or failing once confirmed): not counted, nor t->handed when
+ * it is one of them. Under q->mu. */
+static uint64_t cuq_sure(const am_cuq *q, am_timeline *t, uint64_t before, uint64_t target) {
+    uint64_t sure = atomic_load(&t->value), handed = atomic_load(&t->handed);
+    int failing = 0;
+    if (q->poisoned && q->poisoned < before) before = q->poisoned;
+    for (size_t i = 0; i < q->count; i++) {
+        const am_cuentry *e = &q->ring[(q->head + i) % q->cap];
+        if (!e->signals || e->extra != t) continue;
+        if (e->value < before && e->extra_value > sure) sure = e->extra_value;
+        if (e->value >= before && e->extra_value >= handed) failing = 1;
+    }
+    if (!failing && handed > sure && handed < target) sure = handed;
+    return sure;
+}
+
 /* Queue q's commands from `from` on ran (or will run) after a device wait for a value
  * that was never produced: each fails once confirmed, and q settles once its stream is
  * past all it was given (cuq_run). Those of its commands after `from`, and after the
@@ -145,6 +165,18 @@ void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value, am_timeline
     q->cause_error = error;
     q->cause_value = value;
     q->cause = cause;
+    /* Its signals in flight from there on fail once confirmed: their timelines fail now
+     * (before their word writes land), so that a wait for those values handed over from
+     * now on is not made (cuq_skip_failed), as for a signal passed. (t->mu under q->mu:
+     * the timeline is kept while its signal is in flight, and nothing takes a cuda
+     * queue's mu under a timeline's.) A command confirmed already through a waiter ran. */
+    uint64_t seen = atomic_load(&q->timeline->value);
+    for (size_t j = 0; j < q->count; j++) {
+        const am_cuentry *e = &q->ring[(q->head + j) % q->cap];
+        if (!e->signals || e->value < from || (seen != UINT64_MAX && e->value <= seen)) continue;
+        uint64_t sure = cuq_sure(q, e->extra, e->value, e->extra_value);
+        if (sure < e->extra_value) am_timeline_fail_from(e->extra, sure + 1, error, value, cause);
+    }
     size_t n = 0, i = 0;
     for (am_cuwaiter *w = q->waiters; w; w = w->next) n += w->target >= from;
     am_cuwaiter *hit = n ? malloc(n * sizeof *hit) : NULL;  /* none: they fail at q's settling */
@@ -388,23 +420,21 @@ static void cuq_confirm_wait(am_cuq *q, const am_cuentry *e) {
  * or refused by the driver (cuq_drain). Its timeline fails now, with the failure behind
  * it -- before the hand-over releases the device waits held for the signal, which then
  * find the timeline failed and run nothing behind them (cuq_skip_failed) -- from the
- * value after the last one it is sure to get: what it reached, or what a signal of q's
- * in flight before this one (not passed) raises it to, which is confirmed first, in q's
- * order (one that fails lowers that, am_timeline_fail). The signal's confirmation then
- * settles it (cuq_fail_signal). Not under mu. */
+ * value after the last one it is sure to get: what it reached, what a signal of q's in
+ * flight before this one raises it to, which is confirmed first, in q's order (unless
+ * it is known to fail: passed, or after a device wait found failed), or what another
+ * queue's signal handed over before this one raises it to (a queue's signal after
+ * another queue's pending one waits for it first, and so comes to its hand-over only
+ * once that one was handed over: t->handed). One of those that fails lowers that
+ * (am_timeline_fail). The signal's confirmation then settles it (cuq_fail_signal). Not
+ * under mu. */
 void cuq_fail_signal_now(am_cuq *q, const am_cuop *op, int error, uint64_t value,
                          am_timeline *cause) {
-    am_timeline *t = op->extra;
-    uint64_t sure = atomic_load(&t->value);
     pthread_mutex_lock(&q->mu);
     uint64_t before = q->skipped && q->skipped < op->value ? q->skipped : op->value;
-    for (size_t i = 0; i < q->count; i++) {
-        const am_cuentry *e = &q->ring[(q->head + i) % q->cap];
-        if (e->signals && e->extra == t && e->value < before && e->extra_value > sure)
-            sure = e->extra_value;
-    }
+    uint64_t sure = cuq_sure(q, op->extra, before, op->extra_value);
     pthread_mutex_unlock(&q->mu);
-    if (sure < op->extra_value) am_timeline_fail_from(t, sure + 1, error, value, cause);
+    if (sure < op->extra_value) am_timeline_fail_from(op->extra, sure + 1, error, value, cause);
 }
 
 /* The failure a failed command of q passes on to the timeline it signals. Under mu. */

@@ -230,13 +230,16 @@ void am_timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value
 
 /* t's values from `from` on will be reached without being produced (a cpu queue's
  * failed commands, which its thread passes without running them; a Metal queue's
- * dropped by a discarding close, which an empty command buffer takes t past): unless it
- * failed already, t fails from there, with the failure behind it, without rising or
- * settling. A wait that gets there sees the failure (both under t's mu). */
+ * dropped by a discarding close, which an empty command buffer takes t past; a cuda
+ * queue's signals known to fail before they are confirmed): unless it failed already
+ * from there or before, t fails from there, with the failure behind it, without rising
+ * or settling -- a mark from a later value is lowered while t has not reached `from`
+ * (a signal counted as sure by the later mark, cuda_completion.c, cuq_sure, turned out
+ * to fail). A wait that gets there sees the failure (both under t's mu). */
 void am_timeline_fail_from(am_timeline *t, uint64_t from, int error, uint64_t value,
                            am_timeline *cause) {
     pthread_mutex_lock(&t->mu);
-    if (!t->failed_from) {
+    if (!t->failed_from || (from < t->failed_from && from > atomic_load(&t->value))) {
         t->failed_from = from;
         t->fail_error = error;
         t->fail_value = value;
@@ -249,11 +252,15 @@ void am_timeline_fail_from(am_timeline *t, uint64_t from, int error, uint64_t va
  * fails from the value after the one it reached (AM_CLOSED, its own cause), without
  * rising: a wait for more ends -- a cpu queue's, which then fails its commands from the
  * wait on (host_queues.c) -- and its word goes to UINT64_MAX, ending device waits on it
- * (a stream's: whose queue does the same, cuda_completion.c). Not under any queue's mu. */
+ * (a stream's: whose queue does the same, cuda_completion.c). A device timeline's
+ * failure marked from a later value before it settled (a signal passed behind a failed
+ * wait, after a signal in flight that was to get it there: cuq_fail_signal_now) is
+ * lowered so too: that signal never comes now. Not under any queue's mu. */
 void am_timeline_close(am_timeline *t) {
     pthread_mutex_lock(&t->mu);
-    if (!t->failed_from) {
-        uint64_t reached = atomic_load(&t->value);
+    uint64_t reached = atomic_load(&t->value);
+    if (!t->failed_from ||
+        (t->word && reached != UINT64_MAX && reached + 1 < t->failed_from)) {
         if (reached == UINT64_MAX) {
             pthread_mutex_unlock(&t->mu);
             return;
@@ -366,8 +373,8 @@ static void timeline_raise(am_timeline *t, uint64_t v, uint64_t from, int error,
 
 void am_timeline_signal(am_timeline *t, uint64_t v) { timeline_raise(t, v, 0, 0, 0, NULL); }
 
-/* am_timeline_signal(t, v), t failing from `from` on (unless it failed already, as
- * am_timeline_fail_from) under the same hold of its mu: a wait that sees the failure
+/* am_timeline_signal(t, v), t failing from `from` on (unless it failed already from
+ * there or before) under the same hold of its mu: a wait that sees the failure
  * sees v reached too (a Metal queue's command that failed, or ran behind a wait for a
  * value never produced, raises its own timeline so: objc_blocks.c, block_finish). */
 void timeline_signal_failed(am_timeline *t, uint64_t v, uint64_t from, int error,
@@ -379,7 +386,10 @@ static void timeline_raise(am_timeline *t, uint64_t v, uint64_t from, int error,
                            uint64_t value, am_timeline *cause) {
     atomic_fetch_or(&t->signalled_by, AM_BY_HOST);
     pthread_mutex_lock(&t->mu);
-    if (from && !t->failed_from) {
+    /* (failed already from a later value -- a Metal queue's commands dropped by a
+     * discarding close, marked before its earlier ones completed -- the earlier one
+     * stands: nothing has seen a value from it on reached yet) */
+    if (from && (!t->failed_from || from < t->failed_from)) {
         t->failed_from = from;
         t->fail_error = error;
         t->fail_value = value;

@@ -531,13 +531,18 @@ class MetalQueue(NativeQueue):
                 start = send(cb, "GPUStartTime", restype=ctypes.c_double)
                 end = send(cb, "GPUEndTime", restype=ctypes.c_double)
                 record.start_ns, record.end_ns = int(start * 1e9), int(end * 1e9)
-                status = send(cb, "status", restype=c_ulong)
-                if status == STATUS_ERROR and self._lost is None:
-                    error = describe_error(send(cb, "error"))
-                    self._lost = DeviceLostError(f"a Metal command buffer failed: {error}")
-                    self._lost_from = done_value
+                self._note_status(done_value, cb)
                 release(cb)
         _blocks.release_ran()
+
+    def _note_status(self, value: int, cb: int) -> None:
+        """Note command buffer ``cb`` (of command ``value``) if it is the first that
+        failed: it and every later command report its error. Under _buffers_lock."""
+        status = send(cb, "status", restype=c_ulong)
+        if status == STATUS_ERROR and self._lost is None:
+            error = describe_error(send(cb, "error"))
+            self._lost = DeviceLostError(f"a Metal command buffer failed: {error}")
+            self._lost_from = value
 
     def failure(self, value: int) -> BaseException | None:
         self.flush()
@@ -854,9 +859,13 @@ class MetalQueue(NativeQueue):
                 _blocks.hold_until_run(block, kept)
 
     def _release(self) -> None:
+        # Those completed and not reaped yet say whether they failed first: a command
+        # awaited after the close reports its fault (a reap finds none of them then).
         with self._buffers_lock:
             buffers = list(self._buffers)
             self._buffers.clear()
+            for value, cb, _, _, _ in buffers:
+                self._note_status(value, cb)
         for _, cb, _, _, _ in buffers:
             release(cb)
         release(self._queue)

@@ -1313,3 +1313,76 @@ def test_a_wait_on_a_timeline_with_a_device_word_is_refused_as_such() -> None:
     finally:
         lib.am_timeline_free(c_timeline)
         backend.close()
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+@sim_only
+async def test_a_fault_awaited_after_its_queues_close_is_reported(anyio_backend: object) -> None:
+    """A queue's kernel faults, and the queue closes before anything awaited it: the
+    launch and the command after it, awaited then, raise DeviceLostError naming the
+    fault. Checked: before, the close let go of the command buffers without looking at
+    their status, and both reported success."""
+    async with am.open_device("metal") as mtl:
+        crash = await mtl.compile(FAULTY, "crash")
+        fill = await mtl.compile(MSL_KERNELS, "fill")
+        bad, out = await mtl.alloc(4), await mtl.alloc(64)
+        queue = mtl.new_queue()
+        crashed = queue.launch(crash, bad)
+        after = queue.launch(fill, out, vals=(5, 16))
+        with anyio.fail_after(20):
+            await queue.close()
+        for done in (crashed, after):
+            with pytest.raises(am.DeviceLostError, match="kernel crash faulted"):
+                await done
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+@sim_only
+async def test_a_fault_fails_its_queues_timeline_from_the_fault_after_a_discard(
+    anyio_backend: object,
+) -> None:
+    """A Metal queue's kernel, committed behind a wait on the GPU, then a fill; then,
+    held on its own thread, a wait for a cpu command not run yet and what follows it.
+    The queue's discarding close drops those, failing its timeline from the first of
+    them; then the GPU's wait ends and the kernel faults. The timeline fails from the
+    fault on all the same: another Metal queue ordered after the fill (``after``) fails
+    its command behind that wait, naming the fault. Checked: before, a failure of an
+    earlier value did not lower the timeline's mark (the discard's): the other queue's
+    command reported success."""
+    from asyncmetal import _native
+    from tests.support.queues import held_queue
+
+    async with am.open_device("metal") as mtl, am.open_device("cpu") as cpu:
+        crash = await mtl.compile(FAULTY, "crash")
+        fill = await mtl.compile(MSL_KERNELS, "fill")
+        bad, out, out2, spare = [await mtl.alloc(n) for n in (4, 64, 64, 64)]
+        held_buf = await cpu.alloc(64)
+        held, cpu_gate = held_queue(cpu)
+        held.copy(held_buf, np.full(16, 7, np.int32))  # (runs once cpu_gate is signalled)
+        queue = mtl.new_queue()
+        gate = mtl.timeline()
+        queue.wait(gate, 1)
+        queue.launch(crash, bad)
+        queue.launch(fill, out, vals=(5, 16))  # (fails: after the fault)
+        queue.after(held_buf)  # (held on the queue's thread: the cpu copy has not run)
+        dropped = queue.launch(fill, spare, vals=(6, 16))
+        c_timeline = queue.timeline.native.c_timeline
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(lambda: queue.close(discard=True))
+                while _native.timeline_failure(c_timeline) is None:  # (the discard's)
+                    await anyio.sleep(0.001)
+                other = mtl.new_queue()
+                behind = other.after(out).launch(fill, out2, vals=(8, 16))
+                gate.signal(1)
+            with pytest.raises(am.ClosedResourceError, match="discarded"):
+                await dropped
+            with pytest.raises(am.DeviceLostError, match="never produced") as caught:
+                await behind
+        cpu_gate.signal(1)
+        await held.synchronize()
+        assert "kernel crash faulted" in str(caught.value), caught.value

@@ -56,6 +56,23 @@
  *             fill writes, no kernel launches) and fail (CU_HELD_FAILED), naming the
  *             host timeline's failure; a wait for the value of a signal of that queue
  *             in flight before it still succeeds
+ *   twosignals a signal passed behind a failed wait, submitted after another queue's
+ *             signal of the same timeline to a lower value that is in flight (handed
+ *             over, not confirmed): the timeline fails from the value after that one,
+ *             and a queue's wait for the lower value, handed over once the failure is
+ *             marked, is made, and the work behind it runs and succeeds
+ *   poisonsignal a signal passed behind a device wait found failed (its queue poisoned),
+ *             behind a signal of the same timeline of that queue in flight after that
+ *             wait (known to fail): the timeline fails from that one's value, so a
+ *             queue's wait for it, handed over then, is not made, and nothing behind it
+ *             runs (CU_HELD_FAILED, naming the failure)
+ *   poisonflight a queue that learns its device wait was for a value never produced
+ *             fails the timelines its signals handed over after that wait (in flight)
+ *             are to raise, from their values: a queue's wait for one of those, handed
+ *             over then, is not made, and nothing behind it runs (CU_HELD_FAILED)
+ *   poisonlater the same, for a signal another queue's passed signal counted as sure
+ *             (its timeline marked failed from a later value already): the mark is
+ *             lowered to that signal's value
  *   release   a queue's device wait on a value of a queue that failed that way (held
  *             on the host until that command reached the driver, which refused it)
  *             ends rather than blocking for good, without being made: the commands
@@ -165,6 +182,10 @@
  *             and leaves no kick on a timeline nothing signalled (which may be freed)
  *   closekick a wait held on the host for a timeline whose device closes goes on, and fails
  *             (what follows it never runs)
+ *   closeearly a timeline marked failed ahead of what it reached (a passed signal, behind
+ *             one of its queue's in flight) whose device closes once that queue was
+ *             abandoned: a host queue's wait for a value below the mark ends, failed,
+ *             naming the close
  *   lowered   a signal's word write landing after the timeline was released (a store,
  *             not a max) does not leave a device wait it released waiting
  *   foreignabandon another library's stream waiting on the word of a failed queue that
@@ -1215,6 +1236,215 @@ static void check_skipsignal(void) {
     am_timeline_free(h);
     am_timeline_free(cause);
     puts("ok skipsignal");
+}
+
+static void check_twosignals(void) {
+    /* h: a host queue's own timeline, failed from 1 once hgate fails (command 7 of
+     * `cause`'s queue faulted). p: command 1 signals t to 1 behind p_gate (in flight,
+     * handed over, until it is raised). q, as a queue's signal after another queue's
+     * pending one is submitted: command 1 waits for h; command 2 waits for t's 1 (p's
+     * signal, handed over: made on the device); command 3 waits for q_gate, then
+     * signals t to 2 -- passed behind the failed wait. */
+    am_timeline *hgate = am_timeline_new(), *h = am_timeline_new(), *cause = am_timeline_new();
+    am_queue *hq = am_queue_new(h, 0, 0);
+    if (!hq || am_queue_wait(hq, hgate, 1, 1)) die("twosignals: the host queue");
+    fake_queue p = queue_new(), q = queue_new(), r = queue_new();
+    free_timeline t = free_timeline_new();
+    uint64_t *gates = calloc(2, sizeof(uint64_t)), *p_gate = gates, *q_gate = gates + 1;
+    if (am_cuq_wait(p.q, p_gate, 1, 1) || signal_free(p, t, 1, 1)) die("twosignals: p failed at once");
+    if (am_cuq_wait_timeline(q.q, h, 1, 1) ||
+        am_cuq_finish(q.q, 1, h, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        am_cuq_wait_timeline(q.q, t.t, 1, 2) ||
+        am_cuq_finish(q.q, 2, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        am_cuq_wait(q.q, q_gate, 1, 3) || signal_free(q, t, 2, 3))
+        die("twosignals: q failed at once");
+    am_timeline_fail(hgate, 1, ILLEGAL_ADDRESS, 7, cause);
+    /* q's signal of t to 2 is passed: t fails from 2 -- p's signal in flight reaches 1 */
+    int error = 0;
+    uint64_t at = 0, value = 0;
+    am_timeline *by = NULL;
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!am_timeline_failure(t.t, &error, &value, &by))
+        if (now_ns() > deadline) die("twosignals: q's passed signal did not fail its timeline");
+    /* r waits for t's 1, then launches: p's signal gets t there */
+    if (am_cuq_wait_timeline(r.q, t.t, 1, 1) ||
+        am_cuq_finish(r.q, 1, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        launch(r, NULL, 1, 2))
+        die("twosignals: r failed at once");
+    atomic_store((_Atomic uint64_t *)p_gate, 1);
+    reach(p.t, 1, "twosignals: p's signal never ran");
+    reach(r.t, 2, "twosignals: r's wait for p's signal never ended");
+    if (am_cuq_error(r.q, &at) || am_timeline_value(r.t) != 2 || atomic_load(&r.s->ran) != 1)
+        die("twosignals: a wait for another queue's signal in flight before a passed one failed");
+    atomic_store((_Atomic uint64_t *)q_gate, 1);
+    reach(q.t, UINT64_MAX, "twosignals: q never settled");
+    reach(t.t, UINT64_MAX, "twosignals: t never settled");
+    if (am_cuq_error(q.q, &at) != CU_HELD_FAILED || at != 1 ||
+        am_timeline_failure(t.t, &error, &value, &by) != 2 || by != cause ||
+        error != ILLEGAL_ADDRESS || value != 7)
+        die("twosignals: the passed signal's timeline does not fail from its value so");
+    am_queue_close(hq, 0);
+    fake_queue all[3] = {p, q, r};
+    for (int i = 0; i < 3; i++) queue_free(all[i], 0);
+    free_timeline_free(t);
+    free(gates);
+    am_timeline_free(hgate);
+    am_timeline_free(h);
+    am_timeline_free(cause);
+    puts("ok twosignals");
+}
+
+static void check_poisonsignal(void) {
+    /* q, bounded to 3 in flight: command 1 waits on the device for t0; command 2 runs
+     * 200 ms; command 3 signals t to 1 (all three handed over); command 4 signals t to
+     * 2 (held on the host). t0 fails: q's commands from 1 on fail once confirmed --
+     * command 3's signal among them -- and command 4's signal is passed. */
+    static kernel slow = {0, 200000000, NULL, 0};
+    fake_queue q = queue_bounded(3), r = queue_new();
+    free_timeline t0 = free_timeline_new(), t = free_timeline_new();
+    am_timeline *cause = am_timeline_new();
+    if (wait_free(q, t0, 1, 1) || launch(q, &slow, 1, 2) || signal_free(q, t, 1, 3) ||
+        signal_free(q, t, 2, 4))
+        die("poisonsignal: q failed at once");
+    am_timeline_fail(t0.t, 1, ILLEGAL_ADDRESS, 7, cause);
+    int error = 0;
+    uint64_t at = 0, value = 0;
+    am_timeline *by = NULL;
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!am_timeline_failure(t.t, &error, &value, &by))
+        if (now_ns() > deadline) die("poisonsignal: q's passed signal did not fail its timeline");
+    /* (command 2 still runs: command 3's signal, known to fail, is not confirmed yet) */
+    if (am_timeline_value(t.t)) die("poisonsignal: t settled before command 3 ran");
+    /* r waits for t's 1, which q's command 3 (failing) was to produce, then launches */
+    uint64_t *r_gate = calloc(1, sizeof(uint64_t));  /* (r, failed from its command 1,
+                                                        settles only once past it) */
+    if (am_cuq_wait(r.q, r_gate, 1, 1) || am_cuq_wait_timeline(r.q, t.t, 1, 1) ||
+        am_cuq_finish(r.q, 1, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        launch(r, NULL, 1, 2))
+        die("poisonsignal: r failed at once");
+    atomic_store((_Atomic uint64_t *)r_gate, 1);
+    reach(q.t, UINT64_MAX, "poisonsignal: q never settled");
+    reach(r.t, UINT64_MAX, "poisonsignal: r never settled");
+    if (atomic_load(&r.s->ran))
+        die("poisonsignal: a kernel behind a wait for a signal known to fail launched");
+    if (am_cuq_error(r.q, &at) != CU_HELD_FAILED || at != 1 ||
+        am_cuq_cause(r.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
+        die("poisonsignal: r does not fail from its wait, naming t0's failure");
+    if (am_timeline_failure(t.t, &error, &value, &by) != 1 || by != cause)
+        die("poisonsignal: t does not fail from 1, naming t0's failure");
+    queue_free(q, 0);
+    queue_free(r, 0);
+    free_timeline_free(t0);
+    free_timeline_free(t);
+    am_timeline_free(cause);
+    free(r_gate);
+    puts("ok poisonsignal");
+}
+
+static void check_poisonflight(void) {
+    /* q: command 1 waits on the device for t0; command 2 runs 200 ms; command 3 signals
+     * t to 1 (all handed over). t0 fails: q's commands from 1 on fail once confirmed,
+     * command 3's signal among them, which is known once command 1 is confirmed. */
+    static kernel slow = {0, 200000000, NULL, 0};
+    fake_queue q = queue_new(), r = queue_new();
+    free_timeline t0 = free_timeline_new(), t = free_timeline_new();
+    am_timeline *cause = am_timeline_new();
+    if (wait_free(q, t0, 1, 1) || launch(q, &slow, 1, 2) || signal_free(q, t, 1, 3))
+        die("poisonflight: q failed at once");
+    am_timeline_fail(t0.t, 1, ILLEGAL_ADDRESS, 7, cause);
+    int error = 0;
+    uint64_t at = 0, value = 0;
+    am_timeline *by = NULL;
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!am_cuq_cause(q.q, &error, &value))  /* q learned of it: poisoned */
+        if (now_ns() > deadline) die("poisonflight: q never learned its wait failed");
+    if (am_timeline_value(t.t)) die("poisonflight: t settled before command 3 ran");
+    /* r waits for t's 1, which q's command 3 (failing) was to produce, then launches */
+    uint64_t *r_gate = calloc(1, sizeof(uint64_t));  /* (r, failed from its command 1,
+                                                        settles only once past it) */
+    if (am_cuq_wait(r.q, r_gate, 1, 1) || am_cuq_wait_timeline(r.q, t.t, 1, 1) ||
+        am_cuq_finish(r.q, 1, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        launch(r, NULL, 1, 2))
+        die("poisonflight: r failed at once");
+    atomic_store((_Atomic uint64_t *)r_gate, 1);
+    reach(q.t, UINT64_MAX, "poisonflight: q never settled");
+    reach(r.t, UINT64_MAX, "poisonflight: r never settled");
+    if (atomic_load(&r.s->ran))
+        die("poisonflight: a kernel behind a wait for a signal known to fail launched");
+    if (am_cuq_error(r.q, &at) != CU_HELD_FAILED || at != 1 ||
+        am_cuq_cause(r.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
+        die("poisonflight: r does not fail from its wait, naming t0's failure");
+    if (am_timeline_failure(t.t, &error, &value, &by) != 1 || by != cause)
+        die("poisonflight: t does not fail from 1, naming t0's failure");
+    queue_free(q, 0);
+    queue_free(r, 0);
+    free_timeline_free(t0);
+    free_timeline_free(t);
+    am_timeline_free(cause);
+    free(r_gate);
+    puts("ok poisonflight");
+}
+
+static void check_poisonlater(void) {
+    /* p: command 1 waits on the device for t0; command 2 runs 200 ms; command 3 signals
+     * t to 1 (all handed over). h: a host queue's timeline, failed from 1 once hgate
+     * fails. q: command 1 waits for h; command 2 waits for t's 1 (p's signal, handed
+     * over: made on the device); command 3 signals t to 2 -- passed once h fails, while
+     * p's signal still counts as sure: t fails from 2. Then t0 fails: p learns that its
+     * signal of t to 1 fails, and t fails from 1. */
+    static kernel slow = {0, 200000000, NULL, 0};
+    am_timeline *hgate = am_timeline_new(), *h = am_timeline_new(), *cause = am_timeline_new();
+    am_queue *hq = am_queue_new(h, 0, 0);
+    if (!hq || am_queue_wait(hq, hgate, 1, 1)) die("poisonlater: the host queue");
+    fake_queue p = queue_new(), q = queue_new(), r = queue_new();
+    free_timeline t0 = free_timeline_new(), t = free_timeline_new();
+    if (wait_free(p, t0, 1, 1) || launch(p, &slow, 1, 2) || signal_free(p, t, 1, 3))
+        die("poisonlater: p failed at once");
+    if (am_cuq_wait_timeline(q.q, h, 1, 1) ||
+        am_cuq_finish(q.q, 1, h, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        am_cuq_wait_timeline(q.q, t.t, 1, 2) ||
+        am_cuq_finish(q.q, 2, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        signal_free(q, t, 2, 3))
+        die("poisonlater: q failed at once");
+    am_timeline_fail(hgate, 1, ILLEGAL_ADDRESS, 5, cause);
+    int error = 0;
+    uint64_t at = 0, value = 0;
+    am_timeline *by = NULL;
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (am_timeline_failure(t.t, &error, &value, &by) != 2)
+        if (now_ns() > deadline) die("poisonlater: q's passed signal did not fail t from 2");
+    am_timeline_fail(t0.t, 1, ILLEGAL_ADDRESS, 7, cause);
+    while (!am_cuq_cause(p.q, &error, &value))  /* p learned of it: poisoned */
+        if (now_ns() > deadline) die("poisonlater: p never learned its wait failed");
+    if (am_timeline_value(t.t)) die("poisonlater: t settled before p's command 3 ran");
+    /* r waits for t's 1, which p's command 3 (failing) was to produce, then launches */
+    uint64_t *r_gate = calloc(1, sizeof(uint64_t));  /* (r, failed from its command 1,
+                                                        settles only once past it) */
+    if (am_cuq_wait(r.q, r_gate, 1, 1) || am_cuq_wait_timeline(r.q, t.t, 1, 1) ||
+        am_cuq_finish(r.q, 1, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        launch(r, NULL, 1, 2))
+        die("poisonlater: r failed at once");
+    atomic_store((_Atomic uint64_t *)r_gate, 1);
+    reach(p.t, UINT64_MAX, "poisonlater: p never settled");
+    reach(q.t, UINT64_MAX, "poisonlater: q never settled");
+    reach(r.t, UINT64_MAX, "poisonlater: r never settled");
+    if (atomic_load(&r.s->ran))
+        die("poisonlater: a kernel behind a wait for a signal known to fail launched");
+    if (am_cuq_error(r.q, &at) != CU_HELD_FAILED || at != 1 ||
+        am_cuq_cause(r.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
+        die("poisonlater: r does not fail from its wait, naming t0's failure");
+    if (am_timeline_failure(t.t, &error, &value, &by) != 1 || by != cause || value != 7)
+        die("poisonlater: t does not fail from 1, naming t0's failure");
+    am_queue_close(hq, 0);
+    fake_queue all[3] = {p, q, r};
+    for (int i = 0; i < 3; i++) queue_free(all[i], 0);
+    free_timeline_free(t0);
+    free_timeline_free(t);
+    am_timeline_free(hgate);
+    am_timeline_free(h);
+    am_timeline_free(cause);
+    free(r_gate);
+    puts("ok poisonlater");
 }
 
 static void check_failedqueue(void) {
@@ -2514,6 +2744,50 @@ static void check_closekick(void) {
     free_timeline_free(t);
 }
 
+/* A signal passed behind a failed wait marks its timeline failed from the value after
+ * the one a signal of its queue in flight before it raises it to -- and that queue is
+ * then abandoned, that signal never confirmed, and the timeline's device closes: a
+ * host queue's wait for that lower value ends (failed, AM_CLOSED), not waits for good. */
+static void check_closeearly(void) {
+    am_timeline *hgate = am_timeline_new(), *h = am_timeline_new(), *cause = am_timeline_new();
+    am_timeline *h2 = am_timeline_new();
+    am_queue *hq = am_queue_new(h, 0, 0), *waiter = am_queue_new(h2, 0, 0);
+    if (!hq || !waiter || am_queue_wait(hq, hgate, 1, 1)) die("closeearly: the host queues");
+    /* a: command 1 signals t to 1 behind a gate never raised; command 2 waits for h;
+     * command 3 signals t to 2 (passed once h fails) */
+    fake_queue a = queue_new();
+    free_timeline t = free_timeline_new();
+    uint64_t *a_gate = calloc(1, sizeof(uint64_t));
+    if (am_cuq_wait(a.q, a_gate, 1, 1) || signal_free(a, t, 1, 1) ||
+        am_cuq_wait_timeline(a.q, h, 1, 2) ||
+        am_cuq_finish(a.q, 2, h, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        signal_free(a, t, 2, 3))
+        die("closeearly: a failed at once");
+    if (am_queue_wait(waiter, t.t, 1, 1)) die("closeearly: the waiting host queue");
+    am_timeline_fail(hgate, 1, ILLEGAL_ADDRESS, 7, cause);
+    int error = 0;
+    uint64_t value = 0;
+    am_timeline *by = NULL;
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!am_timeline_failure(t.t, &error, &value, &by))
+        if (now_ns() > deadline) die("closeearly: a's passed signal did not fail its timeline");
+    am_cuq_close(a.q, 1);  /* its signal of t to 1, in flight, never confirmed */
+    am_timeline_close(t.t);
+    reach(h2, 1, "closeearly: a wait for a value below an early failure mark never ended "
+                 "once the timeline closed");
+    if (am_queue_failure(waiter, &error, &value, &by) != 1 || error != AM_CLOSED)
+        die("closeearly: the wait did not fail, naming the close");
+    am_queue_close(hq, 0);
+    am_queue_close(waiter, 0);
+    abandoned_free(a);
+    free_timeline_free(t);
+    free(a_gate);
+    am_timeline_free(hgate);
+    am_timeline_free(h);
+    am_timeline_free(h2);
+    am_timeline_free(cause);
+}
+
 /* A timeline only the host signalled (to 1): c's device wait for 3 is made at once,
  * behind a long kernel. a then signals it to 2 (its write behind a shorter kernel), and
  * the timeline's device closes: the word is released to 2**63 - 1, then a's write
@@ -2602,6 +2876,10 @@ int main(void) {
     check_hostheld();
     check_hostfailed();
     check_skipsignal();
+    check_twosignals();
+    check_poisonsignal();
+    check_poisonflight();
+    check_poisonlater();
     check_failedqueue();
     check_poisonheld();
     check_signal();
@@ -2631,6 +2909,7 @@ int main(void) {
     check_discarddrain();
     check_discardstress();
     unreleased(check_closekick, "closekick");
+    unreleased(check_closeearly, "closeearly");
     unreleased(check_lowered, "lowered");
     unreleased(check_foreignabandon, "foreignabandon");
     /* The abandoned queues' threads have all returned (check_abandon's blocked one once
