@@ -460,6 +460,13 @@ static void check_bound(void) {
     puts("ok bound");
 }
 
+/* q waits for timeline t's `target` (its command `value`), as a queue's wait on it is
+ * submitted (am_cuq_wait_timeline, then the command's end) */
+static int wait_held(fake_queue q, am_timeline *t, uint64_t target, uint64_t value) {
+    return am_cuq_wait_timeline(q.q, t, target, value) ||
+           am_cuq_finish(q.q, value, t, target, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED);
+}
+
 /* Command `value` of f: a device wait for *gate (which the check raises once it has
  * submitted what must be held behind it), then a kernel. */
 static int gated_launch(fake_queue f, uint64_t *gate, uint64_t value) {
@@ -570,8 +577,7 @@ static void check_hostheld(void) {
     int64_t copied = 0;
     if (!hq || am_queue_wait(hq, gate, 1, 1) || am_queue_copy(hq, &copied, &one, 8, NULL, 2))
         die("hostheld: the host queue");
-    if (am_cuq_wait_timeline(f.q, h, 2, 1) ||
-        am_cuq_finish(f.q, 1, h, 2, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) || launch(f, NULL, 1, 2))
+    if (wait_held(f, h, 2, 1) || launch(f, NULL, 1, 2))
         die("hostheld: a wait on a host queue's timeline failed at once");
     nap_ns(50000000);  /* 50 ms */
     if (atomic_load(&f.s->ran) || am_timeline_value(f.t) >= 1)
@@ -587,8 +593,7 @@ static void check_hostheld(void) {
     am_queue_close(hq, 0);
     /* h2: a host timeline whose device closes before it gets to what f waits for. */
     am_timeline *h2 = am_timeline_new();
-    if (am_cuq_wait_timeline(f.q, h2, 1, 3) ||
-        am_cuq_finish(f.q, 3, h2, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) || launch(f, NULL, 3, 4))
+    if (wait_held(f, h2, 1, 3) || launch(f, NULL, 3, 4))
         die("hostheld: a wait on a host timeline failed at once");
     nap_ns(20000000);  /* 20 ms */
     am_timeline_close(h2);
@@ -616,8 +621,7 @@ static void behind_host_wait(fake_queue f, am_timeline *h, uint32_t *memory, siz
                              am_timeline *sig) {
     static uint64_t gate;
     atomic_store((_Atomic uint64_t *)&gate, 0);
-    if (am_cuq_wait(f.q, &gate, 1, 1) || am_cuq_wait_timeline(f.q, h, 1, 1) ||
-        am_cuq_finish(f.q, 1, h, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+    if (am_cuq_wait(f.q, &gate, 1, 1) || wait_held(f, h, 1, 1) ||
         launch(f, NULL, 1, 2) ||
         am_cuq_fill(f.q, (uint64_t)(uintptr_t)memory, 0xABABABABu, 4, nbytes, 3, 0) ||
         am_cuq_write(f.q, (void *)sig->word, 1, 4) || am_cuq_finish(f.q, 4, sig, 1, 0, 0))
@@ -712,8 +716,7 @@ static void check_hostfailed(void) {
     fake_queue e = queue_new(), p = queue_new();
     uint64_t *gate_word = calloc(1, sizeof(uint64_t));
     if (am_cuq_wait(e.q, gate_word, 1, 1) || am_cuq_finish(e.q, 1, NULL, 0, 0, 0) ||
-        am_cuq_wait_timeline(e.q, h, 1, 2) ||
-        am_cuq_finish(e.q, 2, h, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED))
+        wait_held(e, h, 1, 2))
         die("hostfailed: a wait on a failed host timeline failed at once");
     if (staged_part(e, 3, out, chunk, gate_word) != 1)
         die("hostfailed: a chunk behind a failed host wait was never marked ready");
@@ -1191,17 +1194,14 @@ static void check_skipsignal(void) {
     free_timeline t = free_timeline_new();
     uint64_t *a_gate = calloc(1, sizeof(uint64_t));
     if (am_cuq_wait(a.q, a_gate, 1, 1) || signal_free(a, t, 1, 1) ||
-        am_cuq_wait_timeline(a.q, h, 1, 2) ||
-        am_cuq_finish(a.q, 2, h, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        wait_held(a, h, 1, 2) ||
         signal_free(a, t, 2, 3))
         die("skipsignal: a failed at once");
-    if (am_cuq_wait_timeline(b.q, t.t, 2, 1) ||
-        am_cuq_finish(b.q, 1, t.t, 2, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+    if (wait_held(b, t.t, 2, 1) ||
         am_cuq_fill(b.q, (uint64_t)(uintptr_t)memory, 0xABABABABu, 4, sizeof memory, 2, 0) ||
         launch(b, NULL, 1, 3))
         die("skipsignal: b failed at once");
-    if (am_cuq_wait_timeline(c.q, t.t, 1, 1) ||
-        am_cuq_finish(c.q, 1, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+    if (wait_held(c, t.t, 1, 1) ||
         launch(c, NULL, 1, 2))
         die("skipsignal: c failed at once");
     am_timeline_fail(gate, 1, ILLEGAL_ADDRESS, 7, cause);
@@ -1252,10 +1252,8 @@ static void check_twosignals(void) {
     free_timeline t = free_timeline_new();
     uint64_t *gates = calloc(2, sizeof(uint64_t)), *p_gate = gates, *q_gate = gates + 1;
     if (am_cuq_wait(p.q, p_gate, 1, 1) || signal_free(p, t, 1, 1)) die("twosignals: p failed at once");
-    if (am_cuq_wait_timeline(q.q, h, 1, 1) ||
-        am_cuq_finish(q.q, 1, h, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
-        am_cuq_wait_timeline(q.q, t.t, 1, 2) ||
-        am_cuq_finish(q.q, 2, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+    if (wait_held(q, h, 1, 1) ||
+        wait_held(q, t.t, 1, 2) ||
         am_cuq_wait(q.q, q_gate, 1, 3) || signal_free(q, t, 2, 3))
         die("twosignals: q failed at once");
     am_timeline_fail(hgate, 1, ILLEGAL_ADDRESS, 7, cause);
@@ -1267,8 +1265,7 @@ static void check_twosignals(void) {
     while (!am_timeline_failure(t.t, &error, &value, &by))
         if (now_ns() > deadline) die("twosignals: q's passed signal did not fail its timeline");
     /* r waits for t's 1, then launches: p's signal gets t there */
-    if (am_cuq_wait_timeline(r.q, t.t, 1, 1) ||
-        am_cuq_finish(r.q, 1, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+    if (wait_held(r, t.t, 1, 1) ||
         launch(r, NULL, 1, 2))
         die("twosignals: r failed at once");
     atomic_store((_Atomic uint64_t *)p_gate, 1);
@@ -1294,6 +1291,41 @@ static void check_twosignals(void) {
     puts("ok twosignals");
 }
 
+static void fail_in(const char *check, const char *what) {
+    char message[256];
+    snprintf(message, sizeof message, "%s: %s", check, what);
+    die(message);
+}
+
+/* r waits for t's 1, which q's command 3 (failing) was to produce, then launches, its
+ * stream held by a gate until all of r is submitted (r, failed from its command 1,
+ * settles only once past it): nothing of r runs, r fails from its wait and t from 1,
+ * both naming `cause` (ILLEGAL_ADDRESS, 7). Frees q and r. */
+static void held_behind_failed_signal(const char *check, fake_queue q, fake_queue r,
+                                      free_timeline t, am_timeline *cause) {
+    int error = 0;
+    uint64_t at = 0, value = 0;
+    am_timeline *by = NULL;
+    uint64_t *r_gate = calloc(1, sizeof(uint64_t));
+    if (am_cuq_wait(r.q, r_gate, 1, 1) || wait_held(r, t.t, 1, 1) ||
+        launch(r, NULL, 1, 2))
+        fail_in(check, "r failed at once");
+    atomic_store((_Atomic uint64_t *)r_gate, 1);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (am_timeline_value(q.t) < UINT64_MAX || am_timeline_value(r.t) < UINT64_MAX)
+        if (now_ns() > deadline) fail_in(check, "q or r never settled");
+    if (atomic_load(&r.s->ran))
+        fail_in(check, "a kernel behind a wait for a signal known to fail launched");
+    if (am_cuq_error(r.q, &at) != CU_HELD_FAILED || at != 1 ||
+        am_cuq_cause(r.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
+        fail_in(check, "r does not fail from its wait, naming t0's failure");
+    if (am_timeline_failure(t.t, &error, &value, &by) != 1 || by != cause)
+        fail_in(check, "t does not fail from 1, naming t0's failure");
+    queue_free(q, 0);
+    queue_free(r, 0);
+    free(r_gate);
+}
+
 static void check_poisonsignal(void) {
     /* q, bounded to 3 in flight: command 1 waits on the device for t0; command 2 runs
      * 200 ms; command 3 signals t to 1 (all three handed over); command 4 signals t to
@@ -1308,36 +1340,17 @@ static void check_poisonsignal(void) {
         die("poisonsignal: q failed at once");
     am_timeline_fail(t0.t, 1, ILLEGAL_ADDRESS, 7, cause);
     int error = 0;
-    uint64_t at = 0, value = 0;
+    uint64_t value = 0;
     am_timeline *by = NULL;
     int64_t deadline = now_ns() + 10000000000LL;
     while (!am_timeline_failure(t.t, &error, &value, &by))
         if (now_ns() > deadline) die("poisonsignal: q's passed signal did not fail its timeline");
     /* (command 2 still runs: command 3's signal, known to fail, is not confirmed yet) */
     if (am_timeline_value(t.t)) die("poisonsignal: t settled before command 3 ran");
-    /* r waits for t's 1, which q's command 3 (failing) was to produce, then launches */
-    uint64_t *r_gate = calloc(1, sizeof(uint64_t));  /* (r, failed from its command 1,
-                                                        settles only once past it) */
-    if (am_cuq_wait(r.q, r_gate, 1, 1) || am_cuq_wait_timeline(r.q, t.t, 1, 1) ||
-        am_cuq_finish(r.q, 1, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
-        launch(r, NULL, 1, 2))
-        die("poisonsignal: r failed at once");
-    atomic_store((_Atomic uint64_t *)r_gate, 1);
-    reach(q.t, UINT64_MAX, "poisonsignal: q never settled");
-    reach(r.t, UINT64_MAX, "poisonsignal: r never settled");
-    if (atomic_load(&r.s->ran))
-        die("poisonsignal: a kernel behind a wait for a signal known to fail launched");
-    if (am_cuq_error(r.q, &at) != CU_HELD_FAILED || at != 1 ||
-        am_cuq_cause(r.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
-        die("poisonsignal: r does not fail from its wait, naming t0's failure");
-    if (am_timeline_failure(t.t, &error, &value, &by) != 1 || by != cause)
-        die("poisonsignal: t does not fail from 1, naming t0's failure");
-    queue_free(q, 0);
-    queue_free(r, 0);
+    held_behind_failed_signal("poisonsignal", q, r, t, cause);
     free_timeline_free(t0);
     free_timeline_free(t);
     am_timeline_free(cause);
-    free(r_gate);
     puts("ok poisonsignal");
 }
 
@@ -1353,35 +1366,15 @@ static void check_poisonflight(void) {
         die("poisonflight: q failed at once");
     am_timeline_fail(t0.t, 1, ILLEGAL_ADDRESS, 7, cause);
     int error = 0;
-    uint64_t at = 0, value = 0;
-    am_timeline *by = NULL;
+    uint64_t value = 0;
     int64_t deadline = now_ns() + 10000000000LL;
     while (!am_cuq_cause(q.q, &error, &value))  /* q learned of it: poisoned */
         if (now_ns() > deadline) die("poisonflight: q never learned its wait failed");
     if (am_timeline_value(t.t)) die("poisonflight: t settled before command 3 ran");
-    /* r waits for t's 1, which q's command 3 (failing) was to produce, then launches */
-    uint64_t *r_gate = calloc(1, sizeof(uint64_t));  /* (r, failed from its command 1,
-                                                        settles only once past it) */
-    if (am_cuq_wait(r.q, r_gate, 1, 1) || am_cuq_wait_timeline(r.q, t.t, 1, 1) ||
-        am_cuq_finish(r.q, 1, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
-        launch(r, NULL, 1, 2))
-        die("poisonflight: r failed at once");
-    atomic_store((_Atomic uint64_t *)r_gate, 1);
-    reach(q.t, UINT64_MAX, "poisonflight: q never settled");
-    reach(r.t, UINT64_MAX, "poisonflight: r never settled");
-    if (atomic_load(&r.s->ran))
-        die("poisonflight: a kernel behind a wait for a signal known to fail launched");
-    if (am_cuq_error(r.q, &at) != CU_HELD_FAILED || at != 1 ||
-        am_cuq_cause(r.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
-        die("poisonflight: r does not fail from its wait, naming t0's failure");
-    if (am_timeline_failure(t.t, &error, &value, &by) != 1 || by != cause)
-        die("poisonflight: t does not fail from 1, naming t0's failure");
-    queue_free(q, 0);
-    queue_free(r, 0);
+    held_behind_failed_signal("poisonflight", q, r, t, cause);
     free_timeline_free(t0);
     free_timeline_free(t);
     am_timeline_free(cause);
-    free(r_gate);
     puts("ok poisonflight");
 }
 
@@ -1400,10 +1393,8 @@ static void check_poisonlater(void) {
     free_timeline t0 = free_timeline_new(), t = free_timeline_new();
     if (wait_free(p, t0, 1, 1) || launch(p, &slow, 1, 2) || signal_free(p, t, 1, 3))
         die("poisonlater: p failed at once");
-    if (am_cuq_wait_timeline(q.q, h, 1, 1) ||
-        am_cuq_finish(q.q, 1, h, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
-        am_cuq_wait_timeline(q.q, t.t, 1, 2) ||
-        am_cuq_finish(q.q, 2, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+    if (wait_held(q, h, 1, 1) ||
+        wait_held(q, t.t, 1, 2) ||
         signal_free(q, t, 2, 3))
         die("poisonlater: q failed at once");
     am_timeline_fail(hgate, 1, ILLEGAL_ADDRESS, 5, cause);
@@ -1420,8 +1411,7 @@ static void check_poisonlater(void) {
     /* r waits for t's 1, which p's command 3 (failing) was to produce, then launches */
     uint64_t *r_gate = calloc(1, sizeof(uint64_t));  /* (r, failed from its command 1,
                                                         settles only once past it) */
-    if (am_cuq_wait(r.q, r_gate, 1, 1) || am_cuq_wait_timeline(r.q, t.t, 1, 1) ||
-        am_cuq_finish(r.q, 1, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+    if (am_cuq_wait(r.q, r_gate, 1, 1) || wait_held(r, t.t, 1, 1) ||
         launch(r, NULL, 1, 2))
         die("poisonlater: r failed at once");
     atomic_store((_Atomic uint64_t *)r_gate, 1);
@@ -1963,8 +1953,7 @@ static void check_signalrecord(void) {
     am_cuq_stats(a.q, stats);
     if (stats[6] != 2) die("signalrecord: a's signal was not held on the host");
     /* c's wait is held on the host until a signal of t gets to a driver */
-    if (am_cuq_wait_timeline(c.q, t.t, 5, 1) ||
-        am_cuq_finish(c.q, 1, t.t, 5, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) || launch(c, NULL, 1, 2))
+    if (wait_held(c, t.t, 5, 1) || launch(c, NULL, 1, 2))
         die("signalrecord: c failed at once");
     atomic_store(&refuse_records, a.s);  /* the signal's record, once handed over */
     atomic_store((_Atomic uint64_t *)gate, 1);
@@ -2052,8 +2041,7 @@ static void check_handsignal(void) {
     after_w.check = w.s;
     free_timeline t = free_timeline_new();
     if (launch(s, &slow, 1, 1) || signal_free(s, t, 1, 2)) die("handsignal: s failed at once");
-    if (am_cuq_wait_timeline(w.q, t.t, 1, 1) ||
-        am_cuq_finish(w.q, 1, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) || launch(w, NULL, 7, 2))
+    if (wait_held(w, t.t, 1, 1) || launch(w, NULL, 7, 2))
         die("handsignal: w failed at once");
     int call = -1;
     if (am_cuq_wait_foreign(w.q, (void *)1, b.s, 2, &call) != CU_DEFERRED)
@@ -2293,8 +2281,7 @@ static void check_discardkick(void) {
     if (am_cuq_wait(s.q, gate, 1, 1) || am_cuq_finish(s.q, 1, NULL, 0, 0, CU_FINISH_PLAIN) ||
         signal_free(s, t, 1, 2))
         die("discardkick: s failed at once");
-    if (am_cuq_wait_timeline(f.q, t.t, 1, 1) ||
-        am_cuq_finish(f.q, 1, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+    if (wait_held(f, t.t, 1, 1) ||
         launch(f, NULL, 2, 2) || launch(f, NULL, 3, 3))
         die("discardkick: f failed at once");
     uint64_t stats[8];
@@ -2347,8 +2334,7 @@ static void check_discarddrain(void) {
     free_timeline t = free_timeline_new();
     atomic_store(&discard_at_drain, f.q);
     atomic_store(&test_hook, discard_while_draining);
-    if (launch(f, &slow, 1, 1) || am_cuq_wait_timeline(f.q, t.t, 1, 2) ||
-        am_cuq_finish(f.q, 2, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+    if (launch(f, &slow, 1, 1) || wait_held(f, t.t, 1, 2) ||
         launch(f, NULL, 3, 3))
         die("discarddrain: f failed at once");
     reach(f.t, 1, "discarddrain: the first kernel never ran");
@@ -2726,8 +2712,7 @@ static void check_idleabandon(void) {
 static void check_closekick(void) {
     fake_queue w = queue_new();
     free_timeline t = free_timeline_new();
-    if (am_cuq_wait_timeline(w.q, t.t, 5, 1) ||
-        am_cuq_finish(w.q, 1, t.t, 5, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+    if (wait_held(w, t.t, 5, 1) ||
         launch(w, NULL, 2, 2))
         die("closekick: w");
     uint64_t stats[8];
@@ -2759,8 +2744,7 @@ static void check_closeearly(void) {
     free_timeline t = free_timeline_new();
     uint64_t *a_gate = calloc(1, sizeof(uint64_t));
     if (am_cuq_wait(a.q, a_gate, 1, 1) || signal_free(a, t, 1, 1) ||
-        am_cuq_wait_timeline(a.q, h, 1, 2) ||
-        am_cuq_finish(a.q, 2, h, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+        wait_held(a, h, 1, 2) ||
         signal_free(a, t, 2, 3))
         die("closeearly: a failed at once");
     if (am_queue_wait(waiter, t.t, 1, 1)) die("closeearly: the waiting host queue");
@@ -2797,8 +2781,7 @@ static void check_lowered(void) {
     free_timeline t = free_timeline_new();
     static kernel a_slow = {0, 30000000, NULL, 0}, c_slow = {0, 150000000, NULL, 0};
     am_timeline_host_signal(t.t, 1);
-    if (launch(c, &c_slow, 1, 1) || am_cuq_wait_timeline(c.q, t.t, 3, 2) ||
-        am_cuq_finish(c.q, 2, t.t, 3, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+    if (launch(c, &c_slow, 1, 1) || wait_held(c, t.t, 3, 2) ||
         launch(c, NULL, 3, 3))
         die("lowered: c");
     if (launch(a, &a_slow, 1, 1) || signal_free(a, t, 2, 2)) die("lowered: a");
