@@ -776,6 +776,16 @@ async def test_new_queue_looks_at_a_few_blocked_closes_and_releases_each_in_turn
                 await anyio.sleep(0.01)
 
 
+async def _copied_between(a: am.Device, b: am.Device) -> tuple[am.Buffer, am.Buffer, am.Queue]:
+    """A buffer of ``a`` (16 int32), one of ``b`` it was copied from on a new queue of
+    ``a``, and that queue."""
+    mine, theirs = await a.alloc(64), await b.alloc(64)
+    await theirs.write(np.arange(16, dtype=np.int32))
+    q = a.new_queue()
+    await q.copy(mine, theirs)
+    return mine, theirs, q
+
+
 @pytest.mark.parametrize("new_queue", [False, True], ids=["reaper", "new queue"])
 async def test_a_queue_that_copied_from_another_device_is_collected_once_dropped(
     anyio_backend: object, new_queue: bool
@@ -785,10 +795,7 @@ async def test_a_queue_that_copied_from_another_device_is_collected_once_dropped
     passed, is forgotten there as well, so the queue dropped is collected (and
     released) -- not kept alive by the other device's buffer as long as that lives."""
     async with am.open_device("cpu") as a, am.open_device("cpu") as b:
-        mine, theirs = await a.alloc(64), await b.alloc(64)
-        await theirs.write(np.arange(16, dtype=np.int32))
-        q = a.new_queue()
-        await q.copy(mine, theirs)
+        mine, _held, q = await _copied_between(a, b)  # (the source, held: its record)
         dropped = weakref.ref(q)
         del q
         await _collected(dropped, a if new_queue else None)
@@ -825,10 +832,7 @@ async def test_a_queue_that_copied_from_a_closed_devices_buffer_is_collected_onc
     closed device's buffer as long as that lives."""
     async with am.open_device("cpu") as a:
         async with am.open_device("cpu") as b:
-            mine, theirs = await a.alloc(64), await b.alloc(64)
-            await theirs.write(np.arange(16, dtype=np.int32))
-            q = a.new_queue()
-            await q.copy(mine, theirs)
+            mine, theirs, q = await _copied_between(a, b)
         dropped = weakref.ref(q)
         del q
         await _collected(dropped, a if new_queue else None)
