@@ -57,13 +57,14 @@ class Block:
         "freed",
         "generation",
         "handle",
+        "keeper",
         "last_use",
         "lent",
         "nbytes",
         "owner",
     )
 
-    def __init__(self, handle: Any, nbytes: int, owner: object = None) -> None:
+    def __init__(self, handle: Any, nbytes: int, keeper: DeviceState, owner: object = None) -> None:
         self.handle = handle
         self.nbytes = nbytes
         self.owner = owner  # what keeps memory the device does not own alive (an array)
@@ -71,6 +72,10 @@ class Block:
         self.generation = 0  # bumped each time the block is handed out anew
         self.freed = False  # this generation was freed (explicitly or collected)
         self.last_use: dict[Queue, int] = {}  # per queue: value of the last command using it
+        # The device under whose submission lock a command that orders itself after the
+        # uses on ``last_use`` reads them and records its own (see Queue._copy): the
+        # device that allocated the block, or whose block's record it shares.
+        self.keeper = keeper
         self.cached_at = 0.0  # time.monotonic() when it last went into the cache
 
 
@@ -492,7 +497,7 @@ class Allocator:
                 self.in_use += size
                 counted = reserved = True
             handle = self._allocate(nbytes, size)
-            block = None if handle is None else Block(handle, size)
+            block = None if handle is None else Block(handle, size, self._state)
             with self._lock:
                 if self.closed:  # closed meanwhile: the device has no use for it, and
                     reserved, block = False, None  # its close counted the reservation out

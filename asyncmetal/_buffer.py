@@ -415,14 +415,14 @@ def foreign_buffer(
     through another library) -- or of a buffer of another open device of its kind --
     shares that buffer's record of uses: commands on either are ordered after those on
     the other, as on one buffer."""
-    block = Block(handle, nbytes, owner)
+    block = Block(handle, nbytes, state, owner)
     state.device._allocator.note_foreign(block)  # (its record is looked through too)
     address = state.backend.loan_address(handle)  # where memory lent out comes back
     if address is not None:
         for allocator in lenders_for(state.device._allocator):  # (its own, or its kind's)
             shared = allocator.exported_uses(address, nbytes)
             if shared is not None:
-                block.last_use = shared
+                block.last_use, block.keeper = shared, allocator._state
                 break
     if after is not None:
         queue, value = after
@@ -433,7 +433,7 @@ def foreign_buffer(
 def wrap_buffer(state: DeviceState, handle: Any, nbytes: int) -> Buffer:
     """A Buffer over memory the device did not allocate (an array it wraps): never
     returned to an allocator."""
-    return Buffer(state, Allocation(Block(handle, nbytes)), 0, nbytes)
+    return Buffer(state, Allocation(Block(handle, nbytes, state)), 0, nbytes)
 
 
 T = TypeVar("T")

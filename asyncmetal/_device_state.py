@@ -10,6 +10,7 @@ below the Device calls it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
@@ -36,6 +37,7 @@ class DeviceState:
         "closed",
         "device",
         "name",
+        "order",
         "queue",
         "stopped",
         "submitting",
@@ -55,6 +57,9 @@ class DeviceState:
         # sets ``closed`` and as it counts what is left to wait for (Queue._submit,
         # Device.close): no command of another thread is half submitted then.
         self.submitting = threading.RLock()
+        # Where its submission lock comes among devices' (``locks_in_order``): one that
+        # takes several takes them in this order, so two such never wait for each other.
+        self.order = next(_orders)
         # How many Python-path submissions (Queue._submit) are under way, lock held.
         # The native launch path takes no lock: it numbers a command, reads ``closed``
         # and hands the command over with no Python code between (no other thread runs
@@ -120,6 +125,7 @@ def two_names(one: DeviceState, other: DeviceState) -> tuple[str, str]:
 _open: dict[int, DeviceState] = {}
 _unreleased: dict[int, DeviceState] = {}
 _open_lock = threading.Lock()
+_orders = itertools.count()  # (next() of it is one step: no lock)
 
 T = TypeVar("T")
 
@@ -160,12 +166,29 @@ def state_released(state: DeviceState) -> None:
         _unreleased.pop(id(state), None)
 
 
+def _in_order(state: DeviceState) -> int:
+    return state.order
+
+
+def locks_in_order(states: set[DeviceState]) -> contextlib.ExitStack:
+    """The submission locks of ``states``, taken (blocking) in one order whoever takes
+    several -- as ``holding`` takes them -- and let go as the stack it returns closes."""
+    stack = contextlib.ExitStack()
+    try:
+        for state in sorted(states, key=_in_order):
+            stack.enter_context(state.submitting)
+    except BaseException:
+        stack.close()
+        raise
+    return stack
+
+
 async def holding(states: list[DeviceState], fn: Callable[[], T]) -> T:
     """``fn()`` with the submission lock of each of ``states`` held: on the loop's
     thread where no other thread holds one now (the common case, no hop), else from a
-    worker thread that waits for them, taken in one order (by address) whoever takes
-    several, so that two such takers never wait for each other."""
-    states = sorted(states, key=id)
+    worker thread that waits for them, taken in one order (``DeviceState.order``)
+    whoever takes several, so that two such takers never wait for each other."""
+    states = sorted(states, key=_in_order)
     held: list[DeviceState] = []
     try:
         for state in states:

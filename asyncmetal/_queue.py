@@ -6,6 +6,7 @@ import collections
 import inspect
 import weakref
 from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, NoReturn
 
 import numpy as np
@@ -15,7 +16,7 @@ from ._allocator import Allocation
 from ._backend import Arg, NativeQueue, Record, new_arg
 from ._buffer import Buffer, check_buffer, launch_args, native_arg, record_uses, uses
 from ._copyargs import copy_operands, fill_operands
-from ._device_state import DeviceState, two_names
+from ._device_state import DeviceState, locks_in_order, two_names
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
 from ._program import Program
 from ._scalars import Scalar, launch_value
@@ -548,15 +549,27 @@ class Queue:
         self._check_open()
         operands = copy_operands(self._state, dst, src, nbytes)
         hook = getattr(self._native, operands.hook)
-        with self._state.submitting:  # (the uses read and its own recorded: see _after)
-            self._after(operands.buffers, operands.names)
+        used = (*operands.buffers, *in_place)
+        with self._records_held(used):  # (the uses read and its own recorded: see _after)
+            self._after(used, operands.names)
             return self._submit(
-                hook,
-                *operands.args,
-                after=operands.extra,
-                uses=(*operands.buffers, *in_place),
-                names=operands.names,
+                hook, *operands.args, after=operands.extra, uses=used, names=operands.names
             )
+
+    def _records_held(self, buffers: Sequence[Buffer]) -> AbstractContextManager[object]:
+        """The submission locks under which a command that orders itself after the uses
+        of ``buffers`` reads them and records its own: its device's, and that of each
+        device whose record of uses one of them shares (``Block.keeper``: a buffer of
+        another device, memory another device's buffer lent out, a buffer of another
+        kind read or written in place). Every command that orders itself after a
+        record's uses holds its keeper's lock: two of them on two devices, submitted at
+        once, are ordered one after the other, never each missing the other's use.
+        Several are taken in one order (``locks_in_order``), so two never deadlock."""
+        state = self._state
+        for buf in buffers:
+            if buf._allocation.block.keeper is not state:
+                return locks_in_order({state, *(b._allocation.block.keeper for b in buffers)})
+        return state.submitting  # (the common case: every buffer its device's own)
 
     def fill(
         self, buf: Buffer, value: Any, *, offset: int = 0, size: int | None = None
@@ -582,7 +595,7 @@ class Queue:
         buffer's block: see ``fill_zeros``)."""
         arg = native_arg(buf)
         arg = new_arg(Arg, (arg.handle, arg.offset + offset, None))
-        with self._state.submitting:  # (see _copy)
+        with self._records_held((buf,)):  # (see _copy)
             self._after((buf,))
             return self._submit(self._native.fill, arg, nbytes, pattern, size, uses=(buf,))
 
@@ -615,10 +628,11 @@ class Queue:
         device (the copy settles the buffer on the host first; commands after it are
         not ordered with it). A use by a queue of a device closed since (on another
         thread) cannot be either: refused, naming that device rather than its queue's
-        timeline. A copy or fill reads the uses and records its own under its device's
-        submission lock, in one hold: two of them on two queues of the device, submitted
-        at once on two threads, are ordered one after the other, never each missing the
-        other's use."""
+        timeline. A copy or fill reads the uses and records its own under the submission
+        locks of its device and of each device whose record it reads, in one hold
+        (``_records_held``): two of them, submitted at once on two threads -- on two
+        queues of one device, or on two devices -- are ordered one after the other,
+        never each missing the other's use."""
         state = self._state
         kind = state.kind
         for i, buf in enumerate(buffers):
@@ -921,7 +935,10 @@ def copy_in_place(queue: Queue, dst: Any, src: Any, nbytes: int, buffer: Buffer)
     written in place. The copy is a use of ``buffer`` like any other: it is checked (not
     freed, its device open) under the submission lock, and recorded as used by the copy
     before that lock is let go -- a ``free`` on another thread then either made the copy
-    refuse it, or waits for the copy (see ``Buffer.free``)."""
+    refuse it, or waits for the copy (see ``Buffer.free``); and it is ordered, on the
+    device, after that buffer's uses submitted since it settled where the queue can wait
+    for them, read and recorded under ``buffer``'s device's lock too (see
+    ``_records_held``)."""
     return queue._copy(dst, src, nbytes, (buffer,))
 
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-from asyncmetal import _allocator, _queue
+from asyncmetal import _allocator, _queue, backends
+from tests.support import other_kind
 from tests.support.other_kind import held_pair
 
 N = 4096
@@ -301,3 +302,141 @@ async def test_two_threads_copying_into_one_buffer_on_two_queues_are_ordered(
             for done in copies:
                 await done
             assert (await buf.read() == 2).all(), "the second copy ran before the first"
+
+
+class _Racing(NamedTuple):
+    """Two copies of one buffer, each submitted on a thread of its own."""
+
+    arrived: threading.Event  # set once the second thread submitted, or waits to
+    threads: list[threading.Thread]
+    copies: list[am.Completion]
+
+
+class _NotingWaits(_NotingLock):
+    """A device's submission lock that calls ``noted()`` as an acquire begins to wait
+    (another thread holds it)."""
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if blocking and self._lock.acquire(False):
+            return True
+        return super().acquire(blocking, timeout)
+
+
+def _second_inside_the_first(
+    monkeypatch: pytest.MonkeyPatch,
+    shared: am.Buffer,
+    states: list[Any],
+    second: Any,
+) -> _Racing:
+    """Holds the first thread that reads ``shared``'s uses (its record, wherever a
+    buffer sharing it is) right after that read, until a second thread, running
+    ``second()``, has submitted or waits for a submission lock of ``states`` (each
+    wrapped to tell). Before each device's lock over a shared record was held, the
+    second thread went through: it never saw the first one's use, nor the first its."""
+    racing = _Racing(threading.Event(), [], [])
+    record = shared._allocation.last_use
+
+    def run_second() -> None:
+        try:
+            racing.copies.append(second())
+        finally:
+            racing.arrived.set()
+
+    def second_waits() -> None:
+        if racing.threads and threading.current_thread() is racing.threads[0]:
+            racing.arrived.set()
+
+    read_uses = _queue.uses
+
+    def uses_then_second(b: am.Buffer) -> Any:
+        found = read_uses(b)
+        if b._allocation.last_use is record and not racing.threads:  # (the first's read)
+            racing.threads.append(threading.Thread(target=run_second))
+            racing.threads[0].start()
+            assert racing.arrived.wait(LIMIT)
+        return found
+
+    for state in states:
+        monkeypatch.setattr(state, "submitting", _NotingWaits(state.submitting, second_waits))
+    monkeypatch.setattr(_queue, "uses", uses_then_second)
+    return racing
+
+
+def _waits_for(queue: Any, other: Any) -> bool:
+    """Whether ``queue`` holds a device wait for ``other`` queue's timeline."""
+    return any(op[1] and op[2] is other.timeline for op in queue._sync_ops)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("write", ["copy", "fill"])
+@pytest.mark.parametrize("source", ["buffer", "lent memory"])
+async def test_copies_on_two_devices_of_one_buffer_are_ordered(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, source: str, write: str
+) -> None:
+    """A queue of one cpu device copies out of a buffer of another cpu device (the
+    buffer itself, or the memory it lent out through DLPack, which shares its record of
+    uses) while that device's queue copies into it (or fills it), on two threads at
+    once: the one handed over second waits for the first. Before, each read the buffer's uses under
+    its own device's submission lock only, so neither saw the other's: the write, not
+    ordered, ran before the read (held behind a wait), which copied its bytes. Checked
+    failing without the fix."""
+    reader, owner = await am.open_device("cpu:46"), await am.open_device("cpu:47")
+    shared = await owner.alloc(N)
+    await shared.write(np.full(N, 1, np.uint8))
+    dst = await reader.alloc(N)
+    gate = reader.timeline()
+    reader.queue.wait(gate, 1)  # the reader's copy stays pending behind this
+    lent = np.from_dlpack(shared) if source == "lent memory" else None
+    src = shared if lent is None else lent
+    states = [reader._state, owner._state]
+
+    def second() -> am.Completion:
+        if write == "fill":
+            return owner.queue.fill(shared, 2)
+        return owner.queue.copy(shared, np.full(N, 2, np.uint8))
+
+    racing = _second_inside_the_first(monkeypatch, shared, states, second)
+    with anyio.fail_after(LIMIT):
+        copied = await anyio.to_thread.run_sync(reader.queue.copy, dst, src)
+        await anyio.to_thread.run_sync(racing.threads[0].join)
+        monkeypatch.undo()
+        assert _waits_for(owner.queue, reader.queue), "the write is not ordered after the read"
+        gate.signal(1)
+        await copied
+        await racing.copies[0]
+    assert (await dst.read() == 1).all(), "the read copied the bytes written after it"
+    del lent, src
+    await reader.close()
+    await owner.close()
+
+
+@pytest.mark.anyio
+async def test_a_copy_between_kinds_in_place_and_a_copy_of_the_buffers_device_are_ordered(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cpu device's queue copies into a cpu buffer while, on another thread, a copy
+    between kinds writes that buffer in place on the other kind's queue: the one handed
+    over second waits for the first. Before, the copy in place recorded its use under
+    its own device's submission lock only, and ordered itself after nothing on the
+    device: the two ran in either order (here the in-place one first, and then the cpu
+    copy, held behind a wait, overwrote it). Checked failing without the fix."""
+    monkeypatch.setitem(backends.BACKENDS, "cpu2", f"{other_kind.__name__}:OtherKind")
+    cpu, other = await am.open_device("cpu:48"), await am.open_device("cpu2")
+    theirs = await other.alloc(N)
+    await theirs.write(np.full(N, 3, np.uint8))
+    mine = await cpu.alloc(N)
+    gate = cpu.timeline()
+    cpu.queue.wait(gate, 1)  # the cpu device's copy stays pending behind this
+    states = [cpu._state, other._state]
+    racing = _second_inside_the_first(
+        monkeypatch, mine, states, lambda: anyio.run(am.copy, mine, theirs)
+    )
+    with anyio.fail_after(LIMIT):
+        first = await anyio.to_thread.run_sync(cpu.queue.copy, mine, np.full(N, 5, np.uint8))
+        monkeypatch.undo()
+        gate.signal(1)
+        await first
+        await anyio.to_thread.run_sync(racing.threads[0].join)
+    assert (await mine.read() == 3).all(), "the copy in place was not ordered after the first"
+    await other.close()
+    await cpu.close()
