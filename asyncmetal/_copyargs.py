@@ -88,6 +88,9 @@ class CopyOperands(NamedTuple):
     extra: tuple[Any, ...]
     buffers: tuple[Buffer, ...]
     names: tuple[str, ...]
+    # A buffer of another kind of device among ``buffers``, read or written in place:
+    # its pending uses that the queue cannot wait for on the device refuse the copy.
+    across: bool = False
 
 
 def _check_own(buf: Buffer, what: str, state: DeviceState) -> None:
@@ -109,14 +112,11 @@ def copy_operands(state: DeviceState, dst: Any, src: Any, nbytes: int | None) ->
             f"dst is a buffer of {buffer_state(dst).name}: its buffers are read-only sources"
         )
     if isinstance(dst, Buffer) and isinstance(src, Buffer):
+        if buffer_state(dst).kind != buffer_state(src).kind:
+            return _across_kinds(state, dst, src, nbytes)
         _check_own(dst, "dst", state)
         check_buffer(src, "src")
         source = buffer_state(src)
-        if source.kind != state.kind:
-            raise InvalidArgumentError(
-                f"copies between {source.name} and {state.name} are staged through the "
-                "host: use asyncmetal.copy()"
-            )
         nbytes = copy_size(dst.nbytes, src.nbytes, nbytes)
         if overlap(dst, src, nbytes):
             raise InvalidArgumentError(
@@ -147,6 +147,36 @@ def copy_operands(state: DeviceState, dst: Any, src: Any, nbytes: int | None) ->
         names = ("src", lent_operand("dst", lent))
         return CopyOperands("copyout", (view[:nbytes], native_arg(src)), (), used, names)
     raise no_buffer(dst, src)
+
+
+def _across_kinds(state: DeviceState, dst: Buffer, src: Buffer, nbytes: int | None) -> CopyOperands:
+    """A copy between a buffer of ``state``'s device and one of another kind of device
+    whose memory the host sees (cpu, npy, Metal): the queue reads or writes that one in
+    place, a host copy ordered with both buffers' uses as any copy is. Between a kind
+    the host cannot see and another device's, it is refused, saying what does it."""
+    own, other = (dst, src) if buffer_state(dst) is state else (src, dst)
+    role = "dst" if own is dst else "src"
+    _check_own(own, role, state)
+    other_role = "src" if own is dst else "dst"
+    check_buffer(other, other_role)
+    its = buffer_state(other)
+    if not its.backend.host_visible:
+        there = (
+            f"a queue of {its.name} reads or writes {state.name}'s memory in place"
+            if state.backend.host_visible
+            else "it stages them through host memory"
+        )
+        raise InvalidArgumentError(
+            f"{other_role} is a buffer of {its.name}, whose memory the host cannot see: "
+            f"queues of {state.name} cannot read or write it; use asyncmetal.copy() "
+            f"({there})"
+        )
+    nbytes = copy_size(dst.nbytes, src.nbytes, nbytes)
+    memory = its.backend.host_view(other._allocation.handle, other.offset, nbytes)
+    if own is dst:
+        args: tuple[Any, ...] = (native_arg(dst), memory)
+        return CopyOperands("copyin", args, (), (dst, src), ("dst", "src"), True)
+    return CopyOperands("copyout", (memory, native_arg(src)), (), (src, dst), ("src", "dst"), True)
 
 
 def no_buffer(dst: object, src: object) -> ArgumentTypeError:

@@ -538,6 +538,15 @@ class Queue:
         (numpy arrays, bytes, ...). A host source is not staged: it is kept alive, and it
         must not be changed until the completion is done. A host destination is filled
         when the completion is done.
+
+        One Buffer is this queue's device's; the other may be of another device of its
+        kind (``src``), or of another kind whose memory the host sees (cpu, npy, Metal),
+        which this queue then reads or writes in place (a host memcpy on a host queue).
+        Either way the copy is ordered, on the device, after the earlier commands of
+        other queues that used either buffer, and their later copies after it; a
+        buffer of another kind in use by a command this queue cannot wait for is
+        refused (``asyncmetal.copy`` waits for it on the host), as is a buffer of a
+        kind the host cannot see (``asyncmetal.copy`` stages it through host memory).
         """
         return self._copy(dst, src, nbytes)
 
@@ -551,7 +560,7 @@ class Queue:
         hook = getattr(self._native, operands.hook)
         used = (*operands.buffers, *in_place)
         with self._records_held(used):  # (the uses read and its own recorded: see _after)
-            self._after(used, operands.names)
+            self._after(used, operands.names, operands.across)
             return self._submit(
                 hook, *operands.args, after=operands.extra, uses=used, names=operands.names
             )
@@ -619,7 +628,9 @@ class Queue:
         self._after(buffers)
         return self
 
-    def _after(self, buffers: Iterable[Buffer], names: Sequence[str] = ()) -> None:
+    def _after(
+        self, buffers: Sequence[Buffer], names: Sequence[str] = (), across: bool = False
+    ) -> None:
         """after() for buffers already checked (``names``: what each is to the caller,
         for errors; "buffer" past them). A use by a queue of another kind (a copy
         between kinds reading or writing host-visible memory in place) is waited for
@@ -628,13 +639,27 @@ class Queue:
         device (the copy settles the buffer on the host first; commands after it are
         not ordered with it). A use by a queue of a device closed since (on another
         thread) cannot be either: refused, naming that device rather than its queue's
-        timeline. A copy or fill reads the uses and records its own under the submission
-        locks of its device and of each device whose record it reads, in one hold
-        (``_records_held``): two of them, submitted at once on two threads -- on two
-        queues of one device, or on two devices -- are ordered one after the other,
-        never each missing the other's use."""
+        timeline. ``across``: a copy that reads or writes a buffer of another kind in
+        place (``Queue.copy`` of two buffers of two kinds) is refused, before anything
+        is submitted, where that buffer has a use it cannot wait for
+        (``asyncmetal.copy`` waits for those on the host). A copy or fill reads the
+        uses and records its own under the submission locks of its device and of each
+        device whose record it reads, in one hold (``_records_held``): two of them,
+        submitted at once on two threads -- on two queues of one device, or on two
+        devices -- are ordered one after the other, never each missing the other's
+        use."""
         state = self._state
         kind = state.kind
+        for i, buf in enumerate(buffers if across else ()):  # (before any wait is submitted)
+            for other, value in uses(buf):
+                timeline = other.timeline
+                if (
+                    buf._state.kind != kind
+                    and timeline.value < value
+                    and timeline_kind(timeline) != kind
+                    and not state.backend.waits_for(timeline.native)
+                ):
+                    raise _not_waited_for(self, names[i], timeline)
         for i, buf in enumerate(buffers):
             for other, value in uses(buf):
                 timeline = other.timeline
@@ -660,6 +685,18 @@ class Queue:
         """Wait until everything submitted so far has finished; raise the error of a
         command that failed (its failure fails what follows it on the queue)."""
         await wait_finished(self, self._submitted)
+
+
+def _not_waited_for(queue: Queue, what: str, user: Timeline) -> InvalidArgumentError:
+    """The refusal of a copy by ``queue`` that reads or writes ``what``, a buffer of
+    another kind, in place, while a command on it of the queue whose timeline is
+    ``user`` runs, and ``queue`` cannot wait for that command on the device."""
+    name, its = two_names(user._state, queue._state)
+    return InvalidArgumentError(
+        f"{what} is in use by a command of {name} that queues of {its} cannot wait for on "
+        "the device: await asyncmetal.copy(dst, src), which waits for it on the host, "
+        f"or {name}'s synchronize() first"
+    )
 
 
 # How many device waits and signals a signal's check looks at, at most: past that, the

@@ -310,3 +310,67 @@ async def test_an_npy_queues_copy_into_lent_cpu_memory_is_ordered_with_the_cpu_d
             assert seen.tolist() == [3] * 16, "read before the npy queue's copy wrote"
         assert (await mine.read(np.int32)).tolist() == [3] * 16
         del lent
+
+
+async def test_a_queue_copies_between_its_buffer_and_a_host_kinds_buffer(
+    anyio_backend: object,
+) -> None:
+    """``Queue.copy`` between a cpu buffer and an npy buffer -- two kinds whose memory
+    the host sees -- is a host copy on the queue, in either direction (the cpu queue
+    reads the npy buffer in place; the npy queue writes the cpu buffer in place),
+    returned at once and ordered on the devices like any copy: after the held command
+    that wrote the cpu buffer before it, and before the cpu queue's later copy out of
+    it. Before, it was refused, saying to stage it through the host. Checked failing
+    without the fix."""
+    async with am.open_device("cpu") as cpu, am.open_device("npy") as npy:
+        arr = np.arange(64, dtype=np.int32)
+        src = npy.wrap(arr)
+        buf = await cpu.alloc(arr.nbytes)
+        await cpu.queue.copy(buf, src)  # on the cpu queue: npy read in place
+        assert (await buf.read(np.int32)).tolist() == arr.tolist()
+        await buf.write(np.zeros(64, np.int32))
+        held, gate = held_queue(cpu)
+        held.copy(buf, np.full(64, 7, np.int32))  # the buffer's last writer, held
+        copied = npy.queue.copy(buf.view(0, 128), src.view(128, 128))  # written in place
+        out = np.zeros(64, np.int32)
+        read = cpu.queue.copy(out, buf)
+        assert not copied.done() and not read.done()  # (neither waits on the host)
+        gate.signal(1)
+        with anyio.fail_after(10):
+            await read
+        assert copied.done()
+        assert out.tolist() == arr[32:64].tolist() + [7] * 32
+
+
+@pytest.mark.parametrize("direction", ["in", "out"])
+async def test_a_queue_copy_with_another_kinds_buffer_refuses_what_it_cannot_order(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, direction: str
+) -> None:
+    """``Queue.copy`` between its buffer and another kind's says why it refuses, with
+    nothing submitted: a kind whose memory the host cannot see (``asyncmetal.copy``
+    stages it, or runs on that kind's queue), and a host-visible buffer in use by a
+    command that the queue cannot wait for on the device (``asyncmetal.copy`` waits on
+    the host) -- copied once that command ran."""
+    monkeypatch.setitem(backends.BACKENDS, "cpu2", "tests.support.other_kind:OtherKind")
+    monkeypatch.setitem(backends.BACKENDS, "cpu4", "tests.support.other_kind:NoWaitKind")
+    async with (
+        am.open_device("cpu") as cpu,
+        am.open_device("cpu2") as hidden,
+        am.open_device("cpu4") as other,
+    ):
+        mine, theirs = await cpu.alloc(64), await other.alloc(64)
+        await theirs.write(np.full(64, 3, np.uint8))
+        with pytest.raises(am.InvalidArgumentError, match=r"cannot see.*asyncmetal\.copy\(\)"):
+            cpu.queue.copy(mine, await hidden.alloc(64))
+        held, gate = held_queue(cpu)
+        held.fill(mine, 5)  # a use of the cpu buffer that cpu4's queues cannot wait for
+        operands = (mine, theirs) if direction == "out" else (theirs, mine)
+        submitted = other.queue.submitted
+        with pytest.raises(am.InvalidArgumentError, match=r"cannot wait for.*asyncmetal\.copy"):
+            other.queue.copy(*operands)
+        assert other.queue.submitted == submitted
+        gate.signal(1)
+        await held.synchronize()
+        await other.queue.copy(*operands)
+        expected = 3 if direction == "out" else 5
+        assert (await operands[0].read()).tolist() == [expected] * 64

@@ -585,7 +585,10 @@ async def test_mistakes_a_newcomer_makes_are_named(
     assert not buf.freed and not view.freed
     async with am.open_device("cpu:8") as other:
         elsewhere = await other.alloc(16)
-        for dst, src in ((elsewhere, buf), (elsewhere, np.zeros(16, np.uint8))):
+        pairs = [(elsewhere, np.zeros(16, np.uint8))]
+        if device.kind == other.kind:  # (another kind's queue writes it in place: contract 5)
+            pairs.append((elsewhere, buf))
+        for dst, src in pairs:
             _rejects(
                 device,
                 am.InvalidArgumentError,

@@ -34,6 +34,18 @@ class HostKind(CPUBackend):
         return ["cpu3"]
 
 
+class NoWaitKind(HostKind):
+    """A second kind of device whose memory the host sees, and whose queues cannot wait
+    for other kinds' queues (on the device)."""
+
+    kind = "cpu4"
+    waits_across_kinds = False
+
+    @classmethod
+    def available(cls) -> list[str]:
+        return ["cpu4"]
+
+
 async def held_pair(
     monkeypatch: pytest.MonkeyPatch, cpu_name: str
 ) -> tuple[am.Device, am.Device, am.Buffer, am.Buffer, am.Timeline]:
