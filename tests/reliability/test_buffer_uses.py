@@ -440,3 +440,73 @@ async def test_a_copy_between_kinds_in_place_and_a_copy_of_the_buffers_device_ar
     assert (await mine.read() == 3).all(), "the copy in place was not ordered after the first"
     await other.close()
     await cpu.close()
+
+
+class _FirstTakenLock(_NotingLock):
+    """A device's submission lock that calls ``taken()`` once an acquire has it, and
+    ``noted()`` as one begins to wait; a wait longer than ``LIMIT`` (a deadlock) raises."""
+
+    def __init__(self, lock: Any, noted: Any, taken: Any) -> None:
+        super().__init__(lock, noted)
+        self._taken = taken
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if not self._lock.acquire(False):
+            if not blocking:
+                return False
+            self._noted()
+            if not self._lock.acquire(True, LIMIT):
+                raise AssertionError("deadlocked: each thread waits for the other's lock")
+        self._taken()
+        return True
+
+
+@pytest.mark.anyio
+async def test_copies_each_way_between_two_devices_at_once_never_deadlock(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two cpu devices each copy out of a buffer of the other at once, on two threads:
+    each takes both devices' submission locks. The second thread starts once the first
+    holds its first lock, and the first goes on once the second waits for one: taken
+    in one order whoever takes them (each its own device's first would have each wait
+    for the other's for good), the second waits for the first's copy to be handed over,
+    and then goes on."""
+    one, two = await am.open_device("cpu:49"), await am.open_device("cpu:50")
+    buf_one, buf_two = await one.alloc(N), await two.alloc(N)
+    await buf_one.write(np.full(N, 1, np.uint8))
+    await buf_two.write(np.full(N, 2, np.uint8))
+    dst_one, dst_two = await one.alloc(N), await two.alloc(N)
+    waiting = threading.Event()
+    firsts: list[threading.Thread] = []  # the first thread
+    threads: list[threading.Thread] = []  # the second
+    copies: list[am.Completion] = []
+
+    def copy_first() -> am.Completion:
+        firsts.append(threading.current_thread())
+        return one.queue.copy(dst_one, buf_two)
+
+    def second() -> None:
+        copies.append(two.queue.copy(dst_two, buf_one))
+
+    def noted() -> None:
+        if threads and threading.current_thread() is threads[0]:
+            waiting.set()
+
+    def taken() -> None:
+        if not threads and threading.current_thread() in firsts:
+            threads.append(threading.Thread(target=second))
+            threads[0].start()
+            assert waiting.wait(LIMIT)
+
+    for state in (one._state, two._state):
+        monkeypatch.setattr(state, "submitting", _FirstTakenLock(state.submitting, noted, taken))
+    with anyio.fail_after(LIMIT * 2):
+        first = await anyio.to_thread.run_sync(copy_first)
+        await anyio.to_thread.run_sync(threads[0].join)
+        monkeypatch.undo()
+        assert copies, "the second copy was not submitted"
+        await first
+        await copies[0]
+    assert (await dst_one.read() == 2).all() and (await dst_two.read() == 1).all()
+    await one.close()
+    await two.close()
