@@ -537,8 +537,9 @@ def queue_signal_submitted(timeline: Timeline, signaller: Timeline, at: int, tar
         signals.append((target, at, signaller))  # (targets increase)
 
 
-# Guards the timelines' records of queue signals and waits (_signals, _waits): queues
-# of several devices, under their own submission locks, may signal or wait on one.
+# Guards the timelines' records of queue signals and waits (_signals, _waits, and the
+# highest value waited for, _waited): queues of several devices, under their own
+# submission locks, may signal or wait on one.
 _signals_lock = threading.Lock()
 # Held by a queue's signal of a timeline from its check (order_queue_signal) to its
 # record (queue_signal_submitted), and by a host signal around its check, count and
@@ -588,11 +589,14 @@ def queue_wait_submitted(
     """``queue`` submitted, as its command ``at``, a device wait for ``timeline`` to
     reach ``target``; ``ordering``: one that orders its signal of ``timeline`` after
     another queue's (see ``waits_for``)."""
-    if target > timeline._waited:
-        timeline._waited = target
     waits = timeline._waits
     entry = (target, next(_waits_made), weakref.ref(queue), at, ordering)
     with _signals_lock:
+        # (Under the lock: queues of several devices, each under its own submission
+        # lock, may wait on one timeline at once, and a max read before another's write
+        # and written after it would lower it.)
+        if target > timeline._waited:
+            timeline._waited = target
         _drop_reached(waits, timeline.native.value)
         if not waits or waits[-1] < entry:
             waits.append(entry)  # (the common case: waits for more and more)
