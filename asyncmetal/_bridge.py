@@ -717,13 +717,25 @@ class LoopBridge(ABC):
         if watch.queued or self.dead:
             return
         watch.queued = True
-        self._pending.append(watch)
+        self._queue_pending(watch)
         if not self._scheduled:
             self._scheduled = True
             try:
                 self._call_soon_threadsafe(self._drain)
             except Exception:  # the loop closed (asyncio RuntimeError, trio RunFinishedError)
                 self.dead = True
+
+    def _queue_pending(self, watch: Watch) -> None:
+        """Append ``watch`` to the pending watches: to the deque there now, also where a
+        ``suspend`` (another thread) swapped it for a new one between the read and the
+        append -- having maybe taken what was in the old one before this came, which
+        would leave the watch marked as queued in a deque nobody reads, never looked at
+        again. (A watch queued twice is looked at twice: the second finds nothing.)"""
+        pending = self._pending
+        pending.append(watch)
+        while self._pending is not pending:
+            pending = self._pending
+            pending.append(watch)
 
     def _schedule_slice(self) -> None:
         """Resolve a slice in the loop's next iteration (called on the loop's thread)."""
@@ -762,7 +774,7 @@ class LoopBridge(ABC):
         if watch.queued or self.dead:
             return
         watch.queued = True
-        self._pending.append(watch)
+        self._queue_pending(watch)
         self._schedule_slice()
 
     def _drain(self) -> None:

@@ -75,7 +75,14 @@ from ._queue import (
     submitted_record,
 )
 from ._threads import run_sync as to_thread
-from ._timeline import MADE_BY_DEVICE, HostEvents, Timeline, end_waits, wait_value
+from ._timeline import (
+    MADE_BY_DEVICE,
+    HostEvents,
+    Timeline,
+    end_waits,
+    signal_order,
+    wait_value,
+)
 
 
 def devices() -> list[str]:
@@ -1052,7 +1059,11 @@ class Device:
         self._release_threads = [t for t in self._release_threads if t.is_alive()] + [thread]
 
     def _seal(self) -> None:
-        self.closed = True  # (with the submission lock held: see close)
+        # With the submission lock held (see close), and the signal-order lock: a host
+        # signal of one of its timelines under way on another thread lands first, and
+        # the close counts it, or it finds the device closed (see Timeline.signal).
+        with signal_order():
+            self.closed = True
         # Its idle queues close with the others (none is submitted to any more).
         kept = set(self._queues)
         self._queues = [*self._queues, *(q for q in list(self._idle) if q not in kept)]

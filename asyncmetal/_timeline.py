@@ -380,9 +380,11 @@ class Timeline(Waitable):
 
         Waiters up to ``value`` -- host tasks and device queues -- are released.
         """
-        # Checked and counted as signalled in one step that queue signals of it, on
-        # other threads, come before or after (see signal_order): the native signal
-        # below raises it to no more than what was counted here.
+        # Checked, counted as signalled and signalled natively in one step that queue
+        # signals of it, on other threads, and its device's close come before or after
+        # (see signal_order): a close that seals the device meanwhile counts what the
+        # signal raised, or the signal is refused -- never run once the close has
+        # abandoned what waited for it.
         native = self.native
         with _signal_order:
             # The usual case in few steps (this path's time is its latency): a timeline
@@ -411,7 +413,7 @@ class Timeline(Waitable):
                     )
             # (A max: this thread's own signal may have come in between, see signal_order.)
             self._highest = max(self._highest, value)
-        native.signal(value)
+            native.signal(value)
         if self._watches or native.releases_device_work:
             _bridge.signalled_here(
                 self._watch_of, AWAKE_AFTER_SIGNAL_NS if native.releases_device_work else 0
@@ -535,15 +537,19 @@ def queue_signal_submitted(timeline: Timeline, signaller: Timeline, at: int, tar
         signals.append((target, at, signaller))  # (targets increase)
 
 
-# Guards the timelines' records of queue signals and waits (_signals, _waits): queues
-# of several devices, under their own submission locks, may signal or wait on one.
+# Guards the timelines' records of queue signals and waits (_signals, _waits, and the
+# highest value waited for, _waited): queues of several devices, under their own
+# submission locks, may signal or wait on one.
 _signals_lock = threading.Lock()
 # Held by a queue's signal of a timeline from its check (order_queue_signal) to its
-# record (queue_signal_submitted), and by a host signal around its check and count:
-# a signal on another thread -- a queue's of any device, or the host's -- is checked
-# against this one's record, never against what was there before it. (A queue's
-# signal takes it inside its device's submission lock; nothing holding it takes one.
-# Re-entrant: code the check calls back, a finalizer, may signal on this thread.)
+# record (queue_signal_submitted), and by a host signal around its check, count and
+# native signal: a signal on another thread -- a queue's of any device, or the host's --
+# is checked against this one's record, never against what was there before it; and a
+# device's close seals the device under it (Device._seal), so a host signal of one of
+# its timelines either lands before the close counts what can still complete or sees
+# the device closed. (A queue's signal and the seal take it inside the device's
+# submission lock; nothing holding it takes one. Re-entrant: code the check calls
+# back, a finalizer, may signal on this thread.)
 _signal_order = threading.RLock()
 
 
@@ -583,11 +589,14 @@ def queue_wait_submitted(
     """``queue`` submitted, as its command ``at``, a device wait for ``timeline`` to
     reach ``target``; ``ordering``: one that orders its signal of ``timeline`` after
     another queue's (see ``waits_for``)."""
-    if target > timeline._waited:
-        timeline._waited = target
     waits = timeline._waits
     entry = (target, next(_waits_made), weakref.ref(queue), at, ordering)
     with _signals_lock:
+        # (Under the lock: queues of several devices, each under its own submission
+        # lock, may wait on one timeline at once, and a max read before another's write
+        # and written after it would lower it.)
+        if target > timeline._waited:
+            timeline._waited = target
         _drop_reached(waits, timeline.native.value)
         if not waits or waits[-1] < entry:
             waits.append(entry)  # (the common case: waits for more and more)

@@ -6,6 +6,7 @@ again when it runs again. (A trio run always ends: its bridge closes then.)"""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import gc
 import os
@@ -20,6 +21,7 @@ import pytest
 import asyncmetal as am
 
 LOOPS = [pytest.param(False, id="asyncio"), pytest.param(True, id="uvloop")]
+LIMIT = 10  # seconds: every wait here ends within a fraction of this, or it hangs
 
 
 def _new_loop(use_uvloop: bool) -> Callable[[], asyncio.AbstractEventLoop]:
@@ -794,3 +796,73 @@ def test_a_release_during_which_a_collection_closes_the_bridge_ends(
     finally:
         gc.enable()
         boot.close()
+
+
+@pytest.mark.parametrize("use_uvloop", LOOPS)
+def test_a_wake_up_queued_as_its_stopped_loop_is_set_aside_is_not_lost(
+    use_uvloop: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop stopped with a task parked on a host counter, set aside as its thread
+    ends, while another thread raises the counter: the raise queues the loop's watch
+    in the bridge's deque of pending watches read before the setting aside swaps it
+    for a new one, and appends to it after the setting aside took what was in it
+    (held there by a deque that waits in its append). Run again, the loop wakes the
+    task (before: the watch stayed marked as queued, in a deque nobody reads, so the
+    loop never looked at it again and the task waited for good)."""
+    from asyncmetal._timeline import HostEvents
+
+    new_loop = _new_loop(use_uvloop)
+    events = HostEvents()
+    loop = new_loop()
+    waits: list[asyncio.Future[None]] = []
+    bridges: list[Any] = []
+    appending, set_aside, go = threading.Event(), threading.Event(), threading.Event()
+
+    class HeldDeque(collections.deque):  # type: ignore[type-arg]
+        def append(self, item: Any) -> None:
+            if threading.current_thread().name == "raiser":
+                appending.set()
+                go.wait(LIMIT)
+            super().append(item)
+
+    def raise_counter() -> None:
+        events.increment()
+
+    def drop_watch(watch: Any) -> None:  # the setting aside, before it swaps the deque
+        if not appending.is_set():
+            threading.Thread(target=raise_counter, name="raiser").start()
+            appending.wait(LIMIT)
+        HostEvents.drop_watch(events, watch)
+
+    def run() -> None:
+        async def main() -> None:
+            waits.append(asyncio.ensure_future(events.wait(1)))
+            bridge = am._bridge.current_bridge()
+            while not bridge.waiting:  # (parked within an iteration or two)
+                await asyncio.sleep(0)
+            bridges.append(bridge)
+
+        loop.run_until_complete(main())
+        (bridge,) = bridges
+        bridge._pending = HeldDeque()
+        suspend = bridge.suspend
+
+        def suspended() -> bool:
+            try:
+                return bool(suspend())
+            finally:
+                set_aside.set()
+
+        monkeypatch.setattr(bridge, "suspend", suspended)
+        monkeypatch.setattr(events, "drop_watch", drop_watch)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert set_aside.wait(LIMIT) and appending.is_set()
+    go.set()
+    monkeypatch.undo()
+    try:
+        loop.run_until_complete(asyncio.wait_for(waits[0], LIMIT))
+    finally:
+        loop.close()

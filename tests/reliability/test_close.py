@@ -853,7 +853,15 @@ def _open_device(name: str) -> am.Device:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts fds in /proc")
-def test_finished_asyncio_runs_leave_nothing_referenced() -> None:
+@pytest.mark.parametrize("use_uvloop", [False, True], ids=["asyncio", "uvloop"])
+def test_finished_asyncio_runs_leave_nothing_referenced(use_uvloop: bool) -> None:
+    """Runs each ended with a wait cancelled by a timeout and a completion's wait
+    cancelled by the run's end: no loop stays referenced, and no descriptor (the
+    bridge's wake-up pipe) open -- on uvloop too, whose runs close their loops as
+    asyncio's do."""
+    run: Any = asyncio.run
+    if use_uvloop:
+        run = pytest.importorskip("uvloop", reason="uvloop is a test dependency").run
     dev = _open_device("cpu:27")
     tl = dev.timeline()
     queue = dev.new_queue()
@@ -867,11 +875,11 @@ def test_finished_asyncio_runs_leave_nothing_referenced() -> None:
         asyncio.get_running_loop().create_task(pending.wait())  # cancelled by the run's end
         await asyncio.sleep(0)
 
-    asyncio.run(one_run())  # the first run loads what later runs share
+    run(one_run())  # the first run loads what later runs share
     gc.collect()
     before = _open_fds()
     for _ in range(20):
-        asyncio.run(one_run())
+        run(one_run())
     gc.collect()
     assert [ref for ref in loops if ref() is not None] == []
     assert _open_fds() <= before
@@ -1141,3 +1149,82 @@ async def test_a_keyboard_interrupt_as_an_open_hands_its_device_over_closes_it(
             break
         at += 1
     assert at >= 4
+
+
+class _Contended:
+    """An RLock standing in for ``_timeline``'s signal-order lock that says when a thread
+    had to wait for it."""
+
+    def __init__(self, inner: Any, contended: threading.Event) -> None:
+        self._inner = inner
+        self._contended = contended
+
+    def __enter__(self) -> bool:
+        if not self._inner.acquire(blocking=False):
+            self._contended.set()
+            self._inner.acquire()
+        return True
+
+    def __exit__(self, *exc: object) -> None:
+        self._inner.release()
+
+
+@pytest.mark.anyio
+async def test_a_host_signal_as_the_device_closes_is_run_or_refused(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread host-signals a timeline that a queue waits on as the device
+    closes, held between the signal's checks and its native signal until the close has
+    ended or waits for it: either the signal is refused as the device is closed and the
+    command behind the wait is abandoned, or the signal takes effect and the command
+    runs (before: the close abandoned the command as one whose value "nobody
+    signalled", and then the signal returned as done, raising the closed device's
+    timeline)."""
+    from asyncmetal import _timeline
+
+    dev = await am.open_device("cpu:57")
+    timeline = dev.timeline()
+    queue = dev.new_queue()
+    waited = queue.wait(timeline, 1)
+    marker = queue.marker()
+    checked, go, contended = threading.Event(), threading.Event(), threading.Event()
+    monkeypatch.setattr(_timeline, "_signal_order", _Contended(_timeline._signal_order, contended))
+    native_signal = timeline.native.signal
+
+    def held_signal(value: int) -> None:
+        checked.set()
+        go.wait(20)
+        native_signal(value)
+
+    monkeypatch.setattr(timeline.native, "signal", held_signal)
+    outcome: list[BaseException | None] = []
+
+    def signal() -> None:
+        try:
+            timeline.signal(1)
+            outcome.append(None)
+        except am.ClosedResourceError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=signal)
+    thread.start()
+    with anyio.fail_after(20):
+        assert await anyio.to_thread.run_sync(checked.wait, 20)
+
+        async def close() -> None:
+            await dev.close()
+            contended.set()  # (ended without waiting for the signal)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(close)
+            await anyio.to_thread.run_sync(contended.wait, 20)
+            go.set()
+        await anyio.to_thread.run_sync(thread.join)
+    assert len(outcome) == 1
+    if outcome[0] is None:  # it took effect: what waited for it ran
+        await waited
+        await marker
+    else:
+        with pytest.raises(am.ClosedResourceError, match="never ran"):
+            await marker
+        assert timeline.value == 0

@@ -7,6 +7,9 @@ submitted -- where there is still a way, nothing is refused."""
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import anyio
 import numpy as np
 import pytest
@@ -221,3 +224,77 @@ async def test_a_cycle_it_cannot_see_can_be_awaited_cancelled_and_closed(
         for done in stuck:
             with pytest.raises(am.ClosedResourceError, match="never ran"):
                 await done
+
+
+class _Contended:
+    """A lock standing in for one of ``_timeline``'s that says when a thread had to wait
+    for it."""
+
+    def __init__(self, inner: Any, contended: threading.Event) -> None:
+        self._inner = inner
+        self._contended = contended
+
+    def __enter__(self) -> bool:
+        if not self._inner.acquire(blocking=False):
+            self._contended.set()
+            self._inner.acquire()
+        return True
+
+    def __exit__(self, *exc: object) -> None:
+        self._inner.release()
+
+
+@pytest.mark.anyio
+async def test_waits_of_two_devices_queues_recorded_at_once_both_count(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Queues of two devices (each under its own submission lock) submit device waits on
+    one timeline at once, for 5 and 10: the highest value waited for is 10 whichever
+    records first. Here the wait for 5 read the highest as 0, then was held until the
+    wait for 10 had been recorded or waits for it (before: it then wrote 5 over 10, and
+    once the host signalled 6 a queue's signal behind its own wait for 10 was accepted
+    as one that would run, and waited for good, rather than refused)."""
+    from asyncmetal import _timeline
+
+    dev, peer = await am.open_device("cpu:58"), await am.open_device("cpu:59")
+    timeline, queue, other = dev.timeline(), dev.new_queue(), peer.new_queue()
+    read, go, either = threading.Event(), threading.Event(), threading.Event()
+    monkeypatch.setattr(_timeline, "_signals_lock", _Contended(_timeline._signals_lock, either))
+
+    class HeldAfterRead(type(timeline)):  # type: ignore[misc]
+        @property
+        def _waited(self) -> int:
+            value: int = self.__dict__["_waited"]
+            if threading.current_thread().name == "held":
+                read.set()
+                go.wait(20)
+            return value
+
+        @_waited.setter
+        def _waited(self, value: int) -> None:
+            self.__dict__["_waited"] = value
+
+    monkeypatch.setattr(timeline, "__class__", HeldAfterRead)
+    held = threading.Thread(target=lambda: other.wait(timeline, 5), name="held")
+    held.start()
+    with anyio.fail_after(LIMIT):
+        assert await anyio.to_thread.run_sync(read.wait, LIMIT)
+
+        def wait_for_ten() -> None:
+            queue.wait(timeline, 10)
+            either.set()  # (recorded without waiting for the held one)
+
+        ten = threading.Thread(target=wait_for_ten)
+        ten.start()
+        await anyio.to_thread.run_sync(either.wait, LIMIT)
+        go.set()
+        await anyio.to_thread.run_sync(held.join)
+        await anyio.to_thread.run_sync(ten.join)
+    monkeypatch.undo()  # (the class, the lock)
+    timeline.signal(6)  # the wait for 5 ends; the one for 10 still waits
+    with pytest.raises(am.InvalidArgumentError, match="would never run"):
+        queue.signal(timeline, 10)
+    timeline.signal(10)
+    await _untouched(queue, other)
+    await dev.close()
+    await peer.close()
