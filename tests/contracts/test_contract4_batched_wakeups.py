@@ -10,6 +10,7 @@ import anyio.lowlevel
 import pytest
 
 import asyncmetal as am
+from tests.support.kernels import KERNELS
 from tests.support.queues import held_queue
 from tests.support.stress import park_all
 
@@ -493,3 +494,128 @@ def test_a_callback_raising_a_base_exception_leaves_the_waits_after_it_to_a_slic
     finally:
         loop.run_until_complete(dev.close())
         loop.close()
+
+
+def _released_then_held(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch, awake_ns: int
+) -> tuple[am.Queue, am.Timeline, am.Timeline]:
+    """A queue waiting on a timeline whose host signals count as releasing device work
+    (as a cuda device's do; the cpu device's queue threads wait on it in C instead),
+    keeping the loop awake ``awake_ns`` after each, and then on a second timeline that
+    holds what is submitted after until the test signals it: (queue, the first, the
+    second)."""
+    from asyncmetal import _timeline
+
+    q, tl = held_queue(device)
+    later = device.timeline()
+    q.wait(later, 1)
+    monkeypatch.setattr(type(tl.native), "releases_device_work", True, raising=False)
+    monkeypatch.setattr(_timeline, "AWAKE_AFTER_SIGNAL_NS", awake_ns)
+    return q, tl, later
+
+
+async def test_a_host_signal_releasing_device_work_wakes_its_awaiter_to_read(
+    device: am.Device, kernels: dict[str, am.Program], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task of the loop host-signals a timeline a queue waits on, releasing a command
+    another of its tasks awaits: that task is woken at once to read its queue's timeline
+    itself between its yields, and resumes in its own step as the command ends -- no
+    wake-up, nothing resolved by the loop. Checked failing without (resolved by 1)."""
+    q, tl, later = _released_then_held(device, monkeypatch, 2_000_000_000)
+    done = q.launch(kernels["empty"])
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(done.wait)
+            await anyio.wait_all_tasks_blocked()
+            before = am.loop_statistics()
+            assert before.waiting == 1
+            tl.signal(1)
+            assert am.loop_statistics().waiting == 0  # woken to read, not parked
+            later.signal(1)
+    after = am.loop_statistics()
+    assert after.resolved == before.resolved
+    assert q.timeline.value == done.value
+
+
+async def test_a_task_woken_to_read_parks_again_until_its_value_comes(
+    device: am.Device, kernels: dict[str, am.Program], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The command a task was woken to read for (a host signal released a device wait
+    before it) is still held, behind a second wait: once the time asked has passed, the
+    task parks again, and resumes only once the command has run. Checked failing
+    without (the task returned as if done, its command not run)."""
+    q, tl, later = _released_then_held(device, monkeypatch, 20_000_000)
+    done = q.launch(kernels["empty"])
+    finished = anyio.Event()
+
+    async def awaiter() -> None:
+        await done
+        finished.set()
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(awaiter)
+            await anyio.wait_all_tasks_blocked()
+            tl.signal(1)
+            assert am.loop_statistics().waiting == 0  # reading
+            while am.loop_statistics().waiting == 0:  # until the 20 ms have passed
+                await anyio.sleep(0.005)
+            assert not finished.is_set()
+            assert q.timeline.value < done.value
+            later.signal(1)
+            await finished.wait()
+    assert q.timeline.value == done.value
+
+
+async def test_a_host_signal_wakes_no_reader_in_a_crowd(
+    device: am.Device, kernels: dict[str, am.Program], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With more tasks waiting than ``READERS``, a host signal releasing device work wakes
+    none of them to read (each would hold the loop for its reads): they stay parked
+    and are woken as their values come."""
+    from asyncmetal import _bridge
+
+    q, tl, later = _released_then_held(device, monkeypatch, 2_000_000_000)
+    n = _bridge.READERS + 1
+    completions = [q.launch(kernels["empty"]) for _ in range(n)]
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            for c in completions:
+                tg.start_soon(c.wait)
+            await anyio.wait_all_tasks_blocked()
+            assert am.loop_statistics().waiting == n
+            tl.signal(1)
+            assert am.loop_statistics().waiting == n
+            later.signal(1)
+    assert q.timeline.value == completions[-1].value
+
+
+@pytest.mark.parametrize("anyio_backend", [pytest.param("trio", id="trio")])
+async def test_a_host_signal_wakes_its_trio_readers_where_a_ctrl_c_is_held_off(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the tasks a host signal wakes (above), a task woken to read leaves its heap
+    with KeyboardInterrupt protection on. Checked failing without (unprotected)."""
+    import trio
+
+    from asyncmetal import _bridge
+
+    protected: list[bool] = []
+    wake_to_read = _bridge.Watch.wake_to_read
+
+    def recording(self: _bridge.Watch, until_ns: int) -> None:
+        protected.append(trio.lowlevel.currently_ki_protected())
+        wake_to_read(self, until_ns)
+
+    async with am.open_device("cpu") as device:
+        q, tl, later = _released_then_held(device, monkeypatch, 2_000_000_000)
+        done = q.launch(await device.compile(KERNELS, "empty"))
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(done.wait)
+                await anyio.wait_all_tasks_blocked()
+                monkeypatch.setattr(_bridge.Watch, "wake_to_read", recording)
+                tl.signal(1)
+                monkeypatch.undo()
+                later.signal(1)
+    assert protected == [True]
