@@ -1402,3 +1402,57 @@ async def test_a_fault_fails_its_queues_timeline_from_the_fault_after_a_discard(
         cpu_gate.signal(1)
         await held.synchronize()
         assert "kernel crash faulted" in str(caught.value), caught.value
+
+
+@pytest.mark.metal
+@pytestmark_loops
+@pytest.mark.anyio
+async def test_metal_memory_is_released_off_the_loop(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An MTLBuffer is released (its memory let go of: pages unmapped, in time that
+    grows with its size) on a thread of the backend, not on the loop: evicted by an
+    allocation, released beyond the cache's limit, or released by empty_memory_cache.
+    Checked: before, each on the loop's thread."""
+    from asyncmetal.backends.metal import _backend
+
+    mib = 1 << 20
+    async with am.open_device("metal") as dev:
+        backend = dev._backend
+        allocate, release = backend.allocate, _backend.release
+        buffers: set[int] = set()
+        threads: list[int] = []
+
+        def recorded_allocate(nbytes: int) -> Any:
+            handle = allocate(nbytes)
+            buffers.add(handle)
+            return handle
+
+        def recorded_release(obj: int) -> None:
+            if obj in buffers:
+                buffers.discard(obj)
+                threads.append(threading.get_ident())
+            release(obj)
+
+        monkeypatch.setattr(backend, "allocate", recorded_allocate)
+        monkeypatch.setattr(_backend, "release", recorded_release)
+
+        async def released() -> int:
+            with anyio.fail_after(10):
+                while not threads:
+                    await anyio.sleep(0.001)
+            return threads.pop()
+
+        loop = threading.get_ident()
+        dev.memory_budget = 3 * mib
+        await (await dev.alloc(2 * mib)).free()  # cached
+        held = await dev.alloc(3 * mib)  # evicts it
+        assert await released() != loop
+        dev.memory_cache_limit = mib
+        await held.free()  # beyond the cache's limit: released
+        del held
+        assert await released() != loop
+        await (await dev.alloc(mib)).free()
+        assert await dev.empty_memory_cache() == mib
+        assert await released() != loop
+        assert not threads
