@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable
@@ -1456,3 +1457,19 @@ async def test_metal_memory_is_released_off_the_loop(
         assert await dev.empty_memory_cache() == mib
         assert await released() != loop
         assert not threads
+
+
+@pytest.mark.metal
+@sim_only
+@pytestmark_loops
+@pytest.mark.anyio
+async def test_the_simulations_sleep_kernel_lasts_what_it_is_given(anyio_backend: object) -> None:
+    """The shared ``sleep_ms`` kernel sleeps its ``ms`` on the simulated GPU (the
+    simulation's hook: a real sleep, which never ends early), as the cpu one does: tests
+    that need a command still running count on it. Checked: before, a busy loop whose
+    length was the CPU's, about a fifth to a tenth of it."""
+    async with am.open_device("metal") as dev:
+        sleep = await dev.compile(MSL_KERNELS, "sleep_ms")
+        start = time.monotonic()
+        await dev.queue.launch(sleep, vals=(100,))
+        assert time.monotonic() - start >= 0.1
