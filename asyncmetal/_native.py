@@ -150,10 +150,10 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_block_reached": (None, [c_p, c_p, c_u64]),
     "am_block_new": (c_p, [c_p, c_int, c_p, c_u64]),
     "am_block_free": (None, [c_p]),
-    "am_relay_new": (c_int, [c_p, c_u64, c_p, c_p, c_p, c_p]),
     "am_blocks_wait": (c_u64, [c_u64, ctypes.c_int64]),
-    "am_host_wait": (c_int, [c_p, c_u64, c_p, ctypes.c_int64]),
+    "am_host_wait": (c_int, [c_p, c_u64, c_int, c_p, ctypes.c_int64]),
     "am_host_wait_stop": (None, [c_p, c_p]),
+    "am_signal_committed": (None, [c_p, c_u64]),
 }
 MAX_ARGS = 16
 

@@ -54,13 +54,11 @@ typedef struct am_notifier {
 struct am_timeline;
 
 /* A device wait held on the host until what satisfies it was handed to a device or the
- * host raised the word (timeline_defer): `fn` runs once, on the thread that got there.
- * `drop` (NULL: none) runs instead if the timeline is freed first (am_timeline_free). */
+ * host raised the word (timeline_defer): `fn` runs once, on the thread that got there. */
 typedef struct am_kick {
     struct am_kick *next;
     uint64_t target;
     void (*fn)(struct am_kick *);
-    void (*drop)(struct am_kick *);
 } am_kick;
 
 typedef struct am_watch {
@@ -93,7 +91,10 @@ typedef struct am_timeline {
     struct am_timeline *fail_cause;
     /* The highest value a device write of the word was handed to a driver for (a queue's
      * own timeline: its commands; another: a queue's signal), and the device waits held
-     * until that or the word gets to theirs (under mu; has_kicks: any, read unlocked). */
+     * until that or the word gets to theirs (under mu; has_kicks: any, read unlocked). A
+     * Metal timeline (no word, no kicks): the highest value a committed command buffer
+     * signals it to, which waits held on a Metal queue's thread look for (written under
+     * mu: am_signal_committed). */
     _Atomic uint64_t handed;
     am_kick *kicks;
     atomic_int has_kicks;
@@ -344,10 +345,10 @@ AM_HIDDEN void am_settle_wake(void);
 
 void am_block_completed(am_block *b, void *arg);
 void am_block_reached(am_block *b, void *event, uint64_t value);
-int am_relay_new(am_timeline *t, uint64_t target, void *event, void *send, void *set_value,
-                 void *release);
-int am_host_wait(am_timeline *t, uint64_t target, int *stop, int64_t timeout_ns);
+int am_host_wait(am_timeline *t, uint64_t target, int committed, int *stop,
+                 int64_t timeout_ns);
 void am_host_wait_stop(am_timeline *t, int *stop);
+void am_signal_committed(am_timeline *t, uint64_t v);
 am_block *am_block_new(void *isa, int reached, am_timeline *timeline, uint64_t value);
 void am_block_free(am_block *b);
 uint64_t am_blocks_wait(uint64_t seen, int64_t timeout_ns);

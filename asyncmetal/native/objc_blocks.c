@@ -280,84 +280,40 @@ void am_block_free(am_block *b) {
     pthread_mutex_unlock(&spare_blocks_mu);
 }
 
-/* ---- relays: a Metal queue's wait on a host queue's timeline ----------------------
- *
- * A cpu or npy queue's timeline has no MTLSharedEvent for a command buffer to wait on:
- * the wait is on an event of its own (made for it, one reference of it the relay's),
- * which the relay sets to `target` once the timeline got there or failed for it -- on
- * the thread that raised, failed or closed the timeline (a host queue's), through
- * objc_msgSend (`send`, with the selectors of setSignaledValue: and release) -- and then
- * lets go of. A failed timeline ends the wait all the same: the command buffers behind it
- * run, and their completions, gated on the timeline (am_block.gates), fail them, as for
- * a wait on a Metal timeline that failed. */
-typedef struct {
-    am_kick kick;
-    void *event, *send, *set_value, *release;
-    uint64_t target;
-} am_relay;
-
-static void relay_run(am_kick *k) {
-    am_relay *r = (am_relay *)(void *)((char *)k - offsetof(am_relay, kick));
-    ((void (*)(void *, void *, uint64_t))r->send)(r->event, r->set_value, r->target);
-    ((void (*)(void *, void *))r->send)(r->event, r->release);
-    free(r);
-}
-
-/* Its timeline is freed without having got there, failed or closed (am_timeline_free):
- * the event is never set; the relay lets go of its reference. */
-static void relay_drop(am_kick *k) {
-    am_relay *r = (am_relay *)(void *)((char *)k - offsetof(am_relay, kick));
-    ((void (*)(void *, void *))r->send)(r->event, r->release);
-    free(r);
-}
-
-/* Set `event` to `target` once t (a timeline with no device word) got there or failed
- * for it, now if it has; the relay takes over one reference of the event. 0, or -1 out
- * of memory (nothing done: the reference is the caller's still), -2 for a timeline with
- * a device word (a device's own: not relayed). */
-int am_relay_new(am_timeline *t, uint64_t target, void *event, void *send, void *set_value,
-                 void *release) {
-    if (t->word) return -2;
-    am_relay *r = calloc(1, sizeof *r);
-    if (!r) return -1;
-    r->kick.fn = relay_run;
-    r->kick.drop = relay_drop;
-    r->event = event;
-    r->send = send;
-    r->set_value = set_value;
-    r->release = release;
-    r->target = target;
-    if (!timeline_defer(t, target, &r->kick)) relay_run(&r->kick);
-    return 0;
-}
-
 /* ---- a wait held on a Metal queue's own thread --------------------------------------
  *
- * A Metal queue's wait for a value of a host queue's timeline (cpu or npy) that is not
- * there yet is held on the queue's own thread, with what is submitted after it, until
- * the timeline got there or failed for it: nothing behind it is committed before, so a
- * discarding close drops it all (and it never runs). *stop, set by am_host_wait_stop
- * (the queue discards, or is abandoned), ends the wait early. */
+ * A Metal queue's wait that nothing committed yet would satisfy is held on the queue's
+ * own thread, with what is submitted after it: a wait for a host queue's timeline (cpu
+ * or npy, which the GPU cannot wait on) until it got there or failed for it; a wait for
+ * a Metal timeline also until a command buffer that signals it that far was committed
+ * (am_signal_committed: the GPU waits for the rest). Nothing behind it is committed
+ * before, so a discarding close drops it all (and it never runs). *stop, set by
+ * am_host_wait_stop (the queue discards, or is abandoned), ends the wait early. */
 
-static int host_wait_over(am_timeline *t, uint64_t target, const int *stop) {
-    return *stop || atomic_load(&t->value) >= target || timeline_failed_for(t, target);
+/* Whether nothing holds a wait for `target` of t on the host any more (under t->mu):
+ * t got there or failed for it, or (`committed`: a Metal timeline) a command buffer that
+ * signals it so was committed. */
+static int host_wait_ready(am_timeline *t, uint64_t target, int committed) {
+    return atomic_load(&t->value) >= target || timeline_failed_for(t, target) ||
+           (committed && atomic_load(&t->handed) >= target);
 }
 
-/* Wait until t reached `target` or failed for it, or *stop is set, for at most
- * timeout_ns: 1 if t got there or failed for it, else 0. */
-int am_host_wait(am_timeline *t, uint64_t target, int *stop, int64_t timeout_ns) {
+/* Wait until a wait for `target` of t is ready (host_wait_ready), or *stop is set (stop:
+ * NULL, never), for at most timeout_ns (0: only look): 1 if it is ready, else 0. */
+int am_host_wait(am_timeline *t, uint64_t target, int committed, int *stop,
+                 int64_t timeout_ns) {
     struct timespec until;
     clock_gettime(CLOCK_REALTIME, &until);
     int64_t ns = until.tv_nsec + timeout_ns % 1000000000;
     until.tv_sec += timeout_ns / 1000000000 + ns / 1000000000;
     until.tv_nsec = ns % 1000000000;
     pthread_mutex_lock(&t->mu);
-    int r = 0;
-    while (!host_wait_over(t, target, stop) && r != ETIMEDOUT)
+    int r = timeout_ns > 0 ? 0 : ETIMEDOUT;
+    while (!host_wait_ready(t, target, committed) && !(stop && *stop) && r != ETIMEDOUT)
         r = pthread_cond_timedwait(&t->cv, &t->mu, &until);
-    int settled = atomic_load(&t->value) >= target || timeline_failed_for(t, target);
+    int ready = host_wait_ready(t, target, committed);
     pthread_mutex_unlock(&t->mu);
-    return settled;
+    return ready;
 }
 
 /* Set *stop, and wake a thread in am_host_wait on t. */
@@ -365,5 +321,18 @@ void am_host_wait_stop(am_timeline *t, int *stop) {
     pthread_mutex_lock(&t->mu);
     *stop = 1;
     pthread_cond_broadcast(&t->cv);
+    pthread_mutex_unlock(&t->mu);
+}
+
+/* A command buffer that signals Metal timeline t to v was committed: a wait for up to v
+ * held on a queue's thread goes to the GPU (t->handed, as a stream's write handed to the
+ * driver is for a cuda timeline). */
+void am_signal_committed(am_timeline *t, uint64_t v) {
+    if (atomic_load(&t->handed) >= v) return;
+    pthread_mutex_lock(&t->mu);
+    if (atomic_load(&t->handed) < v) {
+        atomic_store(&t->handed, v);
+        pthread_cond_broadcast(&t->cv);
+    }
     pthread_mutex_unlock(&t->mu);
 }

@@ -317,14 +317,7 @@ void am_timeline_free(am_timeline *t) {
     /* In a child, the parent's: destroying a condition waits for its waiters, which
      * here are threads that no longer exist. */
     if (t->forks != am_forks) return;
-    /* t->kicks: no cuda queue's while a wait is held for t (its command keeps t alive);
-     * a Metal wait's relay (objc_blocks.c) on a host timeline freed without getting
-     * there, failing or closing lets go of what it holds, never to run. */
-    for (am_kick *k = t->kicks, *next; k; k = next) {
-        next = k->next;
-        if (k->drop) k->drop(k);
-    }
-    t->kicks = NULL;
+    /* (t->kicks: none while a wait is held for t -- its command keeps t alive) */
     pthread_mutex_destroy(&t->mu);
     pthread_cond_destroy(&t->cv);
     free(t);

@@ -106,8 +106,10 @@ async def test_a_queue_closed_with_discard_drops_what_has_not_started(
 async def test_a_device_wait_under_way_ends(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:
-    """A device wait nobody signals does not hold a discarding close on the cpu device
-    (its queue thread waits on the host; a GPU stream's wait cannot be taken back)."""
+    """A device wait nobody signals does not hold a discarding close: on cpu its queue
+    thread waits on the host; on Metal a wait that no committed command buffer (nor the
+    host) satisfies is held on the queue's own thread, with what follows it, and never
+    reaches the GPU (whose wait could not be taken back)."""
     q = device.new_queue()
     waiting = q.wait(device.timeline(), 1)
     dropped = [q.launch(kernels["sleep_ms"], vals=(1,)) for _ in range(100)]

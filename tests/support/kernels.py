@@ -51,10 +51,14 @@ kernel void spin(device int* out [[buffer(0)]], constant int& iters [[buffer(1)]
     for (int k = 0; k < iters; k++) x += k;
     if (i == 0) out[0] += 1;
 }
-// MSL cannot sleep: a busy loop, as long as the CPU running it makes it (on the simulation,
-// about `ms` / 10 milliseconds on an idle x86-64): no test may count on its length.
+// MSL cannot sleep. The simulation sleeps `ms` milliseconds (its hook); a real GPU runs a
+// busy loop, as long as the GPU makes it: no test may count on its length there.
 kernel void sleep_ms(constant int& ms [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+#ifdef __ASYNCMETAL_SIM__
+    if (i == 0) __asyncmetal_sim_sleep_ms(ms);
+#else
     volatile int x = 0;
     for (long k = 0; k < (long)ms * 400000; k++) x += 1;
+#endif
 }
 """

@@ -23,7 +23,7 @@ from ..._backend import (
     Record,
     host_address,
 )
-from ..._errors import AsyncMetalError, DeviceLostError, InvalidArgumentError
+from ..._errors import DeviceLostError, InvalidArgumentError
 from ..._scalars import SIZES, Scalar
 from ..._timeline import LATER_FAIL, MAX_VALUE, discarded_error, failure_error
 from . import _blocks
@@ -79,25 +79,32 @@ class NSRange(ctypes.Structure):
     _fields_ = [("location", c_ulong), ("length", c_ulong)]
 
 
-class _EventWaited:
-    """What a queue's waits and their gates read of what a Metal wait waits on: its
-    ``MTLSharedEvent`` and the native timeline it stands for."""
+class _Waited:
+    """What a queue's waits and their gates read of what a Metal queue's wait waits on:
+    the native timeline, and whether a value of it is there for the GPU's wait."""
 
-    event: int
     c_timeline: int
-
-    def device_value(self) -> int:
-        value: int = send(self.event, "signaledValue", restype=c_uint64)
-        return value
+    _lib: ctypes.CDLL
+    # The GPU can wait on it (an ``MTLSharedEvent``): a value a committed command buffer
+    # signals needs no wait on the host (am_signal_committed).
+    on_gpu = False
 
     def failure(self, target: int) -> _native.Failure | None:
         """Why ``target``, reached, was never produced (None: it was)."""
         failure = _native.timeline_failure(self.c_timeline)
         return failure if failure is not None and target >= failure.first else None
 
+    def ready(self, target: int) -> bool:
+        """Whether a wait for ``target`` can be committed now (objc_blocks.c,
+        am_host_wait): the timeline got there or failed for it, or (``on_gpu``) a
+        command buffer that signals it so was committed."""
+        return bool(self._lib.am_host_wait(self.c_timeline, target, self.on_gpu, None, 0))
 
-class MetalTimeline(_EventWaited, ForkableTimeline):
+
+class MetalTimeline(_Waited, ForkableTimeline):
     """An ``MTLSharedEvent`` with a native mirror timeline that wakes the loops."""
+
+    on_gpu = True
 
     def __init__(self, backend: MetalDevice) -> None:
         self._lib = backend.lib
@@ -119,6 +126,10 @@ class MetalTimeline(_EventWaited, ForkableTimeline):
     def value(self) -> int:
         return self._mirror.value
 
+    def device_value(self) -> int:
+        value: int = send(self.event, "signaledValue", restype=c_uint64)
+        return value
+
     def forked(self, message: str) -> None:
         self._mirror = InheritedValue(message)
 
@@ -137,66 +148,27 @@ class MetalTimeline(_EventWaited, ForkableTimeline):
         send(self.event, "setSignaledValue:", MAX_VALUE, restype=None, argtypes=(c_uint64,))
 
 
-class HostWait(_EventWaited):
+class HostWait(_Waited):
     """A Metal queue's wait for a value of another kind's queue timeline (a cpu or npy
-    queue's, which has no ``MTLSharedEvent``). One whose value is not there yet is held
-    on the queue's own thread, with what comes after it, until the timeline got there or
-    failed (``MetalQueue._host_wait``): nothing behind it is committed before, so a
-    discarding close drops it all. The GPU waits on an event of its own (``relay``),
-    which the native runtime sets to ``target`` once the timeline got there -- or
-    failed, ending the wait all the same. Either way the completions of the commands
-    behind it, gated on the timeline, fail them if it failed, as for a Metal timeline
-    (native/objc_blocks.c, am_relay_new). What a queue's waits and their gates read of
-    a ``MetalTimeline``."""
+    queue's, which has no ``MTLSharedEvent``: the GPU cannot wait on it). One whose
+    value is not there yet is held on the queue's own thread, with what comes after it,
+    until the timeline got there or failed (``MetalQueue._host_wait``); the commands
+    behind it are then committed with no GPU wait, their completions gated on the
+    timeline, which fail them if it failed, as for a Metal timeline."""
 
-    event: int = 0  # (none: a wait held on the queue's thread, which the GPU never sees)
-
-    def __init__(
-        self, backend: MetalDevice, timeline: NativeTimeline, target: int, relay: bool = True
-    ) -> None:
-        assert timeline.c_timeline is not None
+    def __init__(self, backend: MetalDevice, timeline: NativeTimeline) -> None:
+        if not timeline.host_raised or timeline.c_timeline is None:
+            raise InvalidArgumentError(
+                "a Metal queue waits on the host for a cpu or npy queue's timeline only: "
+                f"not for {timeline!r}"
+            )
         self._timeline = timeline
         self.c_timeline: int = timeline.c_timeline
-        if not relay:
-            return
-        event: int = send(backend.device, "newSharedEvent")
-        retain(event)  # the relay's reference
-        code = backend.lib.am_relay_new(
-            self.c_timeline,
-            target,
-            event,
-            objc_msgsend_address(),
-            selector("setSignaledValue:"),
-            selector("release"),
-        )
-        if code:
-            release(event)  # (the relay's: it took nothing)
-            release(event)  # (its own)
-            raise _relay_error(code)
-        self.event = event
-
-    def __del__(self) -> None:
-        release(self.event)  # (its own reference)
+        self._lib = backend.lib
 
     @property
     def value(self) -> int:
         return self._timeline.value
-
-    def settled(self, target: int) -> bool:
-        """Whether the timeline got there, or failed for ``target``."""
-        return self.value >= target or self.failure(target) is not None
-
-
-def _relay_error(code: int) -> Exception:
-    """The error of ``am_relay_new``'s ``code``."""
-    if code == -1:
-        return MemoryError("out of memory for a wait on another kind's timeline")
-    if code == -2:
-        return InvalidArgumentError(
-            "a Metal queue waits on the host for a cpu or npy queue's timeline only: this "
-            "one has a device word (another device's own)"
-        )
-    return AsyncMetalError(f"a wait on another kind's timeline failed (error {code})")
 
 
 class MetalQueue(NativeQueue):
@@ -206,7 +178,7 @@ class MetalQueue(NativeQueue):
         self._queue: int = send(
             backend.device, "newCommandQueueWithMaxCommandBufferCount:", 1024, argtypes=(c_ulong,)
         )
-        self._waits: list[tuple[MetalTimeline | HostWait, int]] = []  # re-encoded until reached
+        self._waits: list[tuple[MetalTimeline, int]] = []  # re-encoded until reached
         # Its waits, until their value is reached: (the wait command's value, timeline,
         # target). A timeline that fails instead (its device closed while its command
         # waited) ends the GPU's wait all the same: that command and every later one
@@ -257,9 +229,9 @@ class MetalQueue(NativeQueue):
         self._discarded_from = 0
         self._discarded_to = 0
         self._release_later = False  # the worker releases the queue once it returns
-        # The wait for a host queue's timeline the worker holds now (_host_wait), and what
-        # ends it early once set, for good (am_host_wait_stop: discarding, abandoned).
-        self._host_waiting: HostWait | None = None
+        # The wait the worker holds now (_host_wait), and what ends it early once set, for
+        # good (am_host_wait_stop: discarding, abandoned).
+        self._host_waiting: MetalTimeline | HostWait | None = None
         self._stop_host_wait = ctypes.c_int(0)
         self._lock = threading.Lock()
         # The worker takes it once `commandBuffer` returned, which can block (1024
@@ -362,7 +334,7 @@ class MetalQueue(NativeQueue):
         self._stop_waiting(waiting)  # (held there, a wait is dropped: see _host_wait)
         self._hand_over(self._end_discard)
 
-    def _stop_waiting(self, waiting: HostWait | None) -> None:
+    def _stop_waiting(self, waiting: MetalTimeline | HostWait | None) -> None:
         """End the worker's wait for ``waiting``'s timeline, and any it starts later."""
         if waiting is not None:
             flag = ctypes.byref(self._stop_host_wait)
@@ -464,7 +436,7 @@ class MetalQueue(NativeQueue):
         encode: Callable[[int], None],
         copy_back: tuple[int, int, int] | None,
         then: tuple[int, int] | None,
-    ) -> tuple[list[tuple[MetalTimeline | HostWait, int]], Any]:
+    ) -> tuple[list[tuple[MetalTimeline, int]], Any]:
         """Encode command ``value`` into ``cb`` after the waits not reached yet, and
         commit it; returns those waits and its completion handler's block."""
         still = []
@@ -505,6 +477,10 @@ class MetalQueue(NativeQueue):
             _blocks.set_gates(block, [(w.c_timeline, v) for w, v in self._gates], hosts)
         send(cb, "addCompletedHandler:", ctypes.addressof(block), restype=None)
         send(cb, "commit", restype=None)
+        # Waits for what it signals go to the GPU from now on (those held go on).
+        self._backend.lib.am_signal_committed(self._timeline.c_timeline, value)
+        if then is not None:
+            self._backend.lib.am_signal_committed(*then)
         return still, block
 
     def flush(self) -> None:
@@ -644,22 +620,20 @@ class MetalQueue(NativeQueue):
         self._submit(value, encode, timeline, record=record, then=(timeline.c_timeline, target))
 
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
-        # A Metal timeline's event; or, another kind's queue timeline (a cpu or npy
-        # queue's, waited for across kinds), an event of the wait's own -- or, the value
-        # not there yet, the wait held on the queue's own thread (see HostWait).
+        # A Metal timeline's event, which the GPU waits on once a command buffer that
+        # signals it that far was committed; or another kind's queue timeline (a cpu or
+        # npy queue's, waited for across kinds: see HostWait). Until then the wait is
+        # held on the queue's own thread, with what comes after it, so that a discard
+        # drops it all rather than wait for a value nothing may ever signal.
         if isinstance(timeline, MetalTimeline):
             waited: MetalTimeline | HostWait = timeline
-            held = False
         else:
-            waited = HostWait(self._backend, timeline, target, relay=False)
-            held = not waited.settled(target)
-            if not held:
-                waited = HostWait(self._backend, timeline, target)
+            waited = HostWait(self._backend, timeline)
+        held = not waited.ready(target)
         with self._waited_lock:
             self._waited.append((value, waited, target))
         with self._commit_lock:
             if held:  # what comes after it is held with it
-                assert isinstance(waited, HostWait)
                 self._wait_held = True
                 self._hand_over(self._host_wait, waited, target, value)
             elif self._routed:  # after the commands the worker holds, not into them
@@ -668,38 +642,38 @@ class MetalQueue(NativeQueue):
             else:
                 self._hold_wait(waited, target, value)
 
-    def _host_wait(self, wait: HostWait, target: int, value: int) -> None:
+    def _host_wait(self, wait: MetalTimeline | HostWait, target: int, value: int) -> None:
         """On the queue's own thread: hold what was submitted after wait ``value`` until
-        ``wait``'s timeline got there or failed for ``target`` -- then the commands
-        behind it are committed, gated on it (the GPU has nothing to wait for) -- or the
-        queue discards (the wait is dropped, and so is what follows it) or is abandoned
-        (nothing more is committed)."""
+        the wait is ready (``wait.ready``) -- then the commands behind it are committed
+        after it -- or the queue discards (the wait is dropped, and so is what follows
+        it) or is abandoned (nothing more is committed)."""
         with self._lock:
             stop = self._discarding or self._dropping
             self._host_waiting = None if stop else wait
         flag = ctypes.byref(self._stop_host_wait)
         try:
             while not stop and not self._backend.lib.am_host_wait(
-                wait.c_timeline, target, flag, HOST_WAIT_NAP_NS
+                wait.c_timeline, target, wait.on_gpu, flag, HOST_WAIT_NAP_NS
             ):
                 stop = bool(self._stop_host_wait.value)
         finally:
             with self._lock:
                 self._host_waiting = None
                 discarding = self._discarding
-        if not wait.settled(target):
+        if not wait.ready(target):
             if discarding:
                 self._drop(self._hold_wait, (wait, target, value), None)
             return
-        with self._commit_lock:
-            self._gates.append((wait, target))
-            self._unmarked = value
+        self._hold_wait(wait, target, value)
 
     def _hold_wait(self, timeline: MetalTimeline | HostWait, target: int, value: int) -> None:
-        # Encoded at the head of the next command buffer, with the work that depends on
-        # it; this command's own value is marked by that buffer (or by flush()).
+        # A Metal timeline's wait is encoded at the head of the next command buffer, with
+        # the work that depends on it (another kind's value is there already: nothing
+        # for the GPU to wait for); the completion of that buffer is gated on it. This
+        # command's own value is marked by that buffer (or by flush()).
         with self._commit_lock:
-            self._waits.append((timeline, target))
+            if isinstance(timeline, MetalTimeline):
+                self._waits.append((timeline, target))
             self._gates.append((timeline, target))
             self._unmarked = value
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-from tests.backends.metal.test_metal import FAULTY, _in_a_child, timelines_freed
+from tests.backends.metal.test_metal import FAULTY, _in_a_child, gpu_gate, timelines_freed
 from tests.backends.metal.test_metal import pytestmark_loops as loops
 from tests.support.fakes import metal_sim
 from tests.support.kernels import MSL_KERNELS
@@ -116,7 +116,7 @@ async def test_a_failure_noted_by_the_queues_thread_is_seen_by_the_loops(
         crash = await dev.compile(FAULTY, "crash")
         empty = await dev.compile(MSL_KERNELS, "empty")
         bad, big = await dev.alloc(4), await dev.alloc(_queue.STAGE_OFF_LOOP)
-        q, tl = dev.new_queue(), dev.timeline()
+        q, (tl, release) = dev.new_queue(), await gpu_gate(dev)
         native = q._native
         q.wait(tl, 1)
         crashed = q.launch(crash, bad)
@@ -124,7 +124,7 @@ async def test_a_failure_noted_by_the_queues_thread_is_seen_by_the_loops(
         host = np.zeros(_queue.STAGE_OFF_LOOP, np.uint8)
         copied = q.copy(host, big)  # a large read: committed by the queue's thread
         worker.append(native._worker.ident)  # type: ignore[attr-defined]
-        tl.signal(1)
+        release()
         await _until(lambda: q.timeline.value >= last.value)  # (no reap on the loop)
         committing.set()  # the thread commits the copy, then reaps: held in it
         await anyio.to_thread.run_sync(popped.wait, 20)
@@ -148,6 +148,7 @@ CLOSE_AS_THE_THREAD_RELEASES = textwrap.dedent(
     import anyio
     import asyncmetal as am
     from asyncmetal.backends.metal import _objc, _queue
+    from tests.backends.metal.test_metal import gpu_gate
     from tests.support.fakes import metal_sim
     from tests.support.kernels import MSL_KERNELS
 
@@ -168,11 +169,11 @@ CLOSE_AS_THE_THREAD_RELEASES = textwrap.dedent(
     async def main():
         dev = await am.open_device("metal")
         empty = await dev.compile(MSL_KERNELS, "empty")
-        tl, q = dev.timeline(), dev.new_queue()
+        (tl, _), q = await gpu_gate(dev), dev.new_queue()
         native = q._native
-        # Two command buffers that run, their handlers held back; behind them a wait
-        # nobody signals holds the rest of the queue's 1024, and its thread is left
-        # blocked in commandBuffer.
+        # Two command buffers that run, their handlers held back; behind them a wait on
+        # the GPU that nothing ends holds the rest of the queue's 1024, and its thread
+        # is left blocked in commandBuffer.
         metal_sim.hold_handlers(native._queue, True)
         q.launch(empty)
         q.launch(empty)
@@ -292,20 +293,22 @@ async def test_host_memory_is_wrapped_only_within_max_buffer_length(
 
 @every_loop
 @pytest.mark.timeout(120)
-async def test_what_an_abandoned_command_kept_is_let_go_of_once_it_ran(
+async def test_a_signal_abandoned_behind_a_wait_nothing_signals_keeps_nothing(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A signal held behind another device's timeline is abandoned by its device's
-    close, which keeps the timeline it signals until its command buffer has run. Once it
-    ran, the timeline is let go of and its native timeline freed -- it was only at the
-    next reap of some queue, and with nothing more submitted, never."""
+    """A signal held behind a wait for another device's timeline value that nothing
+    signals is abandoned by its device's close. It was held on the queue's own thread,
+    never committed: nothing keeps the timeline it signals, whose native timeline is
+    freed once the device is dropped, and a later signal of the value waited for runs
+    nothing. (Committed behind a GPU wait, it kept its timeline until its command
+    buffer ran -- and, before that was fixed, until the next reap of some queue.)"""
     freed = timelines_freed(monkeypatch)
 
     async def abandoned(gate: am.Timeline) -> tuple[int, weakref.ref[am.Device]]:
         dev = await am.open_device("metal")
         tl = dev.timeline()
         dev.queue.wait(gate, 1)
-        dev.queue.signal(tl, 1)  # held: the close abandons it, and keeps tl for it
+        dev.queue.signal(tl, 1)  # held: the close abandons it
         await dev.close()
         return tl.native.c_timeline, weakref.ref(dev)  # type: ignore[attr-defined]
 
@@ -313,9 +316,8 @@ async def test_what_an_abandoned_command_kept_is_let_go_of_once_it_ran(
         gate = other.timeline()
         c_timeline, dev = await abandoned(gate)
         await _until(lambda: gc.collect() >= 0 and dev() is None)  # dropped (a cycle)
-        assert c_timeline not in freed  # (its signal is yet to run)
-        gate.signal(1)  # the abandoned command buffer runs now; nothing is submitted
         await _until(lambda: c_timeline in freed)
+        gate.signal(1)
 
 
 async def _a_failed_signal(dev: am.Device) -> tuple[am.Program, am.Timeline]:
@@ -387,7 +389,10 @@ async def test_a_flush_on_another_thread_keeps_a_wait_submitted_meanwhile(
     async with am.open_device("metal") as dev:
         fill = await dev.compile(MSL_KERNELS, "fill")
         buf = await dev.alloc(64)
-        q, first_tl, second_tl = dev.new_queue(), dev.timeline(), dev.timeline()
+        q = dev.new_queue()
+        (first_tl, release_first), (second_tl, release_second) = [
+            await gpu_gate(dev) for _ in range(2)
+        ]
         monkeypatch.setattr(_queue, "send", ordered)
         first = q.wait(first_tl, 1)
 
@@ -406,7 +411,7 @@ async def test_a_flush_on_another_thread_keeps_a_wait_submitted_meanwhile(
             await anyio.to_thread.run_sync(q.wait, second_tl, 1)
         finally:
             waited.set()
-            first_tl.signal(1)
+            release_first()
             await anyio.to_thread.run_sync(other.join, 20)
         assert not other.is_alive()
         launched = q.launch(fill, buf, vals=(7, 16))
@@ -415,7 +420,7 @@ async def test_a_flush_on_another_thread_keeps_a_wait_submitted_meanwhile(
         waited_for = [event for event, _ in waits.get(cb, [])]
         assert second_tl.native.event in waited_for  # type: ignore[attr-defined]
         assert not launched.done()
-        second_tl.signal(1)
+        release_second()
         with anyio.fail_after(20):
             await launched
         assert (await buf.read(np.int32) == 7).all()

@@ -12,6 +12,9 @@
  *   uint i [[thread_position_in_grid]]  the x position (no uint2/uint3)
  *   #include <metal_stdlib>, using namespace metal; metal::min/max; C++ in the body
  *   __asyncmetal_sim_fault()            a simulation-only hook: the command buffer faults
+ *   __asyncmetal_sim_sleep_ms(ms)       a simulation-only hook: the thread sleeps ms
+ *                                       milliseconds (MSL cannot sleep); the prelude
+ *                                       defines __ASYNCMETAL_SIM__ for sources to tell
  *   __asyncmetal_sim_warning TEXT       a simulation-only marker (in a comment, say): the
  *                                       reply's warnings section has "program.metal:LINE:
  *                                       warning: TEXT" for each, as the compiler's warnings
@@ -37,6 +40,9 @@ static const char prelude[] =
     "#include <cstdint>\n"
     "#include <type_traits>\n"
     "#include <utility>\n"
+    "#include <errno.h>\n"
+    "#include <time.h>\n"
+    "#define __ASYNCMETAL_SIM__ 1\n"
     "#define kernel\n"
     "#define device\n"
     "#define constant const\n"
@@ -49,6 +55,10 @@ static const char prelude[] =
     "namespace metal { using std::min; using std::max; }\n"
     "static thread_local int __asyncmetal_sim_faulted;\n"
     "static inline void __asyncmetal_sim_fault() { __asyncmetal_sim_faulted = 1; }\n"
+    "static inline void __asyncmetal_sim_sleep_ms(int ms) {\n"
+    "    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};\n"
+    "    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}\n"
+    "}\n"
     "template <class T> static inline T __asyncmetal_sim_arg(void **b, int i, const unsigned *g) {\n"
     "    if constexpr (std::is_pointer_v<T>) return static_cast<T>(b[i]);\n"
     "    else return *static_cast<std::remove_reference_t<T> *>(\n"
