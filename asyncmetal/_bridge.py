@@ -114,7 +114,6 @@ _log = logging.getLogger("asyncmetal")
 INFINITY = 1 << 64  # larger than any 64-bit timeline value
 SLEEP_GRANULE = 1e-3  # seconds: epoll and poll sleep in whole milliseconds, rounded up
 WAKE_SLICE = 8  # tasks a drain wakes at most; the rest in the loop's next iteration
-READERS = 4  # a host signal wakes waiters to read their timelines while at most this many wait
 SLICE_BUDGET_NS = 250_000  # fewer, where their steps would take longer than this
 TURN_BUDGET_NS = 300_000  # a crowd's turns: as many per iteration as keep it this long
 TURN_LIMIT = 16  # turns per iteration granted at first
@@ -148,16 +147,12 @@ class Watched(Protocol):
 
 
 class Entry:
-    __slots__ = ("done", "read_until", "task", "wake")
+    __slots__ = ("done", "task", "wake")
 
     def __init__(self, wake: Callable[[], None], task: bool = True) -> None:
         self.done = False  # woken, or withdrawn by cancellation
         self.wake = wake
         self.task = task  # a parked task (counted in the statistics), not a callback
-        # Woken before its value was reached, to read the timeline itself until then (a
-        # perf_counter_ns; 0: woken as its value was reached, or by a close): what its
-        # park returns (see Watch.wake_to_read).
-        self.read_until = 0
 
 
 class Watch:
@@ -279,34 +274,6 @@ class Watch:
             bridge.woken_now += bridge.resolved - resolved
         if left == 0:
             bridge.notify_here(self)
-
-    def wake_to_read(self, until_ns: int) -> None:
-        """Wake the task waiting for the smallest value, not reached yet, to read the
-        timeline itself between its yields to the loop until ``until_ns`` (parking again
-        after): a host signal released device work that may end any moment, and a task
-        that sees it end in its own step resumes at once, where a parked one waits for
-        the loop to see it, wake it, and run it an iteration later -- the slowest part
-        of the way on a CPU that was idle. Nothing for a callback's turn."""
-        heap = self.heap
-        while heap and heap[0][2].done:  # (withdrawn: gone from the heap here)
-            heapq.heappop(heap)
-            self.withdrawn -= 1
-        if not heap or not heap[0][2].task or self.timeline.ended:
-            return
-        if heap[0][0] <= self.timeline.native.value:  # reached: a slice wakes it
-            self.bridge.notify_here(self)
-            return
-        entry = heapq.heappop(heap)[2]
-        entry.done = True
-        entry.read_until = until_ns
-        self.bridge.waiting -= 1
-        entry.wake()
-        if self._update_next():  # reached while publishing the next smallest
-            self.bridge.notify_here(self)
-        elif not heap and self.cwatch is not None:
-            # Armed for the value just taken: its wake-up through the pipe would wake
-            # nothing (the task reads it itself).
-            self.bridge.arm(self.cwatch, _U64_MAX)
 
     def resolve(self, budget: int, calls: bool = True) -> int:
         """Wake the entries whose value is reached, ``budget`` tasks at most; return the
@@ -949,16 +916,6 @@ class LoopBridge(ABC):
                 self._call_soon(self._awake_tick)
             self._awake_until = until
 
-    def read_after_signal(self, ns: int) -> None:
-        """A host signal on the loop's thread released device work: ``stay_awake(ns)``,
-        and where few tasks wait (``READERS``), wake the first waiter of each native
-        watch to read its timeline itself for as long (``Watch.wake_to_read``)."""
-        self.stay_awake(ns)
-        if self._awake_until and self.waiting <= READERS:
-            until = time.perf_counter_ns() + ns
-            for watch in list(self._native_watches):
-                watch.wake_to_read(until)
-
     def _awake_tick(self) -> None:
         for watch in list(self._native_watches):
             if watch.timeline.native.value >= watch.next:
@@ -978,11 +935,9 @@ class LoopBridge(ABC):
         return LoopStatistics(self.wakeups, self.resolved, self.waiting)
 
     @abstractmethod
-    async def park(self, watch: Watch | None, value: int) -> int:
+    async def park(self, watch: Watch | None, value: int) -> None:
         """Wait, as the calling task, until ``watch``'s timeline reaches ``value``; with
-        no watch (the value is reached), until a coming slice wakes it. Returns 0, or
-        the ``perf_counter_ns`` until which to read the timeline, where woken before
-        the value was reached to do so (``Watch.wake_to_read``)."""
+        no watch (the value is reached), until a coming slice wakes it."""
 
 
 class _AsyncioBridge(LoopBridge):
@@ -1082,7 +1037,7 @@ class _AsyncioBridge(LoopBridge):
             return None
         return loop.time(), scheduled[0].when()
 
-    async def park(self, watch: Watch | None, value: int) -> int:
+    async def park(self, watch: Watch | None, value: int) -> None:
         loop = self._loop_ref()
         assert loop is not None
         if self.thread != _get_ident() or self.thread_gone:
@@ -1107,7 +1062,6 @@ class _AsyncioBridge(LoopBridge):
                 else:
                     watch.withdraw(entry)
             raise
-        return entry.read_until
 
 
 class _ThreadEnd:
@@ -1150,10 +1104,10 @@ class _TrioBridge(LoopBridge):
     def __init__(self) -> None:
         import trio
 
-        global _trio_protected
+        global _trio_wake_now
         super().__init__()
-        if _trio_protected is None:
-            _trio_protected = trio.lowlevel.enable_ki_protection(_call)
+        if _trio_wake_now is None:
+            _trio_wake_now = trio.lowlevel.enable_ki_protection(_wake_now)
         self._run_sync_soon = trio.lowlevel.current_trio_token().run_sync_soon
         self._thread = threading.get_ident()  # the run's (made there)
         self.sleeps_coarsely = _TRIO_SLEEPS_COARSELY
@@ -1169,12 +1123,8 @@ class _TrioBridge(LoopBridge):
         # In a user task's step, where trio raises a Ctrl-C at any point unless the frame
         # is protected: one between a heap's pop and its entry marked done would lose a
         # wait (the bridge's other wake-ups run where trio delivers none).
-        assert _trio_protected is not None
-        _trio_protected(watch.wake_now)
-
-    def read_after_signal(self, ns: int) -> None:
-        assert _trio_protected is not None  # (as wake_now)
-        _trio_protected(super().read_after_signal, ns)
+        assert _trio_wake_now is not None
+        _trio_wake_now(watch)
 
     def on_loop_thread(self) -> bool:
         return threading.get_ident() == self._thread  # (a trio run stays on its thread)
@@ -1273,7 +1223,7 @@ class _TrioBridge(LoopBridge):
         when = self._next_deadline()
         return None if when == float("inf") else (self._current_time(), when)
 
-    async def park(self, watch: Watch | None, value: int) -> int:
+    async def park(self, watch: Watch | None, value: int) -> None:
         import trio
 
         task = trio.lowlevel.current_task()
@@ -1291,15 +1241,14 @@ class _TrioBridge(LoopBridge):
         else:
             watch.add(value, entry)
         await trio.lowlevel.wait_task_rescheduled(abort)
-        return entry.read_until
 
 
-def _call(fn: Callable[..., None], *args: Any) -> None:
-    fn(*args)
+def _wake_now(watch: Watch) -> None:
+    watch.wake_now()
 
 
-# _call with trio's KeyboardInterrupt protection, once a trio run made a bridge.
-_trio_protected: Callable[..., None] | None = None
+# _wake_now with trio's KeyboardInterrupt protection, once a trio run made a bridge.
+_trio_wake_now: Callable[[Watch], None] | None = None
 
 
 def _run_end_instrument(bridge: _TrioBridge) -> Any:
@@ -1557,7 +1506,7 @@ def signalled_here(watch_of: dict[LoopBridge, Watch], awake_ns: int) -> None:
     if watch is not None:
         bridge.wake_now(watch)
     if awake_ns:
-        bridge.read_after_signal(awake_ns)
+        bridge.stay_awake(awake_ns)
 
 
 def loop_statistics() -> LoopStatistics:

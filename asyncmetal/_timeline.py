@@ -823,9 +823,8 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
                 due_ns = _native.due(c_timeline, value)
             if start < due_ns <= start + DUE_NS:
                 deadline = max(deadline, due_ns + SPIN_NS)
-        reading = crowd < CROWD or _bridge.current_bridge().turn()
-        while True:
-            while reading:
+        if crowd < CROWD or _bridge.current_bridge().turn():
+            while True:
                 yield from _bridge.checkpoint()
                 now = time.perf_counter_ns()
                 if native.value >= value or (
@@ -837,25 +836,19 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
                     return
                 if now >= deadline:
                     break
-            bridge = _bridge.current_bridge()
-            watch = None if native.value >= value else timeline._watch_for(bridge)
-            if watch is not None and c_timeline and _native.due is not None:
-                # Parked on a command the queue expects done soon (a crowd's tasks park
-                # at once): the loop reads the timeline in each iteration until shortly
-                # after, rather than sleep and be woken through the pipe, which takes
-                # tens of microseconds -- with short kernels the loop would sleep between
-                # most of them while the streams ran dry.
-                due = due_ns or _native.due(c_timeline, value)
-                now = time.perf_counter_ns()
-                if now < due <= now + AWAKE_DUE_NS:
-                    bridge.stay_awake(due - now + SPIN_NS)
-            # Woken before the value was reached, to read the timeline until `deadline`
-            # (a host signal released the device work it waits for): read, then park
-            # again if it has not come by then.
-            deadline = yield from bridge.park(watch, value).__await__()
-            if not deadline or native.value >= value:
-                break
-            reading = True
+        bridge = _bridge.current_bridge()
+        watch = None if native.value >= value else timeline._watch_for(bridge)
+        if watch is not None and c_timeline and _native.due is not None:
+            # Parked on a command the queue expects done soon (a crowd's tasks park at
+            # once): the loop reads the timeline in each iteration until shortly after,
+            # rather than sleep and be woken through the pipe, which takes tens of
+            # microseconds -- with short kernels the loop would sleep between most of
+            # them while the streams ran dry.
+            due = due_ns or _native.due(c_timeline, value)
+            now = time.perf_counter_ns()
+            if now < due <= now + AWAKE_DUE_NS:
+                bridge.stay_awake(due - now + SPIN_NS)
+        yield from bridge.park(watch, value).__await__()
         timeline._recent_ns = (recent * 7 + time.perf_counter_ns() - start) >> 3
     finally:
         if getattr(_waiting, "count", None) is count:  # ended on its loop's thread
