@@ -40,6 +40,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import asyncmetal as am
+from asyncmetal import _threads as _threads_module
 
 KERNEL = """
 void mix(unsigned char* p, int n, int v) {
@@ -674,13 +675,23 @@ def _threads() -> set[int]:
     return {int(tid) for tid in os.listdir("/proc/self/task")}
 
 
+def _idle_workers() -> set[int]:
+    """asyncmetal's worker threads (``_threads``), by id, if every one of them is idle
+    now -- kept for reuse until idle for ``_threads.IDLE_S``, as anyio's are, they
+    outlive devices by design -- else none: one still running a call is left over."""
+    workers = {t.native_id for t in threading.enumerate() if t.name == _threads_module.NAME}
+    idle = len(_threads_module._workers._idle)
+    return {tid for tid in workers if tid is not None} if len(workers) <= idle else set()
+
+
 def _left(baseline: set[int]) -> list[str]:
     """The threads made since ``baseline`` that are still there, once those a closed
     device or a finished loop leaves exiting have exited; not counted: the loops'
-    cached worker threads and the compile pool's, which outlive devices by design."""
+    cached worker threads, asyncmetal's idle ones and the compile pool's, which outlive
+    devices by design."""
     for _ in range(300):
         kept = {t.native_id for t in threading.enumerate() if t.name.startswith(SKIPPED_THREADS)}
-        left = _threads() - baseline - kept
+        left = _threads() - baseline - kept - _idle_workers()
         if not left:
             return []
         gc.collect()

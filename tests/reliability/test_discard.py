@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -29,16 +30,71 @@ from tests.support.queues import discard_outcomes
 
 pytestmark = pytest.mark.anyio
 
-BACKLOG = 10_000  # commands queued behind the one running: ~10 s of 1 ms kernels
+# Commands queued behind a wait: more than a Metal queue commits ahead of what it has run
+# (1000 command buffers), as a real backlog would be.
+BACKLOG = 2_000
+HOLD_S = 60  # how long held_elsewhere holds at most
 
 
-def gated(queue: am.Queue) -> am.Timeline:
-    """A timeline ``queue`` waits for (on the device) before what is submitted next:
-    signalled once the whole backlog is submitted, so that it is held, not run, while
-    the test submits it (a GPU would run some meanwhile, as fast as they come)."""
-    gate = queue.device.timeline()
-    queue.wait(gate, 1)
-    return gate
+# A cpu kernel that holds its queue until the test says so: it writes a byte to one
+# pipe (it started), then reads one from another (the test's go). Its buffer is for
+# other queues to wait for it (Queue.after).
+C_HELD = r"""
+#include <unistd.h>
+void held(int* used, int started, int go) {
+    char c = 1;
+    while (write(started, &c, 1) < 0) {}
+    while (read(go, &c, 1) < 0) {}
+}
+"""
+
+
+@contextlib.asynccontextmanager
+async def held_elsewhere() -> AsyncIterator[Callable[[am.Queue], None]]:
+    """``hold(queue)``: ``queue`` waits (on the device) for a command of another (cpu)
+    device's queue that runs until the context ends: what is submitted to ``queue``
+    next is held behind work that runs -- a close waits for it, a discard drops it all
+    (a Metal queue holds a wait for another kind's queue on its own thread; a cpu queue,
+    on its thread) -- and none of it can have run before the context ends. (Or before
+    HOLD_S: a close that does not discard, shielded, would wait for good; released
+    then, what it waited for runs, which the test sees.)"""
+    started_r, started_w = os.pipe()
+    go_r, go_w = os.pipe()
+    released = threading.Lock()
+
+    def release() -> None:
+        if released.acquire(blocking=False):
+            os.write(go_w, b"g")
+
+    watchdog = threading.Timer(HOLD_S, release)
+    try:
+        async with am.open_device("cpu:60") as other:
+            kernel = await other.compile(C_HELD, "held")
+            used = await other.alloc(4)
+            other.queue.launch(kernel, used, vals=(started_w, go_r))
+
+            def hold(queue: am.Queue) -> None:
+                queue.after(used)
+
+            watchdog.start()
+            try:
+                yield hold
+            finally:
+                release()
+    finally:
+        watchdog.cancel()
+        if watchdog.is_alive():
+            watchdog.join()
+        for fd in (started_r, started_w, go_r, go_w):
+            os.close(fd)
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Until ``condition()`` holds (what the test waits for happens on this loop, or on
+    a thread: a condition to see, not a time to wait)."""
+    with anyio.fail_after(20):
+        while not condition():
+            await anyio.sleep(0.001)
 
 
 # A kernel that marks its run at its end: the mark is there once it is done, never
@@ -67,13 +123,11 @@ async def marker(device: am.Device) -> am.Program:
     return await device.compile(MSL_MARK if device.name == "metal" else C_MARK, "slow_mark")
 
 
-def check_ran(ran: list[bool], marks: np.ndarray) -> None:
-    """The commands that ran are the first ones, each marked its run; the others
-    never ran (no mark), and most of the backlog was dropped."""
-    count = sum(ran)
+def check_ran(ran: list[bool], marks: np.ndarray, count: int) -> None:
+    """The first ``count`` commands ran, each marked its run; the others never ran (no
+    mark)."""
     assert ran == [True] * count + [False] * (len(ran) - count)
     assert marks[: len(ran)].tolist() == [int(r) for r in ran]
-    assert count < len(ran) // 2  # (dropped, not waited for: ~10 s of kernels)
 
 
 async def test_a_queue_closed_with_discard_drops_what_has_not_started(
@@ -84,23 +138,54 @@ async def test_a_queue_closed_with_discard_drops_what_has_not_started(
     await marks.write(np.zeros(BACKLOG, np.int32))
     tl = device.timeline()
     q = device.new_queue()
-    gate = gated(q)
-    done = [q.launch(mark, marks, vals=(i, 1)) for i in range(BACKLOG)]
-    signalled = q.signal(tl, 1)  # among the dropped: tl never gets there
-    gate.signal(1)
-    await done[0]
-    with anyio.fail_after(20):
-        await q.close(discard=True)
-        assert q.closed and q.timeline.value >= q.submitted
-        ran = await discard_outcomes(done)
-        with pytest.raises(am.ClosedResourceError, match="discard"):
-            await signalled
-        with pytest.raises(am.ClosedResourceError, match="discard"):
-            await tl.wait(1)
-    check_ran(ran, await marks.read(np.int32))
+    first = q.launch(mark, marks, vals=(0, 1))
+    async with held_elsewhere() as hold:
+        hold(q)  # (none of what follows runs before the discard)
+        done = [first, *(q.launch(mark, marks, vals=(i, 1)) for i in range(1, BACKLOG))]
+        signalled = q.signal(tl, 1)  # among the dropped: tl never gets there
+        await first
+        with anyio.fail_after(20):
+            await q.close(discard=True)
+            assert q.closed and q.timeline.value >= q.submitted
+            ran = await discard_outcomes(done)
+            with pytest.raises(am.ClosedResourceError, match="discard"):
+                await signalled
+            with pytest.raises(am.ClosedResourceError, match="discard"):
+                await tl.wait(1)
+    check_ran(ran, await marks.read(np.int32), 1)
     # The device goes on: its other queues, the same buffer.
     await device.queue.launch(mark, marks, vals=(BACKLOG - 1, 0))
     assert (await marks.read(np.int32))[-1] == 1
+
+
+async def test_a_command_running_as_a_discard_lands_finishes_and_nothing_after_it_runs(
+    device: am.Device,
+) -> None:
+    """A discard that lands while a cpu queue's thread runs a command: that command
+    finishes (and is reported as run), the next ones -- due at once, behind no wait --
+    never start."""
+    mark = await marker(device)
+    held = await device.compile(C_HELD, "held")
+    marks = await device.alloc(4 * BACKLOG)
+    await marks.write(np.zeros(BACKLOG, np.int32))
+    q = device.new_queue()
+    started_r, started_w = os.pipe()
+    go_r, go_w = os.pipe()
+    try:
+        running = q.launch(held, marks, vals=(started_w, go_r))
+        done = [q.launch(mark, marks, vals=(i, 0)) for i in range(BACKLOG)]
+        with anyio.fail_after(30):
+            await anyio.to_thread.run_sync(os.read, started_r, 1)  # (it runs)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(functools.partial(q.close, discard=True))
+                await until(lambda: q.closed)  # (sealed and discarded in one step)
+                os.write(go_w, b"g")
+            ran = await discard_outcomes([running, *done])
+    finally:
+        for fd in (started_r, started_w, go_r, go_w):
+            os.close(fd)
+    assert ran == [True] + [False] * BACKLOG
+    assert not (await marks.read(np.int32)).any()
 
 
 async def test_a_device_wait_under_way_ends(
@@ -125,18 +210,17 @@ async def test_a_device_wait_for_a_dropped_signal_fails_what_follows(
     commands from the wait on, naming the discard."""
     tl = device.timeline()
     q, other = device.new_queue(), device.new_queue()
-    gate = gated(q)
-    dropped = [q.launch(kernels["sleep_ms"], vals=(1,)) for _ in range(BACKLOG)]
-    q.signal(tl, 1)
-    other.wait(tl, 1)
-    behind = other.launch(kernels["empty"])
-    gate.signal(1)
-    await dropped[0]
-    with anyio.fail_after(20):
-        await q.close(discard=True)
-        with pytest.raises(am.AsyncMetalError, match="discard"):
-            await behind
-    assert sum(await discard_outcomes(dropped)) < BACKLOG // 2
+    async with held_elsewhere() as hold:
+        hold(q)
+        dropped = [q.launch(kernels["sleep_ms"], vals=(1,)) for _ in range(BACKLOG)]
+        q.signal(tl, 1)
+        other.wait(tl, 1)
+        behind = other.launch(kernels["empty"])
+        with anyio.fail_after(20):
+            await q.close(discard=True)
+            with pytest.raises(am.AsyncMetalError, match="discard"):
+                await behind
+        assert await discard_outcomes(dropped) == [False] * BACKLOG
 
 
 @pytest.mark.parametrize("how", ["discard", "switched"])
@@ -147,7 +231,8 @@ async def test_a_device_closed_with_discard_drops_every_queues_backlog(
     discard=True while it waits: bounded, every queue's backlog dropped (a queue held
     by a wait nobody signals too), waits on the device's timelines end failed, memory
     returns to zero (also buffers never freed, used by dropped commands) and the
-    queue threads go."""
+    queue threads go. The backlog waits behind work that runs on another device, which
+    a plain close waits for: it is held until the close has discarded it."""
     threads = len(os.listdir("/proc/self/task"))
     device = await am.open_device(device_name)
     mark = await marker(device)
@@ -156,26 +241,28 @@ async def test_a_device_closed_with_discard_drops_every_queues_backlog(
     tl, never = device.timeline(), device.timeline()
     queues = [device.queue, device.new_queue(), device.new_queue()]
     queues[2].wait(never, 1)
-    gates = [gated(queues[0]), gated(queues[1])]
-    done = [queues[i % 2].launch(mark, marks, vals=(i, 1)) for i in range(BACKLOG)]
-    held = queues[2].launch(mark, marks, vals=(0, 1))
-    queues[0].signal(tl, 1)
-    for gate in gates:
-        gate.signal(1)
-    await done[0]
-    with anyio.fail_after(30):
-        if how == "switched":
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(device.close)
-                await anyio.sleep(0.1)  # (the plain close waits for the backlog)
+    ran_first = queues[0].launch(mark, marks, vals=(0, 1))
+    async with held_elsewhere() as hold:
+        for queue in queues[:2]:
+            hold(queue)
+        done = [queues[i % 2].launch(mark, marks, vals=(i, 1)) for i in range(1, BACKLOG)]
+        held = queues[2].launch(mark, marks, vals=(0, 1))
+        queues[0].signal(tl, 1)
+        await ran_first
+        with anyio.fail_after(30):
+            if how == "switched":
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(device.close)
+                    # (its teardown has begun: it waits for the backlog, behind the gate)
+                    await until(lambda: device._torn_down)
+                    await device.close(discard=True)
+            else:
                 await device.close(discard=True)
-        else:
-            await device.close(discard=True)
-        ran = await discard_outcomes([*done, held])
-        with pytest.raises(am.ClosedResourceError):
-            await tl.wait(1)
-    assert device.closed and not ran[-1]
-    assert sum(ran) < BACKLOG // 2
+            ran = await discard_outcomes([ran_first, *done, held])
+            with pytest.raises(am.ClosedResourceError):
+                await tl.wait(1)
+    assert device.closed
+    assert ran == [True] + [False] * BACKLOG
     statistics = device.memory_statistics()  # (marks was never freed)
     assert statistics.in_use == statistics.cached == 0
     del marks, done, held
@@ -188,16 +275,15 @@ async def test_a_queue_close_under_way_switches_to_discarding(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:
     q = device.new_queue()
-    gate = gated(q)
-    done = [q.launch(kernels["sleep_ms"], vals=(1,)) for _ in range(BACKLOG)]
-    gate.signal(1)
-    with anyio.fail_after(20):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(q.close)
-            await anyio.sleep(0.05)
-            await q.close(discard=True)
-    ran = await discard_outcomes(done)
-    assert sum(ran) < BACKLOG // 2 and not ran[-1]
+    async with held_elsewhere() as hold:
+        hold(q)
+        done = [q.launch(kernels["sleep_ms"], vals=(1,)) for _ in range(BACKLOG)]
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(q.close)
+                await until(lambda: q.closed)  # (it waits for the backlog, behind the gate)
+                await q.close(discard=True)
+        assert await discard_outcomes(done) == [False] * BACKLOG
 
 
 # A program as a user writes it: a backlog queued, then Ctrl-C (the first leaves

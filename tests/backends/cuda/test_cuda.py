@@ -54,6 +54,20 @@ extern "C" __global__ void sleep_us(int us) {
     while (clock64() - start < cycles) {}
 }
 extern "C" __global__ void fault(int* p) { *(int*)0x10 = 1; p[0] = 1; }
+extern "C" __global__ void held(int* flag, int us) {
+    // Runs until flag[0] is set (by another stream), or for about `us` microseconds at
+    // most; flag[1] says which ended it: 1 the flag, 2 the time.
+    volatile int* f = flag;
+    long long start = clock64();
+    long long cycles = (long long)us * 1800;  // ~1.8 GHz
+    while (!f[0]) {
+        if (clock64() - start > cycles) {
+            f[1] = 2;
+            return;
+        }
+    }
+    f[1] = 1;
+}
 """
 MIX_LAUNCH = {"global_size": 512, "local_size": 128}
 
@@ -222,26 +236,38 @@ async def test_copy_paths_give_the_same_results(anyio_backend: object, path: str
 
 async def test_submitting_while_a_long_kernel_is_waited_for(anyio_backend: object) -> None:
     """A completion thread blocked on a long kernel's event holds up no submission: not
-    on its own stream, not on another; and the other stream's work finishes first."""
+    on its own stream, not on another; and the other stream's work finishes first. The
+    kernel runs until the test releases it (another stream sets its flag) once all that
+    was seen, or ends on its own after a minute: that it was the release that ended it shows
+    everything before happened while it ran, however slow the host."""
     async with am.open_device("cuda:0") as dev:
-        sleep = await dev.compile(KERNELS, "sleep_us")
+        held = await dev.compile(KERNELS, "held")
+        fill = await dev.compile(KERNELS, "fill")
         empty = await dev.compile(KERNELS, "empty")
         q, other = dev.new_queue(), dev.new_queue()
+        flag = await dev.alloc(8)
+        await flag.write(np.zeros(2, np.int32))
         await q.launch(empty)
-        long = q.launch(sleep, vals=(300_000,), local_size=1)  # ~300 ms
-        await anyio.sleep(0.05)
-        stats = q._native.stats()  # type: ignore[attr-defined]
-        assert stats["napping_waits"] + stats["blocking_waits"] >= 1, stats
-        took = {}
-        for name, queue in (("other", other), ("same", q)):
-            t0 = time.perf_counter()
-            done = queue.launch(empty)
-            took[name] = time.perf_counter() - t0
-        assert max(took.values()) < 0.02, took
+
+        def waits() -> int:
+            stats = q._native.stats()  # type: ignore[attr-defined]
+            return int(stats["napping_waits"] + stats["blocking_waits"])
+
+        before = waits()
+        long = q.launch(held, flag, vals=(60_000_000,), local_size=1)  # until released
+        with anyio.fail_after(30):
+            while waits() == before:  # (its completion thread waits for it now)
+                await anyio.sleep(0.001)
+        assert not long.done()
+        other.launch(empty)
+        done = q.launch(empty)
+        assert not long.done()  # (had a launch waited for it, it would have ended)
         await other.synchronize()
         assert not long.done()
+        other.launch(fill, flag, vals=(1, 1), global_size=1, local_size=1)  # the release
         await done
         assert long.done()
+        assert (await flag.read(np.int32)).tolist() == [1, 1]  # ended by the release
 
 
 async def test_long_commands_switch_a_queue_to_blocking_events(anyio_backend: object) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +51,10 @@ extern "C" __global__ void sleep_us(int us) {
 N = 1 << 16
 GRID = {"global_size": N, "local_size": 256}
 SLEEP_CYCLES = 200_000_000  # torch.cuda._sleep: ~100 ms on an H200
+
+
+async def _await(completion: am.Completion) -> None:
+    await completion
 
 
 async def _kernels(dev: am.Device) -> tuple[am.Program, am.Program]:
@@ -290,23 +295,37 @@ async def test_an_adopted_torch_stream_is_awaited(anyio_backend: object) -> None
         with torch.cuda.stream(stream):
             torch.cuda._sleep(SLEEP_CYCLES)
             out = torch.ones(N, device="cuda:0") * 2
+        # The marker is held behind a wait the test signals once it saw what it checks
+        # (held on the host: torch's stream goes on), not behind the sleep's length.
+        gate = dev.timeline()
+        queue.wait(gate, 1)
         marker = queue.marker()
         assert not marker.done()
-        ticks = 0
+        by_watchdog = threading.Event()
 
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                await anyio.sleep(0.001)
-                ticks += 1
+        def watchdog() -> None:  # (an await blocking the loop would wait for good)
+            by_watchdog.set()
+            gate.signal(1)
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(ticker)
-            with anyio.move_on_after(0.002):  # cancelled: detaches this waiter only
-                await marker
-            await marker
-            tg.cancel_scope.cancel()
-        assert stream.query() and ticks >= 5  # the loop ran while the stream worked
+        timer = threading.Timer(60, watchdog)
+        timer.start()
+        try:
+            ticks = 0
+            async with anyio.create_task_group() as tg:
+                with anyio.move_on_after(0.002):  # cancelled: detaches this waiter only
+                    await marker
+                tg.start_soon(_await, marker)
+                while ticks < 5:  # the loop runs while a task awaits the marker
+                    await anyio.sleep(0.001)
+                    ticks += 1
+                assert not marker.done()
+                gate.signal(1)
+        finally:
+            timer.cancel()
+            if not gate.value:
+                gate.signal(1)  # (a failed check leaves nothing held)
+        assert not by_watchdog.is_set()
+        assert stream.query()  # the marker covered torch's work before it
         assert float(out.sum()) == 2 * N
         # asyncmetal's commands on the adopted stream run in its order
         fill, _ = await _kernels(dev)
