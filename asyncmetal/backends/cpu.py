@@ -21,7 +21,6 @@ import ctypes.util
 import functools
 import os
 import platform
-import queue
 import re
 import shutil
 import struct
@@ -52,6 +51,7 @@ from .._compile import Compiler, ParamKind, c_value_types, scalar_params
 from .._errors import ArgumentTypeError, ClosedResourceError, CompileError, InvalidArgumentError
 from .._native_build import cc_command
 from .._scalars import host_types, scalar_type
+from .._threads import Freer
 from .._timeline import LATER_FAIL, discarded_error, failure_error
 
 _ALIGN = 64
@@ -667,19 +667,9 @@ class CPUBackend(HostQueues, Backend):
         self._timelines = Timelines()
         self.live_allocations = 0
         self._info = DeviceInfo(name=f"cpu:{index}", total_memory=host_memory())
-        # Unmapping a freed block's pages takes time (about 2.5 ms a GiB touched), and
-        # frees come from the loop (an eviction, a release): never there, always on this
-        # thread, started at the first free and stopped by close.
-        self._frees: queue.SimpleQueue[_Memory | None] = queue.SimpleQueue()
-        self._freer: threading.Thread | None = None
-        self._freer_stopped = False  # (then frees let go at once)
-        # An RLock: a free may come from the GC, even inside a free on the same thread.
-        # The freer is started with it let go of (_freer_starting meanwhile: other frees
-        # only queue, a close waits on _freer_started): a finalizer the GC runs on the
-        # new thread before it says it started may free, and its start waits for that.
-        self._freer_lock = threading.RLock()
-        self._freer_started = threading.Condition(self._freer_lock)
-        self._freer_starting = False
+        # Unmapping a freed block's pages takes time, and frees come from the loop:
+        # always on this thread (see Freer), started at the first free, stopped by close.
+        self._freer: Freer[_Memory] = Freer("asyncmetal-cpu-free", _Memory.drop)
 
     @property
     def info(self) -> DeviceInfo:
@@ -723,39 +713,9 @@ class CPUBackend(HostQueues, Backend):
     def free(self, handle: Any) -> None:
         memory: _Memory = handle
         self.live_allocations -= 1
-        with self._freer_lock:
-            stopped = self._freer_stopped
-            if not stopped:
-                self._frees.put(memory)
-                start = self._freer is None and not self._freer_starting
-                self._freer_starting |= start
-        if stopped:
-            # Closed (or the parent's device, in a forked child): memory a consumer held
-            # past the close (DLPack), let go of where its last loan ended.
-            memory.drop()
-        elif start:
-            self._start_freer()
-
-    def _start_freer(self) -> None:
-        """Start the freer thread (no lock held: see ``_freer_lock``)."""
-        freer: threading.Thread | None = None
-        try:
-            freer = threading.Thread(
-                target=self._free_loop, name="asyncmetal-cpu-free", daemon=True
-            )
-            freer.start()
-        except BaseException:
-            freer = None  # (not started: the next free tries again)
-            raise
-        finally:
-            with self._freer_lock:
-                self._freer, self._freer_starting = freer, False
-                self._freer_started.notify_all()
-
-    def _free_loop(self) -> None:
-        frees = self._frees
-        while (memory := frees.get()) is not None:
-            memory.drop()
+        # (Closed, or the parent's device in a forked child: memory a consumer held past
+        # the close -- DLPack -- is let go of at once, where its last loan ended.)
+        self._freer.free(memory)
 
     def host_view(self, handle: Any, offset: int, nbytes: int) -> memoryview:
         memory: _Memory = handle
@@ -767,11 +727,7 @@ class CPUBackend(HostQueues, Backend):
         self._libraries_lock = threading.Lock()  # may have been held at the fork
         self._closed = True
         self._libraries = {}  # the parent's to unload
-        # The freer thread is the parent's: frees in the child let go at once.
-        self._freer_lock = threading.RLock()
-        self._freer_started = threading.Condition(self._freer_lock)
-        self._freer_stopped, self._freer, self._freer_starting = True, None, False
-        self._frees = queue.SimpleQueue()
+        self._freer.forked()  # (the parent's thread: frees in the child let go at once)
 
     def close(self) -> None:
         # Every queue of the device has stopped (Device closes them first) and its
@@ -785,13 +741,4 @@ class CPUBackend(HostQueues, Backend):
             for lib in libraries.values():
                 _dlclose(lib._handle)
         # The allocator freed everything before: the freer lets go of it, then stops.
-        with self._freer_lock:
-            self._freer_stopped = True
-            while self._freer_starting:  # (a free is starting it, the lock let go of)
-                self._freer_started.wait()
-            freer, self._freer = self._freer, None
-            self._frees.put(None)
-        if freer is not None:
-            freer.join()
-        else:  # none started (or its start failed): what is queued is let go of here
-            self._free_loop()
+        self._freer.stop()

@@ -347,7 +347,7 @@ async def main():
     views = [np.from_dlpack(a), np.from_dlpack(b)]  # lent past the close
     backend = dev._backend
     inside, closing, go_on = threading.Event(), threading.Event(), threading.Event()
-    backend._frees = SlowPuts(inside)
+    backend._freer.frees = SlowPuts(inside)
     close = backend.close
 
     def held_close():  # the device's close, held just before its backend's

@@ -608,7 +608,7 @@ async def test_a_free_the_gc_makes_as_the_cpu_freer_starts_starts_no_second_one(
         assert len(made) == 1
     finally:
         for _ in made[1:]:  # (without: let the extra ones end, or the close would hang)
-            backend._frees.put(None)  # type: ignore[attr-defined]
+            backend._freer.frees.put(None)  # type: ignore[attr-defined]
         await dev.close()
     assert not any(thread.is_alive() for thread in made)
     assert backend.live_allocations == 0  # type: ignore[attr-defined]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import queue
 import threading
 from collections.abc import Callable
 from ctypes import c_uint64, c_ulong, c_void_p
@@ -20,6 +19,7 @@ from ..._backend import (
 )
 from ..._compile import Compiler
 from ..._errors import AsyncMetalError, CompileError, DeviceNotFoundError
+from ..._threads import Freer
 from . import _blocks
 from ._compiler import MetalCompiler
 from ._objc import (
@@ -98,17 +98,9 @@ class MetalBackend(Backend):
         self._pipelines_lock = threading.Lock()
         self._timelines = Timelines()
         # Releasing a buffer lets go of its memory (its pages unmapped: time in proportion
-        # to its size), and frees come from the loop (an eviction, a release): never
-        # there, always on this thread, started at the first free and stopped by close.
-        self._frees: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self._freer: threading.Thread | None = None
-        self._freer_stopped = False  # (then frees release at once)
-        # An RLock: a free may come from the GC, even inside a free on the same thread.
-        # The freer is started with it let go of (_freer_starting meanwhile: other frees
-        # only queue, a close waits on _freer_started), as the cpu backend's is.
-        self._freer_lock = threading.RLock()
-        self._freer_started = threading.Condition(self._freer_lock)
-        self._freer_starting = False
+        # to its size), and frees come from the loop: always on this thread (see Freer),
+        # started at the first free and stopped by close.
+        self._freer: Freer[int] = Freer("asyncmetal-metal-free", release)
 
     @property
     def info(self) -> DeviceInfo:
@@ -181,52 +173,9 @@ class MetalBackend(Backend):
 
     def free(self, handle: Any) -> None:
         self.live_allocations -= 1
-        with self._freer_lock:
-            stopped = self._freer_stopped
-            if not stopped:
-                self._frees.put(handle)
-                start = self._freer is None and not self._freer_starting
-                self._freer_starting |= start
-        if stopped:
-            # Closed (a buffer a consumer held past the close: DLPack), or a forked
-            # child's (where release sends nothing): released here.
-            release(handle)
-        elif start:
-            self._start_freer()
-
-    def _start_freer(self) -> None:
-        """Start the freer thread (no lock held: see ``_freer_lock``)."""
-        freer: threading.Thread | None = None
-        try:
-            freer = threading.Thread(
-                target=self._free_loop, name="asyncmetal-metal-free", daemon=True
-            )
-            freer.start()
-        except BaseException:
-            freer = None  # (not started: the next free tries again)
-            raise
-        finally:
-            with self._freer_lock:
-                self._freer, self._freer_starting = freer, False
-                self._freer_started.notify_all()
-
-    def _free_loop(self) -> None:
-        frees = self._frees
-        while (handle := frees.get()) is not None:
-            release(handle)
-
-    def _stop_freer(self) -> None:
-        """Release what is queued to be freed, and stop the freer thread."""
-        with self._freer_lock:
-            self._freer_stopped = True
-            while self._freer_starting:  # (a free is starting it, the lock let go of)
-                self._freer_started.wait()
-            freer, self._freer = self._freer, None
-            self._frees.put(None)
-        if freer is not None:
-            freer.join()
-        else:  # none started (or its start failed): what is queued is released here
-            self._free_loop()
+        # (Closed -- a buffer a consumer held past the close: DLPack -- or a forked
+        # child's, where release sends nothing: released at once.)
+        self._freer.free(handle)
 
     @overload
     def wrap_pages(self, address: int, nbytes: int) -> tuple[int, int]: ...
@@ -286,14 +235,10 @@ class MetalBackend(Backend):
         # threads; the parent's objects are not released here (nor anything sent).
         self._timelines.forked(message)
         forget_objects()
-        # The freer thread is the parent's: frees in the child release (nothing) at once.
-        self._freer_lock = threading.RLock()
-        self._freer_started = threading.Condition(self._freer_lock)
-        self._freer_stopped, self._freer, self._freer_starting = True, None, False
-        self._frees = queue.SimpleQueue()
+        self._freer.forked()  # (the parent's thread: frees in the child release at once)
 
     def close(self) -> None:
-        self._stop_freer()  # (the allocator freed everything before)
+        self._freer.stop()  # (the allocator freed everything before)
         with self._pipelines_lock:
             pipelines, self._pipelines = self._pipelines, {}
             for pipeline in pipelines:

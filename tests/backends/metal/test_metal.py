@@ -1436,7 +1436,7 @@ async def test_metal_memory_is_released_off_the_loop(
             release(obj)
 
         monkeypatch.setattr(backend, "allocate", recorded_allocate)
-        monkeypatch.setattr(_backend, "release", recorded_release)
+        monkeypatch.setattr(backend._freer, "_release", recorded_release)
 
         async def released() -> int:
             with anyio.fail_after(10):
