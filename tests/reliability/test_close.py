@@ -29,6 +29,7 @@ from tests.support.interrupts import interrupted
 from tests.support.kernels import KERNELS, MSL_KERNELS
 from tests.support.other_kind import held_pair
 from tests.support.queues import close_failing_with_a_wait, record_native_closes
+from tests.support.threads import Contended
 
 INC = "void inc(int* x) { x[0] += 1; }"
 WIDE = "void wide(" + ", ".join(f"int a{i}" for i in range(17)) + ") {}"
@@ -1151,24 +1152,6 @@ async def test_a_keyboard_interrupt_as_an_open_hands_its_device_over_closes_it(
     assert at >= 4
 
 
-class _Contended:
-    """An RLock standing in for ``_timeline``'s signal-order lock that says when a thread
-    had to wait for it."""
-
-    def __init__(self, inner: Any, contended: threading.Event) -> None:
-        self._inner = inner
-        self._contended = contended
-
-    def __enter__(self) -> bool:
-        if not self._inner.acquire(blocking=False):
-            self._contended.set()
-            self._inner.acquire()
-        return True
-
-    def __exit__(self, *exc: object) -> None:
-        self._inner.release()
-
-
 @pytest.mark.anyio
 async def test_a_host_signal_as_the_device_closes_is_run_or_refused(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch
@@ -1188,7 +1171,7 @@ async def test_a_host_signal_as_the_device_closes_is_run_or_refused(
     waited = queue.wait(timeline, 1)
     marker = queue.marker()
     checked, go, contended = threading.Event(), threading.Event(), threading.Event()
-    monkeypatch.setattr(_timeline, "_signal_order", _Contended(_timeline._signal_order, contended))
+    monkeypatch.setattr(_timeline, "_signal_order", Contended(_timeline._signal_order, contended))
     native_signal = timeline.native.signal
 
     def held_signal(value: int) -> None:

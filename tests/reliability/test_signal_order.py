@@ -8,13 +8,13 @@ submitted -- where there is still a way, nothing is refused."""
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import anyio
 import numpy as np
 import pytest
 
 import asyncmetal as am
+from tests.support.threads import Contended
 
 LIMIT = 10  # seconds: every wait here ends within a fraction of this, or it hangs
 
@@ -226,24 +226,6 @@ async def test_a_cycle_it_cannot_see_can_be_awaited_cancelled_and_closed(
                 await done
 
 
-class _Contended:
-    """A lock standing in for one of ``_timeline``'s that says when a thread had to wait
-    for it."""
-
-    def __init__(self, inner: Any, contended: threading.Event) -> None:
-        self._inner = inner
-        self._contended = contended
-
-    def __enter__(self) -> bool:
-        if not self._inner.acquire(blocking=False):
-            self._contended.set()
-            self._inner.acquire()
-        return True
-
-    def __exit__(self, *exc: object) -> None:
-        self._inner.release()
-
-
 @pytest.mark.anyio
 async def test_waits_of_two_devices_queues_recorded_at_once_both_count(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch
@@ -259,7 +241,7 @@ async def test_waits_of_two_devices_queues_recorded_at_once_both_count(
     dev, peer = await am.open_device("cpu:58"), await am.open_device("cpu:59")
     timeline, queue, other = dev.timeline(), dev.new_queue(), peer.new_queue()
     read, go, either = threading.Event(), threading.Event(), threading.Event()
-    monkeypatch.setattr(_timeline, "_signals_lock", _Contended(_timeline._signals_lock, either))
+    monkeypatch.setattr(_timeline, "_signals_lock", Contended(_timeline._signals_lock, either))
 
     class HeldAfterRead(type(timeline)):  # type: ignore[misc]
         @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import asyncmetal as am
 
@@ -28,3 +29,21 @@ def submission_lock_held(device: am.Device) -> Iterator[threading.Event]:
     finally:
         let_go.set()
         thread.join()
+
+
+class Contended:
+    """A lock standing in for another (``inner``, one of ``_timeline``'s, say) that sets
+    ``contended`` when a thread had to wait for it."""
+
+    def __init__(self, inner: Any, contended: threading.Event) -> None:
+        self._inner = inner
+        self._contended = contended
+
+    def __enter__(self) -> bool:
+        if not self._inner.acquire(blocking=False):
+            self._contended.set()
+            self._inner.acquire()
+        return True
+
+    def __exit__(self, *exc: object) -> None:
+        self._inner.release()

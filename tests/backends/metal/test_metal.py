@@ -1172,14 +1172,7 @@ async def test_a_discarding_close_drops_what_waits_for_a_cpu_command_not_run_yet
         queue.after(host)
         dropped = [queue.launch(fill, out, vals=(5, 16)), queue.launch(fill, out, vals=(6, 16))]
         try:
-            with anyio.fail_after(10):
-                if close == "queue":
-                    await queue.close(discard=True)
-                else:
-                    await mtl.close(discard=True)
-                for done in dropped:
-                    with pytest.raises(am.ClosedResourceError, match="discarded"):
-                        await done
+            await _closed_discarding(close, queue, dropped)
         finally:
             gate.signal(1)  # (the cpu command runs: a failed check leaves nothing held)
         await held.synchronize()
@@ -1191,6 +1184,19 @@ async def test_a_discarding_close_drops_what_waits_for_a_cpu_command_not_run_yet
         if close == "queue":
             assert (await out.read(np.int32)).tolist() == [0] * 16  # never ran
             await mtl.close()
+
+
+async def _closed_discarding(close: str, queue: am.Queue, dropped: list[am.Completion]) -> None:
+    """Close ``queue`` (``close`` "queue") or its device with discard=True, and check
+    that each of ``dropped`` raises as discarded."""
+    with anyio.fail_after(10):
+        if close == "queue":
+            await queue.close(discard=True)
+        else:
+            await queue.device.close(discard=True)
+        for done in dropped:
+            with pytest.raises(am.ClosedResourceError, match="discarded"):
+                await done
 
 
 @pytest.mark.metal
@@ -1224,14 +1230,7 @@ async def test_a_discarding_close_drops_what_waits_for_a_metal_value_nobody_sign
         queue.wait(other.timeline, marker.value)
     dropped = [queue.launch(fill, out, vals=(5, 16)), queue.launch(fill, out, vals=(6, 16))]
     try:
-        with anyio.fail_after(10):
-            if close == "queue":
-                await queue.close(discard=True)
-            else:
-                await mtl.close(discard=True)
-            for done in dropped:
-                with pytest.raises(am.ClosedResourceError, match="discarded"):
-                    await done
+        await _closed_discarding(close, queue, dropped)
     finally:
         if close == "queue":
             tl.signal(1)  # (a failed check leaves nothing held)
