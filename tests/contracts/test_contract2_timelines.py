@@ -51,6 +51,35 @@ async def test_completion_follows_the_value_reached(
     assert all(c.done() for c in later)
 
 
+@pytest.mark.parametrize("reached", ["before", "after"])
+async def test_a_reached_wait_completes_while_a_later_wait_of_its_queue_waits(
+    device: am.Device, kernels: dict[str, am.Program], reached: str
+) -> None:
+    """A device wait's completion is awaitable on its own: once its value is reached
+    (before the wait is submitted, or after) it completes, while a later wait on the
+    same queue, for a value nobody signals yet, holds only what follows it. Checked
+    failing on Metal before: the queue's own thread marked the first wait's value
+    only with the command after the second wait, so its await waited for that."""
+    tl, never = device.timeline(), device.timeline()
+    q = device.new_queue()
+    if reached == "before":
+        tl.signal(1)
+    first = q.wait(tl, 1)
+    second = q.wait(never, 1)
+    behind = q.launch(kernels["empty"])
+    if reached == "after":
+        tl.signal(1)
+    try:
+        with anyio.fail_after(20):
+            await first
+        assert q.timeline.value == first.value
+        assert not second.done() and not behind.done()
+    finally:
+        never.signal(1)  # (the device's close then has nothing held)
+    with anyio.fail_after(20):
+        await behind
+
+
 async def test_device_wait_enqueued_before_host_signal(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:

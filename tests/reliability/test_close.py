@@ -28,7 +28,11 @@ from asyncmetal.backends.cpu import CCompiler, CPUBackend
 from tests.support.interrupts import interrupted
 from tests.support.kernels import KERNELS, MSL_KERNELS
 from tests.support.other_kind import held_pair
-from tests.support.queues import close_failing_with_a_wait, record_native_closes
+from tests.support.queues import (
+    close_failing_with_a_wait,
+    discard_outcomes,
+    record_native_closes,
+)
 from tests.support.threads import Contended
 
 INC = "void inc(int* x) { x[0] += 1; }"
@@ -576,6 +580,38 @@ async def test_close_ends_tasks_parked_on_timelines(anyio_backend: object) -> No
     await tl.wait(1)  # reached before the close: no error
     with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="closed"):
         await tl.wait(2)  # after it: at once
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("discard", [False, True], ids=["plain", "discard"])
+async def test_a_close_finishes_a_reached_wait_held_before_a_wait_nobody_signals(
+    anyio_backend: object, device_name: str, discard: bool
+) -> None:
+    """A queue waits for a value that is then reached, then for one nobody signals,
+    then launches: the close (plain or discarding) ends, the first wait completed --
+    a plain close finishes what can complete; a discarding one may drop it if it had
+    not started yet -- and what follows the second never ran. Checked failing on Metal
+    before: the close counted the first wait as completable, and waited for good for
+    it, whose value the queue's thread marked only with the launch."""
+    device = await am.open_device(device_name)
+    source = MSL_KERNELS if device_name == "metal" else KERNELS
+    empty = await device.compile(source, "empty")
+    tl, never = device.timeline(), device.timeline()
+    q = device.new_queue()
+    first = q.wait(tl, 1)
+    second = q.wait(never, 1)
+    behind = q.launch(empty)
+    tl.signal(1)
+    with anyio.fail_after(20):
+        await device.close(discard=discard)
+        if discard:
+            assert (await discard_outcomes([first, second, behind]))[1:] == [False, False]
+        else:
+            await first
+            for dropped in (second, behind):
+                with pytest.raises(am.ClosedResourceError):
+                    await dropped
+    assert device.closed
 
 
 # -- completable(): waits on other queues' own timelines ---------------------------------

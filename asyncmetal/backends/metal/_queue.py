@@ -646,7 +646,17 @@ class MetalQueue(NativeQueue):
         """On the queue's own thread: hold what was submitted after wait ``value`` until
         the wait is ready (``wait.ready``) -- then the commands behind it are committed
         after it -- or the queue discards (the wait is dropped, and so is what follows
-        it) or is abandoned (nothing more is committed)."""
+        it) or is abandoned (nothing more is committed). Waits held before it, whose
+        values were reached, are marked first: their completions do not wait for this
+        one (as on a queue whose waits run one after another)."""
+        if not wait.ready(target):
+            try:
+                self._flush_held()
+            except Exception as exc:  # (its mark is then carried by the next buffer)
+                thread = threading.current_thread()
+                threading.excepthook(
+                    threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, thread))
+                )
         with self._lock:
             stop = self._discarding or self._dropping
             self._host_waiting = None if stop else wait
