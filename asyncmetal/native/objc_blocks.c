@@ -95,23 +95,27 @@ static void block_finish(am_block *b, uint64_t failed, int held) {
         cause = t->waited_cause;
         pthread_mutex_unlock(&t->mu);
     }
+    int own_failed = failed && b->value >= failed;
+    int wait_failed = !own_failed && waited_failed && b->value >= waited_failed;
+    /* A signal that ran raises its timeline before the queue's own records the command
+     * done: a task that awaited the command (woken by its queue's timeline) sees the
+     * value. */
+    if (b->then && !own_failed && !wait_failed) am_timeline_signal(b->then, b->then_value);
     /* Failed, or behind a wait that failed, the command fails its queue's timeline from
      * there on as it raises it: a wait on that timeline (another kind's queue's, a
-     * host's) sees the failure, as a wait on a failed cpu command's value does. */
-    if (failed && b->value >= failed)
+     * host's) sees the failure, as a wait on a failed cpu command's value does. A signal
+     * it carried fails after that, so that its failure's cause (the queue's timeline)
+     * already tells why. */
+    if (own_failed)
         timeline_signal_failed(t, b->value, failed, AM_COMMAND_FAILED, failed, t);
-    else if (waited_failed && b->value >= waited_failed)
+    else if (wait_failed)
         timeline_signal_failed(t, b->value, waited_failed, error, value, cause);
     else
         am_timeline_signal(t, b->value);
-    if (b->then) {
-        if (failed && b->value >= failed)
-            am_timeline_fail(b->then, b->then_value, AM_COMMAND_FAILED, failed, t);
-        else if (waited_failed && b->value >= waited_failed)
-            am_timeline_fail(b->then, b->then_value, error, value, cause);
-        else
-            am_timeline_signal(b->then, b->then_value);
-    }
+    if (b->then && own_failed)
+        am_timeline_fail(b->then, b->then_value, AM_COMMAND_FAILED, failed, t);
+    else if (b->then && wait_failed)
+        am_timeline_fail(b->then, b->then_value, error, value, cause);
     if (held) atomic_fetch_sub(&t->held_raises, 1);
     block_ran(b);
 }

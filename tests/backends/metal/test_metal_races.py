@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import textwrap
 import threading
 import weakref
@@ -37,6 +38,58 @@ async def _until(condition: Callable[[], object]) -> None:
     with anyio.fail_after(20):
         while not condition():
             await anyio.sleep(0.001)
+
+
+def _full_pipe() -> tuple[int, int]:
+    """A pipe whose write end is blocking and full: a write of one byte to it blocks
+    until the read end is read."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    for chunk in (b"\0" * 4096, b"\0"):
+        try:
+            while True:
+                os.write(w, chunk)
+        except BlockingIOError:
+            pass
+    os.set_blocking(w, True)
+    return r, w
+
+
+@every_loop
+async def test_a_queue_signal_raises_its_timeline_before_the_queue_records_it_done(
+    anyio_backend: object,
+) -> None:
+    """A signal command's completion raises the signalled timeline first, then the
+    queue's own: a task that awaited the command (woken by the queue's timeline) sees
+    the value. Here the completion handler is stopped right after it raised the queue's
+    timeline (a watch of that timeline whose notifier writes to a full pipe), and the
+    signalled timeline must be there already. Checked failing without (the queue's
+    timeline was raised first: the handler stopped with the timeline still at 0)."""
+    async with am.open_device("metal") as dev:
+        q, tl = dev.new_queue(), dev.timeline()
+        lib = q._native._backend.lib  # type: ignore[attr-defined]
+        own = q._native._timeline.c_timeline  # type: ignore[attr-defined]
+        r, w = _full_pipe()
+        notifier = lib.am_notifier_new(w)
+        watch = lib.am_watch_new(own, notifier)
+        held = False
+        try:
+            assert not lib.am_watch_arm(watch, 1)  # (the signal is the queue's first)
+            done = q.signal(tl, 5)
+            # The handler raised the queue's timeline, and is held in the notifier's write.
+            await _until(lambda: q.timeline.native.value >= done.value)
+            held = True
+            seen = tl.value
+        finally:
+            while held and b"\1" not in os.read(r, 1 << 16):  # (its byte: it went on)
+                pass
+        await done
+        lib.am_watch_free(watch)
+        lib.am_notifier_free(notifier)
+        os.close(r)
+        os.close(w)
+        assert seen == 5
+        assert tl.value == 5
 
 
 @every_loop
