@@ -302,6 +302,13 @@ class NativeQueue(ABC):
         """The error that failed the command at ``value`` (a lost device), if any."""
         return None
 
+    def fails_later(self) -> bool:
+        """Whether every command submitted to it from now on fails: a device wait of
+        it ended on a value that was never produced, and it holds all that follows.
+        Cheap (a read in place where nothing failed): asked whenever the device's
+        default queue is (``DeviceState.default_queue``)."""
+        return False
+
     def launch_target(self) -> tuple[Any, ...] | None:
         """What the native extension's ``launch`` needs to submit this queue's common
         launches itself (``_native_contract.LAYOUTS`` lists the forms), or None: every launch goes

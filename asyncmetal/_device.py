@@ -190,7 +190,9 @@ class Device:
 
     ``dev.queue`` is its default queue, made when it opens (``new_queue()`` makes more;
     ``adopt_stream()`` wraps another library's cuda stream). ``buf.write`` and
-    ``buf.read`` run on it; ``queue.copy`` runs a copy on any queue.
+    ``buf.read`` run on it -- or, once every later command of it fails, on a queue the
+    device makes in its stead (``DeviceState.default_queue``); ``queue.copy`` runs a
+    copy on any queue.
     """
 
     def __init__(self, name: str, backend: Backend, opened_at: str = "") -> None:
@@ -251,6 +253,7 @@ class Device:
         self._watching = False
         self.queue = self._state.queue = Queue(self._state, _made=MADE_BY_DEVICE)
         self._queues = [self.queue]  # (no call between: made, it is among them)
+        self._state.make_queue = self.new_queue
         with _open_devices_lock:
             _open_devices.add(self)
             _opened[0] += 1
@@ -307,6 +310,14 @@ class Device:
 
     def _check_open(self) -> None:
         self._state.check_open()
+
+    def _own_queue(self) -> Queue:
+        """The queue its own work for its buffers runs on: ``queue``, or the one the
+        device uses in its stead once every later command of it fails
+        (``DeviceState.default_queue``)."""
+        queue = self._state.default_queue()
+        assert isinstance(queue, Queue)
+        return queue
 
     def new_queue(self) -> Queue:
         """A new queue: its own ordered stream and timeline."""
@@ -578,7 +589,7 @@ class Device:
         buf = Buffer(self._state, allocation, 0, nbytes)
         if zeroed:
             try:
-                await fill_zeros(self.queue, buf, span)
+                await fill_zeros(self._own_queue(), buf, span)
             except BaseException:
                 discard_buffer(buf)  # (after the fill: it is recorded as a use)
                 raise

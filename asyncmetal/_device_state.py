@@ -25,6 +25,8 @@ class Copier(Protocol):
 
     def copy(self, dst: Any, src: Any, nbytes: int | None = None) -> Awaitable[None]: ...
 
+    def _fails_later(self) -> bool: ...
+
 
 class DeviceState:
     """One opened device, as its timelines, buffers, queues and allocator see it."""
@@ -36,6 +38,8 @@ class DeviceState:
         "busy",
         "closed",
         "device",
+        "in_stead",
+        "make_queue",
         "name",
         "order",
         "queue",
@@ -69,6 +73,10 @@ class DeviceState:
         self.busy = 0
         self.device = device  # the asyncmetal.Device that owns this state
         self.queue: Copier | None = None  # its default queue, once made
+        # The queue its buffers' own reads and writes run on once every later command
+        # of the default queue fails (``default_queue``), and how the device makes one.
+        self.in_stead: Copier | None = None
+        self.make_queue: Callable[[], Copier] | None = None
         # Errors of work done for callers who were cancelled before it ended (a free's
         # release, an emptying of the cache): raised by the device's close; None once
         # that close took them.
@@ -106,8 +114,23 @@ class DeviceState:
         return errors
 
     def default_queue(self) -> Copier:
-        assert self.queue is not None, "a device makes its default queue when it opens"
-        return self.queue
+        """The queue that the device's own work for its buffers runs on (``read``,
+        ``write``, ``copy()``, a zeroed ``alloc``, what ``from_dlpack`` orders): its
+        default queue -- or, once every later command of that one fails (a device wait
+        of it ended on a value never produced: another device closed while it waited,
+        say), a new queue of the device in its stead, and then another if that one
+        fails so in turn. ``device.queue`` stays the default queue: what a program
+        submits there in order must not run out of that order."""
+        queue = self.in_stead or self.queue
+        assert queue is not None, "a device makes its default queue when it opens"
+        if not queue._fails_later() or self.closed or self.make_queue is None:
+            return queue
+        with self.submitting:
+            queue = self.in_stead or self.queue
+            assert queue is not None
+            if queue._fails_later() and not self.closed:
+                queue = self.in_stead = self.make_queue()
+        return queue
 
 
 def two_names(one: DeviceState, other: DeviceState) -> tuple[str, str]:

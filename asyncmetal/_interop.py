@@ -34,6 +34,7 @@ from ._dlpack import (
     take_capsule,
 )
 from ._errors import ArgumentTypeError, ClosedResourceError, ExchangeError, InvalidArgumentError
+from ._queue import Queue
 
 
 class _Imported:
@@ -142,14 +143,16 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     if device_type == KDLMETAL:  # an MTLBuffer and an offset, not an address
         raise ExchangeError("from_dlpack of Metal memory is not supported yet")
     target = _device_for(device_type, device_id, device)
-    producer = _torch_stream(obj) if device_type == KDLCUDA else None
+    # Device memory: the queue that orders after the producer's work (asked once).
+    own = target._own_queue() if device_type == KDLCUDA else None
+    producer = _torch_stream(obj) if own is not None else None
     if producer is not None:
         # PyTorch's own ordering (an event and an external-stream wrapper made in Python
         # on every call) costs more than the rest of the exchange: the capsule is asked
         # for without it (-1), and the default queue waits for the tensor's stream itself.
         stream: int | None = -1
     else:
-        stream = target.queue.handle if device_type == KDLCUDA else None
+        stream = None if own is None else own.handle
     try:
         try:
             capsule = obj.__dlpack__(stream=stream, max_version=DLPACK_VERSION)
@@ -173,10 +176,10 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     memory = _Imported(obj, owner, data, nbytes)
     if device is None and device_type in _HOST:
         target = _lender(data, nbytes) or target
-    if producer is not None:
-        after = target.queue._after_stream(producer)
-        return foreign_buffer(target, data, nbytes, memory, (target.queue, after.value))
-    return _buffer(target, memory, device_type != KDLCUDA)
+    if own is None:
+        return _buffer(target, memory, None)
+    after = own._after_stream(producer) if producer is not None else own.marker()
+    return foreign_buffer(target, data, nbytes, memory, (own, after.value))
 
 
 _HOST = (KDLCPU, KDLCUDAHOST)
@@ -185,7 +188,7 @@ _HOST = (KDLCPU, KDLCUDAHOST)
 def lent_memory(device: Device, view: memoryview, address: int) -> Buffer:
     """A Buffer of ``device`` over host memory one of its buffers lent out (``view``, at
     ``address``), sharing that buffer's record of uses (see ``foreign_buffer``)."""
-    return _buffer(device, _Imported(view, None, address, view.nbytes), True)
+    return _buffer(device, _Imported(view, None, address, view.nbytes), None)
 
 
 def _lender(address: int, nbytes: int) -> Device | None:
@@ -250,15 +253,15 @@ def _taker() -> Callable[[object], tuple[Any, ...]]:
 _take: Callable[[object], tuple[Any, ...]] | None = None
 
 
-def _buffer(device: Device, memory: _Imported, host: bool) -> Buffer:
-    if host:  # host memory: the handle carries its address
+def _buffer(device: Device, memory: _Imported, queue: Queue | None) -> Buffer:
+    """A Buffer of ``device`` over ``memory``: host memory (``queue`` None), whose
+    handle carries its address; or device memory, whose handle is its address, and
+    whose later commands order themselves after a marker on ``queue`` behind what the
+    producer made that queue wait for."""
+    if queue is None:
         return foreign_buffer(device, memory, memory.nbytes, None, None)
-    # Device memory: the handle is its address; later commands order themselves after
-    # a marker behind what the producer made the default queue wait for.
-    after = device.queue.marker()
-    return foreign_buffer(
-        device, memory.address, memory.nbytes, memory, (device.queue, after.value)
-    )
+    after = queue.marker()
+    return foreign_buffer(device, memory.address, memory.nbytes, memory, (queue, after.value))
 
 
 def _from_cuda_array_interface(obj: Any, device: Device | None) -> Buffer:
@@ -280,9 +283,10 @@ def _from_cuda_array_interface(obj: Any, device: Device | None) -> Buffer:
     device = _device_for(KDLCUDA, indices.pop() or 0, device)
     stream = interface.get("stream")
     memory = _Imported(obj, None, address, nbytes)
+    queue = device._own_queue()
     if stream is None:
-        return _buffer(device, memory, False)
+        return _buffer(device, memory, queue)
     # The producer's stream: the default queue waits, on the device, for what was
     # submitted there until now (the stream is not adopted), and so do later commands.
-    after = device.queue._after_stream(int(stream))
-    return foreign_buffer(device, address, nbytes, memory, (device.queue, after.value))
+    after = queue._after_stream(int(stream))
+    return foreign_buffer(device, address, nbytes, memory, (queue, after.value))

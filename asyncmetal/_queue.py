@@ -239,6 +239,11 @@ class Queue:
             )
         return self._native.failure(value)
 
+    def _fails_later(self) -> bool:
+        """Whether every command submitted to it from now on fails (a device wait of it
+        ended on a value never produced: ``NativeQueue.fails_later``)."""
+        return self._native.fails_later()
+
     @property
     def handle(self) -> int | None:
         """The native stream under this queue (a ``CUstream`` address on cuda), for other

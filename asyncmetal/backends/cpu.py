@@ -461,6 +461,13 @@ class CPUQueue(NativeQueue):
         lead = "this command did not run: it follows a device-side wait for a value that"
         return failure_error(failure, lead, LATER_FAIL)
 
+    def fails_later(self) -> bool:
+        if not self._failed_from.value:
+            return False
+        own = self._timeline.c_timeline
+        failure = _native.timeline_failure(own) if own is not None else None
+        return failure is not None and failure.cause != own  # (own: its device's close)
+
     def _row(self, record: Record) -> int:
         """The address of the times row the queue thread writes for ``record``."""
         record.ring = self._times

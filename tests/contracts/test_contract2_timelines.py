@@ -133,6 +133,49 @@ async def test_signal_from_another_device(anyio_backend: object) -> None:
         assert (await b1.read(np.int32))[0] == 11
 
 
+async def test_a_default_queue_failing_for_good_leaves_the_buffers_usable(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """Another device closes while this device's default queue waits (on the device, or
+    held on the host) for a command of that device that never runs, a copy's: the wait
+    fails, and with it every
+    later command of the default queue, for good (``device.queue`` stays so: what a
+    program orders there must not run out of order). The device's own work for its
+    buffers -- ``read``, ``write``, ``copy()``, a zeroed ``alloc`` -- runs on a queue
+    the device makes in its stead: the device stays usable. Checked failing before:
+    each raised ClosedResourceError ("it follows a device-side wait ...")."""
+    before = await device.alloc(64)  # (a buffer the default queue wrote before)
+    await before.write(np.full(64, 5, np.uint8))
+    other = await am.open_device("cpu:23")
+    try:
+        put = await other.compile("void put(char* x) { x[0] = 9; }", "put")
+        theirs = await other.alloc(64)
+        stuck_queue = other.new_queue()
+        stuck_queue.wait(other.timeline(), 1)  # never signalled: the close abandons it
+        stuck_queue.launch(put, theirs)
+        mine = await device.alloc(64)
+        copied = device.queue.copy(mine, theirs)  # ordered after that launch
+    finally:
+        with anyio.fail_after(20):
+            await other.close()
+    with anyio.fail_after(20), pytest.raises(am.ClosedResourceError):
+        await copied
+    with anyio.fail_after(20), pytest.raises(am.ClosedResourceError, match="device-side wait"):
+        await device.queue.launch(kernels["empty"])
+    with anyio.fail_after(20):
+        buf = await device.alloc(64, zeroed=True)
+        assert (await buf.read(np.uint8) == 0).all()
+        await buf.write(np.arange(64, dtype=np.uint8))
+        out = np.zeros(64, np.uint8)
+        await am.copy(out, buf)
+        assert (out == np.arange(64)).all()
+        assert (await before.read(np.uint8) == 5).all()
+        await am.copy(before, buf)
+        assert (await before.read(np.uint8) == np.arange(64)).all()
+    with anyio.fail_after(20), pytest.raises(am.ClosedResourceError, match="device-side wait"):
+        await device.queue.launch(kernels["empty"])  # (still the default queue's error)
+
+
 async def test_host_signal_from_a_plain_thread_wakes_the_loop(device: am.Device) -> None:
     tl = device.timeline()
     thread = threading.Timer(0.02, tl.signal, args=(4,))

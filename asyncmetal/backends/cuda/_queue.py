@@ -382,6 +382,11 @@ class CUDAQueue(NativeQueue):
             return process_lost_error(f"the command at value {value} on {self._backend.name}")
         return None
 
+    def fails_later(self) -> bool:
+        if not self._error.value:
+            return False
+        return self._first_error()[0] in (WAITED_FAILED, HELD_FAILED)
+
     def stats(self) -> dict[str, int]:
         """How this stream's completion thread worked: event queries; waits, after
         polling found a command unfinished, blocked on its blocking-sync event or with

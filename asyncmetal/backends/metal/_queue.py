@@ -533,12 +533,7 @@ class MetalQueue(NativeQueue):
         if not waited:  # (a wait submitted meanwhile comes after `value`, reached)
             return None
         with self._waited_lock:
-            while (
-                waited
-                and waited[0][1].value >= waited[0][2]
-                and not waited[0][1].failure(waited[0][2])
-            ):
-                waited.popleft()  # produced: nothing after it can fail by it
+            self._drop_produced(waited)
             for at, timeline, target in waited:
                 if at > value:
                     break
@@ -547,6 +542,25 @@ class MetalQueue(NativeQueue):
                     lead = "this command ran after a device-side wait for a value that"
                     return failure_error(failure, lead, LATER_FAIL)
         return None
+
+    @staticmethod
+    def _drop_produced(
+        waited: collections.deque[tuple[int, MetalTimeline | HostWait, int]],
+    ) -> None:
+        """Take off the waits whose value was produced: nothing after them can fail by
+        them (under _waited_lock)."""
+        while (
+            waited and waited[0][1].value >= waited[0][2] and not waited[0][1].failure(waited[0][2])
+        ):
+            waited.popleft()
+
+    def fails_later(self) -> bool:
+        waited = self._waited
+        if not waited:
+            return False
+        with self._waited_lock:
+            self._drop_produced(waited)
+            return any(timeline.failure(target) is not None for _, timeline, target in waited)
 
     # -- commands -------------------------------------------------------------------------
 
