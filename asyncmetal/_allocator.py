@@ -626,9 +626,13 @@ class Allocator:
     def set_cache_limit(self, limit: int | None) -> None:
         """Keep at most ``limit`` bytes of freed blocks (None: the default)."""
         given = limit
-        if limit is not None and ((limit := as_int(limit)) is None or limit < 0):
+        if limit is not None and (limit := as_int(limit)) is None:
+            raise ArgumentTypeError(
+                f"memory_cache_limit must be an int or None, got {type(given).__name__}"
+            )
+        if limit is not None and limit < 0:
             raise InvalidArgumentError(
-                f"memory_cache_limit must be an int >= 0 or None, got {given!r}"
+                f"memory_cache_limit must be an int >= 0 or None, got {limit}"
             )
         with self._lock:
             self.cache_limit = self.default_cache_limit() if limit is None else limit
@@ -894,9 +898,13 @@ class Allocator:
         if budget is None:
             budget = self._state.backend.info.total_memory
         given, budget = budget, as_int(budget)
-        if budget is None or budget <= 0:
+        if budget is None:
+            raise ArgumentTypeError(
+                f"memory_budget must be an int or None (all it has), got {type(given).__name__}"
+            )
+        if budget <= 0:
             raise InvalidArgumentError(
-                f"memory_budget must be an int > 0 or None (all it has), got {given!r}"
+                f"memory_budget must be an int > 0 or None (all it has), got {budget}"
             )
         with self._lock:
             self.budget = budget

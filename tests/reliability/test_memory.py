@@ -1061,6 +1061,22 @@ async def test_an_allocation_takes_a_timeout_too_long_for_a_clock_as_none(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("setting", ["memory_budget", "memory_cache_limit"])
+async def test_memory_settings_refuse_a_wrong_type_as_a_type_error(
+    device: am.Device, setting: str
+) -> None:
+    """A value of the wrong type raises ArgumentTypeError, as alloc's nbytes does; a
+    wrong int, InvalidArgumentError. Checked: before, both raised InvalidArgumentError."""
+    before = getattr(device, setting)
+    for bad in (1.5, "1024", True, float("nan")):
+        with pytest.raises(am.ArgumentTypeError, match=setting):
+            setattr(device, setting, bad)
+    with pytest.raises(am.InvalidArgumentError, match=setting):
+        setattr(device, setting, -1)
+    assert getattr(device, setting) == before
+
+
+@pytest.mark.anyio
 async def test_peak_counts_only_memory_held(anyio_backend: object) -> None:
     """An allocation the device itself cannot make reserves its bytes a moment; the
     peak counts what was held. Checked: before, it counted the refused request."""
