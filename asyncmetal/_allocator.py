@@ -139,6 +139,38 @@ _closed_blocks: weakref.WeakSet[Block] = weakref.WeakSet()
 _closed_blocks_lock = threading.Lock()
 
 
+# The blocks a close left allocated because other devices' queues, held behind waits
+# nobody had signalled, would still use them (see ``Allocator.close``), with the
+# allocator of each: freed once those uses passed, as those devices' closes stop their
+# queues (``free_left_blocks``).
+_left_to_others: dict[Block, Allocator] = {}
+
+
+def free_left_blocks() -> None:
+    """Free the blocks closes left to other devices' queues whose uses of them have all
+    passed now (a device's close calls this once its queues stopped). One still lent
+    out (DLPack) is left to its last loan, as a close leaves it."""
+    with _closed_blocks_lock:
+        done = [(b, a) for b, a in list(_left_to_others.items()) if not a._foreign_uses(b)]
+        for block, _ in done:
+            del _left_to_others[block]
+    for block, allocator in done:
+        with allocator._loans_lock:
+            left = block.lent > 0
+            if left:
+                allocator._left_lent.add(block)
+        if not left:
+            allocator._state.backend.free(block.handle)
+
+
+def forget_left_blocks() -> None:
+    """In a forked child: the blocks closes left are the parent's (and a parent thread
+    may have held the lock at the fork)."""
+    global _closed_blocks_lock
+    _closed_blocks_lock = threading.Lock()
+    _left_to_others.clear()
+
+
 def closed_blocks() -> list[Block]:
     """The blocks of closed devices whose records may hold open devices' queues (see
     ``_closed_blocks``)."""
@@ -997,15 +1029,20 @@ class Allocator:
                     for block in [*self._live, *self._foreign]
                     if any(q.timeline.device is not device for q in list(block.last_use))
                 )
+            left_to_others = []
             for block in self._live:
                 if self._foreign_uses(block):
-                    continue  # left allocated (see _settle_foreign_uses)
+                    # Left allocated (see _settle_foreign_uses), until those uses passed.
+                    left_to_others.append(block)
+                    continue
                 with self._loans_lock:
                     left = block.lent > 0  # left allocated until its last loan ends
                     if left:
                         self._left_lent.add(block)
                 if not left:
                     self._state.backend.free(block.handle)
+            with _closed_blocks_lock:
+                _left_to_others.update((block, self) for block in left_to_others)
             self._live.clear()
             self._pending.clear()
             self._collected.clear()
@@ -1066,7 +1103,8 @@ class Allocator:
         """Wait (on the closing thread, never a loop) until other devices' queues are
         done with this device's memory, as far as they can get without the host: a use
         behind a device-side wait that nothing will signal is not waited for, and its
-        block is then left allocated rather than freed under that queue."""
+        block is then left allocated rather than freed under that queue (until that
+        queue's device closes: see ``free_left_blocks``)."""
         with self._lock:
             uses = [use for block in self._live for use in self._foreign_uses(block)]
         if not uses:
