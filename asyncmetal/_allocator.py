@@ -426,8 +426,11 @@ class Allocator:
         if timeout is not None and (
             isinstance(timeout, bool)
             or not isinstance(timeout, numbers.Real)  # (a numpy scalar too, as in compile)
-            or not timeout >= 0  # also refuses NaN
         ):
+            raise ArgumentTypeError(
+                f"timeout must be a number of seconds or None, got {type(timeout).__name__}"
+            )
+        if timeout is not None and not timeout >= 0:  # also refuses NaN
             raise InvalidArgumentError(f"timeout must be a number >= 0, got {timeout!r}")
         deadline = (  # a float: an np.float32 deadline would reach trio's epoll call
             None

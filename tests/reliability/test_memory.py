@@ -1073,10 +1073,21 @@ async def test_a_buffer_context_ends_quietly_once_its_device_closed(device: am.D
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("timeout", [float("nan"), True, -1.0])
+@pytest.mark.parametrize("timeout", [float("nan"), -1.0])
 async def test_an_allocation_refuses_a_bad_timeout(device: am.Device, timeout: object) -> None:
-    """Checked: before, NaN reached anyio (a bare ValueError) and True meant 1 s."""
+    """Checked: before, NaN reached anyio (a bare ValueError)."""
     with pytest.raises(am.InvalidArgumentError, match="timeout"):
+        await device.alloc(16, timeout=timeout)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("timeout", [True, "1", 1j])
+async def test_an_allocation_refuses_a_timeout_of_the_wrong_type_as_a_type_error(
+    device: am.Device, timeout: object
+) -> None:
+    """As a compile's timeout is refused. Checked: before, InvalidArgumentError (and
+    before that, True meant 1 s)."""
+    with pytest.raises(am.ArgumentTypeError, match="timeout"):
         await device.alloc(16, timeout=timeout)  # type: ignore[arg-type]
 
 
