@@ -141,16 +141,20 @@ _closed_blocks_lock = threading.Lock()
 
 # The blocks a close left allocated because other devices' queues, held behind waits
 # nobody had signalled, would still use them (see ``Allocator.close``), with the
-# allocator of each: freed once those uses passed, as those devices' closes stop their
-# queues (``free_left_blocks``).
+# allocator of each: freed once those uses passed -- as those devices' closes stop their
+# queues, or as a sweep of any device's memory finds them passed (``free_left_blocks``).
 _left_to_others: dict[Block, Allocator] = {}
+_left_freeing = False  # a sweep handed free_left_blocks to a thread, not run yet
 
 
 def free_left_blocks() -> None:
     """Free the blocks closes left to other devices' queues whose uses of them have all
     passed now (a device's close calls this once its queues stopped). One still lent
-    out (DLPack) is left to its last loan, as a close leaves it."""
+    out (DLPack) is left to its last loan, as a close leaves it. A native free that
+    fails goes to its device's unheard errors (that device has closed)."""
+    global _left_freeing
     with _closed_blocks_lock:
+        _left_freeing = False
         done = [(b, a) for b, a in list(_left_to_others.items()) if not a._foreign_uses(b)]
         for block, _ in done:
             del _left_to_others[block]
@@ -160,15 +164,31 @@ def free_left_blocks() -> None:
             if left:
                 allocator._left_lent.add(block)
         if not left:
-            allocator._state.backend.free(block.handle)
+            try:
+                allocator._state.backend.free(block.handle)
+            except Exception as exc:
+                allocator._state.unheard_error(exc)
+
+
+def _free_passed_left_blocks() -> None:
+    """(A sweep, while closes have left blocks to other devices' queues.) Where one of
+    them has no use left, free those on the thread cache emptyings use: never on a loop
+    (a native free may take long)."""
+    global _left_freeing
+    with _closed_blocks_lock:
+        if _left_freeing or all(a._foreign_uses(b) for b, a in _left_to_others.items()):
+            return
+        _left_freeing = True
+    _EMPTYING.submit(free_left_blocks)
 
 
 def forget_left_blocks() -> None:
     """In a forked child: the blocks closes left are the parent's (and a parent thread
     may have held the lock at the fork)."""
-    global _closed_blocks_lock
+    global _closed_blocks_lock, _left_freeing
     _closed_blocks_lock = threading.Lock()
     _left_to_others.clear()
+    _left_freeing = False
 
 
 def closed_blocks() -> list[Block]:
@@ -816,7 +836,10 @@ class Allocator:
 
     def sweep(self) -> None:
         """Take over blocks of garbage-collected buffers, and release the blocks whose
-        last uses passed."""
+        last uses passed (and those closes left to this or other devices' queues, see
+        ``free_left_blocks``)."""
+        if _left_to_others:
+            _free_passed_left_blocks()
         if self._returned:
             with self._lock:
                 self._count_returned()
