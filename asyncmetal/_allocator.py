@@ -139,6 +139,58 @@ _closed_blocks: weakref.WeakSet[Block] = weakref.WeakSet()
 _closed_blocks_lock = threading.Lock()
 
 
+# The blocks a close left allocated because other devices' queues, held behind waits
+# nobody had signalled, would still use them (see ``Allocator.close``), with the
+# allocator of each: freed once those uses passed -- as those devices' closes stop their
+# queues, or as a sweep of any device's memory finds them passed (``free_left_blocks``).
+_left_to_others: dict[Block, Allocator] = {}
+_left_freeing = False  # a sweep handed free_left_blocks to a thread, not run yet
+
+
+def free_left_blocks() -> None:
+    """Free the blocks closes left to other devices' queues whose uses of them have all
+    passed now (a device's close calls this once its queues stopped). One still lent
+    out (DLPack) is left to its last loan, as a close leaves it. A native free that
+    fails goes to its device's unheard errors (that device has closed)."""
+    global _left_freeing
+    with _closed_blocks_lock:
+        _left_freeing = False
+        done = [(b, a) for b, a in list(_left_to_others.items()) if not a._foreign_uses(b)]
+        for block, _ in done:
+            del _left_to_others[block]
+    for block, allocator in done:
+        with allocator._loans_lock:
+            left = block.lent > 0
+            if left:
+                allocator._left_lent.add(block)
+        if not left:
+            try:
+                allocator._state.backend.free(block.handle)
+            except Exception as exc:
+                allocator._state.unheard_error(exc)
+
+
+def _free_passed_left_blocks() -> None:
+    """(A sweep, while closes have left blocks to other devices' queues.) Where one of
+    them has no use left, free those on the thread cache emptyings use: never on a loop
+    (a native free may take long)."""
+    global _left_freeing
+    with _closed_blocks_lock:
+        if _left_freeing or all(a._foreign_uses(b) for b, a in _left_to_others.items()):
+            return
+        _left_freeing = True
+    _EMPTYING.submit(free_left_blocks)
+
+
+def forget_left_blocks() -> None:
+    """In a forked child: the blocks closes left are the parent's (and a parent thread
+    may have held the lock at the fork)."""
+    global _closed_blocks_lock, _left_freeing
+    _closed_blocks_lock = threading.Lock()
+    _left_to_others.clear()
+    _left_freeing = False
+
+
 def closed_blocks() -> list[Block]:
     """The blocks of closed devices whose records may hold open devices' queues (see
     ``_closed_blocks``)."""
@@ -394,8 +446,11 @@ class Allocator:
         if timeout is not None and (
             isinstance(timeout, bool)
             or not isinstance(timeout, numbers.Real)  # (a numpy scalar too, as in compile)
-            or not timeout >= 0  # also refuses NaN
         ):
+            raise ArgumentTypeError(
+                f"timeout must be a number of seconds or None, got {type(timeout).__name__}"
+            )
+        if timeout is not None and not timeout >= 0:  # also refuses NaN
             raise InvalidArgumentError(f"timeout must be a number >= 0, got {timeout!r}")
         deadline = (  # a float: an np.float32 deadline would reach trio's epoll call
             None
@@ -626,9 +681,13 @@ class Allocator:
     def set_cache_limit(self, limit: int | None) -> None:
         """Keep at most ``limit`` bytes of freed blocks (None: the default)."""
         given = limit
-        if limit is not None and ((limit := as_int(limit)) is None or limit < 0):
+        if limit is not None and (limit := as_int(limit)) is None:
+            raise ArgumentTypeError(
+                f"memory_cache_limit must be an int or None, got {type(given).__name__}"
+            )
+        if limit is not None and limit < 0:
             raise InvalidArgumentError(
-                f"memory_cache_limit must be an int >= 0 or None, got {given!r}"
+                f"memory_cache_limit must be an int >= 0 or None, got {limit}"
             )
         with self._lock:
             self.cache_limit = self.default_cache_limit() if limit is None else limit
@@ -777,7 +836,10 @@ class Allocator:
 
     def sweep(self) -> None:
         """Take over blocks of garbage-collected buffers, and release the blocks whose
-        last uses passed."""
+        last uses passed (and those closes left to this or other devices' queues, see
+        ``free_left_blocks``)."""
+        if _left_to_others:
+            _free_passed_left_blocks()
         if self._returned:
             with self._lock:
                 self._count_returned()
@@ -894,9 +956,13 @@ class Allocator:
         if budget is None:
             budget = self._state.backend.info.total_memory
         given, budget = budget, as_int(budget)
-        if budget is None or budget <= 0:
+        if budget is None:
+            raise ArgumentTypeError(
+                f"memory_budget must be an int or None (all it has), got {type(given).__name__}"
+            )
+        if budget <= 0:
             raise InvalidArgumentError(
-                f"memory_budget must be an int > 0 or None (all it has), got {given!r}"
+                f"memory_budget must be an int > 0 or None (all it has), got {budget}"
             )
         with self._lock:
             self.budget = budget
@@ -989,15 +1055,20 @@ class Allocator:
                     for block in [*self._live, *self._foreign]
                     if any(q.timeline.device is not device for q in list(block.last_use))
                 )
+            left_to_others = []
             for block in self._live:
                 if self._foreign_uses(block):
-                    continue  # left allocated (see _settle_foreign_uses)
+                    # Left allocated (see _settle_foreign_uses), until those uses passed.
+                    left_to_others.append(block)
+                    continue
                 with self._loans_lock:
                     left = block.lent > 0  # left allocated until its last loan ends
                     if left:
                         self._left_lent.add(block)
                 if not left:
                     self._state.backend.free(block.handle)
+            with _closed_blocks_lock:
+                _left_to_others.update((block, self) for block in left_to_others)
             self._live.clear()
             self._pending.clear()
             self._collected.clear()
@@ -1058,7 +1129,8 @@ class Allocator:
         """Wait (on the closing thread, never a loop) until other devices' queues are
         done with this device's memory, as far as they can get without the host: a use
         behind a device-side wait that nothing will signal is not waited for, and its
-        block is then left allocated rather than freed under that queue."""
+        block is then left allocated rather than freed under that queue (until that
+        queue's device closes: see ``free_left_blocks``)."""
         with self._lock:
             uses = [use for block in self._live for use in self._foreign_uses(block)]
         if not uses:

@@ -23,7 +23,14 @@ import anyio
 import numpy as np
 
 from . import backends
-from ._allocator import Allocator, Block, MemoryStatistics, closed_blocks
+from ._allocator import (
+    Allocator,
+    Block,
+    MemoryStatistics,
+    closed_blocks,
+    forget_left_blocks,
+    free_left_blocks,
+)
 from ._backend import Backend, NativeQueue
 from ._bridge import checkpoint
 from ._buffer import Buffer, wrap_buffer
@@ -1126,6 +1133,8 @@ class Device:
         self._natives.clear()  # (each closed with its queue)
         self._state.stopped = True  # (other devices' closes wait for these to stop)
         _attempt(errors, self._allocator.close, _completable)
+        # Memory other closes left to this device's queues: they have stopped.
+        _attempt(errors, free_left_blocks)
         _attempt(errors, self._backend.close)
         state_released(self._state)
         with _open_devices_lock:
@@ -1761,6 +1770,7 @@ def _forget_parent_devices() -> None:
     global _open_devices_lock
     _open_devices_lock = threading.Lock()  # (a parent thread may have held it at the fork)
     forget_open_states()
+    forget_left_blocks()
     for device in _devices():
         _open_devices.discard(device)
         # A thread of the parent may have held it at the fork: it is never let go here.
