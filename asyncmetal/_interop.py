@@ -33,7 +33,13 @@ from ._dlpack import (
     refuse,
     take_capsule,
 )
-from ._errors import ArgumentTypeError, ClosedResourceError, ExchangeError, InvalidArgumentError
+from ._errors import (
+    ArgumentTypeError,
+    ClosedResourceError,
+    ExchangeError,
+    InvalidArgumentError,
+    as_int,
+)
 
 
 class _Imported:
@@ -211,8 +217,23 @@ def _dlpack_device(obj: Any) -> tuple[int, int]:
         and torch.version.hip is None  # (ROCm memory says kDLROCM)
     ):
         return KDLCUDA, obj.get_device()
-    where = obj.__dlpack_device__()
-    return int(where[0]), int(where[1])
+    dlpack_device = getattr(obj, "__dlpack_device__", None)
+    if dlpack_device is None:
+        raise ArgumentTypeError(
+            f"{type(obj).__name__} has __dlpack__ but no __dlpack_device__, which DLPack asks for"
+        )
+    where = dlpack_device()
+    try:
+        kind, index = where
+    except (TypeError, ValueError):  # not a pair
+        kind = index = None
+    device_type, device_id = as_int(kind), as_int(index)
+    if device_type is None or device_id is None:
+        raise ArgumentTypeError(
+            f"{type(obj).__name__}.__dlpack_device__() returned {where!r}: expected a "
+            "(device type, device index) pair of ints"
+        )
+    return device_type, device_id
 
 
 def _torch_stream(obj: Any) -> int | None:

@@ -375,6 +375,46 @@ async def test_what_from_dlpack_refuses(anyio_backend: object) -> None:
         assert am.from_dlpack(np.zeros(4), device=dev).device is dev
 
 
+class _Claims:
+    """A producer whose ``__dlpack_device__`` returns ``where`` (or that has none)."""
+
+    def __init__(self, where: object) -> None:
+        self.where = where
+        self.asked = 0
+
+    def __dlpack__(self, **kwargs: object) -> object:
+        self.asked += 1
+        return np.zeros(4).__dlpack__()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "__dlpack_device__" and self.where != "none":
+            return lambda: self.where
+        raise AttributeError(name)
+
+
+async def test_a_dlpack_device_that_is_no_pair_of_ints_is_refused(anyio_backend: object) -> None:
+    """What ``__dlpack_device__`` returns is checked before the capsule is asked for,
+    and refused as every asyncmetal error is (ArgumentTypeError). Checked: without it,
+    a plain TypeError, ValueError, IndexError or AttributeError came out of int() and
+    indexing, and (1.5, 0) was taken as (1, 0)."""
+    async with am.open_device("cpu"):
+        for where in (None, "ab", (1,), (1, 0, 0), (1.5, 0), (1, None), (True, 0), "none"):
+            producer = _Claims(where)
+            with pytest.raises(am.ArgumentTypeError, match="__dlpack_device__") as refused:
+                am.from_dlpack(producer)
+            assert isinstance(refused.value, am.AsyncMetalError)
+            assert producer.asked == 0
+        # What producers return: ints, IntEnums (PyTorch's, JAX's), numpy ints, a list.
+        for where in ((1, 0), [1, 0], (np.int64(1), np.int32(0)), (_dlpack_type(1), 0)):
+            assert am.from_dlpack(_Claims(where)).nbytes == 32
+
+
+def _dlpack_type(value: int) -> Any:
+    import enum
+
+    return enum.IntEnum("DLDeviceType", {"kDLCPU": 1})(value)
+
+
 async def test_from_dlpack_refuses_read_only_memory_and_newer_versions(
     anyio_backend: object,
 ) -> None:
