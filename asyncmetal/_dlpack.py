@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from . import _native
-from ._errors import ArgumentTypeError, ExchangeError, InvalidArgumentError
+from ._errors import ArgumentTypeError, ExchangeError, InvalidArgumentError, as_int
 
 # The buffers here are asyncmetal Buffers, typed Any: _buffer imports this module, and
 # layers depend downward only.
@@ -309,8 +309,8 @@ def export_dlpack(
     code, bits = _export_code(dtype)
     if shape is None:
         shape = (buffer.nbytes // dtype.itemsize,)
-    versioned = max_version is not None and tuple(max_version) >= (1, 0)
-    target = (device_type, device_id) if dl_device is None else tuple(dl_device)
+    versioned = max_version is not None and _pair(max_version, "max_version") >= (1, 0)
+    target = (device_type, device_id) if dl_device is None else _pair(dl_device, "dl_device")
     moved = target != (device_type, device_id)
     # A copy, as the array API asks for copy=True (or for another device, unless
     # copy=False): made of host memory into host memory, at once.
@@ -354,6 +354,18 @@ def export_dlpack(
     except BaseException:
         release()  # no capsule: the loan ends here
         raise
+
+
+def _pair(value: Any, what: str) -> tuple[int, int]:
+    """``max_version`` or ``dl_device``: a pair of ints (IntEnums too), checked."""
+    try:
+        first, second = value
+    except (TypeError, ValueError):  # not a pair
+        first = second = None
+    pair = as_int(first), as_int(second)
+    if pair[0] is None or pair[1] is None:
+        raise ArgumentTypeError(f"{what} must be a pair of ints or None, got {value!r}")
+    return pair[0], pair[1]
 
 
 def _host_copy(

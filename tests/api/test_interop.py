@@ -248,6 +248,13 @@ async def test_what_an_export_refuses(device: am.Device) -> None:
     buf = await device.alloc(64)
     with pytest.raises(BufferError, match="DLPack device"):
         buf.__dlpack__(dl_device=(2, 0))
+    # max_version and dl_device are pairs of ints, named where they are not. Checked:
+    # "x" raised a plain TypeError naming neither, and (1,) asked for the legacy capsule.
+    for bad in ("x", (1,), (1, 0, 0), ("1", "0"), (1.0, 0), None.__class__):
+        with pytest.raises(am.ArgumentTypeError, match="max_version must be a pair"):
+            buf.__dlpack__(max_version=bad)
+        with pytest.raises(am.ArgumentTypeError, match="dl_device must be a pair"):
+            buf.__dlpack__(dl_device=bad)
     with pytest.raises(am.InvalidArgumentError, match="shape"):
         buf.typed(np.float32, (3, 5))
     with pytest.raises(am.InvalidArgumentError, match="whole number"):
