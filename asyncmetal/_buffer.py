@@ -137,11 +137,11 @@ class Buffer(Exports):
         allocator = allocation.allocator
         if not hold:
             if allocator is not None:
-                allocator.lend(allocation.block, hold=False)
+                allocator.lend(allocation.block, allocation.generation, hold=False)
             return allocation.handle, _no_loan
         if allocator is None:  # memory the device does not own: keep its owner alive
             return allocation.handle, functools.partial(_no_loan, allocation)
-        return allocation.handle, allocator.lend(allocation.block)
+        return allocation.handle, allocator.lend(allocation.block, allocation.generation)
 
     async def __aenter__(self) -> Buffer:
         return self
