@@ -77,6 +77,11 @@ def _device_for(device_type: int, device_id: int, given: Device | None) -> Devic
             raise ArgumentTypeError(f"device must be a Device, got {type(given).__name__}")
         if given.closed:
             raise ClosedResourceError(f"device {given.name} is closed")
+        if not given.writable:  # (npy: from_numpy's sources, ordered with no other kind's)
+            raise InvalidArgumentError(
+                f"{given.name} buffers are read-only sources (asyncmetal.from_numpy): "
+                "from_dlpack makes buffers of cpu (host memory) or cuda:N"
+            )
         if given.dlpack_device != where:
             raise InvalidArgumentError(f"the array is on DLPack device {where}, not {given.name}")
         return given

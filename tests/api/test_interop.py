@@ -484,6 +484,31 @@ def _dlpack_type(value: int) -> Any:
     return enum.IntEnum("DLDeviceType", {"kDLCPU": 1})(value)
 
 
+async def test_from_dlpack_onto_the_npy_device_is_refused(anyio_backend: object) -> None:
+    """The npy device holds from_numpy's read-only sources; from_dlpack never picks it,
+    and refuses it given. Checked: given, it made an npy buffer over a cpu buffer's
+    memory that shared none of that buffer's record of uses -- a copy from it ran
+    before a cpu copy into the buffer submitted first (it read 0s, not 5s)."""
+    source = await am.from_numpy(np.zeros(4, np.int32))
+    async with am.open_device("cpu") as device:
+        buf = await device.alloc(16)
+        for array in (np.zeros(4, np.int32), buf):
+            with pytest.raises(am.InvalidArgumentError, match="npy buffers are read-only"):
+                am.from_dlpack(array, device=source.device)
+        # What the buffer's own device does: ordered as the buffer.
+        alias = am.from_dlpack(buf)
+        gate = device.timeline()
+        queue = device.new_queue()
+        queue.wait(gate, 1)
+        write = queue.copy(buf, np.full(4, 5, np.int32))
+        out = np.zeros(4, np.int32)
+        read = device.queue.copy(out, alias)
+        gate.signal(1)
+        await write
+        await read
+        assert out.tolist() == [5] * 4
+
+
 async def test_from_dlpack_refuses_read_only_memory_and_newer_versions(
     anyio_backend: object,
 ) -> None:
