@@ -44,6 +44,7 @@ from ._errors import ArgumentTypeError, ExchangeError, InvalidArgumentError, as_
 Buffer = Any
 
 KDLCPU, KDLCUDA, KDLCUDAHOST, KDLMETAL = 1, 2, 3, 8
+KDLBFLOAT = 4  # DLPack's type code of bfloat16 (ml_dtypes', which JAX and PyTorch read)
 DLPACK_VERSION = (1, 1)
 FLAG_READ_ONLY = 1
 FLAG_IS_COPIED = 2
@@ -246,9 +247,12 @@ def dtype_code(dtype: np.dtype[Any]) -> tuple[int, int]:
     known = _dtype_codes.get(dtype)
     if known is not None:
         return known
+    if dtype.kind == "V" and dtype.name == "bfloat16" and dtype.itemsize == 2:  # ml_dtypes'
+        known = _dtype_codes[dtype] = KDLBFLOAT, 16
+        return known
     if dtype.kind not in _KINDS or dtype.fields is not None or dtype.subdtype is not None:
         raise ArgumentTypeError(
-            f"DLPack exports ints, unsigned ints, floats, complex and bools, not {dtype}"
+            f"DLPack exports ints, unsigned ints, floats, bfloat16, complex and bools, not {dtype}"
         )
     known = _dtype_codes[dtype] = _KINDS[dtype.kind], dtype.itemsize * 8
     return known
@@ -435,12 +439,13 @@ def numpy_capsule(
     )
     tensor = DLTensor.from_address(capsule_pointer(capsule, name) + _TENSOR_AT[name.value])
     tensor.device = DLDevice(device_type, device_id)
+    tensor.dtype.code = code  # (bfloat16's: numpy made it of uint16)
     if byte_offset:
         tensor.data, tensor.byte_offset = data, byte_offset
     return capsule
 
 
-_LETTERS = {code: kind for kind, code in _KINDS.items()}
+_LETTERS = {code: kind for kind, code in _KINDS.items()} | {KDLBFLOAT: "u"}
 MakeCapsule = Callable[
     [int, int, int, int, int, int, tuple[int, ...], bool, bool, Callable[[], None]], object
 ]

@@ -9,6 +9,7 @@ consumer holds it."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import subprocess
 import sys
@@ -132,6 +133,35 @@ async def test_both_ways_make_the_same_tensor(
         assert (extension["data"], extension["byte_offset"]) == (base + 64, 0)
         assert extension["device"] == (1, 0)
     assert extension == {**fallback, "made by": "extension"}
+
+
+async def test_bfloat16_exports_as_dlpacks_bfloat_both_ways(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ml_dtypes' bfloat16 (JAX's and PyTorch's) exports as kDLBfloat (type code 4),
+    16 bits, made either way (numpy makes the fallback's of uint16). Checked: refused
+    before ("DLPack exports ints, ... not bfloat16"), though DLPack has the type."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="needs ml_dtypes (JAX installs it)")
+    _extension_make()
+    buf = await device.alloc(64)
+    export = buf.typed(ml_dtypes.bfloat16, (4, 8)).__dlpack__
+    for versioned in (None, (1, 0)):
+        made = functools.partial(export, max_version=versioned)
+        extension, fallback = _both(made, monkeypatch)
+        assert {**extension, "made by": ""} == {**fallback, "made by": ""}
+        assert extension["dtype"] == (4, 16, 1) and extension["shape"] == [4, 8]
+
+
+async def test_jax_reads_a_bfloat16_buffer(anyio_backend: object) -> None:
+    jnp = pytest.importorskip("jax.numpy", reason="needs JAX (the test extra installs it)")
+    async with am.open_device("cpu") as device:
+        buf = await device.alloc(64)
+        values = np.arange(32, dtype=np.float32).astype(jnp.bfloat16)
+        await buf.write(values.view(np.uint16))
+        shared = jnp.from_dlpack(buf.typed(jnp.bfloat16, (4, 8)))
+        assert shared.dtype == jnp.bfloat16
+        assert shared.unsafe_buffer_pointer() == np.from_dlpack(buf).ctypes.data  # no copy
+        assert np.asarray(shared, np.float32).ravel().tolist() == list(range(32))
 
 
 async def test_a_read_only_source_exports_flagged_both_ways(
