@@ -279,6 +279,8 @@ class Buffer(Exports):
         # Arrays over it keep it as their base; once it goes, its loan ends (an
         # interrupt before drops ``release``, which ends it too: see Allocator.lend).
         array = np.asarray(_Mapping(array, Loan(release)))
+        if array.dtype != dtype.base:  # (the array interface names ml_dtypes' types V2)
+            array = array.view(dtype.base)
         return array if array.shape == full else array.reshape(full)
 
 

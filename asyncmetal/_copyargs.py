@@ -31,6 +31,11 @@ def host_view(obj: Any, what: str, *, writable: bool) -> memoryview:
             f"{what} must be a Buffer or support the buffer protocol, got {type(obj).__name__}"
             + not_a_buffer(obj)
         ) from None
+    except ValueError:  # an item type the buffer protocol cannot name (ml_dtypes' bfloat16)
+        if not isinstance(obj, np.ndarray) or obj.dtype.hasobject:
+            raise
+        items: Any = obj.view(np.dtype((np.void, obj.dtype.itemsize)))  # its bytes
+        view = memoryview(items)
     if not view.c_contiguous:
         if writable:  # (a contiguous copy of it would receive the bytes, not it)
             raise InvalidArgumentError(

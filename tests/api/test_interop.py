@@ -266,6 +266,31 @@ async def test_what_an_export_refuses(device: am.Device) -> None:
         buf.__dlpack__()
 
 
+async def test_arrays_of_ml_dtypes_are_copied_read_and_mapped(device: am.Device) -> None:
+    """ml_dtypes' bfloat16 and float8 arrays (JAX's, PyTorch's) have no buffer-protocol
+    format: their bytes are copied as they are, and read() and map() give their type.
+    Checked: write, copies and read raised a plain ValueError ("cannot include dtype
+    'E' in a buffer"), and map() gave an array of void items (V2)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="needs ml_dtypes (JAX installs it)")
+    bf16, f8 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn
+    values = np.arange(8, dtype=np.float32).astype(bf16)
+    buf = await device.alloc(16)
+    await buf.write(values)
+    assert (await buf.read(np.uint16)).tolist() == values.view(np.uint16).tolist()
+    read = await buf.read(bf16, (2, 4))
+    assert read.dtype == bf16 and read.astype(np.float32).ravel().tolist() == list(range(8))
+    mapped = await buf.map(bf16)
+    assert mapped.dtype == bf16 and mapped.astype(np.float32).tolist() == list(range(8))
+    del mapped
+    assert (await buf.read(f8)).view(np.uint8).tolist() == values.view(np.uint8).tolist()
+    await am.copy(buf, np.zeros(8, bf16))
+    out = np.ones(8, bf16)
+    await device.queue.copy(out, buf)
+    assert out.astype(np.float32).tolist() == [0.0] * 8
+    with pytest.raises(am.InvalidArgumentError, match="not C-contiguous"):
+        await buf.view(0, 8).write(np.zeros(8, bf16)[::2])
+
+
 # -- buffers in ---------------------------------------------------------------------------
 
 
