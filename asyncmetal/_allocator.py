@@ -726,10 +726,12 @@ class Allocator:
         self._collected.append((block, generation))
         self._frees.increment()
 
-    def lend(self, block: Block, hold: bool = True) -> Callable[[], None]:
+    def lend(self, block: Block, generation: int, hold: bool = True) -> Callable[[], None]:
         """Hold ``block`` for a consumer outside asyncmetal until the function returned
         is called or dropped, whichever comes first (any thread, even in the GC; with
-        ``hold`` False: not held), and remember that its memory went out.
+        ``hold`` False: not held), and remember that its memory went out. Refused where
+        ``generation`` of it (the exported buffer's) was freed meanwhile -- also where
+        the block went on to another buffer since.
 
         The loan's end is recorded with no Python code (see _LoanRecord) as its token
         goes -- the function clears it first thing (:meth:`returned`), or, where an
@@ -747,7 +749,8 @@ class Allocator:
             # (Loans whose ends nothing counted -- a mapped view's, see Buffer.map --
             # are counted here: a program exporting in a loop never sweeps.)
             self._count_returned()
-            if block.freed or block not in self._live:  # freed on another thread since
+            # Freed on another thread since (and maybe handed out anew: a new generation).
+            if block.freed or block not in self._live or block.generation != generation:
                 raise ClosedResourceError("the buffer was freed as it was exported")
             if loan is not None:
                 block.lent += 1

@@ -137,11 +137,11 @@ class Buffer(Exports):
         allocator = allocation.allocator
         if not hold:
             if allocator is not None:
-                allocator.lend(allocation.block, hold=False)
+                allocator.lend(allocation.block, allocation.generation, hold=False)
             return allocation.handle, _no_loan
         if allocator is None:  # memory the device does not own: keep its owner alive
             return allocation.handle, functools.partial(_no_loan, allocation)
-        return allocation.handle, allocator.lend(allocation.block)
+        return allocation.handle, allocator.lend(allocation.block, allocation.generation)
 
     async def __aenter__(self) -> Buffer:
         return self
@@ -279,6 +279,8 @@ class Buffer(Exports):
         # Arrays over it keep it as their base; once it goes, its loan ends (an
         # interrupt before drops ``release``, which ends it too: see Allocator.lend).
         array = np.asarray(_Mapping(array, Loan(release)))
+        if array.dtype != dtype.base:  # (the array interface names ml_dtypes' types V2)
+            array = array.view(dtype.base)
         return array if array.shape == full else array.reshape(full)
 
 

@@ -5,6 +5,7 @@ and overlaps, and what the backend's copy, copyin or copyout then takes; and a f
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -17,6 +18,12 @@ from ._errors import ArgumentTypeError, InvalidArgumentError, as_int
 
 def host_view(obj: Any, what: str, *, writable: bool) -> memoryview:
     """A flat byte view of a host object; refuses what cannot be copied in place."""
+    if jax_computing(obj):  # (its buffer protocol would wait for the computation)
+        raise InvalidArgumentError(
+            f"{what} is a JAX array still being computed, and JAX blocks until it is done "
+            "to give its memory: await it first (await anyio.to_thread.run_sync("
+            f"{what}.block_until_ready)), then copy"
+        )
     try:
         view = memoryview(obj)
     except TypeError:
@@ -24,6 +31,11 @@ def host_view(obj: Any, what: str, *, writable: bool) -> memoryview:
             f"{what} must be a Buffer or support the buffer protocol, got {type(obj).__name__}"
             + not_a_buffer(obj)
         ) from None
+    except ValueError:  # an item type the buffer protocol cannot name (ml_dtypes' bfloat16)
+        if not isinstance(obj, np.ndarray) or obj.dtype.hasobject:
+            raise
+        items: Any = obj.view(np.dtype((np.void, obj.dtype.itemsize)))  # its bytes
+        view = memoryview(items)
     if not view.c_contiguous:
         if writable:  # (a contiguous copy of it would receive the bytes, not it)
             raise InvalidArgumentError(
@@ -42,6 +54,14 @@ def host_view(obj: Any, what: str, *, writable: bool) -> memoryview:
             "(numbers, bools, bytes); device memory cannot hold object pointers"
         )
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def jax_computing(obj: Any) -> bool:
+    """Whether ``obj`` is a JAX array whose computation has not finished (JAX dispatches
+    it asynchronously): its host memory, through the buffer protocol or ``__dlpack__``,
+    waits for it, blocking the caller -- the loop's thread. Never blocks itself."""
+    array = getattr(sys.modules.get("jax"), "Array", None)  # (None: JAX not imported)
+    return array is not None and isinstance(obj, array) and not obj.is_ready()
 
 
 def _holds_objects(view: memoryview) -> bool:

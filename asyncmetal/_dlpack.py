@@ -37,13 +37,25 @@ from typing import Any
 import numpy as np
 
 from . import _native
-from ._errors import ArgumentTypeError, ExchangeError, InvalidArgumentError
+from ._errors import ArgumentTypeError, ExchangeError, InvalidArgumentError, as_int
 
 # The buffers here are asyncmetal Buffers, typed Any: _buffer imports this module, and
 # layers depend downward only.
 Buffer = Any
 
 KDLCPU, KDLCUDA, KDLCUDAHOST, KDLMETAL = 1, 2, 3, 8
+# DLPack's type codes and bits of ml_dtypes' types (JAX's and PyTorch's), by name.
+_ML_DTYPES = {
+    "bfloat16": (4, 16),
+    "float8_e3m4": (7, 8),
+    "float8_e4m3": (8, 8),
+    "float8_e4m3b11fnuz": (9, 8),
+    "float8_e4m3fn": (10, 8),
+    "float8_e4m3fnuz": (11, 8),
+    "float8_e5m2": (12, 8),
+    "float8_e5m2fnuz": (13, 8),
+    "float8_e8m0fnu": (14, 8),
+}
 DLPACK_VERSION = (1, 1)
 FLAG_READ_ONLY = 1
 FLAG_IS_COPIED = 2
@@ -238,6 +250,7 @@ def _no_release() -> None:
 
 
 _dtype_codes: dict[np.dtype[Any], tuple[int, int]] = {}
+_USER_TYPES = 256  # NPY_USERDEF: the types numpy does not define itself number from here
 _KINDS = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}
 
 
@@ -246,9 +259,19 @@ def dtype_code(dtype: np.dtype[Any]) -> tuple[int, int]:
     known = _dtype_codes.get(dtype)
     if known is not None:
         return known
-    if dtype.kind not in _KINDS or dtype.fields is not None or dtype.subdtype is not None:
+    named = _ML_DTYPES.get(dtype.name) if dtype.num >= _USER_TYPES else None
+    if named is not None and named[1] == dtype.itemsize * 8:  # ml_dtypes'
+        known = _dtype_codes[dtype] = named
+        return known
+    if (
+        dtype.kind not in _KINDS
+        or dtype.num >= _USER_TYPES  # (float8_e5m2 says kind "f": not an IEEE float)
+        or dtype.fields is not None
+        or dtype.subdtype is not None
+    ):
         raise ArgumentTypeError(
-            f"DLPack exports ints, unsigned ints, floats, complex and bools, not {dtype}"
+            "DLPack exports ints, unsigned ints, floats (bfloat16 and float8 too), complex "
+            f"and bools, not {dtype}"
         )
     known = _dtype_codes[dtype] = _KINDS[dtype.kind], dtype.itemsize * 8
     return known
@@ -309,8 +332,8 @@ def export_dlpack(
     code, bits = _export_code(dtype)
     if shape is None:
         shape = (buffer.nbytes // dtype.itemsize,)
-    versioned = max_version is not None and tuple(max_version) >= (1, 0)
-    target = (device_type, device_id) if dl_device is None else tuple(dl_device)
+    versioned = max_version is not None and _pair(max_version, "max_version") >= (1, 0)
+    target = (device_type, device_id) if dl_device is None else _pair(dl_device, "dl_device")
     moved = target != (device_type, device_id)
     # A copy, as the array API asks for copy=True (or for another device, unless
     # copy=False): made of host memory into host memory, at once.
@@ -354,6 +377,18 @@ def export_dlpack(
     except BaseException:
         release()  # no capsule: the loan ends here
         raise
+
+
+def _pair(value: Any, what: str) -> tuple[int, int]:
+    """``max_version`` or ``dl_device``: a pair of ints (IntEnums too), checked."""
+    try:
+        first, second = value
+    except (TypeError, ValueError):  # not a pair
+        first = second = None
+    pair = as_int(first), as_int(second)
+    if pair[0] is None or pair[1] is None:
+        raise ArgumentTypeError(f"{what} must be a pair of ints or None, got {value!r}")
+    return pair[0], pair[1]
 
 
 def _host_copy(
@@ -423,12 +458,13 @@ def numpy_capsule(
     )
     tensor = DLTensor.from_address(capsule_pointer(capsule, name) + _TENSOR_AT[name.value])
     tensor.device = DLDevice(device_type, device_id)
+    tensor.dtype.code = code  # (ml_dtypes': numpy made it of unsigned ints)
     if byte_offset:
         tensor.data, tensor.byte_offset = data, byte_offset
     return capsule
 
 
-_LETTERS = {code: kind for kind, code in _KINDS.items()}
+_LETTERS = {code: kind for kind, code in _KINDS.items()} | {c: "u" for c, _ in _ML_DTYPES.values()}
 MakeCapsule = Callable[
     [int, int, int, int, int, int, tuple[int, ...], bool, bool, Callable[[], None]], object
 ]

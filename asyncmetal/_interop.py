@@ -22,6 +22,7 @@ import numpy as np
 
 from . import _native, backends
 from ._buffer import Buffer
+from ._copyargs import jax_computing
 from ._device import Device, closing, devices_opened, foreign_buffer, open_devices
 from ._dlpack import (
     DLPACK_VERSION,
@@ -33,7 +34,13 @@ from ._dlpack import (
     refuse,
     take_capsule,
 )
-from ._errors import ArgumentTypeError, ClosedResourceError, ExchangeError, InvalidArgumentError
+from ._errors import (
+    ArgumentTypeError,
+    ClosedResourceError,
+    ExchangeError,
+    InvalidArgumentError,
+    as_int,
+)
 from ._queue import Queue
 
 
@@ -71,6 +78,11 @@ def _device_for(device_type: int, device_id: int, given: Device | None) -> Devic
             raise ArgumentTypeError(f"device must be a Device, got {type(given).__name__}")
         if given.closed:
             raise ClosedResourceError(f"device {given.name} is closed")
+        if not given.writable:  # (npy: from_numpy's sources, ordered with no other kind's)
+            raise InvalidArgumentError(
+                f"{given.name} buffers are read-only sources (asyncmetal.from_numpy): "
+                "from_dlpack makes buffers of cpu (host memory) or cuda:N"
+            )
         if given.dlpack_device != where:
             raise InvalidArgumentError(f"the array is on DLPack device {where}, not {given.name}")
         return given
@@ -130,7 +142,8 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     before every command that orders itself after the buffer (copies do; launches with
     ``queue.after(buf)``). The array must be C-contiguous. It is kept alive while the
     buffer is; freeing the buffer gives nothing back to the allocator (the memory is
-    the producer's). Never blocks.
+    the producer's). Never blocks: a JAX array still being computed, whose
+    ``__dlpack__`` would wait for it, is refused (ExchangeError) -- await it first.
     """
     if not hasattr(obj, "__dlpack__"):
         if hasattr(obj, "__cuda_array_interface__"):
@@ -142,6 +155,12 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     device_type, device_id = _dlpack_device(obj)
     if device_type == KDLMETAL:  # an MTLBuffer and an offset, not an address
         raise ExchangeError("from_dlpack of Metal memory is not supported yet")
+    if device_type in _HOST and jax_computing(obj):
+        raise ExchangeError(
+            "the JAX array is still being computed, and JAX's __dlpack__ of host memory "
+            "blocks until it is done: await it first (await anyio.to_thread.run_sync("
+            "array.block_until_ready)), then share it"
+        )
     target = _device_for(device_type, device_id, device)
     # Device memory: the queue that orders after the producer's work (asked once).
     own = target._own_queue() if device_type == KDLCUDA else None
@@ -214,8 +233,23 @@ def _dlpack_device(obj: Any) -> tuple[int, int]:
         and torch.version.hip is None  # (ROCm memory says kDLROCM)
     ):
         return KDLCUDA, obj.get_device()
-    where = obj.__dlpack_device__()
-    return int(where[0]), int(where[1])
+    dlpack_device = getattr(obj, "__dlpack_device__", None)
+    if dlpack_device is None:
+        raise ArgumentTypeError(
+            f"{type(obj).__name__} has __dlpack__ but no __dlpack_device__, which DLPack asks for"
+        )
+    where = dlpack_device()
+    try:
+        kind, index = where
+    except (TypeError, ValueError):  # not a pair
+        kind = index = None
+    device_type, device_id = as_int(kind), as_int(index)
+    if device_type is None or device_id is None:
+        raise ArgumentTypeError(
+            f"{type(obj).__name__}.__dlpack_device__() returned {where!r}: expected a "
+            "(device type, device index) pair of ints"
+        )
+    return device_type, device_id
 
 
 def _torch_stream(obj: Any) -> int | None:

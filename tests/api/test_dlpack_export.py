@@ -9,6 +9,7 @@ consumer holds it."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import subprocess
 import sys
@@ -132,6 +133,42 @@ async def test_both_ways_make_the_same_tensor(
         assert (extension["data"], extension["byte_offset"]) == (base + 64, 0)
         assert extension["device"] == (1, 0)
     assert extension == {**fallback, "made by": "extension"}
+
+
+@pytest.mark.parametrize(
+    ("name", "code", "bits"),
+    [("bfloat16", 4, 16), ("float8_e4m3fn", 10, 8), ("float8_e5m2", 12, 8)],
+)
+async def test_ml_dtypes_export_as_dlpacks_types_both_ways(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch, name: str, code: int, bits: int
+) -> None:
+    """ml_dtypes' bfloat16 and float8 types (JAX's and PyTorch's) export as DLPack's
+    kDLBfloat and kDLFloat8_* (JAX's codes), made either way (numpy makes the
+    fallback's of unsigned ints). Checked: refused before ("DLPack exports ints, ...
+    not bfloat16"), though DLPack has the types."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="needs ml_dtypes (JAX installs it)")
+    _extension_make()
+    buf = await device.alloc(64)
+    typed = buf.typed(getattr(ml_dtypes, name), (4, -1))
+    for versioned in (None, (1, 0)):
+        made = functools.partial(typed.__dlpack__, max_version=versioned)
+        extension, fallback = _both(made, monkeypatch)
+        assert {**extension, "made by": ""} == {**fallback, "made by": ""}
+        assert extension["dtype"] == (code, bits, 1)
+        assert extension["shape"] == [4, 128 // bits]
+
+
+async def test_jax_reads_bfloat16_and_float8_buffers(anyio_backend: object) -> None:
+    jnp = pytest.importorskip("jax.numpy", reason="needs JAX (the test extra installs it)")
+    async with am.open_device("cpu") as device:
+        for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+            values = np.arange(16, dtype=np.float32).astype(dtype)
+            buf = await device.alloc(values.nbytes)
+            await buf.write(values)
+            shared = jnp.from_dlpack(buf.typed(dtype, (4, 4)))
+            assert shared.dtype == dtype
+            assert shared.unsafe_buffer_pointer() == np.from_dlpack(buf).ctypes.data  # shared
+            assert np.asarray(shared, np.float32).ravel().tolist() == list(range(16))
 
 
 async def test_a_read_only_source_exports_flagged_both_ways(

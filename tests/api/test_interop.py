@@ -248,6 +248,13 @@ async def test_what_an_export_refuses(device: am.Device) -> None:
     buf = await device.alloc(64)
     with pytest.raises(BufferError, match="DLPack device"):
         buf.__dlpack__(dl_device=(2, 0))
+    # max_version and dl_device are pairs of ints, named where they are not. Checked:
+    # "x" raised a plain TypeError naming neither, and (1,) asked for the legacy capsule.
+    for bad in ("x", (1,), (1, 0, 0), ("1", "0"), (1.0, 0), None.__class__):
+        with pytest.raises(am.ArgumentTypeError, match="max_version must be a pair"):
+            buf.__dlpack__(max_version=bad)
+        with pytest.raises(am.ArgumentTypeError, match="dl_device must be a pair"):
+            buf.__dlpack__(dl_device=bad)
     with pytest.raises(am.InvalidArgumentError, match="shape"):
         buf.typed(np.float32, (3, 5))
     with pytest.raises(am.InvalidArgumentError, match="whole number"):
@@ -257,6 +264,31 @@ async def test_what_an_export_refuses(device: am.Device) -> None:
     await buf.free()
     with pytest.raises(am.ClosedResourceError, match="freed"):
         buf.__dlpack__()
+
+
+async def test_arrays_of_ml_dtypes_are_copied_read_and_mapped(device: am.Device) -> None:
+    """ml_dtypes' bfloat16 and float8 arrays (JAX's, PyTorch's) have no buffer-protocol
+    format: their bytes are copied as they are, and read() and map() give their type.
+    Checked: write, copies and read raised a plain ValueError ("cannot include dtype
+    'E' in a buffer"), and map() gave an array of void items (V2)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="needs ml_dtypes (JAX installs it)")
+    bf16, f8 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn
+    values = np.arange(8, dtype=np.float32).astype(bf16)
+    buf = await device.alloc(16)
+    await buf.write(values)
+    assert (await buf.read(np.uint16)).tolist() == values.view(np.uint16).tolist()
+    read = await buf.read(bf16, (2, 4))
+    assert read.dtype == bf16 and read.astype(np.float32).ravel().tolist() == list(range(8))
+    mapped = await buf.map(bf16)
+    assert mapped.dtype == bf16 and mapped.astype(np.float32).tolist() == list(range(8))
+    del mapped
+    assert (await buf.read(f8)).view(np.uint8).tolist() == values.view(np.uint8).tolist()
+    await am.copy(buf, np.zeros(8, bf16))
+    out = np.ones(8, bf16)
+    await device.queue.copy(out, buf)
+    assert out.astype(np.float32).tolist() == [0.0] * 8
+    with pytest.raises(am.InvalidArgumentError, match="not C-contiguous"):
+        await buf.view(0, 8).write(np.zeros(8, bf16)[::2])
 
 
 # -- buffers in ---------------------------------------------------------------------------
@@ -323,6 +355,68 @@ async def test_jax_shares_cpu_memory_both_ways(anyio_backend: object) -> None:
         assert (await out.read(np.int32)).tolist() == list(range(32))
 
 
+def _slow_jax_computation() -> tuple[Any, Any]:
+    """A compiled JAX function lasting far longer than the few calls a test makes
+    between its ``is_ready()`` check and asyncmetal's, and its input."""
+    jax = pytest.importorskip("jax", reason="needs JAX (the test extra installs it)")
+
+    @jax.jit
+    def slow(x: Any) -> Any:
+        for _ in range(8):
+            x = jax.numpy.tanh(x @ x)
+        return x
+
+    start = jax.numpy.full((1024, 1024), 1e-3, jax.numpy.float32)
+    slow(start).block_until_ready()  # compiled: the next calls are dispatched only
+    return slow, start
+
+
+async def test_a_jax_array_still_being_computed_is_refused_not_waited_for(
+    anyio_backend: object,
+) -> None:
+    """JAX dispatches a computation and returns its array at once; its ``__dlpack__``
+    of host memory then blocks until the computation is done -- on the loop's thread,
+    which from_dlpack never blocks. Refused while ``is_ready()`` says not, taken once
+    awaited. Checked: without the check from_dlpack waited for the whole computation
+    and returned a buffer."""
+    slow, start = _slow_jax_computation()
+    async with am.open_device("cpu"):
+        array = slow(start)
+        if array.is_ready():
+            pytest.skip("JAX finished the computation before it could be shared")
+        with pytest.raises(am.ExchangeError, match="still being computed"):
+            am.from_dlpack(array)
+        await anyio.to_thread.run_sync(array.block_until_ready)
+        assert am.from_dlpack(array).nbytes == 4 << 20
+
+
+async def test_a_copy_of_a_jax_array_still_being_computed_is_refused(
+    anyio_backend: object,
+) -> None:
+    """A JAX array's buffer protocol, as its ``__dlpack__``, waits for its computation:
+    a copy from (or to) one still being computed is refused before its memory is
+    asked for, on every path a host operand takes, and made once it is awaited.
+    Checked: without the check each call waited for the computation on the loop's
+    thread (0.3 s here), then copied."""
+    slow, start = _slow_jax_computation()
+    async with am.open_device("cpu") as device:
+        buf = await device.alloc(4 << 20)
+        array = slow(start)
+        if array.is_ready():
+            pytest.skip("JAX finished the computation before it could be copied")
+        with pytest.raises(am.InvalidArgumentError, match="src is a JAX array still being"):
+            device.queue.copy(buf, array)
+        with pytest.raises(am.InvalidArgumentError, match="src is a JAX array still being"):
+            await buf.write(array)
+        with pytest.raises(am.InvalidArgumentError, match="src is a JAX array still being"):
+            await am.copy(buf, array)
+        with pytest.raises(am.InvalidArgumentError, match="dst is a JAX array still being"):
+            device.queue.copy(array, buf)
+        await anyio.to_thread.run_sync(array.block_until_ready)
+        await buf.write(array)
+        assert (await buf.read(np.float32)).tolist() == np.asarray(array).ravel().tolist()
+
+
 async def test_from_dlpack_round_trip_through_a_buffer(anyio_backend: object) -> None:
     async with am.open_device("cpu") as dev:
         buf = await dev.alloc(40)
@@ -373,6 +467,71 @@ async def test_what_from_dlpack_refuses(anyio_backend: object) -> None:
         finally:
             await other.close()
         assert am.from_dlpack(np.zeros(4), device=dev).device is dev
+
+
+class _Claims:
+    """A producer whose ``__dlpack_device__`` returns ``where`` (or that has none)."""
+
+    def __init__(self, where: object) -> None:
+        self.where = where
+        self.asked = 0
+
+    def __dlpack__(self, **kwargs: object) -> object:
+        self.asked += 1
+        return np.zeros(4).__dlpack__()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "__dlpack_device__" and self.where != "none":
+            return lambda: self.where
+        raise AttributeError(name)
+
+
+async def test_a_dlpack_device_that_is_no_pair_of_ints_is_refused(anyio_backend: object) -> None:
+    """What ``__dlpack_device__`` returns is checked before the capsule is asked for,
+    and refused as every asyncmetal error is (ArgumentTypeError). Checked: without it,
+    a plain TypeError, ValueError, IndexError or AttributeError came out of int() and
+    indexing, and (1.5, 0) was taken as (1, 0)."""
+    async with am.open_device("cpu"):
+        for where in (None, "ab", (1,), (1, 0, 0), (1.5, 0), (1, None), (True, 0), "none"):
+            producer = _Claims(where)
+            with pytest.raises(am.ArgumentTypeError, match="__dlpack_device__") as refused:
+                am.from_dlpack(producer)
+            assert isinstance(refused.value, am.AsyncMetalError)
+            assert producer.asked == 0
+        # What producers return: ints, IntEnums (PyTorch's, JAX's), numpy ints, a list.
+        for where in ((1, 0), [1, 0], (np.int64(1), np.int32(0)), (_dlpack_type(1), 0)):
+            assert am.from_dlpack(_Claims(where)).nbytes == 32
+
+
+def _dlpack_type(value: int) -> Any:
+    import enum
+
+    return enum.IntEnum("DLDeviceType", {"kDLCPU": 1})(value)
+
+
+async def test_from_dlpack_onto_the_npy_device_is_refused(anyio_backend: object) -> None:
+    """The npy device holds from_numpy's read-only sources; from_dlpack never picks it,
+    and refuses it given. Checked: given, it made an npy buffer over a cpu buffer's
+    memory that shared none of that buffer's record of uses -- a copy from it ran
+    before a cpu copy into the buffer submitted first (it read 0s, not 5s)."""
+    source = await am.from_numpy(np.zeros(4, np.int32))
+    async with am.open_device("cpu") as device:
+        buf = await device.alloc(16)
+        for array in (np.zeros(4, np.int32), buf):
+            with pytest.raises(am.InvalidArgumentError, match="npy buffers are read-only"):
+                am.from_dlpack(array, device=source.device)
+        # What the buffer's own device does: ordered as the buffer.
+        alias = am.from_dlpack(buf)
+        gate = device.timeline()
+        queue = device.new_queue()
+        queue.wait(gate, 1)
+        write = queue.copy(buf, np.full(4, 5, np.int32))
+        out = np.zeros(4, np.int32)
+        read = device.queue.copy(out, alias)
+        gate.signal(1)
+        await write
+        await read
+        assert out.tolist() == [5] * 4
 
 
 async def test_from_dlpack_refuses_read_only_memory_and_newer_versions(

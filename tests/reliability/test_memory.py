@@ -949,6 +949,35 @@ async def test_a_buffer_freed_on_another_thread_as_it_is_exported_is_not_lent(
 
 
 @pytest.mark.anyio
+async def test_a_buffer_freed_and_its_block_handed_out_again_as_it_is_exported_is_not_lent(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, and the block, back in the cache, is handed out again to a new buffer
+    (the loop allocates) before the export lends it: the export is refused. Checked:
+    before, the block -- live again, under a new generation -- was lent, the old
+    buffer's consumer getting a view of the new buffer's memory."""
+    async with am.open_device("cpu:39") as device:
+        buf = await device.alloc(4096)
+        allocator = device._allocator
+        order = _dlpack._order_for_consumer
+        again: list[Any] = []
+
+        def checked_then_freed_and_reused(*args: Any) -> None:  # (after the checks)
+            order(*args)
+            buf._allocation.freed = buf._allocation.block.freed = True
+            allocator.release_after(buf._allocation.block, [])
+            # What the loop's next alloc(4096) does meanwhile: takes the cached block.
+            again.append(allocator._try_alloc(4096, allocator._usable_size(4096)))
+
+        monkeypatch.setattr(_dlpack, "_order_for_consumer", checked_then_freed_and_reused)
+        with pytest.raises(am.ClosedResourceError, match="freed as it was exported"):
+            np.from_dlpack(buf)
+        monkeypatch.undo()
+        assert again[0].block is buf._allocation.block  # the same block, handed out anew
+        assert not again[0].block.lent
+
+
+@pytest.mark.anyio
 async def test_exported_buffers_leave_no_record_once_released(anyio_backend: object) -> None:
     """A buffer exported through DLPack, then freed: the allocator forgets the export,
     so its memory (freed natively, or cached and handed out again) is not kept alive.
