@@ -60,8 +60,8 @@ def jax_computing(obj: Any) -> bool:
     """Whether ``obj`` is a JAX array whose computation has not finished (JAX dispatches
     it asynchronously): its host memory, through the buffer protocol or ``__dlpack__``,
     waits for it, blocking the caller -- the loop's thread. Never blocks itself."""
-    array = getattr(sys.modules.get("jax"), "Array", None)  # (None: JAX not imported)
-    return array is not None and isinstance(obj, array) and not obj.is_ready()
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(obj, jax.Array) and not obj.is_ready()
 
 
 def _holds_objects(view: memoryview) -> bool:
