@@ -5,7 +5,6 @@ and overlaps, and what the backend's copy, copyin or copyout then takes; and a f
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -18,12 +17,6 @@ from ._errors import ArgumentTypeError, InvalidArgumentError, as_int
 
 def host_view(obj: Any, what: str, *, writable: bool) -> memoryview:
     """A flat byte view of a host object; refuses what cannot be copied in place."""
-    if jax_computing(obj):  # (its buffer protocol would wait for the computation)
-        raise InvalidArgumentError(
-            f"{what} is a JAX array still being computed, and JAX blocks until it is done "
-            "to give its memory: await it first (await anyio.to_thread.run_sync("
-            f"{what}.block_until_ready)), then copy"
-        )
     try:
         view = memoryview(obj)
     except TypeError:
@@ -54,14 +47,6 @@ def host_view(obj: Any, what: str, *, writable: bool) -> memoryview:
             "(numbers, bools, bytes); device memory cannot hold object pointers"
         )
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-
-
-def jax_computing(obj: Any) -> bool:
-    """Whether ``obj`` is a JAX array whose computation has not finished (JAX dispatches
-    it asynchronously): its host memory, through the buffer protocol or ``__dlpack__``,
-    waits for it, blocking the caller -- the loop's thread. Never blocks itself."""
-    jax = sys.modules.get("jax")
-    return jax is not None and isinstance(obj, jax.Array) and not obj.is_ready()
 
 
 def _holds_objects(view: memoryview) -> bool:

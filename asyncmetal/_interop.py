@@ -22,7 +22,6 @@ import numpy as np
 
 from . import _native, backends
 from ._buffer import Buffer
-from ._copyargs import jax_computing
 from ._device import Device, closing, devices_opened, foreign_buffer, open_devices
 from ._dlpack import (
     DLPACK_VERSION,
@@ -155,7 +154,7 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     device_type, device_id = _dlpack_device(obj)
     if device_type == KDLMETAL:  # an MTLBuffer and an offset, not an address
         raise ExchangeError("from_dlpack of Metal memory is not supported yet")
-    if device_type in _HOST and jax_computing(obj):
+    if device_type in _HOST and _jax_computing(obj):
         raise ExchangeError(
             "the JAX array is still being computed, and JAX's __dlpack__ of host memory "
             "blocks until it is done: await it first (await anyio.to_thread.run_sync("
@@ -250,6 +249,14 @@ def _dlpack_device(obj: Any) -> tuple[int, int]:
             "(device type, device index) pair of ints"
         )
     return device_type, device_id
+
+
+def _jax_computing(obj: Any) -> bool:
+    """Whether ``obj`` is a JAX array whose computation has not finished (JAX dispatches
+    it asynchronously): its ``__dlpack__`` of host memory would wait for it, blocking
+    the caller -- the loop's thread. Never blocks itself."""
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(obj, jax.Array) and not obj.is_ready()
 
 
 def _torch_stream(obj: Any) -> int | None:
