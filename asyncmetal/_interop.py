@@ -141,8 +141,7 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     before every command that orders itself after the buffer (copies do; launches with
     ``queue.after(buf)``). The array must be C-contiguous. It is kept alive while the
     buffer is; freeing the buffer gives nothing back to the allocator (the memory is
-    the producer's). Never blocks: a JAX array still being computed, whose
-    ``__dlpack__`` would wait for it, is refused (ExchangeError) -- await it first.
+    the producer's). Never blocks.
     """
     if not hasattr(obj, "__dlpack__"):
         if hasattr(obj, "__cuda_array_interface__"):
@@ -154,12 +153,6 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     device_type, device_id = _dlpack_device(obj)
     if device_type == KDLMETAL:  # an MTLBuffer and an offset, not an address
         raise ExchangeError("from_dlpack of Metal memory is not supported yet")
-    if device_type in _HOST and _jax_computing(obj):
-        raise ExchangeError(
-            "the JAX array is still being computed, and JAX's __dlpack__ of host memory "
-            "blocks until it is done: await it first (await anyio.to_thread.run_sync("
-            "array.block_until_ready)), then share it"
-        )
     target = _device_for(device_type, device_id, device)
     # Device memory: the queue that orders after the producer's work (asked once).
     own = target._own_queue() if device_type == KDLCUDA else None
@@ -249,14 +242,6 @@ def _dlpack_device(obj: Any) -> tuple[int, int]:
             "(device type, device index) pair of ints"
         )
     return device_type, device_id
-
-
-def _jax_computing(obj: Any) -> bool:
-    """Whether ``obj`` is a JAX array whose computation has not finished (JAX dispatches
-    it asynchronously): its ``__dlpack__`` of host memory would wait for it, blocking
-    the caller -- the loop's thread. Never blocks itself."""
-    jax = sys.modules.get("jax")
-    return jax is not None and isinstance(obj, jax.Array) and not obj.is_ready()
 
 
 def _torch_stream(obj: Any) -> int | None:
