@@ -946,3 +946,32 @@ async def test_compiler_identities_are_kept_for_the_most_recently_used_only(
     gone = base.with_options(("-DN=0",))
     assert gone not in _pool._identities
     assert await compiler_identity(gone) == gone.identity()
+
+
+async def test_compile_many_times_out_joining_a_compile_without_one(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A compile_many's timeout is its caller's own, as compile()'s is: a kernel joining
+    a compile another caller started without a timeout raises "timed out" while that
+    compile goes on. Checked: before, the step waited for the joined compile to end
+    (here: not within the test)."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    src = f"void k(int* x) {{ x[0] = 1; }}\n/* {time.time_ns()} */\n"
+    try:
+        with anyio.fail_after(BOUND):
+            async with am.open_device("cpu") as device:
+                device.compile_pool = pool
+                device._backend._compiler = SlowCompiler(BOUND * 2)  # type: ignore[attr-defined]
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(device.compile, src, "k")  # no timeout
+                    while not pool._in_flight:
+                        await anyio.sleep(0.001)
+                    (job,) = pool._in_flight.values()
+                    with pytest.raises(am.CompileError, match=r"timed out after 0\.5 s") as caught:
+                        async for _ in device.compile_many([(src, "k")], timeout=0.5):
+                            pass
+                    assert caught.value.name == "k"
+                    assert not job.done.value, "the other caller's compile was ended"
+                    tg.cancel_scope.cancel()
+    finally:
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
