@@ -604,6 +604,31 @@ def _forget_default_in_child() -> None:
     _default_pool = None
     _default_lock = threading.Lock()
     _identities_lock = threading.Lock()  # (a parent thread may have held it)
+    _let_go_of_parents_workers()
+
+
+def _let_go_of_parents_workers() -> None:
+    """In a forked child: its copies of the parent's worker pipes become /dev/null. A
+    worker ends when its input ends: a child holding a copy of that input (for its
+    life: a server's worker) would keep it waiting, and the parent's close would wait
+    for it and then kill it. (The file objects stay, harmless: the child refuses the
+    pools.)"""
+    try:
+        null = os.open(os.devnull, os.O_RDWR)
+    except OSError:
+        return
+    try:
+        for pool in list(_pools):
+            for worker in list(pool._workers):
+                proc = worker.proc
+                if proc is None:
+                    continue
+                for stream in (proc.stdin, proc.stdout):
+                    if stream is not None:
+                        with contextlib.suppress(OSError, ValueError):
+                            os.dup2(null, stream.fileno())
+    finally:
+        os.close(null)
 
 
 if hasattr(os, "register_at_fork"):

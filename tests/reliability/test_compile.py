@@ -891,6 +891,47 @@ def test_a_pool_made_before_a_fork_is_refused_in_the_child(tmp_path: Path) -> No
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
+_FORK_THEN_CLOSE = """
+import os, sys, time, anyio
+sys.path.insert(0, {root!r})
+import asyncmetal as am
+from asyncmetal._pool import CompilePool
+from asyncmetal._cache import CompileCache
+from asyncmetal.backends.cpu import CCompiler
+pool = CompilePool(1, cache=CompileCache({cache!r}))
+assert anyio.run(pool.compile, CCompiler(), "int twice(int x) {{ return 2 * x; }}")
+worker = pool._workers[0].proc  # up, waiting for its next job
+held, release = os.pipe()
+pid = os.fork()
+if pid == 0:  # the child lives on until the parent is done
+    os.close(release)
+    os.read(held, 1)
+    os._exit(0)
+os.close(held)
+anyio.run(pool.aclose)
+os.close(release)
+os.waitpid(pid, 0)
+print(worker.returncode)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_does_not_hold_the_parents_workers_open(tmp_path: Path) -> None:
+    """A child forked while a pool's worker waits for work gets none of the worker's
+    pipes: closing the pool in the parent ends the worker by its end of input (exit
+    code 0), while the child lives. Checked: before, the child's copy of the worker's
+    input kept it waiting, and the parent's close waited 5 s for it, then killed it
+    (SIGKILL: -9)."""
+    script = _FORK_THEN_CLOSE.format(
+        root=str(Path(__file__).resolve().parents[2]), cache=str(tmp_path / "cache")
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=BOUND
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0", "the worker did not end by its input's end"
+
+
 @pytest.mark.parametrize("first", ["timed", "untimed"])
 async def test_a_joined_compile_keeps_each_callers_own_timeout(
     pool: CompilePool, first: str
