@@ -364,7 +364,9 @@ class CompilePool:
     def prestart(self) -> None:
         """Start every worker process now rather than on demand (each then waits for
         work). Never blocks: the processes start in their handler threads."""
+        self._check_usable()
         with self._lock:
+            self._check_usable()  # (closed meanwhile: it would start workers nobody stops)
             while len(self._workers) < self.max_workers:
                 self._workers.append(_Worker(self, eager=True))
 
@@ -381,6 +383,9 @@ class CompilePool:
         timeout = check_timeout(timeout)
         self._check_usable()
         with self._lock:
+            # Again under the lock, which shutdown closes under: a job queued after the
+            # workers' stops would never run.
+            self._check_usable()
             job = self._in_flight.get(key)
             if job is None:
                 job = _Job(key, compiler, src, timeout)
@@ -522,9 +527,10 @@ class CompilePool:
         interpreter exit, when nothing will await them), that job and the ones waiting
         are dropped, the workers and their compilers killed at once. Their temporary
         directories are removed either way. Blocks: not on a loop."""
-        self._closed = True
-        self._killing = kill
-        workers = list(self._workers)
+        with self._lock:  # (a job submitted from now on is refused: see submit)
+            self._closed = True
+            self._killing = kill
+            workers = list(self._workers)
         for _ in workers:
             self._pending.put(_STOP)
         if kill:

@@ -1016,3 +1016,54 @@ async def test_compile_many_times_out_joining_a_compile_without_one(
                     tg.cancel_scope.cancel()
     finally:
         await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+
+
+def test_a_closed_pool_refuses_to_prestart(tmp_path: Path) -> None:
+    """prestart on a closed pool is refused, as a compile is. Checked: before, it
+    started workers that no close would stop (the exit skips a closed pool), whose
+    temporary directories outlived the process."""
+    pool = CompilePool(2, cache=CompileCache(tmp_path / "cache", disk=False))
+    pool.shutdown()
+    with pytest.raises(am.ClosedResourceError, match="closed"):
+        pool.prestart()
+    assert pool.workers == 0
+
+
+@pytest.mark.anyio
+async def test_a_compile_submitted_as_the_pool_shuts_down_is_refused(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A compile whose submission is under way when a shutdown on another thread
+    (aclose's) closes the pool is refused, not queued behind the workers' stops.
+    Checked: before, its job was queued with no worker left to run it, and the compile
+    waited for good."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    with anyio.fail_after(BOUND):
+        assert await pool.compile(CCompiler(), _src("up"))  # a worker waits for work
+    real_lock = pool._lock
+    arm = threading.Event()
+
+    class ShutdownFirst:
+        """The pool's lock; armed, the next taker on this thread lets a shutdown on
+        another thread run to its end first."""
+
+        def __enter__(self) -> bool:
+            if arm.is_set() and threading.current_thread() is main:
+                arm.clear()
+                closing = threading.Thread(target=pool.shutdown)
+                closing.start()
+                closing.join(BOUND)
+            return real_lock.__enter__()
+
+        def __exit__(self, *exc: object) -> None:
+            real_lock.__exit__(*exc)
+
+    main = threading.current_thread()
+    pool._lock = ShutdownFirst()  # type: ignore[assignment]
+    try:
+        arm.set()
+        with anyio.fail_after(BOUND), pytest.raises(am.ClosedResourceError, match="closed"):
+            await pool.compile(CCompiler(), _src("during shutdown"))
+    finally:
+        pool._lock = real_lock
+        pool.shutdown()
