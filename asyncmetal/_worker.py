@@ -20,6 +20,11 @@ _HEADER = struct.Struct("<Q")
 
 
 def read_message(stream: IO[bytes]) -> Any:
+    return pickle.loads(read_bytes(stream))  # noqa: S301 - our own parent process is the only peer
+
+
+def read_bytes(stream: IO[bytes]) -> bytes:
+    """One message, not unpickled yet (EOFError where the stream ends first)."""
     header = stream.read(_HEADER.size)
     if len(header) < _HEADER.size:
         raise EOFError
@@ -27,7 +32,7 @@ def read_message(stream: IO[bytes]) -> Any:
     data = stream.read(size)
     if len(data) < size:
         raise EOFError
-    return pickle.loads(data)  # noqa: S301 - our own parent process is the only peer
+    return data
 
 
 def write_message(stream: IO[bytes], obj: Any) -> None:
@@ -46,9 +51,14 @@ def main() -> None:
 
     while True:
         try:
-            compiler, src = read_message(stdin)
+            data = read_bytes(stdin)
         except EOFError:
             return
+        try:
+            compiler, src = pickle.loads(data)  # noqa: S301 - our own parent is the only peer
+        except Exception as exc:  # the message was read whole: the next one is intact
+            write_message(stdout, ("error", unreadable(exc), ""))
+            continue
         try:
             binary = compiler.compile(src)
             write_message(stdout, ("ok", binary, compiler.last_log))
@@ -56,6 +66,16 @@ def main() -> None:
             write_message(stdout, ("error", str(exc).partition("\n")[0], exc.log))
         except Exception as exc:
             write_message(stdout, ("error", f"{type(exc).__name__}: {exc}", ""))
+
+
+def unreadable(exc: Exception) -> str:
+    """Why a job could not be unpickled here."""
+    return (
+        f"the compile worker could not unpickle the compiler ({type(exc).__name__}: "
+        f"{exc}): its class, and what its config() holds, must be importable by their "
+        "module's name in a fresh interpreter -- not defined in the script run as "
+        "__main__, which compile workers never import (define it in a module)"
+    )
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from tests.support.compilers import (
     EnvironmentCompiler,
     GatedCompiler,
     SlowCompiler,
+    UnreadableCompiler,
     gate_name,
 )
 
@@ -106,6 +107,30 @@ async def test_a_crashing_compile_fails_alone(pool: CompilePool, how: str) -> No
         await pool.compile(CrashingCompiler(how), _src(how))
     # The pool replaced the worker and keeps compiling.
     assert await pool.compile(CCompiler(), _src("after"))
+
+
+async def test_a_compiler_the_worker_cannot_unpickle_is_named_and_the_worker_lives(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A compiler a worker cannot unpickle (its class, or what its config holds,
+    defined in the parent's ``__main__``, which workers never import) fails with an
+    error saying so, and the worker goes on compiling. Checked: before, the worker died
+    of it ("the compile worker died (exit code 1)" and its traceback)."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    try:
+        with anyio.fail_after(60):
+            facts = ast.literal_eval(
+                (await pool.compile(EnvironmentCompiler(), _src("a"))).decode()
+            )
+            with pytest.raises(am.CompileError, match="could not unpickle the compiler") as caught:
+                await pool.compile(UnreadableCompiler(), _src("unreadable"))
+            assert "__main__" in str(caught.value)
+            again = ast.literal_eval(
+                (await pool.compile(EnvironmentCompiler(), _src("b"))).decode()
+            )
+            assert again["pid"] == facts["pid"], "the worker did not live on"
+    finally:
+        await pool.aclose()
 
 
 async def test_timeout_kills_the_worker_and_raises(pool: CompilePool) -> None:

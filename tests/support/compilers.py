@@ -115,3 +115,30 @@ class GatedCompiler(CCompiler):
         while not os.path.exists(gate) and time.monotonic() < deadline:
             time.sleep(0.005)
         return super().compile(src)
+
+
+def _made_outside_a_worker() -> str:
+    if os.environ.get("ASYNCMETAL_WORKER"):
+        raise AttributeError("Can't get attribute 'Setting' on <module '__main__'>")
+    return "setting"
+
+
+class _UnpicklableInWorker:
+    """What a compiler's config may hold that a worker cannot unpickle (a class of the
+    parent's ``__main__``): here it raises there as such a class would."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_made_outside_a_worker, ())
+
+
+class UnreadableCompiler(CCompiler):
+    """A compiler whose config a worker cannot unpickle."""
+
+    name = "unreadable-cc"
+
+    def __init__(self, setting: object = None) -> None:
+        super().__init__()
+        self.setting = _UnpicklableInWorker() if setting is None else setting
+
+    def config(self) -> tuple[Any, ...]:
+        return (self.setting,)
