@@ -40,9 +40,9 @@ from ._errors import (
     CompileWarning,
     InvalidArgumentError,
 )
+from ._messages import read_message, write_message
 from ._threads import run_sync as to_thread
 from ._timeline import HostEvents, wait_value
-from ._worker import read_message, write_message
 
 _STOP = object()
 _log = logging.getLogger("asyncmetal")

@@ -5,6 +5,10 @@ never importing the parent's ``__main__``). It reads length-prefixed pickled job
 ``(compiler, src)`` on stdin and answers ``("ok", bytes, log)`` (the compiler's warnings)
 or ``("error", message, log)`` on stdout. It ignores SIGINT so Ctrl-C reaches only the
 parent, and it never opens a device: ``ASYNCMETAL_WORKER`` makes ``open_device`` refuse.
+
+Nothing in the package imports this module (the framing is ``_messages``'): run with
+``-m`` after its package was imported, a module imported already makes runpy warn,
+which ``PYTHONWARNINGS=error`` turns into the worker's death.
 """
 
 from __future__ import annotations
@@ -12,33 +16,9 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import struct
 import sys
-from typing import IO, Any
 
-_HEADER = struct.Struct("<Q")
-
-
-def read_message(stream: IO[bytes]) -> Any:
-    return pickle.loads(read_bytes(stream))  # noqa: S301 - our own parent process is the only peer
-
-
-def read_bytes(stream: IO[bytes]) -> bytes:
-    """One message, not unpickled yet (EOFError where the stream ends first)."""
-    header = stream.read(_HEADER.size)
-    if len(header) < _HEADER.size:
-        raise EOFError
-    (size,) = _HEADER.unpack(header)
-    data = stream.read(size)
-    if len(data) < size:
-        raise EOFError
-    return data
-
-
-def write_message(stream: IO[bytes], obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_HEADER.pack(len(data)) + data)
-    stream.flush()
+from ._messages import read_bytes, write_message
 
 
 def main() -> None:

@@ -133,6 +133,22 @@ async def test_a_compiler_the_worker_cannot_unpickle_is_named_and_the_worker_liv
         await pool.aclose()
 
 
+async def test_workers_start_where_warnings_are_errors(
+    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A program run with ``PYTHONWARNINGS=error`` (as test suites are) compiles: its
+    workers, which inherit it, start without a warning. Checked: before, runpy warned
+    that ``asyncmetal._worker`` was imported (by the package) before it ran, and each
+    worker died of it ("the compile worker died (exit code 1)")."""
+    monkeypatch.setenv("PYTHONWARNINGS", "error")
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    try:
+        with anyio.fail_after(60):
+            assert await pool.compile(CCompiler(), _src("warnings are errors"))
+    finally:
+        await pool.aclose()
+
+
 async def test_timeout_kills_the_worker_and_raises(pool: CompilePool) -> None:
     t0 = time.perf_counter()
     with pytest.raises(am.CompileError, match=r"timed out after 0\.3 s"):
