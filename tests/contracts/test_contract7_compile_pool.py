@@ -34,6 +34,7 @@ from tests.support.compilers import (
     DeviceOpeningCompiler,
     EnvironmentCompiler,
     GatedCompiler,
+    PrefixingCompiler,
     SlowCompiler,
     UnreadableCompiler,
     gate_name,
@@ -147,6 +148,19 @@ async def test_workers_start_where_warnings_are_errors(
             assert await pool.compile(CCompiler(), _src("warnings are errors"))
     finally:
         await pool.aclose()
+
+
+async def test_a_subclass_compiling_otherwise_has_cache_entries_of_its_own(
+    pool: CompilePool,
+) -> None:
+    """A compiler's subclass that compiles otherwise, keeping its base's name and
+    config, gets its own binary of a source the base compiled, not the base's. Checked:
+    before, the identity left the class out, and the cache handed it the base's."""
+    src = _src("subclass") + "#ifndef V\n#define V 1\n#endif\nint v(void) { return V; }\n"
+    with anyio.fail_after(60):
+        base = await pool.compile(CCompiler(), src)
+        sub = await pool.compile(PrefixingCompiler(), src)
+    assert sub != base
 
 
 async def test_timeout_kills_the_worker_and_raises(pool: CompilePool) -> None:

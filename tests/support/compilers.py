@@ -142,3 +142,11 @@ class UnreadableCompiler(CCompiler):
 
     def config(self) -> tuple[Any, ...]:
         return (self.setting,)
+
+
+class PrefixingCompiler(CCompiler):
+    """A C compiler that defines ``V`` as 2 before the source: a subclass that compiles
+    otherwise, with its base's name and config."""
+
+    def compile(self, src: str) -> bytes:
+        return super().compile("#define V 2\n" + src)
