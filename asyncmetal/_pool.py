@@ -82,6 +82,11 @@ def _replies_in_time(pipe: Any, job: _Job) -> bool:
 JOIN_CHECK_S = 0.1  # how often a timed compile's wait looks at a widened timeout
 
 
+def _ends_within(job_timeout: float | None, timeout: float | None) -> bool:
+    """Whether a job with ``job_timeout`` is ended by its worker within ``timeout``."""
+    return job_timeout is not None and timeout is not None and job_timeout <= timeout
+
+
 class _Job:
     __slots__ = (
         "awaiters",
@@ -491,10 +496,17 @@ class CompilePool:
             self.withdraw(job)
             raise
         if waited.cancelled_caught:
-            job_timeout = job.timeout
-            ends_now = job_timeout is not None and timeout is not None and job_timeout <= timeout
-            if job.started and ends_now:  # its worker ends it now: its error, once the
-                await self.wait(job)  # worker and its compiler's files are gone
+            try:
+                # Its worker ends it at this same timeout: its error, once the worker and
+                # its compiler's files are gone -- unless a caller joining meanwhile
+                # widens the job's timeout (or lifts it): then this one's is over now.
+                while job.started and _ends_within(job.timeout, timeout):
+                    with anyio.move_on_after(JOIN_CHECK_S):
+                        await wait_value(job.done, 1)
+                        break
+            except BaseException:
+                self.withdraw(job)
+                raise
             if not job.done.value:
                 self.withdraw(job)
                 raise CompileError(f"compile timed out after {timeout} s")

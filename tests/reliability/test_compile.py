@@ -1067,3 +1067,51 @@ async def test_a_compile_submitted_as_the_pool_shuts_down_is_refused(
     finally:
         pool._lock = real_lock
         pool.shutdown()
+
+
+async def test_a_timed_out_caller_waiting_for_its_compiles_end_is_not_held_by_a_joiner(
+    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller whose timeout passed while its compile ran waits for the worker to end
+    the compile at that same timeout; a caller joining meanwhile without a timeout lets
+    the compile go on, and the first then raises "timed out" at once. Checked: before,
+    it went on waiting for the compile's end (here: its gate, never opened)."""
+    from asyncmetal import _pool
+    from tests.support.compilers import GatedCompiler
+
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    compiler, src = GatedCompiler(str(tmp_path)), _src("gated")
+    key = source_key(await compiler_identity(compiler), src)
+    started, joined = threading.Event(), threading.Event()
+    real = _pool._replies_in_time
+
+    def held(pipe: Any, job: Any) -> bool:  # the worker ends nothing before the join
+        started.set()
+        joined.wait(BOUND)
+        return real(pipe, job)
+
+    monkeypatch.setattr(_pool, "_replies_in_time", held)
+    outcome: list[object] = []
+
+    async def first() -> None:
+        try:
+            outcome.append(await pool.compile(compiler, src, timeout=1.0))
+        except am.CompileError as exc:
+            outcome.append(exc)
+
+    try:
+        with anyio.fail_after(BOUND / 2):
+            async with anyio.create_task_group() as tg:
+                submitted = anyio.current_time()
+                tg.start_soon(first)
+                while not started.is_set():
+                    await anyio.sleep(0.01)
+                # Past the first caller's timeout (its timer, due first, has fired).
+                await anyio.sleep_until(submitted + 1.5)
+                pool.submit(compiler, src, key)  # joins, with no timeout
+                joined.set()
+        assert isinstance(outcome[0], am.CompileError), outcome
+        assert "timed out after 1.0 s" in str(outcome[0])
+    finally:
+        joined.set()
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
