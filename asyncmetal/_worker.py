@@ -24,8 +24,12 @@ from ._messages import read_bytes, write_message
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["ASYNCMETAL_WORKER"] = "1"
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    # Anything the compiler prints must not corrupt the message stream.
+    # Anything the compiler prints must not corrupt the message stream: the replies go
+    # out on a descriptor of their own (not inherited), and descriptor 1 -- which the
+    # processes a compiler starts, and C code it calls, write to -- becomes stderr.
+    sys.stdout.flush()
+    stdin, stdout = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
     sys.stdout = sys.stderr
     from ._errors import CompileError
 

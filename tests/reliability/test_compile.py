@@ -1115,3 +1115,21 @@ async def test_a_timed_out_caller_waiting_for_its_compiles_end_is_not_held_by_a_
     finally:
         joined.set()
         await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+
+
+@pytest.mark.parametrize("timeout", [None, BOUND / 2])
+async def test_what_a_compilers_child_prints_does_not_reach_the_replies(
+    pool: CompilePool, timeout: float | None
+) -> None:
+    """A compiler that runs a command printing to its (inherited) standard output still
+    compiles: the worker's replies go out on a descriptor of their own. Checked: before,
+    the printed newline became the first byte of the reply's length, and the pool read
+    a reply of about a megabyte that never came (with a timeout too: the reply had
+    begun)."""
+    from tests.support.compilers import PrintingCompiler
+
+    try:
+        with anyio.fail_after(BOUND):
+            assert await pool.compile(PrintingCompiler(), _src("printing"), timeout=timeout)
+    finally:
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))

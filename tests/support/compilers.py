@@ -150,3 +150,14 @@ class PrefixingCompiler(CCompiler):
 
     def compile(self, src: str) -> bytes:
         return super().compile("#define V 2\n" + src)
+
+
+class PrintingCompiler(CCompiler):
+    """A C compiler that first runs a command printing an empty line to its standard
+    output (inherited: a compiler that does not capture what it runs)."""
+
+    name = "printing-cc"
+
+    def compile(self, src: str) -> bytes:
+        os.system("echo")  # a child writing to descriptor 1
+        return super().compile(src)
