@@ -24,11 +24,15 @@ from ._messages import read_bytes, write_message
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["ASYNCMETAL_WORKER"] = "1"
-    # Anything the compiler prints must not corrupt the message stream: the replies go
-    # out on a descriptor of their own (not inherited), and descriptor 1 -- which the
-    # processes a compiler starts, and C code it calls, write to -- becomes stderr.
+    # What the compiler reads or prints must not touch the message streams: the jobs
+    # and replies go on descriptors of their own (not inherited), descriptor 0 -- which
+    # the processes a compiler starts, and C code it calls, read -- becomes /dev/null
+    # and descriptor 1 stderr.
     sys.stdout.flush()
-    stdin, stdout = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+    stdin, stdout = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     from ._errors import CompileError

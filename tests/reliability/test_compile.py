@@ -1133,3 +1133,20 @@ async def test_what_a_compilers_child_prints_does_not_reach_the_replies(
             assert await pool.compile(PrintingCompiler(), _src("printing"), timeout=timeout)
     finally:
         await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+
+
+async def test_a_compilers_child_reading_its_input_does_not_take_the_jobs(
+    pool: CompilePool,
+) -> None:
+    """A compiler that runs a command reading its (inherited) standard input to its end
+    still compiles: the worker's jobs come in on a descriptor of their own, and the
+    command reads an empty input. Checked: before, the command read the job pipe,
+    waiting there for good (and would have eaten the next job)."""
+    from tests.support.compilers import ReadingCompiler
+
+    try:
+        with anyio.fail_after(BOUND):
+            assert await pool.compile(ReadingCompiler(), _src("reading"))
+            assert await pool.compile(CCompiler(), _src("after"))
+    finally:
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))

@@ -161,3 +161,14 @@ class PrintingCompiler(CCompiler):
     def compile(self, src: str) -> bytes:
         os.system("echo")  # a child writing to descriptor 1
         return super().compile(src)
+
+
+class ReadingCompiler(CCompiler):
+    """A C compiler that first runs a command reading its (inherited) standard input
+    until it ends."""
+
+    name = "reading-cc"
+
+    def compile(self, src: str) -> bytes:
+        os.system("cat >/dev/null")  # a child reading descriptor 0
+        return super().compile(src)
