@@ -128,7 +128,7 @@ class _Worker:
         env["ASYNCMETAL_WORKER"] = "1"
         env["CUDA_VISIBLE_DEVICES"] = ""  # compilers need no GPU: never take its memory
         # Whatever the parent can import (a custom compiler's module), the worker can.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env["PYTHONPATH"] = _worker_path()
         if self.stderr is None:
             self.stderr = tempfile.TemporaryFile()
         self.stderr.seek(0)
@@ -263,6 +263,25 @@ class _Worker:
         if self.stderr is not None:
             self.stderr.close()
             self.stderr = None
+
+
+def _worker_path() -> str:
+    """The parent's ``sys.path`` for a worker's ``PYTHONPATH``, each entry absolute: an
+    entry relative to a working directory since deleted (or no path at all, as an
+    editable install's ``__editable__...__path_hook__``) is left out -- the interpreter
+    fails to start on it there ("failed to make path absolute"). ("": the working
+    directory, which ``-m`` puts first anyway.)"""
+    entries = []
+    for entry in sys.path:
+        if not entry:
+            continue
+        if not os.path.isabs(entry):
+            try:
+                entry = os.path.abspath(entry)
+            except OSError:  # the working directory is gone
+                continue
+        entries.append(entry)
+    return os.pathsep.join(entries)
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

@@ -1150,3 +1150,37 @@ async def test_a_compilers_child_reading_its_input_does_not_take_the_jobs(
             assert await pool.compile(CCompiler(), _src("after"))
     finally:
         await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+
+
+_COMPILE_IN_A_DELETED_DIRECTORY = """
+import os, sys, anyio
+sys.path.insert(0, {root!r})
+sys.path.append("a-relative-entry")  # as an editable install's path hook is
+from asyncmetal._pool import CompilePool
+from asyncmetal._cache import CompileCache
+from asyncmetal.backends.cpu import CCompiler
+os.chdir({gone!r})
+os.rmdir({gone!r})
+pool = CompilePool(1, cache=CompileCache({cache!r}, disk=False))
+try:
+    assert anyio.run(pool.compile, CCompiler(), "int twice(int x) {{ return 2 * x; }}")
+finally:
+    pool.shutdown()
+print("ok")
+"""
+
+
+def test_a_process_whose_working_directory_was_deleted_compiles(tmp_path: Path) -> None:
+    """A process whose working directory was deleted (a service's release directory,
+    replaced) still compiles, a relative entry in its sys.path left out of its workers'.
+    Checked: before, each worker failed to start ("failed to make path absolute"), and
+    every compile failed with "the compile worker died"."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    script = _COMPILE_IN_A_DELETED_DIRECTORY.format(
+        root=str(Path(__file__).resolve().parents[2]), gone=str(gone), cache=str(tmp_path)
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=BOUND
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
