@@ -1362,9 +1362,10 @@ class CompileMany:
                 binary = await pool.cache.get_disk(key)  # cancelled: looked up again next time
             if self._closed:  # (closed while this step looked the kernel up)
                 return
-            self._dispatched += 1
             if binary is None:
                 submitted = _Submitted((key, name), (params, src))
+                # Refused (the pool closed meanwhile): not dispatched, so every later
+                # step raises it again rather than waiting for a result never coming.
                 job = pool.submit(
                     compiler,
                     src,
@@ -1372,12 +1373,14 @@ class CompileMany:
                     timeout=self._timeout,
                     on_done=functools.partial(self._job_done, submitted),
                 )
+                self._dispatched += 1
                 self._jobs[job] += 1
                 if self._timeout is not None:  # counted from now, as compile()'s is
                     submitted.job = job
                     submitted.deadline = anyio.current_time() + self._timeout
                     self._timed.append(submitted)
             else:
+                self._dispatched += 1
                 self._arrived((key, name), (params, src), binary)
 
     def _arrived(self, key: tuple[str, str], params: Any, result: Any) -> None:

@@ -1184,3 +1184,38 @@ def test_a_process_whose_working_directory_was_deleted_compiles(tmp_path: Path) 
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=BOUND
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+async def test_compile_many_stepped_on_after_its_pool_closed_never_waits_for_good(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A compile_many whose pool closes while a step looks its second kernel up raises
+    ClosedResourceError, and so does every later step that reaches that kernel: none
+    waits for it. Checked: before, the refused kernel counted as submitted, and the
+    step after the first kernel's waited for its result for good."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache"))
+    tag = time.time_ns()
+    kernels = [(f"void a(void) {{}} /* {tag} */", "a"), (f"void b(void) {{}} /* {tag} */", "b")]
+    real_get_disk = pool.cache.get_disk
+    lookups: list[str] = []
+
+    async def get_disk(key: str) -> bytes | None:
+        lookups.append(key)
+        if len(lookups) == 2:  # the second kernel: the pool closes meanwhile
+            await pool.aclose()
+        return await real_get_disk(key)
+
+    pool.cache.get_disk = get_disk  # type: ignore[method-assign]
+    outcomes: list[str] = []
+    with anyio.fail_after(BOUND):
+        async with am.open_device("cpu") as device:
+            device.compile_pool = pool
+            programs = device.compile_many(kernels)
+            for _ in range(4):
+                try:
+                    outcomes.append((await programs.__anext__()).name)
+                except am.ClosedResourceError:
+                    outcomes.append("closed")
+                except StopAsyncIteration:
+                    break
+    assert outcomes[0] == "closed" and "b" not in outcomes, outcomes
