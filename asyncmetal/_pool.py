@@ -357,7 +357,9 @@ class CompilePool:
                 f"idle_timeout must be a positive, finite number of seconds, got {idle_timeout!r}"
             )
         self.max_workers = max_workers or min(os.cpu_count() or 1, 8)
-        self.idle_timeout = float(idle_timeout)
+        # (Longer than MAX_TIMEOUT_S, about 31 years, is as long: a wait of more overflows
+        # the clock, and the worker's thread would die of it.)
+        self.idle_timeout = min(float(idle_timeout), MAX_TIMEOUT_S)
         self.cache = cache if cache is not None else CompileCache()
         self._pending: queue_module.Queue[Any] = queue_module.Queue()
         self._workers: list[_Worker] = []

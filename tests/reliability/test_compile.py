@@ -1219,3 +1219,20 @@ async def test_compile_many_stepped_on_after_its_pool_closed_never_waits_for_goo
                 except StopAsyncIteration:
                     break
     assert outcomes[0] == "closed" and "b" not in outcomes, outcomes
+
+
+@pytest.mark.parametrize("idle_timeout", [1e10, 1e300])
+async def test_a_pool_that_never_idles_out_keeps_compiling(
+    anyio_backend: object, tmp_path: Path, idle_timeout: float
+) -> None:
+    """An idle timeout longer than a thread's wait may last (threading.TIMEOUT_MAX) is
+    as long as the longest: the worker waits for its next job. Checked: before, its
+    thread died of an OverflowError as it began to wait, still holding its slot, and
+    the next compile waited for good."""
+    pool = CompilePool(1, idle_timeout=idle_timeout, cache=CompileCache(tmp_path, disk=False))
+    try:
+        with anyio.fail_after(BOUND):
+            assert await pool.compile(CCompiler(), _src("first"))
+            assert await pool.compile(CCompiler(), _src("second"))
+    finally:
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
