@@ -80,6 +80,7 @@ def _replies_in_time(pipe: Any, job: _Job) -> bool:
 
 
 JOIN_CHECK_S = 0.1  # how often a timed compile's wait looks at a widened timeout
+SHUTDOWN_JOIN_S = 10.0  # how long a shutdown waits for each worker to finish its job
 
 
 def _ends_within(job_timeout: float | None, timeout: float | None) -> bool:
@@ -572,8 +573,10 @@ class CompilePool:
                 if proc is not None:
                     _kill_group(proc)  # its thread sees the worker die, and goes on
         for worker in workers:
-            worker.thread.join(timeout=10)
-        self._workers.clear()
+            worker.thread.join(timeout=SHUTDOWN_JOIN_S)
+        with self._lock:
+            # Those still on a job (a compile that hangs) stay listed: the exit kills them.
+            self._workers[:] = [worker for worker in workers if worker.thread.is_alive()]
 
     async def aclose(self) -> None:
         """Stop the workers without blocking the loop."""
@@ -628,8 +631,16 @@ def _shutdown_all() -> None:
     """At exit: every pool's workers killed, with the compilers they run, and their
     temporary directories removed -- not waited for one after another."""
     for pool in list(_pools):
-        if not pool._closed and pool._pid == os.getpid():  # (a forked child's: the parent's)
-            pool.shutdown(kill=True)
+        _shutdown_at_exit(pool)
+
+
+def _shutdown_at_exit(pool: CompilePool) -> None:
+    """``pool``'s workers killed, unless all are gone already. Also a closed pool's
+    whose workers were still on a job when it closed: else they would outlive the
+    process, their temporary directories too. (A forked child's pools are the
+    parent's.)"""
+    if (not pool._closed or pool._workers) and pool._pid == os.getpid():
+        pool.shutdown(kill=True)
 
 
 atexit.register(_shutdown_all)

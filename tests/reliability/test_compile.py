@@ -3,6 +3,7 @@ workers, and the caches when damaged, full or unwritable. Every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pickle
@@ -165,6 +166,10 @@ def _dead(pid: int) -> bool:
 
 def _existing(*paths: str) -> list[str]:
     return [path for path in paths if os.path.lexists(path)]
+
+
+def _entries(directory: Path) -> list[str]:
+    return [str(path) for path in directory.iterdir()]
 
 
 _HANGING_CC = """#!/bin/sh
@@ -1236,3 +1241,42 @@ async def test_a_pool_that_never_idles_out_keeps_compiling(
             assert await pool.compile(CCompiler(), _src("second"))
     finally:
         await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+async def test_a_worker_still_compiling_when_its_pool_closed_is_killed_at_exit(
+    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close waits a while for each worker's job in hand; one still compiling after
+    it (a compiler that hangs) is killed at interpreter exit, its temporary directory
+    removed, as the workers of a pool not closed are. Checked: before, the exit skipped
+    the closed pool, and the worker outlived the process (an orphan, for good)."""
+    from asyncmetal import _pool
+
+    monkeypatch.setattr(_pool, "SHUTDOWN_JOIN_S", 0.2)
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    began = tmp_path / "began"
+    began.mkdir()
+    proc = None
+
+    async def compiling() -> None:
+        with contextlib.suppress(am.CompileError):  # (its worker killed, in the end)
+            await pool.compile(SlowCompiler(BOUND * 10, str(began)), _src("hangs"))
+
+    try:
+        with anyio.fail_after(BOUND):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(compiling)
+                while not _existing(*_entries(began)):  # the compiler began
+                    await anyio.sleep(0.01)
+                proc, tmpdir = pool._workers[0].proc, pool._workers[0].tmpdir
+                assert proc is not None and tmpdir is not None
+                await pool.aclose()  # waits 0.2 s for the job in hand: not done
+                assert proc.poll() is None
+                await anyio.to_thread.run_sync(_pool._shutdown_at_exit, pool)  # (at exit)
+                tg.cancel_scope.cancel()
+        assert _dead(proc.pid), "the worker outlived the exit"
+        assert _existing(tmpdir) == [], "its temporary directory outlived the exit"
+    finally:
+        if proc is not None and proc.poll() is None:  # (the test failed: clean up)
+            await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
