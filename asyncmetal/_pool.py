@@ -80,7 +80,7 @@ def _replies_in_time(pipe: Any, job: _Job) -> bool:
 
 
 JOIN_CHECK_S = 0.1  # how often a timed compile's wait looks at a widened timeout
-SHUTDOWN_JOIN_S = 10.0  # how long a shutdown waits for each worker to finish its job
+SHUTDOWN_JOIN_S = 10.0  # how long a shutdown waits for the workers to finish their jobs
 
 
 def _ends_within(job_timeout: float | None, timeout: float | None) -> bool:
@@ -557,10 +557,11 @@ class CompilePool:
         return log if log.strip() else ""
 
     def shutdown(self, *, kill: bool = False) -> None:
-        """Stop the workers: they finish the job in hand -- or, with ``kill`` (at
-        interpreter exit, when nothing will await them), that job and the ones waiting
-        are dropped, the workers and their compilers killed at once. Their temporary
-        directories are removed either way. Blocks: not on a loop."""
+        """Stop the workers: they finish the job in hand (waited for ``SHUTDOWN_JOIN_S``
+        at most, all together; one still on it goes on, and is killed at exit) -- or,
+        with ``kill`` (at interpreter exit, when nothing will await them), that job and
+        the ones waiting are dropped, the workers and their compilers killed at once.
+        Their temporary directories are removed either way. Blocks: not on a loop."""
         with self._lock:  # (a job submitted from now on is refused: see submit)
             self._closed = True
             self._killing = kill
@@ -572,8 +573,9 @@ class CompilePool:
                 proc = worker.proc
                 if proc is not None:
                     _kill_group(proc)  # its thread sees the worker die, and goes on
+        deadline = time.monotonic() + SHUTDOWN_JOIN_S  # for all of them at once
         for worker in workers:
-            worker.thread.join(timeout=SHUTDOWN_JOIN_S)
+            worker.thread.join(timeout=max(0.0, deadline - time.monotonic()))
         with self._lock:
             # Those still on a job (a compile that hangs) stay listed: the exit kills them.
             self._workers[:] = [worker for worker in workers if worker.thread.is_alive()]
