@@ -1322,6 +1322,7 @@ class CompileMany:
         self._settle_lock = threading.Lock()
         self._closed = False
         self._stepping = False
+        self._pid = os.getpid()
 
     def __aiter__(self) -> CompileMany:
         return self
@@ -1335,6 +1336,8 @@ class CompileMany:
             self._closed = True
             pool = self._device.compile_pool
             for job, claims in self._jobs.items():
+                if self._pid != os.getpid():  # a forked child's: the parent's jobs
+                    break
                 for _ in range(claims):
                     pool.withdraw(job)
             self._jobs.clear()
@@ -1435,6 +1438,9 @@ class CompileMany:
             await self._dispatch()
         if self._closed or self._yielded == len(self._kernels):
             raise StopAsyncIteration
+        # The device's own refusal (closed, or a forked child's: the parent's results
+        # never come here), not a wait for results nothing will bring.
+        self._device._check_open()
         while True:
             # A timeout is each caller's own: a kernel joining a compile that another
             # caller started without one (or with a longer one) times out all the same.
