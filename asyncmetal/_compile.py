@@ -93,8 +93,11 @@ class Compiler(ABC):
         return made
 
     def identity(self) -> str:
-        """A key naming this compiler's name, version, target and flags."""
-        return f"{self.name}|{self.version()}|{self.config()!r}"
+        """A key naming this compiler's class, name, version, target and flags (the
+        class too: a subclass that compiles otherwise may keep its base's name and
+        config)."""
+        kind = f"{type(self).__module__}.{type(self).__qualname__}"
+        return f"{kind}|{self.name}|{self.version()}|{self.config()!r}"
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), self.config())

@@ -9,6 +9,7 @@ import contextlib
 import functools
 import importlib
 import itertools
+import math
 import os
 import sys
 import threading
@@ -793,7 +794,10 @@ class Device:
         the pool compiles the rest. A failed compile raises its CompileError when
         reached (its ``name`` says which kernel failed). Compiles not consumed finish
         into the cache -- unless ``aclose()`` gives them up (``contextlib.aclosing``).
-        ``options`` go to the compiler for every kernel, as :meth:`compile`'s do.
+        ``options`` go to the compiler for every kernel, as :meth:`compile`'s do;
+        ``timeout`` bounds each kernel's compile, counted from the step that submits it
+        (the first), and is this caller's own, as :meth:`compile`'s is: a kernel whose
+        compile another caller started with a longer one (or none) still times out.
         """
         compiler = self._backend.compiler.with_options(check_options(options))
         kernels = list(kernels)
@@ -1332,8 +1336,13 @@ class CompileMany:
         self._yielded = 0
         # Its claims on pool jobs not yet yielded (kernels of one source share a job).
         self._jobs: collections.Counter[Any] = collections.Counter()
+        # With a timeout: each kernel submitted to the pool, until its result or its
+        # timeout arrives (whichever is first; the other is then dropped).
+        self._timed: list[_Submitted] = []
+        self._settle_lock = threading.Lock()
         self._closed = False
         self._stepping = False
+        self._pid = os.getpid()
 
     def __aiter__(self) -> CompileMany:
         return self
@@ -1347,6 +1356,8 @@ class CompileMany:
             self._closed = True
             pool = self._device.compile_pool
             for job, claims in self._jobs.items():
+                if self._pid != os.getpid():  # a forked child's: the parent's jobs
+                    break
                 for _ in range(claims):
                     pool.withdraw(job)
             self._jobs.clear()
@@ -1374,23 +1385,64 @@ class CompileMany:
                 binary = await pool.cache.get_disk(key)  # cancelled: looked up again next time
             if self._closed:  # (closed while this step looked the kernel up)
                 return
-            self._dispatched += 1
             if binary is None:
+                submitted = _Submitted((key, name), (params, src))
+                # Refused (the pool closed meanwhile): not dispatched, so every later
+                # step raises it again rather than waiting for a result never coming.
                 job = pool.submit(
                     compiler,
                     src,
                     key,
                     timeout=self._timeout,
-                    on_done=functools.partial(self._arrived, (key, name), (params, src)),
+                    on_done=functools.partial(self._job_done, submitted),
                 )
+                self._dispatched += 1
                 self._jobs[job] += 1
+                if self._timeout is not None:  # counted from now, as compile()'s is
+                    submitted.job = job
+                    submitted.deadline = anyio.current_time() + self._timeout
+                    self._timed.append(submitted)
             else:
+                self._dispatched += 1
                 self._arrived((key, name), (params, src), binary)
 
     def _arrived(self, key: tuple[str, str], params: Any, result: Any) -> None:
         """A binary (a cache hit), a finished pool job or an error; any thread."""
         self._ready.append((key, (params, result)))
         self._events.increment()
+
+    def _settle(self, submitted: _Submitted) -> bool:
+        """Whether this is the first of a submitted kernel's job and its timeout to
+        arrive (any thread)."""
+        with self._settle_lock:
+            first, submitted.settled = not submitted.settled, True
+        return first
+
+    def _job_done(self, submitted: _Submitted, job: Any) -> None:
+        """A pool job finished for a submitted kernel (on the pool's handler thread)."""
+        if self._settle(submitted):
+            self._arrived(submitted.key, submitted.params, job)
+
+    def _next_deadline(self) -> float:
+        """When the first of the timed kernels still awaited times out (inf: none)."""
+        self._timed = [submitted for submitted in self._timed if not submitted.settled]
+        return min((submitted.deadline for submitted in self._timed), default=math.inf)
+
+    def _expire(self, now: float) -> None:
+        """Each timed kernel whose timeout has passed, not compiled yet, arrives as the
+        CompileError of its timeout; this iterator's claim on its job is given up (a
+        job nobody else awaits is dropped if not started, or killed by its worker)."""
+        pool = self._device.compile_pool
+        for submitted in self._timed:
+            if submitted.deadline > now or not self._settle(submitted):
+                continue
+            job = submitted.job
+            pool.withdraw(job)
+            self._jobs[job] -= 1
+            if not self._jobs[job]:
+                del self._jobs[job]
+            timed_out = CompileError(f"compile timed out after {self._timeout} s")
+            self._arrived(submitted.key, submitted.params, timed_out)
 
     async def __anext__(self) -> Program:
         if self._stepping:
@@ -1406,7 +1458,16 @@ class CompileMany:
             await self._dispatch()
         if self._closed or self._yielded == len(self._kernels):
             raise StopAsyncIteration
-        await wait_value(self._events, self._yielded + 1)
+        # The device's own refusal (closed, or a forked child's: the parent's results
+        # never come here), not a wait for results nothing will bring.
+        self._device._check_open()
+        while True:
+            # A timeout is each caller's own: a kernel joining a compile that another
+            # caller started without one (or with a longer one) times out all the same.
+            with anyio.move_on_at(self._next_deadline()):
+                await wait_value(self._events, self._yielded + 1)
+                break
+            self._expire(anyio.current_time())
         if self._closed:  # (closed while this step waited)
             raise StopAsyncIteration
         self._yielded += 1
@@ -1441,6 +1502,19 @@ class CompileMany:
                 self._yielded -= 1
                 raise
             return program
+
+
+class _Submitted:
+    """A kernel of a compile_many submitted to the pool: its key and (parameters,
+    source); with a timeout, its job and when it times out."""
+
+    __slots__ = ("deadline", "job", "key", "params", "settled")
+
+    def __init__(self, key: tuple[str, str], params: tuple[Any, str]) -> None:
+        self.key, self.params = key, params
+        self.job: Any = None
+        self.deadline = math.inf
+        self.settled = False  # its job's result or its timeout has arrived
 
 
 class _DeviceOpener(Coroutine[Any, Any, "Device"]):

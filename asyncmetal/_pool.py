@@ -40,9 +40,9 @@ from ._errors import (
     CompileWarning,
     InvalidArgumentError,
 )
+from ._messages import read_message, write_message
 from ._threads import run_sync as to_thread
 from ._timeline import HostEvents, wait_value
-from ._worker import read_message, write_message
 
 _STOP = object()
 _log = logging.getLogger("asyncmetal")
@@ -80,6 +80,12 @@ def _replies_in_time(pipe: Any, job: _Job) -> bool:
 
 
 JOIN_CHECK_S = 0.1  # how often a timed compile's wait looks at a widened timeout
+SHUTDOWN_JOIN_S = 10.0  # how long a shutdown waits for the workers to finish their jobs
+
+
+def _ends_within(job_timeout: float | None, timeout: float | None) -> bool:
+    """Whether a job with ``job_timeout`` is ended by its worker within ``timeout``."""
+    return job_timeout is not None and timeout is not None and job_timeout <= timeout
 
 
 class _Job:
@@ -123,7 +129,7 @@ class _Worker:
         env["ASYNCMETAL_WORKER"] = "1"
         env["CUDA_VISIBLE_DEVICES"] = ""  # compilers need no GPU: never take its memory
         # Whatever the parent can import (a custom compiler's module), the worker can.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env["PYTHONPATH"] = _worker_path()
         if self.stderr is None:
             self.stderr = tempfile.TemporaryFile()
         self.stderr.seek(0)
@@ -260,6 +266,25 @@ class _Worker:
             self.stderr = None
 
 
+def _worker_path() -> str:
+    """The parent's ``sys.path`` for a worker's ``PYTHONPATH``, each entry absolute: an
+    entry relative to a working directory since deleted (or no path at all, as an
+    editable install's ``__editable__...__path_hook__``) is left out -- the interpreter
+    fails to start on it there ("failed to make path absolute"). ("": the working
+    directory, which ``-m`` puts first anyway.)"""
+    entries = []
+    for entry in sys.path:
+        if not entry:
+            continue
+        if not os.path.isabs(entry):
+            try:
+                entry = os.path.abspath(entry)
+            except OSError:  # the working directory is gone
+                continue
+        entries.append(entry)
+    return os.pathsep.join(entries)
+
+
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL the process group that ``proc`` leads (it was started in a new session)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -333,7 +358,9 @@ class CompilePool:
                 f"idle_timeout must be a positive, finite number of seconds, got {idle_timeout!r}"
             )
         self.max_workers = max_workers or min(os.cpu_count() or 1, 8)
-        self.idle_timeout = float(idle_timeout)
+        # (Longer than MAX_TIMEOUT_S, about 31 years, is as long: a wait of more overflows
+        # the clock, and the worker's thread would die of it.)
+        self.idle_timeout = min(float(idle_timeout), MAX_TIMEOUT_S)
         self.cache = cache if cache is not None else CompileCache()
         self._pending: queue_module.Queue[Any] = queue_module.Queue()
         self._workers: list[_Worker] = []
@@ -364,7 +391,9 @@ class CompilePool:
     def prestart(self) -> None:
         """Start every worker process now rather than on demand (each then waits for
         work). Never blocks: the processes start in their handler threads."""
+        self._check_usable()
         with self._lock:
+            self._check_usable()  # (closed meanwhile: it would start workers nobody stops)
             while len(self._workers) < self.max_workers:
                 self._workers.append(_Worker(self, eager=True))
 
@@ -381,6 +410,9 @@ class CompilePool:
         timeout = check_timeout(timeout)
         self._check_usable()
         with self._lock:
+            # Again under the lock, which shutdown closes under: a job queued after the
+            # workers' stops would never run.
+            self._check_usable()
             job = self._in_flight.get(key)
             if job is None:
                 job = _Job(key, compiler, src, timeout)
@@ -486,10 +518,17 @@ class CompilePool:
             self.withdraw(job)
             raise
         if waited.cancelled_caught:
-            job_timeout = job.timeout
-            ends_now = job_timeout is not None and timeout is not None and job_timeout <= timeout
-            if job.started and ends_now:  # its worker ends it now: its error, once the
-                await self.wait(job)  # worker and its compiler's files are gone
+            try:
+                # Its worker ends it at this same timeout: its error, once the worker and
+                # its compiler's files are gone -- unless a caller joining meanwhile
+                # widens the job's timeout (or lifts it): then this one's is over now.
+                while job.started and _ends_within(job.timeout, timeout):
+                    with anyio.move_on_after(JOIN_CHECK_S):
+                        await wait_value(job.done, 1)
+                        break
+            except BaseException:
+                self.withdraw(job)
+                raise
             if not job.done.value:
                 self.withdraw(job)
                 raise CompileError(f"compile timed out after {timeout} s")
@@ -518,13 +557,15 @@ class CompilePool:
         return log if log.strip() else ""
 
     def shutdown(self, *, kill: bool = False) -> None:
-        """Stop the workers: they finish the job in hand -- or, with ``kill`` (at
-        interpreter exit, when nothing will await them), that job and the ones waiting
-        are dropped, the workers and their compilers killed at once. Their temporary
-        directories are removed either way. Blocks: not on a loop."""
-        self._closed = True
-        self._killing = kill
-        workers = list(self._workers)
+        """Stop the workers: they finish the job in hand (waited for ``SHUTDOWN_JOIN_S``
+        at most, all together; one still on it goes on, and is killed at exit) -- or,
+        with ``kill`` (at interpreter exit, when nothing will await them), that job and
+        the ones waiting are dropped, the workers and their compilers killed at once.
+        Their temporary directories are removed either way. Blocks: not on a loop."""
+        with self._lock:  # (a job submitted from now on is refused: see submit)
+            self._closed = True
+            self._killing = kill
+            workers = list(self._workers)
         for _ in workers:
             self._pending.put(_STOP)
         if kill:
@@ -532,9 +573,12 @@ class CompilePool:
                 proc = worker.proc
                 if proc is not None:
                     _kill_group(proc)  # its thread sees the worker die, and goes on
+        deadline = time.monotonic() + SHUTDOWN_JOIN_S  # for all of them at once
         for worker in workers:
-            worker.thread.join(timeout=10)
-        self._workers.clear()
+            worker.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            # Those still on a job (a compile that hangs) stay listed: the exit kills them.
+            self._workers[:] = [worker for worker in workers if worker.thread.is_alive()]
 
     async def aclose(self) -> None:
         """Stop the workers without blocking the loop."""
@@ -589,8 +633,16 @@ def _shutdown_all() -> None:
     """At exit: every pool's workers killed, with the compilers they run, and their
     temporary directories removed -- not waited for one after another."""
     for pool in list(_pools):
-        if not pool._closed and pool._pid == os.getpid():  # (a forked child's: the parent's)
-            pool.shutdown(kill=True)
+        _shutdown_at_exit(pool)
+
+
+def _shutdown_at_exit(pool: CompilePool) -> None:
+    """``pool``'s workers killed, unless all are gone already. Also a closed pool's
+    whose workers were still on a job when it closed: else they would outlive the
+    process, their temporary directories too. (A forked child's pools are the
+    parent's.)"""
+    if (not pool._closed or pool._workers) and pool._pid == os.getpid():
+        pool.shutdown(kill=True)
 
 
 atexit.register(_shutdown_all)
@@ -604,6 +656,31 @@ def _forget_default_in_child() -> None:
     _default_pool = None
     _default_lock = threading.Lock()
     _identities_lock = threading.Lock()  # (a parent thread may have held it)
+    _let_go_of_parents_workers()
+
+
+def _let_go_of_parents_workers() -> None:
+    """In a forked child: its copies of the parent's worker pipes become /dev/null. A
+    worker ends when its input ends: a child holding a copy of that input (for its
+    life: a server's worker) would keep it waiting, and the parent's close would wait
+    for it and then kill it. (The file objects stay, harmless: the child refuses the
+    pools.)"""
+    try:
+        null = os.open(os.devnull, os.O_RDWR)
+    except OSError:
+        return
+    try:
+        for pool in list(_pools):
+            for worker in list(pool._workers):
+                proc = worker.proc
+                if proc is None:
+                    continue
+                for stream in (proc.stdin, proc.stdout):
+                    if stream is not None:
+                        with contextlib.suppress(OSError, ValueError):
+                            os.dup2(null, stream.fileno())
+    finally:
+        os.close(null)
 
 
 if hasattr(os, "register_at_fork"):

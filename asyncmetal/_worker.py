@@ -5,6 +5,10 @@ never importing the parent's ``__main__``). It reads length-prefixed pickled job
 ``(compiler, src)`` on stdin and answers ``("ok", bytes, log)`` (the compiler's warnings)
 or ``("error", message, log)`` on stdout. It ignores SIGINT so Ctrl-C reaches only the
 parent, and it never opens a device: ``ASYNCMETAL_WORKER`` makes ``open_device`` refuse.
+
+Nothing in the package imports this module (the framing is ``_messages``'): run with
+``-m`` after its package was imported, a module imported already makes runpy warn,
+which ``PYTHONWARNINGS=error`` turns into the worker's death.
 """
 
 from __future__ import annotations
@@ -12,43 +16,37 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import struct
 import sys
-from typing import IO, Any
 
-_HEADER = struct.Struct("<Q")
-
-
-def read_message(stream: IO[bytes]) -> Any:
-    header = stream.read(_HEADER.size)
-    if len(header) < _HEADER.size:
-        raise EOFError
-    (size,) = _HEADER.unpack(header)
-    data = stream.read(size)
-    if len(data) < size:
-        raise EOFError
-    return pickle.loads(data)  # noqa: S301 - our own parent process is the only peer
-
-
-def write_message(stream: IO[bytes], obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_HEADER.pack(len(data)) + data)
-    stream.flush()
+from ._messages import read_bytes, write_message
 
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["ASYNCMETAL_WORKER"] = "1"
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    # Anything the compiler prints must not corrupt the message stream.
+    # What the compiler reads or prints must not touch the message streams: the jobs
+    # and replies go on descriptors of their own (not inherited), descriptor 0 -- which
+    # the processes a compiler starts, and C code it calls, read -- becomes /dev/null
+    # and descriptor 1 stderr.
+    sys.stdout.flush()
+    stdin, stdout = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(2, 1)
     sys.stdout = sys.stderr
     from ._errors import CompileError
 
     while True:
         try:
-            compiler, src = read_message(stdin)
+            data = read_bytes(stdin)
         except EOFError:
             return
+        try:
+            compiler, src = pickle.loads(data)  # noqa: S301 - our own parent is the only peer
+        except Exception as exc:  # the message was read whole: the next one is intact
+            write_message(stdout, ("error", unreadable(exc), ""))
+            continue
         try:
             binary = compiler.compile(src)
             write_message(stdout, ("ok", binary, compiler.last_log))
@@ -56,6 +54,16 @@ def main() -> None:
             write_message(stdout, ("error", str(exc).partition("\n")[0], exc.log))
         except Exception as exc:
             write_message(stdout, ("error", f"{type(exc).__name__}: {exc}", ""))
+
+
+def unreadable(exc: Exception) -> str:
+    """Why a job could not be unpickled here."""
+    return (
+        f"the compile worker could not unpickle the compiler ({type(exc).__name__}: "
+        f"{exc}): its class, and what its config() holds, must be importable by their "
+        "module's name in a fresh interpreter -- not defined in the script run as "
+        "__main__, which compile workers never import (define it in a module)"
+    )
 
 
 if __name__ == "__main__":

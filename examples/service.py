@@ -133,7 +133,11 @@ async def serve(device_name: str, host: str, port: int, use_torch: bool) -> None
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, host, port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # the port in use, a host not of this machine...
+            await runner.cleanup()
+            raise Refused(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         bound = runner.addresses[0]
         print(f"listening on http://{bound[0]}:{bound[1]}", flush=True)
         stopped = asyncio.Event()

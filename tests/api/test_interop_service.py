@@ -167,3 +167,23 @@ async def test_the_service_runs_a_torch_model_on_an_adopted_stream(
         assert all(s == {"sum": 3 * 100000 * 99999 // 2 + 100000, "n": 100000} for s in sums)
         _report("cuda service, torch model", latencies + more)
         assert max(latencies + more) < 2.0
+
+
+def test_a_port_in_use_is_said_plainly(tmp_path: Path) -> None:
+    """The service asked for a port another socket holds says so in a line and exits
+    2, as for a device not here. Checked: before, it ended with asyncio's traceback."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, str(SERVICE), "--device", "cpu", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 2, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

@@ -34,7 +34,9 @@ from tests.support.compilers import (
     DeviceOpeningCompiler,
     EnvironmentCompiler,
     GatedCompiler,
+    PrefixingCompiler,
     SlowCompiler,
+    UnreadableCompiler,
     gate_name,
 )
 
@@ -106,6 +108,59 @@ async def test_a_crashing_compile_fails_alone(pool: CompilePool, how: str) -> No
         await pool.compile(CrashingCompiler(how), _src(how))
     # The pool replaced the worker and keeps compiling.
     assert await pool.compile(CCompiler(), _src("after"))
+
+
+async def test_a_compiler_the_worker_cannot_unpickle_is_named_and_the_worker_lives(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A compiler a worker cannot unpickle (its class, or what its config holds,
+    defined in the parent's ``__main__``, which workers never import) fails with an
+    error saying so, and the worker goes on compiling. Checked: before, the worker died
+    of it ("the compile worker died (exit code 1)" and its traceback)."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    try:
+        with anyio.fail_after(60):
+            facts = ast.literal_eval(
+                (await pool.compile(EnvironmentCompiler(), _src("a"))).decode()
+            )
+            with pytest.raises(am.CompileError, match="could not unpickle the compiler") as caught:
+                await pool.compile(UnreadableCompiler(), _src("unreadable"))
+            assert "__main__" in str(caught.value)
+            again = ast.literal_eval(
+                (await pool.compile(EnvironmentCompiler(), _src("b"))).decode()
+            )
+            assert again["pid"] == facts["pid"], "the worker did not live on"
+    finally:
+        await pool.aclose()
+
+
+async def test_workers_start_where_warnings_are_errors(
+    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A program run with ``PYTHONWARNINGS=error`` (as test suites are) compiles: its
+    workers, which inherit it, start without a warning. Checked: before, runpy warned
+    that ``asyncmetal._worker`` was imported (by the package) before it ran, and each
+    worker died of it ("the compile worker died (exit code 1)")."""
+    monkeypatch.setenv("PYTHONWARNINGS", "error")
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    try:
+        with anyio.fail_after(60):
+            assert await pool.compile(CCompiler(), _src("warnings are errors"))
+    finally:
+        await pool.aclose()
+
+
+async def test_a_subclass_compiling_otherwise_has_cache_entries_of_its_own(
+    pool: CompilePool,
+) -> None:
+    """A compiler's subclass that compiles otherwise, keeping its base's name and
+    config, gets its own binary of a source the base compiled, not the base's. Checked:
+    before, the identity left the class out, and the cache handed it the base's."""
+    src = _src("subclass") + "#ifndef V\n#define V 1\n#endif\nint v(void) { return V; }\n"
+    with anyio.fail_after(60):
+        base = await pool.compile(CCompiler(), src)
+        sub = await pool.compile(PrefixingCompiler(), src)
+    assert sub != base
 
 
 async def test_timeout_kills_the_worker_and_raises(pool: CompilePool) -> None:

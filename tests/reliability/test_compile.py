@@ -3,6 +3,7 @@ workers, and the caches when damaged, full or unwritable. Every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pickle
@@ -165,6 +166,10 @@ def _dead(pid: int) -> bool:
 
 def _existing(*paths: str) -> list[str]:
     return [path for path in paths if os.path.lexists(path)]
+
+
+def _entries(directory: Path) -> list[str]:
+    return [str(path) for path in directory.iterdir()]
 
 
 _HANGING_CC = """#!/bin/sh
@@ -891,6 +896,47 @@ def test_a_pool_made_before_a_fork_is_refused_in_the_child(tmp_path: Path) -> No
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
+_FORK_THEN_CLOSE = """
+import os, sys, time, anyio
+sys.path.insert(0, {root!r})
+import asyncmetal as am
+from asyncmetal._pool import CompilePool
+from asyncmetal._cache import CompileCache
+from asyncmetal.backends.cpu import CCompiler
+pool = CompilePool(1, cache=CompileCache({cache!r}))
+assert anyio.run(pool.compile, CCompiler(), "int twice(int x) {{ return 2 * x; }}")
+worker = pool._workers[0].proc  # up, waiting for its next job
+held, release = os.pipe()
+pid = os.fork()
+if pid == 0:  # the child lives on until the parent is done
+    os.close(release)
+    os.read(held, 1)
+    os._exit(0)
+os.close(held)
+anyio.run(pool.aclose)
+os.close(release)
+os.waitpid(pid, 0)
+print(worker.returncode)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_does_not_hold_the_parents_workers_open(tmp_path: Path) -> None:
+    """A child forked while a pool's worker waits for work gets none of the worker's
+    pipes: closing the pool in the parent ends the worker by its end of input (exit
+    code 0), while the child lives. Checked: before, the child's copy of the worker's
+    input kept it waiting, and the parent's close waited 5 s for it, then killed it
+    (SIGKILL: -9)."""
+    script = _FORK_THEN_CLOSE.format(
+        root=str(Path(__file__).resolve().parents[2]), cache=str(tmp_path / "cache")
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=BOUND
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0", "the worker did not end by its input's end"
+
+
 @pytest.mark.parametrize("first", ["timed", "untimed"])
 async def test_a_joined_compile_keeps_each_callers_own_timeout(
     pool: CompilePool, first: str
@@ -946,3 +992,332 @@ async def test_compiler_identities_are_kept_for_the_most_recently_used_only(
     gone = base.with_options(("-DN=0",))
     assert gone not in _pool._identities
     assert await compiler_identity(gone) == gone.identity()
+
+
+async def test_compile_many_times_out_joining_a_compile_without_one(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A compile_many's timeout is its caller's own, as compile()'s is: a kernel joining
+    a compile another caller started without a timeout raises "timed out" while that
+    compile goes on. Checked: before, the step waited for the joined compile to end
+    (here: not within the test)."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    src = f"void k(int* x) {{ x[0] = 1; }}\n/* {time.time_ns()} */\n"
+    try:
+        with anyio.fail_after(BOUND):
+            async with am.open_device("cpu") as device:
+                device.compile_pool = pool
+                device._backend._compiler = SlowCompiler(BOUND * 2)  # type: ignore[attr-defined]
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(device.compile, src, "k")  # no timeout
+                    while not pool._in_flight:
+                        await anyio.sleep(0.001)
+                    (job,) = pool._in_flight.values()
+                    with pytest.raises(am.CompileError, match=r"timed out after 0\.5 s") as caught:
+                        async for _ in device.compile_many([(src, "k")], timeout=0.5):
+                            pass
+                    assert caught.value.name == "k"
+                    assert not job.done.value, "the other caller's compile was ended"
+                    tg.cancel_scope.cancel()
+    finally:
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+
+
+def test_a_closed_pool_refuses_to_prestart(tmp_path: Path) -> None:
+    """prestart on a closed pool is refused, as a compile is. Checked: before, it
+    started workers that no close would stop (the exit skips a closed pool), whose
+    temporary directories outlived the process."""
+    pool = CompilePool(2, cache=CompileCache(tmp_path / "cache", disk=False))
+    pool.shutdown()
+    with pytest.raises(am.ClosedResourceError, match="closed"):
+        pool.prestart()
+    assert pool.workers == 0
+
+
+@pytest.mark.anyio
+async def test_a_compile_submitted_as_the_pool_shuts_down_is_refused(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A compile whose submission is under way when a shutdown on another thread
+    (aclose's) closes the pool is refused, not queued behind the workers' stops.
+    Checked: before, its job was queued with no worker left to run it, and the compile
+    waited for good."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    with anyio.fail_after(BOUND):
+        assert await pool.compile(CCompiler(), _src("up"))  # a worker waits for work
+    real_lock = pool._lock
+    arm = threading.Event()
+
+    class ShutdownFirst:
+        """The pool's lock; armed, the next taker on this thread lets a shutdown on
+        another thread run to its end first."""
+
+        def __enter__(self) -> bool:
+            if arm.is_set() and threading.current_thread() is main:
+                arm.clear()
+                closing = threading.Thread(target=pool.shutdown)
+                closing.start()
+                closing.join(BOUND)
+            return real_lock.__enter__()
+
+        def __exit__(self, *exc: object) -> None:
+            real_lock.__exit__(*exc)
+
+    main = threading.current_thread()
+    pool._lock = ShutdownFirst()  # type: ignore[assignment]
+    try:
+        arm.set()
+        with anyio.fail_after(BOUND), pytest.raises(am.ClosedResourceError, match="closed"):
+            await pool.compile(CCompiler(), _src("during shutdown"))
+    finally:
+        pool._lock = real_lock
+        pool.shutdown()
+
+
+async def test_a_timed_out_caller_waiting_for_its_compiles_end_is_not_held_by_a_joiner(
+    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller whose timeout passed while its compile ran waits for the worker to end
+    the compile at that same timeout; a caller joining meanwhile without a timeout lets
+    the compile go on, and the first then raises "timed out" at once. Checked: before,
+    it went on waiting for the compile's end (here: its gate, never opened)."""
+    from asyncmetal import _pool
+    from tests.support.compilers import GatedCompiler
+
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    compiler, src = GatedCompiler(str(tmp_path)), _src("gated")
+    key = source_key(await compiler_identity(compiler), src)
+    started, joined = threading.Event(), threading.Event()
+    real = _pool._replies_in_time
+
+    def held(pipe: Any, job: Any) -> bool:  # the worker ends nothing before the join
+        started.set()
+        joined.wait(BOUND)
+        return real(pipe, job)
+
+    monkeypatch.setattr(_pool, "_replies_in_time", held)
+    outcome: list[object] = []
+
+    async def first() -> None:
+        try:
+            outcome.append(await pool.compile(compiler, src, timeout=1.0))
+        except am.CompileError as exc:
+            outcome.append(exc)
+
+    try:
+        with anyio.fail_after(BOUND / 2):
+            async with anyio.create_task_group() as tg:
+                submitted = anyio.current_time()
+                tg.start_soon(first)
+                while not started.is_set():
+                    await anyio.sleep(0.01)
+                # Past the first caller's timeout (its timer, due first, has fired).
+                await anyio.sleep_until(submitted + 1.5)
+                pool.submit(compiler, src, key)  # joins, with no timeout
+                joined.set()
+        assert isinstance(outcome[0], am.CompileError), outcome
+        assert "timed out after 1.0 s" in str(outcome[0])
+    finally:
+        joined.set()
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+
+
+@pytest.mark.parametrize("timeout", [None, BOUND / 2])
+async def test_what_a_compilers_child_prints_does_not_reach_the_replies(
+    pool: CompilePool, timeout: float | None
+) -> None:
+    """A compiler that runs a command printing to its (inherited) standard output still
+    compiles: the worker's replies go out on a descriptor of their own. Checked: before,
+    the printed newline became the first byte of the reply's length, and the pool read
+    a reply of about a megabyte that never came (with a timeout too: the reply had
+    begun)."""
+    from tests.support.compilers import PrintingCompiler
+
+    try:
+        with anyio.fail_after(BOUND):
+            assert await pool.compile(PrintingCompiler(), _src("printing"), timeout=timeout)
+    finally:
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+
+
+async def test_a_compilers_child_reading_its_input_does_not_take_the_jobs(
+    pool: CompilePool,
+) -> None:
+    """A compiler that runs a command reading its (inherited) standard input to its end
+    still compiles: the worker's jobs come in on a descriptor of their own, and the
+    command reads an empty input. Checked: before, the command read the job pipe,
+    waiting there for good (and would have eaten the next job)."""
+    from tests.support.compilers import ReadingCompiler
+
+    try:
+        with anyio.fail_after(BOUND):
+            assert await pool.compile(ReadingCompiler(), _src("reading"))
+            assert await pool.compile(CCompiler(), _src("after"))
+    finally:
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+
+
+_COMPILE_IN_A_DELETED_DIRECTORY = """
+import os, sys, anyio
+sys.path.insert(0, {root!r})
+sys.path.append("a-relative-entry")  # as an editable install's path hook is
+from asyncmetal._pool import CompilePool
+from asyncmetal._cache import CompileCache
+from asyncmetal.backends.cpu import CCompiler
+os.chdir({gone!r})
+os.rmdir({gone!r})
+pool = CompilePool(1, cache=CompileCache({cache!r}, disk=False))
+try:
+    assert anyio.run(pool.compile, CCompiler(), "int twice(int x) {{ return 2 * x; }}")
+finally:
+    pool.shutdown()
+print("ok")
+"""
+
+
+def test_a_process_whose_working_directory_was_deleted_compiles(tmp_path: Path) -> None:
+    """A process whose working directory was deleted (a service's release directory,
+    replaced) still compiles, a relative entry in its sys.path left out of its workers'.
+    Checked: before, each worker failed to start ("failed to make path absolute"), and
+    every compile failed with "the compile worker died"."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    script = _COMPILE_IN_A_DELETED_DIRECTORY.format(
+        root=str(Path(__file__).resolve().parents[2]), gone=str(gone), cache=str(tmp_path)
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=BOUND
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+async def test_compile_many_stepped_on_after_its_pool_closed_never_waits_for_good(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A compile_many whose pool closes while a step looks its second kernel up raises
+    ClosedResourceError, and so does every later step that reaches that kernel: none
+    waits for it. Checked: before, the refused kernel counted as submitted, and the
+    step after the first kernel's waited for its result for good."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache"))
+    tag = time.time_ns()
+    kernels = [(f"void a(void) {{}} /* {tag} */", "a"), (f"void b(void) {{}} /* {tag} */", "b")]
+    real_get_disk = pool.cache.get_disk
+    lookups: list[str] = []
+
+    async def get_disk(key: str) -> bytes | None:
+        lookups.append(key)
+        if len(lookups) == 2:  # the second kernel: the pool closes meanwhile
+            await pool.aclose()
+        return await real_get_disk(key)
+
+    pool.cache.get_disk = get_disk  # type: ignore[method-assign]
+    outcomes: list[str] = []
+    with anyio.fail_after(BOUND):
+        async with am.open_device("cpu") as device:
+            device.compile_pool = pool
+            programs = device.compile_many(kernels)
+            for _ in range(4):
+                try:
+                    outcomes.append((await programs.__anext__()).name)
+                except am.ClosedResourceError:
+                    outcomes.append("closed")
+                except StopAsyncIteration:
+                    break
+    assert outcomes[0] == "closed" and "b" not in outcomes, outcomes
+
+
+@pytest.mark.parametrize("idle_timeout", [1e10, 1e300])
+async def test_a_pool_that_never_idles_out_keeps_compiling(
+    anyio_backend: object, tmp_path: Path, idle_timeout: float
+) -> None:
+    """An idle timeout longer than a thread's wait may last (threading.TIMEOUT_MAX) is
+    as long as the longest: the worker waits for its next job. Checked: before, its
+    thread died of an OverflowError as it began to wait, still holding its slot, and
+    the next compile waited for good."""
+    pool = CompilePool(1, idle_timeout=idle_timeout, cache=CompileCache(tmp_path, disk=False))
+    try:
+        with anyio.fail_after(BOUND):
+            assert await pool.compile(CCompiler(), _src("first"))
+            assert await pool.compile(CCompiler(), _src("second"))
+    finally:
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+async def test_a_worker_still_compiling_when_its_pool_closed_is_killed_at_exit(
+    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close waits a while for each worker's job in hand; one still compiling after
+    it (a compiler that hangs) is killed at interpreter exit, its temporary directory
+    removed, as the workers of a pool not closed are. Checked: before, the exit skipped
+    the closed pool, and the worker outlived the process (an orphan, for good)."""
+    from asyncmetal import _pool
+
+    monkeypatch.setattr(_pool, "SHUTDOWN_JOIN_S", 0.2)
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    began = tmp_path / "began"
+    began.mkdir()
+    proc = None
+
+    async def compiling() -> None:
+        with contextlib.suppress(am.CompileError):  # (its worker killed, in the end)
+            await pool.compile(SlowCompiler(BOUND * 10, str(began)), _src("hangs"))
+
+    try:
+        with anyio.fail_after(BOUND):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(compiling)
+                while not _existing(*_entries(began)):  # the compiler began
+                    await anyio.sleep(0.01)
+                proc, tmpdir = pool._workers[0].proc, pool._workers[0].tmpdir
+                assert proc is not None and tmpdir is not None
+                await pool.aclose()  # waits 0.2 s for the job in hand: not done
+                assert proc.poll() is None
+                await anyio.to_thread.run_sync(_pool._shutdown_at_exit, pool)  # (at exit)
+                tg.cancel_scope.cancel()
+        assert _dead(proc.pid), "the worker outlived the exit"
+        assert _existing(tmpdir) == [], "its temporary directory outlived the exit"
+    finally:
+        if proc is not None and proc.poll() is None:  # (the test failed: clean up)
+            await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+
+
+async def test_a_close_waits_for_hung_workers_once_not_once_each(
+    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close waits SHUTDOWN_JOIN_S for all the workers' jobs in hand together, not
+    that long for each in turn: three hung compiles hold it once. Checked: before, its
+    waits were one after another (here 3 x 1 s; 10 s a worker by default)."""
+    from asyncmetal import _pool
+
+    monkeypatch.setattr(_pool, "SHUTDOWN_JOIN_S", 1.0)
+    pool = CompilePool(3, cache=CompileCache(tmp_path / "cache", disk=False))
+    began = tmp_path / "began"
+    began.mkdir()
+    waited: list[float] = []
+
+    async def compiling(tag: int) -> None:
+        with contextlib.suppress(am.CompileError):  # (its worker killed, in the end)
+            await pool.compile(SlowCompiler(BOUND * 10, str(began)), _src(tag))
+
+    try:
+        with anyio.fail_after(BOUND):
+            async with anyio.create_task_group() as tg:
+                for tag in range(3):
+                    tg.start_soon(compiling, tag)
+                while len(_entries(began)) < 3:  # each worker is on its job
+                    await anyio.sleep(0.01)
+                for worker in list(pool._workers):
+                    join = worker.thread.join
+
+                    def timed(timeout: float | None = None, join: Any = join) -> None:
+                        waited.append(timeout or 0.0)
+                        join(timeout)
+
+                    worker.thread.join = timed  # type: ignore[method-assign]
+                await pool.aclose()
+                await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+                tg.cancel_scope.cancel()
+        assert len(waited) >= 3 and sum(waited[:3]) <= 1.0, waited
+    finally:
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))

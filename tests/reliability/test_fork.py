@@ -80,8 +80,10 @@ def fork_and_check(scenario, child, objects):
 SCRIPT = (
     PRELUDE
     + r"""
+import tempfile
 import asyncmetal as am
 from asyncmetal import _device
+from asyncmetal.backends.cpu import CCompiler
 
 SRC = "void k(int* o, int v) { o[0] = v; }"
 
@@ -100,6 +102,7 @@ async def child(dev, program, buf, tl, queue, pending):
         await refused("buffer.write", lambda: buf.write(np.zeros(1, np.int32)))
         await refused("copy", lambda: am.copy(np.zeros(1, np.int32), buf))
         await refused("compile", lambda: dev.compile(SRC, "k"))
+        await refused("compile_many's step", dev._stepping.__anext__)
         await refused("alloc", lambda: dev.alloc(4))
         await refused("timeline()", dev.timeline)
         await refused("new_queue", dev.new_queue)
@@ -135,12 +138,27 @@ async def parent_open():
     queue.wait(tl, 1)  # its thread sleeps on tl's condition across the fork
     pending = queue.launch(program, buf, vals=(4,))
     dev._programs_empty = await dev.compile("void e(void) {}", "e")  # (held for the child)
+    # A compile_many whose kernel is in the pool, compiling (for good: a compiler that
+    # hangs), as the process forks.
+    hanging = os.path.join(tempfile.mkdtemp(), "hanging-cc")
+    with open(hanging, "w") as f:
+        f.write('#!/bin/sh\ncase " $* " in *" -shared "*) exec sleep 1000;; esac\nexec cc "$@"\n')
+    os.chmod(hanging, 0o755)
+    compiler, dev._backend._compiler = dev._backend._compiler, CCompiler(hanging)
+    dev._stepping = dev.compile_many([(f"/* {time.time_ns()} */ {SRC}", "k")])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(dev._stepping.__anext__)
+        while not dev.compile_pool._in_flight:  # submitted
+            await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    dev._backend._compiler = compiler
     getattr(_device, "_kinds_opened", set()).add("cuda")  # as if it had opened cuda too
     return dev, program, buf, tl, queue, pending
 
 
 async def parent_finish(dev, buf, tl, pending):
     with anyio.fail_after(20):
+        await dev._stepping.aclose()  # (its compile is killed at exit)
         tl.signal(1)
         await pending
         if (await buf.read(np.int32))[0] != 4:

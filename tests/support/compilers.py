@@ -115,3 +115,60 @@ class GatedCompiler(CCompiler):
         while not os.path.exists(gate) and time.monotonic() < deadline:
             time.sleep(0.005)
         return super().compile(src)
+
+
+def _made_outside_a_worker() -> str:
+    if os.environ.get("ASYNCMETAL_WORKER"):
+        raise AttributeError("Can't get attribute 'Setting' on <module '__main__'>")
+    return "setting"
+
+
+class _UnpicklableInWorker:
+    """What a compiler's config may hold that a worker cannot unpickle (a class of the
+    parent's ``__main__``): here it raises there as such a class would."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_made_outside_a_worker, ())
+
+
+class UnreadableCompiler(CCompiler):
+    """A compiler whose config a worker cannot unpickle."""
+
+    name = "unreadable-cc"
+
+    def __init__(self, setting: object = None) -> None:
+        super().__init__()
+        self.setting = _UnpicklableInWorker() if setting is None else setting
+
+    def config(self) -> tuple[Any, ...]:
+        return (self.setting,)
+
+
+class PrefixingCompiler(CCompiler):
+    """A C compiler that defines ``V`` as 2 before the source: a subclass that compiles
+    otherwise, with its base's name and config."""
+
+    def compile(self, src: str) -> bytes:
+        return super().compile("#define V 2\n" + src)
+
+
+class PrintingCompiler(CCompiler):
+    """A C compiler that first runs a command printing an empty line to its standard
+    output (inherited: a compiler that does not capture what it runs)."""
+
+    name = "printing-cc"
+
+    def compile(self, src: str) -> bytes:
+        os.system("echo")  # a child writing to descriptor 1
+        return super().compile(src)
+
+
+class ReadingCompiler(CCompiler):
+    """A C compiler that first runs a command reading its (inherited) standard input
+    until it ends."""
+
+    name = "reading-cc"
+
+    def compile(self, src: str) -> bytes:
+        os.system("cat >/dev/null")  # a child reading descriptor 0
+        return super().compile(src)

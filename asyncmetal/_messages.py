@@ -1,0 +1,31 @@
+"""The compile pool's messages: length-prefixed pickles, on a worker's stdin and stdout."""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from typing import IO, Any
+
+_HEADER = struct.Struct("<Q")
+
+
+def read_message(stream: IO[bytes]) -> Any:
+    return pickle.loads(read_bytes(stream))  # noqa: S301 - our own parent process is the only peer
+
+
+def read_bytes(stream: IO[bytes]) -> bytes:
+    """One message, not unpickled yet (EOFError where the stream ends first)."""
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        raise EOFError
+    (size,) = _HEADER.unpack(header)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError
+    return data
+
+
+def write_message(stream: IO[bytes], obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
