@@ -17,7 +17,7 @@ import pytest
 
 import asyncmetal as am
 import asyncmetal._queue
-from asyncmetal import _native
+from asyncmetal import _native, _timeline
 from asyncmetal._timeline import wait_value
 from tests.support.interrupts import interrupted
 from tests.support.queues import held_queue
@@ -417,3 +417,44 @@ async def test_a_keyboard_interrupt_in_a_host_signal_leaves_it_made_or_not_made(
             break
         at += 1
     assert at >= 3
+
+
+async def test_a_keyboard_interrupt_as_a_wait_parks_leaves_no_wake_up_behind(
+    device: am.Device,
+) -> None:
+    """A KeyboardInterrupt wherever CPython delivers one as ``Timeline.wait`` parks its
+    task (trio raises Ctrl-C in whatever Python code its task runs) leaves no wake-up
+    for that task behind: once the value comes, the task -- waiting on something else
+    by then -- is not woken, and another task's wait for the value is. Checked failing
+    without: on trio, interrupted after its entry went into the watch, the wake-up
+    rescheduled the task in its next wait ("Should never have been rescheduled!")."""
+    from asyncmetal import _bridge
+
+    names = {"wait", "wait_value", "_watch_for", "park", "add", "_publish", "add_ready"}
+    classes = [am.Timeline, _timeline.Waitable, _bridge.Watch, *_bridge.LoopBridge.__subclasses__()]
+    codes = {wait_value.__code__}
+    for cls in classes:
+        for name in names & set(vars(cls)):
+            codes.add(inspect.unwrap(vars(cls)[name]).__code__)
+    at = 0
+    while True:
+        tl = device.timeline()
+        with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+            with anyio.move_on_after(0.01):  # (parked, or interrupted first)
+                await tl.wait(1)
+        woken = anyio.Event()
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_set_once_reached, tl, woken)
+                await anyio.to_thread.run_sync(tl.signal, 1)
+                await woken.wait()  # (where a wake-up left behind would reach this task)
+        if not raised:
+            break
+        at += 1
+    assert at >= 10
+
+
+async def _set_once_reached(tl: am.Timeline, woken: anyio.Event) -> None:
+    await tl.wait(1)
+    woken.set()
