@@ -210,10 +210,20 @@ class Watch:
         # Only a new smallest value is published: notifiers compare each advance with
         # `next`, so a watch armed at a smaller one already wakes the loop in time for
         # this entry (the drain then publishes the next smallest).
-        if value < self.next and self._publish(value):
-            # Reached while publishing `next`: the notifier may have missed it, so go
-            # through the bridge (in the loop's next slice) rather than wake inline.
-            self.bridge.notify_here(self)
+        if value < self.next:
+            try:
+                reached = self._publish(value)
+            except BaseException:
+                # Interrupted (a KeyboardInterrupt) as it published: `next` may say
+                # `value` with the native watch not armed at it, and a later add for as
+                # much would not publish it again (its wake-up lost). Published in full.
+                if self._update_next():
+                    self.bridge.notify_here(self)
+                raise
+            if reached:
+                # Reached while publishing `next`: the notifier may have missed it, so
+                # go through the bridge (in the loop's next slice) rather than wake inline.
+                self.bridge.notify_here(self)
 
     def _publish(self, value: int) -> bool:
         """Set ``next``; return whether the timeline has already reached it (or ended:
@@ -1236,10 +1246,18 @@ class _TrioBridge(LoopBridge):
                 watch.withdraw(entry)
             return trio.lowlevel.Abort.SUCCEEDED
 
-        if watch is None:
-            self.add_ready(entry)
-        else:
-            watch.add(value, entry)
+        try:
+            if watch is None:
+                self.add_ready(entry)
+            else:
+                watch.add(value, entry)
+        except BaseException:
+            # Interrupted (a KeyboardInterrupt: trio raises Ctrl-C in whatever code its
+            # task runs) maybe with the entry in: its wake-up would reschedule the task
+            # once the value came, blocked elsewhere by then (trio: "Should never have
+            # been rescheduled!"). It does nothing now (still counted until then).
+            entry.wake = _nothing
+            raise
         await trio.lowlevel.wait_task_rescheduled(abort)
 
 

@@ -320,17 +320,24 @@ class Queue:
         after: tuple[Any, ...] = (),
         uses: Iterable[Buffer] = (),
         names: Sequence[str] = (),
+        then: Callable[[int], None] | None = None,
+        again: bool = False,
     ) -> Completion:
         """Number the next command and hand it to the backend, ``fn(*before, value,
         completion, *after)``, then record it as the last use of ``uses`` (``names``:
-        what each is to the caller, for errors; "buffer" past them); return its
-        Completion. If the backend refuses it, its value was never used: it is taken
-        back. Under the device's submission lock, which a close takes to seal the
-        device: a command submitted from another thread is either numbered and handed
-        over before the close counts what to wait for, or refused as the device is
-        closed (never numbered and left unsubmitted); and commands other threads submit
-        to the queue are numbered, handed over and recorded in one order (the native
-        launch path defers to it: see DeviceState.busy)."""
+        what each is to the caller, for errors; "buffer" past them) and call ``then(value)``
+        (the caller's own record of it); return its Completion. If the backend refuses
+        it, its value was never used: it is taken back. Under the device's submission
+        lock, which a close takes to seal the device: a command submitted from another
+        thread is either numbered and handed over before the close counts what to wait
+        for, or refused as the device is closed (never numbered and left unsubmitted);
+        and commands other threads submit to the queue are numbered, handed over and
+        recorded in one order (the native launch path defers to it: see
+        DeviceState.busy).
+
+        A KeyboardInterrupt on the way (trio raises Ctrl-C in whatever code its task
+        runs) leaves nothing half done: see ``_interrupted``; ``again``: the command
+        may be handed over twice (a device wait, a signal: the second does nothing)."""
         state = self._state
         # Refused before the lock too: in a forked child (whose devices are all closed)
         # the lock may be one a parent thread held at the fork.
@@ -342,18 +349,65 @@ class Queue:
             for i, buf in enumerate(uses):  # freed, or its device closed, on another thread
                 check_buffer(buf, names[i] if i < len(names) else "buffer")  # since checked
             state.busy += 1  # (see DeviceState.busy)
+            # How far it got: 1 once its value is taken (the backend may have the
+            # command), 2 once the backend returned. (Plain stores: no interrupt is
+            # delivered between them and the step before.)
+            stage = 0
             try:
-                self._submitted = value = self._submitted + 1
+                value = self._submitted + 1
                 done = Completion(self, value)
-                try:
-                    fn(*before, value, done, *after)
-                except BaseException:
-                    self._submitted -= 1
-                    raise
+                self._submitted = value
+                stage = 1
+                fn(*before, value, done, *after)
+                stage = 2
                 record_uses(uses, self, value)
+                if then is not None:
+                    then(value)
+            except KeyboardInterrupt:
+                if stage:
+                    self._interrupted(stage == 1, fn, before, value, done, after, uses, then, again)
+                raise
+            except BaseException:
+                if stage == 1:  # refused by the backend
+                    self._submitted = value - 1
+                raise
             finally:
                 state.busy -= 1
         return done
+
+    def _interrupted(
+        self,
+        handing: bool,
+        fn: Callable[..., None],
+        before: tuple[Any, ...],
+        value: int,
+        done: Completion,
+        after: tuple[Any, ...],
+        uses: Iterable[Buffer],
+        then: Callable[[int], None] | None,
+        again: bool,
+    ) -> None:
+        """Command ``value`` was interrupted (a KeyboardInterrupt) as it was handed over
+        (``handing``: the backend may or may not have it) or recorded. Its value is kept,
+        and the command made whole: taken back, a command the backend has would share
+        its value with the next (whose completion would then report it done once this
+        one is); left unsubmitted, its value would never be reached (a close would wait
+        for it for good); unrecorded, a close would not count its wait or signal. So a
+        command that may be handed over twice (``again``) is handed over again; any
+        other gets a device wait for what is reached already as its value, after it,
+        and keeps its arguments until then. Then it is recorded, from where it was."""
+        if handing:
+            if again:
+                fn(*before, value, done, *after)
+            else:
+                keep = self._native._keep
+                kept = None if keep is None else keep.items.get(value)
+                self._native.wait(self.timeline.native, 0, value, done)
+                if keep is not None:
+                    keep.add(value, (kept, before, after))
+        record_uses(uses, self, value)
+        if then is not None:
+            then(value)
 
     def _kept(self) -> None:
         """Kept by its device again (submission lock held), before a command is handed
@@ -496,9 +550,12 @@ class Queue:
                     raise InvalidArgumentError(deadlock)
             if earlier:  # another queue's signal of it, not run yet: that one first
                 self._wait(timeline, earlier, True)
-            done = self._submit(self._native.signal, timeline.native, value)
-            queue_signal_submitted(timeline, self.timeline, done.value, value)
-            self._track(done.value, False, timeline, value)
+
+            def then(at: int) -> None:
+                queue_signal_submitted(timeline, self.timeline, at, value)
+                self._track(at, False, timeline, value)
+
+            done = self._submit(self._native.signal, timeline.native, value, then=then, again=True)
         return done
 
     def wait(self, timeline: Timeline, value: int) -> Completion:
@@ -524,9 +581,12 @@ class Queue:
         # one that completes, and the close would wait for it for good.
         self._check_open()  # (before the lock: see _submit)
         with self._state.submitting:
-            done = self._submit(self._native.wait, timeline.native, value)
-            self._track(done.value, True, timeline, value)
-            queue_wait_submitted(timeline, self, done.value, value, ordering)
+
+            def then(at: int) -> None:
+                self._track(at, True, timeline, value)
+                queue_wait_submitted(timeline, self, at, value, ordering)
+
+            done = self._submit(self._native.wait, timeline.native, value, then=then, again=True)
         return done
 
     def _track(self, value: int, is_wait: bool, timeline: Timeline, target: int) -> None:

@@ -411,9 +411,21 @@ class Timeline(Waitable):
                         f"yet: the host may signal it only after that "
                         f"(await timeline.wait({previous[2]}))"
                     )
-            # (A max: this thread's own signal may have come in between, see signal_order.)
-            self._highest = max(self._highest, value)
-            native.signal(value)
+            try:
+                # (A max: this thread's own signal may have come in between, see
+                # signal_order.)
+                self._highest = max(self._highest, value)
+                native.signal(value)
+            except KeyboardInterrupt:
+                # A Ctrl-C raised here (trio raises it in whatever code its task runs):
+                # between the count and the native signal, or inside that (a Metal
+                # timeline's event raised, its mirror not). Left so, the value would
+                # count as signalled -- a signal of it again refused -- and never come.
+                # The signal is made whole (signals of a value reached do nothing),
+                # then the interrupt goes on.
+                self._highest = max(self._highest, value)
+                native.signal(value)
+                raise
         if self._watches or native.releases_device_work:
             _bridge.signalled_here(
                 self._watch_of, AWAKE_AFTER_SIGNAL_NS if native.releases_device_work else 0

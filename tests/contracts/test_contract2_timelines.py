@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import inspect
 import itertools
 import sys
 import threading
@@ -16,8 +17,9 @@ import pytest
 
 import asyncmetal as am
 import asyncmetal._queue
-from asyncmetal import _native
+from asyncmetal import _native, _timeline
 from asyncmetal._timeline import wait_value
+from tests.support.interrupts import interrupted
 from tests.support.queues import held_queue
 
 pytestmark = pytest.mark.anyio
@@ -423,3 +425,79 @@ def test_launches_from_two_threads_on_one_queue_run_in_value_order() -> None:
     order = [values[tag] for tag in ran]
     inverted = sum(b < a for a, b in itertools.pairwise(order))
     assert inverted == 0, f"{inverted} commands ran before a command of a lower value"
+
+
+async def test_a_keyboard_interrupt_in_a_host_signal_leaves_it_made_or_not_made(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """A KeyboardInterrupt wherever CPython delivers one in ``Timeline.signal`` and the
+    backend's native signal (trio raises Ctrl-C in whatever Python code its task runs)
+    leaves the signal whole or not made: a host wait and a queue's device wait for the
+    value end once it is signalled -- where it was not made, a signal of it again is
+    not refused. Checked failing without: interrupted between the count and the native
+    signal, the value counted as signalled (a signal of it refused as not increasing)
+    and never came; on Metal, interrupted between the event and its mirror, the GPU's
+    wait ran and host waits waited for good."""
+    native_type = type(device.timeline().native)
+    codes = {am.Timeline.signal.__code__}
+    codes |= {f.__code__ for f in vars(native_type).values() if inspect.isfunction(f)}
+    at = 0
+    while True:
+        tl, queue = device.timeline(), device.new_queue()
+        waited = queue.wait(tl, 5)
+        behind = queue.launch(kernels["empty"])
+        with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+            tl.signal(5)
+        if tl.value < 5:
+            tl.signal(5)  # (not made: made now)
+        with anyio.fail_after(10):
+            await tl.wait(5)
+            await waited
+            await behind
+        assert tl.value == 5, raised
+        await queue.close()
+        if not raised:
+            break
+        at += 1
+    assert at >= 3
+
+
+async def test_a_keyboard_interrupt_as_a_wait_parks_leaves_no_wake_up_behind(
+    device: am.Device,
+) -> None:
+    """A KeyboardInterrupt wherever CPython delivers one as ``Timeline.wait`` parks its
+    task (trio raises Ctrl-C in whatever Python code its task runs) leaves no wake-up
+    for that task behind: once the value comes, the task -- waiting on something else
+    by then -- is not woken, and another task's wait for the value is. Checked failing
+    without: on trio, interrupted after its entry went into the watch, the wake-up
+    rescheduled the task in its next wait ("Should never have been rescheduled!")."""
+    from asyncmetal import _bridge
+
+    names = {"wait", "wait_value", "_watch_for", "park", "add", "_publish", "add_ready"}
+    classes = [am.Timeline, _timeline.Waitable, _bridge.Watch, *_bridge.LoopBridge.__subclasses__()]
+    codes = {wait_value.__code__}
+    for cls in classes:
+        for name in names & set(vars(cls)):
+            codes.add(inspect.unwrap(vars(cls)[name]).__code__)
+    at = 0
+    while True:
+        tl = device.timeline()
+        with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+            with anyio.move_on_after(0.01):  # (parked, or interrupted first)
+                await tl.wait(1)
+        woken = anyio.Event()
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_set_once_reached, tl, woken)
+                await anyio.to_thread.run_sync(tl.signal, 1)
+                await woken.wait()  # (where a wake-up left behind would reach this task)
+        if not raised:
+            break
+        at += 1
+    assert at >= 10
+
+
+async def _set_once_reached(tl: am.Timeline, woken: anyio.Event) -> None:
+    await tl.wait(1)
+    woken.set()

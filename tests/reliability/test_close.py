@@ -1247,3 +1247,74 @@ async def test_a_host_signal_as_the_device_closes_is_run_or_refused(
         with pytest.raises(am.ClosedResourceError, match="never ran"):
             await marker
         assert timeline.value == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("command", ["wait", "signal", "launch", "copy"])
+async def test_a_keyboard_interrupt_as_a_command_is_submitted_leaves_it_whole(
+    anyio_backend: object, device_name: str, command: str
+) -> None:
+    """A KeyboardInterrupt wherever CPython delivers one as a command is submitted
+    (trio raises Ctrl-C in whatever Python code its task runs) -- in the Queue's method,
+    its submission, the backend's hook -- leaves the queue's numbering, the commands
+    the backend has and the close's record of device waits and signals agreeing: a
+    device wait submitted next is not reported done before its value is reached, a
+    signal of the timeline is made or may still be made, and the device's close ends
+    (abandoning what waits for a value nobody signals). Checked failing without: the
+    value of a command the backend had taken was taken back, and the next command,
+    given the same value, was reported done once the interrupted one was; a value
+    taken but never handed over, or a device wait handed over but not recorded, left
+    a close waiting for good."""
+    source = MSL_KERNELS if device_name == "metal" else KERNELS
+    at = 0
+    while True:
+        dev = await am.open_device(device_name)
+        empty = await dev.compile(source, "empty")
+        queue, gate, tl = dev.new_queue(), dev.timeline(), dev.timeline()
+        queue._fast_launch = None  # (the Python path: the native one runs no Python code)
+        buf = await dev.alloc(16)
+        host = np.arange(4, dtype=np.int32)
+        hook = {"wait": "wait", "signal": "signal", "launch": "launch", "copy": "copyin"}
+        method = getattr(am.Queue, command)
+        codes = {method.__code__, am.Queue._submit.__code__, am.Queue._wait.__code__}
+        codes.add(getattr(type(queue._native), hook[command]).__code__)
+        with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+            if command == "wait":
+                queue.wait(gate, 1)  # (nobody signals it)
+            elif command == "signal":
+                queue.signal(tl, 1)
+            elif command == "launch":
+                queue.launch(empty)
+            else:
+                queue.copy(buf, host)
+        held = queue.wait(gate, 2)
+        after = queue.launch(empty)
+        if command != "wait":  # (one for gate waits until the close)
+            with anyio.fail_after(10):
+                await queue.timeline.wait(held.value - 1)
+        await anyio.sleep(0.02)  # (a command before the wait would have run by now)
+        assert not held.done() and not after.done(), raised
+        if command == "signal":
+            if tl.value < 1:
+                tl.signal(1)  # (not made: may be made now)
+            with anyio.fail_after(10):
+                await tl.wait(1)
+        # The close abandons the waits for gate; from another thread, as it waits
+        # shielded: one that waits for good must show as such here, not hang.
+        closed = threading.Event()
+        threading.Thread(target=_close_then_set, args=(dev, closed), daemon=True).start()
+        with anyio.move_on_after(10):
+            while not closed.is_set():
+                await anyio.sleep(0.01)
+        assert closed.is_set(), f"the close waits for good (interrupted at {raised})"
+        with pytest.raises(am.ClosedResourceError):
+            await after
+        if not raised:
+            break
+        at += 1
+    assert at >= 5
+
+
+def _close_then_set(device: am.Device, closed: threading.Event) -> None:
+    anyio.run(device.close)
+    closed.set()

@@ -913,7 +913,8 @@ class _Owned:
         self.obj = obj
 
     def __del__(self) -> None:
-        release(self.obj)
+        # (None made where __init__ was interrupted before it got it: a KeyboardInterrupt)
+        release(getattr(self, "obj", 0))
 
 
 @functools.cache
