@@ -40,7 +40,7 @@ from ._errors import (
     CompileWarning,
     InvalidArgumentError,
 )
-from ._messages import read_message, write_message
+from ._messages import read_message, write_message, write_stop
 from ._threads import run_sync as to_thread
 from ._timeline import HostEvents, wait_value
 
@@ -260,7 +260,14 @@ class _Worker:
             _remove_tree(tmpdir)
 
     def _stop(self) -> None:
-        self._reap()  # closing its stdin ends the worker's loop
+        # The word to stop ends the worker's loop, and so does closing its stdin -- but
+        # a child forked as the worker started (its pipes not yet known to the at-fork
+        # handler, see _let_go_of_parents_workers) may hold a copy of that input open.
+        proc = self.proc
+        if proc is not None and proc.stdin is not None:
+            with contextlib.suppress(OSError, ValueError):
+                write_stop(proc.stdin)
+        self._reap()
         if self.stderr is not None:
             self.stderr.close()
             self.stderr = None
