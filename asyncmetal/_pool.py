@@ -263,8 +263,15 @@ class _Worker:
         # The word to stop ends the worker's loop, and so does closing its stdin -- but
         # a child forked as the worker started (its pipes not yet known to the at-fork
         # handler, see _let_go_of_parents_workers) may hold a copy of that input open.
+        # (Not to one killed or dead: where SIGPIPE is not ignored, a write to it would
+        # end this process.)
         proc = self.proc
-        if proc is not None and proc.stdin is not None:
+        if (
+            proc is not None
+            and proc.stdin is not None
+            and not self.pool._killing
+            and not _exited(proc, 0)
+        ):
             with contextlib.suppress(OSError, ValueError):
                 write_stop(proc.stdin)
         self._reap()
