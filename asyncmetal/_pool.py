@@ -205,6 +205,11 @@ class _Worker:
             self._reap()  # it died while idle
         if self.proc is None:
             self.proc = self._spawn()
+            # A kill at exit that came as the process started found none to kill (it
+            # sets _killing before it looks): nothing will await the job.
+            if self.pool._killing:
+                self._kill()
+                return CompileError("the compile pool was shut down")
         proc = self.proc
         assert proc.stdin is not None and proc.stdout is not None
         try:

@@ -1375,3 +1375,32 @@ async def test_a_close_waits_for_hung_workers_once_not_once_each(
         assert len(waited) >= 3 and sum(waited[:3]) <= 1.0, waited
     finally:
         await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+
+
+async def test_a_worker_started_as_its_pool_is_killed_is_killed_too(
+    pool: CompilePool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kill at exit (shutdown(kill=True)) that comes as a worker's process has just
+    started, before the pool recorded it, finds no process to kill: the worker then
+    goes on to compile the job it had taken, and outlives the exit. It kills its own
+    process once recorded. Checked: before, the compile ran on (this test's bound
+    expired)."""
+    import asyncmetal._pool as pool_module
+
+    monkeypatch.setattr(pool_module, "SHUTDOWN_JOIN_S", 0.0)  # (the worker is held here)
+    real = subprocess.Popen
+
+    def popen(*args: Any, **kwargs: Any) -> Any:
+        proc = real(*args, **kwargs)
+        if "asyncmetal._worker" in args[0]:  # the kill comes now, whole
+            killer = threading.Thread(target=pool.shutdown, kwargs={"kill": True})
+            killer.start()
+            killer.join()
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    src = _src("started as killed")
+    key = source_key(await compiler_identity(SlowCompiler(BOUND)), src)
+    job = pool.submit(SlowCompiler(BOUND), src, key)
+    with anyio.fail_after(BOUND / 4), pytest.raises(am.CompileError, match="shut down"):
+        await pool.wait(job)
