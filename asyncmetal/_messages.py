@@ -25,6 +25,14 @@ def read_bytes(stream: IO[bytes]) -> bytes:
     return data
 
 
+def write_stop(stream: IO[bytes]) -> None:
+    """The word to stop: an empty message (no pickle is empty). A worker ends on it
+    even where a forked process still holds a copy of its input, whose end it would
+    otherwise wait for."""
+    stream.write(_HEADER.pack(0))
+    stream.flush()
+
+
 def write_message(stream: IO[bytes], obj: Any) -> None:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     stream.write(_HEADER.pack(len(data)) + data)

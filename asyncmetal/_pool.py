@@ -40,7 +40,7 @@ from ._errors import (
     CompileWarning,
     InvalidArgumentError,
 )
-from ._messages import read_message, write_message
+from ._messages import read_message, write_message, write_stop
 from ._threads import run_sync as to_thread
 from ._timeline import HostEvents, wait_value
 
@@ -205,6 +205,11 @@ class _Worker:
             self._reap()  # it died while idle
         if self.proc is None:
             self.proc = self._spawn()
+            # A kill at exit that came as the process started found none to kill (it
+            # sets _killing before it looks): nothing will await the job.
+            if self.pool._killing:
+                self._kill()
+                return CompileError("the compile pool was shut down")
         proc = self.proc
         assert proc.stdin is not None and proc.stdout is not None
         try:
@@ -260,7 +265,21 @@ class _Worker:
             _remove_tree(tmpdir)
 
     def _stop(self) -> None:
-        self._reap()  # closing its stdin ends the worker's loop
+        # The word to stop ends the worker's loop, and so does closing its stdin -- but
+        # a child forked as the worker started (its pipes not yet known to the at-fork
+        # handler, see _let_go_of_parents_workers) may hold a copy of that input open.
+        # (Not to one killed or dead: where SIGPIPE is not ignored, a write to it would
+        # end this process.)
+        proc = self.proc
+        if (
+            proc is not None
+            and proc.stdin is not None
+            and not self.pool._killing
+            and not _exited(proc, 0)
+        ):
+            with contextlib.suppress(OSError, ValueError):
+                write_stop(proc.stdin)
+        self._reap()
         if self.stderr is not None:
             self.stderr.close()
             self.stderr = None

@@ -42,6 +42,8 @@ def main() -> None:
             data = read_bytes(stdin)
         except EOFError:
             return
+        if not data:  # the word to stop (write_stop)
+            return
         try:
             compiler, src = pickle.loads(data)  # noqa: S301 - our own parent is the only peer
         except Exception as exc:  # the message was read whole: the next one is intact

@@ -937,6 +937,60 @@ def test_a_forked_child_does_not_hold_the_parents_workers_open(tmp_path: Path) -
     assert done.stdout.strip() == "0", "the worker did not end by its input's end"
 
 
+# The fork comes as the worker's process has started and before the pool knows it (its
+# pipes are open, worker.proc still unset): as another thread's fork may.
+_FORK_AS_A_WORKER_STARTS = """
+import os, subprocess, sys, anyio
+sys.path.insert(0, {root!r})
+import asyncmetal as am
+from asyncmetal._pool import CompilePool
+from asyncmetal._cache import CompileCache
+from asyncmetal.backends.cpu import CCompiler
+real, forked, workers = subprocess.Popen, [], []
+def popen(*args, **kwargs):
+    proc = real(*args, **kwargs)
+    if "asyncmetal._worker" not in args[0]:  # (the compiler's own runs)
+        return proc
+    workers.append(proc)
+    if not forked:
+        held, release = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child lives on until the parent is done
+            os.close(release)
+            os.read(held, 1)
+            os._exit(0)
+        os.close(held)
+        forked.append((pid, release))
+    return proc
+subprocess.Popen = popen
+pool = CompilePool(1, cache=CompileCache({cache!r}))
+assert anyio.run(pool.compile, CCompiler(), "int twice(int x) {{ return 2 * x; }}")
+subprocess.Popen = real
+anyio.run(pool.aclose)
+pid, release = forked[0]
+os.close(release)
+os.waitpid(pid, 0)
+print(workers[0].returncode)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_as_a_worker_starts_does_not_hold_it_open(tmp_path: Path) -> None:
+    """A child forked after a worker's process started but before the pool recorded it
+    (so the at-fork handler cannot point its pipes at /dev/null) holds a copy of the
+    worker's input: closing the pool still ends the worker by its word to stop (exit
+    code 0), not after 5 s by SIGKILL. Checked: before, the worker waited for its
+    input's end, which the child's copy held off, and was killed (-9)."""
+    script = _FORK_AS_A_WORKER_STARTS.format(
+        root=str(Path(__file__).resolve().parents[2]), cache=str(tmp_path / "cache")
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=BOUND
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0", "the worker did not end by its word to stop"
+
+
 @pytest.mark.parametrize("first", ["timed", "untimed"])
 async def test_a_joined_compile_keeps_each_callers_own_timeout(
     pool: CompilePool, first: str
@@ -1321,3 +1375,32 @@ async def test_a_close_waits_for_hung_workers_once_not_once_each(
         assert len(waited) >= 3 and sum(waited[:3]) <= 1.0, waited
     finally:
         await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+
+
+async def test_a_worker_started_as_its_pool_is_killed_is_killed_too(
+    pool: CompilePool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kill at exit (shutdown(kill=True)) that comes as a worker's process has just
+    started, before the pool recorded it, finds no process to kill: the worker then
+    goes on to compile the job it had taken, and outlives the exit. It kills its own
+    process once recorded. Checked: before, the compile ran on (this test's bound
+    expired)."""
+    import asyncmetal._pool as pool_module
+
+    monkeypatch.setattr(pool_module, "SHUTDOWN_JOIN_S", 0.0)  # (the worker is held here)
+    real = subprocess.Popen
+
+    def popen(*args: Any, **kwargs: Any) -> Any:
+        proc = real(*args, **kwargs)
+        if "asyncmetal._worker" in args[0]:  # the kill comes now, whole
+            killer = threading.Thread(target=pool.shutdown, kwargs={"kill": True})
+            killer.start()
+            killer.join()
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    src = _src("started as killed")
+    key = source_key(await compiler_identity(SlowCompiler(BOUND)), src)
+    job = pool.submit(SlowCompiler(BOUND), src, key)
+    with anyio.fail_after(BOUND / 4), pytest.raises(am.CompileError, match="shut down"):
+        await pool.wait(job)
