@@ -20,7 +20,7 @@ import asyncmetal._queue
 from asyncmetal import _native, _timeline
 from asyncmetal._timeline import wait_value
 from tests.support.interrupts import interrupted
-from tests.support.queues import held_queue
+from tests.support.queues import check_buffers_usable, fail_default_queue_for_good, held_queue
 
 pytestmark = pytest.mark.anyio
 
@@ -146,34 +146,10 @@ async def test_a_default_queue_failing_for_good_leaves_the_buffers_usable(
     buffers -- ``read``, ``write``, ``copy()``, a zeroed ``alloc`` -- runs on a queue
     the device makes in its stead: the device stays usable. Checked failing before:
     each raised ClosedResourceError ("it follows a device-side wait ...")."""
-    before = await device.alloc(64)  # (a buffer the default queue wrote before)
-    await before.write(np.full(64, 5, np.uint8))
-    other = await am.open_device("cpu:23")
-    try:
-        put = await other.compile("void put(char* x) { x[0] = 9; }", "put")
-        theirs = await other.alloc(64)
-        stuck_queue = other.new_queue()
-        stuck_queue.wait(other.timeline(), 1)  # never signalled: the close abandons it
-        stuck_queue.launch(put, theirs)
-        mine = await device.alloc(64)
-        copied = device.queue.copy(mine, theirs)  # ordered after that launch
-    finally:
-        with anyio.fail_after(20):
-            await other.close()
-    with anyio.fail_after(20), pytest.raises(am.ClosedResourceError):
-        await copied
+    before = await fail_default_queue_for_good(device)
     with anyio.fail_after(20), pytest.raises(am.ClosedResourceError, match="device-side wait"):
         await device.queue.launch(kernels["empty"])
-    with anyio.fail_after(20):
-        buf = await device.alloc(64, zeroed=True)
-        assert (await buf.read(np.uint8) == 0).all()
-        await buf.write(np.arange(64, dtype=np.uint8))
-        out = np.zeros(64, np.uint8)
-        await am.copy(out, buf)
-        assert (out == np.arange(64)).all()
-        assert (await before.read(np.uint8) == 5).all()
-        await am.copy(before, buf)
-        assert (await before.read(np.uint8) == np.arange(64)).all()
+    await check_buffers_usable(device, before)
     with anyio.fail_after(20), pytest.raises(am.ClosedResourceError, match="device-side wait"):
         await device.queue.launch(kernels["empty"])  # (still the default queue's error)
 

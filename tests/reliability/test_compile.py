@@ -896,28 +896,39 @@ def test_a_pool_made_before_a_fork_is_refused_in_the_child(tmp_path: Path) -> No
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
-_FORK_THEN_CLOSE = """
-import os, sys, time, anyio
+# What both fork scripts begin with: a fork whose child lives on until the parent
+# closes ``release`` (returned with the child's pid).
+_FORK_HEAD = """
+import os, subprocess, sys, anyio
 sys.path.insert(0, {root!r})
 import asyncmetal as am
 from asyncmetal._pool import CompilePool
 from asyncmetal._cache import CompileCache
 from asyncmetal.backends.cpu import CCompiler
+def fork_held():
+    held, release = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(release)
+        os.read(held, 1)
+        os._exit(0)
+    os.close(held)
+    return pid, release
+"""
+
+_FORK_THEN_CLOSE = (
+    _FORK_HEAD
+    + """
 pool = CompilePool(1, cache=CompileCache({cache!r}))
 assert anyio.run(pool.compile, CCompiler(), "int twice(int x) {{ return 2 * x; }}")
 worker = pool._workers[0].proc  # up, waiting for its next job
-held, release = os.pipe()
-pid = os.fork()
-if pid == 0:  # the child lives on until the parent is done
-    os.close(release)
-    os.read(held, 1)
-    os._exit(0)
-os.close(held)
+pid, release = fork_held()
 anyio.run(pool.aclose)
 os.close(release)
 os.waitpid(pid, 0)
 print(worker.returncode)
 """
+)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -927,25 +938,14 @@ def test_a_forked_child_does_not_hold_the_parents_workers_open(tmp_path: Path) -
     code 0), while the child lives. Checked: before, the child's copy of the worker's
     input kept it waiting, and the parent's close waited 5 s for it, then killed it
     (SIGKILL: -9)."""
-    script = _FORK_THEN_CLOSE.format(
-        root=str(Path(__file__).resolve().parents[2]), cache=str(tmp_path / "cache")
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=BOUND
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "0", "the worker did not end by its input's end"
+    assert _worker_exit(_FORK_THEN_CLOSE, tmp_path) == "0", "it did not end by its input's end"
 
 
 # The fork comes as the worker's process has started and before the pool knows it (its
 # pipes are open, worker.proc still unset): as another thread's fork may.
-_FORK_AS_A_WORKER_STARTS = """
-import os, subprocess, sys, anyio
-sys.path.insert(0, {root!r})
-import asyncmetal as am
-from asyncmetal._pool import CompilePool
-from asyncmetal._cache import CompileCache
-from asyncmetal.backends.cpu import CCompiler
+_FORK_AS_A_WORKER_STARTS = (
+    _FORK_HEAD
+    + """
 real, forked, workers = subprocess.Popen, [], []
 def popen(*args, **kwargs):
     proc = real(*args, **kwargs)
@@ -953,14 +953,7 @@ def popen(*args, **kwargs):
         return proc
     workers.append(proc)
     if not forked:
-        held, release = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child lives on until the parent is done
-            os.close(release)
-            os.read(held, 1)
-            os._exit(0)
-        os.close(held)
-        forked.append((pid, release))
+        forked.append(fork_held())
     return proc
 subprocess.Popen = popen
 pool = CompilePool(1, cache=CompileCache({cache!r}))
@@ -972,6 +965,7 @@ os.close(release)
 os.waitpid(pid, 0)
 print(workers[0].returncode)
 """
+)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -981,14 +975,20 @@ def test_a_child_forked_as_a_worker_starts_does_not_hold_it_open(tmp_path: Path)
     worker's input: closing the pool still ends the worker by its word to stop (exit
     code 0), not after 5 s by SIGKILL. Checked: before, the worker waited for its
     input's end, which the child's copy held off, and was killed (-9)."""
-    script = _FORK_AS_A_WORKER_STARTS.format(
+    assert _worker_exit(_FORK_AS_A_WORKER_STARTS, tmp_path) == "0", "not by its word to stop"
+
+
+def _worker_exit(script: str, tmp_path: Path) -> str:
+    """Run one of the fork scripts above in a process of its own; return what it printed:
+    the worker's exit code."""
+    code = script.format(
         root=str(Path(__file__).resolve().parents[2]), cache=str(tmp_path / "cache")
     )
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=BOUND
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=BOUND
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "0", "the worker did not end by its word to stop"
+    return done.stdout.strip()
 
 
 @pytest.mark.parametrize("first", ["timed", "untimed"])

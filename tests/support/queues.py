@@ -99,3 +99,42 @@ async def copies_done_before_awaited(
                 await anyio.sleep(0.001)
             await done
     return weakref.ref(source), into
+
+
+async def fail_default_queue_for_good(device: am.Device) -> am.Buffer:
+    """Make every later command of ``device``'s default queue fail: another device (a
+    cpu one) closes while the default queue waits (on the device, or held on the host)
+    for that device's command that never runs, a copy out of its buffer. Returns a
+    buffer of ``device`` the default queue wrote 5s to before."""
+    before = await device.alloc(64)
+    await before.write(np.full(64, 5, np.uint8))
+    other = await am.open_device("cpu:23")
+    try:
+        put = await other.compile("void put(char* x) { x[0] = 9; }", "put")
+        theirs = await other.alloc(64)
+        stuck_queue = other.new_queue()
+        stuck_queue.wait(other.timeline(), 1)  # never signalled: the close abandons it
+        stuck_queue.launch(put, theirs)
+        mine = await device.alloc(64)
+        copied = device.queue.copy(mine, theirs)  # ordered after that launch
+    finally:
+        with anyio.fail_after(20):
+            await other.close()
+    with anyio.fail_after(20), pytest.raises(am.ClosedResourceError):
+        await copied
+    return before
+
+
+async def check_buffers_usable(device: am.Device, before: am.Buffer) -> None:
+    """A zeroed alloc, reads, writes and copies of ``device``'s buffers run (``before``
+    holding 5s, as ``fail_default_queue_for_good`` leaves it)."""
+    with anyio.fail_after(20):
+        buf = await device.alloc(64, zeroed=True)
+        assert (await buf.read(np.uint8) == 0).all()
+        await buf.write(np.arange(64, dtype=np.uint8))
+        out = np.zeros(64, np.uint8)
+        await am.copy(out, buf)
+        assert (out == np.arange(64)).all()
+        assert (await before.read(np.uint8) == 5).all()
+        await am.copy(before, buf)
+        assert (await before.read(np.uint8) == np.arange(64)).all()

@@ -19,9 +19,11 @@ import asyncmetal as am
 from asyncmetal._scalars import host_types
 from tests.support.launch_paths import PATHS, select_launch_path
 from tests.support.queues import (
+    check_buffers_usable,
     close_failing_with_a_wait,
     copies_done_before_awaited,
     discard_outcomes,
+    fail_default_queue_for_good,
     held_queue,
 )
 from tests.support.stress import interleavings, park_all
@@ -984,35 +986,11 @@ async def test_a_default_queue_failing_for_good_leaves_the_buffers_usable_cuda(
     queue fails (it says so), and the cuda buffers' reads, writes, copies and zeroed
     allocs run on a queue made in its stead."""
     async with am.open_device("cuda:0") as dev:
-        before = await dev.alloc(64)
-        await before.write(np.full(64, 5, np.uint8))
-        other = await am.open_device("cpu:23")
-        try:
-            put = await other.compile("void put(char* x) { x[0] = 9; }", "put")
-            theirs = await other.alloc(64)
-            stuck_queue = other.new_queue()
-            stuck_queue.wait(other.timeline(), 1)  # never signalled: the close abandons it
-            stuck_queue.launch(put, theirs)
-            mine = await dev.alloc(64)
-            copied = dev.queue.copy(mine, theirs)  # held behind that launch
-        finally:
-            with anyio.fail_after(20):
-                await other.close()
-        with anyio.fail_after(20), pytest.raises(am.ClosedResourceError):
-            await copied
+        before = await fail_default_queue_for_good(dev)
         empty = await dev.compile(KERNELS, "empty")
         with anyio.fail_after(20), pytest.raises(am.ClosedResourceError, match="wait"):
             await dev.queue.launch(empty)
-        with anyio.fail_after(20):
-            buf = await dev.alloc(64, zeroed=True)
-            assert (await buf.read(np.uint8) == 0).all()
-            await buf.write(np.arange(64, dtype=np.uint8))
-            out = np.zeros(64, np.uint8)
-            await am.copy(out, buf)
-            assert (out == np.arange(64)).all()
-            assert (await before.read(np.uint8) == 5).all()
-            await am.copy(before, buf)
-            assert (await before.read(np.uint8) == np.arange(64)).all()
+        await check_buffers_usable(dev, before)
 
 
 def _threads() -> int:
