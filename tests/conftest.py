@@ -1,13 +1,20 @@
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from collections.abc import AsyncIterator
 
 import pytest
 
-# Keep the tests' compile cache out of the user's cache directory.
-os.environ.setdefault("ASYNCMETAL_CACHE_DIR", tempfile.mkdtemp(prefix="asyncmetal-test-cache-"))
+# Keep the tests' compile cache out of the user's cache directory, and remove it at exit:
+# registered before asyncmetal is imported, so after its own exit hooks (which stop the
+# compile pools writing there) have run.
+if "ASYNCMETAL_CACHE_DIR" not in os.environ:
+    _cache_dir = tempfile.mkdtemp(prefix="asyncmetal-test-cache-")
+    os.environ["ASYNCMETAL_CACHE_DIR"] = _cache_dir
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 
 from tests.support.fakes import metal_sim
 
