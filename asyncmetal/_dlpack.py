@@ -13,7 +13,8 @@ thread is made per consumer stream. A command held on the host behind a wait for
 queue's command (cpu, npy) that has not run cannot be waited for on the device, and the
 export does not block: it raises ``BufferError`` naming that command. Host memory (cpu,
 npy, Metal's shared storage) has no stream to wait on, so exporting it while a command
-that uses it is in flight raises ``BufferError`` (await that command first).
+that uses it is in flight raises ``BufferError`` (await that command first) -- but to
+asyncmetal's own ``from_dlpack``, whose buffer shares the record of uses.
 ``copy=True`` (the array API's) exports a copy of host memory, as kDLCPU, made at once.
 ml_dtypes' types of fewer than 8 bits, one a byte in numpy, export flagged padded
 (DLPack 1.1), to consumers that ask for 1.1 or later only.
@@ -343,8 +344,11 @@ def export_dlpack(
     max_version: tuple[int, int] | None = None,
     dl_device: tuple[int, int] | None = None,
     copy: bool | None = None,
+    ordered: bool = False,
 ) -> object:
-    """``buffer.__dlpack__``: a capsule of ``buffer``'s memory as ``dtype`` of ``shape``."""
+    """``buffer.__dlpack__``: a capsule of ``buffer``'s memory as ``dtype`` of ``shape``.
+    ``ordered``: the consumer is asyncmetal's ``from_dlpack``, whose buffer shares
+    ``buffer``'s record of uses, so host memory still in use is lent all the same."""
     buffer._check_usable("buffer")
     state = buffer._export_state()
     device_type, device_id = device_dlpack(state)
@@ -386,7 +390,7 @@ def export_dlpack(
                 "max_version=(1, 0) or later"
             )
         flags |= FLAG_READ_ONLY
-    _order_for_consumer(buffer, state, stream)
+    _order_for_consumer(buffer, state, stream, ordered)
     handle, release = buffer._lend()
     if device_type == KDLMETAL:  # the MTLBuffer, and the offset into it
         data, byte_offset = int(handle), buffer.offset
@@ -520,9 +524,12 @@ def _maker() -> MakeCapsule:
 _make: MakeCapsule | None = None
 
 
-def _order_for_consumer(buffer: Buffer, state: Any, stream: int | None) -> None:
+def _order_for_consumer(
+    buffer: Buffer, state: Any, stream: int | None, ordered: bool = False
+) -> None:
     """Make the consumer see the commands that use ``buffer``: its stream waits for them
-    on the device; for host memory there is nothing to wait on, so they must be done."""
+    on the device; for host memory there is nothing to wait on, so they must be done
+    (unless the consumer orders itself after them: ``ordered``)."""
     if not state.backend.host_visible:  # device memory: a device with streams
         if stream == _STREAM_NONE:
             return
@@ -540,7 +547,7 @@ def _order_for_consumer(buffer: Buffer, state: Any, stream: int | None) -> None:
             f"{state.name} buffers are host memory: DLPack's stream must be None for them, "
             f"got {stream!r}"
         )
-    if buffer.busy():
+    if not ordered and buffer.busy():
         raise ExchangeError(
             f"a command using this {state.name} buffer is still in flight: await it "
             "(or queue.marker()) before sharing the memory, which the consumer reads at once"

@@ -30,6 +30,8 @@ from ._dlpack import (
     KDLCUDAHOST,
     KDLMETAL,
     TAKEN,
+    Exports,
+    export_dlpack,
     refuse,
     take_capsule,
 )
@@ -164,11 +166,20 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
         stream: int | None = -1
     else:
         stream = None if own is None else own.handle
+    source: Buffer | None = None  # one of asyncmetal's own buffers, coming back
     try:
-        try:
-            capsule = obj.__dlpack__(stream=stream, max_version=DLPACK_VERSION)
-        except TypeError:  # a producer of the protocol before max_version
-            capsule = obj.__dlpack__() if stream is None else obj.__dlpack__(stream=stream)
+        if isinstance(obj, Exports):
+            # Its memory is lent even while a command uses it: the buffer made of it
+            # shares its record of uses (below), so commands order themselves after it.
+            source, dtype, shape = obj._exported()
+            capsule = export_dlpack(
+                source, dtype, shape, stream=stream, max_version=DLPACK_VERSION, ordered=True
+            )
+        else:
+            try:
+                capsule = obj.__dlpack__(stream=stream, max_version=DLPACK_VERSION)
+            except TypeError:  # a producer of the protocol before max_version
+                capsule = obj.__dlpack__() if stream is None else obj.__dlpack__(stream=stream)
     except BufferError as refused:  # the protocol's refusal (numpy: byte order, dtype)
         if isinstance(refused, ExchangeError):  # (a round trip of asyncmetal's own)
             raise
@@ -188,7 +199,8 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     if device is None and device_type in _HOST:
         target = _lender(data, nbytes) or target
     if own is None:
-        return _buffer(target, memory, None)
+        shares = None if source is None else source._allocation.block
+        return foreign_buffer(target, memory, nbytes, None, None, shares)
     after = own._after_stream(producer) if producer is not None else own.marker()
     return foreign_buffer(target, data, nbytes, memory, (own, after.value))
 
