@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ._allocator import Allocation, Block, Queue, lenders_for
+from ._allocator import Allocation, Block, Queue, lenders, lenders_for
 from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import checkpoint
 from ._device_state import DeviceState, open_states, two_names
@@ -425,16 +425,18 @@ def foreign_buffer(
     buffer of asyncmetal's own passed to from_dlpack, also one over another library's
     memory, which lent nothing), else looked up among the memory lent out."""
     block = Block(handle, nbytes, state, owner)
-    state.device._allocator.note_foreign(block)  # (its record is looked through too)
-    address = state.backend.loan_address(handle)  # where memory lent out comes back
+    own = state.device._allocator
+    own.note_foreign(block)  # (its record is looked through too)
     if shares is not None:
         block.last_use, block.keeper = shares.last_use, shares.keeper
-    elif address is not None:
-        for allocator in lenders_for(state.device._allocator):  # (its own, or its kind's)
-            shared = allocator.exported_uses(address, nbytes)
-            if shared is not None:
-                block.last_use, block.keeper = shared, allocator._state
-                break
+    elif lenders:  # (while no memory went out, none comes back)
+        address = state.backend.loan_address(handle)  # where memory lent out comes back
+        if address is not None:
+            for allocator in lenders_for(own):  # (its own, or its kind's)
+                shared = allocator.exported_uses(address, nbytes)
+                if shared is not None:
+                    block.last_use, block.keeper = shared, allocator._state
+                    break
     if after is not None:
         queue, value = after
         block.last_use[queue] = max(value, block.last_use.get(queue, 0))

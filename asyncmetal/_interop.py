@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from . import _native, backends
+from ._allocator import lenders
 from ._buffer import Buffer
 from ._device import Device, closing, devices_opened, foreign_buffer, open_devices
 from ._dlpack import (
@@ -220,6 +221,8 @@ def _lender(address: int, nbytes: int) -> Device | None:
     lender's record of uses, and so its ordering. None where its close has begun: the
     buffer is then on the device picked otherwise, which shares that record too where
     it is of the lender's kind, until the lender's close has ended."""
+    if not lenders:  # no memory went out: none comes back (no device looked through)
+        return None
     for device in open_devices():
         if device.writable and device._allocator.exported_uses(address, nbytes) is not None:
             return None if closing(device) else device
