@@ -763,6 +763,12 @@ class Allocator:
     def exported_uses(self, address: int, nbytes: int) -> dict[Queue, int] | None:
         """The uses record (``last_use``) of the block in use whose memory went out to
         another library and holds ``nbytes`` at ``address``; None if there is none."""
+        block = self.exported_block(address, nbytes)
+        return None if block is None else block.last_use
+
+    def exported_block(self, address: int, nbytes: int) -> Block | None:
+        """The block in use whose memory went out to another library and holds
+        ``nbytes`` at ``address``; None if there is none."""
         if not self._exported:
             return None
         with self._lock:
@@ -770,7 +776,7 @@ class Allocator:
                 if block not in self._live:  # released since (or cached: not in use)
                     del self._exported[base]
                 elif base <= address and address + nbytes <= base + block.nbytes:
-                    return block.last_use
+                    return block
             if not self._exported:
                 lenders.discard(self)
         return None

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ._allocator import Allocation, Block, Queue, lenders_for
+from ._allocator import Allocation, Block, Queue, lenders, lenders_for
 from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import checkpoint
 from ._device_state import DeviceState, open_states, two_names
@@ -408,7 +408,12 @@ def _no_loan(*keep: object) -> None:
 
 
 def foreign_buffer(
-    state: DeviceState, handle: Any, nbytes: int, owner: object, after: tuple[Queue, int] | None
+    state: DeviceState,
+    handle: Any,
+    nbytes: int,
+    owner: object,
+    after: tuple[Queue, int] | None,
+    shares: Block | None = None,
 ) -> Buffer:
     """A Buffer over memory the device does not own (another library's array): ``owner``
     is kept alive while the buffer is, and its memory is never released by asyncmetal.
@@ -416,16 +421,22 @@ def foreign_buffer(
     Memory of one of the device's own buffers that went out and came back (a round trip
     through another library) -- or of a buffer of another open device of its kind --
     shares that buffer's record of uses: commands on either are ordered after those on
-    the other, as on one buffer."""
+    the other, as on one buffer. ``shares``: that buffer's block, where it is known (a
+    buffer of asyncmetal's own passed to from_dlpack, also one over another library's
+    memory, which lent nothing), else looked up among the memory lent out."""
     block = Block(handle, nbytes, state, owner)
-    state.device._allocator.note_foreign(block)  # (its record is looked through too)
-    address = state.backend.loan_address(handle)  # where memory lent out comes back
-    if address is not None:
-        for allocator in lenders_for(state.device._allocator):  # (its own, or its kind's)
-            shared = allocator.exported_uses(address, nbytes)
-            if shared is not None:
-                block.last_use, block.keeper = shared, allocator._state
-                break
+    own = state.device._allocator
+    own.note_foreign(block)  # (its record is looked through too)
+    if shares is not None:
+        block.last_use, block.keeper = shares.last_use, shares.keeper
+    elif lenders:  # (while no memory went out, none comes back)
+        address = state.backend.loan_address(handle)  # where memory lent out comes back
+        if address is not None:
+            for allocator in lenders_for(own):  # (its own, or its kind's)
+                shared = allocator.exported_uses(address, nbytes)
+                if shared is not None:
+                    block.last_use, block.keeper = shared, allocator._state
+                    break
     if after is not None:
         queue, value = after
         block.last_use[queue] = max(value, block.last_use.get(queue, 0))

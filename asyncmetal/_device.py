@@ -1748,12 +1748,18 @@ async def _until_closed(closing: HostEvents, interrupted: Callable[[], None] | N
 
 
 def foreign_buffer(
-    device: Device, handle: Any, nbytes: int, owner: object, after: tuple[Queue, int] | None
+    device: Device,
+    handle: Any,
+    nbytes: int,
+    owner: object,
+    after: tuple[Queue, int] | None,
+    shares: Block | None = None,
 ) -> Buffer:
     """A Buffer of ``device`` over memory it does not own (another library's array):
     ``owner`` is kept alive while the buffer is; ``after``: a command later uses order
-    themselves after."""
-    return _foreign_buffer(device._state, handle, nbytes, owner, after)
+    themselves after; ``shares``: the block (of the buffer it came from) whose record
+    of uses it shares."""
+    return _foreign_buffer(device._state, handle, nbytes, owner, after, shares)
 
 
 def open_devices() -> list[Device]:

@@ -13,15 +13,19 @@ thread is made per consumer stream. A command held on the host behind a wait for
 queue's command (cpu, npy) that has not run cannot be waited for on the device, and the
 export does not block: it raises ``BufferError`` naming that command. Host memory (cpu,
 npy, Metal's shared storage) has no stream to wait on, so exporting it while a command
-that uses it is in flight raises ``BufferError`` (await that command first).
+that uses it is in flight raises ``BufferError`` (await that command first) -- but to
+asyncmetal's own ``from_dlpack``, whose buffer shares the record of uses.
 ``copy=True`` (the array API's) exports a copy of host memory, as kDLCPU, made at once.
+ml_dtypes' types of fewer than 8 bits, one a byte in numpy, export flagged padded
+(DLPack 1.1), to consumers that ask for 1.1 or later only.
 The capsule is made in one call of the native extension (``native/py_dlpack.c``'s
 ``dlpack_export``), else through numpy and ctypes (:func:`numpy_capsule`): the same
 tensor either way.
 
 Buffers in. ``from_dlpack(obj)`` takes a producer's DLPack capsule (asking it to order
 its work before the device's default queue) and makes a Buffer over that memory, on the
-open device it lives on; the capsule's deleter runs once that Buffer is gone.
+open device it lives on; the capsule's deleter runs once that Buffer is gone. Elements
+of fewer than 8 bits are packed, unless a versioned capsule flags them padded.
 
 The structures are DLPack 1.x's (``dlpack.h``); a versioned capsule is made when the
 consumer asks for ``max_version >= (1, 0)``, the legacy one otherwise.
@@ -30,6 +34,7 @@ consumer asks for ``max_version >= (1, 0)``, the legacy one otherwise.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -44,8 +49,16 @@ from ._errors import ArgumentTypeError, ExchangeError, InvalidArgumentError, as_
 Buffer = Any
 
 KDLCPU, KDLCUDA, KDLCUDAHOST, KDLMETAL = 1, 2, 3, 8
-# DLPack's type codes and bits of ml_dtypes' types (JAX's and PyTorch's), by name.
+# DLPack's type codes and bits of ml_dtypes' types (JAX's and PyTorch's), by name. Those
+# of fewer than 8 bits numpy holds one a byte: exported flagged padded (DLPack 1.1).
 _ML_DTYPES = {
+    "int2": (0, 2),
+    "int4": (0, 4),
+    "uint2": (1, 2),
+    "uint4": (1, 4),
+    "float4_e2m1fn": (17, 4),
+    "float6_e2m3fn": (15, 6),
+    "float6_e3m2fn": (16, 6),
     "bfloat16": (4, 16),
     "float8_e3m4": (7, 8),
     "float8_e4m3": (8, 8),
@@ -59,6 +72,7 @@ _ML_DTYPES = {
 DLPACK_VERSION = (1, 1)
 FLAG_READ_ONLY = 1
 FLAG_IS_COPIED = 2
+FLAG_SUBBYTE_PADDED = 4  # elements of fewer than 8 bits one a byte, not packed
 _STREAM_NONE = -1  # the consumer asks for no ordering at all
 
 
@@ -149,10 +163,12 @@ class _Owner:
 def take_capsule(capsule: object) -> tuple[Any, ...]:
     """Check a producer's capsule and take it (renamed ``used_dltensor[_versioned]``):
     ``(TAKEN, owner, data, nbytes, device_type, device_id)``, where collecting ``owner``
-    calls the producer's deleter; else ``(status, *details)``, the capsule left as it
-    was (its own destructor then calls the deleter). Through ctypes: the extension's
-    ``dlpack_take`` is the same in one call."""
+    calls the producer's deleter (``nbytes``: elements of fewer than 8 bits packed, or
+    one a byte where a versioned capsule flags them padded); else ``(status,
+    *details)``, the capsule left as it was (its own destructor then calls the
+    deleter). Through ctypes: the extension's ``dlpack_take`` is the same in one call."""
     managed: DLManagedTensor | DLManagedTensorVersioned
+    padded = False  # (a legacy capsule has no flags: packed)
     if capsule_valid(capsule, CAPSULE_NAME_VERSIONED):
         address = capsule_pointer(capsule, CAPSULE_NAME_VERSIONED)
         versioned = DLManagedTensorVersioned.from_address(address)
@@ -160,6 +176,7 @@ def take_capsule(capsule: object) -> tuple[Any, ...]:
             return NEWER_VERSION, versioned.version.major, versioned.version.minor
         if versioned.flags & FLAG_READ_ONLY:
             return (READ_ONLY,)
+        padded = bool(versioned.flags & FLAG_SUBBYTE_PADDED)
         managed, used = versioned, USED_NAME_VERSIONED
     elif capsule_valid(capsule, CAPSULE_NAME):
         address = capsule_pointer(capsule, CAPSULE_NAME)
@@ -188,7 +205,10 @@ def take_capsule(capsule: object) -> tuple[Any, ...]:
             if n != 1 and stride != expected:
                 return (NOT_CONTIGUOUS,)
             expected *= n
-    bits = count * tensor.dtype.bits * tensor.dtype.lanes
+    each = tensor.dtype.bits
+    if padded and 0 < each < 8:
+        each = 8
+    bits = count * each * tensor.dtype.lanes
     if not bits:
         return MALFORMED, "a zero-sized element type"
     if bits > _SIZE_LIMIT:
@@ -245,8 +265,9 @@ class Loan:
         self.release()
 
 
-def _no_release() -> None:
-    """What a loan whose capsule was never made ends with: nothing (the caller ends it)."""
+def _no_release(*held: object) -> None:
+    """What a loan whose capsule was never made ends with: nothing (the caller ends it);
+    also a copy's export's end (its arguments, the copy, were kept alive until then)."""
 
 
 _dtype_codes: dict[np.dtype[Any], tuple[int, int]] = {}
@@ -260,7 +281,8 @@ def dtype_code(dtype: np.dtype[Any]) -> tuple[int, int]:
     if known is not None:
         return known
     named = _ML_DTYPES.get(dtype.name) if dtype.num >= _USER_TYPES else None
-    if named is not None and named[1] == dtype.itemsize * 8:  # ml_dtypes'
+    # ml_dtypes' (those of fewer than 8 bits held one a byte)
+    if named is not None and max(named[1], 8) == dtype.itemsize * 8:
         known = _dtype_codes[dtype] = named
         return known
     if (
@@ -270,8 +292,8 @@ def dtype_code(dtype: np.dtype[Any]) -> tuple[int, int]:
         or dtype.subdtype is not None
     ):
         raise ArgumentTypeError(
-            "DLPack exports ints, unsigned ints, floats (bfloat16 and float8 too), complex "
-            f"and bools, not {dtype}"
+            "DLPack exports ints, unsigned ints (int4 and int2 too), floats (bfloat16, "
+            f"float8, float6 and float4 too), complex and bools, not {dtype}"
         )
     known = _dtype_codes[dtype] = _KINDS[dtype.kind], dtype.itemsize * 8
     return known
@@ -322,8 +344,11 @@ def export_dlpack(
     max_version: tuple[int, int] | None = None,
     dl_device: tuple[int, int] | None = None,
     copy: bool | None = None,
+    ordered: bool = False,
 ) -> object:
-    """``buffer.__dlpack__``: a capsule of ``buffer``'s memory as ``dtype`` of ``shape``."""
+    """``buffer.__dlpack__``: a capsule of ``buffer``'s memory as ``dtype`` of ``shape``.
+    ``ordered``: the consumer is asyncmetal's ``from_dlpack``, whose buffer shares
+    ``buffer``'s record of uses, so host memory still in use is lent all the same."""
     buffer._check_usable("buffer")
     state = buffer._export_state()
     device_type, device_id = device_dlpack(state)
@@ -332,13 +357,22 @@ def export_dlpack(
     code, bits = _export_code(dtype)
     if shape is None:
         shape = (buffer.nbytes // dtype.itemsize,)
-    versioned = max_version is not None and _pair(max_version, "max_version") >= (1, 0)
+    version = (0, 0) if max_version is None else _pair(max_version, "max_version")
+    versioned = version >= (1, 0)
+    # numpy holds elements of fewer than 8 bits one a byte: DLPack 1.1 flags them padded
+    # (a consumer of an older version would read them packed).
+    flags = FLAG_SUBBYTE_PADDED if bits < 8 else 0
+    if flags and version < (1, 1):
+        raise ExchangeError(
+            f"{dtype} elements are one a byte, which only DLPack 1.1's padded flag says: "
+            "ask with max_version=(1, 1) or later"
+        )
     target = (device_type, device_id) if dl_device is None else _pair(dl_device, "dl_device")
     moved = target != (device_type, device_id)
     # A copy, as the array API asks for copy=True (or for another device, unless
     # copy=False): made of host memory into host memory, at once.
     if (copy or (moved and copy is None)) and state.backend.host_visible and target == (KDLCPU, 0):
-        return _host_copy(buffer, state, dtype, shape, stream, versioned)
+        return _host_copy(buffer, state, code, bits, shape, stream, versioned, flags)
     if moved:
         raise ExchangeError(
             f"the buffer is on DLPack device {(device_type, device_id)}, not {target}:"
@@ -349,13 +383,14 @@ def export_dlpack(
             f"asyncmetal exports {state.name} memory without copying: copy=True is supported "
             "for host memory exported as kDLCPU (dl_device=(1, 0))"
         )
-    writable = state.backend.writable
-    if not writable and not versioned:  # as numpy does: the legacy capsule has no flag
-        raise ExchangeError(
-            "the buffer is read-only and a legacy DLPack capsule cannot say so: ask with "
-            "max_version=(1, 0) or later"
-        )
-    _order_for_consumer(buffer, state, stream)
+    if not state.backend.writable:
+        if not versioned:  # as numpy does: the legacy capsule has no flag
+            raise ExchangeError(
+                "the buffer is read-only and a legacy DLPack capsule cannot say so: ask with "
+                "max_version=(1, 0) or later"
+            )
+        flags |= FLAG_READ_ONLY
+    _order_for_consumer(buffer, state, stream, ordered)
     handle, release = buffer._lend()
     if device_type == KDLMETAL:  # the MTLBuffer, and the offset into it
         data, byte_offset = int(handle), buffer.offset
@@ -371,7 +406,7 @@ def export_dlpack(
             bits,
             shape,
             versioned,
-            not writable,
+            flags,
             release,
         )
     except BaseException:
@@ -394,29 +429,28 @@ def _pair(value: Any, what: str) -> tuple[int, int]:
 def _host_copy(
     buffer: Buffer,
     state: Any,
-    dtype: np.dtype[Any],
+    code: int,
+    bits: int,
     shape: tuple[int, ...],
     stream: int | None,
     versioned: bool,
+    flags: int,
 ) -> object:
     """A capsule of a new host array holding a copy of host-visible ``buffer``'s memory,
-    as ``dtype`` of ``shape`` (kDLCPU; versioned ones flagged as copied). It is read at
-    once, so a command still using the memory is refused as for a shared export."""
+    as DLPack's type ``code`` and ``bits`` of ``shape`` (kDLCPU; versioned ones flagged
+    as copied, and with ``flags``), made as a shared export's capsule is (numpy's own
+    refuses ml_dtypes' types). It is read at once, so a command still using the memory
+    is refused as for a shared export."""
     _order_for_consumer(buffer, state, stream)
     handle, _ = buffer._lend(hold=False)
     view = state.backend.host_view(handle, buffer.offset, buffer.nbytes)
-    array = np.frombuffer(view, dtype).reshape(shape).copy()
-    if not versioned:
-        return array.__dlpack__()
-    try:
-        capsule: object = array.__dlpack__(max_version=DLPACK_VERSION)
-    except TypeError:  # a numpy before the versioned protocol
-        return array.__dlpack__()
-    managed = DLManagedTensorVersioned.from_address(
-        capsule_pointer(capsule, CAPSULE_NAME_VERSIONED)
-    )
-    managed.flags |= FLAG_IS_COPIED
-    return capsule
+    copy = np.frombuffer(view, np.uint8).copy()
+    if versioned:
+        flags |= FLAG_IS_COPIED
+    # The tensor holds the copy until it is deleted.
+    held = functools.partial(_no_release, copy)
+    data = copy.ctypes.data
+    return _maker()(data, 0, KDLCPU, 0, code, bits, shape, versioned, flags, held)
 
 
 def numpy_capsule(
@@ -428,14 +462,15 @@ def numpy_capsule(
     bits: int,
     shape: tuple[int, ...],
     versioned: bool,
-    read_only: bool,
+    flags: int,
     release: Callable[[], None],
 ) -> object:
     """The capsule of a C-contiguous tensor of ``shape`` at ``data`` (+ ``byte_offset``)
-    on ``(device_type, device_id)``; deleting the tensor calls ``release`` once, on any
-    thread. Through numpy and ctypes: the extension's ``dlpack_export`` is the same in
-    one call. Failing, it leaves ``release`` uncalled."""
-    dtype = np.dtype(f"{_LETTERS[code]}{bits // 8}")
+    on ``(device_type, device_id)``, of DLPack's type ``code`` and ``bits`` (fewer than
+    8: one a byte), versioned ones with ``flags``; deleting the tensor calls ``release``
+    once, on any thread. Through numpy and ctypes: the extension's ``dlpack_export`` is
+    the same in one call. Failing, it leaves ``release`` uncalled."""
+    dtype = np.dtype(f"{_LETTERS[code]}{max(bits // 8, 1)}")
     nbytes = math.prod(shape) * dtype.itemsize
     # numpy makes the capsule (in C, and its deleter takes the GIL on whatever thread
     # calls it) of an array over the memory -- never read here: device memory, or a
@@ -444,8 +479,8 @@ def numpy_capsule(
     memory.loan = loan = Loan(release)
     try:
         array = np.frombuffer(memory, dtype).reshape(shape)
-        if read_only:
-            array.flags.writeable = False  # the read-only flag
+        if flags & FLAG_READ_ONLY:
+            array.flags.writeable = False  # numpy's read-only flag
         try:
             capsule: object = array.__dlpack__(max_version=DLPACK_VERSION if versioned else None)
         except TypeError:  # a numpy before the versioned protocol
@@ -456,17 +491,21 @@ def numpy_capsule(
     name = (
         CAPSULE_NAME_VERSIONED if capsule_valid(capsule, CAPSULE_NAME_VERSIONED) else CAPSULE_NAME
     )
-    tensor = DLTensor.from_address(capsule_pointer(capsule, name) + _TENSOR_AT[name.value])
+    address = capsule_pointer(capsule, name)
+    if name is CAPSULE_NAME_VERSIONED:
+        DLManagedTensorVersioned.from_address(address).flags |= flags
+    tensor = DLTensor.from_address(address + _TENSOR_AT[name.value])
     tensor.device = DLDevice(device_type, device_id)
-    tensor.dtype.code = code  # (ml_dtypes': numpy made it of unsigned ints)
+    # (ml_dtypes': numpy made it of unsigned ints, one a byte)
+    tensor.dtype.code, tensor.dtype.bits = code, bits
     if byte_offset:
         tensor.data, tensor.byte_offset = data, byte_offset
     return capsule
 
 
-_LETTERS = {code: kind for kind, code in _KINDS.items()} | {c: "u" for c, _ in _ML_DTYPES.values()}
+_LETTERS = {c: "u" for c, _ in _ML_DTYPES.values()} | {code: kind for kind, code in _KINDS.items()}
 MakeCapsule = Callable[
-    [int, int, int, int, int, int, tuple[int, ...], bool, bool, Callable[[], None]], object
+    [int, int, int, int, int, int, tuple[int, ...], bool, int, Callable[[], None]], object
 ]
 
 
@@ -485,9 +524,12 @@ def _maker() -> MakeCapsule:
 _make: MakeCapsule | None = None
 
 
-def _order_for_consumer(buffer: Buffer, state: Any, stream: int | None) -> None:
+def _order_for_consumer(
+    buffer: Buffer, state: Any, stream: int | None, ordered: bool = False
+) -> None:
     """Make the consumer see the commands that use ``buffer``: its stream waits for them
-    on the device; for host memory there is nothing to wait on, so they must be done."""
+    on the device; for host memory there is nothing to wait on, so they must be done
+    (unless the consumer orders itself after them: ``ordered``)."""
     if not state.backend.host_visible:  # device memory: a device with streams
         if stream == _STREAM_NONE:
             return
@@ -505,7 +547,7 @@ def _order_for_consumer(buffer: Buffer, state: Any, stream: int | None) -> None:
             f"{state.name} buffers are host memory: DLPack's stream must be None for them, "
             f"got {stream!r}"
         )
-    if buffer.busy():
+    if not ordered and buffer.busy():
         raise ExchangeError(
             f"a command using this {state.name} buffer is still in flight: await it "
             "(or queue.marker()) before sharing the memory, which the consumer reads at once"

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from . import _native, backends
+from ._allocator import Block, lenders
 from ._buffer import Buffer
 from ._device import Device, closing, devices_opened, foreign_buffer, open_devices
 from ._dlpack import (
@@ -30,6 +31,8 @@ from ._dlpack import (
     KDLCUDAHOST,
     KDLMETAL,
     TAKEN,
+    Exports,
+    export_dlpack,
     refuse,
     take_capsule,
 )
@@ -164,11 +167,20 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
         stream: int | None = -1
     else:
         stream = None if own is None else own.handle
+    source: Buffer | None = None  # one of asyncmetal's own buffers, coming back
     try:
-        try:
-            capsule = obj.__dlpack__(stream=stream, max_version=DLPACK_VERSION)
-        except TypeError:  # a producer of the protocol before max_version
-            capsule = obj.__dlpack__() if stream is None else obj.__dlpack__(stream=stream)
+        if isinstance(obj, Exports):
+            # Its memory is lent even while a command uses it: the buffer made of it
+            # shares its record of uses (below), so commands order themselves after it.
+            source, dtype, shape = obj._exported()
+            capsule = export_dlpack(
+                source, dtype, shape, stream=stream, max_version=DLPACK_VERSION, ordered=True
+            )
+        else:
+            try:
+                capsule = obj.__dlpack__(stream=stream, max_version=DLPACK_VERSION)
+            except TypeError:  # a producer of the protocol before max_version
+                capsule = obj.__dlpack__() if stream is None else obj.__dlpack__(stream=stream)
     except BufferError as refused:  # the protocol's refusal (numpy: byte order, dtype)
         if isinstance(refused, ExchangeError):  # (a round trip of asyncmetal's own)
             raise
@@ -185,10 +197,15 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
             f"__dlpack_device__ said {(device_type, device_id)}"
         )
     memory = _Imported(obj, owner, data, nbytes)
+    shares = None if source is None else source._allocation.block
     if device is None and device_type in _HOST:
-        target = _lender(data, nbytes) or target
+        lent = _lender(data, nbytes)
+        if lent is not None:  # one of its buffers lent it: the record shared, found once
+            target, lent_block = lent
+            if shares is None:
+                shares = lent_block
     if own is None:
-        return _buffer(target, memory, None)
+        return foreign_buffer(target, memory, nbytes, None, None, shares)
     after = own._after_stream(producer) if producer is not None else own.marker()
     return foreign_buffer(target, data, nbytes, memory, (own, after.value))
 
@@ -202,15 +219,19 @@ def lent_memory(device: Device, view: memoryview, address: int) -> Buffer:
     return _buffer(device, _Imported(view, None, address, view.nbytes), None)
 
 
-def _lender(address: int, nbytes: int) -> Device | None:
+def _lender(address: int, nbytes: int) -> tuple[Device, Block] | None:
     """The open device one of whose buffers lent this host memory out, now coming back
-    (``cpu:1``'s, say, where ``cpu`` would be picked): there the buffer shares the
-    lender's record of uses, and so its ordering. None where its close has begun: the
-    buffer is then on the device picked otherwise, which shares that record too where
-    it is of the lender's kind, until the lender's close has ended."""
+    (``cpu:1``'s, say, where ``cpu`` would be picked), and that buffer's block: there
+    the buffer shares the lender's record of uses, and so its ordering. None where its
+    close has begun: the buffer is then on the device picked otherwise, which shares
+    that record too where it is of the lender's kind, until the lender's close has
+    ended."""
+    if not lenders:  # no memory went out: none comes back (no device looked through)
+        return None
     for device in open_devices():
-        if device.writable and device._allocator.exported_uses(address, nbytes) is not None:
-            return None if closing(device) else device
+        block = device._allocator.exported_block(address, nbytes) if device.writable else None
+        if block is not None:
+            return None if closing(device) else (device, block)
     return None
 
 

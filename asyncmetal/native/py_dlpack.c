@@ -17,7 +17,9 @@
  *                                    shape, a size past 64 bits, no data, or data
  *                                    (+ byte_offset + size) past the address space
  * Refused capsules are left as they were: their own destructor calls the deleter.
- * The structures are dlpack.h's (DLPack 1.x); data + byte_offset is the address.
+ * The structures are dlpack.h's (DLPack 1.x); data + byte_offset is the address, and
+ * nbytes counts elements of fewer than 8 bits packed, or one a byte where a versioned
+ * capsule flags them padded (DLPack 1.1's DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED).
  *
  * dlpack_export(...) is the other way, Buffer.__dlpack__'s capsule made in one call
  * (below): the ctypes fallback (asyncmetal/_dlpack.py's numpy_capsule) has numpy make
@@ -28,6 +30,9 @@
 enum { TAKEN, NO_CAPSULE, NEWER_VERSION, READ_ONLY, EMPTY, NOT_CONTIGUOUS, MALFORMED };
 #define DLPACK_MAJOR 1       /* the major version read here */
 #define FLAG_READ_ONLY 1ULL  /* DLPACK_FLAG_BITMASK_READ_ONLY */
+/* DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED (1.1): elements of fewer than 8 bits are
+ * one a byte, not packed (the default) */
+#define FLAG_SUBBYTE_PADDED 4ULL
 
 typedef struct { int32_t device_type, device_id; } DLDevice;
 typedef struct { uint8_t code, bits; uint16_t lanes; } DLDataType;
@@ -70,12 +75,13 @@ static void delete_versioned(PyObject *owner) {
     if (m && m->deleter) m->deleter(m);
 }
 
-/* Bytes of a C-contiguous tensor, or a status (EMPTY, NOT_CONTIGUOUS, MALFORMED with
- * *what set) as a negative number. */
-static int64_t tensor_nbytes(const DLTensor *t, const char **what) {
+/* Bytes of a C-contiguous tensor (its sub-byte elements one a byte where `padded`), or a
+ * status (EMPTY, NOT_CONTIGUOUS, MALFORMED with *what set) as a negative number. */
+static int64_t tensor_nbytes(const DLTensor *t, int padded, const char **what) {
     if (t->ndim < 0) { *what = "a negative ndim"; return -MALFORMED; }
     if (t->ndim > 0 && !t->shape) { *what = "no shape"; return -MALFORMED; }
-    uint64_t count = 1, itembits = (uint64_t)t->dtype.bits * t->dtype.lanes;
+    uint64_t bits_each = padded && t->dtype.bits && t->dtype.bits < 8 ? 8 : t->dtype.bits;
+    uint64_t count = 1, itembits = bits_each * t->dtype.lanes;
     int past = 0;  /* the element count is past 64 bits (unless an extent is 0) */
     for (int32_t i = 0; i < t->ndim; i++) {
         if (t->shape[i] < 0) { *what = "a negative extent"; return -MALFORMED; }
@@ -107,11 +113,13 @@ PyObject *py_dlpack_take(PyObject *self, PyObject *capsule) {
     DLTensor *tensor;
     const char *used;
     PyCapsule_Destructor deleter;
+    int padded = 0;  /* (a legacy capsule has no flags: packed) */
     if (PyCapsule_IsValid(capsule, NAME_VERSIONED)) {
         DLManagedTensorVersioned *m = PyCapsule_GetPointer(capsule, NAME_VERSIONED);
         if (m->version.major > DLPACK_MAJOR)
             return Py_BuildValue("(iII)", NEWER_VERSION, m->version.major, m->version.minor);
         if (m->flags & FLAG_READ_ONLY) return status(READ_ONLY);
+        padded = (m->flags & FLAG_SUBBYTE_PADDED) != 0;
         managed = m, tensor = &m->dl_tensor, used = USED_VERSIONED, deleter = delete_versioned;
     } else if (PyCapsule_IsValid(capsule, NAME)) {
         DLManagedTensor *m = PyCapsule_GetPointer(capsule, NAME);
@@ -120,7 +128,7 @@ PyObject *py_dlpack_take(PyObject *self, PyObject *capsule) {
         return status(NO_CAPSULE);
     }
     const char *what = "";
-    int64_t nbytes = tensor_nbytes(tensor, &what);
+    int64_t nbytes = tensor_nbytes(tensor, padded, &what);
     if (nbytes < 0) return nbytes == -MALFORMED ? Py_BuildValue("(is)", MALFORMED, what)
                                                 : status((int)-nbytes);
     /* No memory, or memory that would end past the address space: a Buffer over it
@@ -143,11 +151,11 @@ PyObject *py_dlpack_take(PyObject *self, PyObject *capsule) {
 }
 
 /* dlpack_export(data, byte_offset, device_type, device_id, code, bits, shape, versioned,
- *               read_only, release) -> a capsule named "dltensor_versioned" (versioned)
+ *               flags, release) -> a capsule named "dltensor_versioned" (versioned)
  * or "dltensor" over a C-contiguous tensor of `shape` (a tuple of ints; its strides are
- * written out, in items, as numpy does). Its version is DLPack 1.1; read_only sets the
- * read-only flag (asyncmetal/_dlpack.py refuses a legacy capsule of read-only memory
- * before it gets here). `release` is called, with no arguments, once, when the
+ * written out, in items, as numpy does). Its version is DLPack 1.1, its flags `flags`
+ * (read-only, sub-byte elements padded: asyncmetal/_dlpack.py refuses a legacy capsule
+ * that would need one before it gets here). `release` is called, with no arguments, once, when the
  * tensor is deleted: by the consumer's deleter call (on any thread) or, never consumed,
  * by the capsule's destructor. It ends the buffer's loan of its memory.
  *
@@ -218,7 +226,8 @@ PyObject *py_dlpack_export(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     long device_type = PyLong_AsLong(a[2]), device_id = PyLong_AsLong(a[3]);
     long code = PyLong_AsLong(a[4]), bits = PyLong_AsLong(a[5]);
     PyObject *shape = a[6], *release = a[9];
-    int versioned = PyObject_IsTrue(a[7]), read_only = PyObject_IsTrue(a[8]);
+    int versioned = PyObject_IsTrue(a[7]);
+    uint64_t flags = PyLong_AsUnsignedLongLong(a[8]);
     if (PyErr_Occurred()) return NULL;
     if (!PyTuple_Check(shape) || !PyCallable_Check(release) || code < 0 || code > UINT8_MAX ||
         bits <= 0 || bits > UINT8_MAX || PyTuple_GET_SIZE(shape) > INT32_MAX / 2) {
@@ -260,7 +269,7 @@ PyObject *py_dlpack_export(PyObject *self, PyObject *const *a, Py_ssize_t n) {
             .version = {DLPACK_MAJOR, EXPORT_MINOR},
             .manager_ctx = e,
             .deleter = export_delete_versioned,
-            .flags = read_only ? FLAG_READ_ONLY : 0,
+            .flags = flags,
             .dl_tensor = tensor,
         };
         name = NAME_VERSIONED;

@@ -336,7 +336,7 @@ static PyMethodDef methods[] = {
      "dlpack_take(capsule) -> (status, ...): a DLPack capsule checked and taken"},
     {"dlpack_export", (PyCFunction)(void (*)(void))py_dlpack_export, METH_FASTCALL,
      "dlpack_export(data, byte_offset, device_type, device_id, code, bits, shape, "
-     "versioned, read_only, release) -> a DLPack capsule"},
+     "versioned, flags, release) -> a DLPack capsule"},
     {"address_of", py_address_of, METH_O, "address_of(name) -> int"},
     {NULL, NULL, 0, NULL},
 };

@@ -158,6 +158,77 @@ async def test_ml_dtypes_export_as_dlpacks_types_both_ways(
         assert extension["shape"] == [4, 128 // bits]
 
 
+@pytest.mark.parametrize(
+    ("name", "code", "bits"),
+    [
+        ("int4", 0, 4),
+        ("uint4", 1, 4),
+        ("int2", 0, 2),
+        ("float4_e2m1fn", 17, 4),
+        ("float6_e2m3fn", 15, 6),
+        ("float6_e3m2fn", 16, 6),
+    ],
+)
+async def test_sub_byte_ml_dtypes_export_padded_both_ways(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch, name: str, code: int, bits: int
+) -> None:
+    """ml_dtypes' types of fewer than 8 bits, which numpy holds one a byte, export as
+    DLPack's codes flagged padded (DLPack 1.1), made either way; a consumer of an older
+    version, which would read them packed, is refused. Checked: refused before ("DLPack
+    exports ints, ... not int4")."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="needs ml_dtypes (JAX installs it)")
+    _extension_make()
+    buf = await device.alloc(64)
+    typed = buf.typed(getattr(ml_dtypes, name), (4, -1))
+    extension, fallback = _both(lambda: typed.__dlpack__(max_version=(1, 1)), monkeypatch)
+    assert {**extension, "made by": ""} == {**fallback, "made by": ""}
+    assert extension["dtype"] == (code, bits, 1)
+    assert extension["shape"] == [4, 16]
+    assert extension["flags"] == _dlpack.FLAG_SUBBYTE_PADDED
+    for older in (None, (1, 0)):
+        with pytest.raises(BufferError, match=r"padded flag says: ask with max_version=\(1, 1\)"):
+            typed.__dlpack__(max_version=older)
+
+
+async def test_sub_byte_buffers_come_back_whole(anyio_backend: object) -> None:
+    """An int4 buffer's export, taken back by asyncmetal, is the buffer's 64 bytes (the
+    padded flag read), and its copy (copy=True) holds the same bytes, flagged copied."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="needs ml_dtypes (JAX installs it)")
+    async with am.open_device("cpu") as device:
+        buf = await device.alloc(64)
+        await buf.write(np.arange(64, dtype=np.int8) % 8)
+        back = am.from_dlpack(buf.typed(ml_dtypes.int4, (8, 8)))
+        assert back.nbytes == 64
+        assert (await back.map(np.int8)).ctypes.data == (await buf.map(np.int8)).ctypes.data
+        capsule = buf.typed(ml_dtypes.int4).__dlpack__(max_version=(1, 1), copy=True)
+        fields = _fields(capsule)
+        assert fields["flags"] == _dlpack.FLAG_SUBBYTE_PADDED | _dlpack.FLAG_IS_COPIED
+        assert fields["dtype"] == (0, 4, 1)
+        assert ctypes.string_at(fields["data"], 64) == (await buf.read()).tobytes()
+
+
+@pytest.mark.parametrize("versioned", [None, (1, 0)])
+async def test_a_copy_of_ml_dtypes_memory(
+    make: Make, anyio_backend: object, versioned: tuple[int, int] | None
+) -> None:
+    """copy=True of a bfloat16 or float8 view: a copy of its bytes, of DLPack's type
+    (versioned: flagged copied). Checked: refused before, as numpy's own export (which
+    made the copy's capsule) refuses ml_dtypes' types."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="needs ml_dtypes (JAX installs it)")
+    async with am.open_device("cpu") as device:
+        buf = await device.alloc(32)
+        await buf.write(np.arange(16, dtype=np.float32).astype(ml_dtypes.bfloat16))
+        for dtype, code in ((ml_dtypes.bfloat16, 4), (ml_dtypes.float8_e4m3fn, 10)):
+            typed = buf.typed(dtype, (2, -1))
+            capsule = typed.__dlpack__(max_version=versioned, copy=True)  # holds the copy
+            fields = _fields(capsule)
+            assert fields["dtype"] == (code, 8 * np.dtype(dtype).itemsize, 1)
+            assert fields["shape"] == [2, 32 // 2 // np.dtype(dtype).itemsize]
+            assert fields.get("flags", _dlpack.FLAG_IS_COPIED) == _dlpack.FLAG_IS_COPIED
+            assert fields["data"] != _address(buf)
+            assert ctypes.string_at(fields["data"], 32) == (await buf.read()).tobytes()
+
+
 async def test_jax_reads_bfloat16_and_float8_buffers(anyio_backend: object) -> None:
     jnp = pytest.importorskip("jax.numpy", reason="needs JAX (the test extra installs it)")
     async with am.open_device("cpu") as device:

@@ -198,6 +198,29 @@ async def test_what_is_refused_and_the_capsule_left_to_delete(
     assert _refs(array) == refs
 
 
+def _int4(padded: bool) -> Callable[[Any, DLTensor], None]:
+    """An edit: the elements int4, flagged padded (one a byte) or not (packed)."""
+
+    def edit(managed: Any, tensor: DLTensor) -> None:
+        tensor.dtype.code, tensor.dtype.bits = 0, 4
+        if padded:
+            managed.flags |= _dlpack.FLAG_SUBBYTE_PADDED
+
+    return edit
+
+
+@pytest.mark.parametrize(("padded", "nbytes"), [(True, 5), (False, 3)])
+async def test_sub_byte_elements_padded_or_packed(take: Take, padded: bool, nbytes: int) -> None:
+    """DLPack 1.1's padded flag: five int4 elements are five bytes where the capsule
+    sets it, else packed two a byte (the last byte half used). Checked: with the flag
+    unread, both ways took a padded capsule as 3 bytes of its 5."""
+    array = np.arange(5, dtype=np.int8)
+    async with am.open_device("cpu"):
+        buf = am.from_dlpack(Producer(array, _int4(padded)))
+        assert buf.nbytes == nbytes
+        assert (await buf.map(np.int8)).ctypes.data == array.ctypes.data
+
+
 def _pinned(managed: Any, tensor: DLTensor) -> None:
     tensor.device.device_type = 3  # kDLCUDAHost
 
@@ -231,6 +254,7 @@ async def test_what_is_not_an_unconsumed_capsule(take: Take) -> None:
 @pytest.mark.parametrize(
     ("edit", "versioned"),
     [(None, True), (None, False), (_offset_data, True), (_odd_unit_stride, False)]
+    + [(_int4(True), True), (_int4(False), True), (_int4(False), False)]
     + [(edit, True) for edit, _, _ in REFUSED],
 )
 def test_extension_and_ctypes_agree(edit: Callable[[Any, DLTensor], None], versioned: bool) -> None:

@@ -384,6 +384,39 @@ async def test_a_round_trip_alias_is_ordered_with_its_buffer(anyio_backend: obje
             await dev.queue.launch(kernels["fill"], buf, vals=(1, 16))
 
 
+async def test_from_dlpack_of_a_buffer_in_use_is_ordered_after_it(anyio_backend: object) -> None:
+    """am.from_dlpack of one of asyncmetal's own host buffers (or a typed view of it)
+    while a command using it is held: where a host consumer is refused (BufferError),
+    asyncmetal takes it, as the buffer it makes shares the record of uses -- also of a
+    buffer over a numpy array, which lent nothing out -- so a copy of it on another
+    queue runs after that command, and a command using it holds the original's later
+    ones. Checked: before, from_dlpack raised BufferError ("in flight")."""
+    async with am.open_device("cpu") as dev:
+        fill = await dev.compile(KERNELS, "fill")
+        for buf in (await dev.alloc(64), am.from_dlpack(np.zeros(16, np.int32))):
+            for source in (buf, buf.typed(np.int32, (4, 4))):
+                await dev.queue.launch(fill, buf, vals=(1, 16))
+                gate = dev.timeline()
+                held = dev.new_queue()
+                held.wait(gate, 1)
+                held.launch(fill, buf, vals=(2, 16))
+                with pytest.raises(BufferError, match="in flight"):
+                    np.from_dlpack(source)
+                back = am.from_dlpack(source)
+                assert back.busy()  # the held command is on its record too
+                out = await dev.alloc(64)
+                copied = dev.new_queue().copy(out, back)
+                gate.signal(1)
+                await copied
+                assert (await out.read(np.int32)).tolist() == [2] * 16
+                gate = dev.timeline()
+                held.wait(gate, 2)
+                held.launch(fill, back, vals=(3, 16))
+                assert buf.busy()  # and the other way round
+                gate.signal(2)
+                assert (await buf.read(np.int32)).tolist() == [3] * 16
+
+
 async def test_what_from_dlpack_refuses(anyio_backend: object) -> None:
     with pytest.raises(am.ArgumentTypeError, match="__dlpack__"):
         am.from_dlpack([1, 2, 3])
