@@ -642,7 +642,8 @@ class Device:
         """Most bytes of freed blocks this device keeps for reuse (least recently freed
         go first). Settable: an int >= 0 (0 caches nothing), or None for the default,
         a quarter of the device's memory and at most 1 GiB (``memory_budget`` bounds
-        what is cached too)."""
+        what is cached too). Setting it, or ``memory_budget``, on a closed device
+        raises ClosedResourceError."""
         return self._allocator.cache_limit
 
     @memory_cache_limit.setter
@@ -671,6 +672,7 @@ class Device:
 
     @compile_pool.setter
     def compile_pool(self, pool: CompilePool) -> None:
+        self._check_open()
         if not isinstance(pool, CompilePool):
             raise ArgumentTypeError(
                 f"compile_pool must be a CompilePool, got {type(pool).__name__}"
