@@ -81,6 +81,7 @@ from ._queue import (
     seal,
     settled,
     submitted_record,
+    wait_finished,
 )
 from ._threads import run_sync as to_thread
 from ._timeline import (
@@ -262,6 +263,7 @@ class Device:
         self.queue = self._state.queue = Queue(self._state, _made=MADE_BY_DEVICE)
         self._queues = [self.queue]  # (no call between: made, it is among them)
         self._state.make_queue = self.new_queue
+        self._state.retire_queue = self._retire_queue
         with _open_devices_lock:
             _open_devices.add(self)
             _opened[0] += 1
@@ -877,15 +879,42 @@ class Device:
 
     async def synchronize(self) -> None:
         """Wait until every queue of this device has finished what was submitted; then
-        raise the error of a command that failed (the first queue's, in creation order)."""
-        failure: AsyncMetalError | None = None
+        raise the error of a command that failed (the first queue's, in creation order).
+
+        Each failure is raised once: a queue's failure, once raised here, is not raised
+        by a later ``synchronize()`` -- unless a command submitted to that queue since
+        fails in turn (a failure fails what follows it on its queue: the default queue
+        after a device wait for a value never produced, say, which it cannot be closed
+        to be rid of). So after one call that raised, the device is usable again and
+        a later call raises only what failed since (or another queue's failure not
+        raised yet, one per call). ``Queue.synchronize`` raises its queue's failure
+        every time."""
+        failed: tuple[Queue, int, AsyncMetalError] | None = None
         for queue in list(self._queues):
+            value = queue.submitted
             try:
-                await queue.synchronize()
+                await wait_finished(queue, value)
             except AsyncMetalError as exc:
-                failure = failure or exc
-        if failure is not None:
+                if failed is None and value > queue._reported:
+                    failed = (queue, value, exc)
+        if failed is not None:
+            queue, value, failure = failed
+            queue._reported = max(queue._reported, value)
             raise failure
+
+    def _retire_queue(self, queue: Any) -> None:
+        """Seal the queue the device ran its buffers' work on in its default queue's
+        stead, replaced as it failed for good (``DeviceState.default_queue``; submission
+        lock held): it is released once its commands settled, as a queue whose close
+        was cancelled is (by the reaper, a new_queue, the device's close). Its failure
+        was its buffer operations' own (each raised it): ``synchronize`` raises it no
+        more."""
+        assert isinstance(queue, Queue)
+        queue._reported = queue.submitted
+        if seal(queue, f"this queue of {self.name} was replaced: every later command of it failed"):
+            self._unreleased[queue] = None
+            self._in_turn.append(queue)
+            self._reap_later()
 
     async def close(self, *, discard: bool = False) -> None:
         """Let submitted work finish, then release the device.

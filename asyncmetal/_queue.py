@@ -199,6 +199,9 @@ class Queue:
         # Device-side signals and waits not yet known complete: (value, is_wait, tl, target)
         self._sync_ops: collections.deque[tuple[int, bool, Timeline, int]] = collections.deque()
         self._abandoned_from: int | None = None  # commands from here on never ran
+        # Up to which command its failures were reported by its device's synchronize():
+        # that raises each once (see Device.synchronize).
+        self._reported = 0
         self._discarded = False  # closed with discard=True: what had not started never ran
         # Set by its device's close once it decided what can still complete: no command
         # past it (or past what ran by the time the queue stopped) will.
@@ -1161,8 +1164,12 @@ def let_go(queue: Queue) -> bool:
     path is turned off before its number is read: a launch that read it before has
     handed its command over already (see seal)."""
     fast, queue._fast_launch = queue._fast_launch, None
-    # (One whose last command failed stays: Device.synchronize reports its error.)
-    if queue._closed is not None or not settled(queue) or queue._failure(queue._submitted):
+    # (One whose last command failed stays until Device.synchronize reported its error.)
+    if (
+        queue._closed is not None
+        or not settled(queue)
+        or (queue._submitted > queue._reported and queue._failure(queue._submitted))
+    ):
         queue._fast_launch = fast
         return False
     queue._idle = True
