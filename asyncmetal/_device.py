@@ -334,25 +334,56 @@ class Device:
         self._check_open()  # (first: see Queue._submit)
         with self._state.submitting:  # (a close seals its queues: see Queue._submit)
             self._check_open()
-            queue = Queue(
-                self._state,
-                _made=MADE_BY_DEVICE,
-                _closer=self._close_queue,
-                _keeper=self._keep_queue,
-            )
-            self._queues = [*self._queues, queue]  # (a new list: see _claim_release)
-            number = next(self._numbers)
-            self._natives[number] = (native_queue(queue), queue.timeline)
-            drop = weakref.finalize(
-                queue, _collected, self._dropped_queues, self._reaper_inbox, number
-            )
-            drop.atexit = False
-            self._on_drop[queue] = drop
+            # Made and recorded whole: a KeyboardInterrupt (trio raises Ctrl-C in
+            # whatever Python code its task runs; CPython, at a call's entry or return)
+            # before the queue is recorded -- among the queues, its native queue by
+            # number, its finalizer -- releases what was made of it (_unmade). Left: an
+            # interrupt as the backend's new_queue returns its native queue, not stored
+            # yet (nothing in Python holds it then).
+            making: list[Queue] = []
+            number = -1
+            recorded = False
+            try:
+                queue = Queue(
+                    self._state,
+                    _made=MADE_BY_DEVICE,
+                    _closer=self._close_queue,
+                    _keeper=self._keep_queue,
+                    _making=making,
+                )
+                self._queues = [*self._queues, queue]  # (a new list: see _claim_release)
+                number = next(self._numbers)
+                self._natives[number] = (native_queue(queue), queue.timeline)
+                drop = weakref.finalize(
+                    queue, _collected, self._dropped_queues, self._reaper_inbox, number
+                )
+                drop.atexit = False
+                self._on_drop[queue] = drop
+                recorded = True
+            finally:
+                if not recorded:
+                    self._unmade(making, number)
             if len(self._queues) >= 2 * self._kept_at_sweep + 16 + self._blocks_at_sweep // 64:
                 self._let_go_of_idle_queues()
             self._release_done()
             self._reap_later()
         return queue
+
+    def _unmade(self, making: list[Queue], number: int) -> None:
+        """A KeyboardInterrupt stopped new_queue before the queue it was making (in
+        ``making``, if its making began) was recorded whole, and numbered ``number``
+        (-1: not yet): take what of it was recorded back, and release its native queue,
+        if made, on a release thread (submission lock held), as a collected queue's."""
+        for queue in making:
+            self._queues = [q for q in self._queues if q is not queue]
+            if number >= 0:
+                self._natives.pop(number, None)
+            drop = self._on_drop.pop(queue, None)
+            if drop is not None:
+                drop.detach()
+            native = queue.__dict__.get("_native")  # (None: interrupted before it was made)
+            if native is not None:
+                self._start_release([], None, [native])
 
     def _release_done(self, every: bool = False) -> None:
         """Release, on release threads, the closed queues whose closes were cancelled

@@ -182,9 +182,14 @@ class Queue:
         _stream: object = None,
         _closer: Callable[[Queue, bool], Awaitable[None]] | None = None,
         _keeper: Callable[[Queue], None] | None = None,
+        _making: list[Queue] | None = None,
     ) -> None:
         if _made is not MADE_BY_DEVICE:
             raise ArgumentTypeError("queues come from their device: device.new_queue()")
+        if _making is not None:
+            # Its maker's before anything native is made: where a KeyboardInterrupt
+            # stops the making from here on, the maker releases what was made.
+            _making.append(self)
         self._state = state
         self.device = state.device
         self.timeline = Timeline(state, owned=True, _made=MADE_BY_DEVICE)
