@@ -132,10 +132,11 @@ class DeviceState:
             queue = self.in_stead or self.queue
             assert queue is not None
             if queue._fails_later() and not self.closed:
-                replaced = self.in_stead
+                # (Retired first: a KeyboardInterrupt before the next is made leaves it
+                # in_stead, sealed -- failing later -- and the next call replaces it.)
+                if self.in_stead is not None and self.retire_queue is not None:
+                    self.retire_queue(self.in_stead)
                 queue = self.in_stead = self.make_queue()
-                if replaced is not None and self.retire_queue is not None:
-                    self.retire_queue(replaced)
         return queue
 
 
