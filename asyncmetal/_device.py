@@ -234,6 +234,7 @@ class Device:
         # _release_done); those released since are passed over as they come.
         self._in_turn: collections.deque[Queue] = collections.deque()
         self._releases: dict[Queue, HostEvents] = {}  # under way: reach 1 once done
+        self._taken: dict[Queue, None] = {}  # those a release thread took (_start_release)
         self._release_threads: list[threading.Thread] = []
         # Queues from new_queue() with nothing in flight that the device let go of (see
         # _let_go_of_idle_queues): alive while someone holds them. One collected leaves
@@ -383,7 +384,7 @@ class Device:
                 drop.detach()
             native = queue.__dict__.get("_native")  # (None: interrupted before it was made)
             if native is not None:
-                self._start_release([], None, [native])
+                self._start_release([], [native])
 
     def _release_done(self, every: bool = False) -> None:
         """Release, on release threads, the closed queues whose closes were cancelled
@@ -405,14 +406,12 @@ class Device:
             self._in_turn = waiting
         else:
             ready = self._settled_in_turn(RELEASE_LOOKS)
-        released = self._claim_release(ready)
+        self._release(ready)
         dropped = self._take_dropped()
         for _, timeline in dropped:  # its close ends waits on it (none reach it)
             self._timelines.add(timeline)
-        if released is not None:
-            self._start_release(ready, released)
         if dropped:
-            self._start_release([], None, [native for native, _ in dropped])
+            self._start_release([], [native for native, _ in dropped])
 
     def _settled_in_turn(self, looks: int) -> list[Queue]:
         """The settled ones among the next ``looks`` closed queues in turn (submission
@@ -942,8 +941,8 @@ class Device:
         more."""
         assert isinstance(queue, Queue)
         queue._reported = queue.submitted
-        if seal(queue, f"this queue of {self.name} was replaced: every later command of it failed"):
-            self._unreleased[queue] = None
+        why = f"this queue of {self.name} was replaced: every later command of it failed"
+        if seal(queue, why, self._unreleased):
             self._in_turn.append(queue)
             self._reap_later()
 
@@ -1040,10 +1039,12 @@ class Device:
         it natively on a thread of its own, which every caller waits for (as close waits
         for its teardown). Once the device is sealed its close does all that: this
         waits for that close to end instead."""
+        why = f"this queue of {self.name} was closed"
         with self._state.submitting:
             closed = self.closed
-            if not closed and seal(queue, f"this queue of {self.name} was closed"):
-                self._unreleased[queue] = None
+            # (Recorded unreleased as it is sealed: a KeyboardInterrupt after that leaves
+            # it to be released by a later close or the reaper, which looks at all.)
+            if not closed and seal(queue, why, self._unreleased):
                 self._in_turn.append(queue)
                 self._reap_later()  # (released by the reaper if this close is cancelled)
             # Sealed either way (by the device's close, or here). One being released has
@@ -1061,10 +1062,9 @@ class Device:
             closed = self.closed  # (meanwhile: the device's close releases it)
             released = None if closed else self._releases.get(queue)
             if released is None and not closed:
-                released = self._claim_release([queue])
+                released = self._release([queue])
                 if released is None:
                     return  # released already
-                self._start_release([queue], released)
         if released is None:
             await self._device_closed()
         else:
@@ -1090,35 +1090,70 @@ class Device:
             return None
         released = HostEvents()
         for queue in queues:
+            # Claimed in one run with no call (a KeyboardInterrupt finds it claimed or
+            # not); the rest (_claimed) may be done again (see _release).
             del self._unreleased[queue]
             self._releases[queue] = released
+        self._claimed(queues)
+        return released
+
+    def _claimed(self, queues: list[Queue]) -> None:
+        """Take ``queues``, claimed, off the device's records (submission lock held);
+        done again, it changes nothing more."""
+        for queue in queues:
             self._idle.discard(queue)
             self._timelines.add(queue.timeline)  # its close ends waits on it (none reach it)
-            drop = self._on_drop.pop(queue, None)
+            drop = self._on_drop.get(queue)
             if drop is not None:  # released here, not once collected
-                detached = drop.detach()
-                if detached is not None:
-                    self._natives.pop(detached[2][2], None)  # (its number)
+                finalizing = drop.peek()
+                if finalizing is not None:
+                    self._natives.pop(finalizing[2][2], None)  # (its number)
+                drop.detach()
+                self._on_drop.pop(queue, None)
         gone = {id(q) for q in queues}
         self._queues = [q for q in self._queues if id(q) not in gone]
         self._adopted = {k: q for k, q in self._adopted.items() if id(q) not in gone}
+
+    def _release(self, queues: list[Queue]) -> HostEvents | None:
+        """Claim ``queues`` (closed, settled; see _claim_release) and release them on a
+        release thread (submission lock held); what reaches 1 once that is done, or
+        None where none was left to claim. A KeyboardInterrupt on the way -- after the
+        claim, before its thread started -- starts the release all the same: a
+        later close waits for what the claim recorded, and would wait for good."""
+        try:
+            released = self._claim_release(queues)
+            if released is not None:
+                self._start_release(queues)
+        except BaseException:
+            claimed = [q for q in queues if q in self._releases and q not in self._taken]
+            if claimed:  # (started twice, it is released once: see _start_release)
+                self._claimed(claimed)
+                self._start_release(claimed)
+            raise
         return released
 
     def _start_release(
         self,
         queues: list[Queue],
-        released: HostEvents | None,
         natives: list[NativeQueue] = (),  # type: ignore[assignment]
     ) -> None:
-        """Close ``queues`` (and the native queues of collected ones) natively on a
-        thread: it may block, never on a loop. Submission lock held, from the claim of
-        what it releases on: the device's close, which seals the device under that lock,
-        then finds the thread among ``_release_threads`` and waits for it before it
-        closes the backend."""
+        """Close ``queues`` (claimed: see _release) and the native queues of collected
+        ones natively on a thread: it may block, never on a loop. Submission lock held,
+        from the claim of what it releases on: the device's close, which seals the
+        device under that lock, then finds the thread among ``_release_threads`` and
+        waits for it before it closes the backend."""
 
         def release() -> None:
+            # Each queue is released by the thread that takes it: a release started
+            # again (see _release) finds it taken, or released already (no longer
+            # among _releases), and leaves it. Each queue's own record of its release
+            # reaches 1 once it is done.
+            mine: list[Queue] = []
             try:
-                for queue in queues:
+                with self._state.submitting:
+                    mine = [q for q in queues if q in self._releases and q not in self._taken]
+                    self._taken.update(dict.fromkeys(mine))
+                for queue in mine:
                     with contextlib.suppress(Exception):  # (the device's close reports it)
                         close_native(queue, False)
                 for native in natives:
@@ -1126,12 +1161,16 @@ class Device:
                         native.close(False)
             finally:
                 with self._state.submitting:
-                    for queue in queues:
-                        self._releases.pop(queue, None)
-                if released is not None:
-                    released.increment()
+                    done = [self._releases.pop(queue, None) for queue in mine]
+                    for queue in mine:
+                        self._taken.pop(queue, None)
+                for events in {id(e): e for e in done if e is not None}.values():
+                    events.increment()
 
         thread = threading.Thread(target=release, name="asyncmetal queue close", daemon=True)
+        # Among those the device's close joins before the thread starts: an interrupt
+        # as it starts leaves it there, started (joined) or not (passed over).
+        self._release_threads = [t for t in self._release_threads if t.is_alive()] + [thread]
         try:
             thread.start()
         except Exception:
@@ -1139,8 +1178,6 @@ class Device:
             # released here, blocking the caller, rather than never (the queues are
             # claimed: nothing else releases them, and their closes wait for this).
             release()
-            return
-        self._release_threads = [t for t in self._release_threads if t.is_alive()] + [thread]
 
     def _seal(self) -> None:
         # With the submission lock held (see close), and the signal-order lock: a host
@@ -1186,7 +1223,8 @@ class Device:
             self._reaper_inbox.put(_STOP)
             reaper.join()  # (it starts no release threads once closed)
         for thread in list(self._release_threads):  # queues closed before (idle ones)
-            thread.join()
+            if thread.ident is not None:  # (None: never started, see _start_release)
+                thread.join()
         # Each step runs whatever an earlier one raised (a queue's native close that
         # fails still leaves the others, the memory and the backend to release); the
         # first error is raised once all of them ran.

@@ -1149,14 +1149,18 @@ def close_native(queue: Queue, abandon: bool) -> None:
     queue._native.close(abandon)
 
 
-def seal(queue: Queue, why: str) -> bool:
+def seal(queue: Queue, why: str, unreleased: dict[Queue, None] | None = None) -> bool:
     """Close ``queue`` to commands (see Queue.close), with its device's submission lock
     held: none of another thread is half submitted. False if it already was. The native
     launch path is turned off too: a launch reads ``_fast_launch`` and enters the
     extension with no Python code between, so no other thread runs meanwhile, and the
-    extension hands the command over without running any either (see _submit)."""
+    extension hands the command over without running any either (see _submit).
+    ``unreleased``: where it is recorded as closed and not released yet, in the same
+    run with no call (a KeyboardInterrupt finds it both or neither)."""
     if queue._closed is not None:
         return False
+    if unreleased is not None:
+        unreleased[queue] = None
     queue._closed = why
     queue._fast_launch = None
     return True

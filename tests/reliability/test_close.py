@@ -1254,6 +1254,49 @@ async def test_a_keyboard_interrupt_as_a_queue_is_made_leaves_none_unreleased(
 
 
 @pytest.mark.anyio
+async def test_a_queue_close_a_keyboard_interrupt_stopped_is_ended_by_the_next(
+    anyio_backend: object, device_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt wherever CPython delivers one in a queue's close (trio raises
+    Ctrl-C in whatever Python code its task runs): closing the queue again returns once
+    its native queue is released, as a close not interrupted does."""
+    device = await am.open_device(device_name)
+    natives = type(device.queue._native)
+    await device.close()
+    closed: list[object] = []
+    close = natives.close
+
+    def closing(self: Any, abandon: bool = False) -> None:
+        close(self, abandon)
+        closed.append(self)
+
+    monkeypatch.setattr(natives, "close", closing)
+    codes = {
+        am.Queue.close.__code__,
+        _device.Device._close_queue.__code__,
+        _device.Device._release.__code__,
+        _device.Device._claim_release.__code__,
+        _device.Device._start_release.__code__,
+    }
+    at = 0
+    while True:
+        device = await am.open_device(device_name)
+        queue = device.new_queue()
+        native = queue._native
+        with anyio.fail_after(20):
+            with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+                await queue.close()
+            await queue.close()  # (again: ends what the interrupt stopped)
+            assert any(native is c for c in closed), f"interrupted at {raised}"
+            await device.close()
+        closed.clear()
+        if not raised:
+            break
+        at += 1
+    assert at >= 6
+
+
+@pytest.mark.anyio
 async def test_a_host_signal_as_the_device_closes_is_run_or_refused(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
