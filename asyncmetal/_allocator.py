@@ -689,7 +689,8 @@ class Allocator:
             raise InvalidArgumentError(
                 f"memory_cache_limit must be an int >= 0 or None, got {limit}"
             )
-        with self._lock:
+        with self._lock:  # (a close seals the device before its allocator takes this)
+            self._state.check_open()
             self.cache_limit = self.default_cache_limit() if limit is None else limit
             self._evict(self.cached - self.cache_limit)
 
@@ -973,7 +974,8 @@ class Allocator:
             raise InvalidArgumentError(
                 f"memory_budget must be an int > 0 or None (all it has), got {budget}"
             )
-        with self._lock:
+        with self._lock:  # (a close seals the device before its allocator takes this)
+            self._state.check_open()
             self.budget = budget
             held = self.in_use + self._releasing + self.cached
             self._evict(max(held - budget, self.cached - self.cache_limit))

@@ -81,6 +81,7 @@ from ._queue import (
     seal,
     settled,
     submitted_record,
+    wait_finished,
 )
 from ._threads import run_sync as to_thread
 from ._timeline import (
@@ -233,6 +234,7 @@ class Device:
         # _release_done); those released since are passed over as they come.
         self._in_turn: collections.deque[Queue] = collections.deque()
         self._releases: dict[Queue, HostEvents] = {}  # under way: reach 1 once done
+        self._taken: dict[Queue, None] = {}  # those a release thread took (_start_release)
         self._release_threads: list[threading.Thread] = []
         # Queues from new_queue() with nothing in flight that the device let go of (see
         # _let_go_of_idle_queues): alive while someone holds them. One collected leaves
@@ -262,6 +264,7 @@ class Device:
         self.queue = self._state.queue = Queue(self._state, _made=MADE_BY_DEVICE)
         self._queues = [self.queue]  # (no call between: made, it is among them)
         self._state.make_queue = self.new_queue
+        self._state.retire_queue = self._retire_queue
         with _open_devices_lock:
             _open_devices.add(self)
             _opened[0] += 1
@@ -332,25 +335,56 @@ class Device:
         self._check_open()  # (first: see Queue._submit)
         with self._state.submitting:  # (a close seals its queues: see Queue._submit)
             self._check_open()
-            queue = Queue(
-                self._state,
-                _made=MADE_BY_DEVICE,
-                _closer=self._close_queue,
-                _keeper=self._keep_queue,
-            )
-            self._queues = [*self._queues, queue]  # (a new list: see _claim_release)
-            number = next(self._numbers)
-            self._natives[number] = (native_queue(queue), queue.timeline)
-            drop = weakref.finalize(
-                queue, _collected, self._dropped_queues, self._reaper_inbox, number
-            )
-            drop.atexit = False
-            self._on_drop[queue] = drop
+            # Made and recorded whole: a KeyboardInterrupt (trio raises Ctrl-C in
+            # whatever Python code its task runs; CPython, at a call's entry or return)
+            # before the queue is recorded -- among the queues, its native queue by
+            # number, its finalizer -- releases what was made of it (_unmade). Left: an
+            # interrupt as the backend's new_queue returns its native queue, not stored
+            # yet (nothing in Python holds it then).
+            making: list[Queue] = []
+            number = -1
+            recorded = False
+            try:
+                queue = Queue(
+                    self._state,
+                    _made=MADE_BY_DEVICE,
+                    _closer=self._close_queue,
+                    _keeper=self._keep_queue,
+                    _making=making,
+                )
+                self._queues = [*self._queues, queue]  # (a new list: see _claim_release)
+                number = next(self._numbers)
+                self._natives[number] = (native_queue(queue), queue.timeline)
+                drop = weakref.finalize(
+                    queue, _collected, self._dropped_queues, self._reaper_inbox, number
+                )
+                drop.atexit = False
+                self._on_drop[queue] = drop
+                recorded = True
+            finally:
+                if not recorded:
+                    self._unmade(making, number)
             if len(self._queues) >= 2 * self._kept_at_sweep + 16 + self._blocks_at_sweep // 64:
                 self._let_go_of_idle_queues()
             self._release_done()
             self._reap_later()
         return queue
+
+    def _unmade(self, making: list[Queue], number: int) -> None:
+        """A KeyboardInterrupt stopped new_queue before the queue it was making (in
+        ``making``, if its making began) was recorded whole, and numbered ``number``
+        (-1: not yet): take what of it was recorded back, and release its native queue,
+        if made, on a release thread (submission lock held), as a collected queue's."""
+        for queue in making:
+            self._queues = [q for q in self._queues if q is not queue]
+            if number >= 0:
+                self._natives.pop(number, None)
+            drop = self._on_drop.pop(queue, None)
+            if drop is not None:
+                drop.detach()
+            native = queue.__dict__.get("_native")  # (None: interrupted before it was made)
+            if native is not None:
+                self._start_release([], [native])
 
     def _release_done(self, every: bool = False) -> None:
         """Release, on release threads, the closed queues whose closes were cancelled
@@ -372,14 +406,12 @@ class Device:
             self._in_turn = waiting
         else:
             ready = self._settled_in_turn(RELEASE_LOOKS)
-        released = self._claim_release(ready)
+        self._release(ready)
         dropped = self._take_dropped()
         for _, timeline in dropped:  # its close ends waits on it (none reach it)
             self._timelines.add(timeline)
-        if released is not None:
-            self._start_release(ready, released)
         if dropped:
-            self._start_release([], None, [native for native, _ in dropped])
+            self._start_release([], [native for native, _ in dropped])
 
     def _settled_in_turn(self, looks: int) -> list[Queue]:
         """The settled ones among the next ``looks`` closed queues in turn (submission
@@ -642,7 +674,8 @@ class Device:
         """Most bytes of freed blocks this device keeps for reuse (least recently freed
         go first). Settable: an int >= 0 (0 caches nothing), or None for the default,
         a quarter of the device's memory and at most 1 GiB (``memory_budget`` bounds
-        what is cached too)."""
+        what is cached too). Setting it, or ``memory_budget``, on a closed device
+        raises ClosedResourceError."""
         return self._allocator.cache_limit
 
     @memory_cache_limit.setter
@@ -671,6 +704,7 @@ class Device:
 
     @compile_pool.setter
     def compile_pool(self, pool: CompilePool) -> None:
+        self._check_open()
         if not isinstance(pool, CompilePool):
             raise ArgumentTypeError(
                 f"compile_pool must be a CompilePool, got {type(pool).__name__}"
@@ -875,15 +909,42 @@ class Device:
 
     async def synchronize(self) -> None:
         """Wait until every queue of this device has finished what was submitted; then
-        raise the error of a command that failed (the first queue's, in creation order)."""
-        failure: AsyncMetalError | None = None
+        raise the error of a command that failed (the first queue's, in creation order).
+
+        Each failure is raised once: a queue's failure, once raised here, is not raised
+        by a later ``synchronize()`` -- unless a command submitted to that queue since
+        fails in turn (a failure fails what follows it on its queue: the default queue
+        after a device wait for a value never produced, say, which it cannot be closed
+        to be rid of). So after one call that raised, the device is usable again and
+        a later call raises only what failed since (or another queue's failure not
+        raised yet, one per call). ``Queue.synchronize`` raises its queue's failure
+        every time."""
+        failed: tuple[Queue, int, AsyncMetalError] | None = None
         for queue in list(self._queues):
+            value = queue.submitted
             try:
-                await queue.synchronize()
+                await wait_finished(queue, value)
             except AsyncMetalError as exc:
-                failure = failure or exc
-        if failure is not None:
+                if failed is None and value > queue._reported:
+                    failed = (queue, value, exc)
+        if failed is not None:
+            queue, value, failure = failed
+            queue._reported = max(queue._reported, value)
             raise failure
+
+    def _retire_queue(self, queue: Any) -> None:
+        """Seal the queue the device ran its buffers' work on in its default queue's
+        stead, replaced as it failed for good (``DeviceState.default_queue``; submission
+        lock held): it is released once its commands settled, as a queue whose close
+        was cancelled is (by the reaper, a new_queue, the device's close). Its failure
+        was its buffer operations' own (each raised it): ``synchronize`` raises it no
+        more."""
+        assert isinstance(queue, Queue)
+        queue._reported = queue.submitted
+        why = f"this queue of {self.name} was replaced: every later command of it failed"
+        if seal(queue, why, self._unreleased):
+            self._in_turn.append(queue)
+            self._reap_later()
 
     async def close(self, *, discard: bool = False) -> None:
         """Let submitted work finish, then release the device.
@@ -978,10 +1039,12 @@ class Device:
         it natively on a thread of its own, which every caller waits for (as close waits
         for its teardown). Once the device is sealed its close does all that: this
         waits for that close to end instead."""
+        why = f"this queue of {self.name} was closed"
         with self._state.submitting:
             closed = self.closed
-            if not closed and seal(queue, f"this queue of {self.name} was closed"):
-                self._unreleased[queue] = None
+            # (Recorded unreleased as it is sealed: a KeyboardInterrupt after that leaves
+            # it to be released by a later close or the reaper, which looks at all.)
+            if not closed and seal(queue, why, self._unreleased):
                 self._in_turn.append(queue)
                 self._reap_later()  # (released by the reaper if this close is cancelled)
             # Sealed either way (by the device's close, or here). One being released has
@@ -999,10 +1062,9 @@ class Device:
             closed = self.closed  # (meanwhile: the device's close releases it)
             released = None if closed else self._releases.get(queue)
             if released is None and not closed:
-                released = self._claim_release([queue])
+                released = self._release([queue])
                 if released is None:
                     return  # released already
-                self._start_release([queue], released)
         if released is None:
             await self._device_closed()
         else:
@@ -1028,35 +1090,70 @@ class Device:
             return None
         released = HostEvents()
         for queue in queues:
+            # Claimed in one run with no call (a KeyboardInterrupt finds it claimed or
+            # not); the rest (_claimed) may be done again (see _release).
             del self._unreleased[queue]
             self._releases[queue] = released
+        self._claimed(queues)
+        return released
+
+    def _claimed(self, queues: list[Queue]) -> None:
+        """Take ``queues``, claimed, off the device's records (submission lock held);
+        done again, it changes nothing more."""
+        for queue in queues:
             self._idle.discard(queue)
             self._timelines.add(queue.timeline)  # its close ends waits on it (none reach it)
-            drop = self._on_drop.pop(queue, None)
+            drop = self._on_drop.get(queue)
             if drop is not None:  # released here, not once collected
-                detached = drop.detach()
-                if detached is not None:
-                    self._natives.pop(detached[2][2], None)  # (its number)
+                finalizing = drop.peek()
+                if finalizing is not None:
+                    self._natives.pop(finalizing[2][2], None)  # (its number)
+                drop.detach()
+                self._on_drop.pop(queue, None)
         gone = {id(q) for q in queues}
         self._queues = [q for q in self._queues if id(q) not in gone]
         self._adopted = {k: q for k, q in self._adopted.items() if id(q) not in gone}
+
+    def _release(self, queues: list[Queue]) -> HostEvents | None:
+        """Claim ``queues`` (closed, settled; see _claim_release) and release them on a
+        release thread (submission lock held); what reaches 1 once that is done, or
+        None where none was left to claim. A KeyboardInterrupt on the way -- after the
+        claim, before its thread started -- starts the release all the same: a
+        later close waits for what the claim recorded, and would wait for good."""
+        try:
+            released = self._claim_release(queues)
+            if released is not None:
+                self._start_release(queues)
+        except BaseException:
+            claimed = [q for q in queues if q in self._releases and q not in self._taken]
+            if claimed:  # (started twice, it is released once: see _start_release)
+                self._claimed(claimed)
+                self._start_release(claimed)
+            raise
         return released
 
     def _start_release(
         self,
         queues: list[Queue],
-        released: HostEvents | None,
         natives: list[NativeQueue] = (),  # type: ignore[assignment]
     ) -> None:
-        """Close ``queues`` (and the native queues of collected ones) natively on a
-        thread: it may block, never on a loop. Submission lock held, from the claim of
-        what it releases on: the device's close, which seals the device under that lock,
-        then finds the thread among ``_release_threads`` and waits for it before it
-        closes the backend."""
+        """Close ``queues`` (claimed: see _release) and the native queues of collected
+        ones natively on a thread: it may block, never on a loop. Submission lock held,
+        from the claim of what it releases on: the device's close, which seals the
+        device under that lock, then finds the thread among ``_release_threads`` and
+        waits for it before it closes the backend."""
 
         def release() -> None:
+            # Each queue is released by the thread that takes it: a release started
+            # again (see _release) finds it taken, or released already (no longer
+            # among _releases), and leaves it. Each queue's own record of its release
+            # reaches 1 once it is done.
+            mine: list[Queue] = []
             try:
-                for queue in queues:
+                with self._state.submitting:
+                    mine = [q for q in queues if q in self._releases and q not in self._taken]
+                    self._taken.update(dict.fromkeys(mine))
+                for queue in mine:
                     with contextlib.suppress(Exception):  # (the device's close reports it)
                         close_native(queue, False)
                 for native in natives:
@@ -1064,12 +1161,16 @@ class Device:
                         native.close(False)
             finally:
                 with self._state.submitting:
-                    for queue in queues:
-                        self._releases.pop(queue, None)
-                if released is not None:
-                    released.increment()
+                    done = [self._releases.pop(queue, None) for queue in mine]
+                    for queue in mine:
+                        self._taken.pop(queue, None)
+                for events in {id(e): e for e in done if e is not None}.values():
+                    events.increment()
 
         thread = threading.Thread(target=release, name="asyncmetal queue close", daemon=True)
+        # Among those the device's close joins before the thread starts: an interrupt
+        # as it starts leaves it there, started (joined) or not (passed over).
+        self._release_threads = [t for t in self._release_threads if t.is_alive()] + [thread]
         try:
             thread.start()
         except Exception:
@@ -1077,8 +1178,6 @@ class Device:
             # released here, blocking the caller, rather than never (the queues are
             # claimed: nothing else releases them, and their closes wait for this).
             release()
-            return
-        self._release_threads = [t for t in self._release_threads if t.is_alive()] + [thread]
 
     def _seal(self) -> None:
         # With the submission lock held (see close), and the signal-order lock: a host
@@ -1124,7 +1223,8 @@ class Device:
             self._reaper_inbox.put(_STOP)
             reaper.join()  # (it starts no release threads once closed)
         for thread in list(self._release_threads):  # queues closed before (idle ones)
-            thread.join()
+            if thread.ident is not None:  # (None: never started, see _start_release)
+                thread.join()
         # Each step runs whatever an earlier one raised (a queue's native close that
         # fails still leaves the others, the memory and the backend to release); the
         # first error is raised once all of them ran.

@@ -43,6 +43,7 @@ class DeviceState:
         "name",
         "order",
         "queue",
+        "retire_queue",
         "stopped",
         "submitting",
     )
@@ -77,6 +78,7 @@ class DeviceState:
         # of the default queue fails (``default_queue``), and how the device makes one.
         self.in_stead: Copier | None = None
         self.make_queue: Callable[[], Copier] | None = None
+        self.retire_queue: Callable[[Copier], None] | None = None  # (one replaced)
         # Errors of work done for callers who were cancelled before it ended (a free's
         # release, an emptying of the cache): raised by the device's close; None once
         # that close took them.
@@ -119,7 +121,8 @@ class DeviceState:
         default queue -- or, once every later command of that one fails (a device wait
         of it ended on a value never produced: another device closed while it waited,
         say), a new queue of the device in its stead, and then another if that one
-        fails so in turn. ``device.queue`` stays the default queue: what a program
+        fails so in turn (the one replaced is released once its commands settled:
+        ``retire_queue``). ``device.queue`` stays the default queue: what a program
         submits there in order must not run out of that order."""
         queue = self.in_stead or self.queue
         assert queue is not None, "a device makes its default queue when it opens"
@@ -129,6 +132,10 @@ class DeviceState:
             queue = self.in_stead or self.queue
             assert queue is not None
             if queue._fails_later() and not self.closed:
+                # (Retired first: a KeyboardInterrupt before the next is made leaves it
+                # in_stead, sealed -- failing later -- and the next call replaces it.)
+                if self.in_stead is not None and self.retire_queue is not None:
+                    self.retire_queue(self.in_stead)
                 queue = self.in_stead = self.make_queue()
         return queue
 

@@ -182,9 +182,14 @@ class Queue:
         _stream: object = None,
         _closer: Callable[[Queue, bool], Awaitable[None]] | None = None,
         _keeper: Callable[[Queue], None] | None = None,
+        _making: list[Queue] | None = None,
     ) -> None:
         if _made is not MADE_BY_DEVICE:
             raise ArgumentTypeError("queues come from their device: device.new_queue()")
+        if _making is not None:
+            # Its maker's before anything native is made: where a KeyboardInterrupt
+            # stops the making from here on, the maker releases what was made.
+            _making.append(self)
         self._state = state
         self.device = state.device
         self.timeline = Timeline(state, owned=True, _made=MADE_BY_DEVICE)
@@ -199,6 +204,9 @@ class Queue:
         # Device-side signals and waits not yet known complete: (value, is_wait, tl, target)
         self._sync_ops: collections.deque[tuple[int, bool, Timeline, int]] = collections.deque()
         self._abandoned_from: int | None = None  # commands from here on never ran
+        # Up to which command its failures were reported by its device's synchronize():
+        # that raises each once (see Device.synchronize).
+        self._reported = 0
         self._discarded = False  # closed with discard=True: what had not started never ran
         # Set by its device's close once it decided what can still complete: no command
         # past it (or past what ran by the time the queue stopped) will.
@@ -1141,14 +1149,18 @@ def close_native(queue: Queue, abandon: bool) -> None:
     queue._native.close(abandon)
 
 
-def seal(queue: Queue, why: str) -> bool:
+def seal(queue: Queue, why: str, unreleased: dict[Queue, None] | None = None) -> bool:
     """Close ``queue`` to commands (see Queue.close), with its device's submission lock
     held: none of another thread is half submitted. False if it already was. The native
     launch path is turned off too: a launch reads ``_fast_launch`` and enters the
     extension with no Python code between, so no other thread runs meanwhile, and the
-    extension hands the command over without running any either (see _submit)."""
+    extension hands the command over without running any either (see _submit).
+    ``unreleased``: where it is recorded as closed and not released yet, in the same
+    run with no call (a KeyboardInterrupt finds it both or neither)."""
     if queue._closed is not None:
         return False
+    if unreleased is not None:
+        unreleased[queue] = None
     queue._closed = why
     queue._fast_launch = None
     return True
@@ -1161,8 +1173,12 @@ def let_go(queue: Queue) -> bool:
     path is turned off before its number is read: a launch that read it before has
     handed its command over already (see seal)."""
     fast, queue._fast_launch = queue._fast_launch, None
-    # (One whose last command failed stays: Device.synchronize reports its error.)
-    if queue._closed is not None or not settled(queue) or queue._failure(queue._submitted):
+    # (One whose last command failed stays until Device.synchronize reported its error.)
+    if (
+        queue._closed is not None
+        or not settled(queue)
+        or (queue._submitted > queue._reported and queue._failure(queue._submitted))
+    ):
         queue._fast_launch = fast
         return False
     queue._idle = True

@@ -20,7 +20,12 @@ import asyncmetal._queue
 from asyncmetal import _native, _timeline
 from asyncmetal._timeline import wait_value
 from tests.support.interrupts import interrupted
-from tests.support.queues import check_buffers_usable, fail_default_queue_for_good, held_queue
+from tests.support.queues import (
+    check_buffers_usable,
+    fail_default_queue_for_good,
+    fail_for_good,
+    held_queue,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -152,6 +157,48 @@ async def test_a_default_queue_failing_for_good_leaves_the_buffers_usable(
     await check_buffers_usable(device, before)
     with anyio.fail_after(20), pytest.raises(am.ClosedResourceError, match="device-side wait"):
         await device.queue.launch(kernels["empty"])  # (still the default queue's error)
+
+
+async def test_the_devices_synchronize_reports_a_failure_once(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """Once the default queue fails for good (it cannot be closed), ``synchronize()``
+    raises its failure once, and then returns: the device is usable again. A command
+    submitted to it later fails, and that failure is reported, once, in turn. Checked
+    failing before: every later synchronize() raised the old failure."""
+    before = await fail_default_queue_for_good(device)
+    with anyio.fail_after(20):
+        with pytest.raises(am.ClosedResourceError, match="device-side wait"):
+            await device.synchronize()
+        await device.synchronize()
+        await check_buffers_usable(device, before)
+        await device.synchronize()
+        device.queue.launch(kernels["empty"])  # (fails: it follows the failed wait)
+        with pytest.raises(am.ClosedResourceError, match="device-side wait"):
+            await device.synchronize()
+        await device.synchronize()
+
+
+async def test_a_queue_used_in_the_default_queues_stead_failing_for_good_is_replaced(
+    device: am.Device,
+) -> None:
+    """The queue the device's buffers' work runs on in its failed default queue's stead
+    fails for good in turn: the device makes another, and releases the one replaced
+    (its failure was its buffer operations' own: ``synchronize()`` reports only the
+    default queue's, once). Checked failing before: the queue replaced stayed among the
+    device's queues, never released, and every synchronize() raised."""
+    before = await fail_default_queue_for_good(device)
+    stand_in = device._own_queue()
+    await fail_for_good(device, stand_in)
+    await check_buffers_usable(device, before)
+    assert device._own_queue() is not stand_in
+    with anyio.fail_after(20):
+        with pytest.raises(am.ClosedResourceError, match="device-side wait"):
+            await device.synchronize()  # (the default queue's)
+        await device.synchronize()
+        while stand_in in device._queues:  # released by the device's reaper, once settled
+            await anyio.sleep(0.01)
+    assert stand_in.closed
 
 
 async def test_host_signal_from_a_plain_thread_wakes_the_loop(device: am.Device) -> None:

@@ -164,6 +164,29 @@ async def test_closed_device_and_its_objects(anyio_backend: object) -> None:
         await buf.read()
 
 
+async def test_a_closed_devices_settings_are_refused(
+    anyio_backend: object, device_name: str
+) -> None:
+    """Setting ``memory_budget``, ``memory_cache_limit`` or ``compile_pool`` on a closed
+    device raises ClosedResourceError, as every other use of it does, and changes
+    nothing (what they read stays readable). Checked failing before: each setting was
+    taken silently."""
+    dev = await am.open_device(device_name)
+    budget, limit, pool = dev.memory_budget, dev.memory_cache_limit, dev.compile_pool
+    await dev.close()
+    for setting, value in [
+        ("memory_budget", 1 << 20),
+        ("memory_budget", None),
+        ("memory_cache_limit", 0),
+        ("memory_cache_limit", None),
+        ("compile_pool", pool),
+    ]:
+        with pytest.raises(am.ClosedResourceError, match=f"device {device_name} is closed"):
+            setattr(dev, setting, value)
+    assert (dev.memory_budget, dev.memory_cache_limit) == (budget, limit)
+    assert dev.compile_pool is pool
+
+
 async def test_buffer_of_another_device_is_refused(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:

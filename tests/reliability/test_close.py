@@ -1188,6 +1188,114 @@ async def test_a_keyboard_interrupt_as_an_open_hands_its_device_over_closes_it(
     assert at >= 4
 
 
+# Where an interrupt loses a native queue, and nothing in Python can keep it: the
+# backend's new_queue returned it, and Queue.__init__ has not stored it yet.
+NATIVE_QUEUE_IN_FLIGHT = {"__init__ return new_queue"}
+
+
+@pytest.mark.anyio
+async def test_a_keyboard_interrupt_as_a_queue_is_made_leaves_none_unreleased(
+    anyio_backend: object, device_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt wherever CPython delivers one in ``new_queue`` and the
+    Queue's making (trio raises Ctrl-C in whatever Python code its task runs) -- once
+    the backend made the native queue, before the device recorded it -- either comes
+    after the caller got the queue, or leaves nothing of it: every native queue made is
+    released, by the device's close at the latest (a cpu queue's thread stopped),
+    except where the backend's new_queue returned it and it is not stored yet
+    (NATIVE_QUEUE_IN_FLIGHT).
+    Checked failing before: an interrupt as Queue() returned into new_queue left the
+    native queue (its thread) unreleased by the close."""
+    device = await am.open_device(device_name)
+    natives = type(device.queue._native)
+    backend = type(device._backend)
+    await device.close()
+    made: list[object] = []
+    closed: list[object] = []
+    make, close = backend.new_queue, natives.close
+
+    def new_queue(self: Any, timeline: Any) -> Any:
+        native = make(self, timeline)
+        made.append(native)
+        return native
+
+    def closing(self: Any, abandon: bool = False) -> None:
+        close(self, abandon)
+        closed.append(self)
+
+    monkeypatch.setattr(backend, "new_queue", new_queue)
+    monkeypatch.setattr(natives, "close", closing)
+    codes = {am.Device.new_queue.__code__, am.Queue.__init__.__code__}
+    at = 0
+    while True:
+        device = await am.open_device(device_name)
+        handed: list[am.Queue] = []
+        gc.collect()  # (none runs a finalizer meanwhile: its interrupt would be reported)
+        gc.disable()
+        try:
+            with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+                handed.append(device.new_queue())
+        finally:
+            gc.enable()
+        if raised and raised[0] in NATIVE_QUEUE_IN_FLIGHT:
+            made.clear()  # (lost: see NATIVE_QUEUE_IN_FLIGHT)
+        assert bool(handed) != bool(raised), raised
+        handed.clear()
+        with anyio.fail_after(20):
+            await device.close()
+        unreleased = [native for native in made if not any(native is c for c in closed)]
+        assert not unreleased, f"interrupted at {raised}"
+        made.clear()
+        closed.clear()
+        if not raised:
+            break
+        at += 1
+    assert at >= 8
+
+
+@pytest.mark.anyio
+async def test_a_queue_close_a_keyboard_interrupt_stopped_is_ended_by_the_next(
+    anyio_backend: object, device_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt wherever CPython delivers one in a queue's close (trio raises
+    Ctrl-C in whatever Python code its task runs): closing the queue again returns once
+    its native queue is released, as a close not interrupted does."""
+    device = await am.open_device(device_name)
+    natives = type(device.queue._native)
+    await device.close()
+    closed: list[object] = []
+    close = natives.close
+
+    def closing(self: Any, abandon: bool = False) -> None:
+        close(self, abandon)
+        closed.append(self)
+
+    monkeypatch.setattr(natives, "close", closing)
+    codes = {
+        am.Queue.close.__code__,
+        _device.Device._close_queue.__code__,
+        _device.Device._release.__code__,
+        _device.Device._claim_release.__code__,
+        _device.Device._start_release.__code__,
+    }
+    at = 0
+    while True:
+        device = await am.open_device(device_name)
+        queue = device.new_queue()
+        native = queue._native
+        with anyio.fail_after(20):
+            with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+                await queue.close()
+            await queue.close()  # (again: ends what the interrupt stopped)
+            assert any(native is c for c in closed), f"interrupted at {raised}"
+            await device.close()
+        closed.clear()
+        if not raised:
+            break
+        at += 1
+    assert at >= 6
+
+
 @pytest.mark.anyio
 async def test_a_host_signal_as_the_device_closes_is_run_or_refused(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch

@@ -102,12 +102,18 @@ async def copies_done_before_awaited(
 
 
 async def fail_default_queue_for_good(device: am.Device) -> am.Buffer:
-    """Make every later command of ``device``'s default queue fail: another device (a
-    cpu one) closes while the default queue waits (on the device, or held on the host)
-    for that device's command that never runs, a copy out of its buffer. Returns a
-    buffer of ``device`` the default queue wrote 5s to before."""
+    """Make every later command of ``device``'s default queue fail (``fail_for_good``).
+    Returns a buffer of ``device`` the default queue wrote 5s to before."""
     before = await device.alloc(64)
     await before.write(np.full(64, 5, np.uint8))
+    await fail_for_good(device, device.queue)
+    return before
+
+
+async def fail_for_good(device: am.Device, queue: am.Queue) -> None:
+    """Make every later command of ``queue``, a queue of ``device``, fail: another
+    device (a cpu one) closes while ``queue`` waits (on the device, or held on the host)
+    for that device's command that never runs, a copy out of its buffer."""
     other = await am.open_device("cpu:23")
     try:
         put = await other.compile("void put(char* x) { x[0] = 9; }", "put")
@@ -116,13 +122,12 @@ async def fail_default_queue_for_good(device: am.Device) -> am.Buffer:
         stuck_queue.wait(other.timeline(), 1)  # never signalled: the close abandons it
         stuck_queue.launch(put, theirs)
         mine = await device.alloc(64)
-        copied = device.queue.copy(mine, theirs)  # ordered after that launch
+        copied = queue.copy(mine, theirs)  # ordered after that launch
     finally:
         with anyio.fail_after(20):
             await other.close()
     with anyio.fail_after(20), pytest.raises(am.ClosedResourceError):
         await copied
-    return before
 
 
 async def check_buffers_usable(device: am.Device, before: am.Buffer) -> None:
