@@ -371,10 +371,11 @@ class Device:
         return queue
 
     def _unmade(self, making: list[Queue], number: int) -> None:
-        """A KeyboardInterrupt stopped new_queue before the queue it was making (in
-        ``making``, if its making began) was recorded whole, and numbered ``number``
-        (-1: not yet): take what of it was recorded back, and release its native queue,
-        if made, on a release thread (submission lock held), as a collected queue's."""
+        """A KeyboardInterrupt stopped new_queue (or adopt_stream) before the queue it
+        was making (in ``making``, if its making began) was recorded whole, and numbered
+        ``number`` (-1: not yet, or adopted): take what of it was recorded back, and
+        release its native queue, if made, on a release thread (submission lock held),
+        as a collected queue's."""
         for queue in making:
             self._queues = [q for q in self._queues if q is not queue]
             if number >= 0:
@@ -580,11 +581,26 @@ class Device:
             key = self._backend.stream_key(stream)
             queue = self._adopted.get(key)
             if queue is None:
-                queue = Queue(
-                    self._state, _made=MADE_BY_DEVICE, _stream=stream, _closer=self._close_queue
-                )
-                self._queues = [*self._queues, queue]
-                self._adopted[key] = queue
+                # Made and recorded whole, as new_queue's (a KeyboardInterrupt before
+                # it is recorded releases what was made of it).
+                making: list[Queue] = []
+                recorded = False
+                try:
+                    queue = Queue(
+                        self._state,
+                        _made=MADE_BY_DEVICE,
+                        _stream=stream,
+                        _closer=self._close_queue,
+                        _making=making,
+                    )
+                    self._queues = [*self._queues, queue]
+                    self._adopted[key] = queue
+                    recorded = True
+                finally:
+                    if not recorded:
+                        if making and self._adopted.get(key) is making[0]:
+                            del self._adopted[key]
+                        self._unmade(making, -1)
         return queue
 
     def timeline(self) -> Timeline:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import pickle
@@ -10,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from typing import Any
 
 import anyio
 import numpy as np
@@ -17,6 +19,7 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal._scalars import host_types
+from tests.support.interrupts import interrupted
 from tests.support.launch_paths import PATHS, select_launch_path
 from tests.support.queues import (
     check_buffers_usable,
@@ -1185,3 +1188,65 @@ async def test_a_budget_holds_on_cuda(anyio_backend: object) -> None:
         await small.free()
         await dev.synchronize()
         assert dev.memory_statistics().in_use == 0
+
+
+async def test_a_keyboard_interrupt_as_a_stream_is_adopted_leaves_none_unreleased(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt wherever CPython delivers one in ``adopt_stream`` and the
+    Queue's making either comes after the caller got the queue, or leaves nothing of
+    it: every native queue made over the stream is released by the device's close at
+    the latest (its completion thread stopped), and adopting the stream again works --
+    except where the backend returned it and Queue.__init__ has not stored it yet.
+    Checked failing before: an interrupt as Queue() returned into adopt_stream left its
+    native queue unreleased by the close."""
+    torch = pytest.importorskip("torch")
+    stream = torch.cuda.Stream()
+    device = await am.open_device("cuda:0")
+    natives = type(device.adopt_stream(stream)._native)
+    backend = type(device._backend)
+    await device.close()
+    made: list[object] = []
+    closed: list[object] = []
+    adopt, close = backend.adopt_queue, natives.close
+
+    def adopt_queue(self: Any, timeline: Any, stream: object) -> Any:
+        native = adopt(self, timeline, stream)
+        made.append(native)
+        return native
+
+    def closing(self: Any, abandon: bool = False) -> None:
+        close(self, abandon)
+        closed.append(self)
+
+    monkeypatch.setattr(backend, "adopt_queue", adopt_queue)
+    monkeypatch.setattr(natives, "close", closing)
+    codes = {am.Device.adopt_stream.__code__, am.Queue.__init__.__code__}
+    at = 0
+    while True:
+        device = await am.open_device("cuda:0")
+        handed: list[am.Queue] = []
+        gc.collect()  # (none runs a finalizer meanwhile: its interrupt would be reported)
+        gc.disable()
+        try:
+            with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+                handed.append(device.adopt_stream(stream))
+        finally:
+            gc.enable()
+        if raised and raised[0] == "__init__ return adopt_queue":
+            made.clear()  # (nothing in Python holds it yet: lost)
+        assert bool(handed) != bool(raised), raised
+        if raised:  # adopted again whole
+            with anyio.fail_after(20):
+                await device.adopt_stream(stream).marker()
+        handed.clear()
+        with anyio.fail_after(20):
+            await device.close()
+        unreleased = [native for native in made if not any(native is c for c in closed)]
+        assert not unreleased, f"interrupted at {raised}"
+        made.clear()
+        closed.clear()
+        if not raised:
+            break
+        at += 1
+    assert at >= 4
