@@ -124,7 +124,8 @@ class _Worker:
         self.thread = threading.Thread(target=self._run, name="asyncmetal-compile", daemon=True)
         self.thread.start()
 
-    def _spawn(self) -> subprocess.Popen[bytes]:
+    def _spawn(self) -> None:
+        """Start the worker's process as ``self.proc``."""
         env = dict(os.environ)
         env["ASYNCMETAL_WORKER"] = "1"
         env["CUDA_VISIBLE_DEVICES"] = ""  # compilers need no GPU: never take its memory
@@ -139,16 +140,19 @@ class _Worker:
         self.tmpdir = tempfile.mkdtemp(prefix="asyncmetal-worker-")
         env["TMPDIR"] = env["TMP"] = env["TEMP"] = self.tmpdir
         try:
-            return subprocess.Popen(
-                [sys.executable, "-m", "asyncmetal._worker"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=self.stderr,
-                env=env,
-                # A terminal's Ctrl-C goes to the parent only; and the worker leads a process
-                # group holding everything it starts, which _reap ends as one.
-                start_new_session=True,
-            )
+            # A fork waits until the process has started and is recorded (see
+            # _hold_fork_while_starting): the child then holds none of its pipes.
+            with _starting:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "asyncmetal._worker"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=self.stderr,
+                    env=env,
+                    # A terminal's Ctrl-C goes to the parent only; and the worker leads a
+                    # process group holding everything it starts, which _reap ends as one.
+                    start_new_session=True,
+                )
         except BaseException:
             _remove_tree(self.tmpdir)
             self.tmpdir = None
@@ -158,7 +162,7 @@ class _Worker:
         pool = self.pool
         if self.eager:
             with contextlib.suppress(Exception):  # if not now, it is spawned for its first job
-                self.proc = self._spawn()
+                self._spawn()
         while True:
             with pool._lock:
                 pool._idle += 1
@@ -204,14 +208,14 @@ class _Worker:
         if self.proc is not None and _exited(self.proc, 0):
             self._reap()  # it died while idle
         if self.proc is None:
-            self.proc = self._spawn()
+            self._spawn()
             # A kill at exit that came as the process started found none to kill (it
             # sets _killing before it looks): nothing will await the job.
             if self.pool._killing:
                 self._kill()
                 return CompileError("the compile pool was shut down")
         proc = self.proc
-        assert proc.stdin is not None and proc.stdout is not None
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None
         try:
             write_message(proc.stdin, (job.compiler, job.src))
             job.started = True
@@ -667,11 +671,30 @@ def _shutdown_at_exit(pool: CompilePool) -> None:
 atexit.register(_shutdown_all)
 
 
+# Held while a worker's process starts and until the pool records it, and by a fork
+# (os.fork, and so multiprocessing's) for its duration. A child forked in the middle of
+# subprocess.Popen would hold copies of the starting process's pipes, which the at-fork
+# handler cannot yet name -- among them the pipe on which Popen waits for the exec,
+# whose copy keeps that Popen (the pool's thread: its compiles and its close) waiting
+# for as long as the child lives. Reentrant: a fork made on the starting thread itself
+# (a hook in Popen) goes through.
+_starting = threading.RLock()
+
+
+def _hold_fork_while_starting() -> None:
+    _starting.acquire()
+
+
+def _release_after_fork() -> None:
+    _starting.release()
+
+
 def _forget_default_in_child() -> None:
     # A forked child has none of the pool's threads, and its workers are the parent's
     # (their pipes too): compiles sent there would never come back. The child makes
     # its own pool on first use; the parent's is left alone.
-    global _default_pool, _default_lock, _identities_lock
+    global _default_pool, _default_lock, _identities_lock, _starting
+    _starting = threading.RLock()  # (held by the forking thread, as the fork began)
     _default_pool = None
     _default_lock = threading.Lock()
     _identities_lock = threading.Lock()  # (a parent thread may have held it)
@@ -703,4 +726,8 @@ def _let_go_of_parents_workers() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_default_in_child)
+    os.register_at_fork(
+        before=_hold_fork_while_starting,
+        after_in_parent=_release_after_fork,
+        after_in_child=_forget_default_in_child,
+    )

@@ -978,6 +978,69 @@ def test_a_child_forked_as_a_worker_starts_does_not_hold_it_open(tmp_path: Path)
     assert _worker_exit(_FORK_AS_A_WORKER_STARTS, tmp_path) == "0", "not by its word to stop"
 
 
+# Another thread forks while the pool's thread is inside subprocess.Popen starting a
+# worker (the hook: Popen's call that starts the process, when every pipe of it is open,
+# among them the one on which Popen then waits for the exec). The hook holds the start
+# until the fork has happened -- or until the forking thread waits in the pool's
+# before-fork handler (seen in its frames), which lets the start finish first.
+_FORK_IN_POPEN = (
+    _FORK_HEAD
+    + """
+import threading, time
+forking, forked, started = threading.Event(), threading.Event(), threading.Event()
+os.register_at_fork(before=forking.set, after_in_parent=forked.set)
+main = threading.main_thread().ident
+def fork_waits_for_the_pool():
+    frame = sys._current_frames().get(main)
+    while frame is not None:
+        if frame.f_code.co_name == "_hold_fork_while_starting":
+            return True
+        frame = frame.f_back
+    return False
+real = subprocess._fork_exec
+def fork_exec(*args):
+    if "asyncmetal._worker" in repr(args[0]):
+        started.set()
+        forking.wait()
+        while not forked.is_set() and not fork_waits_for_the_pool():
+            time.sleep(0.001)
+    return real(*args)
+subprocess._fork_exec = fork_exec
+pool = CompilePool(1, cache=CompileCache({cache!r}))
+pool.prestart()
+started.wait()
+pid, release = fork_held()
+subprocess._fork_exec = real
+began = time.monotonic()
+pool.shutdown()
+took = time.monotonic() - began
+os.close(release)
+os.waitpid(pid, 0)
+print(pool.workers, "workers left after", round(took, 1), "s")
+"""
+)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.skipif(not hasattr(subprocess, "_fork_exec"), reason="hooks subprocess._fork_exec")
+def test_a_fork_as_a_worker_process_starts_waits_for_the_start(tmp_path: Path) -> None:
+    """A fork from another thread while the pool's thread is in subprocess.Popen starting
+    a worker waits until the process has started and is recorded: the child gets none
+    of its pipes, and closing the pool ends the worker at once. Checked: before, the
+    child held a copy of the pipe on which Popen waits for the exec, so the pool's
+    thread stayed in Popen for the child's life (a compile waited all that time), and
+    the close gave up on it after SHUTDOWN_JOIN_S (10 s), the worker left behind."""
+    code = _FORK_IN_POPEN.format(
+        root=str(Path(__file__).resolve().parents[2]), cache=str(tmp_path / "cache")
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=BOUND
+    )
+    assert done.returncode == 0, done.stderr
+    left, took = done.stdout.split()[0], float(done.stdout.split()[-2])
+    assert left == "0" and took < 5, done.stdout
+
+
 def _worker_exit(script: str, tmp_path: Path) -> str:
     """Run one of the fork scripts above in a process of its own; return what it printed:
     the worker's exit code."""
