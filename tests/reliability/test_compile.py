@@ -7,6 +7,8 @@ import contextlib
 import errno
 import os
 import pickle
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -611,6 +613,85 @@ async def test_an_unusable_cache_keeps_compiles_working(
         assert not pool.cache.disk_enabled
     finally:
         await pool.aclose()
+
+
+_READ_ONLY_SCRIPT = """
+import sys, warnings
+import anyio
+sys.path.insert(0, {root!r})
+from asyncmetal._cache import CacheWarning, CompileCache
+from asyncmetal._pool import CompilePool
+from asyncmetal.backends.cpu import CCompiler
+
+async def main():
+    pool = CompilePool(1, cache=CompileCache(sys.argv[1]))
+    try:
+        for tag in sys.argv[2:]:
+            await pool.compile(CCompiler(), "int twice(int x) {{ return 2 * x; }} // " + tag)
+    finally:
+        await pool.aclose()
+    print(pool.compiles, pool.cache.hits_disk)
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    anyio.run(main)
+for warning in caught:
+    print(warning.category.__name__, warning.message)
+"""
+
+
+def _run_read_only(directory: Path, args: list[str]) -> subprocess.CompletedProcess[str]:
+    """The script above with ``directory`` really read-only to it: by its mode where
+    this is not root; as root (which ignores modes) on a read-only bind mount of it, in
+    a mount namespace of the script's own (``unshare``; skipped where it cannot)."""
+    script = _READ_ONLY_SCRIPT.format(root=str(Path(__file__).resolve().parents[2]))
+    command = [sys.executable, "-c", script, str(directory), *args]
+    if os.geteuid() != 0:
+        modes = {path: path.stat().st_mode for path in [directory, *directory.iterdir()]}
+        for path in modes:
+            path.chmod(0o555 if path.is_dir() else 0o444)
+        try:
+            return subprocess.run(command, capture_output=True, text=True, timeout=BOUND)
+        finally:
+            for path, mode in modes.items():
+                path.chmod(mode)
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("root, and no unshare to mount the cache directory read-only")
+    mounted = f"mount --bind -o ro {shlex.quote(str(directory))} {shlex.quote(str(directory))}"
+    shell = f"{mounted} && exec {shlex.join(command)}"
+    done = subprocess.run(
+        [unshare, "-m", "--propagation", "private", "sh", "-c", shell],
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+    )
+    if done.returncode != 0 and "Traceback" not in done.stderr:
+        pytest.skip(f"cannot mount the cache directory read-only here: {done.stderr.strip()}")
+    return done
+
+
+def test_a_read_only_cache_directory_is_read(tmp_path: Path) -> None:
+    """A cache directory this process cannot write, its entries made earlier, still
+    serves them (disk hits, no compile); a source not there compiles and is not stored;
+    one CacheWarning says so. Checked: before, the cache was not read at all (sqlite
+    cannot make a WAL database's shared-memory file there): both sources compiled,
+    with a warning that the cache was unusable."""
+    directory = tmp_path / "cache"  # filled first, writable
+    script = _READ_ONLY_SCRIPT.format(root=str(Path(__file__).resolve().parents[2]))
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(directory), "a", "b"],
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["2", "0"], done.stderr
+    done = _run_read_only(directory, ["a", "b", "new"])
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "1 2", lines  # a and b from the disk, new compiled
+    assert len(lines) == 2 and lines[1].startswith("CacheWarning"), lines
+    assert "cannot be written" in lines[1] and "not stored" in lines[1], lines
 
 
 async def test_a_worker_that_cannot_start_loses_no_thread_and_no_directory(
