@@ -21,10 +21,9 @@ import os
 import sqlite3
 import sys
 import threading
-import warnings
 from pathlib import Path
 
-from ._errors import env_switch
+from ._errors import env_switch, warn
 from ._threads import run_sync as to_thread
 
 
@@ -159,19 +158,17 @@ class CompileCache:
         one about a cache that is read but not written, once)."""
         if self.read_only is not None and not self._warned_read_only:
             self._warned_read_only = True
-            warnings.warn(
+            warn(
                 f"asyncmetal: the compile cache at {self.path} cannot be written "
                 f"({self.read_only}); its binaries are used, new ones are not stored",
                 CacheWarning,
-                stacklevel=3,
             )
         if self.error is not None and not self._warned:
             self._warned = True
-            warnings.warn(
+            warn(
                 f"asyncmetal: the compile cache at {self.path} is unusable "
                 f"({self.error}); compiling without it",
                 CacheWarning,
-                stacklevel=3,
             )
 
     def load_disk(self, key: str) -> bytes | None:

@@ -64,6 +64,7 @@ from ._errors import (
     DeviceNotFoundError,
     InvalidArgumentError,
     as_int,
+    warn,
 )
 from ._interrupts import ctrl_c_discards
 from ._pool import CompilePool, check_timeout, compiler_identity, default_pool
@@ -719,7 +720,7 @@ class Device:
             binary, log = await pool.compile_keyed(compiler, src, key[0], timeout=timeout)
             program = await self._program(key, params, binary, src, compiler, timeout)
         if log:  # once the program is loaded: raised as an error, it loses no compile
-            _warn_compiled(name, log, 3)
+            _warn_compiled(name, log)
         return program
 
     def _check_compile(self, src: object, name: object) -> None:
@@ -765,7 +766,7 @@ class Device:
                 compiler, src, key[0], timeout=timeout, refresh=True
             )
             if log:
-                _warn_compiled(name, log, 4)
+                _warn_compiled(name, log)
             try:
                 native = await self._loaded(binary, name, src)
             except _UnloadableError as exc:
@@ -1266,10 +1267,9 @@ def _naming(name: str) -> Generator[None, None, None]:
         raise named from None
 
 
-def _warn_compiled(name: str, log: str, stacklevel: int) -> None:
+def _warn_compiled(name: str, log: str) -> None:
     """The CompileWarning of kernel ``name``, whose compile printed ``log``."""
-    warning = CompileWarning(f"kernel {name!r}: the compiler printed warnings", log)
-    warnings.warn(warning, stacklevel=stacklevel)
+    warn(CompileWarning(f"kernel {name!r}: the compiler printed warnings", log))
 
 
 def _read_params(compiler: Any, src: str, name: str) -> Signature | NotDefinedError:
@@ -1494,7 +1494,7 @@ class CompileMany:
                 if self._closed:  # (closed while this step loaded it: not handed out)
                     raise StopAsyncIteration
                 if log:
-                    _warn_compiled(key[1], log, 4)
+                    _warn_compiled(key[1], log)
             except (anyio.get_cancelled_exc_class(), CompileWarning):
                 # Not handed out (cancelled, or its warning raised as an error): the next
                 # step yields it (its binary is ready now; it warns no more).

@@ -37,7 +37,6 @@ import shutil
 import sys
 import tempfile
 import threading
-import warnings
 from collections.abc import Callable
 from importlib import resources
 from types import ModuleType
@@ -46,7 +45,7 @@ from typing import Any, NamedTuple, Protocol
 from . import _native_build as build
 from . import _native_contract
 from ._cache import CacheWarning, default_cache_dir
-from ._errors import AsyncMetalError, env_switch
+from ._errors import AsyncMetalError, env_switch, warn
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -233,11 +232,10 @@ def _built(sources: dict[str, bytes], name: str, include: str | None) -> str:
         # The cache directory cannot be written (read-only, full, not a directory): build
         # into a directory of this process's own instead, and say so.
         target = os.path.join(_private_build_dir(), filename)
-        warnings.warn(
+        warn(
             f"asyncmetal: cannot build the native runtime into {default_cache_dir()} ({exc}); "
             f"building it into {os.path.dirname(target)} for this process only",
             CacheWarning,
-            stacklevel=2,
         )
         if not os.path.exists(target):
             try:

@@ -22,7 +22,6 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, cast
@@ -39,6 +38,7 @@ from ._errors import (
     CompileError,
     CompileWarning,
     InvalidArgumentError,
+    warn,
 )
 from ._messages import read_message, write_message, write_stop
 from ._threads import run_sync as to_thread
@@ -499,7 +499,7 @@ class CompilePool:
         key = source_key(await compiler_identity(compiler), src)
         binary, log = await self.compile_keyed(compiler, src, key, timeout=timeout, refresh=refresh)
         if log:
-            warnings.warn(CompileWarning("the compiler printed warnings", log), stacklevel=2)
+            warn(CompileWarning("the compiler printed warnings", log))
         return binary
 
     async def compile_keyed(

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -692,6 +693,38 @@ def test_a_read_only_cache_directory_is_read(tmp_path: Path) -> None:
     assert lines[0] == "1 2", lines  # a and b from the disk, new compiled
     assert len(lines) == 2 and lines[1].startswith("CacheWarning"), lines
     assert "cannot be written" in lines[1] and "not stored" in lines[1], lines
+
+
+@pytest.mark.parametrize("through", ["pool.compile", "Device.compile", "compile_many"])
+@pytest.mark.parametrize("warning", [CacheWarning, am.CompileWarning])
+async def test_warnings_point_at_the_callers_line(
+    anyio_backend: object, tmp_path: Path, through: str, warning: type[Warning]
+) -> None:
+    """A CacheWarning (an unusable cache) and a CompileWarning (a compiler that printed
+    warnings) are reported at the line of this file that called asyncmetal, however
+    deep inside the package they arose. Checked: before, a CacheWarning found on the
+    cache lookup pointed into _pool.py or _device.py."""
+    if warning is CacheWarning:
+        cache, src = CompileCache(_unusable_cache(tmp_path, "unwritable")), _src(through)
+    else:
+        cache, src = CompileCache(tmp_path / "cache"), f'#warning "look"\n{_src(through)}'
+    pool = CompilePool(1, cache=cache)
+    try:
+        async with am.open_device("cpu") as dev:
+            dev.compile_pool = pool
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with anyio.fail_after(BOUND):
+                    if through == "pool.compile":
+                        await pool.compile(CCompiler(), src)
+                    elif through == "Device.compile":
+                        await dev.compile(src, "twice")
+                    else:
+                        assert [p.name async for p in dev.compile_many([(src, "twice")])]
+    finally:
+        await pool.aclose()
+    assert [w.category for w in caught] == [warning], [str(w.message) for w in caught]
+    assert caught[0].filename == __file__, (caught[0].filename, caught[0].lineno)
 
 
 async def test_a_worker_that_cannot_start_loses_no_thread_and_no_directory(
