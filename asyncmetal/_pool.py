@@ -63,16 +63,15 @@ def check_timeout(timeout: object) -> float | None:
 
 
 def _replies_in_time(pipe: Any, job: _Job) -> bool:
-    """Whether ``pipe`` has something to read before ``job``'s timeout passes, counted
-    from now -- re-read as it waits: a request joining the job may widen it (or lift it:
-    None). ``poll``, not ``select``: a process with more than 1024 files open (a
-    service's sockets) gets descriptors ``select`` refuses."""
+    """Whether ``pipe`` has something to read before ``job``'s deadline -- re-read as it
+    waits: a request joining the job may put it later (or lift it: None). ``poll``, not
+    ``select``: a process with more than 1024 files open (a service's sockets) gets
+    descriptors ``select`` refuses."""
     poller = select.poll()
     poller.register(pipe, select.POLLIN)
-    start = time.monotonic()
     while True:
-        timeout = job.timeout
-        left = JOIN_CHECK_S if timeout is None else start + timeout - time.monotonic()
+        deadline = job.deadline
+        left = JOIN_CHECK_S if deadline is None else deadline - time.monotonic()
         if left <= 0:
             return False
         if poller.poll(math.ceil(min(left, JOIN_CHECK_S) * 1000)):
@@ -81,11 +80,16 @@ def _replies_in_time(pipe: Any, job: _Job) -> bool:
 
 JOIN_CHECK_S = 0.1  # how often a timed compile's wait looks at a widened timeout
 SHUTDOWN_JOIN_S = 10.0  # how long a shutdown waits for the workers to finish their jobs
+# How long past its timeout a compile that timed out waits for its worker to be killed
+# and its compiler's files removed, so that its error comes once they are gone: a compile
+# raises within ``timeout`` plus this. (A process stuck in the kernel may take longer to
+# die: the error comes all the same, the worker's thread finishing the cleanup.)
+TIMEOUT_GRACE_S = 0.5
 
 
-def _ends_within(job_timeout: float | None, timeout: float | None) -> bool:
-    """Whether a job with ``job_timeout`` is ended by its worker within ``timeout``."""
-    return job_timeout is not None and timeout is not None and job_timeout <= timeout
+def _ends_by(job_deadline: float | None, deadline: float | None) -> bool:
+    """Whether a job with ``job_deadline`` is ended by its worker by ``deadline``."""
+    return job_deadline is not None and deadline is not None and job_deadline <= deadline
 
 
 class _Job:
@@ -93,6 +97,7 @@ class _Job:
         "awaiters",
         "callbacks",
         "compiler",
+        "deadline",
         "done",
         "key",
         "log",
@@ -104,7 +109,10 @@ class _Job:
 
     def __init__(self, key: str, compiler: Compiler, src: str, timeout: float | None) -> None:
         self.key, self.compiler, self.src, self.timeout = key, compiler, src, timeout
-        self.started = False  # a worker compiles it (its timeout runs from then)
+        # When its worker ends it (time.monotonic(); None: never): its callers' timeouts
+        # run from their calls, however long the job waited for a worker to start it.
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.started = False  # a worker compiles it
         self.awaiters = 0
         self.result: bytes | CompileError | None = None
         self.log = ""  # what the compiler printed as it succeeded (its warnings)
@@ -178,7 +186,14 @@ class _Worker:
                 # Deciding and leaving _in_flight are one critical section: a request that
                 # arrives after this starts a new job instead of joining a withdrawn one.
                 withdrawn = job is not _STOP and job.awaiters == 0
-                if withdrawn:
+                # One whose deadline passed as it waited for a worker is not started:
+                # its callers have timed out (a request from now on starts afresh).
+                expired = (
+                    job is not _STOP
+                    and job.deadline is not None
+                    and job.deadline <= time.monotonic()
+                )
+                if withdrawn or expired:
                     del pool._in_flight[job.key]
                 # A job submitted while this thread took its own still counted it idle,
                 # and so started no worker: start one now if a slot is free.
@@ -188,6 +203,9 @@ class _Worker:
                 return
             if withdrawn:
                 pool._finish(job, CompileError("compile withdrawn"), ran=False)
+                continue
+            if expired:
+                pool._finish(job, _timed_out(job), ran=False)
                 continue
             if pool._killing:  # shut down at exit: nothing will await it
                 pool._finish(job, CompileError("the compile pool was shut down"), ran=False)
@@ -219,9 +237,9 @@ class _Worker:
         try:
             write_message(proc.stdin, (job.compiler, job.src))
             job.started = True
-            if job.timeout is not None and not _replies_in_time(proc.stdout, job):
+            if job.deadline is not None and not _replies_in_time(proc.stdout, job):
                 self._kill()
-                return CompileError(f"compile timed out after {job.timeout} s")
+                return _timed_out(job)
             reply = read_message(proc.stdout)
         except (EOFError, OSError):
             return CompileError(self._death_message())
@@ -287,6 +305,10 @@ class _Worker:
         if self.stderr is not None:
             self.stderr.close()
             self.stderr = None
+
+
+def _timed_out(job: _Job) -> CompileError:
+    return CompileError(f"compile timed out after {job.timeout} s")
 
 
 def _worker_path() -> str:
@@ -442,8 +464,12 @@ class CompilePool:
                 self._in_flight[key] = job
                 self._pending.put(job)
                 self._grow()
-            elif job.timeout is not None:  # joined: the job lasts as long as its longest
-                job.timeout = None if timeout is None else max(job.timeout, timeout)
+            elif job.deadline is not None:  # joined: the job lasts as long as its latest
+                if timeout is None:
+                    job.timeout = job.deadline = None
+                else:
+                    job.timeout = max(cast(float, job.timeout), timeout)
+                    job.deadline = max(job.deadline, time.monotonic() + timeout)
             job.awaiters += 1
             if on_done is not None:
                 job.callbacks.append(on_done)
@@ -531,9 +557,11 @@ class CompilePool:
         return binary, self.take_log(job)
 
     async def wait(self, job: _Job, timeout: float | None = None) -> bytes:
-        """Wait for a submitted job, for at most ``timeout`` seconds (its own: a job
-        others joined with a longer one goes on for them); cancelling, or the timeout,
-        withdraws it if nobody else waits and it has not started."""
+        """Wait for a job just submitted, for at most ``timeout`` seconds (its own: a job
+        others joined with a longer one goes on for them) -- and ``TIMEOUT_GRACE_S`` more
+        for its worker to end it; cancelling, or the timeout, withdraws it if nobody else
+        waits and it has not started."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             with anyio.move_on_after(math.inf if timeout is None else timeout) as waited:
                 await wait_value(job.done, 1)
@@ -542,13 +570,16 @@ class CompilePool:
             raise
         if waited.cancelled_caught:
             try:
-                # Its worker ends it at this same timeout: its error, once the worker and
-                # its compiler's files are gone -- unless a caller joining meanwhile
-                # widens the job's timeout (or lifts it): then this one's is over now.
-                while job.started and _ends_within(job.timeout, timeout):
-                    with anyio.move_on_after(JOIN_CHECK_S):
-                        await wait_value(job.done, 1)
-                        break
+                # Its worker ends it by this same deadline (the job's is not later: it
+                # was submitted first): its error, once the worker and its compiler's
+                # files are gone -- waited for a grace at most, and unless a caller
+                # joining meanwhile put the job's deadline later (or lifted it): then
+                # this one's is over now.
+                with anyio.move_on_after(TIMEOUT_GRACE_S):
+                    while job.started and _ends_by(job.deadline, deadline):
+                        with anyio.move_on_after(JOIN_CHECK_S):
+                            await wait_value(job.done, 1)
+                            break
             except BaseException:
                 self.withdraw(job)
                 raise

@@ -1202,6 +1202,36 @@ async def test_a_joined_compile_keeps_each_callers_own_timeout(
     assert outcome["timed in flight"], "the timed caller waited for the job to end"
 
 
+async def test_a_compile_that_waited_for_a_worker_times_out_in_its_own_time(
+    pool: CompilePool, tmp_path: Path
+) -> None:
+    """A timed compile that waits for the one worker (busy with another compile for
+    about half its timeout) and then starts, never to finish, raises within its timeout
+    plus TIMEOUT_GRACE_S (asserted with a second's margin): its timeout runs from the
+    call. Checked: before, the worker timed it from the start, so it raised after about
+    one and a half timeouts (4.5 s here)."""
+    timeout = 3.0
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    outcome: list[object] = []
+
+    async def timed() -> None:
+        began = time.monotonic()
+        with pytest.raises(am.CompileError, match="timed out") as caught:
+            await pool.compile(SlowCompiler(BOUND, str(markers)), _src("hangs"), timeout=timeout)
+        outcome.extend([time.monotonic() - began, caught.value])
+
+    with anyio.fail_after(BOUND):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.compile, SlowCompiler(timeout / 2, str(markers)), _src("busy"))
+            while not list(markers.iterdir()):  # the worker is on the first compile
+                await anyio.sleep(0.01)
+            tg.start_soon(timed)
+    took = outcome[0]
+    assert len(list(markers.iterdir())) == 2, "the timed compile did not start"
+    assert isinstance(took, float) and took < timeout + 1, f"raised after {took:.1f} s"
+
+
 @pytest.mark.anyio
 async def test_compiler_identities_are_kept_for_the_most_recently_used_only(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch
