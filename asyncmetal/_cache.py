@@ -28,12 +28,24 @@ from ._threads import run_sync as to_thread
 
 
 def default_cache_dir() -> Path:
+    """``$ASYNCMETAL_CACHE_DIR``, else the user's cache directory; OSError where there
+    is none: no ``$HOME`` (nor ``$XDG_CACHE_HOME``), and a user the system does not
+    know (a container run as an arbitrary uid)."""
     if env := os.environ.get("ASYNCMETAL_CACHE_DIR"):
         return Path(env)
+    base = None if sys.platform == "darwin" else os.environ.get("XDG_CACHE_HOME")
+    if base:
+        return Path(base) / "asyncmetal"
+    try:
+        home = Path.home()
+    except (RuntimeError, KeyError) as exc:  # (KeyError: the password database's)
+        raise OSError(
+            "no home directory to keep it in ($HOME is not set, nor known for this "
+            "user): set $ASYNCMETAL_CACHE_DIR"
+        ) from exc
     if sys.platform == "darwin":
-        return Path.home() / "Library" / "Caches" / "asyncmetal"
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "asyncmetal"
+        return home / "Library" / "Caches" / "asyncmetal"
+    return home / ".cache" / "asyncmetal"
 
 
 class CacheWarning(UserWarning):
@@ -53,7 +65,16 @@ class CompileCache:
         if disk is None:
             disk = env_switch("ASYNCMETAL_CACHE")
         self.disk_enabled = disk
-        self.directory = Path(directory) if directory is not None else default_cache_dir()
+        self.error: BaseException | None = None  # why the disk cache was turned off
+        if directory is not None:
+            self.directory = Path(directory)
+        else:
+            try:
+                self.directory = default_cache_dir()
+            except OSError as exc:  # no home: compiling goes on without a disk cache
+                self.directory = Path("~", ".cache", "asyncmetal")  # (named, never used)
+                if disk:
+                    self.disk_enabled, self.error = False, exc
         self.max_memory_bytes = max_memory_bytes
         self._memory: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         self._memory_bytes = 0
@@ -62,7 +83,6 @@ class CompileCache:
         self._memory_lock = threading.Lock()
         self.hits_memory = self.hits_disk = self.misses = 0
         self.damaged = 0  # entries found damaged on disk and evicted
-        self.error: BaseException | None = None  # why the disk cache was turned off
         self.read_only: BaseException | None = None  # why it is read, never written
         self._warned = self._warned_read_only = False
 

@@ -727,6 +727,38 @@ async def test_warnings_point_at_the_callers_line(
     assert caught[0].filename == __file__, (caught[0].filename, caught[0].lineno)
 
 
+async def test_no_home_directory_compiles_without_a_disk_cache(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process with no $HOME whose user the password database does not know (a
+    container run as an arbitrary uid: pathlib's own lookup fails, as here) has no
+    default cache directory: compiling goes on without a disk cache, with one
+    CacheWarning saying to set $ASYNCMETAL_CACHE_DIR. Checked: before, making the
+    cache raised pathlib's RuntimeError, so no compile could run."""
+    import pwd
+
+    for name in ("HOME", "XDG_CACHE_HOME", "ASYNCMETAL_CACHE_DIR", "ASYNCMETAL_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+
+    def unknown(uid: int) -> Any:
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.setattr(pwd, "getpwuid", unknown)
+    cache = CompileCache()
+    assert not cache.disk_enabled
+    pool = CompilePool(1, cache=cache)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with anyio.fail_after(BOUND):
+                assert await pool.compile(CCompiler(), _src("no home"))
+                assert await pool.compile(CCompiler(), _src("no home, again"))
+    finally:
+        await pool.aclose()
+    assert [w.category for w in caught] == [CacheWarning], [str(w.message) for w in caught]
+    assert "set $ASYNCMETAL_CACHE_DIR" in str(caught[0].message)
+
+
 async def test_a_worker_that_cannot_start_loses_no_thread_and_no_directory(
     anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
