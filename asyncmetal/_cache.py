@@ -130,7 +130,10 @@ class CompileCache:
         if self._db is None:
             db = None
             try:
-                self.directory.mkdir(parents=True, exist_ok=True)
+                try:
+                    self.directory.mkdir(parents=True, exist_ok=True)
+                except FileExistsError:  # ("File exists", of a file where it should be)
+                    raise NotADirectoryError(f"{self.directory} is not a directory") from None
                 db = sqlite3.connect(self.path, timeout=10, check_same_thread=False)
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute("PRAGMA synchronous=NORMAL")

@@ -103,6 +103,16 @@ def devices() -> list[str]:
     return [name for kind in backends.PREFERENCE for name in backends.available(kind)]
 
 
+def is_available(name: str) -> bool:
+    """Whether ``open_device(name)`` finds its device here (``name`` parses)."""
+    kind, index = parse_name(name)
+    cls = backends.backend_class(kind)
+    available = cls.available()
+    if name in available or f"{kind}:{index}" in available:
+        return True
+    return cls.any_index and bool(available)
+
+
 def parse_name(name: str) -> tuple[str, int]:
     if not isinstance(name, str):
         raise ArgumentTypeError(f"device name must be a str, got {type(name).__name__}")
@@ -1617,12 +1627,7 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
             kind, index = parse_name(name)
             cls = backends.backend_class(kind)
         _check_fork_safe(kind)
-        available = cls.available()
-        if (
-            name not in available
-            and f"{kind}:{index}" not in available
-            and not (cls.any_index and available)
-        ):
+        if not is_available(name):
             raise DeviceNotFoundError(
                 f"device {name!r} is not available here (available: {devices()})"
                 + (" (from $ASYNCMETAL_DEVICE)" if told else "")
