@@ -186,13 +186,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     with warnings.catch_warnings():
         if not sys.flags.dev_mode:
             warnings.showwarning = _one_line(args.command)
+        code = 0
         try:
             if args.command == "info":
-                return info()
-            if args.command == "demo":
+                code = info()
+            elif args.command == "demo":
                 _run_on(args.loop, demo, args.device)
             else:
                 _run_on(args.loop, bench, args.launches, args.tasks)
+            sys.stdout.flush()  # (here: a reader gone, as in `| head -1`, is seen below)
+        except BrokenPipeError:
+            # The reader of the output left: nothing more to say, to it or at exit.
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, sys.stdout.fileno())
+            os.close(null)
+            return 1
         except am.AsyncMetalError as exc:
             print(f"{command}: {str(exc).rstrip()}", file=sys.stderr)
             if "not available" in str(exc):
@@ -208,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{command}: {type(exc).__name__}: {text}", file=sys.stderr)
             print("(python -X dev -m asyncmetal ... shows where)", file=sys.stderr)
             return 1
-    return 0
+    return code
 
 
 async def _timed(n: int, run: Callable[[], Awaitable[object]]) -> float:

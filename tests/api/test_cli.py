@@ -220,3 +220,26 @@ def test_an_interrupt_or_an_unexpected_error_is_one_line(
     assert returned == code
     err = capsys.readouterr().err
     assert said in err.splitlines()[0] and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("command", ["info", "demo"])
+def test_output_read_by_nobody_ends_the_command_quietly(command: str) -> None:
+    """Output into a pipe nobody reads (``| head -1`` having left: here, a pipe whose
+    reading end is closed before the command starts) ends it with exit code 1 and
+    nothing on stderr. Checked: before, Python's "Exception ignored ... BrokenPipeError"
+    at exit (code 120), or a traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "asyncmetal", command],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            check=False,
+            cwd=ROOT,
+        )
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (1, ""), proc.stderr
