@@ -1264,6 +1264,24 @@ async def test_a_compile_that_waited_for_a_worker_times_out_in_its_own_time(
     assert isinstance(took, float) and took < timeout + 1, f"raised after {took:.1f} s"
 
 
+async def test_a_compiler_returning_no_binary_is_a_compile_error(pool: CompilePool) -> None:
+    """A custom compiler whose compile returns a str, not bytes, fails the compile with
+    a CompileError saying so; one whose last_log is not a str still gives its binary,
+    the log as text in the CompileWarning. Checked: before, the str came back as the
+    "binary", and the log's .strip() raised AttributeError in the caller."""
+    from tests.support.compilers import WrongTypeCompiler
+
+    with anyio.fail_after(BOUND):
+        with pytest.raises(am.CompileError, match="returned str, not bytes"):
+            await pool.compile(WrongTypeCompiler("binary"), _src("str"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            binary = await pool.compile(WrongTypeCompiler("log"), _src("log"))
+    assert isinstance(binary, bytes) and binary
+    assert [w.category for w in caught] == [am.CompileWarning]
+    assert caught[0].message.log == "42"  # type: ignore[union-attr]
+
+
 @pytest.mark.anyio
 async def test_compiler_identities_are_kept_for_the_most_recently_used_only(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch
