@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib.util
+import os
 import sys
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
@@ -14,6 +16,7 @@ import numpy as np
 
 import asyncmetal as am
 from asyncmetal import _native
+from asyncmetal._device import is_available
 
 # Three stages on three queues, ordered by one timeline, compiled while the first runs.
 DEMO_KERNELS = {
@@ -25,7 +28,7 @@ void square(float* x, int n) { for (int i = 0; i < n; i++) x[i] = x[i] * x[i]; }
 }
 
 
-def info() -> None:
+def info() -> int:
     names = am.devices()
     print(f"asyncmetal {am.__version__}")
     if not names:
@@ -36,12 +39,29 @@ def info() -> None:
         _native.runtime()
     except am.AsyncMetalError as exc:
         print(f"native runtime: unavailable ({exc})")
-        return
-    print(f"native runtime: {_native.origin}, {_native.origin_path}")
-    if _native.extension() is not None:
-        print("extension module: in use (launches without ctypes)")
     else:
-        print(f"extension module: not in use ({_native.extension_error})")
+        print(f"native runtime: {_native.origin}, {_native.origin_path}")
+        if _native.extension() is not None:
+            print("extension module: in use (launches without ctypes)")
+        else:
+            print(f"extension module: not in use ({_native.extension_error})")
+    # What open_device() opens by default: a $ASYNCMETAL_DEVICE naming no device would
+    # fail there, later, so it is said here.
+    told = os.environ.get("ASYNCMETAL_DEVICE")
+    if told:
+        try:
+            here = is_available(told)
+        except am.AsyncMetalError as exc:
+            print(f"python -m asyncmetal info: $ASYNCMETAL_DEVICE: {exc}", file=sys.stderr)
+            return 1
+        if not here:
+            print(
+                f"python -m asyncmetal info: $ASYNCMETAL_DEVICE: device {told!r} is not "
+                "available here",
+                file=sys.stderr,
+            )
+            return 1
+    return 0
 
 
 async def demo(name: str | None) -> None:
@@ -118,6 +138,17 @@ def _run_on(loop: str, fn: Callable[..., Awaitable[object]], *args: object) -> N
         anyio.run(fn, *args, backend=loop)
 
 
+def _one_line(command: str) -> Callable[..., None]:
+    """``warnings.showwarning`` for the command line: a warning on one line, the
+    command's, not the file and line of the library's code it came from."""
+
+    def show(message: Warning | str, category: type[Warning], *args: object, **kw: object) -> None:
+        text = str(message).partition("\n")[0]
+        print(f"python -m asyncmetal {command}: {category.__name__}: {text}", file=sys.stderr)
+
+    return show
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m asyncmetal")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -142,27 +173,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--tasks", type=int, default=200, help="tasks launching at once, 10 launches each (200)"
     )
     args = parser.parse_args(argv)
-    if args.command == "info":
-        info()
-        return 0
-    missing = _loop_missing(args.loop)
-    if missing is not None:
-        print(f"python -m asyncmetal {args.command}: {missing}", file=sys.stderr)
-        return 2
+    command = f"python -m asyncmetal {args.command}"
+    if args.command != "info":
+        missing = _loop_missing(args.loop)
+        if missing is not None:
+            print(f"{command}: {missing}", file=sys.stderr)
+            return 2
     if args.command == "bench" and (args.launches < 1 or args.tasks < 1):
         parser.error("--launches and --tasks must be at least 1")
-    try:
-        if args.command == "demo":
-            _run_on(args.loop, demo, args.device)
-        else:
-            _run_on(args.loop, bench, args.launches, args.tasks)
-    except am.AsyncMetalError as exc:
-        # What is missing here (a device, a C compiler) is said, not shown as a traceback.
-        print(f"python -m asyncmetal {args.command}: {exc}", file=sys.stderr)
-        if "not available" in str(exc):
-            print("(python -m asyncmetal info lists what can be opened here)", file=sys.stderr)
-        return 1
-    return 0
+    # A user gets one line for what went wrong (a device, a C compiler missing), not a
+    # traceback -- unless asking for one: python -X dev.
+    with warnings.catch_warnings():
+        if not sys.flags.dev_mode:
+            warnings.showwarning = _one_line(args.command)
+        code = 0
+        try:
+            if args.command == "info":
+                code = info()
+            elif args.command == "demo":
+                _run_on(args.loop, demo, args.device)
+            else:
+                _run_on(args.loop, bench, args.launches, args.tasks)
+            sys.stdout.flush()  # (here: a reader gone, as in `| head -1`, is seen below)
+        except BrokenPipeError:
+            # The reader of the output left: nothing more to say, to it or at exit.
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, sys.stdout.fileno())
+            os.close(null)
+            return 1
+        except am.AsyncMetalError as exc:
+            print(f"{command}: {str(exc).rstrip()}", file=sys.stderr)
+            if "not available" in str(exc):
+                print("(python -m asyncmetal info lists what can be opened here)", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print(f"{command}: interrupted", file=sys.stderr)
+            return 130
+        except Exception as exc:
+            if sys.flags.dev_mode:
+                raise
+            text = str(exc).partition("\n")[0]
+            print(f"{command}: {type(exc).__name__}: {text}", file=sys.stderr)
+            print("(python -X dev -m asyncmetal ... shows where)", file=sys.stderr)
+            return 1
+    return code
 
 
 async def _timed(n: int, run: Callable[[], Awaitable[object]]) -> float:

@@ -2,7 +2,9 @@
 
 The disk cache lives under ``$ASYNCMETAL_CACHE_DIR`` (default: the user's cache
 directory) and is shared safely by several processes. ``ASYNCMETAL_CACHE=0`` turns it
-off. A corrupt or unreadable cache is ignored with a warning, never fatal.
+off. A corrupt or unreadable cache is ignored with a warning, never fatal; one that can
+be read but not written (a read-only mount, another user's directory) is read, with a
+warning that nothing new is stored.
 
 Each entry is stored with its length and SHA-256 and checked when read: a damaged one
 (a torn write, a bad disk, a hand edit) is evicted and counts as a miss, so it is
@@ -19,20 +21,31 @@ import os
 import sqlite3
 import sys
 import threading
-import warnings
 from pathlib import Path
 
-from ._errors import env_switch
+from ._errors import env_switch, warn
 from ._threads import run_sync as to_thread
 
 
 def default_cache_dir() -> Path:
+    """``$ASYNCMETAL_CACHE_DIR``, else the user's cache directory; OSError where there
+    is none: no ``$HOME`` (nor ``$XDG_CACHE_HOME``), and a user the system does not
+    know (a container run as an arbitrary uid)."""
     if env := os.environ.get("ASYNCMETAL_CACHE_DIR"):
         return Path(env)
+    base = None if sys.platform == "darwin" else os.environ.get("XDG_CACHE_HOME")
+    if base:
+        return Path(base) / "asyncmetal"
+    try:
+        home = Path.home()
+    except (RuntimeError, KeyError) as exc:  # (KeyError: the password database's)
+        raise OSError(
+            "no home directory to keep it in ($HOME is not set, nor known for this "
+            "user): set $ASYNCMETAL_CACHE_DIR"
+        ) from exc
     if sys.platform == "darwin":
-        return Path.home() / "Library" / "Caches" / "asyncmetal"
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "asyncmetal"
+        return home / "Library" / "Caches" / "asyncmetal"
+    return home / ".cache" / "asyncmetal"
 
 
 class CacheWarning(UserWarning):
@@ -52,7 +65,16 @@ class CompileCache:
         if disk is None:
             disk = env_switch("ASYNCMETAL_CACHE")
         self.disk_enabled = disk
-        self.directory = Path(directory) if directory is not None else default_cache_dir()
+        self.error: BaseException | None = None  # why the disk cache was turned off
+        if directory is not None:
+            self.directory = Path(directory)
+        else:
+            try:
+                self.directory = default_cache_dir()
+            except OSError as exc:  # no home: compiling goes on without a disk cache
+                self.directory = Path("~", ".cache", "asyncmetal")  # (named, never used)
+                if disk:
+                    self.disk_enabled, self.error = False, exc
         self.max_memory_bytes = max_memory_bytes
         self._memory: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         self._memory_bytes = 0
@@ -61,8 +83,8 @@ class CompileCache:
         self._memory_lock = threading.Lock()
         self.hits_memory = self.hits_disk = self.misses = 0
         self.damaged = 0  # entries found damaged on disk and evicted
-        self.error: BaseException | None = None  # why the disk cache was turned off
-        self._warned = False
+        self.read_only: BaseException | None = None  # why it is read, never written
+        self._warned = self._warned_read_only = False
 
     # -- memory --------------------------------------------------------------------------
 
@@ -106,16 +128,48 @@ class CompileCache:
 
     def _connect(self) -> sqlite3.Connection:
         if self._db is None:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self.path, timeout=10, check_same_thread=False)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.execute(
-                "CREATE TABLE IF NOT EXISTS entries"
-                " (key TEXT PRIMARY KEY, size INTEGER NOT NULL, sha256 BLOB NOT NULL, data BLOB)"
-            )
-            self._db = db
+            db = None
+            try:
+                try:
+                    self.directory.mkdir(parents=True, exist_ok=True)
+                except FileExistsError:  # ("File exists", of a file where it should be)
+                    raise NotADirectoryError(f"{self.directory} is not a directory") from None
+                db = sqlite3.connect(self.path, timeout=10, check_same_thread=False)
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")
+                db.execute(
+                    "CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY,"
+                    " size INTEGER NOT NULL, sha256 BLOB NOT NULL, data BLOB)"
+                )
+            except (sqlite3.Error, OSError) as exc:
+                if db is not None:
+                    db.close()
+                self._db = self._connect_read_only(exc)
+                self.read_only = exc
+            else:
+                self._db = db
         return self._db
+
+    def _connect_read_only(self, why: BaseException) -> sqlite3.Connection:
+        """The cache as it is, opened to be read only, where it cannot be written (a
+        directory of another user's, a read-only mount: ``os.access`` says so) -- or
+        ``why`` raised, where there is none to read or it could be written. A WAL
+        database whose shared-memory file cannot be made here opens only as immutable:
+        what another process writes meanwhile may go unseen (a miss), and an entry read
+        torn fails its checksum (a miss too)."""
+        writable = os.access(self.directory, os.W_OK) and os.access(self.path, os.W_OK)
+        if writable or not self.path.is_file():
+            raise why
+        uri = Path(os.path.abspath(self.path)).as_uri()
+        for mode in ("mode=ro", "immutable=1"):
+            db = sqlite3.connect(f"{uri}?{mode}", uri=True, timeout=10, check_same_thread=False)
+            try:
+                db.execute("SELECT size, sha256, data FROM entries LIMIT 1").fetchall()
+            except sqlite3.Error:
+                db.close()
+                continue
+            return db
+        raise why
 
     def _disable(self, exc: BaseException) -> None:
         # Called from worker threads: the warning is given later, from the caller's task.
@@ -123,14 +177,21 @@ class CompileCache:
         self.error = exc
 
     def warn_if_disabled(self) -> None:
-        """Give the warning about an unusable cache once, in the calling task."""
+        """Give the warning about an unusable cache once, in the calling task (and the
+        one about a cache that is read but not written, once)."""
+        if self.read_only is not None and not self._warned_read_only:
+            self._warned_read_only = True
+            warn(
+                f"asyncmetal: the compile cache at {self.path} cannot be written "
+                f"({self.read_only}); its binaries are used, new ones are not stored",
+                CacheWarning,
+            )
         if self.error is not None and not self._warned:
             self._warned = True
-            warnings.warn(
+            warn(
                 f"asyncmetal: the compile cache at {self.path} is unusable "
                 f"({self.error}); compiling without it",
                 CacheWarning,
-                stacklevel=3,
             )
 
     def load_disk(self, key: str) -> bytes | None:
@@ -145,8 +206,9 @@ class CompileCache:
                 ).fetchone()
                 if row is not None and not _intact(*row):
                     self.damaged += 1
-                    with db:
-                        db.execute("DELETE FROM entries WHERE key = ?", (key,))
+                    if self.read_only is None:
+                        with db:
+                            db.execute("DELETE FROM entries WHERE key = ?", (key,))
                     row = None
             except Exception as exc:  # sqlite3.Error, OSError, or a row of the wrong types
                 self._disable(exc)
@@ -171,6 +233,8 @@ class CompileCache:
                 return
             try:
                 db = self._connect()
+                if self.read_only is not None:
+                    return
                 with db:
                     db.execute(sql, params)
             except Exception as exc:  # a full disk, a read-only directory...: go on without

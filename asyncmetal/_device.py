@@ -64,6 +64,7 @@ from ._errors import (
     DeviceNotFoundError,
     InvalidArgumentError,
     as_int,
+    warn,
 )
 from ._interrupts import ctrl_c_discards
 from ._pool import CompilePool, check_timeout, compiler_identity, default_pool
@@ -101,6 +102,16 @@ def devices() -> list[str]:
     devices, so cross-device code runs on any machine.
     """
     return [name for kind in backends.PREFERENCE for name in backends.available(kind)]
+
+
+def is_available(name: str) -> bool:
+    """Whether ``open_device(name)`` finds its device here (``name`` parses)."""
+    kind, index = parse_name(name)
+    cls = backends.backend_class(kind)
+    available = cls.available()
+    if name in available or f"{kind}:{index}" in available:
+        return True
+    return cls.any_index and bool(available)
 
 
 def parse_name(name: str) -> tuple[str, int]:
@@ -769,7 +780,7 @@ class Device:
             binary, log = await pool.compile_keyed(compiler, src, key[0], timeout=timeout)
             program = await self._program(key, params, binary, src, compiler, timeout)
         if log:  # once the program is loaded: raised as an error, it loses no compile
-            _warn_compiled(name, log, 3)
+            _warn_compiled(name, log)
         return program
 
     def _check_compile(self, src: object, name: object) -> None:
@@ -815,7 +826,7 @@ class Device:
                 compiler, src, key[0], timeout=timeout, refresh=True
             )
             if log:
-                _warn_compiled(name, log, 4)
+                _warn_compiled(name, log)
             try:
                 native = await self._loaded(binary, name, src)
             except _UnloadableError as exc:
@@ -1382,10 +1393,9 @@ def _naming(name: str) -> Generator[None, None, None]:
         raise named from None
 
 
-def _warn_compiled(name: str, log: str, stacklevel: int) -> None:
+def _warn_compiled(name: str, log: str) -> None:
     """The CompileWarning of kernel ``name``, whose compile printed ``log``."""
-    warning = CompileWarning(f"kernel {name!r}: the compiler printed warnings", log)
-    warnings.warn(warning, stacklevel=stacklevel)
+    warn(CompileWarning(f"kernel {name!r}: the compiler printed warnings", log))
 
 
 def _read_params(compiler: Any, src: str, name: str) -> Signature | NotDefinedError:
@@ -1610,7 +1620,7 @@ class CompileMany:
                 if self._closed:  # (closed while this step loaded it: not handed out)
                     raise StopAsyncIteration
                 if log:
-                    _warn_compiled(key[1], log, 4)
+                    _warn_compiled(key[1], log)
             except (anyio.get_cancelled_exc_class(), CompileWarning):
                 # Not handed out (cancelled, or its warning raised as an error): the next
                 # step yields it (its binary is ready now; it warns no more).
@@ -1733,12 +1743,7 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
             kind, index = parse_name(name)
             cls = backends.backend_class(kind)
         _check_fork_safe(kind)
-        available = cls.available()
-        if (
-            name not in available
-            and f"{kind}:{index}" not in available
-            and not (cls.any_index and available)
-        ):
+        if not is_available(name):
             raise DeviceNotFoundError(
                 f"device {name!r} is not available here (available: {devices()})"
                 + (" (from $ASYNCMETAL_DEVICE)" if told else "")

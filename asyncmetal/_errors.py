@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import operator
 import os
+import sys
 import warnings
+from types import FrameType
 
 # A timeout longer than this (seconds: about 32 years) is taken as none: an int too large
 # for a float, or a deadline the loops' clocks cannot hold, would raise instead.
@@ -26,6 +28,25 @@ def as_int(value: object) -> int | None:
         return None
 
 
+# The package's directory: a warning is reported at the first frame outside it.
+_PACKAGE = os.path.dirname(__file__) + os.sep  # (as code objects name their files)
+
+
+def warn(message: str | Warning, category: type[Warning] | None = None) -> None:
+    """``warnings.warn``, reported at the first frame outside asyncmetal: the user's
+    call, however deep in the package the warning arose (a pool's cache lookup inside
+    ``Device.compile``). Where every frame is the package's (a thread of its own), at
+    this function's caller."""
+    if sys.version_info >= (3, 12):
+        warnings.warn(message, category, stacklevel=2, skip_file_prefixes=(_PACKAGE,))
+        return
+    level = 1
+    frame: FrameType | None = sys._getframe(0)  # (this function's: the package's)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=2 if frame is None else level)
+
+
 _OFF = frozenset(("0", "false", "no", "off"))
 _ON = frozenset(("1", "true", "yes", "on"))
 
@@ -39,11 +60,10 @@ def env_switch(name: str) -> bool:
         return True
     if value in _OFF:
         return False
-    warnings.warn(
+    warn(
         f"${name}={os.environ[name]!r} is not a switch asyncmetal knows: taken as on "
         "(0, false, no or off turn it off)",
         RuntimeWarning,
-        stacklevel=2,
     )
     return True
 

@@ -37,7 +37,6 @@ import shutil
 import sys
 import tempfile
 import threading
-import warnings
 from collections.abc import Callable
 from importlib import resources
 from types import ModuleType
@@ -46,7 +45,7 @@ from typing import Any, NamedTuple, Protocol
 from . import _native_build as build
 from . import _native_contract
 from ._cache import CacheWarning, default_cache_dir
-from ._errors import AsyncMetalError, env_switch
+from ._errors import AsyncMetalError, env_switch, warn
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -224,20 +223,21 @@ def _compile(sources: dict[str, bytes], target: str, include: str | None) -> Non
 def _built(sources: dict[str, bytes], name: str, include: str | None) -> str:
     """The first-use build of the runtime, from the cache directory or compiled now."""
     filename = f"{name}-{build.digest(sources, include is not None)}.so"
-    target = os.path.join(default_cache_dir(), filename)
-    if os.path.exists(target):
-        return target
+    directory = "the cache directory"
     try:
+        directory = str(default_cache_dir())  # (OSError: there is none)
+        target = os.path.join(directory, filename)
+        if os.path.exists(target):
+            return target
         _compile(sources, target, include)
     except OSError as exc:
-        # The cache directory cannot be written (read-only, full, not a directory): build
-        # into a directory of this process's own instead, and say so.
+        # The cache directory cannot be written (read-only, full, not a directory, none
+        # at all): build into a directory of this process's own instead, and say so.
         target = os.path.join(_private_build_dir(), filename)
-        warnings.warn(
-            f"asyncmetal: cannot build the native runtime into {default_cache_dir()} ({exc}); "
+        warn(
+            f"asyncmetal: cannot build the native runtime into {directory} ({exc}); "
             f"building it into {os.path.dirname(target)} for this process only",
             CacheWarning,
-            stacklevel=2,
         )
         if not os.path.exists(target):
             try:

@@ -22,7 +22,6 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, cast
@@ -39,6 +38,7 @@ from ._errors import (
     CompileError,
     CompileWarning,
     InvalidArgumentError,
+    warn,
 )
 from ._messages import read_message, write_message, write_stop
 from ._threads import run_sync as to_thread
@@ -63,16 +63,15 @@ def check_timeout(timeout: object) -> float | None:
 
 
 def _replies_in_time(pipe: Any, job: _Job) -> bool:
-    """Whether ``pipe`` has something to read before ``job``'s timeout passes, counted
-    from now -- re-read as it waits: a request joining the job may widen it (or lift it:
-    None). ``poll``, not ``select``: a process with more than 1024 files open (a
-    service's sockets) gets descriptors ``select`` refuses."""
+    """Whether ``pipe`` has something to read before ``job``'s deadline -- re-read as it
+    waits: a request joining the job may put it later (or lift it: None). ``poll``, not
+    ``select``: a process with more than 1024 files open (a service's sockets) gets
+    descriptors ``select`` refuses."""
     poller = select.poll()
     poller.register(pipe, select.POLLIN)
-    start = time.monotonic()
     while True:
-        timeout = job.timeout
-        left = JOIN_CHECK_S if timeout is None else start + timeout - time.monotonic()
+        deadline = job.deadline
+        left = JOIN_CHECK_S if deadline is None else deadline - time.monotonic()
         if left <= 0:
             return False
         if poller.poll(math.ceil(min(left, JOIN_CHECK_S) * 1000)):
@@ -81,11 +80,16 @@ def _replies_in_time(pipe: Any, job: _Job) -> bool:
 
 JOIN_CHECK_S = 0.1  # how often a timed compile's wait looks at a widened timeout
 SHUTDOWN_JOIN_S = 10.0  # how long a shutdown waits for the workers to finish their jobs
+# How long past its timeout a compile that timed out waits for its worker to be killed
+# and its compiler's files removed, so that its error comes once they are gone: a compile
+# raises within ``timeout`` plus this. (A process stuck in the kernel may take longer to
+# die: the error comes all the same, the worker's thread finishing the cleanup.)
+TIMEOUT_GRACE_S = 0.5
 
 
-def _ends_within(job_timeout: float | None, timeout: float | None) -> bool:
-    """Whether a job with ``job_timeout`` is ended by its worker within ``timeout``."""
-    return job_timeout is not None and timeout is not None and job_timeout <= timeout
+def _ends_by(job_deadline: float | None, deadline: float | None) -> bool:
+    """Whether a job with ``job_deadline`` is ended by its worker by ``deadline``."""
+    return job_deadline is not None and deadline is not None and job_deadline <= deadline
 
 
 class _Job:
@@ -93,6 +97,7 @@ class _Job:
         "awaiters",
         "callbacks",
         "compiler",
+        "deadline",
         "done",
         "key",
         "log",
@@ -104,7 +109,10 @@ class _Job:
 
     def __init__(self, key: str, compiler: Compiler, src: str, timeout: float | None) -> None:
         self.key, self.compiler, self.src, self.timeout = key, compiler, src, timeout
-        self.started = False  # a worker compiles it (its timeout runs from then)
+        # When its worker ends it (time.monotonic(); None: never): its callers' timeouts
+        # run from their calls, however long the job waited for a worker to start it.
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.started = False  # a worker compiles it
         self.awaiters = 0
         self.result: bytes | CompileError | None = None
         self.log = ""  # what the compiler printed as it succeeded (its warnings)
@@ -124,7 +132,8 @@ class _Worker:
         self.thread = threading.Thread(target=self._run, name="asyncmetal-compile", daemon=True)
         self.thread.start()
 
-    def _spawn(self) -> subprocess.Popen[bytes]:
+    def _spawn(self) -> None:
+        """Start the worker's process as ``self.proc``."""
         env = dict(os.environ)
         env["ASYNCMETAL_WORKER"] = "1"
         env["CUDA_VISIBLE_DEVICES"] = ""  # compilers need no GPU: never take its memory
@@ -139,16 +148,19 @@ class _Worker:
         self.tmpdir = tempfile.mkdtemp(prefix="asyncmetal-worker-")
         env["TMPDIR"] = env["TMP"] = env["TEMP"] = self.tmpdir
         try:
-            return subprocess.Popen(
-                [sys.executable, "-m", "asyncmetal._worker"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=self.stderr,
-                env=env,
-                # A terminal's Ctrl-C goes to the parent only; and the worker leads a process
-                # group holding everything it starts, which _reap ends as one.
-                start_new_session=True,
-            )
+            # A fork waits until the process has started and is recorded (see
+            # _hold_fork_while_starting): the child then holds none of its pipes.
+            with _starting:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "asyncmetal._worker"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=self.stderr,
+                    env=env,
+                    # A terminal's Ctrl-C goes to the parent only; and the worker leads a
+                    # process group holding everything it starts, which _reap ends as one.
+                    start_new_session=True,
+                )
         except BaseException:
             _remove_tree(self.tmpdir)
             self.tmpdir = None
@@ -158,7 +170,7 @@ class _Worker:
         pool = self.pool
         if self.eager:
             with contextlib.suppress(Exception):  # if not now, it is spawned for its first job
-                self.proc = self._spawn()
+                self._spawn()
         while True:
             with pool._lock:
                 pool._idle += 1
@@ -174,7 +186,14 @@ class _Worker:
                 # Deciding and leaving _in_flight are one critical section: a request that
                 # arrives after this starts a new job instead of joining a withdrawn one.
                 withdrawn = job is not _STOP and job.awaiters == 0
-                if withdrawn:
+                # One whose deadline passed as it waited for a worker is not started:
+                # its callers have timed out (a request from now on starts afresh).
+                expired = (
+                    job is not _STOP
+                    and job.deadline is not None
+                    and job.deadline <= time.monotonic()
+                )
+                if withdrawn or expired:
                     del pool._in_flight[job.key]
                 # A job submitted while this thread took its own still counted it idle,
                 # and so started no worker: start one now if a slot is free.
@@ -184,6 +203,9 @@ class _Worker:
                 return
             if withdrawn:
                 pool._finish(job, CompileError("compile withdrawn"), ran=False)
+                continue
+            if expired:
+                pool._finish(job, _timed_out(job), ran=False)
                 continue
             if pool._killing:  # shut down at exit: nothing will await it
                 pool._finish(job, CompileError("the compile pool was shut down"), ran=False)
@@ -204,20 +226,20 @@ class _Worker:
         if self.proc is not None and _exited(self.proc, 0):
             self._reap()  # it died while idle
         if self.proc is None:
-            self.proc = self._spawn()
+            self._spawn()
             # A kill at exit that came as the process started found none to kill (it
             # sets _killing before it looks): nothing will await the job.
             if self.pool._killing:
                 self._kill()
                 return CompileError("the compile pool was shut down")
         proc = self.proc
-        assert proc.stdin is not None and proc.stdout is not None
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None
         try:
             write_message(proc.stdin, (job.compiler, job.src))
             job.started = True
-            if job.timeout is not None and not _replies_in_time(proc.stdout, job):
+            if job.deadline is not None and not _replies_in_time(proc.stdout, job):
                 self._kill()
-                return CompileError(f"compile timed out after {job.timeout} s")
+                return _timed_out(job)
             reply = read_message(proc.stdout)
         except (EOFError, OSError):
             return CompileError(self._death_message())
@@ -283,6 +305,10 @@ class _Worker:
         if self.stderr is not None:
             self.stderr.close()
             self.stderr = None
+
+
+def _timed_out(job: _Job) -> CompileError:
+    return CompileError(f"compile timed out after {job.timeout} s")
 
 
 def _worker_path() -> str:
@@ -438,8 +464,12 @@ class CompilePool:
                 self._in_flight[key] = job
                 self._pending.put(job)
                 self._grow()
-            elif job.timeout is not None:  # joined: the job lasts as long as its longest
-                job.timeout = None if timeout is None else max(job.timeout, timeout)
+            elif job.deadline is not None:  # joined: the job lasts as long as its latest
+                if timeout is None:
+                    job.timeout = job.deadline = None
+                else:
+                    job.timeout = max(cast(float, job.timeout), timeout)
+                    job.deadline = max(job.deadline, time.monotonic() + timeout)
             job.awaiters += 1
             if on_done is not None:
                 job.callbacks.append(on_done)
@@ -495,7 +525,7 @@ class CompilePool:
         key = source_key(await compiler_identity(compiler), src)
         binary, log = await self.compile_keyed(compiler, src, key, timeout=timeout, refresh=refresh)
         if log:
-            warnings.warn(CompileWarning("the compiler printed warnings", log), stacklevel=2)
+            warn(CompileWarning("the compiler printed warnings", log))
         return binary
 
     async def compile_keyed(
@@ -527,9 +557,11 @@ class CompilePool:
         return binary, self.take_log(job)
 
     async def wait(self, job: _Job, timeout: float | None = None) -> bytes:
-        """Wait for a submitted job, for at most ``timeout`` seconds (its own: a job
-        others joined with a longer one goes on for them); cancelling, or the timeout,
-        withdraws it if nobody else waits and it has not started."""
+        """Wait for a job just submitted, for at most ``timeout`` seconds (its own: a job
+        others joined with a longer one goes on for them) -- and ``TIMEOUT_GRACE_S`` more
+        for its worker to end it; cancelling, or the timeout, withdraws it if nobody else
+        waits and it has not started."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             with anyio.move_on_after(math.inf if timeout is None else timeout) as waited:
                 await wait_value(job.done, 1)
@@ -538,13 +570,16 @@ class CompilePool:
             raise
         if waited.cancelled_caught:
             try:
-                # Its worker ends it at this same timeout: its error, once the worker and
-                # its compiler's files are gone -- unless a caller joining meanwhile
-                # widens the job's timeout (or lifts it): then this one's is over now.
-                while job.started and _ends_within(job.timeout, timeout):
-                    with anyio.move_on_after(JOIN_CHECK_S):
-                        await wait_value(job.done, 1)
-                        break
+                # Its worker ends it by this same deadline (the job's is not later: it
+                # was submitted first): its error, once the worker and its compiler's
+                # files are gone -- waited for a grace at most, and unless a caller
+                # joining meanwhile put the job's deadline later (or lifted it): then
+                # this one's is over now.
+                with anyio.move_on_after(TIMEOUT_GRACE_S):
+                    while job.started and _ends_by(job.deadline, deadline):
+                        with anyio.move_on_after(JOIN_CHECK_S):
+                            await wait_value(job.done, 1)
+                            break
             except BaseException:
                 self.withdraw(job)
                 raise
@@ -667,11 +702,30 @@ def _shutdown_at_exit(pool: CompilePool) -> None:
 atexit.register(_shutdown_all)
 
 
+# Held while a worker's process starts and until the pool records it, and by a fork
+# (os.fork, and so multiprocessing's) for its duration. A child forked in the middle of
+# subprocess.Popen would hold copies of the starting process's pipes, which the at-fork
+# handler cannot yet name -- among them the pipe on which Popen waits for the exec,
+# whose copy keeps that Popen (the pool's thread: its compiles and its close) waiting
+# for as long as the child lives. Reentrant: a fork made on the starting thread itself
+# (a hook in Popen) goes through.
+_starting = threading.RLock()
+
+
+def _hold_fork_while_starting() -> None:
+    _starting.acquire()
+
+
+def _release_after_fork() -> None:
+    _starting.release()
+
+
 def _forget_default_in_child() -> None:
     # A forked child has none of the pool's threads, and its workers are the parent's
     # (their pipes too): compiles sent there would never come back. The child makes
     # its own pool on first use; the parent's is left alone.
-    global _default_pool, _default_lock, _identities_lock
+    global _default_pool, _default_lock, _identities_lock, _starting
+    _starting = threading.RLock()  # (held by the forking thread, as the fork began)
     _default_pool = None
     _default_lock = threading.Lock()
     _identities_lock = threading.Lock()  # (a parent thread may have held it)
@@ -703,4 +757,8 @@ def _let_go_of_parents_workers() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_default_in_child)
+    os.register_at_fork(
+        before=_hold_fork_while_starting,
+        after_in_parent=_release_after_fork,
+        after_in_child=_forget_default_in_child,
+    )

@@ -50,12 +50,25 @@ def main() -> None:
             write_message(stdout, ("error", unreadable(exc), ""))
             continue
         try:
-            binary = compiler.compile(src)
-            write_message(stdout, ("ok", binary, compiler.last_log))
+            binary, log = compiler.compile(src), compiler.last_log
+            if not isinstance(binary, (bytes, bytearray, memoryview)):
+                write_message(stdout, ("error", returned(compiler, binary), ""))
+                continue
+            # (A log that is not a str, a custom compiler's slip, is not the caller's.)
+            log = log if isinstance(log, str) else "" if log is None else str(log)
+            write_message(stdout, ("ok", bytes(binary), log))
         except CompileError as exc:
             write_message(stdout, ("error", str(exc).partition("\n")[0], exc.log))
         except Exception as exc:
             write_message(stdout, ("error", f"{type(exc).__name__}: {exc}", ""))
+
+
+def returned(compiler: object, binary: object) -> str:
+    """Why what a compiler's ``compile`` returned is not a binary."""
+    return (
+        f"{type(compiler).__name__}.compile returned {type(binary).__name__}, not bytes: "
+        "a compiler's compile(src) returns the binary"
+    )
 
 
 def unreadable(exc: Exception) -> str:

@@ -130,3 +130,116 @@ def test_service_on_a_device_not_here_says_so() -> None:
         pytest.skip("cuda:7 is here")
     proc = _run([str(SERVICE), "--device", "cuda:7", "--port", "0"])
     _said_plainly(proc, 2, "device 'cuda:7' is not available here")
+
+
+@pytest.mark.parametrize(
+    ("device", "said"),
+    [("garbage", "unknown device 'garbage'"), ("cuda:7", "device 'cuda:7' is not available")],
+)
+def test_info_says_so_where_asyncmetal_device_names_no_device_here(device: str, said: str) -> None:
+    """info lists what open_device() can open; a $ASYNCMETAL_DEVICE that would fail
+    there is said, on one line, with a non-zero exit. Checked: before, info ignored it
+    (exit 0), and the user's program failed later."""
+    if device in am.devices():
+        pytest.skip(f"{device} is here")
+    proc = _run(["-m", "asyncmetal", "info"], env={"ASYNCMETAL_DEVICE": device})
+    _said_plainly(proc, 1, f"$ASYNCMETAL_DEVICE: {said}")
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert "  cpu" in proc.stdout.splitlines()  # the listing, all the same
+
+
+def test_a_cache_directory_that_is_a_file_is_one_line_saying_so(tmp_path: Path) -> None:
+    """The command runs without the disk cache, its warning one line naming the
+    command and the cause, not a file and line of the library's with its source.
+    Checked: before, two lines pointing into anyio, with "[Errno 17] File exists"."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    env = {"ASYNCMETAL_CACHE_DIR": str(blocker)}
+    proc = _run(["-m", "asyncmetal", "bench", "--launches", "5", "--tasks", "2"], env=env)
+    assert proc.returncode == 0, proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("python -m asyncmetal bench: CacheWarning: "), line
+    assert f"{blocker} is not a directory" in line, line
+
+
+def test_no_home_directory_runs_the_demo_without_a_disk_cache(tmp_path: Path) -> None:
+    """No $HOME and a user the password database does not know (a container run as an
+    arbitrary uid): the demo runs, one line saying there is no disk cache. Checked:
+    before, a traceback ending in pathlib's "Could not determine home directory"."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import pwd\n"
+        "def _unknown(uid):\n"
+        "    raise KeyError(f'getpwuid(): uid not found: {uid}')\n"
+        "pwd.getpwuid = _unknown\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("HOME", "XDG_CACHE_HOME")}
+    env.pop("ASYNCMETAL_CACHE_DIR", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncmetal", "demo"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert "CacheWarning" in line and "set $ASYNCMETAL_CACHE_DIR" in line, line
+
+
+@pytest.mark.parametrize(
+    ("raised", "code", "said"),
+    [
+        (KeyboardInterrupt(), 130, "python -m asyncmetal bench: interrupted"),
+        (OSError(28, "No space left on device"), 1, "OSError: [Errno 28] No space left"),
+    ],
+    ids=["interrupt", "full-disk"],
+)
+def test_an_interrupt_or_an_unexpected_error_is_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    raised: BaseException,
+    code: int,
+    said: str,
+) -> None:
+    """Ctrl-C, or an error that is not asyncmetal's (a full disk), ends the command
+    with a line saying so and a non-zero exit, not a traceback. Checked: before, both
+    came out as tracebacks."""
+    from asyncmetal import __main__ as cli
+
+    def run_on(*args: object) -> None:
+        raise raised
+
+    monkeypatch.setattr(cli, "_run_on", run_on)
+    try:
+        returned = cli.main(["bench"])
+    except BaseException as exc:  # (a KeyboardInterrupt let out would end the session)
+        pytest.fail(f"main() let out {exc!r}")
+    assert returned == code
+    err = capsys.readouterr().err
+    assert said in err.splitlines()[0] and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("command", ["info", "demo"])
+def test_output_read_by_nobody_ends_the_command_quietly(command: str) -> None:
+    """Output into a pipe nobody reads (``| head -1`` having left: here, a pipe whose
+    reading end is closed before the command starts) ends it with exit code 1 and
+    nothing on stderr. Checked: before, Python's "Exception ignored ... BrokenPipeError"
+    at exit (code 120), or a traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "asyncmetal", command],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            check=False,
+            cwd=ROOT,
+        )
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (1, ""), proc.stderr

@@ -7,12 +7,15 @@ import contextlib
 import errno
 import os
 import pickle
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -613,6 +616,149 @@ async def test_an_unusable_cache_keeps_compiles_working(
         await pool.aclose()
 
 
+_READ_ONLY_SCRIPT = """
+import sys, warnings
+import anyio
+sys.path.insert(0, {root!r})
+from asyncmetal._cache import CacheWarning, CompileCache
+from asyncmetal._pool import CompilePool
+from asyncmetal.backends.cpu import CCompiler
+
+async def main():
+    pool = CompilePool(1, cache=CompileCache(sys.argv[1]))
+    try:
+        for tag in sys.argv[2:]:
+            await pool.compile(CCompiler(), "int twice(int x) {{ return 2 * x; }} // " + tag)
+    finally:
+        await pool.aclose()
+    print(pool.compiles, pool.cache.hits_disk)
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    anyio.run(main)
+for warning in caught:
+    print(warning.category.__name__, warning.message)
+"""
+
+
+def _run_read_only(directory: Path, args: list[str]) -> subprocess.CompletedProcess[str]:
+    """The script above with ``directory`` really read-only to it: by its mode where
+    this is not root; as root (which ignores modes) on a read-only bind mount of it, in
+    a mount namespace of the script's own (``unshare``; skipped where it cannot)."""
+    script = _READ_ONLY_SCRIPT.format(root=str(Path(__file__).resolve().parents[2]))
+    command = [sys.executable, "-c", script, str(directory), *args]
+    if os.geteuid() != 0:
+        modes = {path: path.stat().st_mode for path in [directory, *directory.iterdir()]}
+        for path in modes:
+            path.chmod(0o555 if path.is_dir() else 0o444)
+        try:
+            return subprocess.run(command, capture_output=True, text=True, timeout=BOUND)
+        finally:
+            for path, mode in modes.items():
+                path.chmod(mode)
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("root, and no unshare to mount the cache directory read-only")
+    mounted = f"mount --bind -o ro {shlex.quote(str(directory))} {shlex.quote(str(directory))}"
+    shell = f"{mounted} && exec {shlex.join(command)}"
+    done = subprocess.run(
+        [unshare, "-m", "--propagation", "private", "sh", "-c", shell],
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+    )
+    if done.returncode != 0 and "Traceback" not in done.stderr:
+        pytest.skip(f"cannot mount the cache directory read-only here: {done.stderr.strip()}")
+    return done
+
+
+def test_a_read_only_cache_directory_is_read(tmp_path: Path) -> None:
+    """A cache directory this process cannot write, its entries made earlier, still
+    serves them (disk hits, no compile); a source not there compiles and is not stored;
+    one CacheWarning says so. Checked: before, the cache was not read at all (sqlite
+    cannot make a WAL database's shared-memory file there): both sources compiled,
+    with a warning that the cache was unusable."""
+    directory = tmp_path / "cache"  # filled first, writable
+    script = _READ_ONLY_SCRIPT.format(root=str(Path(__file__).resolve().parents[2]))
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(directory), "a", "b"],
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["2", "0"], done.stderr
+    done = _run_read_only(directory, ["a", "b", "new"])
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "1 2", lines  # a and b from the disk, new compiled
+    assert len(lines) == 2 and lines[1].startswith("CacheWarning"), lines
+    assert "cannot be written" in lines[1] and "not stored" in lines[1], lines
+
+
+@pytest.mark.parametrize("through", ["pool.compile", "Device.compile", "compile_many"])
+@pytest.mark.parametrize("warning", [CacheWarning, am.CompileWarning])
+async def test_warnings_point_at_the_callers_line(
+    anyio_backend: object, tmp_path: Path, through: str, warning: type[Warning]
+) -> None:
+    """A CacheWarning (an unusable cache) and a CompileWarning (a compiler that printed
+    warnings) are reported at the line of this file that called asyncmetal, however
+    deep inside the package they arose. Checked: before, a CacheWarning found on the
+    cache lookup pointed into _pool.py or _device.py."""
+    if warning is CacheWarning:
+        cache, src = CompileCache(_unusable_cache(tmp_path, "unwritable")), _src(through)
+    else:
+        cache, src = CompileCache(tmp_path / "cache"), f'#warning "look"\n{_src(through)}'
+    pool = CompilePool(1, cache=cache)
+    try:
+        async with am.open_device("cpu") as dev:
+            dev.compile_pool = pool
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with anyio.fail_after(BOUND):
+                    if through == "pool.compile":
+                        await pool.compile(CCompiler(), src)
+                    elif through == "Device.compile":
+                        await dev.compile(src, "twice")
+                    else:
+                        assert [p.name async for p in dev.compile_many([(src, "twice")])]
+    finally:
+        await pool.aclose()
+    assert [w.category for w in caught] == [warning], [str(w.message) for w in caught]
+    assert caught[0].filename == __file__, (caught[0].filename, caught[0].lineno)
+
+
+async def test_no_home_directory_compiles_without_a_disk_cache(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process with no $HOME whose user the password database does not know (a
+    container run as an arbitrary uid: pathlib's own lookup fails, as here) has no
+    default cache directory: compiling goes on without a disk cache, with one
+    CacheWarning saying to set $ASYNCMETAL_CACHE_DIR. Checked: before, making the
+    cache raised pathlib's RuntimeError, so no compile could run."""
+    import pwd
+
+    for name in ("HOME", "XDG_CACHE_HOME", "ASYNCMETAL_CACHE_DIR", "ASYNCMETAL_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+
+    def unknown(uid: int) -> Any:
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.setattr(pwd, "getpwuid", unknown)
+    cache = CompileCache()
+    assert not cache.disk_enabled
+    pool = CompilePool(1, cache=cache)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with anyio.fail_after(BOUND):
+                assert await pool.compile(CCompiler(), _src("no home"))
+                assert await pool.compile(CCompiler(), _src("no home, again"))
+    finally:
+        await pool.aclose()
+    assert [w.category for w in caught] == [CacheWarning], [str(w.message) for w in caught]
+    assert "set $ASYNCMETAL_CACHE_DIR" in str(caught[0].message)
+
+
 async def test_a_worker_that_cannot_start_loses_no_thread_and_no_directory(
     anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -978,6 +1124,69 @@ def test_a_child_forked_as_a_worker_starts_does_not_hold_it_open(tmp_path: Path)
     assert _worker_exit(_FORK_AS_A_WORKER_STARTS, tmp_path) == "0", "not by its word to stop"
 
 
+# Another thread forks while the pool's thread is inside subprocess.Popen starting a
+# worker (the hook: Popen's call that starts the process, when every pipe of it is open,
+# among them the one on which Popen then waits for the exec). The hook holds the start
+# until the fork has happened -- or until the forking thread waits in the pool's
+# before-fork handler (seen in its frames), which lets the start finish first.
+_FORK_IN_POPEN = (
+    _FORK_HEAD
+    + """
+import threading, time
+forking, forked, started = threading.Event(), threading.Event(), threading.Event()
+os.register_at_fork(before=forking.set, after_in_parent=forked.set)
+main = threading.main_thread().ident
+def fork_waits_for_the_pool():
+    frame = sys._current_frames().get(main)
+    while frame is not None:
+        if frame.f_code.co_name == "_hold_fork_while_starting":
+            return True
+        frame = frame.f_back
+    return False
+real = subprocess._fork_exec
+def fork_exec(*args):
+    if "asyncmetal._worker" in repr(args[0]):
+        started.set()
+        forking.wait()
+        while not forked.is_set() and not fork_waits_for_the_pool():
+            time.sleep(0.001)
+    return real(*args)
+subprocess._fork_exec = fork_exec
+pool = CompilePool(1, cache=CompileCache({cache!r}))
+pool.prestart()
+started.wait()
+pid, release = fork_held()
+subprocess._fork_exec = real
+began = time.monotonic()
+pool.shutdown()
+took = time.monotonic() - began
+os.close(release)
+os.waitpid(pid, 0)
+print(pool.workers, "workers left after", round(took, 1), "s")
+"""
+)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.skipif(not hasattr(subprocess, "_fork_exec"), reason="hooks subprocess._fork_exec")
+def test_a_fork_as_a_worker_process_starts_waits_for_the_start(tmp_path: Path) -> None:
+    """A fork from another thread while the pool's thread is in subprocess.Popen starting
+    a worker waits until the process has started and is recorded: the child gets none
+    of its pipes, and closing the pool ends the worker at once. Checked: before, the
+    child held a copy of the pipe on which Popen waits for the exec, so the pool's
+    thread stayed in Popen for the child's life (a compile waited all that time), and
+    the close gave up on it after SHUTDOWN_JOIN_S (10 s), the worker left behind."""
+    code = _FORK_IN_POPEN.format(
+        root=str(Path(__file__).resolve().parents[2]), cache=str(tmp_path / "cache")
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=BOUND
+    )
+    assert done.returncode == 0, done.stderr
+    left, took = done.stdout.split()[0], float(done.stdout.split()[-2])
+    assert left == "0" and took < 5, done.stdout
+
+
 def _worker_exit(script: str, tmp_path: Path) -> str:
     """Run one of the fork scripts above in a process of its own; return what it printed:
     the worker's exit code."""
@@ -1023,6 +1232,54 @@ async def test_a_joined_compile_keeps_each_callers_own_timeout(
     assert isinstance(outcome["timed"], am.CompileError), outcome["timed"]
     assert "timed out after 1.0 s" in str(outcome["timed"])
     assert outcome["timed in flight"], "the timed caller waited for the job to end"
+
+
+async def test_a_compile_that_waited_for_a_worker_times_out_in_its_own_time(
+    pool: CompilePool, tmp_path: Path
+) -> None:
+    """A timed compile that waits for the one worker (busy with another compile for
+    about half its timeout) and then starts, never to finish, raises within its timeout
+    plus TIMEOUT_GRACE_S (asserted with a second's margin): its timeout runs from the
+    call. Checked: before, the worker timed it from the start, so it raised after about
+    one and a half timeouts (4.5 s here)."""
+    timeout = 3.0
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    outcome: list[object] = []
+
+    async def timed() -> None:
+        began = time.monotonic()
+        with pytest.raises(am.CompileError, match="timed out") as caught:
+            await pool.compile(SlowCompiler(BOUND, str(markers)), _src("hangs"), timeout=timeout)
+        outcome.extend([time.monotonic() - began, caught.value])
+
+    with anyio.fail_after(BOUND):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.compile, SlowCompiler(timeout / 2, str(markers)), _src("busy"))
+            while not list(markers.iterdir()):  # the worker is on the first compile
+                await anyio.sleep(0.01)
+            tg.start_soon(timed)
+    took = outcome[0]
+    assert len(list(markers.iterdir())) == 2, "the timed compile did not start"
+    assert isinstance(took, float) and took < timeout + 1, f"raised after {took:.1f} s"
+
+
+async def test_a_compiler_returning_no_binary_is_a_compile_error(pool: CompilePool) -> None:
+    """A custom compiler whose compile returns a str, not bytes, fails the compile with
+    a CompileError saying so; one whose last_log is not a str still gives its binary,
+    the log as text in the CompileWarning. Checked: before, the str came back as the
+    "binary", and the log's .strip() raised AttributeError in the caller."""
+    from tests.support.compilers import WrongTypeCompiler
+
+    with anyio.fail_after(BOUND):
+        with pytest.raises(am.CompileError, match="returned str, not bytes"):
+            await pool.compile(WrongTypeCompiler("binary"), _src("str"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            binary = await pool.compile(WrongTypeCompiler("log"), _src("log"))
+    assert isinstance(binary, bytes) and binary
+    assert [w.category for w in caught] == [am.CompileWarning]
+    assert caught[0].message.log == "42"  # type: ignore[union-attr]
 
 
 @pytest.mark.anyio

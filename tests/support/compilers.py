@@ -172,3 +172,24 @@ class ReadingCompiler(CCompiler):
     def compile(self, src: str) -> bytes:
         os.system("cat >/dev/null")  # a child reading descriptor 0
         return super().compile(src)
+
+
+class WrongTypeCompiler(CCompiler):
+    """A custom compiler's slips: ``compile`` returning a str, or (``log``) a binary
+    with a ``last_log`` that is not a str."""
+
+    name = "wrong-type-cc"
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def config(self) -> tuple[Any, ...]:
+        return (self.how,)
+
+    def compile(self, src: str) -> bytes:
+        if self.how == "log":
+            binary = super().compile(src)
+            self.last_log = 42  # type: ignore[assignment]
+            return binary
+        return "not a binary"  # type: ignore[return-value]
