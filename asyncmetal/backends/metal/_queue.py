@@ -776,11 +776,30 @@ class MetalQueue(NativeQueue):
         )
 
     def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
-        # Blit into a shared staging buffer (the blit is ordered after earlier work on
-        # `src` by Metal's hazard tracking, and before later work on it); the completion
-        # handler itself then moves the bytes to the host array, natively, before it
-        # raises the timeline. A large staging buffer is made on the queue's own thread,
-        # which commits the copy after what it holds; later submissions follow it there.
+        # The destination is written in place by the blit, through a buffer over its
+        # pages (as a source is read, see copyin): the bytes are there once the GPU ran
+        # the command, which is when the GPU goes on with what is ordered after it -- on
+        # this queue, or on another whose wait on this queue's event it satisfies --
+        # while the command's completion handler may run much later. So a copy into a
+        # cpu buffer's memory is seen by a Metal copy of that buffer ordered after it.
+        address, keep = host_address(dst)
+        wrapped = self._backend.wrap_pages(address, dst.nbytes, check=False)
+        if wrapped is not None:
+            self._blit(
+                value,
+                wrapped,
+                (src.handle, src.offset),
+                dst.nbytes,
+                (keep, dst, src, _Owned(wrapped[0])),
+                record,
+            )
+            return
+        # Memory Metal will not wrap: blit into a shared staging buffer (the blit is
+        # ordered after earlier work on `src` by Metal's hazard tracking, and before
+        # later work on it); the completion handler itself then moves the bytes to the
+        # host array, natively, before it raises the timeline. A large staging buffer
+        # is made on the queue's own thread, which commits the copy after what it
+        # holds; later submissions follow it there.
         with self._commit_lock:
             if dst.nbytes >= STAGE_OFF_LOOP or self._routing(value):
                 command = _Command(value, record, None)

@@ -17,7 +17,13 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-from tests.backends.metal.test_metal import FAULTY, _in_a_child, gpu_gate, timelines_freed
+from tests.backends.metal.test_metal import (
+    FAULTY,
+    _in_a_child,
+    gpu_gate,
+    timelines_freed,
+    unwrapped,
+)
 from tests.backends.metal.test_metal import pytestmark_loops as loops
 from tests.support.fakes import metal_sim
 from tests.support.kernels import MSL_KERNELS
@@ -165,6 +171,7 @@ async def test_a_failure_noted_by_the_queues_thread_is_seen_by_the_loops(
         return send(obj, selector, *args, **kwargs)
 
     monkeypatch.setattr(_queue, "send", ordered)
+    unwrapped(monkeypatch)  # (the large read is staged)
     async with am.open_device("metal") as dev:
         crash = await dev.compile(FAULTY, "crash")
         empty = await dev.compile(MSL_KERNELS, "empty")
@@ -270,10 +277,11 @@ def test_an_abandoning_close_drains_buffers_the_queues_thread_releases() -> None
 async def test_a_step_that_fails_on_the_queues_thread_fails_its_command(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A large read's staging buffer is made on the queue's own thread; Metal returns nil
-    there (out of memory). The copy fails with MemoryError -- the error went to the
-    thread's excepthook, and a later command's completion then reported the copy as done
-    -- and the queue goes on: what follows it runs."""
+    """A large read's staging buffer (into host memory Metal does not wrap) is made on
+    the queue's own thread; Metal returns nil there (out of memory). The copy fails with
+    MemoryError -- the error went to the thread's excepthook, and a later command's
+    completion then reported the copy as done -- and the queue goes on: what follows it
+    runs."""
     from asyncmetal.backends.metal import _objc, _queue
 
     send, loop_thread = _objc.send, threading.get_ident()
@@ -287,6 +295,7 @@ async def test_a_step_that_fails_on_the_queues_thread_fails_its_command(
         return send(obj, selector, *args, **kwargs)
 
     monkeypatch.setattr(_queue, "send", no_memory_off_the_loop)
+    unwrapped(monkeypatch)  # (the large read is staged)
     async with am.open_device("metal") as dev:
         fill = await dev.compile(MSL_KERNELS, "fill")
         n = _queue.STAGE_OFF_LOOP // 4
@@ -341,7 +350,8 @@ async def test_host_memory_is_wrapped_only_within_max_buffer_length(
         await dev.queue.copy(buf, src)
         assert (await buf.read(np.uint8) == src).all()
         await dev.queue.copy(buf.view(0, 4096), host[:4096])  # wrapped: two pages
-        assert wrapped == [2 * page], wrapped
+        # (the read's own array is wrapped too where its pages are few enough)
+        assert wrapped[-1] == 2 * page and max(wrapped) <= largest, wrapped
 
 
 @every_loop
@@ -530,3 +540,41 @@ async def test_two_threads_asking_a_failure_keep_a_failed_wait(
             await anyio.to_thread.run_sync(asker.join, 20)
         assert len(seen) == 2
         assert all(isinstance(error, am.DeviceLostError) for error in seen), seen
+
+
+@every_loop
+@pytest.mark.parametrize("reader", ["another queue", "the same queue"])
+async def test_a_copy_into_a_cpu_buffer_lands_before_a_metal_queue_ordered_after_it_reads_it(
+    anyio_backend: object, reader: str
+) -> None:
+    """A Metal queue copies a Metal buffer into a cpu buffer's memory (in place), then a
+    Metal queue ordered after it -- on the GPU: a wait on the first queue's event, or
+    the same queue's order -- copies that cpu buffer into another Metal buffer. The
+    first copy's bytes must be in the host memory by then. They were moved there by
+    its completion handler from a staging buffer, and the GPU runs what is ordered
+    after a command buffer once it completed, before (here: long before, the
+    simulation holds them back) its handlers: the second copy read the old bytes.
+    Checked failing without the fix."""
+    async with am.open_device("cpu") as cpu, am.open_device("metal") as metal:
+        c = await cpu.alloc(64)
+        m1, m2 = await metal.alloc(64), await metal.alloc(64)
+        await c.write(np.zeros(64, np.uint8))
+        await m1.write(np.full(64, 5, np.uint8))
+        await m2.write(np.zeros(64, np.uint8))
+        first = metal.new_queue()
+        second = first if reader == "the same queue" else metal.new_queue()
+        handlers = first._native._queue  # type: ignore[attr-defined]
+        metal_sim.hold_handlers(handlers, True)
+        try:
+            copied = first.copy(c, m1)  # into the cpu buffer's memory, by a Metal queue
+            read = second.copy(m2, c)  # ordered after it on the GPU
+            # The GPU ran both command buffers: the second signalled its event.
+            event = second._native._timeline  # type: ignore[attr-defined]
+            await _until(lambda: event.device_value() >= read.value)
+        finally:
+            metal_sim.hold_handlers(handlers, False)
+        with anyio.fail_after(20):
+            await copied
+            await read
+        assert (await c.read()).tolist() == [5] * 64
+        assert (await m2.read()).tolist() == [5] * 64
