@@ -754,18 +754,11 @@ class MetalQueue(NativeQueue):
         # kept until done). Only one Metal will not wrap is copied now.
         address, keep = host_address(src)
         wrapped = self._backend.wrap_pages(address, src.nbytes, check=False)
-        if wrapped is None:
-            staging = send(
-                self._backend.device,
-                "newBufferWithBytes:length:options:",
-                address,
-                src.nbytes,
-                STORAGE_SHARED,
-                argtypes=(c_void_p, c_ulong, c_ulong),
-            )
-            if not staging:
-                raise MemoryError(f"newBufferWithBytes: {src.nbytes} failed (a copy's staging)")
-            wrapped = (staging, 0)
+        if wrapped is None:  # staged on the queue's own thread, in turn (_staged_copyin)
+            command = _Command(value, record, None)
+            with self._commit_lock:
+                self._hand_over(self._staged_copyin, dst, src, command, command=command)
+            return
         self._blit(
             value,
             (dst.handle, dst.offset),
@@ -774,6 +767,68 @@ class MetalQueue(NativeQueue):
             (keep, src, _Owned(wrapped[0])),
             record,
         )
+
+    def _staged_copyin(self, dst: Arg, src: memoryview, command: _Command) -> None:
+        """On the queue's own thread, a copy from host memory Metal will not wrap: its
+        bytes go to a staging buffer the blit reads once every command before the copy
+        ran -- among them the waits for what writes that memory (a cpu queue's copy
+        into a cpu buffer, a Metal queue's into it), which taking them at submission
+        would have read before."""
+        value, record, _ = command
+        if not self._until_ran(value - 1):
+            with self._lock:
+                discarding = self._discarding
+            if discarding:
+                self._drop(self._staged_copyin, (dst, src, command), command)
+            return
+        address, keep = host_address(src)
+        staging = send(
+            self._backend.device,
+            "newBufferWithBytes:length:options:",
+            address,
+            src.nbytes,
+            STORAGE_SHARED,
+            argtypes=(c_void_p, c_ulong, c_ulong),
+        )
+        if not staging:
+            raise MemoryError(f"newBufferWithBytes: {src.nbytes} failed (a copy's staging)")
+        self._commit(
+            value,
+            _blit_encoder((dst.handle, dst.offset), (staging, 0), src.nbytes),
+            (keep, src, dst, _Owned(staging)),
+            None,
+            record,
+            None,
+        )
+
+    def _until_ran(self, target: int) -> bool:
+        """On the queue's own thread: wait until the queue's own timeline got to
+        ``target`` or failed for it (its commands up to ``target`` ran), committing first
+        a wait command that no buffer carries yet. False if the queue discards or is
+        abandoned first (which ends the wait)."""
+        own = self._timeline
+        if target <= 0 or own.value >= target:
+            return True
+        try:
+            self._flush_held()
+        except Exception as exc:  # (its mark is then carried by the next buffer)
+            thread = threading.current_thread()
+            threading.excepthook(
+                threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, thread))
+            )
+        with self._lock:
+            stop = self._discarding or self._dropping
+            self._host_waiting = None if stop else own
+        flag = ctypes.byref(self._stop_host_wait)
+        try:
+            while not stop and not self._backend.lib.am_host_wait(
+                own.c_timeline, target, False, flag, HOST_WAIT_NAP_NS
+            ):
+                stop = bool(self._stop_host_wait.value)
+        finally:
+            with self._lock:
+                self._host_waiting = None
+        return bool(self._backend.lib.am_host_wait(own.c_timeline, target, False, None, 0))
 
     def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
         # The destination is written in place by the blit, through a buffer over its

@@ -578,3 +578,31 @@ async def test_a_copy_into_a_cpu_buffer_lands_before_a_metal_queue_ordered_after
             await read
         assert (await c.read()).tolist() == [5] * 64
         assert (await m2.read()).tolist() == [5] * 64
+
+
+@every_loop
+async def test_a_copy_from_memory_metal_does_not_wrap_takes_it_after_its_writer(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Metal queue copies a cpu buffer into a Metal buffer, ordered after a cpu
+    queue's copy into that cpu buffer (held behind a wait here). Where Metal will not
+    wrap the source's pages, its bytes are staged: that was done as the copy was
+    submitted, before its writer ran, and the copy delivered the old bytes. Now they
+    are taken once the commands before the copy ran. Checked failing without the fix."""
+    unwrapped(monkeypatch)
+    async with am.open_device("cpu") as cpu, am.open_device("metal") as metal:
+        src, dst = await cpu.alloc(64), await metal.alloc(64)
+        await src.write(np.zeros(64, np.uint8))
+        await dst.write(np.zeros(64, np.uint8))
+        gate = cpu.timeline()
+        cpu.queue.wait(gate, 1)
+        written = cpu.queue.copy(src, np.full(64, 7, np.uint8))  # its writer, held
+        copied = metal.queue.copy(dst, src)  # ordered after it
+        later = metal.queue.copy(dst.view(0, 8), np.full(8, 9, np.uint8))  # after it
+        assert not copied.done()
+        gate.signal(1)
+        with anyio.fail_after(20):
+            await written
+            await copied
+            await later
+        assert (await dst.read()).tolist() == [9] * 8 + [7] * 56
