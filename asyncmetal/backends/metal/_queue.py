@@ -40,9 +40,6 @@ from ._objc import (
 STORAGE_SHARED = 0  # MTLResourceStorageModeShared
 STATUS_ERROR = 5  # MTLCommandBufferStatusError
 MAX_IN_FLIGHT = 1000  # the queues are made with room for 1024 command buffers
-# A copy to the host this large has its staging buffer made on the queue's own thread:
-# making one takes time in proportion to its size (its pages are zeroed and wired).
-STAGE_OFF_LOOP = 1 << 20
 # A queue's thread holding a wait for a host queue's timeline looks at it again this
 # often whatever (it is woken when the timeline moves, and when the queue discards).
 HOST_WAIT_NAP_NS = 1_000_000_000
@@ -477,8 +474,10 @@ class MetalQueue(NativeQueue):
             _blocks.set_gates(block, [(w.c_timeline, v) for w, v in self._gates], hosts)
         send(cb, "addCompletedHandler:", ctypes.addressof(block), restype=None)
         send(cb, "commit", restype=None)
-        # Waits for what it signals go to the GPU from now on (those held go on).
-        self._backend.lib.am_signal_committed(self._timeline.c_timeline, value)
+        # Waits for what it signals go to the GPU from now on (those held go on) -- not
+        # for a copy whose bytes its handler moves to the host (see _staged_copyout).
+        if copy_back is None:
+            self._backend.lib.am_signal_committed(self._timeline.c_timeline, value)
         if then is not None:
             self._backend.lib.am_signal_committed(*then)
         return still, block
@@ -852,17 +851,21 @@ class MetalQueue(NativeQueue):
         # Memory Metal will not wrap: blit into a shared staging buffer (the blit is
         # ordered after earlier work on `src` by Metal's hazard tracking, and before
         # later work on it); the completion handler itself then moves the bytes to the
-        # host array, natively, before it raises the timeline. A large staging buffer
-        # is made on the queue's own thread, which commits the copy after what it
-        # holds; later submissions follow it there.
+        # host array, natively, before it raises the timeline (_staged_copyout).
+        command = _Command(value, record, None)
         with self._commit_lock:
-            if dst.nbytes >= STAGE_OFF_LOOP or self._routing(value):
-                command = _Command(value, record, None)
-                self._hand_over(self._staged_copyout, dst, src, value, record, command=command)
-            else:
-                self._staged_copyout(dst, src, value, record)
+            self._hand_over(self._staged_copyout, dst, src, command, command=command)
 
-    def _staged_copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
+    def _staged_copyout(self, dst: memoryview, src: Arg, command: _Command) -> None:
+        """On the queue's own thread, a copy to host memory Metal will not wrap, through
+        a staging buffer (as large: made here, not on the loop's thread) whose bytes the
+        completion handler moves to the host. The GPU goes on with what follows a
+        command buffer before its handler runs: so nothing after the copy is committed
+        until the handler ran (this thread waits for it), and the copy's value is not
+        handed to other queues' GPU waits (their waits for it are held on their
+        threads until the handler raised it), so that what is ordered after the copy
+        sees its bytes."""
+        value, record, _ = command
         staging = send(
             self._backend.device,
             "newBufferWithLength:options:",
@@ -880,6 +883,7 @@ class MetalQueue(NativeQueue):
             record,
             None,
         )
+        self._until_ran(value)  # (a discard or abandon ends it: what follows is dropped)
 
     def close(self, abandon: bool = False) -> None:
         self.flush()

@@ -313,15 +313,15 @@ async def gpu_gate(dev: am.Device) -> tuple[am.Timeline, Callable[[], None]]:
     return tl, release
 
 
-def unwrapped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Metal wraps no host memory a copy reads or writes (as where its pages are more
-    than its largest buffer): copies with the host are staged."""
+def unwrapped(monkeypatch: pytest.MonkeyPatch, above: int = 0) -> None:
+    """Metal wraps no host memory a copy reads or writes of more than ``above`` bytes
+    (as where its pages are more than its largest buffer): those copies are staged."""
     from asyncmetal.backends.metal import _backend
 
     wrap = _backend.MetalBackend.wrap_pages
 
     def refused(self: Any, address: int, nbytes: int, check: bool = True) -> Any:
-        return wrap(self, address, nbytes) if check else None
+        return wrap(self, address, nbytes) if check or nbytes <= above else None
 
     monkeypatch.setattr(_backend.MetalBackend, "wrap_pages", refused)
 

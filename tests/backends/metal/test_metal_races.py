@@ -29,6 +29,7 @@ from tests.support.fakes import metal_sim
 from tests.support.kernels import MSL_KERNELS
 
 SIMULATED = metal_sim.configured()
+LARGE = 1 << 20  # bytes of a large copy to the host
 sim_only = pytest.mark.skipif(not SIMULATED, reason="needs the simulated Metal")
 pytestmark = [pytest.mark.metal, sim_only]
 
@@ -175,13 +176,13 @@ async def test_a_failure_noted_by_the_queues_thread_is_seen_by_the_loops(
     async with am.open_device("metal") as dev:
         crash = await dev.compile(FAULTY, "crash")
         empty = await dev.compile(MSL_KERNELS, "empty")
-        bad, big = await dev.alloc(4), await dev.alloc(_queue.STAGE_OFF_LOOP)
+        bad, big = await dev.alloc(4), await dev.alloc(LARGE)
         q, (tl, release) = dev.new_queue(), await gpu_gate(dev)
         native = q._native
         q.wait(tl, 1)
         crashed = q.launch(crash, bad)
         last = [q.launch(empty) for _ in range(300)][-1]  # more than 256 kept
-        host = np.zeros(_queue.STAGE_OFF_LOOP, np.uint8)
+        host = np.zeros(LARGE, np.uint8)
         copied = q.copy(host, big)  # a large read: committed by the queue's thread
         worker.append(native._worker.ident)  # type: ignore[attr-defined]
         release()
@@ -289,7 +290,7 @@ async def test_a_step_that_fails_on_the_queues_thread_fails_its_command(
     def no_memory_off_the_loop(obj: int, selector: str, *args: Any, **kwargs: Any) -> Any:
         # only the large read's: a small one is also staged on that thread when the
         # queue routes its commands there (behind one not yet done)
-        large = selector == "newBufferWithLength:options:" and args[0] >= _queue.STAGE_OFF_LOOP
+        large = selector == "newBufferWithLength:options:" and args[0] >= LARGE
         if large and threading.get_ident() != loop_thread:
             return None  # nil: as Metal, out of memory
         return send(obj, selector, *args, **kwargs)
@@ -298,7 +299,7 @@ async def test_a_step_that_fails_on_the_queues_thread_fails_its_command(
     unwrapped(monkeypatch)  # (the large read is staged)
     async with am.open_device("metal") as dev:
         fill = await dev.compile(MSL_KERNELS, "fill")
-        n = _queue.STAGE_OFF_LOOP // 4
+        n = LARGE // 4
         big, small = await dev.alloc(4 * n), await dev.alloc(64)
         await dev.queue.launch(fill, big, vals=(3, n))
         host = np.zeros(n, np.int32)
@@ -544,8 +545,9 @@ async def test_two_threads_asking_a_failure_keep_a_failed_wait(
 
 @every_loop
 @pytest.mark.parametrize("reader", ["another queue", "the same queue"])
+@pytest.mark.parametrize("memory", ["wrapped", "staged"])
 async def test_a_copy_into_a_cpu_buffer_lands_before_a_metal_queue_ordered_after_it_reads_it(
-    anyio_backend: object, reader: str
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, reader: str, memory: str
 ) -> None:
     """A Metal queue copies a Metal buffer into a cpu buffer's memory (in place), then a
     Metal queue ordered after it -- on the GPU: a wait on the first queue's event, or
@@ -553,8 +555,14 @@ async def test_a_copy_into_a_cpu_buffer_lands_before_a_metal_queue_ordered_after
     first copy's bytes must be in the host memory by then. They were moved there by
     its completion handler from a staging buffer, and the GPU runs what is ordered
     after a command buffer once it completed, before (here: long before, the
-    simulation holds them back) its handlers: the second copy read the old bytes.
-    Checked failing without the fix."""
+    simulation holds them back) its handlers: the second copy read the old bytes. Now
+    the GPU writes the host memory, through a buffer over its pages; where Metal does
+    not wrap them (``staged``: the first copy's, not the second's), the handler still
+    moves the bytes, and what is ordered after the copy waits for that handler on the
+    host (given a second here to run on the GPU before it, it does not). Checked
+    failing without the fix (each way)."""
+    if memory == "staged":
+        unwrapped(monkeypatch, above=32)  # the first copy's 64 bytes, not the second's 32
     async with am.open_device("cpu") as cpu, am.open_device("metal") as metal:
         c = await cpu.alloc(64)
         m1, m2 = await metal.alloc(64), await metal.alloc(64)
@@ -567,17 +575,20 @@ async def test_a_copy_into_a_cpu_buffer_lands_before_a_metal_queue_ordered_after
         metal_sim.hold_handlers(handlers, True)
         try:
             copied = first.copy(c, m1)  # into the cpu buffer's memory, by a Metal queue
-            read = second.copy(m2, c)  # ordered after it on the GPU
-            # The GPU ran both command buffers: the second signalled its event.
+            read = second.copy(m2.view(0, 32), c.view(0, 32))  # after it on the GPU
+            # The GPU ran both command buffers (the second signalled its event); staged,
+            # the second must wait for the first's handler: it is given a second.
             event = second._native._timeline  # type: ignore[attr-defined]
-            await _until(lambda: event.device_value() >= read.value)
+            with anyio.move_on_after(1 if memory == "staged" else 20):
+                while event.device_value() < read.value:
+                    await anyio.sleep(0.001)
         finally:
             metal_sim.hold_handlers(handlers, False)
         with anyio.fail_after(20):
             await copied
             await read
         assert (await c.read()).tolist() == [5] * 64
-        assert (await m2.read()).tolist() == [5] * 64
+        assert (await m2.read()).tolist() == [5] * 32 + [0] * 32
 
 
 @every_loop
