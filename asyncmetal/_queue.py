@@ -690,7 +690,7 @@ class Queue:
         copy or launch submitted on another. A copy of another kind of device that read
         or wrote ``buf`` in place (``asyncmetal.copy`` between kinds) is waited for too
         where this device's queues can wait for that kind's (cpu and npy queues wait for
-        any kind's; cuda queues for cpu and npy queues', held on the host).
+        any kind's; Metal and cuda queues for cpu and npy queues', held on the host).
         Returns the queue.
         """
         self._check_open()

@@ -310,7 +310,7 @@ async def run_detached(
             result = (False, exc)
         with lock:
             outcome.append(result)
-            lost = left and not result[0]
+            lost = bool(left) and not result[0]  # (not the list: the caller may fill it)
         done.increment()
         if lost:
             unheard(result[1])
@@ -321,7 +321,7 @@ async def run_detached(
     except BaseException:
         with lock:
             left.append(True)
-            lost = outcome and not outcome[0][0]
+            lost = bool(outcome) and not outcome[0][0]  # (not the list: see run)
         if lost:
             unheard(outcome[0][1])
         raise

@@ -38,8 +38,8 @@ async def copy(dst: Any, src: Any, nbytes: int | None = None) -> None:
     buffers stay in use until it ends (never freed before), and the other device's
     later commands on the buffer read or written in place are ordered after it where
     that device's queues can wait for the copying queue (``Queue.after``: cpu and npy
-    queues can); where they cannot (a Metal buffer a cpu queue reads in place),
-    ``synchronize`` the device that copies before writing that buffer.
+    queues wait for any kind's, Metal and cuda queues for cpu and npy queues'); where
+    they cannot, ``synchronize`` the device that copies before writing that buffer.
     """
     if (
         isinstance(dst, Buffer)

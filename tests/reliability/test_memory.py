@@ -1278,3 +1278,45 @@ async def test_a_copy_done_before_it_was_awaited_lets_its_host_objects_go_once_a
     assert gone() is None, "the copy's source is kept alive"
     into.extend(b"!")  # (BufferError while a view of it is kept)
     assert bytes(into[:16]) == bytes(range(16))
+
+
+@pytest.mark.anyio
+async def test_a_detached_call_returning_as_its_caller_is_cancelled_reports_nothing(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call handed to a thread (a free's settling, a cache emptying) returns just as
+    its caller is cancelled: the thread had taken its outcome, and the caller left
+    before the thread looked again. Nothing went wrong, so nothing goes to ``unheard``
+    (the device's close raises what does). The thread's "has the caller left" was the
+    caller's own list where it had not left yet, which its leaving then filled: the
+    call's result -- a free's list of uses -- went to ``unheard``, and the device's
+    close raised TypeError on it. Checked failing without the fix."""
+    from asyncmetal import _timeline
+
+    detached = _timeline.Detached("asyncmetal test detached")
+    unheard: list[object] = []
+    returned, left, finished = threading.Event(), threading.Event(), threading.Event()
+    increment = _timeline.HostEvents.increment
+
+    def held(self: Any) -> int:
+        # The call's thread, once it took the outcome: held until the caller left.
+        if threading.current_thread().name == detached.name and not left.is_set():
+            returned.set()
+            left.wait(LIMIT)
+        return increment(self)
+
+    monkeypatch.setattr(_timeline.HostEvents, "increment", held)
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+
+            async def cancel_once_returned() -> None:
+                await anyio.to_thread.run_sync(returned.wait, LIMIT)
+                scope.cancel()
+
+            tg.start_soon(cancel_once_returned)
+            await _timeline.run_detached(detached, lambda: [("uses", 1)], unheard.append)
+    assert scope.cancelled_caught
+    left.set()
+    detached.submit(finished.set)  # (after the call's own end)
+    assert await anyio.to_thread.run_sync(finished.wait, LIMIT)
+    assert unheard == []

@@ -40,9 +40,6 @@ from ._objc import (
 STORAGE_SHARED = 0  # MTLResourceStorageModeShared
 STATUS_ERROR = 5  # MTLCommandBufferStatusError
 MAX_IN_FLIGHT = 1000  # the queues are made with room for 1024 command buffers
-# A copy to the host this large has its staging buffer made on the queue's own thread:
-# making one takes time in proportion to its size (its pages are zeroed and wired).
-STAGE_OFF_LOOP = 1 << 20
 # A queue's thread holding a wait for a host queue's timeline looks at it again this
 # often whatever (it is woken when the timeline moves, and when the queue discards).
 HOST_WAIT_NAP_NS = 1_000_000_000
@@ -477,8 +474,10 @@ class MetalQueue(NativeQueue):
             _blocks.set_gates(block, [(w.c_timeline, v) for w, v in self._gates], hosts)
         send(cb, "addCompletedHandler:", ctypes.addressof(block), restype=None)
         send(cb, "commit", restype=None)
-        # Waits for what it signals go to the GPU from now on (those held go on).
-        self._backend.lib.am_signal_committed(self._timeline.c_timeline, value)
+        # Waits for what it signals go to the GPU from now on (those held go on) -- not
+        # for a copy whose bytes its handler moves to the host (see _staged_copyout).
+        if copy_back is None:
+            self._backend.lib.am_signal_committed(self._timeline.c_timeline, value)
         if then is not None:
             self._backend.lib.am_signal_committed(*then)
         return still, block
@@ -754,18 +753,11 @@ class MetalQueue(NativeQueue):
         # kept until done). Only one Metal will not wrap is copied now.
         address, keep = host_address(src)
         wrapped = self._backend.wrap_pages(address, src.nbytes, check=False)
-        if wrapped is None:
-            staging = send(
-                self._backend.device,
-                "newBufferWithBytes:length:options:",
-                address,
-                src.nbytes,
-                STORAGE_SHARED,
-                argtypes=(c_void_p, c_ulong, c_ulong),
-            )
-            if not staging:
-                raise MemoryError(f"newBufferWithBytes: {src.nbytes} failed (a copy's staging)")
-            wrapped = (staging, 0)
+        if wrapped is None:  # staged on the queue's own thread, in turn (_staged_copyin)
+            command = _Command(value, record, None)
+            with self._commit_lock:
+                self._hand_over(self._staged_copyin, dst, src, command, command=command)
+            return
         self._blit(
             value,
             (dst.handle, dst.offset),
@@ -775,20 +767,105 @@ class MetalQueue(NativeQueue):
             record,
         )
 
-    def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
-        # Blit into a shared staging buffer (the blit is ordered after earlier work on
-        # `src` by Metal's hazard tracking, and before later work on it); the completion
-        # handler itself then moves the bytes to the host array, natively, before it
-        # raises the timeline. A large staging buffer is made on the queue's own thread,
-        # which commits the copy after what it holds; later submissions follow it there.
-        with self._commit_lock:
-            if dst.nbytes >= STAGE_OFF_LOOP or self._routing(value):
-                command = _Command(value, record, None)
-                self._hand_over(self._staged_copyout, dst, src, value, record, command=command)
-            else:
-                self._staged_copyout(dst, src, value, record)
+    def _staged_copyin(self, dst: Arg, src: memoryview, command: _Command) -> None:
+        """On the queue's own thread, a copy from host memory Metal will not wrap: its
+        bytes go to a staging buffer the blit reads once every command before the copy
+        ran -- among them the waits for what writes that memory (a cpu queue's copy
+        into a cpu buffer, a Metal queue's into it), which taking them at submission
+        would have read before."""
+        value, record, _ = command
+        if not self._until_ran(value - 1):
+            with self._lock:
+                discarding = self._discarding
+            if discarding:
+                self._drop(self._staged_copyin, (dst, src, command), command)
+            return
+        address, keep = host_address(src)
+        staging = send(
+            self._backend.device,
+            "newBufferWithBytes:length:options:",
+            address,
+            src.nbytes,
+            STORAGE_SHARED,
+            argtypes=(c_void_p, c_ulong, c_ulong),
+        )
+        if not staging:
+            raise MemoryError(f"newBufferWithBytes: {src.nbytes} failed (a copy's staging)")
+        self._commit(
+            value,
+            _blit_encoder((dst.handle, dst.offset), (staging, 0), src.nbytes),
+            (keep, src, dst, _Owned(staging)),
+            None,
+            record,
+            None,
+        )
 
-    def _staged_copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
+    def _until_ran(self, target: int) -> bool:
+        """On the queue's own thread: wait until the queue's own timeline got to
+        ``target`` or failed for it (its commands up to ``target`` ran), committing first
+        a wait command that no buffer carries yet. False if the queue discards or is
+        abandoned first (which ends the wait)."""
+        own = self._timeline
+        if target <= 0 or own.value >= target:
+            return True
+        try:
+            self._flush_held()
+        except Exception as exc:  # (its mark is then carried by the next buffer)
+            thread = threading.current_thread()
+            threading.excepthook(
+                threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, thread))
+            )
+        with self._lock:
+            stop = self._discarding or self._dropping
+            self._host_waiting = None if stop else own
+        flag = ctypes.byref(self._stop_host_wait)
+        try:
+            while not stop and not self._backend.lib.am_host_wait(
+                own.c_timeline, target, False, flag, HOST_WAIT_NAP_NS
+            ):
+                stop = bool(self._stop_host_wait.value)
+        finally:
+            with self._lock:
+                self._host_waiting = None
+        return bool(self._backend.lib.am_host_wait(own.c_timeline, target, False, None, 0))
+
+    def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
+        # The destination is written in place by the blit, through a buffer over its
+        # pages (as a source is read, see copyin): the bytes are there once the GPU ran
+        # the command, which is when the GPU goes on with what is ordered after it -- on
+        # this queue, or on another whose wait on this queue's event it satisfies --
+        # while the command's completion handler may run much later. So a copy into a
+        # cpu buffer's memory is seen by a Metal copy of that buffer ordered after it.
+        address, keep = host_address(dst)
+        wrapped = self._backend.wrap_pages(address, dst.nbytes, check=False)
+        if wrapped is not None:
+            self._blit(
+                value,
+                wrapped,
+                (src.handle, src.offset),
+                dst.nbytes,
+                (keep, dst, src, _Owned(wrapped[0])),
+                record,
+            )
+            return
+        # Memory Metal will not wrap: blit into a shared staging buffer (the blit is
+        # ordered after earlier work on `src` by Metal's hazard tracking, and before
+        # later work on it); the completion handler itself then moves the bytes to the
+        # host array, natively, before it raises the timeline (_staged_copyout).
+        command = _Command(value, record, None)
+        with self._commit_lock:
+            self._hand_over(self._staged_copyout, dst, src, command, command=command)
+
+    def _staged_copyout(self, dst: memoryview, src: Arg, command: _Command) -> None:
+        """On the queue's own thread, a copy to host memory Metal will not wrap, through
+        a staging buffer (as large: made here, not on the loop's thread) whose bytes the
+        completion handler moves to the host. The GPU goes on with what follows a
+        command buffer before its handler runs: so nothing after the copy is committed
+        until the handler ran (this thread waits for it), and the copy's value is not
+        handed to other queues' GPU waits (their waits for it are held on their
+        threads until the handler raised it), so that what is ordered after the copy
+        sees its bytes."""
+        value, record, _ = command
         staging = send(
             self._backend.device,
             "newBufferWithLength:options:",
@@ -806,6 +883,7 @@ class MetalQueue(NativeQueue):
             record,
             None,
         )
+        self._until_ran(value)  # (a discard or abandon ends it: what follows is dropped)
 
     def close(self, abandon: bool = False) -> None:
         self.flush()

@@ -313,6 +313,19 @@ async def gpu_gate(dev: am.Device) -> tuple[am.Timeline, Callable[[], None]]:
     return tl, release
 
 
+def unwrapped(monkeypatch: pytest.MonkeyPatch, above: int = 0) -> None:
+    """Metal wraps no host memory a copy reads or writes of more than ``above`` bytes
+    (as where its pages are more than its largest buffer): those copies are staged."""
+    from asyncmetal.backends.metal import _backend
+
+    wrap = _backend.MetalBackend.wrap_pages
+
+    def refused(self: Any, address: int, nbytes: int, check: bool = True) -> Any:
+        return wrap(self, address, nbytes) if check or nbytes <= above else None
+
+    monkeypatch.setattr(_backend.MetalBackend, "wrap_pages", refused)
+
+
 GRID = """
 kernel void index(device uint* out [[buffer(0)]], constant int& base [[buffer(1)]],
                   uint i [[thread_position_in_grid]]) { out[i] = i + base; }
@@ -947,10 +960,13 @@ async def test_a_buffer_above_max_buffer_length_is_refused_at_once(
 async def test_a_large_read_stages_off_the_loop_in_order(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A copy of a large buffer to the host has its staging buffer (as large) made on
-    the queue's own thread, not the loop's; it still sees the work before it on its
-    source and none after it, and the submissions after it keep their order."""
+    """A copy of a large buffer to host memory Metal does not wrap has its staging
+    buffer (as large) made on the queue's own thread, not the loop's; it still sees the
+    work before it on its source and none after it, and the submissions after it keep
+    their order."""
     from asyncmetal.backends.metal import _queue
+
+    unwrapped(monkeypatch)
 
     made: list[tuple[int, bool]] = []  # (bytes, on the loop's thread)
     send, loop_thread = _queue.send, threading.get_ident()

@@ -17,12 +17,19 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-from tests.backends.metal.test_metal import FAULTY, _in_a_child, gpu_gate, timelines_freed
+from tests.backends.metal.test_metal import (
+    FAULTY,
+    _in_a_child,
+    gpu_gate,
+    timelines_freed,
+    unwrapped,
+)
 from tests.backends.metal.test_metal import pytestmark_loops as loops
 from tests.support.fakes import metal_sim
 from tests.support.kernels import MSL_KERNELS
 
 SIMULATED = metal_sim.configured()
+LARGE = 1 << 20  # bytes of a large copy to the host
 sim_only = pytest.mark.skipif(not SIMULATED, reason="needs the simulated Metal")
 pytestmark = [pytest.mark.metal, sim_only]
 
@@ -165,16 +172,17 @@ async def test_a_failure_noted_by_the_queues_thread_is_seen_by_the_loops(
         return send(obj, selector, *args, **kwargs)
 
     monkeypatch.setattr(_queue, "send", ordered)
+    unwrapped(monkeypatch)  # (the large read is staged)
     async with am.open_device("metal") as dev:
         crash = await dev.compile(FAULTY, "crash")
         empty = await dev.compile(MSL_KERNELS, "empty")
-        bad, big = await dev.alloc(4), await dev.alloc(_queue.STAGE_OFF_LOOP)
+        bad, big = await dev.alloc(4), await dev.alloc(LARGE)
         q, (tl, release) = dev.new_queue(), await gpu_gate(dev)
         native = q._native
         q.wait(tl, 1)
         crashed = q.launch(crash, bad)
         last = [q.launch(empty) for _ in range(300)][-1]  # more than 256 kept
-        host = np.zeros(_queue.STAGE_OFF_LOOP, np.uint8)
+        host = np.zeros(LARGE, np.uint8)
         copied = q.copy(host, big)  # a large read: committed by the queue's thread
         worker.append(native._worker.ident)  # type: ignore[attr-defined]
         release()
@@ -270,10 +278,11 @@ def test_an_abandoning_close_drains_buffers_the_queues_thread_releases() -> None
 async def test_a_step_that_fails_on_the_queues_thread_fails_its_command(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A large read's staging buffer is made on the queue's own thread; Metal returns nil
-    there (out of memory). The copy fails with MemoryError -- the error went to the
-    thread's excepthook, and a later command's completion then reported the copy as done
-    -- and the queue goes on: what follows it runs."""
+    """A large read's staging buffer (into host memory Metal does not wrap) is made on
+    the queue's own thread; Metal returns nil there (out of memory). The copy fails with
+    MemoryError -- the error went to the thread's excepthook, and a later command's
+    completion then reported the copy as done -- and the queue goes on: what follows it
+    runs."""
     from asyncmetal.backends.metal import _objc, _queue
 
     send, loop_thread = _objc.send, threading.get_ident()
@@ -281,15 +290,16 @@ async def test_a_step_that_fails_on_the_queues_thread_fails_its_command(
     def no_memory_off_the_loop(obj: int, selector: str, *args: Any, **kwargs: Any) -> Any:
         # only the large read's: a small one is also staged on that thread when the
         # queue routes its commands there (behind one not yet done)
-        large = selector == "newBufferWithLength:options:" and args[0] >= _queue.STAGE_OFF_LOOP
+        large = selector == "newBufferWithLength:options:" and args[0] >= LARGE
         if large and threading.get_ident() != loop_thread:
             return None  # nil: as Metal, out of memory
         return send(obj, selector, *args, **kwargs)
 
     monkeypatch.setattr(_queue, "send", no_memory_off_the_loop)
+    unwrapped(monkeypatch)  # (the large read is staged)
     async with am.open_device("metal") as dev:
         fill = await dev.compile(MSL_KERNELS, "fill")
-        n = _queue.STAGE_OFF_LOOP // 4
+        n = LARGE // 4
         big, small = await dev.alloc(4 * n), await dev.alloc(64)
         await dev.queue.launch(fill, big, vals=(3, n))
         host = np.zeros(n, np.int32)
@@ -341,7 +351,8 @@ async def test_host_memory_is_wrapped_only_within_max_buffer_length(
         await dev.queue.copy(buf, src)
         assert (await buf.read(np.uint8) == src).all()
         await dev.queue.copy(buf.view(0, 4096), host[:4096])  # wrapped: two pages
-        assert wrapped == [2 * page], wrapped
+        # (the read's own array is wrapped too where its pages are few enough)
+        assert wrapped[-1] == 2 * page and max(wrapped) <= largest, wrapped
 
 
 @every_loop
@@ -530,3 +541,79 @@ async def test_two_threads_asking_a_failure_keep_a_failed_wait(
             await anyio.to_thread.run_sync(asker.join, 20)
         assert len(seen) == 2
         assert all(isinstance(error, am.DeviceLostError) for error in seen), seen
+
+
+@every_loop
+@pytest.mark.parametrize("reader", ["another queue", "the same queue"])
+@pytest.mark.parametrize("memory", ["wrapped", "staged"])
+async def test_a_copy_into_a_cpu_buffer_lands_before_a_metal_queue_ordered_after_it_reads_it(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, reader: str, memory: str
+) -> None:
+    """A Metal queue copies a Metal buffer into a cpu buffer's memory (in place), then a
+    Metal queue ordered after it -- on the GPU: a wait on the first queue's event, or
+    the same queue's order -- copies that cpu buffer into another Metal buffer. The
+    first copy's bytes must be in the host memory by then. They were moved there by
+    its completion handler from a staging buffer, and the GPU runs what is ordered
+    after a command buffer once it completed, before (here: long before, the
+    simulation holds them back) its handlers: the second copy read the old bytes. Now
+    the GPU writes the host memory, through a buffer over its pages; where Metal does
+    not wrap them (``staged``: the first copy's, not the second's), the handler still
+    moves the bytes, and what is ordered after the copy waits for that handler on the
+    host (given a second here to run on the GPU before it, it does not). Checked
+    failing without the fix (each way)."""
+    if memory == "staged":
+        unwrapped(monkeypatch, above=32)  # the first copy's 64 bytes, not the second's 32
+    async with am.open_device("cpu") as cpu, am.open_device("metal") as metal:
+        c = await cpu.alloc(64)
+        m1, m2 = await metal.alloc(64), await metal.alloc(64)
+        await c.write(np.zeros(64, np.uint8))
+        await m1.write(np.full(64, 5, np.uint8))
+        await m2.write(np.zeros(64, np.uint8))
+        first = metal.new_queue()
+        second = first if reader == "the same queue" else metal.new_queue()
+        handlers = first._native._queue  # type: ignore[attr-defined]
+        metal_sim.hold_handlers(handlers, True)
+        try:
+            copied = first.copy(c, m1)  # into the cpu buffer's memory, by a Metal queue
+            read = second.copy(m2.view(0, 32), c.view(0, 32))  # after it on the GPU
+            # The GPU ran both command buffers (the second signalled its event); staged,
+            # the second must wait for the first's handler: it is given a second.
+            event = second._native._timeline  # type: ignore[attr-defined]
+            with anyio.move_on_after(1 if memory == "staged" else 20):
+                while event.device_value() < read.value:
+                    await anyio.sleep(0.001)
+        finally:
+            metal_sim.hold_handlers(handlers, False)
+        with anyio.fail_after(20):
+            await copied
+            await read
+        assert (await c.read()).tolist() == [5] * 64
+        assert (await m2.read()).tolist() == [5] * 32 + [0] * 32
+
+
+@every_loop
+async def test_a_copy_from_memory_metal_does_not_wrap_takes_it_after_its_writer(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Metal queue copies a cpu buffer into a Metal buffer, ordered after a cpu
+    queue's copy into that cpu buffer (held behind a wait here). Where Metal will not
+    wrap the source's pages, its bytes are staged: that was done as the copy was
+    submitted, before its writer ran, and the copy delivered the old bytes. Now they
+    are taken once the commands before the copy ran. Checked failing without the fix."""
+    unwrapped(monkeypatch)
+    async with am.open_device("cpu") as cpu, am.open_device("metal") as metal:
+        src, dst = await cpu.alloc(64), await metal.alloc(64)
+        await src.write(np.zeros(64, np.uint8))
+        await dst.write(np.zeros(64, np.uint8))
+        gate = cpu.timeline()
+        cpu.queue.wait(gate, 1)
+        written = cpu.queue.copy(src, np.full(64, 7, np.uint8))  # its writer, held
+        copied = metal.queue.copy(dst, src)  # ordered after it
+        later = metal.queue.copy(dst.view(0, 8), np.full(8, 9, np.uint8))  # after it
+        assert not copied.done()
+        gate.signal(1)
+        with anyio.fail_after(20):
+            await written
+            await copied
+            await later
+        assert (await dst.read()).tolist() == [9] * 8 + [7] * 56
