@@ -25,7 +25,7 @@ import asyncmetal as am
 from asyncmetal import _device, _device_state, backends
 from asyncmetal._compile import Compiler
 from asyncmetal.backends.cpu import CCompiler, CPUBackend
-from tests.support.interrupts import interrupted
+from tests.support.interrupts import check_queue_making_interrupted, interrupted
 from tests.support.kernels import KERNELS, MSL_KERNELS
 from tests.support.other_kind import held_pair
 from tests.support.queues import (
@@ -1188,11 +1188,6 @@ async def test_a_keyboard_interrupt_as_an_open_hands_its_device_over_closes_it(
     assert at >= 4
 
 
-# Where an interrupt loses a native queue, and nothing in Python can keep it: the
-# backend's new_queue returned it, and Queue.__init__ has not stored it yet.
-NATIVE_QUEUE_IN_FLIGHT = {"__init__ return new_queue"}
-
-
 @pytest.mark.anyio
 async def test_a_keyboard_interrupt_as_a_queue_is_made_leaves_none_unreleased(
     anyio_backend: object, device_name: str, monkeypatch: pytest.MonkeyPatch
@@ -1202,54 +1197,19 @@ async def test_a_keyboard_interrupt_as_a_queue_is_made_leaves_none_unreleased(
     the backend made the native queue, before the device recorded it -- either comes
     after the caller got the queue, or leaves nothing of it: every native queue made is
     released, by the device's close at the latest (a cpu queue's thread stopped),
-    except where the backend's new_queue returned it and it is not stored yet
-    (NATIVE_QUEUE_IN_FLIGHT).
+    except where the backend's new_queue returned it and it is not stored yet (nothing
+    in Python can keep it there: see check_queue_making_interrupted).
     Checked failing before: an interrupt as Queue() returned into new_queue left the
     native queue (its thread) unreleased by the close."""
-    device = await am.open_device(device_name)
-    natives = type(device.queue._native)
-    backend = type(device._backend)
-    await device.close()
-    made: list[object] = []
-    closed: list[object] = []
-    make, close = backend.new_queue, natives.close
-
-    def new_queue(self: Any, timeline: Any) -> Any:
-        native = make(self, timeline)
-        made.append(native)
-        return native
-
-    def closing(self: Any, abandon: bool = False) -> None:
-        close(self, abandon)
-        closed.append(self)
-
-    monkeypatch.setattr(backend, "new_queue", new_queue)
-    monkeypatch.setattr(natives, "close", closing)
-    codes = {am.Device.new_queue.__code__, am.Queue.__init__.__code__}
-    at = 0
-    while True:
-        device = await am.open_device(device_name)
-        handed: list[am.Queue] = []
-        gc.collect()  # (none runs a finalizer meanwhile: its interrupt would be reported)
-        gc.disable()
-        try:
-            with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
-                handed.append(device.new_queue())
-        finally:
-            gc.enable()
-        if raised and raised[0] in NATIVE_QUEUE_IN_FLIGHT:
-            made.clear()  # (lost: see NATIVE_QUEUE_IN_FLIGHT)
-        assert bool(handed) != bool(raised), raised
-        handed.clear()
-        with anyio.fail_after(20):
-            await device.close()
-        unreleased = [native for native in made if not any(native is c for c in closed)]
-        assert not unreleased, f"interrupted at {raised}"
-        made.clear()
-        closed.clear()
-        if not raised:
-            break
-        at += 1
+    async with am.open_device(device_name) as device:
+        natives = type(device.queue._native)
+    at = await check_queue_making_interrupted(
+        monkeypatch,
+        device_name,
+        "new_queue",
+        natives,
+        lambda device: device.new_queue(),
+    )
     assert at >= 8
 
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _RESUMABLE = inspect.CO_COROUTINE | inspect.CO_GENERATOR | inspect.CO_ITERABLE_COROUTINE
@@ -53,3 +54,73 @@ def interrupted(codes: set[types.CodeType], at: int) -> Iterator[list[str]]:
     finally:
         sys.setprofile(None)
         sys.unraisablehook = hook
+
+
+async def check_queue_making_interrupted(
+    monkeypatch: Any,
+    device_name: str,
+    hook: str,
+    natives: type,
+    make: Callable[[Any], Any],
+) -> int:
+    """Interrupt ``make(device)`` -- a call of ``Device.<hook's maker>`` that makes a
+    Queue through the backend's ``hook`` (``new_queue``, ``adopt_queue``) -- at each
+    call entry and return of that maker and ``Queue.__init__`` in turn, on a fresh
+    device of ``device_name`` each time, until one is not interrupted. Each time the
+    interrupt either came after the caller got the queue, or left nothing of it: every
+    native queue (of type ``natives``) the backend made is released by the device's
+    close at the latest -- except where the interrupt came as the backend's hook
+    returned it into ``Queue.__init__`` (nothing in Python stores it yet). Where
+    interrupted, the same call made again works. Returns how many places were
+    interrupted."""
+    import anyio
+
+    import asyncmetal as am
+
+    made: list[object] = []
+    closed: list[object] = []
+    device = await am.open_device(device_name)
+    backend = type(device._backend)
+    await device.close()
+    backend_make, close = getattr(backend, hook), natives.close
+
+    def making(self: Any, *args: Any) -> Any:
+        native = backend_make(self, *args)
+        made.append(native)
+        return native
+
+    def closing(self: Any, abandon: bool = False) -> None:
+        close(self, abandon)
+        closed.append(self)
+
+    monkeypatch.setattr(backend, hook, making)
+    monkeypatch.setattr(natives, "close", closing)
+    maker = am.Device.new_queue if hook == "new_queue" else am.Device.adopt_stream
+    codes = {maker.__code__, am.Queue.__init__.__code__}
+    at = 0
+    while True:
+        device = await am.open_device(device_name)
+        handed: list[Any] = []
+        gc.collect()  # (none runs a finalizer meanwhile: its interrupt would be reported)
+        gc.disable()
+        try:
+            with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+                handed.append(make(device))
+        finally:
+            gc.enable()
+        if raised and raised[0] == "__init__ return making":  # (the hook, as wrapped)
+            made.clear()  # (nothing in Python holds it yet: lost)
+        assert bool(handed) != bool(raised), raised
+        if raised:  # made again, whole
+            with anyio.fail_after(20):
+                await make(device).marker()
+        handed.clear()
+        with anyio.fail_after(20):
+            await device.close()
+        unreleased = [native for native in made if not any(native is c for c in closed)]
+        assert not unreleased, f"interrupted at {raised}"
+        made.clear()
+        closed.clear()
+        if not raised:
+            return at
+        at += 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import pickle
@@ -11,7 +10,6 @@ import sys
 import textwrap
 import threading
 import time
-from typing import Any
 
 import anyio
 import numpy as np
@@ -19,7 +17,7 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal._scalars import host_types
-from tests.support.interrupts import interrupted
+from tests.support.interrupts import check_queue_making_interrupted
 from tests.support.launch_paths import PATHS, select_launch_path
 from tests.support.queues import (
     check_buffers_usable,
@@ -1202,51 +1200,13 @@ async def test_a_keyboard_interrupt_as_a_stream_is_adopted_leaves_none_unrelease
     native queue unreleased by the close."""
     torch = pytest.importorskip("torch")
     stream = torch.cuda.Stream()
-    device = await am.open_device("cuda:0")
-    natives = type(device.adopt_stream(stream)._native)
-    backend = type(device._backend)
-    await device.close()
-    made: list[object] = []
-    closed: list[object] = []
-    adopt, close = backend.adopt_queue, natives.close
-
-    def adopt_queue(self: Any, timeline: Any, stream: object) -> Any:
-        native = adopt(self, timeline, stream)
-        made.append(native)
-        return native
-
-    def closing(self: Any, abandon: bool = False) -> None:
-        close(self, abandon)
-        closed.append(self)
-
-    monkeypatch.setattr(backend, "adopt_queue", adopt_queue)
-    monkeypatch.setattr(natives, "close", closing)
-    codes = {am.Device.adopt_stream.__code__, am.Queue.__init__.__code__}
-    at = 0
-    while True:
-        device = await am.open_device("cuda:0")
-        handed: list[am.Queue] = []
-        gc.collect()  # (none runs a finalizer meanwhile: its interrupt would be reported)
-        gc.disable()
-        try:
-            with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
-                handed.append(device.adopt_stream(stream))
-        finally:
-            gc.enable()
-        if raised and raised[0] == "__init__ return adopt_queue":
-            made.clear()  # (nothing in Python holds it yet: lost)
-        assert bool(handed) != bool(raised), raised
-        if raised:  # adopted again whole
-            with anyio.fail_after(20):
-                await device.adopt_stream(stream).marker()
-        handed.clear()
-        with anyio.fail_after(20):
-            await device.close()
-        unreleased = [native for native in made if not any(native is c for c in closed)]
-        assert not unreleased, f"interrupted at {raised}"
-        made.clear()
-        closed.clear()
-        if not raised:
-            break
-        at += 1
+    async with am.open_device("cuda:0") as device:
+        natives = type(device.adopt_stream(stream)._native)
+    at = await check_queue_making_interrupted(
+        monkeypatch,
+        "cuda:0",
+        "adopt_queue",
+        natives,
+        lambda device: device.adopt_stream(stream),
+    )
     assert at >= 4
