@@ -20,16 +20,19 @@ def _run(
     args: list[str],
     *,
     hide: tuple[str, ...] = (),
+    site: str = "",
     tmp_path: Path | None = None,
     env: dict[str, str] | None = None,
+    unset: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python ARGS`` with ``env`` added; modules in ``hide`` cannot be imported."""
-    env = {**os.environ, **(env or {})}
-    if hide:
+    """Run ``python ARGS`` with ``env`` added and ``unset`` removed; modules in
+    ``hide`` cannot be imported, and ``site`` runs at start-up."""
+    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in unset}
+    if hide or site:
         assert tmp_path is not None
         # sitecustomize runs at start-up: a None in sys.modules makes a module absent.
         (tmp_path / "sitecustomize.py").write_text(
-            "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in hide)
+            "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in hide) + site
         )
         env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
     return subprocess.run(
@@ -166,24 +169,14 @@ def test_no_home_directory_runs_the_demo_without_a_disk_cache(tmp_path: Path) ->
     """No $HOME and a user the password database does not know (a container run as an
     arbitrary uid): the demo runs, one line saying there is no disk cache. Checked:
     before, a traceback ending in pathlib's "Could not determine home directory"."""
-    (tmp_path / "sitecustomize.py").write_text(
+    site = (
         "import pwd\n"
         "def _unknown(uid):\n"
         "    raise KeyError(f'getpwuid(): uid not found: {uid}')\n"
         "pwd.getpwuid = _unknown\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("HOME", "XDG_CACHE_HOME")}
-    env.pop("ASYNCMETAL_CACHE_DIR", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
-    proc = subprocess.run(
-        [sys.executable, "-m", "asyncmetal", "demo"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env=env,
-        cwd=ROOT,
-    )
+    unset = ("HOME", "XDG_CACHE_HOME", "ASYNCMETAL_CACHE_DIR")
+    proc = _run(["-m", "asyncmetal", "demo"], site=site, tmp_path=tmp_path, unset=unset)
     assert proc.returncode == 0, proc.stderr
     (line,) = proc.stderr.splitlines()
     assert "CacheWarning" in line and "set $ASYNCMETAL_CACHE_DIR" in line, line

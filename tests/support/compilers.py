@@ -32,10 +32,8 @@ class SlowCompiler(CCompiler):
         return super().compile(src)
 
 
-class CrashingCompiler(CCompiler):
-    """Kills its own worker: by a signal or by exiting."""
-
-    name = "crashing-cc"
+class _HowCompiler(CCompiler):
+    """A C compiler configured by ``how`` it misbehaves."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
@@ -43,6 +41,12 @@ class CrashingCompiler(CCompiler):
 
     def config(self) -> tuple[Any, ...]:
         return (self.how,)
+
+
+class CrashingCompiler(_HowCompiler):
+    """Kills its own worker: by a signal or by exiting."""
+
+    name = "crashing-cc"
 
     def compile(self, src: str) -> bytes:
         if self.how == "segfault":
@@ -174,18 +178,11 @@ class ReadingCompiler(CCompiler):
         return super().compile(src)
 
 
-class WrongTypeCompiler(CCompiler):
+class WrongTypeCompiler(_HowCompiler):
     """A custom compiler's slips: ``compile`` returning a str, or (``log``) a binary
     with a ``last_log`` that is not a str."""
 
     name = "wrong-type-cc"
-
-    def __init__(self, how: str) -> None:
-        super().__init__()
-        self.how = how
-
-    def config(self) -> tuple[Any, ...]:
-        return (self.how,)
 
     def compile(self, src: str) -> bytes:
         if self.how == "log":

@@ -662,27 +662,7 @@ class MetalQueue(NativeQueue):
         it) or is abandoned (nothing more is committed). Waits held before it, whose
         values were reached, are marked first: their completions do not wait for this
         one (as on a queue whose waits run one after another)."""
-        if not wait.ready(target):
-            try:
-                self._flush_held()
-            except Exception as exc:  # (its mark is then carried by the next buffer)
-                thread = threading.current_thread()
-                threading.excepthook(
-                    threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, thread))
-                )
-        with self._lock:
-            stop = self._discarding or self._dropping
-            self._host_waiting = None if stop else wait
-        flag = ctypes.byref(self._stop_host_wait)
-        try:
-            while not stop and not self._backend.lib.am_host_wait(
-                wait.c_timeline, target, wait.on_gpu, flag, HOST_WAIT_NAP_NS
-            ):
-                stop = bool(self._stop_host_wait.value)
-        finally:
-            with self._lock:
-                self._host_waiting = None
-                discarding = self._discarding
+        discarding = self._park(wait, target, wait.on_gpu, flush=not wait.ready(target))
         if not wait.ready(target):
             if discarding:
                 self._drop(self._hold_wait, (wait, target, value), None)
@@ -808,26 +788,38 @@ class MetalQueue(NativeQueue):
         own = self._timeline
         if target <= 0 or own.value >= target:
             return True
-        try:
-            self._flush_held()
-        except Exception as exc:  # (its mark is then carried by the next buffer)
-            thread = threading.current_thread()
-            threading.excepthook(
-                threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, thread))
-            )
+        self._park(own, target, False, flush=True)
+        return bool(self._backend.lib.am_host_wait(own.c_timeline, target, False, None, 0))
+
+    def _park(
+        self, wait: MetalTimeline | HostWait, target: int, on_gpu: bool, *, flush: bool
+    ) -> bool:
+        """On the queue's own thread: wait until ``wait`` (``on_gpu``: its GPU side) got
+        to ``target``, or the queue discards or is abandoned -- committing first, where
+        ``flush``, the wait commands no buffer carries yet. Returns whether the queue
+        was discarding once the wait ended."""
+        if flush:
+            try:
+                self._flush_held()
+            except Exception as exc:  # (its mark is then carried by the next buffer)
+                thread = threading.current_thread()
+                threading.excepthook(
+                    threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, thread))
+                )
         with self._lock:
             stop = self._discarding or self._dropping
-            self._host_waiting = None if stop else own
+            self._host_waiting = None if stop else wait
         flag = ctypes.byref(self._stop_host_wait)
         try:
             while not stop and not self._backend.lib.am_host_wait(
-                own.c_timeline, target, False, flag, HOST_WAIT_NAP_NS
+                wait.c_timeline, target, on_gpu, flag, HOST_WAIT_NAP_NS
             ):
                 stop = bool(self._stop_host_wait.value)
         finally:
             with self._lock:
                 self._host_waiting = None
-        return bool(self._backend.lib.am_host_wait(own.c_timeline, target, False, None, 0))
+                discarding = self._discarding
+        return discarding
 
     def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
         # The destination is written in place by the blit, through a buffer over its
