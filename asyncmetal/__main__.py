@@ -109,7 +109,7 @@ async def demo(name: str | None) -> None:
         for label, c in [("scale", c1), ("offset", c2), ("square", c3)]:
             start, end = c.start_time, c.end_time
             took = f"{1e3 * (end - start):6.2f} ms" if start and end else "?"
-            print(f"  {label:7s} queue value {c.value}: {took} on the device")
+            print(f"  {label:7s} (command {c.value} of its queue): {took} on the device")
         result = await buf.read(np.float32)
         expected = (data * 3 + 1) ** 2
         ok = np.allclose(result, expected)
@@ -155,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("info", help="list the devices that can be opened")
     demo_parser = sub.add_parser("demo", help="run a short checked job on a device")
     demo_parser.add_argument(
-        "--device", default="cpu", help="a device `info` lists (the demo's kernels are C: cpu)"
+        "--device", default="cpu", help="a cpu device: cpu or cpu:N (the demo's kernels are C)"
     )
     demo_parser.add_argument("--loop", choices=_LOOPS, default="asyncio")
     bench_parser = sub.add_parser(
