@@ -1485,7 +1485,7 @@ class CompileMany:
                 if self._pid != os.getpid():  # a forked child's: the parent's jobs
                     break
                 for _ in range(claims):
-                    pool.withdraw(job)
+                    pool.withdraw(job, untimed=self._timeout is None)
             self._jobs.clear()
             self._ready.clear()
             self._events.increment()  # a step waiting wakes, and stops
@@ -1604,7 +1604,7 @@ class CompileMany:
             log = ""
             if not isinstance(result, bytes):  # a finished pool job
                 pool = self._device.compile_pool
-                pool.withdraw(result)
+                pool.withdraw(result, untimed=self._timeout is None)
                 self._jobs[result] -= 1
                 if not self._jobs[result]:
                     del self._jobs[result]
