@@ -244,7 +244,7 @@ class _Worker:
         try:
             write_message(proc.stdin, (job.compiler, job.src))
             job.started = True
-            if job.deadline is not None and not _replies_in_time(proc.stdout, job):
+            if job.deadline is not None and not self._replies_by_deadline(proc.stdout, job):
                 self._kill()
                 return _timed_out(job)
             reply = read_message(proc.stdout)
@@ -255,6 +255,21 @@ class _Worker:
             job.log = reply[2]
             return data
         return CompileError(reply[1], reply[2])
+
+    def _replies_by_deadline(self, pipe: Any, job: _Job) -> bool:
+        """Whether ``pipe`` has something to read before ``job``'s deadline. If not,
+        the job leaves those in flight in the critical section that finds its deadline
+        passed (a request joining it there puts the deadline later): a request from
+        then on starts the compile afresh rather than join one being ended."""
+        pool = self.pool
+        while not _replies_in_time(pipe, job):
+            with pool._lock:
+                deadline = job.deadline
+                if deadline is not None and deadline <= time.monotonic():
+                    if pool._in_flight.get(job.key) is job:
+                        del pool._in_flight[job.key]
+                    return False
+        return True
 
     def _death_message(self) -> str:
         proc = self.proc

@@ -1475,6 +1475,40 @@ async def test_a_cancelled_caller_without_a_timeout_gives_the_compile_its_timeou
         await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
 
 
+async def test_a_compile_asked_for_as_its_worker_ends_it_for_a_timeout_starts_afresh(
+    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request for a source whose compile its worker is ending (its timeout passed:
+    the worker kills the compiler) starts the compile afresh, with its own timeout: it
+    gets the binary. Checked: before, it joined the compile being ended, and got its
+    "timed out" at once -- as "timed out after 60 s" -- long before its own timeout."""
+    from asyncmetal import _pool
+    from tests.support.compilers import GatedCompiler, gate_name
+
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    compiler, src = GatedCompiler(str(tmp_path)), _src("gated, ended, asked again")
+    key = source_key(await compiler_identity(compiler), src)
+    later: list[Any] = []
+    kill = _pool._Worker._kill
+
+    def killing(worker: Any) -> None:  # the worker has decided: the request comes now
+        if not later:
+            later.append(pool.submit(compiler, src, key, timeout=BOUND))
+            (tmp_path / gate_name(src)).touch()  # (the compile asked for again ends)
+        kill(worker)
+
+    monkeypatch.setattr(_pool._Worker, "_kill", killing)
+    try:
+        with anyio.fail_after(BOUND / 2):
+            with pytest.raises(am.CompileError, match=r"timed out after 1\.0 s"):
+                await pool.compile(compiler, src, timeout=1.0)
+            assert later
+            assert isinstance(await pool.wait(later[0], BOUND), bytes)
+    finally:
+        (tmp_path / gate_name(src)).touch()
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+
+
 @pytest.mark.parametrize("timeout", [None, BOUND / 2])
 async def test_what_a_compilers_child_prints_does_not_reach_the_replies(
     pool: CompilePool, timeout: float | None
