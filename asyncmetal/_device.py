@@ -246,6 +246,8 @@ class Device:
         self._in_turn: collections.deque[Queue] = collections.deque()
         self._releases: dict[Queue, HostEvents] = {}  # under way: reach 1 once done
         self._taken: dict[Queue, None] = {}  # those a release thread took (_start_release)
+        # The numbers of collected queues handed to a release thread not yet run.
+        self._dropping: set[int] = set()
         self._release_threads: list[threading.Thread] = []
         # Queues from new_queue() with nothing in flight that the device let go of (see
         # _let_go_of_idle_queues): alive while someone holds them. One collected leaves
@@ -419,11 +421,22 @@ class Device:
         else:
             ready = self._settled_in_turn(RELEASE_LOOKS)
         self._release(ready)
-        dropped = self._take_dropped()
-        for _, timeline in dropped:  # its close ends waits on it (none reach it)
-            self._timelines.add(timeline)
-        if dropped:
-            self._start_release([], [native for native, _ in dropped])
+        # The collected queues' natives stay recorded (by number, among those dropped)
+        # until the release thread takes them: a KeyboardInterrupt before it started
+        # leaves them to a later call, or to the device's close.
+        dropped = [n for n in self._dropped_queues[:] if n not in self._dropping]
+        if not dropped:
+            return
+        for number in dropped:  # its close ends waits on it (none reach it)
+            recorded = self._natives.get(number)
+            if recorded is not None:
+                self._timelines.add(recorded[1])
+        try:
+            self._dropping.update(dropped)  # (not handed to another release thread)
+            self._start_release([], dropped=dropped)
+        except BaseException:
+            self._dropping.difference_update(dropped)  # (taken by none: for a later call)
+            raise
 
     def _settled_in_turn(self, looks: int) -> list[Queue]:
         """The settled ones among the next ``looks`` closed queues in turn (submission
@@ -442,12 +455,20 @@ class Device:
                 turn.append(queue)
         return ready
 
-    def _take_dropped(self) -> list[tuple[NativeQueue, Timeline]]:
-        """The native queues (and timelines) of the queues collected since last time."""
-        numbers = self._dropped_queues[:]  # (finalizers append meanwhile)
-        del self._dropped_queues[: len(numbers)]
-        natives = [self._natives.pop(number, None) for number in numbers]
-        return [native for native in natives if native is not None]
+    def _take_dropped(self, numbers: list[int] | None = None) -> list[NativeQueue]:
+        """The native queues of the queues collected (those numbered ``numbers``, or
+        all), taken off the records (submission lock held; those taken before left)."""
+        if numbers is None:
+            numbers = self._dropped_queues[:]  # (finalizers append meanwhile)
+        taken = []
+        for number in numbers:
+            self._dropping.discard(number)
+            with contextlib.suppress(ValueError):
+                self._dropped_queues.remove(number)
+            recorded = self._natives.pop(number, None)
+            if recorded is not None:
+                taken.append(recorded[0])
+        return taken
 
     def _let_go_of_idle_queues(self) -> None:
         """Stop keeping alive the queues from new_queue() that have nothing in flight
@@ -1163,12 +1184,15 @@ class Device:
         self,
         queues: list[Queue],
         natives: list[NativeQueue] = (),  # type: ignore[assignment]
+        dropped: list[int] = (),  # type: ignore[assignment]
     ) -> None:
-        """Close ``queues`` (claimed: see _release) and the native queues of collected
-        ones natively on a thread: it may block, never on a loop. Submission lock held,
-        from the claim of what it releases on: the device's close, which seals the
-        device under that lock, then finds the thread among ``_release_threads`` and
-        waits for it before it closes the backend."""
+        """Close ``queues`` (claimed: see _release), ``natives`` and the native queues
+        of the collected queues numbered ``dropped`` (taken off the records by the
+        thread, those another took left) natively on a thread: it may block, never on a
+        loop. Submission lock held, from the claim of what it releases on: the
+        device's close, which seals the device under that lock, then finds the thread
+        among ``_release_threads`` and waits for it before it closes the backend (and
+        then releases the collected queues' natives no thread took)."""
 
         def release() -> None:
             # Each queue is released by the thread that takes it: a release started
@@ -1176,14 +1200,16 @@ class Device:
             # among _releases), and leaves it. Each queue's own record of its release
             # reaches 1 once it is done.
             mine: list[Queue] = []
+            theirs = list(natives)
             try:
                 with self._state.submitting:
                     mine = [q for q in queues if q in self._releases and q not in self._taken]
                     self._taken.update(dict.fromkeys(mine))
+                    theirs += self._take_dropped(dropped)
                 for queue in mine:
                     with contextlib.suppress(Exception):  # (the device's close reports it)
                         close_native(queue, False)
-                for native in natives:
+                for native in theirs:
                     with contextlib.suppress(Exception):
                         native.close(False)
             finally:
@@ -1259,7 +1285,7 @@ class Device:
         kept = set(self._queues)
         for queue in [*self._queues, *(q for q in list(self._idle) if q not in kept)]:
             _attempt(errors, close_native, queue, abandon or queue in blocked)
-        for native, _ in self._take_dropped():  # collected with nothing in flight
+        for native in self._take_dropped():  # collected with nothing in flight
             _attempt(errors, native.close, abandon)
         self._natives.clear()  # (each closed with its queue)
         self._state.stopped = True  # (other devices' closes wait for these to stop)
@@ -1485,7 +1511,7 @@ class CompileMany:
                 if self._pid != os.getpid():  # a forked child's: the parent's jobs
                     break
                 for _ in range(claims):
-                    pool.withdraw(job)
+                    pool.withdraw(job, untimed=self._timeout is None)
             self._jobs.clear()
             self._ready.clear()
             self._events.increment()  # a step waiting wakes, and stops
@@ -1604,7 +1630,7 @@ class CompileMany:
             log = ""
             if not isinstance(result, bytes):  # a finished pool job
                 pool = self._device.compile_pool
-                pool.withdraw(result)
+                pool.withdraw(result, untimed=self._timeout is None)
                 self._jobs[result] -= 1
                 if not self._jobs[result]:
                     del self._jobs[result]

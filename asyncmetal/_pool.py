@@ -104,7 +104,9 @@ class _Job:
         "result",
         "src",
         "started",
+        "timed_deadline",
         "timeout",
+        "untimed",
     )
 
     def __init__(self, key: str, compiler: Compiler, src: str, timeout: float | None) -> None:
@@ -112,6 +114,11 @@ class _Job:
         # When its worker ends it (time.monotonic(); None: never): its callers' timeouts
         # run from their calls, however long the job waited for a worker to start it.
         self.deadline = None if timeout is None else time.monotonic() + timeout
+        # The latest deadline of its callers with a timeout (None: none had one), and
+        # how many of its claims have none: while one does, the job has no deadline;
+        # once the last of those is withdrawn (cancelled), it has that latest one again.
+        self.timed_deadline = self.deadline
+        self.untimed = 0
         self.started = False  # a worker compiles it
         self.awaiters = 0
         self.result: bytes | CompileError | None = None
@@ -237,7 +244,7 @@ class _Worker:
         try:
             write_message(proc.stdin, (job.compiler, job.src))
             job.started = True
-            if job.deadline is not None and not _replies_in_time(proc.stdout, job):
+            if job.deadline is not None and not self._replies_by_deadline(proc.stdout, job):
                 self._kill()
                 return _timed_out(job)
             reply = read_message(proc.stdout)
@@ -248,6 +255,21 @@ class _Worker:
             job.log = reply[2]
             return data
         return CompileError(reply[1], reply[2])
+
+    def _replies_by_deadline(self, pipe: Any, job: _Job) -> bool:
+        """Whether ``pipe`` has something to read before ``job``'s deadline. If not,
+        the job leaves those in flight in the critical section that finds its deadline
+        passed (a request joining it there puts the deadline later): a request from
+        then on starts the compile afresh rather than join one being ended."""
+        pool = self.pool
+        while not _replies_in_time(pipe, job):
+            with pool._lock:
+                deadline = job.deadline
+                if deadline is not None and deadline <= time.monotonic():
+                    if pool._in_flight.get(job.key) is job:
+                        del pool._in_flight[job.key]
+                    return False
+        return True
 
     def _death_message(self) -> str:
         proc = self.proc
@@ -464,13 +486,17 @@ class CompilePool:
                 self._in_flight[key] = job
                 self._pending.put(job)
                 self._grow()
-            elif job.deadline is not None:  # joined: the job lasts as long as its latest
-                if timeout is None:
-                    job.timeout = job.deadline = None
-                else:
-                    job.timeout = max(cast(float, job.timeout), timeout)
-                    job.deadline = max(job.deadline, time.monotonic() + timeout)
+            elif timeout is None:  # joined: the job lasts as long as its latest caller
+                job.deadline = None
+            else:
+                job.timeout = timeout if job.timeout is None else max(job.timeout, timeout)
+                mine = time.monotonic() + timeout
+                latest = job.timed_deadline
+                job.timed_deadline = mine if latest is None else max(latest, mine)
+                if not job.untimed:
+                    job.deadline = job.timed_deadline
             job.awaiters += 1
+            job.untimed += timeout is None
             if on_done is not None:
                 job.callbacks.append(on_done)
         return job
@@ -566,7 +592,7 @@ class CompilePool:
             with anyio.move_on_after(math.inf if timeout is None else timeout) as waited:
                 await wait_value(job.done, 1)
         except BaseException:
-            self.withdraw(job)
+            self.withdraw(job, untimed=timeout is None)
             raise
         if waited.cancelled_caught:
             try:
@@ -589,10 +615,16 @@ class CompilePool:
         self.cache.warn_if_disabled()  # storing the result may have found the disk full
         return self.result(job)
 
-    def withdraw(self, job: _Job) -> None:
-        """Give up one claim on ``job``; a job nobody claims is skipped if not started."""
+    def withdraw(self, job: _Job, *, untimed: bool = False) -> None:
+        """Give up one claim on ``job``; a job nobody claims is skipped if not started.
+        ``untimed``: the claim was submitted with no timeout -- once no such claim is
+        left, the job ends by the latest deadline of those submitted with one."""
         with self._lock:
             job.awaiters -= 1
+            if untimed:
+                job.untimed -= 1
+                if not job.untimed:
+                    job.deadline = job.timed_deadline
 
     @staticmethod
     def result(job: _Job) -> bytes:

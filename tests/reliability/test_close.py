@@ -1214,6 +1214,60 @@ async def test_a_keyboard_interrupt_as_a_queue_is_made_leaves_none_unreleased(
 
 
 @pytest.mark.anyio
+async def test_a_keyboard_interrupt_as_collected_queues_are_released_loses_none(
+    anyio_backend: object, device_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt wherever CPython delivers one as new_queue starts the
+    release of a queue its owner dropped (collected, its reaper not come yet): the
+    native queue is still released once, by the device's close at the latest.
+    Checked failing before: one after the collected queues' natives were taken off the
+    device's records, before their release thread started ('_take_dropped call
+    <listcomp>', the first), left the native queue (a cpu queue's thread) never
+    closed."""
+    device = await am.open_device(device_name)
+    natives = type(device.queue._native)
+    await device.close()
+    closed: list[object] = []
+    close = natives.close
+
+    def closing(self: Any, abandon: bool = False) -> None:
+        close(self, abandon)
+        closed.append(self)
+
+    monkeypatch.setattr(natives, "close", closing)
+    codes = {
+        _device.Device.new_queue.__code__,
+        _device.Device._release_done.__code__,
+        _device.Device._take_dropped.__code__,
+        _device.Device._start_release.__code__,
+    }
+    at = 0
+    while True:
+        device = await am.open_device(device_name)
+        dropped = device.new_queue()
+        native = dropped._native
+        with device._state.submitting:  # (the reaper releases nothing meanwhile)
+            device._mark_idle(False)  # (so that it is collected once dropped)
+            del dropped
+            gc.collect()
+            assert device._dropped_queues
+            gc.disable()  # (none runs a finalizer meanwhile: its interrupt would be reported)
+            try:
+                with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+                    device.new_queue()
+            finally:
+                gc.enable()
+        with anyio.fail_after(20):
+            await device.close()
+        assert sum(native is c for c in closed) == 1, f"interrupted at {raised}"
+        closed.clear()
+        if not raised:
+            break
+        at += 1
+    assert at >= 6
+
+
+@pytest.mark.anyio
 async def test_a_queue_close_a_keyboard_interrupt_stopped_is_ended_by_the_next(
     anyio_backend: object, device_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1433,6 +1433,82 @@ async def test_a_timed_out_caller_waiting_for_its_compiles_end_is_not_held_by_a_
         await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
 
 
+async def test_a_cancelled_caller_without_a_timeout_gives_the_compile_its_timeout_back(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A caller with no timeout joins a timed compile (its compiler never ends) and is
+    cancelled: the compile has the first caller's timeout again, so its worker kills it
+    then, and the first caller's "timed out" comes once it is ended. Checked: before,
+    the cancelled caller's lifting of the timeout stayed, and the worker went on with
+    the compile nobody awaited (here: until its gate's wait ran out)."""
+    from tests.support.compilers import GatedCompiler, gate_name
+
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    compiler, src = GatedCompiler(str(tmp_path)), _src("gated, joined, cancelled")
+    key = source_key(await compiler_identity(compiler), src)
+    began = tmp_path / (gate_name(src) + ".began")
+    outcome: list[object] = []
+
+    async def first() -> None:
+        try:
+            outcome.append(await pool.compile(compiler, src, timeout=2.0))
+        except am.CompileError as exc:
+            outcome.append(exc)
+
+    try:
+        with anyio.fail_after(BOUND / 2):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(first)
+                while not began.exists():  # the worker runs the compiler
+                    await anyio.sleep(0.01)
+                job = pool._in_flight[key]
+                async with anyio.create_task_group() as joiner:
+                    joiner.start_soon(pool.compile, compiler, src)  # no timeout
+                    while job.awaiters < 2:
+                        await anyio.sleep(0.001)
+                    joiner.cancel_scope.cancel()
+        assert isinstance(outcome[0], am.CompileError), outcome
+        assert "timed out after 2.0 s" in str(outcome[0])
+        assert job.done.value == 1, "the compile went on after its callers were gone"
+    finally:
+        (tmp_path / gate_name(src)).touch()
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+
+
+async def test_a_compile_asked_for_as_its_worker_ends_it_for_a_timeout_starts_afresh(
+    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request for a source whose compile its worker is ending (its timeout passed:
+    the worker kills the compiler) starts the compile afresh, with its own timeout: it
+    gets the binary. Checked: before, it joined the compile being ended, and got its
+    "timed out" at once -- as "timed out after 60 s" -- long before its own timeout."""
+    from asyncmetal import _pool
+    from tests.support.compilers import GatedCompiler, gate_name
+
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    compiler, src = GatedCompiler(str(tmp_path)), _src("gated, ended, asked again")
+    key = source_key(await compiler_identity(compiler), src)
+    later: list[Any] = []
+    kill = _pool._Worker._kill
+
+    def killing(worker: Any) -> None:  # the worker has decided: the request comes now
+        if not later:
+            later.append(pool.submit(compiler, src, key, timeout=BOUND))
+            (tmp_path / gate_name(src)).touch()  # (the compile asked for again ends)
+        kill(worker)
+
+    monkeypatch.setattr(_pool._Worker, "_kill", killing)
+    try:
+        with anyio.fail_after(BOUND / 2):
+            with pytest.raises(am.CompileError, match=r"timed out after 1\.0 s"):
+                await pool.compile(compiler, src, timeout=1.0)
+            assert later
+            assert isinstance(await pool.wait(later[0], BOUND), bytes)
+    finally:
+        (tmp_path / gate_name(src)).touch()
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+
+
 @pytest.mark.parametrize("timeout", [None, BOUND / 2])
 async def test_what_a_compilers_child_prints_does_not_reach_the_replies(
     pool: CompilePool, timeout: float | None
