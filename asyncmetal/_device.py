@@ -965,15 +965,18 @@ class Device:
         after a device wait for a value never produced, say, which it cannot be closed
         to be rid of). So after one call that raised, the device is usable again and
         a later call raises only what failed since (or another queue's failure not
-        raised yet, one per call). ``Queue.synchronize`` raises its queue's failure
-        every time."""
+        raised yet, one per call). Calls made at once each raise it: what counts is what
+        was raised before the call began. ``Queue.synchronize`` raises its queue's
+        failure every time."""
         failed: tuple[Queue, int, AsyncMetalError] | None = None
-        for queue in list(self._queues):
+        queues = list(self._queues)
+        reported = [queue._reported for queue in queues]  # (as the call began)
+        for queue, before in zip(queues, reported, strict=True):
             value = queue.submitted
             try:
                 await wait_finished(queue, value)
             except AsyncMetalError as exc:
-                if failed is None and value > queue._reported:
+                if failed is None and value > before:
                     failed = (queue, value, exc)
         if failed is not None:
             queue, value, failure = failed

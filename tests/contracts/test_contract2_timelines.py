@@ -179,6 +179,32 @@ async def test_the_devices_synchronize_reports_a_failure_once(
         await device.synchronize()
 
 
+async def test_synchronize_calls_made_at_once_each_raise_the_failure(
+    device: am.Device,
+) -> None:
+    """Two ``synchronize()`` calls made at once, while the default queue's failure has
+    not been raised yet, each raise it (neither caller is told all went well); a call
+    made after them returns. Checked failing before: the second call to resume
+    returned as if nothing had failed."""
+    await fail_default_queue_for_good(device)
+    outcomes: list[BaseException | None] = []
+
+    async def synchronize() -> None:
+        try:
+            await device.synchronize()
+        except am.ClosedResourceError as exc:
+            outcomes.append(exc)
+        else:
+            outcomes.append(None)
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(synchronize)
+            tg.start_soon(synchronize)
+        assert len(outcomes) == 2 and all(o is not None for o in outcomes), outcomes
+        await device.synchronize()
+
+
 async def test_a_queue_used_in_the_default_queues_stead_failing_for_good_is_replaced(
     device: am.Device,
 ) -> None:
