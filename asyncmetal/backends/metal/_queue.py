@@ -270,11 +270,12 @@ class MetalQueue(NativeQueue):
         copy_back: tuple[int, int, int] | None,
         record: Record,
         then: tuple[int, int] | None,
+        hand: bool = True,
     ) -> None:
         # The command buffer and its encoders are autoreleased: without a pool they would
         # stay alive until this thread exits (the loop's thread: never).
         with autorelease_pool():
-            self._encode_and_commit(value, encode, keep, copy_back, record, then)
+            self._encode_and_commit(value, encode, keep, copy_back, record, then, hand)
 
     def _hand_over(
         self, step: Callable[..., None], *args: Any, command: _Command | None = None
@@ -377,7 +378,11 @@ class MetalQueue(NativeQueue):
             value, first = self._discarded_to, self._discarded_from
             own = self._timeline.c_timeline
             self._backend.lib.am_timeline_fail_from(own, first, AM_DISCARDED, first, own)
-            self._commit(value, lambda cb: None, None, None, Record(value), None)
+            # Its value is not handed to other queues' GPU waits: a staged copy to the
+            # host before it whose handler has not run yet (the discard ended the wait
+            # for it, see _staged_copyout) would be handed with it. The values it takes
+            # the timeline through failed already: waits for them are ready.
+            self._commit(value, lambda cb: None, None, None, Record(value), None, hand=False)
 
     def _step_failed(self, command: _Command, error: BaseException) -> None:
         """The worker's step for ``command`` raised: the command fails with ``error``. An
@@ -400,6 +405,7 @@ class MetalQueue(NativeQueue):
         copy_back: tuple[int, int, int] | None,
         record: Record,
         then: tuple[int, int] | None,
+        hand: bool = True,
     ) -> None:
         cb = send(self._queue, "commandBuffer")
         if not cb:
@@ -410,7 +416,7 @@ class MetalQueue(NativeQueue):
             return
         with self._commit_lock:
             try:
-                still, block = self._encode(cb, value, encode, copy_back, then)
+                still, block = self._encode(cb, value, encode, copy_back, then, hand)
             except BaseException:
                 release(cb)  # never committed (its waits are carried by the next one)
                 raise
@@ -433,9 +439,11 @@ class MetalQueue(NativeQueue):
         encode: Callable[[int], None],
         copy_back: tuple[int, int, int] | None,
         then: tuple[int, int] | None,
+        hand: bool = True,
     ) -> tuple[list[tuple[MetalTimeline, int]], Any]:
         """Encode command ``value`` into ``cb`` after the waits not reached yet, and
-        commit it; returns those waits and its completion handler's block."""
+        commit it; returns those waits and its completion handler's block. ``hand``:
+        other queues' waits for ``value`` may go to the GPU once it is committed."""
         still = []
         for timeline, target in self._waits:
             if timeline.device_value() < target:
@@ -475,8 +483,9 @@ class MetalQueue(NativeQueue):
         send(cb, "addCompletedHandler:", ctypes.addressof(block), restype=None)
         send(cb, "commit", restype=None)
         # Waits for what it signals go to the GPU from now on (those held go on) -- not
-        # for a copy whose bytes its handler moves to the host (see _staged_copyout).
-        if copy_back is None:
+        # for a copy whose bytes its handler moves to the host (see _staged_copyout),
+        # nor where ``hand`` is False (see _end_discard).
+        if copy_back is None and hand:
             self._backend.lib.am_signal_committed(self._timeline.c_timeline, value)
         if then is not None:
             self._backend.lib.am_signal_committed(*then)

@@ -4,6 +4,7 @@ thread and the loop's (against the simulated Metal, whose hooks order them)."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import os
 import textwrap
@@ -617,3 +618,54 @@ async def test_a_copy_from_memory_metal_does_not_wrap_takes_it_after_its_writer(
             await copied
             await later
         assert (await dst.read()).tolist() == [9] * 8 + [7] * 56
+
+
+@every_loop
+async def test_a_discard_hands_no_staged_copy_to_the_host_to_gpu_waits_before_its_handler(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Metal queue copies a Metal buffer into a cpu buffer's memory, staged (its
+    handler moves the bytes; the simulation holds that handler back), and is closed
+    with discard=True as its thread waits for that handler: the command after the copy
+    is dropped, the copy ran. Another Metal queue waits for the copy's value and copies
+    the cpu buffer into a Metal buffer: it must read the copy's bytes. The empty command
+    buffer that takes the discarding queue's timeline past what it dropped handed its
+    value to the GPU's waits, that for the copy among them, before the copy's handler
+    ran: the reader read the old bytes. Checked failing without the fix."""
+    unwrapped(monkeypatch, above=32)  # the first copy's 64 bytes, not the second's 32
+    async with am.open_device("cpu") as cpu, am.open_device("metal") as metal:
+        c = await cpu.alloc(64)
+        m1, m2 = await metal.alloc(64), await metal.alloc(64)
+        await c.write(np.zeros(64, np.uint8))
+        await m1.write(np.full(64, 5, np.uint8))
+        await m2.write(np.zeros(64, np.uint8))
+        first, second = metal.new_queue(), metal.new_queue()
+        handlers = first._native._queue  # type: ignore[attr-defined]
+        metal_sim.hold_handlers(handlers, True)
+        try:
+            copied = first.copy(c, m1)  # staged: its handler moves the bytes
+            dropped = first.copy(m1.view(0, 16), np.zeros(16, np.uint8))  # behind it
+            second.wait(first.timeline, copied.value)
+            read = second.copy(m2.view(0, 32), c.view(0, 32))
+            native = first._native  # type: ignore[attr-defined]
+            await _until(lambda: native._host_waiting is not None)  # the copy committed
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(functools.partial(first.close, discard=True))
+                # The discard ran (the copy's successor dropped); the GPU ran what it
+                # was handed meanwhile: the reader is given a second to run before the
+                # copy's handler.
+                await _until(lambda: native._discarded_to and not native._busy)
+                event = second._native._timeline  # type: ignore[attr-defined]
+                with anyio.move_on_after(1):
+                    while event.device_value() < read.value:
+                        await anyio.sleep(0.001)
+                metal_sim.hold_handlers(handlers, False)
+        finally:
+            metal_sim.hold_handlers(handlers, False)
+        with anyio.fail_after(20):
+            await copied
+            await read
+            with pytest.raises(am.ClosedResourceError, match="discarded"):
+                await dropped
+        assert (await c.read()).tolist() == [5] * 64
+        assert (await m2.read()).tolist() == [5] * 32 + [0] * 32
