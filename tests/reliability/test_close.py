@@ -25,7 +25,7 @@ import asyncmetal as am
 from asyncmetal import _device, _device_state, backends
 from asyncmetal._compile import Compiler
 from asyncmetal.backends.cpu import CCompiler, CPUBackend
-from tests.support.interrupts import check_queue_making_interrupted, interrupted
+from tests.support.interrupts import check_queue_making_interrupted, interrupted, native_closes
 from tests.support.kernels import KERNELS, MSL_KERNELS
 from tests.support.other_kind import held_pair
 from tests.support.queues import (
@@ -1224,17 +1224,7 @@ async def test_a_keyboard_interrupt_as_collected_queues_are_released_loses_none(
     device's records, before their release thread started ('_take_dropped call
     <listcomp>', the first), left the native queue (a cpu queue's thread) never
     closed."""
-    device = await am.open_device(device_name)
-    natives = type(device.queue._native)
-    await device.close()
-    closed: list[object] = []
-    close = natives.close
-
-    def closing(self: Any, abandon: bool = False) -> None:
-        close(self, abandon)
-        closed.append(self)
-
-    monkeypatch.setattr(natives, "close", closing)
+    closed = await native_closes(monkeypatch, device_name)
     codes = {
         _device.Device.new_queue.__code__,
         _device.Device._release_done.__code__,
@@ -1274,17 +1264,7 @@ async def test_a_queue_close_a_keyboard_interrupt_stopped_is_ended_by_the_next(
     """A KeyboardInterrupt wherever CPython delivers one in a queue's close (trio raises
     Ctrl-C in whatever Python code its task runs): closing the queue again returns once
     its native queue is released, as a close not interrupted does."""
-    device = await am.open_device(device_name)
-    natives = type(device.queue._native)
-    await device.close()
-    closed: list[object] = []
-    close = natives.close
-
-    def closing(self: Any, abandon: bool = False) -> None:
-        close(self, abandon)
-        closed.append(self)
-
-    monkeypatch.setattr(natives, "close", closing)
+    closed = await native_closes(monkeypatch, device_name)
     codes = {
         am.Queue.close.__code__,
         _device.Device._close_queue.__code__,

@@ -56,6 +56,27 @@ def interrupted(codes: set[types.CodeType], at: int) -> Iterator[list[str]]:
         sys.unraisablehook = hook
 
 
+async def native_closes(
+    monkeypatch: Any, device_name: str, natives: type | None = None
+) -> list[object]:
+    """The list that native queues of ``device_name``'s backend (or of type
+    ``natives``) append themselves to once their close ran."""
+    import asyncmetal as am
+
+    if natives is None:
+        async with am.open_device(device_name) as device:
+            natives = type(device.queue._native)
+    closed: list[object] = []
+    close = natives.close
+
+    def closing(self: Any, abandon: bool = False) -> None:
+        close(self, abandon)
+        closed.append(self)
+
+    monkeypatch.setattr(natives, "close", closing)
+    return closed
+
+
 async def check_queue_making_interrupted(
     monkeypatch: Any,
     device_name: str,
@@ -78,23 +99,17 @@ async def check_queue_making_interrupted(
     import asyncmetal as am
 
     made: list[object] = []
-    closed: list[object] = []
-    device = await am.open_device(device_name)
-    backend = type(device._backend)
-    await device.close()
-    backend_make, close = getattr(backend, hook), natives.close
+    async with am.open_device(device_name) as device:
+        backend = type(device._backend)
+    backend_make = getattr(backend, hook)
 
     def making(self: Any, *args: Any) -> Any:
         native = backend_make(self, *args)
         made.append(native)
         return native
 
-    def closing(self: Any, abandon: bool = False) -> None:
-        close(self, abandon)
-        closed.append(self)
-
     monkeypatch.setattr(backend, hook, making)
-    monkeypatch.setattr(natives, "close", closing)
+    closed = await native_closes(monkeypatch, device_name, natives)
     maker = am.Device.new_queue if hook == "new_queue" else am.Device.adopt_stream
     codes = {maker.__code__, am.Queue.__init__.__code__}
     at = 0

@@ -544,6 +544,18 @@ async def test_two_threads_asking_a_failure_keep_a_failed_wait(
         assert all(isinstance(error, am.DeviceLostError) for error in seen), seen
 
 
+async def _zeros_fives_zeros(
+    cpu: am.Device, metal: am.Device
+) -> tuple[am.Buffer, am.Buffer, am.Buffer]:
+    """64 bytes each: a cpu buffer of zeros, a Metal buffer of 5s, a Metal one of zeros."""
+    c = await cpu.alloc(64)
+    m1, m2 = await metal.alloc(64), await metal.alloc(64)
+    await c.write(np.zeros(64, np.uint8))
+    await m1.write(np.full(64, 5, np.uint8))
+    await m2.write(np.zeros(64, np.uint8))
+    return c, m1, m2
+
+
 @every_loop
 @pytest.mark.parametrize("reader", ["another queue", "the same queue"])
 @pytest.mark.parametrize("memory", ["wrapped", "staged"])
@@ -565,11 +577,7 @@ async def test_a_copy_into_a_cpu_buffer_lands_before_a_metal_queue_ordered_after
     if memory == "staged":
         unwrapped(monkeypatch, above=32)  # the first copy's 64 bytes, not the second's 32
     async with am.open_device("cpu") as cpu, am.open_device("metal") as metal:
-        c = await cpu.alloc(64)
-        m1, m2 = await metal.alloc(64), await metal.alloc(64)
-        await c.write(np.zeros(64, np.uint8))
-        await m1.write(np.full(64, 5, np.uint8))
-        await m2.write(np.zeros(64, np.uint8))
+        c, m1, m2 = await _zeros_fives_zeros(cpu, metal)
         first = metal.new_queue()
         second = first if reader == "the same queue" else metal.new_queue()
         handlers = first._native._queue  # type: ignore[attr-defined]
@@ -634,11 +642,7 @@ async def test_a_discard_hands_no_staged_copy_to_the_host_to_gpu_waits_before_it
     ran: the reader read the old bytes. Checked failing without the fix."""
     unwrapped(monkeypatch, above=32)  # the first copy's 64 bytes, not the second's 32
     async with am.open_device("cpu") as cpu, am.open_device("metal") as metal:
-        c = await cpu.alloc(64)
-        m1, m2 = await metal.alloc(64), await metal.alloc(64)
-        await c.write(np.zeros(64, np.uint8))
-        await m1.write(np.full(64, 5, np.uint8))
-        await m2.write(np.zeros(64, np.uint8))
+        c, m1, m2 = await _zeros_fives_zeros(cpu, metal)
         first, second = metal.new_queue(), metal.new_queue()
         handlers = first._native._queue  # type: ignore[attr-defined]
         metal_sim.hold_handlers(handlers, True)
