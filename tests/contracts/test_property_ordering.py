@@ -30,8 +30,8 @@ signals still to come) is left out.
 ``buf.free()`` returns once the buffer's uses ended, so it is awaited in a task too.
 At the end the host either releases every wait (host signals, and a fresh queue's
 signal of each queue timeline), after which every await must end, every byte match
-and memory return to zero; or, once what can run has run, closes the devices with
-work still blocked, after which each blocked await must end with
+and memory return to zero; or closes the devices with work still blocked (and maybe
+some not run yet), after which each blocked await must end with
 ``ClosedResourceError`` (a queue's close and a free return) and nothing may hang.
 Either way no thread of the devices is left.
 
@@ -403,10 +403,8 @@ def programs(draw: st.DrawFn) -> Program:
         final = {b: (g.data[b].copy(), g.known[b].copy()) for b in g.bufs}
         ops.append(("end_released", final))
     else:
-        # What can run has run before the close: a wait for a queue's signal of another
-        # device's timeline, submitted but not run yet as that device closes, fails
-        # with it (the close fails the timeline from the value after the one reached).
-        settle(g, ops)
+        if draw(st.booleans()):
+            settle(g, ops)  # (else some of what can run may not have run by the close)
         memo = {}
         blocked = {n.id for n in g.nodes if n.queue >= 0 and g.blocked(n.id, memo)}
         # A free whose buffer's uses the close abandons returns (its memory is back), and
@@ -724,7 +722,7 @@ def test_the_generator_reaches_the_orderings_it_is_about() -> None:
     def count(what: str) -> None:
         seen[what] = seen.get(what, 0) + 1
 
-    @settings(max_examples=200, derandomize=True, database=None, deadline=None)
+    @settings(max_examples=300, derandomize=True, database=None, deadline=None)
     @given(prog=programs())
     def sample(prog: Program) -> None:
         g_dev = {op[1]: op[2] for op in prog.ops if op[0] == "alloc"}
@@ -754,4 +752,4 @@ def test_the_generator_reaches_the_orderings_it_is_about() -> None:
         "end_released",
         "end_closed",
     ]
-    assert all(seen.get(what, 0) >= 5 for what in expected), seen
+    assert all(seen.get(what, 0) >= 3 for what in expected), sorted(seen.items())
