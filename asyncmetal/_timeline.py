@@ -502,8 +502,10 @@ class Timeline(Waitable):
             return None
         failure = _native.timeline_failure(c_timeline)
         assert failure is not None
-        if failure.error == _native.CLOSED:
-            return None  # (Timeline.wait says its device closed)
+        if failure.error == _native.CLOSED and failure.cause == c_timeline:
+            # Its own device's close (Timeline.wait says so); another device's, which
+            # failed a signal of it (through that signal's queue), is raised below.
+            return None
         return failure_error(failure, f"this timeline will not reach {value}: a value that")
 
     def _check_signal(self, value: object, what: str) -> int:

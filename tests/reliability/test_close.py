@@ -699,6 +699,30 @@ async def test_a_wait_for_a_command_abandoned_by_a_close_fails_what_follows(
 
 
 @pytest.mark.anyio
+async def test_a_host_wait_for_a_signal_failed_by_another_devices_close_raises(
+    anyio_backend: object,
+) -> None:
+    """A queue of cpu:0 waits, on the device, for a cpu:1 timeline, then signals a
+    cpu:0 timeline; cpu:1 closes, so the wait fails, and with it the signal: the
+    timeline settles failed. A host wait for the signal's value (or more) raises,
+    naming the closed device. Checked: before, it returned as if the value had come
+    (the failure, of a device's close, was taken for the timeline's own device's)."""
+    async with am.open_device("cpu:0") as d0:
+        d1 = await am.open_device("cpu:1")
+        theirs, mine = d1.timeline(), d0.timeline()
+        queue = d0.new_queue()
+        queue.wait(theirs, 1)
+        signalled = queue.signal(mine, 2)
+        with anyio.fail_after(20):
+            await d1.close()
+            with pytest.raises(am.ClosedResourceError, match="cpu:1, closed before"):
+                await signalled
+            for value in (2, 3):
+                with pytest.raises(am.ClosedResourceError, match="cpu:1, closed before"):
+                    await mine.wait(value)
+
+
+@pytest.mark.anyio
 async def test_a_closed_devices_timeline_still_reaches_a_signal_another_device_submitted(
     anyio_backend: object,
 ) -> None:
