@@ -182,12 +182,14 @@ class NativeTimeline(ABC):
         else:
             _native.timeline_abandon(self.c_timeline, target, first)
 
-    def close_waits(self) -> None:
-        """Its device closed: nothing will raise it any more. A native timeline fails
-        from the value after the one it reached (without rising): a device wait of
-        another device's queue for more ends, and that queue fails from that wait on."""
+    def close_waits(self, pending: int = 0) -> None:
+        """Its device closed: nothing will raise it any more, but a signal of it that a
+        queue of another device submitted and has not run (to ``pending``). A native
+        timeline fails from the value after the one it reached, or after ``pending``
+        (without rising): a device wait of another device's queue for more ends, and
+        that queue fails from that wait on."""
         if self.c_timeline is not None:
-            _native.timeline_close(self.c_timeline)
+            _native.timeline_close(self.c_timeline, pending)
 
 
 class InheritedValue:

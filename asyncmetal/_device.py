@@ -89,7 +89,7 @@ from ._timeline import (
     MADE_BY_DEVICE,
     HostEvents,
     Timeline,
-    end_waits,
+    close_timeline,
     signal_order,
     wait_value,
 )
@@ -1074,8 +1074,7 @@ class Device:
                 # waited on), and then more ran before its queue stopped.
                 abandon(queue, max(limit, queue.timeline.value) + 1)
             for timeline in [*self._timelines, *(q.timeline for q in self._queues)]:
-                timeline.native.close_waits()  # other devices' queues' waits end
-                end_waits(timeline)
+                close_timeline(timeline)  # other devices' queues' waits end
         except BaseException as exc:  # raised by close() (on the caller's loop)
             failed.append(exc)
         finally:

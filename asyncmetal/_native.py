@@ -105,7 +105,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
         [c_p, ctypes.POINTER(c_int), ctypes.POINTER(c_u64), ctypes.POINTER(c_p)],
     ),
     "am_timeline_failed_offset": (ctypes.c_size_t, []),
-    "am_timeline_close": (None, [c_p]),
+    "am_timeline_close": (None, [c_p, c_u64]),
     "am_queue_new": (c_p, [c_p, ctypes.c_long, ctypes.c_int]),
     "am_queue_call": (c_int, [c_p, c_p, c_int, c_p, ctypes.c_uint32, c_p, c_u64]),
     "am_queue_copy": (c_int, [c_p, c_p, c_p, ctypes.c_size_t, c_p, c_u64]),
@@ -450,10 +450,10 @@ def timeline_abandon(c_timeline: int, target: int, first: int) -> None:
     runtime().am_timeline_fail(c_timeline, target, ABANDONED, first, c_timeline)
 
 
-def timeline_close(c_timeline: int) -> None:
-    """The native timeline's device closed: waits for values it has not reached end,
-    failed (see am_timeline_close)."""
-    runtime().am_timeline_close(c_timeline)
+def timeline_close(c_timeline: int, pending: int = 0) -> None:
+    """The native timeline's device closed: waits for values it has not reached (nor
+    ``pending``, see am_timeline_close) end, failed."""
+    runtime().am_timeline_close(c_timeline, pending)
 
 
 def failed_from(c_timeline: int) -> ValueReader:

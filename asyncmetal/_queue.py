@@ -167,6 +167,20 @@ def _extension_launch(device_type: type) -> Callable[..., Completion | None] | N
     return launch
 
 
+class _SignalCompletion(Completion):
+    """A queue's ``signal``: done also once the timeline it signals reached its value. A
+    queue raises that timeline before its own, so a command of another queue that
+    waited for the signal can finish, and be awaited, before the signal's own value
+    lands: it must show done then too (what a command came after has finished)."""
+
+    __slots__ = ("signalled", "target")
+    signalled: Timeline
+    target: int
+
+    def done(self) -> bool:
+        return self.queue.timeline.value >= self.value or self.signalled.value >= self.target
+
+
 class Queue:
     """An ordered stream of device commands with its own timeline (values from 1).
 
@@ -330,13 +344,15 @@ class Queue:
         names: Sequence[str] = (),
         then: Callable[[int], None] | None = None,
         again: bool = False,
+        record: type[Completion] = Completion,
     ) -> Completion:
         """Number the next command and hand it to the backend, ``fn(*before, value,
         completion, *after)``, then record it as the last use of ``uses`` (``names``:
         what each is to the caller, for errors; "buffer" past them) and call ``then(value)``
-        (the caller's own record of it); return its Completion. If the backend refuses
-        it, its value was never used: it is taken back. Under the device's submission
-        lock, which a close takes to seal the device: a command submitted from another
+        (the caller's own record of it); return its Completion (a ``record``). If the
+        backend refuses it, its value was never used: it is taken back. Under the
+        device's submission lock, which a close takes to seal the device: a command
+        submitted from another
         thread is either numbered and handed over before the close counts what to wait
         for, or refused as the device is closed (never numbered and left unsubmitted);
         and commands other threads submit to the queue are numbered, handed over and
@@ -363,7 +379,7 @@ class Queue:
             stage = 0
             try:
                 value = self._submitted + 1
-                done = Completion(self, value)
+                done = record(self, value)
                 self._submitted = value
                 stage = 1
                 fn(*before, value, done, *after)
@@ -563,7 +579,16 @@ class Queue:
                 queue_signal_submitted(timeline, self.timeline, at, value)
                 self._track(at, False, timeline, value)
 
-            done = self._submit(self._native.signal, timeline.native, value, then=then, again=True)
+            done = self._submit(
+                self._native.signal,
+                timeline.native,
+                value,
+                then=then,
+                again=True,
+                record=_SignalCompletion,
+            )
+        assert isinstance(done, _SignalCompletion)
+        done.signalled, done.target = timeline, value
         return done
 
     def wait(self, timeline: Timeline, value: int) -> Completion:

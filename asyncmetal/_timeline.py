@@ -181,6 +181,23 @@ class Waitable:
                 self._watches = tuple(w for w in self._watches if w is not watch)
 
 
+def close_timeline(timeline: Timeline) -> None:
+    """``timeline``'s device closed: nothing of it will raise the timeline any more, so
+    every wait for more than it reached ends, failed -- but for a signal of it that a
+    queue of another device submitted and has not run yet, which still comes (or
+    fails): waits up to its value go on until then."""
+    state = timeline._state
+    pending = None
+    with _signals_lock:
+        signals = list(timeline._signals)
+    for target, at, signaller in signals:  # (targets increase: the last one counts)
+        if signaller._state is not state and signaller.native.value < at:
+            pending = (signaller, at, target)
+    timeline._pending_at_close = pending
+    timeline.native.close_waits(0 if pending is None else pending[2])
+    end_waits(timeline)
+
+
 def end_waits(waitable: Waitable) -> None:
     """No value will come any more (the device closed): wake every waiter of
     ``waitable``, on every loop; each finds its value unreached and raises (see
@@ -370,6 +387,10 @@ class Timeline(Waitable):
         if self.native.c_timeline is not None:
             _timelines[self.native.c_timeline] = self
         self._queue: weakref.ref[FailingQueue] | None = None  # a queue's own: that queue
+        # Once its device closed: the last signal of it that a queue of another device
+        # had submitted and not run then (that queue's timeline, its value there, the
+        # target), which the close left it to reach (see ``close_timeline``).
+        self._pending_at_close: tuple[Timeline, int, int] | None = None
         self._failed_from: _native.ValueReader | None = None  # read in place, once made
 
     def __repr__(self) -> str:
@@ -452,6 +473,11 @@ class Timeline(Waitable):
         """
         value = check_value(value)
         await wait_value(self, value)
+        pending = self._pending_at_close
+        if pending is not None and self.native.value < value <= pending[2]:
+            # Its device closed before another device's queue ran a signal of it
+            # submitted before: that signal (or its failure) settles this value.
+            await wait_value(pending[0], pending[1])
         failure = self._failure(value)
         if failure is not None:
             raise failure
@@ -476,8 +502,10 @@ class Timeline(Waitable):
             return None
         failure = _native.timeline_failure(c_timeline)
         assert failure is not None
-        if failure.error == _native.CLOSED:
-            return None  # (Timeline.wait says its device closed)
+        if failure.error == _native.CLOSED and failure.cause == c_timeline:
+            # Its own device's close (Timeline.wait says so); another device's, which
+            # failed a signal of it (through that signal's queue), is raised below.
+            return None
         return failure_error(failure, f"this timeline will not reach {value}: a value that")
 
     def _check_signal(self, value: object, what: str) -> int:

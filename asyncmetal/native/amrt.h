@@ -229,7 +229,7 @@ void am_timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value
 void am_timeline_fail_from(am_timeline *t, uint64_t from, int error, uint64_t value,
                            am_timeline *cause);
 uint64_t am_timeline_failure(am_timeline *t, int *error, uint64_t *value, am_timeline **cause);
-void am_timeline_close(am_timeline *t);
+void am_timeline_close(am_timeline *t, uint64_t pending);
 AM_HIDDEN int timeline_failed_for(const am_timeline *t, uint64_t target);
 AM_HIDDEN void timeline_keep_released(am_timeline *t);
 AM_HIDDEN void timeline_signal_failed(am_timeline *t, uint64_t v, uint64_t from, int error,

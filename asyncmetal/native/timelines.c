@@ -255,10 +255,14 @@ void am_timeline_fail_from(am_timeline *t, uint64_t from, int error, uint64_t va
  * (a stream's: whose queue does the same, cuda_completion.c). A device timeline's
  * failure marked from a later value before it settled (a signal passed behind a failed
  * wait, after a signal in flight that was to get it there: cuq_fail_signal_now) is
- * lowered so too: that signal never comes now. Not under any queue's mu. */
-void am_timeline_close(am_timeline *t) {
+ * lowered so too: that signal never comes now. `pending`: what a queue of another
+ * device has a signal of it submitted to and not run yet -- waits up to there go on,
+ * ended by that signal or its failure (a timeline without a device word only: a
+ * stream's wait on the word cannot be held for it). Not under any queue's mu. */
+void am_timeline_close(am_timeline *t, uint64_t pending) {
     pthread_mutex_lock(&t->mu);
     uint64_t reached = atomic_load(&t->value);
+    if (!t->word && reached != UINT64_MAX && pending > reached) reached = pending;
     if (!t->failed_from ||
         (t->word && reached != UINT64_MAX && reached + 1 < t->failed_from)) {
         if (reached == UINT64_MAX) {

@@ -140,6 +140,23 @@ async def test_signal_from_another_device(anyio_backend: object) -> None:
         assert (await b1.read(np.int32))[0] == 11
 
 
+async def test_a_signal_shows_done_once_a_command_that_waited_for_it_is_awaited(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    # A queue raises the timeline it signals before its own: the waiting queue's next
+    # command could finish, and be awaited, while the signal still showed pending.
+    tl = device.timeline()
+    async with device.new_queue() as producer, device.new_queue() as consumer:
+        pending = 0
+        for value in range(1, 201):
+            consumer.wait(tl, value)
+            after = consumer.launch(kernels["empty"])
+            signal = producer.signal(tl, value)
+            await after
+            pending += not signal.done()
+        assert pending == 0, f"{pending} of 200 signals pending once what waited for them ran"
+
+
 async def test_a_default_queue_failing_for_good_leaves_the_buffers_usable(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:

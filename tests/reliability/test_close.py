@@ -699,6 +699,74 @@ async def test_a_wait_for_a_command_abandoned_by_a_close_fails_what_follows(
 
 
 @pytest.mark.anyio
+async def test_a_host_wait_for_a_signal_failed_by_another_devices_close_raises(
+    anyio_backend: object,
+) -> None:
+    """A queue of cpu:0 waits, on the device, for a cpu:1 timeline, then signals a
+    cpu:0 timeline; cpu:1 closes, so the wait fails, and with it the signal: the
+    timeline settles failed. A host wait for the signal's value (or more) raises,
+    naming the closed device. Checked: before, it returned as if the value had come
+    (the failure, of a device's close, was taken for the timeline's own device's)."""
+    async with am.open_device("cpu:0") as d0:
+        d1 = await am.open_device("cpu:1")
+        theirs, mine = d1.timeline(), d0.timeline()
+        queue = d0.new_queue()
+        queue.wait(theirs, 1)
+        signalled = queue.signal(mine, 2)
+        with anyio.fail_after(20):
+            await d1.close()
+            with pytest.raises(am.ClosedResourceError, match="cpu:1, closed before"):
+                await signalled
+            for value in (2, 3):
+                with pytest.raises(am.ClosedResourceError, match="cpu:1, closed before"):
+                    await mine.wait(value)
+
+
+@pytest.mark.anyio
+async def test_a_closed_devices_timeline_still_reaches_a_signal_another_device_submitted(
+    anyio_backend: object,
+) -> None:
+    """A queue of cpu:0 has a signal of a cpu:1 timeline submitted, not run yet (held
+    here by a wait the host releases later), and another cpu:0 queue and a host task
+    wait for that value; cpu:1 closes. The signal still comes, and with it the waits
+    end as they would have: the close fails the timeline only past what such a signal
+    raises it to. Checked: before, both waits failed ("closed before the timeline got
+    there"), the device wait also where the signal was ready to run and its queue's
+    thread had not run it yet."""
+    async with am.open_device("cpu:0") as d0:
+        d1 = await am.open_device("cpu:1")
+        theirs, hold = d1.timeline(), d0.timeline()
+        signaller, waiter = d0.new_queue(), d0.new_queue()
+        signaller.wait(hold, 1)
+        signalled = signaller.signal(theirs, 2)
+        waited = waiter.wait(theirs, 2)
+        results: list[object] = []
+
+        async def host_wait(value: int) -> None:
+            try:
+                await theirs.wait(value)
+                results.append(value)
+            except am.ClosedResourceError as exc:
+                results.append(exc)
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(host_wait, 2)
+                tg.start_soon(host_wait, 3)
+                await anyio.sleep(0.02)
+                await d1.close()
+                hold.signal(1)
+                await signalled
+                await waited
+        assert theirs.value == 2
+        assert results[0] == 2 or results[1] == 2, results
+        beyond = results[0] if results[1] == 2 else results[1]
+        assert isinstance(beyond, am.ClosedResourceError), results  # 3: never to come
+        with pytest.raises(am.ClosedResourceError, match="closed before it reached 3"):
+            await theirs.wait(3)
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("whose", ["timeline", "queue"])
 async def test_a_wait_for_a_closed_devices_timeline_fails_what_follows(
     device: am.Device, device_name: str, whose: str

@@ -82,7 +82,7 @@ class CUDATimeline(ForkableTimeline):
         # releases is confirmed within microseconds rather than at the end of a nap.
         self._host_signal(self.c_timeline, value)
 
-    def close_waits(self) -> None:
+    def close_waits(self, pending: int = 0) -> None:
         # A queue's own: its native queue, closed, fails other queues' device waits for
         # values it never got to (am_cuq_close); its word stays where its stream left it.
         if self.queue is None:

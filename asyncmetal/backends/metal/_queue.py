@@ -140,7 +140,7 @@ class MetalTimeline(_Waited, ForkableTimeline):
         super().abandon(target, first)
         send(self.event, "setSignaledValue:", MAX_VALUE, restype=None, argtypes=(c_uint64,))
 
-    def close_waits(self) -> None:
+    def close_waits(self, pending: int = 0) -> None:
         super().close_waits()  # (and the GPU's waits on the event end)
         send(self.event, "setSignaledValue:", MAX_VALUE, restype=None, argtypes=(c_uint64,))
 
