@@ -969,3 +969,41 @@ async def test_a_timeline_collected_while_its_backend_makes_slots_does_not_deadl
             gc.enable()
     finally:
         await dev.close()
+
+
+async def test_a_failing_context_query_raises_a_driver_error_and_loses_nothing(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """cuCtxGetCurrent fails (the driver deinitialized, say). Where it fails before an
+    allocation, the allocation raises the driver's error as an AsyncMetalError, having
+    done nothing; where only the query after it fails, the allocation stands and the
+    context that was current is set back. Checked: TypeError (int(None)) before, and
+    the allocation's memory lost with it."""
+    dev = await am.open_device("cuda:0")
+    try:
+        driver.fail["cuCtxGetCurrent"] = CUresult.CUDA_ERROR_INVALID_VALUE
+        allocs = driver.calls.count("cuMemAlloc")
+        with pytest.raises(am.AsyncMetalError, match="cuCtxGetCurrent failed"):
+            await dev.alloc(1 << 20)
+        assert driver.calls.count("cuMemAlloc") == allocs
+        del driver.fail["cuCtxGetCurrent"]
+
+        queries = 0
+        real = driver.cuCtxGetCurrent
+
+        def second_fails() -> tuple[Any, ...]:
+            nonlocal queries
+            queries += 1
+            if queries == 3:  # the query after the allocation (2: make_current's)
+                return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+            return real()
+
+        driver.cuCtxGetCurrent = second_fails  # type: ignore[method-assign]
+        driver.current = 0xC0FFEE  # another library's
+        buf = await dev.alloc(1 << 20)
+        assert driver.calls.count("cuMemAlloc") == allocs + 1
+        assert driver.current == 0xC0FFEE
+        driver.cuCtxGetCurrent = real  # type: ignore[method-assign]
+        await buf.free()
+    finally:
+        await dev.close()

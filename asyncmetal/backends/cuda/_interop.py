@@ -90,12 +90,16 @@ def keeps_context(method: Callable[_P, _R]) -> Callable[_P, _R]:
     def keeping(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         if _driver.lost_first is not None:  # refused before any driver call
             return method(*args, **kwargs)
-        before: Any = cu.cuCtxGetCurrent()[1]
+        # Where the driver cannot say which context is current, nothing is done: there
+        # would be nothing to give back.
+        before: Any = check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
         try:
             return method(*args, **kwargs)
         finally:
-            now = cu.cuCtxGetCurrent()[1]
-            if int(now) != int(before):
+            # Set back also where the driver cannot say what is current now; a failure
+            # here raises nothing, which would lose what the method made (an allocation).
+            err, now = cu.cuCtxGetCurrent()
+            if int(err) or int(now) != int(before):
                 cu.cuCtxSetCurrent(before)
 
     return keeping
