@@ -1007,3 +1007,68 @@ async def test_a_failing_context_query_raises_a_driver_error_and_loses_nothing(
         await buf.free()
     finally:
         await dev.close()
+
+
+@pytest.mark.parametrize(
+    ("to_device", "refused"),
+    [
+        (True, "am_cuq_memcpy"),
+        (True, "am_cuq_mark"),
+        (True, "am_cuq_wait"),  # (its wait for the chunk's fill)
+        (False, "am_cuq_memcpy"),
+        (False, "am_cuq_mark"),
+    ],
+    ids=["write-dma", "write-mark", "write-wait", "read-dma", "read-mark"],
+)
+async def test_a_staged_copy_the_driver_refuses_part_of_gives_its_chunk_back(
+    anyio_backend: object,
+    driver: _Driver,
+    monkeypatch: pytest.MonkeyPatch,
+    refused: str,
+    to_device: bool,
+) -> None:
+    """A pageable copy through three staging chunks whose second chunk's DMA, mark or
+    wait the driver refuses raises the driver's error; the chunk it was staging through
+    is not lost: the queue's close gives it back to the device's pool (and the
+    device's close unmaps it). Checked: before, the chunk was in neither the queue's
+    ring nor the pool, left pinned and mapped for good."""
+    runtime: Any = driver.runtime
+    calls = {"n": 0}
+
+    def submitted(name: str) -> Any:
+        def call(q: int, *args: Any) -> int:
+            if name != refused:
+                return 0
+            calls["n"] += 1
+            if calls["n"] < (2 if name != "am_cuq_wait" else 3):
+                return 0
+            runtime.queues[q].failed_call = 0
+            return int(CUresult.CUDA_ERROR_INVALID_VALUE)
+
+        return call
+
+    for name in ("am_cuq_memcpy", "am_cuq_mark", "am_cuq_wait", "am_cuq_finish"):
+        setattr(runtime, name, submitted(name))
+
+    def fill(
+        copier: Any, dst: int, src: int, n: int, keep: object, chunk: Any, after: Any
+    ) -> tuple[Any, int]:
+        if chunk.ready is None:
+            chunk.ready = cuda_backend.CUDATimeline(copier._backend)
+        return chunk.ready, 1
+
+    monkeypatch.setattr(_staging._HostCopier, "copy", fill)
+    mapped = set(_staging._MAPPED)
+    dev = await am.open_device("cuda:0")
+    try:
+        pool = len(dev._backend._chunks)  # type: ignore[attr-defined]
+        buf = await dev.alloc(3 * _staging.STAGE_CHUNK)
+        host = np.zeros(3 * _staging.STAGE_CHUNK, np.uint8)
+        queue = dev.new_queue()
+        with pytest.raises(am.AsyncMetalError, match="CUDA_ERROR_INVALID_VALUE"):
+            queue.copy(buf, host) if to_device else queue.copy(host, buf)
+        await queue.close()
+        assert len(dev._backend._chunks) == pool  # type: ignore[attr-defined]
+    finally:
+        await dev.close()
+    assert set(_staging._MAPPED) == mapped
