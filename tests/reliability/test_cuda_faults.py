@@ -1072,3 +1072,39 @@ async def test_a_staged_copy_the_driver_refuses_part_of_gives_its_chunk_back(
     finally:
         await dev.close()
     assert set(_staging._MAPPED) == mapped
+
+
+@pytest.mark.parametrize(
+    "error", [CUresult.CUDA_ERROR_ILLEGAL_ADDRESS, CUresult.CUDA_ERROR_INVALID_VALUE]
+)
+async def test_importing_cuda_memory_after_a_fault_raises_device_lost(
+    anyio_backend: object, driver: _Driver, error: CUresult
+) -> None:
+    """from_dlpack of an array with ``__cuda_array_interface__`` asks the driver which
+    GPU holds its memory. Where the driver answers with a sticky error, the import
+    raises DeviceLostError saying the process is lost -- not that no open device holds
+    the memory (the driver's answer to memory it does not know, which stays
+    InvalidArgumentError). Checked: InvalidArgumentError for both before."""
+    driver.CUpointer_attribute = types.SimpleNamespace(  # type: ignore[attr-defined]
+        CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL=9
+    )
+    driver.cuPointerGetAttribute = lambda attribute, address: (error, None)  # type: ignore[attr-defined]
+
+    class Producer:
+        __cuda_array_interface__: ClassVar[dict[str, Any]] = {
+            "shape": (16,),
+            "typestr": "<i4",
+            "data": (0x7000_0000, False),
+            "version": 3,
+        }
+
+    dev = await am.open_device("cuda:0")
+    try:
+        if error == CUresult.CUDA_ERROR_INVALID_VALUE:
+            with pytest.raises(am.InvalidArgumentError, match="no open device holds"):
+                am.from_dlpack(Producer())
+        else:
+            with pytest.raises(DeviceLostError, match=PROCESS_LOST):
+                am.from_dlpack(Producer())
+    finally:
+        await dev.close()

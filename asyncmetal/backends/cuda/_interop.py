@@ -77,6 +77,9 @@ def device_index_of(address: int) -> int | None:
     the driver does not know."""
     attribute = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
     err, ordinal = cu.cuPointerGetAttribute(attribute, address)
+    if int(err) and (_driver.error_name(err) in _driver.LOST or _driver.lost_first is not None):
+        # The process's CUDA state is lost: that is the error, not unknown memory.
+        raise _driver.driver_error("cuPointerGetAttribute", err)
     return None if int(err) else int(ordinal)
 
 
