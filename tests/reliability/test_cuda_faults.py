@@ -252,11 +252,12 @@ def driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Driver]:
     yield from fake_driver(monkeypatch)
 
 
-def fake_driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Driver]:
+def fake_driver(monkeypatch: pytest.MonkeyPatch, fake: _Driver | None = None) -> Iterator[_Driver]:
     """What the ``driver`` fixture does, for a script that is no test (a forked child's
-    parent: tests/reliability/test_fork.py): yields the fake, cleans up when resumed."""
-    fake = _Driver()
-    runtime = fake.runtime = _Runtime()
+    parent: tests/reliability/test_fork.py) or another fake (``fake``, with its runtime
+    where it has one): yields the fake, cleans up when resumed."""
+    fake = _Driver() if fake is None else fake
+    runtime = fake.runtime = fake.runtime or _Runtime()
     _bind(monkeypatch, "cu", fake)
     native = types.SimpleNamespace(
         runtime=lambda: runtime,
