@@ -41,7 +41,6 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal import DeviceLostError
-from asyncmetal import _threads as am_threads
 from asyncmetal.backends.cuda import _driver, _staging
 from tests.reliability.test_cuda_faults import (
     MAX,
@@ -51,6 +50,7 @@ from tests.reliability.test_cuda_faults import (
     _Runtime,
     fake_driver,
 )
+from tests.support.faults import device_threads, sampled
 
 THEIRS = 0xC0FFEE  # another library's context, current on the test's thread
 THEIR_STREAM = 0x7000  # a stream of another library's (of the device's context)
@@ -511,16 +511,6 @@ async def _workload(driver: _SweepDriver, out: _Outcome) -> None:
                 out.problems.append("close: the thread's context was not restored")
 
 
-def _threads() -> set[threading.Thread]:
-    """asyncmetal's threads alive now: a device's, a close's -- not the shared workers,
-    which stay a while for the next call (_threads.IDLE_S)."""
-    return {
-        t
-        for t in threading.enumerate()
-        if t.name.startswith("asyncmetal") and t.name != am_threads.NAME
-    }
-
-
 async def _run(driver: _SweepDriver, fail_at: int = 0, code: int = 0) -> tuple[_Plan, _Outcome]:
     """The workload with call ``fail_at`` failing with ``code`` (none: 0), in a process
     whose CUDA state is not lost; checked for hangs, threads and memory."""
@@ -529,7 +519,7 @@ async def _run(driver: _SweepDriver, fail_at: int = 0, code: int = 0) -> tuple[_
     runtime = driver.runtime
     assert isinstance(runtime, _SimRuntime)
     mapped, memory = set(_staging._MAPPED), set(driver.memory)
-    threads = _threads()
+    threads = device_threads()
     out = _Outcome()
     with anyio.fail_after(30):
         await _workload(driver, out)
@@ -539,10 +529,10 @@ async def _run(driver: _SweepDriver, fail_at: int = 0, code: int = 0) -> tuple[_
     if runtime.streams:
         out.problems.append(f"{len(runtime.streams)} queues never closed")
     deadline = time.monotonic() + 10  # (a close may end on a thread of its own)
-    while _threads() - threads and time.monotonic() < deadline:
+    while device_threads() - threads and time.monotonic() < deadline:
         await anyio.sleep(0.005)
-    if _threads() - threads:
-        out.problems.append(f"threads left: {sorted(t.name for t in _threads() - threads)}")
+    if device_threads() - threads:
+        out.problems.append(f"threads left: {sorted(t.name for t in device_threads() - threads)}")
     if set(driver.memory) - memory:
         out.problems.append(f"{len(set(driver.memory) - memory)} allocations never freed")
     # A queue a sticky error failed abandons its staging: a chunk in use then stays
@@ -553,14 +543,6 @@ async def _run(driver: _SweepDriver, fail_at: int = 0, code: int = 0) -> tuple[_
         out.problems.append(f"{len(driver.registered)} host memory ranges left registered")
     driver.registered.clear()
     return plan, out
-
-
-def _sampled(total: int) -> list[int]:
-    """At most SAMPLES of the calls 1..total, evenly spread, the first and last among
-    them: the same ones every run."""
-    if total <= SAMPLES:
-        return list(range(1, total + 1))
-    return sorted({1 + round(i * (total - 1) / (SAMPLES - 1)) for i in range(SAMPLES)})
 
 
 @pytest.fixture
@@ -587,7 +569,7 @@ async def test_every_failing_driver_call_ends_in_a_clear_error(
     total = len(plan.calls)
     assert total > 80, plan.calls  # the workload reaches the driver's every kind of call
     found: list[str] = []
-    for n in _sampled(total):
+    for n in sampled(total, SAMPLES):
         plan, out = await _run(sim, n, code)
         at = f"call {n} ({plan.injected}) failing with {code.name}"
         error = out.error
