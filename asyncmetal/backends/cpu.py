@@ -415,8 +415,10 @@ class CPUTimeline(ForkableTimeline):
         self._value = InheritedValue(message)
 
     def __del__(self) -> None:
-        # Only reached once no queue command nor watch refers to it (they hold us).
-        self._lib.am_timeline_free(self.c_timeline)
+        # Only reached once no queue command nor watch refers to it (they hold us); of
+        # one the runtime had no memory for, there is nothing (freeing NULL crashed).
+        if self.c_timeline:
+            self._lib.am_timeline_free(self.c_timeline)
 
 
 def _address(arg: Arg) -> int:

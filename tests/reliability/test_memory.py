@@ -1320,3 +1320,21 @@ async def test_a_detached_call_returning_as_its_caller_is_cancelled_reports_noth
     detached.submit(finished.set)  # (after the call's own end)
     assert await anyio.to_thread.run_sync(finished.wait, LIMIT)
     assert unheard == []
+
+
+@pytest.mark.anyio
+async def test_a_timeline_the_runtime_has_no_memory_for_is_dropped_without_a_crash(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The native runtime had no memory for a cpu timeline (am_timeline_new returned
+    NULL): timeline() raises a MemoryError, and the half-made timeline is collected
+    freeing nothing. Checked: its finalizer freed NULL, and the process crashed."""
+    from asyncmetal import _native
+
+    async with am.open_device("cpu") as dev:
+        with monkeypatch.context() as patched:
+            patched.setattr(_native.runtime(), "am_timeline_new", lambda: 0)
+            with pytest.raises(MemoryError):
+                dev.timeline()
+        gc.collect()
+        assert dev.timeline().value == 0
