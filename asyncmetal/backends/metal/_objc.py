@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from ..._errors import AsyncMetalError
+from ..._errors import NoHostMemoryError
 
 # role -> (environment variable, Apple's path)
 LIBRARIES = {
@@ -121,16 +121,12 @@ def send(
     return _sender(restype, argtypes)(obj, selector(name), *args)
 
 
-class MetalOutOfMemory(AsyncMetalError, MemoryError):
-    """Metal made nothing (nil): it had no memory or resources left for the object."""
-
-
 def made(obj: int | None, what: str) -> int:
     """``obj``, which Metal's ``what`` returned; nil (no memory or resources left for it)
     raised, before anything is sent to it: a message to nil does nothing and returns 0,
     so an unmade event or encoder would lose the work silently."""
     if not obj:
-        raise MetalOutOfMemory(f"{what} returned nil: Metal had no memory left for it")
+        raise NoHostMemoryError(f"{what} returned nil: Metal had no memory left for it")
     return obj
 
 
