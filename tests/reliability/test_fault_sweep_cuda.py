@@ -58,7 +58,7 @@ STICKY = CUresult.CUDA_ERROR_ILLEGAL_ADDRESS
 # Calls that touch the calling thread's state only: they keep working after a sticky
 # error (what restores another library's context).
 THREAD_STATE = {"cuCtxGetCurrent", "cuCtxSetCurrent"}
-SAMPLES = 60  # failing runs per error at most, spread evenly over the calls
+SAMPLES = 40  # failing runs per error at most, spread evenly over the calls
 N = 4096  # bytes of the workload's buffers
 
 
