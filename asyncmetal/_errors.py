@@ -126,6 +126,12 @@ class OutOfMemoryError(AsyncMetalError, MemoryError):
         self.requested, self.in_use, self.cached, self.budget = requested, in_use, cached, budget
 
 
+class NoHostMemoryError(AsyncMetalError, MemoryError):
+    """A backend's native runtime (or driver) had no memory left for an object or a
+    submission it was asked to make: nothing of it was made. Not OutOfMemoryError,
+    whose numbers are a device's budget."""
+
+
 class DeviceNotFoundError(AsyncMetalError, LookupError):
     """No such device here: its driver, framework or hardware is missing, or its index
     is past those there are (``devices()`` lists what can be opened)."""

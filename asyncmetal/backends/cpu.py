@@ -48,7 +48,13 @@ from .._backend import (
     host_address,
 )
 from .._compile import Compiler, ParamKind, c_value_types, scalar_params
-from .._errors import ArgumentTypeError, ClosedResourceError, CompileError, InvalidArgumentError
+from .._errors import (
+    ArgumentTypeError,
+    ClosedResourceError,
+    CompileError,
+    InvalidArgumentError,
+    NoHostMemoryError,
+)
 from .._native_build import cc_command
 from .._scalars import host_types, scalar_type
 from .._threads import Freer
@@ -398,7 +404,7 @@ class CPUTimeline(ForkableTimeline):
         self._lib = lib
         self.c_timeline: int = lib.am_timeline_new()
         if not self.c_timeline:
-            raise MemoryError("am_timeline_new")
+            raise NoHostMemoryError("am_timeline_new returned NULL: no memory for a timeline")
         self._value: _native.ValueReader = _native.timeline_reader(self.c_timeline)
         self._signal = _native.fast_call(lib, "am_timeline_signal")
 
@@ -415,8 +421,10 @@ class CPUTimeline(ForkableTimeline):
         self._value = InheritedValue(message)
 
     def __del__(self) -> None:
-        # Only reached once no queue command nor watch refers to it (they hold us).
-        self._lib.am_timeline_free(self.c_timeline)
+        # Only reached once no queue command nor watch refers to it (they hold us); of
+        # one the runtime had no memory for, there is nothing (freeing NULL crashed).
+        if self.c_timeline:
+            self._lib.am_timeline_free(self.c_timeline)
 
 
 def _address(arg: Arg) -> int:
@@ -433,7 +441,7 @@ class CPUQueue(NativeQueue):
         self._timeline = timeline
         self._handle: int | None = lib.am_queue_new(timeline.c_timeline, SPIN_NS, queue_nice())
         if not self._handle:
-            raise MemoryError("am_queue_new")
+            raise NoHostMemoryError("am_queue_new returned NULL: no memory for a queue")
         self._keep: KeepAlive = KeepAlive(timeline)
         self._closing = threading.Lock()  # a discard (any thread) and the close's take
         self._scratch = (ctypes.c_int64 * MAX_ARGS)()
@@ -489,7 +497,7 @@ class CPUQueue(NativeQueue):
 
     def _submitted(self, status: int, value: int, keep: object) -> None:
         if status != 0:
-            raise MemoryError("the cpu queue could not grow its command ring")
+            raise NoHostMemoryError("the cpu queue could not grow its command ring")
         self._keep.add(value, keep)
 
     def launch(

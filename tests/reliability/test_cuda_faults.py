@@ -252,11 +252,12 @@ def driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Driver]:
     yield from fake_driver(monkeypatch)
 
 
-def fake_driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Driver]:
+def fake_driver(monkeypatch: pytest.MonkeyPatch, fake: _Driver | None = None) -> Iterator[_Driver]:
     """What the ``driver`` fixture does, for a script that is no test (a forked child's
-    parent: tests/reliability/test_fork.py): yields the fake, cleans up when resumed."""
-    fake = _Driver()
-    runtime = fake.runtime = _Runtime()
+    parent: tests/reliability/test_fork.py) or another fake (``fake``, with its runtime
+    where it has one): yields the fake, cleans up when resumed."""
+    fake = _Driver() if fake is None else fake
+    runtime = fake.runtime = fake.runtime or _Runtime()
     _bind(monkeypatch, "cu", fake)
     native = types.SimpleNamespace(
         runtime=lambda: runtime,
@@ -967,5 +968,144 @@ async def test_a_timeline_collected_while_its_backend_makes_slots_does_not_deadl
             assert not taker.is_alive(), "the slot's taker waited for itself"
         finally:
             gc.enable()
+    finally:
+        await dev.close()
+
+
+async def test_a_failing_context_query_raises_a_driver_error_and_loses_nothing(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """cuCtxGetCurrent fails (the driver deinitialized, say). Where it fails before an
+    allocation, the allocation raises the driver's error as an AsyncMetalError, having
+    done nothing; where only the query after it fails, the allocation stands and the
+    context that was current is set back. Checked: TypeError (int(None)) before, and
+    the allocation's memory lost with it."""
+    dev = await am.open_device("cuda:0")
+    try:
+        driver.fail["cuCtxGetCurrent"] = CUresult.CUDA_ERROR_INVALID_VALUE
+        allocs = driver.calls.count("cuMemAlloc")
+        with pytest.raises(am.AsyncMetalError, match="cuCtxGetCurrent failed"):
+            await dev.alloc(1 << 20)
+        assert driver.calls.count("cuMemAlloc") == allocs
+        del driver.fail["cuCtxGetCurrent"]
+
+        queries = 0
+        real = driver.cuCtxGetCurrent
+
+        def second_fails() -> tuple[Any, ...]:
+            nonlocal queries
+            queries += 1
+            if queries == 3:  # the query after the allocation (2: make_current's)
+                return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+            return real()
+
+        driver.cuCtxGetCurrent = second_fails  # type: ignore[method-assign]
+        driver.current = 0xC0FFEE  # another library's
+        buf = await dev.alloc(1 << 20)
+        assert driver.calls.count("cuMemAlloc") == allocs + 1
+        assert driver.current == 0xC0FFEE
+        driver.cuCtxGetCurrent = real  # type: ignore[method-assign]
+        await buf.free()
+    finally:
+        await dev.close()
+
+
+@pytest.mark.parametrize(
+    ("to_device", "refused"),
+    [
+        (True, "am_cuq_memcpy"),
+        (True, "am_cuq_mark"),
+        (True, "am_cuq_wait"),  # (its wait for the chunk's fill)
+        (False, "am_cuq_memcpy"),
+        (False, "am_cuq_mark"),
+    ],
+    ids=["write-dma", "write-mark", "write-wait", "read-dma", "read-mark"],
+)
+async def test_a_staged_copy_the_driver_refuses_part_of_gives_its_chunk_back(
+    anyio_backend: object,
+    driver: _Driver,
+    monkeypatch: pytest.MonkeyPatch,
+    refused: str,
+    to_device: bool,
+) -> None:
+    """A pageable copy through three staging chunks whose second chunk's DMA, mark or
+    wait the driver refuses raises the driver's error; the chunk it was staging through
+    is not lost: the queue's close gives it back to the device's pool (and the
+    device's close unmaps it). Checked: before, the chunk was in neither the queue's
+    ring nor the pool, left pinned and mapped for good."""
+    runtime: Any = driver.runtime
+    calls = {"n": 0}
+
+    def submitted(name: str) -> Any:
+        def call(q: int, *args: Any) -> int:
+            if name != refused:
+                return 0
+            calls["n"] += 1
+            if calls["n"] < (2 if name != "am_cuq_wait" else 3):
+                return 0
+            runtime.queues[q].failed_call = 0
+            return int(CUresult.CUDA_ERROR_INVALID_VALUE)
+
+        return call
+
+    for name in ("am_cuq_memcpy", "am_cuq_mark", "am_cuq_wait", "am_cuq_finish"):
+        setattr(runtime, name, submitted(name))
+
+    def fill(
+        copier: Any, dst: int, src: int, n: int, keep: object, chunk: Any, after: Any
+    ) -> tuple[Any, int]:
+        if chunk.ready is None:
+            chunk.ready = cuda_backend.CUDATimeline(copier._backend)
+        return chunk.ready, 1
+
+    monkeypatch.setattr(_staging._HostCopier, "copy", fill)
+    mapped = set(_staging._MAPPED)
+    dev = await am.open_device("cuda:0")
+    try:
+        pool = len(dev._backend._chunks)  # type: ignore[attr-defined]
+        buf = await dev.alloc(3 * _staging.STAGE_CHUNK)
+        host = np.zeros(3 * _staging.STAGE_CHUNK, np.uint8)
+        queue = dev.new_queue()
+        with pytest.raises(am.AsyncMetalError, match="CUDA_ERROR_INVALID_VALUE"):
+            queue.copy(buf, host) if to_device else queue.copy(host, buf)
+        await queue.close()
+        assert len(dev._backend._chunks) == pool  # type: ignore[attr-defined]
+    finally:
+        await dev.close()
+    assert set(_staging._MAPPED) == mapped
+
+
+@pytest.mark.parametrize(
+    "error", [CUresult.CUDA_ERROR_ILLEGAL_ADDRESS, CUresult.CUDA_ERROR_INVALID_VALUE]
+)
+async def test_importing_cuda_memory_after_a_fault_raises_device_lost(
+    anyio_backend: object, driver: _Driver, error: CUresult
+) -> None:
+    """from_dlpack of an array with ``__cuda_array_interface__`` asks the driver which
+    GPU holds its memory. Where the driver answers with a sticky error, the import
+    raises DeviceLostError saying the process is lost -- not that no open device holds
+    the memory (the driver's answer to memory it does not know, which stays
+    InvalidArgumentError). Checked: InvalidArgumentError for both before."""
+    driver.CUpointer_attribute = types.SimpleNamespace(  # type: ignore[attr-defined]
+        CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL=9
+    )
+    driver.cuPointerGetAttribute = lambda attribute, address: (error, None)  # type: ignore[attr-defined]
+
+    class Producer:
+        __cuda_array_interface__: ClassVar[dict[str, Any]] = {
+            "shape": (16,),
+            "typestr": "<i4",
+            "data": (0x7000_0000, False),
+            "version": 3,
+        }
+
+    dev = await am.open_device("cuda:0")
+    try:
+        if error == CUresult.CUDA_ERROR_INVALID_VALUE:
+            with pytest.raises(am.InvalidArgumentError, match="no open device holds"):
+                am.from_dlpack(Producer())
+        else:
+            with pytest.raises(DeviceLostError, match=PROCESS_LOST):
+                am.from_dlpack(Producer())
     finally:
         await dev.close()

@@ -1320,3 +1320,47 @@ async def test_a_detached_call_returning_as_its_caller_is_cancelled_reports_noth
     detached.submit(finished.set)  # (after the call's own end)
     assert await anyio.to_thread.run_sync(finished.wait, LIMIT)
     assert unheard == []
+
+
+@pytest.mark.anyio
+async def test_a_timeline_the_runtime_has_no_memory_for_is_dropped_without_a_crash(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The native runtime had no memory for a cpu timeline (am_timeline_new returned
+    NULL): timeline() raises a MemoryError, and the half-made timeline is collected
+    freeing nothing. Checked: its finalizer freed NULL, and the process crashed."""
+    from asyncmetal import _native
+
+    async with am.open_device("cpu") as dev:
+        with monkeypatch.context() as patched:
+            patched.setattr(_native.runtime(), "am_timeline_new", lambda: 0)
+            with pytest.raises(MemoryError):
+                dev.timeline()
+        gc.collect()
+        assert dev.timeline().value == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("call", ["am_queue_new", "am_timeline_new"])
+async def test_a_queue_or_timeline_the_runtime_has_no_memory_for_raises_an_asyncmetal_error(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    """The native runtime had no host memory for a new queue or timeline (its call
+    returned NULL): new_queue() and timeline() raise an AsyncMetalError that is a
+    MemoryError, naming the call, and the device goes on. Checked: a bare MemoryError
+    (no AsyncMetalError) before."""
+    from asyncmetal import _native
+
+    async with am.open_device("cpu") as dev:
+        lib = _native.runtime()
+        with monkeypatch.context() as patched:
+            patched.setattr(lib, call, lambda *args: 0)
+            for make in (dev.new_queue, dev.timeline):
+                if call == "am_queue_new" and make == dev.timeline:
+                    continue  # (a timeline alone makes no queue)
+                with pytest.raises(am.AsyncMetalError, match=call) as caught:
+                    make()
+                assert isinstance(caught.value, MemoryError)
+        buf = await dev.alloc(16)
+        await dev.new_queue().copy(buf, np.arange(4, dtype=np.int32))
+        assert list(await buf.read(np.int32)) == [0, 1, 2, 3]

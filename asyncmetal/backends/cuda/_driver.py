@@ -9,7 +9,7 @@ import weakref
 from typing import Any, Protocol
 
 from ..._backend import NativeTimeline
-from ..._errors import AsyncMetalError, DeviceLostError
+from ..._errors import AsyncMetalError, DeviceLostError, NoHostMemoryError
 
 # What the other modules import.
 __all__ = ["CudaOutOfMemory", "check", "cu", "driver_error", "nvrtc"]
@@ -106,7 +106,7 @@ def driver_error(call: str, err: Any, where: str = "") -> AsyncMetalError:
     return AsyncMetalError(f"{at} failed: {name}")
 
 
-class CudaOutOfMemory(AsyncMetalError, MemoryError):
+class CudaOutOfMemory(NoHostMemoryError):
     """The driver, or the host, had no memory left (the allocator empties its cache and
     retries)."""
 

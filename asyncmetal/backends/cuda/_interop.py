@@ -77,6 +77,9 @@ def device_index_of(address: int) -> int | None:
     the driver does not know."""
     attribute = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
     err, ordinal = cu.cuPointerGetAttribute(attribute, address)
+    if int(err) and (_driver.error_name(err) in _driver.LOST or _driver.lost_first is not None):
+        # The process's CUDA state is lost: that is the error, not unknown memory.
+        raise _driver.driver_error("cuPointerGetAttribute", err)
     return None if int(err) else int(ordinal)
 
 
@@ -90,12 +93,16 @@ def keeps_context(method: Callable[_P, _R]) -> Callable[_P, _R]:
     def keeping(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         if _driver.lost_first is not None:  # refused before any driver call
             return method(*args, **kwargs)
-        before: Any = cu.cuCtxGetCurrent()[1]
+        # Where the driver cannot say which context is current, nothing is done: there
+        # would be nothing to give back.
+        before: Any = check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
         try:
             return method(*args, **kwargs)
         finally:
-            now = cu.cuCtxGetCurrent()[1]
-            if int(now) != int(before):
+            # Set back also where the driver cannot say what is current now; a failure
+            # here raises nothing, which would lose what the method made (an allocation).
+            err, now = cu.cuCtxGetCurrent()
+            if int(err) or int(now) != int(before):
                 cu.cuCtxSetCurrent(before)
 
     return keeping

@@ -651,19 +651,24 @@ class CUDAQueue(NativeQueue):
         for offset in range(0, src.nbytes, STAGE_CHUNK):
             n = min(STAGE_CHUNK, src.nbytes - offset)
             chunk, busy = staging.acquire()  # busy: host threads refill it after the stream
-            if held:
-                # The stream is held on the host behind another kind's queue (which may
-                # write src: lent memory of its buffer): the host threads read src only
-                # once the stream got past that wait, and the chunk's last use ended.
-                if busy is not None:
-                    self._wait_value(value, *busy)
-                busy = staging.next_mark()
-                self._mark(value, *busy)
-            filled = staging.copier.copy(chunk.address, address + offset, n, src, chunk, busy)
-            self._wait_value(value, *filled)
-            self._memcpy(value, True, base + offset, chunk.address, n)
-            mark = staging.next_mark()
-            self._mark(value, *mark)  # the chunk is free again: host threads poll the word
+            try:
+                if held:
+                    # The stream is held on the host behind another kind's queue (which
+                    # may write src: lent memory of its buffer): the host threads read src
+                    # only once the stream got past that wait, and the chunk's last use
+                    # ended.
+                    if busy is not None:
+                        self._wait_value(value, *busy)
+                    busy = staging.next_mark()
+                    self._mark(value, *busy)
+                filled = staging.copier.copy(chunk.address, address + offset, n, src, chunk, busy)
+                self._wait_value(value, *filled)
+                self._memcpy(value, True, base + offset, chunk.address, n)
+                mark = staging.next_mark()
+                self._mark(value, *mark)  # the chunk is free again: host threads poll the word
+            except BaseException:
+                staging.retire(chunk)
+                raise
             staging.release_after(chunk, *mark)
         self._finish(value, (dst, src), expected_ns=src.nbytes // STAGED_BYTES_PER_NS)
 
@@ -678,13 +683,17 @@ class CUDAQueue(NativeQueue):
         for offset in range(0, dst.nbytes, STAGE_CHUNK):
             n = min(STAGE_CHUNK, dst.nbytes - offset)
             chunk, busy = staging.acquire()
-            if busy is not None:  # the stream refills it once a host thread emptied it
-                self._wait_value(value, *busy)
-            self._memcpy(value, False, chunk.address, base + offset, n)
-            # The stream marks the chunk arrived; a host thread then moves it out.
-            mark = staging.next_mark()
-            self._mark(value, *mark)
-            emptied = staging.copier.copy(address + offset, chunk.address, n, dst, chunk, mark)
+            try:
+                if busy is not None:  # the stream refills it once a host thread emptied it
+                    self._wait_value(value, *busy)
+                self._memcpy(value, False, chunk.address, base + offset, n)
+                # The stream marks the chunk arrived; a host thread then moves it out.
+                mark = staging.next_mark()
+                self._mark(value, *mark)
+                emptied = staging.copier.copy(address + offset, chunk.address, n, dst, chunk, mark)
+            except BaseException:
+                staging.retire(chunk)
+                raise
             staging.release_after(chunk, *emptied)
         for unfinished in staging.unfinished():  # done once every byte is in dst
             self._wait_value(value, *unfinished)

@@ -177,6 +177,7 @@ class Staging:
         self._marked = 0
         self._ring: collections.deque[tuple[Chunk, CUDATimeline, int]] = collections.deque()
         self._count = 0
+        self._retired: list[Chunk] = []
 
     def acquire(self) -> tuple[Chunk, tuple[CUDATimeline, int] | None]:
         """A chunk, and the (timeline, value) its previous use ends at, if not yet."""
@@ -191,6 +192,14 @@ class Staging:
 
     def release_after(self, chunk: Chunk, timeline: CUDATimeline, value: int) -> None:
         self._ring.append((chunk, timeline, value))
+
+    def retire(self, chunk: Chunk) -> None:
+        """Set aside a chunk whose use the driver refused part of: what of that use was
+        submitted may still read or write it, and nothing the stream writes marks its
+        end, so it is not staged through again before the close (which waits for the
+        stream, then gives it back). The ring takes another in its place."""
+        self._retired.append(chunk)
+        self._count -= 1
 
     def unfinished(self) -> list[tuple[CUDATimeline, int]]:
         """The chunks' host copies not yet done (what a copy out must wait for)."""
@@ -212,3 +221,9 @@ class Staging:
                 # and holding up the device's frees, which wait for every stream.
                 chunk.ready.close_waits()
         self._ring.clear()
+        for chunk in self._retired:
+            if not abandon:
+                self._backend.give_chunk(chunk)
+            elif chunk.ready is not None:
+                chunk.ready.close_waits()
+        self._retired.clear()

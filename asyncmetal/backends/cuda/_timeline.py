@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 from ... import _native
 from ..._backend import ForkableTimeline, InheritedValue
+from ..._errors import NoHostMemoryError
 from ..._native import fast_call
 from ._driver import check, cu
 
@@ -51,7 +52,7 @@ class CUDATimeline(ForkableTimeline):
         self.c_timeline: int = backend.lib.am_timeline_new()
         if not self.c_timeline:
             backend._release_slot(self.address)
-            raise MemoryError("could not allocate a timeline")
+            raise NoHostMemoryError("am_timeline_new returned NULL: no memory for a timeline")
         self._backend = backend
         backend.lib.am_timeline_set_word(self.c_timeline, self.address)
         self._value: _native.ValueReader = _native.timeline_reader(self.c_timeline)

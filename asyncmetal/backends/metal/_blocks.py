@@ -16,6 +16,8 @@ import sys
 import threading
 from typing import Any
 
+from ..._errors import NoHostMemoryError
+
 BLOCK_IS_GLOBAL = 1 << 28
 BLOCK_HAS_SIGNATURE = 1 << 30
 
@@ -98,7 +100,7 @@ def make_block(isa: int, signature: bytes, timeline: int, value: int = 0) -> Blo
     reached = {COMPLETED_SIGNATURE: 0, REACHED_SIGNATURE: 1}[signature]
     address = _native.runtime().am_block_new(isa, reached, timeline, value)
     if not address:
-        raise MemoryError("am_block_new")
+        raise NoHostMemoryError("am_block_new returned NULL: no memory for a completion handler")
     block = BlockLiteral.from_address(address)
     with _lock:
         _alive[address] = block

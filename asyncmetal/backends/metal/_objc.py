@@ -20,6 +20,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from ..._errors import NoHostMemoryError
+
 # role -> (environment variable, Apple's path)
 LIBRARIES = {
     "objc": ("ASYNCMETAL_OBJC_LIB", "/usr/lib/libobjc.dylib"),
@@ -117,6 +119,15 @@ def send(
     if not argtypes:
         argtypes = (ctypes.c_void_p,) * len(args)
     return _sender(restype, argtypes)(obj, selector(name), *args)
+
+
+def made(obj: int | None, what: str) -> int:
+    """``obj``, which Metal's ``what`` returned; nil (no memory or resources left for it)
+    raised, before anything is sent to it: a message to nil does nothing and returns 0,
+    so an unmade event or encoder would lose the work silently."""
+    if not obj:
+        raise NoHostMemoryError(f"{what} returned nil: Metal had no memory left for it")
+    return obj
 
 
 def nsstring(text: str) -> int:

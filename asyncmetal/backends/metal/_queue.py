@@ -30,6 +30,7 @@ from . import _blocks
 from ._objc import (
     autorelease_pool,
     describe_error,
+    made,
     objc_msgsend_address,
     release,
     retain,
@@ -105,7 +106,7 @@ class MetalTimeline(_Waited, ForkableTimeline):
 
     def __init__(self, backend: MetalDevice) -> None:
         self._lib = backend.lib
-        self.event: int = send(backend.device, "newSharedEvent")
+        self.event = made(send(backend.device, "newSharedEvent"), "newSharedEvent")
         self.c_timeline: int = backend.lib.am_timeline_new()
         self._mirror: _native.ValueReader = _native.timeline_reader(self.c_timeline)
         self._backend = backend
@@ -172,9 +173,8 @@ class MetalQueue(NativeQueue):
     def __init__(self, backend: MetalDevice, timeline: MetalTimeline) -> None:
         self._backend = backend
         self._timeline = timeline
-        self._queue: int = send(
-            backend.device, "newCommandQueueWithMaxCommandBufferCount:", 1024, argtypes=(c_ulong,)
-        )
+        what = "newCommandQueueWithMaxCommandBufferCount:"
+        self._queue = made(send(backend.device, what, 1024, argtypes=(c_ulong,)), what)
         self._waits: list[tuple[MetalTimeline, int]] = []  # re-encoded until reached
         # Its waits, until their value is reached: (the wait command's value, timeline,
         # target). A timeline that fails instead (its device closed while its command
@@ -407,9 +407,7 @@ class MetalQueue(NativeQueue):
         then: tuple[int, int] | None,
         hand: bool = True,
     ) -> None:
-        cb = send(self._queue, "commandBuffer")
-        if not cb:
-            raise MemoryError("commandBuffer returned nil")
+        cb = made(send(self._queue, "commandBuffer"), "commandBuffer")
         retain(cb)
         if self._dropping:  # abandoned while this waited in commandBuffer
             release(cb)
@@ -588,7 +586,7 @@ class MetalQueue(NativeQueue):
         indices = program.bindings or range(len(args))
 
         def encode(cb: int) -> None:
-            encoder = send(cb, "computeCommandEncoder")
+            encoder = made(send(cb, "computeCommandEncoder"), "computeCommandEncoder")
             send(encoder, "setComputePipelineState:", program.pipeline, restype=None)
             pending = iter(values)
             for index, (handle, offset, val) in zip(indices, args, strict=True):
@@ -722,7 +720,7 @@ class MetalQueue(NativeQueue):
         span = NSRange(dst.offset, nbytes)
 
         def encode(cb: int) -> None:
-            blit = send(cb, "blitCommandEncoder")
+            blit = made(send(cb, "blitCommandEncoder"), "blitCommandEncoder")
             send(
                 blit,
                 "fillBuffer:range:value:",
@@ -959,7 +957,7 @@ def _blit_encoder(dst: tuple[int, int], src: tuple[int, int], nbytes: int) -> Ca
     """What encodes a blit of ``nbytes`` from ``src`` to ``dst`` (buffer, offset)."""
 
     def encode(cb: int) -> None:
-        blit = send(cb, "blitCommandEncoder")
+        blit = made(send(cb, "blitCommandEncoder"), "blitCommandEncoder")
         send(
             blit,
             "copyFromBuffer:sourceOffset:toBuffer:destinationOffset:size:",

@@ -1488,3 +1488,44 @@ async def test_the_simulations_sleep_kernel_lasts_what_it_is_given(anyio_backend
         start = time.monotonic()
         await dev.queue.launch(sleep, vals=(100,))
         assert time.monotonic() - start >= 0.1
+
+
+@pytest.mark.metal
+@pytest.mark.anyio
+@sim_only
+@pytest.mark.parametrize(
+    ("what", "nth", "call"),
+    [
+        ("newSharedEvent", 1, lambda dev, buf, fill: dev.timeline()),
+        ("newCommandQueueWithMaxCommandBufferCount:", 2, lambda dev, buf, fill: dev.new_queue()),
+        ("commandBuffer", 1, lambda dev, buf, fill: dev.queue.fill(buf, 1)),
+        ("blitCommandEncoder", 2, lambda dev, buf, fill: dev.queue.fill(buf, 1)),
+        (
+            "computeCommandEncoder",
+            2,
+            lambda dev, buf, fill: dev.queue.launch(fill, buf, vals=(5, 16)),
+        ),
+    ],
+    ids=["event", "queue", "command-buffer", "blit-encoder", "compute-encoder"],
+)
+async def test_a_metal_object_made_nil_raises_an_asyncmetal_error(
+    anyio_backend: object, what: str, nth: int, call: Any
+) -> None:
+    """Metal returns nil where it has no memory or resources left for an object. Each
+    such nil the backend meets is raised at once as an AsyncMetalError (a MemoryError
+    too) naming the call, and the device goes on working. Checked: before, a nil event,
+    queue or encoder was used as if made (messages to nil do nothing: a launch or fill
+    that never ran reported success; a signal of the nil event aborted the simulation as
+    Metal's validation would), and a nil command buffer raised a bare MemoryError."""
+    async with am.open_device("metal") as mtl:
+        fill = await mtl.compile(MSL_KERNELS, "fill")
+        buf = await mtl.alloc(64)
+        metal_sim.fail_at(nth)
+        try:
+            with pytest.raises(am.AsyncMetalError, match=f"{what} returned nil") as caught:
+                call(mtl, buf, fill)
+        finally:
+            metal_sim.fail_at(-1)
+        assert isinstance(caught.value, MemoryError)
+        await mtl.queue.launch(fill, buf, vals=(5, 16))
+        assert (await buf.read(np.int32) == 5).all()

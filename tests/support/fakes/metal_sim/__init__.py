@@ -112,6 +112,8 @@ def library() -> ctypes.CDLL:
     lib.asyncmetal_sim_handlers.argtypes = [ctypes.c_int]
     lib.asyncmetal_sim_hold_handlers.restype = None
     lib.asyncmetal_sim_hold_handlers.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.asyncmetal_sim_fail_at.restype = ctypes.c_long
+    lib.asyncmetal_sim_fail_at.argtypes = [ctypes.c_long]
     return lib
 
 
@@ -148,3 +150,12 @@ def hold_handlers(queue: int, hold: bool) -> None:
     """Hold back (or, released, call in order) the completed handlers of the command
     buffers of ``queue`` (an ``MTLCommandQueue``): its GPU thread goes on meanwhile."""
     library().asyncmetal_sim_hold_handlers(queue, int(hold))
+
+
+def fail_at(n: int) -> int:
+    """From now on the calling thread's ``n``-th message that makes an object (a buffer,
+    a queue, an event, a command buffer, an encoder...) returns nil, as Metal's do with
+    no memory left (0: none, only counted; -1: off). Returns how many such messages the
+    thread that asked last sent since."""
+    sent: int = library().asyncmetal_sim_fail_at(n)
+    return sent

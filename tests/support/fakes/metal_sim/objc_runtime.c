@@ -22,7 +22,8 @@
  * for the listener); and for the tests
  * asyncmetal_sim_live (objects alive, per class), asyncmetal_sim_implicit (objects
  * autoreleased with no pool in place), asyncmetal_sim_handlers (completed handlers run,
- * and how many on the committing thread).
+ * and how many on the committing thread), asyncmetal_sim_fail_at (a message that makes
+ * an object returns nil, as with no memory left).
  *
  * Classes and selectors: every selector the backend (backends/metal/) sends -- 38 --
  * and, marked *, those it does not send but the simulation's own tests use:
@@ -359,9 +360,34 @@ void *objc_getClass(const char *name) {
 __attribute__((visibility("hidden"))) IMP sim_lookup(object *receiver, SEL sel);
 __attribute__((visibility("hidden"))) void sim_nil(void);
 
+/* Fault injection for the tests (asyncmetal_sim_fail_at): messages that return nil on a
+ * Mac when it has no memory or no resources left -- one that makes an object (new...,
+ * but those with an error: argument, which set it), a command buffer, an encoder -- are
+ * counted on the thread that asked, and the nth returns nil without running. */
+static atomic_long fail_count, fail_at = -1;
+static pthread_t fail_thread;
+
+static int failable(SEL sel) {
+    return (strncmp(sel, "new", 3) == 0 && !strstr(sel, "error:")) ||
+           strcmp(sel, "commandBuffer") == 0 || strcmp(sel, "computeCommandEncoder") == 0 ||
+           strcmp(sel, "blitCommandEncoder") == 0;
+}
+
+/* From now on, the calling thread's nth failable message returns nil (0: none, counted
+ * only; -1: off); returns how many it sent since the last call. */
+long asyncmetal_sim_fail_at(long n) {
+    long sent = atomic_exchange(&fail_count, 0);
+    fail_thread = pthread_self();
+    atomic_store(&fail_at, n);
+    return sent;
+}
+
 IMP sim_lookup(object *receiver, SEL sel) {
     if (!receiver) return sim_nil;  /* a message to nil returns 0 / 0.0 */
     check_live(receiver, sel);
+    if (atomic_load(&fail_at) >= 0 && pthread_equal(pthread_self(), fail_thread) &&
+        failable(sel) && atomic_fetch_add(&fail_count, 1) + 1 == atomic_load(&fail_at))
+        return sim_nil;
     for (const sim_class *c = receiver->isa; c; c = c->super)
         for (const method *m = c->methods; m->name; m++)
             if (strcmp(m->name, sel) == 0) return m->imp;

@@ -1,0 +1,586 @@
+"""A fault-injection sweep of the cuda backend, without a GPU: a workload that touches
+every kind of driver call the backend makes (opening a device, allocating, loading a
+kernel, launching, copies between host and device and on the device, an adopted stream
+and its marker, a DLPack round trip and an import with a producer stream, a timeline
+signalled on one queue and waited for on another, frees, new queues, closing) runs once
+counting the driver calls made from the test's thread, then once for each N (sampled,
+deterministically) with the Nth call failing -- with an error that leaves the process
+usable (no memory, an invalid value) and, separately, with a sticky one (an illegal
+address: from then on every call of the process fails with it).
+
+Driver calls are the fake ``cu`` module's (tests/reliability/test_cuda_faults.py) and the
+native runtime's submissions, simulated here (``_SimRuntime``): a stream is a thread that
+runs its queue's operations in order on real host memory (device memory is host memory
+here), and a command's event may report the sticky error when it runs -- as the
+completion thread finds it -- which is decided, and counted, when it is submitted.
+
+Every run checks the contracts at an edge (DESIGN.md 8, 9): what fails is an
+``AsyncMetalError`` (``DeviceLostError`` for the sticky error), never a raw Python
+error; nothing hangs; the thread's current context is what it was before each call
+(another library's); with an error that is not sticky the device then still works and
+gives back the right bytes; the close completes; the device's Python threads end; every
+allocation is freed; and every staging chunk is unmapped -- but where a sticky error
+failed a queue whose stream might still write one (``_staging._MAPPED`` says why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import threading
+import time
+import traceback
+import types
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, ClassVar
+
+import anyio
+import numpy as np
+import pytest
+
+import asyncmetal as am
+from asyncmetal import DeviceLostError
+from asyncmetal.backends.cuda import _driver, _staging
+from tests.reliability.test_cuda_faults import (
+    MAX,
+    SRC,
+    CUresult,
+    _Driver,
+    _Runtime,
+    fake_driver,
+)
+from tests.support.faults import device_threads, sampled
+
+THEIRS = 0xC0FFEE  # another library's context, current on the test's thread
+THEIR_STREAM = 0x7000  # a stream of another library's (of the device's context)
+STICKY = CUresult.CUDA_ERROR_ILLEGAL_ADDRESS
+# Calls that touch the calling thread's state only: they keep working after a sticky
+# error (what restores another library's context).
+THREAD_STATE = {"cuCtxGetCurrent", "cuCtxSetCurrent"}
+SAMPLES = 40  # failing runs per error at most, spread evenly over the calls
+N = 4096  # bytes of the workload's buffers
+
+
+class _Plan:
+    """Which driver call of the test's thread fails, and with what; counts them."""
+
+    def __init__(self, thread: threading.Thread, fail_at: int = 0, code: int = 0) -> None:
+        self.thread = thread
+        self.fail_at = fail_at
+        self.code = code
+        self.calls: list[str] = []
+        self.injected: str | None = None
+        self.sticky = 0  # the sticky error every call now returns
+        # The driver refused to make the caller's context current again: nothing can.
+        self.refused_restore = False
+
+    def result(self, name: str, counted: bool = True) -> int:
+        """The error call ``name`` returns, or 0; ``counted``: a call of the test's
+        thread counts (and may be the one that fails) -- others are not in a
+        deterministic order."""
+        if self.sticky and name not in THREAD_STATE:
+            return self.sticky
+        if not counted or threading.current_thread() is not self.thread:
+            return 0
+        self.calls.append(name)
+        if len(self.calls) != self.fail_at:
+            return 0
+        self.injected = name
+        if self.code == STICKY:
+            self.sticky = self.code
+        return self.code
+
+
+class _SweepDriver(_Driver):
+    """The fake driver with real (host) memory behind each allocation, the calling
+    thread's current context per thread, and the calls an adopted stream, a pointer's
+    device and a pinned arena's free make; its calls fail as ``plan`` says."""
+
+    CUpointer_attribute = types.SimpleNamespace(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL=9)
+    ATTRIBUTES: ClassVar[dict[int, int]] = _Driver.ATTRIBUTES
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plan = _Plan(threading.current_thread())
+        self.memory: dict[int, Any] = {}  # live allocations by address
+        self.local = threading.local()
+
+    def _result(self, name: str, *values: Any) -> tuple[Any, ...]:
+        self.calls.append(name)
+        err = self.plan.result(name)
+        if err:
+            return (CUresult(err), *(None for _ in values))
+        return (CUresult.CUDA_SUCCESS, *values)
+
+    def cuCtxGetCurrent(self) -> tuple[Any, ...]:
+        return self._result("cuCtxGetCurrent", getattr(self.local, "current", 0))
+
+    def cuCtxSetCurrent(self, context: int) -> tuple[Any, ...]:
+        result = self._result("cuCtxSetCurrent")
+        if result[0] == 0:
+            self.local.current = int(context)
+        elif int(context) == THEIRS:
+            self.plan.refused_restore = True
+        return result
+
+    def cuMemAlloc(self, nbytes: int) -> tuple[Any, ...]:
+        memory = (ctypes.c_uint8 * nbytes)()
+        result = self._result("cuMemAlloc", ctypes.addressof(memory))
+        if result[0] == 0:
+            self.memory[ctypes.addressof(memory)] = memory
+        return result
+
+    def cuMemFree(self, pointer: int) -> tuple[Any, ...]:
+        self.memory.pop(int(pointer))  # handed back, whatever the driver says
+        return self._result("cuMemFree")
+
+    def cuMemFreeHost(self, pointer: int) -> tuple[Any, ...]:
+        return self._result("cuMemFreeHost")
+
+    def cuStreamGetCtx(self, stream: int) -> tuple[Any, ...]:
+        return self._result("cuStreamGetCtx", 0x100)
+
+    def cuPointerGetAttribute(self, attribute: int, address: int) -> tuple[Any, ...]:
+        found = any(a <= address < a + len(m) for a, m in self.memory.items())
+        if not found:
+            return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+        return self._result("cuPointerGetAttribute", 0)
+
+
+class _Stream:
+    """A simulated stream: a thread that runs its queue's operations in order. After a
+    command's event reported an error, it runs nothing more (the context is lost)."""
+
+    def __init__(self, runtime: _SimRuntime, q: int, timeline: int) -> None:
+        self.runtime = runtime
+        self.q = q
+        self.timeline = timeline
+        self.ops: list[Callable[[], None]] = []
+        self.cv = threading.Condition()
+        self.stop = False
+        self.abandon = False
+        self.failed = False
+        self.thread = threading.Thread(target=self._run, name="sim-stream", daemon=True)
+        self.thread.start()
+
+    def put(self, op: Callable[[], None]) -> None:
+        with self.cv:
+            self.ops.append(op)
+            self.cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.ops and not self.stop:
+                    self.cv.wait()
+                if not self.ops or self.abandon:
+                    return
+                op = self.ops.pop(0)
+            if not self.failed:
+                op()
+
+    def until(self, done: Callable[[], bool], what: str = "") -> None:
+        """Wait on the device for ``done``: as long as the stream is not abandoned."""
+        deadline = time.monotonic() + 30
+        while not done() and not self.abandon:
+            if time.monotonic() > deadline:
+                self.runtime.hung.append(f"a stream of queue {self.q:#x} waited for good: {what}")
+                return
+            time.sleep(0.0005)
+
+
+class _SimRuntime(_Runtime):
+    """The native runtime with its CUDA queues simulated over ``_Stream``s; each
+    submission is a driver call that may fail, and each command's event one that may
+    report the sticky error when the command runs."""
+
+    def __init__(self, driver: _SweepDriver) -> None:
+        super().__init__()
+        self.driver = driver
+        self.streams: dict[int, _Stream] = {}
+        self.words: dict[int, int] = {}  # a timeline's device word, by timeline
+        self.hung: list[str] = []
+        # The runtime's driver functions, as am_cuda_name numbers them (failed_call).
+        self.names: list[str] = []
+        while (name := self._real.am_cuda_name(len(self.names))) != b"?":
+            self.names.append(name.decode())
+
+    def am_timeline_set_word(self, timeline: int, address: int) -> None:
+        self.words[timeline] = address
+        self._real.am_timeline_set_word(timeline, address)
+
+    def _word(self, address: int) -> ctypes.c_uint64:
+        return ctypes.c_uint64.from_address(address)
+
+    def am_cuq_new(
+        self, context: int, stream: int, timeline: int, spin_ns: int, max_inflight: int
+    ) -> int:
+        q = super().am_cuq_new(context, stream, timeline, spin_ns, max_inflight)
+        self.streams[q] = _Stream(self, q, timeline)
+        return q
+
+    def _submit(self, q: int, call: str, op: Callable[[], None]) -> int:
+        native = self.queues[q]
+        if native.error:
+            return int(native.error)
+        err = self.driver.plan.result(call)
+        if err:
+            native.failed_call = self.names.index(call)
+            return err
+        self.streams[q].put(op)
+        return 0
+
+    def _end(self, q: int, value: int, extra: int | None = None, target: int = 0) -> int:
+        """A command's event (and what it signals): recorded, then confirmed or failed
+        when the stream gets there."""
+        stream = self.streams[q]
+        reported = self.driver.plan.result("cuEventQuery", counted=self.driver.plan.code == STICKY)
+
+        def confirm() -> None:
+            if reported:
+                stream.failed = True
+                native = self.queues[q]
+                native.error, native.error_value = reported, value
+                self._real.am_timeline_fail_from(
+                    stream.timeline, value, reported, value, stream.timeline
+                )
+                self._real.am_timeline_signal(stream.timeline, MAX)
+                return
+            if extra:
+                self._real.am_timeline_signal(extra, target)
+            self._real.am_timeline_signal(stream.timeline, value)
+
+        return self._submit(q, "cuEventRecord", confirm)
+
+    def am_cuq_finish(
+        self, q: int, value: int, extra: int | None, target: int, ns: int, flags: int
+    ) -> int:
+        signals = extra if extra and not flags & (2 | 8) else None  # FINISH_PLAIN, _WAITED
+        return self._end(q, value, signals, target)
+
+    def am_cuq_launch(
+        self, q: int, function: int, dims: int, params: int, n: int, value: int
+    ) -> int:
+        return self._submit(q, "cuLaunchKernel", lambda: None) or self._end(q, value)
+
+    def am_cuq_copy(
+        self, q: int, dst: int, src: int, ctx: int | None, n: int, value: int, ns: int
+    ) -> int:
+        call = "cuMemcpyDtoDAsync" if ctx is None else "cuMemcpyPeerAsync"
+        copied = self._submit(q, call, lambda: ctypes.memmove(dst, src, n) and None)
+        return copied or self._end(q, value)
+
+    def am_cuq_fill(
+        self, q: int, dst: int, pattern: int, size: int, n: int, value: int, ns: int
+    ) -> int:
+        item = pattern.to_bytes(4, "little")[:size]
+        fill = self._submit(
+            q, "cuMemsetD8Async", lambda: ctypes.memmove(dst, item * (n // size), n) and None
+        )
+        return fill or self._end(q, value)
+
+    def am_cuq_memcpy(self, q: int, to_device: int, dst: int, src: int, n: int, value: int) -> int:
+        call = "cuMemcpyHtoDAsync" if to_device else "cuMemcpyDtoHAsync"
+        return self._submit(q, call, lambda: ctypes.memmove(dst, src, n) and None)
+
+    def am_cuq_write(self, q: int, word: int, target: int, value: int) -> int:
+        def write() -> None:
+            self._word(word).value = target
+
+        return self._submit(q, "cuStreamWriteValue64", write)
+
+    def am_cuq_mark(self, q: int, timeline: int, target: int, value: int) -> int:
+        return self.am_cuq_write(q, self.words[timeline], target, value)
+
+    def am_cuq_wait(self, q: int, word: int, target: int, value: int) -> int:
+        stream = self.streams[q]
+        return self._submit(
+            q,
+            "cuStreamWaitValue64",
+            lambda: stream.until(
+                lambda: self._word(word).value >= target,
+                f"word {word:#x} for {target} (at {self._word(word).value})",
+            ),
+        )
+
+    def am_cuq_wait_timeline(self, q: int, timeline: int, target: int, value: int) -> int:
+        stream = self.streams[q]
+        return self._submit(
+            q,
+            "cuStreamWaitValue64",
+            lambda: stream.until(lambda: self._real.am_timeline_value(timeline) >= target),
+        )
+
+    def am_cuq_wait_queue(self, q: int, other: int, target: int, value: int) -> int:
+        stream, timeline = self.streams[q], self.streams[other].timeline
+        return self._submit(
+            q,
+            "cuStreamWaitEvent",
+            lambda: stream.until(lambda: self._real.am_timeline_value(timeline) >= target),
+        )
+
+    def am_cuq_wait_stream(self, q: int, ctx: int, stream: int, value: int, call: Any) -> int:
+        err = self.driver.plan.result("cuStreamWaitEvent")
+        if err:
+            call._obj.value = self.names.index("cuStreamWaitEvent")
+        return err
+
+    def am_cuq_hand_over(self, q: int, value: int) -> int:
+        return 0
+
+    def am_cuq_discard(self, q: int) -> None:
+        with self.streams[q].cv:
+            self.streams[q].ops.clear()
+
+    def am_cuq_close(self, q: int, abandon: int) -> None:
+        stream = self.streams.pop(q)
+        with stream.cv:
+            stream.stop = True
+            stream.abandon = bool(abandon)
+            stream.cv.notify()
+        stream.thread.join(30)
+        if stream.thread.is_alive():
+            self.hung.append(f"closing queue {q:#x} waited for good")
+        super().am_cuq_close(q, abandon)
+
+
+@pytest.fixture
+def sim(monkeypatch: pytest.MonkeyPatch) -> Iterator[_SweepDriver]:
+    """The sweep's driver and simulated runtime in place of the fake ones."""
+    driver = _SweepDriver()
+    runtime = driver.runtime = _SimRuntime(driver)
+    yield from fake_driver(monkeypatch, driver)
+    for stream in list(runtime.streams.values()):  # a failed test's
+        with stream.cv:
+            stream.abandon = stream.stop = True
+            stream.cv.notify()
+
+
+class _Outcome:
+    """What a run of the workload met: the first error (the workload stops there) and
+    any check that failed."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self.trace = ""
+        self.problems: list[str] = []
+
+
+async def _workload(driver: _SweepDriver, out: _Outcome) -> None:
+    """The workload, each step checked for the context; stops at the first error."""
+    local = driver.local
+    steps: list[tuple[str, Callable[[], Awaitable[Any]]]] = []
+    state: dict[str, Any] = {}
+
+    def step(name: str) -> Callable[[Callable[[], Awaitable[Any]]], None]:
+        def add(fn: Callable[[], Awaitable[Any]]) -> None:
+            steps.append((name, fn))
+
+        return add
+
+    @step("open")
+    async def _open() -> None:
+        state["dev"] = await am.open_device("cuda:0")
+
+    @step("alloc")
+    async def _alloc() -> None:
+        dev = state["dev"]
+        state["a"] = await dev.alloc(N)
+        state["b"] = await dev.alloc(N)
+
+    @step("write")
+    async def _write() -> None:
+        await state["a"].write(np.arange(N // 4, dtype=np.int32))
+
+    @step("load")
+    async def _load() -> None:
+        dev = state["dev"]
+        params = await dev._params(SRC, "k")
+        state["k"] = await dev._program(
+            ("key", "k"), params, b"cubin", SRC, dev._backend.compiler, None
+        )
+
+    @step("launch")
+    async def _launch() -> None:
+        await state["dev"].queue.launch(state["k"], state["b"])
+
+    @step("copy on the device")
+    async def _copy() -> None:
+        await am.copy(state["b"], state["a"])
+
+    @step("fill")
+    async def _fill() -> None:
+        dev = state["dev"]
+        state["c"] = c = await dev.alloc(N)
+        await dev.queue.fill(c, np.uint32(0x01020304))
+
+    @step("read")
+    async def _read() -> None:
+        got = await state["b"].read(np.int32)
+        if not (got == np.arange(N // 4, dtype=np.int32)).all():
+            out.problems.append("the bytes read back are wrong")
+
+    @step("big copies through staging")
+    async def _big() -> None:
+        dev = state["dev"]
+        n = 3 * _staging.STAGE_CHUNK
+        big = await dev.alloc(n)
+        data = np.arange(n, dtype=np.uint8)
+        await big.write(data)
+        back = await big.read(np.uint8)
+        await big.free()
+        if not (back == data).all():
+            out.problems.append("the bytes of a staged round trip are wrong")
+
+    @step("adopt a stream, marker")
+    async def _adopt() -> None:
+        queue = state["dev"].adopt_stream(THEIR_STREAM)
+        await queue.marker()
+        await queue.close()
+
+    @step("DLPack round trip")
+    async def _dlpack() -> None:
+        taken = am.from_dlpack(state["a"])
+        await taken.free()
+
+    @step("import with a producer stream")
+    async def _import() -> None:
+        address = state["a"]._allocation.handle
+
+        class Producer:
+            __cuda_array_interface__: ClassVar[dict[str, Any]] = {
+                "shape": (N // 4,),
+                "typestr": "<i4",
+                "data": (int(address), False),
+                "version": 3,
+                "stream": THEIR_STREAM,
+            }
+
+        taken = am.from_dlpack(Producer())
+        await taken.free()
+
+    @step("timeline across queues")
+    async def _timeline() -> None:
+        dev = state["dev"]
+        tl = dev.timeline()
+        q1, q2 = dev.new_queue(), dev.new_queue()
+        q1.signal(tl, 1)
+        done = q2.wait(tl, 1)
+        await done
+        tl.signal(2)
+        await tl.wait(2)
+        await q1.close()
+        await q2.close()
+
+    @step("free")
+    async def _free() -> None:
+        for name in ("a", "b", "c"):
+            if name in state:
+                await state.pop(name).free()
+
+    try:
+        for name, fn in steps:
+            local.current = THEIRS
+            try:
+                await fn()
+            finally:
+                if local.current != THEIRS and not driver.plan.refused_restore:
+                    out.problems.append(f"{name}: the thread's context was not restored")
+    except Exception as exc:
+        out.error = exc
+        out.trace = "".join(traceback.format_exception(exc))
+        # (its frames hold what the failed step made: memory a capsule lent, say)
+        for link in (exc, exc.__context__, exc.__cause__):
+            if link is not None:
+                link.__traceback__ = None
+    finally:
+        for name in ("a", "b", "c"):
+            buf = state.pop(name, None)
+            if buf is not None:
+                with contextlib.suppress(am.AsyncMetalError):  # (what failed said it)
+                    await buf.free()
+        dev = state.get("dev")
+        if dev is not None:
+            local.current = THEIRS
+            try:
+                await dev.close()
+            except Exception as exc:
+                out.problems.append(f"close raised {exc!r}")
+            if local.current != THEIRS and not driver.plan.refused_restore:
+                out.problems.append("close: the thread's context was not restored")
+
+
+async def _run(driver: _SweepDriver, fail_at: int = 0, code: int = 0) -> tuple[_Plan, _Outcome]:
+    """The workload with call ``fail_at`` failing with ``code`` (none: 0), in a process
+    whose CUDA state is not lost; checked for hangs, threads and memory."""
+    _driver.lost_first = None
+    plan = driver.plan = _Plan(threading.current_thread(), fail_at, code)
+    runtime = driver.runtime
+    assert isinstance(runtime, _SimRuntime)
+    mapped, memory = set(_staging._MAPPED), set(driver.memory)
+    threads = device_threads()
+    out = _Outcome()
+    with anyio.fail_after(30):
+        await _workload(driver, out)
+    gc.collect()
+    out.problems += runtime.hung
+    runtime.hung.clear()
+    if runtime.streams:
+        out.problems.append(f"{len(runtime.streams)} queues never closed")
+    deadline = time.monotonic() + 10  # (a close may end on a thread of its own)
+    while device_threads() - threads and time.monotonic() < deadline:
+        await anyio.sleep(0.005)
+    if device_threads() - threads:
+        out.problems.append(f"threads left: {sorted(t.name for t in device_threads() - threads)}")
+    if set(driver.memory) - memory:
+        out.problems.append(f"{len(set(driver.memory) - memory)} allocations never freed")
+    # A queue a sticky error failed abandons its staging: a chunk in use then stays
+    # pinned and mapped for good, as the stream might still write it (_staging._MAPPED).
+    if code != STICKY and set(_staging._MAPPED) - mapped:
+        out.problems.append(f"{len(set(_staging._MAPPED) - mapped)} staging chunks left mapped")
+    if code != STICKY and driver.registered:
+        out.problems.append(f"{len(driver.registered)} host memory ranges left registered")
+    driver.registered.clear()
+    return plan, out
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """asyncio only: what is swept is the backend's handling of the driver's errors,
+    the same under every loop (the loops' own edges: tests/contracts/test_loops.py)."""
+    return "asyncio"
+
+
+@pytest.mark.parametrize(
+    "code",
+    [CUresult.CUDA_ERROR_OUT_OF_MEMORY, CUresult.CUDA_ERROR_INVALID_VALUE, STICKY],
+    ids=lambda c: c.name,
+)
+async def test_every_failing_driver_call_ends_in_a_clear_error(
+    anyio_backend: str, sim: _SweepDriver, code: CUresult
+) -> None:
+    """For each sampled N, the Nth driver call of the workload fails with ``code``:
+    the workload raises an AsyncMetalError (DeviceLostError once the error is sticky)
+    or, where the failure is absorbed, ends as usual; the checks of ``_run`` hold; and
+    after an error that is not sticky the workload runs clean again."""
+    plan, out = await _run(sim)
+    assert out.error is None and not out.problems, (out.error, out.problems)
+    total = len(plan.calls)
+    assert total > 80, plan.calls  # the workload reaches the driver's every kind of call
+    found: list[str] = []
+    for n in sampled(total, SAMPLES):
+        plan, out = await _run(sim, n, code)
+        at = f"call {n} ({plan.injected}) failing with {code.name}"
+        error = out.error
+        if error is not None and not isinstance(error, am.AsyncMetalError):
+            found.append(f"{at}: raised {type(error).__name__}: {error}\n{out.trace}")
+        elif code == STICKY and error is not None and not isinstance(error, DeviceLostError):
+            found.append(f"{at}: raised {type(error).__name__}, not DeviceLostError: {error}")
+        found += [f"{at}: {problem}" for problem in out.problems]
+        if code != STICKY:
+            _, again = await _run(sim)
+            if again.error is not None or again.problems:
+                found.append(f"{at}: the next run failed: {again.error!r} {again.problems}")
+    gc.collect()
+    assert not found, "\n".join(found)
