@@ -3,6 +3,7 @@ awaiting of any such counter (``wait_value``)."""
 
 from __future__ import annotations
 
+import _thread
 import bisect
 import collections
 import itertools
@@ -255,42 +256,73 @@ T = TypeVar("T")
 class Detached:
     """Runs functions one after another on a thread of its own, started when one comes
     and ending once none is left: what is handed to it runs to its end whatever happens
-    to whoever handed it over, and a burst of them takes one thread, not one each."""
+    to whoever handed it over, and a burst of them takes one thread, not one each.
+
+    A KeyboardInterrupt (CPython delivers one between any two calls of the main thread)
+    may cut ``submit`` once it counted the thread as running and before the thread
+    began -- in threading's own making and starting of it -- or once the job went in
+    after the thread ended; nothing would then ever run what is queued, nor anything
+    handed over later. So the interrupted call starts one more thread, with one C call
+    (no interrupt lands between its start and the thread's): where the first did begin
+    too, the two take turns (``_turn``), and jobs still run one after another."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._lock = threading.Lock()
+        self._turn = threading.Lock()  # held by the thread running the jobs
         self._work: collections.deque[Callable[[], None]] = collections.deque()
         self._running = False
         _detached.add(self)
 
     def submit(self, job: Callable[[], None]) -> None:
-        with self._lock:
-            self._work.append(job)
-            if self._running:
-                return  # (the running thread takes it)
-            self._running = True
-        try:  # (started with the lock let go: the GC may run finalizers on it at once)
-            threading.Thread(target=self._run, name=self.name, daemon=True).start()
+        starting = False  # this call counted the thread as running: it starts it
+        try:
+            with self._lock:
+                self._work.append(job)
+                if self._running:
+                    return  # (the running thread takes it)
+                self._running = starting = True
+            try:  # (started with the lock let go: the GC may run finalizers on it at once)
+                threading.Thread(target=self._run, name=self.name, daemon=True).start()
+            except Exception:
+                # No thread to be had (a limit on threads reached, the interpreter
+                # exiting): here, blocking the caller's thread, rather than never (what
+                # is handed over -- a free, a release -- is counted on to happen).
+                self._run()
         except Exception:
-            # No thread to be had (a limit on threads reached, the interpreter exiting):
-            # here, blocking the caller's thread, rather than never (what is handed
-            # over -- a free, a release -- is counted on to happen).
-            self._run()
+            raise
+        except BaseException:
+            self._interrupted(starting)
+            raise
+
+    def _interrupted(self, starting: bool) -> None:
+        """``submit`` was interrupted (see the class doc): where what is queued may have
+        no thread to run it, one more is started."""
+        with self._lock:
+            if not self._work or (self._running and not starting):
+                return  # (a running thread takes it)
+            self._running = True
+        try:
+            _thread.start_new_thread(self._run, ())
+        except RuntimeError:  # no thread to be had: the next submit starts one
+            with self._lock:
+                self._running = False
 
     def _run(self) -> None:
-        while True:
-            with self._lock:
-                if not self._work:
-                    self._running = False
-                    return
-                job = self._work.popleft()
-            job()
+        with self._turn:
+            while True:
+                with self._lock:
+                    if not self._work:
+                        self._running = False
+                        return
+                    job = self._work.popleft()
+                job()
 
     def forked(self) -> None:
         """In a forked child: no thread runs, and what the parent handed over is the
         parent's."""
         self._lock = threading.Lock()
+        self._turn = threading.Lock()
         self._work = collections.deque()
         self._running = False
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-from asyncmetal import _allocator, _buffer, _dlpack
+from asyncmetal import _allocator, _buffer, _dlpack, _timeline
 from asyncmetal._allocator import Allocation, Allocator, Block
 from asyncmetal._buffer import Buffer
 from asyncmetal._cache import CompileCache
@@ -26,6 +26,7 @@ from asyncmetal.backends.cuda import _backend as cuda_backend
 from asyncmetal.backends.cuda._backend import CUDABackend
 from tests.reliability.test_cuda_faults import fake_driver
 from tests.support.interrupts import interrupted
+from tests.support.threads import submission_lock_held
 
 GPUS = [d for d in am.devices() if d.startswith("cuda:")]
 NO_GPU = pytest.mark.skipif(not GPUS, reason="no NVIDIA GPU with cuda-bindings on this machine")
@@ -252,6 +253,53 @@ async def test_a_keyboard_interrupt_anywhere_in_a_free_loses_no_memory(
             break
         at += 1
     assert at >= 8
+
+
+@pytest.mark.anyio
+async def test_a_keyboard_interrupt_as_a_free_hands_its_release_over_loses_no_later_free(
+    anyio_backend: object,
+) -> None:
+    """A free behind another thread's submission hands its release to the frees' thread
+    (``_buffer._FREES``). An interrupt anywhere in that hand-over -- in threading's own
+    making and starting of the thread, before the thread began -- still releases the
+    memory once the submission is over, and later frees handed over still run. Before,
+    an interrupt there left the frees counted as having a thread that never began: this
+    release, and every later one handed over (any free behind another thread's
+    submission, on any loop), waited for it for good."""
+    codes = {
+        _timeline.Detached.submit.__code__,
+        threading.Thread.__init__.__code__,
+        threading.Thread.start.__code__,
+    }
+    at = 0
+    async with am.open_device("cpu") as device:
+        while True:
+            buf = await device.alloc(MiB)
+            with submission_lock_held(device) as let_go:
+                with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
+                    await buf.free()
+                let_go.set()
+            await _released(device, raised)
+            # A later free handed over (the lock is busy again) is released too.
+            buf = await device.alloc(MiB)
+            with submission_lock_held(device) as let_go:
+                threading.Timer(0.01, let_go.set).start()
+                with anyio.fail_after(LIMIT):
+                    await buf.free()
+            await _released(device, raised)
+            if not raised:
+                break
+            at += 1
+    assert at >= 8
+
+
+async def _released(device: am.Device, where: list[str]) -> None:
+    """Every buffer of ``device`` freed is back with its allocator within LIMIT."""
+    with anyio.move_on_after(LIMIT, shield=True):
+        while device.memory_statistics().in_use:
+            await anyio.sleep(0.001)
+    assert device.memory_statistics().in_use == 0, f"memory left in use (interrupted at {where})"
+    _consistent(device._allocator)
 
 
 def test_a_keyboard_interrupt_anywhere_in_the_compile_caches_memory_keeps_its_count(
