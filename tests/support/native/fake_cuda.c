@@ -596,7 +596,7 @@ static void check_hostheld(void) {
     if (wait_held(f, h2, 1, 3) || launch(f, NULL, 3, 4))
         die("hostheld: a wait on a host timeline failed at once");
     nap_ns(20000000);  /* 20 ms */
-    am_timeline_close(h2);
+    am_timeline_close(h2, 0);
     while (am_timeline_value(f.t) < 4)
         if (now_ns() > deadline) die("hostheld: a wait on a closed host timeline never ended");
     int error = 0;
@@ -1763,7 +1763,7 @@ static void check_abandonwait(void) {
     am_cuq_close(a.q, 1);  /* a's commands 2 and 3 are abandoned */
     /* As a device's close does: the word a's stream waits on is raised, so a's abandoned
      * commands run after all, and b's and c's streams go on behind them. */
-    am_timeline_close(gate.t);
+    am_timeline_close(gate.t, 0);
     reach(b.t, 2, "abandonwait: b never went on");
     reach(c.t, 2, "abandonwait: c never went on");
     reach(d.t, 2, "abandonwait: d never went on");
@@ -2617,7 +2617,7 @@ static void check_uafwaiter(void) {
     reach(a.t, 1, "uafwaiter: a 1");
     queue_free(b, 0);          /* b's timeline freed; its record stays in a's waiters */
     am_cuq_close(a.q, 1);      /* reads b's freed timeline */
-    am_timeline_close(gate.t);
+    am_timeline_close(gate.t, 0);
     abandoned_free(a);
     free_timeline_free(gate);
 }
@@ -2641,7 +2641,7 @@ static void check_confirmedfirst(void) {
     reach(a.t, 1, "falsepos: a's 1 never confirmed through b");
     am_cuq_close(a.q, 1);
     atomic_store(&held, NULL);
-    am_timeline_close(gate.t);
+    am_timeline_close(gate.t, 0);
     reach(c.t, 3, "falsepos: c never went on");
     uint64_t at = 0;
     if (am_cuq_error(c.q, &at))
@@ -2718,7 +2718,7 @@ static void check_closekick(void) {
     uint64_t stats[8];
     am_cuq_stats(w.q, stats);
     if (!stats[6]) die("closekick: the wait was not held");
-    am_timeline_close(t.t);
+    am_timeline_close(t.t, 0);
     int64_t deadline = now_ns() + 3000000000LL;
     while (am_timeline_value(w.t) < 2)
         if (now_ns() > deadline)
@@ -2756,7 +2756,7 @@ static void check_closeearly(void) {
     while (!am_timeline_failure(t.t, &error, &value, &by))
         if (now_ns() > deadline) die("closeearly: a's passed signal did not fail its timeline");
     am_cuq_close(a.q, 1);  /* its signal of t to 1, in flight, never confirmed */
-    am_timeline_close(t.t);
+    am_timeline_close(t.t, 0);
     reach(h2, 1, "closeearly: a wait for a value below an early failure mark never ended "
                  "once the timeline closed");
     if (am_queue_failure(waiter, &error, &value, &by) != 1 || error != AM_CLOSED)
@@ -2785,7 +2785,7 @@ static void check_lowered(void) {
         launch(c, NULL, 3, 3))
         die("lowered: c");
     if (launch(a, &a_slow, 1, 1) || signal_free(a, t, 2, 2)) die("lowered: a");
-    am_timeline_close(t.t);  /* its device closed: the word released */
+    am_timeline_close(t.t, 0);  /* its device closed: the word released */
     reach(a.t, 2, "lowered: a never ran");
     int64_t deadline = now_ns() + 3000000000LL;
     while (am_timeline_value(c.t) < 3)
@@ -2818,7 +2818,7 @@ static void check_foreignabandon(void) {
         die("foreignabandon: (setup) the consumer's wait was not made on a's word");
     if (launch(b, NULL, 1, 1)) die("foreignabandon: b");
     am_cuq_close(a.q, 1);
-    am_timeline_close(gate.t);
+    am_timeline_close(gate.t, 0);
     deadline = now_ns() + 3000000000LL;
     while (am_timeline_value(b.t) < 1)
         if (now_ns() > deadline)
