@@ -174,8 +174,10 @@ class _SignalCompletion(Completion):
     lands: it must show done then too (what a command came after has finished)."""
 
     __slots__ = ("signalled", "target")
-    signalled: Timeline
-    target: int
+
+    def __init__(self, queue: Queue, value: int, signalled: Timeline, target: int) -> None:
+        super().__init__(queue, value)
+        self.signalled, self.target = signalled, target
 
     def done(self) -> bool:
         return self.queue.timeline.value >= self.value or self.signalled.value >= self.target
@@ -344,7 +346,7 @@ class Queue:
         names: Sequence[str] = (),
         then: Callable[[int], None] | None = None,
         again: bool = False,
-        record: type[Completion] = Completion,
+        record: Callable[[Queue, int], Completion] = Completion,
     ) -> Completion:
         """Number the next command and hand it to the backend, ``fn(*before, value,
         completion, *after)``, then record it as the last use of ``uses`` (``names``:
@@ -585,10 +587,8 @@ class Queue:
                 value,
                 then=then,
                 again=True,
-                record=_SignalCompletion,
+                record=lambda queue, at: _SignalCompletion(queue, at, timeline, value),
             )
-        assert isinstance(done, _SignalCompletion)
-        done.signalled, done.target = timeline, value
         return done
 
     def wait(self, timeline: Timeline, value: int) -> Completion:
