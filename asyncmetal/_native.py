@@ -145,6 +145,10 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_cuq_discard": (None, [c_p]),
     "am_cuq_wait_foreign": (c_int, [c_p, c_p, c_p, c_u64, ctypes.POINTER(c_int)]),
     "am_cuq_wait_stream": (c_int, [c_p, c_p, c_p, c_u64, ctypes.POINTER(c_int)]),
+    "am_cuq_wait_stream_end": (
+        c_int,
+        [c_p, c_p, c_p, c_u64, ctypes.c_long, c_int, ctypes.POINTER(c_int)],
+    ),
     "am_block_completed": (None, [c_p, c_p]),
     "am_block_reached": (None, [c_p, c_p, c_u64]),
     "am_block_new": (c_p, [c_p, c_int, c_p, c_u64]),

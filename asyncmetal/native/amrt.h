@@ -295,6 +295,8 @@ void am_cuq_close(am_cuq *q, int abandon);
 void am_cuq_discard(am_cuq *q);
 int am_cuq_wait_foreign(am_cuq *owner, void *ctx, void *stream, uint64_t target, int *call);
 int am_cuq_wait_stream(am_cuq *q, void *ctx, void *stream, uint64_t value, int *call);
+int am_cuq_wait_stream_end(am_cuq *q, void *ctx, void *stream, uint64_t value, long spin_ns,
+                           int flags, int *call);
 
 /* ---- objc_blocks.c: Objective-C blocks whose invoke functions never take the GIL -----
  * Metal keeps and later calls the blocks given to addCompletedHandler: and

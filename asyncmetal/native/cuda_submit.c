@@ -749,9 +749,11 @@ void am_cuq_close(am_cuq *q, int abandon) {
 /* The stream of q waits, as a part of command `value` and in the queue's order (behind
  * what is held on the host), for what another library submitted to `stream` (of `ctx`)
  * until now: an event recorded there now, in ctx (made current for that, the calling
- * thread's context kept). Nothing is watched or adopted for that stream. Returns a
+ * thread's context kept); with `then` (the command's CUOP_FINISH), that one right
+ * behind it in the same pass. Nothing is watched or adopted for that stream. Returns a
  * CUresult (-1: out of memory); *call: the driver call that failed. */
-int am_cuq_wait_stream(am_cuq *q, void *ctx, void *stream, uint64_t value, int *call) {
+static int cuq_wait_stream(am_cuq *q, void *ctx, void *stream, uint64_t value,
+                           const am_cuop *then, int *call) {
     void *before = NULL, *event = NULL;
     ((int (*)(void **))cu_funcs[CU_CTX_GET])(&before);
     int r = before == ctx ? 0 : ((int (*)(void *))cu_funcs[CU_CTX_SET])(ctx);
@@ -777,12 +779,24 @@ int am_cuq_wait_stream(am_cuq *q, void *ctx, void *stream, uint64_t value, int *
     if (before != ctx) ((int (*)(void *))cu_funcs[CU_CTX_SET])(before);
     if (r) return r;
     am_cuop op = {.kind = CUOP_WAIT_EVENT, .value = value, .word = event};
-    r = cuq_submit(q, &op, sizeof op);
+    r = cuq_submit_then(q, &op, sizeof op, then);
     *call = CU_WAIT_EVENT;
     /* 0: waited for (the event let go of) or held (the held copy owns it); else refused
-     * before either, unless the refusal was the wait's own. */
+     * before either, unless the refusal was the wait's own (or its end's, after it). */
     if (r && op.word) ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(op.word);
     return r;
+}
+
+int am_cuq_wait_stream(am_cuq *q, void *ctx, void *stream, uint64_t value, int *call) {
+    return cuq_wait_stream(q, ctx, stream, value, NULL, call);
+}
+
+/* am_cuq_wait_stream and the command's end (as am_cuq_finish with no extra timeline) in
+ * one call: a command of its own, done once that stream's work until now is. */
+int am_cuq_wait_stream_end(am_cuq *q, void *ctx, void *stream, uint64_t value, long spin_ns,
+                           int flags, int *call) {
+    am_cuop end = {.kind = CUOP_FINISH, .flags = flags, .value = value, .spin_ns = spin_ns};
+    return cuq_wait_stream(q, ctx, stream, value, &end, call);
 }
 
 /* Hand q's operations up to command `value` to the driver now, on the calling thread and

@@ -199,6 +199,24 @@ static PyObject *py_cuq_copy(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     return PyLong_FromLong(r);
 }
 
+/* cuq_wait_stream(queue, context, stream, value, poll_ns, flags) -> (CUresult, call):
+ * am_cuq_wait_stream_end (call: the driver call that failed). */
+static PyObject *py_cuq_wait_stream(PyObject *self, PyObject *const *a, Py_ssize_t n) {
+    (void)self;
+    if (take_args(n, 6, "cuq_wait_stream")) return NULL;
+    void *q = PyLong_AsVoidPtr(a[0]), *ctx = PyLong_AsVoidPtr(a[1]);
+    void *stream = PyLong_AsVoidPtr(a[2]);
+    uint64_t value = PyLong_AsUnsignedLongLong(a[3]);
+    long poll_ns = PyLong_AsLong(a[4]);
+    int flags = (int)PyLong_AsLong(a[5]);
+    if (converted(q, "cuq_wait_stream: null queue")) return NULL;
+    int r, call = 0;
+    Py_BEGIN_ALLOW_THREADS
+    r = am_cuq_wait_stream_end(q, ctx, stream, value, poll_ns, flags, &call);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(ii)", r, call);
+}
+
 /* spin(timeline, value, max_ns) -> bool: am_timeline_spin without the GIL. */
 static PyObject *py_spin(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     (void)self;
@@ -310,6 +328,8 @@ static PyMethodDef methods[] = {
      "cuq_launch(queue, function, global, local, args, value) -> CUresult"},
     {"cuq_copy", (PyCFunction)(void (*)(void))py_cuq_copy, METH_FASTCALL,
      "cuq_copy(queue, dst, src, src_context, nbytes, value, poll_ns) -> CUresult"},
+    {"cuq_wait_stream", (PyCFunction)(void (*)(void))py_cuq_wait_stream, METH_FASTCALL,
+     "cuq_wait_stream(queue, context, stream, value, poll_ns, flags) -> (CUresult, call)"},
     {"set_names", py_set_names, METH_O,
      "set_names(names): the attribute and method names, in CONTRACT_KEYS's order"},
     {"setup", (PyCFunction)(void (*)(void))py_setup, METH_FASTCALL,

@@ -320,11 +320,14 @@ class _SimRuntime(_Runtime):
             lambda: stream.until(lambda: self._real.am_timeline_value(timeline) >= target),
         )
 
-    def am_cuq_wait_stream(self, q: int, ctx: int, stream: int, value: int, call: Any) -> int:
+    def am_cuq_wait_stream_end(
+        self, q: int, ctx: int, stream: int, value: int, ns: int, flags: int, call: Any
+    ) -> int:
         err = self.driver.plan.result("cuStreamWaitEvent")
         if err:
             call._obj.value = self.names.index("cuStreamWaitEvent")
-        return err
+            return int(err)
+        return self._end(q, value)
 
     def am_cuq_hand_over(self, q: int, value: int) -> int:
         return 0

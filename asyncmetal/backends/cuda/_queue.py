@@ -142,6 +142,7 @@ class CUDAQueue(NativeQueue):
         extension = _native.extension()
         self._fast_launch = None if extension is None else extension.cuq_launch
         self._copy = self._lib.am_cuq_copy if extension is None else extension.cuq_copy
+        self._wait_stream = None if extension is None else extension.cuq_wait_stream
         self._dims: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
         self._dims_arrays: list[ctypes.Array[ctypes.c_uint]] = []
         self._staging: Staging | None = None  # made at the first large pageable copy
@@ -608,17 +609,29 @@ class CUDAQueue(NativeQueue):
     def wait_stream(self, stream: int, value: int, record: Record) -> None:
         if _driver.lost_first is not None:
             raise self._lost("a wait for another library's stream")
-        if stream != self.handle:  # (this queue's own stream: in order already)
+        if stream == self.handle:  # this queue's own stream: in order already
+            self.marker(value, record)
+            return
+        # The wait and the command's end (a marker's) in one native call.
+        lone = self._timeline.value >= value - 1
+        poll_ns = MARKER_POLL_NS if lone else 0
+        context = self._backend.context_address
+        if self._wait_stream is not None:
+            code, failed = self._wait_stream(self._q, context, stream, value, poll_ns, 0)
+        else:
             call = ctypes.c_int()
-            code = self._lib.am_cuq_wait_stream(
-                self._q, self._backend.context_address, stream, value, ctypes.byref(call)
+            code = self._lib.am_cuq_wait_stream_end(
+                self._q, context, stream, value, poll_ns, 0, ctypes.byref(call)
             )
-            if code == NO_MEMORY:
-                raise self._failed(code)
-            if code:
-                name = self._lib.am_cuda_name(call.value).decode()
-                raise driver_error(name, code, self._backend.name)
-        self.marker(value, record)
+            failed = call.value
+        if code == NO_MEMORY:
+            raise self._failed(code)
+        if code:
+            name = self._lib.am_cuda_name(failed).decode()
+            raise driver_error(name, code, self._backend.name)
+        self._keep.add(value, None)
+        if lone:
+            record.due_ns = time.perf_counter_ns() + MARKER_POLL_NS
 
     def marker(self, value: int, record: Record) -> None:
         if _driver.lost_first is not None:

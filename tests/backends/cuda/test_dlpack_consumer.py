@@ -119,25 +119,26 @@ async def test_an_interface_producers_stream_is_waited_for_and_not_adopted(
     anyio_backend: object, driver_fixture: _Driver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``am.from_dlpack`` of a ``__cuda_array_interface__`` object with a ``stream``: the
-    default queue's one command waits for that stream's work (an event recorded there:
-    am_cuq_wait_stream) and is the buffer's last use; no queue is made for the stream.
+    default queue's one command waits for that stream's work (an event recorded there
+    and the command's end, in one call: am_cuq_wait_stream_end) and is the buffer's
+    last use; no queue is made for the stream.
     Checked: fails with the stream adopted (as before): a queue made per producer
     stream, whose marker nothing confirms here, so the device's close never ends."""
     driver = driver_fixture
     _streams_of(driver, CONTEXT)
     waits: list[tuple[int, int, int, int]] = []
-    finished: list[int] = []
 
-    def wait_stream(q: int, context: int, stream: int, value: int, call: Any) -> int:
+    def wait_stream(
+        q: int, context: int, stream: int, value: int, ns: int, flags: int, call: Any
+    ) -> int:
         waits.append((q, context, stream, value))
         return 0
 
     def finish(q: int, value: int, extra: Any, target: int, ns: int, flags: int) -> int:
-        finished.append(value)
-        return 0
+        return 0  # (a marker's: the import of an array without a stream)
 
     assert driver.runtime is not None
-    driver.runtime.am_cuq_wait_stream = wait_stream  # type: ignore[attr-defined]
+    driver.runtime.am_cuq_wait_stream_end = wait_stream  # type: ignore[attr-defined]
     driver.runtime.am_cuq_finish = finish  # type: ignore[attr-defined]
     dev = await am.open_device("cuda:0")
     # (the fake has no pointer attributes: every address is cuda:0's)
@@ -161,7 +162,6 @@ async def test_an_interface_producers_stream_is_waited_for_and_not_adopted(
         bufs = [am.from_dlpack(Producer(s), device=dev) for s in (0x5000, 0x6000, 0x5000)]
         assert [w[2] for w in waits] == [0x5000, 0x6000, 0x5000]
         assert all(w[0] == default and w[1] == CONTEXT for w in waits)
-        assert [w[3] for w in waits] == finished  # one command each: the wait, then its end
         assert len(driver.runtime.queues) == queues and not dev._adopted
         for buf, wait in zip(bufs, waits, strict=True):
             assert buf._allocation.last_use == {dev.queue: wait[3]}

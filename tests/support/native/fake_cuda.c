@@ -1624,8 +1624,7 @@ static void check_waitstream(void) {
     long made = atomic_load(&events_made);
     fake_ctx_set_current((void *)0x77);  /* another library's context */
     int call = -1;
-    if (am_cuq_wait_stream(a.q, (void *)1, b.s, 22, &call) ||
-        am_cuq_finish(a.q, 22, NULL, 0, 0, 0))
+    if (am_cuq_wait_stream_end(a.q, (void *)1, b.s, 22, 0, 0, &call))
         die("waitstream: the wait was refused");
     if (fake_ctx_current() != (void *)0x77) die("waitstream: the caller's context was not kept");
     if (atomic_load(&events_made) > made + 1) die("waitstream: more than one event made");
@@ -1637,14 +1636,14 @@ static void check_waitstream(void) {
     atomic_store((_Atomic uint64_t *)&gates[0], 1);  /* b's work runs: a goes on */
     reach(a.t, 23, "waitstream: a never got past its wait");
     /* Nothing held: the wait goes to the driver at once. */
-    if (am_cuq_wait_stream(c.q, (void *)1, b.s, 1, &call) || am_cuq_finish(c.q, 1, NULL, 0, 0, 0))
+    if (am_cuq_wait_stream_end(c.q, (void *)1, b.s, 1, 500000, 0, &call))
         die("waitstream: a direct wait was refused");
     reach(c.t, 1, "waitstream: a direct wait never ended");
     /* Waits one after another: each event, waited on, goes back to c's own and is
      * recorded again, not made anew every time. */
     made = atomic_load(&events_made);
     for (uint64_t v = 2; v <= 11; v++) {
-        if (am_cuq_wait_stream(c.q, (void *)1, b.s, v, &call) || am_cuq_finish(c.q, v, NULL, 0, 0, 0))
+        if (am_cuq_wait_stream_end(c.q, (void *)1, b.s, v, 0, 0, &call))
             die("waitstream: a wait after another was refused");
         reach(c.t, v, "waitstream: a wait after another never ended");
     }
@@ -1678,8 +1677,7 @@ static void check_waitstream(void) {
         made = atomic_load(&events_made);
         for (int i = 0; i < 40; i++) {
             v++;
-            if (am_cuq_wait_stream(h.q, (void *)1, b.s, v, &call) ||
-                am_cuq_finish(h.q, v, NULL, 0, 0, 0))
+            if (am_cuq_wait_stream_end(h.q, (void *)1, b.s, v, 0, 0, &call))
                 die("waitstream: a held wait was refused");
         }
         atomic_store((_Atomic uint64_t *)&gates[4 + batch], 1);
@@ -1696,6 +1694,20 @@ static void check_waitstream(void) {
         if (launch(d, &quick, (int64_t)v, v)) die("waitstream: a launch on d failed");
     if (am_cuq_wait_stream(d.q, (void *)1, b.s, 5, &call)) die("waitstream: d's wait was refused");
     queue_free(d, 1);
+    /* The command's end refused after its wait was handed over (its event record on e's
+     * stream): the call fails as a refused command's, whose value the caller takes back
+     * (the stream waited once more: later work is ordered after b's all the same), and
+     * the wait's event, given back to e's own as it was waited on, is destroyed once
+     * only (main's count of events at the end). */
+    fake_queue e = queue_new();
+    atomic_store(&refuse_records, e.s);
+    if (!am_cuq_wait_stream_end(e.q, (void *)1, b.s, 1, 0, 0, &call))
+        die("waitstream: a wait whose end was refused succeeded");
+    if (atomic_load(&refuse_records)) die("waitstream: the end's record was never made");
+    if (am_cuq_wait_stream_end(e.q, (void *)1, b.s, 1, 0, 0, &call))
+        die("waitstream: the wait after a refused one was refused");
+    reach(e.t, 1, "waitstream: the wait after a refused one never ended");
+    queue_free(e, 0);
     queue_free(a, 0);
     queue_free(c, 0);
     queue_free(b, 0);
