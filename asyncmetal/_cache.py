@@ -141,6 +141,11 @@ class CompileCache:
                     "CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY,"
                     " size INTEGER NOT NULL, sha256 BLOB NOT NULL, data BLOB)"
                 )
+                if not self._writable():
+                    # Where a process that had it open was killed (its WAL files left
+                    # behind), sqlite opens a database it cannot write without a word,
+                    # and the first store fails.
+                    raise sqlite3.OperationalError("attempt to write a readonly database")
             except (sqlite3.Error, OSError) as exc:
                 if db is not None:
                     db.close()
@@ -150,6 +155,11 @@ class CompileCache:
                 self._db = db
         return self._db
 
+    def _writable(self) -> bool:
+        """Whether this process may write the cache (``os.access``: also False on a
+        read-only mount, for root too)."""
+        return os.access(self.directory, os.W_OK) and os.access(self.path, os.W_OK)
+
     def _connect_read_only(self, why: BaseException) -> sqlite3.Connection:
         """The cache as it is, opened to be read only, where it cannot be written (a
         directory of another user's, a read-only mount: ``os.access`` says so) -- or
@@ -157,8 +167,7 @@ class CompileCache:
         database whose shared-memory file cannot be made here opens only as immutable:
         what another process writes meanwhile may go unseen (a miss), and an entry read
         torn fails its checksum (a miss too)."""
-        writable = os.access(self.directory, os.W_OK) and os.access(self.path, os.W_OK)
-        if writable or not self.path.is_file():
+        if self._writable() or not self.path.is_file():
             raise why
         uri = Path(os.path.abspath(self.path)).as_uri()
         for mode in ("mode=ro", "immutable=1"):

@@ -672,12 +672,26 @@ def _run_read_only(directory: Path, args: list[str]) -> subprocess.CompletedProc
     return done
 
 
-def test_a_read_only_cache_directory_is_read(tmp_path: Path) -> None:
+# A process that had the cache open and was killed: its WAL files stay behind.
+_KILLED_WITH_THE_CACHE_OPEN = """
+import os, sqlite3, sys
+db = sqlite3.connect(sys.argv[1])
+db.execute("PRAGMA journal_mode=WAL")
+db.execute("SELECT count(*) FROM entries").fetchall()
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("wal_left", [False, True], ids=["closed", "wal-files-left"])
+def test_a_read_only_cache_directory_is_read(tmp_path: Path, wal_left: bool) -> None:
     """A cache directory this process cannot write, its entries made earlier, still
     serves them (disk hits, no compile); a source not there compiles and is not stored;
-    one CacheWarning says so. Checked: before, the cache was not read at all (sqlite
+    one CacheWarning says so -- also where a process that had it open was killed, its
+    WAL files left there. Checked: before, the cache was not read at all (sqlite
     cannot make a WAL database's shared-memory file there): both sources compiled,
-    with a warning that the cache was unusable."""
+    with a warning that the cache was unusable; and with WAL files left, sqlite opened
+    it as if writable, the new source's store failed, and the cache was turned off (a
+    later source of the disk compiled) with a warning that it was unusable."""
     directory = tmp_path / "cache"  # filled first, writable
     script = _READ_ONLY_SCRIPT.format(root=str(Path(__file__).resolve().parents[2]))
     done = subprocess.run(
@@ -687,7 +701,15 @@ def test_a_read_only_cache_directory_is_read(tmp_path: Path) -> None:
         timeout=BOUND,
     )
     assert done.returncode == 0 and done.stdout.split() == ["2", "0"], done.stderr
-    done = _run_read_only(directory, ["a", "b", "new"])
+    if wal_left:
+        database = str(directory / "compile-cache.sqlite")
+        subprocess.run(
+            [sys.executable, "-c", _KILLED_WITH_THE_CACHE_OPEN, database],
+            check=True,
+            timeout=BOUND,
+        )
+        assert Path(database + "-wal").exists() and Path(database + "-shm").exists()
+    done = _run_read_only(directory, ["a", "new", "b"])
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "1 2", lines  # a and b from the disk, new compiled
