@@ -8,6 +8,10 @@ from typing import IO, Any
 
 _HEADER = struct.Struct("<Q")
 
+# The environment variable naming a worker's own temporary directory (its TMPDIR), made
+# by the pool for it alone: removed by whichever of the two goes last.
+TMPDIR_VARIABLE = "ASYNCMETAL_WORKER_TMPDIR"
+
 
 def read_message(stream: IO[bytes]) -> Any:
     return pickle.loads(read_bytes(stream))  # noqa: S301 - our own parent process is the only peer

@@ -40,7 +40,7 @@ from ._errors import (
     InvalidArgumentError,
     warn,
 )
-from ._messages import read_message, write_message, write_stop
+from ._messages import TMPDIR_VARIABLE, read_message, write_message, write_stop
 from ._threads import run_sync as to_thread
 from ._timeline import HostEvents, wait_value
 
@@ -153,7 +153,7 @@ class _Worker:
         # The compiler's temporary files (its own and those of cc and what cc runs) go
         # under a directory of this process alone, so that none outlives a killed worker.
         self.tmpdir = tempfile.mkdtemp(prefix="asyncmetal-worker-")
-        env["TMPDIR"] = env["TMP"] = env["TEMP"] = self.tmpdir
+        env["TMPDIR"] = env["TMP"] = env["TEMP"] = env[TMPDIR_VARIABLE] = self.tmpdir
         try:
             # A fork waits until the process has started and is recorded (see
             # _hold_fork_while_starting): the child then holds none of its pipes.

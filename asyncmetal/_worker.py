@@ -15,13 +15,28 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import signal
 import sys
 
-from ._messages import read_bytes, write_message
+from ._messages import TMPDIR_VARIABLE, read_bytes, write_message
 
 
 def main() -> None:
+    # The temporary directory the pool made for this process alone goes with it: the
+    # pool removes it too once it collected the process, but a pool whose process was
+    # killed cannot (this one then sees its input end, or its reply refused).
+    try:
+        serve()
+    except BrokenPipeError:  # a reply to a parent that is gone
+        pass
+    finally:
+        own = os.environ.get(TMPDIR_VARIABLE)
+        if own:
+            shutil.rmtree(own, ignore_errors=True)
+
+
+def serve() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["ASYNCMETAL_WORKER"] = "1"
     # What the compiler reads or prints must not touch the message streams: the jobs

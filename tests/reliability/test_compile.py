@@ -986,6 +986,67 @@ anyio.run(main)
 """
 
 
+# A process whose pool's worker is up (and, with "compiling", on a slow compile) says
+# the worker's pid and temporary directory, then waits to be killed.
+_KILLED_WITH_A_WORKER = """
+import sys, threading, time, anyio
+sys.path.insert(0, {root!r})
+from asyncmetal._cache import CompileCache
+from asyncmetal._pool import CompilePool
+from asyncmetal.backends.cpu import CCompiler
+from tests.support.compilers import SlowCompiler
+pool = CompilePool(1, cache=CompileCache({cache!r}))
+assert anyio.run(pool.compile, CCompiler(), "int twice(int x) {{ return 2 * x; }}")
+worker = pool._workers[0]
+if {compiling!r}:
+    slow = SlowCompiler(1.0)
+    threading.Thread(target=anyio.run, args=(pool.compile, slow, "int f(void) {{ return 1; }}"),
+                     daemon=True).start()
+    while worker.proc is None or not pool._in_flight:
+        time.sleep(0.01)
+print(worker.proc.pid, worker.tmpdir, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("compiling", [False, True], ids=["idle", "compiling"])
+def test_a_worker_whose_pools_process_is_killed_removes_its_temporary_directory(
+    tmp_path: Path, compiling: bool
+) -> None:
+    """A process killed (SIGKILL: no exit handler runs) while its pool's worker is idle,
+    or compiling: the worker ends (its input ends, or its reply is refused) and its
+    temporary directory goes with it. Checked: before, the worker ended and left its
+    directory behind for good."""
+    script = _KILLED_WITH_A_WORKER.format(
+        root=str(Path(__file__).resolve().parents[2]),
+        cache=str(tmp_path / "cache"),
+        compiling=compiling,
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        pid, directory = parent.stdout.readline().split()
+        assert os.path.isdir(directory)
+    finally:
+        parent.kill()
+        parent.wait(BOUND)
+        if parent.stdout is not None:
+            parent.stdout.close()
+    deadline = time.monotonic() + BOUND
+    while time.monotonic() < deadline:
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.02)
+    else:
+        os.kill(int(pid), signal.SIGKILL)
+        pytest.fail("the worker outlived its pool's process")
+    while os.path.exists(directory) and time.monotonic() < deadline:
+        time.sleep(0.02)  # (removed as the worker exits: a moment before it is gone)
+    assert not os.path.exists(directory)
+
+
 def test_exit_with_compiles_in_flight_kills_them_at_once(tmp_path: Path) -> None:
     """A process exits while its pools (the default one and those made by hand) compile:
     it exits at once, its workers and their temporary directories gone. Checked: before,
