@@ -184,18 +184,19 @@ class Waitable:
 
 def close_timeline(timeline: Timeline) -> None:
     """``timeline``'s device closed: nothing of it will raise the timeline any more, so
-    every wait for more than it reached ends, failed -- but for a signal of it that a
-    queue of another device submitted and has not run yet, which still comes (or
-    fails): waits up to its value go on until then."""
+    every wait for more than it reached ends, failed -- but for the signals of it that
+    queues of other devices submitted and have not run yet, which still come (or
+    fail): a wait goes on until the first of them that reaches its value."""
     state = timeline._state
-    pending = None
     with _signals_lock:
         signals = list(timeline._signals)
-    for target, at, signaller in signals:  # (targets increase: the last one counts)
-        if signaller._state is not state and signaller.native.value < at:
-            pending = (signaller, at, target)
+    pending = tuple(
+        (signaller, at, target)
+        for target, at, signaller in signals  # (in the order they run: targets increase)
+        if signaller._state is not state and signaller.native.value < at
+    )
     timeline._pending_at_close = pending
-    timeline.native.close_waits(0 if pending is None else pending[2])
+    timeline.native.close_waits(pending[-1][2] if pending else 0)
     end_waits(timeline)
 
 
@@ -419,10 +420,10 @@ class Timeline(Waitable):
         if self.native.c_timeline is not None:
             _timelines[self.native.c_timeline] = self
         self._queue: weakref.ref[FailingQueue] | None = None  # a queue's own: that queue
-        # Once its device closed: the last signal of it that a queue of another device
-        # had submitted and not run then (that queue's timeline, its value there, the
-        # target), which the close left it to reach (see ``close_timeline``).
-        self._pending_at_close: tuple[Timeline, int, int] | None = None
+        # Once its device closed: the signals of it that queues of other devices had
+        # submitted and not run then, in order (each that queue's timeline, its value
+        # there, the target), which the close left it to reach (see ``close_timeline``).
+        self._pending_at_close: tuple[tuple[Timeline, int, int], ...] = ()
         self._failed_from: _native.ValueReader | None = None  # read in place, once made
 
     def __repr__(self) -> str:
@@ -505,11 +506,13 @@ class Timeline(Waitable):
         """
         value = check_value(value)
         await wait_value(self, value)
-        pending = self._pending_at_close
-        if pending is not None and self.native.value < value <= pending[2]:
-            # Its device closed before another device's queue ran a signal of it
-            # submitted before: that signal (or its failure) settles this value.
-            await wait_value(pending[0], pending[1])
+        if self._pending_at_close and self.native.value < value:
+            # Its device closed before other devices' queues ran signals of it submitted
+            # before: the first that reaches this value (or its failure) settles it.
+            for signaller, at, target in self._pending_at_close:
+                if target >= value:
+                    await wait_value(signaller, at)
+                    break
         failure = self._failure(value)
         if failure is not None:
             raise failure

@@ -5,6 +5,10 @@
  */
 #include "amrt.h"
 
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
 /* The count of calls is the last thing written: once it is seen, the block may be freed
  * (release_ran), so nothing reads the block after it. */
 
@@ -158,6 +162,13 @@ static held_block *take_settled(void) {
 
 static void *settler(void *arg) {
     (void)arg;
+    /* The process's from its first held block on, not a device's: named so that a
+     * count of the threads a device leaves behind can tell it. */
+#ifdef __APPLE__
+    pthread_setname_np("asyncmetal-held");
+#elif defined(__linux__)
+    prctl(PR_SET_NAME, "asyncmetal-held", 0, 0, 0);
+#endif
     pthread_mutex_lock(&held_mu);
     for (;;) {
         held_block *h = take_settled();

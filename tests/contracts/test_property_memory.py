@@ -668,6 +668,8 @@ async def run_program(prog: Program) -> None:
 
 
 SKIPPED_THREADS = ("AnyIO", "Trio thread", "asyncmetal-compile")
+# Native threads of the process's, not a device's (by their names in /proc)
+SKIPPED_NATIVE = ("asyncmetal-held",)
 
 
 def _threads() -> set[int]:
@@ -684,6 +686,13 @@ def _idle_workers() -> set[int]:
     return {tid for tid in workers if tid is not None} if len(workers) <= idle else set()
 
 
+def _native_kept(tid: int) -> bool:
+    try:
+        return Path(f"/proc/self/task/{tid}/comm").read_text().strip() in SKIPPED_NATIVE
+    except OSError:  # (it has ended)
+        return True
+
+
 def _left(baseline: set[int]) -> list[str]:
     """The threads made since ``baseline`` that are still there, once those a closed
     device or a finished loop leaves exiting have exited; not counted: the loops'
@@ -691,7 +700,9 @@ def _left(baseline: set[int]) -> list[str]:
     devices by design."""
     for _ in range(300):
         kept = {t.native_id for t in threading.enumerate() if t.name.startswith(SKIPPED_THREADS)}
-        left = _threads() - baseline - kept - _idle_workers()
+        left = {
+            tid for tid in _threads() - baseline - kept - _idle_workers() if not _native_kept(tid)
+        }
         if not left:
             return []
         gc.collect()

@@ -767,6 +767,42 @@ async def test_a_closed_devices_timeline_still_reaches_a_signal_another_device_s
 
 
 @pytest.mark.anyio
+async def test_a_host_wait_on_a_closed_devices_timeline_ends_with_the_first_signal_reaching_it(
+    anyio_backend: object,
+) -> None:
+    """Two signals of a cpu:1 timeline that cpu:0 queues submitted are pending as cpu:1
+    closes: to 1 (held by a wait the host releases later) and then to 2 (held by a wait
+    nobody releases). A host wait for 1 ends once the first signal ran: the second one
+    has nothing to do with it. Checked: before, it waited for the last pending signal's
+    queue, until cpu:0 closed."""
+    async with am.open_device("cpu:0") as d0:
+        d1 = await am.open_device("cpu:1")
+        theirs, first, never = d1.timeline(), d0.timeline(), d0.timeline()
+        q1, q2 = d0.new_queue(), d0.new_queue()
+        q1.wait(first, 1)
+        signalled = q1.signal(theirs, 1)
+        q2.wait(never, 1)
+        q2.signal(theirs, 2)
+        ended = anyio.Event()
+
+        async def host_wait() -> None:
+            await theirs.wait(1)
+            ended.set()
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(host_wait)
+                await anyio.sleep(0.02)
+                await d1.close()
+                first.signal(1)
+                await signalled
+                with anyio.move_on_after(5):
+                    await ended.wait()
+                assert ended.is_set(), "the host wait for 1 still waits for the signal to 2"
+                never.signal(1)  # (else: what it waits for comes now)
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("whose", ["timeline", "queue"])
 async def test_a_wait_for_a_closed_devices_timeline_fails_what_follows(
     device: am.Device, device_name: str, whose: str
