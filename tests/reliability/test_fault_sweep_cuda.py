@@ -17,9 +17,10 @@ completion thread finds it -- which is decided, and counted, when it is submitte
 Every run checks the contracts at an edge (DESIGN.md 8, 9): what fails is an
 ``AsyncMetalError`` (``DeviceLostError`` for the sticky error), never a raw Python
 error; nothing hangs; the thread's current context is what it was before each call
-(another library's); with an error that is not sticky the device then still works and
-gives back the right bytes; the close completes; the device's Python threads end; every
-allocation is freed; and every staging chunk is unmapped -- but where a sticky error
+(another library's), or a RuntimeWarning says it could not be made so again; with an
+error that is not sticky the device then still works and gives back the right bytes;
+the close completes; the device's Python threads end; every allocation is freed; and
+every staging chunk is unmapped -- but where a sticky error
 failed a queue whose stream might still write one (``_staging._MAPPED`` says why).
 """
 
@@ -32,6 +33,7 @@ import threading
 import time
 import traceback
 import types
+import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, ClassVar
 
@@ -521,8 +523,13 @@ async def _run(driver: _SweepDriver, fail_at: int = 0, code: int = 0) -> tuple[_
     mapped, memory = set(_staging._MAPPED), set(driver.memory)
     threads = device_threads()
     out = _Outcome()
-    with anyio.fail_after(30):
+    with warnings.catch_warnings(record=True) as warned, anyio.fail_after(30):
+        warnings.simplefilter("always")
         await _workload(driver, out)
+    unrestored = [w for w in warned if "could not be made current again" in str(w.message)]
+    if plan.refused_restore and not unrestored:
+        out.problems.append("the thread's context was left unrestored, and nothing said so")
+    out.problems += [f"warned: {w.message}" for w in warned if w not in unrestored]
     gc.collect()
     out.problems += runtime.hung
     runtime.hung.clear()
