@@ -202,6 +202,7 @@ class _SimRuntime(_Runtime):
         self.driver = driver
         self.streams: dict[int, _Stream] = {}
         self.words: dict[int, int] = {}  # a timeline's device word, by timeline
+        self.handed: dict[int, int] = {}  # the command of a queue's last operation handed over
         self.hung: list[str] = []
         # The runtime's driver functions, as am_cuda_name numbers them (failed_call).
         self.names: list[str] = []
@@ -222,15 +223,30 @@ class _SimRuntime(_Runtime):
         self.streams[q] = _Stream(self, q, timeline)
         return q
 
-    def _submit(self, q: int, call: str, op: Callable[[], None]) -> int:
+    def _submit(self, q: int, call: str, op: Callable[[], None], value: int) -> int:
+        """``op``, part of command ``value``, to the stream, or refused. Refused after
+        another part of that command reached the stream, it fails the queue from that
+        command on, settling once the stream is past that part (cuq_submit_then)."""
         native = self.queues[q]
         if native.error:
             return int(native.error)
         err = self.driver.plan.result(call)
+        stream = self.streams[q]
         if err:
             native.failed_call = self.names.index(call)
+            if self.handed.get(q) == value:
+                native.error, native.error_value = err, value
+
+                def settle() -> None:
+                    self._real.am_timeline_fail_from(
+                        stream.timeline, value, err, value, stream.timeline
+                    )
+                    self._real.am_timeline_signal(stream.timeline, MAX)
+
+                stream.put(settle)
             return err
-        self.streams[q].put(op)
+        self.handed[q] = value
+        stream.put(op)
         return 0
 
     def _end(self, q: int, value: int, extra: int | None = None, target: int = 0) -> int:
@@ -253,7 +269,7 @@ class _SimRuntime(_Runtime):
                 self._real.am_timeline_signal(extra, target)
             self._real.am_timeline_signal(stream.timeline, value)
 
-        return self._submit(q, "cuEventRecord", confirm)
+        return self._submit(q, "cuEventRecord", confirm, value)
 
     def am_cuq_finish(
         self, q: int, value: int, extra: int | None, target: int, ns: int, flags: int
@@ -264,13 +280,13 @@ class _SimRuntime(_Runtime):
     def am_cuq_launch(
         self, q: int, function: int, dims: int, params: int, n: int, value: int
     ) -> int:
-        return self._submit(q, "cuLaunchKernel", lambda: None) or self._end(q, value)
+        return self._submit(q, "cuLaunchKernel", lambda: None, value) or self._end(q, value)
 
     def am_cuq_copy(
         self, q: int, dst: int, src: int, ctx: int | None, n: int, value: int, ns: int
     ) -> int:
         call = "cuMemcpyDtoDAsync" if ctx is None else "cuMemcpyPeerAsync"
-        copied = self._submit(q, call, lambda: ctypes.memmove(dst, src, n) and None)
+        copied = self._submit(q, call, lambda: ctypes.memmove(dst, src, n) and None, value)
         return copied or self._end(q, value)
 
     def am_cuq_fill(
@@ -278,19 +294,22 @@ class _SimRuntime(_Runtime):
     ) -> int:
         item = pattern.to_bytes(4, "little")[:size]
         fill = self._submit(
-            q, "cuMemsetD8Async", lambda: ctypes.memmove(dst, item * (n // size), n) and None
+            q,
+            "cuMemsetD8Async",
+            lambda: ctypes.memmove(dst, item * (n // size), n) and None,
+            value,
         )
         return fill or self._end(q, value)
 
     def am_cuq_memcpy(self, q: int, to_device: int, dst: int, src: int, n: int, value: int) -> int:
         call = "cuMemcpyHtoDAsync" if to_device else "cuMemcpyDtoHAsync"
-        return self._submit(q, call, lambda: ctypes.memmove(dst, src, n) and None)
+        return self._submit(q, call, lambda: ctypes.memmove(dst, src, n) and None, value)
 
     def am_cuq_write(self, q: int, word: int, target: int, value: int) -> int:
         def write() -> None:
             self._word(word).value = target
 
-        return self._submit(q, "cuStreamWriteValue64", write)
+        return self._submit(q, "cuStreamWriteValue64", write, value)
 
     def am_cuq_mark(self, q: int, timeline: int, target: int, value: int) -> int:
         return self.am_cuq_write(q, self.words[timeline], target, value)
@@ -304,6 +323,7 @@ class _SimRuntime(_Runtime):
                 lambda: self._word(word).value >= target,
                 f"word {word:#x} for {target} (at {self._word(word).value})",
             ),
+            value,
         )
 
     def am_cuq_wait_timeline(self, q: int, timeline: int, target: int, value: int) -> int:
@@ -312,6 +332,7 @@ class _SimRuntime(_Runtime):
             q,
             "cuStreamWaitValue64",
             lambda: stream.until(lambda: self._real.am_timeline_value(timeline) >= target),
+            value,
         )
 
     def am_cuq_wait_queue(self, q: int, other: int, target: int, value: int) -> int:
@@ -320,6 +341,7 @@ class _SimRuntime(_Runtime):
             q,
             "cuStreamWaitEvent",
             lambda: stream.until(lambda: self._real.am_timeline_value(timeline) >= target),
+            value,
         )
 
     def am_cuq_wait_stream(self, q: int, ctx: int, stream: int, value: int, call: Any) -> int:
@@ -591,3 +613,55 @@ async def test_every_failing_driver_call_ends_in_a_clear_error(
                 found.append(f"{at}: the next run failed: {again.error!r} {again.problems}")
     gc.collect()
     assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("to_device", [True, False], ids=["copy in", "copy out"])
+async def test_a_staged_copy_refused_after_its_first_chunk_fails_and_fails_its_queue(
+    anyio_backend: str, sim: _SweepDriver, to_device: bool
+) -> None:
+    """A pageable copy through three staging chunks whose second chunk's DMA the driver
+    refuses, the first chunk's having reached it (and landing): the copy is not taken
+    back as never run. It is submitted, and fails: awaited, it raises the driver's
+    error for its value; the queue fails from it on (a command after it is refused,
+    saying so); and the queue and device close, leaving no chunk mapped, no allocation,
+    no thread. Checked: before, the copy raised at submission and its value went to the
+    next command, which ran on a destination part written."""
+    _driver.lost_first = None
+    call = "cuMemcpyHtoDAsync" if to_device else "cuMemcpyDtoHAsync"
+    plan = sim.plan = _Plan(threading.current_thread())
+    seen = {"n": 0}
+
+    def result(name: str, counted: bool = True) -> int:
+        if name == call and threading.current_thread() is plan.thread:
+            seen["n"] += 1
+            if seen["n"] == 2:
+                return int(CUresult.CUDA_ERROR_INVALID_VALUE)
+        return 0
+
+    plan.result = result  # type: ignore[method-assign]
+    mapped, memory, threads = set(_staging._MAPPED), set(sim.memory), device_threads()
+    n = 3 * _staging.STAGE_CHUNK
+    host = np.arange(n, dtype=np.uint8) if to_device else np.zeros(n, np.uint8)
+    with anyio.fail_after(20):
+        dev = await am.open_device("cuda:0")
+        buf = await dev.alloc(n)
+        queue = dev.new_queue()
+        done = queue.copy(buf, host) if to_device else queue.copy(host, buf)
+        with pytest.raises(am.AsyncMetalError, match=f"at value {done.value}.*INVALID_VALUE"):
+            await done
+        assert seen["n"] == 2
+        with pytest.raises(am.AsyncMetalError, match="the queue fails from that command on"):
+            queue.marker()
+        if to_device:  # what the copy's first chunk wrote, whatever its await says
+            first = ctypes.string_at(buf._allocation.handle, _staging.STAGE_CHUNK)
+            assert first == host[: _staging.STAGE_CHUNK].tobytes()
+        await buf.free()
+        await queue.close()
+        await dev.close()
+    assert sim.runtime is not None and not sim.runtime.streams  # type: ignore[attr-defined]
+    assert set(_staging._MAPPED) == mapped and not sim.registered
+    assert set(sim.memory) == memory
+    deadline = time.monotonic() + 10
+    while device_threads() - threads and time.monotonic() < deadline:
+        await anyio.sleep(0.005)
+    assert not device_threads() - threads
