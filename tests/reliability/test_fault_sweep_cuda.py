@@ -43,7 +43,7 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal import DeviceLostError
-from asyncmetal.backends.cuda import _driver, _staging
+from asyncmetal.backends.cuda import _driver, _peer, _staging
 from tests.reliability.test_cuda_faults import (
     MAX,
     SRC,
@@ -139,6 +139,12 @@ class _SweepDriver(_Driver):
 
     def cuMemFreeHost(self, pointer: int) -> tuple[Any, ...]:
         return self._result("cuMemFreeHost")
+
+    def cuDeviceCanAccessPeer(self, device: int, peer: int) -> tuple[Any, ...]:
+        return self._result("cuDeviceCanAccessPeer", 1)
+
+    def cuCtxEnablePeerAccess(self, context: int, flags: int) -> tuple[Any, ...]:
+        return self._result("cuCtxEnablePeerAccess")
 
     def cuStreamGetCtx(self, stream: int) -> tuple[Any, ...]:
         return self._result("cuStreamGetCtx", 0x100)
@@ -445,6 +451,17 @@ async def _workload(driver: _SweepDriver, out: _Outcome) -> None:
         if not (got == np.arange(N // 4, dtype=np.int32)).all():
             out.problems.append("the bytes read back are wrong")
 
+    @step("peer copy")
+    async def _peer() -> None:
+        other = state["dev1"] = await am.open_device("cuda:1")
+        state["d"] = d = await other.alloc(N)
+        await am.copy(d, state["a"])
+        got = await d.read(np.int32)
+        if not (got == np.arange(N // 4, dtype=np.int32)).all():
+            out.problems.append("the bytes of a peer copy are wrong")
+        await state.pop("d").free()
+        await state.pop("dev1").close()
+
     @step("big copies through staging")
     async def _big() -> None:
         dev = state["dev"]
@@ -519,13 +536,14 @@ async def _workload(driver: _SweepDriver, out: _Outcome) -> None:
             if link is not None:
                 link.__traceback__ = None
     finally:
-        for name in ("a", "b", "c"):
+        for name in ("a", "b", "c", "d"):
             buf = state.pop(name, None)
             if buf is not None:
                 with contextlib.suppress(am.AsyncMetalError):  # (what failed said it)
                     await buf.free()
-        dev = state.get("dev")
-        if dev is not None:
+        for dev in (state.get("dev1"), state.get("dev")):
+            if dev is None:
+                continue
             local.current = THEIRS
             try:
                 await dev.close()
@@ -539,6 +557,8 @@ async def _run(driver: _SweepDriver, fail_at: int = 0, code: int = 0) -> tuple[_
     """The workload with call ``fail_at`` failing with ``code`` (none: 0), in a process
     whose CUDA state is not lost; checked for hangs, threads and memory."""
     _driver.lost_first = None
+    _peer._opened.clear()  # (peer access is enabled once per pair and process)
+    _peer._peers_done.clear()
     plan = driver.plan = _Plan(threading.current_thread(), fail_at, code)
     runtime = driver.runtime
     assert isinstance(runtime, _SimRuntime)
@@ -665,3 +685,93 @@ async def test_a_staged_copy_refused_after_its_first_chunk_fails_and_fails_its_q
     while device_threads() - threads and time.monotonic() < deadline:
         await anyio.sleep(0.005)
     assert not device_threads() - threads
+
+
+class _AnyThreadPlan(_Plan):
+    """A plan that counts the calls of every thread (an open's run off the loop)."""
+
+    def result(self, name: str, counted: bool = True) -> int:
+        if self.sticky and name not in THREAD_STATE:
+            return self.sticky
+        if not counted:
+            return 0
+        self.calls.append(name)
+        if len(self.calls) != self.fail_at:
+            return 0
+        self.injected = name
+        return self.code
+
+
+@pytest.mark.parametrize(
+    "code",
+    [CUresult.CUDA_ERROR_OUT_OF_MEMORY, CUresult.CUDA_ERROR_INVALID_VALUE],
+    ids=lambda c: c.name,
+)
+async def test_every_failing_call_of_a_second_gpus_open_loses_nothing(
+    anyio_backend: str, sim: _SweepDriver, code: CUresult
+) -> None:
+    """With cuda:0 open, opening cuda:1 (its staging chunks pinned, peer access enabled
+    both ways, its default queue made) with its Nth driver call failing, on any thread:
+    the open (or the close after it) raises an AsyncMetalError or succeeds; nothing it
+    pinned stays mapped or registered; no thread of it is left; a refused restore of
+    the caller's context says so (RuntimeWarning); and the next open works, a peer
+    copy from cuda:0 giving the right bytes. Checked: before, a failure after the
+    first chunk was pinned (a later chunk's registration, peer access) left the pinned
+    chunks and the freeing thread for good, a failed peer access was never tried
+    again, and a freeing thread that could not make its context current ended,
+    leaving every later free undone; a close whose context query failed released
+    nothing."""
+    _driver.lost_first = None
+    _peer._opened.clear()
+    _peer._peers_done.clear()
+    dev0 = await am.open_device("cuda:0")
+    a = await dev0.alloc(N)
+    await a.write(np.arange(N // 4, dtype=np.int32))
+    plan = sim.plan = _AnyThreadPlan(threading.current_thread())
+    await (await am.open_device("cuda:1")).close()
+    total = len(plan.calls)
+    assert {"cuCtxEnablePeerAccess", "cuMemHostRegister"} <= set(plan.calls), plan.calls
+    found: list[str] = []
+    for n in range(1, total + 1):
+        _peer._peers_done.clear()  # (enabled once per pair: as if first opened now)
+        mapped, registered = set(_staging._MAPPED), set(sim.registered)
+        threads, memory = device_threads(), set(sim.memory)
+        plan = sim.plan = _AnyThreadPlan(threading.current_thread(), n, code)
+        error: BaseException | None = None
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            try:
+                await (await am.open_device("cuda:1")).close()
+            except Exception as exc:
+                error = exc
+            sim.plan = _Plan(threading.current_thread())
+            gc.collect()
+        at = f"call {n} ({plan.injected}) failing with {code.name}"
+        if error is not None and not isinstance(error, am.AsyncMetalError):
+            found.append(f"{at}: raised {error!r}")
+        if plan.refused_restore and not warned:
+            found.append(f"{at}: the context was left unrestored, and nothing said so")
+        deadline = time.monotonic() + 10  # (an open that failed closes on a thread)
+        while device_threads() - threads and time.monotonic() < deadline:
+            await anyio.sleep(0.005)
+        if set(_staging._MAPPED) - mapped or set(sim.registered) - registered:
+            found.append(f"{at}: staging chunks left pinned")
+        if device_threads() - threads:
+            found.append(f"{at}: threads left: {device_threads() - threads}")
+        try:
+            other = await am.open_device("cuda:1")
+            d = await other.alloc(N)
+            await am.copy(d, a)
+            if not (await d.read(np.int32) == np.arange(N // 4)).all():
+                found.append(f"{at}: the next open's peer copy is wrong")
+            await d.free()
+            await other.close()
+        except Exception as exc:
+            found.append(f"{at}: the next open failed: {exc!r}")
+        if set(sim.memory) - memory:
+            found.append(f"{at}: allocations never freed")
+        if (plan.injected == "cuCtxEnablePeerAccess") and (0, 1) not in _peer._peers_done:
+            found.append(f"{at}: peer access was not enabled at the next open")
+    await a.free()
+    await dev0.close()
+    assert not found, "\n".join(found)
