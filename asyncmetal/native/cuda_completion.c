@@ -23,7 +23,7 @@ static am_cuop *cuq_refused(am_cuq *q, uint64_t value, int r) {
 
 /* Drop operations a refused command left held: the timelines their signals would have
  * raised fail with it. Not under mu. */
-static void cuq_drop_refused(am_cuq *q, am_cuop *op, int error, uint64_t value) {
+void cuq_drop_refused(am_cuq *q, am_cuop *op, int error, uint64_t value) {
     while (op) {
         am_cuop *next = op->next;
         if (cuop_signals(op))

@@ -507,18 +507,49 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
     } else if (!r && then) {
         r = cuq_run_op(q, then);
     }
+    /* Refused by the driver after part of the command reached it (an earlier operation
+     * of it -- a staged copy's earlier chunks -- or `op`, its end refused): that part
+     * runs, so the command cannot be taken back as never run. q fails from it on, as
+     * for a held command refused (cuq_drain), and settles only once the stream is past
+     * that part: a fence behind it. (handed_value: only the driving thread writes it.) */
+    int part = r > 0 && (ran || q->handed_value == op->value) &&
+               __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) != 2;
+    const am_cuop *refused = ran ? then : op;
+    int signals = part && cuop_signals(refused), fenced = 0;
+    if (part) {
+        int call = __atomic_load_n(&q->failed_call, __ATOMIC_RELAXED);
+        if (signals) cuq_fail_signal_now(q, refused, r, op->value, q->timeline);
+        fenced = !cuq_finish(q, op->value, signals ? refused->extra : NULL,
+                             signals ? refused->extra_value : 0, 0, CU_FINISH_FENCE);
+        __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);  /* the refused one */
+    }
     cuq_leave(q, r, before);
     pthread_mutex_lock(&q->mu);
     if (ran) q->handed_value = op->value;
     cuq_undrive(q);
+    am_cuop *dropped = NULL;
+    if (part) {
+        /* (what other threads submitted meanwhile was held behind it: it never runs) */
+        if (!q->error) { q->error = r; q->error_value = op->value; }
+        dropped = q->held;
+        q->held = q->held_tail = NULL;
+        q->nheld = 0;
+    }
     if (held) {
         cuq_hold_first(q, held);
         atomic_fetch_add(&q->held_total, then ? 2 : 1);
     }
     int discard = held && q->discarded;  /* discarded meanwhile: the wait held goes too */
+    int settle = part && !q->count && !q->held && q->stop != 2;
     if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
     pthread_mutex_unlock(&q->mu);
     if (discard) am_cuq_discard(q);
+    if (part) {
+        if (signals && !fenced)
+            am_timeline_fail(refused->extra, refused->extra_value, r, op->value, q->timeline);
+        cuq_drop_refused(q, dropped, r, op->value);
+        if (settle) cuq_settle(q);
+    }
     return r == -1 ? cuq_no_memory(q, op->value, op, then, deferred) : r;
 }
 

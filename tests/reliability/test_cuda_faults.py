@@ -1109,3 +1109,42 @@ async def test_importing_cuda_memory_after_a_fault_raises_device_lost(
                 am.from_dlpack(Producer())
     finally:
         await dev.close()
+
+
+@pytest.mark.anyio
+async def test_a_context_that_cannot_be_made_current_again_is_warned_of(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """The driver refuses to make the caller's context current again after a call: the
+    call's result is kept (the queue it made works and closes) and so is its error
+    (a stream the driver would not make), and each time a RuntimeWarning names the
+    context left unrestored -- never silence, with the thread left on the device's.
+    Checked: before, nothing was said."""
+    theirs = 0xC0FFEE
+
+    def set_current(context: int) -> tuple[Any, ...]:
+        if int(context) == theirs:
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        driver.current = int(context)
+        return (CUresult.CUDA_SUCCESS,)
+
+    dev = await am.open_device("cuda:0")
+    try:
+        driver.current = theirs
+        driver.cuCtxSetCurrent = set_current  # type: ignore[method-assign]
+        unrestored = r"context \(0xc0ffee\) could not be made current again.*INVALID_VALUE"
+        with pytest.warns(RuntimeWarning, match=unrestored):
+            queue = dev.new_queue()
+        assert driver.current != theirs  # (what the warning is about)
+        driver.current = theirs
+        driver.fail["cuStreamCreate"] = CUresult.CUDA_ERROR_OUT_OF_MEMORY
+        with (
+            pytest.warns(RuntimeWarning, match=unrestored),
+            pytest.raises(MemoryError, match="cuStreamCreate"),
+        ):
+            dev.new_queue()
+        del driver.fail["cuStreamCreate"]
+        del driver.cuCtxSetCurrent
+        await queue.close()
+    finally:
+        await dev.close()

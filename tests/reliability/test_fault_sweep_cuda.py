@@ -17,9 +17,10 @@ completion thread finds it -- which is decided, and counted, when it is submitte
 Every run checks the contracts at an edge (DESIGN.md 8, 9): what fails is an
 ``AsyncMetalError`` (``DeviceLostError`` for the sticky error), never a raw Python
 error; nothing hangs; the thread's current context is what it was before each call
-(another library's); with an error that is not sticky the device then still works and
-gives back the right bytes; the close completes; the device's Python threads end; every
-allocation is freed; and every staging chunk is unmapped -- but where a sticky error
+(another library's), or a RuntimeWarning says it could not be made so again; with an
+error that is not sticky the device then still works and gives back the right bytes;
+the close completes; the device's Python threads end; every allocation is freed; and
+every staging chunk is unmapped -- but where a sticky error
 failed a queue whose stream might still write one (``_staging._MAPPED`` says why).
 """
 
@@ -32,6 +33,7 @@ import threading
 import time
 import traceback
 import types
+import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, ClassVar
 
@@ -41,7 +43,7 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal import DeviceLostError
-from asyncmetal.backends.cuda import _driver, _staging
+from asyncmetal.backends.cuda import _driver, _peer, _staging
 from tests.reliability.test_cuda_faults import (
     MAX,
     SRC,
@@ -138,6 +140,12 @@ class _SweepDriver(_Driver):
     def cuMemFreeHost(self, pointer: int) -> tuple[Any, ...]:
         return self._result("cuMemFreeHost")
 
+    def cuDeviceCanAccessPeer(self, device: int, peer: int) -> tuple[Any, ...]:
+        return self._result("cuDeviceCanAccessPeer", 1)
+
+    def cuCtxEnablePeerAccess(self, context: int, flags: int) -> tuple[Any, ...]:
+        return self._result("cuCtxEnablePeerAccess")
+
     def cuStreamGetCtx(self, stream: int) -> tuple[Any, ...]:
         return self._result("cuStreamGetCtx", 0x100)
 
@@ -200,6 +208,7 @@ class _SimRuntime(_Runtime):
         self.driver = driver
         self.streams: dict[int, _Stream] = {}
         self.words: dict[int, int] = {}  # a timeline's device word, by timeline
+        self.handed: dict[int, int] = {}  # the command of a queue's last operation handed over
         self.hung: list[str] = []
         # The runtime's driver functions, as am_cuda_name numbers them (failed_call).
         self.names: list[str] = []
@@ -220,15 +229,30 @@ class _SimRuntime(_Runtime):
         self.streams[q] = _Stream(self, q, timeline)
         return q
 
-    def _submit(self, q: int, call: str, op: Callable[[], None]) -> int:
+    def _submit(self, q: int, call: str, op: Callable[[], None], value: int) -> int:
+        """``op``, part of command ``value``, to the stream, or refused. Refused after
+        another part of that command reached the stream, it fails the queue from that
+        command on, settling once the stream is past that part (cuq_submit_then)."""
         native = self.queues[q]
         if native.error:
             return int(native.error)
         err = self.driver.plan.result(call)
+        stream = self.streams[q]
         if err:
             native.failed_call = self.names.index(call)
+            if self.handed.get(q) == value:
+                native.error, native.error_value = err, value
+
+                def settle() -> None:
+                    self._real.am_timeline_fail_from(
+                        stream.timeline, value, err, value, stream.timeline
+                    )
+                    self._real.am_timeline_signal(stream.timeline, MAX)
+
+                stream.put(settle)
             return err
-        self.streams[q].put(op)
+        self.handed[q] = value
+        stream.put(op)
         return 0
 
     def _end(self, q: int, value: int, extra: int | None = None, target: int = 0) -> int:
@@ -251,7 +275,7 @@ class _SimRuntime(_Runtime):
                 self._real.am_timeline_signal(extra, target)
             self._real.am_timeline_signal(stream.timeline, value)
 
-        return self._submit(q, "cuEventRecord", confirm)
+        return self._submit(q, "cuEventRecord", confirm, value)
 
     def am_cuq_finish(
         self, q: int, value: int, extra: int | None, target: int, ns: int, flags: int
@@ -262,13 +286,13 @@ class _SimRuntime(_Runtime):
     def am_cuq_launch(
         self, q: int, function: int, dims: int, params: int, n: int, value: int
     ) -> int:
-        return self._submit(q, "cuLaunchKernel", lambda: None) or self._end(q, value)
+        return self._submit(q, "cuLaunchKernel", lambda: None, value) or self._end(q, value)
 
     def am_cuq_copy(
         self, q: int, dst: int, src: int, ctx: int | None, n: int, value: int, ns: int
     ) -> int:
         call = "cuMemcpyDtoDAsync" if ctx is None else "cuMemcpyPeerAsync"
-        copied = self._submit(q, call, lambda: ctypes.memmove(dst, src, n) and None)
+        copied = self._submit(q, call, lambda: ctypes.memmove(dst, src, n) and None, value)
         return copied or self._end(q, value)
 
     def am_cuq_fill(
@@ -276,19 +300,22 @@ class _SimRuntime(_Runtime):
     ) -> int:
         item = pattern.to_bytes(4, "little")[:size]
         fill = self._submit(
-            q, "cuMemsetD8Async", lambda: ctypes.memmove(dst, item * (n // size), n) and None
+            q,
+            "cuMemsetD8Async",
+            lambda: ctypes.memmove(dst, item * (n // size), n) and None,
+            value,
         )
         return fill or self._end(q, value)
 
     def am_cuq_memcpy(self, q: int, to_device: int, dst: int, src: int, n: int, value: int) -> int:
         call = "cuMemcpyHtoDAsync" if to_device else "cuMemcpyDtoHAsync"
-        return self._submit(q, call, lambda: ctypes.memmove(dst, src, n) and None)
+        return self._submit(q, call, lambda: ctypes.memmove(dst, src, n) and None, value)
 
     def am_cuq_write(self, q: int, word: int, target: int, value: int) -> int:
         def write() -> None:
             self._word(word).value = target
 
-        return self._submit(q, "cuStreamWriteValue64", write)
+        return self._submit(q, "cuStreamWriteValue64", write, value)
 
     def am_cuq_mark(self, q: int, timeline: int, target: int, value: int) -> int:
         return self.am_cuq_write(q, self.words[timeline], target, value)
@@ -302,6 +329,7 @@ class _SimRuntime(_Runtime):
                 lambda: self._word(word).value >= target,
                 f"word {word:#x} for {target} (at {self._word(word).value})",
             ),
+            value,
         )
 
     def am_cuq_wait_timeline(self, q: int, timeline: int, target: int, value: int) -> int:
@@ -310,6 +338,7 @@ class _SimRuntime(_Runtime):
             q,
             "cuStreamWaitValue64",
             lambda: stream.until(lambda: self._real.am_timeline_value(timeline) >= target),
+            value,
         )
 
     def am_cuq_wait_queue(self, q: int, other: int, target: int, value: int) -> int:
@@ -318,6 +347,7 @@ class _SimRuntime(_Runtime):
             q,
             "cuStreamWaitEvent",
             lambda: stream.until(lambda: self._real.am_timeline_value(timeline) >= target),
+            value,
         )
 
     def am_cuq_wait_stream_end(
@@ -424,6 +454,17 @@ async def _workload(driver: _SweepDriver, out: _Outcome) -> None:
         if not (got == np.arange(N // 4, dtype=np.int32)).all():
             out.problems.append("the bytes read back are wrong")
 
+    @step("peer copy")
+    async def _peer() -> None:
+        other = state["dev1"] = await am.open_device("cuda:1")
+        state["d"] = d = await other.alloc(N)
+        await am.copy(d, state["a"])
+        got = await d.read(np.int32)
+        if not (got == np.arange(N // 4, dtype=np.int32)).all():
+            out.problems.append("the bytes of a peer copy are wrong")
+        await state.pop("d").free()
+        await state.pop("dev1").close()
+
     @step("big copies through staging")
     async def _big() -> None:
         dev = state["dev"]
@@ -498,13 +539,14 @@ async def _workload(driver: _SweepDriver, out: _Outcome) -> None:
             if link is not None:
                 link.__traceback__ = None
     finally:
-        for name in ("a", "b", "c"):
+        for name in ("a", "b", "c", "d"):
             buf = state.pop(name, None)
             if buf is not None:
                 with contextlib.suppress(am.AsyncMetalError):  # (what failed said it)
                     await buf.free()
-        dev = state.get("dev")
-        if dev is not None:
+        for dev in (state.get("dev1"), state.get("dev")):
+            if dev is None:
+                continue
             local.current = THEIRS
             try:
                 await dev.close()
@@ -518,14 +560,21 @@ async def _run(driver: _SweepDriver, fail_at: int = 0, code: int = 0) -> tuple[_
     """The workload with call ``fail_at`` failing with ``code`` (none: 0), in a process
     whose CUDA state is not lost; checked for hangs, threads and memory."""
     _driver.lost_first = None
+    _peer._opened.clear()  # (peer access is enabled once per pair and process)
+    _peer._peers_done.clear()
     plan = driver.plan = _Plan(threading.current_thread(), fail_at, code)
     runtime = driver.runtime
     assert isinstance(runtime, _SimRuntime)
     mapped, memory = set(_staging._MAPPED), set(driver.memory)
     threads = device_threads()
     out = _Outcome()
-    with anyio.fail_after(30):
+    with warnings.catch_warnings(record=True) as warned, anyio.fail_after(30):
+        warnings.simplefilter("always")
         await _workload(driver, out)
+    unrestored = [w for w in warned if "could not be made current again" in str(w.message)]
+    if plan.refused_restore and not unrestored:
+        out.problems.append("the thread's context was left unrestored, and nothing said so")
+    out.problems += [f"warned: {w.message}" for w in warned if w not in unrestored]
     gc.collect()
     out.problems += runtime.hung
     runtime.hung.clear()
@@ -586,4 +635,146 @@ async def test_every_failing_driver_call_ends_in_a_clear_error(
             if again.error is not None or again.problems:
                 found.append(f"{at}: the next run failed: {again.error!r} {again.problems}")
     gc.collect()
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("to_device", [True, False], ids=["copy in", "copy out"])
+async def test_a_staged_copy_refused_after_its_first_chunk_fails_and_fails_its_queue(
+    anyio_backend: str, sim: _SweepDriver, to_device: bool
+) -> None:
+    """A pageable copy through three staging chunks whose second chunk's DMA the driver
+    refuses, the first chunk's having reached it (and landing): the copy is not taken
+    back as never run. It is submitted, and fails: awaited, it raises the driver's
+    error for its value; the queue fails from it on (a command after it is refused,
+    saying so); and the queue and device close, leaving no chunk mapped, no allocation,
+    no thread. Checked: before, the copy raised at submission and its value went to the
+    next command, which ran on a destination part written."""
+    _driver.lost_first = None
+    call = "cuMemcpyHtoDAsync" if to_device else "cuMemcpyDtoHAsync"
+    plan = sim.plan = _Plan(threading.current_thread())
+    seen = {"n": 0}
+
+    def result(name: str, counted: bool = True) -> int:
+        if name == call and threading.current_thread() is plan.thread:
+            seen["n"] += 1
+            if seen["n"] == 2:
+                return int(CUresult.CUDA_ERROR_INVALID_VALUE)
+        return 0
+
+    plan.result = result  # type: ignore[method-assign]
+    mapped, memory, threads = set(_staging._MAPPED), set(sim.memory), device_threads()
+    n = 3 * _staging.STAGE_CHUNK
+    host = np.arange(n, dtype=np.uint8) if to_device else np.zeros(n, np.uint8)
+    with anyio.fail_after(20):
+        dev = await am.open_device("cuda:0")
+        buf = await dev.alloc(n)
+        queue = dev.new_queue()
+        done = queue.copy(buf, host) if to_device else queue.copy(host, buf)
+        with pytest.raises(am.AsyncMetalError, match=f"at value {done.value}.*INVALID_VALUE"):
+            await done
+        assert seen["n"] == 2
+        with pytest.raises(am.AsyncMetalError, match="the queue fails from that command on"):
+            queue.marker()
+        if to_device:  # what the copy's first chunk wrote, whatever its await says
+            first = ctypes.string_at(buf._allocation.handle, _staging.STAGE_CHUNK)
+            assert first == host[: _staging.STAGE_CHUNK].tobytes()
+        await buf.free()
+        await queue.close()
+        await dev.close()
+    assert sim.runtime is not None and not sim.runtime.streams  # type: ignore[attr-defined]
+    assert set(_staging._MAPPED) == mapped and not sim.registered
+    assert set(sim.memory) == memory
+    deadline = time.monotonic() + 10
+    while device_threads() - threads and time.monotonic() < deadline:
+        await anyio.sleep(0.005)
+    assert not device_threads() - threads
+
+
+class _AnyThreadPlan(_Plan):
+    """A plan that counts the calls of every thread (an open's run off the loop)."""
+
+    def result(self, name: str, counted: bool = True) -> int:
+        if self.sticky and name not in THREAD_STATE:
+            return self.sticky
+        if not counted:
+            return 0
+        self.calls.append(name)
+        if len(self.calls) != self.fail_at:
+            return 0
+        self.injected = name
+        return self.code
+
+
+@pytest.mark.parametrize(
+    "code",
+    [CUresult.CUDA_ERROR_OUT_OF_MEMORY, CUresult.CUDA_ERROR_INVALID_VALUE],
+    ids=lambda c: c.name,
+)
+async def test_every_failing_call_of_a_second_gpus_open_loses_nothing(
+    anyio_backend: str, sim: _SweepDriver, code: CUresult
+) -> None:
+    """With cuda:0 open, opening cuda:1 (its staging chunks pinned, peer access enabled
+    both ways, its default queue made) with its Nth driver call failing, on any thread:
+    the open (or the close after it) raises an AsyncMetalError or succeeds; nothing it
+    pinned stays mapped or registered; no thread of it is left; a refused restore of
+    the caller's context says so (RuntimeWarning); and the next open works, a peer
+    copy from cuda:0 giving the right bytes. Checked: before, a failure after the
+    first chunk was pinned (a later chunk's registration, peer access) left the pinned
+    chunks and the freeing thread for good, a failed peer access was never tried
+    again, and a freeing thread that could not make its context current ended,
+    leaving every later free undone; a close whose context query failed released
+    nothing."""
+    _driver.lost_first = None
+    _peer._opened.clear()
+    _peer._peers_done.clear()
+    dev0 = await am.open_device("cuda:0")
+    a = await dev0.alloc(N)
+    await a.write(np.arange(N // 4, dtype=np.int32))
+    plan = sim.plan = _AnyThreadPlan(threading.current_thread())
+    await (await am.open_device("cuda:1")).close()
+    total = len(plan.calls)
+    assert {"cuCtxEnablePeerAccess", "cuMemHostRegister"} <= set(plan.calls), plan.calls
+    found: list[str] = []
+    for n in range(1, total + 1):
+        _peer._peers_done.clear()  # (enabled once per pair: as if first opened now)
+        mapped, registered = set(_staging._MAPPED), set(sim.registered)
+        threads, memory = device_threads(), set(sim.memory)
+        plan = sim.plan = _AnyThreadPlan(threading.current_thread(), n, code)
+        error: BaseException | None = None
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            try:
+                await (await am.open_device("cuda:1")).close()
+            except Exception as exc:
+                error = exc
+            sim.plan = _Plan(threading.current_thread())
+            gc.collect()
+        at = f"call {n} ({plan.injected}) failing with {code.name}"
+        if error is not None and not isinstance(error, am.AsyncMetalError):
+            found.append(f"{at}: raised {error!r}")
+        if plan.refused_restore and not warned:
+            found.append(f"{at}: the context was left unrestored, and nothing said so")
+        deadline = time.monotonic() + 10  # (an open that failed closes on a thread)
+        while device_threads() - threads and time.monotonic() < deadline:
+            await anyio.sleep(0.005)
+        if set(_staging._MAPPED) - mapped or set(sim.registered) - registered:
+            found.append(f"{at}: staging chunks left pinned")
+        if device_threads() - threads:
+            found.append(f"{at}: threads left: {device_threads() - threads}")
+        try:
+            other = await am.open_device("cuda:1")
+            d = await other.alloc(N)
+            await am.copy(d, a)
+            if not (await d.read(np.int32) == np.arange(N // 4)).all():
+                found.append(f"{at}: the next open's peer copy is wrong")
+            await d.free()
+            await other.close()
+        except Exception as exc:
+            found.append(f"{at}: the next open failed: {exc!r}")
+        if set(sim.memory) - memory:
+            found.append(f"{at}: allocations never freed")
+        if (plan.injected == "cuCtxEnablePeerAccess") and (0, 1) not in _peer._peers_done:
+            found.append(f"{at}: peer access was not enabled at the next open")
+    await a.free()
+    await dev0.close()
     assert not found, "\n".join(found)

@@ -151,3 +151,40 @@ async def test_every_metal_object_that_cannot_be_made_ends_in_a_clear_error(
         if again.error is not None or again.problems:
             found.append(f"{at}: the next run failed: {again.trace} {again.problems}")
     assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("to_device", [True, False], ids=["copy in", "copy out"])
+async def test_a_staging_buffer_that_cannot_be_made_fails_its_copy_clearly(
+    anyio_backend: str, monkeypatch: pytest.MonkeyPatch, to_device: bool
+) -> None:
+    """A copy of host memory Metal will not wrap is staged on the queue's own thread;
+    where its staging buffer comes back nil, the awaiting task gets an AsyncMetalError
+    (NoHostMemoryError, still a MemoryError), not a bare MemoryError from that thread,
+    and the queue goes on: the next copy is right. Checked: before, a bare MemoryError
+    reached the task."""
+    from asyncmetal.backends.metal import _backend, _objc
+
+    monkeypatch.setattr(_backend.MetalBackend, "wrap_pages", lambda self, a, n, check=True: None)
+    send, refused = _objc.send, {"n": 0}
+    staging = ("newBufferWithBytes:length:options:", "newBufferWithLength:options:")
+
+    def nil_once(obj: int, selector: str, *args: Any, **kwargs: Any) -> Any:
+        if selector in staging and not refused["n"]:
+            refused["n"] += 1
+            return 0
+        return send(obj, selector, *args, **kwargs)
+
+    monkeypatch.setattr("asyncmetal.backends.metal._queue.send", nil_once)
+    host = np.arange(N, dtype=np.int32)
+    async with am.open_device("metal") as dev:
+        buf = await dev.alloc(4 * N)
+        dst, src = (buf, host) if to_device else (np.zeros(N, np.int32), buf)
+        with pytest.raises(am.AsyncMetalError, match="staging") as caught:
+            await am.copy(dst, src)
+        assert isinstance(caught.value, MemoryError)
+        assert refused["n"] == 1
+        await am.copy(buf, host)
+        back = np.zeros(N, np.int32)
+        await am.copy(back, buf)
+        assert (back == host).all()
+        await buf.free()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue as queue_module
 import threading
@@ -131,7 +132,17 @@ class CUDABackend(Backend):
         self._slot_arenas: list[Pinned] = []
         self._free_slots: list[int] = []
         self._slot_lock = threading.Lock()
-        self._chunks = [Chunk(STAGE_CHUNK, where) for _ in range(STAGE_RING + STAGE_SPARE)]
+        # Before anything this object must give back if the open fails: peer access
+        # stays enabled for the process whatever happens to this device.
+        enable_peer_access(self)
+        self._chunks: list[Chunk] = []
+        try:
+            for _ in range(STAGE_RING + STAGE_SPARE):
+                self._chunks.append(Chunk(STAGE_CHUNK, where))
+        except BaseException:  # (a close never comes: those pinned are unpinned here)
+            for chunk in self._chunks:
+                chunk.free()
+            raise
         self._chunk_lock = threading.Lock()
         self.live_allocations = 0
         # cuMemFree synchronizes the device: never on a loop, always on this thread.
@@ -145,7 +156,6 @@ class CUDABackend(Backend):
             target=self._free_loop, name="asyncmetal-cuda-free", daemon=True
         )
         self._freer.start()
-        enable_peer_access(self)
 
     def make_current(self) -> None:
         """Make this device's context current on the calling thread. The current context
@@ -255,11 +265,15 @@ class CUDABackend(Backend):
                 cu.cuMemFree(handle)
 
     def _free_loop(self) -> None:
-        self.make_current()
         while True:
             handle = self._frees.get()
             if handle is None:
                 return
+            # Checked before each free (a thread-local read once it is current): a
+            # refusal to make it current must not end this thread, which every later
+            # free of the device waits on; that free's own error is the driver's.
+            with contextlib.suppress(AsyncMetalError):
+                self.make_current()
             cu.cuMemFree(handle)
 
     def host_view(self, handle: Any, offset: int, nbytes: int) -> memoryview:
@@ -302,23 +316,38 @@ class CUDABackend(Backend):
         # threads; the parent's streams, memory and contexts are left as they are.
         self._timelines.forked(message)
 
-    @keeps_context
     def close(self) -> None:
+        try:
+            self._close()
+        finally:
+            # Also where the driver refused the context calls around it (the close
+            # raises that): the freeing thread and the pinned chunks are not left.
+            self._stop_freer()
+            self._free_chunks()
+
+    def _stop_freer(self) -> None:
+        with self._freer_lock:
+            self._freer_stopped = True
+            self._frees.put(None)
+        self._freer.join()
+
+    def _free_chunks(self) -> None:
+        with self._chunk_lock:
+            for chunk in self._chunks:
+                chunk.free()
+            self._chunks.clear()
+
+    @keeps_context
+    def _close(self) -> None:
         # Device waits on its timelines end first, failed: a stream of this GPU still
         # waiting on one would hold up the frees below, which wait for every stream of
         # the GPU. (Its queues are closed: what a stopped one's stream runs now is never
         # confirmed, so it stays abandoned.)
         self._timelines.close_waits()
         self.make_current()
-        with self._freer_lock:
-            self._freer_stopped = True
-            self._frees.put(None)
-        self._freer.join()
+        self._stop_freer()
         cu.cuCtxSynchronize()
-        with self._chunk_lock:
-            for chunk in self._chunks:
-                chunk.free()
-            self._chunks.clear()
+        self._free_chunks()
         with self._modules_lock:
             modules, self._modules = self._modules, {}
             for module in modules.values():

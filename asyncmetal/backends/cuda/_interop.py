@@ -17,7 +17,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
-from ..._errors import ArgumentTypeError, InvalidArgumentError
+from ..._errors import ArgumentTypeError, InvalidArgumentError, warn
 from . import _driver
 from ._driver import check, cu
 
@@ -99,10 +99,32 @@ def keeps_context(method: Callable[_P, _R]) -> Callable[_P, _R]:
         try:
             return method(*args, **kwargs)
         finally:
-            # Set back also where the driver cannot say what is current now; a failure
-            # here raises nothing, which would lose what the method made (an allocation).
-            err, now = cu.cuCtxGetCurrent()
-            if int(err) or int(now) != int(before):
-                cu.cuCtxSetCurrent(before)
+            unrestored = _restore(before)
+            if unrestored is not None:
+                warn(unrestored, RuntimeWarning)
 
     return keeping
+
+
+def _restore(before: Any) -> str | None:
+    """Make ``before`` the calling thread's current context again (also where the driver
+    cannot say what is current now); what went wrong if it could not be, else None.
+
+    Not raised: raising would lose what the call made (an allocation, a queue, a
+    command submitted) or hide the error it raised. A warning (RuntimeWarning, at the
+    caller's frame: ``-W error`` makes it one) says that the thread is left with
+    another context current than its own, on which another library's calls there
+    would go to the wrong device."""
+    err, now = cu.cuCtxGetCurrent()
+    if not int(err) and int(now) == int(before):
+        return None
+    failed = cu.cuCtxSetCurrent(before)[0]
+    if not int(failed):
+        return None
+    left = "unknown" if int(err) else f"{int(now):#x}"
+    return (
+        f"the calling thread's CUDA context ({int(before):#x}) could not be made current "
+        f"again: cuCtxSetCurrent failed with {_driver.error_name(failed)}. The thread's "
+        f"current context is now {left}: CUDA calls of other libraries on this thread "
+        "may go to another device than they expect"
+    )

@@ -39,14 +39,15 @@ def enable_peer_access(backend: PeerDevice) -> None:
         ) in itertools.permutations(_opened.items(), 2):
             if (src, dst) in _peers_done:
                 continue
-            _peers_done.add((src, dst))
             where = f"cuda:{src}"
             can = cu.cuDeviceCanAccessPeer(src_device, dst_device)
-            if not check(can, "cuDeviceCanAccessPeer", where):
-                continue
-            check(cu.cuCtxSetCurrent(src_context), "cuCtxSetCurrent", where)
-            (err,) = cu.cuCtxEnablePeerAccess(dst_context, 0)
-            already = cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
-            if err not in (cu.CUresult.CUDA_SUCCESS, already):
-                raise driver_error("cuCtxEnablePeerAccess", err, where)
+            if check(can, "cuDeviceCanAccessPeer", where):
+                check(cu.cuCtxSetCurrent(src_context), "cuCtxSetCurrent", where)
+                (err,) = cu.cuCtxEnablePeerAccess(dst_context, 0)
+                already = cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+                if err not in (cu.CUresult.CUDA_SUCCESS, already):
+                    raise driver_error("cuCtxEnablePeerAccess", err, where)
+            # Only once it is known: a pair whose enabling failed is tried again at the
+            # next open (the open that failed raised).
+            _peers_done.add((src, dst))
     backend.make_current()

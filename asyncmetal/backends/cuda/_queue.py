@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from ... import _native, _native_contract
@@ -173,7 +174,14 @@ class CUDAQueue(NativeQueue):
         if code in (WAITED_FAILED, HELD_FAILED):
             return self._waited_failed(*self._first_error())
         call = self._lib.am_cuda_name(self._lib.am_cuq_failed_call(self._q)).decode()
-        return driver_error(call, code, self._backend.name)
+        error = driver_error(call, code, self._backend.name)
+        failed, first = self._first_error()
+        if failed != code or isinstance(error, DeviceLostError):
+            return error  # (refused, nothing of it submitted: the queue goes on)
+        return type(error)(
+            f"{error}, for the command at value {first} on a stream of "
+            f"{self._backend.name}: the queue fails from that command on"
+        )
 
     def _lost(self, what: str) -> DeviceLostError:
         """The process-wide loss, for a submission refused after it (the native launch
@@ -184,6 +192,26 @@ class CUDAQueue(NativeQueue):
         """Raise what a native submission call's nonzero result means."""
         if code:
             raise self._failed(code)
+
+    @contextlib.contextmanager
+    def _command(self, value: int, keep: object) -> Iterator[None]:
+        """Around the native calls that submit command ``value`` (``keep``: its host
+        objects). Where the driver refuses a part of it after another part reached the
+        driver (a staged copy's later chunk), the native queue fails from that command
+        on (native/cuda_submit.c): what reached the driver runs, so the command is not
+        taken back as never run. It stays submitted, failed -- its completion raises
+        the driver's error, its host objects and buffers are kept until the stream is
+        past it -- and every later submission to the queue is refused."""
+        clean = not self._error.value
+        try:
+            yield
+        except AsyncMetalError:
+            if not clean or self._q is None:
+                raise
+            code, first = self._first_error()
+            if not code or first != value:
+                raise
+            self._keep.add(value, keep)
 
     def _finish(
         self,
@@ -376,6 +404,8 @@ class CUDAQueue(NativeQueue):
             return self._waited_failed(code, first)
         if code == DISCARDED and value >= first:
             return discarded_error(value)
+        if code == NO_MEMORY and value >= first:
+            return self._failed(code)
         if code and value >= first:
             where = f"a stream of {self._backend.name}"
             return driver_error(f"the command at value {first}", code, where)
@@ -489,7 +519,8 @@ class CUDAQueue(NativeQueue):
             code = self._lib.am_cuq_launch(
                 self._q, program, dims, self._pointers_address, len(args), value
             )
-        self._check(code)
+        with self._command(value, None):
+            self._check(code)
 
     def launch_target(self) -> tuple[Any, ...] | None:
         if self._fast_launch is None:
@@ -511,9 +542,10 @@ class CUDAQueue(NativeQueue):
         assert isinstance(timeline, CUDATimeline)
         if _driver.lost_first is not None:
             raise self._lost("a signal")
-        self._write(value, timeline, target)  # native calls: they make the context current
-        self._finish(value, timeline, extra=timeline, target=target)
-        timeline.last_signal = (weakref.ref(self), value, target)
+        with self._command(value, timeline):
+            self._write(value, timeline, target)  # native calls: they make the context current
+            self._finish(value, timeline, extra=timeline, target=target)
+            timeline.last_signal = (weakref.ref(self), value, target)
 
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         # A CUDATimeline; or another kind's queue timeline (a host queue's, with no device
@@ -524,6 +556,10 @@ class CUDAQueue(NativeQueue):
         if _driver.lost_first is not None:
             raise self._lost("a wait")
         # Native calls only (they make the context current); none if confirmed already.
+        with self._command(value, timeline):
+            self._wait(timeline, target, value)
+
+    def _wait(self, timeline: NativeTimeline, target: int, value: int) -> None:
         confirms: NativeTimeline | None = None
         waited = False
         if timeline.value < target:
@@ -570,7 +606,8 @@ class CUDAQueue(NativeQueue):
             value,
             expected if expected < MAX_COPY_POLL_NS else MAX_COPY_POLL_NS,
         )
-        self._check(code)
+        with self._command(value, None):
+            self._check(code)
         record.due_ns = time.perf_counter_ns() + expected
 
     def fill(
@@ -590,7 +627,8 @@ class CUDAQueue(NativeQueue):
             value,
             expected if expected < MAX_COPY_POLL_NS else MAX_COPY_POLL_NS,
         )
-        self._check(code)
+        with self._command(value, None):
+            self._check(code)
         record.due_ns = time.perf_counter_ns() + expected
 
     def _held_across(self) -> bool:
@@ -653,6 +691,10 @@ class CUDAQueue(NativeQueue):
         if _driver.lost_first is not None:
             raise self._lost("a copy from the host")
         self._backend.make_current()
+        with self._command(value, (dst, src)):
+            self._copyin(dst, src, value)
+
+    def _copyin(self, dst: Arg, src: memoryview, value: int) -> None:
         address = host_address(src)[0]
         base = dst.handle + dst.offset
         if src.nbytes <= STAGE_DIRECT:  # a few pages: the driver stages them itself
@@ -690,6 +732,10 @@ class CUDAQueue(NativeQueue):
         if _driver.lost_first is not None:
             raise self._lost("a copy to the host")
         self._backend.make_current()
+        with self._command(value, (dst, src)):
+            self._copyout(dst, src, value)
+
+    def _copyout(self, dst: memoryview, src: Arg, value: int) -> None:
         address = host_address(dst)[0]
         base = src.handle + src.offset
         staging = self._staging_for()
@@ -735,8 +781,11 @@ class CUDAQueue(NativeQueue):
                 # mark its stream never writes: the copy threads stop where they are
                 # (those of commands that ran are done: a command is confirmed after
                 # them). Otherwise the close waited for good.
-                failed = code != 0 or _driver.lost_first is not None
-                self._staging.close(abandon or self._discarded or failed)
+                # Closed without abandoning, the stream is past all it was given: a
+                # chunk a stopped host copy left part way is freed, not left pinned.
+                lost = _driver.lost_first is not None
+                failed = code != 0 or lost
+                self._staging.close(abandon or self._discarded or failed, not abandon and not lost)
             self._error = ctypes.c_int(code)  # the closed queue's error stays reported
             if self._owns_stream:
                 cu.cuStreamDestroy(self.stream)

@@ -209,21 +209,36 @@ class Staging:
         self._marked += 1
         return self.marks, self._marked
 
-    def close(self, abandon: bool) -> None:
+    def close(self, abandon: bool, idle: bool = False) -> None:
+        """``abandon``: the host threads stop where they are (a copy of a command that
+        never ran may wait for a mark its stream never writes). ``idle``: the stream is
+        past everything it was given (its queue closed without abandoning, in a process
+        whose CUDA state is not lost), so nothing writes a chunk any more."""
         self.copier.close(abandon)
         for chunk, timeline, value in self._ring:
             if not abandon or timeline.reached(value):  # its last use ended: back to the pool
                 self._backend.give_chunk(chunk)
-            elif chunk.ready is not None:
-                # The host threads stopped: a fill the stream waits for may never come.
-                # Its wait ends (the chunk is not used again), so that the stream, once
-                # what holds it up ends, runs to its end rather than waiting for good --
-                # and holding up the device's frees, which wait for every stream.
-                chunk.ready.close_waits()
+            else:
+                self._unfinished(chunk, idle)
         self._ring.clear()
         for chunk in self._retired:
             if not abandon:
                 self._backend.give_chunk(chunk)
-            elif chunk.ready is not None:
-                chunk.ready.close_waits()
+            else:
+                self._unfinished(chunk, idle)
         self._retired.clear()
+
+    @staticmethod
+    def _unfinished(chunk: Chunk, idle: bool) -> None:
+        """A chunk whose last use never ended, its host threads stopped."""
+        if idle:
+            # Nothing writes it any more, but its count of parts copied stopped part
+            # way through a use: unpinned and unmapped, not staged through again.
+            chunk.free()
+        elif chunk.ready is not None:
+            # A fill the stream waits for may never come. Its wait ends (the chunk is
+            # not used again), so that the stream, once what holds it up ends, runs to
+            # its end rather than waiting for good -- and holding up the device's
+            # frees, which wait for every stream. It stays pinned and mapped: the
+            # stream may still write it.
+            chunk.ready.close_waits()

@@ -768,16 +768,19 @@ class MetalQueue(NativeQueue):
                 self._drop(self._staged_copyin, (dst, src, command), command)
             return
         address, keep = host_address(src)
-        staging = send(
-            self._backend.device,
-            "newBufferWithBytes:length:options:",
-            address,
-            src.nbytes,
-            STORAGE_SHARED,
-            argtypes=(c_void_p, c_ulong, c_ulong),
+        # (nil raised as an asyncmetal error: the step's error is what the awaiting
+        # task gets, _step_failed)
+        staging = made(
+            send(
+                self._backend.device,
+                "newBufferWithBytes:length:options:",
+                address,
+                src.nbytes,
+                STORAGE_SHARED,
+                argtypes=(c_void_p, c_ulong, c_ulong),
+            ),
+            f"newBufferWithBytes: of {src.nbytes} bytes (a copy's staging)",
         )
-        if not staging:
-            raise MemoryError(f"newBufferWithBytes: {src.nbytes} failed (a copy's staging)")
         self._commit(
             value,
             _blit_encoder((dst.handle, dst.offset), (staging, 0), src.nbytes),
@@ -865,15 +868,16 @@ class MetalQueue(NativeQueue):
         threads until the handler raised it), so that what is ordered after the copy
         sees its bytes."""
         value, record, _ = command
-        staging = send(
-            self._backend.device,
-            "newBufferWithLength:options:",
-            dst.nbytes,
-            STORAGE_SHARED,
-            argtypes=(c_ulong, c_ulong),
+        staging = made(
+            send(
+                self._backend.device,
+                "newBufferWithLength:options:",
+                dst.nbytes,
+                STORAGE_SHARED,
+                argtypes=(c_ulong, c_ulong),
+            ),
+            f"newBufferWithLength: of {dst.nbytes} bytes (a copy's staging)",
         )
-        if not staging:
-            raise MemoryError(f"newBufferWithLength: {dst.nbytes} failed (a copy's staging)")
         self._commit(
             value,
             _blit_encoder((staging, 0), (src.handle, src.offset), dst.nbytes),

@@ -46,6 +46,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "refused"),
         *("ok", "discard"),
         *("ok", "partial"),
+        *("ok", "refusedpart"),
         *("ok", "release"),
         *("ok", "hostwait"),
         *("ok", "hostheld"),

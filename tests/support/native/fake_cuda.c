@@ -73,6 +73,12 @@
  *   poisonlater the same, for a signal another queue's passed signal counted as sure
  *             (its timeline marked failed from a later value already): the mark is
  *             lowered to that signal's value
+ *   refusedpart a command the driver refuses at once after part of it reached the driver
+ *             (a staged copy's later chunk after its earlier ones: here a word write
+ *             after a kernel of the same command; or a launch whose event record is
+ *             refused) fails its queue from that command on, with the driver's error,
+ *             rather than be taken back as never run while that part runs: the queue
+ *             takes no more commands, and settles only once the stream is past that part
  *   release   a queue's device wait on a value of a queue that failed that way (held
  *             on the host until that command reached the driver, which refused it)
  *             ends rather than blocking for good, without being made: the commands
@@ -214,6 +220,8 @@
 
 #include <fcntl.h>
 #include <unistd.h>
+
+static void reach(am_timeline *t, uint64_t value, const char *what);
 
 static void check_order(void) {
     fake_queue f = queue_new();
@@ -738,22 +746,28 @@ static void check_hostfailed(void) {
     puts("ok hostfailed");
 }
 
+/* A launch of k (its parameter: `value`) as a part of command `value`, with no end:
+ * what a command hands the driver before its later parts. */
+static int kernel_part(fake_queue f, kernel *k, uint64_t value) {
+    int64_t buf[(sizeof(am_cuop) + 7) / 8 + 1];
+    am_cuop *op = (am_cuop *)buf;
+    memset(op, 0, sizeof *op);
+    op->kind = CUOP_LAUNCH;
+    op->value = value;
+    op->fn = k;
+    op->nparams = 1;
+    memcpy(op->dims, dims, sizeof op->dims);
+    op->params[0] = (int64_t)value;
+    return cuq_submit(f.q, op, sizeof(am_cuop) + 8);
+}
+
 static void check_partial(void) {
     fake_queue f = queue_bounded(1);
     static kernel k2 = {0, 80000000, NULL, 0};
     uint64_t *gate = calloc(1, sizeof(uint64_t));
     if (gated_launch(f, gate, 1)) die("partial: launch 1 failed");
     /* command 2: a launch (held, handed over later), a word write the driver refuses */
-    int64_t buf[(sizeof(am_cuop) + 7) / 8 + 1];
-    am_cuop *op = (am_cuop *)buf;
-    memset(op, 0, sizeof *op);
-    op->kind = CUOP_LAUNCH;
-    op->value = 2;
-    op->fn = &k2;
-    op->nparams = 1;
-    memcpy(op->dims, dims, sizeof op->dims);
-    op->params[0] = 2;
-    if (cuq_submit(f.q, op, sizeof(am_cuop) + 8)) die("partial: the held launch failed");
+    if (kernel_part(f, &k2, 2)) die("partial: the held launch failed");
     if (am_cuq_write(f.q, &refuse_word, 1, 2) || am_cuq_finish(f.q, 2, NULL, 0, 0, 0))
         die("partial: a held operation was refused at once");
     atomic_store((_Atomic uint64_t *)gate, 1);
@@ -764,6 +778,33 @@ static void check_partial(void) {
     queue_free(f, 0);
     free(gate);
     puts("ok partial");
+}
+
+static void check_refusedpart(void) {
+    static kernel slow = {0, 50000000, NULL, 0};
+    for (int variant = 0; variant < 2; variant++) {
+        fake_queue f = queue_new();
+        if (launch(f, NULL, 1, 1)) die("refusedpart: launch 1 failed");
+        reach(f.t, 1, "refusedpart: launch 1 never ran");
+        int r;
+        if (variant == 0) {  /* command 2: a slow kernel, then a word write refused */
+            if (kernel_part(f, &slow, 2)) die("refusedpart: the kernel failed");
+            r = am_cuq_write(f.q, &refuse_word, 1, 2);
+        } else {  /* command 2: a slow kernel whose event record is refused */
+            atomic_store(&refuse_records, f.s);
+            r = launch(f, &slow, 2, 2);
+        }
+        if (r != 1) die("refusedpart: the refusal was not reported");
+        uint64_t at = 0;
+        if (am_cuq_error(f.q, &at) != 1 || at != 2)
+            die("refusedpart: a command part of which reached the driver did not fail its queue");
+        if (launch(f, NULL, 3, 2) != 1) die("refusedpart: the failed queue took another command");
+        reach(f.t, UINT64_MAX, "refusedpart: the failed queue never settled");
+        if (atomic_load(&f.s->ran) != 2)
+            die("refusedpart: settled before the part that reached the driver ran");
+        queue_free(f, 0);
+    }
+    puts("ok refusedpart");
 }
 
 static void check_release(void) {
@@ -2866,6 +2907,7 @@ int main(void) {
     check_refused();
     check_discard();
     check_partial();
+    check_refusedpart();
     check_release();
     check_hostwait();
     check_hostheld();
