@@ -353,11 +353,10 @@ class _SimRuntime(_Runtime):
     def am_cuq_wait_stream_end(
         self, q: int, ctx: int, stream: int, value: int, ns: int, flags: int, call: Any
     ) -> int:
-        err = self.driver.plan.result("cuStreamWaitEvent")
+        err = self._submit(q, "cuStreamWaitEvent", lambda: None, value) or self._end(q, value)
         if err:
-            call._obj.value = self.names.index("cuStreamWaitEvent")
-            return int(err)
-        return self._end(q, value)
+            call._obj.value = self.queues[q].failed_call
+        return err
 
     def am_cuq_hand_over(self, q: int, value: int) -> int:
         return 0

@@ -662,11 +662,12 @@ class CUDAQueue(NativeQueue):
                 self._q, context, stream, value, poll_ns, 0, ctypes.byref(call)
             )
             failed = call.value
-        if code == NO_MEMORY:
-            raise self._failed(code)
-        if code:
-            name = self._lib.am_cuda_name(failed).decode()
-            raise driver_error(name, code, self._backend.name)
+        with self._command(value, None):  # (the wait handed over, its end refused)
+            if code == NO_MEMORY:
+                raise self._failed(code)
+            if code:
+                name = self._lib.am_cuda_name(failed).decode()
+                raise driver_error(name, code, self._backend.name)
         self._keep.add(value, None)
         if lone:
             record.due_ns = time.perf_counter_ns() + MARKER_POLL_NS
