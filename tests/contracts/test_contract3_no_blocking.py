@@ -950,3 +950,44 @@ def test_the_first_open_imports_nothing_on_the_loop(loop: str) -> None:
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]", run.stdout
+
+
+async def test_a_queue_being_made_holds_up_no_other_threads_submission(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queue's native queue being made (a cuda stream with its events and completion
+    thread: up to 17 ms on an H200) on another thread holds up no submission to the
+    device meanwhile: a signal, a fill, a copy on this loop's thread wait for no more
+    than their own work. Here the backend's making is held until they are submitted
+    (or 2 s). Checked failing before: each waited for the submission lock, which
+    new_queue held as it made the native queue (2 s here)."""
+    backend = type(device._backend)
+    backend_make = backend.new_queue
+    making, made = threading.Event(), threading.Event()
+
+    def slow(self: Any, timeline: Any) -> Any:
+        making.set()
+        made.wait(2)
+        return backend_make(self, timeline)
+
+    monkeypatch.setattr(backend, "new_queue", slow)
+    tl = device.timeline()
+    buf = await device.alloc(64)
+    got: list[am.Queue] = []
+    thread = threading.Thread(target=lambda: got.append(device.new_queue()))
+    thread.start()
+    try:
+        assert making.wait(10)
+        start = time.perf_counter()
+        device.queue.signal(tl, 1)
+        device.queue.fill(buf, 7)
+        copied = device.queue.copy(buf, np.zeros(64, np.uint8))
+        took = time.perf_counter() - start
+    finally:
+        made.set()
+        thread.join()
+    assert took < 0.5, f"the submissions waited {took:.3f} s for the queue being made"
+    with anyio.fail_after(10):
+        await copied
+        await got[0].signal(tl, 2)
+        assert tl.value == 2
