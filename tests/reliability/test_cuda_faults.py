@@ -21,7 +21,6 @@ import gc
 import re
 import sys
 import threading
-import time
 import types
 import weakref
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ from asyncmetal._timeline import LATER_FAIL
 from asyncmetal.backends import cuda as cb
 from asyncmetal.backends.cuda import _backend as cuda_backend
 from asyncmetal.backends.cuda import _staging
-from tests.support.threads import closed_while_making
+from tests.support.threads import closed_while_making, submitted_while_making
 
 MAX = (1 << 64) - 1
 # What every process-wide report says: that the state is lost, that the process must
@@ -1137,24 +1136,8 @@ async def test_a_stream_being_made_or_adopted_holds_no_submission_lock(
         kept = len(runtime.queues)
         monkeypatch.setattr(runtime, "am_cuq_new", slow_new)
         makers = 2 if make == "adopt_stream" else 1
-        got: list[am.Queue] = []
-
-        def maker() -> None:
-            got.append(dev.new_queue() if make == "new_queue" else dev.adopt_stream(1))
-
-        threads = [threading.Thread(target=maker) for _ in range(makers)]
-        for thread in threads:
-            thread.start()
-        try:
-            for _ in threads:
-                assert making.acquire(timeout=10)
-            start = time.perf_counter()
-            dev.timeline()
-            took = time.perf_counter() - start
-        finally:
-            made.set()
-            for thread in threads:
-                thread.join()
+        maker = dev.new_queue if make == "new_queue" else lambda: dev.adopt_stream(1)
+        took, got = submitted_while_making([maker] * makers, making, made, dev.timeline)
         assert took < 0.5, f"the submission lock was held {took:.3f} s by the making"
         assert len(got) == makers and all(q is got[0] for q in got)
         with anyio.fail_after(10):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -85,3 +86,26 @@ async def closed_while_making(
         made.set()
         thread.join()
     return got[0]
+
+
+def submitted_while_making(
+    makers: list[Callable[[], Any]], making: Any, made: Any, submit: Callable[[], object]
+) -> tuple[float, list[Any]]:
+    """How long ``submit()`` took while each of ``makers`` ran on a thread of its own,
+    held in its queue's making (``making`` released once each is there; ``made`` set
+    once ``submit`` returned lets them go on); and what each returned."""
+    got: list[Any] = []
+    threads = [threading.Thread(target=lambda m=m: got.append(m())) for m in makers]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in threads:
+            assert making.acquire(timeout=10)
+        start = time.perf_counter()
+        submit()
+        took = time.perf_counter() - start
+    finally:
+        made.set()
+        for thread in threads:
+            thread.join()
+    return took, got
