@@ -157,6 +157,7 @@ REAP_DUTY = 100
 REAP_LONGEST_S = 5.0
 REAP_CHUNK = 1024
 RELEASE_LOOKS = 4  # closed queues new_queue (and a collection) look at, in turn
+MAKING_POLL_S = 0.001  # how often a close looks whether the queues being made are through
 # What a reaper is told: look soon (a queue to watch); a queue was collected; stop.
 _LOOK, _COLLECTED, _STOP = 0, 1, 2
 # A source this long or longer is hashed and its kernel's parameters read on a worker
@@ -226,6 +227,9 @@ class Device:
         self._torn_down = False  # a close's teardown has begun (on its thread)
         self._discarding = False  # its close drops what has not started (close(discard=))
         self._close_lock = threading.Lock()
+        # The queues new_queue and adopt_stream are making (their native queues outside
+        # the submission lock; counted under it): see _close_native.
+        self._makings = 0
         self._allocator = Allocator(self._state)
         self._pool: CompilePool | None = None
         # Loaded programs while they are in use; a Program collected leaves its native
@@ -346,25 +350,34 @@ class Device:
     def new_queue(self) -> Queue:
         """A new queue: its own ordered stream and timeline."""
         self._check_open()  # (first: see Queue._submit)
-        with self._state.submitting:  # (a close seals its queues: see Queue._submit)
-            self._check_open()
-            # Made and recorded whole: a KeyboardInterrupt (trio raises Ctrl-C in
-            # whatever Python code its task runs; CPython, at a call's entry or return)
-            # before the queue is recorded -- among the queues, its native queue by
-            # number, its finalizer -- releases what was made of it (_unmade). Left: an
-            # interrupt as the backend's new_queue returns its native queue, not stored
-            # yet (nothing in Python holds it then).
-            making: list[Queue] = []
-            number = -1
-            recorded = False
-            try:
-                queue = Queue(
-                    self._state,
-                    _made=MADE_BY_DEVICE,
-                    _closer=self._close_queue,
-                    _keeper=self._keep_queue,
-                    _making=making,
-                )
+        # Made and recorded whole: a KeyboardInterrupt (trio raises Ctrl-C in whatever
+        # Python code its task runs; CPython, at a call's entry or return) before the
+        # queue is recorded -- among the queues, its native queue by number, its
+        # finalizer -- releases what was made of it (_unmade), as does a close that came
+        # first. Left: an interrupt as the backend's new_queue returns its native queue,
+        # not stored yet (nothing in Python holds it then).
+        making: list[Queue] = []
+        number = -1
+        recorded = counted = False
+        try:
+            # Its native queue (a cuda stream, its events and completion thread: up to
+            # tens of ms) is made outside the submission lock, which every other
+            # thread's submission to the device waits for: counted as being made first
+            # (the device's close releases nothing before those are through), and
+            # recorded under the lock once made, if the device is still open.
+            with self._state.submitting:
+                self._makings += 1
+                counted = True  # (no call between: nothing interrupts them)
+                self._check_open()  # (after the count: see _close_native)
+            queue = Queue(
+                self._state,
+                _made=MADE_BY_DEVICE,
+                _closer=self._close_queue,
+                _keeper=self._keep_queue,
+                _making=making,
+            )
+            with self._state.submitting:  # (a close seals its queues: see Queue._submit)
+                self._check_open()
                 self._queues = [*self._queues, queue]  # (a new list: see _claim_release)
                 number = next(self._numbers)
                 self._natives[number] = (native_queue(queue), queue.timeline)
@@ -374,21 +387,26 @@ class Device:
                 drop.atexit = False
                 self._on_drop[queue] = drop
                 recorded = True
-            finally:
-                if not recorded:
-                    self._unmade(making, number)
-            if len(self._queues) >= 2 * self._kept_at_sweep + 16 + self._blocks_at_sweep // 64:
-                self._let_go_of_idle_queues()
-            self._release_done()
-            self._reap_later()
+                if len(self._queues) >= 2 * self._kept_at_sweep + 16 + self._blocks_at_sweep // 64:
+                    self._let_go_of_idle_queues()
+                self._release_done()
+                self._reap_later()
+        finally:
+            with self._state.submitting:
+                try:
+                    if not recorded:
+                        self._unmade(making, number)
+                finally:
+                    if counted:
+                        self._makings -= 1
         return queue
 
     def _unmade(self, making: list[Queue], number: int) -> None:
-        """A KeyboardInterrupt stopped new_queue (or adopt_stream) before the queue it
-        was making (in ``making``, if its making began) was recorded whole, and numbered
-        ``number`` (-1: not yet, or adopted): take what of it was recorded back, and
-        release its native queue, if made, on a release thread (submission lock held),
-        as a collected queue's."""
+        """A KeyboardInterrupt, or the device's close, stopped new_queue (or
+        adopt_stream) before the queue it was making (in ``making``, if its making
+        began) was recorded whole, and numbered ``number`` (-1: not yet, or adopted):
+        take what of it was recorded back, and release its native queue, if made, on a
+        release thread (submission lock held), as a collected queue's."""
         for queue in making:
             self._queues = [q for q in self._queues if q is not queue]
             if number >= 0:
@@ -608,31 +626,47 @@ class Device:
         Closing the device leaves the stream to its owner (it must outlive the device
         or the queue's last use). Adopting a stream again gives the same queue."""
         self._check_open()
-        with self._state.submitting:  # (as new_queue)
+        key = self._backend.stream_key(stream)
+        with self._state.submitting:
             self._check_open()
-            key = self._backend.stream_key(stream)
             queue = self._adopted.get(key)
-            if queue is None:
-                # Made and recorded whole, as new_queue's (a KeyboardInterrupt before
-                # it is recorded releases what was made of it).
-                making: list[Queue] = []
-                recorded = False
-                try:
-                    queue = Queue(
-                        self._state,
-                        _made=MADE_BY_DEVICE,
-                        _stream=stream,
-                        _closer=self._close_queue,
-                        _making=making,
-                    )
+        if queue is not None:
+            return queue
+        # Made outside the submission lock and recorded whole, as new_queue's; where
+        # another thread adopted the stream meanwhile, its queue is the one given.
+        making: list[Queue] = []
+        recorded = counted = False
+        try:
+            with self._state.submitting:
+                self._makings += 1
+                counted = True  # (no call between: nothing interrupts them)
+                self._check_open()
+            queue = Queue(
+                self._state,
+                _made=MADE_BY_DEVICE,
+                _stream=stream,
+                _closer=self._close_queue,
+                _making=making,
+            )
+            with self._state.submitting:
+                self._check_open()
+                adopted = self._adopted.get(key)
+                if adopted is not None:
+                    queue = adopted
+                else:
                     self._queues = [*self._queues, queue]
                     self._adopted[key] = queue
                     recorded = True
-                finally:
+        finally:
+            with self._state.submitting:
+                try:
                     if not recorded:
                         if making and self._adopted.get(key) is making[0]:
                             del self._adopted[key]
                         self._unmade(making, -1)
+                finally:
+                    if counted:
+                        self._makings -= 1
         return queue
 
     def timeline(self) -> Timeline:
@@ -1273,6 +1307,11 @@ class Device:
         ``blocked`` (or every queue, with ``abandon``) is stopped where it is, inside a
         device-side wait; the others have finished everything submitted."""
         self.closed = True
+        # A queue being made when the device closed is released on a release thread by
+        # its maker, which finds the device closed (new_queue): waited for, then joined
+        # with the others. (Its maker counted it, then looked at ``closed``.)
+        while self._makings:
+            time.sleep(MAKING_POLL_S)
         reaper = self._reaper
         if reaper is not None and reaper is not threading.current_thread():
             self._reaper_inbox.put(_STOP)
@@ -2005,6 +2044,7 @@ def _forget_parent_devices() -> None:
         # A thread of the parent may have held it at the fork: it is never let go here.
         device._state.submitting = threading.RLock()
         device._close_lock = threading.Lock()
+        device._makings = 0  # (a parent thread's, never through here)
         device._allocator.forked()
         device._closing = None  # (a close under way in the parent: no teardown here)
         where = f"opened in process {parent}; open devices in the child"

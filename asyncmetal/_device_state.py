@@ -128,15 +128,24 @@ class DeviceState:
         assert queue is not None, "a device makes its default queue when it opens"
         if not queue._fails_later() or self.closed or self.make_queue is None:
             return queue
+        # Made before the submission lock is taken (its native queue takes long: see
+        # Device.new_queue). One not put in stead -- another thread's was first, the
+        # device closed, an interrupt -- is let go of: it has no command, and is
+        # released once collected.
+        try:
+            made = self.make_queue()
+        except ClosedResourceError:
+            return self.in_stead or queue
         with self.submitting:
             queue = self.in_stead or self.queue
             assert queue is not None
             if queue._fails_later() and not self.closed:
-                # (Retired first: a KeyboardInterrupt before the next is made leaves it
-                # in_stead, sealed -- failing later -- and the next call replaces it.)
+                # (Retired first: a KeyboardInterrupt before the next is put in stead
+                # leaves it in_stead, sealed -- failing later -- and the next call
+                # replaces it.)
                 if self.in_stead is not None and self.retire_queue is not None:
                     self.retire_queue(self.in_stead)
-                queue = self.in_stead = self.make_queue()
+                queue = self.in_stead = made
         return queue
 
 

@@ -19,6 +19,8 @@ from blockbuster import BlockBuster, blockbuster_ctx
 
 import asyncmetal as am
 from tests.support.kernels import KERNELS, MSL_KERNELS
+from tests.support.queues import check_buffers_usable, fail_default_queue_for_good
+from tests.support.threads import submitted_while_making
 
 pytestmark = pytest.mark.anyio
 
@@ -950,3 +952,69 @@ def test_the_first_open_imports_nothing_on_the_loop(loop: str) -> None:
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]", run.stdout
+
+
+def _hold_queue_makings(device: am.Device, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """Hold each native queue ``device``'s backend makes from now on, once its making
+    began (the semaphore given is released then), until the event given is set (or
+    2 s passed)."""
+    backend = type(device._backend)
+    backend_make = backend.new_queue
+    making, made = threading.Semaphore(0), threading.Event()
+
+    def slow(self: Any, timeline: Any) -> Any:
+        making.release()
+        made.wait(2)
+        return backend_make(self, timeline)
+
+    monkeypatch.setattr(backend, "new_queue", slow)
+    return making, made
+
+
+async def test_a_queue_being_made_holds_up_no_other_threads_submission(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queue's native queue being made (a cuda stream with its events and completion
+    thread: up to 17 ms on an H200) on another thread holds up no submission to the
+    device meanwhile: a signal, a fill, a copy on this loop's thread wait for no more
+    than their own work. Here the backend's making is held until they are submitted
+    (or 2 s). Checked failing before: each waited for the submission lock, which
+    new_queue held as it made the native queue (2 s here)."""
+    tl = device.timeline()
+    buf = await device.alloc(64)
+    making, made = _hold_queue_makings(device, monkeypatch)
+    copies: list[am.Completion] = []
+
+    def submit() -> None:
+        device.queue.signal(tl, 1)
+        device.queue.fill(buf, 7)
+        copies.append(device.queue.copy(buf, np.zeros(64, np.uint8)))
+
+    took, got = submitted_while_making([device.new_queue], making, made, submit)
+    assert took < 0.5, f"the submissions waited {took:.3f} s for the queue being made"
+    with anyio.fail_after(10):
+        await copies[0]
+        await got[0].signal(tl, 2)
+        assert tl.value == 2
+
+
+async def test_a_queue_made_in_the_default_queues_stead_holds_up_no_other_threads_submission(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the default queue fails for good, the queue its device makes to run its
+    buffers' work in its stead (``DeviceState.default_queue``) is made outside the
+    submission lock too: another thread's submissions go on meanwhile. Two threads
+    that need it at once get the same one. Checked failing before: the submissions
+    waited for the lock, held for the making (2 s here)."""
+    before = await fail_default_queue_for_good(device)
+    other, tl = device.new_queue(), device.timeline()
+    making, made = _hold_queue_makings(device, monkeypatch)
+    replace = device._state.default_queue
+    took, got = submitted_while_making(
+        [replace, replace], making, made, lambda: other.signal(tl, 1)
+    )
+    assert took < 0.5, f"the submission waited {took:.3f} s for the queue being made"
+    assert got[0] is got[1] is not device.queue
+    with anyio.fail_after(10):
+        await tl.wait(1)
+    await check_buffers_usable(device, before)

@@ -33,7 +33,7 @@ from tests.support.queues import (
     discard_outcomes,
     record_native_closes,
 )
-from tests.support.threads import Contended
+from tests.support.threads import Contended, closed_while_making
 
 INC = "void inc(int* x) { x[0] += 1; }"
 WIDE = "void wide(" + ", ".join(f"int a{i}" for i in range(17)) + ") {}"
@@ -1524,3 +1524,45 @@ async def test_a_keyboard_interrupt_as_a_command_is_submitted_leaves_it_whole(
 def _close_then_set(device: am.Device, closed: threading.Event) -> None:
     anyio.run(device.close)
     closed.set()
+
+
+@pytest.mark.anyio
+async def test_a_close_as_a_queue_is_made_releases_it_before_the_backend_and_says_so(
+    anyio_backend: object, device_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close that seals the device while another thread's new_queue makes its native
+    queue (outside the submission lock) waits for that making: the new_queue raises
+    ClosedResourceError, and the native queue it made is released before the backend
+    is closed -- nothing of it is left, nor used after its device's end."""
+    device = await am.open_device(device_name)
+    backend = type(device._backend)
+    backend_make, backend_close = backend.new_queue, backend.close
+    making, made = threading.Event(), threading.Event()
+    order: list[object] = []
+
+    def slow(self: Any, timeline: Any) -> Any:
+        making.set()
+        made.wait(10)
+        native = backend_make(self, timeline)
+        order.append(native)
+        return native
+
+    def closing(self: Any) -> None:
+        order.append(list(closed))  # the native queues released by then
+        backend_close(self)
+
+    monkeypatch.setattr(backend, "new_queue", slow)
+    monkeypatch.setattr(backend, "close", closing)
+    closed = await native_closes(monkeypatch, device_name, type(device.queue._native))
+
+    def sealed() -> None:
+        time.sleep(0.1)
+        assert not order  # the close waits for the making
+
+    got = await closed_while_making(device, device.new_queue, making, made, sealed)
+    assert isinstance(got, am.ClosedResourceError), got
+    assert re.search(f"device {device_name} is closed", str(got))
+    native, closed_by_then = order
+    assert isinstance(closed_by_then, list)
+    assert any(c is native for c in closed_by_then)  # released before the backend closed
+    assert not device._makings

@@ -36,6 +36,7 @@ from asyncmetal._timeline import LATER_FAIL
 from asyncmetal.backends import cuda as cb
 from asyncmetal.backends.cuda import _backend as cuda_backend
 from asyncmetal.backends.cuda import _staging
+from tests.support.threads import closed_while_making, submitted_while_making
 
 MAX = (1 << 64) - 1
 # What every process-wide report says: that the state is lost, that the process must
@@ -1148,3 +1149,65 @@ async def test_a_context_that_cannot_be_made_current_again_is_warned_of(
         await queue.close()
     finally:
         await dev.close()
+
+
+@pytest.mark.parametrize("make", ["new_queue", "adopt_stream"])
+async def test_a_stream_being_made_or_adopted_holds_no_submission_lock(
+    anyio_backend: object, driver: _Driver, monkeypatch: pytest.MonkeyPatch, make: str
+) -> None:
+    """new_queue (cuStreamCreate, the completion thread: am_cuq_new) and adopt_stream
+    make their native queue outside the device's submission lock: another thread's
+    submissions go on meanwhile (a timeline made here takes that lock). Two threads
+    adopting one stream at once get one queue; the other's native queue is released.
+    Checked failing before: the lock was held for the whole making."""
+    assert driver.runtime is not None
+    runtime = driver.runtime
+    real_new = runtime.am_cuq_new
+    making, made = threading.Semaphore(0), threading.Event()
+
+    def slow_new(*args: Any) -> int:
+        making.release()
+        made.wait(10)
+        return real_new(*args)
+
+    dev = await am.open_device("cuda:0")
+    try:
+        kept = len(runtime.queues)
+        monkeypatch.setattr(runtime, "am_cuq_new", slow_new)
+        makers = 2 if make == "adopt_stream" else 1
+        maker = dev.new_queue if make == "new_queue" else lambda: dev.adopt_stream(1)
+        took, got = submitted_while_making([maker] * makers, making, made, dev.timeline)
+        assert took < 0.5, f"the submission lock was held {took:.3f} s by the making"
+        assert len(got) == makers and all(q is got[0] for q in got)
+        with anyio.fail_after(10):
+            while len(runtime.queues) != kept + 1:  # (the other released on a thread)
+                await anyio.sleep(0.01)
+    finally:
+        await dev.close()
+    assert len(runtime.queues) == kept - 1  # (the default queue's, closed with the device)
+
+
+async def test_a_close_as_a_stream_is_adopted_releases_its_queue_and_says_so(
+    anyio_backend: object, driver: _Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close that seals the device while another thread's adopt_stream makes its
+    native queue (outside the submission lock) waits for that making; adopt_stream
+    raises ClosedResourceError, and the queue made over the stream is released
+    (am_cuq_close) with the stream left to its owner."""
+    assert driver.runtime is not None
+    runtime = driver.runtime
+    real_new = runtime.am_cuq_new
+    making, made = threading.Event(), threading.Event()
+
+    def slow_new(*args: Any) -> int:
+        making.set()
+        made.wait(10)
+        return real_new(*args)
+
+    dev = await am.open_device("cuda:0")
+    monkeypatch.setattr(runtime, "am_cuq_new", slow_new)
+    got = await closed_while_making(dev, lambda: dev.adopt_stream(1), making, made)
+    assert isinstance(got, am.ClosedResourceError), got
+    assert "device cuda:0 is closed" in str(got)
+    assert not runtime.queues  # every native queue released, the adopted one's too
+    assert driver.calls.count("cuStreamDestroy") == 1  # the default queue's stream only
