@@ -936,10 +936,7 @@ class MetalQueue(NativeQueue):
         ends: their handlers copy nothing to the host, and what they use outlives the
         queue until they ran."""
         for value, _, block, _, _ in held:
-            block.copy_nbytes = 0
-            kept = self._keep.items.get(value)
-            if kept is not None:
-                _blocks.hold_until_run(block, kept)
+            _blocks.hold_until_run(block, self._keep.items.get(value), disarm=True)
 
     def _release(self) -> None:
         # Those completed and not reaped yet say whether they failed first: a command

@@ -726,3 +726,33 @@ def test_a_command_awaited_after_an_abandoning_close_commits_nothing() -> None:
     simulation aborts). Now a closed queue commits nothing (in a child process)."""
     assert _in_a_child(AWAITED_AFTER_AN_ABANDONING_CLOSE, timeout=90) == ["awaited"]
 
+
+@every_loop
+async def test_an_abandoning_close_keeps_nothing_for_a_handler_that_ran_and_went(
+    anyio_backend: object,
+) -> None:
+    """A close that abandons a queue keeps what the commands it reports as never run use
+    until their handlers ran (_disarm). One such command buffer, committed behind a GPU
+    wait, may have run since, and its block been freed by another queue's reap: the
+    close kept its things for a block that never runs again (the thread that lets go of
+    them stayed for ever) and wrote into the freed block. Now only a block still kept is
+    disarmed."""
+    from asyncmetal.backends.metal import _blocks
+
+    dev = await am.open_device("metal")
+    try:
+        gate, release_gate = await gpu_gate(dev)
+        buf = await dev.alloc(64)
+        q, never = dev.queue, dev.timeline()
+        q.wait(gate, 1)  # on the GPU: the fill's buffer is committed behind it
+        q.fill(buf, 0)
+        block = q._native._buffers[-1][2]  # type: ignore[attr-defined]
+        q.wait(never, 1)  # held on the queue's own thread: the close abandons the queue
+        release_gate()
+        await _until(lambda: block.calls)
+        _blocks.release_ran()  # (as another queue's reap: this queue's is not reaped)
+    finally:
+        await dev.close()
+    address = ctypes.addressof(block)
+    with _blocks._lock:
+        assert address not in _blocks._held or address in _blocks._alive
