@@ -83,7 +83,13 @@ async def test_a_queue_signal_raises_its_timeline_before_the_queue_records_it_do
         held = False
         try:
             assert not lib.am_watch_arm(watch, 1)  # (the signal is the queue's first)
-            done = q.signal(tl, 5)
+            # Its handler is let go of once the signal was submitted: held in the write,
+            # it holds the timeline's lock, which the submission takes once it committed.
+            metal_sim.hold_handlers(q._native._queue, True)  # type: ignore[attr-defined]
+            try:
+                done = q.signal(tl, 5)
+            finally:
+                metal_sim.hold_handlers(q._native._queue, False)  # type: ignore[attr-defined]
             # The handler raised the queue's timeline, and is held in the notifier's write.
             await _until(lambda: q.timeline.native.value >= done.value)
             held = True
