@@ -38,8 +38,8 @@ Either way no thread of the devices is left.
 It runs a fixed set of programs (derandomized, 80 per loop, about 15 s). To hunt longer:
 ``ASYNCMETAL_PROPERTY_EXAMPLES=3000 ASYNCMETAL_PROPERTY_RANDOM=1``. The same programs
 run on metal (two devices over the one Metal device, and cpu with metal: a queue waits
-on and signals only timelines of its own kind's devices), 20 per pair and loop, where
-``ASYNCMETAL_PROPERTY_METAL`` is set.
+on and signals only timelines of its own kind's devices), 20 per pair and loop (about
+15 s more).
 """
 
 from __future__ import annotations
@@ -759,13 +759,6 @@ def _metal_started() -> None:
 
 
 @pytest.mark.metal
-@pytest.mark.skipif(
-    not os.environ.get("ASYNCMETAL_PROPERTY_METAL"),
-    reason="finds defects not fixed yet (set ASYNCMETAL_PROPERTY_METAL=1 to run): now and "
-    "then the asyncmetal-metal-blocks thread is left after devices closed with work blocked "
-    "(blocks Metal never ran), and once the process aborted in the simulation: commandBuffer "
-    "sent from a Completion's await (Queue._failure -> flush) after its device closed",
-)
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 @pytest.mark.skipif("metal" not in am.devices(), reason="metal opens on macOS or its simulation")
 @pytest.mark.parametrize("pair", list(METAL_PAIRS))

@@ -131,11 +131,21 @@ def callback_block(isa: int, invoke: Any, signature: bytes) -> CallbackBlock:
     return block
 
 
-def hold_until_run(block: BlockLiteral, obj: object) -> None:
-    """Keep ``obj`` (the host memory the block's command reads or writes) alive until
-    the block has run, whatever else lets go of it (an abandoned queue)."""
+def hold_until_run(block: BlockLiteral, obj: object, disarm: bool = False) -> None:
+    """Keep ``obj`` (the host memory the block's command reads or writes; None: nothing)
+    alive until the block has run, whatever else lets go of it (an abandoned queue);
+    ``disarm``: and have it copy nothing to the host (its command is reported as never
+    run). Nothing for a block freed already: it ran, and a release_ran let it go -- its
+    memory may be another command's block by now."""
+    address = ctypes.addressof(block)
     with _lock:
-        _held[ctypes.addressof(block)] = obj
+        if _alive.get(address) is not block:
+            return
+        if disarm:
+            block.copy_nbytes = 0
+        if obj is None:
+            return
+        _held[address] = obj
         _notify(block)
     _start_letting_go()
 

@@ -226,6 +226,10 @@ class MetalQueue(NativeQueue):
         self._discarded_from = 0
         self._discarded_to = 0
         self._release_later = False  # the worker releases the queue once it returns
+        # Closed: nothing more is committed. An await after the close flushes (failure):
+        # a wait the worker noted once an abandoning close had dropped what would have
+        # committed it would go to the released MTLCommandQueue.
+        self._closed = False
         # The wait the worker holds now (_host_wait), and what ends it early once set, for
         # good (am_host_wait_stop: discarding, abandoned).
         self._host_waiting: MetalTimeline | HostWait | None = None
@@ -493,6 +497,8 @@ class MetalQueue(NativeQueue):
         """Commit a wait command that no later command carried yet (before parking).
         From any thread (an await of a command calls it)."""
         with self._commit_lock:
+            if self._closed:
+                return
             if self._routed:
                 if self._wait_held:  # the worker's to commit, after what it holds
                     self._wait_held = False
@@ -889,7 +895,9 @@ class MetalQueue(NativeQueue):
         self._until_ran(value)  # (a discard or abandon ends it: what follows is dropped)
 
     def close(self, abandon: bool = False) -> None:
-        self.flush()
+        with self._commit_lock:
+            self.flush()
+            self._closed = True
         later = False
         if self._worker is not None:
             with self._lock:
@@ -932,10 +940,7 @@ class MetalQueue(NativeQueue):
         ends: their handlers copy nothing to the host, and what they use outlives the
         queue until they ran."""
         for value, _, block, _, _ in held:
-            block.copy_nbytes = 0
-            kept = self._keep.items.get(value)
-            if kept is not None:
-                _blocks.hold_until_run(block, kept)
+            _blocks.hold_until_run(block, self._keep.items.get(value), disarm=True)
 
     def _release(self) -> None:
         # Those completed and not reaped yet say whether they failed first: a command

@@ -83,7 +83,13 @@ async def test_a_queue_signal_raises_its_timeline_before_the_queue_records_it_do
         held = False
         try:
             assert not lib.am_watch_arm(watch, 1)  # (the signal is the queue's first)
-            done = q.signal(tl, 5)
+            # Its handler is let go of once the signal was submitted: held in the write,
+            # it holds the timeline's lock, which the submission takes once it committed.
+            metal_sim.hold_handlers(q._native._queue, True)  # type: ignore[attr-defined]
+            try:
+                done = q.signal(tl, 5)
+            finally:
+                metal_sim.hold_handlers(q._native._queue, False)  # type: ignore[attr-defined]
             # The handler raised the queue's timeline, and is held in the notifier's write.
             await _until(lambda: q.timeline.native.value >= done.value)
             held = True
@@ -673,3 +679,86 @@ async def test_a_discard_hands_no_staged_copy_to_the_host_to_gpu_waits_before_it
                 await dropped
         assert (await c.read()).tolist() == [5] * 64
         assert (await m2.read()).tolist() == [5] * 32 + [0] * 32
+
+
+AWAITED_AFTER_AN_ABANDONING_CLOSE = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    from tests.support.fakes import metal_sim
+    metal_sim.configure()
+    import anyio
+    import asyncmetal as am
+    from asyncmetal.backends.metal._queue import MetalQueue
+
+    async def main():
+        async with am.open_device("metal") as dev0:
+            dev1 = await am.open_device("metal")
+            buf = await dev1.alloc(64)
+            q, tl = dev1.queue, dev0.timeline()
+            filled = q.fill(buf, 0)
+            await filled
+            q.wait(tl, 1)  # never signalled: held on the queue's own thread
+            stop_waiting = MetalQueue._stop_waiting
+
+            def reached_as_stopped(self, waiting):
+                # The value comes as the close stops the wait (another device's close
+                # fails it so): the thread holds the wait to commit it, after the close
+                # has dropped what would have committed it.
+                dev0.queue._native._backend.lib.am_timeline_signal(waiting.c_timeline, 1)
+                stop_waiting(self, waiting)
+
+            MetalQueue._stop_waiting = reached_as_stopped
+            queues = metal_sim.live("MTLCommandQueue")
+            await dev1.close()
+            MetalQueue._stop_waiting = stop_waiting
+            with anyio.fail_after(20):  # (Metal's threads let go of it)
+                while metal_sim.live("MTLCommandQueue") == queues:
+                    await anyio.sleep(0.001)
+            await filled  # (ran before: asks its queue whether it failed)
+            print("awaited", flush=True)
+
+    anyio.run(main)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_command_awaited_after_an_abandoning_close_commits_nothing() -> None:
+    """A wait held on a Metal queue's own thread whose value comes as an abandoning
+    close stops it is noted there for the next command buffer, after the close dropped
+    the flush that would have committed it; awaiting an earlier command of the queue
+    after the close then committed it: commandBuffer sent to the released queue (the
+    simulation aborts). Now a closed queue commits nothing (in a child process)."""
+    assert _in_a_child(AWAITED_AFTER_AN_ABANDONING_CLOSE, timeout=90) == ["awaited"]
+
+
+@every_loop
+async def test_an_abandoning_close_keeps_nothing_for_a_handler_that_ran_and_went(
+    anyio_backend: object,
+) -> None:
+    """A close that abandons a queue keeps what the commands it reports as never run use
+    until their handlers ran (_disarm). One such command buffer, committed behind a GPU
+    wait, may have run since, and its block been freed by another queue's reap: the
+    close kept its things for a block that never runs again (the thread that lets go of
+    them stayed for ever) and wrote into the freed block. Now only a block still kept is
+    disarmed."""
+    from asyncmetal.backends.metal import _blocks
+
+    dev = await am.open_device("metal")
+    try:
+        gate, release_gate = await gpu_gate(dev)
+        buf = await dev.alloc(64)
+        q, never = dev.queue, dev.timeline()
+        q.wait(gate, 1)  # on the GPU: the fill's buffer is committed behind it
+        q.fill(buf, 0)
+        block = q._native._buffers[-1][2]  # type: ignore[attr-defined]
+        q.wait(never, 1)  # held on the queue's own thread: the close abandons the queue
+        release_gate()
+        await _until(lambda: block.calls)
+        _blocks.release_ran()  # (as another queue's reap: this queue's is not reaped)
+    finally:
+        await dev.close()
+    address = ctypes.addressof(block)
+    with _blocks._lock:
+        assert address not in _blocks._held or address in _blocks._alive
