@@ -777,3 +777,41 @@ async def test_every_failing_call_of_a_second_gpus_open_loses_nothing(
     await a.free()
     await dev0.close()
     assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("command", ["fill", "copy"])
+async def test_a_command_whose_end_is_refused_after_it_reached_the_driver_fails_its_queue(
+    anyio_backend: str, sim: _SweepDriver, command: str
+) -> None:
+    """A fill or a device copy -- one native call each, the operation then its event --
+    whose event record the driver refuses once the operation reached it: the command
+    is not taken back as never run (the operation runs). It is submitted and fails:
+    awaited, it raises the driver's error for its value, and the queue fails from it on.
+    Checked: before, the queue's error was read after that call (which had set it), so
+    the command raised at submission and its value went to the next command."""
+    _driver.lost_first = None
+    plan = sim.plan = _Plan(threading.current_thread())
+    refusing = {"on": False}
+
+    def result(name: str, counted: bool = True) -> int:
+        if refusing["on"] and name == "cuEventRecord" and threading.current_thread() is plan.thread:
+            refusing["on"] = False
+            return int(CUresult.CUDA_ERROR_INVALID_VALUE)
+        return 0
+
+    plan.result = result  # type: ignore[method-assign]
+    with anyio.fail_after(20):
+        dev = await am.open_device("cuda:0")
+        buf, other = await dev.alloc(4096), await dev.alloc(4096)
+        queue = dev.new_queue()
+        refusing["on"] = True
+        done = queue.fill(buf, 7) if command == "fill" else queue.copy(other, buf)
+        assert not refusing["on"]  # (the record was refused)
+        with pytest.raises(am.AsyncMetalError, match=f"at value {done.value}.*INVALID_VALUE"):
+            await done
+        with pytest.raises(am.AsyncMetalError, match="the queue fails from that command on"):
+            queue.marker()
+        await buf.free()
+        await other.free()
+        await queue.close()
+        await dev.close()

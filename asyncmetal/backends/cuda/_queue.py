@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import ctypes
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from ... import _native, _native_contract
@@ -193,25 +192,29 @@ class CUDAQueue(NativeQueue):
         if code:
             raise self._failed(code)
 
-    @contextlib.contextmanager
-    def _command(self, value: int, keep: object) -> Iterator[None]:
-        """Around the native calls that submit command ``value`` (``keep``: its host
-        objects). Where the driver refuses a part of it after another part reached the
-        driver (a staged copy's later chunk), the native queue fails from that command
-        on (native/cuda_submit.c): what reached the driver runs, so the command is not
-        taken back as never run. It stays submitted, failed -- its completion raises
-        the driver's error, its host objects and buffers are kept until the stream is
-        past it -- and every later submission to the queue is refused."""
-        clean = not self._error.value
-        try:
-            yield
-        except AsyncMetalError:
-            if not clean or self._q is None:
-                raise
-            code, first = self._first_error()
-            if not code or first != value:
-                raise
-            self._keep.add(value, keep)
+    def _kept(self, value: int, keep: object, clean: bool) -> bool:
+        """Whether command ``value``, refused by a native call, stays submitted, failed
+        (``keep``: its host objects, then kept): where the driver refused a part of it
+        after another part reached the driver (a staged copy's later chunk, an
+        operation's event), the native queue fails from that command on
+        (native/cuda_submit.c) -- what reached the driver runs, so the command is not
+        taken back as never run. Its completion raises the driver's error, its host
+        objects and buffers are kept until the stream is past it, and every later
+        submission to the queue is refused. ``clean``: the queue had not failed before
+        the command's native calls (read before them: they set the failure)."""
+        if not clean or self._q is None:
+            return False
+        code, first = self._first_error()
+        if not code or first != value:
+            return False
+        self._keep.add(value, keep)
+        return True
+
+    def _refused(self, code: int, value: int, clean: bool) -> None:
+        """Command ``value``'s one native call returned ``code``: raise its error, unless
+        the command stays submitted (``_kept``)."""
+        if code and not self._kept(value, None, clean):
+            raise self._failed(code)
 
     def _finish(
         self,
@@ -502,6 +505,7 @@ class CUDAQueue(NativeQueue):
             raise AsyncMetalError(f"cuda kernels take at most {MAX_PARAMS} parameters here")
         # One native call, which makes the context current (through the extension, which
         # packs the arguments and works out the grid itself, where it could be built).
+        clean = not self._error.value
         if self._fast_launch is not None:
             code = self._fast_launch(self._q, program, global_size, local_size, args, value)
         else:
@@ -519,8 +523,7 @@ class CUDAQueue(NativeQueue):
             code = self._lib.am_cuq_launch(
                 self._q, program, dims, self._pointers_address, len(args), value
             )
-        with self._command(value, None):
-            self._check(code)
+        self._refused(code, value, clean)
 
     def launch_target(self) -> tuple[Any, ...] | None:
         if self._fast_launch is None:
@@ -542,10 +545,14 @@ class CUDAQueue(NativeQueue):
         assert isinstance(timeline, CUDATimeline)
         if _driver.lost_first is not None:
             raise self._lost("a signal")
-        with self._command(value, timeline):
+        clean = not self._error.value
+        try:
             self._write(value, timeline, target)  # native calls: they make the context current
             self._finish(value, timeline, extra=timeline, target=target)
             timeline.last_signal = (weakref.ref(self), value, target)
+        except AsyncMetalError:
+            if not self._kept(value, timeline, clean):
+                raise
 
     def wait(self, timeline: NativeTimeline, target: int, value: int, record: Record) -> None:
         # A CUDATimeline; or another kind's queue timeline (a host queue's, with no device
@@ -556,8 +563,12 @@ class CUDAQueue(NativeQueue):
         if _driver.lost_first is not None:
             raise self._lost("a wait")
         # Native calls only (they make the context current); none if confirmed already.
-        with self._command(value, timeline):
+        clean = not self._error.value
+        try:
             self._wait(timeline, target, value)
+        except AsyncMetalError:
+            if not self._kept(value, timeline, clean):
+                raise
 
     def _wait(self, timeline: NativeTimeline, target: int, value: int) -> None:
         confirms: NativeTimeline | None = None
@@ -597,6 +608,7 @@ class CUDAQueue(NativeQueue):
         # Expected at most ~1 ns per KB on one H200 (~2 TB/s each way), ~3 between two
         # (~390 GB/s over NVLink): the completion thread polls that long.
         expected = nbytes // 1000 if peer is None else nbytes * 3 // 1000
+        clean = not self._error.value
         code = self._copy(  # one native call, which makes the context current
             self._q,
             dst.handle + dst.offset,
@@ -606,8 +618,7 @@ class CUDAQueue(NativeQueue):
             value,
             expected if expected < MAX_COPY_POLL_NS else MAX_COPY_POLL_NS,
         )
-        with self._command(value, None):
-            self._check(code)
+        self._refused(code, value, clean)
         record.due_ns = time.perf_counter_ns() + expected
 
     def fill(
@@ -618,6 +629,7 @@ class CUDAQueue(NativeQueue):
         # cuMemsetD8/D16/D32Async, then its event: one native call, which makes the
         # context current. Expected at most ~1 ns per 2 KB (writes only, on one H200).
         expected = nbytes // 2000
+        clean = not self._error.value
         code = self._lib.am_cuq_fill(
             self._q,
             dst.handle + dst.offset,
@@ -627,8 +639,7 @@ class CUDAQueue(NativeQueue):
             value,
             expected if expected < MAX_COPY_POLL_NS else MAX_COPY_POLL_NS,
         )
-        with self._command(value, None):
-            self._check(code)
+        self._refused(code, value, clean)
         record.due_ns = time.perf_counter_ns() + expected
 
     def _held_across(self) -> bool:
@@ -654,6 +665,7 @@ class CUDAQueue(NativeQueue):
         lone = self._timeline.value >= value - 1
         poll_ns = MARKER_POLL_NS if lone else 0
         context = self._backend.context_address
+        clean = not self._error.value
         if self._wait_stream is not None:
             code, failed = self._wait_stream(self._q, context, stream, value, poll_ns, 0)
         else:
@@ -662,12 +674,11 @@ class CUDAQueue(NativeQueue):
                 self._q, context, stream, value, poll_ns, 0, ctypes.byref(call)
             )
             failed = call.value
-        with self._command(value, None):  # (the wait handed over, its end refused)
+        if code and not self._kept(value, None, clean):  # (kept: the wait ran, its end refused)
             if code == NO_MEMORY:
                 raise self._failed(code)
-            if code:
-                name = self._lib.am_cuda_name(failed).decode()
-                raise driver_error(name, code, self._backend.name)
+            name = self._lib.am_cuda_name(failed).decode()
+            raise driver_error(name, code, self._backend.name)
         self._keep.add(value, None)
         if lone:
             record.due_ns = time.perf_counter_ns() + MARKER_POLL_NS
@@ -692,8 +703,12 @@ class CUDAQueue(NativeQueue):
         if _driver.lost_first is not None:
             raise self._lost("a copy from the host")
         self._backend.make_current()
-        with self._command(value, (dst, src)):
+        clean = not self._error.value
+        try:
             self._copyin(dst, src, value)
+        except AsyncMetalError:
+            if not self._kept(value, (dst, src), clean):
+                raise
 
     def _copyin(self, dst: Arg, src: memoryview, value: int) -> None:
         address = host_address(src)[0]
@@ -733,8 +748,12 @@ class CUDAQueue(NativeQueue):
         if _driver.lost_first is not None:
             raise self._lost("a copy to the host")
         self._backend.make_current()
-        with self._command(value, (dst, src)):
+        clean = not self._error.value
+        try:
             self._copyout(dst, src, value)
+        except AsyncMetalError:
+            if not self._kept(value, (dst, src), clean):
+                raise
 
     def _copyout(self, dst: memoryview, src: Arg, value: int) -> None:
         address = host_address(dst)[0]
