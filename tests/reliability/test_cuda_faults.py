@@ -512,6 +512,26 @@ async def test_opening_a_gpu_after_a_fault_nobody_saw_raises_device_lost(
         await dev1.close()
 
 
+@pytest.mark.anyio
+async def test_a_fault_first_seen_by_the_listing_of_gpus_raises_device_lost(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """A sticky error no call noted yet (a context query that swallowed it) is first
+    seen by the listing of GPUs at the next open: that open raises DeviceLostError
+    saying the process is lost, naming cuda:1 still -- not DeviceNotFoundError, as if the
+    GPU were gone. Checked: before, the listing came back empty and the open said
+    "device 'cuda:1' is not available here" (the fault sweep met it now and then)."""
+    dev0 = await am.open_device("cuda:0")
+    try:
+        driver.fail["cuInit"] = CUresult.CUDA_ERROR_ILLEGAL_ADDRESS
+        with pytest.raises(DeviceLostError, match=PROCESS_LOST) as caught:
+            await am.open_device("cuda:1")
+        assert "first seen by cuInit" in str(caught.value)
+        assert "cuda:1" in am.devices()
+    finally:
+        await dev0.close()
+
+
 async def test_driver_calls_give_the_thread_its_current_context_back(
     anyio_backend: object, driver: _Driver
 ) -> None:

@@ -57,10 +57,14 @@ class CUDABackend(Backend):
             return list(_listed)
         try:
             (err,) = cu.cuInit(0)
+            if int(err) == 0:
+                err, count = cu.cuDeviceGetCount()
             if int(err) != 0:
-                return []
-            err, count = cu.cuDeviceGetCount()
-            _listed = [f"cuda:{i}" for i in range(count)] if int(err) == 0 else []
+                # A sticky error seen first here marks the process lost (driver_error):
+                # the GPUs listed before stay listed, and opening one says so.
+                driver_error("cuInit", err)
+                return list(_listed) if _driver.lost_first is not None else []
+            _listed = [f"cuda:{i}" for i in range(count)]
             return list(_listed)
         except Exception:
             return []
