@@ -298,6 +298,14 @@ int am_cuq_wait_stream(am_cuq *q, void *ctx, void *stream, uint64_t value, int *
 int am_cuq_wait_stream_end(am_cuq *q, void *ctx, void *stream, uint64_t value, long spin_ns,
                            int flags, int *call);
 
+/* Whether q has failed: its error (am_cuq's first member, cuda_stream.h), read without its
+ * lock, as Python reads it in place. A submitter reads it before its call: a command
+ * refused after part of it reached the driver fails the queue from it on, and only a
+ * queue that had not failed before can have failed from that command. */
+static inline int am_cuq_failed_now(const am_cuq *q) {
+    return __atomic_load_n((const int *)(const void *)q, __ATOMIC_RELAXED);
+}
+
 /* ---- objc_blocks.c: Objective-C blocks whose invoke functions never take the GIL -----
  * Metal keeps and later calls the blocks given to addCompletedHandler: and
  * notifyListener:atValue:block:. asyncmetal builds them as global blocks (their memory is

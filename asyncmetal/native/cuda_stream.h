@@ -199,6 +199,7 @@ struct am_cuq {
      * recycled or destroyed while lent. */
     struct am_culend *lends;
 };
+_Static_assert(offsetof(struct am_cuq, error) == 0, "am_cuq_failed_now reads error first");
 
 /* An event of a queue lent, under its mu, to a thread that makes a stream wait on it
  * (on that thread's stack). Confirmed meanwhile, the event is left to the borrower to

@@ -155,7 +155,9 @@ static int parse_target(PyObject *target, target_t *t) {
  * this one, and a close (which sets `closed` under the submission lock) either counts
  * this command or is seen here. Unless a Python-path submission of the device is half
  * done (DeviceState.busy): then None, and the Python path, which waits for the lock
- * that one holds, submits this one. Errors before the hand-over take the number back;
+ * that one holds, submits this one. Errors before the hand-over take the number back,
+ * as does a refused hand-over -- but for a cuda launch refused after its kernel reached
+ * the driver, which stays submitted, failed, as on the Python path (CUDAQueue._kept);
  * None also where the device closed meanwhile (the Python path raises it). */
 static PyObject *submit(PyObject *queue, PyObject *state, const target_t *t, void *fn,
                         const unsigned *dims, int64_t *slots, Py_ssize_t nargs,
@@ -190,17 +192,25 @@ static PyObject *submit(PyObject *queue, PyObject *state, const target_t *t, voi
         unnumber(queue, value);
         goto out;
     }
-    int code;
+    int code, kept = 0;
     uint64_t row = 0;
     if (t->kind == 1) {
         void *params[AM_MAX_PARAMS];
         for (Py_ssize_t i = 0; i < nargs; i++) params[i] = &slots[i];
+        int clean = !am_cuq_failed_now(t->handle);  /* before: the call sets it */
         code = am_cuq_launch(t->handle, fn, dims, params, (int)nargs, value);
+        if (code && clean) {
+            /* Refused after the kernel reached the driver (its end refused): the queue
+             * failed from this command on, which runs -- not taken back as never run,
+             * but kept, submitted and failed, as CUDAQueue._kept keeps it. */
+            uint64_t first = 0;
+            kept = am_cuq_error(t->handle, &first) != 0 && first == value;
+        }
     } else {
         row = value % (uint64_t)t->kept;  /* the times row the queue thread writes */
         code = am_queue_call(t->handle, fn, (int)nargs, slots, 0, t->times_base + 3 * row, value);
     }
-    if (code) {  /* not handed over: its number back, then the backend's hook explains */
+    if (code && !kept) {  /* not handed over: its number back, then the backend's hook explains */
         unnumber(queue, value);
         PyObject *code_obj = PyLong_FromLong(code);
         if (code_obj && t->kind == 1) {  /* it raises or returns the error */

@@ -1,0 +1,66 @@
+"""A cuda queue's three launch paths (tests/support/launch_paths.py) with the real native
+runtime and extension module, over a simulated driver (tests/support/fakes/
+fake_cuda_driver.c), in a child process (tests/support/native/simulated_cuda.py: the
+runtime's driver table is process-wide). Runs everywhere a C compiler is found.
+
+* A launch whose kernel reached the driver and whose end (its event record) the driver
+  refused stays submitted, failed, on every path: the launch returns its Completion, whose
+  await raises the driver's error naming its value; its buffer's use is recorded; the
+  queue refuses what comes after, and the value is never numbered again.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import pytest
+
+from tests.support.launch_paths import PATHS
+from tests.support.native import harness
+from tests.support.native.simulated_cuda import run_child
+
+LOOPS = ["asyncio", "trio"]
+
+
+@functools.cache
+def _seen(scenario: str, loop: str) -> dict[str, dict[str, Any]]:
+    return run_child(scenario, loop)
+
+
+def _through(scenario: str, loop: str, path: str) -> dict[str, Any]:
+    """What ``scenario`` saw through launch path ``path`` (one child process runs every
+    path of a scenario and loop)."""
+    missing = harness.sanitizer_missing("")
+    if missing is not None:
+        pytest.skip(missing)
+    seen = _seen(scenario, loop)[path]
+    if "skipped" in seen:
+        pytest.skip(seen["skipped"])
+    return seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_launch_whose_end_is_refused_stays_submitted_and_fails_its_queue(
+    path: str, loop: str
+) -> None:
+    """Command 2's kernel was launched, its event record refused. Checked: fails without
+    the fix on the "queue" path (the extension's Queue.launch raised at submission, took
+    the value back, recorded no use, and the next launch was numbered 2 again)."""
+    seen = _through("refused_end", loop, path)
+    assert "raised" not in seen, seen
+    assert seen["value"] == 2 and seen["numbered"] == 2
+    assert seen["last_use"] == 2  # a free waits for it
+    assert re.fullmatch(
+        r"AsyncMetalError: the command at value 2 on a stream of cuda:0 failed: "
+        r"CUDA_ERROR_INVALID_VALUE.*",
+        seen["awaited"],
+    ), seen
+    assert seen["later"].startswith("AsyncMetalError: cuEventRecord"), seen
+    assert (
+        "for the command at value 2 on a stream of cuda:0: the queue fails from that command on"
+        in seen["later"]
+    )
+    assert seen["numbered_after"] == 2  # the refused one's value taken back, 2 never again

@@ -1,0 +1,220 @@
+"""A cuda device over a simulated driver, for a child process: the real native runtime
+and extension module submit to tests/support/fakes/fake_cuda_driver.c (built here as a
+shared library, its functions installed with ``am_cuda_set``), and the backend's own
+driver calls go to the fake cuda-bindings module of tests/reliability/test_cuda_faults.py
+(``_Driver``), whose streams, kernels and current context are the simulated driver's.
+
+The runtime's driver table is process-wide: it is never set in the pytest process, which
+on a GPU machine uses the real driver. :func:`run_child` runs a scenario of this module
+in a child process and returns what it saw, for each launch path
+(tests/support/launch_paths.py); ``python -m tests.support.native.simulated_cuda
+SCENARIO LOOP`` is that child. Where no C compiler is found the caller skips, saying so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+ROOT = Path(__file__).resolve().parents[3]
+Seen = dict[str, Any]
+
+
+def run_child(scenario: str, loop: str, timeout: float = 120) -> dict[str, Seen]:
+    """What ``scenario`` saw through each launch path in a child process (on event loop
+    ``loop``): by path, a dict of observations (or ``{"skipped": why}``)."""
+    child = subprocess.run(
+        [sys.executable, "-m", "tests.support.native.simulated_cuda", scenario, loop],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert child.returncode == 0, child.stderr[-6000:] + child.stdout[-2000:]
+    seen: dict[str, Seen] = json.loads(child.stdout.splitlines()[-1])
+    return seen
+
+
+class _Simulated:
+    """The simulated driver's shared library, loaded, its functions installed."""
+
+    def __init__(self, out_dir: Path) -> None:
+        from asyncmetal import _native
+        from tests.support.native import harness
+
+        _native.runtime()  # loaded first: the driver library links against that file
+        cc = harness._compiler()
+        if cc is None:
+            raise RuntimeError("no C compiler")
+        native = Path(_native.__file__).parent / "native"
+        fakes = harness.SUPPORT / "fakes"
+        path = out_dir / "fake_cuda_driver.so"
+        subprocess.run(
+            [
+                cc,
+                *("-O1", "-shared", "-fPIC", "-pthread", "-I", str(native), "-I", str(fakes)),
+                str(fakes / "fake_cuda_driver.c"),
+                str(_native.origin_path),  # the loaded runtime (the same file: one copy)
+                "-o",
+                str(path),
+            ],
+            check=True,
+        )
+        self.fake = fake = ctypes.CDLL(str(path))
+        fake.stream_new.restype = ctypes.c_void_p
+        fake.stream_free.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        fake.fake_ctx_set_current.argtypes = [ctypes.c_void_p]
+        fake.fake_ctx_current.restype = ctypes.c_void_p
+        # Into the loaded runtime's table (a second copy's would leave it empty, and the
+        # first queue would not start).
+        fake.fake_driver_install()
+        self.refuse_records = ctypes.c_void_p.in_dll(fake, "refuse_records")
+        self.kernel = (ctypes.c_uint8 * 64)()  # a fake_cuda_driver.h kernel: a few us
+
+    def current(self) -> int:
+        return int(self.fake.fake_ctx_current() or 0)
+
+
+def _driver_module(sim: _Simulated) -> Any:
+    """The fake cuda-bindings module, with the simulated driver's streams, kernels and
+    current context (one per thread, shared with the runtime's calls)."""
+    from tests.reliability.test_cuda_faults import _Driver
+
+    class Driver(_Driver):
+        def cuCtxGetCurrent(self) -> tuple[Any, ...]:
+            return self._result("cuCtxGetCurrent", sim.current())
+
+        def cuCtxSetCurrent(self, context: int) -> tuple[Any, ...]:
+            sim.fake.fake_ctx_set_current(int(context))
+            return self._result("cuCtxSetCurrent")
+
+        def cuStreamCreate(self, flags: int) -> tuple[Any, ...]:
+            return self._result("cuStreamCreate", sim.fake.stream_new())
+
+        def cuStreamDestroy(self, stream: int) -> tuple[Any, ...]:
+            sim.fake.stream_free(int(stream), 0)
+            return self._result("cuStreamDestroy")
+
+        def cuStreamGetCtx(self, stream: int) -> tuple[Any, ...]:
+            return self._result("cuStreamGetCtx", 0x100)  # (cuda:0's primary context)
+
+        def cuModuleGetFunction(self, module: int, name: bytes) -> tuple[Any, ...]:
+            return self._result("cuModuleGetFunction", ctypes.addressof(sim.kernel))
+
+    return Driver(gpus=1)
+
+
+def _install(sim: _Simulated) -> None:
+    """The fake module as the cuda backend's ``cu``; the runtime's driver functions are
+    the simulated driver's already."""
+    from asyncmetal import _device
+    from asyncmetal.backends import cuda
+
+    driver = _driver_module(sim)
+    for name, module in list(sys.modules.items()):
+        if name.startswith(f"{cuda.__name__}."):
+            if hasattr(module, "cu"):
+                module.cu = driver  # type: ignore[attr-defined]
+            if hasattr(module, "install_driver"):
+                module.install_driver = lambda lib: None  # type: ignore[attr-defined]
+    _device.REAP_S = 1e6  # no queue let go of (it would take the Python launch path)
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+async def _refused_end(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
+    """A launch whose kernel reached the driver and whose end (its event record) was
+    refused: what its submission, its completion and the next launch did."""
+    seen: Seen = {}
+    await queue.launch(kernel, buf)  # one that runs
+    sim.refuse_records.value = queue._native.handle  # the next record on its stream
+    done = None
+    try:
+        done = queue.launch(kernel, buf)
+        seen["value"] = done.value
+    except Exception as exc:
+        seen["raised"] = _error(exc)
+    seen["numbered"] = queue.submitted
+    seen["last_use"] = buf._allocation.last_use.get(queue)
+    if done is not None:
+        try:
+            with anyio.fail_after(20):
+                await done
+            seen["awaited"] = "done"
+        except Exception as exc:
+            seen["awaited"] = _error(exc)
+    try:
+        queue.launch(kernel, buf)
+        seen["later"] = "submitted"
+    except Exception as exc:
+        seen["later"] = _error(exc)
+    seen["numbered_after"] = queue.submitted
+    return seen
+
+
+SCENARIOS: dict[str, Callable[[_Simulated, Any, Any, Any], Awaitable[Seen]]] = {
+    "refused_end": _refused_end,
+}
+
+
+async def _main(sim: _Simulated, scenario: str) -> dict[str, Seen]:
+    import asyncmetal as am
+    from asyncmetal import _native
+    from tests.reliability.test_cuda_faults import SRC
+    from tests.support.launch_paths import PATHS
+
+    out: dict[str, Seen] = {}
+    dev = await am.open_device("cuda:0")
+    try:
+        params = await dev._params(SRC, "k")
+        kernel = await dev._program(
+            ("key", "k"), params, b"cubin", SRC, dev._backend.compiler, None
+        )
+        buf = await dev.alloc(64)
+        for path in PATHS:
+            if path != "ctypes" and _native.extension() is None:
+                out[path] = {"skipped": f"no extension module: {_native.extension_error}"}
+                continue
+            queue = dev.new_queue()
+            assert queue._fast_launch is not None and queue._native._fast_launch is not None
+            if path != "queue":
+                queue._fast_launch = None
+            if path == "ctypes":  # (and its other submissions: no extension call)
+                queue._native._fast_launch = queue._native._wait_stream = None
+            if path == "queue":  # never falls back to Python's: its backend launch fails
+
+                def python_path(*args: object) -> None:
+                    raise AssertionError("the launch took the Python path")
+
+                queue._native.launch = python_path
+            out[path] = await SCENARIOS[scenario](sim, queue, kernel, buf)
+            with anyio.fail_after(20):
+                await queue.close()
+    finally:
+        with anyio.fail_after(20):
+            await dev.close()
+    return out
+
+
+def main(scenario: str, loop: str) -> None:
+    with tempfile.TemporaryDirectory(prefix="asyncmetal-simcuda-") as tmp:
+        sim = _Simulated(Path(tmp))
+        _install(sim)
+        seen = anyio.run(functools.partial(_main, sim, scenario), backend=loop)
+    print(json.dumps(seen))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
