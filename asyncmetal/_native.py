@@ -120,6 +120,11 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_queue_discard": (None, [c_p]),
     "am_cuda_name": (ctypes.c_char_p, [c_int]),
     "am_cuda_set": (None, [c_int, c_p]),
+    "am_cuda_unrestored": (
+        c_int,
+        [ctypes.POINTER(c_p), ctypes.POINTER(c_p), ctypes.POINTER(c_int)],
+    ),
+    "am_cuda_unrestored_notes": (c_p, []),
     "am_timeline_host_signal": (None, [c_p, c_u64]),
     "am_cuq_new": (c_p, [c_p, c_p, c_p, ctypes.c_long, ctypes.c_long]),
     "am_cuq_finish": (c_int, [c_p, c_u64, c_p, c_u64, ctypes.c_long, c_int]),

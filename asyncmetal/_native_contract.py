@@ -60,10 +60,13 @@ NAMES: dict[str, str] = {
     "Completion.row": "row",  # cpu: the command's row in it (set)
     "CPUMemory.address": "address",  # int: a cpu allocation's host address
     "CUDAQueue.failed": "_failed",  # method (code) -> the error for a refused launch
+    # method () -> None: warns of a restore of the thread's context the launch's native
+    # call could not make (called only then)
+    "CUDAQueue.unrestored": "_unrestored",
     "CPUQueue.submitted": "_submitted",  # method (status, value, handles) after a submit
 }
 # The keys that name methods (called), not attributes (read or set).
-METHODS = frozenset({"CUDAQueue.failed", "CPUQueue.submitted"})
+METHODS = frozenset({"CUDAQueue.failed", "CUDAQueue.unrestored", "CPUQueue.submitted"})
 
 # The positional tuples the extension reads, field by field.
 LAYOUTS: dict[str, tuple[str, ...]] = {

@@ -306,6 +306,18 @@ static inline int am_cuq_failed_now(const am_cuq *q) {
     return __atomic_load_n((const int *)(const void *)q, __ATOMIC_RELAXED);
 }
 
+/* A runtime call makes a queue's context current on the calling thread and the one it
+ * found current again; where the driver refuses that restore, the call still does what
+ * it does, and the calling thread gets a note of it (cuda_driver.c, cu_restore): the
+ * caller warns, naming the context left unrestored. am_cu_unrestored is the thread's note
+ * (its CUresult, 0: none), read in place by the extension right after its call;
+ * am_cuda_unrestored takes it (the context to restore, the one current instead, whether
+ * that one is unknown: the driver would not say), and am_cuda_unrestored_notes is the
+ * number of threads holding one, which the Python paths read in place after theirs. */
+extern AM_HIDDEN _Thread_local int am_cu_unrestored;
+int am_cuda_unrestored(void **before, void **now, int *now_unknown);
+const int *am_cuda_unrestored_notes(void);
+
 /* ---- objc_blocks.c: Objective-C blocks whose invoke functions never take the GIL -----
  * Metal keeps and later calls the blocks given to addCompletedHandler: and
  * notifyListener:atValue:block:. asyncmetal builds them as global blocks (their memory is

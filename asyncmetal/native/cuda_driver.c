@@ -15,6 +15,38 @@ static const char *cu_names[CU_NFUNCS] = {
 const char *am_cuda_name(int i) { return i >= 0 && i < CU_NFUNCS ? cu_names[i] : "?"; }
 void am_cuda_set(int i, void *fn) { if (i >= 0 && i < CU_NFUNCS) cu_funcs[i] = fn; }
 
+/* Restores of a thread's context the driver refused (amrt.h): the thread's note (the
+ * CUresult in am_cu_unrestored, the rest here) and the number of threads holding one. */
+AM_HIDDEN _Thread_local int am_cu_unrestored;
+static _Thread_local void *unrestored_before, *unrestored_now;
+static _Thread_local int unrestored_now_unknown;
+static atomic_int unrestored_notes;
+
+AM_HIDDEN void cu_restore(void *before) {
+    int r = ((int (*)(void *))cu_funcs[CU_CTX_SET])(before);
+    if (!r) return;
+    void *now = NULL;
+    int unknown = ((int (*)(void **))cu_funcs[CU_CTX_GET])(&now) != 0;
+    if (!am_cu_unrestored) atomic_fetch_add(&unrestored_notes, 1);
+    am_cu_unrestored = r;  /* the latest: the outermost restore comes last */
+    unrestored_before = before;
+    unrestored_now = now;
+    unrestored_now_unknown = unknown;
+}
+
+int am_cuda_unrestored(void **before, void **now, int *now_unknown) {
+    int r = am_cu_unrestored;
+    if (!r) return 0;
+    *before = unrestored_before;
+    *now = unrestored_now;
+    *now_unknown = unrestored_now_unknown;
+    am_cu_unrestored = 0;
+    atomic_fetch_sub(&unrestored_notes, 1);
+    return r;
+}
+
+const int *am_cuda_unrestored_notes(void) { return (const int *)&unrestored_notes; }
+
 /* Kicks: a host signal of a device timeline bumps the generation; completion threads
  * napping on a command wake at once and poll again (the device sees the word within
  * microseconds). A thread notes the generation when it starts waiting on a command, so

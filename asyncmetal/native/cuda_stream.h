@@ -51,6 +51,9 @@ enum { CU_LAUNCH, CU_WRITE64, CU_WAIT64, CU_EVENT_CREATE, CU_EVENT_RECORD, CU_EV
        CU_COPY_PEER, CU_COPY_HTOD, CU_COPY_DTOH, CU_MEMSET8, CU_MEMSET16, CU_MEMSET32,
        CU_NFUNCS };
 extern AM_HIDDEN void *cu_funcs[CU_NFUNCS];
+/* cuCtxSetCurrent(before), making the caller's context current again after a runtime
+ * call; a refusal is noted for the calling thread (amrt.h, am_cu_unrestored). */
+AM_HIDDEN void cu_restore(void *before);
 #define CU_ERROR_NOT_READY 600
 #define CU_POLL_GAP_NS 10000     /* at most this long between queries, ... */
 #define CU_POLL_QUIET_NS 500     /* ... or this long while no thread submits to the queue */

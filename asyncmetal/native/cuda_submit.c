@@ -10,8 +10,9 @@
  * the driver's locks. cuq_enter makes the queue's context current on the calling thread
  * if it is not (a thread-local read, no more, when it already is), and cuq_leave makes
  * the one it found current again: the current context is per thread, shared by every
- * device and library on it, and theirs must be as they left it. Events are created in,
- * and recorded from, it. */
+ * device and library on it, and theirs must be as they left it (a restore the driver
+ * refuses is noted for the caller to warn of: cu_restore). Events are created in, and
+ * recorded from, it. */
 static int cuq_enter(am_cuq *q, void **before) {
     atomic_fetch_add(&q->submitting, 1);
     void *current = NULL;
@@ -24,7 +25,7 @@ static int cuq_enter(am_cuq *q, void **before) {
 
 /* After cuq_enter, whatever it returned. */
 static int cuq_leave(am_cuq *q, int r, void *before) {
-    if (before != q->ctx) ((int (*)(void *))cu_funcs[CU_CTX_SET])(before);
+    if (before != q->ctx) cu_restore(before);
     atomic_fetch_sub(&q->submitting, 1);
     return r;
 }
@@ -807,7 +808,7 @@ static int cuq_wait_stream(am_cuq *q, void *ctx, void *stream, uint64_t value,
         *call = CU_EVENT_RECORD;
         if (r) ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(event);
     }
-    if (before != ctx) ((int (*)(void *))cu_funcs[CU_CTX_SET])(before);
+    if (before != ctx) cu_restore(before);
     if (r) return r;
     am_cuop op = {.kind = CUOP_WAIT_EVENT, .value = value, .word = event};
     r = cuq_submit_then(q, &op, sizeof op, then);
@@ -914,6 +915,6 @@ int am_cuq_wait_foreign(am_cuq *owner, void *ctx, void *stream, uint64_t target,
     r = cuq_hand_over(owner, target, 0);
     *call = CU_CTX_SET;
     if (!r) r = stream_wait_queue(stream, owner, target, NULL, 0, call);
-    if (before != ctx) ((int (*)(void *))cu_funcs[CU_CTX_SET])(before);
+    if (before != ctx) cu_restore(before);
     return r;
 }

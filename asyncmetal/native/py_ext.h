@@ -50,6 +50,7 @@
     X(COMPLETION_ROW, "Completion.row")                                                   \
     X(CPU_MEMORY_ADDRESS, "CPUMemory.address")                                            \
     X(CUDA_QUEUE_FAILED, "CUDAQueue.failed")                                              \
+    X(CUDA_QUEUE_UNRESTORED, "CUDAQueue.unrestored")                                      \
     X(CPU_QUEUE_SUBMITTED, "CPUQueue.submitted")
 
 #define AM_KEY_ENUM(name, key) N_##name,

@@ -119,6 +119,17 @@ static void unnumber(PyObject *queue, uint64_t value) {
     PyErr_Restore(type, exc, tb);
 }
 
+/* The runtime call just made could not make the calling thread's context current again
+ * (amrt.h, am_cu_unrestored: a thread-local read, no more, in the common case): the
+ * backend queue's hook warns of it. 0, or -1 with an error set (the warning raised as
+ * one). */
+static int warn_unrestored(PyObject *native) {
+    if (!am_cu_unrestored) return 0;
+    PyObject *r = PyObject_CallMethodObjArgs(native, NAME(CUDA_QUEUE_UNRESTORED), NULL);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+}
+
 /* A backend queue's launch_target(), read once per launch. */
 typedef struct {
     long kind;             /* 1: cuda, 0: cpu */
@@ -212,6 +223,7 @@ static PyObject *submit(PyObject *queue, PyObject *state, const target_t *t, voi
     }
     if (code && !kept) {  /* not handed over: its number back, then the backend's hook explains */
         unnumber(queue, value);
+        if (t->kind == 1 && warn_unrestored(t->native)) goto out;
         PyObject *code_obj = PyLong_FromLong(code);
         if (code_obj && t->kind == 1) {  /* it raises or returns the error */
             PyObject *exc =
@@ -247,6 +259,10 @@ static PyObject *submit(PyObject *queue, PyObject *state, const target_t *t, voi
     /* Recorded: Python code may run from here on. */
     done = PyObject_CallFunctionObjArgs(Completion_type, queue, value_obj, NULL);
     if (!done) goto out;
+    if (t->kind == 1 && warn_unrestored(t->native)) {  /* submitted, recorded: raised */
+        Py_CLEAR(done);
+        goto out;
+    }
     if (t->kind == 0) {
         PyObject *row_obj = PyLong_FromUnsignedLongLong(row);
         int failed = !row_obj || PyObject_SetAttr(done, NAME(COMPLETION_RING), t->times) ||

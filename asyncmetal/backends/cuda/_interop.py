@@ -13,6 +13,7 @@ buffer's DLPack consumer names its stream by the same rules; that stream is orde
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
@@ -87,7 +88,8 @@ def keeps_context(method: Callable[_P, _R]) -> Callable[_P, _R]:
     """Run ``method`` (which makes a device's context current), then make the context
     that was current on the calling thread before it current again: the current context
     is per thread and shared with every other library there (PyTorch, CuPy, JAX assume
-    theirs). The native submission path does the same in C."""
+    theirs). The native submission path does the same in C, noting a restore the driver
+    refused for the caller to warn of (:func:`warn_unrestored`)."""
 
     @functools.wraps(method)
     def keeping(*args: _P.args, **kwargs: _P.kwargs) -> _R:
@@ -121,10 +123,27 @@ def _restore(before: Any) -> str | None:
     failed = cu.cuCtxSetCurrent(before)[0]
     if not int(failed):
         return None
-    left = "unknown" if int(err) else f"{int(now):#x}"
+    return _unrestored(int(before), failed, None if int(err) else int(now))
+
+
+def _unrestored(before: int, failed: Any, now: int | None) -> str:
+    """What a warning says of context ``before``, which cuCtxSetCurrent refused (with
+    ``failed``) to make current again, ``now`` current instead (None: unknown)."""
+    left = "unknown" if now is None else f"{now:#x}"
     return (
-        f"the calling thread's CUDA context ({int(before):#x}) could not be made current "
+        f"the calling thread's CUDA context ({before:#x}) could not be made current "
         f"again: cuCtxSetCurrent failed with {_driver.error_name(failed)}. The thread's "
         f"current context is now {left}: CUDA calls of other libraries on this thread "
         "may go to another device than they expect"
     )
+
+
+def warn_unrestored(lib: Any) -> None:
+    """Warn, as :func:`keeps_context` does, where a call of the native runtime ``lib``
+    on this thread could not make the thread's context current again (it notes that for
+    the thread: native/cuda_driver.c, cu_restore); take the note."""
+    before, now, unknown = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_int()
+    failed = lib.am_cuda_unrestored(ctypes.byref(before), ctypes.byref(now), ctypes.byref(unknown))
+    if failed:
+        left = None if unknown.value else now.value or 0
+        warn(_unrestored(before.value or 0, failed, left), RuntimeWarning)

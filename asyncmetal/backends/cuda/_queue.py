@@ -25,7 +25,7 @@ from ._driver import (
     process_lost_error,
     refuse_if_lost,
 )
-from ._interop import keeps_context
+from ._interop import keeps_context, warn_unrestored
 from ._staging import STAGE_CHUNK, STAGE_DIRECT, STAGED_BYTES_PER_NS, Staging, StagingDevice
 from ._timeline import CUDATimeline
 
@@ -127,6 +127,9 @@ class CUDAQueue(NativeQueue):
             lib.am_cuq_set_shared(self._q)  # its owner submits too: query less often
         timeline.queue = self
         self._error = ctypes.c_int.from_address(self._q)  # am_cuq's first member
+        # Threads holding a note of a restore of their context that a native call could
+        # not make (amrt.h, am_cuda_unrestored_notes), read in place after native calls.
+        self._notes = ctypes.c_int.from_address(lib.am_cuda_unrestored_notes())
         self._sticky = (0, 0)
         self._cause = (0, 0, 0)  # for WAITED_FAILED: that queue's timeline, error, value
         self._keep: _StagedKeepAlive = _StagedKeepAlive(timeline)
@@ -188,9 +191,18 @@ class CUDAQueue(NativeQueue):
         return process_lost_error(f"{what} on {self._backend.name}")
 
     def _check(self, code: int) -> None:
-        """Raise what a native submission call's nonzero result means."""
+        """Raise what a native submission call's nonzero result means (after warning of
+        a restore of the thread's context that the call could not make)."""
+        if self._notes.value:
+            self._unrestored()
         if code:
             raise self._failed(code)
+
+    def _unrestored(self) -> None:
+        """Warn where the native calls just made on this thread could not make its
+        context current again (RuntimeWarning, as for Python's own driver calls: see
+        keeps_context). The extension's launch calls it only then."""
+        warn_unrestored(self._lib)
 
     def _kept(self, value: int, keep: object, clean: bool) -> bool:
         """Whether command ``value``, refused by a native call, stays submitted, failed
@@ -213,6 +225,8 @@ class CUDAQueue(NativeQueue):
     def _refused(self, code: int, value: int, clean: bool) -> None:
         """Command ``value``'s one native call returned ``code``: raise its error, unless
         the command stays submitted (``_kept``)."""
+        if self._notes.value:
+            self._unrestored()
         if code and not self._kept(value, None, clean):
             raise self._failed(code)
 
@@ -316,7 +330,10 @@ class CUDAQueue(NativeQueue):
                 return None
             self._exporting += 1
         try:
-            return int(fn(handle, *args))
+            code = int(fn(handle, *args))
+            if self._notes.value:
+                self._unrestored()
+            return code
         finally:
             with self._closing:
                 self._exporting -= 1
@@ -674,6 +691,8 @@ class CUDAQueue(NativeQueue):
                 self._q, context, stream, value, poll_ns, 0, ctypes.byref(call)
             )
             failed = call.value
+        if self._notes.value:
+            self._unrestored()
         if code and not self._kept(value, None, clean):  # (kept: the wait ran, its end refused)
             if code == NO_MEMORY:
                 raise self._failed(code)

@@ -69,6 +69,7 @@ def _queue(lib: _Lib) -> CUDAQueue:
     queue._discarded = False
     queue._sticky = (0, 0)
     queue._error = ctypes.c_int(0)
+    queue._notes = ctypes.c_int(0)  # (no thread's context left unrestored)
     return queue
 
 

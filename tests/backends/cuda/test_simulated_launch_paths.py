@@ -7,6 +7,8 @@ runtime's driver table is process-wide). Runs everywhere a C compiler is found.
   refused stays submitted, failed, on every path: the launch returns its Completion, whose
   await raises the driver's error naming its value; its buffer's use is recorded; the
   queue refuses what comes after, and the value is never numbered again.
+* A native call that cannot make the caller's context current again (the driver refuses
+  to, for another library's context) warns once, naming that context, on every path.
 """
 
 from __future__ import annotations
@@ -64,3 +66,23 @@ def test_a_launch_whose_end_is_refused_stays_submitted_and_fails_its_queue(
         in seen["later"]
     )
     assert seen["numbered_after"] == 2  # the refused one's value taken back, 2 never again
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_context_a_native_call_cannot_restore_is_warned_of_once(path: str, loop: str) -> None:
+    """Context 0xC0FFEE (another library's) was current; the native launch (and a marker,
+    and a wait for another library's stream) made the device's current and the driver
+    refused to make 0xC0FFEE current again: one RuntimeWarning names it and the context
+    left current. Checked: fails without the fix (nothing was said)."""
+    seen = _through("unrestored", loop, path)
+    for call in ("launch", "marker", "wait_stream"):
+        assert len(seen[call]) == 1, (call, seen)
+        assert seen[call][0] == (
+            "RuntimeWarning: the calling thread's CUDA context (0xc0ffee) could not be made "
+            "current again: cuCtxSetCurrent failed with CUDA_ERROR_INVALID_VALUE. The "
+            "thread's current context is now 0x100: CUDA calls of other libraries on this "
+            "thread may go to another device than they expect"
+        ), (call, seen)
+        assert seen[f"{call}_current"] == 0x100  # (what the warning is about)
+        assert seen[f"{call}_awaited"] == "done"

@@ -17,6 +17,7 @@ atomic_long wait_event_ns;  /* >0: cuStreamWaitEvent takes this long (a slow dri
 atomic_int waits_in_driver;
 fake_stream *_Atomic refuse_records;  /* the next event record on this stream is refused */
 atomic_int refuse_allocs;   /* >0: the runtime's next that many cuq_alloc fail */
+void *_Atomic refuse_ctx;   /* a cuCtxSetCurrent of this context is refused */
 atomic_long record_ns;      /* >0: cuEventRecord takes this long (a slow driver) */
 atomic_int records_in_driver;
 
@@ -257,7 +258,11 @@ static int f_wait_event(void *stream, void *e, unsigned flags) {
 }
 /* The current context, per thread as the driver's (none at first). */
 static _Thread_local void *current_ctx;
-static int f_ctx_set(void *ctx) { current_ctx = ctx; return 0; }
+static int f_ctx_set(void *ctx) {
+    if (ctx && ctx == atomic_load(&refuse_ctx)) return 1;  /* CUDA_ERROR_INVALID_VALUE */
+    current_ctx = ctx;
+    return 0;
+}
 static int f_ctx_get(void **ctx) { *ctx = current_ctx; return 0; }
 void fake_ctx_set_current(void *ctx) { current_ctx = ctx; }
 void *fake_ctx_current(void) { return current_ctx; }

@@ -99,6 +99,7 @@ extern atomic_long wait_event_ns;     /* >0: a stream's wait on an event takes t
 extern atomic_int waits_in_driver;    /* ... such waits inside the driver now */
 extern fake_stream *_Atomic refuse_records;  /* the next event record on it is refused */
 extern atomic_int refuse_allocs;      /* >0: the runtime's next that many cuq_alloc fail */
+extern void *_Atomic refuse_ctx;      /* a cuCtxSetCurrent of this context is refused */
 extern atomic_long record_ns;         /* >0: an event record takes this long */
 extern atomic_int records_in_driver;  /* ... such records inside the driver now */
 extern void (*_Atomic test_hook)(int where, am_cuq *q);  /* run at the runtime's hooks */

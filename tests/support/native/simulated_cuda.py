@@ -19,6 +19,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import anyio
 
 ROOT = Path(__file__).resolve().parents[3]
+THEIRS = 0xC0FFEE  # another library's context, current on the calling thread
 Seen = dict[str, Any]
 
 
@@ -79,6 +81,7 @@ class _Simulated:
         # first queue would not start).
         fake.fake_driver_install()
         self.refuse_records = ctypes.c_void_p.in_dll(fake, "refuse_records")
+        self.refuse_ctx = ctypes.c_void_p.in_dll(fake, "refuse_ctx")
         self.kernel = (ctypes.c_uint8 * 64)()  # a fake_cuda_driver.h kernel: a few us
 
     def current(self) -> int:
@@ -88,13 +91,15 @@ class _Simulated:
 def _driver_module(sim: _Simulated) -> Any:
     """The fake cuda-bindings module, with the simulated driver's streams, kernels and
     current context (one per thread, shared with the runtime's calls)."""
-    from tests.reliability.test_cuda_faults import _Driver
+    from tests.reliability.test_cuda_faults import CUresult, _Driver
 
     class Driver(_Driver):
         def cuCtxGetCurrent(self) -> tuple[Any, ...]:
             return self._result("cuCtxGetCurrent", sim.current())
 
         def cuCtxSetCurrent(self, context: int) -> tuple[Any, ...]:
+            if int(context) and int(context) == (sim.refuse_ctx.value or 0):
+                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
             sim.fake.fake_ctx_set_current(int(context))
             return self._result("cuCtxSetCurrent")
 
@@ -164,8 +169,40 @@ async def _refused_end(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Se
     return seen
 
 
+async def _unrestored(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
+    """A launch, a marker and a wait for another library's stream, each called with
+    another library's context current, which the driver refuses to make current again
+    after the native call: what each warned."""
+    seen: Seen = {}
+    await queue.launch(kernel, buf)
+    theirs = sim.fake.stream_new()
+    submissions = {
+        "launch": lambda: queue.launch(kernel, buf),
+        "marker": queue.marker,
+        "wait_stream": lambda: queue._after_stream(theirs),
+    }
+    for name, submit in submissions.items():
+        sim.fake.fake_ctx_set_current(THEIRS)
+        sim.refuse_ctx.value = THEIRS
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                done = submit()
+        finally:
+            sim.refuse_ctx.value = None
+        seen[name] = [_error(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        seen[f"{name}_current"] = sim.current()
+        with anyio.fail_after(20):
+            await done
+        seen[f"{name}_awaited"] = "done"
+    sim.fake.fake_ctx_set_current(0)
+    sim.fake.stream_free(theirs, 0)
+    return seen
+
+
 SCENARIOS: dict[str, Callable[[_Simulated, Any, Any, Any], Awaitable[Seen]]] = {
     "refused_end": _refused_end,
+    "unrestored": _unrestored,
 }
 
 
