@@ -221,14 +221,21 @@ def lenders_for(own: Allocator, any_kind: bool = False) -> list[Allocator]:
 @dataclass(frozen=True)
 class MemoryStatistics:
     """A device's memory, in bytes (see :meth:`Device.memory_statistics`). Blocks count
-    at their size class (a request rounded up, see :func:`block_size`), as the device
-    holds them."""
+    at their size class (a request rounded up: ``alloc(4)`` holds 512 bytes), as the
+    device holds them.
 
-    in_use: int  # buffers handed out, and freed ones whose last use is in flight
-    cached: int  # freed blocks kept for reuse, or still being released (emptying it)
-    peak: int  # the most held at once (in use + cached), since open or the last reset
+    ``in_use``: buffers handed out, and freed ones whose last use is in flight;
+    ``cached``: freed blocks kept for reuse, or still being released (emptying it);
+    ``peak``: the most held at once (in use + cached), and ``peak_in_use``: the most in
+    use at once, each since the device opened or the last ``reset_peaks=True``;
+    ``budget``: the device's ``memory_budget``.
+    """
+
+    in_use: int
+    cached: int
+    peak: int
     budget: int
-    peak_in_use: int = 0  # the most in use at once, since open or the last reset
+    peak_in_use: int = 0
 
 
 # Size classes: a request is rounded up so that a freed block serves near sizes too.

@@ -51,7 +51,8 @@ def array_shape(nbytes: int, dtype: np.dtype[Any], shape: Any) -> tuple[int, ...
 
 
 class Buffer(Exports):
-    """Device memory. Made by ``await device.alloc(nbytes)``.
+    """Device memory. Made by ``await device.alloc(nbytes)``: ``nbytes`` long, on
+    ``device``.
 
     Every command that uses a buffer records its timeline value; :meth:`free` returns the
     memory only after those values have passed, so cancelling an awaiting task never

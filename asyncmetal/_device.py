@@ -212,8 +212,7 @@ class Device:
     ``dev.queue`` is its default queue, made when it opens (``new_queue()`` makes more;
     ``adopt_stream()`` wraps another library's cuda stream). ``buf.write`` and
     ``buf.read`` run on it -- or, once every later command of it fails, on a queue the
-    device makes in its stead (``DeviceState.default_queue``); ``queue.copy`` runs a
-    copy on any queue.
+    device makes in its stead; ``queue.copy`` runs a copy on any queue.
     """
 
     def __init__(self, name: str, backend: Backend, opened_at: str = "") -> None:
@@ -296,6 +295,7 @@ class Device:
 
     @property
     def name(self) -> str:
+        """The name it was opened as: ``"cpu"``, ``"cpu:1"``, ``"cuda:0"``, ``"metal"``..."""
         return self._state.name
 
     @name.setter
@@ -304,6 +304,8 @@ class Device:
 
     @property
     def closed(self) -> bool:
+        """Whether it is closed: true once its close takes no more work (at once with
+        ``discard=True``); its calls then raise ClosedResourceError."""
         return self._state.closed
 
     @closed.setter
@@ -314,6 +316,7 @@ class Device:
 
     @property
     def kind(self) -> str:
+        """Its kind, the name without ``:N``: ``"cpu"``, ``"npy"``, ``"cuda"``, ``"metal"``."""
         return self._backend.kind
 
     def pointer_index(self, address: int) -> int | None:
@@ -334,6 +337,7 @@ class Device:
 
     @property
     def total_memory(self) -> int:
+        """The bytes of memory the device has (what ``memory_budget`` None stands for)."""
         return self._backend.info.total_memory
 
     def _check_open(self) -> None:

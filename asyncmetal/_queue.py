@@ -65,6 +65,7 @@ class Completion(Record):
 
     @property
     def timeline(self) -> Timeline:
+        """The timeline of the command's queue (``value`` is the command's point on it)."""
         return self.queue.timeline
 
     def done(self) -> bool:
@@ -185,9 +186,12 @@ class _SignalCompletion(Completion):
 
 class Queue:
     """An ordered stream of device commands with its own timeline (values from 1).
+    Made by ``device.new_queue()`` (``device.queue`` is the default one).
 
     Every method submits at once and returns a :class:`Completion`; nothing blocks.
-    Arguments are checked before anything is submitted.
+    Arguments are checked before anything is submitted. ``timeline`` is the queue's
+    own :class:`Timeline` (each command's completion is a value on it), and
+    ``device`` its :class:`Device`.
     """
 
     def __init__(
