@@ -184,6 +184,23 @@ class _SignalCompletion(Completion):
         return self.queue.timeline.value >= self.value or self.signalled.value >= self.target
 
 
+def _value_among_buffers(buffers: Sequence[object]) -> str:
+    """What a launch's count error adds where a value was passed as a buffer
+    (``q.launch(k, buf, 4)`` for ``vals=(4,)``)."""
+    for i, arg in enumerate(buffers):
+        if isinstance(arg, np.generic):
+            kind = f"a numpy {arg.dtype}"
+        elif isinstance(arg, (int, float)):
+            kind = "an int" if type(arg) is int else f"a {type(arg).__name__}"
+        else:
+            continue
+        return (
+            f" (buffer {i} is {kind}: values go in vals=(...), buffers are launch's "
+            "positional arguments)"
+        )
+    return ""
+
+
 class Queue:
     """An ordered stream of device commands with its own timeline (values from 1).
     Made by ``device.new_queue()`` (``device.queue`` is the default one).
@@ -530,13 +547,14 @@ class Queue:
                     f" (vals[{misplaced[0]}] is a Buffer: buffers are launch's positional "
                     "arguments, vals= its values)"
                     if misplaced
-                    else ""
+                    else _value_among_buffers(buffers)
                 )
             )
         if len(vals) != program.value_count:
             raise ArgumentTypeError(
                 f"kernel {program.name!r} takes {program.value_count} "
                 f"value{'' if program.value_count == 1 else 's'} (vals), got {len(vals)}"
+                + _value_among_buffers(buffers)
             )
         args = launch_args(buffers, program.name, self._state)
         append = args.append

@@ -676,6 +676,32 @@ async def test_more_slips_are_named(
         device.compile_pool = "pool"  # type: ignore[assignment]
 
 
+async def test_values_passed_as_buffers_are_named(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """A value passed positionally, where launch takes buffers, is named with where
+    values go, whichever count it upsets (checked: the counts were said alone)."""
+    fill, add = kernels["fill"], kernels["add"]
+    buf = await device.alloc(16)
+    hint = r"values go in vals=\(\.\.\.\), buffers are launch's positional arguments"
+    for action, said in [
+        (
+            lambda: device.queue.launch(fill, buf, 7, 4),
+            r"takes 1 buffer, got 3 \(buffer 1 is an int",
+        ),
+        (
+            lambda: device.queue.launch(add, buf, buf, buf, np.int32(4)),
+            r"takes 3 buffers, got 4 \(buffer 3 is a numpy int32",
+        ),
+        (
+            lambda: device.queue.launch(fill, 7, vals=(4,)),
+            r"takes 2 values \(vals\), got 1 \(buffer 0 is an int",
+        ),
+        (lambda: device.queue.launch(fill, buf, 1.5, 4), r"buffer 1 is a float"),
+    ]:
+        _rejects(device, am.ArgumentTypeError, f"{said}.*{hint}", action)  # type: ignore[arg-type]
+
+
 async def test_a_strided_destination_is_told_how_to_receive_the_bytes(
     device: am.Device,
 ) -> None:
