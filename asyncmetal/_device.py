@@ -114,6 +114,14 @@ def is_available(name: str) -> bool:
     return cls.any_index and bool(available)
 
 
+def why_unavailable(name: str) -> str:
+    """What a refusal of ``name`` (not available here) adds: where no device of its kind
+    can be opened here, what this machine lacks for one ("" otherwise)."""
+    kind, _ = parse_name(name)
+    cls = backends.backend_class(kind)
+    return "" if cls.available() else cls.unavailable()
+
+
 def parse_name(name: str) -> tuple[str, int]:
     if not isinstance(name, str):
         raise ArgumentTypeError(f"device name must be a str, got {type(name).__name__}")
@@ -1815,8 +1823,10 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
             cls = backends.backend_class(kind)
         _check_fork_safe(kind)
         if not is_available(name):
+            why = why_unavailable(name)
             raise DeviceNotFoundError(
                 f"device {name!r} is not available here (available: {devices()})"
+                + (f": {why}" if why else "")
                 + (" (from $ASYNCMETAL_DEVICE)" if told else "")
             )
         backend = cls(index)
