@@ -502,7 +502,14 @@ class Allocator:
         if self.closed or self._state.closed:
             raise ClosedResourceError(f"device {self._state.name} is closed")
         if nbytes > self.budget:
-            raise self._oom(nbytes, "larger than the device's whole budget")
+            total = self._state.backend.info.total_memory
+            raise self._oom(
+                nbytes,
+                "larger than the device's whole budget: raise its memory_budget (the device "
+                f"has {total} bytes) or allocate less"
+                if self._budget_set()
+                else "larger than the device's whole memory: allocate less",
+            )
         largest = self._state.backend.max_allocation()
         if largest is not None and nbytes > largest:
             detail = f"larger than the largest buffer the device makes ({largest} bytes)"
