@@ -340,7 +340,10 @@ def check_buffer(buf: Buffer, what: str, state: DeviceState | None = None) -> No
     """Raise unless ``buf`` is usable now (not freed, its device open) and, given
     ``state``, a buffer of that device."""
     if buf._allocation.freed:
-        raise ClosedResourceError(f"{what} was freed: {buf!r}")
+        raise ClosedResourceError(
+            f"{what} was freed: {buf!r} (a freed buffer, and every view of it, stays "
+            "unusable: allocate another)"
+        )
     own = buf._state
     if own.closed:
         raise ClosedResourceError(f"{what} belongs to the closed device {own.name}")

@@ -428,6 +428,26 @@ async def test_read_and_map_take_a_sub_array_dtype_with_a_shape(device: am.Devic
             await read(pair, (8,))
 
 
+async def test_a_freed_buffer_used_again_says_what_to_do(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """Also a view of it, also after ``async with`` freed it (checked: it said only
+    that the buffer was freed)."""
+    told = r"was freed: .* stays unusable: allocate another"
+    async with await device.alloc(16) as buf:
+        view = buf.view(0, 8)
+    with pytest.raises(am.ClosedResourceError, match=rf"^buffer {told}"):
+        await buf.read()
+    with pytest.raises(am.ClosedResourceError, match=rf"^buffer {told}"):
+        await view.write(bytes(8))
+    _rejects(
+        device,
+        am.ClosedResourceError,
+        rf"^buffer 0 of 'fill' {told}",
+        lambda: device.queue.launch(kernels["fill"], view, vals=(1, 2)),
+    )
+
+
 async def test_refusals_name_what_was_called(device: am.Device) -> None:
     """Not the internals' names (before: "src was freed" from read, "wrap takes" from
     from_numpy, and an empty kernel name compiled before it was refused)."""
