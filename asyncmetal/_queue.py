@@ -506,6 +506,12 @@ class Queue:
         fit an integer parameter, a float may widen to a float parameter, not narrow.
         Anything else (a float for an integer, a Python float where the type is not
         known) is refused. Every argument is checked before anything is submitted.
+
+        ``global_size`` and ``local_size`` (an int, or one per dimension, up to three)
+        are, on cuda and Metal, the threads per dimension and the block (threadgroup):
+        the grid is ``ceil(global / local)``. A cpu kernel is called once per launch and
+        loops over its own range: they are not used there. A launch is not ordered
+        after other queues' commands on its buffers: ``q.after(buf).launch(...)`` is.
         """
         fast = self._fast_launch
         if fast is not None:  # the common case, in C; None: not that case, see below
