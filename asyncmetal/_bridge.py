@@ -1534,4 +1534,11 @@ def loop_statistics() -> LoopStatistics:
     """Wake-ups and waiters of the calling event loop (a :class:`LoopStatistics`).
 
     Raises :class:`NoLoopError` outside a running asyncio, uvloop or trio loop."""
-    return current_bridge().statistics()
+    try:
+        bridge = current_bridge()
+    except NoLoopError:  # (its own words: nothing is awaited here)
+        raise NoLoopError(
+            "loop_statistics() reports on the running event loop: call it from a task of "
+            "asyncio, uvloop or trio"
+        ) from None
+    return bridge.statistics()
