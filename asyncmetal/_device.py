@@ -1979,7 +1979,11 @@ def open_device(name: str | None = None) -> _DeviceOpener:
     """Open a device: ``async with open_device("cpu") as dev`` or ``dev = await ...``
     (a coroutine too: ``asyncio.run`` and ``asyncio.create_task`` take it).
 
-    ``name`` None means ``$ASYNCMETAL_DEVICE``, else the best device available.
+    ``name``: ``"cpu"`` (``"cpu:1"``... open independent ones), ``"cuda:0"``,
+    ``"metal"``, ``"npy"``; :func:`devices` lists those here. None means
+    ``$ASYNCMETAL_DEVICE``, else the best device available -- one that runs kernels:
+    ``$ASYNCMETAL_DEVICE=npy`` opens ``cpu``. Each call opens a device of its own. One
+    never closed is closed at exit, once its queued work ran, with a ResourceWarning.
     """
     caller = sys._getframe(1)  # where it is opened: a device left open says so at exit
     return _DeviceOpener(name, f"{caller.f_code.co_filename}:{caller.f_lineno}")
