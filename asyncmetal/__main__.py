@@ -16,7 +16,7 @@ import numpy as np
 
 import asyncmetal as am
 from asyncmetal import _native
-from asyncmetal._device import is_available
+from asyncmetal._device import is_available, why_unavailable
 
 # Three stages on three queues, ordered by one timeline, compiled while the first runs.
 DEMO_KERNELS = {
@@ -55,9 +55,10 @@ def info() -> int:
             print(f"python -m asyncmetal info: $ASYNCMETAL_DEVICE: {exc}", file=sys.stderr)
             return 1
         if not here:
+            why = why_unavailable(told)
             print(
                 f"python -m asyncmetal info: $ASYNCMETAL_DEVICE: device {told!r} is not "
-                "available here",
+                "available here" + (f": {why}" if why else ""),
                 file=sys.stderr,
             )
             return 1

@@ -221,14 +221,21 @@ def lenders_for(own: Allocator, any_kind: bool = False) -> list[Allocator]:
 @dataclass(frozen=True)
 class MemoryStatistics:
     """A device's memory, in bytes (see :meth:`Device.memory_statistics`). Blocks count
-    at their size class (a request rounded up, see :func:`block_size`), as the device
-    holds them."""
+    at their size class (a request rounded up: ``alloc(4)`` holds 512 bytes), as the
+    device holds them.
 
-    in_use: int  # buffers handed out, and freed ones whose last use is in flight
-    cached: int  # freed blocks kept for reuse, or still being released (emptying it)
-    peak: int  # the most held at once (in use + cached), since open or the last reset
+    ``in_use``: buffers handed out, and freed ones whose last use is in flight;
+    ``cached``: freed blocks kept for reuse, or still being released (emptying it);
+    ``peak``: the most held at once (in use + cached), and ``peak_in_use``: the most in
+    use at once, each since the device opened or the last ``reset_peaks=True``;
+    ``budget``: the device's ``memory_budget``.
+    """
+
+    in_use: int
+    cached: int
+    peak: int
     budget: int
-    peak_in_use: int = 0  # the most in use at once, since open or the last reset
+    peak_in_use: int = 0
 
 
 # Size classes: a request is rounded up so that a freed block serves near sizes too.
@@ -495,7 +502,14 @@ class Allocator:
         if self.closed or self._state.closed:
             raise ClosedResourceError(f"device {self._state.name} is closed")
         if nbytes > self.budget:
-            raise self._oom(nbytes, "larger than the device's whole budget")
+            total = self._state.backend.info.total_memory
+            raise self._oom(
+                nbytes,
+                "larger than the device's whole budget: raise its memory_budget (the device "
+                f"has {total} bytes) or allocate less"
+                if self._budget_set()
+                else "larger than the device's whole memory: allocate less",
+            )
         largest = self._state.backend.max_allocation()
         if largest is not None and nbytes > largest:
             detail = f"larger than the largest buffer the device makes ({largest} bytes)"

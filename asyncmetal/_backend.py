@@ -388,6 +388,12 @@ class Backend(ABC):
     def available(cls) -> list[str]:
         """Names of the devices of this kind that can be opened here. Must not raise."""
 
+    @classmethod
+    def unavailable(cls) -> str:
+        """Where :meth:`available` lists none: what this machine lacks for a device of
+        this kind, and what would give it one ("": nothing to add). Must not raise."""
+        return ""
+
     @abstractmethod
     def __init__(self, index: int) -> None: ...
 

@@ -125,7 +125,10 @@ AHEAD_AWAKE_NS = 2_000_000  # a loop woken ahead of a completion stays awake thi
 
 @dataclass(frozen=True)
 class LoopStatistics:
-    """What the bridge did for one event loop (see :func:`loop_statistics`)."""
+    """What asyncmetal did for one event loop (see :func:`loop_statistics`):
+    ``wakeups``, the wake-ups it ran on the loop (each woke the tasks whose commands,
+    copies or timeline values had come since the last), ``resolved``, the tasks those
+    woke, and ``waiting``, the tasks parked on it right now."""
 
     wakeups: int  # drains run on the loop: each is one wake-up
     resolved: int  # tasks woken by those drains
@@ -1528,5 +1531,14 @@ def signalled_here(watch_of: dict[LoopBridge, Watch], awake_ns: int) -> None:
 
 
 def loop_statistics() -> LoopStatistics:
-    """Wake-ups and waiters of the calling event loop's bridge."""
-    return current_bridge().statistics()
+    """Wake-ups and waiters of the calling event loop (a :class:`LoopStatistics`).
+
+    Raises :class:`NoLoopError` outside a running asyncio, uvloop or trio loop."""
+    try:
+        bridge = current_bridge()
+    except NoLoopError:  # (its own words: nothing is awaited here)
+        raise NoLoopError(
+            "loop_statistics() reports on the running event loop: call it from a task of "
+            "asyncio, uvloop or trio"
+        ) from None
+    return bridge.statistics()

@@ -51,7 +51,8 @@ def array_shape(nbytes: int, dtype: np.dtype[Any], shape: Any) -> tuple[int, ...
 
 
 class Buffer(Exports):
-    """Device memory. Made by ``await device.alloc(nbytes)``.
+    """Device memory. Made by ``await device.alloc(nbytes)``: ``nbytes`` long, on
+    ``device``.
 
     Every command that uses a buffer records its timeline value; :meth:`free` returns the
     memory only after those values have passed, so cancelling an awaiting task never
@@ -339,7 +340,10 @@ def check_buffer(buf: Buffer, what: str, state: DeviceState | None = None) -> No
     """Raise unless ``buf`` is usable now (not freed, its device open) and, given
     ``state``, a buffer of that device."""
     if buf._allocation.freed:
-        raise ClosedResourceError(f"{what} was freed: {buf!r}")
+        raise ClosedResourceError(
+            f"{what} was freed: {buf!r} (a freed buffer, and every view of it, stays "
+            "unusable: allocate another)"
+        )
     own = buf._state
     if own.closed:
         raise ClosedResourceError(f"{what} belongs to the closed device {own.name}")

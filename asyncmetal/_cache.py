@@ -53,7 +53,13 @@ class CacheWarning(UserWarning):
 
 
 class CompileCache:
-    """Compiled binaries keyed by compiler identity and source hash."""
+    """Compiled binaries keyed by compiler identity and source hash: the most recently
+    used ones in memory (up to ``max_memory_bytes``), and all in an sqlite database in
+    ``directory`` (default: ``$ASYNCMETAL_CACHE_DIR``, else the user's cache directory).
+    ``disk=False`` keeps it in memory only (default: ``$ASYNCMETAL_CACHE``, on unless
+    ``0``, ``false``, ``no`` or ``off``). A :class:`CompilePool` takes it:
+    ``CompilePool(cache=CompileCache(path))``.
+    """
 
     def __init__(
         self,
@@ -89,6 +95,7 @@ class CompileCache:
     # -- memory --------------------------------------------------------------------------
 
     def get_memory(self, key: str) -> bytes | None:
+        """The binary cached in memory under ``key``, else None."""
         data = self._memory.get(key)
         if data is not None:
             with contextlib.suppress(KeyError):  # evicted meanwhile by a handler thread
@@ -100,6 +107,7 @@ class CompileCache:
     # KeyboardInterrupt comes after a call or at a function's entry, never inside one).
 
     def put_memory(self, key: str, data: bytes) -> None:
+        """Keep ``data`` in memory under ``key``, the least recently used going first."""
         size = len(data)
         with self._memory_lock:
             if key in self._memory:
@@ -116,6 +124,7 @@ class CompileCache:
                 self._memory_bytes -= old_size
 
     def clear_memory(self) -> None:
+        """Forget every binary held in memory (the disk cache keeps its own)."""
         with self._memory_lock:
             empty: collections.OrderedDict[str, bytes] = collections.OrderedDict()
             self._memory, self._memory_bytes = empty, 0
@@ -124,6 +133,7 @@ class CompileCache:
 
     @property
     def path(self) -> Path:
+        """The sqlite database of the disk cache."""
         return self.directory / "compile-cache.sqlite"
 
     def _connect(self) -> sqlite3.Connection:
@@ -231,6 +241,7 @@ class CompileCache:
         return data
 
     async def get_disk(self, key: str) -> bytes | None:
+        """:meth:`load_disk` on a worker thread, never blocking the loop."""
         data = await to_thread(self.load_disk, key)
         self.warn_if_disabled()
         return data
@@ -267,6 +278,7 @@ class CompileCache:
         self._write_disk("DELETE FROM entries WHERE key = ?", (key,))
 
     def close(self) -> None:
+        """Close the database connection (a later lookup opens it again)."""
         with self._db_lock:
             if self._db is not None:
                 self._db.close()

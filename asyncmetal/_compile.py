@@ -29,7 +29,7 @@ class Compiler(ABC):
 
     A compiler is plain configuration: it pickles as ``(type(self), self.config())`` and
     makes any native handle (a compiler service, a library) lazily in the process that
-    compiles, so it can be sent to a worker process (contract 7). Subclasses implement
+    compiles, so it can be sent to a worker process. Subclasses implement
     :meth:`config`, :meth:`compile` and, for the cache key, :meth:`version`.
     """
 

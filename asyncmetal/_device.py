@@ -114,6 +114,14 @@ def is_available(name: str) -> bool:
     return cls.any_index and bool(available)
 
 
+def why_unavailable(name: str) -> str:
+    """What a refusal of ``name`` (not available here) adds: where no device of its kind
+    can be opened here, what this machine lacks for one ("" otherwise)."""
+    kind, _ = parse_name(name)
+    cls = backends.backend_class(kind)
+    return "" if cls.available() else cls.unavailable()
+
+
 def parse_name(name: str) -> tuple[str, int]:
     if not isinstance(name, str):
         raise ArgumentTypeError(f"device name must be a str, got {type(name).__name__}")
@@ -212,8 +220,7 @@ class Device:
     ``dev.queue`` is its default queue, made when it opens (``new_queue()`` makes more;
     ``adopt_stream()`` wraps another library's cuda stream). ``buf.write`` and
     ``buf.read`` run on it -- or, once every later command of it fails, on a queue the
-    device makes in its stead (``DeviceState.default_queue``); ``queue.copy`` runs a
-    copy on any queue.
+    device makes in its stead; ``queue.copy`` runs a copy on any queue.
     """
 
     def __init__(self, name: str, backend: Backend, opened_at: str = "") -> None:
@@ -296,6 +303,7 @@ class Device:
 
     @property
     def name(self) -> str:
+        """The name it was opened as: ``"cpu"``, ``"cpu:1"``, ``"cuda:0"``, ``"metal"``..."""
         return self._state.name
 
     @name.setter
@@ -304,6 +312,8 @@ class Device:
 
     @property
     def closed(self) -> bool:
+        """Whether it is closed: true once its close takes no more work (at once with
+        ``discard=True``); its calls then raise ClosedResourceError."""
         return self._state.closed
 
     @closed.setter
@@ -314,6 +324,7 @@ class Device:
 
     @property
     def kind(self) -> str:
+        """Its kind, the name without ``:N``: ``"cpu"``, ``"npy"``, ``"cuda"``, ``"metal"``."""
         return self._backend.kind
 
     def pointer_index(self, address: int) -> int | None:
@@ -334,6 +345,7 @@ class Device:
 
     @property
     def total_memory(self) -> int:
+        """The bytes of memory the device has (what ``memory_budget`` None stands for)."""
         return self._backend.info.total_memory
 
     def _check_open(self) -> None:
@@ -1811,8 +1823,10 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
             cls = backends.backend_class(kind)
         _check_fork_safe(kind)
         if not is_available(name):
+            why = why_unavailable(name)
             raise DeviceNotFoundError(
                 f"device {name!r} is not available here (available: {devices()})"
+                + (f": {why}" if why else "")
                 + (" (from $ASYNCMETAL_DEVICE)" if told else "")
             )
         backend = cls(index)
@@ -1965,7 +1979,11 @@ def open_device(name: str | None = None) -> _DeviceOpener:
     """Open a device: ``async with open_device("cpu") as dev`` or ``dev = await ...``
     (a coroutine too: ``asyncio.run`` and ``asyncio.create_task`` take it).
 
-    ``name`` None means ``$ASYNCMETAL_DEVICE``, else the best device available.
+    ``name``: ``"cpu"`` (``"cpu:1"``... open independent ones), ``"cuda:0"``,
+    ``"metal"``, ``"npy"``; :func:`devices` lists those here. None means
+    ``$ASYNCMETAL_DEVICE``, else the best device available -- one that runs kernels:
+    ``$ASYNCMETAL_DEVICE=npy`` opens ``cpu``. Each call opens a device of its own. One
+    never closed is closed at exit, once its queued work ran, with a ResourceWarning.
     """
     caller = sys._getframe(1)  # where it is opened: a device left open says so at exit
     return _DeviceOpener(name, f"{caller.f_code.co_filename}:{caller.f_lineno}")

@@ -10,7 +10,14 @@ from ._scalars import CODES
 
 
 class Program:
-    """A kernel loaded on one device, ready for ``Queue.launch``."""
+    """A kernel loaded on one device, ready for ``Queue.launch``. Made by
+    ``await device.compile(src, name)``.
+
+    ``name`` is the kernel's name; ``params`` the kind of each parameter, in order
+    (``"buffer"``: a launch's positional Buffer, ``"value"``: one of its ``vals``);
+    ``value_types`` each value parameter's scalar type (None where not known) and its
+    declaration, as read from the source; ``device`` the :class:`Device`.
+    """
 
     def __init__(
         self,

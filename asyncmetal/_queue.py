@@ -65,6 +65,7 @@ class Completion(Record):
 
     @property
     def timeline(self) -> Timeline:
+        """The timeline of the command's queue (``value`` is the command's point on it)."""
         return self.queue.timeline
 
     def done(self) -> bool:
@@ -183,11 +184,31 @@ class _SignalCompletion(Completion):
         return self.queue.timeline.value >= self.value or self.signalled.value >= self.target
 
 
+def _value_among_buffers(buffers: Sequence[object]) -> str:
+    """What a launch's count error adds where a value was passed as a buffer
+    (``q.launch(k, buf, 4)`` for ``vals=(4,)``)."""
+    for i, arg in enumerate(buffers):
+        if isinstance(arg, np.generic):
+            kind = f"a numpy {arg.dtype}"
+        elif isinstance(arg, (int, float)):
+            kind = "an int" if type(arg) is int else f"a {type(arg).__name__}"
+        else:
+            continue
+        return (
+            f" (buffer {i} is {kind}: values go in vals=(...), buffers are launch's "
+            "positional arguments)"
+        )
+    return ""
+
+
 class Queue:
     """An ordered stream of device commands with its own timeline (values from 1).
+    Made by ``device.new_queue()`` (``device.queue`` is the default one).
 
     Every method submits at once and returns a :class:`Completion`; nothing blocks.
-    Arguments are checked before anything is submitted.
+    Arguments are checked before anything is submitted. ``timeline`` is the queue's
+    own :class:`Timeline` (each command's completion is a value on it), and
+    ``device`` its :class:`Device`.
     """
 
     def __init__(
@@ -485,6 +506,12 @@ class Queue:
         fit an integer parameter, a float may widen to a float parameter, not narrow.
         Anything else (a float for an integer, a Python float where the type is not
         known) is refused. Every argument is checked before anything is submitted.
+
+        ``global_size`` and ``local_size`` (an int, or one per dimension, up to three)
+        are, on cuda and Metal, the threads per dimension and the block (threadgroup):
+        the grid is ``ceil(global / local)``. A cpu kernel is called once per launch and
+        loops over its own range: they are not used there. A launch is not ordered
+        after other queues' commands on its buffers: ``q.after(buf).launch(...)`` is.
         """
         fast = self._fast_launch
         if fast is not None:  # the common case, in C; None: not that case, see below
@@ -526,13 +553,14 @@ class Queue:
                     f" (vals[{misplaced[0]}] is a Buffer: buffers are launch's positional "
                     "arguments, vals= its values)"
                     if misplaced
-                    else ""
+                    else _value_among_buffers(buffers)
                 )
             )
         if len(vals) != program.value_count:
             raise ArgumentTypeError(
                 f"kernel {program.name!r} takes {program.value_count} "
                 f"value{'' if program.value_count == 1 else 's'} (vals), got {len(vals)}"
+                + _value_among_buffers(buffers)
             )
         args = launch_args(buffers, program.name, self._state)
         append = args.append

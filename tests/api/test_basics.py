@@ -110,6 +110,29 @@ async def test_a_device_not_here_is_not_found(anyio_backend: object) -> None:
         assert "'cpu'" in str(refused.value)
 
 
+async def test_a_kind_with_no_device_here_says_what_it_needs(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where no device of a kind is here, the refusal says what the machine lacks for
+    one: cuda-bindings (and how to install it) for cuda, macOS for metal (checked: it
+    said only what can be opened)."""
+    from asyncmetal.backends.cuda import _backend as cuda_backend
+
+    monkeypatch.setattr(cuda_backend, "cu", None)  # cuda-bindings not installed
+    with pytest.raises(
+        am.DeviceNotFoundError, match=r"cuda devices need cuda-bindings.*pip install cuda-bindings"
+    ):
+        await am.open_device("cuda:0")
+    if sys.platform != "darwin":  # (elsewhere metal is the simulation these variables name)
+        for variable in ("ASYNCMETAL_OBJC_LIB", "ASYNCMETAL_METAL_LIB", "ASYNCMETAL_LIBSYSTEM"):
+            monkeypatch.delenv(variable, raising=False)
+        with pytest.raises(am.DeviceNotFoundError, match="the metal device needs macOS"):
+            await am.open_device("metal")
+    with pytest.raises(am.DeviceNotFoundError) as refused:  # kinds that are here: no more
+        await am.open_device("npy:1")
+    assert str(refused.value).endswith("(available: " + str(am.devices()) + ")")
+
+
 async def test_launch_computes_and_reads_back(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:

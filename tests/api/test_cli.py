@@ -61,6 +61,22 @@ def test_demo_on_a_device_not_here_says_so(device: str) -> None:
     _said_plainly(proc, 1, f"device {device!r} is not available here", "asyncmetal info")
 
 
+def test_a_cuda_device_without_cuda_bindings_says_what_to_install(tmp_path: Path) -> None:
+    """Checked: it said only that the device is not available here."""
+    proc = _run(
+        ["-m", "asyncmetal", "info"],
+        hide=("cuda",),
+        tmp_path=tmp_path,
+        env={"ASYNCMETAL_DEVICE": "cuda:0"},
+    )
+    _said_plainly(
+        proc,
+        1,
+        "$ASYNCMETAL_DEVICE: device 'cuda:0' is not available here: cuda devices need "
+        "cuda-bindings, which is not installed here (pip install cuda-bindings",
+    )
+
+
 def test_demo_on_an_unknown_device_says_so() -> None:
     proc = _run(["-m", "asyncmetal", "demo", "--device", "gpu"])
     _said_plainly(proc, 1, "unknown device 'gpu'")

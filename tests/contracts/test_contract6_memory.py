@@ -122,6 +122,21 @@ async def test_out_of_memory_names_the_numbers(device: am.Device) -> None:
     assert (await device.alloc(2 * MiB)).nbytes == 2 * MiB
 
 
+async def test_a_request_over_the_budget_says_what_to_do(device: am.Device) -> None:
+    """Over a budget the program set: raise it or ask less; over the device's memory:
+    ask less (checked: both said only 'larger than the device's whole budget')."""
+    device.memory_budget = 4 * MiB
+    total = device.total_memory
+    raise_it = rf"raise its memory_budget \(the device has {total} bytes\) or allocate less"
+    with pytest.raises(am.OutOfMemoryError, match=raise_it):
+        await device.alloc(5 * MiB)
+    device.memory_budget = None
+    with pytest.raises(
+        am.OutOfMemoryError, match="larger than the device's whole memory: allocate"
+    ):
+        await device.alloc(total + 1)
+
+
 async def test_native_out_of_memory_empties_the_cache_then_retries(
     device: am.Device, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -428,6 +428,26 @@ async def test_read_and_map_take_a_sub_array_dtype_with_a_shape(device: am.Devic
             await read(pair, (8,))
 
 
+async def test_a_freed_buffer_used_again_says_what_to_do(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """Also a view of it, also after ``async with`` freed it (checked: it said only
+    that the buffer was freed)."""
+    told = r"was freed: .* stays unusable: allocate another"
+    async with await device.alloc(16) as buf:
+        view = buf.view(0, 8)
+    with pytest.raises(am.ClosedResourceError, match=rf"^buffer {told}"):
+        await buf.read()
+    with pytest.raises(am.ClosedResourceError, match=rf"^buffer {told}"):
+        await view.write(bytes(8))
+    _rejects(
+        device,
+        am.ClosedResourceError,
+        rf"^buffer 0 of 'fill' {told}",
+        lambda: device.queue.launch(kernels["fill"], view, vals=(1, 2)),
+    )
+
+
 async def test_refusals_name_what_was_called(device: am.Device) -> None:
     """Not the internals' names (before: "src was freed" from read, "wrap takes" from
     from_numpy, and an empty kernel name compiled before it was refused)."""
@@ -674,6 +694,32 @@ async def test_more_slips_are_named(
         await am.open_device()
     with pytest.raises(am.ArgumentTypeError, match="must be a CompilePool"):
         device.compile_pool = "pool"  # type: ignore[assignment]
+
+
+async def test_values_passed_as_buffers_are_named(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """A value passed positionally, where launch takes buffers, is named with where
+    values go, whichever count it upsets (checked: the counts were said alone)."""
+    fill, add = kernels["fill"], kernels["add"]
+    buf = await device.alloc(16)
+    hint = r"values go in vals=\(\.\.\.\), buffers are launch's positional arguments"
+    for action, said in [
+        (
+            lambda: device.queue.launch(fill, buf, 7, 4),
+            r"takes 1 buffer, got 3 \(buffer 1 is an int",
+        ),
+        (
+            lambda: device.queue.launch(add, buf, buf, buf, np.int32(4)),
+            r"takes 3 buffers, got 4 \(buffer 3 is a numpy int32",
+        ),
+        (
+            lambda: device.queue.launch(fill, 7, vals=(4,)),
+            r"takes 2 values \(vals\), got 1 \(buffer 0 is an int",
+        ),
+        (lambda: device.queue.launch(fill, buf, 1.5, 4), r"buffer 1 is a float"),
+    ]:
+        _rejects(device, am.ArgumentTypeError, f"{said}.*{hint}", action)  # type: ignore[arg-type]
 
 
 async def test_a_strided_destination_is_told_how_to_receive_the_bytes(

@@ -69,12 +69,19 @@ class CUDABackend(Backend):
         except Exception:
             return []
 
+    @classmethod
+    def unavailable(cls) -> str:
+        if cu is None:
+            return (
+                "cuda devices need cuda-bindings, which is not installed here "
+                '(pip install cuda-bindings; in a checkout, pip install -e ".[cuda]")'
+            )
+        return "cuda-bindings finds no NVIDIA GPU here (a GPU and NVIDIA's driver are needed)"
+
     @keeps_context
     def __init__(self, index: int) -> None:
         if cu is None:
-            raise AsyncMetalError(
-                "the cuda device needs cuda-bindings: pip install asyncmetal[cuda]"
-            )
+            raise AsyncMetalError(self.unavailable())  # (open_device says so first)
         where = self.name = f"cuda:{index}"
         refuse_if_lost(f"opening {where}")
         check(cu.cuInit(0), "cuInit", where)

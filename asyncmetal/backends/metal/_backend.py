@@ -73,6 +73,10 @@ class MetalBackend(Backend):
         except (OSError, AttributeError):
             return []
 
+    @classmethod
+    def unavailable(cls) -> str:
+        return "the metal device needs macOS and a Metal GPU"
+
     def __init__(self, index: int) -> None:
         try:
             metal = load("metal")
