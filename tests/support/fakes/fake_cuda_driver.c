@@ -15,7 +15,8 @@ atomic_int fault_code;  /* the context's sticky error once a kernel faulted */
 void *_Atomic held;     /* an event whose queries report it unfinished (a slow thread) */
 atomic_long wait_event_ns;  /* >0: cuStreamWaitEvent takes this long (a slow driver) */
 atomic_int waits_in_driver;
-fake_stream *_Atomic refuse_records;  /* the next event record on this stream is refused */
+fake_stream *_Atomic refuse_records;  /* the next event record on this stream is refused, */
+atomic_int refuse_more;               /* ... and then this many more there */
 atomic_int refuse_allocs;   /* >0: the runtime's next that many cuq_alloc fail */
 void *_Atomic refuse_ctx;   /* a cuCtxSetCurrent of this context is refused */
 atomic_long record_ns;      /* >0: cuEventRecord takes this long (a slow driver) */
@@ -118,6 +119,8 @@ fake_stream *stream_new(void) {
     return s;
 }
 
+long stream_ran(fake_stream *s) { return atomic_load(&s->ran); }  /* kernels run so far */
+
 fake_stream *stream_sharing(fake_stream *hw) {
     fake_stream *s = calloc(1, sizeof *s);
     s->hw = hw;
@@ -169,7 +172,13 @@ static int f_launch(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx
 static int f_record(void *e, void *stream) {
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     fake_stream *refused = stream;  /* the next record there: CUDA_ERROR_INVALID_VALUE */
-    if (atomic_compare_exchange_strong(&refuse_records, &refused, NULL)) return 1;
+    if (atomic_load(&refuse_records) == refused) {
+        if (atomic_fetch_sub(&refuse_more, 1) <= 0) {
+            atomic_store(&refuse_more, 0);
+            atomic_compare_exchange_strong(&refuse_records, &refused, NULL);
+        }
+        return 1;
+    }
     fake_event *ev = e;
     long slow = atomic_load(&record_ns);
     if (slow > 0) {

@@ -81,8 +81,13 @@ class _Simulated:
         # first queue would not start).
         fake.fake_driver_install()
         self.refuse_records = ctypes.c_void_p.in_dll(fake, "refuse_records")
+        self.refuse_more = ctypes.c_int.in_dll(fake, "refuse_more")
+        fake.stream_ran.argtypes = [ctypes.c_void_p]
+        fake.stream_ran.restype = ctypes.c_long
         self.refuse_ctx = ctypes.c_void_p.in_dll(fake, "refuse_ctx")
         self.kernel = (ctypes.c_uint8 * 64)()  # a fake_cuda_driver.h kernel: a few us
+        # (its duration_ns, after an int: 0 runs a few us)
+        self.duration_ns = ctypes.c_long.from_buffer(self.kernel, ctypes.sizeof(ctypes.c_long))
 
     def current(self) -> int:
         return int(self.fake.fake_ctx_current() or 0)
@@ -200,9 +205,40 @@ async def _unrestored(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> See
     return seen
 
 
+async def _unfenced(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
+    """A launch of a kernel that runs 200 ms, whose end (its event record) the driver
+    refused once the kernel reached it, and then the queue's fence behind it three times
+    more: whether the launch's await came back (the queue settled, its buffer free to
+    go) only once the stream was past the kernel."""
+    seen: Seen = {}
+    await queue.launch(kernel, buf)  # one that runs
+    stream = queue._native.handle
+    ran = sim.fake.stream_ran(stream)
+    sim.duration_ns.value = 200_000_000
+    sim.refuse_more.value = 3
+    sim.refuse_records.value = stream
+    try:
+        done = queue.launch(kernel, buf)
+        seen["value"] = done.value
+        try:
+            with anyio.fail_after(20):
+                await done
+            seen["awaited"] = "done"
+        except Exception as exc:
+            seen["awaited"] = _error(exc)
+        seen["ran_when_settled"] = sim.fake.stream_ran(stream) - ran
+        seen["refusals_left"] = sim.refuse_more.value if sim.refuse_records.value else 0
+    finally:
+        sim.duration_ns.value = 0
+        sim.refuse_records.value = None
+        sim.refuse_more.value = 0
+    return seen
+
+
 SCENARIOS: dict[str, Callable[[_Simulated, Any, Any, Any], Awaitable[Seen]]] = {
     "refused_end": _refused_end,
     "unrestored": _unrestored,
+    "unfenced": _unfenced,
 }
 
 
