@@ -28,6 +28,11 @@ compiler's cache key (NVRTC's version) and a compile, each of their calls failin
 turn, a compile failing with its log, and a library that cannot be loaded: a
 CompileError naming the call and NVRTC's result, no program left undestroyed, and the
 next compile working.
+
+A discarding close (``Device.close(discard=True)``) is swept on the real native runtime
+over the simulated driver (tests/support/native/simulated_cuda.py), with commands in
+flight and commands held past the queue's bound: the submitting thread's Nth driver call
+fails, and the same contracts hold.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ from tests.reliability.test_cuda_faults import (
     fake_driver,
 )
 from tests.support.faults import device_threads, sampled
+from tests.support.native import harness
+from tests.support.native.simulated_cuda import run_child
 
 THEIRS = 0xC0FFEE  # another library's context, current on the test's thread
 THEIR_STREAM = 0x7000  # a stream of another library's (of the device's context)
@@ -997,3 +1004,25 @@ def test_a_missing_nvrtc_library_is_a_compile_error(
     _bind(monkeypatch, "nvrtc", _Nvrtc(missing=True))
     with pytest.raises(am.CompileError, match="NVRTC"):
         CUDACompiler().compile(SRC)
+
+
+def test_every_failing_submission_before_a_discarding_close_ends_in_a_clear_error() -> None:
+    """``Device.close(discard=True)`` on the real native runtime and extension, over the
+    simulated driver (tests/support/native/simulated_cuda.py, in a child process: the
+    runtime's driver table is process-wide): a queue given 40 launches of 1 ms -- its
+    bound on commands in flight, the rest held on the host --, a fill, a signal a second
+    queue waits for, then the discarding close. Run clean, then for each sampled N with
+    the submitting thread's Nth driver call failing, not sticky and sticky: what fails
+    is an AsyncMetalError (DeviceLostError once sticky); nothing hangs; each submission
+    leaves another library's context current; the close completes and every command's
+    await ends; no device thread nor event is left; after an error that is not sticky
+    the device works again."""
+    missing = harness.sanitizer_missing("")
+    if missing is not None:
+        pytest.skip(missing)
+    seen = run_child("discard_sweep", "asyncio", timeout=300, args=(str(SAMPLES),))["sweep"]
+    clean = seen["clean"]
+    # (held past the bound at the close, some commands run, the held ones dropped)
+    assert clean["held"] > 0 and clean["ran"] > 0 and clean["failed"] > 0, clean
+    assert seen["calls"] > 80, seen
+    assert not seen["found"], "\n".join(seen["found"])

@@ -22,6 +22,22 @@ void *_Atomic refuse_ctx;   /* a cuCtxSetCurrent of this context is refused */
 atomic_long record_ns;      /* >0: cuEventRecord takes this long (a slow driver) */
 atomic_int records_in_driver;
 
+/* Fault injection for a sweep: the driver calls (those below that submit or make an
+ * event) of a thread marked with fake_count_calls -- the one submitting -- are counted,
+ * and the one numbered fail_at fails with fail_code; ILLEGAL_ADDRESS faults the context
+ * as a kernel's fault does (every later call fails with it). */
+atomic_long counted_calls, fail_at;
+atomic_int fail_code;
+static _Thread_local int counting;
+void fake_count_calls(int on) { counting = on; }
+static int injected(void) {
+    if (!counting) return 0;
+    if (atomic_fetch_add(&counted_calls, 1) + 1 != atomic_load(&fail_at)) return 0;
+    int code = atomic_load(&fail_code);
+    if (code == ILLEGAL_ADDRESS) atomic_store(&fault_code, code);
+    return code;
+}
+
 /* The runtime's allocations of held operations and of its completion ring (the harness
  * builds it with AM_TEST_ALLOC): out of memory on demand. */
 void *am_test_alloc(size_t size) {
@@ -144,6 +160,8 @@ void stream_free(fake_stream *s, int abandon) {
 static int f_launch(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                     unsigned bz, unsigned shared, void *stream, void **params, void **extra) {
     (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)extra;
+    int inject = injected();
+    if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     if (fn && fn == refuse_fn) return 1;  /* CUDA_ERROR_INVALID_VALUE */
     fake_stream *st = stream;
@@ -170,6 +188,8 @@ static int f_launch(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx
     return 0;
 }
 static int f_record(void *e, void *stream) {
+    int inject = injected();
+    if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     fake_stream *refused = stream;  /* the next record there: CUDA_ERROR_INVALID_VALUE */
     if (atomic_load(&refuse_records) == refused) {
@@ -206,6 +226,8 @@ static int f_sync(void *e) {
     return r;
 }
 static int f_create(void **e, unsigned flags) {
+    int inject = injected();
+    if (inject) return inject;
     *e = calloc(1, sizeof(fake_event));
     ((fake_event *)*e)->flags = flags;
     atomic_store(&((fake_event *)*e)->refs, 1);
@@ -221,12 +243,16 @@ static int f_destroy(void *e) {
 }
 static int f_write(void *stream, void *word, uint64_t value, unsigned flags) {
     (void)flags;
+    int inject = injected();
+    if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     if (word == &refuse_word) return 1;  /* CUDA_ERROR_INVALID_VALUE */
     enqueue(stream, (op){OP_WRITE, (int64_t)value, word, 0});
     return 0;
 }
 static int fill(void *stream, uint64_t dst, uint32_t pattern, int size, size_t items) {
+    int inject = injected();
+    if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     if (dst % (uint64_t)size) return 1;  /* CUDA_ERROR_INVALID_VALUE: misaligned */
     enqueue(stream, (op){OP_FILL, (int64_t)items, (void *)(uintptr_t)dst,
@@ -244,12 +270,16 @@ static int f_memset32(uint64_t dst, unsigned int ui, size_t n, void *stream) {
 }
 static int f_wait(void *stream, void *word, uint64_t value, unsigned flags) {
     (void)flags;
+    int inject = injected();
+    if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     enqueue(stream, (op){OP_WAIT, (int64_t)value, word, 0});
     return 0;
 }
 static int f_wait_event(void *stream, void *e, unsigned flags) {
     (void)flags;
+    int inject = injected();
+    if (inject) return inject;
     fake_event *ev = e;
     int64_t recorded = atomic_load(&ev->recorded);
     long slow = atomic_load(&wait_event_ns);
