@@ -1006,17 +1006,18 @@ def test_a_missing_nvrtc_library_is_a_compile_error(
         CUDACompiler().compile(SRC)
 
 
-def test_every_failing_submission_before_a_discarding_close_ends_in_a_clear_error() -> None:
+def test_every_failing_call_around_a_discarding_close_ends_in_a_clear_error() -> None:
     """``Device.close(discard=True)`` on the real native runtime and extension, over the
     simulated driver (tests/support/native/simulated_cuda.py, in a child process: the
     runtime's driver table is process-wide): a queue given 40 launches of 1 ms -- its
     bound on commands in flight, the rest held on the host --, a fill, a signal a second
-    queue waits for, then the discarding close. Run clean, then for each sampled N with
-    the submitting thread's Nth driver call failing, not sticky and sticky: what fails
-    is an AsyncMetalError (DeviceLostError once sticky); nothing hangs; each submission
-    leaves another library's context current; the close completes and every command's
-    await ends; no device thread nor event is left; after an error that is not sticky
-    the device works again."""
+    queue waits for, then -- once the first launch is done -- the discarding close. Run
+    clean, then for each sampled N with the Nth driver call failing (the submitting
+    thread's, then the completion thread's handing held commands over), not sticky and
+    sticky: what fails is an AsyncMetalError (DeviceLostError once sticky); nothing
+    hangs; each submission leaves another library's context current; the close
+    completes and every command's await ends; no device thread nor event is left; after
+    an error that is not sticky the device works again."""
     missing = harness.sanitizer_missing("")
     if missing is not None:
         pytest.skip(missing)

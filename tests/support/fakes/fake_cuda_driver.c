@@ -24,14 +24,16 @@ atomic_int records_in_driver;
 
 /* Fault injection for a sweep: the driver calls (those below that submit or make an
  * event) of a thread marked with fake_count_calls -- the one submitting -- are counted,
- * and the one numbered fail_at fails with fail_code; ILLEGAL_ADDRESS faults the context
- * as a kernel's fault does (every later call fails with it). */
+ * or those of every thread while count_all is set (a window where one thread makes
+ * them: a completion thread handing held commands over), and the one numbered fail_at
+ * fails with fail_code; ILLEGAL_ADDRESS faults the context as a kernel's fault does
+ * (every later call fails with it). */
 atomic_long counted_calls, fail_at;
-atomic_int fail_code;
+atomic_int fail_code, count_all;
 static _Thread_local int counting;
 void fake_count_calls(int on) { counting = on; }
 static int injected(void) {
-    if (!counting) return 0;
+    if (!counting && !atomic_load(&count_all)) return 0;
     if (atomic_fetch_add(&counted_calls, 1) + 1 != atomic_load(&fail_at)) return 0;
     int code = atomic_load(&fail_code);
     if (code == ILLEGAL_ADDRESS) atomic_store(&fault_code, code);

@@ -13,6 +13,7 @@ SCENARIO LOOP`` is that child. Where no C compiler is found the caller skips, sa
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import json
@@ -89,6 +90,7 @@ class _Simulated:
         self.counted = ctypes.c_long.in_dll(fake, "counted_calls")
         self.fail_at = ctypes.c_long.in_dll(fake, "fail_at")
         self.fail_code = ctypes.c_int.in_dll(fake, "fail_code")
+        self.count_all = ctypes.c_int.in_dll(fake, "count_all")
         self.events_made = ctypes.c_long.in_dll(fake, "events_made")
         self.events_destroyed = ctypes.c_long.in_dll(fake, "events_destroyed")
         fake.fake_count_calls.argtypes = [ctypes.c_int]
@@ -298,13 +300,15 @@ DISCARD_LAUNCHES = 40  # launches of 1 ms on one queue: its bound (32) in flight
 async def _discard_run(
     sim: _Simulated, fail_at: int, code: int, seen: Seen | None = None
 ) -> tuple[int, list[str]]:
-    """One run of the discard workload with the submitting thread's driver call number
-    ``fail_at`` failing with ``code`` (0: none): a queue given more 1 ms launches than
-    its bound on commands in flight (the rest held on the host), a fill, a signal of a
-    timeline that a second queue waits for and then launches behind, each submitted with
-    another library's context current; then ``Device.close(discard=True)``, and every
-    command awaited. Returns the calls counted and what broke the contracts; ``seen``
-    gets what the close met: commands held, commands that ran and that failed."""
+    """One run of the discard workload with driver call number ``fail_at`` failing with
+    ``code`` (0: none): a queue given more 1 ms launches than its bound on commands in
+    flight (the rest held on the host), a fill, a signal of a timeline that a second
+    queue waits for and then launches behind, each submitted with another library's
+    context current (the submitting thread's calls counted); then, once the first launch
+    is done (the completion thread's hand-overs counted meanwhile),
+    ``Device.close(discard=True)``, and every command awaited. Returns the calls counted
+    and what broke the contracts; ``seen`` gets what the close met: commands held,
+    commands that ran and that failed."""
     import asyncmetal as am
     from asyncmetal import DeviceLostError
     from asyncmetal.backends.cuda import _driver
@@ -351,10 +355,19 @@ async def _discard_run(
             sim.fake.fake_ctx_set_current(0)
             sim.duration_ns.value = 0
         held = q._native.stats()["held_now"]
+        # Then, the first launch awaited (the completion thread handing held commands
+        # over as others are confirmed: the only thread making driver calls now, so
+        # counted), the close discards what is still held.
+        sim.count_all.value = 1
         try:
+            if done and error is None:
+                with contextlib.suppress(am.AsyncMetalError):
+                    await done[0]
             await dev.close(discard=True)
         except Exception as exc:
             problems.append(f"close raised {_error(exc)}")
+        finally:
+            sim.count_all.value = 0
         ran = failed = 0
         for completion in done:
             try:
