@@ -83,7 +83,7 @@ void am_cuq_discard(am_cuq *q) {
         q->error = AM_DISCARDED;
         q->error_value = first;
     }
-    int settle = !q->count && !q->held && !q->driving;
+    int settle = !q->count && !q->held && !q->driving && !q->unfenced;
     pthread_mutex_unlock(&q->mu);
     /* The kick is taken off unlocked. If it came due meanwhile, cuq_kicked runs instead
      * (timeline_undefer and kicks_due decide which under the timeline's lock; either
@@ -361,19 +361,26 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
          * A signal's end refused (its event record): the timeline it was to raise fails
          * too, or its waiters would wait for good -- with the fence, once the stream is
          * past the signal's word write (handed over before), which would otherwise land
-         * on the failed timeline's word; without one, now, as those dropped below. */
-        int signals = cuop_signals(op), fenced = 0;
+         * on the failed timeline's word; without one, now, as those dropped below. A
+         * fence refused too (not sticky) is tried again: q->unfenced, cuq_refence. */
+        int signals = cuop_signals(op), fenced = 0, unfenced = 0;
         if (r && __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) != 2) {
             /* (not once abandoned: the stream may be destroyed; the call reported stays
              * the refused one, not the fence's) */
             int call = __atomic_load_n(&q->failed_call, __ATOMIC_RELAXED);
+            pthread_mutex_lock(&q->mu);  /* failed before the fence's confirmation can come */
+            if (!q->error) { q->error = r; q->error_value = op->value; }
+            pthread_mutex_unlock(&q->mu);
             if (signals) cuq_fail_signal_now(q, op, r, op->value, q->timeline);
-            fenced = !cuq_finish(q, op->value, signals ? op->extra : NULL,
-                                 signals ? op->extra_value : 0, 0, CU_FINISH_FENCE);
+            int f = cuq_finish(q, op->value, signals ? op->extra : NULL,
+                               signals ? op->extra_value : 0, 0, CU_FINISH_FENCE);
+            fenced = !f;
+            unfenced = f && !cu_sticky(f);
             __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);
         }
         pthread_mutex_lock(&q->mu);
         cuq_undrive(q);
+        if (unfenced && (!q->unfenced || op->value < q->unfenced)) q->unfenced = op->value;
         if (r) {
             dropped = cuq_refused(q, op->value, r);
             refused = r;
@@ -389,9 +396,44 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
     /* Refused with nothing left in flight: settle the waiters now (they find the error).
      * Not once abandoned: the closer may have returned (this thread orphaned) and the
      * caller freed the timeline. */
-    int settle = q->error && !q->count && !q->held && q->stop != 2;
+    int settle = q->error && !q->count && !q->held && !q->unfenced && q->stop != 2;
+    if (q->unfenced && q->sleeping) pthread_cond_signal(&q->cv);  /* its thread tries again */
     pthread_mutex_unlock(&q->mu);
     cuq_drop_refused(q, dropped, refused, refused_value);
+    if (settle) cuq_settle(q);
+}
+
+/* The fence behind a refused command part of which the driver has (cuda_submit.c,
+ * cuq_submit_then; cuq_drain) was refused too: nothing shows the stream past that part,
+ * which may still run (a kernel writing a buffer), so q does not settle -- its commands
+ * are not reported failed, nor their buffers handed back -- until a fence is recorded
+ * behind it and confirmed. This thread, with nothing else in flight, records it again
+ * after a nap (1 ms, doubling up to CU_NAP_CHUNK_NS): once the driver takes it, the
+ * queue settles at its confirmation, as for a fence recorded at once. A sticky refusal
+ * settles q now: nothing of the context runs any more. Abandoned (am_cuq_close), q
+ * stops trying. `nap`: this thread's, kept across tries. Not under mu. */
+static void cuq_refence(am_cuq *q, long *nap) {
+    pthread_mutex_lock(&q->mu);
+    struct timespec until;
+    deadline_after(&until, *nap);
+    if (q->stop != 2) pthread_cond_timedwait(&q->cv, &q->mu, &until);
+    uint64_t value = q->unfenced;
+    int go = value && !q->count && q->stop != 2;
+    pthread_mutex_unlock(&q->mu);
+    if (!go) return;
+    int call = __atomic_load_n(&q->failed_call, __ATOMIC_RELAXED);
+    int r = cuq_finish(q, value, NULL, 0, 0, CU_FINISH_FENCE);
+    __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);  /* the refused one */
+    pthread_mutex_lock(&q->mu);
+    int settle = 0;
+    if (!r || cu_sticky(r)) {
+        q->unfenced = 0;
+        settle = r && !q->count && !q->held && q->stop != 2;
+        *nap = 1000000;
+    } else if (*nap < CU_NAP_CHUNK_NS) {
+        *nap *= 2;
+    }
+    pthread_mutex_unlock(&q->mu);
     if (settle) cuq_settle(q);
 }
 
@@ -464,6 +506,7 @@ static void *cuq_run(void *arg) {
 #endif
     int (*query)(void *) = (int (*)(void *))cu_funcs[CU_EVENT_QUERY];
     int (*sync)(void *) = (int (*)(void *))cu_funcs[CU_EVENT_SYNC];
+    long fence_nap = 1000000;  /* before recording a refused fence again (cuq_refence) */
     for (;;) {
         /* Stay awake a moment for the next command: a thread woken from a condition
          * variable takes tens of microseconds to run again, which an awaited launch
@@ -478,13 +521,20 @@ static void *cuq_run(void *arg) {
         /* (Stopping, with work held behind a deferred wait: that wait's kick, or an
          * abandon, comes first; with a command another thread hands over now -- a kick's,
          * cuq_hand_over -- that one.) */
-        while (q->count == 0 && !cuq_can_drain(q) &&
+        while (q->count == 0 && !cuq_can_drain(q) && !q->unfenced &&
                (!q->stop || (q->stop == 1 && (q->held || q->driving)))) {
             q->sleeping = 1;  /* submissions signal the condition only then */
             pthread_cond_wait(&q->cv, &q->mu);
             q->sleeping = 0;
         }
-        if (q->stop == 2 || (q->stop && q->count == 0 && !q->held && !q->driving)) break;
+        if (q->stop == 2 ||
+            (q->stop && q->count == 0 && !q->held && !q->driving && !q->unfenced))
+            break;
+        if (q->count == 0 && q->unfenced && !q->driving) {
+            pthread_mutex_unlock(&q->mu);
+            cuq_refence(q, &fence_nap);
+            continue;
+        }
         if (q->count == 0) {
             pthread_mutex_unlock(&q->mu);
             cuq_drain(q, 0, 0);
@@ -675,7 +725,7 @@ static void *cuq_run(void *arg) {
         if (r && e.signals) cuq_fail_signal(q, &e);
         /* A failed command settles every later one; else, once a refused held command
          * has nothing left in flight before it, the same. */
-        int settle = r || (q->error && !q->count && !q->held);
+        int settle = r || (q->error && !q->count && !q->held && !q->unfenced);
         pthread_mutex_unlock(&q->mu);
         if (e.extra && !r && !e.waited) am_timeline_poke(e.extra, e.extra_value);
         if (e.signals && !r) timeline_keep_released(e.extra);  /* its write landed */

@@ -165,6 +165,10 @@ struct am_cuq {
                                        handing it over puts back held goes too (under mu) */
     uint64_t handed_value;          /* the command of the last operation handed to the
                                        driver, or being handed now (under mu) */
+    uint64_t unfenced;              /* a refused command part of which the driver has, whose
+                                       fence the driver refused too (0: none): the queue
+                                       settles only once a fence is recorded behind it
+                                       (cuda_completion.c, cuq_refence; under mu) */
     int handing;                    /* threads in cuq_hand_over waiting on hand_cv for
                                        that to end, or for a due kick to run */
     pthread_cond_t hand_cv;
@@ -267,6 +271,16 @@ AM_HIDDEN void am_test_hook(int where, am_cuq *q);
 #else
 #define cuq_test_hook(where, q) ((void)0)
 #endif
+
+/* Whether CUresult r is process-fatal (sticky): every later call of the process fails
+ * with it, and nothing of its contexts runs any more (asyncmetal/backends/cuda/_driver.py,
+ * LOST: illegal address, launch failed, illegal instruction, misaligned address, hardware
+ * stack error, invalid address space, invalid PC, assert, launch timeout, uncorrectable
+ * ECC). */
+static inline int cu_sticky(int r) {
+    return r == 700 || r == 719 || r == 715 || r == 716 || r == 714 || r == 717 || r == 718 ||
+           r == 710 || r == 702 || r == 214;
+}
 
 static inline int cuq_fail(am_cuq *q, int call, int r) {
     __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);

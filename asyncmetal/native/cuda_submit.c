@@ -447,7 +447,7 @@ static int cuq_no_memory(am_cuq *q, uint64_t value, const am_cuop *op, const am_
         q->error = -1;
         q->error_value = value;
     }
-    int settle = part && !q->count && !q->held && !q->driving;
+    int settle = part && !q->count && !q->held && !q->driving && !q->unfenced;
     pthread_mutex_unlock(&q->mu);
     if (unkick) cuq_unkick(q, kick_on);
     const am_cuop *ends[2] = {op, then};
@@ -512,16 +512,27 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
      * of it -- a staged copy's earlier chunks -- or `op`, its end refused): that part
      * runs, so the command cannot be taken back as never run. q fails from it on, as
      * for a held command refused (cuq_drain), and settles only once the stream is past
-     * that part: a fence behind it. (handed_value: only the driving thread writes it.) */
+     * that part: a fence behind it. A fence the driver refuses too is tried again by
+     * the completion thread (q->unfenced, cuq_refence) -- the queue does not settle
+     * meanwhile: a buffer the part writes must not be handed back while it may still
+     * run -- unless the refusal is sticky: then nothing of the context runs any more.
+     * (handed_value: only the driving thread writes it.) */
     int part = r > 0 && (ran || q->handed_value == op->value) &&
                __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) != 2;
     const am_cuop *refused = ran ? then : op;
-    int signals = part && cuop_signals(refused), fenced = 0;
+    int signals = part && cuop_signals(refused), fenced = 0, unfenced = 0;
     if (part) {
         int call = __atomic_load_n(&q->failed_call, __ATOMIC_RELAXED);
+        /* Failed before the fence is handed over: its confirmation, which may come at
+         * once, fails the command (not "no error") and settles the queue. */
+        pthread_mutex_lock(&q->mu);
+        if (!q->error) { q->error = r; q->error_value = op->value; }
+        pthread_mutex_unlock(&q->mu);
         if (signals) cuq_fail_signal_now(q, refused, r, op->value, q->timeline);
-        fenced = !cuq_finish(q, op->value, signals ? refused->extra : NULL,
-                             signals ? refused->extra_value : 0, 0, CU_FINISH_FENCE);
+        int f = cuq_finish(q, op->value, signals ? refused->extra : NULL,
+                           signals ? refused->extra_value : 0, 0, CU_FINISH_FENCE);
+        fenced = !f;
+        unfenced = f && !cu_sticky(f);
         __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);  /* the refused one */
     }
     cuq_leave(q, r, before);
@@ -532,6 +543,7 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
     if (part) {
         /* (what other threads submitted meanwhile was held behind it: it never runs) */
         if (!q->error) { q->error = r; q->error_value = op->value; }
+        if (unfenced && (!q->unfenced || op->value < q->unfenced)) q->unfenced = op->value;
         dropped = q->held;
         q->held = q->held_tail = NULL;
         q->nheld = 0;
@@ -541,8 +553,8 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
         atomic_fetch_add(&q->held_total, then ? 2 : 1);
     }
     int discard = held && q->discarded;  /* discarded meanwhile: the wait held goes too */
-    int settle = part && !q->count && !q->held && q->stop != 2;
-    if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
+    int settle = part && !q->count && !q->held && !q->unfenced && q->stop != 2;
+    if (q->sleeping && (cuq_can_drain(q) || q->unfenced)) pthread_cond_signal(&q->cv);
     pthread_mutex_unlock(&q->mu);
     if (discard) am_cuq_discard(q);
     if (part) {

@@ -22,12 +22,24 @@ error that is not sticky the device then still works and gives back the right by
 the close completes; the device's Python threads end; every allocation is freed; and
 every staging chunk is unmapped -- but where a sticky error
 failed a queue whose stream might still write one (``_staging._MAPPED`` says why).
+
+NVRTC is swept alike, through a fake of cuda-bindings' ``nvrtc`` (``_Nvrtc``): the
+compiler's cache key (NVRTC's version) and a compile, each of their calls failing in
+turn, a compile failing with its log, and a library that cannot be loaded: a
+CompileError naming the call and NVRTC's result, no program left undestroyed, and the
+next compile working.
+
+A discarding close (``Device.close(discard=True)``) is swept on the real native runtime
+over the simulated driver (tests/support/native/simulated_cuda.py), with commands in
+flight and commands held past the queue's bound: the submitting thread's Nth driver call
+fails, and the same contracts hold.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import enum
 import gc
 import threading
 import time
@@ -43,16 +55,21 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal import DeviceLostError
+from asyncmetal._errors import NoHostMemoryError
 from asyncmetal.backends.cuda import _driver, _peer, _staging
+from asyncmetal.backends.cuda._compiler import CUDACompiler
 from tests.reliability.test_cuda_faults import (
     MAX,
     SRC,
     CUresult,
+    _bind,
     _Driver,
     _Runtime,
     fake_driver,
 )
 from tests.support.faults import device_threads, sampled
+from tests.support.native import harness
+from tests.support.native.simulated_cuda import run_child
 
 THEIRS = 0xC0FFEE  # another library's context, current on the test's thread
 THEIR_STREAM = 0x7000  # a stream of another library's (of the device's context)
@@ -815,3 +832,198 @@ async def test_a_command_whose_end_is_refused_after_it_reached_the_driver_fails_
         await other.free()
         await queue.close()
         await dev.close()
+
+
+class _NvrtcResult(enum.IntEnum):
+    """nvrtc.h's results (as cuda-bindings' ``nvrtcResult``)."""
+
+    NVRTC_SUCCESS = 0
+    NVRTC_ERROR_OUT_OF_MEMORY = 1
+    NVRTC_ERROR_PROGRAM_CREATION_FAILURE = 2
+    NVRTC_ERROR_INVALID_INPUT = 3
+    NVRTC_ERROR_INVALID_PROGRAM = 4
+    NVRTC_ERROR_INVALID_OPTION = 5
+    NVRTC_ERROR_COMPILATION = 6
+    NVRTC_ERROR_BUILTIN_OPERATION_FAILURE = 7
+    NVRTC_ERROR_INTERNAL_ERROR = 11
+
+
+class _Nvrtc:
+    """A fake of cuda-bindings' ``nvrtc``: a program per create, a log, a CUBIN; the
+    Nth call fails with ``code``, or a compile fails with ``log``; ``missing``: the
+    library cannot be loaded (cuda-bindings raises at the first call that needs it)."""
+
+    nvrtcResult = _NvrtcResult
+    LOG = "kernel.cu(1): error: identifier 'x' is undefined"
+
+    def __init__(self, fail_at: int = 0, code: int = 0, missing: bool = False) -> None:
+        self.fail_at, self.code, self.missing = fail_at, code, missing
+        self.calls: list[str] = []
+        self.injected: str | None = None
+        self.programs: set[int] = set()  # made and not destroyed
+        self.failed_compile = False
+
+    def _result(self, name: str, *values: Any) -> tuple[Any, ...]:
+        if self.missing:
+            raise RuntimeError("Failed to dlopen libnvrtc.so.12")
+        self.calls.append(name)
+        if len(self.calls) == self.fail_at:
+            self.injected = name
+            if name == "nvrtcCompileProgram" and self.code == _NvrtcResult.NVRTC_ERROR_COMPILATION:
+                self.failed_compile = True
+            else:
+                return (_NvrtcResult(self.code), *(None for _ in values))
+        return (_NvrtcResult.NVRTC_SUCCESS, *values)
+
+    @staticmethod
+    def _fill(buf: bytes, data: bytes) -> None:  # (as the bindings write a bytes buffer)
+        ctypes.memmove(ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value, data, len(data))
+
+    def nvrtcVersion(self) -> tuple[Any, ...]:
+        return self._result("nvrtcVersion", 12, 8)
+
+    def nvrtcCreateProgram(self, src: bytes, name: bytes, n: int, *rest: Any) -> tuple[Any, ...]:
+        prog = 0x5000 + len(self.calls)
+        result = self._result("nvrtcCreateProgram", prog)
+        if result[0] == 0:
+            self.programs.add(prog)
+        return result
+
+    def nvrtcDestroyProgram(self, prog: int) -> tuple[Any, ...]:
+        self.programs.discard(prog)  # destroyed, whatever it says
+        return self._result("nvrtcDestroyProgram")
+
+    def nvrtcCompileProgram(self, prog: int, n: int, options: list[bytes]) -> tuple[Any, ...]:
+        result = self._result("nvrtcCompileProgram")
+        if self.failed_compile:
+            return (_NvrtcResult.NVRTC_ERROR_COMPILATION,)
+        return result
+
+    def _log(self) -> bytes:
+        return (self.LOG if self.failed_compile else "").encode() + b"\0"
+
+    def nvrtcGetProgramLogSize(self, prog: int) -> tuple[Any, ...]:
+        return self._result("nvrtcGetProgramLogSize", len(self._log()))
+
+    def nvrtcGetProgramLog(self, prog: int, buf: bytes) -> tuple[Any, ...]:
+        result = self._result("nvrtcGetProgramLog")
+        if result[0] == 0:
+            self._fill(buf, self._log())
+        return result
+
+    def nvrtcGetCUBINSize(self, prog: int) -> tuple[Any, ...]:
+        return self._result("nvrtcGetCUBINSize", 16)
+
+    def nvrtcGetCUBIN(self, prog: int, buf: bytes) -> tuple[Any, ...]:
+        result = self._result("nvrtcGetCUBIN")
+        if result[0] == 0:
+            self._fill(buf, b"\x7fELF" + b"\0" * 12)
+        return result
+
+
+def _nvrtc_run(
+    monkeypatch: pytest.MonkeyPatch, fake: _Nvrtc
+) -> tuple[bytes | None, BaseException | None]:
+    """The compiler's cache key (which asks NVRTC's version, in the calling process) and
+    a compile, as a compile worker runs it, with ``fake`` as NVRTC."""
+    _bind(monkeypatch, "nvrtc", fake)
+    compiler = CUDACompiler()
+    try:
+        compiler.identity()
+        return compiler.compile(SRC), None
+    except Exception as exc:
+        return None, exc
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        _NvrtcResult.NVRTC_ERROR_OUT_OF_MEMORY,
+        _NvrtcResult.NVRTC_ERROR_PROGRAM_CREATION_FAILURE,
+        _NvrtcResult.NVRTC_ERROR_INVALID_OPTION,
+        _NvrtcResult.NVRTC_ERROR_COMPILATION,
+        _NvrtcResult.NVRTC_ERROR_INTERNAL_ERROR,
+    ],
+    ids=lambda c: c.name,
+)
+def test_every_failing_nvrtc_call_ends_in_a_compile_error(
+    monkeypatch: pytest.MonkeyPatch, sim: _SweepDriver, code: _NvrtcResult
+) -> None:
+    """For each N, NVRTC's Nth call (its version, for the cache key; creating the
+    program, compiling it -- a compile error with its log --, the log, the CUBIN)
+    fails with ``code``: a CompileError says which call failed and with what NVRTC
+    result (never a CUDA driver's error name, nor an out-of-memory error the allocator
+    would empty its cache for); a compile that fails keeps NVRTC's log; every program
+    made is destroyed; and the next compile works. Checked: fails without the fix
+    (NVRTC's results were named as CUDA driver results -- out of memory as
+    CUDA_ERROR_INVALID_VALUE, a program's creation as an out of memory)."""
+    fake = _Nvrtc()
+    binary, error = _nvrtc_run(monkeypatch, fake)
+    assert error is None and binary is not None and binary.startswith(b"\x7fELF"), error
+    total = len(fake.calls)
+    assert total >= 7, fake.calls
+    found: list[str] = []
+    for n in range(1, total + 1):
+        fake = _Nvrtc(n, code)
+        binary, error = _nvrtc_run(monkeypatch, fake)
+        at = f"call {n} ({fake.injected}) failing with {code.name}"
+        if fake.programs:
+            found.append(f"{at}: {len(fake.programs)} programs never destroyed")
+        if fake.injected == "nvrtcDestroyProgram":  # (nothing to report: it is done)
+            if error is not None:
+                found.append(f"{at}: raised {error!r}")
+            continue
+        if not isinstance(error, am.CompileError):
+            found.append(f"{at}: raised {error!r}, not a CompileError")
+            continue
+        if isinstance(error, NoHostMemoryError) and code != _NvrtcResult.NVRTC_ERROR_OUT_OF_MEMORY:
+            found.append(f"{at}: said out of memory: {error}")
+        if fake.failed_compile:
+            if _Nvrtc.LOG not in error.log:
+                found.append(f"{at}: the log was lost: {error.log!r}")
+        elif code.name not in str(error) or fake.injected not in str(error):
+            found.append(f"{at}: does not say what failed: {error}")
+        if "CUDA_ERROR" in str(error):
+            found.append(f"{at}: named as a driver error: {error}")
+        _, again = _nvrtc_run(monkeypatch, _Nvrtc())
+        if again is not None:
+            found.append(f"{at}: the next compile failed: {again!r}")
+    assert not found, "\n".join(found)
+
+
+def test_a_missing_nvrtc_library_is_a_compile_error(
+    monkeypatch: pytest.MonkeyPatch, sim: _SweepDriver
+) -> None:
+    """cuda-bindings installed without the NVRTC library it loads (libnvrtc.so): its
+    first call raises a RuntimeError. The cache key's version and the compile raise a
+    CompileError saying NVRTC could not be loaded, never a raw RuntimeError. Checked:
+    fails without the fix (the RuntimeError went out as it was)."""
+    _, error = _nvrtc_run(monkeypatch, _Nvrtc(missing=True))
+    assert isinstance(error, am.CompileError), repr(error)
+    assert "NVRTC" in str(error) and "Failed to dlopen libnvrtc.so.12" in str(error)
+    _bind(monkeypatch, "nvrtc", _Nvrtc(missing=True))
+    with pytest.raises(am.CompileError, match="NVRTC"):
+        CUDACompiler().compile(SRC)
+
+
+def test_every_failing_call_around_a_discarding_close_ends_in_a_clear_error() -> None:
+    """``Device.close(discard=True)`` on the real native runtime and extension, over the
+    simulated driver (tests/support/native/simulated_cuda.py, in a child process: the
+    runtime's driver table is process-wide): a queue given 40 launches of 1 ms -- its
+    bound on commands in flight, the rest held on the host --, a fill, a signal a second
+    queue waits for, then -- once the first launch is done -- the discarding close. Run
+    clean, then for each sampled N with the Nth driver call failing (the submitting
+    thread's, then the completion thread's handing held commands over), not sticky and
+    sticky: what fails is an AsyncMetalError (DeviceLostError once sticky); nothing
+    hangs; each submission leaves another library's context current; the close
+    completes and every command's await ends; no device thread nor event is left; after
+    an error that is not sticky the device works again."""
+    missing = harness.sanitizer_missing("")
+    if missing is not None:
+        pytest.skip(missing)
+    seen = run_child("discard_sweep", "asyncio", timeout=300, args=(str(SAMPLES),))["sweep"]
+    clean = seen["clean"]
+    # (held past the bound at the close, some commands run, the held ones dropped)
+    assert clean["held"] > 0 and clean["ran"] > 0 and clean["failed"] > 0, clean
+    assert seen["calls"] > 80, seen
+    assert not seen["found"], "\n".join(seen["found"])

@@ -8,7 +8,7 @@ from typing import Any
 from ..._compile import Compiler, ParamKind, c_value_types, scalar_params
 from ..._errors import CompileError
 from ..._scalars import host_types
-from ._driver import check, nvrtc
+from ._driver import nvrtc
 
 
 class CUDACompiler(Compiler):
@@ -25,30 +25,33 @@ class CUDACompiler(Compiler):
         return (self.arch, self.flags)
 
     def version(self) -> str:
-        major, minor = check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+        major, minor = _check(_call("nvrtcVersion"), "nvrtcVersion")
         return f"nvrtc {major}.{minor}"
 
     def compile(self, src: str) -> bytes:
-        prog = check(nvrtc.nvrtcCreateProgram(src.encode(), b"kernel.cu", 0, [], []), "nvrtc")
+        prog = _check(
+            _call("nvrtcCreateProgram", src.encode(), b"kernel.cu", 0, [], []),
+            "nvrtcCreateProgram",
+        )
         try:
             options = [
                 f"--gpu-architecture={self.arch}".encode(),
                 *(f.encode() for f in self.flags),
             ]
-            (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
-            size = check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+            (err,) = _call("nvrtcCompileProgram", prog, len(options), options)
+            size = _check(_call("nvrtcGetProgramLogSize", prog), "nvrtcGetProgramLogSize")
             raw = b" " * size
-            check(nvrtc.nvrtcGetProgramLog(prog, raw), "nvrtcGetProgramLog")
+            _check(_call("nvrtcGetProgramLog", prog, raw), "nvrtcGetProgramLog")
             log = raw.rstrip(b"\0").decode(errors="replace")
             if int(err) != 0:
-                raise CompileError(f"NVRTC failed ({_nvrtc_name(err)})", log)
-            size = check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+                raise CompileError(f"nvrtcCompileProgram failed: {_nvrtc_name(err)}", log)
+            size = _check(_call("nvrtcGetCUBINSize", prog), "nvrtcGetCUBINSize")
             cubin = b" " * size
-            check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+            _check(_call("nvrtcGetCUBIN", prog, cubin), "nvrtcGetCUBIN")
             self.last_log = log
             return bytes(cubin)
         finally:
-            nvrtc.nvrtcDestroyProgram(prog)
+            _call("nvrtcDestroyProgram", prog)
 
     def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
         """The kernel's parameters; a value parameter must be a scalar (an integer,
@@ -71,3 +74,27 @@ def _nvrtc_name(err: Any) -> str:
         return str(nvrtc.nvrtcResult(int(err)).name)
     except Exception:
         return str(err)
+
+
+def _call(name: str, *args: Any) -> Any:
+    """NVRTC's function ``name`` called with ``args``. cuda-bindings loads the NVRTC
+    library at the first call that needs it, and raises a RuntimeError where it cannot
+    (cuda-bindings installed without it): a CompileError here, as any compile's
+    failure is."""
+    try:
+        return getattr(nvrtc, name)(*args)
+    except RuntimeError as exc:
+        raise CompileError(f"NVRTC could not be loaded ({name}): {exc}") from exc
+
+
+def _check(result: Any, call: str) -> Any:
+    """Unpack an NVRTC result tuple, raising a CompileError that names ``call`` and
+    NVRTC's result: not through the driver's check, whose names are CUresult's (NVRTC's
+    numbers mean other things there: its out of memory, 1, is the driver's invalid
+    value, and its program creation failure, 2, the driver's out of memory)."""
+    err, *values = result
+    if int(err) != 0:
+        raise CompileError(f"{call} failed: {_nvrtc_name(err)}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)

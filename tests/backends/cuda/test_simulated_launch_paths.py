@@ -7,6 +7,8 @@ runtime's driver table is process-wide). Runs everywhere a C compiler is found.
   refused stays submitted, failed, on every path: the launch returns its Completion, whose
   await raises the driver's error naming its value; its buffer's use is recorded; the
   queue refuses what comes after, and the value is never numbered again.
+* A launch whose end the driver refused, and then the fence behind it too, settles its
+  queue (its await raises) only once the stream is past its kernel, on every path.
 * A native call that cannot make the caller's context current again (the driver refuses
   to, for another library's context) warns once, naming that context, on every path.
 """
@@ -86,3 +88,23 @@ def test_a_context_a_native_call_cannot_restore_is_warned_of_once(path: str, loo
         ), (call, seen)
         assert seen[f"{call}_current"] == 0x100  # (what the warning is about)
         assert seen[f"{call}_awaited"] == "done"
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_refused_launch_whose_fence_is_refused_too_settles_after_its_kernel(
+    path: str, loop: str
+) -> None:
+    """Command 2's kernel (200 ms) was launched; its event record was refused, and so
+    was the record of the fence the queue puts behind it, three times. Checked: fails
+    without the fix (with nothing else in flight the queue settled at once, the await
+    raising while the kernel still ran: a buffer it writes could be handed back)."""
+    seen = _through("unfenced", loop, path)
+    assert seen["value"] == 2, seen
+    assert re.fullmatch(
+        r"AsyncMetalError: the command at value 2 on a stream of cuda:0 failed: "
+        r"CUDA_ERROR_INVALID_VALUE.*",
+        seen["awaited"],
+    ), seen
+    assert seen["ran_when_settled"] == 1, seen  # the stream was past the kernel
+    assert seen["refusals_left"] == 0, seen  # (every refusal was met: the fence tried again)

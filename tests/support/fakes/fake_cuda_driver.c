@@ -15,11 +15,30 @@ atomic_int fault_code;  /* the context's sticky error once a kernel faulted */
 void *_Atomic held;     /* an event whose queries report it unfinished (a slow thread) */
 atomic_long wait_event_ns;  /* >0: cuStreamWaitEvent takes this long (a slow driver) */
 atomic_int waits_in_driver;
-fake_stream *_Atomic refuse_records;  /* the next event record on this stream is refused */
+fake_stream *_Atomic refuse_records;  /* the next event record on this stream is refused, */
+atomic_int refuse_more;               /* ... and then this many more there */
 atomic_int refuse_allocs;   /* >0: the runtime's next that many cuq_alloc fail */
 void *_Atomic refuse_ctx;   /* a cuCtxSetCurrent of this context is refused */
 atomic_long record_ns;      /* >0: cuEventRecord takes this long (a slow driver) */
 atomic_int records_in_driver;
+
+/* Fault injection for a sweep: the driver calls (those below that submit or make an
+ * event) of a thread marked with fake_count_calls -- the one submitting -- are counted,
+ * or those of every thread while count_all is set (a window where one thread makes
+ * them: a completion thread handing held commands over), and the one numbered fail_at
+ * fails with fail_code; ILLEGAL_ADDRESS faults the context as a kernel's fault does
+ * (every later call fails with it). */
+atomic_long counted_calls, fail_at;
+atomic_int fail_code, count_all;
+static _Thread_local int counting;
+void fake_count_calls(int on) { counting = on; }
+static int injected(void) {
+    if (!counting && !atomic_load(&count_all)) return 0;
+    if (atomic_fetch_add(&counted_calls, 1) + 1 != atomic_load(&fail_at)) return 0;
+    int code = atomic_load(&fail_code);
+    if (code == ILLEGAL_ADDRESS) atomic_store(&fault_code, code);
+    return code;
+}
 
 /* The runtime's allocations of held operations and of its completion ring (the harness
  * builds it with AM_TEST_ALLOC): out of memory on demand. */
@@ -118,6 +137,8 @@ fake_stream *stream_new(void) {
     return s;
 }
 
+long stream_ran(fake_stream *s) { return atomic_load(&s->ran); }  /* kernels run so far */
+
 fake_stream *stream_sharing(fake_stream *hw) {
     fake_stream *s = calloc(1, sizeof *s);
     s->hw = hw;
@@ -141,6 +162,8 @@ void stream_free(fake_stream *s, int abandon) {
 static int f_launch(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                     unsigned bz, unsigned shared, void *stream, void **params, void **extra) {
     (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)extra;
+    int inject = injected();
+    if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     if (fn && fn == refuse_fn) return 1;  /* CUDA_ERROR_INVALID_VALUE */
     fake_stream *st = stream;
@@ -167,9 +190,17 @@ static int f_launch(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx
     return 0;
 }
 static int f_record(void *e, void *stream) {
+    int inject = injected();
+    if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     fake_stream *refused = stream;  /* the next record there: CUDA_ERROR_INVALID_VALUE */
-    if (atomic_compare_exchange_strong(&refuse_records, &refused, NULL)) return 1;
+    if (atomic_load(&refuse_records) == refused) {
+        if (atomic_fetch_sub(&refuse_more, 1) <= 0) {
+            atomic_store(&refuse_more, 0);
+            atomic_compare_exchange_strong(&refuse_records, &refused, NULL);
+        }
+        return 1;
+    }
     fake_event *ev = e;
     long slow = atomic_load(&record_ns);
     if (slow > 0) {
@@ -197,6 +228,8 @@ static int f_sync(void *e) {
     return r;
 }
 static int f_create(void **e, unsigned flags) {
+    int inject = injected();
+    if (inject) return inject;
     *e = calloc(1, sizeof(fake_event));
     ((fake_event *)*e)->flags = flags;
     atomic_store(&((fake_event *)*e)->refs, 1);
@@ -212,12 +245,16 @@ static int f_destroy(void *e) {
 }
 static int f_write(void *stream, void *word, uint64_t value, unsigned flags) {
     (void)flags;
+    int inject = injected();
+    if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     if (word == &refuse_word) return 1;  /* CUDA_ERROR_INVALID_VALUE */
     enqueue(stream, (op){OP_WRITE, (int64_t)value, word, 0});
     return 0;
 }
 static int fill(void *stream, uint64_t dst, uint32_t pattern, int size, size_t items) {
+    int inject = injected();
+    if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     if (dst % (uint64_t)size) return 1;  /* CUDA_ERROR_INVALID_VALUE: misaligned */
     enqueue(stream, (op){OP_FILL, (int64_t)items, (void *)(uintptr_t)dst,
@@ -235,12 +272,16 @@ static int f_memset32(uint64_t dst, unsigned int ui, size_t n, void *stream) {
 }
 static int f_wait(void *stream, void *word, uint64_t value, unsigned flags) {
     (void)flags;
+    int inject = injected();
+    if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     enqueue(stream, (op){OP_WAIT, (int64_t)value, word, 0});
     return 0;
 }
 static int f_wait_event(void *stream, void *e, unsigned flags) {
     (void)flags;
+    int inject = injected();
+    if (inject) return inject;
     fake_event *ev = e;
     int64_t recorded = atomic_load(&ev->recorded);
     long slow = atomic_load(&wait_event_ns);

@@ -13,6 +13,7 @@ SCENARIO LOOP`` is that child. Where no C compiler is found the caller skips, sa
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import json
@@ -31,11 +32,14 @@ THEIRS = 0xC0FFEE  # another library's context, current on the calling thread
 Seen = dict[str, Any]
 
 
-def run_child(scenario: str, loop: str, timeout: float = 120) -> dict[str, Seen]:
+def run_child(
+    scenario: str, loop: str, timeout: float = 120, args: tuple[str, ...] = ()
+) -> dict[str, Seen]:
     """What ``scenario`` saw through each launch path in a child process (on event loop
-    ``loop``): by path, a dict of observations (or ``{"skipped": why}``)."""
+    ``loop``): by path, a dict of observations (or ``{"skipped": why}``); a sweep's
+    (``discard_sweep``, ``args``: how many failing calls per error), under "sweep"."""
     child = subprocess.run(
-        [sys.executable, "-m", "tests.support.native.simulated_cuda", scenario, loop],
+        [sys.executable, "-m", "tests.support.native.simulated_cuda", scenario, loop, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -81,8 +85,21 @@ class _Simulated:
         # first queue would not start).
         fake.fake_driver_install()
         self.refuse_records = ctypes.c_void_p.in_dll(fake, "refuse_records")
+        self.refuse_more = ctypes.c_int.in_dll(fake, "refuse_more")
+        self.fault_code = ctypes.c_int.in_dll(fake, "fault_code")
+        self.counted = ctypes.c_long.in_dll(fake, "counted_calls")
+        self.fail_at = ctypes.c_long.in_dll(fake, "fail_at")
+        self.fail_code = ctypes.c_int.in_dll(fake, "fail_code")
+        self.count_all = ctypes.c_int.in_dll(fake, "count_all")
+        self.events_made = ctypes.c_long.in_dll(fake, "events_made")
+        self.events_destroyed = ctypes.c_long.in_dll(fake, "events_destroyed")
+        fake.fake_count_calls.argtypes = [ctypes.c_int]
+        fake.stream_ran.argtypes = [ctypes.c_void_p]
+        fake.stream_ran.restype = ctypes.c_long
         self.refuse_ctx = ctypes.c_void_p.in_dll(fake, "refuse_ctx")
         self.kernel = (ctypes.c_uint8 * 64)()  # a fake_cuda_driver.h kernel: a few us
+        # (its duration_ns, after an int: 0 runs a few us)
+        self.duration_ns = ctypes.c_long.from_buffer(self.kernel, ctypes.sizeof(ctypes.c_long))
 
     def current(self) -> int:
         return int(self.fake.fake_ctx_current() or 0)
@@ -200,9 +217,40 @@ async def _unrestored(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> See
     return seen
 
 
+async def _unfenced(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
+    """A launch of a kernel that runs 200 ms, whose end (its event record) the driver
+    refused once the kernel reached it, and then the queue's fence behind it three times
+    more: whether the launch's await came back (the queue settled, its buffer free to
+    go) only once the stream was past the kernel."""
+    seen: Seen = {}
+    await queue.launch(kernel, buf)  # one that runs
+    stream = queue._native.handle
+    ran = sim.fake.stream_ran(stream)
+    sim.duration_ns.value = 200_000_000
+    sim.refuse_more.value = 3
+    sim.refuse_records.value = stream
+    try:
+        done = queue.launch(kernel, buf)
+        seen["value"] = done.value
+        try:
+            with anyio.fail_after(20):
+                await done
+            seen["awaited"] = "done"
+        except Exception as exc:
+            seen["awaited"] = _error(exc)
+        seen["ran_when_settled"] = sim.fake.stream_ran(stream) - ran
+        seen["refusals_left"] = sim.refuse_more.value if sim.refuse_records.value else 0
+    finally:
+        sim.duration_ns.value = 0
+        sim.refuse_records.value = None
+        sim.refuse_more.value = 0
+    return seen
+
+
 SCENARIOS: dict[str, Callable[[_Simulated, Any, Any, Any], Awaitable[Seen]]] = {
     "refused_end": _refused_end,
     "unrestored": _unrestored,
+    "unfenced": _unfenced,
 }
 
 
@@ -245,11 +293,144 @@ async def _main(sim: _Simulated, scenario: str) -> dict[str, Seen]:
     return out
 
 
-def main(scenario: str, loop: str) -> None:
+STICKY = 700  # CUDA_ERROR_ILLEGAL_ADDRESS: the context faulted (fake_cuda_driver.c)
+DISCARD_LAUNCHES = 40  # launches of 1 ms on one queue: its bound (32) in flight, the rest held
+
+
+async def _discard_run(
+    sim: _Simulated, fail_at: int, code: int, seen: Seen | None = None
+) -> tuple[int, list[str]]:
+    """One run of the discard workload with driver call number ``fail_at`` failing with
+    ``code`` (0: none): a queue given more 1 ms launches than its bound on commands in
+    flight (the rest held on the host), a fill, a signal of a timeline that a second
+    queue waits for and then launches behind, each submitted with another library's
+    context current (the submitting thread's calls counted); then, once the first launch
+    is done (the completion thread's hand-overs counted meanwhile),
+    ``Device.close(discard=True)``, and every command awaited. Returns the calls counted
+    and what broke the contracts; ``seen`` gets what the close met: commands held,
+    commands that ran and that failed."""
+    import asyncmetal as am
+    from asyncmetal import DeviceLostError
+    from asyncmetal.backends.cuda import _driver
+    from tests.reliability.test_cuda_faults import SRC
+    from tests.support.faults import device_threads
+
+    problems: list[str] = []
+    _driver.lost_first = None  # (each run in a process whose CUDA state is not lost)
+    sim.fault_code.value = 0
+    sim.counted.value, sim.fail_at.value, sim.fail_code.value = 0, fail_at, code
+    threads, made = device_threads(), sim.events_made.value - sim.events_destroyed.value
+    error: BaseException | None = None
+    done: list[Any] = []
+    with anyio.fail_after(30):
+        dev = await am.open_device("cuda:0")
+        params = await dev._params(SRC, "k")
+        compiler = dev._backend.compiler
+        kernel = await dev._program(("key", "k"), params, b"cubin", SRC, compiler, None)
+        buf, other = await dev.alloc(64), await dev.alloc(4096)
+        q, q2, tl = dev.new_queue(), dev.new_queue(), dev.timeline()
+        submissions: list[Callable[[], Any]] = [
+            *(functools.partial(q.launch, kernel, buf) for _ in range(DISCARD_LAUNCHES)),
+            lambda: q.fill(other, 7),
+            lambda: q.signal(tl, 1),
+            lambda: q2.wait(tl, 1),
+            functools.partial(q2.launch, kernel, buf),
+        ]
+        sim.duration_ns.value = 1_000_000
+        sim.fake.fake_count_calls(1)
+        try:
+            for submit in submissions:
+                sim.fake.fake_ctx_set_current(THEIRS)
+                try:
+                    got = submit()
+                finally:
+                    if sim.current() != THEIRS:
+                        problems.append("a submission left the thread's context changed")
+                if got is not None:
+                    done.append(got)
+        except Exception as exc:
+            error = exc
+        finally:
+            sim.fake.fake_count_calls(0)
+            sim.fake.fake_ctx_set_current(0)
+            sim.duration_ns.value = 0
+        held = q._native.stats()["held_now"]
+        # Then, the first launch awaited (the completion thread handing held commands
+        # over as others are confirmed: the only thread making driver calls now, so
+        # counted), the close discards what is still held.
+        sim.count_all.value = 1
+        try:
+            if done and error is None:
+                with contextlib.suppress(am.AsyncMetalError):
+                    await done[0]
+            await dev.close(discard=True)
+        except Exception as exc:
+            problems.append(f"close raised {_error(exc)}")
+        finally:
+            sim.count_all.value = 0
+        ran = failed = 0
+        for completion in done:
+            try:
+                await completion
+                ran += 1
+            except am.AsyncMetalError:
+                failed += 1
+            except Exception as exc:
+                problems.append(f"a command's await raised {_error(exc)}")
+        if seen is not None:
+            seen.update(held=held, ran=ran, failed=failed)
+    if error is not None and not isinstance(error, am.AsyncMetalError):
+        problems.append(f"a submission raised {_error(error)}")
+    elif code == STICKY and error is not None and not isinstance(error, DeviceLostError):
+        problems.append(f"a submission raised {_error(error)}, not DeviceLostError")
+    if code and code != STICKY:  # the device still works
+        _driver.lost_first = None
+        with anyio.fail_after(30):
+            try:
+                dev = await am.open_device("cuda:0")
+                kernel = await dev._program(
+                    ("key", "k"), params, b"cubin", SRC, dev._backend.compiler, None
+                )
+                buf = await dev.alloc(64)
+                await dev.queue.launch(kernel, buf)
+                await dev.close()
+            except Exception as exc:
+                problems.append(f"the device failed after: {_error(exc)}")
+    deadline = anyio.current_time() + 10
+    while device_threads() - threads and anyio.current_time() < deadline:
+        await anyio.sleep(0.005)
+    if device_threads() - threads:
+        problems.append(f"threads left: {sorted(t.name for t in device_threads() - threads)}")
+    if sim.events_made.value - sim.events_destroyed.value != made:
+        problems.append("events never destroyed")
+    return sim.counted.value, problems
+
+
+async def _discard_sweep(sim: _Simulated, samples: int) -> Seen:
+    """The discard workload once clean, counting the submitting thread's driver calls,
+    then for each sampled N with call N failing, not sticky (an invalid value) and
+    sticky (the context faulted)."""
+    from tests.support.faults import sampled
+
+    clean: Seen = {}
+    total, problems = await _discard_run(sim, 0, 0, clean)
+    found = [f"clean: {p}" for p in problems]
+    for code in (1, STICKY):
+        for n in sampled(total, samples):
+            _, problems = await _discard_run(sim, n, code)
+            found += [f"call {n} failing with {code}: {p}" for p in problems]
+    return {"calls": total, "found": found, "clean": clean}
+
+
+def main(scenario: str, loop: str, *args: str) -> None:
     with tempfile.TemporaryDirectory(prefix="asyncmetal-simcuda-") as tmp:
         sim = _Simulated(Path(tmp))
         _install(sim)
-        seen = anyio.run(functools.partial(_main, sim, scenario), backend=loop)
+        if scenario == "discard_sweep":
+            run = functools.partial(_discard_sweep, sim, int(args[0]))
+            seen: Any = {"sweep": anyio.run(run, backend=loop)}
+        else:
+            seen = anyio.run(functools.partial(_main, sim, scenario), backend=loop)
     print(json.dumps(seen))
 
 
