@@ -636,13 +636,15 @@ class Device:
         records an event on the stream, so awaiting it awaits everything anyone
         submitted there before. asyncmetal commands on it run in the stream's order.
         Closing the device leaves the stream to its owner (it must outlive the device
-        or the queue's last use). Adopting a stream again gives the same queue."""
+        or the queue's last use). Adopting a stream again gives the same queue, until
+        that one is closed: from its ``close()`` on -- also while that waits for its
+        commands -- a new one (the closed one refuses every command)."""
         self._check_open()
         key = self._backend.stream_key(stream)
         with self._state.submitting:
             self._check_open()
             queue = self._adopted.get(key)
-        if queue is not None:
+        if queue is not None and queue._closed is None:
             return queue
         # Made outside the submission lock and recorded whole, as new_queue's; where
         # another thread adopted the stream meanwhile, its queue is the one given.
@@ -663,7 +665,7 @@ class Device:
             with self._state.submitting:
                 self._check_open()
                 adopted = self._adopted.get(key)
-                if adopted is not None:
+                if adopted is not None and adopted._closed is None:
                     queue = adopted
                 else:
                     self._queues = [*self._queues, queue]

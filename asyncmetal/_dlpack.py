@@ -142,7 +142,7 @@ _TENSOR_AT = {
 # the extension's dlpack_take, native/py_dlpack.c, which does the same in one call).
 TAKEN, NO_CAPSULE, NEWER_VERSION, READ_ONLY, EMPTY, NOT_CONTIGUOUS, MALFORMED = range(7)
 _SIZE_LIMIT = (1 << 63) - 8  # bytes' bits + 7 fit an int64, as in C
-_ADDRESS_LIMIT = 1 << (8 * ctypes.sizeof(ctypes.c_void_p))  # where memory would end
+ADDRESS_LIMIT = 1 << (8 * ctypes.sizeof(ctypes.c_void_p))  # where memory would end
 
 
 class _Owner:
@@ -218,7 +218,7 @@ def take_capsule(capsule: object) -> tuple[Any, ...]:
     if not tensor.data:
         return MALFORMED, "no data"
     data = tensor.data + tensor.byte_offset
-    if data + (bits + 7) // 8 >= _ADDRESS_LIMIT:  # (as in C: the end fits a pointer)
+    if data + (bits + 7) // 8 >= ADDRESS_LIMIT:  # (as in C: the end fits a pointer)
         return MALFORMED, "an address past the address space"
     capsule_set_name(capsule, used)  # consumed: the deleter is ours to call
     device = tensor.device

@@ -15,7 +15,7 @@ import ctypes
 import math
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -25,11 +25,15 @@ from ._allocator import Block, lenders
 from ._buffer import Buffer
 from ._device import Device, closing, devices_opened, foreign_buffer, open_devices
 from ._dlpack import (
+    ADDRESS_LIMIT,
     DLPACK_VERSION,
+    EMPTY,
     KDLCPU,
     KDLCUDA,
     KDLCUDAHOST,
     KDLMETAL,
+    NOT_CONTIGUOUS,
+    READ_ONLY,
     TAKEN,
     Exports,
     export_dlpack,
@@ -116,21 +120,6 @@ def _device_for(device_type: int, device_id: int, given: Device | None) -> Devic
 _last_found: dict[tuple[int, int], tuple[weakref.ref[Device], int]] = {}
 
 
-def _nbytes(shape: tuple[int, ...], strides: tuple[int, ...] | None, itembits: int) -> int:
-    """Bytes of a C-contiguous array (strides in items, None: contiguous)."""
-    if math.prod(shape) == 0:
-        raise InvalidArgumentError("the array is empty")
-    if strides is not None:
-        expected = 1
-        for n, stride in zip(reversed(shape), reversed(strides), strict=True):
-            if n != 1 and stride != expected:
-                raise InvalidArgumentError(
-                    "the array is not C-contiguous: make it contiguous before sharing it"
-                )
-            expected *= n
-    return (math.prod(shape) * itembits + 7) // 8
-
-
 def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     """A Buffer over the memory of ``obj`` -- a numpy, PyTorch, CuPy or JAX array, any
     object with ``__dlpack__`` or ``__cuda_array_interface__`` -- without copying.
@@ -139,12 +128,12 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     that one): host memory on the open ``cpu`` (or on the device one of whose buffers
     lent it out, coming back), CUDA memory on the open ``cuda:N`` -- never, unless
     given, on a device whose close has begun (ClosedResourceError where only such
-    devices could take it). The
-    producer's pending work on it comes before the device's default queue, and so
-    before every command that orders itself after the buffer (copies do; launches with
-    ``queue.after(buf)``). The array must be C-contiguous. It is kept alive while the
-    buffer is; freeing the buffer gives nothing back to the allocator (the memory is
-    the producer's). Never blocks.
+    devices could take it). The producer's pending work on it comes before the
+    device's default queue, and so before every command that orders itself after the
+    buffer (copies do; launches with ``queue.after(buf)``). The array must be
+    C-contiguous and writable (and unmasked: ``__cuda_array_interface__``'s ``mask``).
+    It is kept alive while the buffer is; freeing the buffer gives nothing back to the
+    allocator (the memory is the producer's). Never blocks.
     """
     if not hasattr(obj, "__dlpack__"):
         if hasattr(obj, "__cuda_array_interface__"):
@@ -311,29 +300,93 @@ def _buffer(device: Device, memory: _Imported, queue: Queue | None) -> Buffer:
     return foreign_buffer(device, memory.address, memory.nbytes, memory, (queue, after.value))
 
 
-def _from_cuda_array_interface(obj: Any, device: Device | None) -> Buffer:
-    interface = obj.__cuda_array_interface__
-    shape = tuple(interface["shape"])
-    dtype = np.dtype(interface["typestr"])
+def _interface(interface: object) -> tuple[int, int, int | None]:
+    """``__cuda_array_interface__`` checked as a capsule is (``take_capsule``): the
+    memory's address and size, and the producer's stream (None: none named). Refused as
+    a capsule would be: read-only memory (its ``data`` flag), a mask (elements it marks
+    are no data), no C-contiguous elements, none at all, no memory; malformed fields
+    raise ExchangeError, as a malformed capsule does."""
+    if not isinstance(interface, Mapping):
+        raise ArgumentTypeError(
+            f"__cuda_array_interface__ must be a dict, got {type(interface).__name__}"
+        )
+    shape = _ints(interface.get("shape"), "shape")
+    typestr = interface.get("typestr")
+    try:
+        dtype = np.dtype(typestr) if isinstance(typestr, str) else None
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype is None or dtype.hasobject or not dtype.itemsize:
+        raise _malformed(f"typestr {typestr!r} is no numpy type of plain data")
+    data = interface.get("data")
+    pointer = read_only = None
+    if isinstance(data, tuple | list) and len(data) == 2:
+        pointer, read_only = data
+    address = as_int(pointer)
+    if address is None or not isinstance(read_only, bool | np.bool_ | int):
+        raise _malformed(f"data must be an (address, read-only) pair, got {data!r}")
+    if interface.get("mask") is not None:
+        raise ExchangeError(
+            "the array is masked (its __cuda_array_interface__'s mask): pass one without"
+        )
     strides = interface.get("strides")
     if strides is not None:
-        if any(s % dtype.itemsize for s in strides):
-            raise InvalidArgumentError("the array is not C-contiguous")
-        strides = tuple(s // dtype.itemsize for s in strides)
-    nbytes = _nbytes(shape, strides, dtype.itemsize * 8)
-    address = int(interface["data"][0])
+        strides = _ints(strides, "strides")
+        if len(strides) != len(shape):
+            raise _malformed(f"strides {strides!r} do not match shape {shape!r}")
+    if not math.prod(shape):
+        raise refuse((EMPTY,))
+    if strides is not None:
+        expected = dtype.itemsize
+        for n, stride in zip(reversed(shape), reversed(strides), strict=True):
+            if n != 1 and stride != expected:
+                raise refuse((NOT_CONTIGUOUS,))
+            expected *= n
+    if read_only:
+        raise refuse((READ_ONLY,))
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not address:
+        raise _malformed("no data")
+    if address < 0 or address + nbytes >= ADDRESS_LIMIT:
+        raise _malformed("an address past the address space")
+    stream = interface.get("stream")
+    handle = None if stream is None else as_int(stream)
+    if stream is not None and handle is None:
+        raise _malformed(f"stream must be None or an int, got {stream!r}")
+    if handle == 0:
+        raise InvalidArgumentError(
+            "the array's stream is 0, which __cuda_array_interface__ disallows (it would "
+            "be ambiguous): its producer names its stream (1: the legacy stream)"
+        )
+    return address, nbytes, handle
+
+
+def _ints(value: object, what: str) -> tuple[int, ...]:
+    """A tuple of ints of an interface (``shape``: none negative), checked."""
+    items = [as_int(n) for n in value] if isinstance(value, tuple | list) else [None]
+    ints = tuple(n for n in items if n is not None and (n >= 0 or what != "shape"))
+    if len(ints) != len(items):
+        raise _malformed(f"{what} must be a tuple of ints (extents >= 0), got {value!r}")
+    return ints
+
+
+def _malformed(what: str) -> ExchangeError:
+    return ExchangeError(f"the array's __cuda_array_interface__ is malformed: {what}")
+
+
+def _from_cuda_array_interface(obj: Any, device: Device | None) -> Buffer:
+    address, nbytes, stream = _interface(obj.__cuda_array_interface__)
     indices = {d.pointer_index(address) for d in open_devices()} - {None}
     if not indices:
         raise InvalidArgumentError(
             "no open device holds the array's memory: open its cuda device first"
         )
     device = _device_for(KDLCUDA, indices.pop() or 0, device)
-    stream = interface.get("stream")
     memory = _Imported(obj, None, address, nbytes)
     queue = device._own_queue()
     if stream is None:
         return _buffer(device, memory, queue)
     # The producer's stream: the default queue waits, on the device, for what was
     # submitted there until now (the stream is not adopted), and so do later commands.
-    after = queue._after_stream(int(stream))
+    after = queue._after_stream(stream)
     return foreign_buffer(device, address, nbytes, memory, (queue, after.value))

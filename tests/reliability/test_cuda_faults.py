@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
@@ -681,6 +682,38 @@ async def test_closing_a_cuda_queue_releases_its_stream_and_leaves_an_adopted_on
     finally:
         await dev.close()
     assert driver.calls.count("cuStreamDestroy") == 2  # the default queue's: none twice
+
+
+async def test_adopting_a_stream_whose_queue_is_closing_gives_a_new_queue(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """An adopted stream's queue whose close waits for its commands refuses every
+    command from the close on; adopting the stream meanwhile gives a new queue, usable
+    at once, which that close then leaves alone. Checked: fails without the fix (the
+    closing queue was given again, and its marker raised ClosedResourceError)."""
+    assert driver.runtime is not None
+    runtime: Any = driver.runtime
+    runtime.am_cuq_finish = lambda q, value, extra, target, ns, flags: 0  # (confirmed below)
+    dev = await am.open_device("cuda:0")
+    adopted = dev.adopt_stream(1)
+    pending = adopted.marker()  # unconfirmed: the close waits for it
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(adopted.close)
+                while not adopted.closed:
+                    await anyio.lowlevel.checkpoint()  # (its task seals it first thing)
+                again = dev.adopt_stream(1)
+                assert again is not adopted and not again.closed
+                marker = again.marker()  # not refused
+                assert dev.adopt_stream(1) is again
+                adopted.timeline.native.signal(pending.value)
+            assert dev.adopt_stream(1) is again and not again.closed  # the close left it
+            again.timeline.native.signal(marker.value)
+            await marker
+    finally:
+        adopted.timeline.native.signal(pending.value)  # (the fake confirms nothing)
+        await dev.close()
 
 
 async def test_a_dropped_cuda_queue_releases_its_stream_once_its_commands_ran(

@@ -175,6 +175,69 @@ async def test_an_interface_producers_stream_is_waited_for_and_not_adopted(
         await dev.close()
 
 
+async def test_an_interface_producer_is_checked_as_a_capsule_is(
+    anyio_backend: object, driver_fixture: _Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``am.from_dlpack`` of a ``__cuda_array_interface__`` object refuses what a capsule
+    would be refused for, before anything is submitted: memory its ``data`` flags
+    read-only (kernels and copies may write a Buffer), a mask (the elements it marks are
+    no data), no memory at all, the stream 0 that the interface disallows; and a
+    malformed interface raises ExchangeError, not whatever its reading hit.
+    Checked: fails without the checks (a read-only or masked array became a Buffer; a
+    missing key raised KeyError, a bad typestr TypeError)."""
+    driver = driver_fixture
+    _streams_of(driver, CONTEXT)
+    assert driver.runtime is not None
+    driver.runtime.am_cuq_finish = lambda q, value, extra, target, ns, flags: 0  # type: ignore[attr-defined]
+    dev = await am.open_device("cuda:0")
+    # (the fake has no pointer attributes: every address is cuda:0's)
+    monkeypatch.setattr(type(dev._backend), "pointer_index", lambda self, address: 0)
+    try:
+        memory = await dev.alloc(1024)
+        address = int(memory._allocation.handle)
+        plain = {"shape": (256,), "typestr": "<i4", "data": (address, False), "version": 3}
+
+        class Producer:
+            def __init__(self, **changed: Any) -> None:
+                interface = {**plain, **changed}
+                self.__cuda_array_interface__ = {
+                    k: v for k, v in interface.items() if v is not _GONE
+                }
+
+        submitted = dev.queue.submitted
+        refused: list[tuple[dict[str, Any], type[Exception], str]] = [
+            ({"data": (address, True)}, am.ExchangeError, "read-only"),
+            ({"mask": Producer()}, am.ExchangeError, "masked"),
+            ({"data": (0, False)}, am.ExchangeError, "malformed: no data"),
+            ({"stream": 0}, am.InvalidArgumentError, "stream is 0"),
+            ({"data": _GONE}, am.ExchangeError, "malformed: data must be"),
+            ({"data": address}, am.ExchangeError, "malformed: data must be"),
+            ({"shape": _GONE}, am.ExchangeError, "malformed: shape must be"),
+            ({"shape": (-1,)}, am.ExchangeError, "malformed: shape must be"),
+            ({"typestr": "zz"}, am.ExchangeError, "malformed: typestr"),
+            ({"typestr": "|O"}, am.ExchangeError, "malformed: typestr"),
+            ({"strides": (4, 4)}, am.ExchangeError, "malformed: strides"),
+            ({"stream": "s"}, am.ExchangeError, "malformed: stream"),
+            ({"strides": (8,), "shape": (128,)}, am.InvalidArgumentError, "C-contiguous"),
+            ({"shape": (0,)}, am.InvalidArgumentError, "empty"),
+        ]
+        for changed, error, match in refused:
+            with pytest.raises(error, match=match):
+                am.from_dlpack(Producer(**changed), device=dev)
+        assert dev.queue.submitted == submitted  # nothing submitted for them
+        # What passes: a read-only flag of False given as an int, strides of C order.
+        buf = am.from_dlpack(
+            Producer(data=(address, 0), strides=(64, 4), shape=(4, 16)), device=dev
+        )
+        assert buf.nbytes == 256
+    finally:
+        dev.queue.timeline.native.signal(dev.queue.submitted)  # (the fake confirms nothing)
+        await dev.close()
+
+
+_GONE = object()  # an interface's key left out
+
+
 async def test_an_interface_export_hands_the_default_queue_over_first(
     anyio_backend: object, driver_fixture: _Driver
 ) -> None:
