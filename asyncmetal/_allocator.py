@@ -877,9 +877,12 @@ class Allocator:
                 if left:
                     self._pending[block] = left
                 else:
-                    due.append(block)  # (pending until released: an interrupt loses none)
-        for block in due:
-            self._release(block)
+                    # (Pending until released: an interrupt loses none.) With its
+                    # generation: another thread's sweep may release it first, and an
+                    # allocation hand it out anew, before this one gets to it.
+                    due.append((block, block.generation))
+        for block, generation in due:
+            self._release(block, generation)
 
     def _watch_pending(self) -> None:
         """Have the calling loop count an event when a pending release's next use
