@@ -308,6 +308,12 @@ class _ReleaseCounter(NativeTimeline):
                 if taking:
                     self._on_advance(self._value)
 
+    def forked(self) -> None:
+        """In a forked child: a parent thread may have been counting at the fork (the
+        lock held, ``_busy`` set), and never lets go here."""
+        self._lock = threading.RLock()
+        self._busy = False
+
 
 class _Releases(Waitable):
     """Counts what may let a waiting allocation proceed (a release, a dropped buffer,
@@ -434,6 +440,7 @@ class Allocator:
         self._allocating = {}
         self._free_lock = threading.Lock()
         self._loans_lock = threading.RLock()
+        self._frees._counter.forked()  # (a buffer dropped in the child counts a release)
 
     # -- allocation ----------------------------------------------------------------------
 

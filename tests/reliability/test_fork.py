@@ -342,6 +342,50 @@ def test_a_child_forked_while_a_thread_holds_the_allocators_lock_does_not_hang()
     assert _child_prints(_FORK_WHILE_THE_ALLOCATOR_IS_LOCKED) == ["0"]
 
 
+_FORK_AS_A_RELEASE_IS_COUNTED = """
+import os, signal, threading
+import anyio
+import asyncmetal as am
+
+async def main():
+    dev = await am.open_device("cpu")
+    bufs = [await dev.alloc(4096), await dev.alloc(4096)]
+    counter = dev._allocator._frees._counter
+    counting, go_on = threading.Event(), threading.Event()
+
+    def count():  # a thread inside the count of a release (a free, a buffer dropped)
+        with counter._lock:
+            counting.set()
+            go_on.wait(30)
+
+    counter_thread = threading.Thread(target=count)
+    counter_thread.start()
+    counting.wait()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(10)  # a child that hangs is killed
+        bufs.pop()  # a buffer of the parent's device dropped in the child
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print(status)
+    go_on.set()
+    counter_thread.join()
+    await bufs.pop().free()
+    print(dev.memory_statistics().in_use)
+    await dev.close()
+
+anyio.run(main)
+"""
+
+
+def test_a_child_forked_as_a_release_is_counted_drops_the_parents_buffers() -> None:
+    """Another thread of the parent was counting a release (its counter's lock held)
+    at the fork: in the child a buffer of the parent's device dropped counts one too,
+    which must not wait for a thread that does not exist there. Checked: fails without
+    the fix (the child hung, killed by its alarm: status 14)."""
+    assert _child_prints(_FORK_AS_A_RELEASE_IS_COUNTED) == ["0", "4096"]
+
+
 _FORK_WHILE_A_CLOSING_CPU_DEVICE_FREES = """
 import os, queue, signal, threading, time
 import anyio, numpy as np
