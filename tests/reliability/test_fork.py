@@ -386,6 +386,71 @@ def test_a_child_forked_as_a_release_is_counted_drops_the_parents_buffers() -> N
     assert _child_prints(_FORK_AS_A_RELEASE_IS_COUNTED) == ["0", "4096"]
 
 
+_FORK_AS_A_THREAD_HOLDS_A_SHARED_LOCK = """
+import asyncio, os, signal, sys, threading
+import numpy as np
+import asyncmetal as am
+from asyncmetal import _backend, _bridge
+
+# What a parent thread holds as the process forks: the lock around making a loop's
+# bridge (its first await of asyncmetal's), or around queues' records of what they keep
+# (a queue being made).
+lock = {"bridges": _bridge._bridges_lock, "keeps": _backend._keeps_lock}[sys.argv[1]]
+
+
+async def child():  # a device of the child's own, on its first loop
+    async with am.open_device("cpu") as dev:
+        buf = await dev.alloc(16)
+        await buf.write(np.arange(16, dtype=np.uint8))
+        assert (await buf.read())[5] == 5
+
+
+async def main():
+    dev = await am.open_device("cpu")
+    holding, go_on = threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            holding.set()
+            go_on.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holding.wait()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(10)  # a child that hangs is killed
+        asyncio.new_event_loop().run_until_complete(child())
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print(status)
+    go_on.set()
+    holder.join()
+    await dev.close()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("lock", ["bridges", "keeps"])
+def test_a_child_forked_as_a_thread_holds_a_shared_lock_opens_its_own_devices(
+    lock: str,
+) -> None:
+    """Another thread of the parent held a lock of asyncmetal's own that a child's
+    devices take too (making a loop's bridge, a queue's record of what it keeps) at the
+    fork: the child opens and uses a device of its own without waiting for a thread
+    that does not exist there. Checked: fails without the fix (the child hung, killed
+    by its alarm: status 14)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORK_AS_A_THREAD_HOLDS_A_SHARED_LOCK, lock],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["0"]
+
+
 _FORK_WHILE_A_CLOSING_CPU_DEVICE_FREES = """
 import os, queue, signal, threading, time
 import anyio, numpy as np
