@@ -451,6 +451,65 @@ def test_a_child_forked_as_a_thread_holds_a_shared_lock_opens_its_own_devices(
     assert proc.stdout.split() == ["0"]
 
 
+_FORK_AS_A_METAL_BLOCK_IS_MADE = """
+import gc, os, signal, sys, threading
+sys.path.insert(0, sys.argv[1])
+import anyio
+from tests.support.fakes import metal_sim
+
+metal_sim.configure()
+import asyncmetal as am
+from asyncmetal.backends.metal import _blocks
+
+
+async def main():
+    dev = await am.open_device("metal")
+    timelines = [dev.timeline()]
+    making, go_on = threading.Event(), threading.Event()
+
+    def make():  # a thread inside the records of Metal's completion handlers
+        with _blocks._lock:
+            making.set()
+            go_on.wait(30)
+
+    maker = threading.Thread(target=make)
+    maker.start()
+    making.wait()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(10)  # a child that hangs is killed
+        timelines.clear()  # a timeline of the parent's device dropped in the child
+        gc.collect()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print(status)
+    go_on.set()
+    maker.join()
+    await dev.close()
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.metal
+@pytest.mark.skipif(metal_sim.missing() is not None, reason=f"{metal_sim.missing()}")
+def test_a_child_forked_as_a_metal_block_is_made_drops_the_parents_timelines() -> None:
+    """Another thread of the parent held the lock of Metal's completion handlers' records
+    at the fork (a command being made, a handler run): a timeline of the parent's Metal
+    device dropped in the child frees its native part under that lock, which must not
+    wait for a thread that does not exist there. Checked: fails without the fix (the
+    child hung, killed by its alarm: status 14)."""
+    root = str(Path(__file__).parents[2])
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORK_AS_A_METAL_BLOCK_IS_MADE, root],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["0"]
+
+
 _FORK_WHILE_A_CLOSING_CPU_DEVICE_FREES = """
 import os, queue, signal, threading, time
 import anyio, numpy as np
