@@ -434,7 +434,11 @@ class Allocator:
 
     def forked(self) -> None:
         """In a forked child: a parent thread may have held a lock at the fork (it is
-        never let go of here), and its allocations under way are not the child's."""
+        never let go of here), and its allocations under way are not the child's. Its
+        memory is the parent's: closed here, as its device is, nothing of it is freed,
+        cached or handed out (``empty_memory_cache`` releases none, a buffer dropped
+        queues nothing)."""
+        self.closed = True
         self._lock = threading.Lock()
         self._allocated = threading.Condition(self._lock)
         self._allocating = {}

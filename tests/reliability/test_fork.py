@@ -386,6 +386,46 @@ def test_a_child_forked_as_a_release_is_counted_drops_the_parents_buffers() -> N
     assert _child_prints(_FORK_AS_A_RELEASE_IS_COUNTED) == ["0", "4096"]
 
 
+_EMPTY_THE_PARENTS_CACHE_IN_THE_CHILD = """
+import os, signal
+import anyio
+import asyncmetal as am
+
+
+async def parent_open():
+    dev = await am.open_device("cpu")
+    buf = await dev.alloc(4096)
+    await buf.free()  # cached
+    return dev
+
+
+async def child(dev):
+    live = dev._backend.live_allocations
+    released = await dev.empty_memory_cache()  # the parent's cache: nothing of it here
+    print(released, dev._backend.live_allocations - live, flush=True)
+
+
+dev = anyio.run(parent_open)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(10)  # a child that hangs is killed
+    anyio.run(child, dev)
+    os._exit(0)
+os.waitpid(pid, 0)
+print(dev.memory_statistics().cached)
+anyio.run(dev.close)
+"""
+
+
+def test_a_child_empties_none_of_the_parents_memory_cache() -> None:
+    """In a forked child the parent's device is closed, its memory the parent's: its
+    ``empty_memory_cache()`` releases nothing there (as on a closed device: 0 bytes),
+    rather than hand the parent's cached blocks to the backend's free -- on cuda a
+    freeing thread's queue and lock that are the parent's. Checked: fails without the
+    fix (the child released the 4096 bytes)."""
+    assert _child_prints(_EMPTY_THE_PARENTS_CACHE_IN_THE_CHILD) == ["0", "0", "4096"]
+
+
 _FORK_AS_A_THREAD_HOLDS_A_SHARED_LOCK = """
 import asyncio, os, signal, sys, threading
 import numpy as np
