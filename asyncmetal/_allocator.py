@@ -674,8 +674,9 @@ class Allocator:
 
     def _expire(self, now: float) -> None:
         """(Under the lock.) Free the blocks cached for ``cache_max_age`` or longer
-        (``now``: time.monotonic()); looks at most eight times per that age."""
-        if now < self._next_expiry:
+        (``now``: time.monotonic()); looks at most eight times per that age. None once
+        closed: the close freed the cache (in a forked child, the cache is the parent's)."""
+        if now < self._next_expiry or self.closed:
             return
         self._next_expiry = now + self.cache_max_age / 8
         cutoff = now - self.cache_max_age
