@@ -315,6 +315,12 @@ class _ReleaseCounter(NativeTimeline):
                 if taking:
                     self._on_advance(self._value)
 
+    def forked(self) -> None:
+        """In a forked child: a parent thread may have been counting at the fork (the
+        lock held, ``_busy`` set), and never lets go here."""
+        self._lock = threading.RLock()
+        self._busy = False
+
 
 class _Releases(Waitable):
     """Counts what may let a waiting allocation proceed (a release, a dropped buffer,
@@ -435,12 +441,17 @@ class Allocator:
 
     def forked(self) -> None:
         """In a forked child: a parent thread may have held a lock at the fork (it is
-        never let go of here), and its allocations under way are not the child's."""
+        never let go of here), and its allocations under way are not the child's. Its
+        memory is the parent's: closed here, as its device is, nothing of it is freed,
+        cached or handed out (``empty_memory_cache`` releases none, a buffer dropped
+        queues nothing)."""
+        self.closed = True
         self._lock = threading.Lock()
         self._allocated = threading.Condition(self._lock)
         self._allocating = {}
         self._free_lock = threading.Lock()
         self._loans_lock = threading.RLock()
+        self._frees._counter.forked()  # (a buffer dropped in the child counts a release)
 
     # -- allocation ----------------------------------------------------------------------
 
@@ -677,8 +688,9 @@ class Allocator:
 
     def _expire(self, now: float) -> None:
         """(Under the lock.) Free the blocks cached for ``cache_max_age`` or longer
-        (``now``: time.monotonic()); looks at most eight times per that age."""
-        if now < self._next_expiry:
+        (``now``: time.monotonic()); looks at most eight times per that age. None once
+        closed: the close freed the cache (in a forked child, the cache is the parent's)."""
+        if now < self._next_expiry or self.closed:
             return
         self._next_expiry = now + self.cache_max_age / 8
         cutoff = now - self.cache_max_age
@@ -891,9 +903,12 @@ class Allocator:
                 if left:
                     self._pending[block] = left
                 else:
-                    due.append(block)  # (pending until released: an interrupt loses none)
-        for block in due:
-            self._release(block)
+                    # (Pending until released: an interrupt loses none.) With its
+                    # generation: another thread's sweep may release it first, and an
+                    # allocation hand it out anew, before this one gets to it.
+                    due.append((block, block.generation))
+        for block, generation in due:
+            self._release(block, generation)
 
     def _watch_pending(self) -> None:
         """Have the calling loop count an event when a pending release's next use

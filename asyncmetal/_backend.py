@@ -10,6 +10,7 @@ above, once, for all backends.
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import weakref
 from abc import ABC, abstractmethod
@@ -119,6 +120,17 @@ class KeepAlive:
 
 _keeps: weakref.WeakSet[KeepAlive] = weakref.WeakSet()
 _keeps_lock = threading.Lock()
+
+
+def _new_keeps_lock() -> None:
+    """In a forked child: a parent thread may have held the lock at the fork (making a
+    queue, letting go of what queues keep); the child's own queues take it too."""
+    global _keeps_lock
+    _keeps_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_keeps_lock)
 
 
 def let_go_everywhere() -> None:

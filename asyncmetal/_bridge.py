@@ -1375,6 +1375,17 @@ _trio_bridge_var: Any = None
 _bridges_lock = threading.Lock()
 
 
+def _new_bridges_lock() -> None:
+    """In a forked child: a parent thread may have held the lock at the fork (making
+    its loop's bridge); the child's first loop makes one too."""
+    global _bridges_lock
+    _bridges_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_bridges_lock)
+
+
 def current_bridge() -> LoopBridge:
     """The bridge of the running loop (asyncio, uvloop or trio), made on first use."""
     loop = _get_running_loop()  # (running_asyncio_loop(), inline: this is every park's)

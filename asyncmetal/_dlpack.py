@@ -262,7 +262,11 @@ class Loan:
         self.release = release
 
     def __del__(self) -> None:
-        self.release()
+        try:
+            release = self.release
+        except AttributeError:  # an interrupt at __init__'s entry: it holds no loan (the
+            return  # ``release`` it was given goes, which ends that loan)
+        release()
 
 
 def _no_release(*held: object) -> None:

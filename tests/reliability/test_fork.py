@@ -342,6 +342,219 @@ def test_a_child_forked_while_a_thread_holds_the_allocators_lock_does_not_hang()
     assert _child_prints(_FORK_WHILE_THE_ALLOCATOR_IS_LOCKED) == ["0"]
 
 
+_FORK_AS_A_RELEASE_IS_COUNTED = """
+import os, signal, threading
+import anyio
+import asyncmetal as am
+
+async def main():
+    dev = await am.open_device("cpu")
+    bufs = [await dev.alloc(4096), await dev.alloc(4096)]
+    counter = dev._allocator._frees._counter
+    counting, go_on = threading.Event(), threading.Event()
+
+    def count():  # a thread inside the count of a release (a free, a buffer dropped)
+        with counter._lock:
+            counting.set()
+            go_on.wait(30)
+
+    counter_thread = threading.Thread(target=count)
+    counter_thread.start()
+    counting.wait()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(10)  # a child that hangs is killed
+        bufs.pop()  # a buffer of the parent's device dropped in the child
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print(status)
+    go_on.set()
+    counter_thread.join()
+    await bufs.pop().free()
+    print(dev.memory_statistics().in_use)
+    await dev.close()
+
+anyio.run(main)
+"""
+
+
+def test_a_child_forked_as_a_release_is_counted_drops_the_parents_buffers() -> None:
+    """Another thread of the parent was counting a release (its counter's lock held)
+    at the fork: in the child a buffer of the parent's device dropped counts one too,
+    which must not wait for a thread that does not exist there. Checked: fails without
+    the fix (the child hung, killed by its alarm: status 14)."""
+    assert _child_prints(_FORK_AS_A_RELEASE_IS_COUNTED) == ["0", "4096"]
+
+
+_EMPTY_THE_PARENTS_CACHE_IN_THE_CHILD = """
+import os, signal
+import anyio
+import asyncmetal as am
+
+
+async def parent_open():
+    dev = await am.open_device("cpu")
+    buf = await dev.alloc(4096)
+    await buf.free()  # cached
+    return dev
+
+
+async def child(dev):
+    live = dev._backend.live_allocations
+    allocator = dev._allocator
+    allocator.cache_max_age = allocator._next_expiry = 0.0  # as if cached long ago
+    stats = dev.memory_statistics()  # (a look that frees blocks cached that long)
+    released = await dev.empty_memory_cache()  # the parent's cache: nothing of it here
+    print(stats.cached, released, dev._backend.live_allocations - live, flush=True)
+
+
+dev = anyio.run(parent_open)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(10)  # a child that hangs is killed
+    anyio.run(child, dev)
+    os._exit(0)
+os.waitpid(pid, 0)
+print(dev.memory_statistics().cached)
+anyio.run(dev.close)
+"""
+
+
+def test_a_child_empties_none_of_the_parents_memory_cache() -> None:
+    """In a forked child the parent's device is closed, its memory the parent's: its
+    ``empty_memory_cache()`` releases nothing there (as on a closed device: 0 bytes),
+    nor does a look at its statistics free blocks cached long ago, rather than hand
+    the parent's cached blocks to the backend's free -- on cuda a freeing thread's
+    queue and lock that are the parent's. Checked: fails without the fix (the child
+    released the 4096 bytes; with the cache emptied only, its statistics freed them)."""
+    prints = _child_prints(_EMPTY_THE_PARENTS_CACHE_IN_THE_CHILD)
+    assert prints == ["4096", "0", "0", "4096"]
+
+
+_FORK_AS_A_THREAD_HOLDS_A_SHARED_LOCK = """
+import asyncio, os, signal, sys, threading
+import numpy as np
+import asyncmetal as am
+from asyncmetal import _backend, _bridge
+
+# What a parent thread holds as the process forks: the lock around making a loop's
+# bridge (its first await of asyncmetal's), or around queues' records of what they keep
+# (a queue being made).
+lock = {"bridges": _bridge._bridges_lock, "keeps": _backend._keeps_lock}[sys.argv[1]]
+
+
+async def child():  # a device of the child's own, on its first loop
+    async with am.open_device("cpu") as dev:
+        buf = await dev.alloc(16)
+        await buf.write(np.arange(16, dtype=np.uint8))
+        assert (await buf.read())[5] == 5
+
+
+async def main():
+    dev = await am.open_device("cpu")
+    holding, go_on = threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            holding.set()
+            go_on.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holding.wait()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(10)  # a child that hangs is killed
+        asyncio.new_event_loop().run_until_complete(child())
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print(status)
+    go_on.set()
+    holder.join()
+    await dev.close()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("lock", ["bridges", "keeps"])
+def test_a_child_forked_as_a_thread_holds_a_shared_lock_opens_its_own_devices(
+    lock: str,
+) -> None:
+    """Another thread of the parent held a lock of asyncmetal's own that a child's
+    devices take too (making a loop's bridge, a queue's record of what it keeps) at the
+    fork: the child opens and uses a device of its own without waiting for a thread
+    that does not exist there. Checked: fails without the fix (the child hung, killed
+    by its alarm: status 14)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORK_AS_A_THREAD_HOLDS_A_SHARED_LOCK, lock],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["0"]
+
+
+_FORK_AS_A_METAL_BLOCK_IS_MADE = """
+import gc, os, signal, sys, threading
+sys.path.insert(0, sys.argv[1])
+import anyio
+from tests.support.fakes import metal_sim
+
+metal_sim.configure()
+import asyncmetal as am
+from asyncmetal.backends.metal import _blocks
+
+
+async def main():
+    dev = await am.open_device("metal")
+    timelines = [dev.timeline()]
+    making, go_on = threading.Event(), threading.Event()
+
+    def make():  # a thread inside the records of Metal's completion handlers
+        with _blocks._lock:
+            making.set()
+            go_on.wait(30)
+
+    maker = threading.Thread(target=make)
+    maker.start()
+    making.wait()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(10)  # a child that hangs is killed
+        timelines.clear()  # a timeline of the parent's device dropped in the child
+        gc.collect()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print(status)
+    go_on.set()
+    maker.join()
+    await dev.close()
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.metal
+@pytest.mark.skipif(metal_sim.missing() is not None, reason=f"{metal_sim.missing()}")
+def test_a_child_forked_as_a_metal_block_is_made_drops_the_parents_timelines() -> None:
+    """Another thread of the parent held the lock of Metal's completion handlers' records
+    at the fork (a command being made, a handler run): a timeline of the parent's Metal
+    device dropped in the child frees its native part under that lock, which must not
+    wait for a thread that does not exist there. Checked: fails without the fix (the
+    child hung, killed by its alarm: status 14)."""
+    root = str(Path(__file__).parents[2])
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORK_AS_A_METAL_BLOCK_IS_MADE, root],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["0"]
+
+
 _FORK_WHILE_A_CLOSING_CPU_DEVICE_FREES = """
 import os, queue, signal, threading, time
 import anyio, numpy as np

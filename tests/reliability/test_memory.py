@@ -296,6 +296,50 @@ async def test_a_freed_buffers_last_use_passing_as_the_allocation_looks_is_not_m
 
 
 @pytest.mark.anyio
+async def test_two_sweeps_releasing_one_block_never_release_its_next_owners(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two threads sweep at once and both find a collected buffer's block due: one
+    releases it, an allocation takes it, then the other's release comes. That one must
+    not release the block from under its new owner (before, it went back to the cache
+    while the new buffer held it: the next allocation was handed the same memory, and
+    ``in_use`` counted it out). Checked: fails without the fix."""
+    allocator = device._allocator
+    release = allocator._release
+    parked, go = threading.Event(), threading.Event()
+
+    def release_later(block: Any, generation: Any = None) -> None:
+        if threading.current_thread() is sweeper:
+            parked.set()  # it found the block due, and releases it only now
+            go.wait(LIMIT)
+        release(block, generation)
+
+    monkeypatch.setattr(allocator, "_release", release_later)
+    buf = await device.alloc(MiB)
+    block = buf._allocation.block
+    del buf  # collected unfreed: queued for the next sweep
+    sweeper = threading.Thread(target=allocator.sweep)
+    sweeper.start()
+    try:
+        assert parked.wait(LIMIT)
+        allocator.sweep()  # this thread's sweep releases it first: to the cache
+        with anyio.fail_after(LIMIT):
+            owner = await device.alloc(MiB)
+        assert owner._allocation.block is block  # its new owner
+    finally:
+        go.set()
+        sweeper.join(LIMIT)
+    assert not sweeper.is_alive()
+    assert device.memory_statistics().in_use == MiB
+    with anyio.fail_after(LIMIT):
+        other = await device.alloc(MiB)
+    assert other._allocation.block is not block, "one block handed to two buffers"
+    await other.free()
+    await owner.free()
+    assert device.memory_statistics().in_use == 0
+
+
+@pytest.mark.anyio
 async def test_a_buffer_freed_as_a_copy_into_it_is_submitted_is_refused_by_the_copy(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -12,6 +12,7 @@ kept alive in :data:`_alive` until the block has run (or its owner is closed).
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import threading
 from typing import Any
@@ -156,6 +157,19 @@ def hold_until_run(block: BlockLiteral, obj: object, disarm: bool = False) -> No
 _NAP_NS = 1_000_000_000  # (and it looks again after this long, whatever)
 _letting_go: threading.Thread | None = None
 _starting = False  # the thread is being started (the lock let go of meanwhile)
+
+
+def _forked() -> None:
+    """In a forked child: a parent thread may have held the lock at the fork (a command
+    made, a block run, a timeline dropped), or been starting the thread, which the child
+    has not; a timeline of the parent's dropped in the child takes the lock too."""
+    global _lock, _letting_go, _starting
+    _lock = threading.RLock()
+    _letting_go, _starting = None, False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 def _notify(block: BlockLiteral) -> None:
