@@ -306,21 +306,16 @@ class Device:
         """The name it was opened as: ``"cpu"``, ``"cpu:1"``, ``"cuda:0"``, ``"metal"``..."""
         return self._state.name
 
-    @name.setter
-    def name(self, name: str) -> None:
-        self._state.name = name
-
     @property
     def closed(self) -> bool:
         """Whether it is closed: true once its close takes no more work (at once with
         ``discard=True``); its calls then raise ClosedResourceError."""
         return self._state.closed
 
-    @closed.setter
-    def closed(self, closed: bool) -> None:
-        self._state.closed = closed
-        if closed:
-            state_closed(self._state)
+    def _mark_closed(self) -> None:
+        # (Read-only to users: a device marked closed by hand would skip its close.)
+        self._state.closed = True
+        state_closed(self._state)
 
     @property
     def kind(self) -> str:
@@ -1285,7 +1280,7 @@ class Device:
         # signal of one of its timelines under way on another thread lands first, and
         # the close counts it, or it finds the device closed (see Timeline.signal).
         with signal_order():
-            self.closed = True
+            self._mark_closed()
         # Its idle queues close with the others (none is submitted to any more).
         kept = set(self._queues)
         self._queues = [*self._queues, *(q for q in list(self._idle) if q not in kept)]
@@ -1318,7 +1313,7 @@ class Device:
         """Close every queue natively, then the allocator and the backend. A queue in
         ``blocked`` (or every queue, with ``abandon``) is stopped where it is, inside a
         device-side wait; the others have finished everything submitted."""
-        self.closed = True
+        self._mark_closed()
         # A queue being made when the device closed is released on a release thread by
         # its maker, which finds the device closed (new_queue): waited for, then joined
         # with the others. (Its maker counted it, then looked at ``closed``.)
@@ -2068,8 +2063,8 @@ def _forget_parent_devices() -> None:
         where = f"opened in process {parent}; open devices in the child"
         message = f"device {device.name} was {where}"
         if not device.closed:
-            device.name = f"{device.name} ({where})"  # every closed-device error names it
-            device.closed = True
+            device._state.name = f"{device.name} ({where})"  # every closed-device error names it
+            device._mark_closed()
         # Closing in the parent too: its native close is not through (a device is in
         # _open_devices until then), and nothing of it goes on here -- its backend's
         # locks and threads are the parent's as much as an open device's are.
