@@ -90,6 +90,7 @@ from ._timeline import (
     HostEvents,
     Timeline,
     close_timeline,
+    device_discarded,
     signal_order,
     wait_value,
 )
@@ -232,7 +233,9 @@ class Device:
         self._timelines: weakref.WeakSet[Timeline] = weakref.WeakSet()  # from timeline()
         self._closing: HostEvents | None = None  # reaches 1 once a close has finished
         self._torn_down = False  # a close's teardown has begun (on its thread)
-        self._discarding = False  # its close drops what has not started (close(discard=))
+        # Its close drops what has not started (close(discard=), or a KeyboardInterrupt
+        # reached it): what the dropped commands' errors say did it (discard's why).
+        self._discarding: str | None = None
         self._close_lock = threading.Lock()
         # The queues new_queue and adopt_stream are making (their native queues outside
         # the submission lock; counted under it): see _close_native.
@@ -1072,7 +1075,8 @@ class Device:
         if closing is None:
             return  # closed without a teardown (a forked child's, at exit)
         if discard:
-            self._discarding = True  # (a teardown under way sees it at its next count)
+            # (A teardown under way sees it at its next count.)
+            self._discarding = self._discarding or device_discarded(self.name)
         failed: list[BaseException] = []
         if starts:
             # The teardown runs on a loop of its own, in a thread: nothing of the caller's
@@ -1089,7 +1093,7 @@ class Device:
     def _interrupted(self) -> None:
         """A KeyboardInterrupt reached a task waiting for this device's close: what has
         not started is dropped (the teardown discards at its next count)."""
-        self._discarding = True
+        self._discarding = self._discarding or device_discarded(self.name, interrupted=True)
 
     async def _teardown(self, closing: HostEvents, failed: list[BaseException]) -> None:
         with self._close_lock:
@@ -1296,7 +1300,7 @@ class Device:
                 if not self.closed:
                     return {}  # (the close seals the device next)
                 for queue in self._queues:
-                    discard(queue)
+                    discard(queue, self._discarding)
             limits = await _count_completable()
             # (A queue kept again after the count is counted the next time.)
             behind = [q for q in self._queues if q.timeline.value < limits.get(q, 0)]

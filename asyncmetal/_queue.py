@@ -22,6 +22,7 @@ from ._program import Program
 from ._scalars import Scalar, launch_value
 from ._timeline import (
     MADE_BY_DEVICE,
+    QUEUE_DISCARDED,
     Timeline,
     check_timeline,
     discarded_error,
@@ -244,7 +245,9 @@ class Queue:
         # Up to which command its failures were reported by its device's synchronize():
         # that raises each once (see Device.synchronize).
         self._reported = 0
-        self._discarded = False  # closed with discard=True: what had not started never ran
+        # Closed with discard=True (by whom: _timeline.QUEUE_DISCARDED, or its device's
+        # close): what had not started never ran.
+        self._discarded: str | None = None
         # Set by its device's close once it decided what can still complete: no command
         # past it (or past what ran by the time the queue stopped) will.
         self._final: int | None = None
@@ -274,7 +277,7 @@ class Queue:
         abandoned = self._abandoned_from
         if abandoned is not None and value >= abandoned:  # (whatever it waited for)
             if self._discarded:
-                return discarded_error(value)  # (stopped as it was being discarded)
+                return discarded_error(value, self._discarded)  # (stopped as discarded)
             which = "its default queue" if self._closer is None else "a queue"
             return ClosedResourceError(
                 f"the device {self.device.name} was closed while command {abandoned} of "
@@ -1189,12 +1192,13 @@ def flush(queue: Queue) -> None:
     queue._native.flush()
 
 
-def discard(queue: Queue) -> None:
+def discard(queue: Queue, why: str = QUEUE_DISCARDED) -> None:
     """Drop ``queue``'s commands that have not started (see ``NativeQueue.discard``);
-    sealed first (``seal``), so none comes after. Never blocks; once is enough."""
-    if not queue._discarded:
-        queue._discarded = True
-        queue._native.discard()
+    sealed first (``seal``), so none comes after. ``why``: what drops them (its close,
+    or its device's). Never blocks; once is enough."""
+    if queue._discarded is None:
+        queue._discarded = why
+        queue._native.discard(why)
 
 
 def close_native(queue: Queue, abandon: bool) -> None:
