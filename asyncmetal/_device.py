@@ -1011,7 +1011,11 @@ class Device:
         a later call raises only what failed since (or another queue's failure not
         raised yet, one per call). Calls made at once each raise it: what counts is what
         was raised before the call began. ``Queue.synchronize`` raises its queue's
-        failure every time."""
+        failure every time.
+
+        Raises :class:`ClosedResourceError` once the device is closed (its close waited
+        for what was submitted, or dropped it)."""
+        self._check_open()
         failed: tuple[Queue, int, AsyncMetalError] | None = None
         queues = list(self._queues)
         reported = [queue._reported for queue in queues]  # (as the call began)
