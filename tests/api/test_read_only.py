@@ -3,6 +3,7 @@ AttributeError rather than corrupting the object's state."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import asyncmetal as am
@@ -25,3 +26,28 @@ async def test_a_device_s_name_and_closed_are_read_only(device: am.Device) -> No
         device.closed = False  # type: ignore[misc]
     with pytest.raises(am.ClosedResourceError):
         await device.alloc(16)
+
+
+async def test_a_buffer_s_size_and_a_typed_view_s_layout_are_read_only(
+    device: am.Device,
+) -> None:
+    """What bounds a buffer's commands and exports: ``nbytes``, ``is_view`` (a view's
+    ``free`` is refused: its memory is the viewed buffer's) and a TypedView's
+    ``buffer``, ``dtype`` and ``shape`` (an export trusts them to lie within the
+    buffer). Checked: fails without the fix (each was accepted)."""
+    buf = await device.alloc(64)
+    view = buf.view(16, 16)
+    typed = buf.typed(np.int32, (16,))
+    for target, attribute, value in [
+        (buf, "nbytes", 1 << 30),
+        (view, "is_view", False),
+        (typed, "buffer", view),
+        (typed, "dtype", np.dtype(np.float64)),
+        (typed, "shape", (1 << 20,)),
+    ]:
+        with pytest.raises(AttributeError):
+            setattr(target, attribute, value)
+    assert (buf.nbytes, view.is_view) == (64, True)
+    assert (typed.buffer, typed.dtype, typed.shape) == (buf, np.dtype(np.int32), (16,))
+    with pytest.raises(am.InvalidArgumentError, match="is a view"):
+        await view.free()
