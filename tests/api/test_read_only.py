@@ -51,3 +51,22 @@ async def test_a_buffer_s_size_and_a_typed_view_s_layout_are_read_only(
     assert (typed.buffer, typed.dtype, typed.shape) == (buf, np.dtype(np.int32), (16,))
     with pytest.raises(am.InvalidArgumentError, match="is a view"):
         await view.free()
+
+
+def test_a_compile_pool_s_settings_are_read_only() -> None:
+    """Checked when made, and what its workers run by: ``max_workers``,
+    ``idle_timeout``, ``cache``; and its count, ``compiles``. Checked: fails without
+    the fix (each was accepted)."""
+    pool = am.CompilePool(2, idle_timeout=5)
+    try:
+        for attribute, value in [
+            ("max_workers", 0),
+            ("idle_timeout", 0),
+            ("cache", am.CompileCache(disk=False)),
+            ("compiles", 5),
+        ]:
+            with pytest.raises(AttributeError):
+                setattr(pool, attribute, value)
+        assert (pool.max_workers, pool.idle_timeout, pool.compiles) == (2, 5.0, 0)
+    finally:
+        pool.shutdown()
