@@ -288,6 +288,8 @@ class Device:
         self._reaper: threading.Thread | None = None
         self._reaper_inbox: SimpleQueue[int] = SimpleQueue()
         self._watching = False
+        # (A plain attribute, not a read-only property: programs read dev.queue at each
+        # launch, and a property costs a launch's submission a few percent.)
         self.queue = self._state.queue = Queue(self._state, _made=MADE_BY_DEVICE)
         self._queues = [self.queue]  # (no call between: made, it is among them)
         self._state.make_queue = self.new_queue

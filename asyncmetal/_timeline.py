@@ -48,7 +48,10 @@ MADE_BY_DEVICE = object()
 
 class FailingQueue(Protocol):
     device: Any
-    timeline: Timeline
+
+    @property
+    def timeline(self) -> Timeline: ...
+
     _discarded: str | None  # what dropped its commands not started (discard), if any
 
     @property

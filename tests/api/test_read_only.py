@@ -53,6 +53,32 @@ async def test_a_buffer_s_size_and_a_typed_view_s_layout_are_read_only(
         await view.free()
 
 
+async def test_a_queue_s_timeline_and_a_program_are_read_only(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """``q.timeline``, and what a launch reads of a program besides what the native
+    launch path reads (``name``, ``params``, ``value_types``,
+    ``value_codes``, ``order``, ``binary``). Checked: fails without the fix (each was
+    accepted)."""
+    q = device.new_queue()
+    program = kernels["fill"]
+    for target, attribute, value in [
+        (q, "timeline", device.timeline()),
+        (program, "name", "other"),
+        (program, "params", ("buffer",)),
+        (program, "value_types", ()),
+        (program, "value_codes", b"q"),
+        (program, "order", [1, 0]),
+        (program, "binary", b""),
+    ]:
+        with pytest.raises(AttributeError):
+            setattr(target, attribute, value)
+    assert q.timeline is not device.queue.timeline and program.name == "fill"
+    buf = await device.alloc(16)
+    await q.launch(program, buf, vals=(7, 4))
+    assert (await buf.read(np.int32)).tolist() == [7] * 4
+
+
 def test_a_compile_pool_s_settings_are_read_only() -> None:
     """Checked when made, and what its workers run by: ``max_workers``,
     ``idle_timeout``, ``cache``; and its count, ``compiles``. Checked: fails without
