@@ -12,8 +12,8 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_a_device_s_name_and_closed_are_read_only(device: am.Device) -> None:
-    """Checked: fails without the fix (both were accepted; ``closed = True`` left the
-    device marked closed with its queues open, its close then doing nothing)."""
+    """Checked: fails without the fix (both were accepted; after ``closed = True`` the
+    device's close did nothing: no teardown, its native queues never released)."""
     name = device.name
     with pytest.raises(AttributeError):
         device.closed = True  # type: ignore[misc]
