@@ -338,9 +338,10 @@ class NativeQueue(ABC):
         another library is about to use the queue's stream itself, and sees only what
         reached it. Raise BufferError if a wait before it cannot be handed over yet."""
 
-    def discard(self) -> None:  # noqa: B027 - a backend that holds nothing runs it all
+    def discard(self, why: str) -> None:  # noqa: B027 - a backend that holds nothing runs it all
         """Drop the commands that have not started (the queue is sealed: none comes
-        after): each fails with ``_timeline.discarded_error`` where awaited, a timeline
+        after): each fails with ``_timeline.discarded_error`` (given ``why``: what
+        dropped them) where awaited, a timeline
         one of them was to signal fails, a device wait under way ends (failed), and the
         queue's own timeline still reaches every value, failed from the first one
         dropped. What runs on the device now finishes. Must not block; ``close`` comes

@@ -66,13 +66,26 @@ class Buffer(Exports):
         self.device = state.device
         self._allocation = allocation
         self.offset = offset
-        self.nbytes = nbytes
-        self.is_view = False  # made by view(): freed with the buffer it views
+        # (Read-only to users, as properties: commands trust them to lie within the
+        # allocation, and a view's free to leave the memory it views alone.)
+        self._nbytes = nbytes
+        self._is_view = False  # made by view(): freed with the buffer it views
 
     def __repr__(self) -> str:
         state = " freed" if self._allocation.freed else ""
-        view = f" (a view at {self.offset})" if self.is_view else ""
-        return f"<Buffer {self.nbytes} bytes{view} on {self._state.name}{state}>"
+        view = f" (a view at {self.offset})" if self._is_view else ""
+        return f"<Buffer {self._nbytes} bytes{view} on {self._state.name}{state}>"
+
+    @property
+    def nbytes(self) -> int:
+        """Its size in bytes."""
+        return self._nbytes
+
+    @property
+    def is_view(self) -> bool:
+        """Whether it was made by :meth:`view` (freeing it frees nothing: the memory is
+        the viewed buffer's)."""
+        return self._is_view
 
     @property
     def freed(self) -> bool:
@@ -104,7 +117,7 @@ class Buffer(Exports):
                 f"nbytes must be an int in [1, {self.nbytes - offset}], got {nbytes}"
             )
         view = Buffer(self._state, self._allocation, self.offset + offset, nbytes)
-        view.is_view = True
+        view._is_view = True
         return view
 
     def _check_usable(self, what: str) -> None:

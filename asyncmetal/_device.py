@@ -90,6 +90,7 @@ from ._timeline import (
     HostEvents,
     Timeline,
     close_timeline,
+    device_discarded,
     signal_order,
     wait_value,
 )
@@ -232,7 +233,9 @@ class Device:
         self._timelines: weakref.WeakSet[Timeline] = weakref.WeakSet()  # from timeline()
         self._closing: HostEvents | None = None  # reaches 1 once a close has finished
         self._torn_down = False  # a close's teardown has begun (on its thread)
-        self._discarding = False  # its close drops what has not started (close(discard=))
+        # Its close drops what has not started (close(discard=), or a KeyboardInterrupt
+        # reached it): what the dropped commands' errors say did it (discard's why).
+        self._discarding: str | None = None
         self._close_lock = threading.Lock()
         # The queues new_queue and adopt_stream are making (their native queues outside
         # the submission lock; counted under it): see _close_native.
@@ -285,6 +288,8 @@ class Device:
         self._reaper: threading.Thread | None = None
         self._reaper_inbox: SimpleQueue[int] = SimpleQueue()
         self._watching = False
+        # (A plain attribute, not a read-only property: programs read dev.queue at each
+        # launch, and a property costs a launch's submission a few percent.)
         self.queue = self._state.queue = Queue(self._state, _made=MADE_BY_DEVICE)
         self._queues = [self.queue]  # (no call between: made, it is among them)
         self._state.make_queue = self.new_queue
@@ -306,21 +311,16 @@ class Device:
         """The name it was opened as: ``"cpu"``, ``"cpu:1"``, ``"cuda:0"``, ``"metal"``..."""
         return self._state.name
 
-    @name.setter
-    def name(self, name: str) -> None:
-        self._state.name = name
-
     @property
     def closed(self) -> bool:
         """Whether it is closed: true once its close takes no more work (at once with
         ``discard=True``); its calls then raise ClosedResourceError."""
         return self._state.closed
 
-    @closed.setter
-    def closed(self, closed: bool) -> None:
-        self._state.closed = closed
-        if closed:
-            state_closed(self._state)
+    def _mark_closed(self) -> None:
+        # (Read-only to users: a device marked closed by hand would skip its close.)
+        self._state.closed = True
+        state_closed(self._state)
 
     @property
     def kind(self) -> str:
@@ -1015,7 +1015,11 @@ class Device:
         a later call raises only what failed since (or another queue's failure not
         raised yet, one per call). Calls made at once each raise it: what counts is what
         was raised before the call began. ``Queue.synchronize`` raises its queue's
-        failure every time."""
+        failure every time.
+
+        Raises :class:`ClosedResourceError` once the device is closed (its close waited
+        for what was submitted, or dropped it)."""
+        self._check_open()
         failed: tuple[Queue, int, AsyncMetalError] | None = None
         queues = list(self._queues)
         reported = [queue._reported for queue in queues]  # (as the call began)
@@ -1079,7 +1083,8 @@ class Device:
         if closing is None:
             return  # closed without a teardown (a forked child's, at exit)
         if discard:
-            self._discarding = True  # (a teardown under way sees it at its next count)
+            # (A teardown under way sees it at its next count.)
+            self._discarding = self._discarding or device_discarded(self.name)
         failed: list[BaseException] = []
         if starts:
             # The teardown runs on a loop of its own, in a thread: nothing of the caller's
@@ -1096,7 +1101,7 @@ class Device:
     def _interrupted(self) -> None:
         """A KeyboardInterrupt reached a task waiting for this device's close: what has
         not started is dropped (the teardown discards at its next count)."""
-        self._discarding = True
+        self._discarding = self._discarding or device_discarded(self.name, interrupted=True)
 
     async def _teardown(self, closing: HostEvents, failed: list[BaseException]) -> None:
         with self._close_lock:
@@ -1287,7 +1292,7 @@ class Device:
         # signal of one of its timelines under way on another thread lands first, and
         # the close counts it, or it finds the device closed (see Timeline.signal).
         with signal_order():
-            self.closed = True
+            self._mark_closed()
         # Its idle queues close with the others (none is submitted to any more).
         kept = set(self._queues)
         self._queues = [*self._queues, *(q for q in list(self._idle) if q not in kept)]
@@ -1303,7 +1308,7 @@ class Device:
                 if not self.closed:
                     return {}  # (the close seals the device next)
                 for queue in self._queues:
-                    discard(queue)
+                    discard(queue, self._discarding)
             limits = await _count_completable()
             # (A queue kept again after the count is counted the next time.)
             behind = [q for q in self._queues if q.timeline.value < limits.get(q, 0)]
@@ -1320,7 +1325,7 @@ class Device:
         """Close every queue natively, then the allocator and the backend. A queue in
         ``blocked`` (or every queue, with ``abandon``) is stopped where it is, inside a
         device-side wait; the others have finished everything submitted."""
-        self.closed = True
+        self._mark_closed()
         # A queue being made when the device closed is released on a release thread by
         # its maker, which finds the device closed (new_queue): waited for, then joined
         # with the others. (Its maker counted it, then looked at ``closed``.)
@@ -2070,8 +2075,8 @@ def _forget_parent_devices() -> None:
         where = f"opened in process {parent}; open devices in the child"
         message = f"device {device.name} was {where}"
         if not device.closed:
-            device.name = f"{device.name} ({where})"  # every closed-device error names it
-            device.closed = True
+            device._state.name = f"{device.name} ({where})"  # every closed-device error names it
+            device._mark_closed()
         # Closing in the parent too: its native close is not through (a device is in
         # _open_devices until then), and nothing of it goes on here -- its backend's
         # locks and threads are the parent's as much as an open device's are.

@@ -651,7 +651,8 @@ class TypedView(Exports):
     ``cupy.asarray`` take it. It holds nothing itself; an exported tensor holds the
     memory as a buffer's export does."""
 
-    __slots__ = ("buffer", "dtype", "shape")
+    # (Read-only: an export trusts its dtype and shape to lie within the buffer.)
+    __slots__ = ("_buffer", "_dtype", "_shape")
 
     def __init__(self, buffer: Buffer, dtype: Any, shape: Any = None) -> None:
         try:
@@ -660,15 +661,30 @@ class TypedView(Exports):
             raise ArgumentTypeError(f"dtype must be a numpy dtype, got {dtype!r}") from None
         dtype_code(dtype)
         shape = items_shape(buffer.nbytes, dtype, shape)
-        self.buffer = buffer
-        self.dtype = dtype
-        self.shape = shape
+        self._buffer = buffer
+        self._dtype: np.dtype[Any] = dtype
+        self._shape: tuple[int, ...] = shape
 
     def __repr__(self) -> str:
-        return f"<TypedView {self.dtype}{list(self.shape)} of {self.buffer!r}>"
+        return f"<TypedView {self._dtype}{list(self._shape)} of {self._buffer!r}>"
+
+    @property
+    def buffer(self) -> Buffer:
+        """The :class:`Buffer` whose memory it types."""
+        return self._buffer
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """Its numpy dtype."""
+        return self._dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Its shape (C-contiguous, within the buffer)."""
+        return self._shape
 
     def _exported(self) -> tuple[Buffer, np.dtype[Any], tuple[int, ...] | None]:
-        return self.buffer, self.dtype, self.shape
+        return self._buffer, self._dtype, self._shape
 
 
 def cuda_array_interface(

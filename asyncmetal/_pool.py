@@ -424,11 +424,12 @@ class CompilePool:
             raise InvalidArgumentError(
                 f"idle_timeout must be a positive, finite number of seconds, got {idle_timeout!r}"
             )
-        self.max_workers = max_workers or min(os.cpu_count() or 1, 8)
+        # (Read-only to users, as properties: checked here, and its workers rely on them.)
+        self._max_workers = max_workers or min(os.cpu_count() or 1, 8)
         # (Longer than MAX_TIMEOUT_S, about 31 years, is as long: a wait of more overflows
         # the clock, and the worker's thread would die of it.)
-        self.idle_timeout = min(float(idle_timeout), MAX_TIMEOUT_S)
-        self.cache = cache if cache is not None else CompileCache()
+        self._idle_timeout = min(float(idle_timeout), MAX_TIMEOUT_S)
+        self._cache = cache if cache is not None else CompileCache()
         self._pending: queue_module.Queue[Any] = queue_module.Queue()
         self._workers: list[_Worker] = []
         self._idle = 0
@@ -437,7 +438,7 @@ class CompilePool:
         self._closed = False
         self._killing = False  # shut down at exit: jobs not run yet are dropped
         self._pid = os.getpid()  # a forked child refuses it
-        self.compiles = 0  # jobs that ran in a worker
+        self._compiles = 0  # jobs that ran in a worker
         _pools.add(self)
 
     def _check_usable(self) -> None:
@@ -449,6 +450,26 @@ class CompilePool:
             )
         if self._closed:
             raise ClosedResourceError("the compile pool is closed")
+
+    @property
+    def max_workers(self) -> int:
+        """The most worker processes it runs at once."""
+        return self._max_workers
+
+    @property
+    def idle_timeout(self) -> float:
+        """Seconds a worker waits for work before it retires."""
+        return self._idle_timeout
+
+    @property
+    def cache(self) -> CompileCache:
+        """The :class:`CompileCache` it compiles into."""
+        return self._cache
+
+    @property
+    def compiles(self) -> int:
+        """Compile jobs that ran in a worker (those its cache did not answer)."""
+        return self._compiles
 
     @property
     def workers(self) -> int:
@@ -516,7 +537,7 @@ class CompilePool:
             self.cache.put_memory(job.key, result)
             self.cache.put_disk(job.key, result)
         with self._lock:
-            self.compiles += ran
+            self._compiles += ran
             if self._in_flight.get(job.key) is job:  # a withdrawn job has left already
                 del self._in_flight[job.key]
             callbacks = list(job.callbacks)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._compile import Signature
+from ._compile import ParamKind, Signature
 from ._device_state import DeviceState
 from ._scalars import CODES
 
@@ -28,16 +28,18 @@ class Program:
         native: Any,
     ) -> None:
         self._state = state
+        # The attributes the native launch path reads (_native_contract.NAMES) are plain
+        # ones; the others are read-only properties (launches trust them to agree).
         self.device = state.device
-        self.name = name
-        self.params = params = signature.kinds
+        self._name = name
+        self._params = params = signature.kinds
         # Each value parameter's scalar type (None: not known) and declaration.
-        self.value_types = signature.values
+        self._value_types = signature.values
         # What the native launch path reads of them: None where every one takes an
         # int32 from an int, else a code per value (``_scalars.CODES``).
         codes = b"".join(CODES[type_] for type_, _ in signature.values)
-        self.value_codes: bytes | None = None if codes.count(b"i") == len(codes) else codes
-        self.binary = binary
+        self._value_codes = None if codes.count(b"i") == len(codes) else codes
+        self._binary = binary
         self.native = native
         self.buffer_count = params.count("buffer")
         self.value_count = params.count("value")
@@ -47,16 +49,48 @@ class Program:
         values = [i for i, k in enumerate(params) if k == "value"]
         position = {p: i for i, p in enumerate(buffers + values)}
         order = [position[p] for p in range(len(params))]
-        self.order: list[int] | None = None if order == sorted(order) else order
+        self._order = None if order == sorted(order) else order
         # Both, as the native launch path reads them: None in the common case.
         self.launch_layout: tuple[list[int] | None, bytes | None] | None = (
             None
-            if self.order is None and self.value_codes is None
-            else (self.order, self.value_codes)
+            if self._order is None and self._value_codes is None
+            else (self._order, self._value_codes)
         )
 
     def __repr__(self) -> str:
-        return f"<Program {self.name!r} on {self._state.name} params={self.params}>"
+        return f"<Program {self._name!r} on {self._state.name} params={self._params}>"
+
+    @property
+    def name(self) -> str:
+        """The kernel's name."""
+        return self._name
+
+    @property
+    def params(self) -> tuple[ParamKind, ...]:
+        """Each parameter's kind, in order: ``"buffer"`` or ``"value"``."""
+        return self._params
+
+    @property
+    def value_types(self) -> tuple[tuple[str | None, str], ...]:
+        """Each value parameter's scalar type (None where not known) and declaration."""
+        return self._value_types
+
+    @property
+    def value_codes(self) -> bytes | None:
+        """How a launch passes each value (a code per value parameter), or None where
+        each is an int32."""
+        return self._value_codes
+
+    @property
+    def order(self) -> list[int] | None:
+        """Each parameter's position among a launch's arguments (buffers, then values),
+        or None where the kernel declares them so. A copy."""
+        return None if self._order is None else list(self._order)
+
+    @property
+    def binary(self) -> bytes:
+        """The compiled binary it was loaded from."""
+        return self._binary
 
     # One object per loaded program: its device unloads the program once it is gone,
     # so a copy sharing ``native`` must not outlive it -- a copy is the same object.

@@ -22,6 +22,7 @@ from ._program import Program
 from ._scalars import Scalar, launch_value
 from ._timeline import (
     MADE_BY_DEVICE,
+    QUEUE_DISCARDED,
     Timeline,
     check_timeline,
     discarded_error,
@@ -66,13 +67,13 @@ class Completion(Record):
     @property
     def timeline(self) -> Timeline:
         """The timeline of the command's queue (``value`` is the command's point on it)."""
-        return self.queue.timeline
+        return self.queue._timeline
 
     def done(self) -> bool:
         """Whether the command is settled: finished, or abandoned by closing the device
         while it waited for a value nobody signalled (awaiting it then raises).
         Never blocks."""
-        return self.queue.timeline.value >= self.value
+        return self.queue._timeline.value >= self.value
 
     async def wait(self) -> None:
         """Wait for the command to finish; raise its error if it failed."""
@@ -87,7 +88,7 @@ class Completion(Record):
         )
 
     def __await__(self) -> Generator[Any, None, None]:
-        timeline = self.queue.timeline
+        timeline = self.queue._timeline
         native = self.queue._native
         if timeline.native.value >= self.value:  # the fast path: a yield
             yield from ready_checkpoint()
@@ -181,7 +182,7 @@ class _SignalCompletion(Completion):
         self.signalled, self.target = signalled, target
 
     def done(self) -> bool:
-        return self.queue.timeline.value >= self.value or self.signalled.value >= self.target
+        return self.queue._timeline.value >= self.value or self.signalled.value >= self.target
 
 
 def _value_among_buffers(buffers: Sequence[object]) -> str:
@@ -229,14 +230,15 @@ class Queue:
             _making.append(self)
         self._state = state
         self.device = state.device
-        self.timeline = Timeline(state, owned=True, _made=MADE_BY_DEVICE)
-        backend, timeline = state.backend, self.timeline.native
+        # (Read-only to users, a property: its commands' values are on this one.)
+        self._timeline = Timeline(state, owned=True, _made=MADE_BY_DEVICE)
+        backend, timeline = state.backend, self._timeline.native
         self._native: NativeQueue = (
             backend.new_queue(timeline)
             if _stream is None
             else backend.adopt_queue(timeline, _stream)
         )
-        self.timeline._queue = weakref.ref(self)
+        self._timeline._queue = weakref.ref(self)
         self._submitted = 0
         # Device-side signals and waits not yet known complete: (value, is_wait, tl, target)
         self._sync_ops: collections.deque[tuple[int, bool, Timeline, int]] = collections.deque()
@@ -244,7 +246,9 @@ class Queue:
         # Up to which command its failures were reported by its device's synchronize():
         # that raises each once (see Device.synchronize).
         self._reported = 0
-        self._discarded = False  # closed with discard=True: what had not started never ran
+        # Closed with discard=True (by whom: _timeline.QUEUE_DISCARDED, or its device's
+        # close): what had not started never ran.
+        self._discarded: str | None = None
         # Set by its device's close once it decided what can still complete: no command
         # past it (or past what ran by the time the queue stopped) will.
         self._final: int | None = None
@@ -267,6 +271,11 @@ class Queue:
     def __repr__(self) -> str:
         return f"<Queue of {self._state.name} submitted={self._submitted}>"
 
+    @property
+    def timeline(self) -> Timeline:
+        """Its own :class:`Timeline`: each command's completion is a value on it."""
+        return self._timeline
+
     def _failure(self, value: int) -> BaseException | None:
         """The error of the command at ``value``, done: it failed (a device fault, a
         device-side wait for a value never produced), or was abandoned by the device's
@@ -274,7 +283,7 @@ class Queue:
         abandoned = self._abandoned_from
         if abandoned is not None and value >= abandoned:  # (whatever it waited for)
             if self._discarded:
-                return discarded_error(value)  # (stopped as it was being discarded)
+                return discarded_error(value, self._discarded)  # (stopped as discarded)
             which = "its default queue" if self._closer is None else "a queue"
             return ClosedResourceError(
                 f"the device {self.device.name} was closed while command {abandoned} of "
@@ -449,7 +458,7 @@ class Queue:
             else:
                 keep = self._native._keep
                 kept = None if keep is None else keep.items.get(value)
-                self._native.wait(self.timeline.native, 0, value, done)
+                self._native.wait(self._timeline.native, 0, value, done)
                 if keep is not None:
                     keep.add(value, (kept, before, after))
         record_uses(uses, self, value)
@@ -562,17 +571,18 @@ class Queue:
                 f"value{'' if program.value_count == 1 else 's'} (vals), got {len(vals)}"
                 + _value_among_buffers(buffers)
             )
-        args = launch_args(buffers, program.name, self._state)
+        name = program._name  # (the properties' fields: this is each launch's path)
+        args = launch_args(buffers, name, self._state)
         append = args.append
-        types = program.value_types
+        types = program._value_types
         for i, v in enumerate(vals):
             declared, param = types[i]
             if v.__class__ is not int or (declared is not None and declared != "int32"):
-                v = launch_value(v, declared, f"vals[{i}] of {program.name!r}", param)
+                v = launch_value(v, declared, f"vals[{i}] of {name!r}", param)
             elif not _INT32_MIN <= v <= _INT32_MAX:
-                raise InvalidArgumentError(f"vals[{i}] of {program.name!r} must fit in int32: {v}")
+                raise InvalidArgumentError(f"vals[{i}] of {name!r} must fit in int32: {v}")
             append(new_arg(Arg, (None, 0, v)))
-        order = program.order
+        order = program._order
         return args if order is None else [args[i] for i in order]
 
     def signal(self, timeline: Timeline, value: int) -> Completion:
@@ -596,7 +606,7 @@ class Queue:
         # recorded in one step that other threads' signals of the timeline (the host's,
         # other queues' of any device) come before or after.
         with self._state.submitting, signal_order():
-            value, earlier = order_queue_signal(timeline, value, self.timeline)
+            value, earlier = order_queue_signal(timeline, value, self._timeline)
             beyond = waits_beyond_signals(timeline)
             if beyond:  # a device wait for more than the signals so far: this one's to reach
                 deadlock = _self_wait(self, timeline, beyond, value, earlier)
@@ -606,7 +616,7 @@ class Queue:
                 self._wait(timeline, earlier, True)
 
             def then(at: int) -> None:
-                queue_signal_submitted(timeline, self.timeline, at, value)
+                queue_signal_submitted(timeline, self._timeline, at, value)
                 self._track(at, False, timeline, value)
 
             done = self._submit(
@@ -627,7 +637,7 @@ class Queue:
         """
         timeline = check_timeline(timeline, "timeline", self._state.kind)
         value = timeline.check_device_value(value, "value")
-        if timeline is self.timeline and value > self._submitted:
+        if timeline is self._timeline and value > self._submitted:
             raise InvalidArgumentError(
                 f"a queue cannot wait for its own value {value}: its commands so far reach "
                 f"{self._submitted}, and later ones would run only after this wait"
@@ -652,7 +662,7 @@ class Queue:
 
     def _track(self, value: int, is_wait: bool, timeline: Timeline, target: int) -> None:
         ops = self._sync_ops
-        reached = self.timeline.value
+        reached = self._timeline.value
         while ops and ops[0][0] <= reached:
             ops.popleft()
         ops.append((value, is_wait, timeline, target))
@@ -890,12 +900,12 @@ class _After:
             except RuntimeError:  # (deque mutated during iteration: nothing more is sure)
                 self.steps[0] = -1
                 return None
-            raises.append((start, waiter.timeline, start - 1, _INFINITE))  # its own timeline
+            raises.append((start, waiter._timeline, start - 1, _INFINITE))  # its own timeline
             for at, signalled, above, target in raises:
                 for wait in waits_for(signalled, above + 1, target):
                     if not self.left():
                         return None
-                    command = wait[2] if signalled is waiter.timeline else at
+                    command = wait[2] if signalled is waiter._timeline else at
                     if found := reached(wait[0], wait[1], (waiter, command, signalled, *wait)):
                         return found
         return None
@@ -913,7 +923,7 @@ class _After:
             what = "the timeline" if signalled is timeline else _describe(signalled, queue)
             raises = (
                 "is what"
-                if signalled is waiter.timeline
+                if signalled is waiter._timeline
                 else f"raises {what} to {target} or more, which"
             )
             steps.append(
@@ -952,12 +962,12 @@ def _self_wait(queue: Queue, timeline: Timeline, low: int, value: int, earlier: 
 
     beyond = waits_for(timeline, low, _INFINITE)
     on_timeline = [wait for wait in beyond if wait[2] <= value]
-    satisfied = on_timeline + waits_for(queue.timeline, queue._submitted + 1, _INFINITE)
+    satisfied = on_timeline + waits_for(queue._timeline, queue._submitted + 1, _INFINITE)
     if len(on_timeline) == len(beyond) and all(
         # (the common case: what this signal satisfies is its queue's last signal or
         # wait, and nothing waits for that queue's later commands: nothing it satisfies
         # comes after this signal, and no wait is left that only it could satisfy)
-        other._sync_ops[-1][0] == at and other.timeline._waited < at and not goal(other, at)
+        other._sync_ops[-1][0] == at and other._timeline._waited < at and not goal(other, at)
         for other, at, _, _ in satisfied
     ):
         return None
@@ -1116,7 +1126,7 @@ async def wait_finished(queue: Queue, value: int) -> None:
     """Wait for ``queue``'s command ``value`` (and so those before it); raise its error
     if it did not run -- also when one before it failed, which fails what follows."""
     queue._native.flush()
-    await wait_value(queue.timeline, value)
+    await wait_value(queue._timeline, value)
     failure = queue._failure(value) if value else None
     if failure is not None:
         raise failure
@@ -1130,7 +1140,7 @@ def submitted_record(queue: Queue) -> tuple[int, list[Any]]:
     submitted, final = queue._submitted, queue._final
     if final is None:
         return submitted, list(queue._sync_ops)
-    submitted = min(submitted, max(final, queue.timeline.value))
+    submitted = min(submitted, max(final, queue._timeline.value))
     return submitted, [op for op in list(queue._sync_ops) if op[0] <= submitted]
 
 
@@ -1149,10 +1159,10 @@ def completable(
     if records is None:
         records = {q: submitted_record(q) for q in queues}
     reach: dict[Timeline, int] = {}
-    limit = {q: q.timeline.value for q in queues}
+    limit = {q: q._timeline.value for q in queues}
     position = dict.fromkeys(queues, 0)
     ops = {q: records[q][1] for q in queues}
-    owner = {q.timeline: q for q in queues}
+    owner = {q._timeline: q for q in queues}
 
     def satisfied(timeline: Timeline, target: int) -> bool:
         if timeline.value >= target or reach.get(timeline, 0) >= target:
@@ -1189,12 +1199,13 @@ def flush(queue: Queue) -> None:
     queue._native.flush()
 
 
-def discard(queue: Queue) -> None:
+def discard(queue: Queue, why: str = QUEUE_DISCARDED) -> None:
     """Drop ``queue``'s commands that have not started (see ``NativeQueue.discard``);
-    sealed first (``seal``), so none comes after. Never blocks; once is enough."""
-    if not queue._discarded:
-        queue._discarded = True
-        queue._native.discard()
+    sealed first (``seal``), so none comes after. ``why``: what drops them (its close,
+    or its device's). Never blocks; once is enough."""
+    if queue._discarded is None:
+        queue._discarded = why
+        queue._native.discard(why)
 
 
 def close_native(queue: Queue, abandon: bool) -> None:
@@ -1245,7 +1256,7 @@ def native_queue(queue: Queue) -> NativeQueue:
 
 def settled(queue: Queue) -> bool:
     """Whether every command submitted to ``queue`` has finished (or was settled)."""
-    return queue.timeline.value >= queue._submitted
+    return queue._timeline.value >= queue._submitted
 
 
 def abandon(queue: Queue, first: int) -> None:
@@ -1253,4 +1264,4 @@ def abandon(queue: Queue, first: int) -> None:
     they waited, and its queue threads were stopped. Settle them, so that their waiters
     wake and raise instead of waiting forever."""
     queue._abandoned_from = first
-    queue.timeline.native.abandon(queue._submitted, first)
+    queue._timeline.native.abandon(queue._submitted, first)

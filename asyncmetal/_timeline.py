@@ -48,7 +48,11 @@ MADE_BY_DEVICE = object()
 
 class FailingQueue(Protocol):
     device: Any
-    timeline: Timeline
+
+    @property
+    def timeline(self) -> Timeline: ...
+
+    _discarded: str | None  # what dropped its commands not started (discard), if any
 
     @property
     def submitted(self) -> int: ...
@@ -98,9 +102,11 @@ def failure_error(failure: _native.Failure, lead: str, tail: str = "") -> AsyncM
             f"{lead} nothing will produce: {device} closed before the timeline got there{tail}"
         )
     if failure.error == _native.DISCARDED:
+        why = (
+            queue and queue._discarded
+        ) or "its queue (or its device) was closed with discard=True"
         return ClosedResourceError(
-            f"{lead} {where} never produced: it was discarded, not started when its queue "
-            f"was closed with discard=True{tail}"
+            f"{lead} {where} never produced: it was discarded, not started when {why}{tail}"
         )
     if failure.error == _native.ABANDONED:
         device = "its device" if queue is None else queue.device.name
@@ -117,12 +123,24 @@ def failure_error(failure: _native.Failure, lead: str, tail: str = "") -> AsyncM
     return error
 
 
-def discarded_error(value: int) -> ClosedResourceError:
+# What dropped a queue's commands that had not started (``NativeQueue.discard``'s
+# ``why``): the queue's close, or its device's (a close with ``discard=True``, or one a
+# KeyboardInterrupt reached).
+QUEUE_DISCARDED = "its queue was closed with discard=True"
+
+
+def device_discarded(name: str, interrupted: bool = False) -> str:
+    """What dropped the commands of a queue of device ``name``: its close."""
+    if interrupted:
+        return f"its device, {name}, was closing and a KeyboardInterrupt reached the close"
+    return f"its device, {name}, was closed with discard=True"
+
+
+def discarded_error(value: int, why: str) -> ClosedResourceError:
     """The error of command ``value`` of a queue, dropped before it started by a close
-    with ``discard=True`` (``Queue.close``, ``Device.close``)."""
+    with ``discard=True`` (``Queue.close``, ``Device.close``): ``why`` says which."""
     return ClosedResourceError(
-        f"command {value} was discarded: its queue was closed with discard=True before "
-        "the command started, and it never ran"
+        f"command {value} was discarded: {why} before the command started, and it never ran"
     )
 
 

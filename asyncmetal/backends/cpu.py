@@ -58,7 +58,7 @@ from .._errors import (
 from .._native_build import cc_command
 from .._scalars import host_types, scalar_type
 from .._threads import Freer
-from .._timeline import LATER_FAIL, discarded_error, failure_error
+from .._timeline import LATER_FAIL, QUEUE_DISCARDED, discarded_error, failure_error
 
 _ALIGN = 64
 MAX_ARGS = _native.MAX_ARGS
@@ -443,6 +443,7 @@ class CPUQueue(NativeQueue):
         if not self._handle:
             raise NoHostMemoryError("am_queue_new returned NULL: no memory for a queue")
         self._keep: KeepAlive = KeepAlive(timeline)
+        self._discarded: str | None = None  # what dropped what had not started (discard)
         self._closing = threading.Lock()  # a discard (any thread) and the close's take
         self._scratch = (ctypes.c_int64 * MAX_ARGS)()
         self._call = lib.am_queue_call
@@ -464,7 +465,7 @@ class CPUQueue(NativeQueue):
         failure = _native.timeline_failure(own)
         if failure is None or failure.cause == own:
             if failure is not None and failure.error == _native.DISCARDED:
-                return discarded_error(value)
+                return discarded_error(value, self._discarded or QUEUE_DISCARDED)
             return None  # abandoned by its own device's close (Queue says so)
         lead = "this command did not run: it follows a device-side wait for a value that"
         return failure_error(failure, lead, LATER_FAIL)
@@ -612,9 +613,10 @@ class CPUQueue(NativeQueue):
         )
         self._submitted(status, value, dst)
 
-    def discard(self) -> None:
+    def discard(self, why: str) -> None:
         with self._closing:  # (the close frees the native queue)
             if self._handle is not None:
+                self._discarded = why
                 self._lib.am_queue_discard(self._handle)
 
     def let_go_kept(self) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import asyncmetal as am
 
@@ -89,3 +91,65 @@ def test_readme_names_every_export() -> None:
     # and README names nothing as ``am.X`` or ``asyncmetal.X`` that is not exported
     named = set(re.findall(r"\b(?:am|asyncmetal)\.([A-Za-z]\w*)", readme))
     assert named - set(am.__all__) - {"backends"} == set()
+
+
+_RECEIVERS: dict[str, Any] = {"am": am, "dev": am.Device, "q": am.Queue, "buf": am.Buffer}
+
+
+def _table_calls() -> list[tuple[str, Any, str]]:
+    """Every ``name(args)`` of README's API table (``await`` and a receiver -- ``am.``,
+    ``dev.``, ``q.``, ``buf.`` -- allowed): the text, the callable it names (a method of
+    the row's class where it has one), its written arguments."""
+    readme = (ROOT / "README.md").read_text()
+    api = readme.split("\n## API\n", 1)[1].split("\n## ", 1)[0]
+    calls = []
+    for row in re.findall(r"^\| (`.*)$", api, re.MULTILINE):
+        cell = re.match(r"`(\w+)`", row)
+        owner = getattr(am, cell[1], None) if cell else None
+        for span in re.findall(r"`([^`]+)`", row):
+            call = re.fullmatch(r"(?:await )?(?:(\w+)\.)?(\w+)\(([^()]*)\)(?: -> \w+)?", span)
+            if call is None or (call[1] is not None and call[1] not in _RECEIVERS):
+                continue
+            if call[1] is not None:
+                where = _RECEIVERS[call[1]]
+            elif inspect.isclass(owner) and hasattr(owner, call[2]):
+                where = owner
+            else:
+                where = am
+            calls.append((span, getattr(where, call[2]), call[3]))
+    return calls
+
+
+def test_readme_api_table_writes_each_call_as_its_signature() -> None:
+    """Each ``name(args)`` of the API table agrees with the callable's signature: a bare
+    name is the parameter at its place, ``name=<its default>`` is written after ``*``
+    exactly where the parameter is keyword-only, ``name=<another value>`` is a call the
+    signature takes. Checked: fails without the fix (``memory_statistics(reset_peaks=
+    False)``, ``close(discard=False)`` and ``from_dlpack(x, device=None)`` left out the
+    ``*`` of their keyword-only parameters)."""
+    calls = _table_calls()
+    assert len(calls) >= 15  # (the table's calls are found)
+    wrong = []
+    for span, function, written in calls:
+        params = [p for p in inspect.signature(function).parameters.values() if p.name != "self"]
+        args = [a.strip() for a in written.split(",") if a.strip()]
+        positional = [p for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+        keyword_only = False
+        ok = True
+        for i, arg in enumerate(args):
+            name, eq, value = arg.partition("=")
+            param = next((p for p in params if p.name == name), None)
+            if arg == "*":
+                keyword_only = True
+            elif not eq:  # a bare name is the parameter at its place (a value, there)
+                here = i < len(positional) and not keyword_only
+                ok &= here and (positional[i].name == arg or not arg.isidentifier())
+            elif param is None or param.kind is param.POSITIONAL_ONLY:
+                ok = False
+            elif value == repr(param.default):  # written as its signature
+                ok &= keyword_only == (param.kind is param.KEYWORD_ONLY)
+        required = [p for p in positional if p.default is p.empty]
+        ok &= len([a for a in args if "=" not in a and a != "*"]) >= len(required)
+        if not ok:
+            wrong.append(f"{span} != {function.__qualname__}{inspect.signature(function)}")
+    assert wrong == [], "\n".join(wrong)

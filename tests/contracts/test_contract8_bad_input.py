@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import re
 
+import anyio
 import numpy as np
 import pytest
 
@@ -185,6 +186,20 @@ async def test_a_closed_devices_settings_are_refused(
             setattr(dev, setting, value)
     assert (dev.memory_budget, dev.memory_cache_limit) == (budget, limit)
     assert dev.compile_pool is pool
+
+
+async def test_a_closed_devices_synchronize_is_refused(
+    anyio_backend: object, device_name: str
+) -> None:
+    """``await dev.synchronize()`` once the device is closed raises ClosedResourceError,
+    as its other calls do, rather than returning as if its work had run. Checked:
+    fails without the fix (it returned None)."""
+    dev = await am.open_device(device_name)
+    await dev.synchronize()
+    await dev.close()
+    with anyio.fail_after(10):
+        with pytest.raises(am.ClosedResourceError, match=f"device {device_name} is closed"):
+            await dev.synchronize()
 
 
 async def test_buffer_of_another_device_is_refused(

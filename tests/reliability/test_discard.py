@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import asyncmetal as am
 from asyncmetal import _device
 from asyncmetal._interrupts import ctrl_c_discards
 from tests.support.interrupts import interrupted
+from tests.support.kernels import KERNELS, MSL_KERNELS
 from tests.support.queues import discard_outcomes
 
 pytestmark = pytest.mark.anyio
@@ -269,6 +271,43 @@ async def test_a_device_closed_with_discard_drops_every_queues_backlog(
     with anyio.fail_after(10):
         while len(os.listdir("/proc/self/task")) > threads + 1:  # (a close may be ending)
             await anyio.sleep(0.01)
+
+
+@pytest.mark.parametrize("closed", ["queue", "device"])
+async def test_a_dropped_command_s_error_names_the_close_that_dropped_it(
+    anyio_backend: object, device_name: str, closed: str
+) -> None:
+    """A command a close with discard=True dropped, and a command of another queue
+    behind a device wait for a signal it dropped, fail naming that close: the queue's,
+    or the device's. Checked: fails without the fix (a device's close said "its queue
+    was closed with discard=True")."""
+    device = await am.open_device(device_name)
+    try:
+        kernel = await device.compile(MSL_KERNELS if device.name == "metal" else KERNELS, "empty")
+        tl = device.timeline()
+        q, other = device.new_queue(), device.new_queue()
+        async with held_elsewhere() as hold:
+            hold(q)
+            dropped = q.launch(kernel)
+            q.signal(tl, 1)
+            other.wait(tl, 1)
+            behind = other.launch(kernel)
+            with anyio.fail_after(20):
+                if closed == "queue":
+                    await q.close(discard=True)
+                else:
+                    await device.close(discard=True)
+        why = (
+            "its queue was closed with discard=True"
+            if closed == "queue"
+            else f"its device, {device_name}, was closed with discard=True"
+        )
+        with anyio.fail_after(20):
+            for completion in (dropped, behind):  # (behind: dropped, or its wait failed)
+                with pytest.raises(am.ClosedResourceError, match=re.escape(why)):
+                    await completion
+    finally:
+        await device.close()
 
 
 async def test_a_queue_close_under_way_switches_to_discarding(

@@ -14,7 +14,7 @@ from ... import _native, _native_contract
 from ..._backend import Arg, KeepAlive, NativeQueue, NativeTimeline, Record, host_address
 from ..._errors import AsyncMetalError, DeviceLostError
 from ..._native import ABANDONED, CLOSED, DISCARDED, Failure
-from ..._timeline import LATER_FAIL, command_of, discarded_error, failure_error
+from ..._timeline import LATER_FAIL, QUEUE_DISCARDED, command_of, discarded_error, failure_error
 from . import _driver
 from ._driver import (
     UNCONFIRMED,
@@ -137,7 +137,7 @@ class CUDAQueue(NativeQueue):
         # calls of other threads under way (_held_open), which the close waits for.
         self._closing = threading.Condition(threading.Lock())
         self._exporting = 0
-        self._discarded = False
+        self._discarded: str | None = None  # what dropped what had not started (discard)
         self._slots = (ctypes.c_uint64 * MAX_PARAMS)()
         base = ctypes.addressof(self._slots)
         self._pointers = (ctypes.c_void_p * MAX_PARAMS)(*(base + 8 * i for i in range(MAX_PARAMS)))
@@ -423,7 +423,7 @@ class CUDAQueue(NativeQueue):
         if code in (WAITED_FAILED, HELD_FAILED) and value >= first:
             return self._waited_failed(code, first)
         if code == DISCARDED and value >= first:
-            return discarded_error(value)
+            return discarded_error(value, self._discarded or QUEUE_DISCARDED)
         if code == NO_MEMORY and value >= first:
             return self._failed(code)
         if code and value >= first:
@@ -797,10 +797,10 @@ class CUDAQueue(NativeQueue):
             self._wait_value(value, *unfinished)
         self._finish(value, (dst, src), expected_ns=dst.nbytes // STAGED_BYTES_PER_NS)
 
-    def discard(self) -> None:
+    def discard(self, why: str) -> None:
         with self._closing:  # (the close frees the native queue)
             if self._q is not None:
-                self._discarded = True
+                self._discarded = why
                 self._lib.am_cuq_discard(self._q)
 
     def close(self, abandon: bool = False) -> None:
@@ -824,7 +824,8 @@ class CUDAQueue(NativeQueue):
                 # chunk a stopped host copy left part way is freed, not left pinned.
                 lost = _driver.lost_first is not None
                 failed = code != 0 or lost
-                self._staging.close(abandon or self._discarded or failed, not abandon and not lost)
+                dropped = abandon or failed or self._discarded is not None
+                self._staging.close(dropped, not abandon and not lost)
             self._error = ctypes.c_int(code)  # the closed queue's error stays reported
             if self._owns_stream:
                 cu.cuStreamDestroy(self.stream)

@@ -25,7 +25,7 @@ from ..._backend import (
 )
 from ..._errors import DeviceLostError, InvalidArgumentError
 from ..._scalars import SIZES, Scalar
-from ..._timeline import LATER_FAIL, MAX_VALUE, discarded_error, failure_error
+from ..._timeline import LATER_FAIL, MAX_VALUE, QUEUE_DISCARDED, discarded_error, failure_error
 from . import _blocks
 from ._objc import (
     autorelease_pool,
@@ -223,6 +223,7 @@ class MetalQueue(NativeQueue):
         # Discarding (discard): the worker drops what it holds, from _discarded_from on,
         # then commits one empty command buffer that takes the timeline past it all.
         self._discarding = False
+        self._discarded_by: str | None = None  # what dropped them (discard's why)
         self._discarded_from = 0
         self._discarded_to = 0
         self._release_later = False  # the worker releases the queue once it returns
@@ -325,10 +326,11 @@ class MetalQueue(NativeQueue):
         if release:
             self._release()
 
-    def discard(self) -> None:
+    def discard(self, why: str) -> None:
         """Drop what the worker holds (the commands past the bound in flight, and those
         behind them): committed ones run."""
         with self._lock:
+            self._discarded_by = self._discarded_by or why
             if self._discarding or self._dropping or not self._routed:
                 return  # (nothing held: everything was committed)
             self._discarding = True
@@ -538,7 +540,7 @@ class MetalQueue(NativeQueue):
         if self._step_errors and value in self._step_errors:
             return self._step_errors[value]
         if self._discarded_from and value >= self._discarded_from:
-            return discarded_error(value)
+            return discarded_error(value, self._discarded_by or QUEUE_DISCARDED)
         if self._lost is not None and value >= self._lost_from:
             return self._lost
         waited = self._waited

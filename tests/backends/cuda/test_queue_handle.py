@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from asyncmetal._timeline import QUEUE_DISCARDED
 from asyncmetal.backends.cuda._queue import CUDAQueue
 
 
@@ -66,7 +67,7 @@ def _queue(lib: _Lib) -> CUDAQueue:
     queue._staging = None
     queue._owns_stream = False
     queue._keep = _Keep()  # type: ignore[assignment]
-    queue._discarded = False
+    queue._discarded = None
     queue._sticky = (0, 0)
     queue._error = ctypes.c_int(0)
     queue._notes = ctypes.c_int(0)  # (no thread's context left unrestored)
@@ -87,7 +88,9 @@ def test_a_close_on_another_thread_waits_for_an_exports_call(call: str) -> None:
     exporting = threading.Thread(target=export)
     exporting.start()
     assert lib.entered.wait(10)
-    discarding = threading.Thread(target=queue.discard)  # (as a loop's close(discard=True))
+    discarding = threading.Thread(
+        target=queue.discard, args=(QUEUE_DISCARDED,)
+    )  # (as a loop's close(discard=True))
     discarding.start()
     discarding.join(5)
     assert not discarding.is_alive() and lib.calls == ["discard"]  # (it did not wait)
@@ -103,5 +106,5 @@ def test_a_close_on_another_thread_waits_for_an_exports_call(call: str) -> None:
         "hand_over" if call == "hand_over" else "wait_foreign",
     ]
     export()  # closed: nothing to order, and no call on the freed queue
-    queue.discard()
+    queue.discard(QUEUE_DISCARDED)
     assert len(lib.calls) == 2
