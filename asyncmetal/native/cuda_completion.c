@@ -395,8 +395,11 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
     }
     /* Refused with nothing left in flight: settle the waiters now (they find the error).
      * Not once abandoned: the closer may have returned (this thread orphaned) and the
-     * caller freed the timeline. */
-    int settle = q->error && !q->count && !q->held && !q->unfenced && q->stop != 2;
+     * caller freed the timeline. Nor while another thread hands operations over: a
+     * command refused in part has failed q before its fence is handed over (cuq_submit_then),
+     * and that thread, or the fence's confirmation, settles q. */
+    int settle = q->error && !q->count && !q->held && !q->unfenced && !q->driving &&
+                 q->stop != 2;
     if (q->unfenced && q->sleeping) pthread_cond_signal(&q->cv);  /* its thread tries again */
     pthread_mutex_unlock(&q->mu);
     cuq_drop_refused(q, dropped, refused, refused_value);
@@ -724,8 +727,9 @@ static void *cuq_run(void *arg) {
         cuq_recycle(q, e.event, e.blocking);
         if (r && e.signals) cuq_fail_signal(q, &e);
         /* A failed command settles every later one; else, once a refused held command
-         * has nothing left in flight before it, the same. */
-        int settle = r || (q->error && !q->count && !q->held && !q->unfenced);
+         * has nothing left in flight before it, the same (not while another thread hands
+         * operations over: see cuq_drain). */
+        int settle = r || (q->error && !q->count && !q->held && !q->unfenced && !q->driving);
         pthread_mutex_unlock(&q->mu);
         if (e.extra && !r && !e.waited) am_timeline_poke(e.extra, e.extra_value);
         if (e.signals && !r) timeline_keep_released(e.extra);  /* its write landed */
