@@ -178,6 +178,9 @@ class _Driver:
     def cuStreamDestroy(self, stream: int) -> tuple[Any, ...]:
         return self._result("cuStreamDestroy")
 
+    def cuStreamGetCtx(self, stream: int) -> tuple[Any, ...]:
+        return self._result("cuStreamGetCtx", 0x100)  # (cuda:0's primary context)
+
     def cuMemcpyHtoDAsync(self, dst: int, src: int, nbytes: int, stream: int) -> tuple[Any, ...]:
         return self._result("cuMemcpyHtoDAsync")
 
@@ -653,6 +656,30 @@ async def test_the_null_stream_is_the_legacy_one_and_a_consumer_gets_buffer_erro
         buf = await dev.alloc(256)
         with pytest.raises(BufferError, match="per-thread default stream"):
             buf.__dlpack__(stream=2)
+    finally:
+        await dev.close()
+
+
+async def test_a_stream_handle_is_any_integer_and_one_past_64_bits_is_refused(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """adopt_stream takes a raw handle as any integer with ``__index__`` (a numpy
+    scalar: the same stream, so the same queue), not a bool; a handle that is no 64-bit
+    address is InvalidArgumentError, before any driver call. Checked: fails without the
+    fix (numpy's integers were ArgumentTypeError, and 2**64 was adopted: with the real
+    bindings, an OverflowError)."""
+    dev = await am.open_device("cuda:0")
+    try:
+        queue = dev.adopt_stream(0x5000)
+        assert dev.adopt_stream(np.int64(0x5000)) is queue
+        assert dev.adopt_stream(np.uint64(0x5000)) is queue
+        with pytest.raises(am.ArgumentTypeError, match="adopt_stream takes a stream"):
+            dev.adopt_stream(np.True_)  # (True is an int to the fake's CUstream)
+        for handle in (1 << 64, np.int64(-0x5000), -1):
+            calls = len(driver.calls)
+            with pytest.raises(am.InvalidArgumentError, match="from 0 to 2\\*\\*64-1"):
+                dev.adopt_stream(handle)
+            assert driver.calls[calls:] == []
     finally:
         await dev.close()
 
