@@ -152,14 +152,14 @@ def _import_anyio_now() -> None:
 _import_anyio_now()
 
 RECOUNT_S = 0.05  # a close waiting for its queues counts what can complete this often
-# A device's reaper (see Device._reap_later) looks for queues from new_queue() that have
-# nothing in flight any more this long after one was made or submitted to again, then
-# again twice as long after each look that let go of none (at most REAP_MAX_S), and at
-# least REAP_DUTY times as long as its last look took -- but never more than
-# REAP_LONGEST_S later: a queue dropped is let go of at its second look after its last
-# command, so a long look (many buffers' records) delays that by seconds, not by a
-# hundred times its own length. It holds the submission lock for REAP_CHUNK uses on the
-# blocks' records at a time.
+# A device's reaper (see Device._reap_later) looks for queues from new_queue() and
+# adopt_stream() that have nothing in flight any more this long after one was made or
+# submitted to again, then again twice as long after each look that let go of none (at
+# most REAP_MAX_S), and at least REAP_DUTY times as long as its last look took -- but
+# never more than REAP_LONGEST_S later: a queue dropped is let go of at its second look
+# after its last command, so a long look (many buffers' records) delays that by seconds,
+# not by a hundred times its own length. It holds the submission lock for REAP_CHUNK
+# uses on the blocks' records at a time.
 REAP_S = 0.05
 REAP_MAX_S = 0.5
 REAP_DUTY = 100
@@ -229,7 +229,9 @@ class Device:
         self._state = DeviceState(name, backend, self)
         self._backend = backend
         self._queues: list[Queue] = []
-        self._adopted: dict[object, Queue] = {}  # by stream
+        # The queues over adopted streams, by stream, while they live: released as those
+        # of new_queue() are (see _idle), once dropped with nothing in flight.
+        self._adopted: weakref.WeakValueDictionary[object, Queue] = weakref.WeakValueDictionary()
         self._timelines: weakref.WeakSet[Timeline] = weakref.WeakSet()  # from timeline()
         self._closing: HostEvents | None = None  # reaches 1 once a close has finished
         self._torn_down = False  # a close's teardown has begun (on its thread)
@@ -263,13 +265,14 @@ class Device:
         # The numbers of collected queues handed to a release thread not yet run.
         self._dropping: set[int] = set()
         self._release_threads: list[threading.Thread] = []
-        # Queues from new_queue() with nothing in flight that the device let go of (see
-        # _let_go_of_idle_queues): alive while someone holds them. One collected leaves
-        # its number here (its finalizer, on any thread) and tells the reaper, which
-        # releases its native queue on a thread of its own (so does the next new_queue,
-        # and the device's close). The native queues are kept here by number, not by the
-        # finalizers: a native queue that refers to its Queue (a Metal queue's recent
-        # command buffers' records) would keep it alive for good from a finalizer.
+        # Queues from new_queue() and adopt_stream() with nothing in flight that the
+        # device let go of (see _let_go_of_idle_queues): alive while someone holds
+        # them. One collected leaves its number here (its finalizer, on any thread)
+        # and tells the reaper, which releases its native queue on a thread of its
+        # own (so does the next new_queue, and the device's close). The native
+        # queues are kept here by number, not by the finalizers: a native queue that
+        # refers to its Queue (a Metal queue's recent command buffers' records)
+        # would keep it alive for good from a finalizer.
         self._idle: weakref.WeakSet[Queue] = weakref.WeakSet()
         self._natives: dict[int, tuple[NativeQueue, Timeline]] = {}
         self._dropped_queues: list[int] = []
@@ -390,19 +393,10 @@ class Device:
             )
             with self._state.submitting:  # (a close seals its queues: see Queue._submit)
                 self._check_open()
-                self._queues = [*self._queues, queue]  # (a new list: see _claim_release)
                 number = next(self._numbers)
-                self._natives[number] = (native_queue(queue), queue.timeline)
-                drop = weakref.finalize(
-                    queue, _collected, self._dropped_queues, self._reaper_inbox, number
-                )
-                drop.atexit = False
-                self._on_drop[queue] = drop
+                self._record(queue, number)
                 recorded = True
-                if len(self._queues) >= 2 * self._kept_at_sweep + 16 + self._blocks_at_sweep // 64:
-                    self._let_go_of_idle_queues()
-                self._release_done()
-                self._reap_later()
+                self._recorded()
         finally:
             with self._state.submitting:
                 try:
@@ -413,10 +407,29 @@ class Device:
                         self._makings -= 1
         return queue
 
+    def _record(self, queue: Queue, number: int) -> None:
+        """Record ``queue``, just made by new_queue or adopt_stream, as numbered
+        ``number`` (submission lock held): among the queues, its native queue by number,
+        its finalizer, which hands that native queue to the reaper once the queue is
+        collected (see _idle). Interrupted on the way, _unmade takes back what was."""
+        self._queues = [*self._queues, queue]  # (a new list: see _claim_release)
+        self._natives[number] = (native_queue(queue), queue.timeline)
+        drop = weakref.finalize(queue, _collected, self._dropped_queues, self._reaper_inbox, number)
+        drop.atexit = False
+        self._on_drop[queue] = drop
+
+    def _recorded(self) -> None:
+        """After a queue was recorded (submission lock held): let go of the idle queues
+        once the queues kept doubled, release those done, and have the reaper look."""
+        if len(self._queues) >= 2 * self._kept_at_sweep + 16 + self._blocks_at_sweep // 64:
+            self._let_go_of_idle_queues()
+        self._release_done()
+        self._reap_later()
+
     def _unmade(self, making: list[Queue], number: int) -> None:
         """A KeyboardInterrupt, or the device's close, stopped new_queue (or
         adopt_stream) before the queue it was making (in ``making``, if its making
-        began) was recorded whole, and numbered ``number`` (-1: not yet, or adopted):
+        began) was recorded whole, and numbered ``number`` (-1: not yet):
         take what of it was recorded back, and release its native queue, if made, on a
         release thread (submission lock held), as a collected queue's."""
         for queue in making:
@@ -501,7 +514,8 @@ class Device:
         return taken
 
     def _let_go_of_idle_queues(self) -> None:
-        """Stop keeping alive the queues from new_queue() that have nothing in flight
+        """Stop keeping alive the queues from new_queue() and adopt_stream() that have
+        nothing in flight
         (submission lock held), so that one its owner dropped is collected and its
         native queue released: their uses that passed are taken off the buffers' records
         too (a queue there would stay alive as long as the buffer). An idle queue
@@ -528,14 +542,10 @@ class Device:
         """Let go of the idle queues (see _let_go_of_idle_queues; submission lock held),
         with ``unused`` only those not submitted to since the last time (the reaper's
         look): their uses on the buffers' records are left to the caller. Return them."""
-        adopted = {id(q) for q in self._adopted.values()}
         idle = [
             q
             for q in self._queues
-            if q is not self.queue
-            and id(q) not in adopted
-            and (not unused or _unused(q))
-            and let_go(q)
+            if q is not self.queue and (not unused or _unused(q)) and let_go(q)
         ]
         if idle:
             gone = {id(q) for q in idle}  # (not ``in idle``: that is one pass per queue kept)
@@ -621,10 +631,7 @@ class Device:
         with lock:
             if let_go_of:
                 self._blocks_at_sweep = len(blocks)
-            adopted = {id(q) for q in self._adopted.values()}
-            if not self._unreleased and not any(
-                q is not self.queue and id(q) not in adopted for q in self._queues
-            ):
+            if not self._unreleased and not any(q is not self.queue for q in self._queues):
                 self._watching = False
                 return None
         return let_go_of
@@ -632,13 +639,19 @@ class Device:
     def adopt_stream(self, stream: object) -> Queue:
         """A Queue over an existing stream of another library (cuda devices): an object
         with ``__cuda_stream__`` (PyTorch, CuPy, cuda.core, numba-cuda streams), or a raw
-        ``CUstream`` (an int, ``1`` the legacy default stream). Its :meth:`Queue.marker`
-        records an event on the stream, so awaiting it awaits everything anyone
-        submitted there before. asyncmetal commands on it run in the stream's order.
-        Closing the device leaves the stream to its owner (it must outlive the device
-        or the queue's last use). Adopting a stream again gives the same queue, until
-        that one is closed: from its ``close()`` on -- also while that waits for its
-        commands -- a new one (the closed one refuses every command)."""
+        ``CUstream`` (an integer, ``1`` the legacy default stream). Its
+        :meth:`Queue.marker` records an event on the stream, so awaiting it awaits
+        everything anyone submitted there before. asyncmetal commands on it run in the
+        stream's order. Closing the queue or the device leaves the stream to its owner
+        (it must outlive the device or the queue's last use).
+
+        Adopting a stream again gives the same queue as long as that one lives, until it
+        is closed: from its ``close()`` on -- also while that waits for its commands -- a
+        new one (the closed one refuses every command). A queue dropped without
+        ``close()`` (nothing refers to it any more) is released, as one of
+        ``new_queue()`` is, once nothing of it is in flight -- its completion thread and
+        events; the stream stays its owner's --, so adopting a new stream per request
+        does not pile them up; adopting that stream later gives a new queue."""
         self._check_open()
         key = self._backend.stream_key(stream)
         with self._state.submitting:
@@ -649,6 +662,7 @@ class Device:
         # Made outside the submission lock and recorded whole, as new_queue's; where
         # another thread adopted the stream meanwhile, its queue is the one given.
         making: list[Queue] = []
+        number = -1
         recorded = counted = False
         try:
             with self._state.submitting:
@@ -660,6 +674,7 @@ class Device:
                 _made=MADE_BY_DEVICE,
                 _stream=stream,
                 _closer=self._close_queue,
+                _keeper=self._keep_queue,
                 _making=making,
             )
             with self._state.submitting:
@@ -668,16 +683,18 @@ class Device:
                 if adopted is not None and adopted._closed is None:
                     queue = adopted
                 else:
-                    self._queues = [*self._queues, queue]
+                    number = next(self._numbers)
+                    self._record(queue, number)
                     self._adopted[key] = queue
                     recorded = True
+                    self._recorded()
         finally:
             with self._state.submitting:
                 try:
                     if not recorded:
                         if making and self._adopted.get(key) is making[0]:
                             del self._adopted[key]
-                        self._unmade(making, -1)
+                        self._unmade(making, number)
                 finally:
                     if counted:
                         self._makings -= 1
@@ -1215,7 +1232,9 @@ class Device:
                 self._on_drop.pop(queue, None)
         gone = {id(q) for q in queues}
         self._queues = [q for q in self._queues if id(q) not in gone]
-        self._adopted = {k: q for k, q in self._adopted.items() if id(q) not in gone}
+        for key, adopted in list(self._adopted.items()):
+            if id(adopted) in gone:
+                del self._adopted[key]
 
     def _release(self, queues: list[Queue]) -> HostEvents | None:
         """Claim ``queues`` (closed, settled; see _claim_release) and release them on a
@@ -1395,10 +1414,10 @@ def _recorded_uses(
 
 
 def _collected(dropped: list[int], inbox: SimpleQueue[int], number: int) -> None:
-    """The finalizer of a queue from new_queue(): its number for the reaper. It may run
-    on any thread, inside a GC pass of a thread holding any lock (the submission lock,
-    a driver's): it takes none (SimpleQueue.put is safe from finalizers) and never
-    waits."""
+    """The finalizer of a queue from new_queue() or adopt_stream(): its number for the
+    reaper. It may run on any thread, inside a GC pass of a thread holding any lock (the
+    submission lock, a driver's): it takes none (SimpleQueue.put is safe from
+    finalizers) and never waits."""
     dropped.append(number)
     inbox.put(_COLLECTED)
 

@@ -36,7 +36,9 @@ from asyncmetal import DeviceLostError, _native
 from asyncmetal._timeline import LATER_FAIL
 from asyncmetal.backends import cuda as cb
 from asyncmetal.backends.cuda import _backend as cuda_backend
+from asyncmetal.backends.cuda import _queue as cuda_queue
 from asyncmetal.backends.cuda import _staging
+from tests.support.interrupts import check_queue_making_interrupted
 from tests.support.threads import closed_while_making, submitted_while_making
 
 MAX = (1 << 64) - 1
@@ -177,6 +179,9 @@ class _Driver:
 
     def cuStreamDestroy(self, stream: int) -> tuple[Any, ...]:
         return self._result("cuStreamDestroy")
+
+    def cuStreamGetCtx(self, stream: int) -> tuple[Any, ...]:
+        return self._result("cuStreamGetCtx", 0x100)  # (cuda:0's primary context)
 
     def cuMemcpyHtoDAsync(self, dst: int, src: int, nbytes: int, stream: int) -> tuple[Any, ...]:
         return self._result("cuMemcpyHtoDAsync")
@@ -657,6 +662,30 @@ async def test_the_null_stream_is_the_legacy_one_and_a_consumer_gets_buffer_erro
         await dev.close()
 
 
+async def test_a_stream_handle_is_any_integer_and_one_past_64_bits_is_refused(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """adopt_stream takes a raw handle as any integer with ``__index__`` (a numpy
+    scalar: the same stream, so the same queue), not a bool; a handle that is no 64-bit
+    address is InvalidArgumentError, before any driver call. Checked: fails without the
+    fix (numpy's integers were ArgumentTypeError, and 2**64 was adopted: with the real
+    bindings, an OverflowError)."""
+    dev = await am.open_device("cuda:0")
+    try:
+        queue = dev.adopt_stream(0x5000)
+        assert dev.adopt_stream(np.int64(0x5000)) is queue
+        assert dev.adopt_stream(np.uint64(0x5000)) is queue
+        with pytest.raises(am.ArgumentTypeError, match="adopt_stream takes a stream"):
+            dev.adopt_stream(np.True_)  # (True is an int to the fake's CUstream)
+        for handle in (1 << 64, np.int64(-0x5000), -1):
+            calls = len(driver.calls)
+            with pytest.raises(am.InvalidArgumentError, match="from 0 to 2\\*\\*64-1"):
+                dev.adopt_stream(handle)
+            assert driver.calls[calls:] == []
+    finally:
+        await dev.close()
+
+
 async def test_closing_a_cuda_queue_releases_its_stream_and_leaves_an_adopted_one_to_its_owner(
     anyio_backend: object, driver: _Driver
 ) -> None:
@@ -743,6 +772,84 @@ async def test_a_dropped_cuda_queue_releases_its_stream_once_its_commands_ran(
     finally:
         await dev.close()
     assert driver.calls.count("cuStreamDestroy") == 2  # the default queue's: none twice
+
+
+ADOPTED = 64  # streams adopted one after another, each queue dropped once its work ran
+
+
+async def test_queues_of_adopted_streams_dropped_once_their_work_ran_are_released(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """A stream adopted per request, its queue dropped once its marker (and a command
+    using a buffer, on the buffer's record of uses) was awaited, is released as a
+    new_queue() is: its native queue (its completion thread, am_cuq_close) goes, the
+    stream stays its owner's; so ADOPTED streams leave no native queue each. A queue
+    still held, let go of by the device meanwhile, is still the one adopting its
+    stream gives, and takes commands. Checked: fails without the fix (every adopted
+    queue was kept until the device's close)."""
+    assert driver.runtime is not None
+    runtime: Any = driver.runtime
+    runtime.am_cuq_finish = lambda q, value, extra, target, ns, flags: 0  # (confirmed below)
+    dev = await am.open_device("cuda:0")
+    try:
+        buf = await dev.alloc(256)
+        kept = len(runtime.queues)
+        held = dev.adopt_stream(0x7000_0000)
+        for i in range(ADOPTED):
+            queue = dev.adopt_stream(0x8000_0000 + 0x1000 * i)
+            assert dev.adopt_stream(0x8000_0000 + 0x1000 * i) is queue
+            queue._submit(numbered_only, uses=[buf])
+            marker = queue.marker()
+            queue.timeline.native.signal(marker.value)  # its completion thread confirms it
+            with anyio.fail_after(10):
+                await marker
+            del queue, marker
+        with anyio.fail_after(20):
+            while len(runtime.queues) > kept + 1:  # (released by the reaper, on threads)
+                await anyio.sleep(0.01)
+        assert dev.adopt_stream(0x7000_0000) is held
+        marker = held.marker()
+        held.timeline.native.signal(marker.value)
+        with anyio.fail_after(10):
+            await marker
+        assert len(runtime.queues) == kept + 1
+        assert driver.calls.count("cuStreamDestroy") == 0  # the streams stay their owners'
+    finally:
+        await dev.close()
+    assert not runtime.queues
+
+
+class _Confirming:
+    """A queue whose marker the fake's completion thread confirms at once (for
+    check_queue_making_interrupted, which awaits one)."""
+
+    def __init__(self, queue: am.Queue) -> None:
+        self.queue = queue
+
+    def marker(self) -> am.Completion:
+        marker = self.queue.marker()
+        self.queue.timeline.native.signal(marker.value)
+        return marker
+
+
+async def test_a_keyboard_interrupt_as_a_stream_is_adopted_leaves_none_unreleased(
+    anyio_backend: object, driver: _Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt wherever CPython delivers one in adopt_stream (and the
+    Queue's making and recording, as new_queue's) either comes after the caller got the
+    queue, or leaves nothing of it: every native queue made over the stream is released
+    by the device's close at the latest, and adopting the stream again works."""
+    assert driver.runtime is not None
+    runtime: Any = driver.runtime
+    runtime.am_cuq_finish = lambda q, value, extra, target, ns, flags: 0  # (confirmed above)
+    at = await check_queue_making_interrupted(
+        monkeypatch,
+        "cuda:0",
+        "adopt_queue",
+        cuda_queue.CUDAQueue,
+        lambda device: _Confirming(device.adopt_stream(0x5000)),
+    )
+    assert at >= 8
 
 
 @pytest.mark.anyio

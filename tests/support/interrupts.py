@@ -86,7 +86,8 @@ async def check_queue_making_interrupted(
 ) -> int:
     """Interrupt ``make(device)`` -- a call of ``Device.<hook's maker>`` that makes a
     Queue through the backend's ``hook`` (``new_queue``, ``adopt_queue``) -- at each
-    call entry and return of that maker and ``Queue.__init__`` in turn, on a fresh
+    call entry and return of that maker (and of what it records the queue with) and
+    ``Queue.__init__`` in turn, on a fresh
     device of ``device_name`` each time, until one is not interrupted. Each time the
     interrupt either came after the caller got the queue, or left nothing of it: every
     native queue (of type ``natives``) the backend made is released by the device's
@@ -111,7 +112,9 @@ async def check_queue_making_interrupted(
     monkeypatch.setattr(backend, hook, making)
     closed = await native_closes(monkeypatch, device_name, natives)
     maker = am.Device.new_queue if hook == "new_queue" else am.Device.adopt_stream
-    codes = {maker.__code__, am.Queue.__init__.__code__}
+    # (with what it records the queue by: the same steps for both makers)
+    recording = (am.Device._record, am.Device._recorded)
+    codes = {maker.__code__, am.Queue.__init__.__code__, *(f.__code__ for f in recording)}
     at = 0
     while True:
         device = await am.open_device(device_name)

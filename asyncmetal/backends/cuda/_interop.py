@@ -4,7 +4,8 @@ and the calling thread's current context left as the caller had it.
 A stream to adopt is anything with the CUDA stream protocol ``__cuda_stream__``
 (returning ``(0, handle)``: cuda.core, CuPy, numba-cuda, recent PyTorch), a PyTorch
 stream (``.cuda_stream``), a CuPy stream (``.ptr``), a cuda-bindings ``CUstream`` or a
-raw handle (an int: ``0``/``1`` the legacy default stream). The per-thread default
+raw handle (an integer -- a Python int, a numpy or PyTorch integer scalar: anything with
+``__index__`` but a bool -- ``0``/``1`` the legacy default stream). The per-thread default
 stream (``2``) is refused: it is a different stream on every thread, and a queue's
 commands may be submitted from another thread than the one that adopted it. A cuda
 buffer's DLPack consumer names its stream by the same rules; that stream is ordered on
@@ -18,7 +19,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
-from ..._errors import ArgumentTypeError, InvalidArgumentError, warn
+from ..._errors import ArgumentTypeError, InvalidArgumentError, as_int, warn
 from . import _driver
 from ._driver import check, cu
 
@@ -26,6 +27,7 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 STREAM_LEGACY, STREAM_PER_THREAD = 1, 2  # CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
+HANDLE_MAX = (1 << 64) - 1  # a CUstream is a pointer: larger ones overflow the driver's call
 
 
 def stream_handle(stream: object) -> int:
@@ -38,8 +40,8 @@ def stream_handle(stream: object) -> int:
                 f"__cuda_stream__ must give (0, handle) (protocol version 0), got {value!r}"
             )
         handle = int(value[1])
-    elif isinstance(stream, int) and not isinstance(stream, bool):
-        handle = stream
+    elif (integer := as_int(stream)) is not None:  # (an int, a numpy integer; no bool)
+        handle = integer
     elif cu is not None and isinstance(stream, cu.CUstream):
         handle = int(stream)
     elif isinstance(getattr(stream, "cuda_stream", None), int):  # torch.cuda.Stream
@@ -51,8 +53,10 @@ def stream_handle(stream: object) -> int:
             "adopt_stream takes a stream (__cuda_stream__, a torch or cupy stream, a "
             f"CUstream) or a raw CUstream handle, got {type(stream).__name__}"
         )
-    if handle < 0:
-        raise InvalidArgumentError(f"a CUstream handle is >= 0, got {handle}")
+    if not 0 <= handle <= HANDLE_MAX:
+        raise InvalidArgumentError(
+            f"a CUstream handle is an address, from 0 to 2**64-1, got {handle}"
+        )
     if handle == STREAM_PER_THREAD:
         raise InvalidArgumentError(
             "the per-thread default stream (2) differs from thread to thread and cannot be "

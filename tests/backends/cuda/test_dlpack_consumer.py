@@ -92,6 +92,38 @@ async def test_a_consumer_stream_waits_for_the_buffers_users_and_is_not_adopted(
         await dev.close()
 
 
+async def test_a_consumer_stream_is_any_integer_and_one_past_64_bits_is_refused(
+    anyio_backend: object, driver_fixture: _Driver
+) -> None:
+    """A consumer stream given as a numpy integer is that stream (it waits for the
+    buffer's users); one that is no 64-bit address is the protocol's BufferError (an
+    asyncmetal error), raised before anything reaches the driver. Checked: fails without
+    the fix (ArgumentTypeError for numpy's integers; 2**64 reached the native call: with
+    the real bindings, an OverflowError)."""
+    driver = driver_fixture
+    waits = _record(driver)
+    _streams_of(driver, CONTEXT)
+    dev = await am.open_device("cuda:0")
+    try:
+        buf = await dev.alloc(256)
+        busy = dev.new_queue()
+        used = busy._submit(numbered_only)  # submitted, not confirmed
+        try:
+            record_uses([buf], busy, used.value)
+            owner = busy._native._q  # type: ignore[attr-defined]
+            for stream in (np.int64(0x5000), np.uint32(0x6000)):
+                assert buf.__dlpack__(stream=stream) is not None
+            assert waits == [(owner, CONTEXT, s, used.value) for s in (0x5000, 0x6000)]
+            del waits[:]
+            with pytest.raises(am.ExchangeError, match="from 0 to 2\\*\\*64-1"):
+                buf.__dlpack__(stream=1 << 64)
+            assert waits == []
+        finally:
+            busy.timeline.native.signal(used.value)  # (the fake confirms nothing)
+    finally:
+        await dev.close()
+
+
 async def test_a_consumer_streams_wait_refused_by_the_driver_raises_its_error(
     anyio_backend: object, driver_fixture: _Driver
 ) -> None:
