@@ -342,7 +342,38 @@ def test_a_child_forked_while_a_thread_holds_the_allocators_lock_does_not_hang()
     assert _child_prints(_FORK_WHILE_THE_ALLOCATOR_IS_LOCKED) == ["0"]
 
 
-_FORK_AS_A_RELEASE_IS_COUNTED = """
+_FORK_HOLDING = """
+import os, signal, threading
+
+
+def fork_holding(lock, in_child):
+    # Fork while another thread holds `lock`; the child runs in_child() and exits (killed
+    # by an alarm if it hangs). The child's exit status, once the holder let go.
+    holding, go_on = threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            holding.set()
+            go_on.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holding.wait()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(10)
+        in_child()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    go_on.set()
+    holder.join()
+    return status
+"""
+
+
+_FORK_AS_A_RELEASE_IS_COUNTED = (
+    _FORK_HOLDING
+    + """
 import os, signal, threading
 import anyio
 import asyncmetal as am
@@ -350,32 +381,16 @@ import asyncmetal as am
 async def main():
     dev = await am.open_device("cpu")
     bufs = [await dev.alloc(4096), await dev.alloc(4096)]
-    counter = dev._allocator._frees._counter
-    counting, go_on = threading.Event(), threading.Event()
-
-    def count():  # a thread inside the count of a release (a free, a buffer dropped)
-        with counter._lock:
-            counting.set()
-            go_on.wait(30)
-
-    counter_thread = threading.Thread(target=count)
-    counter_thread.start()
-    counting.wait()
-    pid = os.fork()
-    if pid == 0:
-        signal.alarm(10)  # a child that hangs is killed
-        bufs.pop()  # a buffer of the parent's device dropped in the child
-        os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    print(status)
-    go_on.set()
-    counter_thread.join()
+    # a thread inside the count of a release (a free, a buffer dropped); in the child a
+    # buffer of the parent's device dropped
+    print(fork_holding(dev._allocator._frees._counter._lock, bufs.pop))
     await bufs.pop().free()
     print(dev.memory_statistics().in_use)
     await dev.close()
 
 anyio.run(main)
 """
+)
 
 
 def test_a_child_forked_as_a_release_is_counted_drops_the_parents_buffers() -> None:
@@ -431,7 +446,9 @@ def test_a_child_empties_none_of_the_parents_memory_cache() -> None:
     assert prints == ["4096", "0", "0", "4096"]
 
 
-_FORK_AS_A_THREAD_HOLDS_A_SHARED_LOCK = """
+_FORK_AS_A_THREAD_HOLDS_A_SHARED_LOCK = (
+    _FORK_HOLDING
+    + """
 import asyncio, os, signal, sys, threading
 import numpy as np
 import asyncmetal as am
@@ -452,29 +469,12 @@ async def child():  # a device of the child's own, on its first loop
 
 async def main():
     dev = await am.open_device("cpu")
-    holding, go_on = threading.Event(), threading.Event()
-
-    def hold():
-        with lock:
-            holding.set()
-            go_on.wait(30)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    holding.wait()
-    pid = os.fork()
-    if pid == 0:
-        signal.alarm(10)  # a child that hangs is killed
-        asyncio.new_event_loop().run_until_complete(child())
-        os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    print(status)
-    go_on.set()
-    holder.join()
+    print(fork_holding(lock, lambda: asyncio.new_event_loop().run_until_complete(child())))
     await dev.close()
 
 asyncio.run(main())
 """
+)
 
 
 @pytest.mark.parametrize("lock", ["bridges", "keeps"])
@@ -486,17 +486,12 @@ def test_a_child_forked_as_a_thread_holds_a_shared_lock_opens_its_own_devices(
     fork: the child opens and uses a device of its own without waiting for a thread
     that does not exist there. Checked: fails without the fix (the child hung, killed
     by its alarm: status 14)."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _FORK_AS_A_THREAD_HOLDS_A_SHARED_LOCK, lock],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["0"]
+    assert _child_prints(_FORK_AS_A_THREAD_HOLDS_A_SHARED_LOCK, lock) == ["0"]
 
 
-_FORK_AS_A_METAL_BLOCK_IS_MADE = """
+_FORK_AS_A_METAL_BLOCK_IS_MADE = (
+    _FORK_HOLDING
+    + """
 import gc, os, signal, sys, threading
 sys.path.insert(0, sys.argv[1])
 import anyio
@@ -510,30 +505,18 @@ from asyncmetal.backends.metal import _blocks
 async def main():
     dev = await am.open_device("metal")
     timelines = [dev.timeline()]
-    making, go_on = threading.Event(), threading.Event()
 
-    def make():  # a thread inside the records of Metal's completion handlers
-        with _blocks._lock:
-            making.set()
-            go_on.wait(30)
-
-    maker = threading.Thread(target=make)
-    maker.start()
-    making.wait()
-    pid = os.fork()
-    if pid == 0:
-        signal.alarm(10)  # a child that hangs is killed
-        timelines.clear()  # a timeline of the parent's device dropped in the child
+    def in_child():  # a timeline of the parent's device dropped in the child
+        timelines.clear()
         gc.collect()
-        os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    print(status)
-    go_on.set()
-    maker.join()
+
+    # a thread inside the records of Metal's completion handlers
+    print(fork_holding(_blocks._lock, in_child))
     await dev.close()
 
 anyio.run(main)
 """
+)
 
 
 @pytest.mark.metal
@@ -545,14 +528,7 @@ def test_a_child_forked_as_a_metal_block_is_made_drops_the_parents_timelines() -
     wait for a thread that does not exist there. Checked: fails without the fix (the
     child hung, killed by its alarm: status 14)."""
     root = str(Path(__file__).parents[2])
-    proc = subprocess.run(
-        [sys.executable, "-c", _FORK_AS_A_METAL_BLOCK_IS_MADE, root],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["0"]
+    assert _child_prints(_FORK_AS_A_METAL_BLOCK_IS_MADE, root) == ["0"]
 
 
 _FORK_WHILE_A_CLOSING_CPU_DEVICE_FREES = """
@@ -660,10 +636,11 @@ def test_a_child_forked_while_a_cpu_kernel_runs_counts_no_kernel_running() -> No
     assert _child_prints(_FORK_WHILE_A_CPU_KERNEL_RUNS) == ["0", "0"]
 
 
-def _child_prints(script: str) -> list[str]:
-    """What ``script``, run in a new interpreter that must exit cleanly, printed."""
+def _child_prints(script: str, *args: str) -> list[str]:
+    """What ``script`` (given ``args``), run in a new interpreter that must exit
+    cleanly, printed."""
     proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.split()

@@ -156,6 +156,16 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+async def _awaited(done: Any) -> str:
+    """ "done", or the error awaiting ``done`` raised."""
+    try:
+        with anyio.fail_after(20):
+            await done
+        return "done"
+    except Exception as exc:
+        return _error(exc)
+
+
 async def _refused_end(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
     """A launch whose kernel reached the driver and whose end (its event record) was
     refused: what its submission, its completion and the next launch did."""
@@ -171,12 +181,7 @@ async def _refused_end(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Se
     seen["numbered"] = queue.submitted
     seen["last_use"] = buf._allocation.last_use.get(queue)
     if done is not None:
-        try:
-            with anyio.fail_after(20):
-                await done
-            seen["awaited"] = "done"
-        except Exception as exc:
-            seen["awaited"] = _error(exc)
+        seen["awaited"] = await _awaited(done)
     try:
         queue.launch(kernel, buf)
         seen["later"] = "submitted"
@@ -232,12 +237,7 @@ async def _unfenced(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
     try:
         done = queue.launch(kernel, buf)
         seen["value"] = done.value
-        try:
-            with anyio.fail_after(20):
-                await done
-            seen["awaited"] = "done"
-        except Exception as exc:
-            seen["awaited"] = _error(exc)
+        seen["awaited"] = await _awaited(done)
         seen["ran_when_settled"] = sim.fake.stream_ran(stream) - ran
         seen["refusals_left"] = sim.refuse_more.value if sim.refuse_records.value else 0
     finally:
