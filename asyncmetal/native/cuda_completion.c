@@ -407,14 +407,17 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
 }
 
 /* The fence behind a refused command part of which the driver has (cuda_submit.c,
- * cuq_submit_then; cuq_drain) was refused too: nothing shows the stream past that part,
+ * cuq_submit_then; cuq_drain) was refused too, or none was recorded for lack of host
+ * memory (cuq_no_memory): nothing shows the stream past that part,
  * which may still run (a kernel writing a buffer), so q does not settle -- its commands
  * are not reported failed, nor their buffers handed back -- until a fence is recorded
  * behind it and confirmed. This thread, with nothing else in flight, records it again
  * after a nap (1 ms, doubling up to CU_NAP_CHUNK_NS): once the driver takes it, the
  * queue settles at its confirmation, as for a fence recorded at once. A sticky refusal
- * settles q now: nothing of the context runs any more. Abandoned (am_cuq_close), q
- * stops trying. `nap`: this thread's, kept across tries. Not under mu. */
+ * settles q now: nothing of the context runs any more. With nothing in flight, the ring
+ * has room for the fence: recording it needs no host memory (were it short anyway, -1 is
+ * tried again as a refusal is). Abandoned (am_cuq_close), q stops trying. `nap`: this
+ * thread's, kept across tries. Not under mu. */
 static void cuq_refence(am_cuq *q, long *nap) {
     pthread_mutex_lock(&q->mu);
     struct timespec until;

@@ -166,9 +166,10 @@ struct am_cuq {
     uint64_t handed_value;          /* the command of the last operation handed to the
                                        driver, or being handed now (under mu) */
     uint64_t unfenced;              /* a refused command part of which the driver has, whose
-                                       fence the driver refused too (0: none): the queue
-                                       settles only once a fence is recorded behind it
-                                       (cuda_completion.c, cuq_refence; under mu) */
+                                       fence the driver refused too, or that ran out of
+                                       host memory (0: none): the queue settles only once
+                                       a fence is recorded behind it (cuda_completion.c,
+                                       cuq_refence; under mu) */
     int handing;                    /* threads in cuq_hand_over waiting on hand_cv for
                                        that to end, or for a due kick to run */
     pthread_cond_t hand_cv;

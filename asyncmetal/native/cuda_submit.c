@@ -421,8 +421,11 @@ static am_cuop *cuq_copy_op(const am_cuop *op, size_t size, const am_cuop *then)
  * reached the driver, that is all: the caller takes its value back, as for a command the
  * driver refused at once, and q goes on. Else its event can no longer follow what did:
  * q fails from that command on, as for a held command the driver refused (a signal of it
- * failing its timeline), and settles now if nothing is left in flight. Returns -1. Not
- * under mu. */
+ * failing its timeline), and settles only once the stream is past that part, which may
+ * still run (a kernel writing a buffer): a fence behind it, recorded by the completion
+ * thread (q->unfenced, cuq_refence) -- not here, where the memory its ring may need to
+ * grow for it is missing; that thread records it with nothing else in flight, so the
+ * ring has room. Returns -1. Not under mu. */
 static int cuq_no_memory(am_cuq *q, uint64_t value, const am_cuop *op, const am_cuop *then,
                          int own_kick) {
     am_cuop *mine = NULL, **p = &q->held, *last = NULL;
@@ -447,7 +450,8 @@ static int cuq_no_memory(am_cuq *q, uint64_t value, const am_cuop *op, const am_
         q->error = -1;
         q->error_value = value;
     }
-    int settle = part && !q->count && !q->held && !q->driving && !q->unfenced;
+    if (part && (!q->unfenced || value < q->unfenced)) q->unfenced = value;
+    if (part && q->sleeping) pthread_cond_signal(&q->cv);  /* its thread records the fence */
     pthread_mutex_unlock(&q->mu);
     if (unkick) cuq_unkick(q, kick_on);
     const am_cuop *ends[2] = {op, then};
@@ -461,7 +465,6 @@ static int cuq_no_memory(am_cuq *q, uint64_t value, const am_cuop *op, const am_
         cuop_free(mine);
         mine = next;
     }
-    if (settle) cuq_settle(q);
     return -1;
 }
 

@@ -2077,14 +2077,38 @@ static void check_nomemory(void) {
     reach(c.t, UINT64_MAX, "nomemory: the failed queue never settled");
     if (atomic_load(&c.s->ran) != (long)full - 1) die("nomemory: c settled before its launches ran");
     if (am_timeline_value(t2.t) != UINT64_MAX) die("nomemory: the failed signal's timeline is unsettled");
-    fake_queue all[3] = {a, b, c};
-    for (int i = 0; i < 3; i++) queue_free(all[i], 0);
+    /* d: a long kernel reached the driver; its end finds the ring full, and cannot grow
+     * it. The queue fails from it, and settles only once its stream is past the kernel
+     * (a fence the completion thread records behind it): not as soon as the commands
+     * before it are confirmed, while the kernel may still write its buffers. */
+    static kernel longer = {0, 200000000, NULL, 0};
+    fake_queue d = queue_new();
+    uint64_t *gate_d = calloc(1, sizeof(uint64_t));
+    if (am_cuq_wait(d.q, gate_d, 1, 1) || am_cuq_finish(d.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
+        die("nomemory: d's gate failed");
+    pthread_mutex_lock(&d.q->mu);
+    full = d.q->cap;
+    pthread_mutex_unlock(&d.q->mu);
+    for (uint64_t v = 2; v <= full; v++)
+        if (launch(d, NULL, (int64_t)v, v)) die("nomemory: a launch on d failed");
+    atomic_store(&refuse_allocs, 1);
+    if (launch(d, &longer, 0, full + 1) != -1)
+        die("nomemory: the completion ring grew without memory for a launch's end");
+    if (am_cuq_error(d.q, &at) != -1 || at != full + 1)
+        die("nomemory: a launch that reached the driver did not fail its queue");
+    atomic_store((_Atomic uint64_t *)gate_d, 1);
+    reach(d.t, UINT64_MAX, "nomemory: the queue of the launch without memory never settled");
+    if (atomic_load(&d.s->ran) != (long)full)
+        die("nomemory: d settled while the launch without memory could still run");
+    fake_queue all[4] = {a, b, c, d};
+    for (int i = 0; i < 4; i++) queue_free(all[i], 0);
     free_timeline frees[2] = {t, t2};
     for (int i = 0; i < 2; i++) {
         am_timeline_free(frees[i].t);
         free(frees[i].word);
     }
     free(gate);
+    free(gate_d);
     puts("ok nomemory");
 }
 
