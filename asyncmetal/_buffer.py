@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -18,6 +18,9 @@ from ._device_state import DeviceState, open_states, two_names
 from ._dlpack import Exports, Loan, TypedView, items_shape
 from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError, as_int
 from ._timeline import Detached, run_detached, wait_value
+
+if TYPE_CHECKING:
+    from ._device import Device
 
 
 def plain_dtype(dtype: Any, what: str = "dtype") -> np.dtype[Any]:
@@ -63,18 +66,31 @@ class Buffer(Exports):
         self, state: DeviceState, allocation: Allocation, offset: int, nbytes: int
     ) -> None:
         self._state = state
-        self.device = state.device
-        self._allocation = allocation
-        self.offset = offset
         # (Read-only to users, as properties: commands trust them to lie within the
-        # allocation, and a view's free to leave the memory it views alone.)
+        # allocation, and a view's free to leave the memory it views alone. The launch
+        # paths, native and Python, read the fields: _native_contract.NAMES.)
+        self._device: Device = state.device
+        self._allocation = allocation
+        self._offset = offset
         self._nbytes = nbytes
         self._is_view = False  # made by view(): freed with the buffer it views
 
     def __repr__(self) -> str:
         state = " freed" if self._allocation.freed else ""
-        view = f" (a view at {self.offset})" if self._is_view else ""
+        view = f" (a view at {self._offset})" if self._is_view else ""
         return f"<Buffer {self._nbytes} bytes{view} on {self._state.name}{state}>"
+
+    @property
+    def device(self) -> Device:
+        """The :class:`Device` it is on."""
+        return self._device
+
+    @property
+    def offset(self) -> int:
+        """Where it starts, in bytes from the start of the allocated buffer whose memory
+        it is: 0 for that buffer; for a view, its offset plus the offsets of the views
+        it was made from."""
+        return self._offset
 
     @property
     def nbytes(self) -> int:
@@ -116,7 +132,7 @@ class Buffer(Exports):
             raise InvalidArgumentError(
                 f"nbytes must be an int in [1, {self.nbytes - offset}], got {nbytes}"
             )
-        view = Buffer(self._state, self._allocation, self.offset + offset, nbytes)
+        view = Buffer(self._state, self._allocation, self._offset + offset, nbytes)
         view._is_view = True
         return view
 
@@ -285,7 +301,7 @@ class Buffer(Exports):
         await settled(self, "buffer")
         handle, release = self._lend()
         try:
-            view = backend.host_view(handle, self.offset, self.nbytes)
+            view = backend.host_view(handle, self._offset, self._nbytes)
             array = np.frombuffer(view, dtype.base)
         except BaseException:
             release()
@@ -383,13 +399,13 @@ def launch_args(buffers: Sequence[Buffer], kernel: str, state: DeviceState) -> l
         allocation = buf._allocation
         if allocation.freed or buf._state is not state or state.closed:
             check_buffer(buf, f"buffer {i} of {kernel!r}", state)
-        append(new_arg(Arg, (allocation.handle, buf.offset, None)))
+        append(new_arg(Arg, (allocation.handle, buf._offset, None)))
     return args
 
 
 def native_arg(buf: Buffer) -> Arg:
     """``buf`` as the backend takes it: its native handle and offset."""
-    return new_arg(Arg, (buf._allocation.handle, buf.offset, None))
+    return new_arg(Arg, (buf._allocation.handle, buf._offset, None))
 
 
 def record_uses(buffers: Iterable[Buffer], queue: Queue, value: int) -> None:
@@ -406,7 +422,7 @@ def uses(buf: Buffer) -> list[tuple[Queue, int]]:
 def overlap(a: Buffer, b: Buffer, nbytes: int) -> bool:
     """Whether ``nbytes`` from ``a`` and from ``b`` share memory."""
     return a._allocation is b._allocation and (
-        a.offset < b.offset + nbytes and b.offset < a.offset + nbytes
+        a._offset < b._offset + nbytes and b._offset < a._offset + nbytes
     )
 
 
@@ -417,7 +433,7 @@ def buffer_state(buf: Buffer) -> DeviceState:
 
 def host_memory(buf: Buffer, nbytes: int) -> memoryview:
     """``nbytes`` of a host-visible ``buf``, in place."""
-    return buf._state.backend.host_view(buf._allocation.handle, buf.offset, nbytes)
+    return buf._state.backend.host_view(buf._allocation.handle, buf._offset, nbytes)
 
 
 def _no_loan(*keep: object) -> None:

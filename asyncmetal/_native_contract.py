@@ -35,29 +35,31 @@ class NativeContractError(AsyncMetalError):
 # (_device_state.py), Program (_program.py),
 # Buffer (_buffer.py) and its allocation (_allocator.py), Completion (_queue.py), the
 # cpu backend's memory handle and queue (backends/cpu.py), the cuda backend's queue.
+# A public attribute among them (a buffer's offset, a program's device) is a read-only
+# property over the private field named here: what a launch trusts, users cannot set.
 NAMES: dict[str, str] = {
-    "Queue.device": "device",  # the queue's Device
+    "Queue.device": "_device",  # the queue's Device
     "Queue.submitted": "_submitted",  # int: the last value numbered; set to the next one
     "Queue.state": "_state",  # its DeviceState (a plain attribute: read with no Python code)
     "Queue.fast": "_fast_launch",  # None while the queue is closed or let go of (idle)
     "DeviceState.closed": "closed",  # bool (a slot)
     "DeviceState.busy": "busy",  # int: Python-path submissions under way (a slot)
-    "Program.device": "device",  # must be the queue's device
-    "Program.buffer_count": "buffer_count",  # int: buffers the kernel takes
-    "Program.value_count": "value_count",  # int: values the kernel takes
+    "Program.device": "_device",  # must be the queue's device
+    "Program.buffer_count": "_buffer_count",  # int: buffers the kernel takes
+    "Program.value_count": "_value_count",  # int: values the kernel takes
     # None (buffers then int32 values, in the kernel's order), or (order, value_codes):
     # order None or list[int] (launch argument -> parameter position), value_codes None
     # or bytes (one per value: _scalars.CODES)
-    "Program.launch_layout": "launch_layout",
-    "Program.native": "native",  # int: the kernel's function (cpu) or CUfunction (cuda)
-    "Buffer.device": "device",  # must be the queue's device
+    "Program.launch_layout": "_launch_layout",
+    "Program.native": "_native",  # int: the kernel's function (cpu) or CUfunction (cuda)
+    "Buffer.device": "_device",  # must be the queue's device
     "Buffer.allocation": "_allocation",  # the allocation it views
-    "Buffer.offset": "offset",  # int: bytes into the allocation
+    "Buffer.offset": "_offset",  # int: bytes into the allocation
     "Allocation.freed": "freed",  # bool
     "Allocation.handle": "handle",  # cuda: the device pointer (int); cpu: its memory
     "Allocation.last_use": "last_use",  # dict: queue -> the last value using it (set)
-    "Completion.ring": "ring",  # cpu: the queue's times ring (set)
-    "Completion.row": "row",  # cpu: the command's row in it (set)
+    "Completion.ring": "_ring",  # cpu: the queue's times ring (set)
+    "Completion.row": "_row",  # cpu: the command's row in it (set)
     "CPUMemory.address": "address",  # int: a cpu allocation's host address
     "CUDAQueue.failed": "_failed",  # method (code) -> the error for a refused launch
     # method () -> None: warns of a restore of the thread's context the launch's native

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._compile import ParamKind, Signature
 from ._device_state import DeviceState
 from ._scalars import CODES
+
+if TYPE_CHECKING:
+    from ._device import Device
 
 
 class Program:
@@ -28,9 +31,9 @@ class Program:
         native: Any,
     ) -> None:
         self._state = state
-        # The attributes the native launch path reads (_native_contract.NAMES) are plain
-        # ones; the others are read-only properties (launches trust them to agree).
-        self.device = state.device
+        # Read-only to users, as properties (launches trust them to agree); the launch
+        # paths, native and Python, read the fields (_native_contract.NAMES).
+        self._device: Device = state.device
         self._name = name
         self._params = params = signature.kinds
         # Each value parameter's scalar type (None: not known) and declaration.
@@ -40,9 +43,9 @@ class Program:
         codes = b"".join(CODES[type_] for type_, _ in signature.values)
         self._value_codes = None if codes.count(b"i") == len(codes) else codes
         self._binary = binary
-        self.native = native
-        self.buffer_count = params.count("buffer")
-        self.value_count = params.count("value")
+        self._native = native
+        self._buffer_count = params.count("buffer")
+        self._value_count = params.count("value")
         # Launch arguments come as buffers then values; `order` maps them to the
         # parameter order (None when the kernel already declares them so).
         buffers = [i for i, k in enumerate(params) if k == "buffer"]
@@ -51,7 +54,7 @@ class Program:
         order = [position[p] for p in range(len(params))]
         self._order = None if order == sorted(order) else order
         # Both, as the native launch path reads them: None in the common case.
-        self.launch_layout: tuple[list[int] | None, bytes | None] | None = (
+        self._launch_layout: tuple[list[int] | None, bytes | None] | None = (
             None
             if self._order is None and self._value_codes is None
             else (self._order, self._value_codes)
@@ -61,9 +64,36 @@ class Program:
         return f"<Program {self._name!r} on {self._state.name} params={self._params}>"
 
     @property
+    def device(self) -> Device:
+        """The :class:`Device` it was loaded on (its launches run there only)."""
+        return self._device
+
+    @property
     def name(self) -> str:
         """The kernel's name."""
         return self._name
+
+    @property
+    def native(self) -> Any:
+        """The backend's handle of the loaded kernel: its function's address (cpu), its
+        CUfunction (cuda). Valid while the program is."""
+        return self._native
+
+    @property
+    def buffer_count(self) -> int:
+        """How many buffers a launch passes: its ``"buffer"`` parameters."""
+        return self._buffer_count
+
+    @property
+    def value_count(self) -> int:
+        """How many values (``vals``) a launch passes: its ``"value"`` parameters."""
+        return self._value_count
+
+    @property
+    def launch_layout(self) -> tuple[list[int] | None, bytes | None] | None:
+        """How a launch's arguments map to the kernel's: None where buffers then int32
+        values, in the kernel's order; else (:attr:`order`, :attr:`value_codes`)."""
+        return self._launch_layout
 
     @property
     def params(self) -> tuple[ParamKind, ...]:

@@ -7,7 +7,7 @@ import inspect
 import weakref
 from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
@@ -40,6 +40,9 @@ from ._timeline import (
     waits_for,
 )
 
+if TYPE_CHECKING:
+    from ._device import Device
+
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 _ONE3 = (1, 1, 1)
 
@@ -57,8 +60,8 @@ class Completion(Record):
     def __init__(self, queue: Queue, value: int) -> None:  # hot: Record's fields inline
         self.queue = queue
         self.value = value
-        self.error = self.ring = self.start_ns = self.end_ns = None
-        self.row = self.due_ns = 0
+        self.error = self._ring = self.start_ns = self.end_ns = None
+        self._row = self.due_ns = 0
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
@@ -229,8 +232,10 @@ class Queue:
             # stops the making from here on, the maker releases what was made.
             _making.append(self)
         self._state = state
-        self.device = state.device
-        # (Read-only to users, a property: its commands' values are on this one.)
+        # (Read-only to users, as properties: its commands' values are on this one, and
+        # its launches check their program and buffers against its device. The launch
+        # paths, native and Python, read the fields: _native_contract.NAMES.)
+        self._device: Device = state.device
         self._timeline = Timeline(state, owned=True, _made=MADE_BY_DEVICE)
         backend, timeline = state.backend, self._timeline.native
         self._native: NativeQueue = (
@@ -270,6 +275,11 @@ class Queue:
 
     def __repr__(self) -> str:
         return f"<Queue of {self._state.name} submitted={self._submitted}>"
+
+    @property
+    def device(self) -> Device:
+        """The :class:`Device` it runs on."""
+        return self._device
 
     @property
     def timeline(self) -> Timeline:
@@ -532,7 +542,7 @@ class Queue:
         args = self._launch_args(program, buffers, vals)
         gsize = _ONE3 if global_size is _ONE3 else _size3(global_size, "global_size")
         lsize = _ONE3 if local_size is _ONE3 else _size3(local_size, "local_size")
-        return self._submit(self._native.launch, program.native, args, gsize, lsize, uses=buffers)
+        return self._submit(self._native.launch, program._native, args, gsize, lsize, uses=buffers)
 
     def _launch_args(
         self, program: Program, buffers: Sequence[Buffer], vals: Sequence[Any]
@@ -543,7 +553,7 @@ class Queue:
                 f"program must be a Program, got {type(program).__name__}"
                 + (" (did you forget to await compile?)" if inspect.isawaitable(program) else "")
             )
-        if program.device is not self.device:
+        if program._device is not self._device:
             compiled_for, this = two_names(program._state, self._state)
             raise InvalidArgumentError(
                 f"program {program.name!r} was compiled for {compiled_for}, not {this}"
@@ -553,7 +563,7 @@ class Queue:
                 vals = list(vals)  # numpy scalars, each of the array's type
             elif isinstance(vals, (str, bytes)) or not isinstance(vals, Sequence):
                 raise ArgumentTypeError(f"vals must be a sequence of numbers, got {vals!r}")
-        if len(buffers) != program.buffer_count:
+        if len(buffers) != program._buffer_count:
             misplaced = [i for i, v in enumerate(vals) if isinstance(v, Buffer)]
             raise ArgumentTypeError(
                 f"kernel {program.name!r} takes {program.buffer_count} buffer"
@@ -565,7 +575,7 @@ class Queue:
                     else _value_among_buffers(buffers)
                 )
             )
-        if len(vals) != program.value_count:
+        if len(vals) != program._value_count:
             raise ArgumentTypeError(
                 f"kernel {program.name!r} takes {program.value_count} "
                 f"value{'' if program.value_count == 1 else 's'} (vals), got {len(vals)}"

@@ -47,7 +47,8 @@ MADE_BY_DEVICE = object()
 
 
 class FailingQueue(Protocol):
-    device: Any
+    @property
+    def device(self) -> Any: ...
 
     @property
     def timeline(self) -> Timeline: ...

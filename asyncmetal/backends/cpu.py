@@ -479,8 +479,8 @@ class CPUQueue(NativeQueue):
 
     def _row(self, record: Record) -> int:
         """The address of the times row the queue thread writes for ``record``."""
-        record.ring = self._times
-        record.row = row = record.value % TIMES_KEPT
+        record._ring = self._times
+        record._row = row = record.value % TIMES_KEPT
         return self._times_address + 24 * row
 
     def launch_target(self) -> tuple[Any, ...] | None:
@@ -514,8 +514,8 @@ class CPUQueue(NativeQueue):
         if nargs > MAX_ARGS:
             raise ArgumentTypeError(f"cpu kernels take at most {MAX_ARGS} parameters")
         # The times row, inline (this is the hot path of every launch).
-        record.ring = self._times
-        record.row = row = value % TIMES_KEPT
+        record._ring = self._times
+        record._row = row = value % TIMES_KEPT
         if self._fast_call is not None:  # the extension packs the arguments itself
             status = self._fast_call(
                 self._handle, program, args, self._times_address + 24 * row, value

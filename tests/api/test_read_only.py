@@ -3,6 +3,8 @@ AttributeError rather than corrupting the object's state."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -96,3 +98,56 @@ def test_a_compile_pool_s_settings_are_read_only() -> None:
         assert (pool.max_workers, pool.idle_timeout, pool.compiles) == (2, 5.0, 0)
     finally:
         pool.shutdown()
+
+
+async def test_what_the_native_launch_path_reads_is_read_only(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """What a launch reads by name, in C or in Python: a buffer's ``offset`` and
+    ``device``, a queue's ``device``, a program's ``device``, ``native``,
+    ``buffer_count``, ``value_count`` and ``launch_layout``, and a completion's times
+    ring. Checked: fails without the fix (each was accepted)."""
+    q = device.new_queue()
+    program = kernels["fill"]
+    buf = await device.alloc(64)
+    other = await device.alloc(16)
+    native, layout = program.native, program.launch_layout
+    done = q.launch(program, buf, vals=(1, 16))
+    await done
+    for target, attribute, value in [
+        (buf, "offset", 1 << 40),
+        (buf, "device", other.device),
+        (buf.view(16), "offset", 0),
+        (q, "device", None),
+        (program, "device", None),
+        (program, "native", 0),
+        (program, "buffer_count", 0),
+        (program, "value_count", 9),
+        (program, "launch_layout", ([1, 0, 2], b"iii")),
+        (done, "ring", [0] * 3),
+        (done, "row", 1 << 40),
+    ]:
+        with pytest.raises(AttributeError):
+            setattr(target, attribute, value)
+    assert (buf.offset, buf.device, q.device, program.device) == (0, device, device, device)
+    assert (program.native, program.launch_layout) == (native, layout)
+    assert (program.buffer_count, program.value_count) == (1, 2)
+    await q.launch(program, buf, vals=(7, 16))
+    assert (await buf.read(np.int32)).tolist() == [7] * 16
+
+
+async def test_an_offset_assigned_cannot_move_a_launch_outside_its_buffer(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """A launch writes where the buffer is, whatever a user assigns to ``offset``: an
+    offset past the view made the launch write outside it (here into the rest of the
+    buffer it views; past the allocation, a crash or another buffer's bytes
+    overwritten). Checked: fails without the fix."""
+    whole = await device.alloc(64)
+    await whole.write(np.zeros(16, np.int32))
+    view = whole.view(16, 16)
+    with contextlib.suppress(AttributeError):
+        view.offset = 48  # type: ignore[misc]
+    await device.queue.launch(kernels["fill"], view, vals=(5, 4))
+    assert (await whole.read(np.int32)).tolist() == [0] * 4 + [5] * 4 + [0] * 8
+    assert view.offset == 16

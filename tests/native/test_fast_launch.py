@@ -113,7 +113,7 @@ async def test_a_device_closed_as_it_reads_the_arguments_is_refused(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Python code the native path runs after its check that the device is open (here a
-    program's ``device``, made a property) lets another thread close the device in
+    program's ``_device``, made a property) lets another thread close the device in
     between: the command it then numbers is taken back and refused, not submitted to a
     device whose close has counted what to wait for."""
     _extension()
@@ -129,7 +129,7 @@ async def test_a_device_closed_as_it_reads_the_arguments_is_refused(
             state.closed = True  # as a close on another thread would, between two reads
             return device
 
-        monkeypatch.setattr(Program, "device", property(closed_meanwhile), raising=False)
+        monkeypatch.setattr(Program, "_device", property(closed_meanwhile), raising=False)
         with pytest.raises(am.ClosedResourceError):
             queue.launch(fill, buf, vals=(7, 1))
         monkeypatch.undo()
@@ -227,7 +227,7 @@ async def test_a_queue_closed_as_it_reads_the_arguments_is_declined(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another thread closes the queue (or the device lets go of it) while the native
-    path runs Python code reading the arguments (here a buffer's ``device``, made a
+    path runs Python code reading the arguments (here a buffer's ``_device``, made a
     property): the launch is declined and the Python path refuses it. Checked: before,
     the command went to the closed queue's freed native queue and never completed."""
     _extension()
@@ -244,7 +244,7 @@ async def test_a_queue_closed_as_it_reads_the_arguments_is_declined(
                 _on_another_thread(queue.close)
             return device
 
-        monkeypatch.setattr(am.Buffer, "device", property(device_then_close), raising=False)
+        monkeypatch.setattr(am.Buffer, "_device", property(device_then_close), raising=False)
         with pytest.raises(am.ClosedResourceError, match="closed"):
             queue.launch(fill, buf, vals=(7, 16))
         monkeypatch.undo()
