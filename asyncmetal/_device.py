@@ -365,12 +365,19 @@ class Device:
     def new_queue(self) -> Queue:
         """A new queue: its own ordered stream and timeline."""
         self._check_open()  # (first: see Queue._submit)
-        # Made and recorded whole: a KeyboardInterrupt (trio raises Ctrl-C in whatever
-        # Python code its task runs; CPython, at a call's entry or return) before the
-        # queue is recorded -- among the queues, its native queue by number, its
-        # finalizer -- releases what was made of it (_unmade), as does a close that came
-        # first. Left: an interrupt as the backend's new_queue returns its native queue,
-        # not stored yet (nothing in Python holds it then).
+        return self._make_queue()
+
+    def _make_queue(self, stream: object = None, key: object = None) -> Queue:
+        """new_queue's queue, or (``key`` given) adopt_stream's over ``stream``, whose
+        key among the adopted streams is ``key``.
+
+        Made and recorded whole: a KeyboardInterrupt (trio raises Ctrl-C in whatever
+        Python code its task runs; CPython, at a call's entry or return) before the
+        queue is recorded -- among the queues, its native queue by number, its
+        finalizer -- releases what was made of it (_unmade), as does a close that came
+        first. Left: an interrupt as the backend's new_queue returns its native queue,
+        not stored yet (nothing in Python holds it then). Where another thread adopted
+        the stream meanwhile, its queue is the one given."""
         making: list[Queue] = []
         number = -1
         recorded = counted = False
@@ -387,20 +394,29 @@ class Device:
             queue = Queue(
                 self._state,
                 _made=MADE_BY_DEVICE,
+                _stream=stream,
                 _closer=self._close_queue,
                 _keeper=self._keep_queue,
                 _making=making,
             )
             with self._state.submitting:  # (a close seals its queues: see Queue._submit)
                 self._check_open()
-                number = next(self._numbers)
-                self._record(queue, number)
-                recorded = True
-                self._recorded()
+                adopted = None if key is None else self._adopted.get(key)
+                if adopted is not None and adopted._closed is None:
+                    queue = adopted
+                else:
+                    number = next(self._numbers)
+                    self._record(queue, number)
+                    if key is not None:
+                        self._adopted[key] = queue
+                    recorded = True
+                    self._recorded()
         finally:
             with self._state.submitting:
                 try:
                     if not recorded:
+                        if key is not None and making and self._adopted.get(key) is making[0]:
+                            del self._adopted[key]
                         self._unmade(making, number)
                 finally:
                     if counted:
@@ -659,46 +675,7 @@ class Device:
             queue = self._adopted.get(key)
         if queue is not None and queue._closed is None:
             return queue
-        # Made outside the submission lock and recorded whole, as new_queue's; where
-        # another thread adopted the stream meanwhile, its queue is the one given.
-        making: list[Queue] = []
-        number = -1
-        recorded = counted = False
-        try:
-            with self._state.submitting:
-                self._makings += 1
-                counted = True  # (no call between: nothing interrupts them)
-                self._check_open()
-            queue = Queue(
-                self._state,
-                _made=MADE_BY_DEVICE,
-                _stream=stream,
-                _closer=self._close_queue,
-                _keeper=self._keep_queue,
-                _making=making,
-            )
-            with self._state.submitting:
-                self._check_open()
-                adopted = self._adopted.get(key)
-                if adopted is not None and adopted._closed is None:
-                    queue = adopted
-                else:
-                    number = next(self._numbers)
-                    self._record(queue, number)
-                    self._adopted[key] = queue
-                    recorded = True
-                    self._recorded()
-        finally:
-            with self._state.submitting:
-                try:
-                    if not recorded:
-                        if making and self._adopted.get(key) is making[0]:
-                            del self._adopted[key]
-                        self._unmade(making, number)
-                finally:
-                    if counted:
-                        self._makings -= 1
-        return queue
+        return self._make_queue(stream, key)
 
     def timeline(self) -> Timeline:
         """A new timeline at value 0, for ordering between queues, devices and the host."""

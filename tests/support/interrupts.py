@@ -113,7 +113,7 @@ async def check_queue_making_interrupted(
     closed = await native_closes(monkeypatch, device_name, natives)
     maker = am.Device.new_queue if hook == "new_queue" else am.Device.adopt_stream
     # (with what it records the queue by: the same steps for both makers)
-    recording = (am.Device._record, am.Device._recorded)
+    recording = (am.Device._make_queue, am.Device._record, am.Device._recorded)
     codes = {maker.__code__, am.Queue.__init__.__code__, *(f.__code__ for f in recording)}
     at = 0
     while True:
