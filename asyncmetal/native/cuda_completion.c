@@ -361,9 +361,11 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
          * A signal's end refused (its event record): the timeline it was to raise fails
          * too, or its waiters would wait for good -- with the fence, once the stream is
          * past the signal's word write (handed over before), which would otherwise land
-         * on the failed timeline's word; without one, now, as those dropped below. A
-         * fence refused too (not sticky) is tried again: q->unfenced, cuq_refence. */
-        int signals = cuop_signals(op), fenced = 0, unfenced = 0;
+         * on the failed timeline's word; a fence refused too (not sticky) is tried again,
+         * the signal kept for it (q->unfenced, cuq_unfence, cuq_refence); refused for
+         * good (sticky: nothing of the context runs any more), now, as those dropped
+         * below. */
+        int signals = cuop_signals(op), fenced = 0, unfenced = 0, kept = 0;
         if (r && __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) != 2) {
             /* (not once abandoned: the stream may be destroyed; the call reported stays
              * the refused one, not the fence's) */
@@ -380,12 +382,12 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
         }
         pthread_mutex_lock(&q->mu);
         cuq_undrive(q);
-        if (unfenced && (!q->unfenced || op->value < q->unfenced)) q->unfenced = op->value;
+        if (unfenced) kept = cuq_unfence(q, op->value, signals ? op : NULL) && signals;
         if (r) {
             dropped = cuq_refused(q, op->value, r);
             refused = r;
             refused_value = op->value;
-            if (signals && !fenced && q->stop != 2) {
+            if (signals && !fenced && !kept && q->stop != 2) {
                 op->next = dropped;
                 dropped = op;
                 op = NULL;
@@ -423,24 +425,53 @@ static void cuq_refence(am_cuq *q, long *nap) {
     struct timespec until;
     deadline_after(&until, *nap);
     if (q->stop != 2) pthread_cond_timedwait(&q->cv, &q->mu, &until);
-    uint64_t value = q->unfenced;
+    uint64_t value = q->unfenced, extra_value = q->unfenced_extra_value;
+    am_timeline *extra = q->unfenced_extra;  /* the refused command's signal, if any */
     int go = value && !q->count && q->stop != 2;
     pthread_mutex_unlock(&q->mu);
     if (!go) return;
     int call = __atomic_load_n(&q->failed_call, __ATOMIC_RELAXED);
-    int r = cuq_finish(q, value, NULL, 0, 0, CU_FINISH_FENCE);
+    /* With the signal: its confirmation fails that timeline (cuq_run), as a fence
+     * recorded at once does. */
+    int r = cuq_finish(q, value, extra, extra_value, 0, CU_FINISH_FENCE);
     __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);  /* the refused one */
     pthread_mutex_lock(&q->mu);
-    int settle = 0;
+    int settle = 0, fail_signal = 0, error = 0;
+    uint64_t failed_value = 0;
+    am_timeline *cause = NULL;
     if (!r || cu_sticky(r)) {
         q->unfenced = 0;
+        q->unfenced_extra = NULL;
         settle = r && !q->count && !q->held && q->stop != 2;
+        fail_signal = r && extra && q->stop != 2;  /* (sticky: its write never lands) */
+        cuq_cause(q, &error, &failed_value, &cause);
         *nap = 1000000;
     } else if (*nap < CU_NAP_CHUNK_NS) {
         *nap *= 2;
     }
     pthread_mutex_unlock(&q->mu);
+    if (fail_signal) am_timeline_fail(extra, extra_value, error, failed_value, cause);
     if (settle) cuq_settle(q);
+}
+
+/* Command `value` of q, part of which the driver has, got no fence behind it (refused,
+ * not sticky, or no host memory for it): q settles only once one is recorded and
+ * confirmed (q->unfenced, cuq_refence). Its signal `signal` (its end, if it raises a
+ * timeline, else NULL) is kept for that fence: the signal's word write reached the
+ * driver before, and may still land, so its timeline fails only at the fence's
+ * confirmation, once the stream is past the write (cuq_run) -- failed at once, a wait
+ * released by the failure could see the word lowered by the write after (a store), and
+ * the word's memory could be let go with the write on its way. The timeline is marked
+ * failed before (cuq_fail_signal_now): a wait handed over from then on is not made.
+ * Returns whether the signal is kept (0 with none, or another command's kept: one
+ * refused command at most gets here, as a failed queue takes nothing more, but were
+ * there two, the caller fails this one's timeline at once, as before). Under mu. */
+int cuq_unfence(am_cuq *q, uint64_t value, const am_cuop *signal) {
+    if (!q->unfenced || value < q->unfenced) q->unfenced = value;
+    if (!signal || q->unfenced_extra) return 0;
+    q->unfenced_extra = signal->extra;
+    q->unfenced_extra_value = signal->extra_value;
+    return 1;
 }
 
 /* A device wait of q on the word of a timeline no queue owns, done on the stream: it is
@@ -479,9 +510,15 @@ static void cuq_confirm_wait(am_cuq *q, const am_cuentry *e) {
 void cuq_fail_signal_now(am_cuq *q, const am_cuop *op, int error, uint64_t value,
                          am_timeline *cause) {
     pthread_mutex_lock(&q->mu);
+    cuq_fail_signal_held(q, op, error, value, cause);
+    pthread_mutex_unlock(&q->mu);
+}
+
+/* cuq_fail_signal_now, under q->mu (t->mu under it: see cuq_poison). */
+void cuq_fail_signal_held(am_cuq *q, const am_cuop *op, int error, uint64_t value,
+                          am_timeline *cause) {
     uint64_t before = q->skipped && q->skipped < op->value ? q->skipped : op->value;
     uint64_t sure = cuq_sure(q, op->extra, before, op->extra_value);
-    pthread_mutex_unlock(&q->mu);
     if (sure < op->extra_value) am_timeline_fail_from(op->extra, sure + 1, error, value, cause);
 }
 
@@ -757,6 +794,7 @@ static void *cuq_run(void *arg) {
     if (orphan) cuq_unref(q);
     return NULL;
 }
+
 
 am_cuq *am_cuq_new(void *ctx, void *stream, am_timeline *timeline, long spin_ns,
                    long max_inflight) {

@@ -170,6 +170,10 @@ struct am_cuq {
                                        host memory (0: none): the queue settles only once
                                        a fence is recorded behind it (cuda_completion.c,
                                        cuq_refence; under mu) */
+    am_timeline *unfenced_extra;    /* ... a signal that command makes (or NULL): its word
+                                       write may still land, so its timeline fails only
+                                       with the fence (cuq_unfence; under mu) */
+    uint64_t unfenced_extra_value;
     int handing;                    /* threads in cuq_hand_over waiting on hand_cv for
                                        that to end, or for a due kick to run */
     pthread_cond_t hand_cv;
@@ -314,6 +318,9 @@ AM_HIDDEN void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value,
                           am_timeline *cause);
 AM_HIDDEN void cuq_fail_signal_now(am_cuq *q, const am_cuop *op, int error, uint64_t value,
                                    am_timeline *cause);
+AM_HIDDEN void cuq_fail_signal_held(am_cuq *q, const am_cuop *op, int error, uint64_t value,
+                                    am_timeline *cause);           /* under q->mu */
+AM_HIDDEN int cuq_unfence(am_cuq *q, uint64_t value, const am_cuop *signal); /* under q->mu */
 
 /* cuda_submit.c */
 AM_HIDDEN int cuq_run_op(am_cuq *q, const am_cuop *op);

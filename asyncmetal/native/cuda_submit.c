@@ -420,12 +420,13 @@ static am_cuop *cuq_copy_op(const am_cuop *op, size_t size, const am_cuop *then)
  * a device wait of it held (own_kick: `op`'s own, not held). If no part of the command
  * reached the driver, that is all: the caller takes its value back, as for a command the
  * driver refused at once, and q goes on. Else its event can no longer follow what did:
- * q fails from that command on, as for a held command the driver refused (a signal of it
- * failing its timeline), and settles only once the stream is past that part, which may
- * still run (a kernel writing a buffer): a fence behind it, recorded by the completion
- * thread (q->unfenced, cuq_refence) -- not here, where the memory its ring may need to
- * grow for it is missing; that thread records it with nothing else in flight, so the
- * ring has room. Returns -1. Not under mu. */
+ * q fails from that command on, as for a held command the driver refused, and settles
+ * only once the stream is past that part, which may still run (a kernel writing a
+ * buffer): a fence behind it, recorded by the completion thread (q->unfenced,
+ * cuq_refence) -- not here, where the memory its ring may need to grow for it is
+ * missing; that thread records it with nothing else in flight, so the ring has room. A
+ * signal that is the command's end fails its timeline with that fence (its word write
+ * reached the driver: cuq_unfence), marked failed at once. Returns -1. Not under mu. */
 static int cuq_no_memory(am_cuq *q, uint64_t value, const am_cuop *op, const am_cuop *then,
                          int own_kick) {
     am_cuop *mine = NULL, **p = &q->held, *last = NULL;
@@ -450,14 +451,16 @@ static int cuq_no_memory(am_cuq *q, uint64_t value, const am_cuop *op, const am_
         q->error = -1;
         q->error_value = value;
     }
-    if (part && (!q->unfenced || value < q->unfenced)) q->unfenced = value;
+    const am_cuop *signal = then && cuop_signals(then) ? then : cuop_signals(op) ? op : NULL;
+    /* Marked failed before the fence can be recorded, whose hand-over releases the waits
+     * held for the signal (they then find it failed: cuq_skip_failed). */
+    if (part && signal) cuq_fail_signal_held(q, signal, -1, value, q->timeline);
+    int kept = part && cuq_unfence(q, value, signal);
     if (part && q->sleeping) pthread_cond_signal(&q->cv);  /* its thread records the fence */
     pthread_mutex_unlock(&q->mu);
     if (unkick) cuq_unkick(q, kick_on);
-    const am_cuop *ends[2] = {op, then};
-    for (int i = 0; i < 2; i++)
-        if (part && ends[i] && cuop_signals(ends[i]))
-            am_timeline_fail(ends[i]->extra, ends[i]->extra_value, -1, value, q->timeline);
+    if (part && signal && !kept)
+        am_timeline_fail(signal->extra, signal->extra_value, -1, value, q->timeline);
     while (mine) {
         am_cuop *next = mine->next;
         if (part && cuop_signals(mine))
@@ -518,12 +521,13 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
      * that part: a fence behind it. A fence the driver refuses too is tried again by
      * the completion thread (q->unfenced, cuq_refence) -- the queue does not settle
      * meanwhile: a buffer the part writes must not be handed back while it may still
-     * run -- unless the refusal is sticky: then nothing of the context runs any more.
-     * (handed_value: only the driving thread writes it.) */
+     * run, nor a timeline its signal raises failed while its word write may still land
+     * (cuq_unfence) -- unless the refusal is sticky: then nothing of the context runs
+     * any more. (handed_value: only the driving thread writes it.) */
     int part = r > 0 && (ran || q->handed_value == op->value) &&
                __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) != 2;
     const am_cuop *refused = ran ? then : op;
-    int signals = part && cuop_signals(refused), fenced = 0, unfenced = 0;
+    int signals = part && cuop_signals(refused), fenced = 0, unfenced = 0, kept = 0;
     if (part) {
         int call = __atomic_load_n(&q->failed_call, __ATOMIC_RELAXED);
         /* Failed before the fence is handed over: its confirmation, which may come at
@@ -546,7 +550,7 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
     if (part) {
         /* (what other threads submitted meanwhile was held behind it: it never runs) */
         if (!q->error) { q->error = r; q->error_value = op->value; }
-        if (unfenced && (!q->unfenced || op->value < q->unfenced)) q->unfenced = op->value;
+        if (unfenced) kept = cuq_unfence(q, op->value, signals ? refused : NULL) && signals;
         dropped = q->held;
         q->held = q->held_tail = NULL;
         q->nheld = 0;
@@ -561,7 +565,7 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
     pthread_mutex_unlock(&q->mu);
     if (discard) am_cuq_discard(q);
     if (part) {
-        if (signals && !fenced)
+        if (signals && !fenced && !kept)  /* (kept: it fails with the fence) */
             am_timeline_fail(refused->extra, refused->extra_value, r, op->value, q->timeline);
         cuq_drop_refused(q, dropped, r, op->value);
         if (settle) cuq_settle(q);

@@ -61,6 +61,8 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "signal"),
         *("ok", "signalrecord"),
         *("ok", "nomemory"),
+        *("ok", "unfencedsignal"),
+        *("ok", "stickyfence"),
         *("ok", "predict"),
         *("ok", "near"),
         *("ok", "kick"),

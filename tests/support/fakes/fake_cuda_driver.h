@@ -97,7 +97,8 @@ extern atomic_int fault_code;         /* the context's sticky error once a kerne
 extern void *_Atomic held;            /* an event whose queries report it unfinished */
 extern atomic_long wait_event_ns;     /* >0: a stream's wait on an event takes this long */
 extern atomic_int waits_in_driver;    /* ... such waits inside the driver now */
-extern fake_stream *_Atomic refuse_records;  /* the next event record on it is refused */
+extern fake_stream *_Atomic refuse_records;  /* the next event record on it is refused, */
+extern atomic_int refuse_more;               /* ... and then this many more there */
 extern atomic_int refuse_allocs;      /* >0: the runtime's next that many cuq_alloc fail */
 extern void *_Atomic refuse_ctx;      /* a cuCtxSetCurrent of this context is refused */
 extern atomic_long record_ns;         /* >0: an event record takes this long */

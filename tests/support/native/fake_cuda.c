@@ -109,7 +109,14 @@
  *             (a held wait's kick too) and the queue goes on, the value given back;
  *             out of memory once part of a command reached the driver (a signal whose
  *             end finds the ring full): the queue fails from that command on, the
- *             signal's timeline settles, and the queue settles once what came before ran
+ *             signal's timeline settles once its word write landed (not before, nor
+ *             lowered by it after), and the queue settles once what came before ran
+ *   unfencedsignal a signal whose end (its event record) the driver refuses once its
+ *             word write reached the driver, and the fence behind it too (taken on a
+ *             later try): its timeline fails only once the stream is past that write,
+ *             which then cannot lower the released word, naming the refused command
+ *   stickyfence the same with a sticky refusal (the context faulted), the fence's
+ *             too: the queue and the signal's timeline settle at once
  *   kick      a host signal of a timeline a stream waits on cuts the completion
  *             thread's nap short
  *   abandon   closing with abandon returns while the completion thread naps on, or is
@@ -2070,6 +2077,8 @@ static void check_nomemory(void) {
     atomic_store(&refuse_allocs, 1);
     if (am_cuq_finish(c.q, full + 1, t2.t, 3, 0, 0) != -1)
         die("nomemory: the completion ring grew without memory");
+    if (am_timeline_value(t2.t) == UINT64_MAX)  /* (its write waits behind c's gate) */
+        die("nomemory: the signal's timeline failed while its word write could still land");
     if (am_cuq_error(c.q, &at) != -1 || at != full + 1)
         die("nomemory: a command part of which reached the driver did not fail its queue");
     if (launch(c, NULL, 0, full + 1) != -1) die("nomemory: the failed queue took a command");
@@ -2077,6 +2086,8 @@ static void check_nomemory(void) {
     reach(c.t, UINT64_MAX, "nomemory: the failed queue never settled");
     if (atomic_load(&c.s->ran) != (long)full - 1) die("nomemory: c settled before its launches ran");
     if (am_timeline_value(t2.t) != UINT64_MAX) die("nomemory: the failed signal's timeline is unsettled");
+    if (atomic_load((_Atomic uint64_t *)t2.word) != AM_WORD_RELEASED)
+        die("nomemory: the signal's word write landed on its failed timeline's released word");
     /* d: a long kernel reached the driver; its end finds the ring full, and cannot grow
      * it. The queue fails from it, and settles only once its stream is past the kernel
      * (a fence the completion thread records behind it): not as soon as the commands
@@ -2110,6 +2121,67 @@ static void check_nomemory(void) {
     free(gate);
     free(gate_d);
     puts("ok nomemory");
+}
+
+/* A signal whose end (its event record) the driver refuses once its word write reached
+ * the driver, behind a slow kernel of the same command, and then the fence behind it
+ * too, twice (the completion thread's second try is taken). */
+static void check_unfencedsignal(void) {
+    static kernel slow = {0, 200000000, NULL, 0};
+    fake_queue f = queue_new();
+    free_timeline t = free_timeline_new();
+    int error = 0;
+    uint64_t at = 0, value = 0;
+    am_timeline *cause = NULL;
+    if (launch(f, NULL, 1, 1)) die("unfencedsignal: launch 1 failed");
+    reach(f.t, 1, "unfencedsignal: launch 1 never ran");
+    if (kernel_part(f, &slow, 2) || am_cuq_write(f.q, t.word, 5, 2))
+        die("unfencedsignal: the signal's kernel or word write failed");
+    atomic_store(&refuse_more, 2);
+    atomic_store(&refuse_records, f.s);
+    if (am_cuq_finish(f.q, 2, t.t, 5, 0, 0) != 1) die("unfencedsignal: the refusal was not reported");
+    reach(t.t, UINT64_MAX, "unfencedsignal: the refused signal's timeline never settled");
+    /* (its word write is behind the kernel: the stream ran the kernel before the write) */
+    if (atomic_load(&f.s->ran) != 2)
+        die("unfencedsignal: the signal's timeline failed while its word write could still land");
+    reach(f.t, UINT64_MAX, "unfencedsignal: the queue never settled");
+    if (atomic_load((_Atomic uint64_t *)t.word) != AM_WORD_RELEASED)
+        die("unfencedsignal: the word write landed on the failed timeline's released word");
+    if (am_timeline_failure(t.t, &error, &value, &cause) != 1 || error != 1 || value != 2 ||
+        cause != f.t)
+        die("unfencedsignal: the timeline does not name the refused command");
+    if (am_cuq_error(f.q, &at) != 1 || at != 2) die("unfencedsignal: the queue's failure is wrong");
+    if (atomic_load(&refuse_records)) die("unfencedsignal: the fence was not tried again");
+    queue_free(f, 0);
+    free_timeline_free(t);
+    puts("ok unfencedsignal");
+}
+
+/* A command part of which reached the driver (a kernel, a signal's word write) whose end
+ * the driver refuses with a sticky error -- the context faulted -- and so the fence
+ * behind it: nothing of the context runs any more, so the queue and the timeline the
+ * signal was to raise settle at once (no fence is tried again). */
+static void check_stickyfence(void) {
+    static kernel slow = {0, 50000000, NULL, 0};
+    fake_queue f = queue_new();
+    free_timeline t = free_timeline_new();
+    uint64_t at = 0;
+    if (launch(f, NULL, 1, 1)) die("stickyfence: launch 1 failed");
+    reach(f.t, 1, "stickyfence: launch 1 never ran");
+    if (kernel_part(f, &slow, 2) || am_cuq_write(f.q, t.word, 5, 2))
+        die("stickyfence: the signal's kernel or word write failed");
+    atomic_store(&fault_code, ILLEGAL_ADDRESS);  /* every call fails with it from now on */
+    if (am_cuq_finish(f.q, 2, t.t, 5, 0, 0) != ILLEGAL_ADDRESS)
+        die("stickyfence: the sticky refusal was not reported");
+    if (am_timeline_value(f.t) != UINT64_MAX) die("stickyfence: the queue did not settle at once");
+    if (am_timeline_value(t.t) != UINT64_MAX)
+        die("stickyfence: the signal's timeline did not settle at once");
+    if (am_cuq_error(f.q, &at) != ILLEGAL_ADDRESS || at != 2)
+        die("stickyfence: the queue's failure is wrong");
+    queue_free(f, 0);
+    atomic_store(&fault_code, 0);
+    free_timeline_free(t);
+    puts("ok stickyfence");
 }
 
 static void check_handsignal(void) {
@@ -2947,6 +3019,8 @@ int main(void) {
     check_signal();
     check_signalrecord();
     check_nomemory();
+    check_unfencedsignal();
+    check_stickyfence();
     check_predict();  /* before abandon, after which a blocking wait never blocks */
     check_near();
     check_kick();
