@@ -541,9 +541,99 @@ static void cuq_near(am_cuq *q, const am_cuentry *e, int64_t until) {
     if (e->extra && !e->waited) am_timeline_near(e->extra, e->extra_value, until);
 }
 
+/* The completion thread could not make q's context current (cuCtxSetCurrent refused
+ * it, `r`): it can neither ask the driver about q's events -- the queries would fail,
+ * or be asked of another context -- nor hand held operations over. So q fails, with
+ * that refusal (its failed call: cuCtxSetCurrent), from the first command it did not
+ * confirm: those handed to the driver fail unconfirmed, as they come (a submission may
+ * be under way), what is held is dropped, each signal among them failing its timeline,
+ * and q settles, taking nothing more; a close ends as for any failed queue. (What the
+ * driver has of those commands may still run, unseen: a context the driver will not
+ * make current is destroyed or lost, and runs nothing, as after a sticky error.)
+ * Returns under mu once q is stopping (am_cuq_close). */
+static void cuq_no_context(am_cuq *q, int r) {
+    pthread_mutex_lock(&q->mu);
+    uint64_t first = q->count ? q->ring[q->head].value : q->submitted + 1;
+    uint64_t seen = atomic_load(&q->timeline->value);  /* confirmed through waiters */
+    if (seen != UINT64_MAX && first <= seen) first = seen + 1;
+    if (!q->error || first < q->error_value) {
+        q->error = r;
+        q->error_value = first;
+        cuq_fail(q, CU_CTX_SET, r);
+    }
+    int settled = 0;
+    while (q->stop != 2) {
+        am_cuop *dropped = NULL;
+        int unkick = 0, failed = 0, error;
+        uint64_t value;
+        am_timeline *kick_on = NULL, *cause, *extra = q->unfenced_extra;
+        uint64_t extra_value = q->unfenced_extra_value;
+        if (q->held && !q->driving) {  /* (a thread handing some over: once it is done) */
+            unkick = q->deferred;  /* a held wait's kick goes too (as am_cuq_discard's) */
+            kick_on = q->kick_on;
+            dropped = cuq_refused(q, first, r);
+        }
+        while (q->count) {
+            am_cuentry e = q->ring[q->head];
+            q->head = (q->head + 1) % q->cap;
+            q->count--;
+            atomic_fetch_sub(&q->pending, 1);
+            cuq_recycle(q, e.event, e.blocking);
+            if (e.signals) cuq_fail_signal(q, &e);  /* (releases mu meanwhile) */
+            failed = 1;
+        }
+        q->unfenced = 0;  /* (no fence can be recorded: its signal fails now) */
+        q->unfenced_extra = NULL;
+        cuq_cause(q, &error, &value, &cause);
+        int settle = (!settled || failed || dropped || extra) && !q->driving && q->stop != 2;
+        pthread_mutex_unlock(&q->mu);
+        if (unkick) cuq_unkick(q, kick_on);
+        cuq_drop_refused(q, dropped, error, value);
+        if (extra) am_timeline_fail(extra, extra_value, error, value, cause);
+        if (settle) {
+            cuq_settle(q);
+            settled = 1;
+        }
+        pthread_mutex_lock(&q->mu);
+        if (q->stop == 1 && !q->count && !q->held && !q->driving && settled) break;
+        if (q->count || (q->held && !q->driving) || (!settled && !q->driving)) continue;
+        /* Woken by a command handed over (cuq_finish), a close, or a thread done handing
+         * operations over while closing (cuq_undrive); what such a thread put back held
+         * otherwise is seen within a nap. */
+        struct timespec until;
+        deadline_after(&until, CU_NAP_CHUNK_NS);
+        q->sleeping = 1;
+        pthread_cond_timedwait(&q->cv, &q->mu, &until);
+        q->sleeping = 0;
+    }
+}
+
+/* The completion thread stops, under mu. An abandoned queue's closer may have given up
+ * waiting for this thread (it was blocked on an event that never completes): then it
+ * frees the queue. Once events lent to a stream's wait are given back, and another
+ * thread handing operations over (a kick's) is done with its driver calls, no thread
+ * uses the queue's events or its stream any more; abandoned, one it put back held
+ * (deferred) after the closer dropped them goes too. */
+static void *cuq_stop(am_cuq *q) {
+    while (q->lends || q->driving) pthread_cond_wait(&q->cv, &q->mu);
+    cuq_drop_held(q);
+    cuq_destroy_events(q);
+    q->exited = 1;
+    int orphan = q->orphan;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    if (orphan) cuq_unref(q);
+    return NULL;
+}
+
 static void *cuq_run(void *arg) {
     am_cuq *q = arg;
-    ((int (*)(void *))cu_funcs[CU_CTX_SET])(q->ctx);
+    cuq_test_hook(CU_HOOK_RUN_START, q);
+    int set = ((int (*)(void *))cu_funcs[CU_CTX_SET])(q->ctx);
+    if (set) {
+        cuq_no_context(q, set);
+        return cuq_stop(q);
+    }
 #ifdef PR_SET_TIMERSLACK
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  /* naps end on time: 1 us, not 50 */
 #endif
@@ -778,23 +868,8 @@ static void *cuq_run(void *arg) {
         if (settle) cuq_release_waiters(q);
         cuq_drain(q, 0, 0);
     }
-    /* Stopping, under mu. An abandoned queue's closer may have given up waiting for this
-     * thread (it was blocked on an event that never completes): then it frees the queue.
-     * Once events lent to a stream's wait are given back, and another thread handing
-     * operations over (a kick's) is done with its driver calls, no thread uses the
-     * queue's events or its stream any more; abandoned, one it put back held (deferred)
-     * after the closer dropped them goes too. */
-    while (q->lends || q->driving) pthread_cond_wait(&q->cv, &q->mu);
-    cuq_drop_held(q);
-    cuq_destroy_events(q);
-    q->exited = 1;
-    int orphan = q->orphan;
-    pthread_cond_broadcast(&q->cv);
-    pthread_mutex_unlock(&q->mu);
-    if (orphan) cuq_unref(q);
-    return NULL;
+    return cuq_stop(q);  /* (under mu) */
 }
-
 
 am_cuq *am_cuq_new(void *ctx, void *stream, am_timeline *timeline, long spin_ns,
                    long max_inflight) {

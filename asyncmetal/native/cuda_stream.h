@@ -269,7 +269,8 @@ AM_HIDDEN void *am_test_alloc(size_t size);
 /* Points between two steps of a queue where the native test harness (built with
  * AM_TEST_HOOKS, its simulated driver defining am_test_hook) runs what another thread
  * could do there, to check that interleaving every time. Nothing otherwise. */
-enum { CU_HOOK_DISCARD_UNLOCKED, CU_HOOK_DRAIN_HANDING, CU_HOOK_SUBMIT_HANDING };
+enum { CU_HOOK_DISCARD_UNLOCKED, CU_HOOK_DRAIN_HANDING, CU_HOOK_SUBMIT_HANDING,
+       CU_HOOK_RUN_START };
 #ifdef AM_TEST_HOOKS
 AM_HIDDEN void am_test_hook(int where, am_cuq *q);
 #define cuq_test_hook am_test_hook

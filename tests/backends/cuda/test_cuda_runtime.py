@@ -63,6 +63,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "nomemory"),
         *("ok", "unfencedsignal"),
         *("ok", "stickyfence"),
+        *("ok", "nocontext"),
         *("ok", "predict"),
         *("ok", "near"),
         *("ok", "kick"),

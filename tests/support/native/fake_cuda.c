@@ -117,6 +117,10 @@
  *             which then cannot lower the released word, naming the refused command
  *   stickyfence the same with a sticky refusal (the context faulted), the fence's
  *             too: the queue and the signal's timeline settle at once
+ *   nocontext a queue whose completion thread the driver refuses to make its context
+ *             current: the commands handed over and held before fail, naming
+ *             cuCtxSetCurrent (a signal held fails its timeline), the queue settles
+ *             and takes nothing more, and a close (to finish, abandoned) ends
  *   kick      a host signal of a timeline a stream waits on cuts the completion
  *             thread's nap short
  *   abandon   closing with abandon returns while the completion thread naps on, or is
@@ -2184,6 +2188,62 @@ static void check_stickyfence(void) {
     puts("ok stickyfence");
 }
 
+/* Context 2's completion thread, stopped at its start until `start_go`. */
+static atomic_int start_held, start_go;
+
+static void hold_start(int where, am_cuq *q) {
+    if (where != CU_HOOK_RUN_START || q->ctx != (void *)2) return;
+    atomic_store(&start_held, 1);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!atomic_load(&start_go))
+        if (now_ns() > deadline) die("nocontext: the check never let the thread go on");
+}
+
+/* A queue whose completion thread the driver refuses to make its context current (the
+ * submitting thread has it current already, so its submissions need no such call):
+ * commands handed over and held before the thread got there fail, and so does a
+ * signal held, the queue settles and refuses what comes after, and a close ends (to
+ * finish, and abandoned). */
+static void check_nocontext(void) {
+    void *mine = fake_ctx_current();
+    for (int abandon = 0; abandon < 2; abandon++) {
+        free_timeline t = free_timeline_new();
+        fake_queue f = {stream_new(), am_timeline_new(), calloc(1, sizeof(uint64_t)), NULL};
+        am_timeline_set_word(f.t, f.word);
+        int error = 0;
+        uint64_t at = 0, value = 0;
+        am_timeline *cause = NULL;
+        atomic_store(&start_held, 0);
+        atomic_store(&start_go, 0);
+        atomic_store(&test_hook, hold_start);
+        atomic_store(&refuse_ctx, (void *)2);
+        fake_ctx_set_current((void *)2);
+        f.q = am_cuq_new((void *)2, f.s, f.t, 30000, 1);
+        if (!f.q) die("nocontext: am_cuq_new");
+        for (int64_t deadline = now_ns() + 10000000000LL; !atomic_load(&start_held);)
+            if (now_ns() > deadline) die("nocontext: the completion thread never started");
+        /* launch 1 handed over; the signal and launch 3 held (the bound) */
+        if (launch(f, NULL, 1, 1) || am_cuq_write(f.q, t.word, 5, 2) ||
+            am_cuq_finish(f.q, 2, t.t, 5, 0, 0) || launch(f, NULL, 3, 3))
+            die("nocontext: a submission failed before the thread got to its context");
+        atomic_store(&start_go, 1);
+        reach(f.t, UINT64_MAX, "nocontext: the queue never settled");
+        if (am_cuq_error(f.q, &at) != 1 || at != 1 || am_cuq_failed_call(f.q) != CU_CTX_SET)
+            die("nocontext: the queue did not fail from its first command, naming cuCtxSetCurrent");
+        if (am_timeline_value(t.t) != UINT64_MAX ||
+            am_timeline_failure(t.t, &error, &value, &cause) != 1 || error != 1 || value != 1 ||
+            cause != f.t)
+            die("nocontext: the held signal's timeline did not fail, naming the queue's failure");
+        if (launch(f, NULL, 4, 4) != 1) die("nocontext: the failed queue took another command");
+        atomic_store(&test_hook, NULL);
+        queue_free(f, abandon);  /* (one that never returned: the run times out) */
+        atomic_store(&refuse_ctx, NULL);
+        free_timeline_free(t);
+    }
+    fake_ctx_set_current(mine);
+    puts("ok nocontext");
+}
+
 static void check_handsignal(void) {
     int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
     static kernel slow = {0, 100000000, NULL, 0}, after_w = {0, 0, NULL, 1};
@@ -3021,6 +3081,7 @@ int main(void) {
     check_nomemory();
     check_unfencedsignal();
     check_stickyfence();
+    check_nocontext();
     check_predict();  /* before abandon, after which a blocking wait never blocks */
     check_near();
     check_kick();
