@@ -284,8 +284,23 @@ AM_HIDDEN void am_test_hook(int where, am_cuq *q);
  * stack error, invalid address space, invalid PC, assert, launch timeout, uncorrectable
  * ECC). */
 static inline int cu_sticky(int r) {
-    return r == 700 || r == 719 || r == 715 || r == 716 || r == 714 || r == 717 || r == 718 ||
-           r == 710 || r == 702 || r == 214;
+    /* One case a line, each naming its CUresult as _driver.py does: a test compares the
+     * two lists (tests/backends/cuda/test_sticky_errors.py). */
+    switch (r) {
+    case 700: /* CUDA_ERROR_ILLEGAL_ADDRESS */
+    case 719: /* CUDA_ERROR_LAUNCH_FAILED */
+    case 715: /* CUDA_ERROR_ILLEGAL_INSTRUCTION */
+    case 716: /* CUDA_ERROR_MISALIGNED_ADDRESS */
+    case 714: /* CUDA_ERROR_HARDWARE_STACK_ERROR */
+    case 717: /* CUDA_ERROR_INVALID_ADDRESS_SPACE */
+    case 718: /* CUDA_ERROR_INVALID_PC */
+    case 710: /* CUDA_ERROR_ASSERT */
+    case 702: /* CUDA_ERROR_LAUNCH_TIMEOUT */
+    case 214: /* CUDA_ERROR_ECC_UNCORRECTABLE */
+        return 1;
+    default:
+        return 0;
+    }
 }
 
 static inline int cuq_fail(am_cuq *q, int call, int r) {
