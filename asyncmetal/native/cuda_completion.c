@@ -463,6 +463,7 @@ static void cuq_refence(am_cuq *q, long *nap) {
  * released by the failure could see the word lowered by the write after (a store), and
  * the word's memory could be let go with the write on its way. The timeline is marked
  * failed before (cuq_fail_signal_now): a wait handed over from then on is not made.
+ * Abandoned first (am_cuq_close), q leaves it as it leaves its signals in flight.
  * Returns whether the signal is kept (0 with none, or another command's kept: one
  * refused command at most gets here, as a failed queue takes nothing more, but were
  * there two, the caller fails this one's timeline at once, as before). Under mu. */

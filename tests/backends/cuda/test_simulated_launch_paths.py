@@ -9,6 +9,11 @@ runtime's driver table is process-wide). Runs everywhere a C compiler is found.
   queue refuses what comes after, and the value is never numbered again.
 * A launch whose end the driver refused, and then the fence behind it too, settles its
   queue (its await raises) only once the stream is past its kernel, on every path.
+* A signal whose end the driver refused, and then the fence behind it too, fails its
+  timeline only once the stream is past its word write (the kernel before it ran).
+* A queue whose completion thread the driver refuses to make its context current
+  fails, on every path: its timeline settles, a launch raises naming cuCtxSetCurrent,
+  and its close ends.
 * A native call that cannot make the caller's context current again (the driver refuses
   to, for another library's context) warns once, naming that context, on every path.
 """
@@ -108,3 +113,39 @@ def test_a_refused_launch_whose_fence_is_refused_too_settles_after_its_kernel(
     ), seen
     assert seen["ran_when_settled"] == 1, seen  # the stream was past the kernel
     assert seen["refusals_left"] == 0, seen  # (every refusal was met: the fence tried again)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_queue_whose_thread_cannot_make_its_context_current_fails_and_closes(
+    path: str, loop: str
+) -> None:
+    """The driver refused cuda:0's context to the queue's completion thread. Checked:
+    fails without the fix (the refusal was ignored: the queue never failed, and its
+    commands were confirmed as if the context were current)."""
+    seen = _through("no_context", loop, path)
+    assert seen["settled"], seen
+    assert seen["launch"] == (
+        "AsyncMetalError: cuCtxSetCurrent on cuda:0 failed: CUDA_ERROR_INVALID_VALUE, for "
+        "the command at value 1 on a stream of cuda:0: the queue fails from that command on"
+    ), seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_refused_signal_whose_fence_is_refused_too_fails_its_timeline_after_its_write(
+    path: str, loop: str
+) -> None:
+    """Command 3 signals a timeline behind command 2's kernel (200 ms); its event record
+    was refused, and the fence behind it twice. Checked: fails without the fix (the
+    timeline failed at once, its wait raising while the kernel still ran and the word
+    write behind it could still land)."""
+    seen = _through("unfenced_signal", loop, path)
+    assert seen["value"] == 3, seen
+    assert seen["waited"] == (
+        "AsyncMetalError: this timeline will not reach 1: a value that command 3 of a queue "
+        "of cuda:0 never produced: the command at value 3 on a stream of cuda:0 failed: "
+        "CUDA_ERROR_INVALID_VALUE"
+    ), seen
+    assert seen["ran_when_failed"] == 1, seen  # the kernel ran: the write behind it landed
+    assert seen["refusals_left"] == 0, seen

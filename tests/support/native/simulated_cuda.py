@@ -247,11 +247,75 @@ async def _unfenced(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
     return seen
 
 
+async def _unfenced_signal(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
+    """A kernel that runs 200 ms, then a signal of a timeline whose end (its event
+    record) the driver refused once its word write, behind the kernel, reached the
+    driver, and then the queue's fence behind it twice more: what a wait on the timeline
+    raised, and whether the stream had run the kernel (so the write had landed) when it
+    did."""
+    seen: Seen = {}
+    timeline = queue._device.timeline()
+    await queue.launch(kernel, buf)  # one that runs
+    stream = queue._native.handle
+    ran = sim.fake.stream_ran(stream)
+    sim.duration_ns.value = 200_000_000
+    try:
+        queue.launch(kernel, buf)
+        sim.refuse_more.value = 2
+        sim.refuse_records.value = stream
+        try:
+            done = queue.signal(timeline, 1)
+            seen["value"] = done.value
+        except Exception as exc:
+            seen["raised"] = _error(exc)
+        seen["waited"] = await _awaited(timeline.wait(1))
+        seen["ran_when_failed"] = sim.fake.stream_ran(stream) - ran
+        seen["refusals_left"] = sim.refuse_more.value if sim.refuse_records.value else 0
+    finally:
+        sim.duration_ns.value = 0
+        sim.refuse_records.value = None
+        sim.refuse_more.value = 0
+    return seen
+
+
+async def _no_context(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
+    """A queue whose completion thread the driver refused to make the device's context
+    current (refused from before the queue was made; the calling thread has that context
+    current, so its own calls need no such call): what a launch raised once the queue
+    failed, and whether its timeline settled. The queue's close then ends (``_main``)."""
+    seen: Seen = {}
+    native = queue._native
+    try:
+        with anyio.fail_after(10):  # its thread fails the queue as it starts
+            while not native._error.value:
+                await anyio.sleep(0.001)
+        try:
+            queue.launch(kernel, buf)
+            seen["launch"] = "submitted"
+        except Exception as exc:
+            seen["launch"] = _error(exc)
+        seen["settled"] = native._timeline.value == (1 << 64) - 1
+    finally:
+        sim.refuse_ctx.value = None
+        sim.fake.fake_ctx_set_current(0)
+    return seen
+
+
+def _refuse_context(sim: _Simulated) -> None:
+    """cuda:0's context (0x100) current on this thread, and refused to any other."""
+    sim.fake.fake_ctx_set_current(0x100)
+    sim.refuse_ctx.value = 0x100
+
+
 SCENARIOS: dict[str, Callable[[_Simulated, Any, Any, Any], Awaitable[Seen]]] = {
     "refused_end": _refused_end,
     "unrestored": _unrestored,
     "unfenced": _unfenced,
+    "no_context": _no_context,
+    "unfenced_signal": _unfenced_signal,
 }
+# What a scenario sets up before its queue is made.
+BEFORE_QUEUE: dict[str, Callable[[_Simulated], None]] = {"no_context": _refuse_context}
 
 
 async def _main(sim: _Simulated, scenario: str) -> dict[str, Seen]:
@@ -272,6 +336,8 @@ async def _main(sim: _Simulated, scenario: str) -> dict[str, Seen]:
             if path != "ctypes" and _native.extension() is None:
                 out[path] = {"skipped": f"no extension module: {_native.extension_error}"}
                 continue
+            if scenario in BEFORE_QUEUE:
+                BEFORE_QUEUE[scenario](sim)
             queue = dev.new_queue()
             assert queue._fast_launch is not None and queue._native._fast_launch is not None
             if path != "queue":
