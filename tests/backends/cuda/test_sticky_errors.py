@@ -55,6 +55,7 @@ def test_the_native_sticky_errors_are_the_ones_python_reports_the_process_lost_f
     assert native == {name: CUDA_H[name] for name in _driver.LOST}
 
 
+@pytest.mark.cuda
 def test_the_values_are_the_drivers() -> None:
     if _driver.cu is None:
         pytest.skip("cuda-bindings is not installed: no CUresult to compare CUDA_H with")
