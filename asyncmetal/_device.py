@@ -784,7 +784,11 @@ class Device:
         """Release every cached block (freed buffers kept for reuse) to the device, and
         return how many bytes that was. The native frees run on a thread of their own
         (a cuda free may wait for the device), to their end whatever cancels the caller;
-        buffers in use are untouched."""
+        buffers in use are untouched.
+
+        Like :meth:`memory_statistics`, it still answers once the device is closed (or
+        is the parent's, in a forked child): its close released every block, so it
+        returns 0 and releases nothing."""
         return await self._allocator.release_cached()
 
     @property

@@ -829,7 +829,11 @@ class Queue:
 
     async def synchronize(self) -> None:
         """Wait until everything submitted so far has finished; raise the error of a
-        command that failed (its failure fails what follows it on the queue)."""
+        command that failed (its failure fails what follows it on the queue).
+
+        Raises :class:`ClosedResourceError` once the queue is closed (or its device):
+        its close waited for what was submitted, or dropped it."""
+        self._check_open()
         await wait_finished(self, self._submitted)
 
 
