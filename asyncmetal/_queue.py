@@ -646,7 +646,7 @@ class Queue:
         ``value``. No host thread blocks.
         """
         timeline = check_timeline(timeline, "timeline", self._state.kind)
-        value = timeline.check_device_value(value, "value")
+        value = timeline._check_device_value(value, "value")
         if timeline is self._timeline and value > self._submitted:
             raise InvalidArgumentError(
                 f"a queue cannot wait for its own value {value}: its commands so far reach "
