@@ -842,9 +842,9 @@ class Device:
             if isinstance(params, NotDefinedError):
                 # Not found: where the source does not compile (a typo in the very
                 # signature), the compiler's error says why, with its log.
-                await pool.compile_keyed(compiler, src, key[0], timeout=timeout)
+                await pool._compile_keyed(compiler, src, key[0], timeout=timeout)
                 raise params
-            binary, log = await pool.compile_keyed(compiler, src, key[0], timeout=timeout)
+            binary, log = await pool._compile_keyed(compiler, src, key[0], timeout=timeout)
             program = await self._program(key, params, binary, src, compiler, timeout)
         if log:  # once the program is loaded: raised as an error, it loses no compile
             _warn_compiled(name, log)
@@ -889,7 +889,7 @@ class Device:
             # way no checksum sees (built for another machine sharing the directory):
             # a miss. Build it afresh, once; if that does not load either, say so.
             pool = self.compile_pool
-            binary, log = await pool.compile_keyed(
+            binary, log = await pool._compile_keyed(
                 compiler, src, key[0], timeout=timeout, refresh=True
             )
             if log:
@@ -1571,7 +1571,7 @@ class CompileMany:
                 if self._pid != os.getpid():  # a forked child's: the parent's jobs
                     break
                 for _ in range(claims):
-                    pool.withdraw(job, untimed=self._timeout is None)
+                    pool._withdraw(job, untimed=self._timeout is None)
             self._jobs.clear()
             self._ready.clear()
             self._events.increment()  # a step waiting wakes, and stops
@@ -1601,7 +1601,7 @@ class CompileMany:
                 submitted = _Submitted((key, name), (params, src))
                 # Refused (the pool closed meanwhile): not dispatched, so every later
                 # step raises it again rather than waiting for a result never coming.
-                job = pool.submit(
+                job = pool._submit(
                     compiler,
                     src,
                     key,
@@ -1649,7 +1649,7 @@ class CompileMany:
             if submitted.deadline > now or not self._settle(submitted):
                 continue
             job = submitted.job
-            pool.withdraw(job)
+            pool._withdraw(job)
             self._jobs[job] -= 1
             if not self._jobs[job]:
                 del self._jobs[job]
@@ -1690,13 +1690,13 @@ class CompileMany:
             log = ""
             if not isinstance(result, bytes):  # a finished pool job
                 pool = self._device.compile_pool
-                pool.withdraw(result, untimed=self._timeout is None)
+                pool._withdraw(result, untimed=self._timeout is None)
                 self._jobs[result] -= 1
                 if not self._jobs[result]:
                     del self._jobs[result]
                 pool.cache.warn_if_disabled()  # storing it may have found the disk full
-                log = pool.take_log(result)
-                result = pool.result(result)
+                log = pool._take_log(result)
+                result = pool._result(result)
             if isinstance(params, NotDefinedError):  # the source compiled without it
                 raise params
             try:

@@ -84,17 +84,17 @@ async def test_joining_a_compile_being_withdrawn_gets_a_real_result(pool: Compil
     joined: list[Any] = []
 
     def join() -> None:  # a request for the same source, in the worker's window
-        joined.append(pool.submit(compiler, src, key))
+        joined.append(pool._submit(compiler, src, key))
 
     lock = _HookedLock(pool, key, join)
     pool._lock = lock  # type: ignore[assignment]
-    first = pool.submit(compiler, src, key)
-    pool.withdraw(first)  # nobody wants it any more: the worker will skip it
+    first = pool._submit(compiler, src, key)
+    pool._withdraw(first)  # nobody wants it any more: the worker will skip it
     lock.gate.set()
     with anyio.fail_after(BOUND):
         while not joined:
             await anyio.sleep(0.01)
-        binary = await pool.wait(joined[0])
+        binary = await pool._wait(joined[0])
     assert binary.startswith(b"\x7fELF")
 
 
@@ -835,20 +835,20 @@ async def test_a_compile_submitted_as_a_worker_takes_another_gets_its_own_worker
     def get(*args: Any, **kwargs: Any) -> Any:
         job = real_get(*args, **kwargs)
         if not second:  # the second compile arrives right now, in the gap
-            second.append(pool.submit(quick, quick_src, quick_key))
+            second.append(pool._submit(quick, quick_src, quick_key))
         return job
 
     pool._pending.get = get  # type: ignore[method-assign]
     try:
         with anyio.fail_after(BOUND):
-            first = pool.submit(slow, _src("slow"), "slow-key", timeout=4.0)
+            first = pool._submit(slow, _src("slow"), "slow-key", timeout=4.0)
             while not second:
                 await anyio.sleep(0.01)
-            assert isinstance(await pool.wait(second[0]), bytes)
+            assert isinstance(await pool._wait(second[0]), bytes)
             # on a second worker: done while the first compile still runs
             assert first.done.value == 0
             with pytest.raises(am.CompileError, match="timed out"):
-                await pool.wait(first)
+                await pool._wait(first)
     finally:
         await pool.aclose()
 
@@ -1507,7 +1507,7 @@ async def test_a_timed_out_caller_waiting_for_its_compiles_end_is_not_held_by_a_
                     await anyio.sleep(0.01)
                 # Past the first caller's timeout (its timer, due first, has fired).
                 await anyio.sleep_until(submitted + 1.5)
-                pool.submit(compiler, src, key)  # joins, with no timeout
+                pool._submit(compiler, src, key)  # joins, with no timeout
                 joined.set()
         assert isinstance(outcome[0], am.CompileError), outcome
         assert "timed out after 1.0 s" in str(outcome[0])
@@ -1576,7 +1576,7 @@ async def test_a_compile_asked_for_as_its_worker_ends_it_for_a_timeout_starts_af
 
     def killing(worker: Any) -> None:  # the worker has decided: the request comes now
         if not later:
-            later.append(pool.submit(compiler, src, key, timeout=BOUND))
+            later.append(pool._submit(compiler, src, key, timeout=BOUND))
             (tmp_path / gate_name(src)).touch()  # (the compile asked for again ends)
         kill(worker)
 
@@ -1586,7 +1586,7 @@ async def test_a_compile_asked_for_as_its_worker_ends_it_for_a_timeout_starts_af
             with pytest.raises(am.CompileError, match=r"timed out after 1\.0 s"):
                 await pool.compile(compiler, src, timeout=1.0)
             assert later
-            assert isinstance(await pool.wait(later[0], BOUND), bytes)
+            assert isinstance(await pool._wait(later[0], BOUND), bytes)
     finally:
         (tmp_path / gate_name(src)).touch()
         await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
@@ -1817,6 +1817,6 @@ async def test_a_worker_started_as_its_pool_is_killed_is_killed_too(
     monkeypatch.setattr(subprocess, "Popen", popen)
     src = _src("started as killed")
     key = source_key(await compiler_identity(SlowCompiler(BOUND)), src)
-    job = pool.submit(SlowCompiler(BOUND), src, key)
+    job = pool._submit(SlowCompiler(BOUND), src, key)
     with anyio.fail_after(BOUND / 4), pytest.raises(am.CompileError, match="shut down"):
-        await pool.wait(job)
+        await pool._wait(job)
