@@ -1592,9 +1592,9 @@ class CompileMany:
                 self._arrived(("", name), ((), src), exc)
                 continue
             key = await _source_key(identity, src)
-            binary = pool.cache.get_memory(key)
+            binary = pool.cache._get_memory(key)
             if binary is None and pool.cache.disk_enabled:
-                binary = await pool.cache.get_disk(key)  # cancelled: looked up again next time
+                binary = await pool.cache._get_disk(key)  # cancelled: looked up again next time
             if self._closed:  # (closed while this step looked the kernel up)
                 return
             if binary is None:
@@ -1694,7 +1694,7 @@ class CompileMany:
                 self._jobs[result] -= 1
                 if not self._jobs[result]:
                     del self._jobs[result]
-                pool.cache.warn_if_disabled()  # storing it may have found the disk full
+                pool.cache._warn_if_disabled()  # storing it may have found the disk full
                 log = pool._take_log(result)
                 result = pool._result(result)
             if isinstance(params, NotDefinedError):  # the source compiled without it

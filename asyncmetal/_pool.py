@@ -534,8 +534,8 @@ class CompilePool:
 
     def _finish(self, job: _Job, result: bytes | CompileError, *, ran: bool = True) -> None:
         if isinstance(result, bytes):
-            self.cache.put_memory(job.key, result)
-            self.cache.put_disk(job.key, result)
+            self.cache._put_memory(job.key, result)
+            self.cache._put_disk(job.key, result)
         with self._lock:
             self._compiles += ran
             if self._in_flight.get(job.key) is job:  # a withdrawn job has left already
@@ -593,11 +593,11 @@ class CompilePool:
         timeout = check_timeout(timeout)
         self._check_usable()
         if refresh:
-            await to_thread(self.cache.evict, key)
+            await to_thread(self.cache._evict, key)
         else:
-            cached = self.cache.get_memory(key)
+            cached = self.cache._get_memory(key)
             if cached is None and self.cache.disk_enabled:
-                cached = await self.cache.get_disk(key)
+                cached = await self.cache._get_disk(key)
             if cached is not None:
                 await checkpoint()
                 return cached, ""
@@ -635,7 +635,7 @@ class CompilePool:
             if not job.done.value:
                 self._withdraw(job)
                 raise CompileError(f"compile timed out after {timeout} s")
-        self.cache.warn_if_disabled()  # storing the result may have found the disk full
+        self.cache._warn_if_disabled()  # storing the result may have found the disk full
         return self._result(job)
 
     def _withdraw(self, job: _Job, *, untimed: bool = False) -> None:

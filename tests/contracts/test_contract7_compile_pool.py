@@ -409,7 +409,7 @@ async def test_compile_many_aclose_gives_up_what_it_has_not_yielded(
             identity = await compiler_identity(dev._backend.compiler)
             keys = [source_key(identity, src) for src in sources]
             assert pool.compiles == 2
-            assert [pool.cache.get_memory(k) is not None for k in keys] == [True, True, False]
+            assert [pool.cache._get_memory(k) is not None for k in keys] == [True, True, False]
             assert not (gates / f"{gate_name(sources[2])}.began").exists()
     finally:
         for src in sources:  # (a test failed before opening them: its worker goes on)

@@ -335,9 +335,9 @@ async def main(directory, how):
         await dev.compile(sys.argv[3], "put")
         await pool.aclose()
         key = source_key(await compiler_identity(dev._backend.compiler), sys.argv[3])
-        good = pool.cache.load_disk(key)
+        good = pool.cache._load_disk(key)
         if how.startswith("keep="):  # stored cut short, with its own checksum
-            pool.cache.put_disk(key, good[: int(float(how[5:]) * len(good))])
+            pool.cache._put_disk(key, good[: int(float(how[5:]) * len(good))])
             pool.cache.close()
         else:  # an SQL expression of the stored data
             pool.cache.close()
@@ -349,7 +349,7 @@ async def main(directory, how):
         print(int((await buf.read(np.int32))[0]))
         await buf.free()
         await pool.aclose()
-        print(pool.cache.load_disk(key) == good)  # the entry was replaced
+        print(pool.cache._load_disk(key) == good)  # the entry was replaced
         pool.cache.close()
 
 anyio.run(main, sys.argv[1], sys.argv[2])
@@ -410,9 +410,9 @@ async def test_a_cached_binary_for_another_machine_is_rebuilt(
         await device.compile(TWO_KERNELS, "put")
         await pool.aclose()
         key = source_key(await compiler_identity(device._backend.compiler), TWO_KERNELS)
-        good = pool.cache.load_disk(key)
+        good = pool.cache._load_disk(key)
         assert good is not None
-        pool.cache.put_disk(key, _other_machine(good))  # stored as a valid entry
+        pool.cache._put_disk(key, _other_machine(good))  # stored as a valid entry
         pool.cache.close()
         pool = device.compile_pool = CompilePool(1, cache=CompileCache(directory))
         try:
@@ -425,7 +425,7 @@ async def test_a_cached_binary_for_another_machine_is_rebuilt(
             await pool.aclose()
             pool.cache.close()
     rebuilt = CompileCache(directory)
-    assert rebuilt.load_disk(key) == good  # the bad entry was replaced
+    assert rebuilt._load_disk(key) == good  # the bad entry was replaced
     rebuilt.close()
 
 
@@ -814,7 +814,7 @@ async def test_compile_many_refuses_a_bad_kernel_before_submitting_any(device: a
             device.compile_many([good, bad])  # type: ignore[list-item]
     # Nothing was submitted: the good kernel is still a miss in every cache.
     key = source_key(await compiler_identity(device._backend.compiler), good[0])
-    assert device.compile_pool.cache.get_memory(key) is None
+    assert device.compile_pool.cache._get_memory(key) is None
     assert key not in device.compile_pool._in_flight
 
 
@@ -1671,7 +1671,7 @@ async def test_compile_many_stepped_on_after_its_pool_closed_never_waits_for_goo
     pool = CompilePool(1, cache=CompileCache(tmp_path / "cache"))
     tag = time.time_ns()
     kernels = [(f"void a(void) {{}} /* {tag} */", "a"), (f"void b(void) {{}} /* {tag} */", "b")]
-    real_get_disk = pool.cache.get_disk
+    real_get_disk = pool.cache._get_disk
     lookups: list[str] = []
 
     async def get_disk(key: str) -> bytes | None:
@@ -1680,7 +1680,7 @@ async def test_compile_many_stepped_on_after_its_pool_closed_never_waits_for_goo
             await pool.aclose()
         return await real_get_disk(key)
 
-    pool.cache.get_disk = get_disk  # type: ignore[method-assign]
+    pool.cache._get_disk = get_disk  # type: ignore[method-assign]
     outcomes: list[str] = []
     with anyio.fail_after(BOUND):
         async with am.open_device("cpu") as device:
