@@ -831,7 +831,7 @@ class Device:
         options = check_options(options)
         with _naming(name):
             self._check_compile(src, name)
-            compiler = self._backend.compiler.with_options(options)
+            compiler = self._backend.compiler._with_options(options)
             key = (await _source_key(await compiler_identity(compiler), src), name)
             program = self._programs.get(key)
             if program is not None:  # (its parameters were read when it was loaded)
@@ -927,7 +927,7 @@ class Device:
         (the first), and is this caller's own, as :meth:`compile`'s is: a kernel whose
         compile another caller started with a longer one (or none) still times out.
         """
-        compiler = self._backend.compiler.with_options(check_options(options))
+        compiler = self._backend.compiler._with_options(check_options(options))
         kernels = list(kernels)
         for kernel in kernels:  # checked before anything is submitted
             if not (
@@ -962,7 +962,7 @@ class Device:
 
     def _load(self, binary: bytes, name: str, src: str) -> Any:
         self._unload_retired()
-        bindings = self._backend.compiler.bindings(src, name)
+        bindings = self._backend.compiler._bindings(src, name)
         try:
             if bindings is None:  # (a backend whose kernels bind in order takes none)
                 return self._backend.load(binary, name)
@@ -1486,7 +1486,7 @@ def _warn_compiled(name: str, log: str) -> None:
 
 def _read_params(compiler: Any, src: str, name: str) -> Signature | NotDefinedError:
     try:
-        params: Signature = compiler.signature(src, name)
+        params: Signature = compiler._signature(src, name)
     except NotDefinedError as missing:
         return missing
     return params

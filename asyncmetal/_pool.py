@@ -705,14 +705,14 @@ _identities_lock = threading.Lock()  # (loops on several threads look them up)
 
 
 async def compiler_identity(compiler: Compiler) -> str:
-    """``compiler.identity()``, found off the loop once (it may run the compiler) and
+    """``compiler._identity()``, found off the loop once (it may run the compiler) and
     kept while it is among the ``IDENTITIES_KEPT`` most recently used."""
     with _identities_lock:
         identity = _identities.get(compiler)
         if identity is not None:
             _identities.move_to_end(compiler)
             return identity
-    identity = await to_thread(compiler.identity)
+    identity = await to_thread(compiler._identity)
     with _identities_lock:
         _identities[compiler] = identity
         _identities.move_to_end(compiler)

@@ -45,7 +45,7 @@ class _NoCompiler(Compiler):
     def compile(self, src: str) -> bytes:
         raise CompileError(NO_KERNELS)
 
-    def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
+    def _params(self, src: str, name: str) -> tuple[ParamKind, ...]:
         raise CompileError(NO_KERNELS)
 
 

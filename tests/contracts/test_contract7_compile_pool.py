@@ -629,5 +629,5 @@ def test_options_for_a_compiler_without_its_flags_last_are_refused() -> None:
     its last item: a compiler whose flags are elsewhere is refused as one that takes no
     options. Before, it was remade with the flags and options as its target."""
     with pytest.raises(am.InvalidArgumentError, match="takes no options"):
-        _FlagsFirst(("-O1",)).with_options(("-DN=4",))
-    assert _FlagsFirst().with_options(()) == _FlagsFirst()
+        _FlagsFirst(("-O1",))._with_options(("-DN=4",))
+    assert _FlagsFirst()._with_options(()) == _FlagsFirst()

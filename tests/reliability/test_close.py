@@ -912,7 +912,7 @@ async def test_a_launch_the_backend_refuses_is_refused_at_once(
     """Too many parameters for a cpu kernel: the launch raises, and its value is taken
     back (the next command gets it and runs)."""
     # Compiling refuses such a kernel first: let it past that to reach the launch check.
-    monkeypatch.setattr(CCompiler, "params", Compiler.params)
+    monkeypatch.setattr(CCompiler, "_params", Compiler._params)
     async with am.open_device("cpu:24") as dev:
         wide = await dev.compile(WIDE, "wide")
         empty = await dev.compile(KERNELS, "empty")

@@ -1349,7 +1349,7 @@ async def test_a_compile_that_waited_for_a_worker_times_out_in_its_own_time(
 
 async def test_a_compiler_returning_no_binary_is_a_compile_error(pool: CompilePool) -> None:
     """A custom compiler whose compile returns a str, not bytes, fails the compile with
-    a CompileError saying so; one whose last_log is not a str still gives its binary,
+    a CompileError saying so; one whose _last_log is not a str still gives its binary,
     the log as text in the CompileWarning. Checked: before, the str came back as the
     "binary", and the log's .strip() raised AttributeError in the caller."""
     from tests.support.compilers import WrongTypeCompiler
@@ -1376,16 +1376,16 @@ async def test_compiler_identities_are_kept_for_the_most_recently_used_only(
 
     monkeypatch.setattr(_pool, "IDENTITIES_KEPT", 8, raising=False)
     base = CCompiler()
-    used = base.with_options(("-DUSED=1",))
+    used = base._with_options(("-DUSED=1",))
     first = await compiler_identity(used)
     for n in range(40):
-        await compiler_identity(base.with_options((f"-DN={n}",)))
+        await compiler_identity(base._with_options((f"-DN={n}",)))
         assert await compiler_identity(used) == first  # (used again: kept)
         assert len(_pool._identities) <= 8
     assert used in _pool._identities
-    gone = base.with_options(("-DN=0",))
+    gone = base._with_options(("-DN=0",))
     assert gone not in _pool._identities
-    assert await compiler_identity(gone) == gone.identity()
+    assert await compiler_identity(gone) == gone._identity()
 
 
 async def test_compile_many_times_out_joining_a_compile_without_one(
