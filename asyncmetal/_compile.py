@@ -161,9 +161,9 @@ class NotDefinedError(CompileError):
     """No definition of the kernel was found in the source (before compiling it: a
     source that does not compile says why instead). ``defined``: the names of the
     kernels the source does define, sorted; the message lists them (the first
-    ``SHOWN_DEFINED``) and the nearest to ``name``."""
+    10) and the nearest to ``name``."""
 
-    SHOWN_DEFINED = 10
+    _SHOWN_DEFINED = 10
 
     def __init__(self, name: str, defined: Iterable[str] = ()) -> None:
         self.defined = tuple(sorted(set(defined)))
@@ -175,10 +175,10 @@ class NotDefinedError(CompileError):
         defined = self.defined
         if not defined:
             return "it defines no kernel"
-        shown = ", ".join(map(repr, defined[: self.SHOWN_DEFINED]))
-        if len(defined) > self.SHOWN_DEFINED:
+        shown = ", ".join(map(repr, defined[: self._SHOWN_DEFINED]))
+        if len(defined) > self._SHOWN_DEFINED:
             shown = (
-                f"{len(defined)} kernels: {shown}, ... ({len(defined) - self.SHOWN_DEFINED} more)"
+                f"{len(defined)} kernels: {shown}, ... ({len(defined) - self._SHOWN_DEFINED} more)"
             )
         listed = f"it defines {shown}"
         nearest = difflib.get_close_matches(name, defined, n=1) if len(defined) > 1 else []

@@ -330,7 +330,7 @@ class Device:
         """Its kind, the name without ``:N``: ``"cpu"``, ``"npy"``, ``"cuda"``, ``"metal"``."""
         return self._backend.kind
 
-    def pointer_index(self, address: int) -> int | None:
+    def _pointer_index(self, address: int) -> int | None:
         """The index of the GPU whose memory ``address`` is, where this device's driver
         can tell (cuda: any GPU's), else None."""
         return self._backend.pointer_index(address)
@@ -725,7 +725,7 @@ class Device:
                 raise
         return buf
 
-    def wrap(self, array: Any) -> Buffer:
+    def _wrap(self, array: Any) -> Buffer:
         """A read-only Buffer whose memory is ``array`` itself (the ``npy`` device only).
 
         The array must be C-contiguous; it is kept alive by the buffer."""
@@ -733,7 +733,8 @@ class Device:
         wrap = getattr(self._backend, "wrap", None)
         if wrap is None:
             raise InvalidArgumentError(
-                f"{self.name} buffers come from alloc(); wrap() is for the npy device"
+                f"{self.name} buffers come from alloc(); only the npy device wraps arrays "
+                "(from_numpy)"
             )
         if not isinstance(array, np.ndarray):
             raise ArgumentTypeError(f"wrap takes a numpy array, got {type(array).__name__}")
@@ -1467,13 +1468,13 @@ class _UnloadableError(Exception):
 
 @contextlib.contextmanager
 def _naming(name: str) -> Generator[None, None, None]:
-    """A CompileError raised inside comes out as kernel ``name``'s (see ``for_kernel``):
+    """A CompileError raised inside comes out as kernel ``name``'s (see ``_for_kernel``):
     a compile of one source may be shared by several kernels, and a pool's error names
     none."""
     try:
         yield
     except CompileError as exc:
-        named = exc.for_kernel(name)
+        named = exc._for_kernel(name)
         if named is exc:
             raise
         raise named from None
@@ -1523,12 +1524,12 @@ def name_looks_like_source(name: str) -> bool:
 
 
 class CompileMany:
-    """The async iterator of Device.compile_many.
+    """What :meth:`Device.compile_many` returns: an async iterator of the programs, each
+    as soon as it is ready; ``aclose()`` gives up the compiles not yet stepped to.
 
-    Each kernel's result -- a binary from a cache, a pool job, or the CompileError of a
-    name its source lacks -- arrives in ``_ready`` and is yielded (or raised) once, in
-    the order they arrive. A step that raises or is cancelled loses no other kernel:
-    the next step goes on from where the last one stopped.
+    A kernel that fails raises its :class:`CompileError` once, from the step that
+    reaches it. A step that raises or is cancelled loses no other kernel: the next step
+    goes on from where the last one stopped.
     """
 
     def __init__(
@@ -1543,6 +1544,9 @@ class CompileMany:
         self._compiler = compiler
         self._timeout = timeout
         self._dispatched = 0  # kernels looked up and, on a miss, submitted
+        # Each kernel's result -- a binary from a cache, a pool job, or the CompileError
+        # of a name its source lacks -- arrives here and is yielded (or raised) once, in
+        # the order they arrive.
         self._ready: collections.deque[tuple[tuple[str, str], Any]] = collections.deque()
         self._events = HostEvents()
         self._yielded = 0
@@ -1729,9 +1733,11 @@ class _Submitted:
         self.settled = False  # its job's result or its timeout has arrived
 
 
-class _DeviceOpener(Coroutine[Any, Any, "Device"]):
-    """What open_device returns: ``async with`` it, or ``await`` it -- or hand it to
-    what takes a coroutine (``asyncio.run``, ``asyncio.create_task``), as it is one."""
+class DeviceOpener(Coroutine[Any, Any, "Device"]):
+    """What :func:`open_device` returns: ``async with`` it (the device closes at the
+    block's end), or ``await`` it for the :class:`Device` -- or hand it to what takes a
+    coroutine (``asyncio.run``, ``asyncio.create_task``), as it is one (``send``,
+    ``throw`` and ``close`` are the coroutine's)."""
 
     def __init__(self, name: str | None, opened_at: str = "") -> None:
         self._name = name
@@ -1748,12 +1754,15 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
         return self._opening
 
     def send(self, value: Any) -> Any:
+        """The coroutine's: run the opening to its next suspension."""
         return self._coroutine().send(value)
 
     def throw(self, *exc: Any) -> Any:
+        """The coroutine's: raise ``exc`` where the opening is suspended."""
         return self._coroutine().throw(*exc)
 
     def close(self) -> None:
+        """The coroutine's: end an opening that will not be awaited to its end."""
         if self._opening is not None:
             self._opening.close()
 
@@ -1982,7 +1991,7 @@ def closing(device: Device) -> bool:
     return device.closed or device._closing is not None
 
 
-def open_device(name: str | None = None) -> _DeviceOpener:
+def open_device(name: str | None = None) -> DeviceOpener:
     """Open a device: ``async with open_device("cpu") as dev`` or ``dev = await ...``
     (a coroutine too: ``asyncio.run`` and ``asyncio.create_task`` take it).
 
@@ -1993,7 +2002,7 @@ def open_device(name: str | None = None) -> _DeviceOpener:
     never closed is closed at exit, once its queued work ran, with a ResourceWarning.
     """
     caller = sys._getframe(1)  # where it is opened: a device left open says so at exit
-    return _DeviceOpener(name, f"{caller.f_code.co_filename}:{caller.f_lineno}")
+    return DeviceOpener(name, f"{caller.f_code.co_filename}:{caller.f_lineno}")
 
 
 _npy_device: Device | None = None
@@ -2013,7 +2022,7 @@ async def from_numpy(array: Any) -> Buffer:
             _npy_device = device
         else:
             await device.close()
-    return _npy_device.wrap(array)
+    return _npy_device._wrap(array)
 
 
 def _close_all_at_exit() -> None:

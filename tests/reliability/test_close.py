@@ -1272,7 +1272,7 @@ async def test_a_keyboard_interrupt_as_an_open_hands_its_device_over_closes_it(
     after the caller got the device, or closes what was opened: the backend, and the
     Device made of it. Checked: an interrupt as the 'async with' recorded its entry
     left the device open, never handed over."""
-    codes = {_device._DeviceOpener._open.__code__, _device._DeviceOpener.__aenter__.__code__}
+    codes = {_device.DeviceOpener._open.__code__, _device.DeviceOpener.__aenter__.__code__}
     at = 0
     while True:
         handed: list[am.Device] = []
