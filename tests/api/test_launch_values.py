@@ -118,7 +118,7 @@ async def test_every_launch_path_passes_them(device: am.Device, path: str) -> No
     queue = device.new_queue()
     select_launch_path(queue, path, "_fast_call")
     ints = await device.compile(INTS, "ints")
-    assert ints.value_codes == b"qIhQ"
+    assert ints._value_codes == b"qIhQ"
     buf = await device.alloc(24)
     vals = [(1 << 40) + 5, (1 << 32) - 2, -300, (1 << 63) - 1]
     if path == "queue":  # the native path submits it (a Completion, not None)
