@@ -8,7 +8,9 @@ from ._cache import CacheWarning as CacheWarning
 from ._cache import CompileCache as CompileCache
 from ._compile import Compiler as Compiler
 from ._compile import NotDefinedError as NotDefinedError
+from ._device import CompileMany as CompileMany
 from ._device import Device as Device
+from ._device import DeviceOpener as DeviceOpener
 from ._device import devices as devices
 from ._device import from_numpy as from_numpy
 from ._device import open_device as open_device
@@ -43,7 +45,9 @@ __all__ = [
     "CacheWarning",
     "CompileCache",
     "Compiler",
+    "CompileMany",
     "Device",
+    "DeviceOpener",
     "devices",
     "from_numpy",
     "open_device",

@@ -329,7 +329,7 @@ class _Releases(Waitable):
 
     def __init__(self) -> None:
         super().__init__()
-        self._counter = _ReleaseCounter(self.advanced)
+        self._counter = _ReleaseCounter(self._advanced)
         self.native = self._counter
 
     def increment(self) -> None:

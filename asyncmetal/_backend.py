@@ -31,30 +31,30 @@ if TYPE_CHECKING:
 class Record:
     """What a device reports about one submitted command, filled in by the backend:
     an error if it failed, and device start/end times (ns, the backend's clock) set as
-    ``start_ns``/``end_ns`` or found in a native ring the device writes (``_ring`` of
+    ``_start_ns``/``_end_ns`` or found in a native ring the device writes (``_ring`` of
     int64 triples start, end, value; ``_row``), valid while the row still holds ``value``.
     A backend that knows how long a command takes (a copy of known size) may set
-    ``due_ns``, a ``time.perf_counter_ns()`` by which it should be done: a task awaiting
+    ``_due_ns``, a ``time.perf_counter_ns()`` by which it should be done: a task awaiting
     it keeps checking until then rather than parking, when that is near.
     :class:`~asyncmetal.Completion` is the Record of its command."""
 
-    __slots__ = ("_ring", "_row", "due_ns", "end_ns", "error", "start_ns", "value")
+    __slots__ = ("_due_ns", "_end_ns", "_error", "_ring", "_row", "_start_ns", "value")
 
     def __init__(self, value: int) -> None:
         self.value = value
-        self.error: BaseException | None = None
+        self._error: BaseException | None = None
         self._ring: Any = None
         self._row = 0
-        self.start_ns: int | None = None
-        self.end_ns: int | None = None
-        self.due_ns = 0
+        self._start_ns: int | None = None
+        self._end_ns: int | None = None
+        self._due_ns = 0
 
-    def times(self) -> tuple[int, int] | None:
-        """(start_ns, end_ns) where the backend measured them, else None."""
+    def _times(self) -> tuple[int, int] | None:
+        """(_start_ns, _end_ns) where the backend measured them, else None."""
         if self._ring is None:
-            if self.start_ns is None or self.end_ns is None:
+            if self._start_ns is None or self._end_ns is None:
                 return None
-            return self.start_ns, self.end_ns
+            return self._start_ns, self._end_ns
         ring, base = self._ring, 3 * self._row
         before, start, end, after = ring[base + 2], ring[base], ring[base + 1], ring[base + 2]
         if before != self.value or after != self.value:

@@ -1,7 +1,7 @@
 """The one path from a native completion to each waiting event loop.
 
 A thread that sees a timeline advance (a cpu queue thread, a CUDA completion thread, a
-Metal completion handler's hand-off) calls ``Waitable.advanced``. That touches no lock
+Metal completion handler's hand-off) calls ``Waitable._advanced``. That touches no lock
 the loop could wait on: it compares the new value with the smallest value each loop
 waits for (``Watch.next``) and, if reached, appends the watch to that loop's bridge and
 schedules one drain -- unless a drain is already scheduled. The drain runs on the loop
@@ -142,9 +142,9 @@ class Watched(Protocol):
     def native(self) -> NativeTimeline: ...
 
     @property
-    def ended(self) -> bool: ...
+    def _ended(self) -> bool: ...
 
-    def drop_watch(self, watch: Watch) -> None: ...
+    def _drop_watch(self, watch: Watch) -> None: ...
 
     def _watch_for(self, bridge: LoopBridge) -> Watch: ...
 
@@ -232,7 +232,7 @@ class Watch:
         """Set ``next``; return whether the timeline has already reached it (or ended:
         then every waiter is woken)."""
         self.next = value
-        if self.timeline.ended:
+        if self.timeline._ended:
             return True
         if self.cwatch is not None:
             return bool(self.bridge.arm(self.cwatch, min(value, _U64_MAX)))
@@ -276,7 +276,7 @@ class Watch:
             return
         budget = bridge.slice - bridge.woken_now
         if budget <= 0:  # (this iteration's slice is woken: the next slice's, if reached)
-            if self.timeline.ended or self.heap[0][0] <= self.timeline.native.value:
+            if self.timeline._ended or self.heap[0][0] <= self.timeline.native.value:
                 bridge.notify_here(self)
             return
         resolved = bridge.resolved
@@ -294,7 +294,7 @@ class Watch:
         stops at a callback's entry instead of running it, returning 0."""
         heap, timeline = self.heap, self.timeline
         while True:
-            reached = INFINITY if timeline.ended else timeline.native.value
+            reached = INFINITY if timeline._ended else timeline.native.value
             while heap and heap[0][0] <= reached:
                 if budget <= 0 or not (calls or heap[0][2].task or heap[0][2].done):
                     return 0
@@ -351,7 +351,7 @@ class Watch:
         self.dropping = False
         if not self.heap:
             self.bridge.watches.discard(self)
-            self.timeline.drop_watch(self)
+            self.timeline._drop_watch(self)
             if self.cwatch is not None:
                 self.bridge.drop_native_watch(self)
 
@@ -623,7 +623,7 @@ class LoopBridge(ABC):
                 entry.wake = _nothing
             watch.heap.clear()  # (in place, as everywhere: see Watch.withdraw)
             watch.withdrawn = 0
-            watch.timeline.drop_watch(watch)
+            watch.timeline._drop_watch(watch)
         self.watches.clear()
         self._detached.clear()
         for entry in self._ready:
@@ -683,7 +683,7 @@ class LoopBridge(ABC):
                 # finds it here.
                 watch.detached = True
                 self._detached[id(watch.timeline)] = watch
-                watch.timeline.drop_watch(watch)
+                watch.timeline._drop_watch(watch)
                 watches.append(watch)
             with self._native_lock:  # (not one that a park took back meanwhile)
                 self._native_watches = {
@@ -707,7 +707,7 @@ class LoopBridge(ABC):
             if watch.detached and watch.heap and not self.dead:  # (not all withdrawn)
                 # (A park may have registered it as it was set aside: it goes, and comes
                 # back attached.)
-                watch.timeline.drop_watch(watch)
+                watch.timeline._drop_watch(watch)
                 self._detached[id(watch.timeline)] = watch
                 watch.timeline._watch_for(self)  # (takes it back)
             if watch.detached and watch.cwatch is not None:

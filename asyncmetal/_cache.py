@@ -94,7 +94,7 @@ class CompileCache:
 
     # -- memory --------------------------------------------------------------------------
 
-    def get_memory(self, key: str) -> bytes | None:
+    def _get_memory(self, key: str) -> bytes | None:
         """The binary cached in memory under ``key``, else None."""
         data = self._memory.get(key)
         if data is not None:
@@ -106,7 +106,7 @@ class CompileCache:
     # An entry and its bytes are counted in and out together, in a run with no call (a
     # KeyboardInterrupt comes after a call or at a function's entry, never inside one).
 
-    def put_memory(self, key: str, data: bytes) -> None:
+    def _put_memory(self, key: str, data: bytes) -> None:
         """Keep ``data`` in memory under ``key``, the least recently used going first."""
         size = len(data)
         with self._memory_lock:
@@ -117,13 +117,13 @@ class CompileCache:
             while self._memory_bytes > self.max_memory_bytes and len(self._memory) > 1:
                 try:
                     old_key = next(iter(self._memory))  # the least recently used
-                except RuntimeError:  # reordered meanwhile by a lookup (get_memory)
+                except RuntimeError:  # reordered meanwhile by a lookup (_get_memory)
                     continue
                 old_size = len(self._memory[old_key])
                 del self._memory[old_key]
                 self._memory_bytes -= old_size
 
-    def clear_memory(self) -> None:
+    def _clear_memory(self) -> None:
         """Forget every binary held in memory (the disk cache keeps its own)."""
         with self._memory_lock:
             empty: collections.OrderedDict[str, bytes] = collections.OrderedDict()
@@ -195,7 +195,7 @@ class CompileCache:
         self.disk_enabled = False
         self.error = exc
 
-    def warn_if_disabled(self) -> None:
+    def _warn_if_disabled(self) -> None:
         """Give the warning about an unusable cache once, in the calling task (and the
         one about a cache that is read but not written, once)."""
         if self.read_only is not None and not self._warned_read_only:
@@ -213,7 +213,7 @@ class CompileCache:
                 CacheWarning,
             )
 
-    def load_disk(self, key: str) -> bytes | None:
+    def _load_disk(self, key: str) -> bytes | None:
         """Blocking disk lookup; run it off the loop. A damaged entry is evicted: a miss."""
         with self._db_lock:
             if not self.disk_enabled:
@@ -237,13 +237,13 @@ class CompileCache:
             return None
         self.hits_disk += 1
         data = bytes(row[2])
-        self.put_memory(key, data)
+        self._put_memory(key, data)
         return data
 
-    async def get_disk(self, key: str) -> bytes | None:
-        """:meth:`load_disk` on a worker thread, never blocking the loop."""
-        data = await to_thread(self.load_disk, key)
-        self.warn_if_disabled()
+    async def _get_disk(self, key: str) -> bytes | None:
+        """``_load_disk`` on a worker thread, never blocking the loop."""
+        data = await to_thread(self._load_disk, key)
+        self._warn_if_disabled()
         return data
 
     def _write_disk(self, sql: str, params: tuple[object, ...]) -> None:
@@ -260,14 +260,14 @@ class CompileCache:
             except Exception as exc:  # a full disk, a read-only directory...: go on without
                 self._disable(exc)
 
-    def put_disk(self, key: str, data: bytes) -> None:
+    def _put_disk(self, key: str, data: bytes) -> None:
         """Blocking store (called from handler threads)."""
         self._write_disk(
             "INSERT OR REPLACE INTO entries (key, size, sha256, data) VALUES (?, ?, ?, ?)",
             (key, len(data), hashlib.sha256(data).digest(), data),
         )
 
-    def evict(self, key: str) -> None:
+    def _evict(self, key: str) -> None:
         """Forget ``key`` in memory and on disk (blocking: off the loop)."""
         with self._memory_lock:
             data = self._memory.get(key)

@@ -36,7 +36,7 @@ class Compiler(ABC):
     name: str = "compiler"
     # What the compiler printed as its last compile succeeded (its warnings), where it
     # can tell: the pool's worker sends it back with the binary.
-    last_log: str = ""
+    _last_log: str = ""
 
     def config(self) -> tuple[Any, ...]:
         """The constructor arguments that recreate this compiler."""
@@ -50,31 +50,31 @@ class Compiler(ABC):
     def compile(self, src: str) -> bytes:
         """Compile ``src``; raise :class:`CompileError` carrying the full log on failure."""
 
-    def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
+    def _params(self, src: str, name: str) -> tuple[ParamKind, ...]:
         """The kinds of kernel ``name``'s parameters, in order, read from ``src``."""
         return c_params(src, name)
 
-    def value_types(self, src: str, name: str) -> tuple[tuple[str | None, str], ...]:
+    def _value_types(self, src: str, name: str) -> tuple[tuple[str | None, str], ...]:
         """Each value parameter of kernel ``name``: its scalar type (None where not
         known) and its declaration, in order, read from ``src``."""
         return c_value_types(src, name)
 
-    def signature(self, src: str, name: str) -> Signature:
-        """:meth:`params` and :meth:`value_types` together; where the two read a
-        different number of values (a subclass's own ``params``), the types are not
+    def _signature(self, src: str, name: str) -> Signature:
+        """``_params`` and ``_value_types`` together; where the two read a
+        different number of values (a subclass's own ``_params``), the types are not
         known."""
-        kinds = self.params(src, name)
-        values = self.value_types(src, name)
+        kinds = self._params(src, name)
+        values = self._value_types(src, name)
         if len(values) != kinds.count("value"):
             values = tuple((None, f"value {i}") for i in range(kinds.count("value")))
         return Signature(kinds, values)
 
-    def bindings(self, src: str, name: str) -> tuple[int, ...] | None:
-        """The index each of ``params``' parameters binds at, where the kernel's source
+    def _bindings(self, src: str, name: str) -> tuple[int, ...] | None:
+        """The index each of ``_params``' parameters binds at, where the kernel's source
         names them (Metal's ``[[buffer(i)]]``); None: the i-th parameter binds at i."""
         return None
 
-    def with_options(self, options: tuple[str, ...]) -> Compiler:
+    def _with_options(self, options: tuple[str, ...]) -> Compiler:
         """This compiler with ``options`` after its own flags: a compiler of its own
         (its own cache entries; it pickles so). A compiler that takes options keeps its
         flags in ``flags``, the last of its :meth:`config`."""
@@ -92,7 +92,7 @@ class Compiler(ABC):
         made: Compiler = type(self)(*config[:-1], (*flags, *options))  # type: ignore[call-arg]
         return made
 
-    def identity(self) -> str:
+    def _identity(self) -> str:
         """A key naming this compiler's class, name, version, target and flags (the
         class too: a subclass that compiles otherwise may keep its base's name and
         config)."""
@@ -161,9 +161,9 @@ class NotDefinedError(CompileError):
     """No definition of the kernel was found in the source (before compiling it: a
     source that does not compile says why instead). ``defined``: the names of the
     kernels the source does define, sorted; the message lists them (the first
-    ``SHOWN_DEFINED``) and the nearest to ``name``."""
+    10) and the nearest to ``name``."""
 
-    SHOWN_DEFINED = 10
+    _SHOWN_DEFINED = 10
 
     def __init__(self, name: str, defined: Iterable[str] = ()) -> None:
         self.defined = tuple(sorted(set(defined)))
@@ -175,10 +175,10 @@ class NotDefinedError(CompileError):
         defined = self.defined
         if not defined:
             return "it defines no kernel"
-        shown = ", ".join(map(repr, defined[: self.SHOWN_DEFINED]))
-        if len(defined) > self.SHOWN_DEFINED:
+        shown = ", ".join(map(repr, defined[: self._SHOWN_DEFINED]))
+        if len(defined) > self._SHOWN_DEFINED:
             shown = (
-                f"{len(defined)} kernels: {shown}, ... ({len(defined) - self.SHOWN_DEFINED} more)"
+                f"{len(defined)} kernels: {shown}, ... ({len(defined) - self._SHOWN_DEFINED} more)"
             )
         listed = f"it defines {shown}"
         nearest = difflib.get_close_matches(name, defined, n=1) if len(defined) > 1 else []

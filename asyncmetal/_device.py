@@ -330,7 +330,7 @@ class Device:
         """Its kind, the name without ``:N``: ``"cpu"``, ``"npy"``, ``"cuda"``, ``"metal"``."""
         return self._backend.kind
 
-    def pointer_index(self, address: int) -> int | None:
+    def _pointer_index(self, address: int) -> int | None:
         """The index of the GPU whose memory ``address`` is, where this device's driver
         can tell (cuda: any GPU's), else None."""
         return self._backend.pointer_index(address)
@@ -725,7 +725,7 @@ class Device:
                 raise
         return buf
 
-    def wrap(self, array: Any) -> Buffer:
+    def _wrap(self, array: Any) -> Buffer:
         """A read-only Buffer whose memory is ``array`` itself (the ``npy`` device only).
 
         The array must be C-contiguous; it is kept alive by the buffer."""
@@ -733,7 +733,8 @@ class Device:
         wrap = getattr(self._backend, "wrap", None)
         if wrap is None:
             raise InvalidArgumentError(
-                f"{self.name} buffers come from alloc(); wrap() is for the npy device"
+                f"{self.name} buffers come from alloc(); only the npy device wraps arrays "
+                "(from_numpy)"
             )
         if not isinstance(array, np.ndarray):
             raise ArgumentTypeError(f"wrap takes a numpy array, got {type(array).__name__}")
@@ -784,7 +785,11 @@ class Device:
         """Release every cached block (freed buffers kept for reuse) to the device, and
         return how many bytes that was. The native frees run on a thread of their own
         (a cuda free may wait for the device), to their end whatever cancels the caller;
-        buffers in use are untouched."""
+        buffers in use are untouched.
+
+        Like :meth:`memory_statistics`, it still answers once the device is closed (or
+        is the parent's, in a forked child): its close released every block, so it
+        returns 0 and releases nothing."""
         return await self._allocator.release_cached()
 
     @property
@@ -827,7 +832,7 @@ class Device:
         options = check_options(options)
         with _naming(name):
             self._check_compile(src, name)
-            compiler = self._backend.compiler.with_options(options)
+            compiler = self._backend.compiler._with_options(options)
             key = (await _source_key(await compiler_identity(compiler), src), name)
             program = self._programs.get(key)
             if program is not None:  # (its parameters were read when it was loaded)
@@ -838,9 +843,9 @@ class Device:
             if isinstance(params, NotDefinedError):
                 # Not found: where the source does not compile (a typo in the very
                 # signature), the compiler's error says why, with its log.
-                await pool.compile_keyed(compiler, src, key[0], timeout=timeout)
+                await pool._compile_keyed(compiler, src, key[0], timeout=timeout)
                 raise params
-            binary, log = await pool.compile_keyed(compiler, src, key[0], timeout=timeout)
+            binary, log = await pool._compile_keyed(compiler, src, key[0], timeout=timeout)
             program = await self._program(key, params, binary, src, compiler, timeout)
         if log:  # once the program is loaded: raised as an error, it loses no compile
             _warn_compiled(name, log)
@@ -885,7 +890,7 @@ class Device:
             # way no checksum sees (built for another machine sharing the directory):
             # a miss. Build it afresh, once; if that does not load either, say so.
             pool = self.compile_pool
-            binary, log = await pool.compile_keyed(
+            binary, log = await pool._compile_keyed(
                 compiler, src, key[0], timeout=timeout, refresh=True
             )
             if log:
@@ -923,7 +928,7 @@ class Device:
         (the first), and is this caller's own, as :meth:`compile`'s is: a kernel whose
         compile another caller started with a longer one (or none) still times out.
         """
-        compiler = self._backend.compiler.with_options(check_options(options))
+        compiler = self._backend.compiler._with_options(check_options(options))
         kernels = list(kernels)
         for kernel in kernels:  # checked before anything is submitted
             if not (
@@ -958,7 +963,7 @@ class Device:
 
     def _load(self, binary: bytes, name: str, src: str) -> Any:
         self._unload_retired()
-        bindings = self._backend.compiler.bindings(src, name)
+        bindings = self._backend.compiler._bindings(src, name)
         try:
             if bindings is None:  # (a backend whose kernels bind in order takes none)
                 return self._backend.load(binary, name)
@@ -1463,13 +1468,13 @@ class _UnloadableError(Exception):
 
 @contextlib.contextmanager
 def _naming(name: str) -> Generator[None, None, None]:
-    """A CompileError raised inside comes out as kernel ``name``'s (see ``for_kernel``):
+    """A CompileError raised inside comes out as kernel ``name``'s (see ``_for_kernel``):
     a compile of one source may be shared by several kernels, and a pool's error names
     none."""
     try:
         yield
     except CompileError as exc:
-        named = exc.for_kernel(name)
+        named = exc._for_kernel(name)
         if named is exc:
             raise
         raise named from None
@@ -1482,7 +1487,7 @@ def _warn_compiled(name: str, log: str) -> None:
 
 def _read_params(compiler: Any, src: str, name: str) -> Signature | NotDefinedError:
     try:
-        params: Signature = compiler.signature(src, name)
+        params: Signature = compiler._signature(src, name)
     except NotDefinedError as missing:
         return missing
     return params
@@ -1519,12 +1524,12 @@ def name_looks_like_source(name: str) -> bool:
 
 
 class CompileMany:
-    """The async iterator of Device.compile_many.
+    """What :meth:`Device.compile_many` returns: an async iterator of the programs, each
+    as soon as it is ready; ``aclose()`` gives up the compiles not yet stepped to.
 
-    Each kernel's result -- a binary from a cache, a pool job, or the CompileError of a
-    name its source lacks -- arrives in ``_ready`` and is yielded (or raised) once, in
-    the order they arrive. A step that raises or is cancelled loses no other kernel:
-    the next step goes on from where the last one stopped.
+    A kernel that fails raises its :class:`CompileError` once, from the step that
+    reaches it. A step that raises or is cancelled loses no other kernel: the next step
+    goes on from where the last one stopped.
     """
 
     def __init__(
@@ -1539,6 +1544,9 @@ class CompileMany:
         self._compiler = compiler
         self._timeout = timeout
         self._dispatched = 0  # kernels looked up and, on a miss, submitted
+        # Each kernel's result -- a binary from a cache, a pool job, or the CompileError
+        # of a name its source lacks -- arrives here and is yielded (or raised) once, in
+        # the order they arrive.
         self._ready: collections.deque[tuple[tuple[str, str], Any]] = collections.deque()
         self._events = HostEvents()
         self._yielded = 0
@@ -1567,7 +1575,7 @@ class CompileMany:
                 if self._pid != os.getpid():  # a forked child's: the parent's jobs
                     break
                 for _ in range(claims):
-                    pool.withdraw(job, untimed=self._timeout is None)
+                    pool._withdraw(job, untimed=self._timeout is None)
             self._jobs.clear()
             self._ready.clear()
             self._events.increment()  # a step waiting wakes, and stops
@@ -1588,16 +1596,16 @@ class CompileMany:
                 self._arrived(("", name), ((), src), exc)
                 continue
             key = await _source_key(identity, src)
-            binary = pool.cache.get_memory(key)
+            binary = pool.cache._get_memory(key)
             if binary is None and pool.cache.disk_enabled:
-                binary = await pool.cache.get_disk(key)  # cancelled: looked up again next time
+                binary = await pool.cache._get_disk(key)  # cancelled: looked up again next time
             if self._closed:  # (closed while this step looked the kernel up)
                 return
             if binary is None:
                 submitted = _Submitted((key, name), (params, src))
                 # Refused (the pool closed meanwhile): not dispatched, so every later
                 # step raises it again rather than waiting for a result never coming.
-                job = pool.submit(
+                job = pool._submit(
                     compiler,
                     src,
                     key,
@@ -1645,7 +1653,7 @@ class CompileMany:
             if submitted.deadline > now or not self._settle(submitted):
                 continue
             job = submitted.job
-            pool.withdraw(job)
+            pool._withdraw(job)
             self._jobs[job] -= 1
             if not self._jobs[job]:
                 del self._jobs[job]
@@ -1686,13 +1694,13 @@ class CompileMany:
             log = ""
             if not isinstance(result, bytes):  # a finished pool job
                 pool = self._device.compile_pool
-                pool.withdraw(result, untimed=self._timeout is None)
+                pool._withdraw(result, untimed=self._timeout is None)
                 self._jobs[result] -= 1
                 if not self._jobs[result]:
                     del self._jobs[result]
-                pool.cache.warn_if_disabled()  # storing it may have found the disk full
-                log = pool.take_log(result)
-                result = pool.result(result)
+                pool.cache._warn_if_disabled()  # storing it may have found the disk full
+                log = pool._take_log(result)
+                result = pool._result(result)
             if isinstance(params, NotDefinedError):  # the source compiled without it
                 raise params
             try:
@@ -1725,9 +1733,11 @@ class _Submitted:
         self.settled = False  # its job's result or its timeout has arrived
 
 
-class _DeviceOpener(Coroutine[Any, Any, "Device"]):
-    """What open_device returns: ``async with`` it, or ``await`` it -- or hand it to
-    what takes a coroutine (``asyncio.run``, ``asyncio.create_task``), as it is one."""
+class DeviceOpener(Coroutine[Any, Any, "Device"]):
+    """What :func:`open_device` returns: ``async with`` it (the device closes at the
+    block's end), or ``await`` it for the :class:`Device` -- or hand it to what takes a
+    coroutine (``asyncio.run``, ``asyncio.create_task``), as it is one (``send``,
+    ``throw`` and ``close`` are the coroutine's)."""
 
     def __init__(self, name: str | None, opened_at: str = "") -> None:
         self._name = name
@@ -1744,12 +1754,15 @@ class _DeviceOpener(Coroutine[Any, Any, "Device"]):
         return self._opening
 
     def send(self, value: Any) -> Any:
+        """The coroutine's: run the opening to its next suspension."""
         return self._coroutine().send(value)
 
     def throw(self, *exc: Any) -> Any:
+        """The coroutine's: raise ``exc`` where the opening is suspended."""
         return self._coroutine().throw(*exc)
 
     def close(self) -> None:
+        """The coroutine's: end an opening that will not be awaited to its end."""
         if self._opening is not None:
             self._opening.close()
 
@@ -1978,7 +1991,7 @@ def closing(device: Device) -> bool:
     return device.closed or device._closing is not None
 
 
-def open_device(name: str | None = None) -> _DeviceOpener:
+def open_device(name: str | None = None) -> DeviceOpener:
     """Open a device: ``async with open_device("cpu") as dev`` or ``dev = await ...``
     (a coroutine too: ``asyncio.run`` and ``asyncio.create_task`` take it).
 
@@ -1989,7 +2002,7 @@ def open_device(name: str | None = None) -> _DeviceOpener:
     never closed is closed at exit, once its queued work ran, with a ResourceWarning.
     """
     caller = sys._getframe(1)  # where it is opened: a device left open says so at exit
-    return _DeviceOpener(name, f"{caller.f_code.co_filename}:{caller.f_lineno}")
+    return DeviceOpener(name, f"{caller.f_code.co_filename}:{caller.f_lineno}")
 
 
 _npy_device: Device | None = None
@@ -2009,7 +2022,7 @@ async def from_numpy(array: Any) -> Buffer:
             _npy_device = device
         else:
             await device.close()
-    return _npy_device.wrap(array)
+    return _npy_device._wrap(array)
 
 
 def _close_all_at_exit() -> None:

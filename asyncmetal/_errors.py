@@ -104,7 +104,7 @@ class CompileError(AsyncMetalError):
     def __reduce__(self) -> tuple[type[CompileError], tuple[str, str], dict[str, object]]:
         return type(self), (self.message, self.log), {"name": self.name}
 
-    def for_kernel(self, name: str) -> CompileError:
+    def _for_kernel(self, name: str) -> CompileError:
         """This error as kernel ``name``'s: itself if it names that kernel already, else
         a new one whose message begins with the name. A new one, since one compile of a
         source can fail several kernels of it."""

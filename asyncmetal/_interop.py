@@ -376,7 +376,7 @@ def _malformed(what: str) -> ExchangeError:
 
 def _from_cuda_array_interface(obj: Any, device: Device | None) -> Buffer:
     address, nbytes, stream = _interface(obj.__cuda_array_interface__)
-    indices = {d.pointer_index(address) for d in open_devices()} - {None}
+    indices = {d._pointer_index(address) for d in open_devices()} - {None}
     if not indices:
         raise InvalidArgumentError(
             "no open device holds the array's memory: open its cuda device first"

@@ -485,7 +485,7 @@ class CompilePool:
             while len(self._workers) < self.max_workers:
                 self._workers.append(_Worker(self, eager=True))
 
-    def submit(
+    def _submit(
         self,
         compiler: Compiler,
         src: str,
@@ -534,8 +534,8 @@ class CompilePool:
 
     def _finish(self, job: _Job, result: bytes | CompileError, *, ran: bool = True) -> None:
         if isinstance(result, bytes):
-            self.cache.put_memory(job.key, result)
-            self.cache.put_disk(job.key, result)
+            self.cache._put_memory(job.key, result)
+            self.cache._put_disk(job.key, result)
         with self._lock:
             self._compiles += ran
             if self._in_flight.get(job.key) is job:  # a withdrawn job has left already
@@ -570,12 +570,14 @@ class CompilePool:
         timeout = check_timeout(timeout)
         self._check_usable()
         key = source_key(await compiler_identity(compiler), src)
-        binary, log = await self.compile_keyed(compiler, src, key, timeout=timeout, refresh=refresh)
+        binary, log = await self._compile_keyed(
+            compiler, src, key, timeout=timeout, refresh=refresh
+        )
         if log:
             warn(CompileWarning("the compiler printed warnings", log))
         return binary
 
-    async def compile_keyed(
+    async def _compile_keyed(
         self,
         compiler: Compiler,
         src: str,
@@ -586,24 +588,24 @@ class CompilePool:
     ) -> tuple[bytes, str]:
         """:meth:`compile` for a caller that has the source's key (``source_key`` of the
         compiler's identity and ``src``) already (a long source's hash costs the loop
-        milliseconds), with the compiler's warnings (``take_log``) for the caller to
+        milliseconds), with the compiler's warnings (``_take_log``) for the caller to
         report: "" from a cache, or where another caller of the compile got them."""
         timeout = check_timeout(timeout)
         self._check_usable()
         if refresh:
-            await to_thread(self.cache.evict, key)
+            await to_thread(self.cache._evict, key)
         else:
-            cached = self.cache.get_memory(key)
+            cached = self.cache._get_memory(key)
             if cached is None and self.cache.disk_enabled:
-                cached = await self.cache.get_disk(key)
+                cached = await self.cache._get_disk(key)
             if cached is not None:
                 await checkpoint()
                 return cached, ""
-        job = self.submit(compiler, src, key, timeout=timeout)
-        binary = await self.wait(job, timeout)
-        return binary, self.take_log(job)
+        job = self._submit(compiler, src, key, timeout=timeout)
+        binary = await self._wait(job, timeout)
+        return binary, self._take_log(job)
 
-    async def wait(self, job: _Job, timeout: float | None = None) -> bytes:
+    async def _wait(self, job: _Job, timeout: float | None = None) -> bytes:
         """Wait for a job just submitted, for at most ``timeout`` seconds (its own: a job
         others joined with a longer one goes on for them) -- and ``TIMEOUT_GRACE_S`` more
         for its worker to end it; cancelling, or the timeout, withdraws it if nobody else
@@ -613,7 +615,7 @@ class CompilePool:
             with anyio.move_on_after(math.inf if timeout is None else timeout) as waited:
                 await wait_value(job.done, 1)
         except BaseException:
-            self.withdraw(job, untimed=timeout is None)
+            self._withdraw(job, untimed=timeout is None)
             raise
         if waited.cancelled_caught:
             try:
@@ -628,15 +630,15 @@ class CompilePool:
                             await wait_value(job.done, 1)
                             break
             except BaseException:
-                self.withdraw(job)
+                self._withdraw(job)
                 raise
             if not job.done.value:
-                self.withdraw(job)
+                self._withdraw(job)
                 raise CompileError(f"compile timed out after {timeout} s")
-        self.cache.warn_if_disabled()  # storing the result may have found the disk full
-        return self.result(job)
+        self.cache._warn_if_disabled()  # storing the result may have found the disk full
+        return self._result(job)
 
-    def withdraw(self, job: _Job, *, untimed: bool = False) -> None:
+    def _withdraw(self, job: _Job, *, untimed: bool = False) -> None:
         """Give up one claim on ``job``; a job nobody claims is skipped if not started.
         ``untimed``: the claim was submitted with no timeout -- once no such claim is
         left, the job ends by the latest deadline of those submitted with one."""
@@ -648,7 +650,7 @@ class CompilePool:
                     job.deadline = job.timed_deadline
 
     @staticmethod
-    def result(job: _Job) -> bytes:
+    def _result(job: _Job) -> bytes:
         """The binary of a finished job, or its CompileError raised."""
         result = job.result
         if isinstance(result, CompileError):
@@ -657,7 +659,7 @@ class CompilePool:
         return result
 
     @staticmethod
-    def take_log(job: _Job) -> str:
+    def _take_log(job: _Job) -> str:
         """What the compiler printed as the job succeeded (its warnings), once: to the
         first caller that asks (one compile warns once, whoever joined it)."""
         log, job.log = job.log, ""
@@ -669,7 +671,7 @@ class CompilePool:
         with ``kill`` (at interpreter exit, when nothing will await them), that job and
         the ones waiting are dropped, the workers and their compilers killed at once.
         Their temporary directories are removed either way. Blocks: not on a loop."""
-        with self._lock:  # (a job submitted from now on is refused: see submit)
+        with self._lock:  # (a job submitted from now on is refused: see _submit)
             self._closed = True
             self._killing = kill
             workers = list(self._workers)
@@ -703,14 +705,14 @@ _identities_lock = threading.Lock()  # (loops on several threads look them up)
 
 
 async def compiler_identity(compiler: Compiler) -> str:
-    """``compiler.identity()``, found off the loop once (it may run the compiler) and
+    """``compiler._identity()``, found off the loop once (it may run the compiler) and
     kept while it is among the ``IDENTITIES_KEPT`` most recently used."""
     with _identities_lock:
         identity = _identities.get(compiler)
         if identity is not None:
             _identities.move_to_end(compiler)
             return identity
-    identity = await to_thread(compiler.identity)
+    identity = await to_thread(compiler._identity)
     with _identities_lock:
         _identities[compiler] = identity
         _identities.move_to_end(compiler)

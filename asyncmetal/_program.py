@@ -90,12 +90,6 @@ class Program:
         return self._value_count
 
     @property
-    def launch_layout(self) -> tuple[list[int] | None, bytes | None] | None:
-        """How a launch's arguments map to the kernel's: None where buffers then int32
-        values, in the kernel's order; else (:attr:`order`, :attr:`value_codes`)."""
-        return self._launch_layout
-
-    @property
     def params(self) -> tuple[ParamKind, ...]:
         """Each parameter's kind, in order: ``"buffer"`` or ``"value"``."""
         return self._params
@@ -104,18 +98,6 @@ class Program:
     def value_types(self) -> tuple[tuple[str | None, str], ...]:
         """Each value parameter's scalar type (None where not known) and declaration."""
         return self._value_types
-
-    @property
-    def value_codes(self) -> bytes | None:
-        """How a launch passes each value (a code per value parameter), or None where
-        each is an int32."""
-        return self._value_codes
-
-    @property
-    def order(self) -> list[int] | None:
-        """Each parameter's position among a launch's arguments (buffers, then values),
-        or None where the kernel declares them so. A copy."""
-        return None if self._order is None else list(self._order)
 
     @property
     def binary(self) -> bytes:

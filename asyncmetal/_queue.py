@@ -60,8 +60,8 @@ class Completion(Record):
     def __init__(self, queue: Queue, value: int) -> None:  # hot: Record's fields inline
         self.queue = queue
         self.value = value
-        self.error = self._ring = self.start_ns = self.end_ns = None
-        self._row = self.due_ns = 0
+        self._error = self._ring = self._start_ns = self._end_ns = None
+        self._row = self._due_ns = 0
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
@@ -97,15 +97,15 @@ class Completion(Record):
             yield from ready_checkpoint()
         else:
             native.flush()
-            yield from wait_value(timeline, self.value, self.due_ns)
+            yield from wait_value(timeline, self.value, self._due_ns)
         # What the queue kept for it goes now, not at the queue's next submission: a
         # copy's host array (megabytes maybe), a bytearray (which cannot be resized
         # while a view of it is kept).
         keep = native._keep
         if keep is not None and keep.items:
             keep.let_go()
-        if self.error is not None:
-            raise self.error
+        if self._error is not None:
+            raise self._error
         queue = self.queue
         failure = (  # (the common case without Queue._failure's frame)
             queue._native.failure(self.value)
@@ -120,13 +120,13 @@ class Completion(Record):
         """Device start time in seconds (backend clock), once done, where measured.
 
         The cpu device keeps the times of a queue's last 4096 commands."""
-        times = self.times() if self.done() else None
+        times = self._times() if self.done() else None
         return None if times is None else times[0] / 1e9
 
     @property
     def end_time(self) -> float | None:
         """Device end time in seconds (backend clock), once done, where measured."""
-        times = self.times() if self.done() else None
+        times = self._times() if self.done() else None
         return None if times is None else times[1] / 1e9
 
 
@@ -646,7 +646,7 @@ class Queue:
         ``value``. No host thread blocks.
         """
         timeline = check_timeline(timeline, "timeline", self._state.kind)
-        value = timeline.check_device_value(value, "value")
+        value = timeline._check_device_value(value, "value")
         if timeline is self._timeline and value > self._submitted:
             raise InvalidArgumentError(
                 f"a queue cannot wait for its own value {value}: its commands so far reach "
@@ -829,7 +829,11 @@ class Queue:
 
     async def synchronize(self) -> None:
         """Wait until everything submitted so far has finished; raise the error of a
-        command that failed (its failure fails what follows it on the queue)."""
+        command that failed (its failure fails what follows it on the queue).
+
+        Raises :class:`ClosedResourceError` once the queue is closed (or its device):
+        its close waited for what was submitted, or dropped it."""
+        self._check_open()
         await wait_finished(self, self._submitted)
 
 

@@ -46,7 +46,7 @@ for _name, _size in SIZES.items():
         _RANGES[_name] = (0, (1 << (8 * _size)) - 1)
 _INT32_MIN, _INT32_MAX = _RANGES["int32"]
 
-# What the native launch path reads of a program (``Program.value_codes``): one byte per
+# What the native launch path reads of a program (``Program._value_codes``): one byte per
 # value parameter -- an integer type's struct code (``?`` bool), or ``f`` for a float,
 # which the native path leaves to Python.
 CODES: dict[str | None, bytes] = {

@@ -148,12 +148,12 @@ def discarded_error(value: int, why: str) -> ClosedResourceError:
 class Waitable:
     """Something whose monotonic ``native.value`` tasks on any loop can await.
 
-    Whoever raises the value calls :meth:`advanced` afterwards, from any thread.
-    Once ``ended`` (its device closed) no value will come: every waiter is woken.
+    Whoever raises the value calls ``_advanced`` afterwards, from any thread.
+    Once ``_ended`` (its device closed) no value will come: every waiter is woken.
     """
 
     native: NativeTimeline
-    ended = False
+    _ended = False
 
     def __init__(self) -> None:
         self._recent_ns = 0  # a moving average of how long waits on it took
@@ -166,7 +166,7 @@ class Waitable:
         """The value reached now."""
         return self.native.value
 
-    def advanced(self, value: int) -> None:
+    def _advanced(self, value: int) -> None:
         """Called from any thread after the value rose to ``value``."""
         for watch in self._watches:
             if value >= watch.next:
@@ -193,7 +193,7 @@ class Waitable:
                 taken.rearm()  # (once notifiers see it: see _bridge's module doc)
         return watch
 
-    def drop_watch(self, watch: _bridge.Watch) -> None:
+    def _drop_watch(self, watch: _bridge.Watch) -> None:
         """``watch`` has no waiter left (its bridge lets go of it)."""
         with self._watch_lock:
             if self._watch_of.get(watch.bridge) is watch:
@@ -223,7 +223,7 @@ def end_waits(waitable: Waitable) -> None:
     """No value will come any more (the device closed): wake every waiter of
     ``waitable``, on every loop; each finds its value unreached and raises (see
     ``Timeline.wait``)."""
-    waitable.ended = True
+    waitable._ended = True
     for watch in waitable._watches:
         watch.bridge.notify(watch)
 
@@ -260,7 +260,7 @@ class HostEvents(Waitable):
 
     def __init__(self) -> None:
         super().__init__()
-        self.native = self._counter = HostCounter(self.advanced)
+        self.native = self._counter = HostCounter(self._advanced)
 
     def increment(self) -> int:
         """Count one more event (any thread) and wake the tasks it satisfies."""
@@ -435,7 +435,7 @@ class Timeline(Waitable):
         # alive by another device's timeline), its value, whether it orders the queue's
         # signal of this timeline after another's).
         self._waits: list[tuple[int, int, Any, int, bool]] = []
-        self.native: NativeTimeline = state.backend.new_timeline(self.advanced)
+        self.native: NativeTimeline = state.backend.new_timeline(self._advanced)
         if self.native.c_timeline is not None:
             _timelines[self.native.c_timeline] = self
         self._queue: weakref.ref[FailingQueue] | None = None  # a queue's own: that queue
@@ -563,7 +563,7 @@ class Timeline(Waitable):
         return failure_error(failure, f"this timeline will not reach {value}: a value that")
 
     def _check_signal(self, value: object, what: str) -> int:
-        value = self.check_device_value(value, what)
+        value = self._check_device_value(value, what)
         if value <= self._highest:
             raise InvalidArgumentError(
                 f"{what} {value} does not increase the timeline: it has been signalled "
@@ -578,7 +578,7 @@ class Timeline(Waitable):
             raise ClosedResourceError(f"{what} {value} cannot be signalled: {failure}")
         return value
 
-    def check_device_value(self, value: object, what: str) -> int:
+    def _check_device_value(self, value: object, what: str) -> int:
         """``value`` as one this timeline can be signalled to or waited for."""
         value = check_value(value, what)
         highest = self.native.max_value

@@ -65,7 +65,7 @@ def serve() -> None:
             write_message(stdout, ("error", unreadable(exc), ""))
             continue
         try:
-            binary, log = compiler.compile(src), compiler.last_log
+            binary, log = compiler.compile(src), compiler._last_log
             if not isinstance(binary, (bytes, bytearray, memoryview)):
                 write_message(stdout, ("error", returned(compiler, binary), ""))
                 continue

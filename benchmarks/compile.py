@@ -65,7 +65,7 @@ async def cache_hits(tag: str, n: int = 200) -> dict[str, Any]:
                 memory.append(time.perf_counter_ns() - t0)
             disk = []
             for i in range(n):
-                pool.cache.clear_memory()
+                pool.cache._clear_memory()
                 src = sources[i % len(sources)]
                 t0 = time.perf_counter_ns()
                 await pool.compile(compiler, src)

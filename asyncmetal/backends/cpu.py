@@ -130,7 +130,7 @@ class CCompiler(Compiler):
         flags (``-funsigned-char``...), compiles C (``_scalars.platform_types``)."""
         return _plain_types(self._command(), _type_flags(self.flags))
 
-    def value_types(self, src: str, name: str) -> tuple[tuple[str | None, str], ...]:
+    def _value_types(self, src: str, name: str) -> tuple[tuple[str | None, str], ...]:
         return c_value_types(src, name, self.plain_types())
 
     def compile(self, src: str) -> bytes:
@@ -153,11 +153,11 @@ class CCompiler(Compiler):
             log = (proc.stderr + proc.stdout).decode(errors="replace")
             if proc.returncode != 0:
                 raise CompileError(f"{cc} failed with exit code {proc.returncode}", log)
-            self.last_log = log
+            self._last_log = log
             with open(out, "rb") as f:
                 return f.read()
 
-    def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
+    def _params(self, src: str, name: str) -> tuple[ParamKind, ...]:
         """The kernel's parameters, refused when the queue threads could not pass them
         all: checked before compiling, not at every launch."""
         params = scalar_params(src, name)

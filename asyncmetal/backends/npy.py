@@ -1,6 +1,6 @@
 """The ``npy`` device: numpy arrays as read-only device buffers.
 
-``asyncmetal.from_numpy(array)`` (or ``npy_device.wrap(array)``) gives a Buffer whose
+``asyncmetal.from_numpy(array)`` gives a Buffer whose
 memory is the array itself, so a program can hand host arrays and device buffers to
 ``asyncmetal.copy`` alike.
 
@@ -45,7 +45,7 @@ class _NoCompiler(Compiler):
     def compile(self, src: str) -> bytes:
         raise CompileError(NO_KERNELS)
 
-    def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
+    def _params(self, src: str, name: str) -> tuple[ParamKind, ...]:
         raise CompileError(NO_KERNELS)
 
 

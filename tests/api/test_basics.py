@@ -43,7 +43,7 @@ def test_open_device_is_a_coroutine_for_asyncio() -> None:
     """What takes a coroutine takes open_device(...) as it is: ``asyncio.run`` (a device
     opened at start-up, used by a server's loop later) and ``asyncio.create_task``; each
     await of it opens a device of its own. Checked: both raised, asyncio.run with "a
-    coroutine was expected, got <asyncmetal._device._DeviceOpener object ...>"."""
+    coroutine was expected, got <asyncmetal._device.DeviceOpener object ...>"."""
     dev = asyncio.run(am.open_device("cpu"))
 
     async def main() -> list[am.Device]:

@@ -118,7 +118,7 @@ async def test_every_launch_path_passes_them(device: am.Device, path: str) -> No
     queue = device.new_queue()
     select_launch_path(queue, path, "_fast_call")
     ints = await device.compile(INTS, "ints")
-    assert ints.value_codes == b"qIhQ"
+    assert ints._value_codes == b"qIhQ"
     buf = await device.alloc(24)
     vals = [(1 << 40) + 5, (1 << 32) - 2, -300, (1 << 63) - 1]
     if path == "queue":  # the native path submits it (a Completion, not None)
@@ -510,9 +510,9 @@ def test_a_plain_char_where_no_compiler_is_asked_is_the_platforms(
     monkeypatch.setattr(sys, "platform", system)
     src = "void k(int* out, char c, wchar_t w, signed char s, unsigned char u) {}"
     expected = [char, wchar, "int8", "uint8"]
-    assert [t for t, _ in CUDACompiler().value_types(src, "k")] == expected
+    assert [t for t, _ in CUDACompiler()._value_types(src, "k")] == expected
     missing = CCompiler(f"/nonexistent/cc-{uuid.uuid4().hex}")  # (its answer is kept)
-    assert [t for t, _ in missing.value_types(src, "k")] == expected
+    assert [t for t, _ in missing._value_types(src, "k")] == expected
 
 
 CUDA_TEMPLATE = r"""
@@ -539,11 +539,11 @@ def test_cuda_kernels_read_from_source_without_a_gpu() -> None:
     from asyncmetal.backends.cuda import CUDACompiler
 
     nvrtc = CUDACompiler()
-    assert nvrtc.signature(CUDA_TEMPLATE, "scale_f").values == (
+    assert nvrtc._signature(CUDA_TEMPLATE, "scale_f").values == (
         ("float32", "float a"),
         ("int32", "int n"),
     )
-    assert [t for t, _ in nvrtc.signature(CUDA_TEMPLATE, "scale_h").values] == ["uint16", "int32"]
+    assert [t for t, _ in nvrtc._signature(CUDA_TEMPLATE, "scale_h").values] == ["uint16", "int32"]
     refusals = [
         ("scale", r"kernel 'scale' is a template: .*extern \"C\" __global__ void scale_f"),
         ("by_struct", r"parameter 'pair p' is not a scalar that launch values pass"),
@@ -552,4 +552,4 @@ def test_cuda_kernels_read_from_source_without_a_gpu() -> None:
     ]
     for name, match in refusals:
         with pytest.raises(am.CompileError, match=match):
-            nvrtc.params(CUDA_TEMPLATE, name)
+            nvrtc._params(CUDA_TEMPLATE, name)

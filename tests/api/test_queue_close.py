@@ -111,11 +111,14 @@ async def test_a_closed_queue_refuses_commands(
         "after": lambda: q.after(buf),
         "marker": lambda: q.marker(),
         "handle": lambda: q.handle,
+        "fill": lambda: q.fill(buf, 0),
     }
     for name, call in calls.items():
         with pytest.raises(am.ClosedResourceError, match=r"queue of .* was closed"):
             call()
         assert q.submitted == 2, name
+    with pytest.raises(am.ClosedResourceError, match=r"queue of .* was closed"):
+        await q.synchronize()
     # Its timeline, the timelines it signalled and its completions stay valid.
     await done
     await q.timeline.wait(2)
@@ -167,6 +170,22 @@ async def test_a_queue_closed_before_its_device_is_not_closed_again(
     await dev.close()
     assert all(q.closed for q in queues)
     await queues[2].close()  # closed with the device: nothing to do
+
+
+async def test_the_queues_of_a_closed_device_refuse_synchronize(
+    anyio_backend: object, device_name: str
+) -> None:
+    """``synchronize()`` of a queue closed with its device raises as its other calls
+    and the device's own ``synchronize()`` do, rather than wait for nothing. Checked:
+    fails without the fix (it returned)."""
+    dev = await am.open_device(device_name)
+    queues = [dev.queue, dev.new_queue()]
+    await dev.close()
+    for q in queues:
+        with pytest.raises(am.ClosedResourceError, match=r"closed"):
+            q.marker()
+        with pytest.raises(am.ClosedResourceError, match=r"closed"):
+            await q.synchronize()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")

@@ -61,14 +61,40 @@ def _readme_programs() -> list[str]:
     return [block for block in blocks if "anyio.run(main)" in block]
 
 
-def test_readme_programs_run() -> None:
+# What each README program prints, by a line that tells the program: all of it is
+# deterministic (the first prints numpy's summary of 1024 twos).
+_PRINTS = {
+    "void add(": ["[2. 2. 2. ... 2. 2. 2.]"],
+    "void produce(": ["[ 0  2  4  6  8 10 12 14]"],
+    "void twice(": ["[2. 2. 2. 2.]", "[7 7 7 7]"],
+    "jnp.from_dlpack": ["7168", "[0 1 2 3]"],
+    "compile_many": ["ready: ['inc'] failed: ['absent', 'broken']"],
+}
+
+
+def _numbers(text: str) -> set[float]:
+    return {float(n) for n in re.findall(r"-?\d+(?:\.\d*)?", text)}
+
+
+def test_readme_programs_print_what_they_say() -> None:
+    """Each README program runs and prints exactly its expected lines, and each
+    ``print(...)  # comment`` of it names the numbers its line shows. Checked: fails
+    with an expected line or a comment changed."""
     programs = _readme_programs()
     assert len(programs) >= 3  # the first example, the compile_many one, the numpy one
     for program in programs:
+        (expected,) = [lines for key, lines in _PRINTS.items() if key in program]
         proc = subprocess.run(
             [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
         )
         assert proc.returncode == 0, f"{program}\n{proc.stderr}"
+        out = proc.stdout.splitlines()
+        assert out == expected, program
+        prints = [line for line in program.splitlines() if "print(" in line]
+        assert len(prints) == len(out)
+        for line, printed in zip(prints, out, strict=True):
+            if "  # " in line:
+                assert _numbers(line.split("  # ", 1)[1]) == _numbers(printed), line
 
 
 def test_readme_compile_many_goes_on_past_failures() -> None:

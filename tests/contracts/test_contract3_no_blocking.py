@@ -881,14 +881,14 @@ async def test_a_long_sources_parameters_are_read_off_the_loop(
     compile and compile_many; a short one's stay on the loop (a thread hop costs more).
     Checked: before, a long source's parameters were read on the loop."""
     compiler = type(device._backend.compiler)
-    original = compiler.params
+    original = compiler._params
     on_loop: list[tuple[int, bool]] = []
 
     def params(self: Any, src: str, name: str) -> Any:
         on_loop.append((len(src), threading.current_thread() is threading.main_thread()))
         return original(self, src, name)
 
-    monkeypatch.setattr(compiler, "params", params)
+    monkeypatch.setattr(compiler, "_params", params)
     source = MSL_KERNELS if device.name == "metal" else KERNELS
     short = source + f"\n/* {time.time_ns()} */\n"
     long = short + "/* padding */\n" * 20_000

@@ -66,7 +66,7 @@ async def test_npy_buffers_are_read_only_sources(anyio_backend: object) -> None:
         with pytest.raises(am.InvalidArgumentError, match="not C-contiguous"):
             await am.from_numpy(np.zeros((4, 4))[:, 1])
         with pytest.raises(am.InvalidArgumentError, match="wrap"):
-            dev.wrap(arr)
+            dev._wrap(arr)
 
 
 async def test_write_takes_an_npy_buffer(anyio_backend: object) -> None:
@@ -324,7 +324,7 @@ async def test_a_queue_copies_between_its_buffer_and_a_host_kinds_buffer(
     without the fix."""
     async with am.open_device("cpu") as cpu, am.open_device("npy") as npy:
         arr = np.arange(64, dtype=np.int32)
-        src = npy.wrap(arr)
+        src = npy._wrap(arr)
         buf = await cpu.alloc(arr.nbytes)
         await cpu.queue.copy(buf, src)  # on the cpu queue: npy read in place
         assert (await buf.read(np.int32)).tolist() == arr.tolist()

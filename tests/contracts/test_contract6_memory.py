@@ -469,6 +469,25 @@ async def test_empty_memory_cache_releases_every_cached_block_off_the_loop(
     await held.free()
 
 
+async def test_a_closed_device_still_answers_its_memory_calls(
+    anyio_backend: object, device_name: str
+) -> None:
+    """``memory_statistics()`` and ``empty_memory_cache()`` answer on a closed device
+    (its close released everything: nothing in use, nothing cached, 0 released), as
+    README says they do in a forked child; the calls that would make or use memory
+    raise ``ClosedResourceError``."""
+    dev = await am.open_device(device_name)
+    await (await dev.alloc(MiB)).free()  # cached until the close
+    await dev.close()
+    stats = dev.memory_statistics()
+    assert (stats.in_use, stats.cached) == (0, 0)
+    assert await dev.empty_memory_cache() == 0
+    with pytest.raises(am.ClosedResourceError):
+        await dev.alloc(4)
+    with pytest.raises(am.ClosedResourceError):
+        await dev.synchronize()
+
+
 async def test_cpu_memory_is_let_go_of_off_the_loop(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:

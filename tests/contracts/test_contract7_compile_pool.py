@@ -409,7 +409,7 @@ async def test_compile_many_aclose_gives_up_what_it_has_not_yielded(
             identity = await compiler_identity(dev._backend.compiler)
             keys = [source_key(identity, src) for src in sources]
             assert pool.compiles == 2
-            assert [pool.cache.get_memory(k) is not None for k in keys] == [True, True, False]
+            assert [pool.cache._get_memory(k) is not None for k in keys] == [True, True, False]
             assert not (gates / f"{gate_name(sources[2])}.began").exists()
     finally:
         for src in sources:  # (a test failed before opening them: its worker goes on)
@@ -629,5 +629,5 @@ def test_options_for_a_compiler_without_its_flags_last_are_refused() -> None:
     its last item: a compiler whose flags are elsewhere is refused as one that takes no
     options. Before, it was remade with the flags and options as its target."""
     with pytest.raises(am.InvalidArgumentError, match="takes no options"):
-        _FlagsFirst(("-O1",)).with_options(("-DN=4",))
-    assert _FlagsFirst().with_options(()) == _FlagsFirst()
+        _FlagsFirst(("-O1",))._with_options(("-DN=4",))
+    assert _FlagsFirst()._with_options(()) == _FlagsFirst()

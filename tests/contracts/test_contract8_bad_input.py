@@ -339,7 +339,7 @@ def test_a_missing_cuda_kernel_lists_the_global_functions() -> None:
         'extern "C" {\n__global__ void shift(float* a, float s) { a[0] += s; }\n}\n'
     )
     with pytest.raises(am.NotDefinedError) as info:
-        CUDACompiler().signature(src, "twice_")
+        CUDACompiler()._signature(src, "twice_")
     assert info.value.defined == ("scale", "shift")
     assert str(info.value).endswith("it defines 'scale', 'shift'")
 

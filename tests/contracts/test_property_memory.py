@@ -461,7 +461,7 @@ class Runner:
 
     async def op_wrap(self, what: str, id: int, size: int, seed: int) -> None:
         array = host_bytes(seed, size)
-        self.objs[id] = self.npy.wrap(array)
+        self.objs[id] = self.npy._wrap(array)
         self.model.add_root(id, array, known=True)
 
     async def op_view(self, what: str, id: int, parent: int, offset: int, size: int) -> None:

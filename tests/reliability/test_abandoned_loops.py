@@ -393,7 +393,7 @@ def test_a_loop_started_again_as_it_is_set_aside_goes_through_its_watches_unhind
 ) -> None:
     """A loop seen stopped, a task parked on a timeline, is set aside by another thread
     while a thread starts it again; the setting aside is held as it makes that timeline
-    let go of the watch (``drop_watch``). The loop, woken through its pipe for a watch
+    let go of the watch (``_drop_watch``). The loop, woken through its pipe for a watch
     of another timeline made meanwhile, goes through its native watches, and the setting
     aside goes on and ends as the loop reads that other timeline's value. The loop goes
     on through its watches unhindered, wakes the task of the other timeline, and the
@@ -410,15 +410,15 @@ def test_a_loop_started_again_as_it_is_set_aside_goes_through_its_watches_unhind
 
         bridge, parked_before = loop.run_until_complete(_park_one(timeline))
         held, hooked = threading.Event(), threading.Event()
-        drop_watch = timeline.drop_watch
+        _drop_watch = timeline._drop_watch
 
         def held_drop_watch(watch: am._bridge.Watch) -> None:
             if threading.current_thread() is setting_aside:
                 held.set()
                 go_on.wait(10)
-            drop_watch(watch)
+            _drop_watch(watch)
 
-        monkeypatch.setattr(timeline, "drop_watch", held_drop_watch)
+        monkeypatch.setattr(timeline, "_drop_watch", held_drop_watch)
         resumes = _held_back(bridge)
         setting_aside = threading.Thread(target=bridge.suspend)
         setting_aside.start()
@@ -467,7 +467,7 @@ def test_a_loop_started_again_as_it_is_set_aside_parks_on_the_watch_set_aside(
 ) -> None:
     """A loop seen stopped, a task parked on a timeline (for 1), is set aside by another
     thread while a thread starts it again; the setting aside is held once the timeline
-    has let go of the loop's watch (``drop_watch``), and a task of the loop parks on
+    has let go of the loop's watch (``_drop_watch``), and a task of the loop parks on
     that timeline (for 2). It takes the watch set aside back, the one task parked before
     with it: both are woken. Checked failing without: the park made another watch (the
     one let go of was not set aside yet), and the task parked before was never woken."""
@@ -480,15 +480,15 @@ def test_a_loop_started_again_as_it_is_set_aside_parks_on_the_watch_set_aside(
 
         bridge, parked_before = loop.run_until_complete(_park_one(timeline))
         held = threading.Event()
-        drop_watch = timeline.drop_watch
+        _drop_watch = timeline._drop_watch
 
         def held_drop_watch(watch: am._bridge.Watch) -> None:
-            drop_watch(watch)
+            _drop_watch(watch)
             if threading.current_thread() is setting_aside:
                 held.set()
                 go_on.wait(10)
 
-        monkeypatch.setattr(timeline, "drop_watch", held_drop_watch)
+        monkeypatch.setattr(timeline, "_drop_watch", held_drop_watch)
         resumes = _held_back(bridge)
         setting_aside = threading.Thread(target=bridge.suspend)
         setting_aside.start()
@@ -828,11 +828,11 @@ def test_a_wake_up_queued_as_its_stopped_loop_is_set_aside_is_not_lost(
     def raise_counter() -> None:
         events.increment()
 
-    def drop_watch(watch: Any) -> None:  # the setting aside, before it swaps the deque
+    def _drop_watch(watch: Any) -> None:  # the setting aside, before it swaps the deque
         if not appending.is_set():
             threading.Thread(target=raise_counter, name="raiser").start()
             appending.wait(LIMIT)
-        HostEvents.drop_watch(events, watch)
+        HostEvents._drop_watch(events, watch)
 
     def run() -> None:
         async def main() -> None:
@@ -854,7 +854,7 @@ def test_a_wake_up_queued_as_its_stopped_loop_is_set_aside_is_not_lost(
                 set_aside.set()
 
         monkeypatch.setattr(bridge, "suspend", suspended)
-        monkeypatch.setattr(events, "drop_watch", drop_watch)
+        monkeypatch.setattr(events, "_drop_watch", _drop_watch)
 
     thread = threading.Thread(target=run)
     thread.start()

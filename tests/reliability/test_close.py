@@ -912,7 +912,7 @@ async def test_a_launch_the_backend_refuses_is_refused_at_once(
     """Too many parameters for a cpu kernel: the launch raises, and its value is taken
     back (the next command gets it and runs)."""
     # Compiling refuses such a kernel first: let it past that to reach the launch check.
-    monkeypatch.setattr(CCompiler, "params", Compiler.params)
+    monkeypatch.setattr(CCompiler, "_params", Compiler._params)
     async with am.open_device("cpu:24") as dev:
         wide = await dev.compile(WIDE, "wide")
         empty = await dev.compile(KERNELS, "empty")
@@ -1272,7 +1272,7 @@ async def test_a_keyboard_interrupt_as_an_open_hands_its_device_over_closes_it(
     after the caller got the device, or closes what was opened: the backend, and the
     Device made of it. Checked: an interrupt as the 'async with' recorded its entry
     left the device open, never handed over."""
-    codes = {_device._DeviceOpener._open.__code__, _device._DeviceOpener.__aenter__.__code__}
+    codes = {_device.DeviceOpener._open.__code__, _device.DeviceOpener.__aenter__.__code__}
     at = 0
     while True:
         handed: list[am.Device] = []

@@ -84,17 +84,17 @@ async def test_joining_a_compile_being_withdrawn_gets_a_real_result(pool: Compil
     joined: list[Any] = []
 
     def join() -> None:  # a request for the same source, in the worker's window
-        joined.append(pool.submit(compiler, src, key))
+        joined.append(pool._submit(compiler, src, key))
 
     lock = _HookedLock(pool, key, join)
     pool._lock = lock  # type: ignore[assignment]
-    first = pool.submit(compiler, src, key)
-    pool.withdraw(first)  # nobody wants it any more: the worker will skip it
+    first = pool._submit(compiler, src, key)
+    pool._withdraw(first)  # nobody wants it any more: the worker will skip it
     lock.gate.set()
     with anyio.fail_after(BOUND):
         while not joined:
             await anyio.sleep(0.01)
-        binary = await pool.wait(joined[0])
+        binary = await pool._wait(joined[0])
     assert binary.startswith(b"\x7fELF")
 
 
@@ -335,9 +335,9 @@ async def main(directory, how):
         await dev.compile(sys.argv[3], "put")
         await pool.aclose()
         key = source_key(await compiler_identity(dev._backend.compiler), sys.argv[3])
-        good = pool.cache.load_disk(key)
+        good = pool.cache._load_disk(key)
         if how.startswith("keep="):  # stored cut short, with its own checksum
-            pool.cache.put_disk(key, good[: int(float(how[5:]) * len(good))])
+            pool.cache._put_disk(key, good[: int(float(how[5:]) * len(good))])
             pool.cache.close()
         else:  # an SQL expression of the stored data
             pool.cache.close()
@@ -349,7 +349,7 @@ async def main(directory, how):
         print(int((await buf.read(np.int32))[0]))
         await buf.free()
         await pool.aclose()
-        print(pool.cache.load_disk(key) == good)  # the entry was replaced
+        print(pool.cache._load_disk(key) == good)  # the entry was replaced
         pool.cache.close()
 
 anyio.run(main, sys.argv[1], sys.argv[2])
@@ -410,9 +410,9 @@ async def test_a_cached_binary_for_another_machine_is_rebuilt(
         await device.compile(TWO_KERNELS, "put")
         await pool.aclose()
         key = source_key(await compiler_identity(device._backend.compiler), TWO_KERNELS)
-        good = pool.cache.load_disk(key)
+        good = pool.cache._load_disk(key)
         assert good is not None
-        pool.cache.put_disk(key, _other_machine(good))  # stored as a valid entry
+        pool.cache._put_disk(key, _other_machine(good))  # stored as a valid entry
         pool.cache.close()
         pool = device.compile_pool = CompilePool(1, cache=CompileCache(directory))
         try:
@@ -425,7 +425,7 @@ async def test_a_cached_binary_for_another_machine_is_rebuilt(
             await pool.aclose()
             pool.cache.close()
     rebuilt = CompileCache(directory)
-    assert rebuilt.load_disk(key) == good  # the bad entry was replaced
+    assert rebuilt._load_disk(key) == good  # the bad entry was replaced
     rebuilt.close()
 
 
@@ -814,7 +814,7 @@ async def test_compile_many_refuses_a_bad_kernel_before_submitting_any(device: a
             device.compile_many([good, bad])  # type: ignore[list-item]
     # Nothing was submitted: the good kernel is still a miss in every cache.
     key = source_key(await compiler_identity(device._backend.compiler), good[0])
-    assert device.compile_pool.cache.get_memory(key) is None
+    assert device.compile_pool.cache._get_memory(key) is None
     assert key not in device.compile_pool._in_flight
 
 
@@ -835,20 +835,20 @@ async def test_a_compile_submitted_as_a_worker_takes_another_gets_its_own_worker
     def get(*args: Any, **kwargs: Any) -> Any:
         job = real_get(*args, **kwargs)
         if not second:  # the second compile arrives right now, in the gap
-            second.append(pool.submit(quick, quick_src, quick_key))
+            second.append(pool._submit(quick, quick_src, quick_key))
         return job
 
     pool._pending.get = get  # type: ignore[method-assign]
     try:
         with anyio.fail_after(BOUND):
-            first = pool.submit(slow, _src("slow"), "slow-key", timeout=4.0)
+            first = pool._submit(slow, _src("slow"), "slow-key", timeout=4.0)
             while not second:
                 await anyio.sleep(0.01)
-            assert isinstance(await pool.wait(second[0]), bytes)
+            assert isinstance(await pool._wait(second[0]), bytes)
             # on a second worker: done while the first compile still runs
             assert first.done.value == 0
             with pytest.raises(am.CompileError, match="timed out"):
-                await pool.wait(first)
+                await pool._wait(first)
     finally:
         await pool.aclose()
 
@@ -1349,7 +1349,7 @@ async def test_a_compile_that_waited_for_a_worker_times_out_in_its_own_time(
 
 async def test_a_compiler_returning_no_binary_is_a_compile_error(pool: CompilePool) -> None:
     """A custom compiler whose compile returns a str, not bytes, fails the compile with
-    a CompileError saying so; one whose last_log is not a str still gives its binary,
+    a CompileError saying so; one whose _last_log is not a str still gives its binary,
     the log as text in the CompileWarning. Checked: before, the str came back as the
     "binary", and the log's .strip() raised AttributeError in the caller."""
     from tests.support.compilers import WrongTypeCompiler
@@ -1376,16 +1376,16 @@ async def test_compiler_identities_are_kept_for_the_most_recently_used_only(
 
     monkeypatch.setattr(_pool, "IDENTITIES_KEPT", 8, raising=False)
     base = CCompiler()
-    used = base.with_options(("-DUSED=1",))
+    used = base._with_options(("-DUSED=1",))
     first = await compiler_identity(used)
     for n in range(40):
-        await compiler_identity(base.with_options((f"-DN={n}",)))
+        await compiler_identity(base._with_options((f"-DN={n}",)))
         assert await compiler_identity(used) == first  # (used again: kept)
         assert len(_pool._identities) <= 8
     assert used in _pool._identities
-    gone = base.with_options(("-DN=0",))
+    gone = base._with_options(("-DN=0",))
     assert gone not in _pool._identities
-    assert await compiler_identity(gone) == gone.identity()
+    assert await compiler_identity(gone) == gone._identity()
 
 
 async def test_compile_many_times_out_joining_a_compile_without_one(
@@ -1507,7 +1507,7 @@ async def test_a_timed_out_caller_waiting_for_its_compiles_end_is_not_held_by_a_
                     await anyio.sleep(0.01)
                 # Past the first caller's timeout (its timer, due first, has fired).
                 await anyio.sleep_until(submitted + 1.5)
-                pool.submit(compiler, src, key)  # joins, with no timeout
+                pool._submit(compiler, src, key)  # joins, with no timeout
                 joined.set()
         assert isinstance(outcome[0], am.CompileError), outcome
         assert "timed out after 1.0 s" in str(outcome[0])
@@ -1576,7 +1576,7 @@ async def test_a_compile_asked_for_as_its_worker_ends_it_for_a_timeout_starts_af
 
     def killing(worker: Any) -> None:  # the worker has decided: the request comes now
         if not later:
-            later.append(pool.submit(compiler, src, key, timeout=BOUND))
+            later.append(pool._submit(compiler, src, key, timeout=BOUND))
             (tmp_path / gate_name(src)).touch()  # (the compile asked for again ends)
         kill(worker)
 
@@ -1586,7 +1586,7 @@ async def test_a_compile_asked_for_as_its_worker_ends_it_for_a_timeout_starts_af
             with pytest.raises(am.CompileError, match=r"timed out after 1\.0 s"):
                 await pool.compile(compiler, src, timeout=1.0)
             assert later
-            assert isinstance(await pool.wait(later[0], BOUND), bytes)
+            assert isinstance(await pool._wait(later[0], BOUND), bytes)
     finally:
         (tmp_path / gate_name(src)).touch()
         await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
@@ -1671,7 +1671,7 @@ async def test_compile_many_stepped_on_after_its_pool_closed_never_waits_for_goo
     pool = CompilePool(1, cache=CompileCache(tmp_path / "cache"))
     tag = time.time_ns()
     kernels = [(f"void a(void) {{}} /* {tag} */", "a"), (f"void b(void) {{}} /* {tag} */", "b")]
-    real_get_disk = pool.cache.get_disk
+    real_get_disk = pool.cache._get_disk
     lookups: list[str] = []
 
     async def get_disk(key: str) -> bytes | None:
@@ -1680,7 +1680,7 @@ async def test_compile_many_stepped_on_after_its_pool_closed_never_waits_for_goo
             await pool.aclose()
         return await real_get_disk(key)
 
-    pool.cache.get_disk = get_disk  # type: ignore[method-assign]
+    pool.cache._get_disk = get_disk  # type: ignore[method-assign]
     outcomes: list[str] = []
     with anyio.fail_after(BOUND):
         async with am.open_device("cpu") as device:
@@ -1817,6 +1817,6 @@ async def test_a_worker_started_as_its_pool_is_killed_is_killed_too(
     monkeypatch.setattr(subprocess, "Popen", popen)
     src = _src("started as killed")
     key = source_key(await compiler_identity(SlowCompiler(BOUND)), src)
-    job = pool.submit(SlowCompiler(BOUND), src, key)
+    job = pool._submit(SlowCompiler(BOUND), src, key)
     with anyio.fail_after(BOUND / 4), pytest.raises(am.CompileError, match="shut down"):
-        await pool.wait(job)
+        await pool._wait(job)

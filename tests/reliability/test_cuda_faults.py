@@ -601,7 +601,7 @@ async def test_a_lone_marker_is_polled_and_one_behind_others_is_not(
     markers.append(queue.marker())
     assert finished == [(1, cuda_queue.MARKER_POLL_NS), (2, 0), (3, cuda_queue.MARKER_POLL_NS)]
     # ... and its awaiting task reads for it until then (due), not for the other
-    assert [m.due_ns > 0 for m in markers] == [True, False, True]
+    assert [m._due_ns > 0 for m in markers] == [True, False, True]
     word.value = 3
     await dev.close()
 

@@ -929,7 +929,7 @@ def _nvrtc_run(
     _bind(monkeypatch, "nvrtc", fake)
     compiler = CUDACompiler()
     try:
-        compiler.identity()
+        compiler._identity()
         return compiler.compile(SRC), None
     except Exception as exc:
         return None, exc

@@ -309,17 +309,17 @@ def test_a_keyboard_interrupt_anywhere_in_the_compile_caches_memory_keeps_its_co
     """Storing a binary in the compile cache's memory (evicting the least recently used
     past its limit), evicting one and clearing it: an interrupt anywhere leaves the
     bytes it counts those of the binaries it holds."""
-    codes = {c.__code__ for c in (CompileCache.put_memory, CompileCache.evict)}
-    codes.add(CompileCache.clear_memory.__code__)
+    codes = {c.__code__ for c in (CompileCache._put_memory, CompileCache._evict)}
+    codes.add(CompileCache._clear_memory.__code__)
     at = 0
     while True:
         cache = CompileCache(tmp_path, disk=False, max_memory_bytes=250)
-        cache.put_memory("kept", b"k" * 100)
+        cache._put_memory("kept", b"k" * 100)
         with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
-            cache.put_memory("a", b"a" * 100)
-            cache.put_memory("b", b"b" * 100)  # past the limit: "kept" goes
-            cache.evict("a")
-            cache.clear_memory()
+            cache._put_memory("a", b"a" * 100)
+            cache._put_memory("b", b"b" * 100)  # past the limit: "kept" goes
+            cache._evict("a")
+            cache._clear_memory()
         held = sum(len(data) for data in cache._memory.values())
         assert cache._memory_bytes == held, f"counted apart (interrupted at {raised})"
         if not raised:

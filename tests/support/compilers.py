@@ -180,13 +180,13 @@ class ReadingCompiler(CCompiler):
 
 class WrongTypeCompiler(_HowCompiler):
     """A custom compiler's slips: ``compile`` returning a str, or (``log``) a binary
-    with a ``last_log`` that is not a str."""
+    with a ``_last_log`` that is not a str."""
 
     name = "wrong-type-cc"
 
     def compile(self, src: str) -> bytes:
         if self.how == "log":
             binary = super().compile(src)
-            self.last_log = 42  # type: ignore[assignment]
+            self._last_log = 42  # type: ignore[assignment]
             return binary
         return "not a binary"  # type: ignore[return-value]

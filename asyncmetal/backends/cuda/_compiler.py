@@ -48,17 +48,17 @@ class CUDACompiler(Compiler):
             size = _check(_call("nvrtcGetCUBINSize", prog), "nvrtcGetCUBINSize")
             cubin = b" " * size
             _check(_call("nvrtcGetCUBIN", prog, cubin), "nvrtcGetCUBIN")
-            self.last_log = log
+            self._last_log = log
             return bytes(cubin)
         finally:
             _call("nvrtcDestroyProgram", prog)
 
-    def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
+    def _params(self, src: str, name: str) -> tuple[ParamKind, ...]:
         """The kernel's parameters; a value parameter must be a scalar (an integer,
         ``float``, ``double`` or ``__half``: launches pass nothing else)."""
         return scalar_params(src, name)
 
-    def value_types(self, src: str, name: str) -> tuple[tuple[str | None, str], ...]:
+    def _value_types(self, src: str, name: str) -> tuple[tuple[str | None, str], ...]:
         """The kernel's value types, a plain ``char`` and ``wchar_t`` as the host
         platform's C ABI has them. NVRTC's guide does not say which signedness its char
         has (nor can it be asked without compiling); nvcc compiles host and device code

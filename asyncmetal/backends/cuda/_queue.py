@@ -636,7 +636,7 @@ class CUDAQueue(NativeQueue):
             expected if expected < MAX_COPY_POLL_NS else MAX_COPY_POLL_NS,
         )
         self._refused(code, value, clean)
-        record.due_ns = time.perf_counter_ns() + expected
+        record._due_ns = time.perf_counter_ns() + expected
 
     def fill(
         self, dst: Arg, nbytes: int, pattern: int, size: int, value: int, record: Record
@@ -657,7 +657,7 @@ class CUDAQueue(NativeQueue):
             expected if expected < MAX_COPY_POLL_NS else MAX_COPY_POLL_NS,
         )
         self._refused(code, value, clean)
-        record.due_ns = time.perf_counter_ns() + expected
+        record._due_ns = time.perf_counter_ns() + expected
 
     def _held_across(self) -> bool:
         """Whether a wait of this queue on another kind's queue timeline (held on the
@@ -700,7 +700,7 @@ class CUDAQueue(NativeQueue):
             raise driver_error(name, code, self._backend.name)
         self._keep.add(value, None)
         if lone:
-            record.due_ns = time.perf_counter_ns() + MARKER_POLL_NS
+            record._due_ns = time.perf_counter_ns() + MARKER_POLL_NS
 
     def marker(self, value: int, record: Record) -> None:
         if _driver.lost_first is not None:
@@ -715,7 +715,7 @@ class CUDAQueue(NativeQueue):
         lone = self._timeline.value >= value - 1
         self._finish(value, expected_ns=MARKER_POLL_NS if lone else 0)
         if lone:
-            record.due_ns = time.perf_counter_ns() + MARKER_POLL_NS
+            record._due_ns = time.perf_counter_ns() + MARKER_POLL_NS
 
     @keeps_context
     def copyin(self, dst: Arg, src: memoryview, value: int, record: Record) -> None:

@@ -134,7 +134,7 @@ class MetalCompiler(Compiler):
             service, None, REQUEST_TYPE_COMPILE, request, len(request), ctypes.addressof(block)
         )
         library = result.library()
-        self.last_log = result.warnings()
+        self._last_log = result.warnings()
         return library
 
     def _compile_xcrun(self, src: str) -> bytes:
@@ -157,17 +157,17 @@ class MetalCompiler(Compiler):
                 if proc.returncode != 0:
                     raise CompileError(f"{command[3]} failed", log)
                 printed += log
-            self.last_log = printed
+            self._last_log = printed
             with open(lib, "rb") as f:
                 return f.read()
 
-    def params(self, src: str, name: str) -> tuple[ParamKind, ...]:
+    def _params(self, src: str, name: str) -> tuple[ParamKind, ...]:
         return metal_params(src, name)
 
-    def value_types(self, src: str, name: str) -> tuple[tuple[str | None, str], ...]:
+    def _value_types(self, src: str, name: str) -> tuple[tuple[str | None, str], ...]:
         return metal_value_types(src, name)
 
-    def bindings(self, src: str, name: str) -> tuple[int, ...]:
+    def _bindings(self, src: str, name: str) -> tuple[int, ...]:
         return metal_bindings(src, name)
 
 

@@ -520,7 +520,7 @@ class MetalQueue(NativeQueue):
                 done_value, cb, _, record, _ = buffers.popleft()
                 start = send(cb, "GPUStartTime", restype=ctypes.c_double)
                 end = send(cb, "GPUEndTime", restype=ctypes.c_double)
-                record.start_ns, record.end_ns = int(start * 1e9), int(end * 1e9)
+                record._start_ns, record._end_ns = int(start * 1e9), int(end * 1e9)
                 self._note_status(done_value, cb)
                 release(cb)
         _blocks.release_ran()

@@ -238,7 +238,7 @@ def test_metal_references_to_device_memory_are_buffers_and_no_vector_is_a_value(
     it: one launch value's ``setBytes`` cannot make it (an int's 4 bytes were read
     past). A plain char is signed (the Metal Shading Language's)."""
     assert metal_params(REFERENCES, "keep") == ("buffer", "value", "buffer")
-    assert MetalCompiler().value_types(REFERENCES, "keep") == (("int8", "constant char& c"),)
+    assert MetalCompiler()._value_types(REFERENCES, "keep") == (("int8", "constant char& c"),)
     for name, declaration in [
         ("by_vector", "constant float4& v"),
         ("by_struct", "constant params& p"),

@@ -16,7 +16,7 @@ async def test_npy_buffers_are_read_and_ordered_like_device_buffers(anyio_backen
     async with am.open_device("npy") as npy, am.open_device("cpu") as cpu:
         assert npy.kind == "npy" and npy.name == "npy" and npy.total_memory > 0
         arr = np.arange(256, dtype=np.int32)
-        buf = npy.wrap(arr)
+        buf = npy._wrap(arr)
         np.testing.assert_array_equal(await buf.read(np.int32), arr)
         np.testing.assert_array_equal(await buf.view(64, 64).read(np.int32), arr[16:32])
         mapped = await buf.map(np.int32)  # read in place: the array itself, read-only
@@ -42,7 +42,7 @@ async def test_npy_buffers_are_read_and_ordered_like_device_buffers(anyio_backen
 
 async def test_npy_refuses_what_it_does_not_do(anyio_backend: object) -> None:
     async with am.open_device("npy") as npy:
-        buf = npy.wrap(np.ones(64, np.uint8))
+        buf = npy._wrap(np.ones(64, np.uint8))
         with pytest.raises(am.InvalidArgumentError, match="from_numpy"):
             await npy.alloc(64)
         with pytest.raises(am.InvalidArgumentError, match="read-only"):
@@ -56,7 +56,7 @@ async def test_npy_refuses_what_it_does_not_do(anyio_backend: object) -> None:
         with pytest.raises(am.CompileError, match="runs no kernels"):
             npy._backend.load(b"\x7fELF", "k")  # reached by no public call: refused too
         with pytest.raises(am.ArgumentTypeError, match="numpy array"):
-            npy.wrap(b"bytes")
+            npy._wrap(b"bytes")
     with pytest.raises(am.AsyncMetalError, match="not available"):
         await am.open_device("npy:1")  # one npy device: there is nothing to number
 
