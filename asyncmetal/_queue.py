@@ -17,7 +17,7 @@ from ._backend import Arg, NativeQueue, Record, new_arg
 from ._buffer import Buffer, check_buffer, launch_args, native_arg, record_uses, uses
 from ._copyargs import copy_operands, fill_operands
 from ._device_state import DeviceState, locks_in_order, two_names
-from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
+from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError, as_int
 from ._program import Program
 from ._scalars import Scalar, launch_value
 from ._timeline import (
@@ -131,15 +131,22 @@ class Completion(Record):
 
 
 def _size3(size: object, what: str) -> tuple[int, int, int]:
-    if isinstance(size, int) and not isinstance(size, bool):
+    # A size is 32 bits on every backend that reads one: a cuda grid's and block's
+    # dimensions are, and Metal's gets no GPU past them; cut to its low bits in the
+    # backend's structure, a larger one would run another number of threads (none, for
+    # 2**64) with nothing said. numpy integers are sizes, as elsewhere (as_int).
+    given = size
+    if as_int(size) is not None:
         size = (size,)
     if not isinstance(size, Sequence) or not 1 <= len(size) <= 3:
-        raise ArgumentTypeError(f"{what} must be an int or a tuple of 1 to 3 ints, got {size!r}")
-    dims = [*size, 1, 1][:3]
+        raise ArgumentTypeError(f"{what} must be an int or a tuple of 1 to 3 ints, got {given!r}")
+    dims = [as_int(d) for d in [*size, 1, 1][:3]]
     for d in dims:
-        if not isinstance(d, int) or isinstance(d, bool) or d < 1:
-            raise InvalidArgumentError(f"{what} must hold ints >= 1, got {size!r}")
-    return dims[0], dims[1], dims[2]
+        if d is None or d < 1:
+            raise InvalidArgumentError(f"{what} must hold ints >= 1, got {given!r}")
+        if d >= 1 << 32:
+            raise InvalidArgumentError(f"{what} must hold ints in [1, 2**32), got {given!r}")
+    return dims[0], dims[1], dims[2]  # type: ignore[return-value]
 
 
 _extension_launches: dict[type, Callable[..., Completion | None] | None] = {}
