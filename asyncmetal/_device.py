@@ -309,6 +309,14 @@ class Device:
     def __repr__(self) -> str:
         return f"<Device {self.name}{' closed' if self.closed else ''}>"
 
+    # One object per device: a copy would keep its own records of its queues, programs
+    # and close -- a copy is the same object (as a Program's is).
+    def __copy__(self) -> Device:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Device:
+        return self
+
     @property
     def name(self) -> str:
         """The name it was opened as: ``"cpu"``, ``"cpu:1"``, ``"cuda:0"``, ``"metal"``..."""

@@ -283,6 +283,14 @@ class Queue:
     def __repr__(self) -> str:
         return f"<Queue of {self._state.name} submitted={self._submitted}>"
 
+    # One object per queue: a copy would number commands on its own, and submit to a
+    # native queue its original's close released -- a copy is the same object.
+    def __copy__(self) -> Queue:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Queue:
+        return self
+
     @property
     def device(self) -> Device:
         """The :class:`Device` it runs on."""

@@ -448,6 +448,14 @@ class Timeline(Waitable):
     def __repr__(self) -> str:
         return f"<Timeline of {self._state.name} value={self.value}>"
 
+    # One object per timeline: a copy would keep its own record of the signals submitted,
+    # and take a value below the original's -- a copy is the same object.
+    def __copy__(self) -> Timeline:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Timeline:
+        return self
+
     def signal(self, value: int) -> None:
         """Raise the timeline to ``value`` from the host, at once.
 

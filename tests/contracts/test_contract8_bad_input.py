@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pickle
 import re
 
@@ -843,3 +844,28 @@ async def test_a_threadgroup_past_the_kernels_limit_is_refused(
         )
     await q.launch(fill, a, vals=(2, 4), global_size=64, local_size=(32, 32))
     assert (await a.read(np.int32)).tolist() == [2] * 4
+
+
+async def test_a_copy_of_a_device_queue_or_timeline_is_the_object_itself(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """``copy.copy``/``copy.deepcopy`` of a Device, Queue or Timeline gives the object
+    itself (as of a Program): a copy with numbering and signal records of its own let a
+    timeline go backwards unrefused, numbered a queue's commands twice, and launched on
+    the native queue its original's close had released (a crash). Checked: fails without
+    the fix (the backwards signal was accepted)."""
+    tl = device.timeline()
+    for obj in (device, device.queue, tl):
+        assert copy.copy(obj) is obj and copy.deepcopy(obj) is obj
+    tl.signal(5)
+    with pytest.raises(am.InvalidArgumentError, match="does not increase the timeline"):
+        copy.copy(tl).signal(3)
+    q = device.new_queue()
+    first = q.launch(kernels["empty"])
+    second = copy.copy(q).launch(kernels["empty"])
+    assert (first.value, second.value) == (1, 2)
+    await q.close()
+    with pytest.raises(am.ClosedResourceError):
+        copy.copy(q).launch(kernels["empty"])
+    held = {"queue": device.queue, "timeline": tl}  # (what dataclasses.asdict copies)
+    assert copy.deepcopy(held) == held
