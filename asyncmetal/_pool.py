@@ -441,6 +441,15 @@ class CompilePool:
         self._compiles = 0  # jobs that ran in a worker
         _pools.add(self)
 
+    # One object per pool: a copy would keep its own state (closed, its jobs) over the
+    # original's workers and threads, and wait for good on a pool closed meanwhile --
+    # a copy is the same object.
+    def __copy__(self) -> CompilePool:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> CompilePool:
+        return self
+
     def _check_usable(self) -> None:
         if self._pid != os.getpid():  # (before its lock, which a parent thread may hold)
             raise ClosedResourceError(
