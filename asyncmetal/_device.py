@@ -18,7 +18,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Collection, Coroutine, Generator, Iterable
 from queue import Empty, SimpleQueue
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import numpy as np
@@ -64,6 +64,7 @@ from ._errors import (
     DeviceNotFoundError,
     InvalidArgumentError,
     as_int,
+    not_picklable,
     warn,
 )
 from ._interrupts import ctrl_c_discards
@@ -316,6 +317,9 @@ class Device:
 
     def __deepcopy__(self, memo: dict[int, object]) -> Device:
         return self
+
+    def __reduce__(self) -> NoReturn:
+        not_picklable(self)
 
     @property
     def name(self) -> str:

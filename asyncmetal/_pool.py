@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import anyio
 
@@ -38,6 +38,7 @@ from ._errors import (
     CompileError,
     CompileWarning,
     InvalidArgumentError,
+    not_picklable,
     warn,
 )
 from ._messages import TMPDIR_VARIABLE, read_message, write_message, write_stop
@@ -449,6 +450,9 @@ class CompilePool:
 
     def __deepcopy__(self, memo: dict[int, object]) -> CompilePool:
         return self
+
+    def __reduce__(self) -> NoReturn:
+        not_picklable(self)
 
     def _check_usable(self) -> None:
         if self._pid != os.getpid():  # (before its lock, which a parent thread may hold)

@@ -17,7 +17,13 @@ from ._backend import Arg, NativeQueue, Record, new_arg
 from ._buffer import Buffer, check_buffer, launch_args, native_arg, record_uses, uses
 from ._copyargs import copy_operands, fill_operands
 from ._device_state import DeviceState, locks_in_order, two_names
-from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError, as_int
+from ._errors import (
+    ArgumentTypeError,
+    ClosedResourceError,
+    InvalidArgumentError,
+    as_int,
+    not_picklable,
+)
 from ._program import Program
 from ._scalars import Scalar, launch_value
 from ._timeline import (
@@ -62,6 +68,16 @@ class Completion(Record):
         self.value = value
         self.error = self._ring = self.start_ns = self.end_ns = None
         self._row = self.due_ns = 0
+
+    # A point on a timeline, unchanging: a copy is the same object.
+    def __copy__(self) -> Completion:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Completion:
+        return self
+
+    def __reduce__(self) -> NoReturn:
+        not_picklable(self)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
@@ -290,6 +306,9 @@ class Queue:
 
     def __deepcopy__(self, memo: dict[int, object]) -> Queue:
         return self
+
+    def __reduce__(self) -> NoReturn:
+        not_picklable(self)
 
     @property
     def device(self) -> Device:

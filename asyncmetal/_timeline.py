@@ -15,7 +15,7 @@ import types
 import weakref
 from asyncio import _get_running_loop
 from collections.abc import Callable, Generator
-from typing import Any, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 from . import _bridge, _native
 from ._backend import NativeTimeline
@@ -27,6 +27,7 @@ from ._errors import (
     DeviceLostError,
     InvalidArgumentError,
     as_int,
+    not_picklable,
 )
 
 MAX_VALUE = (1 << 64) - 1
@@ -455,6 +456,9 @@ class Timeline(Waitable):
 
     def __deepcopy__(self, memo: dict[int, object]) -> Timeline:
         return self
+
+    def __reduce__(self) -> NoReturn:
+        not_picklable(self)
 
     def signal(self, value: int) -> None:
         """Raise the timeline to ``value`` from the host, at once.

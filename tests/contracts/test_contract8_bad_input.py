@@ -869,3 +869,32 @@ async def test_a_copy_of_a_device_queue_or_timeline_is_the_object_itself(
         copy.copy(q).launch(kernels["empty"])
     held = {"queue": device.queue, "timeline": tl}  # (what dataclasses.asdict copies)
     assert copy.deepcopy(held) == held
+
+
+async def test_pickling_what_stands_for_a_device_says_it_cannot(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """Pickling a Device, Queue, Timeline, Buffer, view, TypedView, Completion, Program
+    or CompilePool (sending it to another process) raises ArgumentTypeError (a
+    TypeError) saying why, not pickle's error about a lock inside it; copying one gives
+    the object itself. Checked: fails without the fix ("cannot pickle '_thread.lock'
+    object")."""
+    buf = await device.alloc(64)
+    pool = am.CompilePool()
+    try:
+        for obj in (
+            device,
+            device.queue,
+            device.timeline(),
+            buf,
+            buf.view(0, 8),
+            buf.typed(np.int32),
+            device.queue.marker(),
+            kernels["fill"],
+            pool,
+        ):
+            with pytest.raises(am.ArgumentTypeError, match="objects cannot be pickled"):
+                pickle.dumps(obj)
+            assert copy.copy(obj) is obj and copy.deepcopy(obj) is obj
+    finally:
+        await pool.aclose()
