@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import numpy as np
 
@@ -16,7 +16,13 @@ from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import checkpoint
 from ._device_state import DeviceState, open_states, two_names
 from ._dlpack import Exports, Loan, TypedView, items_shape
-from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError, as_int
+from ._errors import (
+    ArgumentTypeError,
+    ClosedResourceError,
+    InvalidArgumentError,
+    as_int,
+    not_picklable,
+)
 from ._timeline import Detached, run_detached, wait_value
 
 if TYPE_CHECKING:
@@ -74,6 +80,16 @@ class Buffer(Exports):
         self._offset = offset
         self._nbytes = nbytes
         self._is_view = False  # made by view(): freed with the buffer it views
+
+    # Its memory is one, whatever refers to it: a copy is the same object.
+    def __copy__(self) -> Buffer:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Buffer:
+        return self
+
+    def __reduce__(self) -> NoReturn:
+        not_picklable(self)
 
     def __repr__(self) -> str:
         state = " freed" if self._allocation.freed else ""

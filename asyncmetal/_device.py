@@ -18,7 +18,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Collection, Coroutine, Generator, Iterable
 from queue import Empty, SimpleQueue
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import numpy as np
@@ -64,6 +64,7 @@ from ._errors import (
     DeviceNotFoundError,
     InvalidArgumentError,
     as_int,
+    not_picklable,
     warn,
 )
 from ._interrupts import ctrl_c_discards
@@ -308,6 +309,17 @@ class Device:
 
     def __repr__(self) -> str:
         return f"<Device {self.name}{' closed' if self.closed else ''}>"
+
+    # One object per device: a copy would keep its own records of its queues, programs
+    # and close -- a copy is the same object (as a Program's is).
+    def __copy__(self) -> Device:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Device:
+        return self
+
+    def __reduce__(self) -> NoReturn:
+        not_picklable(self)
 
     @property
     def name(self) -> str:

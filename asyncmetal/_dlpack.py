@@ -37,12 +37,18 @@ import ctypes
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from . import _native
-from ._errors import ArgumentTypeError, ExchangeError, InvalidArgumentError, as_int
+from ._errors import (
+    ArgumentTypeError,
+    ExchangeError,
+    InvalidArgumentError,
+    as_int,
+    not_picklable,
+)
 
 # The buffers here are asyncmetal Buffers, typed Any: _buffer imports this module, and
 # layers depend downward only.
@@ -664,6 +670,16 @@ class TypedView(Exports):
         self._buffer = buffer
         self._dtype: np.dtype[Any] = dtype
         self._shape: tuple[int, ...] = shape
+
+    # A typing of a buffer, unchanging: a copy is the same object.
+    def __copy__(self) -> TypedView:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> TypedView:
+        return self
+
+    def __reduce__(self) -> NoReturn:
+        not_picklable(self)
 
     def __repr__(self) -> str:
         return f"<TypedView {self._dtype}{list(self._shape)} of {self._buffer!r}>"

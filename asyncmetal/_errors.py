@@ -8,6 +8,7 @@ import os
 import sys
 import warnings
 from types import FrameType
+from typing import NoReturn
 
 # A timeout longer than this (seconds: about 32 years) is taken as none: an int too large
 # for a float, or a deadline the loops' clocks cannot hold, would raise instead.
@@ -78,6 +79,18 @@ class InvalidArgumentError(AsyncMetalError, ValueError):
 
 class ArgumentTypeError(AsyncMetalError, TypeError):
     """An argument has the wrong type or the call has the wrong number of them."""
+
+
+def not_picklable(obj: object) -> NoReturn:
+    """The refusal of pickling ``obj``, an object that stands for what this process holds
+    (a device, its memory, queues and programs, compile workers): pickled, it would
+    name handles another process does not have -- and, without this, pickle's own error
+    names a lock inside it."""
+    raise ArgumentTypeError(
+        f"{type(obj).__name__} objects cannot be pickled: each stands for what this process "
+        "holds of a device, which another process cannot use (send data instead: "
+        "await buffer.read())"
+    )
 
 
 class CompileWarning(UserWarning):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._compile import ParamKind, Signature
 from ._device_state import DeviceState
+from ._errors import not_picklable
 from ._scalars import CODES
 
 if TYPE_CHECKING:
@@ -111,3 +112,6 @@ class Program:
 
     def __deepcopy__(self, memo: dict[int, object]) -> Program:
         return self
+
+    def __reduce__(self) -> NoReturn:
+        not_picklable(self)

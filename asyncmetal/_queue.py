@@ -17,7 +17,13 @@ from ._backend import Arg, NativeQueue, Record, new_arg
 from ._buffer import Buffer, check_buffer, launch_args, native_arg, record_uses, uses
 from ._copyargs import copy_operands, fill_operands
 from ._device_state import DeviceState, locks_in_order, two_names
-from ._errors import ArgumentTypeError, ClosedResourceError, InvalidArgumentError
+from ._errors import (
+    ArgumentTypeError,
+    ClosedResourceError,
+    InvalidArgumentError,
+    as_int,
+    not_picklable,
+)
 from ._program import Program
 from ._scalars import Scalar, launch_value
 from ._timeline import (
@@ -62,6 +68,16 @@ class Completion(Record):
         self.value = value
         self._error = self._ring = self._start_ns = self._end_ns = None
         self._row = self._due_ns = 0
+
+    # A point on a timeline, unchanging: a copy is the same object.
+    def __copy__(self) -> Completion:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Completion:
+        return self
+
+    def __reduce__(self) -> NoReturn:
+        not_picklable(self)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
@@ -131,15 +147,22 @@ class Completion(Record):
 
 
 def _size3(size: object, what: str) -> tuple[int, int, int]:
-    if isinstance(size, int) and not isinstance(size, bool):
+    # A size is 32 bits on every backend that reads one: a cuda grid's and block's
+    # dimensions are, and Metal's gets no GPU past them; cut to its low bits in the
+    # backend's structure, a larger one would run another number of threads (none, for
+    # 2**64) with nothing said. numpy integers are sizes, as elsewhere (as_int).
+    given = size
+    if as_int(size) is not None:
         size = (size,)
     if not isinstance(size, Sequence) or not 1 <= len(size) <= 3:
-        raise ArgumentTypeError(f"{what} must be an int or a tuple of 1 to 3 ints, got {size!r}")
-    dims = [*size, 1, 1][:3]
+        raise ArgumentTypeError(f"{what} must be an int or a tuple of 1 to 3 ints, got {given!r}")
+    dims = [as_int(d) for d in [*size, 1, 1][:3]]
     for d in dims:
-        if not isinstance(d, int) or isinstance(d, bool) or d < 1:
-            raise InvalidArgumentError(f"{what} must hold ints >= 1, got {size!r}")
-    return dims[0], dims[1], dims[2]
+        if d is None or d < 1:
+            raise InvalidArgumentError(f"{what} must hold ints >= 1, got {given!r}")
+        if d >= 1 << 32:
+            raise InvalidArgumentError(f"{what} must hold ints in [1, 2**32), got {given!r}")
+    return dims[0], dims[1], dims[2]  # type: ignore[return-value]
 
 
 _extension_launches: dict[type, Callable[..., Completion | None] | None] = {}
@@ -275,6 +298,17 @@ class Queue:
 
     def __repr__(self) -> str:
         return f"<Queue of {self._state.name} submitted={self._submitted}>"
+
+    # One object per queue: a copy would number commands on its own, and submit to a
+    # native queue its original's close released -- a copy is the same object.
+    def __copy__(self) -> Queue:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Queue:
+        return self
+
+    def __reduce__(self) -> NoReturn:
+        not_picklable(self)
 
     @property
     def device(self) -> Device:

@@ -15,7 +15,7 @@ import types
 import weakref
 from asyncio import _get_running_loop
 from collections.abc import Callable, Generator
-from typing import Any, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 from . import _bridge, _native
 from ._backend import NativeTimeline
@@ -27,6 +27,7 @@ from ._errors import (
     DeviceLostError,
     InvalidArgumentError,
     as_int,
+    not_picklable,
 )
 
 MAX_VALUE = (1 << 64) - 1
@@ -447,6 +448,17 @@ class Timeline(Waitable):
 
     def __repr__(self) -> str:
         return f"<Timeline of {self._state.name} value={self.value}>"
+
+    # One object per timeline: a copy would keep its own record of the signals submitted,
+    # and take a value below the original's -- a copy is the same object.
+    def __copy__(self) -> Timeline:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Timeline:
+        return self
+
+    def __reduce__(self) -> NoReturn:
+        not_picklable(self)
 
     def signal(self, value: int) -> None:
         """Raise the timeline to ``value`` from the host, at once.

@@ -62,7 +62,7 @@ static Py_ssize_t attr_ssize(PyObject *obj, PyObject *name) {
 }
 
 /* A launch size the Python path accepts: 0 with out[3] filled, 1 if not the simple
- * kind (the Python path decides), -1 on error. */
+ * kind (the Python path decides: it refuses sizes of 2**32 or more), -1 on error. */
 static int simple_size(PyObject *size, unsigned long out[3]) {
     out[0] = out[1] = out[2] = 1;
     if (size == one3) return 0;
@@ -83,7 +83,7 @@ static int simple_size(PyObject *size, unsigned long out[3]) {
         int overflow;
         long long v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
         if (v == -1 && PyErr_Occurred()) return -1;
-        if (overflow || v < 1) return 1;
+        if (overflow || v < 1 || v > UINT32_MAX) return 1;
         out[i] = (unsigned long)v;
     }
     return 0;

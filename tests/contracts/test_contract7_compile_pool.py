@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import os
 import pickle
 import signal
@@ -631,3 +632,16 @@ def test_options_for_a_compiler_without_its_flags_last_are_refused() -> None:
     with pytest.raises(am.InvalidArgumentError, match="takes no options"):
         _FlagsFirst(("-O1",))._with_options(("-DN=4",))
     assert _FlagsFirst()._with_options(()) == _FlagsFirst()
+
+
+
+async def test_a_copy_of_a_pool_is_the_pool_itself(pool: CompilePool) -> None:
+    """``copy.copy``/``copy.deepcopy`` of a CompilePool gives the pool itself: a copy
+    kept its own state over the original's workers, so a compile on it once the
+    original closed waited for good. Checked: fails without the fix (timed out)."""
+    assert copy.copy(pool) is pool and copy.deepcopy(pool) is pool
+    await pool.compile(CCompiler(), "void a(void) {}")
+    other = copy.copy(pool)
+    await pool.aclose()
+    with anyio.fail_after(10), pytest.raises(am.ClosedResourceError, match="pool is closed"):
+        await other.compile(CCompiler(), "void b(void) {}")

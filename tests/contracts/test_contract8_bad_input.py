@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pickle
 import re
 
@@ -776,3 +777,124 @@ async def test_numpy_integers_are_launch_values(
         "must be an integer, got bool",
         lambda: device.queue.launch(kernels["fill"], buf, vals=(np.bool_(True), 4)),
     )
+
+
+async def test_launch_sizes_past_32_bits_are_refused(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """A size of 2**32 or more in any dimension is refused before it is submitted, on
+    the native launch path and the Python one alike, rather than cut to its low bits
+    (a Metal grid of 2**64 threads ran none, a cuda grid of 2**32 + 1 blocks one).
+    Checked: fails without the fix (the launch was submitted)."""
+    q, fill = device.queue, kernels["fill"]
+    a = await device.alloc(16)
+    slow = device.new_queue()
+    slow._fast_launch = None
+    for queue in (q, slow):
+        for size in (1 << 32, 1 << 64, (1, 1 << 40), (1, 1, (1 << 32) + 1)):
+            for key in ("global_size", "local_size"):
+                _rejects(
+                    device,
+                    am.InvalidArgumentError,
+                    re.escape(f"{key} must hold ints in [1, 2**32), got {size!r}"),
+                    lambda queue=queue, key=key, size=size: queue.launch(
+                        fill, a, vals=(1, 1), **{key: size}
+                    ),
+                )
+    # the largest size passes the check (a cpu kernel ignores it)
+    if device.name == "cpu":
+        await q.launch(fill, a, vals=(5, 4), global_size=(1 << 32) - 1)
+        assert (await a.read(np.int32)).tolist() == [5] * 4
+    await slow.close()
+
+
+async def test_numpy_integers_are_launch_sizes(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """``global_size=np.prod(shape)`` is a size, as numpy integers are elsewhere.
+    Checked: fails without the fix ("must be an int or a tuple", then "must hold ints")."""
+    a = await device.alloc(16)
+    n = np.prod((2, 2))
+    await device.queue.launch(
+        kernels["fill"], a, vals=(3, 4), global_size=n, local_size=np.int32(1)
+    )
+    await device.queue.launch(kernels["fill"], a, vals=(4, 4), global_size=(n, np.uint8(1)))
+    assert (await a.read(np.int32)).tolist() == [4] * 4
+
+
+async def test_a_threadgroup_past_the_kernels_limit_is_refused(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """On Metal, a ``local_size`` of more threads than the kernel's pipeline takes
+    (``maxTotalThreadsPerThreadgroup``) is refused before it is encoded, naming the
+    limit: Metal's validation aborts the process on such a dispatch (the simulation
+    does as well). A cpu kernel takes any. Checked: fails without the fix (the
+    process aborted)."""
+    q, fill = device.queue, kernels["fill"]
+    a = await device.alloc(16)
+    if device.name != "metal":
+        await q.launch(fill, a, vals=(1, 4), local_size=(64, 64, 64))
+        return
+    for size in (1025, (32, 33), (16, 16, 8)):
+        _rejects(
+            device,
+            am.InvalidArgumentError,
+            r"local_size .* threads per threadgroup; kernel 'fill' takes at most 1024",
+            lambda size=size: q.launch(fill, a, vals=(1, 4), global_size=64, local_size=size),
+        )
+    await q.launch(fill, a, vals=(2, 4), global_size=64, local_size=(32, 32))
+    assert (await a.read(np.int32)).tolist() == [2] * 4
+
+
+async def test_a_copy_of_a_device_queue_or_timeline_is_the_object_itself(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """``copy.copy``/``copy.deepcopy`` of a Device, Queue or Timeline gives the object
+    itself (as of a Program): a copy with numbering and signal records of its own let a
+    timeline go backwards unrefused, numbered a queue's commands twice, and launched on
+    the native queue its original's close had released (a crash). Checked: fails without
+    the fix (the backwards signal was accepted)."""
+    tl = device.timeline()
+    for obj in (device, device.queue, tl):
+        assert copy.copy(obj) is obj and copy.deepcopy(obj) is obj
+    tl.signal(5)
+    with pytest.raises(am.InvalidArgumentError, match="does not increase the timeline"):
+        copy.copy(tl).signal(3)
+    q = device.new_queue()
+    first = q.launch(kernels["empty"])
+    second = copy.copy(q).launch(kernels["empty"])
+    assert (first.value, second.value) == (1, 2)
+    await q.close()
+    with pytest.raises(am.ClosedResourceError):
+        copy.copy(q).launch(kernels["empty"])
+    held = {"queue": device.queue, "timeline": tl}  # (what dataclasses.asdict copies)
+    assert copy.deepcopy(held) == held
+
+
+async def test_pickling_what_stands_for_a_device_says_it_cannot(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """Pickling a Device, Queue, Timeline, Buffer, view, TypedView, Completion, Program
+    or CompilePool (sending it to another process) raises ArgumentTypeError (a
+    TypeError) saying why, not pickle's error about a lock inside it; copying one gives
+    the object itself. Checked: fails without the fix ("cannot pickle '_thread.lock'
+    object")."""
+    buf = await device.alloc(64)
+    pool = am.CompilePool()
+    try:
+        for obj in (
+            device,
+            device.queue,
+            device.timeline(),
+            buf,
+            buf.view(0, 8),
+            buf.typed(np.int32),
+            device.queue.marker(),
+            kernels["fill"],
+            pool,
+        ):
+            with pytest.raises(am.ArgumentTypeError, match="objects cannot be pickled"):
+                pickle.dumps(obj)
+            assert copy.copy(obj) is obj and copy.deepcopy(obj) is obj
+    finally:
+        await pool.aclose()

@@ -149,7 +149,8 @@ class MetalBackend(Backend):
                 )
             with self._pipelines_lock:
                 self._pipelines[pipeline] = None  # released by unload() or close()
-            return MetalKernel(pipeline, bindings)
+            most = send(pipeline, "maxTotalThreadsPerThreadgroup", restype=ctypes.c_ulong)
+            return MetalKernel(pipeline, bindings, name, most)
 
     def unload(self, native: Any) -> None:
         # A command buffer retains the pipelines encoded in it: released here, one still

@@ -62,11 +62,14 @@ class MetalDevice(Protocol):
 
 
 class MetalKernel(NamedTuple):
-    """A loaded kernel: its pipeline, and the index each launch argument binds at (its
-    parameter's ``[[buffer(i)]]``; None: the i-th at i)."""
+    """A loaded kernel: its pipeline, the index each launch argument binds at (its
+    parameter's ``[[buffer(i)]]``; None: the i-th at i), its name, and the most threads
+    a threadgroup of its pipeline may have."""
 
     pipeline: int
     bindings: tuple[int, ...] | None
+    name: str
+    max_threads: int
 
 
 class MTLSize(ctypes.Structure):
@@ -590,6 +593,15 @@ class MetalQueue(NativeQueue):
         # Each value's bytes (the low ones of its slot: Metal's GPUs are little-endian)
         # and their number, its type's size: setBytes copies them into the argument
         # table, aligned as the kernel's parameter type.
+        threads = local_size[0] * local_size[1] * local_size[2]
+        if threads > program.max_threads:
+            # Metal's validation aborts the process on such a dispatch: refused here,
+            # before the command has a command buffer.
+            raise InvalidArgumentError(
+                f"local_size {local_size} makes {threads} threads per threadgroup; kernel "
+                f"{program.name!r} takes at most {program.max_threads} "
+                "(its pipeline's maxTotalThreadsPerThreadgroup)"
+            )
         values = [_value_bytes(a.value) for a in args if a.value is not None]
         indices = program.bindings or range(len(args))
 
