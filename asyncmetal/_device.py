@@ -537,7 +537,7 @@ class Device:
         too (a queue there would stay alive as long as the buffer). An idle queue
         submitted to again is kept again first (Queue._kept). Made now and then: once
         the queues kept doubled since the last time."""
-        idle = self._mark_idle(False)
+        idle = self._mark_idle()
         if idle:
             self._blocks_at_sweep = self._allocator.forget_passed_uses(
                 idle, self._recorded_blocks()
@@ -554,15 +554,15 @@ class Device:
             *closed_blocks(),
         ]
 
-    def _mark_idle(self, unused: bool) -> list[Queue]:
+    def _mark_idle(self, unused: list[tuple[Queue, int]] | None = None) -> list[Queue]:
         """Let go of the idle queues (see _let_go_of_idle_queues; submission lock held),
-        with ``unused`` only those not submitted to since the last time (the reaper's
-        look): their uses on the buffers' records are left to the caller. Return them."""
-        idle = [
-            q
-            for q in self._queues
-            if q is not self.queue and (not unused or _unused(q)) and let_go(q)
-        ]
+        with ``unused`` only those of it (the reaper's look: see _unused_queues) not
+        submitted to since: their uses on the buffers' records are left to the caller.
+        Return them."""
+        if unused is None:
+            idle = [q for q in self._queues if q is not self.queue and let_go(q)]
+        else:
+            idle = [q for q, seen in unused if not q._idle and q.submitted == seen and let_go(q)]
         if idle:
             gone = {id(q) for q in idle}  # (not ``in idle``: that is one pass per queue kept)
             self._queues = [q for q in self._queues if id(q) not in gone]
@@ -627,10 +627,12 @@ class Device:
         Whether it let go of any; None once nothing more can become idle (the reaper
         waits until told; ``_watching`` unset) or the device is closed."""
         lock = self._state.submitting
+        unused = self._unused_queues()
         with lock:
             if self.closed:
                 return None
-            idle = self._mark_idle(True)
+            idle = self._mark_idle(unused)
+        del unused
         blocks = self._recorded_blocks() if idle else []  # (each use looked up again)
         parts = _recorded_uses(idle, blocks)
         part: list[tuple[Block, Queue]] = []
@@ -651,6 +653,17 @@ class Device:
                 self._watching = False
                 return None
         return let_go_of
+
+    def _unused_queues(self) -> list[tuple[Queue, int]]:
+        """The queues kept (but the default one) not submitted to since the reaper's last
+        look, each with what had been submitted to it then (on the reaper). Read without
+        the submission lock: a pass over every queue kept, which with thousands of them
+        held each loop's next submission for as long; only those found unused are looked
+        at again under the lock (``_mark_idle``), where one submitted to meanwhile is
+        passed over. ``_queues`` is replaced, never changed in place, so the pass sees
+        one whole list; ``_looked_at`` is the reaper's own."""
+        default = self.queue
+        return [(q, q._looked_at) for q in self._queues if q is not default and _unused(q)]
 
     def adopt_stream(self, stream: object) -> Queue:
         """A Queue over an existing stream of another library (cuda devices): an object
@@ -1365,7 +1378,8 @@ class Device:
 def _unused(queue: Queue) -> bool:
     """Whether nothing was submitted to ``queue`` since the reaper's last look (each
     look notes it): a queue in use is not let go of (its next launch would take the
-    Python path), only one left alone a whole look apart (submission lock held)."""
+    Python path), only one left alone a whole look apart (on the reaper, without the
+    submission lock: see Device._unused_queues)."""
     looked_at, queue._looked_at = queue._looked_at, queue.submitted
     return looked_at == queue.submitted
 

@@ -1341,7 +1341,7 @@ async def test_a_keyboard_interrupt_as_collected_queues_are_released_loses_none(
         dropped = device.new_queue()
         native = dropped._native
         with device._state.submitting:  # (the reaper releases nothing meanwhile)
-            device._mark_idle(False)  # (so that it is collected once dropped)
+            device._mark_idle()  # (so that it is collected once dropped)
             del dropped
             gc.collect()
             assert device._dropped_queues
