@@ -412,15 +412,34 @@ class Device:
                     recorded = True
                     self._recorded()
         finally:
-            with self._state.submitting:
+            # A KeyboardInterrupt as this waits for the lock (another thread's submission
+            # holds it: CPython runs the handler in the wait, and nothing is taken) does
+            # not skip what follows: it waits again, and the interrupt is raised once
+            # done -- skipped, the count stayed, and the device's close waited for good.
+            interrupt: KeyboardInterrupt | None = None
+            entered = False
+            while not entered:
                 try:
-                    if not recorded:
-                        if key is not None and making and self._adopted.get(key) is making[0]:
-                            del self._adopted[key]
-                        self._unmade(making, number)
-                finally:
-                    if counted:
-                        self._makings -= 1
+                    with self._state.submitting:
+                        entered = True  # (no call between the lock taken and this)
+                        try:
+                            if not recorded:
+                                if (
+                                    key is not None
+                                    and making
+                                    and self._adopted.get(key) is making[0]
+                                ):
+                                    del self._adopted[key]
+                                self._unmade(making, number)
+                        finally:
+                            if counted:
+                                self._makings -= 1
+                except KeyboardInterrupt as exc:
+                    if entered:
+                        raise
+                    interrupt = exc
+            if interrupt is not None:
+                raise interrupt
         return queue
 
     def _record(self, queue: Queue, number: int) -> None:
