@@ -2077,16 +2077,15 @@ atexit.register(_close_all_at_exit)
 # a fork (a backend not ``fork_safe``) only if the parent never opened one.
 _kinds_opened: set[str] = set()  # kinds of device not fork_safe that this process opened
 _inherited_drivers: dict[str, int] = {}  # kind -> the ancestor process that opened one
-_pid_before_fork = os.getpid()
-
-
-def _note_fork() -> None:
-    global _pid_before_fork
-    _pid_before_fork = os.getpid()
+# This process's id, the parent's in a child's handler below, which then notes its own:
+# not noted by a handler in the parent, which would run Python code there (see _pool's
+# _starting: a Ctrl-C during the fork would be lost in it).
+_pid = os.getpid()
 
 
 def _forget_parent_devices() -> None:
-    parent = _pid_before_fork
+    global _pid
+    parent, _pid = _pid, os.getpid()
     for kind in _kinds_opened:
         _inherited_drivers.setdefault(kind, parent)
     global _open_devices_lock
@@ -2124,4 +2123,4 @@ def _check_fork_safe(kind: str) -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_note_fork, after_in_child=_forget_parent_devices)
+    os.register_at_fork(after_in_child=_forget_parent_devices)
