@@ -415,7 +415,7 @@ class Device:
             # A KeyboardInterrupt as this waits for the lock (another thread's submission
             # holds it: CPython runs the handler in the wait, and nothing is taken) does
             # not skip what follows: it waits again, and the interrupt is raised once
-            # done -- skipped, the count stayed, and the device's close waited for good.
+            # done -- skipped, the count would stay, and the device's close wait for good.
             interrupt: KeyboardInterrupt | None = None
             entered = False
             while not entered:
@@ -677,7 +677,7 @@ class Device:
         """The queues kept (but the default one) not submitted to since the reaper's last
         look, each with what had been submitted to it then (on the reaper). Read without
         the submission lock: a pass over every queue kept, which with thousands of them
-        held each loop's next submission for as long; only those found unused are looked
+        would hold each loop's next submission for as long; only those found unused are looked
         at again under the lock (``_mark_idle``), where one submitted to meanwhile is
         passed over. ``_queues`` is replaced, never changed in place, so the pass sees
         one whole list; ``_looked_at`` is the reaper's own."""

@@ -764,8 +764,8 @@ atexit.register(_shutdown_all)
 # (a hook in Popen) goes through. The fork takes and lets go of it with the lock's own
 # methods, which run no Python code: CPython runs a pending signal handler in any Python
 # code of an at-fork handler, and reports what it raises as unraisable, so a Ctrl-C
-# coming as the fork began or ended was lost there; it is now raised as os.fork returns
-# (unless another library's handler runs Python code after asyncmetal's).
+# coming as the fork begins or ends would be dropped there; with none, it is raised as
+# os.fork returns (unless another library's handler runs Python code after ours).
 _starting = threading.RLock()
 
 
