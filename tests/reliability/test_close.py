@@ -1359,8 +1359,7 @@ async def test_a_keyboard_interrupt_in_a_wait_for_the_lock_as_a_queue_is_made_le
     turn (as Ctrl-C comes while other loops' threads submit to the device) leaves no
     queue counted as being made: the device's close, which waits until none is, ends.
     Checked: fails without the fix (the wait that takes the count back, interrupted,
-    left it: the close waited for good -- seen as a program of four loops, Ctrl-C on
-    the main one, hanging in its close)."""
+    left it: the close waited for good)."""
     at = 0
     while True:
         device = await am.open_device(device_name)
