@@ -16,8 +16,9 @@
  *             the notifier's pipe; none is missed
  *   notify    a signaller writes the loops' pipes after letting go of the timeline's mu:
  *             blocked writing a full (blocking) pipe, it holds none of the timeline's
- *             other users; and a notifier freed, and its pipe closed, as another thread
- *             signals its timeline waits for a write it took (AddressSanitizer)
+ *             other users, and a notifier freed meanwhile waits for that write; and a
+ *             notifier freed, and its pipe closed, as another thread signals its
+ *             timeline (AddressSanitizer)
  *   parts     queues sharing a chunk's copy in parts, after a device word another
  *             thread raises: the chunk is ready only once every byte is in
  *   blocks    a block invoke function raising a timeline from another thread
@@ -316,6 +317,17 @@ static void *read_failure(void *arg) {
     return NULL;
 }
 
+typedef struct { am_watch *w; am_notifier *n; atomic_int drained, freed; } free_arg;
+
+static void *free_notifier(void *arg) {  /* the bridge's close, on another thread */
+    free_arg *a = arg;
+    am_watch_free(a->w);
+    am_notifier_free(a->n);
+    if (!atomic_load(&a->drained)) die("notify: a notifier was freed as a signaller wrote it");
+    atomic_store(&a->freed, 1);
+    return NULL;
+}
+
 typedef struct { am_timeline *t; atomic_long signals; } resignal_arg;
 
 static void *signal_on(void *arg) {
@@ -352,12 +364,19 @@ static void check_notify(long n) {
                 die("notify: a signaller writing a full pipe held the timeline's mu");
             nap_ns(100000);
         }
+        /* Freed as the signaller is still blocked writing: the free waits for the
+         * write (given a moment to get there; it passes trivially if it has not). */
+        free_arg f = {.w = w, .n = notifier};
+        pthread_t freer;
+        pthread_create(&freer, NULL, free_notifier, &f);
+        nap_ns(20000000);
+        if (atomic_load(&f.freed)) die("notify: a notifier was freed as a signaller wrote it");
+        atomic_store(&f.drained, 1);
         fcntl(fds[0], F_SETFL, O_NONBLOCK);
         while (read(fds[0], fill, sizeof fill) > 0) {}  /* room: the write goes on */
         pthread_join(signaller, NULL);
         pthread_join(reader, NULL);
-        am_watch_free(w);
-        am_notifier_free(notifier);
+        pthread_join(freer, NULL);
         am_timeline_free(t);
         close(fds[0]);
         close(fds[1]);
