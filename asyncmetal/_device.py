@@ -424,15 +424,34 @@ class Device:
                     recorded = True
                     self._recorded()
         finally:
-            with self._state.submitting:
+            # A KeyboardInterrupt as this waits for the lock (another thread's submission
+            # holds it: CPython runs the handler in the wait, and nothing is taken) does
+            # not skip what follows: it waits again, and the interrupt is raised once
+            # done -- skipped, the count would stay, and the device's close wait for good.
+            interrupt: KeyboardInterrupt | None = None
+            entered = False
+            while not entered:
                 try:
-                    if not recorded:
-                        if key is not None and making and self._adopted.get(key) is making[0]:
-                            del self._adopted[key]
-                        self._unmade(making, number)
-                finally:
-                    if counted:
-                        self._makings -= 1
+                    with self._state.submitting:
+                        entered = True  # (no call between the lock taken and this)
+                        try:
+                            if not recorded:
+                                if (
+                                    key is not None
+                                    and making
+                                    and self._adopted.get(key) is making[0]
+                                ):
+                                    del self._adopted[key]
+                                self._unmade(making, number)
+                        finally:
+                            if counted:
+                                self._makings -= 1
+                except KeyboardInterrupt as exc:
+                    if entered:
+                        raise
+                    interrupt = exc
+            if interrupt is not None:
+                raise interrupt
         return queue
 
     def _record(self, queue: Queue, number: int) -> None:
@@ -549,7 +568,7 @@ class Device:
         too (a queue there would stay alive as long as the buffer). An idle queue
         submitted to again is kept again first (Queue._kept). Made now and then: once
         the queues kept doubled since the last time."""
-        idle = self._mark_idle(False)
+        idle = self._mark_idle()
         if idle:
             self._blocks_at_sweep = self._allocator.forget_passed_uses(
                 idle, self._recorded_blocks()
@@ -566,15 +585,15 @@ class Device:
             *closed_blocks(),
         ]
 
-    def _mark_idle(self, unused: bool) -> list[Queue]:
+    def _mark_idle(self, unused: list[tuple[Queue, int]] | None = None) -> list[Queue]:
         """Let go of the idle queues (see _let_go_of_idle_queues; submission lock held),
-        with ``unused`` only those not submitted to since the last time (the reaper's
-        look): their uses on the buffers' records are left to the caller. Return them."""
-        idle = [
-            q
-            for q in self._queues
-            if q is not self.queue and (not unused or _unused(q)) and let_go(q)
-        ]
+        with ``unused`` only those of it (the reaper's look: see _unused_queues) not
+        submitted to since: their uses on the buffers' records are left to the caller.
+        Return them."""
+        if unused is None:
+            idle = [q for q in self._queues if q is not self.queue and let_go(q)]
+        else:
+            idle = [q for q, seen in unused if not q._idle and q.submitted == seen and let_go(q)]
         if idle:
             gone = {id(q) for q in idle}  # (not ``in idle``: that is one pass per queue kept)
             self._queues = [q for q in self._queues if id(q) not in gone]
@@ -639,10 +658,12 @@ class Device:
         Whether it let go of any; None once nothing more can become idle (the reaper
         waits until told; ``_watching`` unset) or the device is closed."""
         lock = self._state.submitting
+        unused = self._unused_queues()
         with lock:
             if self.closed:
                 return None
-            idle = self._mark_idle(True)
+            idle = self._mark_idle(unused)
+        del unused
         blocks = self._recorded_blocks() if idle else []  # (each use looked up again)
         parts = _recorded_uses(idle, blocks)
         part: list[tuple[Block, Queue]] = []
@@ -663,6 +684,17 @@ class Device:
                 self._watching = False
                 return None
         return let_go_of
+
+    def _unused_queues(self) -> list[tuple[Queue, int]]:
+        """The queues kept (but the default one) not submitted to since the reaper's last
+        look, each with what had been submitted to it then (on the reaper). Read without
+        the submission lock: a pass over every queue kept, which with thousands of them
+        would hold each loop's next submission for as long; only those found unused are looked
+        at again under the lock (``_mark_idle``), where one submitted to meanwhile is
+        passed over. ``_queues`` is replaced, never changed in place, so the pass sees
+        one whole list; ``_looked_at`` is the reaper's own."""
+        default = self.queue
+        return [(q, q._looked_at) for q in self._queues if q is not default and _unused(q)]
 
     def adopt_stream(self, stream: object) -> Queue:
         """A Queue over an existing stream of another library (cuda devices): an object
@@ -1382,7 +1414,8 @@ class Device:
 def _unused(queue: Queue) -> bool:
     """Whether nothing was submitted to ``queue`` since the reaper's last look (each
     look notes it): a queue in use is not let go of (its next launch would take the
-    Python path), only one left alone a whole look apart (submission lock held)."""
+    Python path), only one left alone a whole look apart (on the reaper, without the
+    submission lock: see Device._unused_queues)."""
     looked_at, queue._looked_at = queue._looked_at, queue.submitted
     return looked_at == queue.submitted
 
@@ -2069,16 +2102,15 @@ atexit.register(_close_all_at_exit)
 # a fork (a backend not ``fork_safe``) only if the parent never opened one.
 _kinds_opened: set[str] = set()  # kinds of device not fork_safe that this process opened
 _inherited_drivers: dict[str, int] = {}  # kind -> the ancestor process that opened one
-_pid_before_fork = os.getpid()
-
-
-def _note_fork() -> None:
-    global _pid_before_fork
-    _pid_before_fork = os.getpid()
+# This process's id, the parent's in a child's handler below, which then notes its own:
+# not noted by a handler in the parent, which would run Python code there (see _pool's
+# _starting: a Ctrl-C during the fork would be lost in it).
+_pid = os.getpid()
 
 
 def _forget_parent_devices() -> None:
-    parent = _pid_before_fork
+    global _pid
+    parent, _pid = _pid, os.getpid()
     for kind in _kinds_opened:
         _inherited_drivers.setdefault(kind, parent)
     global _open_devices_lock
@@ -2116,4 +2148,4 @@ def _check_fork_safe(kind: str) -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_note_fork, after_in_child=_forget_parent_devices)
+    os.register_at_fork(after_in_child=_forget_parent_devices)

@@ -157,7 +157,7 @@ class _Worker:
         env["TMPDIR"] = env["TMP"] = env["TEMP"] = env[TMPDIR_VARIABLE] = self.tmpdir
         try:
             # A fork waits until the process has started and is recorded (see
-            # _hold_fork_while_starting): the child then holds none of its pipes.
+            # _starting): the child then holds none of its pipes.
             with _starting:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-m", "asyncmetal._worker"],
@@ -776,24 +776,22 @@ atexit.register(_shutdown_all)
 # handler cannot yet name -- among them the pipe on which Popen waits for the exec,
 # whose copy keeps that Popen (the pool's thread: its compiles and its close) waiting
 # for as long as the child lives. Reentrant: a fork made on the starting thread itself
-# (a hook in Popen) goes through.
+# (a hook in Popen) goes through. The fork takes and lets go of it with the lock's own
+# methods, which run no Python code: CPython runs a pending signal handler in any Python
+# code of an at-fork handler, and reports what it raises as unraisable, so a Ctrl-C
+# coming as the fork begins or ends would be dropped there; with none, it is raised as
+# os.fork returns (unless another library's handler runs Python code after ours).
 _starting = threading.RLock()
-
-
-def _hold_fork_while_starting() -> None:
-    _starting.acquire()
-
-
-def _release_after_fork() -> None:
-    _starting.release()
 
 
 def _forget_default_in_child() -> None:
     # A forked child has none of the pool's threads, and its workers are the parent's
     # (their pipes too): compiles sent there would never come back. The child makes
     # its own pool on first use; the parent's is left alone.
-    global _default_pool, _default_lock, _identities_lock, _starting
-    _starting = threading.RLock()  # (held by the forking thread, as the fork began)
+    global _default_pool, _default_lock, _identities_lock
+    # (Held by the forking thread, as the fork began; made anew in place: the fork's
+    # handlers are its methods.)
+    _starting._at_fork_reinit()  # type: ignore[attr-defined]
     _default_pool = None
     _default_lock = threading.Lock()
     _identities_lock = threading.Lock()  # (a parent thread may have held it)
@@ -826,7 +824,7 @@ def _let_go_of_parents_workers() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(
-        before=_hold_fork_while_starting,
-        after_in_parent=_release_after_fork,
+        before=_starting.acquire,
+        after_in_parent=_starting.release,
         after_in_child=_forget_default_in_child,
     )

@@ -49,6 +49,10 @@ typedef struct am_notifier {
     atomic_int pending;
     int fd;
     _Atomic int64_t awake_until;    /* a now_ns() time: the loop reads its timelines until */
+    /* Signallers that took it to write its pipe once their timeline's mu is let go of:
+     * am_forks in the high 32 bits, their count in the low (a count left by a parent's
+     * thread at a fork is never lowered in the child: a count of another fork is none). */
+    _Atomic uint64_t writing;
 } am_notifier;
 
 struct am_timeline;

@@ -2,7 +2,8 @@
  *
  * A timeline is a 64-bit value that only grows. When it reaches the value a loop waits
  * for, the loop's notifier gets one byte on its pipe -- only if none is pending -- so one
- * wake-up of the loop serves every completion since its last drain. No GIL is taken.
+ * wake-up of the loop serves every completion since its last drain. No GIL is taken, and
+ * no pipe is written under a timeline's mu (see wakeups).
  */
 #include "amrt.h"
 
@@ -22,14 +23,83 @@ am_notifier *am_notifier_new(int fd) {
     return n;
 }
 
-void am_notifier_free(am_notifier *n) { free(n); }
+#define WRITERS 0xffffffffull  /* writing's count of signallers (amrt.h) */
 
-static void notify(am_notifier *n) {
-    if (!atomic_exchange(&n->pending, 1)) {
-        char one = 1;
-        ssize_t r;
-        do { r = write(n->fd, &one, 1); } while (r < 0 && errno == EINTR);
+/* Its watches are unlinked (am_watch_free, under their timelines' mu): no signaller takes
+ * it any more. One that took it before writes its pipe after letting go of that mu: the
+ * free waits for that write, so the pipe, which the loop closes after this, outlives it
+ * (one byte to a non-blocking pipe). */
+void am_notifier_free(am_notifier *n) {
+    for (;;) {
+        uint64_t writing = atomic_load(&n->writing);
+        if (writing >> 32 != am_forks || !(writing & WRITERS)) break;
+        sched_yield();
     }
+    free(n);
+}
+
+static void notifier_write(am_notifier *n) {
+    char one = 1;
+    ssize_t r;
+    do { r = write(n->fd, &one, 1); } while (r < 0 && errno == EINTR);
+}
+
+/* The loops a signaller wakes, written once the timeline's mu is let go of: a write,
+ * even to a non-blocking pipe, is a system call, and under mu it would hold every other
+ * signaller and waiter of the timeline for it (for as long as it blocks, were a pipe
+ * blocking). Each notifier's byte is claimed under mu (its pending flag: no other
+ * signaller writes one meanwhile) and written later, which loses no wake-up: the loop
+ * clears the flag only after emptying its pipe, and reads the values after that, so a
+ * value raised before the claim is either seen by its drain or followed by the byte. A
+ * notifier claimed is held (writing) until written: see am_notifier_free. */
+#define WAKE_INLINE 8
+typedef struct wakeups {
+    am_notifier **n;
+    int count, cap;
+    am_notifier *inline_n[WAKE_INLINE];
+} wakeups;
+
+static void wakeups_init(wakeups *wk) {
+    wk->n = wk->inline_n;
+    wk->count = 0;
+    wk->cap = WAKE_INLINE;
+}
+
+static void notifier_hold(am_notifier *n) {
+    uint64_t old = atomic_load(&n->writing), now = (uint64_t)am_forks << 32;
+    for (;;) {
+        /* (a count of another fork's is none here: its writers are a parent's threads) */
+        uint64_t next = (old & ~WRITERS) == now ? old + 1 : now | 1;
+        if (atomic_compare_exchange_weak(&n->writing, &old, next)) return;
+    }
+}
+
+/* Wake n's loop once mu is let go of (wake), unless a byte is on its way (under mu). */
+static void notify(wakeups *wk, am_notifier *n) {
+    if (atomic_exchange(&n->pending, 1)) return;
+    if (wk->count == wk->cap) {
+        int cap = wk->cap * 2;
+        am_notifier **more = malloc((size_t)cap * sizeof *more);
+        if (!more) {  /* (no memory for the list: written here, under mu) */
+            notifier_write(n);
+            return;
+        }
+        memcpy(more, wk->n, (size_t)wk->count * sizeof *more);
+        if (wk->n != wk->inline_n) free(wk->n);
+        wk->n = more;
+        wk->cap = cap;
+    }
+    notifier_hold(n);
+    wk->n[wk->count++] = n;
+}
+
+/* Write the notifiers notify() took (mu let go of). */
+static void wake(wakeups *wk) {
+    for (int i = 0; i < wk->count; i++) {
+        notifier_write(wk->n[i]);
+        atomic_fetch_sub(&wk->n[i]->writing, 1);
+    }
+    if (wk->n != wk->inline_n) free(wk->n);
 }
 
 /* Called by the loop after emptying its pipe and before reading the values: any later
@@ -332,14 +402,17 @@ uint64_t am_timeline_value(am_timeline *t) { return atomic_load(&t->value); }
 /* Raise the value to at least v and wake whoever waits up to the value now held, leaving
  * the device word alone (a device wrote it: a completion thread confirms that here). */
 void am_timeline_poke(am_timeline *t, uint64_t v) {
+    wakeups wk;
+    wakeups_init(&wk);
     pthread_mutex_lock(&t->mu);
     if (v > atomic_load(&t->value)) atomic_store(&t->value, v);
     v = atomic_load(&t->value);
     pthread_cond_broadcast(&t->cv);
     for (am_watch *w = t->watches; w; w = w->link)
-        if (v >= atomic_load(&w->next)) notify(w->notifier);
+        if (v >= atomic_load(&w->next)) notify(&wk, w->notifier);
     am_kick *due = kicks_due(t);
     pthread_mutex_unlock(&t->mu);
+    wake(&wk);
     run_kicks(due);
     if (atomic_load(&am_settling)) am_settle_wake();
 }
@@ -350,6 +423,8 @@ void am_timeline_poke(am_timeline *t, uint64_t v) {
  * loop takes tens of microseconds to wake, more after a long sleep: woken now, it is
  * awake when the value comes. */
 void am_timeline_near(am_timeline *t, uint64_t v, int64_t until_ns) {
+    wakeups wk;
+    wakeups_init(&wk);
     pthread_mutex_lock(&t->mu);
     uint64_t value = atomic_load(&t->value);
     if (value < v) {
@@ -359,10 +434,11 @@ void am_timeline_near(am_timeline *t, uint64_t v, int64_t until_ns) {
             am_notifier *n = w->notifier;
             int64_t old = atomic_load(&n->awake_until);
             while (old < until_ns && !atomic_compare_exchange_weak(&n->awake_until, &old, until_ns)) {}
-            notify(n);
+            notify(&wk, n);
         }
     }
     pthread_mutex_unlock(&t->mu);
+    wake(&wk);
 }
 
 static void timeline_raise(am_timeline *t, uint64_t v, uint64_t from, int error,
@@ -381,6 +457,8 @@ void timeline_signal_failed(am_timeline *t, uint64_t v, uint64_t from, int error
 
 static void timeline_raise(am_timeline *t, uint64_t v, uint64_t from, int error,
                            uint64_t value, am_timeline *cause) {
+    wakeups wk;
+    wakeups_init(&wk);
     atomic_fetch_or(&t->signalled_by, AM_BY_HOST);
     pthread_mutex_lock(&t->mu);
     /* (failed already from a later value -- a Metal queue's commands dropped by a
@@ -398,10 +476,11 @@ static void timeline_raise(am_timeline *t, uint64_t v, uint64_t from, int error,
         atomic_store(&t->value, v);
         pthread_cond_broadcast(&t->cv);
         for (am_watch *w = t->watches; w; w = w->link)
-            if (v >= atomic_load(&w->next)) notify(w->notifier);
+            if (v >= atomic_load(&w->next)) notify(&wk, w->notifier);
     }
     am_kick *due = kicks_due(t);
     pthread_mutex_unlock(&t->mu);
+    wake(&wk);
     run_kicks(due);
     if (atomic_load(&am_settling)) am_settle_wake();
 }

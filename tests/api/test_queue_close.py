@@ -682,7 +682,7 @@ async def test_letting_go_of_idle_queues_compares_no_two_queues(
         compared.append(1)
         return self is other
 
-    def held(self: Device, unused: bool) -> list[Queue]:
+    def held(self: Device, unused: list[tuple[Queue, int]] | None = None) -> list[Queue]:
         return mark_idle(self, unused) if letting_go else []
 
     # (Held while the queues are set up: on a loaded machine the reaper's looks, which
@@ -701,6 +701,53 @@ async def test_letting_go_of_idle_queues_compares_no_two_queues(
             while not all(q._idle for q in queues):  # let go of by the reaper
                 await anyio.sleep(0.01)
         assert len(compared) < len(queues)
+
+
+async def test_the_reaper_looks_for_unused_queues_with_submissions_going_on(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reaper's pass over every queue kept, to find those not submitted to since
+    its last look, does not hold the submission lock: a submission made on another
+    thread in the middle of it goes through at once (the pass held it for every queue,
+    with thousands of queues each loop's next submission waited for the whole pass).
+    Checked: fails without the change (the submission waited the 5 s)."""
+    from asyncmetal import _device
+
+    unused = _device._unused
+    went_through: list[bool] = []
+    submitters: list[threading.Thread] = []
+    looking = threading.Event()
+
+    def looked_at(queue: Any) -> bool:
+        if looking.is_set() and not went_through and _HoldsOfTheReaper.reaper():
+            submitted = threading.Event()
+
+            def submit() -> None:
+                dev.queue.signal(timeline, 1)
+                submitted.set()
+
+            submitters.append(threading.Thread(target=submit))
+            submitters[0].start()
+            went_through.append(submitted.wait(5))
+        return unused(queue)
+
+    monkeypatch.setattr(_device, "_unused", looked_at)
+    async with am.open_device("cpu") as dev:
+        timeline = dev.timeline()
+        queues = [dev.new_queue() for _ in range(8)]
+        looking.set()
+        try:
+            with anyio.fail_after(20):
+                while not went_through:  # (the reaper looks soon after a queue is made)
+                    await anyio.sleep(0.01)
+        finally:
+            looking.clear()
+            for thread in submitters:
+                thread.join()
+        assert went_through == [True]
+        with anyio.fail_after(10):
+            await timeline.wait(1)
+        del queues
 
 
 async def test_releasing_the_queues_of_many_cancelled_closes_compares_no_two_queues(

@@ -1317,6 +1317,73 @@ async def test_a_keyboard_interrupt_as_a_queue_is_made_leaves_none_unreleased(
     assert at >= 8
 
 
+class _InterruptedWait:
+    """A device's submission lock whose ``at``-th blocking acquire on this thread
+    (counted from 0) is interrupted: KeyboardInterrupt raised, nothing taken -- what
+    CPython does where Ctrl-C comes as the main thread waits for a lock another thread
+    holds (a submission of another loop's): it runs the handler inside the wait."""
+
+    def __init__(self, lock: Any, at: int) -> None:
+        self.lock = lock
+        self.at = at
+        self.waits = 0
+        self.raised = False
+        self._thread = threading.get_ident()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if blocking and threading.get_ident() == self._thread:
+            self.waits += 1
+            if self.waits - 1 == self.at:
+                self.raised = True
+                raise KeyboardInterrupt
+        return bool(self.lock.acquire(blocking, timeout))
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def _is_owned(self) -> bool:
+        return bool(self.lock._is_owned())
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@pytest.mark.anyio
+async def test_a_keyboard_interrupt_in_a_wait_for_the_lock_as_a_queue_is_made_leaves_no_making(
+    anyio_backend: object, device_name: str
+) -> None:
+    """A KeyboardInterrupt in each of ``new_queue``'s waits for the submission lock in
+    turn (as Ctrl-C comes while other loops' threads submit to the device) leaves no
+    queue counted as being made: the device's close, which waits until none is, ends.
+    Checked: fails without the fix (the wait that takes the count back, interrupted,
+    left it: the close waited for good)."""
+    at = 0
+    while True:
+        device = await am.open_device(device_name)
+        lock = _InterruptedWait(device._state.submitting, at)
+        device._state.submitting = lock
+        made = None
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                made = device.new_queue()
+        finally:
+            device._state.submitting = lock.lock
+        left = device._makings
+        device._makings = 0  # (the close ends whatever was left)
+        with anyio.fail_after(20):
+            if made is None and lock.raised:
+                await device.new_queue().marker()  # made again, whole
+            await device.close()
+        assert left == 0, f"the wait for the lock numbered {at} interrupted left a making"
+        if not lock.raised:
+            break
+        at += 1
+    assert at >= 2
+
+
 @pytest.mark.anyio
 async def test_a_keyboard_interrupt_as_collected_queues_are_released_loses_none(
     anyio_backend: object, device_name: str, monkeypatch: pytest.MonkeyPatch
@@ -1341,7 +1408,7 @@ async def test_a_keyboard_interrupt_as_collected_queues_are_released_loses_none(
         dropped = device.new_queue()
         native = dropped._native
         with device._state.submitting:  # (the reaper releases nothing meanwhile)
-            device._mark_idle(False)  # (so that it is collected once dropped)
+            device._mark_idle()  # (so that it is collected once dropped)
             del dropped
             gc.collect()
             assert device._dropped_queues

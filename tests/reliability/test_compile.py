@@ -1211,18 +1211,43 @@ def test_a_child_forked_as_a_worker_starts_does_not_hold_it_open(tmp_path: Path)
 # worker (the hook: Popen's call that starts the process, when every pipe of it is open,
 # among them the one on which Popen then waits for the exec). The hook holds the start
 # until the fork has happened -- or until the forking thread waits in the pool's
-# before-fork handler (seen in its frames), which lets the start finish first.
+# before-fork handler, which lets the start finish first. That handler is the pool's
+# lock's own acquire, C code: so the lock is made (as asyncmetal is imported) as one
+# whose acquire is Python code, seen in the waiting thread's frames.
 _FORK_IN_POPEN = (
-    _FORK_HEAD
+    """
+import threading
+rlock = threading.RLock
+class Seen:
+    def __init__(self):
+        self.lock = rlock()
+    def acquire(self, blocking=True, timeout=-1):
+        return self.lock.acquire(blocking, timeout)
+    def release(self):
+        self.lock.release()
+    def __enter__(self):
+        return self.acquire()
+    def __exit__(self, *exc):
+        self.release()
+    def _is_owned(self):
+        return self.lock._is_owned()
+    def _at_fork_reinit(self):
+        self.lock._at_fork_reinit()
+threading.RLock = Seen
+"""
+    + _FORK_HEAD
     + """
-import threading, time
+threading.RLock = rlock
+import time
+from asyncmetal import _pool
+assert isinstance(_pool._starting, Seen)
 forking, forked, started = threading.Event(), threading.Event(), threading.Event()
 os.register_at_fork(before=forking.set, after_in_parent=forked.set)
 main = threading.main_thread().ident
 def fork_waits_for_the_pool():
     frame = sys._current_frames().get(main)
     while frame is not None:
-        if frame.f_code.co_name == "_hold_fork_while_starting":
+        if frame.f_code.co_name == "acquire" and frame.f_locals.get("self") is _pool._starting:
             return True
         frame = frame.f_back
     return False

@@ -10,6 +10,7 @@ interpreter (tests/reliability/test_fork.py's SCRIPT), bounded in time.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -644,3 +645,51 @@ def _child_prints(script: str, *args: str) -> list[str]:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.split()
+
+
+# A Ctrl-C as a fork's handlers run in the parent: tripped as the C signal handler trips
+# it, by a handler that runs no Python code itself, registered where argv says -- its
+# after_in_parent handler running before asyncmetal's ("after"), or its before handler
+# running before asyncmetal's ("before"). The child exits at once.
+_FORK_INTERRUPTED = r"""
+import _thread, functools, logging, os, signal, sys
+trip = functools.partial(_thread.interrupt_main, signal.SIGINT)
+sys.unraisablehook = lambda u: print("lost-in", getattr(u.object, "__module__", u.object))
+if sys.argv[1] == "after":
+    os.register_at_fork(after_in_parent=trip)
+import asyncmetal as am
+from asyncmetal import _pool
+from asyncmetal.backends import cpu
+if sys.argv[1] == "before":
+    os.register_at_fork(before=trip)
+raised = False
+try:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+except KeyboardInterrupt:
+    raised = True
+os.wait()
+print("raised", raised)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="needs os.register_at_fork")
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_a_ctrl_c_during_a_fork_is_not_lost_in_asyncmetals_handlers(where: str) -> None:
+    """Where Ctrl-C comes as a fork's handlers run in the parent, asyncmetal's handlers
+    run no Python code (CPython runs a pending handler in any, and an exception there
+    is reported as unraisable, then dropped): the KeyboardInterrupt stays pending
+    through them -- raised as os.fork returns, in the parent, where no other library's
+    handler runs Python code after them. Before asyncmetal's, logging's (which asyncio
+    imports) run, and take it: those must not be asyncmetal's. Checked: fails without
+    the fix (lost in _release_after_fork; in _note_fork)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORK_INTERRUPTED, where], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = proc.stdout.split()
+    lost_in = [printed[i + 1] for i, word in enumerate(printed) if word == "lost-in"]
+    assert not [m for m in lost_in if m.startswith("asyncmetal")], printed
+    if where == "after":
+        assert printed == ["raised", "True"], printed

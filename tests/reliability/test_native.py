@@ -52,6 +52,7 @@ def test_queue_close_wait_watch_stress(tmp_path: Path, sanitizer: str) -> None:
         "finish",
         "discard",
         "watch",
+        "notify",
         "parts",
         "blocks",
         "calls",

@@ -14,6 +14,11 @@
  *             for: everything queued runs, then the close returns
  *   watch     a watch armed on a timeline a queue signals: every value reached wakes
  *             the notifier's pipe; none is missed
+ *   notify    a signaller writes the loops' pipes after letting go of the timeline's mu:
+ *             blocked writing a full (blocking) pipe, it holds none of the timeline's
+ *             other users, and a notifier freed meanwhile waits for that write; and a
+ *             notifier freed, and its pipe closed, as another thread signals its
+ *             timeline (AddressSanitizer)
  *   parts     queues sharing a chunk's copy in parts, after a device word another
  *             thread raises: the chunk is ready only once every byte is in
  *   blocks    a block invoke function raising a timeline from another thread
@@ -296,6 +301,115 @@ static void check_watch(long n) {
     puts("ok watch");
 }
 
+static void *signal_to_one(void *arg) {
+    am_timeline_signal(arg, 1);
+    return NULL;
+}
+
+static atomic_int failure_read;
+
+static void *read_failure(void *arg) {
+    int error;
+    uint64_t value;
+    am_timeline *cause;
+    am_timeline_failure(arg, &error, &value, &cause);  /* (under the timeline's mu) */
+    atomic_store(&failure_read, 1);
+    return NULL;
+}
+
+typedef struct { am_watch *w; am_notifier *n; atomic_int drained, freed; } free_arg;
+
+static void *free_notifier(void *arg) {  /* the bridge's close, on another thread */
+    free_arg *a = arg;
+    am_watch_free(a->w);
+    am_notifier_free(a->n);
+    if (!atomic_load(&a->drained)) die("notify: a notifier was freed as a signaller wrote it");
+    atomic_store(&a->freed, 1);
+    return NULL;
+}
+
+typedef struct { am_timeline *t; atomic_long signals; } resignal_arg;
+
+static void *signal_on(void *arg) {
+    resignal_arg *a = arg;
+    for (uint64_t v = 1; v <= 2000; v++) {
+        am_timeline_signal(a->t, v);
+        atomic_fetch_add(&a->signals, 1);
+    }
+    return NULL;
+}
+
+static void check_notify(long n) {
+    atomic_store(&phase, "notify");
+    for (long i = 0; i < 3; i++) {
+        int fds[2];
+        if (pipe(fds)) die("notify: pipe");
+        char fill[4096] = {0};
+        fcntl(fds[1], F_SETFL, O_NONBLOCK);
+        while (write(fds[1], fill, sizeof fill) > 0) {}
+        while (write(fds[1], fill, 1) > 0) {}
+        fcntl(fds[1], F_SETFL, 0);  /* full, and a write waits for room */
+        am_timeline *t = am_timeline_new();
+        am_notifier *notifier = am_notifier_new(fds[1]);
+        am_watch *w = am_watch_new(t, notifier);
+        if (am_watch_arm(w, 1)) die("notify: reached already");
+        pthread_t signaller, reader;
+        atomic_store(&failure_read, 0);
+        pthread_create(&signaller, NULL, signal_to_one, t);
+        while (am_timeline_value(t) < 1) sched_yield();  /* (raised before the write) */
+        pthread_create(&reader, NULL, read_failure, t);
+        int64_t deadline = now_ns() + 5000000000LL;
+        while (!atomic_load(&failure_read)) {
+            if (now_ns() > deadline)
+                die("notify: a signaller writing a full pipe held the timeline's mu");
+            nap_ns(100000);
+        }
+        /* Freed as the signaller is still blocked writing: the free waits for the
+         * write (given a moment to get there; it passes trivially if it has not). */
+        free_arg f = {.w = w, .n = notifier};
+        pthread_t freer;
+        pthread_create(&freer, NULL, free_notifier, &f);
+        nap_ns(20000000);
+        if (atomic_load(&f.freed)) die("notify: a notifier was freed as a signaller wrote it");
+        atomic_store(&f.drained, 1);
+        fcntl(fds[0], F_SETFL, O_NONBLOCK);
+        while (read(fds[0], fill, sizeof fill) > 0) {}  /* room: the write goes on */
+        pthread_join(signaller, NULL);
+        pthread_join(reader, NULL);
+        pthread_join(freer, NULL);
+        am_timeline_free(t);
+        close(fds[0]);
+        close(fds[1]);
+        atomic_fetch_add(&progress, 1);
+    }
+    for (long i = 0; i < n; i++) {
+        int fds[2];
+        if (pipe(fds)) die("notify: pipe");
+        fcntl(fds[0], F_SETFL, O_NONBLOCK);
+        fcntl(fds[1], F_SETFL, O_NONBLOCK);
+        resignal_arg a = {.t = am_timeline_new()};
+        am_notifier *notifier = am_notifier_new(fds[1]);
+        am_watch *w = am_watch_new(a.t, notifier);
+        am_watch_arm(w, 1);
+        pthread_t signaller;
+        pthread_create(&signaller, NULL, signal_on, &a);
+        jitter(i);
+        for (long k = 0; k < (i % 8) * 10; k++) {  /* the loop's drains: a write each */
+            am_notifier_reset(notifier);
+            sched_yield();
+        }
+        /* The bridge's close: the watch, then the notifier, then the pipe. */
+        am_watch_free(w);
+        am_notifier_free(notifier);
+        close(fds[0]);
+        close(fds[1]);
+        pthread_join(signaller, NULL);
+        am_timeline_free(a.t);
+        atomic_fetch_add(&progress, 1);
+    }
+    puts("ok notify");
+}
+
 typedef struct { _Atomic uint64_t *word; uint64_t value; long delay; } raise_arg;
 
 static void *raise_later(void *arg) {  /* a stream writing a device word */
@@ -539,6 +653,7 @@ int main(int argc, char **argv) {
     check_finish(n / 4);
     check_discard(n / 4);
     check_watch(n);
+    check_notify(n / 20);
     check_parts(n / 10);
     check_blocks(n / 10);
     check_calls(n / 10);
