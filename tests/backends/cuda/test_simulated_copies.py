@@ -68,19 +68,28 @@ def test_a_staged_copy_cancelled_in_flight_runs_to_its_end_on_chunks_of_its_own(
     assert one["first"] is True and one["second"] is True, one
 
 
-@pytest.mark.parametrize(("loop", "first"), [("asyncio", 1), ("trio", 2)])
-def test_every_failing_driver_call_of_copies_ends_in_a_clear_error(loop: str, first: int) -> None:
+# (loop, first N, step, held): odd N on asyncio and even N on trio; behind held
+# copies, every third N on each.
+SWEEPS = [("asyncio", 1, 2, 0), ("trio", 2, 2, 0), ("asyncio", 1, 3, 1), ("trio", 2, 3, 1)]
+
+
+@pytest.mark.parametrize(("loop", "first", "step", "held"), SWEEPS)
+def test_every_failing_driver_call_of_copies_ends_in_a_clear_error(
+    loop: str, first: int, step: int, held: int
+) -> None:
     """On cuda:0 a direct write, a staged write (three chunks), a copy on the device, a
     staged read of that, a small read, and on cuda:1 a copy from cuda:0: run clean,
-    then with the submitting thread's Nth driver call failing -- odd N on asyncio, even
-    N on trio -- not sticky and sticky. Every await ends done or with an
+    then with the Nth driver call failing, not sticky and sticky -- the submitting
+    thread's calls counted, or, ``held``, behind 40 copies of 1 ms (past the queue's
+    bound on commands in flight: the workload's are held on the host), the completion
+    thread's handing them over as well. Every await ends done or with an
     AsyncMetalError (a refusal with DeviceLostError once sticky); a copy done holds its
     source's bytes, and the bytes written where all it follows is done; none is done
     after a copy it waits for failed; the buffer the device copy wrote, freed at once,
     is not handed out while a copy uses it; no thread nor event is left; after an error
     that is not sticky, both devices work again."""
-    seen = _seen("copy_sweep", loop, (str(first), "2"))
+    seen = _seen("copy_sweep", loop, (str(first), str(step), str(held)))
     assert set(seen["clean"].values()) == {"done"}, seen["clean"]
-    assert seen["calls"] > 30, seen  # every kind of a copy's driver calls
+    assert seen["calls"] > (60 if held else 30), seen  # every kind of a copy's driver calls
     assert seen["outcomes"]["failed"] > 0 and seen["outcomes"]["done"] > 0, seen
     assert not seen["found"], "\n".join(seen["found"])

@@ -256,14 +256,20 @@ SWEEP_SMALL = 3000  # bytes: copied straight from pageable memory
 SWEEP_BIG = 5 * CHUNK // 2 + 5  # three chunks
 
 
+HELD_AHEAD = 40  # with held: copies of 1 ms ahead of the workload's (its bound: 32)
+
+
 async def _sweep_run(
-    sim: _Simulated, fail_at: int, code: int, seen: Seen | None = None
+    sim: _Simulated, fail_at: int, code: int, seen: Seen | None = None, held: bool = False
 ) -> tuple[int, list[str]]:
     """One run of the copy workload with driver call number ``fail_at`` of the
     submitting thread failing with ``code`` (0: none): on cuda:0's default queue a small
     write, a staged write, a copy on the device, a staged read of that, a small read; a
-    copy to cuda:1 of what was written. Then the buffer written by the device copy is
-    freed (the wait cancelled) and one of its size allocated, and every copy awaited.
+    copy to cuda:1 of what was written. ``held``: behind ``HELD_AHEAD`` copies of 1 ms
+    (not counted), so that the workload's commands are held on the host, and the
+    completion thread's calls handing them over are counted too. Then the buffer
+    written by the device copy is freed (the wait cancelled) and one of its size
+    allocated, and every copy awaited.
     Returns the calls counted and what broke the contracts: an await that ended other
     than done or with an AsyncMetalError, a copy done whose data is wrong, a freed
     buffer's memory handed out while a copy used it, threads or events left, and after
@@ -299,6 +305,11 @@ async def _sweep_run(
                 "out_small": functools.partial(q.copy, out_small, c),
             }
             done: dict[str, Any] = {}
+            ahead: list[Any] = []
+            if held:  # (not counted: the same in every run)
+                filler, spare = _bytes(rng, SWEEP_SMALL), await dev.alloc(SWEEP_SMALL)
+                sim.copy_ns.value = 1_000_000
+                ahead = [q.copy(spare, filler) for _ in range(HELD_AHEAD)]
             sim.fake.fake_count_calls(1)
             try:
                 for name, submit in submissions.items():
@@ -319,14 +330,23 @@ async def _sweep_run(
                 again = await dev.alloc(SWEEP_BIG)
                 if _busy(sim, again):
                     problems.append("a freed buffer's memory was handed out as a copy used it")
-            for name, completion in done.items():
-                try:
-                    await completion
-                    results[name] = "done"
-                except am.AsyncMetalError as exc:
-                    results[name] = _error(exc)
-                except Exception as exc:
-                    problems.append(f"{name}: its await raised {_error(exc)}")
+            sim.count_all.value = held  # (the completion thread handing held ones over)
+            try:
+                for completion in ahead:
+                    with contextlib.suppress(am.AsyncMetalError):
+                        await completion
+                sim.copy_ns.value = 0
+                for name, completion in done.items():
+                    try:
+                        await completion
+                        results[name] = "done"
+                    except am.AsyncMetalError as exc:
+                        results[name] = _error(exc)
+                    except Exception as exc:
+                        problems.append(f"{name}: its await raised {_error(exc)}")
+            finally:
+                sim.count_all.value = 0
+                sim.copy_ns.value = 0
             problems += _wrong(
                 results,
                 submitted=set(done),
@@ -403,19 +423,19 @@ def _wrong(results: dict[str, str], submitted: set[str], memory: dict[str, bytes
     return found
 
 
-async def _copy_sweep(sim: _Simulated, first: int, step: int) -> Seen:
+async def _copy_sweep(sim: _Simulated, first: int, step: int, held: bool) -> Seen:
     """The copy workload once clean, counting the submitting thread's driver calls, then
     for N = ``first``, ``first + step``, ... with call N failing, not sticky (an invalid
     value) and sticky (the context faulted). What each copy's await ended with is
     counted in "outcomes"."""
     clean: Seen = {}
-    total, problems = await _sweep_run(sim, 0, 0, clean)
+    total, problems = await _sweep_run(sim, 0, 0, clean, held)
     found = [f"clean: {p}" for p in problems]
     outcomes: dict[str, int] = {}
     for code in (1, STICKY):
         for n in range(first, total + 1, step):
             seen: Seen = {}
-            _, problems = await _sweep_run(sim, n, code, seen)
+            _, problems = await _sweep_run(sim, n, code, seen, held)
             found += [f"call {n} failing with {code}: {p}" for p in problems]
             for result in seen.values():
                 key = "done" if result == "done" else "failed"
@@ -430,6 +450,7 @@ def run(sim: _Simulated, scenario: str, loop: str, args: tuple[str, ...]) -> See
     """``scenario``'s observations, on event loop ``loop``."""
     small_chunks()
     if scenario == "copy_sweep":
-        sweep = functools.partial(_copy_sweep, sim, int(args[0]), int(args[1]))
+        first, step, held = (int(arg) for arg in args)
+        sweep = functools.partial(_copy_sweep, sim, first, step, bool(held))
         return anyio.run(sweep, backend=loop)
     return anyio.run(functools.partial(SCENARIOS[scenario], sim), backend=loop)
