@@ -73,6 +73,16 @@ def test_a_staged_copy_cancelled_in_flight_runs_to_its_end_on_chunks_of_its_own(
 SWEEPS = [("asyncio", 1, 2, 0), ("trio", 2, 2, 0), ("asyncio", 1, 3, 1), ("trio", 2, 3, 1)]
 
 
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_read_cancelled_in_flight_writes_only_its_own_array(loop: str) -> None:
+    """``Buffer.read`` of 20 chunks cancelled while the driver holds its third device
+    copy: the array it made is dropped by the read; the copy, going on, keeps it, and
+    arrays made meanwhile keep their bytes."""
+    seen = _seen("cancelled_copy", loop)
+    assert seen["broken"] == [], seen["broken"]
+    assert seen["read_dropped_intact"] is True, seen
+
+
 @pytest.mark.parametrize(("loop", "first", "step", "held"), SWEEPS)
 def test_every_failing_driver_call_of_copies_ends_in_a_clear_error(
     loop: str, first: int, step: int, held: int

@@ -239,6 +239,41 @@ async def _cancelled_once(sim: _Simulated, dev: Any, to_device: bool) -> Seen:
     return seen
 
 
+async def _cancelled_read(sim: _Simulated, dev: Any) -> bool:
+    """``Buffer.read`` of ``CANCELLED_CHUNKS`` chunks cancelled while the driver holds
+    its third device copy: the array it made for the bytes is dropped, the copy still
+    writes it. Whether arrays made then (in memory an early free would hand them) hold
+    what they were filled with once the copy ran."""
+    size = CANCELLED_CHUNKS * CHUNK
+    buf = await dev.alloc(size)
+    await buf.write(_bytes(np.random.default_rng(9), size))
+    started = sim.copies_started.value
+    sim.copy_ns.value = SLOW_COPY_NS // 4
+    sim.hold_after.value = started + 2
+    try:
+        with anyio.CancelScope() as scope:
+
+            async def cancel_once_held() -> None:
+                while sim.copies_started.value < started + 3:
+                    await anyio.sleep(0.001)
+                scope.cancel()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cancel_once_held)
+                await buf.read()
+        gc.collect()
+        arrays = [np.full(size, 7, np.uint8) for _ in range(4)]
+    finally:
+        sim.hold_after.value = 0
+    try:
+        with anyio.fail_after(30):
+            await dev.queue.marker()  # (the cancelled read ran before it)
+    finally:
+        sim.copy_ns.value = 0
+    await buf.free()
+    return all(bool((array == 7).all()) for array in arrays)
+
+
 async def _cancelled(sim: _Simulated) -> Seen:
     import asyncmetal as am
 
@@ -248,6 +283,7 @@ async def _cancelled(sim: _Simulated) -> Seen:
         async with await am.open_device("cuda:0") as dev:
             seen["to_device"] = await _cancelled_once(sim, dev, True)
             seen["to_host"] = await _cancelled_once(sim, dev, False)
+            seen["read_dropped_intact"] = await _cancelled_read(sim, dev)
     seen["broken"] = _broken(sim, before)
     return seen
 
