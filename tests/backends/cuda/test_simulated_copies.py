@@ -100,6 +100,8 @@ def test_every_failing_driver_call_of_copies_ends_in_a_clear_error(
     that is not sticky, both devices work again."""
     seen = _seen("copy_sweep", loop, (str(first), str(step), str(held)))
     assert set(seen["clean"].values()) == {"done"}, seen["clean"]
-    assert seen["calls"] > (60 if held else 30), seen  # every kind of a copy's driver calls
+    # Every kind of a copy's driver calls (held: with the fillers' hand-overs, how many
+    # of them the completion thread hands over depends on timing).
+    assert seen["calls"] > (45 if held else 30), seen
     assert seen["outcomes"]["failed"] > 0 and seen["outcomes"]["done"] > 0, seen
     assert not seen["found"], "\n".join(seen["found"])
