@@ -2,6 +2,7 @@
  * models): streams are threads running their operations in order.
  */
 #include "fake_cuda_driver.h"
+#include <string.h>
 
 void die(const char *what) { fprintf(stderr, "FAIL %s\n", what); exit(1); }
 
@@ -63,6 +64,147 @@ static void event_unref(fake_event *ev) {
     if (atomic_fetch_sub(&ev->refs, 1) == 1) free(ev);
 }
 
+/* ---- copies -------------------------------------------------------------------------
+ * Device memory is host memory (fake_mem_alloc), so a device pointer is an address and a
+ * copy is a memcpy, which its stream runs in order with its other operations. Each copy
+ * from its call until its stream is past it is in `copies`: memory that one touches is
+ * known (fake_copy_busy), and freeing device memory or unregistering host memory while
+ * one does is the runtime's error, counted (freed_busy, unregistered_busy; the memory is
+ * then left alone). Host memory is pinned by registering it (cuMemHostRegister,
+ * cuMemHostAlloc). As the driver's, a copy from pageable memory reads its source at the
+ * call (staged by the driver: it may change once the call returned), and one into
+ * pageable memory returns only once it ran -- it would block the calling thread (a loop
+ * among them), which the runtime must never have it do: that fails the check. With
+ * copy_ns set, a copy takes that long, and its source must not change meanwhile (the DMA
+ * engine reads it throughout): one that did is counted (torn_copies). With hold_after set,
+ * the copies the streams begin after that many (copies_started) are held until it is
+ * cleared or raised, their sources checked meanwhile as well. */
+atomic_long copy_ns, copies_started, torn_copies, freed_busy, unregistered_busy, hold_after;
+
+#define FAKE_COPIES 8192
+typedef struct {
+    uintptr_t dst, src;
+    size_t nbytes;
+    int used, staged;  /* staged: src is the driver's copy of a pageable source */
+} fake_copy;
+static fake_copy copies[FAKE_COPIES];
+#define FAKE_REGISTERED 1024
+static struct { uintptr_t address; size_t nbytes; } registered[FAKE_REGISTERED];
+static pthread_mutex_t copies_mu = PTHREAD_MUTEX_INITIALIZER;  /* both tables */
+
+static int overlaps(uintptr_t a, size_t an, uintptr_t b, size_t bn) {
+    return a < b + bn && b < a + an;
+}
+
+int fake_copy_busy(uintptr_t address, size_t nbytes) {
+    int busy = 0;
+    pthread_mutex_lock(&copies_mu);
+    for (int i = 0; i < FAKE_COPIES && !busy; i++)
+        busy = copies[i].used && (overlaps(address, nbytes, copies[i].dst, copies[i].nbytes) ||
+                                  overlaps(address, nbytes, copies[i].src, copies[i].nbytes));
+    pthread_mutex_unlock(&copies_mu);
+    return busy;
+}
+
+static int is_registered(uintptr_t address, size_t nbytes) {
+    int found = 0;
+    pthread_mutex_lock(&copies_mu);
+    for (int i = 0; i < FAKE_REGISTERED && !found; i++)
+        found = registered[i].nbytes && registered[i].address <= address &&
+                address + nbytes <= registered[i].address + registered[i].nbytes;
+    pthread_mutex_unlock(&copies_mu);
+    return found;
+}
+
+void fake_host_register(uintptr_t address, size_t nbytes) {
+    pthread_mutex_lock(&copies_mu);
+    int i = 0;
+    while (i < FAKE_REGISTERED && registered[i].nbytes) i++;
+    if (i == FAKE_REGISTERED) die("fake host registrations full");
+    registered[i].address = address;
+    registered[i].nbytes = nbytes;
+    pthread_mutex_unlock(&copies_mu);
+}
+
+void fake_host_unregister(uintptr_t address) {
+    size_t nbytes = 0;
+    pthread_mutex_lock(&copies_mu);
+    for (int i = 0; i < FAKE_REGISTERED; i++)
+        if (registered[i].nbytes && registered[i].address == address) {
+            nbytes = registered[i].nbytes;
+            registered[i].nbytes = 0;
+        }
+    pthread_mutex_unlock(&copies_mu);
+    if (nbytes && fake_copy_busy(address, nbytes)) atomic_fetch_add(&unregistered_busy, 1);
+}
+
+#define MEM_HEADER 256  /* before each allocation: its size (the alignment kept) */
+
+void *fake_mem_alloc(size_t nbytes) {
+    size_t rounded = (nbytes + MEM_HEADER - 1) / MEM_HEADER * MEM_HEADER;
+    char *p = aligned_alloc(MEM_HEADER, MEM_HEADER + rounded);
+    if (!p) return NULL;
+    *(size_t *)p = nbytes;
+    return p + MEM_HEADER;
+}
+
+void fake_mem_free(void *p) {
+    if (!p) return;
+    char *base = (char *)p - MEM_HEADER;
+    if (fake_copy_busy((uintptr_t)p, *(size_t *)base)) {
+        atomic_fetch_add(&freed_busy, 1);  /* a stream may still write it: left alone */
+        return;
+    }
+    free(base);
+}
+
+static int64_t copy_new(uintptr_t dst, uintptr_t src, size_t nbytes, int staged) {
+    pthread_mutex_lock(&copies_mu);
+    int i = 0;
+    while (i < FAKE_COPIES && copies[i].used) i++;
+    if (i == FAKE_COPIES) die("fake copies full");
+    copies[i] = (fake_copy){dst, src, nbytes, 1, staged};
+    pthread_mutex_unlock(&copies_mu);
+    return i;
+}
+
+static void copy_end(int64_t slot) {
+    pthread_mutex_lock(&copies_mu);
+    if (copies[slot].staged) free((void *)copies[slot].src);
+    copies[slot].used = 0;
+    pthread_mutex_unlock(&copies_mu);
+}
+
+static void copy_run(fake_stream *s, int64_t slot) {
+    pthread_mutex_lock(&copies_mu);
+    fake_copy c = copies[slot];
+    pthread_mutex_unlock(&copies_mu);
+    long started = atomic_fetch_add(&copies_started, 1) + 1;
+    long slow = atomic_load(&copy_ns);
+    void *before = NULL;
+    if (slow > 0) {
+        before = malloc(c.nbytes ? c.nbytes : 1);
+        if (!before) die("malloc");
+        memcpy(before, (void *)c.src, c.nbytes);
+    }
+    for (long h; (h = atomic_load(&hold_after)) && started > h;) {  /* held: a long copy */
+        if (atomic_load(&s->stop) == 2 || atomic_load(&fault_code)) break;
+        nap_ns(50000);
+    }
+    if (before) {
+        nap_ns(slow);
+        if (memcmp(before, (void *)c.src, c.nbytes)) atomic_fetch_add(&torn_copies, 1);
+        free(before);
+    }
+    memcpy((void *)c.dst, (void *)c.src, c.nbytes);
+}
+
+/* An operation that leaves its stream, run or not. */
+static void op_done(const op *o) {
+    if (refers_to_event(o)) event_unref(o->p);
+    if (o->kind == OP_COPY) copy_end(o->a);
+}
+
 void enqueue(fake_stream *s, op o) {
     if (atomic_load(&s->released)) die("a driver call on a stream after its queue was closed");
     if (s->hw) s = s->hw;  /* behind whatever any stream of its hardware queue handed over */
@@ -106,8 +248,10 @@ static void *stream_run(void *arg) {
             atomic_store((_Atomic uint64_t *)o.p, (uint64_t)o.a);
         } else if (o.kind == OP_WAIT) {
             /* as the driver's 64-bit GEQ: a cyclic comparison */
-            while ((int64_t)(atomic_load((_Atomic uint64_t *)o.p) - (uint64_t)o.a) < 0)
+            while ((int64_t)(atomic_load((_Atomic uint64_t *)o.p) - (uint64_t)o.a) < 0) {
                 if (atomic_load(&s->stop) == 2) return NULL;
+                if (atomic_load(&fault_code)) break;  /* the context runs nothing more */
+            }
         } else if (o.kind == OP_FILL) {  /* cuMemsetD8/D16/D32Async: items of 1, 2, 4 bytes */
             int size = (int)(o.arg >> 32);
             uint32_t pattern = (uint32_t)o.arg;
@@ -118,10 +262,14 @@ static void *stream_run(void *arg) {
                 else *(uint32_t *)at = pattern;
             }
         } else if (o.kind == OP_WAIT_EVENT) {
-            while (o.a && !atomic_load(&((fake_event *)o.p)->ended[o.a % FAKE_RECORDS]))
+            while (o.a && !atomic_load(&((fake_event *)o.p)->ended[o.a % FAKE_RECORDS])) {
                 if (atomic_load(&s->stop) == 2) return NULL;  /* (0: never recorded) */
+                if (atomic_load(&fault_code)) break;
+            }
+        } else if (o.kind == OP_COPY) {
+            copy_run(s, o.a);
         }
-        if (refers_to_event(&o)) event_unref(o.p);
+        op_done(&o);
         pthread_mutex_lock(&s->mu);
         s->head++;
         pthread_mutex_unlock(&s->mu);
@@ -153,7 +301,7 @@ void stream_free(fake_stream *s, int abandon) {
     atomic_store(&s->stop, abandon ? 2 : 1);
     pthread_join(s->thread, NULL);
     for (size_t i = s->head; i < s->tail; i++)  /* abandoned: operations never run */
-        if (refers_to_event(&s->ops[i % s->cap])) event_unref(s->ops[i % s->cap].p);
+        op_done(&s->ops[i % s->cap]);
     free(s->ops);
     free(s);
 }
@@ -270,6 +418,35 @@ static int f_memset16(uint64_t dst, unsigned short us, size_t n, void *stream) {
 static int f_memset32(uint64_t dst, unsigned int ui, size_t n, void *stream) {
     return fill(stream, dst, ui, 4, n);
 }
+static int copy_call(void *stream, uintptr_t dst, uintptr_t src, size_t nbytes, int staged) {
+    int inject = injected();
+    if (inject) return inject;
+    if (atomic_load(&fault_code)) return atomic_load(&fault_code);
+    if (staged) {  /* from pageable memory: read now, into the driver's own */
+        void *copy = malloc(nbytes ? nbytes : 1);
+        if (!copy) die("malloc");
+        memcpy(copy, (void *)src, nbytes);
+        src = (uintptr_t)copy;
+    }
+    enqueue(stream, (op){OP_COPY, copy_new(dst, src, nbytes, staged), NULL, 0});
+    return 0;
+}
+static int f_copy(uint64_t dst, uint64_t src, size_t nbytes, void *stream) {
+    return copy_call(stream, dst, src, nbytes, 0);
+}
+static int f_copy_peer(uint64_t dst, void *dst_ctx, uint64_t src, void *src_ctx, size_t nbytes,
+                       void *stream) {
+    if (!dst_ctx || !src_ctx) die("a peer copy without its contexts");
+    return copy_call(stream, dst, src, nbytes, 0);
+}
+static int f_htod(uint64_t dst, const void *src, size_t nbytes, void *stream) {
+    return copy_call(stream, dst, (uintptr_t)src, nbytes, !is_registered((uintptr_t)src, nbytes));
+}
+static int f_dtoh(void *dst, uint64_t src, size_t nbytes, void *stream) {
+    if (!is_registered((uintptr_t)dst, nbytes))
+        die("a device-to-host copy into pageable memory (it blocks the calling thread)");
+    return copy_call(stream, (uintptr_t)dst, src, nbytes, 0);
+}
 static int f_wait(void *stream, void *word, uint64_t value, unsigned flags) {
     (void)flags;
     int inject = injected();
@@ -360,8 +537,10 @@ void fake_driver_install(void) {
     am_cuda_set(CU_CTX_SET, (void *)f_ctx_set);
     am_cuda_set(CU_WAIT_EVENT, (void *)f_wait_event);
     am_cuda_set(CU_CTX_GET, (void *)f_ctx_get);
-    am_cuda_set(CU_COPY_HTOD, (void *)f_unused);  /* set: am_cuq_new needs every one */
-    am_cuda_set(CU_COPY_DTOH, (void *)f_unused);
+    am_cuda_set(CU_COPY, (void *)f_copy);
+    am_cuda_set(CU_COPY_PEER, (void *)f_copy_peer);
+    am_cuda_set(CU_COPY_HTOD, (void *)f_htod);
+    am_cuda_set(CU_COPY_DTOH, (void *)f_dtoh);
     am_cuda_set(CU_MEMSET8, (void *)f_memset8);
     am_cuda_set(CU_MEMSET16, (void *)f_memset16);
     am_cuda_set(CU_MEMSET32, (void *)f_memset32);

@@ -1,7 +1,8 @@
 /* A simulated CUDA driver for the harness fake_cuda.c (its checks are there). Each fake
  * stream is a thread that runs its operations in order: kernels (a busy wait, then an
  * entry in the stream's log; one may fault, which, as on a GPU, fails every call after
- * it on that context), event records, 64-bit word writes and waits, event waits. A query
+ * it on that context), event records, 64-bit word writes and waits, event waits, fills
+ * and copies (device memory is host memory here: fake_mem_alloc). A query
  * reports an event done once the stream ran past its latest record. Streams may share one
  * hardware queue (stream_sharing), as streams beyond a GPU's CUDA_DEVICE_MAX_CONNECTIONS
  * do: their operations run in the order they were handed over, one at a time, so a wait
@@ -34,12 +35,12 @@ typedef struct {
                                       once the work referring to it is done */
 } fake_event;
 
-enum { OP_KERNEL, OP_RECORD, OP_WRITE, OP_WAIT, OP_WAIT_EVENT, OP_FILL };
+enum { OP_KERNEL, OP_RECORD, OP_WRITE, OP_WAIT, OP_WAIT_EVENT, OP_FILL, OP_COPY };
 
 typedef struct {
     int kind;
     int64_t a;          /* kernel: duration ns; record/wait event: generation; word: value;
-                           fill: items */
+                           fill: items; copy: its slot in the copies pending */
     void *p;            /* kernel: its spec; record/wait event: the event; word: the word;
                            fill: where (a device pointer is a host address here) */
     int64_t arg;        /* kernel: its first parameter; fill: the pattern, then its size in
@@ -106,5 +107,18 @@ extern atomic_int records_in_driver;  /* ... such records inside the driver now 
 extern void (*_Atomic test_hook)(int where, am_cuq *q);  /* run at the runtime's hooks */
 extern long max_inflight;             /* the queues' bound (most checks: none) */
 extern const unsigned dims[7];
+/* Copies (fake_cuda_driver.c says what they check): device memory, host registrations,
+ * and what broke the copies' rules. */
+extern atomic_long copy_ns;           /* >0: a device copy takes this long */
+extern atomic_long copies_started;    /* device copies the streams began */
+extern atomic_long hold_after;        /* >0: copies begun after this many are held */
+extern atomic_long torn_copies;       /* copies whose source changed as the device read it */
+extern atomic_long freed_busy;        /* device memory freed while a copy still used it */
+extern atomic_long unregistered_busy; /* host memory unregistered while a copy used it */
+void *fake_mem_alloc(size_t nbytes);
+void fake_mem_free(void *p);
+int fake_copy_busy(uintptr_t address, size_t nbytes);  /* a pending copy touches it */
+void fake_host_register(uintptr_t address, size_t nbytes);
+void fake_host_unregister(uintptr_t address);
 
 #endif

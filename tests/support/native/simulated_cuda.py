@@ -7,7 +7,8 @@ driver calls go to the fake cuda-bindings module of tests/reliability/test_cuda_
 The runtime's driver table is process-wide: it is never set in the pytest process, which
 on a GPU machine uses the real driver. :func:`run_child` runs a scenario of this module
 in a child process and returns what it saw, for each launch path
-(tests/support/launch_paths.py); ``python -m tests.support.native.simulated_cuda
+(tests/support/launch_paths.py) -- or, for the copies' scenarios (simulated_copies.py,
+over two simulated GPUs), once; ``python -m tests.support.native.simulated_cuda
 SCENARIO LOOP`` is that child. Where no C compiler is found the caller skips, saying so.
 """
 
@@ -37,7 +38,8 @@ def run_child(
 ) -> dict[str, Seen]:
     """What ``scenario`` saw through each launch path in a child process (on event loop
     ``loop``): by path, a dict of observations (or ``{"skipped": why}``); a sweep's
-    (``discard_sweep``, ``args``: how many failing calls per error), under "sweep"."""
+    (``discard_sweep``, ``args``: how many failing calls per error), under "sweep"; a
+    copies' scenario's (simulated_copies.py), its own."""
     child = subprocess.run(
         [sys.executable, "-m", "tests.support.native.simulated_cuda", scenario, loop, *args],
         cwd=ROOT,
@@ -97,6 +99,18 @@ class _Simulated:
         fake.stream_ran.argtypes = [ctypes.c_void_p]
         fake.stream_ran.restype = ctypes.c_long
         self.refuse_ctx = ctypes.c_void_p.in_dll(fake, "refuse_ctx")
+        fake.fake_mem_alloc.restype = ctypes.c_void_p
+        fake.fake_mem_alloc.argtypes = [ctypes.c_size_t]
+        fake.fake_mem_free.argtypes = [ctypes.c_void_p]
+        fake.fake_copy_busy.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        fake.fake_host_register.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        fake.fake_host_unregister.argtypes = [ctypes.c_void_p]
+        self.copy_ns = ctypes.c_long.in_dll(fake, "copy_ns")
+        self.copies_started = ctypes.c_long.in_dll(fake, "copies_started")
+        self.hold_after = ctypes.c_long.in_dll(fake, "hold_after")
+        self.torn_copies = ctypes.c_long.in_dll(fake, "torn_copies")
+        self.freed_busy = ctypes.c_long.in_dll(fake, "freed_busy")
+        self.unregistered_busy = ctypes.c_long.in_dll(fake, "unregistered_busy")
         self.kernel = (ctypes.c_uint8 * 64)()  # a fake_cuda_driver.h kernel: a few us
         # (its duration_ns, after an int: 0 runs a few us)
         self.duration_ns = ctypes.c_long.from_buffer(self.kernel, ctypes.sizeof(ctypes.c_long))
@@ -105,12 +119,43 @@ class _Simulated:
         return int(self.fake.fake_ctx_current() or 0)
 
 
-def _driver_module(sim: _Simulated) -> Any:
-    """The fake cuda-bindings module, with the simulated driver's streams, kernels and
-    current context (one per thread, shared with the runtime's calls)."""
+def _driver_module(sim: _Simulated, gpus: int = 1) -> Any:
+    """The fake cuda-bindings module, with the simulated driver's streams, kernels,
+    current context (one per thread, shared with the runtime's calls), device memory
+    (host memory: a device pointer is an address) and host registrations (what its
+    copies from and to host memory look at)."""
     from tests.reliability.test_cuda_faults import CUresult, _Driver
 
     class Driver(_Driver):
+        def cuMemAlloc(self, nbytes: int) -> tuple[Any, ...]:
+            result = self._result("cuMemAlloc", 0)
+            if result[0]:
+                return result
+            pointer = sim.fake.fake_mem_alloc(nbytes)
+            if not pointer:
+                return (CUresult.CUDA_ERROR_OUT_OF_MEMORY, None)
+            return (CUresult.CUDA_SUCCESS, pointer)
+
+        def cuMemFree(self, pointer: int) -> tuple[Any, ...]:
+            sim.fake.fake_mem_free(int(pointer))
+            return self._result("cuMemFree")
+
+        def cuMemHostAlloc(self, nbytes: int, flags: int) -> tuple[Any, ...]:
+            result = super().cuMemHostAlloc(nbytes, flags)
+            if result[0] == 0:
+                sim.fake.fake_host_register(result[1], nbytes)
+            return result
+
+        def cuMemHostRegister(self, address: int, nbytes: int, flags: int) -> tuple[Any, ...]:
+            result = super().cuMemHostRegister(address, nbytes, flags)
+            if result[0] == 0:
+                sim.fake.fake_host_register(address, nbytes)
+            return result
+
+        def cuMemHostUnregister(self, address: int) -> tuple[Any, ...]:
+            sim.fake.fake_host_unregister(address)
+            return super().cuMemHostUnregister(address)
+
         def cuCtxGetCurrent(self) -> tuple[Any, ...]:
             return self._result("cuCtxGetCurrent", sim.current())
 
@@ -133,16 +178,16 @@ def _driver_module(sim: _Simulated) -> Any:
         def cuModuleGetFunction(self, module: int, name: bytes) -> tuple[Any, ...]:
             return self._result("cuModuleGetFunction", ctypes.addressof(sim.kernel))
 
-    return Driver(gpus=1)
+    return Driver(gpus=gpus)
 
 
-def _install(sim: _Simulated) -> None:
+def _install(sim: _Simulated, gpus: int = 1) -> None:
     """The fake module as the cuda backend's ``cu``; the runtime's driver functions are
     the simulated driver's already."""
     from asyncmetal import _device
     from asyncmetal.backends import cuda
 
-    driver = _driver_module(sim)
+    driver = _driver_module(sim, gpus)
     for name, module in list(sys.modules.items()):
         if name.startswith(f"{cuda.__name__}."):
             if hasattr(module, "cu"):
@@ -489,10 +534,15 @@ async def _discard_sweep(sim: _Simulated, samples: int) -> Seen:
 
 
 def main(scenario: str, loop: str, *args: str) -> None:
+    from tests.support.native import simulated_copies
+
     with tempfile.TemporaryDirectory(prefix="asyncmetal-simcuda-") as tmp:
         sim = _Simulated(Path(tmp))
-        _install(sim)
-        if scenario == "discard_sweep":
+        copies = scenario in simulated_copies.SCENARIOS or scenario == "copy_sweep"
+        _install(sim, simulated_copies.GPUS if copies else 1)
+        if copies:
+            seen = simulated_copies.run(sim, scenario, loop, args)
+        elif scenario == "discard_sweep":
             run = functools.partial(_discard_sweep, sim, int(args[0]))
             seen: Any = {"sweep": anyio.run(run, backend=loop)}
         else:
