@@ -27,6 +27,6 @@ fi
 GPU_TESTS=(tests/backends/cuda tests/native tests/contracts/test_contract7_compile_pool.py
     tests/api/test_interop_service.py --ignore=tests/native/test_wheel.py -m "cuda or not cuda"
     -q -p no:cacheprovider -rs --timeout 60 -o faulthandler_timeout=120)
-[ "${RUN_TESTS:-1}" = 1 ] && timeout 280 python3 -m pytest "${GPU_TESTS[@]}" 2>&1 | tee "$OUT/cuda_tests.txt"
+[ "${RUN_TESTS:-1}" = 1 ] && timeout 420 python3 -m pytest "${GPU_TESTS[@]}" 2>&1 | tee "$OUT/cuda_tests.txt"
 # RUN_TESTS_ONE_GPU=1: the same tests again with one GPU visible (on a machine with two)
-[ "${RUN_TESTS_ONE_GPU:-0}" = 1 ] && CUDA_VISIBLE_DEVICES=0 timeout 280 python3 -m pytest "${GPU_TESTS[@]}" 2>&1 | tee "$OUT/cuda_tests_one_gpu.txt"
+[ "${RUN_TESTS_ONE_GPU:-0}" = 1 ] && CUDA_VISIBLE_DEVICES=0 timeout 420 python3 -m pytest "${GPU_TESTS[@]}" 2>&1 | tee "$OUT/cuda_tests_one_gpu.txt"
