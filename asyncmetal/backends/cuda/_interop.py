@@ -84,14 +84,13 @@ def stream_id(handle: int, where: str) -> int | None:
     the process: a destroyed stream's handle may be a new stream's, its id never is.
     None where the bindings or the driver have no cuStreamGetId (the bindings raise
     RuntimeError where the driver lacks a function)."""
-    get_id = getattr(cu, "cuStreamGetId", None)
-    if get_id is None:
-        return None
     try:
-        result = get_id(cu.CUstream(handle))
-    except RuntimeError:
+        err, identity = cu.cuStreamGetId(cu.CUstream(handle))
+    except (AttributeError, RuntimeError):  # (AttributeError: bindings before CUDA 12)
         return None
-    return int(check(result, "cuStreamGetId", where))
+    if int(err):
+        raise _driver.driver_error("cuStreamGetId", err, where)
+    return int(identity)
 
 
 def device_index_of(address: int) -> int | None:
