@@ -758,7 +758,8 @@ class Allocator:
         is called or dropped, whichever comes first (any thread, even in the GC; with
         ``hold`` False: not held), and remember that its memory went out. Refused where
         ``generation`` of it (the exported buffer's) was freed meanwhile -- also where
-        the block went on to another buffer since.
+        the block went on to another buffer since -- or the device closed (each
+        ClosedResourceError saying which).
 
         The loan's end is recorded with no Python code (see _LoanRecord) as its token
         goes -- the function clears it first thing (:meth:`returned`), or, where an
@@ -776,6 +777,12 @@ class Allocator:
             # (Loans whose ends nothing counted -- a mapped view's, see Buffer.map --
             # are counted here: a program exporting in a loop never sweeps.)
             self._count_returned()
+            # The device closed on another thread since (its close freed its memory).
+            if self.closed:
+                raise ClosedResourceError(
+                    f"the buffer's device {self._state.name} was closed as the buffer was "
+                    "exported (the close freed its memory)"
+                )
             # Freed on another thread since (and maybe handed out anew: a new generation).
             if block.freed or block not in self._live or block.generation != generation:
                 raise ClosedResourceError("the buffer was freed as it was exported")

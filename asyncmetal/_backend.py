@@ -265,7 +265,7 @@ class NativeQueue(ABC):
 
     def wait_stream(self, stream: int, value: int, record: Record) -> None:
         """A command done once what another library submitted to ``stream`` (a handle
-        ``Backend.stream_key`` accepted) until now is, and which the queue's later
+        ``Backend.checked_stream`` gave) until now is, and which the queue's later
         commands come after, on the device (asked for only where ``markers`` is set)."""
         raise NotImplementedError(f"{type(self).__name__} cannot wait for other streams")
 
@@ -476,6 +476,13 @@ class Backend(ABC):
         device adopted; raise for what is not a stream this device can adopt."""
         raise InvalidArgumentError(
             f"{self.kind} devices have no streams to adopt (adopt_stream is for cuda devices)"
+        )
+
+    def checked_stream(self, stream: object) -> int:
+        """The handle of another library's ``stream`` (as the user gave it), checked to
+        be a stream of this device; raise for what is not."""
+        raise InvalidArgumentError(
+            f"{self.kind} devices have no streams of other libraries (streams are for cuda devices)"
         )
 
     def adopt_queue(self, timeline: NativeTimeline, stream: object) -> NativeQueue:

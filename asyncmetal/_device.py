@@ -707,7 +707,10 @@ class Device:
 
         Adopting a stream again gives the same queue as long as that one lives, until it
         is closed: from its ``close()`` on -- also while that waits for its commands -- a
-        new one (the closed one refuses every command). A queue dropped without
+        new one (the closed one refuses every command). A stream its owner destroyed and
+        a new one given its handle are two streams (told apart by the driver's id of
+        each, where the driver has ids: CUDA 12): the new one gets a queue of its own.
+        A queue dropped without
         ``close()`` (nothing refers to it any more) is released, as one of
         ``new_queue()`` is, once nothing of it is in flight -- its completion thread and
         events; the stream stays its owner's --, so adopting a new stream per request

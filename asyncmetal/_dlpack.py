@@ -17,7 +17,8 @@ that uses it is in flight raises ``BufferError`` (await that command first) -- b
 asyncmetal's own ``from_dlpack``, whose buffer shares the record of uses.
 ``copy=True`` (the array API's) exports a copy of host memory, as kDLCPU, made at once.
 ml_dtypes' types of fewer than 8 bits, one a byte in numpy, export flagged padded
-(DLPack 1.1), to consumers that ask for 1.1 or later only.
+(DLPack 1.1), to consumers that ask for 1.1 or later only. ``__cuda_array_interface__``
+has no type string for ml_dtypes' one-byte types (see :func:`cuda_array_interface`).
 The capsule is made in one call of the native extension (``native/py_dlpack.c``'s
 ``dlpack_export``), else through numpy and ctypes (:func:`numpy_capsule`): the same
 tensor either way.
@@ -625,7 +626,9 @@ class Exports:
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        """Version 3 of the CUDA array interface (cuda buffers only), with ``stream``."""
+        """Version 3 of the CUDA array interface (cuda buffers only), with ``stream``;
+        none for ml_dtypes' one-byte types, which it has no type string for (DLPack
+        carries them); bfloat16 is ``<V2``, as PyTorch gives it."""
         return cuda_array_interface(*self._exported())
 
 
@@ -703,13 +706,29 @@ class TypedView(Exports):
         return self._buffer, self._dtype, self._shape
 
 
+def _no_typestr(dtype: np.dtype[Any]) -> str:
+    return (
+        f"__cuda_array_interface__ has no type string for {dtype}: numpy's "
+        f"({dtype.str}) is opaque bytes that every one-byte ml_dtypes type shares. DLPack "
+        f"carries {dtype}: export with __dlpack__ (torch.from_dlpack, cupy.from_dlpack, "
+        "jax.dlpack.from_dlpack)"
+    )
+
+
 def cuda_array_interface(
     buffer: Buffer, dtype: Any = np.uint8, shape: tuple[int, ...] | None = None
 ) -> dict[str, Any]:
     """``__cuda_array_interface__`` (version 3) of a cuda buffer. Its ``stream`` is the
     device's default queue, made to wait for every command using the buffer, or None
     when they are all done. The interface holds nothing: keep the buffer alive and
-    unfreed while the consumer uses the memory (DLPack holds it for you)."""
+    unfreed while the consumer uses the memory (DLPack holds it for you).
+
+    The interface's types are numpy's type strings, which ml_dtypes' types have none
+    of: bfloat16 is ``<V2`` (its numpy ``str``, which no other type exported has: as
+    PyTorch gives it); the others of one byte (float8, float6, float4, int4, int2)
+    would all be ``|V1``, which cannot say which one it is: they have no interface
+    (AttributeError, as a buffer of another device: ``hasattr`` is False, and a
+    consumer takes DLPack, which carries their types, instead)."""
     buffer._check_usable("buffer")
     state = buffer._export_state()
     if state.backend.dlpack_device_type != KDLCUDA:
@@ -718,6 +737,8 @@ def cuda_array_interface(
         )
     if not isinstance(dtype, np.dtype):  # a Buffer's and a TypedView's are already
         dtype = np.dtype(dtype)
+    if dtype.num >= _USER_TYPES and dtype.name != "bfloat16":
+        raise AttributeError(_no_typestr(dtype))
     if shape is None:
         shape = (buffer.nbytes // dtype.itemsize,)
     stream = None

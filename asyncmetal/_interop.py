@@ -42,6 +42,7 @@ from ._dlpack import (
 )
 from ._errors import (
     ArgumentTypeError,
+    AsyncMetalError,
     ClosedResourceError,
     ExchangeError,
     InvalidArgumentError,
@@ -133,11 +134,19 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     buffer (copies do; launches with ``queue.after(buf)``). The array must be
     C-contiguous and writable (and unmasked: ``__cuda_array_interface__``'s ``mask``).
     It is kept alive while the buffer is; freeing the buffer gives nothing back to the
-    allocator (the memory is the producer's). Never blocks.
+    allocator (the memory is the producer's). A producer that fails to export (its
+    own error: JAX's for int4, which DLPack has no type for) raises ExchangeError,
+    chained from that error. Never blocks.
     """
     if not hasattr(obj, "__dlpack__"):
-        if hasattr(obj, "__cuda_array_interface__"):
-            return _from_cuda_array_interface(obj, device)
+        try:
+            interface = getattr(obj, "__cuda_array_interface__", _NO_INTERFACE)
+        except AsyncMetalError:
+            raise
+        except Exception as failed:  # its own error (JAX's for bfloat16), not AttributeError
+            raise _failed(obj, "__cuda_array_interface__", failed) from failed
+        if interface is not _NO_INTERFACE:
+            return _from_cuda_array_interface(obj, interface, device)
         raise ArgumentTypeError(
             "from_dlpack takes an object with __dlpack__ or __cuda_array_interface__, "
             f"got {type(obj).__name__}"
@@ -170,10 +179,12 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
                 capsule = obj.__dlpack__(stream=stream, max_version=DLPACK_VERSION)
             except TypeError:  # a producer of the protocol before max_version
                 capsule = obj.__dlpack__() if stream is None else obj.__dlpack__(stream=stream)
+    except AsyncMetalError:  # (a round trip of asyncmetal's own: its errors as they are)
+        raise
     except BufferError as refused:  # the protocol's refusal (numpy: byte order, dtype)
-        if isinstance(refused, ExchangeError):  # (a round trip of asyncmetal's own)
-            raise
         raise ExchangeError(f"{type(obj).__name__} refused to export: {refused}") from refused
+    except Exception as failed:  # its own error (JAX: int4, which DLPack has no type for)
+        raise _failed(obj, "__dlpack__", failed) from failed
     found = _taker()(capsule)
     if found[0] != TAKEN:
         raise refuse(found)
@@ -200,6 +211,7 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
 
 
 _HOST = (KDLCPU, KDLCUDAHOST)
+_NO_INTERFACE = object()  # (an object without __cuda_array_interface__)
 
 
 def lent_memory(device: Device, view: memoryview, address: int) -> Buffer:
@@ -240,7 +252,12 @@ def _dlpack_device(obj: Any) -> tuple[int, int]:
         raise ArgumentTypeError(
             f"{type(obj).__name__} has __dlpack__ but no __dlpack_device__, which DLPack asks for"
         )
-    where = dlpack_device()
+    try:
+        where = dlpack_device()
+    except AsyncMetalError:
+        raise
+    except Exception as failed:
+        raise _failed(obj, "__dlpack_device__", failed) from failed
     try:
         kind, index = where
     except (TypeError, ValueError):  # not a pair
@@ -252,6 +269,15 @@ def _dlpack_device(obj: Any) -> tuple[int, int]:
             "(device type, device index) pair of ints"
         )
     return device_type, device_id
+
+
+def _failed(obj: object, call: str, failed: Exception) -> ExchangeError:
+    """The error for a producer's ``call`` that raised ``failed``, an exception of its
+    own -- not the protocol's BufferError (KeyboardInterrupt and cancellation are no
+    Exception: they pass as they are)."""
+    return ExchangeError(
+        f"{type(obj).__name__}.{call} failed with {type(failed).__name__}: {failed}"
+    )
 
 
 def _torch_stream(obj: Any) -> int | None:
@@ -374,8 +400,8 @@ def _malformed(what: str) -> ExchangeError:
     return ExchangeError(f"the array's __cuda_array_interface__ is malformed: {what}")
 
 
-def _from_cuda_array_interface(obj: Any, device: Device | None) -> Buffer:
-    address, nbytes, stream = _interface(obj.__cuda_array_interface__)
+def _from_cuda_array_interface(obj: Any, interface: object, device: Device | None) -> Buffer:
+    address, nbytes, stream = _interface(interface)
     indices = {d._pointer_index(address) for d in open_devices()} - {None}
     if not indices:
         raise InvalidArgumentError(

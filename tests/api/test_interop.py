@@ -4,6 +4,7 @@ of exported memory, and what is refused."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import functools
 import gc
@@ -472,6 +473,62 @@ async def test_a_dlpack_device_that_is_no_pair_of_ints_is_refused(anyio_backend:
         # What producers return: ints, IntEnums (PyTorch's, JAX's), numpy ints, a list.
         for where in ((1, 0), [1, 0], (np.int64(1), np.int32(0)), (_dlpack_type(1), 0)):
             assert am.from_dlpack(_Claims(where)).nbytes == 32
+
+
+class _ProducerError(Exception):
+    """A producer's own exception type (JAX's JaxRuntimeError, say)."""
+
+
+class _Failing:
+    """A producer whose ``fails`` call raises ``error``; its other calls answer as a
+    host array's do (``interface`` only: it has no ``__dlpack__``)."""
+
+    def __init__(self, fails: str, error: BaseException, interface: bool = False) -> None:
+        self.fails = fails
+        self.error = error
+        self.interface = interface
+        self.array = np.zeros(4)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == self.fails == "__cuda_array_interface__":  # (a property)
+            raise self.error
+        if name == self.fails:
+            return self._raise
+        if name == "__dlpack__" and not self.interface:
+            return self.array.__dlpack__
+        if name == "__dlpack_device__" and not self.interface:
+            return self.array.__dlpack_device__
+        raise AttributeError(name)
+
+    def _raise(self, **kwargs: object) -> None:
+        raise self.error
+
+
+async def test_a_producers_own_error_is_an_exchange_error(anyio_backend: object) -> None:
+    """A producer whose ``__dlpack__`` (or ``__dlpack_device__``, or, without those,
+    ``__cuda_array_interface__``) raises an exception of its own -- JAX's
+    JaxRuntimeError for int4, which DLPack has no type for -- gives ExchangeError,
+    naming the call and the producer's error, which it is chained from. An interrupt
+    or a cancellation passes as it is. Checked: fails without the fix (JAX's own
+    JaxRuntimeError came out, and the fake producer's _ProducerError)."""
+    async with am.open_device("cpu"):
+        for fails in ("__dlpack__", "__dlpack_device__", "__cuda_array_interface__"):
+            error = _ProducerError("no such type")
+            producer = _Failing(fails, error, interface=fails == "__cuda_array_interface__")
+            match = f"_Failing.{fails} failed with _ProducerError: no such type"
+            with pytest.raises(am.ExchangeError, match=match) as caught:
+                am.from_dlpack(producer)
+            assert caught.value.__cause__ is error
+            # (BaseExceptions, as trio's Cancelled is too)
+            for interrupt in (KeyboardInterrupt(), asyncio.CancelledError()):
+                producer = _Failing(fails, interrupt, fails == "__cuda_array_interface__")
+                with pytest.raises(type(interrupt)) as interrupted:
+                    am.from_dlpack(producer)
+                assert interrupted.value is interrupt
+        jnp = pytest.importorskip("jax.numpy", reason="needs JAX (the test extra installs it)")
+        with pytest.raises(am.ExchangeError, match=r"__dlpack__ failed with .*S4") as caught:
+            am.from_dlpack(jnp.zeros(8, jnp.int4))
+        assert type(caught.value.__cause__).__name__ == "JaxRuntimeError"
 
 
 def _dlpack_type(value: int) -> Any:

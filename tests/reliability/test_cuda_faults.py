@@ -18,6 +18,7 @@ import ctypes
 import enum
 import functools
 import gc
+import itertools
 import re
 import sys
 import threading
@@ -93,6 +94,11 @@ class _Driver:
         self.current = 0
         self.runtime: _Runtime | None = None  # the simulated native runtime, once made
         self._handles = iter(range(0x1000, 1 << 40, 0x1000))
+        # Each stream's id (cuStreamGetId), by handle: a stream of another library,
+        # adopted by its handle alone, gets one when first asked; a destroyed stream's
+        # goes, and the next stream given that handle gets another.
+        self.stream_ids: dict[int, int] = {}
+        self._ids = itertools.count(1)
 
     def _result(self, name: str, *values: Any) -> tuple[Any, ...]:
         self.calls.append(name)
@@ -172,13 +178,25 @@ class _Driver:
         return self._result("cuModuleUnload")
 
     def cuStreamCreate(self, flags: int) -> tuple[Any, ...]:
-        return self._result("cuStreamCreate", next(self._handles))
+        result = self._result("cuStreamCreate", next(self._handles))
+        if result[0] == 0:
+            self.stream_ids[result[1]] = next(self._ids)
+        return result
 
     def cuStreamSynchronize(self, stream: int) -> tuple[Any, ...]:
         return self._result("cuStreamSynchronize")
 
     def cuStreamDestroy(self, stream: int) -> tuple[Any, ...]:
-        return self._result("cuStreamDestroy")
+        result = self._result("cuStreamDestroy")
+        if result[0] == 0:
+            self.stream_ids.pop(int(stream), None)
+        return result
+
+    def cuStreamGetId(self, stream: int) -> tuple[Any, ...]:
+        handle = int(stream)
+        if handle not in self.stream_ids:
+            self.stream_ids[handle] = next(self._ids)
+        return self._result("cuStreamGetId", self.stream_ids[handle])
 
     def cuStreamGetCtx(self, stream: int) -> tuple[Any, ...]:
         return self._result("cuStreamGetCtx", 0x100)  # (cuda:0's primary context)
@@ -682,6 +700,39 @@ async def test_a_stream_handle_is_any_integer_and_one_past_64_bits_is_refused(
             with pytest.raises(am.InvalidArgumentError, match="from 0 to 2\\*\\*64-1"):
                 dev.adopt_stream(handle)
             assert driver.calls[calls:] == []
+    finally:
+        await dev.close()
+
+
+async def test_a_new_stream_given_a_destroyed_streams_handle_gets_a_new_queue(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """Another library destroys a stream whose adopted queue still lives, and its next
+    stream gets the same handle: adopting that stream gives a new queue (the driver's
+    id of it, cuStreamGetId, is another), and adopting it again that one. Where the
+    driver has no cuStreamGetId (the bindings raise RuntimeError), streams are known by
+    their handles alone, the driver asked once. Checked: fails without the fix (the old
+    stream's queue was given for the new stream)."""
+    dev = await am.open_device("cuda:0")
+    try:
+        old = dev.adopt_stream(0x5000)
+        assert dev.adopt_stream(0x5000) is old
+        driver.cuStreamDestroy(0x5000)  # their stream goes; their next one is 0x5000 too
+        new = dev.adopt_stream(0x5000)
+        assert new is not old and not old.closed
+        assert dev.adopt_stream(0x5000) is new
+        assert dev.adopt_stream(1) is dev.adopt_stream(0)  # (the legacy stream: no id)
+
+        def no_such_function(stream: int) -> tuple[Any, ...]:
+            driver.calls.append("cuStreamGetId")
+            raise RuntimeError('Function "cuStreamGetId" not found')
+
+        driver.cuStreamGetId = no_such_function  # type: ignore[method-assign]
+        asked = driver.calls.count("cuStreamGetId")
+        known = dev.adopt_stream(0x6000)
+        driver.cuStreamDestroy(0x6000)
+        assert dev.adopt_stream(0x6000) is known  # (the handle is all there is to go by)
+        assert driver.calls.count("cuStreamGetId") == asked + 1
     finally:
         await dev.close()
 

@@ -1022,6 +1022,53 @@ async def test_a_buffer_freed_and_its_block_handed_out_again_as_it_is_exported_i
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("export", ["dlpack", "copy"])
+async def test_a_buffer_whose_device_closes_as_it_is_exported_names_the_close(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, export: str
+) -> None:
+    """Another thread exports the buffer; the device closes after the export checked it,
+    before it lends the memory: the export raises ClosedResourceError naming the close
+    (nothing freed the buffer), and the close left nothing lent. Checked: fails without
+    the fix (it said the buffer was freed as it was exported)."""
+    device = await am.open_device("cpu:40")
+    buf = await device.alloc(4096)
+    order = _dlpack._order_for_consumer
+    checked, closed = threading.Event(), threading.Event()
+
+    def checked_then_closed(*args: Any) -> None:  # (after the export's checks)
+        order(*args)
+        checked.set()
+        assert closed.wait(10)
+
+    def exported() -> object:
+        if export == "copy":  # copy=True: a host copy, made of the memory at once
+            return buf.__dlpack__(copy=True)
+        return np.from_dlpack(buf)
+
+    monkeypatch.setattr(_dlpack, "_order_for_consumer", checked_then_closed)
+    try:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+
+                async def close_once_checked() -> None:
+                    assert await anyio.to_thread.run_sync(checked.wait, 10)
+                    await device.close()
+                    closed.set()
+
+                tg.start_soon(close_once_checked)
+                with pytest.raises(am.ClosedResourceError) as refused:
+                    await anyio.to_thread.run_sync(exported)
+    finally:
+        closed.set()
+        await device.close()
+    assert str(refused.value) == (
+        "the buffer's device cpu:40 was closed as the buffer was exported (the close "
+        "freed its memory)"
+    )
+    assert not buf._allocation.block.lent and not device._allocator._left_lent
+
+
+@pytest.mark.anyio
 async def test_exported_buffers_leave_no_record_once_released(anyio_backend: object) -> None:
     """A buffer exported through DLPack, then freed: the allocator forgets the export,
     so its memory (freed natively, or cached and handed out again) is not kept alive.

@@ -25,7 +25,14 @@ from ._driver import (
     process_lost_error,
     refuse_if_lost,
 )
-from ._interop import check_stream_context, device_index_of, keeps_context, stream_handle
+from ._interop import (
+    STREAM_LEGACY,
+    check_stream_context,
+    device_index_of,
+    keeps_context,
+    stream_handle,
+    stream_id,
+)
 from ._peer import enable_peer_access
 from ._queue import CUDAQueue
 from ._staging import STAGE_CHUNK, STAGE_RING, STAGE_SPARE, Chunk
@@ -45,6 +52,7 @@ class CUDABackend(Backend):
     # A wait on another kind's queue timeline (a cpu or npy queue's: no device word) is
     # held on the host until that queue's thread raised it (native/cuda_submit.c).
     waits_across_kinds = True
+    _stream_ids = True  # the driver tells streams' ids (cuStreamGetId): see stream_key
     # The native queue bounds what a stream has in flight (MAX_IN_FLIGHT), device waits
     # included, and holds the rest.
 
@@ -298,6 +306,20 @@ class CUDABackend(Backend):
         return device_index_of(address)
 
     def stream_key(self, stream: object) -> object:
+        # The handle and the driver's id: a stream destroyed while its queue lives and a
+        # new stream given its handle are told apart. Where the driver gives no id (or
+        # for the legacy stream, one per context), the handle alone.
+        handle = stream_handle(stream)
+        check_stream_context(handle, self.context_address, self.name)
+        if handle == STREAM_LEGACY or not self._stream_ids:
+            return handle
+        identity = stream_id(handle, self.name)
+        if identity is None:
+            self._stream_ids = False  # (asked once: the driver has none)
+            return handle
+        return handle, identity
+
+    def checked_stream(self, stream: object) -> int:
         handle = stream_handle(stream)
         check_stream_context(handle, self.context_address, self.name)
         return handle
@@ -310,8 +332,7 @@ class CUDABackend(Backend):
         # Stream rules as adopt_stream's (the per-thread stream refused, this context's
         # streams only). Each use is a queue's value: its stream's own are in order
         # already (and a wait on its word could wait for a command behind the wait).
-        handle = stream_handle(stream)
-        check_stream_context(handle, self.context_address, self.name)
+        handle = self.checked_stream(stream)
         for timeline, target in uses:
             owner = timeline.queue if isinstance(timeline, CUDATimeline) else None
             if isinstance(owner, CUDAQueue) and owner.handle != handle:

@@ -7,7 +7,9 @@ stream (``.cuda_stream``), a CuPy stream (``.ptr``), a cuda-bindings ``CUstream`
 raw handle (an integer -- a Python int, a numpy or PyTorch integer scalar: anything with
 ``__index__`` but a bool -- ``0``/``1`` the legacy default stream). The per-thread default
 stream (``2``) is refused: it is a different stream on every thread, and a queue's
-commands may be submitted from another thread than the one that adopted it. A cuda
+commands may be submitted from another thread than the one that adopted it. A stream
+adopted is known by its handle and the driver's id of it (:func:`stream_id`): a
+stream destroyed and a new one that got its handle are two streams. A cuda
 buffer's DLPack consumer names its stream by the same rules; that stream is ordered on
 (``CUDAQueue.order_stream``), not adopted.
 """
@@ -75,6 +77,20 @@ def check_stream_context(handle: int, context_address: int, where: str) -> None:
             f"the stream belongs to another CUDA context than {where}'s primary context "
             "(another GPU, or a context of its own): adopt it on the device it belongs to"
         )
+
+
+def stream_id(handle: int, where: str) -> int | None:
+    """The driver's id of the stream ``handle`` (cuStreamGetId, CUDA 12.0 on), unique in
+    the process: a destroyed stream's handle may be a new stream's, its id never is.
+    None where the bindings or the driver have no cuStreamGetId (the bindings raise
+    RuntimeError where the driver lacks a function)."""
+    try:
+        err, identity = cu.cuStreamGetId(cu.CUstream(handle))
+    except (AttributeError, RuntimeError):  # (AttributeError: bindings before CUDA 12)
+        return None
+    if int(err):
+        raise _driver.driver_error("cuStreamGetId", err, where)
+    return int(identity)
 
 
 def device_index_of(address: int) -> int | None:

@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
+from asyncmetal import _dlpack
 from asyncmetal._buffer import record_uses
+from tests.api.test_dlpack_take import _tensor
 from tests.reliability import test_cuda_faults
 from tests.reliability.test_cuda_faults import CUresult, _confirmed, _Driver, numbered_only
 
@@ -451,3 +453,44 @@ async def test_an_export_held_behind_a_cpu_queues_command_names_it(
             q.timeline.native.signal(q.submitted)
         await cpu.close()
         await dev.close()
+
+
+async def test_ml_dtypes_views_have_an_interface_only_where_their_type_string_says_which(
+    anyio_backend: object, driver_fixture: _Driver
+) -> None:
+    """A bfloat16 view's ``__cuda_array_interface__`` types it ``<V2`` (its numpy type
+    string, which no other type exported has: as PyTorch gives it); ml_dtypes' one-byte
+    types would all be ``|V1``, so their views have none -- AttributeError naming
+    DLPack, ``hasattr`` False -- and their DLPack capsules carry their types (kDLFloat8_*,
+    kDLInt 4 bits flagged padded), on the device. Checked: fails without the fix (each
+    one-byte view's interface said ``|V1``)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="needs ml_dtypes (JAX installs it)")
+    dev = await am.open_device("cuda:0")
+    try:
+        buf = await dev.alloc(256)
+        bfloat16 = buf.typed(ml_dtypes.bfloat16, (8, -1))
+        interface = bfloat16.__cuda_array_interface__
+        assert interface["typestr"] == "<V2" and interface["shape"] == (8, 16)
+        assert _dtype_of(bfloat16.__dlpack__(max_version=(1, 1))) == (4, 16, 0)  # kDLBfloat
+        for name, code, bits in (
+            ("float8_e4m3fn", 10, 8),
+            ("float8_e5m2", 12, 8),
+            ("float4_e2m1fn", 17, 4),
+            ("int4", 0, 4),
+        ):
+            view = buf.typed(getattr(ml_dtypes, name))
+            with pytest.raises(AttributeError, match=f"no type string for {name}.*DLPack"):
+                view.__cuda_array_interface__  # noqa: B018 - the property is the call
+            assert not hasattr(view, "__cuda_array_interface__")
+            padded = _dlpack.FLAG_SUBBYTE_PADDED if bits < 8 else 0
+            assert _dtype_of(view.__dlpack__(max_version=(1, 1))) == (code, bits, padded)
+    finally:
+        await dev.close()
+
+
+def _dtype_of(capsule: object) -> tuple[int, int, int]:
+    """(type code, bits, padded flag) of a versioned capsule of cuda:0's memory."""
+    managed, tensor = _tensor(capsule)
+    assert (tensor.device.device_type, tensor.device.device_id) == (_dlpack.KDLCUDA, 0)
+    padded = managed.flags & _dlpack.FLAG_SUBBYTE_PADDED
+    return tensor.dtype.code, tensor.dtype.bits, padded
