@@ -876,8 +876,13 @@ class _Nvrtc:
         return (_NvrtcResult.NVRTC_SUCCESS, *values)
 
     @staticmethod
-    def _fill(buf: bytes, data: bytes) -> None:  # (as the bindings write a bytes buffer)
-        ctypes.memmove(ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value, data, len(data))
+    def _fill(buf: bytes | bytearray, data: bytes) -> None:
+        # As the bindings do (a char* parameter): into the object's storage, bytes too.
+        if isinstance(buf, bytearray):
+            buf[: len(data)] = data
+        else:
+            address = ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value
+            ctypes.memmove(address, data, len(data))
 
     def nvrtcVersion(self) -> tuple[Any, ...]:
         return self._result("nvrtcVersion", 12, 8)
@@ -905,7 +910,7 @@ class _Nvrtc:
     def nvrtcGetProgramLogSize(self, prog: int) -> tuple[Any, ...]:
         return self._result("nvrtcGetProgramLogSize", len(self._log()))
 
-    def nvrtcGetProgramLog(self, prog: int, buf: bytes) -> tuple[Any, ...]:
+    def nvrtcGetProgramLog(self, prog: int, buf: bytes | bytearray) -> tuple[Any, ...]:
         result = self._result("nvrtcGetProgramLog")
         if result[0] == 0:
             self._fill(buf, self._log())
@@ -914,7 +919,7 @@ class _Nvrtc:
     def nvrtcGetCUBINSize(self, prog: int) -> tuple[Any, ...]:
         return self._result("nvrtcGetCUBINSize", 16)
 
-    def nvrtcGetCUBIN(self, prog: int, buf: bytes) -> tuple[Any, ...]:
+    def nvrtcGetCUBIN(self, prog: int, buf: bytes | bytearray) -> tuple[Any, ...]:
         result = self._result("nvrtcGetCUBIN")
         if result[0] == 0:
             self._fill(buf, b"\x7fELF" + b"\0" * 12)
@@ -1004,6 +1009,27 @@ def test_a_missing_nvrtc_library_is_a_compile_error(
     _bind(monkeypatch, "nvrtc", _Nvrtc(missing=True))
     with pytest.raises(am.CompileError, match="NVRTC"):
         CUDACompiler().compile(SRC)
+
+
+def test_nvrtc_never_writes_into_bytes_the_interpreter_shares(
+    monkeypatch: pytest.MonkeyPatch, sim: _SweepDriver
+) -> None:
+    """NVRTC writes a program's log and CUBIN into the buffers the compiler hands it. An
+    empty log is one byte (its NUL), and ``b" " * 1`` is the interpreter's cached
+    ``b" "``, shared by every one-byte ``b" "`` in the process: written into, every
+    later ``bytes([32])`` reads 0 (and a metal ``Queue.fill(buf, 32)``, in any test
+    after this one, is refused as a pattern of no byte repeated). Checked: fails
+    without the fix (the log's buffer was ``b" " * size``)."""
+    fake = _Nvrtc()
+    assert len(fake._log()) == 1  # (an empty log: its NUL alone)
+    spaced = bytes([32])  # the cached b" "
+    try:
+        binary, error = _nvrtc_run(monkeypatch, fake)
+        assert error is None and binary is not None, error
+        assert spaced[0] == 32 and int.from_bytes(bytes([32]), "little") == 32
+    finally:
+        if spaced[0] != 32:  # (put back: the tests after this one would read it)
+            ctypes.memset(ctypes.cast(ctypes.c_char_p(spaced), ctypes.c_void_p).value, 32, 1)
 
 
 def test_every_failing_call_around_a_discarding_close_ends_in_a_clear_error() -> None:

@@ -40,13 +40,17 @@ class CUDACompiler(Compiler):
             ]
             (err,) = _call("nvrtcCompileProgram", prog, len(options), options)
             size = _check(_call("nvrtcGetProgramLogSize", prog), "nvrtcGetProgramLogSize")
-            raw = b" " * size
+            # NVRTC writes into the buffer it is given (the bindings pass its storage as
+            # a char*): a fresh bytearray, never bytes, which the interpreter may share
+            # (b" " * 1, the size of an empty log, its NUL, is the interpreter's cached
+            # b" ", whose byte the NUL would overwrite for the whole process).
+            raw = bytearray(size)
             _check(_call("nvrtcGetProgramLog", prog, raw), "nvrtcGetProgramLog")
             log = raw.rstrip(b"\0").decode(errors="replace")
             if int(err) != 0:
                 raise CompileError(f"nvrtcCompileProgram failed: {_nvrtc_name(err)}", log)
             size = _check(_call("nvrtcGetCUBINSize", prog), "nvrtcGetCUBINSize")
-            cubin = b" " * size
+            cubin = bytearray(size)
             _check(_call("nvrtcGetCUBIN", prog, cubin), "nvrtcGetCUBIN")
             self._last_log = log
             return bytes(cubin)
