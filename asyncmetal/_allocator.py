@@ -600,13 +600,29 @@ class Allocator:
             raise
         finally:
             if counted:
-                with self._lock:  # (no call before the count is down)
-                    under_way = self._allocating[thread] - 1
-                    if under_way:
-                        self._allocating[thread] = under_way
-                    else:
-                        del self._allocating[thread]
-                    self._allocated.notify_all()
+                # A KeyboardInterrupt as this waits for the lock (another thread's
+                # allocation holds it: CPython runs the handler in the wait, and nothing
+                # is taken) does not skip what follows: it waits again, and the interrupt
+                # is raised once done -- skipped, the allocation stayed under way, and
+                # the device's close waited for good.
+                interrupt: KeyboardInterrupt | None = None
+                entered = False
+                while not entered:
+                    try:
+                        with self._lock:  # (no call before the count is down)
+                            entered = True
+                            under_way = self._allocating[thread] - 1
+                            if under_way:
+                                self._allocating[thread] = under_way
+                            else:
+                                del self._allocating[thread]
+                            self._allocated.notify_all()
+                    except KeyboardInterrupt as exc:
+                        if entered:
+                            raise
+                        interrupt = exc
+                if interrupt is not None:
+                    raise interrupt
         self._frees.increment()
         return None
 

@@ -26,7 +26,7 @@ from asyncmetal._cache import CompileCache
 from asyncmetal.backends.cuda import _backend as cuda_backend
 from asyncmetal.backends.cuda._backend import CUDABackend
 from tests.reliability.test_cuda_faults import fake_driver
-from tests.support.interrupts import interrupted
+from tests.support.interrupts import InterruptedWait, interrupted
 from tests.support.threads import submission_lock_held
 
 GPUS = [d for d in am.devices() if d.startswith("cuda:")]
@@ -158,6 +158,43 @@ async def test_a_keyboard_interrupt_anywhere_in_an_allocation_loses_no_memory(
             break
         at += 1
     assert at >= 20
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", DEVICES)
+async def test_a_keyboard_interrupt_in_a_wait_for_the_lock_in_an_allocation_leaves_none_under_way(
+    anyio_backend: object, name: str, request: pytest.FixtureRequest
+) -> None:
+    """A KeyboardInterrupt in each of an allocation's waits for the allocator's lock in
+    turn (as Ctrl-C comes while another thread allocates or frees) leaves no allocation
+    counted as under way -- the device's close, which waits until none is, ends -- and
+    loses no memory. Checked: fails without the fix (the wait that counts the
+    allocation out, interrupted, left it under way: the close waited for good)."""
+    at = 0
+    while True:
+        device = await _open(name, request)
+        device.memory_budget = BUDGET
+        allocator = device._allocator
+        lock = InterruptedWait(allocator._lock, at)
+        allocator._lock = lock
+        buf = None
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                buf = await device.alloc(MiB)
+        finally:
+            allocator._lock = lock.lock
+        left = dict(allocator._allocating)
+        allocator._allocating.clear()  # (the close ends whatever was left)
+        if buf is not None:
+            await buf.free()
+            del buf
+        with anyio.fail_after(LIMIT):
+            await _nothing_lost(device, [], set())
+        assert not left, f"the wait for the lock numbered {at} interrupted left an allocation"
+        if not lock.raised:
+            break
+        at += 1
+    assert at >= 3
 
 
 # Where an interrupt loses a native free: the block is off the books, and the backend's
