@@ -23,6 +23,7 @@ from asyncmetal import _allocator, _buffer, _dlpack, _timeline
 from asyncmetal._allocator import Allocation, Allocator, Block
 from asyncmetal._buffer import Buffer
 from asyncmetal._cache import CompileCache
+from asyncmetal._threads import Freer
 from asyncmetal.backends.cuda import _backend as cuda_backend
 from asyncmetal.backends.cuda._backend import CUDABackend
 from tests.reliability.test_cuda_faults import fake_driver
@@ -195,6 +196,39 @@ async def test_a_keyboard_interrupt_in_a_wait_for_the_lock_in_an_allocation_leav
             break
         at += 1
     assert at >= 3
+
+
+def test_a_keyboard_interrupt_in_a_lock_wait_as_a_freer_starts_leaves_it_stoppable() -> None:
+    """A KeyboardInterrupt in each of a first free's waits for its Freer's lock in turn
+    (the free starts the Freer's thread; Ctrl-C comes while a free on another thread
+    holds the lock) leaves the thread recorded and the Freer not starting: its stop
+    ends, and what was queued is released. Checked: fails without the fix (the wait
+    after the thread started, interrupted, left it starting: the stop waited for
+    good)."""
+    at = 0
+    while True:
+        released: list[int] = []
+        freer: Freer[int] = Freer("asyncmetal-test-free", released.append)
+        lock = InterruptedWait(freer._lock, at)
+        freer._lock = lock
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                freer.free(1)
+        finally:
+            freer._lock = lock.lock
+        queued = at > 0 or not lock.raised  # (the first wait is the free's own, before)
+        starting = freer._starting
+        freer._starting = False  # (the stop ends whatever was left)
+        stopper = threading.Thread(target=freer.stop, daemon=True)
+        stopper.start()
+        stopper.join(LIMIT)
+        assert not stopper.is_alive(), "the stop waited for good"
+        assert not starting, f"the wait for the lock numbered {at} interrupted left it starting"
+        assert released == ([1] if queued else [])
+        if not lock.raised:
+            break
+        at += 1
+    assert at >= 2
 
 
 # Where an interrupt loses a native free: the block is off the books, and the backend's
