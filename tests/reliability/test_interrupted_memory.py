@@ -26,6 +26,7 @@ from asyncmetal._cache import CompileCache
 from asyncmetal._threads import Freer
 from asyncmetal.backends.cuda import _backend as cuda_backend
 from asyncmetal.backends.cuda._backend import CUDABackend
+from asyncmetal.backends.metal import _blocks
 from tests.reliability.test_cuda_faults import fake_driver
 from tests.support.interrupts import InterruptedWait, interrupted
 from tests.support.threads import submission_lock_held
@@ -225,6 +226,46 @@ def test_a_keyboard_interrupt_in_a_lock_wait_as_a_freer_starts_leaves_it_stoppab
         assert not stopper.is_alive(), "the stop waited for good"
         assert not starting, f"the wait for the lock numbered {at} interrupted left it starting"
         assert released == ([1] if queued else [])
+        if not lock.raised:
+            break
+        at += 1
+    assert at >= 2
+
+
+def test_a_keyboard_interrupt_in_a_lock_wait_as_metal_blocks_start_letting_go_leaves_none_starting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A KeyboardInterrupt in each of the waits for the Metal blocks' lock in turn as
+    the thread that lets go of what blocks keep is started (Ctrl-C comes while another
+    thread holds the lock: a command made, a block run) leaves that thread recorded and
+    none starting, which would hold every later start back. Checked: fails without the fix (the wait
+    after the thread started, interrupted, left it starting: no thread was started again,
+    and what blocks keep stayed)."""
+    done = threading.Event()
+    monkeypatch.setattr(_blocks, "_let_go", done.wait)  # (the thread: until let go of)
+    monkeypatch.setattr(_blocks, "_held", {0: object()})  # (something kept)
+    monkeypatch.setattr(_blocks, "_letting_go", None)
+    monkeypatch.setattr(_blocks, "_starting", False)
+    real = _blocks._lock
+    at = 0
+    while True:
+        lock = InterruptedWait(real, at)
+        _blocks._lock = lock
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                _blocks._start_letting_go()
+        finally:
+            _blocks._lock = real
+        starting, thread = _blocks._starting, _blocks._letting_go
+        started = [t for t in threading.enumerate() if t.name == "asyncmetal-metal-blocks"]
+        _blocks._starting = False  # (a later start is not held back by what was left)
+        done.set()
+        for each in started:
+            each.join(LIMIT)
+        done.clear()
+        _blocks._letting_go = None
+        assert not starting, f"the wait for the lock numbered {at} interrupted left it starting"
+        assert thread is (started[0] if started else None)
         if not lock.raised:
             break
         at += 1
