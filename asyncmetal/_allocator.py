@@ -296,24 +296,39 @@ class _ReleaseCounter(NativeTimeline):
         try:
             self._requests.append(target)
         finally:  # (also where an interrupt came right after the append)
+            # A KeyboardInterrupt as this waits for the lock (another thread counts:
+            # CPython runs the handler in the wait, and nothing is taken) does not skip
+            # the count: it waits again, and the interrupt is raised once done --
+            # skipped, the requests stayed queued, uncounted until some later one.
+            interrupt: KeyboardInterrupt | None = None
             taking = True
             while taking and self._requests:
-                with self._lock:
-                    taking = not self._busy  # (busy: this thread, beneath this finalizer)
-                    if taking:
-                        self._busy = True
-                        try:
-                            while self._requests:  # only the busy thread takes them out
-                                target = self._requests[0]
-                                if target == 0:
-                                    self._value += 1
-                                elif target > self._value:
-                                    self._value = target
-                                del self._requests[0]
-                        finally:
-                            self._busy = False
+                entered = False
+                try:
+                    with self._lock:
+                        entered = True
+                        taking = not self._busy  # (busy: this thread, beneath this finalizer)
+                        if taking:
+                            self._busy = True
+                            try:
+                                while self._requests:  # only the busy thread takes them out
+                                    target = self._requests[0]
+                                    if target == 0:
+                                        self._value += 1
+                                    elif target > self._value:
+                                        self._value = target
+                                    del self._requests[0]
+                            finally:
+                                self._busy = False
+                except KeyboardInterrupt as exc:
+                    if entered:
+                        raise
+                    interrupt = exc
+                    continue
                 if taking:
                     self._on_advance(self._value)
+            if interrupt is not None:
+                raise interrupt
 
     def forked(self) -> None:
         """In a forked child: a parent thread may have been counting at the fork (the
