@@ -58,7 +58,7 @@ def interrupted(codes: set[types.CodeType], at: int) -> Iterator[list[str]]:
 
 
 class InterruptedWait:
-    """A lock (a device's submission lock, an allocator's) whose ``at``-th blocking
+    """A lock (a device's submission lock, an allocator's, a Condition) whose ``at``-th blocking
     acquire on this thread (counted from 0) is interrupted: KeyboardInterrupt raised,
     nothing taken -- what CPython does where Ctrl-C comes as the main thread waits for a
     lock another thread holds (a submission of another loop's): it runs the handler
@@ -90,6 +90,9 @@ class InterruptedWait:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.lock, name)  # (a Condition's notify_all, wait)
 
 
 async def native_closes(
