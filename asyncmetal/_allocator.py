@@ -566,6 +566,7 @@ class Allocator:
         block stays allocated, counted nowhere, until the process ends."""
         thread = threading.get_ident()
         counted = reserved = False
+        interrupt: KeyboardInterrupt | None = None  # one in a wait below: raised once done
         handle: Any = None  # a native block, not handed out yet
         block: Block | None = None
         try:
@@ -605,14 +606,25 @@ class Allocator:
                     reserved = False
         except BaseException:
             if reserved:
-                with self._lock:
-                    if block is None or block not in self._live:  # not handed out
-                        if not self.closed:  # (a close counted the reservation out already)
-                            self.in_use -= size
-                        if handle is not None:
-                            self._state.backend.free(handle)
+                # A KeyboardInterrupt as this waits for the lock (a second Ctrl-C, the
+                # first what brought this here) waits again, as the count below does:
+                # skipped, the reservation stayed in use for good, and the block allocated.
+                entered = False
+                while not entered:
+                    try:
+                        with self._lock:
+                            entered = True
+                            if block is None or block not in self._live:  # not handed out
+                                if not self.closed:  # (a close counted it out already)
+                                    self.in_use -= size
+                                if handle is not None:
+                                    self._state.backend.free(handle)
+                    except KeyboardInterrupt as exc:
+                        if entered:
+                            raise
+                        interrupt = exc
                 self._frees.increment()  # the reservation may have held another back
-            raise
+            raise  # (and the interrupt, if any, once the finally below waited too)
         finally:
             if counted:
                 # A KeyboardInterrupt as this waits for the lock (another thread's
@@ -620,7 +632,6 @@ class Allocator:
                 # is taken) does not skip what follows: it waits again, and the interrupt
                 # is raised once done -- skipped, the allocation stayed under way, and
                 # the device's close waited for good.
-                interrupt: KeyboardInterrupt | None = None
                 entered = False
                 while not entered:
                     try:
@@ -636,8 +647,8 @@ class Allocator:
                         if entered:
                             raise
                         interrupt = exc
-                if interrupt is not None:
-                    raise interrupt
+            if interrupt is not None:
+                raise interrupt
         self._frees.increment()
         return None
 

@@ -64,9 +64,9 @@ class InterruptedWait:
     lock another thread holds (a submission of another loop's): it runs the handler
     inside the wait."""
 
-    def __init__(self, lock: Any, at: int) -> None:
+    def __init__(self, lock: Any, at: int, *more: int) -> None:
         self.lock = lock
-        self.at = at
+        self.at = {at, *more}  # (more: further waits interrupted, as repeated Ctrl-Cs)
         self.waits = 0
         self.raised = False
         self._thread = threading.get_ident()
@@ -74,7 +74,7 @@ class InterruptedWait:
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         if blocking and threading.get_ident() == self._thread:
             self.waits += 1
-            if self.waits - 1 == self.at:
+            if self.waits - 1 in self.at:
                 self.raised = True
                 raise KeyboardInterrupt
         return bool(self.lock.acquire(blocking, timeout))
