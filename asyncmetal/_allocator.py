@@ -296,24 +296,39 @@ class _ReleaseCounter(NativeTimeline):
         try:
             self._requests.append(target)
         finally:  # (also where an interrupt came right after the append)
+            # A KeyboardInterrupt as this waits for the lock (another thread counts:
+            # CPython runs the handler in the wait, and nothing is taken) does not skip
+            # the count: it waits again, and the interrupt is raised once done --
+            # skipped, the requests stayed queued, uncounted until some later one.
+            interrupt: KeyboardInterrupt | None = None
             taking = True
             while taking and self._requests:
-                with self._lock:
-                    taking = not self._busy  # (busy: this thread, beneath this finalizer)
-                    if taking:
-                        self._busy = True
-                        try:
-                            while self._requests:  # only the busy thread takes them out
-                                target = self._requests[0]
-                                if target == 0:
-                                    self._value += 1
-                                elif target > self._value:
-                                    self._value = target
-                                del self._requests[0]
-                        finally:
-                            self._busy = False
+                entered = False
+                try:
+                    with self._lock:
+                        entered = True
+                        taking = not self._busy  # (busy: this thread, beneath this finalizer)
+                        if taking:
+                            self._busy = True
+                            try:
+                                while self._requests:  # only the busy thread takes them out
+                                    target = self._requests[0]
+                                    if target == 0:
+                                        self._value += 1
+                                    elif target > self._value:
+                                        self._value = target
+                                    del self._requests[0]
+                            finally:
+                                self._busy = False
+                except KeyboardInterrupt as exc:
+                    if entered:
+                        raise
+                    interrupt = exc
+                    continue
                 if taking:
                     self._on_advance(self._value)
+            if interrupt is not None:
+                raise interrupt
 
     def forked(self) -> None:
         """In a forked child: a parent thread may have been counting at the fork (the
@@ -551,6 +566,7 @@ class Allocator:
         block stays allocated, counted nowhere, until the process ends."""
         thread = threading.get_ident()
         counted = reserved = False
+        interrupt: KeyboardInterrupt | None = None  # one in a wait below: raised once done
         handle: Any = None  # a native block, not handed out yet
         block: Block | None = None
         try:
@@ -590,23 +606,49 @@ class Allocator:
                     reserved = False
         except BaseException:
             if reserved:
-                with self._lock:
-                    if block is None or block not in self._live:  # not handed out
-                        if not self.closed:  # (a close counted the reservation out already)
-                            self.in_use -= size
-                        if handle is not None:
-                            self._state.backend.free(handle)
+                # A KeyboardInterrupt as this waits for the lock (a second Ctrl-C, the
+                # first what brought this here) waits again, as the count below does:
+                # skipped, the reservation stayed in use for good, and the block allocated.
+                entered = False
+                while not entered:
+                    try:
+                        with self._lock:
+                            entered = True
+                            if block is None or block not in self._live:  # not handed out
+                                if not self.closed:  # (a close counted it out already)
+                                    self.in_use -= size
+                                if handle is not None:
+                                    self._state.backend.free(handle)
+                    except KeyboardInterrupt as exc:
+                        if entered:
+                            raise
+                        interrupt = exc
                 self._frees.increment()  # the reservation may have held another back
-            raise
+            raise  # (and the interrupt, if any, once the finally below waited too)
         finally:
             if counted:
-                with self._lock:  # (no call before the count is down)
-                    under_way = self._allocating[thread] - 1
-                    if under_way:
-                        self._allocating[thread] = under_way
-                    else:
-                        del self._allocating[thread]
-                    self._allocated.notify_all()
+                # A KeyboardInterrupt as this waits for the lock (another thread's
+                # allocation holds it: CPython runs the handler in the wait, and nothing
+                # is taken) does not skip what follows: it waits again, and the interrupt
+                # is raised once done -- skipped, the allocation stayed under way, and
+                # the device's close waited for good.
+                entered = False
+                while not entered:
+                    try:
+                        with self._lock:  # (no call before the count is down)
+                            entered = True
+                            under_way = self._allocating[thread] - 1
+                            if under_way:
+                                self._allocating[thread] = under_way
+                            else:
+                                del self._allocating[thread]
+                            self._allocated.notify_all()
+                    except KeyboardInterrupt as exc:
+                        if entered:
+                            raise
+                        interrupt = exc
+            if interrupt is not None:
+                raise interrupt
         self._frees.increment()
         return None
 

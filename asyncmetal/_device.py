@@ -124,18 +124,29 @@ def why_unavailable(name: str) -> str:
     return "" if cls.available() else cls.unavailable()
 
 
+# The largest index a device name may have: a C int, as DLPack's device id and CUDA's
+# device ordinal are (cpu:N opens any N: one past this is no device any backend has).
+MAX_DEVICE_INDEX = 2**31 - 1
+
+
 def parse_name(name: str) -> tuple[str, int]:
     if not isinstance(name, str):
         raise ArgumentTypeError(f"device name must be a str, got {type(name).__name__}")
     kind, colon, index = name.partition(":")
     # (ASCII digits only, no leading zero: "cpu:01" would be another name for cpu:1, and
-    # str.isdigit passes digits int() refuses, such as "²")
+    # str.isdigit passes digits int() refuses, such as "²"; at most MAX_DEVICE_INDEX)
     if kind not in backends.BACKENDS or (
-        colon and not (index.isascii() and index.isdigit() and str(int(index)) == index)
+        colon
+        and not (
+            index.isascii()
+            and index.isdigit()
+            and str(int(index)) == index
+            and int(index) <= MAX_DEVICE_INDEX
+        )
     ):
         raise InvalidArgumentError(
             f"unknown device {name!r}: expected one of {', '.join(backends.BACKENDS)}, "
-            "optionally with ':N'"
+            f"optionally with ':N' (N at most {MAX_DEVICE_INDEX})"
         )
     return kind, int(index or 0)
 

@@ -212,9 +212,25 @@ class Freer(Generic[T]):
             thread = None  # (not started: the next free tries again)
             raise
         finally:
-            with self._lock:
-                self._thread, self._starting = thread, False
-                self._started.notify_all()
+            # A KeyboardInterrupt as this waits for the lock (a free on another thread
+            # holds it: CPython runs the handler in the wait, and nothing is taken) does
+            # not skip what follows: it waits again, and the interrupt is raised once
+            # done -- skipped, the thread went unrecorded and ``_starting`` stayed set:
+            # later frees only queued, and a stop waited for good.
+            interrupt: KeyboardInterrupt | None = None
+            entered = False
+            while not entered:
+                try:
+                    with self._lock:  # (no call before the thread is recorded)
+                        entered = True
+                        self._thread, self._starting = thread, False
+                        self._started.notify_all()
+                except KeyboardInterrupt as exc:
+                    if entered:
+                        raise
+                    interrupt = exc
+            if interrupt is not None:
+                raise interrupt
 
     def _run(self) -> None:
         frees, release = self.frees, self._release

@@ -99,6 +99,28 @@ async def test_unknown_device_is_a_clear_error(anyio_backend: object) -> None:
         await am.open_device("tpu")
 
 
+async def test_a_device_index_past_any_backends_is_a_clear_error(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An index past the largest any backend takes (a C int, as DLPack's device id and
+    CUDA's ordinal are) is bad input, as a malformed one is: named directly or by
+    $ASYNCMETAL_DEVICE, for cpu (which opens any index below it) and cuda. Checked:
+    fails without the fix (cpu:99999999999999999999 opened)."""
+    largest = 2**31 - 1
+    async with am.open_device(f"cpu:{largest}") as dev:
+        assert dev.name == f"cpu:{largest}"
+    for name in (f"cpu:{largest + 1}", "cpu:99999999999999999999", f"cuda:{largest + 1}"):
+        with pytest.raises(am.InvalidArgumentError, match=f"unknown device {name!r}"):
+            await am.open_device(name)
+        monkeypatch.setenv("ASYNCMETAL_DEVICE", name)
+        with pytest.raises(
+            am.InvalidArgumentError,
+            match=rf"unknown device {name!r}.*\(from \$ASYNCMETAL_DEVICE\)",
+        ):
+            await am.open_device()
+        monkeypatch.delenv("ASYNCMETAL_DEVICE")
+
+
 async def test_a_device_not_here_is_not_found(anyio_backend: object) -> None:
     """A known kind whose device is not here (no such GPU, an index past those there
     are): DeviceNotFoundError, also a LookupError, naming what can be opened (checked:

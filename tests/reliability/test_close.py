@@ -25,7 +25,12 @@ import asyncmetal as am
 from asyncmetal import _device, _device_state, backends
 from asyncmetal._compile import Compiler
 from asyncmetal.backends.cpu import CCompiler, CPUBackend
-from tests.support.interrupts import check_queue_making_interrupted, interrupted, native_closes
+from tests.support.interrupts import (
+    InterruptedWait,
+    check_queue_making_interrupted,
+    interrupted,
+    native_closes,
+)
 from tests.support.kernels import KERNELS, MSL_KERNELS
 from tests.support.other_kind import held_pair
 from tests.support.queues import (
@@ -1317,40 +1322,6 @@ async def test_a_keyboard_interrupt_as_a_queue_is_made_leaves_none_unreleased(
     assert at >= 8
 
 
-class _InterruptedWait:
-    """A device's submission lock whose ``at``-th blocking acquire on this thread
-    (counted from 0) is interrupted: KeyboardInterrupt raised, nothing taken -- what
-    CPython does where Ctrl-C comes as the main thread waits for a lock another thread
-    holds (a submission of another loop's): it runs the handler inside the wait."""
-
-    def __init__(self, lock: Any, at: int) -> None:
-        self.lock = lock
-        self.at = at
-        self.waits = 0
-        self.raised = False
-        self._thread = threading.get_ident()
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        if blocking and threading.get_ident() == self._thread:
-            self.waits += 1
-            if self.waits - 1 == self.at:
-                self.raised = True
-                raise KeyboardInterrupt
-        return bool(self.lock.acquire(blocking, timeout))
-
-    def release(self) -> None:
-        self.lock.release()
-
-    def _is_owned(self) -> bool:
-        return bool(self.lock._is_owned())
-
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
 @pytest.mark.anyio
 async def test_a_keyboard_interrupt_in_a_wait_for_the_lock_as_a_queue_is_made_leaves_no_making(
     anyio_backend: object, device_name: str
@@ -1363,7 +1334,7 @@ async def test_a_keyboard_interrupt_in_a_wait_for_the_lock_as_a_queue_is_made_le
     at = 0
     while True:
         device = await am.open_device(device_name)
-        lock = _InterruptedWait(device._state.submitting, at)
+        lock = InterruptedWait(device._state.submitting, at)
         device._state.submitting = lock
         made = None
         try:

@@ -23,10 +23,12 @@ from asyncmetal import _allocator, _buffer, _dlpack, _timeline
 from asyncmetal._allocator import Allocation, Allocator, Block
 from asyncmetal._buffer import Buffer
 from asyncmetal._cache import CompileCache
+from asyncmetal._threads import Freer
 from asyncmetal.backends.cuda import _backend as cuda_backend
 from asyncmetal.backends.cuda._backend import CUDABackend
+from asyncmetal.backends.metal import _blocks
 from tests.reliability.test_cuda_faults import fake_driver
-from tests.support.interrupts import interrupted
+from tests.support.interrupts import InterruptedWait, interrupted
 from tests.support.threads import submission_lock_held
 
 GPUS = [d for d in am.devices() if d.startswith("cuda:")]
@@ -158,6 +160,186 @@ async def test_a_keyboard_interrupt_anywhere_in_an_allocation_loses_no_memory(
             break
         at += 1
     assert at >= 20
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", DEVICES)
+async def test_a_keyboard_interrupt_in_a_wait_for_the_lock_in_an_allocation_leaves_none_under_way(
+    anyio_backend: object, name: str, request: pytest.FixtureRequest
+) -> None:
+    """A KeyboardInterrupt in each of an allocation's waits for the allocator's lock in
+    turn (as Ctrl-C comes while another thread allocates or frees) leaves no allocation
+    counted as under way -- the device's close, which waits until none is, ends -- and
+    loses no memory. Checked: fails without the fix (the wait that counts the
+    allocation out, interrupted, left it under way: the close waited for good)."""
+    at = 0
+    while True:
+        device = await _open(name, request)
+        device.memory_budget = BUDGET
+        allocator = device._allocator
+        lock = InterruptedWait(allocator._lock, at)
+        allocator._lock = lock
+        buf = None
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                buf = await device.alloc(MiB)
+        finally:
+            allocator._lock = lock.lock
+        left = dict(allocator._allocating)
+        allocator._allocating.clear()  # (the close ends whatever was left)
+        if buf is not None:
+            await buf.free()
+            del buf
+        with anyio.fail_after(LIMIT):
+            await _nothing_lost(device, [], set())
+        assert not left, f"the wait for the lock numbered {at} interrupted left an allocation"
+        if not lock.raised:
+            break
+        at += 1
+    assert at >= 3
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", DEVICES)
+async def test_two_keyboard_interrupts_in_waits_for_the_lock_in_an_allocation_lose_no_memory(
+    anyio_backend: object, name: str, request: pytest.FixtureRequest
+) -> None:
+    """A KeyboardInterrupt in each of an allocation's waits for the allocator's lock in
+    turn, and a second one in the wait after it (Ctrl-C twice, while another thread
+    allocates or frees), loses no memory: the reservation an interrupted allocation
+    made is counted out, its native block freed. Checked: fails without the fix (the
+    second interrupt, in the wait that counts the reservation out, left it in use)."""
+    at = 0
+    while True:
+        device = await _open(name, request)
+        device.memory_budget = BUDGET
+        allocator = device._allocator
+        lock = InterruptedWait(allocator._lock, at, at + 1)
+        allocator._lock = lock
+        buf = None
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                buf = await device.alloc(MiB)
+        finally:
+            allocator._lock = lock.lock
+        allocator._allocating.clear()  # (the close ends whatever was left)
+        if buf is not None:
+            await buf.free()
+            del buf
+        with anyio.fail_after(LIMIT):
+            await _nothing_lost(device, [f"the waits numbered {at} and {at + 1}"], set())
+        if not lock.raised:
+            break
+        at += 1
+    assert at >= 3
+
+
+def test_a_keyboard_interrupt_in_a_lock_wait_as_a_freer_starts_leaves_it_stoppable() -> None:
+    """A KeyboardInterrupt in each of a first free's waits for its Freer's lock in turn
+    (the free starts the Freer's thread; Ctrl-C comes while a free on another thread
+    holds the lock) leaves the thread recorded and the Freer not starting: its stop
+    ends, and what was queued is released. Checked: fails without the fix (the wait
+    after the thread started, interrupted, left it starting: the stop waited for
+    good)."""
+    at = 0
+    while True:
+        released: list[int] = []
+        freer: Freer[int] = Freer("asyncmetal-test-free", released.append)
+        lock = InterruptedWait(freer._lock, at)
+        freer._lock = lock
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                freer.free(1)
+        finally:
+            freer._lock = lock.lock
+        queued = at > 0 or not lock.raised  # (the first wait is the free's own, before)
+        starting = freer._starting
+        freer._starting = False  # (the stop ends whatever was left)
+        stopper = threading.Thread(target=freer.stop, daemon=True)
+        stopper.start()
+        stopper.join(LIMIT)
+        assert not stopper.is_alive(), "the stop waited for good"
+        assert not starting, f"the wait for the lock numbered {at} interrupted left it starting"
+        assert released == ([1] if queued else [])
+        if not lock.raised:
+            break
+        at += 1
+    assert at >= 2
+
+
+def test_a_keyboard_interrupt_in_a_lock_wait_as_metal_blocks_start_letting_go_leaves_none_starting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A KeyboardInterrupt in each of the waits for the Metal blocks' lock in turn as
+    the thread that lets go of what blocks keep is started (Ctrl-C comes while another
+    thread holds the lock: a command made, a block run) leaves that thread recorded and
+    none starting, which would hold every later start back. Checked: fails without the fix (the wait
+    after the thread started, interrupted, left it starting: no thread was started again,
+    and what blocks keep stayed)."""
+    done = threading.Event()
+    monkeypatch.setattr(_blocks, "_let_go", done.wait)  # (the thread: until let go of)
+    monkeypatch.setattr(_blocks, "_held", {0: object()})  # (something kept)
+    monkeypatch.setattr(_blocks, "_letting_go", None)
+    monkeypatch.setattr(_blocks, "_starting", False)
+    real = _blocks._lock
+    at = 0
+    while True:
+        lock = InterruptedWait(real, at)
+        _blocks._lock = lock
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                _blocks._start_letting_go()
+        finally:
+            _blocks._lock = real
+        starting, thread = _blocks._starting, _blocks._letting_go
+        started = [t for t in threading.enumerate() if t.name == "asyncmetal-metal-blocks"]
+        _blocks._starting = False  # (a later start is not held back by what was left)
+        done.set()
+        for each in started:
+            each.join(LIMIT)
+        done.clear()
+        _blocks._letting_go = None
+        assert not starting, f"the wait for the lock numbered {at} interrupted left it starting"
+        assert thread is (started[0] if started else None)
+        if not lock.raised:
+            break
+        at += 1
+    assert at >= 2
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", DEVICES)
+async def test_a_keyboard_interrupt_in_a_lock_wait_as_a_free_wakes_allocations_counts_it(
+    anyio_backend: object, name: str, request: pytest.FixtureRequest
+) -> None:
+    """A KeyboardInterrupt in each of a free's waits for the lock of the count that
+    wakes waiting allocations in turn (Ctrl-C comes while another thread counts) leaves
+    no wake-up queued uncounted, and loses no memory. Checked: fails without the fix
+    (the wake-up stayed queued, uncounted until some later one)."""
+    at = 0
+    while True:
+        device = await _open(name, request)
+        device.memory_budget = BUDGET
+        buf = await device.alloc(MiB)
+        counter = device._allocator._frees._counter
+        before = counter.value
+        lock = InterruptedWait(counter._lock, at)
+        counter._lock = lock
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                await buf.free()
+        finally:
+            counter._lock = lock.lock
+        left = list(counter._requests)
+        assert not left, f"the wait for the lock numbered {at} interrupted left a wake-up"
+        assert counter.value > before
+        del buf
+        with anyio.fail_after(LIMIT):
+            await _nothing_lost(device, [], set())
+        if not lock.raised:
+            break
+        at += 1
+    assert at >= 1
 
 
 # Where an interrupt loses a native free: the block is off the books, and the backend's

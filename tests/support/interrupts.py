@@ -6,6 +6,7 @@ import contextlib
 import gc
 import inspect
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -54,6 +55,44 @@ def interrupted(codes: set[types.CodeType], at: int) -> Iterator[list[str]]:
     finally:
         sys.setprofile(None)
         sys.unraisablehook = hook
+
+
+class InterruptedWait:
+    """A lock (a device's submission lock, an allocator's, a Condition) whose ``at``-th blocking
+    acquire on this thread (counted from 0) is interrupted: KeyboardInterrupt raised,
+    nothing taken -- what CPython does where Ctrl-C comes as the main thread waits for a
+    lock another thread holds (a submission of another loop's): it runs the handler
+    inside the wait."""
+
+    def __init__(self, lock: Any, at: int, *more: int) -> None:
+        self.lock = lock
+        self.at = {at, *more}  # (more: further waits interrupted, as repeated Ctrl-Cs)
+        self.waits = 0
+        self.raised = False
+        self._thread = threading.get_ident()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if blocking and threading.get_ident() == self._thread:
+            self.waits += 1
+            if self.waits - 1 in self.at:
+                self.raised = True
+                raise KeyboardInterrupt
+        return bool(self.lock.acquire(blocking, timeout))
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def _is_owned(self) -> bool:
+        return bool(self.lock._is_owned())
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.lock, name)  # (a Condition's notify_all, wait)
 
 
 async def native_closes(

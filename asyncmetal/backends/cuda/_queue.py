@@ -335,10 +335,26 @@ class CUDAQueue(NativeQueue):
                 self._unrestored()
             return code
         finally:
-            with self._closing:
-                self._exporting -= 1
-                if not self._exporting:
-                    self._closing.notify_all()
+            # A KeyboardInterrupt as this waits for the lock (a close or a discard on
+            # another thread holds it: CPython runs the handler in the wait, and nothing
+            # is taken) does not skip what follows: it waits again, and the interrupt is
+            # raised once done -- skipped, the call stayed counted, and the queue's close
+            # waited for good.
+            interrupt: KeyboardInterrupt | None = None
+            entered = False
+            while not entered:
+                try:
+                    with self._closing:  # (no call before the count is down)
+                        entered = True
+                        self._exporting -= 1
+                        if not self._exporting:
+                            self._closing.notify_all()
+                except KeyboardInterrupt as exc:
+                    if entered:
+                        raise
+                    interrupt = exc
+            if interrupt is not None:
+                raise interrupt
 
     def _hand_over_signals(self, value: int, depth: int) -> bool:
         """Before a hand-over up to command ``value`` is tried again: the queue signals

@@ -199,11 +199,30 @@ def _start_letting_go() -> None:
             thread = threading.Thread(target=_let_go, name="asyncmetal-metal-blocks", daemon=True)
             thread.start()
         finally:
-            with _lock:
-                _letting_go, _starting = thread, False
-                # Started, the thread may have found nothing kept and ended already,
-                # while another caller, seeing it starting, left something to it.
-                again = thread is not None and not thread.is_alive() and bool(_held or _unfreed)
+            # A KeyboardInterrupt as this waits for the lock (another thread holds it: a
+            # command made, a block run; CPython runs the handler in the wait, and
+            # nothing is taken) does not skip what follows: it waits again, and the
+            # interrupt is raised once done -- skipped, ``_starting`` stayed set, and no
+            # thread was started again: what blocks keep stayed until a reap, maybe never.
+            interrupt: KeyboardInterrupt | None = None
+            entered = False
+            while not entered:
+                try:
+                    with _lock:  # (no call before the thread is recorded)
+                        entered = True
+                        _letting_go, _starting = thread, False
+                        # Started, the thread may have found nothing kept and ended
+                        # already, while another caller, seeing it starting, left
+                        # something to it.
+                        again = (
+                            thread is not None and not thread.is_alive() and bool(_held or _unfreed)
+                        )
+                except KeyboardInterrupt as exc:
+                    if entered:
+                        raise
+                    interrupt = exc
+            if interrupt is not None:
+                raise interrupt
 
 
 def _let_go() -> None:

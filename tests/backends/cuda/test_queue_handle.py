@@ -9,6 +9,7 @@ queue kept open, and none after it closed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 
 from asyncmetal._timeline import QUEUE_DISCARDED
 from asyncmetal.backends.cuda._queue import CUDAQueue
+from tests.support.interrupts import InterruptedWait
 
 
 class _Lib:
@@ -108,3 +110,40 @@ def test_a_close_on_another_thread_waits_for_an_exports_call(call: str) -> None:
     export()  # closed: nothing to order, and no call on the freed queue
     queue.discard(QUEUE_DISCARDED)
     assert len(lib.calls) == 2
+
+
+@pytest.mark.parametrize("call", ["hand_over", "order_stream"])
+def test_a_keyboard_interrupt_in_a_wait_for_the_lock_as_an_export_calls_leaves_it_closable(
+    call: str,
+) -> None:
+    """A KeyboardInterrupt in each of an export's waits for the queue's lock in turn (as
+    Ctrl-C comes while a close or a discard on another thread holds it) leaves no call
+    counted as under way: the queue's close, which waits until none is, ends. Checked:
+    fails without the fix (the wait that counts the call out, interrupted, left it
+    counted: the close waited for good)."""
+    at = 0
+    while True:
+        lib = _Lib()
+        lib.release.set()  # (the call returns at once)
+        queue = _queue(lib)
+        lock = InterruptedWait(queue._closing, at)
+        queue._closing = lock
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                if call == "hand_over":
+                    queue.hand_over(5)
+                else:
+                    queue.order_stream(0, 99, 5)
+        finally:
+            queue._closing = lock.lock
+        left = queue._exporting
+        queue._exporting = 0  # (the close ends whatever was left)
+        closing = threading.Thread(target=queue.close, daemon=True)
+        closing.start()
+        closing.join(10)
+        assert not closing.is_alive() and lib.freed
+        assert not left, f"the wait for the lock numbered {at} interrupted left a call counted"
+        if not lock.raised:
+            break
+        at += 1
+    assert at >= 2
