@@ -634,7 +634,6 @@ def test_options_for_a_compiler_without_its_flags_last_are_refused() -> None:
     assert _FlagsFirst()._with_options(()) == _FlagsFirst()
 
 
-
 async def test_a_copy_of_a_pool_is_the_pool_itself(pool: CompilePool) -> None:
     """``copy.copy``/``copy.deepcopy`` of a CompilePool gives the pool itself: a copy
     kept its own state over the original's workers, so a compile on it once the
