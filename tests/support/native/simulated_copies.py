@@ -294,6 +294,33 @@ SWEEP_BIG = 5 * CHUNK // 2 + 5  # three chunks
 
 HELD_AHEAD = 40  # with held: copies of 1 ms ahead of the workload's (its bound: 32)
 
+# The simulated driver's kinds of calls counted (fake_cuda_driver.c, FAKE_CALL_*, in order).
+FAKE_CALLS = (
+    "launch",
+    "record",
+    "create",
+    "write",
+    "fill",
+    "copy",
+    "copy_peer",
+    "htod",
+    "dtoh",
+    "wait",
+    "wait_event",
+)
+
+
+def _kinds(sim: _Simulated) -> list[str]:
+    """The kinds of the driver calls counted since the run began."""
+    return [name for i, name in enumerate(FAKE_CALLS) if sim.counted_kinds.value >> i & 1]
+
+
+def _kind_of(sim: _Simulated, n: int) -> str:
+    """The kind of the run's counted driver call number ``n`` (from 1)."""
+    if not 0 < n <= min(sim.counted.value, len(sim.counted_order)):
+        return "not made"
+    return FAKE_CALLS[sim.counted_order[n - 1][0] - ord("A")]
+
 
 async def _sweep_run(
     sim: _Simulated, fail_at: int, code: int, seen: Seen | None = None, held: bool = False
@@ -319,6 +346,7 @@ async def _sweep_run(
     _driver.lost_first = None  # (each run in a process whose CUDA state is not lost)
     sim.fault_code.value = 0
     sim.counted.value, sim.fail_at.value, sim.fail_code.value = 0, fail_at, code
+    sim.counted_kinds.value = 0
     threads, made = device_threads(), sim.events_made.value - sim.events_destroyed.value
     before = _counters(sim)
     rng = np.random.default_rng(fail_at)
@@ -463,20 +491,24 @@ async def _copy_sweep(sim: _Simulated, first: int, step: int, held: bool) -> See
     """The copy workload once clean, counting the submitting thread's driver calls, then
     for N = ``first``, ``first + step``, ... with call N failing, not sticky (an invalid
     value) and sticky (the context faulted). What each copy's await ended with is
-    counted in "outcomes"."""
+    counted in "outcomes"; the kinds of the calls counted in the clean run, in "kinds"
+    (how many of each there are depends on timing: events reused, a wait found
+    confirmed, held commands handed over as earlier ones end)."""
     clean: Seen = {}
     total, problems = await _sweep_run(sim, 0, 0, clean, held)
+    kinds = _kinds(sim)
     found = [f"clean: {p}" for p in problems]
     outcomes: dict[str, int] = {}
     for code in (1, STICKY):
         for n in range(first, total + 1, step):
             seen: Seen = {}
             _, problems = await _sweep_run(sim, n, code, seen, held)
-            found += [f"call {n} failing with {code}: {p}" for p in problems]
+            failed = f"call {n} ({_kind_of(sim, n)}) failing with {code}"
+            found += [f"{failed}: {p}" for p in problems]
             for result in seen.values():
                 key = "done" if result == "done" else "failed"
                 outcomes[key] = outcomes.get(key, 0) + 1
-    return {"calls": total, "found": found, "clean": clean, "outcomes": outcomes}
+    return {"calls": total, "kinds": kinds, "found": found, "clean": clean, "outcomes": outcomes}
 
 
 SCENARIOS = {"copies": _copies, "cancelled_copy": _cancelled}
