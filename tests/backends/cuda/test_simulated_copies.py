@@ -98,9 +98,10 @@ def test_every_failing_driver_call_of_copies_ends_in_a_clear_error(
     thread's handing them over as well. Every await ends done or with an
     AsyncMetalError (a refusal with DeviceLostError once sticky); a copy done holds its
     source's bytes, and the bytes written where all it follows is done; none is done
-    after a copy it waits for failed; the buffer the device copy wrote, freed at once,
-    is not handed out while a copy uses it; no thread nor event is left; after an error
-    that is not sticky, both devices work again."""
+    after a copy it follows failed, unless that failure had settled when it was
+    submitted (it then does not wait, and copies what is there); the buffer the device
+    copy wrote, freed at once, is not handed out while a copy uses it; no thread nor
+    event is left; after an error that is not sticky, both devices work again."""
     seen = _seen("copy_sweep", loop, (str(first), str(step), str(held)))
     assert set(seen["clean"].values()) == {"done"}, seen["clean"]
     # Every kind of a copy's driver calls was counted, so failed in turn (how many

@@ -369,6 +369,10 @@ async def _sweep_run(
                 "out_small": functools.partial(q.copy, out_small, c),
             }
             done: dict[str, Any] = {}
+            # Of each copy submitted, the earlier ones settled once it was: a copy on
+            # another queue submitted after one it follows was known to have failed
+            # does not wait for it (README, on a failed command's memory).
+            settled: dict[str, set[str]] = {}
             ahead: list[Any] = []
             if held:  # (not counted: the same in every run)
                 filler, spare = _bytes(rng, SWEEP_SMALL), await dev.alloc(SWEEP_SMALL)
@@ -379,6 +383,7 @@ async def _sweep_run(
                 for name, submit in submissions.items():
                     try:
                         done[name] = submit()
+                        settled[name] = {e for e, then in done.items() if e != name and then.done()}
                     except am.AsyncMetalError as exc:
                         results[name] = _error(exc)
                         if code == STICKY and not isinstance(exc, DeviceLostError):
@@ -414,6 +419,7 @@ async def _sweep_run(
             problems += _wrong(
                 results,
                 submitted=set(done),
+                settled=settled,
                 memory={
                     "c": _memory(c),
                     "a": _memory(a),
@@ -461,12 +467,22 @@ async def _sweep_run(
 SOURCES = {"c": "small", "a": "big", "b": "a", "out_big": "b", "d": "a", "out_small": "c"}
 
 
-def _wrong(results: dict[str, str], submitted: set[str], memory: dict[str, bytes]) -> list[str]:
+def _wrong(
+    results: dict[str, str],
+    submitted: set[str],
+    settled: dict[str, set[str]],
+    memory: dict[str, bytes],
+) -> list[str]:
     """What the sweep's copies did wrong: a copy done whose bytes are not its source's
     as they are now (nothing writes them after the workload's copy: what a refused copy
-    left unwritten, the copy after it copies as it is), or are not what its source's
-    own copy wrote there, done; and a copy done after one it follows that was submitted
-    and failed (it waited on the device for that one: it fails too)."""
+    left unwritten, the copy after it copies as it is -- and what a failed one's parts
+    that reached the driver wrote, once they ran: a copy reading them as they run
+    differs), or are not what its source's own copy wrote there, done; and a copy done
+    after one it follows that was submitted and failed, where that one had not settled
+    once it was submitted (``settled``: by copy, those settled then) -- it waited on the
+    device for that one, and fails too. Submitted after that one's failure settled, it
+    does not wait for it, and runs on what is there (README: a command that failed
+    leaves the memory it would have written as it was)."""
     found = []
     for name, source in SOURCES.items():
         if results.get(name) != "done":
@@ -475,8 +491,10 @@ def _wrong(results: dict[str, str], submitted: set[str], memory: dict[str, bytes
         while chain[-1] in SOURCES:
             chain.append(SOURCES[chain[-1]])
         for earlier in chain[1:-1]:
-            if earlier in submitted and results.get(earlier) != "done":
-                found.append(f"{name}: done after {earlier}, which failed")
+            failed = earlier in submitted and results.get(earlier) != "done"
+            if failed and earlier not in settled.get(name, ()):
+                unsettled = f"had not settled when {name} was submitted"
+                found.append(f"{name}: done after {earlier}, which failed and {unsettled}")
         if name not in memory:  # (b: freed, seen through out_big)
             continue
         if source in memory and memory[name] != memory[source]:
