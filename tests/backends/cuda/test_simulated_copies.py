@@ -22,6 +22,9 @@ from tests.support.native import harness
 from tests.support.native.simulated_cuda import run_child
 
 LOOPS = ["asyncio", "trio"]
+# The driver calls of the sweep's copies: the copies themselves, each command's event,
+# the staging's word writes (a chunk free again) and the stream's waits (a chunk filled).
+COPY_CALLS = {"htod", "dtoh", "copy", "copy_peer", "record", "write", "wait"}
 
 
 @functools.cache
@@ -95,13 +98,15 @@ def test_every_failing_driver_call_of_copies_ends_in_a_clear_error(
     thread's handing them over as well. Every await ends done or with an
     AsyncMetalError (a refusal with DeviceLostError once sticky); a copy done holds its
     source's bytes, and the bytes written where all it follows is done; none is done
-    after a copy it waits for failed; the buffer the device copy wrote, freed at once,
-    is not handed out while a copy uses it; no thread nor event is left; after an error
-    that is not sticky, both devices work again."""
+    after a copy it follows failed, unless that failure had settled when it was
+    submitted (it then does not wait, and copies what is there); the buffer the device
+    copy wrote, freed at once, is not handed out while a copy uses it; no thread nor
+    event is left; after an error that is not sticky, both devices work again."""
     seen = _seen("copy_sweep", loop, (str(first), str(step), str(held)))
     assert set(seen["clean"].values()) == {"done"}, seen["clean"]
-    # Every kind of a copy's driver calls (held: with the fillers' hand-overs, how many
-    # of them the completion thread hands over depends on timing).
-    assert seen["calls"] > (45 if held else 30), seen
+    # Every kind of a copy's driver calls was counted, so failed in turn (how many
+    # there are depends on timing; a device wait on another queue's command may be a
+    # wait on its event or on its word, or none once it is confirmed).
+    assert set(seen["kinds"]) >= COPY_CALLS, seen
     assert seen["outcomes"]["failed"] > 0 and seen["outcomes"]["done"] > 0, seen
     assert not seen["found"], "\n".join(seen["found"])

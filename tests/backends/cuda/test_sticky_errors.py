@@ -60,4 +60,5 @@ def test_the_values_are_the_drivers() -> None:
     if _driver.cu is None:
         pytest.skip("cuda-bindings is not installed: no CUresult to compare CUDA_H with")
     for name, value in CUDA_H.items():
-        assert int(_driver.cu.CUresult[name]) == value, name
+        # (getattr: cuda-bindings 13's CUresult is not subscriptable by name)
+        assert int(getattr(_driver.cu.CUresult, name)) == value, name

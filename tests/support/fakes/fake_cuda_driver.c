@@ -31,11 +31,23 @@ atomic_int records_in_driver;
  * (every later call fails with it). */
 atomic_long counted_calls, fail_at;
 atomic_int fail_code, count_all;
+/* The kinds of the calls counted: a bit for each FAKE_CALL_* (which calls a sweep failed
+ * in turn: their number depends on timing), and the kind of each of the first 256, as
+ * 'A' + FAKE_CALL_* (which call a failing number was). In the order of simulated_copies.py's
+ * FAKE_CALLS. */
+enum { FAKE_CALL_LAUNCH, FAKE_CALL_RECORD, FAKE_CALL_CREATE, FAKE_CALL_WRITE, FAKE_CALL_FILL,
+       FAKE_CALL_COPY, FAKE_CALL_COPY_PEER, FAKE_CALL_HTOD, FAKE_CALL_DTOH, FAKE_CALL_WAIT,
+       FAKE_CALL_WAIT_EVENT };
+atomic_uint counted_kinds;
+atomic_char counted_order[256];
 static _Thread_local int counting;
 void fake_count_calls(int on) { counting = on; }
-static int injected(void) {
+static int injected(int kind) {
     if (!counting && !atomic_load(&count_all)) return 0;
-    if (atomic_fetch_add(&counted_calls, 1) + 1 != atomic_load(&fail_at)) return 0;
+    atomic_fetch_or(&counted_kinds, 1u << kind);
+    long n = atomic_fetch_add(&counted_calls, 1) + 1;
+    if (n <= 256) atomic_store(&counted_order[n - 1], (char)('A' + kind));
+    if (n != atomic_load(&fail_at)) return 0;
     int code = atomic_load(&fail_code);
     if (code == ILLEGAL_ADDRESS) atomic_store(&fault_code, code);
     return code;
@@ -310,7 +322,7 @@ void stream_free(fake_stream *s, int abandon) {
 static int f_launch(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                     unsigned bz, unsigned shared, void *stream, void **params, void **extra) {
     (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)extra;
-    int inject = injected();
+    int inject = injected(FAKE_CALL_LAUNCH);
     if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     if (fn && fn == refuse_fn) return 1;  /* CUDA_ERROR_INVALID_VALUE */
@@ -338,7 +350,7 @@ static int f_launch(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx
     return 0;
 }
 static int f_record(void *e, void *stream) {
-    int inject = injected();
+    int inject = injected(FAKE_CALL_RECORD);
     if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     fake_stream *refused = stream;  /* the next record there: CUDA_ERROR_INVALID_VALUE */
@@ -376,7 +388,7 @@ static int f_sync(void *e) {
     return r;
 }
 static int f_create(void **e, unsigned flags) {
-    int inject = injected();
+    int inject = injected(FAKE_CALL_CREATE);
     if (inject) return inject;
     *e = calloc(1, sizeof(fake_event));
     ((fake_event *)*e)->flags = flags;
@@ -393,7 +405,7 @@ static int f_destroy(void *e) {
 }
 static int f_write(void *stream, void *word, uint64_t value, unsigned flags) {
     (void)flags;
-    int inject = injected();
+    int inject = injected(FAKE_CALL_WRITE);
     if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     if (word == &refuse_word) return 1;  /* CUDA_ERROR_INVALID_VALUE */
@@ -401,7 +413,7 @@ static int f_write(void *stream, void *word, uint64_t value, unsigned flags) {
     return 0;
 }
 static int fill(void *stream, uint64_t dst, uint32_t pattern, int size, size_t items) {
-    int inject = injected();
+    int inject = injected(FAKE_CALL_FILL);
     if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     if (dst % (uint64_t)size) return 1;  /* CUDA_ERROR_INVALID_VALUE: misaligned */
@@ -418,8 +430,9 @@ static int f_memset16(uint64_t dst, unsigned short us, size_t n, void *stream) {
 static int f_memset32(uint64_t dst, unsigned int ui, size_t n, void *stream) {
     return fill(stream, dst, ui, 4, n);
 }
-static int copy_call(void *stream, uintptr_t dst, uintptr_t src, size_t nbytes, int staged) {
-    int inject = injected();
+static int copy_call(void *stream, uintptr_t dst, uintptr_t src, size_t nbytes, int staged,
+                     int kind) {
+    int inject = injected(kind);
     if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     if (staged) {  /* from pageable memory: read now, into the driver's own */
@@ -432,24 +445,25 @@ static int copy_call(void *stream, uintptr_t dst, uintptr_t src, size_t nbytes, 
     return 0;
 }
 static int f_copy(uint64_t dst, uint64_t src, size_t nbytes, void *stream) {
-    return copy_call(stream, dst, src, nbytes, 0);
+    return copy_call(stream, dst, src, nbytes, 0, FAKE_CALL_COPY);
 }
 static int f_copy_peer(uint64_t dst, void *dst_ctx, uint64_t src, void *src_ctx, size_t nbytes,
                        void *stream) {
     if (!dst_ctx || !src_ctx) die("a peer copy without its contexts");
-    return copy_call(stream, dst, src, nbytes, 0);
+    return copy_call(stream, dst, src, nbytes, 0, FAKE_CALL_COPY_PEER);
 }
 static int f_htod(uint64_t dst, const void *src, size_t nbytes, void *stream) {
-    return copy_call(stream, dst, (uintptr_t)src, nbytes, !is_registered((uintptr_t)src, nbytes));
+    return copy_call(stream, dst, (uintptr_t)src, nbytes, !is_registered((uintptr_t)src, nbytes),
+                     FAKE_CALL_HTOD);
 }
 static int f_dtoh(void *dst, uint64_t src, size_t nbytes, void *stream) {
     if (!is_registered((uintptr_t)dst, nbytes))
         die("a device-to-host copy into pageable memory (it blocks the calling thread)");
-    return copy_call(stream, (uintptr_t)dst, src, nbytes, 0);
+    return copy_call(stream, (uintptr_t)dst, src, nbytes, 0, FAKE_CALL_DTOH);
 }
 static int f_wait(void *stream, void *word, uint64_t value, unsigned flags) {
     (void)flags;
-    int inject = injected();
+    int inject = injected(FAKE_CALL_WAIT);
     if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     enqueue(stream, (op){OP_WAIT, (int64_t)value, word, 0});
@@ -457,7 +471,7 @@ static int f_wait(void *stream, void *word, uint64_t value, unsigned flags) {
 }
 static int f_wait_event(void *stream, void *e, unsigned flags) {
     (void)flags;
-    int inject = injected();
+    int inject = injected(FAKE_CALL_WAIT_EVENT);
     if (inject) return inject;
     fake_event *ev = e;
     int64_t recorded = atomic_load(&ev->recorded);

@@ -294,6 +294,33 @@ SWEEP_BIG = 5 * CHUNK // 2 + 5  # three chunks
 
 HELD_AHEAD = 40  # with held: copies of 1 ms ahead of the workload's (its bound: 32)
 
+# The simulated driver's kinds of calls counted (fake_cuda_driver.c, FAKE_CALL_*, in order).
+FAKE_CALLS = (
+    "launch",
+    "record",
+    "create",
+    "write",
+    "fill",
+    "copy",
+    "copy_peer",
+    "htod",
+    "dtoh",
+    "wait",
+    "wait_event",
+)
+
+
+def _kinds(sim: _Simulated) -> list[str]:
+    """The kinds of the driver calls counted since the run began."""
+    return [name for i, name in enumerate(FAKE_CALLS) if sim.counted_kinds.value >> i & 1]
+
+
+def _kind_of(sim: _Simulated, n: int) -> str:
+    """The kind of the run's counted driver call number ``n`` (from 1)."""
+    if not 0 < n <= min(sim.counted.value, len(sim.counted_order)):
+        return "not made"
+    return FAKE_CALLS[sim.counted_order[n - 1][0] - ord("A")]
+
 
 async def _sweep_run(
     sim: _Simulated, fail_at: int, code: int, seen: Seen | None = None, held: bool = False
@@ -319,6 +346,7 @@ async def _sweep_run(
     _driver.lost_first = None  # (each run in a process whose CUDA state is not lost)
     sim.fault_code.value = 0
     sim.counted.value, sim.fail_at.value, sim.fail_code.value = 0, fail_at, code
+    sim.counted_kinds.value = 0
     threads, made = device_threads(), sim.events_made.value - sim.events_destroyed.value
     before = _counters(sim)
     rng = np.random.default_rng(fail_at)
@@ -341,6 +369,10 @@ async def _sweep_run(
                 "out_small": functools.partial(q.copy, out_small, c),
             }
             done: dict[str, Any] = {}
+            # Of each copy submitted, the earlier ones settled once it was: a copy on
+            # another queue submitted after one it follows was known to have failed
+            # does not wait for it (README, on a failed command's memory).
+            settled: dict[str, set[str]] = {}
             ahead: list[Any] = []
             if held:  # (not counted: the same in every run)
                 filler, spare = _bytes(rng, SWEEP_SMALL), await dev.alloc(SWEEP_SMALL)
@@ -351,6 +383,7 @@ async def _sweep_run(
                 for name, submit in submissions.items():
                     try:
                         done[name] = submit()
+                        settled[name] = {e for e, then in done.items() if e != name and then.done()}
                     except am.AsyncMetalError as exc:
                         results[name] = _error(exc)
                         if code == STICKY and not isinstance(exc, DeviceLostError):
@@ -386,6 +419,7 @@ async def _sweep_run(
             problems += _wrong(
                 results,
                 submitted=set(done),
+                settled=settled,
                 memory={
                     "c": _memory(c),
                     "a": _memory(a),
@@ -433,12 +467,22 @@ async def _sweep_run(
 SOURCES = {"c": "small", "a": "big", "b": "a", "out_big": "b", "d": "a", "out_small": "c"}
 
 
-def _wrong(results: dict[str, str], submitted: set[str], memory: dict[str, bytes]) -> list[str]:
+def _wrong(
+    results: dict[str, str],
+    submitted: set[str],
+    settled: dict[str, set[str]],
+    memory: dict[str, bytes],
+) -> list[str]:
     """What the sweep's copies did wrong: a copy done whose bytes are not its source's
     as they are now (nothing writes them after the workload's copy: what a refused copy
-    left unwritten, the copy after it copies as it is), or are not what its source's
-    own copy wrote there, done; and a copy done after one it follows that was submitted
-    and failed (it waited on the device for that one: it fails too)."""
+    left unwritten, the copy after it copies as it is -- and what a failed one's parts
+    that reached the driver wrote, once they ran: a copy reading them as they run
+    differs), or are not what its source's own copy wrote there, done; and a copy done
+    after one it follows that was submitted and failed, where that one had not settled
+    once it was submitted (``settled``: by copy, those settled then) -- it waited on the
+    device for that one, and fails too. Submitted after that one's failure settled, it
+    does not wait for it, and runs on what is there (README: a command that failed
+    leaves the memory it would have written as it was)."""
     found = []
     for name, source in SOURCES.items():
         if results.get(name) != "done":
@@ -447,8 +491,10 @@ def _wrong(results: dict[str, str], submitted: set[str], memory: dict[str, bytes
         while chain[-1] in SOURCES:
             chain.append(SOURCES[chain[-1]])
         for earlier in chain[1:-1]:
-            if earlier in submitted and results.get(earlier) != "done":
-                found.append(f"{name}: done after {earlier}, which failed")
+            failed = earlier in submitted and results.get(earlier) != "done"
+            if failed and earlier not in settled.get(name, ()):
+                unsettled = f"had not settled when {name} was submitted"
+                found.append(f"{name}: done after {earlier}, which failed and {unsettled}")
         if name not in memory:  # (b: freed, seen through out_big)
             continue
         if source in memory and memory[name] != memory[source]:
@@ -463,20 +509,24 @@ async def _copy_sweep(sim: _Simulated, first: int, step: int, held: bool) -> See
     """The copy workload once clean, counting the submitting thread's driver calls, then
     for N = ``first``, ``first + step``, ... with call N failing, not sticky (an invalid
     value) and sticky (the context faulted). What each copy's await ended with is
-    counted in "outcomes"."""
+    counted in "outcomes"; the kinds of the calls counted in the clean run, in "kinds"
+    (how many of each there are depends on timing: events reused, a wait found
+    confirmed, held commands handed over as earlier ones end)."""
     clean: Seen = {}
     total, problems = await _sweep_run(sim, 0, 0, clean, held)
+    kinds = _kinds(sim)
     found = [f"clean: {p}" for p in problems]
     outcomes: dict[str, int] = {}
     for code in (1, STICKY):
         for n in range(first, total + 1, step):
             seen: Seen = {}
             _, problems = await _sweep_run(sim, n, code, seen, held)
-            found += [f"call {n} failing with {code}: {p}" for p in problems]
+            failed = f"call {n} ({_kind_of(sim, n)}) failing with {code}"
+            found += [f"{failed}: {p}" for p in problems]
             for result in seen.values():
                 key = "done" if result == "done" else "failed"
                 outcomes[key] = outcomes.get(key, 0) + 1
-    return {"calls": total, "found": found, "clean": clean, "outcomes": outcomes}
+    return {"calls": total, "kinds": kinds, "found": found, "clean": clean, "outcomes": outcomes}
 
 
 SCENARIOS = {"copies": _copies, "cancelled_copy": _cancelled}

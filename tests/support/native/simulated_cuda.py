@@ -93,6 +93,8 @@ class _Simulated:
         self.fail_at = ctypes.c_long.in_dll(fake, "fail_at")
         self.fail_code = ctypes.c_int.in_dll(fake, "fail_code")
         self.count_all = ctypes.c_int.in_dll(fake, "count_all")
+        self.counted_kinds = ctypes.c_uint.in_dll(fake, "counted_kinds")
+        self.counted_order = (ctypes.c_char * 256).in_dll(fake, "counted_order")
         self.events_made = ctypes.c_long.in_dll(fake, "events_made")
         self.events_destroyed = ctypes.c_long.in_dll(fake, "events_destroyed")
         fake.fake_count_calls.argtypes = [ctypes.c_int]
