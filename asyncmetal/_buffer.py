@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -20,8 +20,8 @@ from ._errors import (
     ArgumentTypeError,
     ClosedResourceError,
     InvalidArgumentError,
+    Singular,
     as_int,
-    not_picklable,
 )
 from ._timeline import Detached, run_detached, wait_value
 
@@ -59,7 +59,7 @@ def array_shape(nbytes: int, dtype: np.dtype[Any], shape: Any) -> tuple[int, ...
     return items_shape(nbytes, dtype, shape) + dtype.shape
 
 
-class Buffer(Exports):
+class Buffer(Exports, Singular):
     """Device memory. Made by ``await device.alloc(nbytes)``: ``nbytes`` long, on
     ``device``.
 
@@ -80,16 +80,6 @@ class Buffer(Exports):
         self._offset = offset
         self._nbytes = nbytes
         self._is_view = False  # made by view(): freed with the buffer it views
-
-    # Its memory is one, whatever refers to it: a copy is the same object.
-    def __copy__(self) -> Buffer:
-        return self
-
-    def __deepcopy__(self, memo: dict[int, object]) -> Buffer:
-        return self
-
-    def __reduce__(self) -> NoReturn:
-        not_picklable(self)
 
     def __repr__(self) -> str:
         state = " freed" if self._allocation.freed else ""

@@ -18,7 +18,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Collection, Coroutine, Generator, Iterable
 from queue import Empty, SimpleQueue
-from typing import Any, NoReturn
+from typing import Any
 
 import anyio
 import numpy as np
@@ -63,8 +63,8 @@ from ._errors import (
     DeviceLostError,
     DeviceNotFoundError,
     InvalidArgumentError,
+    Singular,
     as_int,
-    not_picklable,
     warn,
 )
 from ._interrupts import ctrl_c_discards
@@ -227,7 +227,7 @@ async def _count_completable() -> dict[Queue, int]:
     return completable(list(records), records)
 
 
-class Device:
+class Device(Singular):
     """An opened device. Use ``async with asyncmetal.open_device(name) as dev``.
 
     ``dev.queue`` is its default queue, made when it opens (``new_queue()`` makes more;
@@ -320,17 +320,6 @@ class Device:
 
     def __repr__(self) -> str:
         return f"<Device {self.name}{' closed' if self.closed else ''}>"
-
-    # One object per device: a copy would keep its own records of its queues, programs
-    # and close -- a copy is the same object (as a Program's is).
-    def __copy__(self) -> Device:
-        return self
-
-    def __deepcopy__(self, memo: dict[int, object]) -> Device:
-        return self
-
-    def __reduce__(self) -> NoReturn:
-        not_picklable(self)
 
     @property
     def name(self) -> str:

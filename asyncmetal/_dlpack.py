@@ -38,7 +38,7 @@ import ctypes
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 
@@ -47,8 +47,8 @@ from ._errors import (
     ArgumentTypeError,
     ExchangeError,
     InvalidArgumentError,
+    Singular,
     as_int,
-    not_picklable,
 )
 
 # The buffers here are asyncmetal Buffers, typed Any: _buffer imports this module, and
@@ -654,7 +654,7 @@ def items_shape(nbytes: int, dtype: np.dtype[Any], shape: Any) -> tuple[int, ...
         ) from None
 
 
-class TypedView(Exports):
+class TypedView(Exports, Singular):
     """A buffer's memory as a C-contiguous array of ``dtype`` and ``shape``, for export
     (``buf.typed(np.float32, (64, 64))``): ``torch.from_dlpack``, ``np.from_dlpack``,
     ``cupy.asarray`` take it. It holds nothing itself; an exported tensor holds the
@@ -673,16 +673,6 @@ class TypedView(Exports):
         self._buffer = buffer
         self._dtype: np.dtype[Any] = dtype
         self._shape: tuple[int, ...] = shape
-
-    # A typing of a buffer, unchanging: a copy is the same object.
-    def __copy__(self) -> TypedView:
-        return self
-
-    def __deepcopy__(self, memo: dict[int, object]) -> TypedView:
-        return self
-
-    def __reduce__(self) -> NoReturn:
-        not_picklable(self)
 
     def __repr__(self) -> str:
         return f"<TypedView {self._dtype}{list(self._shape)} of {self._buffer!r}>"

@@ -8,7 +8,7 @@ import os
 import sys
 import warnings
 from types import FrameType
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 # A timeout longer than this (seconds: about 32 years) is taken as none: an int too large
 # for a float, or a deadline the loops' clocks cannot hold, would raise instead.
@@ -91,6 +91,32 @@ def not_picklable(obj: object) -> NoReturn:
         "holds of a device, which another process cannot use (send data instead: "
         "await buffer.read())"
     )
+
+
+_S = TypeVar("_S", bound="Singular")
+
+
+class Singular:
+    """An object that is the one of its kind for what it stands for: a copy is the object
+    itself, and pickling it says it cannot be (``not_picklable``). A copy made anew would
+    keep records of its own -- a Device of its queues, programs and close; a Queue its
+    numbering of commands, over a native queue its original's close released; a
+    Timeline its record of signals, taking values below the original's; a CompilePool
+    its state over the original's workers, waiting for good on a pool closed meanwhile;
+    a Program a ``native`` its device unloads once the original is gone -- and a Buffer,
+    a TypedView and a Completion stand for one memory or one point on a timeline,
+    whatever refers to them."""
+
+    __slots__ = ()
+
+    def __copy__(self: _S) -> _S:
+        return self
+
+    def __deepcopy__(self: _S, memo: dict[int, object]) -> _S:
+        return self
+
+    def __reduce__(self) -> NoReturn:
+        not_picklable(self)
 
 
 class CompileWarning(UserWarning):

@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, NoReturn, cast
+from typing import Any, cast
 
 import anyio
 
@@ -38,7 +38,7 @@ from ._errors import (
     CompileError,
     CompileWarning,
     InvalidArgumentError,
-    not_picklable,
+    Singular,
     warn,
 )
 from ._messages import TMPDIR_VARIABLE, read_message, write_message, write_stop
@@ -394,7 +394,7 @@ def _remove_tree(path: str) -> None:
         time.sleep(0.02)
 
 
-class CompilePool:
+class CompilePool(Singular):
     """Worker processes that compile, with an in-memory and an on-disk cache.
 
     Workers start lazily (spawned interpreters), at most ``max_workers`` at once, and
@@ -441,18 +441,6 @@ class CompilePool:
         self._pid = os.getpid()  # a forked child refuses it
         self._compiles = 0  # jobs that ran in a worker
         _pools.add(self)
-
-    # One object per pool: a copy would keep its own state (closed, its jobs) over the
-    # original's workers and threads, and wait for good on a pool closed meanwhile --
-    # a copy is the same object.
-    def __copy__(self) -> CompilePool:
-        return self
-
-    def __deepcopy__(self, memo: dict[int, object]) -> CompilePool:
-        return self
-
-    def __reduce__(self) -> NoReturn:
-        not_picklable(self)
 
     def _check_usable(self) -> None:
         if self._pid != os.getpid():  # (before its lock, which a parent thread may hold)

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from ._compile import ParamKind, Signature
 from ._device_state import DeviceState
-from ._errors import not_picklable
+from ._errors import Singular
 from ._scalars import CODES
 
 if TYPE_CHECKING:
     from ._device import Device
 
 
-class Program:
+class Program(Singular):
     """A kernel loaded on one device, ready for ``Queue.launch``. Made by
     ``await device.compile(src, name)``.
 
@@ -104,14 +104,3 @@ class Program:
     def binary(self) -> bytes:
         """The compiled binary it was loaded from."""
         return self._binary
-
-    # One object per loaded program: its device unloads the program once it is gone,
-    # so a copy sharing ``native`` must not outlive it -- a copy is the same object.
-    def __copy__(self) -> Program:
-        return self
-
-    def __deepcopy__(self, memo: dict[int, object]) -> Program:
-        return self
-
-    def __reduce__(self) -> NoReturn:
-        not_picklable(self)

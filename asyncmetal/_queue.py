@@ -21,8 +21,8 @@ from ._errors import (
     ArgumentTypeError,
     ClosedResourceError,
     InvalidArgumentError,
+    Singular,
     as_int,
-    not_picklable,
 )
 from ._program import Program
 from ._scalars import Scalar, launch_value
@@ -53,7 +53,7 @@ _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 _ONE3 = (1, 1, 1)
 
 
-class Completion(Record):
+class Completion(Record, Singular):
     """One submitted command: the point ``value`` on ``queue.timeline``.
 
     ``await completion`` resumes once the device has finished the command (a checkpoint;
@@ -68,16 +68,6 @@ class Completion(Record):
         self.value = value
         self._error = self._ring = self._start_ns = self._end_ns = None
         self._row = self._due_ns = 0
-
-    # A point on a timeline, unchanging: a copy is the same object.
-    def __copy__(self) -> Completion:
-        return self
-
-    def __deepcopy__(self, memo: dict[int, object]) -> Completion:
-        return self
-
-    def __reduce__(self) -> NoReturn:
-        not_picklable(self)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
@@ -228,7 +218,7 @@ def _value_among_buffers(buffers: Sequence[object]) -> str:
     return ""
 
 
-class Queue:
+class Queue(Singular):
     """An ordered stream of device commands with its own timeline (values from 1).
     Made by ``device.new_queue()`` (``device.queue`` is the default one).
 
@@ -298,17 +288,6 @@ class Queue:
 
     def __repr__(self) -> str:
         return f"<Queue of {self._state.name} submitted={self._submitted}>"
-
-    # One object per queue: a copy would number commands on its own, and submit to a
-    # native queue its original's close released -- a copy is the same object.
-    def __copy__(self) -> Queue:
-        return self
-
-    def __deepcopy__(self, memo: dict[int, object]) -> Queue:
-        return self
-
-    def __reduce__(self) -> NoReturn:
-        not_picklable(self)
 
     @property
     def device(self) -> Device:

@@ -15,7 +15,7 @@ import types
 import weakref
 from asyncio import _get_running_loop
 from collections.abc import Callable, Generator
-from typing import Any, NoReturn, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from . import _bridge, _native
 from ._backend import NativeTimeline
@@ -26,8 +26,8 @@ from ._errors import (
     ClosedResourceError,
     DeviceLostError,
     InvalidArgumentError,
+    Singular,
     as_int,
-    not_picklable,
 )
 
 MAX_VALUE = (1 << 64) - 1
@@ -402,7 +402,7 @@ async def run_detached(
     return result
 
 
-class Timeline(Waitable):
+class Timeline(Waitable, Singular):
     """A monotonic 64-bit timeline (a shared event), starting at 0.
 
     Queues signal it and wait on it on the device (``Queue.signal`` / ``Queue.wait``);
@@ -448,17 +448,6 @@ class Timeline(Waitable):
 
     def __repr__(self) -> str:
         return f"<Timeline of {self._state.name} value={self.value}>"
-
-    # One object per timeline: a copy would keep its own record of the signals submitted,
-    # and take a value below the original's -- a copy is the same object.
-    def __copy__(self) -> Timeline:
-        return self
-
-    def __deepcopy__(self, memo: dict[int, object]) -> Timeline:
-        return self
-
-    def __reduce__(self) -> NoReturn:
-        not_picklable(self)
 
     def signal(self, value: int) -> None:
         """Raise the timeline to ``value`` from the host, at once.
