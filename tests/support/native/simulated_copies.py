@@ -22,13 +22,13 @@ import contextlib
 import ctypes
 import functools
 import gc
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 import numpy as np
 
-from tests.support.native.simulated_cuda import STICKY, Seen, _error, _Simulated
+from tests.support.native.simulated_cuda import STICKY, Seen, _error, _Simulated, left_behind
 
 CHUNK = 1 << 20  # the staging chunk here
 GPUS = 2
@@ -176,6 +176,28 @@ CANCELLED_CHUNKS = 20  # more than a ring holds: the copy itself reuses chunks
 SLOW_COPY_NS = 2_000_000  # each device copy of a chunk then
 
 
+async def _cancelled_at_third_copy(
+    sim: _Simulated, copy: Callable[[], Awaitable[Any]], seen: Seen
+) -> None:
+    """Submit and await ``copy()`` with the driver holding its third device copy (from
+    then on until the caller sets ``sim.hold_after`` to 0), cancelled once the driver
+    holds it; it gets there whatever the timing. Sets
+    ``seen["finished_before_cancelled"]`` if the copy ended first."""
+    started = sim.copies_started.value
+    sim.hold_after.value = started + 2
+    with anyio.CancelScope() as scope:
+
+        async def cancel_once_held() -> None:
+            while sim.copies_started.value < started + 3:
+                await anyio.sleep(0.001)
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancel_once_held)
+            await copy()
+            seen["finished_before_cancelled"] = True
+
+
 async def _cancelled_once(sim: _Simulated, dev: Any, to_device: bool) -> Seen:
     """A staged copy of ``CANCELLED_CHUNKS`` chunks, each device copy taking 2 ms, whose
     third device copy the driver holds; once it does, the awaiting task is cancelled,
@@ -192,25 +214,15 @@ async def _cancelled_once(sim: _Simulated, dev: Any, to_device: bool) -> Seen:
     if not to_device:  # (the source on the device first)
         await buf.write(first)
         await other.write(second)
-    started = sim.copies_started.value
     sim.copy_ns.value = SLOW_COPY_NS
-    sim.hold_after.value = started + 2
     try:
-        with anyio.CancelScope() as scope:
-
-            async def cancel_once_held() -> None:
-                # (the driver holds the third copy: it gets there whatever the timing)
-                while sim.copies_started.value < started + 3:
-                    await anyio.sleep(0.001)
-                scope.cancel()
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(cancel_once_held)
-                if to_device:
-                    await buf.write(first)
-                else:
-                    await dev.queue.copy(out, buf)
-                seen["finished_before_cancelled"] = True
+        await _cancelled_at_third_copy(
+            sim,
+            functools.partial(buf.write, first)
+            if to_device
+            else functools.partial(dev.queue.copy, out, buf),
+            seen,
+        )
         del first  # (what the copy reads, kept by the copy itself)
         gc.collect()
         seen["copying_when_cancelled"] = _busy(sim, buf)
@@ -247,20 +259,9 @@ async def _cancelled_read(sim: _Simulated, dev: Any) -> bool:
     size = CANCELLED_CHUNKS * CHUNK
     buf = await dev.alloc(size)
     await buf.write(_bytes(np.random.default_rng(9), size))
-    started = sim.copies_started.value
     sim.copy_ns.value = SLOW_COPY_NS // 4
-    sim.hold_after.value = started + 2
     try:
-        with anyio.CancelScope() as scope:
-
-            async def cancel_once_held() -> None:
-                while sim.copies_started.value < started + 3:
-                    await anyio.sleep(0.001)
-                scope.cancel()
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(cancel_once_held)
-                await buf.read()
+        await _cancelled_at_third_copy(sim, buf.read, {})
         gc.collect()
         arrays = [np.full(size, 7, np.uint8) for _ in range(4)]
     finally:
@@ -452,13 +453,7 @@ async def _sweep_run(
                         problems.append("after the error, a copy's bytes differ")
             except Exception as exc:
                 problems.append(f"the device failed after: {_error(exc)}")
-    deadline = anyio.current_time() + 10
-    while device_threads() - threads and anyio.current_time() < deadline:
-        await anyio.sleep(0.005)
-    if device_threads() - threads:
-        problems.append(f"threads left: {sorted(t.name for t in device_threads() - threads)}")
-    if sim.events_made.value - sim.events_destroyed.value != made:
-        problems.append("events never destroyed")
+    problems += await left_behind(sim, threads, made)
     problems += _broken(sim, before)
     return sim.counted.value, problems
 

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -269,28 +269,48 @@ async def _unrestored(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> See
     return seen
 
 
+@contextlib.asynccontextmanager
+async def _kernels_of_200_ms(
+    sim: _Simulated, queue: Any, kernel: Any, buf: Any
+) -> AsyncIterator[Callable[[], int]]:
+    """Within: a launch that ran first, then kernels that run 200 ms, and the driver's
+    refusals of event records undone after. Gives how many kernels the queue's stream
+    has run since the first."""
+    await queue.launch(kernel, buf)  # one that runs
+    stream = queue._native.handle
+    ran = sim.fake.stream_ran(stream)
+    sim.duration_ns.value = 200_000_000
+    try:
+        yield lambda: int(sim.fake.stream_ran(stream) - ran)
+    finally:
+        sim.duration_ns.value = 0
+        sim.refuse_records.value = None
+        sim.refuse_more.value = 0
+
+
+def _refuse_records(sim: _Simulated, queue: Any, more: int) -> None:
+    """The driver refuses the next event record on ``queue``'s stream, and ``more`` after."""
+    sim.refuse_more.value = more
+    sim.refuse_records.value = queue._native.handle
+
+
+def _refusals_left(sim: _Simulated) -> int:
+    return int(sim.refuse_more.value) if sim.refuse_records.value else 0
+
+
 async def _unfenced(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
     """A launch of a kernel that runs 200 ms, whose end (its event record) the driver
     refused once the kernel reached it, and then the queue's fence behind it three times
     more: whether the launch's await came back (the queue settled, its buffer free to
     go) only once the stream was past the kernel."""
     seen: Seen = {}
-    await queue.launch(kernel, buf)  # one that runs
-    stream = queue._native.handle
-    ran = sim.fake.stream_ran(stream)
-    sim.duration_ns.value = 200_000_000
-    sim.refuse_more.value = 3
-    sim.refuse_records.value = stream
-    try:
+    async with _kernels_of_200_ms(sim, queue, kernel, buf) as ran:
+        _refuse_records(sim, queue, 3)
         done = queue.launch(kernel, buf)
         seen["value"] = done.value
         seen["awaited"] = await _awaited(done)
-        seen["ran_when_settled"] = sim.fake.stream_ran(stream) - ran
-        seen["refusals_left"] = sim.refuse_more.value if sim.refuse_records.value else 0
-    finally:
-        sim.duration_ns.value = 0
-        sim.refuse_records.value = None
-        sim.refuse_more.value = 0
+        seen["ran_when_settled"] = ran()
+        seen["refusals_left"] = _refusals_left(sim)
     return seen
 
 
@@ -302,26 +322,17 @@ async def _unfenced_signal(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -
     did."""
     seen: Seen = {}
     timeline = queue._device.timeline()
-    await queue.launch(kernel, buf)  # one that runs
-    stream = queue._native.handle
-    ran = sim.fake.stream_ran(stream)
-    sim.duration_ns.value = 200_000_000
-    try:
+    async with _kernels_of_200_ms(sim, queue, kernel, buf) as ran:
         queue.launch(kernel, buf)
-        sim.refuse_more.value = 2
-        sim.refuse_records.value = stream
+        _refuse_records(sim, queue, 2)
         try:
             done = queue.signal(timeline, 1)
             seen["value"] = done.value
         except Exception as exc:
             seen["raised"] = _error(exc)
         seen["waited"] = await _awaited(timeline.wait(1))
-        seen["ran_when_failed"] = sim.fake.stream_ran(stream) - ran
-        seen["refusals_left"] = sim.refuse_more.value if sim.refuse_records.value else 0
-    finally:
-        sim.duration_ns.value = 0
-        sim.refuse_records.value = None
-        sim.refuse_more.value = 0
+        seen["ran_when_failed"] = ran()
+        seen["refusals_left"] = _refusals_left(sim)
     return seen
 
 
@@ -408,6 +419,23 @@ async def _main(sim: _Simulated, scenario: str) -> dict[str, Seen]:
 
 STICKY = 700  # CUDA_ERROR_ILLEGAL_ADDRESS: the context faulted (fake_cuda_driver.c)
 DISCARD_LAUNCHES = 40  # launches of 1 ms on one queue: its bound (32) in flight, the rest held
+
+
+async def left_behind(sim: _Simulated, threads: set[Any], made: int) -> list[str]:
+    """What a run left that it found not there before it: device threads still running
+    10 s after it (``threads``: those of before), events made and not destroyed
+    (``made``: the count of before)."""
+    from tests.support.faults import device_threads
+
+    problems = []
+    deadline = anyio.current_time() + 10
+    while device_threads() - threads and anyio.current_time() < deadline:
+        await anyio.sleep(0.005)
+    if device_threads() - threads:
+        problems.append(f"threads left: {sorted(t.name for t in device_threads() - threads)}")
+    if sim.events_made.value - sim.events_destroyed.value != made:
+        problems.append("events never destroyed")
+    return problems
 
 
 async def _discard_run(
@@ -509,13 +537,7 @@ async def _discard_run(
                 await dev.close()
             except Exception as exc:
                 problems.append(f"the device failed after: {_error(exc)}")
-    deadline = anyio.current_time() + 10
-    while device_threads() - threads and anyio.current_time() < deadline:
-        await anyio.sleep(0.005)
-    if device_threads() - threads:
-        problems.append(f"threads left: {sorted(t.name for t in device_threads() - threads)}")
-    if sim.events_made.value - sim.events_destroyed.value != made:
-        problems.append("events never destroyed")
+    problems += await left_behind(sim, threads, made)
     return sim.counted.value, problems
 
 
