@@ -440,8 +440,10 @@ static void cuq_refence(am_cuq *q, long *nap) {
     uint64_t failed_value = 0;
     am_timeline *cause = NULL;
     if (!r || cu_sticky(r)) {
-        q->unfenced = 0;
-        q->unfenced_extra = NULL;
+        if (q->unfenced_extra == extra) {  /* (else one kept meanwhile: a fence carries it) */
+            q->unfenced = 0;
+            q->unfenced_extra = NULL;
+        }
         settle = r && !q->count && !q->held && q->stop != 2;
         fail_signal = r && extra && q->stop != 2;  /* (sticky: its write never lands) */
         cuq_cause(q, &error, &failed_value, &cause);

@@ -64,6 +64,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "unfencedsignal"),
         *("ok", "stickyfence"),
         *("ok", "nocontext"),
+        *("ok", "refencekept"),
         *("ok", "predict"),
         *("ok", "near"),
         *("ok", "kick"),

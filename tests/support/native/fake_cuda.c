@@ -121,6 +121,9 @@
  *             current: the commands handed over and held before fail, naming
  *             cuCtxSetCurrent (a signal held fails its timeline), the queue settles
  *             and takes nothing more, and a close (to finish, abandoned) ends
+ *   refencekept a signal kept for a fence (its word write reached the driver) while the
+ *             completion thread records that fence again, slowly: once the fence is
+ *             confirmed, the signal's timeline fails (it is not forgotten)
  *   kick      a host signal of a timeline a stream waits on cuts the completion
  *             thread's nap short
  *   abandon   closing with abandon returns while the completion thread naps on, or is
@@ -2244,6 +2247,41 @@ static void check_nocontext(void) {
     puts("ok nocontext");
 }
 
+/* A fence behind a command part of which the driver has (its end and fence refused: no
+ * signal kept) that the completion thread records again, slowly in the driver; meanwhile
+ * a signal of that command whose word write reached the driver is kept for the fence (as
+ * cuq_no_memory keeps one a submitter could not hold): once the fence is confirmed, that
+ * signal's timeline fails rather than being forgotten (its waiters would block for
+ * good). */
+static void check_refencekept(void) {
+    static kernel slow = {0, 20000000, NULL, 0};
+    fake_queue f = queue_new();
+    free_timeline t = free_timeline_new();
+    if (launch(f, NULL, 1, 1)) die("refencekept: launch 1 failed");
+    reach(f.t, 1, "refencekept: launch 1 never ran");
+    if (kernel_part(f, &slow, 2)) die("refencekept: the kernel failed");
+    atomic_store(&refuse_more, 1);  /* command 2's end, and its fence */
+    atomic_store(&refuse_records, f.s);
+    atomic_store(&record_ns, 100000000);  /* the fence tried again: 100 ms in the driver */
+    if (am_cuq_finish(f.q, 2, NULL, 0, 0, CU_FINISH_PLAIN) != 1)
+        die("refencekept: the refusal was not reported");
+    for (int64_t deadline = now_ns() + 5000000000LL; !atomic_load(&records_in_driver);)
+        if (now_ns() > deadline) die("refencekept: the fence was never tried again");
+    am_cuop op = {.kind = CUOP_FINISH, .value = 2, .extra = t.t, .extra_value = 5};
+    pthread_mutex_lock(&f.q->mu);
+    cuq_fail_signal_held(f.q, &op, -1, 2, f.t);
+    int kept = cuq_unfence(f.q, 2, &op);
+    pthread_mutex_unlock(&f.q->mu);
+    if (!kept) die("refencekept: the signal was not kept for the fence");
+    reach(f.t, UINT64_MAX, "refencekept: the queue never settled");
+    atomic_store(&record_ns, 0);
+    reach(t.t, UINT64_MAX, "refencekept: the kept signal's timeline never failed");
+    queue_free(f, 0);
+    free_timeline_free(t);
+    puts("ok refencekept");
+}
+
+
 static void check_handsignal(void) {
     int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
     static kernel slow = {0, 100000000, NULL, 0}, after_w = {0, 0, NULL, 1};
@@ -3082,6 +3120,7 @@ int main(void) {
     check_unfencedsignal();
     check_stickyfence();
     check_nocontext();
+    check_refencekept();
     check_predict();  /* before abandon, after which a blocking wait never blocks */
     check_near();
     check_kick();
