@@ -427,7 +427,8 @@ static void cuq_refence(am_cuq *q, long *nap) {
     if (q->stop != 2) pthread_cond_timedwait(&q->cv, &q->mu, &until);
     uint64_t value = q->unfenced, extra_value = q->unfenced_extra_value;
     am_timeline *extra = q->unfenced_extra;  /* the refused command's signal, if any */
-    int go = value && !q->count && q->stop != 2;
+    int go = value && !q->count && !q->driving && q->stop != 2;
+    if (go) q->driving = 1;  /* an abandon's close waits for the fence's driver calls */
     pthread_mutex_unlock(&q->mu);
     if (!go) return;
     int call = __atomic_load_n(&q->failed_call, __ATOMIC_RELAXED);
@@ -436,6 +437,7 @@ static void cuq_refence(am_cuq *q, long *nap) {
     int r = cuq_finish(q, value, extra, extra_value, 0, CU_FINISH_FENCE);
     __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);  /* the refused one */
     pthread_mutex_lock(&q->mu);
+    cuq_undrive(q);
     int settle = 0, fail_signal = 0, error = 0;
     uint64_t failed_value = 0;
     am_timeline *cause = NULL;

@@ -65,6 +65,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "stickyfence"),
         *("ok", "nocontext"),
         *("ok", "refencekept"),
+        *("ok", "refenceabandon"),
         *("ok", "predict"),
         *("ok", "near"),
         *("ok", "kick"),

@@ -124,6 +124,9 @@
  *   refencekept a signal kept for a fence (its word write reached the driver) while the
  *             completion thread records that fence again, slowly: once the fence is
  *             confirmed, the signal's timeline fails (it is not forgotten)
+ *   refenceabandon the same, closed with abandon while the fence is in the driver: the
+ *             close returns only once the fence's driver calls are done, so the
+ *             signal's timeline may be let go then
  *   kick      a host signal of a timeline a stream waits on cuts the completion
  *             thread's nap short
  *   abandon   closing with abandon returns while the completion thread naps on, or is
@@ -2281,6 +2284,32 @@ static void check_refencekept(void) {
     puts("ok refencekept");
 }
 
+/* The same fence, a signal kept for it, and the queue closed with abandon while the
+ * fence is in the driver: the close returns only once the fence's driver calls are done
+ * (they hand the signal's timeline over), so the caller may let go of that timeline. */
+static void check_refenceabandon(void) {
+    static kernel slow = {0, 20000000, NULL, 0};
+    fake_queue f = queue_new();
+    free_timeline t = free_timeline_new();
+    if (launch(f, NULL, 1, 1)) die("refenceabandon: launch 1 failed");
+    reach(f.t, 1, "refenceabandon: launch 1 never ran");
+    if (kernel_part(f, &slow, 2) || am_cuq_write(f.q, t.word, 5, 2))
+        die("refenceabandon: the signal's kernel or word write failed");
+    atomic_store(&refuse_more, 1);  /* the signal's end, and its fence */
+    atomic_store(&refuse_records, f.s);
+    atomic_store(&record_ns, 300000000);  /* the fence tried again: past a close's 200 ms */
+    if (am_cuq_finish(f.q, 2, t.t, 5, 0, 0) != 1) die("refenceabandon: the refusal was not reported");
+    for (int64_t deadline = now_ns() + 5000000000LL; !atomic_load(&records_in_driver);)
+        if (now_ns() > deadline) die("refenceabandon: the fence was never tried again");
+    am_cuq_close(f.q, 1);
+    if (atomic_load(&records_in_driver))
+        die("refenceabandon: an abandoning close returned with the fence in the driver");
+    atomic_store(&record_ns, 0);
+    free_timeline_free(t);  /* (AddressSanitizer: nothing of the queue's reads it now) */
+    abandoned_free(f);
+    puts("ok refenceabandon");
+}
+
 
 static void check_handsignal(void) {
     int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
@@ -3121,6 +3150,7 @@ int main(void) {
     check_stickyfence();
     check_nocontext();
     check_refencekept();
+    check_refenceabandon();
     check_predict();  /* before abandon, after which a blocking wait never blocks */
     check_near();
     check_kick();
