@@ -571,8 +571,8 @@ static void cuq_no_context(am_cuq *q, int r) {
         am_cuop *dropped = NULL;
         int unkick = 0, failed = 0, error;
         uint64_t value;
-        am_timeline *kick_on = NULL, *cause, *extra = q->unfenced_extra;
-        uint64_t extra_value = q->unfenced_extra_value;
+        am_timeline *kick_on = NULL, *cause, *extra;
+        uint64_t extra_value;
         if (q->held && !q->driving) {  /* (a thread handing some over: once it is done) */
             unkick = q->deferred;  /* a held wait's kick goes too (as am_cuq_discard's) */
             kick_on = q->kick_on;
@@ -587,6 +587,8 @@ static void cuq_no_context(am_cuq *q, int r) {
             if (e.signals) cuq_fail_signal(q, &e);  /* (releases mu meanwhile) */
             failed = 1;
         }
+        extra = q->unfenced_extra;  /* (taken in the hold that clears it) */
+        extra_value = q->unfenced_extra_value;
         q->unfenced = 0;  /* (no fence can be recorded: its signal fails now) */
         q->unfenced_extra = NULL;
         cuq_cause(q, &error, &value, &cause);
@@ -600,8 +602,12 @@ static void cuq_no_context(am_cuq *q, int r) {
             settled = 1;
         }
         pthread_mutex_lock(&q->mu);
-        if (q->stop == 1 && !q->count && !q->held && !q->driving && settled) break;
-        if (q->count || (q->held && !q->driving) || (!settled && !q->driving)) continue;
+        if (q->stop == 1 && !q->count && !q->held && !q->driving && !q->unfenced_extra &&
+            settled)
+            break;
+        if (q->count || (q->held && !q->driving) || (!settled && !q->driving) ||
+            q->unfenced_extra)
+            continue;
         /* Woken by a command handed over (cuq_finish), a close, or a thread done handing
          * operations over while closing (cuq_undrive); what such a thread put back held
          * otherwise is seen within a nap. */

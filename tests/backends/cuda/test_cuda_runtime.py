@@ -66,6 +66,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "nocontext"),
         *("ok", "refencekept"),
         *("ok", "refenceabandon"),
+        *("ok", "nocontextkept"),
         *("ok", "predict"),
         *("ok", "near"),
         *("ok", "kick"),

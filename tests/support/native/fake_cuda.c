@@ -127,6 +127,9 @@
  *   refenceabandon the same, closed with abandon while the fence is in the driver: the
  *             close returns only once the fence's driver calls are done, so the
  *             signal's timeline may be let go then
+ *   nocontextkept a signal kept for a fence while the completion thread of a queue that
+ *             could not make its context current fails another signal's timeline:
+ *             that signal's timeline fails too
  *   kick      a host signal of a timeline a stream waits on cuts the completion
  *             thread's nap short
  *   abandon   closing with abandon returns while the completion thread naps on, or is
@@ -2310,6 +2313,59 @@ static void check_refenceabandon(void) {
     puts("ok refenceabandon");
 }
 
+/* The queue in check_nocontext's state, with a signal in flight: while its completion
+ * thread fails that signal's timeline (its lock released), a submitter keeps another
+ * signal, whose word write reached the driver, for a fence (as cuq_submit_then does for
+ * one whose end and fence the driver refused; here at a kick that comes due as the first
+ * timeline fails): that signal's timeline fails too, no fence being recorded. */
+static am_cuq *kept_queue;
+static free_timeline kept_timeline;
+static atomic_int kept_at_kick;
+
+static void keep_at_kick(am_kick *k) {
+    (void)k;
+    am_cuop op = {.kind = CUOP_FINISH, .value = 3, .extra = kept_timeline.t, .extra_value = 7};
+    pthread_mutex_lock(&kept_queue->mu);
+    cuq_fail_signal_held(kept_queue, &op, 1, 3, kept_queue->timeline);
+    int kept = cuq_unfence(kept_queue, 3, &op);
+    pthread_mutex_unlock(&kept_queue->mu);
+    atomic_store(&kept_at_kick, 1 + kept);
+}
+
+static void check_nocontextkept(void) {
+    void *mine = fake_ctx_current();
+    free_timeline t = free_timeline_new();
+    kept_timeline = free_timeline_new();
+    static am_kick kick;
+    fake_queue f = {stream_new(), am_timeline_new(), calloc(1, sizeof(uint64_t)), NULL};
+    am_timeline_set_word(f.t, f.word);
+    atomic_store(&start_held, 0);
+    atomic_store(&start_go, 0);
+    atomic_store(&test_hook, hold_start);
+    atomic_store(&refuse_ctx, (void *)2);
+    fake_ctx_set_current((void *)2);
+    f.q = kept_queue = am_cuq_new((void *)2, f.s, f.t, 30000, 8);
+    if (!f.q) die("nocontextkept: am_cuq_new");
+    for (int64_t deadline = now_ns() + 10000000000LL; !atomic_load(&start_held);)
+        if (now_ns() > deadline) die("nocontextkept: the completion thread never started");
+    if (launch(f, NULL, 1, 1) || am_cuq_write(f.q, t.word, 1, 2) ||
+        am_cuq_finish(f.q, 2, t.t, 1, 0, 0))
+        die("nocontextkept: a submission failed before the thread got to its context");
+    kick.fn = keep_at_kick;
+    if (!timeline_defer(t.t, AM_WORD_RELEASED, &kick)) die("nocontextkept: the kick came due at once");
+    atomic_store(&start_go, 1);
+    reach(f.t, UINT64_MAX, "nocontextkept: the queue never settled");
+    reach(t.t, UINT64_MAX, "nocontextkept: the signal in flight never failed");
+    if (atomic_load(&kept_at_kick) != 2) die("nocontextkept: the signal was not kept for a fence");
+    reach(kept_timeline.t, UINT64_MAX, "nocontextkept: the kept signal's timeline never failed");
+    atomic_store(&test_hook, NULL);
+    queue_free(f, 0);
+    atomic_store(&refuse_ctx, NULL);
+    fake_ctx_set_current(mine);
+    free_timeline_free(t);
+    free_timeline_free(kept_timeline);
+    puts("ok nocontextkept");
+}
 
 static void check_handsignal(void) {
     int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
@@ -3151,6 +3207,7 @@ int main(void) {
     check_nocontext();
     check_refencekept();
     check_refenceabandon();
+    check_nocontextkept();
     check_predict();  /* before abandon, after which a blocking wait never blocks */
     check_near();
     check_kick();
