@@ -139,12 +139,8 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     chained from that error. Never blocks.
     """
     if not hasattr(obj, "__dlpack__"):
-        try:
-            interface = getattr(obj, "__cuda_array_interface__", _NO_INTERFACE)
-        except AsyncMetalError:
-            raise
-        except Exception as failed:  # its own error (JAX's for bfloat16), not AttributeError
-            raise _failed(obj, "__cuda_array_interface__", failed) from failed
+        name = "__cuda_array_interface__"  # (JAX's own error for bfloat16: no AttributeError)
+        interface = _asked(obj, name, getattr, obj, name, _NO_INTERFACE)
         if interface is not _NO_INTERFACE:
             return _from_cuda_array_interface(obj, interface, device)
         raise ArgumentTypeError(
@@ -252,12 +248,7 @@ def _dlpack_device(obj: Any) -> tuple[int, int]:
         raise ArgumentTypeError(
             f"{type(obj).__name__} has __dlpack__ but no __dlpack_device__, which DLPack asks for"
         )
-    try:
-        where = dlpack_device()
-    except AsyncMetalError:
-        raise
-    except Exception as failed:
-        raise _failed(obj, "__dlpack_device__", failed) from failed
+    where = _asked(obj, "__dlpack_device__", dlpack_device)
     try:
         kind, index = where
     except (TypeError, ValueError):  # not a pair
@@ -278,6 +269,17 @@ def _failed(obj: object, call: str, failed: Exception) -> ExchangeError:
     return ExchangeError(
         f"{type(obj).__name__}.{call} failed with {type(failed).__name__}: {failed}"
     )
+
+
+def _asked(obj: object, call: str, ask: Callable[..., Any], *args: Any) -> Any:
+    """``ask(*args)``, a producer's ``call``: its own error (an Exception, not
+    asyncmetal's) raised as ExchangeError (``_failed``)."""
+    try:
+        return ask(*args)
+    except AsyncMetalError:
+        raise
+    except Exception as failed:
+        raise _failed(obj, call, failed) from failed
 
 
 def _torch_stream(obj: Any) -> int | None:

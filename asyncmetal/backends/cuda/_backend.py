@@ -309,8 +309,7 @@ class CUDABackend(Backend):
         # The handle and the driver's id: a stream destroyed while its queue lives and a
         # new stream given its handle are told apart. Where the driver gives no id (or
         # for the legacy stream, one per context), the handle alone.
-        handle = stream_handle(stream)
-        check_stream_context(handle, self.context_address, self.name)
+        handle = self.checked_stream(stream)
         if handle == STREAM_LEGACY or not self._stream_ids:
             return handle
         identity = stream_id(handle, self.name)
