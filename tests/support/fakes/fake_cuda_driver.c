@@ -11,6 +11,8 @@ atomic_long deep_limit;       /* >0: a launch blocks while its stream has more o
 atomic_long blocked_launches; /* launches that had to block for that */
 atomic_int release_syncs;     /* 1: blocked syncs give up (NOT_READY) */
 void *refuse_fn;              /* a launch of this function is refused */
+const unsigned fake_launch_limits[7] = {1024, 1024, 1024, 64, 2147483647, 65535, 65535};
+atomic_long oversized_launches;  /* launches refused for their sizes */
 uint64_t refuse_word;         /* a word write to it is refused */
 atomic_int fault_code;  /* the context's sticky error once a kernel faulted */
 void *_Atomic held;     /* an event whose queries report it unfinished (a slow thread) */
@@ -321,11 +323,23 @@ void stream_free(fake_stream *s, int abandon) {
 /* ---- the driver functions the runtime calls (its signatures) ------------------------ */
 static int f_launch(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                     unsigned bz, unsigned shared, void *stream, void **params, void **extra) {
-    (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)extra;
+    (void)shared; (void)extra;
     int inject = injected(FAKE_CALL_LAUNCH);
     if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     if (fn && fn == refuse_fn) return 1;  /* CUDA_ERROR_INVALID_VALUE */
+    const unsigned *most = fake_launch_limits, size[6] = {gx, gy, gz, bx, by, bz};
+    const kernel *spec = fn;
+    int oversized = 0;
+    for (int i = 0; i < 3; i++)
+        oversized |= !size[i] || !size[3 + i] || size[i] > most[4 + i] ||
+                     size[3 + i] > most[1 + i];
+    unsigned long threads = (unsigned long)bx * by * bz;
+    if (oversized || threads > most[0] ||
+        (spec && spec->max_threads && threads > spec->max_threads)) {
+        atomic_fetch_add(&oversized_launches, 1);
+        return 1;  /* CUDA_ERROR_INVALID_VALUE */
+    }
     fake_stream *st = stream;
     long limit = atomic_load(&deep_limit);
     if (limit > 0) {

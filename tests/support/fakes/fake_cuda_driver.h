@@ -65,6 +65,8 @@ typedef struct {
     long duration_ns;              /* how long it runs (0: a few us, by its parameter) */
     fake_stream *check;            /* else: check at run time that `check` ran ... */
     long at_least;                 /* ... at least this many kernels */
+    unsigned max_threads;          /* most threads per block it takes (0: the device's),
+                                      as the driver's CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK */
 } kernel;
 
 typedef struct {
@@ -93,6 +95,12 @@ extern atomic_long deep_limit;        /* >0: a launch blocks while its stream ha
 extern atomic_long blocked_launches;  /* launches that had to block for that */
 extern atomic_int release_syncs;      /* 1: blocked syncs give up (NOT_READY) */
 extern void *refuse_fn;               /* a launch of this function is refused */
+/* The device's launch limits, an H200's: a block's most threads, then its most per
+ * dimension (x, y, z), then a grid's most blocks per dimension. A launch beyond them, or
+ * beyond its kernel's max_threads, is refused (CUDA_ERROR_INVALID_VALUE), as the driver's
+ * cuLaunchKernel refuses it, and counted. */
+extern const unsigned fake_launch_limits[7];
+extern atomic_long oversized_launches;
 extern uint64_t refuse_word;          /* a word write to it is refused */
 extern atomic_int fault_code;         /* the context's sticky error once a kernel faulted */
 extern void *_Atomic held;            /* an event whose queries report it unfinished */
