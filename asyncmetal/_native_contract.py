@@ -80,7 +80,10 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     # Program.launch_layout, where not None (see NAMES).
     "launch_layout": ("order", "value_codes"),
     # The backend queue's launch_target(): what the extension submits through.
-    "cuda_target": ("kind", "queue", "backend_queue"),
+    # cuda: limits, the address of the device's launch limits (7 unsigned ints:
+    # backends/cuda/_limits.py's DEVICE_LIMITS); kernel_threads, a dict: each loaded
+    # kernel's CUfunction (int) -> the most threads per block it takes (int).
+    "cuda_target": ("kind", "queue", "backend_queue", "limits", "kernel_threads"),
     "cpu_target": (
         "kind",
         "queue",
@@ -172,10 +175,12 @@ def _assigned(code: Any) -> set[str]:
     return {i.argval for i in dis.get_instructions(code) if i.opname == "STORE_ATTR"}
 
 
-def cuda_launch_target(backend_queue: object, handle: int | None) -> tuple[Any, ...]:
+def cuda_launch_target(
+    backend_queue: object, handle: int | None, *, limits: int, kernel_threads: dict[int, int]
+) -> tuple[Any, ...]:
     """A cuda backend queue's launch target (LAYOUTS["cuda_target"])."""
     check_class("CUDAQueue", type(backend_queue))
-    return (CUDA_KIND, handle, backend_queue)
+    return (CUDA_KIND, handle, backend_queue, limits, kernel_threads)
 
 
 def cpu_launch_target(

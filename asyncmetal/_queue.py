@@ -541,9 +541,12 @@ class Queue(Singular):
 
         ``global_size`` and ``local_size`` (an int, or one per dimension, up to three)
         are, on cuda and Metal, the threads per dimension and the block (threadgroup):
-        the grid is ``ceil(global / local)``. A cpu kernel is called once per launch and
-        loops over its own range: they are not used there. A launch is not ordered
-        after other queues' commands on its buffers: ``q.after(buf).launch(...)`` is.
+        the grid is ``ceil(global / local)``. A block of more threads than the kernel
+        takes, and on cuda a block or a grid beyond the device's limits, raises
+        InvalidArgumentError, nothing submitted (README, "Devices"). A cpu kernel is
+        called once per launch and loops over its own range: they are not used there. A
+        launch is not ordered after other queues' commands on its buffers:
+        ``q.after(buf).launch(...)`` is.
         """
         fast = self._fast_launch
         if fast is not None:  # the common case, in C; None: not that case, see below

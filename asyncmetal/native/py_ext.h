@@ -63,7 +63,7 @@ extern AM_HIDDEN PyObject *am_names[AM_NAMES];
 #define LAYOUT_ARG "handle", "offset", "value"
 #define LAYOUT_SCALAR "bits", "type"
 #define LAYOUT_LAUNCH_LAYOUT "order", "value_codes"
-#define LAYOUT_CUDA_TARGET "kind", "queue", "backend_queue"
+#define LAYOUT_CUDA_TARGET "kind", "queue", "backend_queue", "limits", "kernel_threads"
 #define LAYOUT_CPU_TARGET                                                                 \
     "kind", "queue", "backend_queue", "times", "times_address", "times_kept", "keep_items"
 

@@ -7,13 +7,17 @@
  * device, live Buffers of that device (exactly Buffer), vals a tuple or list of exact
  * ints within int32 -- or, for a program whose launch_layout names other integer types,
  * within each one's range (a float parameter's value is left to Python) -- sizes the
- * default, an int or a tuple/list of 1-3 exact ints >= 1,
- * and a queue holding nothing back. Anything else returns None *before* submitting, and
+ * default, an int or a tuple/list of 1-3 exact ints >= 1 (on cuda, within the device's
+ * launch limits and the kernel's: target's), and a queue holding nothing back. Anything
+ * else returns None *before* submitting, and
  * Queue.launch's Python path then checks and explains it: this path raises only what a
  * submission raises (the backend's own error, through its Python hooks).
  *
  * target (the backend queue's launch_target(), built by _native_contract.py):
- *   (1, am_cuq, native)                                          cuda: am_cuq_launch
+ *   (1, am_cuq, native, limits, kernel_threads)                  cuda: am_cuq_launch
+ *     limits: the address of the device's launch limits, 7 unsigned ints (a block's
+ *     threads; a block's threads in x, y, z; a grid's blocks in x, y, z);
+ *     kernel_threads: a dict, CUfunction (int) -> the kernel's most threads per block
  *   (0, am_queue, native, times, times_address, kept, keep_items) cpu: am_queue_call
  */
 #include "py_ext.h"
@@ -135,6 +139,8 @@ typedef struct {
     long kind;             /* 1: cuda, 0: cpu */
     void *handle;          /* the am_cuq or am_queue */
     PyObject *native;      /* the backend queue (its error hooks) */
+    const unsigned *limits;  /* cuda: the device's launch limits */
+    PyObject *kernel_threads;  /* cuda: each kernel's most threads per block (a dict) */
     PyObject *times, *keep;  /* cpu: its times rows and its keep-alive items */
     int64_t *times_base;
     long kept;
@@ -148,7 +154,13 @@ static int parse_target(PyObject *target, target_t *t) {
     t->native = PyTuple_GET_ITEM(target, 2);
     if (PyErr_Occurred()) return -1;
     if ((t->kind != 0 && t->kind != 1) || !t->handle) return 1;
-    if (t->kind == 1) return 0;
+    if (t->kind == 1) {
+        if (PyTuple_GET_SIZE(target) != 5) return 1;
+        t->limits = PyLong_AsVoidPtr(PyTuple_GET_ITEM(target, 3));
+        t->kernel_threads = PyTuple_GET_ITEM(target, 4);
+        if (PyErr_Occurred()) return -1;
+        return !t->limits || !PyDict_CheckExact(t->kernel_threads);
+    }
     if (PyTuple_GET_SIZE(target) != 7) return 1;
     t->times = PyTuple_GET_ITEM(target, 3);
     t->times_base = PyLong_AsVoidPtr(PyTuple_GET_ITEM(target, 4));
@@ -156,6 +168,23 @@ static int parse_target(PyObject *target, target_t *t) {
     t->keep = PyTuple_GET_ITEM(target, 6);
     if (PyErr_Occurred()) return -1;
     return !t->times_base || t->kept <= 0;
+}
+
+/* 1 if a cuda launch of dims (grid_dims') is beyond its device's launch limits or its
+ * kernel's (function: its CUfunction, a key of t->kernel_threads) -- the driver would
+ * refuse it, and a launch held on the host only later, failing the queue: declined, the
+ * Python path raises naming the limit -- 0 if within them, -1 on error. */
+static int beyond_limits(const target_t *t, PyObject *function, const unsigned *dims) {
+    const unsigned *most = t->limits;
+    for (int i = 0; i < 3; i++)
+        if (dims[3 + i] > most[1 + i] || dims[i] > most[4 + i]) return 1;
+    unsigned long long threads = (unsigned long long)dims[3] * dims[4] * dims[5];
+    if (threads > most[0]) return 1;
+    PyObject *kernel = PyDict_GetItemWithError(t->kernel_threads, function);  /* borrowed */
+    if (!kernel) return PyErr_Occurred() ? -1 : 1;
+    unsigned long long kernel_most = PyLong_AsUnsignedLongLong(kernel);
+    if (PyErr_Occurred()) return -1;
+    return threads > kernel_most;
 }
 
 /* Number the command and hand it over, then make its Completion and record each
@@ -404,10 +433,12 @@ PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     PyObject *function = PyObject_GetAttr(program, NAME(PROGRAM_NATIVE));
     if (!function) { r = -1; goto fallback; }
     void *fn = PyLong_AsVoidPtr(function);
-    Py_DECREF(function);
-    if (PyErr_Occurred()) { r = -1; goto fallback; }
     unsigned dims[7];
-    if (t.kind == 1 && (r = grid_dims(global, local, dims))) goto fallback;
+    if (!PyErr_Occurred() && t.kind == 1 && !(r = grid_dims(global, local, dims)))
+        r = beyond_limits(&t, function, dims);
+    Py_DECREF(function);
+    if (PyErr_Occurred()) r = -1;
+    if (r) goto fallback;
 
     /* Number it, make its Completion, submit. */
     Py_DECREF(device);

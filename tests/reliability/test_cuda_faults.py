@@ -83,8 +83,26 @@ class _Driver:
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR=76,
         CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS=111,
         CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING=41,
+        CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK=1,
+        CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X=2,
+        CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y=3,
+        CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z=4,
+        CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X=5,
+        CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y=6,
+        CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z=7,
     )
-    ATTRIBUTES: ClassVar[dict[int, int]] = {75: 9, 76: 0, 111: 1, 41: 1}
+    # Then an H200's launch limits: a block's threads, in all and per dimension; a
+    # grid's blocks per dimension.
+    ATTRIBUTES: ClassVar[dict[int, int]] = {75: 9, 76: 0, 111: 1, 41: 1} | {
+        1: 1024,
+        2: 1024,
+        3: 1024,
+        4: 64,
+        5: (1 << 31) - 1,
+        6: 65535,
+        7: 65535,
+    }
+    CUfunction_attribute = types.SimpleNamespace(CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK=0)
 
     def __init__(self, gpus: int = 2) -> None:
         self.gpus = gpus
@@ -99,6 +117,10 @@ class _Driver:
         # goes, and the next stream given that handle gets another.
         self.stream_ids: dict[int, int] = {}
         self._ids = itertools.count(1)
+        # The most threads per block of each kernel, by name, where below the device's
+        # (a kernel of many registers); each function's name.
+        self.kernel_threads: dict[bytes, int] = {}
+        self.functions: dict[int, bytes] = {}
 
     def _result(self, name: str, *values: Any) -> tuple[Any, ...]:
         self.calls.append(name)
@@ -172,7 +194,15 @@ class _Driver:
         return self._result("cuModuleLoadData", next(self._handles))
 
     def cuModuleGetFunction(self, module: int, name: bytes) -> tuple[Any, ...]:
-        return self._result("cuModuleGetFunction", next(self._handles))
+        result = self._result("cuModuleGetFunction", next(self._handles))
+        if result[0] == 0:
+            self.functions[result[1]] = name
+        return result
+
+    def cuFuncGetAttribute(self, attribute: int, function: int) -> tuple[Any, ...]:
+        assert attribute == self.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK
+        name = self.functions.get(int(function), b"")
+        return self._result("cuFuncGetAttribute", self.kernel_threads.get(name, 1024))
 
     def cuModuleUnload(self, module: int) -> tuple[Any, ...]:
         return self._result("cuModuleUnload")
@@ -1423,3 +1453,59 @@ async def test_a_close_as_a_stream_is_adopted_releases_its_queue_and_says_so(
     assert "device cuda:0 is closed" in str(got)
     assert not runtime.queues  # every native queue released, the adopted one's too
     assert driver.calls.count("cuStreamDestroy") == 1  # the default queue's stream only
+
+
+async def test_a_launch_beyond_the_limits_is_refused_before_native_code(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """Launches beyond the device's limits on a block or a grid (read when it opened),
+    or beyond the kernel's most threads per block (read when it loaded), raise
+    InvalidArgumentError naming the limit and the kernel, before native code (which
+    fails the test: ``_Runtime``), nothing numbered. Checked: fails without the fix (each
+    got to am_cuq_launch)."""
+    from tests.support.native.simulated_cuda import BOUNDED_SRC, BOUNDED_THREADS, OVERSIZED
+
+    driver.kernel_threads[b"bounded"] = BOUNDED_THREADS
+    dev = await am.open_device("cuda:0")
+    try:
+        programs = {}
+        for src, name in ((SRC, "k"), (BOUNDED_SRC, "bounded")):
+            params = await dev._params(src, name)
+            assert isinstance(params, tuple)
+            compiler = dev._backend.compiler
+            programs[name] = await dev._program(("key", name), params, b"", src, compiler, None)
+        buf = await dev.alloc(64)
+        attributes = (
+            driver.calls.count("cuFuncGetAttribute"),
+            driver.calls.count("cuDeviceGetAttribute"),
+        )
+        assert attributes[0] == 2  # once per kernel, when it loaded
+        queue = dev.new_queue()
+        for name, global_size, local_size, message in OVERSIZED * 2:  # (the second: checked)
+            with pytest.raises(am.InvalidArgumentError) as caught:
+                queue.launch(programs[name], buf, global_size=global_size, local_size=local_size)
+            assert str(caught.value) == message
+            assert queue.submitted == 0 and queue not in buf._allocation.last_use
+        assert attributes == (  # ... and the device's when it opened: never since
+            driver.calls.count("cuFuncGetAttribute"),
+            driver.calls.count("cuDeviceGetAttribute"),
+        )
+    finally:
+        await dev.close()
+
+
+async def test_a_kernel_whose_limit_the_driver_refuses_does_not_load(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """cuFuncGetAttribute refused as a kernel loads (out of memory): the load raises the
+    driver's error, and the kernel's module is unloaded."""
+    dev = await am.open_device("cuda:0")
+    try:
+        driver.fail["cuFuncGetAttribute"] = CUresult.CUDA_ERROR_OUT_OF_MEMORY
+        params = await dev._params(SRC, "k")
+        assert isinstance(params, tuple)
+        with pytest.raises(MemoryError, match="cuFuncGetAttribute"):
+            await dev._program(("key", "k"), params, b"", SRC, dev._backend.compiler, None)
+        assert driver.calls.count("cuModuleUnload") == driver.calls.count("cuModuleLoadData")
+    finally:
+        await dev.close()

@@ -33,6 +33,7 @@ from ._interop import (
     stream_handle,
     stream_id,
 )
+from ._limits import LaunchLimits
 from ._peer import enable_peer_access
 from ._queue import CUDAQueue
 from ._staging import STAGE_CHUNK, STAGE_RING, STAGE_SPARE, Chunk
@@ -135,6 +136,7 @@ class CUDABackend(Backend):
         if missing is not None:
             cu.cuDevicePrimaryCtxRelease(self.device)
             raise AsyncMetalError(f"cuda:{index} lacks {missing}; asyncmetal needs it")
+        self.launch_limits = LaunchLimits(self.device, where)
         name = check(cu.cuDeviceGetName(256, self.device), "cuDeviceGetName", where)
         total = int(check(cu.cuDeviceTotalMem(self.device), "cuDeviceTotalMem", where))
         self._info = DeviceInfo(
@@ -238,6 +240,11 @@ class CUDABackend(Backend):
             if error_name(err) in LOST or _driver.lost_first is not None:
                 raise driver_error("cuModuleGetFunction", err, self.name)
             raise AttributeError(name)  # the device turns this into a CompileError
+        try:
+            self.launch_limits.loaded(function, name)
+        except BaseException:
+            cu.cuModuleUnload(module)
+            raise
         # A CUfunction's address, as the native launch takes it; its module unloaded by
         # unload() or close().
         with self._modules_lock:
@@ -249,6 +256,7 @@ class CUDABackend(Backend):
         with self._modules_lock:  # (after a close: already unloaded)
             module = self._modules.pop(native, None)
             if module is not None:
+                self.launch_limits.unloaded(native)
                 self.make_current()
                 cu.cuModuleUnload(module)
 

@@ -26,6 +26,7 @@ from ._driver import (
     refuse_if_lost,
 )
 from ._interop import keeps_context, warn_unrestored
+from ._limits import LaunchLimits
 from ._staging import STAGE_CHUNK, STAGE_DIRECT, STAGED_BYTES_PER_NS, Staging, StagingDevice
 from ._timeline import CUDATimeline
 
@@ -66,6 +67,7 @@ class QueueDevice(StagingDevice, Protocol):
 
     name: str
     context_address: int
+    launch_limits: LaunchLimits
 
     def make_current(self) -> None: ...
 
@@ -146,6 +148,7 @@ class CUDAQueue(NativeQueue):
         self._fast_launch = None if extension is None else extension.cuq_launch
         self._copy = self._lib.am_cuq_copy if extension is None else extension.cuq_copy
         self._wait_stream = None if extension is None else extension.cuq_wait_stream
+        self._limits = backend.launch_limits
         self._dims: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
         self._dims_arrays: list[ctypes.Array[ctypes.c_uint]] = []
         self._staging: Staging | None = None  # made at the first large pageable copy
@@ -536,6 +539,9 @@ class CUDAQueue(NativeQueue):
             raise self._lost("a launch")
         if len(args) > MAX_PARAMS:
             raise AsyncMetalError(f"cuda kernels take at most {MAX_PARAMS} parameters here")
+        limits = self._limits
+        if (program, global_size, local_size) != limits.last:  # (else checked just before)
+            limits.check(program, global_size, local_size)
         # One native call, which makes the context current (through the extension, which
         # packs the arguments and works out the grid itself, where it could be built).
         clean = not self._error.value
@@ -561,7 +567,10 @@ class CUDAQueue(NativeQueue):
     def launch_target(self) -> tuple[Any, ...] | None:
         if self._fast_launch is None:
             return None
-        return _native_contract.cuda_launch_target(self, self._q)
+        limits = self._limits
+        return _native_contract.cuda_launch_target(
+            self, self._q, limits=limits.address, kernel_threads=limits.kernel_threads
+        )
 
     def _launch_dims(self, global_size: tuple[int, ...], local_size: tuple[int, ...]) -> int:
         """The address of (grid, block, shared bytes) for these sizes, cached."""

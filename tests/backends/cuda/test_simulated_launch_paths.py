@@ -16,6 +16,11 @@ runtime's driver table is process-wide). Runs everywhere a C compiler is found.
   and its close ends.
 * A native call that cannot make the caller's context current again (the driver refuses
   to, for another library's context) warns once, naming that context, on every path.
+* A launch beyond the device's limits on a block or a grid, or beyond its kernel's most
+  threads per block, raises InvalidArgumentError at the call, naming the limit and the
+  kernel, on every path -- also when the queue holds commands on the host, where the
+  driver's refusal would have come later, failing the queue -- with nothing numbered,
+  held or handed to the driver; the queue goes on, and launches at the limits run.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import pytest
 
 from tests.support.launch_paths import PATHS
 from tests.support.native import harness
-from tests.support.native.simulated_cuda import run_child
+from tests.support.native.simulated_cuda import AT_LIMITS, OVERSIZED, run_child
 
 LOOPS = ["asyncio", "trio"]
 
@@ -149,3 +154,27 @@ def test_a_refused_signal_whose_fence_is_refused_too_fails_its_timeline_after_it
     ), seen
     assert seen["ran_when_failed"] == 1, seen  # the kernel ran: the write behind it landed
     assert seen["refusals_left"] == 0, seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_launch_beyond_the_limits_raises_at_the_call_idle_or_deep(path: str, loop: str) -> None:
+    """Each of OVERSIZED on an idle queue, then on one holding commands on the host.
+    Checked: fails without the fix (idle, the driver's refusal came out as
+    "cuLaunchKernel on cuda:0 failed: CUDA_ERROR_INVALID_VALUE", naming neither limit nor
+    kernel; deep, the launch was held and returned its Completion, the driver refused it
+    when it was handed over, and the queue failed from it on: every launch after it
+    raised that refusal)."""
+    seen = _through("launch_limits", loop, path)
+    assert seen["held_before"] > 0, seen  # the queue was deep: commands held on the host
+    for when in ("idle", "deep"):
+        for (_, _, _, message), got in zip(OVERSIZED, seen[when], strict=True):
+            assert got == {
+                "raised": f"InvalidArgumentError: {message}",
+                "numbered": 0,
+                "held": 0,
+                "refused_by_driver": 0,
+            }, (when, got)
+    assert seen["before"] == ["done"] * 40, seen
+    assert seen["after"] == ["done"] * len(AT_LIMITS), seen
+    assert seen["refused_by_driver"] == 0

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,22 @@ def run_child(
     assert child.returncode == 0, child.stderr[-6000:] + child.stdout[-2000:]
     seen: dict[str, Seen] = json.loads(child.stdout.splitlines()[-1])
     return seen
+
+
+class _Kernel(ctypes.Structure):
+    """A fake_cuda_driver.h kernel, as the simulated driver runs it."""
+
+    _fields_ = [
+        ("fault", ctypes.c_int),
+        ("duration_ns", ctypes.c_long),  # 0: a few us
+        ("check", ctypes.c_void_p),
+        ("at_least", ctypes.c_long),
+        ("max_threads", ctypes.c_uint),  # per block (0: the device's)
+    ]
+
+
+BOUNDED_THREADS = 256
+BOUNDED_SRC = "void bounded(int* x) { x[0] = 1; }"  # parsed for its parameters only
 
 
 class _Simulated:
@@ -113,9 +129,12 @@ class _Simulated:
         self.torn_copies = ctypes.c_long.in_dll(fake, "torn_copies")
         self.freed_busy = ctypes.c_long.in_dll(fake, "freed_busy")
         self.unregistered_busy = ctypes.c_long.in_dll(fake, "unregistered_busy")
-        self.kernel = (ctypes.c_uint8 * 64)()  # a fake_cuda_driver.h kernel: a few us
-        # (its duration_ns, after an int: 0 runs a few us)
-        self.duration_ns = ctypes.c_long.from_buffer(self.kernel, ctypes.sizeof(ctypes.c_long))
+        self.kernel = _Kernel()  # runs a few us (duration_ns 0)
+        self.duration_ns = ctypes.c_long.from_buffer(self.kernel, _Kernel.duration_ns.offset)
+        # Kernel "bounded": at most BOUNDED_THREADS threads per block (a kernel of many
+        # registers, or a __launch_bounds__).
+        self.bounded = _Kernel(max_threads=BOUNDED_THREADS)
+        self.oversized = ctypes.c_long.in_dll(fake, "oversized_launches")
 
     def current(self) -> int:
         return int(self.fake.fake_ctx_current() or 0)
@@ -178,7 +197,13 @@ def _driver_module(sim: _Simulated, gpus: int = 1) -> Any:
             return self._result("cuStreamGetCtx", 0x100)  # (cuda:0's primary context)
 
         def cuModuleGetFunction(self, module: int, name: bytes) -> tuple[Any, ...]:
-            return self._result("cuModuleGetFunction", ctypes.addressof(sim.kernel))
+            spec = sim.bounded if name == b"bounded" else sim.kernel
+            return self._result("cuModuleGetFunction", ctypes.addressof(spec))
+
+        def cuFuncGetAttribute(self, attribute: int, function: int) -> tuple[Any, ...]:
+            threads = self.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK
+            most = _Kernel.from_address(int(function)).max_threads
+            return self._result("cuFuncGetAttribute", most or self.ATTRIBUTES[threads])
 
     return Driver(gpus=gpus)
 
@@ -359,6 +384,149 @@ async def _no_context(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> See
     return seen
 
 
+# Launches beyond the simulated H200's limits (fake_cuda_driver.h) or kernel "bounded"'s:
+# the kernel's name, global_size, local_size, and what the launch raises.
+OVERSIZED: list[tuple[str, Any, Any, str]] = [
+    (
+        "k",
+        2048,
+        2048,
+        "launch of kernel 'k' on cuda:0: local_size (2048, 1, 1) has 2048 threads in x; a "
+        "block takes at most 1024 (CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X)",
+    ),
+    (
+        "k",
+        (1, 1, 128),
+        (1, 1, 128),
+        "launch of kernel 'k' on cuda:0: local_size (1, 1, 128) has 128 threads in z; a "
+        "block takes at most 64 (CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z)",
+    ),
+    (
+        "k",
+        (32, 32, 2),
+        (32, 32, 2),
+        "launch of kernel 'k' on cuda:0: local_size (32, 32, 2) makes 2048 threads per "
+        "block; a block takes at most 1024 (CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK)",
+    ),
+    (
+        "bounded",
+        512,
+        512,
+        "launch of kernel 'bounded' on cuda:0: local_size (512, 1, 1) makes 512 threads per "
+        "block; the kernel takes at most 256 (its CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, "
+        "which its registers per thread or its __launch_bounds__ set)",
+    ),
+    (
+        "k",
+        (1 << 32) - 1,
+        1,
+        "launch of kernel 'k' on cuda:0: global_size (4294967295, 1, 1) in blocks of "
+        "(1, 1, 1) makes 4294967295 blocks in x; a grid takes at most 2147483647 "
+        "(CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X)",
+    ),
+    (
+        "k",
+        (1, 65536),
+        1,
+        "launch of kernel 'k' on cuda:0: global_size (1, 65536, 1) in blocks of (1, 1, 1) "
+        "makes 65536 blocks in y; a grid takes at most 65535 "
+        "(CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y)",
+    ),
+    (
+        "k",
+        (1, 1, 2 * 65536),
+        (1, 1, 2),
+        "launch of kernel 'k' on cuda:0: global_size (1, 1, 131072) in blocks of (1, 1, 2) "
+        "makes 65536 blocks in z; a grid takes at most 65535 "
+        "(CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z)",
+    ),
+]
+# Launches at the limits, which run.
+AT_LIMITS: list[tuple[str, Any, Any]] = [
+    ("k", 1024, 1024),
+    ("k", (32, 32), (32, 32)),
+    ("k", (1, 1, 64), (1, 1, 64)),
+    ("bounded", 256, 256),
+    ("k", (1 << 31) - 1, 1),
+    ("k", (1, 65535, 65535), 1),
+]
+_kept: list[Any] = []  # programs kept for the child's life (one load each)
+
+
+async def _program_bounded(queue: Any) -> Any:
+    """Kernel "bounded" on ``queue``'s device, loaded once: the simulated driver gives
+    every load of it one function, which a second load's unload would take away."""
+    if not _kept:
+        dev = queue._device
+        params = await dev._params(BOUNDED_SRC, "bounded")
+        compiler = dev._backend.compiler
+        _kept.append(
+            await dev._program(("key", "bounded"), params, b"cubin", BOUNDED_SRC, compiler, None)
+        )
+    return _kept[0]
+
+
+@contextlib.contextmanager
+def _python_path_allowed(queue: Any) -> Iterator[None]:
+    """Within: the "queue" path may fall back to the Python path (the native one
+    declines a launch to have it explained), whose backend launch _main replaced."""
+    native = queue._native
+    guard = vars(native).pop("launch", None)
+    try:
+        yield
+    finally:
+        if guard is not None:
+            native.launch = guard
+
+
+def _oversized(sim: _Simulated, queue: Any, programs: dict[str, Any], buf: Any) -> list[Seen]:
+    """Each OVERSIZED launch: what it raised, and whether anything of it was numbered,
+    held or handed to the driver."""
+    out = []
+    for name, global_size, local_size, _ in OVERSIZED:
+        seen: Seen = {}
+        numbered, held = queue.submitted, queue._native.stats()["held_now"]
+        oversized = sim.oversized.value
+        with _python_path_allowed(queue):
+            try:
+                queue.launch(programs[name], buf, global_size=global_size, local_size=local_size)
+                seen["raised"] = "nothing"
+            except Exception as exc:
+                seen["raised"] = _error(exc)
+        seen["numbered"] = queue.submitted - numbered
+        seen["held"] = queue._native.stats()["held_now"] - held
+        seen["refused_by_driver"] = sim.oversized.value - oversized
+        out.append(seen)
+    return out
+
+
+async def _launch_limits(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
+    """Launches beyond the device's limits or their kernel's, on an idle queue and on
+    one holding commands on the host (past its bound in flight): what each raised, and
+    whether anything of it was numbered, held or reached the driver; then whether the
+    queue's commands before them ran, and launches at the limits after them."""
+    programs = {"k": kernel, "bounded": await _program_bounded(queue)}
+    refused = sim.oversized.value
+    seen: Seen = {"idle": _oversized(sim, queue, programs, buf)}
+    sim.duration_ns.value = 5_000_000
+    try:
+        before = [queue.launch(kernel, buf) for _ in range(40)]
+        seen["held_before"] = queue._native.stats()["held_now"]
+        seen["deep"] = _oversized(sim, queue, programs, buf)
+    finally:
+        sim.duration_ns.value = 0
+    seen["before"] = [await _awaited(done) for done in before]
+    seen["after"] = []
+    for name, global_size, local_size in AT_LIMITS:
+        try:
+            done = queue.launch(programs[name], buf, global_size=global_size, local_size=local_size)
+            seen["after"].append(await _awaited(done))
+        except Exception as exc:
+            seen["after"].append(_error(exc))
+    seen["refused_by_driver"] = sim.oversized.value - refused
+    return seen
+
+
 def _refuse_context(sim: _Simulated) -> None:
     """cuda:0's context (0x100) current on this thread, and refused to any other."""
     sim.fake.fake_ctx_set_current(0x100)
@@ -371,6 +539,7 @@ SCENARIOS: dict[str, Callable[[_Simulated, Any, Any, Any], Awaitable[Seen]]] = {
     "unfenced": _unfenced,
     "no_context": _no_context,
     "unfenced_signal": _unfenced_signal,
+    "launch_limits": _launch_limits,
 }
 # What a scenario sets up before its queue is made.
 BEFORE_QUEUE: dict[str, Callable[[_Simulated], None]] = {"no_context": _refuse_context}
