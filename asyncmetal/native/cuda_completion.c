@@ -361,10 +361,10 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
          * A signal's end refused (its event record): the timeline it was to raise fails
          * too, or its waiters would wait for good -- with the fence, once the stream is
          * past the signal's word write (handed over before), which would otherwise land
-         * on the failed timeline's word; a fence refused too (not sticky) is tried again,
-         * the signal kept for it (q->unfenced, cuq_unfence, cuq_refence); refused for
-         * good (sticky: nothing of the context runs any more), now, as those dropped
-         * below. */
+         * on the failed timeline's word; a fence refused too is tried again, the signal
+         * kept for it (q->unfenced, cuq_unfence, cuq_refence); refused for good
+         * (cu_fence_final: sticky, or the context or the stream gone), now, as those
+         * dropped below. */
         int signals = cuop_signals(op), fenced = 0, unfenced = 0, kept = 0;
         if (r && __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) != 2) {
             /* (not once abandoned: the stream may be destroyed; the call reported stays
@@ -377,7 +377,7 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
             int f = cuq_finish(q, op->value, signals ? op->extra : NULL,
                                signals ? op->extra_value : 0, 0, CU_FINISH_FENCE);
             fenced = !f;
-            unfenced = f && !cu_sticky(f);
+            unfenced = f && !cu_fence_final(f);
             __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);
         }
         pthread_mutex_lock(&q->mu);
@@ -415,11 +415,14 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
  * are not reported failed, nor their buffers handed back -- until a fence is recorded
  * behind it and confirmed. This thread, with nothing else in flight, records it again
  * after a nap (1 ms, doubling up to CU_NAP_CHUNK_NS): once the driver takes it, the
- * queue settles at its confirmation, as for a fence recorded at once. A sticky refusal
- * settles q now: nothing of the context runs any more. With nothing in flight, the ring
- * has room for the fence: recording it needs no host memory (were it short anyway, -1 is
- * tried again as a refusal is). Abandoned (am_cuq_close), q stops trying. `nap`: this
- * thread's, kept across tries. Not under mu. */
+ * queue settles at its confirmation, as for a fence recorded at once. A refusal no try
+ * cures (cu_fence_final) settles q now, and fails the signal kept for the fence: sticky,
+ * or the context gone, nothing of the context runs any more; a stream its owner
+ * destroyed runs on what the driver has of it, but no fence can show when that is
+ * done. With nothing in flight, the ring has room for the fence: recording it needs no
+ * host memory (were it short anyway, -1 is tried again as a refusal is). Abandoned
+ * (am_cuq_close), q stops trying. `nap`: this thread's, kept across tries. Not under
+ * mu. */
 static void cuq_refence(am_cuq *q, long *nap) {
     pthread_mutex_lock(&q->mu);
     struct timespec until;
@@ -441,13 +444,13 @@ static void cuq_refence(am_cuq *q, long *nap) {
     int settle = 0, fail_signal = 0, error = 0;
     uint64_t failed_value = 0;
     am_timeline *cause = NULL;
-    if (!r || cu_sticky(r)) {
+    if (!r || cu_fence_final(r)) {
         if (q->unfenced_extra == extra) {  /* (else one kept meanwhile: a fence carries it) */
             q->unfenced = 0;
             q->unfenced_extra = NULL;
         }
         settle = r && !q->count && !q->held && q->stop != 2;
-        fail_signal = r && extra && q->stop != 2;  /* (sticky: its write never lands) */
+        fail_signal = r && extra && q->stop != 2;  /* (no fence: it fails now) */
         cuq_cause(q, &error, &failed_value, &cause);
         *nap = 1000000;
     } else if (*nap < CU_NAP_CHUNK_NS) {
