@@ -361,10 +361,10 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
          * A signal's end refused (its event record): the timeline it was to raise fails
          * too, or its waiters would wait for good -- with the fence, once the stream is
          * past the signal's word write (handed over before), which would otherwise land
-         * on the failed timeline's word; a fence refused too (not sticky) is tried again,
-         * the signal kept for it (q->unfenced, cuq_unfence, cuq_refence); refused for
-         * good (sticky: nothing of the context runs any more), now, as those dropped
-         * below. */
+         * on the failed timeline's word; a fence refused too is tried again, the signal
+         * kept for it (q->unfenced, cuq_unfence, cuq_refence); refused for good
+         * (cu_fence_final: sticky, or the context or the stream gone), now, as those
+         * dropped below. */
         int signals = cuop_signals(op), fenced = 0, unfenced = 0, kept = 0;
         if (r && __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) != 2) {
             /* (not once abandoned: the stream may be destroyed; the call reported stays
@@ -377,7 +377,7 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
             int f = cuq_finish(q, op->value, signals ? op->extra : NULL,
                                signals ? op->extra_value : 0, 0, CU_FINISH_FENCE);
             fenced = !f;
-            unfenced = f && !cu_sticky(f);
+            unfenced = f && !cu_fence_final(f);
             __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);
         }
         pthread_mutex_lock(&q->mu);
@@ -415,12 +415,27 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
  * are not reported failed, nor their buffers handed back -- until a fence is recorded
  * behind it and confirmed. This thread, with nothing else in flight, records it again
  * after a nap (1 ms, doubling up to CU_NAP_CHUNK_NS): once the driver takes it, the
- * queue settles at its confirmation, as for a fence recorded at once. A sticky refusal
- * settles q now: nothing of the context runs any more. With nothing in flight, the ring
- * has room for the fence: recording it needs no host memory (were it short anyway, -1 is
- * tried again as a refusal is). Abandoned (am_cuq_close), q stops trying. `nap`: this
- * thread's, kept across tries. Not under mu. */
-static void cuq_refence(am_cuq *q, long *nap) {
+ * queue settles at its confirmation, as for a fence recorded at once. A refusal no try
+ * cures (cu_fence_final) settles q now, and fails the signal kept for the fence: sticky,
+ * or the context gone, nothing of the context runs any more; a stream its owner
+ * destroyed runs on what the driver has of it, but no fence can show when that is
+ * done. With nothing in flight, the ring has room for the fence: recording it needs no
+ * host memory (were it short anyway, -1 is tried again as a refusal is).
+ *
+ * Closed to finish (am_cuq_close), q is tried for CU_CLOSE_FENCE_NS more, from when
+ * this thread first sees the close, then settles as for a final refusal. Such a close
+ * returns once every command was confirmed or q failed: q has failed already, and only
+ * the fence is missing, which nothing records once q is closed, so a refusal that lasts
+ * (memory that never comes back, one cu_fence_final does not list) would hold the close
+ * and the signal's waiters for good. What the refused command handed over runs on,
+ * unseen: the device's close synchronizes its context before it frees memory or unloads
+ * modules, a stream the queue owns is destroyed (cuStreamDestroy) to be released once
+ * its work is done, but a buffer that part writes counts as free once q settled, and
+ * the signal's word write, landing after its timeline failed, is not released again
+ * (timeline_keep_released) -- the risk taken rather than a close that never returns.
+ * Abandoned (am_cuq_close), q stops trying at once. `nap`, `closing` (when this thread
+ * saw the close, 0: not yet): this thread's, kept across tries. Not under mu. */
+static void cuq_refence(am_cuq *q, long *nap, int64_t *closing) {
     pthread_mutex_lock(&q->mu);
     struct timespec until;
     deadline_after(&until, *nap);
@@ -438,16 +453,19 @@ static void cuq_refence(am_cuq *q, long *nap) {
     __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);  /* the refused one */
     pthread_mutex_lock(&q->mu);
     cuq_undrive(q);
+    int64_t now = now_ns();
+    if (q->stop == 1 && !*closing) *closing = now;
+    int closed = q->stop == 1 && now - *closing >= CU_CLOSE_FENCE_NS;
     int settle = 0, fail_signal = 0, error = 0;
     uint64_t failed_value = 0;
     am_timeline *cause = NULL;
-    if (!r || cu_sticky(r)) {
+    if (!r || cu_fence_final(r) || closed) {
         if (q->unfenced_extra == extra) {  /* (else one kept meanwhile: a fence carries it) */
             q->unfenced = 0;
             q->unfenced_extra = NULL;
         }
         settle = r && !q->count && !q->held && q->stop != 2;
-        fail_signal = r && extra && q->stop != 2;  /* (sticky: its write never lands) */
+        fail_signal = r && extra && q->stop != 2;  /* (no fence: it fails now) */
         cuq_cause(q, &error, &failed_value, &cause);
         *nap = 1000000;
     } else if (*nap < CU_NAP_CHUNK_NS) {
@@ -651,6 +669,7 @@ static void *cuq_run(void *arg) {
     int (*query)(void *) = (int (*)(void *))cu_funcs[CU_EVENT_QUERY];
     int (*sync)(void *) = (int (*)(void *))cu_funcs[CU_EVENT_SYNC];
     long fence_nap = 1000000;  /* before recording a refused fence again (cuq_refence) */
+    int64_t fence_closing = 0;  /* ... when a close to finish was seen trying it */
     for (;;) {
         /* Stay awake a moment for the next command: a thread woken from a condition
          * variable takes tens of microseconds to run again, which an awaited launch
@@ -676,7 +695,7 @@ static void *cuq_run(void *arg) {
             break;
         if (q->count == 0 && q->unfenced && !q->driving) {
             pthread_mutex_unlock(&q->mu);
-            cuq_refence(q, &fence_nap);
+            cuq_refence(q, &fence_nap, &fence_closing);
             continue;
         }
         if (q->count == 0) {

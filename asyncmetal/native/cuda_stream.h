@@ -66,6 +66,7 @@ AM_HIDDEN void cu_restore(void *before);
 #define CU_NEAR_MIN_NS 1000000   /* one expected to run this long wakes its loops ahead, */
 #define CU_NEAR_LEAD_NS 250000   /* ... at most this long before its expected end */
 #define CU_MAX_NAP_LATE_NS 200000 /* a nap's lateness is allowed for up to this */
+#define CU_CLOSE_FENCE_NS 1000000000 /* a close to finish tries a refused fence this long */
 #define CU_MAX_PARAMS 64
 #define CU_FINISH_LONG 1         /* am_cuq_finish flags: a command known to run long */
 #define CU_FINISH_PLAIN 2        /* ... a device wait: a plain event, so a kick is seen */
@@ -168,8 +169,9 @@ struct am_cuq {
     uint64_t unfenced;              /* a refused command part of which the driver has, whose
                                        fence the driver refused too, or that ran out of
                                        host memory (0: none): the queue settles only once
-                                       a fence is recorded behind it (cuda_completion.c,
-                                       cuq_refence; under mu) */
+                                       a fence is recorded behind it, the driver refuses
+                                       one for good, or a close to finish gave up on it
+                                       (cuda_completion.c, cuq_refence; under mu) */
     am_timeline *unfenced_extra;    /* ... a signal that command makes (or NULL): its word
                                        write may still land, so its timeline fails only
                                        with the fence (cuq_unfence; under mu) */
@@ -297,6 +299,30 @@ static inline int cu_sticky(int r) {
     case 710: /* CUDA_ERROR_ASSERT */
     case 702: /* CUDA_ERROR_LAUNCH_TIMEOUT */
     case 214: /* CUDA_ERROR_ECC_UNCORRECTABLE */
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+/* Whether CUresult r, refusing a fence (the event recorded behind a command the driver
+ * refused in part: cuda_submit.c, cuq_submit_then; cuda_completion.c, cuq_drain,
+ * cuq_refence), refuses every later try too: sticky, or what no try can cure, the same
+ * stream going to the driver each time (with another event) -- the driver
+ * deinitialized or not initialized, the context destroyed or invalid, the stream's
+ * handle invalid (an adopted stream its owner destroyed), an invalid value. Besides
+ * those, cuEventRecord documents none but the errors of earlier work (sticky). Any
+ * other refusal is tried again: out of memory for a new event (cuEventCreate's), or of
+ * host memory for the ring (-1) -- what a refused fence is tried again for. */
+static inline int cu_fence_final(int r) {
+    if (cu_sticky(r)) return 1;
+    switch (r) {
+    case 1:   /* CUDA_ERROR_INVALID_VALUE */
+    case 3:   /* CUDA_ERROR_NOT_INITIALIZED */
+    case 4:   /* CUDA_ERROR_DEINITIALIZED */
+    case 201: /* CUDA_ERROR_INVALID_CONTEXT */
+    case 400: /* CUDA_ERROR_INVALID_HANDLE */
+    case 709: /* CUDA_ERROR_CONTEXT_IS_DESTROYED */
         return 1;
     default:
         return 0;

@@ -522,8 +522,9 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
      * the completion thread (q->unfenced, cuq_refence) -- the queue does not settle
      * meanwhile: a buffer the part writes must not be handed back while it may still
      * run, nor a timeline its signal raises failed while its word write may still land
-     * (cuq_unfence) -- unless the refusal is sticky: then nothing of the context runs
-     * any more. (handed_value: only the driving thread writes it.) */
+     * (cuq_unfence) -- unless no try can cure the refusal (cu_fence_final: sticky, or
+     * the context or the stream gone): then nothing is left to wait for, and the queue
+     * settles now. (handed_value: only the driving thread writes it.) */
     int part = r > 0 && (ran || q->handed_value == op->value) &&
                __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) != 2;
     const am_cuop *refused = ran ? then : op;
@@ -539,7 +540,7 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
         int f = cuq_finish(q, op->value, signals ? refused->extra : NULL,
                            signals ? refused->extra_value : 0, 0, CU_FINISH_FENCE);
         fenced = !f;
-        unfenced = f && !cu_sticky(f);
+        unfenced = f && !cu_fence_final(f);
         __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);  /* the refused one */
     }
     cuq_leave(q, r, before);

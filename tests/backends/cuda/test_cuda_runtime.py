@@ -67,6 +67,8 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "refencekept"),
         *("ok", "refenceabandon"),
         *("ok", "nocontextkept"),
+        *("ok", "fencegone"),
+        *("ok", "refenceclose"),
         *("ok", "predict"),
         *("ok", "near"),
         *("ok", "kick"),

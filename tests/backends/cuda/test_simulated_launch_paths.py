@@ -7,10 +7,14 @@ runtime's driver table is process-wide). Runs everywhere a C compiler is found.
   refused stays submitted, failed, on every path: the launch returns its Completion, whose
   await raises the driver's error naming its value; its buffer's use is recorded; the
   queue refuses what comes after, and the value is never numbered again.
-* A launch whose end the driver refused, and then the fence behind it too, settles its
-  queue (its await raises) only once the stream is past its kernel, on every path.
-* A signal whose end the driver refused, and then the fence behind it too, fails its
-  timeline only once the stream is past its word write (the kernel before it ran).
+* A launch whose end the driver refused, and then the fence behind it too (for lack of
+  memory: tried again), settles its queue (its await raises) only once the stream is
+  past its kernel, on every path.
+* A signal whose end the driver refused, and then the fence behind it too (so), fails
+  its timeline only once the stream is past its word write (the kernel before it ran).
+* A signal whose end the driver refused, and every fence behind it, with an error no
+  later try cures (a destroyed context) fails its timeline and its completion at once,
+  naming that error, on every path.
 * A queue whose completion thread the driver refuses to make its context current
   fails, on every path: its timeline settles, a launch raises naming cuCtxSetCurrent,
   and its close ends.
@@ -106,9 +110,10 @@ def test_a_refused_launch_whose_fence_is_refused_too_settles_after_its_kernel(
     path: str, loop: str
 ) -> None:
     """Command 2's kernel (200 ms) was launched; its event record was refused, and so
-    was the record of the fence the queue puts behind it, three times. Checked: fails
-    without the fix (with nothing else in flight the queue settled at once, the await
-    raising while the kernel still ran: a buffer it writes could be handed back)."""
+    was the record of the fence the queue puts behind it, three times, for lack of
+    memory. Checked: fails without the fix (with nothing else in flight the queue
+    settled at once, the await raising while the kernel still ran: a buffer it writes
+    could be handed back)."""
     seen = _through("unfenced", loop, path)
     assert seen["value"] == 2, seen
     assert re.fullmatch(
@@ -142,9 +147,9 @@ def test_a_refused_signal_whose_fence_is_refused_too_fails_its_timeline_after_it
     path: str, loop: str
 ) -> None:
     """Command 3 signals a timeline behind command 2's kernel (200 ms); its event record
-    was refused, and the fence behind it twice. Checked: fails without the fix (the
-    timeline failed at once, its wait raising while the kernel still ran and the word
-    write behind it could still land)."""
+    was refused, and the fence behind it twice, for lack of memory. Checked: fails
+    without the fix (the timeline failed at once, its wait raising while the kernel
+    still ran and the word write behind it could still land)."""
     seen = _through("unfenced_signal", loop, path)
     assert seen["value"] == 3, seen
     assert seen["waited"] == (
@@ -178,3 +183,21 @@ def test_a_launch_beyond_the_limits_raises_at_the_call_idle_or_deep(path: str, l
     assert seen["before"] == ["done"] * 40, seen
     assert seen["after"] == ["done"] * len(AT_LIMITS), seen
     assert seen["refused_by_driver"] == 0
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_signal_whose_fence_is_refused_for_good_fails_its_timeline(path: str, loop: str) -> None:
+    """Command 3 signals a timeline behind command 2's kernel (200 ms); the driver
+    refused its event record and every fence behind it with
+    CUDA_ERROR_CONTEXT_IS_DESTROYED, which no later try cures. Checked: fails without
+    the fix (the fence was tried again for good: neither the signal's completion nor
+    the wait on its timeline ever ended)."""
+    seen = _through("fence_gone", loop, path)
+    assert seen["value"] == 3, seen
+    failed = "the command at value 3 on a stream of cuda:0 failed: CUDA_ERROR_CONTEXT_IS_DESTROYED"
+    assert seen["awaited"] == f"AsyncMetalError: {failed}", seen
+    assert seen["waited"] == (
+        "AsyncMetalError: this timeline will not reach 1: a value that command 3 of a queue "
+        f"of cuda:0 never produced: {failed}"
+    ), seen

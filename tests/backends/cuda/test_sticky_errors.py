@@ -3,7 +3,9 @@ asyncmetal/native/cuda_stream.h: a queue's fence the driver refused with one of 
 not tried again, and the queue settles at once) are those the backend reports the
 process lost for (``LOST`` in asyncmetal/backends/cuda/_driver.py). The two lists are
 written twice, in C and in Python: a change to one without the other fails here.
-Runs everywhere: the C list is read from the header.
+The other refusals of a fence that are not tried again (``cu_fence_final``) name their
+CUresults rightly, and a refusal for lack of memory is not among them.
+Runs everywhere: the C lists are read from the header.
 """
 
 from __future__ import annotations
@@ -18,6 +20,13 @@ from asyncmetal.backends.cuda import _driver
 # The CUresult value of each error either list may name (CUDA's cuda.h); compared with
 # cuda-bindings' where it is installed.
 CUDA_H = {
+    "CUDA_ERROR_INVALID_VALUE": 1,
+    "CUDA_ERROR_OUT_OF_MEMORY": 2,
+    "CUDA_ERROR_NOT_INITIALIZED": 3,
+    "CUDA_ERROR_DEINITIALIZED": 4,
+    "CUDA_ERROR_INVALID_CONTEXT": 201,
+    "CUDA_ERROR_INVALID_HANDLE": 400,
+    "CUDA_ERROR_CONTEXT_IS_DESTROYED": 709,
     "CUDA_ERROR_ECC_UNCORRECTABLE": 214,
     "CUDA_ERROR_ILLEGAL_ADDRESS": 700,
     "CUDA_ERROR_LAUNCH_TIMEOUT": 702,
@@ -31,20 +40,25 @@ CUDA_H = {
 }
 
 
-def native_sticky() -> dict[str, int]:
-    """cu_sticky's cases, by the CUresult name each one's comment gives."""
+def native_cases(function: str, returns: list[str]) -> dict[str, int]:
+    """The cases of ``function`` (cu_sticky, cu_fence_final), by the CUresult name each
+    one's comment gives; its ``return`` statements are ``returns``."""
     header = resources.files("asyncmetal").joinpath("native", "cuda_stream.h").read_text()
-    found = re.search(r"static inline int cu_sticky\(int r\) \{\n(.*?)\n\}", header, re.S)
-    assert found, "cu_sticky is not in cuda_stream.h"
+    found = re.search(rf"static inline int {function}\(int r\) \{{\n(.*?)\n\}}", header, re.S)
+    assert found, f"{function} is not in cuda_stream.h"
     named: dict[str, int] = {}
     for code, rest in re.findall(r"^\s*case (\d+):(.*)$", found.group(1), re.M):
         name = re.fullmatch(r"\s*/\* (CUDA_ERROR_\w+) \*/\s*", rest)
-        assert name, f"cu_sticky's case {code} does not name its CUresult in a comment"
+        assert name, f"{function}'s case {code} does not name its CUresult in a comment"
         assert name.group(1) not in named, f"{name.group(1)} is named twice"
         named[name.group(1)] = int(code)
     # Every value it returns 1 for is one of those cases (no other condition).
-    assert re.findall(r"return (\w+);", found.group(1)) == ["1", "0"], found.group(1)
+    assert re.findall(r"return (\w+);", found.group(1)) == returns, found.group(1)
     return named
+
+
+def native_sticky() -> dict[str, int]:
+    return native_cases("cu_sticky", ["1", "0"])
 
 
 def test_the_native_sticky_errors_are_the_ones_python_reports_the_process_lost_for() -> None:
@@ -62,3 +76,16 @@ def test_the_values_are_the_drivers() -> None:
     for name, value in CUDA_H.items():
         # (getattr: cuda-bindings 13's CUresult is not subscriptable by name)
         assert int(getattr(_driver.cu.CUresult, name)) == value, name
+
+
+def test_the_final_refusals_of_a_fence_name_their_cuda_errors() -> None:
+    """cu_fence_final: the sticky errors (its first return), then its own cases."""
+    header = resources.files("asyncmetal").joinpath("native", "cuda_stream.h").read_text()
+    assert "int cu_fence_final(int r) {\n    if (cu_sticky(r)) return 1;\n" in header
+    final = native_cases("cu_fence_final", ["1", "1", "0"])
+    unknown = sorted(set(final) - set(CUDA_H))
+    assert not unknown, f"add the CUresult values of {unknown} (cuda.h) to CUDA_H"
+    assert final == {name: CUDA_H[name] for name in final}
+    assert not set(final) & set(native_sticky())
+    # What a fence is tried again for: out of memory for a new event
+    assert "CUDA_ERROR_OUT_OF_MEMORY" not in final

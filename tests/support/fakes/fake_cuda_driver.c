@@ -19,7 +19,11 @@ void *_Atomic held;     /* an event whose queries report it unfinished (a slow t
 atomic_long wait_event_ns;  /* >0: cuStreamWaitEvent takes this long (a slow driver) */
 atomic_int waits_in_driver;
 fake_stream *_Atomic refuse_records;  /* the next event record on this stream is refused, */
-atomic_int refuse_more;               /* ... and then this many more there */
+atomic_int refuse_more;               /* ... and then this many more there, */
+atomic_int refuse_code;               /* ... the first (records_refused 0) with this CUresult
+                                         (0: CUDA_ERROR_INVALID_VALUE), */
+atomic_int refuse_more_code;          /* ... those after it with this one (0: the same) */
+atomic_int records_refused;           /* event records refused (a check sets it back to 0) */
 atomic_int refuse_allocs;   /* >0: the runtime's next that many cuq_alloc fail */
 void *_Atomic refuse_ctx;   /* a cuCtxSetCurrent of this context is refused */
 atomic_long record_ns;      /* >0: cuEventRecord takes this long (a slow driver) */
@@ -367,13 +371,16 @@ static int f_record(void *e, void *stream) {
     int inject = injected(FAKE_CALL_RECORD);
     if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
-    fake_stream *refused = stream;  /* the next record there: CUDA_ERROR_INVALID_VALUE */
+    fake_stream *refused = stream;  /* the next record there (refuse_code) */
     if (atomic_load(&refuse_records) == refused) {
         if (atomic_fetch_sub(&refuse_more, 1) <= 0) {
             atomic_store(&refuse_more, 0);
             atomic_compare_exchange_strong(&refuse_records, &refused, NULL);
         }
-        return 1;
+        int first = atomic_fetch_add(&records_refused, 1) == 0;
+        int code = atomic_load(&refuse_code), more = atomic_load(&refuse_more_code);
+        if (!first && more) code = more;
+        return code ? code : 1;
     }
     fake_event *ev = e;
     long slow = atomic_load(&record_ns);

@@ -16,6 +16,7 @@
 
 #define NOT_READY 600
 #define ILLEGAL_ADDRESS 700
+#define OUT_OF_MEMORY 2  /* CUDA_ERROR_OUT_OF_MEMORY: a fence refused so is tried again */
 
 
 #define FAKE_RECORDS 4096  /* an event's records whose ends are told apart (a ring) */
@@ -107,7 +108,12 @@ extern void *_Atomic held;            /* an event whose queries report it unfini
 extern atomic_long wait_event_ns;     /* >0: a stream's wait on an event takes this long */
 extern atomic_int waits_in_driver;    /* ... such waits inside the driver now */
 extern fake_stream *_Atomic refuse_records;  /* the next event record on it is refused, */
-extern atomic_int refuse_more;               /* ... and then this many more there */
+extern atomic_int refuse_more;               /* ... and then this many more there, */
+extern atomic_int refuse_code;               /* ... the first (records_refused 0) with
+                                                this CUresult (0: CUDA_ERROR_INVALID_VALUE), */
+extern atomic_int refuse_more_code;          /* ... those after it with this one (0: the
+                                                same) */
+extern atomic_int records_refused;  /* event records refused (a check sets it back to 0) */
 extern atomic_int refuse_allocs;      /* >0: the runtime's next that many cuq_alloc fail */
 extern void *_Atomic refuse_ctx;      /* a cuCtxSetCurrent of this context is refused */
 extern atomic_long record_ns;         /* >0: an event record takes this long */

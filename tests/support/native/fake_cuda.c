@@ -112,9 +112,10 @@
  *             signal's timeline settles once its word write landed (not before, nor
  *             lowered by it after), and the queue settles once what came before ran
  *   unfencedsignal a signal whose end (its event record) the driver refuses once its
- *             word write reached the driver, and the fence behind it too (taken on a
- *             later try): its timeline fails only once the stream is past that write,
- *             which then cannot lower the released word, naming the refused command
+ *             word write reached the driver, and the fence behind it too, for lack of
+ *             memory (taken on a later try): its timeline fails only once the stream
+ *             is past that write, which then cannot lower the released word, naming
+ *             the refused command
  *   stickyfence the same with a sticky refusal (the context faulted), the fence's
  *             too: the queue and the signal's timeline settle at once
  *   nocontext a queue whose completion thread the driver refuses to make its context
@@ -130,6 +131,17 @@
  *   nocontextkept a signal kept for a fence while the completion thread of a queue that
  *             could not make its context current fails another signal's timeline:
  *             that signal's timeline fails too
+ *   fencegone a command part of which the driver has (a kernel, a signal's word write)
+ *             whose end and fence the driver refuses with an error no later try cures
+ *             (the context destroyed or invalid, the stream's handle invalid, the
+ *             driver deinitialized, an invalid value): at once, at the hand-over of the
+ *             held command, or on a later try after refusals for lack of memory, the
+ *             queue and the signal's timeline settle, failed with that error and
+ *             naming the refused command, and a close to finish returns
+ *   refenceclose such a fence refused for lack of memory every time: tried again while
+ *             the queue is open (the signal kept for it); a close to finish returns
+ *             within a bound, the queue settled and the signal's timeline failed,
+ *             naming the refused command
  *   kick      a host signal of a timeline a stream waits on cuts the completion
  *             thread's nap short
  *   abandon   closing with abandon returns while the completion thread naps on, or is
@@ -2136,9 +2148,47 @@ static void check_nomemory(void) {
     puts("ok nomemory");
 }
 
+/* A close to finish of a queue, on a thread of its own (closer), so that a check can
+ * bound how long it takes. */
+static pthread_mutex_t closer_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t closer_cv = PTHREAD_COND_INITIALIZER;
+static int closer_done;
+
+static void *closer(void *arg) {
+    am_cuq_close(arg, 0);
+    pthread_mutex_lock(&closer_mu);
+    closer_done = 1;
+    pthread_cond_signal(&closer_cv);
+    pthread_mutex_unlock(&closer_mu);
+    return NULL;
+}
+
+/* Close q to finish; `what` fails the check unless the close returns within ns. */
+static void close_within(am_cuq *q, long ns, const char *what) {
+    pthread_t thread;
+    struct timespec until;
+    closer_done = 0;  /* (no closer runs yet) */
+    if (pthread_create(&thread, NULL, closer, q)) die("close_within: pthread_create");
+    deadline_after(&until, ns);
+    pthread_mutex_lock(&closer_mu);
+    while (!closer_done)
+        if (pthread_cond_timedwait(&closer_cv, &closer_mu, &until) == ETIMEDOUT) die(what);
+    pthread_mutex_unlock(&closer_mu);
+    pthread_join(thread, NULL);
+}
+
+/* The driver's refusals of event records back to none. */
+static void refusals_off(void) {
+    atomic_store(&refuse_records, NULL);
+    atomic_store(&refuse_more, 0);
+    atomic_store(&refuse_code, 0);
+    atomic_store(&refuse_more_code, 0);
+    atomic_store(&records_refused, 0);
+}
+
 /* A signal whose end (its event record) the driver refuses once its word write reached
  * the driver, behind a slow kernel of the same command, and then the fence behind it
- * too, twice (the completion thread's second try is taken). */
+ * too, twice, for lack of memory (the completion thread's second try is taken). */
 static void check_unfencedsignal(void) {
     static kernel slow = {0, 200000000, NULL, 0};
     fake_queue f = queue_new();
@@ -2150,6 +2200,8 @@ static void check_unfencedsignal(void) {
     reach(f.t, 1, "unfencedsignal: launch 1 never ran");
     if (kernel_part(f, &slow, 2) || am_cuq_write(f.q, t.word, 5, 2))
         die("unfencedsignal: the signal's kernel or word write failed");
+    atomic_store(&records_refused, 0);
+    atomic_store(&refuse_more_code, OUT_OF_MEMORY);  /* the fence's: tried again */
     atomic_store(&refuse_more, 2);
     atomic_store(&refuse_records, f.s);
     if (am_cuq_finish(f.q, 2, t.t, 5, 0, 0) != 1) die("unfencedsignal: the refusal was not reported");
@@ -2165,6 +2217,7 @@ static void check_unfencedsignal(void) {
         die("unfencedsignal: the timeline does not name the refused command");
     if (am_cuq_error(f.q, &at) != 1 || at != 2) die("unfencedsignal: the queue's failure is wrong");
     if (atomic_load(&refuse_records)) die("unfencedsignal: the fence was not tried again");
+    refusals_off();
     queue_free(f, 0);
     free_timeline_free(t);
     puts("ok unfencedsignal");
@@ -2266,6 +2319,8 @@ static void check_refencekept(void) {
     if (launch(f, NULL, 1, 1)) die("refencekept: launch 1 failed");
     reach(f.t, 1, "refencekept: launch 1 never ran");
     if (kernel_part(f, &slow, 2)) die("refencekept: the kernel failed");
+    atomic_store(&records_refused, 0);
+    atomic_store(&refuse_more_code, OUT_OF_MEMORY);  /* the fence's: tried again */
     atomic_store(&refuse_more, 1);  /* command 2's end, and its fence */
     atomic_store(&refuse_records, f.s);
     atomic_store(&record_ns, 100000000);  /* the fence tried again: 100 ms in the driver */
@@ -2282,6 +2337,7 @@ static void check_refencekept(void) {
     reach(f.t, UINT64_MAX, "refencekept: the queue never settled");
     atomic_store(&record_ns, 0);
     reach(t.t, UINT64_MAX, "refencekept: the kept signal's timeline never failed");
+    refusals_off();
     queue_free(f, 0);
     free_timeline_free(t);
     puts("ok refencekept");
@@ -2298,6 +2354,8 @@ static void check_refenceabandon(void) {
     reach(f.t, 1, "refenceabandon: launch 1 never ran");
     if (kernel_part(f, &slow, 2) || am_cuq_write(f.q, t.word, 5, 2))
         die("refenceabandon: the signal's kernel or word write failed");
+    atomic_store(&records_refused, 0);
+    atomic_store(&refuse_more_code, OUT_OF_MEMORY);  /* the fence's: tried again */
     atomic_store(&refuse_more, 1);  /* the signal's end, and its fence */
     atomic_store(&refuse_records, f.s);
     atomic_store(&record_ns, 300000000);  /* the fence tried again: past a close's 200 ms */
@@ -2308,6 +2366,7 @@ static void check_refenceabandon(void) {
     if (atomic_load(&records_in_driver))
         die("refenceabandon: an abandoning close returned with the fence in the driver");
     atomic_store(&record_ns, 0);
+    refusals_off();
     free_timeline_free(t);  /* (AddressSanitizer: nothing of the queue's reads it now) */
     abandoned_free(f);
     puts("ok refenceabandon");
@@ -2365,6 +2424,105 @@ static void check_nocontextkept(void) {
     free_timeline_free(t);
     free_timeline_free(kept_timeline);
     puts("ok nocontextkept");
+}
+
+/* A fence the driver refuses with an error no later try cures: nothing more to wait
+ * for. Checked: fails without the fix (the completion thread tried the fence again for
+ * good: the queue never settled, the signal's waiters waited for good, a close to
+ * finish never returned). */
+static void check_fencegone(void) {
+    /* CUDA_ERROR_CONTEXT_IS_DESTROYED, _INVALID_HANDLE, _INVALID_CONTEXT,
+     * _DEINITIALIZED, _INVALID_VALUE */
+    static const int codes[] = {709, 400, 201, 4, 1};
+    static kernel slow = {0, 20000000, NULL, 0};
+    for (size_t i = 0; i < sizeof codes / sizeof *codes; i++) {
+        for (int when = 0; when < 3; when++) {  /* at once, at the hand-over, on a retry */
+            int code = codes[i], error = 0;
+            uint64_t at = 0, value = 0, *gate = calloc(1, sizeof(uint64_t));
+            am_timeline *cause = NULL;
+            fake_queue f = when == 1 ? queue_bounded(1) : queue_new();
+            free_timeline t = free_timeline_new();
+            if (when == 1) {  /* command 2 held behind command 1, gated */
+                if (gated_launch(f, gate, 1)) die("fencegone: launch 1 failed");
+            } else {
+                if (launch(f, NULL, 1, 1)) die("fencegone: launch 1 failed");
+                reach(f.t, 1, "fencegone: launch 1 never ran");
+            }
+            if (kernel_part(f, &slow, 2) || am_cuq_write(f.q, t.word, 5, 2))
+                die("fencegone: the signal's kernel or word write failed");
+            atomic_store(&records_refused, 0);
+            atomic_store(&refuse_code, code);
+            atomic_store(&refuse_more_code, when == 2 ? OUT_OF_MEMORY : code);
+            atomic_store(&refuse_more, 1 << 30);  /* every record from now on */
+            atomic_store(&refuse_records, f.s);
+            if (am_cuq_finish(f.q, 2, t.t, 5, 0, 0) != (when == 1 ? 0 : code))
+                die("fencegone: the refusal was not reported");
+            if (when == 1) atomic_store((_Atomic uint64_t *)gate, 1);
+            if (when == 2) {  /* tried again, refused for lack of memory; then for good */
+                for (int64_t deadline = now_ns() + 5000000000LL;
+                     atomic_load(&records_refused) < 3;)
+                    if (now_ns() > deadline) die("fencegone: the fence was never tried again");
+                atomic_store(&refuse_more_code, code);
+            }
+            reach(f.t, UINT64_MAX, "fencegone: the queue never settled");
+            reach(t.t, UINT64_MAX, "fencegone: the signal's timeline never failed");
+            if (am_timeline_failure(t.t, &error, &value, &cause) != 1 || error != code ||
+                value != 2 || cause != f.t)
+                die("fencegone: the signal's timeline does not name the refused command");
+            if (am_cuq_error(f.q, &at) != code || at != 2)
+                die("fencegone: the queue's failure is wrong");
+            close_within(f.q, 10000000000L, "fencegone: a close to finish never returned");
+            refusals_off();
+            stream_free(f.s, 0);
+            am_timeline_free(f.t);
+            free(f.word);
+            free_timeline_free(t);
+            free(gate);
+        }
+    }
+    puts("ok fencegone");
+}
+
+/* A fence refused for lack of memory each time it is tried, with a signal kept for it:
+ * tried again while the queue is open, which stays unsettled; a close to finish tries
+ * it a while longer, then settles the queue and fails the signal's timeline, naming
+ * the refused command, and returns. Checked: fails without the fix (the close never
+ * returned). */
+static void check_refenceclose(void) {
+    static kernel slow = {0, 20000000, NULL, 0};
+    fake_queue f = queue_new();
+    free_timeline t = free_timeline_new();
+    int error = 0;
+    uint64_t at = 0, value = 0;
+    am_timeline *cause = NULL;
+    if (launch(f, NULL, 1, 1)) die("refenceclose: launch 1 failed");
+    reach(f.t, 1, "refenceclose: launch 1 never ran");
+    if (kernel_part(f, &slow, 2) || am_cuq_write(f.q, t.word, 5, 2))
+        die("refenceclose: the signal's kernel or word write failed");
+    atomic_store(&records_refused, 0);
+    atomic_store(&refuse_more_code, OUT_OF_MEMORY);  /* the fence's, each time */
+    atomic_store(&refuse_more, 1 << 30);
+    atomic_store(&refuse_records, f.s);
+    if (am_cuq_finish(f.q, 2, t.t, 5, 0, 0) != 1) die("refenceclose: the refusal was not reported");
+    for (int64_t deadline = now_ns() + 5000000000LL; atomic_load(&records_refused) < 5;)
+        if (now_ns() > deadline) die("refenceclose: the fence was never tried again");
+    if (am_timeline_value(f.t) == UINT64_MAX || am_timeline_value(t.t) == UINT64_MAX)
+        die("refenceclose: settled with no fence recorded, the queue open");
+    if (am_cuq_error(f.q, &at) != 1 || at != 2) die("refenceclose: the queue's failure is wrong");
+    int tried = atomic_load(&records_refused);
+    close_within(f.q, 10000000000L, "refenceclose: a close to finish never returned");
+    if (atomic_load(&records_refused) <= tried) die("refenceclose: the close tried no fence");
+    if (am_timeline_value(f.t) != UINT64_MAX) die("refenceclose: the closed queue never settled");
+    if (am_timeline_value(t.t) != UINT64_MAX ||
+        am_timeline_failure(t.t, &error, &value, &cause) != 1 || error != 1 || value != 2 ||
+        cause != f.t)
+        die("refenceclose: the kept signal's timeline did not fail, naming the refused command");
+    refusals_off();
+    stream_free(f.s, 0);
+    am_timeline_free(f.t);
+    free(f.word);
+    free_timeline_free(t);
+    puts("ok refenceclose");
 }
 
 static void check_handsignal(void) {
@@ -3208,6 +3366,8 @@ int main(void) {
     check_refencekept();
     check_refenceabandon();
     check_nocontextkept();
+    check_fencegone();
+    check_refenceclose();
     check_predict();  /* before abandon, after which a blocking wait never blocks */
     check_near();
     check_kick();

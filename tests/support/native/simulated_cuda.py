@@ -104,6 +104,9 @@ class _Simulated:
         fake.fake_driver_install()
         self.refuse_records = ctypes.c_void_p.in_dll(fake, "refuse_records")
         self.refuse_more = ctypes.c_int.in_dll(fake, "refuse_more")
+        self.refuse_code = ctypes.c_int.in_dll(fake, "refuse_code")
+        self.refuse_more_code = ctypes.c_int.in_dll(fake, "refuse_more_code")
+        self.records_refused = ctypes.c_int.in_dll(fake, "records_refused")
         self.fault_code = ctypes.c_int.in_dll(fake, "fault_code")
         self.counted = ctypes.c_long.in_dll(fake, "counted_calls")
         self.fail_at = ctypes.c_long.in_dll(fake, "fail_at")
@@ -311,10 +314,20 @@ async def _kernels_of_200_ms(
         sim.duration_ns.value = 0
         sim.refuse_records.value = None
         sim.refuse_more.value = 0
+        sim.refuse_code.value = sim.refuse_more_code.value = 0
+
+
+# CUDA_ERROR_OUT_OF_MEMORY (for a new event): a fence refused so is tried again, where
+# one refused with CUDA_ERROR_INVALID_VALUE is not (cu_fence_final, native/cuda_stream.h).
+OUT_OF_MEMORY = 2
+CONTEXT_IS_DESTROYED = 709  # CUDA_ERROR_CONTEXT_IS_DESTROYED: nor one refused so
 
 
 def _refuse_records(sim: _Simulated, queue: Any, more: int) -> None:
-    """The driver refuses the next event record on ``queue``'s stream, and ``more`` after."""
+    """The driver refuses the next event record on ``queue``'s stream (a command's end:
+    CUDA_ERROR_INVALID_VALUE), and ``more`` after, for lack of memory (its fence's)."""
+    sim.records_refused.value = 0
+    sim.refuse_more_code.value = OUT_OF_MEMORY
     sim.refuse_more.value = more
     sim.refuse_records.value = queue._native.handle
 
@@ -326,8 +339,8 @@ def _refusals_left(sim: _Simulated) -> int:
 async def _unfenced(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
     """A launch of a kernel that runs 200 ms, whose end (its event record) the driver
     refused once the kernel reached it, and then the queue's fence behind it three times
-    more: whether the launch's await came back (the queue settled, its buffer free to
-    go) only once the stream was past the kernel."""
+    more, for lack of memory: whether the launch's await came back (the queue settled,
+    its buffer free to go) only once the stream was past the kernel."""
     seen: Seen = {}
     async with _kernels_of_200_ms(sim, queue, kernel, buf) as ran:
         _refuse_records(sim, queue, 3)
@@ -342,9 +355,9 @@ async def _unfenced(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
 async def _unfenced_signal(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
     """A kernel that runs 200 ms, then a signal of a timeline whose end (its event
     record) the driver refused once its word write, behind the kernel, reached the
-    driver, and then the queue's fence behind it twice more: what a wait on the timeline
-    raised, and whether the stream had run the kernel (so the write had landed) when it
-    did."""
+    driver, and then the queue's fence behind it twice more, for lack of memory: what a
+    wait on the timeline raised, and whether the stream had run the kernel (so the
+    write had landed) when it did."""
     seen: Seen = {}
     timeline = queue._device.timeline()
     async with _kernels_of_200_ms(sim, queue, kernel, buf) as ran:
@@ -358,6 +371,30 @@ async def _unfenced_signal(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -
         seen["waited"] = await _awaited(timeline.wait(1))
         seen["ran_when_failed"] = ran()
         seen["refusals_left"] = _refusals_left(sim)
+    return seen
+
+
+async def _fence_gone(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
+    """A kernel that runs 200 ms, then a signal of a timeline whose end (its event
+    record) the driver refused once its word write, behind the kernel, reached the
+    driver, and then every fence the queue puts behind it, as a destroyed context does:
+    what the signal's completion and a wait on the timeline raised. (The queue's close
+    then returns: ``_main``.)"""
+    seen: Seen = {}
+    timeline = queue._device.timeline()
+    async with _kernels_of_200_ms(sim, queue, kernel, buf):
+        queue.launch(kernel, buf)
+        sim.records_refused.value = 0
+        sim.refuse_code.value = sim.refuse_more_code.value = CONTEXT_IS_DESTROYED
+        sim.refuse_more.value = 1 << 30
+        sim.refuse_records.value = queue._native.handle
+        try:
+            done = queue.signal(timeline, 1)
+            seen["value"] = done.value
+            seen["awaited"] = await _awaited(done)
+        except Exception as exc:
+            seen["raised"] = _error(exc)
+        seen["waited"] = await _awaited(timeline.wait(1))
     return seen
 
 
@@ -540,6 +577,7 @@ SCENARIOS: dict[str, Callable[[_Simulated, Any, Any, Any], Awaitable[Seen]]] = {
     "no_context": _no_context,
     "unfenced_signal": _unfenced_signal,
     "launch_limits": _launch_limits,
+    "fence_gone": _fence_gone,
 }
 # What a scenario sets up before its queue is made.
 BEFORE_QUEUE: dict[str, Callable[[_Simulated], None]] = {"no_context": _refuse_context}
