@@ -702,6 +702,56 @@ async def test_a_host_array_of_a_buffer_is_ordered_as_the_buffer_in_copies(
         assert alias.tolist() == [9]
 
 
+async def test_memory_of_a_buffer_over_another_librarys_array_comes_back_ordered(
+    anyio_backend: object,
+) -> None:
+    """A buffer over a numpy array (``am.from_dlpack``) whose memory goes out through
+    numpy (``np.from_dlpack`` or ``map()``) and comes back -- as a buffer, a part of it,
+    or a copy's host operand -- shares the buffer's record of uses, as an allocated
+    buffer's memory does: a copy of it on another queue comes after a command still
+    held that writes the buffer, and the buffer's later commands after a command on
+    what came back. Checked: fails without the fix (each copy read the bytes from
+    before the held write)."""
+    async with am.open_device("cpu") as dev:
+        fill = await dev.compile(KERNELS, "fill")
+        buf = am.from_dlpack(np.zeros(16, np.int32))
+        await dev.queue.launch(fill, buf, vals=(1, 16))
+        lent = np.from_dlpack(buf.typed(np.int32))
+        mapped = await buf.map(np.int32)
+        held, copier = dev.new_queue(), dev.new_queue()
+        comes_back = (
+            lambda: am.from_dlpack(lent),
+            lambda: am.from_dlpack(lent[4:]),
+            lambda: lent,
+            lambda: mapped[:8],
+        )
+        for step, operand in enumerate(comes_back, 1):
+            gate = dev.timeline()
+            held.wait(gate, 1)
+            held.launch(fill, buf, vals=(step + 1, 16))
+            source = operand()
+            out = await dev.alloc(source.nbytes)
+            copied = copier.copy(out, source)
+            await anyio.sleep(0.05)
+            assert not copied.done(), step  # after the held write, on the device
+            gate.signal(1)
+            with anyio.fail_after(10):
+                await copied
+            assert set((await out.read(np.int32)).tolist()) == {step + 1}, step
+        alias = am.from_dlpack(lent)  # and the other way round
+        gate = dev.timeline()
+        held.wait(gate, 1)
+        held.launch(fill, alias, vals=(9, 16))
+        out = await dev.alloc(64)
+        copied = copier.copy(out, buf)
+        await anyio.sleep(0.05)
+        assert not copied.done()
+        gate.signal(1)
+        with anyio.fail_after(10):
+            await copied
+        assert (await out.read(np.int32)).tolist() == [9] * 16
+
+
 async def test_a_host_array_of_another_devices_buffer_is_a_plain_host_operand(
     anyio_backend: object,
 ) -> None:
