@@ -138,8 +138,10 @@ async def serve(device_name: str, host: str, port: int, use_torch: bool) -> None
         except OSError as exc:  # the port in use, a host not of this machine...
             await runner.cleanup()
             raise Refused(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-        bound = runner.addresses[0]
-        print(f"listening on http://{bound[0]}:{bound[1]}", flush=True)
+        address, bound_port = runner.addresses[0][:2]
+        if ":" in address:  # an IPv6 address: bracketed in a URL
+            address = f"[{address}]"
+        print(f"listening on http://{address}:{bound_port}", flush=True)
         stopped = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopped.set)
         try:

@@ -5,6 +5,7 @@ device everywhere; with a PyTorch model on a cuda device where there is one."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -167,6 +168,27 @@ async def test_the_service_runs_a_torch_model_on_an_adopted_stream(
         assert all(s == {"sum": 3 * 100000 * 99999 // 2 + 100000, "n": 100000} for s in sums)
         _report("cuda service, torch model", latencies + more)
         assert max(latencies + more) < 2.0
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+async def test_an_ipv6_address_is_printed_as_a_url(anyio_backend: object) -> None:
+    """Listening on an IPv6 address, the line printed is a URL a client takes (the
+    address in brackets). Checked: fails without the fix (``http://::1:PORT``, which
+    httpx refuses as an invalid port)."""
+    async for url in _server("--device", "cpu", "--host", "::1"):
+        assert url.startswith("http://[::1]:"), url
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            response = await client.get("/health")
+        assert response.status_code == 200 and response.json()["ok"]
 
 
 def test_a_port_in_use_is_said_plainly(tmp_path: Path) -> None:
