@@ -562,6 +562,21 @@ async def test_from_dlpack_onto_the_npy_device_is_refused(anyio_backend: object)
         assert out.tolist() == [5] * 4
 
 
+async def test_from_dlpack_of_a_read_only_source_says_it_is_one_already(
+    anyio_backend: object,
+) -> None:
+    """``am.from_dlpack`` of an npy buffer (``from_numpy``'s read-only source) or a
+    typed view of it is refused as read-only memory is, saying it is a source already --
+    not to make one with ``from_numpy``, which made it. Checked: fails without the fix
+    (the message told to call asyncmetal.from_numpy)."""
+    source = await am.from_numpy(np.arange(4, dtype=np.int32))
+    async with am.open_device("cpu"):
+        for given in (source, source.typed(np.int32, (2, 2))):
+            with pytest.raises(am.ExchangeError, match="read-only source already") as refused:
+                am.from_dlpack(given)
+            assert "from_numpy(array)" not in str(refused.value)
+
+
 async def test_from_dlpack_refuses_read_only_memory_and_newer_versions(
     anyio_backend: object,
 ) -> None:
