@@ -767,6 +767,47 @@ async def test_memory_of_a_buffer_over_another_librarys_array_comes_back_ordered
         assert (await out.read(np.int32)).tolist() == [9] * 16
 
 
+async def test_a_read_only_source_over_a_buffers_memory_is_ordered_as_the_buffer(
+    anyio_backend: object,
+) -> None:
+    """``from_numpy`` of an array over a buffer's memory (``np.from_dlpack``, ``map()``):
+    a copy from that source on a queue of the buffer's device is ordered as one from
+    the array itself, and as ``asyncmetal.copy`` of it is -- after a command still
+    held that writes the buffer, and the buffer's later writes after it. Checked: fails
+    without the fix (the queue's copy read the bytes from before the held write)."""
+    async with am.open_device("cpu") as dev:
+        fill = await dev.compile(KERNELS, "fill")
+        buf = await dev.alloc(64)
+        await dev.queue.launch(fill, buf, vals=(1, 16))
+        for array in (np.from_dlpack(buf.typed(np.int32)), await buf.map(np.int32)):
+            source = await am.from_numpy(array)
+            held, copier = dev.new_queue(), dev.new_queue()
+            gate = dev.timeline()
+            held.wait(gate, 1)
+            held.launch(fill, buf, vals=(2, 16))
+            out = await dev.alloc(64)
+            read = copier.copy(out, source)
+            await anyio.sleep(0.05)
+            assert not read.done()  # after the held write, on the device
+            gate.signal(1)
+            with anyio.fail_after(10):
+                await read
+            assert (await out.read(np.int32)).tolist() == [2] * 16
+            gate = dev.timeline()
+            copier.wait(gate, 1)
+            read = copier.copy(out, source)  # held: the buffer's next write after it
+            write = held.copy(buf, np.full(16, 3, np.int32))
+            await anyio.sleep(0.05)
+            assert not write.done()
+            gate.signal(1)
+            with anyio.fail_after(10):
+                await read
+                await write
+            assert (await out.read(np.int32)).tolist() == [2] * 16
+            assert (await buf.read(np.int32)).tolist() == [3] * 16
+            await dev.queue.launch(fill, buf, vals=(1, 16))
+
+
 async def test_a_host_array_of_another_devices_buffer_is_a_plain_host_operand(
     anyio_backend: object,
 ) -> None:
