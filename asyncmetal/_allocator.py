@@ -439,6 +439,11 @@ class Allocator:
         # Blocks whose memory went out to another library (DLPack, the CUDA array
         # interface), by address: memory that comes back in (from_dlpack) is found here.
         self._exported: dict[int, Block] = {}
+        # The same of foreign blocks (their memory another library's, lent on by their
+        # buffers), while they live: the memory stays its owner's, so nothing is held.
+        self._exported_foreign: weakref.WeakValueDictionary[int, Block] = (
+            weakref.WeakValueDictionary()
+        )
         # Freed blocks whose last uses are in flight: those uses, by block (one entry a
         # block: recorded, updated and taken off with no call, see _release).
         self._pending: dict[Block, list[tuple[Queue, int]]] = {}
@@ -836,6 +841,21 @@ class Allocator:
                 lenders.add(self)
         return _not_lent if token is None else functools.partial(self.returned, [token])
 
+    def lend_foreign(self, block: Block) -> None:
+        """Remember that the memory of foreign ``block`` (see note_foreign) went out to
+        another library through its buffer, as :meth:`lend` does of the device's own
+        blocks: memory coming back at its address then shares its record of uses (its
+        buffer's commands and those of what came back are ordered as on one buffer).
+        Nothing is held: the memory is its owner's, which the loan keeps alive."""
+        address = self._state.backend.loan_address(block.handle)
+        if address is None:
+            return
+        with self._lock:
+            if self.closed or block not in self._foreign:  # (npy: arrays it only reads)
+                return
+            self._exported_foreign[address] = block
+            lenders.add(self)
+
     def exported_uses(self, address: int, nbytes: int) -> dict[Queue, int] | None:
         """The uses record (``last_use``) of the block in use whose memory went out to
         another library and holds ``nbytes`` at ``address``; None if there is none."""
@@ -845,7 +865,7 @@ class Allocator:
     def exported_block(self, address: int, nbytes: int) -> Block | None:
         """The block in use whose memory went out to another library and holds
         ``nbytes`` at ``address``; None if there is none."""
-        if not self._exported:
+        if not self._exported and not self._exported_foreign:
             return None
         with self._lock:
             for base, block in list(self._exported.items()):
@@ -853,7 +873,10 @@ class Allocator:
                     del self._exported[base]
                 elif base <= address and address + nbytes <= base + block.nbytes:
                     return block
-            if not self._exported:
+            for base, block in list(self._exported_foreign.items()):
+                if base <= address and address + nbytes <= base + block.nbytes:
+                    return block
+            if not self._exported and not self._exported_foreign:
                 lenders.discard(self)
         return None
 
@@ -1027,7 +1050,7 @@ class Allocator:
                 same += (block,)
                 self.cached += nbytes
                 self._live.discard(block)
-            if exported is not None and not self._exported:
+            if exported is not None and not self._exported and not self._exported_foreign:
                 lenders.discard(self)
             if keep:
                 # Within the cache's limit and the budget (which may have been lowered
@@ -1162,6 +1185,7 @@ class Allocator:
             self._pending.clear()
             self._collected.clear()
             self._exported.clear()
+            self._exported_foreign.clear()
             lenders.discard(self)
             self.in_use = 0
 

@@ -171,6 +171,8 @@ class Buffer(Exports, Singular):
     def _lend(self, hold: bool = True) -> tuple[Any, Callable[[], None]]:
         allocation = self._allocation
         allocator = allocation.allocator
+        if allocator is None:  # (memory coming back shares its record: see lend_foreign)
+            self._state.device._allocator.lend_foreign(allocation.block)
         if not hold:
             if allocator is not None:
                 allocator.lend(allocation.block, allocation.generation, hold=False)
@@ -472,9 +474,9 @@ def foreign_buffer(
         address = state.backend.loan_address(handle)  # where memory lent out comes back
         if address is not None:
             for allocator in lenders_for(own):  # (its own, or its kind's)
-                shared = allocator.exported_uses(address, nbytes)
-                if shared is not None:
-                    block.last_use, block.keeper = shared, allocator._state
+                shared = allocator.exported_block(address, nbytes)
+                if shared is not None:  # (a foreign one may share a record kept elsewhere)
+                    block.last_use, block.keeper = shared.last_use, shared.keeper
                     break
     if after is not None:
         queue, value = after

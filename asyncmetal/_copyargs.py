@@ -178,10 +178,19 @@ def _across_kinds(state: DeviceState, dst: Buffer, src: Buffer, nbytes: int | No
         )
     nbytes = copy_size(dst.nbytes, src.nbytes, nbytes)
     memory = its.backend.host_view(other._allocation.handle, other.offset, nbytes)
+    # Memory that a buffer lent out (an npy source over np.from_dlpack(buf), say): the
+    # copy is ordered as that buffer's too, as one with a host operand over it is.
+    lent = _lent_back(state, memory)
+    if lent is not None and lent._allocation.last_use is other._allocation.last_use:
+        lent = None  # (the other buffer's own record: ordered with it already)
+    more = () if lent is None else (lent,)
+    names = () if lent is None else (lent_operand(other_role, lent),)
     if own is dst:
         args: tuple[Any, ...] = (native_arg(dst), memory)
-        return CopyOperands("copyin", args, (), (dst, src), ("dst", "src"), True)
-    return CopyOperands("copyout", (memory, native_arg(src)), (), (src, dst), ("src", "dst"), True)
+        return CopyOperands("copyin", args, (), (dst, src, *more), ("dst", "src", *names), True)
+    return CopyOperands(
+        "copyout", (memory, native_arg(src)), (), (src, dst, *more), ("src", "dst", *names), True
+    )
 
 
 def no_buffer(dst: object, src: object) -> ArgumentTypeError:

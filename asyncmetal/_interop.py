@@ -167,6 +167,12 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
             # Its memory is lent even while a command uses it: the buffer made of it
             # shares its record of uses (below), so commands order themselves after it.
             source, dtype, shape = obj._exported()
+            if not source.device.writable:  # (refused as read-only: it is a source already)
+                raise ExchangeError(
+                    f"{source!r} is a read-only source already (asyncmetal.from_numpy), "
+                    "and kernels and copies may write a Buffer: use it as a copy's source "
+                    "as it is, or copy it into a buffer to write"
+                )
             capsule = export_dlpack(
                 source, dtype, shape, stream=stream, max_version=DLPACK_VERSION, ordered=True
             )

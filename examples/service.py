@@ -7,7 +7,7 @@
 * ``GET /model?x=X`` (``--torch``, a cuda device): a small PyTorch model's forward pass
   on a stream asyncmetal adopted; the handler awaits ``queue.marker()`` instead of
   ``torch.cuda.synchronize()``, so the loop keeps serving meanwhile. Answers
-  ``{"sum": ...}`` of the output for an input filled with X.
+  ``{"sum": ...}`` of the output for an input filled with X (at most 1e6 either way).
 * ``GET /health`` answers at once: it stays responsive while the GPU works.
 
 aiohttp: a mainstream asyncio server and client in one package with no ASGI server to
@@ -44,6 +44,7 @@ extern "C" __global__ void affine(int* out, int k, int n) {
 MODEL_WIDTH = 256
 MAX_N = 1 << 22  # the largest request: 16 MiB of output, and i * k fits an int
 MAX_K = 256
+MAX_X = 1e6  # the model's input: its outputs stay far from float32's overflow
 
 
 def build_model() -> Any:
@@ -90,9 +91,14 @@ class Service:
     async def model_forward(self, request: web.Request) -> web.Response:
         if self.torch_stream is None:
             raise web.HTTPNotFound(text="start the service with --torch on a cuda device")
+        try:
+            x = float(request.query.get("x", "1"))
+        except ValueError:
+            raise web.HTTPBadRequest(text="x is a number") from None
+        if not abs(x) <= MAX_X:  # (nan too) outputs that stay finite, as JSON needs
+            raise web.HTTPBadRequest(text=f"x in [-{MAX_X:g}, {MAX_X:g}]")
         import torch
 
-        x = float(request.query.get("x", "1"))
         with torch.cuda.stream(self.torch_stream), torch.no_grad():
             inputs = torch.full((1, MODEL_WIDTH), x, device=self.model[0].weight.device)
             outputs = self.model(inputs).sum()
@@ -138,8 +144,10 @@ async def serve(device_name: str, host: str, port: int, use_torch: bool) -> None
         except OSError as exc:  # the port in use, a host not of this machine...
             await runner.cleanup()
             raise Refused(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-        bound = runner.addresses[0]
-        print(f"listening on http://{bound[0]}:{bound[1]}", flush=True)
+        address, bound_port = runner.addresses[0][:2]
+        if ":" in address:  # an IPv6 address: bracketed in a URL
+            address = f"[{address}]"
+        print(f"listening on http://{address}:{bound_port}", flush=True)
         stopped = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopped.set)
         try:

@@ -562,6 +562,21 @@ async def test_from_dlpack_onto_the_npy_device_is_refused(anyio_backend: object)
         assert out.tolist() == [5] * 4
 
 
+async def test_from_dlpack_of_a_read_only_source_says_it_is_one_already(
+    anyio_backend: object,
+) -> None:
+    """``am.from_dlpack`` of an npy buffer (``from_numpy``'s read-only source) or a
+    typed view of it is refused as read-only memory is, saying it is a source already --
+    not to make one with ``from_numpy``, which made it. Checked: fails without the fix
+    (the message told to call asyncmetal.from_numpy)."""
+    source = await am.from_numpy(np.arange(4, dtype=np.int32))
+    async with am.open_device("cpu"):
+        for given in (source, source.typed(np.int32, (2, 2))):
+            with pytest.raises(am.ExchangeError, match="read-only source already") as refused:
+                am.from_dlpack(given)
+            assert "from_numpy(array)" not in str(refused.value)
+
+
 async def test_from_dlpack_refuses_read_only_memory_and_newer_versions(
     anyio_backend: object,
 ) -> None:
@@ -700,6 +715,97 @@ async def test_a_host_array_of_a_buffer_is_ordered_as_the_buffer_in_copies(
         await writer.synchronize()
         assert (await buf.read(np.int32)).tolist() == [9]
         assert alias.tolist() == [9]
+
+
+async def test_memory_of_a_buffer_over_another_librarys_array_comes_back_ordered(
+    anyio_backend: object,
+) -> None:
+    """A buffer over a numpy array (``am.from_dlpack``) whose memory goes out through
+    numpy (``np.from_dlpack`` or ``map()``) and comes back -- as a buffer, a part of it,
+    or a copy's host operand -- shares the buffer's record of uses, as an allocated
+    buffer's memory does: a copy of it on another queue comes after a command still
+    held that writes the buffer, and the buffer's later commands after a command on
+    what came back. Checked: fails without the fix (each copy read the bytes from
+    before the held write)."""
+    async with am.open_device("cpu") as dev:
+        fill = await dev.compile(KERNELS, "fill")
+        buf = am.from_dlpack(np.zeros(16, np.int32))
+        await dev.queue.launch(fill, buf, vals=(1, 16))
+        lent = np.from_dlpack(buf.typed(np.int32))
+        mapped = await buf.map(np.int32)
+        held, copier = dev.new_queue(), dev.new_queue()
+        comes_back = (
+            lambda: am.from_dlpack(lent),
+            lambda: am.from_dlpack(lent[4:]),
+            lambda: lent,
+            lambda: mapped[:8],
+        )
+        for step, operand in enumerate(comes_back, 1):
+            gate = dev.timeline()
+            held.wait(gate, 1)
+            held.launch(fill, buf, vals=(step + 1, 16))
+            source = operand()
+            out = await dev.alloc(source.nbytes)
+            copied = copier.copy(out, source)
+            await anyio.sleep(0.05)
+            assert not copied.done(), step  # after the held write, on the device
+            gate.signal(1)
+            with anyio.fail_after(10):
+                await copied
+            assert set((await out.read(np.int32)).tolist()) == {step + 1}, step
+        alias = am.from_dlpack(lent)  # and the other way round
+        gate = dev.timeline()
+        held.wait(gate, 1)
+        held.launch(fill, alias, vals=(9, 16))
+        out = await dev.alloc(64)
+        copied = copier.copy(out, buf)
+        await anyio.sleep(0.05)
+        assert not copied.done()
+        gate.signal(1)
+        with anyio.fail_after(10):
+            await copied
+        assert (await out.read(np.int32)).tolist() == [9] * 16
+
+
+async def test_a_read_only_source_over_a_buffers_memory_is_ordered_as_the_buffer(
+    anyio_backend: object,
+) -> None:
+    """``from_numpy`` of an array over a buffer's memory (``np.from_dlpack``, ``map()``):
+    a copy from that source on a queue of the buffer's device is ordered as one from
+    the array itself, and as ``asyncmetal.copy`` of it is -- after a command still
+    held that writes the buffer, and the buffer's later writes after it. Checked: fails
+    without the fix (the queue's copy read the bytes from before the held write)."""
+    async with am.open_device("cpu") as dev:
+        fill = await dev.compile(KERNELS, "fill")
+        buf = await dev.alloc(64)
+        await dev.queue.launch(fill, buf, vals=(1, 16))
+        for array in (np.from_dlpack(buf.typed(np.int32)), await buf.map(np.int32)):
+            source = await am.from_numpy(array)
+            held, copier = dev.new_queue(), dev.new_queue()
+            gate = dev.timeline()
+            held.wait(gate, 1)
+            held.launch(fill, buf, vals=(2, 16))
+            out = await dev.alloc(64)
+            read = copier.copy(out, source)
+            await anyio.sleep(0.05)
+            assert not read.done()  # after the held write, on the device
+            gate.signal(1)
+            with anyio.fail_after(10):
+                await read
+            assert (await out.read(np.int32)).tolist() == [2] * 16
+            gate = dev.timeline()
+            copier.wait(gate, 1)
+            read = copier.copy(out, source)  # held: the buffer's next write after it
+            write = held.copy(buf, np.full(16, 3, np.int32))
+            await anyio.sleep(0.05)
+            assert not write.done()
+            gate.signal(1)
+            with anyio.fail_after(10):
+                await read
+                await write
+            assert (await out.read(np.int32)).tolist() == [2] * 16
+            assert (await buf.read(np.int32)).tolist() == [3] * 16
+            await dev.queue.launch(fill, buf, vals=(1, 16))
 
 
 async def test_a_host_array_of_another_devices_buffer_is_a_plain_host_operand(

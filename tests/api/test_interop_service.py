@@ -5,11 +5,13 @@ device everywhere; with a PyTorch model on a cuda device where there is one."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -141,6 +143,32 @@ async def test_the_model_endpoint_needs_torch_on_cuda(cpu_service: str) -> None:
         assert response.status_code == 404 and "--torch" in response.text
 
 
+async def test_the_model_endpoint_refuses_what_it_cannot_compute(anyio_backend: object) -> None:
+    """``/model?x=`` that is no number, or none whose outputs are finite (nan, an
+    infinity, one large enough to overflow float32), is answered 400 before any PyTorch
+    work, as ``/compute`` refuses what it cannot compute. (The handler of a service
+    that serves the model, called directly: no GPU needed.) Checked: fails without the
+    fix (a ValueError, a 500; nan ran the model and answered NaN, which is no JSON)."""
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    service = _service_module()
+    handler = service.Service(None, None, use_torch=False)
+    handler.torch_stream = object()  # as if started with --torch
+    for x in ("abc", "", "nan", "inf", "-inf", "1e400", "1e30", "-1e30"):
+        with pytest.raises(web.HTTPBadRequest):
+            await handler.model_forward(make_mocked_request("GET", f"/model?x={x}"))
+
+
+def _service_module() -> Any:
+    sys.path.insert(0, str(SERVICE.parent))
+    try:
+        import service
+    finally:
+        sys.path.remove(str(SERVICE.parent))
+    return service
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not GPUS, reason="no NVIDIA GPU with cuda-bindings on this machine")
 @pytest.mark.skipif(not _has_torch(), reason="needs PyTorch")
@@ -149,24 +177,41 @@ async def test_the_service_runs_a_torch_model_on_an_adopted_stream(
 ) -> None:
     import torch
 
-    sys.path.insert(0, str(SERVICE.parent))
-    try:
-        from service import MODEL_WIDTH, build_model
-    finally:
-        sys.path.remove(str(SERVICE.parent))
-    model = build_model()
+    service = _service_module()
+    model = service.build_model()
     async for url in _server("--device", "cuda:0", "--torch"):
         xs = [0.5 + i / 8 for i in range(64)]
         results, latencies = await _drive(url, "/model", [{"x": str(x)} for x in xs])
         for x, result in zip(xs, results):
             with torch.no_grad():
-                expected = float(model(torch.full((1, MODEL_WIDTH), x)).sum())
+                expected = float(model(torch.full((1, service.MODEL_WIDTH), x)).sum())
             assert result["sum"] == pytest.approx(expected, rel=2e-2, abs=2e-2)
         requests = [{"n": "100000", "k": "3"}] * 32
         sums, more = await _drive(url, "/compute", requests)
         assert all(s == {"sum": 3 * 100000 * 99999 // 2 + 100000, "n": 100000} for s in sums)
         _report("cuda service, torch model", latencies + more)
         assert max(latencies + more) < 2.0
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+async def test_an_ipv6_address_is_printed_as_a_url(anyio_backend: object) -> None:
+    """Listening on an IPv6 address, the line printed is a URL a client takes (the
+    address in brackets). Checked: fails without the fix (``http://::1:PORT``, which
+    httpx refuses as an invalid port)."""
+    async for url in _server("--device", "cpu", "--host", "::1"):
+        assert url.startswith("http://[::1]:"), url
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            response = await client.get("/health")
+        assert response.status_code == 200 and response.json()["ok"]
 
 
 def test_a_port_in_use_is_said_plainly(tmp_path: Path) -> None:
