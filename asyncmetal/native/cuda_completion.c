@@ -420,22 +420,10 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
  * or the context gone, nothing of the context runs any more; a stream its owner
  * destroyed runs on what the driver has of it, but no fence can show when that is
  * done. With nothing in flight, the ring has room for the fence: recording it needs no
- * host memory (were it short anyway, -1 is tried again as a refusal is).
- *
- * Closed to finish (am_cuq_close), q is tried for CU_CLOSE_FENCE_NS more, from when
- * this thread first sees the close, then settles as for a final refusal. Such a close
- * returns once every command was confirmed or q failed: q has failed already, and only
- * the fence is missing, which nothing records once q is closed, so a refusal that lasts
- * (memory that never comes back, one cu_fence_final does not list) would hold the close
- * and the signal's waiters for good. What the refused command handed over runs on,
- * unseen: the device's close synchronizes its context before it frees memory or unloads
- * modules, a stream the queue owns is destroyed (cuStreamDestroy) to be released once
- * its work is done, but a buffer that part writes counts as free once q settled, and
- * the signal's word write, landing after its timeline failed, is not released again
- * (timeline_keep_released) -- the risk taken rather than a close that never returns.
- * Abandoned (am_cuq_close), q stops trying at once. `nap`, `closing` (when this thread
- * saw the close, 0: not yet): this thread's, kept across tries. Not under mu. */
-static void cuq_refence(am_cuq *q, long *nap, int64_t *closing) {
+ * host memory (were it short anyway, -1 is tried again as a refusal is). Abandoned
+ * (am_cuq_close), q stops trying. `nap`: this thread's, kept across tries. Not under
+ * mu. */
+static void cuq_refence(am_cuq *q, long *nap) {
     pthread_mutex_lock(&q->mu);
     struct timespec until;
     deadline_after(&until, *nap);
@@ -453,13 +441,10 @@ static void cuq_refence(am_cuq *q, long *nap, int64_t *closing) {
     __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);  /* the refused one */
     pthread_mutex_lock(&q->mu);
     cuq_undrive(q);
-    int64_t now = now_ns();
-    if (q->stop == 1 && !*closing) *closing = now;
-    int closed = q->stop == 1 && now - *closing >= CU_CLOSE_FENCE_NS;
     int settle = 0, fail_signal = 0, error = 0;
     uint64_t failed_value = 0;
     am_timeline *cause = NULL;
-    if (!r || cu_fence_final(r) || closed) {
+    if (!r || cu_fence_final(r)) {
         if (q->unfenced_extra == extra) {  /* (else one kept meanwhile: a fence carries it) */
             q->unfenced = 0;
             q->unfenced_extra = NULL;
@@ -669,7 +654,6 @@ static void *cuq_run(void *arg) {
     int (*query)(void *) = (int (*)(void *))cu_funcs[CU_EVENT_QUERY];
     int (*sync)(void *) = (int (*)(void *))cu_funcs[CU_EVENT_SYNC];
     long fence_nap = 1000000;  /* before recording a refused fence again (cuq_refence) */
-    int64_t fence_closing = 0;  /* ... when a close to finish was seen trying it */
     for (;;) {
         /* Stay awake a moment for the next command: a thread woken from a condition
          * variable takes tens of microseconds to run again, which an awaited launch
@@ -695,7 +679,7 @@ static void *cuq_run(void *arg) {
             break;
         if (q->count == 0 && q->unfenced && !q->driving) {
             pthread_mutex_unlock(&q->mu);
-            cuq_refence(q, &fence_nap, &fence_closing);
+            cuq_refence(q, &fence_nap);
             continue;
         }
         if (q->count == 0) {

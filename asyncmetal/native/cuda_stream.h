@@ -66,7 +66,6 @@ AM_HIDDEN void cu_restore(void *before);
 #define CU_NEAR_MIN_NS 1000000   /* one expected to run this long wakes its loops ahead, */
 #define CU_NEAR_LEAD_NS 250000   /* ... at most this long before its expected end */
 #define CU_MAX_NAP_LATE_NS 200000 /* a nap's lateness is allowed for up to this */
-#define CU_CLOSE_FENCE_NS 1000000000 /* a close to finish tries a refused fence this long */
 #define CU_MAX_PARAMS 64
 #define CU_FINISH_LONG 1         /* am_cuq_finish flags: a command known to run long */
 #define CU_FINISH_PLAIN 2        /* ... a device wait: a plain event, so a kick is seen */
@@ -169,9 +168,9 @@ struct am_cuq {
     uint64_t unfenced;              /* a refused command part of which the driver has, whose
                                        fence the driver refused too, or that ran out of
                                        host memory (0: none): the queue settles only once
-                                       a fence is recorded behind it, the driver refuses
-                                       one for good, or a close to finish gave up on it
-                                       (cuda_completion.c, cuq_refence; under mu) */
+                                       a fence is recorded behind it or the driver refuses
+                                       one for good (cuda_completion.c, cuq_refence;
+                                       under mu) */
     am_timeline *unfenced_extra;    /* ... a signal that command makes (or NULL): its word
                                        write may still land, so its timeline fails only
                                        with the fence (cuq_unfence; under mu) */

@@ -68,7 +68,6 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "refenceabandon"),
         *("ok", "nocontextkept"),
         *("ok", "fencegone"),
-        *("ok", "refenceclose"),
         *("ok", "predict"),
         *("ok", "near"),
         *("ok", "kick"),

@@ -138,10 +138,6 @@
  *             held command, or on a later try after refusals for lack of memory, the
  *             queue and the signal's timeline settle, failed with that error and
  *             naming the refused command, and a close to finish returns
- *   refenceclose such a fence refused for lack of memory every time: tried again while
- *             the queue is open (the signal kept for it); a close to finish returns
- *             within a bound, the queue settled and the signal's timeline failed,
- *             naming the refused command
  *   kick      a host signal of a timeline a stream waits on cuts the completion
  *             thread's nap short
  *   abandon   closing with abandon returns while the completion thread naps on, or is
@@ -2483,48 +2479,6 @@ static void check_fencegone(void) {
     puts("ok fencegone");
 }
 
-/* A fence refused for lack of memory each time it is tried, with a signal kept for it:
- * tried again while the queue is open, which stays unsettled; a close to finish tries
- * it a while longer, then settles the queue and fails the signal's timeline, naming
- * the refused command, and returns. Checked: fails without the fix (the close never
- * returned). */
-static void check_refenceclose(void) {
-    static kernel slow = {0, 20000000, NULL, 0};
-    fake_queue f = queue_new();
-    free_timeline t = free_timeline_new();
-    int error = 0;
-    uint64_t at = 0, value = 0;
-    am_timeline *cause = NULL;
-    if (launch(f, NULL, 1, 1)) die("refenceclose: launch 1 failed");
-    reach(f.t, 1, "refenceclose: launch 1 never ran");
-    if (kernel_part(f, &slow, 2) || am_cuq_write(f.q, t.word, 5, 2))
-        die("refenceclose: the signal's kernel or word write failed");
-    atomic_store(&records_refused, 0);
-    atomic_store(&refuse_more_code, OUT_OF_MEMORY);  /* the fence's, each time */
-    atomic_store(&refuse_more, 1 << 30);
-    atomic_store(&refuse_records, f.s);
-    if (am_cuq_finish(f.q, 2, t.t, 5, 0, 0) != 1) die("refenceclose: the refusal was not reported");
-    for (int64_t deadline = now_ns() + 5000000000LL; atomic_load(&records_refused) < 5;)
-        if (now_ns() > deadline) die("refenceclose: the fence was never tried again");
-    if (am_timeline_value(f.t) == UINT64_MAX || am_timeline_value(t.t) == UINT64_MAX)
-        die("refenceclose: settled with no fence recorded, the queue open");
-    if (am_cuq_error(f.q, &at) != 1 || at != 2) die("refenceclose: the queue's failure is wrong");
-    int tried = atomic_load(&records_refused);
-    close_within(f.q, 10000000000L, "refenceclose: a close to finish never returned");
-    if (atomic_load(&records_refused) <= tried) die("refenceclose: the close tried no fence");
-    if (am_timeline_value(f.t) != UINT64_MAX) die("refenceclose: the closed queue never settled");
-    if (am_timeline_value(t.t) != UINT64_MAX ||
-        am_timeline_failure(t.t, &error, &value, &cause) != 1 || error != 1 || value != 2 ||
-        cause != f.t)
-        die("refenceclose: the kept signal's timeline did not fail, naming the refused command");
-    refusals_off();
-    stream_free(f.s, 0);
-    am_timeline_free(f.t);
-    free(f.word);
-    free_timeline_free(t);
-    puts("ok refenceclose");
-}
-
 static void check_handsignal(void) {
     int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
     static kernel slow = {0, 100000000, NULL, 0}, after_w = {0, 0, NULL, 1};
@@ -3367,7 +3321,6 @@ int main(void) {
     check_refenceabandon();
     check_nocontextkept();
     check_fencegone();
-    check_refenceclose();
     check_predict();  /* before abandon, after which a blocking wait never blocks */
     check_near();
     check_kick();
