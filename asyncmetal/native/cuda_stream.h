@@ -306,21 +306,19 @@ static inline int cu_sticky(int r) {
 
 /* Whether CUresult r, refusing a fence (the event recorded behind a command the driver
  * refused in part: cuda_submit.c, cuq_submit_then; cuda_completion.c, cuq_drain,
- * cuq_refence), refuses every later try too: sticky, or what no try can cure, the same
- * stream going to the driver each time (with another event) -- the driver
- * deinitialized or not initialized, the context destroyed or invalid, the stream's
- * handle invalid (an adopted stream its owner destroyed), an invalid value. Besides
- * those, cuEventRecord documents none but the errors of earlier work (sticky). Any
- * other refusal is tried again: out of memory for a new event (cuEventCreate's), or of
- * host memory for the ring (-1) -- what a refused fence is tried again for. */
+ * cuq_refence), ends the wait for that part: sticky, or the context itself gone (the
+ * driver deinitialized or not initialized, the context destroyed or invalid) -- nothing
+ * of it runs any more, so nothing is left to write the command's buffers. An invalid
+ * value or handle (an adopted stream its owner destroyed) is not: the work the stream
+ * already had still runs, and only a fence behind it says when it is done (a buffer
+ * handed back before would be written by it), so it is tried again as any other
+ * refusal is -- out of memory for a new event, or host memory for the ring (-1). */
 static inline int cu_fence_final(int r) {
     if (cu_sticky(r)) return 1;
     switch (r) {
-    case 1:   /* CUDA_ERROR_INVALID_VALUE */
     case 3:   /* CUDA_ERROR_NOT_INITIALIZED */
     case 4:   /* CUDA_ERROR_DEINITIALIZED */
     case 201: /* CUDA_ERROR_INVALID_CONTEXT */
-    case 400: /* CUDA_ERROR_INVALID_HANDLE */
     case 709: /* CUDA_ERROR_CONTEXT_IS_DESTROYED */
         return 1;
     default:

@@ -4,7 +4,8 @@ not tried again, and the queue settles at once) are those the backend reports th
 process lost for (``LOST`` in asyncmetal/backends/cuda/_driver.py). The two lists are
 written twice, in C and in Python: a change to one without the other fails here.
 The other refusals of a fence that are not tried again (``cu_fence_final``) name their
-CUresults rightly, and a refusal for lack of memory is not among them.
+CUresults rightly, and neither a refusal for lack of memory nor an invalid value or
+handle (the stream's work may still run) is among them.
 Runs everywhere: the C lists are read from the header.
 """
 
@@ -87,5 +88,12 @@ def test_the_final_refusals_of_a_fence_name_their_cuda_errors() -> None:
     assert not unknown, f"add the CUresult values of {unknown} (cuda.h) to CUDA_H"
     assert final == {name: CUDA_H[name] for name in final}
     assert not set(final) & set(native_sticky())
-    # What a fence is tried again for: out of memory for a new event
-    assert "CUDA_ERROR_OUT_OF_MEMORY" not in final
+    # What a fence is tried again for: out of memory for a new event; a stream whose
+    # queued work still runs (its handle or an argument refused: only a fence behind
+    # that work says it is done).
+    for retried in (
+        "CUDA_ERROR_OUT_OF_MEMORY",
+        "CUDA_ERROR_INVALID_VALUE",
+        "CUDA_ERROR_INVALID_HANDLE",
+    ):
+        assert retried not in final

@@ -317,17 +317,17 @@ async def _kernels_of_200_ms(
         sim.refuse_code.value = sim.refuse_more_code.value = 0
 
 
-# CUDA_ERROR_OUT_OF_MEMORY (for a new event): a fence refused so is tried again, where
-# one refused with CUDA_ERROR_INVALID_VALUE is not (cu_fence_final, native/cuda_stream.h).
-OUT_OF_MEMORY = 2
-CONTEXT_IS_DESTROYED = 709  # CUDA_ERROR_CONTEXT_IS_DESTROYED: nor one refused so
+# A fence refused with CUDA_ERROR_INVALID_VALUE is tried again (the stream's work may
+# still run); one refused with CUDA_ERROR_CONTEXT_IS_DESTROYED is not: nothing of the
+# context runs any more (cu_fence_final, native/cuda_stream.h).
+CONTEXT_IS_DESTROYED = 709
 
 
 def _refuse_records(sim: _Simulated, queue: Any, more: int) -> None:
     """The driver refuses the next event record on ``queue``'s stream (a command's end:
-    CUDA_ERROR_INVALID_VALUE), and ``more`` after, for lack of memory (its fence's)."""
+    CUDA_ERROR_INVALID_VALUE), and ``more`` after (its fence's, refused alike)."""
     sim.records_refused.value = 0
-    sim.refuse_more_code.value = OUT_OF_MEMORY
+    sim.refuse_more_code.value = 0
     sim.refuse_more.value = more
     sim.refuse_records.value = queue._native.handle
 
@@ -339,7 +339,7 @@ def _refusals_left(sim: _Simulated) -> int:
 async def _unfenced(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
     """A launch of a kernel that runs 200 ms, whose end (its event record) the driver
     refused once the kernel reached it, and then the queue's fence behind it three times
-    more, for lack of memory: whether the launch's await came back (the queue settled,
+    more: whether the launch's await came back (the queue settled,
     its buffer free to go) only once the stream was past the kernel."""
     seen: Seen = {}
     async with _kernels_of_200_ms(sim, queue, kernel, buf) as ran:
@@ -355,7 +355,7 @@ async def _unfenced(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
 async def _unfenced_signal(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
     """A kernel that runs 200 ms, then a signal of a timeline whose end (its event
     record) the driver refused once its word write, behind the kernel, reached the
-    driver, and then the queue's fence behind it twice more, for lack of memory: what a
+    driver, and then the queue's fence behind it twice more: what a
     wait on the timeline raised, and whether the stream had run the kernel (so the
     write had landed) when it did."""
     seen: Seen = {}
