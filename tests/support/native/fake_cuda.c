@@ -132,9 +132,9 @@
  *             could not make its context current fails another signal's timeline:
  *             that signal's timeline fails too
  *   fencegone a command part of which the driver has (a kernel, a signal's word write)
- *             whose end and fence the driver refuses with an error no later try cures
- *             (the context destroyed or invalid, the stream's handle invalid, the
- *             driver deinitialized, an invalid value): at once, at the hand-over of the
+ *             whose end and fence the driver refuses with an error after which nothing
+ *             of the context runs (the context destroyed or invalid, the driver
+ *             deinitialized or not initialized): at once, at the hand-over of the
  *             held command, or on a later try after refusals for lack of memory, the
  *             queue and the signal's timeline settle, failed with that error and
  *             naming the refused command, and a close to finish returns
