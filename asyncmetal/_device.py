@@ -1312,6 +1312,10 @@ class Device(Singular):
                 for queue in mine:
                     with contextlib.suppress(Exception):  # (the device's close reports it)
                         close_native(queue, False)
+                    # Its commands all ran: waits on its timeline for more end, failed
+                    # (other queues' device waits, and host tasks'), as at the device's
+                    # close -- nothing will raise it further.
+                    close_timeline(queue.timeline)
                 for native in theirs:
                     with contextlib.suppress(Exception):
                         native.close(False)

@@ -344,11 +344,14 @@ class Queue(Singular):
         asyncmetal's side, the stream stays its owner's -- its completion thread, events
         and staging chunks; a Metal command queue). From the call on, submitting to the
         queue raises ClosedResourceError; its timeline stays valid, and so do the
-        completions it returned. Closing it again, or once its device closed, does
-        nothing; closing it while its device closes returns once the device's close has
-        ended (that close finishes the queue's commands and releases it). ``async with
-        device.new_queue() as q:`` closes it on exit. The default queue
-        (``device.queue``) closes with its device only.
+        completions it returned, but a wait on the timeline for more than its last
+        command is refused from then on, and one made before ends failed once the queue
+        is released (ClosedResourceError: nothing will raise it that far). Closing it
+        again, or once its device closed, does nothing; closing it while its device
+        closes returns once the device's close has ended (that close finishes the
+        queue's commands and releases it). ``async with device.new_queue() as q:``
+        closes it on exit. The default queue (``device.queue``) closes with its device
+        only.
 
         Waiting for its commands is a checkpoint (a device-side wait may wait for a value
         signalled later): cancelling it leaves the queue closed, and once its commands
@@ -664,6 +667,12 @@ class Queue(Singular):
             raise InvalidArgumentError(
                 f"a queue cannot wait for its own value {value}: its commands so far reach "
                 f"{self._submitted}, and later ones would run only after this wait"
+            )
+        last = timeline._last
+        if last is not None and value > last:
+            raise ClosedResourceError(
+                f"timeline will not reach {value}: it is a queue's own timeline, and that "
+                f"queue was closed after its command {last}"
             )
         return self._wait(timeline, value, False)
 
@@ -1254,6 +1263,7 @@ def seal(queue: Queue, why: str, unreleased: dict[Queue, None] | None = None) ->
         unreleased[queue] = None
     queue._closed = why
     queue._fast_launch = None
+    queue._timeline._last = queue._submitted
     return True
 
 
