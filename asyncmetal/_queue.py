@@ -33,6 +33,7 @@ from ._timeline import (
     check_timeline,
     discarded_error,
     order_queue_signal,
+    queue_closed,
     queue_signal_submitted,
     queue_wait_submitted,
     ready_checkpoint,
@@ -1263,7 +1264,7 @@ def seal(queue: Queue, why: str, unreleased: dict[Queue, None] | None = None) ->
         unreleased[queue] = None
     queue._closed = why
     queue._fast_launch = None
-    queue._timeline._last = queue._submitted
+    queue_closed(queue._timeline, queue._submitted)
     return True
 
 

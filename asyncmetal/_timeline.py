@@ -225,6 +225,13 @@ def close_timeline(timeline: Timeline) -> None:
     end_waits(timeline)
 
 
+def queue_closed(timeline: Timeline, last: int) -> None:
+    """``timeline`` is a queue's own, and that queue was closed (or collected) after its
+    command ``last``: nothing will raise it further. Waits for more are refused from now
+    on; those made before end once ``close_timeline`` closed it (the queue released)."""
+    timeline._last = last
+
+
 def end_waits(waitable: Waitable) -> None:
     """No value will come any more (the device closed): wake every waiter of
     ``waitable``, on every loop; each finds its value unreached and raises (see
