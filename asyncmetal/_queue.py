@@ -881,8 +881,12 @@ _INFINITE = 1 << 64
 # How a queue's commands from some value on come after where a search began: (the
 # queue's command that another queue's wait waits for -- the queue, its value -- the
 # timeline and value that command raises it to, then that wait: its queue, value,
-# target and whether it orders a signal), or where it began: a wait, (its queue, value,
-# target, whether it orders a signal).
+# target and whether it orders a signal, then how the first queue's commands were
+# reached: the link before), or where it began: a wait, (its queue, value, target,
+# whether it orders a signal). Each link holds the one before as it was when made: a
+# queue reached again, earlier, later gets a new link, and one that led to it keeps
+# its own way back (so no way back goes round: queues may wait for each other's later
+# commands).
 _Link = tuple[Any, ...]
 
 
@@ -923,7 +927,7 @@ class _After:
                 return found
         while todo:
             waiter = todo.pop()
-            start = since[waiter][0]
+            start, via = since[waiter]
             raises: list[tuple[int, Timeline, int, int]] = []  # (at, timeline, from, to)
             try:  # (another device's queue may take a submission meanwhile: let it be)
                 for at, is_wait, signalled, target in reversed(waiter._sync_ops):
@@ -943,7 +947,8 @@ class _After:
                     if not self.left():
                         return None
                     command = wait[2] if signalled is waiter._timeline else at
-                    if found := reached(wait[0], wait[1], (waiter, command, signalled, *wait)):
+                    link = (waiter, command, signalled, *wait, via)
+                    if found := reached(wait[0], wait[1], link):
                         return found
         return None
 
@@ -955,8 +960,8 @@ class _After:
         """Where the search began on the way to ``link``, and the steps from there, in
         words (for a message about ``queue``'s signal of ``timeline``)."""
         steps: list[str] = []
-        while len(link) == 7:
-            waiter, command, signalled, other, other_at, target, ordering = link
+        while len(link) == 8:
+            waiter, command, signalled, other, other_at, target, ordering, before = link
             what = "the timeline" if signalled is timeline else _describe(signalled, queue)
             raises = (
                 "is what"
@@ -968,7 +973,7 @@ class _After:
                 f"{_who(other, queue)}'s command {other_at} waits for"
                 + (" (its signal of it, next, runs after an earlier one)" if ordering else "")
             )
-            link = self.since[waiter][1]
+            link = before
         steps.reverse()
         return link, steps
 
