@@ -532,14 +532,16 @@ class Allocator:
         takes ``nbytes`` where only that fits beside what is in use)."""
         if self.closed or self._state.closed:
             raise ClosedResourceError(f"device {self._state.name} is closed")
+        # (The device's memory bounds a request also under a budget set above it: the
+        # native allocation would fail, and while a buffer is held it would wait for good.)
+        total = self._state.backend.info.total_memory
+        if nbytes > total:
+            raise self._oom(nbytes, "larger than the device's whole memory: allocate less")
         if nbytes > self.budget:
-            total = self._state.backend.info.total_memory
             raise self._oom(
                 nbytes,
                 "larger than the device's whole budget: raise its memory_budget (the device "
-                f"has {total} bytes) or allocate less"
-                if self._budget_set()
-                else "larger than the device's whole memory: allocate less",
+                f"has {total} bytes) or allocate less",
             )
         largest = self._state.backend.max_allocation()
         if largest is not None and nbytes > largest:

@@ -98,15 +98,19 @@ class CopyOperands(NamedTuple):
     across: bool = False
 
 
-def _check_own(buf: Buffer, what: str, state: DeviceState) -> None:
-    """``check_buffer`` of a buffer that must be the queue's device's, saying where a
-    copy with another device's goes."""
+_COPY_ELSEWHERE = "copy on a queue of its device (asyncmetal.copy(dst, src) picks one)"
+
+
+def _check_own(
+    buf: Buffer, what: str, state: DeviceState, elsewhere: str = _COPY_ELSEWHERE
+) -> None:
+    """``check_buffer`` of a buffer that must be the queue's device's, saying where the
+    command goes with another device's (``elsewhere``: a copy's, by default)."""
     check_buffer(buf, what)
     if buffer_state(buf) is not state:
         its, this = two_names(buffer_state(buf), state)
         raise InvalidArgumentError(
-            f"{what} is a buffer of {its}, not of {this}, whose queue this is: copy on a "
-            "queue of its device (asyncmetal.copy(dst, src) picks one)"
+            f"{what} is a buffer of {its}, not of {this}, whose queue this is: {elsewhere}"
         )
 
 
@@ -283,7 +287,7 @@ def fill_operands(
         raise InvalidArgumentError(
             f"buf is a buffer of {buffer_state(buf).name}: its buffers are read-only sources"
         )
-    _check_own(buf, "buf", state)
+    _check_own(buf, "buf", state, "fill it on a queue of its device (buf.device.queue.fill)")
     pattern, size = fill_pattern(value)
     given, offset = offset, as_int(offset)
     if offset is None:

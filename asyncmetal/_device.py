@@ -92,6 +92,7 @@ from ._timeline import (
     Timeline,
     close_timeline,
     device_discarded,
+    queue_closed,
     signal_order,
     wait_value,
 )
@@ -545,9 +546,10 @@ class Device(Singular):
                 turn.append(queue)
         return ready
 
-    def _take_dropped(self, numbers: list[int] | None = None) -> list[NativeQueue]:
+    def _take_dropped(self, numbers: list[int] | None = None) -> list[tuple[NativeQueue, Timeline]]:
         """The native queues of the queues collected (those numbered ``numbers``, or
-        all), taken off the records (submission lock held; those taken before left)."""
+        all), each with its queue's timeline, taken off the records (submission lock
+        held; those taken before left)."""
         if numbers is None:
             numbers = self._dropped_queues[:]  # (finalizers append meanwhile)
         taken = []
@@ -557,7 +559,7 @@ class Device(Singular):
                 self._dropped_queues.remove(number)
             recorded = self._natives.pop(number, None)
             if recorded is not None:
-                taken.append(recorded[0])
+                taken.append(recorded)
         return taken
 
     def _let_go_of_idle_queues(self) -> None:
@@ -1303,7 +1305,7 @@ class Device(Singular):
             # among _releases), and leaves it. Each queue's own record of its release
             # reaches 1 once it is done.
             mine: list[Queue] = []
-            theirs = list(natives)
+            theirs: list[tuple[NativeQueue, Timeline | None]] = [(n, None) for n in natives]
             try:
                 with self._state.submitting:
                     mine = [q for q in queues if q in self._releases and q not in self._taken]
@@ -1312,9 +1314,18 @@ class Device(Singular):
                 for queue in mine:
                     with contextlib.suppress(Exception):  # (the device's close reports it)
                         close_native(queue, False)
-                for native in theirs:
+                    # Its commands all ran: waits on its timeline for more end, failed
+                    # (other queues' device waits, and host tasks'), as at the device's
+                    # close -- nothing will raise it further.
+                    close_timeline(queue.timeline)
+                for native, timeline in theirs:
                     with contextlib.suppress(Exception):
                         native.close(False)
+                    if timeline is not None:
+                        # A collected queue's, which someone may still hold: it had
+                        # nothing in flight, and nothing will raise it further.
+                        queue_closed(timeline, timeline.value)
+                        close_timeline(timeline)
             finally:
                 with self._state.submitting:
                     done = [self._releases.pop(queue, None) for queue in mine]
@@ -1393,7 +1404,7 @@ class Device(Singular):
         kept = set(self._queues)
         for queue in [*self._queues, *(q for q in list(self._idle) if q not in kept)]:
             _attempt(errors, close_native, queue, abandon or queue in blocked)
-        for native in self._take_dropped():  # collected with nothing in flight
+        for native, _ in self._take_dropped():  # collected with nothing in flight
             _attempt(errors, native.close, abandon)
         self._natives.clear()  # (each closed with its queue)
         self._state.stopped = True  # (other devices' closes wait for these to stop)

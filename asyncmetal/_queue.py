@@ -33,6 +33,7 @@ from ._timeline import (
     check_timeline,
     discarded_error,
     order_queue_signal,
+    queue_closed,
     queue_signal_submitted,
     queue_wait_submitted,
     ready_checkpoint,
@@ -344,11 +345,14 @@ class Queue(Singular):
         asyncmetal's side, the stream stays its owner's -- its completion thread, events
         and staging chunks; a Metal command queue). From the call on, submitting to the
         queue raises ClosedResourceError; its timeline stays valid, and so do the
-        completions it returned. Closing it again, or once its device closed, does
-        nothing; closing it while its device closes returns once the device's close has
-        ended (that close finishes the queue's commands and releases it). ``async with
-        device.new_queue() as q:`` closes it on exit. The default queue
-        (``device.queue``) closes with its device only.
+        completions it returned, but a wait on the timeline for more than its last
+        command is refused from then on, and one made before ends failed once the queue
+        is released (ClosedResourceError: nothing will raise it that far). Closing it
+        again, or once its device closed, does nothing; closing it while its device
+        closes returns once the device's close has ended (that close finishes the
+        queue's commands and releases it). ``async with device.new_queue() as q:``
+        closes it on exit. The default queue (``device.queue``) closes with its device
+        only.
 
         Waiting for its commands is a checkpoint (a device-side wait may wait for a value
         signalled later): cancelling it leaves the queue closed, and once its commands
@@ -668,6 +672,12 @@ class Queue(Singular):
                 f"a queue cannot wait for its own value {value}: its commands so far reach "
                 f"{self._submitted}, and later ones would run only after this wait"
             )
+        last = timeline._last
+        if last is not None and value > last:
+            raise ClosedResourceError(
+                f"timeline will not reach {value}: it is a queue's own timeline, and that "
+                f"queue was closed after its command {last}"
+            )
         return self._wait(timeline, value, False)
 
     def _wait(self, timeline: Timeline, value: int, ordering: bool) -> Completion:
@@ -874,8 +884,12 @@ _INFINITE = 1 << 64
 # How a queue's commands from some value on come after where a search began: (the
 # queue's command that another queue's wait waits for -- the queue, its value -- the
 # timeline and value that command raises it to, then that wait: its queue, value,
-# target and whether it orders a signal), or where it began: a wait, (its queue, value,
-# target, whether it orders a signal).
+# target and whether it orders a signal, then how the first queue's commands were
+# reached: the link before), or where it began: a wait, (its queue, value, target,
+# whether it orders a signal). Each link holds the one before as it was when made: a
+# queue reached again, earlier, later gets a new link, and one that led to it keeps
+# its own way back (so no way back goes round: queues may wait for each other's later
+# commands).
 _Link = tuple[Any, ...]
 
 
@@ -916,7 +930,7 @@ class _After:
                 return found
         while todo:
             waiter = todo.pop()
-            start = since[waiter][0]
+            start, via = since[waiter]
             raises: list[tuple[int, Timeline, int, int]] = []  # (at, timeline, from, to)
             try:  # (another device's queue may take a submission meanwhile: let it be)
                 for at, is_wait, signalled, target in reversed(waiter._sync_ops):
@@ -936,7 +950,8 @@ class _After:
                     if not self.left():
                         return None
                     command = wait[2] if signalled is waiter._timeline else at
-                    if found := reached(wait[0], wait[1], (waiter, command, signalled, *wait)):
+                    link = (waiter, command, signalled, *wait, via)
+                    if found := reached(wait[0], wait[1], link):
                         return found
         return None
 
@@ -948,8 +963,8 @@ class _After:
         """Where the search began on the way to ``link``, and the steps from there, in
         words (for a message about ``queue``'s signal of ``timeline``)."""
         steps: list[str] = []
-        while len(link) == 7:
-            waiter, command, signalled, other, other_at, target, ordering = link
+        while len(link) == 8:
+            waiter, command, signalled, other, other_at, target, ordering, before = link
             what = "the timeline" if signalled is timeline else _describe(signalled, queue)
             raises = (
                 "is what"
@@ -961,7 +976,7 @@ class _After:
                 f"{_who(other, queue)}'s command {other_at} waits for"
                 + (" (its signal of it, next, runs after an earlier one)" if ordering else "")
             )
-            link = self.since[waiter][1]
+            link = before
         steps.reverse()
         return link, steps
 
@@ -1257,6 +1272,7 @@ def seal(queue: Queue, why: str, unreleased: dict[Queue, None] | None = None) ->
         unreleased[queue] = None
     queue._closed = why
     queue._fast_launch = None
+    queue_closed(queue._timeline, queue._submitted)
     return True
 
 

@@ -97,8 +97,13 @@ def failure_error(failure: _native.Failure, lead: str, tail: str = "") -> AsyncM
     and why (a queue that is gone is not named), then ``tail``."""
     queue = _queue_of(failure.cause)
     where = command_of(failure.cause, failure.value)
-    if failure.error == _native.CLOSED:  # a timeline whose device closed
+    if failure.error == _native.CLOSED:  # a timeline whose device (or queue) closed
         owner = _timelines.get(failure.cause)
+        if owner is not None and owner._last is not None:
+            return ClosedResourceError(
+                f"{lead} nothing will produce: it is a queue's own timeline, and that "
+                f"queue was closed after its command {owner._last}{tail}"
+            )
         device = "its device" if owner is None else f"its device, {owner.device.name},"
         return ClosedResourceError(
             f"{lead} nothing will produce: {device} closed before the timeline got there{tail}"
@@ -218,6 +223,13 @@ def close_timeline(timeline: Timeline) -> None:
     timeline._pending_at_close = pending
     timeline.native.close_waits(pending[-1][2] if pending else 0)
     end_waits(timeline)
+
+
+def queue_closed(timeline: Timeline, last: int) -> None:
+    """``timeline`` is a queue's own, and that queue was closed (or collected) after its
+    command ``last``: nothing will raise it further. Waits for more are refused from now
+    on; those made before end once ``close_timeline`` closed it (the queue released)."""
+    timeline._last = last
 
 
 def end_waits(waitable: Waitable) -> None:
@@ -440,6 +452,9 @@ class Timeline(Waitable, Singular):
         if self.native.c_timeline is not None:
             _timelines[self.native.c_timeline] = self
         self._queue: weakref.ref[FailingQueue] | None = None  # a queue's own: that queue
+        # A queue's own whose queue was closed: the value of its last command, the most
+        # it will ever reach (a wait for more ends failed once the queue is released).
+        self._last: int | None = None
         # Once its device closed: the signals of it that queues of other devices had
         # submitted and not run then, in order (each that queue's timeline, its value
         # there, the target), which the close left it to reach (see ``close_timeline``).
@@ -522,9 +537,13 @@ class Timeline(Waitable, Singular):
 
         Always a checkpoint. Cancelling it withdraws this waiter only; the timeline and
         the device are unaffected. Raises :class:`ClosedResourceError` if the device
-        closes (or has closed) before ``value`` is reached.
+        closes (or has closed) before ``value`` is reached -- or, a queue's own
+        timeline, if the queue was closed before a command of it got that far.
         """
         value = check_value(value)
+        if self._last is not None and value > self._last:
+            await _bridge.checkpoint()
+            raise self._beyond_last(value)
         await wait_value(self, value)
         if self._pending_at_close and self.native.value < value:
             # Its device closed before other devices' queues ran signals of it submitted
@@ -537,9 +556,19 @@ class Timeline(Waitable, Singular):
         if failure is not None:
             raise failure
         if self.native.value < value:  # woken by the close: the value will never come
+            if self._last is not None and value > self._last:
+                raise self._beyond_last(value)
             raise ClosedResourceError(
                 f"the timeline's device {self._state.name} closed before it reached {value}"
             )
+
+    def _beyond_last(self, value: int) -> ClosedResourceError:
+        """The error of a wait for ``value``, past the last command of this timeline's
+        queue, closed: nothing will raise it that far."""
+        return ClosedResourceError(
+            f"this timeline will not reach {value}: its queue was closed after its "
+            f"command {self._last}"
+        )
 
     def _failure(self, value: int) -> BaseException | None:
         """Why ``value``, reached, was never produced: a command that signals the

@@ -432,25 +432,71 @@ def test_a_close_cancelled_by_asyncio_as_it_releases_returns_once_released(
     asyncio.run(main())
 
 
-async def test_closing_the_device_ends_waits_on_a_closed_queues_timeline(
+async def test_closing_a_queue_ends_waits_for_values_it_never_reaches(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:
+    """Waits on a queue's timeline for more than its last command, made before its
+    close -- a host task's and another queue's device wait -- end failed once it closed
+    (checked: both waited until the device closed), and those made after are refused."""
     q = device.new_queue()
     await q.launch(kernels["empty"])
-    await q.close()
+    other = device.new_queue()
+    waited = other.wait(q.timeline, 2)  # never submitted: the close ends it
+    behind = other.launch(kernels["empty"])
     ended = anyio.Event()
 
     async def wait_beyond() -> None:
-        with pytest.raises(am.ClosedResourceError):
-            await q.timeline.wait(2)  # never submitted: only the close ends it
+        with pytest.raises(am.ClosedResourceError, match="queue was closed after its command 1"):
+            await q.timeline.wait(2)
         ended.set()
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(wait_beyond)
-        await anyio.sleep(0.02)
-        assert not ended.is_set()
-        await device.close()
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait_beyond)
+            await q.close()
+        for command in (waited, behind):
+            with pytest.raises(am.ClosedResourceError, match="closed after its command 1"):
+                await command
     assert ended.is_set()
+    await q.timeline.wait(1)  # reached: no error
+    with pytest.raises(am.ClosedResourceError, match="closed after its command 1"):
+        await q.timeline.wait(3)
+    with pytest.raises(am.ClosedResourceError, match="closed after its command 1"):
+        device.new_queue().wait(q.timeline, 2)
+
+
+async def test_dropping_a_queue_ends_waits_for_values_it_never_reaches(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """A queue dropped without close, its timeline still held: once it is released, a
+    host task's and another queue's device wait for more than its last command end
+    failed, and later ones are refused (checked: both waited until the device
+    closed)."""
+    q = device.new_queue()
+    await q.launch(kernels["empty"])
+    timeline = q.timeline
+    other = device.new_queue()
+    waited = other.wait(timeline, 2)
+    ended = anyio.Event()
+
+    async def wait_beyond() -> None:
+        with pytest.raises(am.ClosedResourceError, match="closed after its command 1"):
+            await timeline.wait(2)
+        ended.set()
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait_beyond)
+            del q
+            while not ended.is_set():  # the device lets go of it, then releases it
+                device.new_queue()
+                gc.collect()
+                await anyio.sleep(0.01)
+        with pytest.raises(am.ClosedResourceError, match="closed after its command 1"):
+            await waited
+    await timeline.wait(1)  # reached: no error
+    with pytest.raises(am.ClosedResourceError, match="closed after its command 1"):
+        device.new_queue().wait(timeline, 2)
 
 
 async def test_a_release_new_queue_starts_ends_before_its_device_closes(

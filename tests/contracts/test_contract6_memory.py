@@ -137,6 +137,19 @@ async def test_a_request_over_the_budget_says_what_to_do(device: am.Device) -> N
         await device.alloc(total + 1)
 
 
+async def test_a_request_over_the_devices_memory_fails_under_a_budget_above_it(
+    device: am.Device,
+) -> None:
+    """A budget may be set above the device's memory; a request larger than that
+    memory still can never fit, so it fails at once rather than wait for frees while
+    a buffer is held (checked: it waited for good)."""
+    held = await device.alloc(MiB)
+    device.memory_budget = 2 * device.total_memory
+    with anyio.fail_after(10), pytest.raises(am.OutOfMemoryError, match="larger than the device"):
+        await device.alloc(device.total_memory + 1)
+    await held.free()
+
+
 async def test_native_out_of_memory_empties_the_cache_then_retries(
     device: am.Device, monkeypatch: pytest.MonkeyPatch
 ) -> None:

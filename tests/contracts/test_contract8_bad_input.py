@@ -221,6 +221,15 @@ async def test_buffer_of_another_device_is_refused(
             "compiled for cpu:7, not cpu",
             lambda: device.queue.launch(foreign_prog),
         )
+        # A fill is pointed to the buffer's own device's queues (asyncmetal.copy, where
+        # a copy is pointed, fills nothing; checked: a fill was told to use it).
+        _rejects(
+            device,
+            am.InvalidArgumentError,
+            r"buf is a buffer of cpu:7, not of cpu, whose queue this is: fill it on a "
+            r"queue of its device \(buf.device.queue.fill\)$",
+            lambda: device.queue.fill(foreign, 0),
+        )
 
 
 async def test_a_device_opened_under_the_same_name_is_told_apart(anyio_backend: object) -> None:

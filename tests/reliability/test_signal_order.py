@@ -7,6 +7,7 @@ submitted -- where there is still a way, nothing is refused."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import anyio
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
+from asyncmetal import _queue
 from tests.support.threads import Contended
 
 LIMIT = 10  # seconds: every wait here ends within a fraction of this, or it hangs
@@ -88,6 +90,42 @@ async def test_a_cycle_through_another_queues_signal_is_refused(device: am.Devic
     with anyio.fail_after(LIMIT):
         await b.wait(1)
     await _untouched(q1, q2)
+
+
+@pytest.mark.anyio
+async def test_a_signal_after_queues_waiting_on_each_other_is_refused_in_bounded_time(
+    device: am.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two queues each wait for the other's later commands (values not submitted yet,
+    which the search takes as to come); a signal that comes after one of them is
+    refused, its message naming each step once (checked: the message went round that
+    cycle for good, the loop held and its memory growing -- here cut short by a count
+    of the queues named)."""
+    named = itertools.count()
+    who = _queue._who
+
+    def counted(queue: am.Queue, this: am.Queue) -> str:
+        if next(named) > 10_000:
+            raise RecursionError("the refusal's message went round a cycle")
+        return who(queue, this)
+
+    monkeypatch.setattr(_queue, "_who", counted)
+    timeline = device.timeline()
+    q1, q2, q3, q4 = (device.new_queue() for _ in range(4))
+    q1.wait(q2.timeline, 8)
+    q2.wait(q1.timeline, 2)  # q1 and q2 wait for each other's later commands
+    q3.wait(q4.timeline, 7)
+    q2.wait(timeline, 6)
+    q3.wait(q1.timeline, 3)
+    with pytest.raises(am.InvalidArgumentError, match="would never run") as refused:
+        q3.signal(timeline, 6)
+    other = f"another queue of {device.name}"
+    assert (
+        f"it satisfies {other}'s command 2, a device wait for the timeline to reach 6; "
+        f"{other}'s command 8, after it, is what {other}'s command 1 waits for; "
+        f"{other}'s command 3, after it, is what this queue's command 2 waits for; and "
+    ) in str(refused.value)
+    assert q3.submitted == 2  # nothing submitted
 
 
 @pytest.mark.anyio
