@@ -17,13 +17,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import numbers
 import os
 import sqlite3
 import sys
 import threading
 from pathlib import Path
 
-from ._errors import env_switch, warn
+from ._errors import ArgumentTypeError, InvalidArgumentError, env_switch, warn
 from ._threads import run_sync as to_thread
 
 
@@ -68,6 +69,19 @@ class CompileCache:
         disk: bool | None = None,
         max_memory_bytes: int = 256 << 20,
     ) -> None:
+        # Checked here: the pool's handler threads store each binary, and one that
+        # failed to would leave its compile's callers waiting.
+        limit: object = max_memory_bytes
+        if isinstance(limit, bool) or not isinstance(limit, numbers.Integral):
+            raise ArgumentTypeError(
+                f"max_memory_bytes must be an int (bytes), got {type(limit).__name__}"
+            )
+        if limit < 0:
+            raise InvalidArgumentError(f"max_memory_bytes must be >= 0, got {limit!r}")
+        if disk is not None and not isinstance(disk, bool):
+            raise ArgumentTypeError(
+                f"disk must be True, False or None ($ASYNCMETAL_CACHE), got {disk!r:.40}"
+            )
         if disk is None:
             disk = env_switch("ASYNCMETAL_CACHE")
         self.disk_enabled = disk
@@ -81,7 +95,7 @@ class CompileCache:
                 self.directory = Path("~", ".cache", "asyncmetal")  # (named, never used)
                 if disk:
                     self.disk_enabled, self.error = False, exc
-        self.max_memory_bytes = max_memory_bytes
+        self.max_memory_bytes = int(limit)
         self._memory: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         self._memory_bytes = 0
         self._db: sqlite3.Connection | None = None

@@ -535,8 +535,11 @@ class CompilePool(Singular):
 
     def _finish(self, job: _Job, result: bytes | CompileError, *, ran: bool = True) -> None:
         if isinstance(result, bytes):
-            self.cache._put_memory(job.key, result)
-            self.cache._put_disk(job.key, result)
+            try:
+                self.cache._put_memory(job.key, result)
+                self.cache._put_disk(job.key, result)
+            except Exception:  # (its callers still get the binary: never left waiting)
+                _log.exception("asyncmetal: a compiled binary could not be cached")
         with self._lock:
             self._compiles += ran
             if self._in_flight.get(job.key) is job:  # a withdrawn job has left already

@@ -917,6 +917,43 @@ def test_a_pool_with_bad_arguments_is_refused(arguments: dict[str, Any]) -> None
 
 
 @pytest.mark.parametrize(
+    ("arguments", "error"),
+    [
+        ({"max_memory_bytes": None}, am.ArgumentTypeError),
+        ({"max_memory_bytes": "1"}, am.ArgumentTypeError),
+        ({"max_memory_bytes": 1.5}, am.ArgumentTypeError),
+        ({"max_memory_bytes": -1}, am.InvalidArgumentError),
+        ({"disk": "off"}, am.ArgumentTypeError),
+    ],
+    ids=str,
+)
+def test_a_cache_with_bad_arguments_is_refused(
+    arguments: dict[str, Any], error: type[Exception], tmp_path: Path
+) -> None:
+    """Checked: before, such a cache was made (``disk="off"`` kept the disk on), and the
+    first compile into it waited for good: its handler thread died storing the binary."""
+    with pytest.raises(error, match=next(iter(arguments))):
+        CompileCache(tmp_path, **arguments)
+
+
+async def test_a_binary_that_cannot_be_cached_still_reaches_its_callers(
+    pool: CompilePool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Storing a binary that fails (memory short, a limit set to nonsense since) leaves
+    it uncached; its compile's callers get it all the same, and the pool goes on.
+    Checked: before, the handler thread died of it and the compile never ended."""
+
+    def refuse(key: str, data: bytes) -> None:
+        raise MemoryError("no room")
+
+    monkeypatch.setattr(pool.cache, "_put_memory", refuse)
+    for tag in ("first", "second"):
+        with anyio.fail_after(BOUND):
+            assert await pool.compile(CCompiler(), _src(tag))
+    assert pool.compiles == 2
+
+
+@pytest.mark.parametrize(
     ("bad", "match"),
     [
         (("void b(int* x) {}", ""), "kernel 1: the kernel's name is empty"),
