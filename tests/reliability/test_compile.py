@@ -193,6 +193,35 @@ wait
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+async def test_a_timeout_kills_a_worker_that_reads_no_long_source(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A worker that reads nothing (stopped, hung) takes no more of a source than its
+    input pipe holds: a timed compile of a longer one still ends at its timeout with
+    the worker killed, and the same source then compiles afresh. Checked: before, the
+    pool's thread stayed blocked writing it, the worker was never killed, and every
+    later compile of that source joined the stuck one (here: never ended)."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    src = _src("long") + "/*" + "x" * (4 << 20) + "*/\n"  # far more than a pipe holds
+    pid: int | None = None
+    try:
+        with anyio.fail_after(BOUND):
+            assert await pool.compile(CCompiler(), _src("warm"))
+        pid = pool._workers[0].proc.pid  # type: ignore[union-attr]
+        os.kill(pid, signal.SIGSTOP)
+        with anyio.fail_after(BOUND), pytest.raises(am.CompileError, match="timed out"):
+            await pool.compile(CCompiler(), src, timeout=0.5)
+        assert _dead(pid)
+        with anyio.fail_after(BOUND / 2):
+            assert await pool.compile(CCompiler(), src)
+    finally:
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 async def test_a_timeout_ends_the_compilers_and_removes_their_files(
     pool: CompilePool, tmp_path: Path
 ) -> None:
