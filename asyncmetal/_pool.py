@@ -167,7 +167,7 @@ class _Worker:
             # _starting): the child then holds none of its pipes.
             with _starting:
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "asyncmetal._worker"],
+                    [sys.executable, "-c", _WORKER_MAIN, "asyncmetal._worker"],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=self.stderr,
@@ -360,6 +360,19 @@ class _Worker:
         if self.stderr is not None:
             self.stderr.close()
             self.stderr = None
+
+
+# A worker runs ``python -m asyncmetal._worker`` -- without the working directory first
+# on its sys.path, where ``-m`` puts it (and the parent's script need not have it): a
+# file there named as a module of the standard library (a ``random.py``, which tempfile
+# imports) would be imported by the worker in its stead. (Python 3.11's ``-P``; the
+# name of the module to run is the command's argument.)
+_WORKER_MAIN = """import sys
+if sys.path and sys.path[0] == "":
+    del sys.path[0]
+import runpy
+runpy.run_module(sys.argv[1], run_name="__main__", alter_sys=True)
+"""
 
 
 def _timed_out(job: _Job) -> CompileError:
