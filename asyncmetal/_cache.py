@@ -22,6 +22,7 @@ import os
 import sqlite3
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 from ._errors import ArgumentTypeError, InvalidArgumentError, env_switch, warn
@@ -105,6 +106,7 @@ class CompileCache:
         self.damaged = 0  # entries found damaged on disk and evicted
         self.read_only: BaseException | None = None  # why it is read, never written
         self._warned = self._warned_read_only = False
+        _caches.add(self)
 
     # -- memory --------------------------------------------------------------------------
 
@@ -301,3 +303,29 @@ class CompileCache:
 
 def _intact(size: object, digest: object, data: object) -> bool:
     return isinstance(data, bytes) and len(data) == size and hashlib.sha256(data).digest() == digest
+
+
+# Every cache alive, for a forked child: a cache is usable there (a pool made in the
+# child may take one made before the fork), with locks and a database connection of
+# its own.
+_caches: weakref.WeakSet[CompileCache] = weakref.WeakSet()
+# The parent's connections, in a forked child: never used there (sqlite's locks are
+# each process's own, so one used across a fork may corrupt the database), nor closed
+# (a close may checkpoint or remove the parent's write-ahead log).
+_inherited: list[sqlite3.Connection] = []
+
+
+def _own_in_child() -> None:
+    """In a forked child: each cache's locks made anew (a thread of the parent, gone
+    here, may have held one: storing a binary, waiting for another process's lock on
+    the database), and its connection left to the parent -- a lookup opens its own."""
+    for cache in list(_caches):
+        cache._db_lock = threading.Lock()
+        cache._memory_lock = threading.Lock()
+        if cache._db is not None:
+            _inherited.append(cache._db)
+            cache._db = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_own_in_child)

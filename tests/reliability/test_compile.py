@@ -1191,6 +1191,61 @@ def test_a_pool_made_before_a_fork_is_refused_in_the_child(tmp_path: Path) -> No
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
+_FORK_AS_A_CACHE_STORES = """
+import os, signal, sys, threading, time, anyio
+sys.path.insert(0, {root!r})
+from asyncmetal._pool import CompilePool
+from asyncmetal._cache import CompileCache
+from asyncmetal.backends.cpu import CCompiler
+def src(tag):
+    return "int twice(int x) {{ return 2 * x; }} /* %s %d */" % (tag, time.time_ns())
+cache = CompileCache({cache!r})
+async def compile_once(tag):
+    pool = CompilePool(1, cache=cache)
+    try:
+        return await pool.compile(CCompiler(), src(tag))
+    finally:
+        await pool.aclose()
+assert anyio.run(compile_once, "parent")  # its database is open
+# A thread of the parent stores a binary as the fork comes (one waiting for another
+# process's lock on the database holds the cache's lock up to 10 s).
+holding, go_on = threading.Event(), threading.Event()
+def hold():
+    with cache._db_lock:
+        holding.set()
+        go_on.wait(30)
+holder = threading.Thread(target=hold)
+holder.start()
+holding.wait()
+pid = os.fork()
+if pid == 0:  # the child compiles with the cache made before the fork
+    signal.alarm(20)  # a child that hangs is killed
+    os._exit(0 if anyio.run(compile_once, "child") else 1)
+_, status = os.waitpid(pid, 0)
+go_on.set()
+holder.join()
+assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+assert anyio.run(compile_once, "parent again")
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_cache_made_before_a_fork_compiles_in_the_child(tmp_path: Path) -> None:
+    """A forked child may compile into a cache made before the fork (a pool made in
+    the child takes it): its locks are the child's own, with a database connection of
+    its own, whatever a thread of the parent was doing with them at the fork. Checked:
+    before, the child's compile waited for good for the lock a thread of the parent,
+    not there, held."""
+    script = _FORK_AS_A_CACHE_STORES.format(
+        root=str(Path(__file__).resolve().parents[2]), cache=str(tmp_path / "cache")
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=BOUND
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
 # What both fork scripts begin with: a fork whose child lives on until the parent
 # closes ``release`` (returned with the child's pid).
 _FORK_HEAD = """
