@@ -165,10 +165,11 @@ class NotDefinedError(CompileError):
 
     _SHOWN_DEFINED = 10
 
-    def __init__(self, name: str, defined: Iterable[str] = ()) -> None:
+    def __init__(self, name: str, defined: Iterable[str] = (), hint: str = "") -> None:
         self.defined = tuple(sorted(set(defined)))
+        self._hint = hint  # (why it may not be seen, where the source names it)
         super().__init__(
-            f"kernel {name!r}: not defined in the source; {self._listed(name)}", name=name
+            f"kernel {name!r}: not defined in the source; {self._listed(name)}{hint}", name=name
         )
 
     def _listed(self, name: str) -> str:
@@ -184,8 +185,8 @@ class NotDefinedError(CompileError):
         nearest = difflib.get_close_matches(name, defined, n=1) if len(defined) > 1 else []
         return listed + (f" (did you mean {nearest[0]!r}?)" if nearest else "")
 
-    def __reduce__(self) -> tuple[type[NotDefinedError], tuple[str, tuple[str, ...]]]:  # type: ignore[override]
-        return type(self), (self.name or "", self.defined)
+    def __reduce__(self) -> tuple[type[NotDefinedError], tuple[str, tuple[str, ...], str]]:  # type: ignore[override]
+        return type(self), (self.name or "", self.defined, self._hint)
 
 
 def c_params(src: str, name: str) -> tuple[ParamKind, ...]:
@@ -336,8 +337,25 @@ def c_param_declarations(src: str, name: str) -> list[tuple[ParamKind, str]]:
                 f"Use a prototype-style definition: void {name}(float *a, int n) {{ ... }}",
                 name=name,
             )
-        raise NotDefinedError(name, c_kernel_names(src))
+        raise NotDefinedError(name, c_kernel_names(src), _made_by_macro_hint(text, name))
     return found[0]
+
+
+def _made_by_macro_hint(text: str, name: str) -> str:
+    """Why kernel ``name``, which ``text`` (stripped) names but does not define as
+    written, is not seen where a macro of the source may make it (``#define K name``
+    then ``void K(...)``, ``DEFINE(name)``): "" where the source has no macro or does
+    not name it."""
+    if not _DEFINE_OR_INCLUDE.search(text) or not re.search(rf"\b{re.escape(name)}\b", text):
+        return ""
+    return (
+        f"; it names {name!r} otherwise: a kernel defined in a header, or whose name or "
+        "definition a macro makes, is not seen, as its parameters are read from the "
+        "source as written (spell its definition out in the source)"
+    )
+
+
+_DEFINE_OR_INCLUDE = re.compile(r"^[ \t]*#[ \t]*(?:define|include)\b", re.M)
 
 
 def _kr_definition(name: str) -> re.Pattern[str]:
@@ -397,7 +415,13 @@ def unlinked_hint(src: str, name: str) -> str:
     """Why a kernel the source defines may not be in the compiled code: declared
     ``static`` (internal linkage) or plain ``inline`` (C99 emits no external definition
     of it), read from the declaration before the name; "" when neither."""
-    words = _declared_with(_ATTRIBUTES.sub("", _strip(src)), name)
+    text = _ATTRIBUTES.sub("", _strip(src))
+    if re.search(rf"^[ \t]*#[ \t]*define[ \t]+{re.escape(name)}\b", text, re.M):
+        return (
+            f"; {name!r} is a macro of the source: a kernel whose name a macro makes is "
+            "not seen (spell its name out in its definition)"
+        )
+    words = _declared_with(text, name)
     if "static" in words:
         return "; it is declared static: a kernel needs external linkage (drop static)"
     if "inline" in words and "extern" not in words:

@@ -311,6 +311,31 @@ async def test_a_missing_kernel_of_a_long_source_lists_some(device: am.Device) -
         await device.compile("int unused;", "k")
 
 
+async def test_a_kernel_a_macro_names_or_makes_says_why_it_is_not_seen(
+    anyio_backend: object,
+) -> None:
+    """A kernel whose name or definition a macro of the source makes compiles, but its
+    parameters cannot be read: the error says so, whichever name is asked for, also
+    after pickling (checked: it said only "not defined in the source; it defines 'K'",
+    and for the macro's own name "not defined in the compiled code")."""
+    async with am.open_device("cpu") as device:
+        named = "#define K scale\nvoid K(float *a) { a[0] = 1; }\n"
+        made = "#define DEFINE(n) void n(float *a) { a[0] = 1; }\nDEFINE(scale)\n"
+        for src in (named, made):
+            with pytest.raises(am.NotDefinedError) as info:
+                await device.compile(src, "scale")
+            assert "a kernel defined in a header, or whose name or definition a macro" in str(
+                info.value
+            )
+            assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)
+        with pytest.raises(am.CompileError, match="'K' is a macro of the source"):
+            await device.compile(named, "K")
+        # A name the source does not use at all gets no such hint.
+        with pytest.raises(am.NotDefinedError) as info:
+            await device.compile(named, "other")
+        assert "macro" not in str(info.value)
+
+
 async def test_a_kernel_defined_in_k_and_r_style_is_refused_saying_why(device: am.Device) -> None:
     """An old-style (K&R) definition, which cc compiles, is refused before compiling,
     saying so and what to write instead (checked: it was "not defined in the
