@@ -271,6 +271,13 @@ def scalar_params(src: str, name: str) -> tuple[ParamKind, ...]:
             name=name,
         )
     for kind, declaration in declarations:
+        if declaration == "...":
+            raise CompileError(
+                f"kernel {name!r} is variadic (its parameters end in '...'): a launch passes "
+                "each value as its parameter's declared type, and those of '...' have none "
+                "(a variadic call passes a float otherwise, too); declare each parameter",
+                name=name,
+            )
         if kind == "value" and "&" in declaration:
             raise CompileError(
                 f"kernel {name!r}: parameter {declaration!r} is a reference, which the "

@@ -425,6 +425,25 @@ async def test_a_reference_parameter_is_refused(device: am.Device) -> None:
         assert declaration in str(info.value) and not info.value.log
 
 
+VARIADIC = (
+    "#include <stdarg.h>\n"
+    "void k(double* out, ...)"
+    " { va_list ap; va_start(ap, out); out[0] = va_arg(ap, double); va_end(ap); }"
+)
+
+
+async def test_a_variadic_kernel_is_refused(anyio_backend: object) -> None:
+    """A variadic kernel (``...``) is refused at compile, before compiling: its values
+    have no declared type to pass them as, and a launch is no variadic call (which
+    says in a register how many floats it passes: a double read with ``va_arg`` came
+    as 0.0). Checked: before, '...' was read as one value of a type not known, and
+    the kernel ran with what it read."""
+    async with am.open_device("cpu") as device:
+        with pytest.raises(am.CompileError, match="kernel 'k' is variadic") as info:
+            await device.compile(VARIADIC, "k")
+        assert info.value.name == "k" and not info.value.log
+
+
 CHARS = (
     "#include <string.h>\n"
     "void k(unsigned char* out, char c, const char d)"
