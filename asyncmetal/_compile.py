@@ -486,9 +486,10 @@ def _split_top_level(params: str) -> list[str]:
     current: list[str] = []
     depth = 0
     for ch in params:
-        if ch in "(<":
+        # (Braces too: a type defined in the list, `enum e {A, B} x`, is one parameter.)
+        if ch in "(<{[":
             depth += 1
-        elif ch in ")>":
+        elif ch in ")>}]":
             depth -= 1
         if ch == "," and depth == 0:
             parts.append("".join(current))

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import functools
 import platform
+import re
 import subprocess
 import sys
 import textwrap
 import uuid
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -412,6 +414,27 @@ async def test_unnamed_parameters_take_their_whole_type(device: am.Device) -> No
         lambda: device.queue.launch(k, out, vals=(256, 1, 2)),
     )
     await device.queue.launch(k, out, vals=(255, 3, 2))
+
+
+async def test_a_type_defined_in_the_parameter_list_is_one_parameter(
+    anyio_backend: object,
+) -> None:
+    """An enum or struct defined in the parameter list itself is one parameter, its
+    braces' commas none of the list's: the enum's kernel takes one value, and the
+    struct is refused by its whole declaration. Checked: before, each comma in the
+    braces made another parameter (a launch asked for two values, the kernel took one)."""
+    async with am.open_device("cpu") as device:
+        src = "void k(int* out, enum e { A, B } v) { out[0] = v + 40; }"
+        with warnings.catch_warnings():  # (cc's: the enum is not seen outside the list)
+            warnings.simplefilter("ignore", am.CompileWarning)
+            k = await device.compile(src, "k")
+        assert k.params == ("buffer", "value")
+        out = await device.alloc(4)
+        await device.queue.launch(k, out, vals=(2,))
+        assert (await out.read(np.int32))[0] == 42
+        struct = "void s(int* out, struct { int a, b; } v) { out[0] = v.a; }"
+        with pytest.raises(am.CompileError, match=re.escape("'struct { int a, b; } v'")):
+            await device.compile(struct, "s")
 
 
 async def test_a_reference_parameter_is_refused(device: am.Device) -> None:
