@@ -375,6 +375,28 @@ runpy.run_module(sys.argv[1], run_name="__main__", alter_sys=True)
 """
 
 
+def _check_compile(compiler: object, src: object) -> None:
+    """Refuse what ``CompilePool.compile`` cannot compile, before anything is submitted."""
+    if not isinstance(compiler, Compiler):
+        made = ""
+        if isinstance(compiler, type) and issubclass(compiler, Compiler):
+            made = f" (the class: make one, {compiler.__name__}())"
+        raise ArgumentTypeError(
+            f"compile(compiler, src): compiler must be a Compiler, got {compiler!r:.60}{made}"
+        )
+    if not isinstance(src, str):
+        raise ArgumentTypeError(
+            f"compile(compiler, src): src must be a str, got {type(src).__name__}"
+        )
+    try:
+        src.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(
+            f"compile(compiler, src): the source is not encodable text ({exc.reason} at "
+            f"character {exc.start})"
+        ) from None
+
+
 def _timed_out(job: _Job) -> CompileError:
     return CompileError(f"compile timed out after {job.timeout} s")
 
@@ -617,6 +639,7 @@ class CompilePool(Singular):
         finishes into the cache.
         """
         timeout = check_timeout(timeout)
+        _check_compile(compiler, src)
         self._check_usable()
         key = source_key(await compiler_identity(compiler), src)
         binary, log = await self._compile_keyed(

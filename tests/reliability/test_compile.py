@@ -946,6 +946,28 @@ def test_a_pool_with_bad_arguments_is_refused(arguments: dict[str, Any]) -> None
 
 
 @pytest.mark.parametrize(
+    ("compiler", "src", "error", "match"),
+    [
+        (CCompiler(), b"int f(void) { return 1; }", am.ArgumentTypeError, "src must be a str"),
+        (CCompiler, "int f(void) { return 1; }", am.ArgumentTypeError, r"make one, CCompiler\(\)"),
+        ("cc", "int f(void) { return 1; }", am.ArgumentTypeError, "must be a Compiler"),
+        (CCompiler(), "int f(void) { return 1; } // \udce9", am.InvalidArgumentError, "encodable"),
+    ],
+    ids=["bytes", "a class", "a str", "a lone surrogate"],
+)
+async def test_a_pools_compile_refuses_bad_arguments_before_submitting(
+    pool: CompilePool, compiler: object, src: object, error: type[Exception], match: str
+) -> None:
+    """``CompilePool.compile`` names a bad compiler or source at once, and submits
+    nothing. Checked: before, a bytes source went to a worker and came back as "error:
+    AttributeError: 'bytes' object has no attribute 'encode'", a compiler class raised
+    a bare TypeError, and a lone surrogate a UnicodeEncodeError."""
+    with anyio.fail_after(BOUND), pytest.raises(error, match=match):
+        await pool.compile(compiler, src)  # type: ignore[arg-type]
+    assert pool.compiles == 0 and pool.workers == 0
+
+
+@pytest.mark.parametrize(
     ("arguments", "error"),
     [
         ({"max_memory_bytes": None}, am.ArgumentTypeError),
