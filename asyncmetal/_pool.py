@@ -492,6 +492,11 @@ class CompilePool(Singular):
             raise InvalidArgumentError(
                 f"idle_timeout must be a positive, finite number of seconds, got {idle_timeout!r}"
             )
+        if cache is not None and not isinstance(cache, CompileCache):
+            raise ArgumentTypeError(
+                f"cache must be a CompileCache (a directory's: CompileCache(path)) or None, "
+                f"got {cache!r:.60}"
+            )
         # (Read-only to users, as properties: checked here, and its workers rely on them.)
         self._max_workers = max_workers or min(os.cpu_count() or 1, 8)
         # (Longer than MAX_TIMEOUT_S, about 31 years, is as long: a wait of more overflows

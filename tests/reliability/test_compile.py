@@ -945,6 +945,14 @@ def test_a_pool_with_bad_arguments_is_refused(arguments: dict[str, Any]) -> None
         CompilePool(**arguments)
 
 
+@pytest.mark.parametrize("cache", ["compile-cache", CompileCache], ids=["a path", "the class"])
+def test_a_pool_given_no_cache_for_its_cache_is_refused(cache: object) -> None:
+    """Checked: before, such a pool was made, and each of its compiles raised an
+    AttributeError or TypeError of the cache's internals."""
+    with pytest.raises(am.ArgumentTypeError, match="cache must be a CompileCache"):
+        CompilePool(1, cache=cache)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("compiler", "src", "error", "match"),
     [
