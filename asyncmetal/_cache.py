@@ -34,7 +34,7 @@ def default_cache_dir() -> Path:
     is none: no ``$HOME`` (nor ``$XDG_CACHE_HOME``), and a user the system does not
     know (a container run as an arbitrary uid)."""
     if env := os.environ.get("ASYNCMETAL_CACHE_DIR"):
-        return Path(env)
+        return _absolute(env)
     base = None if sys.platform == "darwin" else os.environ.get("XDG_CACHE_HOME")
     if base:
         return Path(base) / "asyncmetal"
@@ -48,6 +48,14 @@ def default_cache_dir() -> Path:
     if sys.platform == "darwin":
         return home / "Library" / "Caches" / "asyncmetal"
     return home / ".cache" / "asyncmetal"
+
+
+def _absolute(directory: str | os.PathLike[str]) -> Path:
+    """``directory`` as the absolute path it names now: a ``~`` expanded (as a shell
+    does, which a service's environment file or a program's string does not), and
+    one relative to the working directory kept there, whatever the working directory
+    is when the cache is first used (a service changes it as it starts)."""
+    return Path(os.path.abspath(os.path.expanduser(directory)))
 
 
 class CacheWarning(UserWarning):
@@ -88,7 +96,7 @@ class CompileCache:
         self.disk_enabled = disk
         self.error: BaseException | None = None  # why the disk cache was turned off
         if directory is not None:
-            self.directory = Path(directory)
+            self.directory = _absolute(directory)
         else:
             try:
                 self.directory = default_cache_dir()

@@ -584,6 +584,39 @@ anyio.run(main)
 """
 
 
+async def test_a_cache_directory_is_the_one_named_when_the_cache_is_made(
+    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache directory given relative to the working directory stays there when the
+    program changes directory before its first compile (a service does, as it starts),
+    and a ``~`` in one (given as a str, or in ``$ASYNCMETAL_CACHE_DIR`` from an
+    environment file, which no shell expanded) is the home directory. Checked: before,
+    the first went to the new working directory, the second to a directory named
+    ``~`` in the working directory."""
+    home, start, later = tmp_path / "home", tmp_path / "start", tmp_path / "later"
+    for directory in (home, start, later):
+        directory.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(start)
+    relative = CompileCache("relative-cache")
+    tilde = CompileCache("~/tilde-cache")
+    monkeypatch.setenv("ASYNCMETAL_CACHE_DIR", "~/env-cache")
+    from_env = CompileCache()
+    monkeypatch.chdir(later)
+    for cache in (relative, tilde, from_env):
+        pool = CompilePool(1, cache=cache)
+        try:
+            with anyio.fail_after(BOUND):
+                assert await pool.compile(CCompiler(), _src("where"))
+        finally:
+            await pool.aclose()
+            cache.close()
+    assert (start / "relative-cache" / "compile-cache.sqlite").is_file()
+    assert (home / "tilde-cache" / "compile-cache.sqlite").is_file()
+    assert (home / "env-cache" / "compile-cache.sqlite").is_file()
+    assert sorted(os.listdir(later)) == []
+
+
 def test_two_processes_share_one_cache_directory_concurrently(tmp_path: Path) -> None:
     # A new directory: the two also race to build the native runtime into it.
     env = dict(os.environ, ASYNCMETAL_CACHE_DIR=str(tmp_path / "shared"))
