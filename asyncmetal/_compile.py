@@ -146,6 +146,8 @@ _COMMENTS_AND_LITERALS = re.compile(
 # Names a source makes pointer types of: `typedef float *fptr;`, `#define BUF float*`.
 _POINTER_TYPEDEF = re.compile(r"\btypedef\b[^;{}]*[*\[][^;{}]*?\b(\w+)\s*(?:\[[^;]*\])?\s*;")
 _POINTER_MACRO = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+[^\n(]*\*", re.M)
+# And array types, which a parameter takes as a pointer: `typedef float vec3[3];`.
+_ARRAY_TYPEDEF = re.compile(r"\btypedef\b[^;{}]*?\b(\w+)\s*\[[^;{}]*\]\s*;")
 
 
 def _strip(src: str) -> str:
@@ -320,7 +322,11 @@ def c_param_declarations(src: str, name: str) -> list[tuple[ParamKind, str]]:
     buffer; two definitions that differ (in ``#if`` branches: only one compiles) are
     refused, as the one that compiles cannot be told."""
     text = _ATTRIBUTES.sub("", _strip(src))
-    pointers = set(_POINTER_TYPEDEF.findall(text)) | set(_POINTER_MACRO.findall(text))
+    pointers = (
+        set(_POINTER_TYPEDEF.findall(text))
+        | set(_ARRAY_TYPEDEF.findall(text))
+        | set(_POINTER_MACRO.findall(text))
+    )
     found: list[list[tuple[ParamKind, str]]] = []
     for params in _definitions(text, name):
         declared: list[tuple[ParamKind, str]] = [

@@ -416,6 +416,21 @@ async def test_unnamed_parameters_take_their_whole_type(device: am.Device) -> No
     await device.queue.launch(k, out, vals=(255, 3, 2))
 
 
+async def test_a_parameter_of_an_array_typedef_is_a_buffer(anyio_backend: object) -> None:
+    """A parameter whose type is an array typedef of the source (``typedef float
+    vec3[3];``) is a pointer in C: a buffer, as a pointer typedef's is. Checked: before,
+    it was read as a value of a type not known -- the kernel could not be given its
+    buffer, and a value given instead was taken as an address."""
+    async with am.open_device("cpu") as device:
+        src = "typedef float vec3[3];\nvoid k(vec3 v, int n) { v[0] = v[1] + n; }"
+        k = await device.compile(src, "k")
+        assert k.params == ("buffer", "value")
+        buf = await device.alloc(12)
+        await buf.write(np.array([0, 40, 0], np.float32))
+        await device.queue.launch(k, buf, vals=(2,))
+        assert (await buf.read(np.float32))[0] == 42
+
+
 async def test_a_type_defined_in_the_parameter_list_is_one_parameter(
     anyio_backend: object,
 ) -> None:
