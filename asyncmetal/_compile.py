@@ -322,11 +322,7 @@ def c_param_declarations(src: str, name: str) -> list[tuple[ParamKind, str]]:
     buffer; two definitions that differ (in ``#if`` branches: only one compiles) are
     refused, as the one that compiles cannot be told."""
     text = _ATTRIBUTES.sub("", _strip(src))
-    pointers = (
-        set(_POINTER_TYPEDEF.findall(text))
-        | set(_ARRAY_TYPEDEF.findall(text))
-        | set(_POINTER_MACRO.findall(text))
-    )
+    pointers = _pointer_names(text)
     found: list[list[tuple[ParamKind, str]]] = []
     for params in _definitions(text, name):
         declared: list[tuple[ParamKind, str]] = [
@@ -369,6 +365,23 @@ def _made_by_macro_hint(text: str, name: str) -> str:
 
 
 _DEFINE_OR_INCLUDE = re.compile(r"^[ \t]*#[ \t]*(?:define|include)\b", re.M)
+
+
+def _pointer_names(text: str) -> set[str]:
+    """The names ``text`` (stripped) makes pointer types of: its typedefs and
+    object-like macros of a pointer or array type, and those of such a name in turn
+    (``typedef float *fp; typedef fp fp2;``, ``#define P fp``)."""
+    pointers = (
+        set(_POINTER_TYPEDEF.findall(text))
+        | set(_ARRAY_TYPEDEF.findall(text))
+        | set(_POINTER_MACRO.findall(text))
+    )
+    plain = typedefs(text)
+    while True:
+        more = {name for name, words in plain.items() if pointers.intersection(words)}
+        if more <= pointers:
+            return pointers
+        pointers |= more
 
 
 def _kr_definition(name: str) -> re.Pattern[str]:

@@ -431,6 +431,24 @@ async def test_a_parameter_of_an_array_typedef_is_a_buffer(anyio_backend: object
         assert (await buf.read(np.float32))[0] == 42
 
 
+async def test_a_typedef_or_macro_of_a_pointer_typedef_is_a_buffer(anyio_backend: object) -> None:
+    """A pointer type spelled through a typedef of a pointer typedef (or a macro naming
+    one) is a buffer too, however many names it goes through. Checked: before, only
+    the typedef spelling out the ``*`` counted: ``fp2 a`` was read as a value of a type
+    not known, and a value given for it was taken as an address."""
+    async with am.open_device("cpu") as device:
+        src = (
+            "typedef float *fp;\ntypedef fp fp2;\n#define OUT fp2\n"
+            "void k(OUT out, const fp2 in, int n) { out[0] = in[0] + n; }"
+        )
+        k = await device.compile(src, "k")
+        assert k.params == ("buffer", "buffer", "value")
+        out, src_buf = await device.alloc(4), await device.alloc(4)
+        await src_buf.write(np.array([40], np.float32))
+        await device.queue.launch(k, out, src_buf, vals=(2,))
+        assert (await out.read(np.float32))[0] == 42
+
+
 async def test_a_type_defined_in_the_parameter_list_is_one_parameter(
     anyio_backend: object,
 ) -> None:
