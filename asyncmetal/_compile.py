@@ -148,6 +148,8 @@ _POINTER_TYPEDEF = re.compile(r"\btypedef\b[^;{}]*[*\[][^;{}]*?\b(\w+)\s*(?:\[[^
 _POINTER_MACRO = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+[^\n(]*\*", re.M)
 # And array types, which a parameter takes as a pointer: `typedef float vec3[3];`.
 _ARRAY_TYPEDEF = re.compile(r"\btypedef\b[^;{}]*?\b(\w+)\s*\[[^;{}]*\]\s*;")
+# C++'s typedefs of either: `using fp = float*;`, `using vec3 = float[3];`.
+_POINTER_USING = re.compile(r"\busing\s+(\w+)\s*=[^;{}=]*[*\[][^;{}]*;")
 
 
 def _strip(src: str) -> str:
@@ -374,6 +376,7 @@ def _pointer_names(text: str) -> set[str]:
     pointers = (
         set(_POINTER_TYPEDEF.findall(text))
         | set(_ARRAY_TYPEDEF.findall(text))
+        | set(_POINTER_USING.findall(text))
         | set(_POINTER_MACRO.findall(text))
     )
     plain = typedefs(text)

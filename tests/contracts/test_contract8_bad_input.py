@@ -354,6 +354,22 @@ async def test_a_kernel_defined_in_k_and_r_style_is_refused_saying_why(device: a
         await device.compile(calls, "h")
 
 
+def test_a_cuda_parameter_of_a_using_pointer_alias_is_a_buffer() -> None:
+    """C++'s typedef, ``using fp = float*;`` (or of an array, which a parameter takes
+    as a pointer), makes a buffer as C's typedef does (no GPU needed: read from the
+    source). Checked: before, ``fp v`` was read as a value of a type not known, and a
+    value given for it was taken as an address."""
+    from asyncmetal.backends.cuda import CUDACompiler
+
+    src = (
+        "using fp = const float *__restrict__;\nusing vec3 = float[3];\nusing real = float;\n"
+        'extern "C" __global__ void k(fp in, vec3 out, real s) { out[0] = in[0] * s; }\n'
+    )
+    signature = CUDACompiler()._signature(src, "k")
+    assert signature.kinds == ("buffer", "buffer", "value")
+    assert signature.values == (("float32", "real s"),)
+
+
 def test_a_missing_cuda_kernel_lists_the_global_functions() -> None:
     """The cuda backend reads its kernels' parameters from the source too (no GPU
     needed): its list holds the ``__global__`` functions, not the ``__device__`` ones."""
