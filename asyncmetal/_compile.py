@@ -146,6 +146,10 @@ _COMMENTS_AND_LITERALS = re.compile(
 # Names a source makes pointer types of: `typedef float *fptr;`, `#define BUF float*`.
 _POINTER_TYPEDEF = re.compile(r"\btypedef\b[^;{}]*[*\[][^;{}]*?\b(\w+)\s*(?:\[[^;]*\])?\s*;")
 _POINTER_MACRO = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+[^\n(]*\*", re.M)
+# A function-like macro of a pointer type: `#define GLOBAL_PTR(T) T*`.
+_POINTER_TYPE_MACRO = re.compile(
+    r"^[ \t]*#[ \t]*define[ \t]+(\w+)\([\w\s,]*\)[ \t]+[^\n(]*\*", re.M
+)
 # And array types, which a parameter takes as a pointer: `typedef float vec3[3];`.
 _ARRAY_TYPEDEF = re.compile(r"\btypedef\b[^;{}]*?\b(\w+)\s*\[[^;{}]*\]\s*;")
 # C++'s typedefs of either: `using fp = float*;`, `using vec3 = float[3];`.
@@ -378,6 +382,7 @@ def _pointer_names(text: str) -> set[str]:
         | set(_ARRAY_TYPEDEF.findall(text))
         | set(_POINTER_USING.findall(text))
         | set(_POINTER_MACRO.findall(text))
+        | set(_POINTER_TYPE_MACRO.findall(text))
     )
     plain = typedefs(text)
     while True:

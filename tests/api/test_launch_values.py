@@ -449,6 +449,25 @@ async def test_a_typedef_or_macro_of_a_pointer_typedef_is_a_buffer(anyio_backend
         assert (await out.read(np.float32))[0] == 42
 
 
+async def test_a_function_like_macro_of_a_pointer_type_makes_a_buffer(
+    anyio_backend: object,
+) -> None:
+    """A parameter whose type a function-like macro of the source makes a pointer
+    (``#define GLOBAL_PTR(T) T*``, as portable kernels spell their address spaces) is a
+    buffer. Checked: before, it was refused at compile as "not a scalar that launch
+    values pass ... pass it in a buffer" -- which it is."""
+    async with am.open_device("cpu") as device:
+        src = (
+            "#define GLOBAL_PTR(T) T *restrict\n"
+            "void k(GLOBAL_PTR(float) out, int n) { out[0] = n; }"
+        )
+        k = await device.compile(src, "k")
+        assert k.params == ("buffer", "value")
+        out = await device.alloc(4)
+        await device.queue.launch(k, out, vals=(42,))
+        assert (await out.read(np.float32))[0] == 42
+
+
 async def test_a_type_defined_in_the_parameter_list_is_one_parameter(
     anyio_backend: object,
 ) -> None:
