@@ -17,13 +17,15 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import numbers
 import os
 import sqlite3
 import sys
 import threading
+import weakref
 from pathlib import Path
 
-from ._errors import env_switch, warn
+from ._errors import ArgumentTypeError, InvalidArgumentError, env_switch, warn
 from ._threads import run_sync as to_thread
 
 
@@ -32,7 +34,7 @@ def default_cache_dir() -> Path:
     is none: no ``$HOME`` (nor ``$XDG_CACHE_HOME``), and a user the system does not
     know (a container run as an arbitrary uid)."""
     if env := os.environ.get("ASYNCMETAL_CACHE_DIR"):
-        return Path(env)
+        return _absolute(env)
     base = None if sys.platform == "darwin" else os.environ.get("XDG_CACHE_HOME")
     if base:
         return Path(base) / "asyncmetal"
@@ -46,6 +48,14 @@ def default_cache_dir() -> Path:
     if sys.platform == "darwin":
         return home / "Library" / "Caches" / "asyncmetal"
     return home / ".cache" / "asyncmetal"
+
+
+def _absolute(directory: str | os.PathLike[str]) -> Path:
+    """``directory`` as the absolute path it names now: a ``~`` expanded (as a shell
+    does, which a service's environment file or a program's string does not), and
+    one relative to the working directory kept there, whatever the working directory
+    is when the cache is first used (a service changes it as it starts)."""
+    return Path(os.path.abspath(os.path.expanduser(directory)))
 
 
 class CacheWarning(UserWarning):
@@ -68,12 +78,25 @@ class CompileCache:
         disk: bool | None = None,
         max_memory_bytes: int = 256 << 20,
     ) -> None:
+        # Checked here: the pool's handler threads store each binary, and one that
+        # failed to would leave its compile's callers waiting.
+        limit: object = max_memory_bytes
+        if isinstance(limit, bool) or not isinstance(limit, numbers.Integral):
+            raise ArgumentTypeError(
+                f"max_memory_bytes must be an int (bytes), got {type(limit).__name__}"
+            )
+        if limit < 0:
+            raise InvalidArgumentError(f"max_memory_bytes must be >= 0, got {limit!r}")
+        if disk is not None and not isinstance(disk, bool):
+            raise ArgumentTypeError(
+                f"disk must be True, False or None ($ASYNCMETAL_CACHE), got {disk!r:.40}"
+            )
         if disk is None:
             disk = env_switch("ASYNCMETAL_CACHE")
         self.disk_enabled = disk
         self.error: BaseException | None = None  # why the disk cache was turned off
         if directory is not None:
-            self.directory = Path(directory)
+            self.directory = _absolute(directory)
         else:
             try:
                 self.directory = default_cache_dir()
@@ -81,7 +104,7 @@ class CompileCache:
                 self.directory = Path("~", ".cache", "asyncmetal")  # (named, never used)
                 if disk:
                     self.disk_enabled, self.error = False, exc
-        self.max_memory_bytes = max_memory_bytes
+        self.max_memory_bytes = int(limit)
         self._memory: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         self._memory_bytes = 0
         self._db: sqlite3.Connection | None = None
@@ -91,6 +114,7 @@ class CompileCache:
         self.damaged = 0  # entries found damaged on disk and evicted
         self.read_only: BaseException | None = None  # why it is read, never written
         self._warned = self._warned_read_only = False
+        _caches.add(self)
 
     # -- memory --------------------------------------------------------------------------
 
@@ -287,3 +311,29 @@ class CompileCache:
 
 def _intact(size: object, digest: object, data: object) -> bool:
     return isinstance(data, bytes) and len(data) == size and hashlib.sha256(data).digest() == digest
+
+
+# Every cache alive, for a forked child: a cache is usable there (a pool made in the
+# child may take one made before the fork), with locks and a database connection of
+# its own.
+_caches: weakref.WeakSet[CompileCache] = weakref.WeakSet()
+# The parent's connections, in a forked child: never used there (sqlite's locks are
+# each process's own, so one used across a fork may corrupt the database), nor closed
+# (a close may checkpoint or remove the parent's write-ahead log).
+_inherited: list[sqlite3.Connection] = []
+
+
+def _own_in_child() -> None:
+    """In a forked child: each cache's locks made anew (a thread of the parent, gone
+    here, may have held one: storing a binary, waiting for another process's lock on
+    the database), and its connection left to the parent -- a lookup opens its own."""
+    for cache in list(_caches):
+        cache._db_lock = threading.Lock()
+        cache._memory_lock = threading.Lock()
+        if cache._db is not None:
+            _inherited.append(cache._db)
+            cache._db = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_own_in_child)

@@ -146,6 +146,14 @@ _COMMENTS_AND_LITERALS = re.compile(
 # Names a source makes pointer types of: `typedef float *fptr;`, `#define BUF float*`.
 _POINTER_TYPEDEF = re.compile(r"\btypedef\b[^;{}]*[*\[][^;{}]*?\b(\w+)\s*(?:\[[^;]*\])?\s*;")
 _POINTER_MACRO = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+[^\n(]*\*", re.M)
+# A function-like macro of a pointer type: `#define GLOBAL_PTR(T) T*`.
+_POINTER_TYPE_MACRO = re.compile(
+    r"^[ \t]*#[ \t]*define[ \t]+(\w+)\([\w\s,]*\)[ \t]+[^\n(]*\*", re.M
+)
+# And array types, which a parameter takes as a pointer: `typedef float vec3[3];`.
+_ARRAY_TYPEDEF = re.compile(r"\btypedef\b[^;{}]*?\b(\w+)\s*\[[^;{}]*\]\s*;")
+# C++'s typedefs of either: `using fp = float*;`, `using vec3 = float[3];`.
+_POINTER_USING = re.compile(r"\busing\s+(\w+)\s*=[^;{}=]*[*\[][^;{}]*;")
 
 
 def _strip(src: str) -> str:
@@ -165,10 +173,11 @@ class NotDefinedError(CompileError):
 
     _SHOWN_DEFINED = 10
 
-    def __init__(self, name: str, defined: Iterable[str] = ()) -> None:
+    def __init__(self, name: str, defined: Iterable[str] = (), hint: str = "") -> None:
         self.defined = tuple(sorted(set(defined)))
+        self._hint = hint  # (why it may not be seen, where the source names it)
         super().__init__(
-            f"kernel {name!r}: not defined in the source; {self._listed(name)}", name=name
+            f"kernel {name!r}: not defined in the source; {self._listed(name)}{hint}", name=name
         )
 
     def _listed(self, name: str) -> str:
@@ -184,8 +193,8 @@ class NotDefinedError(CompileError):
         nearest = difflib.get_close_matches(name, defined, n=1) if len(defined) > 1 else []
         return listed + (f" (did you mean {nearest[0]!r}?)" if nearest else "")
 
-    def __reduce__(self) -> tuple[type[NotDefinedError], tuple[str, tuple[str, ...]]]:  # type: ignore[override]
-        return type(self), (self.name or "", self.defined)
+    def __reduce__(self) -> tuple[type[NotDefinedError], tuple[str, tuple[str, ...], str]]:  # type: ignore[override]
+        return type(self), (self.name or "", self.defined, self._hint)
 
 
 def c_params(src: str, name: str) -> tuple[ParamKind, ...]:
@@ -270,6 +279,13 @@ def scalar_params(src: str, name: str) -> tuple[ParamKind, ...]:
             name=name,
         )
     for kind, declaration in declarations:
+        if declaration == "...":
+            raise CompileError(
+                f"kernel {name!r} is variadic (its parameters end in '...'): a launch passes "
+                "each value as its parameter's declared type, and those of '...' have none "
+                "(a variadic call passes a float otherwise, too); declare each parameter",
+                name=name,
+            )
         if kind == "value" and "&" in declaration:
             raise CompileError(
                 f"kernel {name!r}: parameter {declaration!r} is a reference, which the "
@@ -312,7 +328,7 @@ def c_param_declarations(src: str, name: str) -> list[tuple[ParamKind, str]]:
     buffer; two definitions that differ (in ``#if`` branches: only one compiles) are
     refused, as the one that compiles cannot be told."""
     text = _ATTRIBUTES.sub("", _strip(src))
-    pointers = set(_POINTER_TYPEDEF.findall(text)) | set(_POINTER_MACRO.findall(text))
+    pointers = _pointer_names(text)
     found: list[list[tuple[ParamKind, str]]] = []
     for params in _definitions(text, name):
         declared: list[tuple[ParamKind, str]] = [
@@ -336,8 +352,44 @@ def c_param_declarations(src: str, name: str) -> list[tuple[ParamKind, str]]:
                 f"Use a prototype-style definition: void {name}(float *a, int n) {{ ... }}",
                 name=name,
             )
-        raise NotDefinedError(name, c_kernel_names(src))
+        raise NotDefinedError(name, c_kernel_names(src), _made_by_macro_hint(text, name))
     return found[0]
+
+
+def _made_by_macro_hint(text: str, name: str) -> str:
+    """Why kernel ``name``, which ``text`` (stripped) names but does not define as
+    written, is not seen where a macro of the source may make it (``#define K name``
+    then ``void K(...)``, ``DEFINE(name)``): "" where the source has no macro or does
+    not name it."""
+    if not _DEFINE_OR_INCLUDE.search(text) or not re.search(rf"\b{re.escape(name)}\b", text):
+        return ""
+    return (
+        f"; it names {name!r} otherwise: a kernel defined in a header, or whose name or "
+        "definition a macro makes, is not seen, as its parameters are read from the "
+        "source as written (spell its definition out in the source)"
+    )
+
+
+_DEFINE_OR_INCLUDE = re.compile(r"^[ \t]*#[ \t]*(?:define|include)\b", re.M)
+
+
+def _pointer_names(text: str) -> set[str]:
+    """The names ``text`` (stripped) makes pointer types of: its typedefs and
+    object-like macros of a pointer or array type, and those of such a name in turn
+    (``typedef float *fp; typedef fp fp2;``, ``#define P fp``)."""
+    pointers = (
+        set(_POINTER_TYPEDEF.findall(text))
+        | set(_ARRAY_TYPEDEF.findall(text))
+        | set(_POINTER_USING.findall(text))
+        | set(_POINTER_MACRO.findall(text))
+        | set(_POINTER_TYPE_MACRO.findall(text))
+    )
+    plain = typedefs(text)
+    while True:
+        more = {name for name, words in plain.items() if pointers.intersection(words)}
+        if more <= pointers:
+            return pointers
+        pointers |= more
 
 
 def _kr_definition(name: str) -> re.Pattern[str]:
@@ -397,7 +449,13 @@ def unlinked_hint(src: str, name: str) -> str:
     """Why a kernel the source defines may not be in the compiled code: declared
     ``static`` (internal linkage) or plain ``inline`` (C99 emits no external definition
     of it), read from the declaration before the name; "" when neither."""
-    words = _declared_with(_ATTRIBUTES.sub("", _strip(src)), name)
+    text = _ATTRIBUTES.sub("", _strip(src))
+    if re.search(rf"^[ \t]*#[ \t]*define[ \t]+{re.escape(name)}\b", text, re.M):
+        return (
+            f"; {name!r} is a macro of the source: a kernel whose name a macro makes is "
+            "not seen (spell its name out in its definition)"
+        )
+    words = _declared_with(text, name)
     if "static" in words:
         return "; it is declared static: a kernel needs external linkage (drop static)"
     if "inline" in words and "extern" not in words:
@@ -455,9 +513,10 @@ def _split_top_level(params: str) -> list[str]:
     current: list[str] = []
     depth = 0
     for ch in params:
-        if ch in "(<":
+        # (Braces too: a type defined in the list, `enum e {A, B} x`, is one parameter.)
+        if ch in "(<{[":
             depth += 1
-        elif ch in ")>":
+        elif ch in ")>}]":
             depth -= 1
         if ch == "," and depth == 0:
             parts.append("".join(current))

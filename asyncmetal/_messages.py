@@ -37,7 +37,12 @@ def write_stop(stream: IO[bytes]) -> None:
     stream.flush()
 
 
-def write_message(stream: IO[bytes], obj: Any) -> None:
+def pack_message(obj: Any) -> bytes:
+    """``obj`` as one message: its length, then its pickle."""
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_HEADER.pack(len(data)) + data)
+    return _HEADER.pack(len(data)) + data
+
+
+def write_message(stream: IO[bytes], obj: Any) -> None:
+    stream.write(pack_message(obj))
     stream.flush()

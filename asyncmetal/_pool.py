@@ -41,7 +41,7 @@ from ._errors import (
     Singular,
     warn,
 )
-from ._messages import TMPDIR_VARIABLE, read_message, write_message, write_stop
+from ._messages import TMPDIR_VARIABLE, pack_message, read_message, write_stop
 from ._threads import run_sync as to_thread
 from ._timeline import HostEvents, wait_value
 
@@ -64,12 +64,19 @@ def check_timeout(timeout: object) -> float | None:
 
 
 def _replies_in_time(pipe: Any, job: _Job) -> bool:
-    """Whether ``pipe`` has something to read before ``job``'s deadline -- re-read as it
-    waits: a request joining the job may put it later (or lift it: None). ``poll``, not
-    ``select``: a process with more than 1024 files open (a service's sockets) gets
-    descriptors ``select`` refuses."""
+    """Whether ``pipe`` has something to read before ``job``'s deadline (see
+    ``_ready_in_time``)."""
+    return _ready_in_time(pipe, job, select.POLLIN)
+
+
+def _ready_in_time(pipe: Any, job: _Job, event: int) -> bool:
+    """Whether ``pipe`` is ready for ``event`` (POLLIN: something to read, POLLOUT: room
+    to write) before ``job``'s deadline -- re-read as it waits: a request joining the
+    job may put it later (or lift it: None). ``poll``, not ``select``: a process with
+    more than 1024 files open (a service's sockets) gets descriptors ``select``
+    refuses."""
     poller = select.poll()
-    poller.register(pipe, select.POLLIN)
+    poller.register(pipe, event)
     while True:
         deadline = job.deadline
         left = JOIN_CHECK_S if deadline is None else deadline - time.monotonic()
@@ -160,7 +167,7 @@ class _Worker:
             # _starting): the child then holds none of its pipes.
             with _starting:
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "asyncmetal._worker"],
+                    [sys.executable, "-c", _WORKER_MAIN, "asyncmetal._worker"],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=self.stderr,
@@ -242,10 +249,14 @@ class _Worker:
                 return CompileError("the compile pool was shut down")
         proc = self.proc
         assert proc is not None and proc.stdin is not None and proc.stdout is not None
+        message = pack_message((job.compiler, job.src))
         try:
-            write_message(proc.stdin, (job.compiler, job.src))
             job.started = True
-            if job.deadline is not None and not self._replies_by_deadline(proc.stdout, job):
+            # Sent within the deadline too: a worker that reads nothing (stopped, hung)
+            # takes no more than a pipe holds, and is killed as one that does not reply.
+            if not self._sent_by_deadline(proc.stdin, message, job) or (
+                job.deadline is not None and not self._replies_by_deadline(proc.stdout, job)
+            ):
                 self._kill()
                 return _timed_out(job)
             reply = read_message(proc.stdout)
@@ -257,13 +268,34 @@ class _Worker:
             return data
         return CompileError(reply[1], reply[2])
 
+    def _sent_by_deadline(self, pipe: Any, message: bytes, job: _Job) -> bool:
+        """Whether all of ``message`` was written to ``pipe`` (the worker's input)
+        before ``job``'s deadline (see ``_replies_by_deadline``)."""
+        fd = pipe.fileno()
+        left = memoryview(message)
+        os.set_blocking(fd, False)  # (our end alone: the worker's is its own)
+        try:
+            while left:
+                if not self._by_deadline(lambda: _ready_in_time(pipe, job, select.POLLOUT), job):
+                    return False
+                with contextlib.suppress(BlockingIOError):
+                    left = left[os.write(fd, left) :]
+        finally:
+            os.set_blocking(fd, True)
+        return True
+
     def _replies_by_deadline(self, pipe: Any, job: _Job) -> bool:
-        """Whether ``pipe`` has something to read before ``job``'s deadline. If not,
-        the job leaves those in flight in the critical section that finds its deadline
-        passed (a request joining it there puts the deadline later): a request from
-        then on starts the compile afresh rather than join one being ended."""
+        """Whether ``pipe`` has something to read before ``job``'s deadline."""
+        return self._by_deadline(lambda: _replies_in_time(pipe, job), job)
+
+    def _by_deadline(self, ready_in_time: Callable[[], bool], job: _Job) -> bool:
+        """Whether ``ready_in_time()`` (a wait for a pipe) is true before ``job``'s
+        deadline. If not, the job leaves those in flight in the critical section that
+        finds its deadline passed (a request joining it there puts the deadline later):
+        a request from then on starts the compile afresh rather than join one being
+        ended."""
         pool = self.pool
-        while not _replies_in_time(pipe, job):
+        while not ready_in_time():
             with pool._lock:
                 deadline = job.deadline
                 if deadline is not None and deadline <= time.monotonic():
@@ -328,6 +360,41 @@ class _Worker:
         if self.stderr is not None:
             self.stderr.close()
             self.stderr = None
+
+
+# A worker runs ``python -m asyncmetal._worker`` -- without the working directory first
+# on its sys.path, where ``-m`` puts it (and the parent's script need not have it): a
+# file there named as a module of the standard library (a ``random.py``, which tempfile
+# imports) would be imported by the worker in its stead. (Python 3.11's ``-P``; the
+# name of the module to run is the command's argument.)
+_WORKER_MAIN = """import sys
+if sys.path and sys.path[0] == "":
+    del sys.path[0]
+import runpy
+runpy.run_module(sys.argv[1], run_name="__main__", alter_sys=True)
+"""
+
+
+def _check_compile(compiler: object, src: object) -> None:
+    """Refuse what ``CompilePool.compile`` cannot compile, before anything is submitted."""
+    if not isinstance(compiler, Compiler):
+        made = ""
+        if isinstance(compiler, type) and issubclass(compiler, Compiler):
+            made = f" (the class: make one, {compiler.__name__}())"
+        raise ArgumentTypeError(
+            f"compile(compiler, src): compiler must be a Compiler, got {compiler!r:.60}{made}"
+        )
+    if not isinstance(src, str):
+        raise ArgumentTypeError(
+            f"compile(compiler, src): src must be a str, got {type(src).__name__}"
+        )
+    try:
+        src.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(
+            f"compile(compiler, src): the source is not encodable text ({exc.reason} at "
+            f"character {exc.start})"
+        ) from None
 
 
 def _timed_out(job: _Job) -> CompileError:
@@ -424,6 +491,11 @@ class CompilePool(Singular):
         ):
             raise InvalidArgumentError(
                 f"idle_timeout must be a positive, finite number of seconds, got {idle_timeout!r}"
+            )
+        if cache is not None and not isinstance(cache, CompileCache):
+            raise ArgumentTypeError(
+                f"cache must be a CompileCache (a directory's: CompileCache(path)) or None, "
+                f"got {cache!r:.60}"
             )
         # (Read-only to users, as properties: checked here, and its workers rely on them.)
         self._max_workers = max_workers or min(os.cpu_count() or 1, 8)
@@ -535,8 +607,11 @@ class CompilePool(Singular):
 
     def _finish(self, job: _Job, result: bytes | CompileError, *, ran: bool = True) -> None:
         if isinstance(result, bytes):
-            self.cache._put_memory(job.key, result)
-            self.cache._put_disk(job.key, result)
+            try:
+                self.cache._put_memory(job.key, result)
+                self.cache._put_disk(job.key, result)
+            except Exception:  # (its callers still get the binary: never left waiting)
+                _log.exception("asyncmetal: a compiled binary could not be cached")
         with self._lock:
             self._compiles += ran
             if self._in_flight.get(job.key) is job:  # a withdrawn job has left already
@@ -569,6 +644,7 @@ class CompilePool(Singular):
         finishes into the cache.
         """
         timeout = check_timeout(timeout)
+        _check_compile(compiler, src)
         self._check_usable()
         key = source_key(await compiler_identity(compiler), src)
         binary, log = await self._compile_keyed(

@@ -1,4 +1,5 @@
-"""The compile worker: ``python -m asyncmetal._worker``.
+"""The compile worker: run as ``python -m asyncmetal._worker`` (by runpy, with the
+working directory off ``sys.path``: see ``_pool._WORKER_MAIN``).
 
 Started by :class:`asyncmetal._pool.CompilePool` as a fresh interpreter (never forked,
 never importing the parent's ``__main__``). It reads length-prefixed pickled jobs
@@ -7,7 +8,7 @@ or ``("error", message, log)`` on stdout. It ignores SIGINT so Ctrl-C reaches on
 parent, and it never opens a device: ``ASYNCMETAL_WORKER`` makes ``open_device`` refuse.
 
 Nothing in the package imports this module (the framing is ``_messages``'): run with
-``-m`` after its package was imported, a module imported already makes runpy warn,
+runpy after its package was imported, a module imported already makes runpy warn,
 which ``PYTHONWARNINGS=error`` turns into the worker's death.
 """
 

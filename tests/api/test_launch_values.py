@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import functools
 import platform
+import re
 import subprocess
 import sys
 import textwrap
 import uuid
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -414,6 +416,79 @@ async def test_unnamed_parameters_take_their_whole_type(device: am.Device) -> No
     await device.queue.launch(k, out, vals=(255, 3, 2))
 
 
+async def test_a_parameter_of_an_array_typedef_is_a_buffer(anyio_backend: object) -> None:
+    """A parameter whose type is an array typedef of the source (``typedef float
+    vec3[3];``) is a pointer in C: a buffer, as a pointer typedef's is. Checked: before,
+    it was read as a value of a type not known -- the kernel could not be given its
+    buffer, and a value given instead was taken as an address."""
+    async with am.open_device("cpu") as device:
+        src = "typedef float vec3[3];\nvoid k(vec3 v, int n) { v[0] = v[1] + n; }"
+        k = await device.compile(src, "k")
+        assert k.params == ("buffer", "value")
+        buf = await device.alloc(12)
+        await buf.write(np.array([0, 40, 0], np.float32))
+        await device.queue.launch(k, buf, vals=(2,))
+        assert (await buf.read(np.float32))[0] == 42
+
+
+async def test_a_typedef_or_macro_of_a_pointer_typedef_is_a_buffer(anyio_backend: object) -> None:
+    """A pointer type spelled through a typedef of a pointer typedef (or a macro naming
+    one) is a buffer too, however many names it goes through. Checked: before, only
+    the typedef spelling out the ``*`` counted: ``fp2 a`` was read as a value of a type
+    not known, and a value given for it was taken as an address."""
+    async with am.open_device("cpu") as device:
+        src = (
+            "typedef float *fp;\ntypedef fp fp2;\n#define OUT fp2\n"
+            "void k(OUT out, const fp2 in, int n) { out[0] = in[0] + n; }"
+        )
+        k = await device.compile(src, "k")
+        assert k.params == ("buffer", "buffer", "value")
+        out, src_buf = await device.alloc(4), await device.alloc(4)
+        await src_buf.write(np.array([40], np.float32))
+        await device.queue.launch(k, out, src_buf, vals=(2,))
+        assert (await out.read(np.float32))[0] == 42
+
+
+async def test_a_function_like_macro_of_a_pointer_type_makes_a_buffer(
+    anyio_backend: object,
+) -> None:
+    """A parameter whose type a function-like macro of the source makes a pointer
+    (``#define GLOBAL_PTR(T) T*``, as portable kernels spell their address spaces) is a
+    buffer. Checked: before, it was refused at compile as "not a scalar that launch
+    values pass ... pass it in a buffer" -- which it is."""
+    async with am.open_device("cpu") as device:
+        src = (
+            "#define GLOBAL_PTR(T) T *restrict\n"
+            "void k(GLOBAL_PTR(float) out, int n) { out[0] = n; }"
+        )
+        k = await device.compile(src, "k")
+        assert k.params == ("buffer", "value")
+        out = await device.alloc(4)
+        await device.queue.launch(k, out, vals=(42,))
+        assert (await out.read(np.float32))[0] == 42
+
+
+async def test_a_type_defined_in_the_parameter_list_is_one_parameter(
+    anyio_backend: object,
+) -> None:
+    """An enum or struct defined in the parameter list itself is one parameter, its
+    braces' commas none of the list's: the enum's kernel takes one value, and the
+    struct is refused by its whole declaration. Checked: before, each comma in the
+    braces made another parameter (a launch asked for two values, the kernel took one)."""
+    async with am.open_device("cpu") as device:
+        src = "void k(int* out, enum e { A, B } v) { out[0] = v + 40; }"
+        with warnings.catch_warnings():  # (cc's: the enum is not seen outside the list)
+            warnings.simplefilter("ignore", am.CompileWarning)
+            k = await device.compile(src, "k")
+        assert k.params == ("buffer", "value")
+        out = await device.alloc(4)
+        await device.queue.launch(k, out, vals=(2,))
+        assert (await out.read(np.int32))[0] == 42
+        struct = "void s(int* out, struct { int a, b; } v) { out[0] = v.a; }"
+        with pytest.raises(am.CompileError, match=re.escape("'struct { int a, b; } v'")):
+            await device.compile(struct, "s")
+
+
 async def test_a_reference_parameter_is_refused(device: am.Device) -> None:
     """A C++ reference parameter (CUDA C++ takes one in a kernel: an address the kernel
     reads through) is refused at compile, before compiling: a launch value would be
@@ -423,6 +498,25 @@ async def test_a_reference_parameter_is_refused(device: am.Device) -> None:
         with pytest.raises(am.CompileError, match="is a reference") as info:
             await device.compile(source, "k")
         assert declaration in str(info.value) and not info.value.log
+
+
+VARIADIC = (
+    "#include <stdarg.h>\n"
+    "void k(double* out, ...)"
+    " { va_list ap; va_start(ap, out); out[0] = va_arg(ap, double); va_end(ap); }"
+)
+
+
+async def test_a_variadic_kernel_is_refused(anyio_backend: object) -> None:
+    """A variadic kernel (``...``) is refused at compile, before compiling: its values
+    have no declared type to pass them as, and a launch is no variadic call (which
+    says in a register how many floats it passes: a double read with ``va_arg`` came
+    as 0.0). Checked: before, '...' was read as one value of a type not known, and
+    the kernel ran with what it read."""
+    async with am.open_device("cpu") as device:
+        with pytest.raises(am.CompileError, match="kernel 'k' is variadic") as info:
+            await device.compile(VARIADIC, "k")
+        assert info.value.name == "k" and not info.value.log
 
 
 CHARS = (

@@ -77,6 +77,30 @@ async def test_workers_are_fresh_interpreters_that_open_no_device(pool: CompileP
         await pool.compile(DeviceOpeningCompiler(), _src("open"))
 
 
+async def test_workers_never_import_the_working_directorys_modules(
+    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A program whose working directory holds a file named as a module of the
+    standard library (``random.py``, which ``tempfile`` imports) compiles: its workers
+    import no more of that directory than the program does. Checked: before, each worker
+    (``python -m`` puts the working directory first on its path) imported that file
+    instead, and died of it ("the compile worker died (exit code 1)")."""
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "random.py").write_text('raise SystemExit("the directory\'s random.py ran")\n')
+    monkeypatch.chdir(here)
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    try:
+        with anyio.fail_after(60):
+            facts = ast.literal_eval(
+                (await pool.compile(EnvironmentCompiler(), _src("cwd"))).decode()
+            )
+            assert facts["main"] is not None and facts["main"].endswith("_worker.py")
+            assert await pool.compile(CCompiler(), _src("random"))
+    finally:
+        await pool.aclose()
+
+
 def test_script_without_main_guard(tmp_path: Path) -> None:
     script = tmp_path / "noguard.py"
     script.write_text(

@@ -320,6 +320,31 @@ async def test_a_missing_kernel_of_a_long_source_lists_some(device: am.Device) -
         await device.compile("int unused;", "k")
 
 
+async def test_a_kernel_a_macro_names_or_makes_says_why_it_is_not_seen(
+    anyio_backend: object,
+) -> None:
+    """A kernel whose name or definition a macro of the source makes compiles, but its
+    parameters cannot be read: the error says so, whichever name is asked for, also
+    after pickling (checked: it said only "not defined in the source; it defines 'K'",
+    and for the macro's own name "not defined in the compiled code")."""
+    async with am.open_device("cpu") as device:
+        named = "#define K scale\nvoid K(float *a) { a[0] = 1; }\n"
+        made = "#define DEFINE(n) void n(float *a) { a[0] = 1; }\nDEFINE(scale)\n"
+        for src in (named, made):
+            with pytest.raises(am.NotDefinedError) as info:
+                await device.compile(src, "scale")
+            assert "a kernel defined in a header, or whose name or definition a macro" in str(
+                info.value
+            )
+            assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)
+        with pytest.raises(am.CompileError, match="'K' is a macro of the source"):
+            await device.compile(named, "K")
+        # A name the source does not use at all gets no such hint.
+        with pytest.raises(am.NotDefinedError) as info:
+            await device.compile(named, "other")
+        assert "macro" not in str(info.value)
+
+
 async def test_a_kernel_defined_in_k_and_r_style_is_refused_saying_why(device: am.Device) -> None:
     """An old-style (K&R) definition, which cc compiles, is refused before compiling,
     saying so and what to write instead (checked: it was "not defined in the
@@ -336,6 +361,22 @@ async def test_a_kernel_defined_in_k_and_r_style_is_refused_saying_why(device: a
     calls = "void h(float *a, int n);\nvoid g(float *a, int n) { h(a, n); { a[0] = 1; } }"
     with pytest.raises(am.NotDefinedError, match="kernel 'h': not defined"):
         await device.compile(calls, "h")
+
+
+def test_a_cuda_parameter_of_a_using_pointer_alias_is_a_buffer() -> None:
+    """C++'s typedef, ``using fp = float*;`` (or of an array, which a parameter takes
+    as a pointer), makes a buffer as C's typedef does (no GPU needed: read from the
+    source). Checked: before, ``fp v`` was read as a value of a type not known, and a
+    value given for it was taken as an address."""
+    from asyncmetal.backends.cuda import CUDACompiler
+
+    src = (
+        "using fp = const float *__restrict__;\nusing vec3 = float[3];\nusing real = float;\n"
+        'extern "C" __global__ void k(fp in, vec3 out, real s) { out[0] = in[0] * s; }\n'
+    )
+    signature = CUDACompiler()._signature(src, "k")
+    assert signature.kinds == ("buffer", "buffer", "value")
+    assert signature.values == (("float32", "real s"),)
 
 
 def test_a_missing_cuda_kernel_lists_the_global_functions() -> None:

@@ -193,6 +193,35 @@ wait
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+async def test_a_timeout_kills_a_worker_that_reads_no_long_source(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A worker that reads nothing (stopped, hung) takes no more of a source than its
+    input pipe holds: a timed compile of a longer one still ends at its timeout with
+    the worker killed, and the same source then compiles afresh. Checked: before, the
+    pool's thread stayed blocked writing it, the worker was never killed, and every
+    later compile of that source joined the stuck one (here: never ended)."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    src = _src("long") + "/*" + "x" * (4 << 20) + "*/\n"  # far more than a pipe holds
+    pid: int | None = None
+    try:
+        with anyio.fail_after(BOUND):
+            assert await pool.compile(CCompiler(), _src("warm"))
+        pid = pool._workers[0].proc.pid  # type: ignore[union-attr]
+        os.kill(pid, signal.SIGSTOP)
+        with anyio.fail_after(BOUND), pytest.raises(am.CompileError, match="timed out"):
+            await pool.compile(CCompiler(), src, timeout=0.5)
+        assert _dead(pid)
+        with anyio.fail_after(BOUND / 2):
+            assert await pool.compile(CCompiler(), src)
+    finally:
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 async def test_a_timeout_ends_the_compilers_and_removes_their_files(
     pool: CompilePool, tmp_path: Path
 ) -> None:
@@ -553,6 +582,39 @@ async def main():
 
 anyio.run(main)
 """
+
+
+async def test_a_cache_directory_is_the_one_named_when_the_cache_is_made(
+    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache directory given relative to the working directory stays there when the
+    program changes directory before its first compile (a service does, as it starts),
+    and a ``~`` in one (given as a str, or in ``$ASYNCMETAL_CACHE_DIR`` from an
+    environment file, which no shell expanded) is the home directory. Checked: before,
+    the first went to the new working directory, the second to a directory named
+    ``~`` in the working directory."""
+    home, start, later = tmp_path / "home", tmp_path / "start", tmp_path / "later"
+    for directory in (home, start, later):
+        directory.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(start)
+    relative = CompileCache("relative-cache")
+    tilde = CompileCache("~/tilde-cache")
+    monkeypatch.setenv("ASYNCMETAL_CACHE_DIR", "~/env-cache")
+    from_env = CompileCache()
+    monkeypatch.chdir(later)
+    for cache in (relative, tilde, from_env):
+        pool = CompilePool(1, cache=cache)
+        try:
+            with anyio.fail_after(BOUND):
+                assert await pool.compile(CCompiler(), _src("where"))
+        finally:
+            await pool.aclose()
+            cache.close()
+    assert (start / "relative-cache" / "compile-cache.sqlite").is_file()
+    assert (home / "tilde-cache" / "compile-cache.sqlite").is_file()
+    assert (home / "env-cache" / "compile-cache.sqlite").is_file()
+    assert sorted(os.listdir(later)) == []
 
 
 def test_two_processes_share_one_cache_directory_concurrently(tmp_path: Path) -> None:
@@ -916,6 +978,73 @@ def test_a_pool_with_bad_arguments_is_refused(arguments: dict[str, Any]) -> None
         CompilePool(**arguments)
 
 
+@pytest.mark.parametrize("cache", ["compile-cache", CompileCache], ids=["a path", "the class"])
+def test_a_pool_given_no_cache_for_its_cache_is_refused(cache: object) -> None:
+    """Checked: before, such a pool was made, and each of its compiles raised an
+    AttributeError or TypeError of the cache's internals."""
+    with pytest.raises(am.ArgumentTypeError, match="cache must be a CompileCache"):
+        CompilePool(1, cache=cache)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("compiler", "src", "error", "match"),
+    [
+        (CCompiler(), b"int f(void) { return 1; }", am.ArgumentTypeError, "src must be a str"),
+        (CCompiler, "int f(void) { return 1; }", am.ArgumentTypeError, r"make one, CCompiler\(\)"),
+        ("cc", "int f(void) { return 1; }", am.ArgumentTypeError, "must be a Compiler"),
+        (CCompiler(), "int f(void) { return 1; } // \udce9", am.InvalidArgumentError, "encodable"),
+    ],
+    ids=["bytes", "a class", "a str", "a lone surrogate"],
+)
+async def test_a_pools_compile_refuses_bad_arguments_before_submitting(
+    pool: CompilePool, compiler: object, src: object, error: type[Exception], match: str
+) -> None:
+    """``CompilePool.compile`` names a bad compiler or source at once, and submits
+    nothing. Checked: before, a bytes source went to a worker and came back as "error:
+    AttributeError: 'bytes' object has no attribute 'encode'", a compiler class raised
+    a bare TypeError, and a lone surrogate a UnicodeEncodeError."""
+    with anyio.fail_after(BOUND), pytest.raises(error, match=match):
+        await pool.compile(compiler, src)  # type: ignore[arg-type]
+    assert pool.compiles == 0 and pool.workers == 0
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error"),
+    [
+        ({"max_memory_bytes": None}, am.ArgumentTypeError),
+        ({"max_memory_bytes": "1"}, am.ArgumentTypeError),
+        ({"max_memory_bytes": 1.5}, am.ArgumentTypeError),
+        ({"max_memory_bytes": -1}, am.InvalidArgumentError),
+        ({"disk": "off"}, am.ArgumentTypeError),
+    ],
+    ids=str,
+)
+def test_a_cache_with_bad_arguments_is_refused(
+    arguments: dict[str, Any], error: type[Exception], tmp_path: Path
+) -> None:
+    """Checked: before, such a cache was made (``disk="off"`` kept the disk on), and the
+    first compile into it waited for good: its handler thread died storing the binary."""
+    with pytest.raises(error, match=next(iter(arguments))):
+        CompileCache(tmp_path, **arguments)
+
+
+async def test_a_binary_that_cannot_be_cached_still_reaches_its_callers(
+    pool: CompilePool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Storing a binary that fails (memory short, a limit set to nonsense since) leaves
+    it uncached; its compile's callers get it all the same, and the pool goes on.
+    Checked: before, the handler thread died of it and the compile never ended."""
+
+    def refuse(key: str, data: bytes) -> None:
+        raise MemoryError("no room")
+
+    monkeypatch.setattr(pool.cache, "_put_memory", refuse)
+    for tag in ("first", "second"):
+        with anyio.fail_after(BOUND):
+            assert await pool.compile(CCompiler(), _src(tag))
+    assert pool.compiles == 2
+
+
 @pytest.mark.parametrize(
     ("bad", "match"),
     [
@@ -1123,6 +1252,61 @@ def test_a_pool_made_before_a_fork_is_refused_in_the_child(tmp_path: Path) -> No
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=BOUND
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+_FORK_AS_A_CACHE_STORES = """
+import os, signal, sys, threading, time, anyio
+sys.path.insert(0, {root!r})
+from asyncmetal._pool import CompilePool
+from asyncmetal._cache import CompileCache
+from asyncmetal.backends.cpu import CCompiler
+def src(tag):
+    return "int twice(int x) {{ return 2 * x; }} /* %s %d */" % (tag, time.time_ns())
+cache = CompileCache({cache!r})
+async def compile_once(tag):
+    pool = CompilePool(1, cache=cache)
+    try:
+        return await pool.compile(CCompiler(), src(tag))
+    finally:
+        await pool.aclose()
+assert anyio.run(compile_once, "parent")  # its database is open
+# A thread of the parent stores a binary as the fork comes (one waiting for another
+# process's lock on the database holds the cache's lock up to 10 s).
+holding, go_on = threading.Event(), threading.Event()
+def hold():
+    with cache._db_lock:
+        holding.set()
+        go_on.wait(30)
+holder = threading.Thread(target=hold)
+holder.start()
+holding.wait()
+pid = os.fork()
+if pid == 0:  # the child compiles with the cache made before the fork
+    signal.alarm(20)  # a child that hangs is killed
+    os._exit(0 if anyio.run(compile_once, "child") else 1)
+_, status = os.waitpid(pid, 0)
+go_on.set()
+holder.join()
+assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+assert anyio.run(compile_once, "parent again")
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_cache_made_before_a_fork_compiles_in_the_child(tmp_path: Path) -> None:
+    """A forked child may compile into a cache made before the fork (a pool made in
+    the child takes it): its locks are the child's own, with a database connection of
+    its own, whatever a thread of the parent was doing with them at the fork. Checked:
+    before, the child's compile waited for good for the lock a thread of the parent,
+    not there, held."""
+    script = _FORK_AS_A_CACHE_STORES.format(
+        root=str(Path(__file__).resolve().parents[2]), cache=str(tmp_path / "cache")
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=BOUND
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 # What both fork scripts begin with: a fork whose child lives on until the parent
