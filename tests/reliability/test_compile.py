@@ -29,6 +29,7 @@ from asyncmetal._cache import CacheWarning, CompileCache
 from asyncmetal._compile import source_key
 from asyncmetal._pool import CompilePool, compiler_identity
 from asyncmetal.backends.cpu import CCompiler
+from tests.reliability.test_fork import _FORK_HOLDING
 from tests.support.compilers import SlowCompiler
 
 pytestmark = pytest.mark.anyio
@@ -1101,6 +1102,7 @@ import sys, time, anyio
 sys.path.insert(0, {root!r})
 from asyncmetal._pool import CompilePool
 from asyncmetal._cache import CompileCache
+from tests.reliability.test_fork import _FORK_HOLDING
 from tests.support.compilers import SlowCompiler
 async def main():
     pools = [CompilePool(2, cache=CompileCache({cache!r})) for _ in range(2)]
@@ -1123,6 +1125,7 @@ sys.path.insert(0, {root!r})
 from asyncmetal._cache import CompileCache
 from asyncmetal._pool import CompilePool
 from asyncmetal.backends.cpu import CCompiler
+from tests.reliability.test_fork import _FORK_HOLDING
 from tests.support.compilers import SlowCompiler
 pool = CompilePool(1, cache=CompileCache({cache!r}))
 assert anyio.run(pool.compile, CCompiler(), "int twice(int x) {{ return 2 * x; }}")
@@ -1254,8 +1257,10 @@ def test_a_pool_made_before_a_fork_is_refused_in_the_child(tmp_path: Path) -> No
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
-_FORK_AS_A_CACHE_STORES = """
-import os, signal, sys, threading, time, anyio
+_FORK_AS_A_CACHE_STORES = (
+    _FORK_HOLDING
+    + """
+import os, sys, time, anyio
 sys.path.insert(0, {root!r})
 from asyncmetal._pool import CompilePool
 from asyncmetal._cache import CompileCache
@@ -1271,26 +1276,16 @@ async def compile_once(tag):
         await pool.aclose()
 assert anyio.run(compile_once, "parent")  # its database is open
 # A thread of the parent stores a binary as the fork comes (one waiting for another
-# process's lock on the database holds the cache's lock up to 10 s).
-holding, go_on = threading.Event(), threading.Event()
-def hold():
-    with cache._db_lock:
-        holding.set()
-        go_on.wait(30)
-holder = threading.Thread(target=hold)
-holder.start()
-holding.wait()
-pid = os.fork()
-if pid == 0:  # the child compiles with the cache made before the fork
-    signal.alarm(20)  # a child that hangs is killed
-    os._exit(0 if anyio.run(compile_once, "child") else 1)
-_, status = os.waitpid(pid, 0)
-go_on.set()
-holder.join()
+# process's lock on the database holds the cache's lock up to 10 s); the child compiles
+# with the cache made before the fork.
+status = fork_holding(
+    cache._db_lock, lambda: os._exit(0 if anyio.run(compile_once, "child") else 1)
+)
 assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
 assert anyio.run(compile_once, "parent again")
 print("ok")
 """
+)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
