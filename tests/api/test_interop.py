@@ -741,30 +741,32 @@ async def test_memory_of_a_buffer_over_another_librarys_array_comes_back_ordered
             lambda: mapped[:8],
         )
         for step, operand in enumerate(comes_back, 1):
-            gate = dev.timeline()
-            held.wait(gate, 1)
-            held.launch(fill, buf, vals=(step + 1, 16))
             source = operand()
-            out = await dev.alloc(source.nbytes)
-            copied = copier.copy(out, source)
-            await anyio.sleep(0.05)
-            assert not copied.done(), step  # after the held write, on the device
-            gate.signal(1)
-            with anyio.fail_after(10):
-                await copied
+            out = await _copied_behind_a_held_fill(held, copier, fill, buf, step + 1, source)
             assert set((await out.read(np.int32)).tolist()) == {step + 1}, step
         alias = am.from_dlpack(lent)  # and the other way round
-        gate = dev.timeline()
-        held.wait(gate, 1)
-        held.launch(fill, alias, vals=(9, 16))
-        out = await dev.alloc(64)
-        copied = copier.copy(out, buf)
-        await anyio.sleep(0.05)
-        assert not copied.done()
-        gate.signal(1)
-        with anyio.fail_after(10):
-            await copied
+        out = await _copied_behind_a_held_fill(held, copier, fill, alias, 9, buf)
         assert (await out.read(np.int32)).tolist() == [9] * 16
+
+
+async def _copied_behind_a_held_fill(
+    held: am.Queue, copier: am.Queue, fill: am.Program, target: am.Buffer, value: int, source: Any
+) -> am.Buffer:
+    """``held`` fills ``target`` (16 int32s) with ``value`` behind a device wait, and
+    ``copier`` copies ``source`` into a new buffer meanwhile: the copy must not finish
+    before the wait is released (it comes after the fill, on the device). The copy."""
+    dev = held.device
+    gate = dev.timeline()
+    held.wait(gate, 1)
+    held.launch(fill, target, vals=(value, 16))
+    out = await dev.alloc(source.nbytes)
+    copied = copier.copy(out, source)
+    await anyio.sleep(0.05)
+    assert not copied.done()  # after the held write, on the device
+    gate.signal(1)
+    with anyio.fail_after(10):
+        await copied
+    return out
 
 
 async def test_a_read_only_source_over_a_buffers_memory_is_ordered_as_the_buffer(
@@ -782,16 +784,7 @@ async def test_a_read_only_source_over_a_buffers_memory_is_ordered_as_the_buffer
         for array in (np.from_dlpack(buf.typed(np.int32)), await buf.map(np.int32)):
             source = await am.from_numpy(array)
             held, copier = dev.new_queue(), dev.new_queue()
-            gate = dev.timeline()
-            held.wait(gate, 1)
-            held.launch(fill, buf, vals=(2, 16))
-            out = await dev.alloc(64)
-            read = copier.copy(out, source)
-            await anyio.sleep(0.05)
-            assert not read.done()  # after the held write, on the device
-            gate.signal(1)
-            with anyio.fail_after(10):
-                await read
+            out = await _copied_behind_a_held_fill(held, copier, fill, buf, 2, source)
             assert (await out.read(np.int32)).tolist() == [2] * 16
             gate = dev.timeline()
             copier.wait(gate, 1)
