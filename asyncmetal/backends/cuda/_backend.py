@@ -339,7 +339,8 @@ class CUDABackend(Backend):
         # Stream rules as adopt_stream's (the per-thread stream refused, this context's
         # streams only). Each use is a queue's value: its stream's own are in order
         # already (and a wait on its word could wait for a command behind the wait).
-        handle = self.checked_stream(stream)
+        handle = stream_handle(stream, consumer=True)  # (not adopted: its errors say so)
+        check_stream_context(handle, self.context_address, self.name, consumer=True)
         for timeline, target in uses:
             owner = timeline.queue if isinstance(timeline, CUDATimeline) else None
             if isinstance(owner, CUDAQueue) and owner.handle != handle:

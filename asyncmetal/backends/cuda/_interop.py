@@ -32,8 +32,9 @@ STREAM_LEGACY, STREAM_PER_THREAD = 1, 2  # CU_STREAM_LEGACY, CU_STREAM_PER_THREA
 HANDLE_MAX = (1 << 64) - 1  # a CUstream is a pointer: larger ones overflow the driver's call
 
 
-def stream_handle(stream: object) -> int:
-    """The ``CUstream`` address of ``stream`` (see the module's docstring for the forms)."""
+def stream_handle(stream: object, consumer: bool = False) -> int:
+    """The ``CUstream`` address of ``stream`` (see the module's docstring for the forms);
+    ``consumer``: a DLPack consumer's stream, which is not adopted (its errors say so)."""
     protocol = getattr(stream, "__cuda_stream__", None)
     if protocol is not None:
         value = protocol() if callable(protocol) else protocol
@@ -51,31 +52,42 @@ def stream_handle(stream: object) -> int:
     elif isinstance(getattr(stream, "ptr", None), int):  # cupy.cuda.Stream
         handle = stream.ptr  # type: ignore[attr-defined]
     else:
+        taker = "a DLPack consumer" if consumer else "adopt_stream"
         raise ArgumentTypeError(
-            "adopt_stream takes a stream (__cuda_stream__, a torch or cupy stream, a "
-            f"CUstream) or a raw CUstream handle, got {type(stream).__name__}"
+            f"{taker} takes a stream (__cuda_stream__, a torch or cupy stream, a CUstream) "
+            f"or a raw CUstream handle, got {type(stream).__name__}"
         )
     if not 0 <= handle <= HANDLE_MAX:
         raise InvalidArgumentError(
             f"a CUstream handle is an address, from 0 to 2**64-1, got {handle}"
         )
     if handle == STREAM_PER_THREAD:
+        what = "waited on for a DLPack consumer" if consumer else "adopted"
+        verb = "consume on" if consumer else "adopt"
         raise InvalidArgumentError(
-            "the per-thread default stream (2) differs from thread to thread and cannot be "
-            "adopted: adopt a stream of your own (or the legacy default stream, 1)"
+            f"the per-thread default stream (2) differs from thread to thread and cannot be "
+            f"{what}: {verb} a stream of your own (or the legacy default stream, 1)"
         )
     return handle or STREAM_LEGACY  # 0, the NULL stream, is the legacy one: one queue
 
 
-def check_stream_context(handle: int, context_address: int, where: str) -> None:
-    """Refuse a stream of another context (another GPU, or a context not primary)."""
+def check_stream_context(
+    handle: int, context_address: int, where: str, consumer: bool = False
+) -> None:
+    """Refuse a stream of another context (another GPU, or a context not primary);
+    ``consumer`` as :func:`stream_handle`'s."""
     if handle in (0, STREAM_LEGACY):  # the legacy stream of whatever context is current
         return
     context = check(cu.cuStreamGetCtx(cu.CUstream(handle)), "cuStreamGetCtx", where)
     if int(context) != context_address:
+        advice = (
+            f"a DLPack consumer of a {where} buffer consumes it on a stream of {where}"
+            if consumer
+            else "adopt it on the device it belongs to"
+        )
         raise InvalidArgumentError(
             f"the stream belongs to another CUDA context than {where}'s primary context "
-            "(another GPU, or a context of its own): adopt it on the device it belongs to"
+            f"(another GPU, or a context of its own): {advice}"
         )
 
 

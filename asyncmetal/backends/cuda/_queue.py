@@ -762,10 +762,12 @@ class CUDAQueue(NativeQueue):
             self._finish(value, (dst, src))
             return
         staging = self._staging_for()
+        staging.reserve(src.nbytes)  # (pinning refused: nothing of the copy submitted)
         held = self._held_across()
         for offset in range(0, src.nbytes, STAGE_CHUNK):
             n = min(STAGE_CHUNK, src.nbytes - offset)
-            chunk, busy = staging.acquire()  # busy: host threads refill it after the stream
+            # busy: host threads refill it after the stream
+            chunk, busy = staging.acquire(first=offset == 0)
             try:
                 if held:
                     # The stream is held on the host behind another kind's queue (which
@@ -803,9 +805,10 @@ class CUDAQueue(NativeQueue):
         address = host_address(dst)[0]
         base = src.handle + src.offset
         staging = self._staging_for()
+        staging.reserve(dst.nbytes)  # (pinning refused: nothing of the copy submitted)
         for offset in range(0, dst.nbytes, STAGE_CHUNK):
             n = min(STAGE_CHUNK, dst.nbytes - offset)
-            chunk, busy = staging.acquire()
+            chunk, busy = staging.acquire(first=offset == 0)
             try:
                 if busy is not None:  # the stream refills it once a host thread emptied it
                     self._wait_value(value, *busy)

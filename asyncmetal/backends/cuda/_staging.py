@@ -178,12 +178,30 @@ class Staging:
         self._ring: collections.deque[tuple[Chunk, CUDATimeline, int]] = collections.deque()
         self._count = 0
         self._retired: list[Chunk] = []
+        self._reserved: list[Chunk] = []  # taken by reserve(), not yet in the ring
 
-    def acquire(self) -> tuple[Chunk, tuple[CUDATimeline, int] | None]:
-        """A chunk, and the (timeline, value) its previous use ends at, if not yet."""
+    def reserve(self, nbytes: int) -> None:
+        """Take now -- pinning them where the device has none left -- the chunks that a
+        copy of ``nbytes`` would pin as it goes (a queue with fewer than STAGE_MIN takes
+        up to that many), before any part of it reaches the driver: a refusal to pin
+        then raises with nothing of the copy submitted. Refused at a later chunk, it
+        would raise for a copy whose earlier chunks still land in its destination."""
+        wanted = min(-(-nbytes // STAGE_CHUNK), STAGE_MIN)
+        while self._count + len(self._reserved) < wanted:
+            chunk = self._backend.take_chunk(pin=True)
+            assert chunk is not None  # (pin: one is made where none is left)
+            self._reserved.append(chunk)
+
+    def acquire(self, first: bool) -> tuple[Chunk, tuple[CUDATimeline, int] | None]:
+        """A chunk, and the (timeline, value) its previous use ends at, if not yet.
+        ``first``: the copy's first chunk, before which nothing of it was submitted --
+        only then is a chunk pinned here (those of later chunks: ``reserve``)."""
         ring = self._ring
         if not (ring and ring[0][1].reached(ring[0][2])) and self._count < STAGE_RING:
-            chunk = self._backend.take_chunk(pin=self._count < STAGE_MIN)
+            if self._reserved:
+                chunk: Chunk | None = self._reserved.pop()
+            else:
+                chunk = self._backend.take_chunk(pin=first and self._count < STAGE_MIN)
             if chunk is not None:
                 self._count += 1
                 return chunk, None
@@ -221,6 +239,9 @@ class Staging:
             else:
                 self._unfinished(chunk, idle)
         self._ring.clear()
+        for chunk in self._reserved:  # never used: nothing writes them
+            self._backend.give_chunk(chunk)
+        self._reserved.clear()
         for chunk in self._retired:
             if not abandon:
                 self._backend.give_chunk(chunk)

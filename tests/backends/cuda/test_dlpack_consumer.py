@@ -126,6 +126,35 @@ async def test_a_consumer_stream_is_any_integer_and_one_past_64_bits_is_refused(
         await dev.close()
 
 
+async def test_a_refused_consumer_stream_is_not_said_to_be_adopted(
+    anyio_backend: object, driver_fixture: _Driver
+) -> None:
+    """A consumer's stream is waited on, never adopted: refusing the per-thread stream or
+    a stream of another context tells the consumer what stream to pass, not to adopt
+    one (adopt_stream's errors keep their advice). Checked: fails without the fix (both
+    said "adopt a stream of your own" / "adopt it on the device it belongs to")."""
+    driver = driver_fixture
+    _record(driver)
+    _streams_of(driver, CONTEXT + 1)
+    dev = await am.open_device("cuda:0")
+    try:
+        buf = await dev.alloc(256)
+        with pytest.raises(BufferError) as per_thread:
+            buf.__dlpack__(stream=2)
+        with pytest.raises(BufferError) as other:
+            buf.__dlpack__(stream=0x8000)
+        for refused in (per_thread.value, other.value):
+            assert "adopt" not in str(refused), refused
+        assert "consume on a stream of your own" in str(per_thread.value)
+        assert "on a stream of cuda:0" in str(other.value)
+        with pytest.raises(am.InvalidArgumentError, match="adopt a stream of your own"):
+            dev.adopt_stream(2)
+        with pytest.raises(am.InvalidArgumentError, match="adopt it on the device"):
+            dev.adopt_stream(0x8000)
+    finally:
+        await dev.close()
+
+
 async def test_a_consumer_streams_wait_refused_by_the_driver_raises_its_error(
     anyio_backend: object, driver_fixture: _Driver
 ) -> None:

@@ -71,6 +71,25 @@ def test_a_staged_copy_cancelled_in_flight_runs_to_its_end_on_chunks_of_its_own(
     assert one["first"] is True and one["second"] is True, one
 
 
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("direction", ["to_device", "to_host"])
+def test_a_staged_copy_whose_chunk_cannot_be_pinned_raises_with_nothing_copied(
+    loop: str, direction: str
+) -> None:
+    """A staged copy of three chunks on a queue with no chunk yet, the device's pool
+    empty: the driver pins its first chunk and refuses to pin the second. The copy
+    raises the driver's error, and none of it reached the device -- no device copy of
+    it is in flight as it raises, and the buffer and the host array keep their bytes:
+    a copy that raises as not made must not write its destination afterwards (whose
+    memory its caller may free and reuse at once). Checked: fails without the fix (the
+    first chunk was submitted before the second was pinned, and landed)."""
+    seen = _seen("pin_refused", loop)
+    assert seen["broken"] == [], seen["broken"]
+    one = seen[direction]
+    assert "cuMemHostRegister" in one["raised"] and "OUT_OF_MEMORY" in one["raised"], one
+    assert one["busy"] is False and one["untouched"] is True, one
+
+
 # (loop, first N, step, held): odd N on asyncio and even N on trio; behind held
 # copies, every third N on each.
 SWEEPS = [("asyncio", 1, 2, 0), ("trio", 2, 2, 0), ("asyncio", 1, 3, 1), ("trio", 2, 3, 1)]

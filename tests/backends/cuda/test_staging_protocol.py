@@ -111,9 +111,10 @@ class _Stream:
 
 def _copy_in(staging: Any, stream: _Stream, device: np.ndarray, host: np.ndarray) -> None:
     """CUDAQueue.copyin's submissions, the stream's part simulated."""
+    staging.reserve(host.nbytes)
     for offset in range(0, host.nbytes, CHUNK):
         n = min(CHUNK, host.nbytes - offset)
-        chunk, busy = staging.acquire()
+        chunk, busy = staging.acquire(first=offset == 0)
         filled = staging.copier.copy(chunk.address, host.ctypes.data + offset, n, host, chunk, busy)
         stream.put("wait", *filled)
         stream.put("memmove", device.ctypes.data + offset, chunk.address, n)
@@ -124,9 +125,10 @@ def _copy_in(staging: Any, stream: _Stream, device: np.ndarray, host: np.ndarray
 
 def _copy_out(staging: Any, stream: _Stream, host: np.ndarray, device: np.ndarray) -> None:
     """CUDAQueue.copyout's submissions, the stream's part simulated."""
+    staging.reserve(host.nbytes)
     for offset in range(0, host.nbytes, CHUNK):
         n = min(CHUNK, host.nbytes - offset)
-        chunk, busy = staging.acquire()
+        chunk, busy = staging.acquire(first=offset == 0)
         if busy is not None:
             stream.put("wait", *busy)
         stream.put("memmove", chunk.address, device.ctypes.data + offset, n)
@@ -148,6 +150,7 @@ def test_staged_copies_reuse_chunks_before_their_last_use_ran(
     device's pool empty (other queues took it), the ring makes do with the STAGE_MIN
     chunks it pins itself rather than pinning a ring's worth."""
     monkeypatch.setattr(cb, "STAGE_RING", RING)
+    monkeypatch.setattr(cb, "STAGE_CHUNK", CHUNK)
     monkeypatch.setattr(cb, "HOST_COPY_THREADS", threads)
     monkeypatch.setattr(cb, "STAGE_PART", 4096)  # chunks of 64 KiB taken in many parts
     rng = np.random.default_rng(threads)
@@ -188,6 +191,7 @@ def test_an_abandoned_staged_copy_leaves_no_stream_waiting(monkeypatch: pytest.M
     holds it up ends (the close raises the word), the stream runs to its end. Checked:
     before, it waited on a chunk nobody filled (for good: a device's frees then hung)."""
     monkeypatch.setattr(cb, "STAGE_RING", RING)
+    monkeypatch.setattr(cb, "STAGE_CHUNK", CHUNK)
     monkeypatch.setattr(cb, "HOST_COPY_THREADS", 2)
     monkeypatch.setattr(cb, "STAGE_PART", 4096)
     staging = cb.Staging(_StubBackend())  # type: ignore[arg-type]

@@ -289,6 +289,69 @@ async def _cancelled(sim: _Simulated) -> Seen:
     return seen
 
 
+async def _pin_refused_once(sim: _Simulated, dev: Any, to_device: bool) -> Seen:
+    """A staged copy of three chunks on a new queue, with the device's pool of chunks
+    empty (other queues hold them) and the driver pinning one chunk, then refusing the
+    next: what it raised, and whether the device copied any of it (slow device copies:
+    one submitted is still busy when the call returns)."""
+    from asyncmetal.backends.cuda import _staging
+    from tests.reliability.test_cuda_faults import CUresult
+
+    backend = dev._backend
+    taken = []
+    while (chunk := backend.take_chunk(pin=False)) is not None:
+        taken.append(chunk)
+    driver = _staging.cu
+    register = driver.cuMemHostRegister
+    pinned: list[int] = []
+
+    def pin_one(address: int, nbytes: int, flags: int) -> tuple[Any, ...]:
+        pinned.append(address)
+        if len(pinned) > 1:
+            return (CUresult.CUDA_ERROR_OUT_OF_MEMORY,)
+        return register(address, nbytes, flags)
+
+    size = 5 * CHUNK // 2
+    seen: Seen = {}
+    queue = dev.new_queue()
+    buf = await dev.alloc(size)
+    await dev.queue.fill(buf, 0)
+    host = np.full(size, 3, np.uint8)
+    driver.cuMemHostRegister = pin_one
+    sim.copy_ns.value = SLOW_COPY_NS * 10
+    try:
+        try:
+            await (queue.copy(buf, host) if to_device else queue.copy(host, buf))
+            seen["raised"] = None
+        except Exception as exc:
+            seen["raised"] = _error(exc)
+        seen["busy"] = _busy(sim, buf)
+    finally:
+        driver.cuMemHostRegister = register
+        sim.copy_ns.value = 0
+    await queue.close()
+    with anyio.fail_after(30):
+        await dev.queue.marker()
+    seen["untouched"] = _memory(buf) == bytes(size) and bool((host == 3).all())
+    await buf.free()
+    for chunk in taken:
+        backend.give_chunk(chunk)
+    return seen
+
+
+async def _pin_refused(sim: _Simulated) -> Seen:
+    import asyncmetal as am
+
+    before = _counters(sim)
+    seen: Seen = {}
+    with anyio.fail_after(60):
+        async with await am.open_device("cuda:0") as dev:
+            seen["to_device"] = await _pin_refused_once(sim, dev, True)
+            seen["to_host"] = await _pin_refused_once(sim, dev, False)
+    seen["broken"] = _broken(sim, before)
+    return seen
+
+
 SWEEP_SMALL = 3000  # bytes: copied straight from pageable memory
 SWEEP_BIG = 5 * CHUNK // 2 + 5  # three chunks
 
@@ -524,7 +587,7 @@ async def _copy_sweep(sim: _Simulated, first: int, step: int, held: bool) -> See
     return {"calls": total, "kinds": kinds, "found": found, "clean": clean, "outcomes": outcomes}
 
 
-SCENARIOS = {"copies": _copies, "cancelled_copy": _cancelled}
+SCENARIOS = {"copies": _copies, "cancelled_copy": _cancelled, "pin_refused": _pin_refused}
 
 
 def run(sim: _Simulated, scenario: str, loop: str, args: tuple[str, ...]) -> Seen:
