@@ -716,7 +716,9 @@ class Device(Singular):
         ``close()`` (nothing refers to it any more) is released, as one of
         ``new_queue()`` is, once nothing of it is in flight -- its completion thread and
         events; the stream stays its owner's --, so adopting a new stream per request
-        does not pile them up; adopting that stream later gives a new queue."""
+        does not pile them up; adopting that stream later gives a new queue. The
+        stream of one of this device's own queues (its ``handle``) is refused: submit to
+        that queue."""
         self._check_open()
         key = self._backend.stream_key(stream)
         with self._state.submitting:
@@ -724,6 +726,17 @@ class Device(Singular):
             queue = self._adopted.get(key)
         if queue is not None and queue._closed is None:
             return queue
+        # One of this device's own queues' streams (``q.handle``, through
+        # ``torch.cuda.ExternalStream``): a second queue over it would number its
+        # commands apart from that queue's, and that queue's close destroys the stream.
+        handle = self._backend.checked_stream(stream)
+        adopted = set(self._adopted.values())
+        for own in self._queues:
+            if own._closed is None and own not in adopted and own._native.handle == handle:
+                raise InvalidArgumentError(
+                    f"stream {handle:#x} is the stream of a queue of {self.name} "
+                    "(its handle): submit to that queue itself"
+                )
         return self._make_queue(stream, key)
 
     def timeline(self) -> Timeline:

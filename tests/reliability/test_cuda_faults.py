@@ -768,6 +768,30 @@ async def test_a_new_stream_given_a_destroyed_streams_handle_gets_a_new_queue(
         await dev.close()
 
 
+async def test_the_stream_of_one_of_the_devices_own_queues_is_refused_for_adoption(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """``dev.adopt_stream(q.handle)`` (``torch.cuda.ExternalStream(q.handle)``, say) is
+    refused, naming the queue to submit to: a second queue over the stream would number
+    its commands apart from q's, and q's close destroys the stream under it. A closed
+    queue's stream is not refused (its handle may be another stream's by then), nor
+    another library's. Checked: fails without the fix (a second queue was made)."""
+    dev = await am.open_device("cuda:0")
+    try:
+        own = dev.new_queue()
+        for queue in (dev.queue, own):
+            assert queue.handle is not None
+            with pytest.raises(am.InvalidArgumentError, match="submit to that queue itself"):
+                dev.adopt_stream(queue.handle)
+        handle = own.handle
+        await own.close()
+        driver.cuStreamDestroy(handle)  # (the fake's next stream of that handle is new)
+        assert dev.adopt_stream(handle) is dev.adopt_stream(handle)
+        assert dev.adopt_stream(0x5000) is dev.adopt_stream(0x5000)
+    finally:
+        await dev.close()
+
+
 async def test_closing_a_cuda_queue_releases_its_stream_and_leaves_an_adopted_one_to_its_owner(
     anyio_backend: object, driver: _Driver
 ) -> None:
