@@ -255,6 +255,7 @@ class NativeQueue(ABC):
     # submit to too), not the queue's last command.
     markers: bool = False
     handle: int | None = None  # the native stream (a CUstream's address), where there is one
+    adopted: bool = False  # over another library's stream (adopt_queue)
     # The host objects its commands use (a copy's arrays), kept until they are done.
     _keep: KeepAlive | None = None
 

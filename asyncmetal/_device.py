@@ -730,9 +730,9 @@ class Device(Singular):
         # ``torch.cuda.ExternalStream``): a second queue over it would number its
         # commands apart from that queue's, and that queue's close destroys the stream.
         handle = self._backend.checked_stream(stream)
-        adopted = set(self._adopted.values())
         for own in self._queues:
-            if own._closed is None and own not in adopted and own._native.handle == handle:
+            native = own._native
+            if own._closed is None and not native.adopted and native.handle == handle:
                 raise InvalidArgumentError(
                     f"stream {handle:#x} is the stream of a queue of {self.name} "
                     "(its handle): submit to that queue itself"

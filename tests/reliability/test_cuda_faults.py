@@ -113,6 +113,9 @@ class _Driver:
         self.current = 0
         self.runtime: _Runtime | None = None  # the simulated native runtime, once made
         self._handles = iter(range(0x1000, 1 << 40, 0x1000))
+        # Streams it makes (new queues'), apart from the handles tests give as other
+        # libraries' streams (0x5000...): two live streams never share a handle.
+        self._streams = iter(range(1 << 40, 1 << 44, 0x1000))
         # Each stream's id (cuStreamGetId), by handle: a stream of another library,
         # adopted by its handle alone, gets one when first asked; a destroyed stream's
         # goes, and the next stream given that handle gets another.
@@ -209,7 +212,7 @@ class _Driver:
         return self._result("cuModuleUnload")
 
     def cuStreamCreate(self, flags: int) -> tuple[Any, ...]:
-        result = self._result("cuStreamCreate", next(self._handles))
+        result = self._result("cuStreamCreate", next(self._streams))
         if result[0] == 0:
             self.stream_ids[result[1]] = next(self._ids)
         return result

@@ -107,7 +107,7 @@ class CUDAQueue(NativeQueue):
         self._timeline = timeline
         lib = self._lib = backend.lib
         backend.make_current()
-        self._owns_stream = adopt is None
+        self.adopted = adopt is not None
         if adopt is None:
             flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
             self.stream = check(cu.cuStreamCreate(flags), "cuStreamCreate", backend.name)
@@ -122,7 +122,7 @@ class CUDAQueue(NativeQueue):
             MAX_IN_FLIGHT if adopt is None else ADOPTED_IN_FLIGHT,
         )
         if not self._q:
-            if self._owns_stream:
+            if not self.adopted:
                 cu.cuStreamDestroy(self.stream)
             raise AsyncMetalError("could not start the CUDA completion thread")
         if adopt is not None:
@@ -855,6 +855,6 @@ class CUDAQueue(NativeQueue):
                 dropped = abandon or failed or self._discarded is not None
                 self._staging.close(dropped, not abandon and not lost)
             self._error = ctypes.c_int(code)  # the closed queue's error stays reported
-            if self._owns_stream:
+            if not self.adopted:
                 cu.cuStreamDestroy(self.stream)
             self._keep.clear()

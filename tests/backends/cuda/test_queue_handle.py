@@ -67,7 +67,7 @@ def _queue(lib: _Lib) -> CUDAQueue:
     queue._q = 1234
     queue._lib = lib
     queue._staging = None
-    queue._owns_stream = False
+    queue.adopted = True
     queue._keep = _Keep()  # type: ignore[assignment]
     queue._discarded = None
     queue._sticky = (0, 0)
