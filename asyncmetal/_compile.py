@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal, NamedTuple
 
 from ._errors import ArgumentTypeError, CompileError, InvalidArgumentError
-from ._scalars import host_types, resolved, scalar_type, type_words, typedefs
+from ._scalars import host_types, resolved, scalar_type, statements, type_words, typedefs
 
 ParamKind = Literal["buffer", "value"]
 
@@ -139,21 +139,59 @@ def source_key(compiler_identity: str, src: str) -> str:
 
 
 # Comments, and string and character literals (which may hold "//" or "/*"): a comment
-# becomes a space, a literal an empty one.
+# becomes a space, a literal an empty one. One left open ends where the source (or the
+# literal's line) does, as the compiler refuses it anyway: tried again at each later
+# "/*" or quote instead, it would take time quadratic in the source's length.
 _COMMENTS_AND_LITERALS = re.compile(
-    r"""//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*'""", re.S
+    r"""//[^\n]*|/\*.*?(?:\*/|\Z)|"(?:\\(?:.|\Z)|[^"\\\n])*(?:"|(?=\n)|\Z)"""
+    r"""|'(?:\\(?:.|\Z)|[^'\\\n])*(?:'|(?=\n)|\Z)""",
+    re.S,
 )
 # Names a source makes pointer types of: `typedef float *fptr;`, `#define BUF float*`.
-_POINTER_TYPEDEF = re.compile(r"\btypedef\b[^;{}]*[*\[][^;{}]*?\b(\w+)\s*(?:\[[^;]*\])?\s*;")
+# (Each pattern that reads a statement, up to a ";", is tried at the first keyword of
+# each: see ``statements``.)
+_STATEMENT_END = re.compile(r"[;{}]")
+_TYPEDEF_WORD = re.compile(r"\btypedef\b")
+_USING_WORD = re.compile(r"\busing\b")
+_POINTER_TYPEDEF = re.compile(r"\btypedef\b([^;{}]*);")
+# The words of a pointer typedef's declarator that can be its name: one that ends it,
+# or one that an array's brackets follow.
+_DECLARATOR_WORD = re.compile(r"\b(\w+)(?=\s*(\[|\Z))")
+_POINTER_MARK = re.compile(r"[*\[]")
 _POINTER_MACRO = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+[^\n(]*\*", re.M)
 # A function-like macro of a pointer type: `#define GLOBAL_PTR(T) T*`.
 _POINTER_TYPE_MACRO = re.compile(
     r"^[ \t]*#[ \t]*define[ \t]+(\w+)\([\w\s,]*\)[ \t]+[^\n(]*\*", re.M
 )
-# And array types, which a parameter takes as a pointer: `typedef float vec3[3];`.
-_ARRAY_TYPEDEF = re.compile(r"\btypedef\b[^;{}]*?\b(\w+)\s*\[[^;{}]*\]\s*;")
 # C++'s typedefs of either: `using fp = float*;`, `using vec3 = float[3];`.
 _POINTER_USING = re.compile(r"\busing\s+(\w+)\s*=[^;{}=]*[*\[][^;{}]*;")
+
+
+def _pointer_typedefs(text: str) -> set[str]:
+    """The names ``text``'s typedefs make pointer types of (``typedef float *fptr;``,
+    ``typedef float *rows[4];``) and array types of (``typedef float vec3[3];``, which a
+    parameter takes as a pointer). Read by a scan of each typedef's words (in time
+    linear in its length: regular expressions that find the name after a ``*`` backtrack
+    in time cubic in it)."""
+    names: set[str] = set()
+    for (body,) in statements(text, _POINTER_TYPEDEF, _TYPEDEF_WORD, _STATEMENT_END):
+        if "*" not in body and "[" not in body:  # (most: no pointer, no array)
+            continue
+        closed = body.rstrip().endswith("]")  # (an array's brackets end it)
+        # The words that can be the name: the last, or one that brackets follow.
+        candidates = [
+            (word.start(), word.group(1), word.group(2))
+            for word in _DECLARATOR_WORD.finditer(body)
+            if closed or not word.group(2)
+        ]
+        # An array type: the first word brackets follow.
+        names.update(next(([name] for _, name, bracket in candidates if bracket), []))
+        marks = [mark.start() for mark in _POINTER_MARK.finditer(body)]
+        if marks and candidates and marks[0] < candidates[-1][0]:
+            # A pointer type: the first name after the last '*' or '[' that one follows.
+            last = max(i for i in marks if i < candidates[-1][0])
+            names.add(next(name for start, name, _ in candidates if start > last))
+    return names
 
 
 def _strip(src: str) -> str:
@@ -162,7 +200,8 @@ def _strip(src: str) -> str:
     )
 
 
-_ATTRIBUTES = re.compile(r"\[\[.*?\]\]", re.S)
+# (One left open, which no source that compiles has, ends where the source does.)
+_ATTRIBUTES = re.compile(r"\[\[.*?(?:\]\]|\Z)", re.S)
 
 
 class NotDefinedError(CompileError):
@@ -235,7 +274,13 @@ _NOT_A_SCALAR = re.compile(
 )
 # Each typedef of a source (its body's braces emptied): its words and its name, before
 # any GNU attribute (``typedef float v4 __attribute__((vector_size(16)));``).
-_ANY_TYPEDEF = re.compile(r"\btypedef\b([^;]*?)\b(\w+)\s*(__attribute__\s*\(\(.*?\)\))?\s*;")
+# (Its parentheses balanced, three deep: a lazy ``.*?`` retried at each word of a long
+# statement would take time quadratic in its length.)
+_ANY_TYPEDEF = re.compile(
+    r"\btypedef\b([^;]*?)\b(\w+)\s*"
+    r"(__attribute__\s*\(\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)\))?\s*;"
+)
+_SEMICOLON = re.compile(";")
 _BRACES = re.compile(r"\{[^{}]*\}")
 
 
@@ -258,7 +303,7 @@ def _not_scalar_typedefs(text: str) -> set[str]:
         text = emptied
     return records | {
         name
-        for words, name, attribute in _ANY_TYPEDEF.findall(text)
+        for words, name, attribute in statements(text, _ANY_TYPEDEF, _TYPEDEF_WORD, _SEMICOLON)
         if _NOT_A_SCALAR.search(attribute)  # a vector
         or (_NOT_A_SCALAR.search(words) and scalar_type(type_words(f"{words} {name}"), {}) is None)
     }
@@ -343,7 +388,7 @@ def c_param_declarations(src: str, name: str) -> list[tuple[ParamKind, str]]:
             )
         found.append(declared)
     if not found:
-        if _kr_definition(name).search(text):
+        if _kr_defined(text, name):
             raise CompileError(
                 f"kernel {name!r} is defined in K&R style (its parameters' types declared "
                 "after the parentheses), which is not supported: a launch passes each value "
@@ -378,9 +423,8 @@ def _pointer_names(text: str) -> set[str]:
     object-like macros of a pointer or array type, and those of such a name in turn
     (``typedef float *fp; typedef fp fp2;``, ``#define P fp``)."""
     pointers = (
-        set(_POINTER_TYPEDEF.findall(text))
-        | set(_ARRAY_TYPEDEF.findall(text))
-        | set(_POINTER_USING.findall(text))
+        _pointer_typedefs(text)
+        | {name for (name,) in statements(text, _POINTER_USING, _USING_WORD, _STATEMENT_END)}
         | set(_POINTER_MACRO.findall(text))
         | set(_POINTER_TYPE_MACRO.findall(text))
     )
@@ -392,13 +436,46 @@ def _pointer_names(text: str) -> set[str]:
         pointers |= more
 
 
-def _kr_definition(name: str) -> re.Pattern[str]:
-    """A K&R (old-style) definition of function ``name``: identifiers alone in the
-    parentheses, then their declarations (each beginning with a word, with no ``=``),
-    then the body."""
-    return re.compile(
-        rf"\b{re.escape(name)}\s*\(\s*\w+(?:\s*,\s*\w+)*\s*\)(?:\s*[A-Za-z_][^;{{}}=]*;)+\s*\{{"
-    )
+def _kr_defined(text: str, name: str) -> bool:
+    """Whether ``text`` has a K&R (old-style) definition of function ``name``:
+    identifiers alone in the parentheses, then their declarations (each beginning with
+    a word, with no ``=``), then the body.
+
+    Scanned rather than searched for with one pattern: that pattern, tried at each
+    ``name(a)`` of a source, reads the text after it to the next ``{``, ``}`` or ``=``,
+    in time quadratic in the source's length; here each declaration is read once."""
+    heads = re.compile(rf"\b{re.escape(name)}\s*\(\s*\w+(?:\s*,\s*\w+)*\s*\)")
+    known: dict[int, bool] = {}  # after a declaration: whether more, then a body, follow
+    stop = -1  # the first ';', '{', '}' or '=' after the last head
+    for head in heads.finditer(text):
+        if head.end() > stop:
+            found = _KR_STOP.search(text, head.end())
+            stop = found.start() if found else len(text)
+        if stop == len(text) or text[stop] != ";" or not _KR_WORD.match(text, head.end()):
+            continue
+        pos, path = stop + 1, []
+        while True:
+            if pos in known:
+                defined = known[pos]
+                break
+            path.append(pos)
+            if _BODY.match(text, pos):
+                defined = True
+                break
+            declaration = _KR_DECLARATION.match(text, pos)
+            if declaration is None:
+                defined = False
+                break
+            pos = declaration.end()
+        known.update(dict.fromkeys(path, defined))
+        if defined:
+            return True
+    return False
+
+
+_KR_STOP = re.compile(r"[;{}=]")
+_KR_WORD = re.compile(r"\s*[A-Za-z_]")
+_KR_DECLARATION = re.compile(r"\s*[A-Za-z_][^;{}=]*;")
 
 
 def c_kernel_names(src: str) -> list[str]:
@@ -486,20 +563,31 @@ def _definitions(text: str, name: str) -> Iterator[list[str]]:
 
 
 _BODY = re.compile(r"\s*\{")
+_PARENS = re.compile(r"[()]")
 
 
 def _each_definition(text: str, name: str) -> Iterator[tuple[str, str, list[str]]]:
     """Each function definition in ``text`` whose name matches the pattern ``name``:
     its name, the words of its declaration before the name (``static``,
     ``__global__``...) and its parameter declarations."""
+    # The ")" of each "(" read so far: a name within another's parentheses
+    # (``k(k(k(...)))``) finds its own there, not by reading them again, which would
+    # take time quadratic in the source's length.
+    closing: dict[int, int] = {}
     for match in re.finditer(rf"\b({name})\s*\(", text):
-        depth, start = 1, match.end()
-        pos = start
-        while pos < len(text) and depth:
-            depth += {"(": 1, ")": -1}.get(text[pos], 0)
-            pos += 1
-        if depth:
-            return
+        start = match.end()
+        if start - 1 not in closing:
+            opened: list[int] = []
+            for paren in _PARENS.finditer(text, start - 1):
+                if paren.group() == "(":
+                    opened.append(paren.start())
+                else:
+                    closing[opened.pop()] = paren.start()
+                    if not opened:
+                        break
+            else:
+                return
+        pos = closing[start - 1] + 1
         if not _BODY.match(text, pos):  # a call or a declaration, not the definition
             continue
         body = text[start : pos - 1].strip()

@@ -182,9 +182,13 @@ RELEASE_LOOKS = 4  # closed queues new_queue (and a collection) look at, in turn
 MAKING_POLL_S = 0.001  # how often a close looks whether the queues being made are through
 # What a reaper is told: look soon (a queue to watch); a queue was collected; stop.
 _LOOK, _COLLECTED, _STOP = 0, 1, 2
-# A source this long or longer is hashed and its kernel's parameters read on a worker
-# thread, not the loop: both take about 20 us per KiB (33 ms for 1.5 MB).
+# A source this long or longer is hashed on a worker thread, not the loop: about 20 us
+# per KiB (33 ms for 1.5 MB).
 OFF_LOOP_SOURCE = 16 << 10
+# And its kernel's parameters read there: an ordinary source's take about 20 us per
+# KiB too, but the worst a source can make them take (text that the parser reads as
+# many calls or declarations, ``k(a) int a;`` over and over) is about 0.8 ms per KiB.
+OFF_LOOP_PARAMS = 1 << 10
 
 # The devices open in this process, weakly. A WeakSet's iteration is Python code, which
 # another thread's add or discard breaks ("changed size"): both under the lock.
@@ -933,7 +937,7 @@ class Device(Singular):
         worker thread for a long source."""
         compiler = self._backend.compiler if compiler is None else compiler
         read = functools.partial(_read_params, compiler, src, name)
-        return read() if len(src) < OFF_LOOP_SOURCE else await to_thread(read)
+        return read() if len(src) < OFF_LOOP_PARAMS else await to_thread(read)
 
     async def _program(
         self,

@@ -157,12 +157,41 @@ def platform_types(machine: str, system: str) -> Mapping[str, str]:
 
 
 _TYPEDEF = re.compile(r"\btypedef\s+([\w\s:]+?)\s+(\w+)\s*;")
+# What ends a typedef of words (those ``_TYPEDEF`` reads: words, spaces, colons).
+_TYPEDEF_END = re.compile(r"[^\w\s:]")
+_TYPEDEF_WORD = re.compile(r"\btypedef\b")
 _USING = re.compile(r"\busing\s+(\w+)\s*=\s*([\w\s:]+?)\s*;")  # C++'s typedef
 _DIRECTIVE = re.compile(r"^[ \t]*#[ \t]*(\w+)(.*)$", re.M)
 _TYPE_MACRO = re.compile(r"[ \t]*(\w+)(?:[ \t]+([\w \t]*?))?[ \t]*$")
 # What a declaration holds besides its type and name: attributes (``[[...]]``, GNU's
 # ``__attribute__((unused))``), namespaces.
 _NOT_TYPE_WORDS = re.compile(r"\[\[.*?\]\]|__attribute__\s*\(\(.*?\)\)|\w+::")
+
+
+def statements(
+    text: str, pattern: re.Pattern[str], keyword: re.Pattern[str], stops: re.Pattern[str]
+) -> list[tuple[str, ...]]:
+    """``pattern.findall(text)`` (its groups, "" for one that took no part) for a pattern
+    that begins with ``keyword`` and ends with the first of ``stops`` after it, a ``;``
+    (a statement): ``pattern`` is tried at the first ``keyword`` of each statement only,
+    so that the time is linear in the length of ``text``. findall's is quadratic: it
+    tries each ``keyword`` of a statement that ends otherwise, reading on to its end (a
+    source of a few KB of ``typedef`` with no ``;`` held the event loop for seconds).
+    ``pattern`` must match at a statement's first ``keyword`` where it matches at a
+    later one (a lazy body that can take the later ``keyword`` in)."""
+    found: list[tuple[str, ...]] = []
+    end = 0  # of the statement of the last keyword tried
+    for first in keyword.finditer(text):
+        if first.start() < end:
+            continue
+        stop = stops.search(text, first.end())
+        if stop is None:
+            break
+        end = stop.end()
+        match = pattern.match(text, first.start(), end) if stop.group() == ";" else None
+        if match:
+            found.append(match.groups(""))
+    return found
 
 
 def typedefs(text: str) -> dict[str, list[str]]:
@@ -179,7 +208,7 @@ def typedefs(text: str) -> dict[str, list[str]]:
         if found.setdefault(name, words) != words:
             apart.add(name)
 
-    for words, name in _TYPEDEF.findall(text):
+    for words, name in statements(text, _TYPEDEF, _TYPEDEF_WORD, _TYPEDEF_END):
         add(name, re.findall(r"\w+", words))
     for name, words in _USING.findall(text):
         add(name, re.findall(r"\w+", words))

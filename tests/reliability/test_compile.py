@@ -2024,3 +2024,75 @@ async def test_a_worker_started_as_its_pool_is_killed_is_killed_too(
     job = pool._submit(SlowCompiler(BOUND), src, key)
     with anyio.fail_after(BOUND / 4), pytest.raises(am.CompileError, match="shut down"):
         await pool._wait(job)
+
+
+# Sources whose kernel's parameters a regular-expression parser may read in time more
+# than linear in their length: text that each of its patterns, tried at each keyword,
+# reads on to the source's end without matching.
+_PATHOLOGICAL = [
+    "typedef * ",  # cubic: a name after a '*', tried at each typedef and each '*'
+    "typedef *[ x ",
+    "typedef ",
+    "typedef a __attribute__(( ",
+    "using a = * ",
+    "/* ",  # a comment, an attribute, a string left open
+    "[[ ",
+    '"\\',
+    "'\\",
+    "k(a) ",  # a K&R definition, looked for after each call
+    "k(a) int a; ",
+    "k(",  # parentheses never closed
+    "kernel void k( ",
+    "kernel void k(a) ",
+]
+
+
+def _parse_time(compiler: Any, src: str) -> float:
+    from asyncmetal._device import _read_params
+
+    best = float("inf")
+    for _ in range(5):  # the least of a few: what the parse takes, not the machine's load
+        start = time.perf_counter()
+        with contextlib.suppress(am.CompileError):
+            _read_params(compiler, src, "k")
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@pytest.mark.parametrize("unit", _PATHOLOGICAL)
+def test_a_kernels_parameters_are_read_in_time_linear_in_its_source(unit: str) -> None:
+    """Reading a kernel's parameters (on the event loop's thread, for a short source)
+    takes time about linear in the source's length, whatever it holds: 8 times as long a
+    source takes well under 64 times as long (what a quadratic parse takes; a cubic one,
+    512). Checked: fails without the fix (``typedef * `` over and over, 4 KB, took 16 s;
+    the other sources here, 60 to 200 times as long as one of 512 bytes)."""
+    from asyncmetal.backends.cuda._compiler import CUDACompiler
+    from asyncmetal.backends.metal._compiler import MetalCompiler
+
+    for compiler in (CCompiler(), CUDACompiler(), MetalCompiler()):
+        short, long = (_parse_time(compiler, unit * (n // len(unit))) for n in (512, 4096))
+        assert long < 24 * short + 0.002, (type(compiler).__name__, short, long)
+
+
+async def test_a_kernels_parameters_are_read_off_the_loop_for_all_but_short_sources(
+    device: am.Device,
+) -> None:
+    """A source's kernel parameters are read on a worker thread unless the source is
+    short enough that the worst it can hold takes about a millisecond there (1 KiB):
+    a source of a few KB can hold text that takes the parser tens of ms. Checked: fails
+    without the fix (read on the loop up to 16 KiB)."""
+    read_on: list[int] = []
+
+    class Recording(CCompiler):
+        def _signature(self, src: str, name: str) -> Any:
+            read_on.append(threading.get_ident())
+            return super()._signature(src, name)
+
+    loop = threading.get_ident()
+    kernel = "void k(float *a, int n) { }\n"
+    for size, on_loop in ((512, True), (2 << 10, False)):
+        src = kernel + " " * (size - len(kernel))
+        with anyio.fail_after(BOUND):
+            params = await device._params(src, "k", Recording())
+        assert not isinstance(params, Exception) and params.kinds == ("buffer", "value")
+        assert (read_on.pop() == loop) is on_loop, size

@@ -240,17 +240,26 @@ def metal_bindings(src: str, name: str) -> tuple[int, ...]:
 
 
 def _bound_params(src: str, name: str) -> list[tuple[int, ParamKind, str]]:
-    text = re.sub(r"//[^\n]*|/\*.*?\*/", " ", src, flags=re.S)
-    match = re.search(rf"\bkernel\s+void\s+{re.escape(name)}\s*\((.*?)\)\s*{{", text, re.S)
-    if match is None:
+    # (A comment left open ends where the source does: tried again at each later "/*",
+    # it would take time quadratic in the source's length.)
+    text = re.sub(r"//[^\n]*|/\*.*?(?:\*/|\Z)", " ", src, flags=re.S)
+    # Its parameters: to the first ")" the body's "{" follows. (Found from the first
+    # "kernel void name(" alone: one pattern, tried at each, would read on from each
+    # to the next "){", in time quadratic in the source's length.)
+    head = re.search(rf"\bkernel\s+void\s+{re.escape(name)}\s*\(", text)
+    close = head and _BEFORE_BODY.search(text, head.end())
+    if head is None or close is None:
         raise NotDefinedError(name, re.findall(r"\bkernel\s+void\s+(\w+)\s*\(", text))
     bound: list[tuple[int, ParamKind, str]] = []
-    for param in match.group(1).split(","):
+    for param in text[head.end() : close.start()].split(","):
         index = re.search(r"\[\[\s*buffer\s*\(\s*(\d+)\s*\)\s*\]\]", param)
         if index is None:
             continue
         memory = "*" in param or ("&" in param and re.search(r"\bdevice\b", param))
         kind: ParamKind = "buffer" if memory else "value"
-        declaration = re.sub(r"\[\[.*?\]\]", "", param).strip()
+        declaration = re.sub(r"\[\[.*?(?:\]\]|\Z)", "", param).strip()
         bound.append((int(index.group(1)), kind, " ".join(declaration.split())))
     return sorted(bound)
+
+
+_BEFORE_BODY = re.compile(r"\)\s*\{")
