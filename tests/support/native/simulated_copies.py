@@ -275,18 +275,28 @@ async def _cancelled_read(sim: _Simulated, dev: Any) -> bool:
     return all(bool((array == 7).all()) for array in arrays)
 
 
-async def _cancelled(sim: _Simulated) -> Seen:
+async def _both_ways(
+    sim: _Simulated, once: Callable[[_Simulated, Any, bool], Awaitable[Seen]], *more: Any
+) -> Seen:
+    """What ``once`` saw to the device and to the host on one device (and each of
+    ``more``, (key, its coroutine function of sim and the device), after them), and
+    whether the simulated driver's counters say anything broke."""
     import asyncmetal as am
 
     before = _counters(sim)
     seen: Seen = {}
     with anyio.fail_after(60):
         async with await am.open_device("cuda:0") as dev:
-            seen["to_device"] = await _cancelled_once(sim, dev, True)
-            seen["to_host"] = await _cancelled_once(sim, dev, False)
-            seen["read_dropped_intact"] = await _cancelled_read(sim, dev)
+            seen["to_device"] = await once(sim, dev, True)
+            seen["to_host"] = await once(sim, dev, False)
+            for key, then in more:
+                seen[key] = await then(sim, dev)
     seen["broken"] = _broken(sim, before)
     return seen
+
+
+async def _cancelled(sim: _Simulated) -> Seen:
+    return await _both_ways(sim, _cancelled_once, ("read_dropped_intact", _cancelled_read))
 
 
 async def _pin_refused_once(sim: _Simulated, dev: Any, to_device: bool) -> Seen:
@@ -340,16 +350,7 @@ async def _pin_refused_once(sim: _Simulated, dev: Any, to_device: bool) -> Seen:
 
 
 async def _pin_refused(sim: _Simulated) -> Seen:
-    import asyncmetal as am
-
-    before = _counters(sim)
-    seen: Seen = {}
-    with anyio.fail_after(60):
-        async with await am.open_device("cuda:0") as dev:
-            seen["to_device"] = await _pin_refused_once(sim, dev, True)
-            seen["to_host"] = await _pin_refused_once(sim, dev, False)
-    seen["broken"] = _broken(sim, before)
-    return seen
+    return await _both_ways(sim, _pin_refused_once)
 
 
 SWEEP_SMALL = 3000  # bytes: copied straight from pageable memory
