@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from ... import _native
 from ..._backend import ForkableTimeline, InheritedValue
 from ..._errors import NoHostMemoryError
 from ..._native import fast_call
 from ._driver import check, cu
-
-if TYPE_CHECKING:
-    from ._queue import CUDAQueue
 
 
 class TimelineDevice(Protocol):
@@ -61,7 +58,7 @@ class CUDATimeline(ForkableTimeline):
         self._value: _native.ValueReader = _native.timeline_reader(self.c_timeline)
         self._word = ctypes.c_uint64.from_address(self.address)
         self._host_signal = fast_call(backend.lib, "am_timeline_host_signal")
-        self.queue: CUDAQueue | None = None  # the queue whose own timeline this is
+        self.queue: object = None  # the CUDAQueue whose own timeline this is
         # The last queue signal of it: (a weak reference to that CUDAQueue, the command,
         # the value it raises the timeline to); a hand-over of a wait held for it hands
         # that command over first (CUDAQueue._hand_over_signals).
@@ -87,13 +84,9 @@ class CUDATimeline(ForkableTimeline):
         self._host_signal(self.c_timeline, value)
 
     def close_waits(self, pending: int = 0) -> None:
-        # A queue's own, while its native queue is open: that queue's close fails other
-        # queues' device waits for values it never got to (am_cuq_close), and its word
-        # stays where its stream left it. Once it is closed (a queue closed or released
-        # before its device), a wait submitted later -- whose check raced that close --
-        # must fail too, as on a timeline of no queue: the word is let go.
-        queue = self.queue
-        if queue is None or queue._q is None:
+        # A queue's own: its native queue, closed, fails other queues' device waits for
+        # values it never got to (am_cuq_close); its word stays where its stream left it.
+        if self.queue is None:
             super().close_waits()
 
     def forked(self, message: str) -> None:
