@@ -182,6 +182,46 @@ static inline int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* Timed waits: a condition a thread waits on with a deadline is made by am_cond_init and
+ * waited on by am_cond_timedwait, until a deadline of deadline_after -- all three on
+ * CLOCK_MONOTONIC, so that a step of the wall clock (NTP, settimeofday) neither stretches
+ * nor cuts a nap. macOS has no pthread_condattr_setclock: there the wait is made relative
+ * to the monotonic now (pthread_cond_timedwait_relative_np). */
+static inline void am_cond_init(pthread_cond_t *cv) {
+#ifdef __APPLE__
+    pthread_cond_init(cv, NULL);
+#else
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(cv, &attr);
+    pthread_condattr_destroy(&attr);
+#endif
+}
+
+static inline void deadline_after(struct timespec *ts, int64_t ns) {
+    clock_gettime(CLOCK_MONOTONIC, ts);
+    ts->tv_sec += (time_t)(ns / 1000000000);
+    ts->tv_nsec += (long)(ns % 1000000000);
+    if (ts->tv_nsec >= 1000000000L) { ts->tv_sec++; ts->tv_nsec -= 1000000000L; }
+}
+
+/* pthread_cond_timedwait's results: ETIMEDOUT once `until` passed. */
+static inline int am_cond_timedwait(pthread_cond_t *cv, pthread_mutex_t *mu,
+                                    const struct timespec *until) {
+#ifdef __APPLE__
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    int64_t left = (int64_t)(until->tv_sec - now.tv_sec) * 1000000000 +
+                   (until->tv_nsec - now.tv_nsec);
+    if (left <= 0) return ETIMEDOUT;
+    struct timespec rel = {left / 1000000000, left % 1000000000};
+    return pthread_cond_timedwait_relative_np(cv, mu, &rel);
+#else
+    return pthread_cond_timedwait(cv, mu, until);
+#endif
+}
+
 static inline void nap_ns(long ns) {
     struct timespec ts = {ns / 1000000000L, ns % 1000000000L};
     nanosleep(&ts, NULL);

@@ -427,7 +427,7 @@ static void cuq_refence(am_cuq *q, long *nap) {
     pthread_mutex_lock(&q->mu);
     struct timespec until;
     deadline_after(&until, *nap);
-    if (q->stop != 2) pthread_cond_timedwait(&q->cv, &q->mu, &until);
+    if (q->stop != 2) am_cond_timedwait(&q->cv, &q->mu, &until);
     uint64_t value = q->unfenced, extra_value = q->unfenced_extra_value;
     am_timeline *extra = q->unfenced_extra;  /* the refused command's signal, if any */
     int go = value && !q->count && !q->driving && q->stop != 2;
@@ -493,7 +493,7 @@ static void cuq_confirm_wait(am_cuq *q, const am_cuentry *e) {
            __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) != 2) {
         struct timespec until;
         deadline_after(&until, CU_NAP_CHUNK_NS);  /* an abandon is seen */
-        pthread_cond_timedwait(&t->cv, &t->mu, &until);
+        am_cond_timedwait(&t->cv, &t->mu, &until);
     }
     uint64_t failed = t->failed_from, value = t->fail_value;
     int error = t->fail_error;
@@ -617,7 +617,7 @@ static void cuq_no_context(am_cuq *q, int r) {
         struct timespec until;
         deadline_after(&until, CU_NAP_CHUNK_NS);
         q->sleeping = 1;
-        pthread_cond_timedwait(&q->cv, &q->mu, &until);
+        am_cond_timedwait(&q->cv, &q->mu, &until);
         q->sleeping = 0;
     }
 }
@@ -904,8 +904,8 @@ am_cuq *am_cuq_new(void *ctx, void *stream, am_timeline *timeline, long spin_ns,
     q->max_inflight = (size_t)max_inflight;
     atomic_store(&q->refs, 1);
     pthread_mutex_init(&q->mu, NULL);
-    pthread_cond_init(&q->cv, NULL);
-    pthread_cond_init(&q->hand_cv, NULL);
+    am_cond_init(&q->cv);
+    am_cond_init(&q->hand_cv);
     if (!q->ring || !q->events[0] || !q->events[1] ||
         pthread_create(&q->thread, NULL, cuq_run, q) != 0) {
         free(q->ring); free(q->events[0]); free(q->events[1]); free(q);

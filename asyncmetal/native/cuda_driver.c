@@ -52,9 +52,11 @@ const int *am_cuda_unrestored_notes(void) { return (const int *)&unrestored_note
  * microseconds). A thread notes the generation when it starts waiting on a command, so
  * a kick between then and its nap is not lost. */
 static pthread_mutex_t kick_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t kick_cv = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t kick_cv;  /* timed (am_cond_init), as the runtime loads */
 AM_HIDDEN atomic_uint kick_gen;
 static atomic_int kick_sleepers;
+
+__attribute__((constructor)) static void kick_cv_init(void) { am_cond_init(&kick_cv); }
 
 AM_HIDDEN void host_signalled(void) {
     atomic_fetch_add(&kick_gen, 1);
@@ -71,13 +73,6 @@ void am_timeline_host_signal(am_timeline *t, uint64_t v) {
     host_signalled();
 }
 
-AM_HIDDEN void deadline_after(struct timespec *ts, long ns) {
-    clock_gettime(CLOCK_REALTIME, ts);
-    ts->tv_sec += ns / 1000000000L;
-    ts->tv_nsec += ns % 1000000000L;
-    if (ts->tv_nsec >= 1000000000L) { ts->tv_sec++; ts->tv_nsec -= 1000000000L; }
-}
-
 /* Nap up to ns, or until a kick after generation `seen`: 1 if kicked. */
 AM_HIDDEN int kick_nap(long ns, unsigned seen) {
     struct timespec until;
@@ -86,7 +81,7 @@ AM_HIDDEN int kick_nap(long ns, unsigned seen) {
     atomic_fetch_add(&kick_sleepers, 1);
     int r = 0;
     while (atomic_load(&kick_gen) == seen && r != ETIMEDOUT)
-        r = pthread_cond_timedwait(&kick_cv, &kick_mu, &until);
+        r = am_cond_timedwait(&kick_cv, &kick_mu, &until);
     atomic_fetch_sub(&kick_sleepers, 1);
     int kicked = atomic_load(&kick_gen) != seen;
     pthread_mutex_unlock(&kick_mu);

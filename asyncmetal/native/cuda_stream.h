@@ -78,7 +78,6 @@ AM_HIDDEN void cu_restore(void *before);
  * completion threads napping on a command (kick_nap: 1 if kicked after `seen`). */
 extern AM_HIDDEN atomic_uint kick_gen;
 AM_HIDDEN int kick_nap(long ns, unsigned seen);
-AM_HIDDEN void deadline_after(struct timespec *ts, long ns);
 
 typedef struct {
     void *event;

@@ -769,7 +769,7 @@ void am_cuq_close(am_cuq *q, int abandon) {
              * stream once this returns. Only a thread blocked on an event is given up. */
             if (q->driving) pthread_cond_wait(&q->cv, &q->mu);  /* (cuq_undrive wakes) */
             else if (r == ETIMEDOUT) break;
-            else r = pthread_cond_timedwait(&q->cv, &q->mu, &until);
+            else r = am_cond_timedwait(&q->cv, &q->mu, &until);
         }
         if (!q->exited) {
             q->orphan = 1;  /* its thread frees it: q may be gone once mu is released */
@@ -865,7 +865,7 @@ static void cuq_wait_handing(am_cuq *q) {
     struct timespec until;
     deadline_after(&until, CU_NAP_CHUNK_NS);
     q->handing++;
-    pthread_cond_timedwait(&q->hand_cv, &q->mu, &until);
+    am_cond_timedwait(&q->hand_cv, &q->mu, &until);
     q->handing--;
 }
 

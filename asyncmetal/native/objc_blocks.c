@@ -16,8 +16,10 @@
 
 /* Blocks that ran whose owner waits for that (their notify set): what they kept can go. */
 static pthread_mutex_t ran_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t ran_cv = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t ran_cv;  /* timed (am_cond_init), as the runtime loads */
 static uint64_t notified_ran;
+
+__attribute__((constructor)) static void ran_cv_init(void) { am_cond_init(&ran_cv); }
 
 /* b has run: its count of calls goes up, the last thing read or written of it. */
 static void block_ran(am_block *b) {
@@ -35,14 +37,11 @@ static void block_ran(am_block *b) {
  * timeout_ns); returns the count. */
 uint64_t am_blocks_wait(uint64_t seen, int64_t timeout_ns) {
     struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
-    int64_t ns = until.tv_nsec + timeout_ns % 1000000000;
-    until.tv_sec += timeout_ns / 1000000000 + ns / 1000000000;
-    until.tv_nsec = ns % 1000000000;
+    deadline_after(&until, timeout_ns);
     pthread_mutex_lock(&ran_mu);
     int r = 0;
     while (notified_ran == seen && r != ETIMEDOUT)
-        r = pthread_cond_timedwait(&ran_cv, &ran_mu, &until);
+        r = am_cond_timedwait(&ran_cv, &ran_mu, &until);
     uint64_t now = notified_ran;
     pthread_mutex_unlock(&ran_mu);
     return now;
@@ -318,14 +317,11 @@ static int host_wait_ready(am_timeline *t, uint64_t target, int committed) {
 int am_host_wait(am_timeline *t, uint64_t target, int committed, int *stop,
                  int64_t timeout_ns) {
     struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
-    int64_t ns = until.tv_nsec + timeout_ns % 1000000000;
-    until.tv_sec += timeout_ns / 1000000000 + ns / 1000000000;
-    until.tv_nsec = ns % 1000000000;
+    deadline_after(&until, timeout_ns);
     pthread_mutex_lock(&t->mu);
     int r = timeout_ns > 0 ? 0 : ETIMEDOUT;
     while (!host_wait_ready(t, target, committed) && !(stop && *stop) && r != ETIMEDOUT)
-        r = pthread_cond_timedwait(&t->cv, &t->mu, &until);
+        r = am_cond_timedwait(&t->cv, &t->mu, &until);
     int ready = host_wait_ready(t, target, committed);
     pthread_mutex_unlock(&t->mu);
     return ready;

@@ -148,7 +148,7 @@ static void timeline_init(am_timeline *t) {
     memset(t, 0, sizeof *t);
     t->forks = am_forks;
     pthread_mutex_init(&t->mu, NULL);
-    pthread_cond_init(&t->cv, NULL);
+    am_cond_init(&t->cv);
 }
 
 am_timeline *am_timeline_new(void) {

@@ -65,6 +65,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "stickyfence"),
         *("ok", "nocontext"),
         *("ok", "refencekept"),
+        *("ok", "wallclock"),
         *("ok", "refenceabandon"),
         *("ok", "nocontextkept"),
         *("ok", "fencegone"),

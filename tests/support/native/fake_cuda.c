@@ -125,6 +125,10 @@
  *   refencekept a signal kept for a fence (its word write reached the driver) while the
  *             completion thread records that fence again, slowly: once the fence is
  *             confirmed, the signal's timeline fails (it is not forgotten)
+ *   wallclock the wall clock read 30 s ahead of the one the kernel keeps (as if
+ *             stepped back just after each read): a kick's nap, a host wait on a
+ *             timeline, a wait for a block to run, and a refused fence's nap before
+ *             it is recorded again (cuq_refence) all end on time, not 30 s late
  *   refenceabandon the same, closed with abandon while the fence is in the driver: the
  *             close returns only once the fence's driver calls are done, so the
  *             signal's timeline may be let go then
@@ -244,8 +248,10 @@
  *             signal's timeline fails, naming the discard; the waits for dropped values
  *             fail their queue from there, the others succeed; nothing stays held
  */
+#define _GNU_SOURCE  /* RTLD_NEXT */
 #include "fake_cuda_driver.h"
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -2147,7 +2153,7 @@ static void check_nomemory(void) {
 /* A close to finish of a queue, on a thread of its own (closer), so that a check can
  * bound how long it takes. */
 static pthread_mutex_t closer_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t closer_cv = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t closer_cv;  /* timed (am_cond_init, in main) */
 static int closer_done;
 
 static void *closer(void *arg) {
@@ -2168,7 +2174,7 @@ static void close_within(am_cuq *q, long ns, const char *what) {
     deadline_after(&until, ns);
     pthread_mutex_lock(&closer_mu);
     while (!closer_done)
-        if (pthread_cond_timedwait(&closer_cv, &closer_mu, &until) == ETIMEDOUT) die(what);
+        if (am_cond_timedwait(&closer_cv, &closer_mu, &until) == ETIMEDOUT) die(what);
     pthread_mutex_unlock(&closer_mu);
     pthread_join(thread, NULL);
 }
@@ -2337,6 +2343,75 @@ static void check_refencekept(void) {
     queue_free(f, 0);
     free_timeline_free(t);
     puts("ok refencekept");
+}
+
+/* The wall clock as this process reads it (clock_gettime here takes the C library's
+ * place for the runtime compiled in): wall_ahead_ns ahead of the one the kernel keeps,
+ * which a timed wait on a CLOCK_REALTIME condition ends by -- as if the wall clock were
+ * stepped back that far (NTP, settimeofday) just after each read. */
+static _Atomic int64_t wall_ahead_ns;
+
+int clock_gettime(clockid_t id, struct timespec *ts) {
+    static int (*_Atomic libc)(clockid_t, struct timespec *);
+    int (*real)(clockid_t, struct timespec *) = atomic_load(&libc);
+    if (!real) {
+        real = (int (*)(clockid_t, struct timespec *))dlsym(RTLD_NEXT, "clock_gettime");
+        if (!real) die("clock_gettime: the C library's is not found");
+        atomic_store(&libc, real);
+    }
+    int r = real(id, ts);
+    int64_t ahead = atomic_load(&wall_ahead_ns);
+    if (r == 0 && id == CLOCK_REALTIME && ahead) {
+        ts->tv_sec += (time_t)(ahead / 1000000000);
+        ts->tv_nsec += (long)(ahead % 1000000000);
+        if (ts->tv_nsec >= 1000000000L) { ts->tv_sec++; ts->tv_nsec -= 1000000000L; }
+    }
+    return r;
+}
+
+/* Fails `what` unless a wait that started at `start` (now_ns()) for at most 10 ms ended
+ * within 2 s. */
+static void ended_on_time(int64_t start, const char *what) {
+    if (now_ns() - start > 2000000000LL) die(what);
+}
+
+/* The runtime's timed waits with the wall clock 30 s ahead of the kernel's: each ends by
+ * the monotonic clock, on time. A wait whose deadline were read from the wall clock
+ * (CLOCK_REALTIME, a condition's default) would last 30 s longer -- past each bound here
+ * (2 s; the fence's, reach's 10 s). Checked: fails on such a wait. */
+static void check_wallclock(void) {
+    static kernel quick = {0, 1000000, NULL, 0};
+    atomic_store(&wall_ahead_ns, 30000000000LL);
+    int64_t start = now_ns();
+    if (kick_nap(10000000, atomic_load(&kick_gen))) die("wallclock: a kick's nap was kicked");
+    ended_on_time(start, "wallclock: a kick's nap outlasted its 10 ms");
+    am_timeline *t = am_timeline_new();
+    if (!t) die("wallclock: am_timeline_new");
+    start = now_ns();
+    if (am_host_wait(t, 1, 0, NULL, 10000000)) die("wallclock: a host wait saw a value never signalled");
+    ended_on_time(start, "wallclock: a host wait outlasted its 10 ms");
+    am_timeline_free(t);
+    start = now_ns();
+    am_blocks_wait(am_blocks_wait(0, 0), 10000000);
+    ended_on_time(start, "wallclock: a wait for a block outlasted its 10 ms");
+    /* A command's end refused, and its fence (out of memory: tried again after a 1 ms
+     * nap): the queue settles once the fence tried again is confirmed. */
+    fake_queue f = queue_new();
+    if (launch(f, NULL, 1, 1)) die("wallclock: launch 1 failed");
+    reach(f.t, 1, "wallclock: launch 1 never ran");
+    if (kernel_part(f, &quick, 2)) die("wallclock: the kernel failed");
+    atomic_store(&records_refused, 0);
+    atomic_store(&refuse_more_code, OUT_OF_MEMORY);
+    atomic_store(&refuse_more, 1);  /* command 2's end, and its fence */
+    atomic_store(&refuse_records, f.s);
+    if (am_cuq_finish(f.q, 2, NULL, 0, 0, CU_FINISH_PLAIN) != 1)
+        die("wallclock: the refusal was not reported");
+    reach(f.t, UINT64_MAX, "wallclock: the refused fence's nap outlasted 10 s (cuq_refence)");
+    if (atomic_load(&refuse_records)) die("wallclock: the fence was not tried again");
+    refusals_off();
+    queue_free(f, 0);
+    atomic_store(&wall_ahead_ns, 0);
+    puts("ok wallclock");
 }
 
 /* The same fence, a signal kept for it, and the queue closed with abandon while the
@@ -3285,6 +3360,7 @@ static void unreleased(void (*check)(void), const char *name) {
 }
 
 int main(void) {
+    am_cond_init(&closer_cv);
     fake_driver_install();
     check_order();
     check_cross();
@@ -3318,6 +3394,7 @@ int main(void) {
     check_stickyfence();
     check_nocontext();
     check_refencekept();
+    check_wallclock();
     check_refenceabandon();
     check_nocontextkept();
     check_fencegone();
