@@ -885,7 +885,7 @@ async def test_a_threadgroup_past_the_kernels_limit_is_refused(
     if device.name != "metal":
         await q.launch(fill, a, vals=(1, 4), local_size=(64, 64, 64))
         return
-    for size in (1025, (32, 33), (16, 16, 8)):
+    for size in ((1024, 2), (32, 33), (16, 16, 8)):
         _rejects(
             device,
             am.InvalidArgumentError,
@@ -893,6 +893,32 @@ async def test_a_threadgroup_past_the_kernels_limit_is_refused(
             lambda size=size: q.launch(fill, a, vals=(1, 4), global_size=64, local_size=size),
         )
     await q.launch(fill, a, vals=(2, 4), global_size=64, local_size=(32, 32))
+    assert (await a.read(np.int32)).tolist() == [2] * 4
+
+
+async def test_a_threadgroup_past_the_devices_limit_in_a_dimension_is_refused(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """On Metal, a ``local_size`` within the kernel's most threads in all but past the
+    device's most in one dimension (``maxThreadsPerThreadgroup``, 1024 x 1024 x 64 in
+    the simulation) is refused before it is encoded, naming the dimension and the limit:
+    Metal's validation aborts the process on such a dispatch (the simulation does as
+    well). A cpu kernel takes any. Checked: fails without the fix (the process
+    aborted)."""
+    q, fill = device.queue, kernels["fill"]
+    a = await device.alloc(16)
+    if device.name != "metal":
+        await q.launch(fill, a, vals=(1, 4), global_size=(1, 1, 128), local_size=(1, 1, 128))
+        return
+    for size, axis, most in (((1, 1, 128), "z", 64), ((2, 1, 65), "z", 64)):
+        _rejects(
+            device,
+            am.InvalidArgumentError,
+            rf"local_size .* has {size[2]} threads in {axis}; a threadgroup takes at most "
+            rf"{most} \(the device's maxThreadsPerThreadgroup.depth\)",
+            lambda size=size: q.launch(fill, a, vals=(1, 4), global_size=size, local_size=size),
+        )
+    await q.launch(fill, a, vals=(2, 4), global_size=(1, 1, 64), local_size=(1, 1, 64))
     assert (await a.read(np.int32)).tolist() == [2] * 4
 
 

@@ -32,7 +32,7 @@ from ._objc import (
     release,
     send,
 )
-from ._queue import STORAGE_SHARED, MetalKernel, MetalQueue, MetalTimeline
+from ._queue import STORAGE_SHARED, MetalKernel, MetalQueue, MetalTimeline, MTLSize
 
 PAGE = mmap.PAGESIZE  # no-copy wrappers cover whole pages (16 KiB on Apple silicon)
 
@@ -95,6 +95,10 @@ class MetalBackend(Backend):
         name = send(send(self.device, "name"), "UTF8String", restype=ctypes.c_char_p)
         total = send(self.device, "recommendedMaxWorkingSetSize", restype=c_uint64)
         self._max_buffer = int(send(self.device, "maxBufferLength", restype=c_ulong))
+        # The most threads of a threadgroup in each dimension, besides a pipeline's most in
+        # all (maxTotalThreadsPerThreadgroup): both checked at a launch (MetalQueue.launch).
+        most = send(self.device, "maxThreadsPerThreadgroup", restype=MTLSize)
+        self.max_threadgroup = (int(most.width), int(most.height), int(most.depth))
         self._info = DeviceInfo(name=(name or b"metal").decode(), total_memory=int(total))
         self._compiler = MetalCompiler()
         self.live_allocations = 0

@@ -1,7 +1,11 @@
 """Objective-C messaging with ctypes, as tinygrad's ``ops_metal.py`` does: no PyObjC.
 
 ``send(obj, "selector:with:", *args, restype=..., argtypes=(...))`` calls ``objc_msgSend``
-through one cached ctypes function object per (restype, argtypes) signature.
+through one cached ctypes function object per (restype, argtypes) signature -- or, on
+x86-64, ``objc_msgSend_stret`` for a structure the ABI returns in memory (one larger than
+16 bytes, an ``MTLSize``): there the caller passes the address of the result first, so
+the receiver and selector are not where ``objc_msgSend`` looks for them. (arm64's
+``objc_msgSend`` returns every structure.)
 Nothing here is loaded until first used, so importing it off macOS is harmless.
 
 Where the system libraries come from is configurable, so the backend can run against a
@@ -16,6 +20,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import platform
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -105,9 +110,16 @@ def objc_msgsend_address() -> int:
     return ctypes.cast(libobjc().objc_msgSend, ctypes.c_void_p).value or 0
 
 
+# Whether a structure larger than 16 bytes comes back through objc_msgSend_stret.
+_STRET = platform.machine().lower() in ("x86_64", "amd64")
+
+
 @functools.cache
 def _sender(restype: Any, argtypes: tuple[Any, ...]) -> Any:
     address = objc_msgsend_address()
+    structure = isinstance(restype, type) and issubclass(restype, ctypes.Structure)
+    if _STRET and structure and ctypes.sizeof(restype) > 16:
+        address = ctypes.cast(libobjc().objc_msgSend_stret, ctypes.c_void_p).value or 0
     prototype = ctypes.CFUNCTYPE(restype, ctypes.c_void_p, ctypes.c_void_p, *argtypes)
     return prototype(address)
 

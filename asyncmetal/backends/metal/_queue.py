@@ -54,6 +54,7 @@ class MetalDevice(Protocol):
     device: int
     lib: ctypes.CDLL
     block_isa: int
+    max_threadgroup: tuple[int, int, int]  # maxThreadsPerThreadgroup: width, height, depth
 
     @overload
     def wrap_pages(self, address: int, nbytes: int) -> tuple[int, int]: ...
@@ -74,6 +75,9 @@ class MetalKernel(NamedTuple):
 
 class MTLSize(ctypes.Structure):
     _fields_ = [("width", c_ulong), ("height", c_ulong), ("depth", c_ulong)]
+
+
+_MTLSIZE_FIELDS = ("width", "height", "depth")  # a launch size's x, y, z
 
 
 class NSRange(ctypes.Structure):
@@ -593,10 +597,18 @@ class MetalQueue(NativeQueue):
         # Each value's bytes (the low ones of its slot: Metal's GPUs are little-endian)
         # and their number, its type's size: setBytes copies them into the argument
         # table, aligned as the kernel's parameter type.
+        # Metal's validation aborts the process on a dispatch beyond either limit: refused
+        # here, before the command has a command buffer.
+        most = self._backend.max_threadgroup
+        for i, axis in enumerate("xyz"):
+            if local_size[i] > most[i]:
+                raise InvalidArgumentError(
+                    f"local_size {local_size} has {local_size[i]} threads in {axis}; a "
+                    f"threadgroup takes at most {most[i]} "
+                    f"(the device's maxThreadsPerThreadgroup.{_MTLSIZE_FIELDS[i]})"
+                )
         threads = local_size[0] * local_size[1] * local_size[2]
         if threads > program.max_threads:
-            # Metal's validation aborts the process on such a dispatch: refused here,
-            # before the command has a command buffer.
             raise InvalidArgumentError(
                 f"local_size {local_size} makes {threads} threads per threadgroup; kernel "
                 f"{program.name!r} takes at most {program.max_threads} "

@@ -60,8 +60,10 @@ static void encode_dispatch(mtlencoder *self, MTLSize grid, MTLSize group, const
     open_encoder(self, what);
     command *state = dispatch_state(self);
     if (!state->pipeline) fail("%s without a compute pipeline state", what);
+    MTLSize most = max_threads_per_threadgroup();
     if (!group.width || !group.height || !group.depth ||
-        group.width * group.height * group.depth > 1024)
+        group.width * group.height * group.depth > 1024 || group.width > most.width ||
+        group.height > most.height || group.depth > most.depth)
         fail("%s: threads per threadgroup %lux%lux%lu", what, group.width, group.height,
              group.depth);
     const mtlfunction *function = state->pipeline->function;

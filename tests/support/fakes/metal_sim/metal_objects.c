@@ -299,6 +299,17 @@ static uint64_t Device_recommendedMaxWorkingSetSize(mtldevice *self, SEL s) {
     return text ? strtoull(text, NULL, 0) : 1ull << 30;
 }
 
+/* MTLDevice.maxThreadsPerThreadgroup: the most threads of a threadgroup in each
+ * dimension (1024 x 1024 x 64), besides the most in all (a pipeline's
+ * maxTotalThreadsPerThreadgroup). An MTLSize: returned in memory on x86-64, so sent with
+ * objc_msgSend_stret (objc_runtime.c). */
+MTLSize max_threads_per_threadgroup(void) { return (MTLSize){1024, 1024, 64}; }
+
+static MTLSize Device_maxThreadsPerThreadgroup(mtldevice *self, SEL s) {
+    (void)self, (void)s;
+    return max_threads_per_threadgroup();
+}
+
 /* ---------------------------------------------------------------- classes ------ */
 
 static const method MTLDevice_methods[] = {
@@ -312,6 +323,7 @@ static const method MTLDevice_methods[] = {
     M("name", Device_name),
     M("recommendedMaxWorkingSetSize", Device_recommendedMaxWorkingSetSize),
     M("maxBufferLength", Device_maxBufferLength),
+    M("maxThreadsPerThreadgroup", Device_maxThreadsPerThreadgroup),
     {0, 0}};
 CLASS(MTLDevice, &NSObject_class, no_methods, MTLDevice_methods, mtldevice, NULL)
 static const method MTLBuffer_methods[] = {

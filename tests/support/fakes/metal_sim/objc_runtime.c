@@ -15,7 +15,7 @@
  * that its receiver is a live object (released objects are kept as zombies, as with
  * NSZombieEnabled) and count references exactly.
  *
- * Exported C functions: objc_getClass, sel_registerName, objc_msgSend,
+ * Exported C functions: objc_getClass, sel_registerName, objc_msgSend, objc_msgSend_stret,
  * objc_autoreleasePoolPush, objc_autoreleasePoolPop, MTLCreateSystemDefaultDevice,
  * dispatch_queue_create, dispatch_data_create, dispatch_release,
  * MTLCodeGenServiceCreate, MTLCodeGenServiceBuildRequest (dispatch_queue_create only
@@ -25,7 +25,7 @@
  * and how many on the committing thread), asyncmetal_sim_fail_at (a message that makes
  * an object returns nil, as with no memory left).
  *
- * Classes and selectors: every selector the backend (backends/metal/) sends -- 38 --
+ * Classes and selectors: every selector the backend (backends/metal/) sends -- 39 --
  * and, marked *, those it does not send but the simulation's own tests use:
  *   NSObject        -retain -release -autorelease* -retainCount*
  *   NSString        +stringWithUTF8String: -UTF8String
@@ -36,6 +36,7 @@
  *                   -newSharedEvent -newLibraryWithData:error:
  *                   -newComputePipelineStateWithFunction:error: -name
  *                   -recommendedMaxWorkingSetSize -maxBufferLength
+ *                   -maxThreadsPerThreadgroup (an MTLSize: objc_msgSend_stret)
  *   MTLCommandQueue -commandBuffer
  *   MTLCommandBuffer -computeCommandEncoder -blitCommandEncoder -encodeWaitForEvent:value:
  *                   -encodeSignalEvent:value: -addCompletedHandler: -commit
@@ -442,6 +443,61 @@ __asm__(
     "    leave\n"
     "    jmp *%r11\n"
     ".size objc_msgSend, .-objc_msgSend\n"
+    "\n"
+    /* A method returning a structure in memory: the caller passes the result's address
+     * in %rdi, the receiver and selector after it (in %rsi, %rdx), as the method takes
+     * them. To nil: the result is left as it was, its address returned. */
+    ".globl objc_msgSend_stret\n"
+    ".type objc_msgSend_stret, @function\n"
+    "objc_msgSend_stret:\n"
+    "    push %rbp\n"
+    "    mov %rsp, %rbp\n"
+    "    sub $0xd0, %rsp\n"
+    "    mov %rdi, 0x00(%rsp)\n"
+    "    mov %rsi, 0x08(%rsp)\n"
+    "    mov %rdx, 0x10(%rsp)\n"
+    "    mov %rcx, 0x18(%rsp)\n"
+    "    mov %r8, 0x20(%rsp)\n"
+    "    mov %r9, 0x28(%rsp)\n"
+    "    mov %rax, 0x30(%rsp)\n"
+    "    movdqa %xmm0, 0x40(%rsp)\n"
+    "    movdqa %xmm1, 0x50(%rsp)\n"
+    "    movdqa %xmm2, 0x60(%rsp)\n"
+    "    movdqa %xmm3, 0x70(%rsp)\n"
+    "    movdqa %xmm4, 0x80(%rsp)\n"
+    "    movdqa %xmm5, 0x90(%rsp)\n"
+    "    movdqa %xmm6, 0xa0(%rsp)\n"
+    "    movdqa %xmm7, 0xb0(%rsp)\n"
+    "    mov %rsi, %rdi\n"
+    "    mov %rdx, %rsi\n"
+    "    call sim_lookup\n"
+    "    lea sim_nil_stret(%rip), %r11\n"
+    "    cmpq $0, 0x08(%rsp)\n"
+    "    cmovne %rax, %r11\n"
+    "    mov 0x00(%rsp), %rdi\n"
+    "    mov 0x08(%rsp), %rsi\n"
+    "    mov 0x10(%rsp), %rdx\n"
+    "    mov 0x18(%rsp), %rcx\n"
+    "    mov 0x20(%rsp), %r8\n"
+    "    mov 0x28(%rsp), %r9\n"
+    "    mov 0x30(%rsp), %rax\n"
+    "    movdqa 0x40(%rsp), %xmm0\n"
+    "    movdqa 0x50(%rsp), %xmm1\n"
+    "    movdqa 0x60(%rsp), %xmm2\n"
+    "    movdqa 0x70(%rsp), %xmm3\n"
+    "    movdqa 0x80(%rsp), %xmm4\n"
+    "    movdqa 0x90(%rsp), %xmm5\n"
+    "    movdqa 0xa0(%rsp), %xmm6\n"
+    "    movdqa 0xb0(%rsp), %xmm7\n"
+    "    leave\n"
+    "    jmp *%r11\n"
+    ".size objc_msgSend_stret, .-objc_msgSend_stret\n"
+    "\n"
+    ".type sim_nil_stret, @function\n"
+    "sim_nil_stret:\n"
+    "    mov %rdi, %rax\n"
+    "    ret\n"
+    ".size sim_nil_stret, .-sim_nil_stret\n"
     "\n"
     ".globl sim_nil\n"
     ".hidden sim_nil\n"

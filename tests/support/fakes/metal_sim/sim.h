@@ -222,6 +222,7 @@ void check_block_signature(const void *block, const char *want, const char *what
 void event_set(mtlevent *e, uint64_t value);
 void free_command(command *c);
 void add_command(mtlcmdbuf *cb, command *c);
+MTLSize max_threads_per_threadgroup(void);
 #pragma GCC visibility pop
 
 #endif
