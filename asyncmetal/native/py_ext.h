@@ -69,7 +69,7 @@ extern AM_HIDDEN PyObject *am_names[AM_NAMES];
 
 /* py_module.c */
 AM_HIDDEN int take_args(Py_ssize_t n, Py_ssize_t want, const char *name);
-AM_HIDDEN int grid_dims(const unsigned long *global, const unsigned long *local, unsigned *dims);
+AM_HIDDEN int grid_dims(const uint64_t *global, const uint64_t *local, unsigned *dims);
 
 /* py_launch.c */
 AM_HIDDEN PyObject *py_setup(PyObject *self, PyObject *const *a, Py_ssize_t n);

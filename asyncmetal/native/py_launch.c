@@ -67,7 +67,7 @@ static Py_ssize_t attr_ssize(PyObject *obj, PyObject *name) {
 
 /* A launch size the Python path accepts: 0 with out[3] filled, 1 if not the simple
  * kind (the Python path decides: it refuses sizes of 2**32 or more), -1 on error. */
-static int simple_size(PyObject *size, unsigned long out[3]) {
+static int simple_size(PyObject *size, uint64_t out[3]) {
     out[0] = out[1] = out[2] = 1;
     if (size == one3) return 0;
     PyObject *items[3];
@@ -88,7 +88,7 @@ static int simple_size(PyObject *size, unsigned long out[3]) {
         long long v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
         if (v == -1 && PyErr_Occurred()) return -1;
         if (overflow || v < 1 || v > UINT32_MAX) return 1;
-        out[i] = (unsigned long)v;
+        out[i] = (uint64_t)v;
     }
     return 0;
 }
@@ -358,7 +358,7 @@ PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     if (attr_ssize(program, NAME(PROGRAM_BUFFER_COUNT)) != nbuf || attr_ssize(program, NAME(PROGRAM_VALUE_COUNT)) != nval ||
         nbuf + nval > most)
         goto fallback;
-    unsigned long global[3], local[3];
+    uint64_t global[3], local[3];
     if ((r = simple_size(a[5], global)) || (r = simple_size(a[6], local))) goto fallback;
 
     /* The arguments in launch order (buffers, then vals), each a 64-bit slot. */

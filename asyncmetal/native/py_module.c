@@ -123,16 +123,26 @@ static PyObject *py_queue_call(PyObject *self, PyObject *const *a, Py_ssize_t n)
 }
 
 /* grid = ceil(global / local) and block = local per dimension, no shared memory; 1 if
- * a size is outside [1, 2**32). */
-int grid_dims(const unsigned long *global, const unsigned long *local, unsigned *dims) {
+ * a size is outside [1, 2**32). In 64 bits: global + local - 1 reaches 2**33 - 3 (an
+ * unsigned long, 32 bits on LLP64 Windows, would wrap to a grid of 0). */
+int grid_dims(const uint64_t *global, const uint64_t *local, unsigned *dims) {
     for (int i = 0; i < 3; i++) {
-        unsigned long g = global[i], l = local[i];
+        uint64_t g = global[i], l = local[i];
         if (!g || !l || g > UINT32_MAX || l > UINT32_MAX) return 1;
         dims[i] = (unsigned)((g + l - 1) / l);
         dims[3 + i] = (unsigned)l;
     }
     dims[6] = 0;
     return 0;
+}
+
+/* A launch size: an int as it is, or 0 (refused by grid_dims, as 0 is) for one below 0
+ * or beyond 64 bits, which a conversion would refuse with an OverflowError instead of
+ * the ValueError naming the range; 0 with an error set for what is no int. */
+static uint64_t launch_size(PyObject *size) {
+    int overflow;
+    long long v = PyLong_AsLongLongAndOverflow(size, &overflow);
+    return overflow || v < 0 ? 0 : (uint64_t)v;
 }
 
 /* The launch sizes from two 3-tuples of ints >= 1 (asyncmetal.Queue checked them). */
@@ -142,10 +152,10 @@ static int launch_dims(PyObject *global, PyObject *local, unsigned *dims) {
         PyErr_SetString(PyExc_TypeError, "global and local sizes must be 3-tuples");
         return -1;
     }
-    unsigned long g[3], l[3];
+    uint64_t g[3], l[3];
     for (int i = 0; i < 3; i++) {
-        g[i] = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(global, i));
-        l[i] = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(local, i));
+        g[i] = launch_size(PyTuple_GET_ITEM(global, i));
+        l[i] = launch_size(PyTuple_GET_ITEM(local, i));
         if (PyErr_Occurred()) return -1;
     }
     if (grid_dims(g, l, dims)) {

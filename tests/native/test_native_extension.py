@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -57,6 +58,13 @@ def test_extension_refuses_bad_arguments_without_crashing() -> None:
         extension.cuq_launch(1, 0, (1, 1), one, [], 1)
     with pytest.raises(ValueError, match="launch sizes"):
         extension.cuq_launch(1, 0, one, (1, 0, 1), [], 1)
+    # Sizes past 32 bits, past 64 or below 0, in either size: the same ValueError, never a
+    # wrapped grid nor a conversion's OverflowError. Checked: fails without the fix (an
+    # OverflowError for 2**64).
+    for huge in (2**32, 2**32 + 1, 2**64 - 1, 2**64, 2**70, -1):
+        for sizes in (((1, huge, 1), one), (one, (1, 1, huge))):
+            with pytest.raises(ValueError, match=re.escape("launch sizes must be in [1, 2**32)")):
+                extension.cuq_launch(1, 0, *sizes, [], 1)
     with pytest.raises(ValueError, match="at most 64"):
         extension.cuq_launch(1, 0, one, one, [(None, 0, 1)] * 65, 1)
     with pytest.raises(OverflowError):
