@@ -279,6 +279,10 @@ def _own_symbol(lib: ctypes.CDLL, name: str, path: str) -> int:
     raise AttributeError(f"{name!r} is not defined in the compiled library")
 
 
+_ET_DYN = 3
+_ELF_TYPES = {1: "a relocatable object (ELF type 1)", 2: "an executable (ELF type 2)"}
+
+
 def _program_headers(binary: bytes) -> list[tuple[int, int, int, int]]:
     """``binary``'s ELF program headers, as (type, offset in the file, address, size in
     the file); none where it is not ELF (Mach-O on macOS). OSError where the headers
@@ -288,6 +292,10 @@ def _program_headers(binary: bytes) -> list[tuple[int, int, int, int]]:
     if len(binary) < 64 or binary[4] not in (1, 2) or binary[5] not in (1, 2):
         raise OSError("the compiled library is cut short (an incomplete ELF header)")
     order = "<" if binary[5] == 1 else ">"
+    (kind,) = struct.unpack_from(order + "H", binary, 16)
+    if kind != _ET_DYN:  # an object file (-c among the options) has no program headers
+        what = _ELF_TYPES.get(kind, f"an ELF file of type {kind}")
+        raise OSError(f"the compiler made {what}, not a shared library")
     if binary[4] == 2:  # ELFCLASS64: e_phoff at 32; type, flags, offset, address, .., size
         (table,) = struct.unpack_from(order + "Q", binary, 32)
         entry, count = struct.unpack_from(order + "HH", binary, 54)
@@ -296,7 +304,9 @@ def _program_headers(binary: bytes) -> list[tuple[int, int, int, int]]:
         (table,) = struct.unpack_from(order + "I", binary, 28)
         entry, count = struct.unpack_from(order + "HH", binary, 42)
         row_format, least = order + "IIIII", 32
-    if count and (entry < least or table + entry * count > len(binary)):
+    if not count:
+        return []
+    if entry < least or table + entry * count > len(binary):
         raise OSError("the compiled library is cut short (its program headers)")
     headers = []
     for row in range(table, table + entry * count, entry):

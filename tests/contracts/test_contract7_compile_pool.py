@@ -605,6 +605,14 @@ async def test_compile_options_reach_the_compiler_and_key_the_cache(device: am.D
         await device.compile(src, "nope", options=("-DVALUE=1",))
 
 
+async def test_options_that_make_an_object_file_say_so(device: am.Device) -> None:
+    """``-c`` makes the C compiler write a relocatable object, not a shared library: the
+    compile fails saying what the compiler made (an ELF file with no program headers).
+    Checked: fails without the fix ("range() arg 3 must not be zero" in the message)."""
+    with pytest.raises(am.CompileError, match=r"made a relocatable object .*not a shared"):
+        await device.compile(_PUT["cpu"], "put", options=("-c", "-DVALUE=1"))
+
+
 async def test_compile_options_are_checked_before_anything_compiles(device: am.Device) -> None:
     src = _PUT["metal" if device.name == "metal" else "cpu"]
     with pytest.raises(am.ArgumentTypeError, match="tuple or list of str"):
