@@ -30,7 +30,7 @@ from asyncmetal._compile import source_key
 from asyncmetal._pool import CompilePool, compiler_identity
 from asyncmetal.backends.cpu import CCompiler
 from tests.reliability.test_fork import _FORK_HOLDING
-from tests.support.compilers import SlowCompiler
+from tests.support.compilers import GatedCompiler, SlowCompiler, gate_name
 
 pytestmark = pytest.mark.anyio
 BOUND = 60  # seconds: what would otherwise hang fails instead
@@ -1103,7 +1103,7 @@ sys.path.insert(0, {root!r})
 from asyncmetal._pool import CompilePool
 from asyncmetal._cache import CompileCache
 from tests.reliability.test_fork import _FORK_HOLDING
-from tests.support.compilers import SlowCompiler
+from tests.support.compilers import GatedCompiler, SlowCompiler, gate_name
 async def main():
     pools = [CompilePool(2, cache=CompileCache({cache!r})) for _ in range(2)]
     async with anyio.create_task_group() as tg:
@@ -1126,7 +1126,7 @@ from asyncmetal._cache import CompileCache
 from asyncmetal._pool import CompilePool
 from asyncmetal.backends.cpu import CCompiler
 from tests.reliability.test_fork import _FORK_HOLDING
-from tests.support.compilers import SlowCompiler
+from tests.support.compilers import GatedCompiler, SlowCompiler, gate_name
 pool = CompilePool(1, cache=CompileCache({cache!r}))
 assert anyio.run(pool.compile, CCompiler(), "int twice(int x) {{ return 2 * x; }}")
 worker = pool._workers[0]
@@ -1670,6 +1670,93 @@ async def test_a_compile_submitted_as_the_pool_shuts_down_is_refused(
     finally:
         pool._lock = real_lock
         pool.shutdown()
+
+
+async def test_a_close_refuses_the_compiles_not_started_and_lets_the_running_one_finish(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A close refuses at once the compiles still queued -- their callers get
+    ClosedResourceError, and they never start -- while the one running finishes with
+    its binary, and the close returns once it has. Checked: fails without the fix
+    (the close ran every queued compile first: the queued caller waited behind the
+    running compile, held at its gate, past its bound)."""
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    compiler = GatedCompiler(str(gates))
+    running, queued = _src("running"), _src("queued")
+    binaries: list[bytes] = []
+    closed = anyio.Event()
+
+    async def compile_running() -> None:
+        binaries.append(await pool.compile(compiler, running))
+
+    async def close() -> None:
+        await pool.aclose()
+        closed.set()
+
+    try:
+        with anyio.fail_after(BOUND):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(compile_running)
+                while not (gates / f"{gate_name(running)}.began").exists():
+                    await anyio.sleep(0.01)  # (another process) the one worker is on it
+                key = source_key(await compiler_identity(compiler), queued)
+                job = pool._submit(compiler, queued, key)  # queued behind it
+                tg.start_soon(close)
+                # (Well within SHUTDOWN_JOIN_S, which the close waits for the running one.)
+                with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="closed"):
+                    await pool._wait(job)
+                assert not closed.is_set()  # the running compile is still held
+                (gates / gate_name(running)).touch()
+                await closed.wait()
+        assert len(binaries) == 1 and binaries[0].startswith(b"\x7fELF")
+        assert not (gates / f"{gate_name(queued)}.began").exists()
+        assert pool.compiles == 1 and pool.workers == 0
+    finally:
+        for src in (running, queued):  # (a test failed before opening them)
+            (gates / gate_name(src)).touch()
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+
+
+async def test_a_compile_a_worker_takes_as_its_pool_closes_is_refused(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A job a worker took from the queue just before a close emptied it is refused by
+    that worker (ClosedResourceError), not started. Checked: fails without the fix (it
+    was compiled)."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    compiler, src = CCompiler(), _src("taken as closed")
+    key = source_key(await compiler_identity(compiler), src)
+    pending = pool._pending
+    real_get, real_get_nowait = pending.get, pending.get_nowait
+    draining = threading.Event()
+    closers: list[threading.Thread] = []
+
+    def get_nowait() -> Any:  # the close empties the queue, the pool closed already
+        draining.set()
+        return real_get_nowait()
+
+    def get(*args: Any, **kwargs: Any) -> Any:
+        job = real_get(*args, **kwargs)
+        if getattr(job, "key", None) == key:  # taken, not yet decided about: close now
+            closers.append(threading.Thread(target=pool.shutdown))
+            closers[0].start()
+            draining.wait(BOUND / 4)
+        return job
+
+    pending.get = get  # type: ignore[method-assign]
+    pending.get_nowait = get_nowait  # type: ignore[method-assign]
+    try:
+        job = pool._submit(compiler, src, key)
+        with anyio.fail_after(BOUND), pytest.raises(am.ClosedResourceError, match="closed"):
+            await pool._wait(job)
+        assert pool.compiles == 0
+    finally:
+        draining.set()
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+        for closer in closers:
+            await anyio.to_thread.run_sync(closer.join, BOUND)
 
 
 async def test_a_timed_out_caller_waiting_for_its_compiles_end_is_not_held_by_a_joiner(
