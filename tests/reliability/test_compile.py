@@ -27,6 +27,7 @@ import pytest
 import asyncmetal as am
 from asyncmetal._cache import CacheWarning, CompileCache
 from asyncmetal._compile import source_key
+from asyncmetal._native_build import cc_command
 from asyncmetal._pool import CompilePool, compiler_identity
 from asyncmetal.backends.cpu import CCompiler
 from tests.reliability.test_fork import _FORK_HOLDING
@@ -191,6 +192,59 @@ echo "$$ $! $(dirname "$out") $scratch" > "{record}.tmp"
 mv "{record}.tmp" "{record}"
 wait
 """
+
+
+_SILENT_CC = """#!/bin/sh
+# A C compiler (a wrapper) that never says its version: it starts a child that
+# holds its output open, records the child's pid and waits for it. Else the real one.
+if [ "$1" = "--version" ]; then
+    sleep 20 &
+    echo "$!" > "{record}.tmp"
+    mv "{record}.tmp" "{record}"
+    wait
+    exit 0
+fi
+exec {real} "$@"
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+async def test_a_compiler_that_does_not_say_its_version_fails_the_compile_in_time(
+    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiler's version keys the cache; one that does not answer ``--version``
+    (asked off the loop) fails the compile with a CompileError saying so once
+    VERSION_TIMEOUT_S has passed, killed with what it started. Checked: fails without
+    the fix (the compile waited for the wrapper's child, then went on)."""
+    from asyncmetal.backends import cpu
+
+    monkeypatch.setattr(cpu, "VERSION_TIMEOUT_S", 2.0)
+    real = shutil.which(cc_command()[0])
+    assert real is not None
+    record = tmp_path / "child"
+    wrapper = tmp_path / "silent-cc"
+    wrapper.write_text(_SILENT_CC.format(record=record, real=shlex.quote(real)))
+    wrapper.chmod(0o755)
+    asked_on: list[threading.Thread] = []
+    real_popen = subprocess.Popen
+
+    def popen(args: Any, *rest: Any, **kwargs: Any) -> Any:
+        if "--version" in args:
+            asked_on.append(threading.current_thread())
+        return real_popen(args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    try:
+        with anyio.fail_after(15), pytest.raises(am.CompileError, match="did not answer"):
+            await pool.compile(CCompiler(str(wrapper)), _src("silent"))
+    finally:
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+    assert asked_on and threading.main_thread() not in asked_on  # (the loop's thread)
+    child = int(record.read_text())
+    with anyio.fail_after(5):  # (SIGKILL is sent, its end comes a moment later)
+        while not _dead(child):
+            await anyio.sleep(0.01)
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
