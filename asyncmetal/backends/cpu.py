@@ -18,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import functools
+import mmap
 import os
 import platform
 import re
@@ -342,6 +344,20 @@ def _program_headers(binary: bytes) -> list[tuple[int, int, int, int]]:
             kind, offset, address, _, size = fields
         headers.append((kind, offset, address, size))
     return headers
+
+
+def _maps_executable(fd: int) -> bool:
+    """Whether the file open as ``fd`` may be mapped as code, as dlopen maps a library's
+    text. A file system mounted ``noexec`` (or a policy: SELinux, a container's) refuses
+    with EPERM or EACCES, whatever the file holds -- and dlopen then says only "failed
+    to map segment from shared object", as it does when memory runs out."""
+    try:
+        mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_EXEC).close()
+    except PermissionError:
+        return False
+    except (OSError, ValueError):  # (another failure: not this one's to report)
+        return True
+    return True
 
 
 def _check_extent(binary: bytes) -> None:
@@ -741,7 +757,19 @@ class CPUBackend(HostQueues, Backend):
             with self._libraries_lock:
                 if self._closed:
                     raise ClosedResourceError(f"device {self._info.name} is closed")
-                lib = ctypes.CDLL(f.name, mode=os.RTLD_LOCAL)
+                try:
+                    lib = ctypes.CDLL(f.name, mode=os.RTLD_LOCAL)
+                except OSError as exc:
+                    if _maps_executable(f.fileno()):
+                        raise  # the binary's own fault: the device rebuilds it
+                    directory = os.path.dirname(f.name)
+                    raise PermissionError(
+                        errno.EPERM,
+                        f"cannot run a kernel library from {directory}: code there may not "
+                        "be mapped (a file system mounted noexec, or a security policy) -- "
+                        "each kernel library is written to the temporary directory to be "
+                        "loaded: set $TMPDIR to one that allows running code",
+                    ) from exc
                 _pin_dependencies(binary)
                 try:
                     address = _own_symbol(lib, name, f.name)
