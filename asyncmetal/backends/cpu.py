@@ -20,7 +20,6 @@ import ctypes
 import ctypes.util
 import errno
 import functools
-import mmap
 import os
 import platform
 import re
@@ -344,20 +343,6 @@ def _program_headers(binary: bytes) -> list[tuple[int, int, int, int]]:
             kind, offset, address, _, size = fields
         headers.append((kind, offset, address, size))
     return headers
-
-
-def _maps_executable(fd: int) -> bool:
-    """Whether the file open as ``fd`` may be mapped as code, as dlopen maps a library's
-    text. A file system mounted ``noexec`` (or a policy: SELinux, a container's) refuses
-    with EPERM or EACCES, whatever the file holds -- and dlopen then says only "failed
-    to map segment from shared object", as it does when memory runs out."""
-    try:
-        mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_EXEC).close()
-    except PermissionError:
-        return False
-    except (OSError, ValueError):  # (another failure: not this one's to report)
-        return True
-    return True
 
 
 def _check_extent(binary: bytes) -> None:
@@ -760,7 +745,7 @@ class CPUBackend(HostQueues, Backend):
                 try:
                     lib = ctypes.CDLL(f.name, mode=os.RTLD_LOCAL)
                 except OSError as exc:
-                    if _maps_executable(f.fileno()):
+                    if _native.maps_executable(f.fileno()):
                         raise  # the binary's own fault: the device rebuilds it
                     directory = os.path.dirname(f.name)
                     raise PermissionError(

@@ -641,6 +641,60 @@ def test_a_noexec_temporary_directory_keeps_the_cache_entry(tmp_path: Path) -> N
     assert lines[1] == "compiles: 1", lines
 
 
+_NOEXEC_RUNTIME_SCRIPT = """
+import ctypes, errno, mmap, os
+import anyio
+import asyncmetal as am
+from asyncmetal import _native
+
+_native._packaged_candidates = lambda: []  # as where no runtime is packaged: built at first use
+cache = os.environ["ASYNCMETAL_CACHE_DIR"]
+real_cdll, real_mmap = ctypes.CDLL, mmap.mmap
+
+def cdll(name, *args, **kwargs):  # as dlopen fails where the cache directory is noexec
+    if isinstance(name, str) and name.startswith(cache):
+        raise OSError(f"{name}: failed to map segment from shared object")
+    return real_cdll(name, *args, **kwargs)
+
+def mapped(*args, **kwargs):  # and as mapping code there fails
+    if kwargs.get("prot", 0) & mmap.PROT_EXEC:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+    return real_mmap(*args, **kwargs)
+
+ctypes.CDLL, mmap.mmap = cdll, mapped
+
+async def main():
+    try:
+        async with am.open_device("cpu"):
+            print("opened")
+    except am.AsyncMetalError as exc:
+        print("error:", exc)
+
+anyio.run(main)
+"""
+
+
+def test_a_runtime_built_into_a_noexec_cache_directory_says_what_to_set(tmp_path: Path) -> None:
+    """The native runtime, built at first use into the cache directory, cannot be loaded
+    where that directory may not run code (mounted noexec: simulated as the system
+    refuses it): opening the cpu device raises an AsyncMetalError naming the directory
+    and $ASYNCMETAL_CACHE_DIR. Checked: fails without the fix (dlopen's OSError, which
+    names neither)."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, ASYNCMETAL_CACHE_DIR=str(cache))
+    done = subprocess.run(
+        [sys.executable, "-c", _NOEXEC_RUNTIME_SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=BOUND * 3,  # a first-use build compiles the runtime
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = done.stdout.strip()
+    assert line.startswith("error: cannot run asyncmetal's native runtime"), line
+    assert f"from {cache}:" in line and "$ASYNCMETAL_CACHE_DIR" in line, line
+
+
 async def test_a_full_disk_turns_the_cache_off_with_a_warning(pool: CompilePool) -> None:
     db = pool.cache._connect()
     (pages,) = db.execute("PRAGMA page_count").fetchone()
