@@ -890,9 +890,10 @@ class Device(Singular):
         Raises :class:`CompileError` (its ``name`` is ``name``) with the compiler's log,
         also when ``name`` is not defined in ``src``, and when ``timeout`` (seconds,
         positive) passes: the worker and the compiler processes it started are then
-        killed. A cached binary that does
-        not load is rebuilt once. Cancelling withdraws a compile that has not started; a
-        running one finishes into the cache.
+        killed. A cached binary that does not load is rebuilt once -- unless code may
+        not run where it is loaded from (a noexec temporary directory: a CompileError
+        naming it, the cache entry kept). Cancelling withdraws a compile that has not
+        started; a running one finishes into the cache.
         """
         timeout = check_timeout(timeout)  # arguments first, then the source
         options = check_options(options)
@@ -1044,6 +1045,11 @@ class Device(Singular):
             raise
         except (DeviceLostError, MemoryError):
             raise  # the device's trouble, not the binary's
+        except PermissionError as exc:
+            # Nor is a place that may not run code (a noexec temporary directory): a
+            # rebuilt binary would not load either, so the cached one is kept.
+            why = exc.strerror if exc.filename is None else str(exc)
+            raise CompileError(f"kernel {name!r} cannot be loaded: {why}", name=name) from exc
         except Exception as exc:
             raise _UnloadableError from exc
 

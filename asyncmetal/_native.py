@@ -31,6 +31,7 @@ import atexit
 import ctypes
 import importlib.machinery
 import importlib.util
+import mmap
 import os
 import platform
 import shutil
@@ -302,6 +303,37 @@ def _packaged(sources: dict[str, bytes], want_extension: bool) -> tuple[str, boo
 _not_packaged: list[str] = []  # why packaged runtimes found were not used
 
 
+def maps_executable(fd: int) -> bool:
+    """Whether the file open as ``fd`` may be mapped as code, as dlopen maps a library's
+    text. A file system mounted ``noexec`` (or a policy: SELinux, a container's) refuses
+    with EPERM or EACCES, whatever the file holds -- and dlopen then says only "failed
+    to map segment from shared object", as it does when memory runs out."""
+    try:
+        mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_EXEC).close()
+    except PermissionError:
+        return False
+    except (OSError, ValueError):  # (another failure: not this one's to report)
+        return True
+    return True
+
+
+def _load_built(target: str) -> ctypes.CDLL:
+    """The runtime built at first use, loaded from ``target`` in the cache directory;
+    where code may not run from there, the error says so and what to set."""
+    try:
+        return ctypes.CDLL(target)
+    except OSError as exc:
+        with open(target, "rb") as f:
+            if maps_executable(f.fileno()):
+                raise
+        raise AsyncMetalError(
+            f"cannot run asyncmetal's native runtime from {os.path.dirname(target)}: code "
+            "there may not be mapped (a file system mounted noexec, or a security policy) "
+            "-- it is built at first use into the cache directory: set "
+            "$ASYNCMETAL_CACHE_DIR to one that allows running code"
+        ) from exc
+
+
 def runtime() -> ctypes.CDLL:
     """The loaded runtime; builds it the first time. Blocks: call it off the loop."""
     global _lib, _extension, extension_error, spin, due, host_running, origin, origin_path
@@ -339,7 +371,7 @@ def runtime() -> ctypes.CDLL:
                     _extension = _load_extension(target)
                 except (ImportError, OSError) as exc:
                     extension_error = f"{exc}"
-            lib = ctypes.CDLL(target)
+            lib = ctypes.CDLL(target) if origin == "packaged" else _load_built(target)
             for name, (restype, argtypes) in _SIGNATURES.items():
                 fn = getattr(lib, name)
                 fn.restype = restype

@@ -129,7 +129,7 @@ class _Job:
         self.untimed = 0
         self.started = False  # a worker compiles it
         self.awaiters = 0
-        self.result: bytes | CompileError | None = None
+        self.result: bytes | CompileError | ClosedResourceError | None = None
         self.log = ""  # what the compiler printed as it succeeded (its warnings)
         self.done = HostEvents()  # reaches 1 when result is set
         self.callbacks: list[Callable[[_Job], None]] = []  # run on the handler thread
@@ -208,7 +208,10 @@ class _Worker:
                     and job.deadline is not None
                     and job.deadline <= time.monotonic()
                 )
-                if withdrawn or expired:
+                # One taken after a close is not started either: a close lets the
+                # compiles running finish, and refuses those still queued.
+                closed = job is not _STOP and not withdrawn and not expired and pool._closed
+                if withdrawn or expired or closed:
                     del pool._in_flight[job.key]
                 # A job submitted while this thread took its own still counted it idle,
                 # and so started no worker: start one now if a slot is free.
@@ -222,8 +225,8 @@ class _Worker:
             if expired:
                 pool._finish(job, _timed_out(job), ran=False)
                 continue
-            if pool._killing:  # shut down at exit: nothing will await it
-                pool._finish(job, CompileError("the compile pool was shut down"), ran=False)
+            if closed:
+                pool._finish(job, _closed_error(), ran=False)
                 continue
             try:
                 result = self._compile(job)
@@ -395,6 +398,10 @@ def _check_compile(compiler: object, src: object) -> None:
             f"compile(compiler, src): the source is not encodable text ({exc.reason} at "
             f"character {exc.start})"
         ) from None
+
+
+def _closed_error() -> ClosedResourceError:
+    return ClosedResourceError("the compile pool was closed before this compile started")
 
 
 def _timed_out(job: _Job) -> CompileError:
@@ -605,7 +612,9 @@ class CompilePool(Singular):
         ):
             self._workers.append(_Worker(self))
 
-    def _finish(self, job: _Job, result: bytes | CompileError, *, ran: bool = True) -> None:
+    def _finish(
+        self, job: _Job, result: bytes | CompileError | ClosedResourceError, *, ran: bool = True
+    ) -> None:
         if isinstance(result, bytes):
             try:
                 self.cache._put_memory(job.key, result)
@@ -728,9 +737,10 @@ class CompilePool(Singular):
 
     @staticmethod
     def _result(job: _Job) -> bytes:
-        """The binary of a finished job, or its CompileError raised."""
+        """The binary of a finished job, or its error raised: its CompileError, or the
+        ClosedResourceError of one its pool's close refused before it started."""
         result = job.result
-        if isinstance(result, CompileError):
+        if isinstance(result, (CompileError, ClosedResourceError)):
             raise result
         assert result is not None
         return result
@@ -743,15 +753,30 @@ class CompilePool(Singular):
         return log if log.strip() else ""
 
     def shutdown(self, *, kill: bool = False) -> None:
-        """Stop the workers: they finish the job in hand (waited for ``SHUTDOWN_JOIN_S``
-        at most, all together; one still on it goes on, and is killed at exit) -- or,
-        with ``kill`` (at interpreter exit, when nothing will await them), that job and
-        the ones waiting are dropped, the workers and their compilers killed at once.
-        Their temporary directories are removed either way. Blocks: not on a loop."""
+        """Stop the workers: compiles not started yet are refused at once (their callers
+        get ``ClosedResourceError``); the workers finish the job in hand (waited for
+        ``SHUTDOWN_JOIN_S`` at most, all together; one still on it goes on, and is
+        killed at exit) -- or, with ``kill`` (at interpreter exit, when nothing will
+        await them), that job is dropped too, the workers and their compilers killed at
+        once. Their temporary directories are removed either way. Blocks: not on a
+        loop."""
         with self._lock:  # (a job submitted from now on is refused: see _submit)
             self._closed = True
             self._killing = kill
             workers = list(self._workers)
+            # Those queued leave now, not after the jobs in hand (a worker taking one
+            # meanwhile refuses it: see _run).
+            queued: list[_Job] = []
+            with contextlib.suppress(queue_module.Empty):
+                while True:
+                    job = self._pending.get_nowait()
+                    if job is not _STOP:  # (an earlier close's: its worker gets another)
+                        queued.append(job)
+            for job in queued:
+                if self._in_flight.get(job.key) is job:
+                    del self._in_flight[job.key]
+        for job in queued:
+            self._finish(job, _closed_error(), ran=False)
         for _ in workers:
             self._pending.put(_STOP)
         if kill:
@@ -767,7 +792,9 @@ class CompilePool(Singular):
             self._workers[:] = [worker for worker in workers if worker.thread.is_alive()]
 
     async def aclose(self) -> None:
-        """Stop the workers without blocking the loop."""
+        """:meth:`shutdown` without blocking the loop: compiles not started yet raise
+        ``ClosedResourceError`` in their callers at once; those running finish first.
+        Not cancelled: the workers are stopped all the same."""
         with anyio.CancelScope(shield=True):
             await to_thread(self.shutdown)
 

@@ -18,11 +18,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import functools
 import os
 import platform
 import re
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -119,11 +121,12 @@ class CCompiler(Compiler):
         return self.cc
 
     def version(self) -> str:
+        command = self._command()  # (its flags in $CC make other binaries)
+        version = _cc_version(command)  # (first: a compiler that hangs is told at once)
         # The C types it compiles for are asked here too: compile reads the identity
         # first, off the loop, so that reading a kernel's value types runs nothing.
         self.plain_types()
-        command = self._command()  # (its flags in $CC make other binaries)
-        return " ".join((_cc_version(command), *command[1:], *_LINK))
+        return " ".join((version, *command[1:], *_LINK))
 
     def plain_types(self) -> Mapping[str, str]:
         """The types of a plain ``char`` and of ``wchar_t`` as this compiler, with its
@@ -170,18 +173,51 @@ class CCompiler(Compiler):
         return params
 
 
+# How long the compiler may take to say its version and target (milliseconds, as a
+# rule): one that does not answer (a wrapper that hangs) fails the compile, rather than
+# holding it -- and the thread that asks -- for good.
+VERSION_TIMEOUT_S = 30.0
+
+
 @functools.lru_cache(maxsize=8)
 def _cc_version(cc: tuple[str, ...]) -> str:
     """The compiler's version and target: machines of two architectures that share a
-    cache directory (a network home) must not share binaries."""
+    cache directory (a network home) must not share binaries. Blocks (up to
+    ``VERSION_TIMEOUT_S`` for each question): asked off the loop, through
+    ``compiler_identity``. CompileError where the compiler does not answer in time."""
     try:
-        version = subprocess.run([*cc, "--version"], capture_output=True, check=False)
-        target = subprocess.run([*cc, "-dumpmachine"], capture_output=True, check=False)
+        version = _ask([*cc, "--version"])
+        target = _ask([*cc, "-dumpmachine"])
     except OSError:
         return "missing"
+    except subprocess.TimeoutExpired as exc:
+        raise CompileError(
+            f"the C compiler did not answer `{' '.join(exc.cmd)}` within {exc.timeout:g} s "
+            "(its version keys the compile cache): check it, or set $CC to another"
+        ) from None
     first_line = version.stdout.decode(errors="replace").partition("\n")[0]
     machine = target.stdout.decode(errors="replace").strip() if target.returncode == 0 else ""
     return f"{first_line} {machine or platform.machine()}"
+
+
+def _ask(command: list[str]) -> subprocess.CompletedProcess[bytes]:
+    """``command`` run to its end, its output captured; subprocess.TimeoutExpired after
+    ``VERSION_TIMEOUT_S``, once it and whatever it started (a wrapper's compiler, which
+    would hold the output open) are killed."""
+    with subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # a process group of its own, ended as one
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=VERSION_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)  # (unreaped: the group is its own)
+            raise
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 # Flags that change no C type (macros, include paths, optimisation, warnings, debug
@@ -716,7 +752,19 @@ class CPUBackend(HostQueues, Backend):
             with self._libraries_lock:
                 if self._closed:
                     raise ClosedResourceError(f"device {self._info.name} is closed")
-                lib = ctypes.CDLL(f.name, mode=os.RTLD_LOCAL)
+                try:
+                    lib = ctypes.CDLL(f.name, mode=os.RTLD_LOCAL)
+                except OSError as exc:
+                    if _native.maps_executable(f.fileno()):
+                        raise  # the binary's own fault: the device rebuilds it
+                    directory = os.path.dirname(f.name)
+                    raise PermissionError(
+                        errno.EPERM,
+                        f"cannot run a kernel library from {directory}: code there may not "
+                        "be mapped (a file system mounted noexec, or a security policy) -- "
+                        "each kernel library is written to the temporary directory to be "
+                        "loaded: set $TMPDIR to one that allows running code",
+                    ) from exc
                 _pin_dependencies(binary)
                 try:
                     address = _own_symbol(lib, name, f.name)

@@ -4,7 +4,9 @@ workers, and the caches when damaged, full or unwritable. Every wait is bounded.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import mmap
 import os
 import pickle
 import shlex
@@ -27,10 +29,11 @@ import pytest
 import asyncmetal as am
 from asyncmetal._cache import CacheWarning, CompileCache
 from asyncmetal._compile import source_key
+from asyncmetal._native_build import cc_command
 from asyncmetal._pool import CompilePool, compiler_identity
 from asyncmetal.backends.cpu import CCompiler
 from tests.reliability.test_fork import _FORK_HOLDING
-from tests.support.compilers import SlowCompiler
+from tests.support.compilers import GatedCompiler, SlowCompiler, gate_name
 
 pytestmark = pytest.mark.anyio
 BOUND = 60  # seconds: what would otherwise hang fails instead
@@ -191,6 +194,59 @@ echo "$$ $! $(dirname "$out") $scratch" > "{record}.tmp"
 mv "{record}.tmp" "{record}"
 wait
 """
+
+
+_SILENT_CC = """#!/bin/sh
+# A C compiler (a wrapper) that never says its version: it starts a child that
+# holds its output open, records the child's pid and waits for it. Else the real one.
+if [ "$1" = "--version" ]; then
+    sleep 20 &
+    echo "$!" > "{record}.tmp"
+    mv "{record}.tmp" "{record}"
+    wait
+    exit 0
+fi
+exec {real} "$@"
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+async def test_a_compiler_that_does_not_say_its_version_fails_the_compile_in_time(
+    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiler's version keys the cache; one that does not answer ``--version``
+    (asked off the loop) fails the compile with a CompileError saying so once
+    VERSION_TIMEOUT_S has passed, killed with what it started. Checked: fails without
+    the fix (the compile waited for the wrapper's child, then went on)."""
+    from asyncmetal.backends import cpu
+
+    monkeypatch.setattr(cpu, "VERSION_TIMEOUT_S", 2.0)
+    real = shutil.which(cc_command()[0])
+    assert real is not None
+    record = tmp_path / "child"
+    wrapper = tmp_path / "silent-cc"
+    wrapper.write_text(_SILENT_CC.format(record=record, real=shlex.quote(real)))
+    wrapper.chmod(0o755)
+    asked_on: list[threading.Thread] = []
+    real_popen = subprocess.Popen
+
+    def popen(args: Any, *rest: Any, **kwargs: Any) -> Any:
+        if "--version" in args:
+            asked_on.append(threading.current_thread())
+        return real_popen(args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    try:
+        with anyio.fail_after(15), pytest.raises(am.CompileError, match="did not answer"):
+            await pool.compile(CCompiler(str(wrapper)), _src("silent"))
+    finally:
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+    assert asked_on and threading.main_thread() not in asked_on  # (the loop's thread)
+    child = int(record.read_text())
+    with anyio.fail_after(5):  # (SIGKILL is sent, its end comes a moment later)
+        while not _dead(child):
+            await anyio.sleep(0.01)
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
@@ -457,6 +513,186 @@ async def test_a_cached_binary_for_another_machine_is_rebuilt(
     rebuilt = CompileCache(directory)
     assert rebuilt._load_disk(key) == good  # the bad entry was replaced
     rebuilt.close()
+
+
+def _noexec_dlopen(name: Any, *args: Any, **kwargs: Any) -> Any:
+    """ctypes.CDLL as where the temporary directory is mounted noexec: a kernel library
+    (written there as ``asyncmetal-*.so``) fails as glibc's dlopen fails there."""
+    if isinstance(name, str) and os.path.basename(name).startswith("asyncmetal-"):
+        raise OSError(f"{name}: failed to map segment from shared object")
+    return _REAL_CDLL(name, *args, **kwargs)
+
+
+def _noexec_mmap(*args: Any, **kwargs: Any) -> Any:
+    """mmap.mmap as on a noexec file system: no mapping as code (EPERM)."""
+    if kwargs.get("prot", 0) & mmap.PROT_EXEC:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+    return _REAL_MMAP(*args, **kwargs)
+
+
+_REAL_CDLL, _REAL_MMAP = ctypes.CDLL, mmap.mmap
+
+
+async def test_a_kernel_the_temporary_directory_may_not_run_keeps_its_cache_entry(
+    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the temporary directory may not run code (mounted noexec: simulated here as
+    the system refuses it, dlopen's "failed to map segment from shared object" and
+    EPERM for a mapping as code), loading a kernel raises a CompileError naming the
+    directory and $TMPDIR; the cached binary, not at fault, is neither evicted nor
+    built again, and loads once the directory allows it. (Really mounted, as root:
+    test_a_noexec_temporary_directory_keeps_the_cache_entry.) Checked: fails without
+    the fix (the entry was evicted and compiled again, and the error said only that
+    the kernel does not load)."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache"))
+    try:
+        async with am.open_device("cpu") as device:
+            device.compile_pool = pool
+            with anyio.fail_after(BOUND):
+                await device.compile(TWO_KERNELS, "put")
+                compiles = pool.compiles
+                key = source_key(await compiler_identity(device._backend.compiler), TWO_KERNELS)
+                with monkeypatch.context() as patch:
+                    patch.setattr(ctypes, "CDLL", _noexec_dlopen)
+                    patch.setattr(mmap, "mmap", _noexec_mmap)
+                    with pytest.raises(am.CompileError) as caught:
+                        await device.compile(TWO_KERNELS, "put2")
+                message = str(caught.value)
+                assert "'put2'" in message and "cannot run a kernel library" in message
+                assert tempfile.gettempdir() in message and "$TMPDIR" in message, message
+                assert pool.compiles == compiles  # not built again ...
+                assert await anyio.to_thread.run_sync(pool.cache._load_disk, key)  # nor evicted
+                prog = await device.compile(TWO_KERNELS, "put2")  # it loads now
+                assert pool.compiles == compiles
+                buf = await device.alloc(4)
+                await device.queue.launch(prog, buf, vals=(41,))
+                assert (await buf.read(np.int32))[0] == 42
+                await buf.free()
+    finally:
+        await pool.aclose()
+        pool.cache.close()
+
+
+_NOEXEC_SCRIPT = """
+import sys, tempfile
+import anyio
+sys.path.insert(0, {root!r})
+import asyncmetal as am
+from asyncmetal._cache import CompileCache
+from asyncmetal._pool import CompilePool
+
+async def main(cache, noexec, src):
+    pool = CompilePool(1, cache=CompileCache(cache))
+    try:
+        async with am.open_device("cpu") as dev:
+            dev.compile_pool = pool
+            await dev.compile(src, "put")
+            tempfile.tempdir = noexec  # (as $TMPDIR set there would)
+            try:
+                await dev.compile(src, "put2")
+            except am.CompileError as exc:
+                print("error:", str(exc).replace("\\n", " "))
+            tempfile.tempdir = None
+            await dev.compile(src, "put2")
+            print("compiles:", pool.compiles)
+    finally:
+        await pool.aclose()
+
+anyio.run(main, *sys.argv[1:])
+"""
+
+
+def test_a_noexec_temporary_directory_keeps_the_cache_entry(tmp_path: Path) -> None:
+    """The simulated test above on a file system really mounted noexec (a tmpfs in a
+    mount namespace of the script's own): its CompileError names that directory and
+    $TMPDIR, and the cached binary loads from elsewhere with no compile. Needs root
+    (and ``unshare``); skipped, saying so, where mounting is not allowed -- the
+    simulated test covers the same path everywhere. Checked: fails without the fix."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a noexec tmpfs needs root (the simulated test covers this)")
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("no unshare to mount a noexec tmpfs (the simulated test covers this)")
+    noexec = tmp_path / "noexec"
+    noexec.mkdir()
+    script = _NOEXEC_SCRIPT.format(root=str(Path(__file__).resolve().parents[2]))
+    command = [sys.executable, "-c", script, str(tmp_path / "cache"), str(noexec), TWO_KERNELS]
+    mounted = f"mount -t tmpfs -o noexec tmpfs {shlex.quote(str(noexec))}"
+    done = subprocess.run(
+        [
+            unshare,
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            f"{mounted} && exec {shlex.join(command)}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+    )
+    if done.returncode != 0 and "Traceback" not in done.stderr:
+        pytest.skip(f"cannot mount a noexec tmpfs here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error:"), lines
+    assert f"from {noexec}:" in lines[0] and "$TMPDIR" in lines[0], lines
+    assert lines[1] == "compiles: 1", lines
+
+
+_NOEXEC_RUNTIME_SCRIPT = """
+import ctypes, errno, mmap, os
+import anyio
+import asyncmetal as am
+from asyncmetal import _native
+
+_native._packaged_candidates = lambda: []  # as where no runtime is packaged: built at first use
+cache = os.environ["ASYNCMETAL_CACHE_DIR"]
+real_cdll, real_mmap = ctypes.CDLL, mmap.mmap
+
+def cdll(name, *args, **kwargs):  # as dlopen fails where the cache directory is noexec
+    if isinstance(name, str) and name.startswith(cache):
+        raise OSError(f"{name}: failed to map segment from shared object")
+    return real_cdll(name, *args, **kwargs)
+
+def mapped(*args, **kwargs):  # and as mapping code there fails
+    if kwargs.get("prot", 0) & mmap.PROT_EXEC:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+    return real_mmap(*args, **kwargs)
+
+ctypes.CDLL, mmap.mmap = cdll, mapped
+
+async def main():
+    try:
+        async with am.open_device("cpu"):
+            print("opened")
+    except am.AsyncMetalError as exc:
+        print("error:", exc)
+
+anyio.run(main)
+"""
+
+
+def test_a_runtime_built_into_a_noexec_cache_directory_says_what_to_set(tmp_path: Path) -> None:
+    """The native runtime, built at first use into the cache directory, cannot be loaded
+    where that directory may not run code (mounted noexec: simulated as the system
+    refuses it): opening the cpu device raises an AsyncMetalError naming the directory
+    and $ASYNCMETAL_CACHE_DIR. Checked: fails without the fix (dlopen's OSError, which
+    names neither)."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, ASYNCMETAL_CACHE_DIR=str(cache))
+    done = subprocess.run(
+        [sys.executable, "-c", _NOEXEC_RUNTIME_SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=BOUND * 3,  # a first-use build compiles the runtime
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = done.stdout.strip()
+    assert line.startswith("error: cannot run asyncmetal's native runtime"), line
+    assert f"from {cache}:" in line and "$ASYNCMETAL_CACHE_DIR" in line, line
 
 
 async def test_a_full_disk_turns_the_cache_off_with_a_warning(pool: CompilePool) -> None:
@@ -1103,7 +1339,7 @@ sys.path.insert(0, {root!r})
 from asyncmetal._pool import CompilePool
 from asyncmetal._cache import CompileCache
 from tests.reliability.test_fork import _FORK_HOLDING
-from tests.support.compilers import SlowCompiler
+from tests.support.compilers import GatedCompiler, SlowCompiler, gate_name
 async def main():
     pools = [CompilePool(2, cache=CompileCache({cache!r})) for _ in range(2)]
     async with anyio.create_task_group() as tg:
@@ -1126,7 +1362,7 @@ from asyncmetal._cache import CompileCache
 from asyncmetal._pool import CompilePool
 from asyncmetal.backends.cpu import CCompiler
 from tests.reliability.test_fork import _FORK_HOLDING
-from tests.support.compilers import SlowCompiler
+from tests.support.compilers import GatedCompiler, SlowCompiler, gate_name
 pool = CompilePool(1, cache=CompileCache({cache!r}))
 assert anyio.run(pool.compile, CCompiler(), "int twice(int x) {{ return 2 * x; }}")
 worker = pool._workers[0]
@@ -1670,6 +1906,93 @@ async def test_a_compile_submitted_as_the_pool_shuts_down_is_refused(
     finally:
         pool._lock = real_lock
         pool.shutdown()
+
+
+async def test_a_close_refuses_the_compiles_not_started_and_lets_the_running_one_finish(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A close refuses at once the compiles still queued -- their callers get
+    ClosedResourceError, and they never start -- while the one running finishes with
+    its binary, and the close returns once it has. Checked: fails without the fix
+    (the close ran every queued compile first: the queued caller waited behind the
+    running compile, held at its gate, past its bound)."""
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    compiler = GatedCompiler(str(gates))
+    running, queued = _src("running"), _src("queued")
+    binaries: list[bytes] = []
+    closed = anyio.Event()
+
+    async def compile_running() -> None:
+        binaries.append(await pool.compile(compiler, running))
+
+    async def close() -> None:
+        await pool.aclose()
+        closed.set()
+
+    try:
+        with anyio.fail_after(BOUND):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(compile_running)
+                while not (gates / f"{gate_name(running)}.began").exists():
+                    await anyio.sleep(0.01)  # (another process) the one worker is on it
+                key = source_key(await compiler_identity(compiler), queued)
+                job = pool._submit(compiler, queued, key)  # queued behind it
+                tg.start_soon(close)
+                # (Well within SHUTDOWN_JOIN_S, which the close waits for the running one.)
+                with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="closed"):
+                    await pool._wait(job)
+                assert not closed.is_set()  # the running compile is still held
+                (gates / gate_name(running)).touch()
+                await closed.wait()
+        assert len(binaries) == 1 and binaries[0].startswith(b"\x7fELF")
+        assert not (gates / f"{gate_name(queued)}.began").exists()
+        assert pool.compiles == 1 and pool.workers == 0
+    finally:
+        for src in (running, queued):  # (a test failed before opening them)
+            (gates / gate_name(src)).touch()
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+
+
+async def test_a_compile_a_worker_takes_as_its_pool_closes_is_refused(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A job a worker took from the queue just before a close emptied it is refused by
+    that worker (ClosedResourceError), not started. Checked: fails without the fix (it
+    was compiled)."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache", disk=False))
+    compiler, src = CCompiler(), _src("taken as closed")
+    key = source_key(await compiler_identity(compiler), src)
+    pending = pool._pending
+    real_get, real_get_nowait = pending.get, pending.get_nowait
+    draining = threading.Event()
+    closers: list[threading.Thread] = []
+
+    def get_nowait() -> Any:  # the close empties the queue, the pool closed already
+        draining.set()
+        return real_get_nowait()
+
+    def get(*args: Any, **kwargs: Any) -> Any:
+        job = real_get(*args, **kwargs)
+        if getattr(job, "key", None) == key:  # taken, not yet decided about: close now
+            closers.append(threading.Thread(target=pool.shutdown))
+            closers[0].start()
+            draining.wait(BOUND / 4)
+        return job
+
+    pending.get = get  # type: ignore[method-assign]
+    pending.get_nowait = get_nowait  # type: ignore[method-assign]
+    try:
+        job = pool._submit(compiler, src, key)
+        with anyio.fail_after(BOUND), pytest.raises(am.ClosedResourceError, match="closed"):
+            await pool._wait(job)
+        assert pool.compiles == 0
+    finally:
+        draining.set()
+        await anyio.to_thread.run_sync(lambda: pool.shutdown(kill=True))
+        for closer in closers:
+            await anyio.to_thread.run_sync(closer.join, BOUND)
 
 
 async def test_a_timed_out_caller_waiting_for_its_compiles_end_is_not_held_by_a_joiner(
