@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
+import os
 import re
+import signal
+import subprocess
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal, NamedTuple
@@ -13,6 +17,41 @@ from ._errors import ArgumentTypeError, CompileError, InvalidArgumentError
 from ._scalars import host_types, resolved, scalar_type, statements, type_words, typedefs
 
 ParamKind = Literal["buffer", "value"]
+
+
+# How long a compiler may take to say its version and target (milliseconds, as a rule):
+# one that does not answer (a wrapper that hangs) fails the compile, rather than holding
+# it -- and the thread that asks -- for good.
+VERSION_TIMEOUT_S = 30.0
+
+
+def tool_answer(command: list[str], hint: str) -> subprocess.CompletedProcess[bytes] | None:
+    """``command`` (a compiler asked its version) run to its end, its output captured;
+    None where it cannot be started. Blocks: call it off the loop (``Compiler.version``
+    is asked through ``compiler_identity``). CompileError, with ``hint``, once
+    ``VERSION_TIMEOUT_S`` has passed and it and whatever it started (a wrapper's
+    compiler, which would hold the output open) are killed."""
+    try:
+        proc = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # a process group of its own, ended as one
+        )
+    except OSError:
+        return None
+    with proc:
+        try:
+            out, err = proc.communicate(timeout=VERSION_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)  # (unreaped: the group is its own)
+            raise CompileError(
+                f"`{' '.join(command)}` did not answer within {VERSION_TIMEOUT_S:g} s (the"
+                f" compiler's version keys the compile cache): {hint}"
+            ) from None
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 class Signature(NamedTuple):

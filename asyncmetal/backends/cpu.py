@@ -24,7 +24,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -49,7 +48,7 @@ from .._backend import (
     Timelines,
     host_address,
 )
-from .._compile import Compiler, ParamKind, c_value_types, scalar_params
+from .._compile import Compiler, ParamKind, c_value_types, scalar_params, tool_answer
 from .._errors import (
     ArgumentTypeError,
     ClosedResourceError,
@@ -173,51 +172,20 @@ class CCompiler(Compiler):
         return params
 
 
-# How long the compiler may take to say its version and target (milliseconds, as a
-# rule): one that does not answer (a wrapper that hangs) fails the compile, rather than
-# holding it -- and the thread that asks -- for good.
-VERSION_TIMEOUT_S = 30.0
-
-
 @functools.lru_cache(maxsize=8)
 def _cc_version(cc: tuple[str, ...]) -> str:
     """The compiler's version and target: machines of two architectures that share a
     cache directory (a network home) must not share binaries. Blocks (up to
     ``VERSION_TIMEOUT_S`` for each question): asked off the loop, through
     ``compiler_identity``. CompileError where the compiler does not answer in time."""
-    try:
-        version = _ask([*cc, "--version"])
-        target = _ask([*cc, "-dumpmachine"])
-    except OSError:
+    hint = "check it, or set $CC to another"
+    version = tool_answer([*cc, "--version"], hint)
+    target = tool_answer([*cc, "-dumpmachine"], hint)
+    if version is None or target is None:
         return "missing"
-    except subprocess.TimeoutExpired as exc:
-        raise CompileError(
-            f"the C compiler did not answer `{' '.join(exc.cmd)}` within {exc.timeout:g} s "
-            "(its version keys the compile cache): check it, or set $CC to another"
-        ) from None
     first_line = version.stdout.decode(errors="replace").partition("\n")[0]
     machine = target.stdout.decode(errors="replace").strip() if target.returncode == 0 else ""
     return f"{first_line} {machine or platform.machine()}"
-
-
-def _ask(command: list[str]) -> subprocess.CompletedProcess[bytes]:
-    """``command`` run to its end, its output captured; subprocess.TimeoutExpired after
-    ``VERSION_TIMEOUT_S``, once it and whatever it started (a wrapper's compiler, which
-    would hold the output open) are killed."""
-    with subprocess.Popen(
-        command,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,  # a process group of its own, ended as one
-    ) as proc:
-        try:
-            out, err = proc.communicate(timeout=VERSION_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)  # (unreaped: the group is its own)
-            raise
-    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 # Flags that change no C type (macros, include paths, optimisation, warnings, debug

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
+from asyncmetal import _compile
 from asyncmetal._cache import CacheWarning, CompileCache
 from asyncmetal._compile import source_key
 from asyncmetal._native_build import cc_command
@@ -218,9 +219,7 @@ async def test_a_compiler_that_does_not_say_its_version_fails_the_compile_in_tim
     (asked off the loop) fails the compile with a CompileError saying so once
     VERSION_TIMEOUT_S has passed, killed with what it started. Checked: fails without
     the fix (the compile waited for the wrapper's child, then went on)."""
-    from asyncmetal.backends import cpu
-
-    monkeypatch.setattr(cpu, "VERSION_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(_compile, "VERSION_TIMEOUT_S", 2.0)
     real = shutil.which(cc_command()[0])
     assert real is not None
     record = tmp_path / "child"
@@ -246,6 +245,28 @@ async def test_a_compiler_that_does_not_say_its_version_fails_the_compile_in_tim
     child = int(record.read_text())
     with anyio.fail_after(5):  # (SIGKILL is sent, its end comes a moment later)
         while not _dead(child):
+            await anyio.sleep(0.01)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+async def test_an_xcrun_that_does_not_say_the_metal_version_fails_in_time(
+    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Metal compiler's xcrun tool is asked its version alike: one that hangs fails
+    with a CompileError once VERSION_TIMEOUT_S has passed, killed. Checked: fails
+    without the fix (the question waited for the hung tool)."""
+    from asyncmetal.backends.metal._compiler import MetalCompiler
+
+    monkeypatch.setattr(_compile, "VERSION_TIMEOUT_S", 1.0)
+    record = tmp_path / "xcrun-pid"
+    (tmp_path / "xcrun").write_text(f"#!/bin/sh\necho $$ > {record}\nexec sleep 60\n")
+    (tmp_path / "xcrun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with anyio.fail_after(15), pytest.raises(am.CompileError, match=r"did not answer.*xcode"):
+        await anyio.to_thread.run_sync(MetalCompiler("xcrun").version)
+    tool = int(record.read_text())
+    with anyio.fail_after(5):
+        while not _dead(tool):
             await anyio.sleep(0.01)
 
 

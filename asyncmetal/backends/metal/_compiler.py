@@ -13,7 +13,13 @@ from collections.abc import Sequence
 from ctypes import c_void_p
 from typing import Any
 
-from ..._compile import Compiler, NotDefinedError, ParamKind, refuse_non_scalars
+from ..._compile import (
+    Compiler,
+    NotDefinedError,
+    ParamKind,
+    refuse_non_scalars,
+    tool_answer,
+)
 from ..._errors import CompileError
 from ..._scalars import SIGNED_CHAR, scalar_type, type_words, typedefs
 from . import _blocks
@@ -75,16 +81,11 @@ class MetalCompiler(Compiler):
     def version(self) -> str:
         if self.tool == "service":
             return f"MTLCodeGenService macOS {platform.mac_ver()[0] or 'none'}"
-        try:
-            out = subprocess.run(
-                ["xcrun", "-sdk", "macosx", "metal", "--version"],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-        except OSError:
-            return "missing"
-        return out.stdout.partition("\n")[0]
+        out = tool_answer(
+            ["xcrun", "-sdk", "macosx", "metal", "--version"],
+            "check Xcode's command line tools (xcode-select -p)",
+        )
+        return "missing" if out is None else out.stdout.decode(errors="replace").partition("\n")[0]
 
     def compile(self, src: str) -> bytes:
         return self._compile_service(src) if self.tool == "service" else self._compile_xcrun(src)
