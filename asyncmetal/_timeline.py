@@ -232,6 +232,18 @@ def queue_closed(timeline: Timeline, last: int) -> None:
     timeline._last = last
 
 
+def closed_queue_error(c_timeline: int, value: int) -> ClosedResourceError:
+    """The error of a device wait for ``value`` on the queue's own timeline at
+    ``c_timeline`` (native), whose queue was closed before the timeline got there."""
+    timeline = _timelines.get(c_timeline)
+    last = None if timeline is None else timeline._last
+    after = "" if last is None else f" after its command {last}"
+    return ClosedResourceError(
+        f"timeline will not reach {value}: it is a queue's own timeline, and that queue "
+        f"was closed{after}"
+    )
+
+
 def end_waits(waitable: Waitable) -> None:
     """No value will come any more (the device closed): wake every waiter of
     ``waitable``, on every loop; each finds its value unreached and raises (see

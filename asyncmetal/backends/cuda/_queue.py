@@ -14,7 +14,14 @@ from ... import _native, _native_contract
 from ..._backend import Arg, KeepAlive, NativeQueue, NativeTimeline, Record, host_address
 from ..._errors import AsyncMetalError, DeviceLostError
 from ..._native import ABANDONED, CLOSED, DISCARDED, Failure
-from ..._timeline import LATER_FAIL, QUEUE_DISCARDED, command_of, discarded_error, failure_error
+from ..._timeline import (
+    LATER_FAIL,
+    QUEUE_DISCARDED,
+    closed_queue_error,
+    command_of,
+    discarded_error,
+    failure_error,
+)
 from . import _driver
 from ._driver import (
     UNCONFIRMED,
@@ -617,8 +624,18 @@ class CUDAQueue(NativeQueue):
         waited = False
         if timeline.value < target:
             owner = getattr(timeline, "queue", None)
-            if isinstance(owner, CUDAQueue) and owner._q is not None:  # a queue's own
-                self._check(self._lib.am_cuq_wait_queue(self._q, owner._q, target, value))
+            if isinstance(owner, CUDAQueue):  # a queue's own
+                # Decided with that queue kept open (its close waits for the call): once
+                # its close took its native queue, nothing raises its timeline further
+                # -- its commands ran, or were abandoned -- and its word is not written
+                # by its stream, so a stream's wait on the word would never end.
+                wait = self._lib.am_cuq_wait_queue
+                code = owner._held_open(lambda other: wait(self._q, other, target, value))
+                if code is None:
+                    if timeline.value < target:
+                        raise closed_queue_error(owner._timeline.c_timeline, target)
+                    code = 0  # (got there as its close began)
+                self._check(code)
                 if owner._backend is self._backend:
                     # Once this wait is confirmed, so is the other queue's work up to
                     # target (a fault there would have failed this context's streams):

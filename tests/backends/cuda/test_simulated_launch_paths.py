@@ -201,3 +201,21 @@ def test_a_signal_whose_fence_is_refused_for_good_fails_its_timeline(path: str, 
         "AsyncMetalError: this timeline will not reach 1: a value that command 3 of a queue "
         f"of cuda:0 never produced: {failed}"
     ), seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_device_wait_past_a_closed_queues_last_command_is_refused_not_hung(loop: str) -> None:
+    """A wait on a closed queue's timeline for more than its last command that reached
+    the backend after the queue was released (its check in Queue.wait raced the close)
+    is refused, as on the cpu device, its value taken back: the launch behind it runs,
+    rather than the stream waiting for good on a word nothing writes (holding the
+    device's close too). Checked: fails without the fix (the wait was submitted, the
+    launch behind it still waited after 5 s, and the child timed out)."""
+    seen = _through("late_wait_on_closed", loop, "queue")
+    assert seen["wait"] == (
+        "ClosedResourceError: timeline will not reach 2: it is a queue's own timeline, "
+        "and that queue was closed after its command 1"
+    ), seen
+    assert seen["numbered"] == 0, seen
+    assert seen["behind"] == "done", seen
+    assert seen["host"].startswith("ClosedResourceError"), seen

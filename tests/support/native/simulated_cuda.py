@@ -398,6 +398,32 @@ async def _fence_gone(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> See
     return seen
 
 
+async def _late_wait_on_closed(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
+    """Another queue's device wait on a closed queue's timeline for more than that
+    queue's last command, reaching the backend once the closed queue was released -- as
+    when ``Queue.wait``'s check of the timeline ran in another thread before the close:
+    what the wait raised and left numbered, and what a launch behind it and a host wait
+    for that value did."""
+    seen: Seen = {}
+    device = queue.device
+    closing, waiting = device.new_queue(), device.new_queue()
+    await closing.launch(kernel, buf)
+    timeline, last = closing.timeline, closing.submitted
+    await closing.close()
+    try:
+        waiting._wait(timeline, last + 1, False)  # (Queue.wait after its check)
+        seen["wait"] = "submitted"
+    except Exception as exc:
+        seen["wait"] = _error(exc)
+    seen["numbered"] = waiting.submitted
+    behind = waiting.launch(kernel, buf)
+    with anyio.move_on_after(5):
+        seen["behind"] = await _awaited(behind)
+    seen["host"] = await _awaited(timeline.wait(last + 1))
+    await waiting.close(discard=True)
+    return seen
+
+
 async def _no_context(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
     """A queue whose completion thread the driver refused to make the device's context
     current (refused from before the queue was made; the calling thread has that context
@@ -578,6 +604,7 @@ SCENARIOS: dict[str, Callable[[_Simulated, Any, Any, Any], Awaitable[Seen]]] = {
     "unfenced_signal": _unfenced_signal,
     "launch_limits": _launch_limits,
     "fence_gone": _fence_gone,
+    "late_wait_on_closed": _late_wait_on_closed,
 }
 # What a scenario sets up before its queue is made.
 BEFORE_QUEUE: dict[str, Callable[[_Simulated], None]] = {"no_context": _refuse_context}
