@@ -1039,7 +1039,9 @@ def test_every_failing_call_around_a_discarding_close_ends_in_a_clear_error() ->
     bound on commands in flight, the rest held on the host --, a fill, a signal a second
     queue waits for, then -- once the first launch is done -- the discarding close. Run
     clean, then for each sampled N with the Nth driver call failing (the submitting
-    thread's, then the completion thread's handing held commands over), not sticky and
+    thread's, then the completion thread's handing held commands over; what the close
+    met is checked in a clean run of 25 ms launches, which a loaded machine's loop does
+    not outrun), not sticky and
     sticky: what fails is an AsyncMetalError (DeviceLostError once sticky); nothing
     hangs; each submission leaves another library's context current; the close
     completes and every command's await ends; no device thread nor event is left; after

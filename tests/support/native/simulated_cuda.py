@@ -653,6 +653,7 @@ async def _main(sim: _Simulated, scenario: str) -> dict[str, Seen]:
 
 STICKY = 700  # CUDA_ERROR_ILLEGAL_ADDRESS: the context faulted (fake_cuda_driver.c)
 DISCARD_LAUNCHES = 40  # launches of 1 ms on one queue: its bound (32) in flight, the rest held
+DISCARD_SHAPE_MS = 25  # each launch's time in the run that checks what the close met
 
 
 async def left_behind(sim: _Simulated, threads: set[Any], made: int) -> list[str]:
@@ -673,7 +674,7 @@ async def left_behind(sim: _Simulated, threads: set[Any], made: int) -> list[str
 
 
 async def _discard_run(
-    sim: _Simulated, fail_at: int, code: int, seen: Seen | None = None
+    sim: _Simulated, fail_at: int, code: int, seen: Seen | None = None, launch_ms: int = 1
 ) -> tuple[int, list[str]]:
     """One run of the discard workload with driver call number ``fail_at`` failing with
     ``code`` (0: none): a queue given more 1 ms launches than its bound on commands in
@@ -683,7 +684,7 @@ async def _discard_run(
     is done (the completion thread's hand-overs counted meanwhile),
     ``Device.close(discard=True)``, and every command awaited. Returns the calls counted
     and what broke the contracts; ``seen`` gets what the close met: commands held,
-    commands that ran and that failed."""
+    commands that ran and that failed. Each launch takes ``launch_ms``."""
     import asyncmetal as am
     from asyncmetal import DeviceLostError
     from asyncmetal.backends.cuda import _driver
@@ -711,7 +712,7 @@ async def _discard_run(
             lambda: q2.wait(tl, 1),
             functools.partial(q2.launch, kernel, buf),
         ]
-        sim.duration_ns.value = 1_000_000
+        sim.duration_ns.value = launch_ms * 1_000_000
         sim.fake.fake_count_calls(1)
         try:
             for submit in submissions:
@@ -782,8 +783,12 @@ async def _discard_sweep(sim: _Simulated, samples: int) -> Seen:
     from tests.support.faults import sampled
 
     clean: Seen = {}
-    total, problems = await _discard_run(sim, 0, 0, clean)
+    total, problems = await _discard_run(sim, 0, 0)
     found = [f"clean: {p}" for p in problems]
+    # What the close met, with launches long enough that a loop slow to resume after the
+    # first (a loaded machine) still closes with commands held and running.
+    _, problems = await _discard_run(sim, 0, 0, clean, launch_ms=DISCARD_SHAPE_MS)
+    found += [f"clean, {DISCARD_SHAPE_MS} ms launches: {p}" for p in problems]
     for code in (1, STICKY):
         for n in sampled(total, samples):
             _, problems = await _discard_run(sim, n, code)
