@@ -72,21 +72,21 @@ def host_address(view: memoryview) -> tuple[int, Any]:
 class KeepAlive:
     """Host objects a queue's commands use, kept until its timeline passes them.
 
-    ``items`` maps each command's value to its object; its length is what a fast launch
-    path reads (whether anything is kept at all). Objects are let go of as later
-    commands are added, and by :func:`let_go_everywhere`, from any thread, oldest first
-    (``_order``, the values in the order added: a dict's front, once emptied, is scanned
-    again by every look at it, which made letting go of n objects cost n squared). A
-    value taken from the front that another thread's let-go had read as passed while
-    this one reads it as not is put back, so two threads letting go at once never drop
-    one whose command has not passed."""
+    ``items`` holds each command's value and object, in the order added (values rise);
+    its length is what a fast launch path reads (whether anything is kept at all). A
+    deque: a backlog of any length is added to on the event loop's thread in bounded
+    time (a dict of them copies itself into a table twice as large each time it fills),
+    and its memory goes back as it drains (a dict keeps its largest table). Objects are
+    let go of as later commands are added, and by :func:`let_go_everywhere`, from any
+    thread, oldest first. An entry taken from the front that another thread's let-go
+    had read as passed while this one reads it as not is put back, so two threads
+    letting go at once never drop one whose command has not passed."""
 
-    __slots__ = ("__weakref__", "_order", "_timeline", "items")
+    __slots__ = ("__weakref__", "_timeline", "items")
 
     def __init__(self, timeline: NativeTimeline) -> None:
         self._timeline = timeline
-        self.items: dict[int, object] = {}
-        self._order: collections.deque[int] = collections.deque()
+        self.items: collections.deque[tuple[int, object]] = collections.deque()
         with _keeps_lock:
             _keeps.add(self)
 
@@ -94,28 +94,34 @@ class KeepAlive:
         if self.items:
             self.let_go()
         if obj is not None:
-            self.items[value] = obj
-            self._order.append(value)
+            self.items.append((value, obj))
+
+    def get(self, value: int) -> object:
+        """The object last added for command ``value``, or None (let go of, or none)."""
+        return self.by_value().get(value)
+
+    def by_value(self) -> dict[int, object]:
+        """The objects kept now, by value (the one last added for a value). A copy, made
+        at once: other threads let go of entries meanwhile."""
+        return dict(list(self.items))
 
     def let_go(self) -> None:
         """Drop the objects of the commands the timeline has passed."""
-        items, order = self.items, self._order
+        items = self.items
         reached = self._timeline.value
-        while order:
+        while items:
             try:
-                if order[0] > reached:
+                if items[0][0] > reached:
                     return
-                value = order.popleft()
+                entry = items.popleft()
             except IndexError:  # emptied meanwhile
                 return
-            if value > reached:  # (another thread took the one read above)
-                order.appendleft(value)
+            if entry[0] > reached:  # (another thread took the one read above)
+                items.appendleft(entry)
                 return
-            items.pop(value, None)
 
     def clear(self) -> None:
         self.items.clear()
-        self._order.clear()
 
 
 _keeps: weakref.WeakSet[KeepAlive] = weakref.WeakSet()

@@ -484,7 +484,7 @@ class Queue(Singular):
                 fn(*before, value, done, *after)
             else:
                 keep = self._native._keep
-                kept = None if keep is None else keep.items.get(value)
+                kept = None if keep is None else keep.get(value)
                 self._native.wait(self._timeline.native, 0, value, done)
                 if keep is not None:
                     keep.add(value, (kept, before, after))

@@ -150,12 +150,25 @@ typedef struct {
     int pattern_size;               /* ... order, its low 1, 2 or 4 bytes) */
 } am_cmd;
 
+/* A queue holds its commands in segments of AM_SEG_CMDS, linked oldest first: a push
+ * appends to the last one, or to a new one (one small allocation, whatever the number
+ * queued: nothing queued is ever moved); the thread takes from the first one, and lets
+ * go of it once it is drained, keeping one spare for the next push that needs one. So a
+ * backlog's memory goes back once it drained, but for the spare. */
+enum { AM_SEG_CMDS = 64 };
+
+typedef struct am_cmdseg {
+    struct am_cmdseg *next;
+    am_cmd cmds[AM_SEG_CMDS];
+} am_cmdseg;
+
 typedef struct am_queue {
     pthread_t thread;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    am_cmd *ring;
-    size_t cap, head, count;
+    am_cmdseg *first, *last;        /* the thread takes first's cmds[head], a push writes */
+    size_t head, tail, count;       /* ... last's cmds[tail]; count over all of them */
+    am_cmdseg *spare;               /* a drained segment kept for reuse, or NULL */
     atomic_size_t pending;          /* commands submitted and not yet taken */
     int stop;                       /* 1: finish what is queued, 2: abandon now */
     int discard;                    /* am_queue_discard: commands not started never run */

@@ -67,6 +67,18 @@ static void call_mixed(const am_cmd *c) {
        s[6], s[7], s[8], s[9], s[10], s[11], s[12], s[13], s[14], s[15]);
 }
 
+/* The memory of a queue's command segments. The native test harness builds with
+ * AM_TEST_HOST_ALLOC, defining these two, to count it. */
+#ifdef AM_TEST_HOST_ALLOC
+AM_HIDDEN void *am_test_host_alloc(size_t size);
+AM_HIDDEN void am_test_host_free(void *p);
+#define seg_alloc am_test_host_alloc
+#define seg_free am_test_host_free
+#else
+#define seg_alloc malloc
+#define seg_free free
+#endif
+
 static int take(am_queue *q, am_cmd *out) {
     /* A short spin first: a command submitted right behind the last one then starts
      * without a sleep/wake round trip. Bounded by spin_ns after each command. */
@@ -84,11 +96,23 @@ static int take(am_queue *q, am_cmd *out) {
         pthread_mutex_unlock(&q->mu);
         return 0;
     }
-    *out = q->ring[q->head];
-    q->head = (q->head + 1) % q->cap;
+    *out = q->first->cmds[q->head++];
     q->count--;
+    am_cmdseg *drained = NULL;
+    if (q->count == 0) {  /* (then first is last) written from its start again */
+        q->head = q->tail = 0;
+    } else if (q->head == AM_SEG_CMDS) {  /* the rest are in the next segments */
+        drained = q->first;
+        q->first = drained->next;
+        q->head = 0;
+        if (!q->spare) {
+            q->spare = drained;
+            drained = NULL;
+        }
+    }
     atomic_fetch_sub(&q->pending, 1);
     pthread_mutex_unlock(&q->mu);
+    if (drained) seg_free(drained);
     return 1;
 }
 
@@ -331,34 +355,40 @@ static void *run(void *arg) {
 am_queue *am_queue_new(am_timeline *own, long spin_ns, int nice) {
     am_queue *q = calloc(1, sizeof *q);
     if (!q) return NULL;
-    q->cap = 64;
-    q->ring = calloc(q->cap, sizeof(am_cmd));
+    q->first = q->last = seg_alloc(sizeof(am_cmdseg));
+    if (q->first) q->first->next = NULL;
     q->own = own;
     q->spin_ns = spin_ns;
     q->nice = nice;
     q->forks = am_forks;
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->cv, NULL);
-    if (!q->ring || pthread_create(&q->thread, NULL, run, q) != 0) {
-        free(q->ring);
+    if (!q->first || pthread_create(&q->thread, NULL, run, q) != 0) {
+        if (q->first) seg_free(q->first);
         free(q);
         return NULL;
     }
     return q;
 }
 
+/* On the caller's thread (an event loop's): a bounded time whatever the number queued,
+ * at most one segment's allocation. */
 static int push(am_queue *q, const am_cmd *c) {
     pthread_mutex_lock(&q->mu);
-    if (q->count == q->cap) {
-        am_cmd *ring = malloc(2 * q->cap * sizeof(am_cmd));
-        if (!ring) { pthread_mutex_unlock(&q->mu); return -1; }
-        for (size_t i = 0; i < q->count; i++) ring[i] = q->ring[(q->head + i) % q->cap];
-        free(q->ring);
-        q->ring = ring;
-        q->head = 0;
-        q->cap *= 2;
+    if (q->tail == AM_SEG_CMDS) {
+        am_cmdseg *s = q->spare;
+        if (s) {
+            q->spare = NULL;
+        } else if (!(s = seg_alloc(sizeof *s))) {
+            pthread_mutex_unlock(&q->mu);
+            return -1;
+        }
+        s->next = NULL;
+        q->last->next = s;
+        q->last = s;
+        q->tail = 0;
     }
-    q->ring[(q->head + q->count) % q->cap] = *c;
+    q->last->cmds[q->tail++] = *c;
     q->count++;
     atomic_fetch_add(&q->pending, 1);
     if (q->sleeping) pthread_cond_signal(&q->cv);
@@ -473,6 +503,10 @@ void am_queue_close(am_queue *q, int abandon) {
     pthread_join(q->thread, NULL);
     pthread_mutex_destroy(&q->mu);
     pthread_cond_destroy(&q->cv);
-    free(q->ring);
+    for (am_cmdseg *s = q->first, *next; s; s = next) {  /* (abandoned: some still queued) */
+        next = s->next;
+        seg_free(s);
+    }
+    if (q->spare) seg_free(q->spare);
     free(q);
 }

@@ -61,6 +61,21 @@ def test_queue_close_wait_watch_stress(tmp_path: Path, sanitizer: str) -> None:
     assert proc.stdout.split() == [word for check in checks for word in ("ok", check)]
 
 
+@pytest.mark.parametrize("sanitizer", harness.SANITIZERS, ids=["plain", "tsan", "asan"])
+def test_a_queue_backlog_is_never_copied_and_its_memory_goes_back_once_it_ran(
+    tmp_path: Path, sanitizer: str
+) -> None:
+    """A push behind 100,000 queued commands allocates one segment of commands at most
+    (an event loop's launch never copies the backlog), the commands run in order, and
+    once they ran the queue holds what it held before, but for one spare segment
+    (tests/support/native/queue_backlog.c). Checked: fails without the fix (one ring of
+    commands that doubled, copying them all, and never shrank)."""
+    binary = harness.build("queue_backlog.c", tmp_path, sanitizer, defines=("AM_TEST_HOST_ALLOC",))
+    proc = harness.run(binary, "100000", sanitizer=sanitizer)
+    assert proc.returncode == 0, proc.stderr[-6000:] + proc.stdout
+    assert proc.stdout.split() == ["ok", "backlog"]
+
+
 # ---- kernel libraries: names resolved in the library itself, unloaded at close -------
 
 _SHADOWED = """

@@ -9,6 +9,7 @@ import collections
 import gc
 import os
 import random
+import sys
 import threading
 from typing import Any
 
@@ -469,10 +470,10 @@ def test_objects_kept_for_commands_are_let_go_of_only_once_passed_by_racing_thre
     class Timeline:
         value = 0
 
-    class Interleaved(collections.deque[int]):
+    class Interleaved(collections.deque[tuple[int, object]]):
         others = 1  # let-goes of "another thread" to run before the next popleft
 
-        def popleft(self) -> int:
+        def popleft(self) -> tuple[int, object]:
             if self.others:
                 self.others -= 1
                 keep.let_go()
@@ -483,10 +484,34 @@ def test_objects_kept_for_commands_are_let_go_of_only_once_passed_by_racing_thre
     kept = {value: object() for value in (1, 2, 3)}
     for value, obj in kept.items():
         keep.add(value, obj)
-    keep._order = Interleaved(keep._order)
+    keep.items = Interleaved(keep.items)
     timeline.value = 1
     keep.let_go()
-    assert sorted(keep.items) == [2, 3]
+    assert keep.items == collections.deque([(2, kept[2]), (3, kept[3])])
+    assert keep.get(2) is kept[2] and keep.get(1) is None
     timeline.value = 3
     keep.let_go()
-    assert not keep.items and not keep._order
+    assert not keep.items
+
+
+def test_objects_kept_for_a_backlog_take_no_memory_once_passed() -> None:
+    """A queue's kept host objects for a backlog of 100,000 commands (added one at a
+    time, as launches on the event loop add them): once the timeline passed them all,
+    what holds them is back to its size with nothing kept. Checked: fails without the
+    fix (a dict of them kept its largest table, which it had copied itself into at each
+    doubling, on the thread adding to it)."""
+    from asyncmetal._backend import KeepAlive
+
+    class Timeline:
+        value = 0
+
+    timeline = Timeline()
+    keep = KeepAlive(timeline)  # type: ignore[arg-type]
+    empty = sys.getsizeof(keep.items)
+    obj = object()
+    for value in range(1, 100_001):
+        keep.add(value, obj)
+    assert len(keep.items) == 100_000 and keep.get(77_777) is obj
+    timeline.value = 100_000
+    keep.let_go()
+    assert not keep.items and sys.getsizeof(keep.items) == empty

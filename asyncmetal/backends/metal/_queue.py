@@ -965,8 +965,9 @@ class MetalQueue(NativeQueue):
         """Commands reported as never run, whose buffers may still run once their wait
         ends: their handlers copy nothing to the host, and what they use outlives the
         queue until they ran."""
+        kept = self._keep.by_value()
         for value, _, block, _, _ in held:
-            _blocks.hold_until_run(block, self._keep.items.get(value), disarm=True)
+            _blocks.hold_until_run(block, kept.get(value), disarm=True)
 
     def _release(self) -> None:
         # Those completed and not reaped yet say whether they failed first: a command
