@@ -147,6 +147,11 @@ def source_key(compiler_identity: str, src: str) -> str:
 _COMMENT_OR_LITERAL = re.compile(r"""[/"']""")
 _COMMENT = re.compile("/")
 _LITERAL_STOP = {'"': re.compile(r'["\\\n]'), "'": re.compile(r"['\\\n]")}
+# A number (C's preprocessing number) and its digit separators (C++14, C23: 1'000'000,
+# 0x1'FFu), whose quotes open no character literal; or a word, or another character.
+_TOKEN = re.compile(r"\.?\d(?:[eEpP][+-]|'\w|[\w.])*|\w+|.", re.S)
+# The characters of a number and of a word before it (the sign of an exponent too).
+_NUMBER_CHARACTER = re.compile(r"[\w.']|(?<=[eEpP])[+-]")
 # Names a source makes pointer types of: `typedef float *fptr;`, `#define BUF float*`.
 # (Each pattern that reads a statement, up to a ";", is tried at the first keyword of
 # each: see ``statements``.)
@@ -217,6 +222,10 @@ def _strip(src: str, literals: bool = True) -> str:
                 continue
             made = " "
         else:
+            number_end = _number_end(src, pos, at) if mark == "'" else -1
+            if number_end >= 0:
+                pos = number_end
+                continue
             end = _literal_end(src, at)
             made = mark * 2
         pieces += (src[copied:at], made)
@@ -241,6 +250,24 @@ def _literal_end(src: str, at: int) -> int:
         else:
             return found.start()  # its line's end
     return len(src)
+
+
+def _number_end(src: str, read: int, at: int) -> int:
+    """Where the number that holds the quote at ``at`` (a digit separator) ends, or -1
+    where the quote is none (it opens a character literal). ``read``: where the
+    characters before it begin that are no comment or literal."""
+    # Read from the start of the number or word the quote ends (no further back than
+    # ``read``, which the last quote's reading passed: each character is read once).
+    begin = at
+    while begin > read and _NUMBER_CHARACTER.match(src, begin - 1):
+        begin -= 1
+    pos = begin
+    while True:
+        token = _TOKEN.match(src, pos)
+        assert token is not None  # (it matches any character)
+        if token.end() > at:
+            return token.end() if token.start() < at else -1
+        pos = token.end()
 
 
 def strip_comments(src: str) -> str:

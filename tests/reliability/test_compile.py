@@ -2040,6 +2040,8 @@ _PATHOLOGICAL = [
     "[[ ",
     '"\\',
     "'\\",
+    "1' ",  # a quote after a number or word, read back to its start
+    "a'b'",
     "k(a) ",  # a K&R definition, looked for after each call
     "k(a) int a; ",
     "k(",  # parentheses never closed
@@ -2170,3 +2172,31 @@ async def test_a_long_sources_parameters_are_read_in_short_steps(anyio_backend: 
         if collecting:
             gc.enable()
     assert max(steps) < 0.005, steps
+
+
+@pytest.mark.parametrize("compiler", ["c", "cuda"])
+def test_a_digit_separator_opens_no_character_literal(compiler: str) -> None:
+    """A quote between a number's digits (C++14's and C23's digit separators:
+    ``1'000``, ``0x1'FFu``) is part of the number, not a character literal left open:
+    the rest of its line -- the kernel's definition, or its parameters -- is read; a
+    character literal after a word (``L'a'``, ``u8'b'``) is still one, and a quote left
+    open (an apostrophe in an ``#error`` line) ends at its line's end. Checked: fails
+    without the fix (each of the first three kernels "not defined")."""
+    from asyncmetal._compile import _strip
+    from asyncmetal.backends.cuda._compiler import CUDACompiler
+    from asyncmetal.backends.metal._compiler import MetalCompiler
+
+    reader = CCompiler() if compiler == "c" else CUDACompiler()
+    for src, kinds in (
+        ("constexpr int N = 1'000; __global__ void k(float *a, int n) { }", 2),
+        ("enum { M = 0x1'FFu }; __global__ void k(float *a, int n, int m) { }", 3),
+        ("__global__ void k(float a[1'024], int n) { }", 2),
+        ("#error the build's flags are wrong\n__global__ void k(float *a, int n) { }", 2),
+    ):
+        params = reader._signature(src, "k")
+        assert params.kinds == ("buffer",) + ("value",) * (kinds - 1), src
+    assert _strip("x = 1'000'000 + L'a' + u8'b' + 0x1'FFu + 1.5e+1'0f; y = ';'; // '\n'") == (
+        "x = 1'000'000 + L'' + u8'' + 0x1'FFu + 1.5e+1'0f; y = '';  \n''"
+    )
+    metal = "constant int N = 1'000; kernel void k(device float *a [[buffer(0)]]) { }"
+    assert MetalCompiler()._signature(metal, "k").kinds == ("buffer",)
