@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal, NamedTuple
 
+from . import _scan
 from ._errors import ArgumentTypeError, CompileError, InvalidArgumentError
 from ._scalars import host_types, resolved, scalar_type, statements, type_words, typedefs
 
@@ -180,12 +181,16 @@ def source_key(compiler_identity: str, src: str) -> str:
 # Comments, and string and character literals (which may hold "//" or "/*"): a comment
 # becomes a space, a literal an empty one. One left open ends where the source (or the
 # literal's line) does, as the compiler refuses it anyway: tried again at each later
-# "/*" or quote instead, it would take time quadratic in the source's length.
-_COMMENTS_AND_LITERALS = re.compile(
-    r"""//[^\n]*|/\*.*?(?:\*/|\Z)|"(?:\\(?:.|\Z)|[^"\\\n])*(?:"|(?=\n)|\Z)"""
-    r"""|'(?:\\(?:.|\Z)|[^'\\\n])*(?:'|(?=\n)|\Z)""",
-    re.S,
-)
+# "/*" or quote instead, it would take time quadratic in the source's length. Read in
+# short steps (``_scan``): where each may begin, then its end.
+_COMMENT_OR_LITERAL = re.compile(r"""[/"']""")
+_COMMENT = re.compile("/")
+_LITERAL_STOP = {'"': re.compile(r'["\\\n]'), "'": re.compile(r"['\\\n]")}
+# A number (C's preprocessing number) and its digit separators (C++14, C23: 1'000'000,
+# 0x1'FFu), whose quotes open no character literal; or a word, or another character.
+_TOKEN = re.compile(r"\.?\d(?:[eEpP][+-]|'\w|[\w.])*|\w+|.", re.S)
+# The characters of a number and of a word before it (the sign of an exponent too).
+_NUMBER_CHARACTER = re.compile(r"[\w.']|(?<=[eEpP])[+-]")
 # Names a source makes pointer types of: `typedef float *fptr;`, `#define BUF float*`.
 # (Each pattern that reads a statement, up to a ";", is tried at the first keyword of
 # each: see ``statements``.)
@@ -233,14 +238,100 @@ def _pointer_typedefs(text: str) -> set[str]:
     return names
 
 
-def _strip(src: str) -> str:
-    return _COMMENTS_AND_LITERALS.sub(
-        lambda m: " " if m.group()[0] == "/" else m.group()[0] * 2, src
-    )
+def _strip(src: str, literals: bool = True) -> str:
+    """``src`` with its comments each made a space and (``literals``) its string and
+    character literals each made an empty one (``_COMMENT_OR_LITERAL``)."""
+    pieces: list[str] = []
+    copied = pos = 0  # what is in pieces; what is read
+    size = len(src)
+    begins = _COMMENT_OR_LITERAL if literals else _COMMENT
+    while (found := _scan.search(begins, src, pos, 1)) is not None:
+        at = found.start()
+        mark = src[at]
+        if mark == "/":
+            after = src[at + 1 : at + 2]
+            if after == "/":
+                end = _scan.find(src, "\n", at)
+                end = size if end < 0 else end
+            elif after == "*":
+                end = _scan.find(src, "*/", at + 2)
+                end = size if end < 0 else end + 2
+            else:
+                pos = at + 1
+                continue
+            made = " "
+        else:
+            number_end = _number_end(src, pos, at) if mark == "'" else -1
+            if number_end >= 0:
+                pos = number_end
+                continue
+            end = _literal_end(src, at)
+            made = mark * 2
+        pieces += (src[copied:at], made)
+        copied = pos = end
+    if not pieces:
+        return src
+    pieces.append(src[copied:])
+    return "".join(pieces)
 
 
-# (One left open, which no source that compiles has, ends where the source does.)
-_ATTRIBUTES = re.compile(r"\[\[.*?(?:\]\]|\Z)", re.S)
+def _literal_end(src: str, at: int) -> int:
+    """Where the string or character literal that opens at ``at`` ends: after its
+    closing quote, else at its line's end (or the source's)."""
+    quote = src[at]
+    stop = _LITERAL_STOP[quote]
+    pos = at + 1
+    while (found := _scan.search(stop, src, pos, 1)) is not None:
+        if found.group() == "\\":  # (it and the next character: a line spliced too)
+            pos = found.end() + 1
+        elif found.group() == quote:
+            return found.end()
+        else:
+            return found.start()  # its line's end
+    return len(src)
+
+
+def _number_end(src: str, read: int, at: int) -> int:
+    """Where the number that holds the quote at ``at`` (a digit separator) ends, or -1
+    where the quote is none (it opens a character literal). ``read``: where the
+    characters before it begin that are no comment or literal."""
+    # Read from the start of the number or word the quote ends (no further back than
+    # ``read``, which the last quote's reading passed: each character is read once).
+    begin = at
+    while begin > read and _NUMBER_CHARACTER.match(src, begin - 1):
+        begin -= 1
+    pos = begin
+    while True:
+        token = _TOKEN.match(src, pos)
+        assert token is not None  # (it matches any character)
+        if token.end() > at:
+            return token.end() if token.start() < at else -1
+        pos = token.end()
+
+
+def strip_comments(src: str) -> str:
+    """``src`` with its comments each made a space."""
+    return _strip(src, literals=False)
+
+
+def _without_attributes(text: str) -> str:
+    """``text`` without its attributes (``[[buffer(0)]]``). (One left open, which no
+    source that compiles has, ends where the source does.)"""
+    pieces: list[str] = []
+    copied = 0
+    while (at := _scan.find(text, "[[", copied)) >= 0:
+        end = _scan.find(text, "]]", at + 2)
+        pieces.append(text[copied:at])
+        copied = len(text) if end < 0 else end + 2
+    if not pieces:
+        return text
+    pieces.append(text[copied:])
+    return "".join(pieces)
+
+
+def _directives(text: str) -> list[int]:
+    """Where each preprocessor directive's line of ``text`` starts."""
+    return list(_scan.directive_starts(text))
 
 
 class NotDefinedError(CompileError):
@@ -320,7 +411,7 @@ _ANY_TYPEDEF = re.compile(
     r"(__attribute__\s*\(\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)\))?\s*;"
 )
 _SEMICOLON = re.compile(";")
-_BRACES = re.compile(r"\{[^{}]*\}")
+_BRACE = re.compile(r"[{}]")
 
 
 # A struct, class or union a source defines (C++ names it without the keyword).
@@ -328,18 +419,52 @@ _RECORD = re.compile(
     r"\b(?:struct|class|union)\s+(?:(?:alignas|__align__|__attribute__)\s*\(+[^()]*\)+\s*)*"
     r"(\w+)\s*(?:final\s*)?[{:]"
 )
+_RECORD_WORD = re.compile(r"\b(?:struct|class|union)\b")
 _ENUM_CLASS = re.compile(r"\benum\s+(?:class|struct)\b")
+_NOT_WORD = re.compile(r"\W")
+_NOT_WORD_OR_SPACE = re.compile(r"[^\w\s]")
+_NEWLINE = re.compile("\n")
+
+
+def _without_braces(text: str) -> str:
+    """``text`` with each brace-enclosed part (of those closed) made a space: what
+    ``{[^{}]*}`` replaced by a space again and again until none is left makes, read in
+    one pass."""
+    opened: list[int] = []
+    closed: list[tuple[int, int]] = []  # the outermost so far, in order
+    for brace in _scan.finditer(_BRACE, text, None):
+        if brace.group() == "{":
+            opened.append(brace.start())
+        elif opened:
+            start = opened.pop()
+            while closed and closed[-1][0] > start:  # (inside this one)
+                closed.pop()
+            closed.append((start, brace.end()))
+    pieces: list[str] = []
+    copied = 0
+    for start, end in closed:
+        pieces += (text[copied:start], " ")
+        copied = end
+    if not pieces:
+        return text
+    pieces.append(text[copied:])
+    return "".join(pieces)
 
 
 def _not_scalar_typedefs(text: str) -> set[str]:
     """The names ``text`` typedefs as types no launch value passes (a struct, a vector,
     ``long double``...), and those of the structs, classes and unions it defines."""
-    records = set(_RECORD.findall(_ENUM_CLASS.sub("enum", text)))
-    while True:
-        emptied = _BRACES.sub(" ", text)
-        if emptied == text:
-            break
-        text = emptied
+    enums = _scan.finditer(_ENUM_CLASS, text, _NOT_WORD_OR_SPACE)
+    records_text = _scan.sub(enums, text, "enum")
+    records = {
+        m.group(1)
+        for m in _scan.matches_at(
+            _RECORD,
+            records_text,
+            (m.start() for m in _scan.finditer(_RECORD_WORD, records_text, _NOT_WORD)),
+        )
+    }
+    text = _without_braces(text)
     return records | {
         name
         for words, name, attribute in statements(text, _ANY_TYPEDEF, _TYPEDEF_WORD, _SEMICOLON)
@@ -354,7 +479,7 @@ def scalar_params(src: str, name: str) -> tuple[ParamKind, ...]:
     garbage (cpu, whose C calling convention passes it elsewhere) or cut short (cuda);
     and a kernel that is a template (C++: its parameters' types are its arguments')."""
     declarations = c_param_declarations(src, name)
-    if "template" in _declared_with(_ATTRIBUTES.sub("", _strip(src)), name):
+    if "template" in _declared_with(_without_attributes(_strip(src)), name):
         raise CompileError(
             f"kernel {name!r} is a template: its compiled name is mangled and its "
             'parameters\' types are those it is instantiated with; launch an extern "C" '
@@ -411,7 +536,7 @@ def c_param_declarations(src: str, name: str) -> list[tuple[ParamKind, str]]:
     name the source makes a pointer type of (a typedef, an object-like macro) is a
     buffer; two definitions that differ (in ``#if`` branches: only one compiles) are
     refused, as the one that compiles cannot be told."""
-    text = _ATTRIBUTES.sub("", _strip(src))
+    text = _without_attributes(_strip(src))
     pointers = _pointer_names(text)
     found: list[list[tuple[ParamKind, str]]] = []
     for params in _definitions(text, name):
@@ -445,7 +570,9 @@ def _made_by_macro_hint(text: str, name: str) -> str:
     written, is not seen where a macro of the source may make it (``#define K name``
     then ``void K(...)``, ``DEFINE(name)``): "" where the source has no macro or does
     not name it."""
-    if not _DEFINE_OR_INCLUDE.search(text) or not re.search(rf"\b{re.escape(name)}\b", text):
+    defines = _scan.matches_at(_DEFINE_OR_INCLUDE, text, _directives(text))
+    named = _scan.search(re.compile(rf"\b{re.escape(name)}\b"), text, 0, len(name) + 1)
+    if next(defines, None) is None or named is None:
         return ""
     return (
         f"; it names {name!r} otherwise: a kernel defined in a header, or whose name or "
@@ -464,8 +591,8 @@ def _pointer_names(text: str) -> set[str]:
     pointers = (
         _pointer_typedefs(text)
         | {name for (name,) in statements(text, _POINTER_USING, _USING_WORD, _STATEMENT_END)}
-        | set(_POINTER_MACRO.findall(text))
-        | set(_POINTER_TYPE_MACRO.findall(text))
+        | set(_scan.findall(_POINTER_MACRO, text, _NEWLINE))
+        | {m.group(1) for m in _scan.matches_at(_POINTER_TYPE_MACRO, text, _directives(text))}
     )
     plain = typedefs(text)
     while True:
@@ -486,9 +613,9 @@ def _kr_defined(text: str, name: str) -> bool:
     heads = re.compile(rf"\b{re.escape(name)}\s*\(\s*\w+(?:\s*,\s*\w+)*\s*\)")
     known: dict[int, bool] = {}  # after a declaration: whether more, then a body, follow
     stop = -1  # the first ';', '{', '}' or '=' after the last head
-    for head in heads.finditer(text):
+    for head in _scan.finditer(heads, text, _NOT_IN_KR_HEAD):
         if head.end() > stop:
-            found = _KR_STOP.search(text, head.end())
+            found = _scan.search(_KR_STOP, text, head.end(), 1)
             stop = found.start() if found else len(text)
         if stop == len(text) or text[stop] != ";" or not _KR_WORD.match(text, head.end()):
             continue
@@ -513,6 +640,7 @@ def _kr_defined(text: str, name: str) -> bool:
 
 
 _KR_STOP = re.compile(r"[;{}=]")
+_NOT_IN_KR_HEAD = re.compile(r"[^\w\s,(]")  # (what a head holds but as its last)
 _KR_WORD = re.compile(r"\s*[A-Za-z_]")
 _KR_DECLARATION = re.compile(r"\s*[A-Za-z_][^;{}=]*;")
 
@@ -521,7 +649,8 @@ def c_kernel_names(src: str) -> list[str]:
     """The names of the functions ``src`` defines that a launch can name: not those
     declared ``static`` (no external linkage) and, in a source that has ``__global__``
     functions (CUDA), only those (its ``__device__`` and host functions are no kernels)."""
-    text = _PREPROCESSOR_LINE.sub(" ", _ATTRIBUTES.sub("", _strip(src)))
+    text = _without_attributes(_strip(src))
+    text = _scan.sub(_scan.matches_at(_PREPROCESSOR_LINE, text, _directives(text)), text, " ")
     declared = {
         name: set(words.split())
         for name, words, _ in _each_definition(text, r"\w+")
@@ -565,8 +694,9 @@ def unlinked_hint(src: str, name: str) -> str:
     """Why a kernel the source defines may not be in the compiled code: declared
     ``static`` (internal linkage) or plain ``inline`` (C99 emits no external definition
     of it), read from the declaration before the name; "" when neither."""
-    text = _ATTRIBUTES.sub("", _strip(src))
-    if re.search(rf"^[ \t]*#[ \t]*define[ \t]+{re.escape(name)}\b", text, re.M):
+    text = _without_attributes(_strip(src))
+    defines = re.compile(rf"^[ \t]*#[ \t]*define[ \t]+{re.escape(name)}\b", re.M)
+    if next(_scan.matches_at(defines, text, _directives(text)), None) is not None:
         return (
             f"; {name!r} is a macro of the source: a kernel whose name a macro makes is "
             "not seen (spell its name out in its definition)"
@@ -582,9 +712,22 @@ def unlinked_hint(src: str, name: str) -> str:
 def _declared_with(text: str, name: str) -> set[str]:
     """The words before ``name`` in the declarations of function ``name`` in ``text``
     (``static``, ``inline``, ``template``...)."""
+    # What ``(?:^|[;{}])([^;{}]*?)\bname\s*\(`` finds, read in short steps: the words
+    # from the last ";", "{" or "}" before each call or declaration of ``name``, the first
+    # of its statement.
     words: set[str] = set()
-    for match in re.finditer(rf"(?:^|[;{{}}])([^;{{}}]*?)\b{re.escape(name)}\s*\(", text):
-        words.update(re.findall(r"\w+", match.group(1)))
+    ends = _scan.finditer(_STATEMENT_END, text, None)
+    end = next(ends, None)
+    after = -1  # the last ";", "{" or "}" before the head (-1: none)
+    taken: int | None = None  # that of the last head taken
+    heads = re.compile(rf"\b{re.escape(name)}\s*\(")
+    for head in _scan.finditer(heads, text, _NOT_WORD_OR_SPACE):
+        while end is not None and end.start() < head.start():
+            after = end.start()
+            end = next(ends, None)
+        if after != taken:
+            taken = after
+            words.update(re.findall(r"\w+", text[after + 1 : head.start()]))
     return words
 
 
@@ -613,11 +756,12 @@ def _each_definition(text: str, name: str) -> Iterator[tuple[str, str, list[str]
     # (``k(k(k(...)))``) finds its own there, not by reading them again, which would
     # take time quadratic in the source's length.
     closing: dict[int, int] = {}
-    for match in re.finditer(rf"\b({name})\s*\(", text):
+    heads = re.compile(rf"\b({name})\s*\(")
+    for match in _scan.finditer(heads, text, _NOT_WORD_OR_SPACE):
         start = match.end()
         if start - 1 not in closing:
             opened: list[int] = []
-            for paren in _PARENS.finditer(text, start - 1):
+            for paren in _scan.finditer(_PARENS, text, None, start - 1):
                 if paren.group() == "(":
                     opened.append(paren.start())
                 else:
@@ -630,7 +774,7 @@ def _each_definition(text: str, name: str) -> Iterator[tuple[str, str, list[str]
         if not _BODY.match(text, pos):  # a call or a declaration, not the definition
             continue
         body = text[start : pos - 1].strip()
-        after = max(text.rfind(c, 0, match.start()) for c in ";{}") + 1
+        after = max(_scan.rfind(text, c, match.start()) for c in ";{}") + 1
         words = " ".join(re.findall(r"\w+", text[after : match.start()]))
         yield match.group(1), words, [] if body in ("", "void") else _split_top_level(body)
 

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import _scan
 from ._errors import ArgumentTypeError, InvalidArgumentError
 
 # Each type's size in bytes.
@@ -161,6 +162,10 @@ _TYPEDEF = re.compile(r"\btypedef\s+([\w\s:]+?)\s+(\w+)\s*;")
 _TYPEDEF_END = re.compile(r"[^\w\s:]")
 _TYPEDEF_WORD = re.compile(r"\btypedef\b")
 _USING = re.compile(r"\busing\s+(\w+)\s*=\s*([\w\s:]+?)\s*;")  # C++'s typedef
+# What no match of ``_USING`` holds but as its last character (``_scan.finditer``).
+_NOT_IN_USING = re.compile(r"[^\w\s:=]")
+_NOT_WORD = re.compile(r"\W")
+_NEWLINE = re.compile("\n")
 _DIRECTIVE = re.compile(r"^[ \t]*#[ \t]*(\w+)(.*)$", re.M)
 _TYPE_MACRO = re.compile(r"[ \t]*(\w+)(?:[ \t]+([\w \t]*?))?[ \t]*$")
 # What a declaration holds besides its type and name: attributes (``[[...]]``, GNU's
@@ -178,13 +183,15 @@ def statements(
     tries each ``keyword`` of a statement that ends otherwise, reading on to its end (a
     source of a few KB of ``typedef`` with no ``;`` held the event loop for seconds).
     ``pattern`` must match at a statement's first ``keyword`` where it matches at a
-    later one (a lazy body that can take the later ``keyword`` in)."""
+    later one (a lazy body that can take the later ``keyword`` in). ``keyword``: a
+    word (``\\btypedef\\b``); ``stops``: one character. Read in short steps
+    (``_scan``)."""
     found: list[tuple[str, ...]] = []
     end = 0  # of the statement of the last keyword tried
-    for first in keyword.finditer(text):
+    for first in _scan.finditer(keyword, text, _NOT_WORD):
         if first.start() < end:
             continue
-        stop = stops.search(text, first.end())
+        stop = _scan.search(stops, text, first.end(), 1)
         if stop is None:
             break
         end = stop.end()
@@ -210,10 +217,10 @@ def typedefs(text: str) -> dict[str, list[str]]:
 
     for words, name in statements(text, _TYPEDEF, _TYPEDEF_WORD, _TYPEDEF_END):
         add(name, re.findall(r"\w+", words))
-    for name, words in _USING.findall(text):
+    for name, words in _scan.findall(_USING, text, _NOT_IN_USING):
         add(name, re.findall(r"\w+", words))
     depth = 0  # of #if blocks
-    for directive, rest in _DIRECTIVE.findall(text):
+    for directive, rest in _scan.findall(_DIRECTIVE, text, _NEWLINE):
         if directive in ("if", "ifdef", "ifndef"):
             depth += 1
         elif directive == "endif":

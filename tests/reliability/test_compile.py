@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import gc
 import mmap
 import os
 import pickle
@@ -2383,6 +2384,8 @@ _PATHOLOGICAL = [
     "[[ ",
     '"\\',
     "'\\",
+    "1' ",  # a quote after a number or word, read back to its start
+    "a'b'",
     "k(a) ",  # a K&R definition, looked for after each call
     "k(a) int a; ",
     "k(",  # parentheses never closed
@@ -2440,3 +2443,104 @@ async def test_a_kernels_parameters_are_read_off_the_loop_for_all_but_short_sour
             params = await device._params(src, "k", Recording())
         assert not isinstance(params, Exception) and params.kinds == ("buffer", "value")
         assert (read_on.pop() == loop) is on_loop, size
+
+
+# A source of the usual mix, ``size`` characters long, defining kernel ``k`` at its end.
+_MIXED = """// helper {i}: adds things
+/* a block comment
+   over lines */
+typedef unsigned int u32_{i};
+#define SCALE_{i} 2.0f
+static const char *name_{i} = "helper {i} // not a comment";
+static inline float helper_{i}(const float *a, int n, char c) {{
+    float s = 0.0f; // sum
+    for (int i = 0; i < n; ++i) {{ s += a[i] * SCALE_{i}; if (c == 'x') s -= 1; }}
+    return s;
+}}
+"""
+
+
+def _long_source(size: int, kernel: str) -> str:
+    parts: list[str] = []
+    while size > 0:
+        parts.append(_MIXED.format(i=len(parts)))
+        size -= len(parts[-1])
+    return "".join(parts) + kernel
+
+
+async def test_a_long_sources_parameters_are_read_in_short_steps(anyio_backend: object) -> None:
+    """A source's kernel parameters, read off the loop for a long source, are read in
+    steps that each hold the interpreter's lock about a millisecond (measured as the
+    time between two events of a profiler on the reading thread, in that thread's own
+    CPU time, which the machine's load does not lengthen), so that the loop is not held
+    up: over 1 MB, at most 5 ms each. Checked: fails without the fix (single regular
+    expression calls of 15 to 30 ms)."""
+    from asyncmetal.backends.metal._compiler import MetalCompiler
+
+    steps: list[float] = []
+
+    def profiled(base: type[Any]) -> Any:
+        def _signature(compiler: Any, src: str, name: str) -> Any:
+            last = time.thread_time()
+            longest = 0.0
+
+            def profile(frame: object, event: str, arg: object) -> None:
+                nonlocal last, longest
+                now = time.thread_time()
+                longest = max(longest, now - last)
+                last = now
+
+            sys.setprofile(profile)
+            try:
+                return base._signature(compiler, src, name)
+            finally:
+                sys.setprofile(None)
+                steps.append(longest)
+
+        return type("Profiled", (base,), {"_signature": _signature})()
+
+    metal = "kernel void k(device float *a [[buffer(0)]], constant int &n [[buffer(1)]]) {}\n"
+    collecting = gc.isenabled()
+    gc.disable()  # (a collection of the test process's objects is no step of the reader)
+    try:
+        async with am.open_device("cpu") as device:
+            for compiler, kernel, kinds in (
+                (profiled(CCompiler), "void k(float *a, int n, u32_1 m) { }\n", 3),
+                (profiled(MetalCompiler), metal, 2),
+            ):
+                with anyio.fail_after(BOUND):
+                    params = await device._params(_long_source(1 << 20, kernel), "k", compiler)
+                assert not isinstance(params, Exception)
+                assert params.kinds == ("buffer",) + ("value",) * (kinds - 1)
+    finally:
+        if collecting:
+            gc.enable()
+    assert max(steps) < 0.005, steps
+
+
+@pytest.mark.parametrize("compiler", ["c", "cuda"])
+def test_a_digit_separator_opens_no_character_literal(compiler: str) -> None:
+    """A quote between a number's digits (C++14's and C23's digit separators:
+    ``1'000``, ``0x1'FFu``) is part of the number, not a character literal left open:
+    the rest of its line -- the kernel's definition, or its parameters -- is read; a
+    character literal after a word (``L'a'``, ``u8'b'``) is still one, and a quote left
+    open (an apostrophe in an ``#error`` line) ends at its line's end. Checked: fails
+    without the fix (each of the first three kernels "not defined")."""
+    from asyncmetal._compile import _strip
+    from asyncmetal.backends.cuda._compiler import CUDACompiler
+    from asyncmetal.backends.metal._compiler import MetalCompiler
+
+    reader = CCompiler() if compiler == "c" else CUDACompiler()
+    for src, kinds in (
+        ("constexpr int N = 1'000; __global__ void k(float *a, int n) { }", 2),
+        ("enum { M = 0x1'FFu }; __global__ void k(float *a, int n, int m) { }", 3),
+        ("__global__ void k(float a[1'024], int n) { }", 2),
+        ("#error the build's flags are wrong\n__global__ void k(float *a, int n) { }", 2),
+    ):
+        params = reader._signature(src, "k")
+        assert params.kinds == ("buffer",) + ("value",) * (kinds - 1), src
+    assert _strip("x = 1'000'000 + L'a' + u8'b' + 0x1'FFu + 1.5e+1'0f; y = ';'; // '\n'") == (
+        "x = 1'000'000 + L'' + u8'' + 0x1'FFu + 1.5e+1'0f; y = '';  \n''"
+    )
+    metal = "constant int N = 1'000; kernel void k(device float *a [[buffer(0)]]) { }"
+    assert MetalCompiler()._signature(metal, "k").kinds == ("buffer",)

@@ -13,11 +13,13 @@ from collections.abc import Sequence
 from ctypes import c_void_p
 from typing import Any
 
+from ... import _scan
 from ..._compile import (
     Compiler,
     NotDefinedError,
     ParamKind,
     refuse_non_scalars,
+    strip_comments,
     tool_answer,
 )
 from ..._errors import CompileError
@@ -243,14 +245,16 @@ def metal_bindings(src: str, name: str) -> tuple[int, ...]:
 def _bound_params(src: str, name: str) -> list[tuple[int, ParamKind, str]]:
     # (A comment left open ends where the source does: tried again at each later "/*",
     # it would take time quadratic in the source's length.)
-    text = re.sub(r"//[^\n]*|/\*.*?(?:\*/|\Z)", " ", src, flags=re.S)
+    text = strip_comments(src)
     # Its parameters: to the first ")" the body's "{" follows. (Found from the first
     # "kernel void name(" alone: one pattern, tried at each, would read on from each
     # to the next "){", in time quadratic in the source's length.)
-    head = re.search(rf"\bkernel\s+void\s+{re.escape(name)}\s*\(", text)
-    close = head and _BEFORE_BODY.search(text, head.end())
+    # (Each read in short steps: ``_scan``.)
+    heads = re.compile(rf"\bkernel\s+void\s+{re.escape(name)}\s*\(")
+    head = next(_scan.finditer(heads, text, _NOT_WORD_OR_SPACE), None)
+    close = head and next(_scan.finditer(_BEFORE_BODY, text, _NOT_IN_BEFORE_BODY, head.end()), None)
     if head is None or close is None:
-        raise NotDefinedError(name, re.findall(r"\bkernel\s+void\s+(\w+)\s*\(", text))
+        raise NotDefinedError(name, _scan.findall(_KERNEL_NAME, text, _NOT_WORD_OR_SPACE))
     bound: list[tuple[int, ParamKind, str]] = []
     for param in text[head.end() : close.start()].split(","):
         index = re.search(r"\[\[\s*buffer\s*\(\s*(\d+)\s*\)\s*\]\]", param)
@@ -264,3 +268,6 @@ def _bound_params(src: str, name: str) -> list[tuple[int, ParamKind, str]]:
 
 
 _BEFORE_BODY = re.compile(r"\)\s*\{")
+_NOT_IN_BEFORE_BODY = re.compile(r"[^\s)]")  # (what it holds but as its last)
+_KERNEL_NAME = re.compile(r"\bkernel\s+void\s+(\w+)\s*\(")
+_NOT_WORD_OR_SPACE = re.compile(r"[^\w\s]")
