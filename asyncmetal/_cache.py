@@ -54,8 +54,12 @@ def _absolute(directory: str | os.PathLike[str]) -> Path:
     """``directory`` as the absolute path it names now: a ``~`` expanded (as a shell
     does, which a service's environment file or a program's string does not), and
     one relative to the working directory kept there, whatever the working directory
-    is when the cache is first used (a service changes it as it starts)."""
-    return Path(os.path.abspath(os.path.expanduser(directory)))
+    is when the cache is first used (a service changes it as it starts). An absolute
+    path is taken as it is: no system call (a default pool is made on a loop)."""
+    path = os.fspath(directory)
+    if path.startswith("~"):
+        path = os.path.expanduser(path)
+    return Path(path if os.path.isabs(path) else os.path.abspath(path))
 
 
 class CacheWarning(UserWarning):
