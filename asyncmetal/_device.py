@@ -28,6 +28,7 @@ from ._allocator import (
     Allocator,
     Block,
     MemoryStatistics,
+    Record,
     closed_blocks,
     forget_left_blocks,
     free_left_blocks,
@@ -2047,12 +2048,12 @@ def foreign_buffer(
     nbytes: int,
     owner: object,
     after: tuple[Queue, int] | None,
-    shares: Block | None = None,
+    shares: Record | None = None,
 ) -> Buffer:
     """A Buffer of ``device`` over memory it does not own (another library's array):
     ``owner`` is kept alive while the buffer is; ``after``: a command later uses order
-    themselves after; ``shares``: the block (of the buffer it came from) whose record
-    of uses it shares."""
+    themselves after; ``shares``: the block (of the buffer it came from), or foreign
+    memory, whose record of uses it shares."""
     return _foreign_buffer(device._state, handle, nbytes, owner, after, shares)
 
 
