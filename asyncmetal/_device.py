@@ -89,6 +89,8 @@ from ._queue import (
 from ._threads import run_sync as to_thread
 from ._timeline import (
     MADE_BY_DEVICE,
+    QUEUE_DROPPED,
+    QUEUE_REPLACED,
     HostEvents,
     Timeline,
     close_timeline,
@@ -1111,7 +1113,7 @@ class Device(Singular):
         assert isinstance(queue, Queue)
         queue._reported = queue.submitted
         why = f"this queue of {self.name} was replaced: every later command of it failed"
-        if seal(queue, why, self._unreleased):
+        if seal(queue, why, self._unreleased, QUEUE_REPLACED):
             self._in_turn.append(queue)
             self._reap_later()
 
@@ -1342,7 +1344,7 @@ class Device(Singular):
                     if timeline is not None:
                         # A collected queue's, which someone may still hold: it had
                         # nothing in flight, and nothing will raise it further.
-                        queue_closed(timeline, timeline.value)
+                        queue_closed(timeline, timeline.value, QUEUE_DROPPED)
                         close_timeline(timeline)
             finally:
                 with self._state.submitting:
