@@ -3,6 +3,7 @@ deferred until the commands using a block have passed."""
 
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
 import math
@@ -60,6 +61,7 @@ class Block:
         "keeper",
         "last_use",
         "lent",
+        "memory",
         "nbytes",
         "owner",
     )
@@ -77,6 +79,41 @@ class Block:
         # device that allocated the block, or whose block's record it shares.
         self.keeper = keeper
         self.cached_at = 0.0  # time.monotonic() when it last went into the cache
+        # Of a block over memory the device does not own: the record that every buffer
+        # over that memory shares (see ForeignMemory), None where it shares an allocated
+        # block's record (memory of asyncmetal's own that went out and came back).
+        self.memory: ForeignMemory | None = None
+
+
+class ForeignMemory:
+    """A range of memory the device does not own (another library's array) and the
+    record of uses that every buffer over it shares -- each ``from_dlpack`` of the same
+    array, on one device or on several of its kind -- so that their commands are ordered
+    as on one buffer. Buffers over a part of it share it too (ordered with more than
+    they use, never with less). Lives while a buffer over it does (its blocks hold it),
+    found meanwhile by address (``Allocator.foreign_memory``)."""
+
+    __slots__ = ("__weakref__", "address", "keeper", "last_use", "nbytes")
+
+    def __init__(
+        self, address: int, nbytes: int, last_use: dict[Queue, int], keeper: DeviceState
+    ) -> None:
+        self.address = address
+        self.nbytes = nbytes
+        self.last_use = last_use  # the record: its buffers' blocks hold the same dict
+        self.keeper = keeper  # (as Block.keeper)
+
+    def holds(self, address: int, nbytes: int) -> bool:
+        """Whether ``nbytes`` at ``address`` lie within it."""
+        return self.address <= address and address + nbytes <= self.address + self.nbytes
+
+    def overlaps(self, address: int, nbytes: int) -> bool:
+        """Whether ``nbytes`` at ``address`` share a byte with it."""
+        return self.address < address + nbytes and address < self.address + self.nbytes
+
+
+# What memory coming back shares the record of: an allocated block's, or foreign memory's.
+Record = Block | ForeignMemory
 
 
 class _Token:
@@ -439,11 +476,24 @@ class Allocator:
         # Blocks whose memory went out to another library (DLPack, the CUDA array
         # interface), by address: memory that comes back in (from_dlpack) is found here.
         self._exported: dict[int, Block] = {}
-        # The same of foreign blocks (their memory another library's, lent on by their
-        # buffers), while they live: the memory stays its owner's, so nothing is held.
-        self._exported_foreign: weakref.WeakValueDictionary[int, Block] = (
+        # The same of foreign memory (another library's, lent on by buffers over it), by
+        # address and size, while buffers over it live: the memory stays its owner's, so
+        # nothing is held. (By its shared record, not by a block: each buffer over the
+        # memory lending it on is the same entry, however many there are, whichever goes.)
+        self._exported_foreign: weakref.WeakValueDictionary[tuple[int, int], ForeignMemory] = (
             weakref.WeakValueDictionary()
         )
+        # The foreign memory of buffers of this device, by address and size, while buffers
+        # over it live: a buffer made over it again shares its record (see foreign_memory).
+        # Held weakly, without callbacks (one that comes as its last buffer goes would
+        # need the lock, which the GC may collect it under): those gone are dropped once
+        # they may be most, as an entry is added (``_foreign_pruned_at``: how many there
+        # were after the last drop). The keys in order too, and the largest size among
+        # them: a look-up of a range reads the few that may overlap it.
+        self._foreign_memory: dict[tuple[int, int], weakref.ref[ForeignMemory]] = {}
+        self._foreign_ranges: list[tuple[int, int]] = []
+        self._foreign_largest = 0
+        self._foreign_pruned_at = 0
         # Freed blocks whose last uses are in flight: those uses, by block (one entry a
         # block: recorded, updated and taken off with no call, see _release).
         self._pending: dict[Block, list[tuple[Queue, int]]] = {}
@@ -852,10 +902,14 @@ class Allocator:
         address = self._state.backend.loan_address(block.handle)
         if address is None:
             return
+        memory = block.memory
+        if memory is None:  # (an allocated block's record, shared: this range of it)
+            memory = ForeignMemory(address, block.nbytes, block.last_use, block.keeper)
+            block.memory = memory
         with self._lock:
             if self.closed or block not in self._foreign:  # (npy: arrays it only reads)
                 return
-            self._exported_foreign[address] = block
+            self._exported_foreign[memory.address, memory.nbytes] = memory
             lenders.add(self)
 
     def exported_uses(self, address: int, nbytes: int) -> dict[Queue, int] | None:
@@ -864,9 +918,10 @@ class Allocator:
         block = self.exported_block(address, nbytes)
         return None if block is None else block.last_use
 
-    def exported_block(self, address: int, nbytes: int) -> Block | None:
-        """The block in use whose memory went out to another library and holds
-        ``nbytes`` at ``address``; None if there is none."""
+    def exported_block(self, address: int, nbytes: int) -> Record | None:
+        """The block in use -- or the foreign memory (see ForeignMemory) -- whose memory
+        went out to another library and holds ``nbytes`` at ``address``; None if there
+        is none."""
         if not self._exported and not self._exported_foreign:
             return None
         with self._lock:
@@ -875,9 +930,9 @@ class Allocator:
                     del self._exported[base]
                 elif base <= address and address + nbytes <= base + block.nbytes:
                     return block
-            for base, block in list(self._exported_foreign.items()):
-                if base <= address and address + nbytes <= base + block.nbytes:
-                    return block
+            for memory in list(self._exported_foreign.values()):
+                if memory.holds(address, nbytes):
+                    return memory
             if not self._exported and not self._exported_foreign:
                 lenders.discard(self)
         return None
@@ -1188,6 +1243,9 @@ class Allocator:
             self._collected.clear()
             self._exported.clear()
             self._exported_foreign.clear()
+            self._foreign_memory.clear()
+            self._foreign_ranges.clear()
+            self._foreign_pruned_at = 0
             lenders.discard(self)
             self.in_use = 0
 
@@ -1199,9 +1257,56 @@ class Allocator:
 
     def note_foreign(self, block: Block) -> None:
         """``block`` is over memory the device does not own (a buffer of another
-        library's array): the queues that use it are recorded on it too."""
+        library's array): the queues that use it are recorded on it too, and a buffer
+        made over that memory again shares its record (``block.memory``, where set)."""
+        memory = block.memory
         with self._lock:
             self._foreign.add(block)
+            if memory is None or self.closed:
+                return
+            key = (memory.address, memory.nbytes)
+            registry = self._foreign_memory
+            known = registry.get(key)
+            if known is not None and known() is not None:
+                return  # (a record of its own, where another shares that range already)
+            registry[key] = weakref.ref(memory)
+            ranges = self._foreign_ranges
+            if known is None:
+                bisect.insort(ranges, key)
+            if len(registry) > 2 * self._foreign_pruned_at + 16:  # maybe mostly gone
+                for gone in [k for k, ref in registry.items() if ref() is None]:
+                    del registry[gone]
+                ranges[:] = sorted(registry)
+                self._foreign_pruned_at = len(registry)
+            if memory.nbytes > self._foreign_largest:
+                self._foreign_largest = memory.nbytes
+
+    def foreign_memory(self, address: int, nbytes: int) -> list[ForeignMemory]:
+        """The foreign memory of this device's buffers (see ForeignMemory) that shares a
+        byte with ``nbytes`` at ``address``: the one of that very range first where
+        there is one, else one that holds the range, if any."""
+        registry = self._foreign_memory
+        if not registry:
+            return []
+        found = []
+        with self._lock:
+            same = registry.get((address, nbytes))
+            memory = None if same is None else same()
+            if memory is not None:
+                return [memory]
+            # Those that start before the range ends, back to where even the largest
+            # would end before it starts.
+            ranges = self._foreign_ranges
+            at = bisect.bisect_left(ranges, (address + nbytes,))
+            lowest = address - self._foreign_largest
+            while at > 0 and ranges[at - 1][0] > lowest:
+                at -= 1
+                ref = registry.get(ranges[at])
+                memory = None if ref is None else ref()
+                if memory is not None and memory.overlaps(address, nbytes):
+                    found.append(memory)
+        found.sort(key=lambda m: not m.holds(address, nbytes))
+        return found
 
     def forget_passed_uses(
         self, queues: Collection[Queue], blocks: list[Block] | None = None

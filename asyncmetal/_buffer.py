@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from ._allocator import Allocation, Block, Queue, lenders, lenders_for
+from ._allocator import Allocation, Block, ForeignMemory, Queue, Record, lenders, lenders_for
 from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import checkpoint
 from ._device_state import DeviceState, open_states, two_names
@@ -454,7 +456,7 @@ def foreign_buffer(
     nbytes: int,
     owner: object,
     after: tuple[Queue, int] | None,
-    shares: Block | None = None,
+    shares: Record | None = None,
 ) -> Buffer:
     """A Buffer over memory the device does not own (another library's array): ``owner``
     is kept alive while the buffer is, and its memory is never released by asyncmetal.
@@ -467,21 +469,72 @@ def foreign_buffer(
     memory, which lent nothing), else looked up among the memory lent out."""
     block = Block(handle, nbytes, state, owner)
     own = state.device._allocator
-    own.note_foreign(block)  # (its record is looked through too)
+    address = state.backend.loan_address(handle)  # where memory lent out comes back
+    if shares is None and lenders and address is not None:  # (none went out: none back)
+        for allocator in lenders_for(own):  # (its own, or its kind's)
+            shares = allocator.exported_block(address, nbytes)
+            if shares is not None:  # (a foreign one may share a record kept elsewhere)
+                break
     if shares is not None:
         block.last_use, block.keeper = shares.last_use, shares.keeper
-    elif lenders:  # (while no memory went out, none comes back)
-        address = state.backend.loan_address(handle)  # where memory lent out comes back
-        if address is not None:
-            for allocator in lenders_for(own):  # (its own, or its kind's)
-                shared = allocator.exported_block(address, nbytes)
-                if shared is not None:  # (a foreign one may share a record kept elsewhere)
-                    block.last_use, block.keeper = shared.last_use, shared.keeper
-                    break
+        block.memory = shares if isinstance(shares, ForeignMemory) else shares.memory
+        own.note_foreign(block)  # (its record is looked through too)
+    elif address is not None:
+        _share_foreign_memory(state, address, block)
+    else:
+        own.note_foreign(block)
     if after is not None:
         queue, value = after
         block.last_use[queue] = max(value, block.last_use.get(queue, 0))
     return Buffer(state, Allocation(block), 0, nbytes)
+
+
+def _share_foreign_memory(state: DeviceState, address: int, block: Block) -> None:
+    """Have new foreign ``block`` (at ``address``, on ``state``'s device) share the
+    record of the foreign memory it is over (see ForeignMemory) -- that of a buffer of
+    the device or of another open one of its kind over the same memory, or over more of
+    it -- or start that memory's record, and note it (``note_foreign``). A new record
+    that overlaps others (a buffer over more than earlier ones cover) starts with their
+    uses: its commands come after those submitted through them so far, but their later
+    commands are not ordered after its own (``queue.after`` orders those, as between
+    any two buffers). Found and noted under one lock: two buffers made at once over the
+    same memory, on two threads, share one record."""
+    nbytes = block.nbytes
+    own = state.device._allocator
+    with _foreign_lock:
+        # (this device's own first: a record shared between devices is kept by the first)
+        overlapping = own.foreign_memory(address, nbytes)
+        memory = overlapping[0] if overlapping else None
+        if memory is None or not memory.holds(address, nbytes):
+            memory = None
+            for other in open_states():
+                if other is state or other.kind != state.kind:
+                    continue
+                found = other.device._allocator.foreign_memory(address, nbytes)
+                if found and found[0].holds(address, nbytes):
+                    memory = found[0]
+                    break
+                overlapping += found
+        if memory is not None:
+            block.last_use, block.keeper = memory.last_use, memory.keeper
+        else:
+            for other_memory in overlapping:
+                for queue, value in list(other_memory.last_use.items()):
+                    block.last_use[queue] = max(value, block.last_use.get(queue, 0))
+            memory = ForeignMemory(address, nbytes, block.last_use, state)
+        block.memory = memory  # (what keeps it: the devices' registries hold it weakly)
+        own.note_foreign(block)
+
+
+def _new_foreign_lock() -> None:
+    """In a forked child (a parent thread may have held the lock at the fork)."""
+    global _foreign_lock
+    _foreign_lock = threading.Lock()
+
+
+_foreign_lock = threading.Lock()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_foreign_lock)
 
 
 def wrap_buffer(state: DeviceState, handle: Any, nbytes: int) -> Buffer:

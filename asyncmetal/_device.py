@@ -28,6 +28,7 @@ from ._allocator import (
     Allocator,
     Block,
     MemoryStatistics,
+    Record,
     closed_blocks,
     forget_left_blocks,
     free_left_blocks,
@@ -88,6 +89,8 @@ from ._queue import (
 from ._threads import run_sync as to_thread
 from ._timeline import (
     MADE_BY_DEVICE,
+    QUEUE_DROPPED,
+    QUEUE_REPLACED,
     HostEvents,
     Timeline,
     close_timeline,
@@ -1116,7 +1119,7 @@ class Device(Singular):
         assert isinstance(queue, Queue)
         queue._reported = queue.submitted
         why = f"this queue of {self.name} was replaced: every later command of it failed"
-        if seal(queue, why, self._unreleased):
+        if seal(queue, why, self._unreleased, QUEUE_REPLACED):
             self._in_turn.append(queue)
             self._reap_later()
 
@@ -1347,7 +1350,7 @@ class Device(Singular):
                     if timeline is not None:
                         # A collected queue's, which someone may still hold: it had
                         # nothing in flight, and nothing will raise it further.
-                        queue_closed(timeline, timeline.value)
+                        queue_closed(timeline, timeline.value, QUEUE_DROPPED)
                         close_timeline(timeline)
             finally:
                 with self._state.submitting:
@@ -2053,12 +2056,12 @@ def foreign_buffer(
     nbytes: int,
     owner: object,
     after: tuple[Queue, int] | None,
-    shares: Block | None = None,
+    shares: Record | None = None,
 ) -> Buffer:
     """A Buffer of ``device`` over memory it does not own (another library's array):
     ``owner`` is kept alive while the buffer is; ``after``: a command later uses order
-    themselves after; ``shares``: the block (of the buffer it came from) whose record
-    of uses it shares."""
+    themselves after; ``shares``: the block (of the buffer it came from), or foreign
+    memory, whose record of uses it shares."""
     return _foreign_buffer(device._state, handle, nbytes, owner, after, shares)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from . import _native, backends
-from ._allocator import Block, lenders
+from ._allocator import Record, lenders
 from ._buffer import Buffer
 from ._device import Device, closing, devices_opened, foreign_buffer, open_devices
 from ._dlpack import (
@@ -199,7 +199,7 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
             f"__dlpack_device__ said {(device_type, device_id)}"
         )
     memory = _Imported(obj, owner, data, nbytes)
-    shares = None if source is None else source._allocation.block
+    shares: Record | None = None if source is None else source._allocation.block
     if device is None and device_type in _HOST:
         lent = _lender(data, nbytes)
         if lent is not None:  # one of its buffers lent it: the record shared, found once
@@ -222,13 +222,13 @@ def lent_memory(device: Device, view: memoryview, address: int) -> Buffer:
     return _buffer(device, _Imported(view, None, address, view.nbytes), None)
 
 
-def _lender(address: int, nbytes: int) -> tuple[Device, Block] | None:
+def _lender(address: int, nbytes: int) -> tuple[Device, Record] | None:
     """The open device one of whose buffers lent this host memory out, now coming back
-    (``cpu:1``'s, say, where ``cpu`` would be picked), and that buffer's block: there
-    the buffer shares the lender's record of uses, and so its ordering. None where its
-    close has begun: the buffer is then on the device picked otherwise, which shares
-    that record too where it is of the lender's kind, until the lender's close has
-    ended."""
+    (``cpu:1``'s, say, where ``cpu`` would be picked), and that buffer's block (or the
+    foreign memory it is over: see ForeignMemory): there the buffer shares the lender's
+    record of uses, and so its ordering. None where its close has begun: the buffer is
+    then on the device picked otherwise, which shares that record too where it is of
+    the lender's kind, until the lender's close has ended."""
     if not lenders:  # no memory went out: none comes back (no device looked through)
         return None
     for device in open_devices():

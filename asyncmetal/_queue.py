@@ -28,6 +28,7 @@ from ._program import Program
 from ._scalars import Scalar, launch_value
 from ._timeline import (
     MADE_BY_DEVICE,
+    QUEUE_CLOSED,
     QUEUE_DISCARDED,
     Timeline,
     check_timeline,
@@ -676,7 +677,7 @@ class Queue(Singular):
         if last is not None and value > last:
             raise ClosedResourceError(
                 f"timeline will not reach {value}: it is a queue's own timeline, and that "
-                f"queue was closed after its command {last}"
+                f"queue was {timeline._queue_end()}"
             )
         return self._wait(timeline, value, False)
 
@@ -1258,21 +1259,27 @@ def close_native(queue: Queue, abandon: bool) -> None:
     queue._native.close(abandon)
 
 
-def seal(queue: Queue, why: str, unreleased: dict[Queue, None] | None = None) -> bool:
+def seal(
+    queue: Queue,
+    why: str,
+    unreleased: dict[Queue, None] | None = None,
+    how: str = QUEUE_CLOSED,
+) -> bool:
     """Close ``queue`` to commands (see Queue.close), with its device's submission lock
     held: none of another thread is half submitted. False if it already was. The native
     launch path is turned off too: a launch reads ``_fast_launch`` and enters the
     extension with no Python code between, so no other thread runs meanwhile, and the
     extension hands the command over without running any either (see _submit).
     ``unreleased``: where it is recorded as closed and not released yet, in the same
-    run with no call (a KeyboardInterrupt finds it both or neither)."""
+    run with no call (a KeyboardInterrupt finds it both or neither). ``how``: what
+    errors of waits on its timeline say of its end (``queue_closed``)."""
     if queue._closed is not None:
         return False
     if unreleased is not None:
         unreleased[queue] = None
     queue._closed = why
     queue._fast_launch = None
-    queue_closed(queue._timeline, queue._submitted)
+    queue_closed(queue._timeline, queue._submitted, how)
     return True
 
 

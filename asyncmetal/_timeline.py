@@ -102,7 +102,7 @@ def failure_error(failure: _native.Failure, lead: str, tail: str = "") -> AsyncM
         if owner is not None and owner._last is not None:
             return ClosedResourceError(
                 f"{lead} nothing will produce: it is a queue's own timeline, and that "
-                f"queue was closed after its command {owner._last}{tail}"
+                f"queue was {owner._queue_end()}{tail}"
             )
         device = "its device" if owner is None else f"its device, {owner.device.name},"
         return ClosedResourceError(
@@ -225,10 +225,20 @@ def close_timeline(timeline: Timeline) -> None:
     end_waits(timeline)
 
 
-def queue_closed(timeline: Timeline, last: int) -> None:
-    """``timeline`` is a queue's own, and that queue was closed (or collected) after its
-    command ``last``: nothing will raise it further. Waits for more are refused from now
-    on; those made before end once ``close_timeline`` closed it (the queue released)."""
+# How a queue's own timeline came to its end, as its errors say it (``queue_closed``):
+# its queue was closed, collected without a close, or replaced as the device's stand-in
+# default queue (``DeviceState.default_queue``).
+QUEUE_CLOSED = "closed"
+QUEUE_DROPPED = "dropped (collected, never closed)"
+QUEUE_REPLACED = "replaced (every later command of it failed)"
+
+
+def queue_closed(timeline: Timeline, last: int, how: str = QUEUE_CLOSED) -> None:
+    """``timeline`` is a queue's own, and that queue was closed (or collected, or
+    replaced: ``how``) after its command ``last``: nothing will raise it further. Waits
+    for more are refused from now on; those made before end once ``close_timeline``
+    closed it (the queue released)."""
+    timeline._last_how = how
     timeline._last = last
 
 
@@ -467,6 +477,7 @@ class Timeline(Waitable, Singular):
         # A queue's own whose queue was closed: the value of its last command, the most
         # it will ever reach (a wait for more ends failed once the queue is released).
         self._last: int | None = None
+        self._last_how = QUEUE_CLOSED  # (how its queue ended: see queue_closed)
         # Once its device closed: the signals of it that queues of other devices had
         # submitted and not run then, in order (each that queue's timeline, its value
         # there, the target), which the close left it to reach (see ``close_timeline``).
@@ -578,9 +589,13 @@ class Timeline(Waitable, Singular):
         """The error of a wait for ``value``, past the last command of this timeline's
         queue, closed: nothing will raise it that far."""
         return ClosedResourceError(
-            f"this timeline will not reach {value}: its queue was closed after its "
-            f"command {self._last}"
+            f"this timeline will not reach {value}: its queue was {self._queue_end()}"
         )
+
+    def _queue_end(self) -> str:
+        """(A queue's own timeline whose queue ended.) How and where it ended: "closed
+        after its command 3"."""
+        return f"{self._last_how} after its command {self._last}"
 
     def _failure(self, value: int) -> BaseException | None:
         """Why ``value``, reached, was never produced: a command that signals the

@@ -1107,3 +1107,111 @@ async def test_from_dlpack_of_memory_a_closing_device_lent_is_on_another_open_de
                 am.from_dlpack(host)
         finally:
             release[0] = 1
+
+
+async def _held_write(dev: am.Device, fill: am.Program, target: am.Buffer, value: int) -> Any:
+    """A queue of ``dev`` fills ``target`` (int32s) with ``value`` behind a device wait
+    nobody has signalled: the wait's timeline (``signal(1)`` lets the write run)."""
+    gate = dev.timeline()
+    held = dev.new_queue()
+    held.wait(gate, 1)
+    held.launch(fill, target, vals=(value, target.nbytes // 4))
+    return gate
+
+
+async def _not_before(gate: Any, copied: am.Completion) -> None:
+    """``copied`` must not finish until ``gate`` lets the held write run (it comes after
+    that write, on the device), then must."""
+    await anyio.sleep(0.05)
+    assert not copied.done()  # after the held write, on the device
+    gate.signal(1)
+    with anyio.fail_after(10):
+        await copied
+
+
+async def test_buffers_over_the_same_array_share_one_record_of_uses(
+    anyio_backend: object,
+) -> None:
+    """Two buffers made by ``am.from_dlpack`` of the same numpy array (on one device, or
+    on two of the cpu kind) are ordered as one buffer: while a command still held
+    writes through one, the other is busy, its export to a host consumer is refused,
+    and a copy of it on another queue comes after the write. Checked: fails without
+    the fix (the second buffer had a record of its own: not busy, exported at once)."""
+    async with am.open_device("cpu") as dev, am.open_device("cpu:1") as other:
+        fills = {d: await d.compile(KERNELS, "fill") for d in (dev, other)}
+        for _ in range(100):  # (buffers gone, over memory numpy hands out again)
+            am.from_dlpack(np.zeros(16, np.int32))
+        for where in (dev, other):
+            array = np.zeros(16, np.int32)
+            first = am.from_dlpack(array)
+            second = am.from_dlpack(array, device=where)
+            gate = await _held_write(dev, fills[dev], first, 2)
+            assert second.busy()
+            with pytest.raises(BufferError, match="in flight"):
+                np.from_dlpack(second)
+            out = await where.alloc(64)
+            await _not_before(gate, where.new_queue().copy(out, second))
+            assert (await out.read(np.int32)).tolist() == [2] * 16
+            gate = await _held_write(where, fills[where], second, 3)
+            out = await dev.alloc(64)
+            await _not_before(gate, dev.new_queue().copy(out, first))  # the other way
+            assert (await out.read(np.int32)).tolist() == [3] * 16
+
+
+async def test_memory_lent_on_by_two_buffers_over_one_array_comes_back_ordered_with_both(
+    anyio_backend: object,
+) -> None:
+    """Two buffers over the same numpy array, each lent on (``np.from_dlpack``) once
+    idle: memory coming back -- as a buffer, or as a copy's host operand -- is ordered
+    after a command still held that writes through the first, though the second was
+    lent last, and also once that second buffer is gone. Checked: fails without the
+    fix (the second loan took the first's place: what came back was ordered with the
+    second buffer only, and read the bytes from before the held write)."""
+    async with am.open_device("cpu") as dev:
+        fill = await dev.compile(KERNELS, "fill")
+        array = np.zeros(16, np.int32)
+        first, second = am.from_dlpack(array), am.from_dlpack(array)
+        lent = np.from_dlpack(first.typed(np.int32))
+        np.from_dlpack(second.typed(np.int32))  # (dropped at once: the loan ends)
+        for step, comes_back in enumerate((lambda: am.from_dlpack(lent), lambda: lent), 2):
+            gate = await _held_write(dev, fill, first, step)
+            out = await dev.alloc(64)
+            await _not_before(gate, dev.new_queue().copy(out, comes_back()))
+            assert (await out.read(np.int32)).tolist() == [step] * 16
+        del second  # the last to lend it on is gone: the first's loan still comes back
+        gc.collect()
+        gate = await _held_write(dev, fill, first, 5)
+        out = await dev.alloc(64)
+        await _not_before(gate, dev.new_queue().copy(out, lent))
+        assert (await out.read(np.int32)).tolist() == [5] * 16
+
+
+async def test_a_part_of_an_array_shares_the_record_of_a_buffer_over_all_of_it(
+    anyio_backend: object,
+) -> None:
+    """A buffer over a part of a numpy array that a buffer already covers shares that
+    buffer's record (ordered with it both ways); one over more than an earlier buffer
+    covers is ordered after the commands submitted on that buffer before it was made.
+    Checked: fails without the fix (a record of its own: the copy ran before the
+    held write)."""
+    async with am.open_device("cpu") as dev:
+        fill = await dev.compile(KERNELS, "fill")
+        array = np.zeros(32, np.int32)
+        whole = am.from_dlpack(array)
+        part = am.from_dlpack(array[8:24])
+        gate = await _held_write(dev, fill, whole, 2)
+        out = await dev.alloc(64)
+        await _not_before(gate, dev.new_queue().copy(out, part))
+        assert (await out.read(np.int32)).tolist() == [2] * 16
+        gate = await _held_write(dev, fill, part, 3)
+        out = await dev.alloc(128)
+        await _not_before(gate, dev.new_queue().copy(out, whole))
+        assert (await out.read(np.int32)).tolist() == [2] * 8 + [3] * 16 + [2] * 8
+        array = np.zeros(32, np.int32)
+        head = am.from_dlpack(array[:16])
+        gate = await _held_write(dev, fill, head, 4)
+        whole = am.from_dlpack(array)  # more than ``head``: after its held write
+        assert whole.busy()
+        out = await dev.alloc(128)
+        await _not_before(gate, dev.new_queue().copy(out, whole))
+        assert (await out.read(np.int32)).tolist() == [4] * 16 + [0] * 16

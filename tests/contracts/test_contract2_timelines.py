@@ -228,14 +228,21 @@ async def test_a_queue_used_in_the_default_queues_stead_failing_for_good_is_repl
     """The queue the device's buffers' work runs on in its failed default queue's stead
     fails for good in turn: the device makes another, and releases the one replaced
     (its failure was its buffer operations' own: ``synchronize()`` reports only the
-    default queue's, once). Checked failing before: the queue replaced stayed among the
-    device's queues, never released, and every synchronize() raised."""
+    default queue's, once); waits on its timeline past its last command are refused
+    saying it was replaced. Checked failing before: the queue replaced stayed among the
+    device's queues, never released, and every synchronize() raised; the refusals said
+    it was closed."""
     before = await fail_default_queue_for_good(device)
     stand_in = device._own_queue()
     await fail_for_good(device, stand_in)
     await check_buffers_usable(device, before)
     assert device._own_queue() is not stand_in
+    replaced = r"queue was replaced \(every later command of it failed\) after its command"
+    with pytest.raises(am.ClosedResourceError, match=replaced):
+        device.new_queue().wait(stand_in.timeline, stand_in.submitted + 1)
     with anyio.fail_after(20):
+        with pytest.raises(am.ClosedResourceError, match=replaced):
+            await stand_in.timeline.wait(stand_in.submitted + 1)
         with pytest.raises(am.ClosedResourceError, match="device-side wait"):
             await device.synchronize()  # (the default queue's)
         await device.synchronize()

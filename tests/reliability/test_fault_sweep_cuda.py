@@ -22,6 +22,8 @@ error that is not sticky the device then still works and gives back the right by
 the close completes; the device's Python threads end; every allocation is freed; and
 every staging chunk is unmapped -- but where a sticky error
 failed a queue whose stream might still write one (``_staging._MAPPED`` says why).
+The simulated streams also show two buffers over one memory of another library's
+ordered as one buffer.
 
 NVRTC is swept alike, through a fake of cuda-bindings' ``nvrtc`` (``_Nvrtc``): the
 compiler's cache key (NVRTC's version) and a compile, each of their calls failing in
@@ -832,6 +834,50 @@ async def test_a_command_whose_end_is_refused_after_it_reached_the_driver_fails_
         await other.free()
         await queue.close()
         await dev.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_buffers_over_the_same_cuda_memory_share_one_record_of_uses(
+    anyio_backend: str, sim: _SweepDriver
+) -> None:
+    """Two buffers made by ``am.from_dlpack`` of the same CUDA memory of another
+    library's (``__cuda_array_interface__``) are ordered as one buffer: a copy of the
+    second on one queue comes after a copy into the first still held on another (a
+    device-side wait), both ways. Checked: fails without the fix (the second buffer
+    had a record of its own, and the copy ran before the held write)."""
+    _driver.lost_first = None
+    sim.plan = _Plan(threading.current_thread())
+    address = sim.cuMemAlloc(64)[1]  # another library's memory
+
+    class Producer:
+        __cuda_array_interface__: ClassVar[dict[str, Any]] = {
+            "shape": (16,),
+            "typestr": "<i4",
+            "data": (address, False),
+            "version": 3,
+        }
+
+    with anyio.fail_after(20):
+        dev = await am.open_device("cuda:0")
+        try:
+            first, second = am.from_dlpack(Producer()), am.from_dlpack(Producer())
+            held, copier = dev.new_queue(), dev.new_queue()
+            for value, (target, source) in enumerate(((first, second), (second, first)), 2):
+                gate = dev.timeline()
+                held.wait(gate, 1)
+                held.copy(target, np.full(16, value, np.int32))
+                out = np.zeros(16, np.int32)
+                copied = copier.copy(out, source)
+                await anyio.sleep(0.05)
+                assert not copied.done()  # after the held write, on the device
+                gate.signal(1)
+                await copied
+                assert out.tolist() == [value] * 16
+            await held.close()
+            await copier.close()
+        finally:
+            await dev.close()
+            sim.cuMemFree(address)
 
 
 class _NvrtcResult(enum.IntEnum):
