@@ -749,6 +749,45 @@ async def test_memory_of_a_buffer_over_another_librarys_array_comes_back_ordered
         assert (await out.read(np.int32)).tolist() == [9] * 16
 
 
+async def test_the_array_under_a_buffer_over_it_is_ordered_as_that_buffer(
+    anyio_backend: object,
+) -> None:
+    """The numpy array that a buffer wraps (``am.from_dlpack(array)``), used itself --
+    never lent on -- as a copy's source or destination, by ``from_numpy`` or wrapped
+    again, on the same device or on another of its kind: each comes after a command
+    still held that writes the buffer, as the buffer itself would. Checked: fails
+    without the fix (each copy read the bytes from before the held write)."""
+    async with am.open_device("cpu") as dev, am.open_device("cpu:1") as other:
+        fill = await dev.compile(KERNELS, "fill")
+        held, copier = dev.new_queue(), dev.new_queue()
+        array = np.zeros(16, np.int32)
+        buf = am.from_dlpack(array)
+        comes_back = (
+            lambda: array,
+            lambda: array[4:12],
+            lambda: am.from_dlpack(array, device=other),
+        )
+        for step, operand in enumerate(comes_back, 2):
+            source = operand()
+            out = await _copied_behind_a_held_fill(held, copier, fill, buf, step, source)
+            assert set((await out.read(np.int32)).tolist()) == {step}, step
+        three = await dev.alloc(64)
+        await three.write(np.full(16, 3, np.int32))
+        gate = dev.timeline()
+        held.wait(gate, 1)
+        held.launch(fill, buf, vals=(7, 16))
+        copied = copier.copy(array, three)  # lands after the 7s
+        made = am.from_numpy(array)
+        await anyio.sleep(0.05)
+        assert not copied.done()
+        gate.signal(1)
+        with anyio.fail_after(10):
+            await copied
+            source = await made
+        assert array.tolist() == [3] * 16
+        assert (await source.read(np.int32)).tolist() == [3] * 16
+
+
 async def _copied_behind_a_held_fill(
     held: am.Queue, copier: am.Queue, fill: am.Program, target: am.Buffer, value: int, source: Any
 ) -> am.Buffer:
