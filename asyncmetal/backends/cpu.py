@@ -211,18 +211,12 @@ def _plain_types(cc: tuple[str, ...], flags: tuple[str, ...]) -> Mapping[str, st
     """The types of a plain ``char`` and of ``wchar_t`` as ``cc`` with ``flags``
     compiles C, asked of it once (its predefined ``__CHAR_UNSIGNED__`` and
     ``__WCHAR_TYPE__``, as GCC and clang define them); the host platform's where it
-    cannot be asked (a compile with it fails then anyway)."""
+    cannot be asked (a compile with it fails then anyway). CompileError where it does
+    not answer in time (as for its version: asked with it, off the loop)."""
     host = host_types()
-    try:
-        proc = subprocess.run(
-            [*cc, *flags, "-dM", "-E", "-x", "c", os.devnull],
-            capture_output=True,
-            check=False,
-            timeout=60,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return host
-    if proc.returncode != 0:
+    question = [*cc, *flags, "-dM", "-E", "-x", "c", os.devnull]
+    proc = tool_answer(question, "check it, or set $CC to another")
+    if proc is None or proc.returncode != 0:
         return host
     macros = dict(re.findall(r"^#define (\w+) ?(.*)$", proc.stdout.decode(errors="replace"), re.M))
     wchar = scalar_type(macros.get("__WCHAR_TYPE__", "").split(), {})

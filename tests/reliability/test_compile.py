@@ -199,39 +199,42 @@ wait
 
 
 _SILENT_CC = """#!/bin/sh
-# A C compiler (a wrapper) that never says its version: it starts a child that
+# A C compiler (a wrapper) that never answers one question: it starts a child that
 # holds its output open, records the child's pid and waits for it. Else the real one.
-if [ "$1" = "--version" ]; then
+case " $* " in
+*" {question} "*)
     sleep 20 &
     echo "$!" > "{record}.tmp"
     mv "{record}.tmp" "{record}"
     wait
-    exit 0
-fi
+    exit 0;;
+esac
 exec {real} "$@"
 """
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.parametrize("question", ["--version", "-dM"])
 async def test_a_compiler_that_does_not_say_its_version_fails_the_compile_in_time(
-    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, question: str
 ) -> None:
-    """The compiler's version keys the cache; one that does not answer ``--version``
-    (asked off the loop) fails the compile with a CompileError saying so once
-    VERSION_TIMEOUT_S has passed, killed with what it started. Checked: fails without
-    the fix (the compile waited for the wrapper's child, then went on)."""
+    """The compiler's version keys the cache, and its predefined macros give its C
+    types; one that does not answer ``--version`` or ``-dM -E`` (asked off the loop)
+    fails the compile with a CompileError saying so once VERSION_TIMEOUT_S has passed,
+    killed with what it started. Checked: fails without the fix (the compile waited for
+    the wrapper's child, then went on; for -dM, its child outlived the question)."""
     monkeypatch.setattr(_compile, "VERSION_TIMEOUT_S", 2.0)
     real = shutil.which(cc_command()[0])
     assert real is not None
     record = tmp_path / "child"
     wrapper = tmp_path / "silent-cc"
-    wrapper.write_text(_SILENT_CC.format(record=record, real=shlex.quote(real)))
+    wrapper.write_text(_SILENT_CC.format(question=question, record=record, real=shlex.quote(real)))
     wrapper.chmod(0o755)
     asked_on: list[threading.Thread] = []
     real_popen = subprocess.Popen
 
     def popen(args: Any, *rest: Any, **kwargs: Any) -> Any:
-        if "--version" in args:
+        if question in args:
             asked_on.append(threading.current_thread())
         return real_popen(args, *rest, **kwargs)
 
