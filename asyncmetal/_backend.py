@@ -430,9 +430,10 @@ class Backend(ABC):
         """Load a compiled binary; return the native program for ``name``, whose
         parameters bind at ``bindings`` (its compiler's ``bindings``; None: in order).
         Raise AttributeError where the binary lacks ``name``; PermissionError where this
-        process may not load code as the backend does (a noexec temporary directory),
-        which no rebuilt binary would change; anything else: the binary does not load
-        here, and the device builds it afresh once. May block."""
+        process may not load code as the backend does (a noexec temporary directory, or
+        one it cannot write the binary to), which no rebuilt binary would change;
+        anything else: the binary does not load here, and the device builds it afresh
+        once. May block."""
 
     @abstractmethod
     def unload(self, native: Any) -> None:

@@ -334,6 +334,18 @@ def _check_extent(binary: bytes) -> None:
             )
 
 
+def _unwritable(exc: OSError) -> PermissionError:
+    """The error of a kernel library that cannot be written to the temporary directory
+    (missing, unwritable, full): the place's fault, not the binary's (see
+    Backend.load), so no rebuild would load either."""
+    return PermissionError(
+        exc.errno,
+        f"cannot write a kernel library to {tempfile.gettempdir()}: {exc.strerror} -- each "
+        "kernel library is written to the temporary directory to be loaded: set $TMPDIR "
+        "to one that is writable and allows running code",
+    )
+
+
 _PT_LOAD, _PT_DYNAMIC, _DT_NEEDED, _DT_STRTAB = 1, 2, 1, 5
 
 
@@ -706,9 +718,16 @@ class CPUBackend(HostQueues, Backend):
 
     def load(self, binary: bytes, name: str, bindings: tuple[int, ...] | None = None) -> Any:
         _check_extent(binary)  # a file cut short would kill the process in dlopen
-        with tempfile.NamedTemporaryFile(prefix="asyncmetal-", suffix=".so") as f:
-            f.write(binary)
-            f.flush()
+        try:
+            f = tempfile.NamedTemporaryFile(prefix="asyncmetal-", suffix=".so")
+        except OSError as exc:
+            raise _unwritable(exc) from exc
+        with f:
+            try:
+                f.write(binary)
+                f.flush()
+            except OSError as exc:
+                raise _unwritable(exc) from exc
             # Under the lock: a close (another thread) never unloads a library that is
             # being looked into, nor misses one loaded for a compile that raced it.
             with self._libraries_lock:

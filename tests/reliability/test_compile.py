@@ -598,6 +598,40 @@ async def test_a_kernel_the_temporary_directory_may_not_run_keeps_its_cache_entr
         pool.cache.close()
 
 
+async def test_a_temporary_directory_that_takes_no_kernel_library_keeps_its_cache_entry(
+    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a kernel library cannot be written to the temporary directory (missing
+    here; unwritable or full alike), loading a kernel raises a CompileError naming the
+    directory and $TMPDIR; the cached binary is neither evicted nor built again, and
+    loads once the directory takes it. Checked: fails without the fix (the entry was
+    compiled again, and the error gave only the system's message)."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache"))
+    try:
+        async with am.open_device("cpu") as device:
+            device.compile_pool = pool
+            with anyio.fail_after(BOUND):
+                await device.compile(TWO_KERNELS, "put")
+                compiles = pool.compiles
+                missing = tmp_path / "missing"
+                with monkeypatch.context() as patch:
+                    patch.setattr(tempfile, "tempdir", str(missing))
+                    with pytest.raises(am.CompileError) as caught:
+                        await device.compile(TWO_KERNELS, "put2")
+                message = str(caught.value)
+                assert "cannot write a kernel library" in message, message
+                assert str(missing) in message and "$TMPDIR" in message, message
+                assert pool.compiles == compiles  # not built again
+                prog = await device.compile(TWO_KERNELS, "put2")  # it loads now
+                assert pool.compiles == compiles
+                buf = await device.alloc(4)
+                await device.queue.launch(prog, buf, vals=(41,))
+                assert (await buf.read(np.int32))[0] == 42
+    finally:
+        await pool.aclose()
+        pool.cache.close()
+
+
 _NOEXEC_SCRIPT = """
 import sys, tempfile
 import anyio
