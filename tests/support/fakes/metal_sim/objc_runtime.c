@@ -397,6 +397,48 @@ IMP sim_lookup(object *receiver, SEL sel) {
          (void *)receiver);
 }
 
+/* The argument registers (integer, vector, and %al, the vector-register count of a
+ * variadic call), saved in the trampoline's frame; restored, and on to the method found
+ * (in %r11) by a tail jump. */
+#define SAVE_ARGUMENTS \
+    "    push %rbp\n" \
+    "    mov %rsp, %rbp\n" \
+    "    sub $0xd0, %rsp\n" \
+    "    mov %rdi, 0x00(%rsp)\n" \
+    "    mov %rsi, 0x08(%rsp)\n" \
+    "    mov %rdx, 0x10(%rsp)\n" \
+    "    mov %rcx, 0x18(%rsp)\n" \
+    "    mov %r8, 0x20(%rsp)\n" \
+    "    mov %r9, 0x28(%rsp)\n" \
+    "    mov %rax, 0x30(%rsp)\n" \
+    "    movdqa %xmm0, 0x40(%rsp)\n" \
+    "    movdqa %xmm1, 0x50(%rsp)\n" \
+    "    movdqa %xmm2, 0x60(%rsp)\n" \
+    "    movdqa %xmm3, 0x70(%rsp)\n" \
+    "    movdqa %xmm4, 0x80(%rsp)\n" \
+    "    movdqa %xmm5, 0x90(%rsp)\n" \
+    "    movdqa %xmm6, 0xa0(%rsp)\n" \
+    "    movdqa %xmm7, 0xb0(%rsp)\n"
+
+#define RESTORE_ARGUMENTS_AND_JUMP \
+    "    mov 0x00(%rsp), %rdi\n" \
+    "    mov 0x08(%rsp), %rsi\n" \
+    "    mov 0x10(%rsp), %rdx\n" \
+    "    mov 0x18(%rsp), %rcx\n" \
+    "    mov 0x20(%rsp), %r8\n" \
+    "    mov 0x28(%rsp), %r9\n" \
+    "    mov 0x30(%rsp), %rax\n" \
+    "    movdqa 0x40(%rsp), %xmm0\n" \
+    "    movdqa 0x50(%rsp), %xmm1\n" \
+    "    movdqa 0x60(%rsp), %xmm2\n" \
+    "    movdqa 0x70(%rsp), %xmm3\n" \
+    "    movdqa 0x80(%rsp), %xmm4\n" \
+    "    movdqa 0x90(%rsp), %xmm5\n" \
+    "    movdqa 0xa0(%rsp), %xmm6\n" \
+    "    movdqa 0xb0(%rsp), %xmm7\n" \
+    "    leave\n" \
+    "    jmp *%r11\n"
+
 /* Save the argument registers (integer, vector, and %al, the vector-register count of a
  * variadic call), look the method up, restore them and tail-jump: the method sees its
  * arguments and stack exactly as objc_msgSend's caller set them. */
@@ -405,43 +447,10 @@ __asm__(
     ".globl objc_msgSend\n"
     ".type objc_msgSend, @function\n"
     "objc_msgSend:\n"
-    "    push %rbp\n"
-    "    mov %rsp, %rbp\n"
-    "    sub $0xd0, %rsp\n"
-    "    mov %rdi, 0x00(%rsp)\n"
-    "    mov %rsi, 0x08(%rsp)\n"
-    "    mov %rdx, 0x10(%rsp)\n"
-    "    mov %rcx, 0x18(%rsp)\n"
-    "    mov %r8, 0x20(%rsp)\n"
-    "    mov %r9, 0x28(%rsp)\n"
-    "    mov %rax, 0x30(%rsp)\n"
-    "    movdqa %xmm0, 0x40(%rsp)\n"
-    "    movdqa %xmm1, 0x50(%rsp)\n"
-    "    movdqa %xmm2, 0x60(%rsp)\n"
-    "    movdqa %xmm3, 0x70(%rsp)\n"
-    "    movdqa %xmm4, 0x80(%rsp)\n"
-    "    movdqa %xmm5, 0x90(%rsp)\n"
-    "    movdqa %xmm6, 0xa0(%rsp)\n"
-    "    movdqa %xmm7, 0xb0(%rsp)\n"
+    SAVE_ARGUMENTS
     "    call sim_lookup\n"
     "    mov %rax, %r11\n"
-    "    mov 0x00(%rsp), %rdi\n"
-    "    mov 0x08(%rsp), %rsi\n"
-    "    mov 0x10(%rsp), %rdx\n"
-    "    mov 0x18(%rsp), %rcx\n"
-    "    mov 0x20(%rsp), %r8\n"
-    "    mov 0x28(%rsp), %r9\n"
-    "    mov 0x30(%rsp), %rax\n"
-    "    movdqa 0x40(%rsp), %xmm0\n"
-    "    movdqa 0x50(%rsp), %xmm1\n"
-    "    movdqa 0x60(%rsp), %xmm2\n"
-    "    movdqa 0x70(%rsp), %xmm3\n"
-    "    movdqa 0x80(%rsp), %xmm4\n"
-    "    movdqa 0x90(%rsp), %xmm5\n"
-    "    movdqa 0xa0(%rsp), %xmm6\n"
-    "    movdqa 0xb0(%rsp), %xmm7\n"
-    "    leave\n"
-    "    jmp *%r11\n"
+    RESTORE_ARGUMENTS_AND_JUMP
     ".size objc_msgSend, .-objc_msgSend\n"
     "\n"
     /* A method returning a structure in memory: the caller passes the result's address
@@ -450,47 +459,14 @@ __asm__(
     ".globl objc_msgSend_stret\n"
     ".type objc_msgSend_stret, @function\n"
     "objc_msgSend_stret:\n"
-    "    push %rbp\n"
-    "    mov %rsp, %rbp\n"
-    "    sub $0xd0, %rsp\n"
-    "    mov %rdi, 0x00(%rsp)\n"
-    "    mov %rsi, 0x08(%rsp)\n"
-    "    mov %rdx, 0x10(%rsp)\n"
-    "    mov %rcx, 0x18(%rsp)\n"
-    "    mov %r8, 0x20(%rsp)\n"
-    "    mov %r9, 0x28(%rsp)\n"
-    "    mov %rax, 0x30(%rsp)\n"
-    "    movdqa %xmm0, 0x40(%rsp)\n"
-    "    movdqa %xmm1, 0x50(%rsp)\n"
-    "    movdqa %xmm2, 0x60(%rsp)\n"
-    "    movdqa %xmm3, 0x70(%rsp)\n"
-    "    movdqa %xmm4, 0x80(%rsp)\n"
-    "    movdqa %xmm5, 0x90(%rsp)\n"
-    "    movdqa %xmm6, 0xa0(%rsp)\n"
-    "    movdqa %xmm7, 0xb0(%rsp)\n"
+    SAVE_ARGUMENTS
     "    mov %rsi, %rdi\n"
     "    mov %rdx, %rsi\n"
     "    call sim_lookup\n"
     "    lea sim_nil_stret(%rip), %r11\n"
     "    cmpq $0, 0x08(%rsp)\n"
     "    cmovne %rax, %r11\n"
-    "    mov 0x00(%rsp), %rdi\n"
-    "    mov 0x08(%rsp), %rsi\n"
-    "    mov 0x10(%rsp), %rdx\n"
-    "    mov 0x18(%rsp), %rcx\n"
-    "    mov 0x20(%rsp), %r8\n"
-    "    mov 0x28(%rsp), %r9\n"
-    "    mov 0x30(%rsp), %rax\n"
-    "    movdqa 0x40(%rsp), %xmm0\n"
-    "    movdqa 0x50(%rsp), %xmm1\n"
-    "    movdqa 0x60(%rsp), %xmm2\n"
-    "    movdqa 0x70(%rsp), %xmm3\n"
-    "    movdqa 0x80(%rsp), %xmm4\n"
-    "    movdqa 0x90(%rsp), %xmm5\n"
-    "    movdqa 0xa0(%rsp), %xmm6\n"
-    "    movdqa 0xb0(%rsp), %xmm7\n"
-    "    leave\n"
-    "    jmp *%r11\n"
+    RESTORE_ARGUMENTS_AND_JUMP
     ".size objc_msgSend_stret, .-objc_msgSend_stret\n"
     "\n"
     ".type sim_nil_stret, @function\n"
