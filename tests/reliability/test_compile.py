@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -527,17 +527,22 @@ async def test_a_cached_binary_for_another_machine_is_rebuilt(
         pool.cache.close()
         pool = device.compile_pool = CompilePool(1, cache=CompileCache(directory))
         try:
-            prog = await device.compile(TWO_KERNELS, "put2")
-            buf = await device.alloc(4)
-            await device.queue.launch(prog, buf, vals=(41,))
-            assert (await buf.read(np.int32))[0] == 42
-            await buf.free()
+            await _put2_runs(device)
         finally:
             await pool.aclose()
             pool.cache.close()
     rebuilt = CompileCache(directory)
     assert rebuilt._load_disk(key) == good  # the bad entry was replaced
     rebuilt.close()
+
+
+async def _put2_runs(device: am.Device) -> None:
+    """TWO_KERNELS' ``put2`` compiles, loads and runs on ``device`` (41 in, 42 out)."""
+    prog = await device.compile(TWO_KERNELS, "put2")
+    buf = await device.alloc(4)
+    await device.queue.launch(prog, buf, vals=(41,))
+    assert (await buf.read(np.int32))[0] == 42
+    await buf.free()
 
 
 def _noexec_dlopen(name: Any, *args: Any, **kwargs: Any) -> Any:
@@ -558,17 +563,37 @@ def _noexec_mmap(*args: Any, **kwargs: Any) -> Any:
 _REAL_CDLL, _REAL_MMAP = ctypes.CDLL, mmap.mmap
 
 
-async def test_a_kernel_the_temporary_directory_may_not_run_keeps_its_cache_entry(
-    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def _refuse_running(patch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[str, str]:
+    """The temporary directory may not run code (mounted noexec), as the system refuses
+    it: dlopen's "failed to map segment from shared object" and EPERM for a mapping as
+    code. What the error says, and the directory it names."""
+    patch.setattr(ctypes, "CDLL", _noexec_dlopen)
+    patch.setattr(mmap, "mmap", _noexec_mmap)
+    return "cannot run a kernel library", tempfile.gettempdir()
+
+
+def _refuse_writing(patch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[str, str]:
+    """No kernel library can be written to the temporary directory (missing here;
+    unwritable or full alike)."""
+    missing = tmp_path / "missing"
+    patch.setattr(tempfile, "tempdir", str(missing))
+    return "cannot write a kernel library", str(missing)
+
+
+@pytest.mark.parametrize("refuse", [_refuse_running, _refuse_writing], ids=["noexec", "unwritable"])
+async def test_a_temporary_directory_that_cannot_load_a_kernel_keeps_its_cache_entry(
+    anyio_backend: object,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    refuse: Callable[[pytest.MonkeyPatch, Path], tuple[str, str]],
 ) -> None:
-    """Where the temporary directory may not run code (mounted noexec: simulated here as
-    the system refuses it, dlopen's "failed to map segment from shared object" and
-    EPERM for a mapping as code), loading a kernel raises a CompileError naming the
-    directory and $TMPDIR; the cached binary, not at fault, is neither evicted nor
-    built again, and loads once the directory allows it. (Really mounted, as root:
+    """Where the temporary directory may not run code, or cannot take the kernel
+    library at all, loading a kernel raises a CompileError naming the directory and
+    $TMPDIR; the cached binary, not at fault, is neither evicted nor built again, and
+    loads once the directory allows it. (Really mounted noexec, as root:
     test_a_noexec_temporary_directory_keeps_the_cache_entry.) Checked: fails without
-    the fix (the entry was evicted and compiled again, and the error said only that
-    the kernel does not load)."""
+    the fix (noexec: the entry was evicted and compiled again, and the error said only
+    that the kernel does not load; unwritable: compiled again, the system's message)."""
     pool = CompilePool(1, cache=CompileCache(tmp_path / "cache"))
     try:
         async with am.open_device("cpu") as device:
@@ -578,55 +603,16 @@ async def test_a_kernel_the_temporary_directory_may_not_run_keeps_its_cache_entr
                 compiles = pool.compiles
                 key = source_key(await compiler_identity(device._backend.compiler), TWO_KERNELS)
                 with monkeypatch.context() as patch:
-                    patch.setattr(ctypes, "CDLL", _noexec_dlopen)
-                    patch.setattr(mmap, "mmap", _noexec_mmap)
+                    says, directory = refuse(patch, tmp_path)
                     with pytest.raises(am.CompileError) as caught:
                         await device.compile(TWO_KERNELS, "put2")
                 message = str(caught.value)
-                assert "'put2'" in message and "cannot run a kernel library" in message
-                assert tempfile.gettempdir() in message and "$TMPDIR" in message, message
+                assert "'put2'" in message and says in message, message
+                assert directory in message and "$TMPDIR" in message, message
                 assert pool.compiles == compiles  # not built again ...
                 assert await anyio.to_thread.run_sync(pool.cache._load_disk, key)  # nor evicted
-                prog = await device.compile(TWO_KERNELS, "put2")  # it loads now
+                await _put2_runs(device)  # it loads now
                 assert pool.compiles == compiles
-                buf = await device.alloc(4)
-                await device.queue.launch(prog, buf, vals=(41,))
-                assert (await buf.read(np.int32))[0] == 42
-                await buf.free()
-    finally:
-        await pool.aclose()
-        pool.cache.close()
-
-
-async def test_a_temporary_directory_that_takes_no_kernel_library_keeps_its_cache_entry(
-    anyio_backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Where a kernel library cannot be written to the temporary directory (missing
-    here; unwritable or full alike), loading a kernel raises a CompileError naming the
-    directory and $TMPDIR; the cached binary is neither evicted nor built again, and
-    loads once the directory takes it. Checked: fails without the fix (the entry was
-    compiled again, and the error gave only the system's message)."""
-    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache"))
-    try:
-        async with am.open_device("cpu") as device:
-            device.compile_pool = pool
-            with anyio.fail_after(BOUND):
-                await device.compile(TWO_KERNELS, "put")
-                compiles = pool.compiles
-                missing = tmp_path / "missing"
-                with monkeypatch.context() as patch:
-                    patch.setattr(tempfile, "tempdir", str(missing))
-                    with pytest.raises(am.CompileError) as caught:
-                        await device.compile(TWO_KERNELS, "put2")
-                message = str(caught.value)
-                assert "cannot write a kernel library" in message, message
-                assert str(missing) in message and "$TMPDIR" in message, message
-                assert pool.compiles == compiles  # not built again
-                prog = await device.compile(TWO_KERNELS, "put2")  # it loads now
-                assert pool.compiles == compiles
-                buf = await device.alloc(4)
-                await device.queue.launch(prog, buf, vals=(41,))
-                assert (await buf.read(np.int32))[0] == 42
     finally:
         await pool.aclose()
         pool.cache.close()
