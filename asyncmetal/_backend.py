@@ -80,7 +80,9 @@ class KeepAlive:
     let go of as later commands are added, and by :func:`let_go_everywhere`, from any
     thread, oldest first. An entry taken from the front that another thread's let-go
     had read as passed while this one reads it as not is put back, so two threads
-    letting go at once never drop one whose command has not passed."""
+    letting go at once never drop one whose command has not passed. (Two such puts
+    back can leave the front out of order, which only keeps an object until a later
+    let-go reaches the one before it.)"""
 
     __slots__ = ("__weakref__", "_timeline", "items")
 
