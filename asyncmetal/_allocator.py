@@ -167,6 +167,10 @@ class Allocation:
 # The allocators some of whose memory went out to another library: while none has, a
 # host copy's operand needs no look-up (it can be no buffer's memory lent out).
 lenders: weakref.WeakSet[Allocator] = weakref.WeakSet()
+# The allocators that have noted buffers over foreign memory (see note_foreign), until
+# they close: a host operand over such memory is a use of those buffers (see
+# ``_copyargs._lent_back``). Empty while there are none: no look-up.
+foreign_holders: weakref.WeakSet[Allocator] = weakref.WeakSet()
 
 # The blocks of closed devices whose records held other devices' queues as their device
 # closed (a copy between devices), while their buffers live: no open device lists them
@@ -1243,6 +1247,7 @@ class Allocator:
             self._collected.clear()
             self._exported.clear()
             self._exported_foreign.clear()
+            foreign_holders.discard(self)
             self._foreign_memory.clear()
             self._foreign_ranges.clear()
             self._foreign_pruned_at = 0
@@ -1270,6 +1275,7 @@ class Allocator:
             if known is not None and known() is not None:
                 return  # (a record of its own, where another shares that range already)
             registry[key] = weakref.ref(memory)
+            foreign_holders.add(self)
             ranges = self._foreign_ranges
             if known is None:
                 bisect.insort(ranges, key)

@@ -486,11 +486,6 @@ def foreign_buffer(
     if after is not None:
         queue, value = after
         block.last_use[queue] = max(value, block.last_use.get(queue, 0))
-    if state.backend.host_visible:
-        # Host memory stays in its owner's hands (the array it came from): used itself as
-        # a copy's host operand, or wrapped again by from_numpy, it is ordered as the
-        # buffer, as memory the buffer lent out is.
-        own.lend_foreign(block)
     return Buffer(state, Allocation(block), 0, nbytes)
 
 

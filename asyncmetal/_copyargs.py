@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._allocator import lenders_for
+from ._allocator import Allocator, foreign_holders, lenders_for
 from ._buffer import Buffer, buffer_state, check_buffer, native_arg, not_a_buffer, overlap
 from ._device_state import DeviceState, two_names
 from ._errors import ArgumentTypeError, InvalidArgumentError, as_int
@@ -224,16 +224,28 @@ def _lent_back(state: DeviceState, view: memoryview) -> Buffer | None:
     (a device of ``state``'s kind; another kind's where ``state``'s queues wait across
     kinds: ``Backend.waits_for``), and the lender's later commands wait for it
     where theirs can. None if the memory is no such loan (a plain host copy)."""
-    candidates = lenders_for(state.device._allocator, any_kind=True) if view.nbytes else []
-    if not candidates:  # nothing lent out: no look-up
+    if not view.nbytes:
+        return None
+    candidates = lenders_for(state.device._allocator, any_kind=True)
+    # Host memory a buffer wraps (``am.from_dlpack(array)``) stays its owner's: used
+    # itself, it is a use of that buffer too.
+    holders = list(foreign_holders) if foreign_holders else []
+    if not candidates and not holders:  # nothing lent out nor wrapped: no look-up
         return None
     address = np.frombuffer(view, np.uint8).ctypes.data
     for allocator in candidates:
         if allocator.exported_uses(address, view.nbytes) is not None:
-            from ._interop import lent_memory  # (it needs the devices: imported once open)
-
-            return lent_memory(allocator._state.device, view, address)
+            return _lent_memory(allocator, view, address)
+    for allocator in holders:
+        if allocator.foreign_memory(address, view.nbytes):
+            return _lent_memory(allocator, view, address)
     return None
+
+
+def _lent_memory(allocator: Allocator, view: memoryview, address: int) -> Buffer:
+    from ._interop import lent_memory  # (it needs the devices: imported once open)
+
+    return lent_memory(allocator._state.device, view, address)
 
 
 class FillOperands(NamedTuple):
