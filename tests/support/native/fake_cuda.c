@@ -1205,8 +1205,13 @@ static int near_one(fake_queue f, fake_loop *l, kernel *k, uint64_t v, int64_t k
         die("near: the loop is asked to stay awake not to the expected end, or for long");
     }
     while (am_timeline_value(f.t) < v) nap_ns(50000);
-    pthread_mutex_lock(&f.t->mu);  /* the end's byte, if any, was written meanwhile */
+    /* The end's byte, if any: taken to be written under mu (after it, the notifier
+     * counts it as on its way), and written once no writer of it is counted -- a byte
+     * still on its way would otherwise be the next command's first, taken for that
+     * command's end, and the next command's wake-up ahead of its end for its end's. */
+    pthread_mutex_lock(&f.t->mu);
     pthread_mutex_unlock(&f.t->mu);
+    while (atomic_load(&l->n->writing) & 0xffffffffull) sched_yield();
     while (read(l->fds[0], &byte, 1) == 1) {}
     if (am_notifier_reset(l->n)) die("near: asked to stay awake by the end itself");
     am_watch_arm(l->w, UINT64_MAX);  /* waiting for nothing */
