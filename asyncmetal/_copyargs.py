@@ -238,6 +238,11 @@ def _lent_back(state: DeviceState, view: memoryview) -> Buffer | None:
             return _lent_memory(allocator, view, address)
     for allocator in holders:
         if allocator.foreign_memory(address, view.nbytes):
+            if allocator._state.kind == state.kind:
+                # A buffer of ``state``'s own device, sharing that record all the same: the
+                # copy is then one of that buffer, whose commands hold its record until
+                # they ran (the buffers over the memory may all be gone by then).
+                allocator = state.device._allocator
             return _lent_memory(allocator, view, address)
     return None
 

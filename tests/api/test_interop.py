@@ -1197,6 +1197,39 @@ async def test_buffers_over_the_same_array_share_one_record_of_uses(
             assert (await out.read(np.int32)).tolist() == [3] * 16
 
 
+@pytest.mark.parametrize("held", ["launch", "copy", "host operand"])
+async def test_a_buffer_dropped_while_its_command_runs_leaves_the_record_to_it(
+    anyio_backend: object, held: str
+) -> None:
+    """A command held on ``cpu:1`` that writes a numpy array -- a launch or a copy on a
+    buffer over it, or a copy into the array itself as a host operand, wrapped by a
+    buffer of ``cpu`` -- and the only buffer over the array dropped meanwhile: a buffer
+    made over the array again, on ``cpu``, is ordered after that command (the record
+    outlives the buffers while the commands on it run). Checked: fails without the fix
+    (the record went with the buffer: the new one had one of its own, and the copy read
+    the bytes from before)."""
+    async with am.open_device("cpu") as dev, am.open_device("cpu:1") as other:
+        fill = await other.compile(KERNELS, "fill")
+        source = await other.alloc(64)
+        await source.write(np.full(16, 6, np.int32))
+        array = np.zeros(16, np.int32)
+        # (the array itself as the operand: wrapped on the device whose queue it is not)
+        first = am.from_dlpack(array, device=dev if held == "host operand" else other)
+        gate = other.timeline()
+        queue = other.new_queue()
+        queue.wait(gate, 1)
+        if held == "launch":
+            queue.launch(fill, first, vals=(6, 16))
+        else:
+            queue.copy(first if held == "copy" else array, source)
+        del first
+        gc.collect()
+        again = am.from_dlpack(array)
+        out = await dev.alloc(64)
+        await _not_before(gate, dev.new_queue().copy(out, again))
+        assert (await out.read(np.int32)).tolist() == [6] * 16
+
+
 async def test_memory_lent_on_by_two_buffers_over_one_array_comes_back_ordered_with_both(
     anyio_backend: object,
 ) -> None:
