@@ -90,8 +90,11 @@ class ForeignMemory:
     record of uses that every buffer over it shares -- each ``from_dlpack`` of the same
     array, on one device or on several of its kind -- so that their commands are ordered
     as on one buffer. Buffers over a part of it share it too (ordered with more than
-    they use, never with less). Lives while a buffer over it does (its blocks hold it),
-    found meanwhile by address (``Allocator.foreign_memory``)."""
+    they use, never with less), and so does one over more of it that no other record
+    covers a part of (a whole array after a slice: see ``_buffer._share_foreign_memory``).
+    Lives while a buffer over it does (its blocks hold it) or a command on one runs
+    (host memory's handle, which the command holds, holds it too), found meanwhile by
+    address (``Allocator.foreign_memory``)."""
 
     __slots__ = ("__weakref__", "address", "keeper", "last_use", "nbytes")
 

@@ -493,12 +493,15 @@ def _share_foreign_memory(state: DeviceState, address: int, block: Block) -> Non
     """Have new foreign ``block`` (at ``address``, on ``state``'s device) share the
     record of the foreign memory it is over (see ForeignMemory) -- that of a buffer of
     the device or of another open one of its kind over the same memory, or over more of
-    it -- or start that memory's record, and note it (``note_foreign``). A new record
-    that overlaps others (a buffer over more than earlier ones cover) starts with their
-    uses: its commands come after those submitted through them so far, but their later
-    commands are not ordered after its own (``queue.after`` orders those, as between
-    any two buffers). Found and noted under one lock: two buffers made at once over the
-    same memory, on two threads, share one record."""
+    it -- or start that memory's record, and note it (``note_foreign``). Over more than
+    one earlier record covers (a whole array after a slice of it) it shares that record
+    too, for its whole range: a part made later finds the slice's record first, which
+    must be the whole's as well. A new record that overlaps several others (a whole
+    array after two slices of it) starts with their uses: its commands come after those
+    submitted through them so far, but their later commands are not ordered after its
+    own (``queue.after`` orders those, as between any two buffers). Found and noted
+    under one lock: two buffers made at once over the same memory, on two threads,
+    share one record."""
     nbytes = block.nbytes
     own = state.device._allocator
     with _foreign_lock:
@@ -515,6 +518,11 @@ def _share_foreign_memory(state: DeviceState, address: int, block: Block) -> Non
                     memory = found[0]
                     break
                 overlapping += found
+        if memory is None and overlapping:
+            records = {id(m.last_use): m for m in overlapping}
+            if len(records) == 1:  # (ordered with more than it uses, never with less)
+                (known,) = records.values()
+                memory = ForeignMemory(address, nbytes, known.last_use, known.keeper)
         if memory is not None:
             block.last_use, block.keeper = memory.last_use, memory.keeper
         else:

@@ -1287,3 +1287,28 @@ async def test_a_part_of_an_array_shares_the_record_of_a_buffer_over_all_of_it(
         out = await dev.alloc(128)
         await _not_before(gate, dev.new_queue().copy(out, whole))
         assert (await out.read(np.int32)).tolist() == [4] * 16 + [0] * 16
+
+
+async def test_a_whole_array_after_a_slice_shares_the_slices_record(
+    anyio_backend: object,
+) -> None:
+    """A buffer over a whole numpy array made after one over a slice of it (the only
+    earlier record there; here on another device of the kind) shares the slice's
+    record, both ways: a buffer over that slice made later -- a part of memory the whole
+    covers, and the very range of the first slice -- is ordered after a write through
+    the whole, as is the slice itself as a host operand; and the whole after a write
+    through the first slice, made after the whole was. Checked: fails without the fix
+    (the whole had a record of its own, the later slice took the first slice's, and
+    each copy ran before the held write)."""
+    async with am.open_device("cpu") as dev, am.open_device("cpu:1") as other:
+        fills = {d: await d.compile(KERNELS, "fill") for d in (dev, other)}
+        array = np.zeros(32, np.int32)
+        head = am.from_dlpack(array[:16])
+        whole = am.from_dlpack(array, device=other)
+        again = am.from_dlpack(array[:16])
+        for value, written, then in ((2, whole, again), (3, whole, array[:16]), (4, head, whole)):
+            where, reader = written.device, other if then is whole else dev
+            gate = await _held_write(where, fills[where], written, value)
+            out = await reader.alloc(64)
+            await _not_before(gate, reader.new_queue().copy(out, then, 64))
+            assert (await out.read(np.int32)).tolist() == [value] * 16
