@@ -189,8 +189,17 @@ def _across_kinds(state: DeviceState, dst: Buffer, src: Buffer, nbytes: int | No
         lent = None  # (the other buffer's own record: ordered with it already)
     more = () if lent is None else (lent,)
     names = () if lent is None else (lent_operand(other_role, lent),)
+    if lent is not None and buffer_state(lent) is state:
+        # A buffer of this device over that very memory (see ``_lent_back``): the copy
+        # is one of it, the same bytes, so that the command holds its record until it
+        # ran -- the buffers over that memory may all be gone by then.
+        pair = (dst, lent) if own is dst else (lent, src)
+        args: tuple[Any, ...] = (native_arg(pair[0]), native_arg(pair[1]), nbytes)
+        return CopyOperands(
+            "copy", args, (None,), (own, other, lent), (role, other_role, *names), True
+        )
     if own is dst:
-        args: tuple[Any, ...] = (native_arg(dst), memory)
+        args = (native_arg(dst), memory)
         return CopyOperands("copyin", args, (), (dst, src, *more), ("dst", "src", *names), True)
     return CopyOperands(
         "copyout", (memory, native_arg(src)), (), (src, dst, *more), ("src", "dst", *names), True

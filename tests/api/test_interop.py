@@ -1230,6 +1230,34 @@ async def test_a_buffer_dropped_while_its_command_runs_leaves_the_record_to_it(
         assert (await out.read(np.int32)).tolist() == [6] * 16
 
 
+@pytest.mark.parametrize("wrapped_on", ["cpu", "cpu:1"])
+async def test_a_buffer_dropped_while_a_source_over_its_array_is_read_leaves_the_record(
+    anyio_backend: object, wrapped_on: str
+) -> None:
+    """A copy held on ``cpu`` that reads a numpy array through ``from_numpy``'s source
+    over it, ordered as the buffer that wraps the array (on ``cpu`` or ``cpu:1``), and
+    that buffer dropped meanwhile: a write through a buffer made over the array again
+    comes after the read, which sees the bytes from before. Checked: fails without the
+    fix (the record went with the buffer: the write ran first, and the read saw it)."""
+    async with am.open_device("cpu") as dev, am.open_device("cpu:1") as other:
+        array = np.ones(16, np.int32)
+        wrapped = am.from_dlpack(array, device=dev if wrapped_on == "cpu" else other)
+        source = await am.from_numpy(array)
+        nines = await dev.alloc(64)
+        await nines.write(np.full(16, 9, np.int32))
+        out = await dev.alloc(64)
+        gate = dev.timeline()
+        queue = dev.new_queue()
+        queue.wait(gate, 1)
+        read = queue.copy(out, source)
+        del wrapped
+        gc.collect()
+        await _not_before(gate, dev.new_queue().copy(am.from_dlpack(array), nines))
+        await read
+        assert (await out.read(np.int32)).tolist() == [1] * 16
+        assert array.tolist() == [9] * 16
+
+
 async def test_memory_lent_on_by_two_buffers_over_one_array_comes_back_ordered_with_both(
     anyio_backend: object,
 ) -> None:
