@@ -16,7 +16,7 @@ import numpy as np
 from ._allocator import Allocation, Block, ForeignMemory, Queue, Record, lenders, lenders_for
 from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import checkpoint
-from ._device_state import DeviceState, open_states, two_names
+from ._device_state import DeviceState, open_states, two_names, unreleased_states
 from ._dlpack import Exports, Loan, TypedView, items_shape
 from ._errors import (
     ArgumentTypeError,
@@ -510,7 +510,9 @@ def _share_foreign_memory(state: DeviceState, address: int, block: Block) -> Non
         memory = overlapping[0] if overlapping else None
         if memory is None or not memory.holds(address, nbytes):
             memory = None
-            for other in open_states():
+            # (closing ones too, until their memory is released: a sealed device's
+            # commands still run on that memory, which a copy is then refused over)
+            for other in unreleased_states():
                 if other is state or other.kind != state.kind:
                     continue
                 found = other.device._allocator.foreign_memory(address, nbytes)

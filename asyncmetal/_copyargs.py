@@ -196,7 +196,7 @@ def _across_kinds(state: DeviceState, dst: Buffer, src: Buffer, nbytes: int | No
         pair = (dst, lent) if own is dst else (lent, src)
         args: tuple[Any, ...] = (native_arg(pair[0]), native_arg(pair[1]), nbytes)
         return CopyOperands(
-            "copy", args, (None,), (own, other, lent), (role, other_role, *names), True
+            "copy", args, (None,), (own, other, lent), (role, other_role, other_role), True
         )
     if own is dst:
         args = (native_arg(dst), memory)

@@ -1107,6 +1107,40 @@ async def test_a_copy_of_lent_memory_while_its_lender_is_sealed_is_refused(
         assert (await mine.read(np.int32)).tolist() == [7] * 4
 
 
+@pytest.mark.parametrize("operand", ["array", "from_numpy", "from_dlpack"])
+async def test_a_copy_of_an_array_a_sealed_device_wraps_is_refused(
+    anyio_backend: object, operand: str
+) -> None:
+    """A copy on ``cpu`` of a numpy array that a buffer of ``cpu:1`` wraps -- the array
+    itself, ``from_numpy``'s source over it, or a buffer of ``cpu`` made over it then --
+    submitted while ``cpu:1`` is sealed, still running a command that writes the array
+    through that buffer, is refused naming ``cpu:1``, as a copy of memory it lent out
+    is; once the close is over it is a plain copy. Checked: fails without the fix (a
+    buffer of ``cpu`` made then had a record of its own: the copy read the array as
+    that command wrote it)."""
+    async with am.open_device("cpu") as dev:
+        lender = await am.open_device("cpu:1")
+        array = np.zeros(4, np.int32)
+        wrapped = am.from_dlpack(array, device=lender)
+        release = await _held_fill(lender, wrapped)
+        mine = await dev.alloc(16)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(lender.close, discard=True))
+            try:
+                await _until(lambda: lender.closed)  # sealed, waiting for the write
+                made = {"array": lambda: array, "from_dlpack": lambda: am.from_dlpack(array)}
+                source = made[operand]() if operand in made else await am.from_numpy(array)
+                with pytest.raises(am.ClosedResourceError) as info:
+                    dev.queue.copy(mine, source)
+            finally:
+                release[0] = 1
+        assert str(info.value).startswith(
+            "src is used by commands of cpu:1 that had not finished when cpu:1 closed"
+        ), str(info.value)
+        await dev.queue.copy(mine, source)
+        assert (await mine.read(np.int32)).tolist() == [7] * 4
+
+
 async def test_from_dlpack_of_memory_a_closing_device_lent_is_on_another_open_device(
     anyio_backend: object,
 ) -> None:
