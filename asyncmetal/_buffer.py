@@ -492,11 +492,12 @@ def foreign_buffer(
 def _share_foreign_memory(state: DeviceState, address: int, block: Block) -> None:
     """Have new foreign ``block`` (at ``address``, on ``state``'s device) share the
     record of the foreign memory it is over (see ForeignMemory) -- that of a buffer of
-    the device or of another open one of its kind over the same memory, or over more of
-    it -- or start that memory's record, and note it (``note_foreign``). Over more than
-    one earlier record covers (a whole array after a slice of it) it shares that record
-    too, for its whole range: a part made later finds the slice's record first, which
-    must be the whole's as well. A new record that overlaps several others (a whole
+    the device or of another one of its kind (open, or closing until its memory is
+    released) over the same memory, or over more of it -- or start that memory's
+    record, and note it (``note_foreign``). Over more memory than the one record there
+    covers (a whole array after a slice of it) it shares that record too, for its whole
+    range: a part made later finds the slice's record first, which must be the whole's
+    as well. A new record that overlaps several others (a whole
     array after two slices of it) starts with their uses: its commands come after those
     submitted through them so far, but their later commands are not ordered after its
     own (``queue.after`` orders those, as between any two buffers). Found and noted
