@@ -521,8 +521,12 @@ class Allocator:
         never let go of here), and its allocations under way are not the child's. Its
         memory is the parent's: closed here, as its device is, nothing of it is freed,
         cached or handed out (``empty_memory_cache`` releases none, a buffer dropped
-        queues nothing)."""
+        queues nothing). Nor is the foreign memory its buffers are over any use of them
+        here: a host operand over it is a plain one, as after a close."""
         self.closed = True
+        foreign_holders.discard(self)
+        self._foreign_memory.clear()
+        self._foreign_ranges.clear()
         self._lock = threading.Lock()
         self._allocated = threading.Condition(self._lock)
         self._allocating = {}
