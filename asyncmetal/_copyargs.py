@@ -141,6 +141,7 @@ def copy_operands(state: DeviceState, dst: Any, src: Any, nbytes: int | None) ->
         lent = _lent_back(state, view)
         if lent is not None and buffer_state(lent) is state:  # ordered as that buffer
             return copy_operands(state, dst, lent, nbytes)
+        view = _holding(view, lent)
         nbytes = copy_size(dst.nbytes, view.nbytes, nbytes)
         used = (dst,) if lent is None else (dst, lent)
         names = ("dst", lent_operand("src", lent))
@@ -151,6 +152,7 @@ def copy_operands(state: DeviceState, dst: Any, src: Any, nbytes: int | None) ->
         lent = _lent_back(state, view)
         if lent is not None and buffer_state(lent) is state:
             return copy_operands(state, lent, src, nbytes)
+        view = _holding(view, lent)
         nbytes = copy_size(view.nbytes, src.nbytes, nbytes)
         used = (src,) if lent is None else (src, lent)
         names = ("src", lent_operand("dst", lent))
@@ -198,6 +200,7 @@ def _across_kinds(state: DeviceState, dst: Buffer, src: Buffer, nbytes: int | No
         return CopyOperands(
             "copy", args, (None,), (own, other, lent), (role, other_role, other_role), True
         )
+    memory = _holding(memory, lent)
     if own is dst:
         args = (native_arg(dst), memory)
         return CopyOperands("copyin", args, (), (dst, src, *more), ("dst", "src", *names), True)
@@ -254,6 +257,25 @@ def _lent_back(state: DeviceState, view: memoryview) -> Buffer | None:
                 allocator = state.device._allocator
             return _lent_memory(allocator, view, address)
     return None
+
+
+class _Holding(np.ndarray[Any, Any]):
+    """A copy's host operand that holds what the copy must keep alive until it ran
+    (``holds``): the queue keeps the bytes it copies until then, and so this too."""
+
+    holds: object
+
+
+def _holding(view: memoryview, lent: Buffer | None) -> memoryview:
+    """``view``, holding ``lent`` -- a buffer of another device over that memory (see
+    ``_lent_back``), whose record of uses the copy's use goes on -- until the copy ran:
+    the buffers over that memory may all be gone by then, and with them that record,
+    which a buffer made over the memory meanwhile must find."""
+    if lent is None:
+        return view
+    array = np.frombuffer(view, np.uint8).view(_Holding)
+    array.holds = lent
+    return array.data  # (a memoryview over the array: its ``obj``)
 
 
 def _lent_memory(allocator: Allocator, view: memoryview, address: int) -> Buffer:

@@ -1264,6 +1264,28 @@ async def test_a_buffer_dropped_while_its_command_runs_leaves_the_record_to_it(
         assert (await out.read(np.int32)).tolist() == [6] * 16
 
 
+async def test_a_buffer_dropped_while_another_kinds_copy_writes_its_array_leaves_the_record(
+    anyio_backend: object,
+) -> None:
+    """A copy held on an npy queue that writes a numpy array (a host operand, ordered as
+    the cpu buffer that wraps it), and that buffer dropped meanwhile: a copy of a buffer
+    made over the array again comes after the write. Checked: fails without the fix (the
+    record went with the buffer: the copy read the bytes from before the write)."""
+    async with am.open_device("cpu") as dev:
+        array = np.zeros(16, np.int32)
+        wrapped = am.from_dlpack(array)
+        source = await am.from_numpy(np.full(16, 4, np.int32))
+        gate = source.device.timeline()
+        queue = source.device.new_queue()
+        queue.wait(gate, 1)
+        queue.copy(array, source)
+        del wrapped
+        gc.collect()
+        out = await dev.alloc(64)
+        await _not_before(gate, dev.new_queue().copy(out, am.from_dlpack(array)))
+        assert (await out.read(np.int32)).tolist() == [4] * 16
+
+
 @pytest.mark.parametrize("wrapped_on", ["cpu", "cpu:1"])
 async def test_a_buffer_dropped_while_a_source_over_its_array_is_read_leaves_the_record(
     anyio_backend: object, wrapped_on: str
