@@ -1141,6 +1141,32 @@ async def test_a_copy_of_an_array_a_sealed_device_wraps_is_refused(
         assert (await mine.read(np.int32)).tolist() == [7] * 4
 
 
+async def test_a_copy_of_another_kind_into_an_array_a_sealed_device_wraps_says_so(
+    anyio_backend: object,
+) -> None:
+    """An npy queue's copy into a numpy array that a buffer of ``cpu:1`` wraps, while
+    ``cpu:1`` is sealed and still running a command that writes it, is refused naming
+    the array as memory that buffer wraps -- not as memory it lent out, which the
+    caller never did. Checked: fails without the fix (the message said "lent out (a
+    DLPack export or a map() view)")."""
+    lender = await am.open_device("cpu:1")
+    array = np.zeros(4, np.int32)
+    release = await _held_fill(lender, am.from_dlpack(array, device=lender))
+    source = await am.from_numpy(np.ones(4, np.int32))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(lender.close, discard=True))
+        try:
+            await _until(lambda: lender.closed)  # sealed, waiting for the write
+            with pytest.raises(am.ClosedResourceError) as info:
+                source.device.queue.copy(array, source)
+        finally:
+            release[0] = 1
+    assert str(info.value).startswith(
+        "dst, host memory that a buffer of cpu:1 wraps (asyncmetal.from_dlpack), is used "
+        "by commands of cpu:1 that had not finished when cpu:1 closed"
+    ), str(info.value)
+
+
 async def test_from_dlpack_of_memory_a_closing_device_lent_is_on_another_open_device(
     anyio_backend: object,
 ) -> None:
