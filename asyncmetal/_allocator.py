@@ -90,8 +90,11 @@ class ForeignMemory:
     record of uses that every buffer over it shares -- each ``from_dlpack`` of the same
     array, on one device or on several of its kind -- so that their commands are ordered
     as on one buffer. Buffers over a part of it share it too (ordered with more than
-    they use, never with less). Lives while a buffer over it does (its blocks hold it),
-    found meanwhile by address (``Allocator.foreign_memory``)."""
+    they use, never with less), and so does one over more of it that no other record
+    covers a part of (a whole array after a slice: see ``_buffer._share_foreign_memory``).
+    Lives while a buffer over it does (its blocks hold it) or a command on one runs
+    (host memory's handle, which the command holds, holds it too), found meanwhile by
+    address (``Allocator.foreign_memory``)."""
 
     __slots__ = ("__weakref__", "address", "keeper", "last_use", "nbytes")
 
@@ -518,8 +521,12 @@ class Allocator:
         never let go of here), and its allocations under way are not the child's. Its
         memory is the parent's: closed here, as its device is, nothing of it is freed,
         cached or handed out (``empty_memory_cache`` releases none, a buffer dropped
-        queues nothing)."""
+        queues nothing). Nor is the foreign memory its buffers are over any use of them
+        here: a host operand over it is a plain one, as after a close."""
         self.closed = True
+        foreign_holders.discard(self)
+        self._foreign_memory.clear()
+        self._foreign_ranges.clear()
         self._lock = threading.Lock()
         self._allocated = threading.Condition(self._lock)
         self._allocating = {}

@@ -16,7 +16,7 @@ import numpy as np
 from ._allocator import Allocation, Block, ForeignMemory, Queue, Record, lenders, lenders_for
 from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import checkpoint
-from ._device_state import DeviceState, open_states, two_names
+from ._device_state import DeviceState, open_states, two_names, unreleased_states
 from ._dlpack import Exports, Loan, TypedView, items_shape
 from ._errors import (
     ArgumentTypeError,
@@ -492,13 +492,17 @@ def foreign_buffer(
 def _share_foreign_memory(state: DeviceState, address: int, block: Block) -> None:
     """Have new foreign ``block`` (at ``address``, on ``state``'s device) share the
     record of the foreign memory it is over (see ForeignMemory) -- that of a buffer of
-    the device or of another open one of its kind over the same memory, or over more of
-    it -- or start that memory's record, and note it (``note_foreign``). A new record
-    that overlaps others (a buffer over more than earlier ones cover) starts with their
-    uses: its commands come after those submitted through them so far, but their later
-    commands are not ordered after its own (``queue.after`` orders those, as between
-    any two buffers). Found and noted under one lock: two buffers made at once over the
-    same memory, on two threads, share one record."""
+    the device or of another one of its kind (open, or closing until its memory is
+    released) over the same memory, or over more of it -- or start that memory's
+    record, and note it (``note_foreign``). Over more memory than the one record there
+    covers (a whole array after a slice of it) it shares that record too, for its whole
+    range: a part made later finds the slice's record first, which must be the whole's
+    as well. A new record that overlaps several others (a whole
+    array after two slices of it) starts with their uses: its commands come after those
+    submitted through them so far, but their later commands are not ordered after its
+    own (``queue.after`` orders those, as between any two buffers). Found and noted
+    under one lock: two buffers made at once over the same memory, on two threads,
+    share one record."""
     nbytes = block.nbytes
     own = state.device._allocator
     with _foreign_lock:
@@ -507,7 +511,9 @@ def _share_foreign_memory(state: DeviceState, address: int, block: Block) -> Non
         memory = overlapping[0] if overlapping else None
         if memory is None or not memory.holds(address, nbytes):
             memory = None
-            for other in open_states():
+            # (closing ones too, until their memory is released: a sealed device's
+            # commands still run on that memory, which a copy is then refused over)
+            for other in unreleased_states():
                 if other is state or other.kind != state.kind:
                     continue
                 found = other.device._allocator.foreign_memory(address, nbytes)
@@ -515,6 +521,11 @@ def _share_foreign_memory(state: DeviceState, address: int, block: Block) -> Non
                     memory = found[0]
                     break
                 overlapping += found
+        if memory is None and overlapping:
+            records = {id(m.last_use): m for m in overlapping}
+            if len(records) == 1:  # (ordered with more than it uses, never with less)
+                (known,) = records.values()
+                memory = ForeignMemory(address, nbytes, known.last_use, known.keeper)
         if memory is not None:
             block.last_use, block.keeper = memory.last_use, memory.keeper
         else:

@@ -138,22 +138,24 @@ def copy_operands(state: DeviceState, dst: Any, src: Any, nbytes: int | None) ->
     if isinstance(dst, Buffer):
         _check_own(dst, "dst", state)
         view = host_view(src, "src", writable=False)
-        lent = _lent_back(state, view)
+        lent, how = _lent_back(state, view)
         if lent is not None and buffer_state(lent) is state:  # ordered as that buffer
             return copy_operands(state, dst, lent, nbytes)
+        view = _holding(view, lent)
         nbytes = copy_size(dst.nbytes, view.nbytes, nbytes)
         used = (dst,) if lent is None else (dst, lent)
-        names = ("dst", lent_operand("src", lent))
+        names = ("dst", lent_operand("src", lent, how))
         return CopyOperands("copyin", (native_arg(dst), view[:nbytes]), (), used, names)
     if isinstance(src, Buffer):
         _check_own(src, "src", state)
         view = host_view(dst, "dst", writable=True)
-        lent = _lent_back(state, view)
+        lent, how = _lent_back(state, view)
         if lent is not None and buffer_state(lent) is state:
             return copy_operands(state, lent, src, nbytes)
+        view = _holding(view, lent)
         nbytes = copy_size(view.nbytes, src.nbytes, nbytes)
         used = (src,) if lent is None else (src, lent)
-        names = ("src", lent_operand("dst", lent))
+        names = ("src", lent_operand("dst", lent, how))
         return CopyOperands("copyout", (view[:nbytes], native_arg(src)), (), used, names)
     raise no_buffer(dst, src)
 
@@ -184,13 +186,23 @@ def _across_kinds(state: DeviceState, dst: Buffer, src: Buffer, nbytes: int | No
     memory = its.backend.host_view(other._allocation.handle, other.offset, nbytes)
     # Memory that a buffer lent out (an npy source over np.from_dlpack(buf), say): the
     # copy is ordered as that buffer's too, as one with a host operand over it is.
-    lent = _lent_back(state, memory)
+    lent, how = _lent_back(state, memory)
     if lent is not None and lent._allocation.last_use is other._allocation.last_use:
         lent = None  # (the other buffer's own record: ordered with it already)
     more = () if lent is None else (lent,)
-    names = () if lent is None else (lent_operand(other_role, lent),)
+    names = () if lent is None else (lent_operand(other_role, lent, how),)
+    if lent is not None and buffer_state(lent) is state:
+        # A buffer of this device over that very memory (see ``_lent_back``): the copy
+        # is one of it, the same bytes, so that the command holds its record until it
+        # ran -- the buffers over that memory may all be gone by then.
+        pair = (dst, lent) if own is dst else (lent, src)
+        args: tuple[Any, ...] = (native_arg(pair[0]), native_arg(pair[1]), nbytes)
+        return CopyOperands(
+            "copy", args, (None,), (own, other, lent), (role, other_role, other_role), True
+        )
+    memory = _holding(memory, lent)
     if own is dst:
-        args: tuple[Any, ...] = (native_arg(dst), memory)
+        args = (native_arg(dst), memory)
         return CopyOperands("copyin", args, (), (dst, src, *more), ("dst", "src", *names), True)
     return CopyOperands(
         "copyout", (memory, native_arg(src)), (), (src, dst, *more), ("src", "dst", *names), True
@@ -203,19 +215,22 @@ def no_buffer(dst: object, src: object) -> ArgumentTypeError:
     return ArgumentTypeError(f"copy needs a Buffer as dst or src (or both){hint}")
 
 
-def lent_operand(role: str, lent: Buffer | None) -> str:
+# How the memory of a copy's host operand came to a buffer (``_lent_back``).
+LENT = "lent out (a DLPack export or a map() view)"
+WRAPS = "wraps (asyncmetal.from_dlpack)"
+_NOT_LENT: tuple[None, str] = (None, LENT)
+
+
+def lent_operand(role: str, lent: Buffer | None, how: str = LENT) -> str:
     """What the host operand ``role`` of a copy is where it is memory that a buffer
-    lent out (``_lent_back``'s ``lent``): errors about it name the device that lent it,
-    not a buffer or timeline the caller never saw."""
+    lent out or wraps (``_lent_back``'s ``lent`` and ``how``): errors about it name the
+    device that lent it, not a buffer or timeline the caller never saw."""
     if lent is None:
         return role
-    return (
-        f"{role}, host memory that a buffer of {buffer_state(lent).name} lent out (a DLPack "
-        "export or a map() view),"
-    )
+    return f"{role}, host memory that a buffer of {buffer_state(lent).name} {how},"
 
 
-def _lent_back(state: DeviceState, view: memoryview) -> Buffer | None:
+def _lent_back(state: DeviceState, view: memoryview) -> tuple[Buffer | None, str]:
     """A Buffer over the host memory ``view`` (flat bytes) if a buffer of an open device
     lent it out (``np.from_dlpack(buf)``, say), sharing that buffer's record of uses: a
     copy with it as an operand is then ordered as with the buffer itself -- on
@@ -223,23 +238,49 @@ def _lent_back(state: DeviceState, view: memoryview) -> Buffer | None:
     it: its queue waits, on the device, for the lender's earlier commands where it can
     (a device of ``state``'s kind; another kind's where ``state``'s queues wait across
     kinds: ``Backend.waits_for``), and the lender's later commands wait for it
-    where theirs can. None if the memory is no such loan (a plain host copy)."""
+    where theirs can -- with how that memory came to the buffer: lent out (``LENT``),
+    or wrapped (``WRAPS``: ``am.from_dlpack(array)``, below). None if the memory is
+    neither (a plain host copy)."""
     if not view.nbytes:
-        return None
+        return _NOT_LENT
     candidates = lenders_for(state.device._allocator, any_kind=True)
     # Host memory a buffer wraps (``am.from_dlpack(array)``) stays its owner's: used
     # itself, it is a use of that buffer too.
     holders = list(foreign_holders) if foreign_holders else []
     if not candidates and not holders:  # nothing lent out nor wrapped: no look-up
-        return None
+        return _NOT_LENT
     address = np.frombuffer(view, np.uint8).ctypes.data
     for allocator in candidates:
         if allocator.exported_uses(address, view.nbytes) is not None:
-            return _lent_memory(allocator, view, address)
+            return _lent_memory(allocator, view, address), LENT
     for allocator in holders:
         if allocator.foreign_memory(address, view.nbytes):
-            return _lent_memory(allocator, view, address)
-    return None
+            if allocator._state.kind == state.kind:
+                # A buffer of ``state``'s own device, sharing that record all the same: the
+                # copy is then one of that buffer, whose commands hold its record until
+                # they ran (the buffers over the memory may all be gone by then).
+                allocator = state.device._allocator
+            return _lent_memory(allocator, view, address), WRAPS
+    return _NOT_LENT
+
+
+class _Holding(np.ndarray[Any, Any]):
+    """A copy's host operand that holds what the copy must keep alive until it ran
+    (``holds``): the queue keeps the bytes it copies until then, and so this too."""
+
+    holds: object
+
+
+def _holding(view: memoryview, lent: Buffer | None) -> memoryview:
+    """``view``, holding ``lent`` -- a buffer of another device over that memory (see
+    ``_lent_back``), whose record of uses the copy's use goes on -- until the copy ran:
+    the buffers over that memory may all be gone by then, and with them that record,
+    which a buffer made over the memory meanwhile must find."""
+    if lent is None:
+        return view
+    array = np.frombuffer(view, np.uint8).view(_Holding)
+    array.holds = lent
+    return array.data  # (a memoryview over the array: its ``obj``)
 
 
 def _lent_memory(allocator: Allocator, view: memoryview, address: int) -> Buffer:

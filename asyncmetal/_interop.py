@@ -54,9 +54,13 @@ from ._queue import Queue
 class _Imported:
     """The producer's tensor, owned by a Buffer: ``owner`` calls its deleter once that
     is gone. Host memory carries ``address`` and ``array``, as the cpu backend's
-    buffers do (the array made at its first use: most buffers are only launched on)."""
+    buffers do (the array made at its first use: most buffers are only launched on).
+    Host memory's is also the handle its buffer's commands hold until they ran, and
+    holds the record of uses of the memory (``record``): a buffer dropped while its
+    commands run leaves that record to them, so that one made over the memory again
+    meanwhile still shares it, and is ordered after them."""
 
-    __slots__ = ("_array", "address", "nbytes", "owner", "producer")
+    __slots__ = ("_array", "address", "nbytes", "owner", "producer", "record")
 
     def __init__(self, producer: object, owner: object, address: int, nbytes: int) -> None:
         self.producer = producer  # kept alive too, as producers may expect
@@ -64,6 +68,7 @@ class _Imported:
         self.address = address
         self.nbytes = nbytes
         self._array: np.ndarray[Any, Any] | None = None
+        self.record: object = None  # (see above: the registry holds it weakly)
 
     @property
     def array(self) -> np.ndarray[Any, Any]:
@@ -207,7 +212,9 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
             if shares is None:
                 shares = lent_block
     if own is None:
-        return foreign_buffer(target, memory, nbytes, None, None, shares)
+        buf = foreign_buffer(target, memory, nbytes, None, None, shares)
+        memory.record = buf._allocation.block.memory
+        return buf
     after = own._after_stream(producer) if producer is not None else own.marker()
     return foreign_buffer(target, data, nbytes, memory, (own, after.value))
 
@@ -329,7 +336,9 @@ def _buffer(device: Device, memory: _Imported, queue: Queue | None) -> Buffer:
     whose later commands order themselves after a marker on ``queue`` behind what the
     producer made that queue wait for."""
     if queue is None:
-        return foreign_buffer(device, memory, memory.nbytes, None, None)
+        buf = foreign_buffer(device, memory, memory.nbytes, None, None)
+        memory.record = buf._allocation.block.memory
+        return buf
     after = queue.marker()
     return foreign_buffer(device, memory.address, memory.nbytes, memory, (queue, after.value))
 

@@ -1107,6 +1107,66 @@ async def test_a_copy_of_lent_memory_while_its_lender_is_sealed_is_refused(
         assert (await mine.read(np.int32)).tolist() == [7] * 4
 
 
+@pytest.mark.parametrize("operand", ["array", "from_numpy", "from_dlpack"])
+async def test_a_copy_of_an_array_a_sealed_device_wraps_is_refused(
+    anyio_backend: object, operand: str
+) -> None:
+    """A copy on ``cpu`` of a numpy array that a buffer of ``cpu:1`` wraps -- the array
+    itself, ``from_numpy``'s source over it, or a buffer of ``cpu`` made over it then --
+    submitted while ``cpu:1`` is sealed, still running a command that writes the array
+    through that buffer, is refused naming ``cpu:1``, as a copy of memory it lent out
+    is; once the close is over it is a plain copy. Checked: fails without the fix (a
+    buffer of ``cpu`` made then had a record of its own: the copy read the array as
+    that command wrote it)."""
+    async with am.open_device("cpu") as dev:
+        lender = await am.open_device("cpu:1")
+        array = np.zeros(4, np.int32)
+        wrapped = am.from_dlpack(array, device=lender)
+        release = await _held_fill(lender, wrapped)
+        mine = await dev.alloc(16)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(lender.close, discard=True))
+            try:
+                await _until(lambda: lender.closed)  # sealed, waiting for the write
+                made = {"array": lambda: array, "from_dlpack": lambda: am.from_dlpack(array)}
+                source = made[operand]() if operand in made else await am.from_numpy(array)
+                with pytest.raises(am.ClosedResourceError) as info:
+                    dev.queue.copy(mine, source)
+            finally:
+                release[0] = 1
+        assert str(info.value).startswith(
+            "src is used by commands of cpu:1 that had not finished when cpu:1 closed"
+        ), str(info.value)
+        await dev.queue.copy(mine, source)
+        assert (await mine.read(np.int32)).tolist() == [7] * 4
+
+
+async def test_a_copy_of_another_kind_into_an_array_a_sealed_device_wraps_says_so(
+    anyio_backend: object,
+) -> None:
+    """An npy queue's copy into a numpy array that a buffer of ``cpu:1`` wraps, while
+    ``cpu:1`` is sealed and still running a command that writes it, is refused naming
+    the array as memory that buffer wraps -- not as memory it lent out, which the
+    caller never did. Checked: fails without the fix (the message said "lent out (a
+    DLPack export or a map() view)")."""
+    lender = await am.open_device("cpu:1")
+    array = np.zeros(4, np.int32)
+    release = await _held_fill(lender, am.from_dlpack(array, device=lender))
+    source = await am.from_numpy(np.ones(4, np.int32))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(lender.close, discard=True))
+        try:
+            await _until(lambda: lender.closed)  # sealed, waiting for the write
+            with pytest.raises(am.ClosedResourceError) as info:
+                source.device.queue.copy(array, source)
+        finally:
+            release[0] = 1
+    assert str(info.value).startswith(
+        "dst, host memory that a buffer of cpu:1 wraps (asyncmetal.from_dlpack), is used "
+        "by commands of cpu:1 that had not finished when cpu:1 closed"
+    ), str(info.value)
+
+
 async def test_from_dlpack_of_memory_a_closing_device_lent_is_on_another_open_device(
     anyio_backend: object,
 ) -> None:
@@ -1197,6 +1257,89 @@ async def test_buffers_over_the_same_array_share_one_record_of_uses(
             assert (await out.read(np.int32)).tolist() == [3] * 16
 
 
+@pytest.mark.parametrize("held", ["launch", "copy", "host operand"])
+async def test_a_buffer_dropped_while_its_command_runs_leaves_the_record_to_it(
+    anyio_backend: object, held: str
+) -> None:
+    """A command held on ``cpu:1`` that writes a numpy array -- a launch or a copy on a
+    buffer over it, or a copy into the array itself as a host operand, wrapped by a
+    buffer of ``cpu`` -- and the only buffer over the array dropped meanwhile: a buffer
+    made over the array again, on ``cpu``, is ordered after that command (the record
+    outlives the buffers while the commands on it run). Checked: fails without the fix
+    (the record went with the buffer: the new one had one of its own, and the copy read
+    the bytes from before)."""
+    async with am.open_device("cpu") as dev, am.open_device("cpu:1") as other:
+        fill = await other.compile(KERNELS, "fill")
+        source = await other.alloc(64)
+        await source.write(np.full(16, 6, np.int32))
+        array = np.zeros(16, np.int32)
+        # (the array itself as the operand: wrapped on the device whose queue it is not)
+        first = am.from_dlpack(array, device=dev if held == "host operand" else other)
+        gate = other.timeline()
+        queue = other.new_queue()
+        queue.wait(gate, 1)
+        if held == "launch":
+            queue.launch(fill, first, vals=(6, 16))
+        else:
+            queue.copy(first if held == "copy" else array, source)
+        del first
+        gc.collect()
+        again = am.from_dlpack(array)
+        out = await dev.alloc(64)
+        await _not_before(gate, dev.new_queue().copy(out, again))
+        assert (await out.read(np.int32)).tolist() == [6] * 16
+
+
+async def test_a_buffer_dropped_while_another_kinds_copy_writes_its_array_leaves_the_record(
+    anyio_backend: object,
+) -> None:
+    """A copy held on an npy queue that writes a numpy array (a host operand, ordered as
+    the cpu buffer that wraps it), and that buffer dropped meanwhile: a copy of a buffer
+    made over the array again comes after the write. Checked: fails without the fix (the
+    record went with the buffer: the copy read the bytes from before the write)."""
+    async with am.open_device("cpu") as dev:
+        array = np.zeros(16, np.int32)
+        wrapped = am.from_dlpack(array)
+        source = await am.from_numpy(np.full(16, 4, np.int32))
+        gate = source.device.timeline()
+        queue = source.device.new_queue()
+        queue.wait(gate, 1)
+        queue.copy(array, source)
+        del wrapped
+        gc.collect()
+        out = await dev.alloc(64)
+        await _not_before(gate, dev.new_queue().copy(out, am.from_dlpack(array)))
+        assert (await out.read(np.int32)).tolist() == [4] * 16
+
+
+@pytest.mark.parametrize("wrapped_on", ["cpu", "cpu:1"])
+async def test_a_buffer_dropped_while_a_source_over_its_array_is_read_leaves_the_record(
+    anyio_backend: object, wrapped_on: str
+) -> None:
+    """A copy held on ``cpu`` that reads a numpy array through ``from_numpy``'s source
+    over it, ordered as the buffer that wraps the array (on ``cpu`` or ``cpu:1``), and
+    that buffer dropped meanwhile: a write through a buffer made over the array again
+    comes after the read, which sees the bytes from before. Checked: fails without the
+    fix (the record went with the buffer: the write ran first, and the read saw it)."""
+    async with am.open_device("cpu") as dev, am.open_device("cpu:1") as other:
+        array = np.ones(16, np.int32)
+        wrapped = am.from_dlpack(array, device=dev if wrapped_on == "cpu" else other)
+        source = await am.from_numpy(array)
+        nines = await dev.alloc(64)
+        await nines.write(np.full(16, 9, np.int32))
+        out = await dev.alloc(64)
+        gate = dev.timeline()
+        queue = dev.new_queue()
+        queue.wait(gate, 1)
+        read = queue.copy(out, source)
+        del wrapped
+        gc.collect()
+        await _not_before(gate, dev.new_queue().copy(am.from_dlpack(array), nines))
+        await read
+        assert (await out.read(np.int32)).tolist() == [1] * 16
+        assert array.tolist() == [9] * 16
+
+
 async def test_memory_lent_on_by_two_buffers_over_one_array_comes_back_ordered_with_both(
     anyio_backend: object,
 ) -> None:
@@ -1254,3 +1397,28 @@ async def test_a_part_of_an_array_shares_the_record_of_a_buffer_over_all_of_it(
         out = await dev.alloc(128)
         await _not_before(gate, dev.new_queue().copy(out, whole))
         assert (await out.read(np.int32)).tolist() == [4] * 16 + [0] * 16
+
+
+async def test_a_whole_array_after_a_slice_shares_the_slices_record(
+    anyio_backend: object,
+) -> None:
+    """A buffer over a whole numpy array made after one over a slice of it (the only
+    earlier record there; here on another device of the kind) shares the slice's
+    record, both ways: a buffer over that slice made later -- a part of memory the whole
+    covers, and the very range of the first slice -- is ordered after a write through
+    the whole, as is the slice itself as a host operand; and the whole after a write
+    through the first slice, made after the whole was. Checked: fails without the fix
+    (the whole had a record of its own, the later slice took the first slice's, and
+    each copy ran before the held write)."""
+    async with am.open_device("cpu") as dev, am.open_device("cpu:1") as other:
+        fills = {d: await d.compile(KERNELS, "fill") for d in (dev, other)}
+        array = np.zeros(32, np.int32)
+        head = am.from_dlpack(array[:16])
+        whole = am.from_dlpack(array, device=other)
+        again = am.from_dlpack(array[:16])
+        for value, written, then in ((2, whole, again), (3, whole, array[:16]), (4, head, whole)):
+            where, reader = written.device, other if then is whole else dev
+            gate = await _held_write(where, fills[where], written, value)
+            out = await reader.alloc(64)
+            await _not_before(gate, reader.new_queue().copy(out, then, 64))
+            assert (await out.read(np.int32)).tolist() == [value] * 16

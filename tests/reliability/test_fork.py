@@ -447,6 +447,50 @@ def test_a_child_empties_none_of_the_parents_memory_cache() -> None:
     assert prints == ["4096", "0", "0", "4096"]
 
 
+_WRAPPED_IN_THE_PARENT = """
+import os, signal
+import anyio
+import numpy as np
+import asyncmetal as am
+
+array = np.zeros(4, np.int32)
+
+
+async def parent_open():
+    dev = await am.open_device("cpu")
+    return dev, am.from_dlpack(array)  # (the buffer lives on in the child)
+
+
+async def child():  # the array as host operand of the child's own queues, of two kinds
+    source = await am.from_numpy(np.full(4, 3, np.int32))
+    await source.device.queue.copy(array, source)
+    print(*array, flush=True)
+    async with am.open_device("cpu") as dev:
+        buf = await dev.alloc(16)
+        await dev.queue.copy(buf, array)
+        print(*(await buf.read(np.int32)), flush=True)
+
+
+dev, buf = anyio.run(parent_open)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(10)  # a child that hangs is killed
+    anyio.run(child)
+    os._exit(0)
+os.waitpid(pid, 0)
+anyio.run(dev.close)
+"""
+
+
+def test_an_array_a_parents_buffer_wraps_is_a_plain_host_operand_in_the_child() -> None:
+    """In a forked child a numpy array that a buffer of the parent's device wraps
+    (``am.from_dlpack``) is a plain host operand of the child's own queues -- of an
+    npy and of a cpu device -- as once the parent's device closed, not memory of that
+    device's buffer, refused as the parent's. Checked: fails without the fix (the npy
+    queue's copy raised ClosedResourceError naming the parent's cpu)."""
+    assert _child_prints(_WRAPPED_IN_THE_PARENT) == ["3"] * 8
+
+
 _FORK_AS_A_THREAD_HOLDS_A_SHARED_LOCK = (
     _FORK_HOLDING
     + """
