@@ -56,6 +56,7 @@ def test_queue_close_wait_watch_stress(tmp_path: Path, sanitizer: str) -> None:
         "parts",
         "blocks",
         "calls",
+        "deadlines",
         *args[1:],
     ]
     assert proc.stdout.split() == [word for check in checks for word in ("ok", check)]
