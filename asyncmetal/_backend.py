@@ -141,13 +141,14 @@ _keeps_lock = threading.Lock()
 
 def _new_keeps_lock() -> None:
     """In a forked child: a parent thread may have held the lock at the fork (making a
-    queue, letting go of what queues keep); the child's own queues take it too. So may
-    it have held a queue's own (letting go of its objects), which the child's
-    :func:`let_go_everywhere` takes."""
-    global _keeps_lock
+    queue, letting go of what queues keep); the child's own queues take it too. The
+    parent's queues are left out of the child's :func:`let_go_everywhere`: their
+    timelines refuse every read there (an allocation of the child's own device waiting
+    for a loan would raise the parent's device's ClosedResourceError), and a parent
+    thread may have held one's own lock at the fork."""
+    global _keeps, _keeps_lock
     _keeps_lock = threading.Lock()
-    for keep in list(_keeps):
-        keep._lock = threading.RLock()
+    _keeps = weakref.WeakSet()
 
 
 if hasattr(os, "register_at_fork"):
