@@ -17,9 +17,10 @@
  *   pushers   four threads pushing calls at once to one running queue (its thread taking
  *             them meanwhile, spinning or asleep): every call runs once, each thread's in
  *             its order, and a close that finishes returns once all ran
- *   closing   a close landing while another thread's backlog is pushed and run: with
- *             abandon, the close returns and frees every segment (however many are
- *             queued, and the spare); without, every command pushed before it ran
+ *   closing   a close landing as a backlog another thread pushed (1 to 320 calls) is
+ *             run: with abandon, the close returns and frees every segment
+ *             (however many are queued, and the spare); without, every command pushed
+ *             before it ran
  *   discard   a discard landing in a backlog pushed across segments: no call runs after
  *             it, the queue's timeline still reaches the last value, and the close frees
  *             every segment
@@ -237,15 +238,13 @@ static void check_closing(long n) {
         if (!q) die("closing: out of memory");
         reset_calls();
         atomic_int go = 0;
-        backlog_arg b = {q, 200 + (round * 37) % 300, 0, &go};
+        /* 1 to 320 calls: the close lands at varied points of their run, once the
+         * pushing thread is done (a close is never concurrent with a push: Python
+         * seals the device under its submission lock before it closes a queue). */
+        backlog_arg b = {q, 1 + (round * 37) % 320, 0, &go};
         pthread_t th;
         pthread_create(&th, NULL, push_backlog, &b);
         atomic_store(&go, 1);
-        /* The close comes once some of the backlog is pushed (maybe some of it ran):
-         * the pushing thread stops pushing first (a close is never concurrent with a
-         * push: the Python side's queue lock), so it is joined, then the close lands. */
-        long wait_for = 1 + (round * 53) % b.n;
-        while (atomic_load(&b.pushed) < wait_for) sched_yield();
         pthread_join(th, NULL);
         long pushed = atomic_load(&b.pushed);
         am_queue_close(q, abandon);
