@@ -143,7 +143,7 @@ _keeps: weakref.WeakSet[KeepAlive] = weakref.WeakSet()
 _keeps_lock = threading.Lock()
 
 
-def _new_keeps_lock() -> None:
+def _new_keeps_in_child() -> None:
     """In a forked child: a parent thread may have held the lock at the fork (making a
     queue, letting go of what queues keep); the child's own queues take it too. The
     parent's queues are left out of the child's :func:`let_go_everywhere`: their
@@ -156,7 +156,7 @@ def _new_keeps_lock() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_keeps_lock)
+    os.register_at_fork(after_in_child=_new_keeps_in_child)
 
 
 def let_go_everywhere() -> None:
