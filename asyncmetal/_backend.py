@@ -78,17 +78,20 @@ class KeepAlive:
     time (a dict of them copies itself into a table twice as large each time it fills),
     and its memory goes back as it drains (a dict keeps its largest table). Objects are
     let go of as later commands are added, and by :func:`let_go_everywhere`, from any
-    thread, oldest first. An entry taken from the front that another thread's let-go
-    had read as passed while this one reads it as not is put back, so two threads
-    letting go at once never drop one whose command has not passed. (Two such puts
-    back can leave the front out of order, which only keeps an object until a later
-    let-go reaches the one before it.)"""
+    thread, oldest first, one thread at a time (``_lock``): a let-go that read the
+    timeline before another's could otherwise take an entry from the front while the
+    other one reads it, find it not passed and put it back once the other one returned
+    -- which kept the object of a command that other let-go saw pass (a task awaiting it
+    lets go of what it kept) until the queue's next submission. The lock is taken only
+    where the front has passed: a let-go with nothing to drop takes none. Reentrant: an
+    object let go of may run code (a finalizer) that lets go again."""
 
-    __slots__ = ("__weakref__", "_timeline", "items")
+    __slots__ = ("__weakref__", "_lock", "_timeline", "items")
 
     def __init__(self, timeline: NativeTimeline) -> None:
         self._timeline = timeline
         self.items: collections.deque[tuple[int, object]] = collections.deque()
+        self._lock = threading.RLock()
         with _keeps_lock:
             _keeps.add(self)
 
@@ -111,16 +114,26 @@ class KeepAlive:
         """Drop the objects of the commands the timeline has passed."""
         items = self.items
         reached = self._timeline.value
-        while items:
-            try:
-                if items[0][0] > reached:
+        try:  # nothing passed: nothing to do (entries are taken in order, oldest first)
+            if items[0][0] > reached:
+                return
+        except IndexError:
+            return
+        lock = self._lock
+        lock.acquire()  # (not `with`: twice the cost, on every launch that drops one)
+        try:
+            while items:
+                try:
+                    if items[0][0] > reached:
+                        return
+                    entry = items.popleft()
+                except IndexError:  # emptied meanwhile (clear)
                     return
-                entry = items.popleft()
-            except IndexError:  # emptied meanwhile
-                return
-            if entry[0] > reached:  # (another thread took the one read above)
-                items.appendleft(entry)
-                return
+                if entry[0] > reached:  # (a let-go this thread ran meanwhile took it)
+                    items.appendleft(entry)
+                    return
+        finally:
+            lock.release()
 
     def clear(self) -> None:
         self.items.clear()
@@ -130,15 +143,20 @@ _keeps: weakref.WeakSet[KeepAlive] = weakref.WeakSet()
 _keeps_lock = threading.Lock()
 
 
-def _new_keeps_lock() -> None:
+def _new_keeps_in_child() -> None:
     """In a forked child: a parent thread may have held the lock at the fork (making a
-    queue, letting go of what queues keep); the child's own queues take it too."""
-    global _keeps_lock
+    queue, letting go of what queues keep); the child's own queues take it too. The
+    parent's queues are left out of the child's :func:`let_go_everywhere`: their
+    timelines refuse every read there (an allocation of the child's own device waiting
+    for a loan would raise the parent's device's ClosedResourceError), and a parent
+    thread may have held one's own lock at the fork."""
+    global _keeps, _keeps_lock
     _keeps_lock = threading.Lock()
+    _keeps = weakref.WeakSet()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_keeps_lock)
+    os.register_at_fork(after_in_child=_new_keeps_in_child)
 
 
 def let_go_everywhere() -> None:

@@ -518,7 +518,7 @@ class CPUQueue(NativeQueue):
 
     def _submitted(self, status: int, value: int, keep: object) -> None:
         if status != 0:
-            raise NoHostMemoryError("the cpu queue could not grow its command ring")
+            raise NoHostMemoryError("the cpu queue had no memory for another segment of commands")
         self._keep.add(value, keep)
 
     def launch(

@@ -212,8 +212,16 @@ static inline void am_cond_init(pthread_cond_t *cv) {
 #endif
 }
 
+/* A wait of ns <= 0 ends now: its negative remainder would make the deadline's
+ * nanoseconds negative, which pthread_cond_timedwait refuses (EINVAL) rather than time
+ * out, and a caller that waits until ETIMEDOUT would wait again at once, for good. One
+ * of over AM_WAIT_NS_MOST (~31 years) waits that long: the seconds stay far from
+ * time_t's end, and macOS's time left, in nanoseconds, from int64_t's. */
+#define AM_WAIT_NS_MOST 1000000000000000000LL
 static inline void deadline_after(struct timespec *ts, int64_t ns) {
     clock_gettime(CLOCK_MONOTONIC, ts);
+    if (ns <= 0) return;
+    if (ns > AM_WAIT_NS_MOST) ns = AM_WAIT_NS_MOST;
     ts->tv_sec += (time_t)(ns / 1000000000);
     ts->tv_nsec += (long)(ns % 1000000000);
     if (ts->tv_nsec >= 1000000000L) { ts->tv_sec++; ts->tv_nsec -= 1000000000L; }

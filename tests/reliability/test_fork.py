@@ -534,6 +534,60 @@ def test_a_child_forked_as_a_thread_holds_a_shared_lock_opens_its_own_devices(
     assert _child_prints(_FORK_AS_A_THREAD_HOLDS_A_SHARED_LOCK, lock) == ["0"]
 
 
+_WAIT_FOR_A_LOAN_IN_THE_CHILD = """
+import os, signal
+import anyio
+import numpy as np
+import asyncmetal as am
+
+
+async def parent_open():  # a queue of the parent's keeps a timeline for its wait
+    dev = await am.open_device("cpu")
+    queue, gate, other = dev.new_queue(), dev.timeline(), dev.timeline()
+    queue.wait(gate, 1)
+    return dev, gate, queue.signal(other, 1)
+
+
+async def child():  # an allocation of the child's own device waits for a loan to end
+    async with await am.open_device("cpu") as dev:
+        dev.memory_budget = 8192
+        buf = await dev.alloc(8192)
+        view = np.from_dlpack(buf)  # its memory lent out
+        await buf.free()  # allocated while lent
+        try:
+            await dev.alloc(4096, timeout=0.2)
+        except Exception as exc:
+            print(type(exc).__name__, flush=True)
+        del view
+
+
+async def parent_close(dev, gate, done):
+    gate.signal(1)
+    await done
+    await dev.close()
+
+
+dev, gate, done = anyio.run(parent_open)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(10)  # a child that hangs is killed
+    anyio.run(child)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+anyio.run(parent_close, dev, gate, done)
+"""
+
+
+def test_a_childs_allocation_waiting_for_a_loan_is_not_refused_by_the_parents_queues() -> None:
+    """In a forked child, an allocation of the child's own device that waits for memory
+    lent out (DLPack) lets go of what every queue keeps -- not the parent's queues,
+    whose timelines refuse every read there: it times out as out of memory, not with the
+    parent's device's ClosedResourceError. Checked: fails without the fix (the child's
+    allocation raised ClosedResourceError)."""
+    assert _child_prints(_WAIT_FOR_A_LOAN_IN_THE_CHILD) == ["OutOfMemoryError", "0"]
+
+
 _FORK_AS_A_METAL_BLOCK_IS_MADE = (
     _FORK_HOLDING
     + """

@@ -56,6 +56,7 @@ def test_queue_close_wait_watch_stress(tmp_path: Path, sanitizer: str) -> None:
         "parts",
         "blocks",
         "calls",
+        "deadlines",
         *args[1:],
     ]
     assert proc.stdout.split() == [word for check in checks for word in ("ok", check)]
@@ -74,6 +75,22 @@ def test_a_queue_backlog_is_never_copied_and_its_memory_goes_back_once_it_ran(
     proc = harness.run(binary, "100000", sanitizer=sanitizer)
     assert proc.returncode == 0, proc.stderr[-6000:] + proc.stdout
     assert proc.stdout.split() == ["ok", "backlog"]
+
+
+@pytest.mark.parametrize("sanitizer", harness.SANITIZERS, ids=["plain", "tsan", "asan"])
+def test_queue_segments_under_concurrent_pushes_closes_and_drains_at_their_edges(
+    tmp_path: Path, sanitizer: str
+) -> None:
+    """A cpu queue's command segments: backlogs held and drained at and around a
+    segment's end (63, 64, 65, 128 ... commands), four threads pushing at once, a close
+    (finishing or abandoning) and a discard landing in a backlog -- every command runs
+    once and in order, or never, and no segment outlives its queue
+    (tests/support/native/queue_segments.c)."""
+    binary = harness.build("queue_segments.c", tmp_path, sanitizer, defines=("AM_TEST_HOST_ALLOC",))
+    proc = harness.run(binary, "200" if sanitizer else "1000", sanitizer=sanitizer)
+    assert proc.returncode == 0, proc.stderr[-6000:] + proc.stdout
+    checks = ["edges", "pushers", "closing", "discard"]
+    assert proc.stdout.split() == [word for check in checks for word in ("ok", check)]
 
 
 # ---- kernel libraries: names resolved in the library itself, unloaded at close -------

@@ -494,6 +494,63 @@ def test_objects_kept_for_commands_are_let_go_of_only_once_passed_by_racing_thre
     assert not keep.items
 
 
+def test_a_let_go_that_saw_a_command_pass_leaves_nothing_of_it_kept_by_another() -> None:
+    """Two threads letting go at once: one (B) read the timeline before command 2
+    passed, the other (A) after. B takes command 2's entry from the front just after A
+    took command 1's, so A finds nothing left and returns; B then sees 2 as not passed
+    and puts it back. Once both returned, command 2's object must be gone: the awaiting
+    task's let-go (A) is what lets go of what its command kept (a bytearray it then
+    resizes), and a queue nobody submits to again never lets go of it otherwise.
+    Checked: fails without the fix (command 2's object kept)."""
+    from asyncmetal._backend import KeepAlive
+
+    class Timeline:
+        value = 0
+
+    a_at_second = threading.Event()  # A is about to take its second entry
+    b_took = threading.Event()  # B took the front entry
+    a_done = threading.Event()
+    step = 0.5  # how long a step the lock forbids is waited for (A blocked meanwhile)
+
+    class Interleaved(collections.deque[tuple[int, object]]):
+        a_pops = 0
+
+        def popleft(self) -> tuple[int, object]:
+            if threading.current_thread() is not b:
+                self.a_pops += 1
+                if self.a_pops == 2:  # A, once it took command 1's entry
+                    a_at_second.set()
+                    b_took.wait(10)
+                return super().popleft()
+            # B, between its look at the front (command 1, passed) and its take
+            a.start()
+            a_at_second.wait(step)
+            entry = super().popleft()
+            b_took.set()
+            a_done.wait(step)
+            return entry
+
+    def let_go_after_2_passed() -> None:
+        timeline.value = 2  # (as the queue's thread signals once command 2 ran)
+        keep.let_go()
+        a_done.set()
+
+    timeline = Timeline()
+    keep = KeepAlive(timeline)  # type: ignore[arg-type]
+    keep.add(1, object())
+    keep.add(2, object())
+    keep.items = Interleaved(keep.items)
+    timeline.value = 1  # command 1 passed
+    a = threading.Thread(target=let_go_after_2_passed, daemon=True)
+    b = threading.Thread(target=keep.let_go, daemon=True)
+    b.start()
+    b.join(30)
+    a.join(30)
+    assert not a.is_alive() and not b.is_alive()
+    assert timeline.value == 2
+    assert not keep.items, f"kept after both let-gos returned: {list(keep.items)}"
+
+
 def test_objects_kept_for_a_backlog_take_no_memory_once_passed() -> None:
     """A queue's kept host objects for a backlog of 100,000 commands (added one at a
     time, as launches on the event loop add them): once the timeline passed them all,

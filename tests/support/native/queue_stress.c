@@ -34,6 +34,11 @@
  *             wait it would end is released by another thread, which then frees the
  *             timeline once the queue's own passed the wait (as the Python side lets go
  *             of a command's objects): the discard must not touch it (AddressSanitizer)
+ *   deadlines a timed wait's deadline (deadline_after) for negative, zero and huge
+ *             waits is a valid time (nanoseconds 0 to 999,999,999), the present or
+ *             later; a wait for a block with a negative timeout returns at once (one
+ *             whose deadline had negative nanoseconds was refused, EINVAL, and waited
+ *             again at once, for good)
  *   fork      (only with "fork") a child forked while a queue waits frees the parent's
  *             queue, timeline and watch without hanging, and runs a queue of its own
  *
@@ -643,6 +648,34 @@ static void check_calls(long n) {
     puts("ok calls");
 }
 
+static void check_deadlines(void) {
+    atomic_store(&phase, "deadlines");
+    static const int64_t waits[] = {INT64_MIN, -1000000001LL, -999999999LL, -1, 0, 1,
+                                    999999999LL, 1000000000LL, INT64_MAX};
+    for (int round = 0; round < 100; round++) {
+        for (size_t i = 0; i < sizeof waits / sizeof *waits; i++) {
+            struct timespec now, until;
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            deadline_after(&until, waits[i]);
+            if (until.tv_nsec < 0 || until.tv_nsec >= 1000000000L)
+                die("deadlines: a deadline's nanoseconds out of range");
+            if (until.tv_sec < now.tv_sec ||
+                (until.tv_sec == now.tv_sec && until.tv_nsec < now.tv_nsec))
+                die("deadlines: a deadline before the present");
+            if (waits[i] > 1000000000LL && until.tv_sec < now.tv_sec + 1)
+                die("deadlines: a long wait's deadline wrapped");
+        }
+        /* Nothing runs a block here: each returns once its time is up, at once. */
+        int64_t start = now_ns();
+        uint64_t seen = am_blocks_wait(0, 0);
+        if (am_blocks_wait(seen, -999999999LL) != seen || am_blocks_wait(seen, -1) != seen)
+            die("deadlines: a block ran");
+        if (now_ns() - start > 2000000000LL) die("deadlines: a negative wait for a block waited");
+        atomic_fetch_add(&progress, 1);
+    }
+    puts("ok deadlines");
+}
+
 int main(int argc, char **argv) {
     long n = argc > 1 ? atol(argv[1]) : 5000;
     pthread_t dog;
@@ -657,6 +690,7 @@ int main(int argc, char **argv) {
     check_parts(n / 10);
     check_blocks(n / 10);
     check_calls(n / 10);
+    check_deadlines();
     if (argc > 2 && !strcmp(argv[2], "fork")) check_fork(n / 50 + 1);
     return 0;
 }
