@@ -165,6 +165,33 @@ class Allocation:
             return
         if allocator is not None and not freed:
             allocator.collected(self.block, self.generation)
+        elif allocator is None and not freed:
+            block = self.block
+            if block.owner is not None and block.last_use:
+                # Memory another library owns: its owner (that library's array) is
+                # held until the commands recorded on it so far ran (see lingering).
+                lingering[id(block)] = (block, list(block.last_use.items()))
+
+
+# Blocks over memory another library owns whose buffers were dropped unfreed while
+# commands may still use that memory, by id, each with the uses recorded on it then:
+# the block holds the memory's owner (the library's array, or its DLPack capsule) until
+# those uses passed -- the library would otherwise hand the memory out again (PyTorch's
+# caching allocator does, at once) while the device still reads or writes it. Added to
+# by a collection with no call (any thread, even inside the GC); let go of by
+# ``let_lingering_go``, at the next import, allocation or close of a device.
+lingering: dict[int, tuple[Block, list[tuple[Queue, int]]]] = {}
+
+
+_parents_lingering: list[tuple[Block, list[tuple[Queue, int]]]] = []  # (forget_left_blocks)
+
+
+def let_lingering_go() -> None:
+    """Let go of the blocks of ``lingering`` whose uses passed (their owners' finalizers
+    may run here). An interrupt between the look and the let-go keeps one longer."""
+    for key, (_, uses) in list(lingering.items()):
+        if all(_passed(queue, value) for queue, value in uses):
+            lingering.pop(key, None)
 
 
 # The allocators some of whose memory went out to another library: while none has, a
@@ -233,6 +260,11 @@ def forget_left_blocks() -> None:
     _closed_blocks_lock = threading.Lock()
     _left_to_others.clear()
     _left_freeing = False
+    # The parent's dropped buffers' foreign memory: its owners are the parent's (another
+    # library's CUDA arrays, whose release may call a driver the child cannot use), never
+    # let go of here.
+    _parents_lingering.extend(lingering.values())
+    lingering.clear()
 
 
 def closed_blocks() -> list[Block]:
@@ -1013,7 +1045,10 @@ class Allocator:
     def sweep(self) -> None:
         """Take over blocks of garbage-collected buffers, and release the blocks whose
         last uses passed (and those closes left to this or other devices' queues, see
-        ``free_left_blocks``)."""
+        ``free_left_blocks``; and let go of dropped buffers' foreign memory whose uses
+        passed, see ``lingering``)."""
+        if lingering:
+            let_lingering_go()
         if _left_to_others:
             _free_passed_left_blocks()
         if self._returned:
@@ -1260,6 +1295,8 @@ class Allocator:
             self._foreign_pruned_at = 0
             lenders.discard(self)
             self.in_use = 0
+        if lingering:  # (its queues are done: what they used is let go of)
+            let_lingering_go()
 
     def blocks(self) -> list[Block]:
         """The blocks in use and cached now, and the foreign ones whose buffers live

@@ -13,7 +13,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from ._allocator import Allocation, Block, ForeignMemory, Queue, Record, lenders, lenders_for
+from ._allocator import (
+    Allocation,
+    Block,
+    ForeignMemory,
+    Queue,
+    Record,
+    lenders,
+    lenders_for,
+    let_lingering_go,
+    lingering,
+)
 from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import checkpoint
 from ._device_state import DeviceState, open_states, two_names, unreleased_states
@@ -467,6 +477,8 @@ def foreign_buffer(
     the other, as on one buffer. ``shares``: that buffer's block, where it is known (a
     buffer of asyncmetal's own passed to from_dlpack, also one over another library's
     memory, which lent nothing), else looked up among the memory lent out."""
+    if lingering:  # (an import in a loop lets go of what the ones before left)
+        let_lingering_go()
     block = Block(handle, nbytes, state, owner)
     own = state.device._allocator
     address = state.backend.loan_address(handle)  # where memory lent out comes back

@@ -138,7 +138,8 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     device's default queue, and so before every command that orders itself after the
     buffer (copies do; launches with ``queue.after(buf)``). The array must be
     C-contiguous and writable (and unmasked: ``__cuda_array_interface__``'s ``mask``).
-    It is kept alive while the buffer is; freeing the buffer gives nothing back to the
+    It is kept alive while the buffer is -- dropped, until the commands that used the
+    buffer ran (see ``_allocator.lingering``); freeing the buffer gives nothing back to the
     allocator (the memory is the producer's). A producer that fails to export (its
     own error: JAX's for int4, which DLPack has no type for) raises ExchangeError,
     chained from that error. Never blocks.

@@ -56,7 +56,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
-from asyncmetal import DeviceLostError
+from asyncmetal import DeviceLostError, _allocator
 from asyncmetal._errors import NoHostMemoryError
 from asyncmetal.backends.cuda import _driver, _peer, _staging
 from asyncmetal.backends.cuda._compiler import CUDACompiler
@@ -875,6 +875,62 @@ async def test_buffers_over_the_same_cuda_memory_share_one_record_of_uses(
                 assert out.tolist() == [value] * 16
             await held.close()
             await copier.close()
+        finally:
+            await dev.close()
+            sim.cuMemFree(address)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_dropped_buffer_over_cuda_memory_keeps_its_owner_until_its_commands_ran(
+    anyio_backend: str, sim: _SweepDriver
+) -> None:
+    """A buffer of ``am.from_dlpack`` over another library's CUDA memory, dropped while a
+    command that writes it is still held on a queue, keeps the producer's array alive
+    until that command ran: the producer (PyTorch's caching allocator) would otherwise
+    hand the memory out again while the device still writes it. It is let go of once the
+    command ran, at the device's next import or allocation. Checked: fails without the
+    fix (the array went with the buffer)."""
+    import weakref
+
+    _driver.lost_first = None
+    sim.plan = _Plan(threading.current_thread())
+    address = sim.cuMemAlloc(64)[1]  # another library's memory
+
+    class Producer:
+        __cuda_array_interface__: ClassVar[dict[str, Any]] = {
+            "shape": (16,),
+            "typestr": "<i4",
+            "data": (address, False),
+            "version": 3,
+        }
+
+    with anyio.fail_after(20):
+        dev = await am.open_device("cuda:0")
+        try:
+            producer = Producer()
+            gone = weakref.ref(producer)
+            held = dev.new_queue()
+            gate = dev.timeline()
+            held.wait(gate, 1)
+            buf = am.from_dlpack(producer)
+            held.copy(buf, np.full(16, 7, np.int32))
+            del buf, producer
+            gc.collect()
+            assert gone() is not None  # the held copy still writes its memory
+            gate.signal(1)
+            await held.synchronize()
+            await (await dev.alloc(64)).free()
+            gc.collect()
+            assert gone() is None  # let go of once the copy ran
+            # Imports in a loop, each buffer dropped with its copy in flight: each import
+            # lets go of what those before left once it ran -- none piles up.
+            for _ in range(50):
+                buf = am.from_dlpack(Producer())
+                held.copy(buf, np.full(16, 7, np.int32))
+                del buf
+                await held.synchronize()
+            assert len(_allocator.lingering) <= 1
+            await held.close()
         finally:
             await dev.close()
             sim.cuMemFree(address)

@@ -142,6 +142,37 @@ async def test_a_torch_tensor_comes_in_without_a_copy(anyio_backend: object) -> 
 
 
 @needs_torch
+async def test_a_dropped_tensor_buffer_keeps_the_memory_from_torch_until_its_kernel_ran(
+    anyio_backend: object,
+) -> None:
+    """A buffer over a tensor, dropped with the tensor while a kernel writing it is still
+    to run: PyTorch does not hand the memory out again until the kernel ran -- a tensor
+    made meanwhile is elsewhere, and the kernel's writes land in the old memory only."""
+    import torch
+
+    async with am.open_device("cuda:0") as dev:
+        fill, _ = await _kernels(dev)
+        tensor = torch.zeros(N, dtype=torch.int32, device="cuda:0")
+        address = tensor.data_ptr()
+        buf = am.from_dlpack(tensor)
+        queue = dev.new_queue()
+        gate = dev.timeline()
+        queue.wait(gate, 1)
+        queue.launch(fill, buf, vals=(7, N), **GRID)
+        del buf, tensor
+        gc.collect()
+        again = torch.zeros(N, dtype=torch.int32, device="cuda:0")
+        assert again.data_ptr() != address  # the memory is still the kernel's
+        held = torch.cuda.memory_allocated()
+        gate.signal(1)
+        await queue.synchronize()
+        assert int(again.sum()) == 0
+        await (await dev.alloc(64)).free()  # (an allocation lets go of what ran)
+        gc.collect()
+        assert torch.cuda.memory_allocated() == held - 4 * N  # PyTorch has it back
+
+
+@needs_torch
 async def test_producer_streams_are_waited_for_without_adopting_them(
     anyio_backend: object,
 ) -> None:
