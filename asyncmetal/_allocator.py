@@ -64,6 +64,7 @@ class Block:
         "memory",
         "nbytes",
         "owner",
+        "waited",
     )
 
     def __init__(self, handle: Any, nbytes: int, keeper: DeviceState, owner: object = None) -> None:
@@ -83,6 +84,9 @@ class Block:
         # over that memory shares (see ForeignMemory), None where it shares an allocated
         # block's record (memory of asyncmetal's own that went out and came back).
         self.memory: ForeignMemory | None = None
+        # Of a block over memory another library owns: the command that waited for that
+        # library's work on it (``foreign_buffer``'s ``after``), which uses no memory.
+        self.waited: tuple[Queue, int] | None = None
 
 
 class ForeignMemory:
@@ -169,8 +173,11 @@ class Allocation:
             block = self.block
             if block.owner is not None and block.last_use:
                 # Memory another library owns: its owner (that library's array) is
-                # held until the commands recorded on it so far ran (see lingering).
-                lingering[id(block)] = (block, list(block.last_use.items()))
+                # held until the commands recorded on it so far ran (see lingering) --
+                # unless the one recorded is the wait for that library's work.
+                uses = list(block.last_use.items())
+                if uses != [block.waited]:
+                    lingering[id(block)] = (block, uses)
 
 
 # Blocks over memory another library owns whose buffers were dropped unfreed while

@@ -498,6 +498,7 @@ def foreign_buffer(
     if after is not None:
         queue, value = after
         block.last_use[queue] = max(value, block.last_use.get(queue, 0))
+        block.waited = after
     return Buffer(state, Allocation(block), 0, nbytes)
 
 

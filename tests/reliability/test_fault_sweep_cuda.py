@@ -930,6 +930,10 @@ async def test_a_dropped_buffer_over_cuda_memory_keeps_its_owner_until_its_comma
                 del buf
                 await held.synchronize()
             assert len(_allocator.lingering) <= 1
+            # One that only waited for the producer's work holds nothing back.
+            buf = am.from_dlpack(Producer())
+            del buf
+            assert not _allocator.lingering
             await held.close()
         finally:
             await dev.close()
