@@ -531,15 +531,20 @@ class Allocator:
         )
         # The foreign memory of buffers of this device, by address and size, while buffers
         # over it live: a buffer made over it again shares its record (see foreign_memory).
-        # Held weakly, without callbacks (one that comes as its last buffer goes would
-        # need the lock, which the GC may collect it under): those gone are dropped once
-        # they may be most, as an entry is added (``_foreign_pruned_at``: how many there
-        # were after the last drop). The keys in order too, and the largest size among
-        # them: a look-up of a range reads the few that may overlap it.
+        # Held weakly, with no callback that needs the lock (one comes as its last buffer
+        # goes, which the GC may collect it under): those gone are dropped once they may
+        # be most, as an entry is added (``_foreign_pruned_at``: how many there were
+        # after the last drop). The keys in order too, and the largest size among them:
+        # a look-up of a range reads the few that may overlap it. Each reference made is
+        # counted, and its end queued as it comes (a deque's append, which runs no Python
+        # code): once every one has ended, the device holds no foreign memory, and is no
+        # longer among ``foreign_holders`` -- a host copy then looks nothing up.
         self._foreign_memory: dict[tuple[int, int], weakref.ref[ForeignMemory]] = {}
         self._foreign_ranges: list[tuple[int, int]] = []
         self._foreign_largest = 0
         self._foreign_pruned_at = 0
+        self._foreign_made = 0
+        self._foreign_gone: collections.deque[object] = collections.deque()
         # Freed blocks whose last uses are in flight: those uses, by block (one entry a
         # block: recorded, updated and taken off with no call, see _release).
         self._pending: dict[Block, list[tuple[Queue, int]]] = {}
@@ -563,9 +568,7 @@ class Allocator:
         queues nothing). Nor is the foreign memory its buffers are over any use of them
         here: a host operand over it is a plain one, as after a close."""
         self.closed = True
-        foreign_holders.discard(self)
-        self._foreign_memory.clear()
-        self._foreign_ranges.clear()
+        self._forget_foreign()
         self._lock = threading.Lock()
         self._allocated = threading.Condition(self._lock)
         self._allocating = {}
@@ -1296,10 +1299,7 @@ class Allocator:
             self._collected.clear()
             self._exported.clear()
             self._exported_foreign.clear()
-            foreign_holders.discard(self)
-            self._foreign_memory.clear()
-            self._foreign_ranges.clear()
-            self._foreign_pruned_at = 0
+            self._forget_foreign()
             lenders.discard(self)
             self.in_use = 0
         if lingering:  # (its queues are done: what they used is let go of)
@@ -1325,7 +1325,8 @@ class Allocator:
             known = registry.get(key)
             if known is not None and known() is not None:
                 return  # (a record of its own, where another shares that range already)
-            registry[key] = weakref.ref(memory)
+            registry[key] = weakref.ref(memory, self._foreign_gone.append)
+            self._foreign_made += 1
             foreign_holders.add(self)
             ranges = self._foreign_ranges
             if known is None:
@@ -1335,8 +1336,25 @@ class Allocator:
                     del registry[gone]
                 ranges[:] = sorted(registry)
                 self._foreign_pruned_at = len(registry)
+                ended = self._foreign_gone
+                while ended:  # (counted off one at a time: ends come meanwhile)
+                    ended.popleft()
+                    self._foreign_made -= 1
             if memory.nbytes > self._foreign_largest:
                 self._foreign_largest = memory.nbytes
+
+    def _forget_foreign(self) -> None:
+        """Drop the record of foreign memory (none lives, or the device closed): the
+        device is no longer among ``foreign_holders``. Under the lock, or where no other
+        thread runs (a forked child). Ends of references made before, queued later, go
+        to the queue left behind."""
+        foreign_holders.discard(self)
+        self._foreign_memory.clear()
+        self._foreign_ranges.clear()
+        self._foreign_largest = 0
+        self._foreign_pruned_at = 0
+        self._foreign_made = 0
+        self._foreign_gone = collections.deque()
 
     def foreign_memory(self, address: int, nbytes: int) -> list[ForeignMemory]:
         """The foreign memory of this device's buffers (see ForeignMemory) that shares a
@@ -1344,6 +1362,11 @@ class Allocator:
         there is one, else one that holds the range, if any."""
         registry = self._foreign_memory
         if not registry:
+            return []
+        if self._foreign_made == len(self._foreign_gone):  # every one gone
+            with self._lock:
+                if self._foreign_made == len(self._foreign_gone):  # (none made meanwhile)
+                    self._forget_foreign()
             return []
         found = []
         with self._lock:
