@@ -205,9 +205,17 @@ def let_lingering_go() -> None:
 # host copy's operand needs no look-up (it can be no buffer's memory lent out).
 lenders: weakref.WeakSet[Allocator] = weakref.WeakSet()
 # The allocators that have noted buffers over foreign memory (see note_foreign), until
-# they close: a host operand over such memory is a use of those buffers (see
-# ``_copyargs._lent_back``). Empty while there are none: no look-up.
-foreign_holders: weakref.WeakSet[Allocator] = weakref.WeakSet()
+# those are gone or they close, by id, held weakly: a host operand over such memory is
+# a use of those buffers (see ``_copyargs._lent_back``). Empty while there are none: no
+# look-up. (A dict of references: a WeakSet takes longer to copy than the look-up it
+# decides on.)
+foreign_holders: dict[int, weakref.ref[Allocator]] = {}
+
+
+def holding_foreign() -> list[Allocator]:
+    """The allocators among ``foreign_holders`` now."""
+    return [a for ref in list(foreign_holders.values()) if (a := ref()) is not None]
+
 
 # The blocks of closed devices whose records held other devices' queues as their device
 # closed (a copy between devices), while their buffers live: no open device lists them
@@ -1327,7 +1335,7 @@ class Allocator:
                 return  # (a record of its own, where another shares that range already)
             registry[key] = weakref.ref(memory, self._foreign_gone.append)
             self._foreign_made += 1
-            foreign_holders.add(self)
+            foreign_holders[id(self)] = weakref.ref(self)
             ranges = self._foreign_ranges
             if known is None:
                 bisect.insort(ranges, key)
@@ -1348,7 +1356,7 @@ class Allocator:
         device is no longer among ``foreign_holders``. Under the lock, or where no other
         thread runs (a forked child). Ends of references made before, queued later, go
         to the queue left behind."""
-        foreign_holders.discard(self)
+        foreign_holders.pop(id(self), None)
         self._foreign_memory.clear()
         self._foreign_ranges.clear()
         self._foreign_largest = 0

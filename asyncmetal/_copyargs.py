@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._allocator import Allocator, foreign_holders, lenders_for
+from ._allocator import Allocator, foreign_holders, holding_foreign, lenders_for
 from ._buffer import Buffer, buffer_state, check_buffer, native_arg, not_a_buffer, overlap
 from ._device_state import DeviceState, two_names
 from ._errors import ArgumentTypeError, InvalidArgumentError, as_int
@@ -246,7 +246,7 @@ def _lent_back(state: DeviceState, view: memoryview) -> tuple[Buffer | None, str
     candidates = lenders_for(state.device._allocator, any_kind=True)
     # Host memory a buffer wraps (``am.from_dlpack(array)``) stays its owner's: used
     # itself, it is a use of that buffer too.
-    holders = list(foreign_holders) if foreign_holders else []
+    holders = holding_foreign() if foreign_holders else []
     if not candidates and not holders:  # nothing lent out nor wrapped: no look-up
         return _NOT_LENT
     address = np.frombuffer(view, np.uint8).ctypes.data
