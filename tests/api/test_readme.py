@@ -108,6 +108,21 @@ def test_readme_compile_many_goes_on_past_failures() -> None:
     assert "It prints `ready: ['inc'] failed: ['absent', 'broken']`." in readme
 
 
+def test_readme_service_example_answers_what_the_kernel_computes() -> None:
+    """The README's ``curl`` of examples/service.py's ``/compute`` shows the sum of its
+    kernel's ``out[i] = i * k + 1`` (tests/api/test_interop_service.py checks that the
+    service answers that sum)."""
+    readme = (ROOT / "README.md").read_text()
+    (match,) = re.finditer(
+        r"`curl 'http://127\.0\.0\.1:8080/compute\?n=(\d+)&k=(\d+)'` answers "
+        r"`\{\"sum\": (\d+), \"n\": (\d+)\}`",
+        readme,
+    )
+    n, k, total, answered_n = (int(g) for g in match.groups())
+    assert (total, answered_n) == (sum(i * k + 1 for i in range(n)), n)
+    assert "out[i] = i * k + 1" in (ROOT / "examples" / "service.py").read_text()
+
+
 def test_readme_names_every_export() -> None:
     """Every top-level name is documented in README's API section."""
     readme = (ROOT / "README.md").read_text()
