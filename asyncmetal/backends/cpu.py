@@ -96,8 +96,9 @@ _LINK = ("-Wl,-Bsymbolic",) if sys.platform.startswith("linux") else ()
 
 
 class CCompiler(Compiler):
-    """C source -> shared object, with ``cc`` or else ``$CC`` (default ``cc``) as it is
-    when the compiler is made: a device's compiler keeps the ``$CC`` of its opening, and
+    """C source -> shared object, with the compiler the argument ``cc`` names, or where
+    none is given, ``$CC`` (the program ``cc`` where unset) as it is when the compiler is
+    made: a device's compiler keeps the ``$CC`` of its opening, and
     one set later is a compiler of its own (another identity, other binaries). Pickles as
     its command and flags."""
 
