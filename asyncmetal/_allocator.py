@@ -165,11 +165,12 @@ class Allocation:
             return
         if allocator is not None and not freed:
             allocator.collected(self.block, self.generation)
-        elif allocator is None and not freed:
+        elif allocator is None:
             block = self.block
             if block.owner is not None and block.last_use:
                 # Memory another library owns: its owner (that library's array) is
-                # held until the commands recorded on it so far ran (see lingering).
+                # held until the commands recorded on it so far ran (see lingering) --
+                # freed or not: a free's wait, cancelled, leaves them running.
                 lingering[id(block)] = (block, list(block.last_use.items()))
 
 

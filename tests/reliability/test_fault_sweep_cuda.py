@@ -936,6 +936,59 @@ async def test_a_dropped_buffer_over_cuda_memory_keeps_its_owner_until_its_comma
             sim.cuMemFree(address)
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_buffer_over_cuda_memory_whose_free_was_cancelled_keeps_its_owner_once_dropped(
+    anyio_backend: str, sim: _SweepDriver
+) -> None:
+    """A buffer of ``am.from_dlpack`` over another library's CUDA memory whose ``free()``
+    was cancelled while a command writing it is still held, then dropped: the producer's
+    array is kept until that command ran, as for a buffer dropped unfreed (the free's
+    wait, cancelled, changes nothing). Checked: fails without the fix (the array went
+    with the buffer)."""
+    import weakref
+
+    _driver.lost_first = None
+    sim.plan = _Plan(threading.current_thread())
+    address = sim.cuMemAlloc(64)[1]  # another library's memory
+
+    class Producer:
+        __cuda_array_interface__: ClassVar[dict[str, Any]] = {
+            "shape": (16,),
+            "typestr": "<i4",
+            "data": (address, False),
+            "version": 3,
+        }
+
+    with anyio.fail_after(20):
+        dev = await am.open_device("cuda:0")
+        try:
+            producer = Producer()
+            gone = weakref.ref(producer)
+            held = dev.new_queue()
+            gate = dev.timeline()
+            held.wait(gate, 1)
+            buf = am.from_dlpack(producer)
+            held.copy(buf, np.full(16, 7, np.int32))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(buf.free)  # (waits for the held copy)
+                await anyio.wait_all_tasks_blocked()
+                tg.cancel_scope.cancel()
+            assert buf.freed
+            gc.collect()  # (the cancelled task's frames: what is left is the buffer)
+            del buf, producer
+            gc.collect()
+            assert gone() is not None  # the held copy still writes its memory
+            gate.signal(1)
+            await held.synchronize()
+            await (await dev.alloc(64)).free()
+            gc.collect()
+            assert gone() is None  # let go of once the copy ran
+            await held.close()
+        finally:
+            await dev.close()
+            sim.cuMemFree(address)
+
+
 class _NvrtcResult(enum.IntEnum):
     """nvrtc.h's results (as cuda-bindings' ``nvrtcResult``)."""
 
