@@ -190,7 +190,10 @@ _parents_lingering: list[tuple[Block, list[tuple[Queue, int]]]] = []  # (forget_
 def let_lingering_go() -> None:
     """Let go of the blocks of ``lingering`` whose uses passed (their owners' finalizers
     may run here). An interrupt between the look and the let-go keeps one longer."""
-    for key, (_, uses) in list(lingering.items()):
+    # A copy made at once, then looked through: a collection may run between any two
+    # steps of a look (at each object made), and the buffers it collects add to
+    # lingering, which a look at the dict itself would then fail on.
+    for key, (_, uses) in lingering.copy().items():
         if all(_passed(queue, value) for queue, value in uses):
             lingering.pop(key, None)
 

@@ -989,6 +989,79 @@ async def test_a_buffer_over_cuda_memory_whose_free_was_cancelled_keeps_its_owne
             sim.cuMemFree(address)
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_dropped_buffers_collected_while_lingering_ones_are_looked_at_linger_too(
+    anyio_backend: str, sim: _SweepDriver
+) -> None:
+    """Buffers over another library's CUDA memory, dropped while their commands are held,
+    linger with their owners; more such buffers, collected by the garbage collector while
+    those are looked at (``let_lingering_go``, which a collection may interrupt between
+    any two of its steps), join them: the look goes on, and none is let go of before its
+    commands ran. Checked: fails without the fix (the dict changed size during the look)."""
+    _driver.lost_first = None
+    sim.plan = _Plan(threading.current_thread())
+    addresses = [sim.cuMemAlloc(64)[1] for _ in range(40)]  # another library's memory
+
+    class Producer:
+        def __init__(self, address: int) -> None:
+            self.__cuda_array_interface__ = {
+                "shape": (16,),
+                "typestr": "<i4",
+                "data": (address, False),
+                "version": 3,
+            }
+
+    with anyio.fail_after(20):
+        dev = await am.open_device("cuda:0")
+        try:
+            held = dev.new_queue()
+            gate = dev.timeline()
+            held.wait(gate, 1)
+            for address in addresses[:20]:
+                buf = am.from_dlpack(Producer(address))
+                held.copy(buf, np.full(16, 7, np.int32))
+                del buf
+            assert len(_allocator.lingering) == 20
+            # Buffers each put in a reference cycle by a finalizer that a collection
+            # runs, which leaves the next one's to the next collection: one buffer
+            # collected at each collection.
+            bufs = [am.from_dlpack(Producer(address)) for address in addresses[20:]]
+            for buf in bufs:
+                held.copy(buf, np.full(16, 7, np.int32))
+            del buf
+
+            class Regrow:
+                def __init__(self) -> None:
+                    self.me = self
+
+                def __del__(self) -> None:
+                    if bufs:
+                        cycle: list[Any] = [bufs.pop()]
+                        cycle.append(cycle)
+                        Regrow()
+
+            gc.collect()
+            Regrow()
+            thresholds = gc.get_threshold()
+            gc.set_threshold(1)  # (a collection at about every other allocation)
+            try:
+                _allocator.let_lingering_go()
+            finally:
+                gc.set_threshold(*thresholds)
+                bufs.clear()
+            gc.collect()
+            assert len(_allocator.lingering) == 40
+            gate.signal(1)
+            await held.synchronize()
+            _allocator.let_lingering_go()
+            assert not _allocator.lingering
+            await held.close()
+        finally:
+            await dev.close()
+            for address in addresses:
+                sim.cuMemFree(address)
+
+
 class _NvrtcResult(enum.IntEnum):
     """nvrtc.h's results (as cuda-bindings' ``nvrtcResult``)."""
 
