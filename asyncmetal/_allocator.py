@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import collections
 import functools
+import heapq
 import math
 import numbers
 import operator
@@ -169,36 +170,97 @@ class Allocation:
             return
         if allocator is not None and not freed:
             allocator.collected(self.block, self.generation)
-        elif allocator is None and not freed:
+        elif allocator is None:
             block = self.block
             if block.owner is not None and block.last_use:
                 # Memory another library owns: its owner (that library's array) is
                 # held until the commands recorded on it so far ran (see lingering) --
-                # unless the one recorded is the wait for that library's work.
-                uses = list(block.last_use.items())
+                # freed or not: a free's wait, cancelled, leaves them running -- unless
+                # the one recorded is the wait for that library's work. (Read from a copy:
+                # a collection while the list is made may run code that records a use.)
+                uses = list(block.last_use.copy().items())
                 if uses != [block.waited]:
                     lingering[id(block)] = (block, uses)
 
 
-# Blocks over memory another library owns whose buffers were dropped unfreed while
-# commands may still use that memory, by id, each with the uses recorded on it then:
-# the block holds the memory's owner (the library's array, or its DLPack capsule) until
-# those uses passed -- the library would otherwise hand the memory out again (PyTorch's
-# caching allocator does, at once) while the device still reads or writes it. Added to
-# by a collection with no call (any thread, even inside the GC); let go of by
-# ``let_lingering_go``, at the next import, allocation or close of a device.
+# Blocks over memory another library owns whose buffers were dropped while commands may
+# still use that memory, by id, each with the uses recorded on it then: the block holds
+# the memory's owner (the library's array, or its DLPack capsule) until those uses
+# passed -- the library would otherwise hand the memory out again (PyTorch's caching
+# allocator does, at once) while the device still reads or writes it. Added to by a
+# collection with no call (any thread, even inside the GC); moved to ``held_back`` (or
+# let go of) by ``let_lingering_go``, at the next import, allocation or close of a device.
 lingering: dict[int, tuple[Block, list[tuple[Queue, int]]]] = {}
+# Those of them ``let_lingering_go`` took over, by id, each waiting in ``_waiting`` for
+# one of its uses that had not passed. Touched only under ``_looking``.
+held_back: dict[int, tuple[Block, list[tuple[Queue, int]]]] = {}
+# Per queue, a heap of (value, id) of the blocks of held_back waiting for its command
+# ``value``: a look reads each queue's timeline once and takes what passed off the top,
+# so that its cost goes with what it lets go of, not with how many wait.
+_waiting: dict[Queue, list[tuple[int, int]]] = {}
+_looking = threading.Lock()  # (one look at a time; one under way on the thread skips)
 
 
 _parents_lingering: list[tuple[Block, list[tuple[Queue, int]]]] = []  # (forget_left_blocks)
 
 
+def lingering_count() -> int:
+    """How many dropped buffers' blocks of foreign memory are held (see lingering)."""
+    return len(lingering) + len(held_back)
+
+
 def let_lingering_go() -> None:
-    """Let go of the blocks of ``lingering`` whose uses passed (their owners' finalizers
-    may run here). An interrupt between the look and the let-go keeps one longer."""
-    for key, (_, uses) in list(lingering.items()):
-        if all(_passed(queue, value) for queue, value in uses):
+    """Let go of the blocks of ``lingering`` and ``held_back`` whose uses passed (their
+    owners' finalizers may run here: one that imports looks at none meanwhile). An
+    interrupt anywhere keeps one longer, never lets one go early: each is put where it
+    waits next before it is taken from where it waited."""
+    got: list[bool] = []
+    try:
+        try_locks((_looking,), got)  # (one call: no interrupt leaves it taken unnoted)
+        if not got[0]:
+            return
+        reached: dict[Queue, float] = {}  # (each queue's timeline read once a look)
+
+        def done_to(queue: Queue) -> float:
+            at = reached.get(queue)
+            if at is None:
+                timeline = queue.timeline
+                at = reached[queue] = math.inf if timeline._state.stopped else timeline.native.value
+            return at
+
+        def waits_for(uses: list[tuple[Queue, int]]) -> tuple[Queue, int] | None:
+            for queue, value in uses:
+                if done_to(queue) < value:
+                    return queue, value
+            return None
+
+        # A copy made at once, then looked through: a collection may run between any
+        # two steps of a look (at each object made), and the buffers it collects add to
+        # lingering, which a look at the dict itself would then fail on.
+        for key, entry in lingering.copy().items():
+            wait = waits_for(entry[1])
+            if wait is not None:
+                heapq.heappush(_waiting.setdefault(wait[0], []), (wait[1], key))
+                held_back[key] = entry
             lingering.pop(key, None)
+        for queue, heap in list(_waiting.items()):
+            at = done_to(queue)
+            while heap and heap[0][0] <= at:
+                key = heap[0][1]
+                held = held_back.get(key)  # (None: let go of, its top left by an interrupt)
+                if held is not None:
+                    wait = waits_for(held[1])
+                    if wait is not None:  # (another queue's)
+                        heapq.heappush(_waiting.setdefault(wait[0], []), (wait[1], key))
+                    else:
+                        del held  # (the owner goes with the pop: its finalizer runs there)
+                        held_back.pop(key, None)
+                heapq.heappop(heap)
+            if not heap:
+                del _waiting[queue]
+    finally:
+        if got and got[0]:
+            _looking.release()
 
 
 # The allocators some of whose memory went out to another library: while none has, a
@@ -271,15 +333,19 @@ def _free_passed_left_blocks() -> None:
 def forget_left_blocks() -> None:
     """In a forked child: the blocks closes left are the parent's (and a parent thread
     may have held the lock at the fork)."""
-    global _closed_blocks_lock, _left_freeing
+    global _closed_blocks_lock, _left_freeing, _looking
     _closed_blocks_lock = threading.Lock()
     _left_to_others.clear()
     _left_freeing = False
     # The parent's dropped buffers' foreign memory: its owners are the parent's (another
     # library's CUDA arrays, whose release may call a driver the child cannot use), never
     # let go of here.
+    _looking = threading.Lock()
     _parents_lingering.extend(lingering.values())
+    _parents_lingering.extend(held_back.values())
     lingering.clear()
+    held_back.clear()
+    _waiting.clear()
 
 
 def closed_blocks() -> list[Block]:
@@ -1065,7 +1131,7 @@ class Allocator:
         last uses passed (and those closes left to this or other devices' queues, see
         ``free_left_blocks``; and let go of dropped buffers' foreign memory whose uses
         passed, see ``lingering``)."""
-        if lingering:
+        if lingering or held_back:
             let_lingering_go()
         if _left_to_others:
             _free_passed_left_blocks()
@@ -1310,7 +1376,7 @@ class Allocator:
             self._forget_foreign()
             lenders.discard(self)
             self.in_use = 0
-        if lingering:  # (its queues are done: what they used is let go of)
+        if lingering or held_back:  # (its queues are done: what they used is let go of)
             let_lingering_go()
 
     def blocks(self) -> list[Block]:

@@ -19,6 +19,7 @@ from ._allocator import (
     ForeignMemory,
     Queue,
     Record,
+    held_back,
     lenders,
     lenders_for,
     let_lingering_go,
@@ -477,7 +478,7 @@ def foreign_buffer(
     the other, as on one buffer. ``shares``: that buffer's block, where it is known (a
     buffer of asyncmetal's own passed to from_dlpack, also one over another library's
     memory, which lent nothing), else looked up among the memory lent out."""
-    if lingering:  # (an import in a loop lets go of what the ones before left)
+    if lingering or held_back:  # (an import in a loop lets go of what the ones before left)
         let_lingering_go()
     block = Block(handle, nbytes, state, owner)
     own = state.device._allocator
