@@ -836,18 +836,14 @@ async def test_a_command_whose_end_is_refused_after_it_reached_the_driver_fails_
         await dev.close()
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
-async def test_buffers_over_the_same_cuda_memory_share_one_record_of_uses(
-    anyio_backend: str, sim: _SweepDriver
-) -> None:
-    """Two buffers made by ``am.from_dlpack`` of the same CUDA memory of another
-    library's (``__cuda_array_interface__``) are ordered as one buffer: a copy of the
-    second on one queue comes after a copy into the first still held on another (a
-    device-side wait), both ways. Checked: fails without the fix (the second buffer
-    had a record of its own, and the copy ran before the held write)."""
+@pytest.fixture
+def cuda_array(sim: _SweepDriver) -> Iterator[type[Any]]:
+    """A class whose instances are another library's array over memory of the simulated
+    driver (``__cuda_array_interface__``: 16 int32s), freed once the test ended; the
+    driver not lost, and nothing failing on the test's thread."""
     _driver.lost_first = None
     sim.plan = _Plan(threading.current_thread())
-    address = sim.cuMemAlloc(64)[1]  # another library's memory
+    address = sim.cuMemAlloc(64)[1]
 
     class Producer:
         __cuda_array_interface__: ClassVar[dict[str, Any]] = {
@@ -857,10 +853,23 @@ async def test_buffers_over_the_same_cuda_memory_share_one_record_of_uses(
             "version": 3,
         }
 
+    yield Producer
+    sim.cuMemFree(address)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_buffers_over_the_same_cuda_memory_share_one_record_of_uses(
+    anyio_backend: str, sim: _SweepDriver, cuda_array: type[Any]
+) -> None:
+    """Two buffers made by ``am.from_dlpack`` of the same CUDA memory of another
+    library's (``__cuda_array_interface__``) are ordered as one buffer: a copy of the
+    second on one queue comes after a copy into the first still held on another (a
+    device-side wait), both ways. Checked: fails without the fix (the second buffer
+    had a record of its own, and the copy ran before the held write)."""
     with anyio.fail_after(20):
         dev = await am.open_device("cuda:0")
         try:
-            first, second = am.from_dlpack(Producer()), am.from_dlpack(Producer())
+            first, second = am.from_dlpack(cuda_array()), am.from_dlpack(cuda_array())
             held, copier = dev.new_queue(), dev.new_queue()
             for value, (target, source) in enumerate(((first, second), (second, first)), 2):
                 gate = dev.timeline()
@@ -877,12 +886,11 @@ async def test_buffers_over_the_same_cuda_memory_share_one_record_of_uses(
             await copier.close()
         finally:
             await dev.close()
-            sim.cuMemFree(address)
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_a_dropped_buffer_over_cuda_memory_keeps_its_owner_until_its_commands_ran(
-    anyio_backend: str, sim: _SweepDriver
+    anyio_backend: str, sim: _SweepDriver, cuda_array: type[Any]
 ) -> None:
     """A buffer of ``am.from_dlpack`` over another library's CUDA memory, dropped while a
     command that writes it is still held on a queue, keeps the producer's array alive
@@ -892,22 +900,10 @@ async def test_a_dropped_buffer_over_cuda_memory_keeps_its_owner_until_its_comma
     fix (the array went with the buffer)."""
     import weakref
 
-    _driver.lost_first = None
-    sim.plan = _Plan(threading.current_thread())
-    address = sim.cuMemAlloc(64)[1]  # another library's memory
-
-    class Producer:
-        __cuda_array_interface__: ClassVar[dict[str, Any]] = {
-            "shape": (16,),
-            "typestr": "<i4",
-            "data": (address, False),
-            "version": 3,
-        }
-
     with anyio.fail_after(20):
         dev = await am.open_device("cuda:0")
         try:
-            producer = Producer()
+            producer = cuda_array()
             gone = weakref.ref(producer)
             held = dev.new_queue()
             gate = dev.timeline()
@@ -925,24 +921,23 @@ async def test_a_dropped_buffer_over_cuda_memory_keeps_its_owner_until_its_comma
             # Imports in a loop, each buffer dropped with its copy in flight: each import
             # lets go of what those before left once it ran -- none piles up.
             for _ in range(50):
-                buf = am.from_dlpack(Producer())
+                buf = am.from_dlpack(cuda_array())
                 held.copy(buf, np.full(16, 7, np.int32))
                 del buf
                 await held.synchronize()
             assert _allocator.lingering_count() <= 1
             # One that only waited for the producer's work holds nothing back.
-            buf = am.from_dlpack(Producer())
+            buf = am.from_dlpack(cuda_array())
             del buf
             assert _allocator.lingering_count() == 0
             await held.close()
         finally:
             await dev.close()
-            sim.cuMemFree(address)
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_a_buffer_over_cuda_memory_whose_free_was_cancelled_keeps_its_owner_once_dropped(
-    anyio_backend: str, sim: _SweepDriver
+    anyio_backend: str, sim: _SweepDriver, cuda_array: type[Any]
 ) -> None:
     """A buffer of ``am.from_dlpack`` over another library's CUDA memory whose ``free()``
     was cancelled while a command writing it is still held, then dropped: the producer's
@@ -951,22 +946,10 @@ async def test_a_buffer_over_cuda_memory_whose_free_was_cancelled_keeps_its_owne
     with the buffer)."""
     import weakref
 
-    _driver.lost_first = None
-    sim.plan = _Plan(threading.current_thread())
-    address = sim.cuMemAlloc(64)[1]  # another library's memory
-
-    class Producer:
-        __cuda_array_interface__: ClassVar[dict[str, Any]] = {
-            "shape": (16,),
-            "typestr": "<i4",
-            "data": (address, False),
-            "version": 3,
-        }
-
     with anyio.fail_after(20):
         dev = await am.open_device("cuda:0")
         try:
-            producer = Producer()
+            producer = cuda_array()
             gone = weakref.ref(producer)
             held = dev.new_queue()
             gate = dev.timeline()
@@ -990,7 +973,6 @@ async def test_a_buffer_over_cuda_memory_whose_free_was_cancelled_keeps_its_owne
             await held.close()
         finally:
             await dev.close()
-            sim.cuMemFree(address)
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
@@ -1068,7 +1050,7 @@ async def test_dropped_buffers_collected_while_lingering_ones_are_looked_at_ling
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_an_import_looks_at_a_queue_once_however_many_dropped_buffers_wait_on_it(
-    anyio_backend: str, sim: _SweepDriver, monkeypatch: pytest.MonkeyPatch
+    anyio_backend: str, sim: _SweepDriver, cuda_array: type[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Many buffers over another library's CUDA memory dropped while their commands are
     held on one queue: an import reads the device's timelines a few times, not once or
@@ -1078,25 +1060,13 @@ async def test_an_import_looks_at_a_queue_once_however_many_dropped_buffers_wait
     reads)."""
     import weakref
 
-    _driver.lost_first = None
-    sim.plan = _Plan(threading.current_thread())
-    address = sim.cuMemAlloc(64)[1]  # another library's memory
-
-    class Producer:
-        __cuda_array_interface__: ClassVar[dict[str, Any]] = {
-            "shape": (16,),
-            "typestr": "<i4",
-            "data": (address, False),
-            "version": 3,
-        }
-
     with anyio.fail_after(20):
         dev = await am.open_device("cuda:0")
         try:
             held = dev.new_queue()
             gate = dev.timeline()
             held.wait(gate, 1)
-            producers = [Producer() for _ in range(200)]
+            producers = [cuda_array() for _ in range(200)]
             gone = [weakref.ref(producer) for producer in producers]
             for producer in producers:
                 buf = am.from_dlpack(producer)
@@ -1115,18 +1085,17 @@ async def test_an_import_looks_at_a_queue_once_however_many_dropped_buffers_wait
                 return value.fget(timeline)  # type: ignore[attr-defined, no-any-return]
 
             monkeypatch.setattr(type(native), "value", property(counted))
-            am.from_dlpack(Producer())
+            am.from_dlpack(cuda_array())
             assert reads <= 10, reads  # (200 buffers wait)
             assert all(ref() is not None for ref in gone)
             gate.signal(1)
             await held.synchronize()
-            am.from_dlpack(Producer())
+            am.from_dlpack(cuda_array())
             gc.collect()
             assert all(ref() is None for ref in gone)
             await held.close()
         finally:
             await dev.close()
-            sim.cuMemFree(address)
 
 
 class _NvrtcResult(enum.IntEnum):
