@@ -836,6 +836,13 @@ async def test_a_command_whose_end_is_refused_after_it_reached_the_driver_fails_
         await dev.close()
 
 
+def _gated(dev: am.Device) -> tuple[am.Queue, am.Timeline]:
+    """A new queue of ``dev`` whose commands wait, on the device, for its gate's 1."""
+    queue, gate = dev.new_queue(), dev.timeline()
+    queue.wait(gate, 1)
+    return queue, gate
+
+
 @pytest.fixture
 def cuda_array(sim: _SweepDriver) -> Iterator[type[Any]]:
     """A class whose instances are another library's array over memory of the simulated
@@ -905,9 +912,7 @@ async def test_a_dropped_buffer_over_cuda_memory_keeps_its_owner_until_its_comma
         try:
             producer = cuda_array()
             gone = weakref.ref(producer)
-            held = dev.new_queue()
-            gate = dev.timeline()
-            held.wait(gate, 1)
+            held, gate = _gated(dev)
             buf = am.from_dlpack(producer)
             held.copy(buf, np.full(16, 7, np.int32))
             del buf, producer
@@ -951,9 +956,7 @@ async def test_a_buffer_over_cuda_memory_whose_free_was_cancelled_keeps_its_owne
         try:
             producer = cuda_array()
             gone = weakref.ref(producer)
-            held = dev.new_queue()
-            gate = dev.timeline()
-            held.wait(gate, 1)
+            held, gate = _gated(dev)
             buf = am.from_dlpack(producer)
             held.copy(buf, np.full(16, 7, np.int32))
             async with anyio.create_task_group() as tg:
@@ -1000,9 +1003,7 @@ async def test_dropped_buffers_collected_while_lingering_ones_are_looked_at_ling
     with anyio.fail_after(20):
         dev = await am.open_device("cuda:0")
         try:
-            held = dev.new_queue()
-            gate = dev.timeline()
-            held.wait(gate, 1)
+            held, gate = _gated(dev)
             for address in addresses[:20]:
                 buf = am.from_dlpack(Producer(address))
                 held.copy(buf, np.full(16, 7, np.int32))
@@ -1063,9 +1064,7 @@ async def test_an_import_looks_at_a_queue_once_however_many_dropped_buffers_wait
     with anyio.fail_after(20):
         dev = await am.open_device("cuda:0")
         try:
-            held = dev.new_queue()
-            gate = dev.timeline()
-            held.wait(gate, 1)
+            held, gate = _gated(dev)
             producers = [cuda_array() for _ in range(200)]
             gone = [weakref.ref(producer) for producer in producers]
             for producer in producers:
