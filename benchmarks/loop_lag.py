@@ -4,7 +4,7 @@ blocks the loop").
     python benchmarks/loop_lag.py [--device cuda:0|cpu] [--loop asyncio|uvloop]
         [--tasks 1 64 1024] [--kernel-us 10 200 1000 10000] [--queues 1 4]
         [--peers cupy_poll cupy_executor torch_thread torch_poll] [--window 1.0]
-        [--json out.json]
+        [--json out.json] [--profile DIR]
 
 A ticker task sleeps 1 ms at a time on the same loop; its lag is each interval it
 actually got minus 1 ms. Meanwhile N tasks each launch a kernel that busy-waits D us and
@@ -49,10 +49,13 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import cProfile
 import ctypes
+import io
 import json
 import os
 import platform
+import pstats
 import sys
 import threading
 import time
@@ -98,6 +101,7 @@ CPU_PEERS = ["executor"]
 MAX_QUEUES = 4
 TICK = 0.001
 PROBE_SHARE = 0.5  # the probe's part of the window, after the ticker's (the window)
+PROFILE_TOP = 25  # functions printed per profiled cell
 
 
 def progress(what: str) -> None:
@@ -384,6 +388,7 @@ async def run_cell(
     warmup: float,
     window: float,
     drain_timeout: float,
+    profile: str | None = None,
 ) -> dict[str, Any]:
     state = {"running": True, "measuring": False, "ticking": False}
     per_task = [0] * tasks
@@ -420,8 +425,13 @@ async def run_cell(
     stats0 = stats() if stats else {}
     completion = getattr(runner, "completion_stats", None)
     completion0 = completion() if completion else {}
+    profiler = cProfile.Profile() if profile else None
     state["measuring"] = state["ticking"] = True
     t_start = time.perf_counter()
+    # The loop thread's own CPU time over the window: what each awaited kernel costs it.
+    cpu_start, process_start = time.thread_time(), time.process_time()
+    if profiler:
+        profiler.enable()  # this thread's: the loop's
     # The ticker first, then the probe: each wake-up the probe causes a hair before a
     # ticker's timer is due makes that tick a millisecond late (see the docstring).
     tick = asyncio.ensure_future(ticker(state, lags))
@@ -435,6 +445,10 @@ async def run_cell(
     state["measuring"] = state["running"] = False
     await asyncio.to_thread(prober.join)
     t_end = time.perf_counter()
+    if profiler:
+        profiler.disable()
+    loop_cpu = time.thread_time() - cpu_start
+    process_cpu = time.process_time() - process_start
     stop.set(1)  # the kernels still queued end at once
     stats1 = stats() if stats else {}
     completion1 = completion() if completion else {}
@@ -463,6 +477,11 @@ async def run_cell(
         row["loop_bridge"] = {k: stats1[k] - stats0[k] for k in stats0}
     if completion0:
         row["completion_threads"] = {k: completion1[k] - completion0[k] for k in completion0}
+    if profiler and profile:
+        profiler.dump_stats(profile)
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(PROFILE_TOP)
+        row["profile_top"] = out.getvalue()
     return row | {
         "lag_ms": summary_ms(lags),
         "probe_ms": summary_ms(probes),
@@ -472,6 +491,11 @@ async def run_cell(
         "submit_ms": summary_ms([x / 1e9 for x in submits]),
         "latency_ms": summary_ms([x / 1e9 for x in latencies]),
         "submits_over_1ms": sum(1 for x in submits if x > 1_000_000),
+        # The loop thread's CPU per kernel completed, and its share of the window (1.0: the
+        # loop never slept); the process's, completion and driver threads included.
+        "loop_cpu_us_per_kernel": loop_cpu * 1e6 / max(done_in_window, 1),
+        "loop_busy": loop_cpu / span,
+        "process_cpu_us_per_kernel": process_cpu * 1e6 / max(done_in_window, 1),
         "launched": counts["launched"],
         "completed": sum(per_task),
         "per_task_min": min(per_task) if per_task else 0,
@@ -504,7 +528,7 @@ def print_cell(cell: dict[str, Any]) -> None:
     print(
         f"{'':15}{'lag p50':>9}{'p99':>9}{'max':>9}{'probe p99':>10}{'max':>8}"
         f"{'kernels/s':>11}{'submit p99':>12}{'max':>9}{'>1ms':>6}{'latency p99':>12}{'max':>9}"
-        "  target"
+        f"{'loop us/k':>10}{'busy':>6}  target"
     )
     for name, r in cell["results"].items():
         if "skipped" in r:
@@ -519,9 +543,16 @@ def print_cell(cell: dict[str, Any]) -> None:
         print(
             f"{name:15}{lag['p50']:9.3f}{lag['p99']:9.3f}{lag['max']:9.2f}"
             f"{pr['p99']:10.3f}{pr['max']:8.2f}{r['throughput_per_s']:11.0f}{sub['p99']:12.3f}{sub['max']:9.2f}"
-            f"{r['submits_over_1ms']:6d}{lat['p99']:12.2f}{lat['max']:9.2f}  {verdict}"
+            f"{r['submits_over_1ms']:6d}{lat['p99']:12.2f}{lat['max']:9.2f}"
+            f"{r['loop_cpu_us_per_kernel']:10.1f}{r['loop_busy']:6.2f}  {verdict}"
         )
-    print("(in ms; latency: a command's launch to its task's resumption)", flush=True)
+        if "profile_top" in r:
+            print(r["profile_top"])
+    print(
+        "(in ms; latency: a command's launch to its task's resumption; loop us/k: the loop "
+        "thread's CPU per kernel completed, busy: its share of the window)",
+        flush=True,
+    )
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -620,9 +651,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                             "results": {},
                         }
                         for r in runners:
+                            profile = None
+                            if args.profile and r.name == "asyncmetal":
+                                os.makedirs(args.profile, exist_ok=True)
+                                profile = os.path.join(args.profile, f"N{n}_D{d}_Q{q}.pstats")
                             try:
                                 row = await run_cell(
-                                    r, n, d, q, stop, args.warmup, args.window, args.drain_timeout
+                                    r,
+                                    n,
+                                    d,
+                                    q,
+                                    stop,
+                                    args.warmup,
+                                    args.window,
+                                    args.drain_timeout,
+                                    profile,
                                 )
                             except Exception as exc:  # one competitor's failure ends its cell
                                 row = {"skipped": f"failed: {exc!r}"}
@@ -679,6 +722,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=0.25, help="seconds before the window")
     parser.add_argument("--drain-timeout", type=float, default=30.0)
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="profile the loop thread in asyncmetal's windows (cProfile): a .pstats file per "
+        "cell in DIR, its top functions printed (slows the loop: not for the targets)",
+    )
     args = parser.parse_args()
     if any(not 1 <= q <= MAX_QUEUES for q in args.queues):
         parser.error(f"--queues must be 1..{MAX_QUEUES}")
