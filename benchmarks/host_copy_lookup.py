@@ -79,6 +79,8 @@ async def case(name: str) -> dict[str, float]:
             "submit_us": await submit_us(q, buf, host, back),
             "copy_operands_us": operands_us(q, buf, host, back),
         }
+        if not np.array_equal(back, host):
+            raise SystemExit(f"{name}: the copies did not move the bytes")
         print(
             f"{name:7} submit {result['submit_us']:.2f} µs/copy, "
             f"copy_operands {result['copy_operands_us']:.2f} µs",

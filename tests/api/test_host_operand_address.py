@@ -6,11 +6,13 @@ through both, which must agree with numpy's own view of the memory."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +26,7 @@ from tests.support.kernels import KERNELS
 pytestmark = pytest.mark.anyio
 
 Address = Callable[[Any], tuple[int, int]]
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "host_copy_lookup.py"
 
 
 @pytest.fixture(params=["extension", "numpy"])
@@ -182,3 +185,17 @@ def test_numpy_finds_addresses_without_the_extension() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "ok\n"
+
+
+def test_the_benchmark_of_host_copies_over_lent_memory_runs(tmp_path: Path) -> None:
+    """benchmarks/host_copy_lookup.py: its three cases run, the copies move the bytes
+    (it checks), and each figure is there (printed, not judged)."""
+    out = tmp_path / "host_copy_lookup.json"
+    cmd = [sys.executable, str(BENCH), "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    figures = json.loads(out.read_text())["host_copy_lookup"]
+    assert sorted(figures) == ["export", "import", "none"]
+    for case in figures.values():
+        assert case["copy_operands_us"] > 0 and case["submit_us"] > 0
