@@ -5,10 +5,12 @@ and overlaps, and what the backend's copy, copyin or copyout then takes; and a f
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import _native
 from ._allocator import Allocator, foreign_holders, holding_foreign, lenders_for
 from ._buffer import Buffer, buffer_state, check_buffer, native_arg, not_a_buffer, overlap
 from ._device_state import DeviceState, two_names
@@ -249,7 +251,7 @@ def _lent_back(state: DeviceState, view: memoryview) -> tuple[Buffer | None, str
     holders = holding_foreign() if foreign_holders else []
     if not candidates and not holders:  # nothing lent out nor wrapped: no look-up
         return _NOT_LENT
-    address = np.frombuffer(view, np.uint8).ctypes.data
+    address, _ = _addresser()(view)
     for allocator in candidates:
         if allocator.exported_uses(address, view.nbytes) is not None:
             return _lent_memory(allocator, view, address), LENT
@@ -262,6 +264,30 @@ def _lent_back(state: DeviceState, view: memoryview) -> tuple[Buffer | None, str
                 allocator = state.device._allocator
             return _lent_memory(allocator, view, address), WRAPS
     return _NOT_LENT
+
+
+def numpy_address(view: memoryview) -> tuple[int, int]:
+    """Where ``view``'s bytes are, and how many: (address, nbytes), through numpy (where
+    the extension's ``buffer_address``, which does the same in one C call, is not
+    loaded). An exporter refuses a view that is not C-contiguous, with its own error."""
+    array = np.frombuffer(view, np.uint8)
+    return array.ctypes.data, array.nbytes
+
+
+def _addresser() -> Callable[[memoryview], tuple[int, int]]:
+    """How a host operand's address is found: the extension's one call where it is
+    loaded, else numpy (a device's open loaded the runtime; an npy device's may not
+    have: then numpy, until one did)."""
+    global _address_of
+    if _address_of is None:
+        if _native.loaded() is None:  # never builds here
+            return numpy_address
+        extension = _native.extension()
+        _address_of = numpy_address if extension is None else extension.buffer_address
+    return _address_of
+
+
+_address_of: Callable[[memoryview], tuple[int, int]] | None = None
 
 
 class _Holding(np.ndarray[Any, Any]):

@@ -1,7 +1,8 @@
 /* asyncmetal's native extension module (asyncmetal._amrt): what its two files share.
  *
  *   py_module.c   the module, and one-call wrappers of runtime functions (a cpu kernel
- *                 call, a cuda launch or copy, a timeline's spin and acquire load)
+ *                 call, a cuda launch or copy, a timeline's spin and acquire load); a
+ *                 host buffer's address
  *   py_launch.c   Queue.launch's common case, checked and submitted in one call
  *   py_dlpack.c   a producer's DLPack capsule checked and taken in one call, and a
  *                 Buffer's capsule made in one
