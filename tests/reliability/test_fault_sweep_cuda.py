@@ -941,6 +941,47 @@ async def test_a_dropped_buffer_over_cuda_memory_keeps_its_owner_until_its_comma
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("direction", ["read", "written"])
+async def test_a_dropped_buffer_over_a_host_array_keeps_it_until_a_cuda_copy_of_it_ran(
+    anyio_backend: str, sim: _SweepDriver, direction: str
+) -> None:
+    """A cpu buffer of ``am.from_dlpack`` over a numpy array, dropped with the array
+    while a cuda queue's copy that reads or writes it is held on the device, keeps the
+    array alive until that copy ran (the copy holds a view of the memory, not the
+    array: numpy would hand the memory out again), and lets go of it at the next
+    import once it did. Checked: fails without the fix (the array went with the
+    buffer, and the copy read or wrote the array made next in its memory)."""
+    import weakref
+
+    _driver.lost_first = None
+    sim.plan = _Plan(threading.current_thread())
+    with anyio.fail_after(20):
+        cpu, dev = await am.open_device("cpu"), await am.open_device("cuda:0")
+        try:
+            array = np.full(N // 4, 5, np.int32)
+            gone = weakref.ref(array)
+            held, gate = _gated(dev)
+            other = await dev.alloc(N)
+            await other.write(np.full(N // 4, 9, np.int32))
+            buf = am.from_dlpack(array)
+            copied = held.copy(other, buf) if direction == "read" else held.copy(buf, other)
+            del buf, array
+            gc.collect()
+            assert gone() is not None  # the held copy still uses its memory
+            gate.signal(1)
+            await copied
+            assert (await other.read(np.int32) == (5 if direction == "read" else 9)).all()
+            am.from_dlpack(np.zeros(4, np.int32))
+            gc.collect()
+            assert gone() is None  # let go of once the copy ran
+            await other.free()
+            await held.close()
+        finally:
+            await dev.close()
+            await cpu.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_a_buffer_over_cuda_memory_whose_free_was_cancelled_keeps_its_owner_once_dropped(
     anyio_backend: str, sim: _SweepDriver, cuda_array: type[Any]
 ) -> None:
