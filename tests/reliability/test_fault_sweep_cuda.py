@@ -1091,6 +1091,63 @@ async def test_dropped_buffers_collected_while_lingering_ones_are_looked_at_ling
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_an_import_while_another_thread_looks_at_lingering_buffers_is_not_lost(
+    anyio_backend: str, sim: _SweepDriver, cuda_array: type[Any]
+) -> None:
+    """An import made once a dropped buffer's command ran lets go of its owner, even
+    where another thread's look at the lingering buffers (``let_lingering_go``, one at a
+    time) is under way -- held up in an owner's finalizer it lets go of -- and read the
+    queue before the command ran: that look looks again once through. Checked: fails
+    without the fix (the import skipped its look, and the owner was held with no look
+    to come)."""
+    import weakref
+
+    with anyio.fail_after(20):
+        dev = await am.open_device("cuda:0")
+        try:
+            first, first_gate = _gated(dev)
+            second, second_gate = _gated(dev)
+            entered, go_on = threading.Event(), threading.Event()
+
+            def held_up() -> None:
+                entered.set()
+                go_on.wait(10)
+
+            slow = cuda_array()
+            weakref.finalize(slow, held_up)
+            buf = am.from_dlpack(slow)
+            first.copy(buf, np.full(16, 7, np.int32))
+            del buf, slow
+            producer = cuda_array()
+            gone = weakref.ref(producer)
+            buf = am.from_dlpack(producer)  # (a look: the first buffer held back)
+            second.copy(buf, np.full(16, 7, np.int32))
+            del buf, producer
+            gc.collect()
+            first_gate.signal(1)
+            await first.synchronize()
+            # A look on another thread: it reads the second queue (not there yet), then
+            # lets go of the first buffer's owner, whose finalizer holds it up.
+            look = threading.Thread(target=_allocator.let_lingering_go)
+            look.start()
+            try:
+                assert await anyio.to_thread.run_sync(entered.wait, 10)
+                second_gate.signal(1)
+                await second.synchronize()
+                await dev.queue.synchronize()  # (its import's wait for the producer too)
+                am.from_dlpack(cuda_array())  # after the command ran
+            finally:
+                go_on.set()
+                await anyio.to_thread.run_sync(look.join, 10)
+            gc.collect()
+            assert gone() is None  # let go of by the look under way, once through
+            await first.close()
+            await second.close()
+        finally:
+            await dev.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_an_import_looks_at_a_queue_once_however_many_dropped_buffers_wait_on_it(
     anyio_backend: str, sim: _SweepDriver, cuda_array: type[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
