@@ -181,8 +181,17 @@ class Allocation:
                 uses = list(block.last_use.copy().items())
                 if uses != [block.waited]:
                     lingering[id(block)] = (block, uses)
+            imported.pop(id(block), None)  # (after: it stays reachable meanwhile)
 
 
+# The blocks over memory another library owns whose buffers live, by id: reachable from
+# here, not only through their buffers, so that a buffer collected in a reference cycle
+# leaves its block out of the garbage. The collector clears the weak references to what
+# it collects -- and calls their callbacks -- before any finalizer runs: the owner's
+# (a producer that frees its memory from one) and the record's (``ForeignMemory``, found
+# by address through weak references) would go before the buffer's finalizer put the
+# block in ``lingering``. Taken out by that finalizer (``Allocation.__del__``).
+imported: dict[int, Block] = {}
 # Blocks over memory another library owns whose buffers were dropped while commands may
 # still use that memory, by id, each with the uses recorded on it then: the block holds
 # the memory's owner (the library's array, or its DLPack capsule) until those uses

@@ -1020,6 +1020,52 @@ async def test_a_buffer_over_cuda_memory_whose_free_was_cancelled_keeps_its_owne
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_buffer_over_cuda_memory_collected_in_a_cycle_keeps_its_owner_and_record(
+    anyio_backend: str, sim: _SweepDriver, cuda_array: type[Any]
+) -> None:
+    """A buffer of ``am.from_dlpack`` over another library's CUDA memory, in a reference
+    cycle and collected by the garbage collector while a command that writes it is held:
+    its producer's finalizers (``weakref.finalize``, as a producer that frees its memory
+    from one has) do not run until that command ran, and a buffer made over the same
+    memory meanwhile shares its record of uses, so that a copy of it comes after the held
+    write. (The collector clears the weak references to what it collects, and calls their
+    callbacks, before any finalizer -- the buffer's, which keeps the block -- runs.)
+    Checked: fails without the fix (the producer's finalizer ran at the collection, and
+    the new buffer had a record of its own)."""
+    import weakref
+
+    with anyio.fail_after(20):
+        dev = await am.open_device("cuda:0")
+        try:
+            held, gate = _gated(dev)
+            producer = cuda_array()
+            released: list[str] = []
+            weakref.finalize(producer, released.append, "released")
+            buf = am.from_dlpack(producer)
+            held.copy(buf, np.full(16, 7, np.int32))
+            cycle: list[Any] = [buf]
+            cycle.append(cycle)
+            del buf, producer, cycle
+            gc.collect()
+            assert not released  # the held copy still writes its memory
+            again = am.from_dlpack(cuda_array())
+            out = np.zeros(16, np.int32)
+            copied = dev.new_queue().copy(out, again)
+            await anyio.sleep(0.05)
+            assert not copied.done()  # after the held write, on the device
+            gate.signal(1)
+            await copied
+            assert out.tolist() == [7] * 16
+            del again
+            await (await dev.alloc(64)).free()
+            gc.collect()
+            assert released  # let go of once the copy ran
+            await held.close()
+        finally:
+            await dev.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_dropped_buffers_collected_while_lingering_ones_are_looked_at_linger_too(
     anyio_backend: str, sim: _SweepDriver
 ) -> None:
