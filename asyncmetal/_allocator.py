@@ -181,8 +181,17 @@ class Allocation:
                 uses = list(block.last_use.copy().items())
                 if uses != [block.waited]:
                     lingering[id(block)] = (block, uses)
+            imported.pop(id(block), None)  # (after: it stays reachable meanwhile)
 
 
+# The blocks over memory another library owns whose buffers live, by id: reachable from
+# here, not only through their buffers, so that a buffer collected in a reference cycle
+# leaves its block out of the garbage. The collector clears the weak references to what
+# it collects -- and calls their callbacks -- before any finalizer runs: the owner's
+# (a producer that frees its memory from one) and the record's (``ForeignMemory``, found
+# by address through weak references) would go before the buffer's finalizer put the
+# block in ``lingering``. Taken out by that finalizer (``Allocation.__del__``).
+imported: dict[int, Block] = {}
 # Blocks over memory another library owns whose buffers were dropped while commands may
 # still use that memory, by id, each with the uses recorded on it then: the block holds
 # the memory's owner (the library's array, or its DLPack capsule) until those uses
@@ -198,7 +207,8 @@ held_back: dict[int, tuple[Block, list[tuple[Queue, int]]]] = {}
 # ``value``: a look reads each queue's timeline once and takes what passed off the top,
 # so that its cost goes with what it lets go of, not with how many wait.
 _waiting: dict[Queue, list[tuple[int, int]]] = {}
-_looking = threading.Lock()  # (one look at a time; one under way on the thread skips)
+_looking = threading.Lock()  # (one look at a time: see let_lingering_go)
+_look_again = False  # (a call found a look under way: that one looks again)
 
 
 _parents_lingering: list[tuple[Block, list[tuple[Queue, int]]]] = []  # (forget_left_blocks)
@@ -211,56 +221,67 @@ def lingering_count() -> int:
 
 def let_lingering_go() -> None:
     """Let go of the blocks of ``lingering`` and ``held_back`` whose uses passed (their
-    owners' finalizers may run here: one that imports looks at none meanwhile). An
-    interrupt anywhere keeps one longer, never lets one go early: each is put where it
-    waits next before it is taken from where it waited."""
-    got: list[bool] = []
-    try:
-        try_locks((_looking,), got)  # (one call: no interrupt leaves it taken unnoted)
-        if not got[0]:
-            return
-        reached: dict[Queue, float] = {}  # (each queue's timeline read once a look)
+    owners' finalizers may run here: one that imports looks at none meanwhile). One
+    look at a time: a call while one is under way (on another thread, or from an
+    owner's finalizer it runs) leaves it to that one, which looks again once through.
+    An interrupt anywhere keeps one longer, never lets one go early: each is put where
+    it waits next before it is taken from where it waited."""
+    global _look_again
+    _look_again = True  # (before the try: a look letting go now sees it, and looks again)
+    while _look_again:
+        got: list[bool] = []
+        try:
+            try_locks((_looking,), got)  # (one call: no interrupt leaves it taken unnoted)
+            if not got[0]:
+                return
+            _look_again = False  # (what the calls until now asked for: this look)
+            _look_at_lingering()
+        finally:
+            if got and got[0]:
+                _looking.release()
 
-        def done_to(queue: Queue) -> float:
-            at = reached.get(queue)
-            if at is None:
-                timeline = queue.timeline
-                at = reached[queue] = math.inf if timeline._state.stopped else timeline.native.value
-            return at
 
-        def waits_for(uses: list[tuple[Queue, int]]) -> tuple[Queue, int] | None:
-            for queue, value in uses:
-                if done_to(queue) < value:
-                    return queue, value
-            return None
+def _look_at_lingering() -> None:
+    """One look of ``let_lingering_go`` (``_looking`` held)."""
+    reached: dict[Queue, float] = {}  # (each queue's timeline read once a look)
 
-        # A copy made at once, then looked through: a collection may run between any
-        # two steps of a look (at each object made), and the buffers it collects add to
-        # lingering, which a look at the dict itself would then fail on.
-        for key, entry in lingering.copy().items():
-            wait = waits_for(entry[1])
-            if wait is not None:
-                heapq.heappush(_waiting.setdefault(wait[0], []), (wait[1], key))
-                held_back[key] = entry
-            lingering.pop(key, None)
-        for queue, heap in list(_waiting.items()):
-            at = done_to(queue)
-            while heap and heap[0][0] <= at:
-                key = heap[0][1]
-                held = held_back.get(key)  # (None: let go of, its top left by an interrupt)
-                if held is not None:
-                    wait = waits_for(held[1])
-                    if wait is not None:  # (another queue's)
-                        heapq.heappush(_waiting.setdefault(wait[0], []), (wait[1], key))
-                    else:
-                        del held  # (the owner goes with the pop: its finalizer runs there)
-                        held_back.pop(key, None)
-                heapq.heappop(heap)
-            if not heap:
-                del _waiting[queue]
-    finally:
-        if got and got[0]:
-            _looking.release()
+    def done_to(queue: Queue) -> float:
+        at = reached.get(queue)
+        if at is None:
+            timeline = queue.timeline
+            at = reached[queue] = math.inf if timeline._state.stopped else timeline.native.value
+        return at
+
+    def waits_for(uses: list[tuple[Queue, int]]) -> tuple[Queue, int] | None:
+        for queue, value in uses:
+            if done_to(queue) < value:
+                return queue, value
+        return None
+
+    # A copy made at once, then looked through: a collection may run between any
+    # two steps of a look (at each object made), and the buffers it collects add to
+    # lingering, which a look at the dict itself would then fail on.
+    for key, entry in lingering.copy().items():
+        wait = waits_for(entry[1])
+        if wait is not None:
+            heapq.heappush(_waiting.setdefault(wait[0], []), (wait[1], key))
+            held_back[key] = entry
+        lingering.pop(key, None)
+    for queue, heap in list(_waiting.items()):
+        at = done_to(queue)
+        while heap and heap[0][0] <= at:
+            key = heap[0][1]
+            held = held_back.get(key)  # (None: let go of, its top left by an interrupt)
+            if held is not None:
+                wait = waits_for(held[1])
+                if wait is not None:  # (another queue's)
+                    heapq.heappush(_waiting.setdefault(wait[0], []), (wait[1], key))
+                else:
+                    del held  # (the owner goes with the pop: its finalizer runs there)
+                    held_back.pop(key, None)
+            heapq.heappop(heap)
+        if not heap:
+            del _waiting[queue]
 
 
 # The allocators some of whose memory went out to another library: while none has, a

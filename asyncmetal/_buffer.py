@@ -20,6 +20,7 @@ from ._allocator import (
     Queue,
     Record,
     held_back,
+    imported,
     lenders,
     lenders_for,
     let_lingering_go,
@@ -500,7 +501,9 @@ def foreign_buffer(
         queue, value = after
         block.last_use[queue] = max(value, block.last_use.get(queue, 0))
         block.waited = after
-    return Buffer(state, Allocation(block), 0, nbytes)
+    allocation = Allocation(block)
+    imported[id(block)] = block  # (its finalizer takes it out: see imported)
+    return Buffer(state, allocation, 0, nbytes)
 
 
 def _share_foreign_memory(state: DeviceState, address: int, block: Block) -> None:

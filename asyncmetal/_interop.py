@@ -58,7 +58,9 @@ class _Imported:
     Host memory's is also the handle its buffer's commands hold until they ran, and
     holds the record of uses of the memory (``record``): a buffer dropped while its
     commands run leaves that record to them, so that one made over the memory again
-    meanwhile still shares it, and is ordered after them."""
+    meanwhile still shares it, and is ordered after them. It is its buffer's owner too
+    (``Block.owner``): a copy of another kind's queue holds a view of the memory only,
+    not this, so a buffer dropped with such a copy in flight holds it until it ran."""
 
     __slots__ = ("_array", "address", "nbytes", "owner", "producer", "record")
 
@@ -213,7 +215,7 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
             if shares is None:
                 shares = lent_block
     if own is None:
-        buf = foreign_buffer(target, memory, nbytes, None, None, shares)
+        buf = foreign_buffer(target, memory, nbytes, memory, None, shares)
         memory.record = buf._allocation.block.memory
         return buf
     after = own._after_stream(producer) if producer is not None else own.marker()
@@ -337,7 +339,7 @@ def _buffer(device: Device, memory: _Imported, queue: Queue | None) -> Buffer:
     whose later commands order themselves after a marker on ``queue`` behind what the
     producer made that queue wait for."""
     if queue is None:
-        buf = foreign_buffer(device, memory, memory.nbytes, None, None)
+        buf = foreign_buffer(device, memory, memory.nbytes, memory, None)
         memory.record = buf._allocation.block.memory
         return buf
     after = queue.marker()

@@ -941,6 +941,47 @@ async def test_a_dropped_buffer_over_cuda_memory_keeps_its_owner_until_its_comma
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("direction", ["read", "written"])
+async def test_a_dropped_buffer_over_a_host_array_keeps_it_until_a_cuda_copy_of_it_ran(
+    anyio_backend: str, sim: _SweepDriver, direction: str
+) -> None:
+    """A cpu buffer of ``am.from_dlpack`` over a numpy array, dropped with the array
+    while a cuda queue's copy that reads or writes it is held on the device, keeps the
+    array alive until that copy ran (the copy holds a view of the memory, not the
+    array: numpy would hand the memory out again), and lets go of it at the next
+    import once it did. Checked: fails without the fix (the array went with the
+    buffer, and the copy read or wrote the array made next in its memory)."""
+    import weakref
+
+    _driver.lost_first = None
+    sim.plan = _Plan(threading.current_thread())
+    with anyio.fail_after(20):
+        cpu, dev = await am.open_device("cpu"), await am.open_device("cuda:0")
+        try:
+            array = np.full(N // 4, 5, np.int32)
+            gone = weakref.ref(array)
+            held, gate = _gated(dev)
+            other = await dev.alloc(N)
+            await other.write(np.full(N // 4, 9, np.int32))
+            buf = am.from_dlpack(array)
+            copied = held.copy(other, buf) if direction == "read" else held.copy(buf, other)
+            del buf, array
+            gc.collect()
+            assert gone() is not None  # the held copy still uses its memory
+            gate.signal(1)
+            await copied
+            assert (await other.read(np.int32) == (5 if direction == "read" else 9)).all()
+            am.from_dlpack(np.zeros(4, np.int32))
+            gc.collect()
+            assert gone() is None  # let go of once the copy ran
+            await other.free()
+            await held.close()
+        finally:
+            await dev.close()
+            await cpu.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_a_buffer_over_cuda_memory_whose_free_was_cancelled_keeps_its_owner_once_dropped(
     anyio_backend: str, sim: _SweepDriver, cuda_array: type[Any]
 ) -> None:
@@ -973,6 +1014,52 @@ async def test_a_buffer_over_cuda_memory_whose_free_was_cancelled_keeps_its_owne
             await (await dev.alloc(64)).free()
             gc.collect()
             assert gone() is None  # let go of once the copy ran
+            await held.close()
+        finally:
+            await dev.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_buffer_over_cuda_memory_collected_in_a_cycle_keeps_its_owner_and_record(
+    anyio_backend: str, sim: _SweepDriver, cuda_array: type[Any]
+) -> None:
+    """A buffer of ``am.from_dlpack`` over another library's CUDA memory, in a reference
+    cycle and collected by the garbage collector while a command that writes it is held:
+    its producer's finalizers (``weakref.finalize``, as a producer that frees its memory
+    from one has) do not run until that command ran, and a buffer made over the same
+    memory meanwhile shares its record of uses, so that a copy of it comes after the held
+    write. (The collector clears the weak references to what it collects, and calls their
+    callbacks, before any finalizer -- the buffer's, which keeps the block -- runs.)
+    Checked: fails without the fix (the producer's finalizer ran at the collection, and
+    the new buffer had a record of its own)."""
+    import weakref
+
+    with anyio.fail_after(20):
+        dev = await am.open_device("cuda:0")
+        try:
+            held, gate = _gated(dev)
+            producer = cuda_array()
+            released: list[str] = []
+            weakref.finalize(producer, released.append, "released")
+            buf = am.from_dlpack(producer)
+            held.copy(buf, np.full(16, 7, np.int32))
+            cycle: list[Any] = [buf]
+            cycle.append(cycle)
+            del buf, producer, cycle
+            gc.collect()
+            assert not released  # the held copy still writes its memory
+            again = am.from_dlpack(cuda_array())
+            out = np.zeros(16, np.int32)
+            copied = dev.new_queue().copy(out, again)
+            await anyio.sleep(0.05)
+            assert not copied.done()  # after the held write, on the device
+            gate.signal(1)
+            await copied
+            assert out.tolist() == [7] * 16
+            del again
+            await (await dev.alloc(64)).free()
+            gc.collect()
+            assert released  # let go of once the copy ran
             await held.close()
         finally:
             await dev.close()
@@ -1047,6 +1134,63 @@ async def test_dropped_buffers_collected_while_lingering_ones_are_looked_at_ling
             await dev.close()
             for address in addresses:
                 sim.cuMemFree(address)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_an_import_while_another_thread_looks_at_lingering_buffers_is_not_lost(
+    anyio_backend: str, sim: _SweepDriver, cuda_array: type[Any]
+) -> None:
+    """An import made once a dropped buffer's command ran lets go of its owner, even
+    where another thread's look at the lingering buffers (``let_lingering_go``, one at a
+    time) is under way -- held up in an owner's finalizer it lets go of -- and read the
+    queue before the command ran: that look looks again once through. Checked: fails
+    without the fix (the import skipped its look, and the owner was held with no look
+    to come)."""
+    import weakref
+
+    with anyio.fail_after(20):
+        dev = await am.open_device("cuda:0")
+        try:
+            first, first_gate = _gated(dev)
+            second, second_gate = _gated(dev)
+            entered, go_on = threading.Event(), threading.Event()
+
+            def held_up() -> None:
+                entered.set()
+                go_on.wait(10)
+
+            slow = cuda_array()
+            weakref.finalize(slow, held_up)
+            buf = am.from_dlpack(slow)
+            first.copy(buf, np.full(16, 7, np.int32))
+            del buf, slow
+            producer = cuda_array()
+            gone = weakref.ref(producer)
+            buf = am.from_dlpack(producer)  # (a look: the first buffer held back)
+            second.copy(buf, np.full(16, 7, np.int32))
+            del buf, producer
+            gc.collect()
+            first_gate.signal(1)
+            await first.synchronize()
+            # A look on another thread: it reads the second queue (not there yet), then
+            # lets go of the first buffer's owner, whose finalizer holds it up.
+            look = threading.Thread(target=_allocator.let_lingering_go)
+            look.start()
+            try:
+                assert await anyio.to_thread.run_sync(entered.wait, 10)
+                second_gate.signal(1)
+                await second.synchronize()
+                await dev.queue.synchronize()  # (its import's wait for the producer too)
+                am.from_dlpack(cuda_array())  # after the command ran
+            finally:
+                go_on.set()
+                await anyio.to_thread.run_sync(look.join, 10)
+            gc.collect()
+            assert gone() is None  # let go of by the look under way, once through
+            await first.close()
+            await second.close()
+        finally:
+            await dev.close()
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
