@@ -249,7 +249,7 @@ def _look_at_lingering() -> None:
         at = reached.get(queue)
         if at is None:
             timeline = queue.timeline
-            at = reached[queue] = math.inf if timeline._state.stopped else timeline.native.value
+            at = reached[queue] = math.inf if timeline._state.ran_out else timeline.native.value
         return at
 
     def waits_for(uses: list[tuple[Queue, int]]) -> tuple[Queue, int] | None:
@@ -1406,8 +1406,6 @@ class Allocator:
             self._forget_foreign()
             lenders.discard(self)
             self.in_use = 0
-        if lingering or held_back:  # (its queues are done: what they used is let go of)
-            let_lingering_go()
 
     def blocks(self) -> list[Block]:
         """The blocks in use and cached now, and the foreign ones whose buffers live

@@ -32,6 +32,7 @@ from ._allocator import (
     closed_blocks,
     forget_left_blocks,
     free_left_blocks,
+    let_lingering_go,
 )
 from ._backend import Backend, NativeQueue
 from ._bridge import checkpoint
@@ -1438,6 +1439,10 @@ class Device(Singular):
         # Memory other closes left to this device's queues: they have stopped.
         _attempt(errors, free_left_blocks)
         _attempt(errors, self._backend.close)
+        # Nothing of the device runs now (a close that failed leaves nothing to wait for
+        # either): what its queues used of other libraries' memory is let go of.
+        self._state.ran_out = True
+        _attempt(errors, let_lingering_go)
         state_released(self._state)
         with _open_devices_lock:
             _open_devices.discard(self)
@@ -2173,7 +2178,7 @@ def _forget_parent_devices() -> None:
         # Closing in the parent too: its native close is not through (a device is in
         # _open_devices until then), and nothing of it goes on here -- its backend's
         # locks and threads are the parent's as much as an open device's are.
-        device._state.stopped = True  # (nothing of it runs in the child)
+        device._state.stopped = device._state.ran_out = True  # (nothing of it runs in the child)
         device._backend.forked(message)
 
 

@@ -43,6 +43,7 @@ class DeviceState:
         "name",
         "order",
         "queue",
+        "ran_out",
         "retire_queue",
         "stopped",
         "submitting",
@@ -53,10 +54,17 @@ class DeviceState:
         self.backend = backend
         self.closed = False
         # Set once its queues have stopped (closed natively: each ran what it could and
-        # the rest was abandoned): nothing of the device runs any more. Not ``closed``:
+        # the rest was abandoned): nothing of the device is confirmed any more, nor runs
+        # but what its backend's close lets through (``ran_out``). Not ``closed``:
         # a close seals the device (``closed``) before it waits for the commands
         # submitted by then, which still run -- and read or write their buffers.
         self.stopped = False
+        # Set once its backend closed too: what its stopped queues' streams still ran has
+        # run out. Not ``stopped``: an abandoned queue's commands held behind a device wait
+        # run on a GPU once the backend's close raises the words they wait on, until it
+        # synchronizes -- and write memory another library may hand out again once let
+        # go of (``_allocator.lingering``).
+        self.ran_out = False
         # Held by a queue from the check that the device is open to the hand-over of
         # its command (and its record as a device wait or signal), by a close as it
         # sets ``closed`` and as it counts what is left to wait for (Queue._submit,

@@ -125,6 +125,9 @@ class _SweepDriver(_Driver):
         super().__init__()
         self.plan = _Plan(threading.current_thread())
         self.memory: dict[int, Any] = {}  # live allocations by address
+        # Freed allocations kept while abandoned streams run on (see _Stream): a free
+        # waits for every stream of the context on a real GPU.
+        self.kept: list[Any] = []
         self.local = threading.local()
 
     def _result(self, name: str, *values: Any) -> tuple[Any, ...]:
@@ -153,8 +156,16 @@ class _SweepDriver(_Driver):
         return result
 
     def cuMemFree(self, pointer: int) -> tuple[Any, ...]:
-        self.memory.pop(int(pointer))  # handed back, whatever the driver says
+        memory = self.memory.pop(int(pointer))  # handed back, whatever the driver says
+        if isinstance(self.runtime, _SimRuntime) and self.runtime.abandoned:
+            self.kept.append(memory)
         return self._result("cuMemFree")
+
+    def cuCtxSynchronize(self) -> tuple[Any, ...]:
+        if isinstance(self.runtime, _SimRuntime):
+            self.runtime.synchronize()
+            self.kept.clear()
+        return self._result("cuCtxSynchronize")
 
     def cuMemFreeHost(self, pointer: int) -> tuple[Any, ...]:
         return self._result("cuMemFreeHost")
@@ -177,23 +188,31 @@ class _SweepDriver(_Driver):
 
 class _Stream:
     """A simulated stream: a thread that runs its queue's operations in order. After a
-    command's event reported an error, it runs nothing more (the context is lost)."""
+    command's event reported an error, it runs nothing more (the context is lost).
+
+    A stream whose queue was abandoned runs on, as a real one: what waits on a device
+    word goes on once the word got there (a device's close raises its timelines'
+    words), and its commands then read and write memory -- until the context is
+    synchronized (``_SweepDriver.cuCtxSynchronize``), which ends what still waits on
+    anything else. Nothing of it is confirmed any more (the queue's completion thread
+    has stopped)."""
 
     def __init__(self, runtime: _SimRuntime, q: int, timeline: int) -> None:
         self.runtime = runtime
         self.q = q
         self.timeline = timeline
-        self.ops: list[Callable[[], None]] = []
+        self.ops: list[tuple[Callable[[], None], bool]] = []  # (op, whether it confirms)
         self.cv = threading.Condition()
         self.stop = False
         self.abandon = False
+        self.ended = False  # it stops where it is
         self.failed = False
         self.thread = threading.Thread(target=self._run, name="sim-stream", daemon=True)
         self.thread.start()
 
-    def put(self, op: Callable[[], None]) -> None:
+    def put(self, op: Callable[[], None], confirms: bool = False) -> None:
         with self.cv:
-            self.ops.append(op)
+            self.ops.append((op, confirms))
             self.cv.notify()
 
     def _run(self) -> None:
@@ -201,16 +220,26 @@ class _Stream:
             with self.cv:
                 while not self.ops and not self.stop:
                     self.cv.wait()
-                if not self.ops or self.abandon:
+                if not self.ops or self.ended:
                     return
-                op = self.ops.pop(0)
-            if not self.failed:
+                op, confirms = self.ops.pop(0)
+                abandoned = self.abandon
+            if not self.failed and not (confirms and abandoned):
                 op()
 
-    def until(self, done: Callable[[], bool], what: str = "") -> None:
-        """Wait on the device for ``done``: as long as the stream is not abandoned."""
+    def end(self) -> None:
+        with self.cv:
+            self.ended = self.stop = True
+            self.cv.notify()
+
+    def until(
+        self, done: Callable[[], bool], what: str = "", word: Callable[[], bool] | None = None
+    ) -> None:
+        """Wait on the device for ``done`` -- or, abandoned, for ``word``: the device word
+        the real wait is on got to its target (a close raised it) -- as long as the
+        stream is not ended."""
         deadline = time.monotonic() + 30
-        while not done() and not self.abandon:
+        while not done() and not self.ended and not (self.abandon and word and word()):
             if time.monotonic() > deadline:
                 self.runtime.hung.append(f"a stream of queue {self.q:#x} waited for good: {what}")
                 return
@@ -226,6 +255,7 @@ class _SimRuntime(_Runtime):
         super().__init__()
         self.driver = driver
         self.streams: dict[int, _Stream] = {}
+        self.abandoned: list[_Stream] = []  # running on until the context is synchronized
         self.words: dict[int, int] = {}  # a timeline's device word, by timeline
         self.handed: dict[int, int] = {}  # the command of a queue's last operation handed over
         self.hung: list[str] = []
@@ -248,7 +278,9 @@ class _SimRuntime(_Runtime):
         self.streams[q] = _Stream(self, q, timeline)
         return q
 
-    def _submit(self, q: int, call: str, op: Callable[[], None], value: int) -> int:
+    def _submit(
+        self, q: int, call: str, op: Callable[[], None], value: int, confirms: bool = False
+    ) -> int:
         """``op``, part of command ``value``, to the stream, or refused. Refused after
         another part of that command reached the stream, it fails the queue from that
         command on, settling once the stream is past that part (cuq_submit_then)."""
@@ -268,10 +300,10 @@ class _SimRuntime(_Runtime):
                     )
                     self._real.am_timeline_signal(stream.timeline, MAX)
 
-                stream.put(settle)
+                stream.put(settle, confirms=True)
             return err
         self.handed[q] = value
-        stream.put(op)
+        stream.put(op, confirms)
         return 0
 
     def _end(self, q: int, value: int, extra: int | None = None, target: int = 0) -> int:
@@ -294,7 +326,7 @@ class _SimRuntime(_Runtime):
                 self._real.am_timeline_signal(extra, target)
             self._real.am_timeline_signal(stream.timeline, value)
 
-        return self._submit(q, "cuEventRecord", confirm, value)
+        return self._submit(q, "cuEventRecord", confirm, value, confirms=True)
 
     def am_cuq_finish(
         self, q: int, value: int, extra: int | None, target: int, ns: int, flags: int
@@ -347,16 +379,20 @@ class _SimRuntime(_Runtime):
             lambda: stream.until(
                 lambda: self._word(word).value >= target,
                 f"word {word:#x} for {target} (at {self._word(word).value})",
+                word=lambda: self._word(word).value >= target,
             ),
             value,
         )
 
     def am_cuq_wait_timeline(self, q: int, timeline: int, target: int, value: int) -> int:
-        stream = self.streams[q]
+        stream, word = self.streams[q], self.words.get(timeline)
         return self._submit(
             q,
             "cuStreamWaitValue64",
-            lambda: stream.until(lambda: self._real.am_timeline_value(timeline) >= target),
+            lambda: stream.until(
+                lambda: self._real.am_timeline_value(timeline) >= target,
+                word=lambda: word is not None and self._word(word).value >= target,
+            ),
             value,
         )
 
@@ -390,10 +426,25 @@ class _SimRuntime(_Runtime):
             stream.stop = True
             stream.abandon = bool(abandon)
             stream.cv.notify()
-        stream.thread.join(30)
-        if stream.thread.is_alive():
-            self.hung.append(f"closing queue {q:#x} waited for good")
+        if abandon:
+            self.abandoned.append(stream)  # (its stream runs on: see _Stream)
+        else:
+            stream.thread.join(30)
+            if stream.thread.is_alive():
+                self.hung.append(f"closing queue {q:#x} waited for good")
         super().am_cuq_close(q, abandon)
+
+    def synchronize(self) -> None:
+        """The context's streams run out: an abandoned one runs what its raised words
+        let through (a short while: those waits are polled), then is ended where it
+        waits on anything else."""
+        for stream in self.abandoned:
+            stream.thread.join(0.2)
+            stream.end()
+            stream.thread.join(30)
+            if stream.thread.is_alive():
+                self.hung.append(f"an abandoned stream of queue {stream.q:#x} ran for good")
+        self.abandoned.clear()
 
 
 @pytest.fixture
@@ -402,10 +453,8 @@ def sim(monkeypatch: pytest.MonkeyPatch) -> Iterator[_SweepDriver]:
     driver = _SweepDriver()
     runtime = driver.runtime = _SimRuntime(driver)
     yield from fake_driver(monkeypatch, driver)
-    for stream in list(runtime.streams.values()):  # a failed test's
-        with stream.cv:
-            stream.abandon = stream.stop = True
-            stream.cv.notify()
+    for stream in [*runtime.streams.values(), *runtime.abandoned]:  # a failed test's
+        stream.end()
 
 
 class _Outcome:
@@ -938,6 +987,41 @@ async def test_a_dropped_buffer_over_cuda_memory_keeps_its_owner_until_its_comma
             await held.close()
         finally:
             await dev.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_close_lets_a_dropped_buffers_owner_go_only_once_abandoned_commands_ran_out(
+    anyio_backend: str, sim: _SweepDriver, cuda_array: type[Any]
+) -> None:
+    """A buffer of ``am.from_dlpack`` over another library's CUDA memory, dropped while a
+    copy into it is held behind a device wait nobody signals, then the device closed:
+    the close abandons that queue, but raises the word of the wait -- on a GPU the
+    stream goes on, and the copy writes the memory, until the context is synchronized.
+    The producer's array is let go of only after that, and by the close's end (nothing
+    left held): what its memory held as it went is what it holds once the copy ran.
+    Checked: fails without the fix (let go of as the queues stopped, before the copy
+    wrote its memory)."""
+    import weakref
+
+    with anyio.fail_after(20):
+        dev = await am.open_device("cuda:0")
+        producer = cuda_array()
+        address = producer.__cuda_array_interface__["data"][0]
+        seen: list[bytes] = []  # its memory as the producer went
+        weakref.finalize(producer, lambda: seen.append(ctypes.string_at(address, 64)))
+        try:
+            held, _gate = _gated(dev)  # (never signalled)
+            buf = am.from_dlpack(producer)
+            held.copy(buf, np.full(16, 7, np.int32))
+            del buf, producer
+            gc.collect()
+            assert not seen  # the held copy may still write its memory
+        finally:
+            await dev.close()
+        gc.collect()
+        assert _allocator.lingering_count() == 0
+        assert seen == [np.full(16, 7, np.int32).tobytes()]  # after the copy wrote it
+        assert ctypes.string_at(address, 64) == seen[0]
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
