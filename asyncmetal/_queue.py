@@ -121,7 +121,12 @@ class Completion(Record, Singular):
             else queue._failure(self.value)
         )
         if failure is not None:
-            raise failure
+            try:
+                raise failure
+            finally:
+                # (Kept here, the error would hold this frame through its traceback and
+                # the frame the error: a reference cycle, left to the cycle collector.)
+                failure = None
 
     @property
     def start_time(self) -> float | None:
@@ -1175,7 +1180,10 @@ async def wait_finished(queue: Queue, value: int) -> None:
     await wait_value(queue._timeline, value)
     failure = queue._failure(value) if value else None
     if failure is not None:
-        raise failure
+        try:
+            raise failure
+        finally:
+            failure = None  # (not kept by this frame, which its traceback holds)
 
 
 def submitted_record(queue: Queue) -> tuple[int, list[Any]]:

@@ -295,7 +295,11 @@ class HostEvents(Waitable):
 
     def __init__(self) -> None:
         super().__init__()
-        self.native = self._counter = HostCounter(self._advanced)
+        # Its counter reports to it through a weak reference: with the bound method the
+        # two would be a reference cycle, one made with each (a queue's release, a
+        # compile, a free handed to a thread), and left to the cycle collector. No task
+        # waits on it once it is gone (a waiter holds it), so nothing is left to wake.
+        self.native = self._counter = HostCounter(_reporter(weakref.ref(self)))
 
     def increment(self) -> int:
         """Count one more event (any thread) and wake the tasks it satisfies."""
@@ -303,6 +307,17 @@ class HostEvents(Waitable):
 
     async def wait(self, value: int) -> None:
         await wait_value(self, value)
+
+
+def _reporter(events: weakref.ref[HostEvents]) -> Callable[[int], None]:
+    """``events()._advanced``, while ``events`` is alive."""
+
+    def advanced(value: int) -> None:
+        target = events()
+        if target is not None:
+            target._advanced(value)
+
+    return advanced
 
 
 T = TypeVar("T")
@@ -577,7 +592,10 @@ class Timeline(Waitable, Singular):
                     break
         failure = self._failure(value)
         if failure is not None:
-            raise failure
+            try:
+                raise failure
+            finally:
+                failure = None  # (not kept by this frame, which its traceback holds)
         if self.native.value < value:  # woken by the close: the value will never come
             if self._last is not None and value > self._last:
                 raise self._beyond_last(value)
