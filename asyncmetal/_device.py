@@ -235,6 +235,27 @@ async def _count_completable() -> dict[Queue, int]:
     return completable(list(records), records)
 
 
+async def _finish_commands(queue: Queue) -> bool:
+    """Wait until ``queue`` (sealed) ran what was submitted to it (a checkpoint); raise
+    a command's error. Once its commands are discarded -- by this close or another one,
+    also while this waits -- a queue whose device waits a driver may have been handed
+    (``hands_over_waits``: what it has behind them cannot be dropped) is waited for only
+    until it ran what can still complete (``_count_completable``): False if it stopped
+    short of its last command, held on the device behind a wait that nothing submitted
+    or signalled yet satisfies. (Other backends drop such waits with what follows.)"""
+    while True:
+        target = queue.submitted
+        if queue._discarded is not None and native_queue(queue).hands_over_waits:
+            limits = await _count_completable()
+            target = min(target, limits.get(queue, target))
+        if queue.timeline.value >= target:
+            return queue.timeline.value >= queue.submitted
+        # Counted again now and then: a discard may come while this waits, and what the
+        # count relied on may never come (another device's close stops its queues).
+        with anyio.move_on_after(RECOUNT_S):
+            await wait_value(queue.timeline, target)
+
+
 class Device(Singular):
     """An opened device. Use ``async with asyncmetal.open_device(name) as dev``.
 
@@ -1234,7 +1255,12 @@ class Device(Singular):
             return
         flush(queue)
         with contextlib.suppress(AsyncMetalError):  # a command's error: its awaiter's
-            await wait_value(queue.timeline, queue.submitted)  # (whatever ended meanwhile)
+            if not await _finish_commands(queue):
+                # Discarded, and held behind a device wait that nothing will satisfy: what
+                # the driver was given behind it stays there (a GPU stream's commands
+                # cannot be taken back), so the queue is released once they ran (by the
+                # reaper) or by the device's close, which abandons them.
+                return
         with self._state.submitting:
             closed = self.closed  # (meanwhile: the device's close releases it)
             released = None if closed else self._releases.get(queue)
