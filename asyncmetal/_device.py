@@ -193,17 +193,40 @@ OFF_LOOP_SOURCE = 16 << 10
 # many calls or declarations, ``k(a) int a;`` over and over) is about 0.8 ms per KiB.
 OFF_LOOP_PARAMS = 1 << 10
 
-# The devices open in this process, weakly. A WeakSet's iteration is Python code, which
-# another thread's add or discard breaks ("changed size"): both under the lock.
-_open_devices: weakref.WeakSet[Device] = weakref.WeakSet()
+# The devices open in this process, weakly: a tuple never changed, replaced whole by an
+# open or a close (``_note_open``), and so read with no lock. A finalizer that the
+# garbage collector runs at any allocation may look the devices up (one that imports:
+# from_dlpack), also on a thread that is changing them: a lock held while the list is
+# made, or while a change allocates, would be waited for there by its own holder. The
+# lock is held only to compare and store, which allocate nothing (no collection starts
+# there).
+_open_devices: tuple[weakref.ref[Device], ...] = ()
 _open_devices_lock = threading.Lock()
 _opened = [0]  # devices opened so far in this process
 
 
 def _devices() -> list[Device]:
     """The devices in ``_open_devices`` now (some may be closing)."""
-    with _open_devices_lock:
-        return list(_open_devices)
+    return [device for ref in _open_devices if (device := ref()) is not None]
+
+
+def _note_open(device: Device, is_open: bool) -> int:
+    """Add ``device`` to ``_open_devices`` (``is_open``; counted among those opened) or
+    take it out; the devices collected meanwhile go too. Returns how many devices this
+    process has opened. The new tuple is made before the lock is taken, and made again
+    where another thread's change landed meanwhile."""
+    global _open_devices
+    while True:
+        before = _open_devices
+        after = tuple(r for r in before if (d := r()) is not None and d is not device)
+        if is_open:
+            after += (weakref.ref(device),)
+        with _open_devices_lock:
+            if _open_devices is before:
+                _open_devices = after
+                if is_open:
+                    _opened[0] += 1  # (an int: not tracked, no collection starts here)
+                return _opened[0]
 
 
 def devices_opened() -> int:
@@ -338,14 +361,13 @@ class Device(Singular):
         self._queues = [self.queue]  # (no call between: made, it is among them)
         self._state.make_queue = self.new_queue
         self._state.retire_queue = self._retire_queue
-        with _open_devices_lock:
-            _open_devices.add(self)
-            _opened[0] += 1
-            # Which device of the process it is, and where open_device was called: its
-            # warning if left open says so (two of one name would warn alike).
-            self._opened_as = f"number {_opened[0]} opened in this process" + (
-                f", at {opened_at}" if opened_at else ""
-            )
+        self._opened_as = ""  # (read by the exit's warning: set before it is listed)
+        number = _note_open(self, True)
+        # Which device of the process it is, and where open_device was called: its
+        # warning if left open says so (two of one name would warn alike).
+        self._opened_as = f"number {number} opened in this process" + (
+            f", at {opened_at}" if opened_at else ""
+        )
 
     def __repr__(self) -> str:
         return f"<Device {self.name}{' closed' if self.closed else ''}>"
@@ -1465,8 +1487,7 @@ class Device(Singular):
         _attempt(errors, free_left_blocks)
         _attempt(errors, self._backend.close)
         state_released(self._state)
-        with _open_devices_lock:
-            _open_devices.discard(self)
+        _note_open(self, False)
         if errors:
             raise errors[0]
 
@@ -2179,12 +2200,12 @@ def _forget_parent_devices() -> None:
     parent, _pid = _pid, os.getpid()
     for kind in _kinds_opened:
         _inherited_drivers.setdefault(kind, parent)
-    global _open_devices_lock
+    global _open_devices, _open_devices_lock
     _open_devices_lock = threading.Lock()  # (a parent thread may have held it at the fork)
     forget_open_states()
     forget_left_blocks()
-    for device in _devices():
-        _open_devices.discard(device)
+    parents, _open_devices = _devices(), ()
+    for device in parents:
         # A thread of the parent may have held it at the fork: it is never let go here.
         device._state.submitting = threading.RLock()
         device._close_lock = threading.Lock()
