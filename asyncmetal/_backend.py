@@ -282,6 +282,10 @@ class NativeQueue(ABC):
     markers: bool = False
     handle: int | None = None  # the native stream (a CUstream's address), where there is one
     adopted: bool = False  # over another library's stream (adopt_queue)
+    # Its device waits may be handed to a driver with commands behind them, which then run
+    # once the wait ends, whatever a discard says: a discarding close waits only for
+    # what can complete (see Device._close_queue).
+    hands_over_waits: bool = False
     # The host objects its commands use (a copy's arrays), kept until they are done.
     _keep: KeepAlive | None = None
 

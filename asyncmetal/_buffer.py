@@ -5,6 +5,7 @@ known."""
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import os
 import threading
@@ -520,38 +521,56 @@ def _share_foreign_memory(state: DeviceState, address: int, block: Block) -> Non
     own (``queue.after`` orders those, as between any two buffers). Found and noted
     under one lock: two buffers made at once over the same memory, on two threads,
     share one record."""
+    with _foreign_lock:
+        # No collection starts while the lock is held: one runs finalizers on this
+        # thread, and one that imports (from_dlpack) takes the lock, which this thread
+        # would then wait for itself. Not an RLock: such an import would share records
+        # in the middle of this look-up (two records for one memory). Switched off and
+        # on by calls that allocate nothing tracked (no collection starts between the
+        # lock's taking and the switch); an interrupt anywhere leaves it as it was, and
+        # a caller that had switched collections off finds them off.
+        collecting = gc.isenabled()
+        try:
+            gc.disable()
+            _share_locked(state, address, block)
+        finally:
+            if collecting:
+                gc.enable()
+
+
+def _share_locked(state: DeviceState, address: int, block: Block) -> None:
+    """_share_foreign_memory's look-up and note, ``_foreign_lock`` held."""
     nbytes = block.nbytes
     own = state.device._allocator
-    with _foreign_lock:
-        # (this device's own first: a record shared between devices is kept by the first)
-        overlapping = own.foreign_memory(address, nbytes)
-        memory = overlapping[0] if overlapping else None
-        if memory is None or not memory.holds(address, nbytes):
-            memory = None
-            # (closing ones too, until their memory is released: a sealed device's
-            # commands still run on that memory, which a copy is then refused over)
-            for other in unreleased_states():
-                if other is state or other.kind != state.kind:
-                    continue
-                found = other.device._allocator.foreign_memory(address, nbytes)
-                if found and found[0].holds(address, nbytes):
-                    memory = found[0]
-                    break
-                overlapping += found
-        if memory is None and overlapping:
-            records = {id(m.last_use): m for m in overlapping}
-            if len(records) == 1:  # (ordered with more than it uses, never with less)
-                (known,) = records.values()
-                memory = ForeignMemory(address, nbytes, known.last_use, known.keeper)
-        if memory is not None:
-            block.last_use, block.keeper = memory.last_use, memory.keeper
-        else:
-            for other_memory in overlapping:
-                for queue, value in list(other_memory.last_use.items()):
-                    block.last_use[queue] = max(value, block.last_use.get(queue, 0))
-            memory = ForeignMemory(address, nbytes, block.last_use, state)
-        block.memory = memory  # (what keeps it: the devices' registries hold it weakly)
-        own.note_foreign(block)
+    # (this device's own first: a record shared between devices is kept by the first)
+    overlapping = own.foreign_memory(address, nbytes)
+    memory = overlapping[0] if overlapping else None
+    if memory is None or not memory.holds(address, nbytes):
+        memory = None
+        # (closing ones too, until their memory is released: a sealed device's
+        # commands still run on that memory, which a copy is then refused over)
+        for other in unreleased_states():
+            if other is state or other.kind != state.kind:
+                continue
+            found = other.device._allocator.foreign_memory(address, nbytes)
+            if found and found[0].holds(address, nbytes):
+                memory = found[0]
+                break
+            overlapping += found
+    if memory is None and overlapping:
+        records = {id(m.last_use): m for m in overlapping}
+        if len(records) == 1:  # (ordered with more than it uses, never with less)
+            (known,) = records.values()
+            memory = ForeignMemory(address, nbytes, known.last_use, known.keeper)
+    if memory is not None:
+        block.last_use, block.keeper = memory.last_use, memory.keeper
+    else:
+        for other_memory in overlapping:
+            for queue, value in list(other_memory.last_use.items()):
+                block.last_use[queue] = max(value, block.last_use.get(queue, 0))
+        memory = ForeignMemory(address, nbytes, block.last_use, state)
+    block.memory = memory  # (what keeps it: the devices' registries hold it weakly)
+    own.note_foreign(block)
 
 
 def _new_foreign_lock() -> None:

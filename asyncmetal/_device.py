@@ -194,17 +194,40 @@ OFF_LOOP_SOURCE = 16 << 10
 # many calls or declarations, ``k(a) int a;`` over and over) is about 0.8 ms per KiB.
 OFF_LOOP_PARAMS = 1 << 10
 
-# The devices open in this process, weakly. A WeakSet's iteration is Python code, which
-# another thread's add or discard breaks ("changed size"): both under the lock.
-_open_devices: weakref.WeakSet[Device] = weakref.WeakSet()
+# The devices open in this process, weakly: a tuple never changed, replaced whole by an
+# open or a close (``_note_open``), and so read with no lock. A finalizer that the
+# garbage collector runs at any allocation may look the devices up (one that imports:
+# from_dlpack), also on a thread that is changing them: a lock held while the list is
+# made, or while a change allocates, would be waited for there by its own holder. The
+# lock is held only to compare and store, which allocate nothing (no collection starts
+# there).
+_open_devices: tuple[weakref.ref[Device], ...] = ()
 _open_devices_lock = threading.Lock()
 _opened = [0]  # devices opened so far in this process
 
 
 def _devices() -> list[Device]:
     """The devices in ``_open_devices`` now (some may be closing)."""
-    with _open_devices_lock:
-        return list(_open_devices)
+    return [device for ref in _open_devices if (device := ref()) is not None]
+
+
+def _note_open(device: Device, is_open: bool) -> int:
+    """Add ``device`` to ``_open_devices`` (``is_open``; counted among those opened) or
+    take it out; the devices collected meanwhile go too. Returns how many devices this
+    process has opened. The new tuple is made before the lock is taken, and made again
+    where another thread's change landed meanwhile."""
+    global _open_devices
+    while True:
+        before = _open_devices
+        after = tuple(r for r in before if (d := r()) is not None and d is not device)
+        if is_open:
+            after += (weakref.ref(device),)
+        with _open_devices_lock:
+            if _open_devices is before:
+                _open_devices = after
+                if is_open:
+                    _opened[0] += 1  # (an int: not tracked, no collection starts here)
+                return _opened[0]
 
 
 def devices_opened() -> int:
@@ -234,6 +257,27 @@ async def _count_completable() -> dict[Queue, int]:
 
     records = await holding(states, take)
     return completable(list(records), records)
+
+
+async def _finish_commands(queue: Queue) -> bool:
+    """Wait until ``queue`` (sealed) ran what was submitted to it (a checkpoint); raise
+    a command's error. Once its commands are discarded -- by this close or another one,
+    also while this waits -- a queue whose device waits a driver may have been handed
+    (``hands_over_waits``: what it has behind them cannot be dropped) is waited for only
+    until it ran what can still complete (``_count_completable``): False if it stopped
+    short of its last command, held on the device behind a wait that nothing submitted
+    or signalled yet satisfies. (Other backends drop such waits with what follows.)"""
+    while True:
+        target = queue.submitted
+        if queue._discarded is not None and native_queue(queue).hands_over_waits:
+            limits = await _count_completable()
+            target = min(target, limits.get(queue, target))
+        if queue.timeline.value >= target:
+            return queue.timeline.value >= queue.submitted
+        # Counted again now and then: a discard may come while this waits, and what the
+        # count relied on may never come (another device's close stops its queues).
+        with anyio.move_on_after(RECOUNT_S):
+            await wait_value(queue.timeline, target)
 
 
 class Device(Singular):
@@ -318,14 +362,13 @@ class Device(Singular):
         self._queues = [self.queue]  # (no call between: made, it is among them)
         self._state.make_queue = self.new_queue
         self._state.retire_queue = self._retire_queue
-        with _open_devices_lock:
-            _open_devices.add(self)
-            _opened[0] += 1
-            # Which device of the process it is, and where open_device was called: its
-            # warning if left open says so (two of one name would warn alike).
-            self._opened_as = f"number {_opened[0]} opened in this process" + (
-                f", at {opened_at}" if opened_at else ""
-            )
+        self._opened_as = ""  # (read by the exit's warning: set before it is listed)
+        number = _note_open(self, True)
+        # Which device of the process it is, and where open_device was called: its
+        # warning if left open says so (two of one name would warn alike).
+        self._opened_as = f"number {number} opened in this process" + (
+            f", at {opened_at}" if opened_at else ""
+        )
 
     def __repr__(self) -> str:
         return f"<Device {self.name}{' closed' if self.closed else ''}>"
@@ -1235,7 +1278,12 @@ class Device(Singular):
             return
         flush(queue)
         with contextlib.suppress(AsyncMetalError):  # a command's error: its awaiter's
-            await wait_value(queue.timeline, queue.submitted)  # (whatever ended meanwhile)
+            if not await _finish_commands(queue):
+                # Discarded, and held behind a device wait that nothing will satisfy: what
+                # the driver was given behind it stays there (a GPU stream's commands
+                # cannot be taken back), so the queue is released once they ran (by the
+                # reaper) or by the device's close, which abandons them.
+                return
         with self._state.submitting:
             closed = self.closed  # (meanwhile: the device's close releases it)
             released = None if closed else self._releases.get(queue)
@@ -1444,8 +1492,7 @@ class Device(Singular):
         self._state.ran_out = True
         _attempt(errors, let_lingering_go)
         state_released(self._state)
-        with _open_devices_lock:
-            _open_devices.discard(self)
+        _note_open(self, False)
         if errors:
             raise errors[0]
 
@@ -2158,12 +2205,12 @@ def _forget_parent_devices() -> None:
     parent, _pid = _pid, os.getpid()
     for kind in _kinds_opened:
         _inherited_drivers.setdefault(kind, parent)
-    global _open_devices_lock
+    global _open_devices, _open_devices_lock
     _open_devices_lock = threading.Lock()  # (a parent thread may have held it at the fork)
     forget_open_states()
     forget_left_blocks()
-    for device in _devices():
-        _open_devices.discard(device)
+    parents, _open_devices = _devices(), ()
+    for device in parents:
         # A thread of the parent may have held it at the fork: it is never let go here.
         device._state.submitting = threading.RLock()
         device._close_lock = threading.Lock()

@@ -92,9 +92,16 @@ class DeviceState:
         # that close took them.
         self._unheard: list[BaseException] | None = []
         self._unheard_lock = threading.Lock()
-        with _open_lock:
-            _open[id(self)] = self
-            _unreleased[id(self)] = self
+        # Listed last, with no call after it: an interrupt leaves it listed only once it
+        # was made whole (see _change_states).
+        global _states
+        while True:
+            before = _states
+            after = _changed(before, self, opened=True)
+            with _open_lock:
+                if _states is before:
+                    _states = after
+                    break
 
     @property
     def kind(self) -> str:
@@ -169,8 +176,13 @@ def two_names(one: DeviceState, other: DeviceState) -> tuple[str, str]:
 # Every open device's state, in the order opened: a close takes its own out as it seals
 # the device. And every state until its device's close released its queues and memory
 # (or its opening failed): a sealed device's commands still run meanwhile, on its memory.
-_open: dict[int, DeviceState] = {}
-_unreleased: dict[int, DeviceState] = {}
+# Two dicts never changed once made, replaced together by each change
+# (``_change_states``), and so read with no lock: a finalizer that the garbage
+# collector runs at any allocation may read them (an import: from_dlpack), also on a
+# thread that is changing them, and a lock held while a list of them is made would be
+# waited for there by its own holder. The lock is held only to compare and store,
+# which allocate nothing (no collection starts there).
+_states: tuple[dict[int, DeviceState], dict[int, DeviceState]] = ({}, {})
 _open_lock = threading.Lock()
 _orders = itertools.count()  # (next() of it is one step: no lock)
 
@@ -179,38 +191,65 @@ T = TypeVar("T")
 
 def open_states() -> list[DeviceState]:
     """The states of the devices open now."""
-    with _open_lock:
-        return list(_open.values())
+    return list(_states[0].values())
 
 
 def unreleased_states() -> list[DeviceState]:
     """The states of the devices open now and of those closing, until each close has
     released its device's queues and memory."""
-    with _open_lock:
-        return list(_unreleased.values())
+    return list(_states[1].values())
+
+
+def _changed(
+    states: tuple[dict[int, DeviceState], dict[int, DeviceState]],
+    state: DeviceState,
+    opened: bool = False,
+    released: bool = False,
+) -> tuple[dict[int, DeviceState], dict[int, DeviceState]]:
+    """New dicts of ``states`` with ``state`` added to both (``opened``), or taken out of
+    the open ones (and, ``released``, of the unreleased ones)."""
+    key = id(state)
+    open_now, unreleased = dict(states[0]), dict(states[1])
+    if opened:
+        open_now[key] = unreleased[key] = state
+    else:
+        open_now.pop(key, None)
+        if released:
+            unreleased.pop(key, None)
+    return open_now, unreleased
+
+
+def _change_states(state: DeviceState, released: bool = False) -> None:
+    """Take ``state`` out of the open ones (and, ``released``, of the unreleased ones):
+    new dicts, made before the lock is taken, and made again where another thread's
+    change landed meanwhile."""
+    global _states
+    while True:
+        before = _states
+        after = _changed(before, state, released=released)
+        with _open_lock:
+            if _states is before:
+                _states = after
+                return
 
 
 def forget_open_states() -> None:
     """In a forked child: none of the parent's devices is open here (and the lock may
     have been held by a parent thread at the fork)."""
-    global _open_lock
+    global _open_lock, _states
     _open_lock = threading.Lock()
-    _open.clear()
-    _unreleased.clear()
+    _states = ({}, {})
 
 
 def state_closed(state: DeviceState) -> None:
     """``state``'s device closed (or, in a forked child, was the parent's)."""
-    with _open_lock:
-        _open.pop(id(state), None)
+    _change_states(state)
 
 
 def state_released(state: DeviceState) -> None:
     """``state``'s device released its queues and memory (its close's last step), or
     never opened (its opening failed)."""
-    with _open_lock:
-        _open.pop(id(state), None)
-        _unreleased.pop(id(state), None)
+    _change_states(state, released=True)
 
 
 def _in_order(state: DeviceState) -> int:

@@ -376,7 +376,11 @@ class Queue(Singular):
         fails, so waits for that value end failed rather than wait for good. Buffers
         those commands used go back to the allocator once no running command uses
         them. A queue already closing is switched to discarding (also while its device
-        closes)."""
+        closes). A GPU stream waiting, on the device, for a value nobody signalled yet
+        does not hold it: it returns once what can still complete has, and what the
+        driver was given behind that wait stays with it -- run if the value comes (the
+        queue is then released), else ended by the device's close (ClosedResourceError,
+        discarded)."""
         if self._closer is None:
             raise self._not_closable()
         await self._closer(self, discard)

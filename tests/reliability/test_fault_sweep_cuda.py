@@ -417,8 +417,8 @@ class _SimRuntime(_Runtime):
         return 0
 
     def am_cuq_discard(self, q: int) -> None:
-        with self.streams[q].cv:
-            self.streams[q].ops.clear()
+        """Nothing to drop: every operation here was handed to the stream (the driver),
+        and what the driver has runs -- a stream's work cannot be taken back."""
 
     def am_cuq_close(self, q: int, abandon: int) -> None:
         stream = self.streams.pop(q)
@@ -890,6 +890,46 @@ def _gated(dev: am.Device) -> tuple[am.Queue, am.Timeline]:
     queue, gate = dev.new_queue(), dev.timeline()
     queue.wait(gate, 1)
     return queue, gate
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("then", ["signal", "close", "close(discard=True)"])
+async def test_a_discarding_close_of_a_queue_held_in_a_device_wait_returns(
+    anyio_backend: str, sim: _SweepDriver, then: str
+) -> None:
+    """``close(discard=True)`` of a queue whose stream waits, on the device, for a value
+    nobody signalled yet, a copy and a fill behind the wait (handed to the stream: the
+    driver has them), returns at once, and so does a second close of it; the copy and
+    the fill stay with the stream. Signalled then, they run (with the right bytes) and
+    the device closes; else the device's close -- plain or discarding -- ends the wait,
+    and each raises that it was discarded. Either way no thread of the device is left.
+    Checked: fails without the fix (the close waited for the copy, for good)."""
+    _driver.lost_first = None
+    sim.plan = _Plan(threading.current_thread())
+    threads = device_threads()
+    with anyio.fail_after(20):
+        dev = await am.open_device("cuda:0")
+        buf = await dev.alloc(64)
+        held, gate = _gated(dev)
+        copied = held.copy(buf, np.full(16, 7, np.int32))
+        filled = held.fill(buf, 3, size=8)
+        await held.close(discard=True)
+        await held.close(discard=True)
+        assert held.closed and not copied.done() and not filled.done()
+        if then == "signal":
+            gate.signal(1)
+            await copied
+            await filled
+            assert (await buf.read()).view(np.int32).tolist() == [0x03030303] * 2 + [7] * 14
+            await dev.close()
+        else:
+            await dev.close(discard=then == "close(discard=True)")
+            for done in (copied, filled):
+                with pytest.raises(am.ClosedResourceError, match="was discarded: its queue"):
+                    await done
+        while device_threads() - threads:
+            await anyio.sleep(0.005)
+    assert not sim.runtime.hung
 
 
 @pytest.fixture

@@ -102,6 +102,7 @@ class _StagedKeepAlive(KeepAlive):
 
 class CUDAQueue(NativeQueue):
     markers = True  # an event recorded on the stream: adopted streams have others' work
+    hands_over_waits = True  # a stream's wait on a word only the host raised, and its work
 
     @keeps_context
     def __init__(

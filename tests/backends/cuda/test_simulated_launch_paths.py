@@ -219,3 +219,55 @@ def test_a_device_wait_past_a_closed_queues_last_command_is_refused_not_hung(loo
     assert seen["numbered"] == 0, seen
     assert seen["behind"] == "done", seen
     assert seen["host"].startswith("ClosedResourceError"), seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_discarding_close_of_a_queue_held_in_a_device_wait_returns(path: str, loop: str) -> None:
+    """A queue whose stream waits, on the device, for a value only the host signals (the
+    wait is handed to the driver at once), with 40 launches behind it: its
+    ``close(discard=True)`` returns at once, and so does a second one. The launches the
+    driver was given (its bound: 32 commands, the wait among them) stay with it, and run
+    once the value is signalled; the rest were dropped, each raising that it was
+    discarded. Checked: fails without the fix (the close waited for the launches the
+    driver has, for good)."""
+    seen = _through("gated_discard", loop, path)
+    assert seen["returned"] and seen["again"], seen
+    assert seen["done_at_close"] == 0, seen
+    assert seen["behind"] == {
+        "done": 31,
+        "ClosedResourceError: command N was discarded: its queue was closed with "
+        "discard=True before the command started, and it never ran": 9,
+    }, seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_closes_of_a_device_whose_queues_are_held_in_device_waits_return(loop: str) -> None:
+    """A device with two queues whose streams wait, on the device, for values only the
+    host signals, launches behind them: its ``close()`` and its ``close(discard=True)``
+    return, every launch raising that the device's close abandoned or discarded it; and
+    with one such queue closed with ``discard=True`` and the other left open, the
+    interpreter's exit closes the device and the child exits (bounded: a timeout). The
+    simulated driver's cuStreamDestroy returns at once, as the driver's does. Checked:
+    fails without the fix (the discarding close of the queue waited for good)."""
+    missing = harness.sanitizer_missing("")
+    if missing is not None:
+        pytest.skip(missing)
+    seen = run_child("gated_closes", loop, timeout=120)["closes"]
+    assert seen["close"] == {
+        "returned": True,
+        "behind": [
+            "ClosedResourceError: the device cuda:N was closed while command N of a queue "
+            "(this command's) waited on the device for a timeline value never produced "
+            "(nobody signalled it, or what would have waited in turn): commands of that "
+            "queue from there on never ran"
+        ],
+    }, seen
+    assert seen["discard"] == {
+        "returned": True,
+        "behind": [
+            "ClosedResourceError: command N was discarded: its device, cuda:N, was closed "
+            "with discard=True before the command started, and it never ran"
+        ],
+    }, seen
+    assert seen["exit"] == {"returned": True}, seen

@@ -324,6 +324,44 @@ void stream_free(fake_stream *s, int abandon) {
     free(s);
 }
 
+/* Streams destroyed with work left, as the driver's cuStreamDestroy leaves them: it
+ * returns at once, and the stream's work goes on (a device wait behind a word nobody
+ * raises, for good) until the context is released (streams_release). */
+static pthread_mutex_t destroyed_mu = PTHREAD_MUTEX_INITIALIZER;
+static fake_stream *destroyed[1024];
+static int ndestroyed;
+
+void stream_destroy(fake_stream *s) {
+    if (s->hw) {
+        free(s);
+        return;
+    }
+    pthread_mutex_lock(&s->mu);
+    int idle = s->head == s->tail;
+    pthread_mutex_unlock(&s->mu);
+    if (idle) {
+        stream_free(s, 0);
+        return;
+    }
+    atomic_store(&s->stop, 1);  /* it runs what it has, then stops */
+    pthread_mutex_lock(&destroyed_mu);
+    if (ndestroyed == 1024) die("too many streams destroyed with work left");
+    destroyed[ndestroyed++] = s;
+    pthread_mutex_unlock(&destroyed_mu);
+}
+
+/* The context was released: what the streams destroyed with work left still had never
+ * runs (one process-wide list: the contexts of simulated GPUs are not told apart). */
+void streams_release(void) {
+    pthread_mutex_lock(&destroyed_mu);
+    int n = ndestroyed;
+    fake_stream *left[1024];
+    memcpy(left, destroyed, sizeof(fake_stream *) * (size_t)n);
+    ndestroyed = 0;
+    pthread_mutex_unlock(&destroyed_mu);
+    for (int i = 0; i < n; i++) stream_free(left[i], 1);
+}
+
 /* ---- the driver functions the runtime calls (its signatures) ------------------------ */
 static int f_launch(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                     unsigned bz, unsigned shared, void *stream, void **params, void **extra) {

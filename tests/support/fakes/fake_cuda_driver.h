@@ -80,6 +80,8 @@ typedef struct {
 void die(const char *what);
 void enqueue(fake_stream *s, op o);  /* an operation on a stream, behind the others */
 void stream_free(fake_stream *s, int abandon);
+void stream_destroy(fake_stream *s);  /* as cuStreamDestroy: returns at once */
+void streams_release(void);  /* the context released: destroyed streams' work dropped */
 fake_stream *stream_new(void);
 fake_stream *stream_sharing(fake_stream *hw);  /* runs its operations on hw's queue */
 fake_queue queue_on(fake_stream *s, long bound);  /* a queue on stream s */

@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import functools
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -97,6 +98,7 @@ class _Simulated:
         self.fake = fake = ctypes.CDLL(str(path))
         fake.stream_new.restype = ctypes.c_void_p
         fake.stream_free.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        fake.stream_destroy.argtypes = [ctypes.c_void_p]
         fake.fake_ctx_set_current.argtypes = [ctypes.c_void_p]
         fake.fake_ctx_current.restype = ctypes.c_void_p
         # Into the loaded runtime's table (a second copy's would leave it empty, and the
@@ -193,8 +195,14 @@ def _driver_module(sim: _Simulated, gpus: int = 1) -> Any:
             return self._result("cuStreamCreate", sim.fake.stream_new())
 
         def cuStreamDestroy(self, stream: int) -> tuple[Any, ...]:
-            sim.fake.stream_free(int(stream), 0)
+            # Returns at once, as the driver's: a stream abandoned inside a device wait
+            # that nothing raises keeps its work until the context is released.
+            sim.fake.stream_destroy(int(stream))
             return self._result("cuStreamDestroy")
+
+        def cuDevicePrimaryCtxRelease(self, device: int) -> tuple[Any, ...]:
+            sim.fake.streams_release()
+            return super().cuDevicePrimaryCtxRelease(device)
 
         def cuStreamGetCtx(self, stream: int) -> tuple[Any, ...]:
             return self._result("cuStreamGetCtx", 0x100)  # (cuda:0's primary context)
@@ -596,7 +604,34 @@ def _refuse_context(sim: _Simulated) -> None:
     sim.refuse_ctx.value = 0x100
 
 
+async def _gated_discard(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
+    """A queue whose stream waits, on the device, for a value of a timeline only the host
+    signals (a device wait handed to the driver at once), with more launches behind it
+    than the queue hands over: what ``close(discard=True)`` did (whether it returned
+    within 5 s), what the launches behind the wait raised once it returned (those the
+    driver has run once the value is signalled, the rest were dropped), and whether a
+    second such close returned."""
+    seen: Seen = {}
+    device = queue.device
+    held, gate = device.new_queue(), device.timeline()
+    gate.signal(1)  # (only ever signalled by the host: its waits go to the driver at once)
+    held.wait(gate, 2)
+    behind = [held.launch(kernel, buf) for _ in range(DISCARD_LAUNCHES)]
+    with anyio.move_on_after(5) as scope:
+        await held.close(discard=True)
+    seen["returned"] = not scope.cancelled_caught
+    seen["done_at_close"] = sum(done.done() for done in behind)
+    with anyio.move_on_after(5) as scope:
+        await held.close(discard=True)
+    seen["again"] = not scope.cancelled_caught
+    gate.signal(2)
+    awaited = [re.sub(r"command \d+", "command N", await _awaited(done)) for done in behind]
+    seen["behind"] = {what: awaited.count(what) for what in awaited}
+    return seen
+
+
 SCENARIOS: dict[str, Callable[[_Simulated, Any, Any, Any], Awaitable[Seen]]] = {
+    "gated_discard": _gated_discard,
     "refused_end": _refused_end,
     "unrestored": _unrestored,
     "unfenced": _unfenced,
@@ -649,6 +684,40 @@ async def _main(sim: _Simulated, scenario: str) -> dict[str, Seen]:
         with anyio.fail_after(20):
             await dev.close()
     return out
+
+
+async def _gated_closes(sim: _Simulated) -> Seen:
+    """A device with a queue whose stream waits, on the device, for a value only the
+    host would signal (as in ``_gated_discard``), closed -- plainly, then with
+    ``discard=True`` -- and then one left open, with such a queue closed with
+    ``discard=True`` and another left open, for the interpreter's exit to close: whether
+    each close returned within 10 s, and what the launches behind the waits raised."""
+    import asyncmetal as am
+    from tests.reliability.test_cuda_faults import SRC
+
+    seen: Seen = {}
+    for how in ("close", "discard", "exit"):
+        dev = await am.open_device("cuda:0")
+        params = await dev._params(SRC, "k")
+        compiler = dev._backend.compiler
+        kernel = await dev._program(("key", "k"), params, b"cubin", SRC, compiler, None)
+        buf = await dev.alloc(64)
+        behind = []
+        for _ in range(2):
+            held, gate = dev.new_queue(), dev.timeline()
+            gate.signal(1)
+            held.wait(gate, 2)
+            behind += [held.launch(kernel, buf) for _ in range(DISCARD_LAUNCHES)]
+        with anyio.move_on_after(10) as scope:
+            if how == "exit":
+                await held.close(discard=True)  # (the first queue is left open)
+            else:
+                await dev.close(discard=how == "discard")
+        seen[how] = {"returned": not scope.cancelled_caught}
+        if how != "exit":
+            awaited = [re.sub(r"\d+", "N", await _awaited(done)) for done in behind]
+            seen[how]["behind"] = sorted(set(awaited))
+    return seen
 
 
 STICKY = 700  # CUDA_ERROR_ILLEGAL_ADDRESS: the context faulted (fake_cuda_driver.c)
@@ -805,6 +874,8 @@ def main(scenario: str, loop: str, *args: str) -> None:
         _install(sim, simulated_copies.GPUS if copies else 1)
         if copies:
             seen = simulated_copies.run(sim, scenario, loop, args)
+        elif scenario == "gated_closes":  # (the last device left open: the exit closes it)
+            seen = {"closes": anyio.run(_gated_closes, sim, backend=loop)}
         elif scenario == "discard_sweep":
             run = functools.partial(_discard_sweep, sim, int(args[0]))
             seen: Any = {"sweep": anyio.run(run, backend=loop)}
