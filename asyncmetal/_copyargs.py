@@ -5,7 +5,6 @@ and overlaps, and what the backend's copy, copyin or copyout then takes; and a f
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -274,20 +273,9 @@ def numpy_address(view: memoryview) -> tuple[int, int]:
     return array.ctypes.data, array.nbytes
 
 
-def _addresser() -> Callable[[memoryview], tuple[int, int]]:
-    """How a host operand's address is found: the extension's one call where it is
-    loaded, else numpy (a device's open loaded the runtime; an npy device's may not
-    have: then numpy, until one did)."""
-    global _address_of
-    if _address_of is None:
-        if _native.loaded() is None:  # never builds here
-            return numpy_address
-        extension = _native.extension()
-        _address_of = numpy_address if extension is None else extension.buffer_address
-    return _address_of
-
-
-_address_of: Callable[[memoryview], tuple[int, int]] | None = None
+# How a host operand's address is found: the extension's one call where it is loaded,
+# else numpy (a device's open loaded the runtime; an npy device's may not have).
+_addresser = _native.ExtensionCall("buffer_address", numpy_address)
 
 
 class _Holding(np.ndarray[Any, Any]):

@@ -520,19 +520,9 @@ MakeCapsule = Callable[
 ]
 
 
-def _maker() -> MakeCapsule:
-    """How a capsule is made: the extension's one call where it is loaded, else numpy
-    and ctypes (the runtime is loaded by then: the buffer's device loaded it)."""
-    global _make
-    if _make is None:
-        if _native.loaded() is None:  # never builds here
-            return numpy_capsule
-        extension = _native.extension()
-        _make = numpy_capsule if extension is None else extension.dlpack_export
-    return _make
-
-
-_make: MakeCapsule | None = None
+# How a capsule is made: the extension's one call where it is loaded, else numpy and
+# ctypes (the runtime is loaded by then: the buffer's device loaded it).
+_maker: _native.ExtensionCall[MakeCapsule] = _native.ExtensionCall("dlpack_export", numpy_capsule)
 
 
 def _order_for_consumer(

@@ -318,19 +318,9 @@ def _torch_stream(obj: Any) -> int | None:
 _PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD
 
 
-def _taker() -> Callable[[object], tuple[Any, ...]]:
-    """How a capsule is taken: the extension's one call where it is loaded, else
-    ctypes (the runtime is loaded by then: an open device loaded it)."""
-    global _take
-    if _take is None:
-        if _native.loaded() is None:  # never builds here: no device opened the runtime
-            return take_capsule
-        extension = _native.extension()
-        _take = take_capsule if extension is None else extension.dlpack_take
-    return _take
-
-
-_take: Callable[[object], tuple[Any, ...]] | None = None
+# How a capsule is taken: the extension's one call where it is loaded, else ctypes (the
+# runtime is loaded by then: an open device loaded it).
+_taker = _native.ExtensionCall("dlpack_take", take_capsule)
 
 
 def _buffer(device: Device, memory: _Imported, queue: Queue | None) -> Buffer:

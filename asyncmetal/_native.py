@@ -41,13 +41,14 @@ import threading
 from collections.abc import Callable
 from importlib import resources
 from types import ModuleType
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from . import _native_build as build
 from . import _native_contract
 from ._cache import CacheWarning, default_cache_dir
 from ._errors import AsyncMetalError, env_switch, warn
 
+F = TypeVar("F", bound=Callable[..., Any])
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _extension: ModuleType | None = None
@@ -507,3 +508,27 @@ def failed_from(c_timeline: int) -> ValueReader:
 def loaded() -> ctypes.CDLL | None:
     """The runtime if some device already loaded it (never builds)."""
     return _lib
+
+
+class ExtensionCall(Generic[F]):
+    """Which function does a thing: the extension's ``name`` where the extension is
+    loaded, else ``fallback`` (Python's way, numpy or ctypes). Chosen once the runtime is
+    loaded -- never building it: until a device loads it, the fallback, not kept (a
+    device opened later may load it). Called for the function: ``how()(args)``;
+    ``chosen`` may be set to pin one."""
+
+    __slots__ = ("chosen", "fallback", "name")
+
+    def __init__(self, name: str, fallback: F) -> None:
+        self.name = name
+        self.fallback = fallback
+        self.chosen: F | None = None
+
+    def __call__(self) -> F:
+        chosen = self.chosen
+        if chosen is None:
+            if _lib is None:
+                return self.fallback
+            module = extension()
+            chosen = self.chosen = self.fallback if module is None else getattr(module, self.name)
+        return chosen

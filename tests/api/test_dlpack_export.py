@@ -54,7 +54,7 @@ MAKERS: dict[str, Callable[[], Make]] = {
 def make(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Make:
     """Buffer.__dlpack__ made to make capsules one way or the other."""
     fn = MAKERS[request.param]()
-    monkeypatch.setattr(_dlpack, "_make", fn)
+    monkeypatch.setattr(_dlpack._maker, "chosen", fn)
     return fn
 
 
@@ -88,7 +88,7 @@ def _both(export: Callable[[], object], monkeypatch: pytest.MonkeyPatch) -> list
     """The fields of ``export()``'s capsule made each way (each capsule then dropped)."""
     found = []
     for name, maker in MAKERS.items():
-        monkeypatch.setattr(_dlpack, "_make", maker())
+        monkeypatch.setattr(_dlpack._maker, "chosen", maker())
         capsule = export()
         found.append({"made by": name, **_fields(capsule)})
         del capsule
@@ -253,7 +253,7 @@ async def test_a_read_only_source_exports_flagged_both_ways(
     assert extension["flags"] == fallback["flags"] == _dlpack.FLAG_READ_ONLY
     assert {**extension, "made by": ""} == {**fallback, "made by": ""}
     for name, maker in MAKERS.items():
-        monkeypatch.setattr(_dlpack, "_make", maker())
+        monkeypatch.setattr(_dlpack._maker, "chosen", maker())
         shared = np.from_dlpack(source.typed(np.int32, (2, 3)))
         assert shared.tolist() == [[0, 1, 2], [3, 4, 5]], name
         assert not shared.flags.writeable, name
@@ -415,7 +415,7 @@ async def test_an_export_that_fails_ends_its_loan(
 
     async with am.open_device("cpu") as dev:
         buf = await dev.alloc(256)
-        monkeypatch.setattr(_dlpack, "_make", fail)
+        monkeypatch.setattr(_dlpack._maker, "chosen", fail)
         with pytest.raises(MemoryError):
             buf.__dlpack__()
         await buf.free()
@@ -479,7 +479,7 @@ def test_deleters_at_interpreter_exit(path: str) -> None:
     not tell apart; from 3.14 on it blocks there for good.)"""
     if path == "extension":
         _extension_make()
-    env_line = "" if path == "extension" else "_dlpack._make = _dlpack.numpy_capsule\n"
+    env_line = "" if path == "extension" else "_dlpack._maker.chosen = _dlpack.numpy_capsule\n"
     source = _AT_EXIT.replace("HELD = []", "HELD = []\nN = 3000\n" + env_line)
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(source)],

@@ -55,7 +55,7 @@ def _extension_take() -> Take:
 def take(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Take:
     """from_dlpack made to take capsules one way or the other."""
     fn = _extension_take() if request.param == "extension" else _dlpack.take_capsule
-    monkeypatch.setattr(_interop, "_take", fn)
+    monkeypatch.setattr(_interop._taker, "chosen", fn)
     return fn
 
 

@@ -44,12 +44,12 @@ def address(request: pytest.FixtureRequest) -> Address:
 @pytest.fixture
 def address_path(address: Address) -> Iterator[Address]:
     """``address``, as the one host copies use while the test runs."""
-    kept = _copyargs._address_of
-    _copyargs._address_of = address
+    kept = _copyargs._addresser.chosen
+    _copyargs._addresser.chosen = address
     try:
         yield address
     finally:
-        _copyargs._address_of = kept
+        _copyargs._addresser.chosen = kept
 
 
 def _numpy_says(obj: Any) -> tuple[int, int]:
@@ -163,7 +163,7 @@ def test_numpy_finds_addresses_without_the_extension() -> None:
         "from asyncmetal import _copyargs, _native\n"
         "assert _native.loaded() is None\n"
         "assert _copyargs._addresser() is _copyargs.numpy_address\n"
-        "assert _copyargs._address_of is None  # (not kept: the runtime may load later)\n"
+        "assert _copyargs._addresser.chosen is None  # (not kept: the runtime may load later)\n"
         "async def main():\n"
         "    async with am.open_device('cpu') as dev:\n"
         "        array = np.arange(16, dtype=np.int32)\n"

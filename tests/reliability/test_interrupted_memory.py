@@ -529,7 +529,7 @@ async def test_a_keyboard_interrupt_as_a_loan_ends_loses_no_memory(
     free (every allocation and free takes it) and the loan ended, once: the buffer's
     memory comes back once it is freed."""
     if maker == "numpy":
-        monkeypatch.setattr(_dlpack, "_make", _dlpack.numpy_capsule)
+        monkeypatch.setattr(_dlpack._maker, "chosen", _dlpack.numpy_capsule)
     codes = {Allocator.returned.__code__, _drop.__code__, _dlpack.Loan.__del__.__code__}
     codes.add(weakref.finalize.__call__.__code__)
     at = 0
@@ -566,7 +566,7 @@ async def test_a_keyboard_interrupt_as_a_loan_is_made_loses_no_memory_and_report
     ``__init__``'s entry reported an AttributeError as it went). Checked: fails without
     the fix."""
     if maker == "numpy":
-        monkeypatch.setattr(_dlpack, "_make", _dlpack.numpy_capsule)
+        monkeypatch.setattr(_dlpack._maker, "chosen", _dlpack.numpy_capsule)
     codes = {
         Buffer.map.__code__,
         Buffer._lend.__code__,
