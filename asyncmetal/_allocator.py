@@ -177,11 +177,17 @@ class Allocation:
                     # Memory another library owns: its owner (that library's array) is
                     # held until the commands recorded on it so far ran (see lingering)
                     # -- freed or not: a free's wait, cancelled, leaves them running --
-                    # unless the one recorded is the wait for that library's work. (Read
-                    # from a copy: a collection while the list is made may run code that
-                    # records a use.)
-                    uses = list(block.last_use.copy().items())
-                    if uses != [block.waited]:
+                    # unless the one recorded is the wait for that library's work, or
+                    # the queue's device closed (its commands ran out: and a buffer that
+                    # outlived the last device's close would wait for a look never to
+                    # come). (Read from a copy: a collection while the list is made may
+                    # run code that records a use.)
+                    uses = [
+                        (queue, value)
+                        for queue, value in block.last_use.copy().items()
+                        if not queue.timeline._state.ran_out
+                    ]
+                    if uses and uses != [block.waited]:
                         lingering[id(block)] = (block, uses)
                 looked = True
             finally:

@@ -1025,6 +1025,33 @@ async def test_a_close_lets_a_dropped_buffers_owner_go_only_once_abandoned_comma
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_buffer_over_cuda_memory_dropped_after_its_device_closed_lets_its_owner_go(
+    anyio_backend: str, sim: _SweepDriver, cuda_array: type[Any]
+) -> None:
+    """A buffer of ``am.from_dlpack`` over another library's CUDA memory that a command
+    wrote, kept past its device's close and dropped then: the producer's array goes
+    with it (nothing of the device runs any more), not held until an import or an
+    allocation that may never come -- there is no device left to make one. Checked:
+    fails without the fix (held in ``lingering``)."""
+    import weakref
+
+    with anyio.fail_after(20):
+        dev = await am.open_device("cuda:0")
+        producer = cuda_array()
+        gone = weakref.ref(producer)
+        try:
+            buf = am.from_dlpack(producer)
+            await dev.queue.copy(buf, np.full(16, 7, np.int32))
+            del producer
+        finally:
+            await dev.close()
+        del buf
+        gc.collect()
+        assert gone() is None
+        assert _allocator.lingering_count() == 0
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_a_keyboard_interrupt_as_a_dropped_buffer_lingers_neither_drops_nor_keeps_its_owner(
     anyio_backend: str, sim: _SweepDriver, cuda_array: type[Any]
 ) -> None:
