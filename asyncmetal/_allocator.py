@@ -171,27 +171,41 @@ class Allocation:
         if allocator is not None and not freed:
             allocator.collected(self.block, self.generation)
         elif allocator is None:
-            block = self.block
-            if block.owner is not None and block.last_use:
-                # Memory another library owns: its owner (that library's array) is
-                # held until the commands recorded on it so far ran (see lingering) --
-                # freed or not: a free's wait, cancelled, leaves them running -- unless
-                # the one recorded is the wait for that library's work. (Read from a copy:
-                # a collection while the list is made may run code that records a use.)
-                uses = list(block.last_use.copy().items())
-                if uses != [block.waited]:
-                    lingering[id(block)] = (block, uses)
-            imported.pop(id(block), None)  # (after: it stays reachable meanwhile)
+            block, looked = self.block, False
+            try:
+                if block.owner is not None and block.last_use:
+                    # Memory another library owns: its owner (that library's array) is
+                    # held until the commands recorded on it so far ran (see lingering)
+                    # -- freed or not: a free's wait, cancelled, leaves them running --
+                    # unless the one recorded is the wait for that library's work, or
+                    # the queue's device closed (its commands ran out: and a buffer that
+                    # outlived the last device's close would wait for a look never to
+                    # come). (Read from a copy: a collection while the list is made may
+                    # run code that records a use.)
+                    uses = [
+                        (queue, value)
+                        for queue, value in block.last_use.copy().items()
+                        if not queue.timeline._state.ran_out
+                    ]
+                    if uses and uses != [block.waited]:
+                        lingering[id(block)] = (block, uses)
+                looked = True
+            finally:
+                if not looked:  # (an interrupt above: held until every use recorded ran)
+                    lingering[id(block)] = (block, list(block.last_use.copy().items()))
+                # After: it stays reachable meanwhile. (No call before the one that takes
+                # it out, where an interrupt would leave it, and its owner, held for good.)
+                imported.discard(block)
 
 
-# The blocks over memory another library owns whose buffers live, by id: reachable from
+# The blocks over memory another library owns whose buffers live: reachable from
 # here, not only through their buffers, so that a buffer collected in a reference cycle
 # leaves its block out of the garbage. The collector clears the weak references to what
 # it collects -- and calls their callbacks -- before any finalizer runs: the owner's
 # (a producer that frees its memory from one) and the record's (``ForeignMemory``, found
 # by address through weak references) would go before the buffer's finalizer put the
 # block in ``lingering``. Taken out by that finalizer (``Allocation.__del__``).
-imported: dict[int, Block] = {}
+imported: set[Block] = set()  # (a block hashes by identity)
 # Blocks over memory another library owns whose buffers were dropped while commands may
 # still use that memory, by id, each with the uses recorded on it then: the block holds
 # the memory's owner (the library's array, or its DLPack capsule) until those uses

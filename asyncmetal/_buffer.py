@@ -503,7 +503,7 @@ def foreign_buffer(
         block.last_use[queue] = max(value, block.last_use.get(queue, 0))
         block.waited = after
     allocation = Allocation(block)
-    imported[id(block)] = block  # (its finalizer takes it out: see imported)
+    imported.add(block)  # (its finalizer takes it out: see imported)
     return Buffer(state, allocation, 0, nbytes)
 
 

@@ -1065,6 +1065,78 @@ async def test_a_close_lets_a_dropped_buffers_owner_go_only_once_abandoned_comma
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_buffer_over_cuda_memory_dropped_after_its_device_closed_lets_its_owner_go(
+    anyio_backend: str, sim: _SweepDriver, cuda_array: type[Any]
+) -> None:
+    """A buffer of ``am.from_dlpack`` over another library's CUDA memory that a command
+    wrote, kept past its device's close and dropped then: the producer's array goes
+    with it (nothing of the device runs any more), not held until an import or an
+    allocation that may never come -- there is no device left to make one. Checked:
+    fails without the fix (held in ``lingering``)."""
+    import weakref
+
+    with anyio.fail_after(20):
+        dev = await am.open_device("cuda:0")
+        producer = cuda_array()
+        gone = weakref.ref(producer)
+        try:
+            buf = am.from_dlpack(producer)
+            await dev.queue.copy(buf, np.full(16, 7, np.int32))
+            del producer
+        finally:
+            await dev.close()
+        del buf
+        gc.collect()
+        assert gone() is None
+        assert _allocator.lingering_count() == 0
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_keyboard_interrupt_as_a_dropped_buffer_lingers_neither_drops_nor_keeps_its_owner(
+    anyio_backend: str, sim: _SweepDriver, cuda_array: type[Any]
+) -> None:
+    """A KeyboardInterrupt wherever CPython delivers one in the finalizer of a buffer of
+    ``am.from_dlpack`` over another library's CUDA memory, dropped while a copy into it
+    is held on the device: the producer's array is kept until the copy ran (never let
+    go of early), and let go of once it did (never held for good). Checked: fails
+    without the fix (an interrupt before the block was put in ``lingering`` left it in
+    ``imported``, and its owner held for good; taken out of ``imported`` all the same,
+    it let the owner go with the held copy still to write)."""
+    import weakref
+
+    from asyncmetal._allocator import Allocation
+    from tests.support.interrupts import interrupted
+
+    with anyio.fail_after(20):
+        dev = await am.open_device("cuda:0")
+        try:
+            for at in range(100):
+                held, gate = _gated(dev)
+                producer = cuda_array()
+                gone = weakref.ref(producer)
+                buf = am.from_dlpack(producer)
+                held.copy(buf, np.full(16, 7, np.int32))
+                del producer
+                with interrupted({Allocation.__del__.__code__}, at) as where:
+                    del buf
+                    gc.collect()
+                assert gone() is not None, where  # the held copy still writes its memory
+                gate.signal(1)
+                await held.synchronize()
+                _allocator.let_lingering_go()
+                gc.collect()
+                assert gone() is None, where  # let go of once the copy ran
+                assert not _allocator.imported, where
+                await held.close()
+                if not where:
+                    break  # (every call of the finalizer interrupted in turn)
+            else:
+                raise AssertionError("the finalizer was interrupted at 100 places")
+        finally:
+            await dev.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 @pytest.mark.parametrize("direction", ["read", "written"])
 async def test_a_dropped_buffer_over_a_host_array_keeps_it_until_a_cuda_copy_of_it_ran(
     anyio_backend: str, sim: _SweepDriver, direction: str
