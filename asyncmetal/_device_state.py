@@ -93,15 +93,8 @@ class DeviceState:
         self._unheard: list[BaseException] | None = []
         self._unheard_lock = threading.Lock()
         # Listed last, with no call after it: an interrupt leaves it listed only once it
-        # was made whole (see _change_states).
-        global _states
-        while True:
-            before = _states
-            after = _changed(before, self, opened=True)
-            with _open_lock:
-                if _states is before:
-                    _states = after
-                    break
+        # was made whole.
+        _change_states(self, opened=True)
 
     @property
     def kind(self) -> str:
@@ -219,14 +212,14 @@ def _changed(
     return open_now, unreleased
 
 
-def _change_states(state: DeviceState, released: bool = False) -> None:
-    """Take ``state`` out of the open ones (and, ``released``, of the unreleased ones):
-    new dicts, made before the lock is taken, and made again where another thread's
-    change landed meanwhile."""
+def _change_states(state: DeviceState, opened: bool = False, released: bool = False) -> None:
+    """Add ``state`` to both (``opened``), or take it out of the open ones (and,
+    ``released``, of the unreleased ones): new dicts, made before the lock is taken, and
+    made again where another thread's change landed meanwhile."""
     global _states
     while True:
         before = _states
-        after = _changed(before, state, released=released)
+        after = _changed(before, state, opened, released)
         with _open_lock:
             if _states is before:
                 _states = after

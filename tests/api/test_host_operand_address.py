@@ -7,7 +7,6 @@ through both, which must agree with numpy's own view of the memory."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import asyncmetal as am
 from asyncmetal import _copyargs, _native
 from tests.api.test_interop import _copied_behind_a_held_fill
 from tests.support.kernels import KERNELS
+from tests.support.launch_paths import run_without_extension
 
 pytestmark = pytest.mark.anyio
 
@@ -179,10 +179,7 @@ def test_numpy_finds_addresses_without_the_extension() -> None:
         "        print('ok')\n"
         "anyio.run(main)\n"
     )
-    env = {**os.environ, "ASYNCMETAL_EXTENSION": "0"}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
+    proc = run_without_extension(code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "ok\n"
 

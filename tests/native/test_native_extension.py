@@ -9,8 +9,6 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,7 +17,7 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal import _native
-from tests.support.launch_paths import PATHS, select_launch_path
+from tests.support.launch_paths import PATHS, run_without_extension, select_launch_path
 
 pytestmark = pytest.mark.anyio
 
@@ -126,10 +124,7 @@ def test_ctypes_only_when_asked() -> None:
         "        print('ok', _native.extension_error)\n"
         "anyio.run(main)\n"
     )
-    env = {**os.environ, "ASYNCMETAL_EXTENSION": "0"}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
+    proc = run_without_extension(code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("ok ") and "ASYNCMETAL_EXTENSION=0" in proc.stdout
 

@@ -4,6 +4,10 @@ extension module ("extension"), or through ctypes ("ctypes")."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 import asyncmetal as am
@@ -28,3 +32,12 @@ def select_launch_path(
         assert queue._fast_launch is not None
     else:
         assert getattr(queue._native, attribute) is not None
+
+
+def run_without_extension(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run by a new interpreter with the extension module switched off
+    (``ASYNCMETAL_EXTENSION=0``): its exit status and output, text."""
+    env = {**os.environ, "ASYNCMETAL_EXTENSION": "0"}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
