@@ -61,6 +61,12 @@ async def main(scenario):
                 dev = await am.open_device("cpu")
                 am.open_devices()
                 await dev.close()
+        elif scenario == "buffers":  # (the allocator's sections, where it caches and frees)
+            for _ in range(20):
+                buf = await keep.alloc(64)
+                await buf.write(np.zeros(16, np.float32))
+                await buf.read()
+                await buf.free()
         elif scenario == "imports":
             for _ in range(20):
                 am.from_dlpack(np.zeros(16, np.float32))
@@ -81,14 +87,15 @@ anyio.run(main, sys.argv[1])
 """
 
 
-@pytest.mark.parametrize("scenario", ["devices", "imports", "states"])
+@pytest.mark.parametrize("scenario", ["devices", "imports", "states", "buffers"])
 def test_a_finalizer_that_imports_never_waits_on_its_own_thread(scenario: str) -> None:
     """Devices opened, listed and closed (``devices``), arrays imported (``imports``),
-    the devices' states listed (``states``), while collections run finalizers that
-    import an array and list the open devices. Checked: fails without the fix, each
-    (the thread waited for a lock it held itself -- the open devices' inside
-    ``_devices()``, the foreign memory's inside an import's look-up, the states' inside
-    ``unreleased_states()`` -- and the child timed out)."""
+    the devices' states listed (``states``), buffers allocated, written, read and freed
+    (``buffers``), while collections run finalizers that import an array and list the
+    open devices. Checked: fails without the fix, each (the thread waited for a lock it
+    held itself -- the open devices' inside ``_devices()``, the foreign memory's inside
+    an import's look-up, the states' inside ``unreleased_states()``, the allocator's
+    inside a free's release of the block -- and the child timed out)."""
     try:
         child = subprocess.run(
             [sys.executable, "-c", SCRIPT, scenario],
