@@ -560,6 +560,11 @@ def try_locks(locks: Iterable[Any], got: list[bool]) -> None:
     got.extend(map(_TRY, locks))
 
 
+def _held_here(lock: Any) -> bool:
+    """Whether the calling thread holds ``lock`` (an RLock)."""
+    return bool(lock._is_owned())
+
+
 def _passed(queue: Queue, value: int) -> bool:
     """Whether ``queue`` is done with the command ``value``."""
     return passed(queue.timeline, value)
@@ -597,7 +602,8 @@ class Allocator:
     ``_pending`` until its last uses passed and is made by whoever looks next (an
     allocation, a free, the statistics); an allocation that waits has its own loop
     told when those uses pass. Several loops, on several threads, may share a device:
-    the state is guarded by ``_lock``, which a buffer's finalizer never takes.
+    the state is guarded by ``_lock``, which a buffer's finalizer never takes (an import
+    in any finalizer looks memory up under it: reentrant).
     """
 
     def __init__(self, state: DeviceState) -> None:
@@ -667,7 +673,15 @@ class Allocator:
             weakref.WeakKeyDictionary()
         )
         self._frees = _Releases()
-        self._lock = threading.Lock()
+        # Reentrant: a collection starts at any allocation of a tracked object, also in
+        # a section under it, and runs finalizers on this thread there; one that imports
+        # an array (from_dlpack) looks the memory up under it (foreign_memory,
+        # note_foreign, exported_block), which this thread would otherwise wait for
+        # itself. Those look-ups change nothing another section is in the middle of
+        # (the foreign memory's record is whole between any two of its allocations);
+        # a loan's end, which would, only tries it where this thread does not hold it
+        # (see returned).
+        self._lock = threading.RLock()
         # Native allocations under way (outside the lock), per thread: a close waits
         # for them (on _allocated) before it frees anything, so that none of them calls
         # the backend after the close's frees and the backend's own close.
@@ -683,7 +697,7 @@ class Allocator:
         here: a host operand over it is a plain one, as after a close."""
         self.closed = True
         self._forget_foreign()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._allocated = threading.Condition(self._lock)
         self._allocating = {}
         self._free_lock = threading.Lock()
@@ -1122,7 +1136,12 @@ class Allocator:
             return
         got: list[bool] = []
         try:
-            try_locks([self._lock], got)
+            # Not where this thread holds it: this end then came in the middle of one of
+            # its sections (a collection's finalizer), which the count would change under.
+            if _held_here(self._lock):
+                got.append(False)
+            else:
+                try_locks([self._lock], got)
             if got[0]:
                 self._count_returned()
         finally:

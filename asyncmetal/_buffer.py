@@ -523,12 +523,15 @@ def _share_foreign_memory(state: DeviceState, address: int, block: Block) -> Non
     share one record."""
     with _foreign_lock:
         # No collection starts while the lock is held: one runs finalizers on this
-        # thread, and one that imports (from_dlpack) takes the lock, which this thread
-        # would then wait for itself. Not an RLock: such an import would share records
-        # in the middle of this look-up (two records for one memory). Switched off and
-        # on by calls that allocate nothing tracked (no collection starts between the
-        # lock's taking and the switch); an interrupt anywhere leaves it as it was, and
-        # a caller that had switched collections off finds them off.
+        # thread, and one that imports (from_dlpack) would share records in the middle
+        # of this look-up (two records for one memory). Switched off and on by calls
+        # that allocate nothing tracked (no collection starts between the lock's
+        # taking and the switch); an interrupt anywhere leaves it as it was, and a
+        # caller that had switched collections off finds them off. Another thread may
+        # switch them on meanwhile (collection is the process's): the lock is
+        # reentrant, so that a finalizer's import then runs inside this one -- at worst
+        # a second record, where it imports this very memory -- rather than have this
+        # thread wait for itself.
         collecting = gc.isenabled()
         try:
             gc.disable()
@@ -576,10 +579,10 @@ def _share_locked(state: DeviceState, address: int, block: Block) -> None:
 def _new_foreign_lock() -> None:
     """In a forked child (a parent thread may have held the lock at the fork)."""
     global _foreign_lock
-    _foreign_lock = threading.Lock()
+    _foreign_lock = threading.RLock()
 
 
-_foreign_lock = threading.Lock()
+_foreign_lock = threading.RLock()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_foreign_lock)
 

@@ -22,10 +22,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
-import gc, sys
+import _thread, gc, sys, threading
 import anyio, numpy as np
 import asyncmetal as am
-from asyncmetal import _device_state, _interop
+from asyncmetal import _buffer, _device_state, _interop
 
 ran, finalizing, inside = [0], [False], [False]
 
@@ -61,6 +61,41 @@ async def main(scenario):
                 dev = await am.open_device("cpu")
                 am.open_devices()
                 await dev.close()
+        elif scenario == "buffers":  # (the allocator's sections, where it caches and frees)
+            for _ in range(20):
+                buf = await keep.alloc(64)
+                await buf.write(np.zeros(16, np.float32))
+                await buf.read()
+                await buf.free()
+        elif scenario == "switched":  # another thread switches collection on meanwhile
+            share = _buffer._share_locked
+
+            def switched(*args):
+                # (The other thread allocates nothing once collection is on, until this
+                # look-up ended: a collection of its own would run the finalizers.)
+                on, done = _thread.allocate_lock(), _thread.allocate_lock()
+                on.acquire()
+                done.acquire()
+                told, until = on.release, done.acquire
+
+                def switch():
+                    gc.enable()
+                    told()
+                    until()
+
+                threading.Thread(target=switch).start()
+                on.acquire()
+                try:
+                    share(*args)
+                finally:
+                    done.release()
+
+            _buffer._share_locked = switched
+            try:
+                for _ in range(20):
+                    am.from_dlpack(np.zeros(16, np.float32))
+            finally:
+                _buffer._share_locked = share
         elif scenario == "imports":
             for _ in range(20):
                 am.from_dlpack(np.zeros(16, np.float32))
@@ -81,14 +116,17 @@ anyio.run(main, sys.argv[1])
 """
 
 
-@pytest.mark.parametrize("scenario", ["devices", "imports", "states"])
+@pytest.mark.parametrize("scenario", ["devices", "imports", "states", "buffers", "switched"])
 def test_a_finalizer_that_imports_never_waits_on_its_own_thread(scenario: str) -> None:
     """Devices opened, listed and closed (``devices``), arrays imported (``imports``),
-    the devices' states listed (``states``), while collections run finalizers that
-    import an array and list the open devices. Checked: fails without the fix, each
-    (the thread waited for a lock it held itself -- the open devices' inside
-    ``_devices()``, the foreign memory's inside an import's look-up, the states' inside
-    ``unreleased_states()`` -- and the child timed out)."""
+    the devices' states listed (``states``), buffers allocated, written, read and freed
+    (``buffers``), arrays imported while another thread switches collection on inside
+    each import's look-up (``switched``), while collections run finalizers that import
+    an array and list the open devices. Checked: fails without the fix, each (the
+    thread waited for a lock it held itself -- the open devices' inside ``_devices()``,
+    the foreign memory's inside an import's look-up (with ``switched`` too), the
+    states' inside ``unreleased_states()``, the allocator's inside a free's release of
+    the block -- and the child timed out)."""
     try:
         child = subprocess.run(
             [sys.executable, "-c", SCRIPT, scenario],
