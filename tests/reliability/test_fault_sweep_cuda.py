@@ -48,6 +48,7 @@ import time
 import traceback
 import types
 import warnings
+import weakref
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, ClassVar
 
@@ -892,6 +893,14 @@ def _gated(dev: am.Device) -> tuple[am.Queue, am.Timeline]:
     return queue, gate
 
 
+def _write_held(queue: am.Queue, producer: Any) -> am.Buffer:
+    """A buffer over ``producer``'s memory (``am.from_dlpack``), a copy of 7s into it
+    submitted on ``queue`` (held behind its gate, where it has one)."""
+    buf = am.from_dlpack(producer)
+    queue.copy(buf, np.full(16, 7, np.int32))
+    return buf
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 @pytest.mark.parametrize("then", ["signal", "close", "close(discard=True)"])
 async def test_a_discarding_close_of_a_queue_held_in_a_device_wait_returns(
@@ -994,16 +1003,13 @@ async def test_a_dropped_buffer_over_cuda_memory_keeps_its_owner_until_its_comma
     hand the memory out again while the device still writes it. It is let go of once the
     command ran, at the device's next import or allocation. Checked: fails without the
     fix (the array went with the buffer)."""
-    import weakref
-
     with anyio.fail_after(20):
         dev = await am.open_device("cuda:0")
         try:
             producer = cuda_array()
             gone = weakref.ref(producer)
             held, gate = _gated(dev)
-            buf = am.from_dlpack(producer)
-            held.copy(buf, np.full(16, 7, np.int32))
+            buf = _write_held(held, producer)
             del buf, producer
             gc.collect()
             assert gone() is not None  # the held copy still writes its memory
@@ -1015,8 +1021,7 @@ async def test_a_dropped_buffer_over_cuda_memory_keeps_its_owner_until_its_comma
             # Imports in a loop, each buffer dropped with its copy in flight: each import
             # lets go of what those before left once it ran -- none piles up.
             for _ in range(50):
-                buf = am.from_dlpack(cuda_array())
-                held.copy(buf, np.full(16, 7, np.int32))
+                buf = _write_held(held, cuda_array())
                 del buf
                 await held.synchronize()
             assert _allocator.lingering_count() <= 1
@@ -1041,8 +1046,6 @@ async def test_a_close_lets_a_dropped_buffers_owner_go_only_once_abandoned_comma
     left held): what its memory held as it went is what it holds once the copy ran.
     Checked: fails without the fix (let go of as the queues stopped, before the copy
     wrote its memory)."""
-    import weakref
-
     with anyio.fail_after(20):
         dev = await am.open_device("cuda:0")
         producer = cuda_array()
@@ -1051,8 +1054,7 @@ async def test_a_close_lets_a_dropped_buffers_owner_go_only_once_abandoned_comma
         weakref.finalize(producer, lambda: seen.append(ctypes.string_at(address, 64)))
         try:
             held, _gate = _gated(dev)  # (never signalled)
-            buf = am.from_dlpack(producer)
-            held.copy(buf, np.full(16, 7, np.int32))
+            buf = _write_held(held, producer)
             del buf, producer
             gc.collect()
             assert not seen  # the held copy may still write its memory
@@ -1073,8 +1075,6 @@ async def test_a_buffer_over_cuda_memory_dropped_after_its_device_closed_lets_it
     with it (nothing of the device runs any more), not held until an import or an
     allocation that may never come -- there is no device left to make one. Checked:
     fails without the fix (held in ``lingering``)."""
-    import weakref
-
     with anyio.fail_after(20):
         dev = await am.open_device("cuda:0")
         producer = cuda_array()
@@ -1102,8 +1102,6 @@ async def test_a_keyboard_interrupt_as_a_dropped_buffer_lingers_neither_drops_no
     without the fix (an interrupt before the block was put in ``lingering`` left it in
     ``imported``, and its owner held for good; taken out of ``imported`` all the same,
     it let the owner go with the held copy still to write)."""
-    import weakref
-
     from asyncmetal._allocator import Allocation
     from tests.support.interrupts import interrupted
 
@@ -1114,8 +1112,7 @@ async def test_a_keyboard_interrupt_as_a_dropped_buffer_lingers_neither_drops_no
                 held, gate = _gated(dev)
                 producer = cuda_array()
                 gone = weakref.ref(producer)
-                buf = am.from_dlpack(producer)
-                held.copy(buf, np.full(16, 7, np.int32))
+                buf = _write_held(held, producer)
                 del producer
                 with interrupted({Allocation.__del__.__code__}, at) as where:
                     del buf
@@ -1147,8 +1144,6 @@ async def test_a_dropped_buffer_over_a_host_array_keeps_it_until_a_cuda_copy_of_
     array: numpy would hand the memory out again), and lets go of it at the next
     import once it did. Checked: fails without the fix (the array went with the
     buffer, and the copy read or wrote the array made next in its memory)."""
-    import weakref
-
     _driver.lost_first = None
     sim.plan = _Plan(threading.current_thread())
     with anyio.fail_after(20):
@@ -1186,16 +1181,13 @@ async def test_a_buffer_over_cuda_memory_whose_free_was_cancelled_keeps_its_owne
     array is kept until that command ran, as for a buffer dropped unfreed (the free's
     wait, cancelled, changes nothing). Checked: fails without the fix (the array went
     with the buffer)."""
-    import weakref
-
     with anyio.fail_after(20):
         dev = await am.open_device("cuda:0")
         try:
             producer = cuda_array()
             gone = weakref.ref(producer)
             held, gate = _gated(dev)
-            buf = am.from_dlpack(producer)
-            held.copy(buf, np.full(16, 7, np.int32))
+            buf = _write_held(held, producer)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(buf.free)  # (waits for the held copy)
                 await anyio.wait_all_tasks_blocked()
@@ -1228,8 +1220,6 @@ async def test_a_buffer_over_cuda_memory_collected_in_a_cycle_keeps_its_owner_an
     callbacks, before any finalizer -- the buffer's, which keeps the block -- runs.)
     Checked: fails without the fix (the producer's finalizer ran at the collection, and
     the new buffer had a record of its own)."""
-    import weakref
-
     with anyio.fail_after(20):
         dev = await am.open_device("cuda:0")
         try:
@@ -1237,8 +1227,7 @@ async def test_a_buffer_over_cuda_memory_collected_in_a_cycle_keeps_its_owner_an
             producer = cuda_array()
             released: list[str] = []
             weakref.finalize(producer, released.append, "released")
-            buf = am.from_dlpack(producer)
-            held.copy(buf, np.full(16, 7, np.int32))
+            buf = _write_held(held, producer)
             cycle: list[Any] = [buf]
             cycle.append(cycle)
             del buf, producer, cycle
@@ -1342,8 +1331,6 @@ async def test_an_import_while_another_thread_looks_at_lingering_buffers_is_not_
     queue before the command ran: that look looks again once through. Checked: fails
     without the fix (the import skipped its look, and the owner was held with no look
     to come)."""
-    import weakref
-
     with anyio.fail_after(20):
         dev = await am.open_device("cuda:0")
         try:
@@ -1357,13 +1344,11 @@ async def test_an_import_while_another_thread_looks_at_lingering_buffers_is_not_
 
             slow = cuda_array()
             weakref.finalize(slow, held_up)
-            buf = am.from_dlpack(slow)
-            first.copy(buf, np.full(16, 7, np.int32))
+            buf = _write_held(first, slow)
             del buf, slow
             producer = cuda_array()
             gone = weakref.ref(producer)
-            buf = am.from_dlpack(producer)  # (a look: the first buffer held back)
-            second.copy(buf, np.full(16, 7, np.int32))
+            buf = _write_held(second, producer)  # (a look: the first buffer held back)
             del buf, producer
             gc.collect()
             first_gate.signal(1)
@@ -1399,8 +1384,6 @@ async def test_an_import_looks_at_a_queue_once_however_many_dropped_buffers_wait
     queue is busy, would otherwise each cost more than the one before. Once the commands
     ran, the next import lets go of every one. Checked: fails without the fix (some 280
     reads)."""
-    import weakref
-
     with anyio.fail_after(20):
         dev = await am.open_device("cuda:0")
         try:
@@ -1408,8 +1391,7 @@ async def test_an_import_looks_at_a_queue_once_however_many_dropped_buffers_wait
             producers = [cuda_array() for _ in range(200)]
             gone = [weakref.ref(producer) for producer in producers]
             for producer in producers:
-                buf = am.from_dlpack(producer)
-                held.copy(buf, np.full(16, 7, np.int32))
+                buf = _write_held(held, producer)
                 del buf
             del producer, producers
             gc.collect()
