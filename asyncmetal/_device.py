@@ -267,16 +267,18 @@ async def _finish_commands(queue: Queue) -> bool:
     until it ran what can still complete (``_count_completable``): False if it stopped
     short of its last command, held on the device behind a wait that nothing submitted
     or signalled yet satisfies. (Other backends drop such waits with what follows.)"""
+    hands_over = native_queue(queue).hands_over_waits
     while True:
         target = queue.submitted
-        if queue._discarded is not None and native_queue(queue).hands_over_waits:
+        if queue._discarded is not None and hands_over:
             limits = await _count_completable()
             target = min(target, limits.get(queue, target))
         if queue.timeline.value >= target:
             return queue.timeline.value >= queue.submitted
         # Counted again now and then: a discard may come while this waits, and what the
-        # count relied on may never come (another device's close stops its queues).
-        with anyio.move_on_after(RECOUNT_S):
+        # count relied on may never come (another device's close stops its queues). Only
+        # where waits are handed over: elsewhere a discard ends the wait by itself.
+        with anyio.move_on_after(RECOUNT_S if hands_over else math.inf):
             await wait_value(queue.timeline, target)
 
 
