@@ -209,6 +209,14 @@ class NativeTimeline(ABC):
     def signal(self, value: int) -> None:
         """Host-side signal: raise to ``value`` (never lower) and report the advance."""
 
+    def signal_here(self, value: int, notifier: int) -> None:
+        """``signal(value)`` on the thread running the loop whose native notifier is
+        ``notifier`` (a timeline of the native runtime), which wakes its own waiters on
+        this timeline as the signal returns (``Watch.wake_now``): that loop's pipe need
+        not be written -- a timeline of the runtime leaves it out; other loops' pipes
+        are written as usual."""
+        self.signal(value)
+
     def abandon(self, target: int, first: int) -> None:
         """The commands of its queue that would raise it from where it is to ``target``
         (``first`` on) will never run: their device closed while they waited. Every wait

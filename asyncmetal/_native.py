@@ -76,7 +76,7 @@ def cores_taken() -> bool:
 # The extension's functions that stand for runtime functions on the way from a host
 # signal to the task it releases (fast_call), by the runtime function's name.
 _FAST_CALLS = {
-    "am_timeline_signal": "timeline_signal",
+    "am_timeline_signal_here": "timeline_signal",
     "am_timeline_host_signal": "host_signal",
     "am_watch_arm": "watch_arm",
     "am_notifier_reset": "notifier_reset",
@@ -95,6 +95,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_timeline_free": (None, [c_p]),
     "am_timeline_value": (c_u64, [c_p]),
     "am_timeline_signal": (None, [c_p, c_u64]),
+    "am_timeline_signal_here": (None, [c_p, c_u64, c_p]),
     "am_timeline_poke": (None, [c_p, c_u64]),
     "am_timeline_near": (None, [c_p, c_u64, ctypes.c_int64]),
     "am_timeline_spin": (c_int, [c_p, c_u64, ctypes.c_long]),
@@ -127,7 +128,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
         [ctypes.POINTER(c_p), ctypes.POINTER(c_p), ctypes.POINTER(c_int)],
     ),
     "am_cuda_unrestored_notes": (c_p, []),
-    "am_timeline_host_signal": (None, [c_p, c_u64]),
+    "am_timeline_host_signal": (None, [c_p, c_u64, c_p]),
     "am_cuq_new": (c_p, [c_p, c_p, c_p, ctypes.c_long, ctypes.c_long]),
     "am_cuq_finish": (c_int, [c_p, c_u64, c_p, c_u64, ctypes.c_long, c_int]),
     "am_cuq_launch": (c_int, [c_p, c_p, c_p, c_p, c_int, c_u64]),

@@ -513,50 +513,72 @@ class Timeline(Waitable, Singular):
         # signal raised, or the signal is refused -- never run once the close has
         # abandoned what waited for it.
         native = self.native
-        with _signal_order:
-            # The usual case in few steps (this path's time is its latency): a timeline
-            # no queue signals. (Only a queue's signal fails a timeline, and records
-            # itself in _last_signal: such a timeline is checked in full.)
-            if not (
-                type(value) is int
-                and self._highest < value <= native.max_value
-                and self._last_signal is None
-                and not self._owned
-                and not self._state.closed
-            ):
-                value = self._check_signal(value, "value")
-                if self._owned:
-                    raise InvalidArgumentError(
-                        "this is a queue's own timeline: only its queue signals it; "
-                        "make one with device.timeline()"
-                    )
-                if self._signal_pending():
-                    previous = self._last_signal
-                    assert previous is not None
-                    raise InvalidArgumentError(
-                        f"a queue's signal of this timeline to {previous[2]} has not run "
-                        f"yet: the host may signal it only after that "
-                        f"(await timeline.wait({previous[2]}))"
-                    )
-            try:
-                # (A max: this thread's own signal may have come in between, see
-                # signal_order.)
-                self._highest = max(self._highest, value)
-                native.signal(value)
-            except KeyboardInterrupt:
-                # A Ctrl-C raised here (trio raises it in whatever code its task runs):
-                # between the count and the native signal, or inside that (a Metal
-                # timeline's event raised, its mirror not). Left so, the value would
-                # count as signalled -- a signal of it again refused -- and never come.
-                # The signal is made whole (signals of a value reached do nothing),
-                # then the interrupt goes on.
-                self._highest = max(self._highest, value)
-                native.signal(value)
-                raise
-        if self._watches or native.releases_device_work:
-            _bridge.signalled_here(
-                self._watch_of, AWAKE_AFTER_SIGNAL_NS if native.releases_device_work else 0
-            )
+        # The calling thread's running loop, where it waits on this timeline (its watch)
+        # or the signal releases device work: its tasks the signal reaches are woken in
+        # this call, as Event.set wakes (Watch.wake_now), and so the native signal
+        # leaves out that loop's own pipe (signal_here) -- a system call, then an event
+        # the loop handles, both before the tasks woken run. A watch of the timeline's
+        # that lives only in Python (none in a forked child) has no pipe to leave out.
+        bridge = _bridge.running_bridge() if self._watches or native.releases_device_work else None
+        watch = None if bridge is None else self._watch_of.get(bridge)
+        here = 0
+        if watch is not None and watch.cwatch is not None:
+            here = watch.bridge.notifier or 0
+        try:
+            with _signal_order:
+                # The usual case in few steps (this path's time is its latency): a
+                # timeline no queue signals. (Only a queue's signal fails a timeline, and
+                # records itself in _last_signal: such a timeline is checked in full.)
+                if not (
+                    type(value) is int
+                    and self._highest < value <= native.max_value
+                    and self._last_signal is None
+                    and not self._owned
+                    and not self._state.closed
+                ):
+                    value = self._check_signal(value, "value")
+                    if self._owned:
+                        raise InvalidArgumentError(
+                            "this is a queue's own timeline: only its queue signals it; "
+                            "make one with device.timeline()"
+                        )
+                    if self._signal_pending():
+                        previous = self._last_signal
+                        assert previous is not None
+                        raise InvalidArgumentError(
+                            f"a queue's signal of this timeline to {previous[2]} has not "
+                            f"run yet: the host may signal it only after that "
+                            f"(await timeline.wait({previous[2]}))"
+                        )
+                try:
+                    # (A max: this thread's own signal may have come in between, see
+                    # signal_order.)
+                    self._highest = max(self._highest, value)
+                    if here:
+                        native.signal_here(value, here)
+                    else:
+                        native.signal(value)
+                except KeyboardInterrupt:
+                    # A Ctrl-C raised here (trio raises it in whatever code its task
+                    # runs): between the count and the native signal, or inside that (a
+                    # Metal timeline's event raised, its mirror not). Left so, the value
+                    # would count as signalled -- a signal of it again refused -- and
+                    # never come. The signal is made whole (signals of a value reached do
+                    # nothing), then the interrupt goes on.
+                    self._highest = max(self._highest, value)
+                    native.signal(value)
+                    raise
+            if watch is not None:
+                watch.bridge.wake_now(watch)
+        except BaseException:
+            if here and watch is not None:
+                # Refused, or interrupted (a Ctrl-C) maybe once the value was raised and
+                # before its waiters here were woken: with its pipe left out, the loop
+                # looks at the watch in its next slice instead.
+                watch.bridge.notify_here(watch)
+            raise
+        if bridge is not None and native.releases_device_work:
+            bridge.stay_awake(AWAKE_AFTER_SIGNAL_NS)  # (the device work it released)
 
     def _signal_pending(self) -> bool:
         """Whether the last queue signal of this timeline has not run yet: its queue has

@@ -427,14 +427,17 @@ class CPUTimeline(ForkableTimeline):
         if not self.c_timeline:
             raise NoHostMemoryError("am_timeline_new returned NULL: no memory for a timeline")
         self._value: _native.ValueReader = _native.timeline_reader(self.c_timeline)
-        self._signal = _native.fast_call(lib, "am_timeline_signal")
+        self._signal = _native.fast_call(lib, "am_timeline_signal_here")
 
     @property
     def value(self) -> int:
         return self._value.value
 
     def signal(self, value: int) -> None:
-        self._signal(self.c_timeline, value)
+        self._signal(self.c_timeline, value, 0)
+
+    def signal_here(self, value: int, notifier: int) -> None:
+        self._signal(self.c_timeline, value, notifier)
 
     def forked(self, message: str) -> None:
         """In a forked child, where the queue threads that raise it are the parent's (a

@@ -281,6 +281,7 @@ uint64_t am_timeline_value(am_timeline *t);
 void am_timeline_poke(am_timeline *t, uint64_t v);
 void am_timeline_near(am_timeline *t, uint64_t v, int64_t until_ns);
 void am_timeline_signal(am_timeline *t, uint64_t v);
+void am_timeline_signal_here(am_timeline *t, uint64_t v, am_notifier *here);
 int am_timeline_spin(am_timeline *t, uint64_t v, long max_ns);
 int64_t am_timeline_due(am_timeline *t, uint64_t v);
 /* A timeline's failure: a command that signals it was abandoned (its device closed while
@@ -332,7 +333,7 @@ uint64_t am_queue_failure(am_queue *q, int *error, uint64_t *value, am_timeline 
 typedef struct am_cuq am_cuq;
 const char *am_cuda_name(int i);
 void am_cuda_set(int i, void *fn);
-void am_timeline_host_signal(am_timeline *t, uint64_t v);
+void am_timeline_host_signal(am_timeline *t, uint64_t v, am_notifier *here);
 am_cuq *am_cuq_new(void *ctx, void *stream, am_timeline *timeline, long spin_ns,
                    long max_inflight);
 int am_cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,

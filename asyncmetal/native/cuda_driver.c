@@ -67,9 +67,10 @@ AM_HIDDEN void host_signalled(void) {
     }
 }
 
-/* A host signal of a device timeline (Timeline.signal): the word first, then the kick. */
-void am_timeline_host_signal(am_timeline *t, uint64_t v) {
-    am_timeline_signal(t, v);
+/* A host signal of a device timeline (Timeline.signal): the word first, then the kick.
+ * `here`: as am_timeline_signal_here's (NULL: every loop waiting is written to). */
+void am_timeline_host_signal(am_timeline *t, uint64_t v, am_notifier *here) {
+    am_timeline_signal_here(t, v, here);
     host_signalled();
 }
 

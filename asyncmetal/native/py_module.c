@@ -264,26 +264,28 @@ static PyObject *py_host_running(PyObject *self, PyObject *unused) {
  * for more than another thread's few instructions under a timeline's lock, so they keep
  * the GIL. */
 
-/* fn(timeline, value) with the arguments of a call named `name`. */
+/* fn(timeline, value, notifier) with the arguments of a call named `name` (the
+ * notifier of the calling thread's loop, or 0). */
 static PyObject *timeline_call(PyObject *const *a, Py_ssize_t n, const char *name,
-                               void (*fn)(am_timeline *, uint64_t)) {
-    if (take_args(n, 2, name)) return NULL;
+                               void (*fn)(am_timeline *, uint64_t, am_notifier *)) {
+    if (take_args(n, 3, name)) return NULL;
     am_timeline *t = PyLong_AsVoidPtr(a[0]);
     uint64_t value = PyLong_AsUnsignedLongLong(a[1]);
+    am_notifier *here = PyLong_AsVoidPtr(a[2]);
     if (PyErr_Occurred()) return NULL;
     if (!t) return PyErr_Format(PyExc_ValueError, "%s: null timeline", name);
-    fn(t, value);
+    fn(t, value, here);
     Py_RETURN_NONE;
 }
 
-/* timeline_signal(timeline, value): am_timeline_signal. */
+/* timeline_signal(timeline, value, here): am_timeline_signal_here. */
 static PyObject *py_timeline_signal(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     (void)self;
-    return timeline_call(a, n, "timeline_signal", am_timeline_signal);
+    return timeline_call(a, n, "timeline_signal", am_timeline_signal_here);
 }
 
-/* host_signal(timeline, value): am_timeline_host_signal (the word devices wait on, and
- * the napping completion threads woken). */
+/* host_signal(timeline, value, here): am_timeline_host_signal (the word devices wait on,
+ * and the napping completion threads woken). */
 static PyObject *py_host_signal(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     (void)self;
     return timeline_call(a, n, "host_signal", am_timeline_host_signal);
@@ -370,9 +372,9 @@ static PyMethodDef methods[] = {
     {"host_running", py_host_running, METH_NOARGS,
      "host_running() -> the cpu queues' commands running now, in the process"},
     {"timeline_signal", (PyCFunction)(void (*)(void))py_timeline_signal, METH_FASTCALL,
-     "timeline_signal(timeline, value): raise a native timeline from the host"},
+     "timeline_signal(timeline, value, here): raise a native timeline from the host"},
     {"host_signal", (PyCFunction)(void (*)(void))py_host_signal, METH_FASTCALL,
-     "host_signal(timeline, value): raise a device timeline's word from the host"},
+     "host_signal(timeline, value, here): raise a device timeline's word from the host"},
     {"watch_arm", (PyCFunction)(void (*)(void))py_watch_arm, METH_FASTCALL,
      "watch_arm(watch, next) -> whether the timeline reached next already"},
     {"notifier_reset", py_notifier_reset, METH_O,

@@ -442,9 +442,19 @@ void am_timeline_near(am_timeline *t, uint64_t v, int64_t until_ns) {
 }
 
 static void timeline_raise(am_timeline *t, uint64_t v, uint64_t from, int error,
-                           uint64_t value, am_timeline *cause);
+                           uint64_t value, am_timeline *cause, am_notifier *here);
 
-void am_timeline_signal(am_timeline *t, uint64_t v) { timeline_raise(t, v, 0, 0, 0, NULL); }
+void am_timeline_signal(am_timeline *t, uint64_t v) {
+    timeline_raise(t, v, 0, 0, 0, NULL, NULL);
+}
+
+/* am_timeline_signal(t, v) from the thread running the loop of notifier `here`, which
+ * wakes that loop's waiters on t itself as the signal returns (Watch.wake_now): no byte
+ * to its own pipe -- a system call here, then an event the loop handles, both before
+ * the tasks woken run. Other loops' notifiers are written as usual. */
+void am_timeline_signal_here(am_timeline *t, uint64_t v, am_notifier *here) {
+    timeline_raise(t, v, 0, 0, 0, NULL, here);
+}
 
 /* am_timeline_signal(t, v), t failing from `from` on (unless it failed already from
  * there or before) under the same hold of its mu: a wait that sees the failure
@@ -452,11 +462,11 @@ void am_timeline_signal(am_timeline *t, uint64_t v) { timeline_raise(t, v, 0, 0,
  * value never produced, raises its own timeline so: objc_blocks.c, block_finish). */
 void timeline_signal_failed(am_timeline *t, uint64_t v, uint64_t from, int error,
                             uint64_t value, am_timeline *cause) {
-    timeline_raise(t, v, from, error, value, cause);
+    timeline_raise(t, v, from, error, value, cause, NULL);
 }
 
 static void timeline_raise(am_timeline *t, uint64_t v, uint64_t from, int error,
-                           uint64_t value, am_timeline *cause) {
+                           uint64_t value, am_timeline *cause, am_notifier *here) {
     wakeups wk;
     wakeups_init(&wk);
     atomic_fetch_or(&t->signalled_by, AM_BY_HOST);
@@ -476,7 +486,7 @@ static void timeline_raise(am_timeline *t, uint64_t v, uint64_t from, int error,
         atomic_store(&t->value, v);
         pthread_cond_broadcast(&t->cv);
         for (am_watch *w = t->watches; w; w = w->link)
-            if (v >= atomic_load(&w->next)) notify(&wk, w->notifier);
+            if (v >= atomic_load(&w->next) && w->notifier != here) notify(&wk, w->notifier);
     }
     am_kick *due = kicks_due(t);
     pthread_mutex_unlock(&t->mu);

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -341,6 +342,116 @@ async def test_a_host_signal_on_the_loop_wakes_its_tasks_as_it_returns(
     assert sorted(woken) == [1, 2, 2, 3]
 
 
+async def test_a_host_signal_on_the_loop_leaves_its_own_pipe_out(anyio_backend: object) -> None:
+    """A task's host signal of a timeline other tasks of its loop wait on wakes them in
+    the call, so the native signal writes no byte to that loop's own pipe: no wake-up
+    through it follows (``loop_statistics().wakeups``), also for tasks woken in the
+    loop's next slices (more than a slice reached at once). Checked failing without
+    (a wake-up through the pipe after each signal)."""
+    from asyncmetal import _bridge
+
+    woken: list[int] = []
+    async with am.open_device("cpu") as device:
+        tl = device.timeline()
+
+        async def waiter(v: int) -> None:
+            await tl.wait(v)
+            woken.append(v)
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                for v in [1, *[2] * (2 * _bridge.WAKE_SLICE)]:
+                    tg.start_soon(waiter, v)
+                await anyio.wait_all_tasks_blocked()
+                before = am.loop_statistics().wakeups
+                tl.signal(1)
+                while woken != [1]:
+                    await anyio.lowlevel.checkpoint()
+                tl.signal(2)
+                while len(woken) < 1 + 2 * _bridge.WAKE_SLICE:
+                    await anyio.lowlevel.checkpoint()
+                for _ in range(10):  # (where a byte was written, the loop has read it)
+                    await anyio.lowlevel.checkpoint()
+                assert am.loop_statistics().wakeups == before
+
+
+async def test_a_host_signal_from_another_loops_task_wakes_both_loops(
+    anyio_backend: object,
+) -> None:
+    """Tasks of two loops, each on its own thread, wait on one timeline; a task of the
+    other loop signals it and then holds its thread: this loop's task is woken through
+    this loop's pipe meanwhile (only the signalling loop's own pipe is left out), and
+    the other loop's, woken in the signal's call, runs once its thread goes on."""
+    other_woken = threading.Event()
+    go_on = threading.Event()
+    errors: list[BaseException] = []
+    async with am.open_device("cpu") as device:
+        tl = device.timeline()
+
+        def other_loop() -> None:
+            async def main() -> None:
+                async def waiter() -> None:
+                    await tl.wait(1)
+                    other_woken.set()
+
+                task = asyncio.ensure_future(waiter())
+                while am.loop_statistics().waiting < 1:
+                    await asyncio.sleep(0)
+                tl.signal(1)
+                go_on.wait(5)  # the loop held (blocking on purpose)
+                await task
+
+            try:
+                asyncio.run(main())
+            except BaseException as exc:  # (asserted on below)
+                errors.append(exc)
+
+        with anyio.fail_after(5):
+            thread = threading.Thread(target=other_loop)
+            thread.start()
+            try:
+                await tl.wait(1)
+                assert not other_woken.is_set()  # (its loop is held)
+            finally:
+                go_on.set()
+                await anyio.to_thread.run_sync(thread.join)
+    assert errors == []
+    assert other_woken.is_set()
+
+
+async def test_a_host_signal_interrupted_on_the_loop_still_wakes_its_tasks(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C that lands in a task's host signal after the value was raised and
+    before the signal woke the loop's tasks it reached: with that loop's pipe left out
+    of the signal, the loop looks at them in its next slice instead, and they wake.
+    Checked failing without (they were never woken)."""
+    from asyncmetal import _bridge
+
+    woken: list[int] = []
+    async with am.open_device("cpu") as device:
+        tl = device.timeline()
+
+        async def waiter() -> None:
+            await tl.wait(1)
+            woken.append(1)
+
+        def interrupted(self: _bridge.LoopBridge, watch: _bridge.Watch) -> None:
+            raise KeyboardInterrupt
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiter)
+                await anyio.wait_all_tasks_blocked()
+                for bridge in (_bridge._AsyncioBridge, _bridge._TrioBridge):
+                    monkeypatch.setattr(bridge, "wake_now", interrupted)
+                with pytest.raises(KeyboardInterrupt):
+                    tl.signal(1)
+                monkeypatch.undo()
+                assert tl.value == 1
+    assert woken == [1]
+
+
 @pytest.mark.parametrize("timelines", [1, 64], ids=["one-timeline", "a-timeline-each"])
 async def test_a_crowd_reached_signal_by_signal_in_one_step_is_woken_in_slices(
     device: am.Device, timelines: int
@@ -470,8 +581,6 @@ def test_a_callback_raising_a_base_exception_leaves_the_waits_after_it_to_a_slic
     the loop (as a Ctrl-C would); a task parked for the same value behind it wakes once
     the loop runs again. Checked: without putting the watch back, it stayed parked
     (``next`` at the reached value, the watch off the queue: nothing drained it)."""
-    import asyncio
-
     from asyncmetal import _timeline
 
     loop = asyncio.new_event_loop()

@@ -367,30 +367,49 @@ def test_fast_calls_do_what_the_runtime_functions_do() -> None:
     watch = lib.am_watch_new(timeline, notifier)
     try:
         lib.am_timeline_set_word(timeline, ctypes.addressof(word))
-        extension.timeline_signal(timeline, 5)
+        extension.timeline_signal(timeline, 5, 0)
         assert lib.am_timeline_value(timeline) == 5 and word.value == 5
         assert extension.watch_arm(watch, 5) is True  # reached already
         assert extension.watch_arm(watch, 7) is False
-        extension.host_signal(timeline, 7)  # the word, the value, and the loop's pipe
+        extension.host_signal(timeline, 7, 0)  # the word, the value, and the loop's pipe
         assert lib.am_timeline_value(timeline) == 7 and word.value == 7
         assert os.read(rfd, 16) == b"\x01"
         assert extension.watch_arm(watch, 8) is False
-        extension.timeline_signal(timeline, 8)
+        extension.timeline_signal(timeline, 8, 0)
         with pytest.raises(BlockingIOError):  # one byte until the notifier is reset
             os.read(rfd, 16)
         extension.notifier_reset(notifier)
+        # Signalled from the loop of that notifier (it wakes its own waiters): its pipe
+        # is left alone, here and through the runtime's own function, and its next
+        # advance from elsewhere writes it.
         assert extension.watch_arm(watch, 9) is False
-        extension.timeline_signal(timeline, 9)
+        extension.timeline_signal(timeline, 9, notifier)
+        assert lib.am_timeline_value(timeline) == 9
+        assert extension.watch_arm(watch, 10) is False
+        extension.host_signal(timeline, 10, notifier)
+        assert lib.am_timeline_value(timeline) == 10 and word.value == 10
+        assert extension.watch_arm(watch, 11) is False
+        lib.am_timeline_signal_here(timeline, 11, notifier)
+        assert lib.am_timeline_value(timeline) == 11
+        with pytest.raises(BlockingIOError):
+            os.read(rfd, 16)
+        assert extension.watch_arm(watch, 12) is False
+        extension.timeline_signal(timeline, 12, 0)
+        assert os.read(rfd, 16) == b"\x01"
+        extension.notifier_reset(notifier)
+        assert extension.watch_arm(watch, 9) is True
+        assert extension.watch_arm(watch, 13) is False
+        extension.timeline_signal(timeline, 13, 0)
         assert os.read(rfd, 16) == b"\x01"
         assert extension.notifier_reset(notifier) == 0  # not asked to stay awake
         # Work near a value beyond the one awaited wakes nothing; near it, the loop, asked
         # to stay awake until the later of the times asked (once: reset forgets it).
-        assert extension.watch_arm(watch, 11) is False
-        lib.am_timeline_near(timeline, 10, 5_000)
+        assert extension.watch_arm(watch, 15) is False
+        lib.am_timeline_near(timeline, 14, 5_000)
         with pytest.raises(BlockingIOError):
             os.read(rfd, 16)
-        lib.am_timeline_near(timeline, 11, 7_000)
-        lib.am_timeline_near(timeline, 12, 6_000)
+        lib.am_timeline_near(timeline, 15, 7_000)
+        lib.am_timeline_near(timeline, 16, 6_000)
         assert os.read(rfd, 16) == b"\x01"
         assert extension.notifier_reset(notifier) == 7_000
         assert extension.notifier_reset(notifier) == 0
@@ -401,13 +420,13 @@ def test_fast_calls_do_what_the_runtime_functions_do() -> None:
         os.close(rfd)
         os.close(wfd)
     for call, args in (
-        (extension.timeline_signal, (0, 1)),
-        (extension.host_signal, (0, 1)),
+        (extension.timeline_signal, (0, 1, 0)),
+        (extension.host_signal, (0, 1, 0)),
         (extension.watch_arm, (0, 1)),
     ):
         with pytest.raises(ValueError, match="null"):
             call(*args)
     with pytest.raises(ValueError, match="null"):
         extension.notifier_reset(0)
-    with pytest.raises(TypeError, match="takes 2 arguments"):
-        extension.timeline_signal(timeline)
+    with pytest.raises(TypeError, match="takes 3 arguments"):
+        extension.timeline_signal(timeline, 1)

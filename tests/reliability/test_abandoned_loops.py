@@ -432,7 +432,8 @@ def test_a_loop_started_again_as_it_is_set_aside_goes_through_its_watches_unhind
     """A loop seen stopped, a task parked on a timeline, is set aside by another thread
     while a thread starts it again; the setting aside is held as it makes that timeline
     let go of the watch (``_drop_watch``). The loop, woken through its pipe for a watch
-    of another timeline made meanwhile, goes through its native watches, and the setting
+    of another timeline made meanwhile (signalled from another thread), goes through its
+    native watches, and the setting
     aside goes on and ends as the loop reads that other timeline's value. The loop goes
     on through its watches unhindered, wakes the task of the other timeline, and the
     first task too once its value comes. Checked failing without: the setting aside
@@ -480,12 +481,16 @@ def test_a_loop_started_again_as_it_is_set_aside_goes_through_its_watches_unhind
             woken = asyncio.ensure_future(other.wait(1))
             while am.loop_statistics().waiting < 2:
                 await asyncio.sleep(0)
-            other.signal(1)
+            # (From another thread: a task of the loop signalling wakes the loop's tasks
+            # itself, without the pipe, and the loop goes through no watches for it.)
+            signaller = threading.Thread(target=other.signal, args=(1,))
+            signaller.start()
             failing = asyncio.ensure_future(failed.wait())
             await asyncio.wait([woken, failing], timeout=5, return_when="FIRST_COMPLETED")
             failing.cancel()
             assert not errors
             assert hooked.is_set() and woken.done()
+            signaller.join()
             for resume in resumes:
                 loop.call_soon(resume)
             await asyncio.sleep(0)

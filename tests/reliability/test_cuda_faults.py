@@ -1537,3 +1537,33 @@ async def test_a_kernel_whose_limit_the_driver_refuses_does_not_load(
         assert driver.calls.count("cuModuleUnload") == driver.calls.count("cuModuleLoadData")
     finally:
         await dev.close()
+
+
+@pytest.mark.anyio
+async def test_a_host_signal_on_the_loop_of_a_cuda_timeline_leaves_its_own_pipe_out(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """A cuda timeline's host signal from a task of a loop waiting on it: the native
+    signal (the word, the value, the completion threads' kick) leaves that loop's own
+    pipe out, as the cpu device's does -- the task is woken by the call, and no wake-up
+    through the pipe follows. Checked failing without (one wake-up through the pipe)."""
+    woken: list[int] = []
+    async with am.open_device("cuda:0") as dev:
+        tl = dev.timeline()
+
+        async def waiter() -> None:
+            await tl.wait(1)
+            woken.append(1)
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiter)
+                await anyio.wait_all_tasks_blocked()
+                before = am.loop_statistics().wakeups
+                tl.signal(1)
+                while not woken:
+                    await anyio.lowlevel.checkpoint()
+                for _ in range(10):  # (where a byte was written, the loop has read it)
+                    await anyio.lowlevel.checkpoint()
+                assert am.loop_statistics().wakeups == before
+        assert tl.native.reached(1)  # (the word, which streams wait on, raised too)

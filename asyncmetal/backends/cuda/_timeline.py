@@ -81,7 +81,10 @@ class CUDATimeline(ForkableTimeline):
     def signal(self, value: int) -> None:
         # Raises the word, then wakes napping completion threads: a stream's wait it
         # releases is confirmed within microseconds rather than at the end of a nap.
-        self._host_signal(self.c_timeline, value)
+        self._host_signal(self.c_timeline, value, 0)
+
+    def signal_here(self, value: int, notifier: int) -> None:
+        self._host_signal(self.c_timeline, value, notifier)
 
     def close_waits(self, pending: int = 0) -> None:
         # A queue's own: its native queue, closed, fails other queues' device waits for

@@ -945,7 +945,7 @@ static void check_signal(void) {
     if (wait_free(e, t3, 2, 1) || launch(e, NULL, 1, 2)) die("signal: e failed at once");
     if (wait_free(f, t4, 7, 1) || launch(f, NULL, 1, 2)) die("signal: f failed at once");
     if (launch(g, &slow, 1, 1) || signal_free(g, t4, 7, 2)) die("signal: g failed at once");
-    am_timeline_host_signal(t3.t, 2);
+    am_timeline_host_signal(t3.t, 2, NULL);
     fake_queue settled[7] = {b, c, a2, d, e, f, g};
     am_timeline *timelines[4] = {t.t, t2.t, t3.t, t4.t};
     int64_t deadline = now_ns() + 10000000000LL;
@@ -1042,7 +1042,7 @@ static void check_kick(void) {
         die("kick: the wait failed");
     if (launch(f, NULL, 1, 2)) die("kick: the launch failed");
     nap_ns(100000000);  /* 100 ms: the thread naps on the wait, 1 ms at a time */
-    am_timeline_host_signal(gate, 1);
+    am_timeline_host_signal(gate, 1, NULL);
     int64_t deadline = now_ns() + 10000000000LL;
     while (am_timeline_value(f.t) < 2)
         if (now_ns() > deadline) die("kick: the wait never finished");
@@ -1190,7 +1190,7 @@ static int near_one(fake_queue f, fake_loop *l, kernel *k, uint64_t v, int64_t k
     if (kick_at_ns) {
         nap_ns((long)kick_at_ns);
         am_timeline *other = am_timeline_new();
-        am_timeline_host_signal(other, 1);  /* (kicks every napping completion thread) */
+        am_timeline_host_signal(other, 1, NULL);  /* (kicks every napping completion thread) */
         am_timeline_free(other);
     }
     char byte;
@@ -1944,7 +1944,7 @@ static void check_shared(void) {
     am_cuq_stats(c.q, stats);
     if (am_timeline_value(c.t) > 2 || stats[6] < 3)
         die("shared: a wait nothing signalled was handed over, or passed");
-    am_timeline_host_signal(gate, 1);
+    am_timeline_host_signal(gate, 1, NULL);
     reach(c.t, 4, "shared: a host signal did not release the wait held for it");
     /* gate is a timeline only the host signals: its next wait goes to the device at once */
     if (am_cuq_wait_timeline(c.q, gate, 2, 5) || am_cuq_finish(c.q, 5, NULL, 0, 0, CU_FINISH_PLAIN) ||
@@ -1952,7 +1952,7 @@ static void check_shared(void) {
         die("shared: c's third wait");
     am_cuq_stats(c.q, stats);
     if (stats[6]) die("shared: a wait on a timeline only the host signals was held");
-    am_timeline_host_signal(gate, 2);
+    am_timeline_host_signal(gate, 2, NULL);
     reach(c.t, 6, "shared: a host signal did not release the device's wait");
     reach(a.t, 21, "shared: a never finished");
     queue_free(a, 0);
@@ -2030,7 +2030,7 @@ typedef struct { am_timeline *t; uint64_t v; } host_signal;
 
 static void *signal_from_host(void *arg) {
     host_signal *h = arg;
-    am_timeline_host_signal(h->t, h->v);  /* runs the kick: hands the queue's work over */
+    am_timeline_host_signal(h->t, h->v, NULL);  /* runs the kick: hands the queue's work over */
     return NULL;
 }
 
@@ -2704,7 +2704,7 @@ static void *stress_host(void *arg) {
     stress *st = arg;
     for (uint64_t v = 1; v <= STRESS_ROUNDS / 5; v++) {
         nap_ns(200000);
-        am_timeline_host_signal(st->host, v);
+        am_timeline_host_signal(st->host, v, NULL);
     }
     return NULL;
 }
@@ -2782,7 +2782,7 @@ static void host_signal_at_discard(int where, am_cuq *q) {
     (void)q;
     am_timeline *t = where == CU_HOOK_DISCARD_UNLOCKED ? atomic_exchange(&signal_at_discard, NULL)
                                                       : NULL;
-    if (t) am_timeline_host_signal(t, 1);
+    if (t) am_timeline_host_signal(t, 1, NULL);
 }
 
 /* f's held wait for t was dropped: its kick too, and f defers nothing. */
@@ -2935,7 +2935,7 @@ static void *ds_host(void *arg) {
     uint64_t x = d->seed ^ 0x9e3779b97f4a7c15ULL;
     for (uint64_t v = 1; v <= DS_HOST; v++) {
         nap_ns((long)(ds_rand(&x) % 150000));
-        am_timeline_host_signal(d->host.t, v);
+        am_timeline_host_signal(d->host.t, v, NULL);
     }
     return NULL;
 }
@@ -3305,7 +3305,7 @@ static void check_lowered(void) {
     fake_queue a = queue_new(), c = queue_new();
     free_timeline t = free_timeline_new();
     static kernel a_slow = {0, 30000000, NULL, 0}, c_slow = {0, 150000000, NULL, 0};
-    am_timeline_host_signal(t.t, 1);
+    am_timeline_host_signal(t.t, 1, NULL);
     if (launch(c, &c_slow, 1, 1) || wait_held(c, t.t, 3, 2) ||
         launch(c, NULL, 3, 3))
         die("lowered: c");
