@@ -504,7 +504,11 @@ def numpy_capsule(
     )
     address = capsule_pointer(capsule, name)
     if name is CAPSULE_NAME_VERSIONED:
-        DLManagedTensorVersioned.from_address(address).flags |= flags
+        managed = DLManagedTensorVersioned.from_address(address)
+        managed.flags |= flags
+        # The version whose structures and flags these are, as the extension writes it:
+        # numpy writes its own (1.0, which has no padded flag for sub-byte elements).
+        managed.version.major, managed.version.minor = DLPACK_VERSION
     tensor = DLTensor.from_address(address + _TENSOR_AT[name.value])
     tensor.device = DLDevice(device_type, device_id)
     # (ml_dtypes': numpy made it of unsigned ints, one a byte)
