@@ -713,12 +713,12 @@ def cuda_array_interface(
     would all be ``|V1``, which cannot say which one it is: they have no interface
     (AttributeError, as a buffer of another device: ``hasattr`` is False, and a
     consumer takes DLPack, which carries their types, instead)."""
-    buffer._check_usable("buffer")
     state = buffer._export_state()
-    if state.backend.dlpack_device_type != KDLCUDA:
+    if state.backend.dlpack_device_type != KDLCUDA:  # (first: freed, it has none either)
         raise AttributeError(
             f"__cuda_array_interface__ is for cuda buffers; this one is on {state.name}"
         )
+    buffer._check_usable("buffer")
     if not isinstance(dtype, np.dtype):  # a Buffer's and a TypedView's are already
         dtype = np.dtype(dtype)
     if dtype.num >= _USER_TYPES and dtype.name != "bfloat16":
