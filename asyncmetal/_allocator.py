@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import collections
 import functools
+import gc
 import heapq
 import math
 import numbers
@@ -149,7 +150,16 @@ def _not_lent() -> None:
 class Allocation:
     """What Buffers (and their views) hold; its collection frees the block."""
 
-    __slots__ = ("allocator", "block", "freed", "generation", "handle", "last_use", "nbytes")
+    __slots__ = (
+        "__weakref__",  # (those over foreign memory: see _imports)
+        "allocator",
+        "block",
+        "freed",
+        "generation",
+        "handle",
+        "last_use",
+        "nbytes",
+    )
 
     def __init__(self, block: Block, allocator: Allocator | None = None) -> None:
         self.block = block
@@ -178,14 +188,16 @@ class Allocation:
                     # held until the commands recorded on it so far ran (see lingering)
                     # -- freed or not: a free's wait, cancelled, leaves them running --
                     # unless the one recorded is the wait for that library's work, or
-                    # the queue's device closed (its commands ran out: and a buffer that
-                    # outlived the last device's close would wait for a look never to
-                    # come). (Read from a copy: a collection while the list is made may
-                    # run code that records a use.)
+                    # they ran already (its owner goes at once, not at the next look: and
+                    # a cycle the collector found goes with this collection, not come
+                    # back for another), or the queue's device closed (its commands ran
+                    # out: and a buffer that outlived the last device's close would wait
+                    # for a look never to come). (Read from a copy: a collection while
+                    # the list is made may run code that records a use.)
                     uses = [
                         (queue, value)
                         for queue, value in block.last_use.copy().items()
-                        if not queue.timeline._state.ran_out
+                        if not queue.timeline._state.ran_out and queue.timeline.native.value < value
                     ]
                     if uses and uses != [block.waited]:
                         lingering[id(block)] = (block, uses)
@@ -198,14 +210,91 @@ class Allocation:
                 imported.discard(block)
 
 
-# The blocks over memory another library owns whose buffers live: reachable from
-# here, not only through their buffers, so that a buffer collected in a reference cycle
-# leaves its block out of the garbage. The collector clears the weak references to what
-# it collects -- and calls their callbacks -- before any finalizer runs: the owner's
-# (a producer that frees its memory from one) and the record's (``ForeignMemory``, found
-# by address through weak references) would go before the buffer's finalizer put the
-# block in ``lingering``. Taken out by that finalizer (``Allocation.__del__``).
+# The blocks over memory another library owns whose buffers live: reachable from here,
+# not only through their buffers, so that a buffer collected in a reference cycle while
+# a command uses its memory leaves its block out of the garbage. The collector clears
+# the weak references to what it collects -- and calls their callbacks -- before any
+# finalizer runs: the owner's (a producer that frees its memory from one) and the
+# record's (``ForeignMemory``, found by address through weak references) would go
+# before the buffer's finalizer put the block in ``lingering``. Added as the buffer is
+# made (``hold_imported``); taken out by that finalizer (``Allocation.__del__``), and,
+# for the length of a collection, where no command may still use the memory
+# (``_hold_in_use``): a block held through every collection would hold its owner, and
+# with it a buffer the owner refers to (a producer that keeps the buffer made of it),
+# whose cycle no collection could then find.
 imported: set[Block] = set()  # (a block hashes by identity)
+# The allocations of the buffers over memory another library owns, held weakly: each
+# goes as its buffers do (a look then lets go of its block, which no collection holds
+# again). Those made since the last collection started, the only ones the youngest
+# generation's may take, in ``_young``; those the collection under way let go of, to
+# hold again as it ends, in ``_unheld``.
+_imports: weakref.WeakSet[Allocation] = weakref.WeakSet()
+_young: list[weakref.ref[Allocation]] = []
+_unheld: list[weakref.ref[Allocation]] = []
+
+
+def hold_imported(allocation: Allocation) -> None:
+    """Hold the block of new ``allocation``, over foreign memory, from here while its
+    buffers live (see ``imported``)."""
+    global _holding, _young_limit
+    imported.add(allocation.block)
+    _imports.add(allocation)
+    _young.append(weakref.ref(allocation))
+    if len(_young) > _young_limit:  # (no collection ran: collections switched off)
+        _young[:] = [ref for ref in _young if ref() is not None]
+        _young_limit = max(_YOUNG_LIMIT, 2 * len(_young))
+    if not _holding:
+        _holding = True
+        gc.callbacks.append(_hold_in_use)
+
+
+_holding = False  # (_hold_in_use is among the collector's callbacks)
+_YOUNG_LIMIT = 1024
+_young_limit = _YOUNG_LIMIT  # (where _young's gone buffers are dropped: it doubles)
+
+
+def _hold_in_use(phase: str, info: dict[str, int]) -> None:
+    """A collection's callback (any thread, no lock taken): as it starts, let go of the
+    blocks in ``imported`` that it may take whose memory no command may still use; as
+    it ends, hold them again. No command starts before the collector has cleared its
+    weak references (no other code runs meanwhile), and one that ended needs no hold:
+    the blocks let go of hold nothing the collection may take early. The youngest
+    generation's collections, the most frequent, look at the buffers made since the
+    last one only (the others are older: it cannot take them), the older ones' at every
+    buffer (some 0.2 us each). An interrupt holds every block it looked at (the
+    collector reports it, and goes on): one held longer, never one in use unheld."""
+    if _unheld:  # (as one ends; as one starts, where an interrupt cut the last end)
+        _hold_again()
+    if phase != "start":
+        return
+    allocations: list[Allocation] = []
+    try:
+        if info["generation"] > 0:
+            allocations = list(_imports)
+        else:
+            allocations = [a for ref in _young if (a := ref()) is not None]
+        _young.clear()  # (older once this one ends, if it does not take them)
+        idle = []
+        for allocation in allocations:
+            for queue, value in allocation.block.last_use.copy().items():
+                timeline = queue.timeline
+                if not timeline._state.ran_out and timeline.native.value < value:
+                    break
+            else:
+                idle.append(allocation)
+        _unheld.extend([weakref.ref(allocation) for allocation in idle])
+        imported.difference_update([allocation.block for allocation in idle])
+    except BaseException:
+        imported.update([allocation.block for allocation in allocations])
+        raise
+
+
+def _hold_again() -> None:
+    """Hold again the blocks the last collection let go of whose buffers it left."""
+    imported.update([a.block for ref in _unheld if (a := ref()) is not None])
+    _unheld.clear()
+
+
 # Blocks over memory another library owns whose buffers were dropped while commands may
 # still use that memory, by id, each with the uses recorded on it then: the block holds
 # the memory's owner (the library's array, or its DLPack capsule) until those uses

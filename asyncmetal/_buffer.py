@@ -21,7 +21,7 @@ from ._allocator import (
     Queue,
     Record,
     held_back,
-    imported,
+    hold_imported,
     lenders,
     lenders_for,
     let_lingering_go,
@@ -503,7 +503,7 @@ def foreign_buffer(
         block.last_use[queue] = max(value, block.last_use.get(queue, 0))
         block.waited = after
     allocation = Allocation(block)
-    imported.add(block)  # (its finalizer takes it out: see imported)
+    hold_imported(allocation)  # (its finalizer takes it out: see imported)
     return Buffer(state, allocation, 0, nbytes)
 
 

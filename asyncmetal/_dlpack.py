@@ -504,7 +504,11 @@ def numpy_capsule(
     )
     address = capsule_pointer(capsule, name)
     if name is CAPSULE_NAME_VERSIONED:
-        DLManagedTensorVersioned.from_address(address).flags |= flags
+        managed = DLManagedTensorVersioned.from_address(address)
+        managed.flags |= flags
+        # The version whose structures and flags these are, as the extension writes it:
+        # numpy writes its own (1.0, which has no padded flag for sub-byte elements).
+        managed.version.major, managed.version.minor = DLPACK_VERSION
     tensor = DLTensor.from_address(address + _TENSOR_AT[name.value])
     tensor.device = DLDevice(device_type, device_id)
     # (ml_dtypes': numpy made it of unsigned ints, one a byte)
@@ -709,12 +713,12 @@ def cuda_array_interface(
     would all be ``|V1``, which cannot say which one it is: they have no interface
     (AttributeError, as a buffer of another device: ``hasattr`` is False, and a
     consumer takes DLPack, which carries their types, instead)."""
-    buffer._check_usable("buffer")
     state = buffer._export_state()
-    if state.backend.dlpack_device_type != KDLCUDA:
+    if state.backend.dlpack_device_type != KDLCUDA:  # (first: freed, it has none either)
         raise AttributeError(
             f"__cuda_array_interface__ is for cuda buffers; this one is on {state.name}"
         )
+    buffer._check_usable("buffer")
     if not isinstance(dtype, np.dtype):  # a Buffer's and a TypedView's are already
         dtype = np.dtype(dtype)
     if dtype.num >= _USER_TYPES and dtype.name != "bfloat16":

@@ -156,11 +156,22 @@ async def serve(device_name: str, host: str, port: int, use_torch: bool) -> None
             await runner.cleanup()
 
 
+def tcp_port(text: str) -> int:
+    """--port: an int a socket binds (0 to 65535), else argparse's plain refusal."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0 to 65535, got {text!r}")
+    return port
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default=None, help="default: the best device here")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8080, help="0: any free port")
+    parser.add_argument("--port", type=tcp_port, default=8080, help="0: any free port")
     parser.add_argument("--torch", action="store_true", help="serve /model (a cuda device)")
     args = parser.parse_args()
     if args.torch and importlib.util.find_spec("torch") is None:

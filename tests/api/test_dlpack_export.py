@@ -64,8 +64,8 @@ def _managed(capsule: object) -> Any:
 
 
 def _fields(capsule: object) -> dict[str, Any]:
-    """What a consumer reads of an unconsumed capsule (the minor version aside: numpy
-    writes its own, the extension 1.1)."""
+    """What a consumer reads of an unconsumed capsule, its version included (DLPack
+    1.1's, whose padded flag a sub-byte export may set: numpy writes 1.0 of its own)."""
     managed = _managed(capsule)
     tensor = managed.dl_tensor
     ndim = tensor.ndim
@@ -80,7 +80,8 @@ def _fields(capsule: object) -> dict[str, Any]:
         "strides": tensor.strides[:ndim] if tensor.strides else None,
     }
     if isinstance(managed, DLManagedTensorVersioned):
-        fields["major"], fields["flags"] = managed.version.major, managed.flags
+        fields["version"] = (managed.version.major, managed.version.minor)
+        fields["flags"] = managed.flags
     return fields
 
 
@@ -110,7 +111,7 @@ async def test_both_ways_make_the_same_tensor(
     metal = device.name == "metal"
     cases: list[tuple[Callable[[], object], dict[str, Any]]] = [
         (buf.__dlpack__, {"name": b"dltensor", "shape": [256], "dtype": (1, 8, 1)}),
-        (lambda: buf.__dlpack__(max_version=(1, 0)), {"flags": 0, "major": 1}),
+        (lambda: buf.__dlpack__(max_version=(1, 0)), {"flags": 0, "version": (1, 1)}),
         (lambda: buf.typed(np.float32, (8, 8)).__dlpack__(), {"strides": [8, 1]}),
         (lambda: buf.typed(np.complex64, (2, 4, 4)).__dlpack__(max_version=(1, 1)), {}),
         (lambda: buf.typed(np.bool_, (16, 16)).__dlpack__(), {"dtype": (6, 8, 1)}),
@@ -175,7 +176,8 @@ async def test_sub_byte_ml_dtypes_export_padded_both_ways(
     """ml_dtypes' types of fewer than 8 bits, which numpy holds one a byte, export as
     DLPack's codes flagged padded (DLPack 1.1), made either way; a consumer of an older
     version, which would read them packed, is refused. Checked: refused before ("DLPack
-    exports ints, ... not int4")."""
+    exports ints, ... not int4"); and fails without the fix of the fallback's version
+    (numpy's 1.0, which has no padded flag, beside the flag)."""
     ml_dtypes = pytest.importorskip("ml_dtypes", reason="needs ml_dtypes (JAX installs it)")
     _extension_make()
     buf = await device.alloc(64)
@@ -185,6 +187,7 @@ async def test_sub_byte_ml_dtypes_export_padded_both_ways(
     assert extension["dtype"] == (code, bits, 1)
     assert extension["shape"] == [4, 16]
     assert extension["flags"] == _dlpack.FLAG_SUBBYTE_PADDED
+    assert fallback["version"] == (1, 1)  # the version that has the flag, either way
     for older in (None, (1, 0)):
         with pytest.raises(BufferError, match=r"padded flag says: ask with max_version=\(1, 1\)"):
             typed.__dlpack__(max_version=older)

@@ -90,6 +90,25 @@ async def test_dlpack_device_of_each_kind(device: am.Device) -> None:
     assert npy.__dlpack_device__() == (1, 0)
 
 
+async def test_a_freed_host_buffer_has_no_cuda_array_interface_either(
+    anyio_backend: object,
+) -> None:
+    """``hasattr(buf, "__cuda_array_interface__")`` -- how CuPy, Numba and PyTorch ask
+    -- is False for a buffer of the cpu device whatever its state: freed, or of a
+    closed device (it never has one), as the README says of other devices' buffers.
+    Checked: fails without the fix (the freed buffer's ClosedResourceError came out of
+    hasattr)."""
+    dev = await am.open_device("cpu")
+    freed, kept = await dev.alloc(16), await dev.alloc(16)
+    view = freed.typed(np.float32)
+    await freed.free()
+    await dev.close()
+    for buf in (freed, view, kept):
+        assert not hasattr(buf, "__cuda_array_interface__")
+        with pytest.raises(am.ClosedResourceError):
+            buf.__dlpack__()
+
+
 async def _cpu_kernels(device: am.Device) -> dict[str, am.Program]:
     return {name: await device.compile(KERNELS, name) for name in ("fill", "empty")}
 

@@ -232,3 +232,19 @@ def test_a_port_in_use_is_said_plainly(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "http"])
+def test_a_port_no_socket_binds_is_refused_plainly(port: str) -> None:
+    """A ``--port`` outside 0..65535 (or no number) is refused as argparse refuses any
+    bad argument -- a usage line, exit 2 -- before a device is opened. Checked: fails
+    without the fix (70000 and -1 ended with asyncio's OverflowError traceback)."""
+    done = subprocess.run(
+        [sys.executable, str(SERVICE), "--device", "cpu", "--port", port],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "a TCP port is 0 to 65535" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

@@ -738,6 +738,40 @@ async def test_a_stream_handle_is_any_integer_and_one_past_64_bits_is_refused(
         await dev.close()
 
 
+class _ProtocolStream:
+    """A stream of the CUDA stream protocol whose ``__cuda_stream__`` gives ``value``."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __cuda_stream__(self) -> object:
+        return self.value
+
+
+async def test_a_protocol_streams_handle_is_an_integer_as_a_raw_one_is(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """``__cuda_stream__``'s handle is taken as a raw handle is -- any integer with
+    ``__index__``, not a bool -- for adopt_stream and for a DLPack consumer alike; a
+    float, a string, a bool or None is refused naming the protocol, before any driver
+    call. Checked: fails without the fix (1.9 and True adopted the legacy stream,
+    "20480" stream 0x5000, and None raised int()'s own TypeError)."""
+    dev = await am.open_device("cuda:0")
+    try:
+        queue = dev.adopt_stream(0x5000)
+        assert dev.adopt_stream(_ProtocolStream((0, np.uint64(0x5000)))) is queue
+        buf = await dev.alloc(256)
+        for value in ((0, 1.9), (0, "20480"), (0, True), (0, None), (False, 0x5000), (0.0, 1)):
+            calls = len(driver.calls)
+            with pytest.raises(am.InvalidArgumentError, match="__cuda_stream__ must give"):
+                dev.adopt_stream(_ProtocolStream(value))
+            with pytest.raises(am.ExchangeError, match="__cuda_stream__ must give"):
+                buf.__dlpack__(stream=_ProtocolStream(value))
+            assert driver.calls[calls:] == []
+    finally:
+        await dev.close()
+
+
 async def test_a_new_stream_given_a_destroyed_streams_handle_gets_a_new_queue(
     anyio_backend: object, driver: _Driver
 ) -> None:

@@ -38,11 +38,16 @@ def stream_handle(stream: object, consumer: bool = False) -> int:
     protocol = getattr(stream, "__cuda_stream__", None)
     if protocol is not None:
         value = protocol() if callable(protocol) else protocol
-        if not (isinstance(value, tuple) and len(value) == 2 and value[0] == 0):
+        # (The handle an integer as a raw one is: int() would take 1.9 as the legacy
+        # stream, True as well, and "20480" as a stream.)
+        pair = value if isinstance(value, tuple) and len(value) == 2 else (None, None)
+        version, given = as_int(pair[0]), as_int(pair[1])
+        if version != 0 or given is None:
             raise InvalidArgumentError(
-                f"__cuda_stream__ must give (0, handle) (protocol version 0), got {value!r}"
+                "__cuda_stream__ must give (0, handle) (protocol version 0, the handle an "
+                f"integer), got {value!r}"
             )
-        handle = int(value[1])
+        handle = given
     elif (integer := as_int(stream)) is not None:  # (an int, a numpy integer; no bool)
         handle = integer
     elif cu is not None and isinstance(stream, cu.CUstream):
