@@ -97,8 +97,9 @@ def test_a_finalizer_that_imports_never_waits_on_its_own_thread(scenario: str) -
     open devices. Checked: fails without the fix, each (the thread waited for a lock it
     held itself -- the open devices' inside ``_devices()``, the foreign memory's inside
     an import's look-up (before collections were switched off there: the reentrant lock
-    that still matters is checked by the test below), the states' inside ``unreleased_states()``, the allocator's
-    inside a free's release of the block -- and the child timed out)."""
+    that still matters is checked by the test below), the states' inside
+    ``unreleased_states()``, the allocator's inside a free's release of the block -- and
+    the child timed out)."""
     try:
         child = subprocess.run(
             [sys.executable, "-c", SCRIPT, scenario],
