@@ -273,7 +273,9 @@ int am_host_running(void) { return atomic_load_explicit(&host_running, memory_or
  * the cores they run on -- a loop's own thread among them, polling, which as a higher
  * priority (their nice value) leaves a queue thread on its core a sliver of the time.
  * Each thread reads how long it waited on a run queue (Linux: its schedstat), every
- * STARVE_WINDOW_NS at most, after a command: more than half of that time, it starved.
+ * STARVE_WINDOW_NS at most, after a command: more than three quarters of that time,
+ * twice in a row, it starved (once may be another thread's moment on its core, or its
+ * own yields while it waits for a command, with other threads ready there).
  * From then until starved_until loops poll no more (am_host_starved; the bridge asks)
  * and so hand their core to the queue threads whenever they have nothing to do. If the
  * threads starve again soon after, the next hold is twice as long (up to
@@ -306,6 +308,7 @@ static void count_starved(int64_t now) {
 typedef struct {
     int fd;  /* its schedstat, or -1: not known here */
     int64_t at, waited;  /* when last read, and the total then */
+    int waits;           /* the windows in a row that it mostly waited */
 } starve_watch;
 
 static int64_t run_queue_ns(int fd) {
@@ -324,6 +327,7 @@ static int64_t run_queue_ns(int fd) {
 
 static void starve_watch_open(starve_watch *w) {
     w->fd = -1;
+    w->waits = 0;
 #ifdef __linux__
     char path[64];
     snprintf(path, sizeof path, "/proc/self/task/%ld/schedstat", (long)syscall(SYS_gettid));
@@ -342,7 +346,8 @@ static void starve_watch_look(starve_watch *w) {
     if (now - w->at < STARVE_WINDOW_NS) return;
     int64_t waited = run_queue_ns(w->fd);
     if (waited < 0) return;
-    if ((waited - w->waited) * 2 > now - w->at) count_starved(now);
+    w->waits = (waited - w->waited) * 4 > (now - w->at) * 3 ? w->waits + 1 : 0;
+    if (w->waits >= 2) count_starved(now);
     w->at = now;
     w->waited = waited;
 }
