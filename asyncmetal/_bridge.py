@@ -54,8 +54,10 @@ loop sleeps precisely (kqueue, select) or cannot say when its next timer is due
 (uvloop).
 
 While the cpu device's queue threads running commands need every core the process may
-run on (``_native.cores_taken``), a polling loop would take CPU time from their kernels
-(on two cores, four busy queues of 200 us kernels ran a fifth fewer): there an asyncio
+run on, or lately waited for one (``_native.cores_taken``), a polling loop would take
+CPU time from their kernels (on two cores, four busy queues of 200 us kernels ran a
+fifth fewer; one, beside another process, ran its 10 us kernels 2-30 times slower, the
+loop thread holding the core it waited for): there an asyncio
 loop sleeps instead until that timer is due, precisely, in ``select`` on its selector's
 own descriptor (which any of the loop's descriptors becoming ready wakes at once), and
 only when nothing else is ready to run; where it cannot, the hold ends, and so does

@@ -61,6 +61,9 @@ due: Callable[[int, int], int] | None = None
 # host_running(): the cpu device's commands (kernels, copies, fills) running now on its
 # queue threads, in the whole process.
 host_running: Callable[[], int] | None = None
+# host_starved(): whether those commands lately waited for a core (held by other
+# threads, other processes'), for a while after (am_host_starved).
+host_starved: Callable[[], object] | None = None
 # The cores this process may run on.
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -69,8 +72,15 @@ def cores_taken() -> bool:
     """Whether the cpu device's queue threads running commands now need every core the
     process may run on. A loop that polls for what is about to end (rather than sleep
     until woken) would then take CPU time from their kernels: on two cores, four busy
-    queues ran a fifth fewer 200 us kernels with the loop polling."""
-    return host_running is not None and host_running() >= CORES
+    queues ran a fifth fewer 200 us kernels with the loop polling. So also while their
+    commands lately waited for a core (``host_starved``): where other processes hold
+    some of the cores, a polling loop thread may share one with a queue thread, which
+    as a lower priority (cpu.QUEUE_NICE) then runs only a sliver of the time -- on two
+    cores, one held by another process, one task's 10 us kernels ran at 0.4-6 k/s with
+    the loop polling and 12-19 k/s with it sleeping."""
+    return host_running is not None and (
+        host_running() >= CORES or (host_starved is not None and bool(host_starved()))
+    )
 
 
 # The extension's functions that stand for runtime functions on the way from a host
@@ -101,6 +111,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_timeline_spin": (c_int, [c_p, c_u64, ctypes.c_long]),
     "am_timeline_due": (ctypes.c_int64, [c_p, c_u64]),
     "am_host_running": (c_int, []),
+    "am_host_starved": (c_int, []),
     "am_timeline_fail": (None, [c_p, c_u64, c_int, c_u64, c_p]),
     "am_timeline_fail_from": (None, [c_p, c_u64, c_int, c_u64, c_p]),
     "am_timeline_failure": (
@@ -338,7 +349,8 @@ def _load_built(target: str) -> ctypes.CDLL:
 
 def runtime() -> ctypes.CDLL:
     """The loaded runtime; builds it the first time. Blocks: call it off the loop."""
-    global _lib, _extension, extension_error, spin, due, host_running, origin, origin_path
+    global _lib, _extension, extension_error, spin, due, host_running, host_starved
+    global origin, origin_path
     with _lock:
         if _lib is None:
             sources = _sources()
@@ -381,6 +393,7 @@ def runtime() -> ctypes.CDLL:
             spin = lib.am_timeline_spin if _extension is None else _extension.spin
             due = lib.am_timeline_due if _extension is None else _extension.due
             host_running = lib.am_host_running if _extension is None else _extension.host_running
+            host_starved = lib.am_host_starved if _extension is None else _extension.host_starved
             origin_path = target
             _lib = lib
         return _lib

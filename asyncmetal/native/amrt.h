@@ -326,6 +326,7 @@ int am_queue_fill(am_queue *q, void *dst, size_t nbytes, uint32_t pattern, int p
                   int64_t *record, uint64_t value);
 void am_queue_close(am_queue *q, int abandon);
 int am_host_running(void);
+int am_host_starved(void);
 void am_queue_discard(am_queue *q);
 uint64_t am_queue_failure(am_queue *q, int *error, uint64_t *value, am_timeline **cause);
 

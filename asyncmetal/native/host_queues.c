@@ -5,6 +5,8 @@
 #include "amrt.h"
 
 #ifdef __linux__
+#include <fcntl.h>
+#include <stdio.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -267,8 +269,101 @@ static atomic_int host_running;
 
 int am_host_running(void) { return atomic_load_explicit(&host_running, memory_order_relaxed); }
 
+/* Whether the queue threads lately waited for a core: other threads or processes held
+ * the cores they run on -- a loop's own thread among them, polling, which as a higher
+ * priority (their nice value) leaves a queue thread on its core a sliver of the time.
+ * Each thread reads how long it waited on a run queue (Linux: its schedstat), every
+ * STARVE_WINDOW_NS at most, after a command: more than three quarters of that time,
+ * twice in a row, it starved (once may be another thread's moment on its core, or its
+ * own yields while it waits for a command, with other threads ready there).
+ * From then until starved_until loops poll no more (am_host_starved; the bridge asks)
+ * and so hand their core to the queue threads whenever they have nothing to do. If the
+ * threads starve again soon after, the next hold is twice as long (up to
+ * STARVE_HOLD_MAX_NS): where other processes hold the cores, a loop that tries to poll
+ * again costs the queues a little more rarely each time. */
+#define STARVE_WINDOW_NS 5000000
+#define STARVE_HOLD_NS 20000000
+#define STARVE_HOLD_MAX_NS 1000000000
+static _Atomic int64_t starved_until, starved_hold = STARVE_HOLD_NS;
+
+int am_host_starved(void) {
+    int64_t until = atomic_load_explicit(&starved_until, memory_order_relaxed);
+    return until && now_ns() < until;
+}
+
+/* (Threads race here: the hold is a hint, any of their writes will do.) */
+static void count_starved(int64_t now) {
+    int64_t until = atomic_load(&starved_until), hold = atomic_load(&starved_hold);
+    if (now < until) return;  /* held already */
+    /* starved again within as long after the last hold as it lasted: hold twice as long */
+    if (until && now < until + hold)
+        hold = hold * 2 < STARVE_HOLD_MAX_NS ? hold * 2 : STARVE_HOLD_MAX_NS;
+    else
+        hold = STARVE_HOLD_NS;
+    atomic_store(&starved_hold, hold);
+    atomic_store(&starved_until, now + hold);
+}
+
+/* A queue thread's watch on its own waits for a core. */
+typedef struct {
+    int fd;  /* its schedstat, or -1: not known here */
+    int64_t at, waited;  /* when last read, and the total then */
+    int waits;           /* the windows in a row that it mostly waited */
+} starve_watch;
+
+static int64_t run_queue_ns(int fd) {
+#ifdef __linux__
+    char buf[96];
+    ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
+    long long run, waited;
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    return sscanf(buf, "%lld %lld", &run, &waited) == 2 ? (int64_t)waited : -1;
+#else
+    (void)fd;
+    return -1;
+#endif
+}
+
+static void starve_watch_open(starve_watch *w) {
+    w->fd = -1;
+    w->waits = 0;
+#ifdef __linux__
+    char path[64];
+    snprintf(path, sizeof path, "/proc/self/task/%ld/schedstat", (long)syscall(SYS_gettid));
+    w->fd = open(path, O_RDONLY | O_CLOEXEC);
+    w->at = now_ns();
+    if (w->fd >= 0 && (w->waited = run_queue_ns(w->fd)) < 0) {
+        close(w->fd);
+        w->fd = -1;
+    }
+#endif
+}
+
+static void starve_watch_look(starve_watch *w) {
+    if (w->fd < 0) return;
+    int64_t now = now_ns();
+    if (now - w->at < STARVE_WINDOW_NS) return;
+    int64_t waited = run_queue_ns(w->fd);
+    if (waited < 0) return;
+    w->waits = (waited - w->waited) * 4 > (now - w->at) * 3 ? w->waits + 1 : 0;
+    if (w->waits >= 2) count_starved(now);
+    w->at = now;
+    w->waited = waited;
+}
+
+static void starve_watch_close(starve_watch *w) {
+#ifdef __linux__
+    if (w->fd >= 0) close(w->fd);
+#endif
+}
+
 /* A forked child runs none of them: the parent's queue threads do not exist there. */
-static void host_running_forked(void) { atomic_store(&host_running, 0); }
+static void host_running_forked(void) {
+    atomic_store(&host_running, 0);
+    atomic_store(&starved_until, 0);
+    atomic_store(&starved_hold, STARVE_HOLD_NS);
+}
 
 __attribute__((constructor)) static void host_running_register_fork_handler(void) {
     pthread_atfork(NULL, NULL, host_running_forked);
@@ -283,8 +378,17 @@ static int mark_failed(am_timeline *t, uint64_t target) {
     return failed;
 }
 
+static void *run_commands(am_queue *q, starve_watch *starve);
+
 static void *run(void *arg) {
-    am_queue *q = arg;
+    starve_watch starve;
+    starve_watch_open(&starve);
+    void *r = run_commands(arg, &starve);
+    starve_watch_close(&starve);
+    return r;
+}
+
+static void *run_commands(am_queue *q, starve_watch *starve) {
     am_cmd c;
 #ifdef __linux__
     /* Kernels run here, on the host's cores, which the event loops need too: at a nice
@@ -343,6 +447,7 @@ static void *run(void *arg) {
             break;
         }
         if (busy) atomic_fetch_sub_explicit(&host_running, 1, memory_order_relaxed);
+        if (busy) starve_watch_look(starve);
         if (c.record) {
             c.record[1] = now_ns();
             __atomic_store_n(&c.record[2], (int64_t)c.value, __ATOMIC_RELEASE);

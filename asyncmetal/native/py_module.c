@@ -259,6 +259,13 @@ static PyObject *py_host_running(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(am_host_running());
 }
 
+/* host_starved() -> bool: am_host_starved. */
+static PyObject *py_host_starved(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(am_host_starved());
+}
+
 /* The calls on the way from a host signal to the task it releases, which ctypes makes
  * several times slower (and slower still on a CPU that has just been idle): none waits
  * for more than another thread's few instructions under a timeline's lock, so they keep
@@ -371,6 +378,8 @@ static PyMethodDef methods[] = {
      "due(timeline, value) -> when the command reaching value is expected done, or 0"},
     {"host_running", py_host_running, METH_NOARGS,
      "host_running() -> the cpu queues' commands running now, in the process"},
+    {"host_starved", py_host_starved, METH_NOARGS,
+     "host_starved() -> whether the cpu queues' commands lately waited for a core"},
     {"timeline_signal", (PyCFunction)(void (*)(void))py_timeline_signal, METH_FASTCALL,
      "timeline_signal(timeline, value, here): raise a native timeline from the host"},
     {"host_signal", (PyCFunction)(void (*)(void))py_host_signal, METH_FASTCALL,

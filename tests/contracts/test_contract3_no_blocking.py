@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -337,6 +338,66 @@ async def test_host_running_counts_the_cpu_kernels_running_now(anyio_backend: ob
         await done
         assert 1 in seen, seen
         assert _native.host_running() == 0
+
+
+_STARVED = """
+import os, time
+import anyio
+import asyncmetal as am
+from asyncmetal import _native
+
+SRC = {src!r}
+
+async def main():
+    async with am.open_device("cpu") as dev:
+        prog = await dev.compile(SRC, "spin_us")
+        before = _native.cores_taken()
+        for _ in range(400):
+            dev.queue.launch(prog, vals=(100,))
+        # Busy on the queue thread's only core, as a polling loop would be.
+        end = time.perf_counter() + 10
+        while not _native.cores_taken() and time.perf_counter() < end:
+            pass
+        print(before, _native.cores_taken(), _native.host_running())
+        await dev.queue.synchronize()
+
+# The queue threads, made after this, share the loop's one core (CORES counted two).
+os.sched_setaffinity(0, {{min(os.sched_getaffinity(0))}})
+anyio.run(main)
+"""
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity")
+    or len(os.sched_getaffinity(0)) < 2
+    or not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"),
+    reason="needs Linux's schedstat and two cores",
+)
+def test_queue_threads_starved_of_a_core_keep_loops_from_polling() -> None:
+    """A cpu queue thread that waits for a core (here its only one, held by the loop's
+    thread; elsewhere other processes hold the rest) counts as taking every core
+    (``cores_taken``), though fewer commands run than the process has cores: a loop
+    that polled there would take from the kernels the time it waits for. Checked: fails
+    without the fix (a loop polling on two cores, one held by another process, ran one
+    task's 10 us kernels at 0.4-6 k/s; sleeping, at 12-19 k/s)."""
+    src = """#include <time.h>
+    void spin_us(int us) {
+        struct timespec a, b;
+        clock_gettime(CLOCK_MONOTONIC, &a);
+        do clock_gettime(CLOCK_MONOTONIC, &b);
+        while ((b.tv_sec - a.tv_sec) * 1000000 + (b.tv_nsec - a.tv_nsec) / 1000 < us);
+    }"""
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCMETAL_CPU_QUEUE_NICE"}
+    run = subprocess.run(
+        [sys.executable, "-c", _STARVED.format(src=src)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr
+    before, after, _ = run.stdout.split()
+    assert (before, after) == ("False", "True"), run.stdout
 
 
 async def test_a_wake_up_with_no_timer_due_soon_costs_the_loop_no_iteration_more(
