@@ -262,12 +262,13 @@ def _hold_in_use(phase: str, info: dict[str, int]) -> None:
     weak reference) and drop it again before this returns: so each block is let go of
     before its uses are looked at, and held again where one may not have passed, and a
     command recorded after the look holds its buffers' blocks again itself
-    (``hold_used``, while ``letting_go``). Once this returns, no other code runs until
-    the collector has cleared its weak references; and a command that ended needs no
-    hold: the blocks let go of hold nothing the collection may take early. The youngest
-    generation's collections, the most frequent, look at the buffers made since the
-    last one only (the others are older: it cannot take them), the older ones' at every
-    buffer (some 0.2 us each). An interrupt holds every block it looked at (the
+    (``hold_used``, while ``letting_go``: until the collection ends, as code may run
+    before the collector cleared its weak references -- a finalizer's, or, where no
+    GIL is, another thread's). A command that ended needs no hold: the blocks let go
+    of hold nothing the collection may take early. The youngest generation's
+    collections, the most frequent, look at the buffers made since the last one only
+    (the others are older: it cannot take them), the older ones' at every buffer (some
+    1 us each). An interrupt holds every block it looked at (the
     collector reports it, and goes on): one held longer, never one in use unheld."""
     global letting_go
     if _unheld:  # (as one ends; as one starts, where an interrupt cut the last end)
