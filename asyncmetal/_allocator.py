@@ -231,6 +231,7 @@ imported: set[Block] = set()  # (a block hashes by identity)
 _imports: weakref.WeakSet[Allocation] = weakref.WeakSet()
 _young: list[weakref.ref[Allocation]] = []
 _unheld: list[weakref.ref[Allocation]] = []
+letting_go = False  # (a collection let go of blocks it looked at: see _hold_in_use)
 
 
 def hold_imported(allocation: Allocation) -> None:
@@ -256,42 +257,63 @@ _young_limit = _YOUNG_LIMIT  # (where _young's gone buffers are dropped: it doub
 def _hold_in_use(phase: str, info: dict[str, int]) -> None:
     """A collection's callback (any thread, no lock taken): as it starts, let go of the
     blocks in ``imported`` that it may take whose memory no command may still use; as
-    it ends, hold them again. No command starts before the collector has cleared its
-    weak references (no other code runs meanwhile), and one that ended needs no hold:
-    the blocks let go of hold nothing the collection may take early. The youngest
-    generation's collections, the most frequent, look at the buffers made since the
-    last one only (the others are older: it cannot take them), the older ones' at every
-    buffer (some 0.2 us each). An interrupt holds every block it looked at (the
+    it ends, hold them again. Other threads run meanwhile -- this is Python code --, and
+    one may record a command on a buffer the collection may take (reached through a
+    weak reference) and drop it again before this returns: so each block is let go of
+    before its uses are looked at, and held again where one may not have passed, and a
+    command recorded after the look holds its buffers' blocks again itself
+    (``hold_used``, while ``letting_go``: until the collection ends, as code may run
+    before the collector cleared its weak references -- a finalizer's, or, where no
+    GIL is, another thread's). A command that ended needs no hold: the blocks let go
+    of hold nothing the collection may take early. The youngest generation's
+    collections, the most frequent, look at the buffers made since the last one only
+    (the others are older: it cannot take them), the older ones' at every buffer (some
+    1 us each). An interrupt holds every block it looked at (the
     collector reports it, and goes on): one held longer, never one in use unheld."""
+    global letting_go
     if _unheld:  # (as one ends; as one starts, where an interrupt cut the last end)
         _hold_again()
     if phase != "start":
+        letting_go = False
         return
     allocations: list[Allocation] = []
     try:
+        letting_go = True  # (before any block is let go of)
         if info["generation"] > 0:
             allocations = list(_imports)
         else:
             allocations = [a for ref in _young if (a := ref()) is not None]
         _young.clear()  # (older once this one ends, if it does not take them)
-        idle = []
+        _unheld.extend([weakref.ref(allocation) for allocation in allocations])
+        imported.difference_update([allocation.block for allocation in allocations])
+        busy = []
         for allocation in allocations:
             for queue, value in allocation.block.last_use.copy().items():
                 timeline = queue.timeline
                 if not timeline._state.ran_out and timeline.native.value < value:
+                    busy.append(allocation.block)
                     break
-            else:
-                idle.append(allocation)
-        _unheld.extend([weakref.ref(allocation) for allocation in idle])
-        imported.difference_update([allocation.block for allocation in idle])
+        imported.update(busy)
     except BaseException:
         imported.update([allocation.block for allocation in allocations])
         raise
 
 
+def hold_used(allocations: Iterable[Allocation]) -> None:
+    """Hold again the blocks over foreign memory of ``allocations``, on which a command
+    was just recorded, while a collection lets go of blocks (``letting_go``): its look
+    at their uses may have come before the command's (see ``_hold_in_use``)."""
+    imported.update(
+        [a.block for a in allocations if a.allocator is None and a.block.owner is not None]
+    )
+
+
 def _hold_again() -> None:
-    """Hold again the blocks the last collection let go of whose buffers it left."""
-    imported.update([a.block for ref in _unheld if (a := ref()) is not None])
+    """Hold again the blocks the last collection let go of whose buffers it left. (The
+    allocations kept until the blocks are held: one whose buffers another thread drops
+    meanwhile takes its block out after, not before -- held for good.)"""
+    allocations = [a for ref in _unheld if (a := ref()) is not None]
+    imported.update([allocation.block for allocation in allocations])
     _unheld.clear()
 
 

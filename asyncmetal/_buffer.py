@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from . import _allocator
 from ._allocator import (
     Allocation,
     Block,
@@ -22,6 +23,7 @@ from ._allocator import (
     Record,
     held_back,
     hold_imported,
+    hold_used,
     lenders,
     lenders_for,
     let_lingering_go,
@@ -435,6 +437,8 @@ def record_uses(buffers: Iterable[Buffer], queue: Queue, value: int) -> None:
     """``queue``'s command ``value`` uses ``buffers``: they are freed only after it."""
     for buf in buffers:
         buf._allocation.last_use[queue] = value
+    if _allocator.letting_go:  # (after: see _allocator._hold_in_use)
+        hold_used([buf._allocation for buf in buffers])
 
 
 def uses(buf: Buffer) -> list[tuple[Queue, int]]:

@@ -43,6 +43,8 @@ import contextlib
 import ctypes
 import enum
 import gc
+import itertools
+import sys
 import threading
 import time
 import traceback
@@ -1247,6 +1249,152 @@ async def test_a_buffer_over_cuda_memory_collected_in_a_cycle_keeps_its_owner_an
             assert released  # let go of once the copy ran
             await held.close()
         finally:
+            await dev.close()
+
+
+def _collect_with_a_copy_at_line(
+    k: int, ref: weakref.ref[Any], held: am.Queue, copies: list[am.Completion]
+) -> int:
+    """``gc.collect()`` (on this thread, a worker's), the event loop's thread run at the
+    ``k``-th line of the collection's callback that lets go of blocks (its start) -- to
+    submit a copy on ``held`` into the buffer of producer ``ref``, if it is alive, and
+    drop the producer --; how many lines that callback ran."""
+    look = _allocator._hold_in_use.__code__
+    lines = 0
+
+    def copy() -> None:
+        producer = ref()
+        if producer is not None:
+            copies.append(held.copy(producer.buffer(), np.full(16, 7, np.int32)))
+
+    def line(frame: types.FrameType, event: str, arg: object) -> Any:
+        nonlocal lines
+        if event == "line" and frame.f_locals.get("phase") == "start":
+            lines += 1
+            if lines == k:  # the loop's thread runs here
+                anyio.from_thread.run_sync(copy)
+        return line
+
+    def call(frame: types.FrameType, event: str, arg: object) -> Any:
+        return line if frame.f_code is look else None
+
+    sys.settrace(call)
+    try:
+        gc.collect()
+    finally:
+        sys.settrace(None)
+    return lines
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_command_recorded_as_a_collection_looks_at_uses_keeps_the_owner(
+    anyio_backend: str, sim: _SweepDriver, cuda_array: type[Any]
+) -> None:
+    """A producer over CUDA memory that keeps the buffer made of it (a cycle), reached
+    through a weak reference by the event loop's thread while a collection on another
+    thread is in its callback -- that looks at the uses of the buffers' memory --, a
+    held copy into its buffer submitted, the producer dropped again before the callback
+    ends: the collection leaves the producer until the copy ran, wherever in the
+    callback the loop's thread ran (at each of its lines in turn: no lock keeps it
+    out). Checked: fails without the fix (the producer was collected, its finalizer
+    run, under the held copy: let go of as idle, its block was not held again)."""
+
+    class Caching(cuda_array):  # type: ignore[misc,valid-type]
+        buf: am.Buffer | None = None
+
+        def buffer(self) -> am.Buffer:
+            if self.buf is None:
+                self.buf = am.from_dlpack(self)
+            return self.buf
+
+    with anyio.fail_after(60):
+        dev = await am.open_device("cuda:0")
+        gc.disable()  # (the collection looked at is the test's: none before it)
+        try:
+            for k in itertools.count(1):
+                producer = Caching()
+                producer.buffer()
+                released: list[str] = []
+                weakref.finalize(producer, released.append, "released")
+                ref = weakref.ref(producer)
+                del producer
+                held, gate = _gated(dev)
+                copies: list[am.Completion] = []
+                lines = await anyio.to_thread.run_sync(
+                    _collect_with_a_copy_at_line, k, ref, held, copies
+                )
+                if not copies:  # past the callback's last line: collected, unused
+                    assert k > lines > 1 and released
+                    gate.signal(1)
+                    await held.close()
+                    break
+                assert not released, f"collected under the held copy (line {k})"
+                gate.signal(1)
+                await copies.pop()
+                await held.close()
+                await (await dev.alloc(64)).free()  # a look: lets go of what waited
+                gc.collect()
+                assert released  # once the copy ran
+        finally:
+            gc.enable()
+            await dev.close()
+
+
+def _collect_with_a_drop_at_line(k: int, bufs: list[am.Buffer]) -> int:
+    """``gc.collect()`` (on this thread, a worker's), the event loop's thread run at the
+    ``k``-th line of the collection's holding again of the blocks it let go of (its
+    end), to drop ``bufs``; how many lines that ran."""
+    hold = _allocator._hold_again.__code__
+    lines = 0
+
+    def line(frame: types.FrameType, event: str, arg: object) -> Any:
+        nonlocal lines
+        if event == "line":
+            lines += 1
+            if lines == k:  # the loop's thread runs here
+                anyio.from_thread.run_sync(bufs.clear)
+        return line
+
+    def call(frame: types.FrameType, event: str, arg: object) -> Any:
+        within = frame.f_back is not None and frame.f_back.f_code is hold
+        return line if frame.f_code is hold or within else None  # (a comprehension's too)
+
+    sys.settrace(call)
+    try:
+        gc.collect()
+    finally:
+        sys.settrace(None)
+    return lines
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_buffers_dropped_as_a_collection_holds_their_blocks_again_let_their_owners_go(
+    anyio_backend: str, sim: _SweepDriver, cuda_array: type[Any]
+) -> None:
+    """Buffers over CUDA memory whose commands ran, dropped by the event loop's thread
+    while a collection on another thread holds again the blocks it let go of (at each
+    line of that in turn): their producers go, and their blocks are held no more.
+    Checked: fails without the fix (a block was put back after its buffer's finalizer
+    took it out: its producer held for good)."""
+    with anyio.fail_after(60):
+        dev = await am.open_device("cuda:0")
+        gc.disable()  # (the collection looked at is the test's: none before it)
+        try:
+            for k in itertools.count(1):
+                released: list[int] = []
+                producers = [cuda_array(), cuda_array()]
+                for i, producer in enumerate(producers):
+                    weakref.finalize(producer, released.append, i)
+                bufs = [am.from_dlpack(producer) for producer in producers]
+                await dev.queue.copy(bufs[0], np.full(16, 7, np.int32))
+                del producers, producer
+                lines = await anyio.to_thread.run_sync(_collect_with_a_drop_at_line, k, bufs)
+                bufs.clear()
+                assert sorted(released) == [0, 1], f"held for good (line {k})"
+                if k >= lines:
+                    break
+        finally:
+            gc.enable()
             await dev.close()
 
 
