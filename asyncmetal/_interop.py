@@ -23,6 +23,7 @@ import numpy as np
 from . import _native, backends
 from ._allocator import Record, lenders
 from ._buffer import Buffer
+from ._buffer import foreign_buffer as _foreign_buffer
 from ._device import Device, closing, devices_opened, foreign_buffer, open_devices
 from ._dlpack import (
     ADDRESS_LIMIT,
@@ -103,7 +104,8 @@ def _device_for(device_type: int, device_id: int, given: Device | None) -> Devic
     found_last = _last_found.get(where)
     if found_last is not None and found_last[1] == devices_opened():
         last = found_last[0]()
-        if last is not None and not closing(last):
+        # (closing(last), read in place: every import looks here)
+        if last is not None and not (last._state.closed or last._closing is not None):
             return last
     found = [d for d in open_devices() if d.writable and d.dlpack_device == where]
     closing_names = [d.name for d in found if closing(d)]
@@ -214,12 +216,13 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
             target, lent_block = lent
             if shares is None:
                 shares = lent_block
+    # (_buffer's own: _device's forwards to it, a call more on every import)
     if own is None:
-        buf = foreign_buffer(target, memory, nbytes, memory, None, shares)
+        buf = _foreign_buffer(target._state, memory, nbytes, memory, None, shares)
         memory.record = buf._allocation.block.memory
         return buf
     after = own._after_stream(producer) if producer is not None else own.marker()
-    return foreign_buffer(target, data, nbytes, memory, (own, after.value))
+    return _foreign_buffer(target._state, data, nbytes, memory, (own, after.value))
 
 
 _HOST = (KDLCPU, KDLCUDAHOST)
@@ -265,6 +268,10 @@ def _dlpack_device(obj: Any) -> tuple[int, int]:
             f"{type(obj).__name__} has __dlpack__ but no __dlpack_device__, which DLPack asks for"
         )
     where = _asked(obj, "__dlpack_device__", dlpack_device)
+    if where.__class__ is tuple and len(where) == 2:
+        kind, index = where
+        if kind.__class__ is int and index.__class__ is int:  # (numpy's: as_int's own)
+            return where
     try:
         kind, index = where
     except (TypeError, ValueError):  # not a pair
