@@ -197,7 +197,7 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
         raise ExchangeError(f"{type(obj).__name__} refused to export: {refused}") from refused
     except Exception as failed:  # its own error (JAX: int4, which DLPack has no type for)
         raise _failed(obj, "__dlpack__", failed) from failed
-    found = _taker()(capsule)
+    found = (_taker.chosen or _taker())(capsule)  # (chosen once: no call to look it up)
     if found[0] != TAKEN:
         raise refuse(found)
     _, owner, data, nbytes, tensor_type, tensor_id = found
@@ -267,7 +267,12 @@ def _dlpack_device(obj: Any) -> tuple[int, int]:
         raise ArgumentTypeError(
             f"{type(obj).__name__} has __dlpack__ but no __dlpack_device__, which DLPack asks for"
         )
-    where = _asked(obj, "__dlpack_device__", dlpack_device)
+    try:  # (_asked's, in place)
+        where = dlpack_device()
+    except AsyncMetalError:
+        raise
+    except Exception as failed:
+        raise _failed(obj, "__dlpack_device__", failed) from failed
     if where.__class__ is tuple and len(where) == 2:
         kind, index = where
         if kind.__class__ is int and index.__class__ is int:  # (numpy's: as_int's own)
