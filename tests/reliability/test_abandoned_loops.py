@@ -10,21 +10,19 @@ import collections
 import contextlib
 import gc
 import os
-import subprocess
 import sys
 import threading
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 import asyncmetal as am
+from tests.support.children import run_child
 
 LOOPS = [pytest.param(False, id="asyncio"), pytest.param(True, id="uvloop")]
 LIMIT = 10  # seconds: every wait here ends within a fraction of this, or it hangs
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _new_loop(use_uvloop: bool) -> Callable[[], asyncio.AbstractEventLoop]:
@@ -112,17 +110,7 @@ def test_a_loop_left_stopped_by_a_thread_that_ended_is_let_go_of(
         _loops_left_stopped_are_let_go_of(False, monkeypatch)
         return
     pytest.importorskip("uvloop", reason="uvloop is a test dependency")
-    try:
-        child = subprocess.run(
-            [sys.executable, "-c", _LEFT_STOPPED_ON_UVLOOP],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the child hung; it printed {exc.stdout!r}")
+    child = run_child(_LEFT_STOPPED_ON_UVLOOP, hung="the child hung", timeout=120)
     assert child.returncode == 0, child.stderr[-4000:]
     assert child.stdout == "ok\n", child.stdout
 

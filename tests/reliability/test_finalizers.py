@@ -15,13 +15,11 @@ brought to (an import's look-up of the memory's record).
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.children import run_child
+
+HUNG = "the child hung: a finalizer waited for a lock its own thread held"
 
 SCRIPT = r"""
 import gc, sys
@@ -100,17 +98,7 @@ def test_a_finalizer_that_imports_never_waits_on_its_own_thread(scenario: str) -
     that still matters is checked by the test below), the states' inside
     ``unreleased_states()``, the allocator's inside a free's release of the block -- and
     the child timed out)."""
-    try:
-        child = subprocess.run(
-            [sys.executable, "-c", SCRIPT, scenario],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=90,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail("the child hung: a finalizer waited for a lock its own thread held")
+    child = run_child(SCRIPT, scenario, hung=HUNG)
     assert child.returncode == 0, child.stderr[-4000:]
     assert child.stdout.startswith("ok"), child.stdout
 
@@ -227,16 +215,6 @@ def test_a_finalizer_that_imports_inside_an_imports_look_up_once_collection_is_o
     for that memory (the finalizer's, noted first, is the one later imports share).
     Checked: with a lock that is not reentrant (``threading.Lock``), the finalizer's
     import waited for the lock its own thread held, and the child hung."""
-    try:
-        child = subprocess.run(
-            [sys.executable, "-c", SWITCHED],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=90,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail("the child hung: a finalizer waited for a lock its own thread held")
+    child = run_child(SWITCHED, hung=HUNG)
     assert child.returncode == 0, child.stderr[-4000:]
     assert child.stdout == "ok\n", child.stdout
