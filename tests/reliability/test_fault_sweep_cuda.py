@@ -1252,6 +1252,15 @@ async def test_a_buffer_over_cuda_memory_collected_in_a_cycle_keeps_its_owner_an
             await dev.close()
 
 
+def _collect_traced(call: Callable[[types.FrameType, str, object], Any]) -> None:
+    """A collection on this thread with ``call`` as its trace function (``sys.settrace``)."""
+    sys.settrace(call)
+    try:
+        gc.collect()
+    finally:
+        sys.settrace(None)
+
+
 def _collect_with_a_copy_at_line(
     k: int, ref: weakref.ref[Any], held: am.Queue, copies: list[am.Completion]
 ) -> int:
@@ -1278,11 +1287,7 @@ def _collect_with_a_copy_at_line(
     def call(frame: types.FrameType, event: str, arg: object) -> Any:
         return line if frame.f_code is look else None
 
-    sys.settrace(call)
-    try:
-        gc.collect()
-    finally:
-        sys.settrace(None)
+    _collect_traced(call)
     return lines
 
 
@@ -1359,11 +1364,7 @@ def _collect_with_a_drop_at_line(k: int, bufs: list[am.Buffer]) -> int:
         within = frame.f_back is not None and frame.f_back.f_code is hold
         return line if frame.f_code is hold or within else None  # (a comprehension's too)
 
-    sys.settrace(call)
-    try:
-        gc.collect()
-    finally:
-        sys.settrace(None)
+    _collect_traced(call)
     return lines
 
 
