@@ -147,6 +147,13 @@ def _not_lent() -> None:
     """Ends a loan that was never made (an export of a copy): nothing."""
 
 
+def _pending(queue: Queue, value: int) -> bool:
+    """Whether the command ``value`` of ``queue`` recorded as a use may still run: its
+    queue's timeline has not reached it, and its device's commands did not run out."""
+    timeline = queue.timeline
+    return not timeline._state.ran_out and timeline.native.value < value
+
+
 class Allocation:
     """What Buffers (and their views) hold; its collection frees the block."""
 
@@ -194,11 +201,7 @@ class Allocation:
                     # out: and a buffer that outlived the last device's close would wait
                     # for a look never to come). (Read from a copy: a collection while
                     # the list is made may run code that records a use.)
-                    uses = [
-                        (queue, value)
-                        for queue, value in block.last_use.copy().items()
-                        if not queue.timeline._state.ran_out and queue.timeline.native.value < value
-                    ]
+                    uses = [use for use in block.last_use.copy().items() if _pending(*use)]
                     if uses and uses != [block.waited]:
                         lingering[id(block)] = (block, uses)
                 looked = True
@@ -288,11 +291,8 @@ def _hold_in_use(phase: str, info: dict[str, int]) -> None:
         imported.difference_update([allocation.block for allocation in allocations])
         busy = []
         for allocation in allocations:
-            for queue, value in allocation.block.last_use.copy().items():
-                timeline = queue.timeline
-                if not timeline._state.ran_out and timeline.native.value < value:
-                    busy.append(allocation.block)
-                    break
+            if any(_pending(*use) for use in allocation.block.last_use.copy().items()):
+                busy.append(allocation.block)
         imported.update(busy)
     except BaseException:
         imported.update([allocation.block for allocation in allocations])
