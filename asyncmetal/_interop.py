@@ -267,12 +267,7 @@ def _dlpack_device(obj: Any) -> tuple[int, int]:
         raise ArgumentTypeError(
             f"{type(obj).__name__} has __dlpack__ but no __dlpack_device__, which DLPack asks for"
         )
-    try:  # (_asked's, in place)
-        where = dlpack_device()
-    except AsyncMetalError:
-        raise
-    except Exception as failed:
-        raise _failed(obj, "__dlpack_device__", failed) from failed
+    where = _asked(obj, "__dlpack_device__", dlpack_device)
     if where.__class__ is tuple and len(where) == 2:
         kind, index = where
         if kind.__class__ is int and index.__class__ is int:  # (numpy's: as_int's own)
