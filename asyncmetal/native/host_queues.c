@@ -329,9 +329,16 @@ static void starve_watch_open(starve_watch *w) {
     w->fd = -1;
     w->waits = 0;
 #ifdef __linux__
-    char path[64];
-    snprintf(path, sizeof path, "/proc/self/task/%ld/schedstat", (long)syscall(SYS_gettid));
-    w->fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* /proc/thread-self names the calling thread as /proc's own PID namespace numbers
+     * it. Its id from gettid is of the thread's namespace: where /proc is an outer
+     * namespace's (a PID namespace made without mounting its own), no task of this
+     * process has that number there. (Linux before 3.17 has no thread-self.) */
+    w->fd = open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC);
+    if (w->fd < 0) {
+        char path[64];
+        snprintf(path, sizeof path, "/proc/self/task/%ld/schedstat", (long)syscall(SYS_gettid));
+        w->fd = open(path, O_RDONLY | O_CLOEXEC);
+    }
     w->at = now_ns();
     if (w->fd >= 0 && (w->waited = run_queue_ns(w->fd)) < 0) {
         close(w->fd);

@@ -367,29 +367,27 @@ anyio.run(main)
 """
 
 
-@pytest.mark.skipif(
+_SPIN_US = """#include <time.h>
+void spin_us(int us) {
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    do clock_gettime(CLOCK_MONOTONIC, &b);
+    while ((b.tv_sec - a.tv_sec) * 1000000 + (b.tv_nsec - a.tv_nsec) / 1000 < us);
+}"""
+_NEEDS_SCHEDSTAT = pytest.mark.skipif(
     not hasattr(os, "sched_getaffinity")
     or len(os.sched_getaffinity(0)) < 2
     or not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"),
     reason="needs Linux's schedstat and two cores",
 )
-def test_queue_threads_starved_of_a_core_keep_loops_from_polling() -> None:
-    """A cpu queue thread that waits for a core (here its only one, held by the loop's
-    thread; elsewhere other processes hold the rest) counts as taking every core
-    (``cores_taken``), though fewer commands run than the process has cores: a loop
-    that polled there would take from the kernels the time it waits for. Checked: fails
-    without the fix (a loop polling on two cores, one held by another process, ran one
-    task's 10 us kernels at 0.4-6 k/s; sleeping, at 12-19 k/s)."""
-    src = """#include <time.h>
-    void spin_us(int us) {
-        struct timespec a, b;
-        clock_gettime(CLOCK_MONOTONIC, &a);
-        do clock_gettime(CLOCK_MONOTONIC, &b);
-        while ((b.tv_sec - a.tv_sec) * 1000000 + (b.tv_nsec - a.tv_nsec) / 1000 < us);
-    }"""
+
+
+def _starved_run(*prefix: str) -> tuple[str, str]:
+    """``_STARVED`` run in a new interpreter (behind the command words ``prefix``):
+    whether the cores counted as taken before its queue thread starved, and after."""
     env = {k: v for k, v in os.environ.items() if k != "ASYNCMETAL_CPU_QUEUE_NICE"}
     run = subprocess.run(
-        [sys.executable, "-c", _STARVED.format(src=src)],
+        [*prefix, sys.executable, "-c", _STARVED.format(src=_SPIN_US)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -397,7 +395,37 @@ def test_queue_threads_starved_of_a_core_keep_loops_from_polling() -> None:
     )
     assert run.returncode == 0, run.stderr
     before, after, _ = run.stdout.split()
-    assert (before, after) == ("False", "True"), run.stdout
+    return before, after
+
+
+@_NEEDS_SCHEDSTAT
+def test_queue_threads_starved_of_a_core_keep_loops_from_polling() -> None:
+    """A cpu queue thread that waits for a core (here its only one, held by the loop's
+    thread; elsewhere other processes hold the rest) counts as taking every core
+    (``cores_taken``), though fewer commands run than the process has cores: a loop
+    that polled there would take from the kernels the time it waits for. Checked: fails
+    without the fix (a loop polling on two cores, one held by another process, ran one
+    task's 10 us kernels at 0.4-6 k/s; sleeping, at 12-19 k/s)."""
+    assert _starved_run() == ("False", "True")
+
+
+def _pid_namespace_without_its_proc() -> bool:
+    try:
+        made = subprocess.run(["unshare", "-Urpf", "true"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return made.returncode == 0
+
+
+@_NEEDS_SCHEDSTAT
+def test_a_starved_queue_thread_is_seen_in_a_pid_namespace_without_its_own_proc() -> None:
+    """In a PID namespace whose ``/proc`` is the outer namespace's (made without
+    mounting its own: ``unshare -p``, some sandboxes), the thread ids a thread gets from
+    ``gettid`` are not the ones ``/proc`` lists: a queue thread finds its own run-queue
+    waits all the same, and its starving counts as every core taken. Checked: fails
+    without the fix (the thread looked for ``/proc/self/task/<its id>``, found nothing
+    and never counted as starved: "False False")."""
+    assert _starved_run("unshare", "-Urpf") == ("False", "True")
 
 
 async def test_a_wake_up_with_no_timer_due_soon_costs_the_loop_no_iteration_more(
