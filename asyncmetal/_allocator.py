@@ -57,6 +57,7 @@ class Block:
     __slots__ = (
         "__weakref__",  # (an allocator's foreign blocks: see Allocator.note_foreign)
         "cached_at",
+        "dropped",
         "freed",
         "generation",
         "handle",
@@ -89,6 +90,9 @@ class Block:
         # Of a block over memory another library owns: the command that waited for that
         # library's work on it (``foreign_buffer``'s ``after``), which uses no memory.
         self.waited: tuple[Queue, int] | None = None
+        # Of a block over memory another library owns: its buffers went (the finalizer
+        # of their allocation took it out of ``imported``), for good.
+        self.dropped = False
 
 
 class ForeignMemory:
@@ -210,6 +214,10 @@ class Allocation:
                     lingering[id(block)] = (block, list(block.last_use.copy().items()))
                 # After: it stays reachable meanwhile. (No call before the one that takes
                 # it out, where an interrupt would leave it, and its owner, held for good.)
+                # Marked first: a collection on another thread may hold this allocation
+                # again (its weak references live until this returns) and put its block
+                # back after this took it out -- it takes it out again once it sees this.
+                block.dropped = True
                 imported.discard(block)
 
 
@@ -294,6 +302,9 @@ def _hold_in_use(phase: str, info: dict[str, int]) -> None:
             if any(_pending(*use) for use in allocation.block.last_use.copy().items()):
                 busy.append(allocation.block)
         imported.update(busy)
+        # (Put back after their finalizer took them out, on another thread: see
+        # Allocation.__del__.)
+        imported.difference_update([block for block in busy if block.dropped])
     except BaseException:
         imported.update([allocation.block for allocation in allocations])
         raise
@@ -315,6 +326,9 @@ def _hold_again() -> None:
     allocations = [a for ref in _unheld if (a := ref()) is not None]
     imported.update([allocation.block for allocation in allocations])
     _unheld.clear()
+    # (A weak reference to an allocation whose finalizer runs on another thread still
+    # gives it: the block put back after that took it out is taken out again.)
+    imported.difference_update([a.block for a in allocations if a.block.dropped])
 
 
 # Blocks over memory another library owns whose buffers were dropped while commands may

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
-from . import _native, _native_contract
-from ._allocator import Allocation
+from . import _allocator, _native, _native_contract
+from ._allocator import Allocation, hold_used
 from ._backend import Arg, NativeQueue, Record, new_arg
 from ._buffer import Buffer, check_buffer, launch_args, native_arg, record_uses, uses
 from ._copyargs import copy_operands, fill_operands
@@ -568,6 +568,8 @@ class Queue(Singular):
                 self, self._launch_target, program, buffers, vals, global_size, local_size
             )
             if submitted is not None:
+                if _allocator.letting_go:  # (its uses recorded in C: see record_uses)
+                    hold_used([buf._allocation for buf in buffers])
                 return submitted
         args = self._launch_args(program, buffers, vals)
         gsize = _ONE3 if global_size is _ONE3 else _size3(global_size, "global_size")

@@ -9,6 +9,11 @@ operations, per operation."""
 from __future__ import annotations
 
 import gc
+import itertools
+import linecache
+import sys
+import threading
+import types
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -19,6 +24,8 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
+from asyncmetal import _allocator
+from asyncmetal._allocator import Allocation
 from tests.support.kernels import KERNELS
 from tests.support.queues import held_queue
 
@@ -244,6 +251,135 @@ async def test_a_producer_that_keeps_its_buffer_is_collected_once_no_command_use
         gc.collect()
         assert held_gone.is_set()
         await queue.close()
+
+
+def _drop_with_a_collection_at(k: int, bufs: list[am.Buffer]) -> int:
+    """Drop ``bufs`` (on this thread, a worker's), the event loop's thread run at the
+    ``k``-th line of the finalizer of their allocation, or as it returns -- for a
+    collection there --; at how many points it could have run."""
+    finalizer = Allocation.__del__.__code__
+    points = 0
+
+    def step(frame: types.FrameType, event: str, arg: object) -> Any:
+        nonlocal points
+        if event in ("line", "return"):
+            points += 1
+            if points == k:  # the loop's thread runs here
+                anyio.from_thread.run_sync(gc.collect)
+        return step
+
+    def call(frame: types.FrameType, event: str, arg: object) -> Any:
+        return step if frame.f_code is finalizer else None
+
+    sys.settrace(call)
+    try:
+        bufs.clear()
+    finally:
+        sys.settrace(None)
+    return points
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["ran", "held"])
+async def test_a_collection_as_a_dropped_buffers_finalizer_runs_lets_its_owner_go(
+    dev: am.Device, held: bool
+) -> None:
+    """A buffer over another library's array dropped on a worker thread, a collection
+    run by the event loop's thread at each point of the finalizer of the buffer's
+    allocation in turn (its lines, and as it returns, after it took the block out): the
+    array is kept while a held write into it runs, and goes once no command uses it --
+    never held for good. Checked: fails without the fix (the collection got the
+    allocation from its weak references, which live until its finalizer returns, and
+    put its block back after the finalizer took it out: the array held for good)."""
+    with anyio.fail_after(60):
+        for k in itertools.count(1):
+            array = np.zeros(1024, np.int32)
+            released: list[bool] = []  # (set on either thread)
+            weakref.finalize(array, released.append, True)
+            bufs = [am.from_dlpack(array)]
+            if held:
+                queue, gate = held_queue(dev)
+                write = queue.copy(bufs[0], np.full(1024, 7, np.int32))
+            else:
+                await dev.queue.copy(bufs[0], np.full(1024, 7, np.int32))
+            del array
+            points = await anyio.to_thread.run_sync(_drop_with_a_collection_at, k, bufs)
+            if held:
+                assert not released, f"let go of under the held write (point {k})"
+                gate.signal(1)
+                await write
+                await queue.close()
+                await (await dev.alloc(64)).free()  # a look: lets go of what waited
+            gc.collect()
+            assert released, f"held for good (a collection at point {k} of {points})"
+            if k >= points:
+                break
+
+
+def _drop_as_a_collection_looks(bufs: list[am.Buffer]) -> None:
+    """Drop ``bufs`` (on this thread, a worker's) while another thread's collection is
+    in its callback that lets go of blocks: the callback gets the allocation of
+    ``bufs`` as their finalizer starts, and goes on -- holding again the blocks still
+    in use -- once the drop returned."""
+    finalizer, look = Allocation.__del__.__code__, _allocator._hold_in_use.__code__
+    looked, dropped = threading.Event(), threading.Event()
+
+    def holding(frame: types.FrameType, event: str, arg: object) -> Any:
+        line = linecache.getline(look.co_filename, frame.f_lineno).strip()
+        if event == "line" and line == "imported.update(busy)":
+            looked.set()
+            assert dropped.wait(10)
+        return holding
+
+    def collect() -> None:
+        sys.settrace(lambda frame, event, arg: holding if frame.f_code is look else None)
+        try:
+            gc.collect()
+        finally:
+            sys.settrace(None)
+
+    collector = threading.Thread(target=collect)
+
+    def started(frame: types.FrameType, event: str, arg: object) -> Any:
+        if frame.f_code is finalizer and collector.ident is None:  # (started once)
+            collector.start()
+            assert looked.wait(10)
+        return None
+
+    sys.settrace(started)
+    try:
+        bufs.clear()
+    finally:
+        sys.settrace(None)
+    dropped.set()
+    collector.join(10)
+
+
+async def test_a_buffer_dropped_as_a_collection_looks_at_uses_lets_its_owner_go(
+    dev: am.Device,
+) -> None:
+    """A buffer over another library's array, a write into it held, dropped on a worker
+    thread while a collection on another thread looks at the uses of such buffers --
+    the collection got the buffer's allocation as its finalizer started, and holds
+    again the blocks still in use after that finalizer returned --: the array is kept
+    until the write ran, then goes -- never held for good. Checked: fails without the
+    fix (the collection put the block back after the finalizer took it out, and no
+    finalizer was left to take it out again: the array held for good)."""
+    with anyio.fail_after(30):
+        array = np.zeros(1024, np.int32)
+        released: list[bool] = []  # (set on any thread)
+        weakref.finalize(array, released.append, True)
+        bufs = [am.from_dlpack(array)]
+        queue, gate = held_queue(dev)
+        write = queue.copy(bufs[0], np.full(1024, 7, np.int32))
+        del array
+        await anyio.to_thread.run_sync(_drop_as_a_collection_looks, bufs)
+        assert not released  # the held write still uses its memory
+        gate.signal(1)
+        await write
+        await queue.close()
+        await (await dev.alloc(64)).free()  # a look: lets go of what waited
+        gc.collect()
+        assert released  # held for good otherwise
 
 
 async def test_a_dropped_buffer_whose_commands_ran_lets_its_owner_go_at_once(

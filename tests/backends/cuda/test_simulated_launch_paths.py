@@ -25,6 +25,10 @@ runtime's driver table is process-wide). Runs everywhere a C compiler is found.
   kernel, on every path -- also when the queue holds commands on the host, where the
   driver's refusal would have come later, failing the queue -- with nothing numbered,
   held or handed to the driver; the queue goes on, and launches at the limits run.
+* A launch on a buffer over another library's memory, made as a collection lets go of
+  the blocks of such buffers that no command used, holds its block again on every path:
+  the array, kept in a cycle with its buffer and dropped, is not collected until the
+  launch ran.
 """
 
 from __future__ import annotations
@@ -271,3 +275,21 @@ def test_closes_of_a_device_whose_queues_are_held_in_device_waits_return(loop: s
         ],
     }, seen
     assert seen["exit"] == {"returned": True}, seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_launch_recorded_as_a_collection_lets_go_of_blocks_keeps_the_owner(
+    path: str, loop: str
+) -> None:
+    """Another library's array that keeps the buffer made of it (a cycle), reached
+    through a weak reference once a collection's callback let go of the idle buffers'
+    blocks, a launch on its buffer held on the device, the array dropped again: the
+    collection leaves the array (its finalizer does not run) until the launch ran, on
+    every path. Checked: fails without the fix on the "queue" path (the extension's
+    Queue.launch recorded the use in C and held nothing again: the array was collected
+    under the held launch)."""
+    seen = _through("collected_launch", loop, path)
+    assert seen["let_go"] and seen["launched"] == 1, seen
+    assert not seen["released_under_launch"], seen
+    assert seen["awaited"] == "done" and seen["released_after"], seen

@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import types
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -153,6 +154,11 @@ def _driver_module(sim: _Simulated, gpus: int = 1) -> Any:
     from tests.reliability.test_cuda_faults import CUresult, _Driver
 
     class Driver(_Driver):
+        CUpointer_attribute = types.SimpleNamespace(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL=9)
+
+        def cuPointerGetAttribute(self, attribute: int, address: int) -> tuple[Any, ...]:
+            return self._result("cuPointerGetAttribute", 0)  # (every pointer: cuda:0's)
+
         def cuMemAlloc(self, nbytes: int) -> tuple[Any, ...]:
             result = self._result("cuMemAlloc", 0)
             if result[0]:
@@ -630,6 +636,74 @@ async def _gated_discard(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> 
     return seen
 
 
+async def _collected_launch(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
+    """Another library's array over device memory (``__cuda_array_interface__``) that
+    keeps the buffer made of it (a cycle), reached through a weak reference as a
+    collection starts -- once its callback looked at the buffers' uses and let go of
+    those idle (code another thread, or a callback after it, runs) --, a launch on that
+    buffer held on the device (behind a wait for a value only the host signals), the
+    array dropped again: whether the collection ran the array's finalizer under the
+    held launch, and whether it ran once the launch did; ``let_go``: the callback had
+    let go of the buffer's block (no command used it as it looked)."""
+    import gc
+    import weakref
+
+    import asyncmetal as am
+    from asyncmetal import _allocator
+
+    seen: Seen = {}
+    device = queue.device
+    address = sim.fake.fake_mem_alloc(64)
+
+    class Producer:
+        buffer: Any = None
+
+        def __init__(self) -> None:
+            self.__cuda_array_interface__ = {
+                "shape": (16,),
+                "typestr": "<i4",
+                "data": (address, False),
+                "version": 3,
+            }
+
+    gc.disable()  # (the collection looked at is this one: none before it)
+    try:
+        producer = Producer()
+        producer.buffer = am.from_dlpack(producer)
+        await device.synchronize()  # (the import's wait for the array's stream ran)
+        gate = device.timeline()
+        gate.signal(1)  # (only ever signalled by the host: its waits go to the driver at once)
+        queue.wait(gate, 2)
+        released: list[bool] = []
+        weakref.finalize(producer, released.append, True)
+        ref = weakref.ref(producer)
+        del producer
+        launched: list[Any] = []
+
+        def launch(phase: str, info: dict[str, int]) -> None:
+            found = ref()
+            if phase == "start" and found is not None and not launched:
+                seen["let_go"] = found.buffer._allocation.block not in _allocator.imported
+                launched.append(queue.launch(kernel, found.buffer))
+
+        gc.callbacks.append(launch)  # (after the allocator's, added at the first import)
+        try:
+            gc.collect()
+        finally:
+            gc.callbacks.remove(launch)
+    finally:
+        gc.enable()
+    seen["launched"] = len(launched)
+    seen["released_under_launch"] = bool(released)
+    gate.signal(2)
+    seen["awaited"] = await _awaited(launched[0]) if launched else None
+    await (await device.alloc(64)).free()  # a look: lets go of what waited
+    gc.collect()
+    seen["released_after"] = bool(released)
+    sim.fake.fake_mem_free(address)
+    return seen
+
+
 SCENARIOS: dict[str, Callable[[_Simulated, Any, Any, Any], Awaitable[Seen]]] = {
     "gated_discard": _gated_discard,
     "refused_end": _refused_end,
@@ -640,6 +714,7 @@ SCENARIOS: dict[str, Callable[[_Simulated, Any, Any, Any], Awaitable[Seen]]] = {
     "launch_limits": _launch_limits,
     "fence_gone": _fence_gone,
     "late_wait_on_closed": _late_wait_on_closed,
+    "collected_launch": _collected_launch,
 }
 # What a scenario sets up before its queue is made.
 BEFORE_QUEUE: dict[str, Callable[[_Simulated], None]] = {"no_context": _refuse_context}
