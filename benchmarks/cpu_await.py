@@ -2,6 +2,8 @@
 
     python benchmarks/cpu_await.py [--json out.json]
 
+It needs trio (the test extra brings it).
+
 Competitors, in one process and one run:
   * asyncmetal: ``await queue.launch(empty)``
   * the way a user would write it instead: the same ctypes function through
