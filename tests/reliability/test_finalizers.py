@@ -126,7 +126,8 @@ async def main():
             self.me = self  # (a cycle: only a collection finds it)
 
         def __del__(self):
-            assert inside[0] and threading.current_thread() is threading.main_thread()
+            assert inside[0], "a collection outside the look-up ran the finalizer"
+            assert threading.current_thread() is threading.main_thread(), threading.current_thread()
             _interop._last_found.clear()  # (looked up again, not taken from the last)
             nested.append(am.from_dlpack(array))  # the memory the import looks up
             nested.append(am.from_dlpack(other))
@@ -136,14 +137,15 @@ async def main():
         if at != address or inside[0] or nested:  # (the finalizer's own look-ups, and later)
             return found
         # The import's look-up, its lock held and collection switched off by it: another
-        # thread switches collection on; the next allocations start one, which finds
-        # the finalizer that imports -- before the import notes what it found.
+        # thread switches collection on; then one starts here, which finds the
+        # finalizer that imports -- before the import notes what it found. (Started
+        # by the call, not by the next allocation's count: with the count lowered, an
+        # allocation of any other thread of the process -- asyncmetal's worker that
+        # opened the device, reporting back -- could start it there first, and run the
+        # finalizer on that thread.)
         assert not gc.isenabled()
         Imports()
-        gc.set_threshold(1)
         inside[0] = True
-        # (The other thread allocates nothing once collection is on, until the look-up
-        # has ended: a collection of its own would run the finalizer there.)
         on, done = _thread.allocate_lock(), _thread.allocate_lock()
         on.acquire()
         done.acquire()
@@ -157,14 +159,11 @@ async def main():
         threading.Thread(target=switch).start()
         try:
             on.acquire()
-            for _ in range(1000):
-                if nested:
-                    break
-                [None]  # (a tracked allocation: a collection starts at one)
+            assert gc.isenabled()
+            gc.collect()
         finally:
             done.release()
             inside[0] = False
-            gc.set_threshold(700, 10, 10)
         assert len(nested) == 2, "no collection ran inside the look-up"
         return found
 
