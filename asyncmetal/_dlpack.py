@@ -380,6 +380,9 @@ def export_dlpack(
         )
     target = (device_type, device_id) if dl_device is None else _pair(dl_device, "dl_device")
     moved = target != (device_type, device_id)
+    if copy is not None and copy.__class__ is not bool and not isinstance(copy, np.bool_):
+        # (a truthy string or number taken for True would copy where it was not meant)
+        raise ArgumentTypeError(f"copy must be True, False or None, got {copy!r}")
     # A copy, as the array API asks for copy=True (or for another device, unless
     # copy=False): made of host memory into host memory, at once.
     if (copy or (moved and copy is None)) and state.backend.host_visible and target == (KDLCPU, 0):

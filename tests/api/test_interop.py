@@ -249,6 +249,13 @@ async def test_copy_true_copies_host_memory(
     assert managed.dl_tensor.device.device_type == 1
     with pytest.raises(BufferError, match="must be None"):
         buf.__dlpack__(dl_device=cpu, copy=True, stream=1)
+    # The array API's copy is a bool (numpy's too) or None: nothing else is taken for one.
+    for wrong in ("yes", "", 1, 0, 1.0):
+        with pytest.raises(TypeError, match="copy must be True, False or None"):
+            buf.__dlpack__(dl_device=cpu, copy=wrong)
+    numpy_true = buf.__dlpack__(max_version=(1, 0), dl_device=cpu, copy=np.True_)
+    assert _tensor(numpy_true)[0].flags & _dlpack.FLAG_IS_COPIED
+    del numpy_true
     gate = device.timeline()  # holds the use until the export was refused
     device.queue.wait(gate, 1)
     try:
