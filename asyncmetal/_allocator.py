@@ -307,6 +307,7 @@ def _hold_in_use(phase: str, info: dict[str, int]) -> None:
         imported.difference_update([block for block in busy if block.dropped])
     except BaseException:
         imported.update([allocation.block for allocation in allocations])
+        imported.difference_update([a.block for a in allocations if a.block.dropped])
         raise
 
 

@@ -323,11 +323,15 @@ async def test_a_collection_as_a_dropped_buffers_finalizer_runs_lets_its_owner_g
                 break
 
 
-def _drop_as_a_collection_looks(bufs: list[am.Buffer]) -> None:
+def _drop_as_a_collection_looks(
+    bufs: list[am.Buffer], interrupted: list[object] | None = None
+) -> None:
     """Drop ``bufs`` (on this thread, a worker's) while another thread's collection is
     in its callback that lets go of blocks: the callback gets the allocation of
     ``bufs`` as their finalizer starts, and goes on -- holding again the blocks still
-    in use -- once the drop returned."""
+    in use -- once the drop returned. With ``interrupted``, a KeyboardInterrupt is
+    raised in the callback there instead (a Ctrl-C; what the collector reports of it
+    is appended to the list)."""
     finalizer, look = Allocation.__del__.__code__, _allocator._hold_in_use.__code__
     looked, dropped = threading.Event(), threading.Event()
 
@@ -336,14 +340,20 @@ def _drop_as_a_collection_looks(bufs: list[am.Buffer]) -> None:
         if event == "line" and line == "imported.update(busy)":
             looked.set()
             assert dropped.wait(10)
+            if interrupted is not None:
+                raise KeyboardInterrupt
         return holding
 
     def collect() -> None:
+        hook = sys.unraisablehook
+        if interrupted is not None:
+            sys.unraisablehook = lambda report: interrupted.append(report.exc_type)
         sys.settrace(lambda frame, event, arg: holding if frame.f_code is look else None)
         try:
             gc.collect()
         finally:
             sys.settrace(None)
+            sys.unraisablehook = hook
 
     collector = threading.Thread(target=collect)
 
@@ -362,16 +372,19 @@ def _drop_as_a_collection_looks(bufs: list[am.Buffer]) -> None:
     collector.join(10)
 
 
+@pytest.mark.parametrize("interrupt", [False, True], ids=["plain", "interrupted"])
 async def test_a_buffer_dropped_as_a_collection_looks_at_uses_lets_its_owner_go(
-    dev: am.Device,
+    dev: am.Device, interrupt: bool
 ) -> None:
     """A buffer over another library's array, a write into it held, dropped on a worker
     thread while a collection on another thread looks at the uses of such buffers --
     the collection got the buffer's allocation as its finalizer started, and holds
-    again the blocks still in use after that finalizer returned --: the array is kept
-    until the write ran, then goes -- never held for good. Checked: fails without the
-    fix (the collection put the block back after the finalizer took it out, and no
-    finalizer was left to take it out again: the array held for good)."""
+    again the blocks still in use after that finalizer returned (``interrupt``: a
+    Ctrl-C there instead, whose recovery holds every block it looked at again) --: the
+    array is kept until the write ran, then goes -- never held for good. Checked: fails
+    without the fix (the collection, or the recovery, put the block back after the
+    finalizer took it out, and no finalizer was left to take it out again: the array
+    held for good)."""
     with anyio.fail_after(30):
         array = np.zeros(1024, np.int32)
         released: list[bool] = []  # (set on any thread)
@@ -380,7 +393,9 @@ async def test_a_buffer_dropped_as_a_collection_looks_at_uses_lets_its_owner_go(
         queue, gate = held_queue(dev)
         write = queue.copy(bufs[0], np.full(1024, 7, np.int32))
         del array
-        await anyio.to_thread.run_sync(_drop_as_a_collection_looks, bufs)
+        interrupted: list[object] | None = [] if interrupt else None
+        await anyio.to_thread.run_sync(_drop_as_a_collection_looks, bufs, interrupted)
+        assert interrupted in (None, [KeyboardInterrupt])  # (the recovery ran)
         assert not released  # the held write still uses its memory
         gate.signal(1)
         await write
