@@ -301,14 +301,19 @@ def _hold_in_use(phase: str, info: dict[str, int]) -> None:
         for allocation in allocations:
             if any(_pending(*use) for use in allocation.block.last_use.copy().items()):
                 busy.append(allocation.block)
-        imported.update(busy)
-        # (Put back after their finalizer took them out, on another thread: see
-        # Allocation.__del__.)
-        imported.difference_update([block for block in busy if block.dropped])
+        _hold(busy)
     except BaseException:
-        imported.update([allocation.block for allocation in allocations])
-        imported.difference_update([a.block for a in allocations if a.block.dropped])
+        _hold([allocation.block for allocation in allocations])
         raise
+
+
+def _hold(blocks: list[Block]) -> None:
+    """Hold ``blocks`` in ``imported`` again -- but not those whose buffers went: a
+    collection on another thread may have reached their allocation as its finalizer
+    took them out (its weak references live until that returns; see
+    Allocation.__del__)."""
+    imported.update(blocks)
+    imported.difference_update([block for block in blocks if block.dropped])
 
 
 def hold_used(allocations: Iterable[Allocation]) -> None:
@@ -325,11 +330,8 @@ def _hold_again() -> None:
     allocations kept until the blocks are held: one whose buffers another thread drops
     meanwhile takes its block out after, not before -- held for good.)"""
     allocations = [a for ref in _unheld if (a := ref()) is not None]
-    imported.update([allocation.block for allocation in allocations])
+    _hold([allocation.block for allocation in allocations])
     _unheld.clear()
-    # (A weak reference to an allocation whose finalizer runs on another thread still
-    # gives it: the block put back after that took it out is taken out again.)
-    imported.difference_update([a.block for a in allocations if a.block.dropped])
 
 
 # Blocks over memory another library owns whose buffers were dropped while commands may

@@ -28,7 +28,6 @@ from ._allocator import (
     Allocator,
     Block,
     MemoryStatistics,
-    Record,
     closed_blocks,
     forget_left_blocks,
     free_left_blocks,
@@ -38,7 +37,6 @@ from ._backend import Backend, NativeQueue
 from ._bridge import checkpoint
 from ._buffer import Buffer, wrap_buffer
 from ._buffer import discard as discard_buffer
-from ._buffer import foreign_buffer as _foreign_buffer
 from ._compile import (
     Compiler,
     NotDefinedError,
@@ -2102,21 +2100,6 @@ async def _until_closed(closing: HostEvents, interrupted: Callable[[], None] | N
         raise
     if cancelled is not None:
         raise cancelled
-
-
-def foreign_buffer(
-    device: Device,
-    handle: Any,
-    nbytes: int,
-    owner: object,
-    after: tuple[Queue, int] | None,
-    shares: Record | None = None,
-) -> Buffer:
-    """A Buffer of ``device`` over memory it does not own (another library's array):
-    ``owner`` is kept alive while the buffer is; ``after``: a command later uses order
-    themselves after; ``shares``: the block (of the buffer it came from), or foreign
-    memory, whose record of uses it shares."""
-    return _foreign_buffer(device._state, handle, nbytes, owner, after, shares)
 
 
 def open_devices() -> list[Device]:

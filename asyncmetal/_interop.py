@@ -24,7 +24,7 @@ from . import _native, backends
 from ._allocator import Record, lenders
 from ._buffer import Buffer
 from ._buffer import foreign_buffer as _foreign_buffer
-from ._device import Device, closing, devices_opened, foreign_buffer, open_devices
+from ._device import Device, closing, devices_opened, open_devices
 from ._dlpack import (
     ADDRESS_LIMIT,
     DLPACK_VERSION,
@@ -104,8 +104,7 @@ def _device_for(device_type: int, device_id: int, given: Device | None) -> Devic
     found_last = _last_found.get(where)
     if found_last is not None and found_last[1] == devices_opened():
         last = found_last[0]()
-        # (closing(last), read in place: every import looks here)
-        if last is not None and not (last._state.closed or last._closing is not None):
+        if last is not None and not closing(last):
             return last
     found = [d for d in open_devices() if d.writable and d.dlpack_device == where]
     closing_names = [d.name for d in found if closing(d)]
@@ -216,7 +215,6 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
             target, lent_block = lent
             if shares is None:
                 shares = lent_block
-    # (_buffer's own: _device's forwards to it, a call more on every import)
     if own is None:
         buf = _foreign_buffer(target._state, memory, nbytes, memory, None, shares)
         memory.record = buf._allocation.block.memory
@@ -336,11 +334,13 @@ def _buffer(device: Device, memory: _Imported, queue: Queue | None) -> Buffer:
     whose later commands order themselves after a marker on ``queue`` behind what the
     producer made that queue wait for."""
     if queue is None:
-        buf = foreign_buffer(device, memory, memory.nbytes, memory, None)
+        buf = _foreign_buffer(device._state, memory, memory.nbytes, memory, None)
         memory.record = buf._allocation.block.memory
         return buf
     after = queue.marker()
-    return foreign_buffer(device, memory.address, memory.nbytes, memory, (queue, after.value))
+    return _foreign_buffer(
+        device._state, memory.address, memory.nbytes, memory, (queue, after.value)
+    )
 
 
 def _interface(interface: object) -> tuple[int, int, int | None]:
@@ -432,4 +432,4 @@ def _from_cuda_array_interface(obj: Any, interface: object, device: Device | Non
     # The producer's stream: the default queue waits, on the device, for what was
     # submitted there until now (the stream is not adopted), and so do later commands.
     after = queue._after_stream(stream)
-    return foreign_buffer(device, address, nbytes, memory, (queue, after.value))
+    return _foreign_buffer(device._state, address, nbytes, memory, (queue, after.value))

@@ -337,7 +337,7 @@ def _drop_as_a_collection_looks(
 
     def holding(frame: types.FrameType, event: str, arg: object) -> Any:
         line = linecache.getline(look.co_filename, frame.f_lineno).strip()
-        if event == "line" and line == "imported.update(busy)":
+        if event == "line" and line == "_hold(busy)":
             looked.set()
             assert dropped.wait(10)
             if interrupted is not None:
