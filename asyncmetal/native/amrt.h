@@ -104,6 +104,10 @@ typedef struct am_timeline {
     atomic_int has_kicks;
     atomic_int signalled_by;        /* AM_BY_HOST: a host signal raised it; AM_BY_DEVICE:
                                        a queue's signal of it was submitted */
+    /* cuda completion threads napping on a device wait for it that only a host signal
+     * can release now (the word below the target, nothing handed over for it): a hand-over
+     * or a host raise of the word kicks them (timeline_handed, timeline_raise). */
+    atomic_int nappers;
     /* A Metal queue's own timeline: the value of its first command buffer that failed
      * (0: none), set by that buffer's completion handler (am_block_completed). */
     _Atomic uint64_t failed_command;

@@ -803,8 +803,20 @@ static void *cuq_run(void *arg) {
                         int64_t at = now_ns();
                         if (at < polling_until) { sched_yield(); continue; }
                         long nap = (long)((at - since) / 32);
-                        if (kick_nap(nap < 20000 ? 20000 : nap > 1000000 ? 1000000 : nap,
-                                     kicks)) {
+                        nap = nap < 20000 ? 20000 : nap > CU_NAP_MAX_NS ? CU_NAP_MAX_NS : nap;
+                        /* A device wait only a host signal can release now: nothing to
+                         * look for until a kick (counted first, then checked: a hand-over
+                         * or a host queue's raise of the word after the check kicks). */
+                        am_timeline *t = e.waited && e.extra && e.extra->word ? e.extra : NULL;
+                        if (t) {
+                            atomic_fetch_add(&t->nappers, 1);
+                            if (atomic_load(t->word) < e.extra_value &&
+                                atomic_load(&t->handed) < e.extra_value)
+                                nap = CU_NAP_MAX_NS;
+                        }
+                        int kicked = kick_nap(nap, kicks);
+                        if (t) atomic_fetch_sub(&t->nappers, 1);
+                        if (kicked) {
                             kicks = atomic_load(&kick_gen);
                             polling_until = now_ns() + CU_KICK_POLL_NS;
                             atomic_fetch_add(&q->kicked, 1);

@@ -62,6 +62,7 @@ AM_HIDDEN void cu_restore(void *before);
 #define CU_NAP_MIN_NS 60000      /* a command expected to run this much longer: nap first */
 #define CU_NAP_LEAD_NS 30000     /* ... waking this long (and a 128th of its run) before */
 #define CU_NAP_CHUNK_NS 20000000 /* ... in naps of at most this (an abandon is seen) */
+#define CU_NAP_MAX_NS 1000000    /* a command that runs long: naps at most this long */
 #define CU_LATE_POLL_NS 200000   /* poll past the expected end at most this long */
 #define CU_NEAR_MIN_NS 1000000   /* one expected to run this long wakes its loops ahead, */
 #define CU_NEAR_LEAD_NS 250000   /* ... at most this long before its expected end */

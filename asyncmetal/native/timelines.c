@@ -220,6 +220,7 @@ static void run_kicks(am_kick *k) {
 void timeline_handed(am_timeline *t, uint64_t v) {
     uint64_t old = atomic_load(&t->handed);
     while (old < v && !atomic_compare_exchange_weak(&t->handed, &old, v)) {}
+    if (atomic_load(&t->nappers)) host_signalled();  /* a device write of it is coming */
     if (!atomic_load(&t->has_kicks)) return;
     pthread_mutex_lock(&t->mu);
     am_kick *due = kicks_due(t);
@@ -490,6 +491,9 @@ static void timeline_raise(am_timeline *t, uint64_t v, uint64_t from, int error,
     }
     am_kick *due = kicks_due(t);
     pthread_mutex_unlock(&t->mu);
+    /* (a host queue's signal of a word a stream waits on; am_timeline_host_signal kicks
+     * every napping thread itself) */
+    if (t->word && atomic_load(&t->nappers)) host_signalled();
     wake(&wk);
     run_kicks(due);
     if (atomic_load(&am_settling)) am_settle_wake();

@@ -72,6 +72,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "predict"),
         *("ok", "near"),
         *("ok", "kick"),
+        *("ok", "hostnap"),
         *("ok", "abandon"),
         *("ok", "context"),
         *("ok", "foreign"),

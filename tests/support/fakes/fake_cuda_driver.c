@@ -7,6 +7,7 @@
 void die(const char *what) { fprintf(stderr, "FAIL %s\n", what); exit(1); }
 
 atomic_long events_made, events_destroyed;
+atomic_long event_queries;  /* cuEventQuery calls (the runtime's) */
 atomic_long deep_limit;       /* >0: a launch blocks while its stream has more ops */
 atomic_long blocked_launches; /* launches that had to block for that */
 atomic_int release_syncs;     /* 1: blocked syncs give up (NOT_READY) */
@@ -433,17 +434,21 @@ static int f_record(void *e, void *stream) {
     enqueue(stream, (op){OP_RECORD, gen, ev, 0});
     return 0;
 }
-static int f_query(void *e) {
+static int f_look(void *e) {
     fake_event *ev = e;
     if (e == atomic_load(&held)) return NOT_READY;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     int64_t latest = atomic_load(&ev->recorded);
     return !latest || atomic_load(&ev->ended[latest % FAKE_RECORDS]) ? 0 : NOT_READY;
 }
+static int f_query(void *e) {
+    atomic_fetch_add(&event_queries, 1);
+    return f_look(e);
+}
 static int f_sync(void *e) {
     int r;
     if (!(((fake_event *)e)->flags & 0x1)) die("blocked on an event made without BLOCKING_SYNC");
-    while ((r = f_query(e)) == NOT_READY && !atomic_load(&release_syncs)) sched_yield();
+    while ((r = f_look(e)) == NOT_READY && !atomic_load(&release_syncs)) sched_yield();
     return r;
 }
 static int f_create(void **e, unsigned flags) {

@@ -94,6 +94,7 @@ void queue_free(fake_queue f, int abandon);
 int launch(fake_queue f, kernel *k, int64_t arg, uint64_t value);
 
 extern atomic_long events_made, events_destroyed;
+extern atomic_long event_queries;     /* cuEventQuery calls (the runtime's) */
 extern atomic_long deep_limit;        /* >0: a launch blocks while its stream has more ops */
 extern atomic_long blocked_launches;  /* launches that had to block for that */
 extern atomic_int release_syncs;      /* 1: blocked syncs give up (NOT_READY) */

@@ -144,6 +144,9 @@
  *             naming the refused command, and a close to finish returns
  *   kick      a host signal of a timeline a stream waits on cuts the completion
  *             thread's nap short
+ *   hostnap   a stream's wait on a timeline only the host signalled naps until a kick
+ *             (1 ms at a time), and a host signal, a queue's signal handed over and a
+ *             host queue's raise of the word each kick it
  *   abandon   closing with abandon returns while the completion thread naps on, or is
  *             blocked on, a command behind a wait nobody signals (a blocked one frees the
  *             queue itself once it returns)
@@ -1053,6 +1056,52 @@ static void check_kick(void) {
     am_timeline_free(gate);
     free(word);
     puts("ok kick");
+}
+
+/* A queue's device wait on a timeline only the host has signalled, which nothing was
+ * handed over to raise: its thread naps until a kick, 1 ms at a time -- not on the
+ * schedule of a command that runs long (naps of 20 us growing to 1 ms: ~100 looks in
+ * the first 20 ms) -- and is kicked by whatever raises the word then: a host signal, a
+ * queue's signal of the timeline handed over, a host queue's raise of it. */
+static void check_hostnap(void) {
+    const char *how[] = {"a host signal", "a queue's signal handed over", "a host queue's raise"};
+    for (int i = 0; i < 3; i++) {
+        fake_queue f = queue_new(), g = queue_new();
+        free_timeline t = free_timeline_new();
+        am_timeline_host_signal(t.t, 1, NULL);  /* only the host signalled it: on the device */
+        uint64_t after[8], end[8];
+        if (am_cuq_wait_timeline(f.q, t.t, 2, 1) ||
+            am_cuq_finish(f.q, 1, t.t, 2, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
+            launch(f, NULL, 0, 2))
+            die("hostnap: the wait failed");
+        nap_ns(2000000);  /* its polling is over: it naps */
+        long looks = atomic_load(&event_queries);
+        nap_ns(20000000);
+        looks = atomic_load(&event_queries) - looks;
+        am_cuq_stats(f.q, after);
+        if (looks > 30) {
+            fprintf(stderr, "hostnap: %ld looks in 20 ms\n", looks);
+            die("hostnap: a wait only the host can release was looked at on the long schedule");
+        }
+        if (i == 0) {
+            am_timeline_host_signal(t.t, 2, NULL);
+        } else if (i == 1) {
+            if (am_cuq_write(g.q, t.word, 2, 1) || am_cuq_finish(g.q, 1, t.t, 2, 0, 0))
+                die("hostnap: the signal failed");
+        } else {
+            am_timeline_signal(t.t, 2);
+        }
+        reach(f.t, 2, "hostnap: the wait never ended");
+        am_cuq_stats(f.q, end);
+        if (end[7] == after[7]) {
+            fprintf(stderr, "hostnap: %s\n", how[i]);
+            die("hostnap: what released the wait did not kick its napping thread");
+        }
+        queue_free(g, 0);
+        queue_free(f, 0);
+        free_timeline_free(t);
+    }
+    puts("ok hostnap");
 }
 
 static void check_abandon(void) {
@@ -3406,6 +3455,7 @@ int main(void) {
     check_predict();  /* before abandon, after which a blocking wait never blocks */
     check_near();
     check_kick();
+    check_hostnap();
     check_abandon();
     check_context();
     check_foreign();
