@@ -815,10 +815,15 @@ static void *cuq_run(void *arg) {
                                 nap = CU_NAP_MAX_NS;
                         }
                         int kicked = kick_nap(nap, kicks);
+                        /* (a kick that left it so: another timeline's signal, not a
+                         * reason to poll this one) */
+                        int held = nap == CU_NAP_MAX_NS && t &&
+                                   atomic_load(t->word) < e.extra_value &&
+                                   atomic_load(&t->handed) < e.extra_value;
                         if (t) atomic_fetch_sub(&t->nappers, 1);
                         if (kicked) {
                             kicks = atomic_load(&kick_gen);
-                            polling_until = now_ns() + CU_KICK_POLL_NS;
+                            if (!held) polling_until = now_ns() + CU_KICK_POLL_NS;
                             atomic_fetch_add(&q->kicked, 1);
                         }
                     }

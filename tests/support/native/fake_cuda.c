@@ -145,8 +145,9 @@
  *   kick      a host signal of a timeline a stream waits on cuts the completion
  *             thread's nap short
  *   hostnap   a stream's wait on a timeline only the host signalled naps until a kick
- *             (1 ms at a time), and a host signal, a queue's signal handed over and a
- *             host queue's raise of the word each kick it
+ *             (1 ms at a time) -- on after another timeline's host signal, not polled
+ *             -- and a host signal, a queue's signal handed over and a host queue's
+ *             raise of the word each kick it
  *   abandon   closing with abandon returns while the completion thread naps on, or is
  *             blocked on, a command behind a wait nobody signals (a blocked one frees the
  *             queue itself once it returns)
@@ -1065,6 +1066,7 @@ static void check_kick(void) {
  * queue's signal of the timeline handed over, a host queue's raise of it. */
 static void check_hostnap(void) {
     const char *how[] = {"a host signal", "a queue's signal handed over", "a host queue's raise"};
+    free_timeline other = free_timeline_new();
     for (int i = 0; i < 3; i++) {
         fake_queue f = queue_new(), g = queue_new();
         free_timeline t = free_timeline_new();
@@ -1078,11 +1080,20 @@ static void check_hostnap(void) {
         long looks = atomic_load(&event_queries);
         nap_ns(20000000);
         looks = atomic_load(&event_queries) - looks;
-        am_cuq_stats(f.q, after);
         if (looks > 30) {
             fprintf(stderr, "hostnap: %ld looks in 20 ms\n", looks);
             die("hostnap: a wait only the host can release was looked at on the long schedule");
         }
+        /* Another timeline's host signal kicks it too: it naps on rather than poll. */
+        am_timeline_host_signal(other.t, (uint64_t)i + 1, NULL);
+        looks = atomic_load(&event_queries);
+        nap_ns(5000000);
+        looks = atomic_load(&event_queries) - looks;
+        if (looks > 30) {
+            fprintf(stderr, "hostnap: %ld looks in 5 ms\n", looks);
+            die("hostnap: another timeline's host signal had the wait polled for");
+        }
+        am_cuq_stats(f.q, after);
         if (i == 0) {
             am_timeline_host_signal(t.t, 2, NULL);
         } else if (i == 1) {
@@ -1101,6 +1112,7 @@ static void check_hostnap(void) {
         queue_free(f, 0);
         free_timeline_free(t);
     }
+    free_timeline_free(other);
     puts("ok hostnap");
 }
 
