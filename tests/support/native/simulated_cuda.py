@@ -169,6 +169,8 @@ def _driver_module(sim: _Simulated, gpus: int = 1) -> Any:
             return (CUresult.CUDA_SUCCESS, pointer)
 
         def cuMemFree(self, pointer: int) -> tuple[Any, ...]:
+            if sim.fault_code.value:  # (a faulted context frees nothing: as the driver's)
+                return (CUresult(sim.fault_code.value),)
             sim.fake.fake_mem_free(int(pointer))
             return self._result("cuMemFree")
 
