@@ -640,6 +640,12 @@ static void *cuq_stop(am_cuq *q) {
     return NULL;
 }
 
+/* Whether a device wait on t's word for `target` can be released by a host signal only
+ * now: the word below it, and no device write of it handed over (t->handed). */
+static int host_only(am_timeline *t, uint64_t target) {
+    return atomic_load(t->word) < target && atomic_load(&t->handed) < target;
+}
+
 static void *cuq_run(void *arg) {
     am_cuq *q = arg;
     cuq_test_hook(CU_HOOK_RUN_START, q);
@@ -806,20 +812,25 @@ static void *cuq_run(void *arg) {
                         nap = nap < 20000 ? 20000 : nap > CU_NAP_MAX_NS ? CU_NAP_MAX_NS : nap;
                         /* A device wait only a host signal can release now: nothing to
                          * look for until a kick (counted first, then checked: a hand-over
-                         * or a host queue's raise of the word after the check kicks). */
-                        am_timeline *t = e.waited && e.extra && e.extra->word ? e.extra : NULL;
+                         * or a host queue's raise of the word after the check kicks). One
+                         * a device write handed over already releases is no napper of t:
+                         * counted, each later hand-over of a signal of t (a pipeline's)
+                         * would kick every napping thread of the process, to poll. */
+                        am_timeline *t = e.waited && e.extra && e.extra->word &&
+                                         host_only(e.extra, e.extra_value) ? e.extra : NULL;
                         if (t) {
                             atomic_fetch_add(&t->nappers, 1);
-                            if (atomic_load(t->word) < e.extra_value &&
-                                atomic_load(&t->handed) < e.extra_value)
+                            if (host_only(t, e.extra_value)) {
                                 nap = CU_NAP_MAX_NS;
+                            } else {
+                                atomic_fetch_sub(&t->nappers, 1);
+                                t = NULL;
+                            }
                         }
                         int kicked = kick_nap(nap, kicks);
                         /* (a kick that left it so: another timeline's signal, not a
                          * reason to poll this one) */
-                        int held = nap == CU_NAP_MAX_NS && t &&
-                                   atomic_load(t->word) < e.extra_value &&
-                                   atomic_load(&t->handed) < e.extra_value;
+                        int held = t && host_only(t, e.extra_value);
                         if (t) atomic_fetch_sub(&t->nappers, 1);
                         if (kicked) {
                             kicks = atomic_load(&kick_gen);

@@ -148,6 +148,9 @@
  *             (1 ms at a time) -- on after another timeline's host signal, not polled
  *             -- and a host signal, a queue's signal handed over and a host queue's
  *             raise of the word each kick it
+ *   handkick  a stream's wait for a signal another queue handed over already (its
+ *             word write behind a gate) is no host-only wait: further signals of that
+ *             timeline handed over while its thread naps kick no thread
  *   abandon   closing with abandon returns while the completion thread naps on, or is
  *             blocked on, a command behind a wait nobody signals (a blocked one frees the
  *             queue itself once it returns)
@@ -1071,12 +1074,21 @@ static void check_hostnap(void) {
         fake_queue f = queue_new(), g = queue_new();
         free_timeline t = free_timeline_new();
         am_timeline_host_signal(t.t, 1, NULL);  /* only the host signalled it: on the device */
-        uint64_t after[8], end[8];
+        uint64_t start[8], after[8], end[8];
+        am_cuq_stats(f.q, start);
         if (am_cuq_wait_timeline(f.q, t.t, 2, 1) ||
             am_cuq_finish(f.q, 1, t.t, 2, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
             launch(f, NULL, 0, 2))
             die("hostnap: the wait failed");
-        nap_ns(2000000);  /* its polling is over: it naps */
+        /* Its polling is over: it naps (a thread late to start on the wait, on a loaded
+         * machine, polls into the 20 ms below -- tens of looks -- after a fixed pause). */
+        int64_t deadline = now_ns() + 10000000000LL;
+        do {
+            if (now_ns() > deadline) die("hostnap: the thread never napped on the wait");
+            nap_ns(1000000);
+            am_cuq_stats(f.q, after);
+        } while (after[2] == start[2]);
+        nap_ns(1000000);
         long looks = atomic_load(&event_queries);
         nap_ns(20000000);
         looks = atomic_load(&event_queries) - looks;
@@ -1114,6 +1126,50 @@ static void check_hostnap(void) {
     }
     free_timeline_free(other);
     puts("ok hostnap");
+}
+
+/* A queue's device wait for a value that a signal of another queue handed over already
+ * gets its timeline to (its word write behind a gate): nothing a host does releases it
+ * sooner, so its thread naps on the long schedule and is no napper of the timeline --
+ * the later signals of that timeline handed over meanwhile (a pipeline's) kick no
+ * thread. (A kick wakes every napping completion thread of the process, to poll its
+ * event back to back for CU_KICK_POLL_NS, and one napping through a timed command to
+ * poll until its expected end.) */
+static void check_handkick(void) {
+    fake_queue f = queue_new(), g = queue_new();
+    free_timeline t = free_timeline_new();
+    uint64_t *gate = calloc(1, sizeof(uint64_t)), start[8], before[8], after[8];
+    am_cuq_stats(f.q, start);
+    if (gated_launch(g, gate, 1) || signal_free(g, t, 1, 2)) die("handkick: g failed at once");
+    if (wait_held(f, t.t, 1, 1) || launch(f, NULL, 0, 2)) die("handkick: the wait failed");
+    int64_t deadline = now_ns() + 10000000000LL;
+    do {  /* its polling is over: it naps */
+        if (now_ns() > deadline) die("handkick: the thread never napped on the wait");
+        nap_ns(1000000);
+        am_cuq_stats(f.q, before);
+    } while (before[2] == start[2]);
+    nap_ns(2000000);
+    am_cuq_stats(f.q, before);
+    long looks = atomic_load(&event_queries);
+    for (uint64_t v = 2; v <= 11; v++) {  /* signals of t behind g's gate, handed over */
+        if (signal_free(g, t, v, v + 1)) die("handkick: a signal failed at once");
+        nap_ns(3000000);
+    }
+    am_cuq_stats(f.q, after);
+    looks = atomic_load(&event_queries) - looks;
+    if (am_timeline_value(f.t) >= 1) die("handkick: the wait ended before its gate opened");
+    if (after[7] != before[7]) {
+        fprintf(stderr, "handkick: %d kicks, %ld looks in 30 ms\n",
+                (int)(after[7] - before[7]), looks);
+        die("handkick: a signal handed over kicked a thread napping on a wait it does not release");
+    }
+    atomic_store((_Atomic uint64_t *)gate, 1);
+    reach(f.t, 2, "handkick: the wait never ended");
+    queue_free(g, 0);
+    queue_free(f, 0);
+    free_timeline_free(t);
+    free(gate);
+    puts("ok handkick");
 }
 
 static void check_abandon(void) {
@@ -3468,6 +3524,7 @@ int main(void) {
     check_near();
     check_kick();
     check_hostnap();
+    check_handkick();
     check_abandon();
     check_context();
     check_foreign();
