@@ -108,6 +108,11 @@ typedef struct am_timeline {
      * can release now (the word below the target, nothing handed over for it): a hand-over
      * or a host raise of the word kicks them (timeline_handed, timeline_raise). */
     atomic_int nappers;
+    /* Its owner's (am_timeline_free lets go of it) and one per cuda command in a queue's
+     * ring that waits on it (cuq_finish: the completion thread confirms that wait on it,
+     * which may come after a queue that waited for the command raised its queue's
+     * timeline past it -- and the owner let go): freed at none. */
+    atomic_int refs;
     /* A Metal queue's own timeline: the value of its first command buffer that failed
      * (0: none), set by that buffer's completion handler (am_block_completed). */
     _Atomic uint64_t failed_command;
@@ -312,6 +317,7 @@ AM_HIDDEN void timeline_handed(am_timeline *t, uint64_t v);
 AM_HIDDEN int timeline_defer(am_timeline *t, uint64_t target, am_kick *k);
 AM_HIDDEN int timeline_undefer(am_timeline *t, am_kick *k, int take);
 AM_HIDDEN void timeline_kick(am_timeline *t);
+AM_HIDDEN void timeline_unref(am_timeline *t);
 const char *am_build_digest(void);
 
 /* ---- host_queues.c --------------------------------------------------------------- */

@@ -587,6 +587,7 @@ static void cuq_no_context(am_cuq *q, int r) {
             q->count--;
             atomic_fetch_sub(&q->pending, 1);
             cuq_recycle(q, e.event, e.blocking);
+            if (e.waited && e.extra) timeline_unref(e.extra);
             if (e.signals) cuq_fail_signal(q, &e);  /* (releases mu meanwhile) */
             failed = 1;
         }
@@ -857,6 +858,7 @@ static void *cuq_run(void *arg) {
         }
         q->head = (q->head + 1) % q->cap;
         q->count--;
+        if (e.waited && e.extra) timeline_unref(e.extra);  /* (confirmed above, or failed) */
         if (!r) {  /* learn the run time: from the later of its hand-over and the last end */
             int64_t done = now_ns();
             int64_t start = e.pushed_ns > q->last_done_ns ? e.pushed_ns : q->last_done_ns;

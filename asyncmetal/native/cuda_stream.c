@@ -34,7 +34,11 @@ void cuq_give_back(am_cuq *q, am_culend *lend) {  /* under q->mu */
  * after the closer returned). */
 void cuq_destroy_events(am_cuq *q) {
     int (*destroy)(void *) = (int (*)(void *))cu_funcs[CU_EVENT_DESTROY];
-    for (size_t i = 0; i < q->count; i++) destroy(q->ring[(q->head + i) % q->cap].event);
+    for (size_t i = 0; i < q->count; i++) {
+        const am_cuentry *e = &q->ring[(q->head + i) % q->cap];
+        destroy(e->event);
+        if (e->waited && e->extra) timeline_unref(e->extra);
+    }
     q->count = 0;
     for (int k = 0; k < 2; k++) {
         for (size_t i = 0; i < q->events_count[k]; i++) destroy(q->events[k][i]);

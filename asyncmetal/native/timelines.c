@@ -147,6 +147,7 @@ int am_watch_arm(am_watch *w, uint64_t next) {
 static void timeline_init(am_timeline *t) {
     memset(t, 0, sizeof *t);
     t->forks = am_forks;
+    t->refs = 1;
     pthread_mutex_init(&t->mu, NULL);
     am_cond_init(&t->cv);
 }
@@ -392,6 +393,12 @@ void am_timeline_free(am_timeline *t) {
     /* In a child, the parent's: destroying a condition waits for its waiters, which
      * here are threads that no longer exist. */
     if (t->forks != am_forks) return;
+    timeline_unref(t);
+}
+
+/* Let go of a reference of t (see refs): the last one frees it. */
+void timeline_unref(am_timeline *t) {
+    if (atomic_fetch_sub(&t->refs, 1) != 1) return;
     /* (t->kicks: none while a wait is held for t -- its command keeps t alive) */
     pthread_mutex_destroy(&t->mu);
     pthread_cond_destroy(&t->cv);

@@ -80,6 +80,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "unlocked"),
         *("ok", "waitstream"),
         *("ok", "orphaned"),
+        *("ok", "waitedfreed"),
         *("ok", "abandonwait"),
         *("ok", "closedwait"),
         *("ok", "uafwaiter"),

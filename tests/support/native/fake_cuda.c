@@ -1914,6 +1914,36 @@ static void check_waitstream(void) {
     puts("ok waitstream");
 }
 
+/* A queue's device wait on a timeline no queue owns, confirmed first through another
+ * queue that waited for it (which raises the first queue's timeline past it, before the
+ * first queue's own thread looked): the waited timeline may then be freed -- what kept
+ * it (the queue's keep-alive, Python's) lets go once the queue's timeline passed the
+ * wait -- while that thread has yet to confirm the wait on it. */
+static void check_waitedfreed(void) {
+    fake_queue a = queue_new(), b = queue_new();
+    free_timeline t = free_timeline_new();
+    am_timeline_host_signal(t.t, 1, NULL);  /* only the host signalled it: on the device */
+    if (am_cuq_wait_timeline(a.q, t.t, 2, 1) ||
+        am_cuq_finish(a.q, 1, t.t, 2, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED))
+        die("waitedfreed: a's wait");
+    pthread_mutex_lock(&a.q->mu);
+    atomic_store(&held, a.q->ring[a.q->head].event);  /* a's thread: slow to see it */
+    pthread_mutex_unlock(&a.q->mu);
+    if (am_cuq_wait_queue(b.q, a.q, 1, 1) || am_cuq_finish(b.q, 1, a.t, 1, 0, CU_FINISH_PLAIN))
+        die("waitedfreed: b's wait");
+    am_timeline_host_signal(t.t, 2, NULL);
+    reach(a.t, 1, "waitedfreed: a's wait never confirmed through b");
+    am_timeline_free(t.t);  /* what Python does once a's timeline passed the wait */
+    atomic_store(&held, NULL);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (atomic_load(&a.q->pending))
+        if (now_ns() > deadline) die("waitedfreed: a's thread never saw its wait");
+    queue_free(b, 0);
+    queue_free(a, 0);
+    free(t.word);
+    puts("ok waitedfreed");
+}
+
 static void check_orphaned(void) {
     int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
     fake_queue a = queue_bounded(1), b = queue_new();
@@ -3531,6 +3561,7 @@ int main(void) {
     check_unlocked();
     check_waitstream();
     check_orphaned();
+    check_waitedfreed();
     unreleased(check_abandonwait, "abandonwait");
     unreleased(check_closedwait, "closedwait");
     unreleased(check_uafwaiter, "uafwaiter");
