@@ -1076,10 +1076,7 @@ static void check_hostnap(void) {
         am_timeline_host_signal(t.t, 1, NULL);  /* only the host signalled it: on the device */
         uint64_t start[8], after[8], end[8];
         am_cuq_stats(f.q, start);
-        if (am_cuq_wait_timeline(f.q, t.t, 2, 1) ||
-            am_cuq_finish(f.q, 1, t.t, 2, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) ||
-            launch(f, NULL, 0, 2))
-            die("hostnap: the wait failed");
+        if (wait_held(f, t.t, 2, 1) || launch(f, NULL, 0, 2)) die("hostnap: the wait failed");
         /* Its polling is over: it naps (a thread late to start on the wait, on a loaded
          * machine, polls into the 20 ms below -- tens of looks -- after a fixed pause). */
         int64_t deadline = now_ns() + 10000000000LL;
@@ -1923,9 +1920,7 @@ static void check_waitedfreed(void) {
     fake_queue a = queue_new(), b = queue_new();
     free_timeline t = free_timeline_new();
     am_timeline_host_signal(t.t, 1, NULL);  /* only the host signalled it: on the device */
-    if (am_cuq_wait_timeline(a.q, t.t, 2, 1) ||
-        am_cuq_finish(a.q, 1, t.t, 2, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED))
-        die("waitedfreed: a's wait");
+    if (wait_held(a, t.t, 2, 1)) die("waitedfreed: a's wait");
     pthread_mutex_lock(&a.q->mu);
     atomic_store(&held, a.q->ring[a.q->head].event);  /* a's thread: slow to see it */
     pthread_mutex_unlock(&a.q->mu);
