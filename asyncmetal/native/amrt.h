@@ -109,9 +109,11 @@ typedef struct am_timeline {
      * or a host raise of the word kicks them (timeline_handed, timeline_raise). */
     atomic_int nappers;
     /* Its owner's (am_timeline_free lets go of it) and one per cuda command in a queue's
-     * ring that waits on it (cuq_finish: the completion thread confirms that wait on it,
-     * which may come after a queue that waited for the command raised its queue's
-     * timeline past it -- and the owner let go): freed at none. */
+     * ring that points at it (cuq_finish): a device wait on it, which the completion
+     * thread confirms on it; a signal of it, which that thread raises it for; or a wait
+     * for another queue, whose timeline that thread raises -- each of which may come
+     * after a queue that waited for the command raised its queue's timeline past it, and
+     * the owner (Python, whose keep-alive let go then) let go: freed at none. */
     atomic_int refs;
     /* A Metal queue's own timeline: the value of its first command buffer that failed
      * (0: none), set by that buffer's completion handler (am_block_completed). */

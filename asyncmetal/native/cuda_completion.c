@@ -587,8 +587,8 @@ static void cuq_no_context(am_cuq *q, int r) {
             q->count--;
             atomic_fetch_sub(&q->pending, 1);
             cuq_recycle(q, e.event, e.blocking);
-            if (e.waited && e.extra) timeline_unref(e.extra);
             if (e.signals) cuq_fail_signal(q, &e);  /* (releases mu meanwhile) */
+            if (e.extra) timeline_unref(e.extra);
             failed = 1;
         }
         extra = q->unfenced_extra;  /* (taken in the hold that clears it) */
@@ -858,7 +858,6 @@ static void *cuq_run(void *arg) {
         }
         q->head = (q->head + 1) % q->cap;
         q->count--;
-        if (e.waited && e.extra) timeline_unref(e.extra);  /* (confirmed above, or failed) */
         if (!r) {  /* learn the run time: from the later of its hand-over and the last end */
             int64_t done = now_ns();
             int64_t start = e.pushed_ns > q->last_done_ns ? e.pushed_ns : q->last_done_ns;
@@ -887,6 +886,7 @@ static void *cuq_run(void *arg) {
             if (q->count || q->held) {
                 cuq_recycle(q, e.event, e.blocking);
                 if (e.signals) cuq_fail_signal(q, &e);
+                if (e.extra) timeline_unref(e.extra);
                 pthread_mutex_unlock(&q->mu);
                 cuq_drain(q, 0, 0);
                 continue;
@@ -907,6 +907,7 @@ static void *cuq_run(void *arg) {
         pthread_mutex_unlock(&q->mu);
         if (e.extra && !r && !e.waited) am_timeline_poke(e.extra, e.extra_value);
         if (e.signals && !r) timeline_keep_released(e.extra);  /* its write landed */
+        if (e.extra) timeline_unref(e.extra);  /* (done with it: confirmed, or failed) */
         if (settle) cuq_fail_timeline(q);
         am_timeline_poke(q->timeline, settle ? UINT64_MAX : e.value);
         if (settle) cuq_release_waiters(q);

@@ -37,7 +37,7 @@ void cuq_destroy_events(am_cuq *q) {
     for (size_t i = 0; i < q->count; i++) {
         const am_cuentry *e = &q->ring[(q->head + i) % q->cap];
         destroy(e->event);
-        if (e->waited && e->extra) timeline_unref(e->extra);
+        if (e->extra) timeline_unref(e->extra);
     }
     q->count = 0;
     for (int k = 0; k < 2; k++) {

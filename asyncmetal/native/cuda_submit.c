@@ -101,7 +101,7 @@ int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_val
                     signals};
     q->ring[(q->head + q->count) % q->cap] = e;
     q->count++;
-    if (waited && extra) atomic_fetch_add(&extra->refs, 1);  /* (timeline_unref: its end) */
+    if (extra) atomic_fetch_add(&extra->refs, 1);  /* (timeline_unref: its end) */
     if (!fence && value > q->submitted) q->submitted = value;
     void *spare = NULL;
     if (q->events_count[k] && !atomic_load(&q->spare[k]))

@@ -81,6 +81,8 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "waitstream"),
         *("ok", "orphaned"),
         *("ok", "waitedfreed"),
+        *("ok", "signalfreed"),
+        *("ok", "confirmfreed"),
         *("ok", "abandonwait"),
         *("ok", "closedwait"),
         *("ok", "uafwaiter"),

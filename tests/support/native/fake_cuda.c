@@ -1939,6 +1939,63 @@ static void check_waitedfreed(void) {
     puts("ok waitedfreed");
 }
 
+/* The same for a timeline a queue's command signals: another queue that waited for the
+ * command confirms it first and raises the first queue's timeline past it, after which
+ * Python lets go of the signalled timeline (the queue's keep-alive held it until then)
+ * and frees it -- while the first queue's thread has yet to raise it (am_timeline_poke,
+ * timeline_keep_released) once it sees the command's event. */
+static void check_signalfreed(void) {
+    fake_queue a = queue_new(), b = queue_new();
+    free_timeline s = free_timeline_new();
+    if (am_cuq_write(a.q, s.word, 1, 1) || am_cuq_finish(a.q, 1, s.t, 1, 0, 0))
+        die("signalfreed: a's signal");
+    pthread_mutex_lock(&a.q->mu);
+    atomic_store(&held, a.q->ring[a.q->head].event);  /* a's thread: slow to see it */
+    pthread_mutex_unlock(&a.q->mu);
+    if (am_cuq_wait_queue(b.q, a.q, 1, 1) || am_cuq_finish(b.q, 1, a.t, 1, 0, CU_FINISH_PLAIN))
+        die("signalfreed: b's wait");
+    reach(a.t, 1, "signalfreed: a's signal never confirmed through b");
+    am_timeline_free(s.t);  /* what Python does once a's timeline passed the signal */
+    atomic_store(&held, NULL);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (atomic_load(&a.q->pending))
+        if (now_ns() > deadline) die("signalfreed: a's thread never saw its signal");
+    queue_free(b, 0);
+    queue_free(a, 0);
+    free(s.word);
+    puts("ok signalfreed");
+}
+
+/* And for another queue's own timeline, which a wait for that queue raises once confirmed
+ * (a's, by b's wait for it): a third queue that waited for b's wait confirms it first and
+ * raises b's timeline past it, after which Python lets go of a's timeline (b's keep-alive
+ * held it), and a, its work done, closes and frees it -- while b's thread has yet to raise
+ * it once it sees the wait's event. */
+static void check_confirmfreed(void) {
+    fake_queue a = queue_new(), b = queue_new(), c = queue_new();
+    if (am_cuq_finish(a.q, 1, NULL, 0, 0, 0)) die("confirmfreed: a's command");
+    if (am_cuq_wait_queue(b.q, a.q, 1, 1) || am_cuq_finish(b.q, 1, a.t, 1, 0, CU_FINISH_PLAIN))
+        die("confirmfreed: b's wait");
+    pthread_mutex_lock(&b.q->mu);
+    atomic_store(&held, b.q->ring[b.q->head].event);  /* b's thread: slow to see it */
+    pthread_mutex_unlock(&b.q->mu);
+    if (am_cuq_wait_queue(c.q, b.q, 1, 1) || am_cuq_finish(c.q, 1, b.t, 1, 0, CU_FINISH_PLAIN))
+        die("confirmfreed: c's wait");
+    reach(b.t, 1, "confirmfreed: b's wait never confirmed through c");
+    reach(a.t, 1, "confirmfreed: a's command never confirmed");
+    am_cuq_close(a.q, 0);  /* what Python does once b's timeline passed its wait */
+    stream_free(a.s, 0);
+    am_timeline_free(a.t);
+    atomic_store(&held, NULL);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (atomic_load(&b.q->pending))
+        if (now_ns() > deadline) die("confirmfreed: b's thread never saw its wait");
+    queue_free(c, 0);
+    queue_free(b, 0);
+    free(a.word);
+    puts("ok confirmfreed");
+}
+
 static void check_orphaned(void) {
     int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
     fake_queue a = queue_bounded(1), b = queue_new();
@@ -3557,6 +3614,8 @@ int main(void) {
     check_waitstream();
     check_orphaned();
     check_waitedfreed();
+    check_signalfreed();
+    check_confirmfreed();
     unreleased(check_abandonwait, "abandonwait");
     unreleased(check_closedwait, "closedwait");
     unreleased(check_uafwaiter, "uafwaiter");
