@@ -1070,7 +1070,11 @@ static void check_kick(void) {
 static void check_hostnap(void) {
     const char *how[] = {"a host signal", "a queue's signal handed over", "a host queue's raise"};
     free_timeline other = free_timeline_new();
-    for (int i = 0; i < 3; i++) {
+    uint64_t others = 0;
+    /* (A release that lands as the thread is between two naps -- awake, not counted --
+     * need not kick it: it looks again before it naps. On a loaded machine that can
+     * happen; each release is tried up to three times, and must kick once.) */
+    for (int i = 0, attempt = 0; i < 3; attempt++) {
         fake_queue f = queue_new(), g = queue_new();
         free_timeline t = free_timeline_new();
         am_timeline_host_signal(t.t, 1, NULL);  /* only the host signalled it: on the device */
@@ -1094,7 +1098,7 @@ static void check_hostnap(void) {
             die("hostnap: a wait only the host can release was looked at on the long schedule");
         }
         /* Another timeline's host signal kicks it too: it naps on rather than poll. */
-        am_timeline_host_signal(other.t, (uint64_t)i + 1, NULL);
+        am_timeline_host_signal(other.t, ++others, NULL);
         looks = atomic_load(&event_queries);
         nap_ns(5000000);
         looks = atomic_load(&event_queries) - looks;
@@ -1113,13 +1117,15 @@ static void check_hostnap(void) {
         }
         reach(f.t, 2, "hostnap: the wait never ended");
         am_cuq_stats(f.q, end);
-        if (end[7] == after[7]) {
-            fprintf(stderr, "hostnap: %s\n", how[i]);
-            die("hostnap: what released the wait did not kick its napping thread");
-        }
         queue_free(g, 0);
         queue_free(f, 0);
         free_timeline_free(t);
+        if (end[7] != after[7]) {
+            i++, attempt = -1;
+        } else if (attempt == 2) {
+            fprintf(stderr, "hostnap: %s\n", how[i]);
+            die("hostnap: what released the wait did not kick its napping thread");
+        }
     }
     free_timeline_free(other);
     puts("ok hostnap");
