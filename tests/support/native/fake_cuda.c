@@ -1917,6 +1917,28 @@ static void check_waitstream(void) {
     puts("ok waitstream");
 }
 
+/* The slow thread of the *freed checks below: q's thread sees its first command's
+ * event unfinished until let_held_go. */
+static void hold_head(fake_queue q) {
+    pthread_mutex_lock(&q.q->mu);
+    atomic_store(&held, q.q->ring[q.q->head].event);
+    pthread_mutex_unlock(&q.q->mu);
+}
+
+/* w waits for `on`'s command `target` (w's command `value`), which confirms it there. */
+static int wait_queue(fake_queue w, fake_queue on, uint64_t target, uint64_t value) {
+    return am_cuq_wait_queue(w.q, on.q, target, value) ||
+           am_cuq_finish(w.q, value, on.t, target, 0, CU_FINISH_PLAIN);
+}
+
+/* hold_head's thread sees its event now; returns once q has nothing pending. */
+static void let_held_go(fake_queue q, const char *what) {
+    atomic_store(&held, NULL);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (atomic_load(&q.q->pending))
+        if (now_ns() > deadline) die(what);
+}
+
 /* A queue's device wait on a timeline no queue owns, confirmed first through another
  * queue that waited for it (which raises the first queue's timeline past it, before the
  * first queue's own thread looked): the waited timeline may then be freed -- what kept
@@ -1927,18 +1949,12 @@ static void check_waitedfreed(void) {
     free_timeline t = free_timeline_new();
     am_timeline_host_signal(t.t, 1, NULL);  /* only the host signalled it: on the device */
     if (wait_held(a, t.t, 2, 1)) die("waitedfreed: a's wait");
-    pthread_mutex_lock(&a.q->mu);
-    atomic_store(&held, a.q->ring[a.q->head].event);  /* a's thread: slow to see it */
-    pthread_mutex_unlock(&a.q->mu);
-    if (am_cuq_wait_queue(b.q, a.q, 1, 1) || am_cuq_finish(b.q, 1, a.t, 1, 0, CU_FINISH_PLAIN))
-        die("waitedfreed: b's wait");
+    hold_head(a);
+    if (wait_queue(b, a, 1, 1)) die("waitedfreed: b's wait");
     am_timeline_host_signal(t.t, 2, NULL);
     reach(a.t, 1, "waitedfreed: a's wait never confirmed through b");
     am_timeline_free(t.t);  /* what Python does once a's timeline passed the wait */
-    atomic_store(&held, NULL);
-    int64_t deadline = now_ns() + 10000000000LL;
-    while (atomic_load(&a.q->pending))
-        if (now_ns() > deadline) die("waitedfreed: a's thread never saw its wait");
+    let_held_go(a, "waitedfreed: a's thread never saw its wait");
     queue_free(b, 0);
     queue_free(a, 0);
     free(t.word);
@@ -1955,17 +1971,11 @@ static void check_signalfreed(void) {
     free_timeline s = free_timeline_new();
     if (am_cuq_write(a.q, s.word, 1, 1) || am_cuq_finish(a.q, 1, s.t, 1, 0, 0))
         die("signalfreed: a's signal");
-    pthread_mutex_lock(&a.q->mu);
-    atomic_store(&held, a.q->ring[a.q->head].event);  /* a's thread: slow to see it */
-    pthread_mutex_unlock(&a.q->mu);
-    if (am_cuq_wait_queue(b.q, a.q, 1, 1) || am_cuq_finish(b.q, 1, a.t, 1, 0, CU_FINISH_PLAIN))
-        die("signalfreed: b's wait");
+    hold_head(a);
+    if (wait_queue(b, a, 1, 1)) die("signalfreed: b's wait");
     reach(a.t, 1, "signalfreed: a's signal never confirmed through b");
     am_timeline_free(s.t);  /* what Python does once a's timeline passed the signal */
-    atomic_store(&held, NULL);
-    int64_t deadline = now_ns() + 10000000000LL;
-    while (atomic_load(&a.q->pending))
-        if (now_ns() > deadline) die("signalfreed: a's thread never saw its signal");
+    let_held_go(a, "signalfreed: a's thread never saw its signal");
     queue_free(b, 0);
     queue_free(a, 0);
     free(s.word);
@@ -1980,22 +1990,15 @@ static void check_signalfreed(void) {
 static void check_confirmfreed(void) {
     fake_queue a = queue_new(), b = queue_new(), c = queue_new();
     if (am_cuq_finish(a.q, 1, NULL, 0, 0, 0)) die("confirmfreed: a's command");
-    if (am_cuq_wait_queue(b.q, a.q, 1, 1) || am_cuq_finish(b.q, 1, a.t, 1, 0, CU_FINISH_PLAIN))
-        die("confirmfreed: b's wait");
-    pthread_mutex_lock(&b.q->mu);
-    atomic_store(&held, b.q->ring[b.q->head].event);  /* b's thread: slow to see it */
-    pthread_mutex_unlock(&b.q->mu);
-    if (am_cuq_wait_queue(c.q, b.q, 1, 1) || am_cuq_finish(c.q, 1, b.t, 1, 0, CU_FINISH_PLAIN))
-        die("confirmfreed: c's wait");
+    if (wait_queue(b, a, 1, 1)) die("confirmfreed: b's wait");
+    hold_head(b);
+    if (wait_queue(c, b, 1, 1)) die("confirmfreed: c's wait");
     reach(b.t, 1, "confirmfreed: b's wait never confirmed through c");
     reach(a.t, 1, "confirmfreed: a's command never confirmed");
     am_cuq_close(a.q, 0);  /* what Python does once b's timeline passed its wait */
     stream_free(a.s, 0);
     am_timeline_free(a.t);
-    atomic_store(&held, NULL);
-    int64_t deadline = now_ns() + 10000000000LL;
-    while (atomic_load(&b.q->pending))
-        if (now_ns() > deadline) die("confirmfreed: b's thread never saw its wait");
+    let_held_go(b, "confirmfreed: b's thread never saw its wait");
     queue_free(c, 0);
     queue_free(b, 0);
     free(a.word);
