@@ -29,8 +29,24 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 
 #define AM_HIDDEN __attribute__((visibility("hidden")))
+
+/* The calling thread's name as tools show it (top -H, gdb, py-spy, /proc/<pid>/task/
+ * <tid>/comm): at most 15 characters. Each thread the runtime starts names itself, so
+ * that what a process spends on a device's threads can be told apart. */
+static inline void am_name_thread(const char *name) {
+#ifdef __APPLE__
+    pthread_setname_np(name);
+#elif defined(__linux__)
+    prctl(PR_SET_NAME, name, 0, 0, 0);
+#else
+    (void)name;
+#endif
+}
 #define AM_MAX_ARGS 16
 
 /* Forks this process went through: a forked child adds one (am_after_fork, registered

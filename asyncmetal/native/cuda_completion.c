@@ -649,6 +649,7 @@ static int host_only(am_timeline *t, uint64_t target) {
 
 static void *cuq_run(void *arg) {
     am_cuq *q = arg;
+    am_name_thread("asyncmetal-cuda");  /* a cuda queue's completion thread */
     cuq_test_hook(CU_HOOK_RUN_START, q);
     int set = ((int (*)(void *))cu_funcs[CU_CTX_SET])(q->ctx);
     if (set) {

@@ -388,6 +388,7 @@ static int mark_failed(am_timeline *t, uint64_t target) {
 static void *run_commands(am_queue *q, starve_watch *starve);
 
 static void *run(void *arg) {
+    am_name_thread("asyncmetal-host");  /* a host queue's: its kernels run here */
     starve_watch starve;
     starve_watch_open(&starve);
     void *r = run_commands(arg, &starve);

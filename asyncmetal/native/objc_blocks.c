@@ -5,10 +5,6 @@
  */
 #include "amrt.h"
 
-#ifdef __linux__
-#include <sys/prctl.h>
-#endif
-
 /* The count of calls is the last thing written: once it is seen, the block may be freed
  * (release_ran), so nothing reads the block after it. */
 
@@ -163,11 +159,7 @@ static void *settler(void *arg) {
     (void)arg;
     /* The process's from its first held block on, not a device's: named so that a
      * count of the threads a device leaves behind can tell it. */
-#ifdef __APPLE__
-    pthread_setname_np("asyncmetal-held");
-#elif defined(__linux__)
-    prctl(PR_SET_NAME, "asyncmetal-held", 0, 0, 0);
-#endif
+    am_name_thread("asyncmetal-held");
     pthread_mutex_lock(&held_mu);
     for (;;) {
         held_block *h = take_settled();

@@ -74,8 +74,9 @@ def test_loop_lag_cpu_1000_tasks(tmp_path: Path) -> None:
             )
 
 
-def _nice_of_threads() -> dict[int, int]:
-    """Each thread of this process: its nice value (the 19th field of its stat line)."""
+def _threads() -> dict[int, tuple[int, str]]:
+    """Each thread of this process: its nice value (the 19th field of its stat line) and
+    its name (the stat line's second field, in parentheses)."""
     out = {}
     for task in Path("/proc/self/task").iterdir():
         try:
@@ -83,15 +84,20 @@ def _nice_of_threads() -> dict[int, int]:
         except (FileNotFoundError, ProcessLookupError):  # it ended since it was listed
             continue
         fields = stat[stat.rindex(")") + 2 :].split()
-        out[int(task.name)] = int(fields[16])
+        out[int(task.name)] = (int(fields[16]), stat[stat.index("(") + 1 : stat.rindex(")")])
     return out
 
 
-def _queue_threads_nice(wanted: int) -> tuple[int, dict[int, int]]:
-    """Open the cpu device and three queues more; return the loop thread's nice value
-    and that of each thread made meanwhile, once ``wanted`` is seen on three of them
-    (each queue thread sets its own as it starts, which may be just after its queue
-    was made) or after 5 s."""
+def _nice_of_threads() -> dict[int, int]:
+    """Each thread of this process: its nice value."""
+    return {tid: nice for tid, (nice, _) in _threads().items()}
+
+
+def _queue_threads_nice(wanted: int) -> tuple[int, dict[int, int], dict[int, str]]:
+    """Open the cpu device and three queues more; return the loop thread's nice value,
+    and that of each thread made meanwhile and its name, once ``wanted`` is seen on three
+    of them (each queue thread sets its own as it starts, which may be just after its
+    queue was made) or after 5 s."""
     import threading
 
     import anyio
@@ -100,6 +106,7 @@ def _queue_threads_nice(wanted: int) -> tuple[int, dict[int, int]]:
 
     before = set(_nice_of_threads())
     loop_nice: list[int] = []
+    names: dict[int, str] = {}
 
     async def main() -> dict[int, int]:
         async with am.open_device("cpu") as dev:
@@ -108,14 +115,16 @@ def _queue_threads_nice(wanted: int) -> tuple[int, dict[int, int]]:
                 await q.marker()
             loop_nice.append(_nice_of_threads()[threading.get_native_id()])
             for _ in range(500):
-                new = {t: n for t, n in _nice_of_threads().items() if t not in before}
+                threads = {t: seen for t, seen in _threads().items() if t not in before}
+                new = {t: nice for t, (nice, _) in threads.items()}
                 if len([n for n in new.values() if n == wanted]) >= 3:
                     break
                 await anyio.sleep(0.01)
+            names.update({t: name for t, (_, name) in threads.items()})
             return new
 
     new = anyio.run(main)
-    return loop_nice[0], new
+    return loop_nice[0], new, names
 
 
 needs_proc = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
@@ -126,9 +135,20 @@ def test_cpu_queue_threads_yield_to_the_event_loop() -> None:
     """Kernels of the cpu device spin on host cores the loops need too: its queue threads
     run at the lowest priority (nice 19), so a loop thread that wakes runs first, even
     with more busy queues than cores."""
-    loop_nice, new = _queue_threads_nice(19)
+    loop_nice, new, _ = _queue_threads_nice(19)
     assert loop_nice < 19
     assert len([n for n in new.values() if n == 19]) >= 3, new
+
+
+@needs_proc
+def test_cpu_queue_threads_are_named() -> None:
+    """Each queue thread names itself (``asyncmetal-host``, as ``top -H``, py-spy, gdb and
+    ``/proc`` show it): a process's CPU time on its queues' kernels is told apart from
+    its loop's and its other threads'."""
+    _, new, names = _queue_threads_nice(19)
+    queue_threads = [names[t] for t, nice in new.items() if nice == 19]
+    assert len(queue_threads) >= 3, (new, names)
+    assert set(queue_threads) == {"asyncmetal-host"}, names
 
 
 @needs_proc
@@ -141,7 +161,7 @@ def test_the_cpu_queue_threads_nice_value_can_be_set(monkeypatch: pytest.MonkeyP
     import asyncmetal as am
 
     monkeypatch.setenv("ASYNCMETAL_CPU_QUEUE_NICE", "7")
-    _, new = _queue_threads_nice(7)
+    _, new, _ = _queue_threads_nice(7)
     assert len([n for n in new.values() if n == 7]) >= 3, new
     assert 19 not in new.values()
 
