@@ -782,14 +782,19 @@ class Allocator:
         # Held weakly, with no callback that needs the lock (one comes as its last buffer
         # goes, which the GC may collect it under): those gone are dropped once they may
         # be most, as an entry is added (``_foreign_pruned_at``: how many there were
-        # after the last drop). The keys in order too, and the largest size among them:
-        # a look-up of a range reads the few that may overlap it. Each reference made is
+        # after the last drop). The keys in order too, and the largest size among them;
+        # and whether two of those ranges may share a byte (slices of one array): while
+        # none do, their ends are in order as well, and a look-up of a range reads only
+        # those that overlap it and one more, however large the largest (a big tensor
+        # beside thousands of small ones); else those that start less than the largest
+        # size before it. Each reference made is
         # counted, and its end queued as it comes (a deque's append, which runs no Python
         # code): once every one has ended, the device holds no foreign memory, and is no
         # longer among ``foreign_holders`` -- a host copy then looks nothing up.
         self._foreign_memory: dict[tuple[int, int], weakref.ref[ForeignMemory]] = {}
         self._foreign_ranges: list[tuple[int, int]] = []
         self._foreign_largest = 0
+        self._foreign_overlap = False
         self._foreign_pruned_at = 0
         self._foreign_made = 0
         self._foreign_gone: collections.deque[object] = collections.deque()
@@ -1593,11 +1598,21 @@ class Allocator:
             foreign_holders[id(self)] = weakref.ref(self)
             ranges = self._foreign_ranges
             if known is None:
-                bisect.insort(ranges, key)
+                at = bisect.bisect_left(ranges, key)
+                ranges.insert(at, key)
+                if not self._foreign_overlap:  # (its neighbours are the only ones it may)
+                    before = ranges[at - 1] if at else None
+                    after = ranges[at + 1] if at + 1 < len(ranges) else None
+                    self._foreign_overlap = (before is not None and sum(before) > key[0]) or (
+                        after is not None and after[0] < sum(key)
+                    )
             if len(registry) > 2 * self._foreign_pruned_at + 16:  # maybe mostly gone
                 for gone in [k for k, ref in registry.items() if ref() is None]:
                     del registry[gone]
                 ranges[:] = sorted(registry)
+                self._foreign_overlap = any(
+                    sum(ranges[i]) > ranges[i + 1][0] for i in range(len(ranges) - 1)
+                )
                 self._foreign_pruned_at = len(registry)
                 ended = self._foreign_gone
                 while ended:  # (counted off one at a time: ends come meanwhile)
@@ -1615,6 +1630,7 @@ class Allocator:
         self._foreign_memory.clear()
         self._foreign_ranges.clear()
         self._foreign_largest = 0
+        self._foreign_overlap = False
         self._foreign_pruned_at = 0
         self._foreign_made = 0
         self._foreign_gone = collections.deque()
@@ -1638,12 +1654,16 @@ class Allocator:
             if memory is not None:
                 return [memory]
             # Those that start before the range ends, back to where even the largest
-            # would end before it starts.
+            # would end before it starts -- or, no two of them overlapping (their ends
+            # in order too), to the first that ends before it starts.
             ranges = self._foreign_ranges
             at = bisect.bisect_left(ranges, (address + nbytes,))
+            disjoint = not self._foreign_overlap
             lowest = address - self._foreign_largest
             while at > 0 and ranges[at - 1][0] > lowest:
                 at -= 1
+                if disjoint and sum(ranges[at]) <= address:
+                    break
                 ref = registry.get(ranges[at])
                 memory = None if ref is None else ref()
                 if memory is not None and memory.overlaps(address, nbytes):

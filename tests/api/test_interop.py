@@ -1475,3 +1475,87 @@ async def test_a_whole_array_after_a_slice_shares_the_slices_record(
             out = await reader.alloc(64)
             await _not_before(gate, reader.new_queue().copy(out, then, 64))
             assert (await out.read(np.int32)).tolist() == [value] * 16
+
+
+class _CountedList(list[tuple[int, int]]):
+    """A list that counts the items read from it (bisect's reads included)."""
+
+    reads = 0
+
+    def __getitem__(self, index: Any) -> Any:
+        self.reads += 1
+        return super().__getitem__(index)
+
+
+async def test_a_look_up_of_foreign_memory_reads_only_the_ranges_that_may_overlap(
+    anyio_backend: object,
+) -> None:
+    """With thousands of buffers over separate arrays and one over a large one, looking
+    up a new array's memory (each from_dlpack of it, each host copy operand while such
+    buffers live) reads the few ranges that may overlap it -- not every range that starts
+    less than the largest size before it. Checked: fails without the change (2,533-2,803
+    reads of the 2,001 ranges; such a look-up took 120-270 us on the 2-core VM with
+    5,000 small arrays, against ~3 us)."""
+    async with am.open_device("cpu") as dev:
+        allocator = dev._allocator
+        counted = _CountedList()
+        allocator._foreign_ranges = counted
+        large = np.zeros(1 << 26, np.uint8)
+        small = [np.zeros(16, np.float32) for _ in range(2000)]
+        buffers = [am.from_dlpack(a) for a in (large, *small)]
+        assert len(counted) == 2001
+        probe = np.zeros(16, np.float32)
+        counted.reads = 0
+        assert allocator.foreign_memory(probe.ctypes.data, probe.nbytes) == []
+        assert counted.reads <= 2 * (2001).bit_length() + 4, counted.reads
+        del buffers
+
+
+async def test_a_look_up_of_foreign_memory_finds_what_overlaps(anyio_backend: object) -> None:
+    """Random ranges, separate and overlapping (slices of one array, one within another):
+    the records a look-up finds are those over the very range where there is one, else
+    every one that shares a byte with it, those that hold it first -- before and after
+    the first overlap, and after records went."""
+    from asyncmetal._allocator import Block, ForeignMemory
+
+    rng = np.random.default_rng(7)
+    async with am.open_device("cpu") as dev:
+        allocator, state = dev._allocator, dev._state
+        records: list[ForeignMemory] = []
+        blocks: list[Block] = []
+        base = 1 << 40
+
+        def note(address: int, nbytes: int) -> None:
+            block = Block(address, nbytes, state)
+            block.memory = ForeignMemory(address, nbytes, block.last_use, state)
+            allocator.note_foreign(block)
+            records.append(block.memory)
+            blocks.append(block)
+
+        def check() -> None:
+            for _ in range(40):
+                address = base + int(rng.integers(0, 1 << 20))
+                nbytes = int(rng.integers(1, 1 << 14))
+                found = allocator.foreign_memory(address, nbytes)
+                same = [m for m in records if (m.address, m.nbytes) == (address, nbytes)]
+                if same:
+                    assert found == same[:1]
+                    continue
+                expected = {id(m) for m in records if m.overlaps(address, nbytes)}
+                assert {id(m) for m in found} == expected
+                holds = [m.holds(address, nbytes) for m in found]
+                assert holds == sorted(holds, reverse=True)
+
+        for i in range(200):  # separate ranges, 4 KiB apart
+            note(base + i * 4096, int(rng.integers(1, 4096)))
+        check()
+        assert not allocator._foreign_overlap
+        for _ in range(60):  # then overlapping ones
+            address = base + int(rng.integers(0, 1 << 20))
+            note(address, int(rng.integers(1, 1 << 16)))
+        check()
+        del records[::2], blocks[::2]  # some go (their references end)
+        for _ in range(100):  # more, which prunes those gone
+            address = base + (1 << 21) + int(rng.integers(0, 1 << 20))
+            note(address, int(rng.integers(1, 1 << 12)))
+        check()
