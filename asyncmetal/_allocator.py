@@ -770,6 +770,12 @@ class Allocator:
         # Blocks whose memory went out to another library (DLPack, the CUDA array
         # interface), by address: memory that comes back in (from_dlpack) is found here.
         self._exported: dict[int, Block] = {}
+        # Their addresses in order, for a look-up by address: the blocks in use are
+        # separate memory, so the one that holds a range is the nearest in use at or
+        # before it. Those taken out of ``_exported`` stay here until a look-up passes
+        # them or there are twice as many as entries (a release takes an entry out with
+        # no call: see _release).
+        self._exported_at: list[int] = []
         # The same of foreign memory (another library's, lent on by buffers over it), by
         # address and size, while buffers over it live: the memory stays its owner's, so
         # nothing is held. (By its shared record, not by a block: each buffer over the
@@ -1203,6 +1209,10 @@ class Allocator:
                 block.lent += 1
                 self._loans |= {loan}
             if address is not None:
+                if address not in self._exported:
+                    if len(self._exported_at) > 2 * len(self._exported) + 16:
+                        self._exported_at = sorted(self._exported)
+                    bisect.insort(self._exported_at, address)
                 self._exported[address] = block
                 lenders.add(self)
         return _not_lent if token is None else functools.partial(self.returned, [token])
@@ -1239,11 +1249,20 @@ class Allocator:
         if not self._exported and not self._exported_foreign:
             return None
         with self._lock:
-            for base, block in list(self._exported.items()):
-                if block not in self._live:  # released since (or cached: not in use)
-                    del self._exported[base]
-                elif base <= address and address + nbytes <= base + block.nbytes:
+            at_ = self._exported_at
+            at = bisect.bisect_right(at_, address)
+            while at > 0:
+                base = at_[at - 1]
+                block = self._exported.get(base)
+                if block is None or block not in self._live:  # released since (or cached)
+                    if block is not None:
+                        del self._exported[base]
+                    del at_[at - 1]
+                    at -= 1
+                    continue
+                if address + nbytes <= base + block.nbytes:
                     return block
+                break  # (those before it end before it starts)
             # (Listed only where it holds any: a WeakValueDictionary's iteration is
             # Python code, ~1.3 us even when empty, and a host copy looks here while
             # any block is lent out.)
@@ -1568,6 +1587,7 @@ class Allocator:
             self._pending.clear()
             self._collected.clear()
             self._exported.clear()
+            self._exported_at.clear()
             self._exported_foreign.clear()
             self._forget_foreign()
             lenders.discard(self)
