@@ -8,9 +8,11 @@ operand's address up among the memory buffers lent out (a DLPack export) or wrap
 ordered as a use of that buffer. Three cases, each timed alone: (a) nothing lent out
 nor wrapped (no look-up), (b) one ``am.from_dlpack(numpy array)`` alive, (c) one buffer's
 DLPack export alive -- the operand itself another array in (b) and (c), so that the
-look-up finds nothing. Each round submits ``BATCH`` copies in and ``BATCH`` out (64
-bytes) and then awaits the last; the per-copy submission time is the round's time over
-its copies, and the figure is the median of ``ROUNDS`` rounds. ``copy_operands``' own
+look-up finds nothing; then (d) 5,000 imports of small arrays and one of a 256 MiB array
+alive, (e) 5,000 exports alive (a service keeping what it exchanged). Each round
+submits ``BATCH`` copies in and ``BATCH`` out (64 bytes) and then awaits the last; the
+per-copy submission time is the round's time over its copies, and the figure is the
+median of ``ROUNDS`` rounds. ``copy_operands``' own
 share (the check and the look-up, without the submission) is timed the same way.
 """
 
@@ -32,6 +34,7 @@ from asyncmetal._copyargs import copy_operands
 BATCH = 500
 ROUNDS = 31
 NBYTES = 64
+CROWD = 5000
 
 
 async def submit_us(q: am.Queue, buf: am.Buffer, host: Any, back: Any) -> float:
@@ -75,6 +78,15 @@ async def case(name: str) -> dict[str, float]:
         elif name == "export":
             lender = await dev.alloc(NBYTES)
             kept += [lender, np.from_dlpack(lender.typed(np.uint8))]
+        elif name == "imports_5000":
+            arrays = [
+                np.zeros(1 << 28, np.uint8),
+                *(np.ones(NBYTES, np.uint8) for _ in range(CROWD)),
+            ]
+            kept += [am.from_dlpack(a, device=dev) for a in arrays]
+        elif name == "exports_5000":
+            lenders = [await dev.alloc(NBYTES) for _ in range(CROWD)]
+            kept += [*lenders, *(np.from_dlpack(b.typed(np.uint8)) for b in lenders)]
         result = {
             "submit_us": await submit_us(q, buf, host, back),
             "copy_operands_us": operands_us(q, buf, host, back),
@@ -82,7 +94,7 @@ async def case(name: str) -> dict[str, float]:
         if not np.array_equal(back, host):
             raise SystemExit(f"{name}: the copies did not move the bytes")
         print(
-            f"{name:7} submit {result['submit_us']:.2f} µs/copy, "
+            f"{name:12} submit {result['submit_us']:.2f} µs/copy, "
             f"copy_operands {result['copy_operands_us']:.2f} µs",
             flush=True,
         )
@@ -91,7 +103,8 @@ async def case(name: str) -> dict[str, float]:
 
 
 async def main() -> dict[str, Any]:
-    return {name: await case(name) for name in ("none", "import", "export")}
+    names = ("none", "import", "export", "imports_5000", "exports_5000")
+    return {name: await case(name) for name in names}
 
 
 if __name__ == "__main__":

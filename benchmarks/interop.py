@@ -478,15 +478,50 @@ async def run(gc_freeze: bool = False) -> dict[str, Any]:
 
 async def run_cpu() -> dict[str, Any]:
     """``am.from_dlpack``'s split with a numpy array on the cpu device, and
-    ``np.from_dlpack`` of a cpu buffer."""
+    ``np.from_dlpack`` of a cpu buffer; then ``am.from_dlpack`` of a new array each
+    call beside many buffers (``crowded``)."""
     async with am.open_device("cpu") as dev:
         split = from_dlpack_split(dev, np.zeros((64, 64), np.float32))
         buf = await dev.alloc(64 * 64 * 4)
         typed = buf.typed(np.float32, (64, 64))
         split["np_from_dlpack_us"] = median_call_us(lambda: np.from_dlpack(typed))
         await buf.free()
-    progress(f"dlpack: {split}")
-    return {"device": "cpu", "dlpack": split}
+        progress(f"dlpack: {split}")
+        crowd = await crowded(dev)
+    progress(f"crowded: {crowd}")
+    return {"device": "cpu", "dlpack": split, "crowded": crowd}
+
+
+async def crowded(dev: am.Device, sizes: tuple[int, ...] = (0, 1000, 5000)) -> dict[str, Any]:
+    """The median time of ``am.from_dlpack`` of a new numpy array each call (the buffer
+    then dropped), beside N buffers whose memory went out (``np.from_dlpack`` of each,
+    the arrays kept: memory coming back is looked up among them), and beside N
+    buffers over small arrays and one over a 256 MiB array (the records of foreign
+    memory a new array's is looked up among)."""
+    fresh = [np.zeros(64, np.float32) for _ in range(2000)]
+
+    def imports() -> float:
+        times = []
+        for array in fresh:
+            t0 = time.perf_counter_ns()
+            am.from_dlpack(array)
+            times.append(time.perf_counter_ns() - t0)
+        return statistics.median(times) / 1e3
+
+    out: dict[str, Any] = {"lent_out_us": {}, "imported_beside_a_large_one_us": {}}
+    for n in sizes:
+        buffers = [await dev.alloc(256) for _ in range(n)]
+        arrays = [np.from_dlpack(b.typed(np.uint8)) for b in buffers]
+        out["lent_out_us"][n] = imports()
+        del arrays
+        for b in buffers:
+            await b.free()
+        small = [np.zeros(64, np.float32) for _ in range(n)]
+        large = np.zeros(1 << 28, np.uint8)
+        kept = [am.from_dlpack(a) for a in (large, *small)]
+        out["imported_beside_a_large_one_us"][n] = imports()
+        del kept, large, small
+    return out
 
 
 def main() -> None:
