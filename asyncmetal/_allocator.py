@@ -807,6 +807,19 @@ class Allocator:
         # Freed blocks whose last uses are in flight: those uses, by block (one entry a
         # block: recorded, updated and taken off with no call, see _release).
         self._pending: dict[Block, list[tuple[Queue, int]]] = {}
+        # What a sweep reads of them, so that it costs what passed, not what is pending
+        # (thousands of frees behind a deep queue): per queue, a heap of (value, number,
+        # block) -- a use of each pending block not passed when it was put there, which
+        # the block is looked at again once passed -- and those pending not in a heap
+        # yet (``_unheaped``: collected, or their last loan ended) and those found due
+        # (``_due``: released, then taken off). Each pending block is in one of them
+        # from before it is pending: an entry is put in before the block's record
+        # changes and taken out after. Entries may be stale (released since, pending
+        # again): a look reads ``_pending``, and at worst looks once more.
+        self._heaps: dict[Queue, list[tuple[int, int, Block]]] = {}
+        self._heaped = 0  # (the entries' numbers: ties never compare blocks)
+        self._unheaped: list[Block] = []
+        self._due: list[tuple[Block, int]] = []
         # Per loop: the (queue, value) uses it already watches for a pending release.
         self._watched: weakref.WeakKeyDictionary[LoopBridge, set[tuple[Queue, int]]] = (
             weakref.WeakKeyDictionary()
@@ -1160,8 +1173,14 @@ class Allocator:
         with self._lock:
             if block not in self._live or generation not in (None, block.generation):
                 return  # released already (and maybe handed out again)
+            self._heap(block, *pending[0])
             self._pending[block] = pending
         self._frees.increment()  # waiting allocations start watching its uses
+
+    def _heap(self, block: Block, queue: Queue, value: int) -> None:
+        """(Under the lock.) Have ``block`` looked at again once ``queue`` passed ``value``."""
+        self._heaped += 1
+        heapq.heappush(self._heaps.setdefault(queue, []), (value, self._heaped, block))
 
     def collected(self, block: Block, generation: int) -> None:
         """A buffer of ``block`` was garbage-collected unfreed (any thread, even in the
@@ -1316,6 +1335,7 @@ class Allocator:
                 block.lent -= 1
                 if not block.lent and block in self._lent_out:
                     self._lent_out -= {block}
+                    self._unheaped += (block,)
                     self._pending[block] = []  # (no use left)
             del self._returned[0]
 
@@ -1366,23 +1386,46 @@ class Allocator:
                 if taken and not block.freed:
                     uses = list(block.last_use.items())
                     block.freed = True
+                    self._unheaped += (block,)
                     self._pending[block] = uses
                 del self._collected[0]
-        if not self._pending:
+        if not self._pending and not self._due:
             return
-        due = []
         with self._lock:
-            for block, uses in list(self._pending.items()):
-                left = [(q, v) for q, v in uses if not _passed(q, v)]
-                if left:
-                    self._pending[block] = left
-                else:
-                    # (Pending until released: an interrupt loses none.) With its
-                    # generation: another thread's sweep may release it first, and an
-                    # allocation hand it out anew, before this one gets to it.
-                    due.append((block, block.generation))
+            while self._unheaped:
+                self._look_again(self._unheaped[0])
+                del self._unheaped[0]
+            # (An interrupt may leave a heap empty: taken out at the next look.)
+            for queue in [q for q, h in self._heaps.items() if not h or _passed(q, h[0][0])]:
+                heap = self._heaps[queue]
+                while heap and _passed(queue, heap[0][0]):
+                    self._look_again(heap[0][2])
+                    heapq.heappop(heap)
+                if not heap:
+                    del self._heaps[queue]
+            due = list(self._due)
+        # (Pending until released, and due until then: an interrupt loses none.) With its
+        # generation: another thread's sweep may release it first, and an allocation hand
+        # it out anew, before this one gets to it.
         for block, generation in due:
             self._release(block, generation)
+        if due:
+            with self._lock:
+                released = {id(entry) for entry in due}
+                self._due[:] = [entry for entry in self._due if id(entry) not in released]
+
+    def _look_again(self, block: Block) -> None:
+        """(Under the lock.) One of pending ``block``'s uses passed (or none was looked
+        at yet): it is due once all did, else looked at again once another does."""
+        uses = self._pending.get(block)
+        if uses is None:  # (released since)
+            return
+        left = [(q, v) for q, v in uses if not _passed(q, v)]
+        if left:
+            self._heap(block, *left[0])
+            self._pending[block] = left
+        else:
+            self._due += ((block, block.generation),)
 
     def _watch_pending(self) -> None:
         """Have the calling loop count an event when a pending release's next use
@@ -1392,13 +1435,15 @@ class Allocator:
         bridge = current_bridge()
         with self._lock:
             watched = self._watched.setdefault(bridge, set())
-            # A release waits for all its uses: watching the first not yet passed is
-            # enough, as each event brings this loop back here to watch the next.
-            pending = self._pending.values()
-            firsts = [next((u for u in left if not _passed(*u)), None) for left in pending]
-            new = [use for use in firsts if use is not None and use not in watched]
+            # A release waits for all its uses, each looked at again once the use it is
+            # heaped on passed: watching the first of each queue's heap is enough, as
+            # each event brings this loop back here to watch the next.
+            firsts = [(queue, heap[0][0]) for queue, heap in self._heaps.items() if heap]
+            reached = [use for use in firsts if _passed(*use)]
+            new = [use for use in firsts if use not in watched and use not in reached]
             watched.update(new)
-        if None in firsts:  # every use of one passed since the sweep: sweep again now
+            due = reached or self._unheaped or self._due
+        if due:  # one passed since the sweep (or is due): sweep again now
             self._frees.increment()
         for queue, value in new:
             passed = functools.partial(self._use_passed, watched, queue, value)
@@ -1585,6 +1630,9 @@ class Allocator:
                 _left_to_others.update((block, self) for block in left_to_others)
             self._live.clear()
             self._pending.clear()
+            self._heaps.clear()
+            self._unheaped.clear()
+            self._due.clear()
             self._collected.clear()
             self._exported.clear()
             self._exported_at.clear()
