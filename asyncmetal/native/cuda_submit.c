@@ -409,9 +409,15 @@ static am_cuop *cuq_copy_op(const am_cuop *op, size_t size, const am_cuop *then)
     memcpy(copy, op, size);
     copy->next = end;
     if (copy->other) atomic_fetch_add(&copy->other->refs, 1);
+    /* A held operation keeps the timeline it points at until it is dropped (cuop_free):
+     * what kept it for the caller (Python's keep-alive) lets go once the queue's
+     * timeline passed the command, which a failed queue's settling does while its later
+     * commands are still held. */
+    if (copy->extra) atomic_fetch_add(&copy->extra->refs, 1);
     if (end) {
         *end = *then;
         end->next = NULL;
+        if (end->extra) atomic_fetch_add(&end->extra->refs, 1);
     }
     return copy;
 }

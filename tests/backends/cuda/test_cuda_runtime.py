@@ -83,6 +83,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "waitedfreed"),
         *("ok", "signalfreed"),
         *("ok", "confirmfreed"),
+        *("ok", "heldfreed"),
         *("ok", "abandonwait"),
         *("ok", "closedwait"),
         *("ok", "uafwaiter"),

@@ -2005,6 +2005,50 @@ static void check_confirmfreed(void) {
     puts("ok confirmfreed");
 }
 
+/* Commands held on the host (past the bound, or behind a device wait held) behind one
+ * that fails once confirmed: the queue settles, its timeline at UINT64_MAX, while they
+ * are still held -- and Python, whose keep-alive held what they point at until the
+ * queue's timeline passed them, lets go: here the timeline a held signal raises, freed
+ * as the completion thread takes the signal's first operation to hand it over (the
+ * runtime's hook). The driver refuses it (the context faulted), and the signal's timeline
+ * fails with it (cuq_drop_refused): no use after free (ASan). */
+static am_timeline *_Atomic freed_at_hook;
+static am_cuq *freed_at_hook_q;
+
+static void free_at_drain(int where, am_cuq *q) {
+    if (where != CU_HOOK_DRAIN_HANDING || q != freed_at_hook_q) return;
+    if (am_timeline_value(q->timeline) != UINT64_MAX) return;
+    am_timeline *t = atomic_exchange(&freed_at_hook, NULL);
+    if (t) am_timeline_free(t);  /* what Python does once q's timeline passed the signal */
+}
+
+static void check_heldfreed(void) {
+    static kernel slow = {0, 100000000, NULL, 0};  /* 100 ms: not done before the fault */
+    fake_queue f = queue_bounded(1);
+    free_timeline s = free_timeline_new();
+    if (launch(f, &slow, 1, 1)) die("heldfreed: launch 1 failed");
+    if (signal_free(f, s, 1, 2)) die("heldfreed: the held signal failed at once");
+    uint64_t stats[8];
+    am_cuq_stats(f.q, stats);
+    if (stats[6] != 2) die("heldfreed: (setup) the signal was not held");
+    freed_at_hook_q = f.q;
+    atomic_store(&freed_at_hook, s.t);
+    atomic_store(&test_hook, free_at_drain);
+    atomic_store(&fault_code, ILLEGAL_ADDRESS);  /* command 1 fails once confirmed */
+    reach(f.t, UINT64_MAX, "heldfreed: the failed queue never settled");
+    int64_t deadline = now_ns() + 10000000000LL;
+    for (;;) {
+        am_cuq_stats(f.q, stats);
+        if (!stats[6] && !atomic_load(&freed_at_hook)) break;
+        if (now_ns() > deadline) die("heldfreed: the held signal was never handed over");
+    }
+    atomic_store(&test_hook, NULL);
+    queue_free(f, 0);
+    atomic_store(&fault_code, 0);
+    free(s.word);
+    puts("ok heldfreed");
+}
+
 static void check_orphaned(void) {
     int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
     fake_queue a = queue_bounded(1), b = queue_new();
@@ -3625,6 +3669,7 @@ int main(void) {
     check_waitedfreed();
     check_signalfreed();
     check_confirmfreed();
+    check_heldfreed();
     unreleased(check_abandonwait, "abandonwait");
     unreleased(check_closedwait, "closedwait");
     unreleased(check_uafwaiter, "uafwaiter");
