@@ -115,8 +115,9 @@ typedef struct am_timeline {
      * after a queue that waited for the command raised its queue's timeline past it, and
      * the owner (Python, whose keep-alive let go then) let go. And one per operation a
      * cuda queue holds on the host that points at it (cuq_copy_op): a failed queue
-     * settles, its timeline past them, while its later commands are still held. Freed
-     * at none. */
+     * settles, its timeline past them, while its later commands are still held. And one
+     * per cuda queue's kick registered on it (cuda_submit.c, cuq_defer), until the kick
+     * runs or is taken off. Freed at none. */
     atomic_int refs;
     /* A Metal queue's own timeline: the value of its first command buffer that failed
      * (0: none), set by that buffer's completion handler (am_block_completed). */

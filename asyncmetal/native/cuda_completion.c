@@ -35,9 +35,12 @@ void cuq_drop_refused(am_cuq *q, am_cuop *op, int error, uint64_t value) {
 
 /* The held device wait first in q (deferred, its kick on kick_on) was dropped: its kick
  * goes too, unless it is due (then it clears q->deferred itself). Not under mu; the
- * caller holds a reference of q. */
+ * caller holds a reference of q, and one of kick_on (cuq_kick_ref), let go of here. */
 void cuq_unkick(am_cuq *q, am_timeline *kick_on) {
-    if (!timeline_undefer(kick_on, &q->kick, 1)) return;
+    int taken = timeline_undefer(kick_on, &q->kick, 1);
+    if (taken) timeline_unref(kick_on);  /* the kick's (never the last: the caller's) */
+    timeline_unref(kick_on);
+    if (!taken) return;
     pthread_mutex_lock(&q->mu);
     q->deferred = 0;
     if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
@@ -75,7 +78,7 @@ void am_cuq_discard(am_cuq *q) {
     }
     uint64_t first = dropped->value;
     int unkick = q->deferred && dropped == q->held;  /* the held wait's kick goes too */
-    am_timeline *kick_on = q->kick_on;
+    am_timeline *kick_on = unkick ? cuq_kick_ref(q) : NULL;
     *p = NULL;
     q->held_tail = last;
     for (am_cuop *op = dropped; op; op = op->next) q->nheld--;
@@ -578,7 +581,7 @@ static void cuq_no_context(am_cuq *q, int r) {
         uint64_t extra_value;
         if (q->held && !q->driving) {  /* (a thread handing some over: once it is done) */
             unkick = q->deferred;  /* a held wait's kick goes too (as am_cuq_discard's) */
-            kick_on = q->kick_on;
+            kick_on = unkick ? cuq_kick_ref(q) : NULL;
             dropped = cuq_refused(q, first, r);
         }
         while (q->count) {

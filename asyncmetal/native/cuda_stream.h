@@ -157,7 +157,8 @@ struct am_cuq {
     size_t nheld;
     int deferred;                   /* the first held one is a device wait that must not
                                        reach the driver yet: `kick` is registered */
-    am_kick kick;                   /* ... on the timeline it waits for (one ref of q) */
+    am_kick kick;                   /* ... on the timeline it waits for (one ref of q,
+                                       and one of that timeline) */
     am_timeline *kick_on;           /* ... that timeline (set with deferred, under mu) */
     _Atomic int64_t poll_until;     /* a kicked wait's work: polled for until then */
     int driving;                    /* a thread is making driver calls for this queue */
@@ -241,6 +242,14 @@ typedef struct am_cuwaiter {
 static inline int cuq_can_drain(const am_cuq *q) {
     return q->held && !q->driving && !q->deferred && q->count < q->max_inflight &&
            q->stop != 2;
+}
+
+/* q->kick_on, referenced for the caller (timeline_unref, or cuq_unkick). Under mu, while
+ * q is deferred -- its kick's reference holds it, and may go as soon as mu is let go of
+ * (cuq_kicked) -- or while the caller holds it otherwise (the wait it deferred). */
+static inline am_timeline *cuq_kick_ref(am_cuq *q) {
+    atomic_fetch_add(&q->kick_on->refs, 1);
+    return q->kick_on;
 }
 
 /* A thread is done handing q's operations over (under mu): a completion thread waiting

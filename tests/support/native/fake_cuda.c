@@ -2049,6 +2049,28 @@ static void check_heldfreed(void) {
     puts("ok heldfreed");
 }
 
+/* The same for a device wait held (deferred) on a timeline nothing has signalled yet,
+ * its kick registered there: the queue fails and settles behind it, Python lets go of
+ * the waited timeline and frees it, and the queue's abandoning close then drops the held
+ * wait and takes its kick off that timeline (timeline_undefer): no use after free (ASan),
+ * with the held operation's reference of it dropped first. */
+static void check_kickfreed(void) {
+    static kernel slow = {0, 100000000, NULL, 0};
+    fake_queue f = queue_new();
+    free_timeline t = free_timeline_new();
+    if (launch(f, &slow, 1, 1)) die("kickfreed: launch 1 failed");
+    if (wait_held(f, t.t, 1, 2)) die("kickfreed: the wait failed at once");
+    if (!atomic_load(&t.t->has_kicks)) die("kickfreed: (setup) the wait's kick is not registered");
+    atomic_store(&fault_code, ILLEGAL_ADDRESS);  /* command 1 fails once confirmed */
+    reach(f.t, UINT64_MAX, "kickfreed: the failed queue never settled");
+    am_timeline_free(t.t);  /* what Python does once f's timeline passed the wait */
+    am_cuq_close(f.q, 1);
+    abandoned_free(f);
+    atomic_store(&fault_code, 0);
+    free(t.word);
+    puts("ok kickfreed");
+}
+
 static void check_orphaned(void) {
     int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
     fake_queue a = queue_bounded(1), b = queue_new();
@@ -3670,6 +3692,7 @@ int main(void) {
     check_signalfreed();
     check_confirmfreed();
     check_heldfreed();
+    check_kickfreed();
     unreleased(check_abandonwait, "abandonwait");
     unreleased(check_closedwait, "closedwait");
     unreleased(check_uafwaiter, "uafwaiter");
