@@ -117,7 +117,8 @@ typedef struct am_timeline {
      * cuda queue holds on the host that points at it (cuq_copy_op): a failed queue
      * settles, its timeline past them, while its later commands are still held. And one
      * per cuda queue's kick registered on it (cuda_submit.c, cuq_defer), until the kick
-     * runs or is taken off. Freed at none. */
+     * runs or is taken off. And one while a cuda queue keeps a refused signal of it for
+     * the fence behind that command (cuq_unfence). Freed at none. */
     atomic_int refs;
     /* A Metal queue's own timeline: the value of its first command buffer that failed
      * (0: none), set by that buffer's completion handler (am_block_completed). */

@@ -444,13 +444,14 @@ static void cuq_refence(am_cuq *q, long *nap) {
     __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);  /* the refused one */
     pthread_mutex_lock(&q->mu);
     cuq_undrive(q);
-    int settle = 0, fail_signal = 0, error = 0;
+    int settle = 0, fail_signal = 0, error = 0, cleared = 0;
     uint64_t failed_value = 0;
     am_timeline *cause = NULL;
     if (!r || cu_fence_final(r)) {
         if (q->unfenced_extra == extra) {  /* (else one kept meanwhile: a fence carries it) */
             q->unfenced = 0;
             q->unfenced_extra = NULL;
+            cleared = extra != NULL;
         }
         settle = r && !q->count && !q->held && q->stop != 2;
         fail_signal = r && extra && q->stop != 2;  /* (no fence: it fails now) */
@@ -461,6 +462,7 @@ static void cuq_refence(am_cuq *q, long *nap) {
     }
     pthread_mutex_unlock(&q->mu);
     if (fail_signal) am_timeline_fail(extra, extra_value, error, failed_value, cause);
+    if (cleared) timeline_unref(extra);  /* (cuq_unfence's: a fence recorded holds its own) */
     if (settle) cuq_settle(q);
 }
 
@@ -480,6 +482,10 @@ static void cuq_refence(am_cuq *q, long *nap) {
 int cuq_unfence(am_cuq *q, uint64_t value, const am_cuop *signal) {
     if (!q->unfenced || value < q->unfenced) q->unfenced = value;
     if (!signal || q->unfenced_extra) return 0;
+    /* Kept until the fence is recorded, or the signal fails without one (cuq_refence,
+     * cuq_no_context, cuq_stop): the queue may settle meanwhile -- a command before it
+     * fails once confirmed -- and Python then lets go of the timeline. */
+    atomic_fetch_add(&signal->extra->refs, 1);
     q->unfenced_extra = signal->extra;
     q->unfenced_extra_value = signal->extra_value;
     return 1;
@@ -603,7 +609,10 @@ static void cuq_no_context(am_cuq *q, int r) {
         pthread_mutex_unlock(&q->mu);
         if (unkick) cuq_unkick(q, kick_on);
         cuq_drop_refused(q, dropped, error, value);
-        if (extra) am_timeline_fail(extra, extra_value, error, value, cause);
+        if (extra) {
+            am_timeline_fail(extra, extra_value, error, value, cause);
+            timeline_unref(extra);  /* (cuq_unfence's) */
+        }
         if (settle) {
             cuq_settle(q);
             settled = 1;
@@ -636,6 +645,8 @@ static void *cuq_stop(am_cuq *q) {
     while (q->lends || q->driving) pthread_cond_wait(&q->cv, &q->mu);
     cuq_drop_held(q);
     cuq_destroy_events(q);
+    if (q->unfenced_extra) timeline_unref(q->unfenced_extra);  /* (abandoned: left as is) */
+    q->unfenced_extra = NULL;
     q->exited = 1;
     int orphan = q->orphan;
     pthread_cond_broadcast(&q->cv);

@@ -174,7 +174,8 @@ struct am_cuq {
                                        under mu) */
     am_timeline *unfenced_extra;    /* ... a signal that command makes (or NULL): its word
                                        write may still land, so its timeline fails only
-                                       with the fence (cuq_unfence; under mu) */
+                                       with the fence (cuq_unfence, which references
+                                       it; under mu) */
     uint64_t unfenced_extra_value;
     int handing;                    /* threads in cuq_hand_over waiting on hand_cv for
                                        that to end, or for a due kick to run */

@@ -85,6 +85,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "confirmfreed"),
         *("ok", "heldfreed"),
         *("ok", "kickfreed"),
+        *("ok", "unfencedfreed"),
         *("ok", "abandonwait"),
         *("ok", "closedwait"),
         *("ok", "uafwaiter"),

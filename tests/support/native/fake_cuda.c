@@ -2012,6 +2012,8 @@ static void check_confirmfreed(void) {
  * as the completion thread takes the signal's first operation to hand it over (the
  * runtime's hook). The driver refuses it (the context faulted), and the signal's timeline
  * fails with it (cuq_drop_refused): no use after free (ASan). */
+static void refusals_off(void);
+
 static am_timeline *_Atomic freed_at_hook;
 static am_cuq *freed_at_hook_q;
 
@@ -2069,6 +2071,51 @@ static void check_kickfreed(void) {
     atomic_store(&fault_code, 0);
     free(t.word);
     puts("ok kickfreed");
+}
+
+/* A signal whose end the driver refused after its word write reached it, and the fence
+ * behind it too (kept for the fence: cuq_unfence), behind a command still in flight --
+ * a device wait for another queue, abandoned meanwhile: that command fails once
+ * confirmed and the queue settles, its timeline at UINT64_MAX, with the fence still to
+ * be recorded. Python then lets go of the signal's timeline and frees it, and the fence,
+ * recorded at the completion thread's next try, carries it (cuq_refence): no use after
+ * free (ASan). */
+static void check_unfencedfreed(void) {
+    static kernel slow = {0, 100000000, NULL, 0};
+    fake_queue a = queue_new(), f = queue_new();
+    free_timeline s = free_timeline_new();
+    if (launch(a, &slow, 1, 1)) die("unfencedfreed: a's launch failed");
+    if (wait_queue(f, a, 1, 1)) die("unfencedfreed: f's wait failed");
+    hold_head(f);
+    if (kernel_part(f, NULL, 2) || am_cuq_write(f.q, s.word, 5, 2))
+        die("unfencedfreed: the signal's kernel or word write failed");
+    atomic_store(&records_refused, 0);
+    atomic_store(&refuse_more_code, OUT_OF_MEMORY);  /* the fence's: tried again */
+    atomic_store(&refuse_more, 1000000);
+    atomic_store(&refuse_records, f.s);
+    if (am_cuq_finish(f.q, 2, s.t, 5, 0, 0) != 1)
+        die("unfencedfreed: the refusal was not reported");
+    pthread_mutex_lock(&f.q->mu);
+    int kept = f.q->unfenced == 2 && f.q->unfenced_extra == s.t;
+    pthread_mutex_unlock(&f.q->mu);
+    if (!kept) die("unfencedfreed: (setup) the signal was not kept for the fence");
+    am_cuq_close(a.q, 1);  /* f's wait fails from 1 (cuq_abandon_waiters) */
+    let_held_go(f, "unfencedfreed: f's thread never saw its wait");
+    reach(f.t, UINT64_MAX, "unfencedfreed: the failed queue never settled");
+    am_timeline_free(s.t);  /* what Python does once f's timeline passed the signal */
+    refusals_off();  /* the fence is recorded at the next try */
+    int64_t deadline = now_ns() + 10000000000LL;
+    for (;;) {
+        pthread_mutex_lock(&f.q->mu);
+        int unfenced = f.q->unfenced || f.q->count;
+        pthread_mutex_unlock(&f.q->mu);
+        if (!unfenced) break;
+        if (now_ns() > deadline) die("unfencedfreed: the fence was never recorded");
+    }
+    queue_free(f, 0);
+    abandoned_free(a);
+    free(s.word);
+    puts("ok unfencedfreed");
 }
 
 static void check_orphaned(void) {
@@ -3693,6 +3740,7 @@ int main(void) {
     check_confirmfreed();
     check_heldfreed();
     check_kickfreed();
+    check_unfencedfreed();
     unreleased(check_abandonwait, "abandonwait");
     unreleased(check_closedwait, "closedwait");
     unreleased(check_uafwaiter, "uafwaiter");
