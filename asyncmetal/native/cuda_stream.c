@@ -64,8 +64,11 @@ void cuq_unref(am_cuq *q) {
 }
 
 void cuop_free(am_cuop *op) {
-    if (op->other) cuq_unref(op->other);
-    if (op->extra) timeline_unref(op->extra);  /* (cuq_copy_op) */
+    if (op->other) {  /* (cuq_copy_op) */
+        timeline_unref(op->other->timeline);
+        cuq_unref(op->other);
+    }
+    if (op->extra) timeline_unref(op->extra);
     if (op->kind == CUOP_WAIT_EVENT && op->word)  /* never waited for */
         ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(op->word);
     free(op);

@@ -84,6 +84,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "signalfreed"),
         *("ok", "confirmfreed"),
         *("ok", "heldfreed"),
+        *("ok", "waitqueuefreed"),
         *("ok", "kickfreed"),
         *("ok", "unfencedfreed"),
         *("ok", "abandonwait"),

@@ -2051,6 +2051,42 @@ static void check_heldfreed(void) {
     puts("ok heldfreed");
 }
 
+/* The same for a held device wait for another queue's value (across devices: its
+ * command's end raises nothing): the other queue, its work done, closed, and Python let
+ * go of its timeline -- the waiting queue's keep-alive held it until that queue settled
+ * -- as the completion thread takes the wait to hand it over, which looks at the other
+ * queue's timeline (stream_wait_queue): no use after free (ASan). */
+static void check_waitqueuefreed(void) {
+    static kernel slow = {0, 100000000, NULL, 0};
+    fake_queue a = queue_new(), f = queue_bounded(1);
+    if (launch(a, NULL, 1, 1)) die("waitqueuefreed: a's launch failed");
+    reach(a.t, 1, "waitqueuefreed: a's launch never ran");
+    if (launch(f, &slow, 1, 1)) die("waitqueuefreed: launch 1 failed");
+    if (am_cuq_wait_queue(f.q, a.q, 1, 2) || am_cuq_finish(f.q, 2, NULL, 0, 0, CU_FINISH_PLAIN))
+        die("waitqueuefreed: the held wait failed at once");
+    uint64_t stats[8];
+    am_cuq_stats(f.q, stats);
+    if (stats[6] != 2) die("waitqueuefreed: (setup) the wait was not held");
+    am_cuq_close(a.q, 0);
+    stream_free(a.s, 0);
+    freed_at_hook_q = f.q;
+    atomic_store(&freed_at_hook, a.t);
+    atomic_store(&test_hook, free_at_drain);
+    atomic_store(&fault_code, ILLEGAL_ADDRESS);  /* command 1 fails once confirmed */
+    reach(f.t, UINT64_MAX, "waitqueuefreed: the failed queue never settled");
+    int64_t deadline = now_ns() + 10000000000LL;
+    for (;;) {
+        am_cuq_stats(f.q, stats);
+        if (!stats[6] && !atomic_load(&freed_at_hook)) break;
+        if (now_ns() > deadline) die("waitqueuefreed: the held wait was never handed over");
+    }
+    atomic_store(&test_hook, NULL);
+    queue_free(f, 0);
+    atomic_store(&fault_code, 0);
+    free(a.word);
+    puts("ok waitqueuefreed");
+}
+
 /* The same for a device wait held (deferred) on a timeline nothing has signalled yet,
  * its kick registered there: the queue fails and settles behind it, Python lets go of
  * the waited timeline and frees it, and the queue's abandoning close then drops the held
@@ -3739,6 +3775,7 @@ int main(void) {
     check_signalfreed();
     check_confirmfreed();
     check_heldfreed();
+    check_waitqueuefreed();
     check_kickfreed();
     check_unfencedfreed();
     unreleased(check_abandonwait, "abandonwait");
