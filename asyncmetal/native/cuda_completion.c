@@ -155,7 +155,10 @@ static uint64_t cuq_sure(const am_cuq *q, am_timeline *t, uint64_t before, uint6
  * queue's mu. */
 void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value, am_timeline *cause) {
     pthread_mutex_lock(&q->mu);
-    if (q->poisoned && q->poisoned <= from) {
+    /* Closed (or abandoned): it confirms nothing any more, its waiters went with its close
+     * (cuq_abandon_waiters), and its timeline may be freed -- its owner lets go of it once
+     * the close returned, while a queue it waited for still has its wait recorded. */
+    if (q->stop == 2 || (q->poisoned && q->poisoned <= from)) {
         pthread_mutex_unlock(&q->mu);
         return;
     }

@@ -86,6 +86,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "heldfreed"),
         *("ok", "waitqueuefreed"),
         *("ok", "kickfreed"),
+        *("ok", "poisonclosed"),
         *("ok", "unfencedfreed"),
         *("ok", "abandonwait"),
         *("ok", "closedwait"),

@@ -2087,6 +2087,33 @@ static void check_waitqueuefreed(void) {
     puts("ok waitqueuefreed");
 }
 
+/* A queue's device wait for another queue's value across devices (its command's end
+ * raises nothing), confirmed by the waiting queue -- the other stream ran past the value
+ * -- before the other queue's own thread saw that command fail (a fault reported at its
+ * event's query). The waiting queue, its work done, closes, and Python frees its
+ * timeline; the other queue then settles, failing the waits recorded on its failed
+ * values from there on (cuq_release_waiters, cuq_poison), the closed queue's among them:
+ * no use after free (ASan). */
+static void check_poisonclosed(void) {
+    static kernel slow = {0, 20000000, NULL, 0};  /* 20 ms: not seen done before held */
+    fake_queue a = queue_new(), b = queue_new();
+    if (launch(a, &slow, 1, 1)) die("poisonclosed: a's launch failed");
+    hold_head(a);
+    if (am_cuq_wait_queue(b.q, a.q, 1, 1) || am_cuq_finish(b.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
+        die("poisonclosed: b's wait failed at once");
+    reach(b.t, 1, "poisonclosed: b's wait never confirmed");
+    am_cuq_close(b.q, 0);  /* b's work is done: Python closes it, and frees its timeline */
+    stream_free(b.s, 0);
+    am_timeline_free(b.t);
+    atomic_store(&fault_code, ILLEGAL_ADDRESS);  /* a's command fails once its thread looks */
+    atomic_store(&held, NULL);
+    reach(a.t, UINT64_MAX, "poisonclosed: a never settled");
+    queue_free(a, 0);
+    atomic_store(&fault_code, 0);
+    free(b.word);
+    puts("ok poisonclosed");
+}
+
 /* The same for a device wait held (deferred) on a timeline nothing has signalled yet,
  * its kick registered there: the queue fails and settles behind it, Python lets go of
  * the waited timeline and frees it, and the queue's abandoning close then drops the held
@@ -3777,6 +3804,7 @@ int main(void) {
     check_heldfreed();
     check_waitqueuefreed();
     check_kickfreed();
+    check_poisonclosed();
     check_unfencedfreed();
     unreleased(check_abandonwait, "abandonwait");
     unreleased(check_closedwait, "closedwait");
