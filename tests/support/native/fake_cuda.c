@@ -2025,7 +2025,9 @@ static void free_at_drain(int where, am_cuq *q) {
 }
 
 static void check_heldfreed(void) {
-    static kernel slow = {0, 100000000, NULL, 0};  /* 100 ms: not done before the fault */
+    /* 200 ms: not confirmed before the check has set up what follows it (also under
+     * ThreadSanitizer on a loaded machine) */
+    static kernel slow = {0, 200000000, NULL, 0};
     fake_queue f = queue_bounded(1);
     free_timeline s = free_timeline_new();
     if (launch(f, &slow, 1, 1)) die("heldfreed: launch 1 failed");
@@ -2057,7 +2059,9 @@ static void check_heldfreed(void) {
  * -- as the completion thread takes the wait to hand it over, which looks at the other
  * queue's timeline (stream_wait_queue): no use after free (ASan). */
 static void check_waitqueuefreed(void) {
-    static kernel slow = {0, 100000000, NULL, 0};
+    /* 200 ms: not confirmed before the check has set up what follows it (also under
+     * ThreadSanitizer on a loaded machine) */
+    static kernel slow = {0, 200000000, NULL, 0};
     fake_queue a = queue_new(), f = queue_bounded(1);
     if (launch(a, NULL, 1, 1)) die("waitqueuefreed: a's launch failed");
     reach(a.t, 1, "waitqueuefreed: a's launch never ran");
@@ -2095,7 +2099,7 @@ static void check_waitqueuefreed(void) {
  * values from there on (cuq_release_waiters, cuq_poison), the closed queue's among them:
  * no use after free (ASan). */
 static void check_poisonclosed(void) {
-    static kernel slow = {0, 20000000, NULL, 0};  /* 20 ms: not seen done before held */
+    static kernel slow = {0, 200000000, NULL, 0};  /* 200 ms: not seen done before held */
     fake_queue a = queue_new(), b = queue_new();
     if (launch(a, &slow, 1, 1)) die("poisonclosed: a's launch failed");
     hold_head(a);
@@ -2120,7 +2124,9 @@ static void check_poisonclosed(void) {
  * wait and takes its kick off that timeline (timeline_undefer): no use after free (ASan),
  * with the held operation's reference of it dropped first. */
 static void check_kickfreed(void) {
-    static kernel slow = {0, 100000000, NULL, 0};
+    /* 200 ms: not confirmed before the check has set up what follows it (also under
+     * ThreadSanitizer on a loaded machine) */
+    static kernel slow = {0, 200000000, NULL, 0};
     fake_queue f = queue_new();
     free_timeline t = free_timeline_new();
     if (launch(f, &slow, 1, 1)) die("kickfreed: launch 1 failed");
@@ -2144,7 +2150,9 @@ static void check_kickfreed(void) {
  * recorded at the completion thread's next try, carries it (cuq_refence): no use after
  * free (ASan). */
 static void check_unfencedfreed(void) {
-    static kernel slow = {0, 100000000, NULL, 0};
+    /* 200 ms: not confirmed before the check has set up what follows it (also under
+     * ThreadSanitizer on a loaded machine) */
+    static kernel slow = {0, 200000000, NULL, 0};
     fake_queue a = queue_new(), f = queue_new();
     free_timeline s = free_timeline_new();
     if (launch(a, &slow, 1, 1)) die("unfencedfreed: a's launch failed");
