@@ -114,9 +114,9 @@ typedef struct am_timeline {
      * for another queue, whose timeline that thread raises -- each of which may come
      * after a queue that waited for the command raised its queue's timeline past it, and
      * the owner (Python, whose keep-alive let go then) let go. And one per operation a
-     * cuda queue holds on the host that points at it, or waits for its queue
-     * (cuq_copy_op): a failed queue settles, its timeline past them, while its later
-     * commands are still held. And one
+     * cuda queue holds on the host that points at it (cuq_copy_op): a failed queue
+     * settles, its timeline past them, while its later commands are still held. A cuda
+     * queue's own timeline: one of that queue until its memory goes (am_cuq_new). And one
      * per cuda queue's kick registered on it (cuda_submit.c, cuq_defer), until the kick
      * runs or is taken off. And one while a cuda queue keeps a refused signal of it for
      * the fence behind that command (cuq_unfence). Freed at none. */

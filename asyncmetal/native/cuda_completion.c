@@ -922,6 +922,7 @@ static void *cuq_run(void *arg) {
          * operations over: see cuq_drain). */
         int settle = r || (q->error && !q->count && !q->held && !q->unfenced && !q->driving);
         pthread_mutex_unlock(&q->mu);
+        cuq_test_hook(CU_HOOK_CONFIRMED, q);
         if (e.extra && !r && !e.waited) am_timeline_poke(e.extra, e.extra_value);
         if (e.signals && !r) timeline_keep_released(e.extra);  /* its write landed */
         if (e.extra) timeline_unref(e.extra);  /* (done with it: confirmed, or failed) */
@@ -959,5 +960,10 @@ am_cuq *am_cuq_new(void *ctx, void *stream, am_timeline *timeline, long spin_ns,
         free(q->ring); free(q->events[0]); free(q->events[1]); free(q);
         return NULL;
     }
+    /* The queue keeps its timeline until its memory goes (cuq_free): its thread, orphaned
+     * by an abandoning close that gave up on it, may still raise it after the close
+     * returned and the owner let go; and the queues that waited for it, or hold a wait
+     * for it, reference the queue after it closed. */
+    atomic_fetch_add(&timeline->refs, 1);
     return q;
 }

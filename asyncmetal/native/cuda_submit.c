@@ -421,13 +421,10 @@ static am_cuop *cuq_copy_op(const am_cuop *op, size_t size, const am_cuop *then)
     /* A held operation keeps the timeline it points at until it is dropped (cuop_free):
      * what kept it for the caller (Python's keep-alive) lets go once the queue's
      * timeline passed the command, which a failed queue's settling does while its later
-     * commands are still held. A wait for another queue keeps that queue, and its
-     * timeline, which the wait looks at as it is handed over (stream_wait_queue): that
-     * queue may be closed meanwhile, and its timeline let go of by its owner. */
-    if (copy->other) {
-        atomic_fetch_add(&copy->other->refs, 1);
-        atomic_fetch_add(&copy->other->timeline->refs, 1);
-    }
+     * commands are still held. A wait for another queue keeps that queue, which keeps
+     * its timeline (am_cuq_new): the wait looks at it as it is handed over
+     * (stream_wait_queue), maybe after that queue closed and its owner let go. */
+    if (copy->other) atomic_fetch_add(&copy->other->refs, 1);
     if (copy->extra) atomic_fetch_add(&copy->extra->refs, 1);
     if (end) {
         *end = *then;

@@ -87,6 +87,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "waitqueuefreed"),
         *("ok", "kickfreed"),
         *("ok", "poisonclosed"),
+        *("ok", "orphanpoke"),
         *("ok", "unfencedfreed"),
         *("ok", "abandonwait"),
         *("ok", "closedwait"),

@@ -2118,6 +2118,48 @@ static void check_poisonclosed(void) {
     puts("ok poisonclosed");
 }
 
+/* An abandoning close gives up on a completion thread that has not returned within
+ * ~200 ms (one blocked on an event that never completes), which then frees the queue
+ * itself: here one held up right after it confirmed a command, before it raises the
+ * queue's timeline for it (the runtime's hook) -- as a thread off the CPU there on a
+ * loaded machine is. The close returns and Python frees the queue's timeline; the thread
+ * then raises it: no use after free (ASan). */
+static fake_queue orphan_q;
+static atomic_int orphan_hooked;
+
+static void *orphan_closer(void *arg) {
+    (void)arg;
+    am_cuq_close(orphan_q.q, 1);
+    am_timeline_free(orphan_q.t);  /* what Python does once the close returned */
+    return NULL;
+}
+
+static void close_at_confirmed(int where, am_cuq *q) {
+    if (where != CU_HOOK_CONFIRMED || q != orphan_q.q || atomic_exchange(&orphan_hooked, 1))
+        return;
+    pthread_t closer;
+    if (pthread_create(&closer, NULL, orphan_closer, NULL)) die("orphanpoke: pthread_create");
+    pthread_join(closer, NULL);  /* (the close gave up on this thread) */
+}
+
+static void check_orphanpoke(void) {
+    long left = atomic_load(&events_made) - atomic_load(&events_destroyed);
+    orphan_q = queue_new();
+    atomic_store(&orphan_hooked, 0);
+    atomic_store(&test_hook, close_at_confirmed);
+    if (launch(orphan_q, NULL, 1, 1)) die("orphanpoke: launch failed");
+    /* The orphaned thread destroys its queue's events as it stops. */
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!atomic_load(&orphan_hooked) ||
+           atomic_load(&events_made) - atomic_load(&events_destroyed) != left)
+        if (now_ns() > deadline) die("orphanpoke: the orphaned thread never stopped");
+    nap_ns(10000000);  /* (its last steps after that: the queue's memory) */
+    atomic_store(&test_hook, NULL);
+    stream_free(orphan_q.s, 1);
+    free(orphan_q.word);
+    puts("ok orphanpoke");
+}
+
 /* The same for a device wait held (deferred) on a timeline nothing has signalled yet,
  * its kick registered there: the queue fails and settles behind it, Python lets go of
  * the waited timeline and frees it, and the queue's abandoning close then drops the held
@@ -3813,6 +3855,7 @@ int main(void) {
     check_waitqueuefreed();
     check_kickfreed();
     check_poisonclosed();
+    check_orphanpoke();
     check_unfencedfreed();
     unreleased(check_abandonwait, "abandonwait");
     unreleased(check_closedwait, "closedwait");
