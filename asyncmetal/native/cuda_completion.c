@@ -648,7 +648,8 @@ static void *cuq_stop(am_cuq *q) {
     while (q->lends || q->driving) pthread_cond_wait(&q->cv, &q->mu);
     cuq_drop_held(q);
     cuq_destroy_events(q);
-    if (q->unfenced_extra) timeline_unref(q->unfenced_extra);  /* (abandoned: left as is) */
+    /* (abandoned with a signal kept for a fence: left as its signals in flight are) */
+    if (q->unfenced_extra) timeline_unref(q->unfenced_extra);
     q->unfenced_extra = NULL;
     q->exited = 1;
     int orphan = q->orphan;
