@@ -129,7 +129,13 @@ typedef struct am_timeline {
      * thread confirms on it; a signal of it, which that thread raises it for; or a wait
      * for another queue, whose timeline that thread raises -- each of which may come
      * after a queue that waited for the command raised its queue's timeline past it, and
-     * the owner (Python, whose keep-alive let go then) let go: freed at none. */
+     * the owner (Python, whose keep-alive let go then) let go. Also one per operation a
+     * cuda queue holds on the host that points at it (cuq_copy_op), per kick of a held
+     * device wait registered on it (cuq_defer), and while a queue keeps a refused signal
+     * of it for the fence behind that command (cuq_unfence): a failed queue settles, its
+     * timeline past those commands, while they are still held or unfenced. A cuda
+     * queue's own timeline: one of that queue too, until its memory goes (am_cuq_new).
+     * Freed at none. */
     atomic_int refs;
     /* A Metal queue's own timeline: the value of its first command buffer that failed
      * (0: none), set by that buffer's completion handler (am_block_completed). */

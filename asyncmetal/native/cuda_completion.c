@@ -35,9 +35,12 @@ void cuq_drop_refused(am_cuq *q, am_cuop *op, int error, uint64_t value) {
 
 /* The held device wait first in q (deferred, its kick on kick_on) was dropped: its kick
  * goes too, unless it is due (then it clears q->deferred itself). Not under mu; the
- * caller holds a reference of q. */
+ * caller holds a reference of q, and one of kick_on (cuq_kick_ref), let go of here. */
 void cuq_unkick(am_cuq *q, am_timeline *kick_on) {
-    if (!timeline_undefer(kick_on, &q->kick, 1)) return;
+    int taken = timeline_undefer(kick_on, &q->kick, 1);
+    if (taken) timeline_unref(kick_on);  /* the kick's (never the last: the caller's) */
+    timeline_unref(kick_on);
+    if (!taken) return;
     pthread_mutex_lock(&q->mu);
     q->deferred = 0;
     if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
@@ -75,7 +78,7 @@ void am_cuq_discard(am_cuq *q) {
     }
     uint64_t first = dropped->value;
     int unkick = q->deferred && dropped == q->held;  /* the held wait's kick goes too */
-    am_timeline *kick_on = q->kick_on;
+    am_timeline *kick_on = unkick ? cuq_kick_ref(q) : NULL;
     *p = NULL;
     q->held_tail = last;
     for (am_cuop *op = dropped; op; op = op->next) q->nheld--;
@@ -152,7 +155,10 @@ static uint64_t cuq_sure(const am_cuq *q, am_timeline *t, uint64_t before, uint6
  * queue's mu. */
 void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value, am_timeline *cause) {
     pthread_mutex_lock(&q->mu);
-    if (q->poisoned && q->poisoned <= from) {
+    /* Closed (or abandoned): it confirms nothing any more, its waiters went with its close
+     * (cuq_abandon_waiters), and its timeline may be freed -- its owner lets go of it once
+     * the close returned, while a queue it waited for still has its wait recorded. */
+    if (q->stop == 2 || (q->poisoned && q->poisoned <= from)) {
         pthread_mutex_unlock(&q->mu);
         return;
     }
@@ -441,13 +447,14 @@ static void cuq_refence(am_cuq *q, long *nap) {
     __atomic_store_n(&q->failed_call, call, __ATOMIC_RELAXED);  /* the refused one */
     pthread_mutex_lock(&q->mu);
     cuq_undrive(q);
-    int settle = 0, fail_signal = 0, error = 0;
+    int settle = 0, fail_signal = 0, error = 0, cleared = 0;
     uint64_t failed_value = 0;
     am_timeline *cause = NULL;
     if (!r || cu_fence_final(r)) {
         if (q->unfenced_extra == extra) {  /* (else one kept meanwhile: a fence carries it) */
             q->unfenced = 0;
             q->unfenced_extra = NULL;
+            cleared = extra != NULL;
         }
         settle = r && !q->count && !q->held && q->stop != 2;
         fail_signal = r && extra && q->stop != 2;  /* (no fence: it fails now) */
@@ -458,6 +465,7 @@ static void cuq_refence(am_cuq *q, long *nap) {
     }
     pthread_mutex_unlock(&q->mu);
     if (fail_signal) am_timeline_fail(extra, extra_value, error, failed_value, cause);
+    if (cleared) timeline_unref(extra);  /* (cuq_unfence's: a fence recorded holds its own) */
     if (settle) cuq_settle(q);
 }
 
@@ -477,6 +485,10 @@ static void cuq_refence(am_cuq *q, long *nap) {
 int cuq_unfence(am_cuq *q, uint64_t value, const am_cuop *signal) {
     if (!q->unfenced || value < q->unfenced) q->unfenced = value;
     if (!signal || q->unfenced_extra) return 0;
+    /* Kept until the fence is recorded, or the signal fails without one (cuq_refence,
+     * cuq_no_context, cuq_stop): the queue may settle meanwhile -- a command before it
+     * fails once confirmed -- and Python then lets go of the timeline. */
+    atomic_fetch_add(&signal->extra->refs, 1);
     q->unfenced_extra = signal->extra;
     q->unfenced_extra_value = signal->extra_value;
     return 1;
@@ -578,7 +590,7 @@ static void cuq_no_context(am_cuq *q, int r) {
         uint64_t extra_value;
         if (q->held && !q->driving) {  /* (a thread handing some over: once it is done) */
             unkick = q->deferred;  /* a held wait's kick goes too (as am_cuq_discard's) */
-            kick_on = q->kick_on;
+            kick_on = unkick ? cuq_kick_ref(q) : NULL;
             dropped = cuq_refused(q, first, r);
         }
         while (q->count) {
@@ -600,7 +612,10 @@ static void cuq_no_context(am_cuq *q, int r) {
         pthread_mutex_unlock(&q->mu);
         if (unkick) cuq_unkick(q, kick_on);
         cuq_drop_refused(q, dropped, error, value);
-        if (extra) am_timeline_fail(extra, extra_value, error, value, cause);
+        if (extra) {
+            am_timeline_fail(extra, extra_value, error, value, cause);
+            timeline_unref(extra);  /* (cuq_unfence's) */
+        }
         if (settle) {
             cuq_settle(q);
             settled = 1;
@@ -633,6 +648,9 @@ static void *cuq_stop(am_cuq *q) {
     while (q->lends || q->driving) pthread_cond_wait(&q->cv, &q->mu);
     cuq_drop_held(q);
     cuq_destroy_events(q);
+    /* (abandoned with a signal kept for a fence: left as its signals in flight are) */
+    if (q->unfenced_extra) timeline_unref(q->unfenced_extra);
+    q->unfenced_extra = NULL;
     q->exited = 1;
     int orphan = q->orphan;
     pthread_cond_broadcast(&q->cv);
@@ -906,6 +924,7 @@ static void *cuq_run(void *arg) {
          * operations over: see cuq_drain). */
         int settle = r || (q->error && !q->count && !q->held && !q->unfenced && !q->driving);
         pthread_mutex_unlock(&q->mu);
+        cuq_test_hook(CU_HOOK_CONFIRMED, q);
         if (e.extra && !r && !e.waited) am_timeline_poke(e.extra, e.extra_value);
         if (e.signals && !r) timeline_keep_released(e.extra);  /* its write landed */
         if (e.extra) timeline_unref(e.extra);  /* (done with it: confirmed, or failed) */
@@ -943,5 +962,10 @@ am_cuq *am_cuq_new(void *ctx, void *stream, am_timeline *timeline, long spin_ns,
         free(q->ring); free(q->events[0]); free(q->events[1]); free(q);
         return NULL;
     }
+    /* The queue keeps its timeline until its memory goes (cuq_free): its thread, orphaned
+     * by an abandoning close that gave up on it, may still raise it after the close
+     * returned and the owner let go; and the queues that waited for it, or hold a wait
+     * for it, reference the queue after it closed. */
+    atomic_fetch_add(&timeline->refs, 1);
     return q;
 }

@@ -53,6 +53,7 @@ void cuq_drop_waiters(am_cuq *q) { cuq_abandon_waiters(q, 0); }
 
 static void cuq_free(am_cuq *q) {
     cuq_drop_waiters(q);
+    timeline_unref(q->timeline);  /* (am_cuq_new) */
     pthread_mutex_destroy(&q->mu);
     pthread_cond_destroy(&q->cv);
     pthread_cond_destroy(&q->hand_cv);
@@ -65,6 +66,7 @@ void cuq_unref(am_cuq *q) {
 
 void cuop_free(am_cuop *op) {
     if (op->other) cuq_unref(op->other);
+    if (op->extra) timeline_unref(op->extra);  /* (cuq_copy_op) */
     if (op->kind == CUOP_WAIT_EVENT && op->word)  /* never waited for */
         ((int (*)(void *))cu_funcs[CU_EVENT_DESTROY])(op->word);
     free(op);

@@ -157,7 +157,8 @@ struct am_cuq {
     size_t nheld;
     int deferred;                   /* the first held one is a device wait that must not
                                        reach the driver yet: `kick` is registered */
-    am_kick kick;                   /* ... on the timeline it waits for (one ref of q) */
+    am_kick kick;                   /* ... on the timeline it waits for (one ref of q,
+                                       and one of that timeline) */
     am_timeline *kick_on;           /* ... that timeline (set with deferred, under mu) */
     _Atomic int64_t poll_until;     /* a kicked wait's work: polled for until then */
     int driving;                    /* a thread is making driver calls for this queue */
@@ -173,7 +174,8 @@ struct am_cuq {
                                        under mu) */
     am_timeline *unfenced_extra;    /* ... a signal that command makes (or NULL): its word
                                        write may still land, so its timeline fails only
-                                       with the fence (cuq_unfence; under mu) */
+                                       with the fence (cuq_unfence, which references
+                                       it; under mu) */
     uint64_t unfenced_extra_value;
     int handing;                    /* threads in cuq_hand_over waiting on hand_cv for
                                        that to end, or for a due kick to run */
@@ -243,6 +245,14 @@ static inline int cuq_can_drain(const am_cuq *q) {
            q->stop != 2;
 }
 
+/* q->kick_on, referenced for the caller (timeline_unref, or cuq_unkick). Under mu, while
+ * q is deferred -- its kick's reference holds it, and may go as soon as mu is let go of
+ * (cuq_kicked) -- or while the caller holds it otherwise (the wait it deferred). */
+static inline am_timeline *cuq_kick_ref(am_cuq *q) {
+    atomic_fetch_add(&q->kick_on->refs, 1);
+    return q->kick_on;
+}
+
 /* A thread is done handing q's operations over (under mu): a completion thread waiting
  * for that to stop (am_cuq_close: cuq_run) goes on. */
 static inline void cuq_undrive(am_cuq *q) {
@@ -271,7 +281,7 @@ AM_HIDDEN void *am_test_alloc(size_t size);
  * AM_TEST_HOOKS, its simulated driver defining am_test_hook) runs what another thread
  * could do there, to check that interleaving every time. Nothing otherwise. */
 enum { CU_HOOK_DISCARD_UNLOCKED, CU_HOOK_DRAIN_HANDING, CU_HOOK_SUBMIT_HANDING,
-       CU_HOOK_RUN_START };
+       CU_HOOK_RUN_START, CU_HOOK_CONFIRMED };
 #ifdef AM_TEST_HOOKS
 AM_HIDDEN void am_test_hook(int where, am_cuq *q);
 #define cuq_test_hook am_test_hook

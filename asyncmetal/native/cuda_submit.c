@@ -128,6 +128,7 @@ static void cuq_kicked(am_kick *k) {
     am_cuq *q = (am_cuq *)(void *)((char *)k - offsetof(am_cuq, kick));
     atomic_store(&q->poll_until, now_ns() + CU_KICK_POLL_NS);
     pthread_mutex_lock(&q->mu);
+    am_timeline *kick_on = q->kick_on;  /* (set before the kick was registered) */
     q->deferred = 0;
     if (q->handing) pthread_cond_broadcast(&q->hand_cv);
     int here = !kick_driving && cuq_can_drain(q);
@@ -143,6 +144,9 @@ static void cuq_kicked(am_kick *k) {
         if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
         pthread_mutex_unlock(&q->mu);
     }
+    /* The kick's reference (cuq_defer): whoever ran the kick made t due, holding it, and
+     * touches it no more after its kicks. */
+    timeline_unref(kick_on);
     cuq_unref(q);
 }
 
@@ -155,11 +159,17 @@ static int cuq_defer(am_cuq *q, am_timeline *t, uint64_t target) {
     q->kick_on = t;
     pthread_mutex_unlock(&q->mu);
     atomic_fetch_add(&q->refs, 1);
+    /* The kick keeps t while registered, until it runs or is taken off (cuq_kicked,
+     * cuq_unkick): what kept t for the wait (its held operation, Python's keep-alive)
+     * may let go first -- a failed queue settles past the wait, and an abandoning close
+     * drops the operation, before the kick is taken off. */
+    atomic_fetch_add(&t->refs, 1);
     q->kick.fn = cuq_kicked;
     if (timeline_defer(t, target, &q->kick)) return 1;
     pthread_mutex_lock(&q->mu);
     q->deferred = 0;
     pthread_mutex_unlock(&q->mu);
+    atomic_fetch_sub(&t->refs, 1);  /* (never the last: the caller's) */
     atomic_fetch_sub(&q->refs, 1);  /* (never the last: the caller's) */
     return 0;
 }
@@ -408,10 +418,18 @@ static am_cuop *cuq_copy_op(const am_cuop *op, size_t size, const am_cuop *then)
     }
     memcpy(copy, op, size);
     copy->next = end;
+    /* A held operation keeps the timeline it points at until it is dropped (cuop_free):
+     * what kept it for the caller (Python's keep-alive) lets go once the queue's
+     * timeline passed the command, which a failed queue's settling does while its later
+     * commands are still held. A wait for another queue keeps that queue, which keeps
+     * its timeline (am_cuq_new): the wait looks at it as it is handed over
+     * (stream_wait_queue), maybe after that queue closed and its owner let go. */
     if (copy->other) atomic_fetch_add(&copy->other->refs, 1);
+    if (copy->extra) atomic_fetch_add(&copy->extra->refs, 1);
     if (end) {
         *end = *then;
         end->next = NULL;
+        if (end->extra) atomic_fetch_add(&end->extra->refs, 1);
     }
     return copy;
 }
@@ -433,7 +451,7 @@ static int cuq_no_memory(am_cuq *q, uint64_t value, const am_cuop *op, const am_
     am_cuop *mine = NULL, **p = &q->held, *last = NULL;
     pthread_mutex_lock(&q->mu);
     int unkick = own_kick || (q->deferred && q->held && q->held->value == value);
-    am_timeline *kick_on = q->kick_on;
+    am_timeline *kick_on = unkick ? cuq_kick_ref(q) : NULL;
     while (*p) {
         am_cuop *held = *p;
         if (held->value == value) {
@@ -780,11 +798,11 @@ void am_cuq_close(am_cuq *q, int abandon) {
         }
     }
     /* No thread hands q's operations over any more (its thread waited for that): a wait
-     * still held has its kick taken off the timeline, which may be freed once this
-     * returns (and its reference of q goes). */
-    am_timeline *kick_on = abandon && q->deferred ? q->kick_on : NULL;
+     * still held has its kick taken off the timeline (and its references of q and of
+     * the timeline go), which may be freed once this returns. */
+    am_timeline *kick_on = abandon && q->deferred ? cuq_kick_ref(q) : NULL;
     pthread_mutex_unlock(&q->mu);
-    if (kick_on && timeline_undefer(kick_on, &q->kick, 1)) cuq_unref(q);  /* (not the last) */
+    if (kick_on) cuq_unkick(q, kick_on);
     pthread_join(q->thread, NULL);
     if (!abandon) {
         /* Everything it was given ran: what it never was given never comes. Waits held
@@ -884,7 +902,7 @@ static int cuq_hand_over(am_cuq *q, uint64_t value, int depth) {
         if (!q->held) break;  /* (nothing up to it submitted at all) */
         if (q->deferred) {
             am_cuop *first = q->held;
-            am_timeline *t = q->kick_on;
+            am_timeline *t = cuq_kick_ref(q);  /* (its kick may run meanwhile, letting go) */
             am_cuq *other = first->kind == CUOP_WAIT_QUEUE && depth < 8 ? first->other : NULL;
             uint64_t target = first->target;
             if (other) atomic_fetch_add(&other->refs, 1);
@@ -898,6 +916,7 @@ static int cuq_hand_over(am_cuq *q, uint64_t value, int depth) {
              * is due, and runs -- maybe on another thread, behind other kicks' driver calls
              * -- which clears q->deferred: waited for. */
             int waiting = !r && timeline_undefer(t, &q->kick, 0);
+            timeline_unref(t);
             pthread_mutex_lock(&q->mu);
             if (waiting && q->deferred && q->held == first) r = CU_DEFERRED;
             if (r) break;

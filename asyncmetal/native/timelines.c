@@ -399,7 +399,7 @@ void am_timeline_free(am_timeline *t) {
 /* Let go of a reference of t (see refs): the last one frees it. */
 void timeline_unref(am_timeline *t) {
     if (atomic_fetch_sub(&t->refs, 1) != 1) return;
-    /* (t->kicks: none while a wait is held for t -- its command keeps t alive) */
+    /* (t->kicks: none -- a kick registered holds a reference of t, cuda_submit.c) */
     pthread_mutex_destroy(&t->mu);
     pthread_cond_destroy(&t->cv);
     free(t);

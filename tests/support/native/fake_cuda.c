@@ -2005,6 +2005,232 @@ static void check_confirmfreed(void) {
     puts("ok confirmfreed");
 }
 
+/* Commands held on the host (past the bound, or behind a device wait held) behind one
+ * that fails once confirmed: the queue settles, its timeline at UINT64_MAX, while they
+ * are still held -- and Python, whose keep-alive held what they point at until the
+ * queue's timeline passed them, lets go: here the timeline a held signal raises, freed
+ * as the completion thread takes the signal's first operation to hand it over (the
+ * runtime's hook). The driver refuses it (the context faulted), and the signal's timeline
+ * fails with it (cuq_drop_refused): no use after free (ASan). */
+static void refusals_off(void);
+
+static am_timeline *_Atomic freed_at_hook;
+static am_cuq *freed_at_hook_q;
+
+static void free_at_drain(int where, am_cuq *q) {
+    if (where != CU_HOOK_DRAIN_HANDING || q != freed_at_hook_q) return;
+    if (am_timeline_value(q->timeline) != UINT64_MAX) return;
+    am_timeline *t = atomic_exchange(&freed_at_hook, NULL);
+    if (t) am_timeline_free(t);  /* what Python does once q's timeline passed the signal */
+}
+
+static void check_heldfreed(void) {
+    /* 200 ms: not confirmed before the check has set up what follows it (also under
+     * ThreadSanitizer on a loaded machine) */
+    static kernel slow = {0, 200000000, NULL, 0};
+    fake_queue f = queue_bounded(1);
+    free_timeline s = free_timeline_new();
+    if (launch(f, &slow, 1, 1)) die("heldfreed: launch 1 failed");
+    if (signal_free(f, s, 1, 2)) die("heldfreed: the held signal failed at once");
+    uint64_t stats[8];
+    am_cuq_stats(f.q, stats);
+    if (stats[6] != 2) die("heldfreed: (setup) the signal was not held");
+    freed_at_hook_q = f.q;
+    atomic_store(&freed_at_hook, s.t);
+    atomic_store(&test_hook, free_at_drain);
+    atomic_store(&fault_code, ILLEGAL_ADDRESS);  /* command 1 fails once confirmed */
+    reach(f.t, UINT64_MAX, "heldfreed: the failed queue never settled");
+    int64_t deadline = now_ns() + 10000000000LL;
+    for (;;) {
+        am_cuq_stats(f.q, stats);
+        if (!stats[6] && !atomic_load(&freed_at_hook)) break;
+        if (now_ns() > deadline) die("heldfreed: the held signal was never handed over");
+    }
+    atomic_store(&test_hook, NULL);
+    queue_free(f, 0);
+    atomic_store(&fault_code, 0);
+    free(s.word);
+    puts("ok heldfreed");
+}
+
+/* The same for a held device wait for another queue's value (across devices: its
+ * command's end raises nothing): the other queue, its work done, closed, and Python let
+ * go of its timeline -- the waiting queue's keep-alive held it until that queue settled
+ * -- as the completion thread takes the wait to hand it over, which looks at the other
+ * queue's timeline (stream_wait_queue): no use after free (ASan). */
+static void check_waitqueuefreed(void) {
+    /* 200 ms: not confirmed before the check has set up what follows it (also under
+     * ThreadSanitizer on a loaded machine) */
+    static kernel slow = {0, 200000000, NULL, 0};
+    fake_queue a = queue_new(), f = queue_bounded(1);
+    if (launch(a, NULL, 1, 1)) die("waitqueuefreed: a's launch failed");
+    reach(a.t, 1, "waitqueuefreed: a's launch never ran");
+    if (launch(f, &slow, 1, 1)) die("waitqueuefreed: launch 1 failed");
+    if (am_cuq_wait_queue(f.q, a.q, 1, 2) || am_cuq_finish(f.q, 2, NULL, 0, 0, CU_FINISH_PLAIN))
+        die("waitqueuefreed: the held wait failed at once");
+    uint64_t stats[8];
+    am_cuq_stats(f.q, stats);
+    if (stats[6] != 2) die("waitqueuefreed: (setup) the wait was not held");
+    am_cuq_close(a.q, 0);
+    stream_free(a.s, 0);
+    freed_at_hook_q = f.q;
+    atomic_store(&freed_at_hook, a.t);
+    atomic_store(&test_hook, free_at_drain);
+    atomic_store(&fault_code, ILLEGAL_ADDRESS);  /* command 1 fails once confirmed */
+    reach(f.t, UINT64_MAX, "waitqueuefreed: the failed queue never settled");
+    int64_t deadline = now_ns() + 10000000000LL;
+    for (;;) {
+        am_cuq_stats(f.q, stats);
+        if (!stats[6] && !atomic_load(&freed_at_hook)) break;
+        if (now_ns() > deadline) die("waitqueuefreed: the held wait was never handed over");
+    }
+    atomic_store(&test_hook, NULL);
+    queue_free(f, 0);
+    atomic_store(&fault_code, 0);
+    free(a.word);
+    puts("ok waitqueuefreed");
+}
+
+/* A queue's device wait for another queue's value across devices (its command's end
+ * raises nothing), confirmed by the waiting queue -- the other stream ran past the value
+ * -- before the other queue's own thread saw that command fail (a fault reported at its
+ * event's query). The waiting queue, its work done, closes, and Python frees its
+ * timeline; the other queue then settles, failing the waits recorded on its failed
+ * values from there on (cuq_release_waiters, cuq_poison), the closed queue's among them:
+ * no use after free (ASan). */
+static void check_poisonclosed(void) {
+    static kernel slow = {0, 200000000, NULL, 0};  /* 200 ms: not seen done before held */
+    fake_queue a = queue_new(), b = queue_new();
+    if (launch(a, &slow, 1, 1)) die("poisonclosed: a's launch failed");
+    hold_head(a);
+    if (am_cuq_wait_queue(b.q, a.q, 1, 1) || am_cuq_finish(b.q, 1, NULL, 0, 0, CU_FINISH_PLAIN))
+        die("poisonclosed: b's wait failed at once");
+    reach(b.t, 1, "poisonclosed: b's wait never confirmed");
+    am_cuq_close(b.q, 0);  /* b's work is done: Python closes it, and frees its timeline */
+    stream_free(b.s, 0);
+    am_timeline_free(b.t);
+    atomic_store(&fault_code, ILLEGAL_ADDRESS);  /* a's command fails once its thread looks */
+    atomic_store(&held, NULL);
+    reach(a.t, UINT64_MAX, "poisonclosed: a never settled");
+    queue_free(a, 0);
+    atomic_store(&fault_code, 0);
+    free(b.word);
+    puts("ok poisonclosed");
+}
+
+/* An abandoning close gives up on a completion thread that has not returned within
+ * ~200 ms (one blocked on an event that never completes), which then frees the queue
+ * itself: here one held up right after it confirmed a command, before it raises the
+ * queue's timeline for it (the runtime's hook) -- as a thread off the CPU there on a
+ * loaded machine is. The close returns and Python frees the queue's timeline; the thread
+ * then raises it: no use after free (ASan). */
+static fake_queue orphan_q;
+static atomic_int orphan_hooked;
+
+static void *orphan_closer(void *arg) {
+    (void)arg;
+    am_cuq_close(orphan_q.q, 1);
+    am_timeline_free(orphan_q.t);  /* what Python does once the close returned */
+    return NULL;
+}
+
+static void close_at_confirmed(int where, am_cuq *q) {
+    if (where != CU_HOOK_CONFIRMED || q != orphan_q.q || atomic_exchange(&orphan_hooked, 1))
+        return;
+    pthread_t closer;
+    if (pthread_create(&closer, NULL, orphan_closer, NULL)) die("orphanpoke: pthread_create");
+    pthread_join(closer, NULL);  /* (the close gave up on this thread) */
+}
+
+static void check_orphanpoke(void) {
+    long left = atomic_load(&events_made) - atomic_load(&events_destroyed);
+    orphan_q = queue_new();
+    atomic_store(&orphan_hooked, 0);
+    atomic_store(&test_hook, close_at_confirmed);
+    if (launch(orphan_q, NULL, 1, 1)) die("orphanpoke: launch failed");
+    /* The orphaned thread destroys its queue's events as it stops. */
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!atomic_load(&orphan_hooked) ||
+           atomic_load(&events_made) - atomic_load(&events_destroyed) != left)
+        if (now_ns() > deadline) die("orphanpoke: the orphaned thread never stopped");
+    nap_ns(10000000);  /* (its last steps after that: the queue's memory) */
+    atomic_store(&test_hook, NULL);
+    stream_free(orphan_q.s, 1);
+    free(orphan_q.word);
+    puts("ok orphanpoke");
+}
+
+/* The same for a device wait held (deferred) on a timeline nothing has signalled yet,
+ * its kick registered there: the queue fails and settles behind it, Python lets go of
+ * the waited timeline and frees it, and the queue's abandoning close then drops the held
+ * wait and takes its kick off that timeline (timeline_undefer): no use after free (ASan),
+ * with the held operation's reference of it dropped first. */
+static void check_kickfreed(void) {
+    /* 200 ms: not confirmed before the check has set up what follows it (also under
+     * ThreadSanitizer on a loaded machine) */
+    static kernel slow = {0, 200000000, NULL, 0};
+    fake_queue f = queue_new();
+    free_timeline t = free_timeline_new();
+    if (launch(f, &slow, 1, 1)) die("kickfreed: launch 1 failed");
+    if (wait_held(f, t.t, 1, 2)) die("kickfreed: the wait failed at once");
+    if (!atomic_load(&t.t->has_kicks)) die("kickfreed: (setup) the wait's kick is not registered");
+    atomic_store(&fault_code, ILLEGAL_ADDRESS);  /* command 1 fails once confirmed */
+    reach(f.t, UINT64_MAX, "kickfreed: the failed queue never settled");
+    am_timeline_free(t.t);  /* what Python does once f's timeline passed the wait */
+    am_cuq_close(f.q, 1);
+    abandoned_free(f);
+    atomic_store(&fault_code, 0);
+    free(t.word);
+    puts("ok kickfreed");
+}
+
+/* A signal whose end the driver refused after its word write reached it, and the fence
+ * behind it too (kept for the fence: cuq_unfence), behind a command still in flight --
+ * a device wait for another queue, abandoned meanwhile: that command fails once
+ * confirmed and the queue settles, its timeline at UINT64_MAX, with the fence still to
+ * be recorded. Python then lets go of the signal's timeline and frees it, and the fence,
+ * recorded at the completion thread's next try, carries it (cuq_refence): no use after
+ * free (ASan). */
+static void check_unfencedfreed(void) {
+    /* 200 ms: not confirmed before the check has set up what follows it (also under
+     * ThreadSanitizer on a loaded machine) */
+    static kernel slow = {0, 200000000, NULL, 0};
+    fake_queue a = queue_new(), f = queue_new();
+    free_timeline s = free_timeline_new();
+    if (launch(a, &slow, 1, 1)) die("unfencedfreed: a's launch failed");
+    if (wait_queue(f, a, 1, 1)) die("unfencedfreed: f's wait failed");
+    hold_head(f);
+    if (kernel_part(f, NULL, 2) || am_cuq_write(f.q, s.word, 5, 2))
+        die("unfencedfreed: the signal's kernel or word write failed");
+    atomic_store(&records_refused, 0);
+    atomic_store(&refuse_more_code, OUT_OF_MEMORY);  /* the fence's: tried again */
+    atomic_store(&refuse_more, 1000000);
+    atomic_store(&refuse_records, f.s);
+    if (am_cuq_finish(f.q, 2, s.t, 5, 0, 0) != 1)
+        die("unfencedfreed: the refusal was not reported");
+    pthread_mutex_lock(&f.q->mu);
+    int kept = f.q->unfenced == 2 && f.q->unfenced_extra == s.t;
+    pthread_mutex_unlock(&f.q->mu);
+    if (!kept) die("unfencedfreed: (setup) the signal was not kept for the fence");
+    am_cuq_close(a.q, 1);  /* f's wait fails from 1 (cuq_abandon_waiters) */
+    let_held_go(f, "unfencedfreed: f's thread never saw its wait");
+    reach(f.t, UINT64_MAX, "unfencedfreed: the failed queue never settled");
+    am_timeline_free(s.t);  /* what Python does once f's timeline passed the signal */
+    refusals_off();  /* the fence is recorded at the next try */
+    int64_t deadline = now_ns() + 10000000000LL;
+    for (;;) {
+        pthread_mutex_lock(&f.q->mu);
+        int unfenced = f.q->unfenced || f.q->count;
+        pthread_mutex_unlock(&f.q->mu);
+        if (!unfenced) break;
+        if (now_ns() > deadline) die("unfencedfreed: the fence was never recorded");
+    }
+    queue_free(f, 0);
+    abandoned_free(a);
+    free(s.word);
+    puts("ok unfencedfreed");
+}
+
 static void check_orphaned(void) {
     int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
     fake_queue a = queue_bounded(1), b = queue_new();
@@ -3625,6 +3851,12 @@ int main(void) {
     check_waitedfreed();
     check_signalfreed();
     check_confirmfreed();
+    check_heldfreed();
+    check_waitqueuefreed();
+    check_kickfreed();
+    check_poisonclosed();
+    check_orphanpoke();
+    check_unfencedfreed();
     unreleased(check_abandonwait, "abandonwait");
     unreleased(check_closedwait, "closedwait");
     unreleased(check_uafwaiter, "uafwaiter");
