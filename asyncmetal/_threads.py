@@ -9,11 +9,16 @@ Ctrl-C while it waits for its cleanup -- then waits at exit for that idle thread
 good, and the loop's signal handlers, still installed, swallow Ctrl-C and SIGTERM:
 ``open_device`` alone, whose backend opens on such a thread, made the program unable to
 exit. asyncmetal's calls run on its own daemon threads instead, each kept for reuse
-until it has been idle for ``IDLE_S``. Everything else is as anyio does it: anyio's
-default thread limiter bounds how many run at once, the function runs in a copy of the
-caller's context, and cancelling the caller does not abandon it (the wait is shielded:
+until it has been idle for ``IDLE_S``. Everything else is as anyio does it: a thread
+limiter bounds how many run at once, the function runs in a copy of the caller's
+context, and cancelling the caller does not abandon it (the wait is shielded:
 asyncio's own ``task.cancel()``, which no scope stops, ends the wait, not the call).
 On trio, trio's threads -- daemons already -- run them, through anyio.
+
+The limiter is asyncmetal's own, per loop (``THREADS`` at once), not anyio's default
+one: an application's threads that hold all of that one's tokens while they call back
+into the loop for an open or a compile (sync code in ``anyio.to_thread.run_sync``,
+``anyio.from_thread.run``) would wait for good on calls that wait for a token.
 
 A task whose asyncio loop is closed while it waits here is never collected, nor its
 loop: anyio's records of the shielded scope and of the limiter's borrower hold the
@@ -36,10 +41,25 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import anyio
+import anyio.lowlevel
 
 T = TypeVar("T")
 IDLE_S = 10.0  # a worker idle this long exits (a later call starts another)
 NAME = "asyncmetal worker"
+THREADS = 40  # asyncmetal's calls on threads at once, per loop (anyio's default's too)
+_limiter_of_run: anyio.lowlevel.RunVar[anyio.CapacityLimiter] = anyio.lowlevel.RunVar(
+    "asyncmetal_thread_limiter"
+)
+
+
+def limiter() -> anyio.CapacityLimiter:
+    """The running loop's limiter of asyncmetal's calls on threads (made at its first)."""
+    try:
+        return _limiter_of_run.get()
+    except LookupError:
+        made = anyio.CapacityLimiter(THREADS)
+        _limiter_of_run.set(made)
+        return made
 
 
 class _Workers:
@@ -140,8 +160,8 @@ async def run_sync(
 
     loop = running_asyncio_loop()
     if loop is None:  # trio (a guest run's task too)
-        return await anyio.to_thread.run_sync(fn, *args)
-    async with anyio.to_thread.current_default_thread_limiter():
+        return await anyio.to_thread.run_sync(fn, *args, limiter=limiter())
+    async with limiter():
         with anyio.CancelScope(shield=True):
             future: asyncio.Future[T] = loop.create_future()
             context = contextvars.copy_context()

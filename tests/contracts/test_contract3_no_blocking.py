@@ -13,7 +13,9 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.from_thread
 import anyio.lowlevel
+import anyio.to_thread
 import numpy as np
 import pytest
 from blockbuster import BlockBuster, blockbuster_ctx
@@ -1104,3 +1106,34 @@ async def test_a_queue_made_in_the_default_queues_stead_holds_up_no_other_thread
     with anyio.fail_after(10):
         await tl.wait(1)
     await check_buffers_usable(device, before)
+
+
+async def test_asyncmetal_threads_do_not_wait_for_the_applications_thread_tokens(
+    anyio_backend: object,
+) -> None:
+    """Sync code on the application's worker threads (``anyio.to_thread.run_sync``)
+    calling back into the loop to open a device or compile, while those threads hold
+    every token of anyio's default thread limiter: asyncmetal's own calls on threads
+    take tokens of a limiter of their own, and all complete. Checked: before, they took
+    the default limiter's and waited for good (here with 2 tokens, as with 40 by
+    default)."""
+    default = anyio.to_thread.current_default_thread_limiter()
+    tokens, default.total_tokens = default.total_tokens, 2
+    done = []
+
+    async def open_and_compile(i: int) -> None:
+        async with am.open_device(f"cpu:{i + 1}") as dev:
+            await dev.compile(f"void k{i}_{id(done)}(int* x) {{ x[0] = {i}; }}", f"k{i}_{id(done)}")
+        done.append(i)
+
+    def sync_request(i: int) -> None:
+        anyio.from_thread.run(open_and_compile, i)
+
+    try:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                for i in range(2):
+                    tg.start_soon(anyio.to_thread.run_sync, sync_request, i)
+    finally:
+        default.total_tokens = tokens
+    assert sorted(done) == [0, 1]
