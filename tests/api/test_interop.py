@@ -1716,3 +1716,52 @@ async def test_a_held_read_of_a_source_keeps_the_record_its_buffers_dropped(
             await read
         assert out.tolist() == [1] * 16
         assert array.tolist() == [2] * 16
+
+
+async def test_a_source_over_parts_of_two_buffers_reads_after_their_commands(
+    anyio_backend: object,
+) -> None:
+    """``from_numpy`` of an array two buffers of ``cpu`` each wrap half of, made while
+    a command held on a queue of ``cpu`` writes the first half: the source is busy, and
+    its ``read()`` comes after that write. Checked: fails without the change (not
+    busy; read the bytes from before the write)."""
+    async with am.open_device("cpu") as dev:
+        fill = await dev.compile(KERNELS, "fill")
+        array = np.zeros(32, np.int32)
+        first, second = am.from_dlpack(array[:16]), am.from_dlpack(array[16:])
+        await second.write(np.full(16, 1, np.int32))
+        gate = await _held_write(dev, fill, first, 2)
+        source = await am.from_numpy(array)
+        assert source.busy()
+        got = await _finishes_after(gate, lambda: source.read(np.int32))
+        assert got.tolist() == [2] * 16 + [1] * 16
+
+
+@pytest.mark.parametrize("how", ["wrapped", "lent"])
+async def test_a_source_over_memory_a_sealed_device_holds_is_refused_then_plain(
+    anyio_backend: object, how: str
+) -> None:
+    """``from_numpy``'s source over memory a buffer of ``cpu:1`` wraps or lent out,
+    read while ``cpu:1`` is sealed and still running a command that writes it: refused
+    naming ``cpu:1`` (its command cannot be waited for any more), as a copy of that
+    memory is; once the close is over, read as plain memory. Checked: fails without
+    the change (read at once, not refused)."""
+    lender = await am.open_device("cpu:1")
+    if how == "wrapped":
+        array = np.zeros(4, np.int32)
+        buf = am.from_dlpack(array, device=lender)
+    else:
+        buf = await lender.alloc(16, zeroed=True)
+        array = np.from_dlpack(buf.typed(np.int32))
+    release = await _held_fill(lender, buf)
+    source = await am.from_numpy(array)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(lender.close, discard=True))
+        try:
+            await _until(lambda: lender.closed)  # sealed, waiting for the write
+            with pytest.raises(am.ClosedResourceError, match="commands of cpu:1 that had"):
+                await source.read(np.int32)
+        finally:
+            release[0] = 1
+    assert (await source.read(np.int32)).tolist() == [7] * 4
+    assert not source.busy()
