@@ -21,9 +21,11 @@ from ._allocator import (
     ForeignMemory,
     Queue,
     Record,
+    foreign_holders,
     held_back,
     hold_imported,
     hold_used,
+    holding_foreign,
     lenders,
     lenders_for,
     let_lingering_go,
@@ -592,9 +594,55 @@ if hasattr(os, "register_at_fork"):
 
 
 def wrap_buffer(state: DeviceState, handle: Any, nbytes: int) -> Buffer:
-    """A Buffer over memory the device did not allocate (an array it wraps): never
-    returned to an allocator."""
-    return Buffer(state, Allocation(Block(handle, nbytes, state)), 0, nbytes)
+    """A Buffer over memory the device did not allocate (an array it wraps: the npy
+    device's read-only sources, ``from_numpy``): never returned to an allocator. Host
+    memory that a buffer of an open device -- of any kind -- lent out (``np.from_dlpack``,
+    ``map()``) or wraps (``am.from_dlpack(array)``) is a use of that buffer: the new
+    buffer shares its record of uses (see ``_share_host_record``)."""
+    block = Block(handle, nbytes, state)
+    address = state.backend.loan_address(handle)
+    if address is not None and (lenders or foreign_holders):  # (else none to share)
+        _share_host_record(state, address, block)
+    return Buffer(state, Allocation(block), 0, nbytes)
+
+
+def _share_host_record(state: DeviceState, address: int, block: Block) -> None:
+    """Have ``block``, wrapped host memory at ``address`` (a read-only source), share
+    the record of uses of a buffer of another device over that memory: one that lent
+    it out (its block, or the foreign memory it is over), else the foreign memory that
+    a buffer made by ``from_dlpack`` is over (see ForeignMemory) and that holds its
+    whole range. Commands on either are then ordered after those on the other, as on
+    one buffer: the source's reads come after that buffer's writes submitted before
+    them, and that buffer's later writes after the source's reads. Where only records
+    of parts of it are found (an array over two buffers' memory), the block starts with
+    their uses: its commands come after those submitted through them so far, but
+    their later commands are not ordered after its own (``queue.after`` orders those,
+    as between any two buffers). The record outlives the buffers whose it is while the
+    source's commands on it run: a dropped buffer over another library's memory
+    lingers until the uses on its record passed (``lingering``), and memory lent out is
+    held by its loan, which the source's array holds. A source made before any buffer
+    over its memory keeps a record of its own."""
+    nbytes = block.nbytes
+    shares: Record | None = None
+    for allocator in lenders_for(state.device._allocator, any_kind=True):
+        shares = allocator.exported_block(address, nbytes)
+        if shares is not None:
+            break
+    overlapping: list[ForeignMemory] = []
+    if shares is None and foreign_holders:
+        for allocator in holding_foreign():
+            found = allocator.foreign_memory(address, nbytes)
+            if found and found[0].holds(address, nbytes):
+                shares = found[0]
+                break
+            overlapping += found
+    if shares is None:
+        for memory in overlapping:
+            for queue, value in list(memory.last_use.items()):
+                block.last_use[queue] = max(value, block.last_use.get(queue, 0))
+        return
+    block.last_use, block.keeper = shares.last_use, shares.keeper
+    block.memory = shares if isinstance(shares, ForeignMemory) else shares.memory
 
 
 T = TypeVar("T")

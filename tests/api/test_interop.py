@@ -1600,3 +1600,168 @@ async def test_a_look_up_of_memory_lent_out_reads_only_the_nearest_block(
         arrays += [np.from_dlpack(b.typed(np.uint8)) for b in more]
         buffers += more
         check()
+
+
+async def _made_over(dev: am.Device, how: str) -> tuple[am.Buffer, np.ndarray[Any, Any]]:
+    """A buffer of ``dev`` and a numpy array over its memory (16 int32s): the array
+    wrapped by ``am.from_dlpack``, or the buffer's own memory lent out (``np.from_dlpack``)."""
+    if how == "wrapped":
+        array = np.zeros(16, np.int32)
+        return am.from_dlpack(array, device=dev), array
+    buf = await dev.alloc(64, zeroed=True)
+    return buf, np.from_dlpack(buf.typed(np.int32))
+
+
+async def _finishes_after(gate: Any, work: Any) -> Any:
+    """``await work()``, which must not return until ``gate`` lets a held write run;
+    what it returned."""
+    got: list[Any] = []
+
+    async def run() -> None:
+        got.append(await work())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        await anyio.sleep(0.05)
+        assert not got  # after the held write
+        gate.signal(1)
+    return got[0]
+
+
+@pytest.mark.parametrize("how", ["wrapped", "lent"])
+async def test_a_read_only_source_over_a_buffers_memory_reads_after_its_commands(
+    anyio_backend: object, how: str
+) -> None:
+    """``from_numpy`` of an array a buffer of ``cpu`` wraps (``am.from_dlpack``) or lent
+    out (``np.from_dlpack``), made while a command held on a queue of ``cpu`` writes
+    that buffer: the source is busy, its export is refused, and its ``read()``,
+    ``map()`` and a copy of it into a host array on the npy device's queue come after
+    that write, on the device. Checked: fails without the change (the source had a
+    record of its own: not busy, exported, and read the bytes from before the write)."""
+    async with am.open_device("cpu") as dev:
+        fill = await dev.compile(KERNELS, "fill")
+        buf, array = await _made_over(dev, how)
+        gate = await _held_write(dev, fill, buf, 2)
+        source = await am.from_numpy(array)
+        assert source.busy()
+        with pytest.raises(BufferError, match="in flight"):
+            np.from_dlpack(source)
+        got = await _finishes_after(gate, lambda: source.read(np.int32))
+        assert got.tolist() == [2] * 16
+        gate = await _held_write(dev, fill, buf, 3)
+        got = await _finishes_after(gate, lambda: source.map(np.int32))
+        assert got.tolist() == [3] * 16
+        del got
+        gate = await _held_write(dev, fill, buf, 4)
+        out = np.zeros(16, np.int32)
+        await _not_before(gate, source.device.queue.copy(out, source))
+        assert out.tolist() == [4] * 16
+        gate = await _held_write(dev, fill, buf, 5)
+        await _finishes_after(gate, lambda: am.copy(out, source))
+        assert out.tolist() == [5] * 16
+        assert not source.busy()
+        assert np.from_dlpack(source).view(np.int32).tolist() == [5] * 16
+
+
+@pytest.mark.parametrize("how", ["wrapped", "lent"])
+async def test_a_buffers_write_comes_after_a_held_read_of_a_source_over_its_memory(
+    anyio_backend: object, how: str
+) -> None:
+    """A copy out of ``from_numpy``'s source over memory a buffer of ``cpu`` wraps or
+    lent out, held on the npy device's queue behind a wait: the buffer is busy
+    meanwhile, and a later write to it (``write()``, on ``cpu``'s default queue) comes
+    after that copy, which reads the bytes from before. Checked: fails without the
+    change (the write ran first, and the held copy read its bytes)."""
+    async with am.open_device("cpu") as dev:
+        buf, array = await _made_over(dev, how)
+        array[:] = 1
+        source = await am.from_numpy(array)
+        queue = source.device.queue
+        gate = source.device.timeline()
+        queue.wait(gate, 1)
+        out = np.zeros(16, np.int32)
+        read = queue.copy(out, source)
+        assert buf.busy()
+        await _finishes_after(gate, lambda: buf.write(np.full(16, 2, np.int32)))
+        with anyio.fail_after(10):
+            await read
+        assert out.tolist() == [1] * 16
+        assert array.tolist() == [2] * 16
+
+
+async def test_a_held_read_of_a_source_keeps_the_record_its_buffers_dropped(
+    anyio_backend: object,
+) -> None:
+    """A copy out of ``from_numpy``'s source over an array a buffer of ``cpu:1`` wraps,
+    held on the npy device's queue, and both that buffer and the source dropped
+    meanwhile: a write through a buffer made over the array again, on ``cpu``, comes
+    after the read, which sees the bytes from before (the record outlives the buffers
+    while the read is pending: the dropped buffer lingers with it). Checked: fails
+    without the change (the new buffer had a record of its own: its write ran first)."""
+    async with am.open_device("cpu") as dev, am.open_device("cpu:1") as other:
+        array = np.ones(16, np.int32)
+        wrapped = am.from_dlpack(array, device=other)
+        source = await am.from_numpy(array)
+        queue = source.device.queue
+        gate = source.device.timeline()
+        queue.wait(gate, 1)
+        out = np.zeros(16, np.int32)
+        read = queue.copy(out, source)
+        del wrapped, source
+        gc.collect()
+        again = am.from_dlpack(array)
+        assert again.device is dev and again.busy()
+        await _finishes_after(gate, lambda: again.write(np.full(16, 2, np.int32)))
+        with anyio.fail_after(10):
+            await read
+        assert out.tolist() == [1] * 16
+        assert array.tolist() == [2] * 16
+
+
+async def test_a_source_over_parts_of_two_buffers_reads_after_their_commands(
+    anyio_backend: object,
+) -> None:
+    """``from_numpy`` of an array two buffers of ``cpu`` each wrap half of, made while
+    a command held on a queue of ``cpu`` writes the first half: the source is busy, and
+    its ``read()`` comes after that write. Checked: fails without the change (not
+    busy; read the bytes from before the write)."""
+    async with am.open_device("cpu") as dev:
+        fill = await dev.compile(KERNELS, "fill")
+        array = np.zeros(32, np.int32)
+        first, second = am.from_dlpack(array[:16]), am.from_dlpack(array[16:])
+        await second.write(np.full(16, 1, np.int32))
+        gate = await _held_write(dev, fill, first, 2)
+        source = await am.from_numpy(array)
+        assert source.busy()
+        got = await _finishes_after(gate, lambda: source.read(np.int32))
+        assert got.tolist() == [2] * 16 + [1] * 16
+
+
+@pytest.mark.parametrize("how", ["wrapped", "lent"])
+async def test_a_source_over_memory_a_sealed_device_holds_is_refused_then_plain(
+    anyio_backend: object, how: str
+) -> None:
+    """``from_numpy``'s source over memory a buffer of ``cpu:1`` wraps or lent out,
+    read while ``cpu:1`` is sealed and still running a command that writes it: refused
+    naming ``cpu:1`` (its command cannot be waited for any more), as a copy of that
+    memory is; once the close is over, read as plain memory. Checked: fails without
+    the change (read at once, not refused)."""
+    lender = await am.open_device("cpu:1")
+    if how == "wrapped":
+        array = np.zeros(4, np.int32)
+        buf = am.from_dlpack(array, device=lender)
+    else:
+        buf = await lender.alloc(16, zeroed=True)
+        array = np.from_dlpack(buf.typed(np.int32))
+    release = await _held_fill(lender, buf)
+    source = await am.from_numpy(array)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(lender.close, discard=True))
+        try:
+            await _until(lambda: lender.closed)  # sealed, waiting for the write
+            with pytest.raises(am.ClosedResourceError, match="commands of cpu:1 that had"):
+                await source.read(np.int32)
+        finally:
+            release[0] = 1
+    assert (await source.read(np.int32)).tolist() == [7] * 4
+    assert not source.busy()
