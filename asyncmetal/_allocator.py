@@ -818,7 +818,7 @@ class Allocator:
         # again): a look reads ``_pending``, and at worst looks once more.
         self._heaps: dict[Queue, list[tuple[int, int, Block]]] = {}
         self._heaped = 0  # (the entries' numbers: ties never compare blocks)
-        self._unheaped: list[Block] = []
+        self._unheaped: collections.deque[Block] = collections.deque()
         self._due: list[tuple[Block, int]] = []
         # Per loop: the (queue, value) uses it already watches for a pending release.
         self._watched: weakref.WeakKeyDictionary[LoopBridge, set[tuple[Queue, int]]] = (
