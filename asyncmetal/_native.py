@@ -103,6 +103,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_timeline_new": (c_p, []),
     "am_timeline_set_word": (None, [c_p, c_p]),
     "am_timeline_free": (None, [c_p]),
+    "am_timeline_refs": (c_int, [c_p]),
     "am_timeline_value": (c_u64, [c_p]),
     "am_timeline_signal": (None, [c_p, c_u64]),
     "am_timeline_signal_here": (None, [c_p, c_u64, c_p]),

@@ -310,6 +310,7 @@ int am_watch_arm(am_watch *w, uint64_t next);
 am_timeline *am_timeline_new(void);
 void am_timeline_set_word(am_timeline *t, uint64_t *word);
 void am_timeline_free(am_timeline *t);
+int am_timeline_refs(am_timeline *t);
 uint64_t am_timeline_value(am_timeline *t);
 void am_timeline_poke(am_timeline *t, uint64_t v);
 void am_timeline_near(am_timeline *t, uint64_t v, int64_t until_ns);

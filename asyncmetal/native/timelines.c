@@ -396,6 +396,11 @@ void am_timeline_free(am_timeline *t) {
     timeline_unref(t);
 }
 
+/* How many references of t are held (see refs): 1 once only its owner's is left. Its
+ * owner asks before letting go: the device word it gave t (a pinned slot) goes to
+ * another timeline only once nothing of the runtime can still write it. */
+int am_timeline_refs(am_timeline *t) { return atomic_load(&t->refs); }
+
 /* Let go of a reference of t (see refs): the last one frees it. */
 void timeline_unref(am_timeline *t) {
     if (atomic_fetch_sub(&t->refs, 1) != 1) return;

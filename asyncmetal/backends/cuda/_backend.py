@@ -153,6 +153,10 @@ class CUDABackend(Backend):
         self._slot_arenas: list[Pinned] = []
         self._free_slots: list[int] = []
         self._slot_lock = threading.Lock()
+        # (c_timeline, slot) of timelines their owners let go of while the runtime still
+        # held references of them (_retire_timeline); freed once it holds none.
+        self._retired: list[tuple[int, int]] = []
+        self._slots_closed = False  # (then a timeline let go of is freed at once)
         # Before anything this object must give back if the open fails: peer access
         # stays enabled for the process whatever happens to this device.
         enable_peer_access(self)
@@ -208,6 +212,7 @@ class CUDABackend(Backend):
     @keeps_context
     def _timeline_slot(self) -> int:
         with self._slot_lock:  # (among takers: one makes an arena where none is free)
+            self._reclaim_slots()
             if not self._free_slots:
                 self.make_current()
                 arena = Pinned(64 << 10, self.name)
@@ -216,10 +221,57 @@ class CUDABackend(Backend):
             return self._free_slots.pop()
 
     def _release_slot(self, slot: int) -> None:
-        """A timeline's slot back (its finalizer): no lock, an append being atomic. A
-        collection may run that finalizer on a thread inside ``_timeline_slot``, which
-        holds the slot lock: taking it here deadlocked that thread."""
+        """A slot back that no timeline used (its making failed): no lock, an append
+        being atomic (see ``_retire_timeline``)."""
         self._free_slots.append(slot)
+
+    def _retire_timeline(self, c_timeline: int, slot: int) -> None:
+        """A timeline's owner lets go of it (its finalizer). The runtime may still hold
+        references of it (a command in a ring, an operation held, a kick, a signal kept
+        for its fence, a queue's own), through which the timeline's word -- ``slot`` --
+        is still written, by the host or by a stream: a timeline given the slot now
+        would see its value raised or lowered by another's. Freed, the slot reused, once
+        the owner's reference is the only one left: none can be taken after it let go
+        (each is taken through a submission, which holds the owner). That is now, or at
+        a later slot's taking (``_reclaim_slots``), or at the close.
+
+        No lock, an append being atomic: a collection may run this finalizer on a thread
+        inside ``_timeline_slot``, which holds the slot lock."""
+        lib = self.lib
+        if lib.am_timeline_refs(c_timeline) == 1:
+            lib.am_timeline_free(c_timeline)
+            self._free_slots.append(slot)
+            return
+        self._retired.append((c_timeline, slot))
+        if self._slots_closed:
+            self._free_retired()
+
+    def _reclaim_slots(self) -> None:
+        """Free the retired timelines the runtime holds no reference of now, their
+        slots free again. Under the slot lock. A finalizer run meanwhile (any
+        allocation here may collect) appends to whichever list ``_retired`` is then:
+        the one taken here, or the new one."""
+        if not self._retired:
+            return
+        lib = self.lib
+        retired, self._retired = self._retired, []
+        for pair in retired:
+            if lib.am_timeline_refs(pair[0]) == 1:
+                lib.am_timeline_free(pair[0])
+                self._free_slots.append(pair[1])
+            else:
+                self._retired.append(pair)
+        if self._slots_closed:  # (closed meanwhile: its close missed these)
+            self._free_retired()
+
+    def _free_retired(self) -> None:
+        """Let go of every retired timeline (the device closed: no slot is taken any
+        more, and what of the runtime still holds one frees it with its last reference;
+        the slots stay mapped, never reused). Whoever takes the list frees what is in
+        it: another thread freeing meanwhile takes another list."""
+        retired, self._retired = self._retired, []
+        for c_timeline, _ in retired:
+            self.lib.am_timeline_free(c_timeline)
 
     @property
     def info(self) -> DeviceInfo:
@@ -353,8 +405,10 @@ class CUDABackend(Backend):
 
     def forked(self, message: str) -> None:
         # No driver call: the child has no usable CUDA state and none of the completion
-        # threads; the parent's streams, memory and contexts are left as they are.
+        # threads; the parent's streams, memory and contexts are left as they are. The
+        # retired timelines are the parent's, forgotten here: never freed by the child.
         self._timelines.forked(message)
+        self._retired = []
 
     def close(self) -> None:
         try:
@@ -364,6 +418,10 @@ class CUDABackend(Backend):
             # raises that): the freeing thread and the pinned chunks are not left.
             self._stop_freer()
             self._free_chunks()
+            # Its queues are closed: a queue's thread given up on by an abandoning close
+            # still holds what it held, and frees it with its last reference.
+            self._slots_closed = True
+            self._free_retired()
 
     def _stop_freer(self) -> None:
         with self._freer_lock:

@@ -23,6 +23,8 @@ class TimelineDevice(Protocol):
 
     def _release_slot(self, slot: int) -> None: ...
 
+    def _retire_timeline(self, c_timeline: int, slot: int) -> None: ...
+
 
 class Pinned:
     """Pinned, device-mapped, portable host memory."""
@@ -101,8 +103,8 @@ class CUDATimeline(ForkableTimeline):
         backend = getattr(self, "_backend", None)
         inherited = isinstance(getattr(self, "_value", None), InheritedValue)
         if backend is not None and backend.lib is not None and not inherited:
-            backend.lib.am_timeline_free(self.c_timeline)
-            backend._release_slot(self.address)
+            # Freed, and its slot reused, once the runtime holds no reference of it.
+            backend._retire_timeline(self.c_timeline, self.address)
 
 
 # Every staging chunk's mapping, until freed: a chunk dropped unfreed (a queue abandoned

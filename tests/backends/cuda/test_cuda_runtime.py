@@ -89,6 +89,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "poisonclosed"),
         *("ok", "orphanpoke"),
         *("ok", "unfencedfreed"),
+        *("ok", "refsheld"),
         *("ok", "abandonwait"),
         *("ok", "closedwait"),
         *("ok", "uafwaiter"),

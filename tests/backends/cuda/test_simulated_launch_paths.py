@@ -29,6 +29,10 @@ runtime's driver table is process-wide). Runs everywhere a C compiler is found.
   the blocks of such buffers that no command used, holds its block again on every path:
   the array, kept in a cycle with its buffer and dropped, is not collected until the
   launch ran.
+* A timeline its owner let go of while the runtime still holds it (a queue's command
+  that signals it, confirmed through another queue's wait before its own thread saw it)
+  keeps its device word: no timeline made meanwhile is given that slot, which a timeline
+  made once the runtime let go of it is.
 """
 
 from __future__ import annotations
@@ -293,3 +297,26 @@ def test_a_launch_recorded_as_a_collection_lets_go_of_blocks_keeps_the_owner(
     assert seen["let_go"] and seen["launched"] == 1, seen
     assert not seen["released_under_launch"], seen
     assert seen["awaited"] == "done" and seen["released_after"], seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_timeline_slot_is_reused_only_once_the_runtime_lets_go_of_its_timeline(
+    loop: str,
+) -> None:
+    """Queue a signals a timeline, and the driver holds the signal's end unfinished for
+    a's completion thread while queue b, which waited for it, confirms it: a's timeline
+    passes the signal, a lets go of the timeline, and it is collected while a's ring
+    entry still holds it (a's thread has yet to raise it). Timelines made then are not
+    given its device word's slot; once a's thread is past it, a new timeline is, and
+    nothing is left retired. Such a timeline still retired (no slot taken since a's
+    thread let go) when the device closes is freed by the close. Checked: fails without the change
+    (the first timeline made took the slot while the runtime still held the old one)."""
+    missing = harness.sanitizer_missing("")
+    if missing is not None:
+        pytest.skip(missing)
+    seen = run_child("retired_slot", loop, timeout=120)["slots"]
+    assert seen["refs_after_owner"] == 2, seen  # its owner's and a's ring entry's
+    assert not seen["slot_taken_while_held"], seen
+    assert seen["slot_taken_after"] and seen["retired_after"] == 0, seen
+    # Retired until a slot is taken, or the close, which frees it.
+    assert seen["retired_before_close"] == 1 and seen["retired_at_close"] == 0, seen

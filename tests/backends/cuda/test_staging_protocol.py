@@ -56,6 +56,11 @@ class _StubBackend:
     def _release_slot(self, slot: int) -> None:
         self._free.append(slot)
 
+    def _retire_timeline(self, c_timeline: int, slot: int) -> None:
+        # (The stub's streams are Python's: nothing of the runtime keeps a timeline.)
+        self.lib.am_timeline_free(c_timeline)
+        self._free.append(slot)
+
     def take_chunk(self, pin: bool = True) -> _StubChunk | None:
         if self.pool:
             self.pool -= 1

@@ -17,6 +17,7 @@ atomic_long oversized_launches;  /* launches refused for their sizes */
 uint64_t refuse_word;         /* a word write to it is refused */
 atomic_int fault_code;  /* the context's sticky error once a kernel faulted */
 void *_Atomic held;     /* an event whose queries report it unfinished (a slow thread) */
+fake_stream *_Atomic hold_records_on;  /* the next event recorded on it is made `held` */
 atomic_long wait_event_ns;  /* >0: cuStreamWaitEvent takes this long (a slow driver) */
 atomic_int waits_in_driver;
 fake_stream *_Atomic refuse_records;  /* the next event record on this stream is refused, */
@@ -431,6 +432,8 @@ static int f_record(void *e, void *stream) {
     int64_t gen = atomic_load(&ev->recorded) + 1;  /* (one thread records an event) */
     atomic_store(&ev->ended[gen % FAKE_RECORDS], 0);  /* before a query can look at it */
     atomic_store(&ev->recorded, gen);
+    fake_stream *holding = stream;  /* (before the stream can end it: never seen ended) */
+    if (atomic_compare_exchange_strong(&hold_records_on, &holding, NULL)) atomic_store(&held, ev);
     enqueue(stream, (op){OP_RECORD, gen, ev, 0});
     return 0;
 }

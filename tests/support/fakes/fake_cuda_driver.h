@@ -108,6 +108,7 @@ extern atomic_long oversized_launches;
 extern uint64_t refuse_word;          /* a word write to it is refused */
 extern atomic_int fault_code;         /* the context's sticky error once a kernel faulted */
 extern void *_Atomic held;            /* an event whose queries report it unfinished */
+extern fake_stream *_Atomic hold_records_on;  /* the next event recorded on it is held */
 extern atomic_long wait_event_ns;     /* >0: a stream's wait on an event takes this long */
 extern atomic_int waits_in_driver;    /* ... such waits inside the driver now */
 extern fake_stream *_Atomic refuse_records;  /* the next event record on it is refused, */

@@ -2184,6 +2184,48 @@ static void check_kickfreed(void) {
     puts("ok kickfreed");
 }
 
+/* Until am_timeline_refs reads 1, t is still held (refsheld). */
+static void refs_reach_one(am_timeline *t, const char *what) {
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (am_timeline_refs(t) != 1)
+        if (now_ns() > deadline) die(what);
+}
+
+/* What a timeline's owner reads before its device word's slot may go to another
+ * timeline (am_timeline_refs, CUDABackend._retire_timeline): above 1 while a queue's
+ * thread still holds it -- a signal's command that thread has yet to see end, confirmed
+ * meanwhile through another queue's wait (as signalfreed); a device wait held on the
+ * host, its operation and its kick (as kickfreed) -- and 1 once every holder is done,
+ * the thread's raise of the signalled timeline made before. */
+static void check_refsheld(void) {
+    static kernel slow = {0, 200000000, NULL, 0};  /* (200 ms: as kickfreed's) */
+    fake_queue a = queue_new(), b = queue_new(), f = queue_new();
+    free_timeline s = free_timeline_new(), w = free_timeline_new();
+    if (am_timeline_refs(s.t) != 1) die("refsheld: a new timeline is held by more than its owner");
+    if (signal_free(a, s, 1, 1)) die("refsheld: a's signal");
+    hold_head(a);
+    if (wait_queue(b, a, 1, 1)) die("refsheld: b's wait");
+    reach(a.t, 1, "refsheld: a's signal never confirmed through b");
+    if (am_timeline_refs(s.t) != 2)
+        die("refsheld: a's thread, yet to see its signal end, holds no reference of it");
+    let_held_go(a, "refsheld: a's thread never saw its signal");
+    refs_reach_one(s.t, "refsheld: a's thread, past its signal, still holds it");
+    if (am_timeline_value(s.t) != 1) die("refsheld: let go of before its raise");
+    if (launch(f, &slow, 1, 1)) die("refsheld: f's launch");
+    if (wait_held(f, w.t, 1, 2)) die("refsheld: f's wait");
+    if (!atomic_load(&w.t->has_kicks)) die("refsheld: (setup) the wait's kick is not registered");
+    if (am_timeline_refs(w.t) < 3) die("refsheld: a held wait and its kick hold no references");
+    am_timeline_host_signal(w.t, 1, NULL);
+    reach(f.t, 2, "refsheld: f's wait never ran");
+    refs_reach_one(w.t, "refsheld: f's thread, past its wait, still holds its timeline");
+    queue_free(f, 0);
+    queue_free(b, 0);
+    queue_free(a, 0);
+    free_timeline_free(w);
+    free_timeline_free(s);
+    puts("ok refsheld");
+}
+
 /* A signal whose end the driver refused after its word write reached it, and the fence
  * behind it too (kept for the fence: cuq_unfence), behind a command still in flight --
  * a device wait for another queue, abandoned meanwhile: that command fails once
@@ -3857,6 +3899,7 @@ int main(void) {
     check_poisonclosed();
     check_orphanpoke();
     check_unfencedfreed();
+    check_refsheld();
     unreleased(check_abandonwait, "abandonwait");
     unreleased(check_closedwait, "closedwait");
     unreleased(check_uafwaiter, "uafwaiter");

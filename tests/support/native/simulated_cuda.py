@@ -797,6 +797,74 @@ async def _gated_closes(sim: _Simulated) -> Seen:
     return seen
 
 
+async def _signal_outliving(sim: _Simulated, a: Any, b: Any) -> tuple[int, int, Any]:
+    """A timeline signalled by queue a, whose command a's completion thread sees
+    unfinished (its event held) while queue b, which waited for it, confirms it and
+    raises a's timeline past it: a's keep-alive lets go of the timeline, collected then
+    -- while a's ring entry still holds it, and a's thread has yet to raise it. Returns
+    its slot and native timeline, and a's next command's Completion, done once a's
+    thread is past it (after ``held`` is cleared)."""
+    import gc
+    import weakref
+
+    from asyncmetal._backend import let_go_everywhere
+
+    device = a.device
+    hold_records_on = ctypes.c_void_p.in_dll(sim.fake, "hold_records_on")
+    signalled, later = device.timeline(), device.timeline()
+    native = signalled.native
+    slot, c_timeline, gone = native.address, native.c_timeline, weakref.ref(native)
+    hold_records_on.value = a._native.handle  # the signal's end
+    a.signal(signalled, 1)
+    if ctypes.c_void_p.in_dll(sim.fake, "held").value is None:
+        raise AssertionError("(setup) the signal's end was not held")
+    with anyio.fail_after(20):
+        await b.wait(a.timeline, a.submitted)  # confirms a's signal: a's timeline past it
+    after = a.signal(later, 1)  # (a's queue lets go of what the signal kept)
+    del signalled, native
+    let_go_everywhere()
+    gc.collect()
+    if gone() is not None:
+        raise AssertionError("(setup) the signalled timeline was not collected")
+    return slot, c_timeline, after
+
+
+async def _retired_slot(sim: _Simulated) -> Seen:
+    """``_signal_outliving``: what the runtime held of the timeline after its owner let
+    go, whether timelines made then got its slot, and, a's thread past it, whether a
+    timeline made then did. Then once more, the device closed with the timeline still
+    retired (no slot taken since): what is retired before and after the close."""
+    import asyncmetal as am
+
+    seen: Seen = {}
+    held = ctypes.c_void_p.in_dll(sim.fake, "held")
+    dev = await am.open_device("cuda:0")
+    try:
+        backend = dev._backend
+        a, b = dev.new_queue(), dev.new_queue()
+        slot, c_timeline, after = await _signal_outliving(sim, a, b)
+        seen["refs_after_owner"] = backend.lib.am_timeline_refs(c_timeline)
+        made = [dev.timeline() for _ in range(4)]
+        seen["slot_taken_while_held"] = any(t.native.address == slot for t in made)
+        held.value = None  # a's thread sees the signal's end
+        with anyio.fail_after(20):
+            await after
+        seen["slot_taken_after"] = dev.timeline().native.address == slot
+        seen["retired_after"] = len(backend._retired)
+        _, _, after = await _signal_outliving(sim, a, b)
+        held.value = None
+        with anyio.fail_after(20):
+            await after
+        seen["retired_before_close"] = len(backend._retired)
+    finally:
+        held.value = None
+        ctypes.c_void_p.in_dll(sim.fake, "hold_records_on").value = None
+        with anyio.fail_after(20):
+            await dev.close()
+    seen["retired_at_close"] = len(backend._retired)
+    return seen
+
+
 STICKY = 700  # CUDA_ERROR_ILLEGAL_ADDRESS: the context faulted (fake_cuda_driver.c)
 DISCARD_LAUNCHES = 40  # launches of 1 ms on one queue: its bound (32) in flight, the rest held
 DISCARD_SHAPE_MS = 25  # each launch's time in the run that checks what the close met
@@ -951,6 +1019,8 @@ def main(scenario: str, loop: str, *args: str) -> None:
         _install(sim, simulated_copies.GPUS if copies else 1)
         if copies:
             seen = simulated_copies.run(sim, scenario, loop, args)
+        elif scenario == "retired_slot":
+            seen = {"slots": anyio.run(_retired_slot, sim, backend=loop)}
         elif scenario == "gated_closes":  # (the last device left open: the exit closes it)
             seen = {"closes": anyio.run(_gated_closes, sim, backend=loop)}
         elif scenario == "discard_sweep":
