@@ -248,29 +248,37 @@ class CUDABackend(Backend):
 
     def _reclaim_slots(self) -> None:
         """Free the retired timelines the runtime holds no reference of now, their
-        slots free again. Under the slot lock. A finalizer run meanwhile (any
-        allocation here may collect) appends to whichever list ``_retired`` is then:
-        the one taken here, or the new one."""
+        slots free again. Under the slot lock. Each is taken off the list by a pop (a
+        finalizer run meanwhile -- any allocation here may collect -- appends, and
+        another thread may free them at a close: each pair is taken once)."""
         if not self._retired:
             return
         lib = self.lib
-        retired, self._retired = self._retired, []
-        for pair in retired:
+        held = []
+        while self._retired:
+            try:
+                pair = self._retired.pop()
+            except IndexError:  # (a close's thread took the last)
+                break
             if lib.am_timeline_refs(pair[0]) == 1:
                 lib.am_timeline_free(pair[0])
                 self._free_slots.append(pair[1])
             else:
-                self._retired.append(pair)
+                held.append(pair)
+        self._retired.extend(held)
         if self._slots_closed:  # (closed meanwhile: its close missed these)
             self._free_retired()
 
     def _free_retired(self) -> None:
         """Let go of every retired timeline (the device closed: no slot is taken any
         more, and what of the runtime still holds one frees it with its last reference;
-        the slots stay mapped, never reused). Whoever takes the list frees what is in
-        it: another thread freeing meanwhile takes another list."""
-        retired, self._retired = self._retired, []
-        for c_timeline, _ in retired:
+        the slots stay mapped, never reused). Each taken off by a pop: another thread
+        freeing meanwhile takes others."""
+        while self._retired:
+            try:
+                c_timeline, _ = self._retired.pop()
+            except IndexError:  # (the other thread took the last)
+                return
             self.lib.am_timeline_free(c_timeline)
 
     @property
