@@ -1676,17 +1676,9 @@ async def test_a_buffers_write_comes_after_a_held_read_of_a_source_over_its_memo
         buf, array = await _made_over(dev, how)
         array[:] = 1
         source = await am.from_numpy(array)
-        queue = source.device.queue
-        gate = source.device.timeline()
-        queue.wait(gate, 1)
-        out = np.zeros(16, np.int32)
-        read = queue.copy(out, source)
+        gate, read, out = _held_read(source)
         assert buf.busy()
-        await _finishes_after(gate, lambda: buf.write(np.full(16, 2, np.int32)))
-        with anyio.fail_after(10):
-            await read
-        assert out.tolist() == [1] * 16
-        assert array.tolist() == [2] * 16
+        await _written_after(gate, read, out, buf, array)
 
 
 async def test_a_held_read_of_a_source_keeps_the_record_its_buffers_dropped(
@@ -1702,20 +1694,38 @@ async def test_a_held_read_of_a_source_keeps_the_record_its_buffers_dropped(
         array = np.ones(16, np.int32)
         wrapped = am.from_dlpack(array, device=other)
         source = await am.from_numpy(array)
-        queue = source.device.queue
-        gate = source.device.timeline()
-        queue.wait(gate, 1)
-        out = np.zeros(16, np.int32)
-        read = queue.copy(out, source)
+        gate, read, out = _held_read(source)
         del wrapped, source
         gc.collect()
         again = am.from_dlpack(array)
         assert again.device is dev and again.busy()
-        await _finishes_after(gate, lambda: again.write(np.full(16, 2, np.int32)))
-        with anyio.fail_after(10):
-            await read
-        assert out.tolist() == [1] * 16
-        assert array.tolist() == [2] * 16
+        await _written_after(gate, read, out, again, array)
+
+
+def _held_read(source: am.Buffer) -> tuple[am.Timeline, am.Completion, np.ndarray[Any, Any]]:
+    """A copy of ``source`` (16 int32) into a new array, held on its device's queue
+    behind a wait for the timeline returned: the gate, the copy and its array."""
+    queue = source.device.queue
+    gate = source.device.timeline()
+    queue.wait(gate, 1)
+    out = np.zeros(16, np.int32)
+    return gate, queue.copy(out, source), out
+
+
+async def _written_after(
+    gate: am.Timeline,
+    read: am.Completion,
+    out: np.ndarray[Any, Any],
+    buf: am.Buffer,
+    array: np.ndarray[Any, Any],
+) -> None:
+    """``buf.write`` of 2s over ``array`` (whose 1s the held ``read`` copies) finishes
+    only after the gate opened and the read ran: the read saw the 1s."""
+    await _finishes_after(gate, lambda: buf.write(np.full(16, 2, np.int32)))
+    with anyio.fail_after(10):
+        await read
+    assert out.tolist() == [1] * 16
+    assert array.tolist() == [2] * 16
 
 
 async def test_a_source_over_parts_of_two_buffers_reads_after_their_commands(

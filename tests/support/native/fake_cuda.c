@@ -2024,6 +2024,31 @@ static void free_at_drain(int where, am_cuq *q) {
     if (t) am_timeline_free(t);  /* what Python does once q's timeline passed the signal */
 }
 
+/* `name`'s check: f's command 1 fails once confirmed (a fault), settling f while what
+ * follows it is still held; as the completion thread drains the held operations, the
+ * hook frees `freed` (Python letting go of it); the check waits until nothing is held
+ * and the hook ran, then frees f. */
+static void fail_freeing_at_drain(fake_queue f, am_timeline *freed, const char *name) {
+    char settled[96], handed[96];
+    snprintf(settled, sizeof settled, "%s: the failed queue never settled", name);
+    snprintf(handed, sizeof handed, "%s: the held operation was never handed over", name);
+    uint64_t stats[8];
+    freed_at_hook_q = f.q;
+    atomic_store(&freed_at_hook, freed);
+    atomic_store(&test_hook, free_at_drain);
+    atomic_store(&fault_code, ILLEGAL_ADDRESS);  /* command 1 fails once confirmed */
+    reach(f.t, UINT64_MAX, settled);
+    int64_t deadline = now_ns() + 10000000000LL;
+    for (;;) {
+        am_cuq_stats(f.q, stats);
+        if (!stats[6] && !atomic_load(&freed_at_hook)) break;
+        if (now_ns() > deadline) die(handed);
+    }
+    atomic_store(&test_hook, NULL);
+    queue_free(f, 0);
+    atomic_store(&fault_code, 0);
+}
+
 static void check_heldfreed(void) {
     /* 200 ms: not confirmed before the check has set up what follows it (also under
      * ThreadSanitizer on a loaded machine) */
@@ -2035,20 +2060,7 @@ static void check_heldfreed(void) {
     uint64_t stats[8];
     am_cuq_stats(f.q, stats);
     if (stats[6] != 2) die("heldfreed: (setup) the signal was not held");
-    freed_at_hook_q = f.q;
-    atomic_store(&freed_at_hook, s.t);
-    atomic_store(&test_hook, free_at_drain);
-    atomic_store(&fault_code, ILLEGAL_ADDRESS);  /* command 1 fails once confirmed */
-    reach(f.t, UINT64_MAX, "heldfreed: the failed queue never settled");
-    int64_t deadline = now_ns() + 10000000000LL;
-    for (;;) {
-        am_cuq_stats(f.q, stats);
-        if (!stats[6] && !atomic_load(&freed_at_hook)) break;
-        if (now_ns() > deadline) die("heldfreed: the held signal was never handed over");
-    }
-    atomic_store(&test_hook, NULL);
-    queue_free(f, 0);
-    atomic_store(&fault_code, 0);
+    fail_freeing_at_drain(f, s.t, "heldfreed");
     free(s.word);
     puts("ok heldfreed");
 }
@@ -2073,20 +2085,7 @@ static void check_waitqueuefreed(void) {
     if (stats[6] != 2) die("waitqueuefreed: (setup) the wait was not held");
     am_cuq_close(a.q, 0);
     stream_free(a.s, 0);
-    freed_at_hook_q = f.q;
-    atomic_store(&freed_at_hook, a.t);
-    atomic_store(&test_hook, free_at_drain);
-    atomic_store(&fault_code, ILLEGAL_ADDRESS);  /* command 1 fails once confirmed */
-    reach(f.t, UINT64_MAX, "waitqueuefreed: the failed queue never settled");
-    int64_t deadline = now_ns() + 10000000000LL;
-    for (;;) {
-        am_cuq_stats(f.q, stats);
-        if (!stats[6] && !atomic_load(&freed_at_hook)) break;
-        if (now_ns() > deadline) die("waitqueuefreed: the held wait was never handed over");
-    }
-    atomic_store(&test_hook, NULL);
-    queue_free(f, 0);
-    atomic_store(&fault_code, 0);
+    fail_freeing_at_drain(f, a.t, "waitqueuefreed");
     free(a.word);
     puts("ok waitqueuefreed");
 }
