@@ -813,7 +813,18 @@ void am_cuq_close(am_cuq *q, int abandon) {
         if (!q->exited) {
             q->orphan = 1;  /* its thread frees it: q may be gone once mu is released */
             pthread_detach(q->thread);
+            /* No thread hands q's operations over any more here either (none does now,
+             * and none starts once stop is 2: cuq_can_drain, cuq_hand_over, cuq_refence),
+             * so a wait still held has its kick taken off as below: else the kick keeps
+             * its references of q and of the timeline for good. The closer's reference
+             * is the thread's now (cuq_stop): cuq_unkick is given one of its own. */
+            am_timeline *kick_on = q->deferred ? cuq_kick_ref(q) : NULL;
+            if (kick_on) atomic_fetch_add(&q->refs, 1);
             pthread_mutex_unlock(&q->mu);
+            if (kick_on) {
+                cuq_unkick(q, kick_on);
+                cuq_unref(q);
+            }
             return;
         }
     }

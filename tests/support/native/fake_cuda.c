@@ -2160,6 +2160,67 @@ static void check_orphanpoke(void) {
     puts("ok orphanpoke");
 }
 
+/* An abandoning close that gives up on its completion thread (held up past ~200 ms, as
+ * check_orphanpoke's) while the queue holds a device wait (deferred) on a timeline nothing
+ * signals, its kick registered there: the close drops the held wait but returns without
+ * taking the kick off (only a close that joined the thread does, am_cuq_close), and the
+ * orphaned thread does not either (cuq_stop). The kick keeps its references of the queue
+ * and of the timeline for good: once Python frees the timeline (its owner's reference),
+ * neither the timeline nor the queue is ever freed (a leak: LeakSanitizer). */
+static fake_queue orphankick_q;
+static atomic_int orphankick_hooked, orphankick_armed;
+
+static void *orphankick_closer(void *arg) {
+    (void)arg;
+    am_cuq_close(orphankick_q.q, 1);
+    am_timeline_free(orphankick_q.t);  /* what Python does once the close returned */
+    return NULL;
+}
+
+static void close_kicked_at_confirmed(int where, am_cuq *q) {
+    if (where != CU_HOOK_CONFIRMED || q != orphankick_q.q ||
+        atomic_exchange(&orphankick_hooked, 1))
+        return;
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!atomic_load(&orphankick_armed))  /* the wait is held, its kick registered */
+        if (now_ns() > deadline) die("orphankick: (setup) never armed");
+    pthread_t closer;
+    if (pthread_create(&closer, NULL, orphankick_closer, NULL)) die("orphankick: pthread_create");
+    pthread_join(closer, NULL);  /* (the close gave up on this thread) */
+}
+
+static void check_orphankick(void) {
+    long left = atomic_load(&events_made) - atomic_load(&events_destroyed);
+    free_timeline t = free_timeline_new();  /* nobody signals it */
+    orphankick_q = queue_new();
+    atomic_store(&orphankick_hooked, 0);
+    atomic_store(&orphankick_armed, 0);
+    atomic_store(&test_hook, close_kicked_at_confirmed);
+    if (launch(orphankick_q, NULL, 1, 1)) die("orphankick: launch failed");
+    if (wait_held(orphankick_q, t.t, 1, 2)) die("orphankick: the wait failed at once");
+    if (!atomic_load(&t.t->has_kicks)) die("orphankick: (setup) the wait's kick is not registered");
+    atomic_store(&orphankick_armed, 1);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!atomic_load(&orphankick_hooked) ||
+           atomic_load(&events_made) - atomic_load(&events_destroyed) != left)
+        if (now_ns() > deadline) die("orphankick: the orphaned thread never stopped");
+    nap_ns(10000000);  /* (its last steps after that) */
+    atomic_store(&test_hook, NULL);
+    int kicks = atomic_load(&t.t->has_kicks), refs = atomic_load(&t.t->refs);
+    am_timeline_free(t.t);  /* what Python does: the queue is closed, its wait dropped */
+    if (kicks || refs != 1) {
+        fprintf(stderr, "orphankick: has_kicks %d, refs %d (want 0, 1)\n", kicks, refs);
+        if (!getenv("ORPHANKICK_LEAK"))
+            die("orphankick: an abandoning close that gave up on its thread left the held "
+                "wait's kick registered, holding the queue and the waited timeline for good");
+    }
+    stream_free(orphankick_q.s, 1);
+    free(orphankick_q.word);
+    memset(&orphankick_q, 0, sizeof orphankick_q);  /* (nothing here keeps the queue) */
+    free(t.word);
+    puts("ok orphankick");
+}
+
 /* A held device wait's kick comes due (a host signal of t1, whose thread runs the kicks
  * it took off t1, another queue's first -- its hand-over held up here at the runtime's
  * hook, as one behind a slow driver call is) but has not run yet, while the wait's
@@ -3936,6 +3997,7 @@ int main(void) {
     check_kickfreed();
     check_poisonclosed();
     check_orphanpoke();
+    check_orphankick();
     check_stalekick();
     check_unfencedfreed();
     unreleased(check_abandonwait, "abandonwait");
