@@ -128,7 +128,9 @@ static void cuq_kicked(am_kick *k) {
     am_cuq *q = (am_cuq *)(void *)((char *)k - offsetof(am_cuq, kick));
     atomic_store(&q->poll_until, now_ns() + CU_KICK_POLL_NS);
     pthread_mutex_lock(&q->mu);
-    am_timeline *kick_on = q->kick_on;  /* (set before the kick was registered) */
+    /* The timeline of the registration this run is of: q->kick_on is set only as the
+     * kick is registered, never while it is registered or due (cuq_defer). */
+    am_timeline *kick_on = q->kick_on;
     q->deferred = 0;
     if (q->handing) pthread_cond_broadcast(&q->hand_cv);
     int here = !kick_driving && cuq_can_drain(q);
@@ -155,6 +157,20 @@ static void cuq_kicked(am_kick *k) {
  * handing q's operations over (q->driving). */
 static int cuq_defer(am_cuq *q, am_timeline *t, uint64_t target) {
     pthread_mutex_lock(&q->mu);
+    if (q->deferred) {
+        /* The kick of a wait held before -- dropped since, its kick found due by then
+         * (cuq_unkick could not take it off) -- has not run yet: a thread that took it
+         * off its timeline runs it behind other kicks. It cannot be registered again
+         * before it ran (it is on that thread's list of kicks due, through k->next), and
+         * that run lets go of its own timeline's reference (q->kick_on, left as it is).
+         * This wait is held meanwhile; that run clears q->deferred, and the wait is
+         * handed over again (cuq_kicked drains q or wakes its thread; a thread driving q
+         * then finds it can drain: cuq_drain, cuq_submit_then), and registers the kick
+         * then if it must still be held. (q->deferred is set only while the kick is
+         * registered or due: every thread that drops a held wait takes its kick off.) */
+        pthread_mutex_unlock(&q->mu);
+        return 1;
+    }
     q->deferred = 1;  /* before the kick can run: it clears this */
     q->kick_on = t;
     pthread_mutex_unlock(&q->mu);
@@ -450,7 +466,11 @@ static int cuq_no_memory(am_cuq *q, uint64_t value, const am_cuop *op, const am_
                          int own_kick) {
     am_cuop *mine = NULL, **p = &q->held, *last = NULL;
     pthread_mutex_lock(&q->mu);
-    int unkick = own_kick || (q->deferred && q->held && q->held->value == value);
+    /* Only while q->deferred: the kick is registered or due then, and its reference
+     * holds q->kick_on -- which, for a wait held behind a due kick of an earlier one
+     * (cuq_defer), is that one's timeline, not op's; once it ran, nothing is left to
+     * take off. */
+    int unkick = q->deferred && (own_kick || (q->held && q->held->value == value));
     am_timeline *kick_on = unkick ? cuq_kick_ref(q) : NULL;
     while (*p) {
         am_cuop *held = *p;
@@ -793,7 +813,18 @@ void am_cuq_close(am_cuq *q, int abandon) {
         if (!q->exited) {
             q->orphan = 1;  /* its thread frees it: q may be gone once mu is released */
             pthread_detach(q->thread);
+            /* No thread hands q's operations over any more here either (none does now,
+             * and none starts once stop is 2: cuq_can_drain, cuq_hand_over, cuq_refence),
+             * so a wait still held has its kick taken off as below: else the kick keeps
+             * its references of q and of the timeline for good. The closer's reference
+             * is the thread's now (cuq_stop): cuq_unkick is given one of its own. */
+            am_timeline *kick_on = q->deferred ? cuq_kick_ref(q) : NULL;
+            if (kick_on) atomic_fetch_add(&q->refs, 1);
             pthread_mutex_unlock(&q->mu);
+            if (kick_on) {
+                cuq_unkick(q, kick_on);
+                cuq_unref(q);
+            }
             return;
         }
     }

@@ -88,6 +88,8 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "kickfreed"),
         *("ok", "poisonclosed"),
         *("ok", "orphanpoke"),
+        *("ok", "orphankick"),
+        *("ok", "stalekick"),
         *("ok", "unfencedfreed"),
         *("ok", "refsheld"),
         *("ok", "abandonwait"),

@@ -2159,6 +2159,147 @@ static void check_orphanpoke(void) {
     puts("ok orphanpoke");
 }
 
+/* An abandoning close that gives up on its completion thread (held up past ~200 ms, as
+ * check_orphanpoke's) while the queue holds a device wait (deferred) on a timeline nothing
+ * signals, its kick registered there: the close drops the held wait but returns without
+ * taking the kick off (only a close that joined the thread does, am_cuq_close), and the
+ * orphaned thread does not either (cuq_stop). The kick keeps its references of the queue
+ * and of the timeline for good: once Python frees the timeline (its owner's reference),
+ * neither the timeline nor the queue is ever freed (a leak: LeakSanitizer). */
+static fake_queue orphankick_q;
+static atomic_int orphankick_hooked, orphankick_armed;
+
+static void *orphankick_closer(void *arg) {
+    (void)arg;
+    am_cuq_close(orphankick_q.q, 1);
+    am_timeline_free(orphankick_q.t);  /* what Python does once the close returned */
+    return NULL;
+}
+
+static void close_kicked_at_confirmed(int where, am_cuq *q) {
+    if (where != CU_HOOK_CONFIRMED || q != orphankick_q.q ||
+        atomic_exchange(&orphankick_hooked, 1))
+        return;
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!atomic_load(&orphankick_armed))  /* the wait is held, its kick registered */
+        if (now_ns() > deadline) die("orphankick: (setup) never armed");
+    pthread_t closer;
+    if (pthread_create(&closer, NULL, orphankick_closer, NULL)) die("orphankick: pthread_create");
+    pthread_join(closer, NULL);  /* (the close gave up on this thread) */
+}
+
+static void check_orphankick(void) {
+    long left = atomic_load(&events_made) - atomic_load(&events_destroyed);
+    free_timeline t = free_timeline_new();  /* nobody signals it */
+    orphankick_q = queue_new();
+    atomic_store(&orphankick_hooked, 0);
+    atomic_store(&orphankick_armed, 0);
+    atomic_store(&test_hook, close_kicked_at_confirmed);
+    if (launch(orphankick_q, NULL, 1, 1)) die("orphankick: launch failed");
+    if (wait_held(orphankick_q, t.t, 1, 2)) die("orphankick: the wait failed at once");
+    if (!atomic_load(&t.t->has_kicks)) die("orphankick: (setup) the wait's kick is not registered");
+    atomic_store(&orphankick_armed, 1);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!atomic_load(&orphankick_hooked) ||
+           atomic_load(&events_made) - atomic_load(&events_destroyed) != left)
+        if (now_ns() > deadline) die("orphankick: the orphaned thread never stopped");
+    nap_ns(10000000);  /* (its last steps after that) */
+    atomic_store(&test_hook, NULL);
+    int kicks = atomic_load(&t.t->has_kicks), refs = atomic_load(&t.t->refs);
+    am_timeline_free(t.t);  /* what Python does: the queue is closed, its wait dropped */
+    if (kicks || refs != 1) {
+        fprintf(stderr, "orphankick: has_kicks %d, refs %d (want 0, 1)\n", kicks, refs);
+        if (!getenv("ORPHANKICK_LEAK"))
+            die("orphankick: an abandoning close that gave up on its thread left the held "
+                "wait's kick registered, holding the queue and the waited timeline for good");
+    }
+    stream_free(orphankick_q.s, 1);
+    free(orphankick_q.word);
+    memset(&orphankick_q, 0, sizeof orphankick_q);  /* (nothing here keeps the queue) */
+    free(t.word);
+    puts("ok orphankick");
+}
+
+/* A held device wait's kick comes due (a host signal of t1, whose thread runs the kicks
+ * it took off t1, another queue's first -- its hand-over held up here at the runtime's
+ * hook, as one behind a slow driver call is) but has not run yet, while the wait's
+ * command is dropped for want of memory (cuq_no_memory: its end cannot be held; the kick
+ * is not taken off, cuq_unkick finds it due). The caller takes the value back and
+ * submits a wait on t2 instead: handed over at once, it must be held. Were the same
+ * kick registered on t2 now (q->kick_on = t2) while it is on the list of kicks due that
+ * t1's signalling thread runs, that thread's run of it, after t2's host signal ran it,
+ * would let go of t2's reference a second time (cuq_kicked reads q->kick_on), and never
+ * of t1's: t1 keeps a reference for good (a leak), t2 is freed under its owner (use
+ * after free once Python frees it). Both waits must run, and each timeline keep only
+ * its owner's reference. */
+static fake_queue stalekick_q0, stalekick_q;
+static free_timeline stalekick_t1, stalekick_t2;
+static atomic_int stalekick_armed, stalekick_done;
+static pthread_t stalekick_main;
+
+static void stalekick_at_drain(int where, am_cuq *q) {
+    if (where != CU_HOOK_DRAIN_HANDING || q != stalekick_q0.q || !atomic_load(&stalekick_armed) ||
+        atomic_exchange(&stalekick_done, 1))
+        return;
+    if (!pthread_equal(pthread_self(), stalekick_main))
+        die("stalekick: (setup) q0's wait was not handed over by its kick");
+    am_cuq *k = stalekick_q.q;
+    pthread_mutex_lock(&k->mu);
+    int deferred = k->deferred;
+    pthread_mutex_unlock(&k->mu);
+    if (!deferred || timeline_undefer(stalekick_t1.t, &k->kick, 0))
+        die("stalekick: (setup) q's kick is not due and waiting to run");
+    /* the wait's end cannot be held: the command is dropped, its value given back */
+    atomic_store(&refuse_allocs, 1);
+    if (am_cuq_finish(k, 1, stalekick_t1.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) != -1)
+        die("stalekick: (setup) the wait's end was held without memory");
+    atomic_store(&refuse_allocs, 0);
+    /* that value again: a wait on t2, held (t2 is not there yet) -- its kick registered
+     * on t2, or (the same kick, due on t1, not run yet) held until that kick ran */
+    if (wait_held(stalekick_q, stalekick_t2.t, 1, 1)) die("stalekick: the wait on t2 failed");
+    uint64_t stats[8];
+    am_cuq_stats(k, stats);
+    if (!stats[6]) die("stalekick: (setup) the wait on t2 was not held");
+    am_timeline_host_signal(stalekick_t2.t, 1, NULL);  /* a kick registered there runs (here) */
+}
+
+static void check_stalekick(void) {
+    stalekick_main = pthread_self();
+    stalekick_t1 = free_timeline_new();
+    stalekick_t2 = free_timeline_new();
+    stalekick_q0 = queue_new();
+    stalekick_q = queue_new();
+    atomic_store(&stalekick_done, 0);
+    atomic_store(&stalekick_armed, 0);
+    /* q0's kick registered on t1 before q's: the signal's thread runs it first */
+    if (wait_held(stalekick_q0, stalekick_t1.t, 1, 1)) die("stalekick: q0's wait failed");
+    if (am_cuq_wait_timeline(stalekick_q.q, stalekick_t1.t, 1, 1)) die("stalekick: q's wait failed");
+    pthread_mutex_lock(&stalekick_q.q->mu);
+    int deferred = stalekick_q.q->deferred;
+    pthread_mutex_unlock(&stalekick_q.q->mu);
+    if (!deferred) die("stalekick: (setup) q's wait is not deferred");
+    atomic_store(&test_hook, stalekick_at_drain);
+    atomic_store(&stalekick_armed, 1);
+    am_timeline_host_signal(stalekick_t1.t, 1, NULL);
+    if (!atomic_load(&stalekick_done)) die("stalekick: (setup) the hook never ran");
+    atomic_store(&test_hook, NULL);
+    reach(stalekick_q0.t, 1, "stalekick: q0's wait never ran");
+    reach(stalekick_q.t, 1, "stalekick: q's wait on t2 never ran");
+    nap_ns(20000000);  /* (the completion threads' last steps) */
+    int refs1 = atomic_load(&stalekick_t1.t->refs), kicks1 = atomic_load(&stalekick_t1.t->has_kicks);
+    if (refs1 != 1 || kicks1) {
+        fprintf(stderr, "stalekick: t1 refs %d has_kicks %d (want 1, 0)\n", refs1, kicks1);
+        if (!getenv("STALEKICK_GO_ON"))
+            die("stalekick: the kick run after it was re-registered on another timeline let "
+                "go of that timeline's reference (cuq_kicked reads q->kick_on), never of t1's");
+    }
+    queue_free(stalekick_q, 0);
+    queue_free(stalekick_q0, 0);
+    free_timeline_free(stalekick_t2);  /* what Python does: t2 must still be its own */
+    free_timeline_free(stalekick_t1);
+    puts("ok stalekick");
+}
+
 /* The same for a device wait held (deferred) on a timeline nothing has signalled yet,
  * its kick registered there: the queue fails and settles behind it, Python lets go of
  * the waited timeline and frees it, and the queue's abandoning close then drops the held
@@ -3897,6 +4038,8 @@ int main(void) {
     check_kickfreed();
     check_poisonclosed();
     check_orphanpoke();
+    check_orphankick();
+    check_stalekick();
     check_unfencedfreed();
     check_refsheld();
     unreleased(check_abandonwait, "abandonwait");
