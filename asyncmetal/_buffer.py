@@ -17,6 +17,7 @@ import numpy as np
 from . import _allocator
 from ._allocator import (
     Allocation,
+    Allocator,
     Block,
     ForeignMemory,
     Queue,
@@ -492,13 +493,9 @@ def foreign_buffer(
     own = state.device._allocator
     address = state.backend.loan_address(handle)  # where memory lent out comes back
     if shares is None and lenders and address is not None:  # (none went out: none back)
-        for allocator in lenders_for(own):  # (its own, or its kind's)
-            shares = allocator.exported_block(address, nbytes)
-            if shares is not None:  # (a foreign one may share a record kept elsewhere)
-                break
+        shares = _lent_record(own, address, nbytes)  # (its own, or its kind's)
     if shares is not None:
-        block.last_use, block.keeper = shares.last_use, shares.keeper
-        block.memory = shares if isinstance(shares, ForeignMemory) else shares.memory
+        _share_record(block, shares)
         own.note_foreign(block)  # (its record is looked through too)
     elif address is not None:
         _share_foreign_memory(state, address, block)
@@ -574,9 +571,7 @@ def _share_locked(state: DeviceState, address: int, block: Block) -> None:
     if memory is not None:
         block.last_use, block.keeper = memory.last_use, memory.keeper
     else:
-        for other_memory in overlapping:
-            for queue, value in list(other_memory.last_use.items()):
-                block.last_use[queue] = max(value, block.last_use.get(queue, 0))
+        _take_uses(block, overlapping)
         memory = ForeignMemory(address, nbytes, block.last_use, state)
     block.memory = memory  # (what keeps it: the devices' registries hold it weakly)
     own.note_foreign(block)
@@ -623,11 +618,7 @@ def _share_host_record(state: DeviceState, address: int, block: Block) -> None:
     held by its loan, which the source's array holds. A source made before any buffer
     over its memory keeps a record of its own."""
     nbytes = block.nbytes
-    shares: Record | None = None
-    for allocator in lenders_for(state.device._allocator, any_kind=True):
-        shares = allocator.exported_block(address, nbytes)
-        if shares is not None:
-            break
+    shares = _lent_record(state.device._allocator, address, nbytes, any_kind=True)
     overlapping: list[ForeignMemory] = []
     if shares is None and foreign_holders:
         for allocator in holding_foreign():
@@ -637,12 +628,36 @@ def _share_host_record(state: DeviceState, address: int, block: Block) -> None:
                 break
             overlapping += found
     if shares is None:
-        for memory in overlapping:
-            for queue, value in list(memory.last_use.items()):
-                block.last_use[queue] = max(value, block.last_use.get(queue, 0))
-        return
+        _take_uses(block, overlapping)
+    else:
+        _share_record(block, shares)
+
+
+def _lent_record(
+    own: Allocator, address: int, nbytes: int, any_kind: bool = False
+) -> Record | None:
+    """The record of the buffer that lent out the memory ``nbytes`` at ``address`` --
+    its block, or the foreign memory it is over -- among ``lenders_for(own,
+    any_kind)``; None where none did."""
+    for allocator in lenders_for(own, any_kind=any_kind):
+        shares = allocator.exported_block(address, nbytes)
+        if shares is not None:  # (a foreign one may share a record kept elsewhere)
+            return shares
+    return None
+
+
+def _share_record(block: Block, shares: Record) -> None:
+    """Have ``block`` share the record of uses ``shares`` (and whose lock guards it)."""
     block.last_use, block.keeper = shares.last_use, shares.keeper
     block.memory = shares if isinstance(shares, ForeignMemory) else shares.memory
+
+
+def _take_uses(block: Block, records: list[ForeignMemory]) -> None:
+    """Start ``block``'s record with the uses of ``records`` (the latest of each queue):
+    its commands come after theirs submitted so far."""
+    for record in records:
+        for queue, value in list(record.last_use.items()):
+            block.last_use[queue] = max(value, block.last_use.get(queue, 0))
 
 
 T = TypeVar("T")
