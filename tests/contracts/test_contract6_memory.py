@@ -393,7 +393,7 @@ async def test_rounding_never_refuses_what_fits_the_budget(device: am.Device) ->
             await anyio.sleep(0.05)
             assert not waiting  # 4700 + 400 > 5000: it waits for the free
             await buf.free()
-    assert device.memory_statistics().in_use == 512
+    assert device.memory_statistics().in_use == 400  # (under a budget: the bytes asked for)
     await waiting[0].free()
     # Nor does it hold back one that fits beside what is in use: 1 MiB's class would not.
     device.memory_budget = 2 * MiB - 1000
@@ -406,6 +406,24 @@ async def test_rounding_never_refuses_what_fits_the_budget(device: am.Device) ->
     device.memory_budget = 1000
     with pytest.raises(am.OutOfMemoryError):
         await device.alloc(1001)
+
+
+async def test_under_a_budget_requests_that_sum_to_it_fit(device: am.Device) -> None:
+    """Under a budget a block is the size asked for, so buffers whose sizes sum to the
+    budget fit together, whatever their classes (checked: with the first rounded up
+    to its class, 655,360 bytes, the second waited for good)."""
+    device.memory_budget = MiB
+    first = await device.alloc(600_000)
+    with anyio.fail_after(10):  # (a bound on a hang, not a timing)
+        second = await device.alloc(MiB - 600_000)
+    assert device.memory_statistics().in_use == MiB
+    await second.free()
+    await first.free()
+    # Freed, each serves a request of its own size again; none larger.
+    again = await device.alloc(600_000)
+    assert again._allocation.handle == first._allocation.handle
+    assert device.memory_statistics().in_use == 600_000
+    await again.free()
 
 
 async def test_the_cache_limit_is_settable_and_evicts_least_recently_freed(
