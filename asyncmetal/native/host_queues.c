@@ -81,6 +81,18 @@ AM_HIDDEN void am_test_host_free(void *p);
 #define seg_free free
 #endif
 
+/* The timeline command c refers to (a signal's, a wait's, a copy part's `after`; NULL:
+ * none). The queue holds a reference of it from the push until the command has passed
+ * (or was dropped unrun at the queue's close), so that its owner letting go meanwhile
+ * (Python's keep-alive, or a finalizer run in another order) never frees a timeline
+ * this thread still waits on, signals or reads: freed under a waiter, destroying its
+ * condition would wait for that waiter for good. */
+static am_timeline *cmd_timeline(const am_cmd *c) {
+    if (c->kind == CMD_SIGNAL || c->kind == CMD_WAIT) return c->timeline;
+    if (c->kind == CMD_COPY_PART) return c->after;
+    return NULL;
+}
+
 static int take(am_queue *q, am_cmd *out) {
     /* A short spin first: a command submitted right behind the last one then starts
      * without a sleep/wake round trip. Bounded by spin_ns after each command. */
@@ -447,13 +459,21 @@ static void *run_commands(am_queue *q, starve_watch *starve) {
             am_timeline_signal(c.timeline, c.target);
             break;
         case CMD_WAIT:
-            if (!wait_timeline(q, c.timeline, c.target, c.value)) return NULL;
+            if (!wait_timeline(q, c.timeline, c.target, c.value)) {
+                timeline_unref(c.timeline);  /* (abandoned: the push's reference) */
+                return NULL;
+            }
             break;
         case CMD_COPY_PART:  /* parts of a chunk; the last one done marks it ready */
-            if (c.after && !wait_word(q, c.after, c.target)) return NULL;
+            if (c.after && !wait_word(q, c.after, c.target)) {
+                timeline_unref(c.after);
+                return NULL;
+            }
             copy_parts(&c, c.after && mark_failed(c.after, c.target));
             break;
         }
+        am_timeline *held = cmd_timeline(&c);
+        if (held) timeline_unref(held);  /* past it: the push's reference */
         if (busy) atomic_fetch_sub_explicit(&host_running, 1, memory_order_relaxed);
         if (busy) starve_watch_look(starve);
         if (c.record) {
@@ -470,14 +490,16 @@ am_queue *am_queue_new(am_timeline *own, long spin_ns, int nice) {
     if (!q) return NULL;
     q->first = q->last = seg_alloc(sizeof(am_cmdseg));
     if (q->first) q->first->next = NULL;
-    q->own = own;
+    q->own = own;  /* (referenced below, once the queue is made: until its close) */
     q->spin_ns = spin_ns;
     q->nice = nice;
     q->forks = am_forks;
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->cv, NULL);
+    atomic_fetch_add(&own->refs, 1);  /* (the thread raises it after every command) */
     if (!q->first || pthread_create(&q->thread, NULL, run, q) != 0) {
         if (q->first) seg_free(q->first);
+        timeline_unref(own);
         free(q);
         return NULL;
     }
@@ -487,6 +509,8 @@ am_queue *am_queue_new(am_timeline *own, long spin_ns, int nice) {
 /* On the caller's thread (an event loop's): a bounded time whatever the number queued,
  * at most one segment's allocation. */
 static int push(am_queue *q, const am_cmd *c) {
+    am_timeline *held = cmd_timeline(c);
+    if (held) atomic_fetch_add(&held->refs, 1);  /* (cmd_timeline: until it passed) */
     pthread_mutex_lock(&q->mu);
     if (q->tail == AM_SEG_CMDS) {
         am_cmdseg *s = q->spare;
@@ -494,6 +518,7 @@ static int push(am_queue *q, const am_cmd *c) {
             q->spare = NULL;
         } else if (!(s = seg_alloc(sizeof *s))) {
             pthread_mutex_unlock(&q->mu);
+            if (held) timeline_unref(held);
             return -1;
         }
         s->next = NULL;
@@ -616,10 +641,21 @@ void am_queue_close(am_queue *q, int abandon) {
     pthread_join(q->thread, NULL);
     pthread_mutex_destroy(&q->mu);
     pthread_cond_destroy(&q->cv);
-    for (am_cmdseg *s = q->first, *next; s; s = next) {  /* (abandoned: some still queued) */
+    /* (Abandoned: some still queued, never to run; their pushes' references go.) */
+    am_cmdseg *s = q->first;
+    for (size_t i = q->head, left = q->count; left; left--, i++) {
+        if (i == AM_SEG_CMDS) {
+            s = s->next;
+            i = 0;
+        }
+        am_timeline *held = cmd_timeline(&s->cmds[i]);
+        if (held) timeline_unref(held);
+    }
+    for (am_cmdseg *next; (s = q->first); q->first = next) {
         next = s->next;
         seg_free(s);
     }
     if (q->spare) seg_free(q->spare);
+    timeline_unref(q->own);  /* (am_queue_new's) */
     free(q);
 }

@@ -93,6 +93,22 @@ def test_queue_segments_under_concurrent_pushes_closes_and_drains_at_their_edges
     assert proc.stdout.split() == [word for check in checks for word in ("ok", check)]
 
 
+@pytest.mark.parametrize("sanitizer", harness.SANITIZERS, ids=["plain", "tsan", "asan"])
+def test_a_queue_holds_the_timelines_its_commands_use_until_they_passed(
+    tmp_path: Path, sanitizer: str
+) -> None:
+    """A timeline whose owner lets go of it while a cpu queue waits on it, has a signal
+    of it queued, or raises it (its own) stays until those commands passed or were
+    dropped unrun at the close, which lets go of it then (tests/support/native/
+    queue_timelines.c). Checked: fails without the queue's references (letting go of the
+    timeline waited on hung: its condition destroyed under the waiter)."""
+    binary = harness.build("queue_timelines.c", tmp_path, sanitizer)
+    proc = harness.run(binary, sanitizer=sanitizer)
+    assert proc.returncode == 0, proc.stderr[-6000:] + proc.stdout
+    checks = ["waited", "signalled", "own", "dropped"]
+    assert proc.stdout.split() == [word for check in checks for word in ("ok", check)]
+
+
 # ---- kernel libraries: names resolved in the library itself, unloaded at close -------
 
 _SHADOWED = """
