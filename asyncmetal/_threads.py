@@ -21,10 +21,11 @@ into the loop for an open or a compile (sync code in ``anyio.to_thread.run_sync`
 ``anyio.from_thread.run``) would wait for good on calls that wait for a token.
 
 A task whose asyncio loop is closed while it waits here is never collected, nor its
-loop: anyio's records of the shielded scope and of the limiter's borrower hold the
-task, each keyed weakly by what it holds (the task; the loop, which the task holds).
-So they hold any task waiting in an anyio scope, or in anyio.to_thread.run_sync, as
-its loop closes. ``undelivered`` is how what the call made is let go of then.
+loop: anyio's record of the shielded scope holds the task, keyed weakly by the task.
+So it holds any task waiting in an anyio scope, or in anyio.to_thread.run_sync, as
+its loop closes. ``undelivered`` is how what the call made is let go of then. (The
+limiter's borrower is the call, not its task: its token is held until the call is
+over, also where asyncio's ``task.cancel()`` ended the wait.)
 """
 
 from __future__ import annotations
@@ -122,18 +123,27 @@ class _Handover:
     stopped for good and collected -- whether the report itself or the caller's wake-up
     that the report queued. Until the caller has resumed (and cleared ``undelivered``)
     those queued callbacks hold this, the caller only weakly: let go of with
-    ``undelivered`` still set, it calls it, on whichever thread let go of it."""
+    ``undelivered`` still set, it calls it, on whichever thread let go of it. Its run
+    on the loop gives back the call's token (``release``): the call is over then,
+    whether or not its caller still waits."""
 
-    __slots__ = ("__weakref__", "error", "future", "result", "undelivered")
+    __slots__ = ("__weakref__", "error", "future", "release", "result", "undelivered")
 
-    def __init__(self, future: asyncio.Future[Any], undelivered: Callable[[], None] | None) -> None:
+    def __init__(
+        self,
+        future: asyncio.Future[Any],
+        undelivered: Callable[[], None] | None,
+        release: Callable[[], None],
+    ) -> None:
         self.future = future
         self.result: Any = None
         self.error: BaseException | None = None
         self.undelivered = undelivered
+        self.release = release
 
     def __call__(self) -> None:
         self.future.add_done_callback(self._held)  # (queued behind the caller's wake-up)
+        self.release()
         _report(self.future, self.result, self.error)
 
     def _held(self, _: asyncio.Future[Any]) -> None:
@@ -161,7 +171,15 @@ async def run_sync(
     loop = running_asyncio_loop()
     if loop is None:  # trio (a guest run's task too)
         return await anyio.to_thread.run_sync(fn, *args, limiter=limiter())
-    async with limiter():
+    # The token is the call's, not its caller's: held until the call is over (see
+    # _Handover), also where asyncio's own ``task.cancel()`` ended the wait before --
+    # else every such cancellation would let one more call run on a thread at once.
+    tokens = limiter()
+    borrower = _Borrower()
+    await tokens.acquire_on_behalf_of(borrower)
+    release = functools.partial(tokens.release_on_behalf_of, borrower)
+    submitted = False
+    try:
         with anyio.CancelScope(shield=True):
             future: asyncio.Future[T] = loop.create_future()
             context = contextvars.copy_context()
@@ -176,8 +194,9 @@ async def run_sync(
                 except RuntimeError:  # its loop closed meanwhile
                     handover.drop()
 
-            handover = _Handover(future, undelivered)
+            handover = _Handover(future, undelivered, release)
             _workers.submit(functools.partial(job, handover))
+            submitted = True
             arrived = weakref.ref(handover)
             del handover  # (held by the job, then by the loop's callbacks)
             try:
@@ -185,7 +204,16 @@ async def run_sync(
             finally:
                 if (held := arrived()) is not None:
                     held.undelivered = None  # the caller resumed
+    finally:
+        if not submitted:
+            release()
     return result
+
+
+class _Borrower:
+    """Who holds a call's token of the limiter (one per call)."""
+
+    __slots__ = ()
 
 
 class Freer(Generic[T]):

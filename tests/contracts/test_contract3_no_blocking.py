@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import subprocess
@@ -1137,3 +1138,62 @@ async def test_asyncmetal_threads_do_not_wait_for_the_applications_thread_tokens
     finally:
         default.total_tokens = tokens
     assert sorted(done) == [0, 1]
+
+
+async def test_calls_on_threads_their_callers_stopped_waiting_for_keep_their_tokens(
+    anyio_backend: tuple[str, dict[str, object]],
+) -> None:
+    """Callers of asyncmetal's calls on threads cancelled as their loop cancels (on
+    asyncio ``task.cancel()``, as ``asyncio.wait_for`` and ``asyncio.timeout`` do: it
+    ends the wait, not the call): their calls run on, and hold their tokens of the
+    limiter until they are over -- no more run at once than it allows. Checked: before,
+    on asyncio each cancelled caller gave its token back at once (here 6 ran at once
+    with 3 tokens: timeouts around calls stuck on threads piled up threads)."""
+    import asyncio
+
+    from asyncmetal import _threads
+
+    _threads.limiter().total_tokens = 3
+    gate, lock = threading.Event(), threading.Lock()
+    running, most = [0], [0]
+
+    def held() -> None:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        gate.wait(10)
+        with lock:
+            running[0] -= 1
+
+    async def cancelled_call(ended: anyio.Event) -> None:
+        if anyio_backend[0] == "asyncio":
+            task = asyncio.current_task()
+            assert task is not None
+            asyncio.get_running_loop().call_later(0.05, task.cancel)
+            with contextlib.suppress(asyncio.CancelledError):
+                await _threads.run_sync(held)
+            if sys.version_info >= (3, 11):
+                task.uncancel()
+        else:  # (trio: a shielded wait, which the call's end ends)
+            with anyio.move_on_after(0.05):
+                await _threads.run_sync(held)
+        ended.set()
+
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                ended = [anyio.Event() for _ in range(3)]
+                for event in ended:
+                    tg.start_soon(cancelled_call, event)
+                await anyio.sleep(0.1)
+                if anyio_backend[0] == "asyncio":
+                    for event in ended:
+                        await event.wait()  # (their calls still run)
+                for _ in range(3):
+                    tg.start_soon(_threads.run_sync, held)
+                await anyio.sleep(0.1)
+                at_once = most[0]
+                gate.set()
+        assert at_once <= 3, f"{at_once} calls ran at once with 3 tokens"
+    finally:
+        gate.set()
