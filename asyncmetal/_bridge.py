@@ -21,7 +21,7 @@ loop; in slices, the loop's other work runs between them. A slice is sized by ti
 count alone: each slice that follows another measures the iteration between them (the
 woken tasks' steps and the loop's other work) and sizes the next to about
 ``SLICE_BUDGET_NS`` of such steps, between 1 and ``WAKE_SLICE`` tasks -- ``WAKE_SLICE``
-whose steps are short, one or two whose steps run a model's Python for a hundred
+whose steps are short, one whose steps run a model's Python for a hundred
 microseconds. (Larger slices of short steps do not raise throughput: they only
 lengthen the iterations.)
 
@@ -116,8 +116,11 @@ _log = logging.getLogger("asyncmetal")
 INFINITY = 1 << 64  # larger than any 64-bit timeline value
 SLEEP_GRANULE = 1e-3  # seconds: epoll and poll sleep in whole milliseconds, rounded up
 WAKE_SLICE = 8  # tasks a drain wakes at most; the rest in the loop's next iteration
-SLICE_BUDGET_NS = 250_000  # fewer, where their steps would take longer than this
-TURN_BUDGET_NS = 300_000  # a crowd's turns: as many per iteration as keep it this long
+# A timer (a socket's event alike) due while an iteration runs waits for the rest of it
+# and for the next one, whose callbacks wake its task: two iterations of woken steps and
+# turns, plus one step over the budget each, stay within a millisecond at these.
+SLICE_BUDGET_NS = 150_000  # fewer, where their steps would take longer than this
+TURN_BUDGET_NS = 200_000  # a crowd's turns: as many per iteration as keep it this long
 TURN_LIMIT = 16  # turns per iteration granted at first
 TURN_MAX = 4096
 TURN_SHARE = 4  # one turn asked for in 4, at random, is refused (the task parks instead)
