@@ -277,7 +277,12 @@ def completion_counters(queue: am.Queue) -> Callable[[], dict[str, int]]:
 async def paced(model: Model, fn: Callable[[], Awaitable[None]], rate: float) -> dict[str, float]:
     """Requests arriving at ``rate`` per second (at most CONCURRENT in flight; an arrival
     finding them all busy is dropped and counted), as a service sees them: the loop's lag
-    (a 1 ms ticker) and each request's time from arrival to done."""
+    (a 1 ms ticker) and each request's time from arrival to done. The arrivals come as a
+    socket's would, from outside the loop: a thread hands each to the loop
+    (``call_soon_threadsafe``) at its time, evenly spaced. (Made on the loop by a task
+    sleeping between them, they would come in bursts wherever the loop sleeps in
+    whole milliseconds, as asyncio's epoll rounds a sleep up: a 0.5 ms sleep's arrivals
+    came six at a time, their submissions one iteration of 0.5 ms.)"""
     lags: list[float] = []
     latencies: list[float] = []
     dropped = 0
@@ -299,25 +304,30 @@ async def paced(model: Model, fn: Callable[[], Awaitable[None]], rate: float) ->
             await asyncio.sleep(0.001)
             lags.append(max(0.0, time.perf_counter() - t0 - 0.001) * 1e3)
 
-    async def arrivals() -> None:
+    loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task[None]] = []
+
+    def arrive(arrived: float) -> None:
         nonlocal dropped, in_flight
-        started = 0
-        tasks = []
-        while (now := time.perf_counter()) < stop:
-            due = int((now - start) * rate) - started
-            for k in range(due):
-                if in_flight >= CONCURRENT:
-                    dropped += due - k
-                    break
-                in_flight += 1
-                tasks.append(asyncio.ensure_future(request(now)))
-            started += due
-            await asyncio.sleep(0.0005)
-        await asyncio.gather(*tasks)
+        if in_flight >= CONCURRENT:
+            dropped += 1
+            return
+        in_flight += 1
+        tasks.append(loop.create_task(request(arrived)))
+
+    def arrivals() -> None:
+        n = 0
+        while (at := start + n / rate) < stop:
+            ahead = at - time.perf_counter()
+            if ahead > 0:
+                time.sleep(ahead)
+            loop.call_soon_threadsafe(arrive, at)
+            n += 1
 
     model.submit_ms.clear()
     with Collections() as collections:
-        await asyncio.gather(ticker(), arrivals())
+        await asyncio.gather(ticker(), asyncio.to_thread(arrivals))
+        await asyncio.gather(*tasks)
     return {
         **collections.summary(),
         # the requests' own PyTorch submissions, on the loop, and the garbage
