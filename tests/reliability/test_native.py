@@ -102,10 +102,12 @@ def test_a_queue_holds_the_timelines_its_commands_use_until_they_passed(
     dropped unrun at the close, which lets go of it then (tests/support/native/
     queue_timelines.c). Checked: fails without the queue's references (letting go of the
     timeline waited on hung: its condition destroyed under the waiter)."""
-    binary = harness.build("queue_timelines.c", tmp_path, sanitizer)
+    binary = harness.build(
+        "queue_timelines.c", tmp_path, sanitizer, defines=("AM_TEST_HOST_ALLOC",)
+    )
     proc = harness.run(binary, sanitizer=sanitizer)
     assert proc.returncode == 0, proc.stderr[-6000:] + proc.stdout
-    checks = ["waited", "signalled", "own", "dropped"]
+    checks = ["waited", "signalled", "own", "dropped", "edges", "word", "discarded", "refused"]
     assert proc.stdout.split() == [word for check in checks for word in ("ok", check)]
 
 
