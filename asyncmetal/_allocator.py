@@ -910,9 +910,9 @@ class Allocator:
 
     def _usable_size(self, nbytes: int) -> int:
         """The size of the block for a request of ``nbytes``: its size class, or
-        ``nbytes`` itself under a budget (a block rounded up would hold bytes of the
-        budget that requests summing to it need) and where the class would not fit
-        the device's largest buffer (rounding never refuses a request that fits)."""
+        ``nbytes`` itself where the class would not fit the budget or the device's
+        largest buffer (rounding never refuses a request that fits; _try_alloc also
+        takes ``nbytes`` where only that fits beside what is in use)."""
         if self.closed or self._state.closed:
             raise ClosedResourceError(f"device {self._state.name} is closed")
         # (The device's memory bounds a request also under a budget set above it: the
@@ -931,7 +931,7 @@ class Allocator:
             detail = f"larger than the largest buffer the device makes ({largest} bytes)"
             raise self._oom(nbytes, detail)
         size = block_size(nbytes)
-        if self._budget_set() or (largest is not None and size > largest):
+        if size > self.budget or (largest is not None and size > largest):
             return nbytes
         return size
 
@@ -1043,12 +1043,11 @@ class Allocator:
         return None
 
     def _budget_set(self) -> bool:
-        """Whether a budget below the device's memory is set. Under one, a block is the
-        size asked for (see _usable_size) and a request never takes a larger cached
-        block: the buffer would hold that block's extra bytes against the budget for as
-        long as it lives, and a later request that fits beside the buffers' own sizes
-        could wait for good (the larger block, cached, is evicted instead when room is
-        needed)."""
+        """Whether a budget below the device's memory is set. Under one, a request never
+        takes a larger class's cached block: the buffer would hold that block's extra
+        bytes against the budget for as long as it lives, and a later request that fits
+        beside the buffers' own classes could wait for good (the larger block, cached,
+        is evicted instead when room is needed)."""
         return self.budget < self._state.backend.info.total_memory
 
     def _larger_cached(self, size: int) -> list[Block] | None:
