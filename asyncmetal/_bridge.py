@@ -1430,8 +1430,21 @@ def _switch_here(bridge: LoopBridge) -> None:
     if last is bridge:
         return
     _thread_end.last = weakref.ref(bridge)
+    _on_switch()
     if isinstance(last, _AsyncioBridge) and last.thread == _get_ident():
         last.left_behind()
+
+
+_on_switch: Callable[[], None] = _nothing
+
+
+def on_switch(callback: Callable[[], None]) -> None:
+    """Have ``callback`` called on a thread whose running loop's bridge is another than
+    the last one ``current_bridge`` found there (``_switch_here``): what keeps the
+    bridge of the thread's loop (_timeline's wait counts) forgets it, so that its next
+    wait asks ``current_bridge`` again."""
+    global _on_switch
+    _on_switch = callback
 
 
 def _closed_loops_bridges() -> list[LoopBridge]:

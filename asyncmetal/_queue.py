@@ -105,7 +105,7 @@ class Completion(Record, Singular):
             yield from ready_checkpoint()
         else:
             native.flush()
-            yield from wait_value(timeline, self.value, self._due_ns)
+            yield from wait_value(timeline, self.value, self._due_ns, True)
         # What the queue kept for it goes now, not at the queue's next submission: a
         # copy's host array (megabytes maybe), a bytearray (which cannot be resized
         # while a view of it is kept).

@@ -888,14 +888,32 @@ class _Count:
     loop's -- there through ``gone`` (an append is atomic; ``n -= 1`` there would race
     the loop's). ``owner`` is the loop's (weakly): another loop on the thread, or a trio
     run after it, starts a count of its own, so tasks a closed loop left parked, still
-    held, count for no later loop."""
+    held, count for no later loop.
 
-    __slots__ = ("gone", "n", "owner")
+    It also keeps what every wait of its loop on this thread looks up: ``asyncio``,
+    whether the loop is an asyncio (or uvloop) loop running the tasks that count here
+    (not a trio run, hosted or not), whose checkpoint is a bare yield; and ``bridge``,
+    the loop's bridge (``_bridge.current_bridge()``, the same object for as long as the
+    loop lives), once a wait asked for it -- None again whenever this thread takes the
+    count up after another loop's (``_switch_count``) or ``current_bridge`` found
+    another loop's bridge here (``_forget_bridge``), so that its next wait asks
+    ``current_bridge`` again, which notes the switch (``_bridge._switch_here``)."""
 
-    def __init__(self, owner: object | None) -> None:
+    __slots__ = ("asyncio", "bridge", "gone", "n", "owner")
+
+    def __init__(self, owner: object | None, asyncio: bool = False) -> None:
         self.n = 0
         self.gone: collections.deque[None] = collections.deque()  # uncounted elsewhere
         self.owner: Callable[[], object | None] = _no_owner if owner is None else weakref.ref(owner)
+        self.asyncio = asyncio
+        self.bridge: _bridge.LoopBridge | None = None
+
+    def loop_bridge(self) -> _bridge.LoopBridge:
+        """The bridge of the loop this count is of (which runs the calling task)."""
+        bridge = self.bridge
+        if bridge is None:
+            bridge = self.bridge = _bridge.current_bridge()
+        return bridge
 
     def settle(self) -> None:
         """On the owning thread: take off the waits that ended on other threads."""
@@ -920,11 +938,26 @@ def _count_here() -> _Count:
     """The running loop's count (a new one where another loop waited last here)."""
     count: _Count | None = getattr(_waiting, "count", None)
     owner: object = _get_running_loop()  # (_bridge.running_asyncio_loop(), inline: hot)
-    if owner is None or ("trio" in sys.modules and _bridge.in_trio_task()):
+    plain = owner is not None
+    if not plain or ("trio" in sys.modules and _bridge.in_trio_task()):
         owner = _bridge.running_trio_run()
-    if count is None or count.owner() is not owner:
-        count = _switch_count(count, owner)
+        plain = False
+    # (A count whose loop is gone has no owner either: the asyncio flag tells it apart
+    # from one of no loop.)
+    if count is None or count.owner() is not owner or count.asyncio is not plain:
+        count = _switch_count(count, owner, plain)
     return count
+
+
+def _forget_bridge() -> None:
+    """This thread's running loop changed (``_bridge.on_switch``): the count of the loop
+    that waited last here asks for its bridge again at its next wait."""
+    count: _Count | None = getattr(_waiting, "count", None)
+    if count is not None:
+        count.bridge = None
+
+
+_bridge.on_switch(_forget_bridge)
 
 
 def _others() -> dict[int, _Count]:
@@ -934,16 +967,19 @@ def _others() -> dict[int, _Count]:
     return others
 
 
-def _switch_count(last: _Count | None, owner: object) -> _Count:
+def _switch_count(last: _Count | None, owner: object, plain: bool = False) -> _Count:
     """The count of ``owner``, a loop other than the one that waited last on this
-    thread: kept from when it waited here before, or a new one. The last one's is
-    kept in turn (and those of loops gone are let go of)."""
+    thread: kept from when it waited here before, or a new one (``plain``: ``owner`` is
+    an asyncio loop, see ``_Count.asyncio``). The last one's is kept in turn (and those
+    of loops gone are let go of)."""
     others = _others()
     count = others.pop(id(owner), None)
-    if count is None or count.owner() is not owner:
-        count = _Count(owner)
-    elif count.gone:
-        count.settle()
+    if count is None or count.owner() is not owner or count.asyncio is not plain:
+        count = _Count(owner, plain)
+    else:
+        count.bridge = None  # (asked for again: see _Count)
+        if count.gone:
+            count.settle()
     if last is not None and (last_owner := last.owner()) is not None:
         others[id(last_owner)] = last
     for key in [key for key, kept in others.items() if kept.owner() is None]:
@@ -968,7 +1004,9 @@ def waiting_here() -> int:
 
 
 @types.coroutine
-def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any, Any, None]:
+def wait_value(
+    timeline: Waitable, value: int, due_ns: int = 0, unreached: bool = False
+) -> Generator[Any, Any, None]:
     """Park the calling task until ``timeline`` reaches ``value``; always a checkpoint.
 
     Before parking the task yields to the loop once (every other ready task runs), and
@@ -982,9 +1020,11 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
     iteration later; the loop and its other tasks wait that long at most. It never
     spins while nothing is about to finish. (A generator-based coroutine: ``await`` it,
     or ``yield from`` it in an ``__await__``, with no coroutine frame between.)
+    ``unreached``: the caller has just read the value below ``value`` (it is not read
+    again before the first yield).
     """
     native = timeline.native
-    if native.value >= value:
+    if not unreached and native.value >= value:
         yield from ready_checkpoint()
         return
     c_timeline = native.c_timeline or 0
@@ -1014,20 +1054,26 @@ def wait_value(timeline: Waitable, value: int, due_ns: int = 0) -> Generator[Any
                 due_ns = _native.due(c_timeline, value)
             if start < due_ns <= start + DUE_NS:
                 deadline = max(deadline, due_ns + SPIN_NS)
-        if crowd < CROWD or _bridge.current_bridge().turn():
+        if crowd < CROWD or count.loop_bridge().turn():
             while True:
-                yield from _bridge.checkpoint()
+                if count.asyncio:
+                    yield  # (_bridge.checkpoint()'s, inline: this is every wait's)
+                else:
+                    yield from _bridge.checkpoint()
+                if native.value >= value:
+                    timeline._recent_ns = (recent * 7 + time.perf_counter_ns() - start) >> 3
+                    return
+                if not deadline:  # (a crowd's: one yield, no clock read)
+                    break
                 now = time.perf_counter_ns()
-                if native.value >= value or (
-                    now < deadline
-                    and spin is not None
-                    and spin(c_timeline, value, min(SLICE_NS, deadline - now))
+                if now < deadline and (
+                    spin is not None and spin(c_timeline, value, min(SLICE_NS, deadline - now))
                 ):
                     timeline._recent_ns = (recent * 7 + time.perf_counter_ns() - start) >> 3
                     return
                 if now >= deadline:
                     break
-        bridge = _bridge.current_bridge()
+        bridge = count.loop_bridge()
         watch = None if native.value >= value else timeline._watch_for(bridge)
         if watch is not None and c_timeline and _native.due is not None:
             # Parked on a command the queue expects done soon (a crowd's tasks park at
@@ -1060,14 +1106,13 @@ def ready_checkpoint() -> Generator[Any, Any, None]:
     crowd = count.n
     count.n = crowd + 1
     try:
-        if crowd < CROWD:
-            yield from _bridge.checkpoint()
-        else:
-            bridge = _bridge.current_bridge()
-            if bridge.turn():
-                yield from _bridge.checkpoint()
+        if crowd < CROWD or count.loop_bridge().turn():
+            if count.asyncio:
+                yield  # (_bridge.checkpoint()'s, inline)
             else:
-                yield from bridge.park(None, 0).__await__()
+                yield from _bridge.checkpoint()
+        else:
+            yield from count.loop_bridge().park(None, 0).__await__()
     finally:
         if getattr(_waiting, "count", None) is count:  # ended on its loop's thread
             count.n -= 1

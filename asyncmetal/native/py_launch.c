@@ -301,8 +301,10 @@ static PyObject *submit(PyObject *queue, PyObject *state, const target_t *t, voi
             Py_CLEAR(done);
             goto out;
         }
-        if (nargs || PyObject_Length(t->keep)) {  /* CPUQueue._submitted: the handles kept
-                                                     alive until the command passed */
+        /* CPUQueue._submitted: the buffers' handles kept alive until the command
+         * passed, and what the commands passed before let go of -- a call for nothing
+         * where there are neither (values only, nothing kept) */
+        if (handles || PyObject_Length(t->keep)) {
             PyObject *status = PyLong_FromLong(0);
             PyObject *res = status ? PyObject_CallMethodObjArgs(
                                          t->native, NAME(CPU_QUEUE_SUBMITTED), status, value_obj,
