@@ -1073,7 +1073,14 @@ def wait_value(
                     return
                 if now >= deadline:
                     break
-        bridge = count.loop_bridge()
+        # After a yield: where another loop waited on this thread meanwhile (this one
+        # stopped, then ran again), the count is no longer the thread's, and the bridge
+        # it kept would skip current_bridge's note of the switch (_switch_here: the
+        # other loop, maybe stopped with tasks parked, sets them aside).
+        if getattr(_waiting, "count", None) is count:
+            bridge = count.loop_bridge()
+        else:
+            bridge = _bridge.current_bridge()
         watch = None if native.value >= value else timeline._watch_for(bridge)
         if watch is not None and c_timeline and _native.due is not None:
             # Parked on a command the queue expects done soon (a crowd's tasks park at

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -109,6 +110,59 @@ def test_loops_taking_turns_on_one_thread_each_count_their_own_waiting_tasks() -
     finally:
         for loop in loops:
             loop.close()
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")  # (the dropped loop, unclosed)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_wait_resumed_after_another_loop_ran_on_its_thread_sets_that_loops_waits_aside() -> None:
+    """A task's wait yielded as its loop stopped; another loop ran on the thread, parked
+    10 tasks and was dropped unclosed; the first loop, run again, parks that wait. Its
+    park notes the switch back (``_bridge._switch_here``), as the first wait there of any
+    other task would: the dropped loop's waits are set aside and it is garbage. Checked
+    failing at 9273091 (the wait's count, kept from before the other loop ran, had the
+    bridge at hand and asked for none: the timeline held the dropped loop)."""
+    boot = asyncio.new_event_loop()
+    try:
+        dev = boot.run_until_complete(am.open_device("cpu"))
+        timeline = dev.timeline()
+
+        async def other(value: int) -> None:
+            waiting = asyncio.ensure_future(timeline.wait(value))
+            await asyncio.sleep(0.01)
+            timeline.signal(value)
+            await asyncio.wait_for(waiting, 5)
+
+        boot.run_until_complete(other(1))  # (a park: boot's count has its bridge)
+        started: list[asyncio.Task[None]] = []
+
+        async def start() -> None:  # its wait's first step, a yield, as boot stops
+            started.append(asyncio.ensure_future(timeline.wait(2)))
+
+        boot.run_until_complete(start())
+        loop = asyncio.new_event_loop()
+        dropped = weakref.ref(loop)
+
+        async def park() -> None:
+            waits = [asyncio.ensure_future(timeline.wait(1 << 60)) for _ in range(10)]
+            await asyncio.sleep(0.02)
+            for task in waits:
+                task._log_destroy_pending = False  # type: ignore[attr-defined]
+
+        loop.run_until_complete(park())
+        del loop
+
+        async def finish() -> None:  # (no wait of its own: the resumed one parks alone)
+            await asyncio.sleep(0.01)
+            timeline.signal(2)
+            await asyncio.wait_for(started[0], 5)
+
+        boot.run_until_complete(finish())
+        for _ in range(3):
+            gc.collect()
+        assert dropped() is None
+        boot.run_until_complete(dev.close())
+    finally:
+        boot.close()
 
 
 def test_outside_a_loop_the_error_is_asyncmetals() -> None:
