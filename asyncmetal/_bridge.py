@@ -1429,8 +1429,8 @@ def _switch_here(bridge: LoopBridge) -> None:
     last = last_ref()
     if last is bridge:
         return
+    _on_switch()  # (first: an interrupt before the next line leaves the switch unnoted)
     _thread_end.last = weakref.ref(bridge)
-    _on_switch()
     if isinstance(last, _AsyncioBridge) and last.thread == _get_ident():
         last.left_behind()
 
