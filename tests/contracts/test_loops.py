@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,6 +21,7 @@ import trio.testing
 
 import asyncmetal as am
 from tests.support.kernels import KERNELS
+from tests.support.loops import dropped_with_parked_waits, signalled_wait
 
 uvloop = pytest.importorskip("uvloop", reason="uvloop is not built for this platform")
 
@@ -126,30 +126,16 @@ def test_a_wait_resumed_after_another_loop_ran_on_its_thread_sets_that_loops_wai
         dev = boot.run_until_complete(am.open_device("cpu"))
         timeline = dev.timeline()
 
-        async def other(value: int) -> None:
-            waiting = asyncio.ensure_future(timeline.wait(value))
-            await asyncio.sleep(0.01)
-            timeline.signal(value)
-            await asyncio.wait_for(waiting, 5)
-
-        boot.run_until_complete(other(1))  # (a park: boot's count has its bridge)
+        boot.run_until_complete(
+            signalled_wait(timeline, 1)
+        )  # (a park: boot's count has its bridge)
         started: list[asyncio.Task[None]] = []
 
         async def start() -> None:  # its wait's first step, a yield, as boot stops
             started.append(asyncio.ensure_future(timeline.wait(2)))
 
         boot.run_until_complete(start())
-        loop = asyncio.new_event_loop()
-        dropped = weakref.ref(loop)
-
-        async def park() -> None:
-            waits = [asyncio.ensure_future(timeline.wait(1 << 60)) for _ in range(10)]
-            await asyncio.sleep(0.02)
-            for task in waits:
-                task._log_destroy_pending = False  # type: ignore[attr-defined]
-
-        loop.run_until_complete(park())
-        del loop
+        dropped = dropped_with_parked_waits(timeline)
 
         async def finish() -> None:  # (no wait of its own: the resumed one parks alone)
             await asyncio.sleep(0.01)

@@ -20,6 +20,7 @@ import pytest
 
 import asyncmetal as am
 from tests.support.children import run_child
+from tests.support.loops import dropped_with_parked_waits, signalled_wait
 
 LOOPS = [pytest.param(False, id="asyncio"), pytest.param(True, id="uvloop")]
 LIMIT = 10  # seconds: every wait here ends within a fraction of this, or it hangs
@@ -601,27 +602,11 @@ def test_a_stopped_loop_nothing_holds_goes_once_another_loop_runs_on_its_thread(
     try:
         timeline = dev.timeline()
 
-        async def other(value: int) -> None:
-            waiting = asyncio.ensure_future(timeline.wait(value))
-            await asyncio.sleep(0.01)
-            timeline.signal(value)
-            await asyncio.wait_for(waiting, 5)
-
-        boot.run_until_complete(other(1))  # (its bridge, and pipe, made)
+        boot.run_until_complete(signalled_wait(timeline, 1))  # (its bridge, and pipe, made)
         gc.collect()
         fds = _fds()
-        loop = asyncio.new_event_loop()
-        dropped = weakref.ref(loop)
-
-        async def main() -> None:
-            waits = [asyncio.ensure_future(timeline.wait(1 << 60)) for _ in range(10)]
-            await asyncio.sleep(0.02)
-            for task in waits:
-                task._log_destroy_pending = False  # type: ignore[attr-defined]
-
-        loop.run_until_complete(main())
-        del loop
-        boot.run_until_complete(other(2))
+        dropped = dropped_with_parked_waits(timeline)
+        boot.run_until_complete(signalled_wait(timeline, 2))
         assert _collected([dropped])
         assert _fds() == fds
     finally:
