@@ -175,7 +175,7 @@ async def run_sync(
     # _Handover), also where asyncio's own ``task.cancel()`` ended the wait before --
     # else every such cancellation would let one more call run on a thread at once.
     tokens = limiter()
-    borrower = _Borrower()
+    borrower = object()  # (who holds the token: this call)
     await tokens.acquire_on_behalf_of(borrower)
     release = functools.partial(tokens.release_on_behalf_of, borrower)
     submitted = False
@@ -208,12 +208,6 @@ async def run_sync(
         if not submitted:
             release()
     return result
-
-
-class _Borrower:
-    """Who holds a call's token of the limiter (one per call)."""
-
-    __slots__ = ()
 
 
 class Freer(Generic[T]):
