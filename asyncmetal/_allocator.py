@@ -1282,10 +1282,15 @@ class Allocator:
                 if address + nbytes <= base + block.nbytes:
                     return block
                 break  # (those before it end before it starts)
-            # (Listed only where it holds any: a WeakValueDictionary's iteration is
+            # (The same range first, as an import of the array that went out finds it;
+            # listed only where it holds any: a WeakValueDictionary's iteration is
             # Python code, ~1.3 us even when empty, and a host copy looks here while
             # any block is lent out.)
-            foreign = list(self._exported_foreign.values()) if self._exported_foreign else []
+            foreign_memory = self._exported_foreign
+            same = foreign_memory.get((address, nbytes)) if foreign_memory else None
+            if same is not None:
+                return same
+            foreign = list(foreign_memory.values()) if foreign_memory else []
             for memory in foreign:
                 if memory.holds(address, nbytes):
                     return memory

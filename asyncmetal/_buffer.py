@@ -639,7 +639,13 @@ def _lent_record(
     """The record of the buffer that lent out the memory ``nbytes`` at ``address`` --
     its block, or the foreign memory it is over -- among ``lenders_for(own,
     any_kind)``; None where none did."""
+    if own in lenders:  # (its own first, before the others are listed)
+        shares = own.exported_block(address, nbytes)
+        if shares is not None:
+            return shares
     for allocator in lenders_for(own, any_kind=any_kind):
+        if allocator is own:
+            continue
         shares = allocator.exported_block(address, nbytes)
         if shares is not None:  # (a foreign one may share a record kept elsewhere)
             return shares
