@@ -304,8 +304,9 @@ class NativeQueue(ABC):
 
     def wait_stream(self, stream: int, value: int, record: Record) -> None:
         """A command done once what another library submitted to ``stream`` (a handle
-        ``Backend.checked_stream`` gave) until now is, and which the queue's later
-        commands come after, on the device (asked for only where ``markers`` is set)."""
+        ``Backend.stream_handle`` gave) until now is, and which the queue's later
+        commands come after, on the device (asked for only where ``markers`` is set).
+        A stream of another device (or context) is refused, nothing submitted."""
         raise NotImplementedError(f"{type(self).__name__} cannot wait for other streams")
 
     @abstractmethod
@@ -521,12 +522,18 @@ class Backend(ABC):
             f"{self.kind} devices have no streams to adopt (adopt_stream is for cuda devices)"
         )
 
-    def checked_stream(self, stream: object) -> int:
-        """The handle of another library's ``stream`` (as the user gave it), checked to
-        be a stream of this device; raise for what is not."""
+    def stream_handle(self, stream: object) -> int:
+        """The handle of another library's ``stream`` (as the user gave it), not yet
+        checked to be a stream of this device (a queue's ``wait_stream`` checks that);
+        raise for what is no stream."""
         raise InvalidArgumentError(
             f"{self.kind} devices have no streams of other libraries (streams are for cuda devices)"
         )
+
+    def checked_stream(self, stream: object) -> int:
+        """``stream_handle(stream)``, checked to be a stream of this device; raise for
+        what is not."""
+        return self.stream_handle(stream)
 
     def adopt_queue(self, timeline: NativeTimeline, stream: object) -> NativeQueue:
         """A queue over an existing stream of another library (``stream`` as the user

@@ -531,7 +531,7 @@ class Queue(Singular):
         streams (``markers`` unset), a ``ValueError``-type refusal."""
         if not self._native.markers:
             raise InvalidArgumentError(f"{self.device.name} has no streams of other libraries")
-        handle = self._state.backend.checked_stream(stream)
+        handle = self._state.backend.stream_handle(stream)  # (its context: checked natively)
         return self._submit(self._native.wait_stream, handle)
 
     def launch(

@@ -396,6 +396,8 @@ void *am_cuq_cause(am_cuq *q, int *error, uint64_t *value);
 void am_cuq_close(am_cuq *q, int abandon);
 void am_cuq_discard(am_cuq *q);
 int am_cuq_wait_foreign(am_cuq *owner, void *ctx, void *stream, uint64_t target, int *call);
+/* am_cuq_wait_stream(_end): a stream of another context than ctx (nothing submitted). */
+#define AM_OTHER_CONTEXT (-9)
 int am_cuq_wait_stream(am_cuq *q, void *ctx, void *stream, uint64_t value, int *call);
 int am_cuq_wait_stream_end(am_cuq *q, void *ctx, void *stream, uint64_t value, long spin_ns,
                            int flags, int *call);

@@ -49,7 +49,7 @@
 enum { CU_LAUNCH, CU_WRITE64, CU_WAIT64, CU_EVENT_CREATE, CU_EVENT_RECORD, CU_EVENT_QUERY,
        CU_EVENT_SYNC, CU_EVENT_DESTROY, CU_CTX_SET, CU_WAIT_EVENT, CU_CTX_GET, CU_COPY,
        CU_COPY_PEER, CU_COPY_HTOD, CU_COPY_DTOH, CU_MEMSET8, CU_MEMSET16, CU_MEMSET32,
-       CU_NFUNCS };
+       CU_STREAM_GET_CTX, CU_NFUNCS };
 extern AM_HIDDEN void *cu_funcs[CU_NFUNCS];
 /* cuCtxSetCurrent(before), making the caller's context current again after a runtime
  * call; a refusal is noted for the calling thread (amrt.h, am_cu_unrestored). */

@@ -853,12 +853,26 @@ void am_cuq_close(am_cuq *q, int abandon) {
  * until now: an event recorded there now, in ctx (made current for that, the calling
  * thread's context kept); with `then` (the command's CUOP_FINISH), that one right
  * behind it in the same pass. Nothing is watched or adopted for that stream. Returns a
- * CUresult (-1: out of memory); *call: the driver call that failed. */
+ * CUresult (-1: out of memory; AM_OTHER_CONTEXT: `stream` is not of ctx, whose events it
+ * cannot record -- asked of the driver here, where it costs one call, not a Python
+ * round of the bindings'); *call: the driver call that failed. */
 static int cuq_wait_stream(am_cuq *q, void *ctx, void *stream, uint64_t value,
                            const am_cuop *then, int *call) {
-    void *before = NULL, *event = NULL;
+    void *before = NULL, *event = NULL, *owner = NULL, *green = NULL;
+    int r;
+    if ((uintptr_t)stream > 1) {  /* (0 and 1, the legacy stream: ctx's own once current) */
+        /* The driver's version of CUDA 12.5 on takes a third pointer (the stream's green
+         * context, if any); the one before ignores it. */
+        r = ((int (*)(void *, void **, void **))cu_funcs[CU_STREAM_GET_CTX])(stream, &owner,
+                                                                             &green);
+        if (r) {
+            *call = CU_STREAM_GET_CTX;
+            return r;
+        }
+        if (owner != ctx) return AM_OTHER_CONTEXT;
+    }
     ((int (*)(void **))cu_funcs[CU_CTX_GET])(&before);
-    int r = before == ctx ? 0 : ((int (*)(void *))cu_funcs[CU_CTX_SET])(ctx);
+    r = before == ctx ? 0 : ((int (*)(void *))cu_funcs[CU_CTX_SET])(ctx);
     if (r) {
         *call = CU_CTX_SET;
         return r;

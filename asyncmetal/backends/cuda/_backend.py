@@ -386,6 +386,9 @@ class CUDABackend(Backend):
             return handle
         return handle, identity
 
+    def stream_handle(self, stream: object) -> int:
+        return stream_handle(stream)
+
     def checked_stream(self, stream: object) -> int:
         handle = stream_handle(stream)
         check_stream_context(handle, self.context_address, self.name)

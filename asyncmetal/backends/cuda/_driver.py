@@ -122,7 +122,9 @@ def check(result: Any, call: str, where: str = "") -> Any:
 
 
 # The native runtime calls these with the signatures of CUDA 12 and 13 (the same for
-# every function it uses); it asks for the driver's own version of each, up to 13.
+# every function it uses but cuStreamGetCtx, whose version of CUDA 12.5 on takes a third
+# pointer: it passes one, which the one before ignores); it asks for the driver's own
+# version of each, up to 13.
 _DRIVER_ABI = (12000, 13000)
 _installed = False
 

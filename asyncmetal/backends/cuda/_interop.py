@@ -85,15 +85,21 @@ def check_stream_context(
         return
     context = check(cu.cuStreamGetCtx(cu.CUstream(handle)), "cuStreamGetCtx", where)
     if int(context) != context_address:
-        advice = (
+        raise other_context(
+            where,
             f"a DLPack consumer of a {where} buffer consumes it on a stream of {where}"
             if consumer
-            else "adopt it on the device it belongs to"
+            else "adopt it on the device it belongs to",
         )
-        raise InvalidArgumentError(
-            f"the stream belongs to another CUDA context than {where}'s primary context "
-            f"(another GPU, or a context of its own): {advice}"
-        )
+
+
+def other_context(where: str, advice: str) -> InvalidArgumentError:
+    """The error for a stream of another context than device ``where``'s (also where a
+    queue's wait for another library's stream found it: AM_OTHER_CONTEXT)."""
+    return InvalidArgumentError(
+        f"the stream belongs to another CUDA context than {where}'s primary context "
+        f"(another GPU, or a context of its own): {advice}"
+    )
 
 
 def stream_id(handle: int, where: str) -> int | None:

@@ -32,7 +32,7 @@ from ._driver import (
     process_lost_error,
     refuse_if_lost,
 )
-from ._interop import keeps_context, warn_unrestored
+from ._interop import keeps_context, other_context, warn_unrestored
 from ._limits import LaunchLimits
 from ._staging import STAGE_CHUNK, STAGE_DIRECT, STAGED_BYTES_PER_NS, Staging, StagingDevice
 from ._timeline import CUDATimeline
@@ -62,6 +62,9 @@ HELD_FAILED = -8
 # A wait for what no one has handed to the device yet (CU_DEFERRED): am_cuq_wait_foreign
 # and am_cuq_hand_over return it when a stream cannot be made to wait now.
 DEFERRED = -4
+# A wait for another library's stream refused before anything was submitted: the stream
+# is of another context than the device's (AM_OTHER_CONTEXT, native/amrt.h).
+OTHER_CONTEXT = -9
 # Out of host memory in a submission (native/cuda_submit.c, cuq_no_memory); as a queue's
 # error: part of that command had reached the driver, and the queue failed from it on.
 NO_MEMORY = -1
@@ -736,6 +739,9 @@ class CUDAQueue(NativeQueue):
             failed = call.value
         if self._notes.value:
             self._unrestored()
+        if code == OTHER_CONTEXT:  # (asked of the driver in the same call)
+            name = self._backend.name
+            raise other_context(name, f"an array imported on {name} comes with a stream of {name}")
         if code and not self._kept(value, None, clean):  # (kept: the wait ran, its end refused)
             if code == NO_MEMORY:
                 raise self._failed(code)

@@ -464,6 +464,43 @@ def _other_context() -> Any:
     return context
 
 
+async def test_a_producer_stream_of_another_context_is_refused(anyio_backend: object) -> None:
+    """An array whose ``__cuda_array_interface__`` names a stream of a context of cuda:0
+    that is not its primary one: the import is refused before anything is submitted (the
+    native wait asks the driver, cuStreamGetCtx -- the three-argument version of CUDA 12.5
+    on), and one naming a stream of the primary context is waited for as before."""
+    from cuda.bindings import driver as cu
+
+    async with am.open_device("cuda:0") as dev:
+        buf = await dev.alloc(4 * N)
+        interface = buf.typed(np.int32).__cuda_array_interface__
+        other = _other_context()  # (current: its stream is made in it)
+        try:
+            err, theirs = cu.cuStreamCreate(0)
+            assert int(err) == 0
+            _set_current(cu.CUcontext(0))
+
+            class Interface:
+                def __init__(self, stream: int) -> None:
+                    self.__cuda_array_interface__ = {**interface, "stream": stream}
+
+            submitted = dev.queue.submitted
+            with pytest.raises(am.InvalidArgumentError, match="another CUDA context"):
+                am.from_dlpack(Interface(int(theirs)))
+            with pytest.raises(am.InvalidArgumentError, match="another CUDA context"):
+                dev.queue._after_stream(int(theirs))
+            assert dev.queue.submitted == submitted
+            assert _current() == 0
+            own = dev.new_queue()
+            wrapped = am.from_dlpack(Interface(own.handle))
+            assert dev.queue.submitted == submitted + 1
+            await dev.queue.marker()
+            assert _address(wrapped) == _address(buf)
+        finally:  # (its stream goes with it)
+            _set_current(cu.CUcontext(0))
+            cu.cuCtxDestroy(other)
+
+
 async def _calls_keep(expected: int, interface: Any) -> None:
     """Every public call, each checked to leave context ``expected`` current."""
 

@@ -114,6 +114,29 @@ def test_a_context_a_native_call_cannot_restore_is_warned_of_once(path: str, loo
 
 @pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("path", PATHS)
+def test_a_wait_for_a_stream_of_another_context_is_refused_with_nothing_numbered(
+    path: str, loop: str
+) -> None:
+    """A stream the driver says is of another context than cuda:0's (the queue's own
+    wait for it, and an imported array that names it) is refused before anything is
+    numbered or submitted -- the native call asks the driver (cuStreamGetCtx) -- and
+    cuda:0's streams are waited for as before. Checked: fails without the native check
+    (the waits were submitted: an event of cuda:0's context recorded on another
+    context's stream)."""
+    seen = _through("other_context_stream", loop, path)
+    refusal = (
+        "InvalidArgumentError: the stream belongs to another CUDA context than cuda:0's "
+        "primary context (another GPU, or a context of its own): an array imported on "
+        "cuda:0 comes with a stream of cuda:0"
+    )
+    assert seen["wait"] == refusal and seen["import"] == refusal, seen
+    assert seen["numbered"] == 0, seen
+    assert seen["value"] == 1, seen  # (the refused wait's value never taken)
+    assert seen["awaited"] == seen["after"] == seen["imported_awaited"] == "done", seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("path", PATHS)
 def test_a_refused_launch_whose_fence_is_refused_too_settles_after_its_kernel(
     path: str, loop: str
 ) -> None:

@@ -563,6 +563,14 @@ static int f_ctx_set(void *ctx) {
     return 0;
 }
 static int f_ctx_get(void **ctx) { *ctx = current_ctx; return 0; }
+/* The context every stream belongs to (the checks' queues are of context 1). */
+void *_Atomic stream_context = (void *)1;
+static int f_stream_get_ctx(void *stream, void **ctx, void **green) {  /* (as CUDA 12.5's) */
+    (void)stream;
+    *ctx = atomic_load(&stream_context);
+    *green = NULL;
+    return 0;
+}
 void fake_ctx_set_current(void *ctx) { current_ctx = ctx; }
 void *fake_ctx_current(void) { return current_ctx; }
 static int f_unused(void) { die("a driver call the queues should not make"); return 1; }
@@ -625,4 +633,5 @@ void fake_driver_install(void) {
     am_cuda_set(CU_MEMSET8, (void *)f_memset8);
     am_cuda_set(CU_MEMSET16, (void *)f_memset16);
     am_cuda_set(CU_MEMSET32, (void *)f_memset32);
+    am_cuda_set(CU_STREAM_GET_CTX, (void *)f_stream_get_ctx);
 }

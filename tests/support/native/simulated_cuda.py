@@ -123,6 +123,10 @@ class _Simulated:
         fake.stream_ran.argtypes = [ctypes.c_void_p]
         fake.stream_ran.restype = ctypes.c_long
         self.refuse_ctx = ctypes.c_void_p.in_dll(fake, "refuse_ctx")
+        # The context of every stream, asked by the runtime and the backend alike (cuda:0's
+        # primary one: each simulated GPU's streams are taken as its own).
+        self.stream_context = ctypes.c_void_p.in_dll(fake, "stream_context")
+        self.stream_context.value = 0x100
         fake.fake_mem_alloc.restype = ctypes.c_void_p
         fake.fake_mem_alloc.argtypes = [ctypes.c_size_t]
         fake.fake_mem_free.argtypes = [ctypes.c_void_p]
@@ -213,7 +217,7 @@ def _driver_module(sim: _Simulated, gpus: int = 1) -> Any:
             return super().cuDevicePrimaryCtxRelease(device)
 
         def cuStreamGetCtx(self, stream: int) -> tuple[Any, ...]:
-            return self._result("cuStreamGetCtx", 0x100)  # (cuda:0's primary context)
+            return self._result("cuStreamGetCtx", sim.stream_context.value)
 
         def cuModuleGetFunction(self, module: int, name: bytes) -> tuple[Any, ...]:
             spec = sim.bounded if name == b"bounded" else sim.kernel
@@ -310,6 +314,53 @@ async def _unrestored(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> See
         seen[f"{name}_awaited"] = "done"
     sim.fake.fake_ctx_set_current(0)
     sim.fake.stream_free(theirs, 0)
+    return seen
+
+
+async def _other_context_stream(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
+    """Waits for another library's stream while the driver says it is of another context
+    (0x200: another GPU's, say) -- the queue's own ``_after_stream``, and the import of an
+    array whose ``__cuda_array_interface__`` names that stream --, then one of cuda:0's:
+    what the refused ones raised, how many values they numbered, and whether the wait
+    for the device's stream (and a launch behind it) ran."""
+    import asyncmetal as am
+
+    seen: Seen = {}
+    theirs = sim.fake.stream_new()
+    address = sim.fake.fake_mem_alloc(64)
+    interface = {
+        "shape": (16,),
+        "typestr": "<i4",
+        "data": (address, False),
+        "version": 3,
+        "stream": theirs,
+    }
+    array = types.SimpleNamespace(__cuda_array_interface__=interface)
+    before, default_before = queue.submitted, queue.device.queue.submitted
+    sim.stream_context.value = 0x200
+    try:
+        for name, call in (
+            ("wait", lambda: queue._after_stream(theirs)),
+            ("import", lambda: am.from_dlpack(array)),
+        ):
+            try:
+                call()
+                seen[name] = "not refused"
+            except Exception as exc:
+                seen[name] = _error(exc)
+    finally:
+        sim.stream_context.value = 0x100
+    seen["numbered"] = queue.submitted - before + queue.device.queue.submitted - default_before
+    done = queue._after_stream(theirs)
+    seen["value"] = done.value - before
+    seen["awaited"] = await _awaited(done)
+    seen["after"] = await _awaited(queue.launch(kernel, buf))
+    imported = am.from_dlpack(array)
+    seen["imported_awaited"] = await _awaited(queue.device.queue.marker())
+    imported.free()
+    await queue.device.synchronize()
+    sim.fake.stream_free(theirs, 0)
+    sim.fake.fake_mem_free(address)
     return seen
 
 
@@ -717,6 +768,7 @@ SCENARIOS: dict[str, Callable[[_Simulated, Any, Any, Any], Awaitable[Seen]]] = {
     "fence_gone": _fence_gone,
     "late_wait_on_closed": _late_wait_on_closed,
     "collected_launch": _collected_launch,
+    "other_context_stream": _other_context_stream,
 }
 # What a scenario sets up before its queue is made.
 BEFORE_QUEUE: dict[str, Callable[[_Simulated], None]] = {"no_context": _refuse_context}
