@@ -343,3 +343,37 @@ def test_a_timeline_slot_is_reused_only_once_the_runtime_lets_go_of_its_timeline
     assert seen["slot_taken_after"] and seen["retired_after"] == 0, seen
     # Retired until a slot is taken, or the close, which frees it.
     assert seen["retired_before_close"] == 1 and seen["retired_at_close"] == 0, seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_wait_for_a_stream_of_a_green_context_is_refused_as_the_python_check_did(
+    path: str, loop: str
+) -> None:
+    """A stream of a green context of cuda:0: CUDA 12.5's cuStreamGetCtx (the version the
+    native wait is given from 12.5 on) gives cuda:0's primary context in its second
+    pointer and the green context in its third; the bindings' older one, which the Python
+    check asks (adopt_stream, and the wait before 87b1f8b), the green context's own
+    CUcontext. The Python check refuses the stream; so must the native wait (an event of
+    the primary context recorded on a green context's stream: cuEventRecord asks for one
+    context), nothing numbered."""
+    seen = _through("green_context_stream", loop, path)
+    assert seen["adopt"] == "InvalidArgumentError", seen
+    assert seen["wait"] == seen["import"] == "InvalidArgumentError", seen
+    assert seen["numbered"] == 0, seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_wait_whose_stream_context_the_driver_refuses_raises_with_nothing_numbered(
+    path: str, loop: str
+) -> None:
+    """The native wait's cuStreamGetCtx fails (an invalid handle): the driver's error,
+    naming cuStreamGetCtx, with nothing numbered, no event made, the caller's context
+    left current; the queue goes on."""
+    seen = _through("stream_context_refused", loop, path)
+    assert seen["wait"].startswith("AsyncMetalError: cuStreamGetCtx"), seen
+    assert "400" in seen["wait"], seen  # (CUDA_ERROR_INVALID_HANDLE, as the fake names it)
+    assert seen["numbered"] == 0 and seen["events_made"] == 0, seen
+    assert seen["current"] == 0xC0FFEE, seen
+    assert seen["after"] == seen["again"] == "done", seen

@@ -565,10 +565,16 @@ static int f_ctx_set(void *ctx) {
 static int f_ctx_get(void **ctx) { *ctx = current_ctx; return 0; }
 /* The context every stream belongs to (the checks' queues are of context 1). */
 void *_Atomic stream_context = (void *)1;
+/* Non-NULL: every stream is of this green context (CUDA 12.5's cuStreamGetCtx_v2 gives it
+ * in the third pointer, and the device's primary context in the second). */
+void *_Atomic stream_green = NULL;
+atomic_int stream_context_error; /* non-zero: cuStreamGetCtx fails with it */
 static int f_stream_get_ctx(void *stream, void **ctx, void **green) {  /* (as CUDA 12.5's) */
     (void)stream;
+    int error = atomic_load(&stream_context_error);
+    if (error) return error;
     *ctx = atomic_load(&stream_context);
-    *green = NULL;
+    *green = atomic_load(&stream_green);
     return 0;
 }
 void fake_ctx_set_current(void *ctx) { current_ctx = ctx; }

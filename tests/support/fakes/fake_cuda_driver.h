@@ -121,6 +121,8 @@ extern atomic_int records_refused;  /* event records refused (a check sets it ba
 extern atomic_int refuse_allocs;      /* >0: the runtime's next that many cuq_alloc fail */
 extern void *_Atomic refuse_ctx;      /* a cuCtxSetCurrent of this context is refused */
 extern void *_Atomic stream_context; /* the context every stream belongs to (cuStreamGetCtx) */
+extern void *_Atomic stream_green;   /* non-NULL: the green context every stream is of */
+extern atomic_int stream_context_error; /* non-zero: cuStreamGetCtx fails with it */
 extern atomic_long record_ns;         /* >0: an event record takes this long */
 extern atomic_int records_in_driver;  /* ... such records inside the driver now */
 extern void (*_Atomic test_hook)(int where, am_cuq *q);  /* run at the runtime's hooks */

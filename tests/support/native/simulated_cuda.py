@@ -127,6 +127,11 @@ class _Simulated:
         # primary one: each simulated GPU's streams are taken as its own).
         self.stream_context = ctypes.c_void_p.in_dll(fake, "stream_context")
         self.stream_context.value = 0x100
+        # Set: every stream is of this green context of cuda:0 (cuStreamGetCtx_v2 gives the
+        # primary context and it; the bindings' cuStreamGetCtx, the version of CUDA 9.2,
+        # the context cuCtxFromGreenCtx makes of it -- modelled here as the same address).
+        self.stream_green = ctypes.c_void_p.in_dll(fake, "stream_green")
+        self.stream_context_error = ctypes.c_int.in_dll(fake, "stream_context_error")
         fake.fake_mem_alloc.restype = ctypes.c_void_p
         fake.fake_mem_alloc.argtypes = [ctypes.c_size_t]
         fake.fake_mem_free.argtypes = [ctypes.c_void_p]
@@ -217,7 +222,9 @@ def _driver_module(sim: _Simulated, gpus: int = 1) -> Any:
             return super().cuDevicePrimaryCtxRelease(device)
 
         def cuStreamGetCtx(self, stream: int) -> tuple[Any, ...]:
-            return self._result("cuStreamGetCtx", sim.stream_context.value)
+            return self._result(
+                "cuStreamGetCtx", sim.stream_green.value or sim.stream_context.value
+            )
 
         def cuModuleGetFunction(self, module: int, name: bytes) -> tuple[Any, ...]:
             spec = sim.bounded if name == b"bounded" else sim.kernel
@@ -361,6 +368,76 @@ async def _other_context_stream(sim: _Simulated, queue: Any, kernel: Any, buf: A
     await queue.device.synchronize()
     sim.fake.stream_free(theirs, 0)
     sim.fake.fake_mem_free(address)
+    return seen
+
+
+async def _green_context_stream(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
+    """A wait for another library's stream that the driver says is of a green context of
+    cuda:0 (cuStreamGetCtx_v2: the primary context 0x100 in the second pointer, the green
+    context 0x300 in the third): what the queue's own ``_after_stream`` and the import of
+    an array naming that stream did (the bindings' older cuStreamGetCtx, which the Python
+    check asked, gives the green context's own CUcontext: refused there), and how many
+    values they numbered."""
+    import asyncmetal as am
+
+    seen: Seen = {}
+    theirs = sim.fake.stream_new()
+    address = sim.fake.fake_mem_alloc(64)
+    interface = {
+        "shape": (16,),
+        "typestr": "<i4",
+        "data": (address, False),
+        "version": 3,
+        "stream": theirs,
+    }
+    array = types.SimpleNamespace(__cuda_array_interface__=interface)
+    before, default_before = queue.submitted, queue.device.queue.submitted
+    sim.stream_green.value = 0x300
+    try:
+        for name, call in (
+            ("wait", lambda: queue._after_stream(theirs)),
+            ("import", lambda: am.from_dlpack(array)),
+            ("adopt", lambda: queue.device.adopt_stream(theirs)),
+        ):
+            try:
+                call()
+                seen[name] = "not refused"
+            except Exception as exc:
+                seen[name] = _error(exc).split(":")[0]
+    finally:
+        sim.stream_green.value = None
+    seen["numbered"] = queue.submitted - before + queue.device.queue.submitted - default_before
+    await queue.device.synchronize()
+    sim.fake.stream_free(theirs, 0)
+    sim.fake.fake_mem_free(address)
+    return seen
+
+
+async def _stream_context_refused(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
+    """A wait for another library's stream whose context the driver will not tell
+    (cuStreamGetCtx fails: an invalid handle): what it raised, how many values it
+    numbered, whether it made an event or changed the current context, and whether the
+    queue went on (a launch, and a wait for the same stream once the driver answers)."""
+    seen: Seen = {}
+    theirs = sim.fake.stream_new()
+    sim.fake.fake_ctx_set_current(THEIRS)
+    before, made = queue.submitted, sim.events_made.value
+    sim.stream_context_error.value = 400  # CUDA_ERROR_INVALID_HANDLE
+    try:
+        queue._after_stream(theirs)
+        seen["wait"] = "not refused"
+    except Exception as exc:
+        seen["wait"] = _error(exc)
+    finally:
+        sim.stream_context_error.value = 0
+    seen["numbered"] = queue.submitted - before
+    seen["events_made"] = sim.events_made.value - made
+    seen["current"] = sim.current()
+    sim.fake.fake_ctx_set_current(0)
+    seen["after"] = await _awaited(queue.launch(kernel, buf))
+    seen["again"] = await _awaited(queue._after_stream(theirs))
+    await queue.device.synchronize()
+    sim.fake.stream_free(theirs, 0)
     return seen
 
 
@@ -769,6 +846,8 @@ SCENARIOS: dict[str, Callable[[_Simulated, Any, Any, Any], Awaitable[Seen]]] = {
     "late_wait_on_closed": _late_wait_on_closed,
     "collected_launch": _collected_launch,
     "other_context_stream": _other_context_stream,
+    "green_context_stream": _green_context_stream,
+    "stream_context_refused": _stream_context_refused,
 }
 # What a scenario sets up before its queue is made.
 BEFORE_QUEUE: dict[str, Callable[[_Simulated], None]] = {"no_context": _refuse_context}
