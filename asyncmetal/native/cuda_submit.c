@@ -862,14 +862,17 @@ static int cuq_wait_stream(am_cuq *q, void *ctx, void *stream, uint64_t value,
     int r;
     if ((uintptr_t)stream > 1) {  /* (0 and 1, the legacy stream: ctx's own once current) */
         /* The driver's version of CUDA 12.5 on takes a third pointer (the stream's green
-         * context, if any); the one before ignores it. */
+         * context, if any); the one before ignores it. A green context's stream is
+         * refused too: that version gives the device's primary context for it (the
+         * one before, cuCtxFromGreenCtx's context of its own, refused as another),
+         * and ctx's events are not recorded on another context's stream. */
         r = ((int (*)(void *, void **, void **))cu_funcs[CU_STREAM_GET_CTX])(stream, &owner,
                                                                              &green);
         if (r) {
             *call = CU_STREAM_GET_CTX;
             return r;
         }
-        if (owner != ctx) return AM_OTHER_CONTEXT;
+        if (owner != ctx || green) return AM_OTHER_CONTEXT;
     }
     ((int (*)(void **))cu_funcs[CU_CTX_GET])(&before);
     r = before == ctx ? 0 : ((int (*)(void *))cu_funcs[CU_CTX_SET])(ctx);
