@@ -364,7 +364,7 @@ async def _other_context_stream(sim: _Simulated, queue: Any, kernel: Any, buf: A
     seen["after"] = await _awaited(queue.launch(kernel, buf))
     imported = am.from_dlpack(array)
     seen["imported_awaited"] = await _awaited(queue.device.queue.marker())
-    imported.free()
+    await imported.free()
     await queue.device.synchronize()
     sim.fake.stream_free(theirs, 0)
     sim.fake.fake_mem_free(address)
