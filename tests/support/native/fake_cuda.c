@@ -1071,12 +1071,19 @@ static void check_hostnap(void) {
     const char *how[] = {"a host signal", "a queue's signal handed over", "a host queue's raise"};
     free_timeline other = free_timeline_new();
     uint64_t others = 0;
-    /* (A release that lands as the thread is between two naps -- awake, not counted --
-     * need not kick it: it looks again before it naps. On a loaded machine that can
-     * happen; each release is tried up to three times, and must kick once.) */
+    /* A release the thread sees on its own -- a nap of it ending after the word rose,
+     * before the kick -- is not counted, nor is the thread a napper to kick then. So each
+     * release comes mid-nap, a while after the thread looked at its event (not a fixed
+     * time after the kick above: its naps run from that kick, and a pause of whole naps
+     * lands the release where one ends), and a queue's word write waits behind a gate on
+     * its stream until the kick was counted (a stream with a core of its own writes the
+     * word at once, and the rest of the hand-over, driver calls and all, may outlast a
+     * nap under a sanitizer). Each release is tried up to three times (a thread kept off
+     * the CPU through the nap), and must kick once. */
     for (int i = 0, attempt = 0; i < 3; attempt++) {
         fake_queue f = queue_new(), g = queue_new();
         free_timeline t = free_timeline_new();
+        uint64_t *gate = calloc(1, sizeof(uint64_t));
         am_timeline_host_signal(t.t, 1, NULL);  /* only the host signalled it: on the device */
         uint64_t start[8], after[8], end[8];
         am_cuq_stats(f.q, start);
@@ -1107,19 +1114,37 @@ static void check_hostnap(void) {
             die("hostnap: another timeline's host signal had the wait polled for");
         }
         am_cuq_stats(f.q, after);
+        /* It looks (f's thread alone queries an event now), then naps 1 ms. */
+        looks = atomic_load(&event_queries);
+        deadline = now_ns() + 10000000000LL;
+        while (atomic_load(&event_queries) == looks) {
+            if (now_ns() > deadline) die("hostnap: the napping thread never looked again");
+            nap_ns(20000);
+        }
+        nap_ns(300000);
         if (i == 0) {
             am_timeline_host_signal(t.t, 2, NULL);
         } else if (i == 1) {
-            if (am_cuq_write(g.q, t.word, 2, 1) || am_cuq_finish(g.q, 1, t.t, 2, 0, 0))
+            if (am_cuq_wait(g.q, gate, 1, 1) || am_cuq_write(g.q, t.word, 2, 1) ||
+                am_cuq_finish(g.q, 1, t.t, 2, 0, 0))
                 die("hostnap: the signal failed");
         } else {
             am_timeline_signal(t.t, 2);
         }
+        /* Counted once the thread runs again, however late (kick_nap looks for a kick
+         * when it wakes, timed out or not); with none, the thread sees the release itself
+         * within a nap, or naps on behind the closed gate, and never counts one. */
+        deadline = now_ns() + 100000000LL;
+        do {
+            nap_ns(100000);
+            am_cuq_stats(f.q, end);
+        } while (end[7] == after[7] && now_ns() < deadline);
+        atomic_store((_Atomic uint64_t *)gate, 1);
         reach(f.t, 2, "hostnap: the wait never ended");
-        am_cuq_stats(f.q, end);
         queue_free(g, 0);
         queue_free(f, 0);
         free_timeline_free(t);
+        free(gate);
         if (end[7] != after[7]) {
             i++, attempt = -1;
         } else if (attempt == 2) {
