@@ -324,6 +324,56 @@ async def _unrestored(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> See
     return seen
 
 
+@contextlib.contextmanager
+def _stream_and_array(sim: _Simulated) -> Iterator[tuple[int, Any]]:
+    """Within: another library's stream, and an array over simulated device memory whose
+    ``__cuda_array_interface__`` names that stream; both freed after."""
+    theirs = sim.fake.stream_new()
+    address = sim.fake.fake_mem_alloc(64)
+    interface = {
+        "shape": (16,),
+        "typestr": "<i4",
+        "data": (address, False),
+        "version": 3,
+        "stream": theirs,
+    }
+    try:
+        yield theirs, types.SimpleNamespace(__cuda_array_interface__=interface)
+    finally:
+        sim.fake.stream_free(theirs, 0)
+        sim.fake.fake_mem_free(address)
+
+
+def _refusals(queue: Any, theirs: int, array: Any, says: Any, value: Any, seen: Seen) -> None:
+    """With the simulated driver's ``says`` (a ctypes value of it) set to ``value``, what
+    the queue's own wait for stream ``theirs`` and the import of ``array`` raised -- and,
+    where ``seen["adopt"]`` is asked for (present), what adopting the stream raised, each
+    error's type alone then -- into ``seen``, and how many values they numbered on
+    ``queue`` and on its device's default queue (``seen["numbered"]``)."""
+    import asyncmetal as am
+
+    calls: dict[str, Callable[[], object]] = {
+        "wait": lambda: queue._after_stream(theirs),
+        "import": lambda: am.from_dlpack(array),
+    }
+    types_only = "adopt" in seen
+    if types_only:
+        calls["adopt"] = lambda: queue.device.adopt_stream(theirs)
+    default = queue.device.queue
+    before, default_before = queue.submitted, default.submitted
+    kept, says.value = says.value, value
+    try:
+        for name, call in calls.items():
+            try:
+                call()
+                seen[name] = "not refused"
+            except Exception as exc:
+                seen[name] = type(exc).__name__ if types_only else _error(exc)
+    finally:
+        says.value = kept
+    seen["numbered"] = queue.submitted - before + default.submitted - default_before
+
+
 async def _other_context_stream(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
     """Waits for another library's stream while the driver says it is of another context
     (0x200: another GPU's, say) -- the queue's own ``_after_stream``, and the import of an
@@ -333,83 +383,31 @@ async def _other_context_stream(sim: _Simulated, queue: Any, kernel: Any, buf: A
     import asyncmetal as am
 
     seen: Seen = {}
-    theirs = sim.fake.stream_new()
-    address = sim.fake.fake_mem_alloc(64)
-    interface = {
-        "shape": (16,),
-        "typestr": "<i4",
-        "data": (address, False),
-        "version": 3,
-        "stream": theirs,
-    }
-    array = types.SimpleNamespace(__cuda_array_interface__=interface)
-    before, default_before = queue.submitted, queue.device.queue.submitted
-    sim.stream_context.value = 0x200
-    try:
-        for name, call in (
-            ("wait", lambda: queue._after_stream(theirs)),
-            ("import", lambda: am.from_dlpack(array)),
-        ):
-            try:
-                call()
-                seen[name] = "not refused"
-            except Exception as exc:
-                seen[name] = _error(exc)
-    finally:
-        sim.stream_context.value = 0x100
-    seen["numbered"] = queue.submitted - before + queue.device.queue.submitted - default_before
-    done = queue._after_stream(theirs)
-    seen["value"] = done.value - before
-    seen["awaited"] = await _awaited(done)
-    seen["after"] = await _awaited(queue.launch(kernel, buf))
-    imported = am.from_dlpack(array)
-    seen["imported_awaited"] = await _awaited(queue.device.queue.marker())
-    await imported.free()
-    await queue.device.synchronize()
-    sim.fake.stream_free(theirs, 0)
-    sim.fake.fake_mem_free(address)
+    with _stream_and_array(sim) as (theirs, array):
+        _refusals(queue, theirs, array, sim.stream_context, 0x200, seen)
+        before = queue.submitted
+        done = queue._after_stream(theirs)
+        seen["value"] = done.value - before
+        seen["awaited"] = await _awaited(done)
+        seen["after"] = await _awaited(queue.launch(kernel, buf))
+        imported = am.from_dlpack(array)
+        seen["imported_awaited"] = await _awaited(queue.device.queue.marker())
+        await imported.free()
+        await queue.device.synchronize()
     return seen
 
 
 async def _green_context_stream(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
     """A wait for another library's stream that the driver says is of a green context of
     cuda:0 (cuStreamGetCtx_v2: the primary context 0x100 in the second pointer, the green
-    context 0x300 in the third): what the queue's own ``_after_stream`` and the import of
-    an array naming that stream did (the bindings' older cuStreamGetCtx, which the Python
-    check asked, gives the green context's own CUcontext: refused there), and how many
-    values they numbered."""
-    import asyncmetal as am
-
-    seen: Seen = {}
-    theirs = sim.fake.stream_new()
-    address = sim.fake.fake_mem_alloc(64)
-    interface = {
-        "shape": (16,),
-        "typestr": "<i4",
-        "data": (address, False),
-        "version": 3,
-        "stream": theirs,
-    }
-    array = types.SimpleNamespace(__cuda_array_interface__=interface)
-    before, default_before = queue.submitted, queue.device.queue.submitted
-    sim.stream_green.value = 0x300
-    try:
-        for name, call in (
-            ("wait", lambda: queue._after_stream(theirs)),
-            ("import", lambda: am.from_dlpack(array)),
-            ("adopt", lambda: queue.device.adopt_stream(theirs)),
-        ):
-            try:
-                call()
-                seen[name] = "not refused"
-            except Exception as exc:
-                seen[name] = _error(exc).split(":")[0]
-    finally:
-        sim.stream_green.value = None
-    seen["numbered"] = queue.submitted - before + queue.device.queue.submitted - default_before
-    await queue.device.synchronize()
-    sim.fake.stream_free(theirs, 0)
-    sim.fake.fake_mem_free(address)
+    context 0x300 in the third): what the queue's own ``_after_stream``, the import of
+    an array naming that stream and adopting it did (the bindings' older cuStreamGetCtx,
+    which adopt_stream's Python check asks, gives the green context's own CUcontext:
+    refused there), and how many values they numbered."""
+    seen: Seen = {"adopt": None}
+    with _stream_and_array(sim) as (theirs, array):
+        _refusals(queue, theirs, array, sim.stream_green, 0x300, seen)
+        await queue.device.synchronize()
     return seen
 
 
