@@ -854,9 +854,14 @@ static void *cuq_run(void *arg) {
                         if (t) atomic_fetch_sub(&t->nappers, 1);
                         if (kicked) {
                             kicks = atomic_load(&kick_gen);
-                            if (!held) polling_until = now_ns() + CU_KICK_POLL_NS;
                             atomic_fetch_add(&q->kicked, 1);
                         }
+                        /* Released: kicked, or -- a napper whose nap ended as the word
+                         * rose, before the kick of what raised it (a queue's signal
+                         * kicks after its driver calls) -- seen here. The device is
+                         * past the wait within microseconds: poll, as after a kick,
+                         * rather than nap on the long schedule. */
+                        if ((kicked || t) && !held) polling_until = now_ns() + CU_KICK_POLL_NS;
                     }
                     if (r == CU_ERROR_NOT_READY) {  /* abandoned while napping */
                         pthread_mutex_lock(&q->mu);

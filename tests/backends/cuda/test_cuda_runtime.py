@@ -73,6 +73,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "near"),
         *("ok", "kick"),
         *("ok", "hostnap"),
+        *("ok", "selfseen"),
         *("ok", "handkick"),
         *("ok", "abandon"),
         *("ok", "context"),

@@ -1156,6 +1156,63 @@ static void check_hostnap(void) {
     puts("ok hostnap");
 }
 
+/* A napping thread's device wait, only the host able to release it, whose word rises
+ * while it naps and is seen as the nap ends, before any kick: the device's write of a
+ * queue's signal handed over lands before that hand-over's kick, which comes after its
+ * driver calls. The thread polls then, as a kicked one does -- the device is past the
+ * wait within microseconds -- rather than nap on the long schedule (a millisecond,
+ * after a long wait). Here the command's end stays behind a gate, so that its polls are
+ * counted: the word raised 300 us into a nap, the thread's next look found, then its
+ * looks in the next 800 us -- none where it naps again, for a millisecond (its naps
+ * after a long wait). (Tried three times: a thread kept off the CPU.) */
+static void check_selfseen(void) {
+    for (int attempt = 0;; attempt++) {
+        fake_queue f = queue_new();
+        free_timeline t = free_timeline_new();
+        uint64_t *gate = calloc(1, sizeof(uint64_t));
+        am_timeline_host_signal(t.t, 1, NULL);  /* only the host signalled it: on the device */
+        uint64_t start[8], after[8];
+        am_cuq_stats(f.q, start);
+        if (am_cuq_wait_timeline(f.q, t.t, 2, 1) || am_cuq_wait(f.q, gate, 1, 1) ||
+            am_cuq_finish(f.q, 1, t.t, 2, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED))
+            die("selfseen: the wait failed");
+        int64_t deadline = now_ns() + 10000000000LL;
+        do {
+            if (now_ns() > deadline) die("selfseen: the thread never napped on the wait");
+            nap_ns(1000000);
+            am_cuq_stats(f.q, after);
+        } while (after[2] == start[2]);
+        nap_ns(40000000);  /* waited long: a nap of the long schedule is its longest */
+        long looks = atomic_load(&event_queries);
+        while (atomic_load(&event_queries) == looks) {
+            if (now_ns() > deadline) die("selfseen: the napping thread never looked");
+            nap_ns(20000);
+        }
+        nap_ns(300000);
+        atomic_store((_Atomic uint64_t *)t.word, 2);  /* the device's write: no kick */
+        looks = atomic_load(&event_queries);
+        while (atomic_load(&event_queries) == looks) {  /* its nap ended: it looked */
+            if (now_ns() > deadline) die("selfseen: the thread never looked after the nap");
+            nap_ns(20000);
+        }
+        looks = atomic_load(&event_queries);
+        nap_ns(800000);
+        looks = atomic_load(&event_queries) - looks;
+        atomic_store((_Atomic uint64_t *)gate, 1);
+        am_timeline_host_signal(t.t, 2, NULL);  /* (the value, which the wait confirms) */
+        reach(f.t, 1, "selfseen: the wait never ended");
+        queue_free(f, 0);
+        free_timeline_free(t);
+        free(gate);
+        if (looks) break;
+        if (attempt == 2) {
+            fprintf(stderr, "selfseen: %ld looks in 800 us\n", looks);
+            die("selfseen: a thread that saw its wait released napped on");
+        }
+    }
+    puts("ok selfseen");
+}
+
 /* A queue's device wait for a value that a signal of another queue handed over already
  * gets its timeline to (its word write behind a gate): nothing a host does releases it
  * sooner, so its thread naps on the long schedule and is no napper of the timeline --
@@ -4048,6 +4105,7 @@ int main(void) {
     check_near();
     check_kick();
     check_hostnap();
+    check_selfseen();
     check_handkick();
     check_abandon();
     check_context();
