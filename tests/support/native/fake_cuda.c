@@ -1062,6 +1062,29 @@ static void check_kick(void) {
     puts("ok kick");
 }
 
+/* Until f's completion thread naps on its command: its naps counter past `start`'s
+ * (am_cuq_stats), read into `after`; else, after 10 s, die(what). */
+static void until_napping(fake_queue f, const uint64_t *start, uint64_t *after,
+                          const char *what) {
+    int64_t deadline = now_ns() + 10000000000LL;
+    do {
+        if (now_ns() > deadline) die(what);
+        nap_ns(1000000);
+        am_cuq_stats(f.q, after);
+    } while (after[2] == start[2]);
+}
+
+/* Until some thread queries an event again (a napping thread's look, where it alone
+ * queries one); else, after 10 s, die(what). */
+static void until_looked(const char *what) {
+    long looks = atomic_load(&event_queries);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (atomic_load(&event_queries) == looks) {
+        if (now_ns() > deadline) die(what);
+        nap_ns(20000);
+    }
+}
+
 /* A queue's device wait on a timeline only the host has signalled, which nothing was
  * handed over to raise: its thread naps until a kick, 1 ms at a time -- not on the
  * schedule of a command that runs long (naps of 20 us growing to 1 ms: ~100 looks in
@@ -1090,12 +1113,7 @@ static void check_hostnap(void) {
         if (wait_held(f, t.t, 2, 1) || launch(f, NULL, 0, 2)) die("hostnap: the wait failed");
         /* Its polling is over: it naps (a thread late to start on the wait, on a loaded
          * machine, polls into the 20 ms below -- tens of looks -- after a fixed pause). */
-        int64_t deadline = now_ns() + 10000000000LL;
-        do {
-            if (now_ns() > deadline) die("hostnap: the thread never napped on the wait");
-            nap_ns(1000000);
-            am_cuq_stats(f.q, after);
-        } while (after[2] == start[2]);
+        until_napping(f, start, after, "hostnap: the thread never napped on the wait");
         nap_ns(1000000);
         long looks = atomic_load(&event_queries);
         nap_ns(20000000);
@@ -1115,12 +1133,7 @@ static void check_hostnap(void) {
         }
         am_cuq_stats(f.q, after);
         /* It looks (f's thread alone queries an event now), then naps 1 ms. */
-        looks = atomic_load(&event_queries);
-        deadline = now_ns() + 10000000000LL;
-        while (atomic_load(&event_queries) == looks) {
-            if (now_ns() > deadline) die("hostnap: the napping thread never looked again");
-            nap_ns(20000);
-        }
+        until_looked("hostnap: the napping thread never looked again");
         nap_ns(300000);
         if (i == 0) {
             am_timeline_host_signal(t.t, 2, NULL);
@@ -1134,7 +1147,7 @@ static void check_hostnap(void) {
         /* Counted once the thread runs again, however late (kick_nap looks for a kick
          * when it wakes, timed out or not); with none, the thread sees the release itself
          * within a nap, or naps on behind the closed gate, and never counts one. */
-        deadline = now_ns() + 100000000LL;
+        int64_t deadline = now_ns() + 100000000LL;
         do {
             nap_ns(100000);
             am_cuq_stats(f.q, end);
@@ -1176,26 +1189,13 @@ static void check_selfseen(void) {
         if (am_cuq_wait_timeline(f.q, t.t, 2, 1) || am_cuq_wait(f.q, gate, 1, 1) ||
             am_cuq_finish(f.q, 1, t.t, 2, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED))
             die("selfseen: the wait failed");
-        int64_t deadline = now_ns() + 10000000000LL;
-        do {
-            if (now_ns() > deadline) die("selfseen: the thread never napped on the wait");
-            nap_ns(1000000);
-            am_cuq_stats(f.q, after);
-        } while (after[2] == start[2]);
+        until_napping(f, start, after, "selfseen: the thread never napped on the wait");
         nap_ns(40000000);  /* waited long: a nap of the long schedule is its longest */
-        long looks = atomic_load(&event_queries);
-        while (atomic_load(&event_queries) == looks) {
-            if (now_ns() > deadline) die("selfseen: the napping thread never looked");
-            nap_ns(20000);
-        }
+        until_looked("selfseen: the napping thread never looked");
         nap_ns(300000);
         atomic_store((_Atomic uint64_t *)t.word, 2);  /* the device's write: no kick */
-        looks = atomic_load(&event_queries);
-        while (atomic_load(&event_queries) == looks) {  /* its nap ended: it looked */
-            if (now_ns() > deadline) die("selfseen: the thread never looked after the nap");
-            nap_ns(20000);
-        }
-        looks = atomic_load(&event_queries);
+        until_looked("selfseen: the thread never looked after the nap");  /* its nap ended */
+        long looks = atomic_load(&event_queries);
         nap_ns(800000);
         looks = atomic_load(&event_queries) - looks;
         atomic_store((_Atomic uint64_t *)gate, 1);
