@@ -1287,13 +1287,13 @@ class Allocator:
             # Python code, ~1.3 us even when empty, and a host copy looks here while
             # any block is lent out.)
             foreign_memory = self._exported_foreign
-            same = foreign_memory.get((address, nbytes)) if foreign_memory else None
-            if same is not None:
-                return same
-            foreign = list(foreign_memory.values()) if foreign_memory else []
-            for memory in foreign:
-                if memory.holds(address, nbytes):
-                    return memory
+            if foreign_memory:
+                same = foreign_memory.get((address, nbytes))
+                if same is not None:
+                    return same
+                for memory in list(foreign_memory.values()):
+                    if memory.holds(address, nbytes):
+                        return memory
             if not self._exported and not self._exported_foreign:
                 lenders.discard(self)
         return None

@@ -390,7 +390,7 @@ class CUDABackend(Backend):
         return stream_handle(stream)
 
     def checked_stream(self, stream: object) -> int:
-        handle = stream_handle(stream)
+        handle = self.stream_handle(stream)
         check_stream_context(handle, self.context_address, self.name)
         return handle
 
