@@ -2000,11 +2000,26 @@ static void check_waitstream(void) {
 }
 
 /* The slow thread of the *freed checks below: q's thread sees its first command's
- * event unfinished until let_held_go. */
+ * event unfinished until let_held_go. For a command behind a slow kernel, or not yet
+ * handed over; one that may already have ended is held with hold_next. */
 static void hold_head(fake_queue q) {
     pthread_mutex_lock(&q.q->mu);
     atomic_store(&held, q.q->ring[q.q->head].event);
     pthread_mutex_unlock(&q.q->mu);
+}
+
+/* The same, armed before q's next command is submitted: the next event recorded on q's
+ * stream is held from its record on (its thread never sees it end before let_held_go). */
+static void hold_next(fake_queue q) {
+    atomic_store(&hold_records_on, q.s);
+}
+
+/* hold_next's command was recorded, and is the one held. */
+static void check_held(fake_queue q, const char *what) {
+    pthread_mutex_lock(&q.q->mu);
+    int head = atomic_load(&held) == q.q->ring[q.q->head].event;
+    pthread_mutex_unlock(&q.q->mu);
+    if (atomic_load(&hold_records_on) || !head) die(what);
 }
 
 /* w waits for `on`'s command `target` (w's command `value`), which confirms it there. */
@@ -2051,9 +2066,10 @@ static void check_waitedfreed(void) {
 static void check_signalfreed(void) {
     fake_queue a = queue_new(), b = queue_new();
     free_timeline s = free_timeline_new();
+    hold_next(a);
     if (am_cuq_write(a.q, s.word, 1, 1) || am_cuq_finish(a.q, 1, s.t, 1, 0, 0))
         die("signalfreed: a's signal");
-    hold_head(a);
+    check_held(a, "signalfreed: (setup) a's signal is not the command held");
     if (wait_queue(b, a, 1, 1)) die("signalfreed: b's wait");
     reach(a.t, 1, "signalfreed: a's signal never confirmed through b");
     am_timeline_free(s.t);  /* what Python does once a's timeline passed the signal */
@@ -2072,8 +2088,9 @@ static void check_signalfreed(void) {
 static void check_confirmfreed(void) {
     fake_queue a = queue_new(), b = queue_new(), c = queue_new();
     if (am_cuq_finish(a.q, 1, NULL, 0, 0, 0)) die("confirmfreed: a's command");
+    hold_next(b);
     if (wait_queue(b, a, 1, 1)) die("confirmfreed: b's wait");
-    hold_head(b);
+    check_held(b, "confirmfreed: (setup) b's wait is not the command held");
     if (wait_queue(c, b, 1, 1)) die("confirmfreed: c's wait");
     reach(b.t, 1, "confirmfreed: b's wait never confirmed through c");
     reach(a.t, 1, "confirmfreed: a's command never confirmed");
@@ -2424,8 +2441,9 @@ static void check_refsheld(void) {
     fake_queue a = queue_new(), b = queue_new(), f = queue_new();
     free_timeline s = free_timeline_new(), w = free_timeline_new();
     if (am_timeline_refs(s.t) != 1) die("refsheld: a new timeline is held by more than its owner");
+    hold_next(a);
     if (signal_free(a, s, 1, 1)) die("refsheld: a's signal");
-    hold_head(a);
+    check_held(a, "refsheld: (setup) a's signal is not the command held");
     if (wait_queue(b, a, 1, 1)) die("refsheld: b's wait");
     reach(a.t, 1, "refsheld: a's signal never confirmed through b");
     if (am_timeline_refs(s.t) != 2)
