@@ -861,7 +861,10 @@ static void *cuq_run(void *arg) {
                          * kicks after its driver calls) -- seen here. The device is
                          * past the wait within microseconds: poll, as after a kick,
                          * rather than nap on the long schedule. */
-                        if ((kicked || t) && !held) polling_until = now_ns() + CU_KICK_POLL_NS;
+                        if ((kicked || t) && !held) {
+                            polling_until = now_ns() + CU_KICK_POLL_NS;
+                            cuq_test_hook(CU_HOOK_NAP_RELEASED, q);
+                        }
                     }
                     if (r == CU_ERROR_NOT_READY) {  /* abandoned while napping */
                         pthread_mutex_lock(&q->mu);

@@ -1174,11 +1174,21 @@ static void check_hostnap(void) {
  * queue's signal handed over lands before that hand-over's kick, which comes after its
  * driver calls. The thread polls then, as a kicked one does -- the device is past the
  * wait within microseconds -- rather than nap on the long schedule (a millisecond,
- * after a long wait). Here the command's end stays behind a gate, so that its polls are
- * counted: the word raised 300 us into a nap, the thread's next look found, then its
- * looks in the next 800 us -- none where it naps again, for a millisecond (its naps
- * after a long wait). (Tried three times: a thread kept off the CPU.) */
+ * after a long wait). Here the word rises 300 us into a nap (the thread's look found),
+ * no kick comes, and the command's end stays behind a gate: the thread must turn to
+ * polling (CU_HOOK_NAP_RELEASED) at a nap's end. (Tried three times: a thread kept off
+ * the CPU between its look and its nap sees the word before napping, and naps on the
+ * schedule of a command that runs long.) */
+static am_cuq *_Atomic selfseen_q;
+static atomic_long selfseen_released;
+
+static void selfseen_hook(int where, am_cuq *q) {
+    if (where == CU_HOOK_NAP_RELEASED && q == atomic_load(&selfseen_q))
+        atomic_fetch_add(&selfseen_released, 1);
+}
+
 static void check_selfseen(void) {
+    atomic_store(&test_hook, selfseen_hook);
     for (int attempt = 0;; attempt++) {
         fake_queue f = queue_new();
         free_timeline t = free_timeline_new();
@@ -1186,30 +1196,31 @@ static void check_selfseen(void) {
         am_timeline_host_signal(t.t, 1, NULL);  /* only the host signalled it: on the device */
         uint64_t start[8], after[8];
         am_cuq_stats(f.q, start);
+        atomic_store(&selfseen_released, 0);
+        atomic_store(&selfseen_q, f.q);
         if (am_cuq_wait_timeline(f.q, t.t, 2, 1) || am_cuq_wait(f.q, gate, 1, 1) ||
             am_cuq_finish(f.q, 1, t.t, 2, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED))
             die("selfseen: the wait failed");
         until_napping(f, start, after, "selfseen: the thread never napped on the wait");
         nap_ns(40000000);  /* waited long: a nap of the long schedule is its longest */
+        if (atomic_load(&selfseen_released)) die("selfseen: (setup) released before the write");
         until_looked("selfseen: the napping thread never looked");
         nap_ns(300000);
         atomic_store((_Atomic uint64_t *)t.word, 2);  /* the device's write: no kick */
-        until_looked("selfseen: the thread never looked after the nap");  /* its nap ended */
-        long looks = atomic_load(&event_queries);
-        nap_ns(800000);
-        looks = atomic_load(&event_queries) - looks;
+        int64_t deadline = now_ns() + 2000000000LL;  /* (a thousand naps) */
+        while (!atomic_load(&selfseen_released) && now_ns() < deadline) nap_ns(100000);
+        long released = atomic_load(&selfseen_released);
         atomic_store((_Atomic uint64_t *)gate, 1);
         am_timeline_host_signal(t.t, 2, NULL);  /* (the value, which the wait confirms) */
         reach(f.t, 1, "selfseen: the wait never ended");
+        atomic_store(&selfseen_q, NULL);
         queue_free(f, 0);
         free_timeline_free(t);
         free(gate);
-        if (looks) break;
-        if (attempt == 2) {
-            fprintf(stderr, "selfseen: %ld looks in 800 us\n", looks);
-            die("selfseen: a thread that saw its wait released napped on");
-        }
+        if (released) break;
+        if (attempt == 2) die("selfseen: a thread that saw its wait released napped on");
     }
+    atomic_store(&test_hook, NULL);
     puts("ok selfseen");
 }
 
