@@ -223,6 +223,12 @@ def _python_include() -> str | None:
     return build.python_include()
 
 
+def _switched_off() -> str:
+    """Why the extension module is not in use where ``ASYNCMETAL_EXTENSION`` turned it
+    off: the value as set."""
+    return f"ASYNCMETAL_EXTENSION={os.environ.get('ASYNCMETAL_EXTENSION', '')}: ctypes only"
+
+
 def _compile(sources: dict[str, bytes], target: str, include: str | None) -> None:
     os.makedirs(os.path.dirname(target), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".so.tmp")
@@ -363,14 +369,16 @@ def runtime() -> ctypes.CDLL:
                 (target, load_extension), origin = packaged, "packaged"
                 if not load_extension:
                     extension_error = (
-                        "ASYNCMETAL_EXTENSION=0: ctypes only"
+                        _switched_off()
                         if not want_extension
                         else "the packaged runtime was built without Python.h: ctypes only"
                     )
             else:
                 origin = "built at first use"
                 if include is None:
-                    extension_error = "no Python.h (or ASYNCMETAL_EXTENSION=0): ctypes only"
+                    extension_error = (
+                        _switched_off() if not want_extension else "no Python.h: ctypes only"
+                    )
                 else:
                     tag = sys.implementation.cache_tag or "python"
                     try:

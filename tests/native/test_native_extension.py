@@ -129,6 +129,16 @@ def test_ctypes_only_when_asked() -> None:
     assert proc.stdout.startswith("ok ") and "ASYNCMETAL_EXTENSION=0" in proc.stdout
 
 
+def test_why_the_extension_is_not_in_use_names_the_switch_as_set() -> None:
+    """``info`` (and ``extension_error``) say which value of ASYNCMETAL_EXTENSION turned
+    the extension module off, as it was set. Checked: fails without the fix (it said
+    ``ASYNCMETAL_EXTENSION=0`` for ``off``)."""
+    code = "from asyncmetal import _native\n_native.runtime()\nprint(_native.extension_error)\n"
+    proc = run_without_extension(code, switch="off")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ASYNCMETAL_EXTENSION=off: ctypes only", proc.stdout
+
+
 @pytest.mark.parametrize("path", ["extension", "ctypes"])
 def test_spin_sees_a_value_raised_by_another_thread(path: str) -> None:
     lib = _native.runtime()

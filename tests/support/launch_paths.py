@@ -34,10 +34,11 @@ def select_launch_path(
         assert getattr(queue._native, attribute) is not None
 
 
-def run_without_extension(code: str) -> subprocess.CompletedProcess[str]:
+def run_without_extension(code: str, switch: str = "0") -> subprocess.CompletedProcess[str]:
     """``code`` run by a new interpreter with the extension module switched off
-    (``ASYNCMETAL_EXTENSION=0``): its exit status and output, text."""
-    env = {**os.environ, "ASYNCMETAL_EXTENSION": "0"}
+    (``ASYNCMETAL_EXTENSION=0``, or another value that turns it off: ``switch``): its exit
+    status and output, text."""
+    env = {**os.environ, "ASYNCMETAL_EXTENSION": switch}
     return subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
