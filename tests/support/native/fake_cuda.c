@@ -365,16 +365,23 @@ static void check_cross(void) {
     puts("ok cross");
 }
 
+/* Command `value` of f: a kernel that faults, behind a device wait for *gate, which the
+ * caller raises once this returned: its event record is submitted before the fault hits
+ * (else the stream's thread may fault first -- at once, or while the submitting thread
+ * is off the CPU -- and refuse the record). */
+static int faulting_launch(fake_queue f, uint64_t *gate, uint64_t value) {
+    static kernel faulty = {1, 2000000, NULL, 0};
+    return am_cuq_wait(f.q, gate, 1, value) || launch(f, &faulty, 0, value);
+}
+
 static void check_fault(void) {
     fake_queue f = queue_new();
-    /* runs 2 ms before it faults: its event record is submitted before the fault hits
-     * (with none, a fast stream thread faulted before the record and refused it) */
-    static kernel faulty = {1, 2000000, NULL, 0};
-    uint64_t v = 0;
+    uint64_t v = 0, *gate = calloc(1, sizeof(uint64_t));
     for (int i = 0; i < 50; i++)
         if (launch(f, NULL, i, ++v)) die("fault: launch before the fault failed");
     uint64_t first = v + 1;
-    if (launch(f, &faulty, 0, ++v)) die("fault: the faulting launch was refused at once");
+    if (faulting_launch(f, gate, ++v)) die("fault: the faulting launch was refused at once");
+    atomic_store((_Atomic uint64_t *)gate, 1);
     int r = 0;
     for (int i = 0; i < 50 && !r; i++) r = launch(f, NULL, i, ++v);  /* refused once it hit */
     while (am_timeline_value(f.t) != UINT64_MAX) {
@@ -387,6 +394,7 @@ static void check_fault(void) {
     if (at < first - 50 || at > first) die("fault: the first failed value is wrong");
     if (launch(f, NULL, 0, ++v) != ILLEGAL_ADDRESS) die("fault: a later launch succeeded");
     queue_free(f, 1);
+    free(gate);
     atomic_store(&fault_code, 0);
     puts("ok fault");
 }
@@ -575,7 +583,7 @@ static void check_hostwait(void) {
     /* A held command refused (f: bounded, behind a gate): a host wait for the command
      * before it passes, one for it fails, naming it. */
     fake_queue f = queue_bounded(2);
-    static kernel refused = {0, 0, NULL, 0}, faulty = {1, 2000000, NULL, 0};
+    static kernel refused = {0, 0, NULL, 0};
     refuse_fn = &refused;
     uint64_t v = 0, *gate = calloc(1, sizeof(uint64_t));
     if (gated_launch(f, gate, ++v)) die("hostwait: the gated launch failed");
@@ -601,10 +609,11 @@ static void check_hostwait(void) {
         die("hostwait: a host wait for a refused command's value does not name it");
     refuse_fn = NULL;
     queue_free(f, 1);
-    free(gate);
     /* A kernel that faults (its queue's first command): a host wait for it fails. */
     fake_queue g = queue_new();
-    if (launch(g, &faulty, 0, 1)) die("hostwait: the faulting launch was refused at once");
+    atomic_store((_Atomic uint64_t *)gate, 0);
+    if (faulting_launch(g, gate, 1)) die("hostwait: the faulting launch was refused at once");
+    atomic_store((_Atomic uint64_t *)gate, 1);
     int64_t faulted = 0;
     if (host_wait(g.t, 1, &faulted, &error, &value, &cause, "hostwait: host queue") != 1 ||
         faulted != 0)
@@ -612,6 +621,7 @@ static void check_hostwait(void) {
     if (error != ILLEGAL_ADDRESS || value != 1 || cause != g.t)
         die("hostwait: a host wait for a faulted kernel's value does not name it");
     queue_free(g, 1);
+    free(gate);
     atomic_store(&fault_code, 0);
     puts("ok hostwait");
 }
@@ -3277,11 +3287,15 @@ static void check_fencegone(void) {
 
 static void check_handsignal(void) {
     int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
-    static kernel slow = {0, 100000000, NULL, 0}, after_w = {0, 0, NULL, 1};
+    static kernel after_w = {0, 0, NULL, 1};
     fake_queue s = queue_bounded(1), w = queue_new(), b = queue_new();
     after_w.check = w.s;
     free_timeline t = free_timeline_new();
-    if (launch(s, &slow, 1, 1) || signal_free(s, t, 1, 2)) die("handsignal: s failed at once");
+    /* s's command 1 waits for a gate, raised once both waits below were asked for: its
+     * signal stays held on the host until handed over here (s's thread would hand it
+     * over once command 1 ran) */
+    uint64_t *gate = calloc(1, sizeof(uint64_t));
+    if (gated_launch(s, gate, 1) || signal_free(s, t, 1, 2)) die("handsignal: s failed at once");
     if (wait_held(w, t.t, 1, 1) || launch(w, NULL, 7, 2))
         die("handsignal: w failed at once");
     int call = -1;
@@ -3290,6 +3304,7 @@ static void check_handsignal(void) {
     if (am_cuq_hand_over(s.q, 2)) die("handsignal: the held signal was not handed over");
     if (am_cuq_wait_foreign(w.q, (void *)1, b.s, 2, &call) || call != CU_WAIT_EVENT)
         die("handsignal: once the signal was handed over, the stream did not wait on the event");
+    atomic_store((_Atomic uint64_t *)gate, 1);
     if (launch(b, &after_w, 1, 1)) die("handsignal: b's launch failed");
     reach(b.t, 1, "handsignal: the consumer's stream never got past its wait");
     reach(w.t, 2, "handsignal: w never finished");
@@ -3298,6 +3313,7 @@ static void check_handsignal(void) {
     queue_free(w, 0);
     queue_free(b, 0);
     free_timeline_free(t);
+    free(gate);
     atomic_store(&release_syncs, released);
     puts("ok handsignal");
 }
