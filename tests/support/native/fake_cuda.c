@@ -1862,15 +1862,16 @@ static void check_unlocked(void) {
     static kernel slow = {0, 40000000, NULL, 0}, after_a = {0, 0, NULL, 1};
     after_a.check = a.s;
     if (launch(a, &slow, 1, 1)) die("unlocked: a's launch failed");
-    atomic_store(&wait_event_ns, 400000000);  /* b's wait on a's command 1: 400 ms */
+    /* b's wait on a's command 1 stays in the driver until the checks below are done (10 s
+     * at most: a submission or confirmation that waited for it finds it gone) */
+    atomic_store(&wait_gate_on, b.s);
     waiter w = {a, b.s, 1, -1, -1};
     pthread_t thread;
     pthread_create(&thread, NULL, wait_in_driver, &w);
     while (!atomic_load(&waits_in_driver)) sched_yield();
-    int64_t start = now_ns();
     for (uint64_t v = 2; v <= 20; v++)
         if (launch(a, NULL, (int64_t)v, v)) die("unlocked: a launch failed");
-    if (now_ns() - start > 100000000)
+    if (!atomic_load(&waits_in_driver))
         die("unlocked: a submission waited for another stream's wait in the driver");
     reach(a.t, 20, "unlocked: a's commands were never confirmed");
     /* more commands, all in flight at once behind a gate, with plain events as command
@@ -1884,8 +1885,8 @@ static void check_unlocked(void) {
     reach(a.t, 60, "unlocked: a's commands were never confirmed");
     if (!atomic_load(&waits_in_driver))
         die("unlocked: confirmations waited for another stream's wait in the driver");
+    atomic_store(&wait_gate_on, NULL);
     pthread_join(thread, NULL);
-    atomic_store(&wait_event_ns, 0);
     if (w.r || w.call != CU_WAIT_EVENT) die("unlocked: the wait was not made on the event");
     if (launch(b, &after_a, 1, 1)) die("unlocked: b's launch failed");
     reach(b.t, 1, "unlocked: b never got past its wait");
@@ -3056,7 +3057,7 @@ static void check_refencekept(void) {
     atomic_store(&refuse_more_code, OUT_OF_MEMORY);  /* the fence's: tried again */
     atomic_store(&refuse_more, 1);  /* command 2's end, and its fence */
     atomic_store(&refuse_records, f.s);
-    atomic_store(&record_ns, 100000000);  /* the fence tried again: 100 ms in the driver */
+    atomic_store(&record_gate_on, f.s);  /* the fence tried again: in the driver until let go */
     if (am_cuq_finish(f.q, 2, NULL, 0, 0, CU_FINISH_PLAIN) != 1)
         die("refencekept: the refusal was not reported");
     for (int64_t deadline = now_ns() + 5000000000LL; !atomic_load(&records_in_driver);)
@@ -3067,8 +3068,8 @@ static void check_refencekept(void) {
     int kept = cuq_unfence(f.q, 2, &op);
     pthread_mutex_unlock(&f.q->mu);
     if (!kept) die("refencekept: the signal was not kept for the fence");
+    atomic_store(&record_gate_on, NULL);
     reach(f.t, UINT64_MAX, "refencekept: the queue never settled");
-    atomic_store(&record_ns, 0);
     reach(t.t, UINT64_MAX, "refencekept: the kept signal's timeline never failed");
     refusals_off();
     queue_free(f, 0);
@@ -3924,6 +3925,18 @@ static void wait_failed(fake_queue f, fake_queue w, int held, const char *what) 
     queue_free(w, 0);
 }
 
+/* Lets the record held in the driver on `arg` (a fake_queue's) go once its queue's
+ * abandoning close has done all it does before waiting for that driver call (the last
+ * of it: its timeline handed over to the end). */
+static void *let_record_go_at_close(void *arg) {
+    fake_queue *f = arg;
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (atomic_load(&f->t->handed) != UINT64_MAX)
+        if (now_ns() > deadline) die("kickmiss: the close never began");
+    atomic_store(&record_gate_on, NULL);
+    return NULL;
+}
+
 /* f abandoned while a kick's thread is inside the driver call of f's command 1's end
  * (popped off held, not yet in the ring): w's wait for f's 1 must fail. */
 static void check_kickmiss(void) {
@@ -3934,15 +3947,16 @@ static void check_kickmiss(void) {
     if (am_cuq_wait_queue(w.q, f.q, 1, 1) || am_cuq_finish(w.q, 1, f.t, 1, 0, CU_FINISH_PLAIN) ||
         launch(w, NULL, 2, 2))
         die("kickmiss: w");
-    atomic_store(&record_ns, 100000000);
+    atomic_store(&record_gate_on, f.s);  /* the end's record: in the driver until let go */
     host_signal h = {t.t, 1};
-    pthread_t thread;
+    pthread_t thread, letter;
     pthread_create(&thread, NULL, signal_from_host, &h);
     int64_t deadline = now_ns() + 10000000000LL;
     while (!atomic_load(&records_in_driver))
         if (now_ns() > deadline) die("kickmiss: the kick never handed the command over");
-    atomic_store(&record_ns, 0);
+    pthread_create(&letter, NULL, let_record_go_at_close, &f);
     am_cuq_close(f.q, 1);
+    pthread_join(letter, NULL);
     pthread_join(thread, NULL);
     wait_failed(f, w, 0, "kickmiss: a wait for a command being handed over when its queue was "
                       "abandoned did not fail");
