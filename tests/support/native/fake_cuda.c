@@ -399,6 +399,29 @@ static void check_fault(void) {
     puts("ok fault");
 }
 
+/* A slow completion thread (causal, confirmedfirst, the *freed checks): q's thread sees
+ * its first command's event unfinished until `held` is cleared (let_held_go). For a command behind a slow kernel, or not yet
+ * handed over; one that may already have ended is held with hold_next. */
+static void hold_head(fake_queue q) {
+    pthread_mutex_lock(&q.q->mu);
+    atomic_store(&held, q.q->ring[q.q->head].event);
+    pthread_mutex_unlock(&q.q->mu);
+}
+
+/* The same, armed before q's next command is submitted: the next event recorded on q's
+ * stream is held from its record on (its thread never sees it end before let_held_go). */
+static void hold_next(fake_queue q) {
+    atomic_store(&hold_records_on, q.s);
+}
+
+/* hold_next's command was recorded, and is the one held. */
+static void check_held(fake_queue q, const char *what) {
+    pthread_mutex_lock(&q.q->mu);
+    int head = atomic_load(&held) == q.q->ring[q.q->head].event;
+    pthread_mutex_unlock(&q.q->mu);
+    if (atomic_load(&hold_records_on) || !head) die(what);
+}
+
 /* A queue's wait on another queue's value, finished with that timeline as its extra (as
  * CUDAQueue.wait does on one device), confirms the value there too, even while the other
  * queue's own completion thread has not seen its event (held here); and when that thread
@@ -407,10 +430,9 @@ static void check_fault(void) {
 static void check_causal(void) {
     fake_queue a = queue_new(), b = queue_new();
     static kernel slow = {0, 20000000, NULL, 0};  /* 20 ms */
+    hold_next(a);
     if (launch(a, &slow, 0, 1)) die("causal: launch on a failed");
-    pthread_mutex_lock(&a.q->mu);
-    atomic_store(&held, a.q->ring[a.q->head].event);
-    pthread_mutex_unlock(&a.q->mu);
+    check_held(a, "causal: (setup) a's launch is not the command held");
     if (am_cuq_wait_queue(b.q, a.q, 1, 1) || am_cuq_finish(b.q, 1, a.t, 1, 0, 0))
         die("causal: the wait on b failed");
     int64_t deadline = now_ns() + 10000000000LL;
@@ -2008,29 +2030,6 @@ static void check_waitstream(void) {
     fake_ctx_set_current(NULL);
     atomic_store(&release_syncs, released);
     puts("ok waitstream");
-}
-
-/* The slow thread of the *freed checks below: q's thread sees its first command's
- * event unfinished until let_held_go. For a command behind a slow kernel, or not yet
- * handed over; one that may already have ended is held with hold_next. */
-static void hold_head(fake_queue q) {
-    pthread_mutex_lock(&q.q->mu);
-    atomic_store(&held, q.q->ring[q.q->head].event);
-    pthread_mutex_unlock(&q.q->mu);
-}
-
-/* The same, armed before q's next command is submitted: the next event recorded on q's
- * stream is held from its record on (its thread never sees it end before let_held_go). */
-static void hold_next(fake_queue q) {
-    atomic_store(&hold_records_on, q.s);
-}
-
-/* hold_next's command was recorded, and is the one held. */
-static void check_held(fake_queue q, const char *what) {
-    pthread_mutex_lock(&q.q->mu);
-    int head = atomic_load(&held) == q.q->ring[q.q->head].event;
-    pthread_mutex_unlock(&q.q->mu);
-    if (atomic_load(&hold_records_on) || !head) die(what);
 }
 
 /* w waits for `on`'s command `target` (w's command `value`), which confirms it there. */
@@ -3886,10 +3885,9 @@ static void check_confirmedfirst(void) {
     fake_queue a = queue_new(), b = queue_new(), c = queue_new();
     free_timeline gate = free_timeline_new();
     static kernel slow = {0, 20000000, NULL, 0}, cslow = {0, 300000000, NULL, 0};
+    hold_next(a);
     if (launch(a, &slow, 1, 1)) die("confirmedfirst: a");
-    pthread_mutex_lock(&a.q->mu);
-    atomic_store(&held, a.q->ring[a.q->head].event);
-    pthread_mutex_unlock(&a.q->mu);
+    check_held(a, "confirmedfirst: (setup) a's launch is not the command held");
     if (wait_free(a, gate, 1, 2)) die("confirmedfirst: a2");
     if (launch(c, &cslow, 1, 1) || am_cuq_wait_queue(c.q, a.q, 1, 2) ||
         am_cuq_finish(c.q, 2, a.t, 1, 0, CU_FINISH_PLAIN) || launch(c, NULL, 3, 3))
