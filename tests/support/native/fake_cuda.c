@@ -961,21 +961,23 @@ static int signal_free(fake_queue q, free_timeline f, uint64_t target, uint64_t 
 }
 
 static void check_signal(void) {
-    /* 200 ms: what waits for the refused commands is submitted while it runs (as in
-     * check_release, also under ThreadSanitizer on a loaded machine) */
-    static kernel slow = {0, 200000000, NULL, 0}, refused = {0, 0, NULL, 0};
+    /* a's, a2's and g's first commands wait for a gate, raised once everything below was
+     * submitted: what waits for the refused commands is submitted before they are
+     * handed over and refused (as in check_release) */
+    static kernel refused = {0, 0, NULL, 0};
     refuse_fn = &refused;
+    uint64_t *gate = calloc(1, sizeof(uint64_t));
     /* b waits for a's refused command 2, then signals t; c waits for t on the device.
      * a2 signals t2 behind its own refused command; d waits for t2. */
     fake_queue a = queue_bounded(1), b = queue_new(), c = queue_new();
     fake_queue a2 = queue_bounded(1), d = queue_new();
     free_timeline t = free_timeline_new(), t2 = free_timeline_new();
-    if (launch(a, &slow, 1, 1) || launch(a, &refused, 2, 2)) die("signal: a failed at once");
+    if (gated_launch(a, gate, 1) || launch(a, &refused, 2, 2)) die("signal: a failed at once");
     if (am_cuq_wait_queue(b.q, a.q, 2, 1) || am_cuq_finish(b.q, 1, NULL, 0, 0, CU_FINISH_PLAIN) ||
         signal_free(b, t, 5, 2))
         die("signal: b failed at once");
     if (wait_free(c, t, 5, 1) || launch(c, NULL, 1, 2)) die("signal: c failed at once");
-    if (launch(a2, &slow, 1, 1) || launch(a2, &refused, 2, 2) || signal_free(a2, t2, 3, 3))
+    if (gated_launch(a2, gate, 1) || launch(a2, &refused, 2, 2) || signal_free(a2, t2, 3, 3))
         die("signal: a2 failed at once");
     if (wait_free(d, t2, 3, 1) || launch(d, NULL, 1, 2)) die("signal: d failed at once");
     /* e waits for a value of t3 that the host signals, f for one a queue signals */
@@ -983,8 +985,9 @@ static void check_signal(void) {
     free_timeline t3 = free_timeline_new(), t4 = free_timeline_new();
     if (wait_free(e, t3, 2, 1) || launch(e, NULL, 1, 2)) die("signal: e failed at once");
     if (wait_free(f, t4, 7, 1) || launch(f, NULL, 1, 2)) die("signal: f failed at once");
-    if (launch(g, &slow, 1, 1) || signal_free(g, t4, 7, 2)) die("signal: g failed at once");
+    if (gated_launch(g, gate, 1) || signal_free(g, t4, 7, 2)) die("signal: g failed at once");
     am_timeline_host_signal(t3.t, 2, NULL);
+    atomic_store((_Atomic uint64_t *)gate, 1);
     fake_queue settled[7] = {b, c, a2, d, e, f, g};
     am_timeline *timelines[4] = {t.t, t2.t, t3.t, t4.t};
     int64_t deadline = now_ns() + 10000000000LL;
@@ -1022,6 +1025,7 @@ static void check_signal(void) {
         am_timeline_free(frees[i].t);
         free(frees[i].word);
     }
+    free(gate);
     puts("ok signal");
 }
 
@@ -1613,10 +1617,11 @@ static void fail_in(const char *check, const char *what) {
 
 /* r waits for t's 1, which q's command 3 (failing) was to produce, then launches, its
  * stream held by a gate until all of r is submitted (r, failed from its command 1,
- * settles only once past it): nothing of r runs, r fails from its wait and t from 1,
- * both naming `cause` (ILLEGAL_ADDRESS, 7). Frees q and r. */
+ * settles only once past it), as is q's command 2 by q_gate (raised with it: r's wait
+ * is submitted before q's command 3 ran): nothing of r runs, r fails from its wait and
+ * t from 1, both naming `cause` (ILLEGAL_ADDRESS, 7). Frees q, r and q_gate. */
 static void held_behind_failed_signal(const char *check, fake_queue q, fake_queue r,
-                                      free_timeline t, am_timeline *cause) {
+                                      free_timeline t, am_timeline *cause, uint64_t *q_gate) {
     int error = 0;
     uint64_t at = 0, value = 0;
     am_timeline *by = NULL;
@@ -1625,6 +1630,7 @@ static void held_behind_failed_signal(const char *check, fake_queue q, fake_queu
         launch(r, NULL, 1, 2))
         fail_in(check, "r failed at once");
     atomic_store((_Atomic uint64_t *)r_gate, 1);
+    atomic_store((_Atomic uint64_t *)q_gate, 1);
     int64_t deadline = now_ns() + 10000000000LL;
     while (am_timeline_value(q.t) < UINT64_MAX || am_timeline_value(r.t) < UINT64_MAX)
         if (now_ns() > deadline) fail_in(check, "q or r never settled");
@@ -1638,18 +1644,20 @@ static void held_behind_failed_signal(const char *check, fake_queue q, fake_queu
     queue_free(q, 0);
     queue_free(r, 0);
     free(r_gate);
+    free(q_gate);
 }
 
 static void check_poisonsignal(void) {
-    /* q, bounded to 3 in flight: command 1 waits on the device for t0; command 2 runs
-     * 200 ms; command 3 signals t to 1 (all three handed over); command 4 signals t to
-     * 2 (held on the host). t0 fails: q's commands from 1 on fail once confirmed --
-     * command 3's signal among them -- and command 4's signal is passed. */
-    static kernel slow = {0, 200000000, NULL, 0};
+    /* q, bounded to 3 in flight: command 1 waits on the device for t0; command 2 waits
+     * for a gate (held_behind_failed_signal raises it), then launches; command 3
+     * signals t to 1 (all three handed over); command 4 signals t to 2 (held on the
+     * host). t0 fails: q's commands from 1 on fail once confirmed -- command 3's signal
+     * among them -- and command 4's signal is passed. */
     fake_queue q = queue_bounded(3), r = queue_new();
     free_timeline t0 = free_timeline_new(), t = free_timeline_new();
     am_timeline *cause = am_timeline_new();
-    if (wait_free(q, t0, 1, 1) || launch(q, &slow, 1, 2) || signal_free(q, t, 1, 3) ||
+    uint64_t *gate = calloc(1, sizeof(uint64_t));
+    if (wait_free(q, t0, 1, 1) || gated_launch(q, gate, 2) || signal_free(q, t, 1, 3) ||
         signal_free(q, t, 2, 4))
         die("poisonsignal: q failed at once");
     am_timeline_fail(t0.t, 1, ILLEGAL_ADDRESS, 7, cause);
@@ -1659,9 +1667,10 @@ static void check_poisonsignal(void) {
     int64_t deadline = now_ns() + 10000000000LL;
     while (!am_timeline_failure(t.t, &error, &value, &by))
         if (now_ns() > deadline) die("poisonsignal: q's passed signal did not fail its timeline");
-    /* (command 2 still runs: command 3's signal, known to fail, is not confirmed yet) */
+    /* (command 2 waits for its gate: command 3's signal, known to fail, is not
+     * confirmed yet) */
     if (am_timeline_value(t.t)) die("poisonsignal: t settled before command 3 ran");
-    held_behind_failed_signal("poisonsignal", q, r, t, cause);
+    held_behind_failed_signal("poisonsignal", q, r, t, cause, gate);
     free_timeline_free(t0);
     free_timeline_free(t);
     am_timeline_free(cause);
@@ -1669,14 +1678,15 @@ static void check_poisonsignal(void) {
 }
 
 static void check_poisonflight(void) {
-    /* q: command 1 waits on the device for t0; command 2 runs 200 ms; command 3 signals
-     * t to 1 (all handed over). t0 fails: q's commands from 1 on fail once confirmed,
-     * command 3's signal among them, which is known once command 1 is confirmed. */
-    static kernel slow = {0, 200000000, NULL, 0};
+    /* q: command 1 waits on the device for t0; command 2 waits for a gate
+     * (held_behind_failed_signal raises it), then launches; command 3 signals t to 1
+     * (all handed over). t0 fails: q's commands from 1 on fail once confirmed, command
+     * 3's signal among them, which is known once command 1 is confirmed. */
     fake_queue q = queue_new(), r = queue_new();
     free_timeline t0 = free_timeline_new(), t = free_timeline_new();
     am_timeline *cause = am_timeline_new();
-    if (wait_free(q, t0, 1, 1) || launch(q, &slow, 1, 2) || signal_free(q, t, 1, 3))
+    uint64_t *gate = calloc(1, sizeof(uint64_t));
+    if (wait_free(q, t0, 1, 1) || gated_launch(q, gate, 2) || signal_free(q, t, 1, 3))
         die("poisonflight: q failed at once");
     am_timeline_fail(t0.t, 1, ILLEGAL_ADDRESS, 7, cause);
     int error = 0;
@@ -1685,7 +1695,7 @@ static void check_poisonflight(void) {
     while (!am_cuq_cause(q.q, &error, &value))  /* q learned of it: poisoned */
         if (now_ns() > deadline) die("poisonflight: q never learned its wait failed");
     if (am_timeline_value(t.t)) die("poisonflight: t settled before command 3 ran");
-    held_behind_failed_signal("poisonflight", q, r, t, cause);
+    held_behind_failed_signal("poisonflight", q, r, t, cause, gate);
     free_timeline_free(t0);
     free_timeline_free(t);
     am_timeline_free(cause);
@@ -1693,19 +1703,19 @@ static void check_poisonflight(void) {
 }
 
 static void check_poisonlater(void) {
-    /* p: command 1 waits on the device for t0; command 2 runs 200 ms; command 3 signals
-     * t to 1 (all handed over). h: a host queue's timeline, failed from 1 once hgate
+    /* p: command 1 waits on the device for t0; command 2 waits for a gate (raised once r
+     * below was submitted), then launches; command 3 signals t to 1 (all handed over). h: a host queue's timeline, failed from 1 once hgate
      * fails. q: command 1 waits for h; command 2 waits for t's 1 (p's signal, handed
      * over: made on the device); command 3 signals t to 2 -- passed once h fails, while
      * p's signal still counts as sure: t fails from 2. Then t0 fails: p learns that its
      * signal of t to 1 fails, and t fails from 1. */
-    static kernel slow = {0, 200000000, NULL, 0};
     am_timeline *hgate = am_timeline_new(), *h = am_timeline_new(), *cause = am_timeline_new();
     am_queue *hq = am_queue_new(h, 0, 0);
     if (!hq || am_queue_wait(hq, hgate, 1, 1)) die("poisonlater: the host queue");
     fake_queue p = queue_new(), q = queue_new(), r = queue_new();
     free_timeline t0 = free_timeline_new(), t = free_timeline_new();
-    if (wait_free(p, t0, 1, 1) || launch(p, &slow, 1, 2) || signal_free(p, t, 1, 3))
+    uint64_t *p_gate = calloc(1, sizeof(uint64_t));
+    if (wait_free(p, t0, 1, 1) || gated_launch(p, p_gate, 2) || signal_free(p, t, 1, 3))
         die("poisonlater: p failed at once");
     if (wait_held(q, h, 1, 1) ||
         wait_held(q, t.t, 1, 2) ||
@@ -1729,6 +1739,7 @@ static void check_poisonlater(void) {
         launch(r, NULL, 1, 2))
         die("poisonlater: r failed at once");
     atomic_store((_Atomic uint64_t *)r_gate, 1);
+    atomic_store((_Atomic uint64_t *)p_gate, 1);
     reach(p.t, UINT64_MAX, "poisonlater: p never settled");
     reach(q.t, UINT64_MAX, "poisonlater: q never settled");
     reach(r.t, UINT64_MAX, "poisonlater: r never settled");
@@ -1748,6 +1759,7 @@ static void check_poisonlater(void) {
     am_timeline_free(h);
     am_timeline_free(cause);
     free(r_gate);
+    free(p_gate);
     puts("ok poisonlater");
 }
 
@@ -1786,15 +1798,16 @@ static void check_failedqueue(void) {
 }
 
 static void check_poisonheld(void) {
-    /* a: command 1 waits on the device for t, which fails; command 2, behind it, runs
-     * 200 ms (b's wait ends only then, long after a's thread learned of the failure). b,
-     * bounded to 1 in flight: command 1 waits on the device for a's 2; commands 2 and 3,
-     * launches, are held on the host. */
-    static kernel slow = {0, 200000000, NULL, 0};
+    /* a: command 1 waits on the device for t, which fails; command 2, behind it, waits
+     * for a gate raised once a's thread learned of the failure (b's wait ends only
+     * then), then launches. b, bounded to 1 in flight: command 1 waits on the device for
+     * a's 2; commands 2 and 3, launches, are held on the host. */
     fake_queue a = queue_new(), b = queue_bounded(1);
     free_timeline t = free_timeline_new();
     am_timeline *cause = am_timeline_new();
-    if (wait_free(a, t, 1, 1) || launch(a, &slow, 1, 2)) die("poisonheld: a failed at once");
+    uint64_t *gate = calloc(1, sizeof(uint64_t)), at = 0, value = 0;
+    int error = 0;
+    if (wait_free(a, t, 1, 1) || gated_launch(a, gate, 2)) die("poisonheld: a failed at once");
     if (am_cuq_wait_queue(b.q, a.q, 2, 1) || am_cuq_finish(b.q, 1, NULL, 0, 0, CU_FINISH_PLAIN) ||
         launch(b, NULL, 1, 2) || launch(b, NULL, 2, 3))
         die("poisonheld: b failed at once");
@@ -1802,12 +1815,14 @@ static void check_poisonheld(void) {
     am_cuq_stats(b.q, stats);
     if (stats[6] != 4) die("poisonheld: b's launches were not held on the host");
     am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!am_cuq_cause(a.q, &error, &value))  /* a learned of it: poisoned */
+        if (now_ns() > deadline) die("poisonheld: a never learned its wait failed");
+    atomic_store((_Atomic uint64_t *)gate, 1);
     reach(a.t, UINT64_MAX, "poisonheld: a never settled");
     reach(b.t, UINT64_MAX, "poisonheld: b never settled");
     if (atomic_load(&a.s->ran) != 1) die("poisonheld: a's kernel handed over did not run");
     if (atomic_load(&b.s->ran)) die("poisonheld: a kernel held behind a failed wait ran");
-    uint64_t at = 0, value = 0;
-    int error = 0;
     if (am_cuq_error(b.q, &at) != CU_WAITED_FAILED || at != 1 ||
         am_cuq_cause(b.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
         die("poisonheld: b did not fail from its wait, naming the failure it came to");
@@ -1815,6 +1830,7 @@ static void check_poisonheld(void) {
     queue_free(b, 0);
     free_timeline_free(t);
     am_timeline_free(cause);
+    free(gate);
     puts("ok poisonheld");
 }
 
