@@ -4058,20 +4058,24 @@ static void check_closeearly(void) {
 }
 
 /* A timeline only the host signalled (to 1): c's device wait for 3 is made at once,
- * behind a long kernel. a then signals it to 2 (its write behind a shorter kernel), and
- * the timeline's device closes: the word is released to 2**63 - 1, then a's write
- * stores 2 over it. c's stream must still get past its wait. */
+ * behind a gate. a then signals it to 2 (its write behind a gate of its own), and the
+ * timeline's device closes: the word is released to 2**63 - 1, then a's write (its gate
+ * raised once the close returned) stores 2 over it; c's stream gets to its wait once
+ * a's signal was confirmed (its gate raised then). c's stream must still get past its
+ * wait. */
 static void check_lowered(void) {
     fake_queue a = queue_new(), c = queue_new();
     free_timeline t = free_timeline_new();
-    static kernel a_slow = {0, 30000000, NULL, 0}, c_slow = {0, 150000000, NULL, 0};
+    uint64_t *gates = calloc(2, sizeof(uint64_t)), *a_gate = gates, *c_gate = gates + 1;
     am_timeline_host_signal(t.t, 1, NULL);
-    if (launch(c, &c_slow, 1, 1) || wait_held(c, t.t, 3, 2) ||
+    if (gated_launch(c, c_gate, 1) || wait_held(c, t.t, 3, 2) ||
         launch(c, NULL, 3, 3))
         die("lowered: c");
-    if (launch(a, &a_slow, 1, 1) || signal_free(a, t, 2, 2)) die("lowered: a");
+    if (gated_launch(a, a_gate, 1) || signal_free(a, t, 2, 2)) die("lowered: a");
     am_timeline_close(t.t, 0);  /* its device closed: the word released */
+    atomic_store((_Atomic uint64_t *)a_gate, 1);
     reach(a.t, 2, "lowered: a never ran");
+    atomic_store((_Atomic uint64_t *)c_gate, 1);
     int64_t deadline = now_ns() + 3000000000LL;
     while (am_timeline_value(c.t) < 3)
         if (now_ns() > deadline)
@@ -4080,6 +4084,7 @@ static void check_lowered(void) {
     queue_free(a, 0);
     queue_free(c, 0);
     free_timeline_free(t);
+    free(gates);
 }
 
 /* a fails (a held command refused) while an earlier command of it waits on a gate; a
