@@ -2814,18 +2814,20 @@ static void check_signalrecord(void) {
 }
 
 static void check_nomemory(void) {
-    static kernel slow = {0, 30000000, NULL, 0};
-    uint64_t stats[8], at = 0;
+    uint64_t stats[8], at = 0, *gate_a = calloc(1, sizeof(uint64_t));
     free_timeline t = free_timeline_new(), t2 = free_timeline_new();  /* t: nobody signals it */
-    /* a: a wait held behind a launch (the bound), whose end cannot be held */
+    /* a: a wait held behind a launch (the bound; behind a gate, raised once the value
+     * was given back and taken again), whose end cannot be held */
     fake_queue a = queue_bounded(1);
-    if (launch(a, &slow, 1, 1) || am_cuq_wait_timeline(a.q, t.t, 1, 2)) die("nomemory: a failed");
+    if (gated_launch(a, gate_a, 1) || am_cuq_wait_timeline(a.q, t.t, 1, 2))
+        die("nomemory: a failed");
     atomic_store(&refuse_allocs, 1);
     if (am_cuq_finish(a.q, 2, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) != -1)
         die("nomemory: a wait's end was held without memory");
     am_cuq_stats(a.q, stats);
     if (stats[6]) die("nomemory: part of a command that could not be held stayed held");
     if (launch(a, NULL, 2, 2)) die("nomemory: the value given back was refused");
+    atomic_store((_Atomic uint64_t *)gate_a, 1);
     reach(a.t, 2, "nomemory: a command given back held up the queue's next one");
     if (am_cuq_error(a.q, &at)) die("nomemory: a command given back failed its queue");
     /* b: a wait for a signal none submitted yet (held, a kick registered) that cannot be
@@ -2894,6 +2896,7 @@ static void check_nomemory(void) {
     }
     free(gate);
     free(gate_d);
+    free(gate_a);
     puts("ok nomemory");
 }
 
@@ -3602,14 +3605,15 @@ static void discard_while_draining(int where, am_cuq *q) {
  * then discards again, so the wait goes too (its kick with it) and f settles, failed
  * from 2. (Before, the wait stayed held for good and f never settled.) */
 static void check_discarddrain(void) {
-    static kernel slow = {0, 20000000, NULL, 0};  /* 20 ms: the wait is held behind it */
     fake_queue f = queue_bounded(1);
     free_timeline t = free_timeline_new();
+    uint64_t *gate = calloc(1, sizeof(uint64_t));  /* the wait is held behind it */
     atomic_store(&discard_at_drain, f.q);
     atomic_store(&test_hook, discard_while_draining);
-    if (launch(f, &slow, 1, 1) || wait_held(f, t.t, 1, 2) ||
+    if (gated_launch(f, gate, 1) || wait_held(f, t.t, 1, 2) ||
         launch(f, NULL, 3, 3))
         die("discarddrain: f failed at once");
+    atomic_store((_Atomic uint64_t *)gate, 1);
     reach(f.t, 1, "discarddrain: the first kernel never ran");
     reach(f.t, UINT64_MAX, "discarddrain: the discarded queue never settled (its wait kept)");
     atomic_store(&test_hook, NULL);
@@ -3638,6 +3642,7 @@ static void check_discarddrain(void) {
         die("discarddrain: the wait put back held was not dropped");
     queue_free(f, 0);
     free_timeline_free(t);
+    free(gate);
     puts("ok discarddrain");
 }
 
