@@ -400,8 +400,9 @@ static void check_fault(void) {
 }
 
 /* A slow completion thread (causal, confirmedfirst, the *freed checks): q's thread sees
- * its first command's event unfinished until `held` is cleared (let_held_go). For a command behind a slow kernel, or not yet
- * handed over; one that may already have ended is held with hold_next. */
+ * its first command's event unfinished until `held` is cleared (let_held_go). For a
+ * command behind a slow kernel, or not yet handed over; one that may already have ended
+ * is held with hold_next. */
 static void hold_head(fake_queue q) {
     pthread_mutex_lock(&q.q->mu);
     atomic_store(&held, q.q->ring[q.q->head].event);
@@ -1713,11 +1714,12 @@ static void check_poisonflight(void) {
 
 static void check_poisonlater(void) {
     /* p: command 1 waits on the device for t0; command 2 waits for a gate (raised once r
-     * below was submitted), then launches; command 3 signals t to 1 (all handed over). h: a host queue's timeline, failed from 1 once hgate
-     * fails. q: command 1 waits for h; command 2 waits for t's 1 (p's signal, handed
-     * over: made on the device); command 3 signals t to 2 -- passed once h fails, while
-     * p's signal still counts as sure: t fails from 2. Then t0 fails: p learns that its
-     * signal of t to 1 fails, and t fails from 1. */
+     * below was submitted), then launches; command 3 signals t to 1 (all handed over).
+     * h: a host queue's timeline, failed from 1 once hgate fails. q: command 1 waits
+     * for h; command 2 waits for t's 1 (p's signal, handed over: made on the device);
+     * command 3 signals t to 2 -- passed once h fails, while p's signal still counts as
+     * sure: t fails from 2. Then t0 fails: p learns that its signal of t to 1 fails, and
+     * t fails from 1. */
     am_timeline *hgate = am_timeline_new(), *h = am_timeline_new(), *cause = am_timeline_new();
     am_queue *hq = am_queue_new(h, 0, 0);
     if (!hq || am_queue_wait(hq, hgate, 1, 1)) die("poisonlater: the host queue");
