@@ -30,6 +30,8 @@ atomic_int refuse_allocs;   /* >0: the runtime's next that many cuq_alloc fail *
 void *_Atomic refuse_ctx;   /* a cuCtxSetCurrent of this context is refused */
 atomic_long record_ns;      /* >0: cuEventRecord takes this long (a slow driver) */
 atomic_int records_in_driver;
+fake_stream *_Atomic record_gate_on;  /* a record on it stays in the driver until cleared */
+fake_stream *_Atomic wait_gate_on;    /* a wait on an event on it: the same */
 
 /* Fault injection for a sweep: the driver calls (those below that submit or make an
  * event) of a thread marked with fake_count_calls -- the one submitting -- are counted,
@@ -365,6 +367,14 @@ void streams_release(void) {
 }
 
 /* ---- the driver functions the runtime calls (its signatures) ------------------------ */
+/* A call on `stream` stays in the driver while *gate is that stream (a check clears it
+ * once it has done what must happen meanwhile), 10 s at most: a caller the runtime
+ * wrongly waits for inside that call still fails its check rather than hang. */
+static void gate_in_driver(fake_stream *_Atomic *gate, void *stream) {
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (atomic_load(gate) == stream && now_ns() < deadline) nap_ns(100000);
+}
+
 static int f_launch(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                     unsigned bz, unsigned shared, void *stream, void **params, void **extra) {
     (void)shared; (void)extra;
@@ -424,9 +434,10 @@ static int f_record(void *e, void *stream) {
     }
     fake_event *ev = e;
     long slow = atomic_load(&record_ns);
-    if (slow > 0) {
+    if (slow > 0 || atomic_load(&record_gate_on) == stream) {
         atomic_fetch_add(&records_in_driver, 1);
-        nap_ns(slow);
+        if (slow > 0) nap_ns(slow);
+        gate_in_driver(&record_gate_on, stream);
         atomic_fetch_sub(&records_in_driver, 1);
     }
     int64_t gen = atomic_load(&ev->recorded) + 1;  /* (one thread records an event) */
@@ -543,10 +554,12 @@ static int f_wait_event(void *stream, void *e, unsigned flags) {
     fake_event *ev = e;
     int64_t recorded = atomic_load(&ev->recorded);
     long slow = atomic_load(&wait_event_ns);
-    if (slow > 0) {  /* the record it waits for is the one current when it was called */
+    if (slow > 0 || atomic_load(&wait_gate_on) == stream) {
+        /* the record it waits for is the one current when it was called */
         atomic_fetch_add(&ev->waited, 1);
         atomic_fetch_add(&waits_in_driver, 1);
-        nap_ns(slow);
+        if (slow > 0) nap_ns(slow);
+        gate_in_driver(&wait_gate_on, stream);
         if (atomic_load(&ev->recorded) != recorded)
             die("an event was recorded again while a stream's wait on it was in the driver");
         atomic_fetch_sub(&ev->waited, 1);

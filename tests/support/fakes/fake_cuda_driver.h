@@ -125,6 +125,11 @@ extern void *_Atomic stream_green;   /* non-NULL: the green context every stream
 extern atomic_int stream_context_error; /* non-zero: cuStreamGetCtx fails with it */
 extern atomic_long record_ns;         /* >0: an event record takes this long */
 extern atomic_int records_in_driver;  /* ... such records inside the driver now */
+extern fake_stream *_Atomic record_gate_on;  /* a record on this stream stays in the driver
+                                                (counted as above) until it is cleared */
+extern fake_stream *_Atomic wait_gate_on;    /* a wait on an event on this stream stays
+                                                in the driver (waits_in_driver) until it
+                                                is cleared */
 extern void (*_Atomic test_hook)(int where, am_cuq *q);  /* run at the runtime's hooks */
 extern long max_inflight;             /* the queues' bound (most checks: none) */
 extern const unsigned dims[7];

@@ -365,16 +365,23 @@ static void check_cross(void) {
     puts("ok cross");
 }
 
+/* Command `value` of f: a kernel that faults, behind a device wait for *gate, which the
+ * caller raises once this returned: its event record is submitted before the fault hits
+ * (else the stream's thread may fault first -- at once, or while the submitting thread
+ * is off the CPU -- and refuse the record). */
+static int faulting_launch(fake_queue f, uint64_t *gate, uint64_t value) {
+    static kernel faulty = {1, 2000000, NULL, 0};
+    return am_cuq_wait(f.q, gate, 1, value) || launch(f, &faulty, 0, value);
+}
+
 static void check_fault(void) {
     fake_queue f = queue_new();
-    /* runs 2 ms before it faults: its event record is submitted before the fault hits
-     * (with none, a fast stream thread faulted before the record and refused it) */
-    static kernel faulty = {1, 2000000, NULL, 0};
-    uint64_t v = 0;
+    uint64_t v = 0, *gate = calloc(1, sizeof(uint64_t));
     for (int i = 0; i < 50; i++)
         if (launch(f, NULL, i, ++v)) die("fault: launch before the fault failed");
     uint64_t first = v + 1;
-    if (launch(f, &faulty, 0, ++v)) die("fault: the faulting launch was refused at once");
+    if (faulting_launch(f, gate, ++v)) die("fault: the faulting launch was refused at once");
+    atomic_store((_Atomic uint64_t *)gate, 1);
     int r = 0;
     for (int i = 0; i < 50 && !r; i++) r = launch(f, NULL, i, ++v);  /* refused once it hit */
     while (am_timeline_value(f.t) != UINT64_MAX) {
@@ -387,8 +394,33 @@ static void check_fault(void) {
     if (at < first - 50 || at > first) die("fault: the first failed value is wrong");
     if (launch(f, NULL, 0, ++v) != ILLEGAL_ADDRESS) die("fault: a later launch succeeded");
     queue_free(f, 1);
+    free(gate);
     atomic_store(&fault_code, 0);
     puts("ok fault");
+}
+
+/* A slow completion thread (causal, confirmedfirst, the *freed checks): q's thread sees
+ * its first command's event unfinished until `held` is cleared (let_held_go). For a
+ * command behind a slow kernel, or not yet handed over; one that may already have ended
+ * is held with hold_next. */
+static void hold_head(fake_queue q) {
+    pthread_mutex_lock(&q.q->mu);
+    atomic_store(&held, q.q->ring[q.q->head].event);
+    pthread_mutex_unlock(&q.q->mu);
+}
+
+/* The same, armed before q's next command is submitted: the next event recorded on q's
+ * stream is held from its record on (its thread never sees it end before let_held_go). */
+static void hold_next(fake_queue q) {
+    atomic_store(&hold_records_on, q.s);
+}
+
+/* hold_next's command was recorded, and is the one held. */
+static void check_held(fake_queue q, const char *what) {
+    pthread_mutex_lock(&q.q->mu);
+    int head = atomic_load(&held) == q.q->ring[q.q->head].event;
+    pthread_mutex_unlock(&q.q->mu);
+    if (atomic_load(&hold_records_on) || !head) die(what);
 }
 
 /* A queue's wait on another queue's value, finished with that timeline as its extra (as
@@ -399,10 +431,9 @@ static void check_fault(void) {
 static void check_causal(void) {
     fake_queue a = queue_new(), b = queue_new();
     static kernel slow = {0, 20000000, NULL, 0};  /* 20 ms */
+    hold_next(a);
     if (launch(a, &slow, 0, 1)) die("causal: launch on a failed");
-    pthread_mutex_lock(&a.q->mu);
-    atomic_store(&held, a.q->ring[a.q->head].event);
-    pthread_mutex_unlock(&a.q->mu);
+    check_held(a, "causal: (setup) a's launch is not the command held");
     if (am_cuq_wait_queue(b.q, a.q, 1, 1) || am_cuq_finish(b.q, 1, a.t, 1, 0, 0))
         die("causal: the wait on b failed");
     int64_t deadline = now_ns() + 10000000000LL;
@@ -575,7 +606,7 @@ static void check_hostwait(void) {
     /* A held command refused (f: bounded, behind a gate): a host wait for the command
      * before it passes, one for it fails, naming it. */
     fake_queue f = queue_bounded(2);
-    static kernel refused = {0, 0, NULL, 0}, faulty = {1, 2000000, NULL, 0};
+    static kernel refused = {0, 0, NULL, 0};
     refuse_fn = &refused;
     uint64_t v = 0, *gate = calloc(1, sizeof(uint64_t));
     if (gated_launch(f, gate, ++v)) die("hostwait: the gated launch failed");
@@ -601,10 +632,11 @@ static void check_hostwait(void) {
         die("hostwait: a host wait for a refused command's value does not name it");
     refuse_fn = NULL;
     queue_free(f, 1);
-    free(gate);
     /* A kernel that faults (its queue's first command): a host wait for it fails. */
     fake_queue g = queue_new();
-    if (launch(g, &faulty, 0, 1)) die("hostwait: the faulting launch was refused at once");
+    atomic_store((_Atomic uint64_t *)gate, 0);
+    if (faulting_launch(g, gate, 1)) die("hostwait: the faulting launch was refused at once");
+    atomic_store((_Atomic uint64_t *)gate, 1);
     int64_t faulted = 0;
     if (host_wait(g.t, 1, &faulted, &error, &value, &cause, "hostwait: host queue") != 1 ||
         faulted != 0)
@@ -612,6 +644,7 @@ static void check_hostwait(void) {
     if (error != ILLEGAL_ADDRESS || value != 1 || cause != g.t)
         die("hostwait: a host wait for a faulted kernel's value does not name it");
     queue_free(g, 1);
+    free(gate);
     atomic_store(&fault_code, 0);
     puts("ok hostwait");
 }
@@ -929,21 +962,23 @@ static int signal_free(fake_queue q, free_timeline f, uint64_t target, uint64_t 
 }
 
 static void check_signal(void) {
-    /* 200 ms: what waits for the refused commands is submitted while it runs (as in
-     * check_release, also under ThreadSanitizer on a loaded machine) */
-    static kernel slow = {0, 200000000, NULL, 0}, refused = {0, 0, NULL, 0};
+    /* a's, a2's and g's first commands wait for a gate, raised once everything below was
+     * submitted: what waits for the refused commands is submitted before they are
+     * handed over and refused (as in check_release) */
+    static kernel refused = {0, 0, NULL, 0};
     refuse_fn = &refused;
+    uint64_t *gate = calloc(1, sizeof(uint64_t));
     /* b waits for a's refused command 2, then signals t; c waits for t on the device.
      * a2 signals t2 behind its own refused command; d waits for t2. */
     fake_queue a = queue_bounded(1), b = queue_new(), c = queue_new();
     fake_queue a2 = queue_bounded(1), d = queue_new();
     free_timeline t = free_timeline_new(), t2 = free_timeline_new();
-    if (launch(a, &slow, 1, 1) || launch(a, &refused, 2, 2)) die("signal: a failed at once");
+    if (gated_launch(a, gate, 1) || launch(a, &refused, 2, 2)) die("signal: a failed at once");
     if (am_cuq_wait_queue(b.q, a.q, 2, 1) || am_cuq_finish(b.q, 1, NULL, 0, 0, CU_FINISH_PLAIN) ||
         signal_free(b, t, 5, 2))
         die("signal: b failed at once");
     if (wait_free(c, t, 5, 1) || launch(c, NULL, 1, 2)) die("signal: c failed at once");
-    if (launch(a2, &slow, 1, 1) || launch(a2, &refused, 2, 2) || signal_free(a2, t2, 3, 3))
+    if (gated_launch(a2, gate, 1) || launch(a2, &refused, 2, 2) || signal_free(a2, t2, 3, 3))
         die("signal: a2 failed at once");
     if (wait_free(d, t2, 3, 1) || launch(d, NULL, 1, 2)) die("signal: d failed at once");
     /* e waits for a value of t3 that the host signals, f for one a queue signals */
@@ -951,8 +986,9 @@ static void check_signal(void) {
     free_timeline t3 = free_timeline_new(), t4 = free_timeline_new();
     if (wait_free(e, t3, 2, 1) || launch(e, NULL, 1, 2)) die("signal: e failed at once");
     if (wait_free(f, t4, 7, 1) || launch(f, NULL, 1, 2)) die("signal: f failed at once");
-    if (launch(g, &slow, 1, 1) || signal_free(g, t4, 7, 2)) die("signal: g failed at once");
+    if (gated_launch(g, gate, 1) || signal_free(g, t4, 7, 2)) die("signal: g failed at once");
     am_timeline_host_signal(t3.t, 2, NULL);
+    atomic_store((_Atomic uint64_t *)gate, 1);
     fake_queue settled[7] = {b, c, a2, d, e, f, g};
     am_timeline *timelines[4] = {t.t, t2.t, t3.t, t4.t};
     int64_t deadline = now_ns() + 10000000000LL;
@@ -990,6 +1026,7 @@ static void check_signal(void) {
         am_timeline_free(frees[i].t);
         free(frees[i].word);
     }
+    free(gate);
     puts("ok signal");
 }
 
@@ -1085,16 +1122,15 @@ static void until_looked(const char *what) {
     }
 }
 
-/* The events queried while the caller naps `ns`, less one a millisecond for as long as
- * the nap overran it: a thread that naps 1 ms at a time looks once a millisecond, and a
- * check kept off the CPU long past its nap (a loaded machine) would count those looks. */
-static long looks_during(int64_t ns) {
+/* The looks (event queries) over a nap of ns on this thread, and how long that nap took
+ * in ms, at least ns (*ms; a loaded machine stretches it, and the looks with it). */
+static long looks_over(long ns, long *ms) {
     long looks = atomic_load(&event_queries);
-    int64_t at = now_ns();
+    int64_t from = now_ns();
     nap_ns(ns);
-    int64_t over = now_ns() - at - ns;
     looks = atomic_load(&event_queries) - looks;
-    return looks - (over > 0 ? (long)(over / 1000000) : 0);
+    *ms = (long)((now_ns() - from + 999999) / 1000000);
+    return looks;
 }
 
 /* A queue's device wait on a timeline only the host has signalled, which nothing was
@@ -1127,16 +1163,18 @@ static void check_hostnap(void) {
          * machine, polls into the 20 ms below -- tens of looks -- after a fixed pause). */
         until_napping(f, start, after, "hostnap: the thread never napped on the wait");
         nap_ns(1000000);
-        long looks = looks_during(20000000);
-        if (looks > 30) {
-            fprintf(stderr, "hostnap: %ld looks in 20 ms (less its overrun)\n", looks);
+        /* Its naps of 1 ms: a look a millisecond, counted against how long the window
+         * took (20 ms, or longer where this thread was kept off the CPU past its end). */
+        long ms = 0, looks = looks_over(20000000, &ms);
+        if (looks > ms + 10) {
+            fprintf(stderr, "hostnap: %ld looks in %ld ms\n", looks, ms);
             die("hostnap: a wait only the host can release was looked at on the long schedule");
         }
         /* Another timeline's host signal kicks it too: it naps on rather than poll. */
         am_timeline_host_signal(other.t, ++others, NULL);
-        looks = looks_during(5000000);
-        if (looks > 30) {
-            fprintf(stderr, "hostnap: %ld looks in 5 ms (less its overrun)\n", looks);
+        looks = looks_over(5000000, &ms);
+        if (looks > ms + 25) {
+            fprintf(stderr, "hostnap: %ld looks in %ld ms\n", looks, ms);
             die("hostnap: another timeline's host signal had the wait polled for");
         }
         am_cuq_stats(f.q, after);
@@ -1600,10 +1638,11 @@ static void fail_in(const char *check, const char *what) {
 
 /* r waits for t's 1, which q's command 3 (failing) was to produce, then launches, its
  * stream held by a gate until all of r is submitted (r, failed from its command 1,
- * settles only once past it): nothing of r runs, r fails from its wait and t from 1,
- * both naming `cause` (ILLEGAL_ADDRESS, 7). Frees q and r. */
+ * settles only once past it), as is q's command 2 by q_gate (raised with it: r's wait
+ * is submitted before q's command 3 ran): nothing of r runs, r fails from its wait and
+ * t from 1, both naming `cause` (ILLEGAL_ADDRESS, 7). Frees q, r and q_gate. */
 static void held_behind_failed_signal(const char *check, fake_queue q, fake_queue r,
-                                      free_timeline t, am_timeline *cause) {
+                                      free_timeline t, am_timeline *cause, uint64_t *q_gate) {
     int error = 0;
     uint64_t at = 0, value = 0;
     am_timeline *by = NULL;
@@ -1612,6 +1651,7 @@ static void held_behind_failed_signal(const char *check, fake_queue q, fake_queu
         launch(r, NULL, 1, 2))
         fail_in(check, "r failed at once");
     atomic_store((_Atomic uint64_t *)r_gate, 1);
+    atomic_store((_Atomic uint64_t *)q_gate, 1);
     int64_t deadline = now_ns() + 10000000000LL;
     while (am_timeline_value(q.t) < UINT64_MAX || am_timeline_value(r.t) < UINT64_MAX)
         if (now_ns() > deadline) fail_in(check, "q or r never settled");
@@ -1625,18 +1665,20 @@ static void held_behind_failed_signal(const char *check, fake_queue q, fake_queu
     queue_free(q, 0);
     queue_free(r, 0);
     free(r_gate);
+    free(q_gate);
 }
 
 static void check_poisonsignal(void) {
-    /* q, bounded to 3 in flight: command 1 waits on the device for t0; command 2 runs
-     * 200 ms; command 3 signals t to 1 (all three handed over); command 4 signals t to
-     * 2 (held on the host). t0 fails: q's commands from 1 on fail once confirmed --
-     * command 3's signal among them -- and command 4's signal is passed. */
-    static kernel slow = {0, 200000000, NULL, 0};
+    /* q, bounded to 3 in flight: command 1 waits on the device for t0; command 2 waits
+     * for a gate (held_behind_failed_signal raises it), then launches; command 3
+     * signals t to 1 (all three handed over); command 4 signals t to 2 (held on the
+     * host). t0 fails: q's commands from 1 on fail once confirmed -- command 3's signal
+     * among them -- and command 4's signal is passed. */
     fake_queue q = queue_bounded(3), r = queue_new();
     free_timeline t0 = free_timeline_new(), t = free_timeline_new();
     am_timeline *cause = am_timeline_new();
-    if (wait_free(q, t0, 1, 1) || launch(q, &slow, 1, 2) || signal_free(q, t, 1, 3) ||
+    uint64_t *gate = calloc(1, sizeof(uint64_t));
+    if (wait_free(q, t0, 1, 1) || gated_launch(q, gate, 2) || signal_free(q, t, 1, 3) ||
         signal_free(q, t, 2, 4))
         die("poisonsignal: q failed at once");
     am_timeline_fail(t0.t, 1, ILLEGAL_ADDRESS, 7, cause);
@@ -1646,9 +1688,10 @@ static void check_poisonsignal(void) {
     int64_t deadline = now_ns() + 10000000000LL;
     while (!am_timeline_failure(t.t, &error, &value, &by))
         if (now_ns() > deadline) die("poisonsignal: q's passed signal did not fail its timeline");
-    /* (command 2 still runs: command 3's signal, known to fail, is not confirmed yet) */
+    /* (command 2 waits for its gate: command 3's signal, known to fail, is not
+     * confirmed yet) */
     if (am_timeline_value(t.t)) die("poisonsignal: t settled before command 3 ran");
-    held_behind_failed_signal("poisonsignal", q, r, t, cause);
+    held_behind_failed_signal("poisonsignal", q, r, t, cause, gate);
     free_timeline_free(t0);
     free_timeline_free(t);
     am_timeline_free(cause);
@@ -1656,14 +1699,15 @@ static void check_poisonsignal(void) {
 }
 
 static void check_poisonflight(void) {
-    /* q: command 1 waits on the device for t0; command 2 runs 200 ms; command 3 signals
-     * t to 1 (all handed over). t0 fails: q's commands from 1 on fail once confirmed,
-     * command 3's signal among them, which is known once command 1 is confirmed. */
-    static kernel slow = {0, 200000000, NULL, 0};
+    /* q: command 1 waits on the device for t0; command 2 waits for a gate
+     * (held_behind_failed_signal raises it), then launches; command 3 signals t to 1
+     * (all handed over). t0 fails: q's commands from 1 on fail once confirmed, command
+     * 3's signal among them, which is known once command 1 is confirmed. */
     fake_queue q = queue_new(), r = queue_new();
     free_timeline t0 = free_timeline_new(), t = free_timeline_new();
     am_timeline *cause = am_timeline_new();
-    if (wait_free(q, t0, 1, 1) || launch(q, &slow, 1, 2) || signal_free(q, t, 1, 3))
+    uint64_t *gate = calloc(1, sizeof(uint64_t));
+    if (wait_free(q, t0, 1, 1) || gated_launch(q, gate, 2) || signal_free(q, t, 1, 3))
         die("poisonflight: q failed at once");
     am_timeline_fail(t0.t, 1, ILLEGAL_ADDRESS, 7, cause);
     int error = 0;
@@ -1672,7 +1716,7 @@ static void check_poisonflight(void) {
     while (!am_cuq_cause(q.q, &error, &value))  /* q learned of it: poisoned */
         if (now_ns() > deadline) die("poisonflight: q never learned its wait failed");
     if (am_timeline_value(t.t)) die("poisonflight: t settled before command 3 ran");
-    held_behind_failed_signal("poisonflight", q, r, t, cause);
+    held_behind_failed_signal("poisonflight", q, r, t, cause, gate);
     free_timeline_free(t0);
     free_timeline_free(t);
     am_timeline_free(cause);
@@ -1680,19 +1724,20 @@ static void check_poisonflight(void) {
 }
 
 static void check_poisonlater(void) {
-    /* p: command 1 waits on the device for t0; command 2 runs 200 ms; command 3 signals
-     * t to 1 (all handed over). h: a host queue's timeline, failed from 1 once hgate
-     * fails. q: command 1 waits for h; command 2 waits for t's 1 (p's signal, handed
-     * over: made on the device); command 3 signals t to 2 -- passed once h fails, while
-     * p's signal still counts as sure: t fails from 2. Then t0 fails: p learns that its
-     * signal of t to 1 fails, and t fails from 1. */
-    static kernel slow = {0, 200000000, NULL, 0};
+    /* p: command 1 waits on the device for t0; command 2 waits for a gate (raised once r
+     * below was submitted), then launches; command 3 signals t to 1 (all handed over).
+     * h: a host queue's timeline, failed from 1 once hgate fails. q: command 1 waits
+     * for h; command 2 waits for t's 1 (p's signal, handed over: made on the device);
+     * command 3 signals t to 2 -- passed once h fails, while p's signal still counts as
+     * sure: t fails from 2. Then t0 fails: p learns that its signal of t to 1 fails, and
+     * t fails from 1. */
     am_timeline *hgate = am_timeline_new(), *h = am_timeline_new(), *cause = am_timeline_new();
     am_queue *hq = am_queue_new(h, 0, 0);
     if (!hq || am_queue_wait(hq, hgate, 1, 1)) die("poisonlater: the host queue");
     fake_queue p = queue_new(), q = queue_new(), r = queue_new();
     free_timeline t0 = free_timeline_new(), t = free_timeline_new();
-    if (wait_free(p, t0, 1, 1) || launch(p, &slow, 1, 2) || signal_free(p, t, 1, 3))
+    uint64_t *p_gate = calloc(1, sizeof(uint64_t));
+    if (wait_free(p, t0, 1, 1) || gated_launch(p, p_gate, 2) || signal_free(p, t, 1, 3))
         die("poisonlater: p failed at once");
     if (wait_held(q, h, 1, 1) ||
         wait_held(q, t.t, 1, 2) ||
@@ -1716,6 +1761,7 @@ static void check_poisonlater(void) {
         launch(r, NULL, 1, 2))
         die("poisonlater: r failed at once");
     atomic_store((_Atomic uint64_t *)r_gate, 1);
+    atomic_store((_Atomic uint64_t *)p_gate, 1);
     reach(p.t, UINT64_MAX, "poisonlater: p never settled");
     reach(q.t, UINT64_MAX, "poisonlater: q never settled");
     reach(r.t, UINT64_MAX, "poisonlater: r never settled");
@@ -1735,6 +1781,7 @@ static void check_poisonlater(void) {
     am_timeline_free(h);
     am_timeline_free(cause);
     free(r_gate);
+    free(p_gate);
     puts("ok poisonlater");
 }
 
@@ -1773,15 +1820,16 @@ static void check_failedqueue(void) {
 }
 
 static void check_poisonheld(void) {
-    /* a: command 1 waits on the device for t, which fails; command 2, behind it, runs
-     * 200 ms (b's wait ends only then, long after a's thread learned of the failure). b,
-     * bounded to 1 in flight: command 1 waits on the device for a's 2; commands 2 and 3,
-     * launches, are held on the host. */
-    static kernel slow = {0, 200000000, NULL, 0};
+    /* a: command 1 waits on the device for t, which fails; command 2, behind it, waits
+     * for a gate raised once a's thread learned of the failure (b's wait ends only
+     * then), then launches. b, bounded to 1 in flight: command 1 waits on the device for
+     * a's 2; commands 2 and 3, launches, are held on the host. */
     fake_queue a = queue_new(), b = queue_bounded(1);
     free_timeline t = free_timeline_new();
     am_timeline *cause = am_timeline_new();
-    if (wait_free(a, t, 1, 1) || launch(a, &slow, 1, 2)) die("poisonheld: a failed at once");
+    uint64_t *gate = calloc(1, sizeof(uint64_t)), at = 0, value = 0;
+    int error = 0;
+    if (wait_free(a, t, 1, 1) || gated_launch(a, gate, 2)) die("poisonheld: a failed at once");
     if (am_cuq_wait_queue(b.q, a.q, 2, 1) || am_cuq_finish(b.q, 1, NULL, 0, 0, CU_FINISH_PLAIN) ||
         launch(b, NULL, 1, 2) || launch(b, NULL, 2, 3))
         die("poisonheld: b failed at once");
@@ -1789,12 +1837,14 @@ static void check_poisonheld(void) {
     am_cuq_stats(b.q, stats);
     if (stats[6] != 4) die("poisonheld: b's launches were not held on the host");
     am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!am_cuq_cause(a.q, &error, &value))  /* a learned of it: poisoned */
+        if (now_ns() > deadline) die("poisonheld: a never learned its wait failed");
+    atomic_store((_Atomic uint64_t *)gate, 1);
     reach(a.t, UINT64_MAX, "poisonheld: a never settled");
     reach(b.t, UINT64_MAX, "poisonheld: b never settled");
     if (atomic_load(&a.s->ran) != 1) die("poisonheld: a's kernel handed over did not run");
     if (atomic_load(&b.s->ran)) die("poisonheld: a kernel held behind a failed wait ran");
-    uint64_t at = 0, value = 0;
-    int error = 0;
     if (am_cuq_error(b.q, &at) != CU_WAITED_FAILED || at != 1 ||
         am_cuq_cause(b.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
         die("poisonheld: b did not fail from its wait, naming the failure it came to");
@@ -1802,6 +1852,7 @@ static void check_poisonheld(void) {
     queue_free(b, 0);
     free_timeline_free(t);
     am_timeline_free(cause);
+    free(gate);
     puts("ok poisonheld");
 }
 
@@ -1871,15 +1922,16 @@ static void check_unlocked(void) {
     static kernel slow = {0, 40000000, NULL, 0}, after_a = {0, 0, NULL, 1};
     after_a.check = a.s;
     if (launch(a, &slow, 1, 1)) die("unlocked: a's launch failed");
-    atomic_store(&wait_event_ns, 400000000);  /* b's wait on a's command 1: 400 ms */
+    /* b's wait on a's command 1 stays in the driver until the checks below are done (10 s
+     * at most: a submission or confirmation that waited for it finds it gone) */
+    atomic_store(&wait_gate_on, b.s);
     waiter w = {a, b.s, 1, -1, -1};
     pthread_t thread;
     pthread_create(&thread, NULL, wait_in_driver, &w);
     while (!atomic_load(&waits_in_driver)) sched_yield();
-    int64_t start = now_ns();
     for (uint64_t v = 2; v <= 20; v++)
         if (launch(a, NULL, (int64_t)v, v)) die("unlocked: a launch failed");
-    if (now_ns() - start > 100000000)
+    if (!atomic_load(&waits_in_driver))
         die("unlocked: a submission waited for another stream's wait in the driver");
     reach(a.t, 20, "unlocked: a's commands were never confirmed");
     /* more commands, all in flight at once behind a gate, with plain events as command
@@ -1893,8 +1945,8 @@ static void check_unlocked(void) {
     reach(a.t, 60, "unlocked: a's commands were never confirmed");
     if (!atomic_load(&waits_in_driver))
         die("unlocked: confirmations waited for another stream's wait in the driver");
+    atomic_store(&wait_gate_on, NULL);
     pthread_join(thread, NULL);
-    atomic_store(&wait_event_ns, 0);
     if (w.r || w.call != CU_WAIT_EVENT) die("unlocked: the wait was not made on the event");
     if (launch(b, &after_a, 1, 1)) die("unlocked: b's launch failed");
     reach(b.t, 1, "unlocked: b never got past its wait");
@@ -2016,29 +2068,6 @@ static void check_waitstream(void) {
     fake_ctx_set_current(NULL);
     atomic_store(&release_syncs, released);
     puts("ok waitstream");
-}
-
-/* The slow thread of the *freed checks below: q's thread sees its first command's
- * event unfinished until let_held_go. For a command behind a slow kernel, or not yet
- * handed over; one that may already have ended is held with hold_next. */
-static void hold_head(fake_queue q) {
-    pthread_mutex_lock(&q.q->mu);
-    atomic_store(&held, q.q->ring[q.q->head].event);
-    pthread_mutex_unlock(&q.q->mu);
-}
-
-/* The same, armed before q's next command is submitted: the next event recorded on q's
- * stream is held from its record on (its thread never sees it end before let_held_go). */
-static void hold_next(fake_queue q) {
-    atomic_store(&hold_records_on, q.s);
-}
-
-/* hold_next's command was recorded, and is the one held. */
-static void check_held(fake_queue q, const char *what) {
-    pthread_mutex_lock(&q.q->mu);
-    int head = atomic_load(&held) == q.q->ring[q.q->head].event;
-    pthread_mutex_unlock(&q.q->mu);
-    if (atomic_load(&hold_records_on) || !head) die(what);
 }
 
 /* w waits for `on`'s command `target` (w's command `value`), which confirms it there. */
@@ -2807,18 +2836,20 @@ static void check_signalrecord(void) {
 }
 
 static void check_nomemory(void) {
-    static kernel slow = {0, 30000000, NULL, 0};
-    uint64_t stats[8], at = 0;
+    uint64_t stats[8], at = 0, *gate_a = calloc(1, sizeof(uint64_t));
     free_timeline t = free_timeline_new(), t2 = free_timeline_new();  /* t: nobody signals it */
-    /* a: a wait held behind a launch (the bound), whose end cannot be held */
+    /* a: a wait held behind a launch (the bound; behind a gate, raised once the value
+     * was given back and taken again), whose end cannot be held */
     fake_queue a = queue_bounded(1);
-    if (launch(a, &slow, 1, 1) || am_cuq_wait_timeline(a.q, t.t, 1, 2)) die("nomemory: a failed");
+    if (gated_launch(a, gate_a, 1) || am_cuq_wait_timeline(a.q, t.t, 1, 2))
+        die("nomemory: a failed");
     atomic_store(&refuse_allocs, 1);
     if (am_cuq_finish(a.q, 2, t.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED) != -1)
         die("nomemory: a wait's end was held without memory");
     am_cuq_stats(a.q, stats);
     if (stats[6]) die("nomemory: part of a command that could not be held stayed held");
     if (launch(a, NULL, 2, 2)) die("nomemory: the value given back was refused");
+    atomic_store((_Atomic uint64_t *)gate_a, 1);
     reach(a.t, 2, "nomemory: a command given back held up the queue's next one");
     if (am_cuq_error(a.q, &at)) die("nomemory: a command given back failed its queue");
     /* b: a wait for a signal none submitted yet (held, a kick registered) that cannot be
@@ -2887,6 +2918,7 @@ static void check_nomemory(void) {
     }
     free(gate);
     free(gate_d);
+    free(gate_a);
     puts("ok nomemory");
 }
 
@@ -3065,7 +3097,7 @@ static void check_refencekept(void) {
     atomic_store(&refuse_more_code, OUT_OF_MEMORY);  /* the fence's: tried again */
     atomic_store(&refuse_more, 1);  /* command 2's end, and its fence */
     atomic_store(&refuse_records, f.s);
-    atomic_store(&record_ns, 100000000);  /* the fence tried again: 100 ms in the driver */
+    atomic_store(&record_gate_on, f.s);  /* the fence tried again: in the driver until let go */
     if (am_cuq_finish(f.q, 2, NULL, 0, 0, CU_FINISH_PLAIN) != 1)
         die("refencekept: the refusal was not reported");
     for (int64_t deadline = now_ns() + 5000000000LL; !atomic_load(&records_in_driver);)
@@ -3076,8 +3108,8 @@ static void check_refencekept(void) {
     int kept = cuq_unfence(f.q, 2, &op);
     pthread_mutex_unlock(&f.q->mu);
     if (!kept) die("refencekept: the signal was not kept for the fence");
+    atomic_store(&record_gate_on, NULL);
     reach(f.t, UINT64_MAX, "refencekept: the queue never settled");
-    atomic_store(&record_ns, 0);
     reach(t.t, UINT64_MAX, "refencekept: the kept signal's timeline never failed");
     refusals_off();
     queue_free(f, 0);
@@ -3296,11 +3328,15 @@ static void check_fencegone(void) {
 
 static void check_handsignal(void) {
     int released = atomic_exchange(&release_syncs, 0);  /* (as check_foreign) */
-    static kernel slow = {0, 100000000, NULL, 0}, after_w = {0, 0, NULL, 1};
+    static kernel after_w = {0, 0, NULL, 1};
     fake_queue s = queue_bounded(1), w = queue_new(), b = queue_new();
     after_w.check = w.s;
     free_timeline t = free_timeline_new();
-    if (launch(s, &slow, 1, 1) || signal_free(s, t, 1, 2)) die("handsignal: s failed at once");
+    /* s's command 1 waits for a gate, raised once both waits below were asked for: its
+     * signal stays held on the host until handed over here (s's thread would hand it
+     * over once command 1 ran) */
+    uint64_t *gate = calloc(1, sizeof(uint64_t));
+    if (gated_launch(s, gate, 1) || signal_free(s, t, 1, 2)) die("handsignal: s failed at once");
     if (wait_held(w, t.t, 1, 1) || launch(w, NULL, 7, 2))
         die("handsignal: w failed at once");
     int call = -1;
@@ -3309,6 +3345,7 @@ static void check_handsignal(void) {
     if (am_cuq_hand_over(s.q, 2)) die("handsignal: the held signal was not handed over");
     if (am_cuq_wait_foreign(w.q, (void *)1, b.s, 2, &call) || call != CU_WAIT_EVENT)
         die("handsignal: once the signal was handed over, the stream did not wait on the event");
+    atomic_store((_Atomic uint64_t *)gate, 1);
     if (launch(b, &after_w, 1, 1)) die("handsignal: b's launch failed");
     reach(b.t, 1, "handsignal: the consumer's stream never got past its wait");
     reach(w.t, 2, "handsignal: w never finished");
@@ -3317,6 +3354,7 @@ static void check_handsignal(void) {
     queue_free(w, 0);
     queue_free(b, 0);
     free_timeline_free(t);
+    free(gate);
     atomic_store(&release_syncs, released);
     puts("ok handsignal");
 }
@@ -3589,14 +3627,15 @@ static void discard_while_draining(int where, am_cuq *q) {
  * then discards again, so the wait goes too (its kick with it) and f settles, failed
  * from 2. (Before, the wait stayed held for good and f never settled.) */
 static void check_discarddrain(void) {
-    static kernel slow = {0, 20000000, NULL, 0};  /* 20 ms: the wait is held behind it */
     fake_queue f = queue_bounded(1);
     free_timeline t = free_timeline_new();
+    uint64_t *gate = calloc(1, sizeof(uint64_t));  /* the wait is held behind it */
     atomic_store(&discard_at_drain, f.q);
     atomic_store(&test_hook, discard_while_draining);
-    if (launch(f, &slow, 1, 1) || wait_held(f, t.t, 1, 2) ||
+    if (gated_launch(f, gate, 1) || wait_held(f, t.t, 1, 2) ||
         launch(f, NULL, 3, 3))
         die("discarddrain: f failed at once");
+    atomic_store((_Atomic uint64_t *)gate, 1);
     reach(f.t, 1, "discarddrain: the first kernel never ran");
     reach(f.t, UINT64_MAX, "discarddrain: the discarded queue never settled (its wait kept)");
     atomic_store(&test_hook, NULL);
@@ -3625,6 +3664,7 @@ static void check_discarddrain(void) {
         die("discarddrain: the wait put back held was not dropped");
     queue_free(f, 0);
     free_timeline_free(t);
+    free(gate);
     puts("ok discarddrain");
 }
 
@@ -3888,10 +3928,9 @@ static void check_confirmedfirst(void) {
     fake_queue a = queue_new(), b = queue_new(), c = queue_new();
     free_timeline gate = free_timeline_new();
     static kernel slow = {0, 20000000, NULL, 0}, cslow = {0, 300000000, NULL, 0};
+    hold_next(a);
     if (launch(a, &slow, 1, 1)) die("confirmedfirst: a");
-    pthread_mutex_lock(&a.q->mu);
-    atomic_store(&held, a.q->ring[a.q->head].event);
-    pthread_mutex_unlock(&a.q->mu);
+    check_held(a, "confirmedfirst: (setup) a's launch is not the command held");
     if (wait_free(a, gate, 1, 2)) die("confirmedfirst: a2");
     if (launch(c, &cslow, 1, 1) || am_cuq_wait_queue(c.q, a.q, 1, 2) ||
         am_cuq_finish(c.q, 2, a.t, 1, 0, CU_FINISH_PLAIN) || launch(c, NULL, 3, 3))
@@ -3927,6 +3966,18 @@ static void wait_failed(fake_queue f, fake_queue w, int held, const char *what) 
     queue_free(w, 0);
 }
 
+/* Lets the record held in the driver on `arg` (a fake_queue's) go once its queue's
+ * abandoning close has done all it does before waiting for that driver call (the last
+ * of it: its timeline handed over to the end). */
+static void *let_record_go_at_close(void *arg) {
+    fake_queue *f = arg;
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (atomic_load(&f->t->handed) != UINT64_MAX)
+        if (now_ns() > deadline) die("kickmiss: the close never began");
+    atomic_store(&record_gate_on, NULL);
+    return NULL;
+}
+
 /* f abandoned while a kick's thread is inside the driver call of f's command 1's end
  * (popped off held, not yet in the ring): w's wait for f's 1 must fail. */
 static void check_kickmiss(void) {
@@ -3937,15 +3988,16 @@ static void check_kickmiss(void) {
     if (am_cuq_wait_queue(w.q, f.q, 1, 1) || am_cuq_finish(w.q, 1, f.t, 1, 0, CU_FINISH_PLAIN) ||
         launch(w, NULL, 2, 2))
         die("kickmiss: w");
-    atomic_store(&record_ns, 100000000);
+    atomic_store(&record_gate_on, f.s);  /* the end's record: in the driver until let go */
     host_signal h = {t.t, 1};
-    pthread_t thread;
+    pthread_t thread, letter;
     pthread_create(&thread, NULL, signal_from_host, &h);
     int64_t deadline = now_ns() + 10000000000LL;
     while (!atomic_load(&records_in_driver))
         if (now_ns() > deadline) die("kickmiss: the kick never handed the command over");
-    atomic_store(&record_ns, 0);
+    pthread_create(&letter, NULL, let_record_go_at_close, &f);
     am_cuq_close(f.q, 1);
+    pthread_join(letter, NULL);
     pthread_join(thread, NULL);
     wait_failed(f, w, 0, "kickmiss: a wait for a command being handed over when its queue was "
                       "abandoned did not fail");
@@ -4033,20 +4085,24 @@ static void check_closeearly(void) {
 }
 
 /* A timeline only the host signalled (to 1): c's device wait for 3 is made at once,
- * behind a long kernel. a then signals it to 2 (its write behind a shorter kernel), and
- * the timeline's device closes: the word is released to 2**63 - 1, then a's write
- * stores 2 over it. c's stream must still get past its wait. */
+ * behind a gate. a then signals it to 2 (its write behind a gate of its own), and the
+ * timeline's device closes: the word is released to 2**63 - 1, then a's write (its gate
+ * raised once the close returned) stores 2 over it; c's stream gets to its wait once
+ * a's signal was confirmed (its gate raised then). c's stream must still get past its
+ * wait. */
 static void check_lowered(void) {
     fake_queue a = queue_new(), c = queue_new();
     free_timeline t = free_timeline_new();
-    static kernel a_slow = {0, 30000000, NULL, 0}, c_slow = {0, 150000000, NULL, 0};
+    uint64_t *gates = calloc(2, sizeof(uint64_t)), *a_gate = gates, *c_gate = gates + 1;
     am_timeline_host_signal(t.t, 1, NULL);
-    if (launch(c, &c_slow, 1, 1) || wait_held(c, t.t, 3, 2) ||
+    if (gated_launch(c, c_gate, 1) || wait_held(c, t.t, 3, 2) ||
         launch(c, NULL, 3, 3))
         die("lowered: c");
-    if (launch(a, &a_slow, 1, 1) || signal_free(a, t, 2, 2)) die("lowered: a");
+    if (gated_launch(a, a_gate, 1) || signal_free(a, t, 2, 2)) die("lowered: a");
     am_timeline_close(t.t, 0);  /* its device closed: the word released */
+    atomic_store((_Atomic uint64_t *)a_gate, 1);
     reach(a.t, 2, "lowered: a never ran");
+    atomic_store((_Atomic uint64_t *)c_gate, 1);
     int64_t deadline = now_ns() + 3000000000LL;
     while (am_timeline_value(c.t) < 3)
         if (now_ns() > deadline)
@@ -4055,6 +4111,7 @@ static void check_lowered(void) {
     queue_free(a, 0);
     queue_free(c, 0);
     free_timeline_free(t);
+    free(gates);
 }
 
 /* a fails (a held command refused) while an earlier command of it waits on a gate; a
