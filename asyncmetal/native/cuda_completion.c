@@ -225,6 +225,113 @@ int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command) {
     return 0;
 }
 
+/* Record with q that its command `command` waits on the device for value `target` of
+ * `other` (handed to the driver, or about to be: before the command's end is), for its
+ * thread to check before confirming that command (cuq_check_waiting). With no memory
+ * for the record, nothing is checked: other's thread alone fails q, through its waiters,
+ * once it confirms what failed. Not under any queue's mu. */
+void cuq_waiting(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command) {
+    am_cuwaiter *w = malloc(sizeof *w);
+    if (!w) return;
+    atomic_fetch_add(&other->refs, 1);  /* (cuq_drop_waiting) */
+    pthread_mutex_lock(&q->mu);
+    *w = (am_cuwaiter){q->waiting, other, target, command};
+    q->waiting = w;
+    atomic_fetch_add(&q->nwaiting, 1);
+    pthread_mutex_unlock(&q->mu);
+}
+
+/* Free a list of waiting records taken off their queue, letting go of the queues they
+ * reference. Not under any queue's mu: the last reference frees that queue, which takes
+ * the mu of the queues that wait on it (cuq_drop_waiters). */
+void cuq_drop_waiting(am_cuwaiter *w) {
+    while (w) {
+        am_cuwaiter *next = w->next;
+        cuq_unref(w->q);
+        free(w);
+        w = next;
+    }
+}
+
+/* Before q's thread confirms command `command`, which waited on the device for value
+ * `target` of `other`: if other has, at or below `target`, a device wait on a timeline
+ * no queue owns that it has not confirmed yet (a `waited` entry), for a value that
+ * timeline has failed for already, other's thread will fail other from that wait on
+ * once it confirms it (cuq_confirm_wait). That is done here now, on its behalf
+ * (cuq_poison is done once: other's own confirmation later changes nothing), which
+ * fails q from `command` on through other's waiters -- the value q waited for will
+ * never be produced, whichever thread sees its event first. And if other is failing
+ * from `target` or before already (poisoned: maybe by its own thread, which is still
+ * on its way to q through other's waiters), q fails from `command` on now too. So q
+ * does not confirm the command as a success, nor raise other's timeline for it. One
+ * level only: a wait of other on a third queue, which that queue's failed wait fails,
+ * is checked once other's own thread confirms it (or q's wait on that queue, if any).
+ * A failure recorded only after this look is the other thread's to pass on, as
+ * before. Not under any queue's mu (other's, then t's, are taken here). */
+static void cuq_check_waited_on(am_cuq *q, am_cuq *other, uint64_t target,
+                                uint64_t command) {
+    int found = 0, error = 0;
+    uint64_t from = 0, value = 0;
+    am_timeline *cause = NULL;
+    pthread_mutex_lock(&other->mu);
+    uint64_t seen = atomic_load(&other->timeline->value);
+    /* Closed (its entries may be gone, its close failed its waiters already), or past
+     * `target` (confirmed: the value was produced). */
+    if (other->stop == 2 || (seen != UINT64_MAX && seen >= target)) {
+        pthread_mutex_unlock(&other->mu);
+        return;
+    }
+    for (size_t i = 0; i < other->count && !found; i++) {
+        const am_cuentry *e = &other->ring[(other->head + i) % other->cap];
+        if (!e->waited || !e->extra || e->value > target) continue;
+        /* (t->mu under other->mu, as cuq_poison does; the entry's reference keeps t
+         * while it is in the ring) */
+        am_timeline *t = e->extra;
+        pthread_mutex_lock(&t->mu);
+        if (timeline_failed_for(t, e->extra_value)) {
+            found = 1;
+            from = e->value;
+            error = t->fail_error;
+            value = t->fail_value;
+            cause = t->fail_cause;
+        }
+        pthread_mutex_unlock(&t->mu);
+    }
+    pthread_mutex_unlock(&other->mu);
+    if (found) cuq_poison(other, from, error, value, cause);
+    pthread_mutex_lock(&other->mu);
+    seen = atomic_load(&other->timeline->value);
+    int failing = other->stop != 2 && other->poisoned && target >= other->poisoned &&
+                  (seen == UINT64_MAX || seen < target);
+    if (failing) cuq_cause(other, &error, &value, &cause);
+    pthread_mutex_unlock(&other->mu);
+    if (failing) cuq_poison(q, command, error, value, cause);
+}
+
+/* q's thread is about to confirm command `value` (its event says done): the records of
+ * q's waits on other queues' values made by the commands up to it go, each checked first
+ * (cuq_check_waited_on). Not under mu. */
+static void cuq_check_waiting(am_cuq *q, uint64_t value) {
+    if (!atomic_load(&q->nwaiting)) return;
+    am_cuwaiter *taken = NULL;
+    pthread_mutex_lock(&q->mu);
+    for (am_cuwaiter **p = &q->waiting; *p;) {
+        am_cuwaiter *w = *p;
+        if (w->command <= value) {
+            *p = w->next;
+            w->next = taken;
+            taken = w;
+            atomic_fetch_sub(&q->nwaiting, 1);
+        } else {
+            p = &w->next;
+        }
+    }
+    pthread_mutex_unlock(&q->mu);
+    for (am_cuwaiter *w = taken; w; w = w->next)
+        cuq_check_waited_on(q, w->q, w->target, w->command);
+    cuq_drop_waiting(taken);
+}
+
 /* q's commands from `first` on (0: none) never run: abandoned by am_cuq_close (`error`
  * AM_ABANDONED), or never given to it before it closed (AM_CLOSED). It fails from there,
  * for the device waits on those values made from now on (stream_wait_queue). Under mu,
@@ -651,10 +758,15 @@ static void *cuq_stop(am_cuq *q) {
     /* (abandoned with a signal kept for a fence: left as its signals in flight are) */
     if (q->unfenced_extra) timeline_unref(q->unfenced_extra);
     q->unfenced_extra = NULL;
+    /* Its waits on other queues' values are checked no more (nothing is confirmed). */
+    am_cuwaiter *waiting = q->waiting;
+    q->waiting = NULL;
+    atomic_store(&q->nwaiting, 0);
     q->exited = 1;
     int orphan = q->orphan;
     pthread_cond_broadcast(&q->cv);
     pthread_mutex_unlock(&q->mu);
+    cuq_drop_waiting(waiting);  /* (before the orphan's last reference of q goes) */
     if (orphan) cuq_unref(q);
     return NULL;
 }
@@ -876,6 +988,7 @@ static void *cuq_run(void *arg) {
                 q->quick = 0;
             }
         }
+        if (!r) cuq_check_waiting(q, e.value);
         if (!r && e.waited) cuq_confirm_wait(q, &e);
         pthread_mutex_lock(&q->mu);
         if (q->count == 0 || q->stop == 2) {  /* abandoned (am_cuq_close) meanwhile */

@@ -53,6 +53,7 @@ void cuq_drop_waiters(am_cuq *q) { cuq_abandon_waiters(q, 0); }
 
 static void cuq_free(am_cuq *q) {
     cuq_drop_waiters(q);
+    cuq_drop_waiting(q->waiting);  /* (none left: its thread dropped them as it stopped) */
     timeline_unref(q->timeline);  /* (am_cuq_new) */
     pthread_mutex_destroy(&q->mu);
     pthread_cond_destroy(&q->cv);

@@ -197,6 +197,15 @@ struct am_cuq {
      * one, through any chain of waits). */
     struct am_cuwaiter *waiters;
     uint64_t poisoned;
+    /* This queue's own device waits on other queues' values, handed to the driver and
+     * not yet confirmed (each record's q: the queue waited for, referenced; under mu;
+     * nwaiting: how many, read without the lock). Its thread, before confirming the
+     * command of such a wait, checks what the other queue will fail at when its own
+     * thread confirms an earlier device wait (cuda_completion.c, cuq_check_waiting): a
+     * wait confirmed here first would otherwise pass, and confirm the other queue's
+     * value, although the value it waited for is known never to be produced. */
+    struct am_cuwaiter *waiting;
+    atomic_int nwaiting;
     /* From which command on the data operations (launches, copies, fills) and signals'
      * word writes are not handed to the driver -- they pass, with only their events
      * recorded, and fail once confirmed (poisoned) -- because a wait of that command,
@@ -226,7 +235,8 @@ typedef struct am_culend {
 } am_culend;
 
 /* A device wait of queue q (part of its command `command`) for value `target` of the
- * queue holding this record, which references q. */
+ * queue holding this record, which references q. (In a queue's `waiting`, the other way
+ * round: the holder's wait, of its command `command`, for value `target` of q.) */
 typedef struct am_cuwaiter {
     struct am_cuwaiter *next;
     struct am_cuq *q;
@@ -356,6 +366,8 @@ AM_HIDDEN void cuq_settle(am_cuq *q);
 AM_HIDDEN void cuq_drop_refused(am_cuq *q, am_cuop *op, int error, uint64_t value);
 AM_HIDDEN void cuq_unkick(am_cuq *q, am_timeline *kick_on);
 AM_HIDDEN int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command);
+AM_HIDDEN void cuq_waiting(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command);
+AM_HIDDEN void cuq_drop_waiting(am_cuwaiter *w);
 AM_HIDDEN void cuq_mark_failed(am_cuq *q, uint64_t first, int error);
 AM_HIDDEN void cuq_abandon_waiters(am_cuq *q, uint64_t first);
 AM_HIDDEN uint64_t cuq_failed_at(const am_cuq *q);

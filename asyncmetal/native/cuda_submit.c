@@ -292,8 +292,13 @@ static int stream_wait_queue(void *stream, am_cuq *other, uint64_t value, am_cuq
         pthread_mutex_unlock(&other->mu);
         return abandoned ? 0 : CU_DEFERRED;
     }
+    /* A queue's wait, recorded with other: recorded with q too, for q's thread to check
+     * other before confirming the command (cuq_waiting), once other's lock is let go
+     * (never a queue's mu under another's), before the command's end is handed over. */
+    int waiting = q && !abandoned;
     if (value > other->submitted) {
         pthread_mutex_unlock(&other->mu);
+        if (waiting) cuq_waiting(q, other, value, command);
         *call = CU_WAIT64;
         return ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WAIT64])(
             stream, (void *)other->word, value, 0x0 /* CU_STREAM_WAIT_VALUE_GEQ */);
@@ -311,6 +316,7 @@ static int stream_wait_queue(void *stream, am_cuq *other, uint64_t value, am_cuq
         }
     }
     pthread_mutex_unlock(&other->mu);
+    if (waiting) cuq_waiting(q, other, value, command);
     if (lend.event) {
         r = ((int (*)(void *, void *, unsigned))cu_funcs[CU_WAIT_EVENT])(stream, lend.event, 0);
         pthread_mutex_lock(&other->mu);
