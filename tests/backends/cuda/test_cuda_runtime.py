@@ -58,6 +58,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "poisonlater"),
         *("ok", "failedqueue"),
         *("ok", "poisonheld"),
+        *("ok", "waitrace"),
         *("ok", "signal"),
         *("ok", "signalrecord"),
         *("ok", "nomemory"),

@@ -2106,6 +2106,47 @@ static void check_waitedfreed(void) {
     puts("ok waitedfreed");
 }
 
+/* A queue's device wait on another queue's command, confirmed by its own thread before
+ * the other queue's thread confirmed a device wait of its own, before that command, on
+ * a timeline no queue owns -- which had failed by then (recorded before the word was
+ * raised to release the device waits): the wait for a value never produced fails the
+ * waiting queue from there, with the failure it came to, as when the other queue's
+ * thread confirms its wait first (poisonheld), rather than pass as a success and raise
+ * the other queue's timeline past its failed wait. a: command 1 waits on the device for
+ * t (its event held: a's thread sees it unfinished), command 2 launches; b: command 1
+ * waits for a's 2, command 2 launches. */
+static void check_waitrace(void) {
+    fake_queue a = queue_new(), b = queue_new();
+    free_timeline t = free_timeline_new();
+    am_timeline *cause = am_timeline_new();
+    uint64_t at = 0, value = 0;
+    int error = 0;
+    hold_next(a);
+    if (wait_free(a, t, 1, 1) || launch(a, NULL, 1, 2)) die("waitrace: a failed at once");
+    check_held(a, "waitrace: (setup) a's wait is not the command held");
+    if (wait_queue(b, a, 2, 1) || launch(b, NULL, 1, 2)) die("waitrace: b failed at once");
+    am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (atomic_load(&b.q->pending))  /* b's thread saw both its commands end */
+        if (now_ns() > deadline) die("waitrace: b's thread never saw its commands end");
+    if (am_timeline_value(a.t) >= 2)
+        die("waitrace: b's wait raised a's timeline past a's failed wait");
+    if (am_timeline_value(b.t) != UINT64_MAX || am_cuq_error(b.q, &at) != CU_WAITED_FAILED ||
+        at != 1 || am_cuq_cause(b.q, &error, &value) != cause || error != ILLEGAL_ADDRESS ||
+        value != 7)
+        die("waitrace: b's wait for a value never produced was confirmed as a success");
+    let_held_go(a, "waitrace: a's thread never saw its wait");
+    reach(a.t, UINT64_MAX, "waitrace: a never settled");
+    if (am_cuq_error(a.q, &at) != CU_WAITED_FAILED || at != 1 ||
+        am_cuq_cause(a.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
+        die("waitrace: a did not fail from its wait, naming the failure");
+    queue_free(a, 0);
+    queue_free(b, 0);
+    free_timeline_free(t);
+    am_timeline_free(cause);
+    puts("ok waitrace");
+}
+
 /* The same for a timeline a queue's command signals: another queue that waited for the
  * command confirms it first and raises the first queue's timeline past it, after which
  * Python lets go of the signalled timeline (the queue's keep-alive held it until then)
@@ -4184,6 +4225,7 @@ int main(void) {
     check_poisonlater();
     check_failedqueue();
     check_poisonheld();
+    check_waitrace();
     check_signal();
     check_signalrecord();
     check_nomemory();
