@@ -1512,6 +1512,18 @@ static void check_near(void) {
     puts("ok near");
 }
 
+/* Whether q failed from its command 1 on with `code` (CU_HELD_FAILED: a wait held on
+ * the host found the value failed; CU_WAITED_FAILED: a wait on the device was for a value
+ * never produced), naming the failure behind it: ILLEGAL_ADDRESS at value 7 of `cause`,
+ * as the checks below fail their timelines. */
+static int fails_from_first(fake_queue q, int code, am_timeline *cause) {
+    uint64_t at = 0, value = 0;
+    int error = 0;
+    return am_cuq_error(q.q, &at) == code && at == 1 &&
+           am_cuq_cause(q.q, &error, &value) == (void *)cause && error == ILLEGAL_ADDRESS &&
+           value == 7;
+}
+
 /* Wait up to 10 s for a timeline to reach a value. */
 static void reach(am_timeline *t, uint64_t value, const char *what) {
     int64_t deadline = now_ns() + 10000000000LL;
@@ -1554,8 +1566,7 @@ static void check_skipsignal(void) {
         if (memory[i]) die("skipsignal: a fill behind a passed signal wrote its memory");
     uint64_t at = 0, value = 0;
     int error = 0;
-    if (am_cuq_error(b.q, &at) != CU_HELD_FAILED || at != 1 ||
-        am_cuq_cause(b.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
+    if (!fails_from_first(b, CU_HELD_FAILED, cause))
         die("skipsignal: b does not fail from its wait, naming the host timeline's failure");
     reach(a.t, UINT64_MAX, "skipsignal: a never settled");
     reach(c.t, 2, "skipsignal: c's wait for a's signal in flight never ended");
@@ -1644,7 +1655,7 @@ static void fail_in(const char *check, const char *what) {
 static void held_behind_failed_signal(const char *check, fake_queue q, fake_queue r,
                                       free_timeline t, am_timeline *cause, uint64_t *q_gate) {
     int error = 0;
-    uint64_t at = 0, value = 0;
+    uint64_t value = 0;
     am_timeline *by = NULL;
     uint64_t *r_gate = calloc(1, sizeof(uint64_t));
     if (am_cuq_wait(r.q, r_gate, 1, 1) || wait_held(r, t.t, 1, 1) ||
@@ -1657,8 +1668,7 @@ static void held_behind_failed_signal(const char *check, fake_queue q, fake_queu
         if (now_ns() > deadline) fail_in(check, "q or r never settled");
     if (atomic_load(&r.s->ran))
         fail_in(check, "a kernel behind a wait for a signal known to fail launched");
-    if (am_cuq_error(r.q, &at) != CU_HELD_FAILED || at != 1 ||
-        am_cuq_cause(r.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
+    if (!fails_from_first(r, CU_HELD_FAILED, cause))
         fail_in(check, "r does not fail from its wait, naming t0's failure");
     if (am_timeline_failure(t.t, &error, &value, &by) != 1 || by != cause)
         fail_in(check, "t does not fail from 1, naming t0's failure");
@@ -1745,7 +1755,7 @@ static void check_poisonlater(void) {
         die("poisonlater: q failed at once");
     am_timeline_fail(hgate, 1, ILLEGAL_ADDRESS, 5, cause);
     int error = 0;
-    uint64_t at = 0, value = 0;
+    uint64_t value = 0;
     am_timeline *by = NULL;
     int64_t deadline = now_ns() + 10000000000LL;
     while (am_timeline_failure(t.t, &error, &value, &by) != 2)
@@ -1767,8 +1777,7 @@ static void check_poisonlater(void) {
     reach(r.t, UINT64_MAX, "poisonlater: r never settled");
     if (atomic_load(&r.s->ran))
         die("poisonlater: a kernel behind a wait for a signal known to fail launched");
-    if (am_cuq_error(r.q, &at) != CU_HELD_FAILED || at != 1 ||
-        am_cuq_cause(r.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
+    if (!fails_from_first(r, CU_HELD_FAILED, cause))
         die("poisonlater: r does not fail from its wait, naming t0's failure");
     if (am_timeline_failure(t.t, &error, &value, &by) != 1 || by != cause || value != 7)
         die("poisonlater: t does not fail from 1, naming t0's failure");
@@ -1794,8 +1803,7 @@ static void check_failedqueue(void) {
     if (wait_free(a, t, 1, 1) || launch(a, NULL, 1, 2)) die("failedqueue: a failed at once");
     am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
     reach(a.t, UINT64_MAX, "failedqueue: a never settled");
-    uint64_t at = 0, value = 0;
-    int error = 0;
+    uint64_t at = 0;
     if (am_cuq_error(a.q, &at) != CU_WAITED_FAILED || at != 1)
         die("failedqueue: a did not fail from its wait");
     /* b waits for a's failed command 2, then launches; its stream first waits for a
@@ -1808,8 +1816,7 @@ static void check_failedqueue(void) {
     atomic_store((_Atomic uint64_t *)gate, 1);
     reach(b.t, UINT64_MAX, "failedqueue: b never settled");
     if (atomic_load(&b.s->ran)) die("failedqueue: a kernel behind a wait for a failed command ran");
-    if (am_cuq_error(b.q, &at) != CU_HELD_FAILED || at != 1 ||
-        am_cuq_cause(b.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
+    if (!fails_from_first(b, CU_HELD_FAILED, cause))
         die("failedqueue: b did not fail from its wait, naming the failure it came to");
     queue_free(a, 0);
     queue_free(b, 0);
@@ -1827,7 +1834,7 @@ static void check_poisonheld(void) {
     fake_queue a = queue_new(), b = queue_bounded(1);
     free_timeline t = free_timeline_new();
     am_timeline *cause = am_timeline_new();
-    uint64_t *gate = calloc(1, sizeof(uint64_t)), at = 0, value = 0;
+    uint64_t *gate = calloc(1, sizeof(uint64_t)), value = 0;
     int error = 0;
     if (wait_free(a, t, 1, 1) || gated_launch(a, gate, 2)) die("poisonheld: a failed at once");
     if (am_cuq_wait_queue(b.q, a.q, 2, 1) || am_cuq_finish(b.q, 1, NULL, 0, 0, CU_FINISH_PLAIN) ||
@@ -1845,8 +1852,7 @@ static void check_poisonheld(void) {
     reach(b.t, UINT64_MAX, "poisonheld: b never settled");
     if (atomic_load(&a.s->ran) != 1) die("poisonheld: a's kernel handed over did not run");
     if (atomic_load(&b.s->ran)) die("poisonheld: a kernel held behind a failed wait ran");
-    if (am_cuq_error(b.q, &at) != CU_WAITED_FAILED || at != 1 ||
-        am_cuq_cause(b.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
+    if (!fails_from_first(b, CU_WAITED_FAILED, cause))
         die("poisonheld: b did not fail from its wait, naming the failure it came to");
     queue_free(a, 0);
     queue_free(b, 0);
@@ -2119,8 +2125,6 @@ static void check_waitrace(void) {
     fake_queue a = queue_new(), b = queue_new();
     free_timeline t = free_timeline_new();
     am_timeline *cause = am_timeline_new();
-    uint64_t at = 0, value = 0;
-    int error = 0;
     hold_next(a);
     if (wait_free(a, t, 1, 1) || launch(a, NULL, 1, 2)) die("waitrace: a failed at once");
     check_held(a, "waitrace: (setup) a's wait is not the command held");
@@ -2131,14 +2135,11 @@ static void check_waitrace(void) {
         if (now_ns() > deadline) die("waitrace: b's thread never saw its commands end");
     if (am_timeline_value(a.t) >= 2)
         die("waitrace: b's wait raised a's timeline past a's failed wait");
-    if (am_timeline_value(b.t) != UINT64_MAX || am_cuq_error(b.q, &at) != CU_WAITED_FAILED ||
-        at != 1 || am_cuq_cause(b.q, &error, &value) != cause || error != ILLEGAL_ADDRESS ||
-        value != 7)
+    if (am_timeline_value(b.t) != UINT64_MAX || !fails_from_first(b, CU_WAITED_FAILED, cause))
         die("waitrace: b's wait for a value never produced was confirmed as a success");
     let_held_go(a, "waitrace: a's thread never saw its wait");
     reach(a.t, UINT64_MAX, "waitrace: a never settled");
-    if (am_cuq_error(a.q, &at) != CU_WAITED_FAILED || at != 1 ||
-        am_cuq_cause(a.q, &error, &value) != cause || error != ILLEGAL_ADDRESS || value != 7)
+    if (!fails_from_first(a, CU_WAITED_FAILED, cause))
         die("waitrace: a did not fail from its wait, naming the failure");
     queue_free(a, 0);
     queue_free(b, 0);
