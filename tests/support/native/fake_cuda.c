@@ -2130,9 +2130,10 @@ static void check_waitrace(void) {
     check_held(a, "waitrace: (setup) a's wait is not the command held");
     if (wait_queue(b, a, 2, 1) || launch(b, NULL, 1, 2)) die("waitrace: b failed at once");
     am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
-    int64_t deadline = now_ns() + 10000000000LL;
-    while (atomic_load(&b.q->pending))  /* b's thread saw both its commands end */
-        if (now_ns() > deadline) die("waitrace: b's thread never saw its commands end");
+    /* b's thread saw both its commands end, and raised its timeline for them: to 2 had
+     * they passed, to UINT64_MAX as it settled failed (after its count of pending
+     * commands fell to 0) */
+    reach(b.t, 2, "waitrace: b's thread never saw its commands end");
     if (am_timeline_value(a.t) >= 2)
         die("waitrace: b's wait raised a's timeline past a's failed wait");
     if (am_timeline_value(b.t) != UINT64_MAX || !fails_from_first(b, CU_WAITED_FAILED, cause))
