@@ -3298,6 +3298,11 @@ static void check_nocontextkept(void) {
         die("nocontextkept: a submission failed before the thread got to its context");
     kick.fn = keep_at_kick;
     if (!timeline_defer(t.t, AM_WORD_RELEASED, &kick)) die("nocontextkept: the kick came due at once");
+    /* The signal's word write ran on the stream before the thread fails t: landing
+     * between the failure's raise of the word and its look for the kicks due, it would
+     * lower the word (a store), and the kick would not come due. */
+    for (int64_t deadline = now_ns() + 10000000000LL; atomic_load((_Atomic uint64_t *)t.word) != 1;)
+        if (now_ns() > deadline) die("nocontextkept: the signal's word write never ran");
     atomic_store(&start_go, 1);
     reach(f.t, UINT64_MAX, "nocontextkept: the queue never settled");
     reach(t.t, UINT64_MAX, "nocontextkept: the signal in flight never failed");
