@@ -283,7 +283,8 @@ static void cuq_check_waited_on(am_cuq *q, am_cuq *other, uint64_t target,
     }
     for (size_t i = 0; i < other->count && !found; i++) {
         const am_cuentry *e = &other->ring[(other->head + i) % other->cap];
-        if (!e->waited || !e->extra || e->value > target) continue;
+        if (e->value > target) break;  /* (the ring is in command order) */
+        if (!e->waited || !e->extra) continue;
         /* (t->mu under other->mu, as cuq_poison does; the entry's reference keeps t
          * while it is in the ring) */
         am_timeline *t = e->extra;
