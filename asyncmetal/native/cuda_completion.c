@@ -253,6 +253,58 @@ void cuq_drop_waiting(am_cuwaiter *w) {
     }
 }
 
+/* A look through the queues a queue waited on (cuq_check_waited_on), for one command's
+ * confirmation: the queues looked through, each up to the value looked for (a second
+ * look at one, to that value or below, finds nothing new), and how many of their own
+ * waits on further queues may still be followed -- past that (or beyond CU_CHAIN_SEEN
+ * queues, unmarked), a further wait is checked once its own queue's thread confirms it,
+ * as before any look. */
+#define CU_CHAIN_SEEN 32
+#define CU_CHAIN_WAITS 64
+typedef struct {
+    struct {
+        const am_cuq *q;
+        uint64_t target;
+    } seen[CU_CHAIN_SEEN];
+    size_t nseen;
+    size_t left;
+} am_cuchain;
+
+/* Whether other was looked through up to `target` already in this look (then not again);
+ * else marked so. */
+static int chain_seen(am_cuchain *c, const am_cuq *other, uint64_t target) {
+    for (size_t i = 0; i < c->nseen; i++) {
+        if (c->seen[i].q != other) continue;
+        if (c->seen[i].target >= target) return 1;
+        c->seen[i].target = target;
+        return 0;
+    }
+    if (c->nseen < CU_CHAIN_SEEN) {
+        c->seen[c->nseen].q = other;
+        c->seen[c->nseen++].target = target;
+    }
+    return 0;
+}
+
+/* Under other->mu: copies of other's own waits on further queues made by its commands up
+ * to `target` (each referencing its queue), at most c->left of them; *n: how many. */
+static am_cuwaiter *chain_deeper(am_cuchain *c, const am_cuq *other, uint64_t target,
+                                 size_t *n) {
+    *n = 0;
+    if (!c->left || chain_seen(c, other, target)) return NULL;
+    size_t want = 0;
+    for (const am_cuwaiter *w = other->waiting; w; w = w->next) want += w->command <= target;
+    if (want > c->left) want = c->left;
+    am_cuwaiter *deeper = want ? malloc(want * sizeof *deeper) : NULL;
+    for (const am_cuwaiter *w = other->waiting; deeper && w && *n < want; w = w->next)
+        if (w->command <= target) {
+            deeper[(*n)++] = *w;
+            atomic_fetch_add(&w->q->refs, 1);  /* (other's record keeps it until here) */
+        }
+    c->left -= *n;
+    return deeper;
+}
+
 /* Before q's thread confirms command `command`, which waited on the device for value
  * `target` of `other`: if other has, at or below `target`, a device wait on a timeline
  * no queue owns that it has not confirmed yet (a `waited` entry), for a value that
@@ -260,28 +312,33 @@ void cuq_drop_waiting(am_cuwaiter *w) {
  * once it confirms it (cuq_confirm_wait). That is done here now, on its behalf
  * (cuq_poison is done once: other's own confirmation later changes nothing), which
  * fails q from `command` on through other's waiters -- the value q waited for will
- * never be produced, whichever thread sees its event first. And if other is failing
- * from `target` or before already (poisoned: maybe by its own thread, which is still
- * on its way to q through other's waiters), q fails from `command` on now too. So q
- * does not confirm the command as a success, nor raise other's timeline for it. One
- * level only: a wait of other on a third queue, which that queue's failed wait fails,
- * is checked once other's own thread confirms it (or q's wait on that queue, if any).
- * A failure recorded only after this look is the other thread's to pass on, as
- * before. Not under any queue's mu (other's, then t's, are taken here). */
-static void cuq_check_waited_on(am_cuq *q, am_cuq *other, uint64_t target,
-                                uint64_t command) {
+ * never be produced, whichever thread sees its event first. So is each device wait of
+ * other's own on a further queue, made at or below `target` and not yet confirmed by
+ * other's thread: checked the same way, on other's behalf, through any chain of such
+ * waits (as far as c lets: am_cuchain). And if other is failing from `target` or before
+ * already (poisoned: maybe by its own thread, which is still on its way to q through
+ * other's waiters; or closed, abandoning what it had not confirmed), q fails from
+ * `command` on now too. So q does not confirm the command as a success, nor raise
+ * other's timeline for it. A failure recorded only after this look is the other
+ * thread's to pass on, as before. Not under any queue's mu (other's, then t's, are
+ * taken here). */
+static void cuq_check_waited_on(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command,
+                                am_cuchain *c) {
     int found = 0, error = 0;
     uint64_t from = 0, value = 0;
     am_timeline *cause = NULL;
+    am_cuwaiter *deeper = NULL;
+    size_t ndeeper = 0;
     pthread_mutex_lock(&other->mu);
-    uint64_t seen = atomic_load(&other->timeline->value);
-    /* Closed (its entries may be gone, its close failed its waiters already), or past
-     * `target` (confirmed: the value was produced). */
-    if (other->stop == 2 || (seen != UINT64_MAX && seen >= target)) {
+    /* Closed: its entries may be gone and its timeline freed; its close marked where it
+     * fails from (cuq_mark_failed: past what it confirmed), read below. */
+    int closed = other->stop == 2;
+    uint64_t seen = closed ? 0 : atomic_load(&other->timeline->value);
+    if (!closed && seen != UINT64_MAX && seen >= target) {  /* confirmed: it was produced */
         pthread_mutex_unlock(&other->mu);
         return;
     }
-    for (size_t i = 0; i < other->count && !found; i++) {
+    for (size_t i = 0; !closed && i < other->count && !found; i++) {
         const am_cuentry *e = &other->ring[(other->head + i) % other->cap];
         if (e->value > target) break;  /* (the ring is in command order) */
         if (!e->waited || !e->extra) continue;
@@ -298,12 +355,24 @@ static void cuq_check_waited_on(am_cuq *q, am_cuq *other, uint64_t target,
         }
         pthread_mutex_unlock(&t->mu);
     }
+    if (!closed) deeper = chain_deeper(c, other, target, &ndeeper);
     pthread_mutex_unlock(&other->mu);
     if (found) cuq_poison(other, from, error, value, cause);
+    for (size_t i = 0; i < ndeeper; i++) {
+        cuq_check_waited_on(other, deeper[i].q, deeper[i].target, deeper[i].command, c);
+        cuq_unref(deeper[i].q);
+    }
+    free(deeper);
     pthread_mutex_lock(&other->mu);
-    seen = atomic_load(&other->timeline->value);
-    int failing = other->stop != 2 && other->poisoned && target >= other->poisoned &&
+    int failing;
+    if (other->stop == 2) {
+        uint64_t failed = cuq_failed_at(other);
+        failing = failed && target >= failed;
+    } else {
+        seen = atomic_load(&other->timeline->value);
+        failing = other->poisoned && target >= other->poisoned &&
                   (seen == UINT64_MAX || seen < target);
+    }
     if (failing) cuq_cause(other, &error, &value, &cause);
     pthread_mutex_unlock(&other->mu);
     if (failing) cuq_poison(q, command, error, value, cause);
@@ -328,8 +397,9 @@ static void cuq_check_waiting(am_cuq *q, uint64_t value) {
         }
     }
     pthread_mutex_unlock(&q->mu);
+    am_cuchain chain = {.nseen = 0, .left = CU_CHAIN_WAITS};
     for (am_cuwaiter *w = taken; w; w = w->next)
-        cuq_check_waited_on(q, w->q, w->target, w->command);
+        cuq_check_waited_on(q, w->q, w->target, w->command, &chain);
     cuq_drop_waiting(taken);
 }
 

@@ -800,6 +800,7 @@ void am_cuq_close(am_cuq *q, int abandon) {
     if (abandon) {
         pthread_mutex_unlock(&q->mu);
         host_signalled();  /* wake it if it naps */
+        cuq_test_hook(CU_HOOK_ABANDONING, q);
         cuq_abandon_waiters(q, first);  /* it settles nothing now: their waits fail */
         /* What it held never comes: other queues' waits held for it go on, and wait for
          * nothing (stream_wait_queue), as waits for its commands in flight do. */

@@ -2149,6 +2149,130 @@ static void check_waitrace(void) {
     puts("ok waitrace");
 }
 
+/* waitrace one level further: b's wait on a's command 3, behind a's wait (command 2) on
+ * c's command 2, behind c's device wait (command 1) on a free timeline t that failed.
+ * c's thread is held (it has not confirmed its failed wait), a's thread is stopped after
+ * its command 1 (a hook), b's thread confirms first: b's check of a finds no `waited`
+ * entry of a's (a's wait is on a queue) and a not poisoned, so b's wait passes and
+ * raises a's timeline past a wait for a value never produced -- unless b's look follows
+ * a's own waits (cuq_check_waited_on). */
+static fake_queue waitrace2_a;
+static atomic_int waitrace2_in, waitrace2_go;
+static void waitrace2_hook(int where, am_cuq *q) {
+    if (where != CU_HOOK_CONFIRMED || q != waitrace2_a.q || atomic_exchange(&waitrace2_in, 1))
+        return;
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!atomic_load(&waitrace2_go) && now_ns() < deadline) sched_yield();
+}
+
+static void check_waitrace2(void) {
+    fake_queue a = queue_new(), b = queue_new(), c = queue_new();
+    free_timeline t = free_timeline_new();
+    am_timeline *cause = am_timeline_new();
+    waitrace2_a = a;
+    atomic_store(&waitrace2_in, 0);
+    atomic_store(&waitrace2_go, 0);
+    atomic_store(&test_hook, waitrace2_hook);
+    if (launch(a, NULL, 1, 1)) die("waitrace2: a's launch");
+    for (int64_t deadline = now_ns() + 10000000000LL; !atomic_load(&waitrace2_in);)
+        if (now_ns() > deadline) die("waitrace2: (setup) a's thread never confirmed its first");
+    hold_next(c);
+    if (wait_free(c, t, 1, 1) || launch(c, NULL, 1, 2)) die("waitrace2: c failed at once");
+    check_held(c, "waitrace2: (setup) c's wait is not the command held");
+    if (wait_queue(a, c, 2, 2) || launch(a, NULL, 1, 3)) die("waitrace2: a failed at once");
+    if (wait_queue(b, a, 3, 1) || launch(b, NULL, 1, 2)) die("waitrace2: b failed at once");
+    am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
+    reach(b.t, 2, "waitrace2: b's thread never saw its commands end");
+    if (am_timeline_value(a.t) >= 3)
+        die("waitrace2: b's wait raised a's timeline past a's wait on c's failed value");
+    if (am_timeline_value(b.t) != UINT64_MAX || !fails_from_first(b, CU_WAITED_FAILED, cause))
+        die("waitrace2: b's wait for a value never produced was confirmed as a success");
+    atomic_store(&waitrace2_go, 1);
+    let_held_go(c, "waitrace2: c's thread never saw its wait");
+    reach(a.t, UINT64_MAX, "waitrace2: a never settled");
+    atomic_store(&test_hook, NULL);
+    queue_free(a, 0);
+    queue_free(b, 0);
+    queue_free(c, 0);
+    free_timeline_free(t);
+    am_timeline_free(cause);
+    puts("ok waitrace2");
+}
+
+/* A queue waited on is abandoned (closed at once) before its thread confirmed a command
+ * that runs on the device only then (its stream let go: here a gate raised), so b's
+ * device wait on it passes, and b's thread may see b's commands end before the closer
+ * fails a's waiters (cuq_abandon_waiters, which leaves a command confirmed already).
+ * b's look at a (closed, stop 2) must fail b then too, from its wait on (AM_ABANDONED at
+ * a's first command), as the closer would have: the closer is held at that point (a
+ * hook) until b's thread raised b's timeline for its commands. */
+static fake_queue abandonrace_a, abandonrace_b;
+static uint64_t *abandonrace_gate;
+static void abandonrace_hook(int where, am_cuq *q) {
+    if (where != CU_HOOK_ABANDONING || q != abandonrace_a.q) return;
+    atomic_store((_Atomic uint64_t *)abandonrace_gate, 1);
+    reach(abandonrace_b.t, 2, "abandonrace: b's thread never saw its commands end");
+}
+
+static void check_abandonrace(void) {
+    fake_queue a = queue_new(), b = queue_new();
+    uint64_t *gate = calloc(1, sizeof(uint64_t));  /* raised once a is abandoned */
+    abandonrace_gate = gate;
+    abandonrace_a = a;
+    abandonrace_b = b;
+    if (gated_launch(a, gate, 1)) die("abandonrace: a failed at once");
+    if (wait_queue(b, a, 1, 1) || launch(b, NULL, 1, 2)) die("abandonrace: b failed at once");
+    atomic_store(&test_hook, abandonrace_hook);
+    am_cuq_close(a.q, 1);
+    atomic_store(&test_hook, NULL);
+    uint64_t at = 0, value = 0;
+    int error = 0;
+    if (am_timeline_value(b.t) != UINT64_MAX || am_cuq_error(b.q, &at) != CU_WAITED_FAILED ||
+        at != 1)
+        die("abandonrace: b's wait on a's abandoned command was confirmed as a success");
+    if (am_cuq_cause(b.q, &error, &value) != (void *)a.t || error != AM_ABANDONED || value != 1)
+        die("abandonrace: b's failure does not name a's abandoned command");
+    stream_free(a.s, 1);
+    am_timeline_free(a.t);
+    free(a.word);
+    queue_free(b, 0);
+    free(gate);
+    puts("ok abandonrace");
+}
+
+/* waitrace while a, the queue waited for, is abandoned (closed) at once, over many
+ * rounds: b's thread checks a (its record's reference keeps a) as a's close frees what
+ * it can (for the sanitizers), and b's wait never passes as a success -- whether b's
+ * look finds a's failed wait, or a closed (stop 2) before the closer failed a's waiters
+ * (abandonrace). */
+static void check_waitraceclose(void) {
+    int passed = 0, rounds = 300;
+    for (int i = 0; i < rounds; i++) {
+        fake_queue a = queue_new(), b = queue_new();
+        free_timeline t = free_timeline_new();
+        am_timeline *cause = am_timeline_new();
+        if (wait_free(a, t, 1, 1) || launch(a, NULL, 1, 2)) die("waitraceclose: a failed at once");
+        if (wait_queue(b, a, 2, 1) || launch(b, NULL, 1, 2)) die("waitraceclose: b failed at once");
+        am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
+        if (i & 1) sched_yield();
+        am_cuq_close(a.q, 1);
+        reach(b.t, 2, "waitraceclose: b's thread never saw its commands end");
+        uint64_t at = 0;
+        if (am_timeline_value(b.t) != UINT64_MAX || !am_cuq_error(b.q, &at)) passed++;
+        stream_free(a.s, 1);
+        am_timeline_free(a.t);
+        queue_free(b, 0);
+        free(a.word);
+        free_timeline_free(t);
+        am_timeline_free(cause);
+    }
+    if (passed) {
+        fprintf(stderr, "b's wait passed as a success in %d of %d rounds\n", passed, rounds);
+        die("waitraceclose: b's wait on a's failed and abandoned command passed");
+    }
+    puts("ok waitraceclose");
+}
+
 /* The same for a timeline a queue's command signals: another queue that waited for the
  * command confirms it first and raises the first queue's timeline past it, after which
  * Python lets go of the signalled timeline (the queue's keep-alive held it until then)
@@ -4233,6 +4357,9 @@ int main(void) {
     check_failedqueue();
     check_poisonheld();
     check_waitrace();
+    check_waitraceclose();
+    check_waitrace2();
+    check_abandonrace();
     check_signal();
     check_signalrecord();
     check_nomemory();
