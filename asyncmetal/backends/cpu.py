@@ -469,6 +469,9 @@ class CPUQueue(NativeQueue):
         self._keep: KeepAlive = KeepAlive(timeline)
         self._discarded: str | None = None  # what dropped what had not started (discard)
         self._closing = threading.Lock()  # a discard (any thread) and the close's take
+        # Held over a whole close: a close on another thread meanwhile waits for it (not
+        # _closing, which a discard on a loop takes and must get at once).
+        self._close_lock = threading.Lock()
         self._scratch = (ctypes.c_int64 * MAX_ARGS)()
         self._call = lib.am_queue_call
         extension = _native.extension()
@@ -648,11 +651,15 @@ class CPUQueue(NativeQueue):
         self._keep.let_go()
 
     def close(self, abandon: bool = False) -> None:
-        with self._closing:
-            handle, self._handle = self._handle, None
-        if handle is not None:
-            self._lib.am_queue_close(handle, int(abandon))
-            self._keep.clear()
+        """(See NativeQueue.close.) Every caller returns once the queue is released: a
+        close under way on another thread is waited for, as it released it (with its
+        ``abandon``)."""
+        with self._close_lock:
+            with self._closing:
+                handle, self._handle = self._handle, None
+            if handle is not None:
+                self._lib.am_queue_close(handle, int(abandon))
+                self._keep.clear()
 
 
 def host_memory() -> int:

@@ -28,8 +28,10 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal import _native
+from asyncmetal._queue import native_queue
 from asyncmetal.backends.cpu import CPUBackend
 from tests.support.native import harness
+from tests.support.queues import held_queue
 
 # Iterations of the abandon check (the others run a fraction of it). The plain build
 # runs enough to hit a lost wake-up in a handful of thousand tries; the sanitized ones,
@@ -109,6 +111,44 @@ def test_a_queue_holds_the_timelines_its_commands_use_until_they_passed(
     assert proc.returncode == 0, proc.stderr[-6000:] + proc.stdout
     checks = ["waited", "signalled", "own", "dropped", "edges", "word", "discarded", "refused"]
     assert proc.stdout.split() == [word for check in checks for word in ("ok", check)]
+
+
+# ---- a cpu queue's close, from several threads ----------------------------------------
+
+
+@pytest.mark.anyio
+async def test_every_close_of_a_cpu_queue_returns_once_it_is_released(
+    anyio_backend: object,
+) -> None:
+    """Two threads close one cpu queue natively at once, its commands held behind a
+    device wait: neither returns before the wait is signalled and the queue released
+    (NativeQueue.close: finish what was submitted, then release it). Checked: without
+    the fix the second returned at once, the first still waiting in the native close."""
+    async with am.open_device("cpu") as dev:
+        queue, gate = held_queue(dev)
+        done = queue.marker()
+        native = native_queue(queue)
+        closed: list[str] = []
+
+        def close(who: str) -> None:
+            native.close()
+            closed.append(who)
+
+        first = threading.Thread(target=close, args=("first",), daemon=True)
+        second = threading.Thread(target=close, args=("second",), daemon=True)
+        first.start()
+        with anyio.fail_after(10):
+            while getattr(native, "_handle", 0) is not None:  # (taken: inside its close)
+                await anyio.sleep(0.001)
+        second.start()
+        await anyio.sleep(0.3)
+        assert closed == [] and first.is_alive() and second.is_alive()
+        gate.signal(1)
+        with anyio.fail_after(10):
+            while first.is_alive() or second.is_alive():
+                await anyio.sleep(0.001)
+        assert sorted(closed) == ["first", "second"]
+        await done
 
 
 # ---- kernel libraries: names resolved in the library itself, unloaded at close -------
