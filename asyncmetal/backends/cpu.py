@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -466,6 +467,13 @@ class CPUQueue(NativeQueue):
         self._handle: int | None = lib.am_queue_new(timeline.c_timeline, SPIN_NS, queue_nice())
         if not self._handle:
             raise NoHostMemoryError("am_queue_new returned NULL: no memory for a queue")
+        # One collected unclosed -- made for a new_queue that an interrupt or an error
+        # stopped before anything held it -- would keep its thread (with the fd of its
+        # schedstat) and its memory for good: it is closed then, abandoned, so that the
+        # thread that collects it (any, a loop's too) never waits there for a device
+        # wait; one never handed out had nothing submitted anyway. A close detaches this.
+        self._release_dropped = weakref.finalize(self, lib.am_queue_close, self._handle, 1)
+        self._release_dropped.atexit = False  # (open devices close theirs at exit)
         self._keep: KeepAlive = KeepAlive(timeline)
         self._discarded: str | None = None  # what dropped what had not started (discard)
         self._closing = threading.Lock()  # a discard (any thread) and the close's take
@@ -657,6 +665,7 @@ class CPUQueue(NativeQueue):
         with self._close_lock:
             with self._closing:
                 handle, self._handle = self._handle, None
+                self._release_dropped.detach()
             if handle is not None:
                 self._lib.am_queue_close(handle, int(abandon))
                 self._keep.clear()

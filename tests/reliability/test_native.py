@@ -29,7 +29,7 @@ import pytest
 import asyncmetal as am
 from asyncmetal import _native
 from asyncmetal._queue import native_queue
-from asyncmetal.backends.cpu import CPUBackend
+from asyncmetal.backends.cpu import CPUBackend, CPUQueue, CPUTimeline
 from tests.support.native import harness
 from tests.support.queues import held_queue
 
@@ -149,6 +149,47 @@ async def test_every_close_of_a_cpu_queue_returns_once_it_is_released(
                 await anyio.sleep(0.001)
         assert sorted(closed) == ["first", "second"]
         await done
+
+
+def _threads_here() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+async def test_a_cpu_queue_collected_unclosed_releases_its_thread(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new_queue that fails once its native queue was made (here: its failure word
+    not to be read; an interrupt there alike) hands out nothing, and nothing else holds
+    that queue: collected, its thread stops (with the fd of its schedstat and its
+    memory), as does that of a CPUQueue made and dropped unclosed. Checked: without the
+    finalizer those threads stayed for good (the count never came back down)."""
+    async with am.open_device("cpu") as dev:
+        await dev.queue.marker()
+        before = _threads_here()
+
+        def unreadable(timeline: int) -> Any:
+            raise MemoryError("no memory to read its failure word (simulated)")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(_native, "failed_from", unreadable)
+            for _ in range(4):
+                with pytest.raises(MemoryError, match="simulated"):
+                    dev.new_queue()
+        lib = _native.runtime()
+        timeline = CPUTimeline(lib)
+        for _ in range(4):
+            CPUQueue(lib, timeline)  # (dropped at once)
+        gc.collect()
+        with anyio.move_on_after(10):
+            while _threads_here() > before:
+                await anyio.sleep(0.01)
+        assert _threads_here() <= before
+        async with dev.new_queue() as queue:  # (the device goes on)
+            buf = await dev.alloc(16)
+            await queue.copy(buf, np.arange(4, dtype=np.float32))
+            assert (await buf.read(np.float32)).tolist() == [0, 1, 2, 3]
 
 
 # ---- kernel libraries: names resolved in the library itself, unloaded at close -------
