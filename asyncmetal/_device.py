@@ -440,8 +440,9 @@ class Device(Singular):
         queue is recorded -- among the queues, its native queue by number, its
         finalizer -- releases what was made of it (_unmade), as does a close that came
         first. Left: an interrupt as the backend's new_queue returns its native queue,
-        not stored yet (nothing in Python holds it then). Where another thread adopted
-        the stream meanwhile, its queue is the one given."""
+        not stored yet (nothing in Python holds it then: a cpu queue's finalizer
+        releases it once collected, another backend's stays). Where another thread
+        adopted the stream meanwhile, its queue is the one given."""
         making: list[Queue] = []
         number = -1
         recorded = counted = False
@@ -1874,7 +1875,8 @@ class DeviceOpener(Coroutine[Any, Any, "Device"]):
     """What :func:`open_device` returns: ``async with`` it (the device closes at the
     block's end), or ``await`` it for the :class:`Device` -- or hand it to what takes a
     coroutine (``asyncio.run``, ``asyncio.create_task``), as it is one (``send``,
-    ``throw`` and ``close`` are the coroutine's)."""
+    ``throw`` and ``close`` are the coroutine's). Each await, each ``async with`` and
+    each task made of it opens a device of its own."""
 
     def __init__(self, name: str | None, opened_at: str = "") -> None:
         self._name = name
@@ -1883,25 +1885,44 @@ class DeviceOpener(Coroutine[Any, Any, "Device"]):
         # the order they were entered: one opener may be entered again meanwhile,
         # nested or by another task.
         self._entered: list[tuple[int, Device]] = []
-        self._opening: Coroutine[Any, Any, Device] | None = None  # (run by send/throw)
+        # The openings that send/throw run, by the task that drives them (None: driven
+        # from no task): each task made of the opener (asyncio.create_task, asyncio.run)
+        # opens a device of its own, as each await does, and one under way in a task is
+        # never resumed by another's first send. Each is taken out once it has ended.
+        self._openings: dict[int | None, Coroutine[Any, Any, Device]] = {}
 
-    def _coroutine(self) -> Coroutine[Any, Any, Device]:
-        if self._opening is None:
-            self._opening = self._open()
-        return self._opening
+    def _step(self, step: Callable[[Coroutine[Any, Any, Device]], Any]) -> Any:
+        """Run ``step`` on the calling task's opening (begun now if it has none)."""
+        driver = _driving_task()
+        opening = self._openings.get(driver)
+        if opening is None:
+            opening = self._openings[driver] = self._open()
+        try:
+            return step(opening)
+        except BaseException:  # (StopIteration included: it ended, whichever way)
+            if self._openings.get(driver) is opening:
+                del self._openings[driver]
+            raise
 
     def send(self, value: Any) -> Any:
-        """The coroutine's: run the opening to its next suspension."""
-        return self._coroutine().send(value)
+        """The coroutine's: run the calling task's opening to its next suspension."""
+        return self._step(lambda opening: opening.send(value))
 
     def throw(self, *exc: Any) -> Any:
-        """The coroutine's: raise ``exc`` where the opening is suspended."""
-        return self._coroutine().throw(*exc)
+        """The coroutine's: raise ``exc`` where the calling task's opening is suspended."""
+        return self._step(lambda opening: opening.throw(*exc))
 
     def close(self) -> None:
-        """The coroutine's: end an opening that will not be awaited to its end."""
-        if self._opening is not None:
-            self._opening.close()
+        """The coroutine's: end the calling task's opening, which will not be awaited to
+        its end (called from no task: every opening under way)."""
+        driver = _driving_task()
+        if driver is None:
+            openings, self._openings = list(self._openings.values()), {}
+        else:
+            opening = self._openings.pop(driver, None)
+            openings = [] if opening is None else [opening]
+        for opening in openings:
+            opening.close()
 
     def __enter__(self) -> None:
         raise TypeError(
@@ -2001,6 +2022,15 @@ class DeviceOpener(Coroutine[Any, Any, "Device"]):
         entries = [i for i, (entered_by, _) in enumerate(self._entered) if entered_by == task]
         _, device = self._entered.pop(entries[-1] if entries else -1)
         await device.close()
+
+
+def _driving_task() -> int | None:
+    """The task running on this thread now (the one driving a coroutine it sends to),
+    by id; None outside any task."""
+    try:
+        return anyio.get_current_task().id
+    except RuntimeError:  # (no loop running here, or none of the libraries anyio knows)
+        return None
 
 
 class _Claim:

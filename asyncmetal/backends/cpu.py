@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -466,9 +467,19 @@ class CPUQueue(NativeQueue):
         self._handle: int | None = lib.am_queue_new(timeline.c_timeline, SPIN_NS, queue_nice())
         if not self._handle:
             raise NoHostMemoryError("am_queue_new returned NULL: no memory for a queue")
+        # One collected unclosed -- made for a new_queue that an interrupt or an error
+        # stopped before anything held it -- would keep its thread (with the fd of its
+        # schedstat) and its memory for good: it is closed then, abandoned, so that the
+        # thread that collects it (any, a loop's too) never waits there for a device
+        # wait; one never handed out had nothing submitted anyway. A close detaches this.
+        self._release_dropped = weakref.finalize(self, lib.am_queue_close, self._handle, 1)
+        self._release_dropped.atexit = False  # (open devices close theirs at exit)
         self._keep: KeepAlive = KeepAlive(timeline)
         self._discarded: str | None = None  # what dropped what had not started (discard)
         self._closing = threading.Lock()  # a discard (any thread) and the close's take
+        # Held over a whole close: a close on another thread meanwhile waits for it (not
+        # _closing, which a discard on a loop takes and must get at once).
+        self._close_lock = threading.Lock()
         self._scratch = (ctypes.c_int64 * MAX_ARGS)()
         self._call = lib.am_queue_call
         extension = _native.extension()
@@ -648,11 +659,16 @@ class CPUQueue(NativeQueue):
         self._keep.let_go()
 
     def close(self, abandon: bool = False) -> None:
-        with self._closing:
-            handle, self._handle = self._handle, None
-        if handle is not None:
-            self._lib.am_queue_close(handle, int(abandon))
-            self._keep.clear()
+        """(See NativeQueue.close.) Every caller returns once the queue is released: a
+        close under way on another thread is waited for, as it released it (with its
+        ``abandon``)."""
+        with self._close_lock:
+            with self._closing:
+                handle, self._handle = self._handle, None
+                self._release_dropped.detach()
+            if handle is not None:
+                self._lib.am_queue_close(handle, int(abandon))
+                self._keep.clear()
 
 
 def host_memory() -> int:

@@ -61,6 +61,42 @@ def test_open_device_is_a_coroutine_for_asyncio() -> None:
     assert dev.closed and all(d.closed for d in opened)
 
 
+def test_each_task_made_of_one_opener_opens_a_device_of_its_own() -> None:
+    """asyncio.run and asyncio.create_task run an opener through its coroutine protocol
+    (send, throw): each task made of one opener opens a device of its own, as each
+    await of it does -- two at once, one after another's ended, one after another's
+    was cancelled -- and an ``async with`` of it after an await enters (and closes) a
+    device of its own, the awaited one left open. Checked: without the fix the
+    protocol ran one opening for all its tasks, so of two tasks at once the first raised
+    "cannot reuse already awaited coroutine" and the second "Attempted to exit cancel
+    scope in a different task than it was entered in", and a task made after one had
+    ended (a second asyncio.run) raised the first."""
+    opener = am.open_device("cpu:1")
+    first = asyncio.run(opener)
+    second = asyncio.run(opener)
+
+    async def main() -> list[am.Device]:
+        cancelled = asyncio.create_task(opener)
+        await asyncio.sleep(0)  # (it began opening)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        both = [asyncio.create_task(opener), asyncio.create_task(opener)]
+        opened = [await task for task in both]
+        opened.append(await asyncio.create_task(opener))
+        opened.append(await opener)
+        async with opener as entered:
+            assert entered not in opened
+        assert entered.closed and not any(device.closed for device in opened)
+        for device in [*opened, first, second]:
+            await device.close()
+        return opened
+
+    opened = [first, second, *asyncio.run(main())]
+    assert len({id(device) for device in opened}) == len(opened) == 6
+    assert all(device.name == "cpu:1" and device.closed for device in opened)
+
+
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.wait wraps awaitables")
 def test_asyncio_wait_of_a_completion_says_what_to_pass() -> None:
     """asyncio.wait takes only futures (Python 3.11 on): a Completion passed to it is

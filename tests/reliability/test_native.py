@@ -28,8 +28,10 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal import _native
-from asyncmetal.backends.cpu import CPUBackend
+from asyncmetal._queue import native_queue
+from asyncmetal.backends.cpu import CPUBackend, CPUQueue, CPUTimeline
 from tests.support.native import harness
+from tests.support.queues import held_queue
 
 # Iterations of the abandon check (the others run a fraction of it). The plain build
 # runs enough to hit a lost wake-up in a handful of thousand tries; the sanitized ones,
@@ -109,6 +111,85 @@ def test_a_queue_holds_the_timelines_its_commands_use_until_they_passed(
     assert proc.returncode == 0, proc.stderr[-6000:] + proc.stdout
     checks = ["waited", "signalled", "own", "dropped", "edges", "word", "discarded", "refused"]
     assert proc.stdout.split() == [word for check in checks for word in ("ok", check)]
+
+
+# ---- a cpu queue's close, from several threads ----------------------------------------
+
+
+@pytest.mark.anyio
+async def test_every_close_of_a_cpu_queue_returns_once_it_is_released(
+    anyio_backend: object,
+) -> None:
+    """Two threads close one cpu queue natively at once, its commands held behind a
+    device wait: neither returns before the wait is signalled and the queue released
+    (NativeQueue.close: finish what was submitted, then release it). Checked: without
+    the fix the second returned at once, the first still waiting in the native close."""
+    async with am.open_device("cpu") as dev:
+        queue, gate = held_queue(dev)
+        done = queue.marker()
+        native = native_queue(queue)
+        closed: list[str] = []
+
+        def close(who: str) -> None:
+            native.close()
+            closed.append(who)
+
+        first = threading.Thread(target=close, args=("first",), daemon=True)
+        second = threading.Thread(target=close, args=("second",), daemon=True)
+        first.start()
+        with anyio.fail_after(10):
+            while getattr(native, "_handle", 0) is not None:  # (taken: inside its close)
+                await anyio.sleep(0.001)
+        second.start()
+        await anyio.sleep(0.3)
+        assert closed == [] and first.is_alive() and second.is_alive()
+        gate.signal(1)
+        with anyio.fail_after(10):
+            while first.is_alive() or second.is_alive():
+                await anyio.sleep(0.001)
+        assert sorted(closed) == ["first", "second"]
+        await done
+
+
+def _threads_here() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+async def test_a_cpu_queue_collected_unclosed_releases_its_thread(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new_queue that fails once its native queue was made (here: its failure word
+    not to be read; an interrupt there alike) hands out nothing, and nothing else holds
+    that queue: collected, its thread stops (with the fd of its schedstat and its
+    memory), as does that of a CPUQueue made and dropped unclosed. Checked: without the
+    finalizer those threads stayed for good (the count never came back down)."""
+    async with am.open_device("cpu") as dev:
+        await dev.queue.marker()
+        before = _threads_here()
+
+        def unreadable(timeline: int) -> Any:
+            raise MemoryError("no memory to read its failure word (simulated)")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(_native, "failed_from", unreadable)
+            for _ in range(4):
+                with pytest.raises(MemoryError, match="simulated"):
+                    dev.new_queue()
+        lib = _native.runtime()
+        timeline = CPUTimeline(lib)
+        for _ in range(4):
+            CPUQueue(lib, timeline)  # (dropped at once)
+        gc.collect()
+        with anyio.move_on_after(10):
+            while _threads_here() > before:
+                await anyio.sleep(0.01)
+        assert _threads_here() <= before
+        async with dev.new_queue() as queue:  # (the device goes on)
+            buf = await dev.alloc(16)
+            await queue.copy(buf, np.arange(4, dtype=np.float32))
+            assert (await buf.read(np.float32)).tolist() == [0, 1, 2, 3]
 
 
 # ---- kernel libraries: names resolved in the library itself, unloaded at close -------
