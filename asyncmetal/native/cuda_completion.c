@@ -397,6 +397,7 @@ static void cuq_check_waiting(am_cuq *q, uint64_t value) {
         }
     }
     pthread_mutex_unlock(&q->mu);
+    if (taken) cuq_test_hook(CU_HOOK_WAITING_TAKEN, q);  /* (about to check them) */
     am_cuchain chain = {.nseen = 0, .left = CU_CHAIN_WAITS};
     for (am_cuwaiter *w = taken; w; w = w->next)
         cuq_check_waited_on(q, w->q, w->target, w->command, &chain);
