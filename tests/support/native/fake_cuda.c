@@ -2332,6 +2332,42 @@ static void check_waitraceclose(void) {
     puts("ok waitraceclose");
 }
 
+/* waitrace2's chain (b waits on a's command 2, behind a's wait on c's command 2, behind c's
+ * device wait on a free timeline t that fails) over many rounds, with the queues
+ * closed as the threads look through it: c abandoned at once (every round), a abandoned
+ * too (every other round), while b's thread follows a's wait on c and a's thread checks
+ * it (for the sanitizers: the references the looks take, c's entries and timeline as c
+ * closes). b's wait for a value never produced never passes as a success. */
+static void check_chainclose(void) {
+    int passed = 0, rounds = 200;
+    for (int i = 0; i < rounds; i++) {
+        fake_queue a = queue_new(), b = queue_new(), c = queue_new();
+        free_timeline t = free_timeline_new();
+        am_timeline *cause = am_timeline_new();
+        if (wait_free(c, t, 1, 1) || launch(c, NULL, 1, 2)) die("chainclose: c failed at once");
+        if (wait_queue(a, c, 2, 1) || launch(a, NULL, 1, 2)) die("chainclose: a failed at once");
+        if (wait_queue(b, a, 2, 1) || launch(b, NULL, 1, 2)) die("chainclose: b failed at once");
+        am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
+        if (i & 2) sched_yield();
+        am_cuq_close(c.q, 1);
+        if (i & 1) am_cuq_close(a.q, 1);
+        reach(b.t, 2, "chainclose: b's thread never saw its commands end");
+        uint64_t at = 0;
+        if (am_timeline_value(b.t) != UINT64_MAX || !am_cuq_error(b.q, &at)) passed++;
+        if (i & 1) abandoned_free(a);
+        else queue_free(a, 0);
+        abandoned_free(c);
+        queue_free(b, 0);
+        free_timeline_free(t);
+        am_timeline_free(cause);
+    }
+    if (passed) {
+        fprintf(stderr, "b's wait passed as a success in %d of %d rounds\n", passed, rounds);
+        die("chainclose: b's wait behind c's failed and abandoned command passed");
+    }
+    puts("ok chainclose");
+}
+
 /* The same for a timeline a queue's command signals: another queue that waited for the
  * command confirms it first and raises the first queue's timeline past it, after which
  * Python lets go of the signalled timeline (the queue's keep-alive held it until then)
@@ -4420,6 +4456,7 @@ int main(void) {
     check_waitrace2();
     check_abandonrace();
     check_waittaken();
+    check_chainclose();
     check_signal();
     check_signalrecord();
     check_nomemory();
