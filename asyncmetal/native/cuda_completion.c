@@ -380,9 +380,24 @@ static void cuq_check_waited_on(am_cuq *q, am_cuq *other, uint64_t target, uint6
 
 /* q's thread is about to confirm command `value` (its event says done): the records of
  * q's waits on other queues' values made by the commands up to it go, each checked first
- * (cuq_check_waited_on). Not under mu. */
+ * (cuq_check_waited_on). They stay on q's list until checked: another queue's look at q
+ * meanwhile (its own confirmation of a wait on q) follows them too (chain_deeper) --
+ * taken off first, that look would find nothing of q's to follow, and pass, confirming
+ * q's value through q's timeline before this check fails q. This thread alone takes
+ * records off q's list (and cuq_stop, on it too; submitters push at its head): those
+ * below the head read under mu stay, unchanged, for the walk without mu. Not under mu. */
 static void cuq_check_waiting(am_cuq *q, uint64_t value) {
     if (!atomic_load(&q->nwaiting)) return;
+    pthread_mutex_lock(&q->mu);
+    am_cuwaiter *first = q->waiting;
+    pthread_mutex_unlock(&q->mu);
+    int any = 0;
+    for (am_cuwaiter *w = first; w && !any; w = w->next) any = w->command <= value;
+    if (!any) return;
+    cuq_test_hook(CU_HOOK_WAITING_TAKEN, q);  /* (about to check them) */
+    am_cuchain chain = {.nseen = 0, .left = CU_CHAIN_WAITS};
+    for (am_cuwaiter *w = first; w; w = w->next)
+        if (w->command <= value) cuq_check_waited_on(q, w->q, w->target, w->command, &chain);
     am_cuwaiter *taken = NULL;
     pthread_mutex_lock(&q->mu);
     for (am_cuwaiter **p = &q->waiting; *p;) {
@@ -397,9 +412,6 @@ static void cuq_check_waiting(am_cuq *q, uint64_t value) {
         }
     }
     pthread_mutex_unlock(&q->mu);
-    am_cuchain chain = {.nseen = 0, .left = CU_CHAIN_WAITS};
-    for (am_cuwaiter *w = taken; w; w = w->next)
-        cuq_check_waited_on(q, w->q, w->target, w->command, &chain);
     cuq_drop_waiting(taken);
 }
 

@@ -291,7 +291,8 @@ AM_HIDDEN void *am_test_alloc(size_t size);
  * AM_TEST_HOOKS, its simulated driver defining am_test_hook) runs what another thread
  * could do there, to check that interleaving every time. Nothing otherwise. */
 enum { CU_HOOK_DISCARD_UNLOCKED, CU_HOOK_DRAIN_HANDING, CU_HOOK_SUBMIT_HANDING,
-       CU_HOOK_RUN_START, CU_HOOK_CONFIRMED, CU_HOOK_NAP_RELEASED, CU_HOOK_ABANDONING };
+       CU_HOOK_RUN_START, CU_HOOK_CONFIRMED, CU_HOOK_NAP_RELEASED, CU_HOOK_ABANDONING,
+       CU_HOOK_WAITING_TAKEN };
 #ifdef AM_TEST_HOOKS
 AM_HIDDEN void am_test_hook(int where, am_cuq *q);
 #define cuq_test_hook am_test_hook

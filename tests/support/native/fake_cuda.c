@@ -2240,6 +2240,65 @@ static void check_abandonrace(void) {
     puts("ok abandonrace");
 }
 
+/* waitrace2 with a's own thread on its way to its check: c's device wait (command 1) on a
+ * free timeline t failed (c's thread held: not confirmed), a's command 1 waits on c's
+ * command 2, and a's thread, having seen it end, took its record of that wait off a's
+ * list to check it and is held there (the runtime's hook, CU_HOOK_WAITING_TAKEN). b's
+ * command 1, a wait on a's command 2 behind a gate raised at the hook, is confirmed by
+ * b's thread meanwhile: its look at a must still follow a's wait on c, which a's thread
+ * has not checked yet -- else it finds nothing of a's to follow and a not poisoned, and
+ * b's wait passes, raising a's timeline past a's wait on c's failed value (a's own check,
+ * after, comes too late: its commands are confirmed through that raise). */
+static fake_queue waittaken_a;
+static uint64_t *waittaken_gate;
+static atomic_int waittaken_in, waittaken_go;
+static void waittaken_hook(int where, am_cuq *q) {
+    if (where != CU_HOOK_WAITING_TAKEN || q != waittaken_a.q || atomic_exchange(&waittaken_in, 1))
+        return;
+    atomic_store((_Atomic uint64_t *)waittaken_gate, 1);  /* b's wait goes on the device */
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!atomic_load(&waittaken_go) && now_ns() < deadline) sched_yield();
+}
+
+static void check_waittaken(void) {
+    fake_queue a = queue_new(), b = queue_new(), c = queue_new();
+    free_timeline t = free_timeline_new();
+    am_timeline *cause = am_timeline_new();
+    uint64_t *gate = calloc(1, sizeof(uint64_t));
+    waittaken_a = a;
+    waittaken_gate = gate;
+    atomic_store(&waittaken_in, 0);
+    atomic_store(&waittaken_go, 0);
+    hold_next(c);
+    if (wait_free(c, t, 1, 1) || launch(c, NULL, 1, 2)) die("waittaken: c failed at once");
+    check_held(c, "waittaken: (setup) c's wait is not the command held");
+    if (wait_queue(a, c, 2, 1) || launch(a, NULL, 1, 2)) die("waittaken: a failed at once");
+    if (am_cuq_wait(b.q, gate, 1, 1) || wait_queue(b, a, 2, 1) || launch(b, NULL, 1, 2))
+        die("waittaken: b failed at once");
+    atomic_store(&test_hook, waittaken_hook);
+    am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
+    for (int64_t deadline = now_ns() + 10000000000LL; !atomic_load(&waittaken_in);)
+        if (now_ns() > deadline) die("waittaken: (setup) a's thread never checked its wait on c");
+    reach(b.t, 2, "waittaken: b's thread never saw its commands end");
+    int raised = am_timeline_value(a.t) >= 2;
+    int passed = am_timeline_value(b.t) != UINT64_MAX || !fails_from_first(b, CU_WAITED_FAILED, cause);
+    atomic_store(&waittaken_go, 1);
+    if (raised) die("waittaken: b's wait raised a's timeline past a's wait on c's failed value");
+    if (passed) die("waittaken: b's wait for a value never produced was confirmed as a success");
+    let_held_go(c, "waittaken: c's thread never saw its wait");
+    reach(a.t, UINT64_MAX, "waittaken: a never settled");
+    if (!fails_from_first(a, CU_WAITED_FAILED, cause))
+        die("waittaken: a did not fail from its wait on c, naming the failure");
+    atomic_store(&test_hook, NULL);
+    queue_free(a, 0);
+    queue_free(b, 0);
+    queue_free(c, 0);
+    free_timeline_free(t);
+    am_timeline_free(cause);
+    free(gate);
+    puts("ok waittaken");
+}
+
 /* waitrace while a, the queue waited for, is abandoned (closed) at once, over many
  * rounds: b's thread checks a (its record's reference keeps a) as a's close frees what
  * it can (for the sanitizers), and b's wait never passes as a success -- whether b's
@@ -2271,6 +2330,42 @@ static void check_waitraceclose(void) {
         die("waitraceclose: b's wait on a's failed and abandoned command passed");
     }
     puts("ok waitraceclose");
+}
+
+/* waitrace2's chain (b waits on a's command 2, behind a's wait on c's command 2, behind c's
+ * device wait on a free timeline t that fails) over many rounds, with the queues
+ * closed as the threads look through it: c abandoned at once (every round), a abandoned
+ * too (every other round), while b's thread follows a's wait on c and a's thread checks
+ * it (for the sanitizers: the references the looks take, c's entries and timeline as c
+ * closes). b's wait for a value never produced never passes as a success. */
+static void check_chainclose(void) {
+    int passed = 0, rounds = 200;
+    for (int i = 0; i < rounds; i++) {
+        fake_queue a = queue_new(), b = queue_new(), c = queue_new();
+        free_timeline t = free_timeline_new();
+        am_timeline *cause = am_timeline_new();
+        if (wait_free(c, t, 1, 1) || launch(c, NULL, 1, 2)) die("chainclose: c failed at once");
+        if (wait_queue(a, c, 2, 1) || launch(a, NULL, 1, 2)) die("chainclose: a failed at once");
+        if (wait_queue(b, a, 2, 1) || launch(b, NULL, 1, 2)) die("chainclose: b failed at once");
+        am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
+        if (i & 2) sched_yield();
+        am_cuq_close(c.q, 1);
+        if (i & 1) am_cuq_close(a.q, 1);
+        reach(b.t, 2, "chainclose: b's thread never saw its commands end");
+        uint64_t at = 0;
+        if (am_timeline_value(b.t) != UINT64_MAX || !am_cuq_error(b.q, &at)) passed++;
+        if (i & 1) abandoned_free(a);
+        else queue_free(a, 0);
+        abandoned_free(c);
+        queue_free(b, 0);
+        free_timeline_free(t);
+        am_timeline_free(cause);
+    }
+    if (passed) {
+        fprintf(stderr, "b's wait passed as a success in %d of %d rounds\n", passed, rounds);
+        die("chainclose: b's wait behind c's failed and abandoned command passed");
+    }
+    puts("ok chainclose");
 }
 
 /* The same for a timeline a queue's command signals: another queue that waited for the
@@ -4360,6 +4455,8 @@ int main(void) {
     check_waitraceclose();
     check_waitrace2();
     check_abandonrace();
+    check_waittaken();
+    check_chainclose();
     check_signal();
     check_signalrecord();
     check_nomemory();
