@@ -255,19 +255,22 @@ void cuq_drop_waiting(am_cuwaiter *w) {
 
 /* A look through the queues a queue waited on (cuq_check_waited_on), for one command's
  * confirmation: the queues looked through, each up to the value looked for (a second
- * look at one, to that value or below, finds nothing new), and how many of their own
- * waits on further queues may still be followed -- past that (or beyond CU_CHAIN_SEEN
- * queues, unmarked), a further wait is checked once its own queue's thread confirms it,
- * as before any look. */
+ * look at one, to that value or below, finds nothing new), how many of their own waits
+ * on further queues may still be followed, and how many of their records of such waits
+ * may still be read -- past either (or beyond CU_CHAIN_SEEN queues, unmarked), a further
+ * wait is checked once its own queue's thread confirms it, as before any look. So one
+ * confirmation costs at most CU_CHAIN_READS records read and CU_CHAIN_WAITS looks,
+ * however many waits the queues have in flight. */
 #define CU_CHAIN_SEEN 32
 #define CU_CHAIN_WAITS 64
+#define CU_CHAIN_READS 1024
 typedef struct {
     struct {
         const am_cuq *q;
         uint64_t target;
     } seen[CU_CHAIN_SEEN];
     size_t nseen;
-    size_t left;
+    size_t left, reads;
 } am_cuchain;
 
 /* Whether other was looked through up to `target` already in this look (then not again);
@@ -287,21 +290,23 @@ static int chain_seen(am_cuchain *c, const am_cuq *other, uint64_t target) {
 }
 
 /* Under other->mu: copies of other's own waits on further queues made by its commands up
- * to `target` (each referencing its queue), at most c->left of them; *n: how many. */
+ * to `target` (each referencing its queue), as many as c lets; *n: how many. */
 static am_cuwaiter *chain_deeper(am_cuchain *c, const am_cuq *other, uint64_t target,
                                  size_t *n) {
     *n = 0;
-    if (!c->left || chain_seen(c, other, target)) return NULL;
-    size_t want = 0;
-    for (const am_cuwaiter *w = other->waiting; w; w = w->next) want += w->command <= target;
-    if (want > c->left) want = c->left;
-    am_cuwaiter *deeper = want ? malloc(want * sizeof *deeper) : NULL;
-    for (const am_cuwaiter *w = other->waiting; deeper && w && *n < want; w = w->next)
+    if (!other->waiting || !c->left || !c->reads || chain_seen(c, other, target)) return NULL;
+    am_cuwaiter *deeper = malloc(c->left * sizeof *deeper);
+    for (const am_cuwaiter *w = other->waiting; deeper && w && *n < c->left && c->reads;
+         w = w->next, c->reads--)
         if (w->command <= target) {
             deeper[(*n)++] = *w;
             atomic_fetch_add(&w->q->refs, 1);  /* (other's record keeps it until here) */
         }
     c->left -= *n;
+    if (!*n) {
+        free(deeper);
+        return NULL;
+    }
     return deeper;
 }
 
@@ -317,8 +322,8 @@ static am_cuwaiter *chain_deeper(am_cuchain *c, const am_cuq *other, uint64_t ta
  * other's thread: checked the same way, on other's behalf, through any chain of such
  * waits (as far as c lets: am_cuchain). And if other is failing from `target` or before
  * already (poisoned: maybe by its own thread, which is still on its way to q through
- * other's waiters; or closed, abandoning what it had not confirmed), q fails from
- * `command` on now too. So q does not confirm the command as a success, nor raise
+ * other's waiters; failed with an error of its own, which it settles with; or closed,
+ * abandoning what it had not confirmed), q fails from `command` on now too. So q does not confirm the command as a success, nor raise
  * other's timeline for it. A failure recorded only after this look is the other
  * thread's to pass on, as before. Not under any queue's mu (other's, then t's, are
  * taken here). */
@@ -364,15 +369,10 @@ static void cuq_check_waited_on(am_cuq *q, am_cuq *other, uint64_t target, uint6
     }
     free(deeper);
     pthread_mutex_lock(&other->mu);
-    int failing;
-    if (other->stop == 2) {
-        uint64_t failed = cuq_failed_at(other);
-        failing = failed && target >= failed;
-    } else {
-        seen = atomic_load(&other->timeline->value);
-        failing = other->poisoned && target >= other->poisoned &&
-                  (seen == UINT64_MAX || seen < target);
-    }
+    /* (Closed: its timeline is not read, and it confirms nothing any more.) */
+    uint64_t failed = cuq_failed_at(other);
+    seen = other->stop == 2 ? 0 : atomic_load(&other->timeline->value);
+    int failing = failed && target >= failed && (seen == UINT64_MAX || seen < target);
     if (failing) cuq_cause(other, &error, &value, &cause);
     pthread_mutex_unlock(&other->mu);
     if (failing) cuq_poison(q, command, error, value, cause);
@@ -395,7 +395,7 @@ static void cuq_check_waiting(am_cuq *q, uint64_t value) {
     for (am_cuwaiter *w = first; w && !any; w = w->next) any = w->command <= value;
     if (!any) return;
     cuq_test_hook(CU_HOOK_WAITING_TAKEN, q);  /* (about to check them) */
-    am_cuchain chain = {.nseen = 0, .left = CU_CHAIN_WAITS};
+    am_cuchain chain = {.nseen = 0, .left = CU_CHAIN_WAITS, .reads = CU_CHAIN_READS};
     for (am_cuwaiter *w = first; w; w = w->next)
         if (w->command <= value) cuq_check_waited_on(q, w->q, w->target, w->command, &chain);
     am_cuwaiter *taken = NULL;
