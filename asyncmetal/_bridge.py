@@ -297,21 +297,21 @@ class Watch:
         """Wake the entries whose value is reached, ``budget`` tasks at most; return the
         budget left (0: it stopped there, and more may be due). With ``calls`` false it
         stops at a callback's entry instead of running it, returning 0."""
-        heap, timeline = self.heap, self.timeline
+        heap, timeline, bridge, pop = self.heap, self.timeline, self.bridge, heapq.heappop
         while True:
             reached = INFINITY if timeline._ended else timeline.native.value
             while heap and heap[0][0] <= reached:
                 if budget <= 0 or not (calls or heap[0][2].task or heap[0][2].done):
                     return 0
-                value, _, entry = heapq.heappop(heap)
+                value, _, entry = pop(heap)
                 if entry.done:
                     self.withdrawn -= 1
                     continue
                 entry.done = True
-                self.bridge.waiting -= entry.task
-                self.bridge.resolved += entry.task
-                budget -= entry.task
                 if entry.task:
+                    bridge.waiting -= 1
+                    bridge.resolved += 1
+                    budget -= 1
                     entry.wake()
                 else:
                     self._call(entry, value)
@@ -962,6 +962,12 @@ class LoopBridge(ABC):
         """Wait, as the calling task, until ``watch``'s timeline reaches ``value``; with
         no watch (the value is reached), until a coming slice wakes it."""
 
+    def parked(self, watch: Watch | None, value: int) -> Generator[Any, Any, None]:
+        """``park``'s steps, for ``yield from`` in a generator-based coroutine (every
+        wait's way: ``_timeline.wait_value``). A generator: nothing is made until it
+        runs (an interrupt as it is returned leaves no coroutine unawaited)."""
+        yield from self.park(watch, value).__await__()
+
 
 class _AsyncioBridge(LoopBridge):
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -1061,6 +1067,11 @@ class _AsyncioBridge(LoopBridge):
         return loop.time(), scheduled[0].when()
 
     async def park(self, watch: Watch | None, value: int) -> None:
+        await _Parked(self.parked(watch, value))
+
+    def parked(self, watch: Watch | None, value: int) -> Generator[Any, Any, None]:
+        # A generator, not a coroutine: a wait's park makes no coroutine object, and its
+        # wake-up resumes one frame fewer.
         loop = self._loop_ref()
         assert loop is not None
         if self.thread != _get_ident() or self.thread_gone:
@@ -1077,7 +1088,7 @@ class _AsyncioBridge(LoopBridge):
         else:
             watch.add(value, entry)
         try:
-            await future
+            yield from future
         except BaseException:
             if not entry.done:
                 if watch is None:
@@ -1085,6 +1096,18 @@ class _AsyncioBridge(LoopBridge):
                 else:
                     watch.withdraw(entry)
             raise
+
+
+class _Parked:
+    """An awaitable of a generator of ``parked``'s."""
+
+    __slots__ = ("steps",)
+
+    def __init__(self, steps: Generator[Any, Any, None]) -> None:
+        self.steps = steps
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        return self.steps
 
 
 class _ThreadEnd:
