@@ -39,9 +39,11 @@ Where not even one turn fits (a step longer than half the budget, or the loop's 
 work filling it), none is granted; one is again as soon as the steps of the tasks a
 slice wakes (smoothed over slices) say it fits, and else one turn in every
 ``TURN_PROBE``-th iteration measures again.
-One turn asked for in ``TURN_SHARE``, at random, is refused, so that the tasks taking
-turns change: a task refused parks behind those woken in slices, and one of those takes
-its place.
+While the turns run out (the limit refused a task since the last measure), one turn
+asked for in ``TURN_SHARE``, at random, is refused too, so that the tasks taking turns
+change: a task refused parks behind those woken in slices, and one of those takes its
+place. While every task that asks gets a turn, none waits for one, and none is refused
+so: its park and wake-up would cost more than its turn.
 
 A wake-up from the bridge also keeps the loop's timers on time. asyncio's epoll and
 poll selectors, and trio's epoll, sleep in whole milliseconds, rounded up: a loop woken
@@ -123,7 +125,7 @@ SLICE_BUDGET_NS = 150_000  # fewer, where their steps would take longer than thi
 TURN_BUDGET_NS = 200_000  # a crowd's turns: as many per iteration as keep it this long
 TURN_LIMIT = 16  # turns per iteration granted at first
 TURN_MAX = 4096
-TURN_SHARE = 4  # one turn asked for in 4, at random, is refused (the task parks instead)
+TURN_SHARE = 4  # while turns run out, one asked for in 4, at random, is refused (it parks)
 TURN_PROBE = 8  # while no turn fits: one turn in every 8th iteration, to measure again
 AHEAD_AWAKE_NS = 2_000_000  # a loop woken ahead of a completion stays awake this long at most
 
@@ -297,21 +299,21 @@ class Watch:
         """Wake the entries whose value is reached, ``budget`` tasks at most; return the
         budget left (0: it stopped there, and more may be due). With ``calls`` false it
         stops at a callback's entry instead of running it, returning 0."""
-        heap, timeline = self.heap, self.timeline
+        heap, timeline, bridge, pop = self.heap, self.timeline, self.bridge, heapq.heappop
         while True:
             reached = INFINITY if timeline._ended else timeline.native.value
             while heap and heap[0][0] <= reached:
                 if budget <= 0 or not (calls or heap[0][2].task or heap[0][2].done):
                     return 0
-                value, _, entry = heapq.heappop(heap)
+                value, _, entry = pop(heap)
                 if entry.done:
                     self.withdrawn -= 1
                     continue
                 entry.done = True
-                self.bridge.waiting -= entry.task
-                self.bridge.resolved += entry.task
-                budget -= entry.task
                 if entry.task:
+                    bridge.waiting -= 1
+                    bridge.resolved += 1
+                    budget -= 1
                     entry.wake()
                 else:
                     self._call(entry, value)
@@ -440,6 +442,8 @@ class LoopBridge(ABC):
         # One turn asked for in TURN_SHARE is refused, at random: a count would refuse
         # the same task each time where as many ask per iteration as the count.
         self._refusal = random.Random().random  # noqa: S311 (a share, not a secret)
+        self._ran_out = False  # the limit refused a turn since the last mark
+        self._sharing = False  # ... or before it: turns are refused at random too
         self._asked = False  # a turn was asked for since the last mark
         self._probe_in = TURN_PROBE  # marks until a probe, while turn_limit is 0
         self._marking = False  # _turn_mark is scheduled
@@ -454,7 +458,10 @@ class LoopBridge(ABC):
             self._marking = True
             self._marked_at = 0
             self._call_soon(self._turn_mark)
-        if self._turns >= self.turn_limit or self._refusal() * TURN_SHARE < 1:
+        if self._turns >= self.turn_limit:
+            self._ran_out = self._sharing = True
+            return False
+        if self._sharing and self._refusal() * TURN_SHARE < 1:
             return False
         self._turns += 1
         return True
@@ -465,6 +472,7 @@ class LoopBridge(ABC):
         granted, self._turns = self._turns, 0
         woken, self._resolved_at_mark = self.resolved - self._resolved_at_mark, self.resolved
         asked, self._asked = self._asked, False
+        self._sharing, self._ran_out = self._ran_out, False
         limit = self.turn_limit
         if self._marked_at and granted:  # it ran in the iteration before: that one took
             took = max(now - self._marked_at, 1)  # this long, with these steps in it
@@ -962,6 +970,12 @@ class LoopBridge(ABC):
         """Wait, as the calling task, until ``watch``'s timeline reaches ``value``; with
         no watch (the value is reached), until a coming slice wakes it."""
 
+    def parked(self, watch: Watch | None, value: int) -> Generator[Any, Any, None]:
+        """``park``'s steps, for ``yield from`` in a generator-based coroutine (every
+        wait's way: ``_timeline.wait_value``). A generator: nothing is made until it
+        runs (an interrupt as it is returned leaves no coroutine unawaited)."""
+        yield from self.park(watch, value).__await__()
+
 
 class _AsyncioBridge(LoopBridge):
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -1061,6 +1075,11 @@ class _AsyncioBridge(LoopBridge):
         return loop.time(), scheduled[0].when()
 
     async def park(self, watch: Watch | None, value: int) -> None:
+        await _Parked(self.parked(watch, value))
+
+    def parked(self, watch: Watch | None, value: int) -> Generator[Any, Any, None]:
+        # A generator, not a coroutine: a wait's park makes no coroutine object, and its
+        # wake-up resumes one frame fewer.
         loop = self._loop_ref()
         assert loop is not None
         if self.thread != _get_ident() or self.thread_gone:
@@ -1077,7 +1096,7 @@ class _AsyncioBridge(LoopBridge):
         else:
             watch.add(value, entry)
         try:
-            await future
+            yield from future
         except BaseException:
             if not entry.done:
                 if watch is None:
@@ -1085,6 +1104,18 @@ class _AsyncioBridge(LoopBridge):
                 else:
                     watch.withdraw(entry)
             raise
+
+
+class _Parked:
+    """An awaitable of a generator of ``parked``'s."""
+
+    __slots__ = ("steps",)
+
+    def __init__(self, steps: Generator[Any, Any, None]) -> None:
+        self.steps = steps
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        return self.steps
 
 
 class _ThreadEnd:

@@ -99,8 +99,9 @@ class Completion(Record, Singular):
         )
 
     def __await__(self) -> Generator[Any, None, None]:
-        timeline = self.queue._timeline
-        native = self.queue._native
+        queue = self.queue
+        timeline = queue._timeline
+        native = queue._native
         if timeline.native.value >= self.value:  # the fast path: a yield
             yield from ready_checkpoint()
         else:
@@ -114,9 +115,8 @@ class Completion(Record, Singular):
             keep.let_go()
         if self._error is not None:
             raise self._error
-        queue = self.queue
         failure = (  # (the common case without Queue._failure's frame)
-            queue._native.failure(self.value)
+            native.failure(self.value)
             if queue._abandoned_from is None
             else queue._failure(self.value)
         )

@@ -1092,7 +1092,7 @@ def wait_value(
             now = time.perf_counter_ns()
             if now < due <= now + AWAKE_DUE_NS:
                 bridge.stay_awake(due - now + SPIN_NS)
-        yield from bridge.park(watch, value).__await__()
+        yield from bridge.parked(watch, value)
         timeline._recent_ns = (recent * 7 + time.perf_counter_ns() - start) >> 3
     finally:
         if getattr(_waiting, "count", None) is count:  # ended on its loop's thread
@@ -1119,7 +1119,7 @@ def ready_checkpoint() -> Generator[Any, Any, None]:
             else:
                 yield from _bridge.checkpoint()
         else:
-            yield from count.loop_bridge().park(None, 0).__await__()
+            yield from count.loop_bridge().parked(None, 0)
     finally:
         if getattr(_waiting, "count", None) is count:  # ended on its loop's thread
             count.n -= 1

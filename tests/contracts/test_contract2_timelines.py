@@ -546,7 +546,7 @@ async def test_a_keyboard_interrupt_as_a_wait_parks_leaves_no_wake_up_behind(
     rescheduled the task in its next wait ("Should never have been rescheduled!")."""
     from asyncmetal import _bridge
 
-    names = {"wait", "wait_value", "_watch_for", "park", "add", "_publish", "add_ready"}
+    names = {"wait", "wait_value", "_watch_for", "park", "parked", "add", "_publish", "add_ready"}
     classes = [am.Timeline, _timeline.Waitable, _bridge.Watch, *_bridge.LoopBridge.__subclasses__()]
     codes = {wait_value.__code__}
     for cls in classes:

@@ -81,6 +81,11 @@ async def test_blockbuster_catches_a_blocking_call(
         time.sleep(0.001)  # noqa: ASYNC251  # the check itself works
 
 
+def _no_turn(self: object) -> bool:
+    """``LoopBridge.turn`` refusing every turn: every wait of a crowd parks."""
+    return False
+
+
 async def test_loop_keeps_ticking_during_long_kernel(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:
@@ -476,7 +481,7 @@ async def test_a_busy_crowd_leaves_no_other_waiter_parked(
     within a few slices all the same, not once the crowd is done."""
     from asyncmetal import _bridge
 
-    monkeypatch.setattr(_bridge, "TURN_SHARE", 1)  # every turn refused: every wait parks
+    monkeypatch.setattr(_bridge.LoopBridge, "turn", _no_turn)  # every wait parks
     busy = device.timeline()
     busy.signal(1)
     rounds = 0
@@ -576,7 +581,7 @@ async def test_a_crowd_on_two_queues_keeps_both_busy(
     thread left runnable beside the loop's can stand still for tens of milliseconds)."""
     from asyncmetal import _bridge
 
-    monkeypatch.setattr(_bridge, "TURN_SHARE", 1)  # every turn refused: every wait parks
+    monkeypatch.setattr(_bridge.LoopBridge, "turn", _no_turn)  # every wait parks
     queues = [device.queue, device.new_queue()]
     bridge = _bridge.current_bridge()
     done = [0, 0]
@@ -712,8 +717,8 @@ async def test_a_crowd_whose_commands_finish_within_an_iteration_takes_turns_not
 ) -> None:
     """100 tasks awaiting values reached already: a park and its wake-up cost more than
     the step of a task that yields plainly, so while iterations are short (a budget
-    large enough for all of them here) a crowd's tasks yield, and only the turns refused
-    so that others get theirs (one in ``TURN_SHARE``) park."""
+    large enough for all of them here) a crowd's tasks yield; every task that asks gets
+    a turn, so none is refused one at random either (that is for while turns run out)."""
     from asyncmetal import _bridge
 
     monkeypatch.setattr(_bridge, "TURN_BUDGET_NS", 10**12)
