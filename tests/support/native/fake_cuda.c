@@ -264,6 +264,20 @@
 
 static void reach(am_timeline *t, uint64_t value, const char *what);
 
+/* Rounds of a stress check (waitraceclose, chainclose): a fifth under a sanitizer, where
+ * each round's queue threads start and stop many times slower (the whole binary has one
+ * minute in the GPU machine's test run). */
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+#define STRESS_ROUNDS(n) ((n) / 5)
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer) || __has_feature(address_sanitizer)
+#define STRESS_ROUNDS(n) ((n) / 5)
+#endif
+#endif
+#ifndef STRESS_ROUNDS
+#define STRESS_ROUNDS(n) (n)
+#endif
+
 static void check_order(void) {
     fake_queue f = queue_new();
     const uint64_t n = 20000;
@@ -2305,7 +2319,7 @@ static void check_waittaken(void) {
  * look finds a's failed wait, or a closed (stop 2) before the closer failed a's waiters
  * (abandonrace). */
 static void check_waitraceclose(void) {
-    int passed = 0, rounds = 300;
+    int passed = 0, rounds = STRESS_ROUNDS(300);
     for (int i = 0; i < rounds; i++) {
         fake_queue a = queue_new(), b = queue_new();
         free_timeline t = free_timeline_new();
@@ -2339,7 +2353,7 @@ static void check_waitraceclose(void) {
  * it (for the sanitizers: the references the looks take, c's entries and timeline as c
  * closes). b's wait for a value never produced never passes as a success. */
 static void check_chainclose(void) {
-    int passed = 0, rounds = 200;
+    int passed = 0, rounds = STRESS_ROUNDS(200);
     for (int i = 0; i < rounds; i++) {
         fake_queue a = queue_new(), b = queue_new(), c = queue_new();
         free_timeline t = free_timeline_new();
