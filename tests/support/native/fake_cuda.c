@@ -2135,6 +2135,23 @@ static void check_waitedfreed(void) {
  * the other queue's timeline past its failed wait. a: command 1 waits on the device for
  * t (its event held: a's thread sees it unfinished), command 2 launches; b: command 1
  * waits for a's 2, command 2 launches. */
+/* b's command 1 waited on the device for a's value `target`, which a never produces (an
+ * earlier wait of a's is known failed); b's command 2 is a launch. Once b's thread saw
+ * both end -- and raised b's timeline for them: to 2 had they passed, to UINT64_MAX as it
+ * settled failed (after its count of pending commands fell to 0) -- a's timeline was not
+ * raised to `target` through b's wait, and b failed from its wait on, naming the failure. */
+static void wait_failed_first(const char *check, fake_queue a, fake_queue b, uint64_t target,
+                              am_timeline *cause) {
+    char what[160];
+    snprintf(what, sizeof what, "%s: b's thread never saw its commands end", check);
+    reach(b.t, 2, what);
+    snprintf(what, sizeof what, "%s: b's wait raised a's timeline past a wait for a value never produced", check);
+    if (am_timeline_value(a.t) >= target) die(what);
+    snprintf(what, sizeof what, "%s: b's wait for a value never produced was confirmed as a success", check);
+    if (am_timeline_value(b.t) != UINT64_MAX || !fails_from_first(b, CU_WAITED_FAILED, cause))
+        die(what);
+}
+
 static void check_waitrace(void) {
     fake_queue a = queue_new(), b = queue_new();
     free_timeline t = free_timeline_new();
@@ -2144,14 +2161,7 @@ static void check_waitrace(void) {
     check_held(a, "waitrace: (setup) a's wait is not the command held");
     if (wait_queue(b, a, 2, 1) || launch(b, NULL, 1, 2)) die("waitrace: b failed at once");
     am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
-    /* b's thread saw both its commands end, and raised its timeline for them: to 2 had
-     * they passed, to UINT64_MAX as it settled failed (after its count of pending
-     * commands fell to 0) */
-    reach(b.t, 2, "waitrace: b's thread never saw its commands end");
-    if (am_timeline_value(a.t) >= 2)
-        die("waitrace: b's wait raised a's timeline past a's failed wait");
-    if (am_timeline_value(b.t) != UINT64_MAX || !fails_from_first(b, CU_WAITED_FAILED, cause))
-        die("waitrace: b's wait for a value never produced was confirmed as a success");
+    wait_failed_first("waitrace", a, b, 2, cause);
     let_held_go(a, "waitrace: a's thread never saw its wait");
     reach(a.t, UINT64_MAX, "waitrace: a never settled");
     if (!fails_from_first(a, CU_WAITED_FAILED, cause))
@@ -2161,6 +2171,29 @@ static void check_waitrace(void) {
     free_timeline_free(t);
     am_timeline_free(cause);
     puts("ok waitrace");
+}
+
+/* A check's hook holding a queue's thread: until the check lets it go (10 s at most). */
+static void held_until(atomic_int *go) {
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (!atomic_load(go) && now_ns() < deadline) sched_yield();
+}
+
+/* Until a check's hook was reached (10 s at most: else `what`). */
+static void hook_reached(atomic_int *in, const char *what) {
+    for (int64_t deadline = now_ns() + 10000000000LL; !atomic_load(in);)
+        if (now_ns() > deadline) die(what);
+}
+
+/* A chain check's end: its hook off, its three queues, free timeline and cause freed. */
+static void chain_free(fake_queue a, fake_queue b, fake_queue c, free_timeline t,
+                       am_timeline *cause) {
+    atomic_store(&test_hook, NULL);
+    queue_free(a, 0);
+    queue_free(b, 0);
+    queue_free(c, 0);
+    free_timeline_free(t);
+    am_timeline_free(cause);
 }
 
 /* waitrace one level further: b's wait on a's command 3, behind a's wait (command 2) on
@@ -2175,8 +2208,7 @@ static atomic_int waitrace2_in, waitrace2_go;
 static void waitrace2_hook(int where, am_cuq *q) {
     if (where != CU_HOOK_CONFIRMED || q != waitrace2_a.q || atomic_exchange(&waitrace2_in, 1))
         return;
-    int64_t deadline = now_ns() + 10000000000LL;
-    while (!atomic_load(&waitrace2_go) && now_ns() < deadline) sched_yield();
+    held_until(&waitrace2_go);
 }
 
 static void check_waitrace2(void) {
@@ -2188,28 +2220,18 @@ static void check_waitrace2(void) {
     atomic_store(&waitrace2_go, 0);
     atomic_store(&test_hook, waitrace2_hook);
     if (launch(a, NULL, 1, 1)) die("waitrace2: a's launch");
-    for (int64_t deadline = now_ns() + 10000000000LL; !atomic_load(&waitrace2_in);)
-        if (now_ns() > deadline) die("waitrace2: (setup) a's thread never confirmed its first");
+    hook_reached(&waitrace2_in, "waitrace2: (setup) a's thread never confirmed its first");
     hold_next(c);
     if (wait_free(c, t, 1, 1) || launch(c, NULL, 1, 2)) die("waitrace2: c failed at once");
     check_held(c, "waitrace2: (setup) c's wait is not the command held");
     if (wait_queue(a, c, 2, 2) || launch(a, NULL, 1, 3)) die("waitrace2: a failed at once");
     if (wait_queue(b, a, 3, 1) || launch(b, NULL, 1, 2)) die("waitrace2: b failed at once");
     am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
-    reach(b.t, 2, "waitrace2: b's thread never saw its commands end");
-    if (am_timeline_value(a.t) >= 3)
-        die("waitrace2: b's wait raised a's timeline past a's wait on c's failed value");
-    if (am_timeline_value(b.t) != UINT64_MAX || !fails_from_first(b, CU_WAITED_FAILED, cause))
-        die("waitrace2: b's wait for a value never produced was confirmed as a success");
+    wait_failed_first("waitrace2", a, b, 3, cause);
     atomic_store(&waitrace2_go, 1);
     let_held_go(c, "waitrace2: c's thread never saw its wait");
     reach(a.t, UINT64_MAX, "waitrace2: a never settled");
-    atomic_store(&test_hook, NULL);
-    queue_free(a, 0);
-    queue_free(b, 0);
-    queue_free(c, 0);
-    free_timeline_free(t);
-    am_timeline_free(cause);
+    chain_free(a, b, c, t, cause);
     puts("ok waitrace2");
 }
 
@@ -2270,8 +2292,7 @@ static void waittaken_hook(int where, am_cuq *q) {
     if (where != CU_HOOK_WAITING_TAKEN || q != waittaken_a.q || atomic_exchange(&waittaken_in, 1))
         return;
     atomic_store((_Atomic uint64_t *)waittaken_gate, 1);  /* b's wait goes on the device */
-    int64_t deadline = now_ns() + 10000000000LL;
-    while (!atomic_load(&waittaken_go) && now_ns() < deadline) sched_yield();
+    held_until(&waittaken_go);
 }
 
 static void check_waittaken(void) {
@@ -2291,8 +2312,7 @@ static void check_waittaken(void) {
         die("waittaken: b failed at once");
     atomic_store(&test_hook, waittaken_hook);
     am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
-    for (int64_t deadline = now_ns() + 10000000000LL; !atomic_load(&waittaken_in);)
-        if (now_ns() > deadline) die("waittaken: (setup) a's thread never checked its wait on c");
+    hook_reached(&waittaken_in, "waittaken: (setup) a's thread never checked its wait on c");
     reach(b.t, 2, "waittaken: b's thread never saw its commands end");
     int raised = am_timeline_value(a.t) >= 2;
     int passed = am_timeline_value(b.t) != UINT64_MAX || !fails_from_first(b, CU_WAITED_FAILED, cause);
@@ -2303,14 +2323,24 @@ static void check_waittaken(void) {
     reach(a.t, UINT64_MAX, "waittaken: a never settled");
     if (!fails_from_first(a, CU_WAITED_FAILED, cause))
         die("waittaken: a did not fail from its wait on c, naming the failure");
-    atomic_store(&test_hook, NULL);
-    queue_free(a, 0);
-    queue_free(b, 0);
-    queue_free(c, 0);
-    free_timeline_free(t);
-    am_timeline_free(cause);
+    chain_free(a, b, c, t, cause);
     free(gate);
     puts("ok waittaken");
+}
+
+/* Once b's thread saw both its commands (a wait, then a launch) end: whether its wait
+ * passed as a success (b not settled failed). */
+static int wait_passed(fake_queue b, const char *what) {
+    reach(b.t, 2, what);
+    uint64_t at = 0;
+    return am_timeline_value(b.t) != UINT64_MAX || !am_cuq_error(b.q, &at);
+}
+
+/* A stress check's verdict: no round's wait passed. */
+static void no_wait_passed(int passed, int rounds, const char *what) {
+    if (!passed) return;
+    fprintf(stderr, "b's wait passed as a success in %d of %d rounds\n", passed, rounds);
+    die(what);
 }
 
 /* waitrace while a, the queue waited for, is abandoned (closed) at once, over many
@@ -2329,20 +2359,13 @@ static void check_waitraceclose(void) {
         am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
         if (i & 1) sched_yield();
         am_cuq_close(a.q, 1);
-        reach(b.t, 2, "waitraceclose: b's thread never saw its commands end");
-        uint64_t at = 0;
-        if (am_timeline_value(b.t) != UINT64_MAX || !am_cuq_error(b.q, &at)) passed++;
-        stream_free(a.s, 1);
-        am_timeline_free(a.t);
+        passed += wait_passed(b, "waitraceclose: b's thread never saw its commands end");
+        abandoned_free(a);
         queue_free(b, 0);
-        free(a.word);
         free_timeline_free(t);
         am_timeline_free(cause);
     }
-    if (passed) {
-        fprintf(stderr, "b's wait passed as a success in %d of %d rounds\n", passed, rounds);
-        die("waitraceclose: b's wait on a's failed and abandoned command passed");
-    }
+    no_wait_passed(passed, rounds, "waitraceclose: b's wait on a's failed and abandoned command passed");
     puts("ok waitraceclose");
 }
 
@@ -2365,9 +2388,7 @@ static void check_chainclose(void) {
         if (i & 2) sched_yield();
         am_cuq_close(c.q, 1);
         if (i & 1) am_cuq_close(a.q, 1);
-        reach(b.t, 2, "chainclose: b's thread never saw its commands end");
-        uint64_t at = 0;
-        if (am_timeline_value(b.t) != UINT64_MAX || !am_cuq_error(b.q, &at)) passed++;
+        passed += wait_passed(b, "chainclose: b's thread never saw its commands end");
         if (i & 1) abandoned_free(a);
         else queue_free(a, 0);
         abandoned_free(c);
@@ -2375,10 +2396,7 @@ static void check_chainclose(void) {
         free_timeline_free(t);
         am_timeline_free(cause);
     }
-    if (passed) {
-        fprintf(stderr, "b's wait passed as a success in %d of %d rounds\n", passed, rounds);
-        die("chainclose: b's wait behind c's failed and abandoned command passed");
-    }
+    no_wait_passed(passed, rounds, "chainclose: b's wait behind c's failed and abandoned command passed");
     puts("ok chainclose");
 }
 
