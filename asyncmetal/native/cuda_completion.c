@@ -323,10 +323,10 @@ static am_cuwaiter *chain_deeper(am_cuchain *c, const am_cuq *other, uint64_t ta
  * waits (as far as c lets: am_cuchain). And if other is failing from `target` or before
  * already (poisoned: maybe by its own thread, which is still on its way to q through
  * other's waiters; failed with an error of its own, which it settles with; or closed,
- * abandoning what it had not confirmed), q fails from `command` on now too. So q does not confirm the command as a success, nor raise
- * other's timeline for it. A failure recorded only after this look is the other
- * thread's to pass on, as before. Not under any queue's mu (other's, then t's, are
- * taken here). */
+ * abandoning what it had not confirmed), q fails from `command` on now too. So q does
+ * not confirm the command as a success, nor raise other's timeline for it. A failure
+ * recorded only after this look is the other thread's to pass on, as before. Not under
+ * any queue's mu (other's, then t's, are taken here). */
 static void cuq_check_waited_on(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command,
                                 am_cuchain *c) {
     int found = 0, error = 0;
@@ -391,13 +391,14 @@ static void cuq_check_waiting(am_cuq *q, uint64_t value) {
     pthread_mutex_lock(&q->mu);
     am_cuwaiter *first = q->waiting;
     pthread_mutex_unlock(&q->mu);
-    int any = 0;
-    for (am_cuwaiter *w = first; w && !any; w = w->next) any = w->command <= value;
-    if (!any) return;
-    cuq_test_hook(CU_HOOK_WAITING_TAKEN, q);  /* (about to check them) */
     am_cuchain chain = {.nseen = 0, .left = CU_CHAIN_WAITS, .reads = CU_CHAIN_READS};
-    for (am_cuwaiter *w = first; w; w = w->next)
-        if (w->command <= value) cuq_check_waited_on(q, w->q, w->target, w->command, &chain);
+    int checked = 0;
+    for (am_cuwaiter *w = first; w; w = w->next) {
+        if (w->command > value) continue;
+        if (!checked++) cuq_test_hook(CU_HOOK_WAITING_TAKEN, q);  /* (about to check) */
+        cuq_check_waited_on(q, w->q, w->target, w->command, &chain);
+    }
+    if (!checked) return;
     am_cuwaiter *taken = NULL;
     pthread_mutex_lock(&q->mu);
     for (am_cuwaiter **p = &q->waiting; *p;) {

@@ -2145,9 +2145,11 @@ static void wait_failed_first(const char *check, fake_queue a, fake_queue b, uin
     char what[160];
     snprintf(what, sizeof what, "%s: b's thread never saw its commands end", check);
     reach(b.t, 2, what);
-    snprintf(what, sizeof what, "%s: b's wait raised a's timeline past a wait for a value never produced", check);
+    snprintf(what, sizeof what,
+             "%s: b's wait raised a's timeline past a wait for a value never produced", check);
     if (am_timeline_value(a.t) >= target) die(what);
-    snprintf(what, sizeof what, "%s: b's wait for a value never produced was confirmed as a success", check);
+    snprintf(what, sizeof what,
+             "%s: b's wait for a value never produced was confirmed as a success", check);
     if (am_timeline_value(b.t) != UINT64_MAX || !fails_from_first(b, CU_WAITED_FAILED, cause))
         die(what);
 }
@@ -2315,7 +2317,8 @@ static void check_waittaken(void) {
     hook_reached(&waittaken_in, "waittaken: (setup) a's thread never checked its wait on c");
     reach(b.t, 2, "waittaken: b's thread never saw its commands end");
     int raised = am_timeline_value(a.t) >= 2;
-    int passed = am_timeline_value(b.t) != UINT64_MAX || !fails_from_first(b, CU_WAITED_FAILED, cause);
+    int passed = am_timeline_value(b.t) != UINT64_MAX ||
+                 !fails_from_first(b, CU_WAITED_FAILED, cause);
     atomic_store(&waittaken_go, 1);
     if (raised) die("waittaken: b's wait raised a's timeline past a's wait on c's failed value");
     if (passed) die("waittaken: b's wait for a value never produced was confirmed as a success");
@@ -2365,7 +2368,8 @@ static void check_waitraceclose(void) {
         free_timeline_free(t);
         am_timeline_free(cause);
     }
-    no_wait_passed(passed, rounds, "waitraceclose: b's wait on a's failed and abandoned command passed");
+    no_wait_passed(passed, rounds,
+                   "waitraceclose: b's wait on a's failed and abandoned command passed");
     puts("ok waitraceclose");
 }
 
@@ -2396,7 +2400,8 @@ static void check_chainclose(void) {
         free_timeline_free(t);
         am_timeline_free(cause);
     }
-    no_wait_passed(passed, rounds, "chainclose: b's wait behind c's failed and abandoned command passed");
+    no_wait_passed(passed, rounds,
+                   "chainclose: b's wait behind c's failed and abandoned command passed");
     puts("ok chainclose");
 }
 
