@@ -150,6 +150,10 @@ class CUDAQueue(NativeQueue):
         # calls of other threads under way (_held_open), which the close waits for.
         self._closing = threading.Condition(threading.Lock())
         self._exporting = 0
+        # Held over a whole close: a close on another thread meanwhile waits for it (not
+        # _closing, which a discard on a loop takes and must get at once, and which the
+        # export calls take as they end).
+        self._close_lock = threading.Lock()
         self._discarded: str | None = None  # what dropped what had not started (discard)
         self._slots = (ctypes.c_uint64 * MAX_PARAMS)()
         base = ctypes.addressof(self._slots)
@@ -856,6 +860,18 @@ class CUDAQueue(NativeQueue):
                 self._lib.am_cuq_discard(self._q)
 
     def close(self, abandon: bool = False) -> None:
+        """(See NativeQueue.close.) Every caller returns once the queue is released: a
+        close under way on another thread is waited for, as it releases it (with its
+        ``abandon``). An abandoning close meanwhile waits for a plain one too, even one
+        held up by a device wait that nothing signals: the runtime has no call that
+        turns a close under way into an abandoning one (a discard leaves a closing
+        queue to its close). The device never closes a queue twice at once: its own
+        close (at exit too, abandoning) first joins the release threads that close
+        queues."""
+        with self._close_lock:
+            self._close(abandon)
+
+    def _close(self, abandon: bool) -> None:
         with self._closing:
             handle = self._q
             code, _ = self._first_error()

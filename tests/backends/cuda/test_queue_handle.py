@@ -63,6 +63,7 @@ class _Keep:
 def _queue(lib: _Lib) -> CUDAQueue:
     queue = object.__new__(CUDAQueue)
     queue._closing = threading.Condition(threading.Lock())
+    queue._close_lock = threading.Lock()
     queue._exporting = 0
     queue._q = 1234
     queue._lib = lib
