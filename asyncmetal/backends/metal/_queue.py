@@ -243,6 +243,10 @@ class MetalQueue(NativeQueue):
         self._host_waiting: MetalTimeline | HostWait | None = None
         self._stop_host_wait = ctypes.c_int(0)
         self._lock = threading.Lock()
+        # Held over a whole close: a close on another thread meanwhile waits for it (not
+        # _lock, which a discard on a loop takes and must get at once); set once it ran.
+        self._close_lock = threading.Lock()
+        self._close_ran = False
         # The worker takes it once `commandBuffer` returned, which can block (1024
         # buffers in flight): a loop's flush never waits for that. A submitting thread
         # holds it through its own commit, which routing keeps under MAX_IN_FLIGHT.
@@ -921,6 +925,20 @@ class MetalQueue(NativeQueue):
         self._until_ran(value)  # (a discard or abandon ends it: what follows is dropped)
 
     def close(self, abandon: bool = False) -> None:
+        """(See NativeQueue.close.) It runs once: a close under way on another thread is
+        waited for, as it ends (with its ``abandon``), and a later one returns at once --
+        the MTLCommandQueue and the command buffers are released once. An abandoning
+        close meanwhile waits for a plain one too, even one held up by a wait that
+        nothing signals (the plain one waits there on the queue's own thread and in
+        ``waitUntilCompleted``, which nothing cuts short). The device never closes a
+        queue twice at once: its own close (at exit too, abandoning) first joins the
+        release threads that close queues."""
+        with self._close_lock:
+            if not self._close_ran:
+                self._close(abandon)
+                self._close_ran = True
+
+    def _close(self, abandon: bool) -> None:
         with self._commit_lock:
             self.flush()
             self._closed = True
