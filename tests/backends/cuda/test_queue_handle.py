@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+import weakref
 from typing import Any
 
 import pytest
@@ -66,6 +67,7 @@ def _queue(lib: _Lib) -> CUDAQueue:
     queue._close_lock = threading.Lock()
     queue._exporting = 0
     queue._q = 1234
+    queue._release_dropped = weakref.finalize(queue, lib.am_cuq_close, 1234, 1)  # (as made)
     queue._lib = lib
     queue._staging = None
     queue.adopted = True

@@ -1,17 +1,26 @@
 """A cuda queue's own lifecycle over the simulated driver (simulated_cuda.py: the real
 native runtime, streams of tests/support/fakes/fake_cuda_driver.c), in a child process:
 ``python -m tests.support.native.simulated_lifecycle SCENARIO LOOP`` prints what
-SCENARIO saw, as JSON, on its last line (``simulated_cuda.run_child`` runs it).
+SCENARIO saw, as JSON, on its last line (``run`` runs it, and reads that).
 
 - ``closes``: one native queue closed by several threads at once while its stream waits
   on the device for a value only the host signals.
+- ``dropped``: native queues whose CUDAQueue was collected unclosed (a new_queue failing
+  once its native queue was made; a CUDAQueue dropped); and one collected in a forked
+  child, the parent's.
 """
 
 from __future__ import annotations
 
+import gc
+import os
+import signal
 import sys
 import tempfile
 import threading
+import time
+import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +78,93 @@ async def _closes(sim: _Simulated) -> Seen:
     return seen
 
 
-SCENARIOS = {"closes": _closes}
+def _threads() -> int:
+    """The process's threads, native ones too (a completion thread, a simulated stream's)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def _child_ended(pid: int) -> str:
+    """How forked child ``pid`` ended: "exited", or "hung" past 10 s (then killed)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return f"exited {os.waitstatus_to_exitcode(status)}"
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return "hung"
+
+
+async def _dropped(sim: _Simulated) -> Seen:
+    """Four new_queues that fail once their native queue was made (here: recording it
+    among the live queues, the last step of CUDAQueue's making), which hand out nothing
+    and leave nothing else holding it; four CUDAQueues made and dropped; then one kept
+    while a forked child collects its copy. Threads and events left after a collection
+    (compared with before), how the child ended (its exit code: 3, the queue not
+    collected; 4, native calls made for it), and whether the device went on."""
+    import asyncmetal as am
+    from asyncmetal.backends.cuda import _driver, _queue
+    from asyncmetal.backends.cuda._queue import CUDAQueue
+    from asyncmetal.backends.cuda._timeline import CUDATimeline
+
+    class Refusing(weakref.WeakSet[Any]):
+        def add(self, item: Any) -> None:
+            raise MemoryError("no memory to record the queue (simulated)")
+
+    seen: Seen = {}
+    dev = await am.open_device("cuda:0")
+    try:
+        async with dev.new_queue() as queue:  # (the device's own threads started)
+            await queue.marker()
+        gc.collect()
+        threads, events = _threads(), sim.events_made.value - sim.events_destroyed.value
+        live, _driver.live_queues = _driver.live_queues, Refusing()
+        failed = 0
+        try:
+            for _ in range(4):
+                try:
+                    dev.new_queue()
+                except MemoryError:
+                    failed += 1
+        finally:
+            _driver.live_queues = live
+        seen["failed"] = failed
+        backend: Any = dev._backend
+        for _ in range(4):
+            CUDAQueue(backend, CUDATimeline(backend))  # (dropped at once)
+        gc.collect()
+        with anyio.move_on_after(10):
+            while _threads() > threads:
+                await anyio.sleep(0.01)
+        seen["threads_left"] = _threads() - threads
+        seen["events_left"] = sim.events_made.value - sim.events_destroyed.value - events
+        kept = CUDAQueue(backend, CUDATimeline(backend))
+        collected = weakref.ref(kept)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # (a fork with threads)
+            pid = os.fork()
+        if pid == 0:  # (the child: the queue collected, then out)
+            # Its native calls noted, not made: with the parent's threads gone here, an
+            # abandoning close gives up on its completion thread after 200 ms, and a
+            # real driver's call on a parent's stream does what it does.
+            calls: list[str] = []
+            backend.lib.am_cuq_close = lambda *args: calls.append("am_cuq_close")
+            _queue.cu.cuStreamDestroy = lambda *args: calls.append("cuStreamDestroy")
+            del kept
+            gc.collect()
+            os._exit(3 if collected() is not None else 4 if calls else 0)
+        seen["forked"] = _child_ended(pid)
+        kept.close()
+        async with dev.new_queue() as queue:  # (the device goes on)
+            seen["after"] = await _awaited(queue.marker())
+    finally:
+        with anyio.fail_after(20):
+            await dev.close()
+    return seen
+
+
+SCENARIOS = {"closes": _closes, "dropped": _dropped}
 
 
 def run(scenario: str, loop: str, timeout: float = 120) -> Seen:
