@@ -8,6 +8,7 @@ import ctypes
 import functools
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from ctypes import c_uint64, c_ulong, c_void_p
 from typing import Any, NamedTuple, Protocol, overload
@@ -182,6 +183,14 @@ class MetalQueue(NativeQueue):
         self._timeline = timeline
         what = "newCommandQueueWithMaxCommandBufferCount:"
         self._queue = made(send(backend.device, what, 1024, argtypes=(c_ulong,)), what)
+        # One collected unclosed -- made for a new_queue that an interrupt or an error
+        # stopped before anything held it -- would keep its MTLCommandQueue for good: it
+        # is released then (one message, which returns at once, on whatever thread
+        # collects it), by a finalizer that holds no reference of the queue. The
+        # close's release runs it, once. (A queue whose own thread started is held by
+        # that thread until its close.)
+        self._release_dropped = weakref.finalize(self, release, self._queue)
+        self._release_dropped.atexit = False  # (open devices close theirs at exit)
         self._waits: list[tuple[MetalTimeline, int]] = []  # re-encoded until reached
         # Its waits, until their value is reached: (the wait command's value, timeline,
         # target). A timeline that fails instead (its device closed while its command
@@ -997,7 +1006,7 @@ class MetalQueue(NativeQueue):
                 self._note_status(value, cb)
         for _, cb, _, _, _ in buffers:
             release(cb)
-        release(self._queue)
+        self._release_dropped()  # (the MTLCommandQueue)
 
 
 def _value_bytes(value: int | Scalar) -> tuple[ctypes.c_int64, int]:

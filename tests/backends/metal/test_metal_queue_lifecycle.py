@@ -1,13 +1,22 @@
 """A Metal queue's own lifecycle against the simulated Metal: closed by several threads
-at once. In child processes: an over-release aborts the simulation."""
+at once (in a child process: an over-release aborts the simulation), collected
+unclosed."""
 
 from __future__ import annotations
 
+import gc
 import textwrap
+from typing import Any
 
+import anyio
+import numpy as np
 import pytest
 
+import asyncmetal as am
+from asyncmetal.backends.metal import _queue
+from asyncmetal.backends.metal._queue import MetalQueue, MetalTimeline
 from tests.backends.metal.test_metal import _in_a_child, sim_only
+from tests.support.fakes import metal_sim
 
 pytestmark = [pytest.mark.metal, sim_only]
 LOOPS = ["asyncio", "trio"]
@@ -79,3 +88,47 @@ def test_every_close_of_a_metal_queue_returns_once_it_is_released_once(loop: str
         "after ['abandoning', 'first', 'second']",
         "released 1",
     ], lines
+
+
+async def _settled_queues() -> int:
+    """The MTLCommandQueues alive, once collected and the count steady for 0.2 s (at most
+    10 s): those of devices closed before are let go of by Metal's threads too."""
+    count, steady = -1, 0.0
+    with anyio.move_on_after(10):
+        while steady < 0.2:
+            gc.collect()
+            now = metal_sim.live("MTLCommandQueue")
+            count, steady = now, steady + 0.01 if now == count else 0.0
+            await anyio.sleep(0.01)
+    return count
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", LOOPS)
+async def test_a_metal_queue_collected_unclosed_releases_its_command_queue(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four new_queues that fail once their MTLCommandQueue was made (here: the queue's
+    keep-alive not to be made; an interrupt there alike) hand out nothing, and nothing
+    else holds those queues: collected, their MTLCommandQueues are released, as are
+    those of four MetalQueues made and dropped; the device goes on. Checked: without
+    the finalizer those MTLCommandQueues stayed for good (8 more than before)."""
+    async with am.open_device("metal") as dev:
+        before = await _settled_queues()
+
+        def unmade(timeline: Any) -> Any:
+            raise MemoryError("no memory for the queue's keep-alive (simulated)")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(_queue, "KeepAlive", unmade)
+            for _ in range(4):
+                with pytest.raises(MemoryError, match="simulated"):
+                    dev.new_queue()
+        backend: Any = dev._backend
+        for _ in range(4):
+            MetalQueue(backend, MetalTimeline(backend))  # (dropped at once)
+        assert await _settled_queues() == before
+        async with dev.new_queue() as queue:  # (the device goes on)
+            buf = await dev.alloc(16)
+            await queue.copy(buf, np.arange(4, dtype=np.float32))
+            assert (await buf.read(np.float32)).tolist() == [0, 1, 2, 3]
