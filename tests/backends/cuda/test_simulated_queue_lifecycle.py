@@ -44,7 +44,6 @@ def test_a_cuda_queue_collected_unclosed_releases_its_thread_and_stream(loop: st
     and a simulated stream's each); without its check of the process, the forked child
     closed the parent's queue and destroyed its stream."""
     seen = simulated_lifecycle.run("dropped", loop)
-    assert seen["failed"] == 4, seen
     assert seen["threads_left"] <= 0, seen
     assert seen["events_left"] == 0, seen
     assert seen["forked"] == "exited 0", seen

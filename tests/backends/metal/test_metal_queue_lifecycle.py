@@ -17,6 +17,7 @@ from asyncmetal.backends.metal import _queue
 from asyncmetal.backends.metal._queue import MetalQueue, MetalTimeline
 from tests.backends.metal.test_metal import _in_a_child, sim_only
 from tests.support.fakes import metal_sim
+from tests.support.queues import fail_new_queues
 
 pytestmark = [pytest.mark.metal, sim_only]
 LOOPS = ["asyncio", "trio"]
@@ -106,7 +107,7 @@ async def _settled_queues() -> int:
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", LOOPS)
 async def test_a_metal_queue_collected_unclosed_releases_its_command_queue(
-    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+    anyio_backend: object,
 ) -> None:
     """Four new_queues that fail once their MTLCommandQueue was made (here: the queue's
     keep-alive not to be made; an interrupt there alike) hand out nothing, and nothing
@@ -115,15 +116,7 @@ async def test_a_metal_queue_collected_unclosed_releases_its_command_queue(
     the finalizer those MTLCommandQueues stayed for good (8 more than before)."""
     async with am.open_device("metal") as dev:
         before = await _settled_queues()
-
-        def unmade(timeline: Any) -> Any:
-            raise MemoryError("no memory for the queue's keep-alive (simulated)")
-
-        with monkeypatch.context() as patch:
-            patch.setattr(_queue, "KeepAlive", unmade)
-            for _ in range(4):
-                with pytest.raises(MemoryError, match="simulated"):
-                    dev.new_queue()
+        fail_new_queues(dev, _queue, "KeepAlive")
         backend: Any = dev._backend
         for _ in range(4):
             MetalQueue(backend, MetalTimeline(backend))  # (dropped at once)

@@ -26,7 +26,7 @@ from typing import Any
 
 import anyio
 
-from tests.support.native.simulated_cuda import ROOT, Seen, _awaited, _install, _Simulated
+from tests.support.native.simulated_cuda import Seen, _awaited, _install, _Simulated, run_child
 
 GATE_S = 0.3  # how long the closes are left waiting before the value is signalled
 
@@ -97,20 +97,18 @@ def _child_ended(pid: int) -> str:
 
 
 async def _dropped(sim: _Simulated) -> Seen:
-    """Four new_queues that fail once their native queue was made (here: recording it
-    among the live queues, the last step of CUDAQueue's making), which hand out nothing
-    and leave nothing else holding it; four CUDAQueues made and dropped; then one kept
-    while a forked child collects its copy. Threads and events left after a collection
-    (compared with before), how the child ended (its exit code: 3, the queue not
-    collected; 4, native calls made for it), and whether the device went on."""
+    """Four new_queues that fail once their native queue was made (here: as CUDAQueue
+    asks for the native extension), which hand out nothing and leave nothing else
+    holding it; four CUDAQueues made and dropped; then one kept while a forked child
+    collects its copy. Threads and events left after a collection (compared with
+    before), how the child ended (its exit code: 3, the queue not collected; 4, native
+    calls made for it), and whether the device went on."""
     import asyncmetal as am
-    from asyncmetal.backends.cuda import _driver, _queue
+    from asyncmetal import _native
+    from asyncmetal.backends.cuda import _queue
     from asyncmetal.backends.cuda._queue import CUDAQueue
     from asyncmetal.backends.cuda._timeline import CUDATimeline
-
-    class Refusing(weakref.WeakSet[Any]):
-        def add(self, item: Any) -> None:
-            raise MemoryError("no memory to record the queue (simulated)")
+    from tests.support.queues import fail_new_queues
 
     seen: Seen = {}
     dev = await am.open_device("cuda:0")
@@ -119,17 +117,7 @@ async def _dropped(sim: _Simulated) -> Seen:
             await queue.marker()
         gc.collect()
         threads, events = _threads(), sim.events_made.value - sim.events_destroyed.value
-        live, _driver.live_queues = _driver.live_queues, Refusing()
-        failed = 0
-        try:
-            for _ in range(4):
-                try:
-                    dev.new_queue()
-                except MemoryError:
-                    failed += 1
-        finally:
-            _driver.live_queues = live
-        seen["failed"] = failed
+        fail_new_queues(dev, _native, "extension")
         backend: Any = dev._backend
         for _ in range(4):
             CUDAQueue(backend, CUDATimeline(backend))  # (dropped at once)
@@ -167,22 +155,9 @@ async def _dropped(sim: _Simulated) -> Seen:
 SCENARIOS = {"closes": _closes, "dropped": _dropped}
 
 
-def run(scenario: str, loop: str, timeout: float = 120) -> Seen:
+def run(scenario: str, loop: str) -> Seen:
     """What ``scenario`` saw in a child process, on event loop ``loop``."""
-    import json
-    import subprocess
-
-    child = subprocess.run(
-        [sys.executable, "-m", __name__, scenario, loop],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert child.returncode == 0, child.stderr[-6000:] + child.stdout[-2000:]
-    seen: Seen = json.loads(child.stdout.splitlines()[-1])
-    return seen
+    return run_child(scenario, loop, module=__name__)
 
 
 def main(scenario: str, loop: str) -> None:
