@@ -31,7 +31,7 @@ from asyncmetal import _native
 from asyncmetal._queue import native_queue
 from asyncmetal.backends.cpu import CPUBackend, CPUQueue, CPUTimeline
 from tests.support.native import harness
-from tests.support.queues import held_queue
+from tests.support.queues import fail_new_queues, held_queue
 
 # Iterations of the abandon check (the others run a fraction of it). The plain build
 # runs enough to hit a lost wake-up in a handful of thousand tries; the sanitized ones,
@@ -157,9 +157,7 @@ def _threads_here() -> int:
 
 @pytest.mark.anyio
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-async def test_a_cpu_queue_collected_unclosed_releases_its_thread(
-    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_cpu_queue_collected_unclosed_releases_its_thread(anyio_backend: object) -> None:
     """A new_queue that fails once its native queue was made (here: its failure word
     not to be read; an interrupt there alike) hands out nothing, and nothing else holds
     that queue: collected, its thread stops (with the fd of its schedstat and its
@@ -168,15 +166,7 @@ async def test_a_cpu_queue_collected_unclosed_releases_its_thread(
     async with am.open_device("cpu") as dev:
         await dev.queue.marker()
         before = _threads_here()
-
-        def unreadable(timeline: int) -> Any:
-            raise MemoryError("no memory to read its failure word (simulated)")
-
-        with monkeypatch.context() as patch:
-            patch.setattr(_native, "failed_from", unreadable)
-            for _ in range(4):
-                with pytest.raises(MemoryError, match="simulated"):
-                    dev.new_queue()
+        fail_new_queues(dev, _native, "failed_from")
         lib = _native.runtime()
         timeline = CPUTimeline(lib)
         for _ in range(4):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import NoReturn
 
 import anyio
 import numpy as np
@@ -20,6 +21,21 @@ def held_queue(device: am.Device) -> tuple[am.Queue, am.Timeline]:
     q = device.new_queue()
     q.wait(tl, 1)
     return q, tl
+
+
+def fail_new_queues(device: am.Device, where: object, name: str, count: int = 4) -> None:
+    """``count`` new_queues of ``device`` that fail, with MemoryError, once their native
+    queue was made: ``where.name``, called in a later step of the making, raises it (an
+    interrupt there alike). Each hands out nothing, and nothing else holds that queue."""
+
+    def refused(*args: object) -> NoReturn:
+        raise MemoryError(f"{name} refused (simulated)")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(where, name, refused)
+        for _ in range(count):
+            with pytest.raises(MemoryError, match="simulated"):
+                device.new_queue()
 
 
 async def discard_outcomes(done: list[am.Completion]) -> list[bool]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import os
 import threading
 import time
 import weakref
@@ -136,6 +137,14 @@ class CUDAQueue(NativeQueue):
             if not self.adopted:
                 cu.cuStreamDestroy(self.stream)
             raise AsyncMetalError("could not start the CUDA completion thread")
+        # One collected unclosed -- made for a new_queue that an interrupt or an error
+        # stopped before anything held it -- would keep its completion thread, its
+        # stream and its memory for good: closed then (_close_dropped), by a finalizer
+        # that holds no reference of the queue. A close detaches it.
+        self._release_dropped = weakref.finalize(
+            self, _close_dropped, lib, self._q, None if self.adopted else self.stream, os.getpid()
+        )
+        self._release_dropped.atexit = False  # (open devices close theirs at exit)
         if adopt is not None:
             lib.am_cuq_set_shared(self._q)  # its owner submits too: query less often
         timeline.queue = self
@@ -150,6 +159,10 @@ class CUDAQueue(NativeQueue):
         # calls of other threads under way (_held_open), which the close waits for.
         self._closing = threading.Condition(threading.Lock())
         self._exporting = 0
+        # Held over a whole close: a close on another thread meanwhile waits for it (not
+        # _closing, which a discard on a loop takes and must get at once, and which the
+        # export calls take as they end).
+        self._close_lock = threading.Lock()
         self._discarded: str | None = None  # what dropped what had not started (discard)
         self._slots = (ctypes.c_uint64 * MAX_PARAMS)()
         base = ctypes.addressof(self._slots)
@@ -856,10 +869,23 @@ class CUDAQueue(NativeQueue):
                 self._lib.am_cuq_discard(self._q)
 
     def close(self, abandon: bool = False) -> None:
+        """(See NativeQueue.close.) Every caller returns once the queue is released: a
+        close under way on another thread is waited for, as it releases it (with its
+        ``abandon``). An abandoning close meanwhile waits for a plain one too, even one
+        held up by a device wait that nothing signals: the runtime has no call that
+        turns a close under way into an abandoning one (a discard leaves a closing
+        queue to its close). The device never closes a queue twice at once: its own
+        close (at exit too, abandoning) first joins the release threads that close
+        queues."""
+        with self._close_lock:
+            self._close(abandon)
+
+    def _close(self, abandon: bool) -> None:
         with self._closing:
             handle = self._q
             code, _ = self._first_error()
             self._q = None
+            self._release_dropped.detach()
             while self._exporting:  # (another thread's export call, not long)
                 self._closing.wait()
         if handle is not None:
@@ -882,3 +908,19 @@ class CUDAQueue(NativeQueue):
             if not self.adopted:
                 cu.cuStreamDestroy(self.stream)
             self._keep.clear()
+
+
+def _close_dropped(lib: Any, handle: int, stream: Any, pid: int) -> None:
+    """A CUDAQueue's finalizer: the native queue of one collected unclosed is closed,
+    abandoned (am_cuq_close), on whatever thread collects it -- a loop's too -- so that
+    it never waits there for a device wait: one never handed out had nothing submitted,
+    and its idle completion thread stops at once (with work in flight, the close gives
+    up on a thread blocked on an event after ~200 ms). Then its own stream, not an
+    adopted one, is destroyed: the driver's call returns at once, the stream's work,
+    if any, going on. In a forked child the queue is the parent's (its completion
+    thread is not there, its lock may be held for good): left alone."""
+    if os.getpid() != pid:
+        return
+    lib.am_cuq_close(handle, 1)
+    if stream is not None:
+        cu.cuStreamDestroy(stream)

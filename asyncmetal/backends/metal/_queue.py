@@ -8,6 +8,7 @@ import ctypes
 import functools
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from ctypes import c_uint64, c_ulong, c_void_p
 from typing import Any, NamedTuple, Protocol, overload
@@ -182,6 +183,14 @@ class MetalQueue(NativeQueue):
         self._timeline = timeline
         what = "newCommandQueueWithMaxCommandBufferCount:"
         self._queue = made(send(backend.device, what, 1024, argtypes=(c_ulong,)), what)
+        # One collected unclosed -- made for a new_queue that an interrupt or an error
+        # stopped before anything held it -- would keep its MTLCommandQueue for good: it
+        # is released then (one message, which returns at once, on whatever thread
+        # collects it), by a finalizer that holds no reference of the queue. The
+        # close's release runs it, once. (A queue whose own thread started is held by
+        # that thread until its close.)
+        self._release_dropped = weakref.finalize(self, release, self._queue)
+        self._release_dropped.atexit = False  # (open devices close theirs at exit)
         self._waits: list[tuple[MetalTimeline, int]] = []  # re-encoded until reached
         # Its waits, until their value is reached: (the wait command's value, timeline,
         # target). A timeline that fails instead (its device closed while its command
@@ -243,6 +252,10 @@ class MetalQueue(NativeQueue):
         self._host_waiting: MetalTimeline | HostWait | None = None
         self._stop_host_wait = ctypes.c_int(0)
         self._lock = threading.Lock()
+        # Held over a whole close: a close on another thread meanwhile waits for it (not
+        # _lock, which a discard on a loop takes and must get at once); set once it ran.
+        self._close_lock = threading.Lock()
+        self._close_ran = False
         # The worker takes it once `commandBuffer` returned, which can block (1024
         # buffers in flight): a loop's flush never waits for that. A submitting thread
         # holds it through its own commit, which routing keeps under MAX_IN_FLIGHT.
@@ -921,6 +934,20 @@ class MetalQueue(NativeQueue):
         self._until_ran(value)  # (a discard or abandon ends it: what follows is dropped)
 
     def close(self, abandon: bool = False) -> None:
+        """(See NativeQueue.close.) It runs once: a close under way on another thread is
+        waited for, as it ends (with its ``abandon``), and a later one returns at once --
+        the MTLCommandQueue and the command buffers are released once. An abandoning
+        close meanwhile waits for a plain one too, even one held up by a wait that
+        nothing signals (the plain one waits there on the queue's own thread and in
+        ``waitUntilCompleted``, which nothing cuts short). The device never closes a
+        queue twice at once: its own close (at exit too, abandoning) first joins the
+        release threads that close queues."""
+        with self._close_lock:
+            if not self._close_ran:
+                self._close(abandon)
+                self._close_ran = True
+
+    def _close(self, abandon: bool) -> None:
         with self._commit_lock:
             self.flush()
             self._closed = True
@@ -979,7 +1006,7 @@ class MetalQueue(NativeQueue):
                 self._note_status(value, cb)
         for _, cb, _, _, _ in buffers:
             release(cb)
-        release(self._queue)
+        self._release_dropped()  # (the MTLCommandQueue)
 
 
 def _value_bytes(value: int | Scalar) -> tuple[ctypes.c_int64, int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+import weakref
 from typing import Any
 
 import pytest
@@ -63,8 +64,10 @@ class _Keep:
 def _queue(lib: _Lib) -> CUDAQueue:
     queue = object.__new__(CUDAQueue)
     queue._closing = threading.Condition(threading.Lock())
+    queue._close_lock = threading.Lock()
     queue._exporting = 0
     queue._q = 1234
+    queue._release_dropped = weakref.finalize(queue, lib.am_cuq_close, 1234, 1)  # (as made)
     queue._lib = lib
     queue._staging = None
     queue.adopted = True

@@ -36,14 +36,19 @@ Seen = dict[str, Any]
 
 
 def run_child(
-    scenario: str, loop: str, timeout: float = 120, args: tuple[str, ...] = ()
+    scenario: str,
+    loop: str,
+    timeout: float = 120,
+    args: tuple[str, ...] = (),
+    module: str = "tests.support.native.simulated_cuda",
 ) -> dict[str, Seen]:
     """What ``scenario`` saw through each launch path in a child process (on event loop
     ``loop``): by path, a dict of observations (or ``{"skipped": why}``); a sweep's
     (``discard_sweep``, ``args``: how many failing calls per error), under "sweep"; a
-    copies' scenario's (simulated_copies.py), its own."""
+    copies' scenario's (simulated_copies.py), its own. ``module``: the one whose main
+    runs the scenario (simulated_lifecycle.py's: what its scenario saw)."""
     child = subprocess.run(
-        [sys.executable, "-m", "tests.support.native.simulated_cuda", scenario, loop, *args],
+        [sys.executable, "-m", module, scenario, loop, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

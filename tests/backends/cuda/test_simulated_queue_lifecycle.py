@@ -1,0 +1,50 @@
+"""A cuda queue's own lifecycle -- closed by several threads at once, collected
+unclosed -- with the real native runtime over the simulated driver, in a child process
+(tests/support/native/simulated_lifecycle.py). Runs everywhere a C compiler is found."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.native import harness, simulated_lifecycle
+
+LOOPS = ["asyncio", "trio"]
+
+
+@pytest.fixture(autouse=True)
+def _compiler() -> None:
+    missing = harness.sanitizer_missing("")
+    if missing is not None:
+        pytest.skip(missing)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_every_close_of_a_cuda_queue_returns_once_it_is_released(loop: str) -> None:
+    """A native cuda queue whose stream waits on the device for a value only the host
+    signals, closed plainly on one thread and, once that close is inside the runtime's,
+    plainly on a second and abandoning on a third: none returns before the value is
+    signalled and the queue released (NativeQueue.close: finish what was submitted,
+    then release it; an abandoning close meanwhile waits for that one, as documented),
+    and all do after; the marker behind the wait completes. Checked: without the fix
+    the second and third returned at once, the first still in the runtime's close."""
+    seen = simulated_lifecycle.run("closes", loop)
+    assert seen["before"] == [], seen
+    assert seen["after"] == ["abandoning", "first", "second"], seen
+    assert seen["marker"] == "done", seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_cuda_queue_collected_unclosed_releases_its_thread_and_stream(loop: str) -> None:
+    """Four new_queues that fail once their native queue was made (nothing handed out,
+    nothing else holds it) and four CUDAQueues made and dropped: collected, their
+    completion threads and streams stop and their events are destroyed (the process's
+    thread count comes back); a CUDAQueue collected in a forked child, its parent's, is
+    left alone there (no native call for it); the device goes on. Checked: without the
+    finalizer those threads stayed for good (15 more than before: a completion thread
+    and a simulated stream's each); without its check of the process, the forked child
+    closed the parent's queue and destroyed its stream."""
+    seen = simulated_lifecycle.run("dropped", loop)
+    assert seen["threads_left"] <= 0, seen
+    assert seen["events_left"] == 0, seen
+    assert seen["forked"] == "exited 0", seen
+    assert seen["after"] == "done", seen

@@ -1,0 +1,127 @@
+"""A Metal queue's own lifecycle against the simulated Metal: closed by several threads
+at once (in a child process: an over-release aborts the simulation), collected
+unclosed."""
+
+from __future__ import annotations
+
+import gc
+import textwrap
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import asyncmetal as am
+from asyncmetal.backends.metal import _queue
+from asyncmetal.backends.metal._queue import MetalQueue, MetalTimeline
+from tests.backends.metal.test_metal import _in_a_child, sim_only
+from tests.support.fakes import metal_sim
+from tests.support.queues import fail_new_queues
+
+pytestmark = [pytest.mark.metal, sim_only]
+LOOPS = ["asyncio", "trio"]
+
+CLOSES = textwrap.dedent(
+    """
+    import sys, threading
+    sys.path.insert(0, sys.argv[1])
+    import anyio
+    import asyncmetal as am
+    from asyncmetal._queue import native_queue
+    from tests.support.fakes import metal_sim
+
+    async def main():
+        async with am.open_device("metal") as dev:
+            queue, tl = dev.new_queue(), dev.timeline()
+            buf = await dev.alloc(64)
+            queue.wait(tl, 1)  # (only the host signals it, once the closes are under way)
+            filled = queue.fill(buf, 0)
+            native = native_queue(queue)
+            queues = metal_sim.live("MTLCommandQueue")
+            closed = []
+
+            def close(who, abandon):
+                native.close(abandon)
+                closed.append(who)
+
+            threads = [
+                threading.Thread(target=close, args=args, daemon=True)
+                for args in (("first", False), ("second", False), ("abandoning", True))
+            ]
+            threads[0].start()
+            with anyio.fail_after(10):
+                while not native._closed:  # (inside its close)
+                    await anyio.sleep(0.001)
+            for thread in threads[1:]:
+                thread.start()
+            await anyio.sleep(0.3)
+            print("before", sorted(closed), flush=True)
+            tl.signal(1)
+            with anyio.fail_after(20):
+                while any(thread.is_alive() for thread in threads):
+                    await anyio.sleep(0.001)
+            print("after", sorted(closed), flush=True)
+            await filled
+            native.close()  # (once more, after: nothing left to release)
+            with anyio.move_on_after(10):  # (Metal's threads let go of it too)
+                while metal_sim.live("MTLCommandQueue") == queues:
+                    await anyio.sleep(0.001)
+            print("released", queues - metal_sim.live("MTLCommandQueue"), flush=True)
+
+    anyio.run(main, backend=sys.argv[2])
+    """
+)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("loop", LOOPS)
+def test_every_close_of_a_metal_queue_returns_once_it_is_released_once(loop: str) -> None:
+    """A Metal queue with a fill behind a wait only the host signals, closed plainly
+    on one thread and, once that close is under way, plainly on a second and
+    abandoning on a third, then once more after: none returns before the value is
+    signalled (an abandoning close waits for the plain one under way, as documented),
+    all do after, and the MTLCommandQueue is released once. Checked: without the fix
+    the later closes released it again (the simulation aborts on the over-release)."""
+    lines = _in_a_child(CLOSES, loop, timeout=100)
+    assert lines == [
+        "before []",
+        "after ['abandoning', 'first', 'second']",
+        "released 1",
+    ], lines
+
+
+async def _settled_queues() -> int:
+    """The MTLCommandQueues alive, once collected and the count steady for 0.2 s (at most
+    10 s): those of devices closed before are let go of by Metal's threads too."""
+    count, steady = -1, 0.0
+    with anyio.move_on_after(10):
+        while steady < 0.2:
+            gc.collect()
+            now = metal_sim.live("MTLCommandQueue")
+            count, steady = now, steady + 0.01 if now == count else 0.0
+            await anyio.sleep(0.01)
+    return count
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", LOOPS)
+async def test_a_metal_queue_collected_unclosed_releases_its_command_queue(
+    anyio_backend: object,
+) -> None:
+    """Four new_queues that fail once their MTLCommandQueue was made (here: the queue's
+    keep-alive not to be made; an interrupt there alike) hand out nothing, and nothing
+    else holds those queues: collected, their MTLCommandQueues are released, as are
+    those of four MetalQueues made and dropped; the device goes on. Checked: without
+    the finalizer those MTLCommandQueues stayed for good (8 more than before)."""
+    async with am.open_device("metal") as dev:
+        before = await _settled_queues()
+        fail_new_queues(dev, _queue, "KeepAlive")
+        backend: Any = dev._backend
+        for _ in range(4):
+            MetalQueue(backend, MetalTimeline(backend))  # (dropped at once)
+        assert await _settled_queues() == before
+        async with dev.new_queue() as queue:  # (the device goes on)
+            buf = await dev.alloc(16)
+            await queue.copy(buf, np.arange(4, dtype=np.float32))
+            assert (await buf.read(np.float32)).tolist() == [0, 1, 2, 3]
