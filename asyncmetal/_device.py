@@ -440,8 +440,8 @@ class Device(Singular):
         queue is recorded -- among the queues, its native queue by number, its
         finalizer -- releases what was made of it (_unmade), as does a close that came
         first. Left: an interrupt as the backend's new_queue returns its native queue,
-        not stored yet (nothing in Python holds it then: a cpu queue's finalizer
-        releases it once collected, another backend's stays). Where another thread
+        not stored yet (nothing in Python holds it then: its finalizer releases it
+        once collected). Where another thread
         adopted the stream meanwhile, its queue is the one given."""
         making: list[Queue] = []
         number = -1
