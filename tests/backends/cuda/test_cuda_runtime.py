@@ -74,6 +74,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "wallclock"),
         *("ok", "refenceabandon"),
         *("ok", "nocontextkept"),
+        *("ok", "nocontextlowered"),
         *("ok", "fencegone"),
         *("ok", "predict"),
         *("ok", "near"),

@@ -135,6 +135,11 @@
  *   nocontextkept a signal kept for a fence while the completion thread of a queue that
  *             could not make its context current fails another signal's timeline:
  *             that signal's timeline fails too
+ *   nocontextlowered the signal in flight of a queue whose completion thread could not
+ *             make its context current, its word write landing after its timeline failed
+ *             (lowering the released word): a queue's device wait for more of that
+ *             timeline, held until then, goes on, is not made, and fails its queue from
+ *             the wait on, naming the failure, the kernel behind it never launched
  *   fencegone a command part of which the driver has (a kernel, a signal's word write)
  *             whose end and fence the driver refuses with an error after which nothing
  *             of the context runs (the context destroyed or invalid, the driver
@@ -3573,6 +3578,65 @@ static void check_nocontextkept(void) {
     puts("ok nocontextkept");
 }
 
+/* A queue whose completion thread cannot make its context current fails the timeline of
+ * its signal in flight (the word released) without seeing that signal's word write,
+ * which its stream runs later (gated here): landing then, the write lowers the word (a
+ * store). A queue's device wait for more of that timeline, held on the host until what
+ * gets it there reached a driver, still goes on then -- the timeline failed for it --
+ * and is not made: the queue fails from the wait on (CU_HELD_FAILED), naming the
+ * failure, its kernel behind the wait never launched. Checked: fails without the fix
+ * (the wait's kick, due by the word or a hand-over only, was left registered for good). */
+static void check_nocontextlowered(void) {
+    void *mine = fake_ctx_current();
+    free_timeline t = free_timeline_new();
+    fake_queue b = queue_new();
+    uint64_t *gate = calloc(2, sizeof(uint64_t)), at = 0, value = 0;
+    int error = 0;
+    fake_queue f = {stream_new(), am_timeline_new(), calloc(1, sizeof(uint64_t)), NULL};
+    am_timeline_set_word(f.t, f.word);
+    atomic_store(&start_held, 0);
+    atomic_store(&start_go, 0);
+    atomic_store(&test_hook, hold_start);
+    atomic_store(&refuse_ctx, (void *)2);
+    fake_ctx_set_current((void *)2);
+    f.q = am_cuq_new((void *)2, f.s, f.t, 30000, 8);
+    if (!f.q) die("nocontextlowered: am_cuq_new");
+    for (int64_t deadline = now_ns() + 10000000000LL; !atomic_load(&start_held);)
+        if (now_ns() > deadline) die("nocontextlowered: the completion thread never started");
+    /* command 1 waits on the stream for the gate; command 2 signals t to 5 */
+    if (gated_launch(f, gate, 1) || signal_free(f, t, 5, 2))
+        die("nocontextlowered: a submission failed before the thread got to its context");
+    atomic_store(&start_go, 1);
+    reach(t.t, UINT64_MAX, "nocontextlowered: the signal in flight never failed");
+    reach(f.t, UINT64_MAX, "nocontextlowered: the queue never settled");
+    atomic_store(&test_hook, NULL);
+    atomic_store((_Atomic uint64_t *)gate, 1);  /* the stream runs the write now */
+    for (int64_t deadline = now_ns() + 10000000000LL; atomic_load((_Atomic uint64_t *)t.word) != 5;)
+        if (now_ns() > deadline) die("nocontextlowered: the signal's word write never ran");
+    fake_ctx_set_current(mine);
+    /* b: command 1 waits on the stream for b's gate (raised once all is submitted: b
+     * settles no earlier); command 2 waits for t's 7, command 3 launches behind it */
+    if (gated_launch(b, gate + 1, 1) || wait_held(b, t.t, 7, 2) || launch(b, NULL, 3, 3))
+        die("nocontextlowered: b");
+    atomic_store((_Atomic uint64_t *)(gate + 1), 1);
+    int64_t deadline = now_ns() + 3000000000LL;
+    while (am_timeline_value(b.t) < 3)
+        if (now_ns() > deadline)
+            die("nocontextlowered: a device wait for a failed timeline, whose word a signal's "
+                "write landing after the failure lowered, was held for good");
+    if (am_cuq_error(b.q, &at) != CU_HELD_FAILED || at != 2 ||
+        am_cuq_cause(b.q, &error, &value) != (void *)f.t || error != 1 || value != 1)
+        die("nocontextlowered: b did not fail from its wait, naming the queue's failure");
+    if (atomic_load(&b.s->ran) != 1)
+        die("nocontextlowered: b's kernel before the wait did not run, or the one behind it did");
+    queue_free(b, 0);
+    queue_free(f, 0);
+    atomic_store(&refuse_ctx, NULL);
+    free_timeline_free(t);
+    free(gate);
+    puts("ok nocontextlowered");
+}
+
 /* A fence the driver refuses with an error no later try cures: nothing more to wait
  * for. Checked: fails without the fix (the completion thread tried the fence again for
  * good: the queue never settled, the signal's waiters waited for good, a close to
@@ -4504,6 +4568,7 @@ int main(void) {
     check_wallclock();
     check_refenceabandon();
     check_nocontextkept();
+    check_nocontextlowered();
     check_fencegone();
     check_predict();  /* before abandon, after which a blocking wait never blocks */
     check_near();
