@@ -41,6 +41,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "fill"),
         *("ok", "events"),
         *("ok", "fault"),
+        *("ok", "faultheld"),
         *("ok", "causal"),
         *("ok", "bound"),
         *("ok", "refused"),

@@ -9,6 +9,11 @@
  *             and after those values exist: none deadlocks, each runs after its value
  *   fault     a faulting kernel fails its completion and every later one, never reports
  *             them as done, and the queue reports the first failed value
+ *   faultheld a queue whose command faulted while it held a device wait on the host (for
+ *             what nothing handed over yet), a signal and a kernel behind it: what it
+ *             held fails with the fault (the signal's timeline settles, failed, naming
+ *             the faulted command) and a close to finish returns, neither waiting for
+ *             that wait's kick
  *   long      events are plain until a command runs long, then blocking-sync (and blocked
  *             on, never a plain one) until commands are quick again; a command finished
  *             as long-running gets a blocking-sync event at once and changes nothing
@@ -268,6 +273,7 @@
 #include <unistd.h>
 
 static void reach(am_timeline *t, uint64_t value, const char *what);
+static void close_within(am_cuq *q, long ns, const char *what);
 
 /* Rounds of a stress check (waitraceclose, chainclose): a fifth under a sanitizer, where
  * each round's queue threads start and stop many times slower (the whole binary has one
@@ -978,6 +984,52 @@ static int wait_free(fake_queue q, free_timeline f, uint64_t target, uint64_t va
 static int signal_free(fake_queue q, free_timeline f, uint64_t target, uint64_t value) {
     return am_cuq_write(q.q, f.word, target, value) ||
            am_cuq_finish(q.q, value, f.t, target, 0, 0);
+}
+
+/* A queue whose command faulted (a sticky error: nothing of its context runs any more)
+ * while it held on the host a device wait for what nothing handed over yet, and a
+ * signal and a kernel behind it: what it held fails with the fault -- the signal's
+ * timeline settles, failed, naming the faulted command, so its waiters are not left
+ * waiting -- and a close to finish returns, rather than either waiting for the held
+ * wait's kick (for good here: nothing signals its timeline). Checked: fails without the
+ * fix (the held operations stayed held, to be handed over once the kick came). */
+static void check_faultheld(void) {
+    fake_queue f = queue_new();
+    free_timeline u = free_timeline_new(), v = free_timeline_new();
+    uint64_t *gate = calloc(1, sizeof(uint64_t)), value = 0, stats[8];
+    int error = 0;
+    am_timeline *cause = NULL;
+    /* command 1 faults once the gate is raised; command 2 waits for u's 1 (held: nothing
+     * signalled u), command 3 signals v to 1, command 4 launches */
+    if (faulting_launch(f, gate, 1) || wait_held(f, u.t, 1, 2) || signal_free(f, v, 1, 3) ||
+        launch(f, NULL, 4, 4))
+        die("faultheld: a submission failed before the fault");
+    am_cuq_stats(f.q, stats);
+    if (stats[6] != 6) die("faultheld: (setup) the wait for u and what follows were not held");
+    atomic_store((_Atomic uint64_t *)gate, 1);
+    reach(f.t, UINT64_MAX, "faultheld: the queue never settled");
+    int64_t deadline = now_ns() + 3000000000LL;
+    while (am_timeline_value(v.t) != UINT64_MAX)
+        if (now_ns() > deadline)
+            die("faultheld: a signal held behind a device wait of a faulted queue left its "
+                "timeline's waiters waiting");
+    if (am_timeline_failure(v.t, &error, &value, &cause) != 1 || error != ILLEGAL_ADDRESS ||
+        value != 1 || cause != f.t)
+        die("faultheld: the held signal's timeline did not fail, naming the faulted command");
+    am_cuq_stats(f.q, stats);
+    if (stats[6]) die("faultheld: operations of the failed commands stayed held");
+    close_within(f.q, 3000000000L,
+                 "faultheld: a close to finish of the faulted queue waited for its held "
+                 "wait's kick");
+    if (atomic_load(&f.s->ran)) die("faultheld: a kernel of the faulted queue ran");
+    stream_free(f.s, 0);  /* (queue_free's, the queue closed above) */
+    am_timeline_free(f.t);
+    free(f.word);
+    atomic_store(&fault_code, 0);
+    free_timeline_free(u);
+    free_timeline_free(v);
+    free(gate);
+    puts("ok faultheld");
 }
 
 static void check_signal(void) {
@@ -4535,6 +4587,7 @@ int main(void) {
         die("events: am_cuq_close left events behind");
     puts("ok events");
     check_fault();
+    check_faultheld();
     check_causal();
     check_bound();
     check_refused();
