@@ -75,8 +75,10 @@ static am_cuop *cuq_take_unhanded(am_cuq *q, am_timeline **kick_on) {
  * confirmed (cuq_run), now if nothing is -- as for a held command the driver refused.
  * What the driver has runs; a command part of which was handed over stays held and is
  * handed over as before. The queue is sealed: nothing is submitted to it any more. Not
- * under mu; never waits for the driver. */
+ * under mu; never waits for the driver. In a forked child, a queue of the parent is left
+ * as it is (amrt.h, am_forks). */
 void am_cuq_discard(am_cuq *q) {
+    if (q->forks != am_forks) return;  /* (its mu may be held for good: a parent's thread's) */
     pthread_mutex_lock(&q->mu);
     if (q->stop) {  /* closing: its close settles what is left */
         pthread_mutex_unlock(&q->mu);
@@ -1174,6 +1176,7 @@ am_cuq *am_cuq_new(void *ctx, void *stream, am_timeline *timeline, long spin_ns,
     q->events_cap = 4096;
     q->events[0] = calloc(q->events_cap, sizeof(void *));
     q->events[1] = calloc(q->events_cap, sizeof(void *));
+    q->forks = am_forks;
     q->ctx = ctx;
     q->stream = stream;
     q->timeline = timeline;

@@ -101,6 +101,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "stalekick"),
         *("ok", "unfencedfreed"),
         *("ok", "refsheld"),
+        *("ok", "forked"),
         *("ok", "abandonwait"),
         *("ok", "closedwait"),
         *("ok", "uafwaiter"),

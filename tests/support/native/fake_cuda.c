@@ -213,6 +213,9 @@
  *             held nor in flight): a wait for that command fails
  *   idleabandon an idle queue abandoned: a wait for a value it was never given fails
  *             (what follows it never runs)
+ *   forked    a forked child's discard and close of a queue of its parent (whose lock a
+ *             thread of the parent held at the fork) return at once, touching nothing;
+ *             the parent's queue goes on
  *   shared    streams sharing one hardware queue (a wait there holds up every stream
  *             behind it): a queue's wait for another queue's command still held on the
  *             host, a wait on a timeline before the signal that raises it was
@@ -270,6 +273,8 @@
 
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 static void reach(am_timeline *t, uint64_t value, const char *what);
@@ -4568,6 +4573,64 @@ static void check_foreignabandon(void) {
     free_timeline_free(gate);
 }
 
+/* A thread of the parent's holding a queue's lock (as its completion thread or a
+ * submitter does, for a moment, at any time) until told to let go. */
+static atomic_int forked_holding, forked_let_go;
+
+static void *hold_queue_lock(void *arg) {
+    am_cuq *q = arg;
+    pthread_mutex_lock(&q->mu);
+    atomic_store(&forked_holding, 1);
+    while (!atomic_load(&forked_let_go)) nap_ns(100000);
+    pthread_mutex_unlock(&q->mu);
+    return NULL;
+}
+
+/* A forked child gets the parent's memory and none of its threads: a queue of the
+ * parent's has no completion thread there, and its lock, held by a thread of the parent
+ * at the fork, is held for good in the child. A discard or a close of it in the child
+ * (Queue.close(discard=True) of a queue the child inherited discards it) leaves it as
+ * it is -- the parent's memory, never a hang -- as a cpu queue's do (host_queues.c); the
+ * parent's queue goes on. Checked: fails without the fix (the child hung). */
+static void check_forked(void) {
+    fake_queue f = queue_new();
+    if (launch(f, NULL, 1, 1)) die("forked: launch 1 failed");
+    reach(f.t, 1, "forked: launch 1 never ran");
+    pthread_t holder;
+    atomic_store(&forked_holding, 0);
+    atomic_store(&forked_let_go, 0);
+    if (pthread_create(&holder, NULL, hold_queue_lock, f.q)) die("forked: pthread_create");
+    while (!atomic_load(&forked_holding)) nap_ns(100000);
+    fflush(stdout);  /* (the child's exit writes nothing of the parent's) */
+    pid_t pid = fork();
+    if (pid < 0) die("forked: fork");
+    if (pid == 0) {
+        am_cuq_discard(f.q);
+        am_cuq_close(f.q, 0);
+        _exit(0);
+    }
+    int status = 0;
+    pid_t done = 0;
+    for (int64_t deadline = now_ns() + 5000000000LL; !done && now_ns() < deadline;) {
+        done = waitpid(pid, &status, WNOHANG);
+        if (!done) nap_ns(1000000);
+    }
+    if (!done) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+        die("forked: a discard or a close in a forked child of a queue of its parent "
+            "hung on a lock a thread of the parent held at the fork");
+    }
+    if (!WIFEXITED(status) || WEXITSTATUS(status))
+        die("forked: the child's discard or close of its parent's queue failed");
+    atomic_store(&forked_let_go, 1);
+    pthread_join(holder, NULL);
+    if (launch(f, NULL, 2, 2)) die("forked: the parent's queue refused a launch after the fork");
+    reach(f.t, 2, "forked: the parent's queue stopped at the fork");
+    queue_free(f, 0);
+    puts("ok forked");
+}
+
 /* Run a check with blocked syncs left blocked (as check_foreign does), then say so. */
 static void unreleased(void (*check)(void), const char *name) {
     int released = atomic_exchange(&release_syncs, 0);
@@ -4647,6 +4710,7 @@ int main(void) {
     check_stalekick();
     check_unfencedfreed();
     check_refsheld();
+    check_forked();
     unreleased(check_abandonwait, "abandonwait");
     unreleased(check_closedwait, "closedwait");
     unreleased(check_uafwaiter, "uafwaiter");
