@@ -3396,6 +3396,27 @@ static void hold_start(int where, am_cuq *q) {
         if (now_ns() > deadline) die("nocontext: the check never let the thread go on");
 }
 
+/* A queue of context 2 (bounded to `bound` in flight) whose completion thread the driver
+ * refuses to make that context current, the thread held at its start until start_go;
+ * the calling thread has it current already, so its submissions need no such call. */
+static fake_queue nocontext_queue(long bound, const char *check) {
+    char made[96], started[96];
+    snprintf(made, sizeof made, "%s: am_cuq_new", check);
+    snprintf(started, sizeof started, "%s: the completion thread never started", check);
+    fake_queue f = {stream_new(), am_timeline_new(), calloc(1, sizeof(uint64_t)), NULL};
+    am_timeline_set_word(f.t, f.word);
+    atomic_store(&start_held, 0);
+    atomic_store(&start_go, 0);
+    atomic_store(&test_hook, hold_start);
+    atomic_store(&refuse_ctx, (void *)2);
+    fake_ctx_set_current((void *)2);
+    f.q = am_cuq_new((void *)2, f.s, f.t, 30000, bound);
+    if (!f.q) die(made);
+    for (int64_t deadline = now_ns() + 10000000000LL; !atomic_load(&start_held);)
+        if (now_ns() > deadline) die(started);
+    return f;
+}
+
 /* A queue whose completion thread the driver refuses to make its context current (the
  * submitting thread has it current already, so its submissions need no such call):
  * commands handed over and held before the thread got there fail, and so does a
@@ -3405,20 +3426,10 @@ static void check_nocontext(void) {
     void *mine = fake_ctx_current();
     for (int abandon = 0; abandon < 2; abandon++) {
         free_timeline t = free_timeline_new();
-        fake_queue f = {stream_new(), am_timeline_new(), calloc(1, sizeof(uint64_t)), NULL};
-        am_timeline_set_word(f.t, f.word);
         int error = 0;
         uint64_t at = 0, value = 0;
         am_timeline *cause = NULL;
-        atomic_store(&start_held, 0);
-        atomic_store(&start_go, 0);
-        atomic_store(&test_hook, hold_start);
-        atomic_store(&refuse_ctx, (void *)2);
-        fake_ctx_set_current((void *)2);
-        f.q = am_cuq_new((void *)2, f.s, f.t, 30000, 1);
-        if (!f.q) die("nocontext: am_cuq_new");
-        for (int64_t deadline = now_ns() + 10000000000LL; !atomic_load(&start_held);)
-            if (now_ns() > deadline) die("nocontext: the completion thread never started");
+        fake_queue f = nocontext_queue(1, "nocontext");
         /* launch 1 handed over; the signal and launch 3 held (the bound) */
         if (launch(f, NULL, 1, 1) || am_cuq_write(f.q, t.word, 5, 2) ||
             am_cuq_finish(f.q, 2, t.t, 5, 0, 0) || launch(f, NULL, 3, 3))
@@ -3600,17 +3611,8 @@ static void check_nocontextkept(void) {
     free_timeline t = free_timeline_new();
     kept_timeline = free_timeline_new();
     static am_kick kick;
-    fake_queue f = {stream_new(), am_timeline_new(), calloc(1, sizeof(uint64_t)), NULL};
-    am_timeline_set_word(f.t, f.word);
-    atomic_store(&start_held, 0);
-    atomic_store(&start_go, 0);
-    atomic_store(&test_hook, hold_start);
-    atomic_store(&refuse_ctx, (void *)2);
-    fake_ctx_set_current((void *)2);
-    f.q = kept_queue = am_cuq_new((void *)2, f.s, f.t, 30000, 8);
-    if (!f.q) die("nocontextkept: am_cuq_new");
-    for (int64_t deadline = now_ns() + 10000000000LL; !atomic_load(&start_held);)
-        if (now_ns() > deadline) die("nocontextkept: the completion thread never started");
+    fake_queue f = nocontext_queue(8, "nocontextkept");
+    kept_queue = f.q;
     if (launch(f, NULL, 1, 1) || am_cuq_write(f.q, t.word, 1, 2) ||
         am_cuq_finish(f.q, 2, t.t, 1, 0, 0))
         die("nocontextkept: a submission failed before the thread got to its context");
@@ -3649,17 +3651,7 @@ static void check_nocontextlowered(void) {
     fake_queue b = queue_new();
     uint64_t *gate = calloc(2, sizeof(uint64_t)), at = 0, value = 0;
     int error = 0;
-    fake_queue f = {stream_new(), am_timeline_new(), calloc(1, sizeof(uint64_t)), NULL};
-    am_timeline_set_word(f.t, f.word);
-    atomic_store(&start_held, 0);
-    atomic_store(&start_go, 0);
-    atomic_store(&test_hook, hold_start);
-    atomic_store(&refuse_ctx, (void *)2);
-    fake_ctx_set_current((void *)2);
-    f.q = am_cuq_new((void *)2, f.s, f.t, 30000, 8);
-    if (!f.q) die("nocontextlowered: am_cuq_new");
-    for (int64_t deadline = now_ns() + 10000000000LL; !atomic_load(&start_held);)
-        if (now_ns() > deadline) die("nocontextlowered: the completion thread never started");
+    fake_queue f = nocontext_queue(8, "nocontextlowered");
     /* command 1 waits on the stream for the gate; command 2 signals t to 5 */
     if (gated_launch(f, gate, 1) || signal_free(f, t, 5, 2))
         die("nocontextlowered: a submission failed before the thread got to its context");
