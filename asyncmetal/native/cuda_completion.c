@@ -48,6 +48,26 @@ void cuq_unkick(am_cuq *q, am_timeline *kick_on) {
     cuq_unref(q);  /* (never the last: the caller's) */
 }
 
+/* Take off what q holds on the host from its first command with no operation handed to
+ * the driver yet (returned, for cuq_drop_refused once mu is let go of), and the kick of
+ * the held device wait first among it, if any: *kick_on, referenced for cuq_unkick (else
+ * NULL). A command part of which the driver has stays held, to be handed over. Under
+ * mu. */
+static am_cuop *cuq_take_unhanded(am_cuq *q, am_timeline **kick_on) {
+    am_cuop **p = &q->held, *last = NULL;
+    while (*p && (*p)->value <= q->handed_value) {
+        last = *p;
+        p = &(*p)->next;
+    }
+    am_cuop *taken = *p;
+    *kick_on = taken && q->deferred && taken == q->held ? cuq_kick_ref(q) : NULL;
+    if (!taken) return NULL;
+    *p = NULL;
+    q->held_tail = last;
+    for (am_cuop *op = taken; op; op = op->next) q->nheld--;
+    return taken;
+}
+
 /* Drop what q holds on the host (past its bound on commands in flight, or behind a device
  * wait held) from its first command with no operation handed to the driver yet: those
  * commands fail with AM_DISCARDED (q's error, from that value on), a signal among them
@@ -55,8 +75,10 @@ void cuq_unkick(am_cuq *q, am_timeline *kick_on) {
  * confirmed (cuq_run), now if nothing is -- as for a held command the driver refused.
  * What the driver has runs; a command part of which was handed over stays held and is
  * handed over as before. The queue is sealed: nothing is submitted to it any more. Not
- * under mu; never waits for the driver. */
+ * under mu; never waits for the driver. In a forked child, a queue of the parent is left
+ * as it is (amrt.h, am_forks). */
 void am_cuq_discard(am_cuq *q) {
+    if (q->forks != am_forks) return;  /* (its mu may be held for good: a parent's thread's) */
     pthread_mutex_lock(&q->mu);
     if (q->stop) {  /* closing: its close settles what is left */
         pthread_mutex_unlock(&q->mu);
@@ -66,22 +88,13 @@ void am_cuq_discard(am_cuq *q) {
      * put it back held: this discard takes its command for handed over (handed_value),
      * so that thread discards again then (cuq_drain, cuq_submit_then). */
     q->discarded = 1;
-    am_cuop **p = &q->held, *last = NULL;
-    while (*p && (*p)->value <= q->handed_value) {
-        last = *p;
-        p = &(*p)->next;
-    }
-    am_cuop *dropped = *p;
+    am_timeline *kick_on;  /* the held wait's kick goes too */
+    am_cuop *dropped = cuq_take_unhanded(q, &kick_on);
     if (!dropped) {
         pthread_mutex_unlock(&q->mu);
         return;
     }
     uint64_t first = dropped->value;
-    int unkick = q->deferred && dropped == q->held;  /* the held wait's kick goes too */
-    am_timeline *kick_on = unkick ? cuq_kick_ref(q) : NULL;
-    *p = NULL;
-    q->held_tail = last;
-    for (am_cuop *op = dropped; op; op = op->next) q->nheld--;
     if (!q->error || first < q->error_value) {
         q->error = AM_DISCARDED;
         q->error_value = first;
@@ -94,7 +107,7 @@ void am_cuq_discard(am_cuq *q) {
      * nothing held and q's error set, no thread registers the kick again (submissions
      * are refused; cuq_drain and cuq_hand_over find nothing). */
     cuq_test_hook(CU_HOOK_DISCARD_UNLOCKED, q);
-    if (unkick) cuq_unkick(q, kick_on);
+    if (kick_on) cuq_unkick(q, kick_on);
     cuq_drop_refused(q, dropped, AM_DISCARDED, first);
     if (settle) cuq_settle(q);
 }
@@ -1126,9 +1139,20 @@ static void *cuq_run(void *arg) {
         if (r && e.signals) cuq_fail_signal(q, &e);
         /* A failed command settles every later one; else, once a refused held command
          * has nothing left in flight before it, the same (not while another thread hands
-         * operations over: see cuq_drain). */
+         * operations over: see cuq_drain). What q holds of those later commands is
+         * handed over below, and refused (a failed command's error is sticky) -- but
+         * behind a device wait held for what it waits for, it would stay held until
+         * that came, maybe never, its signals' waiters and a close to finish waiting
+         * meanwhile: then it goes now, with the wait's kick, as a refused command's
+         * does (a signal among it fails its timeline). */
+        am_timeline *kick_on = NULL;
+        am_cuop *dropped = r && q->deferred ? cuq_take_unhanded(q, &kick_on) : NULL;
+        int error = q->error;
+        uint64_t error_value = q->error_value;
         int settle = r || (q->error && !q->count && !q->held && !q->unfenced && !q->driving);
         pthread_mutex_unlock(&q->mu);
+        if (kick_on) cuq_unkick(q, kick_on);
+        cuq_drop_refused(q, dropped, error, error_value);
         cuq_test_hook(CU_HOOK_CONFIRMED, q);
         if (e.extra && !r && !e.waited) am_timeline_poke(e.extra, e.extra_value);
         if (e.signals && !r) timeline_keep_released(e.extra);  /* its write landed */
@@ -1152,6 +1176,7 @@ am_cuq *am_cuq_new(void *ctx, void *stream, am_timeline *timeline, long spin_ns,
     q->events_cap = 4096;
     q->events[0] = calloc(q->events_cap, sizeof(void *));
     q->events[1] = calloc(q->events_cap, sizeof(void *));
+    q->forks = am_forks;
     q->ctx = ctx;
     q->stream = stream;
     q->timeline = timeline;

@@ -144,6 +144,8 @@ struct am_cuq {
     atomic_int submitting;          /* threads inside a submission (driver calls) now */
     int stop;                       /* 1: finish everything, then stop; 2: abandon now */
     int exited, orphan;             /* the thread returned; it frees the queue itself */
+    unsigned forks;                 /* am_forks when made: another value, the parent's (in
+                                       a forked child, which has none of its threads) */
     atomic_int refs;                /* the owner's, and one per held wait on this queue */
     void *ctx;
     void *stream;

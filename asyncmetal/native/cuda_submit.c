@@ -781,8 +781,11 @@ int am_cuq_error(am_cuq *q, uint64_t *value) {
  * operations over (a kick's) is out of the driver. A thread blocked on an event that
  * will never complete (behind a device wait nothing signals) is not waited for beyond
  * ~200 ms: it frees the queue itself if it ever returns. The thread destroys the queue's
- * events as it stops (then, for one that never returns, never). Blocks. */
+ * events as it stops (then, for one that never returns, never). Blocks. In a forked
+ * child, a queue of the parent is left as it is (amrt.h, am_forks): its thread is not
+ * there to join, and its mu may be held for good. */
 void am_cuq_close(am_cuq *q, int abandon) {
+    if (q->forks != am_forks) return;
     pthread_mutex_lock(&q->mu);
     __atomic_store_n(&q->stop, abandon ? 2 : 1, __ATOMIC_SEQ_CST);  /* read unlocked too */
     /* The first command never confirmed now: its thread confirms none once stopped. */

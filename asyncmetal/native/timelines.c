@@ -184,9 +184,15 @@ static uint64_t timeline_reached_for_devices(am_timeline *t) {
  * waited for on a device: a wait is held on the host until the value got there, or t
  * failed for it (a host queue's values before the first failed one were all reached:
  * its thread runs its commands in order) -- and is then done, the work behind it handed
- * to the driver only after what it waited for (cuq_wait_word). */
+ * to the driver only after what it waited for (cuq_wait_word). A wait on a device word
+ * goes on once the word or a write handed over got there -- or once t failed for it:
+ * then it is not made (cuq_skip_failed), and the word, released by the failure, may be
+ * lowered again by a signal's word write landing after it (a store), which a queue whose
+ * thread cannot confirm that write (cuda_completion.c, cuq_no_context) never raises
+ * again. */
 static int kick_due(am_timeline *t, uint64_t target) {
-    if (!t->word) return atomic_load(&t->value) >= target || timeline_failed_for(t, target);
+    if (timeline_failed_for(t, target)) return 1;
+    if (!t->word) return atomic_load(&t->value) >= target;
     return timeline_reached_for_devices(t) >= target;
 }
 

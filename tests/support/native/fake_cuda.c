@@ -9,6 +9,11 @@
  *             and after those values exist: none deadlocks, each runs after its value
  *   fault     a faulting kernel fails its completion and every later one, never reports
  *             them as done, and the queue reports the first failed value
+ *   faultheld a queue whose command faulted while it held a device wait on the host (for
+ *             what nothing handed over yet), a signal and a kernel behind it: what it
+ *             held fails with the fault (the signal's timeline settles, failed, naming
+ *             the faulted command) and a close to finish returns, neither waiting for
+ *             that wait's kick
  *   long      events are plain until a command runs long, then blocking-sync (and blocked
  *             on, never a plain one) until commands are quick again; a command finished
  *             as long-running gets a blocking-sync event at once and changes nothing
@@ -135,6 +140,11 @@
  *   nocontextkept a signal kept for a fence while the completion thread of a queue that
  *             could not make its context current fails another signal's timeline:
  *             that signal's timeline fails too
+ *   nocontextlowered the signal in flight of a queue whose completion thread could not
+ *             make its context current, its word write landing after its timeline failed
+ *             (lowering the released word): a queue's device wait for more of that
+ *             timeline, held until then, goes on, is not made, and fails its queue from
+ *             the wait on, naming the failure, the kernel behind it never launched
  *   fencegone a command part of which the driver has (a kernel, a signal's word write)
  *             whose end and fence the driver refuses with an error after which nothing
  *             of the context runs (the context destroyed or invalid, the driver
@@ -203,6 +213,9 @@
  *             held nor in flight): a wait for that command fails
  *   idleabandon an idle queue abandoned: a wait for a value it was never given fails
  *             (what follows it never runs)
+ *   forked    a forked child's discard and close of a queue of its parent (whose lock a
+ *             thread of the parent held at the fork) return at once, touching nothing;
+ *             the parent's queue goes on
  *   shared    streams sharing one hardware queue (a wait there holds up every stream
  *             behind it): a queue's wait for another queue's command still held on the
  *             host, a wait on a timeline before the signal that raises it was
@@ -260,9 +273,12 @@
 
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 static void reach(am_timeline *t, uint64_t value, const char *what);
+static void close_within(am_cuq *q, long ns, const char *what);
 
 /* Rounds of a stress check (waitraceclose, chainclose): a fifth under a sanitizer, where
  * each round's queue threads start and stop many times slower (the whole binary has one
@@ -973,6 +989,52 @@ static int wait_free(fake_queue q, free_timeline f, uint64_t target, uint64_t va
 static int signal_free(fake_queue q, free_timeline f, uint64_t target, uint64_t value) {
     return am_cuq_write(q.q, f.word, target, value) ||
            am_cuq_finish(q.q, value, f.t, target, 0, 0);
+}
+
+/* A queue whose command faulted (a sticky error: nothing of its context runs any more)
+ * while it held on the host a device wait for what nothing handed over yet, and a
+ * signal and a kernel behind it: what it held fails with the fault -- the signal's
+ * timeline settles, failed, naming the faulted command, so its waiters are not left
+ * waiting -- and a close to finish returns, rather than either waiting for the held
+ * wait's kick (for good here: nothing signals its timeline). Checked: fails without the
+ * fix (the held operations stayed held, to be handed over once the kick came). */
+static void check_faultheld(void) {
+    fake_queue f = queue_new();
+    free_timeline u = free_timeline_new(), v = free_timeline_new();
+    uint64_t *gate = calloc(1, sizeof(uint64_t)), value = 0, stats[8];
+    int error = 0;
+    am_timeline *cause = NULL;
+    /* command 1 faults once the gate is raised; command 2 waits for u's 1 (held: nothing
+     * signalled u), command 3 signals v to 1, command 4 launches */
+    if (faulting_launch(f, gate, 1) || wait_held(f, u.t, 1, 2) || signal_free(f, v, 1, 3) ||
+        launch(f, NULL, 4, 4))
+        die("faultheld: a submission failed before the fault");
+    am_cuq_stats(f.q, stats);
+    if (stats[6] != 6) die("faultheld: (setup) the wait for u and what follows were not held");
+    atomic_store((_Atomic uint64_t *)gate, 1);
+    reach(f.t, UINT64_MAX, "faultheld: the queue never settled");
+    int64_t deadline = now_ns() + 3000000000LL;
+    while (am_timeline_value(v.t) != UINT64_MAX)
+        if (now_ns() > deadline)
+            die("faultheld: a signal held behind a device wait of a faulted queue left its "
+                "timeline's waiters waiting");
+    if (am_timeline_failure(v.t, &error, &value, &cause) != 1 || error != ILLEGAL_ADDRESS ||
+        value != 1 || cause != f.t)
+        die("faultheld: the held signal's timeline did not fail, naming the faulted command");
+    am_cuq_stats(f.q, stats);
+    if (stats[6]) die("faultheld: operations of the failed commands stayed held");
+    close_within(f.q, 3000000000L,
+                 "faultheld: a close to finish of the faulted queue waited for its held "
+                 "wait's kick");
+    if (atomic_load(&f.s->ran)) die("faultheld: a kernel of the faulted queue ran");
+    stream_free(f.s, 0);  /* (queue_free's, the queue closed above) */
+    am_timeline_free(f.t);
+    free(f.word);
+    atomic_store(&fault_code, 0);
+    free_timeline_free(u);
+    free_timeline_free(v);
+    free(gate);
+    puts("ok faultheld");
 }
 
 static void check_signal(void) {
@@ -3334,6 +3396,27 @@ static void hold_start(int where, am_cuq *q) {
         if (now_ns() > deadline) die("nocontext: the check never let the thread go on");
 }
 
+/* A queue of context 2 (bounded to `bound` in flight) whose completion thread the driver
+ * refuses to make that context current, the thread held at its start until start_go;
+ * the calling thread has it current already, so its submissions need no such call. */
+static fake_queue nocontext_queue(long bound, const char *check) {
+    char made[96], started[96];
+    snprintf(made, sizeof made, "%s: am_cuq_new", check);
+    snprintf(started, sizeof started, "%s: the completion thread never started", check);
+    fake_queue f = {stream_new(), am_timeline_new(), calloc(1, sizeof(uint64_t)), NULL};
+    am_timeline_set_word(f.t, f.word);
+    atomic_store(&start_held, 0);
+    atomic_store(&start_go, 0);
+    atomic_store(&test_hook, hold_start);
+    atomic_store(&refuse_ctx, (void *)2);
+    fake_ctx_set_current((void *)2);
+    f.q = am_cuq_new((void *)2, f.s, f.t, 30000, bound);
+    if (!f.q) die(made);
+    for (int64_t deadline = now_ns() + 10000000000LL; !atomic_load(&start_held);)
+        if (now_ns() > deadline) die(started);
+    return f;
+}
+
 /* A queue whose completion thread the driver refuses to make its context current (the
  * submitting thread has it current already, so its submissions need no such call):
  * commands handed over and held before the thread got there fail, and so does a
@@ -3343,20 +3426,10 @@ static void check_nocontext(void) {
     void *mine = fake_ctx_current();
     for (int abandon = 0; abandon < 2; abandon++) {
         free_timeline t = free_timeline_new();
-        fake_queue f = {stream_new(), am_timeline_new(), calloc(1, sizeof(uint64_t)), NULL};
-        am_timeline_set_word(f.t, f.word);
         int error = 0;
         uint64_t at = 0, value = 0;
         am_timeline *cause = NULL;
-        atomic_store(&start_held, 0);
-        atomic_store(&start_go, 0);
-        atomic_store(&test_hook, hold_start);
-        atomic_store(&refuse_ctx, (void *)2);
-        fake_ctx_set_current((void *)2);
-        f.q = am_cuq_new((void *)2, f.s, f.t, 30000, 1);
-        if (!f.q) die("nocontext: am_cuq_new");
-        for (int64_t deadline = now_ns() + 10000000000LL; !atomic_load(&start_held);)
-            if (now_ns() > deadline) die("nocontext: the completion thread never started");
+        fake_queue f = nocontext_queue(1, "nocontext");
         /* launch 1 handed over; the signal and launch 3 held (the bound) */
         if (launch(f, NULL, 1, 1) || am_cuq_write(f.q, t.word, 5, 2) ||
             am_cuq_finish(f.q, 2, t.t, 5, 0, 0) || launch(f, NULL, 3, 3))
@@ -3538,17 +3611,8 @@ static void check_nocontextkept(void) {
     free_timeline t = free_timeline_new();
     kept_timeline = free_timeline_new();
     static am_kick kick;
-    fake_queue f = {stream_new(), am_timeline_new(), calloc(1, sizeof(uint64_t)), NULL};
-    am_timeline_set_word(f.t, f.word);
-    atomic_store(&start_held, 0);
-    atomic_store(&start_go, 0);
-    atomic_store(&test_hook, hold_start);
-    atomic_store(&refuse_ctx, (void *)2);
-    fake_ctx_set_current((void *)2);
-    f.q = kept_queue = am_cuq_new((void *)2, f.s, f.t, 30000, 8);
-    if (!f.q) die("nocontextkept: am_cuq_new");
-    for (int64_t deadline = now_ns() + 10000000000LL; !atomic_load(&start_held);)
-        if (now_ns() > deadline) die("nocontextkept: the completion thread never started");
+    fake_queue f = nocontext_queue(8, "nocontextkept");
+    kept_queue = f.q;
     if (launch(f, NULL, 1, 1) || am_cuq_write(f.q, t.word, 1, 2) ||
         am_cuq_finish(f.q, 2, t.t, 1, 0, 0))
         die("nocontextkept: a submission failed before the thread got to its context");
@@ -3571,6 +3635,55 @@ static void check_nocontextkept(void) {
     free_timeline_free(t);
     free_timeline_free(kept_timeline);
     puts("ok nocontextkept");
+}
+
+/* A queue whose completion thread cannot make its context current fails the timeline of
+ * its signal in flight (the word released) without seeing that signal's word write,
+ * which its stream runs later (gated here): landing then, the write lowers the word (a
+ * store). A queue's device wait for more of that timeline, held on the host until what
+ * gets it there reached a driver, still goes on then -- the timeline failed for it --
+ * and is not made: the queue fails from the wait on (CU_HELD_FAILED), naming the
+ * failure, its kernel behind the wait never launched. Checked: fails without the fix
+ * (the wait's kick, due by the word or a hand-over only, was left registered for good). */
+static void check_nocontextlowered(void) {
+    void *mine = fake_ctx_current();
+    free_timeline t = free_timeline_new();
+    fake_queue b = queue_new();
+    uint64_t *gate = calloc(2, sizeof(uint64_t)), at = 0, value = 0;
+    int error = 0;
+    fake_queue f = nocontext_queue(8, "nocontextlowered");
+    /* command 1 waits on the stream for the gate; command 2 signals t to 5 */
+    if (gated_launch(f, gate, 1) || signal_free(f, t, 5, 2))
+        die("nocontextlowered: a submission failed before the thread got to its context");
+    atomic_store(&start_go, 1);
+    reach(t.t, UINT64_MAX, "nocontextlowered: the signal in flight never failed");
+    reach(f.t, UINT64_MAX, "nocontextlowered: the queue never settled");
+    atomic_store(&test_hook, NULL);
+    atomic_store((_Atomic uint64_t *)gate, 1);  /* the stream runs the write now */
+    for (int64_t deadline = now_ns() + 10000000000LL; atomic_load((_Atomic uint64_t *)t.word) != 5;)
+        if (now_ns() > deadline) die("nocontextlowered: the signal's word write never ran");
+    fake_ctx_set_current(mine);
+    /* b: command 1 waits on the stream for b's gate (raised once all is submitted: b
+     * settles no earlier); command 2 waits for t's 7, command 3 launches behind it */
+    if (gated_launch(b, gate + 1, 1) || wait_held(b, t.t, 7, 2) || launch(b, NULL, 3, 3))
+        die("nocontextlowered: b");
+    atomic_store((_Atomic uint64_t *)(gate + 1), 1);
+    int64_t deadline = now_ns() + 3000000000LL;
+    while (am_timeline_value(b.t) < 3)
+        if (now_ns() > deadline)
+            die("nocontextlowered: a device wait for a failed timeline, whose word a signal's "
+                "write landing after the failure lowered, was held for good");
+    if (am_cuq_error(b.q, &at) != CU_HELD_FAILED || at != 2 ||
+        am_cuq_cause(b.q, &error, &value) != (void *)f.t || error != 1 || value != 1)
+        die("nocontextlowered: b did not fail from its wait, naming the queue's failure");
+    if (atomic_load(&b.s->ran) != 1)
+        die("nocontextlowered: b's kernel before the wait did not run, or the one behind it did");
+    queue_free(b, 0);
+    queue_free(f, 0);
+    atomic_store(&refuse_ctx, NULL);
+    free_timeline_free(t);
+    free(gate);
+    puts("ok nocontextlowered");
 }
 
 /* A fence the driver refuses with an error no later try cures: nothing more to wait
@@ -4452,6 +4565,64 @@ static void check_foreignabandon(void) {
     free_timeline_free(gate);
 }
 
+/* A thread of the parent's holding a queue's lock (as its completion thread or a
+ * submitter does, for a moment, at any time) until told to let go. */
+static atomic_int forked_holding, forked_let_go;
+
+static void *hold_queue_lock(void *arg) {
+    am_cuq *q = arg;
+    pthread_mutex_lock(&q->mu);
+    atomic_store(&forked_holding, 1);
+    while (!atomic_load(&forked_let_go)) nap_ns(100000);
+    pthread_mutex_unlock(&q->mu);
+    return NULL;
+}
+
+/* A forked child gets the parent's memory and none of its threads: a queue of the
+ * parent's has no completion thread there, and its lock, held by a thread of the parent
+ * at the fork, is held for good in the child. A discard or a close of it in the child
+ * (Queue.close(discard=True) of a queue the child inherited discards it) leaves it as
+ * it is -- the parent's memory, never a hang -- as a cpu queue's do (host_queues.c); the
+ * parent's queue goes on. Checked: fails without the fix (the child hung). */
+static void check_forked(void) {
+    fake_queue f = queue_new();
+    if (launch(f, NULL, 1, 1)) die("forked: launch 1 failed");
+    reach(f.t, 1, "forked: launch 1 never ran");
+    pthread_t holder;
+    atomic_store(&forked_holding, 0);
+    atomic_store(&forked_let_go, 0);
+    if (pthread_create(&holder, NULL, hold_queue_lock, f.q)) die("forked: pthread_create");
+    while (!atomic_load(&forked_holding)) nap_ns(100000);
+    fflush(stdout);  /* (the child's exit writes nothing of the parent's) */
+    pid_t pid = fork();
+    if (pid < 0) die("forked: fork");
+    if (pid == 0) {
+        am_cuq_discard(f.q);
+        am_cuq_close(f.q, 0);
+        _exit(0);
+    }
+    int status = 0;
+    pid_t done = 0;
+    for (int64_t deadline = now_ns() + 5000000000LL; !done && now_ns() < deadline;) {
+        done = waitpid(pid, &status, WNOHANG);
+        if (!done) nap_ns(1000000);
+    }
+    if (!done) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+        die("forked: a discard or a close in a forked child of a queue of its parent "
+            "hung on a lock a thread of the parent held at the fork");
+    }
+    if (!WIFEXITED(status) || WEXITSTATUS(status))
+        die("forked: the child's discard or close of its parent's queue failed");
+    atomic_store(&forked_let_go, 1);
+    pthread_join(holder, NULL);
+    if (launch(f, NULL, 2, 2)) die("forked: the parent's queue refused a launch after the fork");
+    reach(f.t, 2, "forked: the parent's queue stopped at the fork");
+    queue_free(f, 0);
+    puts("ok forked");
+}
+
 /* Run a check with blocked syncs left blocked (as check_foreign does), then say so. */
 static void unreleased(void (*check)(void), const char *name) {
     int released = atomic_exchange(&release_syncs, 0);
@@ -4471,6 +4642,7 @@ int main(void) {
         die("events: am_cuq_close left events behind");
     puts("ok events");
     check_fault();
+    check_faultheld();
     check_causal();
     check_bound();
     check_refused();
@@ -4504,6 +4676,7 @@ int main(void) {
     check_wallclock();
     check_refenceabandon();
     check_nocontextkept();
+    check_nocontextlowered();
     check_fencegone();
     check_predict();  /* before abandon, after which a blocking wait never blocks */
     check_near();
@@ -4529,6 +4702,7 @@ int main(void) {
     check_stalekick();
     check_unfencedfreed();
     check_refsheld();
+    check_forked();
     unreleased(check_abandonwait, "abandonwait");
     unreleased(check_closedwait, "closedwait");
     unreleased(check_uafwaiter, "uafwaiter");
