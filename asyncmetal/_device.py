@@ -1044,7 +1044,13 @@ class Device(Singular):
         compile another caller started with a longer one (or none) still times out.
         """
         compiler = self._backend.compiler._with_options(check_options(options))
-        kernels = list(kernels)
+        try:
+            each = iter(kernels)
+        except TypeError:
+            raise ArgumentTypeError(
+                f"compile_many takes an iterable of (src, name) pairs, got {type(kernels).__name__}"
+            ) from None
+        kernels = list(each)
         for kernel in kernels:  # checked before anything is submitted
             if not (
                 isinstance(kernel, (tuple, list))

@@ -1150,6 +1150,19 @@ async def test_a_worker_that_cannot_start_loses_no_thread_and_no_directory(
         await pool.aclose()
 
 
+async def test_compile_many_of_no_iterable_is_an_argument_type_error(device: am.Device) -> None:
+    """What is not an iterable of kernels is refused as a bad argument is, with an
+    ArgumentTypeError (an AsyncMetalError) naming what compile_many takes. Checked: fails
+    without the fix (a bare TypeError of list(), "'NoneType' object is not iterable")."""
+    for kernels in (None, 3, 1.5, object()):
+        with pytest.raises(
+            am.ArgumentTypeError,
+            match=r"compile_many takes an iterable of \(src, name\) pairs, got "
+            + type(kernels).__name__,
+        ):
+            device.compile_many(kernels)  # type: ignore[arg-type]
+
+
 async def test_compile_many_refuses_a_bad_kernel_before_submitting_any(device: am.Device) -> None:
     tag = time.time_ns()
     good = (f"void g{tag}(void) {{}}", f"g{tag}")
