@@ -1259,7 +1259,6 @@ async def test_timed_compiles_work_with_descriptors_above_1023(
     [
         {"max_workers": -1},
         {"max_workers": 0},
-        {"max_workers": 1.5},
         {"idle_timeout": -1},
         {"idle_timeout": float("nan")},
         {"idle_timeout": 0},
@@ -1271,6 +1270,39 @@ def test_a_pool_with_bad_arguments_is_refused(arguments: dict[str, Any]) -> None
     worker ever started, or its handler thread died of the idle timeout)."""
     with pytest.raises(am.InvalidArgumentError, match=next(iter(arguments))):
         CompilePool(**arguments)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: CompilePool(1.5), "max_workers must be an int or None"),  # type: ignore[arg-type]
+        (lambda: CompilePool("2"), "max_workers must be an int or None"),  # type: ignore[arg-type]
+        (lambda: CompilePool(True), "max_workers must be an int or None"),
+        (lambda: CompilePool(1, idle_timeout="60"), "idle_timeout must be a number of seconds"),  # type: ignore[arg-type]
+        (lambda: CompilePool(1, idle_timeout=True), "idle_timeout must be a number of seconds"),
+        (lambda: CompileCache(1.5), "directory must be a str or a path"),  # type: ignore[arg-type]
+        (lambda: CompileCache(b"/tmp/cache"), "directory must be a str or a path"),  # type: ignore[arg-type]
+    ],
+    ids=[
+        "workers float",
+        "workers str",
+        "workers bool",
+        "idle str",
+        "idle bool",
+        "dir float",
+        "dir bytes",
+    ],
+)
+async def test_a_pool_or_cache_given_the_wrong_types_raises_argument_type_errors(
+    make: Callable[[], object], match: str
+) -> None:
+    """A CompilePool's or CompileCache's argument of the wrong type is an
+    ArgumentTypeError (a TypeError) naming it and what it takes, as such arguments
+    elsewhere are. Checked: fails without the fix (an InvalidArgumentError -- a
+    ValueError -- for the pool's, os.fspath's or str.startswith's bare TypeError for
+    the cache's directory)."""
+    with pytest.raises(am.ArgumentTypeError, match=match):
+        make()
 
 
 @pytest.mark.parametrize("cache", ["compile-cache", CompileCache], ids=["a path", "the class"])
