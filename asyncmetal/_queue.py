@@ -23,6 +23,7 @@ from ._errors import (
     InvalidArgumentError,
     Singular,
     as_int,
+    check_bool,
 )
 from ._program import Program
 from ._scalars import Scalar, launch_value
@@ -387,6 +388,7 @@ class Queue(Singular):
         driver was given behind that wait stays with it -- run if the value comes (the
         queue is then released), else ended by the device's close (ClosedResourceError,
         discarded)."""
+        check_bool(discard, "discard")
         if self._closer is None:
             raise self._not_closable()
         await self._closer(self, discard)
