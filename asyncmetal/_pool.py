@@ -40,6 +40,7 @@ from ._errors import (
     InvalidArgumentError,
     Singular,
     as_int,
+    check_bool,
     warn,
 )
 from ._messages import TMPDIR_VARIABLE, pack_message, read_message, write_stop
@@ -657,6 +658,7 @@ class CompilePool(Singular):
         finishes into the cache.
         """
         timeout = check_timeout(timeout)
+        check_bool(refresh, "refresh")
         _check_compile(compiler, src)
         self._check_usable()
         key = source_key(await compiler_identity(compiler), src)
@@ -764,6 +766,7 @@ class CompilePool(Singular):
         await them), that job is dropped too, the workers and their compilers killed at
         once. Their temporary directories are removed either way. Blocks: not on a
         loop."""
+        check_bool(kill, "kill")
         with self._lock:  # (a job submitted from now on is refused: see _submit)
             self._closed = True
             self._killing = kill

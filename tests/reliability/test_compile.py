@@ -1305,6 +1305,26 @@ async def test_a_pool_or_cache_given_the_wrong_types_raises_argument_type_errors
         make()
 
 
+async def test_a_pools_flags_that_are_no_bools_are_refused(tmp_path: Path) -> None:
+    """``CompilePool.compile``'s ``refresh`` and ``shutdown``'s ``kill`` take a bool:
+    anything else (a string "no", which is true) is an ArgumentTypeError, nothing
+    evicted, compiled or killed. Checked: fails without the fix (refresh="no" compiled
+    the cached source again; kill="no" shut the pool down)."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path, disk=False))
+    try:
+        src = _src("flags")
+        await pool.compile(CCompiler(), src)
+        compiled = pool.compiles
+        with pytest.raises(am.ArgumentTypeError, match="refresh must be a bool, got str"):
+            await pool.compile(CCompiler(), src, refresh="no")  # type: ignore[arg-type]
+        with pytest.raises(am.ArgumentTypeError, match="kill must be a bool, got str"):
+            pool.shutdown(kill="no")  # type: ignore[arg-type]
+        assert await pool.compile(CCompiler(), src)  # from the cache, the pool still open
+        assert pool.compiles == compiled
+    finally:
+        await pool.aclose()
+
+
 @pytest.mark.parametrize("cache", ["compile-cache", CompileCache], ids=["a path", "the class"])
 def test_a_pool_given_no_cache_for_its_cache_is_refused(cache: object) -> None:
     """Checked: before, such a pool was made, and each of its compiles raised an
