@@ -56,7 +56,11 @@ def _absolute(directory: str | os.PathLike[str]) -> Path:
     one relative to the working directory kept there, whatever the working directory
     is when the cache is first used (a service changes it as it starts). An absolute
     path is taken as it is: no system call (a default pool is made on a loop)."""
-    path = os.fspath(directory)
+    path = os.fspath(directory) if isinstance(directory, (str, os.PathLike)) else directory
+    if not isinstance(path, str):  # (bytes too: a path of str is taken)
+        raise ArgumentTypeError(
+            f"directory must be a str or a path (os.PathLike) or None, got {type(path).__name__}"
+        )
     if path.startswith("~"):
         path = os.path.expanduser(path)
     return Path(path if os.path.isabs(path) else os.path.abspath(path))

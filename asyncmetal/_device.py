@@ -65,6 +65,7 @@ from ._errors import (
     InvalidArgumentError,
     Singular,
     as_int,
+    check_bool,
     warn,
 )
 from ._interrupts import ctrl_c_discards
@@ -820,8 +821,7 @@ class Device(Singular):
         is done.
         """
         self._check_open()
-        if not isinstance(zeroed, bool):
-            raise ArgumentTypeError(f"zeroed must be a bool, got {type(zeroed).__name__}")
+        check_bool(zeroed, "zeroed")
         nbytes = as_int(nbytes) or nbytes  # (a numpy integer as an int; the rest refused below)
         lost = self._backend.lost_error(f"allocating {nbytes} bytes")  # a cached block too
         if lost is not None:
@@ -891,8 +891,7 @@ class Device(Singular):
         """Bytes in use, cached, the peaks and the budget (releases due are made first).
         With ``reset_peaks``, the peaks start again from what is held now, once these
         numbers are taken."""
-        if not isinstance(reset_peaks, bool):
-            raise ArgumentTypeError(f"reset_peaks must be a bool, got {type(reset_peaks).__name__}")
+        check_bool(reset_peaks, "reset_peaks")
         return self._allocator.statistics(reset_peaks)
 
     async def empty_memory_cache(self) -> int:
@@ -1044,7 +1043,13 @@ class Device(Singular):
         compile another caller started with a longer one (or none) still times out.
         """
         compiler = self._backend.compiler._with_options(check_options(options))
-        kernels = list(kernels)
+        try:
+            each = iter(kernels)
+        except TypeError:
+            raise ArgumentTypeError(
+                f"compile_many takes an iterable of (src, name) pairs, got {type(kernels).__name__}"
+            ) from None
+        kernels = list(each)
         for kernel in kernels:  # checked before anything is submitted
             if not (
                 isinstance(kernel, (tuple, list))
@@ -1192,6 +1197,7 @@ class Device(Singular):
         else the first of the device's native frees that failed after their callers
         were cancelled (a ``Buffer.free``, ``empty_memory_cache``): nobody heard of it.
         """
+        check_bool(discard, "discard")  # (before anything closes)
         with self._close_lock:  # one teardown, whichever thread closes first
             if self._closing is None and not self.closed:
                 self._closing = HostEvents()

@@ -191,3 +191,10 @@ class ClosedResourceError(AsyncMetalError):
 
 class NoLoopError(AsyncMetalError, RuntimeError):
     """Called outside a running asyncio, uvloop or trio loop where one is needed."""
+
+
+def check_bool(value: object, name: str) -> None:
+    """Refuse a flag that is not a bool, naming it: a truthy stand-in (the string
+    "false" read from a configuration) would turn it on unsaid."""
+    if not isinstance(value, bool):
+        raise ArgumentTypeError(f"{name} must be a bool, got {type(value).__name__}")

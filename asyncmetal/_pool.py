@@ -39,6 +39,8 @@ from ._errors import (
     CompileWarning,
     InvalidArgumentError,
     Singular,
+    as_int,
+    check_bool,
     warn,
 )
 from ._messages import TMPDIR_VARIABLE, pack_message, read_message, write_stop
@@ -484,18 +486,21 @@ class CompilePool(Singular):
     ) -> None:
         workers: object = max_workers  # (any object: checked here)
         idle: object = idle_timeout
-        if workers is not None and (
-            isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
-        ):
+        if workers is not None and as_int(workers) is None:
+            raise ArgumentTypeError(
+                "max_workers must be an int or None (one per core, at most 8), "
+                f"got {type(workers).__name__}"
+            )
+        if workers is not None and cast(int, as_int(workers)) < 1:
             raise InvalidArgumentError(
                 f"max_workers must be an int >= 1 (or None: one per core, at most 8), "
                 f"got {max_workers!r}"
             )
-        if (
-            isinstance(idle, bool)
-            or not isinstance(idle, numbers.Real)
-            or not 0 < float(idle) < math.inf
-        ):
+        if isinstance(idle, bool) or not isinstance(idle, numbers.Real):
+            raise ArgumentTypeError(
+                f"idle_timeout must be a number of seconds, got {type(idle).__name__}"
+            )
+        if not 0 < float(idle) < math.inf:
             raise InvalidArgumentError(
                 f"idle_timeout must be a positive, finite number of seconds, got {idle_timeout!r}"
             )
@@ -505,7 +510,7 @@ class CompilePool(Singular):
                 f"got {cache!r:.60}"
             )
         # (Read-only to users, as properties: checked here, and its workers rely on them.)
-        self._max_workers = max_workers or min(os.cpu_count() or 1, 8)
+        self._max_workers = as_int(max_workers) or min(os.cpu_count() or 1, 8)
         # (Longer than MAX_TIMEOUT_S, about 31 years, is as long: a wait of more overflows
         # the clock, and the worker's thread would die of it.)
         self._idle_timeout = min(float(idle_timeout), MAX_TIMEOUT_S)
@@ -653,6 +658,7 @@ class CompilePool(Singular):
         finishes into the cache.
         """
         timeout = check_timeout(timeout)
+        check_bool(refresh, "refresh")
         _check_compile(compiler, src)
         self._check_usable()
         key = source_key(await compiler_identity(compiler), src)
@@ -760,6 +766,7 @@ class CompilePool(Singular):
         await them), that job is dropped too, the workers and their compilers killed at
         once. Their temporary directories are removed either way. Blocks: not on a
         loop."""
+        check_bool(kill, "kill")
         with self._lock:  # (a job submitted from now on is refused: see _submit)
             self._closed = True
             self._killing = kill

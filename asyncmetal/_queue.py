@@ -23,6 +23,7 @@ from ._errors import (
     InvalidArgumentError,
     Singular,
     as_int,
+    check_bool,
 )
 from ._program import Program
 from ._scalars import Scalar, launch_value
@@ -148,18 +149,24 @@ def _size3(size: object, what: str) -> tuple[int, int, int]:
     # dimensions are, and Metal's gets no GPU past them; cut to its low bits in the
     # backend's structure, a larger one would run another number of threads (none, for
     # 2**64) with nothing said. numpy integers are sizes, as elsewhere (as_int).
+    # A str or bytes is a sequence too, of characters: no size either.
     given = size
     if as_int(size) is not None:
         size = (size,)
-    if not isinstance(size, Sequence) or not 1 <= len(size) <= 3:
+    dims = (
+        [as_int(d) for d in [*size, 1, 1][:3]]
+        if isinstance(size, Sequence) and not isinstance(size, (str, bytes)) and 1 <= len(size) <= 3
+        else [None]
+    )
+    ints = [d for d in dims if d is not None]
+    if len(ints) < len(dims):
         raise ArgumentTypeError(f"{what} must be an int or a tuple of 1 to 3 ints, got {given!r}")
-    dims = [as_int(d) for d in [*size, 1, 1][:3]]
-    for d in dims:
-        if d is None or d < 1:
+    for d in ints:
+        if d < 1:
             raise InvalidArgumentError(f"{what} must hold ints >= 1, got {given!r}")
         if d >= 1 << 32:
             raise InvalidArgumentError(f"{what} must hold ints in [1, 2**32), got {given!r}")
-    return dims[0], dims[1], dims[2]  # type: ignore[return-value]
+    return ints[0], ints[1], ints[2]
 
 
 _extension_launches: dict[type, Callable[..., Completion | None] | None] = {}
@@ -381,6 +388,7 @@ class Queue(Singular):
         driver was given behind that wait stays with it -- run if the value comes (the
         queue is then released), else ended by the device's close (ClosedResourceError,
         discarded)."""
+        check_bool(discard, "discard")
         if self._closer is None:
             raise self._not_closable()
         await self._closer(self, discard)

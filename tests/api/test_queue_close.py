@@ -94,6 +94,27 @@ async def test_close_waits_for_a_device_wait_signalled_later(
     assert (await buf.read(np.int32))[0] == 5
 
 
+async def test_a_discard_that_is_no_bool_is_refused_before_anything_is_dropped(
+    device: am.Device, kernels: dict[str, am.Program], buf: am.Buffer
+) -> None:
+    """``close(discard=...)`` of a queue or a device takes a bool: anything else (a
+    string "false" read from a configuration, say, which is true) is refused with an
+    ArgumentTypeError, nothing closed or dropped, as ``alloc``'s ``zeroed`` is.
+    Checked: fails without the fix (the queue closed, discarding its backlog)."""
+    q, tl = held_queue(device)
+    filled = q.launch(kernels["fill"], buf, vals=(9, 1))
+    for discard in ("false", 0, None, 1.0):
+        with pytest.raises(am.ArgumentTypeError, match="discard must be a bool, got"):
+            await q.close(discard=discard)  # type: ignore[arg-type]
+        with pytest.raises(am.ArgumentTypeError, match="discard must be a bool, got"):
+            await device.close(discard=discard)  # type: ignore[arg-type]
+    assert not q.closed and not device.closed
+    tl.signal(1)
+    await filled
+    assert (await buf.read(np.int32))[0] == 9
+    await q.close()
+
+
 async def test_a_closed_queue_refuses_commands(
     device: am.Device, kernels: dict[str, am.Program], buf: am.Buffer
 ) -> None:

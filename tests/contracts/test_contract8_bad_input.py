@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import functools
+import itertools
 import pickle
 import re
 
@@ -870,6 +872,31 @@ async def test_numpy_integers_are_launch_sizes(
     )
     await device.queue.launch(kernels["fill"], a, vals=(4, 4), global_size=(n, np.uint8(1)))
     assert (await a.read(np.int32)).tolist() == [4] * 4
+
+
+async def test_launch_sizes_of_the_wrong_type_are_type_errors(
+    device: am.Device, kernels: dict[str, am.Program]
+) -> None:
+    """A size that is no int -- a float, a bool or a str among its dimensions, or a
+    str for the whole (a sequence of characters) -- is an ArgumentTypeError (a
+    TypeError) naming the argument and what it takes, on the native launch path and the
+    Python one alike, as a float or a bool for the whole size is; only an int below 1
+    is an InvalidArgumentError. Checked: fails without the fix (InvalidArgumentError
+    "must hold ints >= 1" for each)."""
+    a = await device.alloc(16)
+    slow = device.new_queue()
+    slow._fast_launch = None
+    wrong: list[object] = [(4.0,), (2, True), (1, 1, "4"), "4", b"\x04"]
+    refusals = [
+        (size, am.ArgumentTypeError, "must be an int or a tuple of 1 to 3 ints") for size in wrong
+    ]
+    refusals.append(((2, 0), am.InvalidArgumentError, "must hold ints >= 1"))
+    for queue, key, (size, error, words) in itertools.product(
+        (device.queue, slow), ("global_size", "local_size"), refusals
+    ):
+        launch = functools.partial(queue.launch, kernels["fill"], a, vals=(1, 1), **{key: size})
+        _rejects(device, error, re.escape(f"{key} {words}, got {size!r}"), launch)
+    await slow.close()
 
 
 async def test_a_threadgroup_past_the_kernels_limit_is_refused(

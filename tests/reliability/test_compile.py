@@ -1150,6 +1150,19 @@ async def test_a_worker_that_cannot_start_loses_no_thread_and_no_directory(
         await pool.aclose()
 
 
+async def test_compile_many_of_no_iterable_is_an_argument_type_error(device: am.Device) -> None:
+    """What is not an iterable of kernels is refused as a bad argument is, with an
+    ArgumentTypeError (an AsyncMetalError) naming what compile_many takes. Checked: fails
+    without the fix (a bare TypeError of list(), "'NoneType' object is not iterable")."""
+    for kernels in (None, 3, 1.5, object()):
+        with pytest.raises(
+            am.ArgumentTypeError,
+            match=r"compile_many takes an iterable of \(src, name\) pairs, got "
+            + type(kernels).__name__,
+        ):
+            device.compile_many(kernels)  # type: ignore[arg-type]
+
+
 async def test_compile_many_refuses_a_bad_kernel_before_submitting_any(device: am.Device) -> None:
     tag = time.time_ns()
     good = (f"void g{tag}(void) {{}}", f"g{tag}")
@@ -1246,7 +1259,6 @@ async def test_timed_compiles_work_with_descriptors_above_1023(
     [
         {"max_workers": -1},
         {"max_workers": 0},
-        {"max_workers": 1.5},
         {"idle_timeout": -1},
         {"idle_timeout": float("nan")},
         {"idle_timeout": 0},
@@ -1258,6 +1270,59 @@ def test_a_pool_with_bad_arguments_is_refused(arguments: dict[str, Any]) -> None
     worker ever started, or its handler thread died of the idle timeout)."""
     with pytest.raises(am.InvalidArgumentError, match=next(iter(arguments))):
         CompilePool(**arguments)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: CompilePool(1.5), "max_workers must be an int or None"),  # type: ignore[arg-type]
+        (lambda: CompilePool("2"), "max_workers must be an int or None"),  # type: ignore[arg-type]
+        (lambda: CompilePool(True), "max_workers must be an int or None"),
+        (lambda: CompilePool(1, idle_timeout="60"), "idle_timeout must be a number of seconds"),  # type: ignore[arg-type]
+        (lambda: CompilePool(1, idle_timeout=True), "idle_timeout must be a number of seconds"),
+        (lambda: CompileCache(1.5), "directory must be a str or a path"),  # type: ignore[arg-type]
+        (lambda: CompileCache(b"/tmp/cache"), "directory must be a str or a path"),  # type: ignore[arg-type]
+    ],
+    ids=[
+        "workers float",
+        "workers str",
+        "workers bool",
+        "idle str",
+        "idle bool",
+        "dir float",
+        "dir bytes",
+    ],
+)
+async def test_a_pool_or_cache_given_the_wrong_types_raises_argument_type_errors(
+    make: Callable[[], object], match: str
+) -> None:
+    """A CompilePool's or CompileCache's argument of the wrong type is an
+    ArgumentTypeError (a TypeError) naming it and what it takes, as such arguments
+    elsewhere are. Checked: fails without the fix (an InvalidArgumentError -- a
+    ValueError -- for the pool's, os.fspath's or str.startswith's bare TypeError for
+    the cache's directory)."""
+    with pytest.raises(am.ArgumentTypeError, match=match):
+        make()
+
+
+async def test_a_pools_flags_that_are_no_bools_are_refused(tmp_path: Path) -> None:
+    """``CompilePool.compile``'s ``refresh`` and ``shutdown``'s ``kill`` take a bool:
+    anything else (a string "no", which is true) is an ArgumentTypeError, nothing
+    evicted, compiled or killed. Checked: fails without the fix (refresh="no" compiled
+    the cached source again; kill="no" shut the pool down)."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path, disk=False))
+    try:
+        src = _src("flags")
+        await pool.compile(CCompiler(), src)
+        compiled = pool.compiles
+        with pytest.raises(am.ArgumentTypeError, match="refresh must be a bool, got str"):
+            await pool.compile(CCompiler(), src, refresh="no")  # type: ignore[arg-type]
+        with pytest.raises(am.ArgumentTypeError, match="kill must be a bool, got str"):
+            pool.shutdown(kill="no")  # type: ignore[arg-type]
+        assert await pool.compile(CCompiler(), src)  # from the cache, the pool still open
+        assert pool.compiles == compiled
+    finally:
+        await pool.aclose()
 
 
 @pytest.mark.parametrize("cache", ["compile-cache", CompileCache], ids=["a path", "the class"])
