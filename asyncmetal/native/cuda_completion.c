@@ -68,6 +68,26 @@ static am_cuop *cuq_take_unhanded(am_cuq *q, am_timeline **kick_on) {
     return taken;
 }
 
+/* A thread handing q's operations over put a device wait back held, first (cuq_drain,
+ * cuq_submit_then), with q failed: a failed command's confirmation (cuq_run) came while
+ * the wait was out of q->held, and dropped none of it. It goes now, with what is held
+ * behind it and its kick, as that confirmation drops them; then a close to finish,
+ * waiting for what is held, goes on. An abandoning close drops them itself. Not under
+ * mu; the caller holds a reference of q. */
+void cuq_drop_failed(am_cuq *q) {
+    am_timeline *kick_on = NULL;
+    pthread_mutex_lock(&q->mu);
+    am_cuop *dropped = q->stop != 2 ? cuq_take_unhanded(q, &kick_on) : NULL;
+    int error = q->error;
+    uint64_t error_value = q->error_value;
+    pthread_mutex_unlock(&q->mu);
+    if (kick_on) cuq_unkick(q, kick_on);
+    cuq_drop_refused(q, dropped, error, error_value);
+    pthread_mutex_lock(&q->mu);
+    if (q->sleeping) pthread_cond_signal(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+}
+
 /* Drop what q holds on the host (past its bound on commands in flight, or behind a device
  * wait held) from its first command with no operation handed to the driver yet: those
  * commands fail with AM_DISCARDED (q's error, from that value on), a signal among them
@@ -559,9 +579,10 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
             cuq_undrive(q);
             op->next = NULL;
             cuq_hold_first(q, op);
-            if (q->discarded) {  /* discarded meanwhile, with this command kept: it goes */
+            if (q->discarded || q->error) {  /* discarded or failed meanwhile: it goes */
+                int discarded = q->discarded;
                 pthread_mutex_unlock(&q->mu);
-                am_cuq_discard(q);
+                if (discarded) am_cuq_discard(q); else cuq_drop_failed(q);
                 pthread_mutex_lock(&q->mu);
             }
             continue;
@@ -1144,7 +1165,8 @@ static void *cuq_run(void *arg) {
          * behind a device wait held for what it waits for, it would stay held until
          * that came, maybe never, its signals' waiters and a close to finish waiting
          * meanwhile: then it goes now, with the wait's kick, as a refused command's
-         * does (a signal among it fails its timeline). */
+         * does (a signal among it fails its timeline); a wait another thread hands over
+         * now goes as that thread puts it back held (cuq_drop_failed). */
         am_timeline *kick_on = NULL;
         am_cuop *dropped = r && q->deferred ? cuq_take_unhanded(q, &kick_on) : NULL;
         int error = q->error;

@@ -368,6 +368,7 @@ AM_HIDDEN void cuq_drain(am_cuq *q, uint64_t through, int most);
 AM_HIDDEN void cuq_settle(am_cuq *q);
 AM_HIDDEN void cuq_drop_refused(am_cuq *q, am_cuop *op, int error, uint64_t value);
 AM_HIDDEN void cuq_unkick(am_cuq *q, am_timeline *kick_on);
+AM_HIDDEN void cuq_drop_failed(am_cuq *q);
 AM_HIDDEN int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command);
 AM_HIDDEN void cuq_waiting(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command);
 AM_HIDDEN void cuq_drop_waiting(am_cuwaiter *w);

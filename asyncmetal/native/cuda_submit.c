@@ -606,10 +606,12 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
         atomic_fetch_add(&q->held_total, then ? 2 : 1);
     }
     int discard = held && q->discarded;  /* discarded meanwhile: the wait held goes too */
+    int failed = held && !discard && q->error;  /* failed meanwhile: the same (cuq_drop_failed) */
     int settle = part && !q->count && !q->held && !q->unfenced && q->stop != 2;
     if (q->sleeping && (cuq_can_drain(q) || q->unfenced)) pthread_cond_signal(&q->cv);
     pthread_mutex_unlock(&q->mu);
     if (discard) am_cuq_discard(q);
+    if (failed) cuq_drop_failed(q);
     if (part) {
         if (signals && !fenced && !kept)  /* (kept: it fails with the fence) */
             am_timeline_fail(refused->extra, refused->extra_value, r, op->value, q->timeline);

@@ -42,6 +42,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "events"),
         *("ok", "fault"),
         *("ok", "faultheld"),
+        *("ok", "faulthanding"),
         *("ok", "causal"),
         *("ok", "bound"),
         *("ok", "refused"),

@@ -14,6 +14,8 @@
  *             held fails with the fault (the signal's timeline settles, failed, naming
  *             the faulted command) and a close to finish returns, neither waiting for
  *             that wait's kick
+ *   faulthanding as faultheld, the wait reaching the hand-over as the command faults: the
+ *             wait, put back held then, goes with the fault, and a close to finish returns
  *   long      events are plain until a command runs long, then blocking-sync (and blocked
  *             on, never a plain one) until commands are quick again; a command finished
  *             as long-running gets a blocking-sync event at once and changes nothing
@@ -991,6 +993,25 @@ static int signal_free(fake_queue q, free_timeline f, uint64_t target, uint64_t 
            am_cuq_finish(q.q, value, f.t, target, 0, 0);
 }
 
+/* The end of check_faultheld and check_faulthanding: f, faulted while it held a device
+ * wait for u, holds nothing now (else `held` fails the check), a close to finish returns
+ * within 3 s (else `close`), and no kernel of f ran (else `ran`). f, its fault, u and
+ * gate go. */
+static void faulted_end(fake_queue f, free_timeline u, uint64_t *gate, const char *held,
+                        const char *close, const char *ran) {
+    uint64_t stats[8];
+    am_cuq_stats(f.q, stats);
+    if (stats[6]) die(held);
+    close_within(f.q, 3000000000L, close);
+    if (atomic_load(&f.s->ran)) die(ran);
+    stream_free(f.s, 0);  /* (queue_free's, the queue closed above) */
+    am_timeline_free(f.t);
+    free(f.word);
+    atomic_store(&fault_code, 0);
+    free_timeline_free(u);
+    free(gate);
+}
+
 /* A queue whose command faulted (a sticky error: nothing of its context runs any more)
  * while it held on the host a device wait for what nothing handed over yet, and a
  * signal and a kernel behind it: what it held fails with the fault -- the signal's
@@ -1021,20 +1042,70 @@ static void check_faultheld(void) {
     if (am_timeline_failure(v.t, &error, &value, &cause) != 1 || error != ILLEGAL_ADDRESS ||
         value != 1 || cause != f.t)
         die("faultheld: the held signal's timeline did not fail, naming the faulted command");
-    am_cuq_stats(f.q, stats);
-    if (stats[6]) die("faultheld: operations of the failed commands stayed held");
-    close_within(f.q, 3000000000L,
-                 "faultheld: a close to finish of the faulted queue waited for its held "
-                 "wait's kick");
-    if (atomic_load(&f.s->ran)) die("faultheld: a kernel of the faulted queue ran");
-    stream_free(f.s, 0);  /* (queue_free's, the queue closed above) */
-    am_timeline_free(f.t);
-    free(f.word);
-    atomic_store(&fault_code, 0);
-    free_timeline_free(u);
+    faulted_end(f, u, gate, "faultheld: operations of the failed commands stayed held",
+                "faultheld: a close to finish of the faulted queue waited for its held "
+                "wait's kick",
+                "faultheld: a kernel of the faulted queue ran");
     free_timeline_free(v);
-    free(gate);
     puts("ok faultheld");
+}
+
+/* The hook's part of check_faulthanding: the fault hits, and its confirmation settles
+ * the queue, while a thread hands the queue's device wait over -- past the hook (at
+ * faulthanding_where), before the driver call that finds it must be held. */
+static _Atomic(uint64_t *) faulthanding_gate;
+static am_cuq *_Atomic faulthanding_q;
+static _Atomic int faulthanding_where;
+
+static void fault_while_handing(int where, am_cuq *q) {
+    am_cuq *expected = q;
+    if (where != atomic_load(&faulthanding_where) ||
+        !atomic_compare_exchange_strong(&faulthanding_q, &expected, NULL))
+        return;
+    atomic_store((_Atomic uint64_t *)atomic_load(&faulthanding_gate), 1);
+    int64_t deadline = now_ns() + 10000000000LL;
+    while (am_timeline_value(q->timeline) != UINT64_MAX)
+        if (now_ns() > deadline) die("faulthanding: the faulted queue never settled");
+}
+
+/* check_faulthanding's case: the wait submitted and handed over at once (`submitted`),
+ * or held past the queue's bound and handed over by am_cuq_hand_over. */
+static void faulthanding_case(int submitted) {
+    fake_queue f = submitted ? queue_new() : queue_bounded(1);
+    free_timeline u = free_timeline_new();
+    uint64_t *gate = calloc(1, sizeof(uint64_t));
+    if (faulting_launch(f, gate, 1)) die("faulthanding: the faulting launch was refused");
+    atomic_store(&faulthanding_gate, gate);
+    atomic_store(&faulthanding_where, submitted ? CU_HOOK_SUBMIT_HANDING : CU_HOOK_DRAIN_HANDING);
+    if (!submitted && wait_held(f, u.t, 1, 2)) die("faulthanding: the wait was refused");
+    atomic_store(&faulthanding_q, f.q);
+    atomic_store(&test_hook, fault_while_handing);
+    if (submitted) {
+        if (am_cuq_wait_timeline(f.q, u.t, 1, 2)) die("faulthanding: the wait was refused");
+        am_cuq_finish(f.q, 2, u.t, 1, 0, CU_FINISH_PLAIN | CU_FINISH_WAITED);  /* (refused) */
+    } else {
+        am_cuq_hand_over(f.q, 2);
+    }
+    atomic_store(&test_hook, NULL);
+    if (atomic_load(&faulthanding_q)) die("faulthanding: (setup) the hook did not run");
+    faulted_end(f, u, gate,
+                "faulthanding: a device wait put back held as its queue faulted stayed held",
+                "faulthanding: a close to finish of the faulted queue waited for the kick "
+                "of a wait held as it faulted",
+                "faulthanding: a kernel of the faulted queue ran");
+}
+
+/* As check_faultheld, but the queue's device wait for what nothing hands over (u's 1)
+ * reaches the hand-over as its command faults -- submitted then, or held past the
+ * queue's bound and handed over for another library's stream: the fault's confirmation
+ * settles the queue meanwhile, and the thread handing it over finds the wait must be
+ * held and puts it back. It goes with the fault all the same (and its kick), and a
+ * close to finish returns, rather than waiting for that kick. Checked: fails without
+ * the fix (the wait stayed held, and the close waited for good). */
+static void check_faulthanding(void) {
+    faulthanding_case(1);
+    faulthanding_case(0);
+    puts("ok faulthanding");
 }
 
 static void check_signal(void) {
@@ -4643,6 +4714,7 @@ int main(void) {
     puts("ok events");
     check_fault();
     check_faultheld();
+    check_faulthanding();
     check_causal();
     check_bound();
     check_refused();
