@@ -1555,6 +1555,15 @@ def checkpoint() -> Generator[Any, Any, None]:
         raise NoLoopError("asyncmetal must be awaited from asyncio, uvloop or trio")
 
 
+def require_loop() -> None:
+    """Raise NoLoopError unless the calling code runs on an asyncio (uvloop) loop or
+    as a trio task: for an await whose first step is not a wait of the bridge's (a
+    call on a thread, a close), where anyio's own error would come instead, or nothing
+    until after the step's work began."""
+    if _get_running_loop() is None and ("trio" not in sys.modules or not in_trio_task()):
+        raise NoLoopError("asyncmetal must be awaited from asyncio, uvloop or trio")
+
+
 def running_bridge() -> LoopBridge | None:
     """The bridge of the calling thread's running loop, if it runs one and its bridge
     exists (nothing waits on it otherwise) and lives."""

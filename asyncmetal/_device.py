@@ -34,7 +34,7 @@ from ._allocator import (
     let_lingering_go,
 )
 from ._backend import Backend, NativeQueue
-from ._bridge import checkpoint
+from ._bridge import checkpoint, require_loop
 from ._buffer import Buffer, wrap_buffer
 from ._buffer import discard as discard_buffer
 from ._compile import (
@@ -1198,6 +1198,7 @@ class Device(Singular):
         were cancelled (a ``Buffer.free``, ``empty_memory_cache``): nobody heard of it.
         """
         check_bool(discard, "discard")  # (before anything closes)
+        require_loop()  # (also: its teardown would begin, then fail to be awaited)
         with self._close_lock:  # one teardown, whichever thread closes first
             if self._closing is None and not self.closed:
                 self._closing = HostEvents()

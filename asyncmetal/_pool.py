@@ -28,7 +28,7 @@ from typing import Any, cast
 
 import anyio
 
-from ._bridge import checkpoint
+from ._bridge import checkpoint, require_loop
 from ._cache import CompileCache
 from ._compile import Compiler, source_key
 from ._errors import (
@@ -802,6 +802,7 @@ class CompilePool(Singular):
         """:meth:`shutdown` without blocking the loop: compiles not started yet raise
         ``ClosedResourceError`` in their callers at once; those running finish first.
         Not cancelled: the workers are stopped all the same."""
+        require_loop()  # (before the pool is shut: asyncmetal's error, not anyio's)
         with anyio.CancelScope(shield=True):
             await to_thread(self.shutdown)
 

@@ -14,6 +14,7 @@ import numpy as np
 from . import _allocator, _native, _native_contract
 from ._allocator import Allocation, hold_used
 from ._backend import Arg, NativeQueue, Record, new_arg
+from ._bridge import require_loop
 from ._buffer import Buffer, check_buffer, launch_args, native_arg, record_uses, uses
 from ._copyargs import copy_operands, fill_operands
 from ._device_state import DeviceState, locks_in_order, two_names
@@ -391,6 +392,7 @@ class Queue(Singular):
         check_bool(discard, "discard")
         if self._closer is None:
             raise self._not_closable()
+        require_loop()  # (before the queue is marked closed)
         await self._closer(self, discard)
 
     def _not_closable(self) -> InvalidArgumentError:

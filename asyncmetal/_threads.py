@@ -166,10 +166,11 @@ async def run_sync(
     its loop closed, or was stopped and let go of, before the caller resumed with the
     outcome, ``undelivered()`` is called: on the worker thread, or the one that closed
     or collected the loop (the caller never resumes to see it)."""
-    from ._bridge import running_asyncio_loop  # (it imports what imports this module)
+    from ._bridge import require_loop, running_asyncio_loop  # (it imports this module)
 
     loop = running_asyncio_loop()
     if loop is None:  # trio (a guest run's task too)
+        require_loop()  # (or none: asyncmetal's error, not anyio's)
         return await anyio.to_thread.run_sync(fn, *args, limiter=limiter())
     # The token is the call's, not its caller's: held until the call is over (see
     # _Handover), also where asyncio's own ``task.cancel()`` ended the wait before --

@@ -167,13 +167,32 @@ def test_awaited_outside_a_loop_the_error_is_asyncmetals() -> None:
     sent to by hand, another framework's runner) raises NoLoopError at its first step,
     whether its value is reached or not (it yielded one of trio's traps to the caller)."""
     loop = asyncio.new_event_loop()
+
+    async def awaiting(awaitable: Awaitable[Any]) -> Any:
+        return await awaitable
+
     try:
         dev = loop.run_until_complete(am.open_device("cpu"))
         tl = dev.timeline()
-        for awaited in (tl.wait(1), tl.wait(0), dev.queue.marker().wait()):
+        queue = dev.new_queue()
+        # (also the awaits that begin with a call on a worker thread or a close: an
+        # open, a compile, the pool's close, a queue's, the device's -- checked: they
+        # raised anyio's NoEventLoopError, and the queue and the device were closed)
+        for awaited in (
+            tl.wait(1),
+            tl.wait(0),
+            dev.queue.marker().wait(),
+            awaiting(am.open_device("cpu")),
+            awaiting(dev.compile(KERNELS, "empty")),
+            awaiting(dev.compile_pool.aclose()),
+            awaiting(queue.close()),
+            awaiting(dev.close()),
+        ):
             with pytest.raises(am.NoLoopError, match="awaited from asyncio, uvloop or trio"):
                 awaited.send(None)
             awaited.close()
+        assert not dev.closed
+        loop.run_until_complete(awaiting(queue.marker()))  # (the queue still open)
         loop.run_until_complete(dev.close())
     finally:
         loop.close()
