@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -631,8 +632,10 @@ class Exports:
 
 def items_shape(nbytes: int, dtype: np.dtype[Any], shape: Any) -> tuple[int, ...]:
     """The shape of the ``dtype`` items ``nbytes`` hold: 1-D for ``shape`` None, else
-    ``shape`` as numpy's ``reshape`` takes it (numpy ints, one ``-1``), checked to fill
-    whole items and to take that shape -- before anything is read."""
+    ``shape``, an int or a sequence of ints (numpy ints too) of which one may be -1 (as
+    many as the rest leave) -- no other negative one, which numpy's ``reshape`` would
+    take as -1 --, checked to fill whole items and to take that shape, before anything
+    is read."""
     if nbytes % dtype.itemsize:
         raise InvalidArgumentError(
             f"buffer of {nbytes} bytes is not a whole number of {dtype} items"
@@ -640,8 +643,11 @@ def items_shape(nbytes: int, dtype: np.dtype[Any], shape: Any) -> tuple[int, ...
     count = nbytes // dtype.itemsize
     if shape is None:
         return (count,)
-    try:  # a zero-stride array of that many items: reshaped without memory
-        return tuple(np.broadcast_to(np.empty(1, np.uint8), (count,)).reshape(shape).shape)
+    try:
+        dims = tuple(operator.index(d) for d in (shape if np.iterable(shape) else (shape,)))
+        if [d for d in dims if d < 0] in ([], [-1]):
+            # (a zero-stride array of that many items: reshaped without memory)
+            return tuple(np.broadcast_to(np.empty(1, np.uint8), (count,)).reshape(dims).shape)
     except TypeError:
         raise ArgumentTypeError(f"shape must be an int or a tuple of ints, got {shape!r}") from None
     except ValueError:
@@ -649,6 +655,10 @@ def items_shape(nbytes: int, dtype: np.dtype[Any], shape: Any) -> tuple[int, ...
             f"shape {shape!r} does not cover the buffer's {count} {dtype} items, as it must "
             "(to type a part, take a view of it first: buf.view(offset, nbytes))"
         ) from None
+    raise InvalidArgumentError(
+        f"shape {shape!r} has a negative dimension other than one -1 (which takes as many "
+        "items as the other dimensions leave)"
+    )
 
 
 class TypedView(Exports, Singular):

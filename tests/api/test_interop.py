@@ -8,6 +8,7 @@ import asyncio
 import ctypes
 import functools
 import gc
+import re
 import sys
 import threading
 from typing import Any
@@ -216,9 +217,26 @@ async def test_a_typed_view_takes_shapes_as_read_does(device: am.Device) -> None
     with pytest.raises(am.InvalidArgumentError, match=r"shape \(5,\) does not cover"):
         buf.typed(np.float32, (5,))
     with pytest.raises(am.InvalidArgumentError, match=r"does not cover.*buf\.view"):
-        buf.typed(np.float32, (-1, -1))
+        buf.typed(np.float32, (3, -1))
     with pytest.raises(am.ArgumentTypeError, match="shape"):
         buf.typed(np.float32, (4.0, 4))
+    await buf.free()
+
+
+async def test_a_negative_dimension_other_than_one_minus_one_is_refused(
+    device: am.Device,
+) -> None:
+    """One -1 takes what the other dimensions leave; any other negative dimension (which
+    numpy's reshape takes as -1 too) is refused naming the shape, for typed() and
+    read() alike. Checked: without it, (2, -8) gave (2, 8), and (-1, -16) was refused
+    as a shape that "does not cover the buffer's 16 items"."""
+    buf = await device.alloc(64)
+    for shape in [(2, -8), (-1, -16), (-1, -1), -2]:
+        with pytest.raises(am.InvalidArgumentError, match=rf"shape {re.escape(repr(shape))} has"):
+            buf.typed(np.float32, shape)
+        with pytest.raises(am.InvalidArgumentError, match=rf"shape {re.escape(repr(shape))} has"):
+            await buf.read(np.float32, shape)
+    assert (await buf.read(np.float32, (-1, 4))).shape == (4, 4)
     await buf.free()
 
 
