@@ -442,8 +442,8 @@ class Device(Singular):
         finalizer -- releases what was made of it (_unmade), as does a close that came
         first. Left: an interrupt as the backend's new_queue returns its native queue,
         not stored yet (nothing in Python holds it then: its finalizer releases it
-        once collected). Where another thread
-        adopted the stream meanwhile, its queue is the one given."""
+        once collected). Where another thread adopted the stream meanwhile, its queue is
+        the one given."""
         making: list[Queue] = []
         number = -1
         recorded = counted = False

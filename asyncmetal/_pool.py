@@ -484,14 +484,14 @@ class CompilePool(Singular):
         idle_timeout: float = 60.0,
         cache: CompileCache | None = None,
     ) -> None:
-        workers: object = max_workers  # (any object: checked here)
+        workers = None if max_workers is None else as_int(max_workers)  # (any object)
         idle: object = idle_timeout
-        if workers is not None and as_int(workers) is None:
+        if max_workers is not None and workers is None:
             raise ArgumentTypeError(
                 "max_workers must be an int or None (one per core, at most 8), "
-                f"got {type(workers).__name__}"
+                f"got {type(max_workers).__name__}"
             )
-        if workers is not None and cast(int, as_int(workers)) < 1:
+        if workers is not None and workers < 1:
             raise InvalidArgumentError(
                 f"max_workers must be an int >= 1 (or None: one per core, at most 8), "
                 f"got {max_workers!r}"
@@ -510,7 +510,7 @@ class CompilePool(Singular):
                 f"got {cache!r:.60}"
             )
         # (Read-only to users, as properties: checked here, and its workers rely on them.)
-        self._max_workers = as_int(max_workers) or min(os.cpu_count() or 1, 8)
+        self._max_workers = workers or min(os.cpu_count() or 1, 8)
         # (Longer than MAX_TIMEOUT_S, about 31 years, is as long: a wait of more overflows
         # the clock, and the worker's thread would die of it.)
         self._idle_timeout = min(float(idle_timeout), MAX_TIMEOUT_S)

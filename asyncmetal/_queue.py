@@ -7,7 +7,7 @@ import inspect
 import weakref
 from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import numpy as np
 
@@ -154,14 +154,12 @@ def _size3(size: object, what: str) -> tuple[int, int, int]:
     given = size
     if as_int(size) is not None:
         size = (size,)
-    dims = (
-        [as_int(d) for d in [*size, 1, 1][:3]]
-        if isinstance(size, Sequence) and not isinstance(size, (str, bytes)) and 1 <= len(size) <= 3
-        else [None]
-    )
-    ints = [d for d in dims if d is not None]
-    if len(ints) < len(dims):
+    dims = []
+    if isinstance(size, Sequence) and not isinstance(size, (str, bytes)) and 1 <= len(size) <= 3:
+        dims = [as_int(d) for d in [*size, 1, 1][:3]]
+    if not dims or None in dims:
         raise ArgumentTypeError(f"{what} must be an int or a tuple of 1 to 3 ints, got {given!r}")
+    ints = cast("list[int]", dims)  # (None refused above)
     for d in ints:
         if d < 1:
             raise InvalidArgumentError(f"{what} must hold ints >= 1, got {given!r}")
