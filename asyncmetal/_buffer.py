@@ -493,24 +493,28 @@ def foreign_buffer(
     own = state.device._allocator
     address = state.backend.loan_address(handle)  # where memory lent out comes back
     if shares is None and lenders and address is not None:  # (none went out: none back)
-        shares = _lent_record(own, address, nbytes)  # (its own, or its kind's)
+        shares = _lent_record(own, address, nbytes, state=state)  # (its own, or its kind's)
     if shares is not None:
         _share_record(block, shares)
         own.note_foreign(block)  # (its record is looked through too)
     elif address is not None:
-        _share_foreign_memory(state, address, block)
+        _share_foreign_memory(state, address, block, own)
     else:
         own.note_foreign(block)
     if after is not None:
         queue, value = after
-        block.last_use[queue] = max(value, block.last_use.get(queue, 0))
+        uses = block.last_use
+        if uses.get(queue, 0) < value:
+            uses[queue] = value
         block.waited = after
     allocation = Allocation(block)
     hold_imported(allocation)  # (its finalizer takes it out: see imported)
     return Buffer(state, allocation, 0, nbytes)
 
 
-def _share_foreign_memory(state: DeviceState, address: int, block: Block) -> None:
+def _share_foreign_memory(
+    state: DeviceState, address: int, block: Block, own: Allocator | None = None
+) -> None:
     """Have new foreign ``block`` (at ``address``, on ``state``'s device) share the
     record of the foreign memory it is over (see ForeignMemory) -- that of a buffer of
     the device or of another one of its kind (open, or closing until its memory is
@@ -538,16 +542,16 @@ def _share_foreign_memory(state: DeviceState, address: int, block: Block) -> Non
         collecting = gc.isenabled()
         try:
             gc.disable()
-            _share_locked(state, address, block)
+            _share_locked(state, address, block, own or state.device._allocator)
         finally:
             if collecting:
                 gc.enable()
 
 
-def _share_locked(state: DeviceState, address: int, block: Block) -> None:
-    """_share_foreign_memory's look-up and note, ``_foreign_lock`` held."""
+def _share_locked(state: DeviceState, address: int, block: Block, own: Allocator) -> None:
+    """_share_foreign_memory's look-up and note, ``_foreign_lock`` held (``own``: the
+    allocator of ``state``'s device)."""
     nbytes = block.nbytes
-    own = state.device._allocator
     # (this device's own first: a record shared between devices is kept by the first)
     overlapping = own.foreign_memory(address, nbytes)
     memory = overlapping[0] if overlapping else None
@@ -634,15 +638,30 @@ def _share_host_record(state: DeviceState, address: int, block: Block) -> None:
 
 
 def _lent_record(
-    own: Allocator, address: int, nbytes: int, any_kind: bool = False
+    own: Allocator,
+    address: int,
+    nbytes: int,
+    any_kind: bool = False,
+    state: DeviceState | None = None,
 ) -> Record | None:
     """The record of the buffer that lent out the memory ``nbytes`` at ``address`` --
     its block, or the foreign memory it is over -- among ``lenders_for(own,
-    any_kind)``; None where none did."""
-    if own in lenders:  # (its own first, before the others are listed)
-        shares = own.exported_block(address, nbytes)
-        if shares is not None:
-            return shares
+    any_kind)``; None where none did. ``state``: that of ``own``'s device, where the
+    caller has it: then the others of its kind are looked through in the order
+    ``lenders_for`` lists them, without listing them (an import's hot path)."""
+    # Its own first (one with nothing lent out answers at once, with no lock taken).
+    shares = own.exported_block(address, nbytes)
+    if shares is not None:
+        return shares
+    if state is not None and not any_kind:
+        kind = state.kind
+        for other in unreleased_states():
+            if other is not state and other.kind == kind:
+                allocator: Allocator = other.device._allocator
+                shares = allocator.exported_block(address, nbytes)
+                if shares is not None:  # (a foreign one may share a record kept elsewhere)
+                    return shares
+        return None
     for allocator in lenders_for(own, any_kind=any_kind):
         if allocator is own:
             continue

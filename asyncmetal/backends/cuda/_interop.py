@@ -35,6 +35,8 @@ HANDLE_MAX = (1 << 64) - 1  # a CUstream is a pointer: larger ones overflow the 
 def stream_handle(stream: object, consumer: bool = False) -> int:
     """The ``CUstream`` address of ``stream`` (see the module's docstring for the forms);
     ``consumer``: a DLPack consumer's stream, which is not adopted (its errors say so)."""
+    if stream.__class__ is int and STREAM_PER_THREAD < stream <= HANDLE_MAX:
+        return stream  # (a raw handle, as from_dlpack's)
     protocol = getattr(stream, "__cuda_stream__", None)
     if protocol is not None:
         value = protocol() if callable(protocol) else protocol
