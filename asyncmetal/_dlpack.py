@@ -341,10 +341,19 @@ def device_dlpack(state: Any) -> tuple[int, int]:
     """The DLPack (device type, index) of a device's state: its backend says the type;
     host memory is device 0, other memory the device's own index (``cuda:1`` is 1)."""
     backend = state.backend
-    if not backend.dlpack_device_type:
+    kind = backend.dlpack_device_type
+    if not kind:
         raise ExchangeError(f"{state.name} buffers have no DLPack device type")
-    index = 0 if backend.host_visible else int(state.name.partition(":")[2] or 0)
-    return backend.dlpack_device_type, index
+    if backend.host_visible:
+        return kind, 0
+    name = state.name
+    index = _indices.get(name)
+    if index is None:
+        index = _indices[name] = int(name.partition(":")[2] or 0)
+    return kind, index
+
+
+_indices: dict[str, int] = {}  # a device name's index ("cuda:1": 1), read once
 
 
 def export_dlpack(
@@ -366,10 +375,21 @@ def export_dlpack(
     device_type, device_id = device_dlpack(state)
     if not isinstance(dtype, np.dtype):  # a Buffer's and a TypedView's are already
         dtype = np.dtype(dtype)
-    code, bits = _export_code(dtype)
+    known = _export_codes.get(dtype)
+    code, bits = _export_code(dtype) if known is None else known
     if shape is None:
         shape = (buffer.nbytes // dtype.itemsize,)
-    version = (0, 0) if max_version is None else _pair(max_version, "max_version")
+    if max_version is None:
+        version = (0, 0)
+    elif (  # (what consumers pass: a pair of ints, taken as it is)
+        max_version.__class__ is tuple
+        and len(max_version) == 2
+        and max_version[0].__class__ is int
+        and max_version[1].__class__ is int
+    ):
+        version = max_version
+    else:
+        version = _pair(max_version, "max_version")
     versioned = version >= (1, 0)
     # numpy holds elements of fewer than 8 bits one a byte: DLPack 1.1 flags them padded
     # (a consumer of an older version would read them packed).
@@ -379,6 +399,59 @@ def export_dlpack(
             f"{dtype} elements are one a byte, which only DLPack 1.1's padded flag says: "
             "ask with max_version=(1, 1) or later"
         )
+    if dl_device is not None or (copy is not None and copy is not False):
+        capsule = _moved_or_copied(
+            buffer, state, code, bits, shape, stream, versioned, flags, dl_device, copy
+        )
+        if capsule is not None:
+            return capsule
+    if not state.backend.writable:
+        if not versioned:  # as numpy does: the legacy capsule has no flag
+            raise ExchangeError(
+                "the buffer is read-only and a legacy DLPack capsule cannot say so: ask with "
+                "max_version=(1, 0) or later"
+            )
+        flags |= FLAG_READ_ONLY
+    _order_for_consumer(buffer, state, stream, ordered)
+    handle, release = buffer._lend()
+    if device_type == KDLMETAL:  # the MTLBuffer, and the offset into it
+        data, byte_offset = int(handle), buffer.offset
+    else:  # an address (host memory objects carry theirs)
+        data, byte_offset = int(getattr(handle, "address", handle)) + buffer.offset, 0
+    try:
+        return (_maker.chosen or _maker())(
+            data,
+            byte_offset,
+            device_type,
+            device_id,
+            code,
+            bits,
+            shape,
+            versioned,
+            flags,
+            release,
+        )
+    except BaseException:
+        release()  # no capsule: the loan ends here
+        raise
+
+
+def _moved_or_copied(
+    buffer: Buffer,
+    state: Any,
+    code: int,
+    bits: int,
+    shape: tuple[int, ...],
+    stream: int | None,
+    versioned: bool,
+    flags: int,
+    dl_device: tuple[int, int] | None,
+    copy: bool | None,
+) -> object:
+    """``export_dlpack`` asked for ``dl_device`` or ``copy`` (other than None, False):
+    the capsule of a host copy where that is what is asked for, None where the export
+    goes on as one without them; refused where it cannot."""
+    device_type, device_id = device_dlpack(state)
     target = (device_type, device_id) if dl_device is None else _pair(dl_device, "dl_device")
     moved = target != (device_type, device_id)
     if copy is not None and copy.__class__ is not bool and not isinstance(copy, np.bool_):
@@ -398,35 +471,7 @@ def export_dlpack(
             f"asyncmetal exports {state.name} memory without copying: copy=True is supported "
             "for host memory exported as kDLCPU (dl_device=(1, 0))"
         )
-    if not state.backend.writable:
-        if not versioned:  # as numpy does: the legacy capsule has no flag
-            raise ExchangeError(
-                "the buffer is read-only and a legacy DLPack capsule cannot say so: ask with "
-                "max_version=(1, 0) or later"
-            )
-        flags |= FLAG_READ_ONLY
-    _order_for_consumer(buffer, state, stream, ordered)
-    handle, release = buffer._lend()
-    if device_type == KDLMETAL:  # the MTLBuffer, and the offset into it
-        data, byte_offset = int(handle), buffer.offset
-    else:  # an address (host memory objects carry theirs)
-        data, byte_offset = int(getattr(handle, "address", handle)) + buffer.offset, 0
-    try:
-        return _maker()(
-            data,
-            byte_offset,
-            device_type,
-            device_id,
-            code,
-            bits,
-            shape,
-            versioned,
-            flags,
-            release,
-        )
-    except BaseException:
-        release()  # no capsule: the loan ends here
-        raise
+    return None
 
 
 def _pair(value: Any, what: str) -> tuple[int, int]:
