@@ -40,6 +40,17 @@ PyTorch submission held the loop: stalls that no way of awaiting causes or preve
 
 runs only that split, with a numpy array on the cpu device (any machine), and the other
 way, ``np.from_dlpack`` of a cpu buffer (its ``__dlpack__`` and numpy's import).
+
+    python benchmarks/interop.py --simulated --json out.json
+
+runs the cuda split without a GPU: over the test suite's simulated CUDA driver
+(``tests/support/native/simulated_cuda.py``: the native runtime submits to it; needs a
+C compiler), with a stand-in for a PyTorch CUDA tensor -- of the type ``torch.Tensor``
+to asyncmetal's look-ups, its ``__dlpack__`` a capsule over simulated device memory
+made at once -- so that what is left is asyncmetal's own part, as on the GPU run
+with PyTorch's ``__dlpack__`` subtracted. Every mode also times asyncmetal's side of
+the export, alone: ``buf.typed(...)``, its ``__dlpack_device__`` and its ``__dlpack__``
+(the capsule dropped at once, so the loan ends as a consumer's would).
 """
 
 from __future__ import annotations
@@ -403,6 +414,9 @@ def from_dlpack_split(dev: am.Device, array: Any, n: int = 2000) -> dict[str, fl
         out["stream_lookup_us"] = median_call_us(lambda: _interop._torch_stream(array), n)
         if handle is not None:
             out["queue_wait_us"] = median_call_us(lambda: dev.queue._after_stream(handle), n)
+            # What is left: asyncmetal's own bookkeeping (the capsule taken, the record of
+            # uses found, the buffer made, its device looked up; the buffer then dropped).
+            out["bookkeeping_us"] = out["rest_us"] - out["stream_lookup_us"] - out["queue_wait_us"]
         plain = _Protocol(array)
         protocol = median_call_us(lambda: am.from_dlpack(plain), n)
         protocol_producer = median_call_us(produce(ordered), n)
@@ -414,6 +428,21 @@ def from_dlpack_split(dev: am.Device, array: Any, n: int = 2000) -> dict[str, fl
     return out
 
 
+def export_split(typed: Any, stream: int | None, n: int = 2000) -> dict[str, float]:
+    """asyncmetal's side of an export of ``typed`` (a buffer's typed view), each part
+    alone, as a consumer calls them: the view made, its ``__dlpack_device__``, its
+    ``__dlpack__(stream=stream, max_version=(1, 1))`` (the capsule dropped at once, so
+    that the loan ends as it does once a consumer lets go)."""
+    buf, dtype = typed.buffer, typed.dtype
+    return {
+        "typed_view_us": median_call_us(lambda: buf.typed(dtype), n),
+        "export_dlpack_device_us": median_call_us(typed.__dlpack_device__, n),
+        "export_dlpack_us": median_call_us(
+            lambda: typed.__dlpack__(stream=stream, max_version=(1, 1)), n
+        ),
+    }
+
+
 async def dlpack(dev: am.Device, torch: Any) -> dict[str, Any]:
     buf = await dev.alloc(4 << 20)
     typed = buf.typed(np.float32)
@@ -421,12 +450,14 @@ async def dlpack(dev: am.Device, torch: Any) -> dict[str, Any]:
     tensor = torch.from_dlpack(typed)
     tensor_in = torch.ones(1 << 20, device="cuda:0")
     wrapped = am.from_dlpack(tensor_in)
+    consumer = torch.cuda.current_stream().cuda_stream or 1  # (as torch.from_dlpack asks)
     out = {
         "torch_from_dlpack_same_pointer": tensor.data_ptr() == address,
         "am_from_dlpack_same_pointer": (
             wrapped.__cuda_array_interface__["data"][0] == tensor_in.data_ptr()
         ),
         "torch_from_dlpack_us": median_call_us(lambda: torch.from_dlpack(typed)),
+        **export_split(typed, consumer),
         **from_dlpack_split(dev, tensor_in),
     }
     await dev.synchronize()
@@ -495,6 +526,7 @@ async def run_cpu() -> dict[str, Any]:
         buf = await dev.alloc(64 * 64 * 4)
         typed = buf.typed(np.float32, (64, 64))
         split["np_from_dlpack_us"] = median_call_us(lambda: np.from_dlpack(typed))
+        split.update(export_split(typed, None))
         await buf.free()
         progress(f"dlpack: {split}")
         crowd = await crowded(dev)
@@ -534,15 +566,117 @@ async def crowded(dev: am.Device, sizes: tuple[int, ...] = (0, 1000, 5000)) -> d
     return out
 
 
+def run_simulated() -> dict[str, Any]:
+    """The cuda split (``dlpack``'s, less PyTorch's own calls) over the simulated CUDA
+    driver, with a stand-in for a PyTorch CUDA tensor (see the module's docstring)."""
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (the tests' support)
+    from tests.support.native.simulated_cuda import _install, _Simulated
+
+    with tempfile.TemporaryDirectory(prefix="asyncmetal-interop-") as tmp:
+        sim = _Simulated(Path(tmp))
+        _install(sim)
+        stream = sim.fake.stream_new()  # the stand-in tensor's current stream
+        kept = sys.modules.get("torch")
+        sys.modules["torch"] = _stand_in_torch(stream)
+        try:
+            return asyncio.run(_simulated(sim))
+        finally:
+            if kept is None:
+                sys.modules.pop("torch", None)
+            else:
+                sys.modules["torch"] = kept
+            sim.fake.stream_free(stream, 0)
+
+
+def _stand_in_torch(stream: int) -> Any:
+    """A module ``torch`` with what asyncmetal's import asks of a CUDA tensor: its type
+    ``Tensor`` (``is_cuda``, ``get_device()``, DLPack's methods: a capsule over its
+    memory on cuda:0, made at once, no ordering of its own), ``version.hip`` and the
+    current stream's raw handle (``stream``)."""
+    import types
+
+    from asyncmetal import _dlpack
+
+    make = _dlpack._maker()  # (the extension's, once a device has loaded the runtime)
+
+    class Tensor:
+        is_cuda = True
+        device = "cuda:0"
+
+        def __init__(self, address: int, count: int) -> None:
+            self.address, self.count = address, count
+
+        def get_device(self) -> int:
+            return 0
+
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return (_dlpack.KDLCUDA, 0)
+
+        def __dlpack__(self, stream: Any = None, max_version: Any = None) -> object:
+            versioned = max_version is not None and tuple(max_version) >= (1, 0)
+            return make(
+                self.address, 0, _dlpack.KDLCUDA, 0, 2, 32, (self.count,), versioned, 0, _kept
+            )
+
+    torch = types.ModuleType("torch")
+    torch.Tensor = Tensor  # type: ignore[attr-defined]
+    torch.version = types.SimpleNamespace(hip=None)  # type: ignore[attr-defined]
+    torch._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda index: stream)  # type: ignore[attr-defined]
+    torch.__version__ = "stand-in"
+    return torch
+
+
+def _kept(*held: object) -> None:
+    """A stand-in tensor's capsule's release: its memory is the benchmark's."""
+
+
+async def _simulated(sim: Any) -> dict[str, Any]:
+    torch = sys.modules["torch"]
+    count = 1 << 20
+    async with am.open_device("cuda:0") as dev:
+        # As ``dlpack``: a buffer lent out (a consumer holds its capsule), and the first
+        # import of the tensor kept, as an application's would be.
+        buf = await dev.alloc(4 * count)
+        typed = buf.typed(np.float32)
+        lent = typed.__dlpack__(stream=1, max_version=(1, 1))
+        address = sim.fake.fake_mem_alloc(4 * count)
+        tensor_in = torch.Tensor(address, count)
+        wrapped = am.from_dlpack(tensor_in)
+        out = {
+            "torch": torch.__version__,
+            "am_from_dlpack_same_pointer": (wrapped.__cuda_array_interface__["data"][0] == address),
+            **export_split(typed, 1),
+            **from_dlpack_split(dev, tensor_in),
+        }
+        progress(f"dlpack (simulated cuda): {out}")
+        await dev.synchronize()
+        del lent, wrapped
+        await buf.free()
+    sim.fake.fake_mem_free(address)
+    return {"device": "cuda:0 (simulated driver)", "dlpack": out}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--cpu", action="store_true", help="only from_dlpack's split, on cpu")
     parser.add_argument(
+        "--simulated",
+        action="store_true",
+        help="only the cuda DLPack split, over the simulated CUDA driver (no GPU)",
+    )
+    parser.add_argument(
         "--gc-freeze", action="store_true", help="gc.freeze() once set up (no full collections)"
     )
     args = parser.parse_args()
-    write_json(args.json, asyncio.run(run_cpu() if args.cpu else run(args.gc_freeze)))
+    if args.simulated:
+        result = run_simulated()
+    else:
+        result = asyncio.run(run_cpu() if args.cpu else run(args.gc_freeze))
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":
