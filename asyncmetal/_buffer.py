@@ -654,9 +654,8 @@ def _lent_record(
     if shares is not None:
         return shares
     if state is not None and not any_kind:
-        kind = state.kind
         for other in unreleased_states():
-            if other is not state and other.kind == kind:
+            if other is not state and other.kind == state.kind:
                 allocator: Allocator = other.device._allocator
                 shares = allocator.exported_block(address, nbytes)
                 if shares is not None:  # (a foreign one may share a record kept elsewhere)
