@@ -14,6 +14,7 @@ can kill the process with SIGBUS.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import hashlib
@@ -112,6 +113,9 @@ class CompileCache:
                 self.directory = Path("~", ".cache", "asyncmetal")  # (named, never used)
                 if disk:
                     self.disk_enabled, self.error = False, exc
+        # Whether it has a database at all: not one kept in memory only, nor one with
+        # nowhere to keep it (a disk cache turned off later, by an error, still has one).
+        self._has_disk = self.disk_enabled
         self.max_memory_bytes = int(limit)
         self._memory: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         self._memory_bytes = 0
@@ -164,8 +168,15 @@ class CompileCache:
     # -- disk ----------------------------------------------------------------------------
 
     @property
-    def path(self) -> Path:
-        """The sqlite database of the disk cache."""
+    def path(self) -> Path | None:
+        """The sqlite database of the disk cache; None for a cache that has none: one
+        kept in memory only (``disk=False``, ``$ASYNCMETAL_CACHE`` off) or with nowhere
+        to keep it (no home directory). One turned off by an error keeps naming it."""
+        return self._file if self._has_disk else None
+
+    @property
+    def _file(self) -> Path:
+        """Where the database is, or would be (what the warnings name)."""
         return self.directory / "compile-cache.sqlite"
 
     def _connect(self) -> sqlite3.Connection:
@@ -176,7 +187,7 @@ class CompileCache:
                     self.directory.mkdir(parents=True, exist_ok=True)
                 except FileExistsError:  # ("File exists", of a file where it should be)
                     raise NotADirectoryError(f"{self.directory} is not a directory") from None
-                db = sqlite3.connect(self.path, timeout=10, check_same_thread=False)
+                db = sqlite3.connect(self._file, timeout=10, check_same_thread=False)
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute("PRAGMA synchronous=NORMAL")
                 db.execute(
@@ -200,7 +211,7 @@ class CompileCache:
     def _writable(self) -> bool:
         """Whether this process may write the cache (``os.access``: also False on a
         read-only mount, for root too)."""
-        return os.access(self.directory, os.W_OK) and os.access(self.path, os.W_OK)
+        return os.access(self.directory, os.W_OK) and os.access(self._file, os.W_OK)
 
     def _connect_read_only(self, why: BaseException) -> sqlite3.Connection:
         """The cache as it is, opened to be read only, where it cannot be written (a
@@ -209,9 +220,9 @@ class CompileCache:
         database whose shared-memory file cannot be made here opens only as immutable:
         what another process writes meanwhile may go unseen (a miss), and an entry read
         torn fails its checksum (a miss too)."""
-        if self._writable() or not self.path.is_file():
+        if self._writable() or not self._file.is_file():
             raise why
-        uri = Path(os.path.abspath(self.path)).as_uri()
+        uri = Path(os.path.abspath(self._file)).as_uri()
         for mode in ("mode=ro", "immutable=1"):
             db = sqlite3.connect(f"{uri}?{mode}", uri=True, timeout=10, check_same_thread=False)
             try:
@@ -233,14 +244,14 @@ class CompileCache:
         if self.read_only is not None and not self._warned_read_only:
             self._warned_read_only = True
             warn(
-                f"asyncmetal: the compile cache at {self.path} cannot be written "
+                f"asyncmetal: the compile cache at {self._file} cannot be written "
                 f"({self.read_only}); its binaries are used, new ones are not stored",
                 CacheWarning,
             )
         if self.error is not None and not self._warned:
             self._warned = True
             warn(
-                f"asyncmetal: the compile cache at {self.path} is unusable "
+                f"asyncmetal: the compile cache at {self._file} is unusable "
                 f"({self.error}); compiling without it",
                 CacheWarning,
             )
@@ -312,9 +323,12 @@ class CompileCache:
     def close(self) -> None:
         """Close the database connection (a later lookup opens it again)."""
         with self._db_lock:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
+            self._close_db()
+
+    def _close_db(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
 
 
 def _intact(size: object, digest: object, data: object) -> bool:
@@ -341,6 +355,28 @@ def _own_in_child() -> None:
         if cache._db is not None:
             _inherited.append(cache._db)
             cache._db = None
+
+
+def _close_all_at_exit() -> None:
+    """At exit, every cache's database closed: sqlite then writes its write-ahead log
+    back and removes it and its shared-memory file (``-wal``, ``-shm``), which a
+    connection still open as the interpreter ends leaves beside the database (a
+    directory removed by hand, a cache made read-only, would keep or trip on them).
+    Registered before the compile pools' exit hook (``_pool`` imports this module), so
+    it runs after it, once their workers are gone. A lock a thread still holds (a
+    store waiting for another process's lock) is waited for a moment, then that cache
+    is left as it is."""
+    for cache in list(_caches):
+        if cache._db_lock.acquire(timeout=EXIT_LOCK_S):
+            try:
+                with contextlib.suppress(sqlite3.Error):
+                    cache._close_db()
+            finally:
+                cache._db_lock.release()
+
+
+EXIT_LOCK_S = 1.0
+atexit.register(_close_all_at_exit)
 
 
 if hasattr(os, "register_at_fork"):

@@ -111,6 +111,9 @@ class MetalTimeline(_Waited, ForkableTimeline):
     """An ``MTLSharedEvent`` with a native mirror timeline that wakes the loops."""
 
     on_gpu = True
+    # The queue whose own timeline it is (weakly), if any: a wait for its value asks it
+    # to flush (MetalQueue._park), as an await of its command does.
+    queue: weakref.ref[MetalQueue] | None = None
 
     def __init__(self, backend: MetalDevice) -> None:
         self._lib = backend.lib
@@ -181,6 +184,7 @@ class MetalQueue(NativeQueue):
     def __init__(self, backend: MetalDevice, timeline: MetalTimeline) -> None:
         self._backend = backend
         self._timeline = timeline
+        timeline.queue = weakref.ref(self)
         what = "newCommandQueueWithMaxCommandBufferCount:"
         self._queue = made(send(backend.device, what, 1024, argtypes=(c_ulong,)), what)
         # One collected unclosed -- made for a new_queue that an interrupt or an error
@@ -866,8 +870,12 @@ class MetalQueue(NativeQueue):
             self._host_waiting = None if stop else wait
         flag = ctypes.byref(self._stop_host_wait)
         try:
-            while not stop and not self._backend.lib.am_host_wait(
-                wait.c_timeline, target, on_gpu, flag, HOST_WAIT_NAP_NS
+            while (
+                not stop
+                and not self._flush_waited(wait)
+                and not self._backend.lib.am_host_wait(
+                    wait.c_timeline, target, on_gpu, flag, HOST_WAIT_NAP_NS
+                )
             ):
                 stop = bool(self._stop_host_wait.value)
         finally:
@@ -875,6 +883,17 @@ class MetalQueue(NativeQueue):
                 self._host_waiting = None
                 discarding = self._discarding
         return discarding
+
+    def _flush_waited(self, wait: MetalTimeline | HostWait) -> bool:
+        """Where ``wait`` is another Metal queue's own timeline, have that queue commit
+        a wait command of its that no buffer carries yet (``flush``): its value is
+        marked only by its next buffer, or by a flush, and this wait may be all that
+        waits for it. Asked again after each nap, for a value submitted meanwhile.
+        Returns False (the wait goes on)."""
+        queue = wait.queue() if isinstance(wait, MetalTimeline) and wait.queue else None
+        if queue is not None and queue is not self:
+            queue.flush()
+        return False
 
     def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:
         # The destination is written in place by the blit, through a buffer over its
