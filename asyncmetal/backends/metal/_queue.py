@@ -889,10 +889,18 @@ class MetalQueue(NativeQueue):
         a wait command of its that no buffer carries yet (``flush``): its value is
         marked only by its next buffer, or by a flush, and this wait may be all that
         waits for it. Asked again after each nap, for a value submitted meanwhile.
-        Returns False (the wait goes on)."""
+        Returns False (the wait goes on): a flush that fails (a nil command buffer) is
+        reported and asked again after the nap, as the park's own first one is -- its
+        error leaving the park would drop this queue's wait."""
         queue = wait.queue() if isinstance(wait, MetalTimeline) and wait.queue else None
         if queue is not None and queue is not self:
-            queue.flush()
+            try:
+                queue.flush()
+            except Exception as exc:
+                thread = threading.current_thread()
+                threading.excepthook(
+                    threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, thread))
+                )
         return False
 
     def copyout(self, dst: memoryview, src: Arg, value: int, record: Record) -> None:

@@ -762,3 +762,47 @@ async def test_an_abandoning_close_keeps_nothing_for_a_handler_that_ran_and_went
     address = ctypes.addressof(block)
     with _blocks._lock:
         assert address not in _blocks._held or address in _blocks._alive
+
+
+@every_loop
+async def test_a_wait_whose_flush_of_the_waited_queue_fails_is_kept(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queue's thread, parked on another queue's wait command, has that queue flush
+    (``_flush_waited``); the flush's commit, on the parked thread, gets a nil command
+    buffer (no resources left, once). The park must go on (the next nap's flush
+    commits it), as the flush the park starts with does: the wait is kept, and the
+    launch after it runs only once the other queue's wait command was committed.
+    Checked: before, the error left the park and the worker's step, the wait was
+    dropped, and the launch ran with the other queue's value never reached."""
+    from asyncmetal.backends.metal import _queue
+
+    original = _queue.MetalQueue._flush_waited
+    asked: list[object] = []
+
+    def nil_once(self: Any, wait: Any) -> bool:
+        if asked:
+            return original(self, wait)
+        asked.append(wait)
+        metal_sim.fail_at(1)  # (this thread's next command buffer is nil)
+        try:
+            return original(self, wait)
+        finally:
+            metal_sim.fail_at(-1)
+
+    reported: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: reported.append(args.exc_value))
+    monkeypatch.setattr(_queue.MetalQueue, "_flush_waited", nil_once)
+    async with am.open_device("metal") as dev:
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        buf = await dev.alloc(64)
+        waiting, other, third = dev.queue, dev.new_queue(), dev.new_queue()
+        await (done := third.signal(dev.timeline(), 1))
+        first = other.wait(third.timeline, done.value)  # (ready: marked by a flush only)
+        waiting.wait(other.timeline, first.value)
+        launched = waiting.launch(fill, buf, vals=(7, 16))
+        with anyio.fail_after(20):
+            await launched
+        assert other.timeline.native.value >= first.value  # type: ignore[attr-defined]
+        assert len(reported) == 1 and isinstance(reported[0], am.AsyncMetalError), reported
+        assert (await buf.read(np.int32) == 7).all()
