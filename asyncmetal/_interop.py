@@ -101,8 +101,9 @@ def _device_for(device_type: int, device_id: int, given: Device | None) -> Devic
         if given.dlpack_device != where:
             raise InvalidArgumentError(f"the array is on DLPack device {where}, not {given.name}")
         return given
+    opened = devices_opened()  # (before the listing: a device opening meanwhile is newer)
     found_last = _last_found.get(where)
-    if found_last is not None and found_last[1] == devices_opened():
+    if found_last is not None and found_last[1] == opened:
         last = found_last[0]()
         if last is not None and not closing(last):
             return last
@@ -120,7 +121,7 @@ def _device_for(device_type: int, device_id: int, given: Device | None) -> Devic
             f"no open device holds DLPack device {where}'s memory: open it first "
             "(cpu for host memory, cuda:N for CUDA memory), or pass device="
         )
-    _last_found[where] = (weakref.ref(found[0]), devices_opened())
+    _last_found[where] = (weakref.ref(found[0]), opened)
     return found[0]
 
 

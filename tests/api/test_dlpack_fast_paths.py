@@ -213,3 +213,29 @@ def test_a_raw_stream_handle_that_is_no_stream_is_refused_as_before(given: objec
     error = am.ArgumentTypeError if isinstance(given, bool | np.bool_) else am.InvalidArgumentError
     with pytest.raises(error):
         stream_handle(given)
+
+
+async def test_a_device_that_opens_as_the_devices_are_listed_is_not_hidden_for_good(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread opens ``cpu`` just after ``_device_for`` listed the open devices
+    (only ``cpu:1``): that call picks ``cpu:1`` (what it saw), but the next one must see
+    ``cpu``. Checked: before, the look-up was remembered with the count of devices
+    opened read after the listing -- ``cpu``'s open already counted -- so every later
+    import of host memory went to ``cpu:1`` until yet another device opened."""
+    from asyncmetal import _device, _interop
+
+    array = np.zeros(16, np.float32)
+    async with am.open_device("cpu:1") as other, am.open_device("cpu") as dev:
+        listed = _interop.open_devices
+
+        def listed_before_cpu_opened() -> list[am.Device]:
+            monkeypatch.setattr(_interop, "open_devices", listed)
+            found = [d for d in listed() if d is not dev]
+            _device._opened[0] += 1  # (cpu's open, landing now: what the count says)
+            return found
+
+        monkeypatch.setattr(_interop, "open_devices", listed_before_cpu_opened)
+        _interop._last_found.clear()
+        assert am.from_dlpack(array).device is other
+        assert am.from_dlpack(array).device is dev
