@@ -400,9 +400,8 @@ def export_dlpack(
             "ask with max_version=(1, 1) or later"
         )
     if dl_device is not None or (copy is not None and copy is not False):
-        capsule = _moved_or_copied(
-            buffer, state, code, bits, shape, stream, versioned, flags, dl_device, copy
-        )
+        copied = (code, bits, shape, stream, versioned, flags)  # (a host copy's)
+        capsule = _moved_or_copied(buffer, state, dl_device, copy, copied)
         if capsule is not None:
             return capsule
     if not state.backend.writable:
@@ -439,18 +438,14 @@ def export_dlpack(
 def _moved_or_copied(
     buffer: Buffer,
     state: Any,
-    code: int,
-    bits: int,
-    shape: tuple[int, ...],
-    stream: int | None,
-    versioned: bool,
-    flags: int,
     dl_device: tuple[int, int] | None,
     copy: bool | None,
+    copied: tuple[int, int, tuple[int, ...], int | None, bool, int],
 ) -> object:
     """``export_dlpack`` asked for ``dl_device`` or ``copy`` (other than None, False):
-    the capsule of a host copy where that is what is asked for, None where the export
-    goes on as one without them; refused where it cannot."""
+    the capsule of a host copy where that is what is asked for (``copied``: the rest of
+    ``_host_copy``'s arguments), None where the export goes on as one without them;
+    refused where it cannot."""
     device_type, device_id = device_dlpack(state)
     target = (device_type, device_id) if dl_device is None else _pair(dl_device, "dl_device")
     moved = target != (device_type, device_id)
@@ -460,7 +455,7 @@ def _moved_or_copied(
     # A copy, as the array API asks for copy=True (or for another device, unless
     # copy=False): made of host memory into host memory, at once.
     if (copy or (moved and copy is None)) and state.backend.host_visible and target == (KDLCPU, 0):
-        return _host_copy(buffer, state, code, bits, shape, stream, versioned, flags)
+        return _host_copy(buffer, state, *copied)
     if moved:
         raise ExchangeError(
             f"the buffer is on DLPack device {(device_type, device_id)}, not {target}:"

@@ -6,14 +6,13 @@ user removing the directory, or a cache made read-only later, to trip on."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from asyncmetal import CompileCache
+from tests.support.children import run_child
 
 ROOT = Path(__file__).resolve().parents[2]
 DATABASE = "compile-cache.sqlite"
@@ -64,15 +63,7 @@ def test_a_process_that_exits_leaves_only_the_database(tmp_path: Path, close_dev
     )
     env = {**os.environ, "ASYNCMETAL_CACHE_DIR": str(tmp_path)}
     env.pop("ASYNCMETAL_CACHE", None)
-    child = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    child = run_child(script, hung="the child compiling through the pool", timeout=120, env=env)
     assert child.returncode == 0, child.stderr[-4000:]
     left = sorted(name for name in os.listdir(tmp_path) if name.startswith(DATABASE))
     assert left == [DATABASE]

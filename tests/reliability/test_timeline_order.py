@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import math
 import random
 import threading
@@ -36,6 +35,7 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal import _timeline
+from tests.support import stress
 
 pytestmark = pytest.mark.anyio
 
@@ -199,10 +199,7 @@ async def _round(
         async with anyio.create_task_group() as tg:
             with watcher([w]):
                 for _ in range(OPS):
-                    qi = rng.randrange(len(queues))
-                    q = queues[qi]
-                    pick = rng.random()
-                    before = len(done)
+                    qi, q, pick, before = stress.next_step(rng, queues, done)
                     try:
                         if pick < 0.65 and slot < SLOTS:
                             fault = int(metal and rng.random() < 0.08)
@@ -213,17 +210,10 @@ async def _round(
                             done.append(c)
                             if rng.random() < 0.3:
                                 tg.start_soon(awaiting, qi, c)
-                        elif pick < 0.75:
-                            host_next += 1
-                            done.append(q.wait(host, host_next))
-                        elif pick < 0.85:
-                            # Another queue's value submitted already (the waits of a
-                            # round never make a cycle, nor wait for what nothing
-                            # submits), reached or not.
-                            other = rng.randrange(len(queues))
-                            if other != qi and last[other]:
-                                value = rng.randint(max(1, last[other] - 3), last[other])
-                                done.append(q.wait(queues[other].timeline, value))
+                        elif pick < 0.85:  # a wait for the host or another queue
+                            host_next = stress.add_wait(
+                                rng, pick, q, qi, queues, last, host, host_next, done
+                            )
                         elif pick < 0.92 and host.value < host_next:
                             host.signal(rng.randint(host.value + 1, host_next))
                         else:
@@ -231,13 +221,7 @@ async def _round(
                             tg.start_soon(awaiting_timeline, qi, latest)
                     except am.ClosedResourceError:
                         pass  # a queue discarded mid-round: nothing submitted
-                    if len(done) > before:
-                        last[qi] = done[-1].value
-                    if rng.random() < 0.3:
-                        await anyio.sleep(rng.random() * 0.003)
-                    if end == "discard_queue" and rng.random() < 0.04:
-                        victim = queues[rng.randrange(1, len(queues))]
-                        tg.start_soon(functools.partial(victim.close, discard=True))
+                    await stress.after_step(rng, end, tg, queues, qi, done, before, last)
                 # The end, with what was submitted in flight.
                 if end == "finish":
                     if host_next > host.value:
@@ -245,15 +229,8 @@ async def _round(
                     for q in queues[1:]:
                         await q.close()
                     await dev.close()
-                elif end == "discard_queue":
-                    for q in queues[1:]:
-                        await q.close(discard=True)
-                    if host_next > host.value:
-                        host.signal(host_next)
-                    await dev.close()
-                elif end == "discard_device":
-                    await dev.close(discard=True)
-                else:  # "abandon": host waits never signalled; the close abandons them
+                elif not await stress.discard_round(end, dev, queues, host, host_next):
+                    # "abandon": host waits never signalled; the close abandons them
                     if host_next - 1 > host.value:
                         host.signal(host_next - 1)
                     held = queues[rng.randrange(len(queues))]

@@ -34,6 +34,7 @@ from typing import Any
 import anyio
 import pytest
 
+from tests.support import stress
 from tests.support.native import harness, simulated_cuda
 
 LOOPS = ["asyncio", "trio"]
@@ -59,9 +60,7 @@ LOG_SIZE = 1 << 16
 
 @pytest.fixture(autouse=True)
 def _compiler() -> None:
-    missing = harness.sanitizer_missing("")
-    if missing is not None:
-        pytest.skip(missing)
+    harness.skip_without_compiler()
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -194,51 +193,31 @@ async def _round(sim: Any, watch: Watch, rng: random.Random, end: str, counts: A
 
         async with anyio.create_task_group() as tg:
             for n in range(OPS):
-                qi = rng.randrange(len(queues))
-                q = queues[qi]
-                pick = rng.random()
-                before = len(done)
+                qi, q, pick, before = stress.next_step(rng, queues, done)
                 try:
                     if n == fault_at:
                         sim.bounded.fault = 1
                         launch(qi, faulty)
                     elif pick < 0.65 and slot < SLOTS:
                         launch(qi, kernel)
-                    elif pick < 0.75:
-                        host_next += 1
-                        done.append(q.wait(host, host_next))
-                    elif pick < 0.85:
-                        other = rng.randrange(len(queues))
-                        if other != qi and last[other]:
-                            value = rng.randint(max(1, last[other] - 3), last[other])
-                            done.append(q.wait(queues[other].timeline, value))
+                    elif pick < 0.85:  # a wait for the host or another queue
+                        host_next = stress.add_wait(
+                            rng, pick, q, qi, queues, last, host, host_next, done
+                        )
                     elif host.value < host_next:
                         host.signal(rng.randint(host.value + 1, host_next))
                 except am.ClosedResourceError:
                     pass  # a queue discarded mid-round
                 except am.DeviceLostError:
                     pass  # the context faulted: nothing more is taken
-                if len(done) > before:
-                    last[qi] = done[-1].value
-                if rng.random() < 0.3:
-                    await anyio.sleep(rng.random() * 0.003)
-                if end == "discard_queue" and rng.random() < 0.04:
-                    victim = queues[rng.randrange(1, len(queues))]
-                    tg.start_soon(functools.partial(victim.close, discard=True))
+                await stress.after_step(rng, end, tg, queues, qi, done, before, last)
             with anyio.fail_after(30):
                 if end in ("finish", "fault"):
                     if host_next > host.value:
                         host.signal(host_next)
                     await dev.close()
-                elif end == "discard_queue":
-                    for q in queues[1:]:
-                        await q.close(discard=True)
-                    if host_next > host.value:
-                        host.signal(host_next)
-                    await dev.close()
-                elif end == "discard_device":
-                    await dev.close(discard=True)
-                else:  # "abandon": waits that nothing signals
+                elif not await stress.discard_round(end, dev, queues, host, host_next):
+                    # "abandon": waits that nothing signals
                     with contextlib.suppress(am.AsyncMetalError):
                         held = rng.randrange(len(queues))
                         done.append(queues[held].wait(host, host_next + 1))

@@ -11,13 +11,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_child(*args: str, hung: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    """``python -c *args`` (a script and its arguments), its output captured; the test
-    fails with ``hung`` and what the child printed if it runs past ``timeout`` seconds."""
+def run_child(
+    *args: str, hung: str, timeout: float = 90, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -c *args`` (a script and its arguments), its output captured, in ``env``
+    (None: this process's); the test fails with ``hung`` and what the child printed if it
+    runs past ``timeout`` seconds."""
     try:
         return subprocess.run(
             [sys.executable, "-c", *args],
             cwd=ROOT,
+            env=env,
             capture_output=True,
             text=True,
             timeout=timeout,

@@ -13,9 +13,7 @@ LOOPS = ["asyncio", "trio"]
 
 @pytest.fixture(autouse=True)
 def _compiler() -> None:
-    missing = harness.sanitizer_missing("")
-    if missing is not None:
-        pytest.skip(missing)
+    harness.skip_without_compiler()
 
 
 @pytest.mark.parametrize("loop", LOOPS)

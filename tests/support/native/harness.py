@@ -75,6 +75,13 @@ def sanitizer_missing(sanitizer: str) -> str | None:
     return None
 
 
+def skip_without_compiler() -> None:
+    """Skip the calling test where the simulated driver's binaries cannot be built."""
+    missing = sanitizer_missing("")
+    if missing is not None:
+        pytest.skip(missing)
+
+
 def build(
     harness: str,
     out_dir: Path,
