@@ -375,8 +375,7 @@ def export_dlpack(
     device_type, device_id = device_dlpack(state)
     if not isinstance(dtype, np.dtype):  # a Buffer's and a TypedView's are already
         dtype = np.dtype(dtype)
-    known = _export_codes.get(dtype)
-    code, bits = _export_code(dtype) if known is None else known
+    code, bits = _export_code(dtype)
     if shape is None:
         shape = (buffer.nbytes // dtype.itemsize,)
     if max_version is None:

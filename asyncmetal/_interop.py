@@ -157,30 +157,16 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
             "from_dlpack takes an object with __dlpack__ or __cuda_array_interface__, "
             f"got {type(obj).__name__}"
         )
-    torch = sys.modules.get("torch")
-    index: int | None = None  # (a PyTorch CUDA tensor's device, read once)
-    if torch is not None and type(obj) is torch.Tensor and _torch_cuda(obj, torch):
-        # (its device read in one C call, as _dlpack_device does)
-        index = obj.get_device()
-        device_type, device_id = KDLCUDA, index
-    else:
-        device_type, device_id = _asked_device(obj)
-        if device_type == KDLMETAL:  # an MTLBuffer and an offset, not an address
-            raise ExchangeError("from_dlpack of Metal memory is not supported yet")
-    # The device it was found on last, while still open and picked (see _device_for).
-    found_last = None if device is not None else _last_found.get((device_type, device_id))
-    if (
-        found_last is None
-        or found_last[1] != devices_opened()
-        or (target := found_last[0]()) is None
-        or closing(target)
-    ):
-        target = _device_for(device_type, device_id, device)
+    device_type, device_id = _dlpack_device(obj)
+    if device_type == KDLMETAL:  # an MTLBuffer and an offset, not an address
+        raise ExchangeError("from_dlpack of Metal memory is not supported yet")
+    target = _device_for(device_type, device_id, device)
     # Device memory: the queue that orders after the producer's work (asked once).
     own = target._own_queue() if device_type == KDLCUDA else None
     producer = None
+    torch = sys.modules.get("torch")
     if own is not None and torch is not None and isinstance(obj, torch.Tensor):
-        producer = _tensor_stream(obj, torch, index)
+        producer = _tensor_stream(obj, torch, device_id)  # (its CUDA device's index)
     if producer is not None:
         # PyTorch's own ordering (an event and an external-stream wrapper made in Python
         # on every call) costs more than the rest of the exchange: the capsule is asked
@@ -268,16 +254,16 @@ def _lender(address: int, nbytes: int) -> tuple[Device, Record] | None:
 
 
 def _dlpack_device(obj: Any) -> tuple[int, int]:
-    """``obj.__dlpack_device__()``; for a PyTorch CUDA tensor read in two C calls (its
-    ``__dlpack_device__`` is Python that makes a device object and an enum first)."""
+    """``obj.__dlpack_device__()``, checked; for a PyTorch CUDA tensor read in two C calls
+    (its ``__dlpack_device__`` is Python that makes a device object and an enum first)."""
     torch = sys.modules.get("torch")
-    if torch is not None and type(obj) is torch.Tensor and _torch_cuda(obj, torch):
+    if (
+        torch is not None
+        and type(obj) is torch.Tensor  # (a subclass may answer otherwise)
+        and obj.is_cuda
+        and torch.version.hip is None  # (ROCm memory says kDLROCM)
+    ):
         return KDLCUDA, obj.get_device()
-    return _asked_device(obj)
-
-
-def _asked_device(obj: Any) -> tuple[int, int]:
-    """``obj.__dlpack_device__()``, checked (``_dlpack_device`` but for PyTorch's)."""
     dlpack_device = getattr(obj, "__dlpack_device__", None)
     if dlpack_device is None:
         raise ArgumentTypeError(
@@ -299,12 +285,6 @@ def _asked_device(obj: Any) -> tuple[int, int]:
             "(device type, device index) pair of ints"
         )
     return device_type, device_id
-
-
-def _torch_cuda(tensor: Any, torch: Any) -> bool:
-    """Whether a ``torch.Tensor`` (that very type: a subclass may answer otherwise) is
-    in CUDA memory, kDLCUDA to DLPack (ROCm memory says kDLROCM)."""
-    return bool(tensor.is_cuda) and torch.version.hip is None
 
 
 def _failed(obj: object, call: str, failed: Exception) -> ExchangeError:
