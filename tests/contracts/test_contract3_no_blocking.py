@@ -746,8 +746,8 @@ async def test_the_tasks_holding_a_crowds_turns_change(
     """40 tasks awaiting a reached value 100 times each, 8 turns per iteration: the
     first 8 to ask would keep their turns to the end (a refused task parks behind the
     others and waits its slice) were no turn ever refused, or the same ones each time.
-    One in TURN_SHARE is, at random, so by the time half the work is done hardly any
-    task has finished."""
+    One in TURN_SHARE is, at random, so by the time half the work is done few tasks
+    have finished."""
     from asyncmetal import _bridge
 
     monkeypatch.setattr(_bridge, "TURN_MAX", 8)
@@ -768,8 +768,10 @@ async def test_the_tasks_holding_a_crowds_turns_change(
     async with anyio.create_task_group() as tg:
         for i in range(40):
             tg.start_soon(waiter, i)
-    # Refused by count, 7 of the first 8 to ask finish by then; at random, rarely one.
-    assert sum(1 for k in at_half[0] if k == 100) <= 2, sorted(at_half[0])
+    # Never refused, the 8 holding turns finish by then (on trio, where a batch runs in
+    # random order, mostly 8 or more). Refused at random, few do: in 3,000 runs on trio
+    # at most 4, 3 in 1 run of 130; on asyncio with the CPU busy, 3 in 1 of 500.
+    assert sum(1 for k in at_half[0] if k == 100) <= 5, sorted(at_half[0])
 
 
 async def test_a_crowds_turns_are_sized_to_the_loops_iterations(
