@@ -278,6 +278,34 @@ async def test_a_timeline_never_passes_a_running_command(
     assert time.monotonic() - started < ROUNDS * ROUND_S
 
 
+@pytest.mark.parametrize("held", [True, False], ids=["held-wait", "ready-wait"])
+async def test_a_failed_queues_wait_for_its_own_wait_ends(device: am.Device, held: bool) -> None:
+    """A queue whose timeline failed (its wait for a discarded queue's value) waits for
+    the value of one of its own wait commands before: that wait fails as the rest of the
+    queue's commands do, and the device closes. Checked: on Metal, without the fix it
+    never ended, held (its wait for the host released after) or not -- the failed
+    timeline counted as there for it, so the GPU waited on the queue's own event in the
+    very command buffer that was to signal that value."""
+    queue, other = device.new_queue(), device.new_queue()
+    host = device.timeline()
+    other.wait(host, 1)
+    doomed = queue.wait(other.timeline, 1)
+    await other.close(discard=True)
+    with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="discard=True"):
+        await doomed
+    if not held:
+        host.signal(2)
+    before = queue.wait(host, 2)
+    queue.wait(host, 2)  # (a buffer marks both values, this one's and the one before)
+    own = queue.wait(queue.timeline, before.value)
+    if held:
+        host.signal(2)
+    with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="discard=True"):
+        await own
+    with anyio.fail_after(5):
+        await queue.close()
+
+
 @pytest.mark.metal
 @pytest.mark.parametrize("held", [True, False], ids=["held-wait", "gpu-wait"])
 async def test_a_metal_wait_for_another_queues_wait_ends(anyio_backend: Any, held: bool) -> None:

@@ -731,6 +731,11 @@ class MetalQueue(NativeQueue):
         # for the GPU to wait for); the completion of that buffer is gated on it. This
         # command's own value is marked by that buffer (or by flush()).
         with self._commit_lock:
+            if timeline is self._timeline and self._unmarked:
+                # A wait for its own wait commands' values (one whose timeline failed is
+                # ready for them at once): those are marked first, by a buffer of their
+                # own, or the GPU would wait for one in the very buffer that marks it.
+                self._flush_held()
             if isinstance(timeline, MetalTimeline):
                 self._waits.append((timeline, target))
             self._gates.append((timeline, target))
