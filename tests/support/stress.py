@@ -83,16 +83,16 @@ def add_wait(
     done: list[Any],
 ) -> int:
     """An ordering storm's wait, for ``pick`` below 0.85: queue ``q`` (``queues[qi]``)
-    waits for the host timeline's next value (below 0.75) or for a value of another
-    queue's already submitted (``last``: each queue's latest; the waits never make a cycle,
-    nor wait for what nothing submits), reached or not. Each wait made is appended to
+    waits for the host timeline's next value (below 0.75) or for a value of a queue's
+    already submitted, its own included (``last``: each queue's latest; the waits never
+    make a cycle, nor wait for what nothing submits), reached or not. Each wait made is appended to
     ``done``. Returns the host timeline's next value."""
     if pick < 0.75:
         host_next += 1
         done.append(q.wait(host, host_next))
         return host_next
     other = rng.randrange(len(queues))
-    if other != qi and last[other]:
+    if last[other]:
         value = rng.randint(max(1, last[other] - 3), last[other])
         done.append(q.wait(queues[other].timeline, value))
     return host_next
