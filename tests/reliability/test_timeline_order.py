@@ -307,6 +307,46 @@ async def test_a_failed_queues_wait_for_its_own_wait_ends(device: am.Device, hel
 
 
 @pytest.mark.metal
+@pytest.mark.parametrize("failed", [False, True], ids=["healthy", "failed"])
+async def test_a_metal_wait_for_its_own_queue_makes_no_command_buffer(
+    anyio_backend: Any, failed: bool
+) -> None:
+    """A Metal queue's wait for its own timeline, submitted while a wait command of its
+    own is not carried by a buffer yet, for a value a committed buffer signals (or, its
+    timeline failed, for that wait command's value): it is submitted as any wait is,
+    the submitting thread making no command buffer (one could block there, with 1024 in
+    flight, or fail), and the queue goes on. Checked: a fix that committed the pending
+    wait command first made one here, in both cases."""
+    if "metal" not in am.devices():
+        pytest.skip("no Metal here, not even the simulation (tests/support/fakes/metal_sim)")
+    from tests.support.fakes import metal_sim
+
+    async with am.open_device("metal") as dev:
+        queue, other, host = dev.new_queue(), dev.new_queue(), dev.timeline()
+        if failed:
+            other.wait(host, 1)
+            doomed = queue.wait(other.timeline, 1)
+            await other.close(discard=True)
+            with anyio.fail_after(5), pytest.raises(am.ClosedResourceError):
+                await doomed
+        else:
+            await queue.marker()
+            await queue.signal(dev.timeline(), 1)  # (a committed buffer: value 1)
+        host.signal(2)
+        pending = queue.wait(host, 2)  # ready: its value is marked by the next buffer
+        metal_sim.fail_at(0)  # (counts the objects the thread makes from here)
+        own = queue.wait(queue.timeline, pending.value if failed else 1)
+        assert metal_sim.fail_at(-1) == 0
+        with anyio.fail_after(5):
+            if failed:
+                with pytest.raises(am.ClosedResourceError):
+                    await own
+            else:
+                await own
+            await queue.close()
+
+
+@pytest.mark.metal
 @pytest.mark.parametrize("held", [True, False], ids=["held-wait", "gpu-wait"])
 async def test_a_metal_wait_for_another_queues_wait_ends(anyio_backend: Any, held: bool) -> None:
     """A Metal queue's device wait for the value of another queue's wait command (its
