@@ -306,6 +306,29 @@ async def test_a_failed_queues_wait_for_its_own_wait_ends(device: am.Device, hel
         await queue.close()
 
 
+async def test_a_wait_for_a_failed_queues_wait_ends(device: am.Device) -> None:
+    """A queue waits for the value of another queue's wait command, the last command of
+    that queue, whose timeline failed (its wait for a discarded queue's value): the wait
+    fails, and the waiting queue closes, without anything awaiting the failed queue.
+    Checked: on Metal, without the fix neither ended -- the failed timeline counted as
+    there for the wait, which went to the GPU at once, for a value that only the failed
+    queue's next command buffer (or a flush) marks, and nothing committed one."""
+    failed, waiting, other = device.new_queue(), device.new_queue(), device.new_queue()
+    host = device.timeline()
+    other.wait(host, 1)
+    doomed = failed.wait(other.timeline, 1)
+    await other.close(discard=True)
+    with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="discard=True"):
+        await doomed
+    host.signal(2)
+    last = failed.wait(host, 2)  # (reached: carried by the failed queue's next buffer)
+    theirs = waiting.wait(failed.timeline, last.value)
+    with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="discard=True"):
+        await theirs
+    with anyio.fail_after(5):
+        await waiting.close()
+
+
 @pytest.mark.metal
 @pytest.mark.parametrize("held", [True, False], ids=["held-wait", "gpu-wait"])
 async def test_a_metal_wait_for_another_queues_wait_ends(anyio_backend: Any, held: bool) -> None:

@@ -699,6 +699,12 @@ class MetalQueue(NativeQueue):
         else:
             waited = HostWait(self._backend, timeline)
         held = not waited.ready(target)
+        if not held and waited.failure(target) is not None:
+            # Ready because the timeline failed, not because a committed buffer signals
+            # the value: the GPU still waits for the event, which another queue's wait
+            # command's value reaches only once a buffer marks it -- that queue is asked
+            # to commit it now, as a held wait asks it (_flush_waited).
+            self._flush_waited(waited)
         with self._waited_lock:
             self._waited.append((value, waited, target))
         with self._commit_lock:
