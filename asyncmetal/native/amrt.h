@@ -475,6 +475,7 @@ int am_host_wait(am_timeline *t, uint64_t target, int committed, int *stop,
                  int64_t timeout_ns);
 void am_host_wait_stop(am_timeline *t, int *stop);
 void am_signal_committed(am_timeline *t, uint64_t v);
+uint64_t am_signal_committed_to(am_timeline *t);
 am_block *am_block_new(void *isa, int reached, am_timeline *timeline, uint64_t value);
 void am_block_free(am_block *b);
 uint64_t am_blocks_wait(uint64_t seen, int64_t timeout_ns);

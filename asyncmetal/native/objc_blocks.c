@@ -327,6 +327,9 @@ void am_host_wait_stop(am_timeline *t, int *stop) {
     pthread_mutex_unlock(&t->mu);
 }
 
+/* The highest value a committed command buffer signals Metal timeline t to (0: none). */
+uint64_t am_signal_committed_to(am_timeline *t) { return atomic_load(&t->handed); }
+
 /* A command buffer that signals Metal timeline t to v was committed: a wait for up to v
  * held on a queue's thread goes to the GPU (t->handed, as a stream's write handed to the
  * driver is for a cuda timeline). */

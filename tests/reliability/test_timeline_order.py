@@ -329,6 +329,32 @@ async def test_a_wait_for_a_failed_queues_wait_ends(device: am.Device) -> None:
         await waiting.close()
 
 
+@pytest.mark.parametrize("held", [True, False], ids=["held-wait", "ready-wait"])
+async def test_a_wait_past_a_failed_signal_ends(device: am.Device, held: bool) -> None:
+    """A queue waits for a value of a timeline past the one a failed signal (behind a
+    wait for a discarded queue's value) was to reach, which nothing else signals: the
+    wait fails, as the signal does, and the device closes. Checked: on Metal, without
+    the fix neither ended, held (the wait was submitted before the failure) or not --
+    the failure counted as there for the wait, and the GPU waited on the timeline's event
+    for a value no command buffer signals (a close that cannot be cancelled hung)."""
+    signalling, other = device.new_queue(), device.new_queue()
+    host, timeline = device.timeline(), device.timeline()
+    other.wait(host, 1)
+    signalling.wait(other.timeline, 1)
+    if not held:
+        await other.close(discard=True)
+    signal = signalling.signal(timeline, 2)
+    waited = device.queue.wait(timeline, 3)
+    if held:
+        await other.close(discard=True)
+    with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="discard=True"):
+        await signal
+    with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="discard=True"):
+        await waited
+    with anyio.fail_after(5):
+        await device.close()
+
+
 @pytest.mark.metal
 @pytest.mark.parametrize("held", [True, False], ids=["held-wait", "gpu-wait"])
 async def test_a_metal_wait_for_another_queues_wait_ends(anyio_backend: Any, held: bool) -> None:

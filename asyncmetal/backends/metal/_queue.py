@@ -139,6 +139,18 @@ class MetalTimeline(_Waited, ForkableTimeline):
         value: int = send(self.event, "signaledValue", restype=c_uint64)
         return value
 
+    def gpu_target(self, target: int) -> int:
+        """The value the GPU waits for, for a wait for ``target``: ``target`` -- but of a
+        timeline that failed for it (a signal of it failed: its command buffer, or a wait
+        before it), not past what committed command buffers signal it to, which may be
+        less: nothing else will. (Not a queue's own timeline, whose queue commits all its
+        values: a discard's last buffer takes it past those it dropped.) Its gate
+        reports the failure."""
+        if self.queue is not None or self.failure(target) is None:
+            return target
+        committed: int = self._lib.am_signal_committed_to(self.c_timeline)
+        return min(target, committed)
+
     def forked(self, message: str) -> None:
         self._mirror = InheritedValue(message)
 
@@ -743,7 +755,7 @@ class MetalQueue(NativeQueue):
                 # own, or the GPU would wait for one in the very buffer that marks it.
                 self._flush_held()
             if isinstance(timeline, MetalTimeline):
-                self._waits.append((timeline, target))
+                self._waits.append((timeline, timeline.gpu_target(target)))
             self._gates.append((timeline, target))
             self._unmarked = value
 
