@@ -471,6 +471,7 @@ AM_HIDDEN void am_settle_wake(void);
 
 void am_block_completed(am_block *b, void *arg);
 void am_block_reached(am_block *b, void *event, uint64_t value);
+#define AM_HOST_WAIT_OWN 2  /* am_host_wait's `committed` for a Metal queue's own timeline */
 int am_host_wait(am_timeline *t, uint64_t target, int committed, int *stop,
                  int64_t timeout_ns);
 void am_host_wait_stop(am_timeline *t, int *stop);

@@ -355,6 +355,32 @@ async def test_a_wait_past_a_failed_signal_ends(device: am.Device, held: bool) -
         await device.close()
 
 
+async def test_a_discard_of_a_queue_waiting_for_a_failed_queues_held_command_ends(
+    device: am.Device,
+) -> None:
+    """A queue waits for a command of a queue whose timeline failed (its wait for a
+    discarded queue's value), held behind that queue's wait for a host value nobody
+    signals yet: the waiting queue's discard drops its wait and ends. Checked: on Metal,
+    without the fix it ended only once the host signalled -- the failure counted as
+    there for the wait, which went to the GPU for a value that the failed queue still
+    held on the host."""
+    failed, waiting, other = device.new_queue(), device.new_queue(), device.new_queue()
+    host = device.timeline()
+    other.wait(host, 1)
+    doomed = failed.wait(other.timeline, 1)
+    await other.close(discard=True)
+    with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="discard=True"):
+        await doomed
+    failed.wait(host, 2)
+    behind = failed.signal(device.timeline(), 1)
+    theirs = waiting.wait(failed.timeline, behind.value)
+    with anyio.fail_after(5):
+        await waiting.close(discard=True)
+    with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="discard=True"):
+        await theirs
+    host.signal(2)
+
+
 @pytest.mark.metal
 @pytest.mark.parametrize("held", [True, False], ids=["held-wait", "gpu-wait"])
 async def test_a_metal_wait_for_another_queues_wait_ends(anyio_backend: Any, held: bool) -> None:

@@ -45,6 +45,7 @@ MAX_IN_FLIGHT = 1000  # the queues are made with room for 1024 command buffers
 # A queue's thread holding a wait for a host queue's timeline looks at it again this
 # often whatever (it is woken when the timeline moves, and when the queue discards).
 HOST_WAIT_NAP_NS = 1_000_000_000
+HOST_WAIT_OWN = 2  # amrt.h: am_host_wait's `committed` for a queue's own timeline
 AM_COMMAND_FAILED = -6  # amrt.h: a timeline's failure, a command of a Metal queue failed
 AM_DISCARDED = _native.DISCARDED  # amrt.h: ... a command dropped by a discarding close
 
@@ -92,8 +93,9 @@ class _Waited:
     c_timeline: int
     _lib: ctypes.CDLL
     # The GPU can wait on it (an ``MTLSharedEvent``): a value a committed command buffer
-    # signals needs no wait on the host (am_signal_committed).
-    on_gpu = False
+    # signals needs no wait on the host (am_signal_committed). HOST_WAIT_OWN: a queue's
+    # own timeline, whose failure does not make a wait ready (see am_host_wait).
+    on_gpu = 0
 
     def failure(self, target: int) -> _native.Failure | None:
         """Why ``target``, reached, was never produced (None: it was)."""
@@ -102,15 +104,15 @@ class _Waited:
 
     def ready(self, target: int) -> bool:
         """Whether a wait for ``target`` can be committed now (objc_blocks.c,
-        am_host_wait): the timeline got there or failed for it, or (``on_gpu``) a
-        command buffer that signals it so was committed."""
+        am_host_wait): the timeline got there or failed for it (not a queue's own), or
+        (``on_gpu``) a command buffer that signals it so was committed."""
         return bool(self._lib.am_host_wait(self.c_timeline, target, self.on_gpu, None, 0))
 
 
 class MetalTimeline(_Waited, ForkableTimeline):
     """An ``MTLSharedEvent`` with a native mirror timeline that wakes the loops."""
 
-    on_gpu = True
+    on_gpu = 1
     # The queue whose own timeline it is (weakly), if any: a wait for its value asks it
     # to flush (MetalQueue._park), as an await of its command does.
     queue: weakref.ref[MetalQueue] | None = None
@@ -197,6 +199,7 @@ class MetalQueue(NativeQueue):
         self._backend = backend
         self._timeline = timeline
         timeline.queue = weakref.ref(self)
+        timeline.on_gpu = HOST_WAIT_OWN
         what = "newCommandQueueWithMaxCommandBufferCount:"
         self._queue = made(send(backend.device, what, 1024, argtypes=(c_ulong,)), what)
         # One collected unclosed -- made for a new_queue that an interrupt or an error
@@ -711,12 +714,6 @@ class MetalQueue(NativeQueue):
         else:
             waited = HostWait(self._backend, timeline)
         held = not waited.ready(target)
-        if not held and waited.failure(target) is not None:
-            # Ready because the timeline failed, not because a committed buffer signals
-            # the value: the GPU still waits for the event, which another queue's wait
-            # command's value reaches only once a buffer marks it -- that queue is asked
-            # to commit it now, as a held wait asks it (_flush_waited).
-            self._flush_waited(waited)
         with self._waited_lock:
             self._waited.append((value, waited, target))
         with self._commit_lock:
@@ -874,7 +871,7 @@ class MetalQueue(NativeQueue):
         return bool(self._backend.lib.am_host_wait(own.c_timeline, target, False, None, 0))
 
     def _park(
-        self, wait: MetalTimeline | HostWait, target: int, on_gpu: bool, *, flush: bool
+        self, wait: MetalTimeline | HostWait, target: int, on_gpu: int, *, flush: bool
     ) -> bool:
         """On the queue's own thread: wait until ``wait`` (``on_gpu``: its GPU side) got
         to ``target``, or the queue discards or is abandoned -- committing first, where
