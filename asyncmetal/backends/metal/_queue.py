@@ -415,6 +415,11 @@ class MetalQueue(NativeQueue):
     def _end_discard(self) -> None:
         """After the dropped steps: one empty command buffer, with none of the waits held
         before, takes the queue's timeline through their values."""
+        if not self._discarded_to:
+            # Nothing was dropped: a wait held as the discard came got ready first, with
+            # nothing behind it, and was noted (_host_wait). Its value is marked as a
+            # flush marks it -- the flush asked for it since was dropped (_drop).
+            self._flush_held()
         if self._discarded_to:
             with self._commit_lock:
                 if self._unmarked:  # a wait run before, still to be encoded: dropped too
