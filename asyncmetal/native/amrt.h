@@ -150,6 +150,9 @@ typedef struct am_timeline {
     int waited_error;
     uint64_t waited_value;
     struct am_timeline *waited_cause;
+    /* Its device (or queue) closed it (am_timeline_close): nothing raises it any more.
+     * Under mu. */
+    int closed;
 } am_timeline;
 
 enum { AM_BY_HOST = 1, AM_BY_DEVICE = 2 };
