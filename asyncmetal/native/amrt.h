@@ -150,6 +150,9 @@ typedef struct am_timeline {
     int waited_error;
     uint64_t waited_value;
     struct am_timeline *waited_cause;
+    /* Its device (or queue) closed it (am_timeline_close): nothing raises it any more.
+     * Under mu. */
+    int closed;
 } am_timeline;
 
 enum { AM_BY_HOST = 1, AM_BY_DEVICE = 2 };
@@ -471,10 +474,12 @@ AM_HIDDEN void am_settle_wake(void);
 
 void am_block_completed(am_block *b, void *arg);
 void am_block_reached(am_block *b, void *event, uint64_t value);
+#define AM_HOST_WAIT_OWN 2  /* am_host_wait's `committed` for a Metal queue's own timeline */
 int am_host_wait(am_timeline *t, uint64_t target, int committed, int *stop,
                  int64_t timeout_ns);
 void am_host_wait_stop(am_timeline *t, int *stop);
 void am_signal_committed(am_timeline *t, uint64_t v);
+uint64_t am_signal_committed_to(am_timeline *t);
 am_block *am_block_new(void *isa, int reached, am_timeline *timeline, uint64_t value);
 void am_block_free(am_block *b);
 uint64_t am_blocks_wait(uint64_t seen, int64_t timeout_ns);

@@ -298,9 +298,13 @@ void am_block_free(am_block *b) {
 
 /* Whether nothing holds a wait for `target` of t on the host any more (under t->mu):
  * t got there or failed for it, or (`committed`: a Metal timeline) a command buffer that
- * signals it so was committed. */
+ * signals it so was committed. A Metal queue's own timeline (`committed`
+ * AM_HOST_WAIT_OWN) failed for it is not enough while it is not closed: its queue
+ * commits every value (a discard's last buffer takes it past those it dropped), and the
+ * GPU would wait for one that it still holds, or has not marked yet, on the host. */
 static int host_wait_ready(am_timeline *t, uint64_t target, int committed) {
-    return atomic_load(&t->value) >= target || timeline_failed_for(t, target) ||
+    return atomic_load(&t->value) >= target ||
+           ((committed != AM_HOST_WAIT_OWN || t->closed) && timeline_failed_for(t, target)) ||
            (committed && atomic_load(&t->handed) >= target);
 }
 
@@ -326,6 +330,9 @@ void am_host_wait_stop(am_timeline *t, int *stop) {
     pthread_cond_broadcast(&t->cv);
     pthread_mutex_unlock(&t->mu);
 }
+
+/* The highest value a committed command buffer signals Metal timeline t to (0: none). */
+uint64_t am_signal_committed_to(am_timeline *t) { return atomic_load(&t->handed); }
 
 /* A command buffer that signals Metal timeline t to v was committed: a wait for up to v
  * held on a queue's thread goes to the GPU (t->handed, as a stream's write handed to the

@@ -352,6 +352,7 @@ void am_timeline_close(am_timeline *t, uint64_t pending) {
         t->fail_value = reached + 1;
         t->fail_cause = t;
     }
+    t->closed = 1;
     pthread_cond_broadcast(&t->cv);
     pthread_mutex_unlock(&t->mu);
     if (t->word) raise_word(t->word, AM_WORD_RELEASED);

@@ -205,6 +205,24 @@ async def test_a_device_wait_under_way_ends(
         assert await discard_outcomes([waiting, *dropped]) == [False] * 101
 
 
+async def test_a_discard_as_a_held_wait_gets_ready_ends(device: am.Device) -> None:
+    """A queue's last command, a wait for a host value, is released just as the queue
+    is discarded: the discard ends, the wait having run (as on cpu). Checked: on Metal,
+    without the fix the discard never ended while the device was open -- the queue's
+    thread noted the released wait for its next command buffer, the discard dropped the
+    flush that was to commit it (nothing else was left to drop, so no buffer came after),
+    and its value was never marked."""
+    q = device.new_queue()
+    host = device.timeline()
+    waited = q.wait(host, 1)
+    await anyio.sleep(0.05)  # (on Metal, held on the queue's thread by now)
+    host.signal(1)
+    with anyio.fail_after(5):
+        await q.close(discard=True)
+    with anyio.fail_after(5):
+        await waited
+
+
 async def test_a_device_wait_for_a_dropped_signal_fails_what_follows(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:

@@ -306,6 +306,81 @@ async def test_a_failed_queues_wait_for_its_own_wait_ends(device: am.Device, hel
         await queue.close()
 
 
+async def test_a_wait_for_a_failed_queues_wait_ends(device: am.Device) -> None:
+    """A queue waits for the value of another queue's wait command, the last command of
+    that queue, whose timeline failed (its wait for a discarded queue's value): the wait
+    fails, and the waiting queue closes, without anything awaiting the failed queue.
+    Checked: on Metal, without the fix neither ended -- the failed timeline counted as
+    there for the wait, which went to the GPU at once, for a value that only the failed
+    queue's next command buffer (or a flush) marks, and nothing committed one."""
+    failed, waiting, other = device.new_queue(), device.new_queue(), device.new_queue()
+    host = device.timeline()
+    other.wait(host, 1)
+    doomed = failed.wait(other.timeline, 1)
+    await other.close(discard=True)
+    with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="discard=True"):
+        await doomed
+    host.signal(2)
+    last = failed.wait(host, 2)  # (reached: carried by the failed queue's next buffer)
+    theirs = waiting.wait(failed.timeline, last.value)
+    with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="discard=True"):
+        await theirs
+    with anyio.fail_after(5):
+        await waiting.close()
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["held-wait", "ready-wait"])
+async def test_a_wait_past_a_failed_signal_ends(device: am.Device, held: bool) -> None:
+    """A queue waits for a value of a timeline past the one a failed signal (behind a
+    wait for a discarded queue's value) was to reach, which nothing else signals: the
+    wait fails, as the signal does, and the device closes. Checked: on Metal, without
+    the fix neither ended, held (the wait was submitted before the failure) or not --
+    the failure counted as there for the wait, and the GPU waited on the timeline's event
+    for a value no command buffer signals (a close that cannot be cancelled hung)."""
+    signalling, other = device.new_queue(), device.new_queue()
+    host, timeline = device.timeline(), device.timeline()
+    other.wait(host, 1)
+    signalling.wait(other.timeline, 1)
+    if not held:
+        await other.close(discard=True)
+    signal = signalling.signal(timeline, 2)
+    waited = device.queue.wait(timeline, 3)
+    if held:
+        await other.close(discard=True)
+    with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="discard=True"):
+        await signal
+    with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="discard=True"):
+        await waited
+    with anyio.fail_after(5):
+        await device.close()
+
+
+async def test_a_discard_of_a_queue_waiting_for_a_failed_queues_held_command_ends(
+    device: am.Device,
+) -> None:
+    """A queue waits for a command of a queue whose timeline failed (its wait for a
+    discarded queue's value), held behind that queue's wait for a host value nobody
+    signals yet: the waiting queue's discard drops its wait and ends. Checked: on Metal,
+    without the fix it ended only once the host signalled -- the failure counted as
+    there for the wait, which went to the GPU for a value that the failed queue still
+    held on the host."""
+    failed, waiting, other = device.new_queue(), device.new_queue(), device.new_queue()
+    host = device.timeline()
+    other.wait(host, 1)
+    doomed = failed.wait(other.timeline, 1)
+    await other.close(discard=True)
+    with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="discard=True"):
+        await doomed
+    failed.wait(host, 2)
+    behind = failed.signal(device.timeline(), 1)
+    theirs = waiting.wait(failed.timeline, behind.value)
+    with anyio.fail_after(5):
+        await waiting.close(discard=True)
+    with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="discard=True"):
+        await theirs
+    host.signal(2)
+
+
 @pytest.mark.metal
 @pytest.mark.parametrize("failed", [False, True], ids=["healthy", "failed"])
 async def test_a_metal_wait_for_its_own_queue_makes_no_command_buffer(

@@ -45,6 +45,7 @@ MAX_IN_FLIGHT = 1000  # the queues are made with room for 1024 command buffers
 # A queue's thread holding a wait for a host queue's timeline looks at it again this
 # often whatever (it is woken when the timeline moves, and when the queue discards).
 HOST_WAIT_NAP_NS = 1_000_000_000
+HOST_WAIT_OWN = 2  # amrt.h: am_host_wait's `committed` for a queue's own timeline
 AM_COMMAND_FAILED = -6  # amrt.h: a timeline's failure, a command of a Metal queue failed
 AM_DISCARDED = _native.DISCARDED  # amrt.h: ... a command dropped by a discarding close
 
@@ -92,8 +93,9 @@ class _Waited:
     c_timeline: int
     _lib: ctypes.CDLL
     # The GPU can wait on it (an ``MTLSharedEvent``): a value a committed command buffer
-    # signals needs no wait on the host (am_signal_committed).
-    on_gpu = False
+    # signals needs no wait on the host (am_signal_committed). HOST_WAIT_OWN: a queue's
+    # own timeline, whose failure does not make a wait ready (see am_host_wait).
+    on_gpu = 0
 
     def failure(self, target: int) -> _native.Failure | None:
         """Why ``target``, reached, was never produced (None: it was)."""
@@ -102,15 +104,15 @@ class _Waited:
 
     def ready(self, target: int) -> bool:
         """Whether a wait for ``target`` can be committed now (objc_blocks.c,
-        am_host_wait): the timeline got there or failed for it, or (``on_gpu``) a
-        command buffer that signals it so was committed."""
+        am_host_wait): the timeline got there or failed for it (not a queue's own), or
+        (``on_gpu``) a command buffer that signals it so was committed."""
         return bool(self._lib.am_host_wait(self.c_timeline, target, self.on_gpu, None, 0))
 
 
 class MetalTimeline(_Waited, ForkableTimeline):
     """An ``MTLSharedEvent`` with a native mirror timeline that wakes the loops."""
 
-    on_gpu = True
+    on_gpu = 1
     # The queue whose own timeline it is (weakly), if any: a wait for its value asks it
     # to flush (MetalQueue._park), as an await of its command does.
     queue: weakref.ref[MetalQueue] | None = None
@@ -138,6 +140,18 @@ class MetalTimeline(_Waited, ForkableTimeline):
     def device_value(self) -> int:
         value: int = send(self.event, "signaledValue", restype=c_uint64)
         return value
+
+    def gpu_target(self, target: int) -> int:
+        """The value the GPU waits for, for a wait for ``target``: ``target`` -- but of a
+        timeline that failed for it (a signal of it failed: its command buffer, or a wait
+        before it), not past what committed command buffers signal it to, which may be
+        less: nothing else will. (Not a queue's own timeline, whose queue commits all its
+        values: a discard's last buffer takes it past those it dropped.) Its gate
+        reports the failure."""
+        if self.queue is not None or self.failure(target) is None:
+            return target
+        committed: int = self._lib.am_signal_committed_to(self.c_timeline)
+        return min(target, committed)
 
     def forked(self, message: str) -> None:
         self._mirror = InheritedValue(message)
@@ -185,6 +199,7 @@ class MetalQueue(NativeQueue):
         self._backend = backend
         self._timeline = timeline
         timeline.queue = weakref.ref(self)
+        timeline.on_gpu = HOST_WAIT_OWN
         what = "newCommandQueueWithMaxCommandBufferCount:"
         self._queue = made(send(backend.device, what, 1024, argtypes=(c_ulong,)), what)
         # One collected unclosed -- made for a new_queue that an interrupt or an error
@@ -401,6 +416,11 @@ class MetalQueue(NativeQueue):
     def _end_discard(self) -> None:
         """After the dropped steps: one empty command buffer, with none of the waits held
         before, takes the queue's timeline through their values."""
+        if not self._discarded_to:
+            # Nothing was dropped: a wait held as the discard came got ready first, with
+            # nothing behind it, and was noted (_host_wait). Its value is marked as a
+            # flush marks it -- the flush asked for it since was dropped (_drop).
+            self._flush_held()
         if self._discarded_to:
             with self._commit_lock:
                 if self._unmarked:  # a wait run before, still to be encoded: dropped too
@@ -743,7 +763,7 @@ class MetalQueue(NativeQueue):
                     self._unmarked = value
                     return
             if isinstance(timeline, MetalTimeline):
-                self._waits.append((timeline, target))
+                self._waits.append((timeline, timeline.gpu_target(target)))
             self._gates.append((timeline, target))
             self._unmarked = value
 
@@ -862,7 +882,7 @@ class MetalQueue(NativeQueue):
         return bool(self._backend.lib.am_host_wait(own.c_timeline, target, False, None, 0))
 
     def _park(
-        self, wait: MetalTimeline | HostWait, target: int, on_gpu: bool, *, flush: bool
+        self, wait: MetalTimeline | HostWait, target: int, on_gpu: int, *, flush: bool
     ) -> bool:
         """On the queue's own thread: wait until ``wait`` (``on_gpu``: its GPU side) got
         to ``target``, or the queue discards or is abandoned -- committing first, where
