@@ -229,7 +229,6 @@ class MetalQueue(NativeQueue):
         # await of a command, which commits the wait it waits for) is then never half
         # way through a commit as a submission notes a wait or commits.
         self._unmarked = 0
-        self._committed = 0  # the value the last command buffer committed signals
         # The waits since the last buffer: its completion raises the queue's timeline
         # only once each reached its value or failed (_blocks.set_gates).
         self._gates: list[tuple[MetalTimeline | HostWait, int]] = []
@@ -475,7 +474,6 @@ class MetalQueue(NativeQueue):
                 self._buffers.append(entry)
             self._keep.add(value, (keep, block))
             self._unmarked = 0
-            self._committed = max(self._committed, value)
             self._gates = []
         if self._dropping:  # abandoned while this was encoded: close may not have seen it
             self._disarm([entry])
@@ -753,15 +751,6 @@ class MetalQueue(NativeQueue):
         # for the GPU to wait for); the completion of that buffer is gated on it. This
         # command's own value is marked by that buffer (or by flush()).
         with self._commit_lock:
-            if timeline is self._timeline and target > self._committed:
-                # A wait for its own wait commands' values past the last buffer (a failed
-                # timeline is ready for them at once): the GPU would wait for one in the
-                # very buffer that marks it. Those commands run nothing, and their own
-                # waits go into that buffer with this one: it waits for the last buffer.
-                target = self._committed
-                if not target:
-                    self._unmarked = value
-                    return
             if isinstance(timeline, MetalTimeline):
                 self._waits.append((timeline, timeline.gpu_target(target)))
             self._gates.append((timeline, target))
