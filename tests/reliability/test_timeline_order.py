@@ -278,6 +278,17 @@ async def test_a_timeline_never_passes_a_running_command(
     assert time.monotonic() - started < ROUNDS * ROUND_S
 
 
+async def _fail(device: am.Device, queue: Any, host: am.Timeline) -> None:
+    """Fail ``queue``'s timeline: its wait for a value of another queue, held behind that
+    queue's wait for ``host``'s 1, which is then closed with ``discard=True``."""
+    other = device.new_queue()
+    other.wait(host, 1)
+    doomed = queue.wait(other.timeline, 1)
+    await other.close(discard=True)
+    with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="discard=True"):
+        await doomed
+
+
 @pytest.mark.parametrize("held", [True, False], ids=["held-wait", "ready-wait"])
 async def test_a_failed_queues_wait_for_its_own_wait_ends(device: am.Device, held: bool) -> None:
     """A queue whose timeline failed (its wait for a discarded queue's value) waits for
@@ -286,13 +297,8 @@ async def test_a_failed_queues_wait_for_its_own_wait_ends(device: am.Device, hel
     never ended, held (its wait for the host released after) or not -- the failed
     timeline counted as there for it, so the GPU waited on the queue's own event in the
     very command buffer that was to signal that value."""
-    queue, other = device.new_queue(), device.new_queue()
-    host = device.timeline()
-    other.wait(host, 1)
-    doomed = queue.wait(other.timeline, 1)
-    await other.close(discard=True)
-    with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="discard=True"):
-        await doomed
+    queue, host = device.new_queue(), device.timeline()
+    await _fail(device, queue, host)
     if not held:
         host.signal(2)
     before = queue.wait(host, 2)
@@ -313,13 +319,8 @@ async def test_a_wait_for_a_failed_queues_wait_ends(device: am.Device) -> None:
     Checked: on Metal, without the fix neither ended -- the failed timeline counted as
     there for the wait, which went to the GPU at once, for a value that only the failed
     queue's next command buffer (or a flush) marks, and nothing committed one."""
-    failed, waiting, other = device.new_queue(), device.new_queue(), device.new_queue()
-    host = device.timeline()
-    other.wait(host, 1)
-    doomed = failed.wait(other.timeline, 1)
-    await other.close(discard=True)
-    with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="discard=True"):
-        await doomed
+    failed, waiting, host = device.new_queue(), device.new_queue(), device.timeline()
+    await _fail(device, failed, host)
     host.signal(2)
     last = failed.wait(host, 2)  # (reached: carried by the failed queue's next buffer)
     theirs = waiting.wait(failed.timeline, last.value)
@@ -364,13 +365,8 @@ async def test_a_discard_of_a_queue_waiting_for_a_failed_queues_held_command_end
     without the fix it ended only once the host signalled -- the failure counted as
     there for the wait, which went to the GPU for a value that the failed queue still
     held on the host."""
-    failed, waiting, other = device.new_queue(), device.new_queue(), device.new_queue()
-    host = device.timeline()
-    other.wait(host, 1)
-    doomed = failed.wait(other.timeline, 1)
-    await other.close(discard=True)
-    with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="discard=True"):
-        await doomed
+    failed, waiting, host = device.new_queue(), device.new_queue(), device.timeline()
+    await _fail(device, failed, host)
     failed.wait(host, 2)
     behind = failed.signal(device.timeline(), 1)
     theirs = waiting.wait(failed.timeline, behind.value)
@@ -397,13 +393,9 @@ async def test_a_metal_wait_for_its_own_queue_makes_no_command_buffer(
     from tests.support.fakes import metal_sim
 
     async with am.open_device("metal") as dev:
-        queue, other, host = dev.new_queue(), dev.new_queue(), dev.timeline()
+        queue, host = dev.new_queue(), dev.timeline()
         if failed:
-            other.wait(host, 1)
-            doomed = queue.wait(other.timeline, 1)
-            await other.close(discard=True)
-            with anyio.fail_after(5), pytest.raises(am.ClosedResourceError):
-                await doomed
+            await _fail(dev, queue, host)
         else:
             await queue.marker()
             await queue.signal(dev.timeline(), 1)  # (a committed buffer: value 1)
