@@ -420,7 +420,7 @@ class MetalQueue(NativeQueue):
             # nothing behind it, and was noted (_host_wait). Its value is marked as a
             # flush marks it -- the flush asked for it since was dropped (_drop).
             self._flush_held()
-        if self._discarded_to:
+        else:
             with self._commit_lock:
                 if self._unmarked:  # a wait run before, still to be encoded: dropped too
                     self._discarded_from = min(self._discarded_from, self._unmarked)
