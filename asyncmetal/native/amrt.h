@@ -116,6 +116,9 @@ typedef struct am_timeline {
      * signals it to, which waits held on a Metal queue's thread look for (written under
      * mu: am_signal_committed). */
     _Atomic uint64_t handed;
+    /* The highest value a cuda queue's signal of it was submitted for (am_cuq_finish):
+     * what a wait behind a failed wait may still be ordered after (cuq_wait_behind_skip). */
+    _Atomic uint64_t promised;
     am_kick *kicks;
     atomic_int has_kicks;
     atomic_int signalled_by;        /* AM_BY_HOST: a host signal raised it; AM_BY_DEVICE:

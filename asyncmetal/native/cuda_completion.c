@@ -224,7 +224,13 @@ void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value, am_timeline
             hit[i++] = *w;
             atomic_fetch_add(&w->q->refs, 1);
         }
+    /* A device wait it holds on the host (behind the commands handed over: past the
+     * skip) is looked at again, as its kick would: most such waits are not held any
+     * more (cuda_submit.c, cuq_wait_behind_skip), and held, one for a value nothing
+     * produces would keep q from settling. */
+    am_timeline *kick_on = q->deferred ? cuq_kick_ref(q) : NULL;
     pthread_mutex_unlock(&q->mu);
+    if (kick_on) cuq_unkick(q, kick_on);
     for (size_t j = 0; j < i; j++) {
         cuq_poison(hit[j].q, hit[j].command, error, value, cause);
         cuq_unref(hit[j].q);
@@ -725,6 +731,12 @@ int cuq_unfence(am_cuq *q, uint64_t value, const am_cuop *signal) {
  * word was raised for a value never produced). Not under mu. */
 static void cuq_confirm_wait(am_cuq *q, const am_cuentry *e) {
     am_timeline *t = e->extra;
+    /* Behind a wait that failed before it reached the driver q fails from there already,
+     * and such a wait was not made, nothing may ever produce its value -- unless it
+     * orders q's later signals after another queue's signal handed over, whose
+     * confirmation this waits for (cuda_submit.c, cuq_wait_behind_skip). */
+    uint64_t skipped = __atomic_load_n(&q->skipped, __ATOMIC_RELAXED);
+    if (skipped && e->value >= skipped && !cuq_wait_behind_skip(t, e->extra_value)) return;
     pthread_mutex_lock(&t->mu);
     while (atomic_load(&t->value) < e->extra_value && !timeline_failed_for(t, e->extra_value) &&
            __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) != 2) {

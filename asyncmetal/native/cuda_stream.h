@@ -394,5 +394,6 @@ AM_HIDDEN int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t
 AM_HIDDEN int cuq_submit(am_cuq *q, const am_cuop *op, size_t size);
 AM_HIDDEN int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *then);
 AM_HIDDEN void cuq_hold_first(am_cuq *q, am_cuop *op);            /* under q->mu */
+AM_HIDDEN int cuq_wait_behind_skip(am_timeline *t, uint64_t target);
 
 #endif

@@ -205,6 +205,27 @@ static void cuq_skip_from(am_cuq *q, uint64_t from, int error, uint64_t value,
     pthread_mutex_unlock(&q->mu);
 }
 
+/* Whether q's command `value` comes after a wait that failed before it reached the
+ * driver (cuq_skip_from): the command runs nothing and fails with the queue. */
+static int cuq_behind_skip(am_cuq *q, uint64_t value) {
+    uint64_t skipped = __atomic_load_n(&q->skipped, __ATOMIC_RELAXED);
+    return skipped && value >= skipped;
+}
+
+/* Whether a device wait for `target` of t of a command behind a failed wait
+ * (cuq_behind_skip) is still held and made: only where it may order the command's later
+ * signals of t, which fail, after another queue's signal of a lower value submitted
+ * before (a queue's signal of a timeline after another queue's pending one waits for it
+ * first): that one is then handed over, runs and is confirmed before t fails and
+ * settles from the value after it (cuda_completion.c, cuq_sure, cuq_confirm_wait). Any
+ * other is neither held nor made, and not confirmed -- q's timeline goes on through it,
+ * failed, as a host queue's does behind a failed wait -- rather than leave q unsettled
+ * behind a value nothing may produce: a host timeline's, a queue's own, or one no
+ * queue's signal was submitted for. */
+int cuq_wait_behind_skip(am_timeline *t, uint64_t target) {
+    return t->word && atomic_load(&t->promised) >= target;
+}
+
 /* q's wait `op` on t, held on the host until it could go on, goes on now: if t failed at
  * or before what it waited for, nothing from the wait's command on runs (cuq_skip_from)
  * -- as a host queue's commands behind a failed wait never run -- and 1 is returned:
@@ -232,6 +253,7 @@ static int cuq_skip_failed(am_cuq *q, am_timeline *t, const am_cuop *op) {
  * that work over after the signal adds ~100 us on the H200 once it idled a while). */
 static int cuq_wait_word(am_cuq *q, const am_cuop *op) {
     am_timeline *t = op->extra;
+    if (t && cuq_behind_skip(q, op->value) && !cuq_wait_behind_skip(t, op->target)) return 0;
     /* A timeline with no device word (a host queue's: cpu, npy) is only ever held on the
      * host, until its value got there -- and then nothing is left for the stream to wait
      * on -- or it failed: then nothing from this command on runs (cuq_skip_failed), and
@@ -269,6 +291,8 @@ static int cuq_wait_word(am_cuq *q, const am_cuop *op) {
 static int stream_wait_queue(void *stream, am_cuq *other, uint64_t value, am_cuq *q,
                              uint64_t command, int *call) {
     int r = 0;
+    /* (Behind a failed wait: a queue's own timeline orders none of q's signals.) */
+    if (q && cuq_behind_skip(q, command)) return 0;
     if (q && cuq_defer(q, other->timeline, value)) return CU_DEFERRED;
     pthread_mutex_lock(&other->mu);
     int abandoned = other->stop == 2;
@@ -640,8 +664,13 @@ int cuq_submit(am_cuq *q, const am_cuop *op, size_t size) {
  * wait's: a plain event). spin_ns: how long the command is expected to take at most. */
 int am_cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
                   long spin_ns, int flags) {
-    if (extra && !(flags & (CU_FINISH_PLAIN | CU_FINISH_WAITED)))  /* a signal of extra */
+    if (extra && !(flags & (CU_FINISH_PLAIN | CU_FINISH_WAITED))) {  /* a signal of extra */
         atomic_fetch_or(&extra->signalled_by, AM_BY_DEVICE);
+        uint64_t promised = atomic_load(&extra->promised);
+        while (promised < extra_value &&
+               !atomic_compare_exchange_weak(&extra->promised, &promised, extra_value)) {
+        }
+    }
     am_cuop op = {.kind = CUOP_FINISH, .flags = flags, .value = value, .extra = extra,
                   .extra_value = extra_value, .spin_ns = spin_ns};
     return cuq_submit(q, &op, sizeof op);

@@ -46,3 +46,24 @@ def test_a_cuda_queue_collected_unclosed_releases_its_thread_and_stream(loop: st
     assert seen["events_left"] == 0, seen
     assert seen["forked"] == "exited 0", seen
     assert seen["after"] == "done", seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_cuda_queue_goes_on_past_a_failed_wait_through_its_later_waits(loop: str) -> None:
+    """A queue's device wait for a command of a queue then closed with discard=True, and
+    behind it a wait for a value nothing may produce (of a timeline never signalled, of
+    one only the host signals, of another queue's own timeline): both fail at once,
+    naming the discard, as a cpu queue's do (nothing runs behind a failed wait, so
+    nothing waits either), and the device closes. Checked: without the fix neither
+    ended, and the device's close (which cannot be cancelled) hung -- the queue, failed,
+    settles only once its stream is past all it was given, and the later wait was held
+    for its value. A signal behind the failed wait that follows another queue's pending
+    signal of a lower value still waits for that one: the timeline gets the lower value,
+    and fails only from the higher."""
+    seen = simulated_lifecycle.run("behind_a_failed_wait", loop)
+    for form in simulated_lifecycle.BEHIND:
+        for name in ("doomed", "behind"):
+            assert "discard=True" in seen.get(f"{form} {name}", "(still waiting)"), (form, seen)
+        assert seen[f"{form} close_s"] < 5, (form, seen)
+    assert (seen["ordering lower"], seen["ordering 1"]) == ("done", "done"), seen
+    assert "discard=True" in seen["ordering 2"], seen

@@ -101,6 +101,12 @@
  *             then fails: its commands handed over behind the wait run (they cannot be
  *             recalled) and fail, and those it still held on the host (past its bound)
  *             never reach the stream, and fail too
+ *   poisondeferred a queue's device waits held on the host (for a timeline's value no
+ *             signal handed over gets to, for another queue's value past all it was
+ *             given) behind its device wait, on the device already, for a value that
+ *             then fails: once it learns of the failure they are neither held nor made
+ *             (nothing may produce those values), and the queue settles, failing from
+ *             that wait on
  *   signal    a signal of a timeline no queue owns, by a queue that waited for a refused
  *             command's value (or held behind a refused command of its own), fails:
  *             the timeline settles (value at UINT64_MAX, word released), so no wait on it
@@ -2007,6 +2013,31 @@ static void check_poisonheld(void) {
     am_timeline_free(cause);
     free(gate);
     puts("ok poisonheld");
+}
+
+static void check_poisondeferred(void) {
+    /* a: command 1 waits on the device for t, which fails; command 2 waits for u's 5
+     * (nothing signals u), command 3 for b's 100 (b was given nothing): both held on
+     * the host before t fails. */
+    fake_queue a = queue_new(), b = queue_new();
+    free_timeline t = free_timeline_new(), u = free_timeline_new();
+    am_timeline *cause = am_timeline_new();
+    if (wait_free(a, t, 1, 1) || wait_held(a, u.t, 5, 2) || am_cuq_wait_queue(a.q, b.q, 100, 3) ||
+        am_cuq_finish(a.q, 3, NULL, 0, 0, CU_FINISH_PLAIN))
+        die("poisondeferred: a failed at once");
+    uint64_t stats[8];
+    am_cuq_stats(a.q, stats);
+    if (!stats[6]) die("poisondeferred: a's waits were not held on the host");
+    am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
+    reach(a.t, UINT64_MAX, "poisondeferred: a never settled");
+    if (!fails_from_first(a, CU_WAITED_FAILED, cause))
+        die("poisondeferred: a did not fail from its wait, naming the failure it came to");
+    queue_free(a, 0);
+    queue_free(b, 0);
+    free_timeline_free(t);
+    free_timeline_free(u);
+    am_timeline_free(cause);
+    puts("ok poisondeferred");
 }
 
 static void check_foreign(void) {
@@ -4732,6 +4763,7 @@ int main(void) {
     check_poisonlater();
     check_failedqueue();
     check_poisonheld();
+    check_poisondeferred();
     check_waitrace();
     check_waitraceclose();
     check_waitrace2();

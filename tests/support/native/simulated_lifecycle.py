@@ -8,6 +8,8 @@ SCENARIO saw, as JSON, on its last line (``run`` runs it, and reads that).
 - ``dropped``: native queues whose CUDAQueue was collected unclosed (a new_queue failing
   once its native queue was made; a CUDAQueue dropped); and one collected in a forked
   child, the parent's.
+- ``behind_a_failed_wait``: a queue's device wait that fails, and behind it a wait for a
+  value nothing may produce (of each kind), or a signal ordered after another queue's.
 """
 
 from __future__ import annotations
@@ -152,7 +154,57 @@ async def _dropped(sim: _Simulated) -> Seen:
     return seen
 
 
-SCENARIOS = {"closes": _closes, "dropped": _dropped}
+BEHIND = ("unsignalled", "host", "queue", "ordering")
+
+
+async def _behind_a_failed_wait(sim: _Simulated) -> Seen:
+    """Per form in BEHIND, on a device of its own: a queue's device wait for the command
+    of a queue then closed with ``discard=True`` (it fails: "doomed"), and behind it
+    ("behind") a wait for a value nobody signals -- of a timeline never signalled, of
+    one the host signalled (whose waits go to the driver at once), of another queue's
+    own timeline -- or ("ordering") a signal of a timeline that another queue, held
+    behind a gate, signals to a lower value first (the signal waits for that one). How
+    each ended (5 s at most; the ordering form's once the gate is raised), and how long
+    the device's close took; the ordering form's too: the other queue's signal
+    ("lower"), and waits for the lower and the higher value."""
+    import asyncmetal as am
+
+    seen: Seen = {}
+    for form in BEHIND:
+        dev = await am.open_device("cuda:0")
+        try:
+            waiting, discarded, other = dev.new_queue(), dev.new_queue(), dev.new_queue()
+            gate, shared = dev.timeline(), dev.timeline()
+            discarded.wait(gate, 1)
+            doomed = waiting.wait(discarded.timeline, 1)
+            if form == "unsignalled":
+                behind = waiting.wait(shared, 5)
+            elif form == "host":
+                shared.signal(1)
+                behind = waiting.wait(shared, 5)
+            elif form == "queue":
+                behind = waiting.wait(other.timeline, 100)
+            else:
+                other.wait(gate, 2)
+                lower = other.signal(shared, 1)
+                behind = waiting.signal(shared, 2)
+            await discarded.close(discard=True)
+            if form == "ordering":
+                gate.signal(2)
+            awaited = {"doomed": doomed, "behind": behind}
+            if form == "ordering":
+                awaited |= {"lower": lower, "1": shared.wait(1), "2": shared.wait(2)}
+            for name, done in awaited.items():
+                with anyio.move_on_after(5):
+                    seen[f"{form} {name}"] = await _awaited(done)
+        finally:
+            started = time.monotonic()
+            await dev.close()
+            seen[f"{form} close_s"] = time.monotonic() - started
+    return seen
+
+
+SCENARIOS = {"closes": _closes, "dropped": _dropped, "behind_a_failed_wait": _behind_a_failed_wait}
 
 
 def run(scenario: str, loop: str) -> Seen:
