@@ -45,7 +45,11 @@ MAX_IN_FLIGHT = 1000  # the queues are made with room for 1024 command buffers
 # A queue's thread holding a wait for a host queue's timeline looks at it again this
 # often whatever (it is woken when the timeline moves, and when the queue discards).
 HOST_WAIT_NAP_NS = 1_000_000_000
-HOST_WAIT_OWN = 2  # amrt.h: am_host_wait's `committed` for a queue's own timeline
+# amrt.h, am_host_wait's `committed`: what makes a wait held on the host ready -- its
+# timeline got there or failed for it; or also a committed command buffer that signals
+# it that far (the GPU waits for the rest); or, a queue's own timeline, got there or a
+# committed signal only (its failure does not count before the queue is closed).
+HOST_WAIT_REACHED, HOST_WAIT_COMMITTED, HOST_WAIT_OWN = 0, 1, 2
 AM_COMMAND_FAILED = -6  # amrt.h: a timeline's failure, a command of a Metal queue failed
 AM_DISCARDED = _native.DISCARDED  # amrt.h: ... a command dropped by a discarding close
 
@@ -92,10 +96,11 @@ class _Waited:
 
     c_timeline: int
     _lib: ctypes.CDLL
-    # The GPU can wait on it (an ``MTLSharedEvent``): a value a committed command buffer
-    # signals needs no wait on the host (am_signal_committed). HOST_WAIT_OWN: a queue's
-    # own timeline, whose failure does not make a wait ready (see am_host_wait).
-    on_gpu = 0
+    # How a wait for it held on the host gets ready (HOST_WAIT_*): a host queue's
+    # timeline only by getting there (or failing); one the GPU can wait on (an
+    # ``MTLSharedEvent``) also by a committed command buffer's signal
+    # (am_signal_committed); a queue's own (HOST_WAIT_OWN) not by failing.
+    host_wait = HOST_WAIT_REACHED
 
     def failure(self, target: int) -> _native.Failure | None:
         """Why ``target``, reached, was never produced (None: it was)."""
@@ -105,14 +110,14 @@ class _Waited:
     def ready(self, target: int) -> bool:
         """Whether a wait for ``target`` can be committed now (objc_blocks.c,
         am_host_wait): the timeline got there or failed for it (not a queue's own), or
-        (``on_gpu``) a command buffer that signals it so was committed."""
-        return bool(self._lib.am_host_wait(self.c_timeline, target, self.on_gpu, None, 0))
+        (``host_wait``) a command buffer that signals it so was committed."""
+        return bool(self._lib.am_host_wait(self.c_timeline, target, self.host_wait, None, 0))
 
 
 class MetalTimeline(_Waited, ForkableTimeline):
     """An ``MTLSharedEvent`` with a native mirror timeline that wakes the loops."""
 
-    on_gpu = 1
+    host_wait = HOST_WAIT_COMMITTED
     # The queue whose own timeline it is (weakly), if any: a wait for its value asks it
     # to flush (MetalQueue._park), as an await of its command does.
     queue: weakref.ref[MetalQueue] | None = None
@@ -199,7 +204,7 @@ class MetalQueue(NativeQueue):
         self._backend = backend
         self._timeline = timeline
         timeline.queue = weakref.ref(self)
-        timeline.on_gpu = HOST_WAIT_OWN
+        timeline.host_wait = HOST_WAIT_OWN
         what = "newCommandQueueWithMaxCommandBufferCount:"
         self._queue = made(send(backend.device, what, 1024, argtypes=(c_ulong,)), what)
         # One collected unclosed -- made for a new_queue that an interrupt or an error
@@ -738,7 +743,7 @@ class MetalQueue(NativeQueue):
         it) or is abandoned (nothing more is committed). Waits held before it, whose
         values were reached, are marked first: their completions do not wait for this
         one (as on a queue whose waits run one after another)."""
-        discarding = self._park(wait, target, wait.on_gpu, flush=not wait.ready(target))
+        discarding = self._park(wait, target, wait.host_wait, flush=not wait.ready(target))
         if not wait.ready(target):
             if discarding:
                 self._drop(self._hold_wait, (wait, target, value), None)
@@ -867,13 +872,13 @@ class MetalQueue(NativeQueue):
         own = self._timeline
         if target <= 0 or own.value >= target:
             return True
-        self._park(own, target, False, flush=True)
-        return bool(self._backend.lib.am_host_wait(own.c_timeline, target, False, None, 0))
+        self._park(own, target, HOST_WAIT_REACHED, flush=True)
+        return bool(
+            self._backend.lib.am_host_wait(own.c_timeline, target, HOST_WAIT_REACHED, None, 0)
+        )
 
-    def _park(
-        self, wait: MetalTimeline | HostWait, target: int, on_gpu: int, *, flush: bool
-    ) -> bool:
-        """On the queue's own thread: wait until ``wait`` (``on_gpu``: its GPU side) got
+    def _park(self, wait: MetalTimeline | HostWait, target: int, mode: int, *, flush: bool) -> bool:
+        """On the queue's own thread: wait until ``wait`` (``mode``: how, HOST_WAIT_*) got
         to ``target``, or the queue discards or is abandoned -- committing first, where
         ``flush``, the wait commands no buffer carries yet. Returns whether the queue
         was discarding once the wait ended."""
@@ -894,7 +899,7 @@ class MetalQueue(NativeQueue):
                 not stop
                 and not self._flush_waited(wait)
                 and not self._backend.lib.am_host_wait(
-                    wait.c_timeline, target, on_gpu, flag, HOST_WAIT_NAP_NS
+                    wait.c_timeline, target, mode, flag, HOST_WAIT_NAP_NS
                 )
             ):
                 stop = bool(self._stop_host_wait.value)
