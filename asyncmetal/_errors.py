@@ -163,6 +163,12 @@ class OutOfMemoryError(AsyncMetalError, MemoryError):
         )
         super().__init__(f"{msg} ({detail})" if detail else msg)
         self.requested, self.in_use, self.cached, self.budget = requested, in_use, cached, budget
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[type[OutOfMemoryError], tuple[int, int, int, int, str]]:
+        # (Pickled as its arguments: Exception's own pickling passes the message alone,
+        # which __init__ does not take -- a worker process's error would not rebuild.)
+        return type(self), (self.requested, self.in_use, self.cached, self.budget, self.detail)
 
 
 class NoHostMemoryError(AsyncMetalError, MemoryError):

@@ -642,7 +642,19 @@ class Timeline(Waitable, Singular):
         timeline failed, or was abandoned by its device's close. None if it was."""
         queue = None if self._queue is None else self._queue()
         if queue is not None:  # a queue's own timeline: its commands' failures
-            return queue._failure(value) if value <= queue.submitted else None
+            submitted = queue.submitted
+            if value <= submitted:
+                return queue._failure(value)
+            if self.native.value < value:
+                return None
+            # Reached past its last command: the timeline settled (at 2**64 - 1) as its
+            # commands failed or were abandoned, and no command produced this value.
+            last = queue._failure(submitted) if submitted else None
+            why = f": {last}" if last is not None else ""
+            return ClosedResourceError(
+                f"this timeline will not reach {value}: its queue's last command is "
+                f"{submitted}, and its timeline settled without it running{why}"
+            )
         c_timeline = self.native.c_timeline
         if c_timeline is None:
             return None

@@ -35,7 +35,9 @@ class _ArrayMemory:
     __slots__ = ("address", "array")
 
     def __init__(self, array: np.ndarray[Any, Any]) -> None:
-        self.array = array.reshape(-1).view(np.uint8)
+        # As a plain ndarray: a subclass slices otherwise (np.matrix by rows, a masked
+        # array with its mask), and the memory is read in byte ranges of this.
+        self.array = array.view(np.ndarray).reshape(-1).view(np.uint8)
         self.address: int = self.array.ctypes.data
 
 

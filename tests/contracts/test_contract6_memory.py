@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
 import threading
 import time
 import weakref
@@ -120,6 +121,24 @@ async def test_out_of_memory_names_the_numbers(device: am.Device) -> None:
         await device.alloc(2 * MiB, timeout=0.05)
     await held.free()
     assert (await device.alloc(2 * MiB)).nbytes == 2 * MiB
+
+
+async def test_out_of_memory_crosses_processes_whole(device: am.Device) -> None:
+    """An OutOfMemoryError pickles as itself, its message and numbers kept, as every
+    error asyncmetal raises does: one raised in a worker process reaches its parent
+    (multiprocessing's and concurrent.futures' pools pickle a job's error; one that
+    cannot be rebuilt there breaks the pool, or hangs ``Pool.get``)."""
+    device.memory_budget = 4 * MiB
+    held = await device.alloc(3 * MiB)
+    with pytest.raises(am.OutOfMemoryError) as info:
+        await device.alloc(2 * MiB, timeout=0)
+    err = info.value
+    again = pickle.loads(pickle.dumps(err))
+    assert type(again) is am.OutOfMemoryError
+    assert str(again) == str(err) and "no memory was freed within 0 s" in str(again)
+    numbers = ("requested", "in_use", "cached", "budget")
+    assert [getattr(again, n) for n in numbers] == [getattr(err, n) for n in numbers]
+    await held.free()
 
 
 async def test_a_request_over_the_budget_says_what_to_do(device: am.Device) -> None:

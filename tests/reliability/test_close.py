@@ -704,6 +704,37 @@ async def test_a_wait_for_a_command_abandoned_by_a_close_fails_what_follows(
 
 
 @pytest.mark.anyio
+async def test_a_host_wait_past_a_queues_abandoned_commands_raises(anyio_backend: object) -> None:
+    """A close abandons a queue's commands (they wait for a value nobody signals): its
+    timeline settles, and a host wait on it for a value past its last command -- made
+    before the close or after -- raises, as one does on a queue that had nothing
+    abandoned. Nothing produced those values: a wait that returned would say they ran."""
+    dev = await am.open_device("cpu:58")
+    queue = dev.new_queue()
+    queue.wait(dev.timeline(), 1)  # nobody signals it
+    stuck = queue.marker()
+    outcomes: dict[int, str] = {}
+
+    async def wait_for(value: int) -> None:
+        try:
+            await queue.timeline.wait(value)
+            outcomes[value] = "returned"
+        except am.ClosedResourceError:
+            outcomes[value] = "raised"
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            for value in (stuck.value, stuck.value + 1, stuck.value + 9):
+                tg.start_soon(wait_for, value)
+            await anyio.sleep(0.05)
+            await dev.close()
+        assert outcomes == dict.fromkeys((stuck.value, stuck.value + 1, stuck.value + 9), "raised")
+        for value in (stuck.value + 1, stuck.value + 9):
+            with pytest.raises(am.ClosedResourceError, match=f"will not reach {value}"):
+                await queue.timeline.wait(value)
+
+
+@pytest.mark.anyio
 async def test_a_host_wait_for_a_signal_failed_by_another_devices_close_raises(
     anyio_backend: object,
 ) -> None:

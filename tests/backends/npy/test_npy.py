@@ -70,3 +70,28 @@ async def test_npy_is_never_the_default_device(
         assert dev.kind == "cpu"
     async with am.open_device("npy") as dev:  # named: opened
         assert dev.kind == "npy"
+
+
+async def test_npy_wraps_an_array_subclass_as_its_plain_memory(anyio_backend: object) -> None:
+    """``from_numpy`` takes any ndarray, subclasses too (``np.matrix``, a masked array):
+    its buffer is the array's memory, read alike whole and in parts, on every path --
+    also where a part is read in place, which the subclass's own slicing (a matrix's by
+    rows, a masked array's with its mask) would not give as bytes."""
+    plain = np.arange(8, dtype=np.int32)
+    async with am.open_device("cpu") as cpu:
+        matrix = plain.reshape(2, 4).view(np.matrix)  # (np.matrix() warns that it is deprecated)
+        for array in (matrix, np.ma.array(plain, mask=[0, 1] * 4)):
+            buf = await am.from_numpy(array)
+            part = buf.view(8, 8)
+            np.testing.assert_array_equal(await buf.read(np.int32), plain)
+            np.testing.assert_array_equal(await part.read(np.int32), plain[2:4])
+            np.testing.assert_array_equal(await part.map(np.int32), plain[2:4])
+            out = await cpu.alloc(8)
+            await cpu.queue.copy(out, part)  # read in place by the cpu queue
+            np.testing.assert_array_equal(await out.read(np.int32), plain[2:4])
+            await out.write(np.zeros(2, np.int32))
+            await out.write(part)
+            np.testing.assert_array_equal(await out.read(np.int32), plain[2:4])
+            await out.write(np.zeros(2, np.int32))
+            await am.copy(out, part)
+            np.testing.assert_array_equal(await out.read(np.int32), plain[2:4])
