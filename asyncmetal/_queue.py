@@ -1223,6 +1223,13 @@ def completable(
     queue's own completable commands. A fixed point over all queues: one queue's
     progress unblocks another's waits. ``records``: each queue's ``submitted_record``,
     taken earlier (else now).
+
+    A queue whose device waits a driver may have been handed (``hands_over_waits``: a
+    cuda stream) and one of which ended on a failed value reports nothing from that
+    wait on until it is past everything it was given (native/cuda_completion.c,
+    cuq_poison: it settles then): stopped at a later wait, it stops before the failed
+    one -- counted up to the later wait, a close would wait for it to report the
+    failed one, for good.
     """
     if records is None:
         records = {q: submitted_record(q) for q in queues}
@@ -1231,6 +1238,7 @@ def completable(
     position = dict.fromkeys(queues, 0)
     ops = {q: records[q][1] for q in queues}
     owner = {q._timeline: q for q in queues}
+    failing: dict[Queue, int] = {}  # a queue's first wait that ended on a failed value
 
     def satisfied(timeline: Timeline, target: int) -> bool:
         if timeline.value >= target or reach.get(timeline, 0) >= target:
@@ -1248,15 +1256,30 @@ def completable(
                 value, is_wait, timeline, target = items[i]
                 if is_wait and value > limit[q] and not satisfied(timeline, target):
                     break
+                if (
+                    is_wait
+                    and value > limit[q]
+                    and q not in failing
+                    and q._native.hands_over_waits
+                    and _ended_failed(timeline, target)
+                ):
+                    failing[q] = value
                 if not is_wait:
                     reach[timeline] = max(reach.get(timeline, 0), target)
                 i += 1
             position[q] = i
             reached = items[i][0] - 1 if i < len(items) else records[q][0]
+            if i < len(items) and q in failing:
+                reached = min(reached, failing[q] - 1)
             if reached > limit[q]:
                 limit[q] = reached
                 changed = True
     return limit
+
+
+def _ended_failed(timeline: Timeline, target: int) -> bool:
+    """Whether a wait for ``target`` of ``timeline`` ended on a value never produced."""
+    return timeline.value >= target and timeline._failure(target) is not None
 
 
 # What the Device does with its queues as it closes.

@@ -664,16 +664,24 @@ int cuq_submit(am_cuq *q, const am_cuop *op, size_t size) {
  * wait's: a plain event). spin_ns: how long the command is expected to take at most. */
 int am_cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_value,
                   long spin_ns, int flags) {
-    if (extra && !(flags & (CU_FINISH_PLAIN | CU_FINISH_WAITED))) {  /* a signal of extra */
-        atomic_fetch_or(&extra->signalled_by, AM_BY_DEVICE);
+    int signals = extra && !(flags & (CU_FINISH_PLAIN | CU_FINISH_WAITED));
+    if (signals) atomic_fetch_or(&extra->signalled_by, AM_BY_DEVICE);  /* a signal of extra */
+    am_cuop op = {.kind = CUOP_FINISH, .flags = flags, .value = value, .extra = extra,
+                  .extra_value = extra_value, .spin_ns = spin_ns};
+    int r = cuq_submit(q, &op, sizeof op);
+    /* Promised only once submitted (handed over or held): a signal refused (its queue
+     * failed or discarded, the driver refusing it with nothing of it handed over) never
+     * runs, and a wait behind a failed wait held for it would keep its queue from
+     * settling (cuq_wait_behind_skip). One refused after part of its command reached
+     * the driver fails its timeline instead. A wait ordered after this signal is
+     * submitted once this returned (Queue.signal). */
+    if (signals && !r) {
         uint64_t promised = atomic_load(&extra->promised);
         while (promised < extra_value &&
                !atomic_compare_exchange_weak(&extra->promised, &promised, extra_value)) {
         }
     }
-    am_cuop op = {.kind = CUOP_FINISH, .flags = flags, .value = value, .extra = extra,
-                  .extra_value = extra_value, .spin_ns = spin_ns};
-    return cuq_submit(q, &op, sizeof op);
+    return r;
 }
 
 int am_cuq_wait_queue(am_cuq *q, am_cuq *other, uint64_t value, uint64_t command) {

@@ -61,6 +61,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "failedqueue"),
         *("ok", "poisonheld"),
         *("ok", "poisondeferred"),
+        *("ok", "refusedpromise"),
         *("ok", "waitrace"),
         *("ok", "waitraceclose"),
         *("ok", "waitrace2"),

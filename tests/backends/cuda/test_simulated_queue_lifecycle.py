@@ -67,3 +67,19 @@ def test_a_cuda_queue_goes_on_past_a_failed_wait_through_its_later_waits(loop: s
         assert seen[f"{form} close_s"] < 5, (form, seen)
     assert (seen["ordering lower"], seen["ordering 1"]) == ("done", "done"), seen
     assert "discard=True" in seen["ordering 2"], seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_device_closes_past_a_failed_queue_whose_signal_waits_for_one_that_never_runs(
+    loop: str,
+) -> None:
+    """The ordering form above, but the other queue's lower signal never runs (it waits
+    for a timeline nobody signals). The failed queue's signal stays ordered after that
+    one -- its wait held on the host -- and the failed queue settles, reporting its
+    failed wait, only once past it; the device's close counted the failed wait as one
+    that completes (its value reached, failed) and waited for it to be reported. Before:
+    the close (which cannot be cancelled) hung. Now it ends, and every command fails."""
+    seen = simulated_lifecycle.run("behind_a_failed_wait_stuck", loop, timeout=60)
+    assert seen["close_s"] < 5, seen
+    for name in ("doomed", "behind", "lower"):
+        assert seen[name] != "done" and "still" not in seen[name], (name, seen)

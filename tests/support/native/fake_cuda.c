@@ -107,6 +107,9 @@
  *             then fails: once it learns of the failure they are neither held nor made
  *             (nothing may produce those values), and the queue settles, failing from
  *             that wait on
+ *   refusedpromise the same, the later wait for a value of a timeline whose only signal
+ *             was refused (its queue discarded before): a refused signal was never
+ *             submitted, so it orders nothing, and the queue settles
  *   signal    a signal of a timeline no queue owns, by a queue that waited for a refused
  *             command's value (or held behind a refused command of its own), fails:
  *             the timeline settles (value at UINT64_MAX, word released), so no wait on it
@@ -2038,6 +2041,32 @@ static void check_poisondeferred(void) {
     free_timeline_free(u);
     am_timeline_free(cause);
     puts("ok poisondeferred");
+}
+
+static void check_refusedpromise(void) {
+    /* b, discarded (a held wait dropped), refuses its signal of u to 5; a: command 1
+     * waits on the device for t, which fails; command 2 waits for u's 5, held on the
+     * host. */
+    fake_queue a = queue_new(), b = queue_new();
+    free_timeline t = free_timeline_new(), u = free_timeline_new(), never = free_timeline_new();
+    am_timeline *cause = am_timeline_new();
+    if (wait_held(b, never.t, 1, 1)) die("refusedpromise: b failed at once");
+    am_cuq_discard(b.q);
+    if (!am_cuq_finish(b.q, 2, u.t, 5, 0, 0)) die("refusedpromise: b's signal was taken");
+    if (wait_free(a, t, 1, 1) || wait_held(a, u.t, 5, 2) ||
+        am_cuq_finish(a.q, 3, NULL, 0, 0, CU_FINISH_PLAIN))
+        die("refusedpromise: a failed at once");
+    am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
+    reach(a.t, UINT64_MAX, "refusedpromise: a never settled");
+    if (!fails_from_first(a, CU_WAITED_FAILED, cause))
+        die("refusedpromise: a did not fail from its wait, naming the failure it came to");
+    queue_free(a, 0);
+    queue_free(b, 0);
+    free_timeline_free(t);
+    free_timeline_free(u);
+    free_timeline_free(never);
+    am_timeline_free(cause);
+    puts("ok refusedpromise");
 }
 
 static void check_foreign(void) {
@@ -4764,6 +4793,7 @@ int main(void) {
     check_failedqueue();
     check_poisonheld();
     check_poisondeferred();
+    check_refusedpromise();
     check_waitrace();
     check_waitraceclose();
     check_waitrace2();

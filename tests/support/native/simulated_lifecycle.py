@@ -10,6 +10,8 @@ SCENARIO saw, as JSON, on its last line (``run`` runs it, and reads that).
   child, the parent's.
 - ``behind_a_failed_wait``: a queue's device wait that fails, and behind it a wait for a
   value nothing may produce (of each kind), or a signal ordered after another queue's.
+- ``behind_a_failed_wait_stuck``: the same, the signal ordered after another queue's that
+  never runs (that queue waits for a value nobody signals): the device's close.
 """
 
 from __future__ import annotations
@@ -204,12 +206,49 @@ async def _behind_a_failed_wait(sim: _Simulated) -> Seen:
     return seen
 
 
-SCENARIOS = {"closes": _closes, "dropped": _dropped, "behind_a_failed_wait": _behind_a_failed_wait}
+async def _behind_a_failed_wait_stuck(sim: _Simulated) -> Seen:
+    """The "ordering" form of ``_behind_a_failed_wait``, but the other queue's lower
+    signal never runs: that queue waits first for a timeline nobody signals. The waiting
+    queue's signal is ordered after that one (a device wait held on the host for it),
+    behind its own failed wait. How long the device's close took (it cannot be
+    cancelled: a hang is the child's timeout), and how each command ended after it."""
+    import asyncmetal as am
+
+    seen: Seen = {}
+    dev = await am.open_device("cuda:0")
+    try:
+        waiting, discarded, other = dev.new_queue(), dev.new_queue(), dev.new_queue()
+        gate, never, shared = dev.timeline(), dev.timeline(), dev.timeline()
+        discarded.wait(gate, 1)
+        doomed = waiting.wait(discarded.timeline, 1)
+        other.wait(never, 1)
+        lower = other.signal(shared, 1)
+        behind = waiting.signal(shared, 2)
+        await discarded.close(discard=True)
+        with anyio.move_on_after(1):
+            seen["doomed before close"] = await _awaited(doomed)
+    finally:
+        started = time.monotonic()
+        await dev.close()
+        seen["close_s"] = time.monotonic() - started
+    for name, done in {"doomed": doomed, "behind": behind, "lower": lower}.items():
+        with anyio.move_on_after(5):
+            seen[name] = await _awaited(done)
+    return seen
 
 
-def run(scenario: str, loop: str) -> Seen:
-    """What ``scenario`` saw in a child process, on event loop ``loop``."""
-    return run_child(scenario, loop, module=__name__)
+SCENARIOS = {
+    "closes": _closes,
+    "dropped": _dropped,
+    "behind_a_failed_wait": _behind_a_failed_wait,
+    "behind_a_failed_wait_stuck": _behind_a_failed_wait_stuck,
+}
+
+
+def run(scenario: str, loop: str, timeout: float = 120) -> Seen:
+    """What ``scenario`` saw in a child process, on event loop ``loop`` (``timeout``: the
+    child's, in seconds)."""
+    return run_child(scenario, loop, timeout=timeout, module=__name__)
 
 
 def main(scenario: str, loop: str) -> None:
