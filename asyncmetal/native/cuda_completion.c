@@ -731,12 +731,6 @@ int cuq_unfence(am_cuq *q, uint64_t value, const am_cuop *signal) {
  * word was raised for a value never produced). Not under mu. */
 static void cuq_confirm_wait(am_cuq *q, const am_cuentry *e) {
     am_timeline *t = e->extra;
-    /* Behind a wait that failed before it reached the driver q fails from there already,
-     * and such a wait was not made, nothing may ever produce its value -- unless it
-     * orders q's later signals after another queue's signal handed over, whose
-     * confirmation this waits for (cuda_submit.c, cuq_wait_behind_skip). */
-    uint64_t skipped = __atomic_load_n(&q->skipped, __ATOMIC_RELAXED);
-    if (skipped && e->value >= skipped && !cuq_wait_behind_skip(t, e->extra_value)) return;
     pthread_mutex_lock(&t->mu);
     while (atomic_load(&t->value) < e->extra_value && !timeline_failed_for(t, e->extra_value) &&
            __atomic_load_n(&q->stop, __ATOMIC_SEQ_CST) != 2) {

@@ -217,6 +217,10 @@ struct am_cuq {
      * handing the wait over, under mu; read by those handing operations over (one at a
      * time). */
     uint64_t skipped;
+    /* The last command whose device wait on a timeline's word, behind such a wait, was
+     * not made (cuda_submit.c, cuq_wait_word): its end is then not confirmed as a wait's
+     * (cuq_run_op). By the thread handing operations over (one at a time). */
+    uint64_t unmade_wait;
     int cause_error;
     uint64_t cause_value;
     am_timeline *cause;
@@ -394,6 +398,5 @@ AM_HIDDEN int cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t
 AM_HIDDEN int cuq_submit(am_cuq *q, const am_cuop *op, size_t size);
 AM_HIDDEN int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *then);
 AM_HIDDEN void cuq_hold_first(am_cuq *q, am_cuop *op);            /* under q->mu */
-AM_HIDDEN int cuq_wait_behind_skip(am_timeline *t, uint64_t target);
 
 #endif

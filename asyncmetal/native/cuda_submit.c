@@ -218,11 +218,12 @@ static int cuq_behind_skip(am_cuq *q, uint64_t value) {
  * before (a queue's signal of a timeline after another queue's pending one waits for it
  * first): that one is then handed over, runs and is confirmed before t fails and
  * settles from the value after it (cuda_completion.c, cuq_sure, cuq_confirm_wait). Any
- * other is neither held nor made, and not confirmed -- q's timeline goes on through it,
+ * other is neither held nor made, nor confirmed as a wait (q->unmade_wait): decided
+ * once, as it is handed over -- q's timeline goes on through it,
  * failed, as a host queue's does behind a failed wait -- rather than leave q unsettled
  * behind a value nothing may produce: a host timeline's, a queue's own, or one no
  * queue's signal was submitted for. */
-int cuq_wait_behind_skip(am_timeline *t, uint64_t target) {
+static int cuq_wait_behind_skip(am_timeline *t, uint64_t target) {
     return t->word && atomic_load(&t->promised) >= target;
 }
 
@@ -253,7 +254,10 @@ static int cuq_skip_failed(am_cuq *q, am_timeline *t, const am_cuop *op) {
  * that work over after the signal adds ~100 us on the H200 once it idled a while). */
 static int cuq_wait_word(am_cuq *q, const am_cuop *op) {
     am_timeline *t = op->extra;
-    if (t && cuq_behind_skip(q, op->value) && !cuq_wait_behind_skip(t, op->target)) return 0;
+    if (t && cuq_behind_skip(q, op->value) && !cuq_wait_behind_skip(t, op->target)) {
+        q->unmade_wait = op->value;
+        return 0;
+    }
     /* A timeline with no device word (a host queue's: cpu, npy) is only ever held on the
      * host, until its value got there -- and then nothing is left for the stream to wait
      * on -- or it failed: then nothing from this command on runs (cuq_skip_failed), and
@@ -448,7 +452,10 @@ int cuq_run_op(am_cuq *q, const am_cuop *op) {
             cuq_cause_now(q, NULL, &error, &value, &cause);
             cuq_fail_signal_now(q, op, error, value, cause);
         }
-        return cuq_finish(q, op->value, op->extra, op->extra_value, op->spin_ns, op->flags);
+        /* (A wait not made is not confirmed as one: nothing may produce its value.) */
+        return cuq_finish(q, op->value, op->extra, op->extra_value, op->spin_ns,
+                          q->unmade_wait == op->value ? op->flags & ~CU_FINISH_WAITED
+                                                      : op->flags);
     }
     return -2;
 }

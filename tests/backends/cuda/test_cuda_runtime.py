@@ -62,6 +62,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "poisonheld"),
         *("ok", "poisondeferred"),
         *("ok", "refusedpromise"),
+        *("ok", "promisedlater"),
         *("ok", "waitrace"),
         *("ok", "waitraceclose"),
         *("ok", "waitrace2"),

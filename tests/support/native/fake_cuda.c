@@ -107,6 +107,10 @@
  *             then fails: once it learns of the failure they are neither held nor made
  *             (nothing may produce those values), and the queue settles, failing from
  *             that wait on
+ *   promisedlater a wait behind a failed wait, not made as it was handed over (nothing
+ *             promised its value), is not confirmed as a wait once a signal of that
+ *             value, which never runs, is submitted before the queue's thread gets to
+ *             it: the queue settles, failing from the failed wait
  *   refusedpromise the same, the later wait for a value of a timeline whose only signal
  *             was refused (its queue discarded before): a refused signal was never
  *             submitted, so it orders nothing, and the queue settles
@@ -2067,6 +2071,41 @@ static void check_refusedpromise(void) {
     free_timeline_free(never);
     am_timeline_free(cause);
     puts("ok refusedpromise");
+}
+
+static void check_promisedlater(void) {
+    /* a: command 1 waits on the device for a gate; command 2 waits for t, failed
+     * already (found so as it is handed over: a passes from there on); command 3 waits
+     * for u's 5, which no signal submitted promises (not made). Then b, held behind a
+     * wait nothing signals, is given a signal of u to 5 -- after a handed command 3
+     * over, before a's thread confirms it: that wait stays one not made. */
+    fake_queue a = queue_new(), b = queue_new();
+    free_timeline t = free_timeline_new(), u = free_timeline_new(), never = free_timeline_new();
+    am_timeline *cause = am_timeline_new();
+    uint64_t *gate = calloc(1, sizeof(uint64_t)), at = 0, stats[8];
+    am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
+    if (am_cuq_wait(a.q, gate, 1, 1) || am_cuq_finish(a.q, 1, NULL, 0, 0, CU_FINISH_PLAIN) ||
+        wait_held(a, t.t, 1, 2) || wait_held(a, u.t, 5, 3))
+        die("promisedlater: a failed at once");
+    am_cuq_stats(a.q, stats);
+    if (stats[6]) die("promisedlater: (setup) a holds its waits on the host");
+    if (wait_held(b, never.t, 1, 1) || am_cuq_finish(b.q, 2, u.t, 5, 0, 0))
+        die("promisedlater: b failed at once");
+    atomic_store((_Atomic uint64_t *)gate, 1);
+    reach(a.t, UINT64_MAX, "promisedlater: a never settled");
+    int error = 0;
+    uint64_t value = 0;
+    if (am_cuq_error(a.q, &at) != CU_HELD_FAILED || at != 2 ||
+        am_cuq_cause(a.q, &error, &value) != (void *)cause)
+        die("promisedlater: a did not fail from its command 2, naming t's failure");
+    queue_free(a, 0);
+    queue_free(b, 1);
+    free_timeline_free(t);
+    free_timeline_free(u);
+    free_timeline_free(never);
+    am_timeline_free(cause);
+    free(gate);
+    puts("ok promisedlater");
 }
 
 static void check_foreign(void) {
@@ -4794,6 +4833,7 @@ int main(void) {
     check_poisonheld();
     check_poisondeferred();
     check_refusedpromise();
+    check_promisedlater();
     check_waitrace();
     check_waitraceclose();
     check_waitrace2();
