@@ -2022,6 +2022,25 @@ static void check_poisonheld(void) {
     puts("ok poisonheld");
 }
 
+/* The end of check_poisondeferred and check_refusedpromise: t (a's command 1 waits for
+ * it on the device) fails; a settles, failing from that wait, naming the failure. The
+ * queues, t, u and the cause go. */
+static void settles_failed(const char *name, fake_queue a, fake_queue b, free_timeline t,
+                           free_timeline u, am_timeline *cause) {
+    char what[96];
+    am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
+    snprintf(what, sizeof what, "%s: a never settled", name);
+    reach(a.t, UINT64_MAX, what);
+    snprintf(what, sizeof what, "%s: a did not fail from its wait, naming its failure", name);
+    if (!fails_from_first(a, CU_WAITED_FAILED, cause)) die(what);
+    queue_free(a, 0);
+    queue_free(b, 0);
+    free_timeline_free(t);
+    free_timeline_free(u);
+    am_timeline_free(cause);
+    printf("ok %s\n", name);
+}
+
 static void check_poisondeferred(void) {
     /* a: command 1 waits on the device for t, which fails; command 2 waits for u's 5
      * (nothing signals u), command 3 for b's 100 (b was given nothing): both held on
@@ -2035,16 +2054,7 @@ static void check_poisondeferred(void) {
     uint64_t stats[8];
     am_cuq_stats(a.q, stats);
     if (!stats[6]) die("poisondeferred: a's waits were not held on the host");
-    am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
-    reach(a.t, UINT64_MAX, "poisondeferred: a never settled");
-    if (!fails_from_first(a, CU_WAITED_FAILED, cause))
-        die("poisondeferred: a did not fail from its wait, naming the failure it came to");
-    queue_free(a, 0);
-    queue_free(b, 0);
-    free_timeline_free(t);
-    free_timeline_free(u);
-    am_timeline_free(cause);
-    puts("ok poisondeferred");
+    settles_failed("poisondeferred", a, b, t, u, cause);
 }
 
 static void check_refusedpromise(void) {
@@ -2060,17 +2070,8 @@ static void check_refusedpromise(void) {
     if (wait_free(a, t, 1, 1) || wait_held(a, u.t, 5, 2) ||
         am_cuq_finish(a.q, 3, NULL, 0, 0, CU_FINISH_PLAIN))
         die("refusedpromise: a failed at once");
-    am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
-    reach(a.t, UINT64_MAX, "refusedpromise: a never settled");
-    if (!fails_from_first(a, CU_WAITED_FAILED, cause))
-        die("refusedpromise: a did not fail from its wait, naming the failure it came to");
-    queue_free(a, 0);
-    queue_free(b, 0);
-    free_timeline_free(t);
-    free_timeline_free(u);
+    settles_failed("refusedpromise", a, b, t, u, cause);
     free_timeline_free(never);
-    am_timeline_free(cause);
-    puts("ok refusedpromise");
 }
 
 static void check_promisedlater(void) {
