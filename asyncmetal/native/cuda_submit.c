@@ -218,11 +218,11 @@ static int cuq_behind_skip(am_cuq *q, uint64_t value) {
  * before (a queue's signal of a timeline after another queue's pending one waits for it
  * first): that one is then handed over, runs and is confirmed before t fails and
  * settles from the value after it (cuda_completion.c, cuq_sure, cuq_confirm_wait). Any
- * other is neither held nor made, nor confirmed as a wait (q->unmade_wait): decided
- * once, as it is handed over -- q's timeline goes on through it,
- * failed, as a host queue's does behind a failed wait -- rather than leave q unsettled
- * behind a value nothing may produce: a host timeline's, a queue's own, or one no
- * queue's signal was submitted for. */
+ * other is neither held nor made, nor confirmed as a wait (q->unmade_wait: decided once,
+ * as it is handed over) -- q's timeline goes on through it, failed, as a host queue's
+ * does behind a failed wait -- rather than leave q unsettled behind a value nothing may
+ * produce: a host timeline's, a queue's own, or one no queue's signal was submitted
+ * for. */
 static int cuq_wait_behind_skip(am_timeline *t, uint64_t target) {
     return t->word && atomic_load(&t->promised) >= target;
 }
