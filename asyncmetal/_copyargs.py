@@ -47,6 +47,9 @@ def host_view(obj: Any, what: str, *, writable: bool) -> memoryview:
             f"{what} holds Python objects ({view.format!r} items): expected plain data "
             "(numbers, bools, bytes); device memory cannot hold object pointers"
         )
+    if view.nbytes == 0 and view.ndim > 1:  # (memoryview cannot cast a zero in a shape)
+        view.release()
+        return memoryview(bytearray() if writable else b"")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 

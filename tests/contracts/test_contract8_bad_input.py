@@ -811,6 +811,32 @@ async def test_a_strided_destination_is_told_how_to_receive_the_bytes(
     assert list(strided) == [0, 1, 2, 3]
 
 
+async def test_an_empty_array_of_several_dimensions_is_refused_by_its_size(
+    device: am.Device,
+) -> None:
+    """A host array with no bytes but several dimensions (``np.zeros((0, 4))``) is
+    refused as any empty source or destination is, by its size, with the library's own
+    error: not numpy's memoryview ``TypeError``."""
+    buf = await device.alloc(16)
+    empty = np.zeros((0, 4), np.float32)
+    sizes = "sizes do not match: dst holds 16 bytes, src 0"
+    with pytest.raises(am.InvalidArgumentError, match=sizes):
+        await am.copy(buf, empty)
+    with pytest.raises(am.InvalidArgumentError, match="sizes do not match: dst holds 0 bytes"):
+        await am.copy(np.zeros((4, 0), np.int32), buf)
+    with pytest.raises(am.InvalidArgumentError, match="data holds 0 bytes and the buffer 16"):
+        await buf.write(empty)
+    _rejects(device, am.InvalidArgumentError, sizes, lambda: device.queue.copy(buf, empty))
+    _rejects(
+        device,
+        am.InvalidArgumentError,
+        "nbytes must be > 0, got 0",
+        lambda: device.queue.copy(np.zeros((2, 0)), buf, nbytes=0),
+    )
+    await buf.write(np.arange(4, dtype=np.int32))
+    assert list(await buf.read(np.int32)) == [0, 1, 2, 3]
+
+
 async def test_numpy_integers_are_launch_values(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:
