@@ -365,6 +365,9 @@ class MetalQueue(NativeQueue):
                 with self._lock:
                     self._busy = False
                     self._routed -= 1
+                # Not kept while the next is awaited: a command's record refers to its
+                # Queue, which, dropped, is let go of only once collected.
+                del item, step, args, command
         with self._lock:
             release = self._release_later
         if release:

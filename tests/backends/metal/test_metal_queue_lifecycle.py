@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import textwrap
+import threading
 from typing import Any
 
 import anyio
@@ -17,6 +18,7 @@ from asyncmetal.backends.metal import _queue
 from asyncmetal.backends.metal._queue import MetalQueue, MetalTimeline
 from tests.backends.metal.test_metal import _in_a_child, sim_only
 from tests.support.fakes import metal_sim
+from tests.support.kernels import KERNELS as C_KERNELS
 from tests.support.queues import fail_new_queues
 
 pytestmark = [pytest.mark.metal, sim_only]
@@ -125,3 +127,52 @@ async def test_a_metal_queue_collected_unclosed_releases_its_command_queue(
             buf = await dev.alloc(16)
             await queue.copy(buf, np.arange(4, dtype=np.float32))
             assert (await buf.read(np.float32)).tolist() == [0, 1, 2, 3]
+
+
+def _metal_workers() -> int:
+    return sum(thread.name == "asyncmetal-metal" for thread in threading.enumerate())
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("anyio_backend", LOOPS)
+@pytest.mark.parametrize("held_by", ["metal timeline", "cpu copy"])
+async def test_dropped_metal_queues_whose_commands_were_held_are_let_go_of(
+    anyio_backend: object, held_by: str
+) -> None:
+    """Queues dropped with a fill held on their own thread (behind a wait for a Metal
+    timeline the host signals later, or behind a cpu queue's copy into the buffer, a
+    wait across kinds) are let go of once the fills ran, as any dropped queue is
+    (README: within two looks of the reaper, 10 s at the most): their MTLCommandQueues
+    are released and their threads end while the device stays open. Checked: without
+    the fix their threads kept the last command they ran, whose completion holds the
+    queue, and most of the 8 stayed (with their threads) until the device closed."""
+    async with am.open_device("metal") as dev, am.open_device("cpu") as cpu:
+        before = await _settled_queues()
+        timeline = dev.timeline()
+        bufs = [await dev.alloc(64) for _ in range(8)]
+        src = await cpu.alloc(64)
+        await src.write(np.full(64, 7, np.uint8))
+        if held_by == "cpu copy":
+            sleep = await cpu.compile(C_KERNELS, "sleep_ms")
+            cpu.queue.launch(sleep, vals=(100,))
+        done = []
+        for buf in bufs:
+            queue = dev.new_queue()
+            if held_by == "cpu copy":
+                cpu.queue.copy(buf, src)
+            else:
+                queue.wait(timeline, 1)
+            done.append(queue.fill(buf, 5, size=4))
+            del queue
+        assert _metal_workers() == 8
+        timeline.signal(1)
+        for completion in done:
+            await completion
+        del done, completion
+        with anyio.move_on_after(12):
+            while _metal_workers() or await _settled_queues() != before:
+                await anyio.sleep(0.05)
+        assert (_metal_workers(), await _settled_queues()) == (0, before)
+        for buf in bufs:
+            assert (await buf.read(np.uint8))[:4].tolist() == [5] * 4
