@@ -1252,18 +1252,15 @@ def completable(
         for q in queues:
             items = ops[q]
             i = position[q]
+            notes_failed = q._native.hands_over_waits and q not in failing
             while i < len(items):
                 value, is_wait, timeline, target = items[i]
-                if is_wait and value > limit[q] and not satisfied(timeline, target):
-                    break
-                if (
-                    is_wait
-                    and value > limit[q]
-                    and q not in failing
-                    and q._native.hands_over_waits
-                    and _ended_failed(timeline, target)
-                ):
-                    failing[q] = value
+                if is_wait and value > limit[q]:
+                    if not satisfied(timeline, target):
+                        break
+                    if notes_failed and _ended_failed(timeline, target):
+                        failing[q] = value
+                        notes_failed = False
                 if not is_wait:
                     reach[timeline] = max(reach.get(timeline, 0), target)
                 i += 1

@@ -682,12 +682,7 @@ int am_cuq_finish(am_cuq *q, uint64_t value, am_timeline *extra, uint64_t extra_
      * settling (cuq_wait_behind_skip). One refused after part of its command reached
      * the driver fails its timeline instead. A wait ordered after this signal is
      * submitted once this returned (Queue.signal). */
-    if (signals && !r) {
-        uint64_t promised = atomic_load(&extra->promised);
-        while (promised < extra_value &&
-               !atomic_compare_exchange_weak(&extra->promised, &promised, extra_value)) {
-        }
-    }
+    if (signals && !r) raise_word(&extra->promised, extra_value);  /* (an atomic max) */
     return r;
 }
 
