@@ -3,6 +3,7 @@ and what the argument checks share."""
 
 from __future__ import annotations
 
+import copy
 import operator
 import os
 import sys
@@ -94,6 +95,7 @@ def not_picklable(obj: object) -> NoReturn:
 
 
 _S = TypeVar("_S", bound="Singular")
+_E = TypeVar("_E", bound=BaseException)
 
 
 class Singular:
@@ -197,6 +199,50 @@ class ClosedResourceError(AsyncMetalError):
 
 class NoLoopError(AsyncMetalError, RuntimeError):
     """Called outside a running asyncio, uvloop or trio loop where one is needed."""
+
+
+# An error kept to be raised later, maybe to many callers (a failed command's, awaited
+# by each of its waiters; a compile's, by each caller that joined it), is kept with no
+# traceback and handed out as a copy: raised, an exception gathers in its traceback the
+# frames it passes through, which hold their locals -- raised again and again, one object
+# would gather every caller's frames, and keep them (and the queues, buffers and
+# devices they refer to) alive as long as it is kept.
+
+
+def keep_error(error: _E) -> _E:
+    """``error``, to be kept and raised later (as ``fresh_error``'s copies): the
+    tracebacks of it and of the errors it chains to (``__cause__``, ``__context__``)
+    dropped, and with them the frames they held."""
+    seen: set[int] = set()
+    links: list[BaseException | None] = [error]
+    while links:
+        link = links.pop()
+        if link is None or id(link) in seen:
+            continue
+        seen.add(id(link))
+        link.__traceback__ = None
+        links += (link.__cause__, link.__context__)
+    return error
+
+
+def fresh_error(error: _E) -> _E:
+    """A copy of kept ``error`` (``keep_error``) for one caller to raise: its type, its
+    arguments and attributes (pickled alike), its notes, cause and context -- and no
+    traceback, nor the frames of the callers that raised the original's other copies.
+    Where the error cannot be copied, the error itself, its traceback dropped."""
+    try:
+        copied = copy.copy(error)
+    except Exception:
+        copied = error
+    if copied is error or type(copied) is not type(error):
+        return error.with_traceback(None)
+    copied.__cause__ = error.__cause__
+    copied.__context__ = error.__context__
+    copied.__suppress_context__ = error.__suppress_context__
+    notes = getattr(error, "__notes__", None)
+    if isinstance(notes, list):  # (its own list: a note added to the copy stays there)
+        copied.__notes__ = list(notes)  # type: ignore[attr-defined]
+    return copied.with_traceback(None)
 
 
 def check_bool(value: object, name: str) -> None:

@@ -41,6 +41,8 @@ from ._errors import (
     Singular,
     as_int,
     check_bool,
+    fresh_error,
+    keep_error,
     warn,
 )
 from ._messages import TMPDIR_VARIABLE, pack_message, read_message, write_stop
@@ -631,7 +633,9 @@ class CompilePool(Singular):
             if self._in_flight.get(job.key) is job:  # a withdrawn job has left already
                 del self._in_flight[job.key]
             callbacks = list(job.callbacks)
-        job.result = result
+        # (An error is kept as one for every caller that joined the job: each raises a
+        # copy, see _result.)
+        job.result = result if isinstance(result, bytes) else keep_error(result)
         job.done.increment()
         for callback in callbacks:
             try:
@@ -747,7 +751,7 @@ class CompilePool(Singular):
         ClosedResourceError of one its pool's close refused before it started."""
         result = job.result
         if isinstance(result, (CompileError, ClosedResourceError)):
-            raise result
+            raise fresh_error(result)  # (its own: see _errors.keep_error)
         assert result is not None
         return result
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import copy
+import gc
 import os
 import pickle
 import signal
@@ -15,6 +16,7 @@ import textwrap
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -210,6 +212,57 @@ async def test_identical_compiles_in_flight_run_once(pool: CompilePool, tmp_path
             tg.start_soon(one)
     assert len(results) == 8 and len(set(results)) == 1
     assert len(list(markers.iterdir())) == 1
+
+
+class _Local:
+    """Something only one caller's frame refers to."""
+
+
+def _depth(error: BaseException) -> int:
+    depth, tb = 0, error.__traceback__
+    while tb is not None:
+        depth, tb = depth + 1, tb.tb_next
+    return depth
+
+
+async def test_callers_of_one_failed_compile_each_get_an_error_of_their_own(
+    pool: CompilePool, tmp_path: Path
+) -> None:
+    """Four callers join one compile that fails: each gets a CompileError of its own,
+    alike (the compiler's log, pickled alike), whose traceback holds its own frames
+    only -- kept, one lets the other callers' locals go. Checked: before, all four got
+    the job's one error, whose traceback grew with each raise and held every caller's
+    frame (and what they referred to) as long as any of them kept the error."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    compiler, src = SlowCompiler(0.3, str(markers)), _src("broken") + "int broken( {\n"
+    errors: list[BaseException] = []
+    locals_: list[weakref.ref[_Local]] = []
+
+    async def one() -> None:
+        mine = _Local()
+        locals_.append(weakref.ref(mine))
+        try:
+            await pool.compile(compiler, src)
+        except am.CompileError as exc:
+            errors.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(4):
+            tg.start_soon(one)
+    assert len(list(markers.iterdir())) == 1  # (one compile, joined by all four)
+    assert len(errors) == 4 and len({id(e) for e in errors}) == 4
+    assert len({(str(e), e.log) for e in errors if isinstance(e, am.CompileError)}) == 1
+    assert len({_depth(e) for e in errors}) == 1, [_depth(e) for e in errors]
+    copied = pickle.loads(pickle.dumps(errors[0]))
+    assert type(copied) is am.CompileError and str(copied) == str(errors[0])
+    kept = errors[0]
+    errors.clear()
+    gc.collect()
+    assert sum(ref() is not None for ref in locals_) == 1
+    del kept
+    gc.collect()
+    assert not any(ref() is not None for ref in locals_)
 
 
 async def test_cancel_withdraws_unstarted_and_finishes_running(

@@ -24,7 +24,7 @@ from ..._backend import (
     Record,
     host_address,
 )
-from ..._errors import DeviceLostError, InvalidArgumentError
+from ..._errors import DeviceLostError, InvalidArgumentError, fresh_error, keep_error
 from ..._scalars import SIZES, Scalar
 from ..._timeline import LATER_FAIL, MAX_VALUE, QUEUE_DISCARDED, discarded_error, failure_error
 from . import _blocks
@@ -255,7 +255,8 @@ class MetalQueue(NativeQueue):
             tuple[Callable[..., None], tuple[Any, ...], _Command | None] | None
         ]
         self._held = queue.SimpleQueue()
-        # Commands whose step failed on the worker, and the error each fails with.
+        # Commands whose step failed on the worker, and the error each fails with (kept:
+        # each caller gets a copy, see _errors.keep_error).
         self._step_errors: dict[int, BaseException] = {}
         self._routed = 0  # submissions handed to the worker and not yet committed
         self._busy = False  # the worker is committing (maybe blocked in commandBuffer)
@@ -448,7 +449,7 @@ class MetalQueue(NativeQueue):
         there in order (with the waits it was to carry); a timeline it was to signal
         fails."""
         value, record, then = command
-        self._step_errors[value] = error
+        self._step_errors[value] = keep_error(error)
         self._commit(value, lambda cb: None, None, None, record, None)
         if then is not None:
             self._backend.lib.am_timeline_fail(
@@ -590,11 +591,11 @@ class MetalQueue(NativeQueue):
         self.flush()
         self._reap()
         if self._step_errors and value in self._step_errors:
-            return self._step_errors[value]
+            return fresh_error(self._step_errors[value])
         if self._discarded_from and value >= self._discarded_from:
             return discarded_error(value, self._discarded_by or QUEUE_DISCARDED)
         if self._lost is not None and value >= self._lost_from:
-            return self._lost
+            return fresh_error(self._lost)
         waited = self._waited
         if not waited:  # (a wait submitted meanwhile comes after `value`, reached)
             return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import textwrap
 import threading
+import weakref
 from typing import Any
 
 import anyio
@@ -14,11 +15,13 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
+from asyncmetal._errors import NoHostMemoryError
 from asyncmetal.backends.metal import _queue
 from asyncmetal.backends.metal._queue import MetalQueue, MetalTimeline
-from tests.backends.metal.test_metal import _in_a_child, sim_only
+from tests.backends.metal.test_metal import FAULTY, _in_a_child, sim_only
 from tests.support.fakes import metal_sim
 from tests.support.kernels import KERNELS as C_KERNELS
+from tests.support.kernels import MSL_KERNELS
 from tests.support.queues import fail_new_queues
 
 pytestmark = [pytest.mark.metal, sim_only]
@@ -176,3 +179,124 @@ async def test_dropped_metal_queues_whose_commands_were_held_are_let_go_of(
         assert (_metal_workers(), await _settled_queues()) == (0, before)
         for buf in bufs:
             assert (await buf.read(np.uint8))[:4].tolist() == [5] * 4
+
+
+def _depth(error: BaseException) -> int:
+    """How many frames ``error``'s traceback holds."""
+    depth, tb = 0, error.__traceback__
+    while tb is not None:
+        depth, tb = depth + 1, tb.tb_next
+    return depth
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("anyio_backend", LOOPS)
+async def test_a_dropped_metal_queue_whose_held_command_failed_is_let_go_of(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fill held on a queue's own thread (behind a wait for a timeline the host
+    signals later) whose command buffer comes back nil there fails, and three tasks
+    awaiting it each get the error as an object of their own, with a traceback of their
+    own (no longer for being raised to the others); the queue goes on (the fill after
+    it runs). Dropped, the queue is let go of as any is: its MTLCommandQueue released,
+    its thread ended. Checked: without the fix the three got one object whose traceback
+    grew with each raise, and the queue kept that error, whose traceback held the
+    awaiters' frames, and so the Queue itself: it stayed alive, with its thread, until
+    the device closed."""
+    send, refused = _queue.send, []
+
+    def nil_once_held(obj: int, selector: str, *args: Any, **kwargs: Any) -> Any:
+        held = threading.current_thread().name == "asyncmetal-metal"
+        if selector == "commandBuffer" and held and not refused:
+            refused.append(selector)
+            return 0
+        return send(obj, selector, *args, **kwargs)
+
+    async with am.open_device("metal") as dev:
+        before = await _settled_queues()
+        workers = _metal_workers()
+        timeline = dev.timeline()
+        buf = await dev.alloc(64)
+        queue = dev.new_queue()
+        queue.wait(timeline, 1)
+        failing = queue.fill(buf, 5, size=4)
+        after = queue.fill(buf, 6, size=4)
+        dropped = weakref.ref(queue)
+        del queue
+        monkeypatch.setattr(_queue, "send", nil_once_held)
+        timeline.signal(1)
+        errors: list[BaseException] = []
+
+        async def awaiter(completion: am.Completion) -> None:
+            try:
+                await completion
+            except am.AsyncMetalError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(awaiter, failing)
+        await awaiter(failing)  # (and once more, after the others)
+        monkeypatch.undo()
+        assert refused == ["commandBuffer"]
+        assert [type(e) for e in errors] == [NoHostMemoryError] * 4, errors
+        assert len({id(e) for e in errors}) == 4
+        assert len({str(e) for e in errors}) == 1
+        assert len({_depth(e) for e in errors}) == 1, [_depth(e) for e in errors]
+        await after
+        assert (await buf.read(np.uint8))[:4].tolist() == [6] * 4
+        errors.clear()
+        del failing, after
+        with anyio.move_on_after(12):
+            while dropped() is not None or _metal_workers() > workers:
+                gc.collect()
+                await anyio.sleep(0.05)
+        assert (dropped() is None, _metal_workers()) == (True, workers)
+        assert await _settled_queues() == before
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("anyio_backend", LOOPS)
+async def test_a_dropped_metal_queue_that_faulted_is_let_go_of(anyio_backend: object) -> None:
+    """A queue whose kernel faulted fails that command and each later one with Metal's
+    error: tasks awaiting them each get an object of their own, with a traceback of
+    their own. Once the device's synchronize reported the failure (a queue whose last
+    command failed is kept until then), the queue, dropped, is let go of as any is.
+    Checked: without the fix every await raised the queue's one DeviceLostError, whose
+    traceback grew with each and held the awaiters' frames, and so the Queue itself,
+    which the device's record of its native queue kept alive until the device closed."""
+    async with am.open_device("metal") as dev:
+        crash = await dev.compile(FAULTY, "crash")
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        bad = await dev.alloc(64)
+        queue = dev.new_queue()
+        dropped = weakref.ref(queue)
+        done = [queue.launch(crash, bad)]
+        done += [queue.launch(fill, bad, vals=(1, 16)) for _ in range(2)]
+        del queue
+        errors: list[BaseException] = []
+
+        async def awaiter(completion: am.Completion) -> None:
+            try:
+                await completion
+            except am.DeviceLostError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for completion in done * 2:
+                tg.start_soon(awaiter, completion)
+        assert len(errors) == 6, errors
+        assert len({id(e) for e in errors}) == 6
+        assert all("kernel crash faulted" in str(e) for e in errors), errors
+        assert len({_depth(e) for e in errors}) == 1, [_depth(e) for e in errors]
+        with pytest.raises(am.DeviceLostError, match="kernel crash faulted"):
+            await dev.synchronize()
+        errors.clear()
+        del done, completion
+        with anyio.move_on_after(12):
+            while dropped() is not None:
+                gc.collect()
+                await anyio.sleep(0.05)
+        assert dropped() is None
