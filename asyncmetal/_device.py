@@ -1041,6 +1041,8 @@ class Device(Singular):
         ``timeout`` bounds each kernel's compile, counted from the step that submits it
         (the first), and is this caller's own, as :meth:`compile`'s is: a kernel whose
         compile another caller started with a longer one (or none) still times out.
+        The device's close ends it: one step raises ``ClosedResourceError``, later
+        steps StopAsyncIteration (:class:`CompileMany`).
         """
         compiler = self._backend.compiler._with_options(check_options(options))
         try:
@@ -1675,6 +1677,13 @@ class CompileMany:
     A kernel that fails raises its :class:`CompileError` once, from the step that
     reaches it. A step that raises or is cancelled loses no other kernel: the next step
     goes on from where the last one stopped.
+
+    The device's close ends it: the first step to find the device closed (before it
+    looks, while it waits or while it loads its program) raises its
+    ``ClosedResourceError`` -- after a checkpoint, so a cancelled step raises the
+    cancellation instead, and the next step raises the error -- and gives up the rest as
+    ``aclose()`` does; every later step raises StopAsyncIteration. So does every step
+    once ``aclose()`` ran, the device closed or not.
     """
 
     def __init__(
@@ -1713,6 +1722,11 @@ class CompileMany:
         on the compiles in the pool are given up -- one not started that nobody else
         awaits is dropped, a running one finishes into the cache. A step under way, and
         every later one, raises StopAsyncIteration."""
+        self._give_up()
+        await checkpoint()
+
+    def _give_up(self) -> None:
+        """``aclose()``'s work, which the device's close ends it with too."""
         if not self._closed:
             self._closed = True
             pool = self._device.compile_pool
@@ -1724,7 +1738,6 @@ class CompileMany:
             self._jobs.clear()
             self._ready.clear()
             self._events.increment()  # a step waiting wakes, and stops
-        await checkpoint()
 
     async def _dispatch(self) -> None:
         device = self._device
@@ -1811,6 +1824,14 @@ class CompileMany:
         self._stepping = True
         try:
             return await self._step()
+        except ClosedResourceError:
+            if not self._device.closed:  # (a kernel's own: its pool refused it)
+                raise
+            # The device's close: raised once, and the iterator ends. A step cancelled
+            # here has not raised it, so the next one does.
+            await checkpoint()
+            self._give_up()
+            raise
         finally:
             self._stepping = False
 
