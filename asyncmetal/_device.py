@@ -1675,8 +1675,9 @@ class CompileMany:
     as soon as it is ready; ``aclose()`` gives up the compiles not yet stepped to.
 
     A kernel that fails raises its :class:`CompileError` once, from the step that
-    reaches it. A step that raises or is cancelled loses no other kernel: the next step
-    goes on from where the last one stopped.
+    reaches it -- and one its pool refused, closed, its ``ClosedResourceError``. A step
+    that raises or is cancelled loses no other kernel: the next step goes on from where
+    the last one stopped.
 
     The device's close ends it: the first step to find the device closed (before it
     looks, while it waits or while it loads its program) raises its
@@ -1761,15 +1762,21 @@ class CompileMany:
                 return
             if binary is None:
                 submitted = _Submitted((key, name), (params, src))
-                # Refused (the pool closed meanwhile): not dispatched, so every later
-                # step raises it again rather than waiting for a result never coming.
-                job = pool._submit(
-                    compiler,
-                    src,
-                    key,
-                    timeout=self._timeout,
-                    on_done=functools.partial(self._job_done, submitted),
-                )
+                try:
+                    job = pool._submit(
+                        compiler,
+                        src,
+                        key,
+                        timeout=self._timeout,
+                        on_done=functools.partial(self._job_done, submitted),
+                    )
+                except ClosedResourceError as refused:
+                    # The pool is closed: the refusal is this kernel's result, raised
+                    # once in its turn, as a pool's close fails the compiles it had not
+                    # started (each later step refused it again, for ever, before).
+                    self._dispatched += 1
+                    self._arrived((key, name), (params, src), refused)
+                    continue
                 self._dispatched += 1
                 self._jobs[job] += 1
                 if self._timeout is not None:  # counted from now, as compile()'s is
@@ -1855,8 +1862,8 @@ class CompileMany:
         self._yielded += 1
         key, ((params, src), result) = self._ready.popleft()
         with _naming(key[1]):
-            if isinstance(result, CompileError):
-                raise result
+            if isinstance(result, (CompileError, ClosedResourceError)):
+                raise result  # (a ClosedResourceError: the pool refused the kernel)
             log = ""
             if not isinstance(result, bytes):  # a finished pool job
                 pool = self._device.compile_pool

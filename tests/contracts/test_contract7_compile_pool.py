@@ -582,6 +582,22 @@ async def test_compile_many_ends_once_its_device_closed(anyio_backend: object) -
     assert await _steps_until_it_ends(closed) == []
 
 
+async def test_compile_many_raises_a_closed_pools_refusal_once_per_kernel(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A pool closed before the kernels were submitted refuses each: each kernel raises
+    that ClosedResourceError once, in its turn, and the iterator then ends (the device
+    is open: it is no close of the device). Checked: before, every step raised the
+    refusal of the first kernel again, and a loop going on past it never ended."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path))
+    await pool.aclose()
+    async with am.open_device("cpu") as dev:
+        dev.compile_pool = pool
+        many = dev.compile_many([(_src(i), "twice") for i in range(3)])
+        assert await _steps_until_it_ends(many) == ["ClosedResourceError"] * 3
+        assert await _steps_until_it_ends(many) == []
+
+
 async def test_compile_many_ends_once_its_device_closed_past_a_failed_kernel(
     anyio_backend: object, tmp_path: Path
 ) -> None:
