@@ -1683,8 +1683,9 @@ class CompileMany:
     looks, while it waits or while it loads its program) raises its
     ``ClosedResourceError`` -- after a checkpoint, so a cancelled step raises the
     cancellation instead, and the next step raises the error -- and gives up the rest as
-    ``aclose()`` does; every later step raises StopAsyncIteration. So does every step
-    once ``aclose()`` ran, the device closed or not.
+    ``aclose()`` does; every later step raises StopAsyncIteration. A lost device's
+    :class:`DeviceLostError` ends it alike. So does every step once ``aclose()`` ran,
+    the device closed or not.
     """
 
     def __init__(
@@ -1730,12 +1731,11 @@ class CompileMany:
         """``aclose()``'s work, which the device's close ends it with too."""
         if not self._closed:
             self._closed = True
-            pool = self._device.compile_pool
-            for job, claims in self._jobs.items():
-                if self._pid != os.getpid():  # a forked child's: the parent's jobs
-                    break
-                for _ in range(claims):
-                    pool._withdraw(job, untimed=self._timeout is None)
+            if self._pid == os.getpid():  # (a forked child's: the parent's jobs)
+                pool = self._device.compile_pool
+                for job, claims in self._jobs.items():
+                    for _ in range(claims):
+                        pool._withdraw(job, untimed=self._timeout is None)
             self._jobs.clear()
             self._ready.clear()
             self._events.increment()  # a step waiting wakes, and stops
@@ -1831,11 +1831,11 @@ class CompileMany:
         self._stepping = True
         try:
             return await self._step()
-        except ClosedResourceError:
-            if not self._device.closed:  # (a kernel's own: its pool refused it)
-                raise
-            # The device's close: raised once, and the iterator ends. A step cancelled
-            # here has not raised it, so the next one does.
+        except (ClosedResourceError, DeviceLostError) as exc:
+            if isinstance(exc, ClosedResourceError) and not self._device.closed:
+                raise  # (a kernel's own: its pool refused it)
+            # The device's close, or its loss: raised once, and the iterator ends. A
+            # step cancelled here has not raised it, so the next one does.
             await checkpoint()
             self._give_up()
             raise

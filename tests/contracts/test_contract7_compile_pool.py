@@ -555,7 +555,7 @@ async def _steps_until_it_ends(many: am.CompileMany) -> list[str]:
                 raised.append("a program")
             except StopAsyncIteration:
                 return raised
-            except (am.CompileError, am.ClosedResourceError) as exc:
+            except am.AsyncMetalError as exc:
                 raised.append(type(exc).__name__)
     raise AssertionError(f"the iterator never ended: {raised}")
 
@@ -580,6 +580,25 @@ async def test_compile_many_ends_once_its_device_closed(anyio_backend: object) -
     assert await _steps_until_it_ends(many) == []
     assert not many._jobs  # its claims were given up
     assert await _steps_until_it_ends(closed) == []
+
+
+async def test_compile_many_ends_once_its_device_is_lost(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lost device (a fault the driver made process-wide: every compile raises
+    DeviceLostError, here as the backend says so) ends it as a close does: one step
+    raises the error, after a checkpoint, and later steps StopAsyncIteration. Checked:
+    before, every step raised it again, at once, and the loop went on for ever."""
+    async with am.open_device("cpu") as dev:
+        many = dev.compile_many([(_src(i), "twice") for i in range(3)])
+        with monkeypatch.context() as patch:
+            patch.setattr(dev._backend, "lost_error", lambda what: am.DeviceLostError(what))
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await many.__anext__()
+            assert scope.cancelled_caught
+            assert await _steps_until_it_ends(many) == ["DeviceLostError"]
+            assert await _steps_until_it_ends(many) == []
 
 
 async def test_compile_many_raises_a_closed_pools_refusal_once_per_kernel(
