@@ -1773,7 +1773,8 @@ class CompileMany:
                 except ClosedResourceError as refused:
                     # The pool is closed: the refusal is this kernel's result, raised
                     # once in its turn, as a pool's close fails the compiles it had not
-                    # started (each later step refused it again, for ever, before).
+                    # started. (Left undispatched, every later step would be refused it
+                    # again, and the iterator never end.)
                     self._dispatched += 1
                     self._arrived((key, name), (params, src), refused)
                     continue
