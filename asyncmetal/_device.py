@@ -1041,6 +1041,8 @@ class Device(Singular):
         ``timeout`` bounds each kernel's compile, counted from the step that submits it
         (the first), and is this caller's own, as :meth:`compile`'s is: a kernel whose
         compile another caller started with a longer one (or none) still times out.
+        The device's close ends it: one step raises ``ClosedResourceError``, later
+        steps StopAsyncIteration (:class:`CompileMany`).
         """
         compiler = self._backend.compiler._with_options(check_options(options))
         try:
@@ -1673,8 +1675,17 @@ class CompileMany:
     as soon as it is ready; ``aclose()`` gives up the compiles not yet stepped to.
 
     A kernel that fails raises its :class:`CompileError` once, from the step that
-    reaches it. A step that raises or is cancelled loses no other kernel: the next step
-    goes on from where the last one stopped.
+    reaches it -- and one its pool refused, closed, its ``ClosedResourceError``. A step
+    that raises or is cancelled loses no other kernel: the next step goes on from where
+    the last one stopped.
+
+    The device's close ends it: the first step to find the device closed (before it
+    looks, while it waits or while it loads its program) raises its
+    ``ClosedResourceError`` -- after a checkpoint, so a cancelled step raises the
+    cancellation instead, and the next step raises the error -- and gives up the rest as
+    ``aclose()`` does; every later step raises StopAsyncIteration. A lost device's
+    :class:`DeviceLostError` ends it alike. So does every step once ``aclose()`` ran,
+    the device closed or not.
     """
 
     def __init__(
@@ -1713,18 +1724,21 @@ class CompileMany:
         on the compiles in the pool are given up -- one not started that nobody else
         awaits is dropped, a running one finishes into the cache. A step under way, and
         every later one, raises StopAsyncIteration."""
+        self._give_up()
+        await checkpoint()
+
+    def _give_up(self) -> None:
+        """``aclose()``'s work, which the device's close ends it with too."""
         if not self._closed:
             self._closed = True
-            pool = self._device.compile_pool
-            for job, claims in self._jobs.items():
-                if self._pid != os.getpid():  # a forked child's: the parent's jobs
-                    break
-                for _ in range(claims):
-                    pool._withdraw(job, untimed=self._timeout is None)
+            if self._pid == os.getpid():  # (a forked child's: the parent's jobs)
+                pool = self._device.compile_pool
+                for job, claims in self._jobs.items():
+                    for _ in range(claims):
+                        pool._withdraw(job, untimed=self._timeout is None)
             self._jobs.clear()
             self._ready.clear()
             self._events.increment()  # a step waiting wakes, and stops
-        await checkpoint()
 
     async def _dispatch(self) -> None:
         device = self._device
@@ -1748,15 +1762,22 @@ class CompileMany:
                 return
             if binary is None:
                 submitted = _Submitted((key, name), (params, src))
-                # Refused (the pool closed meanwhile): not dispatched, so every later
-                # step raises it again rather than waiting for a result never coming.
-                job = pool._submit(
-                    compiler,
-                    src,
-                    key,
-                    timeout=self._timeout,
-                    on_done=functools.partial(self._job_done, submitted),
-                )
+                try:
+                    job = pool._submit(
+                        compiler,
+                        src,
+                        key,
+                        timeout=self._timeout,
+                        on_done=functools.partial(self._job_done, submitted),
+                    )
+                except ClosedResourceError as refused:
+                    # The pool is closed: the refusal is this kernel's result, raised
+                    # once in its turn, as a pool's close fails the compiles it had not
+                    # started. (Left undispatched, every later step would be refused it
+                    # again, and the iterator never end.)
+                    self._dispatched += 1
+                    self._arrived((key, name), (params, src), refused)
+                    continue
                 self._dispatched += 1
                 self._jobs[job] += 1
                 if self._timeout is not None:  # counted from now, as compile()'s is
@@ -1811,6 +1832,14 @@ class CompileMany:
         self._stepping = True
         try:
             return await self._step()
+        except (ClosedResourceError, DeviceLostError) as exc:
+            if isinstance(exc, ClosedResourceError) and not self._device.closed:
+                raise  # (a kernel's own: its pool refused it)
+            # The device's close, or its loss: raised once, and the iterator ends. A
+            # step cancelled here has not raised it, so the next one does.
+            await checkpoint()
+            self._give_up()
+            raise
         finally:
             self._stepping = False
 
@@ -1834,8 +1863,8 @@ class CompileMany:
         self._yielded += 1
         key, ((params, src), result) = self._ready.popleft()
         with _naming(key[1]):
-            if isinstance(result, CompileError):
-                raise result
+            if isinstance(result, (CompileError, ClosedResourceError)):
+                raise result  # (a ClosedResourceError: the pool refused the kernel)
             log = ""
             if not isinstance(result, bytes):  # a finished pool job
                 pool = self._device.compile_pool

@@ -494,11 +494,17 @@ def _host_copy(
     as DLPack's type ``code`` and ``bits`` of ``shape`` (kDLCPU; versioned ones flagged
     as copied, and with ``flags``), made as a shared export's capsule is (numpy's own
     refuses ml_dtypes' types). It is read at once, so a command still using the memory
-    is refused as for a shared export."""
+    is refused as for a shared export. The memory is lent (held) while it is read: a
+    ``free()`` on another thread meanwhile cannot hand the block to another buffer,
+    whose bytes the copy would read."""
     _order_for_consumer(buffer, state, stream)
-    handle, _ = buffer._lend(hold=False)
-    view = state.backend.host_view(handle, buffer.offset, buffer.nbytes)
-    copy = np.frombuffer(view, np.uint8).copy()
+    handle, release = buffer._lend()  # (refused if freed: checked and held at once)
+    try:
+        view = state.backend.host_view(handle, buffer.offset, buffer.nbytes)
+        copy = np.frombuffer(view, np.uint8).copy()
+        del view
+    finally:
+        release()
     if versioned:
         flags |= FLAG_IS_COPIED
     # The tensor holds the copy until it is deleted.

@@ -478,7 +478,7 @@ def timeline_reader(c_timeline: int, plain: bool | None = None) -> ValueReader:
 
 
 # AM_ABANDONED (amrt.h): the error of a command that will never run, its device having
-# closed while it waited for a value nobody signalled. AM_CLOSED: a timeline's device
+# closed while it waited for a value not produced yet. AM_CLOSED: a timeline's device
 # closed before it reached the value. AM_DISCARDED: a command dropped before it
 # started, its queue (or device) closed with discard=True.
 ABANDONED = -4

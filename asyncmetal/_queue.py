@@ -30,6 +30,7 @@ from ._program import Program
 from ._scalars import Scalar, launch_value
 from ._timeline import (
     MADE_BY_DEVICE,
+    NOT_YET,
     QUEUE_CLOSED,
     QUEUE_DISCARDED,
     Timeline,
@@ -84,7 +85,7 @@ class Completion(Record, Singular):
 
     def done(self) -> bool:
         """Whether the command is settled: finished, or abandoned by closing the device
-        while it waited for a value nobody signalled (awaiting it then raises).
+        while it waited for a value not produced yet (awaiting it then raises).
         Never blocks."""
         return self.queue._timeline.value >= self.value
 
@@ -323,9 +324,8 @@ class Queue(Singular):
             which = "its default queue" if self._closer is None else "a queue"
             return ClosedResourceError(
                 f"the device {self.device.name} was closed while command {abandoned} of "
-                f"{which} (this command's) waited on the device for a timeline value "
-                "never produced (nobody signalled it, or what would have waited in turn): "
-                "commands of that queue from there on never ran"
+                f"{which} (this command's) waited on the device for a timeline value not "
+                f"produced yet ({NOT_YET}): commands of that queue from there on never ran"
             )
         return self._native.failure(value)
 

@@ -91,6 +91,15 @@ LATER_FAIL = (
 )
 
 
+# Why a close abandoned a command waiting on the device for a value: not that the value
+# will never come (a host signal, or a queue's signal held behind another wait, may
+# bring it later), but that nothing the close could wait for would.
+NOT_YET = (
+    "nothing that could still run would produce it; a signal held behind another wait, "
+    "or the host's, may bring it later"
+)
+
+
 def failure_error(failure: _native.Failure, lead: str, tail: str = "") -> AsyncMetalError:
     """The error of something that depends on a value ``failure`` kept from being
     produced: ``lead`` ("... a value that"), then the command where the failure began
@@ -119,7 +128,7 @@ def failure_error(failure: _native.Failure, lead: str, tail: str = "") -> AsyncM
         device = "its device" if queue is None else queue.device.name
         return ClosedResourceError(
             f"{lead} {where} never produced: {device} was closed while that command waited "
-            f"for a timeline value nobody signalled, and it never ran{tail}"
+            f"for a timeline value not produced yet ({NOT_YET}), and it never ran{tail}"
         )
     cause = None if queue is None else queue._failure(failure.value)
     if cause is None:

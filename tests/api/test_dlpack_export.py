@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -406,6 +407,49 @@ async def test_exports_in_a_loop_leave_no_backlog(make: Make, anyio_backend: obj
         gc.collect()
         stats = dev.memory_statistics()
         assert (stats.in_use, stats.cached) == (0, size)
+
+
+async def test_a_copy_reads_the_buffer_even_as_another_thread_frees_it(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``copy=True`` checks the buffer and holds its memory in one step: a ``free()``
+    on another thread between the check and the read (forced here: the read's view of
+    the memory first runs the free, and an allocation of the same size that writes
+    other bytes) hands the block to no other buffer, and the copy holds the freed
+    buffer's bytes. The block goes back to the allocator once read. Checked: before,
+    the block was checked but not held, went to the new buffer, and the copy held its
+    bytes (9s)."""
+    async with am.open_device("cpu") as dev:
+        buf = await dev.alloc(4096)
+        await buf.write(np.full(1024, 5, np.int32))
+        block = buf._allocation.block
+        backend = dev._backend
+        host_view = backend.host_view
+        reused: list[am.Buffer] = []
+
+        async def free_and_reuse() -> None:
+            await buf.free()
+            other = await dev.alloc(4096)
+            await other.write(np.full(1024, 9, np.int32))
+            reused.append(other)
+
+        def freed_first(*args: Any) -> Any:
+            monkeypatch.setattr(backend, "host_view", host_view)  # (once)
+            anyio.from_thread.run(free_and_reuse)
+            return host_view(*args)
+
+        monkeypatch.setattr(backend, "host_view", freed_first)
+        with anyio.fail_after(30):
+            copied = await anyio.to_thread.run_sync(
+                lambda: np.from_dlpack(buf.typed(np.int32), copy=True)
+            )
+        (other,) = reused
+        assert copied.tolist() == [5] * 1024
+        assert other._allocation.block is not block
+        assert (await other.read(np.int32)).tolist() == [9] * 1024
+        stats = dev.memory_statistics()
+        assert (stats.in_use, stats.cached) == (4096, 4096)  # the copied block is back
+        await other.free()
 
 
 async def test_an_export_that_fails_ends_its_loan(

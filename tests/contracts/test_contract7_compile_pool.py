@@ -597,6 +597,139 @@ async def _steps_refused(device: am.Device) -> None:
     assert names == ["twice", "twice"]
 
 
+async def _steps_until_it_ends(many: am.CompileMany) -> list[str]:
+    """What each step raises, in a loop that goes on past every error, until one raises
+    StopAsyncIteration (bounded: an iterator that never ends fails the test)."""
+    raised: list[str] = []
+    with anyio.fail_after(30):
+        for _ in range(10):
+            try:
+                await many.__anext__()
+                raised.append("a program")
+            except StopAsyncIteration:
+                return raised
+            except am.AsyncMetalError as exc:
+                raised.append(type(exc).__name__)
+    raise AssertionError(f"the iterator never ended: {raised}")
+
+
+async def test_compile_many_ends_once_its_device_closed(anyio_backend: object) -> None:
+    """A compile_many whose device closed raises ClosedResourceError from one step, after
+    a checkpoint (a step cancelled there raises the cancellation, and the next step the
+    error), then ends: a loop that goes on past errors stops. After ``aclose()`` it
+    only ends. Checked: before, every step raised the error, never a cancellation, and
+    the loop went on for ever."""
+    async with am.open_device("cpu") as dev:
+        many = dev.compile_many([(_src(i), "twice") for i in range(3)])
+        with anyio.fail_after(30):
+            assert (await many.__anext__()).name == "twice"
+        closed = dev.compile_many([(_src("closed later"), "twice")])
+        await closed.aclose()
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await many.__anext__()
+    assert scope.cancelled_caught
+    assert await _steps_until_it_ends(many) == ["ClosedResourceError"]
+    assert await _steps_until_it_ends(many) == []
+    assert not many._jobs  # its claims were given up
+    assert await _steps_until_it_ends(closed) == []
+
+
+async def test_compile_many_ends_once_its_device_is_lost(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lost device (a fault the driver made process-wide: every compile raises
+    DeviceLostError, here as the backend says so) ends it as a close does: one step
+    raises the error, after a checkpoint, and later steps StopAsyncIteration. Checked:
+    before, every step raised it again, at once, and the loop went on for ever."""
+    async with am.open_device("cpu") as dev:
+        many = dev.compile_many([(_src(i), "twice") for i in range(3)])
+        with monkeypatch.context() as patch:
+            patch.setattr(dev._backend, "lost_error", lambda what: am.DeviceLostError(what))
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await many.__anext__()
+            assert scope.cancelled_caught
+            assert await _steps_until_it_ends(many) == ["DeviceLostError"]
+            assert await _steps_until_it_ends(many) == []
+
+
+async def test_compile_many_raises_a_closed_pools_refusal_once_per_kernel(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A pool closed before the kernels were submitted refuses each: each kernel raises
+    that ClosedResourceError once, in its turn, and the iterator then ends (the device
+    is open: it is no close of the device). Checked: before, every step raised the
+    refusal of the first kernel again, and a loop going on past it never ended."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path))
+    await pool.aclose()
+    async with am.open_device("cpu") as dev:
+        dev.compile_pool = pool
+        many = dev.compile_many([(_src(i), "twice") for i in range(3)])
+        assert await _steps_until_it_ends(many) == ["ClosedResourceError"] * 3
+        assert await _steps_until_it_ends(many) == []
+
+
+async def test_compile_many_ends_once_its_device_closed_past_a_failed_kernel(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A kernel's CompileError does not end it -- the next step goes on with the other
+    kernels -- and the device's close past it does, as above. (A pool of one worker
+    compiles them in turn: the broken one arrives first.) Checked: before, the steps
+    past the close raised ClosedResourceError for ever."""
+    pool = CompilePool(1, cache=CompileCache(tmp_path))
+    broken = f"int twice(int x) {{ oops }}\n/* {time.time_ns()} */\n"
+    try:
+        async with am.open_device("cpu") as dev:
+            dev.compile_pool = pool
+            many = dev.compile_many([(broken, "twice"), *[(_src(i), "twice") for i in range(3)]])
+            with anyio.fail_after(30):
+                with pytest.raises(am.CompileError, match="failed with exit code"):
+                    await many.__anext__()
+                assert (await many.__anext__()).name == "twice"
+        assert await _steps_until_it_ends(many) == ["ClosedResourceError"]
+    finally:
+        await pool.aclose()
+
+
+async def test_compile_many_ends_once_its_device_closed_while_a_step_waited(
+    anyio_backend: object, tmp_path: Path
+) -> None:
+    """A step waiting for a compile as the device closes raises ClosedResourceError
+    once the compile arrives (it cannot be loaded), and the iterator ends."""
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache"))
+    sources = [_src(f"held {i}") for i in range(2)]
+    try:
+        async with am.open_device("cpu") as dev:
+            dev.compile_pool = pool
+            dev._backend._compiler = GatedCompiler(str(gates))
+            many = dev.compile_many([(src, "twice") for src in sources])
+            raised: list[str] = []
+
+            async def step() -> None:
+                try:
+                    await many.__anext__()
+                except am.ClosedResourceError as exc:
+                    raised.append(str(exc))
+
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(step)
+                    while not (gates / f"{gate_name(sources[0])}.began").exists():
+                        await anyio.sleep(0.01)
+                    await anyio.wait_all_tasks_blocked()  # the step waits for it
+                    await dev.close()
+                    (gates / gate_name(sources[0])).touch()
+            assert raised == ["device cpu is closed"]
+        assert await _steps_until_it_ends(many) == []
+    finally:
+        for src in sources:
+            (gates / gate_name(src)).touch()
+        await pool.aclose()
+
+
 async def test_compiler_warnings_come_as_a_compile_warning(
     anyio_backend: object, tmp_path: Path
 ) -> None:

@@ -704,6 +704,52 @@ async def test_a_wait_for_a_command_abandoned_by_a_close_fails_what_follows(
 
 
 @pytest.mark.anyio
+async def test_a_close_abandoning_a_wait_a_held_signal_would_satisfy_says_not_yet(
+    anyio_backend: object,
+) -> None:
+    """A queue of cpu:0 waits, on the device, for a value of a timeline whose signal a
+    queue of cpu:1 holds behind a wait for a host signal; closing cpu:0 abandons the
+    waiting command. Its error, and those of what depends on it (a queue of cpu:1 that
+    waits for its value), say that the device closed while the command waited for a
+    value not produced yet -- which the host's signal then brings -- not that the value
+    was never produced. Checked: before, they said "a timeline value never produced
+    (nobody signalled it ...)" and "a timeline value nobody signalled"."""
+    dev, other = await am.open_device("cpu:0"), await am.open_device("cpu:1")
+    try:
+        fill = await dev.compile(KERNELS, "fill")
+        buf = await dev.alloc(4)
+        timeline, gate = other.timeline(), other.timeline()
+        held = other.new_queue()
+        held.wait(gate, 1)  # only the host raises it, once the close has ended
+        signalled = held.signal(timeline, 1)
+        queue = dev.new_queue()
+        waited = queue.wait(timeline, 1)
+        behind = queue.launch(fill, buf, vals=(7, 1))
+        follower = other.new_queue()
+        followed = follower.wait(queue.timeline, behind.value)
+        with anyio.fail_after(20):
+            await dev.close()
+            errors = []
+            for done in (waited, behind, queue.timeline.wait(behind.value), followed):
+                with pytest.raises(am.ClosedResourceError) as caught:
+                    await done
+                errors.append(str(caught.value))
+            for error in errors:
+                assert "timeline value not produced yet" in error, error
+                assert "a signal held behind another wait, or the host's" in error, error
+                assert "nobody signalled" not in error, error
+                assert "value never produced" not in error, error
+            assert errors[0].startswith(f"the device {dev.name} was closed while command ")
+            assert f"{dev.name} was closed while that command waited for a timeline" in errors[3]
+            gate.signal(1)
+            await signalled  # the value came after all
+            await timeline.wait(1)
+    finally:
+        await dev.close()
+        await other.close()
+
+
+@pytest.mark.anyio
 async def test_a_host_wait_past_a_queues_abandoned_commands_raises(anyio_backend: object) -> None:
     """A close abandons a queue's commands (they wait for a value nobody signals): its
     timeline settles, and a host wait on it for a value past its last command -- made

@@ -289,9 +289,10 @@ def test_closes_of_a_device_whose_queues_are_held_in_device_waits_return(loop: s
         "returned": True,
         "behind": [
             "ClosedResourceError: the device cuda:N was closed while command N of a queue "
-            "(this command's) waited on the device for a timeline value never produced "
-            "(nobody signalled it, or what would have waited in turn): commands of that "
-            "queue from there on never ran"
+            "(this command's) waited on the device for a timeline value not produced yet "
+            "(nothing that could still run would produce it; a signal held behind another "
+            "wait, or the host's, may bring it later): commands of that queue from there "
+            "on never ran"
         ],
     }, seen
     assert seen["discard"] == {
