@@ -395,7 +395,7 @@ def c_value_types(
 # ``scalar_type`` None: ``long double``, a struct by value, CUDA's vector types...).
 _NOT_A_SCALAR = re.compile(
     r"\b(float|double|half|_Float\d+x?|__fp16|__half|__half2|__nv_bfloat16|_Complex|struct|union"
-    r"|class|__int128|_BitInt|__float128|__float80|__ibm128|__bf16|_Decimal\d+|__m\d+\w*"
+    r"|class|__u?int128(?:_t)?|_BitInt|__float128|__float80|__ibm128|__bf16|_Decimal\d+|__m\d+\w*"
     r"|vector_size|ext_vector_type|__nv_bfloat162|nv_bfloat16|nv_bfloat162|dim3"
     r"|(?:u?char|u?short|u?int|u?long|u?longlong|float|double)[1-4]"
     # the Metal Shading Language's: bfloat, vectors, matrices, packed vectors, atomics

@@ -334,6 +334,8 @@ async def test_a_type_defined_apart_in_if_branches_is_not_known(device: am.Devic
         ("typedef float v4 __attribute__((vector_size(16)));", "v4 a"),
         ("typedef unsigned __int128 u128;", "u128 a"),
         ("", "__int128 a"),
+        ("", "__int128_t a"),  # the compiler's own typedefs of __int128
+        ("", "const __uint128_t a"),
         ("", "__float128 a"),
         ("", "__bf16 a"),
         ("", "float2 a"),  # CUDA's vector types (a struct of two floats)
@@ -347,7 +349,7 @@ async def test_a_value_no_launch_passes_is_refused_behind_its_typedef(
     """A cpu value parameter of a type no launch value passes (its calling convention
     passes it in memory, in two registers, or in a vector register a launch's int would
     not reach) is refused at compile, also when a typedef names it or it is one of the
-    compiler's own (``__int128``)."""
+    compiler's own (``__int128``, and its typedefs ``__int128_t`` and ``__uint128_t``)."""
     source = f"{before}\nvoid k(int* out, {declaration}, int n) {{ out[0] = n; }}"
     with pytest.raises(am.CompileError, match="is not a scalar") as info:
         await device.compile(source, "k")
