@@ -528,6 +528,45 @@ def refuse_non_scalars(src: str, name: str, values: list[str]) -> None:
             )
 
 
+def refuse_returned_in_memory(src: str, name: str) -> None:
+    """Refuse (``CompileError``) a C kernel ``name`` whose definition returns a type that
+    the C calling convention returns through memory or on the x87 stack: a struct,
+    union or class (its caller's hidden address takes the first parameter's register,
+    every parameter shifted), a ``long double`` (left on the x87 stack, which a caller
+    that calls it as a void function never pops), or another type no launch value is.
+    A pointer, ``void`` or a scalar is returned in a register (and dropped)."""
+    text = _without_attributes(_strip(src))
+    known = typedefs(text)
+    not_scalars = _not_scalar_typedefs(text)
+    pointers = _pointer_names(text)
+    text = _scan.sub(_scan.matches_at(_PREPROCESSOR_LINE, text, _directives(text)), text, " ")
+    for _, declared, _ in _each_definition(text, re.escape(name)):
+        words = [w for w in declared.split() if w not in _NOT_RETURN_TYPE]
+        if {"*", "&"}.intersection(words) or pointers.intersection(words):
+            continue
+        words = resolved(words, known)
+        if (
+            _NOT_A_SCALAR.search(" ".join(words)) or not_scalars.intersection(words)
+        ) and scalar_type(words, known) is None:
+            raise CompileError(
+                f"kernel {name!r} returns {' '.join(words)!r}, which is no pointer or scalar: "
+                "the C calling convention may return it through memory (a hidden first "
+                "argument, which shifts the parameters) or on the x87 stack (which a kernel, "
+                "called as a void function, leaves full): return void, and write the result "
+                "to a buffer",
+                name=name,
+            )
+
+
+# Words of a function's declaration before its name that are no part of its return type.
+_NOT_RETURN_TYPE = frozenset(
+    (
+        *("static", "extern", "inline", "__inline", "__inline__", "_Noreturn", "register"),
+        *("__global__", "__device__", "__host__", "__forceinline__", "__noinline__", "kernel"),
+    )
+)
+
+
 def c_param_declarations(src: str, name: str) -> list[tuple[ParamKind, str]]:
     """Each parameter of the C-like function ``name`` defined in ``src``: its kind and
     its declaration (``NotDefinedError`` where no definition is found).
@@ -751,7 +790,8 @@ _PARENS = re.compile(r"[()]")
 def _each_definition(text: str, name: str) -> Iterator[tuple[str, str, list[str]]]:
     """Each function definition in ``text`` whose name matches the pattern ``name``:
     its name, the words of its declaration before the name (``static``,
-    ``__global__``...) and its parameter declarations."""
+    ``__global__``...; its return type's, a ``*`` or ``&`` among them) and its
+    parameter declarations."""
     # The ")" of each "(" read so far: a name within another's parentheses
     # (``k(k(k(...)))``) finds its own there, not by reading them again, which would
     # take time quadratic in the source's length.
@@ -775,7 +815,7 @@ def _each_definition(text: str, name: str) -> Iterator[tuple[str, str, list[str]
             continue
         body = text[start : pos - 1].strip()
         after = max(_scan.rfind(text, c, match.start()) for c in ";{}") + 1
-        words = " ".join(re.findall(r"\w+", text[after : match.start()]))
+        words = " ".join(re.findall(r"\w+|[*&]", text[after : match.start()]))
         yield match.group(1), words, [] if body in ("", "void") else _split_top_level(body)
 
 

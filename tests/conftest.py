@@ -58,6 +58,7 @@ CPU_ONLY = {
     "test_cpu_half_floats_pass_in_the_vector_registers",
     "test_a_type_defined_apart_in_if_branches_is_not_known",
     "test_a_value_no_launch_passes_is_refused_behind_its_typedef",
+    "test_a_cpu_kernel_returning_through_memory_or_the_x87_stack_is_refused",
     "test_scalar_types_read_past_attributes_and_enums",
     "test_a_macro_naming_a_type_is_read_as_it",
     "test_a_reference_parameter_is_refused",

@@ -356,6 +356,44 @@ async def test_a_value_no_launch_passes_is_refused_behind_its_typedef(
     assert declaration in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("before", "returned", "refused"),
+    [
+        ("struct big { double a[8]; };", "struct big", True),
+        ("typedef struct { double a[8]; } big;", "big", True),
+        ("", "long double", True),
+        ("", "extern long double", True),
+        ("#define RET long double", "RET", True),
+        ("struct big { double a[8]; };", "struct big *", False),
+        ("struct big; typedef struct big *big_p;", "big_p", False),
+        ("", "double", False),
+        ("", "unsigned long", False),
+    ],
+)
+async def test_a_cpu_kernel_returning_through_memory_or_the_x87_stack_is_refused(
+    device: am.Device, before: str, returned: str, refused: bool
+) -> None:
+    """A cpu kernel is called as a void function. One that returns a struct through
+    memory takes its caller's hidden address in its first parameter's register (every
+    parameter shifted: its writes land past the buffers), and one that returns a
+    ``long double`` leaves it on the x87 stack, which nobody pops (after eight such
+    launches, ``long double`` arithmetic on that queue's thread gives NaN): both are
+    refused at compile. A pointer or a scalar is returned in a register, and dropped."""
+    source = (
+        f"{before}\n{returned} k(long long* out, int w) {{ "
+        f"{returned.removeprefix('extern ')} r = {{0}}; out[0] = w; return r; }}"
+    )
+    if refused:
+        with pytest.raises(am.CompileError, match="returns") as info:
+            await device.compile(source, "k")
+        assert info.value.name == "k"
+        return
+    k = await device.compile(source, "k")
+    out = await device.alloc(8)
+    await device.queue.launch(k, out, vals=(7,))
+    assert (await out.read(np.int64))[0] == 7
+
+
 async def test_scalar_types_read_past_attributes_and_enums(device: am.Device) -> None:
     """A GNU attribute after a parameter's name is not its type, nor is CUDA's
     ``__grid_constant__``; an enum's typedef (an int) is no struct."""
