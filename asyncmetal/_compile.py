@@ -221,20 +221,23 @@ def _pointer_typedefs(text: str) -> set[str]:
     for (body,) in statements(text, _POINTER_TYPEDEF, _TYPEDEF_WORD, _STATEMENT_END):
         if "*" not in body and "[" not in body:  # (most: no pointer, no array)
             continue
-        closed = body.rstrip().endswith("]")  # (an array's brackets end it)
-        # The words that can be the name: the last, or one that brackets follow.
-        candidates = [
-            (word.start(), word.group(1), word.group(2))
-            for word in _DECLARATOR_WORD.finditer(body)
-            if closed or not word.group(2)
-        ]
-        # An array type: the first word brackets follow.
-        names.update(next(([name] for _, name, bracket in candidates if bracket), []))
-        marks = [mark.start() for mark in _POINTER_MARK.finditer(body)]
-        if marks and candidates and marks[0] < candidates[-1][0]:
-            # A pointer type: the first name after the last '*' or '[' that one follows.
-            last = max(i for i in marks if i < candidates[-1][0])
-            names.add(next(name for start, name, _ in candidates if start > last))
+        # Each declarator names a type of its own (``typedef float *fp, real;``: real is
+        # a float), the first after the type's words.
+        for declarator in _split_top_level(body) if "," in body else [body.strip()]:
+            closed = declarator.endswith("]")  # (an array's brackets end it)
+            # The words that can be the name: the last, or one that brackets follow.
+            candidates = [
+                (word.start(), word.group(1), word.group(2))
+                for word in _DECLARATOR_WORD.finditer(declarator)
+                if closed or not word.group(2)
+            ]
+            # An array type: the first word brackets follow.
+            names.update(next(([name] for _, name, bracket in candidates if bracket), []))
+            marks = [mark.start() for mark in _POINTER_MARK.finditer(declarator)]
+            if marks and candidates and marks[0] < candidates[-1][0]:
+                # A pointer type: the first name after the last '*' or '[' that one follows.
+                last = max(i for i in marks if i < candidates[-1][0])
+                names.add(next(name for start, name, _ in candidates if start > last))
     return names
 
 
@@ -466,11 +469,33 @@ def _not_scalar_typedefs(text: str) -> set[str]:
     }
     text = _without_braces(text)
     return records | {
-        name
+        each
         for words, name, attribute in statements(text, _ANY_TYPEDEF, _TYPEDEF_WORD, _SEMICOLON)
-        if _NOT_A_SCALAR.search(attribute)  # a vector
-        or (_NOT_A_SCALAR.search(words) and scalar_type(type_words(f"{words} {name}"), {}) is None)
+        for typed, each in _value_declarators(words, name)
+        if (_NOT_A_SCALAR.search(attribute) and each == name)  # a vector
+        or (_NOT_A_SCALAR.search(typed) and scalar_type(type_words(f"{typed} {each}"), {}) is None)
     }
+
+
+def _value_declarators(words: str, name: str) -> list[tuple[str, str]]:
+    """Each declarator of a typedef (``words``, then its last name, ``name``) that is no
+    pointer, array or function: what its type is spelled with, and its name. Where there
+    are several (``typedef float *fp, real;``), each is its own type: the first's type
+    words, less what makes a pointer of one (fp is left out, real is a float)."""
+    parts = _split_top_level(f"{words} {name}") if "," in words else []
+    if len(parts) < 2:  # (one declarator; a comma within parentheses too)
+        return [(words, name)]
+    first = parts[0]
+    marked = _DECLARATOR_MARK.search(first)
+    base = " ".join(type_words(first[: marked.start()] if marked else first))
+    found = []
+    for i, part in enumerate(parts):
+        if not _DECLARATOR_MARK.search(part):
+            found.append((base, part.split()[-1] if i else first.split()[-1]))
+    return found
+
+
+_DECLARATOR_MARK = re.compile(r"[*&(\[]")
 
 
 def scalar_params(src: str, name: str) -> tuple[ParamKind, ...]:

@@ -329,6 +329,7 @@ async def test_a_type_defined_apart_in_if_branches_is_not_known(device: am.Devic
     ("before", "declaration"),
     [
         ("typedef long double ld; typedef ld wide;", "wide a"),
+        ("typedef long double ld, *ldp;", "ld a"),  # (one of several declarators)
         ("typedef struct { float x, y; } pair;", "pair a"),
         ("struct pair { int x; }; typedef struct pair pair_t;", "pair_t a"),
         ("typedef float v4 __attribute__((vector_size(16)));", "v4 a"),
@@ -469,6 +470,27 @@ async def test_a_parameter_of_an_array_typedef_is_a_buffer(anyio_backend: object
         await buf.write(np.array([0, 40, 0], np.float32))
         await device.queue.launch(k, buf, vals=(2,))
         assert (await buf.read(np.float32))[0] == 42
+
+
+async def test_each_declarator_of_a_typedef_is_its_own_type(anyio_backend: object) -> None:
+    """A typedef of several declarators (``typedef float *fp, real;``) makes each name
+    its own type: ``fp`` a pointer (a buffer), ``real`` a float (a value), and so for an
+    array's or a function pointer's names beside a plain one. Checked: before, the last
+    name was read as the pointer (or the array) -- ``real x`` was taken for a buffer, and
+    the kernel could not be given its value."""
+    async with am.open_device("cpu") as device:
+        for typedef in (
+            "typedef float *fp, real;",
+            "typedef float real, *fp;",
+            "typedef float (*fn)(float), *fp, real;",
+            "typedef float vec3[3], real, *fp;",
+        ):
+            src = f"{typedef}\nvoid k(fp out, real x, int n) {{ out[0] = x + n; }}"
+            k = await device.compile(src, "k")
+            assert k.params == ("buffer", "value", "value"), typedef
+            out = await device.alloc(4)
+            await device.queue.launch(k, out, vals=(np.float32(40), 2))
+            assert (await out.read(np.float32))[0] == 42, typedef
 
 
 async def test_a_typedef_or_macro_of_a_pointer_typedef_is_a_buffer(anyio_backend: object) -> None:
