@@ -41,6 +41,7 @@ CPU_ONLY = {
     "test_compile_many_yields_each",  # C sources
     "test_c_that_does_not_compile_carries_the_log",  # a C compiler's log
     "test_options_that_make_an_object_file_say_so",  # the C compiler's -c
+    "test_options_that_make_no_library_say_so_with_the_log",  # the C compiler's options
     "test_buffer_of_another_device_is_refused",  # messages name cpu
     # the native extension's launch path of cpu (and cuda) queues; metal has none
     "test_it_submits_the_common_case",
