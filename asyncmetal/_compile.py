@@ -502,9 +502,11 @@ def scalar_params(src: str, name: str) -> tuple[ParamKind, ...]:
     """``c_params``, refusing a value parameter whose type is no scalar a launch
     passes (``long double``, a struct by value, a vector...): its value would arrive as
     garbage (cpu, whose C calling convention passes it elsewhere) or cut short (cuda);
-    and a kernel that is a template (C++: its parameters' types are its arguments')."""
+    a kernel that is a template (C++: its parameters' types are its arguments'); and
+    one that returns a struct or a ``long double`` (``_refuse_returned_in_memory``)."""
     declarations = c_param_declarations(src, name)
-    if "template" in _declared_with(_without_attributes(_strip(src)), name):
+    text = _without_attributes(_strip(src))
+    if "template" in _declared_with(text, name):
         raise CompileError(
             f"kernel {name!r} is a template: its compiled name is mangled and its "
             'parameters\' types are those it is instantiated with; launch an extern "C" '
@@ -528,6 +530,7 @@ def scalar_params(src: str, name: str) -> tuple[ParamKind, ...]:
                 name=name,
             )
     refuse_non_scalars(src, name, [d for kind, d in declarations if kind == "value"])
+    _refuse_returned_in_memory(text, name)  # (a kernel is called as a void function)
     return tuple(kind for kind, _ in declarations)
 
 
@@ -553,14 +556,17 @@ def refuse_non_scalars(src: str, name: str, values: list[str]) -> None:
             )
 
 
-def refuse_returned_in_memory(src: str, name: str) -> None:
-    """Refuse (``CompileError``) a C kernel ``name`` whose definition returns a type that
+def _refuse_returned_in_memory(text: str, name: str) -> None:
+    """Refuse (``CompileError``) a C kernel ``name`` whose definition in ``text`` (the
+    source, stripped, its attributes too) returns a type that
     the C calling convention returns through memory or on the x87 stack: a struct,
     union or class (its caller's hidden address takes the first parameter's register,
     every parameter shifted), a ``long double`` (left on the x87 stack, which a caller
     that calls it as a void function never pops), or another type no launch value is.
     A pointer, ``void`` or a scalar is returned in a register (and dropped)."""
-    text = _without_attributes(_strip(src))
+    heads = [declared.split() for _, declared, _ in _each_definition(text, re.escape(name))]
+    if all(words and words[-1] in ("void", "*", "&") for words in heads):
+        return  # (most kernels: nothing more to read)
     known = typedefs(text)
     not_scalars = _not_scalar_typedefs(text)
     pointers = _pointer_names(text)

@@ -49,14 +49,7 @@ from .._backend import (
     Timelines,
     host_address,
 )
-from .._compile import (
-    Compiler,
-    ParamKind,
-    c_value_types,
-    refuse_returned_in_memory,
-    scalar_params,
-    tool_answer,
-)
+from .._compile import Compiler, ParamKind, c_value_types, scalar_params, tool_answer
 from .._errors import (
     ArgumentTypeError,
     ClosedResourceError,
@@ -178,7 +171,6 @@ class CCompiler(Compiler):
         """The kernel's parameters, refused when the queue threads could not pass them
         all: checked before compiling, not at every launch."""
         params = scalar_params(src, name)
-        refuse_returned_in_memory(src, name)  # (called as a void function)
         if len(params) > MAX_ARGS:
             raise CompileError(
                 f"cpu kernel {name!r} has {len(params)} parameters; cpu kernels take at most "
