@@ -233,7 +233,9 @@ class Buffer(Exports, Singular):
                 size = view.nbytes
         if size != self.nbytes:  # (the copy's own check would point to its nbytes)
             hint = (
-                f"to write part of it, write to a view: buf.view(offset, {size}).write(data)"
+                "there is nothing to write"
+                if not size  # (a view holds a byte at least)
+                else f"to write part of it, write to a view: buf.view(offset, {size}).write(data)"
                 if size < self.nbytes
                 else "pass as many bytes of data, or allocate a larger buffer"
             )

@@ -221,20 +221,23 @@ def _pointer_typedefs(text: str) -> set[str]:
     for (body,) in statements(text, _POINTER_TYPEDEF, _TYPEDEF_WORD, _STATEMENT_END):
         if "*" not in body and "[" not in body:  # (most: no pointer, no array)
             continue
-        closed = body.rstrip().endswith("]")  # (an array's brackets end it)
-        # The words that can be the name: the last, or one that brackets follow.
-        candidates = [
-            (word.start(), word.group(1), word.group(2))
-            for word in _DECLARATOR_WORD.finditer(body)
-            if closed or not word.group(2)
-        ]
-        # An array type: the first word brackets follow.
-        names.update(next(([name] for _, name, bracket in candidates if bracket), []))
-        marks = [mark.start() for mark in _POINTER_MARK.finditer(body)]
-        if marks and candidates and marks[0] < candidates[-1][0]:
-            # A pointer type: the first name after the last '*' or '[' that one follows.
-            last = max(i for i in marks if i < candidates[-1][0])
-            names.add(next(name for start, name, _ in candidates if start > last))
+        # Each declarator names a type of its own (``typedef float *fp, real;``: real is
+        # a float), the first after the type's words.
+        for declarator in _split_top_level(body) if "," in body else [body.strip()]:
+            closed = declarator.endswith("]")  # (an array's brackets end it)
+            # The words that can be the name: the last, or one that brackets follow.
+            candidates = [
+                (word.start(), word.group(1), word.group(2))
+                for word in _DECLARATOR_WORD.finditer(declarator)
+                if closed or not word.group(2)
+            ]
+            # An array type: the first word brackets follow.
+            names.update(next(([name] for _, name, bracket in candidates if bracket), []))
+            marks = [mark.start() for mark in _POINTER_MARK.finditer(declarator)]
+            if marks and candidates and marks[0] < candidates[-1][0]:
+                # A pointer type: the first name after the last '*' or '[' that one follows.
+                last = max(i for i in marks if i < candidates[-1][0])
+                names.add(next(name for start, name, _ in candidates if start > last))
     return names
 
 
@@ -395,7 +398,7 @@ def c_value_types(
 # ``scalar_type`` None: ``long double``, a struct by value, CUDA's vector types...).
 _NOT_A_SCALAR = re.compile(
     r"\b(float|double|half|_Float\d+x?|__fp16|__half|__half2|__nv_bfloat16|_Complex|struct|union"
-    r"|class|__int128|_BitInt|__float128|__float80|__ibm128|__bf16|_Decimal\d+|__m\d+\w*"
+    r"|class|__u?int128(?:_t)?|_BitInt|__float128|__float80|__ibm128|__bf16|_Decimal\d+|__m\d+\w*"
     r"|vector_size|ext_vector_type|__nv_bfloat162|nv_bfloat16|nv_bfloat162|dim3"
     r"|(?:u?char|u?short|u?int|u?long|u?longlong|float|double)[1-4]"
     # the Metal Shading Language's: bfloat, vectors, matrices, packed vectors, atomics
@@ -466,20 +469,44 @@ def _not_scalar_typedefs(text: str) -> set[str]:
     }
     text = _without_braces(text)
     return records | {
-        name
+        each
         for words, name, attribute in statements(text, _ANY_TYPEDEF, _TYPEDEF_WORD, _SEMICOLON)
-        if _NOT_A_SCALAR.search(attribute)  # a vector
-        or (_NOT_A_SCALAR.search(words) and scalar_type(type_words(f"{words} {name}"), {}) is None)
+        for typed, each in _value_declarators(words, name)
+        if (_NOT_A_SCALAR.search(attribute) and each == name)  # a vector
+        or (_NOT_A_SCALAR.search(typed) and scalar_type(type_words(f"{typed} {each}"), {}) is None)
     }
+
+
+def _value_declarators(words: str, name: str) -> list[tuple[str, str]]:
+    """Each declarator of a typedef (``words``, then its last name, ``name``) that is no
+    pointer, array or function: what its type is spelled with, and its name. Where there
+    are several (``typedef float *fp, real;``), each is its own type: the first's type
+    words, less what makes a pointer of one (fp is left out, real is a float)."""
+    parts = _split_top_level(f"{words} {name}") if "," in words else []
+    if len(parts) < 2:  # (one declarator; a comma within parentheses too)
+        return [(words, name)]
+    first = parts[0]
+    marked = _DECLARATOR_MARK.search(first)
+    base = " ".join(type_words(first[: marked.start()] if marked else first))
+    found = []
+    for i, part in enumerate(parts):
+        if not _DECLARATOR_MARK.search(part):
+            found.append((base, part.split()[-1] if i else first.split()[-1]))
+    return found
+
+
+_DECLARATOR_MARK = re.compile(r"[*&(\[]")
 
 
 def scalar_params(src: str, name: str) -> tuple[ParamKind, ...]:
     """``c_params``, refusing a value parameter whose type is no scalar a launch
     passes (``long double``, a struct by value, a vector...): its value would arrive as
     garbage (cpu, whose C calling convention passes it elsewhere) or cut short (cuda);
-    and a kernel that is a template (C++: its parameters' types are its arguments')."""
+    a kernel that is a template (C++: its parameters' types are its arguments'); and
+    one that returns a struct or a ``long double`` (``_refuse_returned_in_memory``)."""
     declarations = c_param_declarations(src, name)
-    if "template" in _declared_with(_without_attributes(_strip(src)), name):
+    text = _without_attributes(_strip(src))
+    if "template" in _declared_with(text, name):
         raise CompileError(
             f"kernel {name!r} is a template: its compiled name is mangled and its "
             'parameters\' types are those it is instantiated with; launch an extern "C" '
@@ -503,6 +530,7 @@ def scalar_params(src: str, name: str) -> tuple[ParamKind, ...]:
                 name=name,
             )
     refuse_non_scalars(src, name, [d for kind, d in declarations if kind == "value"])
+    _refuse_returned_in_memory(text, name)  # (a kernel is called as a void function)
     return tuple(kind for kind, _ in declarations)
 
 
@@ -526,6 +554,48 @@ def refuse_non_scalars(src: str, name: str, values: list[str]) -> None:
                 + (", or take a float and convert it in the kernel" if bfloat else ""),
                 name=name,
             )
+
+
+def _refuse_returned_in_memory(text: str, name: str) -> None:
+    """Refuse (``CompileError``) a C kernel ``name`` whose definition in ``text`` (the
+    source, stripped, its attributes too) returns a type that
+    the C calling convention returns through memory or on the x87 stack: a struct,
+    union or class (its caller's hidden address takes the first parameter's register,
+    every parameter shifted), a ``long double`` (left on the x87 stack, which a caller
+    that calls it as a void function never pops), or another type no launch value is.
+    A pointer, ``void`` or a scalar is returned in a register (and dropped)."""
+    heads = [declared.split() for _, declared, _ in _each_definition(text, re.escape(name))]
+    if all(words and words[-1] in ("void", "*", "&") for words in heads):
+        return  # (most kernels: nothing more to read)
+    known = typedefs(text)
+    not_scalars = _not_scalar_typedefs(text)
+    pointers = _pointer_names(text)
+    text = _scan.sub(_scan.matches_at(_PREPROCESSOR_LINE, text, _directives(text)), text, " ")
+    for _, declared, _ in _each_definition(text, re.escape(name)):
+        words = [w for w in declared.split() if w not in _NOT_RETURN_TYPE]
+        if {"*", "&"}.intersection(words) or pointers.intersection(words):
+            continue
+        words = resolved(words, known)
+        if (
+            _NOT_A_SCALAR.search(" ".join(words)) or not_scalars.intersection(words)
+        ) and scalar_type(words, known) is None:
+            raise CompileError(
+                f"kernel {name!r} returns {' '.join(words)!r}, which is no pointer or scalar: "
+                "the C calling convention may return it through memory (a hidden first "
+                "argument, which shifts the parameters) or on the x87 stack (which a kernel, "
+                "called as a void function, leaves full): return void, and write the result "
+                "to a buffer",
+                name=name,
+            )
+
+
+# Words of a function's declaration before its name that are no part of its return type.
+_NOT_RETURN_TYPE = frozenset(
+    (
+        *("static", "extern", "inline", "__inline", "__inline__", "_Noreturn", "register"),
+        *("__global__", "__device__", "__host__", "__forceinline__", "__noinline__", "kernel"),
+    )
+)
 
 
 def c_param_declarations(src: str, name: str) -> list[tuple[ParamKind, str]]:
@@ -751,7 +821,8 @@ _PARENS = re.compile(r"[()]")
 def _each_definition(text: str, name: str) -> Iterator[tuple[str, str, list[str]]]:
     """Each function definition in ``text`` whose name matches the pattern ``name``:
     its name, the words of its declaration before the name (``static``,
-    ``__global__``...) and its parameter declarations."""
+    ``__global__``...; its return type's, a ``*`` or ``&`` among them) and its
+    parameter declarations."""
     # The ")" of each "(" read so far: a name within another's parentheses
     # (``k(k(k(...)))``) finds its own there, not by reading them again, which would
     # take time quadratic in the source's length.
@@ -775,7 +846,7 @@ def _each_definition(text: str, name: str) -> Iterator[tuple[str, str, list[str]
             continue
         body = text[start : pos - 1].strip()
         after = max(_scan.rfind(text, c, match.start()) for c in ";{}") + 1
-        words = " ".join(re.findall(r"\w+", text[after : match.start()]))
+        words = " ".join(re.findall(r"\w+|[*&]", text[after : match.start()]))
         yield match.group(1), words, [] if body in ("", "void") else _split_top_level(body)
 
 

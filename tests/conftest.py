@@ -41,6 +41,7 @@ CPU_ONLY = {
     "test_compile_many_yields_each",  # C sources
     "test_c_that_does_not_compile_carries_the_log",  # a C compiler's log
     "test_options_that_make_an_object_file_say_so",  # the C compiler's -c
+    "test_options_that_make_no_library_say_so_with_the_log",  # the C compiler's options
     "test_buffer_of_another_device_is_refused",  # messages name cpu
     # the native extension's launch path of cpu (and cuda) queues; metal has none
     "test_it_submits_the_common_case",
@@ -58,6 +59,7 @@ CPU_ONLY = {
     "test_cpu_half_floats_pass_in_the_vector_registers",
     "test_a_type_defined_apart_in_if_branches_is_not_known",
     "test_a_value_no_launch_passes_is_refused_behind_its_typedef",
+    "test_a_cpu_kernel_returning_through_memory_or_the_x87_stack_is_refused",
     "test_scalar_types_read_past_attributes_and_enums",
     "test_a_macro_naming_a_type_is_read_as_it",
     "test_a_reference_parameter_is_refused",

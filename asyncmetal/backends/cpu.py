@@ -157,6 +157,12 @@ class CCompiler(Compiler):
             log = (proc.stderr + proc.stdout).decode(errors="replace")
             if proc.returncode != 0:
                 raise CompileError(f"{cc} failed with exit code {proc.returncode}", log)
+            if not os.path.exists(out):  # (it exits 0 having made nothing to load)
+                raise CompileError(
+                    f"{cc} made no kernel library: an option stops it before it links one "
+                    "(-fsyntax-only, --help, -###...)",
+                    log,
+                )
             self._last_log = log
             with open(out, "rb") as f:
                 return f.read()

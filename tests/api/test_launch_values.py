@@ -329,11 +329,14 @@ async def test_a_type_defined_apart_in_if_branches_is_not_known(device: am.Devic
     ("before", "declaration"),
     [
         ("typedef long double ld; typedef ld wide;", "wide a"),
+        ("typedef long double ld, *ldp;", "ld a"),  # (one of several declarators)
         ("typedef struct { float x, y; } pair;", "pair a"),
         ("struct pair { int x; }; typedef struct pair pair_t;", "pair_t a"),
         ("typedef float v4 __attribute__((vector_size(16)));", "v4 a"),
         ("typedef unsigned __int128 u128;", "u128 a"),
         ("", "__int128 a"),
+        ("", "__int128_t a"),  # the compiler's own typedefs of __int128
+        ("", "const __uint128_t a"),
         ("", "__float128 a"),
         ("", "__bf16 a"),
         ("", "float2 a"),  # CUDA's vector types (a struct of two floats)
@@ -347,11 +350,49 @@ async def test_a_value_no_launch_passes_is_refused_behind_its_typedef(
     """A cpu value parameter of a type no launch value passes (its calling convention
     passes it in memory, in two registers, or in a vector register a launch's int would
     not reach) is refused at compile, also when a typedef names it or it is one of the
-    compiler's own (``__int128``)."""
+    compiler's own (``__int128``, and its typedefs ``__int128_t`` and ``__uint128_t``)."""
     source = f"{before}\nvoid k(int* out, {declaration}, int n) {{ out[0] = n; }}"
     with pytest.raises(am.CompileError, match="is not a scalar") as info:
         await device.compile(source, "k")
     assert declaration in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("before", "returned", "refused"),
+    [
+        ("struct big { double a[8]; };", "struct big", True),
+        ("typedef struct { double a[8]; } big;", "big", True),
+        ("", "long double", True),
+        ("", "extern long double", True),
+        ("#define RET long double", "RET", True),
+        ("struct big { double a[8]; };", "struct big *", False),
+        ("struct big; typedef struct big *big_p;", "big_p", False),
+        ("", "double", False),
+        ("", "unsigned long", False),
+    ],
+)
+async def test_a_cpu_kernel_returning_through_memory_or_the_x87_stack_is_refused(
+    device: am.Device, before: str, returned: str, refused: bool
+) -> None:
+    """A cpu kernel is called as a void function. One that returns a struct through
+    memory takes its caller's hidden address in its first parameter's register (every
+    parameter shifted: its writes land past the buffers), and one that returns a
+    ``long double`` leaves it on the x87 stack, which nobody pops (after eight such
+    launches, ``long double`` arithmetic on that queue's thread gives NaN): both are
+    refused at compile. A pointer or a scalar is returned in a register, and dropped."""
+    source = (
+        f"{before}\n{returned} k(long long* out, int w) {{ "
+        f"{returned.removeprefix('extern ')} r = {{0}}; out[0] = w; return r; }}"
+    )
+    if refused:
+        with pytest.raises(am.CompileError, match="returns") as info:
+            await device.compile(source, "k")
+        assert info.value.name == "k"
+        return
+    k = await device.compile(source, "k")
+    out = await device.alloc(8)
+    await device.queue.launch(k, out, vals=(7,))
+    assert (await out.read(np.int64))[0] == 7
 
 
 async def test_scalar_types_read_past_attributes_and_enums(device: am.Device) -> None:
@@ -429,6 +470,27 @@ async def test_a_parameter_of_an_array_typedef_is_a_buffer(anyio_backend: object
         await buf.write(np.array([0, 40, 0], np.float32))
         await device.queue.launch(k, buf, vals=(2,))
         assert (await buf.read(np.float32))[0] == 42
+
+
+async def test_each_declarator_of_a_typedef_is_its_own_type(anyio_backend: object) -> None:
+    """A typedef of several declarators (``typedef float *fp, real;``) makes each name
+    its own type: ``fp`` a pointer (a buffer), ``real`` a float (a value), and so for an
+    array's or a function pointer's names beside a plain one. Checked: before, the last
+    name was read as the pointer (or the array) -- ``real x`` was taken for a buffer, and
+    the kernel could not be given its value."""
+    async with am.open_device("cpu") as device:
+        for typedef in (
+            "typedef float *fp, real;",
+            "typedef float real, *fp;",
+            "typedef float (*fn)(float), *fp, real;",
+            "typedef float vec3[3], real, *fp;",
+        ):
+            src = f"{typedef}\nvoid k(fp out, real x, int n) {{ out[0] = x + n; }}"
+            k = await device.compile(src, "k")
+            assert k.params == ("buffer", "value", "value"), typedef
+            out = await device.alloc(4)
+            await device.queue.launch(k, out, vals=(np.float32(40), 2))
+            assert (await out.read(np.float32))[0] == 42, typedef
 
 
 async def test_a_typedef_or_macro_of_a_pointer_typedef_is_a_buffer(anyio_backend: object) -> None:

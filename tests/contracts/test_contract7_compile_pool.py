@@ -799,6 +799,18 @@ async def test_options_that_make_an_object_file_say_so(device: am.Device) -> Non
         await device.compile(_PUT["cpu"], "put", options=("-c", "-DVALUE=1"))
 
 
+async def test_options_that_make_no_library_say_so_with_the_log(device: am.Device) -> None:
+    """``-fsyntax-only`` (as ``--help`` or ``-###``) makes the C compiler write no file at
+    all: the compile fails saying so, naming the kernel and carrying what the compiler
+    printed (here its warning). Checked: fails without the fix (a FileNotFoundError of a
+    temporary path in the message, and an empty log)."""
+    src = "void put(int* x) { int unused; x[0] = 1; }"
+    with pytest.raises(am.CompileError, match="made no kernel library") as info:
+        await device.compile(src, "put", options=("-fsyntax-only", "-Wall"))
+    assert info.value.name == "put"
+    assert "unused" in (info.value.log or "")
+
+
 async def test_compile_options_are_checked_before_anything_compiles(device: am.Device) -> None:
     src = _PUT["metal" if device.name == "metal" else "cpu"]
     with pytest.raises(am.ArgumentTypeError, match="tuple or list of str"):

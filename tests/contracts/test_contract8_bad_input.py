@@ -816,7 +816,8 @@ async def test_an_empty_array_of_several_dimensions_is_refused_by_its_size(
 ) -> None:
     """A host array with no bytes but several dimensions (``np.zeros((0, 4))``) is
     refused as any empty source or destination is, by its size, with the library's own
-    error: not numpy's memoryview ``TypeError``."""
+    error: not numpy's memoryview ``TypeError``; a write of it is not told to write to a
+    view of 0 bytes (which ``view`` refuses)."""
     buf = await device.alloc(16)
     empty = np.zeros((0, 4), np.float32)
     sizes = "sizes do not match: dst holds 16 bytes, src 0"
@@ -824,8 +825,10 @@ async def test_an_empty_array_of_several_dimensions_is_refused_by_its_size(
         await am.copy(buf, empty)
     with pytest.raises(am.InvalidArgumentError, match="sizes do not match: dst holds 0 bytes"):
         await am.copy(np.zeros((4, 0), np.int32), buf)
-    with pytest.raises(am.InvalidArgumentError, match="data holds 0 bytes and the buffer 16"):
+    with pytest.raises(am.InvalidArgumentError, match="data holds 0 bytes and the buffer 16") as no:
         await buf.write(empty)
+    # (not "write to a view: buf.view(offset, 0)", a view no buffer makes)
+    assert "nothing to write" in str(no.value) and "view" not in str(no.value)
     _rejects(device, am.InvalidArgumentError, sizes, lambda: device.queue.copy(buf, empty))
     _rejects(
         device,
