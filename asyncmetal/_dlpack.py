@@ -37,7 +37,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -584,6 +583,8 @@ def _order_for_consumer(
     """Make the consumer see the commands that use ``buffer``: its stream waits for them
     on the device; for host memory there is nothing to wait on, so they must be done
     (unless the consumer orders itself after them: ``ordered``)."""
+    if isinstance(stream, (bool, np.bool_)):  # (not the legacy stream 1, nor 0)
+        raise ExchangeError(f"DLPack's stream is an integer or None, got {stream!r}")
     if not state.backend.host_visible:  # device memory: a device with streams
         if stream == _STREAM_NONE:
             return
@@ -689,8 +690,10 @@ def items_shape(nbytes: int, dtype: np.dtype[Any], shape: Any) -> tuple[int, ...
     if shape is None:
         return (count,)
     try:
-        dims = tuple(operator.index(d) for d in (shape if np.iterable(shape) else (shape,)))
-        if [d for d in dims if d < 0] in ([], [-1]):
+        dims = tuple(as_int(d) for d in (shape if np.iterable(shape) else (shape,)))
+        if None in dims:  # (not an integer, or a bool)
+            raise TypeError
+        if [d for d in dims if d < 0] in ([], [-1]):  # type: ignore[operator]
             # (a zero-stride array of that many items: reshaped without memory)
             return tuple(np.broadcast_to(np.empty(1, np.uint8), (count,)).reshape(dims).shape)
     except TypeError:
@@ -717,6 +720,8 @@ class TypedView(Exports, Singular):
 
     def __init__(self, buffer: Buffer, dtype: Any, shape: Any = None) -> None:
         try:
+            if dtype is None:  # (which numpy takes for float64)
+                raise TypeError
             dtype = np.dtype(dtype)
         except (TypeError, ValueError):
             raise ArgumentTypeError(f"dtype must be a numpy dtype, got {dtype!r}") from None

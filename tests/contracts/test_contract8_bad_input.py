@@ -471,6 +471,13 @@ async def test_bad_dtypes_and_shapes_raise_asyncmetals_errors(device: am.Device)
         buf.typed("nope")
     with pytest.raises(am.ArgumentTypeError, match="shape"):
         buf.typed(np.int32, "4")
+    # Never bools, nor None for a dtype (numpy's float64): checked, both were taken.
+    with pytest.raises(am.ArgumentTypeError, match="dtype"):
+        buf.typed(None)
+    for shape in ((True, 16), (4, np.True_), True):
+        with pytest.raises(am.ArgumentTypeError, match="shape"):
+            buf.typed(np.int32, shape)
+    assert buf.typed(np.int32, (np.int64(4), 4)).shape == (4, 4)
     for read in (buf.read, buf.map):
         with pytest.raises(am.InvalidArgumentError, match=r"shape \(5,\) does not cover"):
             await read(np.int32, (5,))

@@ -37,6 +37,9 @@ def stream_handle(stream: object, consumer: bool = False) -> int:
     ``consumer``: a DLPack consumer's stream, which is not adopted (its errors say so)."""
     if stream.__class__ is int and STREAM_PER_THREAD < stream <= HANDLE_MAX:
         return stream  # (a raw handle, as from_dlpack's)
+    taker = "a DLPack consumer" if consumer else "adopt_stream"
+    if isinstance(stream, bool):  # (an int to a CUstream check that takes ints)
+        raise ArgumentTypeError(f"{taker} takes a stream or a raw CUstream handle, not a bool")
     protocol = getattr(stream, "__cuda_stream__", None)
     if protocol is not None:
         value = protocol() if callable(protocol) else protocol
@@ -59,7 +62,6 @@ def stream_handle(stream: object, consumer: bool = False) -> int:
     elif isinstance(getattr(stream, "ptr", None), int):  # cupy.cuda.Stream
         handle = stream.ptr  # type: ignore[attr-defined]
     else:
-        taker = "a DLPack consumer" if consumer else "adopt_stream"
         raise ArgumentTypeError(
             f"{taker} takes a stream (__cuda_stream__, a torch or cupy stream, a CUstream) "
             f"or a raw CUstream handle, got {type(stream).__name__}"

@@ -82,6 +82,12 @@ async def test_a_consumer_stream_waits_for_the_buffers_users_and_is_not_adopted(
         for refused, match in ((0, "stream 0 is ambiguous"), (2, "per-thread default stream")):
             with pytest.raises(BufferError, match=match):
                 buf.__dlpack__(stream=refused)
+        # A bool is neither the legacy stream (1) nor 0 (checked: True was taken as 1).
+        for flag in (True, False):
+            with pytest.raises(BufferError, match="integer or None"):
+                buf.__dlpack__(stream=flag)
+            with pytest.raises(am.ArgumentTypeError, match="not a bool"):
+                dev.adopt_stream(flag)
         _streams_of(driver, CONTEXT + 1)
         with pytest.raises(BufferError, match="another CUDA context"):
             buf.__dlpack__(stream=0x8000)
