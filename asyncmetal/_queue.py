@@ -914,11 +914,15 @@ class Queue(Singular):
             return
         else:
             pending = self._ordered_after(pending)
+        # (Clocks are noted only where a wait stands for what came before it on the way:
+        # Backend.waits_imply_order. Without any, nothing is left out.)
+        clocked = state.backend.waits_imply_order
         for other, (value, i) in pending.items():
             timeline = other.timeline
             try:
                 check_timeline(timeline, "timeline", timeline_kind(timeline))
-                self._wait(timeline, value, False, other if other._state is state else None)
+                orders = other if clocked and other._state is state else None
+                self._wait(timeline, value, False, orders)
             except ClosedResourceError:
                 closed = timeline_device(timeline)
                 if not closed.closed:

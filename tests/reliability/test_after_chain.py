@@ -237,3 +237,42 @@ async def test_a_use_left_to_a_failed_queues_wait_still_comes_first(
                 await by_c
         assert (await buf.read(np.uint8) == _step(start, 1)).all()
         await a.close()
+
+
+@pytest.mark.metal
+async def test_a_metal_wait_a_failure_releases_stands_for_nothing(anyio_backend: object) -> None:
+    """On Metal a device wait released by a failure still runs what is behind it (its
+    commands report the failure): it orders nothing after what the failed queue's
+    own waits stood for. Queue Z steps the buffer behind a timeline nobody has
+    signalled yet; A waits for Z's step and steps it; B waits for the buffer's uses
+    and steps it. A is closed with discard=True: B's step fails -- and, ran or not,
+    must not come before Z's, which it was ordered after (a wait of B's own for Z's
+    use): Z's step, which succeeds, reads the buffer as it was before B's."""
+    if "metal" not in am.devices():
+        pytest.skip("no Metal here, not even the simulation (tests/support/fakes/metal_sim)")
+    from tests.support.kernels import MSL_KERNELS
+
+    async with am.open_device("metal") as dev:
+        buf = await dev.alloc(16)
+        await buf.write(np.array([5, 0, 0, 0], dtype=np.int32))
+        step = await dev.compile(MSL_KERNELS, "step")  # cells[0] = cells[0] * 32 + val
+        z, a, b = dev.new_queue(), dev.new_queue(), dev.new_queue()
+        gate = dev.timeline()
+        z.wait(gate, 1)
+        by_z = z.launch(step, buf, vals=(0, 0, 1))
+        by_a = a.after(buf).launch(step, buf, vals=(0, 0, 2))
+        by_b = b.after(buf).launch(step, buf, vals=(0, 0, 3))
+        with anyio.fail_after(LIMIT):
+            await a.close(discard=True)
+            with pytest.raises(am.ClosedResourceError):
+                await by_a
+            await anyio.sleep(0.2)  # (time for B's step to run, were it let through)
+            gate.signal(1)
+            await by_z
+            with pytest.raises(am.AsyncMetalError):
+                await by_b
+            # Z's step, then B's (which ran: Metal's GPU runs it, the failure is
+            # reported) -- not B's, then Z's (5217).
+            assert int((await buf.read(np.int32))[0]) == (5 * 32 + 1) * 32 + 3
+        await z.close()
+        await b.close()
