@@ -429,6 +429,14 @@ class Backend(ABC):
     # Its queues then order themselves after another kind's copies that read or wrote
     # its buffers in place (as after their own kind's commands: ``Queue.after``).
     waits_across_kinds: ClassVar[bool] = False
+    # A device wait of its queues on another of its queues stands for what that queue's
+    # own waits before the value stood for (Queue._ordered_after leaves those out): a
+    # failure that ends a wait fails the commands behind it without running them, or
+    # ends it only once what it waited for ran. Not on Metal, whose GPU runs a committed
+    # command buffer whose wait a failure released (an abandoned queue's event goes to
+    # its end; a discard fails the dropped values, and what waits for them is
+    # committed): each use is waited for there.
+    waits_imply_order: ClassVar[bool] = True
 
     def waits_for(self, timeline: NativeTimeline) -> bool:
         """Whether this backend's queues can wait on ``timeline``, another kind's queue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import itertools
 import weakref
 from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
 from contextlib import AbstractContextManager
@@ -274,6 +275,12 @@ class Queue(Singular):
         self._submitted = 0
         # Device-side signals and waits not yet known complete: (value, is_wait, tl, target)
         self._sync_ops: collections.deque[tuple[int, bool, Timeline, int]] = collections.deque()
+        # What its commands are ordered after through the ordering waits of after(),
+        # copies and fills for queues of its device (see _ordered_after), not yet known
+        # complete: (value, stamp, clock), clock: timeline -> value done before command
+        # ``value`` runs, stamp: when it was made. Appended and read under its device's
+        # submission lock.
+        self._clocks: collections.deque[tuple[int, int, dict[Timeline, int]]] = collections.deque()
         self._abandoned_from: int | None = None  # commands from here on never ran
         # Up to which command its failures were reported by its device's synchronize():
         # that raises each once (see Device.synchronize).
@@ -700,9 +707,13 @@ class Queue(Singular):
             )
         return self._wait(timeline, value, False)
 
-    def _wait(self, timeline: Timeline, value: int, ordering: bool) -> Completion:
+    def _wait(
+        self, timeline: Timeline, value: int, ordering: bool, orders: Queue | None = None
+    ) -> Completion:
         """``wait`` of checked arguments; ``ordering``: it orders this queue's signal of
-        ``timeline`` after another queue's (``signal``)."""
+        ``timeline`` after another queue's (``signal``); ``orders``: the queue of this
+        device whose own timeline it is, waited for by ``_after`` (its clock is noted:
+        see ``_ordered_after``)."""
         # Recorded as a device wait with the command, under the lock a close counts
         # under (Device._finish_completable): counted in between, it would seem to be
         # one that completes, and the close would wait for it for good.
@@ -712,9 +723,36 @@ class Queue(Singular):
             def then(at: int) -> None:
                 self._track(at, True, timeline, value)
                 queue_wait_submitted(timeline, self, at, value, ordering)
+                if orders is not None:
+                    self._note_clock(at, orders, value)
 
             done = self._submit(self._native.wait, timeline.native, value, then=then, again=True)
         return done
+
+    def _note_clock(self, at: int, other: Queue, target: int) -> None:
+        """Command ``at`` is a device wait for ``other`` (a queue of this device) to
+        reach ``target``, a value it had submitted: note what this queue's commands from
+        ``at`` on come after -- what they came after before, ``other``'s ``target`` and
+        what that came after (submission lock held)."""
+        clocks = self._clocks
+        if clocks:
+            reached = self._timeline.native.value
+            while clocks and clocks[0][0] <= reached:
+                clocks.popleft()
+        # (What is known done already is left out: the clocks stay as small as what is
+        # in flight.)
+        clock = {tl: v for tl, v in clocks[-1][2].items() if tl.native.value < v} if clocks else {}
+        theirs = other._clocks
+        if theirs:
+            entry = theirs[-1] if theirs[-1][0] <= target else _clock_at(other, target)
+            if entry is not None:
+                for tl, v in entry[2].items():
+                    if v > clock.get(tl, 0) and tl.native.value < v:
+                        clock[tl] = v
+        if target > clock.get(other._timeline, 0):
+            clock[other._timeline] = target
+        clock.pop(self._timeline, None)  # (its own commands come in order anyway)
+        clocks.append((at, next(_clock_stamps), clock))
 
     def _track(self, value: int, is_wait: bool, timeline: Timeline, target: int) -> None:
         ops = self._sync_ops
@@ -810,6 +848,9 @@ class Queue(Singular):
         or wrote ``buf`` in place (``asyncmetal.copy`` between kinds) is waited for too
         where this device's queues can wait for that kind's (cpu and npy queues wait for
         any kind's; Metal and cuda queues for cpu and npy queues', held on the host).
+        A use already waited for is not waited for again: one of a queue of this
+        device that this queue waited for before (by after(), a copy or a fill), or
+        that another use it waits for came after (README, "Ordering between queues").
         Returns the queue.
         """
         self._check_open()
@@ -852,26 +893,82 @@ class Queue(Singular):
                     and not state.backend.waits_for(timeline.native)
                 ):
                     raise _not_waited_for(self, names[i], timeline)
+        pending: dict[Queue, tuple[int, int]] = {}  # queue -> (its last use, which buffer)
         for i, buf in enumerate(buffers):
-            for other, value in uses(buf):
-                timeline = other.timeline
-                if other is self or timeline.value >= value:
+            for user, value in uses(buf):
+                timeline = user.timeline
+                if user is self or timeline.value >= value:
                     continue
                 if timeline_kind(timeline) != kind and not state.backend.waits_for(timeline.native):
                     continue
-                try:
-                    check_timeline(timeline, "timeline", timeline_kind(timeline))
-                    self._wait(timeline, value, False)
-                except ClosedResourceError:
-                    closed = timeline_device(timeline)
-                    if not closed.closed:
-                        raise  # (this queue's own device)
-                    what = names[i] if i < len(names) else "buffer"
-                    raise ClosedResourceError(
-                        f"{what} is used by commands of {closed.name} that had not "
-                        f"finished when {closed.name} closed: this command cannot be "
-                        "ordered after them"
-                    ) from None
+                if value > pending.get(user, (0, 0))[0]:  # type: ignore[call-overload]
+                    pending[user] = (value, i)  # type: ignore[index]  # (Queues: last_use)
+        if len(pending) == 1:  # (the common case: waited for already, or not)
+            ((other, (value, i)),) = pending.items()
+            try:  # (its last clock, read whole: each is made, then appended)
+                if self._clocks[-1][2].get(other._timeline, 0) >= value:
+                    return
+            except IndexError:  # (none, or being let go of on another thread)
+                pass
+        elif not pending:
+            return
+        else:
+            pending = self._ordered_after(pending)
+        # (Clocks are noted only where a wait stands for what came before it on the way:
+        # Backend.waits_imply_order. Without any, nothing is left out.)
+        clocked = state.backend.waits_imply_order
+        for other, (value, i) in pending.items():
+            timeline = other.timeline
+            try:
+                check_timeline(timeline, "timeline", timeline_kind(timeline))
+                orders = other if clocked and other._state is state else None
+                self._wait(timeline, value, False, orders)
+            except ClosedResourceError:
+                closed = timeline_device(timeline)
+                if not closed.closed:
+                    raise  # (this queue's own device)
+                what = names[i] if i < len(names) else "buffer"
+                raise ClosedResourceError(
+                    f"{what} is used by commands of {closed.name} that had not "
+                    f"finished when {closed.name} closed: this command cannot be "
+                    "ordered after them"
+                ) from None
+
+    def _ordered_after(self, pending: dict[Queue, tuple[int, int]]) -> dict[Queue, tuple[int, int]]:
+        """Of ``pending`` (queue -> the value of its last use not known done, and
+        which buffer), the uses this queue's next command must wait for: each but those
+        already waited for -- by one of this queue's earlier ordering waits, or by
+        another queue before the use of it that this queue waits for, or by a queue
+        that one waited for before, and so on (``_clocks``). Only queues of this
+        device are left out so, and only through the waits of after(), copies and
+        fills, each for a value submitted before it: a chain of them goes back in
+        submission order, so no use is left out for one that comes after it. A
+        failure on the way fails what waited for it, down to this queue's next
+        command, as a wait of its own would (README, "What runs behind a failed
+        cross-queue wait"); a buffer is still freed after every use recorded."""
+        state = self._state
+        with state.submitting:  # (every clock read is of this device: see _clocks)
+            own = self._clocks
+            known = dict(own[-1][2]) if own else {}
+            # Latest first: a use another one's clock covers was made before it.
+            order = []
+            for other, use in pending.items():
+                clock = _clock_at(other, use[0]) if other._state is state else None
+                order.append((-1 if clock is None else clock[1], other, use, clock))
+            order.sort(key=lambda entry: entry[0], reverse=True)
+            needed = {}
+            for _, other, use, clock in order:
+                timeline = other._timeline
+                if other._state is state and known.get(timeline, 0) >= use[0]:
+                    continue
+                needed[other] = use
+                if other._state is state:
+                    known[timeline] = max(use[0], known.get(timeline, 0))
+                    if clock is not None:
+                        for tl, v in clock[2].items():
+                            if v > known.get(tl, 0):
+                                known[tl] = v
+        return needed
 
     async def synchronize(self) -> None:
         """Wait until everything submitted so far has finished; raise the error of a
@@ -893,6 +990,18 @@ def _not_waited_for(queue: Queue, what: str, user: Timeline) -> InvalidArgumentE
         "the device: await asyncmetal.copy(dst, src), which waits for it on the host, "
         f"or {name}'s synchronize() first"
     )
+
+
+_clock_stamps = itertools.count()
+
+
+def _clock_at(queue: Queue, value: int) -> tuple[int, int, dict[Timeline, int]] | None:
+    """``queue``'s clock for its command ``value``: the last one noted at or before it
+    (its device's submission lock held)."""
+    for entry in reversed(queue._clocks):
+        if entry[0] <= value:
+            return entry
+    return None
 
 
 # How many device waits and signals a signal's check looks at, at most: past that, the

@@ -48,6 +48,9 @@ class MetalBackend(Backend):
     # comes after it, until that timeline got there or failed (_queue.HostWait); another
     # device kind's timelines are not waited for (waits_for).
     waits_across_kinds = True
+    # A wait a failure released runs what is behind it (the failure is reported): a
+    # queue's wait for another stands for nothing more (Backend.waits_imply_order).
+    waits_imply_order = False
 
     device: int
     lib: ctypes.CDLL
