@@ -905,8 +905,9 @@ class Queue(Singular):
                     pending[user] = (value, i)  # type: ignore[index]  # (Queues: last_use)
         if len(pending) == 1:  # (the common case: waited for already, or not)
             ((other, (value, i)),) = pending.items()
+            clocks = self._clocks
             try:  # (its last clock, read whole: each is made, then appended)
-                if self._clocks[-1][2].get(other._timeline, 0) >= value:
+                if clocks and clocks[-1][2].get(other._timeline, 0) >= value:
                     return
             except IndexError:  # (none, or being let go of on another thread)
                 pass
