@@ -440,6 +440,19 @@ async def test_prestart_starts_every_worker(anyio_backend: object, tmp_path: Pat
         await pool.aclose()
 
 
+def _gated_pool(tmp_path: Path) -> tuple[Path, CompilePool]:
+    """A folder of gates (GatedCompiler) and a pool of one worker caching under tmp_path."""
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    return gates, CompilePool(1, cache=CompileCache(tmp_path / "cache"))
+
+
+def _use_gated(dev: am.Device, pool: CompilePool, gates: Path) -> None:
+    """``dev`` compiles in ``pool`` with a compiler held at ``gates``."""
+    dev.compile_pool = pool
+    dev._backend._compiler = GatedCompiler(str(gates))
+
+
 async def test_compile_many_aclose_gives_up_what_it_has_not_yielded(
     anyio_backend: object, tmp_path: Path
 ) -> None:
@@ -449,14 +462,11 @@ async def test_compile_many_aclose_gives_up_what_it_has_not_yielded(
     compiler holds the second compile at a gate the test opens after aclose: held so,
     it runs while the third waits behind it for the pool's one worker, whatever the
     machine's load.)"""
-    gates = tmp_path / "gates"
-    gates.mkdir()
-    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache"))
+    gates, pool = _gated_pool(tmp_path)
     sources = [_src(f"many {i}") for i in range(3)]
     try:
         async with am.open_device("cpu") as dev:
-            dev.compile_pool = pool
-            dev._backend._compiler = GatedCompiler(str(gates))
+            _use_gated(dev, pool, gates)
             (gates / gate_name(sources[0])).touch()  # the first compiles at once
             kernels = [(src, "twice") for src in sources]
             many = dev.compile_many(kernels)
@@ -697,14 +707,11 @@ async def test_compile_many_ends_once_its_device_closed_while_a_step_waited(
 ) -> None:
     """A step waiting for a compile as the device closes raises ClosedResourceError
     once the compile arrives (it cannot be loaded), and the iterator ends."""
-    gates = tmp_path / "gates"
-    gates.mkdir()
-    pool = CompilePool(1, cache=CompileCache(tmp_path / "cache"))
+    gates, pool = _gated_pool(tmp_path)
     sources = [_src(f"held {i}") for i in range(2)]
     try:
         async with am.open_device("cpu") as dev:
-            dev.compile_pool = pool
-            dev._backend._compiler = GatedCompiler(str(gates))
+            _use_gated(dev, pool, gates)
             many = dev.compile_many([(src, "twice") for src in sources])
             raised: list[str] = []
 

@@ -48,6 +48,14 @@ def _counting_waits(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, int]]:
     return made
 
 
+async def _stepped(dev: am.Device) -> tuple[am.Buffer, np.ndarray[Any, Any], am.Program]:
+    """A buffer of ``dev`` holding 0, 1, 2, ... (mod 256), those bytes, and STEP."""
+    buf = await dev.alloc(SIZE)
+    start = np.arange(SIZE, dtype=np.uint8)
+    await buf.write(start)
+    return buf, start, await dev.compile(STEP, "step")
+
+
 async def _chain(
     dev: am.Device, queues: list[am.Queue], buf: am.Buffer, rounds: int, first_k: int = 0
 ) -> list[am.Completion]:
@@ -69,10 +77,7 @@ async def test_a_chain_of_queues_makes_one_device_wait_per_after(
     queue that used the buffer (N - 1 a turn)."""
     n, rounds = 8, 3
     async with am.open_device("cpu") as dev:
-        buf = await dev.alloc(SIZE)
-        start = np.arange(SIZE, dtype=np.uint8)
-        await buf.write(start)
-        step = await dev.compile(STEP, "step")
+        buf, start, step = await _stepped(dev)
         queues = [dev.new_queue() for _ in range(n)]
         gate = dev.timeline()
         queues[0].wait(gate, 1)  # (not counted: made before the count starts)
@@ -168,10 +173,7 @@ async def test_a_failed_wait_in_a_chain_fails_what_comes_after_it(
     not its own -- fails, none runs: the buffer holds the first round's bytes."""
     n = 6
     async with am.open_device("cpu") as dev:
-        buf = await dev.alloc(SIZE)
-        start = np.arange(SIZE, dtype=np.uint8)
-        await buf.write(start)
-        step = await dev.compile(STEP, "step")
+        buf, start, step = await _stepped(dev)
         queues = [dev.new_queue() for _ in range(n)]
         gate, never = dev.timeline(), dev.timeline()
         queues[0].wait(gate, 1)
@@ -210,10 +212,7 @@ async def test_a_use_left_to_a_failed_queues_wait_still_comes_first(
     neither before A's step nor after it, which runs once A is let go -- the buffer
     holds A's step alone, and stays in use (freed after it) until then."""
     async with am.open_device("cpu") as dev:
-        buf = await dev.alloc(SIZE)
-        start = np.arange(SIZE, dtype=np.uint8)
-        await buf.write(start)
-        step = await dev.compile(STEP, "step")
+        buf, start, step = await _stepped(dev)
         a, b, c = dev.new_queue(), dev.new_queue(), dev.new_queue()
         gate, never = dev.timeline(), dev.timeline()
         a.wait(gate, 1)

@@ -8,6 +8,7 @@ import gc
 import textwrap
 import threading
 import weakref
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -189,6 +190,20 @@ def _depth(error: BaseException) -> int:
     return depth
 
 
+def _collecting(
+    errors: list[BaseException], kind: type[BaseException]
+) -> Callable[[am.Completion], Awaitable[None]]:
+    """An awaiter of a completion that appends the error of ``kind`` it raises."""
+
+    async def awaiter(completion: am.Completion) -> None:
+        try:
+            await completion
+        except kind as exc:
+            errors.append(exc)
+
+    return awaiter
+
+
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("anyio_backend", LOOPS)
@@ -227,12 +242,7 @@ async def test_a_dropped_metal_queue_whose_held_command_failed_is_let_go_of(
         monkeypatch.setattr(_queue, "send", nil_once_held)
         timeline.signal(1)
         errors: list[BaseException] = []
-
-        async def awaiter(completion: am.Completion) -> None:
-            try:
-                await completion
-            except am.AsyncMetalError as exc:
-                errors.append(exc)
+        awaiter = _collecting(errors, am.AsyncMetalError)
 
         async with anyio.create_task_group() as tg:
             for _ in range(3):
@@ -277,12 +287,7 @@ async def test_a_dropped_metal_queue_that_faulted_is_let_go_of(anyio_backend: ob
         done += [queue.launch(fill, bad, vals=(1, 16)) for _ in range(2)]
         del queue
         errors: list[BaseException] = []
-
-        async def awaiter(completion: am.Completion) -> None:
-            try:
-                await completion
-            except am.DeviceLostError as exc:
-                errors.append(exc)
+        awaiter = _collecting(errors, am.DeviceLostError)
 
         async with anyio.create_task_group() as tg:
             for completion in done * 2:
