@@ -95,7 +95,7 @@ LATER_FAIL = (
 # will never come (a host signal, or a queue's signal held behind another wait, may
 # bring it later), but that nothing the close could wait for would.
 NOT_YET = (
-    "nothing that could still run would produce it; a signal held behind another wait, "
+    "nothing left to run would produce it; a signal held behind another wait, "
     "or the host's, may bring it later"
 )
 

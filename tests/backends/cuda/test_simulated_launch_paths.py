@@ -290,7 +290,7 @@ def test_closes_of_a_device_whose_queues_are_held_in_device_waits_return(loop: s
         "behind": [
             "ClosedResourceError: the device cuda:N was closed while command N of a queue "
             "(this command's) waited on the device for a timeline value not produced yet "
-            "(nothing that could still run would produce it; a signal held behind another "
+            "(nothing left to run would produce it; a signal held behind another "
             "wait, or the host's, may bring it later): commands of that queue from there "
             "on never ran"
         ],
