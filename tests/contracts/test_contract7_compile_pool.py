@@ -623,6 +623,17 @@ async def _steps_until_it_ends(many: am.CompileMany) -> list[str]:
     raise AssertionError(f"the iterator never ended: {raised}")
 
 
+async def _raises_once_after_a_checkpoint(many: am.CompileMany, error: str) -> None:
+    """A step cancelled at its checkpoint raises the cancellation, the next step
+    ``error``, and every later step ends the iteration."""
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await many.__anext__()
+    assert scope.cancelled_caught
+    assert await _steps_until_it_ends(many) == [error]
+    assert await _steps_until_it_ends(many) == []
+
+
 async def test_compile_many_ends_once_its_device_closed(anyio_backend: object) -> None:
     """A compile_many whose device closed raises ClosedResourceError from one step, after
     a checkpoint (a step cancelled there raises the cancellation, and the next step the
@@ -635,12 +646,7 @@ async def test_compile_many_ends_once_its_device_closed(anyio_backend: object) -
             assert (await many.__anext__()).name == "twice"
         closed = dev.compile_many([(_src("closed later"), "twice")])
         await closed.aclose()
-    with anyio.CancelScope() as scope:
-        scope.cancel()
-        await many.__anext__()
-    assert scope.cancelled_caught
-    assert await _steps_until_it_ends(many) == ["ClosedResourceError"]
-    assert await _steps_until_it_ends(many) == []
+    await _raises_once_after_a_checkpoint(many, "ClosedResourceError")
     assert not many._jobs  # its claims were given up
     assert await _steps_until_it_ends(closed) == []
 
@@ -656,12 +662,7 @@ async def test_compile_many_ends_once_its_device_is_lost(
         many = dev.compile_many([(_src(i), "twice") for i in range(3)])
         with monkeypatch.context() as patch:
             patch.setattr(dev._backend, "lost_error", lambda what: am.DeviceLostError(what))
-            with anyio.CancelScope() as scope:
-                scope.cancel()
-                await many.__anext__()
-            assert scope.cancelled_caught
-            assert await _steps_until_it_ends(many) == ["DeviceLostError"]
-            assert await _steps_until_it_ends(many) == []
+            await _raises_once_after_a_checkpoint(many, "DeviceLostError")
 
 
 async def test_compile_many_raises_a_closed_pools_refusal_once_per_kernel(
