@@ -16,7 +16,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 import numpy as np
 
@@ -401,6 +401,11 @@ class DeviceInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# What another library's stream is taken for: adopted (a queue of its own), ordered on
+# (a DLPack consumer's), or waited for (the stream an imported array's producer named).
+StreamUse = Literal["adopt", "consume", "import"]
+
+
 class Backend(ABC):
     """One opened device. Construction and ``close`` may block; they run in a thread."""
 
@@ -530,10 +535,11 @@ class Backend(ABC):
             f"{self.kind} devices have no streams to adopt (adopt_stream is for cuda devices)"
         )
 
-    def stream_handle(self, stream: object) -> int:
+    def stream_handle(self, stream: object, use: StreamUse = "adopt") -> int:
         """The handle of another library's ``stream`` (as the user gave it), not yet
         checked to be a stream of this device (a queue's ``wait_stream`` checks that);
-        raise for what is no stream."""
+        raise for what is no stream. ``use``: what it is taken for, as its errors say
+        (``"adopt"``, ``"consume"``, ``"import"``)."""
         raise InvalidArgumentError(
             f"{self.kind} devices have no streams of other libraries (streams are for cuda devices)"
         )

@@ -546,7 +546,8 @@ class Queue(Singular):
         streams (``markers`` unset), a ``ValueError``-type refusal."""
         if not self._native.markers:
             raise InvalidArgumentError(f"{self.device.name} has no streams of other libraries")
-        handle = self._state.backend.stream_handle(stream)  # (its context: checked natively)
+        # (its context: checked natively)
+        handle = self._state.backend.stream_handle(stream, "import")
         return self._submit(self._native.wait_stream, handle)
 
     def launch(

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ... import _native
-from ..._backend import Backend, DeviceInfo, NativeQueue, NativeTimeline, Timelines
+from ..._backend import Backend, DeviceInfo, NativeQueue, NativeTimeline, StreamUse, Timelines
 from ..._compile import Compiler
 from ..._errors import AsyncMetalError
 from . import _driver
@@ -386,8 +386,8 @@ class CUDABackend(Backend):
             return handle
         return handle, identity
 
-    def stream_handle(self, stream: object) -> int:
-        return stream_handle(stream)
+    def stream_handle(self, stream: object, use: StreamUse = "adopt") -> int:
+        return stream_handle(stream, use)
 
     def checked_stream(self, stream: object) -> int:
         handle = self.stream_handle(stream)
@@ -402,7 +402,7 @@ class CUDABackend(Backend):
         # Stream rules as adopt_stream's (the per-thread stream refused, this context's
         # streams only). Each use is a queue's value: its stream's own are in order
         # already (and a wait on its word could wait for a command behind the wait).
-        handle = stream_handle(stream, consumer=True)  # (not adopted: its errors say so)
+        handle = stream_handle(stream, "consume")  # (not adopted: its errors say so)
         check_stream_context(handle, self.context_address, self.name, consumer=True)
         for timeline, target in uses:
             owner = timeline.queue if isinstance(timeline, CUDATimeline) else None

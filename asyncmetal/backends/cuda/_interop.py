@@ -21,6 +21,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
+from ..._backend import StreamUse
 from ..._errors import ArgumentTypeError, InvalidArgumentError, as_int, warn
 from . import _driver
 from ._driver import check, cu
@@ -32,12 +33,31 @@ STREAM_LEGACY, STREAM_PER_THREAD = 1, 2  # CU_STREAM_LEGACY, CU_STREAM_PER_THREA
 HANDLE_MAX = (1 << 64) - 1  # a CUstream is a pointer: larger ones overflow the driver's call
 
 
-def stream_handle(stream: object, consumer: bool = False) -> int:
-    """The ``CUstream`` address of ``stream`` (see the module's docstring for the forms);
-    ``consumer``: a DLPack consumer's stream, which is not adopted (its errors say so)."""
+# What a stream is taken for, as its errors say: who takes it; what the per-thread
+# default stream cannot be; what to do instead.
+_STREAM_USES: dict[StreamUse, tuple[str, str, str]] = {
+    "adopt": ("adopt_stream", "adopted", "adopt a stream of your own"),
+    "consume": (
+        "a DLPack consumer",
+        "waited on for a DLPack consumer",
+        "consume on a stream of your own",
+    ),
+    "import": (
+        "from_dlpack",
+        "waited on for an imported array",
+        "its producer must name a stream of its own",
+    ),
+}
+
+
+def stream_handle(stream: object, use: StreamUse = "adopt") -> int:
+    """The ``CUstream`` address of ``stream`` (see the module's docstring for the forms).
+    ``use``, what it is taken for (its errors say so): ``"adopt"`` (adopt_stream),
+    ``"consume"`` (a DLPack consumer's stream, ordered on) or ``"import"`` (the stream an
+    imported array's producer named, waited for); only an adopted stream is adopted."""
     if stream.__class__ is int and STREAM_PER_THREAD < stream <= HANDLE_MAX:
         return stream  # (a raw handle, as from_dlpack's)
-    taker = "a DLPack consumer" if consumer else "adopt_stream"
+    taker, refused, instead = _STREAM_USES[use]
     if isinstance(stream, bool):  # (an int to a CUstream check that takes ints)
         raise ArgumentTypeError(f"{taker} takes a stream or a raw CUstream handle, not a bool")
     protocol = getattr(stream, "__cuda_stream__", None)
@@ -71,11 +91,9 @@ def stream_handle(stream: object, consumer: bool = False) -> int:
             f"a CUstream handle is an address, from 0 to 2**64-1, got {handle}"
         )
     if handle == STREAM_PER_THREAD:
-        what = "waited on for a DLPack consumer" if consumer else "adopted"
-        verb = "consume on" if consumer else "adopt"
         raise InvalidArgumentError(
             f"the per-thread default stream (2) differs from thread to thread and cannot be "
-            f"{what}: {verb} a stream of your own (or the legacy default stream, 1)"
+            f"{refused}: {instead} (or the legacy default stream, 1)"
         )
     return handle or STREAM_LEGACY  # 0, the NULL stream, is the legacy one: one queue
 

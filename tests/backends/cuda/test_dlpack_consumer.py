@@ -236,8 +236,9 @@ async def test_an_interface_producers_stream_is_waited_for_and_not_adopted(
         record = bufs[0]._allocation.last_use
         assert all(buf._allocation.last_use is record for buf in bufs)
         assert record == {dev.queue: waits[-1][3]}
-        with pytest.raises(am.InvalidArgumentError, match="per-thread"):
+        with pytest.raises(am.InvalidArgumentError, match="per-thread") as refused:
             am.from_dlpack(Producer(2), device=dev)
+        assert "imported array: its producer must name" in str(refused.value)
         del waits[:]
         am.from_dlpack(Producer(None), device=dev)  # no stream: nothing to wait for
         assert waits == []
