@@ -594,7 +594,9 @@ async def _left_to_a_closing_device(sim: _Simulated) -> Seen:
     buffer's memory to cuda:0's queue, then cuda:0 closed, abandoning the copy. Whether
     the memory was freed while the copy was still to read it (cuda:0's close lets its
     stream run what it abandoned, which another device's free does not wait for), and
-    whether it was freed within 5 s of that close (not kept for good)."""
+    whether it was freed within 5 s of that close (not kept for good). The copy takes
+    200 ms: a free made before it ran is seen while it runs, also where the thread that
+    makes that free starts late (a loaded machine)."""
     import asyncmetal as am
     from asyncmetal._buffer import native_arg
     from asyncmetal.backends.cuda import _driver
@@ -614,6 +616,7 @@ async def _left_to_a_closing_device(sim: _Simulated) -> Seen:
         return free(pointer)
 
     driver.cuMemFree = watched_free
+    sim.copy_ns.value = 200_000_000
     try:
         queue, gate = dev.new_queue(), dev.timeline()
         gate.signal(1)  # (only ever signalled by the host: the wait goes to the driver)
@@ -629,6 +632,7 @@ async def _left_to_a_closing_device(sim: _Simulated) -> Seen:
                 await anyio.sleep(0.01)
     finally:
         driver.cuMemFree = free
+        sim.copy_ns.value = 0
     return seen
 
 
