@@ -369,6 +369,8 @@ def let_lingering_go() -> None:
     An interrupt anywhere keeps one longer, never lets one go early: each is put where
     it waits next before it is taken from where it waited."""
     global _look_again
+    if _left_to_others:  # (a device's commands ran out: blocks left to its queues may go)
+        _free_passed_left_blocks()
     _look_again = True  # (before the try: a look letting go now sees it, and looks again)
     while _look_again:
         got: list[bool] = []
@@ -460,7 +462,8 @@ _left_freeing = False  # a sweep handed free_left_blocks to a thread, not run ye
 
 def free_left_blocks() -> None:
     """Free the blocks closes left to other devices' queues whose uses of them have all
-    passed now (a device's close calls this once its queues stopped). One still lent
+    passed now (a device's close calls this once its queues stopped; a block whose uses
+    it abandoned waits for its commands to run out, ``let_lingering_go``). One still lent
     out (DLPack) is left to its last loan, as a close leaves it. A native free that
     fails goes to its device's unheard errors (that device has closed)."""
     global _left_freeing
@@ -1774,11 +1777,15 @@ class Allocator:
 
     def _foreign_uses(self, block: Block) -> list[tuple[Queue, int]]:
         """Uses of ``block`` by other devices' queues (a copy between devices) that
-        have not passed."""
+        may still run: not reached, and that queue's device's commands did not run out
+        (``_pending``). Not ``_passed``: a device whose queues stopped still runs what
+        they abandoned behind device waits once its backend's close raises the words
+        they wait on, and that reads this memory (another device's free of it does not
+        wait for that device's streams)."""
         return [
             (q, v)
             for q, v in list(block.last_use.items())
-            if q.timeline.device is not self._state.device and not _passed(q, v)
+            if q.timeline.device is not self._state.device and _pending(q, v)
         ]
 
     def _settle_foreign_uses(self, completable: Callable[[], Mapping[Any, int]]) -> None:

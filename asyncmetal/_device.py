@@ -1494,7 +1494,8 @@ class Device(Singular):
         self._natives.clear()  # (each closed with its queue)
         self._state.stopped = True  # (other devices' closes wait for these to stop)
         _attempt(errors, self._allocator.close, _completable)
-        # Memory other closes left to this device's queues: they have stopped.
+        # Memory other closes left to this device's queues: those of its uses that
+        # passed (one it abandoned waits for its commands to run out: let_lingering_go).
         _attempt(errors, free_left_blocks)
         _attempt(errors, self._backend.close)
         # Nothing of the device runs now (a close that failed leaves nothing to wait for

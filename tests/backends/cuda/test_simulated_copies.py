@@ -129,3 +129,19 @@ def test_every_failing_driver_call_of_copies_ends_in_a_clear_error(
     assert set(seen["kinds"]) >= COPY_CALLS, seen
     assert seen["outcomes"]["failed"] > 0 and seen["outcomes"]["done"] > 0, seen
     assert not seen["found"], "\n".join(seen["found"])
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_memory_left_to_a_closing_device_is_freed_only_once_its_abandoned_copy_ran(
+    loop: str,
+) -> None:
+    """A copy on cuda:0 from cuda:1's buffer, held behind a device wait only the host
+    would release; cuda:1 closed (its memory left to cuda:0's queue), then cuda:0
+    closed, abandoning the copy: cuda:0's close releases the words its streams wait on,
+    so its stream still reads that memory after its queues stopped, until its backend
+    closed. The memory is not freed before (another device's free does not wait for
+    cuda:0's streams), and is freed after."""
+    seen = _seen("left_to_a_closing_device", loop)
+    assert seen["freed_at_its_close"] is False, seen
+    assert seen["freed_busy"] is False, seen
+    assert seen["freed"] is True, seen

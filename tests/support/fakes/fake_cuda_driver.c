@@ -237,6 +237,23 @@ void enqueue(fake_stream *s, op o) {
     pthread_mutex_unlock(&s->mu);
 }
 
+/* Whether a wait operation is still to be met: a word's (as the driver's 64-bit GEQ, a
+ * cyclic comparison), or an event's record (0: never recorded, met). */
+static int wait_unmet(const op *o) {
+    if (o->kind == OP_WAIT)
+        return (int64_t)(atomic_load((_Atomic uint64_t *)o->p) - (uint64_t)o->a) < 0;
+    return o->a && !atomic_load(&((fake_event *)o->p)->ended[o->a % FAKE_RECORDS]);
+}
+
+/* A stream's thread is inside a wait operation from before its first look at it until
+ * after its last (cleared before the operation leaves the stream: its event lives
+ * while this is set). */
+static void waiting_set(fake_stream *s, int on) {
+    pthread_mutex_lock(&s->mu);
+    s->waiting = on;
+    pthread_mutex_unlock(&s->mu);
+}
+
 static void *stream_run(void *arg) {
     fake_stream *s = arg;
     for (;;) {
@@ -268,12 +285,13 @@ static void *stream_run(void *arg) {
                 atomic_store(&((fake_event *)o.p)->ended[o.a % FAKE_RECORDS], 1);
         } else if (o.kind == OP_WRITE) {
             atomic_store((_Atomic uint64_t *)o.p, (uint64_t)o.a);
-        } else if (o.kind == OP_WAIT) {
-            /* as the driver's 64-bit GEQ: a cyclic comparison */
-            while ((int64_t)(atomic_load((_Atomic uint64_t *)o.p) - (uint64_t)o.a) < 0) {
+        } else if (o.kind == OP_WAIT || o.kind == OP_WAIT_EVENT) {
+            waiting_set(s, 1);
+            while (wait_unmet(&o)) {
                 if (atomic_load(&s->stop) == 2) return NULL;
                 if (atomic_load(&fault_code)) break;  /* the context runs nothing more */
             }
+            waiting_set(s, 0);
         } else if (o.kind == OP_FILL) {  /* cuMemsetD8/D16/D32Async: items of 1, 2, 4 bytes */
             int size = (int)(o.arg >> 32);
             uint32_t pattern = (uint32_t)o.arg;
@@ -282,11 +300,6 @@ static void *stream_run(void *arg) {
                 if (size == 1) *(uint8_t *)at = (uint8_t)pattern;
                 else if (size == 2) *(uint16_t *)at = (uint16_t)pattern;
                 else *(uint32_t *)at = pattern;
-            }
-        } else if (o.kind == OP_WAIT_EVENT) {
-            while (o.a && !atomic_load(&((fake_event *)o.p)->ended[o.a % FAKE_RECORDS])) {
-                if (atomic_load(&s->stop) == 2) return NULL;  /* (0: never recorded) */
-                if (atomic_load(&fault_code)) break;
             }
         } else if (o.kind == OP_COPY) {
             copy_run(s, o.a);
@@ -298,12 +311,25 @@ static void *stream_run(void *arg) {
     }
 }
 
+/* The current context, per thread as the driver's (none at first). */
+static _Thread_local void *current_ctx;
+
+/* Every stream stream_new made and stream_free has not freed, destroyed ones too: what a
+ * context's synchronize waits for. */
+static pthread_mutex_t live_mu = PTHREAD_MUTEX_INITIALIZER;
+static fake_stream *live;
+
 fake_stream *stream_new(void) {
     fake_stream *s = calloc(1, sizeof *s);
     s->cap = 1 << 20;
     s->ops = calloc(s->cap, sizeof(op));
+    s->ctx = current_ctx;  /* (cuStreamCreate makes it in the calling thread's context) */
     pthread_mutex_init(&s->mu, NULL);
     pthread_create(&s->thread, NULL, stream_run, s);
+    pthread_mutex_lock(&live_mu);
+    s->next_live = live;
+    live = s;
+    pthread_mutex_unlock(&live_mu);
     return s;
 }
 
@@ -320,6 +346,13 @@ void stream_free(fake_stream *s, int abandon) {
         free(s);
         return;
     }
+    pthread_mutex_lock(&live_mu);
+    for (fake_stream **at = &live; *at; at = &(*at)->next_live)
+        if (*at == s) {
+            *at = s->next_live;
+            break;
+        }
+    pthread_mutex_unlock(&live_mu);
     atomic_store(&s->stop, abandon ? 2 : 1);
     pthread_join(s->thread, NULL);
     for (size_t i = s->head; i < s->tail; i++)  /* abandoned: operations never run */
@@ -364,6 +397,41 @@ void streams_release(void) {
     ndestroyed = 0;
     pthread_mutex_unlock(&destroyed_mu);
     for (int i = 0; i < n; i++) stream_free(left[i], 1);
+}
+
+/* Whether stream s ran out of what it can run: nothing left, abandoned (it stops where it
+ * is), or inside a wait that is not met -- as looked at here, not as its thread last saw
+ * it: a word raised just before the look is met, and the work behind the wait is still
+ * to run. (Under live_mu: s is not freed meanwhile.) */
+static int stream_ran_out(fake_stream *s) {
+    if (atomic_load(&s->stop) == 2) return 1;
+    pthread_mutex_lock(&s->mu);
+    int out = s->head == s->tail || (s->waiting && wait_unmet(&s->ops[s->head % s->cap]));
+    pthread_mutex_unlock(&s->mu);
+    return out;
+}
+
+/* As cuCtxSynchronize: returns once every stream of context `ctx` (made with it current;
+ * destroyed ones, which run on, too) ran out of what it can run, looked at all at once;
+ * at once with the context's sticky error once a kernel faulted. A stream inside a wait
+ * nothing has met yet counts as run out, where the driver's call would go on waiting
+ * for whatever meets it later (a host signal, another device's close, after this one's):
+ * a close whose stream waits so returns here. 30 s at most: a stream that runs on for
+ * good fails the check rather than hang. */
+int fake_ctx_synchronize(void *ctx) {
+    int64_t deadline = now_ns() + 30000000000LL;
+    for (;;) {
+        int code = atomic_load(&fault_code);
+        if (code) return code;
+        int out = 1;
+        pthread_mutex_lock(&live_mu);
+        for (fake_stream *s = live; s && out; s = s->next_live)
+            if (s->ctx == ctx) out = stream_ran_out(s);
+        pthread_mutex_unlock(&live_mu);
+        if (out) return 0;
+        if (now_ns() > deadline) die("cuCtxSynchronize: a stream of the context ran for 30 s");
+        nap_ns(50000);
+    }
 }
 
 /* ---- the driver functions the runtime calls (its signatures) ------------------------ */
@@ -568,8 +636,6 @@ static int f_wait_event(void *stream, void *e, unsigned flags) {
     enqueue(stream, (op){OP_WAIT_EVENT, recorded, ev, 0});
     return 0;
 }
-/* The current context, per thread as the driver's (none at first). */
-static _Thread_local void *current_ctx;
 static int f_ctx_set(void *ctx) {
     if (ctx && ctx == atomic_load(&refuse_ctx)) return 1;  /* CUDA_ERROR_INVALID_VALUE */
     current_ctx = ctx;

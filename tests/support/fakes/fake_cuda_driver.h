@@ -6,7 +6,8 @@
  * reports an event done once the stream ran past its latest record. Streams may share one
  * hardware queue (stream_sharing), as streams beyond a GPU's CUDA_DEVICE_MAX_CONNECTIONS
  * do: their operations run in the order they were handed over, one at a time, so a wait
- * holds up every stream behind it.
+ * holds up every stream behind it. A context's synchronize (fake_ctx_synchronize) waits
+ * for the streams made in it, as cuCtxSynchronize does.
  */
 #ifndef FAKE_CUDA_DRIVER_H
 #define FAKE_CUDA_DRIVER_H
@@ -59,6 +60,10 @@ typedef struct fake_stream {
     struct fake_stream *hw;        /* the stream whose hardware queue it shares, or NULL */
     atomic_int released;           /* its queue was closed: a driver call on it fails the
                                       check (the stream's owner may have destroyed it) */
+    /* (After the log: test_timeline_order_cuda.py reads the members up to it by offset.) */
+    void *ctx;                     /* the context current on the thread that made it */
+    int waiting;                   /* (under mu) its thread is inside a wait operation */
+    struct fake_stream *next_live; /* (under live_mu) the next stream not yet freed */
 } fake_stream;
 
 typedef struct {
@@ -82,6 +87,9 @@ void enqueue(fake_stream *s, op o);  /* an operation on a stream, behind the oth
 void stream_free(fake_stream *s, int abandon);
 void stream_destroy(fake_stream *s);  /* as cuStreamDestroy: returns at once */
 void streams_release(void);  /* the context released: destroyed streams' work dropped */
+/* As cuCtxSynchronize: returns once every stream made with `ctx` current (destroyed ones
+ * too) ran out of work it can run (fake_cuda_driver.c says what counts). */
+int fake_ctx_synchronize(void *ctx);
 fake_stream *stream_new(void);
 fake_stream *stream_sharing(fake_stream *hw);  /* runs its operations on hw's queue */
 fake_queue queue_on(fake_stream *s, long bound);  /* a queue on stream s */

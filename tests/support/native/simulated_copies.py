@@ -588,7 +588,60 @@ async def _copy_sweep(sim: _Simulated, first: int, step: int, held: bool) -> See
     return {"calls": total, "kinds": kinds, "found": found, "clean": clean, "outcomes": outcomes}
 
 
-SCENARIOS = {"copies": _copies, "cancelled_copy": _cancelled, "pin_refused": _pin_refused}
+async def _left_to_a_closing_device(sim: _Simulated) -> Seen:
+    """A copy on cuda:0 from a buffer of cuda:1, behind a device wait for a value only
+    the host would signal (its wait on the driver at once); cuda:1 closed, leaving that
+    buffer's memory to cuda:0's queue, then cuda:0 closed, abandoning the copy. Whether
+    the memory was freed while the copy was still to read it (cuda:0's close lets its
+    stream run what it abandoned, which another device's free does not wait for), and
+    whether it was freed within 5 s of that close (not kept for good). The copy takes
+    200 ms: a free made before it ran is seen while it runs, also where the thread that
+    makes that free starts late (a loaded machine)."""
+    import asyncmetal as am
+    from asyncmetal._buffer import native_arg
+    from asyncmetal.backends.cuda import _driver
+
+    seen: Seen = {"freed_busy": False, "freed": False}
+    driver = _driver.cu
+    free = driver.cuMemFree
+    dev = await am.open_device("cuda:0")
+    far = await am.open_device("cuda:1")
+    dst, src = await dev.alloc(1 << 16), await far.alloc(1 << 16)
+    handle = native_arg(src).handle
+
+    def watched_free(pointer: int) -> Any:
+        if int(pointer) == handle:
+            seen["freed"] = True
+            seen["freed_busy"] = seen["freed_busy"] or bool(sim.fake.fake_copy_busy(handle, 1))
+        return free(pointer)
+
+    driver.cuMemFree = watched_free
+    sim.copy_ns.value = 200_000_000
+    try:
+        queue, gate = dev.new_queue(), dev.timeline()
+        gate.signal(1)  # (only ever signalled by the host: the wait goes to the driver)
+        queue.wait(gate, 2)
+        queue.copy(dst, src)
+        del dst, src
+        with anyio.fail_after(20):
+            await far.close()
+            seen["freed_at_its_close"] = seen["freed"]
+            await dev.close()
+        with anyio.move_on_after(5):
+            while not seen["freed"]:
+                await anyio.sleep(0.01)
+    finally:
+        driver.cuMemFree = free
+        sim.copy_ns.value = 0
+    return seen
+
+
+SCENARIOS = {
+    "copies": _copies,
+    "cancelled_copy": _cancelled,
+    "pin_refused": _pin_refused,
+    "left_to_a_closing_device": _left_to_a_closing_device,
+}
 
 
 def run(sim: _Simulated, scenario: str, loop: str, args: tuple[str, ...]) -> Seen:

@@ -107,6 +107,7 @@ class _Simulated:
         fake.stream_destroy.argtypes = [ctypes.c_void_p]
         fake.fake_ctx_set_current.argtypes = [ctypes.c_void_p]
         fake.fake_ctx_current.restype = ctypes.c_void_p
+        fake.fake_ctx_synchronize.argtypes = [ctypes.c_void_p]
         # Into the loaded runtime's table (a second copy's would leave it empty, and the
         # first queue would not start).
         fake.fake_driver_install()
@@ -183,6 +184,9 @@ def _driver_module(sim: _Simulated, gpus: int = 1) -> Any:
             return (CUresult.CUDA_SUCCESS, pointer)
 
         def cuMemFree(self, pointer: int) -> tuple[Any, ...]:
+            # Waits for no stream: the driver's "may" synchronize (memory of cuMemAlloc),
+            # which nothing can count on, and a peer's streams reading it are not its
+            # context's. A free while a copy still uses the memory is counted (freed_busy).
             if sim.fault_code.value:  # (a faulted context frees nothing: as the driver's)
                 return (CUresult(sim.fault_code.value),)
             sim.fake.fake_mem_free(int(pointer))
@@ -212,6 +216,16 @@ def _driver_module(sim: _Simulated, gpus: int = 1) -> Any:
                 return (CUresult.CUDA_ERROR_INVALID_VALUE,)
             sim.fake.fake_ctx_set_current(int(context))
             return self._result("cuCtxSetCurrent")
+
+        def cuCtxSynchronize(self) -> tuple[Any, ...]:
+            # As the driver's: returns once every stream of the current context ran out of
+            # work (fake_ctx_synchronize), destroyed ones too -- a device's close lets its
+            # streams run what its queues abandoned, and frees what they read after this.
+            result = self._result("cuCtxSynchronize")
+            if result[0]:
+                return result
+            code = sim.fake.fake_ctx_synchronize(sim.current())
+            return (CUresult(code),) if code else result
 
         def cuStreamCreate(self, flags: int) -> tuple[Any, ...]:
             return self._result("cuStreamCreate", sim.fake.stream_new())
