@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import difflib
 import hashlib
@@ -429,8 +430,8 @@ _NOT_WORD_OR_SPACE = re.compile(r"[^\w\s]")
 _NEWLINE = re.compile("\n")
 
 
-def _without_braces(text: str) -> str:
-    """``text`` with each brace-enclosed part (of those closed) made a space: what
+def _without_braces(text: str, made: str = " ") -> str:
+    """``text`` with each brace-enclosed part (of those closed) made ``made``: what
     ``{[^{}]*}`` replaced by a space again and again until none is left makes, read in
     one pass."""
     opened: list[int] = []
@@ -446,7 +447,7 @@ def _without_braces(text: str) -> str:
     pieces: list[str] = []
     copied = 0
     for start, end in closed:
-        pieces += (text[copied:start], " ")
+        pieces += (text[copied:start], made)
         copied = end
     if not pieces:
         return text
@@ -496,6 +497,78 @@ def _value_declarators(words: str, name: str) -> list[tuple[str, str]]:
 
 
 _DECLARATOR_MARK = re.compile(r"[*&(\[]")
+
+
+# Calling-convention attributes that make a function take its parameters in other
+# registers than the C calling convention's (x86-64 System V, AArch64), which a cpu
+# launch calls a kernel with: the Microsoft x64 convention (GCC's and clang's ``ms_abi``)
+# and clang's ``vectorcall``, ``regcall`` and ``preserve_none``. (The 32-bit x86 ones --
+# ``stdcall``, ``fastcall``, ``regparm``... -- are ignored on x86-64; ``sysv_abi`` is
+# the convention itself.) Spelled with or without underscores around them.
+OTHER_CONVENTIONS = frozenset(("ms_abi", "vectorcall", "regcall", "preserve_none"))
+_CONVENTIONS = OTHER_CONVENTIONS | {"sysv_abi"}
+_DEFINE = re.compile(r"[ \t]*#[ \t]*define[ \t]+(\w+)(.*)", re.S)
+
+
+def calling_conventions(src: str, name: str) -> set[str]:
+    """The calling-convention attributes (``OTHER_CONVENTIONS``, ``sysv_abi``; without
+    underscores around them) that declare function ``name`` in ``src``: in each of its
+    declarations at file scope (a prototype's attribute holds for the definition too),
+    before its name or after its parameters, also through a macro of the source
+    (``#define WINAPI __attribute__((ms_abi))``). Read from the source as written: one
+    that a header's macro gives is not seen."""
+    text = _strip(src)
+    # The words of each macro's body, and the conventions it gives (in turn, through
+    # other macros).
+    bodies: dict[str, set[str]] = {}
+    for line in _scan.matches_at(_PREPROCESSOR_LINE, text, _directives(text)):
+        define = _DEFINE.match(line.group())
+        if define:
+            (macro,) = _words(define.group(1))
+            bodies.setdefault(macro, set()).update(_words(define.group(2)))
+    text = _scan.sub(_scan.matches_at(_PREPROCESSOR_LINE, text, _directives(text)), text, " ")
+    text = _without_braces(text, ";")  # (each body ends a statement: none is read within)
+    found: set[str] = set()
+    heads = re.compile(rf"\b{re.escape(name)}\s*\(")
+    # Each ";" and each "(" and its ")", found once (in time linear in the text's length
+    # however many heads there are).
+    semicolons: list[int] | None = None
+    closing: dict[int, int] = {}
+    found_heads = list(_scan.finditer(heads, text, _NOT_WORD_OR_SPACE))
+    read = 0  # where the text read so far ends: each part is read once
+    for i, head in enumerate(found_heads):
+        if semicolons is None:
+            semicolons = [m.start() for m in _scan.finditer(_SEMICOLON, text, None)]
+            opened: list[int] = []
+            for paren in _scan.finditer(_PARENS, text, None):
+                if paren.group() == "(":
+                    opened.append(paren.start())
+                elif opened:
+                    closing[opened.pop()] = paren.end()
+        after = closing.get(head.end() - 1)
+        if after is None:  # (never closed)
+            continue
+        # Its statement's words before it and after its parameters (not theirs: a
+        # pointer to a function of another convention is one), up to the next head.
+        at = bisect.bisect_left(semicolons, head.start())
+        start = max(semicolons[at - 1] + 1 if at else 0, read)
+        at = bisect.bisect_left(semicolons, after)
+        stop = semicolons[at] if at < len(semicolons) else len(text)
+        if i + 1 < len(found_heads):
+            stop = min(stop, found_heads[i + 1].start())
+        found |= _words(text[start : head.start()] + " " + text[after:stop])
+        read = max(read, stop)
+    for _ in range(8):  # a macro of a macro...
+        more = found.union(*(bodies[word] for word in found if word in bodies))
+        if more == found:
+            break
+        found = more
+    return found & _CONVENTIONS
+
+
+def _words(text: str) -> set[str]:
+    """The words of ``text``, without underscores around them (``__ms_abi__``)."""
+    return {word.strip("_") or word for word in re.findall(r"\w+", text)}
 
 
 def scalar_params(src: str, name: str) -> tuple[ParamKind, ...]:

@@ -49,7 +49,15 @@ from .._backend import (
     Timelines,
     host_address,
 )
-from .._compile import Compiler, ParamKind, c_value_types, scalar_params, tool_answer
+from .._compile import (
+    OTHER_CONVENTIONS,
+    Compiler,
+    ParamKind,
+    c_value_types,
+    calling_conventions,
+    scalar_params,
+    tool_answer,
+)
 from .._errors import (
     ArgumentTypeError,
     ClosedResourceError,
@@ -171,6 +179,26 @@ class CCompiler(Compiler):
         """The kernel's parameters, refused when the queue threads could not pass them
         all: checked before compiling, not at every launch."""
         params = scalar_params(src, name)
+        conventions = calling_conventions(src, name)
+        other = sorted(conventions & OTHER_CONVENTIONS)
+        if other:
+            raise CompileError(
+                f"cpu kernel {name!r} is declared {other[0]}: it takes its parameters in "
+                "other registers than the C calling convention a launch calls it with "
+                "(x86-64 System V, AArch64), so it would read garbage (or crash the "
+                "process): drop the attribute, or make it sysv_abi",
+                name=name,
+            )
+        abi = [flag for flag in (*self.cc[1:], *self.flags) if flag.startswith("-mabi=")]
+        if abi and abi[-1] == "-mabi=ms" and "sysv_abi" not in conventions:
+            raise CompileError(
+                f"cpu kernel {name!r} is compiled with -mabi=ms, which makes it take its "
+                "parameters in the Microsoft x64 convention's registers, not those of the "
+                "C calling convention a launch calls it with (x86-64 System V), so it would "
+                "read garbage (or crash the process): drop the option, or declare the "
+                "kernel __attribute__((sysv_abi))",
+                name=name,
+            )
         if len(params) > MAX_ARGS:
             raise CompileError(
                 f"cpu kernel {name!r} has {len(params)} parameters; cpu kernels take at most "

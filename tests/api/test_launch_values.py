@@ -709,3 +709,66 @@ def test_cuda_kernels_read_from_source_without_a_gpu() -> None:
     for name, match in refusals:
         with pytest.raises(am.CompileError, match=match):
             nvrtc._params(CUDA_TEMPLATE, name)
+
+
+CONVENTION = "long long* out, long long a, double d"
+CONVENTION_BODY = "{ out[0] = a; out[1] = (long long)d; }"
+
+
+@pytest.mark.parametrize(
+    ("before", "declared", "options", "refused"),
+    [
+        ("", "__attribute__((ms_abi)) void", (), "declared ms_abi"),
+        ("", "void __attribute__((__ms_abi__))", (), "declared ms_abi"),
+        ("#define WINAPI __attribute__((ms_abi))\n", "WINAPI void", (), "declared ms_abi"),
+        # A prototype's attribute holds for the definition (clang takes it so)
+        (f"__attribute__((ms_abi)) void k({CONVENTION});\n", "void", (), "declared ms_abi"),
+        (f"void k({CONVENTION}) __attribute__((ms_abi));\n", "void", (), "declared ms_abi"),
+        ("", "__attribute__((vectorcall)) void", (), "declared vectorcall"),
+        ("", "__attribute__((regcall)) void", (), "declared regcall"),
+        ("", "void", ("-mabi=ms",), "compiled with -mabi=ms"),
+        ("", "__attribute__((sysv_abi)) void", (), None),  # the convention itself
+        # another function's attribute is its own
+        (
+            "__attribute__((ms_abi)) long long twice(long long x) { return 2 * x; }\n",
+            "void",
+            (),
+            None,
+        ),
+        ("", "void", ("-mabi=sysv",), None),
+    ],
+)
+async def test_a_cpu_kernel_of_another_calling_convention_is_refused(
+    anyio_backend: object, before: str, declared: str, options: tuple[str, ...], refused: str | None
+) -> None:
+    """A cpu kernel is called with the C calling convention (x86-64 System V, AArch64):
+    one declared ``ms_abi`` (or compiled with ``-mabi=ms``), ``vectorcall`` or
+    ``regcall`` takes its parameters in other registers, and reads garbage -- its
+    first pointer taken from a register the launch did not set, the process crashed.
+    Refused at compile, saying why. Checked: fails without the fix (compiled; launched,
+    the process died of a segmentation fault)."""
+    source = f"{before}{declared} k({CONVENTION}) {CONVENTION_BODY}"
+    async with am.open_device("cpu") as device:
+        if refused is not None:
+            with pytest.raises(am.CompileError, match=refused) as info:
+                await device.compile(source, "k", options=options)
+            assert info.value.name == "k"
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", am.CompileWarning)
+            k = await device.compile(source, "k", options=options)
+        out = await device.alloc(16)
+        await device.queue.launch(k, out, vals=(np.int64(42), 7.0))
+        assert list(await out.read(np.int64)) == [42, 7]
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="-mabi=ms is x86-64's")
+async def test_a_cpu_kernel_declared_sysv_abi_takes_mabi_ms(anyio_backend: object) -> None:
+    """``-mabi=ms`` leaves a kernel declared ``sysv_abi`` in the C calling convention:
+    taken, and launched as any."""
+    source = f"__attribute__((sysv_abi)) void k({CONVENTION}) {CONVENTION_BODY}"
+    async with am.open_device("cpu") as device:
+        k = await device.compile(source, "k", options=("-mabi=ms",))
+        out = await device.alloc(16)
+        await device.queue.launch(k, out, vals=(np.int64(42), 7.0))
+        assert list(await out.read(np.int64)) == [42, 7]
