@@ -900,6 +900,7 @@ def _each_definition(text: str, name: str) -> Iterator[tuple[str, str, list[str]
     # (``k(k(k(...)))``) finds its own there, not by reading them again, which would
     # take time quadratic in the source's length.
     closing: dict[int, int] = {}
+    braces: dict[int, int] | None = None
     heads = re.compile(rf"\b({name})\s*\(")
     for match in _scan.finditer(heads, text, _NOT_WORD_OR_SPACE):
         start = match.end()
@@ -919,8 +920,40 @@ def _each_definition(text: str, name: str) -> Iterator[tuple[str, str, list[str]
             continue
         body = text[start : pos - 1].strip()
         after = max(_scan.rfind(text, c, match.start()) for c in ";{}") + 1
-        words = " ".join(re.findall(r"\w+|[*&]", text[after : match.start()]))
+        declared = text[after : match.start()]
+        if after and text[after - 1] == "}":  # a type defined in the return type?
+            if braces is None:  # (each "}" and its "{", found once)
+                braces, opened = {}, []
+                for brace in _scan.finditer(_BRACE, text, None):
+                    if brace.group() == "{":
+                        opened.append(brace.start())
+                    elif opened:
+                        braces[brace.start()] = opened.pop()
+            if after - 1 in braces:
+                declared = _record_head(text, braces[after - 1]) + " " + declared
+        words = " ".join(re.findall(r"\w+|[*&]", _GNU_ATTRIBUTE.sub(" ", declared)))
         yield match.group(1), words, [] if body in ("", "void") else _split_top_level(body)
+
+
+# A GNU attribute (its parentheses balanced, three deep), and C11's and C++'s alignment
+# specifiers: no part of a type's words.
+_GNU_ATTRIBUTE = re.compile(
+    r"\b(?:__attribute__\s*\(\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)\)"
+    r"|(?:_Alignas|alignas|__align__)\s*\((?:[^()]|\([^()]*\))*\))"
+)
+_RECORD_KEYWORD = re.compile(r"\b(?:struct|union|class|enum)\b")
+
+
+def _record_head(text: str, opens: int) -> str:
+    """What declares the struct, union, class or enum whose body opens at ``opens`` and
+    ends right before a function's name (``static struct r``, of ``static struct r {
+    int a; } k(...)``: a type defined in the function's return type), from the start of
+    its statement; "" where that body is no such type's."""
+    start = max(_scan.rfind(text, c, opens) for c in ";{}") + 1
+    head = _GNU_ATTRIBUTE.sub(" ", text[start:opens])
+    if _RECORD_KEYWORD.search(head) and not head.rstrip().endswith(")"):
+        return head
+    return ""
 
 
 def _split_top_level(params: str) -> list[str]:
