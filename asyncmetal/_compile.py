@@ -27,10 +27,13 @@ ParamKind = Literal["buffer", "value"]
 VERSION_TIMEOUT_S = 30.0
 
 
-def tool_answer(command: list[str], hint: str) -> subprocess.CompletedProcess[bytes] | None:
-    """``command`` (a compiler asked its version) run to its end, its output captured;
-    None where it cannot be started. Blocks: call it off the loop (``Compiler.version``
-    is asked through ``compiler_identity``). CompileError, with ``hint``, once
+def tool_answer(
+    command: list[str], hint: str, cwd: str | None = None
+) -> subprocess.CompletedProcess[bytes] | None:
+    """``command`` (a compiler asked its version) run to its end (in ``cwd``, where
+    given), its output captured; None where it cannot be started. Blocks: call it off
+    the loop (``Compiler.version`` is asked through ``compiler_identity``).
+    CompileError, with ``hint``, once
     ``VERSION_TIMEOUT_S`` has passed and it and whatever it started (a wrapper's
     compiler, which would hold the output open) are killed."""
     try:
@@ -40,6 +43,7 @@ def tool_answer(command: list[str], hint: str) -> subprocess.CompletedProcess[by
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,  # a process group of its own, ended as one
+            cwd=cwd,
         )
     except OSError:
         return None
@@ -385,11 +389,19 @@ def c_value_types(
     """Each value parameter of the C-like function ``name`` defined in ``src``: its
     scalar type (resolving the source's plain typedefs; None where not known) and its
     declaration. ``plain``: the types of a plain ``char`` and of ``wchar_t``
-    (``_scalars.platform_types``; the host's by default)."""
-    known = typedefs(_strip(src))
+    (``_scalars.platform_types``; the host's by default). A name the source defines
+    apart (``typedefs``: in ``#if`` branches) is not known, also where a header or the
+    compiler would define it otherwise (``size_t``)."""
+    apart: set[str] = set()
+    known = typedefs(_strip(src), apart)
     plain = host_types() if plain is None else plain
     return tuple(
-        (scalar_type(type_words(declaration), known, plain), declaration)
+        (
+            None
+            if apart.intersection(resolved(type_words(declaration), known))
+            else scalar_type(type_words(declaration), known, plain),
+            declaration,
+        )
         for kind, declaration in c_param_declarations(src, name)
         if kind == "value"
     )

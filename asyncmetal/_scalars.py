@@ -201,15 +201,15 @@ def statements(
     return found
 
 
-def typedefs(text: str) -> dict[str, list[str]]:
+def typedefs(text: str, apart: set[str] | None = None) -> dict[str, list[str]]:
     """The plain typedefs of ``text`` (``typedef unsigned int u32;``, C++'s ``using u32 =
     unsigned int;``) and its object-like macros of type words (``#define REAL float``):
     name -> words. A name given different types (typedefs in ``#if`` branches, of which
     one compiles), a macro defined inside an ``#if`` (a default a compile option may
-    override) or undefined is left out: which type the kernel takes cannot be told from
-    the source."""
+    override) or undefined is left out (and added to ``apart``, where given): which type
+    the kernel takes cannot be told from the source."""
     found: dict[str, list[str]] = {}
-    apart: set[str] = set()
+    apart = set() if apart is None else apart
 
     def add(name: str, words: list[str]) -> None:
         if found.setdefault(name, words) != words:

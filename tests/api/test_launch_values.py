@@ -811,3 +811,63 @@ async def test_a_cpu_kernel_returning_a_struct_it_defines_is_refused(
         out = await device.alloc(8)
         await device.queue.launch(k, out, vals=(7,))
         assert (await out.read(np.int64))[0] == 7
+
+
+LIBRARY_TYPES = r"""
+#include <stdint.h>
+#include <string.h>
+#include <sys/types.h>
+#include <time.h>
+void k(unsigned char* out, int_fast16_t a, uint_least8_t b, off_t c, time_t d, uintmax_t e,
+       int_fast8_t f)
+{
+    memcpy(out, &a, sizeof a); memcpy(out + 8, &b, sizeof b); memcpy(out + 16, &c, sizeof c);
+    memcpy(out + 24, &d, sizeof d); memcpy(out + 32, &e, sizeof e); memcpy(out + 40, &f, 1);
+}
+"""
+
+
+async def test_integer_types_of_the_c_library_take_their_widths(anyio_backend: object) -> None:
+    """A value parameter of a type the C library's headers define (``int_fast16_t``,
+    ``uint_least8_t``, ``off_t``, ``time_t``, ``uintmax_t``...) takes that type as the
+    compiler has it (asked: each C library and ABI has its own widths), so a value
+    reaches it whole, and one that does not fit is refused. Checked: fails without the
+    fix (each was a type not known, taken as an int32: 2**40 was refused as no int32,
+    and 200 reached the int_fast8_t as -56)."""
+    async with am.open_device("cpu") as device:
+        k = await device.compile(LIBRARY_TYPES, "k")
+        types = [t for t, _ in k.value_types]
+        if platform.machine() == "x86_64" and platform.libc_ver()[0] == "glibc":
+            assert types == ["int64", "uint8", "int64", "int64", "uint64", "int8"]
+        assert None not in types
+        out = await device.alloc(48)
+        vals = (-(2**40), 255, 2**40, -1, 2**64 - 1, -128)
+        await device.queue.launch(k, out, vals=vals)
+        got = (await out.read(np.uint8)).tobytes()
+        for i, (value, kind) in enumerate(zip(vals, types)):
+            size = np.dtype(kind).itemsize
+            assert got[8 * i : 8 * i + size] == np.array(value, kind).tobytes(), (i, kind)
+        _rejects(
+            device,
+            am.InvalidArgumentError,
+            r"vals\[5\] of 'k' must fit in int8",
+            functools.partial(device.queue.launch, k, out, vals=(*vals[:5], 200)),
+        )
+
+
+async def test_a_library_type_the_source_defines_apart_is_not_known(
+    anyio_backend: object,
+) -> None:
+    """A name the source defines in ``#if`` branches is not known, also one the C
+    library or the compiler would define otherwise (``size_t``, ``time_t``): which
+    definition compiles cannot be told. Checked: fails without the fix (``size_t`` was
+    read as a uint64 whichever branch compiled)."""
+    source = (
+        "#ifdef NARROW\ntypedef unsigned short size_t; typedef int time_t;\n"
+        "#else\ntypedef unsigned long size_t; typedef long time_t;\n#endif\n"
+        "void k(long long* out, size_t n, time_t t) { out[0] = n + t; }"
+    )
+    async with am.open_device("cpu") as device:
+        for options in ((), ("-DNARROW",)):
+            k = await device.compile(source, "k", options=options)
+            assert [t for t, _ in k.value_types] == [None, None]
