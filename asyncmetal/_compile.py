@@ -16,7 +16,15 @@ from typing import Any, Literal, NamedTuple
 
 from . import _scan
 from ._errors import ArgumentTypeError, CompileError, InvalidArgumentError
-from ._scalars import host_types, resolved, scalar_type, statements, type_words, typedefs
+from ._scalars import (
+    TYPEOF_WORDS,
+    host_types,
+    resolved,
+    scalar_type,
+    statements,
+    type_words,
+    typedefs,
+)
 
 ParamKind = Literal["buffer", "value"]
 
@@ -628,6 +636,14 @@ def refuse_non_scalars(src: str, name: str, values: list[str]) -> None:
     not_scalars = _not_scalar_typedefs(_strip(src))
     for declaration in values:
         words = resolved(type_words(declaration), known)
+        if TYPEOF_WORDS.intersection(words) and scalar_type(words, known) is None:
+            raise CompileError(
+                f"kernel {name!r}: parameter {declaration!r} takes the type of an expression "
+                "(typeof), which is not read from the source: a launch value is passed as "
+                "its parameter's declared type, so declare it (float, int64_t...), or "
+                "typeof of that type",
+                name=name,
+            )
         if (
             _NOT_A_SCALAR.search(" ".join(words)) or not_scalars.intersection(words)
         ) and scalar_type(words, known) is None:
