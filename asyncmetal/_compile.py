@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import difflib
 import hashlib
@@ -15,7 +16,15 @@ from typing import Any, Literal, NamedTuple
 
 from . import _scan
 from ._errors import ArgumentTypeError, CompileError, InvalidArgumentError
-from ._scalars import host_types, resolved, scalar_type, statements, type_words, typedefs
+from ._scalars import (
+    TYPEOF_WORDS,
+    host_types,
+    resolved,
+    scalar_type,
+    statements,
+    type_words,
+    typedefs,
+)
 
 ParamKind = Literal["buffer", "value"]
 
@@ -26,10 +35,13 @@ ParamKind = Literal["buffer", "value"]
 VERSION_TIMEOUT_S = 30.0
 
 
-def tool_answer(command: list[str], hint: str) -> subprocess.CompletedProcess[bytes] | None:
-    """``command`` (a compiler asked its version) run to its end, its output captured;
-    None where it cannot be started. Blocks: call it off the loop (``Compiler.version``
-    is asked through ``compiler_identity``). CompileError, with ``hint``, once
+def tool_answer(
+    command: list[str], hint: str, cwd: str | None = None
+) -> subprocess.CompletedProcess[bytes] | None:
+    """``command`` (a compiler asked its version) run to its end (in ``cwd``, where
+    given), its output captured; None where it cannot be started. Blocks: call it off
+    the loop (``Compiler.version`` is asked through ``compiler_identity``).
+    CompileError, with ``hint``, once
     ``VERSION_TIMEOUT_S`` has passed and it and whatever it started (a wrapper's
     compiler, which would hold the output open) are killed."""
     try:
@@ -39,6 +51,7 @@ def tool_answer(command: list[str], hint: str) -> subprocess.CompletedProcess[by
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,  # a process group of its own, ended as one
+            cwd=cwd,
         )
     except OSError:
         return None
@@ -384,11 +397,19 @@ def c_value_types(
     """Each value parameter of the C-like function ``name`` defined in ``src``: its
     scalar type (resolving the source's plain typedefs; None where not known) and its
     declaration. ``plain``: the types of a plain ``char`` and of ``wchar_t``
-    (``_scalars.platform_types``; the host's by default)."""
-    known = typedefs(_strip(src))
+    (``_scalars.platform_types``; the host's by default). A name the source defines
+    apart (``typedefs``: in ``#if`` branches) is not known, also where a header or the
+    compiler would define it otherwise (``size_t``)."""
+    apart: set[str] = set()
+    known = typedefs(_strip(src), apart)
     plain = host_types() if plain is None else plain
     return tuple(
-        (scalar_type(type_words(declaration), known, plain), declaration)
+        (
+            None
+            if apart.intersection(resolved(type_words(declaration), known))
+            else scalar_type(type_words(declaration), known, plain),
+            declaration,
+        )
         for kind, declaration in c_param_declarations(src, name)
         if kind == "value"
     )
@@ -429,8 +450,8 @@ _NOT_WORD_OR_SPACE = re.compile(r"[^\w\s]")
 _NEWLINE = re.compile("\n")
 
 
-def _without_braces(text: str) -> str:
-    """``text`` with each brace-enclosed part (of those closed) made a space: what
+def _without_braces(text: str, made: str = " ") -> str:
+    """``text`` with each brace-enclosed part (of those closed) made ``made``: what
     ``{[^{}]*}`` replaced by a space again and again until none is left makes, read in
     one pass."""
     opened: list[int] = []
@@ -446,7 +467,7 @@ def _without_braces(text: str) -> str:
     pieces: list[str] = []
     copied = 0
     for start, end in closed:
-        pieces += (text[copied:start], " ")
+        pieces += (text[copied:start], made)
         copied = end
     if not pieces:
         return text
@@ -498,6 +519,78 @@ def _value_declarators(words: str, name: str) -> list[tuple[str, str]]:
 _DECLARATOR_MARK = re.compile(r"[*&(\[]")
 
 
+# Calling-convention attributes that make a function take its parameters in other
+# registers than the C calling convention's (x86-64 System V, AArch64), which a cpu
+# launch calls a kernel with: the Microsoft x64 convention (GCC's and clang's ``ms_abi``)
+# and clang's ``vectorcall``, ``regcall`` and ``preserve_none``. (The 32-bit x86 ones --
+# ``stdcall``, ``fastcall``, ``regparm``... -- are ignored on x86-64; ``sysv_abi`` is
+# the convention itself.) Spelled with or without underscores around them.
+OTHER_CONVENTIONS = frozenset(("ms_abi", "vectorcall", "regcall", "preserve_none"))
+_CONVENTIONS = OTHER_CONVENTIONS | {"sysv_abi"}
+_DEFINE = re.compile(r"[ \t]*#[ \t]*define[ \t]+(\w+)(.*)", re.S)
+
+
+def calling_conventions(src: str, name: str) -> set[str]:
+    """The calling-convention attributes (``OTHER_CONVENTIONS``, ``sysv_abi``; without
+    underscores around them) that declare function ``name`` in ``src``: in each of its
+    declarations at file scope (a prototype's attribute holds for the definition too),
+    before its name or after its parameters, also through a macro of the source
+    (``#define WINAPI __attribute__((ms_abi))``). Read from the source as written: one
+    that a header's macro gives is not seen."""
+    text = _strip(src)
+    # The words of each macro's body, and the conventions it gives (in turn, through
+    # other macros).
+    bodies: dict[str, set[str]] = {}
+    for line in _scan.matches_at(_PREPROCESSOR_LINE, text, _directives(text)):
+        define = _DEFINE.match(line.group())
+        if define:
+            (macro,) = _words(define.group(1))
+            bodies.setdefault(macro, set()).update(_words(define.group(2)))
+    text = _scan.sub(_scan.matches_at(_PREPROCESSOR_LINE, text, _directives(text)), text, " ")
+    text = _without_braces(text, ";")  # (each body ends a statement: none is read within)
+    found: set[str] = set()
+    heads = re.compile(rf"\b{re.escape(name)}\s*\(")
+    # Each ";" and each "(" and its ")", found once (in time linear in the text's length
+    # however many heads there are).
+    semicolons: list[int] | None = None
+    closing: dict[int, int] = {}
+    found_heads = list(_scan.finditer(heads, text, _NOT_WORD_OR_SPACE))
+    read = 0  # where the text read so far ends: each part is read once
+    for i, head in enumerate(found_heads):
+        if semicolons is None:
+            semicolons = [m.start() for m in _scan.finditer(_SEMICOLON, text, None)]
+            opened: list[int] = []
+            for paren in _scan.finditer(_PARENS, text, None):
+                if paren.group() == "(":
+                    opened.append(paren.start())
+                elif opened:
+                    closing[opened.pop()] = paren.end()
+        after = closing.get(head.end() - 1)
+        if after is None:  # (never closed)
+            continue
+        # Its statement's words before it and after its parameters (not theirs: a
+        # pointer to a function of another convention is one), up to the next head.
+        at = bisect.bisect_left(semicolons, head.start())
+        start = max(semicolons[at - 1] + 1 if at else 0, read)
+        at = bisect.bisect_left(semicolons, after)
+        stop = semicolons[at] if at < len(semicolons) else len(text)
+        if i + 1 < len(found_heads):
+            stop = min(stop, found_heads[i + 1].start())
+        found |= _words(text[start : head.start()] + " " + text[after:stop])
+        read = max(read, stop)
+    for _ in range(8):  # a macro of a macro...
+        more = found.union(*(bodies[word] for word in found if word in bodies))
+        if more == found:
+            break
+        found = more
+    return found & _CONVENTIONS
+
+
+def _words(text: str) -> set[str]:
+    """The words of ``text``, without underscores around them (``__ms_abi__``)."""
+    return {word.strip("_") or word for word in re.findall(r"\w+", text)}
+
+
 def scalar_params(src: str, name: str) -> tuple[ParamKind, ...]:
     """``c_params``, refusing a value parameter whose type is no scalar a launch
     passes (``long double``, a struct by value, a vector...): its value would arrive as
@@ -543,6 +636,14 @@ def refuse_non_scalars(src: str, name: str, values: list[str]) -> None:
     not_scalars = _not_scalar_typedefs(_strip(src))
     for declaration in values:
         words = resolved(type_words(declaration), known)
+        if TYPEOF_WORDS.intersection(words) and scalar_type(words, known) is None:
+            raise CompileError(
+                f"kernel {name!r}: parameter {declaration!r} takes the type of an expression "
+                "(typeof), which is not read from the source: a launch value is passed as "
+                "its parameter's declared type, so declare it (float, int64_t...), or "
+                "typeof of that type",
+                name=name,
+            )
         if (
             _NOT_A_SCALAR.search(" ".join(words)) or not_scalars.intersection(words)
         ) and scalar_type(words, known) is None:
@@ -827,6 +928,7 @@ def _each_definition(text: str, name: str) -> Iterator[tuple[str, str, list[str]
     # (``k(k(k(...)))``) finds its own there, not by reading them again, which would
     # take time quadratic in the source's length.
     closing: dict[int, int] = {}
+    braces: dict[int, int] | None = None
     heads = re.compile(rf"\b({name})\s*\(")
     for match in _scan.finditer(heads, text, _NOT_WORD_OR_SPACE):
         start = match.end()
@@ -846,8 +948,40 @@ def _each_definition(text: str, name: str) -> Iterator[tuple[str, str, list[str]
             continue
         body = text[start : pos - 1].strip()
         after = max(_scan.rfind(text, c, match.start()) for c in ";{}") + 1
-        words = " ".join(re.findall(r"\w+|[*&]", text[after : match.start()]))
+        declared = text[after : match.start()]
+        if after and text[after - 1] == "}":  # a type defined in the return type?
+            if braces is None:  # (each "}" and its "{", found once)
+                braces, opened = {}, []
+                for brace in _scan.finditer(_BRACE, text, None):
+                    if brace.group() == "{":
+                        opened.append(brace.start())
+                    elif opened:
+                        braces[brace.start()] = opened.pop()
+            if after - 1 in braces:
+                declared = _record_head(text, braces[after - 1]) + " " + declared
+        words = " ".join(re.findall(r"\w+|[*&]", _GNU_ATTRIBUTE.sub(" ", declared)))
         yield match.group(1), words, [] if body in ("", "void") else _split_top_level(body)
+
+
+# A GNU attribute (its parentheses balanced, three deep), and C11's and C++'s alignment
+# specifiers: no part of a type's words.
+_GNU_ATTRIBUTE = re.compile(
+    r"\b(?:__attribute__\s*\(\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)\)"
+    r"|(?:_Alignas|alignas|__align__)\s*\((?:[^()]|\([^()]*\))*\))"
+)
+_RECORD_KEYWORD = re.compile(r"\b(?:struct|union|class|enum)\b")
+
+
+def _record_head(text: str, opens: int) -> str:
+    """What declares the struct, union, class or enum whose body opens at ``opens`` and
+    ends right before a function's name (``static struct r``, of ``static struct r {
+    int a; } k(...)``: a type defined in the function's return type), from the start of
+    its statement; "" where that body is no such type's."""
+    start = max(_scan.rfind(text, c, opens) for c in ";{}") + 1
+    head = _GNU_ATTRIBUTE.sub(" ", text[start:opens])
+    if _RECORD_KEYWORD.search(head) and not head.rstrip().endswith(")"):
+        return head
+    return ""
 
 
 def _split_top_level(params: str) -> list[str]:

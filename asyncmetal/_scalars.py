@@ -84,6 +84,7 @@ _NAMED: dict[str, str] = {
     "_Float32": "float32",
     "double": "float64",
     "_Float64": "float64",
+    "_Float32x": "float64",  # (a double wherever double is IEEE binary64: GCC's, clang's)
     "half": "float16",
     "_Float16": "float16",
     "__half": "float16",
@@ -109,6 +110,13 @@ _QUALIFIERS = frozenset(
     [
         "const",
         "volatile",
+        # GCC's alternate spellings of the qualifiers, and C11's atomic one (an atomic
+        # integer or float is passed as the plain one: its size and alignment).
+        "__const",
+        "__const__",
+        "__volatile",
+        "__volatile__",
+        "_Atomic",
         "restrict",
         "__restrict",
         "__restrict__",
@@ -121,9 +129,23 @@ _QUALIFIERS = frozenset(
     ]
 )
 _INTEGER_WORDS = frozenset(("signed", "unsigned", "char", "short", "int", "long"))
+# GCC's alternate spellings of ``signed`` (a Linux header's ``typedef __signed__ char s8;``).
+_SPELLINGS = {"__signed__": "signed", "__signed": "signed"}
+# ``typeof`` (C23, GCC's ``__typeof__``...) or ``_Atomic`` of a type spelled in words
+# alone (``__typeof__(float)``, ``_Atomic(unsigned int)``): that type. (``typeof`` of an
+# expression, ``typeof(x * 2.0)``, is left: its type is not read from the source.)
+_OF_TYPE_WORDS = re.compile(
+    r"\b(?:typeof|__typeof__|__typeof|typeof_unqual|__typeof_unqual__|__typeof_unqual|_Atomic)"
+    r"\s*\(([\w\s]*)\)"
+)
+# ``typeof`` and its spellings (one left by ``_OF_TYPE_WORDS``: of an expression).
+TYPEOF_WORDS = frozenset(
+    ("typeof", "__typeof__", "__typeof", "typeof_unqual", "__typeof_unqual__", "__typeof_unqual")
+)
 # Words no parameter is named: an unnamed parameter's declaration may end in one.
 _KEYWORDS = _INTEGER_WORDS | {"float", "double", "_Bool", "_Float16", "_Float32", "_Float64"}
-_KEYWORDS |= {"const", "volatile", "restrict", "wchar_t", "char16_t", "char32_t"}
+_KEYWORDS |= {"const", "volatile", "restrict", "wchar_t", "char16_t", "char32_t", "_Float32x"}
+_KEYWORDS |= {"__const", "__const__", "__volatile", "__volatile__", "_Atomic", *_SPELLINGS}
 
 # The types a platform's C ABI sets: a plain ``char`` (neither ``signed`` nor
 # ``unsigned``) and ``wchar_t``. These are x86-64 Linux's and macOS's (Apple's arm64
@@ -201,15 +223,15 @@ def statements(
     return found
 
 
-def typedefs(text: str) -> dict[str, list[str]]:
+def typedefs(text: str, apart: set[str] | None = None) -> dict[str, list[str]]:
     """The plain typedefs of ``text`` (``typedef unsigned int u32;``, C++'s ``using u32 =
     unsigned int;``) and its object-like macros of type words (``#define REAL float``):
     name -> words. A name given different types (typedefs in ``#if`` branches, of which
     one compiles), a macro defined inside an ``#if`` (a default a compile option may
-    override) or undefined is left out: which type the kernel takes cannot be told from
-    the source."""
+    override) or undefined is left out (and added to ``apart``, where given): which type
+    the kernel takes cannot be told from the source."""
     found: dict[str, list[str]] = {}
-    apart: set[str] = set()
+    apart = set() if apart is None else apart
 
     def add(name: str, words: list[str]) -> None:
         if found.setdefault(name, words) != words:
@@ -252,7 +274,8 @@ def type_words(declaration: str) -> list[str]:
     """The words of a parameter declaration's type: its name (the last word, where
     there are several and it is no keyword: a parameter may be unnamed, ``unsigned
     char``), qualifiers and attributes dropped."""
-    words = re.findall(r"\w+", re.sub(_NOT_TYPE_WORDS, " ", declaration))
+    declaration = _OF_TYPE_WORDS.sub(r" \1 ", re.sub(_NOT_TYPE_WORDS, " ", declaration))
+    words = re.findall(r"\w+", declaration)
     words = words[:-1] if len(words) > 1 and words[-1] not in _KEYWORDS else words
     return [word for word in words if word not in _QUALIFIERS]
 
@@ -263,7 +286,7 @@ def scalar_type(
     """The scalar type that a declaration's type words name, or None where they name
     none of ``SIZES`` (a struct, a vector, ``long double``, an unknown name). ``plain``:
     the types of a plain ``char`` and of ``wchar_t``, which the platform sets."""
-    words = resolved(words, typedefs)
+    words = [_SPELLINGS.get(word, word) for word in resolved(words, typedefs)]
     if len(words) == 1 and words[0] in plain:
         return plain[words[0]]
     if len(words) == 1 and words[0] in _NAMED:

@@ -49,7 +49,15 @@ from .._backend import (
     Timelines,
     host_address,
 )
-from .._compile import Compiler, ParamKind, c_value_types, scalar_params, tool_answer
+from .._compile import (
+    OTHER_CONVENTIONS,
+    Compiler,
+    ParamKind,
+    c_value_types,
+    calling_conventions,
+    scalar_params,
+    tool_answer,
+)
 from .._errors import (
     ArgumentTypeError,
     ClosedResourceError,
@@ -171,6 +179,26 @@ class CCompiler(Compiler):
         """The kernel's parameters, refused when the queue threads could not pass them
         all: checked before compiling, not at every launch."""
         params = scalar_params(src, name)
+        conventions = calling_conventions(src, name)
+        other = sorted(conventions & OTHER_CONVENTIONS)
+        if other:
+            raise CompileError(
+                f"cpu kernel {name!r} is declared {other[0]}: it takes its parameters in "
+                "other registers than the C calling convention a launch calls it with "
+                "(x86-64 System V, AArch64), so it would read garbage (or crash the "
+                "process): drop the attribute, or make it sysv_abi",
+                name=name,
+            )
+        abi = [flag for flag in (*self.cc[1:], *self.flags) if flag.startswith("-mabi=")]
+        if abi and abi[-1] == "-mabi=ms" and "sysv_abi" not in conventions:
+            raise CompileError(
+                f"cpu kernel {name!r} is compiled with -mabi=ms, which makes it take its "
+                "parameters in the Microsoft x64 convention's registers, not those of the "
+                "C calling convention a launch calls it with (x86-64 System V), so it would "
+                "read garbage (or crash the process): drop the option, or declare the "
+                "kernel __attribute__((sysv_abi))",
+                name=name,
+            )
         if len(params) > MAX_ARGS:
             raise CompileError(
                 f"cpu kernel {name!r} has {len(params)} parameters; cpu kernels take at most "
@@ -229,9 +257,99 @@ def _plain_types(cc: tuple[str, ...], flags: tuple[str, ...]) -> Mapping[str, st
     macros = dict(re.findall(r"^#define (\w+) ?(.*)$", proc.stdout.decode(errors="replace"), re.M))
     wchar = scalar_type(macros.get("__WCHAR_TYPE__", "").split(), {})
     return {
+        **_library_types(cc, flags),
         "char": "uint8" if "__CHAR_UNSIGNED__" in macros else "int8",
         "wchar_t": wchar or host["wchar_t"],
     }
+
+
+# The integer and floating-point types of the C library's headers that a kernel names
+# without defining them: each C library and ABI gives them their own widths
+# (``int_fast16_t``: 64 bits on glibc's x86-64 and AArch64, 32 on musl's, 16 on macOS),
+# so the compiler is asked (``_library_types``).
+LIBRARY_TYPES = (
+    *(
+        f"{u}int_{kind}{n}_t"
+        for u in ("", "u")
+        for kind in ("least", "fast")
+        for n in (8, 16, 32, 64)
+    ),
+    *("intmax_t", "uintmax_t", "intptr_t", "uintptr_t", "size_t", "ptrdiff_t", "ssize_t"),
+    *("off_t", "time_t", "clock_t", "clockid_t", "pid_t", "uid_t", "gid_t", "id_t", "mode_t"),
+    *("dev_t", "ino_t", "nlink_t", "blksize_t", "blkcnt_t", "fsblkcnt_t", "fsfilcnt_t"),
+    *("suseconds_t", "useconds_t", "key_t", "sig_atomic_t", "wint_t", "socklen_t"),
+    *("sa_family_t", "u_char", "u_short", "u_int", "u_long"),
+    *(f"u_int{n}_t" for n in (8, 16, 32, 64)),
+    *("char8_t", "char16_t", "char32_t", "float_t", "double_t"),
+)
+_PROBE_HEADERS = (
+    *("stddef.h", "stdint.h", "signal.h", "time.h", "wchar.h", "math.h", "uchar.h"),
+    *("sys/types.h", "sys/socket.h"),
+)
+# What precedes the answers in the compiled probe.
+_PROBE_MARK = b"asyncmetal library types:"
+
+
+def _probe_source(names: Sequence[str]) -> str:
+    """C whose compiled data holds, after ``_PROBE_MARK``, three bytes for each of
+    ``names``: its size, whether it is signed, whether it is a floating-point type."""
+    includes = "".join(
+        f"#if __has_include(<{header}>)\n#include <{header}>\n#endif\n" for header in _PROBE_HEADERS
+    )
+    answers = "".join(f"sizeof({t}), ({t})-1 < ({t})0, ({t})0.5 != ({t})0,\n" for t in names)
+    mark = ", ".join(map(str, _PROBE_MARK))
+    return (
+        "#define _GNU_SOURCE 1\n"  # (every type the C library has: widths are alike)
+        f"{includes}const unsigned char asyncmetal_library_types[] = {{\n{mark},\n{answers}}};\n"
+    )
+
+
+def _library_types(cc: tuple[str, ...], flags: tuple[str, ...]) -> dict[str, str]:
+    """``LIBRARY_TYPES`` as ``cc`` with ``flags`` compiles them (their scalar types; a
+    name that is no such scalar, or that the C library does not have, left out): a
+    probe is compiled, not run, and its data read. Nothing where the compiler cannot
+    say (a compile with it fails then anyway)."""
+    try:
+        return _asked_library_types(cc, flags)
+    except OSError:  # (the temporary directory: compiling fails there too, saying so)
+        return {}
+
+
+def _asked_library_types(cc: tuple[str, ...], flags: tuple[str, ...]) -> dict[str, str]:
+    names = list(LIBRARY_TYPES)
+    with tempfile.TemporaryDirectory(prefix="asyncmetal-cc-") as tmp:
+        source, out = os.path.join(tmp, "types.c"), os.path.join(tmp, "types.o")
+        for _ in range(3):  # (again without the names its errors name: not declared)
+            with open(source, "w") as f:
+                f.write(_probe_source(names))
+            # (Its object is written where it runs: named after its source, types.o.)
+            question = [*cc, *flags, "-fno-lto", "-c", "types.c"]
+            proc = tool_answer(question, "check it, or set $CC to another", cwd=tmp)
+            if proc is None:
+                return {}
+            if proc.returncode == 0:
+                break
+            errors = set(re.findall(r"\w+", proc.stderr.decode(errors="replace")))
+            if errors.isdisjoint(names):
+                return {}
+            names = [t for t in names if t not in errors]
+        else:
+            return {}
+        with open(out, "rb") as f:
+            data = f.read()
+    at = data.find(_PROBE_MARK) + len(_PROBE_MARK)
+    if at < len(_PROBE_MARK) or at + 3 * len(names) > len(data):
+        return {}
+    found = {}
+    for i, name in enumerate(names):
+        size, signed, floating = data[at + 3 * i : at + 3 * i + 3]
+        if floating:
+            type_ = {2: "float16", 4: "float32", 8: "float64"}.get(size)
+        else:
+            type_ = f"{'' if signed else 'u'}int{8 * size}" if size in (1, 2, 4, 8) else None
+        if type_ is not None:
+            found[name] = type_
+    return found
 
 
 class _DlInfo(ctypes.Structure):

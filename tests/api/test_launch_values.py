@@ -709,3 +709,225 @@ def test_cuda_kernels_read_from_source_without_a_gpu() -> None:
     for name, match in refusals:
         with pytest.raises(am.CompileError, match=match):
             nvrtc._params(CUDA_TEMPLATE, name)
+
+
+CONVENTION = "long long* out, long long a, double d"
+CONVENTION_BODY = "{ out[0] = a; out[1] = (long long)d; }"
+
+
+@pytest.mark.parametrize(
+    ("before", "declared", "options", "refused"),
+    [
+        ("", "__attribute__((ms_abi)) void", (), "declared ms_abi"),
+        ("", "void __attribute__((__ms_abi__))", (), "declared ms_abi"),
+        ("#define WINAPI __attribute__((ms_abi))\n", "WINAPI void", (), "declared ms_abi"),
+        # A prototype's attribute holds for the definition (clang takes it so)
+        (f"__attribute__((ms_abi)) void k({CONVENTION});\n", "void", (), "declared ms_abi"),
+        (f"void k({CONVENTION}) __attribute__((ms_abi));\n", "void", (), "declared ms_abi"),
+        ("", "__attribute__((vectorcall)) void", (), "declared vectorcall"),
+        ("", "__attribute__((regcall)) void", (), "declared regcall"),
+        ("", "void", ("-mabi=ms",), "compiled with -mabi=ms"),
+        ("", "__attribute__((sysv_abi)) void", (), None),  # the convention itself
+        # another function's attribute is its own
+        (
+            "__attribute__((ms_abi)) long long twice(long long x) { return 2 * x; }\n",
+            "void",
+            (),
+            None,
+        ),
+        ("", "void", ("-mabi=sysv",), None),
+    ],
+)
+async def test_a_cpu_kernel_of_another_calling_convention_is_refused(
+    anyio_backend: object, before: str, declared: str, options: tuple[str, ...], refused: str | None
+) -> None:
+    """A cpu kernel is called with the C calling convention (x86-64 System V, AArch64):
+    one declared ``ms_abi`` (or compiled with ``-mabi=ms``), ``vectorcall`` or
+    ``regcall`` takes its parameters in other registers, and reads garbage -- its
+    first pointer taken from a register the launch did not set, the process crashed.
+    Refused at compile, saying why. Checked: fails without the fix (compiled; launched,
+    the process died of a segmentation fault)."""
+    source = f"{before}{declared} k({CONVENTION}) {CONVENTION_BODY}"
+    async with am.open_device("cpu") as device:
+        if refused is not None:
+            with pytest.raises(am.CompileError, match=refused) as info:
+                await device.compile(source, "k", options=options)
+            assert info.value.name == "k"
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", am.CompileWarning)
+            k = await device.compile(source, "k", options=options)
+        out = await device.alloc(16)
+        await device.queue.launch(k, out, vals=(np.int64(42), 7.0))
+        assert list(await out.read(np.int64)) == [42, 7]
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="-mabi=ms is x86-64's")
+async def test_a_cpu_kernel_declared_sysv_abi_takes_mabi_ms(anyio_backend: object) -> None:
+    """``-mabi=ms`` leaves a kernel declared ``sysv_abi`` in the C calling convention:
+    taken, and launched as any."""
+    source = f"__attribute__((sysv_abi)) void k({CONVENTION}) {CONVENTION_BODY}"
+    async with am.open_device("cpu") as device:
+        k = await device.compile(source, "k", options=("-mabi=ms",))
+        out = await device.alloc(16)
+        await device.queue.launch(k, out, vals=(np.int64(42), 7.0))
+        assert list(await out.read(np.int64)) == [42, 7]
+
+
+@pytest.mark.parametrize(
+    ("returned", "refused"),
+    [
+        ("struct big { double a[8]; }", True),
+        ("const struct big { double a[8]; }", True),
+        ("struct { double a[8]; }", True),
+        ("union big { double a[8]; }", True),
+        ("struct __attribute__((packed)) big { double a[8]; }", True),
+        ("struct big { double a[8]; } *", False),
+        ("enum big { A, B }", False),
+        ("__attribute__((noinline)) double", False),  # an attribute is no part of the type
+        ("double __attribute__((noinline))", False),
+    ],
+)
+async def test_a_cpu_kernel_returning_a_struct_it_defines_is_refused(
+    anyio_backend: object, returned: str, refused: bool
+) -> None:
+    """A struct or union defined in a kernel's return type is returned as any struct
+    (through memory, a hidden first argument shifting the parameters): refused at
+    compile; a pointer to one, an enum (an int) and a double, also behind a GNU
+    attribute, are returned in a register, and dropped. Checked: fails without the fix
+    (the struct was read as no return type at all, and taken; the double behind an
+    attribute was refused as no scalar)."""
+    source = (
+        f"{returned} k(long long* out, int w) {{ __typeof__(k(out, w)) r; "
+        "__builtin_memset(&r, 0, sizeof r); out[0] = w; return r; }"
+    )
+    async with am.open_device("cpu") as device:
+        if refused:
+            with pytest.raises(am.CompileError, match="returns") as info:
+                await device.compile(source, "k")
+            assert info.value.name == "k"
+            return
+        k = await device.compile(source, "k")
+        out = await device.alloc(8)
+        await device.queue.launch(k, out, vals=(7,))
+        assert (await out.read(np.int64))[0] == 7
+
+
+LIBRARY_TYPES = r"""
+#include <stdint.h>
+#include <string.h>
+#include <sys/types.h>
+#include <time.h>
+void k(unsigned char* out, int_fast16_t a, uint_least8_t b, off_t c, time_t d, uintmax_t e,
+       int_fast8_t f)
+{
+    memcpy(out, &a, sizeof a); memcpy(out + 8, &b, sizeof b); memcpy(out + 16, &c, sizeof c);
+    memcpy(out + 24, &d, sizeof d); memcpy(out + 32, &e, sizeof e); memcpy(out + 40, &f, 1);
+}
+"""
+
+
+async def test_integer_types_of_the_c_library_take_their_widths(anyio_backend: object) -> None:
+    """A value parameter of a type the C library's headers define (``int_fast16_t``,
+    ``uint_least8_t``, ``off_t``, ``time_t``, ``uintmax_t``...) takes that type as the
+    compiler has it (asked: each C library and ABI has its own widths), so a value
+    reaches it whole, and one that does not fit is refused. Checked: fails without the
+    fix (each was a type not known, taken as an int32: 2**40 was refused as no int32,
+    and 200 reached the int_fast8_t as -56)."""
+    async with am.open_device("cpu") as device:
+        k = await device.compile(LIBRARY_TYPES, "k")
+        types = [t for t, _ in k.value_types]
+        if platform.machine() == "x86_64" and platform.libc_ver()[0] == "glibc":
+            assert types == ["int64", "uint8", "int64", "int64", "uint64", "int8"]
+        assert None not in types
+        out = await device.alloc(48)
+        vals = (-(2**40), 255, 2**40, -1, 2**64 - 1, -128)
+        await device.queue.launch(k, out, vals=vals)
+        got = (await out.read(np.uint8)).tobytes()
+        for i, (value, kind) in enumerate(zip(vals, types)):
+            size = np.dtype(kind).itemsize
+            assert got[8 * i : 8 * i + size] == np.array(value, kind).tobytes(), (i, kind)
+        _rejects(
+            device,
+            am.InvalidArgumentError,
+            r"vals\[5\] of 'k' must fit in int8",
+            functools.partial(device.queue.launch, k, out, vals=(*vals[:5], 200)),
+        )
+
+
+async def test_a_library_type_the_source_defines_apart_is_not_known(
+    anyio_backend: object,
+) -> None:
+    """A name the source defines in ``#if`` branches is not known, also one the C
+    library or the compiler would define otherwise (``size_t``, ``time_t``): which
+    definition compiles cannot be told. Checked: fails without the fix (``size_t`` was
+    read as a uint64 whichever branch compiled)."""
+    source = (
+        "#ifdef NARROW\ntypedef unsigned short size_t; typedef int time_t;\n"
+        "#else\ntypedef unsigned long size_t; typedef long time_t;\n#endif\n"
+        "void k(long long* out, size_t n, time_t t) { out[0] = n + t; }"
+    )
+    async with am.open_device("cpu") as device:
+        for options in ((), ("-DNARROW",)):
+            k = await device.compile(source, "k", options=options)
+            assert [t for t, _ in k.value_types] == [None, None]
+
+
+SPELLED = r"""
+#include <string.h>
+void k(unsigned char* out, __typeof__(float) a, _Atomic(float) b, _Atomic double c,
+       typeof(unsigned short) d, __const float e, __signed__ char f, __volatile__ int g)
+{
+    float x = a, y = b; double z = c; int h = g;
+    memcpy(out, &x, 4); memcpy(out + 4, &y, 4); memcpy(out + 8, &z, 8);
+    memcpy(out + 16, &d, 2); memcpy(out + 20, &e, 4); memcpy(out + 24, &f, 1);
+    memcpy(out + 28, &h, 4);
+}
+"""
+
+
+async def test_a_type_spelled_through_typeof_or_atomic_is_its_type(anyio_backend: object) -> None:
+    """``typeof`` (``__typeof__``) of a type, ``_Atomic`` (an atomic scalar is passed as
+    the plain one) and GCC's alternate spellings of the qualifiers and of ``signed``
+    name the type they spell: each value reaches the kernel as it. Checked: fails
+    without the fix (the floats were refused as no scalar, "pass it in a buffer"; the
+    integers were types not known, taken as int32)."""
+    async with am.open_device("cpu") as device:
+        k = await device.compile(SPELLED, "k")
+        types = ["float32", "float32", "float64", "uint16", "float32", "int8", "int32"]
+        assert [t for t, _ in k.value_types] == types
+        out = await device.alloc(32)
+        vals = (1.5, -2.5, 0.1, 65535, 3.25, -128, -(2**31))
+        await device.queue.launch(k, out, vals=vals)
+        got = (await out.read(np.uint8)).tobytes()
+        for at, value, kind in zip((0, 4, 8, 16, 20, 24, 28), vals, types):
+            size = np.dtype(kind).itemsize
+            assert got[at : at + size] == np.array(value, kind).tobytes(), (at, kind)
+        _rejects(
+            device,
+            am.InvalidArgumentError,
+            r"vals\[3\] of 'k' must fit in uint16",
+            functools.partial(device.queue.launch, k, out, vals=(*vals[:3], 65536, *vals[4:])),
+        )
+
+
+@pytest.mark.parametrize("declaration", ["__typeof__(1.0) x", "typeof((float)1) x"])
+async def test_a_parameter_of_the_type_of_an_expression_is_refused(
+    anyio_backend: object, declaration: str
+) -> None:
+    """A parameter declared ``typeof`` of an expression takes a type not read from the
+    source: refused at compile, saying so (not that it is no scalar, to pass in a
+    buffer). Checked: fails without the fix (one was refused as no scalar; the other
+    was a type not known, a Python int passed as an int32 to a double)."""
+    source = f"void k(double* out, {declaration}) {{ out[0] = x; }}"
+    async with am.open_device("cpu") as device:
+        with pytest.raises(am.CompileError, match=r"takes the type of an expression \(typeof\)"):
+            await device.compile(source, "k")
+
+
+def test_float32x_is_a_double() -> None:
+    """``_Float32x`` (GCC's: a double where double is IEEE binary64) is a float64, not
+    refused as no scalar. Read from the source alone: not every compiler has it."""
+    from asyncmetal._compile import c_value_types
+
+    assert c_value_types("void k(float* o, _Float32x a) {}", "k") == (("float64", "_Float32x a"),)
