@@ -70,9 +70,11 @@ class Completion(Record, Singular):
     __slots__ = ("queue",)
 
     def __init__(self, queue: Queue, value: int) -> None:  # hot: Record's fields inline
+        # (But Record's _error, which no backend sets: a command's error is its queue's
+        # to say, native.failure, read as it is awaited.)
         self.queue = queue
         self.value = value
-        self._error = self._ring = self._start_ns = self._end_ns = None
+        self._ring = self._start_ns = self._end_ns = None
         self._row = self._due_ns = 0
 
     def __repr__(self) -> str:
@@ -119,8 +121,6 @@ class Completion(Record, Singular):
             keep.let_go()
         if queue._sync_ops:  # (so do its records of the device waits it passed)
             queue._forget_reached(self.value)
-        if self._error is not None:
-            raise self._error
         failure = (  # (the common case without Queue._failure's frame)
             native.failure(self.value)
             if queue._abandoned_from is None
