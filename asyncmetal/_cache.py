@@ -26,7 +26,7 @@ import threading
 import weakref
 from pathlib import Path
 
-from ._errors import ArgumentTypeError, InvalidArgumentError, env_switch, warn
+from ._errors import ArgumentTypeError, InvalidArgumentError, env_switch, keep_error, warn
 from ._threads import run_sync as to_thread
 
 
@@ -103,7 +103,11 @@ class CompileCache:
         if disk is None:
             disk = env_switch("ASYNCMETAL_CACHE")
         self.disk_enabled = disk
-        self.error: BaseException | None = None  # why the disk cache was turned off
+        # Why the disk cache was turned off; below, why it is read but never written.
+        # Each is kept without its traceback (keep_error), which would hold the frames
+        # it was raised through -- this cache among their locals -- as long as the
+        # cache: only its message is given (in a warning), it is never raised again.
+        self.error: BaseException | None = None
         if directory is not None:
             self.directory = _absolute(directory)
         else:
@@ -112,7 +116,7 @@ class CompileCache:
             except OSError as exc:  # no home: compiling goes on without a disk cache
                 self.directory = Path("~", ".cache", "asyncmetal")  # (named, never used)
                 if disk:
-                    self.disk_enabled, self.error = False, exc
+                    self.disk_enabled, self.error = False, keep_error(exc)
         # Whether it has a database at all: not one kept in memory only, nor one with
         # nowhere to keep it (a disk cache turned off later, by an error, still has one).
         self._has_disk = self.disk_enabled
@@ -124,7 +128,7 @@ class CompileCache:
         self._memory_lock = threading.Lock()
         self.hits_memory = self.hits_disk = self.misses = 0
         self.damaged = 0  # entries found damaged on disk and evicted
-        self.read_only: BaseException | None = None  # why it is read, never written
+        self.read_only: BaseException | None = None
         self._warned = self._warned_read_only = False
         _caches.add(self)
 
@@ -203,7 +207,7 @@ class CompileCache:
                 if db is not None:
                     db.close()
                 self._db = self._connect_read_only(exc)
-                self.read_only = exc
+                self.read_only = keep_error(exc)
             else:
                 self._db = db
         return self._db
@@ -236,7 +240,7 @@ class CompileCache:
     def _disable(self, exc: BaseException) -> None:
         # Called from worker threads: the warning is given later, from the caller's task.
         self.disk_enabled = False
-        self.error = exc
+        self.error = keep_error(exc)
 
     def _warn_if_disabled(self) -> None:
         """Give the warning about an unusable cache once, in the calling task (and the

@@ -70,9 +70,11 @@ class Completion(Record, Singular):
     __slots__ = ("queue",)
 
     def __init__(self, queue: Queue, value: int) -> None:  # hot: Record's fields inline
+        # (But Record's _error, which no backend sets: a command's error is its queue's
+        # to say, native.failure, read as it is awaited.)
         self.queue = queue
         self.value = value
-        self._error = self._ring = self._start_ns = self._end_ns = None
+        self._ring = self._start_ns = self._end_ns = None
         self._row = self._due_ns = 0
 
     def __repr__(self) -> str:
@@ -117,8 +119,8 @@ class Completion(Record, Singular):
         keep = native._keep
         if keep is not None and keep.items:
             keep.let_go()
-        if self._error is not None:
-            raise self._error
+        if queue._sync_ops:  # (so do its records of the device waits it passed)
+            queue._forget_reached(self.value)
         failure = (  # (the common case without Queue._failure's frame)
             native.failure(self.value)
             if queue._abandoned_from is None
@@ -755,6 +757,40 @@ class Queue(Singular):
         clock.pop(self._timeline, None)  # (its own commands come in order anyway)
         clocks.append((at, next(_clock_stamps), clock))
 
+    def _forget_reached(self, reached: int | None = None) -> None:
+        """Drop the records of device waits and signals (``_sync_ops``) and the clocks
+        (``_clocks``) of the commands this queue has reached (``reached``: a value its
+        timeline is known to have reached; else read): done, they no longer matter (what
+        a clock says came before its wait is done too once the wait ran), and kept they
+        would keep other queues' timelines alive -- and through each, its device, a
+        closed one too -- in a queue left idle, until its next wait or signal. Made
+        where its commands are seen done: an await of one of its completions, its
+        synchronize, its device letting go of it idle. Never waits for the submission
+        lock: held elsewhere, the records go at the next of these."""
+        ops, clocks = self._sync_ops, self._clocks
+        if reached is None:
+            reached = self._timeline.native.value
+        try:  # (read without the lock: another thread may drop them meanwhile)
+            if ops[0][0] > reached:
+                return  # (the common case in a stream of commands: nothing to drop yet)
+        except IndexError:
+            return  # (none: no clock either, each is of a wait recorded there)
+        if self._native.fails_later():
+            # A wait of it ended failed: its commands' errors name the timeline that
+            # wait was for, and that timeline's device, found while it lives (kept
+            # here, as before; its next wait or signal drops them).
+            return
+        lock = self._state.submitting
+        if not lock.acquire(False):  # (positional: the keyword takes longer to parse)
+            return
+        try:
+            while ops and ops[0][0] <= reached:
+                ops.popleft()
+            while clocks and clocks[0][0] <= reached:
+                clocks.popleft()
+        finally:
+            lock.release()
+
     def _track(self, value: int, is_wait: bool, timeline: Timeline, target: int) -> None:
         ops = self._sync_ops
         reached = self._timeline.value
@@ -1112,6 +1148,16 @@ class _After:
         return link, steps
 
 
+def _last_op(queue: Queue) -> int:
+    """The value of ``queue``'s last device wait or signal not known done; 0 where none
+    is (those done are dropped: ``Queue._forget_reached``; read without its device's
+    submission lock where it is another device's queue)."""
+    try:
+        return queue._sync_ops[-1][0]
+    except IndexError:
+        return 0
+
+
 def _self_wait(queue: Queue, timeline: Timeline, low: int, value: int, earlier: int) -> str | None:
     """Why ``queue``'s signal of ``timeline`` to ``value``, about to be submitted (after
     its wait for ``earlier`` where that is not 0: another queue's signal first), could
@@ -1143,7 +1189,7 @@ def _self_wait(queue: Queue, timeline: Timeline, low: int, value: int, earlier: 
         # (the common case: what this signal satisfies is its queue's last signal or
         # wait, and nothing waits for that queue's later commands: nothing it satisfies
         # comes after this signal, and no wait is left that only it could satisfy)
-        other._sync_ops[-1][0] == at and other._timeline._waited < at and not goal(other, at)
+        _last_op(other) == at and other._timeline._waited < at and not goal(other, at)
         for other, at, _, _ in satisfied
     ):
         return None
@@ -1303,6 +1349,7 @@ async def wait_finished(queue: Queue, value: int) -> None:
     if it did not run -- also when one before it failed, which fails what follows."""
     queue._native.flush()
     await wait_value(queue._timeline, value)
+    queue._forget_reached(value)
     failure = queue._failure(value) if value else None
     if failure is not None:
         try:
@@ -1452,6 +1499,7 @@ def let_go(queue: Queue) -> bool:
         queue._fast_launch = fast
         return False
     queue._idle = True
+    queue._forget_reached()  # (all of it: nothing in flight)
     return True
 
 

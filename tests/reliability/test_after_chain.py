@@ -7,6 +7,8 @@ fails rather than run out of order."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import anyio
@@ -236,6 +238,76 @@ async def test_a_use_left_to_a_failed_queues_wait_still_comes_first(
                 await by_c
         assert (await buf.read(np.uint8) == _step(start, 1)).all()
         await a.close()
+
+
+async def _collected(ref: weakref.ref[Any]) -> bool:
+    """Whether what ``ref`` refers to is collected within 5 seconds (a queue dropped is
+    let go of by its device's reaper, then released, within a second or so; a device
+    closed, let go of by its threads, sooner)."""
+    with anyio.move_on_after(5.0):
+        while ref() is not None:
+            gc.collect()
+            await anyio.sleep(0.02)
+    return ref() is None
+
+
+@pytest.mark.parametrize("seen", ["await", "synchronize", "device synchronize", "let go"])
+async def test_a_queue_left_idle_keeps_no_timeline_of_a_queue_it_waited_for(
+    anyio_backend: object, seen: str
+) -> None:
+    """A burst of turns of two queues on a buffer, the first held until all is
+    submitted (each wait of the second one's, and what it stands for, pending as the
+    next is made), then the second queue's commands seen done (``seen``: an await of its
+    last one, its synchronize, its device's -- the default queue, which its device never
+    lets go of -- or, for a queue of new_queue(), its device letting go of it idle) and
+    the other queue dropped: the second queue, left idle, no longer holds the dropped
+    queue's timeline -- its records of the waits it passed went as they were seen
+    done, not at its next wait (which an idle queue may never make)."""
+    async with am.open_device("cpu") as dev:
+        buf, _, step = await _stepped(dev)
+        a, b = dev.new_queue(), dev.new_queue() if seen == "let go" else dev.queue
+        gate = dev.timeline()
+        a.wait(gate, 1)
+        for i in range(100):
+            a.after(buf).launch(step, buf, vals=(SIZE, 2 * i))
+            last = b.after(buf).launch(step, buf, vals=(SIZE, 2 * i + 1))
+        gate.signal(1)
+        with anyio.fail_after(LIMIT):
+            await a.synchronize()
+            if seen == "await":
+                await last
+            elif seen == "synchronize":
+                await b.synchronize()
+            elif seen == "device synchronize":
+                await dev.synchronize()
+            else:
+                await b.timeline.wait(last.value)  # (no completion of b's awaited)
+        timeline = weakref.ref(a.timeline)
+        del a
+        assert await _collected(timeline), "the dropped queue's timeline is kept alive"
+        if b is not dev.queue:
+            await b.close()
+
+
+async def test_a_queue_keeps_no_closed_device_alive_through_a_wait_it_passed(
+    anyio_backend: object,
+) -> None:
+    """A queue's device waits for a timeline of another device, run and awaited, then
+    that device closed and dropped: the queue keeps neither that device nor its
+    timeline alive (the default queue, which its device never lets go of idle)."""
+    async with am.open_device("cpu") as dev:
+        q = dev.queue
+        other = await am.open_device("cpu")
+        timeline = other.timeline()
+        for value in range(1, 50):
+            q.wait(timeline, value)
+        timeline.signal(49)
+        with anyio.fail_after(LIMIT):
+            await q.marker()
+        await other.close()
+        refs = weakref.ref(other), weakref.ref(timeline)
+        del other, timeline
+        assert [await _collected(r) for r in refs] == [True, True]
 
 
 @pytest.mark.metal

@@ -5,8 +5,10 @@ user removing the directory, or a cache made read-only later, to trip on."""
 
 from __future__ import annotations
 
+import gc
 import os
 import textwrap
+import weakref
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,47 @@ def test_a_process_that_exits_leaves_only_the_database(tmp_path: Path, close_dev
     assert child.returncode == 0, child.stderr[-4000:]
     left = sorted(name for name in os.listdir(tmp_path) if name.startswith(DATABASE))
     assert left == [DATABASE]
+
+
+def _no_tracebacks(error: BaseException) -> bool:
+    """Whether ``error`` and the errors it chains to hold no traceback."""
+    seen, links = set(), [error]
+    while links:
+        link = links.pop()
+        if link is None or id(link) in seen:
+            continue
+        seen.add(id(link))
+        if link.__traceback__ is not None:
+            return False
+        links += (link.__cause__, link.__context__)
+    return True
+
+
+@pytest.mark.parametrize("why", ["unusable", "read-only"])
+def test_why_the_disk_cache_is_off_or_read_only_keeps_no_frames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, why: str
+) -> None:
+    """The error a cache keeps to say why its disk part is off (a file where its
+    directory should be) or read only (a database it may not write) is kept without
+    its traceback (``keep_error``): with it, the frames it was raised through and their
+    locals -- the cache itself among them, a reference cycle only the cycle collector
+    ends -- would live as long as the cache."""
+    if why == "unusable":
+        (tmp_path / "file").write_bytes(b"")
+        cache = CompileCache(tmp_path / "file")
+    else:
+        CompileCache(tmp_path)._put_disk("key", b"binary")
+        monkeypatch.setattr(CompileCache, "_writable", lambda self: False)
+        cache = CompileCache(tmp_path)
+    assert cache._load_disk("key") == (None if why == "unusable" else b"binary")
+    kept = cache.error if why == "unusable" else cache.read_only
+    assert kept is not None and (cache.error is None) == (why == "read-only")
+    assert _no_tracebacks(kept)
+    cache.close()
+    gc.disable()  # (collected by its references going, not by the cycle collector)
+    try:
+        gone = weakref.ref(cache)
+        del cache, kept
+        assert gone() is None
+    finally:
+        gc.enable()
