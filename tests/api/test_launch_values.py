@@ -395,6 +395,41 @@ async def test_a_cpu_kernel_returning_through_memory_or_the_x87_stack_is_refused
     assert (await out.read(np.int64))[0] == 7
 
 
+@pytest.mark.parametrize(
+    ("head", "refused"),
+    [
+        ("struct big { double a[8]; }", True),  # the struct defined in the return type
+        ("union wide { double a[8]; } const", True),
+        ("struct { double a[8]; }", True),  # (an unnamed one)
+        ("struct big { double a[8]; } g; __typeof__(g)", True),  # a type not spelled out
+        ("struct big { double a[8]; } *", False),  # a pointer: returned in a register
+        ("enum colour { RED, GREEN }", False),  # an enum: an int
+    ],
+)
+async def test_a_cpu_kernel_returning_a_struct_defined_in_its_head_is_refused(
+    anyio_backend: object, head: str, refused: bool
+) -> None:
+    """The return type a cpu kernel's definition defines in place (``struct big {...}
+    k(...)``), or names through ``__typeof__``, is read as the one it is: a struct or a
+    union, returned through memory, is refused at compile as one declared apart is (its
+    caller's hidden address would take ``out``'s register, and ``out`` the value's:
+    the launch writes through ``w`` as an address -- the process died of SIGSEGV). A
+    pointer to one, and an enum, are returned in a register. Checked: before, each was
+    compiled, and the launch of the struct's crashed the process."""
+    returned = "return 0;" if not refused else "return (__typeof__(k(0, 0))){{0}};"
+    source = f"{head} k(long long* out, int w) {{ out[0] = w; {returned} }}"
+    async with am.open_device("cpu") as device:
+        if refused:
+            with pytest.raises(am.CompileError, match="returns") as info:
+                await device.compile(source, "k")
+            assert info.value.name == "k"
+            return
+        k = await device.compile(source, "k")
+        out = await device.alloc(8)
+        await device.queue.launch(k, out, vals=(7,))
+        assert (await out.read(np.int64))[0] == 7
+
+
 async def test_scalar_types_read_past_attributes_and_enums(device: am.Device) -> None:
     """A GNU attribute after a parameter's name is not its type, nor is CUDA's
     ``__grid_constant__``; an enum's typedef (an int) is no struct."""
