@@ -676,7 +676,18 @@ def _refuse_returned_in_memory(text: str, name: str) -> None:
         words = [w for w in declared.split() if w not in _NOT_RETURN_TYPE]
         if {"*", "&"}.intersection(words) or pointers.intersection(words):
             continue
-        words = resolved(words, known)
+        # (typeof of a type is that type; of an expression -- a struct's variable too --
+        # its type is not read from the source: refused, as it may be returned in memory)
+        typeof = TYPEOF_WORDS.intersection(words)
+        words = resolved([w for w in words if w not in TYPEOF_WORDS], known)
+        if typeof and scalar_type(words, known) is None:
+            raise CompileError(
+                f"kernel {name!r} returns the type of an expression ({' '.join(typeof)}), "
+                "which is not read from the source: it may be a struct, which the C "
+                "calling convention returns through memory (a hidden first argument, "
+                "which shifts the parameters): return void, or a type spelled out",
+                name=name,
+            )
         if (
             _NOT_A_SCALAR.search(" ".join(words)) or not_scalars.intersection(words)
         ) and scalar_type(words, known) is None:

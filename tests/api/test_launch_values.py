@@ -404,6 +404,7 @@ async def test_a_cpu_kernel_returning_through_memory_or_the_x87_stack_is_refused
         ("struct big { double a[8]; } g; __typeof__(g)", True),  # a type not spelled out
         ("struct big { double a[8]; } *", False),  # a pointer: returned in a register
         ("enum colour { RED, GREEN }", False),  # an enum: an int
+        ("__typeof__(float)", False),  # typeof of a type: that type (a float)
     ],
 )
 async def test_a_cpu_kernel_returning_a_struct_defined_in_its_head_is_refused(
