@@ -679,7 +679,8 @@ def _refuse_returned_in_memory(text: str, name: str) -> None:
         # (typeof of a type is that type; of an expression -- a struct's variable too --
         # its type is not read from the source: refused, as it may be returned in memory)
         typeof = TYPEOF_WORDS.intersection(words)
-        words = resolved([w for w in words if w not in TYPEOF_WORDS], known)
+        spelled = words = [w for w in words if w not in TYPEOF_WORDS]
+        words = resolved(words, known)
         if typeof and scalar_type(words, known) is None:
             raise CompileError(
                 f"kernel {name!r} returns the type of an expression ({' '.join(typeof)}), "
@@ -692,7 +693,7 @@ def _refuse_returned_in_memory(text: str, name: str) -> None:
             _NOT_A_SCALAR.search(" ".join(words)) or not_scalars.intersection(words)
         ) and scalar_type(words, known) is None:
             raise CompileError(
-                f"kernel {name!r} returns {' '.join(words)!r}, which is no pointer or scalar: "
+                f"kernel {name!r} returns {' '.join(spelled)!r}, which is no pointer or scalar: "
                 "the C calling convention may return it through memory (a hidden first "
                 "argument, which shifts the parameters) or on the x87 stack (which a kernel, "
                 "called as a void function, leaves full): return void, and write the result "

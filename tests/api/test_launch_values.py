@@ -431,6 +431,20 @@ async def test_a_cpu_kernel_returning_a_struct_defined_in_its_head_is_refused(
         assert (await out.read(np.int64))[0] == 7
 
 
+async def test_a_refused_return_type_is_named_as_spelled(anyio_backend: object) -> None:
+    """The refusal of a kernel that returns a struct names the type as the source spells
+    it: ``typedef struct node node;`` (C's common idiom) is not read again and again
+    through its own name. Checked: before, it said the kernel returns 'struct struct
+    struct struct struct struct struct struct node'."""
+    source = (
+        "typedef struct node node; struct node { double a[8]; };\n"
+        "node k(int* out) { node r = {{0}}; out[0] = 1; return r; }"
+    )
+    async with am.open_device("cpu") as device:
+        with pytest.raises(am.CompileError, match="returns 'node'"):
+            await device.compile(source, "k")
+
+
 async def test_scalar_types_read_past_attributes_and_enums(device: am.Device) -> None:
     """A GNU attribute after a parameter's name is not its type, nor is CUDA's
     ``__grid_constant__``; an enum's typedef (an int) is no struct."""
