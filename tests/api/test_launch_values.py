@@ -384,6 +384,12 @@ async def test_a_cpu_kernel_returning_through_memory_or_the_x87_stack_is_refused
         f"{before}\n{returned} k(long long* out, int w) {{ "
         f"{returned.removeprefix('extern ')} r = {{0}}; out[0] = w; return r; }}"
     )
+    await _refused_or_run(device, source, refused)
+
+
+async def _refused_or_run(device: am.Device, source: str, refused: bool) -> None:
+    """Kernel ``k(long long* out, int w)`` of ``source`` refused at compile for what it
+    returns, or compiled and run: ``out[0]`` is ``w``."""
     if refused:
         with pytest.raises(am.CompileError, match="returns") as info:
             await device.compile(source, "k")
@@ -393,42 +399,6 @@ async def test_a_cpu_kernel_returning_through_memory_or_the_x87_stack_is_refused
     out = await device.alloc(8)
     await device.queue.launch(k, out, vals=(7,))
     assert (await out.read(np.int64))[0] == 7
-
-
-@pytest.mark.parametrize(
-    ("head", "refused"),
-    [
-        ("struct big { double a[8]; }", True),  # the struct defined in the return type
-        ("union wide { double a[8]; } const", True),
-        ("struct { double a[8]; }", True),  # (an unnamed one)
-        ("struct big { double a[8]; } g; __typeof__(g)", True),  # a type not spelled out
-        ("struct big { double a[8]; } *", False),  # a pointer: returned in a register
-        ("enum colour { RED, GREEN }", False),  # an enum: an int
-        ("__typeof__(float)", False),  # typeof of a type: that type (a float)
-    ],
-)
-async def test_a_cpu_kernel_returning_a_struct_defined_in_its_head_is_refused(
-    anyio_backend: object, head: str, refused: bool
-) -> None:
-    """The return type a cpu kernel's definition defines in place (``struct big {...}
-    k(...)``), or names through ``__typeof__``, is read as the one it is: a struct or a
-    union, returned through memory, is refused at compile as one declared apart is (its
-    caller's hidden address would take ``out``'s register, and ``out`` the value's:
-    the launch writes through ``w`` as an address -- the process died of SIGSEGV). A
-    pointer to one, and an enum, are returned in a register. Checked: before, each was
-    compiled, and the launch of the struct's crashed the process."""
-    returned = "return 0;" if not refused else "return (__typeof__(k(0, 0))){{0}};"
-    source = f"{head} k(long long* out, int w) {{ out[0] = w; {returned} }}"
-    async with am.open_device("cpu") as device:
-        if refused:
-            with pytest.raises(am.CompileError, match="returns") as info:
-                await device.compile(source, "k")
-            assert info.value.name == "k"
-            return
-        k = await device.compile(source, "k")
-        out = await device.alloc(8)
-        await device.queue.launch(k, out, vals=(7,))
-        assert (await out.read(np.int64))[0] == 7
 
 
 async def test_a_refused_return_type_is_named_as_spelled(anyio_backend: object) -> None:
@@ -831,7 +801,10 @@ async def test_a_cpu_kernel_declared_sysv_abi_takes_mabi_ms(anyio_backend: objec
         ("const struct big { double a[8]; }", True),
         ("struct { double a[8]; }", True),
         ("union big { double a[8]; }", True),
+        ("union wide { double a[8]; } const", True),
         ("struct __attribute__((packed)) big { double a[8]; }", True),
+        ("struct big { double a[8]; } g; __typeof__(g)", True),  # an expression's type
+        ("__typeof__(float)", False),  # typeof of a type: that type
         ("struct big { double a[8]; } *", False),
         ("enum big { A, B }", False),
         ("__attribute__((noinline)) double", False),  # an attribute is no part of the type
@@ -843,24 +816,18 @@ async def test_a_cpu_kernel_returning_a_struct_it_defines_is_refused(
 ) -> None:
     """A struct or union defined in a kernel's return type is returned as any struct
     (through memory, a hidden first argument shifting the parameters): refused at
-    compile; a pointer to one, an enum (an int) and a double, also behind a GNU
-    attribute, are returned in a register, and dropped. Checked: fails without the fix
-    (the struct was read as no return type at all, and taken; the double behind an
-    attribute was refused as no scalar)."""
+    compile, as is the type of an expression (``__typeof__(g)``, not read from the
+    source); a pointer to one, an enum (an int) and a double, also behind a GNU
+    attribute or as ``__typeof__(float)``, are returned in a register, and dropped.
+    Checked: fails without the fix (the struct was read as no return type at all, and
+    taken -- the launch crashed the process; the double behind an attribute, and
+    ``__typeof__(float)``, were refused as no scalar)."""
     source = (
         f"{returned} k(long long* out, int w) {{ __typeof__(k(out, w)) r; "
         "__builtin_memset(&r, 0, sizeof r); out[0] = w; return r; }"
     )
     async with am.open_device("cpu") as device:
-        if refused:
-            with pytest.raises(am.CompileError, match="returns") as info:
-                await device.compile(source, "k")
-            assert info.value.name == "k"
-            return
-        k = await device.compile(source, "k")
-        out = await device.alloc(8)
-        await device.queue.launch(k, out, vals=(7,))
-        assert (await out.read(np.int64))[0] == 7
+        await _refused_or_run(device, source, refused)
 
 
 LIBRARY_TYPES = r"""
