@@ -537,8 +537,8 @@ async def _woken_beside_a_busy_crowd(
 ) -> None:
     """10 tasks park on a timeline; ``start(tg, going)`` starts a crowd that keeps the
     loop's wake-up slices busy while ``going()``, counting its awaits in ``rounds()``;
-    after 200 of them the host signals the timeline. The 10 must wake within a few
-    slices, not once the crowd is done (after 8000 rounds)."""
+    after 200 of them the host signals the timeline. The 10 must wake within 100 slices
+    (800 rounds), not once the crowd is done (after 8000 rounds)."""
     from asyncmetal import _bridge
 
     other = device.timeline()
@@ -562,8 +562,10 @@ async def _woken_beside_a_busy_crowd(
         other.signal(1)
         signalled_at = rounds()
     assert woken == 10
-    # A slice wakes at most WAKE_SLICE tasks.
-    assert rounds_when_all_woken[0] - signalled_at <= 20 * _bridge.WAKE_SLICE, (
+    # A slice wakes at most WAKE_SLICE tasks. (A wake-up through the pipe waits for the
+    # watch's thread to get a core: on a loaded machine the crowd ran 177 rounds
+    # meanwhile. Parked until the crowd is done, it is 8000.)
+    assert rounds_when_all_woken[0] - signalled_at <= 100 * _bridge.WAKE_SLICE, (
         signalled_at,
         rounds_when_all_woken,
     )
