@@ -450,20 +450,27 @@ _NOT_WORD_OR_SPACE = re.compile(r"[^\w\s]")
 _NEWLINE = re.compile("\n")
 
 
+def _pairs(text: str, brackets: re.Pattern[str]) -> Iterator[tuple[int, int]]:
+    """Where each pair of ``brackets`` (a pattern of one opening and one closing
+    character, ``[{}]``) that closes in ``text`` opens and closes, in the order they
+    close; a closing one with none open is passed over. One pass."""
+    opened: list[int] = []
+    for bracket in _scan.finditer(brackets, text, None):
+        if bracket.group() in "({[":
+            opened.append(bracket.start())
+        elif opened:
+            yield opened.pop(), bracket.start()
+
+
 def _without_braces(text: str, made: str = " ") -> str:
     """``text`` with each brace-enclosed part (of those closed) made ``made``: what
     ``{[^{}]*}`` replaced by a space again and again until none is left makes, read in
     one pass."""
-    opened: list[int] = []
     closed: list[tuple[int, int]] = []  # the outermost so far, in order
-    for brace in _scan.finditer(_BRACE, text, None):
-        if brace.group() == "{":
-            opened.append(brace.start())
-        elif opened:
-            start = opened.pop()
-            while closed and closed[-1][0] > start:  # (inside this one)
-                closed.pop()
-            closed.append((start, brace.end()))
+    for start, end in _pairs(text, _BRACE):
+        while closed and closed[-1][0] > start:  # (inside this one)
+            closed.pop()
+        closed.append((start, end + 1))
     pieces: list[str] = []
     copied = 0
     for start, end in closed:
@@ -559,12 +566,7 @@ def calling_conventions(src: str, name: str) -> set[str]:
     for i, head in enumerate(found_heads):
         if semicolons is None:
             semicolons = [m.start() for m in _scan.finditer(_SEMICOLON, text, None)]
-            opened: list[int] = []
-            for paren in _scan.finditer(_PARENS, text, None):
-                if paren.group() == "(":
-                    opened.append(paren.start())
-                elif opened:
-                    closing[opened.pop()] = paren.end()
+            closing = {opens: closes + 1 for opens, closes in _pairs(text, _PARENS)}
         after = closing.get(head.end() - 1)
         if after is None:  # (never closed)
             continue
@@ -963,12 +965,7 @@ def _each_definition(text: str, name: str) -> Iterator[tuple[str, str, list[str]
         declared = text[after : match.start()]
         if after and text[after - 1] == "}":  # a type defined in the return type?
             if braces is None:  # (each "}" and its "{", found once)
-                braces, opened = {}, []
-                for brace in _scan.finditer(_BRACE, text, None):
-                    if brace.group() == "{":
-                        opened.append(brace.start())
-                    elif opened:
-                        braces[brace.start()] = opened.pop()
+                braces = {closes: opens for opens, closes in _pairs(text, _BRACE)}
             if after - 1 in braces:
                 declared = _record_head(text, braces[after - 1]) + " " + declared
         words = " ".join(re.findall(r"\w+|[*&]", _GNU_ATTRIBUTE.sub(" ", declared)))
