@@ -757,7 +757,7 @@ class Queue(Singular):
         clock.pop(self._timeline, None)  # (its own commands come in order anyway)
         clocks.append((at, next(_clock_stamps), clock))
 
-    def _forget_reached(self, reached: int | None = None) -> None:
+    def _forget_reached(self, reached: int | None = None, held: bool = False) -> None:
         """Drop the records of device waits and signals (``_sync_ops``) and the clocks
         (``_clocks``) of the commands this queue has reached (``reached``: a value its
         timeline is known to have reached; else read): done, they no longer matter (what
@@ -765,9 +765,10 @@ class Queue(Singular):
         would keep other queues' timelines alive -- and through each, its device, a
         closed one too -- in a queue left idle, until its next wait or signal. Made
         where its commands are seen done: an await of one of its completions, its
-        synchronize, its device letting go of it idle. Never waits for the submission
-        lock: held elsewhere, the records go at the next of these."""
-        ops, clocks = self._sync_ops, self._clocks
+        synchronize (where a task resumed: it holds no submission lock), its device
+        letting go of it idle (``held``: the submission lock held). Never waits for the
+        submission lock: held elsewhere, the records go at the next of these."""
+        ops = self._sync_ops
         if reached is None:
             reached = self._timeline.native.value
         try:  # (read without the lock: another thread may drop them meanwhile)
@@ -780,16 +781,34 @@ class Queue(Singular):
             # wait was for, and that timeline's device, found while it lives (kept
             # here, as before; its next wait or signal drops them).
             return
-        lock = self._state.submitting
-        if not lock.acquire(False):  # (positional: the keyword takes longer to parse)
+        if held:
+            self._drop_reached(reached)
             return
+        lock = self._state.submitting
         try:
-            while ops and ops[0][0] <= reached:
-                ops.popleft()
-            while clocks and clocks[0][0] <= reached:
-                clocks.popleft()
-        finally:
-            lock.release()
+            if not lock.acquire(False):  # (positional: the keyword takes longer to parse)
+                return
+            try:
+                self._drop_reached(reached)
+            finally:
+                lock.release()
+        except BaseException:
+            # An interrupt right after the acquire, before the try that lets it go
+            # (CPython runs signal handlers as a call returns; trio raises Ctrl-C in
+            # whatever code its task runs), leaves no name for what it got: the lock
+            # knows its owner, and a task resumed holds no submission lock, so one this
+            # thread holds here is this acquire's.
+            if lock._is_owned():  # type: ignore[attr-defined]
+                lock.release()
+            raise
+
+    def _drop_reached(self, reached: int) -> None:
+        """``_forget_reached``'s drop, up to ``reached`` (submission lock held)."""
+        ops, clocks = self._sync_ops, self._clocks
+        while ops and ops[0][0] <= reached:
+            ops.popleft()
+        while clocks and clocks[0][0] <= reached:
+            clocks.popleft()
 
     def _track(self, value: int, is_wait: bool, timeline: Timeline, target: int) -> None:
         ops = self._sync_ops
@@ -1499,7 +1518,7 @@ def let_go(queue: Queue) -> bool:
         queue._fast_launch = fast
         return False
     queue._idle = True
-    queue._forget_reached()  # (all of it: nothing in flight)
+    queue._forget_reached(held=True)  # (all of it: nothing in flight)
     return True
 
 
