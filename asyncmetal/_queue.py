@@ -1118,18 +1118,20 @@ class _After:
             waiter = todo.pop()
             start, via = since[waiter]
             raises: list[tuple[int, Timeline, int, int]] = []  # (at, timeline, from, to)
+            ops = waiter._sync_ops
+            newest = _last_op(waiter)
             try:  # (another device's queue may take a submission meanwhile: let it be)
-                for at, is_wait, signalled, target in reversed(waiter._sync_ops):
-                    if not self.left():
-                        return None
-                    if at < start:
-                        break
-                    if not is_wait:
-                        self.signals.setdefault(signalled, (waiter, at))
-                        raises.append((at, signalled, signal_satisfies(signalled, target), target))
-            except RuntimeError:  # (deque mutated during iteration: nothing more is sure)
-                self.steps[0] = -1
-                return None
+                if not self._signals_of(waiter, ops, start, raises):
+                    return None
+            except RuntimeError:  # (deque mutated during iteration)
+                if _last_op(waiter) > newest:  # a submission meanwhile: nothing more is sure
+                    self.steps[0] = -1
+                    return None
+                # Only records of commands done went (Queue._forget_reached, on another
+                # thread): what is pending is as it was. Looked at again, taken whole.
+                raises.clear()
+                if not self._signals_of(waiter, tuple(ops), start, raises):
+                    return None
             raises.append((start, waiter._timeline, start - 1, _INFINITE))  # its own timeline
             for at, signalled, above, target in raises:
                 for wait in waits_for(signalled, above + 1, target):
@@ -1140,6 +1142,26 @@ class _After:
                     if found := reached(wait[0], wait[1], link):
                         return found
         return None
+
+    def _signals_of(
+        self,
+        waiter: Queue,
+        ops: Sequence[tuple[int, bool, Timeline, int]],
+        start: int,
+        raises: list[tuple[int, Timeline, int, int]],
+    ) -> bool:
+        """Add to ``raises`` the signals of ``waiter`` from its command ``start`` on,
+        of its device waits and signals ``ops`` (newest last), each with where it takes
+        its timeline from and to; False where it looked at too much (``steps``)."""
+        for at, is_wait, signalled, target in reversed(ops):
+            if not self.left():
+                return False
+            if at < start:
+                break
+            if not is_wait:
+                self.signals.setdefault(signalled, (waiter, at))
+                raises.append((at, signalled, signal_satisfies(signalled, target), target))
+        return True
 
     def left(self) -> bool:
         self.steps[0] -= 1

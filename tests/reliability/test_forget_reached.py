@@ -107,3 +107,47 @@ async def test_an_interrupted_drop_as_a_queue_is_let_go_of_leaves_the_lock_held_
             break
         at += 1
     assert at >= 1
+
+
+async def test_a_drop_on_another_thread_during_a_signals_check_still_refuses_a_cycle(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Queue B (of a second device) waits for a timeline X, then for T, then signals
+    U; queue A waits for U and signals T: A's signal would come after itself, and is
+    refused. X is signalled first, so B holds a record of a wait it passed; another
+    thread dropping it (an await of one of B's completions, B's synchronize: B's own
+    device's lock, which A's check does not hold) as A's check looks at B's records
+    leaves the check as sure as before -- what went was done. Checked failing before:
+    the check gave up (the deque mutated as it was read) and let the signal through, a
+    signal that never runs."""
+    dev, other = await am.open_device("cpu:0"), await am.open_device("cpu:1")
+    try:
+        a, b = dev.new_queue(), other.new_queue()
+        t, u, x = dev.timeline(), dev.timeline(), other.timeline()
+        b.wait(x, 1)
+        b.wait(t, 1)
+        b.signal(u, 1)
+        x.signal(1)
+        with anyio.fail_after(LIMIT):
+            await b.timeline.wait(1)
+        a.wait(u, 1)
+        assert b._sync_ops[0][0] == 1  # (passed, not dropped yet)
+        left = _queue._After.left
+        looked = [0]
+
+        def dropping(self: _queue._After) -> bool:
+            looked[0] += 1
+            if looked[0] == 2:  # (as B's records are read: what another thread does)
+                b._forget_reached()
+            return left(self)
+
+        monkeypatch.setattr(_queue._After, "left", dropping)
+        with pytest.raises(am.InvalidArgumentError, match="would never run"):
+            a.signal(t, 1)
+        assert b._sync_ops[0][0] == 2  # (the passed wait's record went meanwhile)
+    finally:
+        with anyio.fail_after(LIMIT):
+            await a.close(discard=True)
+            await b.close(discard=True)
+            await dev.close()
+            await other.close()
