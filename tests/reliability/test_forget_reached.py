@@ -9,13 +9,18 @@ leaves the device's submission lock as it found it."""
 from __future__ import annotations
 
 import contextlib
+import random
 import threading
+from typing import Any
 
 import anyio
+import anyio.lowlevel
+import numpy as np
 import pytest
 
 import asyncmetal as am
 from asyncmetal import _queue
+from tests.reliability.test_after_chain import SIZE, STEP, _step
 from tests.support.interrupts import interrupted
 
 pytestmark = pytest.mark.anyio
@@ -151,3 +156,107 @@ async def test_a_drop_on_another_thread_during_a_signals_check_still_refuses_a_c
             await b.close(discard=True)
             await dev.close()
             await other.close()
+
+
+def _dropping(queues: list[am.Queue], done: list[am.Completion], seed: int) -> threading.Thread:
+    """A thread with a loop of its own that, until ``done`` gets None, awaits the done
+    completions of ``done``, synchronizes queues with nothing in flight, and has
+    ``queues`` drop what they reached -- each where a submission on the test's thread
+    may be under way."""
+
+    async def main() -> None:
+        rng = random.Random(seed)
+        while done[-1:] != [None]:
+            x = rng.random()
+            if x < 0.4 and done:
+                c = rng.choice(done)
+                if c is not None and c.done():
+                    await c
+            elif x < 0.7:
+                for q in queues:
+                    q._forget_reached()
+            else:
+                q = rng.choice(queues)
+                if q.timeline.value >= q.submitted:
+                    await q.synchronize()
+            await anyio.lowlevel.checkpoint()
+
+    backend = "trio" if seed % 2 else "asyncio"
+    return threading.Thread(target=anyio.run, args=(main,), kwargs={"backend": backend})
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_records_dropped_on_other_threads_keep_the_order_byte_for_byte(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """Random turns of queues on one buffer -- steps after it, fills, copies of host
+    bytes, and signals and device waits of timelines between the queues, with the first
+    queue held until all is submitted or not -- while another thread (a loop of its
+    own) awaits their completions, synchronizes them and has them drop what they
+    reached, and each after() has them drop it as it reads the buffer's uses (what
+    another thread may do there): the bytes are those of the submission order."""
+    rng = random.Random(seed)
+    async with am.open_device("cpu") as dev:
+        step = await dev.compile(STEP, "step")
+        buf = await dev.alloc(SIZE)
+        expected = np.random.default_rng(seed).integers(0, 256, SIZE, dtype=np.uint8)
+        await buf.write(expected)
+        queues = [dev.new_queue() for _ in range(rng.randint(2, 5))] + [dev.queue]
+        timelines, signalled = [dev.timeline() for _ in range(3)], [0, 0, 0]
+        gate = dev.timeline()
+        held = bool(seed % 2)
+        if held:
+            queues[0].wait(gate, 1)
+        read = _queue.uses
+
+        def uses(b: Any) -> Any:
+            for q in queues:
+                q._forget_reached()
+            return read(b)
+
+        monkeypatch.setattr(_queue, "uses", uses)
+        done: list[Any] = []
+        thread = _dropping(queues, done, seed)
+        thread.start()
+        try:
+            k = 0
+            for _ in range(60):
+                q = rng.choice(queues)
+                kind = rng.random()
+                if kind < 0.1:
+                    start, end = sorted(rng.sample(range(SIZE + 1), 2))
+                    byte = rng.randrange(256)
+                    done.append(q.fill(buf, byte, offset=start, size=end - start))
+                    expected = expected.copy()
+                    expected[start:end] = byte
+                elif kind < 0.2:
+                    src = np.random.default_rng(rng.randrange(1 << 30))
+                    expected = src.integers(0, 256, SIZE, dtype=np.uint8)
+                    done.append(q.copy(buf, expected))
+                elif kind < 0.35:
+                    i = rng.randrange(3)
+                    signalled[i] += 1
+                    done.append(q.signal(timelines[i], signalled[i]))
+                elif kind < 0.5:
+                    i = rng.randrange(3)
+                    if signalled[i]:
+                        done.append(q.wait(timelines[i], rng.randint(1, signalled[i])))
+                else:
+                    k += 1
+                    done.append(q.after(buf).launch(step, buf, vals=(SIZE, k)))
+                    expected = _step(expected, k)
+                if rng.random() < 0.2:
+                    await anyio.lowlevel.checkpoint()
+            if held:
+                gate.signal(1)
+            with anyio.fail_after(LIMIT):
+                for c in list(done):
+                    await c
+                got = await buf.read(np.uint8)
+        finally:
+            done.append(None)
+            thread.join(LIMIT)
+        assert not thread.is_alive()
+        assert (got == expected).all()
+        for q in queues[:-1]:
+            await q.close()
