@@ -713,6 +713,149 @@ _NOT_RETURN_TYPE = frozenset(
 )
 
 
+# What a source's functions return, where the source as written does not say (a type a
+# header or a macro makes: ``sigset_t``, a typedef of a struct), is asked of the C
+# compiler itself: ``return_checks`` writes C that the compile appends to the source,
+# under this file name (a ``#line``), three lines for each such function -- its return
+# type's class (GCC's and clang's ``__builtin_classify_type``) and size as an enum's
+# constants, then an array type whose size is negative (an error) where it is a struct
+# or union, then one whose size is negative where it is no pointer or scalar of at most
+# 8 bytes. Which of those lines the compiler's diagnostics name tells what was refused.
+RETURN_CHECKS_FILE = "asyncmetal-return-checks"
+# The classes of a pointer or scalar a kernel, called as a void function, may return (in
+# a register, dropped): integer, char, enum, boolean, pointer and floating types.
+_CALLABLE_CLASSES = (1, 2, 3, 4, 5, 8)
+_RECORD_CLASSES = (12, 13)  # struct, union
+
+
+class ReturnCheck(NamedTuple):
+    """A function whose return type ``return_checks`` has the compiler check: its name,
+    and its return type as the source spells it."""
+
+    name: str
+    returns: str
+
+
+def return_checks(src: str) -> tuple[str, tuple[ReturnCheck, ...]]:
+    """C to append to ``src`` that the compiler refuses (``RETURN_CHECKS_FILE``) where a
+    function of it that a launch can name returns a type that the source as written
+    does not show to be a pointer, a scalar or ``void`` (a header's or a macro's type),
+    and that is a struct or union, or no pointer or scalar of at most 8 bytes; and those
+    functions, in the order of the checks. ("", ()) where there is none to check (most
+    sources). A type the source shows to be a struct, union or other type no launch
+    value is is refused when its kernel is compiled (``scalar_params``), not here: a
+    function of the source that is no kernel may return one. The checks call each
+    function with a 0 for each parameter (unevaluated): one whose parameters the source
+    shows are no scalars or pointers is not checked. Derived from the source alone, so
+    that a compile's cache key, which the source is part of, keys them too."""
+    text = _without_attributes(_strip(src))
+    text = _scan.sub(_scan.matches_at(_PREPROCESSOR_LINE, text, _directives(text)), text, " ")
+    heads: dict[str, list[tuple[list[str], list[str]]]] = {}
+    for name, declared, params in _each_definition(text, r"\w+"):
+        if name not in _NOT_FUNCTIONS:
+            heads.setdefault(name, []).append((declared.split(), params))
+    if all(
+        not words or words[-1] in ("void", "*", "&") for each in heads.values() for words, _ in each
+    ):
+        return "", ()  # (most sources: nothing more to read)
+    known = typedefs(text)
+    not_scalars = _not_scalar_typedefs(text)
+    pointers = _pointer_names(text)
+
+    def unknown(words: list[str]) -> bool:
+        """Whether ``words`` spell a type the source does not show to be a pointer, a
+        scalar or void, nor one no launch value is (a struct it defines...)."""
+        if not words or words[-1] == "void" or {"*", "&"}.intersection(words):
+            return False
+        if pointers.intersection(words) or TYPEOF_WORDS.intersection(words):
+            return False
+        words = resolved(words, known)
+        if scalar_type(words, known) is not None or words[-1:] == ["void"]:
+            return False
+        return not (_NOT_A_SCALAR.search(" ".join(words)) or not_scalars.intersection(words))
+
+    checked: list[ReturnCheck] = []
+    lines: list[str] = []
+    for name, each in heads.items():
+        if any("static" in words for words, _ in each) or len({len(p) for _, p in each}) > 1:
+            continue  # no kernel; or definitions in #if branches
+        words, params = each[0]
+        words = [w for w in words if w not in _NOT_RETURN_TYPE]
+        if not unknown(words):
+            continue
+        params = [p for p in params if p != "..."]
+        if not all(_is_buffer(p, pointers) or _takes_zero(p, known, not_scalars) for p in params):
+            continue
+        call = f"{name}({', '.join(['0'] * len(params))})"
+        # (a void call made a 0, whose class and size are an int's)
+        value = (
+            f"__builtin_choose_expr(__builtin_types_compatible_p(__typeof__({call}), void), "
+            f"0, {call})"
+        )
+        i = len(checked)
+        kind, size = f"asyncmetal_return_class_{i}", f"asyncmetal_return_size_{i}"
+        callable_ = " || ".join(f"{kind} == {c}" for c in _CALLABLE_CLASSES)
+        record = " || ".join(f"{kind} == {c}" for c in _RECORD_CLASSES)
+        lines += (
+            f"enum {{ {kind} = __builtin_classify_type({value}), {size} = sizeof({value}) }};",
+            f"typedef char asyncmetal_returns_record_{i}[{record} ? -1 : 1];",
+            f"typedef char asyncmetal_returns_other_{i}[({callable_}) && {size} <= 8 ? 1 : -1];",
+        )
+        checked.append(ReturnCheck(name, " ".join(words)))
+    if not checked:
+        return "", ()
+    # (after two newlines: the source may end in a comment, or a line continued)
+    return f'\n\n#line 1 "{RETURN_CHECKS_FILE}"\n' + "\n".join(lines) + "\n", tuple(checked)
+
+
+def _takes_zero(declaration: str, known: Mapping[str, list[str]], not_scalars: set[str]) -> bool:
+    """Whether a value parameter's ``declaration`` may take a 0 for all the source shows:
+    not one of a struct it defines, a vector, a reference..."""
+    words = resolved(type_words(declaration), known)
+    if "&" in declaration or TYPEOF_WORDS.intersection(words):
+        return False
+    if scalar_type(words, known) is not None:
+        return True
+    return not (_NOT_A_SCALAR.search(" ".join(words)) or not_scalars.intersection(words))
+
+
+_CHECK_LINE = re.compile(rf"^{re.escape(RETURN_CHECKS_FILE)}:(\d+):", re.M)
+
+
+def refused_return(log: str, checked: tuple[ReturnCheck, ...]) -> CompileError | None:
+    """The CompileError of the first of the ``checked`` functions (``return_checks``)
+    whose return type the compile's ``log`` says its checks refused: one whose class and
+    size were read (its first line has no diagnostic) but whose second or third line
+    has one. None where none was refused so."""
+    named = {int(line) for line in _CHECK_LINE.findall(log)}
+    for i, (name, returns) in enumerate(checked):
+        first = 3 * i + 1
+        if first in named or not {first + 1, first + 2} & named:
+            continue
+        if first + 1 in named:
+            what = (
+                "which the compiler says is a struct or union: the C calling convention "
+                "returns one through memory (a hidden address, which a launch, calling the "
+                "kernel as a void function, does not pass: the kernel writes through "
+                "whatever its register holds, the first parameter's on x86-64)"
+            )
+        else:
+            what = (
+                "which the compiler says is no pointer or scalar of at most 8 bytes (a "
+                "vector, a complex number, a long double, an __int128...): the C calling "
+                "convention may return it through memory (a hidden address, which a launch, "
+                "calling the kernel as a void function, does not pass) or on the x87 stack "
+                "(which such a kernel leaves full)"
+            )
+        return CompileError(
+            f"function {name!r} of the source returns {returns!r}, {what}: return void, and "
+            "write the result to a buffer (each function of the source that a launch can "
+            "name is checked: declare one that is no kernel static)",
+            name=name,
+        )
+    return None
+
+
 def c_param_declarations(src: str, name: str) -> list[tuple[ParamKind, str]]:
     """Each parameter of the C-like function ``name`` defined in ``src``: its kind and
     its declaration (``NotDefinedError`` where no definition is found).

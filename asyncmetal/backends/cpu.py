@@ -51,10 +51,13 @@ from .._backend import (
 )
 from .._compile import (
     OTHER_CONVENTIONS,
+    RETURN_CHECKS_FILE,
     Compiler,
     ParamKind,
     c_value_types,
     calling_conventions,
+    refused_return,
+    return_checks,
     scalar_params,
     tool_answer,
 )
@@ -135,7 +138,9 @@ class CCompiler(Compiler):
         # The C types it compiles for are asked here too: compile reads the identity
         # first, off the loop, so that reading a kernel's value types runs nothing.
         self.plain_types()
-        return " ".join((version, *command[1:], *_LINK))
+        # (RETURN_CHECKS_FILE: its compiles carry the checks of what kernels return, so
+        # binaries cached before them, which a source's key alone would find, are not)
+        return " ".join((version, *command[1:], *_LINK, RETURN_CHECKS_FILE))
 
     def plain_types(self) -> Mapping[str, str]:
         """The types of a plain ``char`` and of ``wchar_t`` as this compiler, with its
@@ -154,15 +159,23 @@ class CCompiler(Compiler):
                 f"compiling cpu kernels needs a C compiler: {cc!r} {missing} "
                 "(install one, or set $CC to one)"
             )
+        # What the functions a launch can name return, where the source does not say,
+        # is checked by the compiler (``return_checks``), in the same compile: a refused
+        # one fails it, saying why. Where the checks' lines have diagnostics (a refusal;
+        # a check that does not compile: a function within an ``#if 0``, a warning made
+        # an error...), the source is compiled alone, for its own log and binary: a
+        # refusal stands where it compiles (its own errors are told first).
+        checks, checked = return_checks(src)
         with tempfile.TemporaryDirectory(prefix="asyncmetal-cc-") as tmp:
             out = os.path.join(tmp, "kernel.so")
-            proc = subprocess.run(
-                [*command, *self.flags, "-shared", "-fPIC", *_LINK, "-x", "c", "-", "-o", out],
-                input=src.encode(),
-                capture_output=True,
-                check=False,
-            )
-            log = (proc.stderr + proc.stdout).decode(errors="replace")
+            proc, log = _cc(command, self.flags, src + checks, out)
+            if checks and RETURN_CHECKS_FILE in log:
+                refused = refused_return(log, checked) if proc.returncode != 0 else None
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(out)
+                proc, log = _cc(command, self.flags, src, out)
+                if refused is not None and proc.returncode == 0:
+                    raise refused
             if proc.returncode != 0:
                 raise CompileError(f"{cc} failed with exit code {proc.returncode}", log)
             if not os.path.exists(out):  # (it exits 0 having made nothing to load)
@@ -206,6 +219,19 @@ class CCompiler(Compiler):
                 name=name,
             )
         return params
+
+
+def _cc(
+    command: Sequence[str], flags: Sequence[str], src: str, out: str
+) -> tuple[subprocess.CompletedProcess[bytes], str]:
+    """``src`` compiled to the shared object ``out``: the compiler's process, and its log."""
+    proc = subprocess.run(
+        [*command, *flags, "-shared", "-fPIC", *_LINK, "-x", "c", "-", "-o", out],
+        input=src.encode(),
+        capture_output=True,
+        check=False,
+    )
+    return proc, (proc.stderr + proc.stdout).decode(errors="replace")
 
 
 @functools.lru_cache(maxsize=8)

@@ -7,12 +7,14 @@ from __future__ import annotations
 import functools
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
 import uuid
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,7 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal._queue import _ONE3
+from tests.support.children import run_child
 from tests.support.launch_paths import PATHS, select_launch_path
 from tests.support.refusals import rejects as _rejects
 
@@ -399,6 +402,156 @@ async def _refused_or_run(device: am.Device, source: str, refused: bool) -> None
     out = await device.alloc(8)
     await device.queue.launch(k, out, vals=(7,))
     assert (await out.read(np.int64))[0] == 7
+
+
+# A header of return types for the kernels of the test below: typedefs that the source,
+# as written, does not show.
+RETURNED_H = """
+typedef struct { double a[16]; } big_t;
+typedef union { double a[8]; long long n; } wide_t;
+typedef long double real_t;
+typedef float v8_t __attribute__((vector_size(32)));
+typedef _Complex double complex_t;
+typedef __int128 wide_int_t;
+typedef float *fptr_t;
+typedef long long count_t;
+typedef double real64_t;
+typedef void nothing_t;
+typedef _Bool flag_t;
+typedef enum { NO, YES } answer_t;
+"""
+# Compiles kernel k of the source argv[1] (with the options after it) and launches it
+# with an 8-byte buffer and 7: prints what came of it (a launch that crashes kills the
+# child, not the test).
+RETURNED_CHILD = """
+import sys, warnings, anyio, numpy as np, asyncmetal as am
+warnings.simplefilter("ignore", am.CompileWarning)
+async def main():
+    async with am.open_device("cpu") as device:
+        try:
+            k = await device.compile(sys.argv[1], "k", options=tuple(sys.argv[2:]))
+        except am.CompileError as exc:
+            print("refused", exc.name, str(exc).partition("\\n")[0])
+            return
+        out = await device.alloc(8)
+        await device.queue.launch(k, out, vals=(7,))
+        print("ran", (await out.read(np.int64))[0])
+anyio.run(main)
+"""
+
+
+@pytest.mark.parametrize(
+    ("before", "returned", "refused"),
+    [
+        ("#include <signal.h>", "sigset_t", True),  # 128 bytes: through memory
+        ("#include <stdlib.h>", "div_t", True),  # a struct in registers
+        ("#include <signal.h>\n#define RESULT sigset_t", "RESULT", True),
+        ("", "big_t", True),
+        ("#define RECORD(T) typedef struct { double a[16]; } T\nRECORD(big);", "big", True),
+        ("", "wide_t", True),
+        ("", "real_t", True),  # a long double
+        ("", "v8_t", True),
+        ("", "complex_t", True),
+        ("", "wide_int_t", True),
+        ("", "fptr_t", False),
+        ("", "count_t", False),
+        ("", "real64_t", False),
+        ("", "nothing_t", False),
+        ("", "flag_t", False),
+        ("", "answer_t", False),
+        ("#include <sys/types.h>", "ssize_t", False),
+        ("#include <stdint.h>", "intptr_t", False),
+        ("#include <math.h>", "float_t", False),
+        ("#define KERNEL void", "KERNEL", False),
+        ("#define RESULT const count_t", "RESULT", False),
+    ],
+)
+def test_a_cpu_kernel_returning_a_header_type_no_launch_calls_is_refused(
+    tmp_path: Path, before: str, returned: str, refused: bool
+) -> None:
+    """A return type that a header or a macro makes (``sigset_t``, a typedef of a
+    struct, union, vector, ``long double``...) is not read from the source: the
+    compiler is asked what each kernel returns, and a kernel that returns a struct or
+    union (through memory: the launch, which calls it as a void function, passes no
+    address for it, so the kernel writes to one its first parameter's register holds),
+    or another type no launch value is, is refused at compile as one whose source
+    spells it. Pointers, scalars, enums and ``void``, also behind a typedef or a macro,
+    are taken. Run in a child, which a kernel that crashes kills. Checked: fails
+    without the fix (sigset_t and big_t were taken, and their launches killed the
+    child with SIGSEGV; the others were taken)."""
+    (tmp_path / "returned.h").write_text(RETURNED_H)
+    void = returned in ("nothing_t", "KERNEL")
+    body = "" if void else f"{returned} r; __builtin_memset(&r, 0, sizeof r); "
+    source = (
+        f'#include "returned.h"\n{before}\n{returned} k(long long* out, int w) '
+        f"{{ {body}out[0] = w;{'' if void else ' return r;'} }}"
+    )
+    child = run_child(
+        RETURNED_CHILD, source, f"-I{tmp_path}", hung="the compile or the launch hung"
+    )
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    if refused:
+        refusal = f"refused k kernel 'k': function 'k' of the source returns {returned!r}, "
+        assert child.stdout.startswith(refusal), child.stdout
+    else:
+        assert child.stdout == "ran 7\n", (child.stdout, child.stderr[-2000:])
+
+
+@pytest.mark.parametrize("cc", ["gcc", "clang"])
+@pytest.mark.parametrize(
+    ("source", "flags", "refused"),
+    [
+        # a function a launch can name is checked, kernel or not (one compile serves all)
+        ("#include <stdlib.h>\ndiv_t h(int a) { return div(a, 2); }", (), "'h'"),
+        ("#include <stdlib.h>\nstatic div_t h(int a) { return div(a, 2); }", (), None),
+        # checks that do not compile are dropped: the source is compiled alone
+        ("#include <signal.h>\nsigset_t h(sigset_t s) { return s; }", (), None),
+        ("#include <signal.h>\n#if 0\nsigset_t gone(int a);\n#endif", (), None),
+        (
+            "#include <signal.h>\n__attribute__((deprecated)) sigset_t d(int a) "
+            "{ sigset_t s; (void)a; sigemptyset(&s); return s; }",
+            ("-Werror",),
+            None,
+        ),
+        # the source's own errors come first
+        ("#include <signal.h>\nsigset_t h(int a) { sigset_t s; return s }", (), "failed"),
+        ("nosuch_t h(int a) { return a; }", (), "failed"),
+        # strict flags: the checks draw no diagnostic of their own
+        (
+            "#include <signal.h>\nsigset_t h(int a) { sigset_t s; (void)a; sigemptyset(&s); "
+            "return s; }",
+            ("-std=gnu89", "-pedantic-errors", "-Wall", "-Wextra", "-Werror"),
+            "'h'",
+        ),
+    ],
+)
+def test_the_compiler_checks_the_return_types_of_every_function_a_launch_can_name(
+    cc: str, source: str, flags: tuple[str, ...], refused: str | None
+) -> None:
+    """The compile of a source checks what each of its functions that a launch can name
+    returns, where the source does not say: one compile serves every kernel of it, so a
+    function with external linkage that is no kernel is checked too (declared static,
+    it is not). A check that does not compile (a function the preprocessor drops, one
+    that takes a struct, a warning made an error) is dropped, and the source compiled
+    alone; a source that does not compile says so itself, with its log."""
+    if shutil.which(cc) is None:
+        pytest.skip(f"no {cc} here")
+    from asyncmetal.backends.cpu import CCompiler
+
+    source += "\nvoid k(int* out) { out[0] = 1; }\n"
+    compiler = CCompiler(cc, ("-O2", *flags))
+    if refused is None:
+        assert compiler.compile(source)
+        assert "asyncmetal" not in compiler._last_log
+        return
+    with pytest.raises(am.CompileError) as info:
+        compiler.compile(source)
+    if refused == "failed":
+        assert info.value.message.startswith(f"{cc} failed") and info.value.log
+        assert "asyncmetal" not in info.value.log
+    else:
+        assert info.value.message.startswith(f"function {refused} of the source returns")
+        assert "declare one that is no kernel static" in info.value.message
 
 
 async def test_a_refused_return_type_is_named_as_spelled(anyio_backend: object) -> None:
