@@ -371,6 +371,8 @@ def let_lingering_go() -> None:
     global _look_again
     if _left_to_others:  # (a device's commands ran out: blocks left to its queues may go)
         _free_passed_left_blocks()
+    if _running_out:  # (... and uses its queues left on records may)
+        _forget_run_out_uses()
     _look_again = True  # (before the try: a look letting go now sees it, and looks again)
     while _look_again:
         got: list[bool] = []
@@ -519,6 +521,61 @@ def closed_blocks() -> list[Block]:
     ``_closed_blocks``)."""
     with _closed_blocks_lock:
         return list(_closed_blocks)
+
+
+# Uses by the queues of closed devices that may still run as those devices' queues
+# stopped (a copy abandoned behind a device wait nobody signalled: a GPU stream runs it
+# once its backend's close raises the words it waits on), left on the records of other
+# devices' blocks -- so that a free or a close of that memory still waits for them (see
+# ``_pending``) -- until each device's commands ran out: per device, by its state's id,
+# the state and each (block, queue) of it left. Taken off by ``let_lingering_go`` (its
+# close calls that once they ran out).
+_running_out: dict[int, tuple[DeviceState, list[tuple[Block, Queue]]]] = {}
+
+
+def forget_closed_queues(state: DeviceState) -> None:
+    """The queues of ``state``'s device have stopped (nothing is submitted to them any
+    more): take their uses off the records of the other devices' blocks -- of the open
+    and closing devices, and of closed ones whose buffers live (``closed_blocks``) --
+    so that a buffer that outlives the device keeps neither its queues nor, through
+    them, their timelines, the device and its native handles alive. A use whose
+    command ran goes now; one that may still run (``_pending``), once the device's
+    commands ran out (``_running_out``). Any thread but a loop's (a look through every
+    block). No lock is needed: a record changes only by its own commands' uses, and none
+    is recorded for these queues any more; each look reads a copy of the record, as a
+    collection may record a use on it meanwhile. (The closed devices' blocks are listed
+    after the others': a close on another thread moves its blocks there as it lets go
+    of them, so each is in one of the two lists.)"""
+    blocks: list[Block] = []
+    for other in unreleased_states():
+        allocator = getattr(other.device, "_allocator", None)
+        if other is not state and allocator is not None:
+            allocator.settle_closed_queues(state)
+            blocks += allocator.blocks()
+    blocks += closed_blocks()
+    left: list[tuple[Block, Queue]] = []
+    for block in blocks:
+        uses = block.last_use
+        for queue, value in uses.copy().items():
+            if queue.timeline._state is not state:
+                continue
+            if _pending(queue, value):
+                left.append((block, queue))
+            else:
+                uses.pop(queue, None)
+    if left:
+        _running_out[id(state)] = (state, left)
+
+
+def _forget_run_out_uses() -> None:
+    """Take the uses left on records by closed devices' queues (``_running_out``) off
+    them once those devices' commands ran out. (Any thread, any number at once: taking
+    a use off twice takes it once.)"""
+    for key, (state, left) in _running_out.copy().items():
+        if state.ran_out:
+            for block, queue in left:
+                block.last_use.pop(queue, None)
+            _running_out.pop(key, None)
 
 
 def lenders_for(own: Allocator, any_kind: bool = False) -> list[Allocator]:
@@ -1434,6 +1491,7 @@ class Allocator:
             self._pending[block] = left
         else:
             self._due += ((block, block.generation),)
+            self._pending[block] = left  # (holding no queue until released)
 
     def _watch_pending(self) -> None:
         """Have the calling loop count an event when a pending release's next use
@@ -1592,11 +1650,20 @@ class Allocator:
                 self._state.backend.free(self._releasing_blocks.pop().handle)
 
     def close(self, completable: Callable[[], Mapping[Any, int]]) -> None:
-        """The device is closing and its queues are idle: fail waiting allocations and
-        free everything natively -- once other devices' queues are done with it, as far
-        as they can get: ``completable()`` says how far each queue can (see
+        """The device is closing and its queues have stopped: fail waiting allocations
+        and free everything natively -- once other devices' queues are done with it, as
+        far as they can get: ``completable()`` says how far each queue can (see
         ``_queue.completable``), and once other threads' allocations inside the backend
-        are over. Runs on a thread of its own (or at exit), never a loop's."""
+        are over -- and take its queues' uses off other devices' records (whatever
+        failed before: see ``forget_closed_queues``). Runs on a thread of its own (or at
+        exit), never a loop's."""
+        try:
+            self._close(completable)
+        finally:
+            forget_closed_queues(self._state)
+
+    def _close(self, completable: Callable[[], Mapping[Any, int]]) -> None:
+        """``close``, but for the other devices' records."""
         with self._lock:  # (release_cached takes no block out of the cache from now on)
             self.closed = True
         self._frees.increment()  # waiting allocations wake and raise ClosedResourceError
@@ -1648,6 +1715,21 @@ class Allocator:
             self._forget_foreign()
             lenders.discard(self)
             self.in_use = 0
+
+    def settle_closed_queues(self, state: DeviceState) -> None:
+        """Look at once at the pending releases heaped on uses by the queues of
+        ``state``'s device, which stopped (see ``forget_closed_queues``): those uses all
+        passed (``_passed``), as the next sweep would find -- until which the heaps,
+        and the releases' lists of uses, would keep those queues alive. The blocks found
+        due are released by that sweep. (Each looked at before it leaves its heap, as a
+        sweep does: an interrupt leaves it there.)"""
+        with self._lock:
+            for queue in [q for q in self._heaps if q.timeline._state is state]:
+                heap = self._heaps[queue]
+                while heap:
+                    self._look_again(heap[0][2])
+                    heapq.heappop(heap)
+                del self._heaps[queue]
 
     def blocks(self) -> list[Block]:
         """The blocks in use and cached now, and the foreign ones whose buffers live
