@@ -652,8 +652,8 @@ def refuse_non_scalars(src: str, name: str, values: list[str]) -> None:
             bfloat = re.search(r"bfloat|bf16", " ".join(words))
             raise CompileError(
                 f"kernel {name!r}: parameter {declaration!r} is not a scalar that launch "
-                "values pass (an integer of 8 to 64 bits, a bool, a half, float or double): "
-                "pass it in a buffer"
+                "values pass (an integer of 8, 16, 32 or 64 bits, a bool, a half, float or "
+                "double): pass it in a buffer"
                 + (", or take a float and convert it in the kernel" if bfloat else ""),
                 name=name,
             )

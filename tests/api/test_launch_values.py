@@ -360,6 +360,22 @@ async def test_a_value_no_launch_passes_is_refused_behind_its_typedef(
     assert declaration in str(info.value)
 
 
+@pytest.mark.parametrize("declaration", ["_BitInt(12) a", "unsigned _BitInt(40) a"])
+async def test_a_bit_precise_integer_is_refused_naming_the_widths_taken(
+    anyio_backend: object, declaration: str
+) -> None:
+    """A cpu kernel's ``_BitInt(N)`` parameter (C23) is refused at compile, and the refusal names
+    the widths a launch value takes -- 8, 16, 32 or 64 bits, not every width between
+    (checked failing before: "an integer of 8 to 64 bits", which a 12- or 40-bit one
+    is)."""
+    source = f"void k(int* out, {declaration}) {{ out[0] = 1; }}"
+    async with am.open_device("cpu") as device:
+        with pytest.raises(am.CompileError, match="is not a scalar") as info:
+            await device.compile(source, "k")
+    assert declaration in str(info.value)
+    assert "8, 16, 32 or 64 bits" in str(info.value)
+
+
 @pytest.mark.parametrize(
     ("before", "returned", "refused"),
     [
