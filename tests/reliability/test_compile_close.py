@@ -33,7 +33,8 @@ def _src(tag: object) -> str:
 @pytest.fixture
 def gated(tmp_path: Path) -> Iterator[tuple[Path, CompilePool]]:
     """A folder of gates and a pool of one worker caching under ``tmp_path``; every gate
-    of a source the test compiled is opened at its end (a failed test's worker goes on)."""
+    of a source the test compiled is opened at its end, then the pool is shut down (a
+    compile held at its gate would hold the close up to SHUTDOWN_JOIN_S)."""
     gates = tmp_path / "gates"
     gates.mkdir()
     pool = CompilePool(1, cache=CompileCache(tmp_path / "cache"))
@@ -159,6 +160,8 @@ async def test_another_devices_caller_of_the_same_compile_still_gets_it(
                     job = _job(pool)
                     assert job.awaiters == 2  # one job, joined
                     await dev.close()
+                    while not got:  # (its caller ends at once: the gate is shut)
+                        await anyio.sleep(0.01)
                     assert got == {"closed": "device cpu is closed"}
                     assert job.awaiters == 1 and not job.done.value
                     (gates / gate_name(src)).touch()
@@ -167,7 +170,6 @@ async def test_another_devices_caller_of_the_same_compile_still_gets_it(
             assert pool.compiles == 1
         finally:
             await dev.close()
-            await pool.aclose()
 
 
 _HELD_KERNEL = """
@@ -220,7 +222,6 @@ async def test_a_compile_entered_as_its_device_begins_to_close_raises_once_seale
     finally:
         release.touch()
         await dev.close()
-        await pool.aclose()
 
 
 async def test_a_compile_whose_device_closes_as_it_looks_the_source_up_submits_nothing(
@@ -249,7 +250,6 @@ async def test_a_compile_whose_device_closes_as_it_looks_the_source_up_submits_n
         assert not (gates / f"{gate_name(src)}.began").exists()
     finally:
         await dev.close()
-        await pool.aclose()
 
 
 async def test_a_timed_compile_awaited_as_its_device_closes_raises_at_once(
@@ -281,7 +281,6 @@ async def test_a_timed_compile_awaited_as_its_device_closes_raises_at_once(
         assert not job.done.value and job.awaiters == 0 and job.untimed == 0
     finally:
         await dev.close()
-        await pool.aclose()
 
 
 async def test_a_cancelled_compile_still_withdraws_its_claim_and_wake_up(
@@ -302,4 +301,3 @@ async def test_a_cancelled_compile_still_withdraws_its_claim_and_wake_up(
                 assert dev._state.close_waits and job.callbacks
                 tg.cancel_scope.cancel()
         assert job.awaiters == 0 and not job.callbacks and not dev._state.close_waits
-    await pool.aclose()
