@@ -95,6 +95,7 @@ from ._timeline import (
     Timeline,
     close_timeline,
     device_discarded,
+    end_waits,
     queue_closed,
     signal_order,
     wait_value,
@@ -389,6 +390,11 @@ class Device(Singular):
         # (Read-only to users: a device marked closed by hand would skip its close.)
         self._state.closed = True
         state_closed(self._state)
+        # Its callers' waits on compiles in the pool end: see DeviceState.close_waits.
+        waits = self._state.close_waits
+        while waits:
+            with contextlib.suppress(KeyError):  # (its waiter took it off meanwhile)
+                end_waits(waits.pop())
 
     @property
     def kind(self) -> str:
@@ -940,7 +946,9 @@ class Device(Singular):
         killed. A cached binary that does not load is rebuilt once -- unless code may
         not run where it is loaded from (a noexec temporary directory: a CompileError
         naming it, the cache entry kept). Cancelling withdraws a compile that has not
-        started; a running one finishes into the cache.
+        started; a running one finishes into the cache. The device's close ends the
+        wait as it seals the device, with ClosedResourceError, as cancelling does (the
+        compile goes on for other callers awaiting it, another device's too).
         """
         timeout = check_timeout(timeout)  # arguments first, then the source
         options = check_options(options)
@@ -957,9 +965,11 @@ class Device(Singular):
             if isinstance(params, NotDefinedError):
                 # Not found: where the source does not compile (a typo in the very
                 # signature), the compiler's error says why, with its log.
-                await pool._compile_keyed(compiler, src, key[0], timeout=timeout)
+                await pool._compile_keyed(compiler, src, key[0], timeout=timeout, state=self._state)
                 raise params
-            binary, log = await pool._compile_keyed(compiler, src, key[0], timeout=timeout)
+            binary, log = await pool._compile_keyed(
+                compiler, src, key[0], timeout=timeout, state=self._state
+            )
             program = await self._program(key, params, binary, src, compiler, timeout)
         if log:  # once the program is loaded: raised as an error, it loses no compile
             _warn_compiled(name, log)
@@ -1005,7 +1015,7 @@ class Device(Singular):
             # a miss. Build it afresh, once; if that does not load either, say so.
             pool = self.compile_pool
             binary, log = await pool._compile_keyed(
-                compiler, src, key[0], timeout=timeout, refresh=True
+                compiler, src, key[0], timeout=timeout, refresh=True, state=self._state
             )
             if log:
                 _warn_compiled(name, log)
@@ -1850,17 +1860,25 @@ class CompileMany:
         if self._closed or self._yielded == len(self._kernels):
             raise StopAsyncIteration
         # The device's own refusal (closed, or a forked child's: the parent's results
-        # never come here), not a wait for results nothing will bring.
-        self._device._check_open()
-        while True:
-            # A timeout is each caller's own: a kernel joining a compile that another
-            # caller started without one (or with a longer one) times out all the same.
-            with anyio.move_on_at(self._next_deadline()):
-                await wait_value(self._events, self._yielded + 1)
-                break
-            self._expire(anyio.current_time())
+        # never come here), not a wait for results nothing will bring. Its close ends
+        # the wait as it seals the device (see DeviceState.close_waits), whatever the
+        # compiles do: the step raises its ClosedResourceError then.
+        waits = self._device._state.close_waits
+        waits.add(self._events)
+        try:
+            self._device._check_open()
+            while True:
+                # A timeout is each caller's own: a kernel joining a compile that another
+                # caller started without one (or with a longer one) times out all the same.
+                with anyio.move_on_at(self._next_deadline()):
+                    await wait_value(self._events, self._yielded + 1)
+                    break
+                self._expire(anyio.current_time())
+        finally:
+            waits.discard(self._events)
         if self._closed:  # (closed while this step waited)
             raise StopAsyncIteration
+        self._device._check_open()  # (closed while this step waited)
         self._yielded += 1
         key, ((params, src), result) = self._ready.popleft()
         with _naming(key[1]):

@@ -36,6 +36,7 @@ class DeviceState:
         "_unheard_lock",
         "backend",
         "busy",
+        "close_waits",
         "closed",
         "device",
         "in_stead",
@@ -53,6 +54,13 @@ class DeviceState:
         self.name = name
         self.backend = backend
         self.closed = False
+        # Its callers' waits on work outside the device (a compile in its pool), each a
+        # HostEvents: the close that seals it (``closed``) ends them (``end_waits``), and
+        # each raises ClosedResourceError then rather than wait for that work. A waiter
+        # adds its own, then looks at ``closed``; the close sets ``closed``, then takes
+        # them -- each a set's own step (no lock, which a fork could leave held): one of
+        # the two sees the other.
+        self.close_waits: set[Any] = set()
         # Set once its queues have stopped (closed natively: each ran what it could and
         # the rest was abandoned): nothing of the device is confirmed any more, nor runs
         # but what its backend's close lets through (``ran_out``). Not ``closed``:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import functools
 import logging
 import math
 import numbers
@@ -24,7 +25,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 
@@ -48,6 +49,9 @@ from ._errors import (
 from ._messages import TMPDIR_VARIABLE, pack_message, read_message, write_stop
 from ._threads import run_sync as to_thread
 from ._timeline import HostEvents, wait_value
+
+if TYPE_CHECKING:
+    from ._device_state import DeviceState
 
 _STOP = object()
 _log = logging.getLogger("asyncmetal")
@@ -404,6 +408,11 @@ def _check_compile(compiler: object, src: object) -> None:
         ) from None
 
 
+def _wake(events: HostEvents, job: _Job) -> None:
+    """A job's callback (``_submit``'s ``on_done``): it ended, and ``events`` counts it."""
+    events.increment()
+
+
 def _closed_error() -> ClosedResourceError:
     return ClosedResourceError("the compile pool was closed before this compile started")
 
@@ -681,11 +690,13 @@ class CompilePool(Singular):
         *,
         timeout: float | None = None,
         refresh: bool = False,
+        state: DeviceState | None = None,
     ) -> tuple[bytes, str]:
         """:meth:`compile` for a caller that has the source's key (``source_key`` of the
         compiler's identity and ``src``) already (a long source's hash costs the loop
         milliseconds), with the compiler's warnings (``_take_log``) for the caller to
-        report: "" from a cache, or where another caller of the compile got them."""
+        report: "" from a cache, or where another caller of the compile got them.
+        ``state``: the device compiling it, whose close ends the wait (see _wait)."""
         timeout = check_timeout(timeout)
         self._check_usable()
         if refresh:
@@ -697,22 +708,48 @@ class CompilePool(Singular):
             if cached is not None:
                 await checkpoint()
                 return cached, ""
-        job = self._submit(compiler, src, key, timeout=timeout)
-        binary = await self._wait(job, timeout)
+        if state is None:
+            job = self._submit(compiler, src, key, timeout=timeout)
+            binary = await self._wait(job, timeout)
+            return binary, self._take_log(job)
+        # The device's close ends the wait as it seals the device (see
+        # DeviceState.close_waits): ``woken`` reaches 1 once the job ends, or ends then.
+        woken = HostEvents()
+        wake = functools.partial(_wake, woken)
+        state.close_waits.add(woken)
+        try:
+            state.check_open()  # (closed as the source was looked up: nothing submitted)
+            job = self._submit(compiler, src, key, timeout=timeout, on_done=wake)
+            binary = await self._wait(job, timeout, (woken, wake, state))
+        finally:
+            state.close_waits.discard(woken)
         return binary, self._take_log(job)
 
-    async def _wait(self, job: _Job, timeout: float | None = None) -> bytes:
+    async def _wait(
+        self,
+        job: _Job,
+        timeout: float | None = None,
+        device: tuple[HostEvents, Callable[[_Job], None], DeviceState] | None = None,
+    ) -> bytes:
         """Wait for a job just submitted, for at most ``timeout`` seconds (its own: a job
         others joined with a longer one goes on for them) -- and ``TIMEOUT_GRACE_S`` more
         for its worker to end it; cancelling, or the timeout, withdraws it if nobody else
-        waits and it has not started."""
+        waits and it has not started. ``device``: the events that the job's end (its
+        callback, ``on_done`` of the submission) and the device's close both wake, that
+        callback and the device's state: its close ends the wait at once, withdrawing
+        this claim, with the device's ClosedResourceError (the job goes on for the
+        others that await it, or into the cache)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        woken, on_done = (job.done, None) if device is None else device[:2]
         try:
             with anyio.move_on_after(math.inf if timeout is None else timeout) as waited:
-                await wait_value(job.done, 1)
+                await wait_value(woken, 1)
         except BaseException:
-            self._withdraw(job, untimed=timeout is None)
+            self._withdraw(job, untimed=timeout is None, on_done=on_done)
             raise
+        if device is not None and device[2].closed:
+            self._withdraw(job, untimed=timeout is None, on_done=on_done)
+            device[2].check_open()
         if waited.cancelled_caught:
             try:
                 # Its worker ends it by this same deadline (the job's is not later: it
@@ -723,27 +760,41 @@ class CompilePool(Singular):
                 with anyio.move_on_after(TIMEOUT_GRACE_S):
                     while job.started and _ends_by(job.deadline, deadline):
                         with anyio.move_on_after(JOIN_CHECK_S):
-                            await wait_value(job.done, 1)
+                            await wait_value(woken, 1)
                             break
             except BaseException:
-                self._withdraw(job)
+                self._withdraw(job, on_done=on_done)
                 raise
+            if device is not None and device[2].closed:
+                self._withdraw(job, on_done=on_done)
+                device[2].check_open()
             if not job.done.value:
-                self._withdraw(job)
+                self._withdraw(job, on_done=on_done)
                 raise CompileError(f"compile timed out after {timeout} s")
         self.cache._warn_if_disabled()  # storing the result may have found the disk full
         return self._result(job)
 
-    def _withdraw(self, job: _Job, *, untimed: bool = False) -> None:
+    def _withdraw(
+        self,
+        job: _Job,
+        *,
+        untimed: bool = False,
+        on_done: Callable[[_Job], None] | None = None,
+    ) -> None:
         """Give up one claim on ``job``; a job nobody claims is skipped if not started.
         ``untimed``: the claim was submitted with no timeout -- once no such claim is
-        left, the job ends by the latest deadline of those submitted with one."""
+        left, the job ends by the latest deadline of those submitted with one.
+        ``on_done``: the claim's callback, taken off the job (not run once it ends)."""
+        if self._pid != os.getpid():  # (a forked child's claim: on the parent's job)
+            return
         with self._lock:
             job.awaiters -= 1
             if untimed:
                 job.untimed -= 1
                 if not job.untimed:
                     job.deadline = job.timed_deadline
+            if on_done is not None and on_done in job.callbacks:
+                job.callbacks.remove(on_done)
 
     @staticmethod
     def _result(job: _Job) -> bytes:
