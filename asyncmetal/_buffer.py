@@ -34,7 +34,13 @@ from ._allocator import (
 )
 from ._backend import Arg, NativeTimeline, new_arg
 from ._bridge import checkpoint
-from ._device_state import DeviceState, open_states, two_names, unreleased_states
+from ._device_state import (
+    DeviceState,
+    open_states,
+    release_owned,
+    two_names,
+    unreleased_states,
+)
 from ._dlpack import Exports, Loan, TypedView, items_shape
 from ._errors import (
     ArgumentTypeError,
@@ -724,9 +730,7 @@ def _held_elsewhere(states: list[DeviceState]) -> list[DeviceState]:
             else:
                 busy.append(state)
     except BaseException:
-        for state in states:
-            if state.submitting._is_owned():  # type: ignore[attr-defined]
-                state.submitting.release()
+        release_owned(states)
         raise
     return busy
 

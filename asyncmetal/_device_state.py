@@ -270,23 +270,35 @@ def locks_in_order(states: set[DeviceState]) -> contextlib.ExitStack:
     return stack
 
 
+def release_owned(states: list[DeviceState]) -> None:
+    """Let go of each of ``states``' submission locks that this thread holds: a task
+    holds none across an await, so, called where one took them (each once) with no
+    name for what it got -- an interrupt may come right after a try took one, before
+    anything names it (CPython runs signal handlers as a call returns; trio raises
+    Ctrl-C in whatever code its task runs) -- each held is that taker's."""
+    for state in reversed(states):
+        if state.submitting._is_owned():  # type: ignore[attr-defined]
+            state.submitting.release()
+
+
 async def holding(states: list[DeviceState], fn: Callable[[], T]) -> T:
     """``fn()`` with the submission lock of each of ``states`` held: on the loop's
     thread where no other thread holds one now (the common case, no hop), else from a
     worker thread that waits for them, taken in one order (``DeviceState.order``)
     whoever takes several, so that two such takers never wait for each other."""
     states = sorted(states, key=_in_order)
-    held: list[DeviceState] = []
     try:
-        for state in states:
-            if not state.submitting.acquire(blocking=False):
-                break
-            held.append(state)
-        else:
-            return fn()
-    finally:
-        for state in reversed(held):
-            state.submitting.release()
+        try:
+            for state in states:
+                if not state.submitting.acquire(blocking=False):
+                    break
+            else:
+                return fn()
+        finally:
+            release_owned(states)
+    except BaseException:
+        release_owned(states)  # (again: an interrupt came as they were let go)
+        raise
 
     def waiting() -> T:
         with contextlib.ExitStack() as stack:
