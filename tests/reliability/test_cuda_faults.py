@@ -55,6 +55,7 @@ class CUresult(enum.IntEnum):
     CUDA_SUCCESS = 0
     CUDA_ERROR_INVALID_VALUE = 1
     CUDA_ERROR_OUT_OF_MEMORY = 2
+    CUDA_ERROR_INVALID_CONTEXT = 201
     CUDA_ERROR_NOT_READY = 600
     CUDA_ERROR_ILLEGAL_ADDRESS = 700
     CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
@@ -157,6 +158,9 @@ class _Driver:
         return result
 
     def cuCtxSynchronize(self) -> tuple[Any, ...]:
+        # Nothing to wait for: nothing runs on its streams (_Runtime refuses every
+        # submission). The fakes whose streams run wait for them (simulated_cuda.py's,
+        # test_fault_sweep_cuda.py's).
         return self._result("cuCtxSynchronize")
 
     def cuDeviceGetAttribute(self, attribute: int, device: int) -> tuple[Any, ...]:

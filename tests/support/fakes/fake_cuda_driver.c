@@ -51,6 +51,7 @@ enum { FAKE_CALL_LAUNCH, FAKE_CALL_RECORD, FAKE_CALL_CREATE, FAKE_CALL_WRITE, FA
 atomic_uint counted_kinds;
 atomic_char counted_order[256];
 static _Thread_local int counting;
+static void driver_changed(void);  /* (waiters woken: see "waiting" below) */
 void fake_count_calls(int on) { counting = on; }
 static int injected(int kind) {
     if (!counting && !atomic_load(&count_all)) return 0;
@@ -59,7 +60,10 @@ static int injected(int kind) {
     if (n <= 256) atomic_store(&counted_order[n - 1], (char)('A' + kind));
     if (n != atomic_load(&fail_at)) return 0;
     int code = atomic_load(&fail_code);
-    if (code == ILLEGAL_ADDRESS) atomic_store(&fault_code, code);
+    if (code == ILLEGAL_ADDRESS) {
+        atomic_store(&fault_code, code);
+        driver_changed();
+    }
     return code;
 }
 
@@ -78,6 +82,74 @@ void (*_Atomic test_hook)(int where, am_cuq *q);
 void am_test_hook(int where, am_cuq *q) {
     void (*hook)(int, am_cuq *) = atomic_load(&test_hook);
     if (hook) hook(where, q);
+}
+
+/* ---- waiting ------------------------------------------------------------------------
+ * A thread of the driver that waits for a condition -- a stream's thread inside a wait
+ * operation, cuEventSynchronize, cuCtxSynchronize -- sleeps, as a GPU's waits take no
+ * CPU: a waiter spinning on a 2-core machine would take a core from the threads it waits
+ * for. What the driver changes itself (a word written or an event's record run by a
+ * stream, a stream that ran out of work or entered a wait, a fault, a stream stopped)
+ * ticks `changes` and wakes the waiters at once (driver_changed). What changes from
+ * outside cannot wake them -- the host's store to a mapped word, a check's to `held` or
+ * release_syncs --, so a waiter also looks again on its own: after a few yields, then
+ * after naps growing to its most, WAIT_NAP_MOST_NS where the host's stores end the wait
+ * (a wait for a word: the most such a store waits to be seen), WAIT_NAP_DRIVER_NS where
+ * only the driver's own changes do, but for a check's.
+ * (A stream's thread waiting for work, and a launch for its stream's queue to shorten,
+ * wait on the stream's own condition instead: fake_stream.moved.) */
+#define WAIT_SPINS 8
+#define WAIT_NAP_LEAST_NS 2000
+#define WAIT_NAP_MOST_NS 200000
+#define WAIT_NAP_DRIVER_NS 2000000
+
+static pthread_mutex_t changed_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t changed_cv;  /* (with changed_mu; made once: changed_init) */
+static pthread_once_t changed_once = PTHREAD_ONCE_INIT;
+static atomic_long changes;        /* ticked by every change of the driver's own */
+static atomic_int sleepers;        /* waiters that may be asleep on changed_cv */
+
+static void changed_init(void) { am_cond_init(&changed_cv); }
+
+static void driver_changed(void) {
+    atomic_fetch_add(&changes, 1);  /* (then sleepers: a waiter counted before it looks
+                                       at changes sees this tick, or is woken) */
+    if (atomic_load(&sleepers)) {
+        pthread_mutex_lock(&changed_mu);
+        pthread_cond_broadcast(&changed_cv);
+        pthread_mutex_unlock(&changed_mu);
+    }
+}
+
+typedef struct {
+    long most;  /* its longest nap (0: WAIT_NAP_MOST_NS) */
+    long seen;  /* `changes` when the waiter last looked at its condition */
+    long nap;   /* its last nap */
+    int spins;  /* yields so far */
+} waiter;
+
+/* Before each look at the condition. */
+static void wait_look(waiter *w) { w->seen = atomic_load(&changes); }
+
+/* After a look that found the condition unmet: until the driver changed something since
+ * that look, or a nap passed. */
+static void wait_more(waiter *w) {
+    if (w->spins < WAIT_SPINS) {
+        w->spins++;
+        sched_yield();
+        return;
+    }
+    long most = w->most ? w->most : WAIT_NAP_MOST_NS;
+    w->nap = w->nap ? w->nap * 2 : WAIT_NAP_LEAST_NS;
+    if (w->nap > most) w->nap = most;
+    pthread_once(&changed_once, changed_init);
+    struct timespec until;
+    deadline_after(&until, w->nap);
+    atomic_fetch_add(&sleepers, 1);
+    pthread_mutex_lock(&changed_mu);
+    if (atomic_load(&changes) == w->seen) am_cond_timedwait(&changed_cv, &changed_mu, &until);
+    pthread_mutex_unlock(&changed_mu);
+    atomic_fetch_sub(&sleepers, 1);
 }
 
 static int refers_to_event(const op *o) { return o->kind == OP_RECORD || o->kind == OP_WAIT_EVENT; }
@@ -234,6 +306,7 @@ void enqueue(fake_stream *s, op o) {
     pthread_mutex_lock(&s->mu);
     if (s->tail - s->head == s->cap) die("fake stream full");
     s->ops[s->tail++ % s->cap] = o;
+    pthread_cond_broadcast(&s->moved);
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -261,9 +334,13 @@ static void *stream_run(void *arg) {
         int have = s->head < s->tail;
         op o = have ? s->ops[s->head % s->cap] : (op){0};
         pthread_mutex_unlock(&s->mu);
-        if (!have) {
-            if (atomic_load(&s->stop)) return NULL;
-            sched_yield();
+        if (!have) {  /* asleep until enqueue or a stop wakes it */
+            pthread_mutex_lock(&s->mu);
+            while (s->head == s->tail && !atomic_load(&s->stop))
+                pthread_cond_wait(&s->moved, &s->mu);
+            int stopped = s->head == s->tail;
+            pthread_mutex_unlock(&s->mu);
+            if (stopped) return NULL;
             continue;
         }
         if (atomic_load(&fault_code) && o.kind != OP_RECORD) {
@@ -271,10 +348,12 @@ static void *stream_run(void *arg) {
         } else if (o.kind == OP_KERNEL) {
             kernel *k = o.p;
             int64_t end = now_ns() + o.a;
-            if (o.a >= 1000000) nap_ns((long)o.a);  /* a long kernel leaves the CPU */
+            if (o.a >= 50000) nap_ns((long)o.a);  /* a long kernel leaves the CPU */
             while (now_ns() < end) {}
-            if (k && k->fault) atomic_store(&fault_code, ILLEGAL_ADDRESS);
-            else {
+            if (k && k->fault) {
+                atomic_store(&fault_code, ILLEGAL_ADDRESS);
+                driver_changed();
+            } else {
                 if (k && k->check && atomic_load(&k->check->ran) < k->at_least)
                     die("a stream ran a command before the value it waited for");
                 s->log[atomic_load(&s->ran) % (1 << 16)] = o.arg;
@@ -283,13 +362,18 @@ static void *stream_run(void *arg) {
         } else if (o.kind == OP_RECORD) {
             if (!atomic_load(&fault_code))
                 atomic_store(&((fake_event *)o.p)->ended[o.a % FAKE_RECORDS], 1);
+            driver_changed();
         } else if (o.kind == OP_WRITE) {
             atomic_store((_Atomic uint64_t *)o.p, (uint64_t)o.a);
+            driver_changed();
         } else if (o.kind == OP_WAIT || o.kind == OP_WAIT_EVENT) {
             waiting_set(s, 1);
-            while (wait_unmet(&o)) {
+            driver_changed();  /* (a context's synchronize may count it as run out now) */
+            waiter w = {.most = o.kind == OP_WAIT ? 0 : WAIT_NAP_DRIVER_NS};  /* (records end it) */
+            for (wait_look(&w); wait_unmet(&o); wait_look(&w)) {
                 if (atomic_load(&s->stop) == 2) return NULL;
                 if (atomic_load(&fault_code)) break;  /* the context runs nothing more */
+                wait_more(&w);
             }
             waiting_set(s, 0);
         } else if (o.kind == OP_FILL) {  /* cuMemsetD8/D16/D32Async: items of 1, 2, 4 bytes */
@@ -306,8 +390,10 @@ static void *stream_run(void *arg) {
         }
         op_done(&o);
         pthread_mutex_lock(&s->mu);
-        s->head++;
+        int out = ++s->head == s->tail;
+        pthread_cond_broadcast(&s->moved);  /* (a launch waiting for the queue to shorten) */
         pthread_mutex_unlock(&s->mu);
+        if (out) driver_changed();  /* (a context's synchronize waits for that) */
     }
 }
 
@@ -325,6 +411,7 @@ fake_stream *stream_new(void) {
     s->ops = calloc(s->cap, sizeof(op));
     s->ctx = current_ctx;  /* (cuStreamCreate makes it in the calling thread's context) */
     pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->moved, NULL);
     pthread_create(&s->thread, NULL, stream_run, s);
     pthread_mutex_lock(&live_mu);
     s->next_live = live;
@@ -333,7 +420,51 @@ fake_stream *stream_new(void) {
     return s;
 }
 
-long stream_ran(fake_stream *s) { return atomic_load(&s->ran); }  /* kernels run so far */
+/* The default streams, made at their first use and never freed (as the driver's live as
+ * long as their context): each context's legacy stream (thread NULL: handles 0 and 1),
+ * and each thread's per-thread stream of each context (handle 2). The driver's legacy
+ * stream also waits for, and holds up, the context's blocking streams; the streams here
+ * are all taken as non-blocking (the backend's are: CU_STREAM_NON_BLOCKING), so every
+ * default stream runs as a stream of its own. */
+typedef struct default_stream {
+    void *ctx;
+    const void *thread;  /* the thread's: its per-thread stream; NULL: the legacy one */
+    fake_stream *s;
+    struct default_stream *next;
+} default_stream;
+static pthread_mutex_t defaults_mu = PTHREAD_MUTEX_INITIALIZER;
+static default_stream *defaults;
+static _Thread_local char thread_mark;  /* (its address tells the thread apart) */
+
+fake_stream *fake_stream_of(void *handle) {
+    if ((uintptr_t)handle > 2) return handle;
+    void *ctx = current_ctx;
+    if (!ctx) return NULL;
+    const void *thread = (uintptr_t)handle == 2 ? &thread_mark : NULL;
+    pthread_mutex_lock(&defaults_mu);
+    default_stream *d = defaults;
+    while (d && (d->ctx != ctx || d->thread != thread)) d = d->next;
+    if (!d) {
+        d = calloc(1, sizeof *d);
+        if (!d) die("calloc");
+        *d = (default_stream){ctx, thread, stream_new(), defaults};  /* (made in ctx) */
+        defaults = d;
+    }
+    pthread_mutex_unlock(&defaults_mu);
+    return d->s;
+}
+
+/* kernels run so far */
+long stream_ran(void *handle) { return atomic_load(&fake_stream_of(handle)->ran); }
+
+/* Its thread stops once it ran what it has (1), or where it is (2: abandoned). */
+static void stream_stop(fake_stream *s, int how) {
+    pthread_mutex_lock(&s->mu);
+    atomic_store(&s->stop, how);
+    pthread_cond_broadcast(&s->moved);
+    pthread_mutex_unlock(&s->mu);
+    driver_changed();  /* (its thread may be inside a wait operation) */
+}
 
 fake_stream *stream_sharing(fake_stream *hw) {
     fake_stream *s = calloc(1, sizeof *s);
@@ -342,6 +473,7 @@ fake_stream *stream_sharing(fake_stream *hw) {
 }
 
 void stream_free(fake_stream *s, int abandon) {
+    if ((uintptr_t)s <= 2) die("a default stream freed (the driver's own)");
     if (s->hw) {  /* its operations are hw's */
         free(s);
         return;
@@ -353,11 +485,12 @@ void stream_free(fake_stream *s, int abandon) {
             break;
         }
     pthread_mutex_unlock(&live_mu);
-    atomic_store(&s->stop, abandon ? 2 : 1);
+    stream_stop(s, abandon ? 2 : 1);
     pthread_join(s->thread, NULL);
     for (size_t i = s->head; i < s->tail; i++)  /* abandoned: operations never run */
         op_done(&s->ops[i % s->cap]);
     free(s->ops);
+    pthread_cond_destroy(&s->moved);
     free(s);
 }
 
@@ -369,6 +502,7 @@ static fake_stream *destroyed[1024];
 static int ndestroyed;
 
 void stream_destroy(fake_stream *s) {
+    if ((uintptr_t)s <= 2) die("cuStreamDestroy of a default stream (the driver's own)");
     if (s->hw) {
         free(s);
         return;
@@ -380,7 +514,7 @@ void stream_destroy(fake_stream *s) {
         stream_free(s, 0);
         return;
     }
-    atomic_store(&s->stop, 1);  /* it runs what it has, then stops */
+    stream_stop(s, 1);  /* it runs what it has, then stops */
     pthread_mutex_lock(&destroyed_mu);
     if (ndestroyed == 1024) die("too many streams destroyed with work left");
     destroyed[ndestroyed++] = s;
@@ -420,7 +554,8 @@ static int stream_ran_out(fake_stream *s) {
  * good fails the check rather than hang. */
 int fake_ctx_synchronize(void *ctx) {
     int64_t deadline = now_ns() + 30000000000LL;
-    for (;;) {
+    for (waiter w = {.most = WAIT_NAP_DRIVER_NS};; wait_more(&w)) {  /* (its streams end it) */
+        wait_look(&w);
         int code = atomic_load(&fault_code);
         if (code) return code;
         int out = 1;
@@ -430,7 +565,6 @@ int fake_ctx_synchronize(void *ctx) {
         pthread_mutex_unlock(&live_mu);
         if (out) return 0;
         if (now_ns() > deadline) die("cuCtxSynchronize: a stream of the context ran for 30 s");
-        nap_ns(50000);
     }
 }
 
@@ -462,33 +596,27 @@ static int f_launch(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx
         atomic_fetch_add(&oversized_launches, 1);
         return 1;  /* CUDA_ERROR_INVALID_VALUE */
     }
-    fake_stream *st = stream;
+    fake_stream *st = fake_stream_of(stream);
+    if (!st) return INVALID_CONTEXT;
     long limit = atomic_load(&deep_limit);
-    if (limit > 0) {
+    if (limit > 0) {  /* blocks until its stream's queue is short enough (or stopped) */
         pthread_mutex_lock(&st->mu);
-        int deep = st->tail - st->head > (size_t)limit;
+        if (st->tail - st->head > (size_t)limit) atomic_fetch_add(&blocked_launches, 1);
+        while (st->tail - st->head > (size_t)limit && !atomic_load(&st->stop))
+            pthread_cond_wait(&st->moved, &st->mu);
         pthread_mutex_unlock(&st->mu);
-        if (deep) {
-            atomic_fetch_add(&blocked_launches, 1);
-            for (;;) {
-                pthread_mutex_lock(&st->mu);
-                deep = st->tail - st->head > (size_t)limit;
-                pthread_mutex_unlock(&st->mu);
-                if (!deep) break;
-                sched_yield();
-            }
-        }
     }
     kernel *k = fn;
     int64_t arg = params ? *(int64_t *)params[0] : 0;
     int64_t duration = k && k->duration_ns ? k->duration_ns : 200 + (arg * 7919) % 3000;
-    enqueue(stream, (op){OP_KERNEL, duration, k, arg});
+    enqueue(st, (op){OP_KERNEL, duration, k, arg});
     return 0;
 }
 static int f_record(void *e, void *stream) {
     int inject = injected(FAKE_CALL_RECORD);
     if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
+    if (!(stream = fake_stream_of(stream))) return INVALID_CONTEXT;
     fake_stream *refused = stream;  /* the next record there (refuse_code) */
     if (atomic_load(&refuse_records) == refused) {
         if (atomic_fetch_sub(&refuse_more, 1) <= 0) {
@@ -530,7 +658,10 @@ static int f_query(void *e) {
 static int f_sync(void *e) {
     int r;
     if (!(((fake_event *)e)->flags & 0x1)) die("blocked on an event made without BLOCKING_SYNC");
-    while ((r = f_look(e)) == NOT_READY && !atomic_load(&release_syncs)) sched_yield();
+    waiter w = {.most = WAIT_NAP_DRIVER_NS};  /* (a record ends it, or a check's store) */
+    for (wait_look(&w); (r = f_look(e)) == NOT_READY && !atomic_load(&release_syncs);
+         wait_look(&w))
+        wait_more(&w);
     return r;
 }
 static int f_create(void **e, unsigned flags) {
@@ -555,6 +686,7 @@ static int f_write(void *stream, void *word, uint64_t value, unsigned flags) {
     if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     if (word == &refuse_word) return 1;  /* CUDA_ERROR_INVALID_VALUE */
+    if (!(stream = fake_stream_of(stream))) return INVALID_CONTEXT;
     enqueue(stream, (op){OP_WRITE, (int64_t)value, word, 0});
     return 0;
 }
@@ -563,6 +695,7 @@ static int fill(void *stream, uint64_t dst, uint32_t pattern, int size, size_t i
     if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
     if (dst % (uint64_t)size) return 1;  /* CUDA_ERROR_INVALID_VALUE: misaligned */
+    if (!(stream = fake_stream_of(stream))) return INVALID_CONTEXT;
     enqueue(stream, (op){OP_FILL, (int64_t)items, (void *)(uintptr_t)dst,
                          (int64_t)pattern | (int64_t)size << 32});
     return 0;
@@ -581,6 +714,7 @@ static int copy_call(void *stream, uintptr_t dst, uintptr_t src, size_t nbytes, 
     int inject = injected(kind);
     if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
+    if (!(stream = fake_stream_of(stream))) return INVALID_CONTEXT;
     if (staged) {  /* from pageable memory: read now, into the driver's own */
         void *copy = malloc(nbytes ? nbytes : 1);
         if (!copy) die("malloc");
@@ -612,6 +746,7 @@ static int f_wait(void *stream, void *word, uint64_t value, unsigned flags) {
     int inject = injected(FAKE_CALL_WAIT);
     if (inject) return inject;
     if (atomic_load(&fault_code)) return atomic_load(&fault_code);
+    if (!(stream = fake_stream_of(stream))) return INVALID_CONTEXT;
     enqueue(stream, (op){OP_WAIT, (int64_t)value, word, 0});
     return 0;
 }
@@ -619,6 +754,7 @@ static int f_wait_event(void *stream, void *e, unsigned flags) {
     (void)flags;
     int inject = injected(FAKE_CALL_WAIT_EVENT);
     if (inject) return inject;
+    if (!(stream = fake_stream_of(stream))) return INVALID_CONTEXT;
     fake_event *ev = e;
     int64_t recorded = atomic_load(&ev->recorded);
     long slow = atomic_load(&wait_event_ns);
@@ -649,9 +785,14 @@ void *_Atomic stream_context = (void *)1;
 void *_Atomic stream_green = NULL;
 atomic_int stream_context_error; /* non-zero: cuStreamGetCtx fails with it */
 static int f_stream_get_ctx(void *stream, void **ctx, void **green) {  /* (as CUDA 12.5's) */
-    (void)stream;
     int error = atomic_load(&stream_context_error);
     if (error) return error;
+    if ((uintptr_t)stream <= 2) {  /* a default stream: of the current context */
+        if (!current_ctx) return INVALID_CONTEXT;
+        *ctx = current_ctx;
+        *green = NULL;
+        return 0;
+    }
     *ctx = atomic_load(&stream_context);
     *green = atomic_load(&stream_green);
     return 0;

@@ -7,7 +7,11 @@
  * hardware queue (stream_sharing), as streams beyond a GPU's CUDA_DEVICE_MAX_CONNECTIONS
  * do: their operations run in the order they were handed over, one at a time, so a wait
  * holds up every stream behind it. A context's synchronize (fake_ctx_synchronize) waits
- * for the streams made in it, as cuCtxSynchronize does.
+ * for the streams made in it, as cuCtxSynchronize does. The handles 0 and 1
+ * (CU_STREAM_LEGACY) name the calling thread's current context's legacy default stream,
+ * and 2 (CU_STREAM_PER_THREAD) that thread's own default stream of it, as the driver's
+ * (fake_stream_of). A thread of the driver that waits for something sleeps until it
+ * changes (fake_cuda_driver.c, "waiting"), as a GPU's waits take no CPU.
  */
 #ifndef FAKE_CUDA_DRIVER_H
 #define FAKE_CUDA_DRIVER_H
@@ -17,6 +21,7 @@
 
 #define NOT_READY 600
 #define ILLEGAL_ADDRESS 700
+#define INVALID_CONTEXT 201  /* CUDA_ERROR_INVALID_CONTEXT: a default stream, none current */
 #define OUT_OF_MEMORY 2  /* CUDA_ERROR_OUT_OF_MEMORY: a fence refused so is tried again */
 
 
@@ -64,6 +69,8 @@ typedef struct fake_stream {
     void *ctx;                     /* the context current on the thread that made it */
     int waiting;                   /* (under mu) its thread is inside a wait operation */
     struct fake_stream *next_live; /* (under live_mu) the next stream not yet freed */
+    pthread_cond_t moved;          /* (with mu) broadcast as operations come, as one leaves
+                                      it, and as it is stopped */
 } fake_stream;
 
 typedef struct {
@@ -91,6 +98,10 @@ void streams_release(void);  /* the context released: destroyed streams' work dr
  * too) ran out of work it can run (fake_cuda_driver.c says what counts). */
 int fake_ctx_synchronize(void *ctx);
 fake_stream *stream_new(void);
+/* The stream a handle names: itself, or a default stream (0, 1, 2) of the calling
+ * thread's current context, made at its first use; NULL for a default stream where no
+ * context is current (the driver's calls then fail with INVALID_CONTEXT). */
+fake_stream *fake_stream_of(void *handle);
 fake_stream *stream_sharing(fake_stream *hw);  /* runs its operations on hw's queue */
 fake_queue queue_on(fake_stream *s, long bound);  /* a queue on stream s */
 void fake_driver_install(void);

@@ -32,6 +32,10 @@ import anyio
 
 ROOT = Path(__file__).resolve().parents[3]
 THEIRS = 0xC0FFEE  # another library's context, current on the calling thread
+# Stream handles up to this one are default streams, of the calling thread's current
+# context: 0 (the NULL stream) and 1 (CU_STREAM_LEGACY) its legacy stream, 2
+# (CU_STREAM_PER_THREAD) that thread's own (fake_cuda_driver.c: fake_stream_of).
+DEFAULT_STREAMS = 2
 Seen = dict[str, Any]
 
 
@@ -126,7 +130,7 @@ class _Simulated:
         self.events_made = ctypes.c_long.in_dll(fake, "events_made")
         self.events_destroyed = ctypes.c_long.in_dll(fake, "events_destroyed")
         fake.fake_count_calls.argtypes = [ctypes.c_int]
-        fake.stream_ran.argtypes = [ctypes.c_void_p]
+        fake.stream_ran.argtypes = [ctypes.c_void_p]  # (a handle: a default stream's too)
         fake.stream_ran.restype = ctypes.c_long
         self.refuse_ctx = ctypes.c_void_p.in_dll(fake, "refuse_ctx")
         # The context of every stream, asked by the runtime and the backend alike (cuda:0's
@@ -241,6 +245,10 @@ def _driver_module(sim: _Simulated, gpus: int = 1) -> Any:
             return super().cuDevicePrimaryCtxRelease(device)
 
         def cuStreamGetCtx(self, stream: int) -> tuple[Any, ...]:
+            if int(stream) <= DEFAULT_STREAMS:  # (the current context's, as the driver's)
+                if not sim.current():
+                    return (CUresult.CUDA_ERROR_INVALID_CONTEXT, None)
+                return self._result("cuStreamGetCtx", sim.current())
             return self._result(
                 "cuStreamGetCtx", sim.stream_green.value or sim.stream_context.value
             )
@@ -427,6 +435,48 @@ async def _green_context_stream(sim: _Simulated, queue: Any, kernel: Any, buf: A
     with _stream_and_array(sim) as (theirs, array):
         _refusals(queue, theirs, array, sim.stream_green, 0x300, seen)
         await queue.device.synchronize()
+    return seen
+
+
+async def _default_streams(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
+    """Another library's default streams by their handles: the queue's wait for the
+    legacy stream (1, and 0, the NULL stream, the same one), an import of an array whose
+    ``__cuda_array_interface__`` names it, a queue adopting it (a launch on it, then its
+    close) and one adopting the per-thread stream (2): what each did, whether the
+    adopted legacy stream ran the launch, and whether the device's synchronize
+    returned."""
+    import asyncmetal as am
+
+    seen: Seen = {}
+    device = queue.device
+    for handle in (0, 1):
+        seen[f"wait_{handle}"] = await _awaited(queue._after_stream(handle))
+    address = sim.fake.fake_mem_alloc(64)
+    interface = {"shape": (16,), "typestr": "<i4", "data": (address, False), "version": 3}
+    array = types.SimpleNamespace(__cuda_array_interface__={**interface, "stream": 1})
+    try:
+        imported = am.from_dlpack(array)
+        seen["import"] = await _awaited(device.queue.marker())
+        await imported.free()
+    finally:
+        sim.fake.fake_mem_free(address)
+    adopted = device.adopt_stream(1)
+    try:
+        sim.fake.fake_ctx_set_current(0x100)  # (stream_ran's legacy stream: cuda:0's)
+        ran = sim.fake.stream_ran(1)
+        seen["adopted"] = await _awaited(adopted.launch(kernel, buf))
+        seen["adopted_ran"] = sim.fake.stream_ran(1) - ran
+    finally:
+        sim.fake.fake_ctx_set_current(0)
+        await adopted.close()
+    try:
+        device.adopt_stream(2)
+        seen["per_thread"] = "adopted"
+    except Exception as exc:
+        seen["per_thread"] = type(exc).__name__
+    with anyio.move_on_after(20) as scope:
+        await device.synchronize()
+    seen["synchronized"] = not scope.cancelled_caught
     return seen
 
 
@@ -865,6 +915,7 @@ SCENARIOS: dict[str, Callable[[_Simulated, Any, Any, Any], Awaitable[Seen]]] = {
     "other_context_stream": _other_context_stream,
     "green_context_stream": _green_context_stream,
     "stream_context_refused": _stream_context_refused,
+    "default_streams": _default_streams,
 }
 # What a scenario sets up before its queue is made.
 BEFORE_QUEUE: dict[str, Callable[[_Simulated], None]] = {"no_context": _refuse_context}
