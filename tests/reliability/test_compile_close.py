@@ -95,6 +95,16 @@ async def test_a_compile_awaited_as_its_device_closes_raises_at_once(
     assert left[2][1] <= left[0][1]
 
 
+async def _compile_recording_close(
+    dev: am.Device, src: str, raised: list[str], timeout: float | None = None
+) -> None:
+    """``dev.compile(src, "twice")``; its ClosedResourceError's words go to ``raised``."""
+    try:
+        await dev.compile(src, "twice", timeout=timeout)
+    except am.ClosedResourceError as exc:
+        raised.append(str(exc))
+
+
 async def _awaited_as_its_device_closes(gates: Path, pool: CompilePool) -> None:
     src = _src("awaited")
     raised: list[str] = []
@@ -102,15 +112,9 @@ async def _awaited_as_its_device_closes(gates: Path, pool: CompilePool) -> None:
     try:
         _use_gated(dev, pool, gates)
 
-        async def compile_it() -> None:
-            try:
-                await dev.compile(src, "twice")
-            except am.ClosedResourceError as exc:
-                raised.append(str(exc))
-
         with anyio.fail_after(BOUND):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(compile_it)
+                tg.start_soon(_compile_recording_close, dev, src, raised)
                 await _began(gates, src)
                 await anyio.wait_all_tasks_blocked()  # its caller waits for it
                 job = _job(pool)
@@ -199,19 +203,13 @@ async def test_a_compile_entered_as_its_device_begins_to_close_raises_once_seale
         _use_gated(dev, pool, gates)
         dev.queue.launch(held)  # runs until ``release`` exists: the close waits for it
 
-        async def compile_it() -> None:
-            try:
-                await dev.compile(src, "twice")
-            except am.ClosedResourceError as exc:
-                raised.append(str(exc))
-
         with anyio.fail_after(BOUND):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(dev.close)
                 while dev._closing is None:
                     await anyio.sleep(0.01)
                 assert not dev.closed
-                tg.start_soon(compile_it)
+                tg.start_soon(_compile_recording_close, dev, src, raised)
                 await _began(gates, src)
                 await anyio.wait_all_tasks_blocked()
                 assert not dev.closed and not raised  # submitted, waited for
@@ -264,15 +262,9 @@ async def test_a_timed_compile_awaited_as_its_device_closes_raises_at_once(
     try:
         _use_gated(dev, pool, gates)
 
-        async def compile_it() -> None:
-            try:
-                await dev.compile(src, "twice", timeout=10 * BOUND)
-            except am.ClosedResourceError as exc:
-                raised.append(str(exc))
-
         with anyio.fail_after(BOUND):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(compile_it)
+                tg.start_soon(_compile_recording_close, dev, src, raised, 10 * BOUND)
                 await _began(gates, src)
                 await anyio.wait_all_tasks_blocked()
                 job = _job(pool)
