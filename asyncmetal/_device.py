@@ -1049,6 +1049,13 @@ class Device(Singular):
                 raise CompileError(
                     f"the compiled kernel {name!r} does not load: {cause}", name=name
                 ) from cause
+        if self.closed:
+            # Loaded while the device's close sealed it (a close does not wait for a
+            # load): refused as any compile the close ends, never a Program of a closed
+            # device. What loaded goes with the backend's close, which unloads every
+            # library it loaded (and refuses a load that comes after it).
+            self._dropped.append(native)
+            self._state.check_open()
         program = Program(self._state, name, params, binary, native)
         kept = self._programs.setdefault(key, program)
         if kept is not program:  # a concurrent compile of it loaded it first: never run
