@@ -341,6 +341,13 @@ class Device(Singular):
         # refers to its Queue (a Metal queue's recent command buffers' records)
         # would keep it alive for good from a finalizer.
         self._idle: weakref.WeakSet[Queue] = weakref.WeakSet()
+        # The queues closed (or replaced in the default queue's stead) and released
+        # whose uses the reaper has not yet taken off the buffers' records (see _look):
+        # a closed queue is never submitted to again, and is claimed only once its
+        # commands settled, so its uses pass; a buffer would otherwise keep it alive
+        # (with its timeline and native queue) as long as the buffer lives. Weakly: one
+        # on no record is collected, and has nothing left to take off.
+        self._closed_off: weakref.WeakSet[Queue] = weakref.WeakSet()
         self._natives: dict[int, tuple[NativeQueue, Timeline]] = {}
         self._dropped_queues: list[int] = []
         self._numbers = itertools.count()
@@ -715,8 +722,9 @@ class Device(Singular):
 
     def _look(self) -> bool | None:
         """Let go of the idle queues (on the reaper), a part of the buffers' records at a
-        time, so that those dropped are collected (and then released: ``_reaped``).
-        Whether it let go of any; None once nothing more can become idle (the reaper
+        time, so that those dropped are collected (and then released: ``_reaped``); the
+        uses of the queues closed and released since (``_closed_off``) go off the records
+        too. Whether it let go of any; None once nothing more can become idle (the reaper
         waits until told; ``_watching`` unset) or the device is closed."""
         lock = self._state.submitting
         unused = self._unused_queues()
@@ -724,24 +732,39 @@ class Device(Singular):
             if self.closed:
                 return None
             idle = self._mark_idle(unused)
+            closed = list(self._closed_off)  # (taken off once looked at: an error keeps them)
         del unused
-        blocks = self._recorded_blocks() if idle else []  # (each use looked up again)
-        parts = _recorded_uses(idle, blocks)
+        blocks = self._recorded_blocks() if idle or closed else []  # (each use looked up again)
+        parts = _recorded_uses([*idle, *closed], blocks)
+        off = {id(q) for q in closed}  # (sealed: never submitted to again)
+        left: list[Queue] = []
         part: list[tuple[Block, Queue]] = []
+        uses: list[tuple[Block, Queue]] = []
         for part in parts:
             with lock:
                 if self.closed:
                     return None
                 # Those submitted to again meanwhile (kept) record new uses: left alone.
-                self._allocator.forget_passed([(b, q) for b, q in part if q._idle])
+                uses = [(b, q) for b, q in part if q._idle or id(q) in off]
+                self._allocator.forget_passed(uses)
+                # A closed queue's use not passed yet (none should be: it was claimed
+                # once settled) is looked at again at the next look.
+                left += [q for b, q in uses if id(q) in off and q in b.last_use]
         let_go_of = bool(idle)
-        del idle, parts, part  # a queue nobody else holds is collected here
+        with lock:  # (those claimed meanwhile stay for the next look)
+            kept = {id(q) for q in left}
+            self._closed_off.difference_update([q for q in closed if id(q) not in kept])
+        del idle, closed, left, uses, parts, part  # one nobody else holds is collected here
         if not self._reaped(every=True):
             return None
         with lock:
             if let_go_of:
                 self._blocks_at_sweep = len(blocks)
-            if not self._unreleased and not any(q is not self.queue for q in self._queues):
+            if (
+                not self._unreleased
+                and not self._closed_off
+                and not any(q is not self.queue for q in self._queues)
+            ):
                 self._watching = False
                 return None
         return let_go_of
@@ -1026,6 +1049,13 @@ class Device(Singular):
                 raise CompileError(
                     f"the compiled kernel {name!r} does not load: {cause}", name=name
                 ) from cause
+        if self.closed:
+            # Loaded while the device's close sealed it (a close does not wait for a
+            # load): refused as any compile the close ends, never a Program of a closed
+            # device. What loaded goes with the backend's close, which unloads every
+            # library it loaded (and refuses a load that comes after it).
+            self._dropped.append(native)
+            self._state.check_open()
         program = Program(self._state, name, params, binary, native)
         kept = self._programs.setdefault(key, program)
         if kept is not program:  # a concurrent compile of it loaded it first: never run
@@ -1348,6 +1378,7 @@ class Device(Singular):
         done again, it changes nothing more."""
         for queue in queues:
             self._idle.discard(queue)
+            self._closed_off.add(queue)  # (its uses left to the reaper: see _look)
             self._timelines.add(queue.timeline)  # its close ends waits on it (none reach it)
             drop = self._on_drop.get(queue)
             if drop is not None:  # released here, not once collected
