@@ -24,6 +24,8 @@ import pytest
 
 import asyncmetal as am
 from asyncmetal import _allocator
+from tests.support.native import harness
+from tests.support.native.simulated_cuda import run_child
 
 N = 64
 BLOCK = 512  # (the size class of N bytes)
@@ -162,3 +164,23 @@ async def test_an_allocation_waiting_for_that_memory_is_woken_once_it_ran_out(
                     await anyio.sleep(0.001)
         assert got[0]._allocation.block is block  # (the one block the budget holds)
         await got[0].free()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_on_a_gpu_the_abandoned_copy_reads_no_new_buffers_memory(loop: str) -> None:
+    """The same over the simulated cuda driver, whose stream runs the abandoned copy
+    (200 ms) as the closing device's backend close raises the words it waits on: a
+    buffer of cuda:1 copied on cuda:0 behind a device wait nobody signals, freed while
+    cuda:0's backend close is held, and one of its size allocated on cuda:1. That one
+    gets no memory the copy has still to read, and the freed memory comes back once
+    the close ended, never freed natively under the copy (the scenario is in
+    tests/support/native/simulated_copies.py). Checked: fails without the fix (the
+    new buffer got the memory under the copy)."""
+    missing = harness.sanitizer_missing("")
+    if missing is not None:
+        pytest.skip(missing)
+    seen = run_child("freed_while_a_closing_device_copies", loop, timeout=240)
+    assert seen["handed_out_busy"] is False, seen
+    assert seen["ran_out_then"] is False, seen
+    assert seen["came_back"] is True, seen
+    assert "src" not in seen["freed_busy"], seen
