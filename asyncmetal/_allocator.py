@@ -550,7 +550,6 @@ def forget_closed_queues(state: DeviceState) -> None:
     for other in unreleased_states():
         allocator = getattr(other.device, "_allocator", None)
         if other is not state and allocator is not None:
-            allocator.settle_closed_queues(state)
             blocks += allocator.blocks()
     blocks += closed_blocks()
     left: list[tuple[Block, Queue]] = []
@@ -563,18 +562,27 @@ def forget_closed_queues(state: DeviceState) -> None:
                 left.append((block, queue))
             else:
                 uses.pop(queue, None)
-    if left:
-        _running_out[id(state)] = (state, left)
+    # Listed whatever is left: the other devices' releases pending on its queues'
+    # commands -- made before, or meanwhile from the uses left -- are looked at again
+    # once they ran out (``settle_closed_queues``), which wakes allocations waiting for
+    # that memory (nothing else will: see ``Allocator._watch_pending``).
+    _running_out[id(state)] = (state, left)
 
 
 def _forget_run_out_uses() -> None:
     """Take the uses left on records by closed devices' queues (``_running_out``) off
-    them once those devices' commands ran out. (Any thread, any number at once: taking
-    a use off twice takes it once.)"""
+    them once those devices' commands ran out, and have the other devices' releases
+    pending on those queues looked at again (``settle_closed_queues``). (Any thread,
+    any number at once: taking a use off twice takes it once, and a look finds what
+    an earlier one left.)"""
     for key, (state, left) in _running_out.copy().items():
         if state.ran_out:
             for block, queue in left:
                 block.last_use.pop(queue, None)
+            for other in unreleased_states():
+                allocator = getattr(other.device, "_allocator", None)
+                if other is not state and allocator is not None:
+                    allocator.settle_closed_queues(state)
             _running_out.pop(key, None)
 
 
@@ -1225,8 +1233,11 @@ class Allocator:
         """Release ``block`` once each queue's timeline has passed its last use: now,
         or at the first look after that (any thread, any loop). With ``generation``
         (the one freed), only that generation's: made again -- after an interrupt that
-        may have cut the first -- it changes nothing."""
-        pending = [(q, v) for q, v in uses if not _passed(q, v)]
+        may have cut the first -- it changes nothing. A use by a queue of a device whose
+        queues stopped waits until that device's commands ran out (``_pending``): one
+        it abandoned behind a device wait still runs, reading or writing this memory,
+        once its backend's close raises the words it waits on."""
+        pending = [use for use in uses if _pending(*use)]
         if not pending:
             self._release(block, generation)
             return
@@ -1461,9 +1472,9 @@ class Allocator:
                 self._look_again(self._unheaped[0])
                 del self._unheaped[0]
             # (An interrupt may leave a heap empty: taken out at the next look.)
-            for queue in [q for q, h in self._heaps.items() if not h or _passed(q, h[0][0])]:
+            for queue in [q for q, h in self._heaps.items() if not h or not _pending(q, h[0][0])]:
                 heap = self._heaps[queue]
-                while heap and _passed(queue, heap[0][0]):
+                while heap and not _pending(queue, heap[0][0]):
                     self._look_again(heap[0][2])
                     heapq.heappop(heap)
                 if not heap:
@@ -1481,11 +1492,12 @@ class Allocator:
 
     def _look_again(self, block: Block) -> None:
         """(Under the lock.) One of pending ``block``'s uses passed (or none was looked
-        at yet): it is due once all did, else looked at again once another does."""
+        at yet): it is due once all did, else looked at again once another does (a
+        stopped queue's, once its device's commands ran out: see release_after)."""
         uses = self._pending.get(block)
         if uses is None:  # (released since)
             return
-        left = [(q, v) for q, v in uses if not _passed(q, v)]
+        left = [use for use in uses if _pending(*use)]
         if left:
             self._heap(block, *left[0])
             self._pending[block] = left
@@ -1504,9 +1516,17 @@ class Allocator:
             # A release waits for all its uses, each looked at again once the use it is
             # heaped on passed: watching the first of each queue's heap is enough, as
             # each event brings this loop back here to watch the next.
+            # A stopped queue's use is not watched: its timeline is raised no more, so a
+            # watch would never end -- or, once its device ended its waits, end at once,
+            # over and over; the look made as that device's commands ran out wakes this
+            # instead (settle_closed_queues).
             firsts = [(queue, heap[0][0]) for queue, heap in self._heaps.items() if heap]
-            reached = [use for use in firsts if _passed(*use)]
-            new = [use for use in firsts if use not in watched and use not in reached]
+            reached = [use for use in firsts if not _pending(*use)]
+            new = [
+                use
+                for use in firsts
+                if use not in watched and use not in reached and not use[0].timeline._state.stopped
+            ]
             watched.update(new)
             due = reached or self._unheaped or self._due
         if due:  # one passed since the sweep (or is due): sweep again now
@@ -1718,18 +1738,23 @@ class Allocator:
 
     def settle_closed_queues(self, state: DeviceState) -> None:
         """Look at once at the pending releases heaped on uses by the queues of
-        ``state``'s device, which stopped (see ``forget_closed_queues``): those uses all
-        passed (``_passed``), as the next sweep would find -- until which the heaps,
-        and the releases' lists of uses, would keep those queues alive. The blocks found
-        due are released by that sweep. (Each looked at before it leaves its heap, as a
-        sweep does: an interrupt leaves it there.)"""
+        ``state``'s device, whose commands ran out (see ``_forget_run_out_uses``): those
+        uses are all done (``_pending``), as the next sweep would find -- until which
+        the heaps, and the releases' lists of uses, would keep those queues alive -- and
+        wake the allocations waiting: nothing else does (``_watch_pending`` watches no
+        stopped queue). The blocks found due are released by the sweep that wakes.
+        (Each looked at before it leaves its heap, as a sweep does: an interrupt leaves
+        it there. None goes back on such a heap: its device's uses are all done.)"""
         with self._lock:
-            for queue in [q for q in self._heaps if q.timeline._state is state]:
+            queues = [q for q in self._heaps if q.timeline._state is state]
+            for queue in queues:
                 heap = self._heaps[queue]
                 while heap:
                     self._look_again(heap[0][2])
                     heapq.heappop(heap)
                 del self._heaps[queue]
+        if queues:
+            self._frees.increment()
 
     def blocks(self) -> list[Block]:
         """The blocks in use and cached now, and the foreign ones whose buffers live

@@ -22,6 +22,7 @@ import contextlib
 import ctypes
 import functools
 import gc
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -636,11 +637,87 @@ async def _left_to_a_closing_device(sim: _Simulated) -> Seen:
     return seen
 
 
+async def _freed_while_a_closing_device_copies(sim: _Simulated) -> Seen:
+    """A copy on cuda:0 from a buffer of cuda:1, which stays open, behind a device wait
+    for a value only the host would signal; cuda:0 closed, abandoning the copy, its
+    backend's close held until the buffer was freed and one of its size allocated on
+    cuda:1. Whether that allocation got memory the copy has still to read (cuda:0's
+    backend close lets its stream run what it abandoned: 200 ms), and whether the
+    freed memory came back within 5 s of the close (not kept for good), and not freed
+    natively while the copy was still to read it."""
+    import asyncmetal as am
+    from asyncmetal._buffer import native_arg
+    from asyncmetal.backends.cuda import _driver
+
+    seen: Seen = {}
+    dev = await am.open_device("cuda:0")
+    far = await am.open_device("cuda:1")
+    size = 1 << 16
+    dst, src = await dev.alloc(size), await far.alloc(size)
+    allocator, block = far._allocator, src._allocation.block
+    before = _counters(sim)
+    names = {native_arg(dst).handle: "dst", native_arg(src).handle: "src"}
+    free = _driver.cu.cuMemFree
+    freed_busy: list[str] = []
+
+    def watched_free(pointer: Any) -> Any:
+        if sim.fake.fake_copy_busy(int(pointer), 1):
+            freed_busy.append(names.get(int(pointer), "other"))
+        return free(pointer)
+
+    _driver.cu.cuMemFree = watched_free
+    entered, go = threading.Event(), threading.Event()
+    backend = dev._backend
+    real = backend.close
+
+    def held_close() -> None:
+        entered.set()
+        go.wait(20)
+        real()
+
+    backend.close = held_close
+    sim.copy_ns.value = 200_000_000
+    try:
+        queue, gate = dev.new_queue(), dev.timeline()
+        gate.signal(1)  # (only ever signalled by the host: the wait goes to the driver)
+        queue.wait(gate, 2)
+        queue.copy(dst, src)
+        del dst
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(dev.close)
+                await anyio.to_thread.run_sync(entered.wait)
+                tg.start_soon(src.free)  # (it waits for the close: its release does not)
+                while block in allocator._live and block not in allocator._pending:
+                    await anyio.sleep(0.001)
+                again = await far.alloc(size)
+                seen["handed_out_busy"] = _busy(sim, again)
+                seen["ran_out_then"] = dev._state.ran_out
+                go.set()
+        with anyio.move_on_after(5):
+            while far.memory_statistics().in_use > size:
+                await anyio.sleep(0.01)
+        seen["came_back"] = far.memory_statistics().in_use == size
+        await again.free()
+    finally:
+        go.set()
+        _driver.cu.cuMemFree = free
+        sim.copy_ns.value = 0
+    await far.close()
+    # (What was freed while a copy was still to use it: "src", the buffer freed, must
+    # not be; "dst", cuda:0's own, is freed by its close before its backend's close
+    # lets the abandoned copy run -- not what this looks at.)
+    seen["freed_busy"] = freed_busy
+    seen["broken"] = _broken(sim, before)
+    return seen
+
+
 SCENARIOS = {
     "copies": _copies,
     "cancelled_copy": _cancelled,
     "pin_refused": _pin_refused,
     "left_to_a_closing_device": _left_to_a_closing_device,
+    "freed_while_a_closing_device_copies": _freed_while_a_closing_device_copies,
 }
 
 
