@@ -287,17 +287,22 @@ async def holding(states: list[DeviceState], fn: Callable[[], T]) -> T:
     worker thread that waits for them, taken in one order (``DeviceState.order``)
     whoever takes several, so that two such takers never wait for each other."""
     states = sorted(states, key=_in_order)
+    held: list[DeviceState] = []
     try:
         try:
             for state in states:
                 if not state.submitting.acquire(blocking=False):
                     break
+                held.append(state)
             else:
                 return fn()
         finally:
-            release_owned(states)
+            while held:
+                held.pop().submitting.release()
     except BaseException:
-        release_owned(states)  # (again: an interrupt came as they were let go)
+        # (an interrupt right after a try took a lock, before it was named held; or as
+        # they were let go)
+        release_owned(states)
         raise
 
     def waiting() -> T:
