@@ -699,6 +699,9 @@ AWAITED_AFTER_AN_ABANDONING_CLOSE = textwrap.dedent(
             filled = q.fill(buf, 0)
             await filled
             q.wait(tl, 1)  # never signalled: held on the queue's own thread
+            with anyio.fail_after(20):  # (once that thread took it up)
+                while q._native._host_waiting is None:
+                    await anyio.sleep(0.001)
             stop_waiting = MetalQueue._stop_waiting
 
             def reached_as_stopped(self, waiting):
