@@ -589,6 +589,16 @@ async def _copy_sweep(sim: _Simulated, first: int, step: int, held: bool) -> See
     return {"calls": total, "kinds": kinds, "found": found, "clean": clean, "outcomes": outcomes}
 
 
+def _copy_behind_a_wait_never_met(dev: Any, dst: Any, src: Any) -> None:
+    """A copy of ``src`` to ``dst`` on a new queue of ``dev``, behind a device wait for
+    a value nobody signals: its device's close abandons it, and the stream runs it once
+    that close raises the word it waits on."""
+    queue, gate = dev.new_queue(), dev.timeline()
+    gate.signal(1)  # (only ever signalled by the host: the wait goes to the driver)
+    queue.wait(gate, 2)
+    queue.copy(dst, src)
+
+
 async def _left_to_a_closing_device(sim: _Simulated) -> Seen:
     """A copy on cuda:0 from a buffer of cuda:1, behind a device wait for a value only
     the host would signal (its wait on the driver at once); cuda:1 closed, leaving that
@@ -619,10 +629,7 @@ async def _left_to_a_closing_device(sim: _Simulated) -> Seen:
     driver.cuMemFree = watched_free
     sim.copy_ns.value = 200_000_000
     try:
-        queue, gate = dev.new_queue(), dev.timeline()
-        gate.signal(1)  # (only ever signalled by the host: the wait goes to the driver)
-        queue.wait(gate, 2)
-        queue.copy(dst, src)
+        _copy_behind_a_wait_never_met(dev, dst, src)
         del dst, src
         with anyio.fail_after(20):
             await far.close()
@@ -678,10 +685,7 @@ async def _freed_while_a_closing_device_copies(sim: _Simulated) -> Seen:
     backend.close = held_close
     sim.copy_ns.value = 200_000_000
     try:
-        queue, gate = dev.new_queue(), dev.timeline()
-        gate.signal(1)  # (only ever signalled by the host: the wait goes to the driver)
-        queue.wait(gate, 2)
-        queue.copy(dst, src)
+        _copy_behind_a_wait_never_met(dev, dst, src)
         del dst
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:
