@@ -742,6 +742,7 @@ _QUIET = (
     'ignored "-Weverything"',
     'ignored "-Wpedantic"',
     'ignored "-Wdeprecated-declarations"',
+    'ignored "-Wimplicit-function-declaration"',  # (a call of one the preprocessor drops)
     'ignored "-Wc++-compat"',
     'ignored "-Wtraditional"',
 )

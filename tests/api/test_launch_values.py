@@ -536,6 +536,14 @@ def test_a_cpu_kernel_returning_a_header_type_no_launch_calls_is_refused(
             ("-Werror",),
             "'d'",
         ),
+        # nor does a call of a function the preprocessor drops (an implicit declaration):
+        # made an error, and the first error fatal, it would hide a later refusal
+        (
+            "#include <signal.h>\n#if 0\nsigset_t gone(int a) { return 0; }\n#endif\n"
+            "sigset_t h(int a) { sigset_t s; (void)a; sigemptyset(&s); return s; }",
+            ("-Werror", "-Wfatal-errors"),
+            "'h'",
+        ),
         # the source's own errors come first
         ("#include <signal.h>\nsigset_t h(int a) { sigset_t s; return s }", (), "failed"),
         ("nosuch_t h(int a) { return a; }", (), "failed"),
