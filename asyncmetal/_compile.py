@@ -747,6 +747,7 @@ _QUIET = (
     'ignored "-Wtraditional"',
 )
 _CHECK_LINES = ("read", "record", "other")
+_REGISTER = re.compile(r"\bregister\b")
 _CHECKED_LINE = re.compile(rf"{re.escape(SIGNATURE_CHECKS_FILE)}-(\d+)-({'|'.join(_CHECK_LINES)})")
 
 
@@ -834,14 +835,23 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
             if _is_buffer(param, pointers) or "&" in param or not unknown(typed):
                 continue
             # (a struct's member of the type: a parameter is no object to read outside
-            # its function; its type words alone, a name of the checks' own after them)
+            # its function. Declared as the parameter is, where it is named -- its
+            # attributes, a function-like macro's type, ``TYPE(big) b``, read as the
+            # compiler reads them --, less a storage class; its type words alone, with a
+            # name of the checks' own, where it is not)
             i = len(checked)
-            member = f"asyncmetal_param_{i}.asyncmetal_value"
+            spelled = re.findall(r"\w+", _GNU_ATTRIBUTE.sub(" ", param))
+            if len(spelled) > 1 and spelled[-1] not in typed:
+                declared, member = _REGISTER.sub(" ", param), spelled[-1]
+            else:
+                declared, member = f"{' '.join(typed)} asyncmetal_value", "asyncmetal_value"
             made = (
-                f"struct asyncmetal_param_{i} {{ {' '.join(typed)} asyncmetal_value; }}; "
+                f"struct asyncmetal_param_{i} {{ {declared}; }}; "
                 f"extern struct asyncmetal_param_{i} asyncmetal_param_{i}; "
             )
-            check(made, member, SignatureCheck(name, " ".join(typed), param))
+            check(
+                made, f"asyncmetal_param_{i}.{member}", SignatureCheck(name, " ".join(typed), param)
+            )
         words = [w for w in words if w not in _NOT_RETURN_TYPE]
         if not unknown(words):
             continue
@@ -865,6 +875,16 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
         + "\n#pragma GCC diagnostic pop\n",
         tuple(checked),
     )
+
+
+@functools.lru_cache(maxsize=1)
+def checks_identity() -> str:
+    """What names the checks ``signature_checks`` writes, for a compiler's identity (the
+    compile cache's key): their file's name and a digest of the checks of a source that
+    has each kind, which any change to what they are made of changes."""
+    sample = "T f(T a, int n, float *p) { return a; }"  # (T: a type the source does not show)
+    digest = hashlib.sha256(signature_checks(sample)[0].encode()).hexdigest()[:16]
+    return f"{SIGNATURE_CHECKS_FILE}-{digest}"
 
 
 @functools.lru_cache(maxsize=1024)  # (most declarations repeat: ``int n``)

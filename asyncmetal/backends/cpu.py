@@ -56,6 +56,7 @@ from .._compile import (
     ParamKind,
     c_value_types,
     calling_conventions,
+    checks_identity,
     refused_signature,
     scalar_params,
     signature_checks,
@@ -138,10 +139,10 @@ class CCompiler(Compiler):
         # The C types it compiles for are asked here too: compile reads the identity
         # first, off the loop, so that reading a kernel's value types runs nothing.
         self.plain_types()
-        # (SIGNATURE_CHECKS_FILE: its compiles carry the checks of what kernels return
-        # and take, so binaries cached before them, which a source's key alone would
-        # find, are not)
-        return " ".join((version, *command[1:], *_LINK, SIGNATURE_CHECKS_FILE))
+        # (checks_identity: its compiles carry the checks of what kernels return and
+        # take, so binaries cached before them, or before they changed, which a
+        # source's key alone would find, are not)
+        return " ".join((version, *command[1:], *_LINK, checks_identity()))
 
     def plain_types(self) -> Mapping[str, str]:
         """The types of a plain ``char`` and of ``wchar_t`` as this compiler, with its

@@ -633,6 +633,8 @@ def test_a_refusal_by_the_checks_is_told_in_any_diagnostics_format(
         ("#include <stdlib.h>", "div_t d", "a struct or union"),  # a struct in a register
         ("#include <signal.h>\n#define ARG sigset_t", "const ARG s", "a struct or union"),
         ("", "big_t b", "a struct or union"),
+        ("#define TYPE(name) name##_t", "TYPE(big) b", "a struct or union"),
+        ("", "big_t b __attribute__((unused))", "a struct or union"),
         ("", "wide_t w", "a struct or union"),
         ("", "real_t r", "no pointer or scalar"),  # a long double: in memory
         ("", "v8_t v", "no pointer or scalar"),
@@ -680,6 +682,27 @@ def test_the_compiler_checks_parameters_of_types_the_source_does_not_show(
     assert info.value.message.startswith(
         f"function 'k' of the source takes {param!r} by value, which the compiler says is {refused}"
     ), info.value.message
+
+
+def test_the_compiler_identity_changes_with_the_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A C compiler's identity (the compile cache's key) names the checks its compiles
+    append to a source (``signature_checks``), by what they are made of: checks made
+    otherwise are another identity, so binaries cached before them are compiled again
+    (the source's key alone would find them)."""
+    from asyncmetal import _compile
+    from asyncmetal.backends.cpu import CCompiler
+
+    compiler = CCompiler()
+    if shutil.which(compiler.cc[0]) is None:
+        pytest.skip("no C compiler here")
+    before = compiler.version()
+    with monkeypatch.context() as patch:
+        patch.setattr(_compile, "_QUIET", (*_compile._QUIET, 'ignored "-Wshadow"'))
+        _compile.checks_identity.cache_clear()
+        changed = compiler.version()
+    _compile.checks_identity.cache_clear()
+    assert changed != before
+    assert compiler.version() == before
 
 
 async def test_a_cpu_kernel_taking_a_header_struct_by_value_is_refused(
