@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import difflib
+import functools
 import hashlib
 import os
 import re
@@ -713,41 +714,66 @@ _NOT_RETURN_TYPE = frozenset(
 )
 
 
-# What a source's functions return, where the source as written does not say (a type a
-# header or a macro makes: ``sigset_t``, a typedef of a struct), is asked of the C
-# compiler itself: ``return_checks`` writes C that the compile appends to the source,
-# under this file name (a ``#line``), three lines for each such function -- its return
-# type's class (GCC's and clang's ``__builtin_classify_type``) and size as an enum's
-# constants, then an array type whose size is negative (an error) where it is a struct
-# or union, then one whose size is negative where it is no pointer or scalar of at most
-# 8 bytes. Which of those lines the compiler's diagnostics name tells what was refused.
-RETURN_CHECKS_FILE = "asyncmetal-return-checks"
+# What a source's functions return and take by value, where the source as written does
+# not say (a type a header or a macro makes: ``sigset_t``, a typedef of a struct), is
+# asked of the C compiler itself: ``signature_checks`` writes C that the compile appends
+# to the source, three lines for each such return type or parameter -- its class (GCC's
+# and clang's ``__builtin_classify_type``) and size as an enum's constants, then an array
+# type whose size is negative (an error) where it is a struct or union, then one whose
+# size is negative where it is no pointer or scalar of at most 8 bytes. Each line is
+# under a file name of its own (a ``#line``), ``SIGNATURE_CHECKS_FILE-<check>-<line>``,
+# which every format of the compiler's diagnostics (text, GCC's JSON and SARIF, clang's
+# msvc and vi styles...) names as it is: which of those lines have diagnostics tells what
+# was refused. The checks turn the compiler's warnings off for their own lines (those it
+# lets a pragma turn off: ``-Werror`` would make one an error, and hide a refusal).
+SIGNATURE_CHECKS_FILE = "asyncmetal-signature-checks"
 # The classes of a pointer or scalar a kernel, called as a void function, may return (in
-# a register, dropped): integer, char, enum, boolean, pointer and floating types.
+# a register, dropped), and that a launch value passes (in an integer or float register):
+# integer, char, enum, boolean, pointer and floating types.
 _CALLABLE_CLASSES = (1, 2, 3, 4, 5, 8)
 _RECORD_CLASSES = (12, 13)  # struct, union
+# What the checks' lines are preceded by: the warnings they could draw turned off
+# (clang's all at once; GCC's, which has no such name, one by one: those the checks can
+# draw), each name unknown to the one compiler or the other let pass.
+_QUIET = (
+    "push",
+    'ignored "-Wpragmas"',
+    'ignored "-Wunknown-warning-option"',
+    'ignored "-Weverything"',
+    'ignored "-Wpedantic"',
+    'ignored "-Wdeprecated-declarations"',
+    'ignored "-Wimplicit-function-declaration"',  # (a call of one the preprocessor drops)
+    'ignored "-Wc++-compat"',
+    'ignored "-Wtraditional"',
+)
+_CHECK_LINES = ("read", "record", "other")
+_REGISTER = re.compile(r"\bregister\b")
+_CHECKED_LINE = re.compile(rf"{re.escape(SIGNATURE_CHECKS_FILE)}-(\d+)-({'|'.join(_CHECK_LINES)})")
 
 
-class ReturnCheck(NamedTuple):
-    """A function whose return type ``return_checks`` has the compiler check: its name,
-    and its return type as the source spells it."""
+class SignatureCheck(NamedTuple):
+    """A type that ``signature_checks`` has the compiler check: the function's name, the
+    type as the source spells it, and the parameter's declaration (None: the type is the
+    function's return type)."""
 
     name: str
-    returns: str
+    spelled: str
+    param: str | None = None
 
 
-def return_checks(src: str) -> tuple[str, tuple[ReturnCheck, ...]]:
-    """C to append to ``src`` that the compiler refuses (``RETURN_CHECKS_FILE``) where a
-    function of it that a launch can name returns a type that the source as written
-    does not show to be a pointer, a scalar or ``void`` (a header's or a macro's type),
-    and that is a struct or union, or no pointer or scalar of at most 8 bytes; and those
-    functions, in the order of the checks. ("", ()) where there is none to check (most
-    sources). A type the source shows to be a struct, union or other type no launch
-    value is is refused when its kernel is compiled (``scalar_params``), not here: a
-    function of the source that is no kernel may return one. The checks call each
-    function with a 0 for each parameter (unevaluated): one whose parameters the source
-    shows are no scalars or pointers is not checked. Derived from the source alone, so
-    that a compile's cache key, which the source is part of, keys them too."""
+def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
+    """C to append to ``src`` that the compiler refuses (``SIGNATURE_CHECKS_FILE``) where
+    a function of it that a launch can name returns or takes by value a type that the
+    source as written does not show to be a pointer, a scalar or ``void`` (a header's or
+    a macro's type), and that is a struct or union, or no pointer or scalar of at most 8
+    bytes; and those types, in the order of the checks. ("", ()) where there is none to
+    check (most sources). A type the source shows to be a struct, union or other type no
+    launch value is is refused when its kernel is compiled (``scalar_params``), not here:
+    a function of the source that is no kernel may return or take one. A return type's
+    checks call the function with a 0 for each parameter (unevaluated): one whose
+    parameters the source shows are no scalars or pointers is not checked; a parameter's
+    checks read a struct's member of its type. Derived from the source alone, so that a
+    compile's cache key, which the source is part of, keys them too."""
     text = _without_attributes(_strip(src))
     text = _scan.sub(_scan.matches_at(_PREPROCESSOR_LINE, text, _directives(text)), text, " ")
     heads: dict[str, list[tuple[list[str], list[str]]]] = {}
@@ -755,7 +781,9 @@ def return_checks(src: str) -> tuple[str, tuple[ReturnCheck, ...]]:
         if name not in _NOT_FUNCTIONS:
             heads.setdefault(name, []).append((declared.split(), params))
     if all(
-        not words or words[-1] in ("void", "*", "&") for each in heads.values() for words, _ in each
+        (not words or words[-1] in ("void", "*", "&")) and all(map(_plain_param, params))
+        for each in heads.values()
+        for words, params in each
     ):
         return "", ()  # (most sources: nothing more to read)
     known = typedefs(text)
@@ -774,16 +802,59 @@ def return_checks(src: str) -> tuple[str, tuple[ReturnCheck, ...]]:
             return False
         return not (_NOT_A_SCALAR.search(" ".join(words)) or not_scalars.intersection(words))
 
-    checked: list[ReturnCheck] = []
+    checked: list[SignatureCheck] = []
     lines: list[str] = []
+
+    def check(made: str, value: str, what: SignatureCheck) -> None:
+        """The three lines of the check of ``value``'s type (``made``: what declares
+        what ``value`` names, on the first line before it)."""
+        i = len(checked)
+        kind, size = f"asyncmetal_class_{i}", f"asyncmetal_size_{i}"
+        callable_ = " || ".join(f"{kind} == {c}" for c in _CALLABLE_CLASSES)
+        record = " || ".join(f"{kind} == {c}" for c in _RECORD_CLASSES)
+        made += f"enum {{ {kind} = __builtin_classify_type({value}), {size} = sizeof({value}) }};"
+        for line, each in zip(
+            _CHECK_LINES,
+            (
+                made,
+                f"typedef char asyncmetal_record_{i}[{record} ? -1 : 1];",
+                f"typedef char asyncmetal_other_{i}[({callable_}) && {size} <= 8 ? 1 : -1];",
+            ),
+            strict=True,
+        ):
+            lines.extend((f'#line 1 "{SIGNATURE_CHECKS_FILE}-{i}-{line}"', each))
+        checked.append(what)
+
     for name, each in heads.items():
         if any("static" in words for words, _ in each) or len({len(p) for _, p in each}) > 1:
             continue  # no kernel; or definitions in #if branches
         words, params = each[0]
+        params = [p for p in params if p != "..."]
+        for param in params:  # (each taken by value, of a type the source does not show)
+            typed = type_words(param)
+            if _is_buffer(param, pointers) or "&" in param or not unknown(typed):
+                continue
+            # (a struct's member of the type: a parameter is no object to read outside
+            # its function. Declared as the parameter is, where it is named -- its
+            # attributes, a function-like macro's type, ``TYPE(big) b``, read as the
+            # compiler reads them --, less a storage class; its type words alone, with a
+            # name of the checks' own, where it is not)
+            i = len(checked)
+            spelled = re.findall(r"\w+", _GNU_ATTRIBUTE.sub(" ", param))
+            if len(spelled) > 1 and spelled[-1] not in typed:
+                declared, member = _REGISTER.sub(" ", param), spelled[-1]
+            else:
+                declared, member = f"{' '.join(typed)} asyncmetal_value", "asyncmetal_value"
+            made = (
+                f"struct asyncmetal_param_{i} {{ {declared}; }}; "
+                f"extern struct asyncmetal_param_{i} asyncmetal_param_{i}; "
+            )
+            check(
+                made, f"asyncmetal_param_{i}.{member}", SignatureCheck(name, " ".join(typed), param)
+            )
         words = [w for w in words if w not in _NOT_RETURN_TYPE]
         if not unknown(words):
             continue
-        params = [p for p in params if p != "..."]
         if not all(_is_buffer(p, pointers) or _takes_zero(p, known, not_scalars) for p in params):
             continue
         call = f"{name}({', '.join(['0'] * len(params))})"
@@ -792,20 +863,38 @@ def return_checks(src: str) -> tuple[str, tuple[ReturnCheck, ...]]:
             f"__builtin_choose_expr(__builtin_types_compatible_p(__typeof__({call}), void), "
             f"0, {call})"
         )
-        i = len(checked)
-        kind, size = f"asyncmetal_return_class_{i}", f"asyncmetal_return_size_{i}"
-        callable_ = " || ".join(f"{kind} == {c}" for c in _CALLABLE_CLASSES)
-        record = " || ".join(f"{kind} == {c}" for c in _RECORD_CLASSES)
-        lines += (
-            f"enum {{ {kind} = __builtin_classify_type({value}), {size} = sizeof({value}) }};",
-            f"typedef char asyncmetal_returns_record_{i}[{record} ? -1 : 1];",
-            f"typedef char asyncmetal_returns_other_{i}[({callable_}) && {size} <= 8 ? 1 : -1];",
-        )
-        checked.append(ReturnCheck(name, " ".join(words)))
+        check("", value, SignatureCheck(name, " ".join(words)))
     if not checked:
         return "", ()
-    # (after two newlines: the source may end in a comment, or a line continued)
-    return f'\n\n#line 1 "{RETURN_CHECKS_FILE}"\n' + "\n".join(lines) + "\n", tuple(checked)
+    # (after two newlines: the source may end in a comment, or a line continued; the
+    # pragmas under the checks' file name too, which a diagnostic of theirs names)
+    quiet = "\n".join(f"#pragma GCC diagnostic {each}" for each in _QUIET)
+    return (
+        f'\n\n#line 1 "{SIGNATURE_CHECKS_FILE}"\n{quiet}\n'
+        + "\n".join(lines)
+        + "\n#pragma GCC diagnostic pop\n",
+        tuple(checked),
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def checks_identity() -> str:
+    """What names the checks ``signature_checks`` writes, for a compiler's identity (the
+    compile cache's key): their file's name and a digest of the checks of a source that
+    has each kind, which any change to what they are made of changes."""
+    sample = "T f(T a, int n, float *p) { return a; }"  # (T: a type the source does not show)
+    digest = hashlib.sha256(signature_checks(sample)[0].encode()).hexdigest()[:16]
+    return f"{SIGNATURE_CHECKS_FILE}-{digest}"
+
+
+@functools.lru_cache(maxsize=1024)  # (most declarations repeat: ``int n``)
+def _plain_param(declaration: str) -> bool:
+    """Whether a parameter's ``declaration`` is plainly a pointer, or of a scalar type
+    named by the language's words (not by a typedef): one that no check is made of.
+    (What most kernels take: their sources are read no further.)"""
+    if "*" in declaration or "[" in declaration or declaration in ("...", "void"):
+        return True
+    return scalar_type(type_words(declaration), {}) is not None
 
 
 def _takes_zero(declaration: str, known: Mapping[str, list[str]], not_scalars: set[str]) -> bool:
@@ -819,27 +908,26 @@ def _takes_zero(declaration: str, known: Mapping[str, list[str]], not_scalars: s
     return not (_NOT_A_SCALAR.search(" ".join(words)) or not_scalars.intersection(words))
 
 
-_CHECK_LINE = re.compile(rf"^{re.escape(RETURN_CHECKS_FILE)}:(\d+):", re.M)
-
-
-def refused_return(log: str, checked: tuple[ReturnCheck, ...]) -> CompileError | None:
-    """The CompileError of the first of the ``checked`` functions (``return_checks``)
-    whose return type the compile's ``log`` says its checks refused: one whose class and
-    size were read (its first line has no diagnostic) but whose second or third line
-    has one. None where none was refused so."""
-    named = {int(line) for line in _CHECK_LINE.findall(log)}
-    for i, (name, returns) in enumerate(checked):
-        first = 3 * i + 1
-        if first in named or not {first + 1, first + 2} & named:
+def refused_signature(log: str, checked: tuple[SignatureCheck, ...]) -> CompileError | None:
+    """The CompileError of the first of the ``checked`` types (``signature_checks``) that
+    the compile's ``log`` (in any of the compiler's diagnostics formats) says its checks
+    refused: one whose class and size were read (its first line has no diagnostic) but
+    whose second or third line has one. None where none was refused so."""
+    named = {(int(i), line) for i, line in _CHECKED_LINE.findall(log)}
+    for i, (name, spelled, param) in enumerate(checked):
+        if (i, "read") in named or not {(i, "record"), (i, "other")} & named:
             continue
-        if first + 1 in named:
-            what = (
-                "which the compiler says is a struct or union: the C calling convention "
+        if (i, "record") in named:
+            what = "which the compiler says is a struct or union: the C calling convention "
+            what += (
                 "returns one through memory (a hidden address, which a launch, calling the "
                 "kernel as a void function, does not pass: the kernel writes through "
                 "whatever its register holds, the first parameter's on x86-64)"
+                if param is None
+                else "passes one in memory or split over registers, not as the one integer "
+                "or float a launch passes in its register"
             )
-        else:
+        elif param is None:
             what = (
                 "which the compiler says is no pointer or scalar of at most 8 bytes (a "
                 "vector, a complex number, a long double, an __int128...): the C calling "
@@ -847,10 +935,21 @@ def refused_return(log: str, checked: tuple[ReturnCheck, ...]) -> CompileError |
                 "calling the kernel as a void function, does not pass) or on the x87 stack "
                 "(which such a kernel leaves full)"
             )
+        else:
+            what = (
+                "which the compiler says is no pointer or scalar of at most 8 bytes (a "
+                "vector, a complex number, a long double, an __int128...): the C calling "
+                "convention passes it in memory or in vector or paired registers, not as the "
+                "one integer or float a launch passes in its register"
+            )
+        if param is None:
+            told, fix = f"returns {spelled!r}", "return void, and write the result to a buffer"
+        else:
+            told, fix = f"takes {param!r} by value", "take a pointer to it, and pass a buffer"
         return CompileError(
-            f"function {name!r} of the source returns {returns!r}, {what}: return void, and "
-            "write the result to a buffer (each function of the source that a launch can "
-            "name is checked: declare one that is no kernel static)",
+            f"function {name!r} of the source {told}, {what}: {fix} (each function of the "
+            "source that a launch can name is checked: declare one that is no kernel "
+            "static)",
             name=name,
         )
     return None

@@ -51,14 +51,15 @@ from .._backend import (
 )
 from .._compile import (
     OTHER_CONVENTIONS,
-    RETURN_CHECKS_FILE,
+    SIGNATURE_CHECKS_FILE,
     Compiler,
     ParamKind,
     c_value_types,
     calling_conventions,
-    refused_return,
-    return_checks,
+    checks_identity,
+    refused_signature,
     scalar_params,
+    signature_checks,
     tool_answer,
 )
 from .._errors import (
@@ -138,9 +139,10 @@ class CCompiler(Compiler):
         # The C types it compiles for are asked here too: compile reads the identity
         # first, off the loop, so that reading a kernel's value types runs nothing.
         self.plain_types()
-        # (RETURN_CHECKS_FILE: its compiles carry the checks of what kernels return, so
-        # binaries cached before them, which a source's key alone would find, are not)
-        return " ".join((version, *command[1:], *_LINK, RETURN_CHECKS_FILE))
+        # (checks_identity: its compiles carry the checks of what kernels return and
+        # take, so binaries cached before them, or before they changed, which a
+        # source's key alone would find, are not)
+        return " ".join((version, *command[1:], *_LINK, checks_identity()))
 
     def plain_types(self) -> Mapping[str, str]:
         """The types of a plain ``char`` and of ``wchar_t`` as this compiler, with its
@@ -159,18 +161,18 @@ class CCompiler(Compiler):
                 f"compiling cpu kernels needs a C compiler: {cc!r} {missing} "
                 "(install one, or set $CC to one)"
             )
-        # What the functions a launch can name return, where the source does not say,
-        # is checked by the compiler (``return_checks``), in the same compile: a refused
-        # one fails it, saying why. Where the checks' lines have diagnostics (a refusal;
-        # a check that does not compile: a function within an ``#if 0``, a warning made
-        # an error...), the source is compiled alone, for its own log and binary: a
+        # What the functions a launch can name return and take by value, where the
+        # source does not say, is checked by the compiler (``signature_checks``), in the
+        # same compile: a refused one fails it, saying why. Where the checks' lines have
+        # diagnostics (a refusal; a check that does not compile: a function within an
+        # ``#if 0``...), the source is compiled alone, for its own log and binary: a
         # refusal stands where it compiles (its own errors are told first).
-        checks, checked = return_checks(src)
+        checks, checked = signature_checks(src)
         with tempfile.TemporaryDirectory(prefix="asyncmetal-cc-") as tmp:
             out = os.path.join(tmp, "kernel.so")
             proc, log = _cc(command, self.flags, src + checks, out)
-            if checks and RETURN_CHECKS_FILE in log:
-                refused = refused_return(log, checked) if proc.returncode != 0 else None
+            if checks and SIGNATURE_CHECKS_FILE in log:
+                refused = refused_signature(log, checked) if proc.returncode != 0 else None
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(out)
                 proc, log = _cc(command, self.flags, src, out)

@@ -521,13 +521,28 @@ def test_a_cpu_kernel_returning_a_header_type_no_launch_calls_is_refused(
         ("#include <stdlib.h>\ndiv_t h(int a) { return div(a, 2); }", (), "'h'"),
         ("#include <stdlib.h>\nstatic div_t h(int a) { return div(a, 2); }", (), None),
         # checks that do not compile are dropped: the source is compiled alone
-        ("#include <signal.h>\nsigset_t h(sigset_t s) { return s; }", (), None),
+        (
+            "#include <signal.h>\nstruct s { int a; };\n"
+            "sigset_t h(struct s v) { sigset_t s; (void)v; return s; }",
+            (),
+            None,
+        ),
         ("#include <signal.h>\n#if 0\nsigset_t gone(int a);\n#endif", (), None),
+        # a warning the checks draw (a deprecated function's call) is not one: made an
+        # error, it would hide the refusal
         (
             "#include <signal.h>\n__attribute__((deprecated)) sigset_t d(int a) "
             "{ sigset_t s; (void)a; sigemptyset(&s); return s; }",
             ("-Werror",),
-            None,
+            "'d'",
+        ),
+        # nor does a call of a function the preprocessor drops (an implicit declaration):
+        # made an error, and the first error fatal, it would hide a later refusal
+        (
+            "#include <signal.h>\n#if 0\nsigset_t gone(int a) { return 0; }\n#endif\n"
+            "sigset_t h(int a) { sigset_t s; (void)a; sigemptyset(&s); return s; }",
+            ("-Werror", "-Wfatal-errors"),
+            "'h'",
         ),
         # the source's own errors come first
         ("#include <signal.h>\nsigset_t h(int a) { sigset_t s; return s }", (), "failed"),
@@ -548,8 +563,10 @@ def test_the_compiler_checks_the_return_types_of_every_function_a_launch_can_nam
     returns, where the source does not say: one compile serves every kernel of it, so a
     function with external linkage that is no kernel is checked too (declared static,
     it is not). A check that does not compile (a function the preprocessor drops, one
-    that takes a struct, a warning made an error) is dropped, and the source compiled
-    alone; a source that does not compile says so itself, with its log."""
+    that takes a struct) is dropped, and the source compiled alone; a source that does
+    not compile says so itself, with its log. The checks draw no warning (none that
+    ``-Werror`` makes an error of them). Checked: the deprecated function's refusal
+    failed without the check's warnings turned off (it was taken)."""
     if shutil.which(cc) is None:
         pytest.skip(f"no {cc} here")
     from asyncmetal.backends.cpu import CCompiler
@@ -566,8 +583,147 @@ def test_the_compiler_checks_the_return_types_of_every_function_a_launch_can_nam
         assert info.value.message.startswith(f"{cc} failed") and info.value.log
         assert "asyncmetal" not in info.value.log
     else:
-        assert info.value.message.startswith(f"function {refused} of the source returns")
+        assert info.value.message.startswith(f"function {refused} of the source ")
         assert "declare one that is no kernel static" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("cc", "flags"),
+    [
+        ("gcc", ("-fdiagnostics-format=json",)),
+        ("clang", ("-fdiagnostics-format=msvc",)),
+        ("clang", ("-fdiagnostics-format=vi",)),
+        ("gcc", ("-fdiagnostics-plain-output", "-fno-diagnostics-show-caret")),
+        ("gcc", ("-Werror", "-Wall", "-Wextra", "-Wpedantic", "-Wc++-compat")),
+        ("clang", ("-Weverything", "-Werror", "-Wno-missing-prototypes")),
+    ],
+)
+def test_a_refusal_by_the_checks_is_told_in_any_diagnostics_format(
+    cc: str, flags: tuple[str, ...]
+) -> None:
+    """The checks' refusal is read from the compiler's diagnostics in whatever format
+    the flags ask for (GCC's JSON, clang's msvc and vi styles...), and the checks draw
+    no warning of their own under strict flags: a refused function is refused. A
+    source whose checks refuse nothing compiles under the same flags. Checked: fails
+    without the fix (the JSON, msvc and vi formats' refusals were not recognised, and
+    the source compiled alone was taken)."""
+    if shutil.which(cc) is None:
+        pytest.skip(f"no {cc} here")
+    from asyncmetal.backends.cpu import CCompiler
+
+    compiler = CCompiler(cc, ("-O2", *flags))
+    kernel = "void k(int* out);\nvoid k(int* out) { out[0] = 1; }\n"
+    refused = (
+        "#include <signal.h>\nsigset_t h(int a);\n"
+        "sigset_t h(int a) { sigset_t s; (void)a; sigemptyset(&s); return s; }\n"
+    )
+    with pytest.raises(am.CompileError) as info:
+        compiler.compile(refused + kernel)
+    assert info.value.message.startswith("function 'h' of the source returns 'sigset_t'")
+    taken = "#include <math.h>\nfloat_t h(float_t a);\nfloat_t h(float_t a) { return a; }\n"
+    assert compiler.compile(taken + kernel)
+    assert "asyncmetal" not in compiler._last_log
+
+
+@pytest.mark.parametrize("cc", ["gcc", "clang"])
+@pytest.mark.parametrize(
+    ("before", "param", "refused"),
+    [
+        ("#include <signal.h>", "sigset_t s", "a struct or union"),  # 128 bytes: in memory
+        ("#include <stdlib.h>", "div_t d", "a struct or union"),  # a struct in a register
+        ("#include <signal.h>\n#define ARG sigset_t", "const ARG s", "a struct or union"),
+        ("", "big_t b", "a struct or union"),
+        ("#define TYPE(name) name##_t", "TYPE(big) b", "a struct or union"),
+        ("", "big_t b __attribute__((unused))", "a struct or union"),
+        ("", "wide_t w", "a struct or union"),
+        ("", "real_t r", "no pointer or scalar"),  # a long double: in memory
+        ("", "v8_t v", "no pointer or scalar"),
+        ("", "complex_t c", "no pointer or scalar"),
+        ("", "wide_int_t i", "no pointer or scalar"),
+        ("", "real_t", "no pointer or scalar"),  # unnamed (C23)
+        ("", "fptr_t p", None),
+        ("", "count_t n", None),
+        ("", "real64_t x", None),
+        ("", "flag_t f", None),
+        ("", "answer_t a", None),
+        ("#include <math.h>", "float_t x", None),
+        ("#include <sys/types.h>", "pid_t p", None),
+    ],
+)
+def test_the_compiler_checks_parameters_of_types_the_source_does_not_show(
+    tmp_path: Path, cc: str, before: str, param: str, refused: str | None
+) -> None:
+    """A value parameter whose type a header or a macro makes (``sigset_t``, ``div_t``,
+    a typedef of a struct, a ``long double``, a vector...) is not read from the source:
+    the compiler is asked its class and size, and a function that a launch can name
+    that takes a struct or union, or another type than a pointer or scalar of at most 8
+    bytes, by value is refused, naming it and the parameter (a launch passes each value
+    in an integer or float register, where the C calling convention passes such a type
+    in memory or split). Pointers, scalars, enums and bools are taken. Checked: fails
+    without the fix (each was compiled, and launched with whatever the caller gave as an
+    int)."""
+    if shutil.which(cc) is None:
+        pytest.skip(f"no {cc} here")
+    from asyncmetal.backends.cpu import CCompiler
+
+    (tmp_path / "returned.h").write_text(RETURNED_H)
+    source = (
+        f'#include "returned.h"\n{before}\n'
+        f"void k(long long* out, {param}) {{ out[0] = (long long)sizeof(out); }}\n"
+    )
+    compiler = CCompiler(cc, ("-O2", "-std=gnu2x", f"-I{tmp_path}"))
+    if refused is None:
+        assert compiler.compile(source)
+        assert "asyncmetal" not in compiler._last_log
+        return
+    with pytest.raises(am.CompileError) as info:
+        compiler.compile(source)
+    assert info.value.name == "k"
+    assert info.value.message.startswith(
+        f"function 'k' of the source takes {param!r} by value, which the compiler says is {refused}"
+    ), info.value.message
+
+
+def test_the_compiler_identity_changes_with_the_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A C compiler's identity (the compile cache's key) names the checks its compiles
+    append to a source (``signature_checks``), by what they are made of: checks made
+    otherwise are another identity, so binaries cached before them are compiled again
+    (the source's key alone would find them)."""
+    from asyncmetal import _compile
+    from asyncmetal.backends.cpu import CCompiler
+
+    compiler = CCompiler()
+    if shutil.which(compiler.cc[0]) is None:
+        pytest.skip("no C compiler here")
+    before = compiler.version()
+    with monkeypatch.context() as patch:
+        patch.setattr(_compile, "_QUIET", (*_compile._QUIET, 'ignored "-Wshadow"'))
+        _compile.checks_identity.cache_clear()
+        changed = compiler.version()
+    _compile.checks_identity.cache_clear()
+    assert changed != before
+    assert compiler.version() == before
+
+
+async def test_a_cpu_kernel_taking_a_header_struct_by_value_is_refused(
+    device: am.Device,
+) -> None:
+    """A cpu kernel that takes by value a struct a header defines (``div_t``) is refused
+    at compile, naming the kernel and the parameter, as one whose source defines the
+    struct is; one that takes a header's float type (``float_t``) runs, given a float.
+    Checked: fails without the fix (the kernel was taken, and a launch passed 7 as an
+    int where the kernel read a struct)."""
+    if device.kind != "cpu":
+        pytest.skip("the C calling convention's checks are the cpu backend's")
+    source = "#include <stdlib.h>\nvoid k(long long* out, div_t d) { out[0] = d.quot; }"
+    with pytest.raises(am.CompileError, match="takes 'div_t d' by value") as info:
+        await device.compile(source, "k")
+    assert info.value.name == "k"
+    source = "#include <math.h>\nvoid k(long long* out, float_t x) { out[0] = (long long)x; }"
+    k = await device.compile(source, "k")
+    out = await device.alloc(8)
+    await device.queue.launch(k, out, vals=(np.float32(7.0),))
+    assert (await out.read(np.int64))[0] == 7
 
 
 async def test_a_refused_return_type_is_named_as_spelled(anyio_backend: object) -> None:
