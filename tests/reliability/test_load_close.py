@@ -266,3 +266,53 @@ async def test_a_metal_load_after_the_close_is_refused(anyio_backend: object, _:
     del program
     gc.collect()
     assert metal_sim.live("MTLComputePipelineState") == before
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=metal, id="metal")])
+async def test_a_metal_load_failing_after_a_close_that_went_on_lets_go_of_the_device(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, _: None
+) -> None:
+    """A load under way as the close stopped waiting (LOAD_WAIT_S 0), whose pipeline
+    Metal then refuses: it raises its CompileError, and it -- the last load under way --
+    releases the backend's reference of the device, once, which the close left to it."""
+    monkeypatch.setattr(metal_backend, "LOAD_WAIT_S", 0.0)
+    dev = await am.open_device("metal")
+    program = await dev.compile(MSL, "k")
+    backend: Any = dev._backend
+    inside, closed = threading.Event(), threading.Event()
+    releases: list[int] = []
+    send, release = metal_backend.send, metal_backend.release
+
+    def refusing_send(receiver: Any, selector: str, *args: Any, **kwargs: Any) -> Any:
+        if selector == "newComputePipelineStateWithFunction:error:":
+            inside.set()
+            _until(closed.is_set)
+            return 0  # (nil, no error)
+        return send(receiver, selector, *args, **kwargs)
+
+    def releasing(obj: Any) -> None:
+        if obj == backend.device:
+            releases.append(obj)
+        release(obj)
+
+    monkeypatch.setattr(metal_backend, "send", refusing_send)
+    monkeypatch.setattr(metal_backend, "release", releasing)
+    raised: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            backend.load(program.binary, "k")
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    with anyio.fail_after(LIMIT):
+        while not inside.is_set():
+            await anyio.sleep(0.01)
+        await dev.close()
+    assert releases == []  # (left to the load under way)
+    closed.set()
+    thread.join(LIMIT)
+    assert len(raised) == 1 and isinstance(raised[0], am.CompileError), raised
+    assert len(releases) == 1
