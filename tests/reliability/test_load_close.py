@@ -211,6 +211,8 @@ async def test_a_metal_load_inside_metal_as_the_device_closes_leaves_no_pipeline
     device while the load still sent messages to it."""
     if how == GIVEN_UP:
         monkeypatch.setattr(metal_backend, "LOAD_WAIT_S", 0.0, raising=False)
+    async with am.open_device("metal") as warm:  # (built now: the compile below loads it)
+        await warm.compile(MSL, "k")
     before = metal_sim.live("MTLComputePipelineState")
     dev = await am.open_device("metal")
     backend: Any = dev._backend

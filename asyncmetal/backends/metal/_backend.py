@@ -203,7 +203,11 @@ class MetalBackend(Backend):
                 raise CompileError(
                     f"no pipeline for {name!r}: {describe_error(error.value or 0)}", name=name
                 )
-            most = send(pipeline, "maxTotalThreadsPerThreadgroup", restype=ctypes.c_ulong)
+            try:  # (registered by load, once this returned)
+                most = send(pipeline, "maxTotalThreadsPerThreadgroup", restype=ctypes.c_ulong)
+            except BaseException:
+                release(pipeline)
+                raise
             return MetalKernel(pipeline, bindings, name, most)
 
     def unload(self, native: Any) -> None:
