@@ -4,13 +4,20 @@ of a closed device (the library loaded goes with the close)."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import anyio
 import pytest
 
 import asyncmetal as am
+from asyncmetal.backends.cuda import _backend as cuda_backend
+from asyncmetal.backends.metal import _backend as metal_backend
+from tests.reliability.test_cuda_faults import _Driver, fake_driver
+from tests.support.fakes import metal_sim
 
 pytestmark = pytest.mark.anyio
 
@@ -62,3 +69,252 @@ async def test_a_load_ending_after_the_seal_is_refused(
             await device.close()
     assert len(outcome) == 1 and isinstance(outcome[0], am.ClosedResourceError), outcome
     assert not device._backend._libraries  # (unloaded by the close)
+
+
+# The cuda and metal backends: a load inside the driver (cuModuleLoadData, Metal's
+# newComputePipelineStateWithFunction:error:) held there while the device closes, over
+# the fake cuda driver (test_cuda_faults.py's, which the simulated driver's module calls
+# are) and the simulated Metal. The close either waits for the load (it refuses loads
+# from its start, then waits: the held load goes on once it sees that) and unloads its
+# module with the others, or -- given no time to wait (LOAD_WAIT_S) -- goes on, and the
+# load, ending after it, unloads its own and is refused. Either way the compile raises
+# ClosedResourceError and nothing it loaded stays loaded.
+WAITED, GIVEN_UP = "waited for", "given up on"
+SRC = "void k(int* x) { x[0] = 1; }"  # parsed for its parameters only: never compiled
+MSL = "kernel void k(device int* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {}"
+
+
+def _until(condition: Callable[[], object]) -> None:
+    """Poll ``condition()`` on this thread for at most LIMIT seconds (what it waits for is
+    under way: no timing decides the outcome)."""
+    deadline = time.monotonic() + LIMIT
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def _closing(backend: Any, closed: threading.Event, how: str) -> Callable[[], object]:
+    """When a load held inside the driver goes on: ``WAITED``, once the close refuses
+    loads (then it waits for those under way), or -- before the fix, the close not
+    waiting -- once it returned; ``GIVEN_UP``, once the close returned."""
+    if how == WAITED:
+        return lambda: closed.is_set() or getattr(backend, "_loads_closed", False)
+    return closed.is_set
+
+
+async def _compile_held_through_close(
+    device: am.Device, compile_: Callable[[], Awaitable[object]], inside: threading.Event
+) -> object:
+    """What ``compile_()`` gave, its load held inside the driver, as ``device`` closes."""
+    outcome: list[object] = []
+
+    async def compiling() -> None:
+        try:
+            outcome.append(await compile_())
+        except am.ClosedResourceError as exc:
+            outcome.append(exc)
+
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(compiling)
+            while not inside.is_set():
+                await anyio.sleep(0.01)
+            await device.close()
+    assert len(outcome) == 1
+    return outcome[0]
+
+
+@pytest.fixture
+def driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Driver]:
+    yield from fake_driver(monkeypatch)
+
+
+@pytest.mark.parametrize("how", [WAITED, GIVEN_UP])
+async def test_a_cuda_load_inside_the_driver_as_the_device_closes_leaves_no_module(
+    anyio_backend: object, driver: _Driver, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """cuModuleLoadData held until the close refuses loads (or, given up on, returned):
+    the compile raises ClosedResourceError and every module loaded is unloaded; waited
+    for, before the close returns (no module call of the device after it). Checked
+    failing without the fix: the load registered its module after the close had
+    unloaded the others, and it stayed loaded (one cuModuleLoadData more than
+    cuModuleUnload), both ways."""
+    if how == GIVEN_UP:
+        monkeypatch.setattr(cuda_backend, "LOAD_WAIT_S", 0.0, raising=False)
+    dev = await am.open_device("cuda:0")
+    backend: Any = dev._backend
+    params = await dev._params(SRC, "k")
+    assert isinstance(params, tuple)
+    inside, closed = threading.Event(), threading.Event()
+    after: list[int] = []  # where the driver's calls were when the close returned
+    load_data, close = driver.cuModuleLoadData, backend.close
+    goes_on = _closing(backend, closed, how)
+
+    def held_load_data(binary: bytes) -> tuple[Any, ...]:
+        inside.set()
+        _until(goes_on)
+        return load_data(binary)
+
+    def closing() -> None:
+        try:
+            close()
+        finally:
+            after.append(len(driver.calls))
+            closed.set()
+
+    monkeypatch.setattr(driver, "cuModuleLoadData", held_load_data)
+    monkeypatch.setattr(backend, "close", closing)
+    outcome = await _compile_held_through_close(
+        dev,
+        lambda: dev._program(("key", "k"), params, b"", SRC, backend.compiler, None),
+        inside,
+    )
+    assert isinstance(outcome, am.ClosedResourceError), outcome
+    assert driver.calls.count("cuModuleLoadData") == 1
+    assert driver.calls.count("cuModuleUnload") == 1
+    assert not backend._modules
+    if how == WAITED:
+        late = [c for c in driver.calls[after[0] :] if c.startswith("cuModule")]
+        assert late == [], late
+
+
+async def test_a_cuda_load_after_the_close_is_refused(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """The backend's load after its close raises ClosedResourceError and calls no driver
+    function of modules. Checked failing without the fix: the module loaded, into a
+    backend that never unloads it again."""
+    dev = await am.open_device("cuda:0")
+    backend: Any = dev._backend
+    await dev.close()
+    with pytest.raises(am.ClosedResourceError):
+        backend.load(b"", "k")
+    assert [c for c in driver.calls if c.startswith("cuModule")] == []
+    assert not backend._modules
+
+
+metal = [
+    pytest.mark.metal,
+    pytest.mark.skipif(not metal_sim.configured(), reason="needs the simulated Metal"),
+]
+
+
+@pytest.mark.parametrize("how", [WAITED, GIVEN_UP])
+@pytest.mark.parametrize("_", [pytest.param(None, marks=metal, id="metal")])
+async def test_a_metal_load_inside_metal_as_the_device_closes_leaves_no_pipeline(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, how: str, _: None
+) -> None:
+    """newComputePipelineStateWithFunction:error: held until the close refuses loads (or,
+    given up on, returned): the compile raises ClosedResourceError, no pipeline of it
+    stays alive, and nothing is sent to the device after the backend let go of its
+    reference of it. Checked failing without the fix: the pipeline was registered after
+    the close had released the others, and stayed alive; the close had released the
+    device while the load still sent messages to it."""
+    if how == GIVEN_UP:
+        monkeypatch.setattr(metal_backend, "LOAD_WAIT_S", 0.0, raising=False)
+    async with am.open_device("metal") as warm:  # (built now: the compile below loads it)
+        await warm.compile(MSL, "k")
+    before = metal_sim.live("MTLComputePipelineState")
+    dev = await am.open_device("metal")
+    backend: Any = dev._backend
+    inside, closed = threading.Event(), threading.Event()
+    let_go: list[str] = []  # what was sent to the device after its release
+    released = threading.Event()
+    send, release, close = metal_backend.send, metal_backend.release, backend.close
+    goes_on = _closing(backend, closed, how)
+
+    def held_send(receiver: Any, selector: str, *args: Any, **kwargs: Any) -> Any:
+        if selector == "newComputePipelineStateWithFunction:error:" and not inside.is_set():
+            inside.set()
+            _until(goes_on)
+        if receiver == backend.device and released.is_set():
+            let_go.append(selector)
+        return send(receiver, selector, *args, **kwargs)
+
+    def releasing(obj: Any) -> None:
+        if obj == backend.device:
+            released.set()
+        release(obj)
+
+    def closing() -> None:
+        try:
+            close()
+        finally:
+            closed.set()
+
+    monkeypatch.setattr(metal_backend, "send", held_send)
+    monkeypatch.setattr(metal_backend, "release", releasing)
+    monkeypatch.setattr(backend, "close", closing)
+    outcome = await _compile_held_through_close(dev, lambda: dev.compile(MSL, "k"), inside)
+    assert isinstance(outcome, am.ClosedResourceError), outcome
+    assert released.is_set()
+    assert let_go == [], let_go
+    assert not backend._pipelines
+    gc.collect()
+    assert metal_sim.live("MTLComputePipelineState") == before
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=metal, id="metal")])
+async def test_a_metal_load_after_the_close_is_refused(anyio_backend: object, _: None) -> None:
+    """The backend's load after its close raises ClosedResourceError and sends nothing to
+    the device. Checked failing without the fix: a pipeline was made (of the device the
+    close had let go of), and stayed alive."""
+    before = metal_sim.live("MTLComputePipelineState")
+    dev = await am.open_device("metal")
+    program = await dev.compile(MSL, "k")
+    backend: Any = dev._backend
+    await dev.close()
+    with pytest.raises(am.ClosedResourceError):
+        backend.load(program.binary, "k")
+    del program
+    gc.collect()
+    assert metal_sim.live("MTLComputePipelineState") == before
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=metal, id="metal")])
+async def test_a_metal_load_failing_after_a_close_that_went_on_lets_go_of_the_device(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, _: None
+) -> None:
+    """A load under way as the close stopped waiting (LOAD_WAIT_S 0), whose pipeline
+    Metal then refuses: it raises its CompileError, and it -- the last load under way --
+    releases the backend's reference of the device, once, which the close left to it."""
+    monkeypatch.setattr(metal_backend, "LOAD_WAIT_S", 0.0)
+    dev = await am.open_device("metal")
+    program = await dev.compile(MSL, "k")
+    backend: Any = dev._backend
+    inside, closed = threading.Event(), threading.Event()
+    releases: list[int] = []
+    send, release = metal_backend.send, metal_backend.release
+
+    def refusing_send(receiver: Any, selector: str, *args: Any, **kwargs: Any) -> Any:
+        if selector == "newComputePipelineStateWithFunction:error:":
+            inside.set()
+            _until(closed.is_set)
+            return 0  # (nil, no error)
+        return send(receiver, selector, *args, **kwargs)
+
+    def releasing(obj: Any) -> None:
+        if obj == backend.device:
+            releases.append(obj)
+        release(obj)
+
+    monkeypatch.setattr(metal_backend, "send", refusing_send)
+    monkeypatch.setattr(metal_backend, "release", releasing)
+    raised: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            backend.load(program.binary, "k")
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    with anyio.fail_after(LIMIT):
+        while not inside.is_set():
+            await anyio.sleep(0.01)
+        await dev.close()
+    assert releases == []  # (left to the load under way)
+    closed.set()
+    thread.join(LIMIT)
+    assert len(raised) == 1 and isinstance(raised[0], am.CompileError), raised
+    assert len(releases) == 1

@@ -12,7 +12,7 @@ from typing import Any
 from ... import _native
 from ..._backend import Backend, DeviceInfo, NativeQueue, NativeTimeline, StreamUse, Timelines
 from ..._compile import Compiler
-from ..._errors import AsyncMetalError
+from ..._errors import AsyncMetalError, ClosedResourceError
 from . import _driver
 from ._compiler import CUDACompiler
 from ._driver import (
@@ -44,6 +44,10 @@ _listed: list[str] = []  # the devices the driver listed last
 
 # The name of the threads that free memory let go of after its device closed.
 AFTER_CLOSE = "asyncmetal-cuda-free-after-close"
+# How long a close waits for the loads under way (cuModuleLoadData may compile PTX for
+# the GPU) to unload their modules with the others; one still under way then unloads its
+# own as it ends, on the primary context the close keeps retained.
+LOAD_WAIT_S = 10.0
 
 
 class CUDABackend(Backend):
@@ -149,6 +153,14 @@ class CUDABackend(Backend):
         install_driver(self.lib)
         self._modules: dict[int, Any] = {}  # by the kernel loaded from it
         self._modules_lock = threading.Lock()
+        # Loads between their check and their module's registration, counted under the
+        # modules lock: the close refuses new ones (_loads_closed), waits until those
+        # counted ended (_loads_ended), then takes the modules (_modules_taken: a load
+        # ending after that unloads its own).
+        self._loading = 0
+        self._loads_ended = threading.Condition(self._modules_lock)
+        self._loads_closed = False
+        self._modules_taken = False
         self._timelines = Timelines()
         self._slot_arenas: list[Pinned] = []
         self._free_slots: list[int] = []
@@ -292,6 +304,37 @@ class CUDABackend(Backend):
     @keeps_context
     def load(self, binary: bytes, name: str, bindings: tuple[int, ...] | None = None) -> Any:
         refuse_if_lost(f"loading kernel {name!r} on {self.name}")
+        with self._modules_lock:
+            if self._loads_closed:
+                raise ClosedResourceError(f"device {self.name} is closed")
+            self._loading += 1
+        try:
+            function, module = self._load_module(binary, name)
+        except BaseException:
+            with self._modules_lock:
+                self._load_ended()
+            raise
+        with self._modules_lock:
+            self._load_ended()
+            late = self._modules_taken
+            if not late:
+                # A CUfunction's address, as the native launch takes it; its module
+                # unloaded by unload() or close().
+                self._modules[int(function)] = module
+        if late:  # (the close went on without it: see LOAD_WAIT_S)
+            self.launch_limits.unloaded(int(function))
+            cu.cuModuleUnload(module)
+            raise ClosedResourceError(f"device {self.name} is closed")
+        return int(function)
+
+    def _load_ended(self) -> None:
+        """A load counted is through (under the modules lock)."""
+        self._loading -= 1
+        if not self._loading:
+            self._loads_ended.notify_all()
+
+    def _load_module(self, binary: bytes, name: str) -> tuple[Any, Any]:
+        """Kernel ``name`` of ``binary``, loaded: its CUfunction and its module."""
         self.make_current()
         module = check(cu.cuModuleLoadData(binary), "cuModuleLoadData", self.name)
         err, function = cu.cuModuleGetFunction(module, name.encode())
@@ -305,11 +348,7 @@ class CUDABackend(Backend):
         except BaseException:
             cu.cuModuleUnload(module)
             raise
-        # A CUfunction's address, as the native launch takes it; its module unloaded by
-        # unload() or close().
-        with self._modules_lock:
-            self._modules[int(function)] = module
-        return int(function)
+        return function, module
 
     @keeps_context
     def unload(self, native: Any) -> None:
@@ -458,6 +497,11 @@ class CUDABackend(Backend):
         cu.cuCtxSynchronize()
         self._free_chunks()
         with self._modules_lock:
+            # Loads are refused from now on; those under way end first (bounded: see
+            # LOAD_WAIT_S), their modules unloaded here with the others.
+            self._loads_closed = True
+            self._loads_ended.wait_for(lambda: not self._loading, LOAD_WAIT_S)
+            self._modules_taken = True
             modules, self._modules = self._modules, {}
             for module in modules.values():
                 cu.cuModuleUnload(module)
