@@ -479,7 +479,9 @@ class Backend(ABC):
         process may not load code as the backend does (a noexec temporary directory, or
         one it cannot write the binary to), which no rebuilt binary would change;
         anything else: the binary does not load here, and the device builds it afresh
-        once. May block."""
+        once; ClosedResourceError once ``close`` has begun, which waits for the loads
+        under way (one it stopped waiting for lets go of what it loaded itself). May
+        block."""
 
     @abstractmethod
     def unload(self, native: Any) -> None:
