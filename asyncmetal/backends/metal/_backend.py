@@ -250,7 +250,10 @@ class MetalBackend(Backend):
         self._freer.forked()  # (the parent's thread: frees in the child release at once)
 
     def close(self) -> None:
-        self._freer.stop()  # (the allocator freed everything before)
+        # The allocator freed everything before, but for buffers that command buffers
+        # its queues abandoned may use, released after this (at once: a command buffer
+        # retains the buffers it uses, so an earlier release would not free them under it).
+        self._freer.stop()
         with self._pipelines_lock:
             pipelines, self._pipelines = self._pipelines, {}
             for pipeline in pipelines:
