@@ -369,7 +369,7 @@ def let_lingering_go() -> None:
     An interrupt anywhere keeps one longer, never lets one go early: each is put where
     it waits next before it is taken from where it waited."""
     global _look_again
-    if _left_to_others:  # (a device's commands ran out: blocks left to its queues may go)
+    if _left_to_queues:  # (a device's commands ran out: blocks left to its queues may go)
         _free_passed_left_blocks()
     if _running_out:  # (... and uses its queues left on records may)
         _forget_run_out_uses()
@@ -454,26 +454,30 @@ _closed_blocks: weakref.WeakSet[Block] = weakref.WeakSet()
 _closed_blocks_lock = threading.Lock()
 
 
-# The blocks a close left allocated because other devices' queues, held behind waits
-# nobody had signalled, would still use them (see ``Allocator.close``), with the
-# allocator of each: freed once those uses passed -- as those devices' closes stop their
-# queues, or as a sweep of any device's memory finds them passed (``free_left_blocks``).
-_left_to_others: dict[Block, Allocator] = {}
+# The blocks a close left allocated because queues held behind waits nobody had
+# signalled would still use them (see ``Allocator.close``), with the allocator of each:
+# other devices' queues, and the closing device's own, which it abandoned there and
+# whose streams its backend's close lets run (it raises the words they wait on). Freed
+# once those uses passed -- as those devices' closes let their commands run out (the
+# closing device's own close, once its backend's has), or as a sweep of any device's
+# memory finds them passed (``free_left_blocks``).
+_left_to_queues: dict[Block, Allocator] = {}
 _left_freeing = False  # a sweep handed free_left_blocks to a thread, not run yet
 
 
 def free_left_blocks() -> None:
-    """Free the blocks closes left to other devices' queues whose uses of them have all
-    passed now (a device's close calls this once its queues stopped; a block whose uses
-    it abandoned waits for its commands to run out, ``let_lingering_go``). One still lent
-    out (DLPack) is left to its last loan, as a close leaves it. A native free that
-    fails goes to its device's unheard errors (that device has closed)."""
+    """Free the blocks closes left to queues whose uses of them have all passed now (a
+    device's close calls this once its commands ran out: the blocks left to its own
+    queues, and those other closes left to them, whose uses it abandoned; a sweep
+    finds others passed, ``let_lingering_go``). One still lent out (DLPack) is left to
+    its last loan, as a close leaves it. A native free that fails goes to its device's
+    unheard errors (that device has closed)."""
     global _left_freeing
     with _closed_blocks_lock:
         _left_freeing = False
-        done = [(b, a) for b, a in list(_left_to_others.items()) if not a._foreign_uses(b)]
+        done = [(b, a) for b, a in list(_left_to_queues.items()) if not a._uses_left(b)]
         for block, _ in done:
-            del _left_to_others[block]
+            del _left_to_queues[block]
     for block, allocator in done:
         with allocator._loans_lock:
             left = block.lent > 0
@@ -487,12 +491,12 @@ def free_left_blocks() -> None:
 
 
 def _free_passed_left_blocks() -> None:
-    """(A sweep, while closes have left blocks to other devices' queues.) Where one of
+    """(A sweep, while closes have left blocks to queues still running.) Where one of
     them has no use left, free those on the thread cache emptyings use: never on a loop
     (a native free may take long)."""
     global _left_freeing
     with _closed_blocks_lock:
-        if _left_freeing or all(a._foreign_uses(b) for b, a in _left_to_others.items()):
+        if _left_freeing or all(a._uses_left(b) for b, a in _left_to_queues.items()):
             return
         _left_freeing = True
     _EMPTYING.submit(free_left_blocks)
@@ -503,7 +507,7 @@ def forget_left_blocks() -> None:
     may have held the lock at the fork)."""
     global _closed_blocks_lock, _left_freeing, _looking
     _closed_blocks_lock = threading.Lock()
-    _left_to_others.clear()
+    _left_to_queues.clear()
     _left_freeing = False
     # The parent's dropped buffers' foreign memory: its owners are the parent's (another
     # library's CUDA arrays, whose release may call a driver the child cannot use), never
@@ -1444,7 +1448,7 @@ class Allocator:
         passed, see ``lingering``)."""
         if lingering or held_back:
             let_lingering_go()
-        if _left_to_others:
+        if _left_to_queues:
             _free_passed_left_blocks()
         if self._returned:
             with self._lock:
@@ -1674,9 +1678,11 @@ class Allocator:
         and free everything natively -- once other devices' queues are done with it, as
         far as they can get: ``completable()`` says how far each queue can (see
         ``_queue.completable``), and once other threads' allocations inside the backend
-        are over -- and take its queues' uses off other devices' records (whatever
-        failed before: see ``forget_closed_queues``). Runs on a thread of its own (or at
-        exit), never a loop's."""
+        are over; a block that commands abandoned behind device waits may still use
+        (any device's: ``_uses_left``) is left to them, freed once they ran out
+        (``free_left_blocks``) -- and take its queues' uses off other devices' records
+        (whatever failed before: see ``forget_closed_queues``). Runs on a thread of its
+        own (or at exit), never a loop's."""
         try:
             self._close(completable)
         finally:
@@ -1709,11 +1715,13 @@ class Allocator:
                     for block in [*self._live, *self._foreign]
                     if any(q.timeline.device is not device for q in list(block.last_use))
                 )
-            left_to_others = []
+            left_to_queues = []
             for block in self._live:
-                if self._foreign_uses(block):
-                    # Left allocated (see _settle_foreign_uses), until those uses passed.
-                    left_to_others.append(block)
+                if self._uses_left(block):
+                    # Left allocated until those uses passed: other devices' (see
+                    # _settle_foreign_uses), or its own queues' that they abandoned
+                    # (see _uses_left).
+                    left_to_queues.append(block)
                     continue
                 with self._loans_lock:
                     left = block.lent > 0  # left allocated until its last loan ends
@@ -1722,7 +1730,7 @@ class Allocator:
                 if not left:
                     self._state.backend.free(block.handle)
             with _closed_blocks_lock:
-                _left_to_others.update((block, self) for block in left_to_others)
+                _left_to_queues.update((block, self) for block in left_to_queues)
             self._live.clear()
             self._pending.clear()
             self._heaps.clear()
@@ -1894,6 +1902,17 @@ class Allocator:
             for q, v in list(block.last_use.items())
             if q.timeline.device is not self._state.device and _pending(q, v)
         ]
+
+    def _uses_left(self, block: Block) -> list[tuple[Queue, int]]:
+        """Uses of ``block`` that may still run (``_pending``), by any queue: other
+        devices' (``_foreign_uses``) and, once its own queues stopped, theirs that they
+        abandoned behind device waits nobody had signalled. Those run once the device's
+        backend's close raises the words they wait on (a cuda stream runs on: the
+        native free must not come before, and a cuda free is no wait for its streams
+        one can count on), or never (cpu: the queue's thread stopped, what it held
+        dropped); either way they are done once the device's commands ran out
+        (``ran_out``), and its close frees the block then (``free_left_blocks``)."""
+        return [(q, v) for q, v in list(block.last_use.items()) if _pending(q, v)]
 
     def _settle_foreign_uses(self, completable: Callable[[], Mapping[Any, int]]) -> None:
         """Wait (on the closing thread, never a loop) until other devices' queues are

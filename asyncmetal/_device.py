@@ -1534,14 +1534,20 @@ class Device(Singular):
             _attempt(errors, native.close, abandon)
         self._natives.clear()  # (each closed with its queue)
         self._state.stopped = True  # (other devices' closes wait for these to stop)
+        # Its memory is freed natively, but for blocks that commands its queues abandoned
+        # may still use (another device's queues', or its own: left to them, see
+        # Allocator._uses_left) -- a cuda stream stopped inside a device wait runs on
+        # once the backend's close raises the word it waits on, and a free does not
+        # wait for it.
         _attempt(errors, self._allocator.close, _completable)
-        # Memory other closes left to this device's queues: those of its uses that
-        # passed (one it abandoned waits for its commands to run out: let_lingering_go).
-        _attempt(errors, free_left_blocks)
         _attempt(errors, self._backend.close)
         # Nothing of the device runs now (a close that failed leaves nothing to wait for
-        # either): what its queues used of other libraries' memory is let go of.
+        # either): the memory left to its queues is freed -- its own, and what other
+        # closes left to them whose uses passed (those of other devices' queues that may
+        # still run stay, see free_left_blocks) -- and what its queues used of other
+        # libraries' memory is let go of.
         self._state.ran_out = True
+        _attempt(errors, free_left_blocks)
         _attempt(errors, let_lingering_go)
         state_released(self._state)
         _note_open(self, False)

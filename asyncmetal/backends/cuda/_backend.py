@@ -490,7 +490,9 @@ class CUDABackend(Backend):
         # Device waits on its timelines end first, failed: a stream of this GPU still
         # waiting on one would hold up the frees below, which wait for every stream of
         # the GPU. (Its queues are closed: what a stopped one's stream runs now is never
-        # confirmed, so it stays abandoned.)
+        # confirmed, so it stays abandoned.) The memory of the device those commands use
+        # is freed once this close returned (Allocator._uses_left), after the synchronize
+        # below has them run out: a free's own wait for the streams is no rule to count on.
         self._timelines.close_waits()
         self.make_current()
         self._stop_freer()

@@ -301,7 +301,10 @@ class MetalBackend(Backend):
         self._freer.forked()  # (the parent's thread: frees in the child release at once)
 
     def close(self) -> None:
-        self._freer.stop()  # (the allocator freed everything before)
+        # The allocator freed everything before, but for buffers that command buffers
+        # its queues abandoned may use, released after this (at once: a command buffer
+        # retains the buffers it uses, so an earlier release would not free them under it).
+        self._freer.stop()
         with self._pipelines_lock:
             # Loads are refused from now on; those under way end first (bounded: see
             # LOAD_WAIT_S), their pipelines released here with the others.
