@@ -1119,7 +1119,7 @@ class _After:
             start, via = since[waiter]
             raises: list[tuple[int, Timeline, int, int]] = []  # (at, timeline, from, to)
             ops = waiter._sync_ops
-            newest = _last_op(waiter)
+            newest, steps = _last_op(waiter), self.steps[0]
             try:  # (another device's queue may take a submission meanwhile: let it be)
                 if not self._signals_of(waiter, ops, start, raises):
                     return None
@@ -1128,8 +1128,12 @@ class _After:
                     self.steps[0] = -1
                     return None
                 # Only records of commands done went (Queue._forget_reached, on another
-                # thread): what is pending is as it was. Looked at again, taken whole.
+                # thread): what is pending is as it was. Looked at again, taken whole,
+                # with the looks of the read given up given back (counted twice, they
+                # could end a search that one read fits in). (What it noted in
+                # ``signals`` stands: a read just before the drop would have noted it.)
                 raises.clear()
+                self.steps[0] = steps
                 if not self._signals_of(waiter, tuple(ops), start, raises):
                     return None
             raises.append((start, waiter._timeline, start - 1, _INFINITE))  # its own timeline
