@@ -18,7 +18,7 @@ from ._backend import Arg, NativeQueue, Record, new_arg
 from ._bridge import require_loop
 from ._buffer import Buffer, check_buffer, launch_args, native_arg, record_uses, uses
 from ._copyargs import copy_operands, fill_operands
-from ._device_state import DeviceState, locks_in_order, two_names
+from ._device_state import DeviceState, locks_in_order, release_owned, two_names
 from ._errors import (
     ArgumentTypeError,
     ClosedResourceError,
@@ -793,13 +793,10 @@ class Queue(Singular):
             finally:
                 lock.release()
         except BaseException:
-            # An interrupt right after the acquire, before the try that lets it go
-            # (CPython runs signal handlers as a call returns; trio raises Ctrl-C in
-            # whatever code its task runs), leaves no name for what it got: the lock
-            # knows its owner, and a task resumed holds no submission lock, so one this
-            # thread holds here is this acquire's.
-            if lock._is_owned():  # type: ignore[attr-defined]
-                lock.release()
+            # (an interrupt right after the acquire, before the try that lets it go: a
+            # task resumed holds no submission lock, so one this thread holds here is
+            # this acquire's)
+            release_owned([self._state])
             raise
 
     def _drop_reached(self, reached: int) -> None:
