@@ -550,11 +550,7 @@ def forget_closed_queues(state: DeviceState) -> None:
     collection may record a use on it meanwhile. (The closed devices' blocks are listed
     after the others': a close on another thread moves its blocks there as it lets go
     of them, so each is in one of the two lists.)"""
-    blocks: list[Block] = []
-    for other in unreleased_states():
-        allocator = getattr(other.device, "_allocator", None)
-        if other is not state and allocator is not None:
-            blocks += allocator.blocks()
+    blocks = [block for other in _other_allocators(state) for block in other.blocks()]
     blocks += closed_blocks()
     left: list[tuple[Block, Queue]] = []
     for block in blocks:
@@ -573,6 +569,14 @@ def forget_closed_queues(state: DeviceState) -> None:
     _running_out[id(state)] = (state, left)
 
 
+def _other_allocators(state: DeviceState) -> list[Allocator]:
+    """The allocators of the devices open or closing (until their memory is released)
+    but ``state``'s -- of those that have one yet (a device opening is listed before it
+    made its allocator)."""
+    found = (getattr(s.device, "_allocator", None) for s in unreleased_states() if s is not state)
+    return [allocator for allocator in found if allocator is not None]
+
+
 def _forget_run_out_uses() -> None:
     """Take the uses left on records by closed devices' queues (``_running_out``) off
     them once those devices' commands ran out, and have the other devices' releases
@@ -583,10 +587,8 @@ def _forget_run_out_uses() -> None:
         if state.ran_out:
             for block, queue in left:
                 block.last_use.pop(queue, None)
-            for other in unreleased_states():
-                allocator = getattr(other.device, "_allocator", None)
-                if other is not state and allocator is not None:
-                    allocator.settle_closed_queues(state)
+            for other in _other_allocators(state):
+                other.settle_closed_queues(state)
             _running_out.pop(key, None)
 
 

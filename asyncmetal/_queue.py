@@ -18,7 +18,7 @@ from ._backend import Arg, NativeQueue, Record, new_arg
 from ._bridge import require_loop
 from ._buffer import Buffer, check_buffer, launch_args, native_arg, record_uses, uses
 from ._copyargs import copy_operands, fill_operands
-from ._device_state import DeviceState, locks_in_order, two_names
+from ._device_state import DeviceState, locks_in_order, release_owned, two_names
 from ._errors import (
     ArgumentTypeError,
     ClosedResourceError,
@@ -793,13 +793,10 @@ class Queue(Singular):
             finally:
                 lock.release()
         except BaseException:
-            # An interrupt right after the acquire, before the try that lets it go
-            # (CPython runs signal handlers as a call returns; trio raises Ctrl-C in
-            # whatever code its task runs), leaves no name for what it got: the lock
-            # knows its owner, and a task resumed holds no submission lock, so one this
-            # thread holds here is this acquire's.
-            if lock._is_owned():  # type: ignore[attr-defined]
-                lock.release()
+            # (an interrupt right after the acquire, before the try that lets it go: a
+            # task resumed holds no submission lock, so one this thread holds here is
+            # this acquire's)
+            release_owned([self._state])
             raise
 
     def _drop_reached(self, reached: int) -> None:
@@ -1119,7 +1116,7 @@ class _After:
             start, via = since[waiter]
             raises: list[tuple[int, Timeline, int, int]] = []  # (at, timeline, from, to)
             ops = waiter._sync_ops
-            newest = _last_op(waiter)
+            newest, steps = _last_op(waiter), self.steps[0]
             try:  # (another device's queue may take a submission meanwhile: let it be)
                 if not self._signals_of(waiter, ops, start, raises):
                     return None
@@ -1128,8 +1125,12 @@ class _After:
                     self.steps[0] = -1
                     return None
                 # Only records of commands done went (Queue._forget_reached, on another
-                # thread): what is pending is as it was. Looked at again, taken whole.
+                # thread): what is pending is as it was. Looked at again, taken whole,
+                # with the looks of the read given up given back (counted twice, they
+                # could end a search that one read fits in). (What it noted in
+                # ``signals`` stands: a read just before the drop would have noted it.)
                 raises.clear()
+                self.steps[0] = steps
                 if not self._signals_of(waiter, tuple(ops), start, raises):
                     return None
             raises.append((start, waiter._timeline, start - 1, _INFINITE))  # its own timeline

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import random
 import threading
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -114,17 +115,11 @@ async def test_an_interrupted_drop_as_a_queue_is_let_go_of_leaves_the_lock_held_
     assert at >= 1
 
 
-async def test_a_drop_on_another_thread_during_a_signals_check_still_refuses_a_cycle(
-    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@contextlib.asynccontextmanager
+async def _a_cycle_to_come() -> AsyncIterator[tuple[am.Queue, am.Queue, am.Timeline]]:
     """Queue B (of a second device) waits for a timeline X, then for T, then signals
-    U; queue A waits for U and signals T: A's signal would come after itself, and is
-    refused. X is signalled first, so B holds a record of a wait it passed; another
-    thread dropping it (an await of one of B's completions, B's synchronize: B's own
-    device's lock, which A's check does not hold) as A's check looks at B's records
-    leaves the check as sure as before -- what went was done. Checked failing before:
-    the check gave up (the deque mutated as it was read) and let the signal through, a
-    signal that never runs."""
+    U; queue A waits for U: A's signal of T would come after itself. X is signalled
+    first, so B holds a record of a wait it passed (not dropped yet). Yields A, B, T."""
     dev, other = await am.open_device("cpu:0"), await am.open_device("cpu:1")
     try:
         a, b = dev.new_queue(), other.new_queue()
@@ -137,25 +132,68 @@ async def test_a_drop_on_another_thread_during_a_signals_check_still_refuses_a_c
             await b.timeline.wait(1)
         a.wait(u, 1)
         assert b._sync_ops[0][0] == 1  # (passed, not dropped yet)
-        left = _queue._After.left
-        looked = [0]
-
-        def dropping(self: _queue._After) -> bool:
-            looked[0] += 1
-            if looked[0] == 2:  # (as B's records are read: what another thread does)
-                b._forget_reached()
-            return left(self)
-
-        monkeypatch.setattr(_queue._After, "left", dropping)
-        with pytest.raises(am.InvalidArgumentError, match="would never run"):
-            a.signal(t, 1)
-        assert b._sync_ops[0][0] == 2  # (the passed wait's record went meanwhile)
+        yield a, b, t
     finally:
         with anyio.fail_after(LIMIT):
             await a.close(discard=True)
             await b.close(discard=True)
             await dev.close()
             await other.close()
+
+
+def _counting_looks(monkeypatch: pytest.MonkeyPatch, drop: am.Queue | None) -> list[int]:
+    """Count the waits and signals the signal checks look at (``_After.left``), in the
+    list returned; ``drop``: a queue made to drop what it reached at the second look
+    -- as B's records are read, what another thread does there."""
+    left = _queue._After.left
+    looked = [0]
+
+    def counting(self: _queue._After) -> bool:
+        looked[0] += 1
+        if looked[0] == 2 and drop is not None:
+            drop._forget_reached()
+        return left(self)
+
+    monkeypatch.setattr(_queue._After, "left", counting)
+    return looked
+
+
+async def test_a_drop_on_another_thread_during_a_signals_check_still_refuses_a_cycle(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A's signal of T, which would come after itself (``_a_cycle_to_come``), is
+    refused where another thread drops B's passed wait's record (an await of one of
+    B's completions, B's synchronize: B's own device's lock, which A's check does not
+    hold) as A's check looks at B's records: the check is as sure as before -- what
+    went was done. Checked failing before: the check gave up (the deque mutated as it
+    was read) and let the signal through, a signal that never runs."""
+    async with _a_cycle_to_come() as (a, b, t):
+        _counting_looks(monkeypatch, b)
+        with pytest.raises(am.InvalidArgumentError, match="would never run"):
+            a.signal(t, 1)
+        assert b._sync_ops[0][0] == 2  # (the passed wait's record went meanwhile)
+
+
+async def test_a_signals_check_read_again_after_a_drop_counts_its_looks_once(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a look budget (``SELF_WAIT_STEPS``) just large enough for the check that
+    refuses A's signal of T (``_a_cycle_to_come``), a drop of B's passed wait's record
+    on another thread as the check reads B's records -- which has it read them again
+    -- still leaves the signal refused: the looks of the read given up are not counted
+    with those of the read again. Checked failing before: they were, the check ran out
+    of looks before it found the cycle, and let the signal through."""
+    async with _a_cycle_to_come() as (a, b, t):  # (the looks the check takes, no drop)
+        looked = _counting_looks(monkeypatch, None)
+        with pytest.raises(am.InvalidArgumentError, match="would never run"):
+            a.signal(t, 1)
+    assert 2 < looked[0] < _queue.SELF_WAIT_STEPS  # (the drop comes as B's are read)
+    monkeypatch.setattr(_queue, "SELF_WAIT_STEPS", looked[0])
+    async with _a_cycle_to_come() as (a, b, t):
+        _counting_looks(monkeypatch, b)  # (over the first, which goes on counting)
+        with pytest.raises(am.InvalidArgumentError, match="would never run"):
+            a.signal(t, 1)
+        assert b._sync_ops[0][0] == 2  # (the passed wait's record went meanwhile)
 
 
 def _dropping(queues: list[am.Queue], done: list[am.Completion], seed: int) -> threading.Thread:
