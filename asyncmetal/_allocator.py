@@ -569,11 +569,18 @@ def forget_closed_queues(state: DeviceState) -> None:
     _running_out[id(state)] = (state, left)
 
 
+def allocator_of(state: DeviceState) -> Allocator | None:
+    """The allocator of ``state``'s device; None while that device is opening: its state
+    is listed among the devices before it has made its allocator (and it has lent out
+    or recorded nothing yet)."""
+    allocator: Allocator | None = getattr(state.device, "_allocator", None)
+    return allocator
+
+
 def _other_allocators(state: DeviceState) -> list[Allocator]:
     """The allocators of the devices open or closing (until their memory is released)
-    but ``state``'s -- of those that have one yet (a device opening is listed before it
-    made its allocator)."""
-    found = (getattr(s.device, "_allocator", None) for s in unreleased_states() if s is not state)
+    but ``state``'s -- of those that have one yet (``allocator_of``)."""
+    found = (allocator_of(s) for s in unreleased_states() if s is not state)
     return [allocator for allocator in found if allocator is not None]
 
 
@@ -607,13 +614,18 @@ def lenders_for(own: Allocator, any_kind: bool = False) -> list[Allocator]:
     # (Not by iterating lenders: another thread may add to it meanwhile.)
     states = unreleased_states()
     found = [own] if own in lenders else []
+    # (A device still opening has no allocator yet, and is in no list of lenders.)
     found += [
         a
         for s in states
-        if s.kind == kind and (a := s.device._allocator) is not own and a in lenders
+        if s.kind == kind and (a := allocator_of(s)) is not None and a is not own and a in lenders
     ]
     if any_kind:
-        found += [a for s in states if s.kind != kind and (a := s.device._allocator) in lenders]
+        found += [
+            a
+            for s in states
+            if s.kind != kind and (a := allocator_of(s)) is not None and a in lenders
+        ]
     return found
 
 

@@ -22,6 +22,7 @@ from ._allocator import (
     ForeignMemory,
     Queue,
     Record,
+    allocator_of,
     foreign_holders,
     held_back,
     hold_imported,
@@ -570,7 +571,9 @@ def _share_locked(state: DeviceState, address: int, block: Block, own: Allocator
         for other in unreleased_states():
             if other is state or other.kind != state.kind:
                 continue
-            found = other.device._allocator.foreign_memory(address, nbytes)
+            if (allocator := allocator_of(other)) is None:
+                continue  # (a device still opening: it has recorded nothing)
+            found = allocator.foreign_memory(address, nbytes)
             if found and found[0].holds(address, nbytes):
                 memory = found[0]
                 break
@@ -664,7 +667,9 @@ def _lent_record(
     if state is not None and not any_kind:
         for other in unreleased_states():
             if other is not state and other.kind == state.kind:
-                allocator: Allocator = other.device._allocator
+                allocator = allocator_of(other)
+                if allocator is None:
+                    continue  # (a device still opening: it has lent nothing out)
                 shares = allocator.exported_block(address, nbytes)
                 if shares is not None:  # (a foreign one may share a record kept elsewhere)
                     return shares
