@@ -968,5 +968,7 @@ class CPUBackend(HostQueues, Backend):
             libraries, self._libraries = self._libraries, {}
             for lib in libraries.values():
                 _dlclose(lib._handle)
-        # The allocator freed everything before: the freer lets go of it, then stops.
+        # The allocator freed everything before (but memory its queues' abandoned
+        # commands used, freed after this close: at once, the freer stopped): the freer
+        # lets go of it, then stops.
         self._freer.stop()

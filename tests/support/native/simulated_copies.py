@@ -708,9 +708,9 @@ async def _freed_while_a_closing_device_copies(sim: _Simulated) -> Seen:
         _driver.cu.cuMemFree = free
         sim.copy_ns.value = 0
     await far.close()
-    # (What was freed while a copy was still to use it: "src", the buffer freed, must
-    # not be; "dst", cuda:0's own, is freed by its close before its backend's close
-    # lets the abandoned copy run -- not what this looks at.)
+    # (What was freed while a copy was still to use it: "src", the buffer freed, nor
+    # "dst", cuda:0's own, which its close frees once its backend's close let the
+    # abandoned copy run.)
     seen["freed_busy"] = freed_busy
     seen["broken"] = _broken(sim, before)
     return seen
