@@ -706,24 +706,23 @@ def test_the_compiler_identity_changes_with_the_checks(monkeypatch: pytest.Monke
 
 
 async def test_a_cpu_kernel_taking_a_header_struct_by_value_is_refused(
-    device: am.Device,
+    anyio_backend: object,
 ) -> None:
     """A cpu kernel that takes by value a struct a header defines (``div_t``) is refused
     at compile, naming the kernel and the parameter, as one whose source defines the
     struct is; one that takes a header's float type (``float_t``) runs, given a float.
     Checked: fails without the fix (the kernel was taken, and a launch passed 7 as an
     int where the kernel read a struct)."""
-    if device.kind != "cpu":
-        pytest.skip("the C calling convention's checks are the cpu backend's")
-    source = "#include <stdlib.h>\nvoid k(long long* out, div_t d) { out[0] = d.quot; }"
-    with pytest.raises(am.CompileError, match="takes 'div_t d' by value") as info:
-        await device.compile(source, "k")
-    assert info.value.name == "k"
-    source = "#include <math.h>\nvoid k(long long* out, float_t x) { out[0] = (long long)x; }"
-    k = await device.compile(source, "k")
-    out = await device.alloc(8)
-    await device.queue.launch(k, out, vals=(np.float32(7.0),))
-    assert (await out.read(np.int64))[0] == 7
+    async with am.open_device("cpu") as device:
+        source = "#include <stdlib.h>\nvoid k(long long* out, div_t d) { out[0] = d.quot; }"
+        with pytest.raises(am.CompileError, match="takes 'div_t d' by value") as info:
+            await device.compile(source, "k")
+        assert info.value.name == "k"
+        source = "#include <math.h>\nvoid k(long long* out, float_t x) { out[0] = (long long)x; }"
+        k = await device.compile(source, "k")
+        out = await device.alloc(8)
+        await device.queue.launch(k, out, vals=(np.float32(7.0),))
+        assert (await out.read(np.int64))[0] == 7
 
 
 async def test_a_refused_return_type_is_named_as_spelled(anyio_backend: object) -> None:
