@@ -494,9 +494,16 @@ class CUDABackend(Backend):
         # is freed once this close returned (Allocator._uses_left), after the synchronize
         # below has them run out: a free's own wait for the streams is no rule to count on.
         self._timelines.close_waits()
-        self.make_current()
-        self._stop_freer()
-        cu.cuCtxSynchronize()
+        try:
+            self.make_current()
+            self._stop_freer()
+        finally:
+            # What the raised words let run runs out before anything it may use is freed
+            # (the chunks, and the device's memory once this close returned) -- also
+            # where a step above failed, the context made current again for it.
+            with contextlib.suppress(AsyncMetalError):
+                self.make_current()
+            cu.cuCtxSynchronize()
         self._free_chunks()
         with self._modules_lock:
             # Loads are refused from now on; those under way end first (bounded: see

@@ -33,14 +33,18 @@ SIZE = 1 << 16
 COPY_NS = 200_000_000  # each copy of the simulated driver takes this long
 
 
-async def _own_memory_of_an_abandoned_copy(sim: _Simulated, keep: bool) -> Seen:
+async def _own_memory_of_an_abandoned_copy(
+    sim: _Simulated, keep: bool, refused: bool = False
+) -> Seen:
     """A copy on a new queue of cuda:0 between two of its buffers, behind a device wait
     for a value nobody signals; cuda:0 closed (the buffers dropped before, or still
     held with ``keep``), abandoning the copy. Which of the two were freed natively while
     the copy was still to run or running (200 ms: a free made before it ran is seen
     while it runs, on a loaded machine too), whether both were freed within 5 s of the
     close (not kept for good), and whether the copy landed (the destination's memory,
-    read before its free)."""
+    read before its free). With ``refused``, the backend's close fails right after it
+    let the streams run (the driver refuses to make its context current once: the
+    close raises that), and what the close raised is seen too."""
     import ctypes
 
     import asyncmetal as am
@@ -69,6 +73,21 @@ async def _own_memory_of_an_abandoned_copy(sim: _Simulated, keep: bool) -> Seen:
     driver.cuMemFree = watched_free
     sim.copy_ns.value = COPY_NS
     before = sim.freed_busy.value
+    backend: Any = dev._backend
+    if refused:
+        released, current = backend._timelines.close_waits, backend.make_current
+        refusals = [am.AsyncMetalError("cuCtxSetCurrent refused (simulated)")]
+
+        def make_current() -> None:
+            if refusals:
+                raise refusals.pop()
+            current()
+
+        def close_waits() -> None:
+            released()
+            backend.make_current = make_current
+
+        backend._timelines.close_waits = close_waits
     try:
         queue, gate = dev.new_queue(), dev.timeline()
         gate.signal(1)  # (only ever signalled by the host: the wait goes to the driver)
@@ -78,7 +97,10 @@ async def _own_memory_of_an_abandoned_copy(sim: _Simulated, keep: bool) -> Seen:
             del dst, src
         with anyio.fail_after(20):
             await anyio.sleep(0.05)  # (the stream waits)
-            await dev.close()
+            try:
+                await dev.close()
+            except am.AsyncMetalError as error:
+                seen["close_raised"] = str(error)
         with anyio.move_on_after(5):
             while len(seen["freed"]) < 2:
                 await anyio.sleep(0.01)
@@ -145,6 +167,7 @@ SCENARIOS = {
     "dropped": functools.partial(_own_memory_of_an_abandoned_copy, keep=False),
     "kept": functools.partial(_own_memory_of_an_abandoned_copy, keep=True),
     "host_copies": _own_memory_of_abandoned_host_copies,
+    "refused": functools.partial(_own_memory_of_an_abandoned_copy, keep=False, refused=True),
 }
 
 
@@ -192,6 +215,23 @@ def test_a_closing_devices_own_memory_is_freed_only_once_its_abandoned_host_copi
     assert seen["unregistered_busy"] == 0, seen
     assert seen["live_allocations"] == 0, seen
     assert seen["copied"] == ["abandoned", "abandoned"], seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_backend_close_failing_after_it_let_the_streams_run_still_waits_for_them(
+    loop: str,
+) -> None:
+    """As above (the buffers dropped), but the backend's close fails right after it
+    raised the words the streams wait on (the driver refuses its context once): the
+    device's close raises that, and still no buffer is freed natively before the copy
+    ran -- the backend has the streams run out (its context made current again) before
+    it raises. (Checked failing before: both were freed while the copy ran.)"""
+    seen = _seen("refused", loop)
+    assert "refused (simulated)" in seen.get("close_raised", ""), seen
+    assert seen["freed_busy"] == [], seen
+    assert seen["driver_freed_busy"] == 0, seen
+    assert seen["freed"] == ["dst", "src"], seen
+    assert seen["landed"] == [True], seen
 
 
 def main(scenario: str, loop: str) -> None:
