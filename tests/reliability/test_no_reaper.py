@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import weakref
 
+import anyio
 import pytest
 
 import asyncmetal as am
 from tests.support.queues import fail_default_queue_for_good, fail_for_good
 
 pytestmark = pytest.mark.anyio
+
+LIMIT = 20  # seconds: the release threads end within a fraction of this
 
 
 @pytest.fixture
@@ -38,9 +42,18 @@ def _closed_on(buf: am.Buffer) -> list[am.Queue]:
     return [q for q in buf._allocation.block.last_use if q._closed is not None]
 
 
-def _alive(refs: list[weakref.ref[am.Queue]]) -> int:
-    gc.collect()
-    return sum(r() is not None for r in refs)
+async def _until_collected(refs: list[weakref.ref[am.Queue]]) -> None:
+    """Wait (LIMIT at most) until every queue of ``refs`` is collected: a release thread
+    (the native close) holds its queues until it is done, which nobody awaits where a
+    new_queue started it."""
+    deadline = time.monotonic() + LIMIT
+    while True:
+        gc.collect()
+        left = sum(r() is not None for r in refs)
+        if not left:
+            return
+        assert time.monotonic() < deadline, f"{left} of {len(refs)} queues left alive"
+        await anyio.sleep(0.05)
 
 
 async def test_closed_queues_go_off_the_records_without_a_reaper(
@@ -58,7 +71,7 @@ async def test_closed_queues_go_off_the_records_without_a_reaper(
     assert device._reaper is None  # (the scenario: no reaper ever ran)
     assert _closed_on(src) == _closed_on(dst) == []
     assert not device._closed_off
-    assert _alive(refs) == 0
+    await _until_collected(refs)
 
 
 async def test_a_replaced_stand_in_goes_off_the_records_without_a_reaper(
@@ -82,4 +95,4 @@ async def test_a_replaced_stand_in_goes_off_the_records_without_a_reaper(
         pass
     assert device._reaper is None
     assert _closed_on(buf) == _closed_on(before) == []
-    assert _alive([ref]) == 0
+    await _until_collected([ref])
