@@ -1392,6 +1392,24 @@ class Device(Singular):
         for key, adopted in list(self._adopted.items()):
             if id(adopted) in gone:
                 del self._adopted[key]
+        if self._reaper is None:
+            self._closed_off_now()
+
+    def _closed_off_now(self) -> None:
+        """What the reaper's looks do for the closed queues, done as they are claimed by
+        a device whose reaper could not be started (no thread to be had: see
+        _reap_later; submission lock held): their uses go off the buffers' records (one
+        pass over the blocks, as a new_queue's sweep makes), and those released leave
+        the closed queues in turn (new_queue passes over them only as their turn comes).
+        Else nothing would: each would stay alive, with its timeline, as long as a
+        buffer it used. A use not passed yet (none should be: claimed once settled)
+        stays, looked at again at the next claim."""
+        closed = list(self._closed_off)
+        uses = [use for part in _recorded_uses(closed, self._recorded_blocks()) for use in part]
+        self._allocator.forget_passed(uses)
+        kept = {id(q) for b, q in uses if q in b.last_use}
+        self._closed_off.difference_update([q for q in closed if id(q) not in kept])
+        self._in_turn = collections.deque(q for q in self._in_turn if q in self._unreleased)
 
     def _release(self, queues: list[Queue]) -> HostEvents | None:
         """Claim ``queues`` (closed, settled; see _claim_release) and release them on a

@@ -309,6 +309,37 @@ static void close_within(am_cuq *q, long ns, const char *what);
 #define STRESS_ROUNDS(n) (n)
 #endif
 
+/* ---- waiting ------------------------------------------------------------------------
+ * A check waiting for what the runtime's threads or the simulated driver's streams do
+ * sleeps, as the driver's own waits do (fake_cuda_driver.c, "waiting"): a check spinning
+ * on a 2-core machine takes a core from the threads it waits for, and under
+ * ThreadSanitizer every look is many times dearer. A wait for a timeline's value (reach)
+ * sleeps on the timeline's condition, which every raise of its value broadcasts under its
+ * mu (timelines.c), looking again on its own at least every LOOK_NAP_MOST_NS; any other
+ * wait -- an atomic the driver, a hook or the runtime sets, a queue's counts, a failure
+ * mark -- looks again after a few yields, then after naps doubling from
+ * LOOK_NAP_LEAST_NS to LOOK_NAP_MOST_NS (look_again): it sees what it waits for that
+ * much later at most, which no check times. A loop that checks a timeline at each look
+ * as it rises (order, fault, refused, discard: nothing confirmed before it ran) looks
+ * so too: fewer looks, each still checked. (Loops that nap already -- the long
+ * commands' waits, a check's own timing -- are left as they are, and a few yield on
+ * purpose for a moment: a stress thread before the first value it may use, a loop's
+ * pipe's writer about to finish.) */
+#define LOOK_SPINS 8
+#define LOOK_NAP_LEAST_NS 2000
+#define LOOK_NAP_MOST_NS 200000
+
+/* After the `*backoff`th look (from 0) found what it waits for not there yet. */
+static void look_again(int64_t *backoff) {
+    int64_t n = (*backoff)++;
+    if (n < LOOK_SPINS) {
+        sched_yield();
+        return;
+    }
+    n -= LOOK_SPINS;
+    nap_ns(n >= 7 ? LOOK_NAP_MOST_NS : LOOK_NAP_LEAST_NS << n);  /* (2000 << 7 > most) */
+}
+
 static void check_order(void) {
     fake_queue f = queue_new();
     const uint64_t n = 20000;
@@ -317,7 +348,7 @@ static void check_order(void) {
         uint64_t reached = am_timeline_value(f.t);
         if ((long)reached > atomic_load(&f.s->ran)) die("order: confirmed before it ran");
     }
-    while (am_timeline_value(f.t) < n) {
+    for (int64_t look = 0; am_timeline_value(f.t) < n; look_again(&look)) {
         uint64_t reached = am_timeline_value(f.t);
         if ((long)reached > atomic_load(&f.s->ran)) die("order: confirmed before it ran");
     }
@@ -347,7 +378,7 @@ static void check_fill(void) {
         if (am_cuq_fill(f.q, at, pattern, size, 48, ++value, 0)) die("fill: refused");
     }
     int64_t deadline = now_ns() + 10000000000LL;
-    while (am_timeline_value(f.t) < value)
+    for (int64_t look = 0; am_timeline_value(f.t) < value; look_again(&look))
         if (now_ns() > deadline) die("fill: the fills were never confirmed");
     for (int slot = 0; slot < 32; slot++) {  /* the later round of the two on each slot */
         int round = slot + 32, size = 1 << (round % 3);
@@ -401,10 +432,10 @@ static void check_cross(void) {
         if (launch(b, &checks[value - 1], (int64_t)k, value)) die("cross: launch on b failed");
     }
     int64_t deadline = now_ns() + 20000000000LL;
-    while (am_timeline_value(b.t) < value)
+    for (int64_t look = 0; am_timeline_value(b.t) < value; look_again(&look))
         if (now_ns() > deadline) die("cross: b never finished (a wait on a's word hangs)");
     pthread_join(thread, NULL);
-    while (am_timeline_value(a.t) < p.n) {}
+    reach(a.t, p.n, "cross: a never finished");
     queue_free(a, 0);
     queue_free(b, 0);
     puts("ok cross");
@@ -429,7 +460,7 @@ static void check_fault(void) {
     atomic_store((_Atomic uint64_t *)gate, 1);
     int r = 0;
     for (int i = 0; i < 50 && !r; i++) r = launch(f, NULL, i, ++v);  /* refused once it hit */
-    while (am_timeline_value(f.t) != UINT64_MAX) {
+    for (int64_t look = 0; am_timeline_value(f.t) != UINT64_MAX; look_again(&look)) {
         uint64_t reached = am_timeline_value(f.t);
         if (reached >= first && reached != UINT64_MAX) die("fault: a failed command was done");
     }
@@ -482,12 +513,12 @@ static void check_causal(void) {
     if (am_cuq_wait_queue(b.q, a.q, 1, 1) || am_cuq_finish(b.q, 1, a.t, 1, 0, 0))
         die("causal: the wait on b failed");
     int64_t deadline = now_ns() + 10000000000LL;
-    while (am_timeline_value(b.t) < 1)
+    for (int64_t look = 0; am_timeline_value(b.t) < 1; look_again(&look))
         if (now_ns() > deadline) die("causal: b's wait never finished");
     if (am_timeline_value(a.t) != 1) die("causal: b's wait done, a's value it waited for not");
     atomic_store(&fault_code, ILLEGAL_ADDRESS);
     atomic_store(&held, NULL);
-    while (atomic_load(&a.q->pending))
+    for (int64_t look = 0; atomic_load(&a.q->pending); look_again(&look))
         if (now_ns() > deadline) die("causal: a's thread never saw its event");
     uint64_t at = 0;
     if (am_cuq_error(a.q, &at) || am_timeline_value(a.t) != 1)
@@ -563,7 +594,7 @@ static long bound_run(long bound, uint64_t *held) {
     for (uint64_t v = 1; v <= n; v++)
         if (launch(f, &k200, (int64_t)v, v)) die("bound: launch failed");
     int64_t deadline = now_ns() + 30000000000LL;
-    while (am_timeline_value(f.t) < n)
+    for (int64_t look = 0; am_timeline_value(f.t) < n; look_again(&look))
         if (now_ns() > deadline) die("bound: held commands never ran");
     atomic_store(&deep_limit, 0);
     for (uint64_t i = 0; i < n; i++)
@@ -613,7 +644,7 @@ static void check_refused(void) {
     atomic_store((_Atomic uint64_t *)gate, 1);
     int64_t deadline = now_ns() + 10000000000LL;
     uint64_t reached;
-    while ((reached = am_timeline_value(f.t)) != UINT64_MAX) {
+    for (int64_t look = 0; (reached = am_timeline_value(f.t)) != UINT64_MAX; look_again(&look)) {
         if ((long)(reached < bad ? reached : bad - 1) > atomic_load(&f.s->ran))
             die("refused: a command was reported done before it ran");
         if (now_ns() > deadline) die("refused: the queue never settled");
@@ -639,7 +670,7 @@ static uint64_t host_wait(am_timeline *t, uint64_t target, int64_t *dst, int *er
     if (!h || am_queue_wait(h, t, target, 1) || am_queue_copy(h, dst, &one, sizeof one, NULL, 2))
         die(what);
     int64_t deadline = now_ns() + 10000000000LL;
-    while (am_timeline_value(own) < 2)
+    for (int64_t look = 0; am_timeline_value(own) < 2; look_again(&look))
         if (now_ns() > deadline) die("hostwait: a host queue's wait on a cuda queue never ended");
     uint64_t failed = am_queue_failure(h, error, value, cause);
     am_queue_close(h, 0);
@@ -661,7 +692,7 @@ static void check_hostwait(void) {
     if (launch(f, &refused, 0, bad)) die("hostwait: a held launch was refused at once");
     atomic_store((_Atomic uint64_t *)gate, 1);
     int64_t deadline = now_ns() + 10000000000LL;
-    while (am_timeline_value(f.t) != UINT64_MAX)
+    for (int64_t look = 0; am_timeline_value(f.t) != UINT64_MAX; look_again(&look))
         if (now_ns() > deadline) die("hostwait: the refused queue never settled");
     int error = 0;
     uint64_t value = 0;
@@ -711,7 +742,7 @@ static void check_hostheld(void) {
         die("hostheld: a kernel after a wait on a host queue's timeline ran before it got there");
     am_timeline_signal(gate, 1);
     int64_t deadline = now_ns() + 10000000000LL;
-    while (am_timeline_value(f.t) < 2)
+    for (int64_t look = 0; am_timeline_value(f.t) < 2; look_again(&look))
         if (now_ns() > deadline) die("hostheld: a wait on a host queue's timeline never ended");
     uint64_t at = 0;
     if (am_timeline_value(f.t) != 2 || atomic_load(&f.s->ran) != 1 || am_cuq_error(f.q, &at) ||
@@ -724,7 +755,7 @@ static void check_hostheld(void) {
         die("hostheld: a wait on a host timeline failed at once");
     nap_ns(20000000);  /* 20 ms */
     am_timeline_close(h2, 0);
-    while (am_timeline_value(f.t) < 4)
+    for (int64_t look = 0; am_timeline_value(f.t) < 4; look_again(&look))
         if (now_ns() > deadline) die("hostheld: a wait on a closed host timeline never ended");
     int error = 0;
     uint64_t value = 0;
@@ -761,7 +792,7 @@ static void behind_host_wait(fake_queue f, am_timeline *h, uint32_t *memory, siz
 static void held_failed(fake_queue f, const uint32_t *memory, size_t n, am_timeline *sig,
                         am_timeline *cause, const char *what) {
     int64_t deadline = now_ns() + 10000000000LL;
-    while (am_timeline_value(f.t) != UINT64_MAX)
+    for (int64_t look = 0; am_timeline_value(f.t) != UINT64_MAX; look_again(&look))
         if (now_ns() > deadline) die(what);
     if (atomic_load(&f.s->ran)) die("hostfailed: a kernel behind a failed host wait launched");
     for (size_t i = 0; i < n; i++)
@@ -799,11 +830,12 @@ static uint64_t staged_part(fake_queue f, uint64_t value, uint8_t *dst, const ui
         die("hostfailed: a mark failed at once");
     if (gate) atomic_store((_Atomic uint64_t *)gate, 1);
     int64_t deadline = now_ns() + 10000000000LL;
-    while (am_timeline_value(own) < 1)
+    for (int64_t look = 0; am_timeline_value(own) < 1; look_again(&look))
         if (now_ns() > deadline) die("hostfailed: a staging copy's host part never ran");
     am_queue_close(copier, 0);
     am_timeline_free(own);
-    while (am_timeline_value(f.t) < value)  /* (its stream is past the mark's word) */
+    /* (its stream is past the mark's word) */
+    for (int64_t look = 0; am_timeline_value(f.t) < value; look_again(&look))
         if (now_ns() > deadline) die("hostfailed: a mark was never confirmed or failed");
     am_timeline_free(marks);
     return __atomic_load_n(&ready, __ATOMIC_SEQ_CST);
@@ -830,7 +862,7 @@ static void check_hostfailed(void) {
                 "hostfailed: a held wait on a failed host timeline never ended");
     /* Submitted once h has failed: the same. */
     int64_t deadline = now_ns() + 10000000000LL;
-    while (am_timeline_value(h) < 1)
+    for (int64_t look = 0; am_timeline_value(h) < 1; look_again(&look))
         if (now_ns() > deadline) die("hostfailed: the host queue never passed its failed wait");
     fake_queue g = queue_new();
     behind_host_wait(g, h, later, sizeof later, sig2);
@@ -891,7 +923,7 @@ static void check_partial(void) {
         die("partial: a held operation was refused at once");
     atomic_store((_Atomic uint64_t *)gate, 1);
     int64_t deadline = now_ns() + 10000000000LL;
-    while (am_timeline_value(f.t) != UINT64_MAX)
+    for (int64_t look = 0; am_timeline_value(f.t) != UINT64_MAX; look_again(&look))
         if (now_ns() > deadline) die("partial: the queue never settled");
     if (atomic_load(&f.s->ran) != 2) die("partial: settled while its launch still ran");
     queue_free(f, 0);
@@ -946,7 +978,9 @@ static void check_release(void) {
     if (launch(c, NULL, 1, 2)) die("release: c's launch failed");
     atomic_store((_Atomic uint64_t *)gate, 1);
     int64_t deadline = now_ns() + 10000000000LL;
-    while (am_timeline_value(b.t) < 2 || am_timeline_value(c.t) < 2)
+    for (int64_t look = 0;
+         am_timeline_value(b.t) < 2 || am_timeline_value(c.t) < 2;
+         look_again(&look))
         if (now_ns() > deadline) die("release: a wait on a failed queue's value never ended");
     uint64_t at = 0;
     if (am_cuq_error(a.q, &at) != 1 || at != 2) die("release: a's failure is wrong");
@@ -1048,7 +1082,7 @@ static void check_faultheld(void) {
     atomic_store((_Atomic uint64_t *)gate, 1);
     reach(f.t, UINT64_MAX, "faultheld: the queue never settled");
     int64_t deadline = now_ns() + 3000000000LL;
-    while (am_timeline_value(v.t) != UINT64_MAX)
+    for (int64_t look = 0; am_timeline_value(v.t) != UINT64_MAX; look_again(&look))
         if (now_ns() > deadline)
             die("faultheld: a signal held behind a device wait of a faulted queue left its "
                 "timeline's waiters waiting");
@@ -1077,7 +1111,7 @@ static void fault_while_handing(int where, am_cuq *q) {
         return;
     atomic_store((_Atomic uint64_t *)atomic_load(&faulthanding_gate), 1);
     int64_t deadline = now_ns() + 10000000000LL;
-    while (am_timeline_value(q->timeline) != UINT64_MAX)
+    for (int64_t look = 0; am_timeline_value(q->timeline) != UINT64_MAX; look_again(&look))
         if (now_ns() > deadline) die("faulthanding: the faulted queue never settled");
 }
 
@@ -1153,7 +1187,7 @@ static void check_signal(void) {
     am_timeline *timelines[4] = {t.t, t2.t, t3.t, t4.t};
     int64_t deadline = now_ns() + 10000000000LL;
     for (int i = 0; i < 7; i++)
-        while (am_timeline_value(settled[i].t) < 2)
+        for (int64_t look = 0; am_timeline_value(settled[i].t) < 2; look_again(&look))
             if (now_ns() > deadline) die("signal: a queue's wait on a failed signal never ended");
     for (int i = 0; i < 2; i++) {
         if (am_timeline_value(timelines[i]) != UINT64_MAX || *(i ? t2.word : t.word) != AM_WORD_RELEASED)
@@ -1207,7 +1241,7 @@ static void check_discard(void) {
     atomic_store((_Atomic uint64_t *)gate, 1);
     int64_t deadline = now_ns() + 10000000000LL;
     uint64_t reached;
-    while ((reached = am_timeline_value(f.t)) != UINT64_MAX) {
+    for (int64_t look = 0; (reached = am_timeline_value(f.t)) != UINT64_MAX; look_again(&look)) {
         if ((long)reached > atomic_load(&f.s->ran))
             die("discard: a command was reported done before it ran");
         if (now_ns() > deadline) die("discard: the queue never settled");
@@ -1223,7 +1257,7 @@ static void check_discard(void) {
         !am_timeline_failure(t.t, &error, &value, &cause) || error != AM_DISCARDED ||
         value != 3 || cause != f.t)
         die("discard: the dropped signal's timeline did not fail, naming the discard");
-    while (am_timeline_value(w.t) < 2)
+    for (int64_t look = 0; am_timeline_value(w.t) < 2; look_again(&look))
         if (now_ns() > deadline) die("discard: a wait for the dropped signal never ended");
     if (am_timeline_value(w.t) != UINT64_MAX || am_cuq_error(w.q, &at) != CU_WAITED_FAILED ||
         at != 1 || am_cuq_cause(w.q, &error, &value) != f.t || error != AM_DISCARDED)
@@ -1248,7 +1282,7 @@ static void check_kick(void) {
     nap_ns(100000000);  /* 100 ms: the thread naps on the wait, 1 ms at a time */
     am_timeline_host_signal(gate, 1, NULL);
     int64_t deadline = now_ns() + 10000000000LL;
-    while (am_timeline_value(f.t) < 2)
+    for (int64_t look = 0; am_timeline_value(f.t) < 2; look_again(&look))
         if (now_ns() > deadline) die("kick: the wait never finished");
     am_cuq_stats(f.q, stats);
     if (stats[2] == before[2]) die("kick: the completion thread did not nap on the wait");
@@ -1542,7 +1576,8 @@ static void check_predict(void) {
             int64_t t = now_ns();
             if (launch(f, &k5, 0, ++v)) die("predict: a launch failed");
             int64_t called = now_ns(), due = 0;
-            while (!(due = am_timeline_due(f.t, v)) && am_timeline_value(f.t) < v) sched_yield();
+            for (int64_t look = 0; !(due = am_timeline_due(f.t, v)) && am_timeline_value(f.t) < v;
+                 look_again(&look)) {}
             due -= t;
             if (due > longest + (called - t)) {
                 fprintf(stderr, "due in %lld ns, v %llu, value %llu, longest run %lld ns\n",
@@ -1574,12 +1609,12 @@ static void check_predict(void) {
     for (int attempt = 1;; attempt++) {
         for (int i = 0; i < 20; i++) {
             if (launch(f, &k02, 0, ++v)) die("predict: a launch failed");
-            while (am_timeline_value(f.t) < v) sched_yield();
+            reach(f.t, v, "predict: a short command never ran");
         }
         int64_t t = now_ns();
         if (launch(f, &k02, 0, ++v)) die("predict: a launch failed");
         int64_t due = am_timeline_due(f.t, v);
-        while (am_timeline_value(f.t) < v) sched_yield();
+        reach(f.t, v, "predict: a short command never ran");
         if (due && due - t < 2000000) break;
         /* A command stretched past 2 ms each time by a busy machine: learn the long
          * commands again and measure again, a few times at most. */
@@ -1605,7 +1640,8 @@ static int near_one(fake_queue f, fake_loop *l, kernel *k, uint64_t v, int64_t k
     if (am_watch_arm(l->w, v)) die("near: reached before it was launched");
     if (launch(f, k, 0, v)) die("near: a launch failed");
     int64_t due = 0;  /* the queue's prediction, as the completion thread's */
-    while (!(due = am_timeline_due(f.t, v)) && am_timeline_value(f.t) < v) sched_yield();
+    for (int64_t look = 0; !(due = am_timeline_due(f.t, v)) && am_timeline_value(f.t) < v;
+         look_again(&look)) {}
     if (kick_at_ns) {
         nap_ns((long)kick_at_ns);
         am_timeline *other = am_timeline_new();
@@ -1684,11 +1720,19 @@ static int fails_from_first(fake_queue q, int code, am_timeline *cause) {
            value == 7;
 }
 
-/* Wait up to 10 s for a timeline to reach a value. */
+/* Wait up to 10 s for a timeline to reach a value (else die(what)), asleep on its
+ * condition (see "waiting" above). */
 static void reach(am_timeline *t, uint64_t value, const char *what) {
+    if (am_timeline_value(t) >= value) return;
     int64_t deadline = now_ns() + 10000000000LL;
-    while (am_timeline_value(t) < value)
-        if (now_ns() > deadline) die(what);
+    pthread_mutex_lock(&t->mu);
+    for (int64_t left; am_timeline_value(t) < value;) {
+        if ((left = deadline - now_ns()) <= 0) die(what);
+        struct timespec until;
+        deadline_after(&until, left < LOOK_NAP_MOST_NS ? left : LOOK_NAP_MOST_NS);
+        am_cond_timedwait(&t->cv, &t->mu, &until);
+    }
+    pthread_mutex_unlock(&t->mu);
 }
 
 static void check_skipsignal(void) {
@@ -1772,7 +1816,7 @@ static void check_twosignals(void) {
     uint64_t at = 0, value = 0;
     am_timeline *by = NULL;
     int64_t deadline = now_ns() + 10000000000LL;
-    while (!am_timeline_failure(t.t, &error, &value, &by))
+    for (int64_t look = 0; !am_timeline_failure(t.t, &error, &value, &by); look_again(&look))
         if (now_ns() > deadline) die("twosignals: q's passed signal did not fail its timeline");
     /* r waits for t's 1, then launches: p's signal gets t there */
     if (wait_held(r, t.t, 1, 1) ||
@@ -1824,7 +1868,9 @@ static void held_behind_failed_signal(const char *check, fake_queue q, fake_queu
     atomic_store((_Atomic uint64_t *)r_gate, 1);
     atomic_store((_Atomic uint64_t *)q_gate, 1);
     int64_t deadline = now_ns() + 10000000000LL;
-    while (am_timeline_value(q.t) < UINT64_MAX || am_timeline_value(r.t) < UINT64_MAX)
+    for (int64_t look = 0;
+         am_timeline_value(q.t) < UINT64_MAX || am_timeline_value(r.t) < UINT64_MAX;
+         look_again(&look))
         if (now_ns() > deadline) fail_in(check, "q or r never settled");
     if (atomic_load(&r.s->ran))
         fail_in(check, "a kernel behind a wait for a signal known to fail launched");
@@ -1856,7 +1902,7 @@ static void check_poisonsignal(void) {
     uint64_t value = 0;
     am_timeline *by = NULL;
     int64_t deadline = now_ns() + 10000000000LL;
-    while (!am_timeline_failure(t.t, &error, &value, &by))
+    for (int64_t look = 0; !am_timeline_failure(t.t, &error, &value, &by); look_again(&look))
         if (now_ns() > deadline) die("poisonsignal: q's passed signal did not fail its timeline");
     /* (command 2 waits for its gate: command 3's signal, known to fail, is not
      * confirmed yet) */
@@ -1883,7 +1929,8 @@ static void check_poisonflight(void) {
     int error = 0;
     uint64_t value = 0;
     int64_t deadline = now_ns() + 10000000000LL;
-    while (!am_cuq_cause(q.q, &error, &value))  /* q learned of it: poisoned */
+    /* q learned of it: poisoned */
+    for (int64_t look = 0; !am_cuq_cause(q.q, &error, &value); look_again(&look))
         if (now_ns() > deadline) die("poisonflight: q never learned its wait failed");
     if (am_timeline_value(t.t)) die("poisonflight: t settled before command 3 ran");
     held_behind_failed_signal("poisonflight", q, r, t, cause, gate);
@@ -1918,10 +1965,11 @@ static void check_poisonlater(void) {
     uint64_t value = 0;
     am_timeline *by = NULL;
     int64_t deadline = now_ns() + 10000000000LL;
-    while (am_timeline_failure(t.t, &error, &value, &by) != 2)
+    for (int64_t look = 0; am_timeline_failure(t.t, &error, &value, &by) != 2; look_again(&look))
         if (now_ns() > deadline) die("poisonlater: q's passed signal did not fail t from 2");
     am_timeline_fail(t0.t, 1, ILLEGAL_ADDRESS, 7, cause);
-    while (!am_cuq_cause(p.q, &error, &value))  /* p learned of it: poisoned */
+    /* p learned of it: poisoned */
+    for (int64_t look = 0; !am_cuq_cause(p.q, &error, &value); look_again(&look))
         if (now_ns() > deadline) die("poisonlater: p never learned its wait failed");
     if (am_timeline_value(t.t)) die("poisonlater: t settled before p's command 3 ran");
     /* r waits for t's 1, which p's command 3 (failing) was to produce, then launches */
@@ -2005,7 +2053,8 @@ static void check_poisonheld(void) {
     if (stats[6] != 4) die("poisonheld: b's launches were not held on the host");
     am_timeline_fail(t.t, 1, ILLEGAL_ADDRESS, 7, cause);
     int64_t deadline = now_ns() + 10000000000LL;
-    while (!am_cuq_cause(a.q, &error, &value))  /* a learned of it: poisoned */
+    /* a learned of it: poisoned */
+    for (int64_t look = 0; !am_cuq_cause(a.q, &error, &value); look_again(&look))
         if (now_ns() > deadline) die("poisonheld: a never learned its wait failed");
     atomic_store((_Atomic uint64_t *)gate, 1);
     reach(a.t, UINT64_MAX, "poisonheld: a never settled");
@@ -2181,7 +2230,7 @@ static void check_unlocked(void) {
     waiter w = {a, b.s, 1, -1, -1};
     pthread_t thread;
     pthread_create(&thread, NULL, wait_in_driver, &w);
-    while (!atomic_load(&waits_in_driver)) sched_yield();
+    for (int64_t look = 0; !atomic_load(&waits_in_driver); look_again(&look)) {}
     for (uint64_t v = 2; v <= 20; v++)
         if (launch(a, NULL, (int64_t)v, v)) die("unlocked: a launch failed");
     if (!atomic_load(&waits_in_driver))
@@ -2333,7 +2382,7 @@ static int wait_queue(fake_queue w, fake_queue on, uint64_t target, uint64_t val
 static void let_held_go(fake_queue q, const char *what) {
     atomic_store(&held, NULL);
     int64_t deadline = now_ns() + 10000000000LL;
-    while (atomic_load(&q.q->pending))
+    for (int64_t look = 0; atomic_load(&q.q->pending); look_again(&look))
         if (now_ns() > deadline) die(what);
 }
 
@@ -2411,12 +2460,12 @@ static void check_waitrace(void) {
 /* A check's hook holding a queue's thread: until the check lets it go (10 s at most). */
 static void held_until(atomic_int *go) {
     int64_t deadline = now_ns() + 10000000000LL;
-    while (!atomic_load(go) && now_ns() < deadline) sched_yield();
+    for (int64_t look = 0; !atomic_load(go) && now_ns() < deadline; look_again(&look)) {}
 }
 
 /* Until a check's hook was reached (10 s at most: else `what`). */
 static void hook_reached(atomic_int *in, const char *what) {
-    for (int64_t deadline = now_ns() + 10000000000LL; !atomic_load(in);)
+    for (int64_t deadline = now_ns() + 10000000000LL, look = 0; !atomic_load(in); look_again(&look))
         if (now_ns() > deadline) die(what);
 }
 
@@ -2718,7 +2767,7 @@ static void fail_freeing_at_drain(fake_queue f, am_timeline *freed, const char *
     atomic_store(&fault_code, ILLEGAL_ADDRESS);  /* command 1 fails once confirmed */
     reach(f.t, UINT64_MAX, settled);
     int64_t deadline = now_ns() + 10000000000LL;
-    for (;;) {
+    for (int64_t look = 0;; look_again(&look)) {
         am_cuq_stats(f.q, stats);
         if (!stats[6] && !atomic_load(&freed_at_hook)) break;
         if (now_ns() > deadline) die(handed);
@@ -2828,8 +2877,9 @@ static void check_orphanpoke(void) {
     if (launch(orphan_q, NULL, 1, 1)) die("orphanpoke: launch failed");
     /* The orphaned thread destroys its queue's events as it stops. */
     int64_t deadline = now_ns() + 10000000000LL;
-    while (!atomic_load(&orphan_hooked) ||
-           atomic_load(&events_made) - atomic_load(&events_destroyed) != left)
+    for (int64_t look = 0; !atomic_load(&orphan_hooked) ||
+                           atomic_load(&events_made) - atomic_load(&events_destroyed) != left;
+         look_again(&look))
         if (now_ns() > deadline) die("orphanpoke: the orphaned thread never stopped");
     nap_ns(10000000);  /* (its last steps after that: the queue's memory) */
     atomic_store(&test_hook, NULL);
@@ -2860,7 +2910,8 @@ static void close_kicked_at_confirmed(int where, am_cuq *q) {
         atomic_exchange(&orphankick_hooked, 1))
         return;
     int64_t deadline = now_ns() + 10000000000LL;
-    while (!atomic_load(&orphankick_armed))  /* the wait is held, its kick registered */
+    /* the wait is held, its kick registered */
+    for (int64_t look = 0; !atomic_load(&orphankick_armed); look_again(&look))
         if (now_ns() > deadline) die("orphankick: (setup) never armed");
     pthread_t closer;
     if (pthread_create(&closer, NULL, orphankick_closer, NULL)) die("orphankick: pthread_create");
@@ -2879,8 +2930,9 @@ static void check_orphankick(void) {
     if (!atomic_load(&t.t->has_kicks)) die("orphankick: (setup) the wait's kick is not registered");
     atomic_store(&orphankick_armed, 1);
     int64_t deadline = now_ns() + 10000000000LL;
-    while (!atomic_load(&orphankick_hooked) ||
-           atomic_load(&events_made) - atomic_load(&events_destroyed) != left)
+    for (int64_t look = 0; !atomic_load(&orphankick_hooked) ||
+                           atomic_load(&events_made) - atomic_load(&events_destroyed) != left;
+         look_again(&look))
         if (now_ns() > deadline) die("orphankick: the orphaned thread never stopped");
     nap_ns(10000000);  /* (its last steps after that) */
     atomic_store(&test_hook, NULL);
@@ -3006,7 +3058,7 @@ static void check_kickfreed(void) {
 /* Until am_timeline_refs reads 1, t is still held (refsheld). */
 static void refs_reach_one(am_timeline *t, const char *what) {
     int64_t deadline = now_ns() + 10000000000LL;
-    while (am_timeline_refs(t) != 1)
+    for (int64_t look = 0; am_timeline_refs(t) != 1; look_again(&look))
         if (now_ns() > deadline) die(what);
 }
 
@@ -3080,7 +3132,7 @@ static void check_unfencedfreed(void) {
     am_timeline_free(s.t);  /* what Python does once f's timeline passed the signal */
     refusals_off();  /* the fence is recorded at the next try */
     int64_t deadline = now_ns() + 10000000000LL;
-    for (;;) {
+    for (int64_t look = 0;; look_again(&look)) {
         pthread_mutex_lock(&f.q->mu);
         int unfenced = f.q->unfenced || f.q->count;
         pthread_mutex_unlock(&f.q->mu);
@@ -3224,7 +3276,7 @@ static void check_shared(void) {
     ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WRITE64])(consumer, (void *)done,
                                                                          1, 0);
     int64_t deadline = now_ns() + 10000000000LL;
-    while (!atomic_load(done))
+    for (int64_t look = 0; !atomic_load(done); look_again(&look))
         if (now_ns() > deadline) die("shared: another library's wait held up what it waits for");
     /* a's command 21 ran before the write (one hardware queue runs them all, in order;
      * a's timeline may not be raised yet: its completion thread confirms after) */
@@ -3291,7 +3343,8 @@ static void check_handover(void) {
     atomic_store(&wait_event_ns, 200000000);  /* 200 ms */
     atomic_store(gate, 1);
     int64_t deadline = now_ns() + 10000000000LL;
-    while (!atomic_load(&waits_in_driver))  /* q1's kick: its wait in the driver */
+    /* q1's kick: its wait in the driver */
+    for (int64_t look = 0; !atomic_load(&waits_in_driver); look_again(&look))
         if (now_ns() > deadline) die("handover: q1's wait never reached the driver");
     int call = -1;
     struct timespec cpu0, cpu1;
@@ -3310,7 +3363,7 @@ static void check_handover(void) {
                   void *, void **, void **))cu_funcs[CU_LAUNCH])(&after_q, 1, 1, 1, 1, 1, 1, 0,
                                                                    consumer, params, NULL))
         die("handover: the other library's launch failed");
-    while (atomic_load(&consumer->ran) < 1)
+    for (int64_t look = 0; atomic_load(&consumer->ran) < 1; look_again(&look))
         if (now_ns() > deadline) die("handover: the other library's kernel never ran");
     reach(q.t, 2, "handover: q never finished");
     reach(q1.t, 1, "handover: q1 never finished");
@@ -3563,7 +3616,7 @@ static void hold_start(int where, am_cuq *q) {
     if (where != CU_HOOK_RUN_START || q->ctx != (void *)2) return;
     atomic_store(&start_held, 1);
     int64_t deadline = now_ns() + 10000000000LL;
-    while (!atomic_load(&start_go))
+    for (int64_t look = 0; !atomic_load(&start_go); look_again(&look))
         if (now_ns() > deadline) die("nocontext: the check never let the thread go on");
 }
 
@@ -3583,7 +3636,9 @@ static fake_queue nocontext_queue(long bound, const char *check) {
     fake_ctx_set_current((void *)2);
     f.q = am_cuq_new((void *)2, f.s, f.t, 30000, bound);
     if (!f.q) die(made);
-    for (int64_t deadline = now_ns() + 10000000000LL; !atomic_load(&start_held);)
+    for (int64_t deadline = now_ns() + 10000000000LL, look = 0;
+         !atomic_load(&start_held);
+         look_again(&look))
         if (now_ns() > deadline) die(started);
     return f;
 }
@@ -3643,7 +3698,9 @@ static void check_refencekept(void) {
     atomic_store(&record_gate_on, f.s);  /* the fence tried again: in the driver until let go */
     if (am_cuq_finish(f.q, 2, NULL, 0, 0, CU_FINISH_PLAIN) != 1)
         die("refencekept: the refusal was not reported");
-    for (int64_t deadline = now_ns() + 5000000000LL; !atomic_load(&records_in_driver);)
+    for (int64_t deadline = now_ns() + 5000000000LL, look = 0;
+         !atomic_load(&records_in_driver);
+         look_again(&look))
         if (now_ns() > deadline) die("refencekept: the fence was never tried again");
     am_cuop op = {.kind = CUOP_FINISH, .value = 2, .extra = t.t, .extra_value = 5};
     pthread_mutex_lock(&f.q->mu);
@@ -3746,7 +3803,9 @@ static void check_refenceabandon(void) {
     atomic_store(&refuse_records, f.s);
     atomic_store(&record_ns, 300000000);  /* the fence tried again: past a close's 200 ms */
     if (am_cuq_finish(f.q, 2, t.t, 5, 0, 0) != 1) die("refenceabandon: the refusal was not reported");
-    for (int64_t deadline = now_ns() + 5000000000LL; !atomic_load(&records_in_driver);)
+    for (int64_t deadline = now_ns() + 5000000000LL, look = 0;
+         !atomic_load(&records_in_driver);
+         look_again(&look))
         if (now_ns() > deadline) die("refenceabandon: the fence was never tried again");
     am_cuq_close(f.q, 1);
     if (atomic_load(&records_in_driver))
@@ -3792,7 +3851,9 @@ static void check_nocontextkept(void) {
     /* The signal's word write ran on the stream before the thread fails t: landing
      * between the failure's raise of the word and its look for the kicks due, it would
      * lower the word (a store), and the kick would not come due. */
-    for (int64_t deadline = now_ns() + 10000000000LL; atomic_load((_Atomic uint64_t *)t.word) != 1;)
+    for (int64_t deadline = now_ns() + 10000000000LL, look = 0;
+         atomic_load((_Atomic uint64_t *)t.word) != 1;
+         look_again(&look))
         if (now_ns() > deadline) die("nocontextkept: the signal's word write never ran");
     atomic_store(&start_go, 1);
     reach(f.t, UINT64_MAX, "nocontextkept: the queue never settled");
@@ -3831,7 +3892,9 @@ static void check_nocontextlowered(void) {
     reach(f.t, UINT64_MAX, "nocontextlowered: the queue never settled");
     atomic_store(&test_hook, NULL);
     atomic_store((_Atomic uint64_t *)gate, 1);  /* the stream runs the write now */
-    for (int64_t deadline = now_ns() + 10000000000LL; atomic_load((_Atomic uint64_t *)t.word) != 5;)
+    for (int64_t deadline = now_ns() + 10000000000LL, look = 0;
+         atomic_load((_Atomic uint64_t *)t.word) != 5;
+         look_again(&look))
         if (now_ns() > deadline) die("nocontextlowered: the signal's word write never ran");
     fake_ctx_set_current(mine);
     /* b: command 1 waits on the stream for b's gate (raised once all is submitted: b
@@ -3840,7 +3903,7 @@ static void check_nocontextlowered(void) {
         die("nocontextlowered: b");
     atomic_store((_Atomic uint64_t *)(gate + 1), 1);
     int64_t deadline = now_ns() + 3000000000LL;
-    while (am_timeline_value(b.t) < 3)
+    for (int64_t look = 0; am_timeline_value(b.t) < 3; look_again(&look))
         if (now_ns() > deadline)
             die("nocontextlowered: a device wait for a failed timeline, whose word a signal's "
                 "write landing after the failure lowered, was held for good");
@@ -3890,8 +3953,8 @@ static void check_fencegone(void) {
                 die("fencegone: the refusal was not reported");
             if (when == 1) atomic_store((_Atomic uint64_t *)gate, 1);
             if (when == 2) {  /* tried again, refused for lack of memory; then for good */
-                for (int64_t deadline = now_ns() + 5000000000LL;
-                     atomic_load(&records_refused) < 3;)
+                for (int64_t deadline = now_ns() + 5000000000LL, look = 0;
+                     atomic_load(&records_refused) < 3; look_again(&look))
                     if (now_ns() > deadline) die("fencegone: the fence was never tried again");
                 atomic_store(&refuse_more_code, code);
             }
@@ -3962,7 +4025,7 @@ static void check_closing(void) {
         pthread_t thread;
         pthread_create(&thread, NULL, signal_from_host, &h);
         int64_t deadline = now_ns() + 10000000000LL;
-        while (!atomic_load(&records_in_driver))
+        for (int64_t look = 0; !atomic_load(&records_in_driver); look_again(&look))
             if (now_ns() > deadline) die("closing: the kick never handed the command over");
         am_cuq_close(f.q, abandon);
         atomic_store(&f.s->released, 1);  /* its owner may destroy the stream now */
@@ -4115,7 +4178,9 @@ static void check_stress(void) {
     pthread_join(h, NULL);
     for (int i = 0; i < 4; i++) {
         int64_t deadline = now_ns() + 30000000000LL;
-        while (am_timeline_value(st.q[i].t) < atomic_load(&st.submitted[i]))
+        for (int64_t look = 0;
+             am_timeline_value(st.q[i].t) < atomic_load(&st.submitted[i]);
+             look_again(&look))
             if (now_ns() > deadline) die("stress: a queue never finished (a wait hangs)");
         uint64_t at = 0;
         if (am_cuq_error(st.q[i].q, &at)) die("stress: a queue failed");
@@ -4560,7 +4625,7 @@ static void wait_failed(fake_queue f, fake_queue w, int held, const char *what) 
 static void *let_record_go_at_close(void *arg) {
     fake_queue *f = arg;
     int64_t deadline = now_ns() + 10000000000LL;
-    while (atomic_load(&f->t->handed) != UINT64_MAX)
+    for (int64_t look = 0; atomic_load(&f->t->handed) != UINT64_MAX; look_again(&look))
         if (now_ns() > deadline) die("kickmiss: the close never began");
     atomic_store(&record_gate_on, NULL);
     return NULL;
@@ -4581,7 +4646,7 @@ static void check_kickmiss(void) {
     pthread_t thread, letter;
     pthread_create(&thread, NULL, signal_from_host, &h);
     int64_t deadline = now_ns() + 10000000000LL;
-    while (!atomic_load(&records_in_driver))
+    for (int64_t look = 0; !atomic_load(&records_in_driver); look_again(&look))
         if (now_ns() > deadline) die("kickmiss: the kick never handed the command over");
     pthread_create(&letter, NULL, let_record_go_at_close, &f);
     am_cuq_close(f.q, 1);
@@ -4620,7 +4685,7 @@ static void check_closekick(void) {
     if (!stats[6]) die("closekick: the wait was not held");
     am_timeline_close(t.t, 0);
     int64_t deadline = now_ns() + 3000000000LL;
-    while (am_timeline_value(w.t) < 2)
+    for (int64_t look = 0; am_timeline_value(w.t) < 2; look_again(&look))
         if (now_ns() > deadline)
             die("closekick: a wait held for a value of a closed timeline never went on "
                 "(am_timeline_close runs no kicks)");
@@ -4653,7 +4718,7 @@ static void check_closeearly(void) {
     uint64_t value = 0;
     am_timeline *by = NULL;
     int64_t deadline = now_ns() + 10000000000LL;
-    while (!am_timeline_failure(t.t, &error, &value, &by))
+    for (int64_t look = 0; !am_timeline_failure(t.t, &error, &value, &by); look_again(&look))
         if (now_ns() > deadline) die("closeearly: a's passed signal did not fail its timeline");
     am_cuq_close(a.q, 1);  /* its signal of t to 1, in flight, never confirmed */
     am_timeline_close(t.t, 0);
@@ -4692,7 +4757,7 @@ static void check_lowered(void) {
     reach(a.t, 2, "lowered: a never ran");
     atomic_store((_Atomic uint64_t *)c_gate, 1);
     int64_t deadline = now_ns() + 3000000000LL;
-    while (am_timeline_value(c.t) < 3)
+    for (int64_t look = 0; am_timeline_value(c.t) < 3; look_again(&look))
         if (now_ns() > deadline)
             die("lowered: a signal's word write after the timeline was released stored a "
                 "lower value over 2**63 - 1: a device wait it had released waits for good");
@@ -4716,7 +4781,7 @@ static void check_foreignabandon(void) {
         die("foreignabandon: a");
     uint64_t at = 0;
     int64_t deadline = now_ns() + 3000000000LL;
-    while (!am_cuq_error(a.q, &at))
+    for (int64_t look = 0; !am_cuq_error(a.q, &at); look_again(&look))
         if (now_ns() > deadline) die("foreignabandon: (setup) a's held command not refused");
     int call = -1;
     if (am_cuq_wait_foreign(a.q, (void *)1, b.s, 3, &call) || call != CU_WAIT64)
@@ -4725,7 +4790,7 @@ static void check_foreignabandon(void) {
     am_cuq_close(a.q, 1);
     am_timeline_close(gate.t, 0);
     deadline = now_ns() + 3000000000LL;
-    while (am_timeline_value(b.t) < 1)
+    for (int64_t look = 0; am_timeline_value(b.t) < 1; look_again(&look))
         if (now_ns() > deadline)
             die("foreignabandon: a consumer stream waiting on the word of a failed queue "
                 "that was abandoned before it settled waits for good (call was "
@@ -4899,7 +4964,9 @@ int main(void) {
     /* The abandoned queues' threads have all returned (check_abandon's blocked one once
      * its sync gave up), each destroying its queue's events as it stopped. */
     int64_t deadline = now_ns() + 10000000000LL;
-    while (atomic_load(&events_made) != atomic_load(&events_destroyed))
+    for (int64_t look = 0;
+         atomic_load(&events_made) != atomic_load(&events_destroyed);
+         look_again(&look))
         if (now_ns() > deadline) die("released: events of abandoned queues were never destroyed");
     puts("ok released");
     return 0;
