@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 import asyncmetal as am
-from tests.support.queues import fail_default_queue_for_good, fail_for_good
+from tests.support.queues import replace_a_used_stand_in
 
 pytestmark = pytest.mark.anyio
 
@@ -73,15 +73,7 @@ async def test_a_closed_queue_with_work_in_flight_keeps_its_uses_until_done(
 async def test_a_replaced_stand_in_queue_goes_off_the_buffers_records(device: am.Device) -> None:
     """The queue the device's buffers' work ran on in its default queue's stead, once
     replaced (``retire_queue``) and released, goes off those buffers' records too."""
-    before = await fail_default_queue_for_good(device)
-    stand_in = device._own_queue()
-    buf = await device.alloc(64)
-    await buf.write(bytes(64))  # (run on the stand-in)
-    assert stand_in in buf._allocation.block.last_use
-    await fail_for_good(device, stand_in)
-    assert device._own_queue() is not stand_in
-    ref = weakref.ref(stand_in)
-    del stand_in
+    before, buf, ref = await replace_a_used_stand_in(device)
     with anyio.fail_after(LIMIT):
         with pytest.raises(am.ClosedResourceError, match="device-side wait"):
             await device.synchronize()  # (the default queue's)

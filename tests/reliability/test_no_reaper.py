@@ -17,7 +17,7 @@ import anyio
 import pytest
 
 import asyncmetal as am
-from tests.support.queues import fail_default_queue_for_good, fail_for_good
+from tests.support.queues import replace_a_used_stand_in
 
 pytestmark = pytest.mark.anyio
 
@@ -79,15 +79,7 @@ async def test_a_replaced_stand_in_goes_off_the_records_without_a_reaper(
 ) -> None:
     """The default queue's stand-in, once replaced and released (by a new_queue: no
     reaper looks), goes off its buffers' records too."""
-    before = await fail_default_queue_for_good(device)
-    stand_in = device._own_queue()
-    buf = await device.alloc(64)
-    await buf.write(bytes(64))  # (run on the stand-in)
-    assert stand_in in buf._allocation.block.last_use
-    await fail_for_good(device, stand_in)
-    assert device._own_queue() is not stand_in
-    ref = weakref.ref(stand_in)
-    del stand_in
+    before, buf, ref = await replace_a_used_stand_in(device)
     with pytest.raises(am.ClosedResourceError, match="device-side wait"):
         await device.synchronize()  # (the default queue's)
     await device.synchronize()

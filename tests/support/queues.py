@@ -126,6 +126,24 @@ async def fail_default_queue_for_good(device: am.Device) -> am.Buffer:
     return before
 
 
+async def replace_a_used_stand_in(
+    device: am.Device,
+) -> tuple[am.Buffer, am.Buffer, weakref.ref[am.Queue]]:
+    """Fail ``device``'s default queue for good, write a buffer on the queue its buffers'
+    work then runs on in its stead (``_own_queue``), and fail that one for good too: the
+    device replaces it. Returns the buffer the default queue wrote before, the one the
+    stand-in wrote (its record holds the stand-in) and a weak reference to the
+    stand-in."""
+    before = await fail_default_queue_for_good(device)
+    stand_in = device._own_queue()
+    buf = await device.alloc(64)
+    await buf.write(bytes(64))  # (run on the stand-in)
+    assert stand_in in buf._allocation.block.last_use
+    await fail_for_good(device, stand_in)
+    assert device._own_queue() is not stand_in
+    return before, buf, weakref.ref(stand_in)
+
+
 async def fail_for_good(device: am.Device, queue: am.Queue) -> None:
     """Make every later command of ``queue``, a queue of ``device``, fail: another
     device (a cpu one) closes while ``queue`` waits (on the device, or held on the host)

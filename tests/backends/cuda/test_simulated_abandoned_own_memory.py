@@ -16,9 +16,6 @@ memory a copy still uses (``freed_busy``).
 from __future__ import annotations
 
 import functools
-import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -26,7 +23,7 @@ import numpy as np
 import pytest
 
 from tests.support.native import harness
-from tests.support.native.simulated_cuda import Seen, _install, _Simulated, run_child
+from tests.support.native.simulated_cuda import Seen, _Simulated, child_main, run_child
 
 LOOPS = ["asyncio", "trio"]
 SIZE = 1 << 16
@@ -234,15 +231,5 @@ def test_a_backend_close_failing_after_it_let_the_streams_run_still_waits_for_th
     assert seen["landed"] == [True], seen
 
 
-def main(scenario: str, loop: str) -> None:
-    import json
-
-    with tempfile.TemporaryDirectory(prefix="asyncmetal-simcuda-") as tmp:
-        sim = _Simulated(Path(tmp))
-        _install(sim)
-        seen = anyio.run(SCENARIOS[scenario], sim, backend=loop)
-    print(json.dumps(seen))
-
-
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    child_main(SCENARIOS)

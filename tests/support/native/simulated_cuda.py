@@ -1209,6 +1209,18 @@ async def _discard_sweep(sim: _Simulated, samples: int) -> Seen:
     return {"calls": total, "found": found, "clean": clean}
 
 
+def child_main(scenarios: dict[str, Callable[[_Simulated], Awaitable[Seen]]]) -> None:
+    """A child process's main (``run_child(..., module=...)``) for a module of scenarios,
+    each run on one simulated GPU: the scenario and loop named on its command line, what
+    it saw printed as JSON on the last line."""
+    scenario, loop = sys.argv[1:3]
+    with tempfile.TemporaryDirectory(prefix="asyncmetal-simcuda-") as tmp:
+        sim = _Simulated(Path(tmp))
+        _install(sim)
+        seen = anyio.run(scenarios[scenario], sim, backend=loop)
+    print(json.dumps(seen))
+
+
 def main(scenario: str, loop: str, *args: str) -> None:
     from tests.support.native import simulated_copies
 

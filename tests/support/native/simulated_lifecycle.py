@@ -19,18 +19,21 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import sys
-import tempfile
 import threading
 import time
 import warnings
 import weakref
-from pathlib import Path
 from typing import Any
 
 import anyio
 
-from tests.support.native.simulated_cuda import Seen, _awaited, _install, _Simulated, run_child
+from tests.support.native.simulated_cuda import (
+    Seen,
+    _awaited,
+    _Simulated,
+    child_main,
+    run_child,
+)
 
 GATE_S = 0.3  # how long the closes are left waiting before the value is signalled
 
@@ -251,15 +254,5 @@ def run(scenario: str, loop: str, timeout: float = 120) -> Seen:
     return run_child(scenario, loop, timeout=timeout, module=__name__)
 
 
-def main(scenario: str, loop: str) -> None:
-    import json
-
-    with tempfile.TemporaryDirectory(prefix="asyncmetal-simcuda-") as tmp:
-        sim = _Simulated(Path(tmp))
-        _install(sim)
-        seen = anyio.run(SCENARIOS[scenario], sim, backend=loop)
-    print(json.dumps(seen))
-
-
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    child_main(SCENARIOS)
