@@ -458,6 +458,7 @@ async def test_a_keyboard_interrupt_as_a_free_hands_its_release_over_loses_no_la
     async with am.open_device("cpu") as device:
         while True:
             buf = await device.alloc(MiB)
+            await _frees_idle()  # (its free makes and starts the thread: the sweep's steps)
             with submission_lock_held(device) as let_go:
                 with interrupted(codes, at) as raised, contextlib.suppress(KeyboardInterrupt):
                     await buf.free()
@@ -474,6 +475,15 @@ async def test_a_keyboard_interrupt_as_a_free_hands_its_release_over_loses_no_la
                 break
             at += 1
     assert at >= 8
+
+
+async def _frees_idle() -> None:
+    """Until the frees' thread has ended (within LIMIT): one still taking its last look
+    for work, on a busy machine, would take the next free handed over, which then starts
+    none."""
+    with anyio.fail_after(LIMIT):
+        while _buffer._FREES._running:
+            await anyio.sleep(0.001)
 
 
 async def _released(device: am.Device, where: list[str]) -> None:
