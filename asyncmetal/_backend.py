@@ -489,6 +489,12 @@ class Backend(ABC):
         every command that launched it has finished, and no Program holds it (after a
         ``close``: nothing to do). May block."""
 
+    def param_sizes(self, native: Any) -> tuple[int, ...] | None:
+        """Each parameter's size in bytes, in order, as the native program ``load``
+        returned lays them out, where the backend can ask (None: it cannot): a compile
+        refuses a kernel whose source reads otherwise (``binary_disagrees``)."""
+        return None
+
     @abstractmethod
     def allocate(self, nbytes: int) -> Any:
         """A native buffer handle; raise MemoryError when the device has none left."""

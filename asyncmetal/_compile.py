@@ -18,6 +18,7 @@ from typing import Any, Literal, NamedTuple
 from . import _scan
 from ._errors import ArgumentTypeError, CompileError, InvalidArgumentError
 from ._scalars import (
+    SIZES,
     TYPEOF_WORDS,
     host_types,
     resolved,
@@ -76,6 +77,52 @@ class Signature(NamedTuple):
 
     kinds: tuple[ParamKind, ...]
     values: tuple[tuple[str | None, str], ...]
+
+
+# A launch's every argument is an 8-byte slot, the value in its low bytes (a buffer: its
+# device address): a parameter the loaded kernel takes in more bytes would read past it.
+SLOT_BYTES = 8
+
+
+def binary_disagrees(signature: Signature, sizes: tuple[int, ...] | None) -> str | None:
+    """Why launches of a kernel whose source reads as ``signature`` would pass the loaded
+    kernel other bytes than its parameters take -- ``sizes``, each parameter's size in
+    bytes as the loaded binary lays them out (``Backend.param_sizes``; None: not known)
+    -- or None where they agree: a count that differs (a parameter list the source's
+    reading got wrong), a buffer that is no 8-byte address, a value of a known type of
+    another size, and a value of a type not known here (a header's struct) that is no
+    1, 2, 4 or 8 bytes, which a launch's slot cannot carry."""
+    if sizes is None:
+        return None
+    kinds = signature.kinds
+    if len(sizes) != len(kinds):
+        return (
+            f"its source reads as {len(kinds)} parameter{'' if len(kinds) == 1 else 's'}, "
+            f"the compiled kernel takes {len(sizes)}"
+        )
+    values = iter(signature.values)
+    for i, (kind, size) in enumerate(zip(kinds, sizes, strict=True)):
+        if kind == "buffer":
+            if size != SLOT_BYTES:
+                return (
+                    f"parameter {i + 1} reads as a buffer (a device address of "
+                    f"{SLOT_BYTES} bytes), the compiled kernel takes {size} bytes there"
+                )
+            continue
+        declared, declaration = next(values)
+        if declared is not None and SIZES[declared] != size:
+            return (
+                f"parameter {declaration!r} reads as {declared} ({SIZES[declared]} "
+                f"byte{'' if SIZES[declared] == 1 else 's'}) from its source, the "
+                f"compiled kernel takes {size}"
+            )
+        if declared is None and size not in (1, 2, 4, 8):
+            return (
+                f"parameter {declaration!r} takes {size} bytes in the compiled kernel: a "
+                "launch passes a value of 1, 2, 4 or 8 bytes (an integer, a float, a "
+                "double or a half), never a struct by value"
+            )
+    return None
 
 
 class Compiler(ABC):

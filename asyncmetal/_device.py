@@ -41,6 +41,7 @@ from ._compile import (
     Compiler,
     NotDefinedError,
     Signature,
+    binary_disagrees,
     check_options,
     source_key,
     unlinked_hint,
@@ -1056,6 +1057,10 @@ class Device(Singular):
             # library it loaded (and refuses a load that comes after it).
             self._dropped.append(native)
             self._state.check_open()
+        disagrees = binary_disagrees(params, self._backend.param_sizes(native))
+        if disagrees is not None:  # (its launches would pass it other bytes than it takes)
+            self._dropped.append(native)
+            raise CompileError(f"kernel {name!r}: {disagrees}", name=name)
         program = Program(self._state, name, params, binary, native)
         kept = self._programs.setdefault(key, program)
         if kept is not program:  # a concurrent compile of it loaded it first: never run

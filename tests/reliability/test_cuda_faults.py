@@ -62,6 +62,7 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_CONTEXT_IS_DESTROYED = 709
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
     CUDA_ERROR_LAUNCH_FAILED = 719
+    CUDA_ERROR_NOT_SUPPORTED = 801
 
 
 _host_memory: list[Any] = []  # "pinned" memory: timeline words may outlive a test
@@ -126,6 +127,9 @@ class _Driver:
         # (a kernel of many registers); each function's name.
         self.kernel_threads: dict[bytes, int] = {}
         self.functions: dict[int, bytes] = {}
+        # Each kernel's parameter sizes, by name, as cuFuncGetParamInfo gives them (a
+        # kernel not named here: CUDA_ERROR_NOT_SUPPORTED, as a driver before 12.4).
+        self.param_sizes: dict[bytes, tuple[int, ...]] = {}
 
     def _result(self, name: str, *values: Any) -> tuple[Any, ...]:
         self.calls.append(name)
@@ -211,6 +215,14 @@ class _Driver:
         assert attribute == self.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK
         name = self.functions.get(int(function), b"")
         return self._result("cuFuncGetAttribute", self.kernel_threads.get(name, 1024))
+
+    def cuFuncGetParamInfo(self, function: int, index: int) -> tuple[Any, ...]:
+        sizes = self.param_sizes.get(self.functions.get(int(function), b""))
+        if sizes is None:
+            return (CUresult.CUDA_ERROR_NOT_SUPPORTED, None, None)
+        if index >= len(sizes):
+            return (CUresult.CUDA_ERROR_INVALID_VALUE, None, None)
+        return self._result("cuFuncGetParamInfo", 8 * index, sizes[index])
 
     def cuModuleUnload(self, module: int) -> tuple[Any, ...]:
         return self._result("cuModuleUnload")

@@ -350,6 +350,9 @@ class CUDABackend(Backend):
             raise
         return function, module
 
+    def param_sizes(self, native: Any) -> tuple[int, ...] | None:
+        return self.launch_limits.param_sizes.get(native)  # (read as it loaded)
+
     @keeps_context
     def unload(self, native: Any) -> None:
         with self._modules_lock:  # (after a close: already unloaded)

@@ -61,6 +61,8 @@ class LaunchLimits:
         self.address = ctypes.addressof(self._array)
         self.kernel_threads: dict[int, int] = {}
         self._names: dict[int, str] = {}
+        # Each loaded kernel's parameter sizes (param_sizes), for the compile's check.
+        self.param_sizes: dict[int, tuple[int, ...] | None] = {}
         self.last: tuple[Any, ...] = ()
 
     def loaded(self, function: Any, name: str) -> None:
@@ -75,11 +77,13 @@ class LaunchLimits:
         )
         self.kernel_threads[int(function)] = int(threads)
         self._names[int(function)] = name
+        self.param_sizes[int(function)] = param_sizes(function)
         self.last = ()  # (a function's address may be one an unloaded kernel had)
 
     def unloaded(self, function: int) -> None:
         self.kernel_threads.pop(function, None)
         self._names.pop(function, None)
+        self.param_sizes.pop(function, None)
         self.last = ()
 
     def check(
@@ -119,3 +123,27 @@ class LaunchLimits:
                     f"(CU_DEVICE_ATTRIBUTE_{DEVICE_LIMITS[4 + i]})"
                 )
         self.last = (function, global_size, local_size)
+
+
+# More parameters than a kernel can take (their bytes are at most 32764, from CUDA 12.1 on
+# Volta or later, 4 KiB before; a byte each at least): a bound on the look.
+_MOST_PARAMS = 32764
+
+
+def param_sizes(function: Any) -> tuple[int, ...] | None:
+    """Each parameter's size in bytes of a loaded kernel (its CUfunction), as the driver
+    lays them out for a launch (cuFuncGetParamInfo, from CUDA 12.4 drivers); None where
+    the driver or cuda-bindings cannot say (an older one), or says no parameters -- which
+    a kernel that takes some but is not the driver's own (a runtime's registered stub)
+    would say too. The driver answers CUDA_ERROR_INVALID_VALUE past the last one."""
+    get = getattr(cu, "cuFuncGetParamInfo", None)
+    if get is None:
+        return None
+    sizes: list[int] = []
+    while len(sizes) < _MOST_PARAMS:
+        err, _offset, size = get(function, len(sizes))
+        if int(err) != 0:
+            past_the_last = bool(sizes) and int(err) == int(cu.CUresult.CUDA_ERROR_INVALID_VALUE)
+            return tuple(sizes) if past_the_last else None
+        sizes.append(int(size))
+    return None

@@ -217,6 +217,40 @@ async def test_character_types_and_a_templates_wrapper_take_their_types(
             await dev.compile(CHARACTERS, "twice")
 
 
+UNKNOWN_TYPES = r"""
+#if 1
+#define wide_t double2
+#define idx_t long long
+#endif
+extern "C" __global__ void takes_wide(double* x, wide_t p) { x[0] = p.x + p.y; }
+extern "C" __global__ void put_idx(long long* x, idx_t v) { x[0] = v; }
+extern "C" __global__ void sizes(float* x, int n, double d, bool b, char c, short s) {}
+"""
+
+
+async def test_parameters_the_source_does_not_type_are_checked_against_the_binary(
+    anyio_backend: object,
+) -> None:
+    """The driver's parameter sizes (cuFuncGetParamInfo) are each type's; a parameter
+    whose type is a macro defined inside an #if (not known to the source's reading) is
+    refused where it is a 16-byte struct by value -- a launch would pass it 8 bytes and
+    the next slot's -- and, of 8 bytes, takes a numpy int64's every bit and a Python
+    int sign-extended from its slot."""
+    async with am.open_device("cuda:0") as dev:
+        sizes = await dev.compile(UNKNOWN_TYPES, "sizes")
+        assert dev._backend.param_sizes(sizes.native) == (8, 4, 8, 1, 1, 2)
+        with pytest.raises(
+            am.CompileError, match="kernel 'takes_wide': parameter 'wide_t p' takes 16 bytes"
+        ):
+            await dev.compile(UNKNOWN_TYPES, "takes_wide")
+        put = await dev.compile(UNKNOWN_TYPES, "put_idx")
+        assert put.value_types == ((None, "idx_t v"),)
+        out = await dev.alloc(8)
+        for value in (np.int64(-(1 << 40) - 3), -5):
+            await dev.queue.launch(put, out, vals=(value,))
+            assert (await out.read(np.int64))[0] == value
+
+
 @pytest.mark.parametrize("path", ["extension", "ctypes"])
 async def test_copy_paths_give_the_same_results(anyio_backend: object, path: str) -> None:
     """Device copies through the extension module's call and through ctypes: at offsets
