@@ -77,7 +77,7 @@ class CompileCache:
     ``directory`` (default: ``$ASYNCMETAL_CACHE_DIR``, else the user's cache directory).
     ``disk=False`` keeps it in memory only (default: ``$ASYNCMETAL_CACHE``, on unless
     ``0``, ``false``, ``no`` or ``off``). A :class:`CompilePool` takes it:
-    ``CompilePool(cache=CompileCache(path))``.
+    ``CompilePool(cache=CompileCache(directory))``.
     """
 
     def __init__(
