@@ -1728,7 +1728,7 @@ class Allocator:
             errors: list[Exception] = []
             interrupt: KeyboardInterrupt | None = None
 
-            def attempt(fn: Callable[..., object], *args: Any) -> bool:
+            def attempt(fn: Callable[..., object], *args: Any) -> None:
                 nonlocal interrupt
                 try:
                     fn(*args)
@@ -1736,17 +1736,19 @@ class Allocator:
                     errors.append(exc)
                 except KeyboardInterrupt as exc:
                     interrupt = interrupt or exc
-                else:
-                    return True
-                return False
 
-            # (Each cached block, and each ended loan, is taken off before its native
-            # free: done again after one that raised, the next goes on.)
-            while not attempt(self._evict, self.cached):
-                pass
+            # Each cached block, and each ended loan, is taken off before its native
+            # free: done again after one that raised, the next goes on -- as long as
+            # one was taken (an error before that would come again: no end).
+            left = -1
+            while self._cache and len(self._cache) != left:
+                left = len(self._cache)
+                attempt(self._evict, self.cached)
             # Loans that ended before the close (none of their blocks is left to them yet).
-            while not attempt(self._take_returned_after_close):
-                pass
+            left = -1
+            while self._returned and len(self._returned) != left:
+                left = len(self._returned)
+                attempt(self._take_returned_after_close)
             device = self._state.device
             with _closed_blocks_lock:
                 _closed_blocks.update(
