@@ -22,7 +22,7 @@ pytestmark = pytest.mark.anyio
 
 
 class DriverError(RuntimeError):
-    """A native free that failed (injected)."""
+    """A native call that failed (injected): a free, a queue's close."""
 
 
 async def _buffers(dev: am.Device, count: int) -> tuple[list[am.Buffer], list[Any]]:
