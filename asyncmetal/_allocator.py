@@ -1719,9 +1719,36 @@ class Allocator:
             me = threading.get_ident()
             while any(thread != me for thread in self._allocating):
                 self._allocated.wait(ALLOCATING_RECHECK_S)  # (a notify an interrupt cut)
-            self._evict(self.cached)
+            # A native free that fails (or a KeyboardInterrupt in one) stops no other
+            # block's: each block is freed, or put where it waits to be, on its own --
+            # one left to queues is registered at once, where their running out frees
+            # it -- and the first error (an interrupt before any) is raised once all
+            # were. (Raised at once, it would leave the blocks after it allocated for
+            # good, and those left to queues before it unregistered: never freed.)
+            errors: list[Exception] = []
+            interrupt: KeyboardInterrupt | None = None
+
+            def attempt(fn: Callable[..., object], *args: Any) -> None:
+                nonlocal interrupt
+                try:
+                    fn(*args)
+                except Exception as exc:
+                    errors.append(exc)
+                except KeyboardInterrupt as exc:
+                    interrupt = interrupt or exc
+
+            # Each cached block, and each ended loan, is taken off before its native
+            # free: done again after one that raised, the next goes on -- as long as
+            # one was taken (an error before that would come again: no end).
+            left = -1
+            while self._cache and len(self._cache) != left:
+                left = len(self._cache)
+                attempt(self._evict, self.cached)
             # Loans that ended before the close (none of their blocks is left to them yet).
-            self._take_returned_after_close()
+            left = -1
+            while self._returned and len(self._returned) != left:
+                left = len(self._returned)
+                attempt(self._take_returned_after_close)
             device = self._state.device
             with _closed_blocks_lock:
                 _closed_blocks.update(
@@ -1729,22 +1756,8 @@ class Allocator:
                     for block in [*self._live, *self._foreign]
                     if any(q.timeline.device is not device for q in list(block.last_use))
                 )
-            left_to_queues = []
             for block in self._live:
-                if self._uses_left(block):
-                    # Left allocated until those uses passed: other devices' (see
-                    # _settle_foreign_uses), or its own queues' that they abandoned
-                    # (see _uses_left).
-                    left_to_queues.append(block)
-                    continue
-                with self._loans_lock:
-                    left = block.lent > 0  # left allocated until its last loan ends
-                    if left:
-                        self._left_lent.add(block)
-                if not left:
-                    self._state.backend.free(block.handle)
-            with _closed_blocks_lock:
-                _left_to_queues.update((block, self) for block in left_to_queues)
+                attempt(self._close_block, block)
             self._live.clear()
             self._pending.clear()
             self._heaps.clear()
@@ -1757,6 +1770,28 @@ class Allocator:
             self._forget_foreign()
             lenders.discard(self)
             self.in_use = 0
+        if interrupt is not None:
+            raise interrupt
+        if errors:
+            raise errors[0]
+
+    def _close_block(self, block: Block) -> None:
+        """(The close, under the lock.) Free live ``block`` natively, or leave it
+        allocated until its uses that may still run passed (``_left_to_queues``) or its
+        last loan ended (``_left_lent``)."""
+        if self._uses_left(block):
+            # Left allocated until those uses passed: other devices' (see
+            # _settle_foreign_uses), or its own queues' that they abandoned (see
+            # _uses_left).
+            with _closed_blocks_lock:
+                _left_to_queues[block] = self
+            return
+        with self._loans_lock:
+            left = block.lent > 0  # left allocated until its last loan ends
+            if left:
+                self._left_lent.add(block)
+        if not left:
+            self._state.backend.free(block.handle)
 
     def settle_closed_queues(self, state: DeviceState) -> None:
         """Look at once at the pending releases heaped on uses by the queues of

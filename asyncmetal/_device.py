@@ -1548,8 +1548,11 @@ class Device(Singular):
                 thread.join()
         # Each step runs whatever an earlier one raised (a queue's native close that
         # fails still leaves the others, the memory and the backend to release); the
-        # first error is raised once all of them ran.
-        errors: list[Exception] = []
+        # first error is raised once all of them ran. So is a KeyboardInterrupt in one
+        # (a Ctrl-C as the close runs at exit, on the main thread), before any error:
+        # raised at once, it would leave the memory left to queues allocated and the
+        # device noted open for good (its close does not run again).
+        errors: list[BaseException] = []
         kept = set(self._queues)
         for queue in [*self._queues, *(q for q in list(self._idle) if q not in kept)]:
             _attempt(errors, close_native, queue, abandon or queue in blocked)
@@ -1574,6 +1577,9 @@ class Device(Singular):
         _attempt(errors, let_lingering_go)
         state_released(self._state)
         _note_open(self, False)
+        for error in errors:
+            if isinstance(error, KeyboardInterrupt):
+                raise error
         if errors:
             raise errors[0]
 
@@ -1672,11 +1678,12 @@ def _reap(device_ref: weakref.ref[Device], inbox: SimpleQueue[int]) -> None:
         due = time.monotonic() + min(max(wait, REAP_DUTY * took), REAP_LONGEST_S)
 
 
-def _attempt(errors: list[Exception], fn: Callable[..., object], *args: Any) -> None:
-    """``fn(*args)``; an error it raises goes to ``errors`` (see Device._close_native)."""
+def _attempt(errors: list[BaseException], fn: Callable[..., object], *args: Any) -> None:
+    """``fn(*args)``; an error it raises goes to ``errors``, and so does a
+    KeyboardInterrupt (see Device._close_native)."""
     try:
         fn(*args)
-    except Exception as exc:
+    except (Exception, KeyboardInterrupt) as exc:
         errors.append(exc)
 
 
