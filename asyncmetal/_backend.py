@@ -170,6 +170,57 @@ def let_go_everywhere() -> None:
         keep.let_go()
 
 
+# How long a device's close waits for the kernel loads under way (a load may compile for
+# the GPU: cuModuleLoadData's PTX, Metal's pipeline making) to let go of their kernels
+# with the others; one still under way then lets go of its own as it ends.
+LOAD_WAIT_S = 10.0
+
+
+class LoadGate:
+    """A backend's kernel loads against its close. A load is counted from its check until
+    its kernel is registered, under ``lock`` (the registry's, which it was made with):
+    the close refuses new loads, waits until those counted ended (bounded: LOAD_WAIT_S),
+    then takes the registry; a load ending after that -- late -- lets go of its own
+    kernel, and the last late one of what the close left to it (Metal's device)."""
+
+    __slots__ = ("_ended", "_loading", "_message", "_taken", "closed", "lock")
+
+    def __init__(self, lock: threading.Lock, name: str) -> None:
+        self.lock = lock
+        self._ended = threading.Condition(lock)
+        self._loading = 0
+        self.closed = False  # loads refused
+        self._taken = False  # the close took the registry: a load ending now is late
+        self._message = f"device {name} is closed"
+
+    def refused(self) -> ClosedResourceError:
+        return ClosedResourceError(self._message)
+
+    def enter(self) -> None:
+        """Count a load (under the lock); raise ClosedResourceError once refused."""
+        if self.closed:
+            raise self.refused()
+        self._loading += 1
+
+    def end(self) -> bool | None:
+        """A load counted is through (under the lock). None while the close has not taken
+        the registry (the load registers its kernel), else whether it was the last under
+        way: what the close left to the loads is then this one's to let go of."""
+        self._loading -= 1
+        if not self._loading:
+            self._ended.notify_all()
+        return (not self._loading) if self._taken else None
+
+    def close(self) -> int:
+        """Refuse loads from now on, wait for those under way (bounded: LOAD_WAIT_S), and
+        take the registry (under the lock): how many loads are still under way, which
+        end late."""
+        self.closed = True
+        self._ended.wait_for(lambda: not self._loading, LOAD_WAIT_S)
+        self._taken = True
+        return self._loading
+
+
 class Arg(NamedTuple):
     """One launch argument: a native buffer handle plus a byte offset, or a value: an
     int (an int32), or a :class:`~asyncmetal._scalars.Scalar` (its type and bits)."""

@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 import asyncmetal as am
-from asyncmetal.backends.cuda import _backend as cuda_backend
+from asyncmetal import _backend as gate_module
 from asyncmetal.backends.metal import _backend as metal_backend
 from tests.reliability.test_cuda_faults import _Driver, fake_driver
 from tests.support.fakes import metal_sim
@@ -97,7 +97,7 @@ def _closing(backend: Any, closed: threading.Event, how: str) -> Callable[[], ob
     loads (then it waits for those under way), or -- before the fix, the close not
     waiting -- once it returned; ``GIVEN_UP``, once the close returned."""
     if how == WAITED:
-        return lambda: closed.is_set() or getattr(backend, "_loads_closed", False)
+        return lambda: closed.is_set() or backend._loads.closed
     return closed.is_set
 
 
@@ -139,7 +139,7 @@ async def test_a_cuda_load_inside_the_driver_as_the_device_closes_leaves_no_modu
     unloaded the others, and it stayed loaded (one cuModuleLoadData more than
     cuModuleUnload), both ways."""
     if how == GIVEN_UP:
-        monkeypatch.setattr(cuda_backend, "LOAD_WAIT_S", 0.0, raising=False)
+        monkeypatch.setattr(gate_module, "LOAD_WAIT_S", 0.0)
     dev = await am.open_device("cuda:0")
     backend: Any = dev._backend
     params = await dev._params(SRC, "k")
@@ -210,7 +210,7 @@ async def test_a_metal_load_inside_metal_as_the_device_closes_leaves_no_pipeline
     the close had released the others, and stayed alive; the close had released the
     device while the load still sent messages to it."""
     if how == GIVEN_UP:
-        monkeypatch.setattr(metal_backend, "LOAD_WAIT_S", 0.0, raising=False)
+        monkeypatch.setattr(gate_module, "LOAD_WAIT_S", 0.0)
     async with am.open_device("metal") as warm:  # (built now: the compile below loads it)
         await warm.compile(MSL, "k")
     before = metal_sim.live("MTLComputePipelineState")
@@ -277,7 +277,7 @@ async def test_a_metal_load_failing_after_a_close_that_went_on_lets_go_of_the_de
     """A load under way as the close stopped waiting (LOAD_WAIT_S 0), whose pipeline
     Metal then refuses: it raises its CompileError, and it -- the last load under way --
     releases the backend's reference of the device, once, which the close left to it."""
-    monkeypatch.setattr(metal_backend, "LOAD_WAIT_S", 0.0)
+    monkeypatch.setattr(gate_module, "LOAD_WAIT_S", 0.0)
     dev = await am.open_device("metal")
     program = await dev.compile(MSL, "k")
     backend: Any = dev._backend
