@@ -196,6 +196,11 @@ class LoadGate:
     def refused(self) -> ClosedResourceError:
         return ClosedResourceError(self._message)
 
+    def refuse(self) -> None:
+        """Refuse loads from now on (under the lock): the close began, and whatever fails
+        in it, it lets go of the kernels registered -- none registered after that would be."""
+        self.closed = True
+
     def enter(self) -> None:
         """Count a load (under the lock); raise ClosedResourceError once refused."""
         if self.closed:

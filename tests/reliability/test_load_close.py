@@ -16,7 +16,7 @@ import pytest
 import asyncmetal as am
 from asyncmetal import _backend as gate_module
 from asyncmetal.backends.metal import _backend as metal_backend
-from tests.reliability.test_cuda_faults import _Driver, fake_driver
+from tests.reliability.test_cuda_faults import CUresult, _Driver, fake_driver
 from tests.support.fakes import metal_sim
 
 pytestmark = pytest.mark.anyio
@@ -318,3 +318,105 @@ async def test_a_metal_load_failing_after_a_close_that_went_on_lets_go_of_the_de
     thread.join(LIMIT)
     assert len(raised) == 1 and isinstance(raised[0], am.CompileError), raised
     assert len(releases) == 1
+
+
+# A close that fails before it gets to the kernels (a step of its own raising: the freeing
+# thread's stop, the pinned chunks' free) still refuses every load from its start and
+# lets go of every kernel registered: a load after it would otherwise register its kernel
+# with a device that never lets go of it again.
+class _Failing(RuntimeError):
+    pass
+
+
+def _fail_once(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[str]:
+    """``owner.name()`` raises _Failing the first time, then runs as before; the list
+    records the failure."""
+    failed: list[str] = []
+    method = getattr(owner, name)
+
+    def failing(*args: Any) -> Any:
+        if not failed:
+            failed.append(name)
+            raise _Failing(f"{name} failed")
+        return method(*args)
+
+    monkeypatch.setattr(owner, name, failing)
+    return failed
+
+
+def _refused(load: Callable[[], object]) -> bool:
+    """Whether ``load()`` raised ClosedResourceError (else it loaded)."""
+    try:
+        load()
+    except am.ClosedResourceError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("step", ["_stop_freer", "_free_chunks"])
+async def test_a_failing_cuda_close_refuses_loads_and_unloads_its_modules(
+    anyio_backend: object, driver: _Driver, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    """The backend's close raises from ``step``, before its modules part: the module
+    loaded before it is unloaded all the same, and a load after it raises
+    ClosedResourceError, calling no driver function of modules."""
+    dev = await am.open_device("cuda:0")
+    backend: Any = dev._backend
+    backend.load(b"", "k")  # (the backend's own: the device unloads none of it)
+    failed = _fail_once(monkeypatch, backend, step)
+    with pytest.raises(_Failing):
+        await dev.close()
+    assert failed == [step]
+    unloaded = driver.calls.count("cuModuleUnload")
+    refused = _refused(lambda: backend.load(b"", "k"))
+    assert (unloaded, refused, len(backend._modules)) == (1, True, 0)
+    assert driver.calls.count("cuModuleLoadData") == 1
+
+
+async def test_a_cuda_close_failing_before_its_own_steps_refuses_loads(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """The driver cannot say which context is current as the backend's close begins (it
+    raises before any step of its own): a load after it raises ClosedResourceError all
+    the same, calling no driver function of modules."""
+    dev = await am.open_device("cuda:0")
+    backend: Any = dev._backend
+    driver.fail["cuCtxGetCurrent"] = CUresult.CUDA_ERROR_INVALID_CONTEXT
+    with pytest.raises(am.AsyncMetalError):
+        await dev.close()
+    del driver.fail["cuCtxGetCurrent"]
+    refused = _refused(lambda: backend.load(b"", "k"))
+    assert (refused, driver.calls.count("cuModuleLoadData")) == (True, 0)
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=metal, id="metal")])
+async def test_a_failing_metal_close_refuses_loads_and_releases_its_pipelines(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, _: None
+) -> None:
+    """The backend's close raises from its freeing thread's stop, before its pipelines
+    part: the pipeline loaded before it is released all the same, so is the device, and
+    a load after it raises ClosedResourceError, making no pipeline."""
+    before = metal_sim.live("MTLComputePipelineState")
+    dev = await am.open_device("metal")
+    program = await dev.compile(MSL, "k")
+    backend: Any = dev._backend
+    backend.load(program.binary, "k")  # (the backend's own: the device releases none of it)
+    releases: list[int] = []
+    release = metal_backend.release
+
+    def releasing(obj: Any) -> None:
+        if obj == backend.device:
+            releases.append(obj)
+        release(obj)
+
+    monkeypatch.setattr(metal_backend, "release", releasing)
+    failed = _fail_once(monkeypatch, backend._freer, "stop")
+    with pytest.raises(_Failing):
+        await dev.close()
+    assert failed == ["stop"]
+    binary = program.binary
+    refused = _refused(lambda: backend.load(binary, "k"))
+    assert (len(releases), refused, len(backend._pipelines)) == (1, True, 0)
+    del program
+    gc.collect()
+    assert metal_sim.live("MTLComputePipelineState") == before

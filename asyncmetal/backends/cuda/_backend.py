@@ -452,6 +452,8 @@ class CUDABackend(Backend):
         self._retired = []
 
     def close(self) -> None:
+        with self._modules_lock:  # (whatever fails below: see LoadGate.refuse)
+            self._loads.refuse()
         try:
             self._close()
         finally:
@@ -486,23 +488,27 @@ class CUDABackend(Backend):
         # below has them run out: a free's own wait for the streams is no rule to count on.
         self._timelines.close_waits()
         try:
-            self.make_current()
-            self._stop_freer()
-        finally:
-            # What the raised words let run runs out before anything it may use is freed
-            # (the chunks, and the device's memory once this close returned) -- also
-            # where a step above failed, the context made current again for it.
-            with contextlib.suppress(AsyncMetalError):
+            try:
                 self.make_current()
-            cu.cuCtxSynchronize()
-        self._free_chunks()
-        with self._modules_lock:
-            # Loads are refused from now on; those under way end first (bounded: see
-            # LOAD_WAIT_S), their modules unloaded here with the others.
-            self._loads.close()
-            modules, self._modules = self._modules, {}
-            for module in modules.values():
-                cu.cuModuleUnload(module)
+                self._stop_freer()
+            finally:
+                # What the raised words let run runs out before anything it may use is
+                # freed (the chunks, the modules, and the device's memory once this close
+                # returned) -- also where a step above failed, the context made current
+                # again for it.
+                with contextlib.suppress(AsyncMetalError):
+                    self.make_current()
+                cu.cuCtxSynchronize()
+            self._free_chunks()
+        finally:
+            # Also where a step above failed (after the synchronize): loads are refused,
+            # so nothing else would unload the modules. Those under way end first
+            # (bounded: see LOAD_WAIT_S), their modules unloaded here with the others.
+            with self._modules_lock:
+                self._loads.close()
+                modules, self._modules = self._modules, {}
+                for module in modules.values():
+                    cu.cuModuleUnload(module)
         # The primary context stays retained for the life of the process (as the CUDA
         # runtime keeps it): timelines live in its pinned memory and may outlive the
         # device object (a Completion kept around, a loop's watch), so that memory must

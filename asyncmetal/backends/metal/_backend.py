@@ -282,16 +282,22 @@ class MetalBackend(Backend):
         self._freer.forked()  # (the parent's thread: frees in the child release at once)
 
     def close(self) -> None:
-        # The allocator freed everything before, but for buffers that command buffers
-        # its queues abandoned may use, released after this (at once: a command buffer
-        # retains the buffers it uses, so an earlier release would not free them under it).
-        self._freer.stop()
-        with self._pipelines_lock:
-            # Loads are refused from now on; those under way end first (bounded: see
-            # LOAD_WAIT_S), their pipelines released here with the others.
-            loading = self._loads.close()  # (the last of them lets go of the device)
-            pipelines, self._pipelines = self._pipelines, {}
-            for pipeline in pipelines:
-                release(pipeline)
-        if not loading:
-            release(self.device)  # MTLCreateSystemDefaultDevice's reference
+        with self._pipelines_lock:  # (whatever fails below: see LoadGate.refuse)
+            self._loads.refuse()
+        try:
+            # The allocator freed everything before, but for buffers that command buffers
+            # its queues abandoned may use, released after this (at once: a command buffer
+            # retains the buffers it uses, so an earlier release would not free them
+            # under it).
+            self._freer.stop()
+        finally:
+            # Also where the stop failed: loads are refused, so nothing else would release
+            # the pipelines. Those under way end first (bounded: see LOAD_WAIT_S), their
+            # pipelines released here with the others.
+            with self._pipelines_lock:
+                loading = self._loads.close()  # (the last of them lets go of the device)
+                pipelines, self._pipelines = self._pipelines, {}
+                for pipeline in pipelines:
+                    release(pipeline)
+            if not loading:
+                release(self.device)  # MTLCreateSystemDefaultDevice's reference
