@@ -178,10 +178,11 @@ LOAD_WAIT_S = 10.0
 
 class LoadGate:
     """A backend's kernel loads against its close. A load is counted from its check until
-    its kernel is registered, under ``lock`` (the registry's, which it was made with):
-    the close refuses new loads, waits until those counted ended (bounded: LOAD_WAIT_S),
-    then takes the registry; a load ending after that -- late -- lets go of its own
-    kernel, and the last late one of what the close left to it (Metal's device)."""
+    its kernel is registered (``with gate.loading() as load``, then ``load.end()``),
+    under ``lock`` (the registry's, which it was made with): the close refuses new
+    loads, waits until those counted ended (bounded: LOAD_WAIT_S), then takes the
+    registry; a load ending after that -- late -- lets go of its own kernel, and the
+    last late one of what the close left to it (Metal's device)."""
 
     __slots__ = ("_ended", "_loading", "_message", "_taken", "closed", "lock")
 
@@ -201,20 +202,12 @@ class LoadGate:
         in it, it lets go of the kernels registered -- none registered after that would be."""
         self.closed = True
 
-    def enter(self) -> None:
-        """Count a load (under the lock); raise ClosedResourceError once refused."""
-        if self.closed:
-            raise self.refused()
-        self._loading += 1
-
-    def end(self) -> bool | None:
-        """A load counted is through (under the lock). None while the close has not taken
-        the registry (the load registers its kernel), else whether it was the last under
-        way: what the close left to the loads is then this one's to let go of."""
-        self._loading -= 1
-        if not self._loading:
-            self._ended.notify_all()
-        return (not self._loading) if self._taken else None
+    def loading(self, on_last: Callable[[], None] | None = None) -> Load:
+        """A load's count, taken as a ``with`` block begins (ClosedResourceError once
+        refused) and given back by :meth:`Load.end` or as the block ends, whichever
+        comes first; ``on_last`` (what the close left to the loads) runs as the block
+        ends where the load was the last late one."""
+        return Load(self, on_last)
 
     def close(self) -> int:
         """Refuse loads from now on, wait for those under way (bounded: LOAD_WAIT_S), and
@@ -224,6 +217,60 @@ class LoadGate:
         self._ended.wait_for(lambda: not self._loading, LOAD_WAIT_S)
         self._taken = True
         return self._loading
+
+
+class Load:
+    """One load's count at its :class:`LoadGate`, taken and given back as one unit: an
+    asynchronous exception (a KeyboardInterrupt) lands only where the interpreter checks
+    for one -- as a function is entered, as a called C function returns -- so the count
+    and ``counted`` are set with no call between them, ``__enter__`` gives the count back
+    itself where it raises after taking it (the lock's release is such a call), and the
+    ``with`` block's exit gives it back where ``end`` did not. Left up, the close would
+    wait out LOAD_WAIT_S for no load, and on Metal never let go of the device (left to
+    the last load counted)."""
+
+    __slots__ = ("_gate", "_on_last", "counted", "last")
+
+    def __init__(self, gate: LoadGate, on_last: Callable[[], None] | None) -> None:
+        self._gate = gate
+        self._on_last = on_last
+        self.counted = False
+        self.last = False  # the last late load: what the close left is this one's
+
+    def __enter__(self) -> Load:
+        gate = self._gate
+        try:
+            with gate.lock:
+                if gate.closed:
+                    raise gate.refused()
+                gate._loading += 1
+                self.counted = True
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def end(self) -> bool | None:
+        """The load is through (under the lock). None while the close has not taken the
+        registry (the load registers its kernel), else whether it was the last under way:
+        what the close left to the loads is then this one's, let go of as the block ends."""
+        gate = self._gate
+        self.counted = False
+        gate._loading -= 1
+        late = (not gate._loading) if gate._taken else None
+        self.last = late is True
+        if not gate._loading:
+            gate._ended.notify_all()
+        return late
+
+    def __exit__(self, *exc: object) -> None:
+        if self.counted:  # (the load raised before its end)
+            with self._gate.lock:
+                self.end()
+        if self.last:
+            self.last = False
+            if self._on_last is not None:
+                self._on_last()
 
 
 class Arg(NamedTuple):

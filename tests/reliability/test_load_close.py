@@ -5,6 +5,7 @@ of a closed device (the library loaded goes with the close)."""
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -420,3 +421,102 @@ async def test_a_failing_metal_close_refuses_loads_and_releases_its_pipelines(
     del program
     gc.collect()
     assert metal_sim.live("MTLComputePipelineState") == before
+
+
+# A load's count at the gate and its undo are one unit: an asynchronous exception (a
+# KeyboardInterrupt, PyThreadState_SetAsyncExc) lands wherever the interpreter checks for
+# one -- as a function is entered, and as a C function returns to the Python calling it --
+# and wherever it lands in a load, the count is given back. Left up, the close would wait
+# out LOAD_WAIT_S for a load that is not under way, and on Metal never let go of the
+# device (the close leaves that to the last load still counted).
+class _Interrupt(BaseException):
+    """What the profiler raises: an exception no ``except Exception`` takes."""
+
+
+def _interrupted_at(event: int, load: Callable[[], object]) -> bool:
+    """``load()`` with _Interrupt raised at its ``event``-th function entry or C function
+    return (counting from 1); whether it was raised (else the load had fewer)."""
+    seen = 0
+
+    def profiler(frame: object, what: str, arg: object) -> None:
+        nonlocal seen
+        if what in ("call", "c_return"):
+            seen += 1
+            if seen == event:
+                raise _Interrupt(event)  # (the interpreter then drops the profiler)
+
+    kept = sys.getprofile()
+    sys.setprofile(profiler)
+    try:
+        load()
+    except _Interrupt:
+        return True
+    finally:
+        sys.setprofile(kept)
+    return False
+
+
+def _counted(backend: Any) -> int:
+    with backend._loads.lock:
+        return int(backend._loads._loading)
+
+
+MOST_EVENTS = 10_000  # (a load has about fifty, on the fake driver and on the simulated Metal)
+
+
+async def test_a_cuda_load_interrupted_anywhere_gives_its_count_back(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """Every point of a load an asynchronous exception can land, one after another: the
+    gate counts no load afterwards, and the close leaves no module registered. Checked
+    failing without the fix ('[11, 42]'): interrupted as the modules lock was let go of
+    after the count, or as the load entered the gate's end, the load left it up."""
+    dev = await am.open_device("cuda:0")
+    backend: Any = dev._backend
+    left_up: list[int] = []
+    event = 1
+    while _interrupted_at(event, lambda: backend.load(b"", "k")):
+        if _counted(backend):
+            left_up.append(event)
+            with backend._loads.lock:  # (so that the next ones show their own)
+                backend._loads._loading = 0
+        event += 1
+        assert event < MOST_EVENTS
+    assert event > 3 and left_up == [], left_up
+    await dev.close()
+    assert not backend._modules
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=metal, id="metal")])
+async def test_a_metal_load_interrupted_anywhere_gives_its_count_back(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, _: None
+) -> None:
+    """As the cuda test above, on Metal: no load is counted afterwards, and the close --
+    given no time to wait for loads (LOAD_WAIT_S 0) -- lets go of the device itself.
+    Checked failing without the fix ('[5, 46]'): interrupted as the pipelines lock was
+    let go of after the count, or as the load entered the gate's end, it left it up."""
+    monkeypatch.setattr(gate_module, "LOAD_WAIT_S", 0.0)
+    dev = await am.open_device("metal")
+    program = await dev.compile(MSL, "k")
+    backend: Any = dev._backend
+    left_up: list[int] = []
+    event = 1
+    while _interrupted_at(event, lambda: backend.load(program.binary, "k")):
+        if _counted(backend):
+            left_up.append(event)
+            with backend._loads.lock:  # (so that the next ones show their own)
+                backend._loads._loading = 0
+        event += 1
+        assert event < MOST_EVENTS
+    assert event > 3 and left_up == [], left_up
+    releases: list[int] = []
+    release = metal_backend.release
+
+    def releasing(obj: Any) -> None:
+        if obj == backend.device:
+            releases.append(obj)
+        release(obj)
+
+    monkeypatch.setattr(metal_backend, "release", releasing)
+    await dev.close()
+    assert len(releases) == 1 and not backend._pipelines

@@ -304,24 +304,18 @@ class CUDABackend(Backend):
     @keeps_context
     def load(self, binary: bytes, name: str, bindings: tuple[int, ...] | None = None) -> Any:
         refuse_if_lost(f"loading kernel {name!r} on {self.name}")
-        with self._modules_lock:
-            self._loads.enter()
-        try:
+        with self._loads.loading() as load:
             function, module = self._load_module(binary, name)
-        except BaseException:
             with self._modules_lock:
-                self._loads.end()
-            raise
-        with self._modules_lock:
-            late = self._loads.end() is not None
-            if not late:
-                # A CUfunction's address, as the native launch takes it; its module
-                # unloaded by unload() or close().
-                self._modules[int(function)] = module
-        if late:  # (the close went on without it: see LOAD_WAIT_S)
-            self.launch_limits.unloaded(int(function))
-            cu.cuModuleUnload(module)
-            raise self._loads.refused()
+                late = load.end() is not None
+                if not late:
+                    # A CUfunction's address, as the native launch takes it; its module
+                    # unloaded by unload() or close().
+                    self._modules[int(function)] = module
+            if late:  # (the close went on without it: see LOAD_WAIT_S)
+                self.launch_limits.unloaded(int(function))
+                cu.cuModuleUnload(module)
+                raise self._loads.refused()
         return int(function)
 
     def _load_module(self, binary: bytes, name: str) -> tuple[Any, Any]:

@@ -127,26 +127,19 @@ class MetalBackend(Backend):
         return self._compiler
 
     def load(self, binary: bytes, name: str, bindings: tuple[int, ...] | None = None) -> Any:
-        with self._pipelines_lock:
-            self._loads.enter()
-        try:
+        with self._loads.loading(self._release_device) as load:  # (if the last late one)
             kernel = self._load_pipeline(binary, name, bindings)
-        except BaseException:
             with self._pipelines_lock:
-                last = self._loads.end()
-            if last:
-                release(self.device)
-            raise
-        with self._pipelines_lock:
-            late = self._loads.end()
-            if late is None:
-                self._pipelines[kernel.pipeline] = None  # released by unload() or close()
-        if late is not None:  # (the close went on without it: see LOAD_WAIT_S)
-            release(kernel.pipeline)
-            if late:
-                release(self.device)
-            raise self._loads.refused()
+                late = load.end()
+                if late is None:
+                    self._pipelines[kernel.pipeline] = None  # released by unload() or close()
+            if late is not None:  # (the close went on without it: see LOAD_WAIT_S)
+                release(kernel.pipeline)
+                raise self._loads.refused()
         return kernel
+
+    def _release_device(self) -> None:
+        release(self.device)  # MTLCreateSystemDefaultDevice's reference
 
     def _load_pipeline(
         self, binary: bytes, name: str, bindings: tuple[int, ...] | None
@@ -300,4 +293,4 @@ class MetalBackend(Backend):
                 for pipeline in pipelines:
                     release(pipeline)
             if not loading:
-                release(self.device)  # MTLCreateSystemDefaultDevice's reference
+                self._release_device()
