@@ -170,6 +170,109 @@ def let_go_everywhere() -> None:
         keep.let_go()
 
 
+# How long a device's close waits for the kernel loads under way (a load may compile for
+# the GPU: cuModuleLoadData's PTX, Metal's pipeline making) to let go of their kernels
+# with the others; one still under way then lets go of its own as it ends.
+LOAD_WAIT_S = 10.0
+
+
+class LoadGate:
+    """A backend's kernel loads against its close. A load is counted from its check until
+    its kernel is registered (``with gate.loading() as load``, then ``load.end()``),
+    under ``lock`` (the registry's, which it was made with): the close refuses new
+    loads, waits until those counted ended (bounded: LOAD_WAIT_S), then takes the
+    registry; a load ending after that -- late -- lets go of its own kernel, and the
+    last late one of what the close left to it (Metal's device)."""
+
+    __slots__ = ("_ended", "_loading", "_message", "_taken", "closed", "lock")
+
+    def __init__(self, lock: threading.Lock, name: str) -> None:
+        self.lock = lock
+        self._ended = threading.Condition(lock)
+        self._loading = 0
+        self.closed = False  # loads refused
+        self._taken = False  # the close took the registry: a load ending now is late
+        self._message = f"device {name} is closed"
+
+    def refused(self) -> ClosedResourceError:
+        return ClosedResourceError(self._message)
+
+    def refuse(self) -> None:
+        """Refuse loads from now on (under the lock): the close began, and whatever fails
+        in it, it lets go of the kernels registered -- none registered after that would be."""
+        self.closed = True
+
+    def loading(self, on_last: Callable[[], None] | None = None) -> Load:
+        """A load's count, taken as a ``with`` block begins (ClosedResourceError once
+        refused) and given back by :meth:`Load.end` or as the block ends, whichever
+        comes first; ``on_last`` (what the close left to the loads) runs as the block
+        ends where the load was the last late one."""
+        return Load(self, on_last)
+
+    def close(self) -> int:
+        """Refuse loads from now on, wait for those under way (bounded: LOAD_WAIT_S), and
+        take the registry (under the lock): how many loads are still under way, which
+        end late."""
+        self.closed = True
+        self._ended.wait_for(lambda: not self._loading, LOAD_WAIT_S)
+        self._taken = True
+        return self._loading
+
+
+class Load:
+    """One load's count at its :class:`LoadGate`, taken and given back as one unit: an
+    asynchronous exception (a KeyboardInterrupt) lands only where the interpreter checks
+    for one -- as a function is entered, as a called C function returns -- so the count
+    and ``counted`` are set with no call between them, ``__enter__`` gives the count back
+    itself where it raises after taking it (the lock's release is such a call), and the
+    ``with`` block's exit gives it back where ``end`` did not. Left up, the close would
+    wait out LOAD_WAIT_S for no load, and on Metal never let go of the device (left to
+    the last load counted)."""
+
+    __slots__ = ("_gate", "_on_last", "counted", "last")
+
+    def __init__(self, gate: LoadGate, on_last: Callable[[], None] | None) -> None:
+        self._gate = gate
+        self._on_last = on_last
+        self.counted = False
+        self.last = False  # the last late load: what the close left is this one's
+
+    def __enter__(self) -> Load:
+        gate = self._gate
+        try:
+            with gate.lock:
+                if gate.closed:
+                    raise gate.refused()
+                gate._loading += 1
+                self.counted = True
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def end(self) -> bool | None:
+        """The load is through (under the lock). None while the close has not taken the
+        registry (the load registers its kernel), else whether it was the last under way:
+        what the close left to the loads is then this one's, let go of as the block ends."""
+        gate = self._gate
+        self.counted = False
+        gate._loading -= 1
+        late = (not gate._loading) if gate._taken else None
+        self.last = late is True
+        if not gate._loading:
+            gate._ended.notify_all()
+        return late
+
+    def __exit__(self, *exc: object) -> None:
+        if self.counted:  # (the load raised before its end)
+            with self._gate.lock:
+                self.end()
+        if self.last:
+            self.last = False
+            if self._on_last is not None:
+                self._on_last()
+
+
 class Arg(NamedTuple):
     """One launch argument: a native buffer handle plus a byte offset, or a value: an
     int (an int32), or a :class:`~asyncmetal._scalars.Scalar` (its type and bits)."""

@@ -5,6 +5,7 @@ of a closed device (the library loaded goes with the close)."""
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -14,9 +15,9 @@ import anyio
 import pytest
 
 import asyncmetal as am
-from asyncmetal.backends.cuda import _backend as cuda_backend
+from asyncmetal import _backend as gate_module
 from asyncmetal.backends.metal import _backend as metal_backend
-from tests.reliability.test_cuda_faults import _Driver, fake_driver
+from tests.reliability.test_cuda_faults import CUresult, _Driver, fake_driver
 from tests.support.fakes import metal_sim
 
 pytestmark = pytest.mark.anyio
@@ -97,7 +98,7 @@ def _closing(backend: Any, closed: threading.Event, how: str) -> Callable[[], ob
     loads (then it waits for those under way), or -- before the fix, the close not
     waiting -- once it returned; ``GIVEN_UP``, once the close returned."""
     if how == WAITED:
-        return lambda: closed.is_set() or getattr(backend, "_loads_closed", False)
+        return lambda: closed.is_set() or backend._loads.closed
     return closed.is_set
 
 
@@ -139,7 +140,7 @@ async def test_a_cuda_load_inside_the_driver_as_the_device_closes_leaves_no_modu
     unloaded the others, and it stayed loaded (one cuModuleLoadData more than
     cuModuleUnload), both ways."""
     if how == GIVEN_UP:
-        monkeypatch.setattr(cuda_backend, "LOAD_WAIT_S", 0.0, raising=False)
+        monkeypatch.setattr(gate_module, "LOAD_WAIT_S", 0.0)
     dev = await am.open_device("cuda:0")
     backend: Any = dev._backend
     params = await dev._params(SRC, "k")
@@ -210,7 +211,7 @@ async def test_a_metal_load_inside_metal_as_the_device_closes_leaves_no_pipeline
     the close had released the others, and stayed alive; the close had released the
     device while the load still sent messages to it."""
     if how == GIVEN_UP:
-        monkeypatch.setattr(metal_backend, "LOAD_WAIT_S", 0.0, raising=False)
+        monkeypatch.setattr(gate_module, "LOAD_WAIT_S", 0.0)
     async with am.open_device("metal") as warm:  # (built now: the compile below loads it)
         await warm.compile(MSL, "k")
     before = metal_sim.live("MTLComputePipelineState")
@@ -277,7 +278,7 @@ async def test_a_metal_load_failing_after_a_close_that_went_on_lets_go_of_the_de
     """A load under way as the close stopped waiting (LOAD_WAIT_S 0), whose pipeline
     Metal then refuses: it raises its CompileError, and it -- the last load under way --
     releases the backend's reference of the device, once, which the close left to it."""
-    monkeypatch.setattr(metal_backend, "LOAD_WAIT_S", 0.0)
+    monkeypatch.setattr(gate_module, "LOAD_WAIT_S", 0.0)
     dev = await am.open_device("metal")
     program = await dev.compile(MSL, "k")
     backend: Any = dev._backend
@@ -318,3 +319,204 @@ async def test_a_metal_load_failing_after_a_close_that_went_on_lets_go_of_the_de
     thread.join(LIMIT)
     assert len(raised) == 1 and isinstance(raised[0], am.CompileError), raised
     assert len(releases) == 1
+
+
+# A close that fails before it gets to the kernels (a step of its own raising: the freeing
+# thread's stop, the pinned chunks' free) still refuses every load from its start and
+# lets go of every kernel registered: a load after it would otherwise register its kernel
+# with a device that never lets go of it again.
+class _Failing(RuntimeError):
+    pass
+
+
+def _fail_once(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[str]:
+    """``owner.name()`` raises _Failing the first time, then runs as before; the list
+    records the failure."""
+    failed: list[str] = []
+    method = getattr(owner, name)
+
+    def failing(*args: Any) -> Any:
+        if not failed:
+            failed.append(name)
+            raise _Failing(f"{name} failed")
+        return method(*args)
+
+    monkeypatch.setattr(owner, name, failing)
+    return failed
+
+
+def _refused(load: Callable[[], object]) -> bool:
+    """Whether ``load()`` raised ClosedResourceError (else it loaded)."""
+    try:
+        load()
+    except am.ClosedResourceError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("step", ["_stop_freer", "_free_chunks"])
+async def test_a_failing_cuda_close_refuses_loads_and_unloads_its_modules(
+    anyio_backend: object, driver: _Driver, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    """The backend's close raises from ``step``, before its modules part: the module
+    loaded before it is unloaded all the same, and a load after it raises
+    ClosedResourceError, calling no driver function of modules."""
+    dev = await am.open_device("cuda:0")
+    backend: Any = dev._backend
+    backend.load(b"", "k")  # (the backend's own: the device unloads none of it)
+    failed = _fail_once(monkeypatch, backend, step)
+    with pytest.raises(_Failing):
+        await dev.close()
+    assert failed == [step]
+    unloaded = driver.calls.count("cuModuleUnload")
+    refused = _refused(lambda: backend.load(b"", "k"))
+    assert (unloaded, refused, len(backend._modules)) == (1, True, 0)
+    assert driver.calls.count("cuModuleLoadData") == 1
+
+
+async def test_a_cuda_close_failing_before_its_own_steps_refuses_loads(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """The driver cannot say which context is current as the backend's close begins (it
+    raises before any step of its own): a load after it raises ClosedResourceError all
+    the same, calling no driver function of modules."""
+    dev = await am.open_device("cuda:0")
+    backend: Any = dev._backend
+    driver.fail["cuCtxGetCurrent"] = CUresult.CUDA_ERROR_INVALID_CONTEXT
+    with pytest.raises(am.AsyncMetalError):
+        await dev.close()
+    del driver.fail["cuCtxGetCurrent"]
+    refused = _refused(lambda: backend.load(b"", "k"))
+    assert (refused, driver.calls.count("cuModuleLoadData")) == (True, 0)
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=metal, id="metal")])
+async def test_a_failing_metal_close_refuses_loads_and_releases_its_pipelines(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, _: None
+) -> None:
+    """The backend's close raises from its freeing thread's stop, before its pipelines
+    part: the pipeline loaded before it is released all the same, so is the device, and
+    a load after it raises ClosedResourceError, making no pipeline."""
+    before = metal_sim.live("MTLComputePipelineState")
+    dev = await am.open_device("metal")
+    program = await dev.compile(MSL, "k")
+    backend: Any = dev._backend
+    backend.load(program.binary, "k")  # (the backend's own: the device releases none of it)
+    releases: list[int] = []
+    release = metal_backend.release
+
+    def releasing(obj: Any) -> None:
+        if obj == backend.device:
+            releases.append(obj)
+        release(obj)
+
+    monkeypatch.setattr(metal_backend, "release", releasing)
+    failed = _fail_once(monkeypatch, backend._freer, "stop")
+    with pytest.raises(_Failing):
+        await dev.close()
+    assert failed == ["stop"]
+    binary = program.binary
+    refused = _refused(lambda: backend.load(binary, "k"))
+    assert (len(releases), refused, len(backend._pipelines)) == (1, True, 0)
+    del program
+    gc.collect()
+    assert metal_sim.live("MTLComputePipelineState") == before
+
+
+# A load's count at the gate and its undo are one unit: an asynchronous exception (a
+# KeyboardInterrupt, PyThreadState_SetAsyncExc) lands wherever the interpreter checks for
+# one -- as a function is entered, and as a C function returns to the Python calling it --
+# and wherever it lands in a load, the count is given back. Left up, the close would wait
+# out LOAD_WAIT_S for a load that is not under way, and on Metal never let go of the
+# device (the close leaves that to the last load still counted).
+class _Interrupt(BaseException):
+    """What the profiler raises: an exception no ``except Exception`` takes."""
+
+
+def _interrupted_at(event: int, load: Callable[[], object]) -> bool:
+    """``load()`` with _Interrupt raised at its ``event``-th function entry or C function
+    return (counting from 1); whether it was raised (else the load had fewer)."""
+    seen = 0
+
+    def profiler(frame: object, what: str, arg: object) -> None:
+        nonlocal seen
+        if what in ("call", "c_return"):
+            seen += 1
+            if seen == event:
+                raise _Interrupt(event)  # (the interpreter then drops the profiler)
+
+    kept = sys.getprofile()
+    sys.setprofile(profiler)
+    try:
+        load()
+    except _Interrupt:
+        return True
+    finally:
+        sys.setprofile(kept)
+    return False
+
+
+def _counted(backend: Any) -> int:
+    with backend._loads.lock:
+        return int(backend._loads._loading)
+
+
+MOST_EVENTS = 10_000  # (a load has about fifty, on the fake driver and on the simulated Metal)
+
+
+async def test_a_cuda_load_interrupted_anywhere_gives_its_count_back(
+    anyio_backend: object, driver: _Driver
+) -> None:
+    """Every point of a load an asynchronous exception can land, one after another: the
+    gate counts no load afterwards, and the close leaves no module registered. Checked
+    failing without the fix ('[11, 42]'): interrupted as the modules lock was let go of
+    after the count, or as the load entered the gate's end, the load left it up."""
+    dev = await am.open_device("cuda:0")
+    backend: Any = dev._backend
+    left_up: list[int] = []
+    event = 1
+    while _interrupted_at(event, lambda: backend.load(b"", "k")):
+        if _counted(backend):
+            left_up.append(event)
+            with backend._loads.lock:  # (so that the next ones show their own)
+                backend._loads._loading = 0
+        event += 1
+        assert event < MOST_EVENTS
+    assert event > 3 and left_up == [], left_up
+    await dev.close()
+    assert not backend._modules
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=metal, id="metal")])
+async def test_a_metal_load_interrupted_anywhere_gives_its_count_back(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, _: None
+) -> None:
+    """As the cuda test above, on Metal: no load is counted afterwards, and the close --
+    given no time to wait for loads (LOAD_WAIT_S 0) -- lets go of the device itself.
+    Checked failing without the fix ('[5, 46]'): interrupted as the pipelines lock was
+    let go of after the count, or as the load entered the gate's end, it left it up."""
+    monkeypatch.setattr(gate_module, "LOAD_WAIT_S", 0.0)
+    dev = await am.open_device("metal")
+    program = await dev.compile(MSL, "k")
+    backend: Any = dev._backend
+    left_up: list[int] = []
+    event = 1
+    while _interrupted_at(event, lambda: backend.load(program.binary, "k")):
+        if _counted(backend):
+            left_up.append(event)
+            with backend._loads.lock:  # (so that the next ones show their own)
+                backend._loads._loading = 0
+        event += 1
+        assert event < MOST_EVENTS
+    assert event > 3 and left_up == [], left_up
+    releases: list[int] = []
+    release = metal_backend.release
+
+    def releasing(obj: Any) -> None:
+        if obj == backend.device:
+            releases.append(obj)
+        release(obj)
+
+    monkeypatch.setattr(metal_backend, "release", releasing)
+    await dev.close()
+    assert len(releases) == 1 and not backend._pipelines

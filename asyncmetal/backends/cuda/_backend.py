@@ -10,9 +10,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ... import _native
-from ..._backend import Backend, DeviceInfo, NativeQueue, NativeTimeline, StreamUse, Timelines
+from ..._backend import (
+    Backend,
+    DeviceInfo,
+    LoadGate,
+    NativeQueue,
+    NativeTimeline,
+    StreamUse,
+    Timelines,
+)
 from ..._compile import Compiler
-from ..._errors import AsyncMetalError, ClosedResourceError
+from ..._errors import AsyncMetalError
 from . import _driver
 from ._compiler import CUDACompiler
 from ._driver import (
@@ -44,10 +52,6 @@ _listed: list[str] = []  # the devices the driver listed last
 
 # The name of the threads that free memory let go of after its device closed.
 AFTER_CLOSE = "asyncmetal-cuda-free-after-close"
-# How long a close waits for the loads under way (cuModuleLoadData may compile PTX for
-# the GPU) to unload their modules with the others; one still under way then unloads its
-# own as it ends, on the primary context the close keeps retained.
-LOAD_WAIT_S = 10.0
 
 
 class CUDABackend(Backend):
@@ -153,14 +157,10 @@ class CUDABackend(Backend):
         install_driver(self.lib)
         self._modules: dict[int, Any] = {}  # by the kernel loaded from it
         self._modules_lock = threading.Lock()
-        # Loads between their check and their module's registration, counted under the
-        # modules lock: the close refuses new ones (_loads_closed), waits until those
-        # counted ended (_loads_ended), then takes the modules (_modules_taken: a load
-        # ending after that unloads its own).
-        self._loading = 0
-        self._loads_ended = threading.Condition(self._modules_lock)
-        self._loads_closed = False
-        self._modules_taken = False
+        # Loads between their check and their module's registration, against the close
+        # (LoadGate): one ending after the close took the modules unloads its own, on the
+        # primary context the close keeps retained.
+        self._loads = LoadGate(self._modules_lock, self.name)
         self._timelines = Timelines()
         self._slot_arenas: list[Pinned] = []
         self._free_slots: list[int] = []
@@ -304,34 +304,19 @@ class CUDABackend(Backend):
     @keeps_context
     def load(self, binary: bytes, name: str, bindings: tuple[int, ...] | None = None) -> Any:
         refuse_if_lost(f"loading kernel {name!r} on {self.name}")
-        with self._modules_lock:
-            if self._loads_closed:
-                raise ClosedResourceError(f"device {self.name} is closed")
-            self._loading += 1
-        try:
+        with self._loads.loading() as load:
             function, module = self._load_module(binary, name)
-        except BaseException:
             with self._modules_lock:
-                self._load_ended()
-            raise
-        with self._modules_lock:
-            self._load_ended()
-            late = self._modules_taken
-            if not late:
-                # A CUfunction's address, as the native launch takes it; its module
-                # unloaded by unload() or close().
-                self._modules[int(function)] = module
-        if late:  # (the close went on without it: see LOAD_WAIT_S)
-            self.launch_limits.unloaded(int(function))
-            cu.cuModuleUnload(module)
-            raise ClosedResourceError(f"device {self.name} is closed")
+                late = load.end() is not None
+                if not late:
+                    # A CUfunction's address, as the native launch takes it; its module
+                    # unloaded by unload() or close().
+                    self._modules[int(function)] = module
+            if late:  # (the close went on without it: see LOAD_WAIT_S)
+                self.launch_limits.unloaded(int(function))
+                cu.cuModuleUnload(module)
+                raise self._loads.refused()
         return int(function)
-
-    def _load_ended(self) -> None:
-        """A load counted is through (under the modules lock)."""
-        self._loading -= 1
-        if not self._loading:
-            self._loads_ended.notify_all()
 
     def _load_module(self, binary: bytes, name: str) -> tuple[Any, Any]:
         """Kernel ``name`` of ``binary``, loaded: its CUfunction and its module."""
@@ -464,6 +449,8 @@ class CUDABackend(Backend):
         self._retired = []
 
     def close(self) -> None:
+        with self._modules_lock:  # (whatever fails below: see LoadGate.refuse)
+            self._loads.refuse()
         try:
             self._close()
         finally:
@@ -498,25 +485,27 @@ class CUDABackend(Backend):
         # below has them run out: a free's own wait for the streams is no rule to count on.
         self._timelines.close_waits()
         try:
-            self.make_current()
-            self._stop_freer()
-        finally:
-            # What the raised words let run runs out before anything it may use is freed
-            # (the chunks, and the device's memory once this close returned) -- also
-            # where a step above failed, the context made current again for it.
-            with contextlib.suppress(AsyncMetalError):
+            try:
                 self.make_current()
-            cu.cuCtxSynchronize()
-        self._free_chunks()
-        with self._modules_lock:
-            # Loads are refused from now on; those under way end first (bounded: see
-            # LOAD_WAIT_S), their modules unloaded here with the others.
-            self._loads_closed = True
-            self._loads_ended.wait_for(lambda: not self._loading, LOAD_WAIT_S)
-            self._modules_taken = True
-            modules, self._modules = self._modules, {}
-            for module in modules.values():
-                cu.cuModuleUnload(module)
+                self._stop_freer()
+            finally:
+                # What the raised words let run runs out before anything it may use is
+                # freed (the chunks, the modules, and the device's memory once this close
+                # returned) -- also where a step above failed, the context made current
+                # again for it.
+                with contextlib.suppress(AsyncMetalError):
+                    self.make_current()
+                cu.cuCtxSynchronize()
+            self._free_chunks()
+        finally:
+            # Also where a step above failed (after the synchronize): loads are refused,
+            # so nothing else would unload the modules. Those under way end first
+            # (bounded: see LOAD_WAIT_S), their modules unloaded here with the others.
+            with self._modules_lock:
+                self._loads.close()
+                modules, self._modules = self._modules, {}
+                for module in modules.values():
+                    cu.cuModuleUnload(module)
         # The primary context stays retained for the life of the process (as the CUDA
         # runtime keeps it): timelines live in its pinned memory and may outlive the
         # device object (a Completion kept around, a loop's watch), so that memory must

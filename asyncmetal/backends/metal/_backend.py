@@ -13,12 +13,13 @@ from ... import _native
 from ..._backend import (
     Backend,
     DeviceInfo,
+    LoadGate,
     NativeQueue,
     NativeTimeline,
     Timelines,
 )
 from ..._compile import Compiler
-from ..._errors import AsyncMetalError, ClosedResourceError, CompileError, DeviceNotFoundError
+from ..._errors import AsyncMetalError, CompileError, DeviceNotFoundError
 from ..._threads import Freer
 from . import _blocks
 from ._compiler import MetalCompiler
@@ -35,10 +36,6 @@ from ._objc import (
 from ._queue import STORAGE_SHARED, MetalKernel, MetalQueue, MetalTimeline, MTLSize
 
 PAGE = mmap.PAGESIZE  # no-copy wrappers cover whole pages (16 KiB on Apple silicon)
-# How long a close waits for the loads under way (a pipeline's making compiles for the
-# GPU) to release their pipelines with the others; one still under way then releases its
-# own as it ends, and the last of them the device.
-LOAD_WAIT_S = 10.0
 
 
 class MetalBackend(Backend):
@@ -111,15 +108,10 @@ class MetalBackend(Backend):
         self.live_allocations = 0
         self._pipelines: dict[int, None] = {}  # loaded, not unloaded yet
         self._pipelines_lock = threading.Lock()
-        # Loads between their check and their pipeline's registration, counted under the
-        # pipelines lock: the close refuses new ones (_loads_closed), waits until those
-        # counted ended (_loads_ended), then takes the pipelines (_pipelines_taken: a
-        # load ending after that releases its own) and lets go of the device, unless a
-        # load is still under way (the last one does).
-        self._loading = 0
-        self._loads_ended = threading.Condition(self._pipelines_lock)
-        self._loads_closed = False
-        self._pipelines_taken = False
+        # Loads between their check and their pipeline's registration, against the close
+        # (LoadGate): one ending after the close took the pipelines releases its own; the
+        # close lets go of the device, unless a load is still under way (the last one does).
+        self._loads = LoadGate(self._pipelines_lock, self._info.name)
         self._timelines = Timelines()
         # Releasing a buffer lets go of its memory (its pages unmapped: time in proportion
         # to its size), and frees come from the loop: always on this thread (see Freer),
@@ -135,37 +127,19 @@ class MetalBackend(Backend):
         return self._compiler
 
     def load(self, binary: bytes, name: str, bindings: tuple[int, ...] | None = None) -> Any:
-        with self._pipelines_lock:
-            if self._loads_closed:
-                raise ClosedResourceError(f"device {self._info.name} is closed")
-            self._loading += 1
-        try:
+        with self._loads.loading(self._release_device) as load:  # (if the last late one)
             kernel = self._load_pipeline(binary, name, bindings)
-        except BaseException:
             with self._pipelines_lock:
-                last = self._load_ended()
-            if last:
-                release(self.device)
-            raise
-        with self._pipelines_lock:
-            late = self._load_ended()
-            if late is None:
-                self._pipelines[kernel.pipeline] = None  # released by unload() or close()
-        if late is not None:  # (the close went on without it: see LOAD_WAIT_S)
-            release(kernel.pipeline)
-            if late:
-                release(self.device)
-            raise ClosedResourceError(f"device {self._info.name} is closed")
+                late = load.end()
+                if late is None:
+                    self._pipelines[kernel.pipeline] = None  # released by unload() or close()
+            if late is not None:  # (the close went on without it: see LOAD_WAIT_S)
+                release(kernel.pipeline)
+                raise self._loads.refused()
         return kernel
 
-    def _load_ended(self) -> bool | None:
-        """A load counted is through (under the pipelines lock). None while the close
-        has not taken the pipelines, else whether it was the last under way: the device
-        is then the load's to let go of."""
-        self._loading -= 1
-        if not self._loading:
-            self._loads_ended.notify_all()
-        return (not self._loading) if self._pipelines_taken else None
+    def _release_device(self) -> None:
+        release(self.device)  # MTLCreateSystemDefaultDevice's reference
 
     def _load_pipeline(
         self, binary: bytes, name: str, bindings: tuple[int, ...] | None
@@ -301,19 +275,22 @@ class MetalBackend(Backend):
         self._freer.forked()  # (the parent's thread: frees in the child release at once)
 
     def close(self) -> None:
-        # The allocator freed everything before, but for buffers that command buffers
-        # its queues abandoned may use, released after this (at once: a command buffer
-        # retains the buffers it uses, so an earlier release would not free them under it).
-        self._freer.stop()
-        with self._pipelines_lock:
-            # Loads are refused from now on; those under way end first (bounded: see
-            # LOAD_WAIT_S), their pipelines released here with the others.
-            self._loads_closed = True
-            self._loads_ended.wait_for(lambda: not self._loading, LOAD_WAIT_S)
-            self._pipelines_taken = True
-            pipelines, self._pipelines = self._pipelines, {}
-            for pipeline in pipelines:
-                release(pipeline)
-            loading = self._loading  # (the last of them lets go of the device)
-        if not loading:
-            release(self.device)  # MTLCreateSystemDefaultDevice's reference
+        with self._pipelines_lock:  # (whatever fails below: see LoadGate.refuse)
+            self._loads.refuse()
+        try:
+            # The allocator freed everything before, but for buffers that command buffers
+            # its queues abandoned may use, released after this (at once: a command buffer
+            # retains the buffers it uses, so an earlier release would not free them
+            # under it).
+            self._freer.stop()
+        finally:
+            # Also where the stop failed: loads are refused, so nothing else would release
+            # the pipelines. Those under way end first (bounded: see LOAD_WAIT_S), their
+            # pipelines released here with the others.
+            with self._pipelines_lock:
+                loading = self._loads.close()  # (the last of them lets go of the device)
+                pipelines, self._pipelines = self._pipelines, {}
+                for pipeline in pipelines:
+                    release(pipeline)
+            if not loading:
+                self._release_device()
