@@ -303,6 +303,10 @@ class Device(Singular):
         self._timelines: weakref.WeakSet[Timeline] = weakref.WeakSet()  # from timeline()
         self._closing: HostEvents | None = None  # reaches 1 once a close has finished
         self._torn_down = False  # a close's teardown has begun (on its thread)
+        # A close whose teardown could not begin (its loop not made) and why: the closes
+        # that waited for it raise that.
+        self._unstarted: tuple[HostEvents, BaseException] | None = None
+        self._starting = 0  # close threads started that have not ended
         # Its close drops what has not started (close(discard=), or a KeyboardInterrupt
         # reached it): what the dropped commands' errors say did it (discard's why).
         self._discarding: str | None = None
@@ -1253,6 +1257,7 @@ class Device(Singular):
             # it, see _teardown): a KeyboardInterrupt may have stopped an earlier close
             # anywhere before its thread ran, and nothing else would ever end it.
             closing, starts = self._closing, not self._torn_down
+            self._starting += starts
         if closing is None:
             return  # closed without a teardown (a forked child's, at exit)
         if discard:
@@ -1266,10 +1271,43 @@ class Device(Singular):
             # nor trio's KeyboardInterrupt, which trio raises in its main task also inside
             # a shielded scope (and, between checkpoints, in whatever Python code runs).
             run = functools.partial(self._teardown, closing, failed)
-            threading.Thread(target=anyio.run, args=(run,), name="asyncmetal close").start()
+            args = (run, closing, failed)
+            threading.Thread(target=self._tear_down, args=args, name="asyncmetal close").start()
         await _until_closed(closing, self._interrupted)  # (another close's, or this one's)
         if failed:
             raise failed[0]
+        unstarted = self._unstarted
+        if unstarted is not None and unstarted[0] is closing:  # (another close's start)
+            raise unstarted[1]
+
+    def _tear_down(
+        self,
+        run: Callable[[], Coroutine[Any, Any, None]],
+        closing: HostEvents,
+        failed: list[BaseException],
+    ) -> None:
+        """A close's thread: ``run`` (its teardown) on a loop of its own. Where that
+        loop could not be made (no file descriptor left for its selector or its wake-up
+        pipe: EMFILE) and no other close's thread is still to begin the teardown, it
+        never began and nothing else would end the close's waits: they end, raising
+        that error, and the device stays open for a later close (which starts afresh)
+        or the one at exit."""
+        try:
+            anyio.run(run)
+        except BaseException as exc:
+            with self._close_lock:
+                self._starting -= 1
+                ends = not self._torn_down and not self._starting
+                if ends:
+                    self._closing = None
+                    self._unstarted = (closing, exc)
+            if not ends:
+                raise  # (the teardown, begun, counts its waits out itself)
+            failed.append(exc)
+            closing.increment()
+        else:
+            with self._close_lock:
+                self._starting -= 1
 
     def _interrupted(self) -> None:
         """A KeyboardInterrupt reached a task waiting for this device's close: what has
