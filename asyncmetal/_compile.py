@@ -717,10 +717,12 @@ _NOT_RETURN_TYPE = frozenset(
 # What a source's functions return and take by value, where the source as written does
 # not say (a type a header or a macro makes: ``sigset_t``, a typedef of a struct), is
 # asked of the C compiler itself: ``signature_checks`` writes C that the compile appends
-# to the source, three lines for each such return type or parameter -- its class (GCC's
-# and clang's ``__builtin_classify_type``) and size as an enum's constants, then an array
-# type whose size is negative (an error) where it is a struct or union, then one whose
-# size is negative where it is no pointer or scalar of at most 8 bytes. Each line is
+# to the source, lines for each such return type or parameter -- its class (GCC's and
+# clang's ``__builtin_classify_type``) and size as an enum's constants (a parameter's
+# also whether it is an array: its type is not that of the value it decays to), then,
+# for a parameter, an array type whose size is negative (an error) where it is an array,
+# then one whose size is negative where it is a struct or union, then one whose size is
+# negative where it is no pointer or scalar of at most 8 bytes. Each line is
 # under a file name of its own (a ``#line``), ``SIGNATURE_CHECKS_FILE-<check>-<line>``,
 # which every format of the compiler's diagnostics (text, GCC's JSON and SARIF, clang's
 # msvc and vi styles...) names as it is: which of those lines have diagnostics tells what
@@ -745,8 +747,9 @@ _QUIET = (
     'ignored "-Wimplicit-function-declaration"',  # (a call of one the preprocessor drops)
     'ignored "-Wc++-compat"',
     'ignored "-Wtraditional"',
+    'ignored "-Wunused-value"',  # (the comma that decays an array)
 )
-_CHECK_LINES = ("read", "record", "other")
+_CHECK_LINES = ("read", "array", "record", "other")
 _REGISTER = re.compile(r"\bregister\b")
 _CHECKED_LINE = re.compile(rf"{re.escape(SIGNATURE_CHECKS_FILE)}-(\d+)-({'|'.join(_CHECK_LINES)})")
 
@@ -806,23 +809,40 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
     lines: list[str] = []
 
     def check(made: str, value: str, what: SignatureCheck) -> None:
-        """The three lines of the check of ``value``'s type (``made``: what declares
-        what ``value`` names, on the first line before it)."""
+        """The lines of the check of ``value``'s type (``made``: what declares what
+        ``value`` names, on the first line before it); a parameter's (``what.param``)
+        check whether it is an array too."""
         i = len(checked)
         kind, size = f"asyncmetal_class_{i}", f"asyncmetal_size_{i}"
         callable_ = " || ".join(f"{kind} == {c}" for c in _CALLABLE_CLASSES)
         record = " || ".join(f"{kind} == {c}" for c in _RECORD_CLASSES)
-        made += f"enum {{ {kind} = __builtin_classify_type({value}), {size} = sizeof({value}) }};"
-        for line, each in zip(
-            _CHECK_LINES,
-            (
-                made,
-                f"typedef char asyncmetal_record_{i}[{record} ? -1 : 1];",
-                f"typedef char asyncmetal_other_{i}[({callable_}) && {size} <= 8 ? 1 : -1];",
-            ),
-            strict=True,
-        ):
-            lines.extend((f'#line 1 "{SIGNATURE_CHECKS_FILE}-{i}-{line}"', each))
+        # (an array's class and size are those of the pointer it decays to and of the
+        # array: a header's array typedef, ``jmp_buf``, ``va_list``, would be read as a
+        # pointer, or a pointer too large, where the parameter is a pointer a launch
+        # value is not. The comma decays an array and leaves any other type as it is,
+        # less its qualifiers, which the comparison ignores but for clang's ``_Atomic``:
+        # it is made of the pointer class alone, which an array decays to)
+        tested = {
+            "array": f"{kind} == 5 && !__builtin_types_compatible_p(__typeof__({value}), "
+            f"__typeof__((0, {value})))",
+            "record": record,
+            "other": f"!(({callable_}) && {size} <= 8)",
+        }
+        if what.param is None:
+            del tested["array"]  # (no function returns an array)
+        made += (
+            f"enum {{ {kind} = __builtin_classify_type({value}), {size} = sizeof({value})"
+            + "".join(f", asyncmetal_{line}_is_{i} = {test}" for line, test in tested.items())
+            + " };"
+        )
+        lines.extend((f'#line 1 "{SIGNATURE_CHECKS_FILE}-{i}-read"', made))
+        for line in tested:
+            lines.extend(
+                (
+                    f'#line 1 "{SIGNATURE_CHECKS_FILE}-{i}-{line}"',
+                    f"typedef char asyncmetal_{line}_{i}[asyncmetal_{line}_is_{i} ? -1 : 1];",
+                )
+            )
         checked.append(what)
 
     for name, each in heads.items():
@@ -912,12 +932,20 @@ def refused_signature(log: str, checked: tuple[SignatureCheck, ...]) -> CompileE
     """The CompileError of the first of the ``checked`` types (``signature_checks``) that
     the compile's ``log`` (in any of the compiler's diagnostics formats) says its checks
     refused: one whose class and size were read (its first line has no diagnostic) but
-    whose second or third line has one. None where none was refused so."""
+    whose other lines have one. None where none was refused so."""
     named = {(int(i), line) for i, line in _CHECKED_LINE.findall(log)}
     for i, (name, spelled, param) in enumerate(checked):
-        if (i, "read") in named or not {(i, "record"), (i, "other")} & named:
+        if (i, "read") in named or not {(i, line) for line in _CHECK_LINES[1:]} & named:
             continue
-        if (i, "record") in named:
+        if (i, "array") in named:
+            what = (
+                "which the compiler says is an array (a header's typedef of one: jmp_buf, "
+                "va_list...): a parameter of an array type is a pointer to its first "
+                "element, an address, which the source does not show: a launch would pass "
+                "it a value (buffers' addresses go to parameters the source declares "
+                "pointers)"
+            )
+        elif (i, "record") in named:
             what = "which the compiler says is a struct or union: the C calling convention "
             what += (
                 "returns one through memory (a hidden address, which a launch, calling the "

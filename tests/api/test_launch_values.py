@@ -435,6 +435,8 @@ typedef double real64_t;
 typedef void nothing_t;
 typedef _Bool flag_t;
 typedef enum { NO, YES } answer_t;
+typedef long long cell_t[1];
+typedef _Atomic int atomic_int_t;
 """
 # Compiles kernel k of the source argv[1] (with the options after it) and launches it
 # with an 8-byte buffer and 7: prints what came of it (a launch that crashes kills the
@@ -606,7 +608,9 @@ def test_a_refusal_by_the_checks_is_told_in_any_diagnostics_format(
     no warning of their own under strict flags: a refused function is refused. A
     source whose checks refuse nothing compiles under the same flags. Checked: fails
     without the fix (the JSON, msvc and vi formats' refusals were not recognised, and
-    the source compiled alone was taken)."""
+    the source compiled alone was taken); a parameter of a header's array type is
+    refused as one in each format (checked: it was refused as no pointer or scalar of
+    at most 8 bytes, without the array's check)."""
     if shutil.which(cc) is None:
         pytest.skip(f"no {cc} here")
     from asyncmetal.backends.cpu import CCompiler
@@ -620,6 +624,15 @@ def test_a_refusal_by_the_checks_is_told_in_any_diagnostics_format(
     with pytest.raises(am.CompileError) as info:
         compiler.compile(refused + kernel)
     assert info.value.message.startswith("function 'h' of the source returns 'sigset_t'")
+    array = (
+        "#include <setjmp.h>\nvoid h(int* out, jmp_buf b);\n"
+        "void h(int* out, jmp_buf b) { out[0] = b == 0; }\n"
+    )
+    with pytest.raises(am.CompileError) as info:
+        compiler.compile(array + kernel)
+    assert info.value.message.startswith(
+        "function 'h' of the source takes 'jmp_buf b' by value, which the compiler says is an array"
+    ), info.value.message
     taken = "#include <math.h>\nfloat_t h(float_t a);\nfloat_t h(float_t a) { return a; }\n"
     assert compiler.compile(taken + kernel)
     assert "asyncmetal" not in compiler._last_log
@@ -641,6 +654,12 @@ def test_a_refusal_by_the_checks_is_told_in_any_diagnostics_format(
         ("", "complex_t c", "no pointer or scalar"),
         ("", "wide_int_t i", "no pointer or scalar"),
         ("", "real_t", "no pointer or scalar"),  # unnamed (C23)
+        # arrays: a parameter of one is a pointer, of a size a pointer has too (cell_t)
+        ("#include <stdarg.h>", "va_list ap", "an array"),
+        ("#include <setjmp.h>", "jmp_buf b", "an array"),
+        ("#include <setjmp.h>", "sigjmp_buf b", "an array"),
+        ("", "cell_t c", "an array"),
+        ("", "atomic_int_t a", None),
         ("", "fptr_t p", None),
         ("", "count_t n", None),
         ("", "real64_t x", None),
@@ -682,6 +701,38 @@ def test_the_compiler_checks_parameters_of_types_the_source_does_not_show(
     assert info.value.message.startswith(
         f"function 'k' of the source takes {param!r} by value, which the compiler says is {refused}"
     ), info.value.message
+
+
+@pytest.mark.parametrize(
+    ("before", "param", "body"),
+    [
+        ("", "cell_t c", "out[0] = c[0];"),
+        ("#include <stdarg.h>", "va_list ap", "out[0] = va_arg(ap, long long);"),
+    ],
+)
+def test_a_cpu_kernel_taking_a_header_array_type_is_refused(
+    tmp_path: Path, before: str, param: str, body: str
+) -> None:
+    """A parameter of an array type a header makes (``va_list``, a typedef of
+    ``long long[1]``) is a pointer to the array's first element, which the source does
+    not show: a launch would pass it 7, which the kernel reads through. Refused at
+    compile, naming the kernel, the parameter and why (an array). Run in a child, which
+    a launch that crashes kills. Checked: fails without the fix (cell_t was taken, and
+    its launch killed the child with SIGSEGV, return code -11; va_list was refused as
+    "no pointer or scalar of at most 8 bytes", passed "in memory or in vector or paired
+    registers", which is not how a pointer is passed)."""
+    (tmp_path / "returned.h").write_text(RETURNED_H)
+    source = f'#include "returned.h"\n{before}\nvoid k(long long* out, {param}) {{ {body} }}'
+    child = run_child(
+        RETURNED_CHILD, source, f"-I{tmp_path}", hung="the compile or the launch hung"
+    )
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    refusal = (
+        f"refused k kernel 'k': function 'k' of the source takes {param!r} by value, which "
+        "the compiler says is an array (a header's typedef of one: jmp_buf, va_list...): "
+        "a parameter of an array type is a pointer to its first element"
+    )
+    assert child.stdout.startswith(refusal), child.stdout
 
 
 def test_the_compiler_identity_changes_with_the_checks(monkeypatch: pytest.MonkeyPatch) -> None:
