@@ -18,6 +18,7 @@ from typing import Any, Literal, NamedTuple
 from . import _scan
 from ._errors import ArgumentTypeError, CompileError, InvalidArgumentError
 from ._scalars import (
+    SIZES,
     TYPEOF_WORDS,
     host_types,
     resolved,
@@ -749,19 +750,22 @@ _QUIET = (
     'ignored "-Wtraditional"',
     'ignored "-Wunused-value"',  # (the comma that decays an array)
 )
-_CHECK_LINES = ("read", "array", "record", "other")
+_CHECK_LINES = ("read", "array", "record", "other", "agree")
 _REGISTER = re.compile(r"\bregister\b")
 _CHECKED_LINE = re.compile(rf"{re.escape(SIGNATURE_CHECKS_FILE)}-(\d+)-({'|'.join(_CHECK_LINES)})")
 
 
 class SignatureCheck(NamedTuple):
     """A type that ``signature_checks`` has the compiler check: the function's name, the
-    type as the source spells it, and the parameter's declaration (None: the type is the
-    function's return type)."""
+    type as the source spells it, the parameter's declaration (None: the type is the
+    function's return type), and what a launch passes it as, where a typedef in an
+    ``#if`` block says (a scalar's name of ``SIZES``, ``float32``; "pointer": a
+    buffer's address), which the compiler is asked to agree with."""
 
     name: str
     spelled: str
     param: str | None = None
+    read: str | None = None
 
 
 def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
@@ -776,8 +780,12 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
     checks call the function with a 0 for each parameter (unevaluated): one whose
     parameters the source shows are no scalars or pointers is not checked; a parameter's
     checks read a struct's member of its type. Derived from the source alone, so that a
-    compile's cache key, which the source is part of, keys them too."""
+    compile's cache key, which the source is part of, keys them too. A parameter whose
+    type a typedef in an ``#if`` block makes (one the preprocessor may drop, the
+    compiler seeing a header's instead) is checked to be what the source reads and a
+    launch passes (``SignatureCheck.read``): a pointer, or a scalar of its size."""
     text = _without_attributes(_strip(src))
+    written = text  # (its directives too: what ``c_param_declarations`` reads)
     text = _scan.sub(_scan.matches_at(_PREPROCESSOR_LINE, text, _directives(text)), text, " ")
     heads: dict[str, list[tuple[list[str], list[str]]]] = {}
     for name, declared, params in _each_definition(text, r"\w+"):
@@ -792,6 +800,23 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
     known = typedefs(text)
     not_scalars = _not_scalar_typedefs(text)
     pointers = _pointer_names(text)
+    in_blocks = _names_made_in_if_blocks(written)
+    apart: set[str] = set()
+    read_known = typedefs(written, apart) if in_blocks else {}
+    read_pointers = _pointer_names(written) if in_blocks else pointers
+
+    def read_as(param: str, typed: list[str]) -> str | None:
+        """What a launch passes a parameter declared ``param`` (of type words ``typed``)
+        as, as ``c_param_declarations`` and ``c_value_types`` read it: "pointer" (a
+        buffer) or a scalar's name; None where that rests on no typedef in an ``#if``
+        block, or is no pointer or scalar."""
+        if "*" in param or "[" in param or not in_blocks.intersection(typed):
+            return None
+        if _is_buffer(param, read_pointers):
+            return "pointer"
+        if apart.intersection(resolved(typed, read_known)):
+            return None
+        return scalar_type(typed, read_known)
 
     def unknown(words: list[str]) -> bool:
         """Whether ``words`` spell a type the source does not show to be a pointer, a
@@ -830,6 +855,11 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
         }
         if what.param is None:
             del tested["array"]  # (no function returns an array)
+        if what.read == "pointer":  # (a buffer's address, as a pointer or an array takes)
+            tested = {"agree": f"{kind} != 5"}
+        elif what.read is not None:  # (in a float or an integer register, of its size)
+            floating = int(what.read.startswith("float"))
+            tested["agree"] = f"({kind} == 8) != {floating} || {size} != {SIZES[what.read]}"
         made += (
             f"enum {{ {kind} = __builtin_classify_type({value}), {size} = sizeof({value})"
             + "".join(f", asyncmetal_{line}_is_{i} = {test}" for line, test in tested.items())
@@ -852,7 +882,8 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
         params = [p for p in params if p != "..."]
         for param in params:  # (each taken by value, of a type the source does not show)
             typed = type_words(param)
-            if _is_buffer(param, pointers) or "&" in param or not unknown(typed):
+            read = None if "&" in param else read_as(param, typed)
+            if read is None and (_is_buffer(param, pointers) or "&" in param or not unknown(typed)):
                 continue
             # (a struct's member of the type: a parameter is no object to read outside
             # its function. Declared as the parameter is, where it is named -- its
@@ -869,11 +900,12 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
                 f"struct asyncmetal_param_{i} {{ {declared}; }}; "
                 f"extern struct asyncmetal_param_{i} asyncmetal_param_{i}; "
             )
-            check(
-                made, f"asyncmetal_param_{i}.{member}", SignatureCheck(name, " ".join(typed), param)
-            )
+            what = SignatureCheck(name, " ".join(typed), param, read)
+            check(made, f"asyncmetal_param_{i}.{member}", what)
         words = [w for w in words if w not in _NOT_RETURN_TYPE]
-        if not unknown(words):
+        if not unknown(words) and not (
+            in_blocks.intersection(words) and not {"*", "&"}.intersection(words)
+        ):
             continue
         if not all(_is_buffer(p, pointers) or _takes_zero(p, known, not_scalars) for p in params):
             continue
@@ -928,15 +960,57 @@ def _takes_zero(declaration: str, known: Mapping[str, list[str]], not_scalars: s
     return not (_NOT_A_SCALAR.search(" ".join(words)) or not_scalars.intersection(words))
 
 
+# The word of a preprocessor directive's line (``_PREPROCESSOR_LINE``).
+_DIRECTIVE_WORD = re.compile(r"[ \t]*#[ \t]*(\w*)")
+
+
+def _names_made_in_if_blocks(text: str) -> set[str]:
+    """The type names ``text`` (stripped) makes -- its typedefs and pointer types'
+    object-like macros -- only within ``#if`` blocks, and those made of one in turn: a
+    branch the preprocessor may drop, where the compiler sees a header's type of the
+    name, or another branch's. Empty where ``text`` has no ``#if`` (most sources)."""
+    blocks: list[tuple[int, int]] = []
+    depth = start = 0
+    for line in _scan.matches_at(_PREPROCESSOR_LINE, text, _directives(text)):
+        word = _DIRECTIVE_WORD.match(line.group())
+        directive = word.group(1) if word else ""
+        if directive in ("if", "ifdef", "ifndef"):
+            start = line.start() if depth == 0 else start
+            depth += 1
+        elif directive == "endif" and depth:
+            depth -= 1
+            if depth == 0:
+                blocks.append((start, line.end()))
+    if depth:  # (one left open, which no source that compiles has)
+        blocks.append((start, len(text)))
+    if not blocks:
+        return set()
+    pieces: list[str] = []
+    copied = 0
+    for start, end in blocks:
+        pieces += (text[copied:start], " ")
+        copied = end
+    outside = "".join((*pieces, text[copied:]))
+    known = typedefs(text)
+    made = set(known) | _pointer_names(text)
+    names = made - set(typedefs(outside)) - _pointer_names(outside)
+    while True:  # (``typedef real real2;`` outside, ``real`` within)
+        more = {name for name, words in known.items() if names.intersection(words)}
+        if more <= names:
+            return names
+        names |= more
+
+
 def refused_signature(log: str, checked: tuple[SignatureCheck, ...]) -> CompileError | None:
     """The CompileError of the first of the ``checked`` types (``signature_checks``) that
     the compile's ``log`` (in any of the compiler's diagnostics formats) says its checks
     refused: one whose class and size were read (its first line has no diagnostic) but
     whose other lines have one. None where none was refused so."""
     named = {(int(i), line) for i, line in _CHECKED_LINE.findall(log)}
-    for i, (name, spelled, param) in enumerate(checked):
+    for i, (name, spelled, param, read) in enumerate(checked):
         if (i, "read") in named or not {(i, line) for line in _CHECK_LINES[1:]} & named:
             continue
+        fix = "take a pointer to it, and pass a buffer"
         if (i, "array") in named:
             what = (
                 "which the compiler says is an array (a header's typedef of one: jmp_buf, "
@@ -963,17 +1037,28 @@ def refused_signature(log: str, checked: tuple[SignatureCheck, ...]) -> CompileE
                 "calling the kernel as a void function, does not pass) or on the x87 stack "
                 "(which such a kernel leaves full)"
             )
-        else:
+        elif (i, "other") in named:
             what = (
                 "which the compiler says is no pointer or scalar of at most 8 bytes (a "
                 "vector, a complex number, a long double, an __int128...): the C calling "
                 "convention passes it in memory or in vector or paired registers, not as the "
                 "one integer or float a launch passes in its register"
             )
+        else:  # ("agree": the source's reading, of a typedef in an #if block, is not)
+            made = "a typedef in an #if block makes it, in a branch the preprocessor may drop"
+            what = (
+                f"which the source reads as a pointer ({made}), and a launch passes a "
+                "buffer's address to, but which the compiler says is no pointer"
+                if read == "pointer"
+                else f"which the source reads as {read} ({made}), and a launch passes as "
+                f"one, but which the compiler says is no {SIZES[str(read)]}-byte "
+                f"{'float' if str(read).startswith('float') else 'integer'}"
+            )
+            fix = "define the type outside the #if, as the kernel compiles it"
         if param is None:
             told, fix = f"returns {spelled!r}", "return void, and write the result to a buffer"
         else:
-            told, fix = f"takes {param!r} by value", "take a pointer to it, and pass a buffer"
+            told = f"takes {param!r}" + ("" if read == "pointer" else " by value")
         return CompileError(
             f"function {name!r} of the source {told}, {what}: {fix} (each function of the "
             "source that a launch can name is checked: declare one that is no kernel "

@@ -482,6 +482,7 @@ anyio.run(main)
         ("#include <math.h>", "float_t", False),
         ("#define KERNEL void", "KERNEL", False),
         ("#define RESULT const count_t", "RESULT", False),
+        ("#if 0\ntypedef long long big_t;\n#endif", "big_t", True),  # (a dropped typedef)
     ],
 )
 def test_a_cpu_kernel_returning_a_header_type_no_launch_calls_is_refused(
@@ -610,7 +611,9 @@ def test_a_refusal_by_the_checks_is_told_in_any_diagnostics_format(
     without the fix (the JSON, msvc and vi formats' refusals were not recognised, and
     the source compiled alone was taken); a parameter of a header's array type is
     refused as one in each format (checked: it was refused as no pointer or scalar of
-    at most 8 bytes, without the array's check)."""
+    at most 8 bytes, without the array's check); so is one whose type a typedef in a
+    dropped ``#if`` block makes otherwise than the header does (checked: it was
+    taken)."""
     if shutil.which(cc) is None:
         pytest.skip(f"no {cc} here")
     from asyncmetal.backends.cpu import CCompiler
@@ -632,6 +635,15 @@ def test_a_refusal_by_the_checks_is_told_in_any_diagnostics_format(
         compiler.compile(array + kernel)
     assert info.value.message.startswith(
         "function 'h' of the source takes 'jmp_buf b' by value, which the compiler says is an array"
+    ), info.value.message
+    dropped = (
+        "#include <math.h>\n#if 0\ntypedef double float_t;\n#endif\n"
+        "void h(int* out, float_t x);\nvoid h(int* out, float_t x) { out[0] = x > 0; }\n"
+    )
+    with pytest.raises(am.CompileError) as info:
+        compiler.compile(dropped + kernel)
+    assert info.value.message.startswith(
+        "function 'h' of the source takes 'float_t x' by value, which the source reads as float64"
     ), info.value.message
     taken = "#include <math.h>\nfloat_t h(float_t a);\nfloat_t h(float_t a) { return a; }\n"
     assert compiler.compile(taken + kernel)
@@ -731,6 +743,88 @@ def test_a_cpu_kernel_taking_a_header_array_type_is_refused(
         f"refused k kernel 'k': function 'k' of the source takes {param!r} by value, which "
         "the compiler says is an array (a header's typedef of one: jmp_buf, va_list...): "
         "a parameter of an array type is a pointer to its first element"
+    )
+    assert child.stdout.startswith(refusal), child.stdout
+
+
+@pytest.mark.parametrize("cc", ["gcc", "clang"])
+@pytest.mark.parametrize(
+    ("before", "param", "refused"),
+    [
+        # the source reads a float, a pointer, an int; the compiler sees the header's
+        ("#if 0\ntypedef float real64_t;\n#endif", "real64_t x", "as float32"),
+        ("#ifdef NOT_DEFINED\ntypedef float *real64_t;\n#endif", "real64_t x", "as a pointer"),
+        ("#if 0\ntypedef int count_t;\n#endif", "count_t n", "as int32"),
+        ("#if 0\n#define real64_t float *\n#endif", "real64_t x", "as a pointer"),
+        (
+            "#if 0\ntypedef float real64_t;\n#endif\ntypedef real64_t mine_t;",
+            "mine_t m",
+            "as float32",
+        ),
+        ("#if 0\ntypedef long long big_t;\n#endif", "big_t b", "a struct or union"),
+        # what the source reads is what compiles: taken
+        ("#if 0\ntypedef double real64_t;\n#endif", "real64_t x", None),
+        ("#if 0\ntypedef long long count_t;\n#endif", "count_t n", None),
+        ("#if 0\ntypedef float *fptr_t;\n#endif", "fptr_t p", None),
+        ("#if 0\ntypedef long long *cell_t;\n#endif", "cell_t c", None),  # (an array's)
+        ("#ifndef MINE\n#define MINE\ntypedef double mine_t;\n#endif", "mine_t m", None),
+        ("#if 1\ntypedef float mine_t;\n#else\ntypedef double mine_t;\n#endif", "mine_t m", None),
+    ],
+)
+def test_a_parameter_typed_in_an_if_block_is_checked_to_be_what_the_source_reads(
+    tmp_path: Path, cc: str, before: str, param: str, refused: str | None
+) -> None:
+    """A parameter whose type a typedef (or a pointer type's macro) in an ``#if`` block
+    makes is read from the source as that type -- a launch passes it as one -- though
+    the preprocessor may drop the branch, and the compiler see a header's type of the
+    name: it is checked to be what the source reads (a pointer; a float or an integer
+    of its size), and refused, naming the function and the parameter, where it is not.
+    Checked: fails without the fix (each was compiled, and a launch passed a float, a
+    buffer's address or an int where the kernel read a double, a long long or a
+    struct)."""
+    if shutil.which(cc) is None:
+        pytest.skip(f"no {cc} here")
+    from asyncmetal.backends.cpu import CCompiler
+
+    (tmp_path / "returned.h").write_text(RETURNED_H)
+    source = (
+        f'#include "returned.h"\n{before}\n'
+        f"void k(long long* out, {param}) {{ out[0] = (long long)sizeof(out); }}\n"
+    )
+    compiler = CCompiler(cc, ("-O2", f"-I{tmp_path}"))
+    if refused is None:
+        assert compiler.compile(source)
+        assert "asyncmetal" not in compiler._last_log
+        return
+    with pytest.raises(am.CompileError) as info:
+        compiler.compile(source)
+    assert info.value.name == "k"
+    assert info.value.message.startswith(f"function 'k' of the source takes {param!r}")
+    if refused.startswith("as "):
+        assert f"which the source reads {refused} (a typedef in an #if block" in info.value.message
+        assert "define the type outside the #if" in info.value.message
+    else:
+        assert f"which the compiler says is {refused}" in info.value.message
+
+
+def test_a_cpu_kernel_launch_passes_no_type_a_dropped_typedef_makes(tmp_path: Path) -> None:
+    """A typedef in an ``#if 0`` block (``float``) makes no parameter of the kernel a
+    launch passes a value to as that type, where the header it includes makes it
+    another (``double``): the kernel is refused at compile, rather than launched with
+    a float where it reads a double. Run in a child, as the others. Checked: fails
+    without the fix (it ran, and wrote 0 where the kernel was given 7)."""
+    (tmp_path / "returned.h").write_text(RETURNED_H)
+    source = (
+        '#if 0\ntypedef float real64_t;\n#endif\n#include "returned.h"\n'
+        "void k(long long* out, real64_t x) { out[0] = (long long)x; }"
+    )
+    child = run_child(
+        RETURNED_CHILD, source, f"-I{tmp_path}", hung="the compile or the launch hung"
+    )
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    refusal = (
+        "refused k kernel 'k': function 'k' of the source takes 'real64_t x' by value, "
+        "which the source reads as float32"
     )
     assert child.stdout.startswith(refusal), child.stdout
 
