@@ -876,8 +876,10 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
         checked.append(what)
 
     for name, each in heads.items():
-        if any("static" in words for words, _ in each) or len({len(p) for _, p in each}) > 1:
-            continue  # no kernel; or definitions in #if branches
+        if any("static" in words for words, _ in each) or len({tuple(p) for _, p in each}) > 1:
+            # no kernel; or definitions in #if branches whose parameters differ: which
+            # compiles is not told, and a launch of it is refused (``c_param_declarations``)
+            continue
         words, params = each[0]
         params = [p for p in params if p != "..."]
         for param in params:  # (each taken by value, of a type the source does not show)

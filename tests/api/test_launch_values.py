@@ -531,6 +531,13 @@ def test_a_cpu_kernel_returning_a_header_type_no_launch_calls_is_refused(
             None,
         ),
         ("#include <signal.h>\n#if 0\nsigset_t gone(int a);\n#endif", (), None),
+        # definitions in #if branches whose parameters differ: which compiles is not told
+        (
+            "#include <stdlib.h>\n#ifdef NOT_DEFINED\nint two(int* o, div_t d) { return d.quot; }"
+            "\n#else\nint two(int* o, long long d) { return (int)d; }\n#endif",
+            (),
+            None,
+        ),
         # a warning the checks draw (a deprecated function's call) is not one: made an
         # error, it would hide the refusal
         (
@@ -568,8 +575,11 @@ def test_the_compiler_checks_the_return_types_of_every_function_a_launch_can_nam
     it is not). A check that does not compile (a function the preprocessor drops, one
     that takes a struct) is dropped, and the source compiled alone; a source that does
     not compile says so itself, with its log. The checks draw no warning (none that
-    ``-Werror`` makes an error of them). Checked: the deprecated function's refusal
-    failed without the check's warnings turned off (it was taken)."""
+    ``-Werror`` makes an error of them). Definitions in ``#if`` branches whose parameters
+    differ are not checked: which compiles is not told (checked: the dropped one's
+    struct parameter was refused, the whole source with it). Checked: the deprecated
+    function's refusal failed without the check's warnings turned off (it was
+    taken)."""
     if shutil.which(cc) is None:
         pytest.skip(f"no {cc} here")
     from asyncmetal.backends.cpu import CCompiler
