@@ -723,12 +723,16 @@ _NOT_RETURN_TYPE = frozenset(
 # also whether it is an array: its type is not that of the value it decays to), then,
 # for a parameter, an array type whose size is negative (an error) where it is an array,
 # then one whose size is negative where it is a struct or union, then one whose size is
-# negative where it is no pointer or scalar of at most 8 bytes. Each line is
-# under a file name of its own (a ``#line``), ``SIGNATURE_CHECKS_FILE-<check>-<line>``,
-# which every format of the compiler's diagnostics (text, GCC's JSON and SARIF, clang's
-# msvc and vi styles...) names as it is: which of those lines have diagnostics tells what
-# was refused. The checks turn the compiler's warnings off for their own lines (those it
-# lets a pragma turn off: ``-Werror`` would make one an error, and hide a refusal).
+# negative where it is no pointer or scalar of at most 8 bytes; and, for a parameter the
+# source reads through a typedef in an ``#if`` block, one whose size is negative where
+# its class and size are not those of what the source reads (a buffer's pointer, the
+# scalar a launch passes), the only line of one the source reads as a buffer (an array
+# decays to one). Each line is under a file name of its own (a ``#line``),
+# ``SIGNATURE_CHECKS_FILE-<check>-<line>``, which every format of the compiler's
+# diagnostics (text, GCC's JSON and SARIF, clang's msvc and vi styles...) names as it
+# is: which of those lines have diagnostics tells what was refused. The checks turn the
+# compiler's warnings off for their own lines (those it lets a pragma turn off:
+# ``-Werror`` would make one an error, and hide a refusal).
 SIGNATURE_CHECKS_FILE = "asyncmetal-signature-checks"
 # The classes of a pointer or scalar a kernel, called as a void function, may return (in
 # a register, dropped), and that a launch value passes (in an integer or float register):
