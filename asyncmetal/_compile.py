@@ -836,6 +836,11 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
 
     checked: list[SignatureCheck] = []
     lines: list[str] = []
+    # (those of a type a typedef in an #if block makes, after the others: where the
+    # preprocessor drops it, and the function, their first line does not compile, an
+    # error that -Wfatal-errors, or clang's error limit, would make the last one told,
+    # hiding the others' refusals)
+    late: list[str] = []
 
     def check(made: str, value: str, what: SignatureCheck) -> None:
         """The lines of the check of ``value``'s type (``made``: what declares what
@@ -869,9 +874,10 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
             + "".join(f", asyncmetal_{line}_is_{i} = {test}" for line, test in tested.items())
             + " };"
         )
-        lines.extend((f'#line 1 "{SIGNATURE_CHECKS_FILE}-{i}-read"', made))
+        to = late if what.read is not None else lines
+        to.extend((f'#line 1 "{SIGNATURE_CHECKS_FILE}-{i}-read"', made))
         for line in tested:
-            lines.extend(
+            to.extend(
                 (
                     f'#line 1 "{SIGNATURE_CHECKS_FILE}-{i}-{line}"',
                     f"typedef char asyncmetal_{line}_{i}[asyncmetal_{line}_is_{i} ? -1 : 1];",
@@ -929,7 +935,7 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
     quiet = "\n".join(f"#pragma GCC diagnostic {each}" for each in _QUIET)
     return (
         f'\n\n#line 1 "{SIGNATURE_CHECKS_FILE}"\n{quiet}\n'
-        + "\n".join(lines)
+        + "\n".join((*lines, *late))
         + "\n#pragma GCC diagnostic pop\n",
         tuple(checked),
     )

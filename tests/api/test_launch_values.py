@@ -554,6 +554,13 @@ def test_a_cpu_kernel_returning_a_header_type_no_launch_calls_is_refused(
             ("-Werror", "-Wfatal-errors"),
             "'h'",
         ),
+        # nor does a check of a type only a dropped typedef makes, which does not compile
+        (
+            "#if 0\ntypedef float only_t;\nvoid gone(int* o, only_t x) { o[0] = (int)x; }\n"
+            "#endif\n#include <stdlib.h>\nvoid h(int* o, div_t d) { o[0] = d.quot; }",
+            ("-Werror", "-Wfatal-errors"),
+            "'h'",
+        ),
         # the source's own errors come first
         ("#include <signal.h>\nsigset_t h(int a) { sigset_t s; return s }", (), "failed"),
         ("nosuch_t h(int a) { return a; }", (), "failed"),
@@ -577,7 +584,10 @@ def test_the_compiler_checks_the_return_types_of_every_function_a_launch_can_nam
     not compile says so itself, with its log. The checks draw no warning (none that
     ``-Werror`` makes an error of them). Definitions in ``#if`` branches whose parameters
     differ are not checked: which compiles is not told (checked: the dropped one's
-    struct parameter was refused, the whole source with it). Checked: the deprecated
+    struct parameter was refused, the whole source with it). A check of a type that
+    only a typedef in an ``#if 0`` block makes, which does not compile, comes after the
+    others (checked: first, it hid the later refusal under -Wfatal-errors, and the
+    source was taken). Checked: the deprecated
     function's refusal failed without the check's warnings turned off (it was
     taken)."""
     if shutil.which(cc) is None:
