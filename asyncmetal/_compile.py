@@ -772,7 +772,9 @@ class SignatureCheck(NamedTuple):
     read: str | None = None
 
 
-def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
+def signature_checks(
+    src: str, without: frozenset[int] = frozenset()
+) -> tuple[str, tuple[SignatureCheck, ...]]:
     """C to append to ``src`` that the compiler refuses (``SIGNATURE_CHECKS_FILE``) where
     a function of it that a launch can name returns or takes by value a type that the
     source as written does not show to be a pointer, a scalar or ``void`` (a header's or
@@ -787,7 +789,9 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
     compile's cache key, which the source is part of, keys them too. A parameter whose
     type a typedef in an ``#if`` block makes (one the preprocessor may drop, the
     compiler seeing a header's instead) is checked to be what the source reads and a
-    launch passes (``SignatureCheck.read``): a pointer, or a scalar of its size."""
+    launch passes (``SignatureCheck.read``): a pointer, or a scalar of its size.
+    ``without``: the checks (their indices) whose lines are left out, all the same
+    told (``unread_checks``)."""
     text = _without_attributes(_strip(src))
     written = text  # (its directives too: what ``c_param_declarations`` reads)
     text = _scan.sub(_scan.matches_at(_PREPROCESSOR_LINE, text, _directives(text)), text, " ")
@@ -804,7 +808,19 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
     known = typedefs(text)
     not_scalars = _not_scalar_typedefs(text)
     pointers = _pointer_names(text)
-    in_blocks = _names_made_in_if_blocks(written)
+    outside = _outside_if_blocks(written)
+    in_blocks = _names_made_in_if_blocks(written, outside)
+    # (the functions defined within #if blocks alone, which the preprocessor may drop:
+    # their checks' first line names the function, so that it does not compile, and
+    # the checks are dropped, where the function is not)
+    in_block_functions = set(heads)
+    if outside is not None:
+        outside = _scan.sub(
+            _scan.matches_at(_PREPROCESSOR_LINE, outside, _directives(outside)), outside, " "
+        )
+        in_block_functions -= {name for name, _, _ in _each_definition(outside, r"\w+")}
+    else:
+        in_block_functions.clear()
     apart: set[str] = set()
     read_known = typedefs(written, apart) if in_blocks else {}
     read_pointers = _pointer_names(written) if in_blocks else pointers
@@ -836,10 +852,10 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
 
     checked: list[SignatureCheck] = []
     lines: list[str] = []
-    # (those of a type a typedef in an #if block makes, after the others: where the
-    # preprocessor drops it, and the function, their first line does not compile, an
-    # error that -Wfatal-errors, or clang's error limit, would make the last one told,
-    # hiding the others' refusals)
+    # (those of a type a typedef in an #if block makes, or of a function defined in one,
+    # after the others: where the preprocessor drops it, their first line does not
+    # compile, an error that -Wfatal-errors, or clang's error limit, would make the last
+    # one told, hiding the others' refusals)
     late: list[str] = []
 
     def check(made: str, value: str, what: SignatureCheck) -> None:
@@ -847,6 +863,9 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
         ``value`` names, on the first line before it); a parameter's (``what.param``)
         check whether it is an array too."""
         i = len(checked)
+        checked.append(what)
+        if i in without:
+            return
         kind, size = f"asyncmetal_class_{i}", f"asyncmetal_size_{i}"
         callable_ = " || ".join(f"{kind} == {c}" for c in _CALLABLE_CLASSES)
         record = " || ".join(f"{kind} == {c}" for c in _RECORD_CLASSES)
@@ -869,12 +888,14 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
         elif what.read is not None:  # (in a float or an integer register, of its size)
             floating = int(what.read.startswith("float"))
             tested["agree"] = f"({kind} == 8) != {floating} || {size} != {SIZES[what.read]}"
+        in_block = what.name in in_block_functions
         made += (
             f"enum {{ {kind} = __builtin_classify_type({value}), {size} = sizeof({value})"
+            + (f", asyncmetal_defined_{i} = sizeof(&{what.name})" if in_block else "")
             + "".join(f", asyncmetal_{line}_is_{i} = {test}" for line, test in tested.items())
             + " };"
         )
-        to = late if what.read is not None else lines
+        to = late if what.read is not None or in_block else lines
         to.extend((f'#line 1 "{SIGNATURE_CHECKS_FILE}-{i}-read"', made))
         for line in tested:
             to.extend(
@@ -883,7 +904,6 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
                     f"typedef char asyncmetal_{line}_{i}[asyncmetal_{line}_is_{i} ? -1 : 1];",
                 )
             )
-        checked.append(what)
 
     for name, each in heads.items():
         if any("static" in words for words, _ in each) or len({tuple(p) for _, p in each}) > 1:
@@ -930,6 +950,8 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
         check("", value, SignatureCheck(name, " ".join(words)))
     if not checked:
         return "", ()
+    if not (lines or late):
+        return "", tuple(checked)
     # (after two newlines: the source may end in a comment, or a line continued; the
     # pragmas under the checks' file name too, which a diagnostic of theirs names)
     quiet = "\n".join(f"#pragma GCC diagnostic {each}" for each in _QUIET)
@@ -976,11 +998,10 @@ def _takes_zero(declaration: str, known: Mapping[str, list[str]], not_scalars: s
 _DIRECTIVE_WORD = re.compile(r"[ \t]*#[ \t]*(\w*)")
 
 
-def _names_made_in_if_blocks(text: str) -> set[str]:
-    """The type names ``text`` (stripped) makes -- its typedefs and pointer types'
-    object-like macros -- only within ``#if`` blocks, and those made of one in turn: a
-    branch the preprocessor may drop, where the compiler sees a header's type of the
-    name, or another branch's. Empty where ``text`` has no ``#if`` (most sources)."""
+def _outside_if_blocks(text: str) -> str | None:
+    """``text`` (stripped) less its ``#if`` blocks (each up to its ``#endif``), each made
+    a space: what the preprocessor keeps whatever it drops. None where ``text`` has no
+    ``#if`` (most sources)."""
     blocks: list[tuple[int, int]] = []
     depth = start = 0
     for line in _scan.matches_at(_PREPROCESSOR_LINE, text, _directives(text)):
@@ -996,13 +1017,23 @@ def _names_made_in_if_blocks(text: str) -> set[str]:
     if depth:  # (one left open, which no source that compiles has)
         blocks.append((start, len(text)))
     if not blocks:
-        return set()
+        return None
     pieces: list[str] = []
     copied = 0
     for start, end in blocks:
         pieces += (text[copied:start], " ")
         copied = end
-    outside = "".join((*pieces, text[copied:]))
+    return "".join((*pieces, text[copied:]))
+
+
+def _names_made_in_if_blocks(text: str, outside: str | None) -> set[str]:
+    """The type names ``text`` (stripped) makes -- its typedefs and pointer types'
+    object-like macros -- only within ``#if`` blocks (``outside``: ``text`` less them,
+    ``_outside_if_blocks``), and those made of one in turn: a branch the preprocessor
+    may drop, where the compiler sees a header's type of the name, or another
+    branch's."""
+    if outside is None:
+        return set()
     known = typedefs(text)
     made = set(known) | _pointer_names(text)
     names = made - set(typedefs(outside)) - _pointer_names(outside)
@@ -1011,6 +1042,13 @@ def _names_made_in_if_blocks(text: str) -> set[str]:
         if more <= names:
             return names
         names |= more
+
+
+def unread_checks(log: str) -> frozenset[int]:
+    """The checks (``signature_checks``' indices) whose first line the compile's ``log``
+    has a diagnostic of: those that do not compile (of a function, or a type, that the
+    preprocessor drops...)."""
+    return frozenset(int(i) for i, line in _CHECKED_LINE.findall(log) if line == "read")
 
 
 def refused_signature(log: str, checked: tuple[SignatureCheck, ...]) -> CompileError | None:

@@ -561,6 +561,19 @@ def test_a_cpu_kernel_returning_a_header_type_no_launch_calls_is_refused(
             ("-Werror", "-Wfatal-errors"),
             "'h'",
         ),
+        # a function the preprocessor drops is not refused; one in a branch it keeps is
+        (
+            "#include <stdlib.h>\n#if 0\nvoid gone(int* o, div_t d) { o[0] = d.quot; }\n#endif",
+            (),
+            None,
+        ),
+        (
+            "#ifndef GUARD\n#define GUARD\n#include <stdlib.h>\n"
+            "#if 0\nvoid gone(int* o, div_t d) { o[0] = d.quot; }\n#endif\n"
+            "void live(int* o, div_t d) { o[0] = d.quot; }\n#endif",
+            ("-Werror", "-Wfatal-errors"),
+            "'live'",
+        ),
         # the source's own errors come first
         ("#include <signal.h>\nsigset_t h(int a) { sigset_t s; return s }", (), "failed"),
         ("nosuch_t h(int a) { return a; }", (), "failed"),
@@ -587,7 +600,10 @@ def test_the_compiler_checks_the_return_types_of_every_function_a_launch_can_nam
     struct parameter was refused, the whole source with it). A check of a type that
     only a typedef in an ``#if 0`` block makes, which does not compile, comes after the
     others (checked: first, it hid the later refusal under -Wfatal-errors, and the
-    source was taken). Checked: the deprecated
+    source was taken). A function the preprocessor drops is not refused (checked: its
+    struct parameter was, and the whole source with it), and its check, which does not
+    compile, hides no other's refusal under -Wfatal-errors (the source is compiled again
+    without it; checked: the live function was taken). Checked: the deprecated
     function's refusal failed without the check's warnings turned off (it was
     taken)."""
     if shutil.which(cc) is None:
@@ -633,7 +649,8 @@ def test_a_refusal_by_the_checks_is_told_in_any_diagnostics_format(
     refused as one in each format (checked: it was refused as no pointer or scalar of
     at most 8 bytes, without the array's check); so is one whose type a typedef in a
     dropped ``#if`` block makes otherwise than the header does (checked: it was
-    taken)."""
+    taken). A function the preprocessor drops is not refused, in any format (checked:
+    it was)."""
     if shutil.which(cc) is None:
         pytest.skip(f"no {cc} here")
     from asyncmetal.backends.cpu import CCompiler
@@ -668,6 +685,12 @@ def test_a_refusal_by_the_checks_is_told_in_any_diagnostics_format(
     taken = "#include <math.h>\nfloat_t h(float_t a);\nfloat_t h(float_t a) { return a; }\n"
     assert compiler.compile(taken + kernel)
     assert "asyncmetal" not in compiler._last_log
+    gone = "#include <stdlib.h>\n#if 0\nvoid gone(int* o, div_t d) { o[0] = d.quot; }\n#endif\n"
+    assert compiler.compile(gone + kernel)
+    assert "asyncmetal" not in compiler._last_log
+    with pytest.raises(am.CompileError) as info:
+        compiler.compile(gone + refused + kernel)
+    assert info.value.message.startswith("function 'h' of the source returns 'sigset_t'")
 
 
 @pytest.mark.parametrize("cc", ["gcc", "clang"])
