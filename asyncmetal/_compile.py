@@ -764,15 +764,21 @@ _NOT_RETURN_TYPE = frozenset(
 # What a source's functions return and take by value, where the source as written does
 # not say (a type a header or a macro makes: ``sigset_t``, a typedef of a struct), is
 # asked of the C compiler itself: ``signature_checks`` writes C that the compile appends
-# to the source, three lines for each such return type or parameter -- its class (GCC's
-# and clang's ``__builtin_classify_type``) and size as an enum's constants, then an array
-# type whose size is negative (an error) where it is a struct or union, then one whose
-# size is negative where it is no pointer or scalar of at most 8 bytes. Each line is
-# under a file name of its own (a ``#line``), ``SIGNATURE_CHECKS_FILE-<check>-<line>``,
-# which every format of the compiler's diagnostics (text, GCC's JSON and SARIF, clang's
-# msvc and vi styles...) names as it is: which of those lines have diagnostics tells what
-# was refused. The checks turn the compiler's warnings off for their own lines (those it
-# lets a pragma turn off: ``-Werror`` would make one an error, and hide a refusal).
+# to the source, lines for each such return type or parameter -- its class (GCC's and
+# clang's ``__builtin_classify_type``) and size as an enum's constants (a parameter's
+# also whether it is an array: its type is not that of the value it decays to), then,
+# for a parameter, an array type whose size is negative (an error) where it is an array,
+# then one whose size is negative where it is a struct or union, then one whose size is
+# negative where it is no pointer or scalar of at most 8 bytes; and, for a parameter the
+# source reads through a typedef in an ``#if`` block, one whose size is negative where
+# its class and size are not those of what the source reads (a buffer's pointer, the
+# scalar a launch passes), the only line of one the source reads as a buffer (an array
+# decays to one). Each line is under a file name of its own (a ``#line``),
+# ``SIGNATURE_CHECKS_FILE-<check>-<line>``, which every format of the compiler's
+# diagnostics (text, GCC's JSON and SARIF, clang's msvc and vi styles...) names as it
+# is: which of those lines have diagnostics tells what was refused. The checks turn the
+# compiler's warnings off for their own lines (those it lets a pragma turn off:
+# ``-Werror`` would make one an error, and hide a refusal).
 SIGNATURE_CHECKS_FILE = "asyncmetal-signature-checks"
 # The classes of a pointer or scalar a kernel, called as a void function, may return (in
 # a register, dropped), and that a launch value passes (in an integer or float register):
@@ -792,23 +798,29 @@ _QUIET = (
     'ignored "-Wimplicit-function-declaration"',  # (a call of one the preprocessor drops)
     'ignored "-Wc++-compat"',
     'ignored "-Wtraditional"',
+    'ignored "-Wunused-value"',  # (the comma that decays an array)
 )
-_CHECK_LINES = ("read", "record", "other")
+_CHECK_LINES = ("read", "array", "record", "other", "agree")
 _REGISTER = re.compile(r"\bregister\b")
 _CHECKED_LINE = re.compile(rf"{re.escape(SIGNATURE_CHECKS_FILE)}-(\d+)-({'|'.join(_CHECK_LINES)})")
 
 
 class SignatureCheck(NamedTuple):
     """A type that ``signature_checks`` has the compiler check: the function's name, the
-    type as the source spells it, and the parameter's declaration (None: the type is the
-    function's return type)."""
+    type as the source spells it, the parameter's declaration (None: the type is the
+    function's return type), and what a launch passes it as, where a typedef in an
+    ``#if`` block says (a scalar's name of ``SIZES``, ``float32``; "pointer": a
+    buffer's address), which the compiler is asked to agree with."""
 
     name: str
     spelled: str
     param: str | None = None
+    read: str | None = None
 
 
-def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
+def signature_checks(
+    src: str, without: frozenset[int] = frozenset()
+) -> tuple[str, tuple[SignatureCheck, ...]]:
     """C to append to ``src`` that the compiler refuses (``SIGNATURE_CHECKS_FILE``) where
     a function of it that a launch can name returns or takes by value a type that the
     source as written does not show to be a pointer, a scalar or ``void`` (a header's or
@@ -820,8 +832,14 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
     checks call the function with a 0 for each parameter (unevaluated): one whose
     parameters the source shows are no scalars or pointers is not checked; a parameter's
     checks read a struct's member of its type. Derived from the source alone, so that a
-    compile's cache key, which the source is part of, keys them too."""
+    compile's cache key, which the source is part of, keys them too. A parameter whose
+    type a typedef in an ``#if`` block makes (one the preprocessor may drop, the
+    compiler seeing a header's instead) is checked to be what the source reads and a
+    launch passes (``SignatureCheck.read``): a pointer, or a scalar of its size.
+    ``without``: the checks (their indices) whose lines are left out, all the same
+    told (``unread_checks``)."""
     text = _without_attributes(_strip(src))
+    written = text  # (its directives too: what ``c_param_declarations`` reads)
     text = _scan.sub(_scan.matches_at(_PREPROCESSOR_LINE, text, _directives(text)), text, " ")
     heads: dict[str, list[tuple[list[str], list[str]]]] = {}
     for name, declared, params in _each_definition(text, r"\w+"):
@@ -836,6 +854,35 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
     known = typedefs(text)
     not_scalars = _not_scalar_typedefs(text)
     pointers = _pointer_names(text)
+    outside = _outside_if_blocks(written)
+    in_blocks = _names_made_in_if_blocks(written, outside)
+    # (the functions defined within #if blocks alone, which the preprocessor may drop:
+    # their checks' first line names the function, so that it does not compile, and
+    # the checks are dropped, where the function is not)
+    in_block_functions = set(heads)
+    if outside is not None:
+        outside = _scan.sub(
+            _scan.matches_at(_PREPROCESSOR_LINE, outside, _directives(outside)), outside, " "
+        )
+        in_block_functions -= {name for name, _, _ in _each_definition(outside, r"\w+")}
+    else:
+        in_block_functions.clear()
+    apart: set[str] = set()
+    read_known = typedefs(written, apart) if in_blocks else {}
+    read_pointers = _pointer_names(written) if in_blocks else pointers
+
+    def read_as(param: str, typed: list[str]) -> str | None:
+        """What a launch passes a parameter declared ``param`` (of type words ``typed``)
+        as, as ``c_param_declarations`` and ``c_value_types`` read it: "pointer" (a
+        buffer) or a scalar's name; None where that rests on no typedef in an ``#if``
+        block, or is no pointer or scalar."""
+        if "*" in param or "[" in param or not in_blocks.intersection(typed):
+            return None
+        if _is_buffer(param, read_pointers):
+            return "pointer"
+        if apart.intersection(resolved(typed, read_known)):
+            return None
+        return scalar_type(typed, read_known)
 
     def unknown(words: list[str]) -> bool:
         """Whether ``words`` spell a type the source does not show to be a pointer, a
@@ -851,35 +898,70 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
 
     checked: list[SignatureCheck] = []
     lines: list[str] = []
+    # (those of a type a typedef in an #if block makes, or of a function defined in one,
+    # after the others: where the preprocessor drops it, their first line does not
+    # compile, an error that -Wfatal-errors, or clang's error limit, would make the last
+    # one told, hiding the others' refusals)
+    late: list[str] = []
 
     def check(made: str, value: str, what: SignatureCheck) -> None:
-        """The three lines of the check of ``value``'s type (``made``: what declares
-        what ``value`` names, on the first line before it)."""
+        """The lines of the check of ``value``'s type (``made``: what declares what
+        ``value`` names, on the first line before it); a parameter's (``what.param``)
+        check whether it is an array too."""
         i = len(checked)
+        checked.append(what)
+        if i in without:
+            return
         kind, size = f"asyncmetal_class_{i}", f"asyncmetal_size_{i}"
         callable_ = " || ".join(f"{kind} == {c}" for c in _CALLABLE_CLASSES)
         record = " || ".join(f"{kind} == {c}" for c in _RECORD_CLASSES)
-        made += f"enum {{ {kind} = __builtin_classify_type({value}), {size} = sizeof({value}) }};"
-        for line, each in zip(
-            _CHECK_LINES,
-            (
-                made,
-                f"typedef char asyncmetal_record_{i}[{record} ? -1 : 1];",
-                f"typedef char asyncmetal_other_{i}[({callable_}) && {size} <= 8 ? 1 : -1];",
-            ),
-            strict=True,
-        ):
-            lines.extend((f'#line 1 "{SIGNATURE_CHECKS_FILE}-{i}-{line}"', each))
-        checked.append(what)
+        # (an array's class and size are those of the pointer it decays to and of the
+        # array: a header's array typedef, ``jmp_buf``, ``va_list``, would be read as a
+        # pointer, or a pointer too large, where the parameter is a pointer a launch
+        # value is not. The comma decays an array and leaves any other type as it is,
+        # less its qualifiers, which the comparison ignores but for clang's ``_Atomic``:
+        # it is made of the pointer class alone, which an array decays to)
+        tested = {
+            "array": f"{kind} == 5 && !__builtin_types_compatible_p(__typeof__({value}), "
+            f"__typeof__((0, {value})))",
+            "record": record,
+            "other": f"!(({callable_}) && {size} <= 8)",
+        }
+        if what.param is None:
+            del tested["array"]  # (no function returns an array)
+        if what.read == "pointer":  # (a buffer's address, as a pointer or an array takes)
+            tested = {"agree": f"{kind} != 5"}
+        elif what.read is not None:  # (in a float or an integer register, of its size)
+            floating = int(what.read.startswith("float"))
+            tested["agree"] = f"({kind} == 8) != {floating} || {size} != {SIZES[what.read]}"
+        in_block = what.name in in_block_functions
+        made += (
+            f"enum {{ {kind} = __builtin_classify_type({value}), {size} = sizeof({value})"
+            + (f", asyncmetal_defined_{i} = sizeof(&{what.name})" if in_block else "")
+            + "".join(f", asyncmetal_{line}_is_{i} = {test}" for line, test in tested.items())
+            + " };"
+        )
+        to = late if what.read is not None or in_block else lines
+        to.extend((f'#line 1 "{SIGNATURE_CHECKS_FILE}-{i}-read"', made))
+        for line in tested:
+            to.extend(
+                (
+                    f'#line 1 "{SIGNATURE_CHECKS_FILE}-{i}-{line}"',
+                    f"typedef char asyncmetal_{line}_{i}[asyncmetal_{line}_is_{i} ? -1 : 1];",
+                )
+            )
 
     for name, each in heads.items():
-        if any("static" in words for words, _ in each) or len({len(p) for _, p in each}) > 1:
-            continue  # no kernel; or definitions in #if branches
+        if any("static" in words for words, _ in each) or len({tuple(p) for _, p in each}) > 1:
+            # no kernel; or definitions in #if branches whose parameters differ: which
+            # compiles is not told, and a launch of it is refused (``c_param_declarations``)
+            continue
         words, params = each[0]
         params = [p for p in params if p != "..."]
         for param in params:  # (each taken by value, of a type the source does not show)
             typed = type_words(param)
-            if _is_buffer(param, pointers) or "&" in param or not unknown(typed):
+            read = None if "&" in param else read_as(param, typed)
+            if read is None and (_is_buffer(param, pointers) or "&" in param or not unknown(typed)):
                 continue
             # (a struct's member of the type: a parameter is no object to read outside
             # its function. Declared as the parameter is, where it is named -- its
@@ -896,11 +978,12 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
                 f"struct asyncmetal_param_{i} {{ {declared}; }}; "
                 f"extern struct asyncmetal_param_{i} asyncmetal_param_{i}; "
             )
-            check(
-                made, f"asyncmetal_param_{i}.{member}", SignatureCheck(name, " ".join(typed), param)
-            )
+            what = SignatureCheck(name, " ".join(typed), param, read)
+            check(made, f"asyncmetal_param_{i}.{member}", what)
         words = [w for w in words if w not in _NOT_RETURN_TYPE]
-        if not unknown(words):
+        if not unknown(words) and not (
+            in_blocks.intersection(words) and not {"*", "&"}.intersection(words)
+        ):
             continue
         if not all(_is_buffer(p, pointers) or _takes_zero(p, known, not_scalars) for p in params):
             continue
@@ -913,12 +996,14 @@ def signature_checks(src: str) -> tuple[str, tuple[SignatureCheck, ...]]:
         check("", value, SignatureCheck(name, " ".join(words)))
     if not checked:
         return "", ()
+    if not (lines or late):
+        return "", tuple(checked)
     # (after two newlines: the source may end in a comment, or a line continued; the
     # pragmas under the checks' file name too, which a diagnostic of theirs names)
     quiet = "\n".join(f"#pragma GCC diagnostic {each}" for each in _QUIET)
     return (
         f'\n\n#line 1 "{SIGNATURE_CHECKS_FILE}"\n{quiet}\n'
-        + "\n".join(lines)
+        + "\n".join((*lines, *late))
         + "\n#pragma GCC diagnostic pop\n",
         tuple(checked),
     )
@@ -955,16 +1040,82 @@ def _takes_zero(declaration: str, known: Mapping[str, list[str]], not_scalars: s
     return not (_NOT_A_SCALAR.search(" ".join(words)) or not_scalars.intersection(words))
 
 
+# The word of a preprocessor directive's line (``_PREPROCESSOR_LINE``).
+_DIRECTIVE_WORD = re.compile(r"[ \t]*#[ \t]*(\w*)")
+
+
+def _outside_if_blocks(text: str) -> str | None:
+    """``text`` (stripped) less its ``#if`` blocks (each up to its ``#endif``), each made
+    a space: what the preprocessor keeps whatever it drops. None where ``text`` has no
+    ``#if`` (most sources)."""
+    blocks: list[tuple[int, int]] = []
+    depth = start = 0
+    for line in _scan.matches_at(_PREPROCESSOR_LINE, text, _directives(text)):
+        word = _DIRECTIVE_WORD.match(line.group())
+        directive = word.group(1) if word else ""
+        if directive in ("if", "ifdef", "ifndef"):
+            start = line.start() if depth == 0 else start
+            depth += 1
+        elif directive == "endif" and depth:
+            depth -= 1
+            if depth == 0:
+                blocks.append((start, line.end()))
+    if depth:  # (one left open, which no source that compiles has)
+        blocks.append((start, len(text)))
+    if not blocks:
+        return None
+    pieces: list[str] = []
+    copied = 0
+    for start, end in blocks:
+        pieces += (text[copied:start], " ")
+        copied = end
+    return "".join((*pieces, text[copied:]))
+
+
+def _names_made_in_if_blocks(text: str, outside: str | None) -> set[str]:
+    """The type names ``text`` (stripped) makes -- its typedefs and pointer types'
+    object-like macros -- only within ``#if`` blocks (``outside``: ``text`` less them,
+    ``_outside_if_blocks``), and those made of one in turn: a branch the preprocessor
+    may drop, where the compiler sees a header's type of the name, or another
+    branch's."""
+    if outside is None:
+        return set()
+    known = typedefs(text)
+    made = set(known) | _pointer_names(text)
+    names = made - set(typedefs(outside)) - _pointer_names(outside)
+    while True:  # (``typedef real real2;`` outside, ``real`` within)
+        more = {name for name, words in known.items() if names.intersection(words)}
+        if more <= names:
+            return names
+        names |= more
+
+
+def unread_checks(log: str) -> frozenset[int]:
+    """The checks (``signature_checks``' indices) whose first line the compile's ``log``
+    has a diagnostic of: those that do not compile (of a function, or a type, that the
+    preprocessor drops...)."""
+    return frozenset(int(i) for i, line in _CHECKED_LINE.findall(log) if line == "read")
+
+
 def refused_signature(log: str, checked: tuple[SignatureCheck, ...]) -> CompileError | None:
     """The CompileError of the first of the ``checked`` types (``signature_checks``) that
     the compile's ``log`` (in any of the compiler's diagnostics formats) says its checks
     refused: one whose class and size were read (its first line has no diagnostic) but
-    whose second or third line has one. None where none was refused so."""
+    whose other lines have one. None where none was refused so."""
     named = {(int(i), line) for i, line in _CHECKED_LINE.findall(log)}
-    for i, (name, spelled, param) in enumerate(checked):
-        if (i, "read") in named or not {(i, "record"), (i, "other")} & named:
+    for i, (name, spelled, param, read) in enumerate(checked):
+        if (i, "read") in named or not {(i, line) for line in _CHECK_LINES[1:]} & named:
             continue
-        if (i, "record") in named:
+        fix = "take a pointer to it, and pass a buffer"
+        if (i, "array") in named:
+            what = (
+                "which the compiler says is an array (a header's typedef of one: jmp_buf, "
+                "va_list...): a parameter of an array type is a pointer to its first "
+                "element, an address, which the source does not show: a launch would pass "
+                "it a value (buffers' addresses go to parameters the source declares "
+                "pointers)"
+            )
+        elif (i, "record") in named:
             what = "which the compiler says is a struct or union: the C calling convention "
             what += (
                 "returns one through memory (a hidden address, which a launch, calling the "
@@ -982,17 +1133,28 @@ def refused_signature(log: str, checked: tuple[SignatureCheck, ...]) -> CompileE
                 "calling the kernel as a void function, does not pass) or on the x87 stack "
                 "(which such a kernel leaves full)"
             )
-        else:
+        elif (i, "other") in named:
             what = (
                 "which the compiler says is no pointer or scalar of at most 8 bytes (a "
                 "vector, a complex number, a long double, an __int128...): the C calling "
                 "convention passes it in memory or in vector or paired registers, not as the "
                 "one integer or float a launch passes in its register"
             )
+        else:  # ("agree": the source's reading, of a typedef in an #if block, is not)
+            made = "a typedef in an #if block makes it, in a branch the preprocessor may drop"
+            what = (
+                f"which the source reads as a pointer ({made}), and a launch passes a "
+                "buffer's address to, but which the compiler says is no pointer"
+                if read == "pointer"
+                else f"which the source reads as {read} ({made}), and a launch passes as "
+                f"one, but which the compiler says is no {SIZES[str(read)]}-byte "
+                f"{'float' if str(read).startswith('float') else 'integer'}"
+            )
+            fix = "define the type outside the #if, as the kernel compiles it"
         if param is None:
             told, fix = f"returns {spelled!r}", "return void, and write the result to a buffer"
         else:
-            told, fix = f"takes {param!r} by value", "take a pointer to it, and pass a buffer"
+            told = f"takes {param!r}" + ("" if read == "pointer" else " by value")
         return CompileError(
             f"function {name!r} of the source {told}, {what}: {fix} (each function of the "
             "source that a launch can name is checked: declare one that is no kernel "

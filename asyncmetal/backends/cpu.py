@@ -61,6 +61,7 @@ from .._compile import (
     scalar_params,
     signature_checks,
     tool_answer,
+    unread_checks,
 )
 from .._errors import (
     ArgumentTypeError,
@@ -171,13 +172,24 @@ class CCompiler(Compiler):
         with tempfile.TemporaryDirectory(prefix="asyncmetal-cc-") as tmp:
             out = os.path.join(tmp, "kernel.so")
             proc, log = _cc(command, self.flags, src + checks, out)
-            if checks and SIGNATURE_CHECKS_FILE in log:
+            unread: frozenset[int] = frozenset()
+            while checks and SIGNATURE_CHECKS_FILE in log:
                 refused = refused_signature(log, checked) if proc.returncode != 0 else None
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(out)
+                # (checks that do not compile -- of a function the preprocessor drops --
+                # may end the compile before later checks are read, -Wfatal-errors or an
+                # error limit making theirs the last error told: it is compiled again
+                # without them, until each check left compiles, or none is left)
+                if refused is None and not unread_checks(log) <= unread:
+                    unread |= unread_checks(log)
+                    checks = signature_checks(src, unread)[0]
+                    proc, log = _cc(command, self.flags, src + checks, out)
+                    continue
                 proc, log = _cc(command, self.flags, src, out)
                 if refused is not None and proc.returncode == 0:
                     raise refused
+                break
             if proc.returncode != 0:
                 raise CompileError(f"{cc} failed with exit code {proc.returncode}", log)
             if not os.path.exists(out):  # (it exits 0 having made nothing to load)

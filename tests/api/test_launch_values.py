@@ -435,6 +435,8 @@ typedef double real64_t;
 typedef void nothing_t;
 typedef _Bool flag_t;
 typedef enum { NO, YES } answer_t;
+typedef long long cell_t[1];
+typedef _Atomic int atomic_int_t;
 """
 # Compiles kernel k of the source argv[1] (with the options after it) and launches it
 # with an 8-byte buffer and 7: prints what came of it (a launch that crashes kills the
@@ -480,6 +482,7 @@ anyio.run(main)
         ("#include <math.h>", "float_t", False),
         ("#define KERNEL void", "KERNEL", False),
         ("#define RESULT const count_t", "RESULT", False),
+        ("#if 0\ntypedef long long big_t;\n#endif", "big_t", True),  # (a dropped typedef)
     ],
 )
 def test_a_cpu_kernel_returning_a_header_type_no_launch_calls_is_refused(
@@ -528,6 +531,13 @@ def test_a_cpu_kernel_returning_a_header_type_no_launch_calls_is_refused(
             None,
         ),
         ("#include <signal.h>\n#if 0\nsigset_t gone(int a);\n#endif", (), None),
+        # definitions in #if branches whose parameters differ: which compiles is not told
+        (
+            "#include <stdlib.h>\n#ifdef NOT_DEFINED\nint two(int* o, div_t d) { return d.quot; }"
+            "\n#else\nint two(int* o, long long d) { return (int)d; }\n#endif",
+            (),
+            None,
+        ),
         # a warning the checks draw (a deprecated function's call) is not one: made an
         # error, it would hide the refusal
         (
@@ -543,6 +553,26 @@ def test_a_cpu_kernel_returning_a_header_type_no_launch_calls_is_refused(
             "sigset_t h(int a) { sigset_t s; (void)a; sigemptyset(&s); return s; }",
             ("-Werror", "-Wfatal-errors"),
             "'h'",
+        ),
+        # nor does a check of a type only a dropped typedef makes, which does not compile
+        (
+            "#if 0\ntypedef float only_t;\nvoid gone(int* o, only_t x) { o[0] = (int)x; }\n"
+            "#endif\n#include <stdlib.h>\nvoid h(int* o, div_t d) { o[0] = d.quot; }",
+            ("-Werror", "-Wfatal-errors"),
+            "'h'",
+        ),
+        # a function the preprocessor drops is not refused; one in a branch it keeps is
+        (
+            "#include <stdlib.h>\n#if 0\nvoid gone(int* o, div_t d) { o[0] = d.quot; }\n#endif",
+            (),
+            None,
+        ),
+        (
+            "#ifndef GUARD\n#define GUARD\n#include <stdlib.h>\n"
+            "#if 0\nvoid gone(int* o, div_t d) { o[0] = d.quot; }\n#endif\n"
+            "void live(int* o, div_t d) { o[0] = d.quot; }\n#endif",
+            ("-Werror", "-Wfatal-errors"),
+            "'live'",
         ),
         # the source's own errors come first
         ("#include <signal.h>\nsigset_t h(int a) { sigset_t s; return s }", (), "failed"),
@@ -565,8 +595,17 @@ def test_the_compiler_checks_the_return_types_of_every_function_a_launch_can_nam
     it is not). A check that does not compile (a function the preprocessor drops, one
     that takes a struct) is dropped, and the source compiled alone; a source that does
     not compile says so itself, with its log. The checks draw no warning (none that
-    ``-Werror`` makes an error of them). Checked: the deprecated function's refusal
-    failed without the check's warnings turned off (it was taken)."""
+    ``-Werror`` makes an error of them). Definitions in ``#if`` branches whose parameters
+    differ are not checked: which compiles is not told (checked: the dropped one's
+    struct parameter was refused, the whole source with it). A check of a type that
+    only a typedef in an ``#if 0`` block makes, which does not compile, comes after the
+    others (checked: first, it hid the later refusal under -Wfatal-errors, and the
+    source was taken). A function the preprocessor drops is not refused (checked: its
+    struct parameter was, and the whole source with it), and its check, which does not
+    compile, hides no other's refusal under -Wfatal-errors (the source is compiled again
+    without it; checked: the live function was taken). Checked: the deprecated
+    function's refusal failed without the check's warnings turned off (it was
+    taken)."""
     if shutil.which(cc) is None:
         pytest.skip(f"no {cc} here")
     from asyncmetal.backends.cpu import CCompiler
@@ -606,7 +645,12 @@ def test_a_refusal_by_the_checks_is_told_in_any_diagnostics_format(
     no warning of their own under strict flags: a refused function is refused. A
     source whose checks refuse nothing compiles under the same flags. Checked: fails
     without the fix (the JSON, msvc and vi formats' refusals were not recognised, and
-    the source compiled alone was taken)."""
+    the source compiled alone was taken); a parameter of a header's array type is
+    refused as one in each format (checked: it was refused as no pointer or scalar of
+    at most 8 bytes, without the array's check); so is one whose type a typedef in a
+    dropped ``#if`` block makes otherwise than the header does (checked: it was
+    taken). A function the preprocessor drops is not refused, in any format (checked:
+    it was)."""
     if shutil.which(cc) is None:
         pytest.skip(f"no {cc} here")
     from asyncmetal.backends.cpu import CCompiler
@@ -620,9 +664,33 @@ def test_a_refusal_by_the_checks_is_told_in_any_diagnostics_format(
     with pytest.raises(am.CompileError) as info:
         compiler.compile(refused + kernel)
     assert info.value.message.startswith("function 'h' of the source returns 'sigset_t'")
+    array = (
+        "#include <setjmp.h>\nvoid h(int* out, jmp_buf b);\n"
+        "void h(int* out, jmp_buf b) { out[0] = b == 0; }\n"
+    )
+    with pytest.raises(am.CompileError) as info:
+        compiler.compile(array + kernel)
+    assert info.value.message.startswith(
+        "function 'h' of the source takes 'jmp_buf b' by value, which the compiler says is an array"
+    ), info.value.message
+    dropped = (
+        "#include <math.h>\n#if 0\ntypedef double float_t;\n#endif\n"
+        "void h(int* out, float_t x);\nvoid h(int* out, float_t x) { out[0] = x > 0; }\n"
+    )
+    with pytest.raises(am.CompileError) as info:
+        compiler.compile(dropped + kernel)
+    assert info.value.message.startswith(
+        "function 'h' of the source takes 'float_t x' by value, which the source reads as float64"
+    ), info.value.message
     taken = "#include <math.h>\nfloat_t h(float_t a);\nfloat_t h(float_t a) { return a; }\n"
     assert compiler.compile(taken + kernel)
     assert "asyncmetal" not in compiler._last_log
+    gone = "#include <stdlib.h>\n#if 0\nvoid gone(int* o, div_t d) { o[0] = d.quot; }\n#endif\n"
+    assert compiler.compile(gone + kernel)
+    assert "asyncmetal" not in compiler._last_log
+    with pytest.raises(am.CompileError) as info:
+        compiler.compile(gone + refused + kernel)
+    assert info.value.message.startswith("function 'h' of the source returns 'sigset_t'")
 
 
 @pytest.mark.parametrize("cc", ["gcc", "clang"])
@@ -641,6 +709,12 @@ def test_a_refusal_by_the_checks_is_told_in_any_diagnostics_format(
         ("", "complex_t c", "no pointer or scalar"),
         ("", "wide_int_t i", "no pointer or scalar"),
         ("", "real_t", "no pointer or scalar"),  # unnamed (C23)
+        # arrays: a parameter of one is a pointer, of a size a pointer has too (cell_t)
+        ("#include <stdarg.h>", "va_list ap", "an array"),
+        ("#include <setjmp.h>", "jmp_buf b", "an array"),
+        ("#include <setjmp.h>", "sigjmp_buf b", "an array"),
+        ("", "cell_t c", "an array"),
+        ("", "atomic_int_t a", None),
         ("", "fptr_t p", None),
         ("", "count_t n", None),
         ("", "real64_t x", None),
@@ -682,6 +756,120 @@ def test_the_compiler_checks_parameters_of_types_the_source_does_not_show(
     assert info.value.message.startswith(
         f"function 'k' of the source takes {param!r} by value, which the compiler says is {refused}"
     ), info.value.message
+
+
+@pytest.mark.parametrize(
+    ("before", "param", "body"),
+    [
+        ("", "cell_t c", "out[0] = c[0];"),
+        ("#include <stdarg.h>", "va_list ap", "out[0] = va_arg(ap, long long);"),
+    ],
+)
+def test_a_cpu_kernel_taking_a_header_array_type_is_refused(
+    tmp_path: Path, before: str, param: str, body: str
+) -> None:
+    """A parameter of an array type a header makes (``va_list``, a typedef of
+    ``long long[1]``) is a pointer to the array's first element, which the source does
+    not show: a launch would pass it 7, which the kernel reads through. Refused at
+    compile, naming the kernel, the parameter and why (an array). Run in a child, which
+    a launch that crashes kills. Checked: fails without the fix (cell_t was taken, and
+    its launch killed the child with SIGSEGV, return code -11; va_list was refused as
+    "no pointer or scalar of at most 8 bytes", passed "in memory or in vector or paired
+    registers", which is not how a pointer is passed)."""
+    (tmp_path / "returned.h").write_text(RETURNED_H)
+    source = f'#include "returned.h"\n{before}\nvoid k(long long* out, {param}) {{ {body} }}'
+    child = run_child(
+        RETURNED_CHILD, source, f"-I{tmp_path}", hung="the compile or the launch hung"
+    )
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    refusal = (
+        f"refused k kernel 'k': function 'k' of the source takes {param!r} by value, which "
+        "the compiler says is an array (a header's typedef of one: jmp_buf, va_list...): "
+        "a parameter of an array type is a pointer to its first element"
+    )
+    assert child.stdout.startswith(refusal), child.stdout
+
+
+@pytest.mark.parametrize("cc", ["gcc", "clang"])
+@pytest.mark.parametrize(
+    ("before", "param", "refused"),
+    [
+        # the source reads a float, a pointer, an int; the compiler sees the header's
+        ("#if 0\ntypedef float real64_t;\n#endif", "real64_t x", "as float32"),
+        ("#ifdef NOT_DEFINED\ntypedef float *real64_t;\n#endif", "real64_t x", "as a pointer"),
+        ("#if 0\ntypedef int count_t;\n#endif", "count_t n", "as int32"),
+        ("#if 0\n#define real64_t float *\n#endif", "real64_t x", "as a pointer"),
+        (
+            "#if 0\ntypedef float real64_t;\n#endif\ntypedef real64_t mine_t;",
+            "mine_t m",
+            "as float32",
+        ),
+        ("#if 0\ntypedef long long big_t;\n#endif", "big_t b", "a struct or union"),
+        # what the source reads is what compiles: taken
+        ("#if 0\ntypedef double real64_t;\n#endif", "real64_t x", None),
+        ("#if 0\ntypedef long long count_t;\n#endif", "count_t n", None),
+        ("#if 0\ntypedef float *fptr_t;\n#endif", "fptr_t p", None),
+        ("#if 0\ntypedef long long *cell_t;\n#endif", "cell_t c", None),  # (an array's)
+        ("#ifndef MINE\n#define MINE\ntypedef double mine_t;\n#endif", "mine_t m", None),
+        ("#if 1\ntypedef float mine_t;\n#else\ntypedef double mine_t;\n#endif", "mine_t m", None),
+    ],
+)
+def test_a_parameter_typed_in_an_if_block_is_checked_to_be_what_the_source_reads(
+    tmp_path: Path, cc: str, before: str, param: str, refused: str | None
+) -> None:
+    """A parameter whose type a typedef (or a pointer type's macro) in an ``#if`` block
+    makes is read from the source as that type -- a launch passes it as one -- though
+    the preprocessor may drop the branch, and the compiler see a header's type of the
+    name: it is checked to be what the source reads (a pointer; a float or an integer
+    of its size), and refused, naming the function and the parameter, where it is not.
+    Checked: fails without the fix (each was compiled, and a launch passed a float, a
+    buffer's address or an int where the kernel read a double, a long long or a
+    struct)."""
+    if shutil.which(cc) is None:
+        pytest.skip(f"no {cc} here")
+    from asyncmetal.backends.cpu import CCompiler
+
+    (tmp_path / "returned.h").write_text(RETURNED_H)
+    source = (
+        f'#include "returned.h"\n{before}\n'
+        f"void k(long long* out, {param}) {{ out[0] = (long long)sizeof(out); }}\n"
+    )
+    compiler = CCompiler(cc, ("-O2", f"-I{tmp_path}"))
+    if refused is None:
+        assert compiler.compile(source)
+        assert "asyncmetal" not in compiler._last_log
+        return
+    with pytest.raises(am.CompileError) as info:
+        compiler.compile(source)
+    assert info.value.name == "k"
+    assert info.value.message.startswith(f"function 'k' of the source takes {param!r}")
+    if refused.startswith("as "):
+        assert f"which the source reads {refused} (a typedef in an #if block" in info.value.message
+        assert "define the type outside the #if" in info.value.message
+    else:
+        assert f"which the compiler says is {refused}" in info.value.message
+
+
+def test_a_cpu_kernel_launch_passes_no_type_a_dropped_typedef_makes(tmp_path: Path) -> None:
+    """A typedef in an ``#if 0`` block (``float``) makes no parameter of the kernel a
+    launch passes a value to as that type, where the header it includes makes it
+    another (``double``): the kernel is refused at compile, rather than launched with
+    a float where it reads a double. Run in a child, as the others. Checked: fails
+    without the fix (it ran, and wrote 0 where the kernel was given 7)."""
+    (tmp_path / "returned.h").write_text(RETURNED_H)
+    source = (
+        '#if 0\ntypedef float real64_t;\n#endif\n#include "returned.h"\n'
+        "void k(long long* out, real64_t x) { out[0] = (long long)x; }"
+    )
+    child = run_child(
+        RETURNED_CHILD, source, f"-I{tmp_path}", hung="the compile or the launch hung"
+    )
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    refusal = (
+        "refused k kernel 'k': function 'k' of the source takes 'real64_t x' by value, "
+        "which the source reads as float32"
+    )
+    assert child.stdout.startswith(refusal), child.stdout
 
 
 def test_the_compiler_identity_changes_with_the_checks(monkeypatch: pytest.MonkeyPatch) -> None:
