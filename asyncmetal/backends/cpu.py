@@ -542,6 +542,31 @@ def _needed(binary: bytes) -> list[str]:
     return []
 
 
+# Sanitizer runtimes that must be the first library of the process: loaded later (by a
+# kernel library built with -fsanitize=address under gcc, which names it) they end the
+# process from inside dlopen ("ASan runtime does not come first in initial library list").
+_FIRST_RUNTIMES = ("libasan.", "libhwasan.")
+
+
+def _check_first_runtimes(binary: bytes) -> None:
+    """Raise PermissionError (no rebuilt binary would load) where ``binary`` needs a
+    sanitizer runtime that this process did not load first; loaded already (Python run
+    with it in LD_PRELOAD), the kernel library loads as any other."""
+    for name in _needed(binary):
+        if not name.startswith(_FIRST_RUNTIMES):
+            continue
+        try:
+            ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            raise PermissionError(
+                errno.EPERM,
+                f"the kernel library needs {name} (built with -fsanitize=address), which "
+                "must be the first library the process loads: run Python with it "
+                "preloaded (LD_PRELOAD=$(cc -print-file-name=" + name + ")), or build "
+                "without it",
+            ) from None
+
+
 _pinned: set[str] = set()
 
 
@@ -917,6 +942,8 @@ class CPUBackend(HostQueues, Backend):
             with self._libraries_lock:
                 if self._closed:
                     raise ClosedResourceError(f"device {self._info.name} is closed")
+                if hasattr(os, "RTLD_NOLOAD"):
+                    _check_first_runtimes(binary)
                 try:
                     lib = ctypes.CDLL(f.name, mode=os.RTLD_LOCAL)
                 except OSError as exc:
