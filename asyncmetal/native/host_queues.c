@@ -133,8 +133,9 @@ static int take(am_queue *q, am_cmd *out) {
 /* Queue q's commands from `value` on fail (each does nothing, a signal among them fails
  * its timeline): a wait of theirs ended on a failed timeline, or they were discarded.
  * The queue's own timeline fails from `value` on too, before it gets there (a wait on it
- * that gets there sees the failure, both under its mu), without settling: it goes on
- * rising as the commands pass. On the queue's thread. */
+ * that gets there sees the failure, both under its mu); it rises as the commands pass,
+ * and settles once the thread has passed every one it was given (passed_all). On the
+ * queue's thread. */
 static void poison(am_queue *q, uint64_t value, int error, uint64_t cause_value,
                    am_timeline *cause) {
     pthread_mutex_lock(&q->mu);
@@ -146,6 +147,22 @@ static void poison(am_queue *q, uint64_t value, int error, uint64_t cause_value,
     }
     pthread_mutex_unlock(&q->mu);
     am_timeline_fail_from(q->own, value, error, cause_value, cause);
+}
+
+/* Whether q's thread has passed every command it was given (the one it passes now
+ * aside). A failed queue (poisoned) then settles, as a cuda queue does (cuda_completion.c,
+ * cuq_settle): its own timeline, failed from its first failed command on (poison, before
+ * that command passed), goes to UINT64_MAX in the last command's stead, so every wait on
+ * it for a value no command of it produces ends, failed -- a host task's (which then
+ * raises), a queue's device wait (whose queue then fails from it on) -- rather than wait
+ * for a command nobody submits. A command pushed after the look (under q->mu, as the
+ * push) is one the timeline failed from before it was submitted: passed without running,
+ * its completion reads that failure, never success. On the queue's thread. */
+static int passed_all(am_queue *q) {
+    pthread_mutex_lock(&q->mu);
+    int passed = q->count == 0;
+    pthread_mutex_unlock(&q->mu);
+    return passed;
 }
 
 /* am_queue_close(abandon) sets stop under q->mu, then reads waiting_on and broadcasts
@@ -410,6 +427,7 @@ static void *run(void *arg) {
 
 static void *run_commands(am_queue *q, starve_watch *starve) {
     am_cmd c;
+    int settled = 0;  /* q's own timeline at UINT64_MAX (passed_all) */
 #ifdef __linux__
     /* Kernels run here, on the host's cores, which the event loops need too: at a nice
      * value above the loop's this thread yields to a loop thread that wakes (a lower
@@ -480,7 +498,9 @@ static void *run_commands(am_queue *q, starve_watch *starve) {
             c.record[1] = now_ns();
             __atomic_store_n(&c.record[2], (int64_t)c.value, __ATOMIC_RELEASE);
         }
-        am_timeline_signal(q->own, c.value);
+        /* (poisoned: written by this thread only) */
+        if (q->poisoned && !settled) settled = passed_all(q);
+        am_timeline_signal(q->own, settled ? UINT64_MAX : c.value);
     }
     return NULL;
 }
@@ -619,7 +639,8 @@ static void wake_waiting(am_queue *q) {
  * without running (a signal among them fails its timeline), as does a device wait it is
  * in (it ends); a command running now finishes. The queue's own timeline still rises
  * through them (quickly: nothing runs), failed from the first one dropped, with
- * AM_DISCARDED as the cause. Every later command fails too: the queue is closed next. */
+ * AM_DISCARDED as the cause, and settles past them (passed_all). Every later command
+ * fails too: the queue is closed next. */
 void am_queue_discard(am_queue *q) {
     if (q->forks != am_forks) return;  /* (a parent's queue, in a forked child) */
     pthread_mutex_lock(&q->mu);

@@ -53,6 +53,7 @@ def test_queue_close_wait_watch_stress(tmp_path: Path, sanitizer: str) -> None:
         "word",
         "finish",
         "discard",
+        "settle",
         "watch",
         "notify",
         "parts",

@@ -378,3 +378,22 @@ def test_a_wait_whose_stream_context_the_driver_refuses_raises_with_nothing_numb
     assert seen["numbered"] == 0 and seen["events_made"] == 0, seen
     assert seen["current"] == 0xC0FFEE, seen
     assert seen["after"] == seen["again"] == "done", seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_failed_queues_own_timeline_settles(path: str, loop: str) -> None:
+    """A queue whose device wait ended on a value never produced settles its own timeline
+    at 2**64 - 1 once nothing is left in flight (cuq_settle): a host wait on it for more
+    than it was given, parked before the failure or made after, ends with the failure,
+    and a later launch fails -- what tests/contracts/test_contract2_timelines.py asks of
+    every device (test_a_failed_queues_own_timeline_settles_so_no_wait_on_it_is_left_
+    waiting), here on the simulated driver."""
+    seen = _through("failed_own_timeline", loop, path)
+    beyond = "ClosedResourceError: this timeline will not reach {}: its queue's last command"
+    assert seen["parked"].startswith(beyond.format(1000)), seen
+    assert "settled without it running" in seen["parked"], seen
+    assert seen["value"] == 2**64 - 1, seen
+    assert seen["after"].startswith("ClosedResourceError: this timeline will not reach "), seen
+    assert "settled without it running" in seen["after"], seen
+    assert seen["later"].startswith("ClosedResourceError: this command did not run"), seen

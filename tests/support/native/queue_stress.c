@@ -29,11 +29,17 @@
  *   discard   am_queue_discard racing the queue thread's way into a device wait, a
  *             thread pushing commands and a close: the wait ends (a broadcast lost
  *             between the thread's look at `discard` and its sleep hangs here), the
- *             close returns with the queue's timeline at its last value, failed as
- *             discarded; a signal dropped fails its timeline. And a discard while the
+ *             close returns with the queue's timeline settled (UINT64_MAX: it passed
+ *             every command, the pushes racing its look at what is left), failed as
+ *             discarded from the wait on; a signal dropped fails its timeline. And a discard while the
  *             wait it would end is released by another thread, which then frees the
  *             timeline once the queue's own passed the wait (as the Python side lets go
  *             of a command's objects): the discard must not touch it (AddressSanitizer)
+ *   settle    a queue whose wait ends on a failed timeline while another thread pushes
+ *             signals behind it: once its thread has passed them all, its own timeline
+ *             settles at UINT64_MAX, failed from the wait on; every signal pushed --
+ *             before the settle, racing its look at what is left, or after it -- fails
+ *             its timeline (none is signalled as if it ran)
  *   deadlines a timed wait's deadline (deadline_after) for negative, zero and huge
  *             waits is a valid time (nanoseconds 0 to 999,999,999), the present or
  *             later; a wait for a block with a negative timeout returns at once (one
@@ -239,7 +245,7 @@ static void check_discard(long n) {
         int error = 0;
         uint64_t value = 0;
         am_timeline *cause = NULL;
-        if (am_timeline_value(own) != 3 + 63) die("discard: the queue's timeline stopped short");
+        if (am_timeline_value(own) != UINT64_MAX) die("discard: the queue's timeline unsettled");
         if (am_timeline_failure(own, &error, &value, &cause) != 1 || error != AM_DISCARDED)
             die("discard: the queue's timeline not failed from the wait, as discarded");
         if (am_timeline_failure(t2, &error, &value, &cause) != 1 || error != AM_DISCARDED)
@@ -269,6 +275,59 @@ static void check_discard(long n) {
         atomic_fetch_add(&progress, 1);
     }
     puts("ok discard");
+}
+
+#define SETTLE_SIGNALS 16
+
+typedef struct { am_queue *q; am_timeline **signalled; } signals_arg;
+
+static void *push_signals(void *arg) {  /* another thread's submissions, values 2.. */
+    signals_arg *p = arg;
+    for (int k = 0; k < SETTLE_SIGNALS; k++)
+        if (am_queue_signal(p->q, p->signalled[k], 1, (uint64_t)k + 2)) die("settle: push");
+    return NULL;
+}
+
+/* Whether t failed from 1 on, with the failure behind it a queue's (`own`). */
+static int failed_by(am_timeline *t, am_timeline *own) {
+    int error = 0;
+    uint64_t value = 0;
+    am_timeline *cause = NULL;
+    return am_timeline_failure(t, &error, &value, &cause) == 1 && cause == own;
+}
+
+static void check_settle(long n) {
+    atomic_store(&phase, "settle");
+    for (long i = 0; i < n; i++) {
+        am_timeline *own = am_timeline_new(), *t = am_timeline_new(), *late = am_timeline_new();
+        am_timeline *signalled[SETTLE_SIGNALS];
+        for (int k = 0; k < SETTLE_SIGNALS; k++)
+            if (!(signalled[k] = am_timeline_new())) die("settle: out of memory");
+        am_queue *q = am_queue_new(own, i % 2 ? 50000 : 0, 19);
+        if (!own || !t || !late || !q) die("settle: out of memory");
+        if (am_queue_wait(q, t, 1, 1)) die("settle: push");
+        signals_arg p = {q, signalled};
+        pthread_t th;
+        pthread_create(&th, NULL, push_signals, &p);
+        jitter(i);
+        am_timeline_fail(t, 1, AM_CLOSED, 1, t);  /* the wait ends failed: q fails from 1 */
+        pthread_join(th, NULL);
+        if (!reached(own, UINT64_MAX)) die("settle: the failed queue's timeline never settled");
+        if (!failed_by(own, t)) die("settle: the queue's timeline not failed from the wait");
+        for (int k = 0; k < SETTLE_SIGNALS; k++)
+            if (!reached(signalled[k], UINT64_MAX) || !failed_by(signalled[k], t))
+                die("settle: a signal behind the failed wait did not fail its timeline");
+        if (am_queue_signal(q, late, 1, SETTLE_SIGNALS + 2)) die("settle: push");
+        if (!reached(late, UINT64_MAX) || !failed_by(late, t))
+            die("settle: a signal pushed after the settle did not fail its timeline");
+        am_queue_close(q, 0);
+        for (int k = 0; k < SETTLE_SIGNALS; k++) am_timeline_free(signalled[k]);
+        am_timeline_free(late);
+        am_timeline_free(t);
+        am_timeline_free(own);
+        atomic_fetch_add(&progress, 1);
+    }
+    puts("ok settle");
 }
 
 static void check_watch(long n) {
@@ -685,6 +744,7 @@ int main(int argc, char **argv) {
     check_word(n / 4);
     check_finish(n / 4);
     check_discard(n / 4);
+    check_settle(n / 20);
     check_watch(n);
     check_notify(n / 20);
     check_parts(n / 10);

@@ -901,6 +901,40 @@ async def _collected_launch(sim: _Simulated, queue: Any, kernel: Any, buf: Any) 
     return seen
 
 
+async def _failed_own_timeline(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
+    """A queue whose device wait ended on a value never produced (``fail_for_good``):
+    what a host wait on its own timeline for more than it was given, parked before the
+    failure, and one made after raised, its timeline's value once the parked one ended,
+    and what a launch submitted later raised."""
+    from tests.support.queues import fail_for_good
+
+    seen: Seen = {}
+    ended = anyio.Event()
+
+    async def park() -> None:
+        seen["parked"] = await _awaited(queue.timeline.wait(1000))
+        ended.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(park)
+        await anyio.lowlevel.checkpoint()
+        await fail_for_good(queue.device, queue)
+        with anyio.move_on_after(10):
+            await ended.wait()
+        tg.cancel_scope.cancel()
+    seen["value"] = queue.timeline.value
+    with anyio.move_on_after(10):
+        seen["after"] = await _awaited(queue.timeline.wait(queue.submitted + 1))
+    try:
+        later = queue.launch(kernel, buf)
+    except Exception as exc:  # (refused at once)
+        seen["later"] = _error(exc)
+    else:
+        with anyio.move_on_after(10):
+            seen["later"] = await _awaited(later)
+    return seen
+
+
 SCENARIOS: dict[str, Callable[[_Simulated, Any, Any, Any], Awaitable[Seen]]] = {
     "gated_discard": _gated_discard,
     "refused_end": _refused_end,
@@ -916,6 +950,7 @@ SCENARIOS: dict[str, Callable[[_Simulated, Any, Any, Any], Awaitable[Seen]]] = {
     "green_context_stream": _green_context_stream,
     "stream_context_refused": _stream_context_refused,
     "default_streams": _default_streams,
+    "failed_own_timeline": _failed_own_timeline,
 }
 # What a scenario sets up before its queue is made.
 BEFORE_QUEUE: dict[str, Callable[[_Simulated], None]] = {"no_context": _refuse_context}
