@@ -157,6 +157,8 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
             "from_dlpack takes an object with __dlpack__ or __cuda_array_interface__, "
             f"got {type(obj).__name__}"
         )
+    if isinstance(obj, Exports):  # (freed, or its device closed: said as such first)
+        obj._check_usable("buffer")
     device_type, device_id = _dlpack_device(obj)
     if device_type == KDLMETAL:  # an MTLBuffer and an offset, not an address
         raise ExchangeError("from_dlpack of Metal memory is not supported yet")

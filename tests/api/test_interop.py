@@ -91,6 +91,21 @@ async def test_dlpack_device_of_each_kind(device: am.Device) -> None:
     assert npy.__dlpack_device__() == (1, 0)
 
 
+async def test_from_dlpack_of_an_unusable_buffer_says_why(anyio_backend: object) -> None:
+    """A buffer of a closed device, or one freed, given to from_dlpack: said so
+    (ClosedResourceError), whatever devices are open. Checked failing without (run
+    alone, no other cpu device open): 'no open device holds DLPack device (1, 0)'s memory: open it
+    first' (InvalidArgumentError) for the closed device's buffer."""
+    device = await am.open_device("cpu:77")
+    closed, freed = await device.alloc(64), await device.alloc(64)
+    await freed.free()
+    with pytest.raises(am.ClosedResourceError, match="buffer was freed"):
+        am.from_dlpack(freed)
+    await device.close()
+    with pytest.raises(am.ClosedResourceError, match="belongs to the closed device cpu:77"):
+        am.from_dlpack(closed)
+
+
 async def test_a_freed_host_buffer_has_no_cuda_array_interface_either(
     anyio_backend: object,
 ) -> None:
