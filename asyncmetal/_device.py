@@ -178,6 +178,7 @@ RECOUNT_S = 0.05  # a close waiting for its queues counts what can complete this
 # after its last command, so a long look (many buffers' records) delays that by seconds,
 # not by a hundred times its own length. It holds the submission lock for REAP_CHUNK
 # uses on the blocks' records at a time.
+CLOSE_THREAD = "asyncmetal close"  # the name of the threads that run closes
 REAP_S = 0.05
 REAP_MAX_S = 0.5
 REAP_DUTY = 100
@@ -1272,7 +1273,17 @@ class Device(Singular):
             # a shielded scope (and, between checkpoints, in whatever Python code runs).
             run = functools.partial(self._teardown, closing, failed)
             args = (run, closing, failed)
-            threading.Thread(target=self._tear_down, args=args, name="asyncmetal close").start()
+            thread: threading.Thread | None = None
+            try:
+                thread = threading.Thread(target=self._tear_down, args=args, name=CLOSE_THREAD)
+                thread.start()
+            except BaseException:  # (no thread to be had, or an interrupt before it began)
+                if thread is None or thread.ident is None:  # (begun: it gives its count back)
+                    # (Else a later close's thread, whose loop cannot be made, would count
+                    # on this one to begin the teardown: nothing would end their waits.)
+                    with self._close_lock:
+                        self._starting -= 1
+                raise
         await _until_closed(closing, self._interrupted)  # (another close's, or this one's)
         if failed:
             raise failed[0]
@@ -2234,7 +2245,7 @@ def _close_abandoned(backend: Backend) -> None:
             else:
                 made._close_native(abandon=True)  # its queue, its memory, the backend
 
-    threading.Thread(target=close, name="asyncmetal close", daemon=True).start()
+    threading.Thread(target=close, name=CLOSE_THREAD, daemon=True).start()
 
 
 def _made_of(backend: Backend) -> Device | None:

@@ -8,6 +8,7 @@ import errno
 import subprocess
 import sys
 import textwrap
+import threading
 import types
 from typing import Any
 
@@ -100,3 +101,36 @@ def test_a_close_out_of_file_descriptors_ends(tmp_path: Any) -> None:
     )
     assert child.returncode == 0, child.stderr[-3000:]
     assert child.stdout.split() == ["refused", "True", "then", "True"], child.stdout
+
+
+async def test_a_close_whose_thread_never_started_leaves_no_count_behind(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close whose thread could not start raises that; a later close whose loop then
+    cannot be made still ends its waits with its error, and the next one closes. Checked
+    failing without the fix: the first close's count stayed, so the second's thread
+    counted on it to begin the teardown and nothing ended its wait (fail_after)."""
+    device = await am.open_device("cpu")
+    start, starts = threading.Thread.start, [RuntimeError("can't start new thread")]
+
+    def refused_once(thread: threading.Thread) -> None:
+        if thread.name == _device.CLOSE_THREAD and starts:
+            raise starts.pop()
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refused_once)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        await device.close()
+    refusals = [OSError(errno.EMFILE, "Too many open files")]
+
+    def run(fn: Any, *args: Any) -> Any:
+        if refusals:
+            raise refusals.pop()
+        return anyio.run(fn, *args)
+
+    monkeypatch.setattr(_device, "anyio", types.SimpleNamespace(**{**vars(anyio), "run": run}))
+    with anyio.fail_after(LIMIT), pytest.raises(OSError, match="Too many open files"):
+        await device.close()
+    with anyio.fail_after(LIMIT):
+        await device.close()
+    assert device.closed
