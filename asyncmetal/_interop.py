@@ -158,7 +158,7 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
             f"got {type(obj).__name__}"
         )
     if isinstance(obj, Exports):  # (freed, or its device closed: said as such first)
-        obj._check_usable("buffer")
+        obj._exported()[0]._check_usable("buffer")
     device_type, device_id = _dlpack_device(obj)
     if device_type == KDLMETAL:  # an MTLBuffer and an offset, not an address
         raise ExchangeError("from_dlpack of Metal memory is not supported yet")
