@@ -157,8 +157,9 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
             "from_dlpack takes an object with __dlpack__ or __cuda_array_interface__, "
             f"got {type(obj).__name__}"
         )
-    if isinstance(obj, Exports):  # (freed, or its device closed: said as such first)
-        obj._exported()[0]._check_usable("buffer")
+    exported = obj._exported() if isinstance(obj, Exports) else None
+    if exported is not None:  # (freed, or its device closed: said as such first)
+        exported[0]._check_usable("buffer")
     device_type, device_id = _dlpack_device(obj)
     if device_type == KDLMETAL:  # an MTLBuffer and an offset, not an address
         raise ExchangeError("from_dlpack of Metal memory is not supported yet")
@@ -178,10 +179,10 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
         stream = None if own is None else own.handle
     source: Buffer | None = None  # one of asyncmetal's own buffers, coming back
     try:
-        if isinstance(obj, Exports):
+        if exported is not None:
             # Its memory is lent even while a command uses it: the buffer made of it
             # shares its record of uses (below), so commands order themselves after it.
-            source, dtype, shape = obj._exported()
+            source, dtype, shape = exported
             if not source.device.writable:  # (refused as read-only: it is a source already)
                 raise ExchangeError(
                     f"{source!r} is a read-only source already (asyncmetal.from_numpy), "
