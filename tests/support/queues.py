@@ -144,10 +144,13 @@ async def replace_a_used_stand_in(
     return before, buf, weakref.ref(stand_in)
 
 
-async def fail_for_good(device: am.Device, queue: am.Queue) -> None:
+async def fail_for_good(
+    device: am.Device, queue: am.Queue, behind: Callable[[], object] | None = None
+) -> None:
     """Make every later command of ``queue``, a queue of ``device``, fail: another
     device (a cpu one) closes while ``queue`` waits (on the device, or held on the host)
-    for that device's command that never runs, a copy out of its buffer."""
+    for that device's command that never runs, a copy out of its buffer. ``behind``
+    submits more to ``queue`` right after that copy, before the close."""
     other = await am.open_device("cpu:23")
     try:
         put = await other.compile("void put(char* x) { x[0] = 9; }", "put")
@@ -157,6 +160,8 @@ async def fail_for_good(device: am.Device, queue: am.Queue) -> None:
         stuck_queue.launch(put, theirs)
         mine = await device.alloc(64)
         copied = queue.copy(mine, theirs)  # ordered after that launch
+        if behind is not None:
+            behind()
     finally:
         with anyio.fail_after(20):
             await other.close()

@@ -17,6 +17,7 @@ from ..._errors import AsyncMetalError, DeviceLostError
 from ..._native import ABANDONED, CLOSED, DISCARDED, Failure
 from ..._timeline import (
     LATER_FAIL,
+    MAX_VALUE,
     QUEUE_DISCARDED,
     closed_queue_error,
     command_of,
@@ -639,7 +640,12 @@ class CUDAQueue(NativeQueue):
     def _wait(self, timeline: NativeTimeline, target: int, value: int) -> None:
         confirms: NativeTimeline | None = None
         waited = False
-        if timeline.value < target:
+        reached = timeline.value
+        # At 2**64 - 1 (past any value a signal gives) a timeline has settled as it
+        # failed, or its queue did: the wait is made all the same, and the runtime
+        # fails this queue from it on where the value waited for never ran (as a host
+        # queue's wait fails), and passes it where that value ran before the failure.
+        if reached < target or reached == MAX_VALUE:
             owner = getattr(timeline, "queue", None)
             if isinstance(owner, CUDAQueue):  # a queue's own
                 # Decided with that queue kept open (its close waits for the call): once

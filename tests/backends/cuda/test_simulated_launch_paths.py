@@ -397,3 +397,20 @@ def test_a_failed_queues_own_timeline_settles(path: str, loop: str) -> None:
     assert seen["after"].startswith("ClosedResourceError: this timeline will not reach "), seen
     assert "settled without it running" in seen["after"], seen
     assert seen["later"].startswith("ClosedResourceError: this command did not run"), seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_device_wait_on_a_settled_failure_fails_what_follows(path: str, loop: str) -> None:
+    """A device wait submitted once a failed queue settled (its timeline at 2**64 - 1),
+    for the value of its failed copy, or for a timeline value its failed signal was to
+    produce, fails the waiting queue's later launch, as a host queue's wait does; one for
+    the value of its launch that ran before the failure passes.
+    (Checked failing before: the wait was not made once the timeline was past its
+    target, and both launches behind it ran: "done".)"""
+    seen = _through("wait_on_settled_failure", loop, path)
+    assert seen["settled"], seen
+    never = "ClosedResourceError: this command did not run: it follows a device-side wait"
+    assert seen["own"].startswith(never), seen
+    assert seen["signal"].startswith(never), seen
+    assert seen["ran"] == "done", seen

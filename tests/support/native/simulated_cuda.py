@@ -935,6 +935,42 @@ async def _failed_own_timeline(sim: _Simulated, queue: Any, kernel: Any, buf: An
     return seen
 
 
+async def _wait_on_settled_failure(sim: _Simulated, queue: Any, kernel: Any, buf: Any) -> Seen:
+    """A queue failed for good (``fail_for_good``) with a signal of a new timeline
+    submitted behind its failing copy, and settled (its timeline at 2**64 - 1): what a
+    launch on a new queue raised behind a device wait for the failed copy's value of
+    the queue's own timeline, behind one for the failed signal's value, and behind one
+    for the value of the queue's launch that ran before the failure."""
+    from tests.support.queues import fail_for_good
+
+    dev = queue.device
+    seen: Seen = {}
+    signalled = dev.timeline()
+    await _awaited(queue.launch(kernel, buf))
+    ran = queue.submitted
+    await fail_for_good(dev, queue, lambda: queue.signal(signalled, 1))
+    with anyio.move_on_after(10):
+        while queue.timeline.value != (1 << 64) - 1:
+            await anyio.sleep(0.005)
+    seen["settled"] = queue.timeline.value == (1 << 64) - 1
+    failed = queue.submitted - 1  # (the copy's; the signal's is the last)
+    waits = (
+        ("own", queue.timeline, failed),
+        ("signal", signalled, 1),
+        ("ran", queue.timeline, ran),
+    )
+    for name, timeline, value in waits:
+        other = dev.new_queue()
+        other.wait(timeline, value)
+        try:
+            seen[name] = await _awaited(other.launch(kernel, buf))
+        except Exception as exc:  # (refused at once, its queue known failed by then)
+            seen[name] = _error(exc)
+        with anyio.fail_after(20):
+            await other.close()
+    return seen
+
+
 SCENARIOS: dict[str, Callable[[_Simulated, Any, Any, Any], Awaitable[Seen]]] = {
     "gated_discard": _gated_discard,
     "refused_end": _refused_end,
@@ -951,6 +987,7 @@ SCENARIOS: dict[str, Callable[[_Simulated, Any, Any, Any], Awaitable[Seen]]] = {
     "stream_context_refused": _stream_context_refused,
     "default_streams": _default_streams,
     "failed_own_timeline": _failed_own_timeline,
+    "wait_on_settled_failure": _wait_on_settled_failure,
 }
 # What a scenario sets up before its queue is made.
 BEFORE_QUEUE: dict[str, Callable[[_Simulated], None]] = {"no_context": _refuse_context}
