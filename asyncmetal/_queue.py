@@ -31,6 +31,7 @@ from ._program import Program
 from ._scalars import Scalar, launch_value
 from ._timeline import (
     MADE_BY_DEVICE,
+    MAX_VALUE,
     NOT_YET,
     QUEUE_CLOSED,
     QUEUE_DISCARDED,
@@ -215,7 +216,14 @@ class _SignalCompletion(Completion):
         self.signalled, self.target = signalled, target
 
     def done(self) -> bool:
-        return self.queue._timeline.value >= self.value or self.signalled.value >= self.target
+        if self.queue._timeline.value >= self.value:
+            return True
+        reached = self.signalled.value
+        # At 2**64 - 1 the timeline may have settled as another signal of it failed:
+        # that says nothing of this one, done only once its queue passes it.
+        return reached >= self.target and (
+            reached != MAX_VALUE or self.signalled._failure(self.target) is None
+        )
 
 
 def _value_among_buffers(buffers: Sequence[object]) -> str:

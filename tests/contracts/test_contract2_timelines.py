@@ -157,6 +157,34 @@ async def test_a_signal_shows_done_once_a_command_that_waited_for_it_is_awaited(
         assert pending == 0, f"{pending} of 200 signals pending once what waited for them ran"
 
 
+async def test_a_signal_is_not_done_while_its_queue_has_not_passed_it_though_its_timeline_failed(
+    device: am.Device,
+) -> None:
+    """A timeline settles at 2**64 - 1 once a signal of it fails (another queue's, whose
+    device wait failed): a signal of it still held behind its own queue's wait is not
+    done until that queue passes it, and then fails. Checked failing before: done()
+    read the settled value as the signal's value reached, while its queue had not
+    started it (its await then waited for the queue all the same)."""
+    held, gate = held_queue(device)
+    tl, failing = device.timeline(), device.new_queue()
+    signals: list[am.Completion] = []
+
+    def behind() -> None:
+        failing.signal(tl, 3)
+        signals.append(held.signal(tl, 5))
+
+    await fail_for_good(device, failing, behind)
+    with anyio.move_on_after(20):
+        while tl.value != 2**64 - 1:
+            await anyio.sleep(0.005)
+    assert tl.value == 2**64 - 1
+    assert not signals[0].done()
+    gate.signal(1)
+    with anyio.fail_after(20), pytest.raises(am.ClosedResourceError):
+        await signals[0]
+    assert signals[0].done()
+
+
 async def test_a_default_queue_failing_for_good_leaves_the_buffers_usable(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:
