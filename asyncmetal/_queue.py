@@ -139,7 +139,8 @@ class Completion(Record, Singular):
     def start_time(self) -> float | None:
         """Device start time in seconds (backend clock), once done, where measured.
 
-        The cpu device keeps the times of a queue's last 4096 commands."""
+        The cpu device keeps the times of a queue's last 4096 commands, and has none for
+        a command that never ran."""
         times = self._times() if self.done() else None
         return None if times is None else times[0] / 1e9
 

@@ -437,10 +437,6 @@ static void *run_commands(am_queue *q, starve_watch *starve) {
     if (q->nice >= 0) setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), q->nice);
 #endif
     while (take(q, &c)) {
-        if (c.record) {  /* the row's value goes last, so a reader can tell a torn row */
-            __atomic_store_n(&c.record[2], 0, __ATOMIC_RELEASE);
-            c.record[0] = now_ns();
-        }
         /* A failed command does nothing (nothing runs on what was never produced), but
          * fails the timeline it signals, and raises the queue's own as any command does
          * (its objects are let go of once past). A shared copy's part runs all the
@@ -451,6 +447,12 @@ static void *run_commands(am_queue *q, starve_watch *starve) {
             (!q->poisoned || c.value < q->poisoned))  /* (written by this thread only) */
             poison(q, c.value, AM_DISCARDED, c.value, q->own);
         int failed = q->poisoned && c.value >= q->poisoned && c.kind != CMD_COPY_PART;
+        /* The row's value goes last, so a reader can tell a torn row; a command that
+         * never runs leaves it at 0: it has no times. */
+        if (c.record) {
+            __atomic_store_n(&c.record[2], 0, __ATOMIC_RELEASE);
+            if (!failed) c.record[0] = now_ns();
+        }
         if (failed && c.kind == CMD_SIGNAL)  /* (a discarded signal names itself) */
             am_timeline_fail(c.timeline, c.target, q->cause_error,
                              q->cause_error == AM_DISCARDED ? c.value : q->cause_value,
@@ -494,7 +496,7 @@ static void *run_commands(am_queue *q, starve_watch *starve) {
         if (held) timeline_unref(held);  /* past it: the push's reference */
         if (busy) atomic_fetch_sub_explicit(&host_running, 1, memory_order_relaxed);
         if (busy) starve_watch_look(starve);
-        if (c.record) {
+        if (c.record && !failed) {
             c.record[1] = now_ns();
             __atomic_store_n(&c.record[2], (int64_t)c.value, __ATOMIC_RELEASE);
         }

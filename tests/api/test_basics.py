@@ -210,6 +210,32 @@ async def test_launch_computes_and_reads_back(
     np.testing.assert_array_equal(grid[:, 0], np.arange(0, n, 100) + 2)
 
 
+async def test_a_cpu_command_that_never_ran_has_no_times() -> None:
+    """A cpu launch failed behind a failed device wait, and one dropped by a discarding
+    close, have no start or end time (a launch that ran has both). Checked failing
+    before: each had a start and an end time a fraction of a microsecond apart."""
+    from tests.support.queues import fail_for_good, held_queue
+
+    async with await am.open_device("cpu") as device:
+        empty = await device.compile(KERNELS, "empty")
+        failed = device.new_queue()
+        await fail_for_good(device, failed)
+        never = failed.launch(empty)
+        held, _ = held_queue(device)
+        dropped = held.launch(empty)
+        with anyio.fail_after(20):
+            await held.close(discard=True)
+            ran = device.queue.launch(empty)
+            await ran
+            for command in (never, dropped):
+                with pytest.raises(am.ClosedResourceError):
+                    await command
+        assert ran.start_time is not None and ran.end_time is not None
+        for command in (never, dropped):
+            assert command.done()
+            assert (command.start_time, command.end_time) == (None, None), command
+
+
 async def test_queue_values_count_from_one(
     device: am.Device, kernels: dict[str, am.Program]
 ) -> None:
