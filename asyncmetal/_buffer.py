@@ -155,7 +155,9 @@ class Buffer(Exports, Singular):
                     f"nbytes must be an int or None, got {type(given).__name__}"
                 )
         if not 0 <= offset <= self.nbytes:
-            raise InvalidArgumentError(f"offset must be an int in [0, {self.nbytes}], got {offset}")
+            raise InvalidArgumentError(
+                f"offset must be an int in [0, {self.nbytes - 1}], got {offset}"
+            )
         if offset == self.nbytes:
             raise InvalidArgumentError(
                 f"offset {offset} leaves no bytes of the buffer's {self.nbytes} for a view"
@@ -236,7 +238,7 @@ class Buffer(Exports, Singular):
         else:  # refused first as the copy refuses it: no buffer protocol, objects, ...
             from ._copyargs import host_view  # (it imports this module)
 
-            with host_view(data, "src", writable=False) as view:
+            with host_view(data, "data", writable=False) as view:
                 size = view.nbytes
         if size != self.nbytes:  # (the copy's own check would point to its nbytes)
             hint = (

@@ -227,7 +227,12 @@ def check_options(options: object) -> tuple[str, ...]:
     for option in options:
         if not isinstance(option, str):
             raise ArgumentTypeError(f"each compile option must be a str, got {option!r:.60}")
-        if not option or "\0" in option or any(c.isspace() for c in option):
+        if not option or "\0" in option:
+            raise InvalidArgumentError(
+                f"compile option {option!r:.60}: expected a non-empty str without NUL "
+                "characters (leave an option out rather than pass '')"
+            )
+        if any(c.isspace() for c in option):
             raise InvalidArgumentError(
                 f"compile option {option!r:.60}: one option per item, without whitespace "
                 "(pass '-D N=4' as '-DN=4', or '-D' and 'N=4' as two)"

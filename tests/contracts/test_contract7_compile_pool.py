@@ -830,8 +830,9 @@ async def test_compile_options_are_checked_before_anything_compiles(device: am.D
         await device.compile(src, "put", options=(1,))  # type: ignore[arg-type]
     with pytest.raises(am.InvalidArgumentError, match="without whitespace"):
         await device.compile(src, "put", options=("-D VALUE=1",))
-    with pytest.raises(am.InvalidArgumentError, match="without whitespace"):
-        device.compile_many([(src, "put")], options=("",))
+    for empty in ("", "-DVALUE=1\0"):  # (checked: both were said to hold whitespace)
+        with pytest.raises(am.InvalidArgumentError, match="non-empty str without NUL"):
+            device.compile_many([(src, "put")], options=(empty,))
 
 
 async def test_a_long_macro_and_a_macro_given_apart_reach_the_compiler(

@@ -818,6 +818,25 @@ async def test_a_strided_destination_is_told_how_to_receive_the_bytes(
     assert list(strided) == [0, 1, 2, 3]
 
 
+async def test_a_write_and_a_view_name_their_own_argument_and_range(device: am.Device) -> None:
+    """``buf.write(data)`` refuses ``data`` by that name, and ``buf.view`` gives the
+    range of offsets it takes. Checked failing before: write's errors named ``src``
+    (a copy's parameter), and view's range ended at the buffer's size, an offset it
+    refuses."""
+    buf = await device.alloc(16)
+    with pytest.raises(am.ArgumentTypeError, match=r"^data must be a Buffer or support the"):
+        await buf.write([1, 2, 3, 4])
+    with pytest.raises(am.InvalidArgumentError, match=r"^data is not C-contiguous"):
+        await buf.write(np.zeros(8, np.int32)[::2])
+    with pytest.raises(
+        am.InvalidArgumentError, match=r"^offset must be an int in \[0, 15\], got -1"
+    ):
+        buf.view(-1)
+    with pytest.raises(am.InvalidArgumentError, match=r"^offset 16 leaves no bytes"):
+        buf.view(16)
+    assert buf.view(15).nbytes == 1
+
+
 async def test_an_empty_array_of_several_dimensions_is_refused_by_its_size(
     device: am.Device,
 ) -> None:
