@@ -6,29 +6,34 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 
 import pytest
 
 from tests.support.children import run_child
 
-# A float or a double, as the compile's options choose: the source cannot say which.
+# A float, a double or a half, as the compile's options choose: the source cannot say
+# which.
 REAL = r"""
-#ifdef USE_DOUBLE
+#if defined(USE_DOUBLE)
 typedef double real;
+#elif defined(USE_HALF)
+typedef _Float16 real;
 #else
 typedef float real;
 #endif
 void k(real *out, real x) { out[0] = x; }
 """
 
-# Compiles kernel k of the source argv[1] (with the options after it) and launches it
-# with a Python int, then a Python float: prints what the kernel wrote, or the launch's
-# refusal (a launch that crashes kills the child, not the test).
+# Compiles kernel k of the source argv[1] (with the options after argv[2]) and launches
+# it with a Python int, then a Python float: prints what the kernel wrote (read as the
+# numpy type argv[2]), or the launch's refusal (a launch that crashes kills the child,
+# not the test).
 REAL_CHILD = """
 import sys, anyio, numpy as np, asyncmetal as am
 async def main():
     async with am.open_device("cpu") as device:
-        k = await device.compile(sys.argv[1], "k", options=tuple(sys.argv[2:]))
+        k = await device.compile(sys.argv[1], "k", options=tuple(sys.argv[3:]))
         out = await device.alloc(8)
         for value in (3, -2.5):
             try:
@@ -36,28 +41,38 @@ async def main():
             except am.AsyncMetalError as exc:
                 print("refused", type(exc).__name__, exc)
                 continue
-            print((await out.read(np.float64 if sys.argv[2:] else np.float32))[0])
+            print((await out.read(np.dtype(sys.argv[2])))[0])
 anyio.run(main)
 """
 
 
 @pytest.mark.parametrize("cc", ["gcc", "clang"])
-@pytest.mark.parametrize("options", [(), ("-DUSE_DOUBLE",)])
+@pytest.mark.parametrize(
+    ("options", "type_"),
+    [((), "float32"), (("-DUSE_DOUBLE",), "float64"), (("-DUSE_HALF",), "float16")],
+)
 def test_python_numbers_take_the_floating_type_the_compiler_says(
-    cc: str, options: tuple[str, ...]
+    cc: str, options: tuple[str, ...], type_: str
 ) -> None:
-    """A parameter whose type a typedef in ``#if`` branches makes (a float, or a double
-    under ``-DUSE_DOUBLE``) is not known to the source's reading; the compiler says it
-    is a float of 4 (8) bytes, and a Python int or float is passed as one, in a float
-    register, where the kernel reads it. Run in a child, which a kernel given garbage
-    may crash. Checked: fails without the fix (the int was passed as an int32, in an
-    integer register: the kernel wrote 0.0; the float was refused, its type "not known
-    here")."""
+    """A parameter whose type a typedef in ``#if`` branches makes (a float, a double
+    under ``-DUSE_DOUBLE``, a ``_Float16`` under ``-DUSE_HALF``) is not known to the
+    source's reading; the compiler says it is a float of 4 (8, 2) bytes, and a Python
+    int or float is passed as one, in a float register, where the kernel reads it. Run
+    in a child, which a kernel given garbage may crash. Checked: fails without the fix
+    (the int was passed as an int32, in an integer register: the kernel wrote 0.0; the
+    float was refused, its type "not known here")."""
     if shutil.which(cc) is None:
         pytest.skip(f"no {cc} here")
+    if type_ == "float16":
+        macros = subprocess.run(
+            [cc, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True, check=False
+        )
+        if "__FLT16_MAX__" not in macros.stdout:
+            pytest.skip(f"{cc} has no _Float16 here")
     child = run_child(
         REAL_CHILD,
         REAL,
+        type_,
         *options,
         hung="the compile or the launch hung",
         env={**os.environ, "CC": cc},
