@@ -170,6 +170,12 @@ class Compiler(ABC):
             values = tuple((None, f"value {i}") for i in range(kinds.count("value")))
         return Signature(kinds, values)
 
+    def _answered(self, signature: Signature, name: str, binary: bytes) -> Signature:
+        """``signature`` (``_signature``'s, of kernel ``name``) with what ``binary``, as
+        this compiler built it, says of the value types the source does not (None):
+        nothing, by default."""
+        return signature
+
     def _bindings(self, src: str, name: str) -> tuple[int, ...] | None:
         """The index each of ``_params``' parameters binds at, where the kernel's source
         names them (Metal's ``[[buffer(i)]]``); None: the i-th parameter binds at i."""
@@ -778,7 +784,10 @@ _NOT_RETURN_TYPE = frozenset(
 # source reads through a typedef in an ``#if`` block, one whose size is negative where
 # its class and size are not those of what the source reads (a buffer's pointer, the
 # scalar a launch passes), the only line of one the source reads as a buffer (an array
-# decays to one). Each line is under a file name of its own (a ``#line``),
+# decays to one). A parameter's class, size and signedness are kept in the binary's
+# data too (``_answers``): a launch passes a value of a type that the source does not
+# read as the type the compiler says (``answered_values``). Each line is under a file
+# name of its own (a ``#line``),
 # ``SIGNATURE_CHECKS_FILE-<check>-<line>``, which every format of the compiler's
 # diagnostics (text, GCC's JSON and SARIF, clang's msvc and vi styles...) names as it
 # is: which of those lines have diagnostics tells what was refused. The checks turn the
@@ -804,6 +813,8 @@ _QUIET = (
     'ignored "-Wc++-compat"',
     'ignored "-Wtraditional"',
     'ignored "-Wunused-value"',  # (the comma that decays an array)
+    'ignored "-Wtype-limits"',  # (the answers' signedness: an unsigned type's -1 < 0)
+    'ignored "-Wattributes"',  # (the answers' ``retain``, which an older GCC lacks)
 )
 _CHECK_LINES = ("read", "array", "record", "other", "agree")
 _REGISTER = re.compile(r"\bregister\b")
@@ -821,6 +832,7 @@ class SignatureCheck(NamedTuple):
     spelled: str
     param: str | None = None
     read: str | None = None
+    place: int | None = None  # (a parameter's: its index in the function's list)
 
 
 def signature_checks(
@@ -873,7 +885,7 @@ def signature_checks(
     else:
         in_block_functions.clear()
     apart: set[str] = set()
-    read_known = typedefs(written, apart) if in_blocks else {}
+    read_known = typedefs(written, apart)  # (``apart``: as ``c_value_types`` reads them)
     read_pointers = _pointer_names(written) if in_blocks else pointers
 
     def read_as(param: str, typed: list[str]) -> str | None:
@@ -908,6 +920,9 @@ def signature_checks(
     # compile, an error that -Wfatal-errors, or clang's error limit, would make the last
     # one told, hiding the others' refusals)
     late: list[str] = []
+    # (the parameters of types the source does not read: the compiler's answers go into
+    # the binary, ``answered_values``)
+    answered: list[tuple[int, str, SignatureCheck]] = []
 
     def check(made: str, value: str, what: SignatureCheck) -> None:
         """The lines of the check of ``value``'s type (``made``: what declares what
@@ -917,6 +932,8 @@ def signature_checks(
         checked.append(what)
         if i in without:
             return
+        if what.param is not None and what.read is None:
+            answered.append((i, value, what))
         kind, size = f"asyncmetal_class_{i}", f"asyncmetal_size_{i}"
         callable_ = " || ".join(f"{kind} == {c}" for c in _CALLABLE_CLASSES)
         record = " || ".join(f"{kind} == {c}" for c in _RECORD_CLASSES)
@@ -963,10 +980,16 @@ def signature_checks(
             continue
         words, params = each[0]
         params = [p for p in params if p != "..."]
-        for param in params:  # (each taken by value, of a type the source does not show)
+        for place, param in enumerate(params):  # (each by value, of a type not shown)
             typed = type_words(param)
             read = None if "&" in param else read_as(param, typed)
-            if read is None and (_is_buffer(param, pointers) or "&" in param or not unknown(typed)):
+            # (a name given types in #if branches is not known to a launch, also one the
+            # source would read as a scalar -- ``size_t`` --: its answer is asked too)
+            if read is None and (
+                _is_buffer(param, pointers)
+                or "&" in param
+                or not (unknown(typed) or apart.intersection(resolved(typed, read_known)))
+            ):
                 continue
             # (a struct's member of the type: a parameter is no object to read outside
             # its function. Declared as the parameter is, where it is named -- its
@@ -983,7 +1006,7 @@ def signature_checks(
                 f"struct asyncmetal_param_{i} {{ {declared}; }}; "
                 f"extern struct asyncmetal_param_{i} asyncmetal_param_{i}; "
             )
-            what = SignatureCheck(name, " ".join(typed), param, read)
+            what = SignatureCheck(name, " ".join(typed), param, read, place)
             check(made, f"asyncmetal_param_{i}.{member}", what)
         words = [w for w in words if w not in _NOT_RETURN_TYPE]
         if not unknown(words) and not (
@@ -1008,10 +1031,112 @@ def signature_checks(
     quiet = "\n".join(f"#pragma GCC diagnostic {each}" for each in _QUIET)
     return (
         f'\n\n#line 1 "{SIGNATURE_CHECKS_FILE}"\n{quiet}\n'
-        + "\n".join((*lines, *late))
+        + "\n".join((*lines, *late, *_answers(answered)))
         + "\n#pragma GCC diagnostic pop\n",
         tuple(checked),
     )
+
+
+# What precedes the compiler's answers in a binary compiled with the checks.
+ANSWERS_MARK = b"asyncmetal signature answers:"
+
+
+def _answers(answered: list[tuple[int, str, SignatureCheck]]) -> tuple[str, ...]:
+    """The lines that keep, in the binary's data, what the compiler says of each of the
+    ``answered`` parameters' types (a check's index, the value it reads, the check),
+    after ``ANSWERS_MARK``: the function's name (its length in two bytes, then its
+    UTF-8), the parameter's place (two bytes), then five bytes: its type's class
+    (``__builtin_classify_type``), its size (0 past 8 bytes), whether it is signed (of
+    an integer, a char or an enum: -1 cast to the type, less its qualifiers, is below 0;
+    any other type is told as an int, as a struct cannot be cast to), whether it is
+    ``_Bool`` and whether ``_Float16`` (where the compiler has it: ``__FLT16_MAX__``); a
+    name of length 0 ends them. Kept where the linker drops unused data (``retain``).
+    Under a file name of their own, which no check's diagnostics name: a diagnostic of
+    theirs has the source compiled alone, whose binary answers nothing."""
+    if not answered:
+        return ()
+    each: dict[bool, list[str]] = {True: [], False: []}
+    for i, value, what in answered:
+        kind, size = f"asyncmetal_class_{i}", f"asyncmetal_size_{i}"
+        name = what.name.encode()
+        place = what.place or 0
+        integer = f"__typeof__((0, __builtin_choose_expr({kind} >= 1 && {kind} <= 4, {value}, 0)))"
+        plain = f"__typeof__((0, {value}))"
+        for half in (True, False):
+            each[half].extend(
+                map(
+                    str,
+                    (
+                        *divmod(len(name), 256)[::-1],
+                        *name,
+                        *divmod(place, 256)[::-1],
+                        kind,
+                        f"({size} <= 8 ? {size} : 0)",
+                        f"({integer})-1 < ({integer})0",
+                        f"__builtin_types_compatible_p({plain}, _Bool)",
+                        f"__builtin_types_compatible_p({plain}, _Float16)" if half else "0",
+                    ),
+                )
+            )
+    mark = ", ".join(map(str, ANSWERS_MARK))
+    made = {
+        half: "static const unsigned char asyncmetal_answers[] __attribute__((used, retain)) = "
+        f"{{ {mark}, {', '.join(fields)}, 0, 0 }};"
+        for half, fields in each.items()
+    }
+    return (
+        f'#line 1 "{SIGNATURE_CHECKS_FILE}-answers"',
+        "#ifdef __FLT16_MAX__",
+        made[True],
+        "#else",
+        made[False],
+        "#endif",
+    )
+
+
+def answered_values(signature: Signature, name: str, binary: bytes) -> Signature:
+    """``signature`` (of kernel ``name``) with each value parameter's type that was not
+    known (None) made what the compiler says it is, where ``binary`` holds its answer
+    (``_answers``) and a launch value is that type: a ``_Bool`` a bool; an integer (a
+    char, an enum) of 1, 2, 4 or 8 bytes the integer of its size and signedness; a
+    pointer the unsigned integer of its size (an address); a floating type of 4 or 8
+    bytes float32 or float64, ``_Float16`` float16. Any other stays not known."""
+    if None not in (type_ for type_, _ in signature.values):
+        return signature
+    at = binary.find(ANSWERS_MARK)
+    if at < 0:
+        return signature
+    at += len(ANSWERS_MARK)
+    kinds, values = signature.kinds, list(signature.values)
+    while at + 2 <= len(binary):
+        length = int.from_bytes(binary[at : at + 2], "little")
+        if length == 0 or at + length + 9 > len(binary):
+            break
+        function = binary[at + 2 : at + 2 + length]
+        at += 2 + length
+        index = int.from_bytes(binary[at : at + 2], "little")
+        kind, size, signed, boolean, half = binary[at + 2 : at + 7]
+        at += 7
+        if function != name.encode() or index >= len(kinds) or kinds[index] != "value":
+            continue
+        value = kinds[:index].count("value")
+        if values[value][0] is None:
+            values[value] = (_answered_type(kind, size, signed, boolean, half), values[value][1])
+    return signature._replace(values=tuple(values))
+
+
+def _answered_type(kind: int, size: int, signed: int, boolean: int, half: int) -> str | None:
+    """The launch value type of a type the compiler classed ``kind``, of ``size``
+    bytes (``_answers``)."""
+    if boolean:
+        return "bool"
+    if kind in (1, 2, 3, 4) and size in (1, 2, 4, 8):  # (an integer, a char, an enum)
+        return f"{'' if signed else 'u'}int{8 * size}"
+    if kind == 5 and size in (4, 8):  # (a pointer: an address)
+        return f"uint{8 * size}"
+    if kind == 8:
+        return {2: "float16" if half else None, 4: "float32", 8: "float64"}.get(size)
+    return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -1108,7 +1233,7 @@ def refused_signature(log: str, checked: tuple[SignatureCheck, ...]) -> CompileE
     refused: one whose class and size were read (its first line has no diagnostic) but
     whose other lines have one. None where none was refused so."""
     named = {(int(i), line) for i, line in _CHECKED_LINE.findall(log)}
-    for i, (name, spelled, param, read) in enumerate(checked):
+    for i, (name, spelled, param, read, _) in enumerate(checked):
         if (i, "read") in named or not {(i, line) for line in _CHECK_LINES[1:]} & named:
             continue
         fix = "take a pointer to it, and pass a buffer"

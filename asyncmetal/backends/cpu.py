@@ -54,6 +54,8 @@ from .._compile import (
     SIGNATURE_CHECKS_FILE,
     Compiler,
     ParamKind,
+    Signature,
+    answered_values,
     c_value_types,
     calling_conventions,
     checks_identity,
@@ -152,6 +154,11 @@ class CCompiler(Compiler):
 
     def _value_types(self, src: str, name: str) -> tuple[tuple[str | None, str], ...]:
         return c_value_types(src, name, self.plain_types())
+
+    def _answered(self, signature: Signature, name: str, binary: bytes) -> Signature:
+        # (what the checks' compile says of the types the source does not read: a
+        # typedef in #if branches, a header's, a macro a compile option defines)
+        return answered_values(signature, name, binary)
 
     def compile(self, src: str) -> bytes:
         command = self._command()

@@ -221,14 +221,20 @@ async def test_values_that_do_not_fit_their_parameter_are_refused(device: am.Dev
 async def test_a_python_float_for_a_type_not_known_is_refused(device: am.Device) -> None:
     """A parameter whose type the source does not name plainly (a macro a compile
     option may override) takes numpy scalars as their own type; a Python float, whose
-    size would be a guess, is refused, saying what to pass."""
+    size would be a guess, is refused, saying what to pass. (On cpu the compile asks the
+    C compiler what the type is, and a Python float is rounded to the float it says.)"""
     src = (
         "#ifndef REAL\n#define REAL float\n#endif\n"
         "void scale(float* out, REAL x) { out[0] = x * 2; }"
     )
     scale = await device.compile(src, "scale")
-    assert scale.value_types == ((None, "REAL x"),)
     out = await device.alloc(4)
+    if device.kind == "cpu":
+        assert scale.value_types == (("float32", "REAL x"),)
+        await device.queue.launch(scale, out, vals=(2.5,))
+        assert (await out.read(np.float32)).tolist() == [5.0]
+        return
+    assert scale.value_types == ((None, "REAL x"),)
     _rejects(
         device,
         am.ArgumentTypeError,
@@ -312,13 +318,20 @@ void keep(unsigned char* out, real x) { memcpy(out, &x, sizeof x); }
 async def test_a_type_defined_apart_in_if_branches_is_not_known(device: am.Device) -> None:
     """A typedef in two #if branches names the type of whichever compiles, which the
     source cannot tell: not known, so a numpy float passes as its own type and a
-    Python float is refused -- none is passed as the other branch's type."""
+    Python float is refused -- none is passed as the other branch's type. (On cpu the
+    compile asks the C compiler which it is, and a Python float is rounded to it.)"""
     out = await device.alloc(8)
     for options, value in (((), np.float32(-2.5)), (("-DWIDE",), np.float64(-2.5))):
         keep = await device.compile(TYPEDEF_APART, "keep", options=options)
-        assert keep.value_types == ((None, "real x"),)
         await device.queue.launch(keep, out, vals=(value,))
         assert (await out.read(np.uint8)).tobytes()[: value.nbytes] == value.tobytes()
+        if device.kind == "cpu":
+            assert keep.value_types == ((value.dtype.name, "real x"),)
+            await device.queue.launch(keep, out, vals=(-1.25,))
+            wanted = value.dtype.type(-1.25).tobytes()
+            assert (await out.read(np.uint8)).tobytes()[: value.nbytes] == wanted
+            continue
+        assert keep.value_types == ((None, "real x"),)
         _rejects(
             device,
             am.ArgumentTypeError,
@@ -929,13 +942,15 @@ async def test_a_refused_return_type_is_named_as_spelled(anyio_backend: object) 
 
 async def test_scalar_types_read_past_attributes_and_enums(device: am.Device) -> None:
     """A GNU attribute after a parameter's name is not its type, nor is CUDA's
-    ``__grid_constant__``; an enum's typedef (an int) is no struct."""
+    ``__grid_constant__``; an enum's typedef (an int) is no struct (on cpu, the C
+    compiler says which int: an unsigned one, of enumerators none negative)."""
     source = (
         "typedef enum { A, B } mode;\n"
         "void k(int* out, float x __attribute__((unused)), mode m, unsigned char c) {}"
     )
     k = await device.compile(source, "k")
-    assert [t for t, _ in k.value_types] == ["float32", None, "uint8"]
+    mode = "uint32" if device.kind == "cpu" else None
+    assert [t for t, _ in k.value_types] == ["float32", mode, "uint8"]
     # CUDA's qualifier of a const kernel parameter (here defined away for C)
     source = "void k(int* out, const __grid_constant__ float x) {}"
     k = await device.compile(source, "k", options=("-D__grid_constant__=",))
@@ -1387,19 +1402,33 @@ async def test_integer_types_of_the_c_library_take_their_widths(anyio_backend: o
 async def test_a_library_type_the_source_defines_apart_is_not_known(
     anyio_backend: object,
 ) -> None:
-    """A name the source defines in ``#if`` branches is not known, also one the C
-    library or the compiler would define otherwise (``size_t``, ``time_t``): which
-    definition compiles cannot be told. Checked: fails without the fix (``size_t`` was
-    read as a uint64 whichever branch compiled)."""
+    """A name the source defines in ``#if`` branches is not known to its reading, also
+    one the C library or the compiler would define otherwise (``size_t``, ``time_t``):
+    which definition compiles cannot be told. Checked: fails without the fix
+    (``size_t`` was read as a uint64 whichever branch compiled). The compile asks the
+    C compiler, and a launch passes each value as the integer it says, of its size and
+    signedness (checked: without that, both were not known, and took an int32)."""
     source = (
         "#ifdef NARROW\ntypedef unsigned short size_t; typedef int time_t;\n"
         "#else\ntypedef unsigned long size_t; typedef long time_t;\n#endif\n"
-        "void k(long long* out, size_t n, time_t t) { out[0] = n + t; }"
+        "void k(long long* out, size_t n, time_t t) { out[0] = (long long)n + t; }"
     )
     async with am.open_device("cpu") as device:
-        for options in ((), ("-DNARROW",)):
+        out = await device.alloc(8)
+        for options, types, n in (
+            ((), ["uint64", "int64"], 1 << 40),
+            (("-DNARROW",), ["uint16", "int32"], 40000),
+        ):
             k = await device.compile(source, "k", options=options)
-            assert [t for t, _ in k.value_types] == [None, None]
+            assert [t for t, _ in k.value_types] == types
+            await device.queue.launch(k, out, vals=(n, -7))
+            assert (await out.read(np.int64))[0] == n - 7
+            _rejects(
+                device,
+                am.InvalidArgumentError,
+                rf"vals\[0\] of 'k' must fit in {types[0]}",
+                functools.partial(device.queue.launch, k, out, vals=(-1, 0)),
+            )
 
 
 SPELLED = r"""

@@ -1,0 +1,153 @@
+"""Value parameters of types the source does not read (a typedef in ``#if`` branches, a
+macro a compile option defines, a header's type): on cpu the compile's checks ask the C
+compiler what each one is, and a launch passes Python numbers as that type."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from tests.support.children import run_child
+
+# A float, a double or a half, as the compile's options choose: the source cannot say
+# which.
+REAL = r"""
+#if defined(USE_DOUBLE)
+typedef double real;
+#elif defined(USE_HALF)
+typedef _Float16 real;
+#else
+typedef float real;
+#endif
+void k(real *out, real x) { out[0] = x; }
+"""
+
+# Compiles kernel k of the source argv[1] (with the options after argv[2]) and launches
+# it with a Python int, then a Python float: prints what the kernel wrote (read as the
+# numpy type argv[2]), or the launch's refusal (a launch that crashes kills the child,
+# not the test).
+REAL_CHILD = """
+import sys, anyio, numpy as np, asyncmetal as am
+async def main():
+    async with am.open_device("cpu") as device:
+        k = await device.compile(sys.argv[1], "k", options=tuple(sys.argv[3:]))
+        out = await device.alloc(8)
+        for value in (3, -2.5):
+            try:
+                await device.queue.launch(k, out, vals=(value,))
+            except am.AsyncMetalError as exc:
+                print("refused", type(exc).__name__, exc)
+                continue
+            print((await out.read(np.dtype(sys.argv[2])))[0])
+anyio.run(main)
+"""
+
+
+@pytest.mark.parametrize("cc", ["gcc", "clang"])
+@pytest.mark.parametrize(
+    ("options", "type_"),
+    [((), "float32"), (("-DUSE_DOUBLE",), "float64"), (("-DUSE_HALF",), "float16")],
+)
+def test_python_numbers_take_the_floating_type_the_compiler_says(
+    cc: str, options: tuple[str, ...], type_: str
+) -> None:
+    """A parameter whose type a typedef in ``#if`` branches makes (a float, a double
+    under ``-DUSE_DOUBLE``, a ``_Float16`` under ``-DUSE_HALF``) is not known to the
+    source's reading; the compiler says it is a float of 4 (8, 2) bytes, and a Python
+    int or float is passed as one, in a float register, where the kernel reads it. Run
+    in a child, which a kernel given garbage may crash. Checked: fails without the fix
+    (the int was passed as an int32, in an integer register: the kernel wrote 0.0; the
+    float was refused, its type "not known here")."""
+    if shutil.which(cc) is None:
+        pytest.skip(f"no {cc} here")
+    if type_ == "float16":
+        macros = subprocess.run(
+            [cc, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True, check=False
+        )
+        if "__FLT16_MAX__" not in macros.stdout:
+            pytest.skip(f"{cc} has no _Float16 here")
+    child = run_child(
+        REAL_CHILD,
+        REAL,
+        type_,
+        *options,
+        hung="the compile or the launch hung",
+        env={**os.environ, "CC": cc},
+    )
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    assert child.stdout == "3.0\n-2.5\n", child.stdout
+
+
+# Parameters of every kind of type the source does not read, and what the compiler says
+# each is (under -DWIDE where that differs: the other branch of each #if).
+ANSWERED = r"""
+#include <stddef.h>
+#include <locale.h>
+#ifdef WIDE
+typedef double real; typedef long idx; typedef long long ssize;
+typedef enum { NEGATIVE = -1, POSITIVE = 1 } mode; typedef _Bool flag;
+#else
+typedef float real; typedef unsigned short idx; typedef signed char ssize;
+typedef enum { FIRST, SECOND } mode; typedef unsigned char flag;
+#endif
+#if 0
+void gone(int* out, div_t d) { out[0] = d.quot; }
+#endif
+void k(int* out, real r, idx i, ssize s, mode m, flag f, MACRO t, locale_t l, size_t n,
+       ptrdiff_t d) {
+    (void)r; (void)i; (void)s; (void)m; (void)f; (void)t; (void)l; (void)n; (void)d;
+    out[0] = 1;
+}
+"""
+ANSWERS = {
+    (): ["float32", "uint16", "int8", "uint32", "uint8", "float32", "uint64"],
+    ("-DWIDE",): ["float64", "int64", "int64", "int32", "bool", "float32", "uint64"],
+}
+
+
+@pytest.mark.parametrize("wide", [(), ("-DWIDE",)])
+@pytest.mark.parametrize(
+    ("cc", "flags"),
+    [
+        ("gcc", ()),
+        ("clang", ()),
+        ("gcc", ("-fdiagnostics-format=json",)),
+        ("clang", ("-fdiagnostics-format=msvc",)),
+        ("clang", ("-fdiagnostics-format=vi",)),
+        ("gcc", ("-fdiagnostics-plain-output", "-fno-diagnostics-show-caret")),
+        ("gcc", ("-Werror", "-Wall", "-Wextra", "-Wpedantic", "-Wc++-compat")),
+        ("clang", ("-Weverything", "-Werror", "-Wno-missing-prototypes")),
+        ("gcc", ("-ffunction-sections", "-fdata-sections", "-Wl,--gc-sections")),
+        ("clang", ("-flto",)),
+    ],
+)
+def test_the_compiler_answers_each_type_the_source_does_not_read(
+    cc: str, flags: tuple[str, ...], wide: tuple[str, ...]
+) -> None:
+    """The compiled binary holds the compiler's answer for each such parameter, under
+    any diagnostics format and strict warnings (the answers draw none), and kept where
+    the linker drops unused data: a float of 4 or 8 bytes is a float32 or float64, an
+    integer (an enum) the integer of its size and signedness, ``_Bool`` a bool, a
+    header's pointer type (``locale_t``) an address; a header's ``size_t`` and
+    ``ptrdiff_t``, which the source's reading knows, stay as read; a function the
+    preprocessor drops is no answer's, nor stops the others'. Checked: fails without
+    the fix (each was None)."""
+    if shutil.which(cc) is None:
+        pytest.skip(f"no {cc} here")
+    from asyncmetal._compile import answered_values
+    from asyncmetal.backends.cpu import CCompiler
+
+    compiler = CCompiler(cc, ("-O2", *flags, "-DMACRO=float", *wide))
+    signature = compiler._signature(ANSWERED, "k")
+    assert [t for t, _ in signature.values] == [None] * 7 + ["uint64", "int64"]
+    binary = compiler.compile(ANSWERED)
+    assert "asyncmetal" not in compiler._last_log, compiler._last_log
+    answered = answered_values(signature, "k", binary)
+    assert [t for t, _ in answered.values] == [*ANSWERS[wide], "uint64", "int64"]
+    assert [d for _, d in answered.values] == [d for _, d in signature.values]
+    assert answered.kinds == signature.kinds
+    # (another kernel's answers are not this one's)
+    assert answered_values(signature, "gone", binary) == signature
