@@ -946,11 +946,13 @@ class Device(Singular):
         return self._pool if self._pool is not None else default_pool()
 
     @compile_pool.setter
-    def compile_pool(self, pool: CompilePool) -> None:
+    def compile_pool(self, pool: CompilePool | None) -> None:
+        """Set to a CompilePool; None: back to the process's shared one."""
         self._check_open()
-        if not isinstance(pool, CompilePool):
+        if pool is not None and not isinstance(pool, CompilePool):
             raise ArgumentTypeError(
-                f"compile_pool must be a CompilePool, got {type(pool).__name__}"
+                f"compile_pool must be a CompilePool, or None for the process's shared "
+                f"one, got {type(pool).__name__}"
             )
         self._pool = pool
 

@@ -767,8 +767,21 @@ async def test_more_slips_are_named(
     monkeypatch.setenv("ASYNCMETAL_DEVICE", "bogus")
     with pytest.raises(am.InvalidArgumentError, match=r"from \$ASYNCMETAL_DEVICE"):
         await am.open_device()
-    with pytest.raises(am.ArgumentTypeError, match="must be a CompilePool"):
+    with pytest.raises(am.ArgumentTypeError, match="must be a CompilePool, or None"):
         device.compile_pool = "pool"  # type: ignore[assignment]
+
+
+async def test_a_compile_pool_set_to_none_is_the_shared_one_again(device: am.Device) -> None:
+    """``compile_pool = None`` puts a device back on the process's shared pool (checked
+    failing before: None was refused as not a CompilePool)."""
+    shared, pool = device.compile_pool, am.CompilePool(1)
+    try:
+        device.compile_pool = pool
+        assert device.compile_pool is pool
+        device.compile_pool = None
+        assert device.compile_pool is shared
+    finally:
+        await pool.aclose()
 
 
 async def test_values_passed_as_buffers_are_named(
