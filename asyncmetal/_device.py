@@ -1578,11 +1578,10 @@ class Device(Singular):
                     flush(queue)
                     await wait_value(queue.timeline, limits[queue])
 
-    def _close_native(self, abandon: bool = False, blocked: Collection[Queue] = ()) -> None:
-        """Close every queue natively, then the allocator and the backend. A queue in
-        ``blocked`` (or every queue, with ``abandon``) is stopped where it is, inside a
-        device-side wait; the others have finished everything submitted."""
-        self._mark_closed()
+    def _join_closers(self) -> None:
+        """Wait, as the device closes, for the threads that may still release what its
+        close releases: the makers of queues made as it closed, its reaper, the threads
+        releasing queues closed before."""
         # A queue being made when the device closed is released on a release thread by
         # its maker, which finds the device closed (new_queue): waited for, then joined
         # with the others. (Its maker counted it, then looked at ``closed``.)
@@ -1590,18 +1589,33 @@ class Device(Singular):
             time.sleep(MAKING_POLL_S)
         reaper = self._reaper
         if reaper is not None and reaper is not threading.current_thread():
-            self._reaper_inbox.put(_STOP)
+            self._reaper_inbox.put(_STOP)  # (one left over from an interrupted join: unread)
             reaper.join()  # (it starts no release threads once closed)
         for thread in list(self._release_threads):  # queues closed before (idle ones)
             if thread.ident is not None:  # (None: never started, see _start_release)
                 thread.join()
+
+    def _close_native(self, abandon: bool = False, blocked: Collection[Queue] = ()) -> None:
+        """Close every queue natively, then the allocator and the backend. A queue in
+        ``blocked`` (or every queue, with ``abandon``) is stopped where it is, inside a
+        device-side wait; the others have finished everything submitted."""
+        self._mark_closed()
         # Each step runs whatever an earlier one raised (a queue's native close that
         # fails still leaves the others, the memory and the backend to release); the
         # first error is raised once all of them ran. So is a KeyboardInterrupt in one
         # (a Ctrl-C as the close runs at exit, on the main thread), before any error:
         # raised at once, it would leave the memory left to queues allocated and the
-        # device noted open for good (its close does not run again).
+        # device noted open for good (its close does not run again). One in the joins
+        # is kept so too, and they are waited out again from the start (each part may
+        # be done again): the threads joined end on their own, and the steps must not
+        # run beside them.
         errors: list[BaseException] = []
+        while True:
+            try:
+                self._join_closers()
+                break
+            except KeyboardInterrupt as exc:
+                errors.append(exc)
         kept = set(self._queues)
         for queue in [*self._queues, *(q for q in list(self._idle) if q not in kept)]:
             _attempt(errors, close_native, queue, abandon or queue in blocked)
