@@ -2365,22 +2365,38 @@ async def from_numpy(array: Any) -> Buffer:
 def _close_all_at_exit() -> None:
     # Drain in-flight work before the interpreter finalizes, so no device thread or
     # native callback runs into a half-torn-down interpreter. (A forked child has none
-    # of its parent's devices here: _forget_parent_devices took them out.)
+    # of its parent's devices here: _forget_parent_devices took them out.) A Ctrl-C as
+    # one device closes (on the main thread: its close raises it once all its steps
+    # ran) leaves no other unclosed: the first is raised once every device was closed
+    # (the interpreter reports it and runs the other exit hooks).
+    interrupts: list[KeyboardInterrupt] = []
     for device in _devices():
-        if not device.closed:
-            with contextlib.suppress(Exception):  # exiting: nothing left to report to
-                device._close_native(abandon=True)
-            if device is _npy_device:
-                continue  # from_numpy's own: the program never opened it
-            with contextlib.suppress(Exception):  # (a warnings filter that raises)
-                warnings.warn(
-                    f"device {device.name} ({device._opened_as}) was never closed: "
-                    "closed at exit once its "
-                    "queued work ran, waits nobody signals abandoned (close it: `async "
-                    "with am.open_device(...)`, or `await dev.close()`)",
-                    ResourceWarning,
-                    stacklevel=1,
-                )
+        try:
+            _close_at_exit(device)
+        except KeyboardInterrupt as exc:
+            interrupts.append(exc)
+    if interrupts:
+        raise interrupts[0]
+
+
+def _close_at_exit(device: Device) -> None:
+    """``device`` closed at exit (abandoning waits nobody signals), with a
+    ResourceWarning where the program left it open."""
+    if device.closed:
+        return
+    with contextlib.suppress(Exception):  # exiting: nothing left to report to
+        device._close_native(abandon=True)
+    if device is _npy_device:
+        return  # from_numpy's own: the program never opened it
+    with contextlib.suppress(Exception):  # (a warnings filter that raises)
+        warnings.warn(
+            f"device {device.name} ({device._opened_as}) was never closed: "
+            "closed at exit once its "
+            "queued work ran, waits nobody signals abandoned (close it: `async "
+            "with am.open_device(...)`, or `await dev.close()`)",
+            ResourceWarning,
+            stacklevel=1,
+        )
 
 
 atexit.register(_close_all_at_exit)
