@@ -1343,13 +1343,16 @@ class Device(Singular):
                 await to_thread(self._close_native, False, set(blocked))
             except Exception as exc:  # (raised by close once the waits below ended)
                 failed.append(exc)
-            for queue, limit in blocked.items():
-                # From what did not run: another device's close may have released a
-                # wait it was blocked on meanwhile (its abandon raises the timeline
-                # waited on), and then more ran before its queue stopped.
-                abandon(queue, max(limit, queue.timeline.value) + 1)
-            for timeline in [*self._timelines, *(q.timeline for q in self._queues)]:
-                close_timeline(timeline)  # other devices' queues' waits end
+            finally:
+                # Also after a KeyboardInterrupt from a step (raised once all ran, and
+                # raised by close, the outer handler's): nothing else ends these waits.
+                for queue, limit in blocked.items():
+                    # From what did not run: another device's close may have released
+                    # a wait it was blocked on meanwhile (its abandon raises the
+                    # timeline waited on), and then more ran before its queue stopped.
+                    abandon(queue, max(limit, queue.timeline.value) + 1)
+                for timeline in [*self._timelines, *(q.timeline for q in self._queues)]:
+                    close_timeline(timeline)  # other devices' queues' waits end
         except BaseException as exc:  # raised by close() (on the caller's loop)
             failed.append(exc)
         finally:
