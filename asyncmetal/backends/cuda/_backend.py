@@ -483,7 +483,29 @@ class CUDABackend(Backend):
         # confirmed, so it stays abandoned.) The memory of the device those commands use
         # is freed once this close returned (Allocator._uses_left), after the synchronize
         # below has them run out: a free's own wait for the streams is no rule to count on.
-        self._timelines.close_waits()
+        # A KeyboardInterrupt as it ends them (a Ctrl-C as the close runs at exit, on the
+        # main thread) is raised once the close ran: they are all ended again (ending one
+        # twice changes nothing), so the synchronize neither skips the streams those
+        # already ended let run, nor waits for a stream still held by one.
+        interrupted: KeyboardInterrupt | None = None
+        while True:
+            try:
+                self._timelines.close_waits()
+                break
+            except KeyboardInterrupt as exc:
+                interrupted = interrupted or exc
+        try:
+            self._close_after_waits()
+        finally:
+            if interrupted is not None:
+                raise interrupted  # (before an error of the close, as Device._close_native)
+        # The primary context stays retained for the life of the process (as the CUDA
+        # runtime keeps it): timelines live in its pinned memory and may outlive the
+        # device object (a Completion kept around, a loop's watch), so that memory must
+        # never be unmapped under them.
+
+    def _close_after_waits(self) -> None:
+        """The rest of _close, once the device waits on its timelines ended."""
         try:
             try:
                 self.make_current()
@@ -506,7 +528,3 @@ class CUDABackend(Backend):
                 modules, self._modules = self._modules, {}
                 for module in modules.values():
                     cu.cuModuleUnload(module)
-        # The primary context stays retained for the life of the process (as the CUDA
-        # runtime keeps it): timelines live in its pinned memory and may outlive the
-        # device object (a Completion kept around, a loop's watch), so that memory must
-        # never be unmapped under them.
