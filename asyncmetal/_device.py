@@ -1344,8 +1344,9 @@ class Device(Singular):
             except Exception as exc:  # (raised by close once the waits below ended)
                 failed.append(exc)
             finally:
-                # Also after a KeyboardInterrupt from a step (raised once all ran, and
-                # raised by close, the outer handler's): nothing else ends these waits.
+                # Also where the native close raised a KeyboardInterrupt (a step's,
+                # raised once all ran; close raises it, from the handler below):
+                # nothing else ends these waits.
                 for queue, limit in blocked.items():
                     # From what did not run: another device's close may have released
                     # a wait it was blocked on meanwhile (its abandon raises the
@@ -1592,7 +1593,7 @@ class Device(Singular):
             time.sleep(MAKING_POLL_S)
         reaper = self._reaper
         if reaper is not None and reaper is not threading.current_thread():
-            self._reaper_inbox.put(_STOP)  # (one left over from an interrupted join: unread)
+            self._reaper_inbox.put(_STOP)  # (put again after an interrupted join: unread)
             reaper.join()  # (it starts no release threads once closed)
         for thread in list(self._release_threads):  # queues closed before (idle ones)
             if thread.ident is not None:  # (None: never started, see _start_release)
