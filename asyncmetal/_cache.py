@@ -369,14 +369,21 @@ def _close_all_at_exit() -> None:
     Registered before the compile pools' exit hook (``_pool`` imports this module), so
     it runs after it, once their workers are gone. A lock a thread still holds (a
     store waiting for another process's lock) is waited for a moment, then that cache
-    is left as it is."""
+    is left as it is. A Ctrl-C as one closes leaves no other open: the first is raised
+    once all were closed (the interpreter reports it and runs the other exit hooks)."""
+    interrupts: list[KeyboardInterrupt] = []
     for cache in list(_caches):
-        if cache._db_lock.acquire(timeout=EXIT_LOCK_S):
-            try:
-                with contextlib.suppress(sqlite3.Error):
-                    cache._close_db()
-            finally:
-                cache._db_lock.release()
+        try:
+            if cache._db_lock.acquire(timeout=EXIT_LOCK_S):
+                try:
+                    with contextlib.suppress(sqlite3.Error):
+                        cache._close_db()
+                finally:
+                    cache._db_lock.release()
+        except KeyboardInterrupt as exc:
+            interrupts.append(exc)
+    if interrupts:
+        raise interrupts[0]
 
 
 EXIT_LOCK_S = 1.0

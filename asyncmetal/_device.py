@@ -1347,13 +1347,17 @@ class Device(Singular):
                 await to_thread(self._close_native, False, set(blocked))
             except Exception as exc:  # (raised by close once the waits below ended)
                 failed.append(exc)
-            for queue, limit in blocked.items():
-                # From what did not run: another device's close may have released a
-                # wait it was blocked on meanwhile (its abandon raises the timeline
-                # waited on), and then more ran before its queue stopped.
-                abandon(queue, max(limit, queue.timeline.value) + 1)
-            for timeline in [*self._timelines, *(q.timeline for q in self._queues)]:
-                close_timeline(timeline)  # other devices' queues' waits end
+            finally:
+                # Also where the native close raised a KeyboardInterrupt (a step's,
+                # raised once all ran; close raises it, from the handler below):
+                # nothing else ends these waits.
+                for queue, limit in blocked.items():
+                    # From what did not run: another device's close may have released
+                    # a wait it was blocked on meanwhile (its abandon raises the
+                    # timeline waited on), and then more ran before its queue stopped.
+                    abandon(queue, max(limit, queue.timeline.value) + 1)
+                for timeline in [*self._timelines, *(q.timeline for q in self._queues)]:
+                    close_timeline(timeline)  # other devices' queues' waits end
         except BaseException as exc:  # raised by close() (on the caller's loop)
             failed.append(exc)
         finally:
@@ -1582,11 +1586,10 @@ class Device(Singular):
                     flush(queue)
                     await wait_value(queue.timeline, limits[queue])
 
-    def _close_native(self, abandon: bool = False, blocked: Collection[Queue] = ()) -> None:
-        """Close every queue natively, then the allocator and the backend. A queue in
-        ``blocked`` (or every queue, with ``abandon``) is stopped where it is, inside a
-        device-side wait; the others have finished everything submitted."""
-        self._mark_closed()
+    def _join_closers(self) -> None:
+        """Wait, as the device closes, for the threads that may still release what its
+        close releases: the makers of queues made as it closed, its reaper, the threads
+        releasing queues closed before."""
         # A queue being made when the device closed is released on a release thread by
         # its maker, which finds the device closed (new_queue): waited for, then joined
         # with the others. (Its maker counted it, then looked at ``closed``.)
@@ -1594,18 +1597,33 @@ class Device(Singular):
             time.sleep(MAKING_POLL_S)
         reaper = self._reaper
         if reaper is not None and reaper is not threading.current_thread():
-            self._reaper_inbox.put(_STOP)
+            self._reaper_inbox.put(_STOP)  # (put again after an interrupted join: unread)
             reaper.join()  # (it starts no release threads once closed)
         for thread in list(self._release_threads):  # queues closed before (idle ones)
             if thread.ident is not None:  # (None: never started, see _start_release)
                 thread.join()
+
+    def _close_native(self, abandon: bool = False, blocked: Collection[Queue] = ()) -> None:
+        """Close every queue natively, then the allocator and the backend. A queue in
+        ``blocked`` (or every queue, with ``abandon``) is stopped where it is, inside a
+        device-side wait; the others have finished everything submitted."""
+        self._mark_closed()
         # Each step runs whatever an earlier one raised (a queue's native close that
         # fails still leaves the others, the memory and the backend to release); the
         # first error is raised once all of them ran. So is a KeyboardInterrupt in one
         # (a Ctrl-C as the close runs at exit, on the main thread), before any error:
         # raised at once, it would leave the memory left to queues allocated and the
-        # device noted open for good (its close does not run again).
+        # device noted open for good (its close does not run again). One in the joins
+        # is kept so too, and they are waited out again from the start (each part may
+        # be done again): the threads joined end on their own, and the steps must not
+        # run beside them.
         errors: list[BaseException] = []
+        while True:
+            try:
+                self._join_closers()
+                break
+            except KeyboardInterrupt as exc:
+                errors.append(exc)
         kept = set(self._queues)
         for queue in [*self._queues, *(q for q in list(self._idle) if q not in kept)]:
             _attempt(errors, close_native, queue, abandon or queue in blocked)
@@ -2355,22 +2373,38 @@ async def from_numpy(array: Any) -> Buffer:
 def _close_all_at_exit() -> None:
     # Drain in-flight work before the interpreter finalizes, so no device thread or
     # native callback runs into a half-torn-down interpreter. (A forked child has none
-    # of its parent's devices here: _forget_parent_devices took them out.)
+    # of its parent's devices here: _forget_parent_devices took them out.) A Ctrl-C as
+    # one device closes (on the main thread: its close raises it once all its steps
+    # ran) leaves no other unclosed: the first is raised once every device was closed
+    # (the interpreter reports it and runs the other exit hooks).
+    interrupts: list[KeyboardInterrupt] = []
     for device in _devices():
-        if not device.closed:
-            with contextlib.suppress(Exception):  # exiting: nothing left to report to
-                device._close_native(abandon=True)
-            if device is _npy_device:
-                continue  # from_numpy's own: the program never opened it
-            with contextlib.suppress(Exception):  # (a warnings filter that raises)
-                warnings.warn(
-                    f"device {device.name} ({device._opened_as}) was never closed: "
-                    "closed at exit once its "
-                    "queued work ran, waits nobody signals abandoned (close it: `async "
-                    "with am.open_device(...)`, or `await dev.close()`)",
-                    ResourceWarning,
-                    stacklevel=1,
-                )
+        try:
+            _close_at_exit(device)
+        except KeyboardInterrupt as exc:
+            interrupts.append(exc)
+    if interrupts:
+        raise interrupts[0]
+
+
+def _close_at_exit(device: Device) -> None:
+    """``device`` closed at exit (abandoning waits nobody signals), with a
+    ResourceWarning where the program left it open."""
+    if device.closed:
+        return
+    with contextlib.suppress(Exception):  # exiting: nothing left to report to
+        device._close_native(abandon=True)
+    if device is _npy_device:
+        return  # from_numpy's own: the program never opened it
+    with contextlib.suppress(Exception):  # (a warnings filter that raises)
+        warnings.warn(
+            f"device {device.name} ({device._opened_as}) was never closed: "
+            "closed at exit once its "
+            "queued work ran, waits nobody signals abandoned (close it: `async "
+            "with am.open_device(...)`, or `await dev.close()`)",
+            ResourceWarning,
+            stacklevel=1,
+        )
 
 
 atexit.register(_close_all_at_exit)

@@ -305,35 +305,49 @@ class CUDABackend(Backend):
     def load(self, binary: bytes, name: str, bindings: tuple[int, ...] | None = None) -> Any:
         refuse_if_lost(f"loading kernel {name!r} on {self.name}")
         with self._loads.loading() as load:
+            # An asynchronous exception (a KeyboardInterrupt) lands only as a function
+            # is entered or a called C function returns: ``module`` is this load's from
+            # the assignment (no call between) until registered -- where the finally
+            # sees it, neither registered nor unloaded, it is unloaded there.
             function, module = self._load_module(binary, name)
-            with self._modules_lock:
-                late = load.end() is not None
-                if not late:
-                    # A CUfunction's address, as the native launch takes it; its module
-                    # unloaded by unload() or close().
-                    self._modules[int(function)] = module
-            if late:  # (the close went on without it: see LOAD_WAIT_S)
-                self.launch_limits.unloaded(int(function))
-                cu.cuModuleUnload(module)
+            try:
+                with self._modules_lock:
+                    if load.end() is None:
+                        # A CUfunction's address, as the native launch takes it; its
+                        # module unloaded by unload() or close().
+                        self._modules[function] = module
+                        module = None
+            finally:
+                if module is not None:  # late (the close went on without it: see
+                    cu.cuModuleUnload(module)  # LOAD_WAIT_S), or interrupted
+                    self.launch_limits.unloaded(function)
+            if module is not None:
                 raise self._loads.refused()
-        return int(function)
+        return function
 
-    def _load_module(self, binary: bytes, name: str) -> tuple[Any, Any]:
-        """Kernel ``name`` of ``binary``, loaded: its CUfunction and its module."""
+    def _load_module(self, binary: bytes, name: str) -> tuple[int, Any]:
+        """Kernel ``name`` of ``binary``, loaded: its CUfunction's address and its module.
+        Whatever it raises (an interrupt too, anywhere after the driver returned the
+        module: the result is kept with no call between), the module is unloaded."""
         self.make_current()
-        module = check(cu.cuModuleLoadData(binary), "cuModuleLoadData", self.name)
-        err, function = cu.cuModuleGetFunction(module, name.encode())
-        if int(err) != 0:
-            cu.cuModuleUnload(module)  # (nothing of it was launched)
-            if error_name(err) in LOST or _driver.lost_first is not None:
-                raise driver_error("cuModuleGetFunction", err, self.name)
-            raise AttributeError(name)  # the device turns this into a CompileError
+        loaded: Any = None
+        function: Any = None
         try:
+            loaded = cu.cuModuleLoadData(binary)
+            module = check(loaded, "cuModuleLoadData", self.name)
+            err, function = cu.cuModuleGetFunction(module, name.encode())
+            if int(err) != 0:  # (nothing of it was launched: unloaded below)
+                if error_name(err) in LOST or _driver.lost_first is not None:
+                    raise driver_error("cuModuleGetFunction", err, self.name)
+                raise AttributeError(name)  # the device turns this into a CompileError
             self.launch_limits.loaded(function, name)
+            return int(function), module
         except BaseException:
-            cu.cuModuleUnload(module)
+            if loaded is not None and int(loaded[0]) == 0:
+                cu.cuModuleUnload(loaded[1])
+                if function is not None:  # (its limits read, some or all of them)
+                    self.launch_limits.unloaded(int(function))
             raise
-        return function, module
 
     def param_sizes(self, native: Any) -> tuple[int, ...] | None:
         return self.launch_limits.param_sizes.get(native)  # (read as it loaded)
@@ -483,7 +497,29 @@ class CUDABackend(Backend):
         # confirmed, so it stays abandoned.) The memory of the device those commands use
         # is freed once this close returned (Allocator._uses_left), after the synchronize
         # below has them run out: a free's own wait for the streams is no rule to count on.
-        self._timelines.close_waits()
+        # A KeyboardInterrupt as it ends them (a Ctrl-C as the close runs at exit, on the
+        # main thread) is raised once the close ran: they are all ended again (ending one
+        # twice changes nothing), so the synchronize neither skips the streams those
+        # already ended let run, nor waits for a stream still held by one.
+        interrupted: KeyboardInterrupt | None = None
+        while True:
+            try:
+                self._timelines.close_waits()
+                break
+            except KeyboardInterrupt as exc:
+                interrupted = interrupted or exc
+        try:
+            self._close_after_waits()
+        finally:
+            if interrupted is not None:
+                raise interrupted  # (before an error of the close, as Device._close_native)
+        # The primary context stays retained for the life of the process (as the CUDA
+        # runtime keeps it): timelines live in its pinned memory and may outlive the
+        # device object (a Completion kept around, a loop's watch), so that memory must
+        # never be unmapped under them.
+
+    def _close_after_waits(self) -> None:
+        """The rest of _close, once the device waits on its timelines ended."""
         try:
             try:
                 self.make_current()
@@ -506,7 +542,3 @@ class CUDABackend(Backend):
                 modules, self._modules = self._modules, {}
                 for module in modules.values():
                     cu.cuModuleUnload(module)
-        # The primary context stays retained for the life of the process (as the CUDA
-        # runtime keeps it): timelines live in its pinned memory and may outlive the
-        # device object (a Completion kept around, a loop's watch), so that memory must
-        # never be unmapped under them.

@@ -128,13 +128,21 @@ class MetalBackend(Backend):
 
     def load(self, binary: bytes, name: str, bindings: tuple[int, ...] | None = None) -> Any:
         with self._loads.loading(self._release_device) as load:  # (if the last late one)
+            # An asynchronous exception (a KeyboardInterrupt) lands only as a function
+            # is entered or a called C function returns: from the assignment (no call
+            # between) the pipeline is this load's until registered -- where the
+            # finally sees it unregistered, it is released there.
             kernel = self._load_pipeline(binary, name, bindings)
-            with self._pipelines_lock:
-                late = load.end()
-                if late is None:
-                    self._pipelines[kernel.pipeline] = None  # released by unload() or close()
-            if late is not None:  # (the close went on without it: see LOAD_WAIT_S)
-                release(kernel.pipeline)
+            unregistered = True
+            try:
+                with self._pipelines_lock:
+                    if load.end() is None:
+                        self._pipelines[kernel.pipeline] = None  # released by unload() or close()
+                        unregistered = False
+            finally:
+                if unregistered:  # late (the close went on without it: see LOAD_WAIT_S),
+                    release(kernel.pipeline)  # or interrupted
+            if unregistered:
                 raise self._loads.refused()
         return kernel
 
@@ -153,36 +161,43 @@ class MetalBackend(Backend):
             c_void_p,
         ]
         # The name and any NSError are autoreleased; the data, library and function are
-        # ours and released here (the pipeline keeps what it needs).
-        with autorelease_pool():
-            data = self._dispatch.dispatch_data_create(binary, len(binary), None, None)
-            error = c_void_p(0)
-            library = send(self.device, "newLibraryWithData:error:", data, ctypes.byref(error))
-            self._dispatch.dispatch_release(data)
-            if not library:
-                reason = describe_error(error.value or 0)
-                raise CompileError(f"Metal rejected the library: {reason}")
-            function = send(library, "newFunctionWithName:", nsstring(name))
-            release(library)
-            if not function:
-                raise AttributeError(name)
-            pipeline = send(
-                self.device,
-                "newComputePipelineStateWithFunction:error:",
-                function,
-                ctypes.byref(error),
-            )
-            release(function)
-            if not pipeline:
-                raise CompileError(
-                    f"no pipeline for {name!r}: {describe_error(error.value or 0)}", name=name
+        # ours and released here (the pipeline keeps what it needs). The pipeline is
+        # released here too where anything raises once ``send`` returned it (registered
+        # by load, once this returned): an interrupt as the function's release, the
+        # kernel's making or the pool's end is entered too (no call between ``send``'s
+        # return and the assignment).
+        pipeline = None
+        try:
+            with autorelease_pool():
+                data = self._dispatch.dispatch_data_create(binary, len(binary), None, None)
+                error = c_void_p(0)
+                library = send(self.device, "newLibraryWithData:error:", data, ctypes.byref(error))
+                self._dispatch.dispatch_release(data)
+                if not library:
+                    reason = describe_error(error.value or 0)
+                    raise CompileError(f"Metal rejected the library: {reason}")
+                function = send(library, "newFunctionWithName:", nsstring(name))
+                release(library)
+                if not function:
+                    raise AttributeError(name)
+                pipeline = send(
+                    self.device,
+                    "newComputePipelineStateWithFunction:error:",
+                    function,
+                    ctypes.byref(error),
                 )
-            try:  # (registered by load, once this returned)
+                release(function)
+                if not pipeline:
+                    raise CompileError(
+                        f"no pipeline for {name!r}: {describe_error(error.value or 0)}", name=name
+                    )
                 most = send(pipeline, "maxTotalThreadsPerThreadgroup", restype=ctypes.c_ulong)
-            except BaseException:
+                kernel = MetalKernel(pipeline, bindings, name, most)
+            return kernel
+        except BaseException:
+            if pipeline:
                 release(pipeline)
-                raise
-            return MetalKernel(pipeline, bindings, name, most)
+            raise
 
     def unload(self, native: Any) -> None:
         # A command buffer retains the pipelines encoded in it: released here, one still
