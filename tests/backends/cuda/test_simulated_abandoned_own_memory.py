@@ -31,7 +31,7 @@ COPY_NS = 200_000_000  # each copy of the simulated driver takes this long
 
 
 async def _own_memory_of_an_abandoned_copy(
-    sim: _Simulated, keep: bool, refused: bool = False
+    sim: _Simulated, keep: bool, refused: bool = False, interrupted: bool = False
 ) -> Seen:
     """A copy on a new queue of cuda:0 between two of its buffers, behind a device wait
     for a value nobody signals; cuda:0 closed (the buffers dropped before, or still
@@ -41,7 +41,10 @@ async def _own_memory_of_an_abandoned_copy(
     close (not kept for good), and whether the copy landed (the destination's memory,
     read before its free). With ``refused``, the backend's close fails right after it
     let the streams run (the driver refuses to make its context current once: the
-    close raises that), and what the close raised is seen too."""
+    close raises that), and what the close raised is seen too. With ``interrupted``, a
+    KeyboardInterrupt comes as the backend's end of the device waits returns (a Ctrl-C
+    at exit, where the close runs on the main thread), and what the close raised is
+    seen alike."""
     import ctypes
 
     import asyncmetal as am
@@ -85,6 +88,16 @@ async def _own_memory_of_an_abandoned_copy(
             backend.make_current = make_current
 
         backend._timelines.close_waits = close_waits
+    if interrupted:
+        timelines: Any = backend._timelines
+        ends = timelines.close_waits
+
+        def interrupted_close_waits() -> None:
+            ends()
+            timelines.close_waits = ends  # (once)
+            raise KeyboardInterrupt
+
+        timelines.close_waits = interrupted_close_waits
     try:
         queue, gate = dev.new_queue(), dev.timeline()
         gate.signal(1)  # (only ever signalled by the host: the wait goes to the driver)
@@ -98,6 +111,8 @@ async def _own_memory_of_an_abandoned_copy(
                 await dev.close()
             except am.AsyncMetalError as error:
                 seen["close_raised"] = str(error)
+            except KeyboardInterrupt:
+                seen["close_raised"] = "KeyboardInterrupt"
         with anyio.move_on_after(5):
             while len(seen["freed"]) < 2:
                 await anyio.sleep(0.01)
@@ -165,6 +180,9 @@ SCENARIOS = {
     "kept": functools.partial(_own_memory_of_an_abandoned_copy, keep=True),
     "host_copies": _own_memory_of_abandoned_host_copies,
     "refused": functools.partial(_own_memory_of_an_abandoned_copy, keep=False, refused=True),
+    "interrupted": functools.partial(
+        _own_memory_of_an_abandoned_copy, keep=False, interrupted=True
+    ),
 }
 
 
@@ -228,6 +246,25 @@ def test_a_backend_close_failing_after_it_let_the_streams_run_still_waits_for_th
     assert seen["freed_busy"] == [], seen
     assert seen["driver_freed_busy"] == 0, seen
     assert seen["freed"] == ["dst", "src"], seen
+    assert seen["landed"] == [True], seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_an_interrupt_as_a_cuda_close_ends_its_waits_still_has_the_streams_run_out(
+    loop: str,
+) -> None:
+    """As above (the buffers dropped), but the backend's close is interrupted as it
+    raised the words the streams wait on: it ends them all the same, has the streams
+    run out, releases the rest, and the device's close raises the interrupt; no buffer
+    is freed natively before the copy ran, and both are freed. Checked failing before
+    (the interrupt skipped the synchronize): "assert ['dst', 'src'] == []", both were
+    freed while the copy ran."""
+    seen = _seen("interrupted", loop)
+    assert seen.get("close_raised") == "KeyboardInterrupt", seen
+    assert seen["freed_busy"] == [], seen
+    assert seen["driver_freed_busy"] == 0, seen
+    assert seen["freed"] == ["dst", "src"], seen
+    assert seen["live_allocations"] == 0, seen
     assert seen["landed"] == [True], seen
 
 
