@@ -433,14 +433,17 @@ class _Interrupt(BaseException):
     """What the profiler raises: an exception no ``except Exception`` takes."""
 
 
-def _interrupted_at(event: int, load: Callable[[], object]) -> bool:
+def _interrupted_at(
+    event: int, load: Callable[[], object], counts: Callable[[Any, str], bool] | None = None
+) -> bool:
     """``load()`` with _Interrupt raised at its ``event``-th function entry or C function
-    return (counting from 1); whether it was raised (else the load had fewer)."""
+    return (counting from 1; ``counts``: which of those count, given the frame and the
+    event, all by default); whether it was raised (else the load had fewer)."""
     seen = 0
 
-    def profiler(frame: object, what: str, arg: object) -> None:
+    def profiler(frame: Any, what: str, arg: object) -> None:
         nonlocal seen
-        if what in ("call", "c_return"):
+        if what in ("call", "c_return") and (counts is None or counts(frame, what)):
             seen += 1
             if seen == event:
                 raise _Interrupt(event)  # (the interpreter then drops the profiler)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -26,6 +25,7 @@ import asyncmetal as am
 from asyncmetal import _backend as gate_module
 from asyncmetal.backends.metal import _objc
 from tests.reliability.test_cuda_faults import _Driver, fake_driver
+from tests.reliability.test_load_close import _interrupted_at as _interrupted_anywhere
 from tests.support.fakes import metal_sim
 
 pytestmark = pytest.mark.anyio
@@ -33,10 +33,6 @@ pytestmark = pytest.mark.anyio
 LIBRARY = os.path.dirname(am.__file__)
 BRIDGE = _objc.__file__  # (Metal's driver calls, as the fake driver's are cuda's)
 MOST_EVENTS = 10_000
-
-
-class _Interrupt(BaseException):
-    """What the profiler raises: an exception no ``except Exception`` takes."""
 
 
 def _ours(frame: FrameType | None) -> bool:
@@ -51,25 +47,11 @@ def _interrupted_at(event: int, load: Callable[[], object]) -> bool:
     """``load()`` with _Interrupt raised at its ``event``-th point in the library's code
     (a function entered from it, a C function returning to it; counting from 1);
     whether it was raised (else the load had fewer)."""
-    seen = 0
 
-    def profiler(frame: FrameType, what: str, arg: object) -> None:
-        nonlocal seen
-        caller = frame.f_back if what == "call" else frame
-        if what in ("call", "c_return") and _ours(caller):
-            seen += 1
-            if seen == event:
-                raise _Interrupt(event)  # (the interpreter then drops the profiler)
+    def counts(frame: FrameType, what: str) -> bool:
+        return _ours(frame.f_back if what == "call" else frame)
 
-    kept = sys.getprofile()
-    sys.setprofile(profiler)
-    try:
-        load()
-    except _Interrupt:
-        return True
-    finally:
-        sys.setprofile(kept)
-    return False
+    return _interrupted_anywhere(event, load, counts)
 
 
 @pytest.fixture
