@@ -808,10 +808,19 @@ void *am_cuq_cause(am_cuq *q, int *error, uint64_t *value) {
     return cause;
 }
 
+/* q's error, and the command it fails from (*value). A queue failing behind a device wait
+ * found failed (poisoned) sets its error only as it settles, once its stream is past all
+ * it was given; its thread reports the failed commands it confirmed before that (their
+ * values reached, its timeline failed from the first: cuda_completion.c, cuq_run), and
+ * this is their error meanwhile -- the one settling sets. */
 int am_cuq_error(am_cuq *q, uint64_t *value) {
     pthread_mutex_lock(&q->mu);
     int e = q->error;
     *value = q->error_value;
+    if (!e && q->poisoned) {
+        e = q->skipped && q->skipped <= q->poisoned ? CU_HELD_FAILED : CU_WAITED_FAILED;
+        *value = q->poisoned;
+    }
     pthread_mutex_unlock(&q->mu);
     return e;
 }

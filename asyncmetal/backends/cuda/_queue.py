@@ -17,6 +17,7 @@ from ..._errors import AsyncMetalError, DeviceLostError
 from ..._native import ABANDONED, CLOSED, DISCARDED, Failure
 from ..._timeline import (
     LATER_FAIL,
+    MAX_VALUE,
     QUEUE_DISCARDED,
     closed_queue_error,
     command_of,
@@ -149,6 +150,11 @@ class CUDAQueue(NativeQueue):
             lib.am_cuq_set_shared(self._q)  # its owner submits too: query less often
         timeline.queue = self
         self._error = ctypes.c_int.from_address(self._q)  # am_cuq's first member
+        # The first value of its timeline that failed (0: none), read in place: a queue
+        # failing behind a failed device wait sets its error only as it settles, and
+        # reports the failed commands its thread confirmed before that through this
+        # (native/cuda_completion.c, cuq_run; am_cuq_error says why they failed).
+        self._failed_from = _native.failed_from(timeline.c_timeline)
         # Threads holding a note of a restore of their context that a native call could
         # not make (amrt.h, am_cuda_unrestored_notes), read in place after native calls.
         self._notes = ctypes.c_int.from_address(lib.am_cuda_unrestored_notes())
@@ -461,7 +467,9 @@ class CUDAQueue(NativeQueue):
 
     def failure(self, value: int) -> BaseException | None:
         if not self._error.value and _driver.lost_first is None:  # the common case: no call
-            return None
+            failed = self._failed_from.value
+            if not failed or value < failed:
+                return None
         code, first = self._first_error()
         if code in (WAITED_FAILED, HELD_FAILED) and value >= first:
             return self._waited_failed(code, first)
@@ -476,9 +484,18 @@ class CUDAQueue(NativeQueue):
             return process_lost_error(f"the command at value {value} on {self._backend.name}")
         return None
 
+    def _reported_failed(self, value: int) -> bool:
+        """Whether ``value`` of this queue's timeline was reached failed before the queue
+        settled: its thread raises the timeline through the failed commands it confirms
+        (native/cuda_completion.c, cuq_run). A device wait for it is made still, as while
+        it was not reached -- the native queue finds it failed, and fails the waiting
+        queue's commands from there on -- not passed as one for a value produced."""
+        failed = self._failed_from.value
+        return bool(failed) and value >= failed and self._timeline.value != MAX_VALUE
+
     def fails_later(self) -> bool:
-        if not self._error.value:
-            return False
+        if not self._error.value and not self._failed_from.value:
+            return False  # (failing, reported before it settled: am_cuq_error says so)
         return self._first_error()[0] in (WAITED_FAILED, HELD_FAILED)
 
     def stats(self) -> dict[str, int]:
@@ -639,8 +656,10 @@ class CUDAQueue(NativeQueue):
     def _wait(self, timeline: NativeTimeline, target: int, value: int) -> None:
         confirms: NativeTimeline | None = None
         waited = False
-        if timeline.value < target:
-            owner = getattr(timeline, "queue", None)
+        owner = getattr(timeline, "queue", None)
+        if timeline.value < target or (
+            isinstance(owner, CUDAQueue) and owner._reported_failed(target)
+        ):
             if isinstance(owner, CUDAQueue):  # a queue's own
                 # Decided with that queue kept open (its close waits for the call): once
                 # its close took its native queue, nothing raises its timeline further
