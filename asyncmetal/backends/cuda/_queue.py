@@ -247,7 +247,13 @@ class CUDAQueue(NativeQueue):
         objects and buffers are kept until the stream is past it, and every later
         submission to the queue is refused. ``clean``: the queue had not failed before
         the command's native calls (read before them: they set the failure)."""
-        if not clean or self._q is None:
+        # The queue's own error, read in place: am_cuq_error also gives a queue failing
+        # behind a failed device wait its failure before it settles, from that wait's
+        # command on -- a wait the driver refused with nothing of it handed over is
+        # failed so once the queue it waited for settles failed (its record there made
+        # first: native/cuda_submit.c, stream_wait_queue). Kept, it would be submitted
+        # with nothing of it to confirm, and the queue would never settle.
+        if not clean or self._q is None or not self._error.value:
             return False
         code, first = self._first_error()
         if not code or first != value:

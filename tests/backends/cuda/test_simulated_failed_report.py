@@ -41,3 +41,21 @@ async def test_a_failed_cpu_wait_is_reported_before_a_later_signal_runs() -> Non
     """The same program on cpu, the behaviour the cuda queue matches."""
     async with am.open_device("cpu") as dev:
         _check(await simulated_failed_report.gated(am, dev))
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_wait_the_driver_refused_is_not_kept_once_its_queue_fails_behind_it(loop: str) -> None:
+    """A device wait whose call the driver refused (a fault), nothing of it handed over,
+    after it was recorded with the queue it waits for -- which then failed and settled,
+    failing the waiting queue from that wait's command on before the refusal was looked
+    at: the wait raises (the fault), and the device closes. Checked: kept as a command
+    that failed part way (the failure reported for it before the waiting queue settles
+    taken for one of the driver's), the wait was submitted with nothing of it to
+    confirm, and the device's close waited for good ("close": "hung") -- the hang of
+    simulated_cuda's copy_sweep, there when the other queue's thread settled first."""
+    harness.skip_without_compiler()
+    seen = simulated_failed_report.run("refused_wait", loop)
+    assert seen["refused call"] == "K", seen  # cuStreamWaitEvent (fake_cuda_driver.c)
+    assert seen["first settled"] is True, seen
+    assert str(seen["wait"]).startswith("DeviceLostError: cuStreamWaitEvent"), seen
+    assert seen["close"] == "closed", seen

@@ -6,15 +6,23 @@ SCENARIO saw, as JSON, on its last line (``run`` runs it, and reads that).
 - ``gated``: a queue's device wait that fails, followed on that queue by a signal
   ordered after another queue's lower signal of the same timeline, which is held
   behind a gate the program raises only after it awaited the failed wait.
+- ``refused_wait``: a queue's device wait on another queue's command in flight, refused
+  by the driver (a fault) after its record with that queue was made, that queue then
+  failing and settling before the refusal is looked at.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import threading
+import time
 from typing import Any
 
 import anyio
 
 from tests.support.native.simulated_cuda import (
+    STICKY,
     Seen,
     _awaited,
     _error,
@@ -74,7 +82,75 @@ async def _gated(sim: _Simulated) -> Seen:
             await dev.close()
 
 
-SCENARIOS = {"gated": _gated}
+MAX = (1 << 64) - 1
+SETTLE_S = 10  # the failed queue settles within this (its thread naps 1 ms at most)
+CLOSE_S = 10  # the device closes within this, or waits for good
+
+
+async def _refused_wait(sim: _Simulated) -> Seen:
+    """Queue ``first`` holds its stream on a device wait for ``gate`` (which only the
+    host signals) with a marker in flight behind it; queue ``waiting`` waits for that
+    marker, and the driver refuses the wait's call (the stream's wait on the marker's
+    event) with a fault, after the wait was recorded with ``first``. The fault fails
+    ``first``, whose thread settles it -- failing the commands of the queues recorded as
+    waiting for it from their waits on, ``waiting``'s refused one among them -- before
+    the submitting thread looks at the refusal (held back for that here, as a thread
+    slow to return from the driver is). How the wait's submission ended, whether
+    ``first`` had settled then, and whether the device then closed (a close that waits
+    for good prints what was seen and ends the process)."""
+    import asyncmetal as am
+    from asyncmetal import _native
+
+    seen: Seen = {}
+    dev = await am.open_device("cuda:0")
+    first, waiting, gate = dev.new_queue(), dev.new_queue(), dev.timeline()
+    gate.signal(1)  # (only ever signalled by the host: the wait goes to the driver)
+    first.wait(gate, 2)
+    ahead = first.marker()
+    lib = _native.runtime()
+    real = lib.am_cuq_wait_queue
+
+    def refused(q: Any, other: Any, target: int, command: int) -> int:
+        code = int(real(q, other, target, command))
+        if code:
+            until = time.monotonic() + SETTLE_S
+            while first.timeline.value != MAX and time.monotonic() < until:
+                time.sleep(0.001)
+            seen["first settled"] = first.timeline.value == MAX
+        return code
+
+    lib.am_cuq_wait_queue = refused
+    sim.counted.value, sim.fail_at.value, sim.fail_code.value = 0, 1, STICKY
+    sim.fake.fake_count_calls(1)
+    try:
+        waiting.wait(first.timeline, ahead.value)
+        seen["wait"] = "submitted"
+    except am.AsyncMetalError as exc:
+        seen["wait"] = _error(exc)
+    finally:
+        sim.fake.fake_count_calls(0)
+        sim.fail_at.value = 0
+        lib.am_cuq_wait_queue = real
+    seen["refused call"] = sim.counted_order[0].decode()  # 'K': cuStreamWaitEvent
+    seen["close"] = "hung"
+
+    def hung() -> None:  # (a close is not cancelled, and the exit's would wait too)
+        print(json.dumps(seen), flush=True)
+        os._exit(0)
+
+    watchdog = threading.Timer(CLOSE_S, hung)
+    watchdog.start()
+    try:
+        await dev.close()
+        seen["close"] = "closed"
+    except Exception as exc:
+        seen["close"] = _error(exc)
+    finally:
+        watchdog.cancel()
+    return seen
+
+
+SCENARIOS = {"gated": _gated, "refused_wait": _refused_wait}
 
 
 def run(scenario: str, loop: str, timeout: float = 60) -> Seen:
