@@ -238,6 +238,20 @@ void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value, am_timeline
     free(hit);
 }
 
+/* What q's timeline reached that was produced, under q->mu: its value, but below the
+ * first failed one -- q's thread raises it through the failed commands it confirms
+ * before q settles (cuq_run), failing it first (cuq_fail_timeline). UINT64_MAX once q
+ * settled. (t->mu under q->mu: see cuq_poison.) */
+static uint64_t cuq_produced(am_cuq *q) {
+    am_timeline *t = q->timeline;
+    uint64_t seen = atomic_load(&t->value);
+    if (seen == UINT64_MAX) return seen;
+    pthread_mutex_lock(&t->mu);
+    if (t->failed_from && seen >= t->failed_from) seen = t->failed_from - 1;
+    pthread_mutex_unlock(&t->mu);
+    return seen;
+}
+
 /* Under other->mu: record a device wait of q (part of its command `command`) for value
  * `target` of other, forgetting those other has confirmed since. Returns 1 if other has
  * failed at or before `target` already (nothing recorded): then the caller, with
@@ -245,7 +259,7 @@ void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value, am_timeline
 int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command) {
     uint64_t failed = cuq_failed_at(other);
     if (failed && target >= failed) return 1;
-    uint64_t confirmed = atomic_load(&other->timeline->value);
+    uint64_t confirmed = cuq_produced(other);
     for (am_cuwaiter **p = &other->waiters; *p;) {
         am_cuwaiter *w = *p;
         if (w->target <= confirmed && confirmed != UINT64_MAX) {
@@ -377,7 +391,7 @@ static void cuq_check_waited_on(am_cuq *q, am_cuq *other, uint64_t target, uint6
     /* Closed: its entries may be gone and its timeline freed; its close marked where it
      * fails from (cuq_mark_failed: past what it confirmed), read below. */
     int closed = other->stop == 2;
-    uint64_t seen = closed ? 0 : atomic_load(&other->timeline->value);
+    uint64_t seen = closed ? 0 : cuq_produced(other);
     if (!closed && seen != UINT64_MAX && seen >= target) {  /* confirmed: it was produced */
         pthread_mutex_unlock(&other->mu);
         return;
@@ -410,7 +424,7 @@ static void cuq_check_waited_on(am_cuq *q, am_cuq *other, uint64_t target, uint6
     pthread_mutex_lock(&other->mu);
     /* (Closed: its timeline is not read, and it confirms nothing any more.) */
     uint64_t failed = cuq_failed_at(other);
-    seen = other->stop == 2 ? 0 : atomic_load(&other->timeline->value);
+    seen = other->stop == 2 ? 0 : cuq_produced(other);
     int failing = failed && target >= failed && (seen == UINT64_MAX || seen < target);
     if (failing) cuq_cause(other, &error, &value, &cause);
     pthread_mutex_unlock(&other->mu);
@@ -1146,12 +1160,19 @@ static void *cuq_run(void *arg) {
         if (!r && q->poisoned && e.value >= q->poisoned && e.value > seen) {
             /* It ran after a wait for a value never produced (or, behind a failed wait
              * held on the host, passed without running): it fails, and the queue
-             * settles once its stream is past everything it was given. */
+             * settles once its stream is past everything it was given. Its failure is
+             * reported now, as a host queue's is: the timeline fails from the first
+             * failed value (cuq_fail_timeline, which am_cuq_error reports before q's
+             * error is set), then rises to this one -- the stream is past it, and what
+             * follows may wait for what only the program does once it saw this fail
+             * (a later signal ordered after another queue's, held behind a gate). */
             if (q->count || q->held) {
                 cuq_recycle(q, e.event, e.blocking);
                 if (e.signals) cuq_fail_signal(q, &e);
                 if (e.extra) timeline_unref(e.extra);
                 pthread_mutex_unlock(&q->mu);
+                cuq_fail_timeline(q);
+                am_timeline_poke(q->timeline, e.value);
                 cuq_drain(q, 0, 0);
                 continue;
             }

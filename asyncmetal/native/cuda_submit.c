@@ -808,10 +808,22 @@ void *am_cuq_cause(am_cuq *q, int *error, uint64_t *value) {
     return cause;
 }
 
+/* q's error, and the command it fails from (*value). A queue failing behind a device wait
+ * found failed (poisoned) sets its error only as it settles, once its stream is past all
+ * it was given; its thread reports the failed commands it confirmed before that (their
+ * values reached, its timeline failed from the first: cuda_completion.c, cuq_run), and
+ * this is their error meanwhile -- the one settling sets. Not q's own (its first member,
+ * 0 until then): only that says a refused command had a part reach the driver, and is
+ * kept (CUDAQueue._kept) -- a wait refused with nothing of it handed over, failed so by
+ * the queue it waited for settling meanwhile (cuq_release_waiters), is not. */
 int am_cuq_error(am_cuq *q, uint64_t *value) {
     pthread_mutex_lock(&q->mu);
     int e = q->error;
     *value = q->error_value;
+    if (!e && q->poisoned) {
+        e = q->skipped && q->skipped <= q->poisoned ? CU_HELD_FAILED : CU_WAITED_FAILED;
+        *value = q->poisoned;
+    }
     pthread_mutex_unlock(&q->mu);
     return e;
 }

@@ -338,6 +338,8 @@ def fake_driver(monkeypatch: pytest.MonkeyPatch, fake: _Driver | None = None) ->
         runtime=lambda: runtime,
         extension=lambda: None,
         timeline_reader=lambda address: ctypes.c_uint64.from_address(address),
+        # (the fake runtime reports a failure through a queue's error alone)
+        failed_from=lambda address: ctypes.c_uint64(0),
     )
     _bind(monkeypatch, "_native", native)
     _bind(monkeypatch, "install_driver", lambda lib: None)

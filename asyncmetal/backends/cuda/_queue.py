@@ -150,6 +150,11 @@ class CUDAQueue(NativeQueue):
             lib.am_cuq_set_shared(self._q)  # its owner submits too: query less often
         timeline.queue = self
         self._error = ctypes.c_int.from_address(self._q)  # am_cuq's first member
+        # The first value of its timeline that failed (0: none), read in place: a queue
+        # failing behind a failed device wait sets its error only as it settles, and
+        # reports the failed commands its thread confirmed before that through this
+        # (native/cuda_completion.c, cuq_run; am_cuq_error says why they failed).
+        self._failed_from = _native.failed_from(timeline.c_timeline)
         # Threads holding a note of a restore of their context that a native call could
         # not make (amrt.h, am_cuda_unrestored_notes), read in place after native calls.
         self._notes = ctypes.c_int.from_address(lib.am_cuda_unrestored_notes())
@@ -242,7 +247,13 @@ class CUDAQueue(NativeQueue):
         objects and buffers are kept until the stream is past it, and every later
         submission to the queue is refused. ``clean``: the queue had not failed before
         the command's native calls (read before them: they set the failure)."""
-        if not clean or self._q is None:
+        # The queue's own error, read in place: am_cuq_error also gives a queue failing
+        # behind a failed device wait its failure before it settles, from that wait's
+        # command on -- a wait the driver refused with nothing of it handed over is
+        # failed so once the queue it waited for settles failed (its record there made
+        # first: native/cuda_submit.c, stream_wait_queue). Kept, it would be submitted
+        # with nothing of it to confirm, and the queue would never settle.
+        if not clean or self._q is None or not self._error.value:
             return False
         code, first = self._first_error()
         if not code or first != value:
@@ -462,7 +473,9 @@ class CUDAQueue(NativeQueue):
 
     def failure(self, value: int) -> BaseException | None:
         if not self._error.value and _driver.lost_first is None:  # the common case: no call
-            return None
+            failed = self._failed_from.value
+            if not failed or value < failed:
+                return None
         code, first = self._first_error()
         if code in (WAITED_FAILED, HELD_FAILED) and value >= first:
             return self._waited_failed(code, first)
@@ -477,9 +490,18 @@ class CUDAQueue(NativeQueue):
             return process_lost_error(f"the command at value {value} on {self._backend.name}")
         return None
 
+    def _reported_failed(self, value: int) -> bool:
+        """Whether ``value`` of this queue's timeline was reached failed before the queue
+        settled: its thread raises the timeline through the failed commands it confirms
+        (native/cuda_completion.c, cuq_run). A device wait for it is made still, as while
+        it was not reached -- the native queue finds it failed, and fails the waiting
+        queue's commands from there on -- not passed as one for a value produced."""
+        failed = self._failed_from.value
+        return bool(failed) and value >= failed and self._timeline.value != MAX_VALUE
+
     def fails_later(self) -> bool:
-        if not self._error.value:
-            return False
+        if not self._error.value and not self._failed_from.value:
+            return False  # (failing, reported before it settled: am_cuq_error says so)
         return self._first_error()[0] in (WAITED_FAILED, HELD_FAILED)
 
     def stats(self) -> dict[str, int]:
@@ -641,12 +663,18 @@ class CUDAQueue(NativeQueue):
         confirms: NativeTimeline | None = None
         waited = False
         reached = timeline.value
-        # At 2**64 - 1 (past any value a signal gives) a timeline has settled as it
-        # failed, or its queue did: the wait is made all the same, and the runtime
-        # fails this queue from it on where the value waited for never ran (as a host
-        # queue's wait fails), and passes it where that value ran before the failure.
-        if reached < target or reached == MAX_VALUE:
-            owner = getattr(timeline, "queue", None)
+        owner = getattr(timeline, "queue", None)
+        # Made also past its target where the value may have failed: at 2**64 - 1 (past
+        # any value a signal gives) the timeline settled as it failed, or its queue did,
+        # and a queue's own is raised through its failed commands before it settles
+        # (``_reported_failed``). The runtime then fails this queue from the wait on
+        # where the value waited for never ran (as a host queue's wait fails), and
+        # passes it where that value ran before the failure.
+        if (
+            reached < target
+            or reached == MAX_VALUE
+            or (isinstance(owner, CUDAQueue) and owner._reported_failed(target))
+        ):
             if isinstance(owner, CUDAQueue):  # a queue's own
                 # Decided with that queue kept open (its close waits for the call): once
                 # its close took its native queue, nothing raises its timeline further

@@ -1,0 +1,61 @@
+"""A failed cuda queue reports a failed command as soon as its completion thread saw
+it end, not once the queue settles: with the real native runtime over the simulated
+driver, in a child process (tests/support/native/simulated_failed_report.py), and the
+same program on cpu, which the cuda queue must match. Runs everywhere a C compiler is
+found."""
+
+from __future__ import annotations
+
+import pytest
+
+import asyncmetal as am
+from tests.support.native import harness, simulated_failed_report
+
+LOOPS = ["asyncio", "trio"]
+
+
+def _check(seen: dict[str, object]) -> None:
+    assert "discard=True" in str(seen["doomed"]), seen
+    assert "discard=True" in str(seen["late"]), seen
+    assert seen["lower"] == "done", seen
+    assert "discard=True" in str(seen["behind"]), seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_failed_cuda_wait_is_reported_before_a_later_signal_runs(loop: str) -> None:
+    """A queue's device wait that fails, followed on that queue by a signal ordered
+    after another queue's lower signal of the same timeline, that one held behind a
+    gate the program raises only after awaiting the failed wait: the await raises (the
+    discard named) before the gate is raised, the lower signal then runs, and the later
+    signal fails. Another queue's wait for the failed value, made once the await raised,
+    fails that queue's later commands too (the value was reached, failed, before the
+    queue settled). Checked: without the fix the await waited for the gate (still waiting
+    after REPORT_S) -- the queue reported nothing before its stream got past the later
+    signal, and settled."""
+    harness.skip_without_compiler()
+    _check(simulated_failed_report.run("gated", loop))
+
+
+@pytest.mark.anyio
+async def test_a_failed_cpu_wait_is_reported_before_a_later_signal_runs() -> None:
+    """The same program on cpu, the behaviour the cuda queue matches."""
+    async with am.open_device("cpu") as dev:
+        _check(await simulated_failed_report.gated(am, dev))
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_wait_the_driver_refused_is_not_kept_once_its_queue_fails_behind_it(loop: str) -> None:
+    """A device wait whose call the driver refused (a fault), nothing of it handed over,
+    after it was recorded with the queue it waits for -- which then failed and settled,
+    failing the waiting queue from that wait's command on before the refusal was looked
+    at: the wait raises (the fault), and the device closes. Checked: kept as a command
+    that failed part way (the failure reported for it before the waiting queue settles
+    taken for one of the driver's), the wait was submitted with nothing of it to
+    confirm, and the device's close waited for good ("close": "hung") -- the hang of
+    simulated_cuda's copy_sweep, there when the other queue's thread settled first."""
+    harness.skip_without_compiler()
+    seen = simulated_failed_report.run("refused_wait", loop)
+    assert seen["refused call"] == "K", seen  # cuStreamWaitEvent (fake_cuda_driver.c)
+    assert seen["first settled"] is True, seen
+    assert str(seen["wait"]).startswith("DeviceLostError: cuStreamWaitEvent"), seen
+    assert seen["close"] == "closed", seen

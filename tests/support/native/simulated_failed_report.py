@@ -1,0 +1,163 @@
+"""A failed cuda queue's report over the simulated driver (simulated_cuda.py: the real
+native runtime, streams of tests/support/fakes/fake_cuda_driver.c), in a child process:
+``python -m tests.support.native.simulated_failed_report SCENARIO LOOP`` prints what
+SCENARIO saw, as JSON, on its last line (``run`` runs it, and reads that).
+
+- ``gated``: a queue's device wait that fails, followed on that queue by a signal
+  ordered after another queue's lower signal of the same timeline, which is held
+  behind a gate the program raises only after it awaited the failed wait.
+- ``refused_wait``: a queue's device wait on another queue's command in flight, refused
+  by the driver (a fault) after its record with that queue was made, that queue then
+  failing and settling before the refusal is looked at.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+import anyio
+
+from tests.support.native.simulated_cuda import (
+    STICKY,
+    Seen,
+    _awaited,
+    _error,
+    _Simulated,
+    child_main,
+    run_child,
+)
+
+REPORT_S = 5  # the failed wait is reported within this, or it waits for the gate
+
+
+async def gated(am: Any, dev: Any) -> Seen:
+    """On ``dev`` (any backend): queue ``waiting`` waits on the device for a command of
+    queue ``discarded``, which is then closed with ``discard=True`` (the wait fails:
+    "doomed"), and signals ``shared`` to 2 behind it ("behind"); queue ``other`` signals
+    ``shared`` to 1 ("lower") behind a wait for ``gate``, which is signalled only once
+    "doomed" was awaited (at most REPORT_S). How each ended, and whether "doomed" ended
+    before the gate was raised."""
+    seen: Seen = {}
+    waiting, discarded, other = dev.new_queue(), dev.new_queue(), dev.new_queue()
+    gate, shared = dev.timeline(), dev.timeline()
+    discarded.wait(gate, 1)
+    doomed = waiting.wait(discarded.timeline, 1)
+    other.wait(gate, 2)
+    lower = other.signal(shared, 1)
+    behind = waiting.signal(shared, 2)
+    await discarded.close(discard=True)
+    seen["doomed"] = "still waiting"
+    with anyio.move_on_after(REPORT_S):
+        seen["doomed"] = await _awaited(doomed)
+    late = dev.new_queue()  # (a wait for the failed value, once it was reported)
+    late.wait(waiting.timeline, doomed.value)
+    seen["late"] = "still waiting"
+    with anyio.move_on_after(REPORT_S):
+        try:  # (a queue whose failure settled it refuses the submission, with it)
+            marker = late.marker()
+        except Exception as exc:
+            seen["late"] = _error(exc)
+        else:
+            seen["late"] = await _awaited(marker)
+    gate.signal(2)  # (only now, as the program does: after the await of the failed wait)
+    for name, done in {"lower": lower, "behind": behind}.items():
+        seen[name] = "still waiting"
+        with anyio.move_on_after(REPORT_S):
+            seen[name] = await _awaited(done)
+    return seen
+
+
+async def _gated(sim: _Simulated) -> Seen:
+    import asyncmetal as am
+
+    dev = await am.open_device("cuda:0")
+    try:
+        return await gated(am, dev)
+    finally:
+        with anyio.fail_after(20):
+            await dev.close()
+
+
+MAX = (1 << 64) - 1
+SETTLE_S = 10  # the failed queue settles within this (its thread naps 1 ms at most)
+CLOSE_S = 10  # the device closes within this, or waits for good
+
+
+async def _refused_wait(sim: _Simulated) -> Seen:
+    """Queue ``first`` holds its stream on a device wait for ``gate`` (which only the
+    host signals) with a marker in flight behind it; queue ``waiting`` waits for that
+    marker, and the driver refuses the wait's call (the stream's wait on the marker's
+    event) with a fault, after the wait was recorded with ``first``. The fault fails
+    ``first``, whose thread settles it -- failing the commands of the queues recorded as
+    waiting for it from their waits on, ``waiting``'s refused one among them -- before
+    the submitting thread looks at the refusal (held back for that here, as a thread
+    slow to return from the driver is). How the wait's submission ended, whether
+    ``first`` had settled then, and whether the device then closed (a close that waits
+    for good prints what was seen and ends the process)."""
+    import asyncmetal as am
+    from asyncmetal import _native
+
+    seen: Seen = {}
+    dev = await am.open_device("cuda:0")
+    first, waiting, gate = dev.new_queue(), dev.new_queue(), dev.timeline()
+    gate.signal(1)  # (only ever signalled by the host: the wait goes to the driver)
+    first.wait(gate, 2)
+    ahead = first.marker()
+    lib = _native.runtime()
+    real = lib.am_cuq_wait_queue
+
+    def refused(q: Any, other: Any, target: int, command: int) -> int:
+        code = int(real(q, other, target, command))
+        if code:
+            until = time.monotonic() + SETTLE_S
+            while first.timeline.value != MAX and time.monotonic() < until:
+                time.sleep(0.001)
+            seen["first settled"] = first.timeline.value == MAX
+        return code
+
+    lib.am_cuq_wait_queue = refused
+    sim.counted.value, sim.fail_at.value, sim.fail_code.value = 0, 1, STICKY
+    sim.fake.fake_count_calls(1)
+    try:
+        waiting.wait(first.timeline, ahead.value)
+        seen["wait"] = "submitted"
+    except am.AsyncMetalError as exc:
+        seen["wait"] = _error(exc)
+    finally:
+        sim.fake.fake_count_calls(0)
+        sim.fail_at.value = 0
+        lib.am_cuq_wait_queue = real
+    seen["refused call"] = sim.counted_order[0].decode()  # 'K': cuStreamWaitEvent
+    seen["close"] = "hung"
+
+    def hung() -> None:  # (a close is not cancelled, and the exit's would wait too)
+        print(json.dumps(seen), flush=True)
+        os._exit(0)
+
+    watchdog = threading.Timer(CLOSE_S, hung)
+    watchdog.start()
+    try:
+        await dev.close()
+        seen["close"] = "closed"
+    except Exception as exc:
+        seen["close"] = _error(exc)
+    finally:
+        watchdog.cancel()
+    return seen
+
+
+SCENARIOS = {"gated": _gated, "refused_wait": _refused_wait}
+
+
+def run(scenario: str, loop: str, timeout: float = 60) -> Seen:
+    """What ``scenario`` saw in a child process, on event loop ``loop`` (``timeout``: the
+    child's, in seconds)."""
+    return run_child(scenario, loop, timeout=timeout, module=__name__)
+
+
+if __name__ == "__main__":
+    child_main(SCENARIOS)
