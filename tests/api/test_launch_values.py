@@ -639,17 +639,19 @@ def test_the_compiler_checks_the_return_types_of_every_function_a_launch_can_nam
         assert "declare one that is no kernel static" in info.value.message
 
 
-@pytest.mark.parametrize(
-    ("cc", "flags"),
-    [
-        ("gcc", ("-fdiagnostics-format=json",)),
-        ("clang", ("-fdiagnostics-format=msvc",)),
-        ("clang", ("-fdiagnostics-format=vi",)),
-        ("gcc", ("-fdiagnostics-plain-output", "-fno-diagnostics-show-caret")),
-        ("gcc", ("-Werror", "-Wall", "-Wextra", "-Wpedantic", "-Wc++-compat")),
-        ("clang", ("-Weverything", "-Werror", "-Wno-missing-prototypes")),
-    ],
-)
+# Compilers and flags that change how diagnostics are told (formats) or what a warning
+# is (errors), which the signature checks read through.
+DIAGNOSTICS = [
+    ("gcc", ("-fdiagnostics-format=json",)),
+    ("clang", ("-fdiagnostics-format=msvc",)),
+    ("clang", ("-fdiagnostics-format=vi",)),
+    ("gcc", ("-fdiagnostics-plain-output", "-fno-diagnostics-show-caret")),
+    ("gcc", ("-Werror", "-Wall", "-Wextra", "-Wpedantic", "-Wc++-compat")),
+    ("clang", ("-Weverything", "-Werror", "-Wno-missing-prototypes")),
+]
+
+
+@pytest.mark.parametrize(("cc", "flags"), DIAGNOSTICS)
 def test_a_refusal_by_the_checks_is_told_in_any_diagnostics_format(
     cc: str, flags: tuple[str, ...]
 ) -> None:

@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+from tests.api.test_launch_values import DIAGNOSTICS
 from tests.support.children import run_child
 
 # A float, a double or a half, as the compile's options choose: the source cannot say
@@ -114,12 +115,7 @@ ANSWERS = {
     [
         ("gcc", ()),
         ("clang", ()),
-        ("gcc", ("-fdiagnostics-format=json",)),
-        ("clang", ("-fdiagnostics-format=msvc",)),
-        ("clang", ("-fdiagnostics-format=vi",)),
-        ("gcc", ("-fdiagnostics-plain-output", "-fno-diagnostics-show-caret")),
-        ("gcc", ("-Werror", "-Wall", "-Wextra", "-Wpedantic", "-Wc++-compat")),
-        ("clang", ("-Weverything", "-Werror", "-Wno-missing-prototypes")),
+        *DIAGNOSTICS,
         ("gcc", ("-ffunction-sections", "-fdata-sections", "-Wl,--gc-sections")),
         ("clang", ("-flto",)),
     ],
