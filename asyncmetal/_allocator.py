@@ -50,6 +50,18 @@ class Queue(Protocol):
     def timeline(self) -> Timeline: ...
 
 
+class Owner(Protocol):
+    """What keeps memory the device does not own alive (``Block.owner``): ``held``, what
+    holds that memory (another library's array, the DLPack capsule it exported), until
+    ``let_go``."""
+
+    held: object
+
+    def let_go(self) -> object:
+        """``held``, given up (None from then on): its buffer was freed."""
+        ...
+
+
 class Block:
     """Native memory and the commands that use it. Outlives the Python-facing
     allocation, so a collected buffer is still freed only after its last use."""
@@ -70,7 +82,9 @@ class Block:
         "waited",
     )
 
-    def __init__(self, handle: Any, nbytes: int, keeper: DeviceState, owner: object = None) -> None:
+    def __init__(
+        self, handle: Any, nbytes: int, keeper: DeviceState, owner: Owner | None = None
+    ) -> None:
         self.handle = handle
         self.nbytes = nbytes
         self.owner = owner  # what keeps memory the device does not own alive (an array)
@@ -341,10 +355,12 @@ def _hold_again() -> None:
 # allocator does, at once) while the device still reads or writes it. Added to by a
 # collection with no call (any thread, even inside the GC); moved to ``held_back`` (or
 # let go of) by ``let_lingering_go``, at the next import, allocation or close of a device.
-lingering: dict[int, tuple[Block, list[tuple[Queue, int]]]] = {}
+# Also what held the memory of such a buffer that was freed while commands may still
+# use it (``Owner.held``, which its owner let go of: see ``let_go_after_uses``).
+lingering: dict[int, tuple[object, list[tuple[Queue, int]]]] = {}
 # Those of them ``let_lingering_go`` took over, by id, each waiting in ``_waiting`` for
 # one of its uses that had not passed. Touched only under ``_looking``.
-held_back: dict[int, tuple[Block, list[tuple[Queue, int]]]] = {}
+held_back: dict[int, tuple[object, list[tuple[Queue, int]]]] = {}
 # Per queue, a heap of (value, id) of the blocks of held_back waiting for its command
 # ``value``: a look reads each queue's timeline once and takes what passed off the top,
 # so that its cost goes with what it lets go of, not with how many wait.
@@ -353,12 +369,40 @@ _looking = threading.Lock()  # (one look at a time: see let_lingering_go)
 _look_again = False  # (a call found a look under way: that one looks again)
 
 
-_parents_lingering: list[tuple[Block, list[tuple[Queue, int]]]] = []  # (forget_left_blocks)
+_parents_lingering: list[tuple[object, list[tuple[Queue, int]]]] = []  # (forget_left_blocks)
 
 
 def lingering_count() -> int:
-    """How many dropped buffers' blocks of foreign memory are held (see lingering)."""
+    """How many dropped buffers' blocks of foreign memory, and freed ones' holds on it,
+    are held (see lingering)."""
     return len(lingering) + len(held_back)
+
+
+def let_go_after_uses(block: Block) -> None:
+    """Have the owner of ``block`` -- over memory another library owns, whose buffer
+    was freed: no command records a use of it from now -- let go of what holds that
+    memory (``Owner.held``), kept until the commands recorded on it so far ran (see
+    ``lingering``), as a dropped buffer's block is: the library may hand the memory out
+    again (and asyncmetal's own buffer that lent it, come back, return to its
+    allocator) while the freed buffer lives. At once where none may still run, or the
+    one recorded is the wait for that library's work. Again: nothing."""
+    if block.owner is None:
+        return
+    uses: list[tuple[Queue, int]] = []
+    looked = False
+    try:
+        uses = [use for use in block.last_use.copy().items() if _pending(*use)]
+        looked = True
+    finally:
+        if not looked:  # (an interrupt above: held until every use recorded ran)
+            uses = list(block.last_use.copy().items())
+        # (Put in lingering as it is let go of: no call between, where an interrupt
+        # would leave it let go of early, or held for good.)
+        if uses and uses != [block.waited]:
+            held = block.owner.held
+            if held is not None:
+                lingering[id(held)] = (held, uses)
+        block.owner.let_go()
 
 
 def let_lingering_go() -> None:

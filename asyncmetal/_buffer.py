@@ -20,6 +20,7 @@ from ._allocator import (
     Allocator,
     Block,
     ForeignMemory,
+    Owner,
     Queue,
     Record,
     allocator_of,
@@ -30,6 +31,7 @@ from ._allocator import (
     holding_foreign,
     lenders,
     lenders_for,
+    let_go_after_uses,
     let_lingering_go,
     lingering,
 )
@@ -206,8 +208,10 @@ class Buffer(Exports, Singular):
             if allocator is not None:
                 allocator.lend(allocation.block, allocation.generation, hold=False)
             return allocation.handle, _no_loan
-        if allocator is None:  # memory the device does not own: keep its owner alive
-            return allocation.handle, functools.partial(_no_loan, allocation)
+        if allocator is None:  # memory the device does not own: keep what holds it alive
+            owner = allocation.block.owner  # (a free lets go of what it holds: see free)
+            held = None if owner is None else owner.held
+            return allocation.handle, functools.partial(_no_loan, allocation, held)
         return allocation.handle, allocator.lend(allocation.block, allocation.generation)
 
     async def __aenter__(self) -> Buffer:
@@ -300,6 +304,8 @@ class Buffer(Exports, Singular):
             uses = list(allocation.last_use.items())
             if allocator is not None:
                 allocator.release_after(allocation.block, uses, allocation.generation)
+            else:  # (another library's memory: what holds it goes once those uses ran)
+                let_go_after_uses(allocation.block)
             return uses
 
         try:
@@ -308,14 +314,15 @@ class Buffer(Exports, Singular):
             # Interrupted (a KeyboardInterrupt lands between any two calls), maybe
             # before the release was recorded: recorded on the frees' thread, after the
             # submissions, as settle does (again, if it was: it changes nothing then).
-            if allocator is not None:
-                settle_detached(settle, self._state.unheard_error)
+            settle_detached(settle, self._state.unheard_error)
             raise
         for queue, value in uses:
             await wait_value(queue.timeline, value)
         if uses and allocator is not None:
             allocator.sweep()  # its last uses passed: the release is due now
         else:
+            if uses and (lingering or held_back):
+                let_lingering_go()  # (what held another library's memory goes now)
             await checkpoint()
 
     async def map(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray[Any, Any]:
@@ -485,7 +492,7 @@ def foreign_buffer(
     state: DeviceState,
     handle: Any,
     nbytes: int,
-    owner: object,
+    owner: Owner,
     after: tuple[Queue, int] | None,
     shares: Record | None = None,
 ) -> Buffer:

@@ -668,7 +668,17 @@ def scalar_params(src: str, name: str) -> tuple[ParamKind, ...]:
             f"float a) {{ {name}<float>(x, a); }})",
             name=name,
         )
+    macros = set(_scan.findall(_FUNCTION_MACRO, text, _NEWLINE))
+    functions = _function_typedefs(text, macros)
     for kind, declaration in declarations:
+        if _takes_function(declaration, functions, macros):
+            raise CompileError(
+                f"kernel {name!r}: parameter {declaration!r} is a function pointer: a launch "
+                "passes it a buffer's address or an integer, no function's, and a call "
+                "through it would jump into data; choose the function in the kernel (a "
+                "switch on a value parameter)",
+                name=name,
+            )
         if declaration == "...":
             raise CompileError(
                 f"kernel {name!r} is variadic (its parameters end in '...'): a launch passes "
@@ -686,6 +696,106 @@ def scalar_params(src: str, name: str) -> tuple[ParamKind, ...]:
     refuse_non_scalars(src, name, [d for kind, d in declarations if kind == "value"])
     _refuse_returned_in_memory(text, name)  # (a kernel is called as a void function)
     return tuple(kind for kind, _ in declarations)
+
+
+# A declarator of a pointer to a function: a ``*`` (and its qualifiers) and the name, if
+# any, in parentheses that a parameter list follows (``(*f)(int)``, ``(* const)(int)``,
+# ``(*(*f)(int))[3]``: a pointer to one that returns a pointer to an array). ``(**f)``
+# and ``(*f)[3]`` are pointers to memory (function pointers, an array): buffers.
+_FUNCTION_POINTER = re.compile(
+    r"\(\s*\*\s*(?:(?:const|volatile|restrict|__restrict|__restrict__)\b\s*)*(\w*)\s*\)\s*\("
+)
+_LAST_WORD = re.compile(r"(\w+)\s*$")
+# Words that parentheses follow in a type, not a function's declarator (``_Atomic(int)``).
+_TYPE_OPERATORS = TYPEOF_WORDS | {"_Atomic", "_BitInt", "decltype", "__declspec", "__attribute__"}
+_QUALIFIER_WORDS = frozenset(("const", "volatile", "restrict", "__restrict", "__restrict__"))
+_FUNCTION_MACRO = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)\(", re.M)
+# C++'s typedef of a type that parentheses end (a function's, or a pointer to one's).
+_USING_PARENS = re.compile(r"\busing\s+(\w+)\s*=([^;{}=]*\))\s*;")
+_USING_WORD = re.compile(r"\busing\b")
+
+
+def _function_declarator(declarator: str, macros: set[str]) -> tuple[str, str] | None:
+    """What ``declarator`` (a parameter's declaration, a typedef's; C++'s type alone:
+    ``int(*)(int)``) declares where it is a pointer to a function ("pointer") or a
+    function ("function", which a parameter takes as a pointer to it), and its name (""
+    where it has none); None otherwise. A word that the parentheses ending it follow is
+    a function's where words of a type precede it, and it is none of the source's
+    function-like ``macros`` (``GLOBAL_PTR(float) p``) nor a type operator; with none,
+    the type's word (``int(int)``)."""
+    if "(" not in declarator:
+        return None
+    declarator = _GNU_ATTRIBUTE.sub(" ", declarator).rstrip()
+    pointer = _FUNCTION_POINTER.search(declarator)
+    if pointer is not None:
+        return "pointer", pointer.group(1)
+    if not declarator.endswith(")"):
+        return None
+    depth, opens = 0, len(declarator)  # (the "(" of the last ")", read back to it)
+    while opens > 0:
+        opens -= 1
+        depth += {")": 1, "(": -1}.get(declarator[opens], 0)
+        if depth == 0:
+            break
+    last = _LAST_WORD.search(declarator, 0, opens)
+    if last is None or last.group(1) in _TYPE_OPERATORS or last.group(1) in macros:
+        return None
+    if set(re.findall(r"\w+", declarator[: last.start()])) - _QUALIFIER_WORDS:
+        return "function", last.group(1)
+    return "function", ""
+
+
+def _function_typedefs(text: str, macros: set[str]) -> dict[str, str]:
+    """The names that ``text``'s (stripped) typedefs and ``using`` declarations make
+    function types of ("function": ``typedef int fn(int);``) and function pointer types
+    of ("pointer": ``typedef int (*fp)(int);``, ``typedef fn *fp;``), also those of such
+    a name in turn (``typedef fp fp2;``). ``macros``: its function-like macros'."""
+    found: dict[str, str] = {}
+    if "(" not in text:  # (most sources: none is made)
+        return found
+    made = [
+        declarator
+        for (body,) in statements(text, _POINTER_TYPEDEF, _TYPEDEF_WORD, _STATEMENT_END)
+        for declarator in (_split_top_level(body) if "," in body else [body.strip()])
+    ]
+    for name, type_ in statements(text, _USING_PARENS, _USING_WORD, _STATEMENT_END):
+        declared = _function_declarator(type_, macros)
+        if declared is not None:
+            found[name] = declared[0]
+    for declarator in made:
+        declared = _function_declarator(declarator, macros)
+        if declared is not None and declared[1]:
+            found[declared[1]] = declared[0]
+    for _ in range(8):  # (a typedef of a typedef...)
+        more = dict(found)
+        for declarator in made:
+            words = re.findall(r"\w+", declarator)
+            of = [found[word] for word in words[:-1] if word in found]
+            if not words or not of or "[" in declarator or "(" in declarator:
+                continue
+            stars = declarator.count("*")
+            if of[0] == "pointer" and stars == 0:
+                more[words[-1]] = "pointer"
+            elif of[0] == "function" and stars <= 1:
+                more[words[-1]] = "pointer" if stars else "function"
+        if more == found:
+            break
+        found = more
+    return found
+
+
+def _takes_function(declaration: str, functions: Mapping[str, str], macros: set[str]) -> bool:
+    """Whether a parameter's ``declaration`` is of a pointer to a function, or of a
+    function (which it takes as a pointer to it): as its declarator says, or a typedef
+    of the source (``functions``: ``_function_typedefs``) that its type is."""
+    declared = _function_declarator(declaration, macros)
+    if declared is not None:
+        return declared[0] == "pointer" or bool(declared[1])
+    if not functions or "[" in declaration:
+        return False
+    of = [functions[word] for word in type_words(declaration) if word in functions]
+    stars = declaration.count("*")
+    return bool(of) and stars <= (1 if of[0] == "function" else 0)
 
 
 def refuse_non_scalars(src: str, name: str, values: list[str]) -> None:

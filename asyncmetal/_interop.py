@@ -53,25 +53,31 @@ from ._queue import Queue
 
 
 class _Imported:
-    """The producer's tensor, owned by a Buffer: ``owner`` calls its deleter once that
-    is gone. Host memory carries ``address`` and ``array``, as the cpu backend's
-    buffers do (the array made at its first use: most buffers are only launched on).
-    Host memory's is also the handle its buffer's commands hold until they ran, and
-    holds the record of uses of the memory (``record``): a buffer dropped while its
+    """The producer's tensor, owned by a Buffer: the capsule's owner calls its deleter
+    once that is gone (both ``held``, until the buffer is freed: see
+    ``_allocator.let_go_after_uses``). Host memory carries ``address`` and ``array``,
+    as the cpu backend's buffers do (the array made at its first use: most buffers are
+    only launched on). Host memory's is also the handle its buffer's commands hold until
+    they ran, and holds the record of uses of the memory (``record``): a buffer dropped while its
     commands run leaves that record to them, so that one made over the memory again
     meanwhile still shares it, and is ordered after them. It is its buffer's owner too
     (``Block.owner``): a copy of another kind's queue holds a view of the memory only,
     not this, so a buffer dropped with such a copy in flight holds it until it ran."""
 
-    __slots__ = ("_array", "address", "nbytes", "owner", "producer", "record")
+    __slots__ = ("_array", "address", "held", "nbytes", "record")
 
     def __init__(self, producer: object, owner: object, address: int, nbytes: int) -> None:
-        self.producer = producer  # kept alive too, as producers may expect
-        self.owner = owner
+        # (the producer kept alive too, as producers may expect)
+        self.held: object = (producer, owner)
         self.address = address
         self.nbytes = nbytes
         self._array: np.ndarray[Any, Any] | None = None
         self.record: object = None  # (see above: the registry holds it weakly)
+
+    def let_go(self) -> object:
+        """``held``, given up (see ``_allocator.Owner``)."""
+        held, self.held = self.held, None
+        return held
 
     @property
     def array(self) -> np.ndarray[Any, Any]:
@@ -142,9 +148,11 @@ def from_dlpack(obj: Any, *, device: Device | None = None) -> Buffer:
     device's default queue, and so before every command that orders itself after the
     buffer (copies do; launches with ``queue.after(buf)``). The array must be
     C-contiguous and writable (and unmasked: ``__cuda_array_interface__``'s ``mask``).
-    It is kept alive while the buffer is -- dropped, until the commands that used the
-    buffer ran (see ``_allocator.lingering``); freeing the buffer gives nothing back to the
-    allocator (the memory is the producer's). A producer that fails to export (its
+    It is kept alive while the buffer is, until it is freed -- freed or dropped, until
+    the commands that used the buffer ran (see ``_allocator.lingering``), and while an
+    array exported from the buffer lives; freeing the buffer gives nothing back to the
+    allocator (the memory is the producer's), but lets go of the array (and of a buffer
+    of asyncmetal's own that lent it out, coming back). A producer that fails to export (its
     own error: JAX's for int4, which DLPack has no type for) raises ExchangeError,
     chained from that error. Never blocks.
     """
