@@ -685,7 +685,16 @@ class CUDAQueue(NativeQueue):
                 if code is None:
                     if timeline.value < target:
                         raise closed_queue_error(owner._timeline.c_timeline, target)
-                    code = 0  # (got there as its close began)
+                    failed = owner._failed_from.value
+                    if failed and target >= failed:
+                        # Closed failed at or before target: the timeline's own record
+                        # of the failure is waited on, and fails this queue from here.
+                        code = self._lib.am_cuq_wait_timeline(
+                            self._q, timeline.c_timeline, target, value
+                        )
+                        waited = True
+                    else:
+                        code = 0  # (got there as its close began)
                 self._check(code)
                 if owner._backend is self._backend:
                     # Once this wait is confirmed, so is the other queue's work up to

@@ -414,3 +414,6 @@ def test_a_device_wait_on_a_settled_failure_fails_what_follows(path: str, loop: 
     assert seen["own"].startswith(never), seen
     assert seen["signal"].startswith(never), seen
     assert seen["ran"] == "done", seen
+    # Once the failed queue was closed too. (Checked failing before: "done".)
+    assert seen["closed"].startswith(never), seen
+    assert seen["closed ran"] == "done", seen

@@ -940,7 +940,8 @@ async def _wait_on_settled_failure(sim: _Simulated, queue: Any, kernel: Any, buf
     submitted behind its failing copy, and settled (its timeline at 2**64 - 1): what a
     launch on a new queue raised behind a device wait for the failed copy's value of
     the queue's own timeline, behind one for the failed signal's value, and behind one
-    for the value of the queue's launch that ran before the failure."""
+    for the value of the queue's launch that ran before the failure; then the same
+    waits on its own timeline once the failed queue was closed."""
     from tests.support.queues import fail_for_good
 
     dev = queue.device
@@ -962,6 +963,17 @@ async def _wait_on_settled_failure(sim: _Simulated, queue: Any, kernel: Any, buf
     for name, timeline, value in waits:
         other = dev.new_queue()
         other.wait(timeline, value)
+        try:
+            seen[name] = await _awaited(other.launch(kernel, buf))
+        except Exception as exc:  # (refused at once, its queue known failed by then)
+            seen[name] = _error(exc)
+        with anyio.fail_after(20):
+            await other.close()
+    with anyio.fail_after(20):
+        await queue.close()  # (failed: the waits below find its native queue gone)
+    for name, value in (("closed", failed), ("closed ran", ran)):
+        other = dev.new_queue()
+        other.wait(queue.timeline, value)
         try:
             seen[name] = await _awaited(other.launch(kernel, buf))
         except Exception as exc:  # (refused at once, its queue known failed by then)
