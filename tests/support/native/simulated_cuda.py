@@ -955,12 +955,8 @@ async def _wait_on_settled_failure(sim: _Simulated, queue: Any, kernel: Any, buf
             await anyio.sleep(0.005)
     seen["settled"] = queue.timeline.value == (1 << 64) - 1
     failed = queue.submitted - 1  # (the copy's; the signal's is the last)
-    waits = (
-        ("own", queue.timeline, failed),
-        ("signal", signalled, 1),
-        ("ran", queue.timeline, ran),
-    )
-    for name, timeline, value in waits:
+
+    async def behind(name: str, timeline: Any, value: int) -> None:
         other = dev.new_queue()
         other.wait(timeline, value)
         try:
@@ -969,17 +965,14 @@ async def _wait_on_settled_failure(sim: _Simulated, queue: Any, kernel: Any, buf
             seen[name] = _error(exc)
         with anyio.fail_after(20):
             await other.close()
+
+    await behind("own", queue.timeline, failed)
+    await behind("signal", signalled, 1)
+    await behind("ran", queue.timeline, ran)
     with anyio.fail_after(20):
         await queue.close()  # (failed: the waits below find its native queue gone)
-    for name, value in (("closed", failed), ("closed ran", ran)):
-        other = dev.new_queue()
-        other.wait(queue.timeline, value)
-        try:
-            seen[name] = await _awaited(other.launch(kernel, buf))
-        except Exception as exc:  # (refused at once, its queue known failed by then)
-            seen[name] = _error(exc)
-        with anyio.fail_after(20):
-            await other.close()
+    await behind("closed", queue.timeline, failed)
+    await behind("closed ran", queue.timeline, ran)
     return seen
 
 
