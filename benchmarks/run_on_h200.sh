@@ -4,7 +4,9 @@
 # Writes the test log and the benchmark JSON under $OUT.
 # RUN_PEERS=0 skips cuda_peers + the probe, RUN_SIGNAL=0 the host-signal latency (~1 min),
 # RUN_INTEROP=0 the PyTorch interop benchmark, RUN_TESTS=0 the tests (RUN_TESTS_ONE_GPU=1 adds
-# them with one GPU visible). RUN_LOOP_LAG=1 adds the loop-lag grid (~9 min in all: run it
+# them with one GPU visible; RUN_ELSEWHERE=0 leaves out the cuda-marked tests outside
+# tests/backends/cuda and tests/native, ~3 min, for a second command: the first part takes
+# ~8 min on one H100). RUN_LOOP_LAG=1 adds the loop-lag grid (~9 min in all: run it
 # with RUN_PEERS=0 RUN_SIGNAL=0 RUN_TESTS=0 RUN_INTEROP=0, in two commands split by
 # LOOP_LAG_ARGS, e.g. "--tasks 1 64" then "--tasks 1024", to stay within one command's 10 min).
 # RUN_LOOP_PROFILE=1 adds the loop thread's profile (cProfile) in the cells of 64 tasks of 10 us
@@ -31,9 +33,9 @@ fi
 GPU_TESTS=(tests/backends/cuda tests/native tests/contracts/test_contract7_compile_pool.py
     tests/api/test_interop_service.py --ignore=tests/native/test_wheel.py -m "cuda or not cuda"
     -q -p no:cacheprovider -rs --timeout 60 -o faulthandler_timeout=120)
-[ "${RUN_TESTS:-1}" = 1 ] && timeout 420 python3 -m pytest "${GPU_TESTS[@]}" 2>&1 | tee "$OUT/cuda_tests.txt"
+[ "${RUN_TESTS:-1}" = 1 ] && timeout 540 python3 -m pytest "${GPU_TESTS[@]}" 2>&1 | tee "$OUT/cuda_tests.txt"
 # The tests marked cuda in the other folders (reliability, contracts, api)
-[ "${RUN_TESTS:-1}" = 1 ] && timeout 300 python3 -m pytest tests -m cuda --ignore=tests/backends/cuda \
+[ "${RUN_ELSEWHERE:-${RUN_TESTS:-1}}" = 1 ] && timeout 300 python3 -m pytest tests -m cuda --ignore=tests/backends/cuda \
     --ignore=tests/native -q -p no:cacheprovider -rs --timeout 60 2>&1 | tee "$OUT/cuda_tests_elsewhere.txt"
 # RUN_TESTS_ONE_GPU=1: the same tests again with one GPU visible (on a machine with two)
 [ "${RUN_TESTS_ONE_GPU:-0}" = 1 ] && CUDA_VISIBLE_DEVICES=0 timeout 420 python3 -m pytest "${GPU_TESTS[@]}" 2>&1 | tee "$OUT/cuda_tests_one_gpu.txt"
