@@ -170,10 +170,10 @@ class Compiler(ABC):
             values = tuple((None, f"value {i}") for i in range(kinds.count("value")))
         return Signature(kinds, values)
 
-    def _answered(self, signature: Signature, name: str, binary: bytes) -> Signature:
+    def _answered(self, signature: Signature, name: str, binary: bytes, src: str) -> Signature:
         """``signature`` (``_signature``'s, of kernel ``name``) with what ``binary``, as
-        this compiler built it, says of the value types the source does not (None):
-        nothing, by default."""
+        this compiler built it from ``src``, says of the value types the source does not
+        (None): nothing, by default."""
         return signature
 
     def _bindings(self, src: str, name: str) -> tuple[int, ...] | None:
@@ -1141,28 +1141,39 @@ def signature_checks(
     quiet = "\n".join(f"#pragma GCC diagnostic {each}" for each in _QUIET)
     return (
         f'\n\n#line 1 "{SIGNATURE_CHECKS_FILE}"\n{quiet}\n'
-        + "\n".join((*lines, *late, *_answers(answered)))
+        + "\n".join((*lines, *late, *_answers(answered, src)))
         + "\n#pragma GCC diagnostic pop\n",
         tuple(checked),
     )
 
 
-# What precedes the compiler's answers in a binary compiled with the checks.
+# What precedes the compiler's answers in a binary compiled with the checks, before the
+# digest of the source (``answers_mark``).
 ANSWERS_MARK = b"asyncmetal signature answers:"
+_MARK_DIGEST_BYTES = 16
 
 
-def _answers(answered: list[tuple[int, str, SignatureCheck]]) -> tuple[str, ...]:
+def answers_mark(src: str) -> bytes:
+    """What precedes the compiler's answers in the binary of ``src`` compiled with its
+    checks: ``ANSWERS_MARK`` and the first bytes of the SHA-256 digest of ``src``. The
+    source's own data (a string literal of the mark, with other answers after it) may
+    hold ``ANSWERS_MARK``, never that digest: no source holds its own."""
+    return ANSWERS_MARK + hashlib.sha256(src.encode()).digest()[:_MARK_DIGEST_BYTES]
+
+
+def _answers(answered: list[tuple[int, str, SignatureCheck]], src: str) -> tuple[str, ...]:
     """The lines that keep, in the binary's data, what the compiler says of each of the
     ``answered`` parameters' types (a check's index, the value it reads, the check),
-    after ``ANSWERS_MARK``: the function's name (its length in two bytes, then its
-    UTF-8), the parameter's place (two bytes), then five bytes: its type's class
-    (``__builtin_classify_type``), its size (0 past 8 bytes), whether it is signed (of
-    an integer, a char or an enum: -1 cast to the type, less its qualifiers, is below 0;
-    any other type is told as an int, as a struct cannot be cast to), whether it is
-    ``_Bool`` and whether ``_Float16`` (where the compiler has it: ``__FLT16_MAX__``); a
-    name of length 0 ends them. Kept where the linker drops unused data (``retain``).
-    Under a file name of their own, which no check's diagnostics name: a diagnostic of
-    theirs has the source compiled alone, whose binary answers nothing."""
+    after the mark of ``src`` (``answers_mark``): the function's name (its length in two
+    bytes, then its UTF-8), the parameter's place (two bytes), then five bytes: its
+    type's class (``__builtin_classify_type``), its size (0 past 8 bytes), whether it is
+    signed (of an integer, a char or an enum: -1 cast to the type, less its qualifiers,
+    is below 0; any other type is told as an int, as a struct cannot be cast to),
+    whether it is ``_Bool`` and whether ``_Float16`` (where the compiler has it:
+    ``__FLT16_MAX__``); a name of length 0 ends them. Kept where the linker drops
+    unused data (``retain``). Under a file name of their own, which no check's
+    diagnostics name: a diagnostic of theirs has the source compiled alone, whose
+    binary answers nothing."""
     if not answered:
         return ()
     each: dict[bool, list[str]] = {True: [], False: []}
@@ -1188,7 +1199,7 @@ def _answers(answered: list[tuple[int, str, SignatureCheck]]) -> tuple[str, ...]
                     ),
                 )
             )
-    mark = ", ".join(map(str, ANSWERS_MARK))
+    mark = ", ".join(map(str, answers_mark(src)))
     made = {
         half: "static const unsigned char asyncmetal_answers[] __attribute__((used, retain)) = "
         f"{{ {mark}, {', '.join(fields)}, 0, 0 }};"
@@ -1204,19 +1215,22 @@ def _answers(answered: list[tuple[int, str, SignatureCheck]]) -> tuple[str, ...]
     )
 
 
-def answered_values(signature: Signature, name: str, binary: bytes) -> Signature:
+def answered_values(signature: Signature, name: str, binary: bytes, src: str) -> Signature:
     """``signature`` (of kernel ``name``) with each value parameter's type that was not
-    known (None) made what the compiler says it is, where ``binary`` holds its answer
-    (``_answers``) and a launch value is that type: a ``_Bool`` a bool; an integer (a
-    char, an enum) of 1, 2, 4 or 8 bytes the integer of its size and signedness; a
-    pointer the unsigned integer of its size (an address); a floating type of 4 or 8
-    bytes float32 or float64, ``_Float16`` float16. Any other stays not known."""
+    known (None) made what the compiler says it is, where ``binary``, compiled from
+    ``src``, holds its answer (``_answers``) and a launch value is that type: a
+    ``_Bool`` a bool; an integer (a char, an enum) of 1, 2, 4 or 8 bytes the integer of
+    its size and signedness; a pointer the unsigned integer of its size (an address); a
+    floating type of 4 or 8 bytes float32 or float64, ``_Float16`` float16. Any other
+    stays not known. Answers are read after ``src``'s mark (``answers_mark``) alone:
+    not after the source's own copy of ``ANSWERS_MARK``."""
     if None not in (type_ for type_, _ in signature.values):
         return signature
-    at = binary.find(ANSWERS_MARK)
+    mark = answers_mark(src)
+    at = binary.find(mark)
     if at < 0:
         return signature
-    at += len(ANSWERS_MARK)
+    at += len(mark)
     kinds, values = signature.kinds, list(signature.values)
     while at + 2 <= len(binary):
         length = int.from_bytes(binary[at : at + 2], "little")

@@ -155,10 +155,10 @@ class CCompiler(Compiler):
     def _value_types(self, src: str, name: str) -> tuple[tuple[str | None, str], ...]:
         return c_value_types(src, name, self.plain_types())
 
-    def _answered(self, signature: Signature, name: str, binary: bytes) -> Signature:
+    def _answered(self, signature: Signature, name: str, binary: bytes, src: str) -> Signature:
         # (what the checks' compile says of the types the source does not read: a
         # typedef in #if branches, a header's, a macro a compile option defines)
-        return answered_values(signature, name, binary)
+        return answered_values(signature, name, binary, src)
 
     def compile(self, src: str) -> bytes:
         command = self._command()

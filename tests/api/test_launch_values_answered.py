@@ -141,9 +141,47 @@ def test_the_compiler_answers_each_type_the_source_does_not_read(
     assert [t for t, _ in signature.values] == [None] * 7 + ["uint64", "int64"]
     binary = compiler.compile(ANSWERED)
     assert "asyncmetal" not in compiler._last_log, compiler._last_log
-    answered = answered_values(signature, "k", binary)
+    answered = answered_values(signature, "k", binary, ANSWERED)
     assert [t for t, _ in answered.values] == [*ANSWERS[wide], "uint64", "int64"]
     assert [d for _, d in answered.values] == [d for _, d in signature.values]
     assert answered.kinds == signature.kinds
     # (another kernel's answers are not this one's)
-    assert answered_values(signature, "gone", binary) == signature
+    assert answered_values(signature, "gone", binary, ANSWERED) == signature
+
+
+# A source whose data holds the mark that precedes the compiler's answers, and answers
+# after it that say the parameter is an int32 (a string literal: the checks' own answers
+# are data too).
+COPIED_MARK = r"""
+#if defined(USE_DOUBLE)
+typedef double real;
+#else
+typedef float real;
+#endif
+const char *told(void) {
+    return "asyncmetal signature answers:\x01\x00k\x01\x00\x01\x04\x01\x00\x00\x00\x00";
+}
+void k(real *out, real x) { out[0] = x; }
+"""
+
+
+@pytest.mark.parametrize("cc", ["gcc", "clang"])
+def test_the_source_s_own_copy_of_the_mark_is_not_read(cc: str) -> None:
+    """The answers are read after a mark that holds the digest of the source, which no
+    source holds: where the source's own data holds ``ANSWERS_MARK`` before the
+    answers, with other answers after it, the compiler's are read all the same.
+    Checked: fails without the fix (the literal's answers were read: int32)."""
+    if shutil.which(cc) is None:
+        pytest.skip(f"no {cc} here")
+    from asyncmetal._compile import ANSWERS_MARK, answered_values, answers_mark
+    from asyncmetal.backends.cpu import CCompiler
+
+    for options, type_ in (((), "float32"), (("-DUSE_DOUBLE",), "float64")):
+        compiler = CCompiler(cc, ("-O2", *options))
+        signature = compiler._signature(COPIED_MARK, "k")
+        assert signature.values == ((None, "real x"),)
+        binary = compiler.compile(COPIED_MARK)
+        # (the copy comes first in the binary: a search for the mark alone finds it)
+        assert -1 < binary.find(ANSWERS_MARK) < binary.find(answers_mark(COPIED_MARK))
+        answered = answered_values(signature, "k", binary, COPIED_MARK)
+        assert answered.values == ((type_, "real x"),)
