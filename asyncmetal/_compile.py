@@ -926,7 +926,7 @@ _QUIET = (
     'ignored "-Wtype-limits"',  # (the answers' signedness: an unsigned type's -1 < 0)
     'ignored "-Wattributes"',  # (the answers' ``retain``, which an older GCC lacks)
 )
-_CHECK_LINES = ("read", "array", "record", "other", "agree")
+_CHECK_LINES = ("read", "array", "record", "function", "other", "agree")
 _REGISTER = re.compile(r"\bregister\b")
 _CHECKED_LINE = re.compile(rf"{re.escape(SIGNATURE_CHECKS_FILE)}-(\d+)-({'|'.join(_CHECK_LINES)})")
 
@@ -1053,14 +1053,24 @@ def signature_checks(
         # value is not. The comma decays an array and leaves any other type as it is,
         # less its qualifiers, which the comparison ignores but for clang's ``_Atomic``:
         # it is made of the pointer class alone, which an array decays to)
+        # (a pointer to a function, of a header's or a macro's type, ``sighandler_t``:
+        # a parameter declared of the type it points to is adjusted to a pointer to that
+        # function, the pointer's own type, where one of any other pointee -- ``void``,
+        # an incomplete struct too, which no value is read of -- is not. A value of no
+        # pointer class is tested as a ``char *``)
+        pointer = f"__builtin_choose_expr({kind} == 5, {value}, (char *)0)"
         tested = {
             "array": f"{kind} == 5 && !__builtin_types_compatible_p(__typeof__({value}), "
             f"__typeof__((0, {value})))",
             "record": record,
+            "function": f"{kind} == 5 && __builtin_types_compatible_p(void (*)(__typeof__("
+            f"*{pointer})), void (*)(__typeof__((0, {pointer}))))",
             "other": f"!(({callable_}) && {size} <= 8)",
         }
         if what.param is None:
-            del tested["array"]  # (no function returns an array)
+            # (no function returns an array; one that returns a function pointer
+            # returns it in a register, dropped)
+            del tested["array"], tested["function"]
         if what.read == "pointer":  # (a buffer's address, as a pointer or an array takes)
             tested = {"agree": f"{kind} != 5"}
         elif what.read is not None:  # (in a float or an integer register, of its size)
@@ -1379,6 +1389,13 @@ def refused_signature(log: str, checked: tuple[SignatureCheck, ...]) -> CompileE
                 else "passes one in memory or split over registers, not as the one integer "
                 "or float a launch passes in its register"
             )
+        elif (i, "function") in named:
+            what = (
+                "which the compiler says is a function pointer (a header's or a macro's "
+                "type of one): a launch passes it a buffer's address or an integer, no "
+                "function's, and a call through it would jump into data"
+            )
+            fix = "choose the function in the kernel (a switch on a value parameter)"
         elif param is None:
             what = (
                 "which the compiler says is no pointer or scalar of at most 8 bytes (a "

@@ -4,10 +4,13 @@ integer, and a call through it would jump into data."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 import asyncmetal as am
-from asyncmetal._compile import scalar_params
+from asyncmetal._compile import answered_values, scalar_params
+from asyncmetal.backends.cpu import CCompiler
 
 pytestmark = pytest.mark.anyio
 
@@ -73,3 +76,50 @@ def test_cuda_kernels_are_read_alike() -> None:
             scalar_params(src, "k")
     kept = 'using fp = float*; extern "C" __global__ void k(fp x, decltype(1) n) {}'
     assert scalar_params(kept, "k") == ("buffer", "value")
+
+
+# A header's function pointer type (``sighandler_t``: the source shows no ``(*``), also
+# through a compile option's macro, which the compiler alone can say is one; and types
+# of a header or a macro that are pointers to data (``void``, an incomplete struct).
+HEADER_TYPES = r"""
+#define _GNU_SOURCE
+#include <signal.h>
+#include <time.h>
+#include <locale.h>
+struct opaque;
+void k(float* out, PARAM) { out[0] = 1.0f; }
+"""
+HEADER_FUNCTION_POINTERS = ["sighandler_t h", "const sighandler_t h", "HANDLER h"]
+HEADER_DATA_POINTERS = ["timer_t t", "locale_t l", "OPAQUE o"]
+STRICT = ("-Werror", "-Wall", "-Wextra", "-Wpedantic", "-Wno-unused-parameter")
+
+
+@pytest.mark.parametrize("cc", ["gcc", "clang"])
+@pytest.mark.parametrize("param", HEADER_FUNCTION_POINTERS)
+def test_a_header_s_function_pointer_type_is_refused_by_the_compiler(cc: str, param: str) -> None:
+    """The compile's checks ask the compiler whether such a parameter points to a
+    function, and refuse it so, naming the function and the parameter. Checked: fails
+    without the fix (the compile succeeded, and the compiler's answer, a pointer, made
+    the parameter a uint64 value)."""
+    if shutil.which(cc) is None:
+        pytest.skip(f"no {cc} here")
+    compiler = CCompiler(cc, ("-O2", *STRICT, "-DHANDLER=__sighandler_t"))
+    with pytest.raises(am.CompileError, match="is a function pointer") as info:
+        compiler.compile(HEADER_TYPES.replace("PARAM", param))
+    assert info.value.name == "k" and repr(param) in str(info.value) and not info.value.log
+
+
+@pytest.mark.parametrize("cc", ["gcc", "clang"])
+def test_a_header_s_pointer_to_data_stays_an_address(cc: str) -> None:
+    """A pointer to data of a header's or a macro's type (``void *``, a pointer to an
+    incomplete struct) is no function's: an address, as before, under strict warnings
+    (the check draws none)."""
+    if shutil.which(cc) is None:
+        pytest.skip(f"no {cc} here")
+    compiler = CCompiler(cc, ("-O2", *STRICT, "-DOPAQUE=struct opaque *"))
+    src = HEADER_TYPES.replace("PARAM", ", ".join(HEADER_DATA_POINTERS))
+    signature = compiler._signature(src, "k")
+    binary = compiler.compile(src)
+    assert "asyncmetal" not in compiler._last_log, compiler._last_log
+    answered = answered_values(signature, "k", binary, src)
+    assert answered.values == tuple(("uint64", p) for p in HEADER_DATA_POINTERS)
