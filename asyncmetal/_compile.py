@@ -173,7 +173,8 @@ class Compiler(ABC):
     def _answered(self, signature: Signature, name: str, binary: bytes, src: str) -> Signature:
         """``signature`` (``_signature``'s, of kernel ``name``) with what ``binary``, as
         this compiler built it from ``src``, says of the value types the source does not
-        (None): nothing, by default."""
+        (None): nothing, by default. CompileError where what it says is no type a
+        launch value passes."""
         return signature
 
     def _bindings(self, src: str, name: str) -> tuple[int, ...] | None:
@@ -1232,8 +1233,11 @@ def answered_values(signature: Signature, name: str, binary: bytes, src: str) ->
     ``_Bool`` a bool; an integer (a char, an enum) of 1, 2, 4 or 8 bytes the integer of
     its size and signedness; a pointer the unsigned integer of its size (an address); a
     floating type of 4 or 8 bytes float32 or float64, ``_Float16`` float16. Any other
-    stays not known. Answers are read after ``src``'s mark (``answers_mark``) alone:
-    not after the source's own copy of ``ANSWERS_MARK``."""
+    (a 2-byte float that is not ``_Float16``: ``__bf16``) is refused (CompileError,
+    naming the parameter), as the source's ``__bf16`` is (``refuse_non_scalars``): a
+    launch value would be passed as an int32, in another register. Answers are read
+    after ``src``'s mark (``answers_mark``) alone: not after the source's own copy of
+    ``ANSWERS_MARK``."""
     if None not in (type_ for type_, _ in signature.values):
         return signature
     mark = answers_mark(src)
@@ -1255,8 +1259,28 @@ def answered_values(signature: Signature, name: str, binary: bytes, src: str) ->
             continue
         value = kinds[:index].count("value")
         if values[value][0] is None:
-            values[value] = (_answered_type(kind, size, signed, boolean, half), values[value][1])
+            type_ = _answered_type(kind, size, signed, boolean, half)
+            declaration = values[value][1]
+            if type_ is None:
+                raise CompileError(
+                    f"kernel {name!r}: parameter {declaration!r} is not a scalar that launch "
+                    "values pass (an integer of 8, 16, 32 or 64 bits, a bool, a half, float "
+                    f"or double): the compiler says it is {_unpassable(kind, size)}; pass it "
+                    "in a buffer"
+                    + (", or take a float and convert it in the kernel" if kind == 8 else ""),
+                    name=name,
+                )
+            values[value] = (type_, declaration)
     return signature._replace(values=tuple(values))
+
+
+def _unpassable(kind: int, size: int) -> str:
+    """What the compiler says a type classed ``kind``, of ``size`` bytes (0: more than
+    8), that no launch value is, is (``_answers``)."""
+    if kind == 8 and size == 2:
+        return "a 2-byte float that is not _Float16 (a bfloat16: __bf16)"
+    of = f"of {size} bytes" if size else "of more than 8 bytes"
+    return f"a float {of}" if kind == 8 else f"a type {of}, of class {kind}"
 
 
 def _answered_type(kind: int, size: int, signed: int, boolean: int, half: int) -> str | None:

@@ -1065,7 +1065,11 @@ class Device(Singular):
             self._dropped.append(native)
             self._state.check_open()
         # (what the binary says of the value types its source does not: cpu's checks)
-        params = compiler._answered(params, name, binary, src)
+        try:
+            params = compiler._answered(params, name, binary, src)
+        except CompileError:  # (a type no launch value is: never run)
+            self._dropped.append(native)
+            raise
         disagrees = binary_disagrees(params, self._backend.param_sizes(native))
         if disagrees is not None:  # (its launches would pass it other bytes than it takes)
             self._dropped.append(native)

@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+import asyncmetal as am
 from tests.api.test_launch_values import DIAGNOSTICS
 from tests.support.children import run_child
 
@@ -185,3 +186,96 @@ def test_the_source_s_own_copy_of_the_mark_is_not_read(cc: str) -> None:
         assert -1 < binary.find(ANSWERS_MARK) < binary.find(answers_mark(COPIED_MARK))
         answered = answered_values(signature, "k", binary, COPIED_MARK)
         assert answered.values == ((type_, "real x"),)
+
+
+def _answers_of(src: str, kind: int, size: int, half: int) -> bytes:
+    """A binary's data as the checks of ``src`` keep the compiler's answer for the
+    parameter 1 of kernel k: a type of class ``kind``, of ``size`` bytes, ``_Float16``
+    or not (``half``); no integer, no ``_Bool``."""
+    from asyncmetal._compile import answers_mark
+
+    answer = bytes((1, 0, *b"k", 1, 0, kind, size, 0, 0, half, 0, 0))
+    return b"\x7fELF..." + answers_mark(src) + answer + b"..."
+
+
+# A 2-byte float parameter whose type a compile option's macro makes.
+HALF = r"""
+#ifdef HALF_TYPE
+typedef HALF_TYPE half_t;
+#else
+typedef float half_t;
+#endif
+void k(float *out, half_t x) { out[0] = (float)x; }
+"""
+
+
+def test_a_2_byte_float_that_is_no_float16_is_refused() -> None:
+    """A 2-byte float that the compiler says is not ``_Float16`` (``__bf16``) has no
+    launch value (a Python int was passed as an int32, in an integer register): it is
+    refused, naming the kernel, the parameter and the type, as the source's own
+    ``__bf16`` is; a ``_Float16`` is a float16. Checked: fails without the fix (the
+    type stayed not known: "DID NOT RAISE")."""
+    from asyncmetal._compile import answered_values
+    from asyncmetal.backends.cpu import CCompiler
+
+    signature = CCompiler("cc")._signature(HALF, "k")
+    assert signature.values == ((None, "half_t x"),)
+    half = answered_values(signature, "k", _answers_of(HALF, 8, 2, 1), HALF)
+    assert half.values == (("float16", "half_t x"),)
+    with pytest.raises(am.CompileError, match="not _Float16") as info:
+        answered_values(signature, "k", _answers_of(HALF, 8, 2, 0), HALF)
+    assert info.value.name == "k" and "'half_t x'" in str(info.value)
+    assert "__bf16" in str(info.value) and "convert it in the kernel" in str(info.value)
+
+
+# Compilers that may have ``__bf16`` (GCC 13 and clang 17 on x86-64 on): each is asked.
+BF16_COMPILERS = ["gcc", "clang", *(f"gcc-{v}" for v in (13, 14)), "clang-19"]
+
+
+@pytest.mark.parametrize("cc", BF16_COMPILERS)
+def test_a_compiled_bf16_is_refused_at_compile(cc: str) -> None:
+    """Through a device: the kernel of a ``__bf16`` parameter whose type a compile
+    option's macro makes is refused at compile (a ``_Float16``'s compiles), where the
+    compiler has ``__bf16``. Checked with clang 19: fails without the fix (the kernel
+    compiled, its parameter not known, and the launch of 3 made it write 0.0)."""
+    if shutil.which(cc) is None:
+        pytest.skip(f"no {cc} here")
+    probe = subprocess.run(
+        [cc, "-fsyntax-only", "-x", "c", "-"],
+        input="void f(__bf16 x, _Float16 y) { (void)x; (void)y; }",
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"{cc} has no __bf16 (or no _Float16) here")
+    child = run_child(
+        BF16_CHILD,
+        HALF,
+        hung="the compile or the launch hung",
+        env={**os.environ, "CC": cc},
+    )
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    lines = child.stdout.splitlines()
+    assert lines[0].startswith("refused CompileError"), lines
+    assert "'half_t x'" in lines[0] and "__bf16" in lines[0], lines
+    assert lines[1:] == ["3.0"], lines
+
+
+# Compiles kernel k of the source argv[1] with HALF_TYPE __bf16, then _Float16, and
+# launches it with 3: prints the refusal, or what the kernel wrote.
+BF16_CHILD = """
+import sys, anyio, numpy as np, asyncmetal as am
+async def main():
+    async with am.open_device("cpu") as device:
+        out = await device.alloc(8)
+        for type_ in ("__bf16", "_Float16"):
+            try:
+                k = await device.compile(sys.argv[1], "k", options=(f"-DHALF_TYPE={type_}",))
+                await device.queue.launch(k, out, vals=(3,))
+            except am.AsyncMetalError as exc:
+                print("refused", type(exc).__name__, str(exc).replace(chr(10), " "))
+                continue
+            print((await out.read(np.float32))[0])
+anyio.run(main)
+"""
