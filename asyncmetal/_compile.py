@@ -1056,10 +1056,15 @@ def signature_checks(
         # it is made of the pointer class alone, which an array decays to)
         # (a pointer to a function, of a header's or a macro's type, ``sighandler_t``:
         # a parameter declared of the type it points to is adjusted to a pointer to that
-        # function, the pointer's own type, where one of any other pointee -- ``void``,
-        # an incomplete struct too, which no value is read of -- is not. A value of no
-        # pointer class is tested as a ``char *``)
+        # function, the pointer's own type, where one of any other pointee -- an
+        # incomplete struct too, which no value is read of -- is not. A value of no
+        # pointer class, and a pointer to ``void``, which no parameter is declared of
+        # where qualified (``const void *``), are tested as a ``char *``)
         pointer = f"__builtin_choose_expr({kind} == 5, {value}, (char *)0)"
+        pointer = (
+            f"__builtin_choose_expr(__builtin_types_compatible_p(__typeof__(*{pointer}), "
+            f"void), (char *)0, {pointer})"
+        )
         tested = {
             "array": f"{kind} == 5 && !__builtin_types_compatible_p(__typeof__({value}), "
             f"__typeof__((0, {value})))",

@@ -80,7 +80,8 @@ def test_cuda_kernels_are_read_alike() -> None:
 
 # A header's function pointer type (``sighandler_t``: the source shows no ``(*``), also
 # through a compile option's macro, which the compiler alone can say is one; and types
-# of a header or a macro that are pointers to data (``void``, an incomplete struct).
+# of a header or a macro that are pointers to data (``void``, ``const void`` -- macOS's
+# ``CFTypeRef`` --, an incomplete struct).
 HEADER_TYPES = r"""
 #define _GNU_SOURCE
 #include <signal.h>
@@ -90,7 +91,7 @@ struct opaque;
 void k(float* out, PARAM) { out[0] = 1.0f; }
 """
 HEADER_FUNCTION_POINTERS = ["sighandler_t h", "const sighandler_t h", "HANDLER h"]
-HEADER_DATA_POINTERS = ["timer_t t", "locale_t l", "OPAQUE o"]
+HEADER_DATA_POINTERS = ["timer_t t", "locale_t l", "OPAQUE o", "CONST_VOID c", "VOLATILE_VOID v"]
 STRICT = ("-Werror", "-Wall", "-Wextra", "-Wpedantic", "-Wno-unused-parameter")
 
 
@@ -111,12 +112,15 @@ def test_a_header_s_function_pointer_type_is_refused_by_the_compiler(cc: str, pa
 
 @pytest.mark.parametrize("cc", ["gcc", "clang"])
 def test_a_header_s_pointer_to_data_stays_an_address(cc: str) -> None:
-    """A pointer to data of a header's or a macro's type (``void *``, a pointer to an
-    incomplete struct) is no function's: an address, as before, under strict warnings
-    (the check draws none)."""
+    """A pointer to data of a header's or a macro's type (``void *``, ``const void *``,
+    a pointer to an incomplete struct) is no function's: an address, as before, under
+    strict warnings (the check draws none). Checked: a check of ``const void``'s
+    pointer as a function's, which declared a parameter of ``const void``, did not
+    compile, and left the type not known (None)."""
     if shutil.which(cc) is None:
         pytest.skip(f"no {cc} here")
-    compiler = CCompiler(cc, ("-O2", *STRICT, "-DOPAQUE=struct opaque *"))
+    macros = ("-DOPAQUE=struct opaque *", "-DCONST_VOID=const void *")
+    compiler = CCompiler(cc, ("-O2", *STRICT, *macros, "-DVOLATILE_VOID=volatile void *"))
     src = HEADER_TYPES.replace("PARAM", ", ".join(HEADER_DATA_POINTERS))
     signature = compiler._signature(src, "k")
     binary = compiler.compile(src)
