@@ -888,17 +888,18 @@ _NOT_RETURN_TYPE = frozenset(
 # asked of the C compiler itself: ``signature_checks`` writes C that the compile appends
 # to the source, lines for each such return type or parameter -- its class (GCC's and
 # clang's ``__builtin_classify_type``) and size as an enum's constants (a parameter's
-# also whether it is an array: its type is not that of the value it decays to), then,
-# for a parameter, an array type whose size is negative (an error) where it is an array,
-# then one whose size is negative where it is a struct or union, then one whose size is
-# negative where it is no pointer or scalar of at most 8 bytes; and, for a parameter the
-# source reads through a typedef in an ``#if`` block, one whose size is negative where
-# its class and size are not those of what the source reads (a buffer's pointer, the
-# scalar a launch passes), the only line of one the source reads as a buffer (an array
-# decays to one). A parameter's class, size and signedness are kept in the binary's
-# data too (``_answers``): a launch passes a value of a type that the source does not
-# read as the type the compiler says (``answered_values``). Each line is under a file
-# name of its own (a ``#line``),
+# also whether it is an array: its type is not that of the value it decays to, and
+# whether it points to a function), then, for a parameter, an array type whose size is
+# negative (an error) where it is an array, then one whose size is negative where it is
+# a struct or union (for a parameter, then one where it is a pointer to a function: a
+# header's ``sighandler_t``), then one whose size is negative where it is no pointer or
+# scalar of at most 8 bytes; and, for a parameter the source reads through a typedef in
+# an ``#if`` block, one whose size is negative where its class and size are not those
+# of what the source reads (a buffer's pointer, the scalar a launch passes), the only
+# line of one the source reads as a buffer (an array decays to one). A parameter's
+# class, size and signedness are kept in the binary's data too (``_answers``): a launch
+# passes a value of a type that the source does not read as the type the compiler says
+# (``answered_values``). Each line is under a file name of its own (a ``#line``),
 # ``SIGNATURE_CHECKS_FILE-<check>-<line>``, which every format of the compiler's
 # diagnostics (text, GCC's JSON and SARIF, clang's msvc and vi styles...) names as it
 # is: which of those lines have diagnostics tells what was refused. The checks turn the
