@@ -82,7 +82,10 @@ static const am_gate *gate_failed(const am_block *b) {
  * after the mark is never committed. */
 static void settle_failed(am_timeline *t, uint64_t value) {
     pthread_mutex_lock(&t->mu);
-    int settle = t->event && t->submitted != UINT64_MAX && value >= t->submitted;
+    /* (a command buffer after the first that ran behind a failed wait reads no failure
+     * of its own in block_finish, with neither a gate that failed nor a signal) */
+    int failed = atomic_load(&t->failed_command) || t->waited_failed;
+    int settle = failed && t->event && t->submitted != UINT64_MAX && value >= t->submitted;
     if (settle) t->submitted = UINT64_MAX;
     pthread_mutex_unlock(&t->mu);
     if (!settle) return;
@@ -136,7 +139,7 @@ static void block_finish(am_block *b, uint64_t failed, int held) {
         am_timeline_fail(b->then, b->then_value, AM_COMMAND_FAILED, failed, t);
     else if (b->then && wait_failed)
         am_timeline_fail(b->then, b->then_value, error, value, cause);
-    if (own_failed || wait_failed) settle_failed(t, b->value);
+    settle_failed(t, b->value);
     if (held) atomic_fetch_sub(&t->held_raises, 1);
     block_ran(b);
 }

@@ -15,6 +15,7 @@ from asyncmetal._timeline import MAX_VALUE
 from asyncmetal.backends.metal._queue import MetalQueue
 from tests.backends.metal.test_metal import FAULTY, sim_only
 from tests.support.kernels import MSL_KERNELS
+from tests.support.queues import fail_for_good
 
 pytestmark = [pytest.mark.metal, sim_only]
 
@@ -95,4 +96,26 @@ async def test_a_signal_submitted_to_a_settled_metal_queue_fails_its_timeline_at
             await behind
         with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
             await q.launch(fill, buf, vals=(3, 16))
+        assert q.timeline.value == MAX_VALUE
+
+
+async def test_a_queue_failed_by_a_wait_settles_once_a_later_command_buffer_completed(
+    anyio_backend: object,
+) -> None:
+    """A queue whose device wait ended on a value never produced settles once its last
+    command completed also where that command is not the one that ran behind the
+    failed wait: a launch after it carries no wait and signals nothing, and its handler
+    reads the queue's failure from the queue's timeline. Checked failing with the settle
+    looking only at the handler's own command (its failure, a failed wait it carried):
+    the host wait for q.submitted + 1 was left waiting, and the fail_after ran out."""
+    async with am.open_device("metal") as dev:
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        buf = await dev.alloc(64)
+        q = dev.new_queue()
+        later: list[am.Completion] = []
+        await fail_for_good(dev, q, lambda: later.append(q.launch(fill, buf, vals=(1, 16))))
+        with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="device-side"):
+            await later[0]
+        with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="settled without"):
+            await q.timeline.wait(q.submitted + 1)
         assert q.timeline.value == MAX_VALUE
