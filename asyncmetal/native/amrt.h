@@ -156,6 +156,14 @@ typedef struct am_timeline {
     /* Its device (or queue) closed it (am_timeline_close): nothing raises it any more.
      * Under mu. */
     int closed;
+    /* A Metal queue's own timeline: the last value submitted to its queue (UINT64_MAX:
+     * the queue failed and settled, block_finish), and what takes its MTLSharedEvent
+     * there with it: the event, objc_msgSend and `setSignaledValue:` (am_metal_own; no
+     * event: not a queue's own). Under mu. */
+    uint64_t submitted;
+    void *event;
+    void *event_send;
+    void *event_selector;
 } am_timeline;
 
 enum { AM_BY_HOST = 1, AM_BY_DEVICE = 2 };
@@ -483,6 +491,9 @@ int am_host_wait(am_timeline *t, uint64_t target, int committed, int *stop,
 void am_host_wait_stop(am_timeline *t, int *stop);
 void am_signal_committed(am_timeline *t, uint64_t v);
 uint64_t am_signal_committed_to(am_timeline *t);
+void am_metal_own(am_timeline *t, void *event, void *send, void *selector);
+int am_metal_submitting(am_timeline *t, uint64_t value, am_timeline *then,
+                        uint64_t then_value);
 am_block *am_block_new(void *isa, int reached, am_timeline *timeline, uint64_t value);
 void am_block_free(am_block *b);
 uint64_t am_blocks_wait(uint64_t seen, int64_t timeout_ns);

@@ -71,6 +71,30 @@ static const am_gate *gate_failed(const am_block *b) {
     return NULL;
 }
 
+/* A Metal queue that failed (a command buffer of it, or a device wait for a value never
+ * produced) settles once the handler of its last submitted command ran -- `value`'s, in
+ * order, so every command buffer it committed has completed -- as a cpu queue does
+ * (host_queues.c, passed_all): its own timeline, failed from its first failed command
+ * on, goes to UINT64_MAX, and its event with it (the GPU's waits on it end, and their
+ * queues fail from them on), so no wait for a value no command of it produces is left
+ * waiting. The look and the mark are under t->mu, as am_metal_submitting's note of a
+ * command: one noted before the look is past `value` (no settle yet), and one noted
+ * after the mark is never committed. */
+static void settle_failed(am_timeline *t, uint64_t value) {
+    pthread_mutex_lock(&t->mu);
+    /* (a command buffer after the first that ran behind a failed wait reads no failure
+     * of its own in block_finish, with neither a gate that failed nor a signal) */
+    int failed = atomic_load(&t->failed_command) || t->waited_failed;
+    int settle = failed && t->event && t->submitted != UINT64_MAX && value >= t->submitted;
+    if (settle) t->submitted = UINT64_MAX;
+    pthread_mutex_unlock(&t->mu);
+    if (!settle) return;
+    am_timeline_signal(t, UINT64_MAX);
+    /* (t->event is alive: the command buffer whose handler this is signals it) */
+    ((void (*)(void *, void *, uint64_t))t->event_send)(t->event, t->event_selector,
+                                                        UINT64_MAX);
+}
+
 /* Raise b's timeline, and the one its command buffer signalled (or fail that: a signal
  * its queue's failure, or a wait for a failed value, kept from being produced). */
 static void block_finish(am_block *b, uint64_t failed, int held) {
@@ -115,6 +139,7 @@ static void block_finish(am_block *b, uint64_t failed, int held) {
         am_timeline_fail(b->then, b->then_value, AM_COMMAND_FAILED, failed, t);
     else if (b->then && wait_failed)
         am_timeline_fail(b->then, b->then_value, error, value, cause);
+    settle_failed(t, b->value);
     if (held) atomic_fetch_sub(&t->held_raises, 1);
     block_ran(b);
 }
@@ -345,4 +370,33 @@ void am_signal_committed(am_timeline *t, uint64_t v) {
         pthread_cond_broadcast(&t->cv);
     }
     pthread_mutex_unlock(&t->mu);
+}
+
+/* t is a Metal queue's own timeline, of MTLSharedEvent `event`, which `send` (objc_msgSend)
+ * with `selector` (setSignaledValue:) sets: it settles with its queue (settle_failed). */
+void am_metal_own(am_timeline *t, void *event, void *send, void *selector) {
+    pthread_mutex_lock(&t->mu);
+    t->event = event;
+    t->event_send = send;
+    t->event_selector = selector;
+    pthread_mutex_unlock(&t->mu);
+}
+
+/* Command `value` of the Metal queue whose own timeline is t is being submitted: 1, and
+ * the queue settles only once a handler of it or a later one ran (settle_failed) -- or
+ * 0 if the queue settled already: the command is not committed (the timeline is past
+ * it; it fails by what failed the queue), and a timeline it signals (`then`: to
+ * then_value, or NULL) fails with that failure, as a signal of a failed command buffer
+ * does (block_finish). */
+int am_metal_submitting(am_timeline *t, uint64_t value, am_timeline *then,
+                        uint64_t then_value) {
+    pthread_mutex_lock(&t->mu);
+    int settled = t->submitted == UINT64_MAX;
+    if (!settled && value > t->submitted) t->submitted = value;
+    int error = t->fail_error;
+    uint64_t fail_value = t->fail_value;
+    am_timeline *cause = t->fail_cause;
+    pthread_mutex_unlock(&t->mu);
+    if (settled && then) am_timeline_fail(then, then_value, error, fail_value, cause);
+    return !settled;
 }

@@ -205,20 +205,17 @@ async def test_a_default_queue_failing_for_good_leaves_the_buffers_usable(
 
 
 async def test_a_failed_queues_own_timeline_settles_so_no_wait_on_it_is_left_waiting(
-    device: am.Device, kernels: dict[str, am.Program], request: pytest.FixtureRequest
+    device: am.Device, kernels: dict[str, am.Program]
 ) -> None:
     """A queue whose device wait ended on a value never produced fails from that wait
     on, and once it has passed every command it was given its own timeline settles at
     2**64 - 1 (README, "Errors"), as a cuda stream's does: a host wait on it for more
     than it was given -- one parked before the failure, and one made after -- ends at
     once with the failure, rather than wait for a command nobody submits. A command
-    submitted later fails at once. Checked failing on cpu before: the timeline stayed
-    at the failed command's value, and both waits were left waiting. (The simulated
+    submitted later fails at once. Checked failing on cpu, and on the simulated Metal,
+    before: the timeline stayed at the failed command's value, and both waits were left
+    waiting. (The simulated
     cuda driver's streams do so: tests/backends/cuda/test_simulated_launch_paths.py.)"""
-    if device.name == "metal":
-        # A failed Metal queue's timeline rises with the command buffers it commits,
-        # failed from the first failed one, and does not settle yet.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="Metal does not settle"))
     q = device.new_queue()
     beyond = 1000  # (more than fail_for_good submits to q)
     parked_error: list[BaseException] = []

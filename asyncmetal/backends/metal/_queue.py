@@ -205,6 +205,10 @@ class MetalQueue(NativeQueue):
         self._timeline = timeline
         timeline.queue = weakref.ref(self)
         timeline.host_wait = HOST_WAIT_OWN
+        # Failed, the queue settles its timeline, and the event, once the last command
+        # submitted completed (objc_blocks.c, settle_failed: see _submitting).
+        send_address, set_value = _settle_call()
+        backend.lib.am_metal_own(timeline.c_timeline, timeline.event, send_address, set_value)
         what = "newCommandQueueWithMaxCommandBufferCount:"
         self._queue = made(send(backend.device, what, 1024, argtypes=(c_ulong,)), what)
         # One collected unclosed -- made for a new_queue that an interrupt or an error
@@ -297,6 +301,10 @@ class MetalQueue(NativeQueue):
         record: Record | None = None,
         then: tuple[int, int] | None = None,
     ) -> None:
+        if not self._submitting(value, then):
+            if isinstance(keep, MetalTimeline):  # (a signal's: the GPU's waits on it end)
+                send(keep.event, "setSignaledValue:", MAX_VALUE, restype=None, argtypes=(c_uint64,))
+            return
         record = record if record is not None else Record(value)
         with self._commit_lock:
             if self._routing(value):
@@ -306,6 +314,16 @@ class MetalQueue(NativeQueue):
                 )
                 return
             self._commit(value, encode, keep, copy_back, record, then)
+
+    def _submitting(self, value: int, then: tuple[int, int] | None = None) -> bool:
+        """Note command ``value`` as submitted: a failed queue settles only once it
+        completed (objc_blocks.c, settle_failed). False if the queue settled already: the
+        command is not committed -- its timeline is past it, and it fails by what failed
+        the queue (``failure``: the failed wait before it, or ``_lost``) -- and a timeline
+        it signals (``then``) fails so (am_metal_submitting)."""
+        signalled, target = then if then is not None else (None, 0)
+        own = self._timeline.c_timeline
+        return bool(self._backend.lib.am_metal_submitting(own, value, signalled, target))
 
     def _routing(self, value: int) -> bool:
         """Whether command ``value`` is committed from the queue's own thread, in order:
@@ -727,6 +745,8 @@ class MetalQueue(NativeQueue):
             waited: MetalTimeline | HostWait = timeline
         else:
             waited = HostWait(self._backend, timeline)
+        if not self._submitting(value):
+            return
         held = not waited.ready(target)
         with self._waited_lock:
             self._waited.append((value, waited, target))
@@ -819,6 +839,8 @@ class MetalQueue(NativeQueue):
         address, keep = host_address(src)
         wrapped = self._backend.wrap_pages(address, src.nbytes, check=False)
         if wrapped is None:  # staged on the queue's own thread, in turn (_staged_copyin)
+            if not self._submitting(value):
+                return
             command = _Command(value, record, None)
             with self._commit_lock:
                 self._hand_over(self._staged_copyin, dst, src, command, command=command)
@@ -955,6 +977,8 @@ class MetalQueue(NativeQueue):
         # ordered after earlier work on `src` by Metal's hazard tracking, and before
         # later work on it); the completion handler itself then moves the bytes to the
         # host array, natively, before it raises the timeline (_staged_copyout).
+        if not self._submitting(value):
+            return
         command = _Command(value, record, None)
         with self._commit_lock:
             self._hand_over(self._staged_copyout, dst, src, command, command=command)
@@ -1111,6 +1135,13 @@ class _Owned:
     def __del__(self) -> None:
         # (None made where __init__ was interrupted before it got it: a KeyboardInterrupt)
         release(getattr(self, "obj", 0))
+
+
+@functools.cache
+def _settle_call() -> tuple[int, int]:
+    """``objc_msgSend``'s address and the ``setSignaledValue:`` selector, for a completion
+    handler's native code to settle its queue's event."""
+    return objc_msgsend_address(), selector("setSignaledValue:")
 
 
 @functools.cache

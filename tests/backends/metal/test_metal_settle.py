@@ -1,0 +1,121 @@
+"""A failed Metal queue settles its own timeline -- the native value and the
+``MTLSharedEvent`` both -- once its last command completed, against the simulated Metal:
+the paths the timelines contract (tests/contracts/test_contract2_timelines.py) does not
+take on Metal: a queue failed by a faulted command buffer, another queue's GPU wait on
+it, and a signal submitted once it settled."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+import asyncmetal as am
+from asyncmetal._queue import native_queue
+from asyncmetal._timeline import MAX_VALUE
+from asyncmetal.backends.metal._queue import MetalQueue
+from tests.backends.metal.test_metal import FAULTY, sim_only
+from tests.support.kernels import MSL_KERNELS
+from tests.support.queues import fail_for_good
+
+pytestmark = [pytest.mark.metal, sim_only]
+
+
+async def test_another_queues_gpu_wait_on_a_failed_queue_ends_as_it_settles(
+    anyio_backend: object,
+) -> None:
+    """A queue whose kernel faulted, with more submitted behind it, fails its timeline
+    from the faulted command on; another queue's wait for a value beyond what it was
+    given is then made on the GPU (the timeline failed for it), on the queue's event.
+    Once the failed queue's last command completed, its timeline and its event settle
+    at 2**64 - 1: that GPU wait ends, and the waiting queue fails from it on. Checked
+    failing without the settle (q's timeline stayed at 4), and with the native
+    timeline's settle but not the event's: the event stayed at 4, and without that
+    assertion the waiting queue's launch was never done (its GPU waited on the event
+    for good) and the fail_after ran out."""
+    async with am.open_device("metal") as dev:
+        crash = await dev.compile(FAULTY, "crash")
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        buf, gate = await dev.alloc(64), dev.timeline()
+        q, q2 = dev.new_queue(), dev.new_queue()
+        # Each held on q's own thread until the host signals the gate that far: q has
+        # its last command still to commit once the first has failed.
+        q.wait(gate, 1)
+        faulted = q.launch(crash, buf)
+        q.wait(gate, 2)
+        last = q.launch(fill, buf, vals=(1, 16))
+        gate.signal(1)
+        with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+            await faulted
+        assert q.timeline.value < MAX_VALUE  # (not settled: its last command is held)
+        own = native_queue(q)
+        assert isinstance(own, MetalQueue)
+        q2.wait(q.timeline, 1000)  # failed for it: made on the GPU, on q's event
+        behind = q2.launch(fill, buf, vals=(2, 16))
+        try:
+            await anyio.wait_all_tasks_blocked()
+            assert not behind.done()
+            gate.signal(2)
+            with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+                await last
+            assert q.timeline.value == MAX_VALUE
+            assert own._timeline.device_value() == MAX_VALUE
+            with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="device-side wait"):
+                await behind
+        finally:  # (failed, the GPU's wait would hold up the device's close for good)
+            own._timeline.signal(MAX_VALUE)
+        with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="settled without"):
+            await q.timeline.wait(1000)
+
+
+async def test_a_signal_submitted_to_a_settled_metal_queue_fails_its_timeline_at_once(
+    anyio_backend: object,
+) -> None:
+    """A command submitted to a failed queue that settled is not committed: it fails at
+    once with the queue's failure, and a signal fails the timeline it signals -- a host
+    wait on it raises, and another queue's GPU wait on it ends, that queue failing from
+    it on -- rather than leave them waiting for a signal that never runs. Checked
+    failing without the settle: the host wait for q.submitted + 1 was left waiting,
+    and the fail_after ran out."""
+    async with am.open_device("metal") as dev:
+        crash = await dev.compile(FAULTY, "crash")
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        buf, signalled = await dev.alloc(64), dev.timeline()
+        q, q2 = dev.new_queue(), dev.new_queue()
+        with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+            await q.launch(crash, buf)
+        with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="settled without"):
+            await q.timeline.wait(q.submitted + 1)
+        q2.wait(signalled, 1)
+        behind = q2.launch(fill, buf, vals=(2, 16))
+        signal = q.signal(signalled, 1)
+        with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+            await signal
+        with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+            await signalled.wait(1)
+        with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="device-side wait"):
+            await behind
+        with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+            await q.launch(fill, buf, vals=(3, 16))
+        assert q.timeline.value == MAX_VALUE
+
+
+async def test_a_queue_failed_by_a_wait_settles_once_a_later_command_buffer_completed(
+    anyio_backend: object,
+) -> None:
+    """A queue whose device wait ended on a value never produced settles once its last
+    command completed also where that command is not the one that ran behind the
+    failed wait: a launch after it carries no wait and signals nothing, and its handler
+    reads the queue's failure from the queue's timeline. Checked failing with the settle
+    looking only at the handler's own command (its failure, a failed wait it carried):
+    the host wait for q.submitted + 1 was left waiting, and the fail_after ran out."""
+    async with am.open_device("metal") as dev:
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        buf = await dev.alloc(64)
+        q = dev.new_queue()
+        later: list[am.Completion] = []
+        await fail_for_good(dev, q, lambda: later.append(q.launch(fill, buf, vals=(1, 16))))
+        with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="device-side"):
+            await later[0]
+        with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="settled without"):
+            await q.timeline.wait(q.submitted + 1)
+        assert q.timeline.value == MAX_VALUE
