@@ -59,3 +59,23 @@ def test_a_wait_the_driver_refused_is_not_kept_once_its_queue_fails_behind_it(lo
     assert seen["first settled"] is True, seen
     assert str(seen["wait"]).startswith("DeviceLostError: cuStreamWaitEvent"), seen
     assert seen["close"] == "closed", seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_wait_the_driver_refused_fails_no_later_command(loop: str) -> None:
+    """A device wait whose call the driver refused (not a fault: the device still
+    works), nothing of it handed over: the wait raises, and its command number goes to
+    the queue's next command. The queue it waited for failing at or below the value
+    waited for, and settling, only after that, fails neither that next command nor a
+    later one. Checked: with the refused wait's records kept (with the queue waited for,
+    and with the waiting queue), both markers failed ("ran after a device-side wait for
+    a value that a command of another queue never produced", at value 1: the refused
+    wait's number, then the marker's)."""
+    harness.skip_without_compiler()
+    seen = simulated_failed_report.run("refused_wait_number", loop)
+    assert seen["refused call"] == "K", seen  # cuStreamWaitEvent (fake_cuda_driver.c)
+    assert str(seen["wait"]).startswith("AsyncMetalError: cuStreamWaitEvent"), seen
+    assert "never produced" in str(seen["doomed"]), seen
+    assert seen["first settled"] is True, seen
+    assert seen["before"] == "done", seen
+    assert seen["after"] == "done", seen

@@ -9,6 +9,9 @@ SCENARIO saw, as JSON, on its last line (``run`` runs it, and reads that).
 - ``refused_wait``: a queue's device wait on another queue's command in flight, refused
   by the driver (a fault) after its record with that queue was made, that queue then
   failing and settling before the refusal is looked at.
+- ``refused_wait_number``: a queue's device wait on another queue's command in flight,
+  refused by the driver (not a fault: the device still works), that queue failing at
+  or below the value waited for only after the refusal returned.
 """
 
 from __future__ import annotations
@@ -150,7 +153,62 @@ async def _refused_wait(sim: _Simulated) -> Seen:
     return seen
 
 
-SCENARIOS = {"gated": _gated, "refused_wait": _refused_wait}
+async def _refused_wait_number(sim: _Simulated) -> Seen:
+    """Queue ``first`` holds its stream on a device wait for ``gate`` (which only the
+    host raises) with a marker ``ahead`` in flight behind it. Queue ``waiting`` waits for
+    ``ahead``: the driver refuses the wait's call (cuStreamWaitEvent, with
+    CUDA_ERROR_INVALID_VALUE: no fault, the device still works), and its command number
+    is given back. ``waiting`` then has a marker ("before", which takes that number).
+    Only then ``gate`` fails at the value ``first`` waits for (abandoned, as a device
+    close leaves a timeline whose signals will never run), which fails ``first`` from its
+    wait on, ``ahead`` among them, and ``first`` settles. Then ``waiting`` has a second
+    marker ("after"). How the wait's submission ended, ``first``'s wait, whether
+    ``first`` settled, and each marker."""
+    import asyncmetal as am
+
+    seen: Seen = {}
+    dev = await am.open_device("cuda:0")
+    try:
+        first, waiting, gate = dev.new_queue(), dev.new_queue(), dev.timeline()
+        gate.signal(1)  # (only ever signalled by the host: the wait goes to the driver)
+        doomed = first.wait(gate, 2)
+        ahead = first.marker()
+        sim.counted.value, sim.fail_at.value, sim.fail_code.value = 0, 1, 1
+        sim.fake.fake_count_calls(1)
+        try:
+            waiting.wait(first.timeline, ahead.value)
+            seen["wait"] = "submitted"
+        except am.AsyncMetalError as exc:
+            seen["wait"] = _error(exc)
+        finally:
+            sim.fake.fake_count_calls(0)
+            sim.fail_at.value = 0
+        seen["refused call"] = sim.counted_order[0].decode()  # 'K': cuStreamWaitEvent
+        before = waiting.marker()
+        gate.native.abandon(2, 2)
+        seen["doomed"] = await _awaited(doomed)
+        with anyio.move_on_after(SETTLE_S):
+            while first.timeline.value != MAX:  # (its settling has nothing to await)
+                await anyio.sleep(0.001)
+        seen["first settled"] = first.timeline.value == MAX
+        try:
+            after = waiting.marker()
+        except am.AsyncMetalError as exc:
+            seen["after"] = _error(exc)
+        else:
+            seen["after"] = await _awaited(after)
+        seen["before"] = await _awaited(before)
+    finally:
+        with anyio.fail_after(CLOSE_S):
+            await dev.close()
+    return seen
+
+
+SCENARIOS = {
+    "gated": _gated,
+    "refused_wait": _refused_wait,
+    "refused_wait_number": _refused_wait_number,
+}
 
 
 def run(scenario: str, loop: str, timeout: float = 60) -> Seen:
