@@ -43,6 +43,39 @@ async def test_a_failed_cpu_wait_is_reported_before_a_later_signal_runs() -> Non
         _check(await simulated_failed_report.gated(am, dev))
 
 
+def _check_held(seen: dict[str, object]) -> None:
+    for name in ("doomed", "behind", "after", "later"):
+        assert "discard=True" in str(seen[name]), (name, seen)
+    assert seen["lower"] == "done", seen
+    assert "will not reach 5" in str(seen["shared 5"]), seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_failed_cuda_queue_reports_what_it_holds_behind_a_lower_signal(loop: str) -> None:
+    """A queue failing behind a device wait, its later signal of a shared timeline held on
+    the host for another queue's lower signal of it, which waits for a gate the program
+    raises only after awaiting the failed queue's commands: the signal, a command after
+    it, and one submitted once those were awaited, raise before the gate is raised (as
+    on cpu); the timeline still gets the lower value first -- it stays below it until
+    the gate, reaches it, and fails only from the higher one. Checked: with the held
+    commands failed only once the hold ended, "behind", "after" and "later" were still
+    waiting after REPORT_S each."""
+    harness.skip_without_compiler()
+    seen = simulated_failed_report.run("held_signal", loop)
+    _check_held(seen)
+    assert seen["shared before gate"] == 0, seen
+    assert seen["shared 3"] == "done", seen
+
+
+@pytest.mark.anyio
+async def test_a_failed_cpu_queue_reports_what_it_holds_behind_a_lower_signal() -> None:
+    """The same program on cpu, whose failed queue's commands fail at once (its failed
+    signal fails the shared timeline as a whole: unlike cuda, not only from the higher
+    value)."""
+    async with am.open_device("cpu") as dev:
+        _check_held(await simulated_failed_report.held_signal(am, dev))
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_wait_the_driver_refused_is_not_kept_once_its_queue_fails_behind_it(loop: str) -> None:
     """A device wait whose call the driver refused (a fault), nothing of it handed over,

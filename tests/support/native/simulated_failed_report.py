@@ -6,6 +6,8 @@ SCENARIO saw, as JSON, on its last line (``run`` runs it, and reads that).
 - ``gated``: a queue's device wait that fails, followed on that queue by a signal
   ordered after another queue's lower signal of the same timeline, which is held
   behind a gate the program raises only after it awaited the failed wait.
+- ``held_signal``: as ``gated``, the later signal of a higher value and a command after
+  it awaited before the gate is raised.
 - ``refused_wait``: a queue's device wait on another queue's command in flight, refused
   by the driver (a fault) after its record with that queue was made, that queue then
   failing and settling before the refusal is looked at.
@@ -80,6 +82,55 @@ async def _gated(sim: _Simulated) -> Seen:
     dev = await am.open_device("cuda:0")
     try:
         return await gated(am, dev)
+    finally:
+        with anyio.fail_after(20):
+            await dev.close()
+
+
+async def held_signal(am: Any, dev: Any) -> Seen:
+    """On ``dev`` (any backend): queue ``waiting`` waits on the device for a command of
+    queue ``discarded``, which is then closed with ``discard=True`` (the wait fails:
+    "doomed"), then signals ``shared`` to 5 ("behind") and has a marker ("after");
+    queue ``other`` signals ``shared`` to 3 ("lower") behind a wait for ``gate``, which
+    is signalled only once those were awaited (at most REPORT_S each).
+    How each ended, ``shared``'s value before the gate, and how a host wait for 3 and
+    for 5 of ``shared`` ended after it."""
+    seen: Seen = {}
+    waiting, discarded, other = dev.new_queue(), dev.new_queue(), dev.new_queue()
+    gate, shared = dev.timeline(), dev.timeline()
+    discarded.wait(gate, 1)
+    doomed = waiting.wait(discarded.timeline, 1)
+    other.wait(gate, 2)
+    lower = other.signal(shared, 3)
+    behind = waiting.signal(shared, 5)
+    after = waiting.marker()
+    await discarded.close(discard=True)
+    for name, done in {"doomed": doomed, "behind": behind, "after": after}.items():
+        seen[name] = "still waiting"
+        with anyio.move_on_after(REPORT_S):
+            seen[name] = await _awaited(done)
+    seen["later"] = "still waiting"
+    with anyio.move_on_after(REPORT_S):
+        try:  # (a queue whose failure was reported may refuse the submission, with it)
+            later = waiting.marker()
+        except Exception as exc:
+            seen["later"] = _error(exc)
+        else:
+            seen["later"] = await _awaited(later)
+    seen["shared before gate"] = shared.value
+    gate.signal(2)  # (only now: after the awaits of the failed queue's later commands)
+    seen["lower"] = await _awaited(lower)
+    for target in (3, 5):
+        seen[f"shared {target}"] = await _awaited(shared.wait(target))
+    return seen
+
+
+async def _held_signal(sim: _Simulated) -> Seen:
+    import asyncmetal as am
+
+    dev = await am.open_device("cuda:0")
+    try:
+        return await held_signal(am, dev)
     finally:
         with anyio.fail_after(20):
             await dev.close()
@@ -206,6 +257,7 @@ async def _refused_wait_number(sim: _Simulated) -> Seen:
 
 SCENARIOS = {
     "gated": _gated,
+    "held_signal": _held_signal,
     "refused_wait": _refused_wait,
     "refused_wait_number": _refused_wait_number,
 }
