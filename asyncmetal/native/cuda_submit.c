@@ -578,10 +578,7 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
         q->nheld += end ? 2 : 1;
         atomic_fetch_add(&q->held_total, end ? 2 : 1);
         if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
-        /* A command ended behind held commands reported failed: it can only fail too. */
-        int report = q->failed_through && (end ? end : copy)->kind == CUOP_FINISH;
         pthread_mutex_unlock(&q->mu);
-        if (report) cuq_report_held(q);
         return 0;
     }
     q->driving = 1;
@@ -652,7 +649,6 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
     pthread_mutex_unlock(&q->mu);
     if (discard) am_cuq_discard(q);
     if (failed) cuq_drop_failed(q);
-    if (held) cuq_report_held(q);
     if (part) {
         if (signals && !fenced && !kept)  /* (kept: it fails with the fence) */
             am_timeline_fail(refused->extra, refused->extra_value, r, op->value, q->timeline);
