@@ -278,6 +278,29 @@ int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command) {
     return 0;
 }
 
+/* A device wait of q recorded with other (cuq_waited) that the driver refused: the
+ * record goes (the first one of q for that command and target: the only one), so
+ * that a failure of other at or before `target` does not fail the command that takes
+ * the refused one's number. A failure that took other's records before this (its
+ * settling, its close) fails q from `command` on as for a wait that was made. Not under
+ * any queue's mu (other's is taken here). */
+void cuq_unwaited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command) {
+    am_cuwaiter *gone = NULL;
+    pthread_mutex_lock(&other->mu);
+    for (am_cuwaiter **p = &other->waiters; *p; p = &(*p)->next) {
+        am_cuwaiter *w = *p;
+        if (w->q == q && w->target == target && w->command == command) {
+            *p = w->next;
+            gone = w;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&other->mu);
+    if (!gone) return;
+    cuq_unref(q);  /* (never the last reference: q is submitting) */
+    free(gone);
+}
+
 /* Record with q that its command `command` waits on the device for value `target` of
  * `other` (handed to the driver, or about to be: before the command's end is), for its
  * thread to check before confirming that command (cuq_check_waiting). With no memory

@@ -6,9 +6,14 @@ SCENARIO saw, as JSON, on its last line (``run`` runs it, and reads that).
 - ``gated``: a queue's device wait that fails, followed on that queue by a signal
   ordered after another queue's lower signal of the same timeline, which is held
   behind a gate the program raises only after it awaited the failed wait.
+- ``held_signal``: as ``gated``, the later signal of a higher value and a command after
+  it awaited before the gate is raised.
 - ``refused_wait``: a queue's device wait on another queue's command in flight, refused
   by the driver (a fault) after its record with that queue was made, that queue then
   failing and settling before the refusal is looked at.
+- ``refused_wait_number``: a queue's device wait on another queue's command in flight,
+  refused by the driver (not a fault: the device still works), that queue failing at
+  or below the value waited for only after the refusal returned.
 """
 
 from __future__ import annotations
@@ -82,6 +87,55 @@ async def _gated(sim: _Simulated) -> Seen:
             await dev.close()
 
 
+async def held_signal(am: Any, dev: Any) -> Seen:
+    """On ``dev`` (any backend): queue ``waiting`` waits on the device for a command of
+    queue ``discarded``, which is then closed with ``discard=True`` (the wait fails:
+    "doomed"), then signals ``shared`` to 5 ("behind") and has a marker ("after");
+    queue ``other`` signals ``shared`` to 3 ("lower") behind a wait for ``gate``, which
+    is signalled only once those were awaited (at most REPORT_S each).
+    How each ended, ``shared``'s value before the gate, and how a host wait for 3 and
+    for 5 of ``shared`` ended after it."""
+    seen: Seen = {}
+    waiting, discarded, other = dev.new_queue(), dev.new_queue(), dev.new_queue()
+    gate, shared = dev.timeline(), dev.timeline()
+    discarded.wait(gate, 1)
+    doomed = waiting.wait(discarded.timeline, 1)
+    other.wait(gate, 2)
+    lower = other.signal(shared, 3)
+    behind = waiting.signal(shared, 5)
+    after = waiting.marker()
+    await discarded.close(discard=True)
+    for name, done in {"doomed": doomed, "behind": behind, "after": after}.items():
+        seen[name] = "still waiting"
+        with anyio.move_on_after(REPORT_S):
+            seen[name] = await _awaited(done)
+    seen["later"] = "still waiting"
+    with anyio.move_on_after(REPORT_S):
+        try:  # (a queue whose failure was reported may refuse the submission, with it)
+            later = waiting.marker()
+        except Exception as exc:
+            seen["later"] = _error(exc)
+        else:
+            seen["later"] = await _awaited(later)
+    seen["shared before gate"] = shared.value
+    gate.signal(2)  # (only now: after the awaits of the failed queue's later commands)
+    seen["lower"] = await _awaited(lower)
+    for target in (3, 5):
+        seen[f"shared {target}"] = await _awaited(shared.wait(target))
+    return seen
+
+
+async def _held_signal(sim: _Simulated) -> Seen:
+    import asyncmetal as am
+
+    dev = await am.open_device("cuda:0")
+    try:
+        return await held_signal(am, dev)
+    finally:
+        with anyio.fail_after(20):
+            await dev.close()
+
+
 MAX = (1 << 64) - 1
 SETTLE_S = 10  # the failed queue settles within this (its thread naps 1 ms at most)
 CLOSE_S = 10  # the device closes within this, or waits for good
@@ -150,7 +204,63 @@ async def _refused_wait(sim: _Simulated) -> Seen:
     return seen
 
 
-SCENARIOS = {"gated": _gated, "refused_wait": _refused_wait}
+async def _refused_wait_number(sim: _Simulated) -> Seen:
+    """Queue ``first`` holds its stream on a device wait for ``gate`` (which only the
+    host raises) with a marker ``ahead`` in flight behind it. Queue ``waiting`` waits for
+    ``ahead``: the driver refuses the wait's call (cuStreamWaitEvent, with
+    CUDA_ERROR_INVALID_VALUE: no fault, the device still works), and its command number
+    is given back. ``waiting`` then has a marker ("before", which takes that number).
+    Only then ``gate`` fails at the value ``first`` waits for (abandoned, as a device
+    close leaves a timeline whose signals will never run), which fails ``first`` from its
+    wait on, ``ahead`` among them, and ``first`` settles. Then ``waiting`` has a second
+    marker ("after"). How the wait's submission ended, ``first``'s wait, whether
+    ``first`` settled, and each marker."""
+    import asyncmetal as am
+
+    seen: Seen = {}
+    dev = await am.open_device("cuda:0")
+    try:
+        first, waiting, gate = dev.new_queue(), dev.new_queue(), dev.timeline()
+        gate.signal(1)  # (only ever signalled by the host: the wait goes to the driver)
+        doomed = first.wait(gate, 2)
+        ahead = first.marker()
+        sim.counted.value, sim.fail_at.value, sim.fail_code.value = 0, 1, 1
+        sim.fake.fake_count_calls(1)
+        try:
+            waiting.wait(first.timeline, ahead.value)
+            seen["wait"] = "submitted"
+        except am.AsyncMetalError as exc:
+            seen["wait"] = _error(exc)
+        finally:
+            sim.fake.fake_count_calls(0)
+            sim.fail_at.value = 0
+        seen["refused call"] = sim.counted_order[0].decode()  # 'K': cuStreamWaitEvent
+        before = waiting.marker()
+        gate.native.abandon(2, 2)
+        seen["doomed"] = await _awaited(doomed)
+        with anyio.move_on_after(SETTLE_S):
+            while first.timeline.value != MAX:  # (its settling has nothing to await)
+                await anyio.sleep(0.001)
+        seen["first settled"] = first.timeline.value == MAX
+        try:
+            after = waiting.marker()
+        except am.AsyncMetalError as exc:
+            seen["after"] = _error(exc)
+        else:
+            seen["after"] = await _awaited(after)
+        seen["before"] = await _awaited(before)
+    finally:
+        with anyio.fail_after(CLOSE_S):
+            await dev.close()
+    return seen
+
+
+SCENARIOS = {
+    "gated": _gated,
+    "held_signal": _held_signal,
+    "refused_wait": _refused_wait,
+    "refused_wait_number": _refused_wait_number,
+}
 
 
 def run(scenario: str, loop: str, timeout: float = 60) -> Seen:
