@@ -42,8 +42,9 @@ from ._objc import (
 STORAGE_SHARED = 0  # MTLResourceStorageModeShared
 STATUS_ERROR = 5  # MTLCommandBufferStatusError
 MAX_IN_FLIGHT = 1000  # the queues are made with room for 1024 command buffers
-# A queue's thread holding a wait for a host queue's timeline looks at it again this
-# often whatever (it is woken when the timeline moves, and when the queue discards).
+# A queue's thread holding a wait looks at its timeline again this often whatever (it
+# is woken when the timeline moves, and when the queue discards), and at whether its
+# queue failed before the wait (which wakes it not: see _host_wait).
 HOST_WAIT_NAP_NS = 1_000_000_000
 # amrt.h, am_host_wait's `committed`: what makes a wait held on the host ready -- its
 # timeline got there or failed for it; or also a committed command buffer that signals
@@ -764,15 +765,47 @@ class MetalQueue(NativeQueue):
         """On the queue's own thread: hold what was submitted after wait ``value`` until
         the wait is ready (``wait.ready``) -- then the commands behind it are committed
         after it -- or the queue discards (the wait is dropped, and so is what follows
-        it) or is abandoned (nothing more is committed). Waits held before it, whose
-        values were reached, are marked first: their completions do not wait for this
-        one (as on a queue whose waits run one after another)."""
-        discarding = self._park(wait, target, wait.host_wait, flush=not wait.ready(target))
-        if not wait.ready(target):
-            if discarding:
-                self._drop(self._hold_wait, (wait, target, value), None)
+        it) or is abandoned (nothing more is committed), or a command before it is known
+        to have failed (the wait is not made: what follows it is committed, and fails).
+        Waits held before it, whose values were reached, are marked first: their
+        completions do not wait for this one (as on a queue whose waits run one after
+        another)."""
+        behind = self._failed_before(value)
+        if not behind:
+            flush = not wait.ready(target)
+            discarding = self._park(wait, target, wait.host_wait, flush=flush, behind=value)
+            if not wait.ready(target):
+                if discarding:
+                    self._drop(self._hold_wait, (wait, target, value), None)
+                    return
+                behind = not self._stop_host_wait.value and self._failed_before(value)
+                if not behind:
+                    return
+        if behind:
+            # Behind a failure of the queue nothing after the wait is produced: it is not
+            # made (what it waits for may never come, and would hold the commands behind
+            # it, and the queue's settle, for good). Its value is marked by the next
+            # buffer, whose handler fails it, and those after it, by the queue's failure.
+            with self._commit_lock:
+                self._unmarked = value
             return
         self._hold_wait(wait, target, value)
+
+    def _failed_before(self, value: int) -> bool:
+        """On the queue's own thread: whether a command before ``value`` is known to have
+        failed -- its own timeline failed (a command buffer's handler found a fault, or a
+        wait that failed before it), or a wait before it was for a value never produced
+        -- so that nothing from ``value`` on is produced. (Not a discard's failure: the
+        worker drops what it holds then.)"""
+        failure = _native.timeline_failure(self._timeline.c_timeline)
+        if failure is not None and failure.first < value and failure.error != AM_DISCARDED:
+            return True
+        with self._waited_lock:
+            self._drop_produced(self._waited)
+            return any(
+                at < value and timeline.failure(target) is not None
+                for at, timeline, target in self._waited
+            )
 
     def _hold_wait(self, timeline: MetalTimeline | HostWait, target: int, value: int) -> None:
         # A Metal timeline's wait is encoded at the head of the next command buffer, with
@@ -903,11 +936,20 @@ class MetalQueue(NativeQueue):
             self._backend.lib.am_host_wait(own.c_timeline, target, HOST_WAIT_REACHED, None, 0)
         )
 
-    def _park(self, wait: MetalTimeline | HostWait, target: int, mode: int, *, flush: bool) -> bool:
+    def _park(
+        self,
+        wait: MetalTimeline | HostWait,
+        target: int,
+        mode: int,
+        *,
+        flush: bool,
+        behind: int = 0,
+    ) -> bool:
         """On the queue's own thread: wait until ``wait`` (``mode``: how, HOST_WAIT_*) got
-        to ``target``, or the queue discards or is abandoned -- committing first, where
-        ``flush``, the wait commands no buffer carries yet. Returns whether the queue
-        was discarding once the wait ended."""
+        to ``target``, or the queue discards or is abandoned, or (``behind``: the value of
+        the wait held, 0: none) a command before ``behind`` is known to have failed --
+        committing first, where ``flush``, the wait commands no buffer carries yet.
+        Returns whether the queue was discarding once the wait ended."""
         if flush:
             try:
                 self._flush_held()
@@ -924,6 +966,8 @@ class MetalQueue(NativeQueue):
             while (
                 not stop
                 and not self._flush_waited(wait)
+                # (a failure that comes meanwhile wakes nothing here: seen after a nap)
+                and not (behind and self._failed_before(behind))
                 and not self._backend.lib.am_host_wait(
                     wait.c_timeline, target, mode, flag, HOST_WAIT_NAP_NS
                 )

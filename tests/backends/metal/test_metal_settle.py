@@ -2,7 +2,7 @@
 ``MTLSharedEvent`` both -- once its last command completed, against the simulated Metal:
 the paths the timelines contract (tests/contracts/test_contract2_timelines.py) does not
 take on Metal: a queue failed by a faulted command buffer, another queue's GPU wait on
-it, and a signal submitted once it settled."""
+it, a signal submitted once it settled, and a wait submitted behind the failure."""
 
 from __future__ import annotations
 
@@ -12,16 +12,19 @@ import pytest
 import asyncmetal as am
 from asyncmetal._queue import native_queue
 from asyncmetal._timeline import MAX_VALUE
+from asyncmetal.backends.metal import _queue as metal_queue
 from asyncmetal.backends.metal._queue import MetalQueue
 from tests.backends.metal.test_metal import FAULTY, sim_only
-from tests.support.kernels import MSL_KERNELS
+from tests.backends.metal.test_metal_races import _until
+from tests.support.fakes import metal_sim
+from tests.support.kernels import KERNELS, MSL_KERNELS
 from tests.support.queues import fail_for_good
 
 pytestmark = [pytest.mark.metal, sim_only]
 
 
 async def test_another_queues_gpu_wait_on_a_failed_queue_ends_as_it_settles(
-    anyio_backend: object,
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A queue whose kernel faulted, with more submitted behind it, fails its timeline
     from the faulted command on; another queue's wait for a value beyond what it was
@@ -32,23 +35,32 @@ async def test_another_queues_gpu_wait_on_a_failed_queue_ends_as_it_settles(
     timeline's settle but not the event's: the event stayed at 4, and without that
     assertion the waiting queue's launch was never done (its GPU waited on the event
     for good) and the fail_after ran out."""
+    # A wait held when the queue fails is dropped once the thread looks again, after a
+    # nap: here it looks only when the gate moves.
+    monkeypatch.setattr(metal_queue, "HOST_WAIT_NAP_NS", 600_000_000_000)
     async with am.open_device("metal") as dev:
         crash = await dev.compile(FAULTY, "crash")
         fill = await dev.compile(MSL_KERNELS, "fill")
         buf, gate = await dev.alloc(64), dev.timeline()
         q, q2 = dev.new_queue(), dev.new_queue()
-        # Each held on q's own thread until the host signals the gate that far: q has
-        # its last command still to commit once the first has failed.
+        own = native_queue(q)
+        assert isinstance(own, MetalQueue)
+        # Each held on q's own thread until the host signals the gate that far, the
+        # second held already as the first command fails (its handler held back till
+        # then): q has its last command still to commit once the first has failed.
         q.wait(gate, 1)
         faulted = q.launch(crash, buf)
         q.wait(gate, 2)
         last = q.launch(fill, buf, vals=(1, 16))
-        gate.signal(1)
+        metal_sim.hold_handlers(own._queue, True)
+        try:
+            gate.signal(1)
+            await _until(lambda: own._host_waiting is gate.native)
+        finally:
+            metal_sim.hold_handlers(own._queue, False)
         with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
             await faulted
         assert q.timeline.value < MAX_VALUE  # (not settled: its last command is held)
-        own = native_queue(q)
-        assert isinstance(own, MetalQueue)
         q2.wait(q.timeline, 1000)  # failed for it: made on the GPU, on q's event
         behind = q2.launch(fill, buf, vals=(2, 16))
         try:
@@ -119,3 +131,76 @@ async def test_a_queue_failed_by_a_wait_settles_once_a_later_command_buffer_comp
         with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="settled without"):
             await q.timeline.wait(q.submitted + 1)
         assert q.timeline.value == MAX_VALUE
+
+
+async def _behind_a_failed_wait(kind: str) -> None:
+    """On a ``kind`` device: a queue failed by a wait for a value never produced, then a
+    wait for a timeline nobody signals, a launch and a signal behind it: the launch and
+    the signal fail with the queue's failure, the signalled timeline with them, and the
+    queue settles, that timeline still unsignalled."""
+    async with am.open_device(kind) as dev:
+        fill = await dev.compile(MSL_KERNELS if kind == "metal" else KERNELS, "fill")
+        buf, never, signalled = await dev.alloc(64), dev.timeline(), dev.timeline()
+        q = dev.new_queue()
+        later: list[am.Completion] = []
+
+        def behind() -> None:
+            q.wait(never, 1)
+            later.append(q.launch(fill, buf, vals=(1, 16)))
+            later.append(q.signal(signalled, 1))
+
+        await fail_for_good(dev, q, behind)
+        for done in later:
+            with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="device-side"):
+                await done
+        with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="cpu:23 was"):
+            await signalled.wait(1)
+        with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="settled without"):
+            await q.timeline.wait(q.submitted + 1)
+        assert q.timeline.value == MAX_VALUE
+        assert never.value == 0
+
+
+async def test_a_wait_behind_a_failed_wait_is_not_held(anyio_backend: object) -> None:
+    """A wait submitted to a Metal queue whose earlier wait failed (it waited for a
+    value its producer never made), for a timeline nobody signals, is not held on the
+    queue's thread: the commands behind it fail at once with the queue's failure and the
+    queue settles, as on a cpu queue (run here too), where such a wait is never made.
+    Checked failing without the drop: the launch behind the wait was never done (held
+    with the wait) and the fail_after ran out."""
+    await _behind_a_failed_wait("cpu")
+    await _behind_a_failed_wait("metal")
+
+
+async def test_a_held_wait_is_dropped_once_its_queue_fails(anyio_backend: object) -> None:
+    """A wait the Metal queue's thread already holds (for a timeline nobody signals) when
+    a command before it fails is dropped then (once the thread looks again, after a
+    nap): the commands behind it fail with that command's error, and the queue settles.
+    The fault's handler is held back until the thread holds the wait. Checked failing
+    without the drop: the launch behind the wait was never done (held with the wait)
+    and the fail_after ran out."""
+    async with am.open_device("metal") as dev:
+        crash = await dev.compile(FAULTY, "crash")
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        buf, never, signalled = await dev.alloc(64), dev.timeline(), dev.timeline()
+        q = dev.new_queue()
+        own = native_queue(q)
+        assert isinstance(own, MetalQueue)
+        metal_sim.hold_handlers(own._queue, True)
+        try:
+            faulted = q.launch(crash, buf)
+            q.wait(never, 1)
+            launched = q.launch(fill, buf, vals=(1, 16))
+            signal = q.signal(signalled, 1)
+            await _until(lambda: own._host_waiting is never.native)
+        finally:
+            metal_sim.hold_handlers(own._queue, False)
+        for done in (faulted, launched, signal):
+            with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+                await done
+        with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+            await signalled.wait(1)
+        with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="settled without"):
+            await q.timeline.wait(q.submitted + 1)
+        assert q.timeline.value == MAX_VALUE
+        assert never.value == 0
