@@ -3,7 +3,8 @@ exit, on the main thread) -- at a step's entry or return, between two steps, ins
 bookkeeping (marking it closed, taking the collected queues off its records) -- still
 runs every step: its queues, its memory and its backend are released and the device
 taken off the open ones, and the interrupt is raised once they ran. On every device of
-the ``device`` fixture's (cpu, the simulated Metal).
+the ``device`` fixture's (cpu, the simulated Metal), and on cuda over the fake driver,
+whose backend's close is interrupted in its own steps too.
 
 The interrupt lands where CPython would run a signal handler (see
 ``tests.support.interrupts.interrupted``): at each call's entry and return made from the
@@ -14,7 +15,7 @@ from __future__ import annotations
 import functools
 import gc
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import CodeType, FunctionType
 from typing import Any
 
@@ -23,6 +24,8 @@ import pytest
 import asyncmetal as am
 from asyncmetal import _device, _interrupts
 from asyncmetal._device_state import unreleased_states
+from asyncmetal.backends.cuda import _backend as cuda_backend
+from tests.reliability.test_cuda_faults import _Driver, fake_driver
 from tests.support.interrupts import interrupted, native_closes
 
 pytestmark = pytest.mark.anyio
@@ -136,3 +139,62 @@ async def test_a_native_close_interrupted_anywhere_releases_everything(
     backend, and taken the device off the open (and the unreleased) ones."""
     places, left = await _sweep(device_name, monkeypatch, CLOSE_CODES)
     assert places > 20 and left == [], left
+
+
+@pytest.fixture
+def driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Driver]:
+    yield from fake_driver(monkeypatch)
+
+
+# The cuda backend's close's own frames, and the helpers it runs its steps with.
+CUDA_CLOSE_CODES = {
+    f.__code__
+    for f in (
+        cuda_backend.CUDABackend.close,
+        cuda_backend.CUDABackend._close,  # (keeps_context's wrapper)
+        cuda_backend.CUDABackend._close.__wrapped__,  # type: ignore[attr-defined]
+        *(f for f in vars(_interrupts).values() if isinstance(f, FunctionType)),
+    )
+}
+
+
+async def test_a_cuda_backend_s_close_interrupted_anywhere_runs_all_of_it(
+    anyio_backend: object, driver: _Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cuda backend's close (over the fake driver) of a device whose queues and
+    memory its close released, with a kernel loaded, interrupted at each place of its
+    own code in turn (the end of its device waits, the rest after it): it raises the
+    interrupt once, having unloaded the module, stopped its freeing thread and
+    synchronized the context (what its abandoned streams still ran ran out)."""
+    left: list[str] = []
+    at = 0
+    while True:
+        dev = await am.open_device("cuda:0")
+        backend: Any = dev._backend
+        backend.load(b"", "k")
+        close = backend.close
+        monkeypatch.setattr(backend, "close", lambda: None)
+        dev._close_native(abandon=True)  # (all but the backend's close)
+        driver.calls.clear()
+        with interrupted(CUDA_CLOSE_CODES, at) as raised:
+            caught = _interrupts_of(close)
+        if not raised:
+            break
+        where = f"{at} ({raised[0]})"
+        assert caught == 1, where
+        if at == 0:  # (before its first step: the device's close runs it again)
+            close()
+        what = [
+            name
+            for name, left_over in [
+                ("module", "cuModuleUnload" not in driver.calls),
+                ("synchronize", "cuCtxSynchronize" not in driver.calls),
+                ("freer", backend._freer.is_alive()),
+            ]
+            if left_over
+        ]
+        if what:
+            left.append(f"{where}: {', '.join(what)}")
+        at += 1
+        assert at < MOST_PLACES
+    assert at > 5 and left == [], left
